@@ -1,0 +1,796 @@
+"""The heart of wcache: tagged stages, plans, the runner and the restore guard.
+
+A quantization method's post-load work is an ordered tuple of :class:`Stage`
+values. Each stage is a pure function over a layer's tensors, tagged with what
+it does to state (:class:`Tag`). A :class:`Plan` runs its stages as a fold over
+an immutable :class:`LayerState`:
+
+* ``plan.load(layer)``: every stage (an ordinary load).
+* ``plan.prepare(layer)``: TRANSFORM, METADATA and VALIDATE stages (the daemon);
+  the tensors left afterwards are exported, METADATA values are recorded.
+* ``plan.restore(layer, recorded)``: METADATA, ALLOCATE, DERIVE and VALIDATE
+  stages only (a restarting engine, on mapped tensors), under the restore guard.
+
+Only :func:`apply_state_` mutates a module; everything else returns new values.
+This module imports no vLLM (DESIGN.md section 2).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import types
+from collections.abc import Callable, Iterable, Mapping
+from functools import reduce
+from typing import Any
+
+import torch
+from attrs import evolve, field, fields, frozen
+
+__all__ = [
+    "Tag", "Target", "QuantSpec", "LayerConfig", "StageOut", "Stage", "Plan",
+    "LayerState", "Prepared", "TensorFingerprint",
+    "WcacheError", "NoPlan", "PlanInvalid", "StageContractError",
+    "RestoreWroteSharedTensor", "RecordedMismatch", "RestoreIncomplete",
+    "stage", "apply_state_", "state_from_module", "snapshot", "guard_snapshot",
+    "LOAD_TAGS", "PREPARE_TAGS", "RESTORE_TAGS",
+]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class WcacheError(Exception):
+    """Root of every wcache error. ``code`` is a stable reason code (e.g.
+    ``"plan-missing"``); the message says what happened and what to do."""
+
+    code = "wcache-error"
+
+    def __init__(self, message: str, *, code: str | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class NoPlan(WcacheError, ValueError):
+    """No plan matches a (method, layer, target); the message gives the reason."""
+
+    code = "plan-missing"
+
+
+class PlanInvalid(WcacheError, ValueError):
+    """A plan violates the stage rules (DESIGN.md section 3); lists every violation."""
+
+    code = "plan-invalid"
+
+
+class StageContractError(WcacheError, RuntimeError):
+    """A stage returned something its declaration does not allow (an undeclared
+    write, a missing read) or mutated an input."""
+
+    code = "stage-contract"
+
+
+class RestoreWroteSharedTensor(WcacheError, RuntimeError):
+    """Restore changed a shared (mapped) tensor: pointer, shape, stride, dtype,
+    version counter or content. Names the layer, tensor and stage."""
+
+    code = "guard-failed"
+
+
+class RecordedMismatch(WcacheError, RuntimeError):
+    """A value recomputed during restore differs from the one the daemon recorded
+    (e.g. ``use_w4a8`` on a host with a different ISA than the daemon's)."""
+
+    code = "key-mismatch"
+
+
+class RestoreIncomplete(WcacheError, RuntimeError):
+    """Restore lacks a tensor or a recorded value the plan needs."""
+
+    code = "restore-incomplete"
+
+
+# --------------------------------------------------------------------------- values
+
+
+class Tag(enum.Enum):
+    """What a stage does to state; a property not declared is not granted.
+
+    TRANSFORM: new tensor bytes from checkpoint bytes (daemon and load only).
+    METADATA: Python-side state from config, shapes and recorded values; no tensor.
+    ALLOCATE: process-local tensors independent of checkpoint bytes (not exported).
+    DERIVE: process-local private state from final tensors (read-only on them).
+    VALIDATE: read-only checks.
+    """
+
+    TRANSFORM = "transform"
+    METADATA = "metadata"
+    ALLOCATE = "allocate"
+    DERIVE = "derive"
+    VALIDATE = "validate"
+
+
+LOAD_TAGS = frozenset(Tag)
+PREPARE_TAGS = frozenset({Tag.TRANSFORM, Tag.METADATA, Tag.VALIDATE})
+RESTORE_TAGS = frozenset({Tag.METADATA, Tag.ALLOCATE, Tag.DERIVE, Tag.VALIDATE})
+
+
+def _freeze(value: Any) -> Any:
+    """Lists/sets/dicts to tuples/frozensets/sorted item tuples, recursively."""
+    if isinstance(value, Mapping):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, (set, frozenset)):
+        return frozenset(_freeze(v) for v in value)
+    return value
+
+
+@frozen
+class Target:
+    """Where processed weights will run; part of every plan's identity.
+
+    Attributes:
+        device_type: ``"cpu"`` or ``"cuda"`` (``"meta"`` only for shape checks).
+        capability: CUDA compute capability ``(major, minor)``, ``None`` on CPU.
+        isa: CPU ISA flags that decide layouts: ``"avx512"``, ``"avx512_bf16"``,
+            ``"amx"``, ``"riscv"``, ``"power"``.
+        env: kernel-selection settings that decide layouts, as sorted
+            ``(name, value)`` pairs (e.g. ``("VLLM_CPU_INT4_W4A8", "1")``).
+            Stages read them from here, never from ``os.environ``.
+    """
+
+    device_type: str = "cpu"
+    capability: tuple[int, int] | None = None
+    isa: frozenset[str] = field(default=frozenset(), converter=frozenset)
+    env: tuple[tuple[str, str], ...] = field(default=(), converter=_freeze)
+
+    def env_value(self, name: str, default: str) -> str:
+        return dict(self.env).get(name, default)
+
+    def has(self, flag: str) -> bool:
+        return flag in self.isa
+
+    def to_json(self) -> dict:
+        return {"device_type": self.device_type,
+                "capability": list(self.capability) if self.capability else None,
+                "isa": sorted(self.isa), "env": [list(p) for p in self.env]}
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> "Target":
+        cap = data.get("capability")
+        return cls(device_type=data["device_type"],
+                   capability=tuple(cap) if cap else None,
+                   isa=frozenset(data.get("isa", ())),
+                   env=tuple(tuple(p) for p in data.get("env", ())))
+
+    @classmethod
+    def detect(cls, device: str | torch.device = "cpu",
+               env: Mapping[str, str] | None = None) -> "Target":
+        """The Target of this host for ``device``. The only place that queries the
+        host (``/proc/cpuinfo``, CUDA properties); stages never do.
+
+        Args:
+            device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+            env: kernel-selection variables to pin (default: read from
+                ``os.environ`` for the names in ``TARGET_ENV_VARS``).
+        """
+        import os
+        import platform
+
+        dev = torch.device(device)
+        if env is None:
+            env = {k: os.environ[k] for k in TARGET_ENV_VARS if k in os.environ}
+        if dev.type == "cuda":
+            cap = torch.cuda.get_device_capability(dev)
+            return cls("cuda", (int(cap[0]), int(cap[1])), frozenset(), env)
+        isa: set[str] = set()
+        machine = platform.machine().lower()
+        if machine.startswith("riscv"):
+            isa.add("riscv")
+        elif machine.startswith(("ppc", "power")):
+            isa.add("power")
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((ln.split(":", 1)[1].split() for ln in f
+                              if ln.startswith("flags")), [])
+        except OSError:
+            flags = []
+        fset = set(flags)
+        if "avx512f" in fset:
+            isa.add("avx512")
+        if "avx512_bf16" in fset:
+            isa.add("avx512_bf16")
+        if {"amx_bf16", "amx_tile"} <= fset:
+            isa.add("amx")
+        return cls(dev.type, None, frozenset(isa), env)
+
+
+#: Environment variables that change which kernel (and so which layout) vLLM picks.
+TARGET_ENV_VARS = ("VLLM_CPU_INT4_W4A8", "VLLM_MARLIN_INPUT_DTYPE",
+                   "VLLM_DISABLED_KERNELS", "VLLM_BATCH_INVARIANT")
+
+
+@frozen
+class QuantSpec:
+    """A quantization method, independent of vLLM.
+
+    Attributes:
+        method: ``"unquantized"``, ``"awq"``, ``"gptq"``, ``"ct_w4a16"``,
+            ``"ct_w8a8_int8"``, ``"ct_w8a8_fp8"``, ``"fp8"``, ``"fp8_per_tensor"``,
+            ``"fp8_per_channel"``, ``"fp8_per_block"``, ``"mxfp8"``,
+            ``"modelopt_fp4"``, ``"kv_cache"``.
+        num_bits: weight bits (4 or 8), 16 for unquantized.
+        group_size: quantization group along K; -1 for channelwise.
+        zero_point: asymmetric (has zero points).
+        act_bits: activation bits (16 = weight only; 8 for W8A8).
+        strategy: scale strategy where it matters: ``"tensor"``, ``"channel"``,
+            ``"group"``, ``"block"``.
+        static_input: static (checkpoint) activation scales.
+        input_symmetric: symmetric activation quantization (W8A8 INT8).
+        layer_kind: ``"linear"``, ``"embedding"``, ``"moe"``, ``"attention"``.
+        kernel: the kernel id chosen for the layer (e.g. ``"cpu_wna16"``,
+            ``"marlin"``, ``"cutlass"``, ``"onednn"``); ``None`` lets the registry
+            pick the default for the Target.
+        options: anything else, as sorted ``(name, value)`` pairs.
+    """
+
+    method: str
+    num_bits: int = 16
+    group_size: int = -1
+    zero_point: bool = False
+    act_bits: int = 16
+    strategy: str | None = None
+    static_input: bool = False
+    input_symmetric: bool = True
+    layer_kind: str = "linear"
+    kernel: str | None = None
+    options: tuple[tuple[str, Any], ...] = field(default=(), converter=_freeze)
+
+    def option(self, name: str, default: Any = None) -> Any:
+        return dict(self.options).get(name, default)
+
+
+@frozen
+class LayerConfig:
+    """One layer's frozen configuration, everything a stage may read besides tensors.
+
+    Attributes:
+        quant: the method.
+        size_k: input features of this partition (``input_size_per_partition``).
+        size_n: output features of this partition (``output_size_per_partition``).
+        params_dtype: activation/params dtype name, e.g. ``"bfloat16"``.
+        has_bias: the layer has a bias.
+        name: the module's qualified name (for error messages only).
+        extra: method-specific facts as sorted ``(name, value)`` pairs
+            (e.g. ``("logical_widths", (64, 64))``, ``("tp_size", 1)``).
+    """
+
+    quant: QuantSpec
+    size_k: int
+    size_n: int
+    params_dtype: str = "bfloat16"
+    has_bias: bool = False
+    name: str = ""
+    extra: tuple[tuple[str, Any], ...] = field(default=(), converter=_freeze)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.params_dtype)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return dict(self.extra).get(name, default)
+
+
+@frozen
+class StageOut:
+    """What a stage returns. Nothing here aliases an input it changed.
+
+    Attributes:
+        tensors: new or replaced tensors, by local name (registered as
+            parameters, or as buffers when the name was a buffer or is listed in
+            ``buffers``).
+        buffers: names in ``tensors`` to register as buffers.
+        drop: tensor or attribute names to delete from the layer.
+        attrs: attribute values by dotted path relative to the layer
+            (``"isa_hint"``, ``"quant_method.kernel.logical_output_size"``); a
+            value of ``None`` for a tensor slot empties the slot as vLLM does.
+        record: values to record for restore (JSON-able: ints, floats, strs,
+            bools, lists, dicts, None).
+    """
+
+    tensors: Mapping[str, torch.Tensor] = field(factory=dict)
+    buffers: frozenset[str] = field(default=frozenset(), converter=frozenset)
+    drop: tuple[str, ...] = field(default=(), converter=tuple)
+    attrs: Mapping[str, Any] = field(factory=dict)
+    record: Mapping[str, Any] = field(factory=dict)
+
+
+StageFn = Callable[[Mapping[str, torch.Tensor], LayerConfig, Target, Mapping[str, Any]], StageOut]
+
+
+@frozen
+class Stage:
+    """One named, tagged, pure step of a method's post-load work.
+
+    Attributes:
+        name: ``family.verb_object``, e.g. ``"awq.unpack_reorder"``.
+        tag: what it does to state.
+        fn: ``fn(tensors, config, target, recorded) -> StageOut``; ``tensors`` is a
+            read-only mapping of the layer's current tensors, ``recorded`` the
+            values this stage recorded at prepare time (empty during load and
+            prepare). Never mutates an input, reads no globals, env or host.
+        reads: tensor names it reads (must exist, unless in ``optional``).
+        writes: tensor names it may return or drop.
+        attrs: attribute paths it may set.
+        optional: reads that may be absent (e.g. ``bias``).
+        version: bumped whenever the produced bytes or values change.
+        source: the upstream function it mirrors.
+    """
+
+    name: str
+    tag: Tag
+    fn: StageFn = field(eq=False, repr=False)
+    reads: tuple[str, ...] = field(default=(), converter=tuple)
+    writes: tuple[str, ...] = field(default=(), converter=tuple)
+    attrs: tuple[str, ...] = field(default=(), converter=tuple)
+    optional: frozenset[str] = field(default=frozenset(), converter=frozenset)
+    version: int = 1
+    source: str = ""
+
+    @property
+    def replayable(self) -> bool:
+        return self.tag in RESTORE_TAGS
+
+
+def stage(name: str, tag: Tag, *, reads: Iterable[str] = (), writes: Iterable[str] = (),
+          attrs: Iterable[str] = (), optional: Iterable[str] = (), version: int = 1,
+          source: str = "") -> Callable[[StageFn], Stage]:
+    """Decorator: turn a pure function into a :class:`Stage` value."""
+
+    def wrap(fn: StageFn) -> Stage:
+        return Stage(name=name, tag=tag, fn=fn, reads=tuple(reads), writes=tuple(writes),
+                     attrs=tuple(attrs), optional=frozenset(optional), version=version,
+                     source=source)
+
+    return wrap
+
+
+# --------------------------------------------------------------------------- state
+
+
+@frozen
+class LayerState:
+    """The fold's accumulator: a layer's tensors and attributes as plain values.
+
+    Attributes:
+        tensors: name -> tensor (parameters and buffers of the layer itself).
+        buffers: names in ``tensors`` that are buffers.
+        attrs: attribute path -> value set by stages so far.
+        drops: names deleted so far.
+        recorded: stage name -> recorded values.
+    """
+
+    tensors: Mapping[str, torch.Tensor] = field(factory=dict)
+    buffers: frozenset[str] = field(default=frozenset(), converter=frozenset)
+    attrs: Mapping[str, Any] = field(factory=dict)
+    drops: tuple[str, ...] = ()
+    recorded: Mapping[str, Mapping[str, Any]] = field(factory=dict)
+
+
+@frozen
+class Prepared:
+    """What the daemon keeps of a prepared layer.
+
+    Attributes:
+        plan_id: ``Plan.id``.
+        tensors: exported tensors by local name (the bytes to share).
+        buffers: names in ``tensors`` that are buffers.
+        recorded: stage name -> recorded values (JSON-able).
+        drops: names the plan deletes (the engine deletes its meta placeholders).
+        attrs: attribute values the prepare run set (for the manifest; restore
+            recomputes them).
+    """
+
+    plan_id: str
+    tensors: Mapping[str, torch.Tensor]
+    buffers: frozenset[str]
+    recorded: Mapping[str, Mapping[str, Any]]
+    drops: tuple[str, ...]
+    attrs: Mapping[str, Any]
+
+
+def _ro(mapping: Mapping) -> Mapping:
+    return types.MappingProxyType(dict(mapping))
+
+
+def state_from_module(module: torch.nn.Module) -> LayerState:
+    """Read a module's own (non-recursive) parameters and buffers into a state."""
+    params = {k: v for k, v in module._parameters.items() if v is not None}
+    bufs = {k: v for k, v in module._buffers.items() if v is not None}
+    return LayerState(tensors={**params, **bufs}, buffers=frozenset(bufs))
+
+
+def _resolve_parent(root: Any, path: str) -> tuple[Any, str]:
+    *parents, leaf = path.split(".")
+    obj = root
+    for p in parents:
+        obj = getattr(obj, p)
+    return obj, leaf
+
+
+def apply_state_(module: torch.nn.Module, state: LayerState, *,
+                 keep: Iterable[str] = ()) -> None:
+    """The one shell that mutates: make ``module`` hold ``state``.
+
+    Tensors whose object is already installed under the same name are left
+    alone (so mapped tensors keep their identity); others are registered as
+    ``nn.Parameter(requires_grad=False)`` or buffers. Dropped names are
+    deleted; attributes are set by dotted path.
+
+    Args:
+        keep: tensor names that must not be replaced (the shared ones); the
+            guard checks them, this only avoids needless re-registration.
+    """
+    for name in state.drops:
+        if name in state.tensors:
+            continue
+        if name in module._parameters:
+            del module._parameters[name]
+        elif name in module._buffers:
+            del module._buffers[name]
+        elif name in module.__dict__:
+            delattr(module, name)
+    for name, tensor in state.tensors.items():
+        current = module._parameters.get(name, module._buffers.get(name))
+        if current is tensor:
+            continue
+        base = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
+        if name in state.buffers:
+            module._parameters.pop(name, None)
+            module._buffers.pop(name, None)
+            module.register_buffer(name, base)
+        else:
+            module._buffers.pop(name, None)
+            if name in module.__dict__:
+                delattr(module, name)
+            param = tensor if isinstance(tensor, torch.nn.Parameter) else \
+                torch.nn.Parameter(base, requires_grad=False)
+            module._parameters[name] = param
+    for path, value in state.attrs.items():
+        obj, leaf = _resolve_parent(module, path)
+        setattr(obj, leaf, value)
+
+
+# --------------------------------------------------------------------------- guard
+
+
+@frozen
+class TensorFingerprint:
+    """What the restore guard compares for one shared tensor."""
+
+    data_ptr: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+    version: int
+    checksum: str | None
+
+    def diff(self, other: "TensorFingerprint") -> list[str]:
+        return [f.name for f in fields(TensorFingerprint)
+                if getattr(self, f.name) != getattr(other, f.name)]
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """blake2b of a tensor's bytes in logical order (CPU copy for device tensors)."""
+    if t.device.type == "meta":
+        return "meta"
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    raw = flat.view(torch.uint8) if flat.numel() else flat
+    return hashlib.blake2b(raw.numpy().tobytes() if raw.numel() else b"",
+                           digest_size=16).hexdigest()
+
+
+def fingerprint(t: torch.Tensor, strict: bool) -> TensorFingerprint:
+    return TensorFingerprint(
+        data_ptr=t.data_ptr() if t.device.type != "meta" else 0,
+        shape=tuple(t.shape), stride=tuple(t.stride()), dtype=str(t.dtype),
+        version=t._version, checksum=tensor_checksum(t) if strict else None)
+
+
+def guard_snapshot(tensors: Mapping[str, torch.Tensor], strict: bool) -> dict[str, TensorFingerprint]:
+    return {name: fingerprint(t, strict) for name, t in tensors.items()}
+
+
+def _check_guard(layer: str, stage_name: str, before: Mapping[str, TensorFingerprint],
+                 tensors: Mapping[str, torch.Tensor], strict: bool) -> None:
+    for name, fp in before.items():
+        now = tensors.get(name)
+        if now is None:
+            raise RestoreWroteSharedTensor(
+                f"restore of layer {layer!r}: stage {stage_name!r} removed shared tensor "
+                f"{name!r}; replayable stages must never drop or replace exported tensors. "
+                f"Fix the plan: tag the stage TRANSFORM so only the daemon runs it.")
+        changed = fp.diff(fingerprint(now, strict))
+        if changed:
+            raise RestoreWroteSharedTensor(
+                f"restore of layer {layer!r}: stage {stage_name!r} changed shared tensor "
+                f"{name!r} ({', '.join(changed)}). A restore stage wrote into the daemon's "
+                f"bytes; fix the stage (return new tensors, never write in place) or tag "
+                f"it TRANSFORM.")
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def _run_stage(st: Stage, state: LayerState, config: LayerConfig, target: Target,
+               recorded: Mapping[str, Any], *, shared: frozenset[str],
+               check_purity: bool) -> LayerState:
+    missing = [r for r in st.reads if r not in state.tensors and r not in st.optional]
+    if missing:
+        raise RestoreIncomplete(
+            f"layer {config.name!r}: stage {st.name!r} reads {missing} but the layer has "
+            f"only {sorted(state.tensors)}; the checkpoint or the export lacks them.")
+    view = _ro({k: v for k, v in state.tensors.items()})
+    before = ({k: (v._version, v.data_ptr() if v.device.type != "meta" else 0)
+               for k, v in state.tensors.items()} if check_purity else None)
+    out = st.fn(view, config, target, _ro(recorded))
+    if not isinstance(out, StageOut):
+        raise StageContractError(f"stage {st.name!r} returned {type(out).__name__}, not StageOut")
+    if before is not None:
+        touched = [k for k, (ver, _) in before.items() if state.tensors[k]._version != ver]
+        hit_shared = sorted(set(touched) & shared)
+        if hit_shared:
+            raise RestoreWroteSharedTensor(
+                f"restore of layer {config.name!r}: stage {st.name!r} wrote in place into "
+                f"shared tensors {hit_shared} (version counter bumped). Restore stages must "
+                f"never write the daemon's bytes; return new tensors or tag it TRANSFORM.")
+        if touched:
+            raise StageContractError(
+                f"stage {st.name!r} mutated its input tensors {touched} in place; stages "
+                f"are pure: return new tensors instead.")
+    undeclared = sorted((set(out.tensors) | set(out.drop)) - set(st.writes) - set(st.attrs))
+    if undeclared:
+        raise StageContractError(
+            f"stage {st.name!r} wrote {undeclared} without declaring them in writes")
+    bad_attrs = sorted(set(out.attrs) - set(st.attrs) - set(st.writes))
+    if bad_attrs:
+        raise StageContractError(
+            f"stage {st.name!r} set attributes {bad_attrs} without declaring them in attrs")
+    if st.tag is not Tag.TRANSFORM:
+        if st.tag in (Tag.METADATA, Tag.VALIDATE, Tag.DERIVE) and out.tensors:
+            raise StageContractError(
+                f"{st.tag.name} stage {st.name!r} returned tensors {sorted(out.tensors)}; "
+                f"only TRANSFORM and ALLOCATE stages produce tensors")
+        hit = sorted((set(out.tensors) | set(out.drop) | set(out.attrs)) & shared)
+        if hit:
+            raise RestoreWroteSharedTensor(
+                f"restore of layer {config.name!r}: stage {st.name!r} replaces or drops "
+                f"shared tensors {hit}")
+    if st.tag is Tag.DERIVE and out.drop:
+        raise StageContractError(f"DERIVE stage {st.name!r} may not drop tensors ({out.drop})")
+    tensors = {k: v for k, v in state.tensors.items() if k not in out.drop}
+    tensors.update(out.tensors)
+    attr_values = dict(state.attrs)
+    attr_values.update(out.attrs)
+    rec = dict(state.recorded)
+    if out.record:
+        old = recorded
+        if old and dict(old) != dict(out.record):
+            diff = {k: (old.get(k), out.record.get(k)) for k in set(old) | set(out.record)
+                    if old.get(k) != out.record.get(k)}
+            raise RecordedMismatch(
+                f"layer {config.name!r}, stage {st.name!r}: values recomputed here differ "
+                f"from the daemon's (recorded, here): {diff}. The daemon ran on a different "
+                f"target; restart it on this host's settings.")
+        rec[st.name] = dict(out.record)
+    drops = tuple(dict.fromkeys(state.drops + tuple(d for d in out.drop)))
+    buffers = (state.buffers - set(out.drop)) | out.buffers
+    return LayerState(tensors=tensors, buffers=buffers, attrs=attr_values,
+                      drops=drops, recorded=rec)
+
+
+def _validate(stages: tuple[Stage, ...], checkpoint: frozenset[str]) -> list[str]:
+    """Build-time rules (DESIGN.md section 3); returns every violation found."""
+    errors: list[str] = []
+    names = [s.name for s in stages]
+    for dup in sorted({n for n in names if names.count(n) > 1}):
+        errors.append(f"stage name {dup!r} is used more than once")
+    available = set(checkpoint)
+    producer: dict[str, Stage] = {}
+    for st in stages:
+        for r in st.reads:
+            if r not in available and r not in st.optional:
+                errors.append(f"stage {st.name!r} reads {r!r}, which no earlier stage "
+                              f"produces and the checkpoint does not hold")
+            src = producer.get(r)
+            if src is not None and src.tag in (Tag.ALLOCATE, Tag.DERIVE) and \
+                    st.tag in PREPARE_TAGS:
+                errors.append(f"{st.tag.name} stage {st.name!r} depends on {src.tag.name} "
+                              f"output {r!r} of {src.name!r}, which the daemon never has")
+        if st.tag in (Tag.METADATA, Tag.VALIDATE, Tag.DERIVE) and st.writes:
+            errors.append(f"{st.tag.name} stage {st.name!r} declares tensor writes "
+                          f"{list(st.writes)}; only TRANSFORM/ALLOCATE write tensors")
+        for w in st.writes:
+            available.add(w)
+            producer[w] = st
+    # a replayable stage may not write a tensor that is exported
+    exported = set(checkpoint)
+    for st in stages:
+        if st.tag is Tag.TRANSFORM:
+            exported.update(st.writes)
+    for st in stages:
+        if st.tag is Tag.ALLOCATE:
+            clash = sorted(set(st.writes) & exported)
+            if clash:
+                errors.append(f"ALLOCATE stage {st.name!r} writes exported tensors {clash}; "
+                              f"restore would rewrite shared bytes")
+    return errors
+
+
+@frozen
+class Plan:
+    """One method's post-load work for one kernel and target class.
+
+    Attributes:
+        method: quant method id (``QuantSpec.method``).
+        kernel: kernel id (``"cpu_wna16"``, ``"marlin"``, ``"cutlass"``, ...).
+        version: bumped whenever any stage's output changes.
+        stages: ordered stages.
+        checkpoint: tensor names the layer holds before post-load (some optional).
+        match: ``match(config, target) -> None`` when the plan applies, else the
+            reason string.
+        description: one line for ``wcache plans``.
+        allow_invalid: build even if the rules fail (tests only; the runner
+            still guards).
+    """
+
+    method: str
+    kernel: str
+    stages: tuple[Stage, ...] = field(converter=tuple)
+    checkpoint: frozenset[str] = field(converter=frozenset)
+    match: Callable[[LayerConfig, Target], str | None] = field(
+        default=lambda config, target: None, eq=False, repr=False)
+    version: int = 1
+    description: str = ""
+    allow_invalid: bool = field(default=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.allow_invalid:
+            errors = _validate(self.stages, self.checkpoint)
+            if errors:
+                raise PlanInvalid(f"plan {self.method}/{self.kernel} is invalid:\n  - " +
+                                  "\n  - ".join(errors))
+
+    @property
+    def id(self) -> str:
+        return f"{self.method}/{self.kernel}@{self.version}"
+
+    @property
+    def stage_versions(self) -> tuple[tuple[str, int], ...]:
+        return tuple((s.name, s.version) for s in self.stages)
+
+    # -- pure runner ---------------------------------------------------------
+
+    def run(self, state: LayerState, config: LayerConfig, target: Target, tags: frozenset[Tag],
+            recorded: Mapping[str, Mapping[str, Any]] | None = None, *,
+            shared: frozenset[str] = frozenset(), check_purity: bool = False) -> LayerState:
+        """Fold the stages whose tag is in ``tags`` over ``state``.
+
+        Args:
+            recorded: stage name -> values recorded at prepare (restore only).
+            shared: tensor names that are mapped from the daemon; replayable
+                stages may not replace or drop them.
+            check_purity: verify no stage bumps an input's version counter.
+        """
+        recorded = recorded or {}
+        steps = tuple(s for s in self.stages if s.tag in tags)
+        return reduce(lambda acc, st: _run_stage(
+            st, acc, config, target, recorded.get(st.name, {}),
+            shared=shared, check_purity=check_purity), steps, state)
+
+    # -- module-level entry points (the shell) -------------------------------
+
+    def load(self, layer: torch.nn.Module, config: LayerConfig, target: Target) -> LayerState:
+        """Ordinary load: run every stage and install the result on ``layer``."""
+        state = self.run(state_from_module(layer), config, target, LOAD_TAGS)
+        apply_state_(layer, state)
+        return state
+
+    def prepare(self, layer: torch.nn.Module, config: LayerConfig, target: Target) -> Prepared:
+        """Daemon side: run TRANSFORM/METADATA/VALIDATE stages, install the result on
+        ``layer`` (so the daemon can keep serving a consistent module) and return
+        the tensors to export with the recorded values."""
+        state = self.run(state_from_module(layer), config, target, PREPARE_TAGS)
+        apply_state_(layer, state)
+        return Prepared(plan_id=self.id, tensors=dict(state.tensors), buffers=state.buffers,
+                        recorded={k: dict(v) for k, v in state.recorded.items()},
+                        drops=state.drops, attrs=dict(state.attrs))
+
+    def restore(self, layer: torch.nn.Module, config: LayerConfig, target: Target,
+                recorded: Mapping[str, Mapping[str, Any]], *, strict: bool = False,
+                guard: bool = True, drops: Iterable[str] = ()) -> LayerState:
+        """Engine side: ``layer`` already holds the mapped tensors; replay the
+        METADATA/ALLOCATE/DERIVE/VALIDATE stages under the restore guard.
+
+        Args:
+            recorded: the daemon's recorded values for this layer.
+            strict: also compare content checksums of every shared tensor.
+            guard: check pointers/shape/stride/dtype/version before and after.
+            drops: names the daemon's prepare deleted; leftover placeholders are
+                removed here.
+
+        Raises:
+            RestoreWroteSharedTensor: a stage changed a shared tensor.
+            RecordedMismatch: a recomputed value differs from the recorded one.
+            RestoreIncomplete: a needed tensor is missing.
+        """
+        initial = state_from_module(layer)
+        drops = tuple(d for d in drops if d not in initial.tensors or
+                      initial.tensors[d].device.type == "meta")
+        initial = evolve(
+            initial, tensors={k: v for k, v in initial.tensors.items() if k not in drops},
+            drops=drops)
+        shared = frozenset(k for k, v in initial.tensors.items() if v.device.type != "meta")
+        snap = guard_snapshot({k: initial.tensors[k] for k in shared}, strict) if guard else None
+        steps = tuple(s for s in self.stages if s.tag in RESTORE_TAGS)
+        state = initial
+        for st in steps:
+            state = _run_stage(st, state, config, target, recorded.get(st.name, {}),
+                               shared=shared, check_purity=guard)
+            if snap is not None:
+                _check_guard(config.name, st.name, snap, state.tensors, strict)
+        missing = sorted(k for k, v in recorded.items() if k not in {s.name for s in self.stages})
+        if missing:
+            raise RecordedMismatch(
+                f"layer {config.name!r}: the daemon recorded values for stages {missing} "
+                f"that plan {self.id} does not have; daemon and engine run different plans.")
+        apply_state_(layer, state)
+        if snap is not None:
+            _check_guard(config.name, "(install)", snap, state_from_module(layer).tensors, strict)
+        return state
+
+    def describe(self) -> str:
+        """A markdown table: stage, tag, reads, writes, attrs, source."""
+        rows = [f"### `{self.id}`", "", self.description, "",
+                "| # | stage | tag | reads | writes | attrs | source |",
+                "|---|---|---|---|---|---|---|"]
+        for i, s in enumerate(self.stages, 1):
+            rows.append(f"| {i} | `{s.name}` | {s.tag.name} | {', '.join(s.reads) or '-'} | "
+                        f"{', '.join(s.writes) or '-'} | {', '.join(s.attrs) or '-'} | "
+                        f"{s.source or '-'} |")
+        return "\n".join(rows) + "\n"
+
+
+# --------------------------------------------------------------------------- snapshots
+
+
+def snapshot(module: torch.nn.Module, attr_paths: Iterable[str] = ()) -> dict[str, Any]:
+    """A comparable picture of a layer: per tensor (kind, shape, dtype, stride, bytes
+    checksum), tensor-slot Nones, and the values at ``attr_paths``.
+
+    Used by the restore-invariant tests: ``snapshot(restored) == snapshot(loaded)``.
+    """
+    out: dict[str, Any] = {}
+    for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
+        for name, t in table.items():
+            if t is None:
+                out[name] = (kind, None)
+            else:
+                out[name] = (kind, tuple(t.shape), str(t.dtype), tuple(t.stride()),
+                             tensor_checksum(t))
+    for path in attr_paths:
+        try:
+            obj, leaf = _resolve_parent(module, path)
+            value = getattr(obj, leaf)
+        except AttributeError:
+            value = "<missing>"
+        if isinstance(value, torch.Tensor):
+            value = ("tensor", tuple(value.shape), str(value.dtype), tensor_checksum(value))
+        elif callable(value):
+            value = "<callable>"
+        out[f"@{path}"] = value
+    return out

@@ -1,0 +1,1 @@
+"""Pure stage functions, one module per family (DESIGN.md section 3)."""
