@@ -298,6 +298,11 @@ class StageOut:
             value of ``None`` for a tensor slot empties the slot as vLLM does.
         record: values to record for restore (JSON-able: ints, floats, strs,
             bools, lists, dicts, None).
+        release: DERIVE only: tensors this process stops referencing once it
+            has derived private state from them (vLLM's CPU dispatch replaces a
+            linear weight by an empty ``(0,)`` Parameter after prepacking). The
+            runner installs that empty placeholder (same dtype and device); the
+            shared bytes are untouched and the guard keeps checking them.
     """
 
     tensors: Mapping[str, torch.Tensor] = field(factory=dict)
@@ -305,6 +310,7 @@ class StageOut:
     drop: tuple[str, ...] = field(default=(), converter=tuple)
     attrs: Mapping[str, Any] = field(factory=dict)
     record: Mapping[str, Any] = field(factory=dict)
+    release: tuple[str, ...] = field(default=(), converter=tuple)
 
 
 StageFn = Callable[[Mapping[str, torch.Tensor], LayerConfig, Target, Mapping[str, Any]], StageOut]
@@ -370,6 +376,8 @@ class LayerState:
         attrs: attribute path -> value set by stages so far.
         drops: names deleted so far.
         recorded: stage name -> recorded values.
+        released: name -> the tensor a DERIVE stage released (kept so the guard
+            can still check the shared bytes).
     """
 
     tensors: Mapping[str, torch.Tensor] = field(factory=dict)
@@ -377,6 +385,7 @@ class LayerState:
     attrs: Mapping[str, Any] = field(factory=dict)
     drops: tuple[str, ...] = ()
     recorded: Mapping[str, Mapping[str, Any]] = field(factory=dict)
+    released: Mapping[str, torch.Tensor] = field(factory=dict)
 
 
 @frozen
@@ -572,8 +581,17 @@ def _run_stage(st: Stage, state: LayerState, config: LayerConfig, target: Target
                 f"shared tensors {hit}")
     if st.tag is Tag.DERIVE and out.drop:
         raise StageContractError(f"DERIVE stage {st.name!r} may not drop tensors ({out.drop})")
+    if out.release and (st.tag is not Tag.DERIVE or not set(out.release) <= set(st.reads)):
+        raise StageContractError(
+            f"stage {st.name!r} releases {list(out.release)}; only DERIVE stages may release, "
+            f"and only tensors they read")
     tensors = {k: v for k, v in state.tensors.items() if k not in out.drop}
     tensors.update(out.tensors)
+    released = dict(state.released)
+    for name in out.release:
+        src = tensors[name]
+        released.setdefault(name, src)
+        tensors[name] = torch.empty(0, dtype=src.dtype, device=src.device)
     attr_values = dict(state.attrs)
     attr_values.update(out.attrs)
     rec = dict(state.recorded)
@@ -590,7 +608,7 @@ def _run_stage(st: Stage, state: LayerState, config: LayerConfig, target: Target
     drops = tuple(dict.fromkeys(state.drops + tuple(d for d in out.drop)))
     buffers = (state.buffers - set(out.drop)) | out.buffers
     return LayerState(tensors=tensors, buffers=buffers, attrs=attr_values,
-                      drops=drops, recorded=rec)
+                      drops=drops, recorded=rec, released=released)
 
 
 def _validate(stages: tuple[Stage, ...], checkpoint: frozenset[str]) -> list[str]:
@@ -742,7 +760,8 @@ class Plan:
             state = _run_stage(st, state, config, target, recorded.get(st.name, {}),
                                shared=shared, check_purity=guard)
             if snap is not None:
-                _check_guard(config.name, st.name, snap, state.tensors, strict)
+                _check_guard(config.name, st.name, snap,
+                             {**state.tensors, **state.released}, strict)
         missing = sorted(k for k, v in recorded.items() if k not in {s.name for s in self.stages})
         if missing:
             raise RecordedMismatch(
@@ -750,7 +769,8 @@ class Plan:
                 f"that plan {self.id} does not have; daemon and engine run different plans.")
         apply_state_(layer, state)
         if snap is not None:
-            _check_guard(config.name, "(install)", snap, state_from_module(layer).tensors, strict)
+            _check_guard(config.name, "(install)", snap,
+                         {**state_from_module(layer).tensors, **state.released}, strict)
         return state
 
     def describe(self) -> str:
