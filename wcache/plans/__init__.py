@@ -8,7 +8,7 @@ from wcache.plans.registry import all_plans, plan_for, refuse, refused, register
 # Each module below registers its plans at import. Order matters within a
 # method: earlier plans are preferred (as in vLLM's kernel lists).
 _PLAN_MODULES = (
-    "unquantized", "awq", "gptq", "compressed_tensors", "kv_cache",   # CPU-runnable (issue 2)
+    "unquantized", "awq", "gptq", "compressed_tensors", "kv_cache", "attention",  # CPU (issue 2)
     "marlin", "fp8", "mxfp8", "nvfp4",                                  # CUDA layouts (issue 3)
 )
 

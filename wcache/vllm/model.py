@@ -1,0 +1,204 @@
+"""Walk a vLLM model: resolve a plan per layer, export after prepare, install and restore.
+
+Shared by the daemon (:mod:`wcache.vllm.daemon`) and the engine-side loader
+(:mod:`wcache.vllm.loader`). The only vLLM-specific knowledge here is which
+modules carry post-load work (those with a ``quant_method`` and attention
+layers); everything per method lives in the plans.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from wcache.core import LayerConfig, Plan, RestoreIncomplete, Target, WcacheError
+from wcache.plans.registry import plan_for
+from wcache.vllm.adapter import layer_config
+
+logger = logging.getLogger("wcache.vllm")
+
+
+class ModelMismatch(WcacheError, RuntimeError):
+    """The daemon's export does not fit the engine's model (an extra or missing tensor)."""
+
+    code = "model-mismatch"
+
+
+@attrs.frozen
+class PlannedLayer:
+    """One module with post-load work and the plan that does it."""
+
+    name: str
+    module: torch.nn.Module = attrs.field(eq=False, repr=False)
+    config: LayerConfig
+    plan: Plan
+
+
+def planned_layers(model: torch.nn.Module, target: Target) -> list[PlannedLayer]:
+    """Resolve a plan for every module with post-load work, before any weight is read.
+
+    Raises:
+        NoPlan: some module's method has no plan (the message names the layer).
+    """
+    out = []
+    for name, module in model.named_modules():
+        config = layer_config(getattr(module, "quant_method", None), module, target, name=name)
+        if config is None:
+            continue
+        out.append(PlannedLayer(name, module, config, plan_for(config, target=target)))
+    return out
+
+
+def plan_ids(layers: Iterable[PlannedLayer]) -> list[str]:
+    """Sorted unique plan ids with stage versions (part of the cache key)."""
+    return sorted({f"{p.plan.id}:" + ",".join(f"{n}@{v}" for n, v in p.plan.stage_versions)
+                   for p in layers})
+
+
+def _split(name: str) -> tuple[str, str]:
+    mod, _, leaf = name.rpartition(".")
+    return mod, leaf
+
+
+def export_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict],
+                                                    dict[str, str]]:
+    """Every unique parameter and buffer (non-persistent included) of ``model``.
+
+    Returns:
+        tensors: canonical name -> tensor (detached data).
+        kinds: canonical name -> ``{"kind": "param"|"buffer", "persistent": bool}``.
+        aliases: alias name -> canonical name (tied weights, shared buffers), found
+            by object identity *and* by identical storage/offset/shape/stride.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    kinds: dict[str, dict] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[Any, str] = {}
+    modules = dict(model.named_modules(remove_duplicate=False))
+    entries: list[tuple[str, torch.Tensor, str]] = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        entries.append((name, p, "param"))
+    for name, b in model.named_buffers(remove_duplicate=False):
+        entries.append((name, b, "buffer"))
+    for name, t, kind in entries:
+        if t.numel() and t.device.type != "meta":
+            ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                     tuple(t.stride()), t.dtype)
+        else:
+            ident = ("id", id(t))
+        if ident in seen:
+            aliases[name] = seen[ident]
+            continue
+        seen[ident] = name
+        tensors[name] = t.detach()
+        mod, leaf = _split(name)
+        persistent = leaf not in getattr(modules[mod], "_non_persistent_buffers_set", set())
+        kinds[name] = {"kind": kind, "persistent": bool(persistent)}
+    return tensors, kinds, aliases
+
+
+def _module_of(model: torch.nn.Module, modules: Mapping[str, torch.nn.Module], name: str
+               ) -> tuple[torch.nn.Module, str]:
+    mod, leaf = _split(name)
+    if mod not in modules:
+        raise ModelMismatch(f"the daemon exports {name!r} but the engine's model has no module "
+                            f"{mod!r}: daemon and engine were started on different models or "
+                            f"engine arguments; restart the daemon with the engine's arguments.")
+    return modules[mod], leaf
+
+
+def install_tensors_(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
+                     kinds: Mapping[str, Mapping], aliases: Mapping[str, str],
+                     planned: Iterable[PlannedLayer]) -> None:
+    """Register mapped tensors on a meta-built model (the engine side).
+
+    Canonical tensors become plain ``nn.Parameter(requires_grad=False)`` or
+    buffers (with their persistence); aliases are registered as the *same*
+    object. A tensor the model has no slot for is accepted only when the plan
+    of its layer declares it as a write.
+
+    Raises:
+        ModelMismatch: an exported tensor that the model cannot hold.
+    """
+    modules = dict(model.named_modules(remove_duplicate=False))
+    plan_writes = {p.name: {w for s in p.plan.stages for w in s.writes} for p in planned}
+    objects: dict[str, torch.Tensor] = {}
+    for name in list(tensors) + list(aliases):
+        canonical = aliases.get(name, name)
+        module, leaf = _module_of(model, modules, name)
+        mod_name = _split(name)[0]
+        known = leaf in module._parameters or leaf in module._buffers
+        if not known and leaf not in plan_writes.get(mod_name, ()):
+            raise ModelMismatch(
+                f"the daemon exports {name!r}, which the engine's model does not have and no "
+                f"plan of layer {mod_name!r} produces; the daemon serves a different model.")
+        kind = kinds[canonical]
+        obj = objects.get(canonical)
+        if obj is None:
+            t = tensors[canonical]
+            obj = torch.nn.Parameter(t, requires_grad=False) if kind["kind"] == "param" else t
+            objects[canonical] = obj
+        module._parameters.pop(leaf, None)
+        module._buffers.pop(leaf, None)
+        if kind["kind"] == "param":
+            module._parameters[leaf] = obj
+        else:
+            module.register_buffer(leaf, obj, persistent=kind.get("persistent", True))
+
+
+def restore_layers_(planned: Iterable[PlannedLayer], layers: Mapping[str, Mapping],
+                    target: Target, *, strict: bool) -> list[str]:
+    """Replay every plan's restore stages on its (already installed) layer.
+
+    Returns:
+        Names (``layer.tensor``) of shared tensors that DERIVE stages released
+        (their mapped pages may be dropped from this process).
+
+    Raises:
+        RestoreIncomplete: the daemon has no entry for a planned layer.
+        RecordedMismatch / RestoreWroteSharedTensor: from the runner.
+    """
+    released: list[str] = []
+    for p in planned:
+        entry = layers.get(p.name)
+        if entry is None:
+            raise RestoreIncomplete(f"the daemon's export has no entry for layer {p.name!r}; "
+                                    f"restart the daemon with the engine's arguments.")
+        if entry["plan"] != p.plan.id:
+            raise RestoreIncomplete(f"layer {p.name!r}: the daemon prepared it with plan "
+                                    f"{entry['plan']} but this engine resolves {p.plan.id}.")
+        state = p.plan.restore(p.module, p.config, target, entry.get("recorded", {}),
+                               strict=strict, drops=entry.get("drops", ()))
+        released.extend(f"{p.name}.{n}" if p.name else n for n in state.released)
+    return released
+
+
+def meta_leftovers(model: torch.nn.Module) -> list[str]:
+    """Every parameter, buffer or tensor attribute still on the meta device."""
+    left = []
+    for mod_name, module in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        for name, t in list(module._parameters.items()) + list(module._buffers.items()):
+            if t is not None and t.device.type == "meta":
+                left.append(prefix + name)
+        for name, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and value.device.type == "meta":
+                left.append(prefix + name)
+    return left
+
+
+def layer_entries(planned: Iterable[PlannedLayer], prepared: Mapping[str, Any]) -> dict[str, dict]:
+    """The manifest's per-layer records: plan id, kernel, target-independent config,
+    recorded values and dropped names."""
+    out = {}
+    for p in planned:
+        prep = prepared[p.name]
+        out[p.name] = {"plan": p.plan.id, "kernel": p.plan.kernel,
+                       "method": p.plan.method,
+                       "recorded": {k: dict(v) for k, v in prep.recorded.items()},
+                       "drops": list(prep.drops)}
+    return out
