@@ -1,0 +1,25 @@
+"""Generated docs stay current."""
+
+from pathlib import Path
+
+from wcache.plans.docs import render_plans
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_plans_md_is_current():
+    """docs/plans.md equals `wcache plans --markdown` (run `make docs` after changing a plan)."""
+    assert (ROOT / "docs" / "plans.md").read_text() == render_plans(markdown=True)
+
+
+def test_cli_help_lists_every_command(capsys):
+    """`wcache --help` names every subcommand an operator needs."""
+    import pytest
+
+    from wcache.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for cmd in ("serve", "status", "stop", "plans", "bench"):
+        assert f"wcache {cmd}" in out
