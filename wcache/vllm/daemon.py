@@ -92,11 +92,12 @@ def build_export(vllm_config: Any, *, progress: bool = True, job: str = ""):
         for p in iterator:
             prepared[p.name] = p.plan.prepare(p.module, p.config, target)
     t_prep = time.perf_counter()
-    tensors, kinds, aliases = export_tensors(model)
+    tensors, kinds, aliases, nonpersistent = export_tensors(model)
     layers = layer_entries(planned, prepared)
     key = build_key(model_config, layout, plan_ids(planned), target)
     dev_id = device_id(device, model_config, layout, job)
     export = Export(tensors=tensors, kinds=kinds, aliases=aliases, layers=layers,
+                    nonpersistent=nonpersistent,
                     extra={"model": str(model_config.model), "layout": layout,
                            "load_s": t_load - t0, "prepare_s": t_prep - t_load})
     logger.info("wcache: load %.2f s, prepare %.2f s (%d layers), %d tensors, %d aliases",
@@ -141,11 +142,14 @@ def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_metho
         export, key, dev_id = build_export(vllm_config, progress=progress, job=job)
     server = DaemonServer(export, key, socket_dir=socket_dir,
                           device=vllm_config.device_config.device_type, device_id=dev_id)
+    import signal  # noqa: PLC0415
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server.request_shutdown())
     server.start()
     del export
-    info = server.describe() if hasattr(server, "describe") else {}
     line = (f"wcache: ready rank={rank}/{world} key={key.digest[:16]} "
-            f"held={info.get('nbytes', 0) / 2**20:.1f} MiB socket={server.socket_path}")
+            f"held={server.nbytes / 2**20:.1f} MiB socket={server.socket_path}")
     print(line, flush=True)
     if ready is not None:
         ready.put((rank, line))

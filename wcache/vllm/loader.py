@@ -148,8 +148,8 @@ class WcacheModelLoader(BaseModelLoader):
             attachment = attach(key, socket_dir=opts.socket_dir, device=device.type,
                                 device_id=dev_id, mode=opts.mode,
                                 connect_timeout_s=opts.connect_timeout_s)
-            install_tensors_(model, attachment.tensors, attachment.kinds, attachment.aliases,
-                             planned)
+            install_tensors_(model, attachment.tensors, attachment.kinds, attachment.persistent,
+                             attachment.aliases, planned)
             released = restore_layers_(planned, attachment.layers, target, strict=opts.strict)
             left = meta_leftovers(model)
             if left:

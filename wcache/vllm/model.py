@@ -64,19 +64,21 @@ def _split(name: str) -> tuple[str, str]:
     return mod, leaf
 
 
-def export_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict],
-                                                    dict[str, str]]:
+def export_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str],
+                                                    dict[str, str], set[str]]:
     """Every unique parameter and buffer (non-persistent included) of ``model``.
 
     Returns:
         tensors: canonical name -> tensor (detached data).
-        kinds: canonical name -> ``{"kind": "param"|"buffer", "persistent": bool}``.
+        kinds: name -> ``"param"`` | ``"buffer"`` (aliases included).
         aliases: alias name -> canonical name (tied weights, shared buffers), found
             by object identity *and* by identical storage/offset/shape/stride.
+        nonpersistent: buffer names (aliases included) registered ``persistent=False``.
     """
     tensors: dict[str, torch.Tensor] = {}
-    kinds: dict[str, dict] = {}
+    kinds: dict[str, str] = {}
     aliases: dict[str, str] = {}
+    nonpersistent: set[str] = set()
     seen: dict[Any, str] = {}
     modules = dict(model.named_modules(remove_duplicate=False))
     entries: list[tuple[str, torch.Tensor, str]] = []
@@ -90,15 +92,16 @@ def export_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dic
                      tuple(t.stride()), t.dtype)
         else:
             ident = ("id", id(t))
+        mod, leaf = _split(name)
+        kinds[name] = kind
+        if kind == "buffer" and leaf in modules[mod]._non_persistent_buffers_set:
+            nonpersistent.add(name)
         if ident in seen:
             aliases[name] = seen[ident]
             continue
         seen[ident] = name
         tensors[name] = t.detach()
-        mod, leaf = _split(name)
-        persistent = leaf not in getattr(modules[mod], "_non_persistent_buffers_set", set())
-        kinds[name] = {"kind": kind, "persistent": bool(persistent)}
-    return tensors, kinds, aliases
+    return tensors, kinds, aliases, nonpersistent
 
 
 def _module_of(model: torch.nn.Module, modules: Mapping[str, torch.nn.Module], name: str
@@ -112,8 +115,8 @@ def _module_of(model: torch.nn.Module, modules: Mapping[str, torch.nn.Module], n
 
 
 def install_tensors_(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
-                     kinds: Mapping[str, Mapping], aliases: Mapping[str, str],
-                     planned: Iterable[PlannedLayer]) -> None:
+                     kinds: Mapping[str, str], persistent: Mapping[str, bool],
+                     aliases: Mapping[str, str], planned: Iterable[PlannedLayer]) -> None:
     """Register mapped tensors on a meta-built model (the engine side).
 
     Canonical tensors become plain ``nn.Parameter(requires_grad=False)`` or
@@ -127,7 +130,7 @@ def install_tensors_(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
     modules = dict(model.named_modules(remove_duplicate=False))
     plan_writes = {p.name: {w for s in p.plan.stages for w in s.writes} for p in planned}
     objects: dict[str, torch.Tensor] = {}
-    for name in list(tensors) + list(aliases):
+    for name in tensors:
         canonical = aliases.get(name, name)
         module, leaf = _module_of(model, modules, name)
         mod_name = _split(name)[0]
@@ -136,18 +139,18 @@ def install_tensors_(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
             raise ModelMismatch(
                 f"the daemon exports {name!r}, which the engine's model does not have and no "
                 f"plan of layer {mod_name!r} produces; the daemon serves a different model.")
-        kind = kinds[canonical]
-        obj = objects.get(canonical)
+        kind = kinds[name]
+        obj = objects.get((canonical, kind))
         if obj is None:
             t = tensors[canonical]
-            obj = torch.nn.Parameter(t, requires_grad=False) if kind["kind"] == "param" else t
-            objects[canonical] = obj
+            obj = torch.nn.Parameter(t, requires_grad=False) if kind == "param" else t
+            objects[(canonical, kind)] = obj
         module._parameters.pop(leaf, None)
         module._buffers.pop(leaf, None)
-        if kind["kind"] == "param":
+        if kind == "param":
             module._parameters[leaf] = obj
         else:
-            module.register_buffer(leaf, obj, persistent=kind.get("persistent", True))
+            module.register_buffer(leaf, obj, persistent=persistent.get(name, True))
 
 
 def restore_layers_(planned: Iterable[PlannedLayer], layers: Mapping[str, Mapping],
