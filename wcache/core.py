@@ -302,7 +302,10 @@ class StageOut:
             has derived private state from them (vLLM's CPU dispatch replaces a
             linear weight by an empty ``(0,)`` Parameter after prepacking). The
             runner installs that empty placeholder (same dtype and device); the
-            shared bytes are untouched and the guard keeps checking them.
+            shared bytes are untouched and the guard keeps checking them. A
+            released name also set to ``None`` in ``attrs`` becomes an empty
+            ``None`` slot instead (vLLM's ``setattr(layer, "weight", None)``
+            after building the W8A8 oneDNN handler).
     """
 
     tensors: Mapping[str, torch.Tensor] = field(factory=dict)
@@ -443,8 +446,8 @@ def apply_state_(module: torch.nn.Module, state: LayerState, *,
             guard checks them, this only avoids needless re-registration.
     """
     for name in state.drops:
-        if name in state.tensors:
-            continue
+        if name in state.tensors or (name in state.attrs and state.attrs[name] is None):
+            continue  # kept, or emptied to a None slot by the attrs below (as vLLM does)
         if name in module._parameters:
             del module._parameters[name]
         elif name in module._buffers:
@@ -498,7 +501,7 @@ def tensor_checksum(t: torch.Tensor) -> str:
     flat = t.detach().contiguous().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    raw = flat.view(torch.uint8) if flat.numel() else flat
+    raw = flat.view(torch.uint8) if flat.numel() else flat  # 1-D, so any element size views
     return hashlib.blake2b(raw.numpy().tobytes() if raw.numel() else b"",
                            digest_size=16).hexdigest()
 
@@ -574,7 +577,9 @@ def _run_stage(st: Stage, state: LayerState, config: LayerConfig, target: Target
             raise StageContractError(
                 f"{st.tag.name} stage {st.name!r} returned tensors {sorted(out.tensors)}; "
                 f"only TRANSFORM and ALLOCATE stages produce tensors")
-        hit = sorted((set(out.tensors) | set(out.drop) | set(out.attrs)) & shared)
+        none_slots = {n for n in out.release if n in out.attrs and out.attrs[n] is None}
+        hit = sorted((set(out.tensors) | set(out.drop) | (set(out.attrs) - none_slots))
+                     & shared)
         if hit:
             raise RestoreWroteSharedTensor(
                 f"restore of layer {config.name!r}: stage {st.name!r} replaces or drops "
@@ -591,7 +596,10 @@ def _run_stage(st: Stage, state: LayerState, config: LayerConfig, target: Target
     for name in out.release:
         src = tensors[name]
         released.setdefault(name, src)
-        tensors[name] = torch.empty(0, dtype=src.dtype, device=src.device)
+        if name in out.attrs and out.attrs[name] is None:
+            del tensors[name]          # the slot becomes None through attrs
+        else:
+            tensors[name] = torch.empty(0, dtype=src.dtype, device=src.device)
     attr_values = dict(state.attrs)
     attr_values.update(out.attrs)
     rec = dict(state.recorded)

@@ -29,16 +29,23 @@ DEFAULT_MAX_MODEL_LEN = 512
 
 
 def _state_digest(model) -> dict:
-    """Per planned layer: tensor checksums and the plan-declared attributes."""
+    """Per planned layer: tensor checksums and the plan-declared attributes; and the
+    groups of parameter names that are one object (tied weights)."""
     from wcache.core import Target, snapshot  # noqa: PLC0415
     from wcache.vllm.model import planned_layers  # noqa: PLC0415
 
     out = {}
     for p in planned_layers(model, Target.detect("cpu")):
-        paths = sorted({a for s in p.plan.stages for a in s.attrs})
+        # kv_cache is the load-time placeholder that the model runner rebinds to the
+        # real (uninitialized, engine-sized) KV cache after loading: not load state.
+        paths = sorted({a for s in p.plan.stages for a in s.attrs} - {"kv_cache"})
         snap = snapshot(p.module, paths)
         out[p.name] = {k: list(v) if isinstance(v, tuple) else v for k, v in snap.items()}
-    return json.loads(json.dumps(out, default=str))
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    ties = sorted(sorted(names) for names in groups.values() if len(names) > 1)
+    return json.loads(json.dumps({"state": out, "ties": ties}, default=str))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.load_format in ("wcache", "wcache_timed_auto"):
         extra.setdefault("timing_file", timing.name)
     llm = LLM(model=args.model, dtype=args.dtype, load_format=args.load_format,
-              model_loader_extra_config=extra or None, enforce_eager=True,
+              model_loader_extra_config=extra, enforce_eager=True,
               gpu_memory_utilization=args.gpu_memory_utilization,
               max_model_len=args.max_model_len, max_num_seqs=1,
               tensor_parallel_size=args.tensor_parallel_size, seed=0)
@@ -82,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         result["load"] = [json.loads(line) for line in f if line.strip()]
     os.unlink(timing.name)
     if args.dump_state:
-        result["state"] = llm.collective_rpc(
-            lambda self: _state_digest(self.model_runner.model))[0]
+        result.update(llm.collective_rpc(
+            lambda self: _state_digest(self.model_runner.model))[0])
     print(json.dumps(result), flush=True)
     return 0
 

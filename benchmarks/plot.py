@@ -1,0 +1,75 @@
+"""Draw the restore-cost curve (restore time vs model size) as a PNG.
+
+    python benchmarks/plot.py benchmarks/results/cuda.json docs/restore_cost.png
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+__all__ = ["plot_restore_cost", "main"]
+
+#: Figure size in inches and resolution: readable in docs at GitHub's page width.
+FIGSIZE_IN = (6.4, 4.0)
+DPI = 150
+PARAMS_PER_BILLION = 1e9
+MS_PER_S = 1e3
+
+
+def plot_restore_cost(results: Mapping, png: str | Path) -> Path:
+    """Plot ``results["curve"]`` (one line per format: restore ms vs billions of
+    linear-layer parameters) and, where measured, the ordinary load for scale.
+
+    Args:
+        results: what :func:`benchmarks.bench_restore.run_suite` returns (or its JSON).
+        png: output path; parent dirs are created.
+
+    Returns:
+        The path written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    png = Path(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    by_fmt: dict[str, list[tuple[float, float, str]]] = {}
+    for p in results.get("curve", []):
+        by_fmt.setdefault(p["format"], []).append(
+            (p["params"] / PARAMS_PER_BILLION, p["restore_s"] * MS_PER_S, p["size"]))
+    fig, ax = plt.subplots(figsize=FIGSIZE_IN)
+    for fmt, pts in sorted(by_fmt.items()):
+        pts.sort()
+        xs, ys, labels = zip(*pts)
+        ax.plot(xs, ys, marker="o", label=f"{fmt} restore")
+        for x, y, lab in pts:
+            ax.annotate(lab, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    device = results.get("info", {}).get("gpu") or results.get("info", {}).get("device", "")
+    ax.set_xlabel("linear-layer parameters (billions)")
+    ax.set_ylabel("restore time (ms): attach + install + replay")
+    ax.set_title(f"wcache restore cost vs model size ({device})", fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    if by_fmt:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=DPI)
+    plt.close(fig)
+    return png
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print(__doc__)
+        return 2
+    plot_restore_cost(json.loads(Path(args[0]).read_text()), args[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,384 @@
+"""CPU plans (unquantized, AWQ, GPTQ, compressed-tensors W4A16 / W8A8 INT8, KV-cache
+scales) on real vLLM 0.32 layers: ``plan.load`` equals vLLM's own post-load
+(tensors, attributes, ``apply`` output bit for bit), ``restore(export(prepare(x)))``
+equals ``load(x)``, the guard catches mis-tagged stages, and bad inputs raise the
+documented errors."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from attrs import evolve
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wcache.core import (PREPARE_TAGS, LayerConfig, NoPlan, Plan, PlanInvalid, QuantSpec,
+                         RecordedMismatch, RestoreIncomplete, RestoreWroteSharedTensor,
+                         StageOut, Tag, Target, snapshot, stage, state_from_module)
+from wcache.plans import all_plans, plan_for
+from wcache.stages import cpu_wna16
+
+pytest.importorskip("vllm")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vllm_layers as vl  # noqa: E402
+
+#: this host, with the kernel-selection env pinned to vLLM's defaults.
+HOST = Target.detect("cpu", env={})
+BF16 = torch.bfloat16
+CPU_PLAN_IDS = ("unquantized/none@1", "unquantized/onednn@1", "awq/cpu_wna16@1",
+                "gptq/cpu_wna16@1", "ct_w4a16/cpu_wna16@1", "ct_w8a8_int8/onednn@1",
+                "kv_cache/scales@1")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_world():
+    """One 1-rank gloo world and vLLM config for the whole module."""
+    vl.ensure_vllm()
+
+
+# --------------------------------------------------------------------------- strategies
+
+k32 = st.integers(1, 4).map(lambda i: 64 * i)
+n32 = st.integers(1, 3).map(lambda i: 32 * i)
+group = st.sampled_from([-1, 32, 64])
+scale_value = st.one_of(st.just(-1.0), st.floats(0.0625, 4.0, width=32))
+
+FAMILIES = {
+    "unquantized_linear": st.builds(vl.unquantized_linear, k32, n32,
+                                    st.sampled_from([BF16, torch.float32]), st.booleans()),
+    "embedding": st.builds(vl.unquantized_embedding, st.integers(1, 130), n32,
+                           st.sampled_from([BF16, torch.float32])),
+    "awq": st.builds(vl.awq_linear, k32, n32, group, st.just(BF16), st.booleans()),
+    "gptq": st.builds(vl.gptq_linear, k32, n32, group, st.just(BF16), st.booleans()),
+    "ct_w4a16": st.builds(vl.ct_w4a16_linear, k32, n32, st.sampled_from([32, 64]),
+                          st.booleans(), st.just(BF16), st.booleans()),
+    "ct_w8a8_int8": st.builds(vl.ct_w8a8_int8_linear, st.integers(1, 4).map(lambda i: 16 * i),
+                              st.lists(st.integers(1, 3).map(lambda i: 16 * i), min_size=1,
+                                       max_size=3).map(tuple),
+                              st.sampled_from(["tensor", "channel"]), st.booleans(),
+                              st.booleans(), st.just(BF16), st.booleans()),
+    # a quantized cache with only v_scale set is invalid (vLLM asserts; see bad inputs)
+    "kv_cache": st.builds(vl.kv_cache_layer,
+                          st.sampled_from(["auto", "fp8", "fp8_e5m2", "int8_per_token_head"]),
+                          scale_value, scale_value, scale_value, scale_value).filter(
+        lambda c: not (c.extra["kv"][0] != "auto" and c.extra["kv"][1] < 0 < c.extra["kv"][2])),
+}
+
+
+def _diff(a: dict, b: dict) -> dict:
+    return {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
+
+
+def _forward(case: vl.Case, layer) -> torch.Tensor | None:
+    if case.apply is None:
+        return None
+    with vl.vllm_context():
+        return case.apply(layer, case.activations())
+
+
+def _exported_layer(case: vl.Case, plan: Plan, seed: int = 0):
+    """prepare on a daemon-side layer; install fresh clones on a meta-built one."""
+    daemon = case.new_layer(seed=seed)
+    prepared = plan.prepare(daemon, case.config, HOST)
+    engine = case.new_layer("meta", seed=None)
+    vl.install_exported_(engine, vl.export_clone(prepared), prepared.buffers)
+    return engine, prepared
+
+
+# --------------------------------------------------------------------------- load == vLLM
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@settings(max_examples=8)
+@given(data=st.data())
+def test_load_matches_vllm(family, data):
+    """plan.load gives vLLM's tensors, attributes and bit-identical apply output."""
+    case = data.draw(FAMILIES[family])
+    plan = plan_for(case.config.quant, case.config, HOST)
+    expected, actual = case.new_layer(), case.new_layer()
+    case.vllm_process(expected)
+    plan.load(actual, case.config, HOST)
+    assert {} == _diff(snapshot(expected, case.attr_paths), snapshot(actual, case.attr_paths))
+    if case.apply is not None:
+        assert torch.equal(_forward(case, expected), _forward(case, actual))
+
+
+# --------------------------------------------------------------------------- restore invariant
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@settings(max_examples=8)
+@given(data=st.data())
+def test_restore_of_export_equals_load(family, data):
+    """restore(export(prepare(x))) == load(x): tensors, attributes, apply output."""
+    case = data.draw(FAMILIES[family])
+    plan = plan_for(case.config.quant, case.config, HOST)
+    loaded = case.new_layer()
+    plan.load(loaded, case.config, HOST)
+    engine, prepared = _exported_layer(case, plan)
+    plan.restore(engine, case.config, HOST, prepared.recorded, strict=True,
+                 drops=prepared.drops)
+    assert {} == _diff(snapshot(loaded, case.attr_paths), snapshot(engine, case.attr_paths))
+    meta_left = [k for k, v in state_from_module(engine).tensors.items()
+                 if v.device.type == "meta"]
+    assert [] == meta_left
+    if case.apply is not None:
+        assert torch.equal(_forward(case, loaded), _forward(case, engine))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@settings(max_examples=5)
+@given(data=st.data())
+def test_prepare_and_load_are_pure(family, data):
+    """Running a plan's stages never writes the layer's checkpoint tensors in place."""
+    case = data.draw(FAMILIES[family])
+    plan = plan_for(case.config.quant, case.config, HOST)
+    layer = case.new_layer()
+    state = state_from_module(layer)
+    before = {k: (v.detach().clone(), v._version) for k, v in state.tensors.items()}
+    for tags in (PREPARE_TAGS, frozenset(Tag)):
+        plan.run(state, case.config, HOST, tags, check_purity=True)
+        for k, (copy, version) in before.items():
+            assert torch.equal(copy, state.tensors[k]) and version == state.tensors[k]._version
+
+
+@pytest.mark.parametrize("family", ["awq", "ct_w4a16", "embedding", "kv_cache"])
+def test_restore_twice_equals_once(family):
+    """Replaying the restore stages a second time changes nothing observable (plans
+    whose DERIVE releases the source weight can only be restored once, as in vLLM)."""
+    case = {"awq": vl.awq_linear(128, 64, 32),
+            "ct_w4a16": vl.ct_w4a16_linear(128, 64, 32, False),
+            "embedding": vl.unquantized_embedding(100, 64),
+            "kv_cache": vl.kv_cache_layer("fp8", 0.5, 0.25, -1.0, 2.0)}[family]
+    plan = plan_for(case.config.quant, case.config, HOST)
+    engine, prepared = _exported_layer(case, plan)
+    plan.restore(engine, case.config, HOST, prepared.recorded, strict=True, drops=prepared.drops)
+    once = snapshot(engine, case.attr_paths)
+    out_once = _forward(case, engine)
+    plan.restore(engine, case.config, HOST, prepared.recorded, strict=True, drops=prepared.drops)
+    assert {} == _diff(once, snapshot(engine, case.attr_paths))
+    if out_once is not None:
+        assert torch.equal(out_once, _forward(case, engine))
+
+
+# --------------------------------------------------------------------------- resolution
+
+
+@pytest.mark.parametrize("spec,config_kw,target,plan_id", [
+    (QuantSpec("unquantized"), {}, HOST, "unquantized/onednn@1"),
+    (QuantSpec("unquantized", layer_kind="embedding"), {}, HOST, "unquantized/onednn@1"),
+    (QuantSpec("unquantized"), {}, Target("cuda", (9, 0)), "unquantized/none@1"),
+    (QuantSpec("awq", num_bits=4, group_size=128, zero_point=True), {}, HOST, "awq/cpu_wna16@1"),
+    (QuantSpec("awq", num_bits=4, group_size=128, zero_point=True), {},
+     Target("cpu", isa={"amx"}, env={"VLLM_CPU_INT4_W4A8": "0"}), "awq/cpu_wna16@1"),
+    (QuantSpec("gptq", num_bits=4, group_size=128), {}, HOST, "gptq/cpu_wna16@1"),
+    (QuantSpec("ct_w4a16", num_bits=4, group_size=64), {}, HOST, "ct_w4a16/cpu_wna16@1"),
+    (QuantSpec("ct_w4a16", num_bits=4, group_size=64, zero_point=True), {},
+     Target("cpu", isa={"amx"}), "ct_w4a16/cpu_wna16@1"),  # fp16 activations: w4a16 on AMX
+    (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="channel"), {}, HOST,
+     "ct_w8a8_int8/onednn@1"),
+    (QuantSpec("kv_cache", layer_kind="attention"), {}, HOST, "kv_cache/scales@1"),
+])
+def test_plan_for_resolves(spec, config_kw, target, plan_id):
+    """plan_for picks the documented plan for a spec and target."""
+    dtype = "float16" if target.has("amx") and spec.method == "ct_w4a16" else "bfloat16"
+    config = LayerConfig(spec, 256, 128, dtype, **config_kw)
+    assert plan_id == plan_for(spec, config, target).id
+
+
+def _awq_spec():
+    return QuantSpec("awq", num_bits=4, group_size=64, zero_point=True)
+
+
+@pytest.mark.parametrize("spec,size,target,message", [
+    (QuantSpec("gptq", num_bits=8, group_size=128), (256, 128), HOST, "GPTQ int8 on CPU"),
+    (_awq_spec(), (256, 128), Target("cpu", isa={"amx", "avx512"}), "w4a8 layout"),
+    (QuantSpec("gptq", num_bits=4), (256, 128), Target("cpu", isa={"riscv"}), "w4a8 layout"),
+    (QuantSpec("ct_w4a16", num_bits=4, group_size=32), (256, 128),
+     Target("cpu", isa={"amx"}, env={"VLLM_CPU_INT4_W4A8": "1"}), "w4a8 layout"),
+    (QuantSpec("mystery_quant"), (256, 128), HOST, "no plan for method 'mystery_quant'"),
+    (QuantSpec("awq", num_bits=4, group_size=64, zero_point=False), (256, 128), HOST,
+     "without zero points"),
+    (_awq_spec(), (256, 100), HOST, "size_n % 32"),
+    (QuantSpec("unquantized"), (64, 96), Target("cpu", isa={"power"}), "POWER"),
+    (QuantSpec("unquantized"), (64, 96), Target("cpu", isa={"amx"}), "SGL"),
+    (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor"), (64, 96),
+     Target("cpu", isa={"amx"}), "SGL int8"),
+    (QuantSpec("awq", num_bits=4, zero_point=True, kernel="machete"), (256, 128), HOST,
+     "kernel 'machete' has no plan"),
+])
+def test_bad_inputs_raise_noplan(spec, size, target, message):
+    """Unsupported methods, layouts and targets raise NoPlan with the reason."""
+    config = LayerConfig(spec, size[0], size[1], "bfloat16", name="model.layers.0.x")
+    with pytest.raises(NoPlan, match=message):
+        plan_for(spec, config, target)
+
+
+def test_kv_cache_only_v_scale_raises():
+    """A quantized KV cache with v_scale but no k_scale raises StageInputError (vLLM asserts)."""
+    from wcache.stages.common import StageInputError
+
+    case = vl.kv_cache_layer("fp8", -1.0, 0.5, -1.0, -1.0)
+    with pytest.raises(AssertionError):
+        case.vllm_process(case.new_layer())
+    plan = plan_for(case.config.quant, case.config, HOST)
+    with pytest.raises(StageInputError, match="k_scale"):
+        plan.load(case.new_layer(), case.config, HOST)
+
+
+def test_restore_missing_tensor_raises_incomplete():
+    """A restore whose export lacks a tensor the plan reads raises RestoreIncomplete."""
+    case = vl.gptq_linear(128, 64, 32)
+    plan = plan_for(case.config.quant, case.config, HOST)
+    engine, prepared = _exported_layer(case, plan)
+    del engine._parameters["scales"]
+    with pytest.raises(RestoreIncomplete, match="scales"):
+        plan.restore(engine, case.config, HOST, prepared.recorded, strict=True,
+                     drops=prepared.drops)
+
+
+@pytest.mark.parametrize("stage_name,key,value", [
+    ("cpu_wna16.set_use_w4a8", "use_w4a8", True),
+    ("cpu_wna16.set_isa_hint", "isa_hint", "amx"),
+])
+def test_restore_recorded_mismatch(stage_name, key, value):
+    """A daemon record of use_w4a8/isa_hint that differs from this target's raises."""
+    case = vl.awq_linear(128, 64, 32)
+    plan = plan_for(case.config.quant, case.config, HOST)
+    engine, prepared = _exported_layer(case, plan)
+    recorded = {k: dict(v) for k, v in prepared.recorded.items()}
+    assert recorded[stage_name][key] != value
+    recorded[stage_name][key] = value
+    with pytest.raises(RecordedMismatch, match=key):
+        plan.restore(engine, case.config, HOST, recorded, strict=True, drops=prepared.drops)
+
+
+def test_restore_on_other_isa_raises_recorded_mismatch():
+    """Bytes prepared on a non-AMX host restored on an AMX host (w4a8 off) raise
+    RecordedMismatch on isa_hint ("vec" recorded, "amx" here)."""
+    case = vl.awq_linear(128, 64, 32)
+    plan = plan_for(case.config.quant, case.config, HOST)
+    engine, prepared = _exported_layer(case, plan)
+    amx_host = Target("cpu", isa={"amx", "avx512"}, env={"VLLM_CPU_INT4_W4A8": "0"})
+    with pytest.raises(RecordedMismatch, match="isa_hint"):
+        plan.restore(engine, case.config, amx_host, prepared.recorded, drops=prepared.drops)
+
+
+def test_recorded_values_for_unknown_stage_raise():
+    """Records naming a stage the plan lacks mean daemon and engine differ: raise."""
+    case = vl.gptq_linear(128, 64, 32)
+    plan = plan_for(case.config.quant, case.config, HOST)
+    engine, prepared = _exported_layer(case, plan)
+    recorded = {**prepared.recorded, "marlin.repack": {"x": 1}}
+    with pytest.raises(RecordedMismatch, match="marlin.repack"):
+        plan.restore(engine, case.config, HOST, recorded, drops=prepared.drops)
+
+
+# --------------------------------------------------------------------------- guard
+
+
+def _awq_plan(*stages_, allow_invalid=False) -> Plan:
+    return Plan(method="awq", kernel="cpu_wna16_test", stages=stages_,
+                checkpoint={"qweight", "qzeros", "scales", "bias"}, allow_invalid=allow_invalid)
+
+
+def _awq_stages():
+    return list(plan_for(_awq_spec(), LayerConfig(_awq_spec(), 128, 64), HOST).stages)
+
+
+def test_transform_mistagged_metadata_is_invalid():
+    """A TRANSFORM re-tagged METADATA (so restore would replay it) is refused at build."""
+    stages_ = _awq_stages()
+    stages_[0] = evolve(stages_[0], tag=Tag.METADATA)
+    with pytest.raises(PlanInvalid, match="awq.unpack_reorder"):
+        _awq_plan(*stages_)
+
+
+def test_allocate_writing_exported_tensor_is_invalid_and_guarded():
+    """An ALLOCATE stage writing an exported tensor is refused at build; forced through,
+    restore raises RestoreWroteSharedTensor."""
+
+    @stage("cpu_wna16.allocate_scales", Tag.ALLOCATE, reads=("scales",), writes=("scales",))
+    def bad(tensors, config, target, recorded):
+        return StageOut(tensors={"scales": torch.ones_like(tensors["scales"])})
+
+    with pytest.raises(PlanInvalid, match="allocate_scales"):
+        _awq_plan(*_awq_stages(), bad)
+    case = vl.awq_linear(128, 64, 32)
+    plan = _awq_plan(*_awq_stages(), bad, allow_invalid=True)
+    engine, prepared = _exported_layer(case, plan)
+    with pytest.raises(RestoreWroteSharedTensor, match="scales"):
+        plan.restore(engine, case.config, HOST, prepared.recorded, strict=True,
+                     drops=prepared.drops)
+
+
+@pytest.mark.parametrize("via_data", [False, True])
+def test_metadata_writing_in_place_is_caught(via_data):
+    """A METADATA stage that writes shared bytes in place fails the restore guard, by
+    version counter or (through ``.data``, which hides it) by checksum."""
+
+    @stage("cpu_wna16.fix_scales", Tag.METADATA, reads=("scales",))
+    def sneaky(tensors, config, target, recorded):
+        (tensors["scales"].data if via_data else tensors["scales"]).mul_(2)
+        return StageOut()
+
+    case = vl.awq_linear(128, 64, 32)
+    plan = _awq_plan(*_awq_stages())
+    engine, prepared = _exported_layer(case, plan)
+    bad_plan = _awq_plan(*_awq_stages(), sneaky)
+    with pytest.raises(RestoreWroteSharedTensor, match="scales"):
+        bad_plan.restore(engine, case.config, HOST, prepared.recorded, strict=True,
+                         drops=prepared.drops)
+
+
+def test_metadata_folded_into_transform_fails_invariant():
+    """Folding set_isa_hint into the repack TRANSFORM passes load but the restored layer
+    lacks isa_hint: the snapshots differ."""
+    repack = cpu_wna16.repack("qweight")
+
+    @stage("cpu_wna16.repack", Tag.TRANSFORM, reads=("qweight", "scales"), writes=("qweight",),
+           attrs=("isa_hint",))
+    def folded(tensors, config, target, recorded):
+        out = repack.fn(tensors, config, target, recorded)
+        return evolve(out, attrs={"isa_hint": cpu_wna16.isa_hint_for(tensors["scales"].dtype,
+                                                                     target)})
+
+    stages_ = [s for s in _awq_stages() if s.name not in ("cpu_wna16.set_isa_hint",
+                                                          "cpu_wna16.repack")] + [folded]
+    plan = _awq_plan(*stages_)
+    case = vl.awq_linear(128, 64, 32)
+    loaded, expected = case.new_layer(), case.new_layer()
+    plan.load(loaded, case.config, HOST)
+    case.vllm_process(expected)
+    assert {} == _diff(snapshot(expected, case.attr_paths), snapshot(loaded, case.attr_paths))
+    engine, prepared = _exported_layer(case, plan)
+    plan.restore(engine, case.config, HOST, prepared.recorded, strict=True, drops=prepared.drops)
+    diff = _diff(snapshot(loaded, case.attr_paths), snapshot(engine, case.attr_paths))
+    assert {"@isa_hint": (loaded.isa_hint, "<missing>")} == diff
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def test_cpu_plans_registered_with_descriptions_and_sources():
+    """Every CPU plan is registered, described, and each stage names its upstream source."""
+    plans = {p.id: p for p in all_plans()}
+    for plan_id in CPU_PLAN_IDS:
+        plan = plans[plan_id]
+        assert len(plan.description) > 40, plan_id
+        assert all(s.source for s in plan.stages), plan_id
+        assert f"`{plan_id}`" in plan.describe()
+
+
+def test_cuda_unquantized_plan_is_a_noop():
+    """The CUDA unquantized plan runs no stage: load leaves the layer unchanged."""
+    case = vl.unquantized_linear(64, 96)
+    plan = plan_for(case.config.quant, case.config, Target("cuda", (9, 0)))
+    layer = case.new_layer()
+    before = snapshot(layer)
+    plan.load(layer, case.config, Target("cuda", (9, 0)))
+    assert ("none", ()) == (plan.kernel, plan.stages)
+    assert before == snapshot(layer)

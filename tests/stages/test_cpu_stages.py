@@ -1,0 +1,448 @@
+"""CPU stage families (common, awq, gptq, compressed_tensors, cpu_wna16, onednn,
+kv_cache): bit-exact against the vLLM functions they mirror, pure, replayable
+where tagged so, and shape-correct on meta tensors."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wcache.core import LayerConfig, QuantSpec, Stage, StageOut, Tag, Target
+from wcache.stages import (awq, common, compressed_tensors, cpu_wna16, gptq, kv_cache,
+                           onednn)
+
+vllm = pytest.importorskip("vllm")
+import vllm._custom_ops  # noqa: E402,F401  (registers torch.ops._C)
+from vllm.model_executor.layers.quantization.utils import quant_utils as qu  # noqa: E402
+from vllm.scalar_type import scalar_types  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plans"))
+import vllm_layers  # noqa: E402  (tests/plans/vllm_layers.py: one gloo world per session)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_world():
+    """vLLM parameters need a tensor-parallel group; set up a 1-rank world once."""
+    vllm_layers.ensure_vllm()
+
+
+HOST = Target.detect("cpu", env={})
+NON_AMX = Target("cpu", isa={"avx512", "avx512_bf16"})
+BF16 = torch.bfloat16
+#: the vLLM scalar type per bit width for pack/unpack references.
+WTYPES = {4: scalar_types.uint4, 8: scalar_types.uint8}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _int32(seed: int, shape) -> torch.Tensor:
+    return torch.randint(-2**31, 2**31 - 1, tuple(shape), dtype=torch.int32,
+                         generator=_gen(seed))
+
+
+def _module(**tensors: torch.Tensor) -> torch.nn.Module:
+    m = torch.nn.Module()
+    for k, v in tensors.items():
+        m.register_parameter(k, torch.nn.Parameter(v.clone(), requires_grad=False))
+    return m
+
+
+def _run(st_: Stage, tensors, config, target=NON_AMX, recorded=None) -> StageOut:
+    return st_.fn(types.MappingProxyType(dict(tensors)), config, target,
+                  types.MappingProxyType(dict(recorded or {})))
+
+
+def _cfg(method="awq", k=128, n=64, g=32, dtype="bfloat16", **kw) -> LayerConfig:
+    return LayerConfig(QuantSpec(method, num_bits=4, group_size=g, **kw), k, n, dtype)
+
+
+# sizes: size_k and size_n multiples of 32 (CPUWNA16), groups dividing size_k
+shapes = st.tuples(st.integers(1, 6).map(lambda i: 32 * i),
+                   st.integers(1, 4).map(lambda i: 32 * i),
+                   st.sampled_from([-1, 32]), st.integers(0, 2**16))
+
+
+# --------------------------------------------------------------------------- common
+
+
+@given(rows=st.integers(1, 6), cols=st.integers(1, 6), bits=st.sampled_from([4, 8]),
+       dim=st.sampled_from([0, 1]), seed=st.integers(0, 2**16))
+def test_pack_unpack_along_match_vllm(rows, cols, bits, dim, seed):
+    """pack_along/unpack_along equal vLLM's pack/unpack_quantized_values_into_int32."""
+    pf = 32 // bits
+    shape = [rows, cols]
+    shape[dim] *= pf
+    values = torch.randint(0, 2**bits, shape, dtype=torch.int32, generator=_gen(seed))
+    expected = qu.pack_quantized_values_into_int32(values, WTYPES[bits], dim)
+    actual = common.pack_along(values, bits, dim)
+    assert torch.equal(expected, actual)
+    packed = _int32(seed, expected.shape)
+    assert torch.equal(qu.unpack_quantized_values_into_int32(packed, WTYPES[bits], dim),
+                       common.unpack_along(packed, bits, dim))
+
+
+@given(k=st.integers(1, 4).map(lambda i: 8 * i), n=st.integers(1, 4).map(lambda i: 8 * i),
+       seed=st.integers(0, 2**16))
+def test_pack_rows_cols_match_numpy_references(k, n, seed):
+    """pack_rows/pack_cols/unpack_cols equal vLLM's numpy references (gptq_pack too)."""
+    q = torch.randint(0, 16, (k, n), dtype=torch.int32, generator=_gen(seed))
+    assert torch.equal(qu.pack_rows(q, 4, k, n), common.pack_rows(q, 4))
+    assert torch.equal(qu.gptq_pack(q, 4, k, n), common.pack_rows(q, 4))
+    assert torch.equal(qu.pack_cols(q, 4, k, n), common.pack_cols(q, 4))
+    packed = qu.pack_cols(q, 4, k, n)
+    assert torch.equal(qu.unpack_cols(packed, 4, k, n), common.unpack_cols(packed, 4))
+    assert torch.equal(q, common.unpack_rows(common.pack_rows(q, 4), 4))
+
+
+def test_pack_errors_and_pad():
+    """Bad bit widths and sizes raise StageInputError; pad_to pads with the value."""
+    with pytest.raises(common.StageInputError, match="does not divide"):
+        common.pack_factor(3)
+    with pytest.raises(common.StageInputError, match="multiple of 8"):
+        common.pack_along(torch.zeros(7, 2, dtype=torch.int32), 4, 0)
+    padded = common.pad_to(torch.ones(2, 3), (4, 5), value=7.0)
+    expected = torch.full((4, 5), 7.0)
+    expected[:2, :3] = 1.0
+    assert torch.equal(expected, padded)
+    assert common.round_up(33, 32) == 64
+    with pytest.raises(common.StageInputError):
+        common.pad_to(torch.ones(4), (2,))
+
+
+def test_require_op_raises_when_missing():
+    """A native op that is not registered raises OpUnavailable (a WcacheError)."""
+    with pytest.raises(common.OpUnavailable, match="not registered"):
+        common.require_op("_C", "no_such_op_wcache")
+    assert common.require_op("_C", "onednn_mm") is torch.ops._C.onednn_mm
+
+
+# --------------------------------------------------------------------------- AWQ
+
+
+@given(shapes)
+def test_awq_stages_match_vllm_conversion(shape):
+    """awq.unpack_reorder + awq.convert_zero_points equal _convert_awq_to_standard_format."""
+    from vllm.model_executor.layers.quantization.auto_awq import (
+        _convert_awq_to_standard_format)
+
+    k, n, g, seed = shape
+    groups = 1 if g == -1 else k // g
+    qweight, qzeros = _int32(seed, (k, n // 8)), _int32(seed + 1, (groups, n // 8))
+    ref = _module(qweight=qweight, qzeros=qzeros)
+    _convert_awq_to_standard_format(ref, "qweight", "qzeros", 4)
+    cfg = _cfg(k=k, n=n, g=g)
+    out_w = _run(awq.unpack_reorder, {"qweight": qweight}, cfg).tensors["qweight"]
+    out_z = _run(awq.convert_zero_points, {"qzeros": qzeros}, cfg).tensors["qzeros"]
+    assert torch.equal(ref.qweight.data, out_w)
+    assert torch.equal(ref.qzeros.data, out_z)
+
+
+@given(shapes)
+def test_awq_unpack_reorder_gives_gptq_pack(shape):
+    """AWQ-packed quantized weights become exactly gptq_pack of the same values."""
+    k, n, g, seed = shape
+    w = torch.randn(k, n, generator=_gen(seed))
+    _, q_w, _, _ = qu.quantize_weights(w, scalar_types.uint4, g, zero_points=True)
+    awq_packed = qu.awq_pack(q_w, 4, k, n)
+    out = _run(awq.unpack_reorder, {"qweight": awq_packed}, _cfg(k=k, n=n, g=g))
+    assert torch.equal(qu.gptq_pack(q_w, 4, k, n), out.tensors["qweight"])
+
+
+# --------------------------------------------------------------------------- CPUWNA16
+
+
+def _vllm_cpu_kernel(k, n, g, zero_points, act=BF16):
+    from vllm.model_executor.kernels.linear import MPLinearLayerConfig
+    from vllm.model_executor.kernels.linear.mixed_precision.cpu import CPUWNA16LinearKernel
+
+    cfg = MPLinearLayerConfig(full_weight_shape=(k, n), partition_weight_shape=(k, n),
+                              weight_type=scalar_types.uint4 if zero_points
+                              else scalar_types.uint4b8,
+                              act_type=act, group_size=g, zero_points=zero_points)
+    return CPUWNA16LinearKernel(cfg, w_q_param_name="qweight", w_s_param_name="scales",
+                                w_zp_param_name="qzeros")
+
+
+@given(shapes)
+def test_cpu_wna16_repack_matches_vllm(shape):
+    """cpu_wna16.repack equals CPUWNA16LinearKernel._process_gptq_weights_w4a16, and
+    set_isa_hint equals the hint it sets on this host."""
+    k, n, g, seed = shape
+    qweight = _int32(seed, (k // 8, n))
+    scales = torch.rand(1 if g == -1 else k // g, n, generator=_gen(seed)).to(BF16)
+    ref = _module(qweight=qweight, scales=scales)
+    _vllm_cpu_kernel(k, n, g, False)._process_gptq_weights_w4a16(ref)
+    cfg = _cfg("gptq", k=k, n=n, g=g)
+    out = _run(cpu_wna16.repack("qweight"), {"qweight": qweight}, cfg, HOST)
+    assert torch.equal(ref.qweight.data, out.tensors["qweight"])
+    hint = _run(cpu_wna16.set_isa_hint("scales"), {"scales": scales}, cfg, HOST)
+    assert hint.attrs == {"isa_hint": ref.isa_hint} == hint.record
+
+
+@pytest.mark.parametrize("isa,dtype,expected", [
+    ((), BF16, "vec"), (("avx512", "avx512_bf16"), BF16, "vec"), (("amx",), BF16, "amx"),
+    (("amx",), torch.float16, "vec"), (("riscv",), torch.float16, "rvv"),
+    (("power",), BF16, "vsx"), (("power",), torch.float32, "vec"),
+])
+def test_isa_hint_table(isa, dtype, expected):
+    """isa_hint follows vLLM's _get_isa_hint, from the Target only."""
+    assert expected == cpu_wna16.isa_hint_for(dtype, Target("cpu", isa=frozenset(isa)))
+
+
+@pytest.mark.parametrize("isa,env,dtype,expected", [
+    ((), (), BF16, False), (("amx",), (), BF16, True), (("amx",), (("VLLM_CPU_INT4_W4A8", "0"),),
+                                                       BF16, False),
+    (("amx",), (), torch.float16, False), (("riscv",), (), BF16, True),
+    (("avx512_bf16",), (("VLLM_CPU_INT4_W4A8", "1"),), BF16, False),
+])
+def test_use_w4a8_table(isa, env, dtype, expected):
+    """use_w4a8 follows vLLM's expression with the env value taken from the Target."""
+    assert expected == cpu_wna16.use_w4a8_for(dtype, Target("cpu", isa=frozenset(isa), env=env))
+
+
+def test_use_w4a8_matches_vllm_on_this_host():
+    """On this host (env pinned to vLLM's default) the Target gives vLLM's own value."""
+    ref = _module(qweight=torch.zeros(16, 64, dtype=torch.int32),
+                  scales=torch.ones(4, 64, dtype=BF16),
+                  qzeros=torch.zeros(4, 8, dtype=torch.int32))
+    ref.qweight.input_dim = ref.qweight.packed_dim = 0
+    ref.scales.output_dim = 1
+    _vllm_cpu_kernel(128, 64, 32, False).process_weights_after_loading(ref)
+    assert ref.use_w4a8 == cpu_wna16.use_w4a8_for(BF16, HOST)
+    assert ref.qzeros is None and "qzeros" in ref._parameters
+
+
+def test_repack_refuses_w4a8_target():
+    """The repack stage refuses a target that selects the w4a8 layout."""
+    with pytest.raises(common.StageInputError, match="w4a8"):
+        _run(cpu_wna16.repack("qweight"), {"qweight": torch.zeros(16, 64, dtype=torch.int32)},
+             _cfg("gptq"), Target("cpu", isa={"amx"}))
+
+
+def test_gptq_and_ct_zero_point_stages():
+    """gptq.drop_zero_points drops qzeros into a None slot; CT clears the attribute."""
+    out = _run(gptq.drop_zero_points, {"qzeros": torch.zeros(1, 1, dtype=torch.int32)}, _cfg())
+    assert (("qzeros",), {"qzeros": None}) == (out.drop, dict(out.attrs))
+    out = _run(compressed_tensors.clear_zero_point, {}, _cfg("ct_w4a16"))
+    assert {"weight_zero_point": None} == dict(out.attrs) and out.drop == ()
+
+
+@given(shapes)
+def test_ct_transposes_match_vllm(shape):
+    """compressed-tensors transposes and the CPU repack equal vLLM's kernel on CT layout."""
+    k, n, g, seed = shape
+    groups = 1 if g == -1 else k // g
+    w = _int32(seed, (n, k // 8))
+    s = torch.rand(n, groups, generator=_gen(seed)).to(BF16)
+    zp = _int32(seed + 1, (n // 8, groups))
+    ref = _module(qweight=w, scales=s, qzeros=zp)
+    ref.qweight.input_dim = ref.qweight.packed_dim = 1
+    ref.scales.output_dim = 0
+    ref.qzeros.output_dim = 0
+    _vllm_cpu_kernel(k, n, g, True).process_weights_after_loading(ref)
+    cfg = _cfg("ct_w4a16", k=k, n=n, g=g, zero_point=True)
+    tw = _run(compressed_tensors.transpose_weight, {"weight_packed": w}, cfg)
+    ts = _run(compressed_tensors.transpose_scales, {"weight_scale": s}, cfg)
+    tz = _run(cpu_wna16.transpose_zero_points("qzeros"), {"qzeros": zp}, cfg)
+    rp = _run(cpu_wna16.repack("w"), {"w": tw.tensors["weight_packed"]}, cfg, HOST)
+    assert torch.equal(ref.qweight.data, rp.tensors["w"])
+    assert torch.equal(ref.scales.data, ts.tensors["weight_scale"])
+    assert torch.equal(ref.qzeros.data, tz.tensors["qzeros"])
+
+
+# --------------------------------------------------------------------------- oneDNN
+
+
+@given(widths=st.lists(st.integers(1, 4).map(lambda i: 16 * i), min_size=2, max_size=3),
+       seed=st.integers(0, 2**16))
+def test_convert_scale_to_channelwise_matches_vllm(widths, seed):
+    """onednn.convert_scale_to_channelwise equals vLLM's convert_to_channelwise."""
+    from vllm.model_executor.layers.quantization.utils.w8a8_utils import convert_to_channelwise
+
+    scale = torch.rand(len(widths), generator=_gen(seed))
+    cfg = LayerConfig(QuantSpec("ct_w8a8_int8", strategy="tensor"), 64, sum(widths),
+                      extra={"logical_widths": tuple(widths)})
+    out = _run(onednn.convert_scale_to_channelwise, {"weight_scale": scale}, cfg)
+    assert torch.equal(convert_to_channelwise(scale, widths), out.tensors["weight_scale"])
+
+
+def test_onednn_prepack_weight_matches_vllm_dispatch():
+    """onednn.prepack_weight gives a cpu_linear bit-identical to vLLM's oneDNN dispatch,
+    releases the linear weight and keeps an embedding's."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    w = torch.randn(96, 64, generator=_gen(0)).to(BF16)
+    ref = _module(weight=w)
+    dispatch_cpu_unquantized_gemm(ref, remove_weight=True)
+    x = torch.randn(5, 64, generator=_gen(1)).to(BF16)
+    bias = torch.randn(96, generator=_gen(2)).to(BF16)
+    out = _run(onednn.prepack_weight, {"weight": w}, _cfg("unquantized"))
+    assert out.release == ("weight",)
+    assert torch.equal(ref.cpu_linear(x, None, bias), out.attrs["cpu_linear"](x, None, bias))
+    emb_cfg = LayerConfig(QuantSpec("unquantized", layer_kind="embedding"), 64, 96)
+    assert _run(onednn.prepack_weight, {"weight": w}, emb_cfg).release == ()
+    meta = _run(onednn.prepack_weight, {"weight": w.to("meta")}, _cfg("unquantized"))
+    assert meta.attrs["cpu_linear"] is torch.nn.functional.linear and meta.release == ()
+
+
+@pytest.mark.parametrize("n,k,dtype,isa,expected", [
+    (96, 64, BF16, (), False), (96, 64, BF16, ("amx",), True), (4096, 4096, BF16, ("amx",), False),
+    (8, 40, BF16, ("amx",), True), (96, 40, BF16, ("amx",), False),
+    (4096, 4096, torch.int8, ("amx",), True), (4096, 4096, torch.float32, ("amx",), False),
+])
+def test_sgl_selected_table(n, k, dtype, isa, expected):
+    """sgl_selected mirrors vLLM's check_cpu_sgl_kernel with the Target's AMX flag."""
+    assert expected == onednn.sgl_selected(n, k, dtype, Target("cpu", isa=frozenset(isa)))
+
+
+# --------------------------------------------------------------------------- KV cache
+
+
+@pytest.mark.parametrize("dtype", ["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4",
+                                   "int8_per_token_head", "fp8_per_token_head", "bfloat16"])
+def test_kv_cache_dtype_predicates_match_vllm(dtype):
+    """is_quantized_kv_cache / uses_per_token_head_scales equal vLLM's functions."""
+    from vllm.utils.torch_utils import is_quantized_kv_cache
+    from vllm.v1.kv_cache_interface import kv_cache_uses_per_token_head_scales
+
+    assert is_quantized_kv_cache(dtype) == kv_cache.is_quantized_kv_cache(dtype)
+    assert kv_cache_uses_per_token_head_scales(dtype) == kv_cache.uses_per_token_head_scales(dtype)
+
+
+# --------------------------------------------------------------------------- properties
+
+
+def _inputs(name: str, k: int, n: int, g: int, seed: int):
+    """(stage, tensors, config) for every CPU stage, drawn from one shape."""
+    groups = 1 if g == -1 else k // g
+    gen = _gen(seed)
+    scales = torch.rand(groups, n, generator=gen).to(BF16)
+    w8 = torch.randint(-128, 128, (n, k), generator=gen).to(torch.int8)
+    dyn_asym = LayerConfig(QuantSpec("ct_w8a8_int8", strategy="channel", static_input=False,
+                                     input_symmetric=False), k, n, "bfloat16")
+    static_asym = LayerConfig(QuantSpec("ct_w8a8_int8", strategy="tensor", static_input=True,
+                                        input_symmetric=False), k, n, "bfloat16",
+                              extra={"logical_widths": (n // 2, n - n // 2)})
+    kv_cfg = LayerConfig(QuantSpec("kv_cache"), 0, 0, extra={"kv_cache_dtype": "fp8"})
+    kv_tensors = {**{p: torch.tensor(float(i + 1) / 4) for i, p in
+                     enumerate(kv_cache.SCALE_PARAMS)},
+                  **{b: torch.tensor(1.0) for b in kv_cache.SCALE_BUFFERS}}
+    table = {
+        "awq.unpack_reorder": (awq.unpack_reorder, {"qweight": _int32(seed, (k, n // 8))},
+                               _cfg(k=k, n=n, g=g)),
+        "awq.convert_zero_points": (awq.convert_zero_points,
+                                    {"qzeros": _int32(seed, (groups, n // 8))},
+                                    _cfg(k=k, n=n, g=g)),
+        "gptq.drop_zero_points": (gptq.drop_zero_points,
+                                  {"qzeros": _int32(seed, (groups, n // 8))}, _cfg("gptq")),
+        "compressed_tensors.transpose_weight": (compressed_tensors.transpose_weight,
+                                                {"weight_packed": _int32(seed, (n, k // 8))},
+                                                _cfg("ct_w4a16")),
+        "compressed_tensors.transpose_scales": (compressed_tensors.transpose_scales,
+                                                {"weight_scale": scales.t().contiguous()},
+                                                _cfg("ct_w4a16")),
+        "compressed_tensors.clear_zero_point": (compressed_tensors.clear_zero_point, {},
+                                                _cfg("ct_w4a16")),
+        "cpu_wna16.transpose_zero_points": (cpu_wna16.transpose_zero_points("qzeros"),
+                                            {"qzeros": _int32(seed, (n // 8, groups))}, _cfg()),
+        "cpu_wna16.set_isa_hint": (cpu_wna16.set_isa_hint("scales"), {"scales": scales}, _cfg()),
+        "cpu_wna16.set_use_w4a8": (cpu_wna16.set_use_w4a8, {}, _cfg()),
+        "cpu_wna16.repack": (cpu_wna16.repack("qweight"), {"qweight": _int32(seed, (k // 8, n))},
+                             _cfg()),
+        "onednn.prepack_weight": (onednn.prepack_weight,
+                                  {"weight": torch.randn(n, k, generator=gen).to(BF16)},
+                                  _cfg("unquantized")),
+        "onednn.convert_scale_to_channelwise": (onednn.convert_scale_to_channelwise,
+                                                {"weight_scale": torch.rand(2, generator=gen)},
+                                                static_asym),
+        "onednn.fold_input_scale": (onednn.fold_input_scale,
+                                    {"input_scale": torch.rand(1, generator=gen) + 0.01,
+                                     "input_zero_point": torch.tensor([3], dtype=torch.int8)},
+                                    static_asym),
+        "onednn.compute_azp_adj": (onednn.compute_azp_adj,
+                                   {"weight": w8, "weight_scale": torch.rand(n, 1, generator=gen)},
+                                   dyn_asym),
+        "onednn.prepack_scaled_weight": (onednn.prepack_scaled_weight,
+                                         {"weight": w8,
+                                          "weight_scale": torch.rand(n, 1, generator=gen)},
+                                         dyn_asym),
+        "kv_cache.select_scales": (kv_cache.select_scales, kv_tensors, kv_cfg),
+        "kv_cache.set_scale_floats": (kv_cache.set_scale_floats, kv_tensors, kv_cfg),
+    }
+    return table[name]
+
+
+ALL_STAGES = ("awq.unpack_reorder", "awq.convert_zero_points", "gptq.drop_zero_points",
+              "compressed_tensors.transpose_weight", "compressed_tensors.transpose_scales",
+              "compressed_tensors.clear_zero_point", "cpu_wna16.transpose_zero_points",
+              "cpu_wna16.set_isa_hint", "cpu_wna16.set_use_w4a8", "cpu_wna16.repack",
+              "onednn.prepack_weight", "onednn.convert_scale_to_channelwise",
+              "onednn.fold_input_scale", "onednn.compute_azp_adj",
+              "onednn.prepack_scaled_weight", "kv_cache.select_scales",
+              "kv_cache.set_scale_floats")
+
+small_shapes = st.tuples(st.integers(1, 3).map(lambda i: 32 * i),
+                         st.integers(1, 3).map(lambda i: 32 * i),
+                         st.sampled_from([-1, 32]), st.integers(0, 2**16))
+
+
+@pytest.mark.parametrize("name", ALL_STAGES)
+@settings(max_examples=10)
+@given(shape=small_shapes)
+def test_stage_is_pure(name, shape):
+    """Every stage leaves its inputs' bytes and version counters unchanged and writes
+    only what it declares."""
+    stage_, tensors, cfg = _inputs(name, *shape)
+    assert stage_.name == name
+    before = {k: (v.clone(), v._version) for k, v in tensors.items()}
+    out = _run(stage_, tensors, cfg)
+    for k, (copy, version) in before.items():
+        assert torch.equal(copy, tensors[k]) and version == tensors[k]._version, k
+    assert set(out.tensors) | set(out.drop) <= set(stage_.writes) | set(stage_.attrs)
+    assert set(out.attrs) <= set(stage_.attrs) | set(stage_.writes)
+    assert stage_.source, f"{name} has no source"
+
+
+REPLAYABLE = tuple(n for n in ALL_STAGES if _inputs(n, 32, 32, -1, 0)[0].replayable)
+
+
+@pytest.mark.parametrize("name", REPLAYABLE)
+def test_replayable_stage_twice_equals_once(name):
+    """METADATA/DERIVE stages give the same attributes, records and behaviour twice."""
+    stage_, tensors, cfg = _inputs(name, 64, 64, 32, 3)
+    first, second = _run(stage_, tensors, cfg), _run(stage_, tensors, cfg)
+    assert dict(first.record) == dict(second.record)
+    assert first.release == second.release and first.drop == second.drop
+    for key, value in first.attrs.items():
+        other = second.attrs[key]
+        if isinstance(value, onednn.OneDNNLinear):
+            x = torch.randn(3, 64, generator=_gen(9)).to(BF16)
+            assert torch.equal(value(x, None, None), other(x, None, None))
+        elif isinstance(value, onednn.OneDNNHandle):
+            assert (value.k, value.n) == (other.k, other.n)
+        elif isinstance(value, torch.Tensor):
+            assert torch.equal(value, other)
+        else:
+            assert value == other, key
+
+
+TRANSFORMS = tuple(n for n in ALL_STAGES if _inputs(n, 32, 32, -1, 0)[0].tag is Tag.TRANSFORM)
+
+
+@pytest.mark.parametrize("name", TRANSFORMS)
+def test_transform_on_meta_gives_real_shapes(name):
+    """TRANSFORM stages accept meta tensors and return the shapes and dtypes of a real run."""
+    stage_, tensors, cfg = _inputs(name, 64, 96, 32, 5)
+    real = _run(stage_, tensors, cfg)
+    meta = _run(stage_, {k: v.to("meta") for k, v in tensors.items()}, cfg)
+    assert {k: (tuple(v.shape), v.dtype) for k, v in real.tensors.items()} == \
+        {k: (tuple(v.shape), v.dtype) for k, v in meta.tensors.items()}
+    assert real.drop == meta.drop

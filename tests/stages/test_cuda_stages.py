@@ -1,0 +1,461 @@
+"""CUDA-layout stages (Marlin, FP8, MXFP8, NVFP4) against vLLM 0.32's pure-torch
+references, bit for bit, on CPU; plus purity and the bad-input table."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import reference_kernels as R
+from wcache.core import LayerConfig, QuantSpec, Target
+from wcache.stages import fp8 as F8
+from wcache.stages import marlin as M
+from wcache.stages import mxfp8 as MX
+from wcache.stages import nvfp4 as F4
+
+mu = pytest.importorskip("vllm.model_executor.layers.quantization.utils.marlin_utils")
+mut = pytest.importorskip("vllm.model_executor.layers.quantization.utils.marlin_utils_test")
+from vllm.model_executor.layers.quantization.utils import marlin_utils_fp8 as mfp8  # noqa: E402
+from vllm.model_executor.layers.quantization.utils import mxfp8_utils  # noqa: E402
+from vllm.model_executor.layers.quantization.utils import nvfp4_emulation_utils as emu  # noqa: E402
+from vllm.model_executor.layers.quantization.utils import nvfp4_utils  # noqa: E402
+from vllm.model_executor.layers.quantization.utils.quant_utils import pack_cols  # noqa: E402
+
+H200 = Target("cuda", (9, 0))
+#: float8_e4m3fn NaN bit patterns; drawn FP8 bytes avoid them.
+FP8_NAN_BITS = (0x7F, 0xFF)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def fp8_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    b = bits.to(torch.int32)
+    for nan in FP8_NAN_BITS:
+        b = torch.where(b == nan, torch.zeros_like(b), b)
+    return b.to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+def u8(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def cfg(method="gptq", k=128, n=128, bits=4, g=-1, zp=False, dtype="bfloat16", extra=()):
+    return LayerConfig(QuantSpec(method, num_bits=bits, group_size=g, zero_point=zp),
+                       size_k=k, size_n=n, params_dtype=dtype, extra=extra)
+
+
+# --------------------------------------------------------------------------- Marlin
+
+
+@given(st.sampled_from([4, 8]), st.integers(1, 12), st.integers(1, 4), st.integers(0, 2 ** 16))
+def test_repack_equals_marlin_weights(bits, k_tiles, n_blocks, seed):
+    """marlin_repack(gptq_pack(q)) == marlin_weights(q, K, N, bits, get_weight_perm(bits))."""
+    k, n = 16 * k_tiles, 64 * n_blocks
+    q = torch.randint(0, 2 ** bits, (k, n), generator=_gen(seed), dtype=torch.int32)
+    packed = M.pack_int32(q.t().contiguous(), bits).t().contiguous()
+    expected = mut.marlin_weights(q, k, n, bits, mut.get_weight_perm(bits))
+    assert torch.equal(expected, M.marlin_repack(packed, k, n, bits))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_weight_perm_equals_vllm(bits):
+    """marlin_weight_perm == get_weight_perm (16-bit activations)."""
+    assert torch.equal(mut.get_weight_perm(bits), M.marlin_weight_perm(bits))
+
+
+@given(st.sampled_from([-1, 32, 64, 128]), st.sampled_from([128, 256]),
+       st.sampled_from([64, 128, 192]), st.integers(0, 2 ** 16))
+def test_permute_scales_equals_vllm(g, k, n, seed):
+    """marlin_permute_scales matches vLLM for grouped and channelwise scales."""
+    rows = k // g if g > 0 else 1
+    s = torch.randn(rows, n, generator=_gen(seed)).to(torch.bfloat16)
+    assert torch.equal(mu.marlin_permute_scales(s, k, n, g), M.marlin_permute_scales(s, k, n, g))
+
+
+@given(st.sampled_from([4, 8]), st.sampled_from([1, 2, 4]), st.sampled_from([64, 128, 256]),
+       st.integers(0, 2 ** 16))
+def test_zero_points_and_pack_equal_vllm(bits, groups, n, seed):
+    """marlin_zero_points and pack_int32 match vLLM's marlin_zero_points / pack_cols."""
+    zp = torch.randint(0, 2 ** bits, (groups, n), generator=_gen(seed), dtype=torch.int32)
+    assert torch.equal(mu.marlin_zero_points(zp, groups, n, bits),
+                       M.marlin_zero_points(zp, groups, n, bits))
+    assert torch.equal(pack_cols(zp, bits, groups, n), M.pack_int32(zp, bits))
+
+
+@given(st.sampled_from([32, 64, 128]), st.sampled_from([128, 256]),
+       st.sampled_from([64, 128, 256]), st.integers(0, 2 ** 16))
+def test_awq_zero_point_pipeline_equals_awq_to_marlin_zero_points(g, k, n, seed):
+    """AWQ -> standard -> marlin.zero_points stage == vLLM's awq_to_marlin_zero_points."""
+    gen = _gen(seed)
+    zp = torch.randint(0, 16, (k // g, n), generator=gen, dtype=torch.int32)
+    awq = M.pack_int32(zp.reshape(k // g, n // 8, 8)[:, :, [0, 2, 4, 6, 1, 3, 5, 7]]
+                       .reshape(k // g, n), 4)
+    qweight = torch.zeros(k, n // 8, dtype=torch.int32)
+    _, std = M.awq_to_standard(qweight, awq, 4)
+    stage_ = M.zero_points_stage("qzeros")
+    out = stage_.fn({"qzeros": std}, cfg("awq", k, n, 4, g, True), H200, {})
+    assert torch.equal(mu.awq_to_marlin_zero_points(awq, k // g, n, 4), out.tensors["qzeros"])
+
+
+def test_awq_to_standard_equals_vllm():
+    """awq_to_standard == vLLM's _convert_awq_to_standard_format (weight and zero points)."""
+    from vllm.model_executor.layers.quantization.auto_awq import _convert_awq_to_standard_format
+
+    gen = _gen(7)
+    qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (128, 16), generator=gen, dtype=torch.int32)
+    qzeros = torch.randint(-2 ** 31, 2 ** 31 - 1, (2, 16), generator=gen, dtype=torch.int32)
+    layer = torch.nn.Module()
+    layer.qweight = torch.nn.Parameter(qweight.clone(), requires_grad=False)
+    layer.qzeros = torch.nn.Parameter(qzeros.clone(), requires_grad=False)
+    import vllm.model_executor.parameter as vparam
+
+    with mock.patch.object(vparam, "get_tensor_model_parallel_rank", lambda: 0), \
+            mock.patch.object(vparam, "get_tensor_model_parallel_world_size", lambda: 1):
+        _convert_awq_to_standard_format(layer, "qweight", "qzeros", 4)
+    w, z = M.awq_to_standard(qweight, qzeros, 4)
+    assert torch.equal(layer.qweight.data, w)
+    assert torch.equal(layer.qzeros.data, z)
+
+
+@given(st.sampled_from([64, 128, 256]), st.integers(0, 2 ** 16))
+def test_permute_bias_equals_vllm(n, seed):
+    """marlin_permute_bias matches vLLM."""
+    b = torch.randn(n, generator=_gen(seed)).to(torch.bfloat16)
+    assert torch.equal(mu.marlin_permute_bias(b), M.marlin_permute_bias(b))
+
+
+@given(st.integers(1, 700), st.integers(1, 700), st.sampled_from([-1, 32, 64, 128]))
+def test_padded_nk_equals_vllm(n, k, g):
+    """marlin_padded_nk picks the same tile family as vLLM."""
+    assert mu.marlin_padded_nk(n, k, g) == M.marlin_padded_nk(n, k, g)
+
+
+@pytest.mark.parametrize("method,bits,g,k,n,zp", [
+    ("gptq", 4, 64, 256, 96, False), ("gptq", 8, -1, 192, 96, False),
+    ("awq", 4, 128, 256, 96, True), ("ct_w4a16", 4, 32, 128, 64, True),
+])
+def test_marlin_stages_equal_vllm_kernel_composition(method, bits, g, k, n, zp):
+    """repack/permute_scales/zero_points/bias stages == MarlinLinearKernel's composition of
+    vLLM helpers (marlin_pad_*, marlin_weights as the repack, marlin_permute_*), with padding."""
+    gen = _gen(11)
+    groups = k // g if g > 0 else 1
+    pn, pk = mu.marlin_padded_nk(n, k, g)
+    q = torch.randint(0, 2 ** bits, (k, n), generator=gen, dtype=torch.int32)
+    packed = M.pack_int32(q.t().contiguous(), bits).t().contiguous()
+    s = torch.rand(groups, n, generator=gen).to(torch.bfloat16)
+    c = cfg(method, k, n, bits, g, zp)
+    got_q = M.repack_stage("qweight").fn({"qweight": packed}, c, H200, {}).tensors["qweight"]
+    qp = torch.nn.functional.pad(q, (0, pn - n, 0, pk - k))
+    assert torch.equal(mut.marlin_weights(qp, pk, pn, bits, mut.get_weight_perm(bits)), got_q)
+    got_s = M.permute_scales_stage("scales").fn({"scales": s}, c, H200, {}).tensors["scales"]
+    exp_s = mu.marlin_permute_scales(mu.marlin_pad_scales(s, n, k, pn, pk, g), pk, pn, g)
+    assert torch.equal(exp_s, got_s)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    got_b = M.PERMUTE_BIAS.fn({"bias": bias}, c, H200, {}).tensors["bias"]
+    assert torch.equal(mu.marlin_permute_bias(mu.marlin_pad_dim(bias, n, pn)), got_b)
+    if zp:
+        z = torch.randint(0, 2 ** bits, (groups, n), generator=gen, dtype=torch.int32)
+        std = M.pack_int32(z, bits).t().contiguous()
+        got_z = M.zero_points_stage("qzeros").fn({"qzeros": std}, c, H200, {}).tensors["qzeros"]
+        pg = pk // g if g > 0 else 1
+        exp_z = mu.marlin_zero_points(mu.marlin_pad_scales(z, n, k, pn, pk, g), pg, pn, bits)
+        assert torch.equal(exp_z, got_z)
+
+
+# --------------------------------------------------------------------------- FP8 / MXFP8 Marlin
+
+
+@given(st.sampled_from([64, 100, 128]), st.sampled_from([64, 128, 96]), st.integers(0, 2 ** 16),
+       st.sampled_from(["bfloat16", "float16"]))
+def test_fp8_marlin_stages_equal_vllm(n, k, seed, dtype):
+    """FP8 weight-only Marlin: pack_fp8_to_int32 + repack, and the scale cast/expand/pad/
+    permute/exponent-bias, equal vLLM's prepare_fp8_layer_for_marlin pieces."""
+    gen = _gen(seed)
+    w = fp8_from_bits(torch.randint(0, 256, (n, k), generator=gen))
+    c = cfg("ct_w8a8_fp8", k, n, 8, -1, dtype=dtype, extra=(("logical_widths", (n // 2, n - n // 2)),))
+    pn, pk = mu.marlin_padded_nk(n, k, -1)
+    packed = mfp8.pack_fp8_to_int32(w, size_k_first=False).T.contiguous()
+    assert torch.equal(packed, M.pack_fp8_to_int32(w))
+    vals = M.unpack_int32(packed.t().contiguous(), 8).t()
+    vals = torch.nn.functional.pad(vals, (0, pn - n, 0, pk - k))
+    expected = mut.marlin_weights(vals, pk, pn, 8, mut.get_weight_perm(8))
+    assert torch.equal(expected, M.FP8_REPACK.fn({"weight": w}, c, H200, {}).tensors["weight"])
+    scale = torch.rand(2, generator=gen) * 0.01 + 1e-4
+    sd = getattr(torch, dtype)
+    exp = scale.to(sd).view(1, -1).repeat_interleave(
+        torch.tensor(c.get("logical_widths")), dim=1)
+    exp = mu.marlin_permute_scales(mu.marlin_pad_scales(exp, n, k, pn, pk, -1), pk, pn, -1)
+    exp = mfp8.fp8_fused_exponent_bias_into_scales(exp)
+    got = M.FP8_SCALES.fn({"weight_scale": scale}, c, H200, {}).tensors["weight_scale"]
+    assert got.dtype == sd and torch.equal(exp, got)
+
+
+@given(st.sampled_from([64, 100, 128]), st.sampled_from([64, 96, 256]), st.integers(0, 2 ** 16))
+def test_mxfp8_marlin_scales_equal_vllm(n, k, seed):
+    """MXFP8 Marlin scales == vLLM's cast/transpose/pad/permute + mxfp8_marlin_process_scales."""
+    q, s = mxfp8_utils._mxfp8_e4m3_quantize_torch(torch.randn(n, k, generator=_gen(seed)))
+    c = cfg("mxfp8", k, n, 8, -1)
+    pn, pk = mu.marlin_padded_nk(n, k, 32)
+    exp = s.view(torch.float8_e8m0fnu).to(torch.bfloat16).T.contiguous()
+    exp = mu.marlin_permute_scales(mu.marlin_pad_scales(exp, n, k, pn, pk, 32), pk, pn, 32)
+    exp = mfp8.mxfp8_marlin_process_scales(exp)
+    got = M.MXFP8_SCALES.fn({"weight_scale": s}, c, H200, {}).tensors["weight_scale"]
+    assert torch.equal(u8(exp), u8(got))
+
+
+# --------------------------------------------------------------------------- FP8 quantization
+
+
+@given(st.sampled_from([(16, 32), (100, 64), (130, 200)]), st.integers(0, 2 ** 16),
+       st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+def test_quantize_per_tensor_equals_vllm_torch_fallback(shape, seed, dtype):
+    """Per-tensor FP8 == vLLM's _fp8_scale + QuantFP8.forward_native (the static op's fallback)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.online import fp8 as online
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape, weight_amax
+
+    w = (torch.randn(*shape, generator=_gen(seed)) * 0.1).to(dtype)
+    scale = online._fp8_scale(weight_amax(w).reshape(1))
+    with set_current_vllm_config(VllmConfig()):
+        qf = QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR)
+        expected, _ = qf.forward_native(w, scale)
+    q, s = F8.quantize_per_tensor(w)
+    assert torch.equal(scale, s)
+    assert torch.equal(u8(expected), u8(q))
+
+
+@given(st.sampled_from([(16, 32), (100, 64)]), st.integers(0, 2 ** 16), st.booleans())
+def test_quantize_per_channel_equals_vllm(shape, seed, zero_row):
+    """Per-channel FP8 == vLLM's _fp8_channel_scale + _fp8_quant_per_channel (incl. zero rows)."""
+    from vllm.model_executor.layers.quantization.online import fp8 as online
+    from vllm.model_executor.layers.quantization.utils.quant_utils import weight_amax
+
+    w = (torch.randn(*shape, generator=_gen(seed)) * 0.1).to(torch.bfloat16)
+    if zero_row:
+        w[0] = 0
+    scale = online._fp8_channel_scale(weight_amax(w, dim=-1, keepdim=True))
+    expected = online._fp8_quant_per_channel(w, scale)
+    q, s = F8.quantize_per_channel(w)
+    assert torch.equal(scale, s) and torch.equal(u8(expected), u8(q))
+
+
+@given(st.sampled_from([(128, 128), (100, 300), (257, 64)]), st.integers(0, 2 ** 16))
+def test_per_block_cast_equals_vllm(shape, seed):
+    """per_block_cast_to_fp8 == vLLM's (eager body of the torch.compile'd function)."""
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8 as ref
+
+    ref = getattr(ref, "_torchdynamo_orig_callable", ref)
+    w = torch.randn(*shape, generator=_gen(seed)).to(torch.bfloat16)
+    eq, es = ref(w, [128, 128], False)
+    q, s = F8.per_block_cast_to_fp8(w)
+    assert torch.equal(u8(eq), u8(q)) and torch.equal(es, s)
+
+
+@given(st.sampled_from([(4, 32), (100, 64), (3, 256)]), st.integers(0, 2 ** 16), st.booleans())
+def test_mxfp8_quantize_equals_vllm(shape, seed, with_zero_block):
+    """mxfp8_e4m3_quantize == vLLM's _mxfp8_e4m3_quantize_torch (values and E8M0 codes)."""
+    w = (torch.randn(*shape, generator=_gen(seed)) * 3).to(torch.bfloat16)
+    if with_zero_block:
+        w[0, :32] = 0
+    eq, es = mxfp8_utils._mxfp8_e4m3_quantize_torch(w)
+    q, s = MX.mxfp8_e4m3_quantize(w)
+    assert torch.equal(u8(eq), u8(q)) and torch.equal(es, s)
+
+
+def _vllm_cutlass_kernel():
+    from vllm.model_executor.kernels.linear.scaled_mm.cutlass import CutlassFP8ScaledMMLinearKernel
+
+    k = object.__new__(CutlassFP8ScaledMMLinearKernel)   # __init__ needs a CUDA build
+    k.layer_param_names = ("weight", "weight_scale", "input_scale", "input_zero_point")
+    k.logical_output_size = None
+    return k
+
+
+@given(st.sampled_from([(64, 100), (60, 128), (64, 64), (40, 33)]), st.integers(0, 2 ** 16))
+def test_cutlass_pad_per_tensor_equals_vllm(kn, seed):
+    """Per-tensor CUTLASS K/N padding == vLLM's kernel post-load (weight, strides, width)."""
+    k, n = kn
+    w = fp8_from_bits(torch.randint(0, 256, (n, k), generator=_gen(seed))).t()
+    s = torch.tensor([0.02])
+    mod = torch.nn.Module()
+    mod.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+    mod.weight_scale = torch.nn.Parameter(s.clone(), requires_grad=False)
+    kern = _vllm_cutlass_kernel()
+    kern.process_weights_after_loading(mod)
+    pw, ps = F8.cutlass_pad(w, s)
+    assert pw.shape == mod.weight.shape and pw.stride() == mod.weight.stride()
+    assert torch.equal(u8(mod.weight.data), u8(pw)) and torch.equal(mod.weight_scale.data, ps)
+    out = F8.CUTLASS_LOGICAL_WIDTH.fn({}, cfg("fp8", k, n), H200, {})
+    assert out.attrs[F8.LOGICAL_OUTPUT_ATTR] == kern.logical_output_size == n
+
+
+def test_vllm_per_channel_cutlass_pad_crashes_and_ours_pads_scale_with_one():
+    """vLLM 0.32 raises on per-channel scales with N % 16 != 0 (N=100); ours pads the weight
+    with zeros and the (N, 1) scale with 1.0 to (112, 1)."""
+    w = fp8_from_bits(torch.randint(0, 256, (100, 64), generator=_gen(1))).t()
+    s = torch.rand(100, 1, generator=_gen(2)) + 0.01
+    mod = torch.nn.Module()
+    mod.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+    mod.weight_scale = torch.nn.Parameter(s.clone(), requires_grad=False)
+    with pytest.raises(AssertionError, match="Overwriting existing tensor attribute"):
+        _vllm_cutlass_kernel().process_weights_after_loading(mod)
+    pw, ps = F8.cutlass_pad(w, s)
+    assert tuple(pw.shape) == (64, 112) and pw.stride() == (1, 64)
+    assert torch.equal(u8(pw[:, :100]), u8(w)) and torch.equal(u8(pw[:, 100:]),
+                                                               torch.zeros(64, 12, dtype=torch.uint8))
+    assert tuple(ps.shape) == (112, 1)
+    assert torch.equal(ps[:100], s) and torch.equal(ps[100:], torch.ones(12, 1))
+
+
+def test_requantize_with_max_scale_matches_vllm_with_torch_quant():
+    """Unfused per-shard scales -> max scale, shards requantized (vLLM's requantize_with_max_scale
+    with its static quant op replaced by the QuantFP8 torch fallback); input not modified."""
+    from vllm.model_executor.layers.quantization.utils import w8a8_utils
+
+    gen = _gen(5)
+    w = fp8_from_bits(torch.randint(0, 256, (96, 64), generator=gen))
+    s = torch.tensor([0.01, 0.03, 0.02])
+    widths = (32, 32, 32)
+
+    def static_quant(x, scale):
+        q = (x.to(torch.float32) * scale.to(torch.float32).reciprocal()).clamp(-448, 448)
+        return q.to(torch.float8_e4m3fn), scale
+
+    ref_w = w.clone()
+    with mock.patch.object(w8a8_utils.ops, "scaled_fp8_quant", static_quant):
+        exp_s, exp_w = w8a8_utils.requantize_with_max_scale(ref_w, s.clone(), list(widths))
+    before = w.clone()
+    got_w, got_s = F8.requantize_with_max_scale(w, s, widths)
+    assert torch.equal(exp_s, got_s) and torch.equal(u8(exp_w), u8(got_w))
+    assert torch.equal(u8(before), u8(w))
+
+
+# --------------------------------------------------------------------------- NVFP4
+
+
+def _e4m3_scales(gen, shape):
+    return torch.randint(1, 0x58, shape, generator=gen, dtype=torch.int32).to(torch.uint8) \
+        .view(torch.float8_e4m3fn)
+
+
+@given(st.sampled_from([1, 100, 128, 300]), st.sampled_from([4, 6, 8, 12, 3]),
+       st.integers(0, 2 ** 16), st.booleans())
+def test_swizzle_equals_vllm_and_inverts(m, kg, seed, batched):
+    """swizzle_blockscale == vLLM's (its .cuda() patched to a no-op on CPU), for 2-D and 3-D
+    scales; unswizzle_blockscale inverts it for every K/16, including K/16 % 4 != 0."""
+    shape = (2, m, kg) if batched else (m, kg)
+    s = _e4m3_scales(_gen(seed), shape)
+    with mock.patch.object(torch.Tensor, "cuda", lambda self, *a, **k: self):
+        expected = nvfp4_utils.swizzle_blockscale(s)
+    got = F4.swizzle_blockscale(s)
+    assert got.shape == expected.shape and torch.equal(u8(expected), u8(got))
+    assert torch.equal(u8(F4.unswizzle_blockscale(got, m, kg)), u8(s))
+
+
+@given(st.sampled_from([1, 100, 128]), st.sampled_from([4, 8, 12]), st.integers(0, 2 ** 16))
+def test_unswizzle_equals_vllm_convert_when_k_groups_multiple_of_4(m, kg, seed):
+    """Where vLLM's convert_swizzled_to_linear is right (K/16 % 4 == 0), ours equals it."""
+    s = _e4m3_scales(_gen(seed), (m, kg))
+    sw = F4.swizzle_blockscale(s)
+    expected = emu.convert_swizzled_to_linear(sw, m, kg * 16, 16)
+    assert torch.equal(u8(expected), u8(F4.unswizzle_blockscale(sw, m, kg)))
+
+
+@pytest.mark.parametrize("kg", [3, 6])
+def test_vllm_convert_swizzled_to_linear_bug_when_k_groups_not_multiple_of_4(kg):
+    """vLLM's convert_swizzled_to_linear returns the padded columns when K/16 % 4 != 0
+    (it slices by K, not K/16); ours returns exactly [m, K/16]."""
+    m = 100
+    s = _e4m3_scales(_gen(kg), (m, kg))
+    sw = F4.swizzle_blockscale(s)
+    wrong = emu.convert_swizzled_to_linear(sw, m, kg * 16, 16)
+    assert wrong.shape[1] != kg
+    assert F4.unswizzle_blockscale(sw, m, kg).shape == (m, kg)
+
+
+@given(st.sampled_from([32, 100, 128]), st.sampled_from([64, 128]), st.integers(0, 2 ** 16))
+def test_nvfp4_dequant_equals_vllm_dequantize_to_dtype(n, k, seed):
+    """The NVFP4 reference dequantization (swizzled scales) == vLLM's dequantize_to_dtype
+    and break_fp4_bytes (K/16 % 4 == 0, where vLLM's helper is correct)."""
+    gen = _gen(seed)
+    w = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+    s = _e4m3_scales(gen, (n, k // 16))
+    gs = torch.tensor(0.0123)
+    sw = F4.swizzle_blockscale(s)
+    assert torch.equal(emu.break_fp4_bytes(w, torch.float32), R.e2m1_decode(w))
+    expected = emu.dequantize_to_dtype(w, sw, gs, torch.float32, 16, swizzle=True)
+    assert torch.equal(expected, R.nvfp4_weight(w, sw, gs, n, k))
+
+
+@given(st.sampled_from([1, 31, 32, 100]), st.sampled_from([8, 16, 24, 48]), st.integers(0, 99))
+def test_pad_nvfp4_weight_equals_vllm(n, kb, seed):
+    """pad_nvfp4_weight_for_cutlass == vLLM's (rows to 32, FP4 columns to 32)."""
+    w = torch.randint(0, 256, (n, kb), generator=_gen(seed), dtype=torch.int32).to(torch.uint8)
+    expected, _ = nvfp4_utils.pad_nvfp4_weight_for_cutlass(w)
+    assert torch.equal(expected, F4.pad_nvfp4_weight_for_cutlass(w))
+
+
+def test_fuse_activation_scale_returns_new_tensors():
+    """The MoE activation-scale fuse returns products as new tensors, inputs untouched."""
+    t = {"w13_weight_scale_2": torch.tensor([0.5, 0.25]), "w13_input_scale": torch.tensor([2.0, 4.0]),
+         "w2_weight_scale_2": torch.tensor([1.0, 3.0]), "w2_input_scale": torch.tensor([0.5, 0.5])}
+    before = {k: (v.clone(), v._version) for k, v in t.items()}
+    out = F4.MOE_FUSE_ACTIVATION_SCALE.fn(t, cfg("modelopt_fp4"), Target("cuda", (10, 0)), {})
+    assert torch.equal(out.tensors["w13_weight_scale_2"], torch.tensor([1.0, 1.0]))
+    assert torch.equal(out.tensors["w2_weight_scale_2"], torch.tensor([0.5, 1.5]))
+    for k, (v, ver) in before.items():
+        assert torch.equal(t[k], v) and t[k]._version == ver
+
+
+# --------------------------------------------------------------------------- meta, errors
+
+
+def test_stages_accept_meta_tensors():
+    """Marlin repack/scales, FP8 quantization and the NVFP4 swizzle produce correct shapes on meta."""
+    c = cfg("gptq", 256, 96, 4, 64)
+    q = torch.empty(32, 96, dtype=torch.int32, device="meta")
+    out = M.repack_stage("qweight").fn({"qweight": q}, c, H200, {}).tensors["qweight"]
+    assert out.device.type == "meta" and tuple(out.shape) == (16, 256)
+    w = torch.empty(100, 64, dtype=torch.bfloat16, device="meta")
+    q8, s8 = F8.quantize_per_channel(w)
+    assert tuple(q8.shape) == (100, 64) and tuple(s8.shape) == (100, 1)
+    sw = F4.swizzle_blockscale(torch.empty(100, 6, dtype=torch.float8_e4m3fn, device="meta"))
+    assert tuple(sw.shape) == (128, 8)
+
+
+BAD_INPUTS = [
+    (lambda: M.marlin_repack(torch.zeros(8, 64, dtype=torch.int32), 128, 64, 4), M.MarlinLayoutError,
+     "pad with marlin_padded_nk"),
+    (lambda: M.marlin_weight_perm(3), M.MarlinLayoutError, "4- or 8-bit"),
+    (lambda: M.fp8_exponent_bias(torch.float32), M.MarlinLayoutError, "float16 or bfloat16"),
+    (lambda: M.repack_stage("qweight").fn({"qweight": torch.zeros(16, 128, dtype=torch.int32)},
+                                          cfg("gptq", 128, 128, 4, 48), H200, {}),
+     M.MarlinLayoutError, "group sizes"),
+    (lambda: MX.mxfp8_e4m3_quantize(torch.zeros(4, 48)), MX.Mxfp8LayoutError, "divisible by 32"),
+    (lambda: F8.per_block_cast_to_fp8(torch.zeros(2, 2, 2)), F8.Fp8LayoutError, "2-D"),
+    (lambda: F8.PROCESS_WEIGHT_STRATEGY.fn(
+        {"weight": torch.zeros(4, 4).to(torch.float8_e4m3fn), "weight_scale": torch.ones(1)},
+        LayerConfig(QuantSpec("fp8", strategy="block"), 4, 4), H200, {}),
+     F8.Fp8LayoutError, "cutlass_block"),
+    (lambda: F8.REDUCE_INPUT_SCALE.fn({}, LayerConfig(QuantSpec("fp8", static_input=True), 4, 4),
+                                      H200, {}), F8.Fp8LayoutError, "no input_scale"),
+    (lambda: F4.swizzle_blockscale(torch.zeros(4, 4)), F4.Nvfp4LayoutError, "float8_e4m3fn"),
+    (lambda: F4.VALIDATE_LOADED.fn({"weight_scale": torch.full((4, 4), float("nan"))
+                                    .to(torch.float8_e4m3fn)}, cfg("modelopt_fp4"), H200, {}),
+     F4.Nvfp4LayoutError, "NaN"),
+]
+
+
+@pytest.mark.parametrize("call,error,message", BAD_INPUTS)
+def test_bad_inputs_raise_exact_errors(call, error, message):
+    """Each bad input raises its wcache error class (a ValueError) with an actionable message."""
+    with pytest.raises(error, match=message) as info:
+        call()
+    assert isinstance(info.value, ValueError) and info.value.code

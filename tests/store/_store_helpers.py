@@ -1,0 +1,144 @@
+"""Helpers for the store tests: a deterministic synthetic export, a daemon run as
+a subprocess (``python tests/store/_store_helpers.py serve ...``), and /proc readers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from wcache.store import CacheKey, Export  # noqa: E402
+
+# A daemon subprocess imports torch and builds its arena; on 2 busy cores that
+# can take several seconds.
+READY_TIMEOUT_S = 60.0
+BASE_KEY = {"checkpoint": "c0ffee", "dtype": "bfloat16", "tp": [1, 0], "plan": "unquantized@1"}
+
+
+def synthetic_tensors(seed: int = 0, n: int = 6, numel: int = 4096) -> dict[str, torch.Tensor]:
+    """Deterministic tensors of mixed dtypes and layouts: contiguous, transposed
+    (non-contiguous), a strided slice, a scalar, an empty one, and a view
+    sharing storage with another tensor."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(64, numel // 64, generator=g)
+    out = {
+        "w0": base.to(torch.bfloat16),
+        "w0_t": base.t(),  # non-contiguous view of `base`'s storage
+        "q": torch.randint(-2**31, 2**31 - 1, (numel // 8,), generator=g, dtype=torch.int32),
+        "q_slice": torch.arange(1000, dtype=torch.int16)[3::7],
+        "scale": torch.tensor(0.125, dtype=torch.float32),
+        "empty": torch.empty(0, 3, dtype=torch.float16),
+        "base": base,  # same storage as w0_t: stored once
+    }
+    for i in range(n):
+        out[f"layer{i}.weight"] = torch.randn(16, numel // 16, generator=g).to(torch.float16)
+    return out
+
+
+def synthetic_export(seed: int = 0, n: int = 6, numel: int = 4096) -> Export:
+    tensors = synthetic_tensors(seed, n, numel)
+    kinds = {k: ("buffer" if k in ("scale", "q_slice") else "param") for k in tensors}
+    return Export(tensors, kinds, aliases={"lm_head.weight": "w0", "rope.cache": "scale"},
+                  layers={"layer0": {"plan_id": "unquantized", "plan_version": 1, "recorded": {"x": 1}}},
+                  extra={"seed": seed}, nonpersistent={"q_slice"})
+
+
+def start_daemon(socket_dir: str, device_id: str = "cpu", *, seed: int = 0, n: int = 6, numel: int = 4096,
+                 key: dict | None = None, extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
+    """Start a daemon subprocess and wait for its ready line."""
+    cmd = [sys.executable, os.path.join(HERE, "_store_helpers.py"), "serve", "--socket-dir", socket_dir,
+           "--device-id", device_id, "--seed", str(seed), "--n", str(n), "--numel", str(numel),
+           "--key", json.dumps(key or BASE_KEY), *extra_args]
+    log = tempfile.TemporaryFile(mode="w+")  # a pipe could fill up and block a chatty daemon
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+    proc.log = log
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("wcache-store ready"):
+            return proc
+        if not line and proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"daemon exited with {proc.returncode}: {log.read()[-4000:]}")
+    proc.kill()
+    raise RuntimeError("daemon did not become ready")
+
+
+def stop_daemon(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    proc.stdout.close()
+    proc.log.close()
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def fd_count(pid: int | str = "self") -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def mapping_of(addr: int) -> tuple[str, str]:
+    """(permissions, path) of the mapping in this process containing ``addr``."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= addr < hi:
+                return parts[1], (parts[5].strip() if len(parts) > 5 else "")
+    raise LookupError(hex(addr))
+
+
+def count_arena_mappings() -> int:
+    with open("/proc/self/maps") as f:
+        return sum("memfd:wcache-arena" in line for line in f)
+
+
+def _serve_main(argv: list[str]) -> None:
+    import logging
+
+    from wcache.store import serve
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--socket-dir", required=True)
+    p.add_argument("--device-id", default="cpu")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n", type=int, default=6)
+    p.add_argument("--numel", type=int, default=4096)
+    p.add_argument("--key", default=json.dumps(BASE_KEY))
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    export = synthetic_export(a.seed, a.n, a.numel)
+    if a.device != "cpu":
+        export = Export({k: v.to(a.device) for k, v in export.tensors.items()}, export.kinds, export.aliases,
+                        export.layers, export.extra, export.nonpersistent)
+    serve(export, CacheKey(json.loads(a.key)), socket_dir=a.socket_dir, device=a.device, device_id=a.device_id)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["serve"]:
+        _serve_main(sys.argv[2:])
+    else:
+        raise SystemExit("usage: _store_helpers.py serve --socket-dir DIR [...]")

@@ -1,0 +1,32 @@
+"""Fixtures for the store tests: a private socket dir and an in-process daemon."""
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+from _store_helpers import BASE_KEY, synthetic_export
+from wcache.store import CacheKey, DaemonServer
+
+
+@pytest.fixture
+def sock_dir():
+    """A fresh 0700 socket dir with a short path (sun_path holds 107 bytes)."""
+    d = tempfile.mkdtemp(prefix="wcs-")
+    os.chmod(d, 0o700)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def key():
+    return CacheKey(BASE_KEY)
+
+
+@pytest.fixture
+def daemon(sock_dir, key):
+    """An in-process daemon (background threads) serving the synthetic export."""
+    server = DaemonServer(synthetic_export(), key, socket_dir=sock_dir).start()
+    yield server
+    server.stop()

@@ -1,0 +1,129 @@
+"""Malformed, truncated and oversized frames: answered with an error or a closed
+connection, and the daemon keeps serving (hypothesis)."""
+
+import os
+import shutil
+import socket
+import struct
+import tempfile
+
+import msgpack
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from _store_helpers import BASE_KEY, synthetic_export
+from wcache.store import CacheKey, DaemonServer, ProtocolError, attach, daemon_status
+from wcache.store.protocol import HEADER, MAX_FRAME_BYTES, PROTOCOL_VERSION, recv_frame, send_frame
+
+@pytest.fixture(scope="module")
+def module_daemon():
+    d = tempfile.mkdtemp(prefix="wcf-")
+    os.chmod(d, 0o700)
+    server = DaemonServer(synthetic_export(), CacheKey(BASE_KEY), socket_dir=d).start()
+    yield server
+    server.stop()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _send_raw(server, data: bytes, hello_first: bool) -> tuple[str, dict | None]:
+    """Send raw bytes, half-close, and report ("reply", frame) or ("closed", None)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(server.socket_path)
+    try:
+        if hello_first:
+            send_frame(s, {"op": "hello", "protocol": PROTOCOL_VERSION, "wcache": "t"})
+            assert recv_frame(s)[0]["ok"] is True
+        try:
+            s.sendall(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        s.shutdown(socket.SHUT_WR)  # a truncated frame is now truncated for good
+        try:
+            reply, _ = recv_frame(s)
+        except ProtocolError:  # ConnectionClosed included: the daemon dropped us
+            return "closed", None
+        except (ConnectionResetError, socket.timeout):
+            return "closed", None
+        return "reply", reply
+    finally:
+        s.close()
+
+
+def _assert_still_serving(server):
+    st_ = daemon_status(server.socket_path)
+    assert server.nbytes == st_["bytes_held"]
+
+
+frame_bytes = st.one_of(
+    st.binary(max_size=64),  # garbage, often a truncated header or body
+    st.builds(lambda n, body: HEADER.pack(n) + body, st.integers(0, 2**32 - 1), st.binary(max_size=32)),
+    st.builds(lambda obj: (lambda p: HEADER.pack(len(p)) + p)(msgpack.packb(obj)),  # valid msgpack, odd content
+              st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**63 - 1) | st.text(max_size=8)
+                           | st.binary(max_size=8),
+                           lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+                           max_leaves=8)),
+    st.builds(lambda op, extra: (lambda p: HEADER.pack(len(p)) + p)(msgpack.packb({"op": op, **extra})),
+              st.sampled_from(["get", "release", "status", "hello", "nope", ""]),
+              st.dictionaries(st.sampled_from(["key", "mode", "protocol", "transport"]),
+                              st.none() | st.integers() | st.text(max_size=4) | st.just({"x": 1}), max_size=3)),
+)
+
+
+@given(data=frame_bytes, hello_first=st.booleans())
+def test_any_bytes_get_an_answer_or_a_close_and_daemon_serves_on(module_daemon, data, hello_first):
+    """Whatever bytes a client sends, it gets a well-formed reply or a closed connection; the daemon serves on."""
+    outcome, reply = _send_raw(module_daemon, data, hello_first)
+    if outcome == "reply":
+        assert isinstance(reply.get("ok"), bool)
+        if not reply["ok"]:
+            assert isinstance(reply["code"], str) and isinstance(reply["message"], str)
+    _assert_still_serving(module_daemon)
+
+
+def test_oversized_length_is_refused_before_reading_the_body(module_daemon):
+    """A header announcing more than MAX_FRAME_BYTES is answered at once (no body sent, nothing allocated)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(module_daemon.socket_path)
+    with s:
+        s.sendall(HEADER.pack(MAX_FRAME_BYTES + 1))  # connection stays open for writing
+        reply, _ = recv_frame(s)
+    assert (False, "protocol-error") == (reply["ok"], reply["code"])
+    assert "exceeds" in reply["message"]
+    _assert_still_serving(module_daemon)
+
+
+def test_truncated_frame_then_close_leaves_daemon_serving(module_daemon):
+    """A client that sends half a frame and disappears costs the daemon nothing: attach still works."""
+    payload = msgpack.packb({"op": "status"})
+    for cut in (1, HEADER.size, HEADER.size + len(payload) - 1):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(module_daemon.socket_path)
+        s.sendall((HEADER.pack(len(payload)) + payload)[:cut])
+        s.close()
+    with attach(CacheKey(BASE_KEY), socket_dir=os.path.dirname(module_daemon.socket_path)) as att:
+        assert torch.equal(synthetic_export().tensors["w0"], att.tensors["w0"])
+
+
+def test_client_refuses_oversized_frames_too():
+    """send_frame refuses to build a frame above the limit (the limit holds on both sides)."""
+    a, b = socket.socketpair()
+    with a, b:
+        with pytest.raises(ProtocolError, match="exceeds"):
+            send_frame(a, {"blob": b"\0" * (MAX_FRAME_BYTES + 1)})
+        a.sendall(struct.pack(">I", MAX_FRAME_BYTES + 1))
+        with pytest.raises(ProtocolError, match="exceeds"):
+            recv_frame(b)
+
+
+def test_no_pickle_on_the_wire():
+    """Frames are msgpack maps: an object that only pickle could carry is refused."""
+    a, b = socket.socketpair()
+    with a, b:
+        with pytest.raises(ProtocolError, match="cannot be encoded"):
+            send_frame(a, {"obj": object()})
+        send_frame(a, {"op": "status", "n": [1, 2]})
+        assert ({"op": "status", "n": [1, 2]}, []) == recv_frame(b)

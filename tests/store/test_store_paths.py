@@ -1,0 +1,76 @@
+"""Socket naming, socket dir defaults, process identity and the device lock."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from wcache.store import DaemonBusy, StoreError, default_socket_dir, socket_path
+from wcache.store import paths
+
+
+def test_socket_path_per_device_id():
+    """Each device id gets its own socket name in the dir."""
+    assert "/d/wcache-cpu-rank0-ab12.sock" == socket_path("/d", "cpu-rank0-ab12")
+    assert "/d/wcache-GPU-8a1e2f3c-0000-1111-2222-333344445555.sock" == socket_path(
+        "/d", "GPU-8a1e2f3c-0000-1111-2222-333344445555")
+
+
+@pytest.mark.parametrize("bad", ["", "../x", "a/b", "a b", "-lead", "x" * 65, None])
+def test_socket_path_refuses_bad_device_ids(bad):
+    """Device ids that could escape the dir or are empty/too long are refused."""
+    with pytest.raises(StoreError):
+        socket_path("/d", bad)
+
+
+def test_socket_path_refuses_paths_longer_than_sun_path():
+    """A path that would not fit a sun_path is refused with advice instead of failing at bind."""
+    with pytest.raises(StoreError, match="exceeds"):
+        socket_path("/" + "d" * 100, "cpu")
+
+
+def test_default_socket_dir(monkeypatch, tmp_path):
+    """$XDG_RUNTIME_DIR/wcache when the runtime dir exists, else /tmp/wcache-<uid>."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert str(tmp_path / "wcache") == default_socket_dir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "missing"))
+    assert f"/tmp/wcache-{os.getuid()}" == default_socket_dir()
+
+
+def test_ensure_socket_dir_creates_0700(tmp_path):
+    """A missing socket dir is created with mode 0700."""
+    d = paths.ensure_socket_dir(str(tmp_path / "a" / "wcache"))
+    assert 0o700 == os.stat(d).st_mode & 0o777
+
+
+def test_process_start_time_tells_pid_reuse():
+    """Start time is stable for a live process, None once it is reaped; owner_alive follows it."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        t = paths.process_start_time(child.pid)
+        assert t is not None and t == paths.process_start_time(child.pid)
+        assert paths.owner_alive({"pid": child.pid, "start_time": t})
+        assert not paths.owner_alive({"pid": child.pid, "start_time": t + 1})
+    finally:
+        child.kill()
+        child.wait()
+    assert paths.process_start_time(child.pid) is None
+    assert not paths.owner_alive({"pid": child.pid, "start_time": t})
+
+
+def test_device_lock_is_exclusive_and_freed_by_close(tmp_path):
+    """A second lock on the same socket raises DaemonBusy; after the holder closes, it succeeds."""
+    sock = str(tmp_path / "wcache-cpu.sock")
+    fd = paths.acquire_device_lock(sock)
+    with pytest.raises(DaemonBusy):
+        paths.acquire_device_lock(sock)
+    os.close(fd)
+    os.close(paths.acquire_device_lock(sock))
+
+
+def test_parse_device():
+    """cpu, cuda and cuda:<i> parse; anything else is refused."""
+    assert [("cpu", None), ("cuda", None), ("cuda", 3)] == [paths.parse_device(d) for d in ("cpu", "cuda", "cuda:3")]
+    with pytest.raises(StoreError):
+        paths.parse_device("cuda:x")

@@ -1,0 +1,90 @@
+"""CPU smoke test of the benchmark harness (`wcache bench`) at a tiny size.
+
+It runs the real harness end to end (checkpoint writer, ordinary-load worker,
+in-process daemon, fresh restore and per-tensor workers, handles measurement,
+table, JSON, plot) with the CUDA plans resolved for a simulated sm90 target, so
+the code path the H200 run takes is exercised without vLLM's CPU ops.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import re
+
+import pytest
+
+from wcache.bench import main
+
+#: The smoke formats: unquantized (no stages) and online FP8 (TRANSFORM + METADATA).
+SMOKE_FORMATS = ("bf16", "fp8")
+TABLE_COLUMNS = 8
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def _table_rows(text: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == TABLE_COLUMNS and cells[0] in SMOKE_FORMATS:
+            rows[cells[0]] = cells
+    return rows
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """Run the harness once; returns (stdout, results JSON, png path)."""
+    tmp = tmp_path_factory.mktemp("bench")
+    out, png = tmp / "cpu.json", tmp / "curve.png"
+    argv = ["--device", "cpu", "--sizes", "tiny", "--layers", "1", "--formats",
+            ",".join(SMOKE_FORMATS), "--no-disk", "", "--simulate-cuda-target", "--reps", "1",
+            "--load-reps", "1", "--handle-tensors", "8", "--bench-dir", str(tmp / "ckpt"),
+            "--out", str(out)]
+    # matplotlib is on the H200 image but optional here; without it no plot is drawn
+    argv += ["--plot", str(png)] if HAVE_MATPLOTLIB else ["--no-plot"]
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(argv)
+    return rc, buf.getvalue(), json.loads(out.read_text()), png
+
+
+def test_bench_exits_zero_and_prints_every_row(bench_run):
+    """The harness succeeds and its markdown table has one row per requested format."""
+    rc, text, _, _ = bench_run
+    assert 0 == rc
+    assert set(SMOKE_FORMATS) == set(_table_rows(text))
+
+
+def test_bench_table_ratios_are_finite(bench_run):
+    """Both ratio columns of every row are finite numbers (e.g. ``12.3x``)."""
+    _, text, _, _ = bench_run
+    for fmt, cells in _table_rows(text).items():
+        for cell in cells[-2:]:
+            m = re.fullmatch(r"([0-9.]+)x", cell)
+            assert m is not None, f"{fmt}: ratio cell {cell!r}"
+            assert math.isfinite(float(m.group(1))) and float(m.group(1)) > 0
+
+
+def test_bench_json_restore_matches_ordinary_load(bench_run):
+    """The restored layers have the same bytes as the ordinarily loaded ones."""
+    _, _, results, _ = bench_run
+    assert [True] * len(SMOKE_FORMATS) == [r["restore_matches_load"] for r in results["rows"]]
+    assert list(SMOKE_FORMATS) == [r["format"] for r in results["rows"]]
+
+
+def test_bench_json_has_curve_handles_and_plot(bench_run):
+    """JSON carries a curve point per row and the handles measurement; the PNG is
+    drawn when matplotlib is installed."""
+    _, text, results, png = bench_run
+    assert len(SMOKE_FORMATS) == len(results["curve"])
+    assert 8 == results["handles"]["tensors"]
+    assert math.isfinite(results["handles"]["ratio_per_tensor_arena"])
+    assert "| 8 |" in text
+    if HAVE_MATPLOTLIB:
+        assert b"\x89PNG\r\n\x1a\n" == png.read_bytes()[:8]
+    else:
+        assert not png.exists()

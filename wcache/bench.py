@@ -1,0 +1,275 @@
+"""`wcache bench`: restore vs ordinary load, arena vs per-tensor IPC handles.
+
+Two modes:
+
+* default: synthetic Llama-shaped layer stacks (``benchmarks/synthetic.py``) in
+  bf16, AWQ int4 and online FP8; per format and size the ordinary load, the
+  daemon's prepare, the restore in a fresh process and the vLLM-style
+  per-tensor IPC restore (``benchmarks/bench_restore.py``); then the handles
+  measurement (N tensors: one arena vs N handles) and the restore-cost curve
+  (``benchmarks/plot.py``).
+* ``--cpu-engine``: the real vLLM CPU engine on the SmolLM2 fixtures; weight-load
+  phase from disk vs from a ``wcache serve`` daemon, per format.
+
+Prints markdown tables and writes JSON (``--out``) from which
+docs/benchmarks.md is written. Runs from a source checkout (it imports the
+``benchmarks/`` folder next to the package). The GPU path imports no vLLM.
+
+On the H200 (about 6-8 minutes):
+
+    python -m wcache.bench --device cuda --sizes 1b,8b,30b --formats bf16,awq,fp8 \\
+        --out $OUT/gpu.json --plot $OUT/restore_cost.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "build_parser", "run_cpu_engine", "engine_table"]
+
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+#: Default cache dir of the CPU-engine comparison's engine repetitions.
+DEFAULT_ENGINE_REPS = 1
+#: Sizes generated in memory by default: the 1B point needs no ordinary load, and
+#: a 30B bf16 checkpoint (~55 GB) would not fit next to the 8B one on a 64 GB disk.
+DEFAULT_NO_DISK = "1b,30b"
+DEFAULT_GPU_SIZES = "1b,8b,30b"
+DEFAULT_CPU_SIZES = "tiny"
+DEFAULT_PLOT = "docs/restore_cost.png"
+
+HELP_EPILOG = """\
+targets the lead checks against (from the issue):
+  GPU restore of the 8B-shaped stack (attach + replay) < 50 ms and >= 100x faster
+  than its ordinary load from page cache, for every format; arena attach >= 3x
+  faster than per-tensor IPC for 2000 tensors; restore time roughly flat from
+  1B to 30B; CPU vLLM weight-load phase >= 20x faster from the daemon.
+
+examples:
+  wcache bench --device cpu --sizes tiny --layers 2 --formats bf16,awq --reps 1
+  wcache bench --device cuda --sizes 1b,8b,30b --out results/gpu.json --plot docs/restore_cost.png
+  wcache bench --cpu-engine --engine-formats bf16,awq
+"""
+
+
+def _ensure_benchmarks_importable() -> None:
+    """Put the checkout's root on sys.path so ``benchmarks`` imports (also in
+    the spawned workers, which inherit sys.path)."""
+    if not (_REPO_ROOT / "benchmarks" / "bench_restore.py").is_file():
+        raise SystemExit(f"wcache bench needs the source checkout's benchmarks/ folder next to "
+                         f"the package (looked in {_REPO_ROOT}); run it from a git checkout.")
+    if str(_REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(_REPO_ROOT))
+
+
+def _check_store_deps() -> None:
+    missing = [m for m in ("blake3", "msgpack", "safetensors")
+               if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(f"wcache bench needs {', '.join(missing)} (the store imports blake3 "
+                         f"for its key digest); pip install {' '.join(missing)}")
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="wcache bench", description=__doc__, epilog=HELP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="where weights live and plans run: cuda (cuda:0, cuda_ipc transport) "
+                        "or cpu (shm transport). Default: cuda when available, else cpu.")
+    p.add_argument("--sizes", type=_csv, default=None,
+                   help="comma-separated model shapes: tiny (smoke tests), 1b, 8b (Llama-3.1-8B: "
+                        "32 layers, hidden 4096, intermediate 14336, 32 heads, 8 KV heads), 30b "
+                        f"(LLaMA-30B-like with GQA). Default: {DEFAULT_GPU_SIZES} on cuda, "
+                        f"{DEFAULT_CPU_SIZES} on cpu. Each size is one point of the restore-cost "
+                        "curve.")
+    p.add_argument("--formats", type=_csv, default=("bf16", "awq", "fp8"),
+                   help="comma-separated formats: bf16 (unquantized), awq (AutoAWQ int4, group "
+                        "128; Marlin plan on cuda, CPUWNA16 on cpu), fp8 (bf16 checkpoint + "
+                        "online fp8_per_tensor plan, CUTLASS layout; no CPU plan). Default: all.")
+    p.add_argument("--no-disk", type=_csv, default=_csv(DEFAULT_NO_DISK),
+                   help="sizes measured without a checkpoint on disk: the export is synthesized "
+                        "in memory (one prepared layer per distinct shape, replicated) and only "
+                        "the restore is measured (no ordinary load, no per-tensor IPC). "
+                        f"Default: {DEFAULT_NO_DISK}. Pass '' to put every size on disk.")
+    p.add_argument("--layers", type=int, default=None,
+                   help="override every shape's layer count (e.g. 2 for a smoke test).")
+    p.add_argument("--reps", type=int, default=3,
+                   help="restore repetitions per format and size, each in a fresh spawned "
+                        "process; the median is reported (default 3).")
+    p.add_argument("--load-reps", type=int, default=2,
+                   help="ordinary-load repetitions (one fresh process, page cache warm; "
+                        "median reported; default 2).")
+    p.add_argument("--handle-tensors", type=int, default=None,
+                   help="tensors of the arena-vs-per-tensor-handles measurement (default 2000 "
+                        "on cuda, 200 on cpu; 0 skips it).")
+    p.add_argument("--handle-mib", type=float, default=None,
+                   help="MiB per tensor of the handles measurement (default 12 on cuda, so each "
+                        "is its own cudaMalloc segment like real weights; 0.0625 on cpu).")
+    p.add_argument("--bench-dir", default=None,
+                   help="where synthetic checkpoints are written once and reused (default "
+                        "$WCACHE_BENCH_DIR or /tmp/wcache-bench). An 8B bf16 file is 14 GiB, "
+                        "AWQ 4 GiB; fp8 reuses the bf16 file.")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic values.")
+    p.add_argument("--out", default=None,
+                   help="JSON results path (default benchmarks/results/<device>.json, or "
+                        "benchmarks/results/cpu-engine.json with --cpu-engine).")
+    p.add_argument("--plot", default=None,
+                   help=f"PNG of restore time vs model size (default {DEFAULT_PLOT} when more "
+                        "than one size is measured on cuda; otherwise only when given).")
+    p.add_argument("--no-plot", action="store_true", help="never draw the PNG.")
+    p.add_argument("--simulate-cuda-target", action="store_true",
+                   help="resolve the CUDA plans (kernels none/marlin/cutlass, capability 9.0) "
+                        "while running on --device; a smoke-test aid that exercises the GPU "
+                        "code path's plans on a CPU host. Not a performance measurement.")
+    p.add_argument("--cpu-engine", action="store_true",
+                   help="instead: run the vLLM CPU engine on the SmolLM2 fixtures "
+                        "(wcache.testing.fixtures) and compare its weight-load phase from disk "
+                        "(load format wcache_timed_auto) with the restore from a `wcache serve` "
+                        "daemon (load format wcache), per format. Needs vLLM (CPU build).")
+    p.add_argument("--engine-formats", type=_csv, default=None,
+                   help="fixture formats for --cpu-engine (default: every fixture format: "
+                        "bf16, awq, gptq, ct_w4a16, ct_w8a8_int8).")
+    p.add_argument("--engine-reps", type=int, default=DEFAULT_ENGINE_REPS,
+                   help="engine starts per format and side for --cpu-engine (median; default 1; "
+                        "an engine start takes 30-60 s on 2 cores).")
+    return p
+
+
+def _log(msg: str) -> None:
+    print(f"wcache bench: {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- cpu engine
+
+
+def run_cpu_engine(formats: tuple[str, ...], reps: int, log=_log) -> list[dict[str, Any]]:
+    """Weight-load phase of the vLLM CPU engine from disk vs from a daemon.
+
+    Returns:
+        One row per format: ``disk_s``, ``restore_s`` (medians), all samples, the
+        load phases seen and ``ratio``.
+
+    Raises:
+        RuntimeError: an engine or daemon failed, or the restore fell back to disk.
+    """
+    import statistics
+
+    from wcache.testing.fixtures import build
+    from wcache.vllm.process import DaemonProcess, run_engine
+
+    rows = []
+    for fmt in formats:
+        path = build(fmt)
+        disk = []
+        for _ in range(reps):
+            res = run_engine(path, "wcache_timed_auto", max_tokens=1)
+            disk.append(res["load"][-1]["seconds"])
+        log(f"[engine {fmt}] disk load phase {statistics.median(disk):.3f} s")
+        restore, phases = [], []
+        with tempfile.TemporaryDirectory(prefix="wcb-engine-") as sd:
+            with DaemonProcess(path, sd):
+                for _ in range(reps):
+                    res = run_engine(path, "wcache", extra={"socket_dir": sd, "fallback": False},
+                                     max_tokens=1)
+                    rec = res["load"][-1]
+                    if rec.get("phase") != "restore":
+                        raise RuntimeError(f"{fmt}: the engine did not restore from the daemon "
+                                           f"(phase {rec.get('phase')!r})")
+                    phases.append(rec["phase"])
+                    restore.append(rec["seconds"])
+        d, r = statistics.median(disk), statistics.median(restore)
+        log(f"[engine {fmt}] daemon restore phase {r:.3f} s ({d / r:.1f}x)")
+        rows.append({"format": fmt, "fixture": str(path), "disk_s": d, "restore_s": r,
+                     "disk_s_all": disk, "restore_s_all": restore, "phases": phases,
+                     "ratio": d / r if r > 0 else None})
+    return rows
+
+
+def engine_table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| format | disk weight-load s | daemon restore s | disk/restore |",
+             "|---|---:|---:|---:|"]
+    for r in rows:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1f}x"
+        lines.append(f"| {r['format']} | {r['disk_s']:.3f} | {r['restore_s']:.3f} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`wcache bench` entry point; returns the exit status."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    _ensure_benchmarks_importable()
+    if args.cpu_engine:
+        from wcache.testing.fixtures import FORMATS as FIXTURE_FORMATS
+
+        rows = run_cpu_engine(args.engine_formats or tuple(FIXTURE_FORMATS), args.engine_reps)
+        sys.stdout.write(engine_table(rows))
+        out = Path(args.out or _REPO_ROOT / "benchmarks" / "results" / "cpu-engine.json")
+        _write_json(out, {"mode": "cpu-engine", "rows": rows, "time": time.time()})
+        _log(f"results written to {out}")
+        return 0
+
+    _check_store_deps()
+    import torch
+
+    from benchmarks.bench_restore import (
+        DEFAULT_HANDLE_MIB, DEFAULT_HANDLE_TENSORS, BenchOptions, handles_table, markdown_table,
+        run_suite,
+    )
+    from benchmarks.synthetic import FORMATS, SHAPES
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
+    sizes = args.sizes or _csv(DEFAULT_GPU_SIZES if device == "cuda" else DEFAULT_CPU_SIZES)
+    bad = [s for s in sizes if s not in SHAPES] + [f for f in args.formats if f not in FORMATS]
+    if bad:
+        raise SystemExit(f"unknown sizes/formats {bad}; sizes: {sorted(SHAPES)}, "
+                         f"formats: {list(FORMATS)}")
+    cuda = device == "cuda"
+    opts = BenchOptions(
+        device=device, sizes=sizes, formats=args.formats,
+        no_disk=tuple(s for s in args.no_disk if s in sizes), layers=args.layers,
+        reps=args.reps, load_reps=args.load_reps,
+        handle_tensors=(args.handle_tensors if args.handle_tensors is not None
+                        else DEFAULT_HANDLE_TENSORS if cuda else 200),
+        handle_mib=(args.handle_mib if args.handle_mib is not None
+                    else DEFAULT_HANDLE_MIB if cuda else 0.0625),
+        bench_dir=args.bench_dir, seed=args.seed,
+        simulate_cuda_target=args.simulate_cuda_target)
+    results = run_suite(opts, _log)
+    sys.stdout.write(markdown_table(results["rows"]))
+    if results["handles"]:
+        sys.stdout.write("\n" + handles_table(results["handles"]))
+    sys.stdout.flush()
+    out = Path(args.out or _REPO_ROOT / "benchmarks" / "results" / f"{device}.json")
+    _write_json(out, results)
+    _log(f"results written to {out}")
+    plot = args.plot or (str(_REPO_ROOT / DEFAULT_PLOT) if cuda and len(sizes) > 1 else None)
+    if plot and not args.no_plot:
+        from benchmarks.plot import plot_restore_cost
+
+        _log(f"restore-cost curve written to {plot_restore_cost(results, plot)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

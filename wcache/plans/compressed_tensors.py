@@ -1,0 +1,78 @@
+"""compressed-tensors on CPU: W4A16 (pack-quantized, sym/asym) on CPUWNA16 and
+W8A8 INT8 on vLLM's oneDNN scaled-mm kernel."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from wcache.core import LayerConfig, Plan, StageOut, Tag, Target, stage
+from wcache.plans.registry import register
+from wcache.stages import compressed_tensors as ct
+from wcache.stages import cpu_wna16, onednn
+
+_zp_transpose = cpu_wna16.transpose_zero_points("weight_zero_point")
+
+
+@stage(_zp_transpose.name, Tag.TRANSFORM, reads=("weight_zero_point",),
+       writes=("weight_zero_point",), optional=("weight_zero_point",),
+       source=_zp_transpose.source)
+def _transpose_zero_points_if_asym(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
+                                   target: Target, recorded: Mapping[str, Any]) -> StageOut:
+    """Asymmetric only: ``weight_zero_point`` ``[N // 8, K // G]`` -> ``[K // G, N // 8]``."""
+    if not config.quant.zero_point:
+        return StageOut()
+    return _zp_transpose.fn(tensors, config, target, recorded)
+
+
+@stage(ct.clear_zero_point.name, Tag.METADATA, attrs=("weight_zero_point",),
+       source=ct.clear_zero_point.source)
+def _clear_zero_point_if_sym(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
+                             target: Target, recorded: Mapping[str, Any]) -> StageOut:
+    """Symmetric only: ``layer.weight_zero_point = None``."""
+    if config.quant.zero_point:
+        return StageOut()
+    return ct.clear_zero_point.fn(tensors, config, target, recorded)
+
+
+def _match_w4a16(config: LayerConfig, target: Target) -> str | None:
+    return cpu_wna16.can_implement(config, target)
+
+
+def _match_w8a8_int8(config: LayerConfig, target: Target) -> str | None:
+    if target.device_type != "cpu":
+        return f"needs a CPU target, got {target.device_type!r}"
+    if config.quant.strategy not in (None, "tensor", "channel"):
+        return f"oneDNN W8A8 INT8 takes tensor/channel scales, got {config.quant.strategy!r}"
+    if config.quant.input_symmetric and config.size_k and config.size_n and \
+            onednn.sgl_selected(config.size_n, config.size_k, torch.int8, target):
+        return ("the target has AMX and vLLM picks the SGL int8 kernel for this shape "
+                "(a VNNI byte repack); no wcache plan for it")
+    return None
+
+
+W4A16_CPU_WNA16 = register(Plan(
+    method="ct_w4a16", kernel="cpu_wna16",
+    stages=(ct.transpose_weight, ct.transpose_scales, _transpose_zero_points_if_asym,
+            _clear_zero_point_if_sym, cpu_wna16.set_use_w4a8,
+            cpu_wna16.set_isa_hint("weight_scale"), cpu_wna16.repack("weight_packed")),
+    checkpoint={"weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "bias"},
+    match=_match_w4a16,
+    description="compressed-tensors W4A16 (sym/asym) on CPU (cpu_gemm_wna16): weight "
+                "(N, K/8) transposed and repacked to (N/16, 2K), scales and zero points "
+                "transposed to (K/G, ...). Restore replays isa_hint/use_w4a8 (checked "
+                "against the record) and the symmetric weight_zero_point=None."))
+
+W8A8_INT8_ONEDNN = register(Plan(
+    method="ct_w8a8_int8", kernel="onednn",
+    stages=(onednn.convert_scale_to_channelwise, onednn.fold_input_scale,
+            onednn.compute_azp_adj, onednn.prepack_scaled_weight),
+    checkpoint={"weight", "weight_scale", "input_scale", "input_zero_point", "bias"},
+    match=_match_w8a8_int8,
+    description="compressed-tensors W8A8 INT8 on CPU (oneDNN scaled mm): fused per-tensor "
+                "scales to per-channel, static input scale/zero point folded, azp_adj "
+                "computed (dynamic or asymmetric input); all exported. Restore rebuilds "
+                "scheme.kernel.dnnl_handler from the int8 weight and drops the weight "
+                "slot (None) like vLLM."))

@@ -1,0 +1,131 @@
+"""FP8 plans (CUDA): CUTLASS scaled-mm layouts, CUTLASS block-scaled, and weight-only
+FP8 Marlin.
+
+* ``fp8_per_tensor`` / ``fp8_per_channel`` (online) and ``ct_w8a8_fp8`` / ``fp8``
+  (serialized) on ``"cutlass"`` (sm89+): quantize or transpose to a ``[K, N]``
+  column-major weight, record the logical output width
+  (``layer.logical_output_size`` = ``LayerConfig.size_n``, see
+  :mod:`wcache.stages.fp8`), pad K/N to 16.
+* ``fp8_per_block`` (online) and ``fp8`` block (serialized) on ``"cutlass_block"``
+  (sm90+): 128 x 128 block quantization, no layout change.
+* ``ct_w8a8_fp8`` and ``fp8`` on ``"fp8_marlin"`` (sm75+): weight-only FP8 Marlin.
+  Block FP8 on Marlin is refused.
+
+Online quantization computes one rank's ``amax``; TP>1 needs the daemon's own
+all-reduce first (vLLM's ``amax_for_tp_weight_quant``) and is out of scope here.
+"""
+
+from __future__ import annotations
+
+from wcache.core import LayerConfig, Plan, Target
+from wcache.plans.marlin import marlin_target_reason
+from wcache.plans.registry import register
+from wcache.stages import fp8, marlin
+
+#: CUTLASS FP8 scaled-mm needs sm89+ (``cutlass_fp8_supported``).
+CUTLASS_FP8_MIN_CAPABILITY = (8, 9)
+#: CUTLASS block-scaled FP8 needs sm90+ (``CUTLASS_BLOCK_FP8_SUPPORTED``).
+CUTLASS_BLOCK_FP8_MIN_CAPABILITY = (9, 0)
+_SERIALIZED_CHECKPOINT = frozenset({"weight", "weight_scale", "input_scale", "bias"})
+_ONLINE_CHECKPOINT = frozenset({"weight", "bias"})
+
+
+def _cuda_reason(target: Target, min_cap: tuple[int, int], what: str) -> str | None:
+    if target.device_type != "cuda":
+        return f"{what} is a CUDA kernel; the target is {target.device_type}"
+    if target.capability is None or tuple(target.capability) < min_cap:
+        return (f"{what} needs compute capability >= {min_cap[0]}.{min_cap[1]}, the target "
+                f"has {target.capability}")
+    return None
+
+
+def _linear_reason(config: LayerConfig) -> str | None:
+    if config.quant.layer_kind != "linear":
+        return f"FP8 {config.quant.layer_kind} layers have no plan here (linear only)"
+    return None
+
+
+def _is_block(config: LayerConfig) -> bool:
+    return config.quant.strategy == "block" or config.get("weight_block_size") is not None
+
+
+def _match_cutlass(config: LayerConfig, target: Target) -> str | None:
+    if _is_block(config):
+        return "block FP8 uses the cutlass_block plan"
+    return _cuda_reason(target, CUTLASS_FP8_MIN_CAPABILITY, "CUTLASS FP8") or \
+        _linear_reason(config)
+
+
+def _match_cutlass_block(config: LayerConfig, target: Target) -> str | None:
+    if config.quant.method == "fp8" and not _is_block(config):
+        return "per-tensor/channel FP8 uses the cutlass plan"
+    return _cuda_reason(target, CUTLASS_BLOCK_FP8_MIN_CAPABILITY, "CUTLASS block FP8") or \
+        _linear_reason(config)
+
+
+def _match_fp8_marlin(config: LayerConfig, target: Target) -> str | None:
+    if _is_block(config):
+        return ("Marlin block FP8 is not supported by wcache (its group-scale layout has no "
+                "plan); use the cutlass_block kernel on sm90+ or load without wcache")
+    return marlin_target_reason(config, target)
+
+
+_CUTLASS_TAIL = (fp8.CUTLASS_LOGICAL_WIDTH, fp8.CUTLASS_PAD)
+
+PER_TENSOR = register(Plan(
+    method="fp8_per_tensor", kernel="cutlass",
+    stages=(fp8.INPUT_SCALE_NONE, fp8.QUANTIZE_PER_TENSOR) + _CUTLASS_TAIL,
+    checkpoint=_ONLINE_CHECKPOINT, match=_match_cutlass,
+    description="online per-tensor FP8 on CUTLASS: quantize (amax/448, single rank), "
+                "transpose to (K, N) column-major, record N, pad K/N to 16."))
+
+PER_CHANNEL = register(Plan(
+    method="fp8_per_channel", kernel="cutlass",
+    stages=(fp8.INPUT_SCALE_NONE, fp8.QUANTIZE_PER_CHANNEL) + _CUTLASS_TAIL,
+    checkpoint=_ONLINE_CHECKPOINT, match=_match_cutlass,
+    description="online per-channel (PTPC) FP8 on CUTLASS: quantize per row, transpose, "
+                "record N, pad K/N to 16 and the (N, 1) scale with 1.0."))
+
+PER_BLOCK = register(Plan(
+    method="fp8_per_block", kernel="cutlass_block",
+    stages=(fp8.INPUT_SCALE_NONE, fp8.QUANTIZE_PER_BLOCK),
+    checkpoint=_ONLINE_CHECKPOINT, match=_match_cutlass_block,
+    description="online 128x128 block FP8 on CUTLASS block-scaled mm: weight (N, K) fp8, "
+                "weight_scale_inv (ceil(N/128), ceil(K/128))."))
+
+_SERIALIZED = (fp8.PROCESS_WEIGHT_STRATEGY, fp8.REDUCE_INPUT_SCALE, fp8.INPUT_SCALE_NONE) \
+    + _CUTLASS_TAIL
+
+CT_CUTLASS = register(Plan(
+    method="ct_w8a8_fp8", kernel="cutlass",
+    stages=_SERIALIZED, checkpoint=_SERIALIZED_CHECKPOINT, match=_match_cutlass,
+    description="compressed-tensors W8A8 FP8 (tensor/channel) on CUTLASS: max-scale "
+                "requantization into a new tensor (tensor), transpose, input scale, record "
+                "N, pad K/N to 16."))
+
+SERIALIZED_CUTLASS = register(Plan(
+    method="fp8", kernel="cutlass",
+    stages=_SERIALIZED, checkpoint=_SERIALIZED_CHECKPOINT, match=_match_cutlass,
+    description="serialized FP8 (Fp8LinearMethod) on CUTLASS, including the logical output "
+                "width that vLLM 0.32's pre-processed branch forgets."))
+
+SERIALIZED_BLOCK = register(Plan(
+    method="fp8", kernel="cutlass_block",
+    stages=(fp8.INPUT_SCALE_NONE,),
+    checkpoint=frozenset({"weight", "weight_scale_inv", "bias"}), match=_match_cutlass_block,
+    description="serialized block FP8 on CUTLASS block-scaled mm: bytes unchanged, "
+                "input_scale = None."))
+
+_FP8_MARLIN = (marlin.FP8_REPACK, marlin.FP8_SCALES, fp8.DROP_INPUT_SCALE, marlin.PERMUTE_BIAS)
+
+CT_MARLIN = register(Plan(
+    method="ct_w8a8_fp8", kernel="fp8_marlin",
+    stages=_FP8_MARLIN, checkpoint=_SERIALIZED_CHECKPOINT, match=_match_fp8_marlin,
+    description="compressed-tensors FP8 weight-only on Marlin (W8A16): weight packed to "
+                "int32 and repacked (Kp/16, 4Np), scales to channel (1, Np) in params dtype "
+                "with the exponent bias, input_scale dropped, bias padded and permuted."))
+
+SERIALIZED_MARLIN = register(Plan(
+    method="fp8", kernel="fp8_marlin",
+    stages=_FP8_MARLIN, checkpoint=_SERIALIZED_CHECKPOINT, match=_match_fp8_marlin,
+    description="serialized per-tensor FP8 weight-only on Marlin (no native FP8)."))

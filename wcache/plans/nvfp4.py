@@ -1,0 +1,52 @@
+"""ModelOpt NVFP4 on CUTLASS (CUDA sm100+): linear W4A4 and fused MoE experts.
+
+vLLM 0.32 picks these kernels only on Blackwell-class GPUs (``cutlass_fp4_supported``,
+``CutlassExpertsFp4._supports_current_device``); on H100/H200 it uses Marlin NVFP4,
+which has no plan here.
+
+The MoE plan's activation-scale fuse is a TRANSFORM returning new tensors: vLLM
+runs it in place (``mul_``) and refuses restore for this backend; here the daemon
+exports the fused scales and restore replays only the METADATA dims.
+"""
+
+from __future__ import annotations
+
+from wcache.core import LayerConfig, Plan, Target
+from wcache.plans.registry import register
+from wcache.stages import nvfp4
+
+#: CUTLASS FP4 GEMMs and CutlassExpertsFp4 need capability families 10, 11 or 12.
+CUTLASS_FP4_MIN_CAPABILITY = (10, 0)
+
+
+def _reason(config: LayerConfig, target: Target, kind: str) -> str | None:
+    if target.device_type != "cuda":
+        return f"CUTLASS NVFP4 is a CUDA kernel; the target is {target.device_type}"
+    if target.capability is None or tuple(target.capability) < CUTLASS_FP4_MIN_CAPABILITY:
+        return (f"CUTLASS NVFP4 needs compute capability >= 10.0 (Blackwell), the target has "
+                f"{target.capability}; vLLM uses Marlin NVFP4 there, which has no plan")
+    if config.quant.layer_kind != kind:
+        return f"this plan covers {kind} layers, not {config.quant.layer_kind}"
+    return None
+
+
+LINEAR = register(Plan(
+    method="modelopt_fp4", kernel="cutlass",
+    stages=(nvfp4.VALIDATE_LOADED, nvfp4.WEIGHT_GLOBAL_SCALE, nvfp4.INPUT_GLOBAL_SCALE,
+            nvfp4.ALPHA, nvfp4.FLAGS, nvfp4.SWIZZLE_SCALES, nvfp4.PAD_WEIGHT),
+    checkpoint=frozenset({"weight", "weight_scale", "weight_scale_2", "input_scale", "bias"}),
+    match=lambda c, t: _reason(c, t, "linear"),
+    description="ModelOpt NVFP4 linear on CUTLASS: global scales and alpha as new tensors, "
+                "block scales swizzled (no .cuda()), weight padded to 32."))
+
+MOE = register(Plan(
+    method="modelopt_fp4", kernel="cutlass_moe",
+    stages=(nvfp4.MOE_W13_GLOBAL_SCALE, nvfp4.MOE_REDUCE_INPUT_SCALE, nvfp4.MOE_SWIZZLE_SCALES,
+            nvfp4.MOE_FUSE_ACTIVATION_SCALE, nvfp4.MOE_DIMS),
+    checkpoint=frozenset({"w13_weight", "w13_weight_scale", "w13_weight_scale_2",
+                          "w13_input_scale", "w2_weight", "w2_weight_scale",
+                          "w2_weight_scale_2", "w2_input_scale"}),
+    match=lambda c, t: _reason(c, t, "moe"),
+    description="ModelOpt NVFP4 fused MoE on CUTLASS experts: w13 global scale, a13 max, "
+                "scales swizzled, activation scales fused into w*_weight_scale_2 as new "
+                "tensors (vLLM: in place); restore replays only the dims."))

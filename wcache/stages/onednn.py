@@ -1,0 +1,327 @@
+"""oneDNN on CPU: unquantized GEMM handles and the W8A8 INT8 scaled-mm kernel.
+
+The DERIVE stages here build a **private** oneDNN handle from final tensors
+(oneDNN reorders the weight into memory it owns; the source is only read), so a
+restore can rebuild it from mapped, read-only bytes. They call the ops vLLM's
+``_custom_ops`` wraps through ``torch.ops._C`` (wcache never imports vLLM); when
+vLLM's ``_C`` extension is not loaded they raise :class:`OpUnavailable`.
+
+TRANSFORM stages (W8A8 INT8): per-channel weight scales for fused layers, the
+static input scale / zero point folding and the ``azp_adj`` term, each a new
+tensor computed with vLLM's op sequence (bit-exact).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from wcache.core import LayerConfig, StageOut, Tag, Target, stage
+from wcache.stages.common import OpUnavailable, StageInputError, require_op  # noqa: F401
+
+__all__ = ["PRIMITIVE_CACHE_SIZE", "OneDNNHandle", "OneDNNLinear", "KernelMethod",
+           "create_onednn_mm", "create_onednn_scaled_mm", "onednn_mm",
+           "prepack_weight", "convert_scale_to_channelwise", "fold_input_scale",
+           "compute_azp_adj", "prepack_scaled_weight", "sgl_selected", "KERNEL_ATTR_DEFAULT"]
+
+_UTILS = "vllm/model_executor/layers/utils.py::dispatch_cpu_unquantized_gemm"
+_SCALED = ("vllm/model_executor/kernels/linear/scaled_mm/cpu.py::"
+           "CPUInt8ScaledMMLinearKernel.process_weights_for_onednn")
+
+#: oneDNN primitive cache entries per handle; vLLM passes 32 in both dispatches.
+PRIMITIVE_CACHE_SIZE = 32
+#: where the W8A8 kernel object lives, relative to the layer (compressed-tensors:
+#: ``layer.scheme.kernel``); override with ``LayerConfig.extra["kernel_attr"]``.
+KERNEL_ATTR_DEFAULT = "scheme.kernel"
+#: AMX SGL kernel limit for unquantized weights (vLLM's _CPU_SGL_GEMM_MAX_WEIGHT_BYTES).
+SGL_MAX_WEIGHT_BYTES = 1 * 1024 * 1024
+#: SGL tile sizes along K and N (csrc/cpu/sgl-kernels/gemm.h).
+SGL_TILE_K, SGL_TILE_N = 32, 16
+
+
+class OneDNNHandle:
+    """A oneDNN matmul handle; the same interface as vLLM's ``CPUDNNLGEMMHandler``
+    (``handler_tensor``, ``n``, ``k``), so vLLM's ``ops.onednn_mm`` /
+    ``ops.onednn_scaled_mm`` and ``apply`` accept it.
+
+    Keeps references to the tensors the C++ handler may point into (the W8A8
+    handler keeps raw pointers to the weight scales), so they outlive it.
+    """
+
+    def __init__(self, pointer: int, k: int, n: int, keepalive: tuple[torch.Tensor, ...] = ()):
+        self.k, self.n = k, n
+        # vLLM stores the pointer in a tensor so it is not inlined by compilation
+        self.handler_tensor = torch.tensor(pointer, dtype=torch.int64, device="cpu")
+        self._keepalive = keepalive
+        self._dtor = require_op("_C", "release_dnnl_matmul_handler")
+
+    def __del__(self) -> None:
+        handler = getattr(self, "handler_tensor", None)
+        if handler is not None:
+            self._dtor(handler.item())
+            self.handler_tensor = None
+
+
+def create_onednn_mm(weight_kn: torch.Tensor,
+                     primitive_cache_size: int = PRIMITIVE_CACHE_SIZE) -> OneDNNHandle:
+    """Prepack an unquantized weight.
+
+    Args:
+        weight_kn: ``[size_k, size_n]`` (vLLM passes ``weight.t()``), bf16/fp16/fp32.
+
+    Raises:
+        OpUnavailable: vLLM's ``_C`` is not loaded.
+
+    Source: vllm/_custom_ops.py::create_onednn_mm.
+    """
+    op = require_op("_C", "create_onednn_mm_handler")
+    k, n = weight_kn.size()
+    return OneDNNHandle(op(weight_kn, primitive_cache_size), k, n)
+
+
+def onednn_mm(handle: OneDNNHandle, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [..., K] @ W [K, N] + bias`` through the handle.
+
+    Source: vllm/_custom_ops.py::onednn_mm.
+    """
+    output = torch.empty((*x.shape[0:-1], handle.n), dtype=x.dtype)
+    torch.ops._C.onednn_mm(output, x.reshape(-1, handle.k), bias, handle.handler_tensor)
+    return output
+
+
+class OneDNNLinear:
+    """``layer.cpu_linear``: ``(x, weight, bias) -> onednn_mm(handle, x, bias)``.
+
+    A callable object (not a lambda) so it has a readable repr; the ``weight``
+    argument is ignored exactly as in vLLM's closure.
+    """
+
+    def __init__(self, handle: OneDNNHandle):
+        self.handle = handle
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+        return onednn_mm(self.handle, x, bias)
+
+    def __repr__(self) -> str:
+        return f"OneDNNLinear(k={self.handle.k}, n={self.handle.n})"
+
+
+def create_onednn_scaled_mm(weight_kn: torch.Tensor, weight_scales: torch.Tensor,
+                            output_type: torch.dtype, dynamic_quant: bool, use_azp: bool,
+                            primitive_cache_size: int = PRIMITIVE_CACHE_SIZE) -> OneDNNHandle:
+    """Prepack an int8 weight for ``onednn_scaled_mm``.
+
+    Args:
+        weight_kn: int8 ``[size_k, size_n]``.
+        weight_scales: fp32 ``[size_n, 1]`` (channel) or ``[1]`` (tensor).
+        output_type: activation dtype.
+        dynamic_quant: activations quantized per token at run time.
+        use_azp: asymmetric activations.
+
+    Source: vllm/_custom_ops.py::create_onednn_scaled_mm.
+    """
+    op = require_op("_C", "create_onednn_scaled_mm_handler")
+    k, n = weight_kn.size()
+    ptr = op(weight_kn, weight_scales, output_type, dynamic_quant, use_azp,
+             primitive_cache_size)
+    return OneDNNHandle(ptr, k, n, keepalive=(weight_kn, weight_scales))
+
+
+class KernelMethod:
+    """A stand-in for a bound method of the layer's kernel, resolved at call time:
+    ``KernelMethod("scheme.kernel", "_apply_weights_onednn")(layer, x, bias)`` calls
+    ``layer.scheme.kernel._apply_weights_onednn(layer, x, bias)``. Lets a stage set
+    ``kernel.linear_method`` without holding (or importing) the kernel object."""
+
+    def __init__(self, kernel_attr: str, method: str):
+        self.kernel_attr, self.method = kernel_attr, method
+
+    def __call__(self, layer: torch.nn.Module, x: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        obj: Any = layer
+        for part in self.kernel_attr.split("."):
+            obj = getattr(obj, part)
+        return getattr(obj, self.method)(layer, x, bias)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KernelMethod) and \
+            (self.kernel_attr, self.method) == (other.kernel_attr, other.method)
+
+    def __hash__(self) -> int:
+        return hash((self.kernel_attr, self.method))
+
+    def __repr__(self) -> str:
+        return f"KernelMethod({self.kernel_attr!r}, {self.method!r})"
+
+
+def sgl_selected(size_n: int, size_k: int, dtype: torch.dtype, target: Target) -> bool:
+    """Whether vLLM would pick the AMX SGL kernel (a byte TRANSFORM, not oneDNN).
+
+    Source: vllm/model_executor/layers/utils.py::check_cpu_sgl_kernel (the AMX-FP16
+    capability is assumed present with AMX; fp16 SGL hosts are refused either way).
+    """
+    if not target.has("amx") or dtype not in (torch.bfloat16, torch.float16, torch.int8):
+        return False
+    if dtype == torch.int8:
+        return size_k % SGL_TILE_K == 0 and size_n % SGL_TILE_N == 0
+    if size_n * size_k * dtype.itemsize > SGL_MAX_WEIGHT_BYTES:
+        return False
+    if size_n < SGL_TILE_N:
+        return True
+    return size_k % SGL_TILE_K == 0 and size_n % SGL_TILE_N == 0
+
+
+def _kernel_attr(config: LayerConfig) -> str:
+    return config.get("kernel_attr", KERNEL_ATTR_DEFAULT)
+
+
+# --------------------------------------------------------------------------- unquantized
+
+
+@stage("onednn.prepack_weight", Tag.DERIVE, reads=("weight",), attrs=("cpu_linear",),
+       source=f"{_UTILS} (oneDNN branch)")
+def prepack_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                   recorded: Mapping[str, Any]) -> StageOut:
+    """Build ``layer.cpu_linear`` over a private oneDNN copy of ``weight`` ``[N, K]``.
+
+    Linear layers then release the weight (vLLM's ``remove_weight=True``: an empty
+    ``(0,)`` Parameter); embeddings (``layer_kind == "embedding"``) keep it. A
+    meta weight gets ``F.linear`` and keeps its slot, as in vLLM.
+
+    Raises:
+        StageInputError: the weight is not 2-D, or the target selects the AMX SGL
+            kernel or has no oneDNN path (POWER).
+        OpUnavailable: vLLM's ``_C`` is not loaded.
+    """
+    weight = tensors["weight"]
+    if weight.device.type == "meta":
+        return StageOut(attrs={"cpu_linear": F.linear})
+    if weight.dim() != 2:
+        raise StageInputError(f"layer {config.name!r}: oneDNN prepack needs a 2-D weight, "
+                              f"got {tuple(weight.shape)}")
+    n, k = weight.size()
+    if sgl_selected(n, k, weight.dtype, target) or target.has("power"):
+        raise StageInputError(f"layer {config.name!r}: the target does not use oneDNN for "
+                              f"this weight (AMX SGL or POWER); no wcache plan for it")
+    handle = create_onednn_mm(weight.t(), PRIMITIVE_CACHE_SIZE)
+    release = ("weight",) if config.quant.layer_kind != "embedding" else ()
+    return StageOut(attrs={"cpu_linear": OneDNNLinear(handle)}, release=release)
+
+
+# --------------------------------------------------------------------------- W8A8 INT8
+
+_INT8 = torch.iinfo(torch.int8)
+
+
+def _is_fused(config: LayerConfig) -> bool:
+    return len(tuple(config.get("logical_widths", ()))) > 1
+
+
+@stage("onednn.convert_scale_to_channelwise", Tag.TRANSFORM, reads=("weight_scale",),
+       writes=("weight_scale",),
+       source=f"{_SCALED} (convert_to_channelwise for fused per-tensor scales; "
+              f"w8a8_utils.py::convert_to_channelwise)")
+def convert_scale_to_channelwise(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
+                                 target: Target, recorded: Mapping[str, Any]) -> StageOut:
+    """Fused layers with per-tensor scales: ``weight_scale`` ``[#shards]`` -> fp32
+    ``[N, 1]`` (each shard's scale repeated over its ``logical_widths`` rows);
+    otherwise unchanged (returned as is). ``logical_widths`` comes from
+    ``config.extra``."""
+    scale = tensors["weight_scale"]
+    if not _is_fused(config) or config.quant.strategy == "channel":
+        return StageOut()
+    widths = tuple(config.get("logical_widths"))
+    if scale.numel() != len(widths):
+        raise StageInputError(f"layer {config.name!r}: {scale.numel()} per-tensor scales "
+                              f"for {len(widths)} logical widths {widths}")
+    out = torch.empty((sum(widths), 1), dtype=torch.float32, device=scale.device)
+    if scale.device.type != "meta":
+        start = 0
+        for idx, width in enumerate(widths):
+            out[start:start + width, :] = scale[idx]
+            start += width
+    return StageOut(tensors={"weight_scale": out})
+
+
+@stage("onednn.fold_input_scale", Tag.TRANSFORM, reads=("input_scale", "input_zero_point"),
+       writes=("input_scale", "input_zero_point"),
+       optional=("input_scale", "input_zero_point"),
+       source=f"{_SCALED} (INPUT SCALE block)")
+def fold_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                     recorded: Mapping[str, Any]) -> StageOut:
+    """Static activations only (dynamic: no change).
+
+    Symmetric: ``input_scale`` fp32 ``[1]`` -> its max, 0-d. Asymmetric: rebuild the
+    range from ``input_scale`` and ``input_zero_point`` (int8 ``[1]``) and return a
+    0-d fp32 ``input_scale`` and a 0-d int32 ``input_zero_point``.
+    """
+    if not config.quant.static_input:
+        return StageOut()
+    if "input_scale" not in tensors:
+        raise StageInputError(f"layer {config.name!r}: static W8A8 INT8 without input_scale")
+    input_scale = tensors["input_scale"]
+    if config.quant.input_symmetric:
+        return StageOut(tensors={"input_scale": input_scale.max()})
+    if "input_zero_point" not in tensors:
+        raise StageInputError(f"layer {config.name!r}: asymmetric static W8A8 INT8 "
+                              f"without input_zero_point")
+    azps = tensors["input_zero_point"].to(dtype=torch.int32)
+    range_max = (input_scale * (_INT8.max - azps)).max()
+    range_min = (input_scale * (_INT8.min - azps)).min()
+    scale = (range_max - range_min) / (_INT8.max - _INT8.min)
+    azp = (_INT8.min - range_min / scale).round().to(dtype=torch.int32)
+    return StageOut(tensors={"input_scale": scale, "input_zero_point": azp})
+
+
+@stage("onednn.compute_azp_adj", Tag.TRANSFORM, reads=("weight", "weight_scale"),
+       writes=("azp_adj",), source=f"{_SCALED} (azp_adj term)")
+def compute_azp_adj(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                    recorded: Mapping[str, Any]) -> StageOut:
+    """Unless symmetric and static: ``azp_adj`` fp32 ``[1, N]`` =
+    ``sum_k W[k, n] * weight_scale[n]`` (computed on the ``[K, N]`` view as vLLM does)."""
+    if config.quant.input_symmetric and config.quant.static_input:
+        return StageOut()
+    weight_kn = tensors["weight"].t()
+    azp_adj = weight_kn.sum(dim=0, keepdim=True, dtype=torch.float32)
+    azp_adj = azp_adj * tensors["weight_scale"].squeeze()
+    return StageOut(tensors={"azp_adj": azp_adj})
+
+
+@stage("onednn.prepack_scaled_weight", Tag.DERIVE,
+       reads=("weight", "weight_scale", "input_scale"), optional=("input_scale",),
+       attrs=("weight", f"{KERNEL_ATTR_DEFAULT}.dnnl_handler",
+              f"{KERNEL_ATTR_DEFAULT}.linear_method"),
+       source=f"{_SCALED} (create_onednn_scaled_mm, then setattr(layer, 'weight', None))")
+def prepack_scaled_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
+                          target: Target, recorded: Mapping[str, Any]) -> StageOut:
+    """Build ``kernel.dnnl_handler`` from int8 ``weight`` ``[N, K]`` (passed as the
+    ``[K, N]`` view) and ``weight_scale``; set ``kernel.linear_method`` to the
+    kernel's oneDNN apply; release ``weight`` into a ``None`` slot (vLLM drops it).
+
+    The handle's output dtype is ``config.params_dtype`` (vLLM: the default dtype
+    during load, which is the model dtype).
+
+    Raises:
+        StageInputError: the target selects the AMX SGL int8 kernel.
+        OpUnavailable: vLLM's ``_C`` is not loaded.
+    """
+    weight = tensors["weight"]
+    n, k = weight.size()
+    if config.quant.input_symmetric and sgl_selected(n, k, torch.int8, target):
+        raise StageInputError(f"layer {config.name!r}: the target selects the AMX SGL int8 "
+                              f"kernel (a byte transform); no wcache plan for it")
+    kattr = _kernel_attr(config)
+    if kattr != KERNEL_ATTR_DEFAULT:
+        raise StageInputError(f"kernel_attr {kattr!r} is not declared by this stage")
+    handle = create_onednn_scaled_mm(
+        weight.t(), tensors["weight_scale"], config.dtype,
+        "input_scale" not in tensors, not config.quant.input_symmetric, PRIMITIVE_CACHE_SIZE)
+    return StageOut(
+        attrs={"weight": None, f"{kattr}.dnnl_handler": handle,
+               f"{kattr}.linear_method": KernelMethod(kattr, "_apply_weights_onednn")},
+        release=("weight",))
+

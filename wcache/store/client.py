@@ -1,0 +1,432 @@
+"""The client: attach to a daemon's arena (zero-copy or copy) and the CLI helpers.
+
+``attach(key, ...)`` checks the socket dir and socket (owner, symlink), checks
+the daemon's uid (SO_PEERCRED), says ``hello``, asks ``get`` with the key and
+maps the handle: tensors are views into one read-only mapping (CPU) or one
+IPC-opened allocation (CUDA). Any failure after mapping drops every mapping
+before the error is raised, so a caller can fall back to disk safely.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import mmap
+import os
+import socket
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+import wcache
+from wcache.store import paths
+from wcache.store.arena import tensor_views
+from wcache.store.errors import (
+    DaemonBusy, DaemonMissing, KeyMismatch, PeerRefused, ProtocolError, Released, StoreError,
+    TransportFailed, UnsafePath,
+)
+from wcache.store.manifest import KIND_BUFFER, CacheKey, Manifest
+from wcache.store.protocol import (
+    PROTOCOL_VERSION, ConnectionClosed, raise_for_error, recv_frame, send_frame,
+)
+
+__all__ = ["attach", "Attachment", "Connection", "daemon_status", "shutdown_daemon", "cli_status",
+           "cli_stop", "MODES"]
+
+log = logging.getLogger("wcache.store")
+
+MODES = ("zero_copy", "copy")
+# Replies to get carry the manifest (MiBs for big models); allow a slow daemon this long.
+REPLY_TIMEOUT_S = 60.0
+# cli_stop waits this long for a daemon to remove its socket after shutdown.
+STOP_WAIT_S = 10.0
+STOP_POLL_S = 0.05
+_ERRORS = {c.code: c for c in (DaemonMissing, KeyMismatch, TransportFailed, ProtocolError, DaemonBusy,
+                               Released, UnsafePath, PeerRefused)}
+
+
+class Connection:
+    """One checked connection to a daemon, after ``hello``.
+
+    Raises (from the constructor):
+        DaemonMissing: no socket dir / socket, or nothing listening.
+        UnsafePath: unsafe socket dir or socket.
+        PeerRefused: the daemon runs as another user, or refused our uid.
+        ProtocolError: another protocol version.
+    """
+
+    def __init__(self, sock_path: str, connect_timeout_s: float = 5.0):
+        self.path = sock_path
+        try:
+            paths.ensure_socket_dir(os.path.dirname(sock_path), create=False)
+            paths.check_socket_file(sock_path)
+        except FileNotFoundError:
+            raise DaemonMissing(f"no daemon socket at {sock_path}; start one with `wcache serve`") from None
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(connect_timeout_s)
+        try:
+            s.connect(sock_path)
+        except OSError as e:
+            s.close()
+            if isinstance(e, socket.timeout) or e.errno in (errno.ECONNREFUSED, errno.ENOENT):
+                raise DaemonMissing(f"no daemon answers on {sock_path} ({e}); the socket is stale or "
+                                    "the daemon is not running: start one with `wcache serve`") from None
+            raise DaemonMissing(f"cannot connect to {sock_path}: {e}") from e
+        self.sock = s
+        try:
+            from wcache.store.server import peer_credentials
+
+            pid, uid, _ = peer_credentials(s)
+            if uid != os.getuid():
+                raise PeerRefused(f"the process on {sock_path} (pid {pid}) runs as uid {uid}, not as you "
+                                  f"(uid {os.getuid()}); refusing it")
+            self.hello = self.request({"op": "hello", "protocol": PROTOCOL_VERSION,
+                                       "wcache": wcache.__version__})
+            if self.hello.get("protocol") != PROTOCOL_VERSION:
+                raise ProtocolError(f"daemon speaks protocol {self.hello.get('protocol')!r}, we speak "
+                                    f"{PROTOCOL_VERSION}")
+        except socket.timeout:
+            self.close()
+            raise DaemonMissing(f"daemon on {sock_path} did not answer hello within {connect_timeout_s} s") from None
+        except BaseException:
+            self.close()
+            raise
+        s.settimeout(REPLY_TIMEOUT_S)
+
+    def request(self, frame: dict[str, Any], max_fds: int = 0) -> dict[str, Any]:
+        """Send one command and return its ``ok`` reply (fds in ``reply["_fds"]``)."""
+        try:
+            send_frame(self.sock, frame)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the daemon may have refused us and closed: its error frame is still readable
+        try:
+            reply, fds = recv_frame(self.sock, max_fds)
+        except (BrokenPipeError, ConnectionResetError, ConnectionClosed) as e:
+            raise DaemonMissing(f"daemon on {self.path} closed the connection: {e}") from e
+        if fds:
+            reply["_fds"] = fds
+        try:
+            if reply.get("ok") is False and reply.get("code") == KeyMismatch.code:
+                raise KeyMismatch(f"daemon on {self.path}: {reply.get('message')}",
+                                  fields=[str(f) for f in reply.get("fields") or ()],
+                                  theirs=reply.get("theirs") if isinstance(reply.get("theirs"), dict) else {})
+            return raise_for_error(reply, _ERRORS)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+class Attachment:
+    """Tensors served by a daemon.
+
+    Attributes:
+        tensors: name -> tensor (aliases are the SAME object as their target).
+            In ``zero_copy`` mode they are views of one read-only mapping (CPU)
+            or one CUDA IPC allocation; in ``copy`` mode of one private copy.
+        kinds: name -> ``"param"`` | ``"buffer"``.
+        persistent: name -> bool, for buffers.
+        aliases: alias -> canonical name.
+        layers, extra: the export's JSON data.
+        manifest: the :class:`Manifest`.
+        nbytes: bytes of the arena.
+        mode: ``"zero_copy"`` or ``"copy"``.
+        device: ``"cpu"`` or ``"cuda:<i>"``.
+    """
+
+    def __init__(self, manifest: Manifest, base: torch.Tensor, mm: mmap.mmap | None, conn: Connection | None,
+                 mode: str):
+        self.manifest = manifest
+        self.mode = mode
+        self.nbytes = manifest.arena_nbytes
+        self.device = str(base.device)
+        self._base: torch.Tensor | None = base
+        self._mm = mm
+        self._conn = conn
+        self._tensors = tensor_views(base, manifest)
+        self.kinds = {e.name: e.kind for e in manifest.tensors} | {a.name: a.kind for a in manifest.aliases}
+        self.persistent = ({e.name: e.persistent for e in manifest.tensors if e.kind == KIND_BUFFER}
+                           | {a.name: a.persistent for a in manifest.aliases if a.kind == KIND_BUFFER})
+        self.aliases = {a.name: a.target for a in manifest.aliases}
+        self.layers = dict(manifest.layers)
+        self.extra = dict(manifest.extra)
+        self._entries = {e.name: e for e in manifest.tensors}
+
+    @property
+    def closed(self) -> bool:
+        return self._base is None
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if self._base is None:
+            raise Released("this attachment was closed; attach again")
+        return self._tensors
+
+    @property
+    def arena_range(self) -> tuple[int, int]:
+        """[start, end) addresses of the arena in this process."""
+        if self._base is None:
+            raise Released("this attachment was closed; attach again")
+        start = self._base.data_ptr()
+        return start, start + self.nbytes
+
+    def release_ranges_(self, names: Iterable[str]) -> int:
+        """Drop this process's pages of the given tensors (``MADV_DONTNEED``).
+
+        Only for a CPU ``zero_copy`` attachment (a no-op returning 0 elsewhere).
+        The range of each tensor is widened to whole pages; on a shared memfd
+        mapping that is safe even for neighbours: a later read faults the same
+        bytes back in from the daemon's memfd. It lowers this process's RSS
+        (RssShmem), e.g. after a DERIVE stage copied a weight into a private
+        prepacked handle.
+
+        Returns:
+            bytes advised.
+
+        Raises:
+            Released: the attachment is closed.
+            KeyError: an unknown name.
+        """
+        if self._base is None:
+            raise Released("this attachment was closed")
+        if self._mm is None:
+            return 0
+        page = mmap.PAGESIZE
+        total = 0
+        for name in names:
+            e = self._entries[self.aliases.get(name, name)]
+            if e.nbytes == 0:
+                continue
+            lo = e.offset // page * page
+            hi = min(-(-(e.offset + e.nbytes) // page) * page, self.nbytes)
+            self._mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+            total += hi - lo
+        return total
+
+    def close(self) -> None:
+        """Drop every mapping this attachment holds and tell the daemon. Idempotent.
+
+        The mapping is unmapped at once unless the caller still holds tensor
+        views; then it is unmapped when the last view dies (unmapping under a
+        live view would crash it).
+        """
+        if self._base is None:
+            return
+        self._tensors = {}
+        self._base = None
+        if self._conn is not None:
+            with contextlib.suppress(StoreError, OSError):
+                self._conn.request({"op": "release"})
+            self._conn.close()
+            self._conn = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                log.debug("arena mapping still viewed by live tensors; it is unmapped when they die")
+            self._mm = None
+
+    def __enter__(self) -> "Attachment":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{len(self.manifest.tensors)} tensors, {self.nbytes} bytes"
+        return f"Attachment({self.mode}, {self.device}, {state})"
+
+
+def _local_cuda_index(device_uuid: str | None, wanted: int | None) -> int:
+    for i in range(torch.cuda.device_count()):
+        if paths.cuda_device_uuid(i) == device_uuid:
+            if wanted is not None and wanted != i:
+                raise TransportFailed(f"the daemon serves {device_uuid} (local cuda:{i}), the client asked "
+                                      f"for cuda:{wanted}")
+            return i
+    raise TransportFailed(f"the daemon's GPU {device_uuid} is not visible to this process")
+
+
+def attach(key: CacheKey, socket_dir: str | None = None, device: str = "cpu", device_id: str | None = None,
+           mode: str = "zero_copy", connect_timeout_s: float = 5.0) -> Attachment:
+    """Attach to the daemon serving ``key`` on one device.
+
+    Args:
+        key: the cache key this engine needs.
+        socket_dir: per-user socket dir (default :func:`paths.default_socket_dir`).
+        device: ``"cpu"`` or ``"cuda"``/``"cuda:<i>"``.
+        device_id: names the daemon's socket (default ``"cpu"`` or the GPU UUID).
+        mode: ``"zero_copy"`` (views of the daemon's memory; the connection
+            stays open until :meth:`Attachment.close`) or ``"copy"`` (one
+            private copy; the mapping and connection are dropped at once, the
+            daemon keeps serving others).
+        connect_timeout_s: seconds for connect and hello.
+
+    Returns:
+        An :class:`Attachment`.
+
+    Raises:
+        DaemonMissing, KeyMismatch (``.fields``), TransportFailed, ProtocolError,
+        PeerRefused, UnsafePath: see :mod:`wcache.store.errors`.
+    """
+    if mode not in MODES:
+        raise StoreError(f"mode {mode!r} is not one of {MODES}")
+    if not isinstance(key, CacheKey):
+        raise StoreError("key must be a CacheKey")
+    t0 = time.perf_counter()
+    kind, index = paths.parse_device(device)
+    if device_id is None:
+        device_id = paths.default_device_id(kind, index)
+    sock_path = paths.socket_path(socket_dir, device_id)
+    conn = Connection(sock_path, connect_timeout_s)
+    mm = base = None
+    try:
+        daemon_device = conn.hello.get("device")
+        if daemon_device != kind:
+            raise TransportFailed(f"daemon on {sock_path} serves {daemon_device!r}, asked for {kind!r}")
+        reply = conn.request({"op": "get", "key": key.fields, "mode": mode, "transport": conn.hello.get("transport")},
+                             max_fds=1)
+        fds = reply.pop("_fds", [])
+        try:
+            manifest = Manifest.from_dict(reply.get("manifest"))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        if CacheKey(manifest.key) != key:
+            for fd in fds:
+                os.close(fd)
+            raise KeyMismatch("daemon answered with a manifest of another key",
+                              fields=key.diff(CacheKey(manifest.key)))
+        handle = reply.get("handle") if isinstance(reply.get("handle"), dict) else {}
+        if kind == "cpu":
+            from wcache.store.transport_shm import open_shm
+
+            mm, base = open_shm(handle, fds, manifest.arena_nbytes)
+        else:
+            from wcache.store.transport_cuda import open_cuda
+
+            for fd in fds:
+                os.close(fd)
+            local = _local_cuda_index(conn.hello.get("device_uuid"), index)
+            base = open_cuda(handle, manifest.arena_nbytes, local)
+        if mode == "copy":
+            private = torch.empty_like(base)
+            private.copy_(base)
+            del base
+            base = private
+            if mm is not None:
+                mm.close()
+                mm = None
+            with contextlib.suppress(StoreError, OSError):
+                conn.request({"op": "release"})
+            conn.close()
+            conn = None
+        att = Attachment(manifest, base, mm, conn, mode)
+    except BaseException:
+        base = None
+        if mm is not None:
+            with contextlib.suppress(BufferError):
+                mm.close()
+        if conn is not None:
+            conn.close()
+        raise
+    log.info("attached %s (%s, %d tensors, %.1f MiB) in %.1f ms", sock_path, mode, len(manifest.tensors),
+             manifest.arena_nbytes / 2**20, (time.perf_counter() - t0) * 1e3)
+    return att
+
+
+# --------------------------------------------------------------------------- CLI helpers
+
+
+def daemon_status(sock_path: str, connect_timeout_s: float = 5.0) -> dict[str, Any]:
+    """The ``status`` reply of the daemon on one socket."""
+    conn = Connection(sock_path, connect_timeout_s)
+    try:
+        return conn.request({"op": "status"})
+    finally:
+        conn.close()
+
+
+def shutdown_daemon(sock_path: str, wait_s: float = STOP_WAIT_S) -> bool:
+    """Send ``shutdown`` and wait until the socket is gone; True when it is."""
+    conn = Connection(sock_path)
+    try:
+        conn.request({"op": "shutdown"})
+    finally:
+        conn.close()
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if not os.path.lexists(sock_path):
+            return True
+        time.sleep(STOP_POLL_S)
+    return False
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def cli_status(socket_dir: str | None) -> int:
+    """Print every daemon in a socket dir. Returns 0 when at least one answers,
+    3 when none is running (1 when the dir is unsafe)."""
+    d = os.path.abspath(socket_dir or paths.default_socket_dir())
+    try:
+        paths.ensure_socket_dir(d, create=False)
+    except FileNotFoundError:
+        print(f"no daemons: {d} does not exist")
+        return 3
+    except UnsafePath as e:
+        print(f"error [{e.code}]: {e}")
+        return 1
+    found = 0
+    for sock in paths.list_sockets(d):
+        try:
+            st = daemon_status(sock)
+        except StoreError as e:
+            alive = paths.owner_alive(paths.read_pid_file(paths.pid_path(sock)))
+            print(f"{sock}: {'not answering' if alive else 'stale (owner dead)'} [{e.code}]")
+            continue
+        found += 1
+        print(f"{sock}\n  pid {st['pid']}  device {st['device_id']} ({st['transport']})  up {st['uptime_s']:.0f} s\n"
+              f"  holds {_fmt_bytes(st['bytes_held'])} in {st['tensors']} tensors (+{st['aliases']} aliases)\n"
+              f"  clients {st['clients_connected']}  attachments {st['attachments_active']} active, "
+              f"{st['attachments_total']} served\n  key {st['key_digest'][:16]}  fields "
+              f"{', '.join(sorted(st['key_fields']))}")
+    if not found:
+        print(f"no daemons answer in {d}")
+        return 3
+    return 0
+
+
+def cli_stop(socket_dir: str | None, device: str | None) -> int:
+    """Stop the daemon of one device id (or every daemon when ``device`` is None).
+    Returns 0 when all targeted daemons stopped, 1 when one did not, 3 when none ran."""
+    d = os.path.abspath(socket_dir or paths.default_socket_dir())
+    socks = [paths.socket_path(d, device)] if device else paths.list_sockets(d)
+    stopped = failed = 0
+    for sock in socks:
+        try:
+            ok = shutdown_daemon(sock)
+        except DaemonMissing:
+            continue
+        except StoreError as e:
+            print(f"{sock}: cannot stop [{e.code}]: {e}")
+            failed += 1
+            continue
+        print(f"{sock}: {'stopped' if ok else 'shutdown sent, socket still present'}")
+        stopped += ok
+        failed += not ok
+    if not stopped and not failed:
+        print(f"no running daemon{' for ' + device if device else ''} in {d}")
+        return 3
+    return 1 if failed else 0
+

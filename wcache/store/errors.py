@@ -1,0 +1,78 @@
+"""Errors of the weight store. Each carries a stable reason code (``.code``)
+that the engine-side fallback logs (DESIGN.md section 5, "Fallback")."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from wcache.core import WcacheError
+
+__all__ = [
+    "StoreError", "DaemonMissing", "KeyMismatch", "TransportFailed", "ProtocolError",
+    "DaemonBusy", "Released", "UnsafePath", "PeerRefused",
+]
+
+
+class StoreError(WcacheError, RuntimeError):
+    """Root of the store's errors (arena, transports, protocol, daemon, client)."""
+
+    code = "store-error"
+
+
+class DaemonMissing(StoreError):
+    """No daemon answers on the socket: none was started, it died, or it is not
+    answering within the timeout. Start one with ``wcache serve``."""
+
+    code = "daemon-missing"
+
+
+class KeyMismatch(StoreError, ValueError):
+    """The daemon holds weights for a different cache key; ``.fields`` names the
+    differing key fields (sorted), ``.theirs`` the daemon's values of them."""
+
+    code = "key-mismatch"
+
+    def __init__(self, message: str, *, fields: Iterable[str] = (), theirs: dict | None = None):
+        super().__init__(message)
+        self.fields = sorted(fields)
+        self.theirs = dict(theirs or {})
+
+
+class TransportFailed(StoreError):
+    """A handle could not be passed or mapped (memfd not sealed, size differs
+    from the manifest, CUDA IPC open failed, wrong device)."""
+
+    code = "transport-failed"
+
+
+class ProtocolError(StoreError, ValueError):
+    """A frame is malformed, truncated, oversized, of an unknown command, or the
+    peer speaks another protocol version."""
+
+    code = "protocol-error"
+
+
+class DaemonBusy(StoreError):
+    """Another live daemon already serves this device (its lock or its socket is
+    held). Stop it first (``wcache stop``) or pick another socket dir."""
+
+    code = "daemon-busy"
+
+
+class Released(StoreError):
+    """The attachment was closed; its tensors are no longer served through it."""
+
+    code = "released"
+
+
+class UnsafePath(StoreError, PermissionError):
+    """A socket dir, socket or lock file is a symlink, is owned by another user,
+    or is group/world accessible."""
+
+    code = "unsafe-path"
+
+
+class PeerRefused(StoreError, PermissionError):
+    """The peer on the socket runs as another user (SO_PEERCRED check)."""
+
+    code = "peer-refused"

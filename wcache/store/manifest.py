@@ -1,0 +1,370 @@
+"""Export values, the cache key and the versioned JSON manifest of an arena.
+
+Everything here is a frozen value with no I/O: :class:`Export` (what a daemon
+serves), :class:`CacheKey` (what must match), :class:`TensorEntry` /
+:class:`AliasEntry` / :class:`Manifest` (where each tensor lies in the arena).
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from collections.abc import Mapping
+from typing import Any
+
+import blake3
+import torch
+from attrs import field, frozen
+
+from wcache.store.errors import ProtocolError, StoreError
+
+__all__ = [
+    "MANIFEST_FORMAT_VERSION", "KIND_PARAM", "KIND_BUFFER", "KINDS", "Export", "CacheKey",
+    "TensorEntry", "AliasEntry", "Manifest", "dtype_from_name", "dtype_name", "span_elements",
+    "canonical_json",
+]
+
+# Bumped whenever a manifest field changes meaning; a client refuses other versions.
+MANIFEST_FORMAT_VERSION = 1
+KIND_PARAM = "param"
+KIND_BUFFER = "buffer"
+KINDS = frozenset({KIND_PARAM, KIND_BUFFER})
+
+# Every torch dtype that can be a view of raw bytes, by its short name ("float16").
+_DTYPES: dict[str, torch.dtype] = {
+    name: obj for name in dir(torch)
+    if isinstance(obj := getattr(torch, name), torch.dtype)
+    and not obj.is_complex  # complex views of uint8 need conj-bit care; none are exported today
+    and str(obj) == f"torch.{name}"
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float16`` -> ``"float16"``."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise StoreError(f"dtype {dtype} cannot be stored in an arena")
+    return name
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"float16"`` -> ``torch.float16``.
+
+    Raises:
+        ProtocolError: an unknown dtype name.
+    """
+    try:
+        return _DTYPES[name]
+    except (KeyError, TypeError):
+        raise ProtocolError(f"unknown dtype {name!r} in manifest") from None
+
+
+def span_elements(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Number of storage elements a strided view spans: 0 when it is empty,
+    else ``1 + sum((size - 1) * stride)`` (strides are non-negative in torch)."""
+    if 0 in shape:
+        return 0
+    return 1 + sum([(s - 1) * st for s, st in zip(shape, stride)])
+
+
+def canonical_json(value: Any) -> str:
+    """Deterministic JSON (sorted keys, no spaces, no NaN/inf); tuples become lists.
+
+    Raises:
+        StoreError: a value that is not JSON (object, NaN, non-str key).
+    """
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False,
+                          ensure_ascii=False)
+    except (TypeError, ValueError) as e:
+        raise StoreError(f"value is not canonical JSON: {e}") from e
+
+
+def _ro_dict(value: Mapping) -> types.MappingProxyType:
+    return types.MappingProxyType(dict(value))
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _check_export(inst: "Export") -> None:
+    errors = []
+    for name, t in inst.tensors.items():
+        if not isinstance(name, str) or not name:
+            errors.append(f"tensor name {name!r} is not a non-empty string")
+        if not isinstance(t, torch.Tensor):
+            errors.append(f"{name}: not a tensor ({type(t).__name__})")
+            continue
+        if t.device.type == "meta":
+            errors.append(f"{name}: on the meta device (no bytes to export)")
+        if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg():
+            errors.append(f"{name}: only plain strided tensors can be exported")
+        if inst.kinds.get(name) not in KINDS:
+            errors.append(f"{name}: kind {inst.kinds.get(name)!r} is not one of {sorted(KINDS)}")
+    for alias, target in inst.aliases.items():
+        if alias in inst.tensors:
+            errors.append(f"alias {alias} is also a canonical tensor name")
+        if target not in inst.tensors:
+            errors.append(f"alias {alias} -> {target}: the target is not a canonical tensor")
+        kind = inst.kinds.get(alias, inst.kinds.get(target))
+        if kind not in KINDS:
+            errors.append(f"alias {alias}: kind {kind!r} is not one of {sorted(KINDS)}")
+    for name in inst.nonpersistent:
+        if inst.kinds.get(name, inst.kinds.get(inst.aliases.get(name, ""))) != KIND_BUFFER:
+            errors.append(f"{name}: only buffers can be non-persistent")
+    for what, value in (("layers", dict(inst.layers)), ("extra", dict(inst.extra))):
+        try:
+            canonical_json(value)
+        except StoreError as e:
+            errors.append(f"{what}: {e}")
+    if errors:
+        raise StoreError("invalid export:\n  " + "\n  ".join(errors))
+
+
+@frozen
+class Export:
+    """What one rank's daemon serves.
+
+    Attributes:
+        tensors: canonical name -> tensor (any device, any strides; views of a
+            shared storage are stored once).
+        kinds: name -> ``"param"`` | ``"buffer"`` for every canonical name
+            (alias names may be given too; they default to their target's kind).
+        aliases: alias name -> canonical name (tied weights; the client returns
+            the SAME tensor object for both).
+        layers: layer name -> JSON-able per-layer data (plan id/version, kernel,
+            Target dict, recorded values, drops).
+        extra: JSON-able data for the whole export.
+        nonpersistent: names of buffers registered with ``persistent=False``.
+    """
+
+    tensors: Mapping[str, torch.Tensor] = field(converter=_ro_dict)
+    kinds: Mapping[str, str] = field(converter=_ro_dict)
+    aliases: Mapping[str, str] = field(factory=dict, converter=_ro_dict)
+    layers: Mapping[str, dict] = field(factory=dict, converter=_ro_dict)
+    extra: Mapping[str, Any] = field(factory=dict, converter=_ro_dict)
+    nonpersistent: frozenset[str] = field(factory=frozenset, converter=frozenset)
+
+    def __attrs_post_init__(self):
+        _check_export(self)
+
+
+# --------------------------------------------------------------------------- key
+
+
+def _normalize_json(value: Any) -> Any:
+    return json.loads(canonical_json(value))
+
+
+@frozen(init=False)
+class CacheKey:
+    """Everything that must match for an engine to use a daemon's bytes.
+
+    Built from JSON-able fields (checkpoint content digest, quant config, dtype,
+    parallel layout, plan ids, Target, versions). Equality and the digest are
+    over the canonical JSON, so field order never matters.
+
+    Raises:
+        StoreError: fields that are not a str-keyed mapping of JSON values.
+    """
+
+    canonical: str
+
+    def __init__(self, fields: Mapping[str, Any]):
+        if not isinstance(fields, Mapping) or not all(isinstance(k, str) for k in fields):
+            raise StoreError("CacheKey fields must be a mapping with str keys")
+        self.__attrs_init__(canonical=canonical_json(_normalize_json(dict(fields))))
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        """A fresh copy of the fields (changing it changes no key)."""
+        return json.loads(self.canonical)
+
+    @property
+    def digest(self) -> str:
+        """blake3 hex digest (64 characters) of the canonical JSON."""
+        return blake3.blake3(self.canonical.encode()).hexdigest()
+
+    def diff(self, other: "CacheKey | Mapping[str, Any]") -> list[str]:
+        """Sorted names of the fields that differ or exist on one side only."""
+        mine = self.fields
+        theirs = other.fields if isinstance(other, CacheKey) else CacheKey(other).fields
+        return sorted(k for k in mine.keys() | theirs.keys() if mine.get(k, ...) != theirs.get(k, ...))
+
+    def to_json(self) -> str:
+        return self.canonical
+
+    @classmethod
+    def from_json(cls, text: str) -> "CacheKey":
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise StoreError(f"CacheKey JSON does not parse: {e}") from e
+        return cls(value)
+
+    def __repr__(self) -> str:
+        return f"CacheKey({self.digest[:12]}, fields={sorted(self.fields)})"
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+@frozen
+class TensorEntry:
+    """One canonical tensor: the view ``arena[offset : offset + nbytes]`` as
+    ``dtype``, rebuilt with ``as_strided(shape, stride)``. ``nbytes`` is the
+    storage span of the view (``span_elements * itemsize``), so non-contiguous
+    tensors keep their strides."""
+
+    name: str
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...] = field(converter=tuple)
+    stride: tuple[int, ...] = field(converter=tuple)
+    kind: str
+    persistent: bool = True
+
+
+@frozen
+class AliasEntry:
+    """A second name for a canonical tensor (same object on the client)."""
+
+    name: str
+    target: str
+    kind: str
+    persistent: bool = True
+
+
+def _check_manifest(m: "Manifest") -> None:
+    """Every entry must lie inside the arena, aligned, with a known dtype and a
+    span that matches its shape and stride (runs on every attach: kept lean)."""
+    errors = []
+    names: set[str] = set()
+    itemsizes: dict[str, int] = {}
+    arena = m.arena_nbytes
+    for e in m.tensors:
+        name, shape, stride = e.name, e.shape, e.stride
+        if not (type(name) is str and type(e.offset) is int and type(e.nbytes) is int
+                and type(e.dtype) is str and type(e.kind) is str and type(e.persistent) is bool):
+            errors.append(f"{name!r}: a field has the wrong type")
+            continue
+        if name in names:
+            errors.append(f"{name}: listed twice")
+        names.add(name)
+        if e.kind not in KINDS:
+            errors.append(f"{name}: kind {e.kind!r}")
+        itemsize = itemsizes.get(e.dtype)
+        if itemsize is None:
+            try:
+                itemsize = itemsizes[e.dtype] = dtype_from_name(e.dtype).itemsize
+            except ProtocolError as err:
+                errors.append(f"{name}: {err}")
+                continue
+        if (len(shape) != len(stride) or not all(type(v) is int and v >= 0 for v in shape)
+                or not all(type(v) is int and v >= 0 for v in stride)):
+            errors.append(f"{name}: shape {shape} / stride {stride} do not fit")
+            continue
+        if span_elements(shape, stride) * itemsize != e.nbytes:
+            errors.append(f"{name}: nbytes {e.nbytes} is not the span of shape {shape} stride {stride}")
+        if e.offset < 0 or e.offset % itemsize or e.offset + e.nbytes > arena:
+            errors.append(f"{name}: offset {e.offset} (+{e.nbytes}) misaligned or outside the arena "
+                          f"({arena} bytes)")
+    canonical = frozenset(names)
+    for a in m.aliases:
+        if not (type(a.name) is str and type(a.target) is str and type(a.kind) is str
+                and type(a.persistent) is bool):
+            errors.append(f"alias {a.name!r}: a field has the wrong type")
+            continue
+        if a.name in names:
+            errors.append(f"alias {a.name} repeats a name")
+        if a.target not in canonical:
+            errors.append(f"alias {a.name} -> {a.target}: unknown target")
+        if a.kind not in KINDS:
+            errors.append(f"alias {a.name}: kind {a.kind!r}")
+        names.add(a.name)
+    if errors:
+        raise ProtocolError("invalid manifest:\n  " + "\n  ".join(errors))
+
+
+@frozen
+class Manifest:
+    """Where every tensor of one export lies in its arena (versioned JSON).
+
+    Attributes:
+        format_version: :data:`MANIFEST_FORMAT_VERSION` of the writer.
+        key: the daemon's :class:`CacheKey` fields.
+        device: ``"cpu"`` or ``"cuda"``.
+        alignment: bytes every storage block is aligned to (page size on CPU,
+            256 on CUDA).
+        arena_nbytes: total bytes of the arena (a multiple of ``alignment``).
+        tensors: canonical entries, in arena order.
+        aliases: alias entries.
+        layers: per-layer JSON data.
+        extra: export-wide JSON data.
+    """
+
+    format_version: int
+    key: Mapping[str, Any] = field(converter=_ro_dict)
+    device: str
+    alignment: int
+    arena_nbytes: int
+    tensors: tuple[TensorEntry, ...] = field(converter=tuple)
+    aliases: tuple[AliasEntry, ...] = field(converter=tuple)
+    layers: Mapping[str, Any] = field(converter=_ro_dict)
+    extra: Mapping[str, Any] = field(converter=_ro_dict)
+
+    def __attrs_post_init__(self):
+        _check_manifest(self)
+
+    def to_dict(self) -> dict:
+        return {
+            "format_version": self.format_version,
+            "key": dict(self.key),
+            "device": self.device,
+            "alignment": self.alignment,
+            "arena_nbytes": self.arena_nbytes,
+            "tensors": [[e.name, e.offset, e.nbytes, e.dtype, list(e.shape), list(e.stride), e.kind,
+                         e.persistent] for e in self.tensors],
+            "aliases": [[a.name, a.target, a.kind, a.persistent] for a in self.aliases],
+            "layers": dict(self.layers),
+            "extra": dict(self.extra),
+        }
+
+    def to_json(self) -> str:
+        return canonical_json(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Manifest":
+        """Parse and validate a manifest dict (from the wire or a file).
+
+        Raises:
+            ProtocolError: another format version, a missing field, or entries
+                that fall outside the arena.
+        """
+        if not isinstance(d, dict):
+            raise ProtocolError("manifest is not a mapping")
+        if d.get("format_version") != MANIFEST_FORMAT_VERSION:
+            raise ProtocolError(f"manifest format {d.get('format_version')!r} is not "
+                                f"{MANIFEST_FORMAT_VERSION}; upgrade the older side (daemon or engine).")
+        try:
+            return cls(
+                format_version=d["format_version"], key=d["key"], device=str(d["device"]),
+                alignment=int(d["alignment"]), arena_nbytes=int(d["arena_nbytes"]),
+                tensors=[TensorEntry(n, o, b, dt, sh, st, k, p) for n, o, b, dt, sh, st, k, p in d["tensors"]],
+                aliases=[AliasEntry(n, t, k, p) for n, t, k, p in d["aliases"]],
+                layers=d["layers"], extra=d["extra"])
+        except ProtocolError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"manifest is malformed: {type(e).__name__}: {e}") from e
+
+    @classmethod
+    def from_json(cls, text: str) -> "Manifest":
+        try:
+            return cls.from_dict(json.loads(text))
+        except ValueError as e:
+            if isinstance(e, ProtocolError):
+                raise
+            raise ProtocolError(f"manifest JSON does not parse: {e}") from e
+

@@ -1,0 +1,313 @@
+"""Per-user socket directory, socket naming, the per-device lock and the pid
+file that tells a live daemon from a stale socket.
+
+Layout in the socket dir (0700, owned by the user)::
+
+    wcache-<device_id>.sock        the daemon's Unix socket (0600)
+    wcache-<device_id>.sock.lock   exclusive flock held for the daemon's lifetime
+    wcache-<device_id>.sock.pid    JSON {"pid", "start_time"} of the socket's owner
+
+A socket is judged by its owner, never by its existence: it is replaced only
+when the pid in the pid file is dead or now belongs to another process (its
+start time, field 22 of /proc/<pid>/stat, differs), or, without a pid file,
+when nothing accepts connections on it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import re
+import socket
+import stat
+
+from wcache.store.errors import DaemonBusy, StoreError, UnsafePath
+
+__all__ = [
+    "default_socket_dir", "ensure_socket_dir", "socket_path", "lock_path", "pid_path",
+    "check_socket_file", "process_start_time", "read_pid_file", "claim_socket_path",
+    "write_pid_file", "owner_alive", "acquire_device_lock", "socket_accepts",
+    "default_device_id", "list_sockets", "parse_device", "cuda_device_uuid", "SOCKET_PREFIX", "SOCKET_SUFFIX",
+]
+
+# A sun_path holds 108 bytes including the terminating NUL (Linux <sys/un.h>).
+MAX_SOCKET_PATH_BYTES = 107
+SOCKET_PREFIX = "wcache-"
+SOCKET_SUFFIX = ".sock"
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+# Group/other bits that would let another user replace or read our files.
+_FOREIGN_BITS = stat.S_IRWXG | stat.S_IRWXO
+_DEVICE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# Connecting to probe a pid-less socket: a live daemon accepts at once.
+PROBE_TIMEOUT_S = 1.0
+
+
+def default_socket_dir() -> str:
+    """``$XDG_RUNTIME_DIR/wcache`` when that runtime dir exists, else
+    ``/tmp/wcache-<uid>``."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return os.path.join(runtime, "wcache")
+    return f"/tmp/wcache-{os.getuid()}"
+
+
+def default_device_id(device: str = "cpu", index: int | None = None) -> str:
+    """The device id used when a caller gives none: ``"cpu"``, or the GPU's UUID
+    (``"GPU-<uuid>"``) for CUDA, so two GPUs never share a socket."""
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    return cuda_device_uuid(index if index is not None else torch.cuda.current_device())
+
+
+def _check_owned(st: os.stat_result, path: str, what: str) -> None:
+    if st.st_uid != os.getuid():
+        raise UnsafePath(f"{what} {path} is owned by uid {st.st_uid}, not by you (uid {os.getuid()}); "
+                         "refusing it. Use a socket dir of your own (socket_dir=...).")
+
+
+def ensure_socket_dir(path: str | None = None, *, create: bool = True) -> str:
+    """Return a safe socket dir: a real directory (not a symlink), owned by the
+    current user, with no group/other permission bits. Creates it 0700 (and its
+    parents) when missing and ``create`` is true.
+
+    Raises:
+        UnsafePath: symlink, foreign owner, not a directory, or group/other bits.
+        DaemonMissing is not raised here; a missing dir with ``create=False``
+        raises FileNotFoundError.
+    """
+    path = os.path.abspath(path or default_socket_dir())
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        if not create:
+            raise
+        parent = os.path.dirname(path)
+        os.makedirs(parent, exist_ok=True)
+        try:
+            os.mkdir(path, DIR_MODE)
+        except FileExistsError:
+            pass
+        st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePath(f"socket dir {path} is a symlink; refusing it. Remove it or pass a real directory.")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePath(f"socket dir {path} is not a directory.")
+    _check_owned(st, path, "socket dir")
+    if st.st_mode & _FOREIGN_BITS:
+        raise UnsafePath(f"socket dir {path} has mode {stat.S_IMODE(st.st_mode):o}; it must be 0700 "
+                         f"(chmod 700 {path}).")
+    return path
+
+
+def socket_path(socket_dir: str | None, device_id: str) -> str:
+    """The socket of the daemon for one physical device.
+
+    Args:
+        socket_dir: the per-user dir (None: :func:`default_socket_dir`).
+        device_id: e.g. ``"cpu-rank0-<jobdigest>"`` or a GPU UUID string;
+            letters, digits, ``.``, ``_``, ``-``, at most 64 characters.
+
+    Raises:
+        StoreError: a bad device id, or a path longer than a sun_path holds.
+    """
+    if not isinstance(device_id, str) or not _DEVICE_ID_RE.match(device_id):
+        raise StoreError(f"device id {device_id!r} must match {_DEVICE_ID_RE.pattern}")
+    path = os.path.join(os.path.abspath(socket_dir or default_socket_dir()),
+                        f"{SOCKET_PREFIX}{device_id}{SOCKET_SUFFIX}")
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
+        raise StoreError(f"socket path {path} exceeds {MAX_SOCKET_PATH_BYTES} bytes; "
+                         "use a shorter socket_dir or device id.")
+    return path
+
+
+def lock_path(sock: str) -> str:
+    return sock + ".lock"
+
+
+def pid_path(sock: str) -> str:
+    return sock + ".pid"
+
+
+def list_sockets(socket_dir: str) -> list[str]:
+    """Socket paths (wcache-*.sock) in a socket dir, sorted."""
+    try:
+        names = os.listdir(socket_dir)
+    except FileNotFoundError:
+        return []
+    return sorted(os.path.join(socket_dir, n) for n in names
+                  if n.startswith(SOCKET_PREFIX) and n.endswith(SOCKET_SUFFIX))
+
+
+def check_socket_file(path: str) -> None:
+    """Refuse a socket path that is a symlink, not a socket, or foreign-owned.
+
+    Raises:
+        FileNotFoundError: nothing there.
+        UnsafePath: symlink, not a socket, or another user's.
+    """
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePath(f"socket {path} is a symlink; refusing it.")
+    if not stat.S_ISSOCK(st.st_mode):
+        raise UnsafePath(f"{path} is not a socket; refusing it.")
+    _check_owned(st, path, "socket")
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of a process in clock ticks since boot (field 22 of
+    /proc/<pid>/stat), or None when the process does not exist (or is a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # comm (field 2) may hold spaces and parentheses; the fields after it follow the last ')'.
+    rest = data[data.rindex(b")") + 2:].split()
+    if rest[0] == b"Z":  # field 3: state; a zombie is dead for our purposes
+        return None
+    return int(rest[22 - 3])
+
+
+def write_pid_file(path: str, pid: int | None = None) -> None:
+    """Atomically write the owner record (pid, start time) next to a socket."""
+    pid = os.getpid() if pid is None else pid
+    rec = {"pid": pid, "start_time": process_start_time(pid)}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
+    with os.fdopen(fd, "w") as f:
+        json.dump(rec, f)
+    os.replace(tmp, path)
+
+
+def read_pid_file(path: str) -> dict | None:
+    """The owner record, or None when missing or unreadable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
+            return None
+        with os.fdopen(fd, "r") as f:
+            fd = -1
+            rec = json.load(f)
+    except (OSError, ValueError):
+        return None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    if not (isinstance(rec, dict) and isinstance(rec.get("pid"), int)
+            and isinstance(rec.get("start_time"), (int, type(None)))):
+        return None
+    return rec
+
+
+def owner_alive(rec: dict | None) -> bool:
+    """True when the recorded process still runs (same pid, same start time)."""
+    if rec is None:
+        return False
+    start = process_start_time(rec["pid"])
+    return start is not None and start == rec["start_time"]
+
+
+def socket_accepts(path: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """True when something accepts a connection on the socket (a live listener)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout_s)
+    try:
+        s.connect(path)
+        return True
+    except socket.timeout:
+        return True  # a listener with a full backlog is alive
+    except OSError as e:
+        if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            return False
+        raise
+    finally:
+        s.close()
+
+
+def acquire_device_lock(sock: str) -> int:
+    """Take the exclusive, non-blocking flock on ``<sock>.lock``; return its fd.
+
+    The kernel drops the lock when the holder dies, so a dead daemon never
+    blocks a new one. The caller keeps the fd open for its lifetime.
+
+    Raises:
+        DaemonBusy: another process holds the lock (names its pid when known).
+        UnsafePath: the lock file is a symlink or another user's.
+    """
+    path = lock_path(sock)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafePath(f"lock file {path} is a symlink; refusing it.") from e
+        raise
+    try:
+        st = os.fstat(fd)
+        _check_owned(st, path, "lock file")
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePath(f"lock file {path} is not a regular file.")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            rec = read_pid_file(pid_path(sock))
+            who = f"pid {rec['pid']}" if rec else "another process"
+            raise DaemonBusy(f"a daemon ({who}) already serves {sock}; stop it with "
+                             "`wcache stop` before starting another.") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def claim_socket_path(sock: str) -> None:
+    """Make ``sock`` free for binding, with the device lock already held.
+
+    An existing socket is removed only when its owner is dead: the pid file's
+    process is gone or has another start time; without a pid file, when nothing
+    accepts connections on it.
+
+    Raises:
+        DaemonBusy: the socket's owner still runs.
+        UnsafePath: the path is a symlink, not a socket, or another user's.
+    """
+    try:
+        check_socket_file(sock)
+    except FileNotFoundError:
+        return
+    rec = read_pid_file(pid_path(sock))
+    if rec is not None:
+        if owner_alive(rec):
+            raise DaemonBusy(f"socket {sock} belongs to live pid {rec['pid']}; stop it first.")
+    elif socket_accepts(sock):
+        raise DaemonBusy(f"socket {sock} has no pid file but accepts connections; stop its owner first.")
+    os.unlink(sock)
+
+
+def parse_device(device: str) -> tuple[str, int | None]:
+    """``"cpu"`` -> ("cpu", None); ``"cuda"`` -> ("cuda", None); ``"cuda:1"`` -> ("cuda", 1).
+
+    Raises:
+        StoreError: any other device string.
+    """
+    kind, _, index = str(device).partition(":")
+    if kind == "cpu" and not index:
+        return "cpu", None
+    if kind == "cuda" and (not index or index.isdigit()):
+        return "cuda", int(index) if index else None
+    raise StoreError(f"device {device!r} is not 'cpu', 'cuda' or 'cuda:<index>'")
+
+
+def cuda_device_uuid(index: int) -> str:
+    """``"GPU-<uuid>"`` of a local CUDA device index."""
+    import torch
+
+    return f"GPU-{torch.cuda.get_device_properties(index).uuid}"

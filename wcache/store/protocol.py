@@ -1,0 +1,165 @@
+"""Wire protocol between a daemon and its clients over a Unix socket.
+
+A frame is a 4-byte big-endian length followed by that many bytes of msgpack
+(a map). Nothing is ever unpickled: msgpack carries only maps, lists, strings,
+bytes, numbers, booleans and nil. File descriptors (the arena memfd) travel as
+SCM_RIGHTS ancillary data on the first bytes of a frame.
+
+Commands (``{"op": ...}``), each answered by ``{"ok": true, ...}`` or
+``{"ok": false, "code": <reason code>, "message": ...}``:
+
+* ``hello {protocol, wcache}`` -> ``{protocol, wcache, pid, device, device_id, transport}``;
+  must come first; another protocol version is refused.
+* ``get {key, mode, transport}`` -> ``{manifest, handle}`` (+ memfd), or
+  ``code="key-mismatch"`` with ``fields`` (sorted differing names).
+* ``release {}`` -> the client dropped its mapping (copy mode or close).
+* ``status {}`` -> memory held, clients, uptime, key, pid.
+* ``shutdown {}`` -> the daemon stops after answering.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+import struct
+from typing import Any
+
+import msgpack
+
+from wcache.store.errors import ProtocolError, StoreError
+
+__all__ = [
+    "PROTOCOL_VERSION", "MAX_FRAME_BYTES", "HEADER", "OPS", "send_frame", "recv_frame",
+    "error_frame", "raise_for_error", "ConnectionClosed",
+]
+
+PROTOCOL_VERSION = 1
+# Largest frame either side accepts, checked before allocating: a manifest of
+# ~100k tensors is ~10 MiB of msgpack, so 64 MiB leaves room without letting a
+# bad length header make us allocate gigabytes.
+MAX_FRAME_BYTES = 64 << 20
+HEADER = struct.Struct(">I")
+# SCM_RIGHTS carries at most SCM_MAX_FD (253) descriptors per message; we send 1.
+MAX_FDS_PER_FRAME = 1
+OPS = frozenset({"hello", "get", "release", "status", "shutdown"})
+
+
+class ConnectionClosed(ProtocolError):
+    """The peer closed the connection cleanly between frames."""
+
+    code = "connection-closed"
+
+
+def send_frame(sock: socket.socket, obj: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
+    """Send one msgpack frame, with ``fds`` attached to its first bytes.
+
+    Raises:
+        ProtocolError: the frame exceeds :data:`MAX_FRAME_BYTES` or holds a
+            value msgpack cannot carry.
+    """
+    try:
+        payload = msgpack.packb(obj, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ProtocolError(f"frame cannot be encoded: {e}") from e
+    if len(payload) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(payload)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    data = HEADER.pack(len(payload)) + payload
+    if fds:
+        sent = socket.send_fds(sock, [data], list(fds))
+        data = data[sent:]
+    if data:
+        sock.sendall(data)
+
+
+def _recv_exact(sock: socket.socket, n: int, fds: list[int], want_fds: int) -> bytes | None:
+    """Read exactly n bytes (None when the peer closed before the first byte)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        if want_fds and not fds:
+            anc_size = socket.CMSG_SPACE(want_fds * array.array("i").itemsize)
+            nbytes, anc, flags, _ = sock.recvmsg_into([view[got:]], anc_size)
+            for level, kind, cdata in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    arr = array.array("i")
+                    arr.frombytes(cdata[:len(cdata) - len(cdata) % arr.itemsize])
+                    fds.extend(arr)
+            if flags & socket.MSG_CTRUNC:
+                raise ProtocolError("peer sent more descriptors than expected")
+        else:
+            nbytes = sock.recv_into(view[got:])
+        if nbytes == 0:
+            if got == 0:
+                return None
+            raise ProtocolError(f"connection closed mid-frame ({got} of {n} bytes)")
+        got += nbytes
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any], list[int]]:
+    """Receive one frame and the descriptors attached to it.
+
+    Descriptors received with a frame that turns out bad are closed.
+
+    Raises:
+        ConnectionClosed: the peer closed between frames.
+        ProtocolError: truncated, oversized (checked before allocating), not
+            msgpack, not a map, or more descriptors than ``max_fds``.
+    """
+    fds: list[int] = []
+    try:
+        header = _recv_exact(sock, HEADER.size, fds, max_fds)
+        if header is None:
+            raise ConnectionClosed("peer closed the connection")
+        (length,) = HEADER.unpack(header)
+        if length > MAX_FRAME_BYTES:
+            raise ProtocolError(f"frame length {length} exceeds the {MAX_FRAME_BYTES}-byte limit")
+        payload = _recv_exact(sock, length, fds, max_fds) if length else b""
+        if payload is None:
+            raise ProtocolError("connection closed after a frame header")
+        try:
+            obj = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        except Exception as e:  # msgpack raises several unrelated types on bad input
+            raise ProtocolError(f"frame is not valid msgpack: {type(e).__name__}: {e}") from None
+        if not isinstance(obj, dict):
+            raise ProtocolError(f"frame is a {type(obj).__name__}, not a map")
+        if len(fds) > max_fds:
+            raise ProtocolError(f"frame carried {len(fds)} descriptors, at most {max_fds} expected")
+        return obj, fds
+    except BaseException:
+        for fd in fds:
+            _close_quietly(fd)
+        raise
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def error_frame(err: BaseException) -> dict[str, Any]:
+    """The error answer for an exception (its reason code and message)."""
+    code = getattr(err, "code", None) or "internal-error"
+    frame = {"ok": False, "code": code, "message": f"{type(err).__name__}: {err}"}
+    if hasattr(err, "fields"):
+        frame["fields"] = list(err.fields)
+    return frame
+
+
+def raise_for_error(reply: dict[str, Any], errors: dict[str, type[StoreError]]) -> dict[str, Any]:
+    """Return ``reply`` when ``ok``, else raise the error class of its code."""
+    if reply.get("ok") is True:
+        return reply
+    if reply.get("ok") is not False:
+        raise ProtocolError(f"reply has no ok flag: {sorted(reply)[:8]}")
+    code = str(reply.get("code", "protocol-error"))
+    message = str(reply.get("message", "daemon gave no message"))
+    cls = errors.get(code, StoreError)
+    err = cls(f"daemon: {message}")
+    if cls is StoreError:
+        err.code = code
+    raise err

