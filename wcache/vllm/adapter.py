@@ -22,12 +22,16 @@ KERNEL_IDS = {
     "Dynamic4bitLinearKernel": "dynamic_4bit",
     "ZentorchWNA16LinearKernel": "zentorch",
     "CutlassFP8ScaledMMLinearKernel": "cutlass",
-    "CPUScaledMMLinearKernel": "onednn",
+    "CPUInt8ScaledMMLinearKernel": "onednn",
 }
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
     return str(dtype or torch.get_default_dtype()).removeprefix("torch.")
+
+
+def _enum_value(value: Any) -> Any:
+    return getattr(value, "value", value)
 
 
 def _kernel_id(obj: Any) -> str | None:
@@ -108,17 +112,18 @@ def layer_config(quant_method: Any, module: torch.nn.Module, target: Target | No
         scheme = getattr(module, "scheme", None)
         scls = type(scheme).__name__
         if scls == "CompressedTensorsWNA16":
-            spec = QuantSpec("ct_w4a16", num_bits=scheme.num_bits if hasattr(scheme, "num_bits")
-                             else 4, group_size=scheme.group_size or -1,
-                             zero_point=not scheme.symmetric, strategy=scheme.strategy,
+            spec = QuantSpec("ct_w4a16", num_bits=scheme.num_bits, group_size=scheme.group_size,
+                             zero_point=not scheme.symmetric, strategy=_enum_value(scheme.strategy),
                              kernel=_kernel_id(scheme))
             return _linear_config(module, spec, name)
         if scls == "CompressedTensorsW8A8Int8":
             spec = QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8,
-                             strategy=str(scheme.strategy), static_input=bool(scheme.is_static_input_scheme),
+                             strategy=_enum_value(scheme.strategy),
+                             static_input=bool(scheme.is_static_input_scheme),
                              input_symmetric=bool(scheme.input_symmetric),
                              kernel=_kernel_id(scheme))
-            return _linear_config(module, spec, name)
+            return _linear_config(module, spec, name, {
+                "logical_widths": tuple(int(w) for w in module.logical_widths)})
         return _linear_config(module, QuantSpec(f"compressed-tensors:{scls}"), name)
     if cls in ("BaseKVCacheMethod", "Fp8KVCacheMethod", "ModelOptFp8KVCacheMethod",
                "CompressedTensorsKVCacheMethod"):
