@@ -135,22 +135,29 @@ class WcacheModelLoader(BaseModelLoader):
         target = Target.detect(device)
         before_ctx = set(vllm_config.compilation_config.static_forward_context)
         before_rope = set(rotary_embedding._ROPE_DICT)
+        marks = {}
         with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
             model = initialize_model(vllm_config=vllm_config, model_config=model_config,
                                      prefix=prefix)
+        marks["meta_init"] = time.perf_counter()
         # Unsupported methods are refused here, before any weight or socket is touched.
         planned = planned_layers(model, target)
+        marks["plans"] = time.perf_counter()
         layout = parallel_layout()
         dev_id = device_id(device, model_config, layout, opts.job)
         attachment = None
         try:
             key = build_key(model_config, layout, plan_ids(planned), target)
+            marks["key"] = time.perf_counter()
             attachment = attach(key, socket_dir=opts.socket_dir, device=device.type,
                                 device_id=dev_id, mode=opts.mode,
                                 connect_timeout_s=opts.connect_timeout_s)
+            marks["attach"] = time.perf_counter()
             install_tensors_(model, attachment.tensors, attachment.kinds, attachment.persistent,
                              attachment.aliases, planned)
+            marks["install"] = time.perf_counter()
             released = restore_layers_(planned, attachment.layers, target, strict=opts.strict)
+            marks["replay"] = time.perf_counter()
             left = meta_leftovers(model)
             if left:
                 raise ModelMismatch(f"after restore {len(left)} tensors are still on meta "
@@ -177,8 +184,13 @@ class WcacheModelLoader(BaseModelLoader):
                            tp_rank=layout["tp_rank"])
             return model
         model._wcache_attachment = attachment  # keeps the mapping alive with the model
+        marks["verify"] = time.perf_counter()
+        steps, prev = {}, t0
+        for name, t in marks.items():
+            steps[name] = round(t - prev, 4)
+            prev = t
         _record_timing(opts, "restore", time.perf_counter() - t0, layers=len(planned),
-                       tp_rank=layout["tp_rank"], nbytes=attachment.nbytes)
+                       tp_rank=layout["tp_rank"], nbytes=attachment.nbytes, steps=steps)
         return model.eval()
 
 

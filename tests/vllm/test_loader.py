@@ -1,0 +1,146 @@
+"""The engine-side loader in-process, without a daemon: refusals and integrity checks.
+
+Builds SmolLM2's vLLM model on the meta device the way the loader does (no
+engine start), so these run in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+
+import pytest
+import torch
+
+from wcache.core import NoPlan, Target
+from wcache.vllm.process import ENGINE_ARGS
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def vllm_cfg():
+    """A VllmConfig for the bf16 SmolLM2 with vLLM's 1-rank world initialized."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import (
+        init_distributed_environment, initialize_model_parallel, model_parallel_is_initialized,
+    )
+
+    from wcache.testing.fixtures import build
+    from wcache.vllm.daemon import _prepare_platform, engine_config
+
+    cfg = engine_config(str(build("bf16")), list(ENGINE_ARGS))
+    _prepare_platform(cfg)
+    with set_current_vllm_config(cfg):
+        if not model_parallel_is_initialized():
+            tmp = tempfile.mkdtemp(prefix="wcache-dist-")
+            init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                         distributed_init_method=f"file://{tmp}/init",
+                                         backend="gloo")
+            initialize_model_parallel(1)
+        yield cfg
+
+
+def _meta_model(cfg):
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    cfg.compilation_config.static_forward_context.clear()
+    with set_default_torch_dtype(cfg.model_config.dtype), torch.device("meta"):
+        return initialize_model(vllm_config=cfg, model_config=cfg.model_config)
+
+
+def test_unsupported_method_refused_before_weights_or_daemon(vllm_cfg, monkeypatch):
+    """A layer with an unknown quant method raises NoPlan naming it, with fallback=true, before
+    the key (checkpoint digests) is computed or the daemon contacted."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    import wcache.vllm.loader as loader_mod
+
+    class MysteryMethod(QuantizeMethodBase):
+        def create_weights(self, *args, **kwargs):
+            raise AssertionError("not used")
+
+        def apply(self, *args, **kwargs):
+            raise AssertionError("not used")
+
+    real_init = loader_mod.initialize_model
+
+    def init_with_mystery(**kwargs):
+        model = real_init(**kwargs)
+        model.model.layers[3].mlp.down_proj.quant_method = MysteryMethod()
+        return model
+
+    monkeypatch.setattr(loader_mod, "initialize_model", init_with_mystery)
+    monkeypatch.setattr(loader_mod, "build_key",
+                        lambda *a, **k: pytest.fail("checkpoint read before the plan check"))
+    monkeypatch.setattr(loader_mod, "attach", lambda *a, **k: pytest.fail("daemon contacted"))
+    load_config = dataclasses.replace(vllm_cfg.load_config, load_format="wcache",
+                                      model_loader_extra_config={"fallback": True})
+    vllm_cfg.compilation_config.static_forward_context.clear()
+    with set_current_vllm_config(vllm_cfg), \
+            pytest.raises(NoPlan, match=r"MysteryMethod.*model\.layers\.3\.mlp\.down_proj"):
+        loader_mod.WcacheModelLoader(load_config).load_model(vllm_cfg, vllm_cfg.model_config)
+
+
+def test_every_smollm_layer_resolves_a_plan(vllm_cfg):
+    """On the meta-built bf16 SmolLM2, 120 linears + 2 embeddings get oneDNN plans and 30
+    attention layers the attention plan."""
+    from collections import Counter
+
+    from vllm.config import set_current_vllm_config
+
+    from wcache.vllm.model import planned_layers
+
+    with set_current_vllm_config(vllm_cfg):
+        model = _meta_model(vllm_cfg)
+    ids = Counter(p.plan.id for p in planned_layers(model, Target.detect("cpu", env={})))
+    assert ids == {"unquantized/onednn@1": 122, "attention/default@1": 30}
+
+
+def test_extra_tensor_from_daemon_is_refused(vllm_cfg):
+    """An exported tensor the engine's model has no slot for raises ModelMismatch."""
+    from vllm.config import set_current_vllm_config
+
+    from wcache.vllm.model import ModelMismatch, install_tensors_
+
+    with set_current_vllm_config(vllm_cfg):
+        model = _meta_model(vllm_cfg)
+    extra = {"model.layers.0.mlp.down_proj.surprise": torch.zeros(2)}
+    with pytest.raises(ModelMismatch, match="surprise"):
+        install_tensors_(model, extra, {"model.layers.0.mlp.down_proj.surprise": "param"}, {},
+                         {}, [])
+
+
+def test_meta_leftovers_include_module_attributes(vllm_cfg):
+    """The leftover scan sees meta tensors held as plain module attributes (kv_cache)."""
+    from vllm.config import set_current_vllm_config
+
+    from wcache.vllm.model import meta_leftovers
+
+    with set_current_vllm_config(vllm_cfg):
+        model = _meta_model(vllm_cfg)
+    left = meta_leftovers(model)
+    assert "model.layers.0.self_attn.attn.kv_cache" in left
+    assert "model.embed_tokens.weight" in left
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"sokcet_dir": "/tmp"}, "unknown model_loader_extra_config keys"),
+    ({"mode": "mmap"}, "mode must be 'zero_copy' or 'copy'"),
+])
+def test_bad_loader_options_are_refused(extra, message):
+    """Typos and bad values in model_loader_extra_config fail with the list of valid keys."""
+    from wcache.vllm.loader import LoaderOptions
+
+    with pytest.raises(ValueError, match=message):
+        LoaderOptions.from_extra(extra)
+
+
+def test_loader_options_parse_cli_strings():
+    """Options given as strings on the vllm serve command line are parsed to their types."""
+    from wcache.vllm.loader import LoaderOptions
+
+    opts = LoaderOptions.from_extra({"fallback": "false", "strict": "1", "connect_timeout_s": "2"})
+    assert (opts.fallback, opts.strict, opts.connect_timeout_s) == (False, True, 2.0)
