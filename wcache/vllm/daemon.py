@@ -112,6 +112,10 @@ def _init_distributed(vllm_config: Any, rank: int, world: int, init_method: str)
 
     pc = vllm_config.parallel_config
     backend = "nccl" if vllm_config.device_config.device_type == "cuda" else "gloo"
+    if backend == "gloo":
+        # vLLM's CPU communicator names its shared-memory segments after this (set by
+        # CPUWorker.init_device the same way); unique per init method, so per job.
+        os.environ["VLLM_DIST_IDENT"] = init_method.split(":")[-1]
     init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
                                  distributed_init_method=init_method, backend=backend)
     initialize_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size)
