@@ -88,6 +88,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="start one daemon process per rank (default 1)")
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="nodes the engine spans; run one `wcache serve` per node (IPC is "
+                        "node-local), each hosting that node's ranks (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's index (default 0)")
+    p.add_argument("--master-addr", default="127.0.0.1",
+                   help="rendezvous address of node 0's daemon (multi-node only)")
+    p.add_argument("--master-port", type=int, default=0,
+                   help="rendezvous port; must differ from vLLM's own (default: a free port "
+                        "on one node; required with --nnodes > 1)")
+    p.add_argument("--job", default="",
+                   help="separates two jobs of the same model on one host; pass the same "
+                        "value to the engine as model_loader_extra_config job")
     p.add_argument("--foreground", action="store_true", default=True,
                    help="serve in the foreground until stopped (default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

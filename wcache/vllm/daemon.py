@@ -116,7 +116,8 @@ def _init_distributed(vllm_config: Any, rank: int, world: int, init_method: str)
         # vLLM's CPU communicator names its shared-memory segments after this (set by
         # CPUWorker.init_device the same way); unique per init method, so per job.
         os.environ["VLLM_DIST_IDENT"] = init_method.split(":")[-1]
-    init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
+    init_distributed_environment(world_size=world, rank=rank,
+                                 local_rank=int(os.environ.get("LOCAL_RANK", rank)),
                                  distributed_init_method=init_method, backend=backend)
     initialize_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size)
 
@@ -166,9 +167,10 @@ def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_metho
     return 0
 
 
-def _rank_main(rank: int, world: int, model: str, rest: list[str], init_method: str,
-               socket_dir: str | None, progress: bool, job: str, ready: Any) -> None:
-    os.environ["LOCAL_RANK"] = str(rank)
+def _rank_main(rank: int, local_rank: int, world: int, model: str, rest: list[str],
+               init_method: str, socket_dir: str | None, progress: bool, job: str,
+               ready: Any) -> None:
+    os.environ["LOCAL_RANK"] = str(local_rank)
     try:
         serve_rank(model, rest, rank=rank, world=world, init_method=init_method,
                    socket_dir=socket_dir, progress=progress and rank == 0, job=job, ready=ready)
@@ -177,36 +179,58 @@ def _rank_main(rank: int, world: int, model: str, rest: list[str], init_method: 
         raise
 
 
+def local_ranks(world: int, nnodes: int, node_rank: int) -> range:
+    """The global ranks one node's daemon hosts: vLLM places ranks node by node,
+    ``world // nnodes`` consecutive ranks per node.
+
+    Raises:
+        ValueError: ``world`` does not divide over ``nnodes`` or ``node_rank`` is out of range.
+    """
+    if nnodes < 1 or world % nnodes:
+        raise ValueError(f"{world} ranks (TP x PP) cannot be split over {nnodes} nodes")
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"--node-rank {node_rank} is outside 0..{nnodes - 1}")
+    per_node = world // nnodes
+    return range(node_rank * per_node, (node_rank + 1) * per_node)
+
+
 def main(args: argparse.Namespace, rest: list[str]) -> int:
     """`wcache serve` entry point (arguments parsed by wcache.cli)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     world = args.tensor_parallel_size * args.pipeline_parallel_size
+    nnodes = getattr(args, "nnodes", 1)
+    ranks = local_ranks(world, nnodes, getattr(args, "node_rank", 0))
+    if nnodes > 1 and not args.master_port:
+        raise SystemExit("wcache serve: --master-port is required with --nnodes > 1 (the same "
+                         "value on every node, different from vLLM's own port)")
     rest = [*rest, "--tensor-parallel-size", str(args.tensor_parallel_size),
             "--pipeline-parallel-size", str(args.pipeline_parallel_size)]
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    port = getattr(args, "master_port", 0) or _free_port()
+    init_method = f"tcp://{getattr(args, 'master_addr', '127.0.0.1')}:{port}"
     job = getattr(args, "job", "") or ""
     if world == 1:
         return serve_rank(args.model, rest, rank=0, world=1, init_method=init_method,
                           socket_dir=args.socket_dir, progress=not args.no_progress, job=job)
-    return _serve_ranks(args, rest, world, init_method, job)
+    return _serve_ranks(args, rest, world, ranks, init_method, job)
 
 
-def _serve_ranks(args: argparse.Namespace, rest: list[str], world: int, init_method: str,
-                 job: str) -> int:
+def _serve_ranks(args: argparse.Namespace, rest: list[str], world: int, ranks: range,
+                 init_method: str, job: str) -> int:
     import multiprocessing as mp  # noqa: PLC0415
     import queue  # noqa: PLC0415
 
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, name=f"wcache-rank{r}",
-                         args=(r, world, args.model, rest, init_method, args.socket_dir,
-                               not args.no_progress, job, ready)) for r in range(world)]
+                         args=(r, r - ranks.start, world, args.model, rest, init_method,
+                               args.socket_dir, not args.no_progress, job, ready))
+             for r in ranks]
     for p in procs:
         p.start()
     up: set[int] = set()
     deadline = time.monotonic() + RANK_READY_TIMEOUT_S
     try:
-        while len(up) < world:
+        while len(up) < len(ranks):
             try:
                 rank, line = ready.get(timeout=1.0)
             except queue.Empty:
@@ -218,7 +242,8 @@ def _serve_ranks(args: argparse.Namespace, rest: list[str], world: int, init_met
             if line.startswith("error"):
                 raise RuntimeError(f"wcache serve: rank {rank} failed during start-up: {line}")
             up.add(rank)
-        print(f"wcache: all {world} ranks ready", flush=True)
+        print(f"wcache: all {len(ranks)} ranks ready (ranks {ranks.start}..{ranks.stop - 1} "
+              f"of {world})", flush=True)
         for p in procs:
             p.join()
         return max((p.exitcode or 0) for p in procs)

