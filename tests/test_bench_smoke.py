@@ -38,7 +38,7 @@ def bench_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     out, png = tmp / "cpu.json", tmp / "curve.png"
     argv = ["--device", "cpu", "--sizes", "tiny", "--layers", "1", "--formats",
-            ",".join(SMOKE_FORMATS), "--no-disk", "", "--simulate-cuda-target", "--reps", "1",
+            ",".join(SMOKE_FORMATS), "--no-disk", "", "--simulate-cuda-target", "--start-method", "forkserver", "--reps", "1",
             "--load-reps", "1", "--handle-tensors", "8", "--bench-dir", str(tmp / "ckpt"),
             "--out", str(out)]
     # matplotlib is on the H200 image but optional here; without it no plot is drawn
@@ -60,11 +60,15 @@ def test_bench_exits_zero_and_prints_every_row(bench_run):
 
 
 def test_bench_table_ratios_are_finite(bench_run):
-    """Both ratio columns of every row are finite numbers (e.g. ``12.3x``)."""
-    _, text, _, _ = bench_run
+    """Both ratio columns of every row are finite positive numbers (e.g. ``12.3x``),
+    in the table and in the JSON."""
+    _, text, results, _ = bench_run
+    for r in results["rows"]:
+        for key in ("ratio_load_restore", "ratio_per_tensor_arena"):
+            assert math.isfinite(r[key]) and r[key] > 0, (r["format"], key, r[key])
     for fmt, cells in _table_rows(text).items():
         for cell in cells[-2:]:
-            m = re.fullmatch(r"([0-9.]+)x", cell)
+            m = re.fullmatch(r"([0-9.e+-]+)x", cell)
             assert m is not None, f"{fmt}: ratio cell {cell!r}"
             assert math.isfinite(float(m.group(1))) and float(m.group(1)) > 0
 

@@ -35,7 +35,8 @@ from typing import Any
 __all__ = ["main", "build_parser", "run_cpu_engine", "engine_table"]
 
 _REPO_ROOT = Path(__file__).resolve().parents[1]
-#: Default cache dir of the CPU-engine comparison's engine repetitions.
+#: Engine starts per format and side in --cpu-engine mode: one start costs 30-60 s
+#: on 2 cores, and the load phase varies far less than that between starts.
 DEFAULT_ENGINE_REPS = 1
 #: Sizes generated in memory by default: the 1B point needs no ordinary load, and
 #: a 30B bf16 checkpoint (~55 GB) would not fit next to the 8B one on a 64 GB disk.
@@ -118,8 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "is its own cudaMalloc segment like real weights; 0.0625 on cpu).")
     p.add_argument("--bench-dir", default=None,
                    help="where synthetic checkpoints are written once and reused (default "
-                        "$WCACHE_BENCH_DIR or /tmp/wcache-bench). An 8B bf16 file is 14 GiB, "
-                        "AWQ 4 GiB; fp8 reuses the bf16 file.")
+                        "$WCACHE_BENCH_DIR or /tmp/wcache-bench). An 8B bf16 file is 13 GiB, "
+                        "AWQ 3.4 GiB; fp8 reuses the bf16 file. Writing stops with an error "
+                        "when the disk lacks the space.")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic values.")
     p.add_argument("--out", default=None,
                    help="JSON results path (default benchmarks/results/<device>.json, or "
@@ -132,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resolve the CUDA plans (kernels none/marlin/cutlass, capability 9.0) "
                         "while running on --device; a smoke-test aid that exercises the GPU "
                         "code path's plans on a CPU host. Not a performance measurement.")
+    p.add_argument("--start-method", choices=("spawn", "forkserver"), default="spawn",
+                   help="how the fresh worker processes start: spawn (default; a new "
+                        "interpreter per worker) or forkserver (forked from a server that "
+                        "imported torch and wcache but never touched the device: still no "
+                        "CUDA context, IPC handle or mapping shared, and start-up in ~0.1 s "
+                        "instead of seconds; used by the CPU smoke test).")
     p.add_argument("--cpu-engine", action="store_true",
                    help="instead: run the vLLM CPU engine on the SmolLM2 fixtures "
                         "(wcache.testing.fixtures) and compare its weight-load phase from disk "
@@ -254,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         handle_mib=(args.handle_mib if args.handle_mib is not None
                     else DEFAULT_HANDLE_MIB if cuda else 0.0625),
         bench_dir=args.bench_dir, seed=args.seed,
-        simulate_cuda_target=args.simulate_cuda_target)
+        simulate_cuda_target=args.simulate_cuda_target, start_method=args.start_method)
     results = run_suite(opts, _log)
     sys.stdout.write(markdown_table(results["rows"]))
     if results["handles"]:

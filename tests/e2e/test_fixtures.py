@@ -275,7 +275,8 @@ def test_ct_w4a16_packing_as_vllm_unpacks_it(states, prefix):
 
 
 def test_ct_w8a8_weight_is_round_of_weight_over_channel_scale(states):
-    """W8A8 int8 weight = clamp(round(w / scale)), scale = max|w| / 127.5 per row."""
+    """W8A8 int8 weight = clamp(round(w / scale)) in float32, scale = max|w| / 127.5
+    per row in bf16."""
     prefix = REFERENCE_PREFIXES[0]
     w = states["bf16"][prefix + ".weight"]
     layer = _layer(states["ct_w8a8_int8"], prefix)
@@ -463,3 +464,21 @@ def test_dequantized_layers_close_to_bf16(states, fmt):
         assert excess <= 0, (prefix, excess)
         worst = max(worst, ((deq - w).norm() / w.norm()).item())
     assert worst < MAX_REL_ERROR[fmt]
+
+
+def test_cli_rejects_unknown_format(capsys):
+    """The command line refuses a format it cannot build (exit status 2)."""
+    with pytest.raises(SystemExit) as info:
+        fx.main(["--formats", "bf16,int3"])
+    assert 2 == info.value.code
+    assert "unknown formats ['int3']" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_vllm_cpu_answers_paris_for_bf16(paths):
+    """vLLM CPU loads the bf16 fixture and greedily answers ' Paris.' (one engine start)."""
+    pytest.importorskip("vllm")
+    result = fx.check("bf16", paths["bf16"])
+    assert result["text"].startswith(" Paris.")
+    assert "UnquantizedLinearMethod" == result["methods"]["self_attn.qkv_proj"]

@@ -9,6 +9,7 @@ hypothesis.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,11 @@ from wcache.core import LayerConfig, QuantSpec
 
 _HERE = Path(__file__).resolve().parent
 HAVE_CUDA = torch.cuda.is_available()
+#: Dry run of this tier's logic on CPU tensors (``WCACHE_GPU_TIER_ON_CPU=1``), for
+#: developing the tests without a GPU; it proves nothing about CUDA. The cuda_ipc
+#: test still needs a GPU.
+DRY_RUN_ENV = "WCACHE_GPU_TIER_ON_CPU"
+DRY_RUN = os.environ.get(DRY_RUN_ENV) == "1" and not HAVE_CUDA
 
 #: Group size of the synthetic int4 checkpoints (AWQ/GPTQ/CT default).
 GROUP_SIZE = 128
@@ -41,7 +47,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _HERE in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.gpu)
-            if not HAVE_CUDA:
+            if not HAVE_CUDA and not DRY_RUN:
                 item.add_marker(skip)
 
 
@@ -221,5 +227,5 @@ def fp8_forward():
 
 @pytest.fixture
 def cuda():
-    """``cuda:0``."""
-    return torch.device("cuda:0")
+    """``cuda:0`` (``cpu`` in a dry run)."""
+    return torch.device("cpu") if DRY_RUN else torch.device("cuda:0")

@@ -67,6 +67,7 @@ def start_daemon(socket_dir: str, device_id: str = "cpu", *, seed: int = 0, n: i
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if line.startswith("wcache-store ready"):
+            proc.ready_line = line.strip()
             return proc
         if not line and proc.poll() is not None:
             log.seek(0)

@@ -29,14 +29,16 @@ def cuda_daemon(sock_dir):
 
 def test_cuda_ipc_attach_is_zero_copy_and_bit_exact(sock_dir, cuda_daemon):
     """Every tensor from another process's arena equals the export and is a view of one IPC allocation."""
-    export = synthetic_export()
+    # What the daemon exported: the synthetic tensors moved to the GPU (``.to``
+    # makes a strided slice contiguous, so strides are compared with these).
+    export = {k: t.to("cuda:0") for k, t in synthetic_export().tensors.items()}
     with attach(CacheKey(BASE_KEY), socket_dir=sock_dir, device="cuda:0", device_id=cuda_daemon) as att:
         lo, hi = att.arena_range
-        for name, t in export.tensors.items():
+        for name, t in export.items():
             v = att.tensors[name]
             assert "cuda" == v.device.type, name
             assert (t.shape, t.stride(), t.dtype) == (v.shape, v.stride(), v.dtype), name
-            assert torch.equal(t, v.cpu()), name
+            assert torch.equal(t, v), name
             if v.numel():
                 assert lo <= v.data_ptr() < hi, name
         assert att.tensors["lm_head.weight"] is att.tensors["w0"]

@@ -68,7 +68,8 @@ frame_bytes = st.one_of(
     st.builds(lambda op, extra: (lambda p: HEADER.pack(len(p)) + p)(msgpack.packb({"op": op, **extra})),
               st.sampled_from(["get", "release", "status", "hello", "nope", ""]),
               st.dictionaries(st.sampled_from(["key", "mode", "protocol", "transport"]),
-                              st.none() | st.integers() | st.text(max_size=4) | st.just({"x": 1}), max_size=3)),
+                              st.none() | st.integers(-2**63, 2**63 - 1) | st.text(max_size=4) | st.just({"x": 1}),
+                              max_size=3)),
 )
 
 
@@ -127,3 +128,17 @@ def test_no_pickle_on_the_wire():
             send_frame(a, {"obj": object()})
         send_frame(a, {"op": "status", "n": [1, 2]})
         assert ({"op": "status", "n": [1, 2]}, []) == recv_frame(b)
+
+
+def test_stalled_half_frame_is_dropped_after_the_frame_timeout(module_daemon, monkeypatch):
+    """A client that starts a frame and stalls is answered protocol-error after the frame timeout."""
+    monkeypatch.setattr(module_daemon, "frame_timeout_s", 0.2)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(module_daemon.socket_path)
+    with s:
+        s.sendall(HEADER.pack(100)[:2])  # half a header, then nothing
+        reply, _ = recv_frame(s)
+    assert (False, "protocol-error") == (reply["ok"], reply["code"])
+    assert "within 0.2 s" in reply["message"]
+    _assert_still_serving(module_daemon)

@@ -142,7 +142,8 @@ def test_manifest_json_roundtrip_and_version_check():
     (lambda d: d["tensors"][0].__setitem__(2, 1), "span"),
     (lambda d: d["aliases"][0].__setitem__(1, "nope"), "unknown target"),
     (lambda d: d.pop("tensors"), "malformed"),
-    (lambda d: d["tensors"][0].__setitem__(4, "notalist"), "malformed"),
+    (lambda d: d["tensors"][0].__setitem__(4, "notalist"), "do not fit"),
+    (lambda d: d["tensors"][0].__setitem__(4, 7), "malformed"),
 ])
 def test_manifest_rejects_inconsistent_entries(mutate, needle):
     """A manifest whose entries leave the arena, use unknown dtypes or targets, or miss fields is refused."""

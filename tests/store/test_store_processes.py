@@ -77,13 +77,21 @@ def test_client_survives_daemon_sigkill_and_new_daemon_starts_clean(sock_dir):
         stop_daemon(proc)
 
 
-def test_second_daemon_process_fails_fast_with_daemon_busy(sock_dir):
-    """A second daemon process for the same device exits with daemon-busy; the first still answers."""
+def test_second_daemon_process_fails_fast_then_sigterm_stops_cleanly(sock_dir):
+    """The ready line names key digest, bytes and socket; a second daemon process exits with daemon-busy
+    while the first answers; SIGTERM then stops the first with exit code 0, removing socket and pid file."""
     proc = start_daemon(sock_dir)
+    sock = socket_path(sock_dir, "cpu")
     try:
+        st = daemon_status(sock)
+        assert (f"wcache-store ready key={CacheKey(BASE_KEY).digest} bytes={st['bytes_held']} socket={sock} "
+                f"pid={proc.pid}") == proc.ready_line
         with pytest.raises(RuntimeError, match="DaemonBusy"):
             start_daemon(sock_dir, seed=1)
-        assert proc.pid == daemon_status(socket_path(sock_dir, "cpu"))["pid"]
+        assert proc.pid == daemon_status(sock)["pid"]
+        proc.send_signal(signal.SIGTERM)
+        assert 0 == proc.wait(30)
+        assert (False, False) == (os.path.exists(sock), os.path.exists(sock + ".pid"))
     finally:
         stop_daemon(proc)
 

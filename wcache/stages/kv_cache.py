@@ -133,3 +133,51 @@ def set_scale_floats(tensors: Mapping[str, torch.Tensor], config: LayerConfig, t
               for n in SCALE_BUFFERS[:3]}
     cpu = {f"{n}_cpu": tensors[n].detach().to("cpu").clone() for n in ("_k_scale", "_v_scale")}
     return StageOut(attrs={**floats, **cpu}, record=floats)
+
+
+# --------------------------------------------------------------------------- compressed-tensors
+
+_CT_SOURCE = "vllm/model_executor/layers/quantization/compressed_tensors/compressed_tensors.py::" \
+             "CompressedTensorsKVCacheMethod.process_weights_after_loading"
+CT_SCALE_PARAMS = ("k_scale", "v_scale", "q_scale")
+CT_ZERO_POINTS = ("k_zero_point", "v_zero_point", "q_zero_point")
+CT_BUFFERS = ("_k_scale", "_v_scale", "_q_scale")
+
+
+@stage("ct_kv_cache.register_scales", Tag.TRANSFORM,
+       reads=CT_SCALE_PARAMS + CT_ZERO_POINTS + CT_BUFFERS,
+       writes=CT_SCALE_PARAMS + CT_ZERO_POINTS + CT_BUFFERS, source=_CT_SOURCE)
+def ct_register_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
+                       target: Target, recorded: Mapping[str, Any]) -> StageOut:
+    """Buffers ``_k/_v/_q_scale`` become copies of the loaded ``k/v/q_scale``
+    Parameters (``[n_scales]`` fp32: 1, or ``num_kv_heads`` for the attn_head
+    strategy; vLLM registers ``.detach()`` views, which hold the same values), and
+    the six checkpoint Parameters (scales and unused zero points) are dropped."""
+    new = {f"_{n}": tensors[n].detach().clone() for n in CT_SCALE_PARAMS}
+    return StageOut(tensors=new, buffers=frozenset(new), drop=CT_SCALE_PARAMS + CT_ZERO_POINTS)
+
+
+def _to_scalar(t: torch.Tensor) -> float | None:
+    """vLLM's ``_to_scalar``: the max for multi-element scales (attn_head)."""
+    if t.device.type == "meta":
+        return None
+    return (t.max() if t.numel() > 1 else t).item()
+
+
+@stage("ct_kv_cache.set_scale_floats", Tag.METADATA, reads=CT_BUFFERS,
+       attrs=("_k_scale_float", "_v_scale_float", "_q_scale_float"), source=_CT_SOURCE)
+def ct_set_scale_floats(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
+                        target: Target, recorded: Mapping[str, Any]) -> StageOut:
+    """``_k/_v/_q_scale_float`` from the exported buffers (max over heads), recorded."""
+    floats = {f"{n}_float": _to_scalar(tensors[n]) for n in CT_BUFFERS}
+    return StageOut(attrs=floats, record=floats)
+
+
+@stage("ct_kv_cache.copy_host_scales", Tag.DERIVE, reads=("_k_scale", "_v_scale"),
+       attrs=("_k_scale_cpu", "_v_scale_cpu"), source=_CT_SOURCE)
+def ct_copy_host_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
+                        target: Target, recorded: Mapping[str, Any]) -> StageOut:
+    """Private 0-d fp32 host tensors holding the scalar scales (vLLM ``fill_``s the
+    ``_k/_v_scale_cpu`` tensors it created at init)."""
+    return StageOut(attrs={f"{n}_cpu": torch.tensor(_to_scalar(tensors[n]), dtype=torch.float32)
+                           for n in ("_k_scale", "_v_scale")})

@@ -77,8 +77,7 @@ def ensure_socket_dir(path: str | None = None, *, create: bool = True) -> str:
 
     Raises:
         UnsafePath: symlink, foreign owner, not a directory, or group/other bits.
-        DaemonMissing is not raised here; a missing dir with ``create=False``
-        raises FileNotFoundError.
+        FileNotFoundError: the dir is missing and ``create`` is false.
     """
     path = os.path.abspath(path or default_socket_dir())
     try:

@@ -98,27 +98,42 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int], want_fds: int) -> b
     return bytes(buf)
 
 
-def recv_frame(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any], list[int]]:
+def recv_frame(sock: socket.socket, max_fds: int = 0, frame_timeout_s: float | None = None
+               ) -> tuple[dict[str, Any], list[int]]:
     """Receive one frame and the descriptors attached to it.
+
+    Waiting for a frame to start uses the socket's own timeout (the daemon
+    waits forever: an attached client may stay idle); once its first byte has
+    arrived, the rest must follow within ``frame_timeout_s`` (when given), so a
+    stalled half frame cannot hold a handler thread forever.
 
     Descriptors received with a frame that turns out bad are closed.
 
     Raises:
         ConnectionClosed: the peer closed between frames.
-        ProtocolError: truncated, oversized (checked before allocating), not
-            msgpack, not a map, or more descriptors than ``max_fds``.
+        ProtocolError: truncated, stalled, oversized (checked before
+            allocating), not msgpack, not a map, or more descriptors than ``max_fds``.
     """
     fds: list[int] = []
+    old_timeout = sock.gettimeout()
     try:
-        header = _recv_exact(sock, HEADER.size, fds, max_fds)
-        if header is None:
+        first = _recv_exact(sock, 1, fds, max_fds)
+        if first is None:
             raise ConnectionClosed("peer closed the connection")
-        (length,) = HEADER.unpack(header)
-        if length > MAX_FRAME_BYTES:
-            raise ProtocolError(f"frame length {length} exceeds the {MAX_FRAME_BYTES}-byte limit")
-        payload = _recv_exact(sock, length, fds, max_fds) if length else b""
-        if payload is None:
-            raise ProtocolError("connection closed after a frame header")
+        if frame_timeout_s is not None:
+            sock.settimeout(frame_timeout_s)
+        try:
+            header = first + (_recv_exact(sock, HEADER.size - 1, fds, max_fds) or b"")
+            if len(header) != HEADER.size:
+                raise ProtocolError("connection closed inside a frame header")
+            (length,) = HEADER.unpack(header)
+            if length > MAX_FRAME_BYTES:
+                raise ProtocolError(f"frame length {length} exceeds the {MAX_FRAME_BYTES}-byte limit")
+            payload = _recv_exact(sock, length, fds, max_fds) if length else b""
+            if payload is None:
+                raise ProtocolError("connection closed after a frame header")
+        except socket.timeout:
+            raise ProtocolError(f"frame not completed within {frame_timeout_s} s") from None
         try:
             obj = msgpack.unpackb(payload, raw=False, strict_map_key=True)
         except Exception as e:  # msgpack raises several unrelated types on bad input
@@ -132,6 +147,9 @@ def recv_frame(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any], l
         for fd in fds:
             _close_quietly(fd)
         raise
+    finally:
+        if frame_timeout_s is not None:
+            sock.settimeout(old_timeout)
 
 
 def _close_quietly(fd: int) -> None:

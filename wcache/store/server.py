@@ -49,6 +49,9 @@ MAX_CONNECTIONS = 64
 LISTEN_BACKLOG = 64
 # The accept loop wakes this often to notice stop().
 ACCEPT_POLL_S = 0.2
+# Once a frame has started, its remaining bytes must arrive within this time
+# (a manifest-sized request is tiny; only a stalled or hostile client is slower).
+FRAME_TIMEOUT_S = 30.0
 # stop() waits at most this long for each handler thread to finish.
 JOIN_TIMEOUT_S = 5.0
 _PEERCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
@@ -91,6 +94,7 @@ class DaemonServer:
         self.socket_dir = paths.ensure_socket_dir(socket_dir)
         self.socket_path = paths.socket_path(self.socket_dir, self.device_id)
         self.allowed_uid = os.getuid() if allowed_uid is None else allowed_uid
+        self.frame_timeout_s = FRAME_TIMEOUT_S
         self._lock_fd = paths.acquire_device_lock(self.socket_path)
         try:
             paths.claim_socket_path(self.socket_path)  # fail fast, before the costly arena build
@@ -264,7 +268,7 @@ class DaemonServer:
                 return
             while not self._stopping.is_set():
                 try:
-                    request, _ = recv_frame(conn)
+                    request, _ = recv_frame(conn, frame_timeout_s=self.frame_timeout_s)
                 except ConnectionClosed:
                     return
                 except ProtocolError as e:
@@ -330,7 +334,9 @@ class DaemonServer:
                 self._release(state)
             return {"ok": True}, ()
         if op == "status":
-            return {"ok": True, **self.status()}, ()
+            st = self.status()
+            st["clients_connected"] -= 1  # not counting the connection that asks
+            return {"ok": True, **st}, ()
         log.info("shutdown requested by pid %s", state["pid"])
         return {"ok": True}, ()
 
@@ -361,7 +367,8 @@ class DaemonServer:
         return {"ok": True, "manifest": self._manifest_dict, "handle": handle}, fds
 
     def status(self) -> dict[str, Any]:
-        """What ``status`` answers: memory held, clients, uptime, key, pid."""
+        """Memory held, clients, uptime, key, pid. ``clients_connected`` counts
+        open connections (the ``status`` command leaves out the asking one)."""
         with self._conns_lock:
             clients = len(self._conns)
             active = self.attachments_active

@@ -28,6 +28,9 @@ _ARG_NAMES = ("tensor_cls", "tensor_size", "tensor_stride", "tensor_offset", "st
               "storage_device", "storage_handle", "storage_size_bytes", "storage_offset_bytes",
               "requires_grad", "ref_counter_handle", "ref_counter_offset", "event_handle",
               "event_sync_required")
+# reduce_tensor passes the class of tensor._typed_storage() (TypedStorage); both
+# classes are accepted by rebuild_cuda_tensor. Sent by name, never pickled.
+_STORAGE_CLASSES = {"TypedStorage": torch.storage.TypedStorage, "UntypedStorage": torch.UntypedStorage}
 
 
 def encode_reduce_args(tensor: torch.Tensor) -> dict[str, Any]:
@@ -44,10 +47,11 @@ def encode_reduce_args(tensor: torch.Tensor) -> dict[str, Any]:
     if fn is not rebuild_cuda_tensor:
         raise TransportFailed(f"reduce_tensor chose {getattr(fn, '__name__', fn)}, not rebuild_cuda_tensor")
     d = dict(zip(_ARG_NAMES, args))
-    if d["storage_cls"] is not torch.UntypedStorage:
+    storage_names = {cls: name for name, cls in _STORAGE_CLASSES.items()}
+    if d["storage_cls"] not in storage_names:
         raise TransportFailed(f"unexpected storage class {d['storage_cls']}")
     d["tensor_cls"] = "Tensor"
-    d["storage_cls"] = "UntypedStorage"
+    d["storage_cls"] = storage_names[d["storage_cls"]]
     d["dtype"] = str(d["dtype"]).removeprefix("torch.")
     d["tensor_size"] = list(d["tensor_size"])
     d["tensor_stride"] = list(d["tensor_stride"])
@@ -69,11 +73,11 @@ def decode_reduce_args(d: dict[str, Any]) -> tuple:
     if not isinstance(d, dict) or set(d) != set(_ARG_NAMES):
         raise TransportFailed("cuda_ipc handle does not carry the reduce_tensor fields")
     bad = [k for k, t in types_ok.items() if not isinstance(d[k], t)]
-    if bad or d["tensor_cls"] != "Tensor" or d["storage_cls"] != "UntypedStorage" or d["dtype"] != "uint8":
+    if bad or d["tensor_cls"] != "Tensor" or d["storage_cls"] not in _STORAGE_CLASSES or d["dtype"] != "uint8":
         raise TransportFailed(f"cuda_ipc handle has bad fields: {bad or ['class/dtype']}")
     out = dict(d)
     out["tensor_cls"] = torch.Tensor
-    out["storage_cls"] = torch.UntypedStorage
+    out["storage_cls"] = _STORAGE_CLASSES[d["storage_cls"]]
     out["dtype"] = torch.uint8
     out["tensor_size"] = torch.Size(d["tensor_size"])
     out["tensor_stride"] = tuple(d["tensor_stride"])

@@ -66,7 +66,7 @@ __all__ = [
 # --------------------------------------------------------------------------- constants
 
 #: Bump whenever the bytes of any fixture change; stale caches are rebuilt.
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 
 FORMATS = ("bf16", "awq", "gptq", "ct_w4a16", "ct_w8a8_int8")
 QUANTIZED_FORMATS = FORMATS[1:]
@@ -168,7 +168,8 @@ def pack_int4_cols(q: torch.Tensor, order: Iterable[int] = STANDARD_PACK_ORDER) 
     return _to_int32_words((groups << shifts).sum(dim=-1))
 
 
-def unpack_int4_cols(packed: torch.Tensor, order: Iterable[int] = STANDARD_PACK_ORDER) -> torch.Tensor:
+def unpack_int4_cols(packed: torch.Tensor,
+                     order: Iterable[int] = STANDARD_PACK_ORDER) -> torch.Tensor:
     """Inverse of :func:`pack_int4_cols`.
 
     Args:
@@ -234,7 +235,8 @@ def _check_linear_weight(weight: torch.Tensor, group_size: int) -> tuple[int, in
     return size_n, size_k
 
 
-def _group_extrema(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _group_extrema(weight: torch.Tensor,
+                   group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(w [K/G, G, N], min [K/G, N], max [K/G, N])`` in float32 from ``weight [N, K]``."""
     size_n, size_k = weight.shape
     w = weight.to(torch.float32).t().reshape(size_k // group_size, group_size, size_n)
@@ -365,6 +367,12 @@ def _ct_qparams(weight: torch.Tensor, scheme: Any) -> tuple[torch.Tensor, torch.
 def ct_w4a16_compress(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """compressed-tensors ``pack-quantized`` W4A16 tensors for one linear layer.
 
+    Min-max symmetric scales are computed in the weight's dtype
+    (``scale = max|w| / 7.5`` per group, as compressed-tensors does); the
+    weight is then quantized in float32 against that stored scale,
+    ``q = clamp(round(w / scale), -8, 7)`` (compressed-tensors would divide in
+    bf16, which rounds ``w / scale`` to 8 bits before ``round``).
+
     Args:
         weight: ``[size_n, size_k]`` float (nn.Linear layout).
 
@@ -386,11 +394,16 @@ def ct_w4a16_compress(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     scheme = ct_scheme("ct_w4a16")
     scale, zero_point = _ct_qparams(weight, scheme)
     return dict(PackedQuantizationCompressor.compress(
-        {"weight": weight, "weight_scale": scale, "weight_zero_point": zero_point}, scheme))
+        {"weight": weight.to(torch.float32), "weight_scale": scale,
+         "weight_zero_point": zero_point}, scheme))
 
 
 def ct_w8a8_int8_compress(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     """compressed-tensors ``int-quantized`` W8A8 INT8 tensors for one linear layer.
+
+    ``scale = max|w| / 127.5`` per output channel in the weight's dtype, then
+    ``q = clamp(round(w / scale), -128, 127)`` in float32 (see
+    :func:`ct_w4a16_compress` for why float32).
 
     Args:
         weight: ``[size_n, size_k]`` float (nn.Linear layout).
@@ -412,7 +425,8 @@ def ct_w8a8_int8_compress(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     scheme = ct_scheme("ct_w8a8_int8")
     scale, zero_point = _ct_qparams(weight, scheme)
     return dict(IntQuantizationCompressor.compress(
-        {"weight": weight, "weight_scale": scale, "weight_zero_point": zero_point}, scheme))
+        {"weight": weight.to(torch.float32), "weight_scale": scale,
+         "weight_zero_point": zero_point}, scheme))
 
 
 _QUANTIZERS: dict[str, Callable[[torch.Tensor], dict[str, torch.Tensor]]] = {
@@ -616,7 +630,11 @@ def _save_state_dict(state_dict: Mapping[str, torch.Tensor], folder: Path) -> No
 
 
 def _build_bf16(tmp: Path) -> None:
-    """Dequantize the GGUF with transformers and save it as bf16 with its tokenizer."""
+    """Dequantize the GGUF with transformers and save it as bf16 with its tokenizer.
+
+    Sets ``HF_HUB_OFFLINE=1`` for this process unless already set: the build
+    reads only the local GGUF file and must never reach a hub.
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
@@ -739,9 +757,12 @@ def build_variant(base_dir: str | os.PathLike, out_dir: str | os.PathLike,
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
+    def holds(file: Path) -> bool:
+        with safe_open(file, "pt") as f:
+            return change in f.keys()
+
     base, final = Path(base_dir), Path(out_dir)
-    holders = [f for f in sorted(base.glob("*.safetensors"))
-               if change in safe_open(f, "pt").keys()]
+    holders = [f for f in sorted(base.glob("*.safetensors")) if holds(f)]
     if not holders:
         raise FixtureError(f"tensor {change!r} is not in {base}; pass a tensor name of "
                            "that checkpoint", code="fixture-variant")

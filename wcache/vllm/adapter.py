@@ -125,8 +125,10 @@ def layer_config(quant_method: Any, module: torch.nn.Module, target: Target | No
             return _linear_config(module, spec, name, {
                 "logical_widths": tuple(int(w) for w in module.logical_widths)})
         return _linear_config(module, QuantSpec(f"compressed-tensors:{scls}"), name)
-    if cls in ("BaseKVCacheMethod", "Fp8KVCacheMethod", "ModelOptFp8KVCacheMethod",
-               "CompressedTensorsKVCacheMethod"):
+    if cls == "CompressedTensorsKVCacheMethod":
+        return LayerConfig(quant=QuantSpec("ct_kv_cache", layer_kind="attention"), size_k=0,
+                           size_n=0, name=name)
+    if cls in ("BaseKVCacheMethod", "Fp8KVCacheMethod", "ModelOptFp8KVCacheMethod"):
         return LayerConfig(quant=QuantSpec("kv_cache", layer_kind="attention"), size_k=0,
                            size_n=0, name=name,
                            extra=(("kv_cache_dtype", str(getattr(module, "kv_cache_dtype", "auto"))),))
