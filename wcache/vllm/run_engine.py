@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
               max_model_len=args.max_model_len, max_num_seqs=1,
               tensor_parallel_size=args.tensor_parallel_size, seed=0)
     prompts = args.prompt or list(DEFAULT_PROMPTS)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    # ignore_eos: always max_tokens tokens, so runs compare token for token
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     result = {"texts": [o.outputs[0].text for o in outs],
               "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
