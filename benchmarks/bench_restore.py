@@ -98,6 +98,10 @@ class BenchOptions:
         simulate_cuda_target: resolve the CUDA plans (kernels none/marlin/cutlass,
             capability 9.0) while running on ``device``; a smoke-test aid for
             the GPU code path on a CPU host.
+        start_method: how workers start: ``"spawn"`` (a fresh interpreter each) or
+            ``"forkserver"`` (forked from a server that has imported torch and
+            wcache but never touched the device, so no CUDA context, IPC handle or
+            mapping leaks into a worker; much faster start-up on small hosts).
     """
 
     device: str = "cuda"
@@ -112,6 +116,7 @@ class BenchOptions:
     bench_dir: str | None = None
     seed: int = 0
     simulate_cuda_target: bool = False
+    start_method: str = "spawn"
 
 
 #: Capability the simulated CUDA target reports (H100/H200).
@@ -419,11 +424,26 @@ _TASKS: dict[str, tuple[Callable, Callable]] = {
 }
 
 
+#: Modules the forkserver imports once, so forked workers start without importing.
+FORKSERVER_PRELOAD = ("torch", "safetensors", "wcache.core", "wcache.plans", "wcache.store",
+                      "benchmarks.synthetic", "benchmarks.bench_restore")
+START_METHODS = ("spawn", "forkserver")
+
+
+def _context(start_method: str):
+    if start_method not in START_METHODS:
+        raise ValueError(f"start method {start_method!r} is not one of {START_METHODS}")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    return ctx
+
+
 class Worker:
-    """A spawned worker process: started at once, run when :meth:`run` is called."""
+    """A fresh worker process: started at once, run when :meth:`run` is called."""
 
     def __init__(self, task: str, payload: dict):
-        ctx = mp.get_context("spawn")
+        ctx = _context(payload.get("start_method", "spawn"))
         self.conn, child = ctx.Pipe()
         self.task = task
         self.proc = ctx.Process(target=_worker_main, args=(child, task, payload), daemon=True,
@@ -632,7 +652,7 @@ def _base_payload(opts: BenchOptions, device: torch.device) -> dict:
     import sys
 
     return {"device": str(device), "simulate_cuda_target": opts.simulate_cuda_target,
-            "sys_path": list(sys.path)}
+            "sys_path": list(sys.path), "start_method": opts.start_method}
 
 
 def run_unit(opts: BenchOptions, fmt: str, size: str, socket_dir: str,
@@ -657,23 +677,26 @@ def run_unit(opts: BenchOptions, fmt: str, size: str, socket_dir: str,
     device_id = f"bench-{os.getpid()}-{fmt}-{size}"
     payload = {**_base_payload(opts, device), "shape": asdict(shape), "fmt": fmt}
     disk = size not in opts.no_disk
+    kind = syn.CHECKPOINT_KIND[fmt]
+    root = syn.bench_dir(opts.bench_dir)
+    # every worker starts now, importing and initialising the device while this
+    # process writes/reads the checkpoint and prepares
+    load_worker = (Worker("load", {**payload, "reps": opts.load_reps,
+                                   "path": str(syn.checkpoint_path(root, shape, kind))})
+                   if disk else None)
     restore_workers = [Worker("restore", payload) for _ in range(opts.reps)]
     per_tensor_workers = ([Worker("per_tensor", payload) for _ in range(opts.reps)]
                           if disk else [])
-    load_worker = None
     daemon = None
     try:
         if disk:
-            kind = syn.CHECKPOINT_KIND[fmt]
             t0 = time.perf_counter()
-            path, written = syn.ensure_checkpoint(syn.bench_dir(opts.bench_dir), shape, kind,
-                                                  opts.seed, device)
+            path, written = syn.ensure_checkpoint(root, shape, kind, opts.seed, device)
             row["checkpoint"] = str(path)
             row["checkpoint_bytes"] = path.stat().st_size
             log(f"[{fmt}/{size}] checkpoint {path} ({'written' if written else 'cached'}, "
                 f"{path.stat().st_size / 2**30:.2f} GiB, {time.perf_counter() - t0:.1f} s)")
             _warm_page_cache(path)
-            load_worker = Worker("load", {**payload, "path": str(path), "reps": opts.load_reps})
             res = load_worker.run()
             load_worker = None
             row["load_s_all"] = res["seconds"]
@@ -711,6 +734,9 @@ def run_unit(opts: BenchOptions, fmt: str, size: str, socket_dir: str,
         row["restore_attach_s"] = _median(attaches)
         if load_digest is not None and digests:
             row["restore_matches_load"] = digests[0] == load_digest
+            if not row["restore_matches_load"]:
+                log(f"[{fmt}/{size}] WARNING: the restored layers' bytes differ from the "
+                    f"ordinary load's")
         log(f"[{fmt}/{size}] restore {row['restore_s'] * 1e3:.2f} ms "
             f"(attach {row['restore_attach_s'] * 1e3:.2f} ms)")
         if per_tensor_workers:
@@ -732,6 +758,7 @@ def run_unit(opts: BenchOptions, fmt: str, size: str, socket_dir: str,
             daemon.stop()
         tensors = None
         if device.type == "cuda":
+            torch.cuda.ipc_collect()  # per-tensor handles' producer-side references
             torch.cuda.empty_cache()
     return row
 
@@ -775,6 +802,7 @@ def run_handles(opts: BenchOptions, socket_dir: str, log: Callable[[str], None])
             daemon.stop()
         tensors.clear()
         if device.type == "cuda":
+            torch.cuda.ipc_collect()
             torch.cuda.empty_cache()
     row = {"tensors": n, "tensor_mib": opts.handle_mib, "arena_s_all": arena,
            "per_tensor_s_all": pt, "arena_s": _median(arena), "per_tensor_s": _median(pt)}
@@ -829,7 +857,9 @@ def _fmt_s(x: float | None) -> str:
 
 
 def _fmt_ratio(x: float | None) -> str:
-    return "-" if x is None or not math.isfinite(x) else f"{x:.1f}x"
+    if x is None or not math.isfinite(x):
+        return "-"
+    return f"{x:.0f}x" if x >= 100 else f"{x:.1f}x" if x >= 1 else f"{x:.2g}x"
 
 
 def markdown_table(rows: Sequence[dict]) -> str:

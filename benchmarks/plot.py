@@ -17,6 +17,8 @@ FIGSIZE_IN = (6.4, 4.0)
 DPI = 150
 PARAMS_PER_BILLION = 1e9
 MS_PER_S = 1e3
+#: Room above the highest point so its size label is not clipped.
+LABEL_HEADROOM = 1.2
 
 
 def plot_restore_cost(results: Mapping, png: str | Path) -> Path:
@@ -52,7 +54,8 @@ def plot_restore_cost(results: Mapping, png: str | Path) -> Path:
     ax.set_xlabel("linear-layer parameters (billions)")
     ax.set_ylabel("restore time (ms): attach + install + replay")
     ax.set_title(f"wcache restore cost vs model size ({device})", fontsize=9)
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(bottom=0, top=max((y for pts in by_fmt.values() for _, y, _ in pts),
+                                  default=1.0) * LABEL_HEADROOM)
     ax.grid(True, alpha=0.3)
     if by_fmt:
         ax.legend(fontsize=8)

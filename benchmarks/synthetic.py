@@ -20,18 +20,20 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from attrs import frozen
 
-from wcache.core import LayerConfig, QuantSpec, Target
+from wcache.core import LayerConfig, QuantSpec, Target, WcacheError
 
 __all__ = [
     "ModelShape", "LinearSpec", "SHAPES", "FORMATS", "CHECKPOINT_KIND", "AWQ_GROUP_SIZE",
     "linears", "layer_config", "quant_spec", "bench_dir", "checkpoint_path",
     "make_linear_tensors", "write_checkpoint", "ensure_checkpoint", "checkpoint_nbytes",
+    "DiskFull",
 ]
 
 #: AutoAWQ's default group size (the 8B AWQ checkpoints on the Hub use it).
@@ -47,6 +49,15 @@ WRITER_VERSION = 1
 BENCH_DIR_ENV = "WCACHE_BENCH_DIR"
 DEFAULT_BENCH_DIR = "/tmp/wcache-bench"
 STAMP_SUFFIX = ".json"
+#: Free space required before writing a checkpoint, as a multiple of its size
+#: (the temporary file plus room for the rest of the machine).
+DISK_HEADROOM = 1.1
+
+
+class DiskFull(WcacheError, OSError):
+    """Not enough free disk for a synthetic checkpoint; the message says what to do."""
+
+    code = "bench-disk-full"
 
 
 @frozen
@@ -245,6 +256,14 @@ def ensure_checkpoint(root: Path, shape: ModelShape, kind: str, seed: int = 0,
                 return path, False
         except ValueError:
             pass
+    root.mkdir(parents=True, exist_ok=True)
+    need = int(checkpoint_nbytes(shape, kind) * DISK_HEADROOM)
+    free = shutil.disk_usage(root).free
+    if free < need:
+        raise DiskFull(f"writing the {shape.name} {kind} checkpoint needs {need / 2**30:.1f} GiB in "
+                       f"{root}, only {free / 2**30:.1f} GiB are free; free space, point "
+                       f"--bench-dir/${BENCH_DIR_ENV} elsewhere, or measure this size with "
+                       f"--no-disk {shape.name}")
     return write_checkpoint(path, shape, kind, seed, gen_device), True
 
 
