@@ -78,7 +78,7 @@ def marlin_unpermute_bias(b: torch.Tensor) -> torch.Tensor:
 
 def e2m1_decode(packed: torch.Tensor) -> torch.Tensor:
     """``[R, C]`` uint8 (two E2M1 codes per byte, low nibble first) -> ``[R, 2C]`` fp32."""
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
     codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(packed.shape[0], -1).long()
     mag = lut[codes & 0x7]
     return torch.where((codes & 0x8) != 0, -mag, mag)

@@ -796,6 +796,16 @@ class Plan:
 # --------------------------------------------------------------------------- snapshots
 
 
+def _is_plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, enum.Enum)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, Mapping):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    return False
+
+
 def snapshot(module: torch.nn.Module, attr_paths: Iterable[str] = ()) -> dict[str, Any]:
     """A comparable picture of a layer: per tensor (kind, shape, dtype, stride, bytes
     checksum), tensor-slot Nones, and the values at ``attr_paths``.
@@ -820,5 +830,9 @@ def snapshot(module: torch.nn.Module, attr_paths: Iterable[str] = ()) -> dict[st
             value = ("tensor", tuple(value.shape), str(value.dtype), tensor_checksum(value))
         elif callable(value):
             value = "<callable>"
+        elif not _is_plain(value):
+            # process-local handles (oneDNN handlers, ...): compared by type; their
+            # behaviour is checked through the forward output
+            value = f"<{type(value).__name__}>"
         out[f"@{path}"] = value
     return out

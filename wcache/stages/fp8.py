@@ -144,7 +144,9 @@ def per_block_cast_to_fp8(x: torch.Tensor, block_size: tuple[int, int] = BLOCK_S
     x_padded = torch.nn.functional.pad(x, (0, np_ - n, 0, mp - m))
     x_view = x_padded.view(-1, bm, np_ // bn, bn)
     x_amax = x_view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(BLOCK_AMAX_FLOOR)
-    sf = x_amax / FP8_MAX
+    # A 0-d tensor divisor: torch's CPU kernel turns division by a Python scalar
+    # into a multiply by its reciprocal (1 ulp off); CUDA divides exactly.
+    sf = x_amax / _fp8_max(x.device)
     x_scaled = (x_view * (1.0 / sf)).to(FP8_DTYPE)
     return (x_scaled.view_as(x_padded)[:m, :n].contiguous(),
             sf.view(x_view.size(0), x_view.size(2)))
