@@ -426,7 +426,7 @@ def test_replayable_stage_twice_equals_once(name):
         if isinstance(value, onednn.OneDNNLinear):
             x = torch.randn(3, 64, generator=_gen(9)).to(BF16)
             assert torch.equal(value(x, None, None), other(x, None, None))
-        elif isinstance(value, onednn.OneDNNHandle):
+        elif isinstance(value, onednn.CPUDNNLGEMMHandler):
             assert (value.k, value.n) == (other.k, other.n)
         elif isinstance(value, torch.Tensor):
             assert torch.equal(value, other)

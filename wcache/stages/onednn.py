@@ -13,7 +13,9 @@ tensor computed with vLLM's op sequence (bit-exact).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 from wcache.core import LayerConfig, StageOut, Tag, Target, stage
 from wcache.stages.common import OpUnavailable, StageInputError, require_op  # noqa: F401
 
-__all__ = ["PRIMITIVE_CACHE_SIZE", "OneDNNHandle", "OneDNNLinear", "KernelMethod",
+__all__ = ["PRIMITIVE_CACHE_SIZE", "CPUDNNLGEMMHandler", "OneDNNLinear", "KernelMethod",
            "create_onednn_mm", "create_onednn_scaled_mm", "onednn_mm",
            "prepack_weight", "convert_scale_to_channelwise", "fold_input_scale",
            "compute_azp_adj", "prepack_scaled_weight", "sgl_selected", "KERNEL_ATTR_DEFAULT"]
@@ -42,7 +44,7 @@ SGL_MAX_WEIGHT_BYTES = 1 * 1024 * 1024
 SGL_TILE_K, SGL_TILE_N = 32, 16
 
 
-class OneDNNHandle:
+class CPUDNNLGEMMHandler:
     """A oneDNN matmul handle; the same interface as vLLM's ``CPUDNNLGEMMHandler``
     (``handler_tensor``, ``n``, ``k``), so vLLM's ``ops.onednn_mm`` /
     ``ops.onednn_scaled_mm`` and ``apply`` accept it.
@@ -66,7 +68,7 @@ class OneDNNHandle:
 
 
 def create_onednn_mm(weight_kn: torch.Tensor,
-                     primitive_cache_size: int = PRIMITIVE_CACHE_SIZE) -> OneDNNHandle:
+                     primitive_cache_size: int = PRIMITIVE_CACHE_SIZE) -> CPUDNNLGEMMHandler:
     """Prepack an unquantized weight.
 
     Args:
@@ -79,10 +81,43 @@ def create_onednn_mm(weight_kn: torch.Tensor,
     """
     op = require_op("_C", "create_onednn_mm_handler")
     k, n = weight_kn.size()
-    return OneDNNHandle(op(weight_kn, primitive_cache_size), k, n)
+    return CPUDNNLGEMMHandler(op(weight_kn, primitive_cache_size), k, n)
 
 
-def onednn_mm(handle: OneDNNHandle, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+#: Memo of unquantized prepacks within one restore (see :func:`sharing_prepacks`);
+#: ``None`` outside it, so an ordinary load builds one handle per layer as vLLM does.
+_PREPACK_MEMO: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "wcache_onednn_prepack_memo", default=None)
+
+
+@contextlib.contextmanager
+def sharing_prepacks() -> Iterator[None]:
+    """Within this block, layers whose weight is the *same* tensor (a tied
+    embedding and lm_head) share one oneDNN prepack instead of two identical ones.
+
+    A memo of a pure function of read-only bytes: the shared tensors cannot change
+    during a restore (the guard checks them), so the handle is the one vLLM would
+    build twice. Saves one prepack of the vocabulary matrix (time and its RAM).
+    """
+    token = _PREPACK_MEMO.set({})
+    try:
+        yield
+    finally:
+        _PREPACK_MEMO.reset(token)
+
+
+def _prepack(weight: torch.Tensor) -> CPUDNNLGEMMHandler:
+    memo = _PREPACK_MEMO.get()
+    if memo is None:
+        return create_onednn_mm(weight.t(), PRIMITIVE_CACHE_SIZE)
+    ident = (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()), weight.dtype)
+    handle = memo.get(ident)
+    if handle is None:
+        handle = memo[ident] = create_onednn_mm(weight.t(), PRIMITIVE_CACHE_SIZE)
+    return handle
+
+
+def onednn_mm(handle: CPUDNNLGEMMHandler, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x [..., K] @ W [K, N] + bias`` through the handle.
 
     Source: vllm/_custom_ops.py::onednn_mm.
@@ -99,7 +134,7 @@ class OneDNNLinear:
     argument is ignored exactly as in vLLM's closure.
     """
 
-    def __init__(self, handle: OneDNNHandle):
+    def __init__(self, handle: CPUDNNLGEMMHandler):
         self.handle = handle
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None,
@@ -112,7 +147,7 @@ class OneDNNLinear:
 
 def create_onednn_scaled_mm(weight_kn: torch.Tensor, weight_scales: torch.Tensor,
                             output_type: torch.dtype, dynamic_quant: bool, use_azp: bool,
-                            primitive_cache_size: int = PRIMITIVE_CACHE_SIZE) -> OneDNNHandle:
+                            primitive_cache_size: int = PRIMITIVE_CACHE_SIZE) -> CPUDNNLGEMMHandler:
     """Prepack an int8 weight for ``onednn_scaled_mm``.
 
     Args:
@@ -128,7 +163,7 @@ def create_onednn_scaled_mm(weight_kn: torch.Tensor, weight_scales: torch.Tensor
     k, n = weight_kn.size()
     ptr = op(weight_kn, weight_scales, output_type, dynamic_quant, use_azp,
              primitive_cache_size)
-    return OneDNNHandle(ptr, k, n, keepalive=(weight_kn, weight_scales))
+    return CPUDNNLGEMMHandler(ptr, k, n, keepalive=(weight_kn, weight_scales))
 
 
 class KernelMethod:
@@ -207,7 +242,7 @@ def prepack_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, tar
     if sgl_selected(n, k, weight.dtype, target) or target.has("power"):
         raise StageInputError(f"layer {config.name!r}: the target does not use oneDNN for "
                               f"this weight (AMX SGL or POWER); no wcache plan for it")
-    handle = create_onednn_mm(weight.t(), PRIMITIVE_CACHE_SIZE)
+    handle = _prepack(weight)
     release = ("weight",) if config.quant.layer_kind != "embedding" else ()
     return StageOut(attrs={"cpu_linear": OneDNNLinear(handle)}, release=release)
 

@@ -11,6 +11,8 @@ mode                zero_copy  ``zero_copy`` (map the daemon's bytes) or ``copy`
 fallback            true       load from disk when the daemon is missing or refuses
 connect_timeout_s   5.0        how long to try connecting to the daemon (seconds)
 strict              false      restore guard also compares content checksums
+share_prepacks      true       a tied embedding/lm_head shares one oneDNN prepack
+                               (CPU; vLLM builds two identical ones)
 job                 ""         separates two jobs of the same model on one host
 timing_file         none       append a JSON line with the load-phase time
 ==================  =========  ====================================================
@@ -25,10 +27,12 @@ vLLM's ``process_weights_after_loading`` is never called on mapped tensors.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -65,6 +69,7 @@ class LoaderOptions:
     fallback: bool = True
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     strict: bool = False
+    share_prepacks: bool = True
     job: str = ""
     timing_file: str | None = None
 
@@ -78,7 +83,7 @@ class LoaderOptions:
                              f"known: {sorted(known)}")
         if extra.get("mode", "zero_copy") not in ("zero_copy", "copy"):
             raise ValueError(f"wcache: mode must be 'zero_copy' or 'copy', not {extra['mode']!r}")
-        for flag in ("fallback", "strict"):
+        for flag in ("fallback", "strict", "share_prepacks"):
             if isinstance(extra.get(flag), str):
                 extra[flag] = extra[flag].lower() in ("1", "true", "yes")
         if "connect_timeout_s" in extra:
@@ -103,6 +108,28 @@ def _forget_meta_build(vllm_config: VllmConfig, before_ctx: set, before_rope: se
         del ctx[k]
     for k in set(rotary_embedding._ROPE_DICT) - before_rope:
         del rotary_embedding._ROPE_DICT[k]
+
+
+@contextlib.contextmanager
+def _without_reload_metadata() -> Iterator[None]:
+    """Skip vLLM's ``record_metadata_for_reloading`` during the meta build.
+
+    It snapshots every layer for a later in-place weight reload (RL refit), which a
+    restored model refuses anyway (its tensors are the daemon's read-only bytes;
+    :meth:`WcacheModelLoader.load_weights` raises). On SmolLM2 it is ~40% of the
+    meta build. A disk fallback builds its model outside this block, with it.
+    """
+    from vllm.model_executor.model_loader import utils as loader_utils  # noqa: PLC0415
+
+    real = getattr(loader_utils, "record_metadata_for_reloading", None)
+    if real is None:
+        yield
+        return
+    loader_utils.record_metadata_for_reloading = lambda model: None
+    try:
+        yield
+    finally:
+        loader_utils.record_metadata_for_reloading = real
 
 
 @register_model_loader(LOAD_FORMAT)
@@ -136,7 +163,8 @@ class WcacheModelLoader(BaseModelLoader):
         before_ctx = set(vllm_config.compilation_config.static_forward_context)
         before_rope = set(rotary_embedding._ROPE_DICT)
         marks = {}
-        with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
+        with set_default_torch_dtype(model_config.dtype), torch.device("meta"), \
+                _without_reload_metadata():
             model = initialize_model(vllm_config=vllm_config, model_config=model_config,
                                      prefix=prefix)
         marks["meta_init"] = time.perf_counter()
@@ -156,7 +184,8 @@ class WcacheModelLoader(BaseModelLoader):
             install_tensors_(model, attachment.tensors, attachment.kinds, attachment.persistent,
                              attachment.aliases, planned)
             marks["install"] = time.perf_counter()
-            released = restore_layers_(planned, attachment.layers, target, strict=opts.strict)
+            released = restore_layers_(planned, attachment.layers, target, strict=opts.strict,
+                                       share_prepacks=opts.share_prepacks)
             marks["replay"] = time.perf_counter()
             left = meta_leftovers(model)
             if left:

@@ -8,6 +8,7 @@ layers); everything per method lives in the plans.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 
 from wcache.core import LayerConfig, Plan, RestoreIncomplete, Target, WcacheError
 from wcache.plans.registry import plan_for
+from wcache.stages import onednn
 from wcache.vllm.adapter import layer_config
 
 logger = logging.getLogger("wcache.vllm")
@@ -154,7 +156,7 @@ def install_tensors_(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
 
 
 def restore_layers_(planned: Iterable[PlannedLayer], layers: Mapping[str, Mapping],
-                    target: Target, *, strict: bool) -> list[str]:
+                    target: Target, *, strict: bool, share_prepacks: bool = True) -> list[str]:
     """Replay every plan's restore stages on its (already installed) layer.
 
     Returns:
@@ -166,18 +168,24 @@ def restore_layers_(planned: Iterable[PlannedLayer], layers: Mapping[str, Mappin
         RecordedMismatch / RestoreWroteSharedTensor: from the runner.
     """
     released: list[str] = []
-    for p in planned:
-        entry = layers.get(p.name)
-        if entry is None:
-            raise RestoreIncomplete(f"the daemon's export has no entry for layer {p.name!r}; "
-                                    f"restart the daemon with the engine's arguments.")
-        if entry["plan"] != p.plan.id:
-            raise RestoreIncomplete(f"layer {p.name!r}: the daemon prepared it with plan "
-                                    f"{entry['plan']} but this engine resolves {p.plan.id}.")
-        state = p.plan.restore(p.module, p.config, target, entry.get("recorded", {}),
-                               strict=strict, drops=entry.get("drops", ()))
-        released.extend(f"{p.name}.{n}" if p.name else n for n in state.released)
+    with (onednn.sharing_prepacks() if share_prepacks else contextlib.nullcontext()):
+        for p in planned:
+            _restore_one(p, layers, target, strict, released)
     return released
+
+
+def _restore_one(p: PlannedLayer, layers: Mapping[str, Mapping], target: Target, strict: bool,
+                 released: list[str]) -> None:
+    entry = layers.get(p.name)
+    if entry is None:
+        raise RestoreIncomplete(f"the daemon's export has no entry for layer {p.name!r}; "
+                                f"restart the daemon with the engine's arguments.")
+    if entry["plan"] != p.plan.id:
+        raise RestoreIncomplete(f"layer {p.name!r}: the daemon prepared it with plan "
+                                f"{entry['plan']} but this engine resolves {p.plan.id}.")
+    state = p.plan.restore(p.module, p.config, target, entry.get("recorded", {}),
+                           strict=strict, drops=entry.get("drops", ()))
+    released.extend(f"{p.name}.{n}" if p.name else n for n in state.released)
 
 
 def meta_leftovers(model: torch.nn.Module) -> list[str]:
