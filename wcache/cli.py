@@ -80,14 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "serve", help="load a checkpoint with vLLM's loader, run each plan's prepare, export "
                       "the weights and serve them",
-        description="Start a wcache daemon. Any argument wcache does not know is passed to "
-                    "vLLM's EngineArgs (e.g. --dtype bfloat16 --quantization awq). "
-                    "Use the same engine arguments as the engine that will attach.")
+        description="Start a wcache daemon in the foreground (stop it with Ctrl-C, SIGTERM or "
+                    "`wcache stop`). Any argument wcache does not know is passed to vLLM's "
+                    "EngineArgs (e.g. --dtype bfloat16 --quantization awq). Use the same "
+                    "engine arguments as the engine that will attach: dtype, quantization and "
+                    "parallel sizes are part of the cache key.")
     p.add_argument("--model", required=True, help="checkpoint directory (local safetensors)")
     p.add_argument("--socket-dir", help="socket directory (default: per-user runtime dir)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="start one daemon process per rank (default 1)")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="pipeline stages; ranks = TP x PP (default 1)")
     p.add_argument("--nnodes", type=int, default=1,
                    help="nodes the engine spans; run one `wcache serve` per node (IPC is "
                         "node-local), each hosting that node's ranks (default 1)")
@@ -100,8 +103,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job", default="",
                    help="separates two jobs of the same model on one host; pass the same "
                         "value to the engine as model_loader_extra_config job")
-    p.add_argument("--foreground", action="store_true", default=True,
-                   help="serve in the foreground until stopped (default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     sub.add_parser("bench", help="benchmarks: restore vs ordinary load, arena vs per-tensor "

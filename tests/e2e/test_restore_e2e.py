@@ -157,3 +157,16 @@ def test_changed_checkpoint_is_refused_with_key_mismatch(bf16_daemon, tmp_path):
     out = info.value.output
     assert "[key-mismatch]" in out
     assert "checkpoint" in out
+
+
+def test_copy_mode_restores_and_daemon_keeps_serving(bf16_daemon):
+    """mode=copy restores the same tokens from private copies, and the daemon still serves
+    zero-copy engines afterwards (copy mode never makes it drop its arena)."""
+    model, sock_dir, _ = bf16_daemon
+    copied = run_engine(model, "wcache", {"socket_dir": sock_dir, "fallback": False,
+                                          "mode": "copy"}, prompts=PROMPTS[:1], max_tokens=4)
+    shared = run_engine(model, "wcache", {"socket_dir": sock_dir, "fallback": False},
+                        prompts=PROMPTS[:1], max_tokens=4)
+    assert copied["load"][-1]["phase"] == shared["load"][-1]["phase"] == "restore"
+    assert copied["token_ids"] == shared["token_ids"]
+    assert copied["texts"][0].startswith(" Paris")
