@@ -22,22 +22,17 @@ pytestmark = pytest.mark.slow
 def vllm_cfg():
     """A VllmConfig for the bf16 SmolLM2 with vLLM's 1-rank world initialized."""
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import (
-        init_distributed_environment, initialize_model_parallel, model_parallel_is_initialized,
-    )
+    from vllm.distributed import model_parallel_is_initialized
 
     from wcache.testing.fixtures import build
-    from wcache.vllm.daemon import _prepare_platform, engine_config
+    from wcache.vllm.daemon import _init_distributed, _prepare_platform, engine_config
 
     cfg = engine_config(str(build("bf16")), list(ENGINE_ARGS))
     _prepare_platform(cfg)
     with set_current_vllm_config(cfg):
-        if not model_parallel_is_initialized():
+        if not model_parallel_is_initialized():  # the plan tests may have done it
             tmp = tempfile.mkdtemp(prefix="wcache-dist-")
-            init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                         distributed_init_method=f"file://{tmp}/init",
-                                         backend="gloo")
-            initialize_model_parallel(1)
+            _init_distributed(cfg, 0, 1, f"file://{tmp}/init")
         yield cfg
 
 

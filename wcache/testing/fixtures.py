@@ -39,6 +39,7 @@ vLLM; the quantizers, packers and :func:`convert_state_dict` are pure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -46,7 +47,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -766,9 +767,7 @@ def build_variant(base_dir: str | os.PathLike, out_dir: str | os.PathLike,
     if not holders:
         raise FixtureError(f"tensor {change!r} is not in {base}; pass a tensor name of "
                            "that checkpoint", code="fixture-variant")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
+    with atomic_folder(final) as tmp:
         for src in sorted(base.iterdir()):
             if src.is_file() and src not in holders:
                 shutil.copy2(src, tmp / src.name)
@@ -780,10 +779,20 @@ def build_variant(base_dir: str | os.PathLike, out_dir: str | os.PathLike,
             metadata = f.metadata()
         changed = {**tensors, change: _flip_lowest_bit(tensors[change], index)}
         save_file(changed, tmp / holders[0].name, metadata=metadata)
+    return final
+
+
+@contextlib.contextmanager
+def atomic_folder(final: Path) -> Iterator[Path]:
+    """A temporary folder beside ``final`` that replaces ``final`` when the block
+    succeeds and is removed when it fails (a half-built checkpoint is never seen)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        return final
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)

@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -64,7 +63,7 @@ def _write_bf16(tmp: Path, smollm: Path) -> None:
                 p.normal_(0.0, WEIGHT_STD)
     model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
     for src in smollm.iterdir():
-        if src.is_file() and "token" in src.name or src.name in ("special_tokens_map.json",):
+        if src.is_file() and ("token" in src.name or src.name == "special_tokens_map.json"):
             shutil.copy2(src, tmp / src.name)
 
 
@@ -74,21 +73,13 @@ def build_tiny(fmt: str = "awq", out: str | os.PathLike | None = None) -> Path:
     if _built(final, fmt):
         return final
     bf16_dir = None if fmt == "bf16" else build_tiny("bf16", out)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
+    with fx.atomic_folder(final) as tmp:
         if bf16_dir is None:
             _write_bf16(tmp, fx.build("bf16", out))
         else:
             fx._build_quantized(fmt, tmp, bf16_dir)
         (tmp / fx.STAMP_FILE).write_text(json.dumps(_stamp(fmt)) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        return final
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+    return final
 
 
 if __name__ == "__main__":

@@ -115,7 +115,9 @@ def _init_distributed(vllm_config: Any, rank: int, world: int, init_method: str)
     if backend == "gloo":
         # vLLM's CPU communicator names its shared-memory segments after this (set by
         # CPUWorker.init_device the same way); unique per init method, so per job.
-        os.environ["VLLM_DIST_IDENT"] = init_method.split(":")[-1]
+        os.environ["VLLM_DIST_IDENT"] = (
+            os.path.basename(init_method.removeprefix("file://"))
+            if init_method.startswith("file://") else init_method.split(":")[-1])
     init_distributed_environment(world_size=world, rank=rank,
                                  local_rank=int(os.environ.get("LOCAL_RANK", rank)),
                                  distributed_init_method=init_method, backend=backend)
