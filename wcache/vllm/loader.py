@@ -196,10 +196,14 @@ class WcacheModelLoader(BaseModelLoader):
                 attachment.release_ranges_(released)
         except NoPlan:
             raise
-        except (StoreError, WcacheError) as exc:
+        except Exception as exc:  # noqa: BLE001  (every failure takes the fallback rule)
             if attachment is not None:
                 attachment.close()
-            code = getattr(exc, "code", "error")
+            code = getattr(exc, "code", None) if isinstance(exc, (StoreError, WcacheError)) \
+                else None
+            if code is None:  # not one of ours: a bug or an unexpected vLLM state
+                code = "restore-error"
+                logger.exception("wcache: unexpected error during restore")
             rank = f"tp_rank={layout['tp_rank']} pp_rank={layout['pp_rank']}"
             if not opts.fallback:
                 raise RestoreFailed(f"wcache restore failed on {rank} [{code}]: {exc} "
