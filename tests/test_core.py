@@ -196,3 +196,16 @@ def test_target_json_roundtrip():
     """Targets survive the manifest's JSON form unchanged."""
     t = Target("cuda", (9, 0), frozenset(), (("VLLM_CPU_INT4_W4A8", "0"),))
     assert Target.from_json(t.to_json()) == t
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"VLLM_CPU_INT4_W4A8": "1"}, ()),
+    ({"VLLM_CPU_INT4_W4A8": "0"}, (("VLLM_CPU_INT4_W4A8", "0"),)),
+    ({"VLLM_BATCH_INVARIANT": "00"}, ()),
+    ({"VLLM_MARLIN_INPUT_DTYPE": ""}, ()),
+    ({"VLLM_MARLIN_INPUT_DTYPE": "fp8"}, (("VLLM_MARLIN_INPUT_DTYPE", "fp8"),)),
+])
+def test_target_env_set_to_vllm_default_is_the_same_target(env, expected):
+    """A kernel-selection variable set to vLLM's default (or empty) gives the same Target as
+    leaving it unset, so the cache key does not change for nothing."""
+    assert Target.detect("cpu", env=env).env == expected

@@ -23,3 +23,13 @@ def test_cli_help_lists_every_command(capsys):
     out = capsys.readouterr().out
     for cmd in ("serve", "status", "stop", "plans", "bench"):
         assert f"wcache {cmd}" in out
+
+
+def test_every_refusal_probe_is_refused():
+    """Each case the issues say must be refused raises NoPlan with a reason (none resolves)."""
+    from wcache.plans.docs import REFUSAL_PROBES, refusals
+
+    rows = refusals()
+    assert len(rows) == len(REFUSAL_PROBES)
+    assert [case for case, reason in rows if reason.startswith("NOT REFUSED")] == []
+    assert all(len(reason) > 40 for _, reason in rows)

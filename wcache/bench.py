@@ -46,7 +46,7 @@ DEFAULT_CPU_SIZES = "tiny"
 DEFAULT_PLOT = "docs/restore_cost.png"
 
 HELP_EPILOG = """\
-targets the lead checks against (from the issue):
+targets (docs/benchmarks.md records what was reached):
   GPU restore of the 8B-shaped stack (attach + replay) < 50 ms and >= 100x faster
   than its ordinary load from page cache, for every format; arena attach >= 3x
   faster than per-tensor IPC for 2000 tensors; restore time roughly flat from

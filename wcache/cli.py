@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from wcache.core import WcacheError
+
 DESCRIPTION = """\
 wcache keeps a model's post-processed weights resident in a daemon so that a
 restarting vLLM engine maps them zero-copy instead of reloading from disk and
@@ -27,7 +29,13 @@ Engines attach with: LLM(model=DIR, load_format="wcache") or
 
 def _cmd_plans(args: argparse.Namespace) -> int:
     from wcache.plans.docs import render_plans
+    from wcache.plans.registry import all_plans
 
+    methods = sorted({p.method for p in all_plans()})
+    if args.method is not None and args.method not in methods:
+        print(f"wcache plans: no plans for method {args.method!r}; methods: {', '.join(methods)}",
+              file=sys.stderr)
+        return 2
     sys.stdout.write(render_plans(markdown=args.markdown, method=args.method))
     return 0
 
@@ -45,6 +53,17 @@ def _cmd_stop(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
+    import os
+
+    if args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
+        print("wcache serve: --tensor-parallel-size and --pipeline-parallel-size must be >= 1",
+              file=sys.stderr)
+        return 2
+    if not os.path.isdir(args.model):
+        print(f"wcache serve: --model {args.model!r} is not a local checkpoint directory; wcache "
+              f"fingerprints checkpoint files by content, so download the model first (e.g. "
+              f"`huggingface-cli download REPO --local-dir DIR`) and pass DIR", file=sys.stderr)
+        return 2
     from wcache.vllm.daemon import main as serve_main
 
     return serve_main(args, rest)
@@ -57,9 +76,12 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    import wcache
+
     parser = argparse.ArgumentParser(
         prog="wcache", description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"wcache {wcache.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("plans", help="list every plan with its stages, tags, reads, writes "
@@ -114,14 +136,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command is None:
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         parser.print_help()
         return 2
-    if args.command in ("serve", "bench"):
-        handler = {"serve": _cmd_serve, "bench": _cmd_bench}[args.command]
-        return handler(args, rest)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    return {"plans": _cmd_plans, "status": _cmd_status, "stop": _cmd_stop}[args.command](args)
+    try:
+        if args.command in ("serve", "bench"):
+            handler = {"serve": _cmd_serve, "bench": _cmd_bench}[args.command]
+            return handler(args, rest)
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return {"plans": _cmd_plans, "status": _cmd_status, "stop": _cmd_stop}[args.command](args)
+    except (WcacheError, ValueError) as exc:  # a clear message, not a traceback
+        code = getattr(exc, "code", "invalid-argument")
+        print(f"wcache {args.command}: error [{code}]: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

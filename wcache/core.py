@@ -12,7 +12,7 @@ an immutable :class:`LayerState`:
   stages only (a restarting engine, on mapped tensors), under the restore guard.
 
 Only :func:`apply_state_` mutates a module; everything else returns new values.
-This module imports no vLLM (DESIGN.md section 2).
+This module imports no vLLM (docs/design.md section 2).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class NoPlan(WcacheError, ValueError):
 
 
 class PlanInvalid(WcacheError, ValueError):
-    """A plan violates the stage rules (DESIGN.md section 3); lists every violation."""
+    """A plan violates the stage rules (docs/design.md section 3); lists every violation."""
 
     code = "plan-invalid"
 
@@ -182,6 +182,7 @@ class Target:
         dev = torch.device(device)
         if env is None:
             env = {k: os.environ[k] for k in TARGET_ENV_VARS if k in os.environ}
+        env = _normalize_env(env)
         if dev.type == "cuda":
             cap = torch.cuda.get_device_capability(dev)
             return cls("cuda", (int(cap[0]), int(cap[1])), frozenset(), env)
@@ -210,6 +211,27 @@ class Target:
 #: Environment variables that change which kernel (and so which layout) vLLM picks.
 TARGET_ENV_VARS = ("VLLM_CPU_INT4_W4A8", "VLLM_MARLIN_INPUT_DTYPE",
                    "VLLM_DISABLED_KERNELS", "VLLM_BATCH_INVARIANT")
+#: vLLM 0.32's defaults (vllm/envs.py) for the integer flags among them: a variable
+#: set to its default is the same Target as one left unset.
+TARGET_ENV_DEFAULTS = {"VLLM_CPU_INT4_W4A8": "1", "VLLM_BATCH_INVARIANT": "0"}
+
+
+def _normalize_env(env: Mapping[str, str]) -> dict[str, str]:
+    """Canonical values (``"01"`` -> ``"1"`` for integer flags), without entries that
+    equal vLLM's default or are empty, so equal settings give equal Targets."""
+    out = {}
+    for name, value in env.items():
+        if name in TARGET_ENV_DEFAULTS:
+            try:
+                value = str(int(value))
+            except ValueError:
+                pass
+            if value == TARGET_ENV_DEFAULTS[name]:
+                continue
+        if value == "":
+            continue
+        out[name] = value
+    return out
 
 
 @frozen
@@ -620,7 +642,7 @@ def _run_stage(st: Stage, state: LayerState, config: LayerConfig, target: Target
 
 
 def _validate(stages: tuple[Stage, ...], checkpoint: frozenset[str]) -> list[str]:
-    """Build-time rules (DESIGN.md section 3); returns every violation found."""
+    """Build-time rules (docs/design.md section 3); returns every violation found."""
     errors: list[str] = []
     names = [s.name for s in stages]
     for dup in sorted({n for n in names if names.count(n) > 1}):

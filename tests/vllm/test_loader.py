@@ -139,3 +139,20 @@ def test_loader_options_parse_cli_strings():
 
     opts = LoaderOptions.from_extra({"fallback": "false", "strict": "1", "connect_timeout_s": "2"})
     assert (opts.fallback, opts.strict, opts.connect_timeout_s) == (False, True, 2.0)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"fallback": "ture"}, "fallback must be true or false"),
+    ({"fallback": None}, "fallback must be true or false"),
+    ({"strict": "yes please"}, "strict must be true or false"),
+    ({"connect_timeout_s": "abc"}, "connect_timeout_s must be a positive number"),
+    ({"connect_timeout_s": -1}, "connect_timeout_s must be a positive number"),
+    ({"connect_timeout_s": "nan"}, "connect_timeout_s must be a positive number"),
+    ({"socket_dir": 123}, "socket_dir must be a string"),
+])
+def test_bad_option_values_name_the_key(extra, message):
+    """A typo in a value never silently changes behaviour: the key is named."""
+    from wcache.vllm.loader import LoaderOptions
+
+    with pytest.raises(ValueError, match=message):
+        LoaderOptions.from_extra(extra)

@@ -1,1 +1,1 @@
-"""Pure stage functions, one module per family (DESIGN.md section 3)."""
+"""Pure stage functions, one module per family (docs/design.md section 3)."""

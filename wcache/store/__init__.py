@@ -1,6 +1,6 @@
 """wcache's weight store: arena + manifest, content fingerprint, the ``shm``
 and ``cuda_ipc`` transports, the socket protocol, the daemon and the client
-(DESIGN.md section 5).
+(docs/design.md section 5).
 
 Daemon side::
 

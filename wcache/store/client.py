@@ -411,7 +411,15 @@ def cli_stop(socket_dir: str | None, device: str | None) -> int:
     """Stop the daemon of one device id (or every daemon when ``device`` is None).
     Returns 0 when all targeted daemons stopped, 1 when one did not, 3 when none ran."""
     d = os.path.abspath(socket_dir or paths.default_socket_dir())
-    socks = [paths.socket_path(d, device)] if device else paths.list_sockets(d)
+    try:
+        paths.ensure_socket_dir(d, create=False)
+        socks = [paths.socket_path(d, device)] if device else paths.list_sockets(d)
+    except FileNotFoundError:
+        print(f"no daemons: {d} does not exist")
+        return 3
+    except StoreError as e:
+        print(f"error [{e.code}]: {e}")
+        return 1
     stopped = failed = 0
     for sock in socks:
         try:
@@ -427,6 +435,10 @@ def cli_stop(socket_dir: str | None, device: str | None) -> int:
         failed += not ok
     if not stopped and not failed:
         print(f"no running daemon{' for ' + device if device else ''} in {d}")
+        if device:
+            others = [os.path.basename(p) for p in paths.list_sockets(d)]
+            if others:
+                print(f"sockets there: {', '.join(others)} (see `wcache status`)")
         return 3
     return 1 if failed else 0
 

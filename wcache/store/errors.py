@@ -1,5 +1,5 @@
 """Errors of the weight store. Each carries a stable reason code (``.code``)
-that the engine-side fallback logs (DESIGN.md section 5, "Fallback")."""
+that the engine-side fallback logs (docs/design.md section 5, "Fallback")."""
 
 from __future__ import annotations
 

@@ -156,6 +156,10 @@ def _normalize_json(value: Any) -> Any:
     return json.loads(canonical_json(value))
 
 
+#: Longest rendering of one key field's value in a mismatch message (characters).
+MISMATCH_VALUE_CHARS = 120
+
+
 @frozen(init=False)
 class CacheKey:
     """Everything that must match for an engine to use a daemon's bytes.
@@ -190,6 +194,15 @@ class CacheKey:
         mine = self.fields
         theirs = other.fields if isinstance(other, CacheKey) else CacheKey(other).fields
         return sorted(k for k in mine.keys() | theirs.keys() if mine.get(k, ...) != theirs.get(k, ...))
+
+    def describe_diff(self, other: "CacheKey", mine: str = "engine", theirs: str = "daemon") -> str:
+        """``field: engine=<value> daemon=<value>`` for each differing field (values
+        cut to :data:`MISMATCH_VALUE_CHARS`), for error messages."""
+        def short(v: Any) -> str:
+            text = json.dumps(v, sort_keys=True, default=str)
+            return text if len(text) <= MISMATCH_VALUE_CHARS else text[:MISMATCH_VALUE_CHARS] + "..."
+        return "; ".join(f"{f}: {mine}={short(self.fields.get(f))} {theirs}={short(other.fields.get(f))}"
+                         for f in self.diff(other))
 
     def to_json(self) -> str:
         return self.canonical

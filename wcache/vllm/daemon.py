@@ -135,6 +135,26 @@ def _prepare_platform(vllm_config: Any) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
+def _preflight(vllm_config: Any, socket_dir: str | None, job: str) -> None:
+    """Fail fast, before minutes of loading: an unsafe socket dir, or a live daemon
+    already serving this rank's device.
+
+    Raises:
+        UnsafePath: the socket dir is not ours, not 0700, or a symlink.
+        DaemonBusy: a daemon answers on this rank's socket.
+    """
+    from wcache.store import DaemonBusy  # noqa: PLC0415
+    from wcache.store import paths  # noqa: PLC0415
+    from wcache.vllm.key import device_id, parallel_layout  # noqa: PLC0415
+
+    dev_id = device_id(torch.device(vllm_config.device_config.device),
+                       vllm_config.model_config, parallel_layout(), job)
+    sock = paths.socket_path(paths.ensure_socket_dir(socket_dir), dev_id)
+    if paths.socket_accepts(sock):
+        raise DaemonBusy(f"a daemon already serves {sock}; stop it first with "
+                         f"`wcache stop --device {dev_id}` or use another --socket-dir/--job")
+
+
 def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_method: str,
                socket_dir: str | None, progress: bool, job: str, ready: Any = None) -> int:
     """Build, prepare, export and serve one rank until stopped."""
@@ -146,6 +166,7 @@ def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_metho
     _prepare_platform(vllm_config)
     with set_current_vllm_config(vllm_config):
         _init_distributed(vllm_config, rank, world, init_method)
+        _preflight(vllm_config, socket_dir, job)
         export, key, dev_id = build_export(vllm_config, progress=progress, job=job)
     server = DaemonServer(export, key, socket_dir=socket_dir,
                           device=vllm_config.device_config.device_type, device_id=dev_id)

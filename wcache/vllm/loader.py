@@ -31,6 +31,8 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -45,17 +47,21 @@ from vllm.model_executor.model_loader.utils import initialize_model
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 from wcache.core import NoPlan, Target, WcacheError
-from wcache.store import StoreError, attach
+from wcache.store import CacheKey, DaemonMissing, StoreError, attach
 from wcache.vllm.key import build_key, device_id, parallel_layout
 from wcache.vllm.model import (
     ModelMismatch, install_tensors_, meta_leftovers, plan_ids, planned_layers, restore_layers_,
 )
 
-logger = logging.getLogger("wcache.vllm")
+#: Under vLLM's "vllm" logger so its handler prints our lines in engine logs.
+logger = logging.getLogger("vllm.wcache")
 
 LOAD_FORMAT = "wcache"
 TIMED_DISK_FORMAT = "wcache_timed_auto"
 DEFAULT_CONNECT_TIMEOUT_S = 5.0  # a local daemon answers in milliseconds; 5 s covers a busy host
+#: Status probe of other daemons when ours is missing (seconds): a live local
+#: daemon answers in milliseconds; this only bounds the diagnosis.
+STATUS_PROBE_S = 1.0
 
 
 class RestoreFailed(WcacheError, RuntimeError):
@@ -75,6 +81,12 @@ class LoaderOptions:
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "LoaderOptions":
+        """Parse ``model_loader_extra_config``; strings (from ``vllm serve``'s command
+        line) are converted.
+
+        Raises:
+            ValueError: an unknown key or a value of the wrong type, naming the key.
+        """
         extra = dict(extra or {})
         known = {f.name for f in attrs.fields(cls)}
         unknown = sorted(set(extra) - known)
@@ -84,11 +96,67 @@ class LoaderOptions:
         if extra.get("mode", "zero_copy") not in ("zero_copy", "copy"):
             raise ValueError(f"wcache: mode must be 'zero_copy' or 'copy', not {extra['mode']!r}")
         for flag in ("fallback", "strict", "share_prepacks"):
-            if isinstance(extra.get(flag), str):
-                extra[flag] = extra[flag].lower() in ("1", "true", "yes")
+            if flag in extra:
+                extra[flag] = _parse_bool(flag, extra[flag])
         if "connect_timeout_s" in extra:
-            extra["connect_timeout_s"] = float(extra["connect_timeout_s"])
+            value = extra["connect_timeout_s"]
+            try:
+                seconds = float(value)
+            except (TypeError, ValueError):
+                seconds = math.nan
+            if not (math.isfinite(seconds) and seconds > 0) or isinstance(value, bool):
+                raise ValueError(f"wcache: connect_timeout_s must be a positive number of "
+                                 f"seconds, not {value!r}")
+            extra["connect_timeout_s"] = seconds
+        for name in ("socket_dir", "job", "timing_file"):
+            if name in extra and extra[name] is not None and not isinstance(extra[name], str):
+                raise ValueError(f"wcache: {name} must be a string, not {extra[name]!r}")
         return cls(**extra)
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _parse_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+        return value.lower() in _TRUE
+    raise ValueError(f"wcache: {name} must be true or false (or one of "
+                     f"{'/'.join(_TRUE + _FALSE)}), not {value!r}")
+
+
+def _diagnose_missing(exc: Exception, key: Any, socket_dir: str | None) -> Exception:
+    """A daemon for *another* configuration (dtype, quantization, parallel sizes,
+    job) listens on a different socket; name the differing key fields instead of
+    reporting no daemon at all. Returns ``exc`` when no other daemon answers."""
+    from wcache.store import KeyMismatch, daemon_status  # noqa: PLC0415
+    from wcache.store.paths import default_socket_dir, list_sockets  # noqa: PLC0415
+
+    try:
+        socks = list_sockets(os.path.abspath(socket_dir or default_socket_dir()))
+    except (OSError, StoreError):
+        return exc
+    best = None
+    ranks = ("tp_rank", "pp_rank", "dp_rank")
+    mine = {r: (key.fields.get("parallel") or {}).get(r) for r in ranks}
+    for sock in socks:
+        try:
+            other = CacheKey(daemon_status(sock, connect_timeout_s=STATUS_PROBE_S)["key_fields"])
+        except (StoreError, OSError, KeyError, TypeError, ValueError):
+            continue
+        if {r: (other.fields.get("parallel") or {}).get(r) for r in ranks} != mine:
+            continue  # another rank's daemon (of this or another job) says nothing about ours
+        if best is None or len(key.diff(other)) < len(key.diff(best[1])):
+            best = (sock, other)
+    if best is None:
+        return exc
+    sock, other = best
+    err = KeyMismatch(f"no daemon serves this engine's configuration ({exc}); the daemon at "
+                      f"{sock} serves another: key differs in {key.describe_diff(other)}. Start "
+                      f"`wcache serve` with the engine's arguments.", fields=key.diff(other))
+    return err
 
 
 def _record_timing(opts: LoaderOptions, phase: str, seconds: float, **info: Any) -> None:
@@ -177,9 +245,12 @@ class WcacheModelLoader(BaseModelLoader):
         try:
             key = build_key(model_config, layout, plan_ids(planned), target)
             marks["key"] = time.perf_counter()
-            attachment = attach(key, socket_dir=opts.socket_dir, device=device.type,
-                                device_id=dev_id, mode=opts.mode,
-                                connect_timeout_s=opts.connect_timeout_s)
+            try:
+                attachment = attach(key, socket_dir=opts.socket_dir, device=device.type,
+                                    device_id=dev_id, mode=opts.mode,
+                                    connect_timeout_s=opts.connect_timeout_s)
+            except DaemonMissing as exc:
+                raise _diagnose_missing(exc, key, opts.socket_dir) from exc
             marks["attach"] = time.perf_counter()
             install_tensors_(model, attachment.tensors, attachment.kinds, attachment.persistent,
                              attachment.aliases, planned)
