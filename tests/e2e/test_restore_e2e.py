@@ -170,3 +170,15 @@ def test_copy_mode_restores_and_daemon_keeps_serving(bf16_daemon):
     assert copied["load"][-1]["phase"] == shared["load"][-1]["phase"] == "restore"
     assert copied["token_ids"] == shared["token_ids"]
     assert copied["texts"][0].startswith(" Paris")
+
+
+def test_other_dtype_is_refused_naming_the_field(bf16_daemon):
+    """An engine whose dtype differs from the daemon's (so it looks for another socket) is
+    told which key field differs and both values, not just 'no daemon'."""
+    model, sock_dir, _ = bf16_daemon
+    with pytest.raises(RuntimeError) as info:
+        run_engine(model, "wcache", {"socket_dir": sock_dir, "fallback": False},
+                   prompts=PROMPTS[:1], max_tokens=2, dtype="float16")
+    out = info.value.output
+    assert "[key-mismatch]" in out
+    assert 'key differs in dtype: engine="torch.float16" daemon="torch.bfloat16"' in out

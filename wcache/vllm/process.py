@@ -123,7 +123,7 @@ class DaemonProcess:
 def run_engine(model: str | Path, load_format: str = "auto", extra: dict | None = None,
                prompts: Sequence[str] | None = None, max_tokens: int = 16,
                dump_state: bool = False, tensor_parallel_size: int = 1,
-               env: dict[str, str] | None = None,
+               env: dict[str, str] | None = None, dtype: str = "bfloat16",
                timeout_s: float = ENGINE_TIMEOUT_S) -> dict:
     """Run one engine in a child process and return its JSON result.
 
@@ -133,7 +133,8 @@ def run_engine(model: str | Path, load_format: str = "auto", extra: dict | None 
     """
     cmd = [sys.executable, "-m", "wcache.vllm.run_engine", "--model", str(model),
            "--load-format", load_format, "--extra", json.dumps(extra or {}),
-           "--max-tokens", str(max_tokens), "--tensor-parallel-size", str(tensor_parallel_size)]
+           "--max-tokens", str(max_tokens), "--tensor-parallel-size", str(tensor_parallel_size),
+           "--dtype", dtype]
     for p in prompts or ():
         cmd += ["--prompt", p]
     if dump_state:
