@@ -142,7 +142,7 @@ def marlin_int_forward(layer: torch.nn.Module, config, x: torch.Tensor) -> torch
 def int_checkpoint_weight(tensors: dict, config) -> torch.Tensor:
     """Dequantized ``[K, N]`` fp32 weight from AWQ/GPTQ/CT-W4A16 checkpoint tensors."""
     q = config.quant
-    bits, k, n = q.num_bits, config.size_k, config.size_n
+    bits, k = q.num_bits, config.size_k
     if q.method == "awq":
         w_std, z_std = M.awq_to_standard(tensors["qweight"], tensors["qzeros"], bits)
         vals = M.unpack_int32(w_std.t().contiguous(), bits).t()

@@ -568,7 +568,7 @@ def _run_stage(st: Stage, state: LayerState, config: LayerConfig, target: Target
         raise RestoreIncomplete(
             f"layer {config.name!r}: stage {st.name!r} reads {missing} but the layer has "
             f"only {sorted(state.tensors)}; the checkpoint or the export lacks them.")
-    view = _ro({k: v for k, v in state.tensors.items()})
+    view = _ro(state.tensors)
     before = ({k: (v._version, v.data_ptr() if v.device.type != "meta" else 0)
                for k, v in state.tensors.items()} if check_purity else None)
     out = st.fn(view, config, target, _ro(recorded))

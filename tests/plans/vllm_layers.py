@@ -182,6 +182,14 @@ def unquantized_embedding(vocab: int, dim: int, dtype: torch.dtype = torch.bfloa
 # --------------------------------------------------------------------------- AWQ / GPTQ
 
 
+def _fill_packed_int(layer, gen, dtype) -> None:
+    """Random AWQ/GPTQ checkpoint tensors: int32 ``qweight``/``qzeros``, ``scales``, bias."""
+    _copy(layer.qweight, rand_int32(gen, layer.qweight.shape))
+    _copy(layer.qzeros, rand_int32(gen, layer.qzeros.shape))
+    _copy(layer.scales, rand_scale(gen, layer.scales.shape, dtype))
+    _fill_bias(layer, gen, dtype)
+
+
 def awq_linear(size_k: int, size_n: int, group_size: int, dtype: torch.dtype = torch.bfloat16,
                bias: bool = False) -> Case:
     from vllm.model_executor.layers.linear import ReplicatedLinear
@@ -193,10 +201,7 @@ def awq_linear(size_k: int, size_n: int, group_size: int, dtype: torch.dtype = t
         return ReplicatedLinear(size_k, size_n, bias=bias, params_dtype=dtype, quant_config=qc)
 
     def fill(layer, gen):
-        _copy(layer.qweight, rand_int32(gen, layer.qweight.shape))
-        _copy(layer.qzeros, rand_int32(gen, layer.qzeros.shape))
-        _copy(layer.scales, rand_scale(gen, layer.scales.shape, dtype))
-        _fill_bias(layer, gen, dtype)
+        _fill_packed_int(layer, gen, dtype)
 
     return Case(
         name=f"awq_{size_k}x{size_n}_g{group_size}_{dtype}",
@@ -218,10 +223,7 @@ def gptq_linear(size_k: int, size_n: int, group_size: int, dtype: torch.dtype = 
         return ReplicatedLinear(size_k, size_n, bias=bias, params_dtype=dtype, quant_config=qc)
 
     def fill(layer, gen):
-        _copy(layer.qweight, rand_int32(gen, layer.qweight.shape))
-        _copy(layer.qzeros, rand_int32(gen, layer.qzeros.shape))
-        _copy(layer.scales, rand_scale(gen, layer.scales.shape, dtype))
-        _fill_bias(layer, gen, dtype)
+        _fill_packed_int(layer, gen, dtype)
 
     return Case(
         name=f"gptq_{size_k}x{size_n}_g{group_size}_{dtype}",

@@ -49,9 +49,9 @@ def engine_config(model: str, rest: list[str]) -> Any:
     return engine_args.create_engine_config()
 
 
-def build_export(vllm_config: Any, *, progress: bool = True, job: str = ""):
+def build_export(vllm_config: Any, *, progress: bool = True):
     """Load the model with vLLM's loader, prepare every planned layer, and return
-    ``(Export, CacheKey, device_id)``. Needs vLLM's distributed state initialized.
+    ``(Export, CacheKey)``. Needs vLLM's distributed state initialized.
 
     Raises:
         NoPlan: a layer's method has no plan (before any weight is read).
@@ -61,7 +61,7 @@ def build_export(vllm_config: Any, *, progress: bool = True, job: str = ""):
 
     from wcache.core import Target  # noqa: PLC0415
     from wcache.store import Export  # noqa: PLC0415
-    from wcache.vllm.key import build_key, device_id, parallel_layout  # noqa: PLC0415
+    from wcache.vllm.key import build_key, parallel_layout  # noqa: PLC0415
     from wcache.vllm.model import export_tensors, layer_entries, plan_ids, planned_layers  # noqa
 
     model_config = vllm_config.model_config
@@ -95,14 +95,13 @@ def build_export(vllm_config: Any, *, progress: bool = True, job: str = ""):
     tensors, kinds, aliases, nonpersistent = export_tensors(model)
     layers = layer_entries(planned, prepared)
     key = build_key(model_config, layout, plan_ids(planned), target)
-    dev_id = device_id(device, model_config, layout, job)
     export = Export(tensors=tensors, kinds=kinds, aliases=aliases, layers=layers,
                     nonpersistent=nonpersistent,
                     extra={"model": str(model_config.model), "layout": layout,
                            "load_s": t_load - t0, "prepare_s": t_prep - t_load})
     logger.info("wcache: load %.2f s, prepare %.2f s (%d layers), %d tensors, %d aliases",
                 t_load - t0, t_prep - t_load, len(planned), len(tensors), len(aliases))
-    return export, key, dev_id
+    return export, key
 
 
 def _init_distributed(vllm_config: Any, rank: int, world: int, init_method: str) -> None:
@@ -135,9 +134,9 @@ def _prepare_platform(vllm_config: Any) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
-def _preflight(vllm_config: Any, socket_dir: str | None, job: str) -> None:
+def _preflight(vllm_config: Any, socket_dir: str | None, job: str) -> str:
     """Fail fast, before minutes of loading: an unsafe socket dir, or a live daemon
-    already serving this rank's device.
+    already serving this rank's device. Returns this rank's device id.
 
     Raises:
         UnsafePath: the socket dir is not ours, not 0700, or a symlink.
@@ -153,6 +152,7 @@ def _preflight(vllm_config: Any, socket_dir: str | None, job: str) -> None:
     if paths.socket_accepts(sock):
         raise DaemonBusy(f"a daemon already serves {sock}; stop it first with "
                          f"`wcache stop --device {dev_id}` or use another --socket-dir/--job")
+    return dev_id
 
 
 def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_method: str,
@@ -166,8 +166,8 @@ def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_metho
     _prepare_platform(vllm_config)
     with set_current_vllm_config(vllm_config):
         _init_distributed(vllm_config, rank, world, init_method)
-        _preflight(vllm_config, socket_dir, job)
-        export, key, dev_id = build_export(vllm_config, progress=progress, job=job)
+        dev_id = _preflight(vllm_config, socket_dir, job)
+        export, key = build_export(vllm_config, progress=progress)
     server = DaemonServer(export, key, socket_dir=socket_dir,
                           device=vllm_config.device_config.device_type, device_id=dev_id)
     import signal  # noqa: PLC0415
