@@ -130,6 +130,12 @@ def _device(opts_device: str) -> torch.device:
 def _target(device: torch.device, simulate_cuda: bool) -> Target:
     if simulate_cuda:
         return Target("cuda", SIMULATED_CAPABILITY)
+    if device.type == "cpu":
+        try:  # the CPU plans need vLLM's own kernel decisions
+            from wcache.vllm.probe import host_target  # noqa: PLC0415
+        except ImportError:
+            return Target.detect(device)
+        return host_target(device)
     return Target.detect(device)
 
 

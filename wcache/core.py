@@ -139,12 +139,20 @@ class Target:
         env: kernel-selection settings that decide layouts, as sorted
             ``(name, value)`` pairs (e.g. ``("VLLM_CPU_INT4_W4A8", "1")``).
             Stages read them from here, never from ``os.environ``.
+        kernels: the kernel decisions the engine itself made on this host, as
+            sorted ``(decision, outcome)`` pairs, e.g.
+            ``("cpu.kernel_library", "_C_AVX2")``,
+            ``("unquantized_gemm[bfloat16]", "torch_linear")``,
+            ``("op.cpu_gemm_wna16", "absent")``. Established by asking vLLM
+            (:func:`wcache.vllm.probe.host_target`), never re-derived from CPU
+            flags; empty when nobody asked (CPU plans then refuse, naming why).
     """
 
     device_type: str = "cpu"
     capability: tuple[int, int] | None = None
     isa: frozenset[str] = field(default=frozenset(), converter=frozenset)
     env: tuple[tuple[str, str], ...] = field(default=(), converter=_freeze)
+    kernels: tuple[tuple[str, str], ...] = field(default=(), converter=_freeze)
 
     def env_value(self, name: str, default: str) -> str:
         return dict(self.env).get(name, default)
@@ -152,10 +160,15 @@ class Target:
     def has(self, flag: str) -> bool:
         return flag in self.isa
 
+    def kernel(self, decision: str) -> str | None:
+        """The engine's recorded outcome for ``decision``, or ``None`` if not probed."""
+        return dict(self.kernels).get(decision)
+
     def to_json(self) -> dict:
         return {"device_type": self.device_type,
                 "capability": list(self.capability) if self.capability else None,
-                "isa": sorted(self.isa), "env": [list(p) for p in self.env]}
+                "isa": sorted(self.isa), "env": [list(p) for p in self.env],
+                "kernels": dict(self.kernels)}
 
     @classmethod
     def from_json(cls, data: Mapping) -> "Target":
@@ -163,7 +176,8 @@ class Target:
         return cls(device_type=data["device_type"],
                    capability=tuple(cap) if cap else None,
                    isa=frozenset(data.get("isa", ())),
-                   env=tuple(tuple(p) for p in data.get("env", ())))
+                   env=tuple(tuple(p) for p in data.get("env", ())),
+                   kernels=dict(data.get("kernels", {})))
 
     @classmethod
     def detect(cls, device: str | torch.device = "cpu",
@@ -199,12 +213,18 @@ class Target:
         except OSError:
             flags = []
         fset = set(flags)
-        if "avx512f" in fset:
-            isa.add("avx512")
-        if "avx512_bf16" in fset:
-            isa.add("avx512_bf16")
-        if {"amx_bf16", "amx_tile"} <= fset:
-            isa.add("amx")
+        # The x86 flags that decide vLLM's layouts come from the same torch queries
+        # vLLM asks (platforms/cpu.py::import_kernels, cpu.py::_get_isa_hint), so a
+        # host (or a test) that makes torch report a smaller ISA is that ISA here too.
+        cpu = torch.cpu
+        queries = {"avx512": getattr(cpu, "_is_avx512_supported", None),
+                   "avx512_bf16": getattr(cpu, "_is_avx512_bf16_supported", None),
+                   "amx": getattr(cpu, "_is_amx_tile_supported", None)}
+        cpuinfo = {"avx512": "avx512f" in fset, "avx512_bf16": "avx512_bf16" in fset,
+                   "amx": {"amx_bf16", "amx_tile"} <= fset}
+        for flag, query in queries.items():
+            if query() if query is not None else cpuinfo[flag]:
+                isa.add(flag)
         return cls(dev.type, None, frozenset(isa), env)
 
 

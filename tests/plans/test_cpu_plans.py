@@ -25,10 +25,17 @@ pytest.importorskip("vllm")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_layers as vl  # noqa: E402
 
-#: this host, with the kernel-selection env pinned to vLLM's defaults.
-HOST = Target.detect("cpu", env={})
+from wcache.vllm.probe import host_target  # noqa: E402
+
+#: this host as vLLM decides on it, with the kernel-selection env pinned to vLLM's defaults.
+HOST = host_target("cpu", env={})
+#: the probed decisions this process runs under, for skip reasons and test ids.
+HOST_LIBRARY = HOST.kernel("cpu.kernel_library")
+AVX512 = vl.synthetic_target()
+AVX2 = vl.synthetic_target((), **vl.AVX2_DECISIONS)
 BF16 = torch.bfloat16
-CPU_PLAN_IDS = ("unquantized/none@1", "unquantized/onednn@1", "awq/cpu_wna16@1",
+CPU_PLAN_IDS = ("unquantized/none@1", "unquantized/onednn@1", "unquantized/torch_linear@1",
+                "awq/cpu_wna16@1",
                 "gptq/cpu_wna16@1", "ct_w4a16/cpu_wna16@1", "ct_w8a8_int8/onednn@1",
                 "kv_cache/scales@1")
 
@@ -48,9 +55,10 @@ scale_value = st.one_of(st.just(-1.0), st.floats(0.0625, 4.0, width=32))
 
 FAMILIES = {
     "unquantized_linear": st.builds(vl.unquantized_linear, k32, n32,
-                                    st.sampled_from([BF16, torch.float32]), st.booleans()),
+                                    st.sampled_from([BF16, torch.float16, torch.float32]),
+                                    st.booleans()),
     "embedding": st.builds(vl.unquantized_embedding, st.integers(1, 130), n32,
-                           st.sampled_from([BF16, torch.float32])),
+                           st.sampled_from([BF16, torch.float16, torch.float32])),
     "awq": st.builds(vl.awq_linear, k32, n32, group, st.just(BF16), st.booleans()),
     "gptq": st.builds(vl.gptq_linear, k32, n32, group, st.just(BF16), st.booleans()),
     "ct_w4a16": st.builds(vl.ct_w4a16_linear, k32, n32, st.sampled_from([32, 64]),
@@ -79,6 +87,21 @@ def _forward(case: vl.Case, layer) -> torch.Tensor | None:
         return case.apply(layer, case.activations())
 
 
+#: The NoPlan reason for a layer whose vLLM kernel cannot run on this host at all
+#: (its op is missing from the loaded kernel library): skipped, not failed.
+VLLM_CANNOT_RUN = "vLLM itself cannot run this layer here"
+
+
+def _host_plan(case: vl.Case) -> Plan:
+    """The plan for ``case`` on this host; skips when vLLM itself cannot run it here."""
+    try:
+        return plan_for(case.config.quant, case.config, HOST)
+    except NoPlan as exc:
+        if VLLM_CANNOT_RUN in str(exc):
+            pytest.skip(f"{HOST_LIBRARY}: {exc}")
+        raise
+
+
 def _exported_layer(case: vl.Case, plan: Plan, seed: int = 0):
     """prepare on a daemon-side layer; install fresh clones on a meta-built one."""
     daemon = case.new_layer(seed=seed)
@@ -97,7 +120,7 @@ def _exported_layer(case: vl.Case, plan: Plan, seed: int = 0):
 def test_load_matches_vllm(family, data):
     """plan.load gives vLLM's tensors, attributes and bit-identical apply output."""
     case = data.draw(FAMILIES[family])
-    plan = plan_for(case.config.quant, case.config, HOST)
+    plan = _host_plan(case)
     expected, actual = case.new_layer(), case.new_layer()
     case.vllm_process(expected)
     plan.load(actual, case.config, HOST)
@@ -115,7 +138,7 @@ def test_load_matches_vllm(family, data):
 def test_restore_of_export_equals_load(family, data):
     """restore(export(prepare(x))) == load(x): tensors, attributes, apply output."""
     case = data.draw(FAMILIES[family])
-    plan = plan_for(case.config.quant, case.config, HOST)
+    plan = _host_plan(case)
     loaded = case.new_layer()
     plan.load(loaded, case.config, HOST)
     engine, prepared = _exported_layer(case, plan)
@@ -135,7 +158,7 @@ def test_restore_of_export_equals_load(family, data):
 def test_prepare_and_load_are_pure(family, data):
     """Running a plan's stages never writes the layer's checkpoint tensors in place."""
     case = data.draw(FAMILIES[family])
-    plan = plan_for(case.config.quant, case.config, HOST)
+    plan = _host_plan(case)
     layer = case.new_layer()
     state = state_from_module(layer)
     before = {k: (v.detach().clone(), v._version) for k, v in state.tensors.items()}
@@ -153,7 +176,7 @@ def test_restore_twice_equals_once(family):
             "ct_w4a16": vl.ct_w4a16_linear(128, 64, 32, False),
             "embedding": vl.unquantized_embedding(100, 64),
             "kv_cache": vl.kv_cache_layer("fp8", 0.5, 0.25, -1.0, 2.0)}[family]
-    plan = plan_for(case.config.quant, case.config, HOST)
+    plan = _host_plan(case)
     engine, prepared = _exported_layer(case, plan)
     plan.restore(engine, case.config, HOST, prepared.recorded, strict=True, drops=prepared.drops)
     once = snapshot(engine, case.attr_paths)
@@ -167,26 +190,54 @@ def test_restore_twice_equals_once(family):
 # --------------------------------------------------------------------------- resolution
 
 
+AMX_W4A8_OFF = vl.synthetic_target(("amx", "avx512", "avx512_bf16"),
+                                   env={"VLLM_CPU_INT4_W4A8": "0"})
+AMX = vl.synthetic_target(("amx", "avx512", "avx512_bf16"))
+
+
 @pytest.mark.parametrize("spec,config_kw,target,plan_id", [
-    (QuantSpec("unquantized"), {}, HOST, "unquantized/onednn@1"),
-    (QuantSpec("unquantized", layer_kind="embedding"), {}, HOST, "unquantized/onednn@1"),
+    (QuantSpec("unquantized"), {}, AVX512, "unquantized/onednn@1"),
+    (QuantSpec("unquantized", layer_kind="embedding"), {}, AVX512, "unquantized/onednn@1"),
+    (QuantSpec("unquantized"), {"params_dtype": "float16"}, AVX512,
+     "unquantized/torch_linear@1"),
+    (QuantSpec("unquantized"), {}, AVX2, "unquantized/torch_linear@1"),
+    (QuantSpec("unquantized"), {"params_dtype": "float32"}, AVX2, "unquantized/onednn@1"),
+    (QuantSpec("unquantized", kernel="torch_linear"), {}, AVX512, "unquantized/torch_linear@1"),
     (QuantSpec("unquantized"), {}, Target("cuda", (9, 0)), "unquantized/none@1"),
-    (QuantSpec("awq", num_bits=4, group_size=128, zero_point=True), {}, HOST, "awq/cpu_wna16@1"),
-    (QuantSpec("awq", num_bits=4, group_size=128, zero_point=True), {},
-     Target("cpu", isa={"amx"}, env={"VLLM_CPU_INT4_W4A8": "0"}), "awq/cpu_wna16@1"),
-    (QuantSpec("gptq", num_bits=4, group_size=128), {}, HOST, "gptq/cpu_wna16@1"),
-    (QuantSpec("ct_w4a16", num_bits=4, group_size=64), {}, HOST, "ct_w4a16/cpu_wna16@1"),
-    (QuantSpec("ct_w4a16", num_bits=4, group_size=64, zero_point=True), {},
-     Target("cpu", isa={"amx"}), "ct_w4a16/cpu_wna16@1"),  # fp16 activations: w4a16 on AMX
-    (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="channel"), {}, HOST,
+    (QuantSpec("awq", num_bits=4, group_size=128, zero_point=True), {}, AVX512,
+     "awq/cpu_wna16@1"),
+    (QuantSpec("awq", num_bits=4, group_size=128, zero_point=True), {}, AMX_W4A8_OFF,
+     "awq/cpu_wna16@1"),
+    (QuantSpec("gptq", num_bits=4, group_size=128), {}, AVX512, "gptq/cpu_wna16@1"),
+    (QuantSpec("ct_w4a16", num_bits=4, group_size=64), {}, AVX512, "ct_w4a16/cpu_wna16@1"),
+    (QuantSpec("ct_w4a16", num_bits=4, group_size=64, zero_point=True),
+     {"params_dtype": "float16"}, AMX, "ct_w4a16/cpu_wna16@1"),  # fp16 activations: w4a16
+    (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="channel"), {}, AVX512,
      "ct_w8a8_int8/onednn@1"),
-    (QuantSpec("kv_cache", layer_kind="attention"), {}, HOST, "kv_cache/scales@1"),
+    (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="channel"), {}, AVX2,
+     "ct_w8a8_int8/onednn@1"),
+    (QuantSpec("kv_cache", layer_kind="attention"), {}, AVX512, "kv_cache/scales@1"),
 ])
 def test_plan_for_resolves(spec, config_kw, target, plan_id):
-    """plan_for picks the documented plan for a spec and target."""
-    dtype = "float16" if target.has("amx") and spec.method == "ct_w4a16" else "bfloat16"
-    config = LayerConfig(spec, 256, 128, dtype, **config_kw)
+    """plan_for picks the plan for the kernel decisions the Target records."""
+    config = LayerConfig(spec, 256, 128, **{"params_dtype": "bfloat16", **config_kw})
     assert plan_id == plan_for(spec, config, target).id
+
+
+def test_plan_for_on_this_host_follows_vllms_decisions():
+    """On this host, the unquantized plan is the branch vLLM's dispatch took, and the
+    CPUWNA16 plans resolve exactly when vLLM's kernel library has cpu_gemm_wna16."""
+    for dtype in ("bfloat16", "float16", "float32"):
+        config = LayerConfig(QuantSpec("unquantized"), 256, 128, dtype)
+        assert HOST.kernel(f"unquantized_gemm[{dtype}]") == plan_for(
+            config.quant, config, HOST).kernel
+    awq = LayerConfig(_awq_spec(), 256, 128)
+    if HOST.kernel("op.cpu_gemm_wna16") == "present":
+        assert "awq/cpu_wna16@1" == plan_for(awq.quant, awq, HOST).id
+    else:
+        with pytest.raises(NoPlan, match=f"{HOST_LIBRARY} on this host has no "
+                                         f"torch.ops._C.cpu_gemm_wna16"):
+            plan_for(awq.quant, awq, HOST)
 
 
 def _awq_spec():
@@ -194,24 +245,38 @@ def _awq_spec():
 
 
 @pytest.mark.parametrize("spec,size,target,message", [
-    (QuantSpec("gptq", num_bits=8, group_size=128), (256, 128), HOST, "GPTQ int8 on CPU"),
-    (_awq_spec(), (256, 128), Target("cpu", isa={"amx", "avx512"}), "w4a8 layout"),
-    (QuantSpec("gptq", num_bits=4), (256, 128), Target("cpu", isa={"riscv"}), "w4a8 layout"),
+    (QuantSpec("gptq", num_bits=8, group_size=128), (256, 128), AVX512, "GPTQ int8 on CPU"),
+    (_awq_spec(), (256, 128), AMX, "w4a8 layout"),
+    (QuantSpec("gptq", num_bits=4), (256, 128), vl.synthetic_target(("riscv",)), "w4a8 layout"),
     (QuantSpec("ct_w4a16", num_bits=4, group_size=32), (256, 128),
-     Target("cpu", isa={"amx"}, env={"VLLM_CPU_INT4_W4A8": "1"}), "w4a8 layout"),
-    (QuantSpec("mystery_quant"), (256, 128), HOST, "no plan for method 'mystery_quant'"),
-    (QuantSpec("awq", num_bits=4, group_size=64, zero_point=False), (256, 128), HOST,
+     vl.synthetic_target(("amx",), env={"VLLM_CPU_INT4_W4A8": "1"}), "w4a8 layout"),
+    (QuantSpec("mystery_quant"), (256, 128), AVX512, "no plan for method 'mystery_quant'"),
+    (QuantSpec("awq", num_bits=4, group_size=64, zero_point=False), (256, 128), AVX512,
      "without zero points"),
-    (_awq_spec(), (256, 100), HOST, "size_n % 32"),
-    (QuantSpec("unquantized"), (64, 96), Target("cpu", isa={"power"}), "POWER"),
-    (QuantSpec("unquantized"), (64, 96), Target("cpu", isa={"amx"}), "SGL"),
+    (_awq_spec(), (256, 100), AVX512, "size_n % 32"),
+    (_awq_spec(), (256, 128), AVX2,
+     r"_C_AVX2 on this host has no torch.ops._C.cpu_gemm_wna16 \(CPUWNA16LinearKernel"),
+    (QuantSpec("gptq", num_bits=4, group_size=64), (256, 128), AVX2, "cpu_gemm_wna16"),
+    (_awq_spec(), (256, 128), Target("cpu"), "records no vLLM kernel decisions"),
+    (QuantSpec("unquantized"), (64, 96), Target("cpu"), "records no unquantized GEMM decision"),
+    (QuantSpec("unquantized"), (64, 96), vl.synthetic_target(("power",)), "POWER"),
+    (QuantSpec("unquantized"), (64, 96), AMX, "AMX SGL kernel"),
+    (QuantSpec("unquantized", kernel="sgl"), (64, 96), AVX512,
+     "vLLM picks kernel 'sgl' here and wcache has no plan"),
+    (QuantSpec("unquantized", kernel="zentorch"), (64, 96), AVX512, "zentorch"),
+    (QuantSpec("unquantized"), (64, 96),
+     vl.synthetic_target(**{"unquantized_gemm[bfloat16]": "zentorch",
+                            "unquantized_gemm[bfloat16,sgl_shape]": "zentorch"}),
+     "zentorch_linear_unary"),
     (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor"), (64, 96),
-     Target("cpu", isa={"amx"}), "SGL int8"),
-    (QuantSpec("awq", num_bits=4, zero_point=True, kernel="machete"), (256, 128), HOST,
-     "kernel 'machete' has no plan"),
+     AMX, "SGL int8"),
+    (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor", kernel="sgl"),
+     (64, 96), AVX512, "SGL int8"),
+    (QuantSpec("awq", num_bits=4, zero_point=True, kernel="machete"), (256, 128), AVX512,
+     "vLLM picks kernel 'machete' here and wcache has no plan"),
 ])
 def test_bad_inputs_raise_noplan(spec, size, target, message):
-    """Unsupported methods, layouts and targets raise NoPlan with the reason."""
+    """Unsupported methods, layouts, kernel decisions and targets raise NoPlan with the reason."""
     config = LayerConfig(spec, size[0], size[1], "bfloat16", name="model.layers.0.x")
     with pytest.raises(NoPlan, match=message):
         plan_for(spec, config, target)
@@ -224,7 +289,7 @@ def test_kv_cache_only_v_scale_raises():
     case = vl.kv_cache_layer("fp8", -1.0, 0.5, -1.0, -1.0)
     with pytest.raises(AssertionError):
         case.vllm_process(case.new_layer())
-    plan = plan_for(case.config.quant, case.config, HOST)
+    plan = _host_plan(case)
     with pytest.raises(StageInputError, match="k_scale"):
         plan.load(case.new_layer(), case.config, HOST)
 
@@ -232,7 +297,7 @@ def test_kv_cache_only_v_scale_raises():
 def test_restore_missing_tensor_raises_incomplete():
     """A restore whose export lacks a tensor the plan reads raises RestoreIncomplete."""
     case = vl.gptq_linear(128, 64, 32)
-    plan = plan_for(case.config.quant, case.config, HOST)
+    plan = _host_plan(case)
     engine, prepared = _exported_layer(case, plan)
     del engine._parameters["scales"]
     with pytest.raises(RestoreIncomplete, match="scales"):
@@ -247,7 +312,7 @@ def test_restore_missing_tensor_raises_incomplete():
 def test_restore_recorded_mismatch(stage_name, key, value):
     """A daemon record of use_w4a8/isa_hint that differs from this target's raises."""
     case = vl.awq_linear(128, 64, 32)
-    plan = plan_for(case.config.quant, case.config, HOST)
+    plan = _host_plan(case)
     engine, prepared = _exported_layer(case, plan)
     recorded = {k: dict(v) for k, v in prepared.recorded.items()}
     assert recorded[stage_name][key] != value
@@ -260,9 +325,9 @@ def test_restore_on_other_isa_raises_recorded_mismatch():
     """Bytes prepared on a non-AMX host restored on an AMX host (w4a8 off) raise
     RecordedMismatch on isa_hint ("vec" recorded, "amx" here)."""
     case = vl.awq_linear(128, 64, 32)
-    plan = plan_for(case.config.quant, case.config, HOST)
+    plan = _host_plan(case)
     engine, prepared = _exported_layer(case, plan)
-    amx_host = Target("cpu", isa={"amx", "avx512"}, env={"VLLM_CPU_INT4_W4A8": "0"})
+    amx_host = AMX_W4A8_OFF
     with pytest.raises(RecordedMismatch, match="isa_hint"):
         plan.restore(engine, case.config, amx_host, prepared.recorded, drops=prepared.drops)
 
@@ -270,7 +335,7 @@ def test_restore_on_other_isa_raises_recorded_mismatch():
 def test_recorded_values_for_unknown_stage_raise():
     """Records naming a stage the plan lacks mean daemon and engine differ: raise."""
     case = vl.gptq_linear(128, 64, 32)
-    plan = plan_for(case.config.quant, case.config, HOST)
+    plan = _host_plan(case)
     engine, prepared = _exported_layer(case, plan)
     recorded = {**prepared.recorded, "marlin.repack": {"x": 1}}
     with pytest.raises(RecordedMismatch, match="marlin.repack"):
@@ -286,7 +351,9 @@ def _awq_plan(*stages_, allow_invalid=False) -> Plan:
 
 
 def _awq_stages():
-    return list(plan_for(_awq_spec(), LayerConfig(_awq_spec(), 128, 64), HOST).stages)
+    """The AWQ plan's stages (resolved for an AVX512 host: the guard tests below run
+    them without vLLM's GEMM, so they hold on hosts whose vLLM lacks cpu_gemm_wna16)."""
+    return list(plan_for(_awq_spec(), LayerConfig(_awq_spec(), 128, 64), AVX512).stages)
 
 
 def test_transform_mistagged_metadata_is_invalid():

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wcache.core import LayerConfig, QuantSpec, Stage, StageOut, Tag, Target
-from wcache.stages import (awq, common, compressed_tensors, cpu_wna16, gptq, kv_cache,
-                           onednn)
+from wcache.stages import (awq, common, compressed_tensors, cpu_gemm, cpu_wna16, gptq,
+                           kv_cache, onednn)
 
 vllm = pytest.importorskip("vllm")
 import vllm._custom_ops  # noqa: E402,F401  (registers torch.ops._C)
@@ -25,6 +25,8 @@ from vllm.scalar_type import scalar_types  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plans"))
 import vllm_layers  # noqa: E402  (tests/plans/vllm_layers.py: one gloo world per session)
 
+from wcache.vllm.probe import host_target  # noqa: E402
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _vllm_world():
@@ -32,9 +34,12 @@ def _vllm_world():
     vllm_layers.ensure_vllm()
 
 
-HOST = Target.detect("cpu", env={})
-NON_AMX = Target("cpu", isa={"avx512", "avx512_bf16"})
+HOST = host_target("cpu", env={})
+NON_AMX = vllm_layers.synthetic_target()
 BF16 = torch.bfloat16
+#: A dtype vLLM's dispatch gives to oneDNN on this host (bf16 unless oneDNN refuses
+#: it here, as on AVX2-only hosts; fp32 is oneDNN everywhere vLLM-CPU runs on x86).
+ONEDNN_DTYPE = BF16 if HOST.kernel("unquantized_gemm[bfloat16]") == "onednn" else torch.float32
 #: the vLLM scalar type per bit width for pack/unpack references.
 WTYPES = {4: scalar_types.uint4, 8: scalar_types.uint8}
 
@@ -279,11 +284,11 @@ def test_onednn_prepack_weight_matches_vllm_dispatch():
     releases the linear weight and keeps an embedding's."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-    w = torch.randn(96, 64, generator=_gen(0)).to(BF16)
+    w = torch.randn(96, 64, generator=_gen(0)).to(ONEDNN_DTYPE)
     ref = _module(weight=w)
     dispatch_cpu_unquantized_gemm(ref, remove_weight=True)
-    x = torch.randn(5, 64, generator=_gen(1)).to(BF16)
-    bias = torch.randn(96, generator=_gen(2)).to(BF16)
+    x = torch.randn(5, 64, generator=_gen(1)).to(ONEDNN_DTYPE)
+    bias = torch.randn(96, generator=_gen(2)).to(ONEDNN_DTYPE)
     out = _run(onednn.prepack_weight, {"weight": w}, _cfg("unquantized"))
     assert out.release == ("weight",)
     assert torch.equal(ref.cpu_linear(x, None, bias), out.attrs["cpu_linear"](x, None, bias))
@@ -299,8 +304,63 @@ def test_onednn_prepack_weight_matches_vllm_dispatch():
     (4096, 4096, torch.int8, ("amx",), True), (4096, 4096, torch.float32, ("amx",), False),
 ])
 def test_sgl_selected_table(n, k, dtype, isa, expected):
-    """sgl_selected mirrors vLLM's check_cpu_sgl_kernel with the Target's AMX flag."""
-    assert expected == onednn.sgl_selected(n, k, dtype, Target("cpu", isa=frozenset(isa)))
+    """sgl_selected applies vLLM's check_cpu_sgl_kernel shape rule to the Target's
+    probed SGL decision (made by vLLM on AMX hosts only)."""
+    assert expected == onednn.sgl_selected(n, k, dtype, vllm_layers.synthetic_target(isa))
+
+
+@pytest.mark.parametrize("n,k,dtype", [(96, 64, BF16), (8, 40, BF16), (96, 40, BF16),
+                                       (4096, 4096, BF16), (96, 64, torch.float16),
+                                       (4096, 4096, torch.int8), (96, 40, torch.int8)])
+def test_sgl_shape_rule_equals_vllms_check_on_amx(n, k, dtype, monkeypatch):
+    """cpu_gemm.sgl_shape is vLLM's check_cpu_sgl_kernel when the host has AMX."""
+    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_amx_fp16_supported", lambda: True)
+    assert check_cpu_sgl_kernel(n, k, dtype) == cpu_gemm.sgl_shape(n, k, dtype)
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])
+def test_bind_torch_linear_equals_vllms_fallback(dtype):
+    """cpu_gemm.bind_torch_linear: vLLM's F.linear branch, weight kept, same output."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    w = torch.randn(96, 64, generator=_gen(0)).to(dtype)
+    ref = _module(weight=w)
+    ref.bias = None
+    with pytest.MonkeyPatch.context() as mp:  # force vLLM's fallback branch on any host
+        mp.setattr(vllm._custom_ops, "_supports_onednn", False)
+        dispatch_cpu_unquantized_gemm(ref, remove_weight=True)
+    assert tuple(ref.weight.shape) == (96, 64)  # vLLM keeps the weight
+    out = _run(cpu_gemm.bind_torch_linear, {"weight": w}, _cfg("unquantized"))
+    x = torch.randn(5, 64, generator=_gen(1)).to(dtype)
+    bias = torch.randn(96, generator=_gen(2)).to(dtype)
+    assert (out.release, out.tensors, out.drop) == ((), {}, ())
+    assert torch.equal(ref.cpu_linear(x, ref.weight, bias), out.attrs["cpu_linear"](x, w, bias))
+    meta = _run(cpu_gemm.bind_torch_linear, {"weight": w.to("meta")}, _cfg("unquantized"))
+    assert meta.attrs["cpu_linear"] is torch.nn.functional.linear
+
+
+def test_probe_decisions_are_what_vllm_does_here():
+    """Each probed unquantized GEMM decision is the branch vLLM's dispatch takes on
+    this host for a real layer of that dtype, and the op flags are torch.ops._C's."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    from wcache.stages.cpu_gemm import gemm_decision
+    from wcache.vllm import probe
+
+    for dtype in (BF16, torch.float16, torch.float32):
+        layer = _module(weight=torch.randn(64, 96, generator=_gen(3)).to(dtype))
+        layer.bias = None
+        dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+        prepacked = layer.weight.numel() == 0
+        decided = HOST.kernel(gemm_decision(dtype))
+        assert (decided == "onednn") == prepacked, (dtype, decided)
+        assert decided == probe.unquantized_gemm_kernel(64, 96, dtype)
+    for op in probe.PROBED_OPS:
+        expected = "present" if hasattr(torch.ops._C, op) else "absent"
+        assert expected == HOST.kernel(f"op.{op}")
 
 
 # --------------------------------------------------------------------------- KV cache
@@ -358,7 +418,7 @@ def _inputs(name: str, k: int, n: int, g: int, seed: int):
         "cpu_wna16.repack": (cpu_wna16.repack("qweight"), {"qweight": _int32(seed, (k // 8, n))},
                              _cfg()),
         "onednn.prepack_weight": (onednn.prepack_weight,
-                                  {"weight": torch.randn(n, k, generator=gen).to(BF16)},
+                                  {"weight": torch.randn(n, k, generator=gen).to(ONEDNN_DTYPE)},
                                   _cfg("unquantized")),
         "onednn.convert_scale_to_channelwise": (onednn.convert_scale_to_channelwise,
                                                 {"weight_scale": torch.rand(2, generator=gen)},

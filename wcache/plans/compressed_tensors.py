@@ -11,7 +11,7 @@ import torch
 from wcache.core import LayerConfig, Plan, StageOut, Tag, Target, stage
 from wcache.plans.registry import register
 from wcache.stages import compressed_tensors as ct
-from wcache.stages import cpu_wna16, onednn
+from wcache.stages import cpu_gemm, cpu_wna16, onednn
 
 _zp_transpose = cpu_wna16.transpose_zero_points("weight_zero_point")
 
@@ -46,10 +46,16 @@ def _match_w8a8_int8(config: LayerConfig, target: Target) -> str | None:
         return f"needs a CPU target, got {target.device_type!r}"
     if config.quant.strategy not in (None, "tensor", "channel"):
         return f"oneDNN W8A8 INT8 takes tensor/channel scales, got {config.quant.strategy!r}"
-    if config.quant.input_symmetric and config.size_k and config.size_n and \
-            onednn.sgl_selected(config.size_n, config.size_k, torch.int8, target):
-        return ("the target has AMX and vLLM picks the SGL int8 kernel for this shape "
-                "(a VNNI byte repack); no wcache plan for it")
+    missing = cpu_gemm.missing_op_reason(
+        target, ("create_onednn_scaled_mm_handler",), "CPUInt8ScaledMMLinearKernel (oneDNN)")
+    if missing:
+        return missing
+    if config.quant.kernel == "sgl" or (
+            config.quant.kernel is None and config.quant.input_symmetric and config.size_k
+            and config.size_n and onednn.sgl_selected(config.size_n, config.size_k,
+                                                       torch.int8, target)):
+        return ("vLLM picks the AMX SGL int8 kernel for this shape (convert_weight_packed, "
+                "a VNNI byte repack); wcache has no plan for it yet")
     return None
 
 

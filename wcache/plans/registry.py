@@ -86,8 +86,11 @@ def plan_for(method: Any, layer: Any = None, target: Target | None = None) -> Pl
     if spec.kernel is not None:
         kernel_plans = [p for p in candidates if p.kernel == spec.kernel]
         if not kernel_plans:
-            raise NoPlan(f"{spec.method}: kernel {spec.kernel!r} has no plan; known kernels "
-                         f"for this method: {sorted({p.kernel for p in candidates})}")
+            why = [r for r in (p.match(config, target) for p in candidates) if r]
+            raise NoPlan(f"{spec.method} (layer {config.name or '?'}): vLLM picks kernel "
+                         f"{spec.kernel!r} here and wcache has no plan for it (plans exist for "
+                         f"{sorted({p.kernel for p in candidates})})"
+                         + (f": {why[0]}" if why else ""))
         candidates = kernel_plans
     reasons = []
     for plan in candidates:

@@ -22,6 +22,7 @@ import torch
 
 from wcache.core import LayerConfig, Stage, StageOut, Tag, Target, stage
 from wcache.stages.common import StageInputError, pack_along, pack_factor, unpack_along
+from wcache.stages import cpu_gemm
 
 __all__ = ["W4A8_ENV", "W4A8_ENV_DEFAULT", "CPUWNA16_NUM_BITS", "BLOCK_N", "isa_hint_for",
            "use_w4a8_for", "repack_w4a16", "set_isa_hint", "set_use_w4a8", "repack",
@@ -168,6 +169,9 @@ def can_implement(config: LayerConfig, target: Target) -> str | None:
     """
     if target.device_type != "cpu":
         return f"needs a CPU target, got {target.device_type!r}"
+    missing = cpu_gemm.missing_op_reason(target, ("cpu_gemm_wna16",), "CPUWNA16LinearKernel")
+    if missing:
+        return missing
     if config.quant.num_bits != CPUWNA16_NUM_BITS:
         return f"CPUWNA16 takes 4-bit weights only, got {config.quant.num_bits}-bit"
     g = config.quant.group_size

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from wcache.core import LayerConfig, StageOut, Tag, Target, stage
+from wcache.stages import cpu_gemm
 from wcache.stages.common import OpUnavailable, StageInputError, require_op  # noqa: F401
 
 __all__ = ["PRIMITIVE_CACHE_SIZE", "CPUDNNLGEMMHandler", "OneDNNLinear", "KernelMethod",
@@ -38,10 +39,6 @@ PRIMITIVE_CACHE_SIZE = 32
 #: where the W8A8 kernel object lives, relative to the layer (compressed-tensors:
 #: ``layer.scheme.kernel``); override with ``LayerConfig.extra["kernel_attr"]``.
 KERNEL_ATTR_DEFAULT = "scheme.kernel"
-#: AMX SGL kernel limit for unquantized weights (vLLM's _CPU_SGL_GEMM_MAX_WEIGHT_BYTES).
-SGL_MAX_WEIGHT_BYTES = 1 * 1024 * 1024
-#: SGL tile sizes along K and N (csrc/cpu/sgl-kernels/gemm.h).
-SGL_TILE_K, SGL_TILE_N = 32, 16
 
 
 class CPUDNNLGEMMHandler:
@@ -194,20 +191,19 @@ class KernelMethod:
 
 
 def sgl_selected(size_n: int, size_k: int, dtype: torch.dtype, target: Target) -> bool:
-    """Whether vLLM would pick the AMX SGL kernel (a byte TRANSFORM, not oneDNN).
+    """Whether vLLM picks the AMX SGL kernel (a byte TRANSFORM, not oneDNN) for an
+    ``[N, K]`` weight of ``dtype`` on ``target``: the probed host decision
+    (``target.kernels``) for the weight's shape class.
 
-    Source: vllm/model_executor/layers/utils.py::check_cpu_sgl_kernel (the AMX-FP16
-    capability is assumed present with AMX; fp16 SGL hosts are refused either way).
+    Source: vllm/model_executor/layers/utils.py::check_cpu_sgl_kernel.
     """
-    if not target.has("amx") or dtype not in (torch.bfloat16, torch.float16, torch.int8):
+    if dtype not in (torch.bfloat16, torch.float16, torch.int8):
+        return False
+    if not cpu_gemm.sgl_shape(size_n, size_k, dtype):
         return False
     if dtype == torch.int8:
-        return size_k % SGL_TILE_K == 0 and size_n % SGL_TILE_N == 0
-    if size_n * size_k * dtype.itemsize > SGL_MAX_WEIGHT_BYTES:
-        return False
-    if size_n < SGL_TILE_N:
-        return True
-    return size_k % SGL_TILE_K == 0 and size_n % SGL_TILE_N == 0
+        return target.kernel("w8a8_int8[sgl_shape]") == "sgl"
+    return target.kernel(cpu_gemm.gemm_decision(dtype, True)) == "sgl"
 
 
 def _kernel_attr(config: LayerConfig) -> str:
@@ -238,10 +234,11 @@ def prepack_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, tar
     if weight.dim() != 2:
         raise StageInputError(f"layer {config.name!r}: oneDNN prepack needs a 2-D weight, "
                               f"got {tuple(weight.shape)}")
-    n, k = weight.size()
-    if sgl_selected(n, k, weight.dtype, target) or target.has("power"):
-        raise StageInputError(f"layer {config.name!r}: the target does not use oneDNN for "
-                              f"this weight (AMX SGL or POWER); no wcache plan for it")
+    branch = cpu_gemm.gemm_branch(config, target)
+    if branch != "onednn" or target.has("power"):
+        raise StageInputError(f"layer {config.name!r}: vLLM does not use oneDNN for this "
+                              f"weight on the target (its decision: {branch}); this stage "
+                              f"does not apply")
     handle = _prepack(weight)
     release = ("weight",) if config.quant.layer_kind != "embedding" else ()
     return StageOut(attrs={"cpu_linear": OneDNNLinear(handle)}, release=release)

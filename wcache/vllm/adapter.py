@@ -10,8 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from attrs import evolve
 
 from wcache.core import LayerConfig, QuantSpec, Target
+from wcache.vllm import probe
 
 #: vLLM kernel class name -> wcache kernel id.
 KERNEL_IDS = {
@@ -74,7 +76,8 @@ def layer_config(quant_method: Any, module: torch.nn.Module, target: Target | No
     Args:
         quant_method: ``module.quant_method`` (may be ``None``).
         module: the vLLM layer (built on any device, meta included).
-        target: unused today; kept so kernel choice can depend on it.
+        target: where the layer runs; on CPU the unquantized GEMM and W8A8 INT8
+            branch is asked of vLLM for this layer (:mod:`wcache.vllm.probe`).
         name: the module's qualified name, for messages.
     """
     from vllm.model_executor.layers.attention import Attention  # noqa: PLC0415
@@ -92,11 +95,14 @@ def layer_config(quant_method: Any, module: torch.nn.Module, target: Target | No
                            extra=(("impl_postload_noop", _impl_postload_is_noop(module)),))
     if not isinstance(quant_method, QuantizeMethodBase):
         return None
-    if cls == "UnquantizedLinearMethod":
-        return _linear_config(module, QuantSpec("unquantized", layer_kind="linear",
-                                                kernel=None), name)
-    if cls == "UnquantizedEmbeddingMethod":
-        return _linear_config(module, QuantSpec("unquantized", layer_kind="embedding"), name)
+    if cls in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
+        kind = "linear" if cls == "UnquantizedLinearMethod" else "embedding"
+        config = _linear_config(module, QuantSpec("unquantized", layer_kind=kind), name)
+        if target is not None and target.device_type == "cpu":
+            # the branch vLLM's dispatch takes for this weight on this host, asked of vLLM
+            kernel = probe.unquantized_gemm_kernel(config.size_n, config.size_k, config.dtype)
+            config = evolve(config, quant=evolve(config.quant, kernel=kernel))
+        return config
     if cls == "AutoAWQMarlinLinearMethod":
         qc = quant_method.quant_config
         spec = QuantSpec("awq", num_bits=qc.weight_bits, group_size=qc.group_size,
@@ -117,11 +123,15 @@ def layer_config(quant_method: Any, module: torch.nn.Module, target: Target | No
                              kernel=_kernel_id(scheme))
             return _linear_config(module, spec, name)
         if scls == "CompressedTensorsW8A8Int8":
+            kernel = _kernel_id(scheme)
+            if kernel == "onednn":  # CPUInt8ScaledMMLinearKernel: SGL or oneDNN, vLLM's check
+                kernel = probe.w8a8_int8_kernel(
+                    int(module.output_size_per_partition), int(module.input_size_per_partition),
+                    bool(scheme.input_symmetric))
             spec = QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8,
                              strategy=_enum_value(scheme.strategy),
                              static_input=bool(scheme.is_static_input_scheme),
-                             input_symmetric=bool(scheme.input_symmetric),
-                             kernel=_kernel_id(scheme))
+                             input_symmetric=bool(scheme.input_symmetric), kernel=kernel)
             return _linear_config(module, spec, name, {
                 "logical_widths": tuple(int(w) for w in module.logical_widths)})
         return _linear_config(module, QuantSpec(f"compressed-tensors:{scls}"), name)

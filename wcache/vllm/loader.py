@@ -18,8 +18,9 @@ timing_file         none       append a JSON line with the load-phase time
 ==================  =========  ====================================================
 
 Order of work: build the model on the meta device with vLLM's own
-``initialize_model``; resolve a plan for every layer (unsupported -> ``NoPlan``
-before the daemon is contacted, whatever ``fallback`` says); attach; install
+``initialize_model``; resolve a plan for every layer (unplanned layers ->
+``plan-missing`` before the daemon is contacted; with ``fallback`` a WARNING names
+each layer and why, and the model loads from disk); attach; install
 tensors and tied aliases as the same object; replay each plan's restore under
 the guard; verify nothing is left on meta; keep the mapping alive on the model.
 vLLM's ``process_weights_after_loading`` is never called on mapped tensors.
@@ -46,9 +47,10 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.model_loader.utils import initialize_model
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from wcache.core import NoPlan, Target, WcacheError
+from wcache.core import WcacheError
 from wcache.store import CacheKey, DaemonMissing, StoreError, attach
 from wcache.vllm.key import build_key, device_id, parallel_layout
+from wcache.vllm.probe import host_target
 from wcache.vllm.model import (
     ModelMismatch, install_tensors_, meta_leftovers, plan_ids, planned_layers, restore_layers_,
 )
@@ -227,7 +229,7 @@ class WcacheModelLoader(BaseModelLoader):
         opts = self.options
         t0 = time.perf_counter()
         device = torch.device(vllm_config.device_config.device)
-        target = Target.detect(device)
+        target = host_target(device)
         before_ctx = set(vllm_config.compilation_config.static_forward_context)
         before_rope = set(rotary_embedding._ROPE_DICT)
         marks = {}
@@ -236,13 +238,14 @@ class WcacheModelLoader(BaseModelLoader):
             model = initialize_model(vllm_config=vllm_config, model_config=model_config,
                                      prefix=prefix)
         marks["meta_init"] = time.perf_counter()
-        # Unsupported methods are refused here, before any weight or socket is touched.
-        planned = planned_layers(model, target)
-        marks["plans"] = time.perf_counter()
         layout = parallel_layout()
         dev_id = device_id(device, model_config, layout, opts.job)
         attachment = None
         try:
+            # Unplanned layers are found here, before any weight or socket is touched;
+            # like every other reason code, plan-missing follows the fallback rule.
+            planned = planned_layers(model, target)
+            marks["plans"] = time.perf_counter()
             key = build_key(model_config, layout, plan_ids(planned), target)
             marks["key"] = time.perf_counter()
             try:
@@ -265,8 +268,6 @@ class WcacheModelLoader(BaseModelLoader):
                                     f"them.", code="restore-incomplete")
             if opts.mode == "zero_copy" and released:
                 attachment.release_ranges_(released)
-        except NoPlan:
-            raise
         except Exception as exc:  # noqa: BLE001  (every failure takes the fallback rule)
             if attachment is not None:
                 attachment.close()

@@ -31,11 +31,12 @@ DEFAULT_MAX_MODEL_LEN = 512
 def _state_digest(model) -> dict:
     """Per planned layer: tensor checksums and the plan-declared attributes; and the
     groups of parameter names that are one object (tied weights)."""
-    from wcache.core import Target, snapshot  # noqa: PLC0415
+    from wcache.core import snapshot  # noqa: PLC0415
     from wcache.vllm.model import planned_layers  # noqa: PLC0415
+    from wcache.vllm.probe import host_target  # noqa: PLC0415
 
     out = {}
-    for p in planned_layers(model, Target.detect("cpu")):
+    for p in planned_layers(model, host_target("cpu")):
         # kv_cache is the load-time placeholder that the model runner rebinds to the
         # real (uninitialized, engine-sized) KV cache after loading: not load state.
         paths = sorted({a for s in p.plan.stages for a in s.attrs} - {"kv_cache"})
