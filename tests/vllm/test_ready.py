@@ -1,0 +1,164 @@
+"""`wcache status --wait-ready`: every rank of the daemon for the engine arguments serves, or
+a reason code (in-process daemons on a private socket dir; no vLLM engine)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+
+import pytest
+import torch
+
+from wcache import cli
+from wcache.store import CacheKey, DaemonServer, Export
+from wcache.vllm import ready
+from wcache.vllm.ready import Readiness, ReadySpec, check_ready, wait_ready
+
+DIGEST = "0123456789ab"
+FIELDS = (("model_arch", ["LlamaForCausalLM"]), ("dtype", "torch.bfloat16"),
+          ("quantization", None), ("tp_size", 2), ("pp_size", 1))
+SPEC = ReadySpec(DIGEST, [(1, 0), (0, 0)], FIELDS)
+
+
+@pytest.fixture
+def sock_dir():
+    """A fresh 0700 socket dir with a short path."""
+    d = tempfile.mkdtemp(prefix="wcr-")
+    os.chmod(d, 0o700)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def daemons():
+    started: list[DaemonServer] = []
+
+    def start(sock_dir: str, tp_rank: int, digest: str = DIGEST, dtype: str = "torch.bfloat16",
+              tp_size: int = 2) -> DaemonServer:
+        key = CacheKey({"model_arch": ["LlamaForCausalLM"], "dtype": dtype, "quantization": None,
+                        "parallel": {"tp_size": tp_size, "tp_rank": tp_rank, "pp_size": 1,
+                                     "pp_rank": 0, "dp_size": 1, "dp_rank": 0}})
+        export = Export({"w": torch.arange(8, dtype=torch.float32)}, {"w": "param"})
+        dev_id = f"cpu-tp{tp_rank}of{tp_size}-pp0of1-{digest}"
+        server = DaemonServer(export, key, socket_dir=sock_dir, device_id=dev_id).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def test_missing_socket_dir_is_daemon_missing(sock_dir):
+    """A socket dir that does not exist means no daemon: not ready, daemon-missing."""
+    result = check_ready(os.path.join(sock_dir, "absent"), SPEC)
+    assert (result.ok, result.code) == (False, "daemon-missing")
+    assert "does not exist" in result.message
+
+
+def test_ready_only_when_every_rank_serves(sock_dir, daemons):
+    """With one of two ranks up the missing rank is named; with both up it is ready."""
+    daemons(sock_dir, 0)
+    partial = check_ready(sock_dir, SPEC)
+    assert (partial.ok, partial.code, partial.serving) == (False, "daemon-missing", ((0, 0),))
+    assert "tp_rank=1 pp_rank=0" in partial.message and "1/2 ranks serve" in partial.message
+    daemons(sock_dir, 1)
+    full = check_ready(sock_dir, SPEC)
+    assert (full.ok, full.code, full.serving) == (True, None, ((0, 0), (1, 0)))
+
+
+def test_another_configuration_is_key_mismatch_naming_the_field(sock_dir, daemons):
+    """Only a float16 daemon (another digest) answers: key-mismatch naming dtype and its value."""
+    daemons(sock_dir, 0, digest="ba9876543210", dtype="torch.float16")
+    result = check_ready(sock_dir, SPEC)
+    assert (result.ok, result.code) == (False, "key-mismatch")
+    assert "dtype='torch.float16'" in result.message
+    assert "model_arch" not in result.message
+
+
+def test_stopped_daemon_is_not_ready(sock_dir, daemons):
+    """A rank whose daemon stopped no longer counts as serving."""
+    spec = ReadySpec(DIGEST, [(0, 0)], FIELDS)
+    server = daemons(sock_dir, 0)
+    assert check_ready(sock_dir, spec).ok
+    server.stop()
+    assert check_ready(sock_dir, spec).code == "daemon-missing"
+
+
+def test_wait_ready_returns_once_the_last_rank_serves(sock_dir, daemons):
+    """wait_ready polls until a late rank starts, well before its timeout."""
+    daemons(sock_dir, 0)
+    timer = threading.Timer(0.3, daemons, args=(sock_dir, 1))
+    timer.start()
+    try:
+        result = wait_ready(sock_dir, SPEC, timeout_s=30.0, poll_s=0.05)
+    finally:
+        timer.join()
+    assert result.ok and result.serving == ((0, 0), (1, 0))
+
+
+def test_wait_ready_timeout_zero_checks_once(sock_dir, monkeypatch):
+    """--timeout 0 is one check (a readiness probe), not a wait."""
+    calls = []
+    monkeypatch.setattr(ready, "check_ready",
+                        lambda d, s: calls.append(d) or Readiness(False, "daemon-missing", "x"))
+    assert wait_ready(sock_dir, SPEC, timeout_s=0).code == "daemon-missing"
+    assert calls == [sock_dir]
+
+
+def test_cli_exit_codes_and_reason(sock_dir, daemons, monkeypatch, capsys):
+    """`wcache status --wait-ready` exits 3 with the code while a rank is missing, then 0."""
+    seen = {}
+
+    def spec(model, rest, **kw):
+        seen.update(model=model, rest=rest, **kw)
+        return SPEC
+
+    monkeypatch.setattr(ready, "engine_ready_spec", spec)
+    argv = ["status", "--socket-dir", sock_dir, "--wait-ready", "--timeout", "0",
+            "--model", "/m", "-tp", "2", "--dtype", "bfloat16"]
+    daemons(sock_dir, 0)
+    assert cli.main(argv) == cli.NOT_READY_EXIT
+    assert capsys.readouterr().out.startswith("wcache: not ready [daemon-missing]: no daemon "
+                                              "serves tp_rank=1 pp_rank=0")
+    daemons(sock_dir, 1)
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out.startswith("wcache: ready: all 2 rank(s)")
+    assert seen == {"model": "/m", "rest": ["--dtype", "bfloat16"], "tensor_parallel_size": 2,
+                    "pipeline_parallel_size": 1, "nnodes": 1, "node_rank": 0, "job": ""}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["status", "--wait-ready"], "--wait-ready needs --model"),
+    (["status", "--dtype", "bfloat16"], "engine arguments are read with --wait-ready only"),
+    (["status", "--wait-ready", "--model", "/m", "--timeout", "-1"], "--timeout must be >= 0"),
+])
+def test_cli_refuses_bad_arguments(argv, message, capsys):
+    """Bad --wait-ready invocations exit 2 with a message saying what is missing."""
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_unsafe_socket_dir_exits_1_with_code(sock_dir, monkeypatch, capsys):
+    """A group-readable socket dir is refused (exit 1, unsafe-path), not reported as not ready."""
+    monkeypatch.setattr(ready, "engine_ready_spec", lambda *a, **k: SPEC)
+    os.chmod(sock_dir, 0o750)
+    assert cli.main(["status", "--socket-dir", sock_dir, "--wait-ready", "--timeout", "0",
+                     "--model", "/m"]) == 1
+    assert "[unsafe-path]" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_engine_spec_ranks_of_one_node():
+    """vLLM's config gives the digest; node 1 of 2 hosts pipeline stage 1 of TP=2 x PP=2."""
+    from wcache.testing.fixtures import build
+
+    spec = ready.engine_ready_spec(str(build("bf16")), ["--dtype", "bfloat16"],
+                                   tensor_parallel_size=2, pipeline_parallel_size=2,
+                                   nnodes=2, node_rank=1)
+    assert spec.ranks == ((0, 1), (1, 1))
+    assert dict(spec.fields) == {"model_arch": ["LlamaForCausalLM"], "dtype": "torch.bfloat16",
+                                 "quantization": None, "tp_size": 2, "pp_size": 2}
+    assert len(spec.digest) == 12

@@ -1,0 +1,165 @@
+"""Readiness for orchestrators: ``wcache status --wait-ready --model DIR [engine args]``.
+
+An init container or a readiness probe gates the engine on "every rank of the
+daemon for these engine arguments serves". The engine arguments are resolved by
+vLLM's own parser and ``ModelConfig`` (the dtype and quantization vLLM decides),
+giving the job digest that every rank's socket name ends with
+(:func:`wcache.vllm.key.device_id`); each such socket is asked for its status and
+its ``parallel`` key field says which (tp_rank, pp_rank) it serves. Sockets are
+matched by digest, not by full device id, so the probe needs no GPU of its own
+(a CUDA device id also names the GPU's UUID).
+
+:func:`engine_ready_spec` imports vLLM; :func:`check_ready` and
+:func:`wait_ready` only talk to sockets.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import attrs
+
+from wcache.store import StoreError, daemon_status
+from wcache.store import paths
+
+#: Seconds to wait for one daemon's status reply; a serving daemon answers in
+#: milliseconds, and a probe must not hang on a wedged one.
+STATUS_TIMEOUT_S = 2.0
+#: Seconds between two checks while waiting: a daemon takes tens of seconds to
+#: minutes to become ready, so one check a second costs nothing and adds < 1 s.
+POLL_S = 1.0
+
+#: Key fields that a daemon of another configuration may differ in, named when
+#: only such daemons answer.
+_COMPARED = ("model_arch", "dtype", "quantization", "tp_size", "pp_size")
+
+
+@attrs.frozen
+class ReadySpec:
+    """What must serve: the job digest and the (tp_rank, pp_rank) pairs of this node.
+
+    Attributes:
+        digest: the job digest every rank's device id ends with.
+        ranks: (tp_rank, pp_rank) of each rank this node's daemon hosts, sorted.
+        fields: (name, value) pairs of the key fields the digest covers
+            (``_COMPARED``), to name what differs when another configuration runs.
+    """
+
+    digest: str
+    ranks: tuple[tuple[int, int], ...] = attrs.field(converter=lambda r: tuple(sorted(r)))
+    fields: tuple[tuple[str, Any], ...] = ()
+
+
+@attrs.frozen
+class Readiness:
+    """One check's outcome: ``ok``, the reason code when not (``daemon-missing``,
+    ``key-mismatch``) and a one-line message."""
+
+    ok: bool
+    code: str | None
+    message: str
+    serving: tuple[tuple[int, int], ...] = ()
+
+
+def rank_name(rank: tuple[int, int]) -> str:
+    return f"tp_rank={rank[0]} pp_rank={rank[1]}"
+
+
+def engine_ready_spec(model: str, rest: list[str], *, tensor_parallel_size: int = 1,
+                      pipeline_parallel_size: int = 1, nnodes: int = 1, node_rank: int = 0,
+                      job: str = "") -> ReadySpec:
+    """The ranks and digest a ``wcache serve`` with these arguments serves on this node.
+
+    Args:
+        model: checkpoint directory, as given to ``wcache serve``.
+        rest: the other vLLM engine arguments (``--dtype bfloat16`` ...).
+
+    Raises:
+        ValueError: the ranks do not split over ``nnodes`` (as ``wcache serve``).
+    """
+    from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
+    from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: PLC0415
+
+    from wcache.vllm.daemon import local_ranks  # noqa: PLC0415
+    from wcache.vllm.key import job_digest  # noqa: PLC0415
+
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    parser = FlexibleArgumentParser(prog="wcache status --wait-ready")
+    EngineArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--model", model, *rest, "--tensor-parallel-size", str(tp),
+                            "--pipeline-parallel-size", str(pp)])
+    model_config = EngineArgs.from_cli_args(ns).create_model_config()
+    layout = {"tp_size": tp, "pp_size": pp, "dp_size": 1}
+    # vLLM numbers ranks with TP fastest: rank = pp_rank * tp_size + tp_rank.
+    ranks = [(r % tp, r // tp) for r in local_ranks(tp * pp, nnodes, node_rank)]
+    fields = (("model_arch", list(getattr(model_config.hf_config, "architectures", None) or [])),
+              ("dtype", str(model_config.dtype)), ("quantization", model_config.quantization),
+              ("tp_size", tp), ("pp_size", pp))
+    return ReadySpec(job_digest(model_config, layout, job), ranks, fields)
+
+
+def _other_fields(key_fields: dict) -> dict[str, Any]:
+    par = key_fields.get("parallel") or {}
+    return {"model_arch": key_fields.get("model_arch"), "dtype": key_fields.get("dtype"),
+            "quantization": key_fields.get("quantization"), "tp_size": par.get("tp_size"),
+            "pp_size": par.get("pp_size")}
+
+
+def check_ready(socket_dir: str | None, spec: ReadySpec) -> Readiness:
+    """Ask every socket of ``spec.digest`` in ``socket_dir`` once.
+
+    Raises:
+        UnsafePath: the socket dir is a symlink, not ours, or not 0700.
+    """
+    d = os.path.abspath(socket_dir or paths.default_socket_dir())
+    try:
+        paths.ensure_socket_dir(d, create=False)
+    except FileNotFoundError:
+        return Readiness(False, "daemon-missing", f"{d} does not exist: no daemon was started "
+                                                  f"with this socket dir")
+    serving: set[tuple[int, int]] = set()
+    others: dict[str, dict[str, Any]] = {}
+    suffix = f"-{spec.digest}{paths.SOCKET_SUFFIX}"
+    for sock in paths.list_sockets(d):
+        try:
+            st = daemon_status(sock, connect_timeout_s=STATUS_TIMEOUT_S)
+        except StoreError:
+            continue  # stale or not answering: it serves nothing
+        fields = st.get("key_fields") or {}
+        if sock.endswith(suffix):
+            par = fields.get("parallel") or {}
+            serving.add((par.get("tp_rank"), par.get("pp_rank")))
+        else:
+            others[os.path.basename(sock)] = _other_fields(fields)
+    missing = [r for r in spec.ranks if r not in serving]
+    if not missing:
+        return Readiness(True, None, f"all {len(spec.ranks)} rank(s) of {spec.digest} serve in {d}",
+                         tuple(sorted(serving)))
+    missing_s = ", ".join(rank_name(r) for r in missing)
+    if others:
+        mine = dict(spec.fields)
+        diffs = sorted({f"{k}={v!r}" for o in others.values() for k, v in o.items()
+                        if k in mine and v != mine[k]})
+        return Readiness(False, "key-mismatch",
+                         f"no daemon of these engine arguments serves {missing_s} in {d}; "
+                         f"daemons of another configuration answer ({', '.join(sorted(others))}"
+                         f"{': ' + ', '.join(diffs) if diffs else ': another job'}). Start "
+                         f"`wcache serve` with the engine's arguments.",
+                         tuple(sorted(serving)))
+    return Readiness(False, "daemon-missing",
+                     f"no daemon serves {missing_s} of {spec.digest} in {d}"
+                     f" ({len(serving)}/{len(spec.ranks)} ranks serve)", tuple(sorted(serving)))
+
+
+def wait_ready(socket_dir: str | None, spec: ReadySpec, timeout_s: float,
+               poll_s: float = POLL_S) -> Readiness:
+    """:func:`check_ready` until every rank serves or ``timeout_s`` seconds passed
+    (``0``: one check). Returns the last check's outcome."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check_ready(socket_dir, spec)
+        if result.ok or time.monotonic() + poll_s > deadline:
+            return result
+        time.sleep(poll_s)
