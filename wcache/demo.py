@@ -1,12 +1,18 @@
 """The main job (`make demo`): SmolLM2 from disk vs from the wcache daemon.
 
-For each format (default: AWQ int4, then bf16):
+First asks vLLM what it decides on this host (``python -m wcache.vllm.probe``:
+its kernel library and ops), then for each format this host's vLLM can serve
+(default: all five fixture formats; AWQ, GPTQ and CT-W4A16 need vLLM's
+``cpu_gemm_wna16``, which its AVX2 build lacks):
 
 1. build (or reuse) the SmolLM2-135M-Instruct checkpoint;
 2. start a daemon (`wcache serve`) for it on a temporary socket directory;
 3. run vLLM (CPU) once from disk and once from the daemon (fallback disabled);
 4. print both generated texts, whether they are identical, and the
    weight-load phase time of each with the ratio.
+
+Formats vLLM cannot serve here are skipped with the reason. A failing engine
+shows its first traceback (vLLM's worker, the root cause).
 
 The weight-load phase is the worker's ``load_model`` call: vLLM's
 ``DefaultModelLoader.load_model`` timed as is (``wcache_timed_auto``) against
@@ -22,7 +28,7 @@ import tempfile
 from wcache.vllm.process import DaemonProcess, run_engine
 
 PROMPT = "The capital of France is"
-DEFAULT_FORMATS = ("awq", "bf16")
+DEFAULT_FORMATS = ("bf16", "awq", "gptq", "ct_w4a16", "ct_w8a8_int8")
 
 
 def run_format(fmt: str, max_tokens: int) -> dict:
@@ -44,17 +50,39 @@ def run_format(fmt: str, max_tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from wcache.testing.isa import FORMAT_OPS, probe, unservable_reason  # noqa: PLC0415
+
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
-                    help="comma-separated fixture formats: bf16, awq, gptq, ct_w4a16, "
-                         "ct_w8a8_int8 (default: awq,bf16)")
+                    help=f"comma-separated fixture formats among {', '.join(FORMAT_OPS)} "
+                         f"(default: all; those this host's vLLM cannot serve are skipped)")
     ap.add_argument("--max-tokens", type=int, default=2,
                     help="greedy tokens to generate (default 2: ' Paris.' for bf16)")
     args = ap.parse_args(argv)
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in FORMAT_OPS]
+    if unknown:
+        ap.error(f"unknown format(s) {unknown}; known: {', '.join(FORMAT_OPS)}")
 
-    results = {fmt: run_format(fmt, args.max_tokens) for fmt in args.formats.split(",")}
-    ok = True
+    print("asking vLLM what it decides on this host (python -m wcache.vllm.probe)", flush=True)
+    host = probe("native")
+    kernels = host["kernels"]
+    print(f"  kernel library {kernels['cpu.kernel_library']}, ISA {host['isa'] or ['(no AVX512)']}, "
+          f"bf16 GEMM: {kernels.get('unquantized_gemm[bfloat16]')}", flush=True)
+    skipped = {f: r for f in formats if (r := unservable_reason(f, kernels))}
+    for fmt, reason in skipped.items():
+        print(f"[{fmt}] skipped: {reason}", flush=True)
+
+    results, failed = {}, {}
+    for fmt in (f for f in formats if f not in skipped):
+        try:
+            results[fmt] = run_format(fmt, args.max_tokens)
+        except RuntimeError as exc:
+            failed[fmt] = str(exc)
+            print(f"[{fmt}] FAILED:\n{exc}", file=sys.stderr, flush=True)
+
+    ok = not failed
     print()
     print(f"prompt: {PROMPT!r}")
     for fmt, r in results.items():
@@ -68,6 +96,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  outputs:            {'identical' if same else 'DIFFERENT'}")
         print(f"  weight-load phase:  disk {t_disk:.3f} s, daemon {t_rest:.3f} s, "
               f"ratio {t_disk / t_rest:.1f}x")
+    for fmt, reason in skipped.items():
+        print(f"\n[{fmt}]\n  skipped:            {reason}")
+    for fmt in failed:
+        print(f"\n[{fmt}]\n  FAILED (first traceback above)")
+    if not results:
+        print("\nno format ran", file=sys.stderr)
+        return 1
     return 0 if ok else 1
 
 

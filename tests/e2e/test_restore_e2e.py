@@ -23,8 +23,27 @@ from wcache.vllm.process import DaemonProcess, run_engine
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 FORMATS = ("bf16", "awq", "gptq", "ct_w4a16", "ct_w8a8_int8")
+#: (format, CPU build): every format on this host's own build, and the formats
+#: vLLM's AVX2 build can serve under that build too (emulated on AVX512 hosts;
+#: see wcache.testing.isa), so both kernel libraries are covered on any host.
+CASES = tuple((fmt, "native") for fmt in FORMATS) + (("bf16", "avx2"), ("ct_w8a8_int8", "avx2"))
 PROMPTS = ("The capital of France is", "Water boils at a temperature of")
 MAX_TOKENS = 16
+
+
+def skip_unless_servable(fmt: str, build: str) -> dict[str, str]:
+    """The env of ``build``; skips when that build is this host's native one already
+    (AVX2 hosts) or when vLLM's kernel library there lacks an op ``fmt`` needs."""
+    from wcache.testing.isa import build_env, probe, unservable_reason
+
+    decisions = probe(build)["kernels"]
+    library = decisions["cpu.kernel_library"]
+    if build != "native" and library == probe("native")["kernels"]["cpu.kernel_library"]:
+        pytest.skip(f"this host's own vLLM build is already {library}; covered by 'native'")
+    reason = unservable_reason(fmt, decisions)
+    if reason:
+        pytest.skip(reason)
+    return build_env(build)
 
 
 @attrs.define
@@ -47,27 +66,28 @@ def _shared_checksums(socket_dir: str) -> dict[str, str]:
         return {name: tensor_checksum(t) for name, t in att.tensors.items()}
 
 
-@pytest.fixture(scope="module", params=FORMATS)
+@pytest.fixture(scope="module", params=CASES, ids=["-".join(c) for c in CASES])
 def case(request):
     from wcache.testing.fixtures import build
 
-    fmt = request.param
+    fmt, cpu_build = request.param
+    env = skip_unless_servable(fmt, cpu_build)
     model = build(fmt)
     with tempfile.TemporaryDirectory(prefix="wc-e2e-") as sock_dir, \
             tempfile.TemporaryDirectory(prefix="wc-none-") as empty_dir:
-        with DaemonProcess(model, sock_dir) as daemon:
+        with DaemonProcess(model, sock_dir, env=env) as daemon:
             c = Case(fmt, model, sock_dir, daemon)
             c.before = _shared_checksums(sock_dir)
             attached = {"socket_dir": sock_dir, "fallback": False}
-            c.runs["ordinary"] = run_engine(model, "auto", prompts=PROMPTS,
+            c.runs["ordinary"] = run_engine(model, "auto", prompts=PROMPTS, env=env,
                                             max_tokens=MAX_TOKENS, dump_state=True)
             c.runs["fallback"] = run_engine(model, "wcache",
                                             {"socket_dir": empty_dir, "fallback": True},
-                                            prompts=PROMPTS, max_tokens=MAX_TOKENS)
-            c.runs["first"] = run_engine(model, "wcache", {**attached, "strict": True},
+                                            prompts=PROMPTS, max_tokens=MAX_TOKENS, env=env)
+            c.runs["first"] = run_engine(model, "wcache", {**attached, "strict": True}, env=env,
                                          prompts=PROMPTS, max_tokens=MAX_TOKENS, dump_state=True)
             c.runs["second"] = run_engine(model, "wcache", attached, prompts=PROMPTS,
-                                          max_tokens=MAX_TOKENS)
+                                          max_tokens=MAX_TOKENS, env=env)
             c.after = _shared_checksums(sock_dir)
             yield c
 
@@ -139,7 +159,7 @@ def test_no_daemon_without_fallback_fails_with_daemon_missing(tmp_path):
     empty = tempfile.mkdtemp(prefix="wc-none-")
     os.chmod(empty, 0o700)
     with pytest.raises(RuntimeError) as info:
-        run_engine(build("awq"), "wcache", {"socket_dir": empty, "fallback": False},
+        run_engine(build("bf16"), "wcache", {"socket_dir": empty, "fallback": False},
                    prompts=PROMPTS[:1], max_tokens=2)
     assert "[daemon-missing]" in info.value.output
     assert "tp_rank=0" in info.value.output
@@ -182,3 +202,18 @@ def test_other_dtype_is_refused_naming_the_field(bf16_daemon):
     out = info.value.output
     assert "[key-mismatch]" in out
     assert 'key differs in dtype: engine="torch.float16" daemon="torch.bfloat16"' in out
+
+
+def test_other_kernel_decision_is_refused_naming_it(bf16_daemon):
+    """A daemon prepared under this host's kernel decisions and an engine under the AVX2
+    build's (another kernel library, F.linear instead of oneDNN for bf16): key-mismatch
+    naming the differing decisions, never a shared arena."""
+    model, sock_dir, _ = bf16_daemon
+    env = skip_unless_servable("bf16", "avx2")
+    with pytest.raises(RuntimeError) as info:
+        run_engine(model, "wcache", {"socket_dir": sock_dir, "fallback": False},
+                   prompts=PROMPTS[:1], max_tokens=2, env=env)
+    out = info.value.output
+    assert "[key-mismatch]" in out
+    assert 'target.kernels.cpu.kernel_library: engine="_C_AVX2"' in out
+    assert "target.kernels.unquantized_gemm[bfloat16]" in out

@@ -55,3 +55,21 @@ def probe(build: str = "native") -> dict:
         raise RuntimeError(f"wcache.vllm.probe failed for build {build!r} "
                            f"(exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+#: vLLM ops each fixture format's CPU kernel calls (CPUWNA16 for the int4 formats,
+#: the oneDNN scaled mm for W8A8 INT8); a build without one cannot serve it at all.
+FORMAT_OPS = {"bf16": (), "awq": ("cpu_gemm_wna16",), "gptq": ("cpu_gemm_wna16",),
+              "ct_w4a16": ("cpu_gemm_wna16",),
+              "ct_w8a8_int8": ("create_onednn_scaled_mm_handler",)}
+
+
+def unservable_reason(fmt: str, decisions: dict[str, str]) -> str | None:
+    """Why vLLM with these probed ``decisions`` cannot serve fixture format ``fmt``
+    (naming the kernel library and the missing op), or ``None`` when it can."""
+    library = decisions.get("cpu.kernel_library", "?")
+    missing = [op for op in FORMAT_OPS[fmt] if decisions.get(f"op.{op}") != "present"]
+    if missing:
+        return (f"vLLM's kernel library {library} has no torch.ops._C.{missing[0]}: "
+                f"vLLM itself cannot serve {fmt} on this host")
+    return None

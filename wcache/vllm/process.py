@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -120,6 +121,31 @@ class DaemonProcess:
         self.stop()
 
 
+#: vLLM prefixes its child processes' lines, e.g. "(EngineCore_DP0 pid=123) ".
+_PROCESS_PREFIX = re.compile(r"^\((?:EngineCore|Worker|VllmWorker|APIServer)[^)]*\)\s?")
+#: The line that ends a Python traceback: "SomeError: message" (or a bare name).
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)?\b(:.*)?$")
+#: Lines kept from the first traceback at most (deep vLLM stacks run to ~60 frames).
+MAX_TRACEBACK_LINES = 120
+
+
+def first_traceback(output: str) -> str | None:
+    """The first Python traceback in a child's output (vLLM's worker prints the
+    root cause there; the client's later ``EngineDeadError`` only says it died),
+    with vLLM's per-process line prefixes removed; ``None`` if there is none."""
+    lines = [_PROCESS_PREFIX.sub("", ln) for ln in output.splitlines()]
+    start = next((i for i, ln in enumerate(lines)
+                  if ln.startswith("Traceback (most recent call last):")), None)
+    if start is None:
+        return None
+    out = [lines[start]]
+    for ln in lines[start + 1:start + MAX_TRACEBACK_LINES]:
+        out.append(ln)
+        if not ln.startswith(" ") and _EXCEPTION_LINE.match(ln) and len(out) > 2:
+            break
+    return "\n".join(out)
+
+
 def run_engine(model: str | Path, load_format: str = "auto", extra: dict | None = None,
                prompts: Sequence[str] | None = None, max_tokens: int = 16,
                dump_state: bool = False, tensor_parallel_size: int = 1,
@@ -144,8 +170,11 @@ def run_engine(model: str | Path, load_format: str = "auto", extra: dict | None 
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         output = proc.stdout + proc.stderr
-        err = RuntimeError(f"engine ({load_format}) failed with exit {proc.returncode}:\n"
-                           + "\n".join(output.splitlines()[-30:]))
+        root = first_traceback(output)
+        err = RuntimeError(f"engine ({load_format}) failed with exit {proc.returncode}.\n"
+                           + (f"First traceback (the root cause, often in vLLM's worker):\n"
+                              f"{root}\n" if root else "")
+                           + "Output tail:\n" + "\n".join(output.splitlines()[-30:]))
         err.output = output  # type: ignore[attr-defined]
         raise err
     result = json.loads(lines[-1])
