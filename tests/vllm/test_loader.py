@@ -12,7 +12,7 @@ import tempfile
 import pytest
 import torch
 
-from wcache.core import NoPlan, Target
+from wcache.core import NoPlan
 from wcache.vllm.process import ENGINE_ARGS
 
 pytestmark = pytest.mark.slow
@@ -45,9 +45,9 @@ def _meta_model(cfg):
         return initialize_model(vllm_config=cfg, model_config=cfg.model_config)
 
 
-def test_unsupported_method_refused_before_weights_or_daemon(vllm_cfg, monkeypatch):
-    """A layer with an unknown quant method raises NoPlan naming it, with fallback=true, before
-    the key (checkpoint digests) is computed or the daemon contacted."""
+def _load_with_mystery_layer(vllm_cfg, monkeypatch, fallback: bool):
+    """Run the wcache loader on SmolLM2 with layer 3's down_proj given a quant method
+    wcache has no plan for; the key and the daemon must never be reached."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
@@ -67,31 +67,90 @@ def test_unsupported_method_refused_before_weights_or_daemon(vllm_cfg, monkeypat
         model.model.layers[3].mlp.down_proj.quant_method = MysteryMethod()
         return model
 
+    warnings: list[str] = []
     monkeypatch.setattr(loader_mod, "initialize_model", init_with_mystery)
     monkeypatch.setattr(loader_mod, "build_key",
                         lambda *a, **k: pytest.fail("checkpoint read before the plan check"))
     monkeypatch.setattr(loader_mod, "attach", lambda *a, **k: pytest.fail("daemon contacted"))
+    monkeypatch.setattr(loader_mod.logger, "warning",
+                        lambda msg, *args: warnings.append(msg % args))
     load_config = dataclasses.replace(vllm_cfg.load_config, load_format="wcache",
-                                      model_loader_extra_config={"fallback": True})
+                                      model_loader_extra_config={"fallback": fallback})
     vllm_cfg.compilation_config.static_forward_context.clear()
-    with set_current_vllm_config(vllm_cfg), \
-            pytest.raises(NoPlan, match=r"MysteryMethod.*model\.layers\.3\.mlp\.down_proj"):
-        loader_mod.WcacheModelLoader(load_config).load_model(vllm_cfg, vllm_cfg.model_config)
+    with set_current_vllm_config(vllm_cfg):
+        model = loader_mod.WcacheModelLoader(load_config).load_model(vllm_cfg,
+                                                                      vllm_cfg.model_config)
+    return model, warnings
+
+
+def test_unplanned_layer_with_fallback_loads_from_disk_naming_it(vllm_cfg, monkeypatch):
+    """plan-missing follows the fallback rule: with fallback=true the engine loads from
+    disk (a real, non-meta model) and a WARNING names the unplanned layer and why,
+    before the key is computed or the daemon contacted."""
+    model, warnings = _load_with_mystery_layer(vllm_cfg, monkeypatch, fallback=True)
+    assert [] == [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    assert 1 == len(warnings)
+    assert "[plan-missing]" in warnings[0]
+    assert "model.layers.3.mlp.down_proj" in warnings[0] and "MysteryMethod" in warnings[0]
+
+
+def test_unplanned_layer_without_fallback_raises_plan_missing(vllm_cfg, monkeypatch):
+    """With fallback=false an unplanned layer raises RestoreFailed [plan-missing] naming it."""
+    from wcache.vllm.loader import RestoreFailed
+
+    with pytest.raises(RestoreFailed, match=r"\[plan-missing\].*model\.layers\.3\.mlp"
+                                            r"\.down_proj.*MysteryMethod") as info:
+        _load_with_mystery_layer(vllm_cfg, monkeypatch, fallback=False)
+    assert "plan-missing" == info.value.code
+
+
+def test_unplanned_layers_are_all_named_in_one_refusal(vllm_cfg):
+    """planned_layers (what `wcache serve` runs before loading) names every unplanned
+    layer with its reason in one NoPlan, grouped by reason."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    from wcache.vllm.model import UnplannedLayers, planned_layers
+    from wcache.vllm.probe import host_target
+
+    class OddMethod(QuantizeMethodBase):
+        def create_weights(self, *args, **kwargs):
+            raise AssertionError("not used")
+
+        def apply(self, *args, **kwargs):
+            raise AssertionError("not used")
+
+    with set_current_vllm_config(vllm_cfg):
+        model = _meta_model(vllm_cfg)
+    for i in (1, 7):
+        model.model.layers[i].mlp.gate_up_proj.quant_method = OddMethod()
+    with pytest.raises(UnplannedLayers) as info:
+        planned_layers(model, host_target("cpu", env={}))
+    assert [n for n, _ in info.value.layers] == ["model.layers.1.mlp.gate_up_proj",
+                                                  "model.layers.7.mlp.gate_up_proj"]
+    assert "2 layer(s) [model.layers.1.mlp.gate_up_proj, model.layers.7.mlp.gate_up_proj]" in \
+        str(info.value)
+    assert isinstance(info.value, NoPlan) and "plan-missing" == info.value.code
 
 
 def test_every_smollm_layer_resolves_a_plan(vllm_cfg):
-    """On the meta-built bf16 SmolLM2, 120 linears + 2 embeddings get oneDNN plans and 30
-    attention layers the attention plan."""
+    """On the meta-built bf16 SmolLM2, 120 linears + 2 embeddings get the plan of the
+    GEMM branch vLLM takes for bf16 on this host, and 30 attention layers theirs."""
     from collections import Counter
 
     from vllm.config import set_current_vllm_config
 
     from wcache.vllm.model import planned_layers
+    from wcache.vllm.probe import host_target
 
     with set_current_vllm_config(vllm_cfg):
         model = _meta_model(vllm_cfg)
-    ids = Counter(p.plan.id for p in planned_layers(model, Target.detect("cpu", env={})))
-    assert ids == {"unquantized/onednn@1": 122, "attention/default@1": 30}
+    host = host_target("cpu", env={})
+    branch = host.kernel("unquantized_gemm[bfloat16]")
+    if "sgl" in (branch, host.kernel("unquantized_gemm[bfloat16,sgl_shape]")):
+        pytest.skip("vLLM picks the AMX SGL kernel for some SmolLM2 layers here (no plan yet)")
+    ids = Counter(p.plan.id for p in planned_layers(model, host))
+    assert ids == {f"unquantized/{branch}@1": 122, "attention/default@1": 30}
 
 
 def test_extra_tensor_from_daemon_is_refused(vllm_cfg):

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import torch
 
-from wcache.core import LayerConfig, Plan, RestoreIncomplete, Target, WcacheError
+from wcache.core import LayerConfig, NoPlan, Plan, RestoreIncomplete, Tag, Target, WcacheError
 from wcache.plans.registry import plan_for
 from wcache.stages import onednn
 from wcache.vllm.adapter import layer_config
@@ -40,18 +40,54 @@ class PlannedLayer:
     plan: Plan
 
 
+#: Unplanned layers named one by one in a refusal before the rest are counted.
+MAX_NAMED_UNPLANNED = 8
+
+
+class UnplannedLayers(NoPlan):
+    """Some modules' post-load work has no wcache plan on this host.
+
+    Attributes:
+        layers: ``(module name, reason)`` for every unplanned module.
+    """
+
+    def __init__(self, layers: list[tuple[str, str]]):
+        self.layers = tuple(layers)
+        by_reason: dict[str, list[str]] = {}
+        for name, reason in layers:
+            by_reason.setdefault(reason, []).append(name)
+        parts = []
+        for reason, names in by_reason.items():
+            shown = ", ".join(names[:MAX_NAMED_UNPLANNED])
+            more = f" and {len(names) - MAX_NAMED_UNPLANNED} more" if len(names) > \
+                MAX_NAMED_UNPLANNED else ""
+            parts.append(f"{len(names)} layer(s) [{shown}{more}]: {reason}")
+        super().__init__(f"{len(layers)} layer(s) have no wcache plan on this host: "
+                         + "; ".join(parts)
+                         + ". Serve this model with load_format='auto' (or keep "
+                           "fallback=true, which loads it from disk).")
+
+
 def planned_layers(model: torch.nn.Module, target: Target) -> list[PlannedLayer]:
     """Resolve a plan for every module with post-load work, before any weight is read.
 
     Raises:
-        NoPlan: some module's method has no plan (the message names the layer).
+        UnplannedLayers: some modules' methods have no plan; names every such
+            module with its reason (a :class:`NoPlan`, code ``plan-missing``).
     """
-    out = []
+    out, missing = [], []
     for name, module in model.named_modules():
         config = layer_config(getattr(module, "quant_method", None), module, target, name=name)
         if config is None:
             continue
-        out.append(PlannedLayer(name, module, config, plan_for(config, target=target)))
+        try:
+            out.append(PlannedLayer(name, module, config, plan_for(config, target=target)))
+        except NoPlan as exc:
+            # the reason without the layer's own name, so equal reasons group together
+            missing.append((name, str(exc).replace(f" (layer {name})", "")
+                            .replace(f"(layer {name})", "").rstrip(".")))
+    if missing:
+        raise UnplannedLayers(missing)
     return out
 
 
@@ -116,6 +152,34 @@ def _module_of(model: torch.nn.Module, modules: Mapping[str, torch.nn.Module], n
     return modules[mod], leaf
 
 
+def _check_shapes(modules: Mapping[str, torch.nn.Module], tensors: Mapping[str, torch.Tensor],
+                  planned: Iterable[PlannedLayer]) -> None:
+    """Shape and dtype of every exported tensor against the engine's meta model,
+    except those a TRANSFORM stage of their layer's plan writes.
+
+    Raises:
+        ModelMismatch: names the first tensor that differs, with both shapes/dtypes.
+    """
+    transformed = {p.name: {w for s in p.plan.stages if s.tag is Tag.TRANSFORM for w in s.writes}
+                   for p in planned}
+    for name, t in tensors.items():
+        mod_name, leaf = _split(name)
+        module = modules.get(mod_name)
+        if module is None or leaf in transformed.get(mod_name, ()):
+            continue
+        mine = module._parameters.get(leaf)
+        if mine is None:
+            mine = module._buffers.get(leaf)
+        if mine is None:
+            continue
+        if tuple(mine.shape) != tuple(t.shape) or mine.dtype != t.dtype:
+            raise ModelMismatch(
+                f"the daemon exports {name!r} as {list(t.shape)} {t.dtype} but the engine's "
+                f"model expects {list(mine.shape)} {mine.dtype}: daemon and engine were started "
+                f"with different engine arguments (e.g. hf_overrides, max_model_len); restart "
+                f"the daemon with the engine's arguments.")
+
+
 def install_tensors_(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
                      kinds: Mapping[str, str], persistent: Mapping[str, bool],
                      aliases: Mapping[str, str], planned: Iterable[PlannedLayer]) -> None:
@@ -124,13 +188,19 @@ def install_tensors_(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
     Canonical tensors become plain ``nn.Parameter(requires_grad=False)`` or
     buffers (with their persistence); aliases are registered as the *same*
     object. A tensor the model has no slot for is accepted only when the plan
-    of its layer declares it as a write.
+    of its layer declares it as a write. Every tensor whose slot the meta model
+    already has, and which no TRANSFORM stage of its layer's plan writes (so the
+    daemon could not have reshaped it), must have the meta tensor's shape and
+    dtype; all of this is checked before the model is changed.
 
     Raises:
-        ModelMismatch: an exported tensor that the model cannot hold.
+        ModelMismatch: an exported tensor that the model cannot hold, or of
+            another shape or dtype than the engine's (code ``model-mismatch``).
     """
     modules = dict(model.named_modules(remove_duplicate=False))
+    planned = list(planned)
     plan_writes = {p.name: {w for s in p.plan.stages for w in s.writes} for p in planned}
+    _check_shapes(modules, tensors, planned)
     objects: dict[str, torch.Tensor] = {}
     for name in tensors:
         canonical = aliases.get(name, name)
