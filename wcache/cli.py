@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", help="only plans of this method (e.g. awq)")
 
     for name, helptext in (("status", "show every daemon in the socket directory: key, memory "
-                                      "held, clients, uptime"),
+                                      "held, clients, uptime; then every other live daemon of "
+                                      "yours (other socket dirs, or a socket removed)"),
                            ("stop", "ask daemons to shut down (all, or one device)")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("--socket-dir", help="socket directory (default: $XDG_RUNTIME_DIR/wcache "

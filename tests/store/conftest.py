@@ -30,3 +30,11 @@ def daemon(sock_dir, key):
     server = DaemonServer(synthetic_export(), key, socket_dir=sock_dir).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(autouse=True)
+def private_registry(tmp_path_factory, monkeypatch):
+    """Daemons started by a test record themselves in a private registry dir, so
+    other daemons on this machine (other tests', other sessions') never show up."""
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))

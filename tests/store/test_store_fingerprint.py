@@ -1,6 +1,9 @@
 """Checkpoint content fingerprint: content-sensitive, cached by stat, streamable."""
 
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -42,10 +45,10 @@ def test_second_call_only_stats(tmp_path, monkeypatch):
     cache = str(tmp_path / "cache.json")
     first = checkpoint_digest(str(d), cache)
 
-    def boom(path):
+    def boom(fd, size, path):
         raise AssertionError(f"hashed {path} again")
 
-    monkeypatch.setattr(fp, "_hash_path", boom)
+    monkeypatch.setattr(fp, "_hash_fd", boom)
     assert first == checkpoint_digest(str(d), cache)
 
 
@@ -75,7 +78,7 @@ def test_streaming_digest_equals_file_digest_and_fills_cache(tmp_path, monkeypat
     data, digest = fp.read_file_digest(path, cache)
     assert open(path, "rb").read() == data
     cache.save()
-    monkeypatch.setattr(fp, "_hash_path", lambda p: (_ for _ in ()).throw(AssertionError("rehashed")))
+    monkeypatch.setattr(fp, "_hash_fd", lambda fd, size, p: (_ for _ in ()).throw(AssertionError("rehashed")))
     assert digest == fp.digest_file(path, fp.DigestCache(str(tmp_path / "cache.json")))
 
 
@@ -102,3 +105,92 @@ def test_hidden_dirs_skipped_and_nested_files_found(tmp_path):
     (tmp_path / ".cache").mkdir()
     (tmp_path / ".cache" / "x.safetensors").write_bytes(b"junk")
     assert ["sub/config.json", "sub/model.safetensors"] == fp.checkpoint_files(str(tmp_path))
+
+
+def test_file_truncated_mid_hash_is_checkpoint_changed(tmp_path, monkeypatch):
+    """A shard that shrinks between two reads of the hash is a CheckpointChanged
+    (code checkpoint-changed) naming the file, not a crash or a digest."""
+    d = tmp_path / "m"
+    _write_checkpoint(d, 1.0)
+    shard = d / "model.safetensors"
+    monkeypatch.setattr(fp, "CHUNK_BYTES", 256)
+    real_read = fp._read_chunk
+    calls = []
+
+    def read_then_truncate(fd, buf, offset):
+        n = real_read(fd, buf, offset)
+        if not calls:
+            os.truncate(shard, 300)  # another process rewrites the shard meanwhile
+        calls.append(n)
+        return n
+
+    monkeypatch.setattr(fp, "_read_chunk", read_then_truncate)
+    with pytest.raises(StoreError, match="model.safetensors shrank") as err:
+        fp.digest_file(str(shard))
+    assert "checkpoint-changed" == err.value.code
+
+
+def test_vanished_file_is_checkpoint_changed(tmp_path):
+    """A file that disappears before it is hashed is a CheckpointChanged naming it."""
+    d = tmp_path / "m"
+    _write_checkpoint(d, 1.0)
+    with pytest.raises(StoreError, match="vanished") as err:
+        fp.digest_file(str(d / "gone.safetensors"))
+    assert "checkpoint-changed" == err.value.code
+
+
+# Big enough that hashing takes far longer than the truncating thread's delay
+# (sparse, so it costs no disk); the delay lets the hash start first.
+TRUNCATE_FILE_BYTES = 2 << 30
+TRUNCATE_DELAY_S = 0.05
+
+
+def test_truncation_during_hash_never_kills_the_process(tmp_path):
+    """A file truncated while it is hashed gives a clear error in a process that survives
+    (with an mmap-based hash, the process dies of SIGBUS)."""
+    path = tmp_path / "model.safetensors"
+    with open(path, "wb") as f:
+        f.truncate(TRUNCATE_FILE_BYTES)
+    code = textwrap.dedent(f"""
+        import os, threading, time
+        from wcache.store import StoreError
+        from wcache.store.fingerprint import digest_file
+        def cut():
+            time.sleep({TRUNCATE_DELAY_S})
+            os.truncate({str(path)!r}, 4096)
+        threading.Thread(target=cut).start()
+        try:
+            digest_file({str(path)!r})
+            print("NO-ERROR")
+        except StoreError as e:
+            print("CODE", e.code)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (0, "CODE checkpoint-changed") == (proc.returncode, proc.stdout.strip()), proc.stderr
+
+
+def test_swapped_shard_after_stats_is_refused(tmp_path):
+    """An atomic rename of another shard over the stat-ed one (same size, other bytes)
+    is refused by verify_checkpoint_unchanged, naming the shard."""
+    d = tmp_path / "m"
+    _write_checkpoint(d, 1.0)
+    before = fp.checkpoint_stats(str(d))
+    fp.verify_checkpoint_unchanged(str(d), before)  # unchanged: no error
+    _write_checkpoint(tmp_path / "b", 2.0)
+    os.replace(tmp_path / "b" / "model.safetensors", d / "model.safetensors")
+    with pytest.raises(StoreError, match=r"model\.safetensors") as err:
+        fp.verify_checkpoint_unchanged(str(d), before)
+    assert "checkpoint-changed" == err.value.code
+
+
+def test_swapped_directory_after_stats_is_refused(tmp_path):
+    """Renaming a whole other checkpoint directory into place is refused too."""
+    d = tmp_path / "m"
+    _write_checkpoint(d, 1.0)
+    before = fp.checkpoint_stats(str(d))
+    _write_checkpoint(tmp_path / "b", 1.0)  # identical bytes, other files
+    os.rename(d, tmp_path / "old")
+    os.rename(tmp_path / "b", d)
+    with pytest.raises(StoreError, match="changed while it was loaded") as err:
+        fp.verify_checkpoint_unchanged(str(d), before)
+    assert "checkpoint-changed" == err.value.code

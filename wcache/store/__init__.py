@@ -16,11 +16,12 @@ Engine side::
 
 from wcache.store.client import Attachment, attach, cli_status, cli_stop, daemon_status, shutdown_daemon
 from wcache.store.errors import (
-    DaemonBusy, DaemonMissing, KeyMismatch, PeerRefused, ProtocolError, Released, StoreError,
+    CheckpointChanged, DaemonBusy, DaemonMissing, KeyMismatch, PeerRefused, ProtocolError, Released, StoreError,
     TransportFailed, UnsafePath,
 )
 from wcache.store.fingerprint import (
-    DigestCache, DigestingReader, checkpoint_digest, checkpoint_key_fields, digest_file, read_file_digest,
+    DigestCache, DigestingReader, checkpoint_digest, checkpoint_key_fields, checkpoint_stats,
+    digest_file, read_file_digest, verify_checkpoint_unchanged,
 )
 from wcache.store.manifest import CacheKey, Export, Manifest
 from wcache.store.paths import default_socket_dir, socket_path
@@ -28,9 +29,10 @@ from wcache.store.server import DaemonServer, serve
 
 __all__ = [
     "Export", "CacheKey", "Manifest", "DaemonServer", "serve", "attach", "Attachment",
-    "checkpoint_digest", "checkpoint_key_fields", "digest_file", "read_file_digest", "DigestCache",
+    "checkpoint_digest", "checkpoint_key_fields", "checkpoint_stats", "verify_checkpoint_unchanged",
+    "digest_file", "read_file_digest", "DigestCache",
     "DigestingReader", "default_socket_dir", "socket_path", "daemon_status", "shutdown_daemon",
     "cli_status", "cli_stop",
     "StoreError", "DaemonMissing", "KeyMismatch", "TransportFailed", "ProtocolError", "DaemonBusy",
-    "Released", "UnsafePath", "PeerRefused",
+    "Released", "UnsafePath", "PeerRefused", "CheckpointChanged",
 ]

@@ -371,24 +371,32 @@ def shutdown_daemon(sock_path: str, wait_s: float = STOP_WAIT_S) -> bool:
     return False
 
 
+#: Probe of a daemon found in the registry (seconds): a live local daemon answers
+#: in milliseconds; this only bounds `wcache status` when one hangs.
+STATUS_PROBE_S = 1.0
+
+
 def _fmt_bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def cli_status(socket_dir: str | None) -> int:
-    """Print every daemon in a socket dir. Returns 0 when at least one answers,
-    3 when none is running (1 when the dir is unsafe)."""
+    """Print every daemon in a socket dir, then every other live daemon of this
+    user (other socket dirs, or a socket file gone). Returns 0 when at least one
+    answers in the dir, 3 when none does (1 when the dir is unsafe)."""
     d = os.path.abspath(socket_dir or paths.default_socket_dir())
     try:
         paths.ensure_socket_dir(d, create=False)
     except FileNotFoundError:
         print(f"no daemons: {d} does not exist")
+        _print_other_daemons(set())
         return 3
     except UnsafePath as e:
         print(f"error [{e.code}]: {e}")
         return 1
     found = 0
-    for sock in paths.list_sockets(d):
+    socks = paths.list_sockets(d)
+    for sock in socks:
         try:
             st = daemon_status(sock)
         except StoreError as e:
@@ -396,15 +404,38 @@ def cli_status(socket_dir: str | None) -> int:
             print(f"{sock}: {'not answering' if alive else 'stale (owner dead)'} [{e.code}]")
             continue
         found += 1
-        print(f"{sock}\n  pid {st['pid']}  device {st['device_id']} ({st['transport']})  up {st['uptime_s']:.0f} s\n"
-              f"  holds {_fmt_bytes(st['bytes_held'])} in {st['tensors']} tensors (+{st['aliases']} aliases)\n"
-              f"  clients {st['clients_connected']}  attachments {st['attachments_active']} active, "
-              f"{st['attachments_total']} served\n  key {st['key_digest'][:16]}  fields "
-              f"{', '.join(sorted(st['key_fields']))}")
+        _print_status(sock, st)
     if not found:
         print(f"no daemons answer in {d}")
-        return 3
-    return 0
+    _print_other_daemons(set(socks))
+    return 0 if found else 3
+
+
+def _print_status(sock: str, st: dict[str, Any]) -> None:
+    print(f"{sock}\n  pid {st['pid']}  device {st['device_id']} ({st['transport']})  up {st['uptime_s']:.0f} s\n"
+          f"  holds {_fmt_bytes(st['bytes_held'])} in {st['tensors']} tensors (+{st['aliases']} aliases)\n"
+          f"  clients {st['clients_connected']}  attachments {st['attachments_active']} active, "
+          f"{st['attachments_total']} served\n  key {st['key_digest'][:16]}  fields "
+          f"{', '.join(sorted(st['key_fields']))}")
+
+
+def _print_other_daemons(listed: set[str]) -> None:
+    """Every other live daemon of this user (from :func:`paths.registered_daemons`):
+    those of other socket dirs, and any whose socket file is gone (unreachable
+    by engines; stop it with ``kill <pid>``)."""
+    others = [r for r in paths.registered_daemons() if r["socket"] not in listed]
+    if not others:
+        return
+    print(f"other live daemons of uid {os.getuid()}:")
+    for rec in others:
+        try:
+            st = daemon_status(rec["socket"], connect_timeout_s=STATUS_PROBE_S)
+        except StoreError as e:
+            print(f"{rec['socket']}\n  pid {rec['pid']}  device {rec['device_id']}  UNREACHABLE "
+                  f"[{e.code}]: its socket is gone or not answering; stop it with "
+                  f"`kill {rec['pid']}`")
+            continue
+        _print_status(rec["socket"], st)
 
 
 def cli_stop(socket_dir: str | None, device: str | None) -> int:

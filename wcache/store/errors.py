@@ -9,7 +9,7 @@ from wcache.core import WcacheError
 
 __all__ = [
     "StoreError", "DaemonMissing", "KeyMismatch", "TransportFailed", "ProtocolError",
-    "DaemonBusy", "Released", "UnsafePath", "PeerRefused",
+    "DaemonBusy", "Released", "UnsafePath", "PeerRefused", "CheckpointChanged",
 ]
 
 
@@ -76,3 +76,11 @@ class PeerRefused(StoreError, PermissionError):
     """The peer on the socket runs as another user (SO_PEERCRED check)."""
 
     code = "peer-refused"
+
+
+class CheckpointChanged(StoreError):
+    """A checkpoint file changed, shrank, vanished or could not be read while it
+    was hashed or loaded, so no key can describe the bytes that were read. Wait
+    until the checkpoint is fully written, then start again."""
+
+    code = "checkpoint-changed"

@@ -4,8 +4,16 @@ Two checkpoints with the same tensor names and shapes but different values get
 different digests (the bytes are hashed, not the safetensors header; compare
 vllm#59647 in reference/anchors.md). Digests are cached per user, keyed by
 ``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)``, so the engine's check
-on a second call costs one ``stat`` per file. The daemon, which reads the files
-anyway, can hash while streaming (:class:`DigestingReader`) and fill the cache.
+on a second call costs one ``stat`` per file. Files are read with ``pread`` into
+one reused buffer, never mapped, so a file truncated while it is hashed is a
+:class:`CheckpointChanged` error (reason code ``checkpoint-changed``), not a SIGBUS.
+
+The daemon's key must describe the bytes it loaded. vLLM's loaders open the
+files themselves (safetensors maps them), so the daemon cannot hash as they
+read; it takes :func:`checkpoint_stats` and the digests *before* the load and
+calls :func:`verify_checkpoint_unchanged` *after* prepare: any file written,
+replaced (new inode, e.g. an atomic rename of the shard or of its directory),
+added or removed in between is refused.
 """
 
 from __future__ import annotations
@@ -20,13 +28,13 @@ import time
 
 import blake3
 
-from wcache.store.errors import StoreError
+from wcache.store.errors import CheckpointChanged, StoreError
 from wcache.store.manifest import canonical_json
 
 __all__ = [
     "WEIGHT_SUFFIXES", "CONFIG_SUFFIXES", "checkpoint_digest", "checkpoint_files", "digest_file",
     "DigestCache", "DigestingReader", "read_file_digest", "default_digest_cache_path",
-    "checkpoint_key_fields",
+    "checkpoint_key_fields", "checkpoint_stats", "verify_checkpoint_unchanged",
 ]
 
 log = logging.getLogger("wcache.store")
@@ -116,25 +124,72 @@ class DigestCache:
             os.close(lock_fd)
 
 
-def _hash_path(path: str) -> str:
+def _read_chunk(fd: int, buf: memoryview, offset: int) -> int:
+    """``pread`` into ``buf`` at ``offset``; the byte count (0 at end of file)."""
+    return os.preadv(fd, [buf], offset)
+
+
+def _hash_fd(fd: int, size: int, path: str) -> str:
+    """blake3 of the first ``size`` bytes of an open file, read with ``pread``
+    into one reused buffer (never ``mmap``: a file truncated under a mapping
+    kills the reader with SIGBUS, and network filesystems fail the same way).
+
+    Raises:
+        CheckpointChanged: the file ended before ``size`` bytes (it shrank).
+    """
     h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    h.update_mmap(path)
+    buf = memoryview(bytearray(min(CHUNK_BYTES, max(size, 1))))
+    offset = 0
+    while offset < size:
+        n = _read_chunk(fd, buf[:min(len(buf), size - offset)], offset)
+        if n <= 0:
+            raise CheckpointChanged(f"{path} shrank from {size} to {offset} bytes while it was "
+                                    f"hashed; retry once it is fully written")
+        h.update(buf[:n])
+        offset += n
     return h.hexdigest()
+
+
+def _hash_path(path: str) -> str:
+    """blake3 hex digest of a whole file (no cache, no stat checks)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return _hash_fd(fd, os.fstat(fd).st_size, path)
+    finally:
+        os.close(fd)
 
 
 def digest_file(path: str, cache: DigestCache | None = None) -> str:
     """blake3 hex digest of one file's bytes, from the cache when its stat matches.
 
     Raises:
-        StoreError: the file changed while it was hashed.
+        CheckpointChanged: the file vanished, shrank, changed or could not be
+            read while it was hashed (reason code ``checkpoint-changed``).
     """
     real = os.path.realpath(path)
-    st = os.stat(real)
-    if cache is not None and (hit := cache.get(real, st)) is not None:
-        return hit
-    digest = _hash_path(real) if st.st_size else blake3.blake3().hexdigest()
-    if _stat_key(os.stat(real)) != _stat_key(st):
-        raise StoreError(f"{path} changed while it was hashed; retry once it is fully written")
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError as e:
+        raise CheckpointChanged(f"{path} vanished before it could be hashed") from e
+    except OSError as e:
+        raise CheckpointChanged(f"{path} cannot be opened for hashing: {e}") from e
+    try:
+        st = os.fstat(fd)
+        if cache is not None and (hit := cache.get(real, st)) is not None:
+            return hit
+        try:
+            digest = _hash_fd(fd, st.st_size, path)
+        except OSError as e:  # EIO from a network filesystem, a disk error
+            raise CheckpointChanged(f"{path} could not be read while it was hashed: {e}") from e
+        try:
+            after = os.stat(real)
+        except FileNotFoundError as e:
+            raise CheckpointChanged(f"{path} vanished while it was hashed") from e
+        if _stat_key(after) != _stat_key(st) or _stat_key(os.fstat(fd)) != _stat_key(st):
+            raise CheckpointChanged(f"{path} changed while it was hashed; retry once it is "
+                                    f"fully written")
+    finally:
+        os.close(fd)
     if cache is not None:
         cache.put(real, st, digest)
     return digest
@@ -192,6 +247,46 @@ def checkpoint_key_fields(model_dir: str, cache_path: str | None = None) -> dict
     """Key fields for a checkpoint: ``{"checkpoint": <blake3 of the per-file digests>}``."""
     files = checkpoint_digest(model_dir, cache_path)
     return {"checkpoint": blake3.blake3(canonical_json(files).encode()).hexdigest()}
+
+
+def checkpoint_stats(model_dir: str) -> dict[str, list[int]]:
+    """``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)`` of every checkpoint file
+    (symlinks followed, as the loader opens them), by relative path.
+
+    Raises:
+        StoreError: see :func:`checkpoint_files`.
+        CheckpointChanged: a file vanished while the list was taken.
+    """
+    out = {}
+    for rel in checkpoint_files(model_dir):
+        try:
+            out[rel] = _stat_key(os.stat(os.path.join(model_dir, rel)))
+        except FileNotFoundError as e:
+            raise CheckpointChanged(f"{os.path.join(model_dir, rel)} vanished while the "
+                                    f"checkpoint was listed") from e
+    return out
+
+
+def verify_checkpoint_unchanged(model_dir: str, before: dict[str, list[int]]) -> None:
+    """Refuse when any checkpoint file differs from ``before`` (from
+    :func:`checkpoint_stats`): added, removed, replaced (another inode, as after an
+    atomic rename of the file or of its directory), or written (size, mtime or
+    ctime moved; ctime moves on every write, even when mtime is restored).
+
+    Raises:
+        CheckpointChanged: names the changed files.
+    """
+    try:
+        now = checkpoint_stats(model_dir)
+    except StoreError as e:
+        raise CheckpointChanged(f"checkpoint {model_dir} changed while it was loaded: {e}") from e
+    changed = sorted(rel for rel in before.keys() | now.keys() if before.get(rel) != now.get(rel))
+    if changed:
+        raise CheckpointChanged(
+            f"checkpoint {model_dir} changed while it was loaded (files {changed[:5]}"
+            f"{' ...' if len(changed) > 5 else ''}): the loaded weights may not be the bytes "
+            f"the key describes, so they are not served. Start again once the checkpoint is "
+            f"fully written.")
 
 
 class DigestingReader(io.RawIOBase):

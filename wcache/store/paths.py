@@ -29,7 +29,8 @@ __all__ = [
     "default_socket_dir", "ensure_socket_dir", "socket_path", "lock_path", "pid_path",
     "check_socket_file", "process_start_time", "read_pid_file", "claim_socket_path",
     "write_pid_file", "owner_alive", "acquire_device_lock", "socket_accepts",
-    "default_device_id", "list_sockets", "parse_device", "cuda_device_uuid", "SOCKET_PREFIX", "SOCKET_SUFFIX",
+    "default_device_id", "list_sockets", "registry_dir", "register_daemon", "unregister_daemon",
+    "registered_daemons", "parse_device", "cuda_device_uuid", "SOCKET_PREFIX", "SOCKET_SUFFIX",
 ]
 
 # A sun_path holds 108 bytes including the terminating NUL (Linux <sys/un.h>).
@@ -45,13 +46,89 @@ _DEVICE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 PROBE_TIMEOUT_S = 1.0
 
 
+def _usable_runtime_dir(path: str | None) -> bool:
+    """An ``$XDG_RUNTIME_DIR`` we may use: an existing directory of ours that we
+    can write to (tmp cleaners do not age it; the session owns it)."""
+    if not path or not os.path.isabs(path):
+        return False
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+            and os.access(path, os.W_OK | os.X_OK))
+
+
 def default_socket_dir() -> str:
-    """``$XDG_RUNTIME_DIR/wcache`` when that runtime dir exists, else
-    ``/tmp/wcache-<uid>``."""
+    """``$XDG_RUNTIME_DIR/wcache`` when that runtime dir is set and usable (ours,
+    writable), else ``/tmp/wcache-<uid>`` (which tmp cleaners may empty: the
+    daemon re-binds a vanished socket, and the registry below still lists it)."""
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isdir(runtime):
+    if _usable_runtime_dir(runtime):
         return os.path.join(runtime, "wcache")
     return f"/tmp/wcache-{os.getuid()}"
+
+
+def registry_dir() -> str:
+    """Where every live daemon of this user records itself, whatever its socket
+    dir: ``$XDG_RUNTIME_DIR/wcache-daemons`` when usable, else
+    ``$XDG_STATE_HOME/wcache/daemons`` (default ``~/.local/state``), never /tmp."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if _usable_runtime_dir(runtime):
+        return os.path.join(runtime, "wcache-daemons")
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                            "state")
+    return os.path.join(base, "wcache", "daemons")
+
+
+def _registry_file(pid: int, device_id: str) -> str:
+    return os.path.join(registry_dir(), f"{pid}-{device_id}.json")
+
+
+def register_daemon(sock: str, device_id: str) -> str:
+    """Record this process as the daemon of ``sock`` in :func:`registry_dir`;
+    returns the record's path (remove it with :func:`unregister_daemon`)."""
+    ensure_socket_dir(registry_dir())
+    path = _registry_file(os.getpid(), device_id)
+    rec = {"pid": os.getpid(), "start_time": process_start_time(os.getpid()),
+           "socket": sock, "device_id": device_id}
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
+    with os.fdopen(fd, "w") as f:
+        json.dump(rec, f)
+    os.replace(tmp, path)
+    return path
+
+
+def unregister_daemon(path: str) -> None:
+    """Remove a record written by :func:`register_daemon` (no error when gone)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def registered_daemons() -> list[dict]:
+    """Records of this user's live daemons (pid alive with the recorded start
+    time); records of dead daemons are removed."""
+    d = registry_dir()
+    try:
+        names = sorted(os.listdir(d))
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        if not name.endswith(".json"):
+            continue
+        path = os.path.join(d, name)
+        rec = read_pid_file(path)
+        if rec is None or not isinstance(rec.get("socket"), str):
+            continue
+        if owner_alive(rec):
+            out.append(rec)
+        else:
+            unregister_daemon(path)
+    return out
 
 
 def default_device_id(device: str = "cpu", index: int | None = None) -> str:

@@ -52,6 +52,9 @@ ACCEPT_POLL_S = 0.2
 # Once a frame has started, its remaining bytes must arrive within this time
 # (a manifest-sized request is tiny; only a stalled or hostile client is slower).
 FRAME_TIMEOUT_S = 30.0
+# How often the daemon checks that its socket file is still the one it bound
+# (tmp cleaners may delete it); a vanished socket is re-bound within this time.
+SOCKET_WATCH_S = 1.0
 # stop() waits at most this long for each handler thread to finish.
 JOIN_TIMEOUT_S = 5.0
 _PEERCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
@@ -115,6 +118,8 @@ class DaemonServer:
         self._manifest_dict = self.manifest.to_dict()
         self._listener: socket.socket | None = None
         self._socket_ino: int | None = None
+        self._registry_path: str | None = None
+        self._next_watch = 0.0
         self._accept_thread: threading.Thread | None = None
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._conns_lock = threading.Lock()
@@ -137,6 +142,24 @@ class DaemonServer:
             return self
         if self._stopping.is_set():
             raise StoreError("this DaemonServer was stopped; build a new one")
+        self._listener = self._bind()
+        try:
+            self._registry_path = paths.register_daemon(self.socket_path, self.device_id)
+        except OSError as e:  # the daemon still serves; only `wcache status` elsewhere misses it
+            log.warning("could not record this daemon in %s: %s", paths.registry_dir(), e)
+        self._started_at = time.monotonic()
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="wcache-accept", daemon=True)
+        self._accept_thread.start()
+        log.info("daemon pid %d serving %s (%s, %.1f MiB, key %s)", os.getpid(), self.socket_path,
+                 self.transport, self.nbytes / 2**20, self.key.digest[:16])
+        return self
+
+    def _bind(self) -> socket.socket:
+        """Bind and listen on :attr:`socket_path`, write the pid file; the listener.
+
+        Raises:
+            StoreError: the socket cannot be bound.
+        """
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             listener.bind(self.socket_path)
@@ -148,13 +171,43 @@ class DaemonServer:
         except OSError as e:
             listener.close()
             raise StoreError(f"cannot bind {self.socket_path}: {e}") from e
-        self._listener = listener
-        self._started_at = time.monotonic()
-        self._accept_thread = threading.Thread(target=self._accept_loop, name="wcache-accept", daemon=True)
-        self._accept_thread.start()
-        log.info("daemon pid %d serving %s (%s, %.1f MiB, key %s)", os.getpid(), self.socket_path,
-                 self.transport, self.nbytes / 2**20, self.key.digest[:16])
-        return self
+        return listener
+
+    def _socket_is_ours(self) -> bool:
+        try:
+            return os.lstat(self.socket_path).st_ino == self._socket_ino
+        except FileNotFoundError:
+            return False
+
+    def _watch_socket(self) -> None:
+        """Re-bind when our socket file vanished (a tmp cleaner, a removed dir), so
+        no daemon keeps an arena that no engine and no ``wcache status`` can reach.
+        When another live daemon took this device meanwhile, this one stops."""
+        now = time.monotonic()
+        if now < self._next_watch:
+            return
+        self._next_watch = now + SOCKET_WATCH_S
+        if self._socket_is_ours():
+            return
+        log.warning("socket %s vanished or was replaced; re-binding", self.socket_path)
+        try:
+            paths.ensure_socket_dir(self.socket_dir)
+            lock = paths.lock_path(self.socket_path)
+            if not os.path.exists(lock) or os.stat(lock).st_ino != os.fstat(self._lock_fd).st_ino:
+                new_lock = paths.acquire_device_lock(self.socket_path)
+                os.close(self._lock_fd)
+                self._lock_fd = new_lock
+            paths.claim_socket_path(self.socket_path)
+            listener = self._bind()
+        except (StoreError, OSError) as e:
+            log.error("cannot re-bind %s (%s); stopping this daemon so that it is not left "
+                      "unreachable", self.socket_path, e)
+            self._shutdown_requested.set()
+            self.stop()  # from the accept thread: stop() does not join it
+            return
+        old, self._listener = self._listener, listener
+        old.close()
+        log.warning("re-bound %s", self.socket_path)
 
     def serve_forever(self) -> None:
         """Serve until a client sends ``shutdown`` or :meth:`stop` is called."""
@@ -184,6 +237,8 @@ class DaemonServer:
             if self._listener is not None:
                 self._listener.close()
                 self._remove_own_files()
+            if self._registry_path is not None:
+                paths.unregister_daemon(self._registry_path)
             with self._conns_lock:
                 conns = dict(self._conns)
             for conn in conns:
@@ -225,6 +280,9 @@ class DaemonServer:
 
     def _accept_loop(self) -> None:
         while not self._stopping.is_set():
+            self._watch_socket()
+            if self._stopping.is_set():
+                return
             try:
                 conn, _ = self._listener.accept()
             except socket.timeout:

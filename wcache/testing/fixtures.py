@@ -57,7 +57,7 @@ from wcache.core import WcacheError
 
 __all__ = [
     "FORMATS", "QUANTIZED_FORMATS", "BUILDER_VERSION", "GROUP_SIZE", "FixtureError",
-    "build", "build_all", "build_variant", "fixture_path", "fixtures_root", "gguf_path",
+    "build", "build_all", "build_variant", "build_with_lm_head", "fixture_path", "fixtures_root", "gguf_path",
     "convert_state_dict", "quantized_linear_prefixes", "is_quantized_linear_weight",
     "awq_quantize", "gptq_quantize", "ct_w4a16_compress", "ct_w8a8_int8_compress",
     "dequantize_linear", "pack_int4_cols", "unpack_int4_cols", "pack_int4_rows",
@@ -779,6 +779,42 @@ def build_variant(base_dir: str | os.PathLike, out_dir: str | os.PathLike,
             metadata = f.metadata()
         changed = {**tensors, change: _flip_lowest_bit(tensors[change], index)}
         save_file(changed, tmp / holders[0].name, metadata=metadata)
+    return final
+
+
+def build_with_lm_head(base_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """Copy a tied checkpoint (``tie_word_embeddings`` true, no ``lm_head.weight``)
+    and store a duplicate ``lm_head.weight`` (a copy of ``model.embed_tokens.weight``),
+    as quantization and fine-tuning tools often write. vLLM unties such a model
+    to load both tensors, then re-ties them (``maybe_retie_word_embeddings``).
+
+    Args:
+        base_dir: a single-file tied fixture folder (e.g. ``fixture_path("bf16")``).
+        out_dir: where the copy goes; replaced if it exists.
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        FixtureError: the base stores ``lm_head.weight`` already, or no embedding.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    base, final = Path(base_dir), Path(out_dir)
+    weights = base / WEIGHTS_FILE
+    tensors = load_file(weights)
+    if "lm_head.weight" in tensors or "model.embed_tokens.weight" not in tensors:
+        raise FixtureError(f"{base} must store model.embed_tokens.weight and no lm_head.weight",
+                           code="fixture-variant")
+    with atomic_folder(final) as tmp:
+        for src in sorted(base.iterdir()):
+            if src.is_file() and src != weights:
+                shutil.copy2(src, tmp / src.name)
+        with safe_open(weights, "pt") as f:
+            metadata = f.metadata()
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+        save_file(tensors, tmp / WEIGHTS_FILE, metadata=metadata)
     return final
 
 

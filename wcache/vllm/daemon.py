@@ -55,18 +55,23 @@ def build_export(vllm_config: Any, *, progress: bool = True):
 
     Raises:
         NoPlan: a layer's method has no plan (before any weight is read).
+        CheckpointChanged: a checkpoint file changed between the digest taken
+            before the load and the end of prepare; nothing is served.
     """
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader  # noqa
     from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: PLC0415
 
-    from wcache.core import Target  # noqa: PLC0415
+    from wcache.vllm.probe import host_target  # noqa: PLC0415
     from wcache.store import Export  # noqa: PLC0415
+    from wcache.store.fingerprint import (  # noqa: PLC0415
+        checkpoint_digest, checkpoint_stats, verify_checkpoint_unchanged,
+    )
     from wcache.vllm.key import build_key, parallel_layout  # noqa: PLC0415
     from wcache.vllm.model import export_tensors, layer_entries, plan_ids, planned_layers  # noqa
 
     model_config = vllm_config.model_config
     device = torch.device(vllm_config.device_config.device)
-    target = Target.detect(device)
+    target = host_target(device)
     loader = DefaultModelLoader(vllm_config.load_config)
     t0 = time.perf_counter()
     with set_default_torch_dtype(model_config.dtype), device:
@@ -80,7 +85,13 @@ def build_export(vllm_config: Any, *, progress: bool = True):
     layout = parallel_layout()
     logger.info("wcache: loading weights of %s (rank tp%d/pp%d)", model_config.model,
                 layout["tp_rank"], layout["pp_rank"])
+    # The key must describe the bytes loaded: digest and stat every file before the
+    # load, and refuse after prepare if any file changed meanwhile (vLLM's loader
+    # opens the files itself, so they cannot be hashed as it reads them).
+    checkpoint_before = checkpoint_stats(model_config.model)
+    checkpoint = checkpoint_digest(model_config.model)
     loader.load_weights(model, model_config)
+    _retie_word_embeddings_(model, model_config)
     t_load = time.perf_counter()
     prepared = {}
     iterator = planned
@@ -94,7 +105,8 @@ def build_export(vllm_config: Any, *, progress: bool = True):
     t_prep = time.perf_counter()
     tensors, kinds, aliases, nonpersistent = export_tensors(model)
     layers = layer_entries(planned, prepared)
-    key = build_key(model_config, layout, plan_ids(planned), target)
+    verify_checkpoint_unchanged(model_config.model, checkpoint_before)
+    key = build_key(model_config, layout, plan_ids(planned), target, checkpoint=checkpoint)
     export = Export(tensors=tensors, kinds=kinds, aliases=aliases, layers=layers,
                     nonpersistent=nonpersistent,
                     extra={"model": str(model_config.model), "layout": layout,
@@ -102,6 +114,24 @@ def build_export(vllm_config: Any, *, progress: bool = True):
     logger.info("wcache: load %.2f s, prepare %.2f s (%d layers), %d tensors, %d aliases",
                 t_load - t0, t_prep - t_load, len(planned), len(tensors), len(aliases))
     return export, key
+
+
+def _retie_word_embeddings_(model: torch.nn.Module, model_config: Any) -> None:
+    """Re-tie ``lm_head`` to the input embeddings as vLLM's disk load does
+    (``process_weights_after_loading`` calls ``maybe_retie_word_embeddings``
+    first): a checkpoint that stores a duplicate ``lm_head.weight`` with
+    ``tie_word_embeddings=true`` gets one shared tensor, which the export then
+    records as an alias.
+
+    Source: vllm/model_executor/model_loader/weight_tying.py::maybe_retie_word_embeddings
+    """
+    try:
+        from vllm.model_executor.model_loader.weight_tying import (  # noqa: PLC0415
+            maybe_retie_word_embeddings,
+        )
+    except ImportError:  # a vLLM without re-tying never unties either
+        return
+    maybe_retie_word_embeddings(model, model_config)
 
 
 def _init_distributed(vllm_config: Any, rank: int, world: int, init_method: str) -> None:

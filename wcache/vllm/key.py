@@ -39,6 +39,76 @@ def _quant_config_json(model_config: Any) -> str | None:
     return json.dumps(qc, sort_keys=True, default=str)
 
 
+#: vLLM ModelConfig hash factors that do not shape the weights: paths (the
+#: checkpoint's *content* is the ``checkpoint`` field, so a copy at another path
+#: matches) and run-time options (sleep mode, logprobs, generation defaults).
+#: Every other factor, including any vLLM adds later, is part of the key.
+NON_WEIGHT_FACTORS = frozenset({
+    "model", "model_weights", "tokenizer", "served_model_name", "max_logprobs",
+    "renderer_num_workers", "enable_sleep_mode", "sleep_mode_backend",
+    "sleep_mode_offload_cudagraph", "sleep_preserve_parameter_names",
+    "enable_cumem_allocator", "enable_nccl_comm_suspend", "generation_config",
+    "override_generation_config", "enable_prompt_embeds",
+})
+#: Factors vLLM's own hash leaves out but that shape the weights. ``hf_overrides``
+#: already reaches the hash through ``hf_config``; it is kept by name so that a
+#: mismatch names the override, not only the (large) resulting config.
+WEIGHT_FACTORS_VLLM_IGNORES = ("hf_overrides",)
+#: Prefix of the key fields that hold vLLM's ModelConfig factors.
+MODEL_FACTOR_PREFIX = "model_config."
+
+
+def _vllm_hash_factors(model_config: Any) -> dict[str, Any]:
+    """The factors ``ModelConfig.compute_hash`` hashes, captured from vLLM itself
+    (so its own ignore list and any factor it adds later apply)."""
+    from vllm.config import utils as config_utils  # noqa: PLC0415
+
+    captured: list[dict] = []
+    real = config_utils.hash_factors
+
+    def capture(items: dict) -> str:
+        captured.append(dict(items))
+        return real(items)
+
+    config_utils.hash_factors = capture
+    try:
+        model_config.compute_hash()
+    finally:
+        config_utils.hash_factors = real
+    if captured:
+        return captured[-1]
+    # vLLM changed how it hashes: take every field (more than needed is safe:
+    # a spurious mismatch is refused loudly, a missing factor would lie).
+    return config_utils.get_hash_factors(model_config, set())
+
+
+def model_config_factors(model_config: Any) -> dict[str, Any]:
+    """vLLM's ModelConfig hash factors that shape the weights, as JSON values, one
+    key field per factor (``model_config.<factor>``) so a mismatch names it.
+
+    ``hf_config`` / ``hf_text_config`` (vLLM hashes their JSON text) are parsed back
+    into objects so key diffs stay readable.
+    """
+    from vllm.config.utils import normalize_value  # noqa: PLC0415
+
+    factors = _vllm_hash_factors(model_config)
+    for name in WEIGHT_FACTORS_VLLM_IGNORES:
+        raw = getattr(model_config, name, None)
+        factors[name] = raw if isinstance(raw, (dict, type(None))) else normalize_value(raw)
+    out = {}
+    for name, value in sorted(factors.items()):
+        if name in NON_WEIGHT_FACTORS:
+            continue
+        if isinstance(value, str) and name.startswith("hf_") and value.startswith("{"):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass
+        out[MODEL_FACTOR_PREFIX + name] = json.loads(json.dumps(value, sort_keys=True,
+                                                                default=str))
+    return out
+
+
 def job_digest(model_config: Any, layout: dict[str, int], job: str = "") -> str:
     """What separates two jobs on one host: architecture, dtype, quantization and
     parallel sizes (not the path, so a changed copy of a checkpoint reaches the
@@ -62,18 +132,25 @@ def device_id(device: torch.device, model_config: Any, layout: dict[str, int], j
 
 
 def build_key(model_config: Any, layout: dict[str, int], plans: Iterable[str],
-              target: Target) -> CacheKey:
+              target: Target, *, checkpoint: dict[str, str] | None = None) -> CacheKey:
     """Everything that decides the exported bytes and their meaning.
 
     Fields: checkpoint content digests (per file, blake3; cached by stat so the
     engine only stats), architecture, dtype, quantization and its config,
-    revision, parallel layout, every plan id with stage versions, the Target,
-    and the wcache/vLLM/torch versions.
+    revision, every vLLM ModelConfig hash factor that shapes the weights
+    (:func:`model_config_factors`: ``hf_overrides``, ``hf_config``,
+    ``max_model_len``, ...), parallel layout, every plan id with stage versions,
+    the Target, and the wcache/vLLM/torch versions.
+
+    Args:
+        checkpoint: per-file digests already taken (the daemon takes them before
+            it loads); None computes them now.
     """
     import vllm  # noqa: PLC0415
 
     fields = {
-        "checkpoint": checkpoint_digest(model_config.model),
+        **model_config_factors(model_config),
+        "checkpoint": checkpoint if checkpoint is not None else checkpoint_digest(model_config.model),
         "model_arch": list(getattr(model_config.hf_config, "architectures", None) or []),
         "dtype": str(model_config.dtype),
         "quantization": model_config.quantization,
