@@ -33,3 +33,12 @@ def test_every_refusal_probe_is_refused():
     assert len(rows) == len(REFUSAL_PROBES)
     assert [case for case, reason in rows if reason.startswith("NOT REFUSED")] == []
     assert all(len(reason) > 40 for _, reason in rows)
+
+
+def test_every_cpu_plan_states_where_it_was_proven():
+    """docs/plans.md's proven-on table covers every CPU plan (and names no unknown plan)."""
+    from wcache.plans import all_plans
+    from wcache.plans.docs import PROVEN_ON
+
+    cpu_kernels = ("onednn", "torch_linear", "cpu_wna16", "scales", "default")
+    assert set(PROVEN_ON) == {p.id for p in all_plans() if p.kernel in cpu_kernels}

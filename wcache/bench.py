@@ -56,6 +56,7 @@ examples:
   wcache bench --device cpu --sizes tiny --layers 2 --formats bf16,awq --reps 1
   wcache bench --device cuda --sizes 1b,8b,30b --out results/gpu.json --plot docs/restore_cost.png
   wcache bench --cpu-engine --engine-formats bf16,awq
+  wcache bench --cpu-engine --cpu-build native,avx2 --engine-formats bf16,ct_w8a8_int8
 """
 
 
@@ -148,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-formats", type=_csv, default=None,
                    help="fixture formats for --cpu-engine (default: every fixture format: "
                         "bf16, awq, gptq, ct_w4a16, ct_w8a8_int8).")
+    p.add_argument("--cpu-build", type=_csv, default=("native",),
+                   help="vLLM CPU kernel libraries for --cpu-engine, comma-separated: native "
+                        "(what vLLM loads on this host) and/or avx2 (vLLM's AVX2 build, "
+                        "emulated on AVX512 hosts by capping torch, oneDNN and ATen to AVX2); "
+                        "default native.")
     p.add_argument("--engine-reps", type=int, default=DEFAULT_ENGINE_REPS,
                    help="engine starts per format and side for --cpu-engine (median; default 1; "
                         "an engine start takes 30-60 s on 2 cores).")
@@ -161,12 +167,18 @@ def _log(msg: str) -> None:
 # --------------------------------------------------------------------------- cpu engine
 
 
-def run_cpu_engine(formats: tuple[str, ...], reps: int, log=_log) -> list[dict[str, Any]]:
+def run_cpu_engine(formats: tuple[str, ...], reps: int, log=_log,
+                   cpu_build: str = "native") -> list[dict[str, Any]]:
     """Weight-load phase of the vLLM CPU engine from disk vs from a daemon.
+
+    Args:
+        cpu_build: ``native`` or ``avx2`` (vLLM's AVX2 kernel library, emulated on
+            AVX512 hosts; :mod:`wcache.testing.isa`). Formats that build's vLLM
+            cannot serve are skipped with the reason in their row.
 
     Returns:
         One row per format: ``disk_s``, ``restore_s`` (medians), all samples, the
-        load phases seen and ``ratio``.
+        load phases seen and ``ratio`` (``None`` with ``skipped`` for a skipped one).
 
     Raises:
         RuntimeError: an engine or daemon failed, or the restore fell back to disk.
@@ -174,22 +186,31 @@ def run_cpu_engine(formats: tuple[str, ...], reps: int, log=_log) -> list[dict[s
     import statistics
 
     from wcache.testing.fixtures import build
+    from wcache.testing.isa import build_env, probe, unservable_reason
     from wcache.vllm.process import DaemonProcess, run_engine
 
+    env = build_env(cpu_build)
+    library = probe(cpu_build)["kernels"]["cpu.kernel_library"]
     rows = []
     for fmt in formats:
+        reason = unservable_reason(fmt, probe(cpu_build)["kernels"])
+        if reason:
+            log(f"[engine {fmt} {library}] skipped: {reason}")
+            rows.append({"format": fmt, "build": cpu_build, "kernel_library": library,
+                         "skipped": reason, "ratio": None})
+            continue
         path = build(fmt)
         disk = []
         for _ in range(reps):
-            res = run_engine(path, "wcache_timed_auto", max_tokens=1)
+            res = run_engine(path, "wcache_timed_auto", max_tokens=1, env=env)
             disk.append(res["load"][-1]["seconds"])
-        log(f"[engine {fmt}] disk load phase {statistics.median(disk):.3f} s")
+        log(f"[engine {fmt} {library}] disk load phase {statistics.median(disk):.3f} s")
         restore, phases = [], []
         with tempfile.TemporaryDirectory(prefix="wcb-engine-") as sd:
-            with DaemonProcess(path, sd):
+            with DaemonProcess(path, sd, env=env):
                 for _ in range(reps):
                     res = run_engine(path, "wcache", extra={"socket_dir": sd, "fallback": False},
-                                     max_tokens=1)
+                                     max_tokens=1, env=env)
                     rec = res["load"][-1]
                     if rec.get("phase") != "restore":
                         raise RuntimeError(f"{fmt}: the engine did not restore from the daemon "
@@ -197,19 +218,25 @@ def run_cpu_engine(formats: tuple[str, ...], reps: int, log=_log) -> list[dict[s
                     phases.append(rec["phase"])
                     restore.append(rec["seconds"])
         d, r = statistics.median(disk), statistics.median(restore)
-        log(f"[engine {fmt}] daemon restore phase {r:.3f} s ({d / r:.1f}x)")
-        rows.append({"format": fmt, "fixture": str(path), "disk_s": d, "restore_s": r,
+        log(f"[engine {fmt} {library}] daemon restore phase {r:.3f} s ({d / r:.1f}x)")
+        rows.append({"format": fmt, "build": cpu_build, "kernel_library": library,
+                     "fixture": str(path), "disk_s": d, "restore_s": r,
                      "disk_s_all": disk, "restore_s_all": restore, "phases": phases,
                      "ratio": d / r if r > 0 else None})
     return rows
 
 
 def engine_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| format | disk weight-load s | daemon restore s | disk/restore |",
-             "|---|---:|---:|---:|"]
+    lines = ["| vLLM kernel library | format | disk weight-load s | daemon restore s "
+             "| disk/restore |", "|---|---|---:|---:|---:|"]
     for r in rows:
+        lib = r.get("kernel_library", "?")
+        if r.get("skipped"):
+            lines.append(f"| {lib} | {r['format']} | - | - | skipped: {r['skipped']} |")
+            continue
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1f}x"
-        lines.append(f"| {r['format']} | {r['disk_s']:.3f} | {r['restore_s']:.3f} | {ratio} |")
+        lines.append(f"| {lib} | {r['format']} | {r['disk_s']:.3f} | {r['restore_s']:.3f} "
+                     f"| {ratio} |")
     return "\n".join(lines) + "\n"
 
 
@@ -228,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu_engine:
         from wcache.testing.fixtures import FORMATS as FIXTURE_FORMATS
 
-        rows = run_cpu_engine(args.engine_formats or tuple(FIXTURE_FORMATS), args.engine_reps)
+        rows = [row for cpu_build in args.cpu_build
+                for row in run_cpu_engine(args.engine_formats or tuple(FIXTURE_FORMATS),
+                                          args.engine_reps, cpu_build=cpu_build)]
         sys.stdout.write(engine_table(rows))
         out = Path(args.out or _REPO_ROOT / "benchmarks" / "results" / "cpu-engine.json")
         _write_json(out, {"mode": "cpu-engine", "rows": rows, "time": time.time()})

@@ -18,39 +18,14 @@ from dataclasses import dataclass, field
 import torch
 
 from wcache.core import LayerConfig, QuantSpec
+from wcache.plans import hosts
 
 _STATE: dict = {}
 
-#: Kernel decisions of an AVX512-BF16 host without AMX, as vLLM 0.32 makes them
-#: (probed on such a host: wcache.vllm.probe); synthetic Targets start from these.
-AVX512_DECISIONS = {
-    "cpu.kernel_library": "_C", "op.convert_weight_packed": "present",
-    "op.cpu_gemm_wna16": "present", "op.create_onednn_mm_handler": "present",
-    "op.create_onednn_scaled_mm_handler": "present", "op.int8_scaled_mm_with_quant": "present",
-    "op.weight_packed_linear": "present",
-    "unquantized_gemm[bfloat16]": "onednn", "unquantized_gemm[bfloat16,sgl_shape]": "onednn",
-    "unquantized_gemm[float16]": "torch_linear",
-    "unquantized_gemm[float16,sgl_shape]": "torch_linear",
-    "unquantized_gemm[float32]": "onednn", "unquantized_gemm[float32,sgl_shape]": "onednn",
-    "w8a8_int8[sgl_shape]": "onednn"}
-#: What an AMX host decides differently (vLLM's check_cpu_sgl_kernel accepts).
-AMX_DECISIONS = {"unquantized_gemm[bfloat16,sgl_shape]": "sgl", "w8a8_int8[sgl_shape]": "sgl"}
-#: What vLLM decides on an AVX2-only host (_C_AVX2; oneDNN refuses bf16/fp16).
-AVX2_DECISIONS = {
-    "cpu.kernel_library": "_C_AVX2", "op.convert_weight_packed": "absent",
-    "op.cpu_gemm_wna16": "absent", "op.int8_scaled_mm_with_quant": "absent",
-    "op.weight_packed_linear": "absent", "unquantized_gemm[bfloat16]": "torch_linear",
-    "unquantized_gemm[bfloat16,sgl_shape]": "torch_linear"}
-
-
-def synthetic_target(isa=("avx512", "avx512_bf16"), env=(), **decisions: str):
-    """A CPU Target with given ISA flags and kernel decisions (AVX512 defaults, then
-    AMX ones when ``"amx"`` is in ``isa``, then ``decisions``), for plan-match tests
-    of hosts this machine is not."""
-    from wcache.core import Target
-
-    kernels = {**AVX512_DECISIONS, **(AMX_DECISIONS if "amx" in isa else {}), **decisions}
-    return Target("cpu", isa=frozenset(isa), env=dict(env), kernels=kernels)
+#: Reference host classes' kernel decisions (wcache.plans.hosts) for plan-match
+#: tests of hosts this machine is not.
+AVX2_DECISIONS = hosts.AVX2
+synthetic_target = hosts.reference_target
 
 #: vLLM pads vocabulary shards to this many rows.
 VOCAB_PAD = 64

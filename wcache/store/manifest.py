@@ -160,6 +160,17 @@ def _normalize_json(value: Any) -> Any:
 MISMATCH_VALUE_CHARS = 120
 
 
+def _leaf_diffs(path: str, a: Any, b: Any) -> list[tuple[str, Any, Any]]:
+    """``(dotted path, a, b)`` for each differing leaf of two JSON values: nested
+    objects are walked, so a differing kernel decision is named as
+    ``target.kernels.unquantized_gemm[bfloat16]`` rather than as ``target``. A side
+    that lacks the key shows ``null``."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(a.keys() | b.keys()) if a.get(k, ...) != b.get(k, ...)
+                for d in _leaf_diffs(f"{path}.{k}", a.get(k, ...), b.get(k, ...))]
+    return [(path, None if a is ... else a, None if b is ... else b)]
+
+
 @frozen(init=False)
 class CacheKey:
     """Everything that must match for an engine to use a daemon's bytes.
@@ -201,8 +212,10 @@ class CacheKey:
         def short(v: Any) -> str:
             text = json.dumps(v, sort_keys=True, default=str)
             return text if len(text) <= MISMATCH_VALUE_CHARS else text[:MISMATCH_VALUE_CHARS] + "..."
-        return "; ".join(f"{f}: {mine}={short(self.fields.get(f))} {theirs}={short(other.fields.get(f))}"
-                         for f in self.diff(other))
+        a, b = self.fields, other.fields
+        return "; ".join(f"{path}: {mine}={short(x)} {theirs}={short(y)}"
+                         for f in self.diff(other)
+                         for path, x, y in _leaf_diffs(f, a.get(f, ...), b.get(f, ...)))
 
     def to_json(self) -> str:
         return self.canonical

@@ -277,12 +277,12 @@ class WcacheModelLoader(BaseModelLoader):
                 code = "restore-error"
                 logger.exception("wcache: unexpected error during restore")
             rank = f"tp_rank={layout['tp_rank']} pp_rank={layout['pp_rank']}"
+            del model  # the meta build: neither a raise nor the disk load keeps it
+            _forget_meta_build(vllm_config, before_ctx, before_rope)
             if not opts.fallback:
                 raise RestoreFailed(f"wcache restore failed on {rank} [{code}]: {exc} "
                                     f"(fallback=false, so no disk load).", code=code) from exc
             logger.warning("wcache: falling back to disk on %s [%s]: %s", rank, code, exc)
-            del model
-            _forget_meta_build(vllm_config, before_ctx, before_rope)
             t1 = time.perf_counter()
             model = self._disk_loader().load_model(vllm_config, model_config, prefix)
             _record_timing(opts, "fallback", time.perf_counter() - t1, reason=code,
