@@ -213,6 +213,58 @@ class WcacheModelLoader(BaseModelLoader):
     def download_model(self, model_config: ModelConfig) -> None:
         self._disk_loader().download_model(model_config)
 
+    def get_external_weight_memory(self, vllm_config: VllmConfig) -> int:
+        """Bytes of weights this rank will map from its daemon instead of allocating.
+
+        vLLM's GPU worker calls this before its memory snapshot and subtracts the
+        result from its ``gpu_memory_utilization`` budget (``request_memory`` in
+        ``vllm/v1/worker/utils.py``): the daemon's arena already counts as used on
+        the device, and the engine must not size its KV cache as if it were free.
+
+        Returns:
+            The arena size in bytes of the daemon on this rank's socket when this
+            load will map it zero-copy: the daemon answers, serves this device type,
+            and its key equals the engine's in every field computable before the
+            model is built (all but ``plans``). 0 in ``copy`` mode (the bytes are
+            cloned into the engine's own allocations) and whenever the load will
+            fall back to disk (no daemon, another configuration); with
+            ``fallback=false`` such a load raises anyway.
+
+        Source: vllm/model_executor/model_loader/weight_cache/ipc_loader.py::
+            IpcModelLoader.get_external_weight_memory
+        """
+        from wcache.store import daemon_status, socket_path  # noqa: PLC0415
+
+        opts = self.options
+        if opts.mode != "zero_copy":
+            return 0
+        model_config = vllm_config.model_config
+        device = torch.device(vllm_config.device_config.device)
+        try:
+            layout = parallel_layout()
+            sock = socket_path(opts.socket_dir, device_id(device, model_config, layout, opts.job))
+            status = daemon_status(sock, connect_timeout_s=opts.connect_timeout_s)
+        except (StoreError, OSError) as exc:
+            logger.warning("wcache: no daemon answers for this rank (%s); counting 0 bytes of "
+                           "external weights (the load will fall back to disk)", exc)
+            return 0
+        if status.get("device") != device.type:
+            logger.warning("wcache: the daemon on %s serves %r, the engine runs on %r; counting "
+                           "0 bytes of external weights", sock, status.get("device"), device.type)
+            return 0
+        try:
+            mine = build_key(model_config, layout, [], host_target(device))
+            differ = [f for f in mine.diff(CacheKey(status["key_fields"])) if f != "plans"]
+        except (StoreError, WcacheError, OSError, KeyError, TypeError) as exc:
+            logger.warning("wcache: cannot compare keys with the daemon on %s (%s); counting 0 "
+                           "bytes of external weights", sock, exc)
+            return 0
+        if differ:
+            logger.warning("wcache: the daemon on %s serves another configuration (key differs "
+                           "in %s); counting 0 bytes of external weights", sock, differ)
+            return 0
+        return int(status["bytes_held"])
+
     def load_weights(self, model: torch.nn.Module, model_config: ModelConfig) -> None:
         raise WcacheError("wcache: in-place weight reload is not supported on a restored model "
                           "(its tensors are the daemon's read-only bytes); restart the engine "
