@@ -40,5 +40,5 @@ def test_every_cpu_plan_states_where_it_was_proven():
     from wcache.plans import all_plans
     from wcache.plans.docs import PROVEN_ON
 
-    cpu_kernels = ("onednn", "torch_linear", "cpu_wna16", "scales", "default")
+    cpu_kernels = ("onednn", "torch_linear", "sgl", "cpu_wna16", "scales", "default")
     assert set(PROVEN_ON) == {p.id for p in all_plans() if p.kernel in cpu_kernels}

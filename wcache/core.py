@@ -33,6 +33,7 @@ __all__ = [
     "WcacheError", "NoPlan", "PlanInvalid", "StageContractError",
     "RestoreWroteSharedTensor", "RecordedMismatch", "RestoreIncomplete",
     "stage", "apply_state_", "state_from_module", "snapshot", "guard_snapshot",
+    "RestoreGuard", "ByteRange", "layer_ranges", "range_sums", "tensor_checksum",
     "LOAD_TAGS", "PREPARE_TAGS", "RESTORE_TAGS",
 ]
 
@@ -343,7 +344,8 @@ class StageOut:
         release: DERIVE only: tensors this process stops referencing once it
             has derived private state from them (vLLM's CPU dispatch replaces a
             linear weight by an empty ``(0,)`` Parameter after prepacking). The
-            runner installs that empty placeholder (same dtype and device); the
+            runner installs that empty placeholder (the params dtype for a
+            floating-point tensor, else its own dtype; same device); the
             shared bytes are untouched and the guard keeps checking them. A
             released name also set to ``None`` in ``attrs`` becomes an empty
             ``None`` slot instead (vLLM's ``setattr(layer, "weight", None)``
@@ -519,10 +521,21 @@ def apply_state_(module: torch.nn.Module, state: LayerState, *,
 
 # --------------------------------------------------------------------------- guard
 
+#: The content check sums a range's bytes as wrapping 64-bit words (one reduction
+#: kernel per range on the range's own device). Integer addition is associative,
+#: so the sum is the same whatever order a device reduces in.
+CHECKSUM_WORD_BYTES = 8
+
 
 @frozen
 class TensorFingerprint:
-    """What the restore guard compares for one shared tensor."""
+    """What the restore guard compares for one shared tensor.
+
+    ``data_ptr``, ``shape``, ``stride`` and ``dtype`` must stay equal;
+    ``version`` is the autograd version counter (shared by every view of one
+    storage, so it says *that* a tracked in-place write happened, not *where*);
+    ``checksum`` is a per-tensor blake2b of the bytes in strict mode, else None.
+    """
 
     data_ptr: int
     shape: tuple[int, ...]
@@ -559,22 +572,228 @@ def guard_snapshot(tensors: Mapping[str, torch.Tensor], strict: bool) -> dict[st
     return {name: fingerprint(t, strict) for name, t in tensors.items()}
 
 
-def _check_guard(layer: str, stage_name: str, before: Mapping[str, TensorFingerprint],
-                 tensors: Mapping[str, torch.Tensor], strict: bool) -> None:
-    for name, fp in before.items():
-        now = tensors.get(name)
-        if now is None:
-            raise RestoreWroteSharedTensor(
-                f"restore of layer {layer!r}: stage {stage_name!r} removed shared tensor "
-                f"{name!r}; replayable stages must never drop or replace exported tensors. "
-                f"Fix the plan: tag the stage TRANSFORM so only the daemon runs it.")
-        changed = fp.diff(fingerprint(now, strict))
+@frozen
+class ByteRange:
+    """One contiguous byte range of a storage that a layer's shared tensors use.
+
+    Attributes:
+        view: ``[hi - lo]`` uint8 view of the storage bytes ``[lo, hi)`` (no copy).
+        names: the layer's tensors inside the range.
+        lo, hi: byte offsets in the storage; ``lo`` is a multiple of
+            :data:`CHECKSUM_WORD_BYTES` and so is ``hi - lo`` unless the storage
+            ends first (then the range is summed byte by byte).
+    """
+
+    view: torch.Tensor = field(eq=False, repr=False)
+    names: tuple[str, ...]
+    lo: int
+    hi: int
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[start, end) bytes of the storage that ``t`` can address."""
+    itemsize = t.element_size()
+    start = t.storage_offset() * itemsize
+    if t.numel() == 0:
+        return start, start
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * itemsize
+
+
+def layer_ranges(tensors: Mapping[str, torch.Tensor]) -> tuple[ByteRange, ...]:
+    """The byte ranges of a layer's shared tensors: one per storage, from the
+    lowest to the highest byte any of them addresses (the padding between them
+    included: nothing may write there either). In an arena a layer's tensors are
+    adjacent, so a layer is one range and its check one reduction."""
+    groups: dict[tuple, list[tuple[str, int, int]]] = {}
+    storages: dict[tuple, torch.UntypedStorage] = {}
+    for name, t in tensors.items():
+        if t.device.type == "meta" or t.numel() == 0:
+            continue
+        st = t.untyped_storage()
+        sid = (str(t.device), st.data_ptr())
+        storages[sid] = st
+        groups.setdefault(sid, []).append((name, *_byte_span(t)))
+    out = []
+    for sid, members in groups.items():
+        st = storages[sid]
+        lo = min(s for _, s, _ in members) // CHECKSUM_WORD_BYTES * CHECKSUM_WORD_BYTES
+        hi = min(-(-max(e for _, _, e in members) // CHECKSUM_WORD_BYTES) * CHECKSUM_WORD_BYTES,
+                 st.nbytes())
+        whole = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, 0, (st.nbytes(),), (1,))
+        out.append(ByteRange(whole[lo:hi], tuple(sorted(n for n, _, _ in members)), lo, hi))
+    return tuple(out)
+
+
+def range_sums(ranges: Iterable[ByteRange]) -> list[int]:
+    """One reduction per range (on its device): the wrapping int64 sum of its
+    8-byte words (of its bytes when the range is not a whole number of words);
+    one device-to-host copy per device for all of them.
+
+    Catches every write that changes the sum mod 2**64: any write of one word,
+    and any ``add_``/``mul_``/assignment that changes values. A rewrite that keeps
+    the sum (two equal-sum words swapped) is missed; read-only mappings (shm,
+    cuda_vmm) fault on every write instead.
+    """
+    sums: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for i, r in enumerate(ranges):
+        v = r.view
+        if v.numel() % CHECKSUM_WORD_BYTES == 0 and v.numel():
+            s = v.view(torch.int64).sum()
+        else:
+            s = v.sum(dtype=torch.int64)
+        sums.setdefault(v.device, []).append((i, s))
+    out: dict[int, int] = {}
+    for parts in sums.values():
+        values = torch.stack([s for _, s in parts]).tolist()
+        out.update({i: int(x) for (i, _), x in zip(parts, values)})
+    return [out[i] for i in range(len(out))]
+
+
+class RestoreGuard:
+    """The run-time guard over every shared tensor of one restore (one or many
+    layers).
+
+    Built before any restore stage runs; it records each shared tensor's
+    fingerprint (pointer, shape, stride, dtype, version counter; a blake2b per
+    tensor in ``strict`` mode) and, with ``content`` on, one checksum per layer
+    byte range (:func:`layer_ranges`, :func:`range_sums`).
+
+    What each check proves:
+
+    * :meth:`check_stage` (after every stage; cheap, host-side): the layer's
+      tensors keep pointer, shape, stride and dtype; a moved version counter (a
+      tracked in-place write) is blamed on the stage that just ran, naming the
+      layer whose bytes changed when ``content`` is on.
+    * :meth:`check_layer` (after the layer is installed; one reduction per
+      range): the layer's bytes are unchanged, which catches writes that bypass
+      the version counter (``.data``, ``.numpy()``, ``untyped_storage()``
+      views, raw pointers).
+    * :meth:`check_all` (after every layer; one reduction per range): no layer's
+      bytes changed during the restores of the layers after it.
+
+    Args:
+        layers: layer name -> its shared tensors (name -> tensor).
+        content: checksum the byte ranges (on by default where the mapping is
+            writable: cuda_ipc and copy mode; a read-only mapping faults instead).
+        strict: also a blake2b of every tensor (a host copy; tests).
+    """
+
+    def __init__(self, layers: Mapping[str, Mapping[str, torch.Tensor]], *,
+                 content: bool = True, strict: bool = False):
+        self.content = content
+        self.strict = strict
+        self._fp = {layer: guard_snapshot(ts, strict) for layer, ts in layers.items()}
+        self._ranges = {layer: layer_ranges(ts) for layer, ts in layers.items()} if content else {}
+        self._sums = self._layer_sums(self._ranges) if content else {}
+
+    @staticmethod
+    def _layer_sums(ranges: Mapping[str, tuple[ByteRange, ...]]) -> dict[str, list[int]]:
+        flat = [(layer, r) for layer, rs in ranges.items() for r in rs]
+        sums = range_sums(r for _, r in flat)
+        out: dict[str, list[int]] = {layer: [] for layer in ranges}
+        for (layer, _), s in zip(flat, sums):
+            out[layer].append(s)
+        return out
+
+    def _changed(self, layers: Iterable[str]) -> dict[str, tuple[str, ...]]:
+        """layer -> names in its ranges whose sums differ from the snapshot."""
+        layers = [layer for layer in layers if layer in self._ranges]
+        now = self._layer_sums({layer: self._ranges[layer] for layer in layers})
+        out = {}
+        for layer in layers:
+            hit = [r.names for r, a, b in zip(self._ranges[layer], self._sums[layer], now[layer])
+                   if a != b]
+            if hit:
+                out[layer] = tuple(n for names in hit for n in names)
+        return out
+
+    @staticmethod
+    def _describe(changed: Mapping[str, tuple[str, ...]]) -> str:
+        return "; ".join(f"layer {layer!r} tensors {list(names)}" for layer, names in changed.items())
+
+    def blame_write(self, layer: str, stage_name: str, names: Iterable[str]) -> None:
+        """A stage of ``layer`` bumped the version counter of shared ``names``:
+        raise, naming the layer(s) whose bytes changed when the content check can
+        tell (views of one arena share one counter)."""
+        names = sorted(names)
+        where = ""
+        if self.content:
+            changed = self._changed(self._ranges)
+            where = (f"; the bytes changed in {self._describe(changed)}" if changed else
+                     "; no layer's bytes changed (the write kept the values)")
+        raise RestoreWroteSharedTensor(
+            f"restore of layer {layer!r}: stage {stage_name!r} wrote in place into shared "
+            f"memory (version counter of {names} bumped{where}). Restore stages must never "
+            f"write the daemon's bytes; return new tensors or tag it TRANSFORM.")
+
+    def check_stage(self, layer: str, stage_name: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Pointer, shape, stride, dtype and version of ``layer``'s shared tensors.
+
+        Raises:
+            RestoreWroteSharedTensor: one was removed, replaced or written.
+        """
+        before = self._fp.get(layer, {})
+        bumped = []
+        for name, fp in before.items():
+            now = tensors.get(name)
+            if now is None:
+                raise RestoreWroteSharedTensor(
+                    f"restore of layer {layer!r}: stage {stage_name!r} removed shared tensor "
+                    f"{name!r}; replayable stages must never drop or replace exported tensors. "
+                    f"Fix the plan: tag the stage TRANSFORM so only the daemon runs it.")
+            changed = fp.diff(fingerprint(now, self.strict))
+            if changed == ["version"]:
+                bumped.append(name)
+            elif changed:
+                raise RestoreWroteSharedTensor(
+                    f"restore of layer {layer!r}: stage {stage_name!r} changed shared tensor "
+                    f"{name!r} ({', '.join(changed)}). A restore stage wrote into the daemon's "
+                    f"bytes or swapped them; fix the stage (return new tensors, never write in "
+                    f"place) or tag it TRANSFORM.")
+        if bumped:
+            self.blame_write(layer, stage_name, bumped)
+
+    def check_layer(self, layer: str, stage_names: Iterable[str]) -> None:
+        """The content of ``layer``'s ranges (one reduction per range).
+
+        Raises:
+            RestoreWroteSharedTensor: the bytes changed while its stages ran.
+        """
+        if not self.content:
+            return
+        changed = self._changed([layer])
         if changed:
             raise RestoreWroteSharedTensor(
-                f"restore of layer {layer!r}: stage {stage_name!r} changed shared tensor "
-                f"{name!r} ({', '.join(changed)}). A restore stage wrote into the daemon's "
-                f"bytes; fix the stage (return new tensors, never write in place) or tag "
-                f"it TRANSFORM.")
+                f"restore of layer {layer!r}: its stages {list(stage_names)} rewrote shared "
+                f"bytes ({self._describe(changed)}; content checksum differs, a write that "
+                f"bypassed the version counter: .data, .numpy(), untyped_storage() or a raw "
+                f"pointer). Restore stages must never write the daemon's bytes; tag the "
+                f"writing stage TRANSFORM.")
+
+    def check_all(self, during: str = "the restore") -> None:
+        """The content of every layer's ranges.
+
+        Raises:
+            RestoreWroteSharedTensor: a layer's bytes changed after its own check.
+        """
+        if not self.content:
+            return
+        changed = self._changed(self._ranges)
+        if changed:
+            raise RestoreWroteSharedTensor(
+                f"shared bytes were rewritten during {during}: {self._describe(changed)} "
+                f"(content checksum differs after every layer restored; a stage of a later "
+                f"layer wrote them). Restore stages must never write the daemon's bytes.")
+
+
+def _check_guard(layer: str, stage_name: str, before: Mapping[str, TensorFingerprint],
+                 tensors: Mapping[str, torch.Tensor], strict: bool) -> None:
+    """Compare ``tensors`` with a :func:`guard_snapshot` (kept for callers of the
+    per-tensor snapshot; :class:`RestoreGuard` is what restore uses)."""
+    guard = RestoreGuard({}, content=False, strict=strict)
+    guard._fp = {layer: dict(before)}
+    guard.check_stage(layer, stage_name, tensors)
 
 
 # --------------------------------------------------------------------------- plan
@@ -582,7 +801,7 @@ def _check_guard(layer: str, stage_name: str, before: Mapping[str, TensorFingerp
 
 def _run_stage(st: Stage, state: LayerState, config: LayerConfig, target: Target,
                recorded: Mapping[str, Any], *, shared: frozenset[str],
-               check_purity: bool) -> LayerState:
+               check_purity: bool, guard: "RestoreGuard | None" = None) -> LayerState:
     missing = [r for r in st.reads if r not in state.tensors and r not in st.optional]
     if missing:
         raise RestoreIncomplete(
@@ -595,12 +814,19 @@ def _run_stage(st: Stage, state: LayerState, config: LayerConfig, target: Target
     if not isinstance(out, StageOut):
         raise StageContractError(f"stage {st.name!r} returned {type(out).__name__}, not StageOut")
     if before is not None:
-        touched = [k for k, (ver, _) in before.items() if state.tensors[k]._version != ver]
+        # Purity: no input's version counter moved and no input's data pointer
+        # changed (``t.data = other`` swaps the bytes without a version bump).
+        touched = [k for k, (ver, ptr) in before.items()
+                   if state.tensors[k]._version != ver or
+                   (state.tensors[k].device.type != "meta" and state.tensors[k].data_ptr() != ptr)]
         hit_shared = sorted(set(touched) & shared)
+        if hit_shared and guard is not None:
+            guard.blame_write(config.name, st.name, hit_shared)
         if hit_shared:
             raise RestoreWroteSharedTensor(
                 f"restore of layer {config.name!r}: stage {st.name!r} wrote in place into "
-                f"shared tensors {hit_shared} (version counter bumped). Restore stages must "
+                f"shared tensors {hit_shared} (version counter bumped or data pointer "
+                f"swapped). Restore stages must "
                 f"never write the daemon's bytes; return new tensors or tag it TRANSFORM.")
         if touched:
             raise StageContractError(
@@ -640,8 +866,10 @@ def _run_stage(st: Stage, state: LayerState, config: LayerConfig, target: Target
         released.setdefault(name, src)
         if name in out.attrs and out.attrs[name] is None:
             del tensors[name]          # the slot becomes None through attrs
-        else:
-            tensors[name] = torch.empty(0, dtype=src.dtype, device=src.device)
+        else:  # vLLM's empty Parameter in the layer's params dtype (the packed SGL weight
+            # of an N < 16 layer is fp32, but vLLM's placeholder keeps the weight's dtype)
+            dtype = config.dtype if src.is_floating_point() else src.dtype
+            tensors[name] = torch.empty(0, dtype=dtype, device=src.device)
     attr_values = dict(state.attrs)
     attr_values.update(out.attrs)
     rec = dict(state.recorded)
@@ -780,14 +1008,21 @@ class Plan:
 
     def restore(self, layer: torch.nn.Module, config: LayerConfig, target: Target,
                 recorded: Mapping[str, Mapping[str, Any]], *, strict: bool = False,
-                guard: bool = True, drops: Iterable[str] = ()) -> LayerState:
+                guard: "bool | RestoreGuard" = True, content: bool = True,
+                drops: Iterable[str] = ()) -> LayerState:
         """Engine side: ``layer`` already holds the mapped tensors; replay the
         METADATA/ALLOCATE/DERIVE/VALIDATE stages under the restore guard.
 
         Args:
             recorded: the daemon's recorded values for this layer.
-            strict: also compare content checksums of every shared tensor.
-            guard: check pointers/shape/stride/dtype/version before and after.
+            strict: also compare a blake2b of every shared tensor (host copy).
+            guard: ``True`` guards this layer alone (:class:`RestoreGuard`);
+                a :class:`RestoreGuard` built over many layers (keyed by
+                ``config.name``) guards them together, so a write into another
+                layer is blamed on the stage that made it; ``False`` no guard.
+            content: with ``guard=True``, checksum the layer's byte ranges
+                before and after (default on; pass False only when the mapping
+                is read-only, so that a write faults instead).
             drops: names the daemon's prepare deleted; leftover placeholders are
                 removed here.
 
@@ -803,24 +1038,28 @@ class Plan:
             initial, tensors={k: v for k, v in initial.tensors.items() if k not in drops},
             drops=drops)
         shared = frozenset(k for k, v in initial.tensors.items() if v.device.type != "meta")
-        snap = guard_snapshot({k: initial.tensors[k] for k in shared}, strict) if guard else None
+        if guard is True:
+            guard = RestoreGuard({config.name: {k: initial.tensors[k] for k in shared}},
+                                 content=content, strict=strict)
+        elif guard is False:
+            guard = None
         steps = tuple(s for s in self.stages if s.tag in RESTORE_TAGS)
         state = initial
         for st in steps:
             state = _run_stage(st, state, config, target, recorded.get(st.name, {}),
-                               shared=shared, check_purity=guard)
-            if snap is not None:
-                _check_guard(config.name, st.name, snap,
-                             {**state.tensors, **state.released}, strict)
+                               shared=shared, check_purity=guard is not None, guard=guard)
+            if guard is not None:
+                guard.check_stage(config.name, st.name, {**state.tensors, **state.released})
         missing = sorted(k for k, v in recorded.items() if k not in {s.name for s in self.stages})
         if missing:
             raise RecordedMismatch(
                 f"layer {config.name!r}: the daemon recorded values for stages {missing} "
                 f"that plan {self.id} does not have; daemon and engine run different plans.")
         apply_state_(layer, state)
-        if snap is not None:
-            _check_guard(config.name, "(install)", snap,
-                         {**state_from_module(layer).tensors, **state.released}, strict)
+        if guard is not None:
+            guard.check_stage(config.name, "(install)",
+                              {**state_from_module(layer).tensors, **state.released})
+            guard.check_layer(config.name, [s.name for s in steps])
         return state
 
     def describe(self) -> str:

@@ -31,6 +31,13 @@ synthetic_target = hosts.reference_target
 VOCAB_PAD = 64
 
 
+def probe_branch(layer) -> str:
+    """The branch vLLM's unquantized dispatch installed on ``layer`` (its cpu_linear)."""
+    from wcache.vllm.probe import _branch_of
+
+    return _branch_of(layer.cpu_linear)
+
+
 def ensure_vllm() -> None:
     """Initialise a 1-rank gloo world and model parallel groups once per process."""
     if _STATE.get("ready"):

@@ -22,6 +22,10 @@ PROVEN_ON = {
     "unquantized/torch_linear@1": "vLLM's AVX2 build (`_C_AVX2`, oneDNN capped to AVX2; "
                                   "emulated on an AVX512 host): plan, stage and bf16 e2e tests; "
                                   "fp16 on the AVX512-BF16 host, natively",
+    "unquantized/sgl@1": "vLLM's SGL branch on an AVX512-BF16 host with AMX reported present "
+                         "in-process (vLLM's bf16 SGL ops run here without AMX): plan tests "
+                         "bit-exact against vLLM's dispatch, bf16 only (its fp16 kernel needs "
+                         "AMX-FP16 silicon); no AMX host was available, so no e2e run",
     "awq/cpu_wna16@1": "AVX512-BF16 host (`_C`): plan, stage and e2e tests; refused on `_C_AVX2` "
                        "(no cpu_gemm_wna16; vLLM itself cannot run it)",
     "gptq/cpu_wna16@1": "AVX512-BF16 host (`_C`); refused on `_C_AVX2` (as AWQ)",
@@ -59,10 +63,14 @@ REFUSAL_PROBES: tuple[tuple[str, LayerConfig, Target], ...] = (
     ("an unknown method", LayerConfig(QuantSpec("bitsandbytes"), 4096, 4096, "bfloat16"), _CPU),
     ("AWQ int4 under vLLM's AVX2 build",
      LayerConfig(QuantSpec("awq", 4, 64, zero_point=True), 576, 960, "bfloat16"), _CPU_AVX2),
-    ("bf16 linear where vLLM picks the AMX SGL kernel (small tile-aligned weight)",
-     LayerConfig(QuantSpec("unquantized"), 576, 192, "bfloat16"), _CPU_AMX),
+    ("bf16 embedding where vLLM picks the AMX SGL kernel (small tile-aligned table)",
+     LayerConfig(QuantSpec("unquantized", layer_kind="embedding"), 576, 192, "bfloat16"),
+     _CPU_AMX),
     ("bf16 linear where vLLM picks zentorch",
      LayerConfig(QuantSpec("unquantized"), 576, 960, "bfloat16"), _CPU_ZEN),
+    ("online per-tensor FP8 at tensor-parallel size 2",
+     LayerConfig(QuantSpec("fp8_per_tensor", 8), 4096, 2048, "bfloat16",
+                 extra=(("tp_size", 2),)), _H200),
     ("W8A8 INT8 where vLLM picks the AMX SGL int8 kernel",
      LayerConfig(QuantSpec("ct_w8a8_int8", 8, act_bits=8, strategy="channel"), 576, 960,
                  "bfloat16"), _CPU_AMX),

@@ -10,11 +10,17 @@ decision, probed by :mod:`wcache.vllm.probe` and recorded in the Target):
 * ``torch_linear`` (oneDNN refused the dtype on this ISA, e.g. bf16 on AVX2):
   ``F.linear`` on the weight as loaded; restore binds ``cpu_linear`` (METADATA)
   and has nothing to prepack.
-* ``sgl`` (AMX) and ``zentorch`` have no wcache plan yet: refused, naming the
-  decision, and the engine loads those models from disk under ``fallback=true``.
+* ``sgl`` (AMX hosts, small tile-aligned bf16/fp16 weights): ``convert_weight_packed``
+  is a TRANSFORM the daemon runs (the packed weight is exported under
+  ``weight``, the bias as fp32); restore binds ``cpu_linear`` over the mapped
+  packed bytes (DERIVE) and releases the slot as vLLM does. Truly zero-copy.
+* ``zentorch`` has no wcache plan yet: refused, naming the decision; the engine
+  loads such models from disk under ``fallback=true``.
 """
 
 from __future__ import annotations
+
+import torch
 
 from wcache.core import LayerConfig, Plan, Target
 from wcache.plans.registry import register
@@ -24,7 +30,7 @@ _LAYER_KINDS = ("linear", "embedding")
 #: Branches vLLM can take that wcache has no plan for, and why.
 _UNPLANNED = {
     "sgl": "vLLM picks the AMX SGL kernel (convert_weight_packed, a VNNI byte repack "
-           "held in a closure) for this weight; wcache has no plan for it yet",
+           "held in a closure) for this weight",
     "zentorch": "vLLM picks zentorch_linear_unary (zentorch's own weight prepack) for "
                 "this weight; wcache has no plan for it yet",
 }
@@ -38,22 +44,36 @@ def _match_cuda(config: LayerConfig, target: Target) -> str | None:
     return None
 
 
+def _cpu_branch_reason(branch: str, config: LayerConfig, target: Target) -> str | None:
+    """``None`` when vLLM's unquantized dispatch takes ``branch`` for this layer on
+    ``target`` (the recorded decision), else why not."""
+    if target.device_type != "cpu":
+        return f"needs a CPU target, got {target.device_type!r}"
+    if config.quant.layer_kind not in _LAYER_KINDS:
+        return f"layer kind {config.quant.layer_kind!r} is not linear/embedding"
+    if target.has("power"):
+        return "POWER CPUs: vLLM's dispatch there is not covered by a wcache plan"
+    chosen = cpu_gemm.gemm_branch(config, target)
+    if chosen is None:
+        return (f"the Target records no unquantized GEMM decision for {config.params_dtype} "
+                f"(build it with wcache.vllm.probe.host_target, which asks vLLM)")
+    if chosen != branch:
+        return _UNPLANNED.get(chosen, f"vLLM's dispatch takes the {chosen!r} branch here")
+    return None
+
+
 def _match_cpu_branch(branch: str):
     def match(config: LayerConfig, target: Target) -> str | None:
-        if target.device_type != "cpu":
-            return f"needs a CPU target, got {target.device_type!r}"
-        if config.quant.layer_kind not in _LAYER_KINDS:
-            return f"layer kind {config.quant.layer_kind!r} is not linear/embedding"
-        if target.has("power"):
-            return "POWER CPUs: vLLM's dispatch there is not covered by a wcache plan"
-        chosen = cpu_gemm.gemm_branch(config, target)
-        if chosen is None:
-            return (f"the Target records no unquantized GEMM decision for "
-                    f"{config.params_dtype} (build it with wcache.vllm.probe.host_target, "
-                    f"which asks vLLM)")
-        if chosen != branch:
-            return _UNPLANNED.get(chosen, f"vLLM's dispatch takes the {chosen!r} branch here")
-        return None
+        reason = _cpu_branch_reason(branch, config, target)
+        if reason is None and branch == "sgl":
+            if config.quant.layer_kind == "embedding":
+                return ("vLLM picks the AMX SGL kernel for this embedding and keeps its "
+                        "unpacked weight for the lookup; wcache has no plan for it")
+            if config.dtype not in (torch.bfloat16, torch.float16):
+                return f"the SGL plan takes bf16/fp16 weights, got {config.params_dtype}"
+            return cpu_gemm.missing_op_reason(
+                target, ("convert_weight_packed", "weight_packed_linear"), "the SGL kernel")
+        return reason
     match.__name__ = f"_match_{branch}"
     return match
 
@@ -80,3 +100,13 @@ TORCH_LINEAR = register(Plan(
                 "vLLM's dispatch falls back to F.linear (bf16/fp16 on AVX2 hosts, fp16 on "
                 "AVX512 ones): the loaded weight is exported and used in place; restore "
                 "binds layer.cpu_linear and rebuilds nothing (truly zero-copy)."))
+
+SGL = register(Plan(
+    method="unquantized", kernel="sgl",
+    stages=(cpu_gemm.sgl_pack_weight, cpu_gemm.sgl_bias_to_float32, cpu_gemm.bind_sgl_linear),
+    checkpoint={"weight", "bias"}, match=_match_cpu_branch("sgl"),
+    description="Unquantized linear on CPU where vLLM picks the AMX SGL kernel (small "
+                "tile-aligned bf16/fp16 weights on AMX hosts): the daemon packs the weight "
+                "(convert_weight_packed) and casts the bias to fp32, both exported; restore "
+                "binds layer.cpu_linear over the mapped packed weight and releases the "
+                "weight slot like vLLM (remove_weight=True). Zero-copy: no private prepack."))

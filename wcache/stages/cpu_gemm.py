@@ -116,3 +116,96 @@ def missing_op_reason(target: Target, ops: tuple[str, ...], kernel: str) -> str 
         return (f"vLLM's CPU kernel library {library} on this host has no {names} "
                 f"({kernel} needs it), so vLLM itself cannot run this layer here")
     return None
+
+
+# --------------------------------------------------------------------------- SGL (AMX)
+
+_SGL = f"{_UTILS} (SGL branch, taken when check_cpu_sgl_kernel accepts: AMX hosts)"
+
+
+def sgl_packed_shape(size_n: int, size_k: int, dtype: torch.dtype) -> tuple[tuple[int, int],
+                                                                             torch.dtype]:
+    """Shape and dtype ``convert_weight_packed`` returns for an ``[N, K]`` weight:
+    the VNNI-packed weight keeps ``[N, K]`` and the dtype; for ``N < 16`` it is the
+    transposed fp32 weight ``[K, N]`` (csrc/cpu/sgl-kernels/gemm.cpp)."""
+    if size_n < SGL_TILE_N:
+        return (size_k, size_n), torch.float32
+    return (size_n, size_k), dtype
+
+
+@stage("cpu_gemm.sgl_pack_weight", Tag.TRANSFORM, reads=("weight",), writes=("weight",),
+       source=f"{_SGL}: torch.ops._C.convert_weight_packed")
+def sgl_pack_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                    recorded: Mapping[str, Any]) -> StageOut:
+    """``weight`` ``[N, K]`` (bf16/fp16) -> the SGL kernel's packed weight (VNNI
+    blocks, same shape and dtype; fp32 ``[K, N]`` when ``N < 16``), a new tensor.
+    vLLM keeps it in the ``cpu_linear`` closure; wcache exports it under
+    ``weight`` so a restore maps it and rebuilds the closure over the shared bytes.
+
+    Raises:
+        OpUnavailable: vLLM's ``_C`` (with the SGL ops) is not loaded.
+    """
+    weight = tensors["weight"]
+    if weight.device.type == "meta":
+        shape, dtype = sgl_packed_shape(*weight.shape, weight.dtype)
+        return StageOut(tensors={"weight": torch.empty(shape, dtype=dtype, device="meta")})
+    from wcache.stages.common import require_op  # noqa: PLC0415
+
+    return StageOut(tensors={"weight": require_op("_C", "convert_weight_packed")(weight)})
+
+
+@stage("cpu_gemm.sgl_bias_to_float32", Tag.TRANSFORM, reads=("bias",), writes=("bias",),
+       optional=("bias",), source=f"{_SGL}: layer.bias.data = layer.bias.to(torch.float32)")
+def sgl_bias_to_float32(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
+                        target: Target, recorded: Mapping[str, Any]) -> StageOut:
+    """``bias`` ``[N]`` -> a new fp32 copy (the SGL kernel adds an fp32 bias); no bias,
+    no change."""
+    if "bias" not in tensors:
+        return StageOut()
+    return StageOut(tensors={"bias": tensors["bias"].to(torch.float32)})
+
+
+class SGLLinear:
+    """``layer.cpu_linear`` of vLLM's SGL branch: ``weight_packed_linear(x,
+    packed_weight, bias)`` into a new ``[..., N]`` output of ``x``'s dtype. Holds the
+    packed weight (on restore: the daemon's read-only bytes, never copied).
+
+    Source: vllm/_custom_ops.py::weight_packed_linear_cpu.
+    """
+
+    def __init__(self, packed_weight: torch.Tensor, size_n: int):
+        self.packed_weight, self.n = packed_weight, size_n
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+        output = torch.empty((*x.shape[:-1], self.n), dtype=x.dtype)
+        torch.ops._C.weight_packed_linear(output.reshape(-1, self.n), x.reshape(-1, x.size(-1)),
+                                          self.packed_weight, bias, True)
+        return output
+
+    def __repr__(self) -> str:
+        return f"SGLLinear(n={self.n})"
+
+
+@stage("cpu_gemm.bind_sgl_linear", Tag.DERIVE, reads=("weight",), attrs=("cpu_linear",),
+       source=f"{_SGL}: the cpu_linear closure over the packed weight, then remove_weight")
+def bind_sgl_linear(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                    recorded: Mapping[str, Any]) -> StageOut:
+    """Set ``layer.cpu_linear`` to :class:`SGLLinear` over the packed ``weight`` and,
+    like vLLM's ``remove_weight=True``, release the weight slot (an empty ``(0,)``
+    Parameter); the packed bytes stay referenced by the closure only. A meta weight
+    gets ``F.linear``, as in vLLM.
+
+    Raises:
+        StageInputError: an embedding (vLLM keeps its unpacked weight for the lookup;
+            wcache has no plan for an SGL embedding).
+    """
+    from wcache.stages.common import StageInputError  # noqa: PLC0415
+
+    weight = tensors["weight"]
+    if weight.device.type == "meta":
+        return StageOut(attrs={"cpu_linear": F.linear})
+    if config.quant.layer_kind == "embedding":
+        raise StageInputError(f"layer {config.name!r}: an SGL embedding keeps its unpacked "
+                              f"weight; no wcache plan for it")
+    return StageOut(attrs={"cpu_linear": SGLLinear(weight, config.size_n)}, release=("weight",))
