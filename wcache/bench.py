@@ -149,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-formats", type=_csv, default=None,
                    help="fixture formats for --cpu-engine (default: every fixture format: "
                         "bf16, awq, gptq, ct_w4a16, ct_w8a8_int8).")
+    p.add_argument("--server", action="store_true",
+                   help="instead: time from vLLM's OpenAI-compatible server start to its first "
+                        "answered completion, from disk vs from a daemon "
+                        "(wcache.vllm.bench_server; its own options follow, see "
+                        "`wcache bench --server --help`).")
     p.add_argument("--cpu-build", type=_csv, default=("native",),
                    help="vLLM CPU kernel libraries for --cpu-engine, comma-separated: native "
                         "(what vLLM loads on this host) and/or avx2 (vLLM's AVX2 build, "
