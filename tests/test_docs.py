@@ -21,7 +21,7 @@ def test_cli_help_lists_every_command(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for cmd in ("serve", "status", "stop", "plans", "bench"):
+    for cmd in ("serve", "status", "stop", "plans", "bench", "verify"):
         assert f"wcache {cmd}" in out
 
 
@@ -42,3 +42,19 @@ def test_every_cpu_plan_states_where_it_was_proven():
 
     cpu_kernels = ("onednn", "torch_linear", "sgl", "cpu_wna16", "scales", "default")
     assert set(PROVEN_ON) == {p.id for p in all_plans() if p.kernel in cpu_kernels}
+
+
+def test_plans_host_shows_vllms_decisions_and_plans(capsys):
+    """`wcache plans --host` prints this host's probed kernel library and the unquantized
+    plan for the bf16 GEMM branch vLLM takes here."""
+    import pytest
+
+    pytest.importorskip("vllm")
+    from wcache.cli import main
+    from wcache.vllm.probe import host_target
+
+    assert 0 == main(["plans", "--host"])
+    out = capsys.readouterr().out
+    target = host_target("cpu")
+    assert "cpu.kernel_library" in out and target.kernel("cpu.kernel_library") in out
+    assert f"unquantized/{target.kernel('unquantized_gemm[bfloat16]')}@1" in out

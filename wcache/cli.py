@@ -1,4 +1,4 @@
-"""`wcache` command line: serve | status | stop | plans | bench.
+"""`wcache` command line: serve | status | stop | plans | bench | verify.
 
 Each subcommand imports only what it needs, so `wcache plans` and
 `wcache status` start without importing vLLM.
@@ -21,17 +21,47 @@ re-running each quantization method's post-load work.
   wcache status --wait-ready --model DIR [args]  exit 0 once every rank of that daemon serves
   wcache stop                                    stop daemons
   wcache plans                                   list every plan, its stages and tags
+  wcache plans --host                            what vLLM decides here, and the plans it gets
   wcache bench                                   run the benchmark suite
   wcache bench --server                          time to first completion, disk vs daemon
+  wcache verify --model DIR [vLLM engine args]   prove a restore equals vLLM's own load here
 
 Engines attach with: LLM(model=DIR, load_format="wcache") or
 `vllm serve DIR --load-format wcache`.
 """
 
 
+def _cmd_plans_host() -> int:
+    from wcache.core import LayerConfig, NoPlan, QuantSpec
+    from wcache.plans.registry import plan_for
+    from wcache.vllm.probe import host_target
+
+    target = host_target("cpu")
+    print(f"vLLM's decisions on this host (ISA {', '.join(sorted(target.isa)) or 'no AVX512'}):")
+    for decision, outcome in target.kernels:
+        print(f"  {decision:<40} {outcome}")
+    print("\nplans for typical layers here (K=4096, N=4096, bf16):")
+    examples = {"unquantized linear": QuantSpec("unquantized"),
+                "AWQ int4": QuantSpec("awq", 4, 128, zero_point=True),
+                "GPTQ int4": QuantSpec("gptq", 4, 128),
+                "compressed-tensors W4A16": QuantSpec("ct_w4a16", 4, 128),
+                "compressed-tensors W8A8 INT8": QuantSpec("ct_w8a8_int8", 8, act_bits=8,
+                                                          strategy="channel")}
+    for label, spec in examples.items():
+        config = LayerConfig(spec, 4096, 4096, "bfloat16")
+        try:
+            print(f"  {label:<30} {plan_for(config, target=target).id}")
+        except NoPlan as exc:
+            print(f"  {label:<30} refused: {exc}")
+    return 0
+
+
 def _cmd_plans(args: argparse.Namespace) -> int:
     from wcache.plans.docs import render_plans
     from wcache.plans.registry import all_plans
+
+    if args.host:
+        return _cmd_plans_host()
 
     methods = sorted({p.method for p in all_plans()})
     if args.method is not None and args.method not in methods:
@@ -108,6 +138,18 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
     return serve_main(args, rest)
 
 
+def _cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:
+    import os
+
+    if not os.path.isdir(args.model):
+        print(f"wcache verify: --model {args.model!r} is not a local checkpoint directory",
+              file=sys.stderr)
+        return 2
+    from wcache.vllm.verify import main as verify_main
+
+    return verify_main(args, rest)
+
+
 def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     if "--server" in rest:  # time to first completion of vLLM's API server, disk vs daemon
         from wcache.vllm.bench_server import main as server_main
@@ -132,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", action="store_true",
                    help="print the markdown of docs/plans.md instead of a terminal table")
     p.add_argument("--method", help="only plans of this method (e.g. awq)")
+    p.add_argument("--host", action="store_true",
+                   help="instead: ask vLLM what it decides on this host (its CPU kernel "
+                        "library, the ops it has, the GEMM branch per dtype) and show which "
+                        "plan each fixture format's layers get here or why they are refused "
+                        "(imports vLLM)")
 
     for name, helptext in (("status", "show every daemon in the socket directory: key, memory "
                                       "held, clients, uptime; then every other live daemon of "
@@ -191,6 +238,26 @@ def build_parser() -> argparse.ArgumentParser:
                         "value to the engine as model_loader_extra_config job")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    p = sub.add_parser(
+        "verify", help="check on this host that a restore equals vLLM's own load of a "
+                       "checkpoint, layer by layer and bit for bit",
+        description="Build the model with vLLM's ordinary loader and the wcache way (prepare, "
+                    "export, restore under the guard) in one process, compare every module "
+                    "(tensors, strides, checksums, attributes, tying) and the logits of a fixed "
+                    "forward; print a per-layer table and exit 1 naming each layer that "
+                    "differs. Holds two copies of the weights. Run it once per new host class "
+                    "and model before turning --load-format wcache on in production. Any "
+                    "argument wcache does not know is passed to vLLM's EngineArgs; give the "
+                    "engine's.")
+    p.add_argument("--model", required=True, help="checkpoint directory (local safetensors)")
+    p.add_argument("--socket-dir", help="compare against what the daemon in this socket "
+                                        "directory serves instead of an in-process arena")
+    p.add_argument("--job", default="", help="--socket-dir: the daemon's --job")
+    p.add_argument("--only-failures", action="store_true", help="print only differing rows")
+    p.add_argument("--ignore-memory-check", action="store_true",
+                   help="run even when the host seems to lack memory for two copies")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
     sub.add_parser("bench", help="benchmarks: restore vs ordinary load, arena vs per-tensor "
                                  "handles (see docs/benchmarks.md)", add_help=False)
     return parser
@@ -205,9 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        if args.command in ("serve", "bench", "status"):
+        if args.command in ("serve", "bench", "status", "verify"):
             handler = {"serve": _cmd_serve, "bench": _cmd_bench,
-                       "status": _cmd_status}[args.command]
+                       "status": _cmd_status, "verify": _cmd_verify}[args.command]
             return handler(args, rest)
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
