@@ -20,7 +20,7 @@ from attrs import evolve
 from wcache.core import (
     LOAD_TAGS, PREPARE_TAGS, LayerConfig, LayerState, Plan, Target, state_from_module,
 )
-from wcache.plans import all_plans, plan_for
+from wcache.plans import all_plans, hosts, plan_for
 
 #: Plans run with a CUDA target of capability 10.0: every CUDA plan's minimum
 #: (NVFP4 CUTLASS needs Blackwell); the stages are pure torch, so the H200 runs them.
@@ -53,7 +53,9 @@ def _same_value(a, b) -> bool:
 
 
 def _target_for(plan: Plan, config: LayerConfig) -> Target | None:
-    for target in (CUDA_TARGET, Target.detect("cpu")):
+    # CPU plans need vLLM's kernel decisions, which a machine without vLLM cannot probe:
+    # use the reference AVX512-BF16 host's (wcache.plans.hosts) for their stage math
+    for target in (CUDA_TARGET, hosts.reference_target()):
         if plan.match(config, target) is None:
             return target
     return None
