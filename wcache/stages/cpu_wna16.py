@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from wcache.core import LayerConfig, Stage, StageOut, Tag, Target, stage
-from wcache.stages.common import StageInputError, pack_along, pack_factor, unpack_along
 from wcache.stages import cpu_gemm
+from wcache.stages.common import StageInputError, pack_along, pack_factor, unpack_along
 
 __all__ = ["W4A8_ENV", "W4A8_ENV_DEFAULT", "CPUWNA16_NUM_BITS", "BLOCK_N", "isa_hint_for",
            "use_w4a8_for", "repack_w4a16", "set_isa_hint", "set_use_w4a8", "repack",

@@ -217,7 +217,7 @@ def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_metho
         pass
     finally:
         server.stop()
-    return 0
+    return server.exit_code  # INVALIDATED_EXIT (75) after a client's guard fired: restart me
 
 
 def _rank_main(rank: int, local_rank: int, world: int, model: str, rest: list[str],

@@ -311,7 +311,8 @@ class WcacheModelLoader(BaseModelLoader):
                              attachment.aliases, planned)
             marks["install"] = time.perf_counter()
             released = restore_layers_(planned, attachment.layers, target, strict=opts.strict,
-                                       share_prepacks=opts.share_prepacks)
+                                       share_prepacks=opts.share_prepacks,
+                                       content=attachment.writable)
             marks["replay"] = time.perf_counter()
             left = meta_leftovers(model)
             if left:
@@ -322,6 +323,9 @@ class WcacheModelLoader(BaseModelLoader):
                 attachment.release_ranges_(released)
         except Exception as exc:  # noqa: BLE001  (every failure takes the fallback rule)
             if attachment is not None:
+                if getattr(exc, "code", None) == "guard-failed":
+                    # The daemon's bytes may be rewritten: it stops serving and exits.
+                    attachment.invalidate("guard-failed", str(exc))
                 attachment.close()
             code = getattr(exc, "code", None) if isinstance(exc, (StoreError, WcacheError)) \
                 else None
@@ -347,7 +351,12 @@ class WcacheModelLoader(BaseModelLoader):
             steps[name] = round(t - prev, 4)
             prev = t
         _record_timing(opts, "restore", time.perf_counter() - t0, layers=len(planned),
-                       tp_rank=layout["tp_rank"], nbytes=attachment.nbytes, steps=steps)
+                       tp_rank=layout["tp_rank"], nbytes=attachment.nbytes, steps=steps,
+                       transport=attachment.transport, mode=opts.mode,
+                       guard="content" if attachment.writable else "read-only-mapping")
+        logger.info("wcache: restored %d layers via %s (%s; guard: %s)", len(planned),
+                    attachment.transport, opts.mode,
+                    "content checksums" if attachment.writable else "read-only mapping + metadata")
         return model.eval()
 
 

@@ -226,8 +226,14 @@ def install_tensors_(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
 
 
 def restore_layers_(planned: Iterable[PlannedLayer], layers: Mapping[str, Mapping],
-                    target: Target, *, strict: bool, share_prepacks: bool = True) -> list[str]:
-    """Replay every plan's restore stages on its (already installed) layer.
+                    target: Target, *, strict: bool, share_prepacks: bool = True,
+                    content: bool = True) -> list[str]:
+    """Replay every plan's restore stages on its (already installed) layer, under
+    one :class:`~wcache.core.RestoreGuard` over every layer: with ``content`` on
+    (the mapping is writable: cuda_ipc, copy mode) each layer's byte range is
+    checksummed before any stage runs, after its own restore and after all, so a
+    write through ``.data``/``.numpy()``/a storage view is caught and the layer
+    whose bytes changed is named.
 
     Returns:
         Names (``layer.tensor``) of shared tensors that DERIVE stages released
@@ -237,14 +243,21 @@ def restore_layers_(planned: Iterable[PlannedLayer], layers: Mapping[str, Mappin
         RestoreIncomplete: the daemon has no entry for a planned layer.
         RecordedMismatch / RestoreWroteSharedTensor: from the runner.
     """
+    from wcache.core import RestoreGuard, state_from_module  # noqa: PLC0415
+
+    planned = list(planned)
+    guard = RestoreGuard({p.config.name: {k: v for k, v in state_from_module(p.module).tensors.items()
+                                          if v.device.type != "meta"} for p in planned},
+                         content=content, strict=strict)
     released: list[str] = []
     with (onednn.sharing_prepacks() if share_prepacks else contextlib.nullcontext()):
         for p in planned:
-            _restore_one(p, layers, target, strict, released)
+            _restore_one(p, layers, target, guard, released)
+    guard.check_all()
     return released
 
 
-def _restore_one(p: PlannedLayer, layers: Mapping[str, Mapping], target: Target, strict: bool,
+def _restore_one(p: PlannedLayer, layers: Mapping[str, Mapping], target: Target, guard: Any,
                  released: list[str]) -> None:
     entry = layers.get(p.name)
     if entry is None:
@@ -254,7 +267,7 @@ def _restore_one(p: PlannedLayer, layers: Mapping[str, Mapping], target: Target,
         raise RestoreIncomplete(f"layer {p.name!r}: the daemon prepared it with plan "
                                 f"{entry['plan']} but this engine resolves {p.plan.id}.")
     state = p.plan.restore(p.module, p.config, target, entry.get("recorded", {}),
-                           strict=strict, drops=entry.get("drops", ()))
+                           guard=guard, drops=entry.get("drops", ()))
     released.extend(f"{p.name}.{n}" if p.name else n for n in state.released)
 
 
