@@ -129,13 +129,16 @@ def _serve_main(argv: list[str]) -> None:
     p.add_argument("--n", type=int, default=6)
     p.add_argument("--numel", type=int, default=4096)
     p.add_argument("--key", default=json.dumps(BASE_KEY))
+    p.add_argument("--transport", default=None, help="CUDA: cuda_vmm or cuda_ipc (default: best)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     export = synthetic_export(a.seed, a.n, a.numel)
     if a.device != "cpu":
         export = Export({k: v.to(a.device) for k, v in export.tensors.items()}, export.kinds, export.aliases,
                         export.layers, export.extra, export.nonpersistent)
-    serve(export, CacheKey(json.loads(a.key)), socket_dir=a.socket_dir, device=a.device, device_id=a.device_id)
+    kw = {"transport": a.transport} if a.transport else {}
+    raise SystemExit(serve(export, CacheKey(json.loads(a.key)), socket_dir=a.socket_dir, device=a.device,
+                           device_id=a.device_id, **kw))
 
 
 if __name__ == "__main__":

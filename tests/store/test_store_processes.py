@@ -85,7 +85,7 @@ def test_second_daemon_process_fails_fast_then_sigterm_stops_cleanly(sock_dir):
     try:
         st = daemon_status(sock)
         assert (f"wcache-store ready key={CacheKey(BASE_KEY).digest} bytes={st['bytes_held']} socket={sock} "
-                f"pid={proc.pid}") == proc.ready_line
+                f"pid={proc.pid} transport=shm") == proc.ready_line
         with pytest.raises(RuntimeError, match="DaemonBusy"):
             start_daemon(sock_dir, seed=1)
         assert proc.pid == daemon_status(sock)["pid"]

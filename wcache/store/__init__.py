@@ -14,9 +14,11 @@ Engine side::
         att.tensors["model.embed_tokens.weight"]   # a read-only zero-copy view
 """
 
-from wcache.store.client import Attachment, attach, cli_status, cli_stop, daemon_status, shutdown_daemon
+from wcache.store.client import (
+    Attachment, attach, cli_status, cli_stop, daemon_status, invalidate_daemon, shutdown_daemon,
+)
 from wcache.store.errors import (
-    CheckpointChanged, DaemonBusy, DaemonMissing, KeyMismatch, PeerRefused, ProtocolError, Released, StoreError,
+    ArenaInvalidated, CheckpointChanged, DaemonBusy, DaemonMissing, KeyMismatch, PeerRefused, ProtocolError, Released, StoreError,
     TransportFailed, UnsafePath,
 )
 from wcache.store.fingerprint import (
@@ -32,7 +34,7 @@ __all__ = [
     "checkpoint_digest", "checkpoint_key_fields", "checkpoint_stats", "verify_checkpoint_unchanged",
     "digest_file", "read_file_digest", "DigestCache",
     "DigestingReader", "default_socket_dir", "socket_path", "daemon_status", "shutdown_daemon",
-    "cli_status", "cli_stop",
+    "cli_status", "cli_stop", "invalidate_daemon", "ArenaInvalidated",
     "StoreError", "DaemonMissing", "KeyMismatch", "TransportFailed", "ProtocolError", "DaemonBusy",
     "Released", "UnsafePath", "PeerRefused", "CheckpointChanged",
 ]

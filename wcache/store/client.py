@@ -25,16 +25,16 @@ import wcache
 from wcache.store import paths
 from wcache.store.arena import tensor_views
 from wcache.store.errors import (
-    DaemonBusy, DaemonMissing, KeyMismatch, PeerRefused, ProtocolError, Released, StoreError,
-    TransportFailed, UnsafePath,
+    ArenaInvalidated, DaemonBusy, DaemonMissing, KeyMismatch, PeerRefused, ProtocolError, Released,
+    StoreError, TransportFailed, UnsafePath,
 )
 from wcache.store.manifest import KIND_BUFFER, CacheKey, Manifest
 from wcache.store.protocol import (
     PROTOCOL_VERSION, ConnectionClosed, raise_for_error, recv_frame, send_frame,
 )
 
-__all__ = ["attach", "Attachment", "Connection", "daemon_status", "shutdown_daemon", "cli_status",
-           "cli_stop", "MODES"]
+__all__ = ["attach", "Attachment", "Connection", "daemon_status", "shutdown_daemon", "invalidate_daemon",
+           "cli_status", "cli_stop", "MODES"]
 
 log = logging.getLogger("wcache.store")
 
@@ -44,8 +44,10 @@ REPLY_TIMEOUT_S = 60.0
 # cli_stop waits this long for a daemon to remove its socket after shutdown.
 STOP_WAIT_S = 10.0
 STOP_POLL_S = 0.05
+# The guard's message travels to the daemon's log and status; a few lines suffice.
+INVALIDATE_MESSAGE_CHARS = 2000
 _ERRORS = {c.code: c for c in (DaemonMissing, KeyMismatch, TransportFailed, ProtocolError, DaemonBusy,
-                               Released, UnsafePath, PeerRefused)}
+                               Released, UnsafePath, PeerRefused, ArenaInvalidated)}
 
 
 class Connection:
@@ -140,12 +142,27 @@ class Attachment:
         nbytes: bytes of the arena.
         mode: ``"zero_copy"`` or ``"copy"``.
         device: ``"cpu"`` or ``"cuda:<i>"``.
+        transport: what served the bytes: ``"shm"``, ``"cuda_vmm"`` or ``"cuda_ipc"``.
+        writable: whether a write through these tensors would land (``copy``
+            mode: in the private copy; ``cuda_ipc``: in the daemon's memory).
+            ``shm`` and ``cuda_vmm`` mappings are read-only: a write faults. The
+            restore guard checksums content where this is True.
+
+    Lifetime: every tensor view holds the mapping (its storage owns the mmap
+    object or the CUDA mapping), so :meth:`close` only drops this object's
+    references and the connection; the memory is unmapped when the last view
+    dies, never under a live one.
     """
 
     def __init__(self, manifest: Manifest, base: torch.Tensor, mm: mmap.mmap | None, conn: Connection | None,
-                 mode: str):
+                 mode: str, transport: str = "shm", sock_path: str | None = None,
+                 key: CacheKey | None = None):
         self.manifest = manifest
         self.mode = mode
+        self.transport = transport
+        self.writable = mode == "copy" or transport == "cuda_ipc"
+        self.sock_path = sock_path
+        self.key = key
         self.nbytes = manifest.arena_nbytes
         self.device = str(base.device)
         self._base: torch.Tensor | None = base
@@ -212,27 +229,35 @@ class Attachment:
         return total
 
     def close(self) -> None:
-        """Drop every mapping this attachment holds and tell the daemon. Idempotent.
+        """Drop this attachment's references to the mapping and tell the daemon.
+        Idempotent.
 
-        The mapping is unmapped at once unless the caller still holds tensor
-        views; then it is unmapped when the last view dies (unmapping under a
-        live view would crash it).
+        The mapping is unmapped at once when no tensor view is left, else when the
+        last view dies: each view's storage holds the mapping (``torch.frombuffer``
+        keeps the mmap object, the CUDA storages their IPC or VMM mapping), so a
+        view kept past ``close()`` stays readable instead of faulting.
         """
         if self._base is None:
             return
         self._tensors = {}
         self._base = None
+        self._mm = None  # never mmap.close(): that would unmap under live views
         if self._conn is not None:
             with contextlib.suppress(StoreError, OSError):
                 self._conn.request({"op": "release"})
             self._conn.close()
             self._conn = None
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:
-                log.debug("arena mapping still viewed by live tensors; it is unmapped when they die")
-            self._mm = None
+
+    def invalidate(self, code: str, message: str) -> bool:
+        """Tell the daemon that a guard fired on its bytes (see
+        :func:`invalidate_daemon`); the daemon stops serving this arena and exits.
+
+        Returns:
+            True when the daemon acknowledged.
+        """
+        if self.sock_path is None or self.key is None:
+            return False
+        return invalidate_daemon(self.sock_path, self.key, code, message)
 
     def __enter__(self) -> "Attachment":
         return self
@@ -307,10 +332,16 @@ def attach(key: CacheKey, socket_dir: str | None = None, device: str = "cpu", de
             raise KeyMismatch("daemon answered with a manifest of another key",
                               fields=key.diff(CacheKey(manifest.key)))
         handle = reply.get("handle") if isinstance(reply.get("handle"), dict) else {}
+        transport = handle.get("kind")
         if kind == "cpu":
             from wcache.store.transport_shm import open_shm
 
             mm, base = open_shm(handle, fds, manifest.arena_nbytes)
+        elif transport == "cuda_vmm":
+            from wcache.store.transport_vmm import open_vmm
+
+            local = _local_cuda_index(conn.hello.get("device_uuid"), index)
+            base = open_vmm(handle, fds, manifest.arena_nbytes, local)
         else:
             from wcache.store.transport_cuda import open_cuda
 
@@ -323,24 +354,20 @@ def attach(key: CacheKey, socket_dir: str | None = None, device: str = "cpu", de
             private.copy_(base)
             del base
             base = private
-            if mm is not None:
-                mm.close()
-                mm = None
+            mm = None  # the last reference: unmapped here
             with contextlib.suppress(StoreError, OSError):
                 conn.request({"op": "release"})
             conn.close()
             conn = None
-        att = Attachment(manifest, base, mm, conn, mode)
+        att = Attachment(manifest, base, mm, conn, mode, transport=str(transport), sock_path=sock_path,
+                         key=key)
     except BaseException:
-        base = None
-        if mm is not None:
-            with contextlib.suppress(BufferError):
-                mm.close()
+        base = mm = None  # unmapped once no view is left (none escaped this function)
         if conn is not None:
             conn.close()
         raise
-    log.info("attached %s (%s, %d tensors, %.1f MiB) in %.1f ms", sock_path, mode, len(manifest.tensors),
-             manifest.arena_nbytes / 2**20, (time.perf_counter() - t0) * 1e3)
+    log.info("attached %s (%s, %s, %d tensors, %.1f MiB) in %.1f ms", sock_path, mode, transport,
+             len(manifest.tensors), manifest.arena_nbytes / 2**20, (time.perf_counter() - t0) * 1e3)
     return att
 
 
@@ -352,6 +379,32 @@ def daemon_status(sock_path: str, connect_timeout_s: float = 5.0) -> dict[str, A
     conn = Connection(sock_path, connect_timeout_s)
     try:
         return conn.request({"op": "status"})
+    finally:
+        conn.close()
+
+
+def invalidate_daemon(sock_path: str, key: CacheKey, code: str, message: str,
+                      connect_timeout_s: float = 5.0) -> bool:
+    """Tell the daemon on ``sock_path`` that a restore guard fired on the arena of
+    ``key``: it stops serving that arena (new ``get`` answered ``arena-invalidated``,
+    ``wcache status`` shows the reason) and exits so a supervisor restarts it.
+
+    Returns:
+        True when the daemon acknowledged; False when it could not be reached
+        (it is gone already) or serves another key.
+    """
+    try:
+        conn = Connection(sock_path, connect_timeout_s)
+    except StoreError as e:
+        log.warning("cannot tell the daemon on %s to invalidate its arena: %s", sock_path, e)
+        return False
+    try:
+        conn.request({"op": "invalidate", "key": key.fields, "code": str(code),
+                      "message": str(message)[:INVALIDATE_MESSAGE_CHARS]})
+        return True
+    except StoreError as e:
+        log.warning("the daemon on %s refused to invalidate: %s", sock_path, e)
+        return False
     finally:
         conn.close()
 
@@ -417,6 +470,10 @@ def _print_status(sock: str, st: dict[str, Any]) -> None:
           f"  clients {st['clients_connected']}  attachments {st['attachments_active']} active, "
           f"{st['attachments_total']} served\n  key {st['key_digest'][:16]}  fields "
           f"{', '.join(sorted(st['key_fields']))}")
+    inv = st.get("invalidated")
+    if inv:
+        print(f"  INVALIDATED [{inv.get('code')}] by pid {inv.get('pid')}: {inv.get('message')}\n"
+              f"  refuses new attaches ({ArenaInvalidated.code}) and exits; a supervisor restarts it")
 
 
 def _print_other_daemons(listed: set[str]) -> None:

@@ -9,7 +9,7 @@ from wcache.core import WcacheError
 
 __all__ = [
     "StoreError", "DaemonMissing", "KeyMismatch", "TransportFailed", "ProtocolError",
-    "DaemonBusy", "Released", "UnsafePath", "PeerRefused", "CheckpointChanged",
+    "DaemonBusy", "Released", "UnsafePath", "PeerRefused", "CheckpointChanged", "ArenaInvalidated",
 ]
 
 
@@ -84,3 +84,12 @@ class CheckpointChanged(StoreError):
     until the checkpoint is fully written, then start again."""
 
     code = "checkpoint-changed"
+
+
+class ArenaInvalidated(StoreError):
+    """A client's restore guard fired on this daemon's arena, so its bytes may have
+    been rewritten: the daemon serves it to no one and exits (a supervisor starts
+    a fresh one, which rebuilds the arena from the checkpoint). Engines fall back
+    to disk meanwhile."""
+
+    code = "arena-invalidated"

@@ -15,6 +15,10 @@ Commands (``{"op": ...}``), each answered by ``{"ok": true, ...}`` or
 * ``release {}`` -> the client dropped its mapping (copy mode or close).
 * ``status {}`` -> memory held, clients, uptime, key, pid.
 * ``shutdown {}`` -> the daemon stops after answering.
+* ``invalidate {key, code, message}`` -> a client's restore guard fired on this
+  arena: the daemon answers, refuses every later ``get`` with
+  ``code="arena-invalidated"``, shows the reason in ``status`` and exits
+  (status 75, EX_TEMPFAIL) after :data:`~wcache.store.server.INVALIDATED_LINGER_S`.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ MAX_FRAME_BYTES = 64 << 20
 HEADER = struct.Struct(">I")
 # SCM_RIGHTS carries at most SCM_MAX_FD (253) descriptors per message; we send 1.
 MAX_FDS_PER_FRAME = 1
-OPS = frozenset({"hello", "get", "release", "status", "shutdown"})
+OPS = frozenset({"hello", "get", "release", "status", "shutdown", "invalidate"})
 
 
 class ConnectionClosed(ProtocolError):

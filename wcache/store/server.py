@@ -32,14 +32,15 @@ import wcache
 from wcache.store import paths
 from wcache.store.arena import build_cuda_arena, build_shm_arena
 from wcache.store.errors import (
-    DaemonBusy, KeyMismatch, PeerRefused, ProtocolError, StoreError,
+    ArenaInvalidated, DaemonBusy, KeyMismatch, PeerRefused, ProtocolError, StoreError, TransportFailed,
 )
 from wcache.store.manifest import CacheKey, Export
 from wcache.store.protocol import (
     OPS, PROTOCOL_VERSION, ConnectionClosed, error_frame, recv_frame, send_frame,
 )
 
-__all__ = ["DaemonServer", "serve", "peer_credentials", "MAX_CONNECTIONS"]
+__all__ = ["DaemonServer", "serve", "peer_credentials", "MAX_CONNECTIONS", "INVALIDATED_EXIT",
+           "INVALIDATED_LINGER_S", "CUDA_TRANSPORTS"]
 
 log = logging.getLogger("wcache.store")
 
@@ -57,6 +58,15 @@ FRAME_TIMEOUT_S = 30.0
 SOCKET_WATCH_S = 1.0
 # stop() waits at most this long for each handler thread to finish.
 JOIN_TIMEOUT_S = 5.0
+#: After ``invalidate`` the daemon keeps answering this long (new ``get`` refused
+#: with ``arena-invalidated``, ``status`` showing the reason) so that engines
+#: starting meanwhile log the reason rather than a missing daemon; then it exits.
+INVALIDATED_LINGER_S = 2.0
+#: Exit status after ``invalidate`` (EX_TEMPFAIL: a supervisor should restart it).
+INVALIDATED_EXIT = 75
+#: CUDA transports in order of preference: ``cuda_vmm`` maps read-only in the
+#: clients (a write faults) and outlives the daemon; ``cuda_ipc`` is the fallback.
+CUDA_TRANSPORTS = ("cuda_vmm", "cuda_ipc")
 _PEERCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
 
 
@@ -76,6 +86,9 @@ class DaemonServer:
         device_id: names the socket (default ``"cpu"`` or the GPU UUID).
         allowed_uid: the only uid allowed to connect (default: ours); tests
             inject another to simulate a foreign peer.
+        transport: CUDA only: ``"cuda_vmm"``, ``"cuda_ipc"`` or None (the
+            first of :data:`CUDA_TRANSPORTS` this host supports; the reason a
+            VMM arena could not be built is logged and shown in ``status``).
 
     Raises:
         DaemonBusy: another live daemon holds this device's lock or socket.
@@ -84,7 +97,8 @@ class DaemonServer:
     """
 
     def __init__(self, export: Export, key: CacheKey, socket_dir: str | None = None, device: str = "cpu",
-                 device_id: str | None = None, *, allowed_uid: int | None = None):
+                 device_id: str | None = None, *, allowed_uid: int | None = None,
+                 transport: str | None = None):
         if not isinstance(key, CacheKey):
             raise StoreError("key must be a CacheKey")
         self.key = key
@@ -107,10 +121,7 @@ class DaemonServer:
                 fd, self.manifest = build_shm_arena(export, key)
                 self._serving = ShmServing(fd, self.manifest.arena_nbytes)
             else:
-                from wcache.store.transport_cuda import TRANSPORT, CudaServing
-
-                arena, self.manifest = build_cuda_arena(export, key, index)
-                self._serving = CudaServing(arena)
+                TRANSPORT = self._build_cuda(export, key, index, transport)
             self.transport = TRANSPORT
         except BaseException:
             os.close(self._lock_fd)
@@ -129,6 +140,34 @@ class DaemonServer:
         self._started_at = time.monotonic()
         self.attachments_active = 0
         self.attachments_total = 0
+        self.invalidated: dict[str, Any] | None = None
+
+    def _build_cuda(self, export: Export, key: CacheKey, index: int, transport: str | None) -> str:
+        """Build the CUDA arena with the preferred transport; returns its name."""
+        if transport not in (None, *CUDA_TRANSPORTS):
+            raise StoreError(f"transport {transport!r} is not one of {CUDA_TRANSPORTS}")
+        self.transport_fallback_reason = None
+        if transport in (None, "cuda_vmm"):
+            from wcache.store import transport_vmm
+
+            try:
+                self._serving, self.manifest = transport_vmm.build_vmm_arena(export, key, index)
+                return transport_vmm.TRANSPORT
+            except TransportFailed as e:
+                if transport == "cuda_vmm":
+                    raise
+                self.transport_fallback_reason = str(e)
+                log.warning("cuda_vmm unavailable (%s); serving with cuda_ipc", e)
+        from wcache.store.transport_cuda import TRANSPORT, CudaServing
+
+        arena, self.manifest = build_cuda_arena(export, key, index)
+        self._serving = CudaServing(arena)
+        return TRANSPORT
+
+    @property
+    def exit_code(self) -> int:
+        """0, or :data:`INVALIDATED_EXIT` once a client invalidated the arena."""
+        return INVALIDATED_EXIT if self.invalidated else 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -395,6 +434,8 @@ class DaemonServer:
             st = self.status()
             st["clients_connected"] -= 1  # not counting the connection that asks
             return {"ok": True, **st}, ()
+        if op == "invalidate":
+            return self._invalidate(req, state)
         log.info("shutdown requested by pid %s", state["pid"])
         return {"ok": True}, ()
 
@@ -407,6 +448,11 @@ class DaemonServer:
             raise ProtocolError(f"client wants transport {req.get('transport')!r}, daemon serves {self.transport}")
         if state["attached"]:
             raise ProtocolError("this connection already holds an attachment; release it first")
+        if self.invalidated:
+            inv = self.invalidated
+            raise ArenaInvalidated(f"this daemon's arena was invalidated by pid {inv['pid']} "
+                                   f"[{inv['code']}]: {inv['message']}; it exits and a fresh "
+                                   f"daemon rebuilds it (load from disk meanwhile)")
         theirs = CacheKey(fields)
         if theirs != self.key:
             diff = self.key.diff(theirs)
@@ -425,6 +471,28 @@ class DaemonServer:
                  (time.perf_counter() - t0) * 1e3)
         return {"ok": True, "manifest": self._manifest_dict, "handle": handle}, fds
 
+    def _invalidate(self, req: dict[str, Any], state: dict) -> tuple[dict[str, Any], tuple[int, ...]]:
+        """A client's guard fired on this arena: stop serving it, exit after
+        :data:`INVALIDATED_LINGER_S` with :data:`INVALIDATED_EXIT`."""
+        fields = req.get("key")
+        if not isinstance(fields, dict) or CacheKey(fields) != self.key:
+            raise ProtocolError("invalidate names another key than this daemon serves; ignored")
+        with self._conns_lock:
+            first = self.invalidated is None
+            if first:
+                self.invalidated = {"pid": state["pid"], "code": str(req.get("code", "guard-failed")),
+                                    "message": str(req.get("message", ""))[:2000],
+                                    "at": time.time()}
+        if first:
+            log.error("arena INVALIDATED by pid %s [%s]: %s; refusing new attaches, exiting in %.1f s "
+                      "with status %d so a supervisor restarts this daemon", state["pid"],
+                      self.invalidated["code"], self.invalidated["message"], INVALIDATED_LINGER_S,
+                      INVALIDATED_EXIT)
+            timer = threading.Timer(INVALIDATED_LINGER_S, self.request_shutdown)
+            timer.daemon = True
+            timer.start()
+        return {"ok": True, "exit_in_s": INVALIDATED_LINGER_S}, ()
+
     def status(self) -> dict[str, Any]:
         """Memory held, clients, uptime, key, pid. ``clients_connected`` counts
         open connections (the ``status`` command leaves out the asking one)."""
@@ -440,15 +508,18 @@ class DaemonServer:
             "attachments_total": self.attachments_total,
             "uptime_s": round(time.monotonic() - self._started_at, 3),
             "key_digest": self.key.digest, "key_fields": self.key.fields,
+            "invalidated": self.invalidated,
+            "transport_fallback_reason": getattr(self, "transport_fallback_reason", None),
         }
 
 
-def serve(export: Export, key: CacheKey, **kw) -> None:
+def serve(export: Export, key: CacheKey, **kw) -> int:
     """Foreground daemon: build, bind, print a ready line, serve until a
-    ``shutdown`` command, SIGTERM or SIGINT.
+    ``shutdown`` command, SIGTERM, SIGINT or ``invalidate``; returns the exit
+    status (:attr:`DaemonServer.exit_code`).
 
     The ready line (stdout, flushed) reads
-    ``wcache-store ready key=<digest> bytes=<n> socket=<path> pid=<pid>``.
+    ``wcache-store ready key=<digest> bytes=<n> socket=<path> pid=<pid> transport=<name>``.
     """
     server = DaemonServer(export, key, **kw)
     if threading.current_thread() is threading.main_thread():
@@ -456,5 +527,6 @@ def serve(export: Export, key: CacheKey, **kw) -> None:
             signal.signal(sig, lambda *_: server.request_shutdown())
     server.start()
     print(f"wcache-store ready key={key.digest} bytes={server.nbytes} socket={server.socket_path} "
-          f"pid={os.getpid()}", flush=True)
+          f"pid={os.getpid()} transport={server.transport}", flush=True)
     server.serve_forever()
+    return server.exit_code

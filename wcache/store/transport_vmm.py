@@ -1,0 +1,284 @@
+"""The ``cuda_vmm`` transport: the arena as one CUDA virtual-memory allocation,
+exported as a POSIX file descriptor and mapped **read-only** by every client.
+
+Daemon side (:func:`build_vmm_arena`): ``cuMemCreate`` with
+``CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR``, mapped read-write into the daemon
+(``cuMemMap`` + ``cuMemSetAccess``) to fill it, then exported once with
+``cuMemExportToShareableHandle``; the fd travels to each client as SCM_RIGHTS
+data, as the ``shm`` memfd does.
+
+Client side (:func:`open_vmm`): ``cuMemImportFromShareableHandle``, a fresh
+virtual address range, ``cuMemMap`` and ``cuMemSetAccess`` with
+``CU_MEM_ACCESS_FLAGS_PROT_READ``: a kernel that writes the arena faults (an
+illegal-address error in that engine) instead of rewriting every engine's
+weights. The imported handle holds its own reference to the physical memory,
+so a client keeps its weights when the daemon dies (even by SIGKILL).
+
+The mapping is wrapped as a ``[size]`` uint8 torch tensor through
+``__cuda_array_interface__``; torch keeps the wrapping :class:`VmmMapping`
+alive for as long as any storage made from it lives, and the mapping is
+unmapped and released only when that object dies, so a view never outlives
+its memory.
+
+Needs NVIDIA's ``cuda-python`` bindings (``pip install wcache[cuda]``); where
+they are missing or the driver does not support POSIX-fd handles,
+:func:`build_vmm_arena` raises :class:`TransportFailed` and the daemon falls
+back to ``cuda_ipc``.
+
+Source: CUDA Driver API, Virtual Memory Management (cuMemCreate,
+cuMemExportToShareableHandle, cuMemImportFromShareableHandle, cuMemSetAccess);
+NVIDIA cuda-samples ``memMapIPCDrv``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+from wcache.store.errors import TransportFailed
+
+__all__ = ["TRANSPORT", "VmmMapping", "VmmServing", "build_vmm_arena", "open_vmm", "available"]
+
+log = logging.getLogger("wcache.store")
+
+TRANSPORT = "cuda_vmm"
+_lock = threading.Lock()
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError as e:  # the optional dependency (wcache[cuda])
+        raise TransportFailed(f"cuda_vmm needs NVIDIA's cuda-python bindings "
+                              f"(pip install 'wcache[cuda]'): {e}") from e
+    return cu
+
+
+def _check(cu, result: tuple, what: str) -> Any:
+    """Unpack a cuda-python ``(CUresult, values...)`` tuple; raise on an error."""
+    err, *values = result
+    if err != cu.CUresult.CUDA_SUCCESS:
+        name = cu.cuGetErrorName(err)[1]
+        raise TransportFailed(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _ensure_context(cu, device_index: int) -> None:
+    """Make torch's primary context of the device current on this thread (the
+    VMM calls act on the current context)."""
+    torch.cuda.init()
+    torch.cuda.set_device(device_index)
+    torch.empty(0, device=f"cuda:{device_index}")  # creates the primary context
+    ctx = _check(cu, cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if ctx is None or int(ctx) == 0:
+        dev = _check(cu, cu.cuDeviceGet(device_index), "cuDeviceGet")
+        ctx = _check(cu, cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+        _check(cu, cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+def _prop(cu, device_index: int):
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = device_index
+    prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    return prop
+
+
+def _access(cu, device_index: int, read_only: bool):
+    desc = cu.CUmemAccessDesc()
+    desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = device_index
+    desc.flags = (cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ if read_only
+                  else cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+    return desc
+
+
+def available(device_index: int) -> tuple[bool, str]:
+    """(ok, reason): whether this host can serve ``cuda_vmm`` on the device."""
+    try:
+        cu = _driver()
+        _ensure_context(cu, device_index)
+        dev = _check(cu, cu.cuDeviceGet(device_index), "cuDeviceGet")
+        attr = cu.CUdevice_attribute
+        vmm = _check(cu, cu.cuDeviceGetAttribute(
+            attr.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev), "cuDeviceGetAttribute")
+        fd = _check(cu, cu.cuDeviceGetAttribute(
+            attr.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev), "cuDeviceGetAttribute")
+    except TransportFailed as e:
+        return False, str(e)
+    if not vmm:
+        return False, "the driver reports no virtual memory management on this device"
+    if not fd:
+        return False, "the driver cannot export VMM allocations as POSIX file descriptors"
+    return True, ""
+
+
+class VmmMapping:
+    """One mapping of a VMM allocation into this process; exposes
+    ``__cuda_array_interface__`` (``[size]`` uint8). Unmapped, its address range
+    freed and its handle released when the object dies (torch holds it for as
+    long as any tensor storage made from it lives) or on :meth:`release`.
+
+    Attributes:
+        ptr: device address of the mapping.
+        size: bytes mapped (a multiple of the allocation granularity).
+        read_only: mapped with ``PROT_READ``.
+    """
+
+    def __init__(self, cu, handle, ptr: int, size: int, device_index: int, read_only: bool):
+        self._cu = cu
+        self._handle = handle
+        self.ptr = int(ptr)
+        self.size = size
+        self.device_index = device_index
+        self.read_only = read_only
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "strides": None,
+                                         "data": (self.ptr, False), "version": 3}
+
+    def tensor(self) -> torch.Tensor:
+        """The whole mapping as a ``[size]`` uint8 tensor (no copy; holds ``self``)."""
+        t = torch.as_tensor(self, device=f"cuda:{self.device_index}")
+        if t.data_ptr() != self.ptr or t.numel() != self.size:
+            raise TransportFailed("torch copied the VMM mapping instead of wrapping it")
+        return t
+
+    def release(self) -> None:
+        cu, self._cu = self._cu, None
+        if cu is None:
+            return
+        try:
+            cu.cuMemUnmap(self.ptr, self.size)
+            cu.cuMemAddressFree(self.ptr, self.size)
+            cu.cuMemRelease(self._handle)
+        except Exception:  # interpreter shutdown: the driver frees everything at exit anyway
+            pass
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def _map(cu, handle, size: int, device_index: int, read_only: bool) -> VmmMapping:
+    ptr = _check(cu, cu.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve")
+    try:
+        _check(cu, cu.cuMemMap(ptr, size, 0, handle, 0), "cuMemMap")
+        try:
+            _check(cu, cu.cuMemSetAccess(ptr, size, [_access(cu, device_index, read_only)], 1),
+                   "cuMemSetAccess")
+        except TransportFailed:
+            cu.cuMemUnmap(ptr, size)
+            raise
+    except TransportFailed:
+        cu.cuMemAddressFree(ptr, size)
+        raise
+    return VmmMapping(cu, handle, int(ptr), size, device_index, read_only)
+
+
+class VmmServing:
+    """Daemon side: owns the allocation (its own read-write mapping) and one
+    exported fd, duplicated to each client with SCM_RIGHTS."""
+
+    def __init__(self, mapping: VmmMapping, fd: int, arena: torch.Tensor):
+        self.mapping = mapping
+        self.fd = fd
+        self.arena = arena
+        self.nbytes = mapping.size
+
+    def export(self) -> tuple[dict[str, Any], tuple[int, ...]]:
+        return {"kind": TRANSPORT, "nbytes": self.nbytes}, (self.fd,)
+
+    def close(self) -> None:
+        """Drop the daemon's fd and mapping; clients that imported keep the memory."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.arena = None
+        mapping, self.mapping = self.mapping, None
+        if mapping is not None:
+            mapping.release()
+
+
+def build_vmm_arena(export, key, device_index: int):
+    """Lay out and copy ``export`` into one VMM allocation on ``cuda:<device_index>``.
+
+    Returns:
+        (:class:`VmmServing`, manifest).
+
+    Raises:
+        TransportFailed: no cuda-python, or the driver cannot allocate or
+            export a POSIX-fd VMM allocation (the daemon then uses cuda_ipc).
+    """
+    from wcache.store.arena import CUDA_ALIGNMENT, _fill, make_manifest, plan_layout
+
+    ok, why = available(device_index)
+    if not ok:
+        raise TransportFailed(why)
+    cu = _driver()
+    t0 = time.perf_counter()
+    blocks, placed, nbytes = plan_layout(export.tensors, CUDA_ALIGNMENT)
+    manifest = make_manifest(export, key, "cuda", CUDA_ALIGNMENT, placed, nbytes)
+    with _lock:
+        _ensure_context(cu, device_index)
+        prop = _prop(cu, device_index)
+        gran = _check(cu, cu.cuMemGetAllocationGranularity(
+            prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+            "cuMemGetAllocationGranularity")
+        size = -(-nbytes // gran) * gran
+        handle = _check(cu, cu.cuMemCreate(size, prop, 0), "cuMemCreate")
+        try:
+            mapping = _map(cu, handle, size, device_index, read_only=False)
+        except TransportFailed:
+            cu.cuMemRelease(handle)
+            raise
+        fd = _check(cu, cu.cuMemExportToShareableHandle(
+            handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+            "cuMemExportToShareableHandle")
+    arena = mapping.tensor()
+    _fill(arena, export, blocks)
+    torch.cuda.synchronize(device_index)
+    log.info("arena (cuda_vmm, cuda:%d): %d tensors, %.1f MiB (%.1f MiB mapped) in %.3f s", device_index,
+             len(manifest.tensors), nbytes / 2**20, size / 2**20, time.perf_counter() - t0)
+    return VmmServing(mapping, int(fd), arena), manifest
+
+
+def open_vmm(handle: dict[str, Any], fds: list[int], arena_nbytes: int, device_index: int) -> torch.Tensor:
+    """Client side: import the daemon's fd and map it read-only.
+
+    The fd is closed once imported (the imported handle keeps the memory).
+
+    Returns:
+        ``[size]`` uint8 tensor on ``cuda:<device_index>`` (``size`` >=
+        ``arena_nbytes``, rounded to the granularity); its storage holds the
+        :class:`VmmMapping`. A kernel writing it faults.
+
+    Raises:
+        TransportFailed: no fd, a bad handle, no cuda-python, or a driver error.
+    """
+    try:
+        if handle.get("kind") != TRANSPORT or len(fds) != 1:
+            raise TransportFailed(f"expected one fd with a cuda_vmm handle, got {len(fds)} fds")
+        size = handle.get("nbytes")
+        if not isinstance(size, int) or size < arena_nbytes:
+            raise TransportFailed(f"cuda_vmm handle of {size!r} bytes, the manifest needs {arena_nbytes}")
+        cu = _driver()
+        with _lock:
+            _ensure_context(cu, device_index)
+            mem = _check(cu, cu.cuMemImportFromShareableHandle(
+                fds[0], cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                "cuMemImportFromShareableHandle")
+            try:
+                mapping = _map(cu, mem, size, device_index, read_only=True)
+            except TransportFailed:
+                cu.cuMemRelease(mem)
+                raise
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return mapping.tensor()
