@@ -11,8 +11,9 @@ FP8 Marlin.
 * ``ct_w8a8_fp8`` and ``fp8`` on ``"fp8_marlin"`` (sm75+): weight-only FP8 Marlin.
   Block FP8 on Marlin is refused.
 
-Online quantization computes one rank's ``amax``; TP>1 needs the daemon's own
-all-reduce first (vLLM's ``amax_for_tp_weight_quant``) and is out of scope here.
+Online quantization computes one rank's ``amax``; vLLM all-reduces it over the
+TP group first (``amax_for_tp_weight_quant``), so the online plans refuse a
+tensor-parallel size above 1 (``LayerConfig`` extra ``tp_size``; absent means 1).
 """
 
 from __future__ import annotations
@@ -45,6 +46,27 @@ def _linear_reason(config: LayerConfig) -> str | None:
     return None
 
 
+#: Online methods: the daemon quantizes the checkpoint's bf16/fp16 weight itself.
+ONLINE_METHODS = frozenset({"fp8_per_tensor", "fp8_per_channel", "fp8_per_block"})
+
+
+def _tp_reason(config: LayerConfig) -> str | None:
+    """Online FP8 at TP > 1 is refused: its scales would not be vLLM's."""
+    tp_size = int(config.get("tp_size", 1) or 1)
+    if config.quant.method not in ONLINE_METHODS or tp_size <= 1:
+        return None
+    if config.quant.method == "fp8_per_block":
+        why = ("vLLM quantizes each rank's shard in 128x128 blocks; wcache has not shown its "
+               "blocks equal vLLM's when a shard boundary splits a block")
+    else:
+        why = ("vLLM all-reduces each weight's amax over the TP group before it quantizes "
+               "(quant_utils.py::amax_for_tp_weight_quant), so a rank's scale depends on every "
+               "rank's shard; wcache's daemon quantizes one rank's shard alone")
+    return (f"online FP8 ({config.quant.method}) with tensor-parallel size {tp_size} is not "
+            f"supported: {why}. Serve it with --tensor-parallel-size 1, use a serialized FP8 "
+            f"checkpoint, or load without wcache")
+
+
 def _is_block(config: LayerConfig) -> bool:
     return config.quant.strategy == "block" or config.get("weight_block_size") is not None
 
@@ -52,14 +74,14 @@ def _is_block(config: LayerConfig) -> bool:
 def _match_cutlass(config: LayerConfig, target: Target) -> str | None:
     if _is_block(config):
         return "block FP8 uses the cutlass_block plan"
-    return _cuda_reason(target, CUTLASS_FP8_MIN_CAPABILITY, "CUTLASS FP8") or \
+    return _tp_reason(config) or _cuda_reason(target, CUTLASS_FP8_MIN_CAPABILITY, "CUTLASS FP8") or \
         _linear_reason(config)
 
 
 def _match_cutlass_block(config: LayerConfig, target: Target) -> str | None:
     if config.quant.method == "fp8" and not _is_block(config):
         return "per-tensor/channel FP8 uses the cutlass plan"
-    return _cuda_reason(target, CUTLASS_BLOCK_FP8_MIN_CAPABILITY, "CUTLASS block FP8") or \
+    return _tp_reason(config) or _cuda_reason(target, CUTLASS_BLOCK_FP8_MIN_CAPABILITY, "CUTLASS block FP8") or \
         _linear_reason(config)
 
 

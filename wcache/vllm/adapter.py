@@ -1,8 +1,11 @@
 """vLLM quant method objects -> wcache LayerConfig (the method -> plan adapter).
 
-This is the only place that knows vLLM's quant method and kernel class names.
+This is the only place that maps vLLM's quant method, scheme and kernel classes
+(imported through :mod:`wcache.vllm.compat`, compared by exact type) to plans.
 Unknown methods map to a QuantSpec whose method is the class name, so
-``plan_for`` refuses them with a reason instead of guessing.
+``plan_for`` refuses them with a reason instead of guessing; so do attention
+layers whose deferred post-load work has no plan (MLA, FP8 multimodal-encoder
+attention, an overriding subclass).
 """
 
 from __future__ import annotations
@@ -13,19 +16,14 @@ import torch
 from attrs import evolve
 
 from wcache.core import LayerConfig, QuantSpec, Target
-from wcache.vllm import probe
+from wcache.vllm import compat, probe
 
-#: vLLM kernel class name -> wcache kernel id.
-KERNEL_IDS = {
-    "CPUWNA16LinearKernel": "cpu_wna16",
-    "MarlinLinearKernel": "marlin",
-    "MacheteLinearKernel": "machete",
-    "ExllamaLinearKernel": "exllama",
-    "Dynamic4bitLinearKernel": "dynamic_4bit",
-    "ZentorchWNA16LinearKernel": "zentorch",
-    "CutlassFP8ScaledMMLinearKernel": "cutlass",
-    "CPUInt8ScaledMMLinearKernel": "onednn",
-}
+#: KV-cache quant methods whose post-load work is BaseKVCacheMethod's (the
+#: ``kv_cache`` plan); the compressed-tensors one has its own plan.
+_KV_CACHE_METHODS = ("BaseKVCacheMethod", "Fp8KVCacheMethod", "ModelOptKVCacheMethod")
+#: Deferred attention post-load work wcache refuses -> the QuantSpec method that
+#: ``plan_for`` refuses with its reason (registered in :mod:`wcache.plans.attention`).
+_ATTENTION_REFUSALS = {"mla": "mla_attention", "mm_encoder_fp8": "mm_encoder_attention_fp8"}
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
@@ -38,21 +36,7 @@ def _enum_value(value: Any) -> Any:
 
 def _kernel_id(obj: Any) -> str | None:
     kernel = getattr(obj, "kernel", None)
-    if kernel is None:
-        return None
-    cls = type(kernel).__name__
-    return KERNEL_IDS.get(cls, cls)
-
-
-def _impl_postload_is_noop(module: torch.nn.Module) -> bool:
-    from vllm.v1.attention.backend import AttentionImplBase  # noqa: PLC0415
-
-    impl = getattr(module, "impl", None)
-    if impl is None:
-        return True
-    fn = getattr(type(impl), "process_weights_after_loading", None)
-    base = getattr(AttentionImplBase, "process_weights_after_loading", None)
-    return fn is None or fn is base
+    return None if kernel is None else compat.kernel_id(kernel)
 
 
 def _linear_config(module: torch.nn.Module, spec: QuantSpec, name: str,
@@ -80,49 +64,55 @@ def layer_config(quant_method: Any, module: torch.nn.Module, target: Target | No
             branch is asked of vLLM for this layer (:mod:`wcache.vllm.probe`).
         name: the module's qualified name, for messages.
     """
-    from vllm.model_executor.layers.attention import Attention  # noqa: PLC0415
-    from vllm.model_executor.layers.quantization.base_config import (  # noqa: PLC0415
-        QuantizeMethodBase,
-    )
-
+    c = compat.classes()
     cls = type(quant_method).__name__ if quant_method is not None else None
-    if isinstance(module, Attention) and (quant_method is None or cls not in
-                                          ("BaseKVCacheMethod", "Fp8KVCacheMethod",
-                                           "ModelOptFp8KVCacheMethod", "CompressedTensorsKVCacheMethod")):
+
+    def is_(name: str) -> bool:
+        return compat.is_type(quant_method, name)
+
+    is_kv_method = any(is_(n) for n in (*_KV_CACHE_METHODS, "CompressedTensorsKVCacheMethod"))
+    postload = compat.attention_postload(module)
+    if postload in _ATTENTION_REFUSALS or postload == "other":
+        # vLLM's deferred attention post-load that no plan replays: refused by plan_for
+        # (before any weight is read), whatever the layer's KV-cache method.
+        method = _ATTENTION_REFUSALS.get(postload, f"vllm-attention:{type(module).__name__}")
+        return LayerConfig(quant=QuantSpec(method, layer_kind="attention"), size_k=0, size_n=0,
+                           name=name)
+    if postload == "attention" and not is_kv_method:
         spec = QuantSpec("attention", layer_kind="attention")
         return LayerConfig(quant=spec, size_k=0, size_n=0, name=name,
                            params_dtype=_dtype_name(torch.get_default_dtype()),
-                           extra=(("impl_postload_noop", _impl_postload_is_noop(module)),))
-    if not isinstance(quant_method, QuantizeMethodBase):
+                           extra=(("impl_postload_noop", compat.impl_postload_is_noop(module)),))
+    if not isinstance(quant_method, c.QuantizeMethodBase):
         return None
-    if cls in ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
-        kind = "linear" if cls == "UnquantizedLinearMethod" else "embedding"
+    if is_("UnquantizedLinearMethod") or is_("UnquantizedEmbeddingMethod"):
+        kind = "linear" if is_("UnquantizedLinearMethod") else "embedding"
         config = _linear_config(module, QuantSpec("unquantized", layer_kind=kind), name)
         if target is not None and target.device_type == "cpu":
             # the branch vLLM's dispatch takes for this weight on this host, asked of vLLM
             kernel = probe.unquantized_gemm_kernel(config.size_n, config.size_k, config.dtype)
             config = evolve(config, quant=evolve(config.quant, kernel=kernel))
         return config
-    if cls == "AutoAWQMarlinLinearMethod":
+    if is_("AutoAWQMarlinLinearMethod"):
         qc = quant_method.quant_config
         spec = QuantSpec("awq", num_bits=qc.weight_bits, group_size=qc.group_size,
                          zero_point=bool(qc.zero_point), kernel=_kernel_id(quant_method))
         return _linear_config(module, spec, name)
-    if cls == "AutoGPTQLinearMethod":
+    if is_("AutoGPTQLinearMethod"):
         qc = quant_method.quant_config
         spec = QuantSpec("gptq", num_bits=qc.weight_bits, group_size=qc.group_size,
                          zero_point=not getattr(qc, "is_sym", True),
                          kernel=_kernel_id(quant_method))
         return _linear_config(module, spec, name)
-    if cls == "CompressedTensorsLinearMethod":
+    if is_("CompressedTensorsLinearMethod"):
         scheme = getattr(module, "scheme", None)
         scls = type(scheme).__name__
-        if scls == "CompressedTensorsWNA16":
+        if compat.is_type(scheme, "CompressedTensorsWNA16"):
             spec = QuantSpec("ct_w4a16", num_bits=scheme.num_bits, group_size=scheme.group_size,
                              zero_point=not scheme.symmetric, strategy=_enum_value(scheme.strategy),
                              kernel=_kernel_id(scheme))
             return _linear_config(module, spec, name)
-        if scls == "CompressedTensorsW8A8Int8":
+        if compat.is_type(scheme, "CompressedTensorsW8A8Int8"):
             kernel = _kernel_id(scheme)
             if kernel == "onednn":  # CPUInt8ScaledMMLinearKernel: SGL or oneDNN, vLLM's check
                 kernel = probe.w8a8_int8_kernel(
@@ -135,10 +125,10 @@ def layer_config(quant_method: Any, module: torch.nn.Module, target: Target | No
             return _linear_config(module, spec, name, {
                 "logical_widths": tuple(int(w) for w in module.logical_widths)})
         return _linear_config(module, QuantSpec(f"compressed-tensors:{scls}"), name)
-    if cls == "CompressedTensorsKVCacheMethod":
+    if is_("CompressedTensorsKVCacheMethod"):
         return LayerConfig(quant=QuantSpec("ct_kv_cache", layer_kind="attention"), size_k=0,
                            size_n=0, name=name)
-    if cls in ("BaseKVCacheMethod", "Fp8KVCacheMethod", "ModelOptFp8KVCacheMethod"):
+    if any(is_(n) for n in _KV_CACHE_METHODS):
         return LayerConfig(quant=QuantSpec("kv_cache", layer_kind="attention"), size_k=0,
                            size_n=0, name=name,
                            extra=(("kv_cache_dtype", str(getattr(module, "kv_cache_dtype", "auto"))),))

@@ -76,12 +76,7 @@ def build_export(vllm_config: Any, *, progress: bool = True):
     t0 = time.perf_counter()
     with set_default_torch_dtype(model_config.dtype), device:
         model = loader.create_model(vllm_config=vllm_config, model_config=model_config)
-    planned = planned_layers(model, target)
-    if hasattr(model, "process_weights_after_loading"):
-        from wcache.core import NoPlan  # noqa: PLC0415
-
-        raise NoPlan(f"{type(model).__name__} has a model-level process_weights_after_loading "
-                     f"hook that wcache has no plan for; serve this model without wcache.")
+    planned = planned_layers(model, target)  # also refuses a model-level post-load hook
     layout = parallel_layout()
     logger.info("wcache: loading weights of %s (rank tp%d/pp%d)", model_config.model,
                 layout["tp_rank"], layout["pp_rank"])
@@ -157,9 +152,9 @@ def _prepare_platform(vllm_config: Any) -> None:
     if vllm_config.device_config.device_type == "cpu":
         # BaseModelLoader calls torch.accelerator.empty_cache(), which raises on a
         # CPU-only torch unless vLLM's CPU runner installed its no-ops.
-        from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop  # noqa
+        from wcache.vllm.compat import set_torch_accelerator_to_noop  # noqa: PLC0415
 
-        _set_torch_accelerator_to_noop()
+        set_torch_accelerator_to_noop()
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
@@ -185,27 +180,55 @@ def _preflight(vllm_config: Any, socket_dir: str | None, job: str) -> str:
     return dev_id
 
 
+def build_server(vllm_config: Any, *, socket_dir: str | None, device_id: str,
+                 progress: bool = True) -> Any:
+    """Build the export, copy it into the daemon's arena, and free everything else:
+    the loaded model, vLLM's process-wide registrations of its layers (forward
+    context, rotary cache), and on CUDA the caching allocator's unused blocks, so
+    the daemon holds the arena and not a second copy of the weights. Needs vLLM's
+    distributed state initialized and ``vllm_config`` current.
+
+    Returns:
+        A :class:`wcache.store.DaemonServer`, not yet started.
+
+    Raises:
+        as :func:`build_export`, and the server's own (a busy socket, an unsafe dir).
+    """
+    from wcache.store import DaemonServer  # noqa: PLC0415
+    from wcache.vllm import compat  # noqa: PLC0415
+
+    device_type = vllm_config.device_config.device_type
+    before = compat.registrations(vllm_config)
+    try:
+        export, key = build_export(vllm_config, progress=progress)
+        try:
+            return DaemonServer(export, key, socket_dir=socket_dir, device=device_type,
+                                device_id=device_id)
+        finally:
+            del export  # the model's tensors: the arena holds its own copy now
+    finally:
+        compat.forget_registrations_(vllm_config, before)
+        compat.free_device_memory(device_type)
+
+
 def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_method: str,
                socket_dir: str | None, progress: bool, job: str, ready: Any = None) -> int:
     """Build, prepare, export and serve one rank until stopped."""
     from vllm.config import set_current_vllm_config  # noqa: PLC0415
-
-    from wcache.store import DaemonServer  # noqa: PLC0415
 
     vllm_config = engine_config(model, rest)
     _prepare_platform(vllm_config)
     with set_current_vllm_config(vllm_config):
         _init_distributed(vllm_config, rank, world, init_method)
         dev_id = _preflight(vllm_config, socket_dir, job)
-        export, key = build_export(vllm_config, progress=progress)
-    server = DaemonServer(export, key, socket_dir=socket_dir,
-                          device=vllm_config.device_config.device_type, device_id=dev_id)
+        server = build_server(vllm_config, socket_dir=socket_dir, device_id=dev_id,
+                              progress=progress)
+    key = server.key
     import signal  # noqa: PLC0415
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.request_shutdown())
     server.start()
-    del export
     line = (f"wcache: ready rank={rank}/{world} key={key.digest[:16]} "
             f"held={server.nbytes / 2**20:.1f} MiB socket={server.socket_path}")
     print(line, flush=True)
@@ -248,7 +271,15 @@ def local_ranks(world: int, nnodes: int, node_rank: int) -> range:
 
 
 def main(args: argparse.Namespace, rest: list[str]) -> int:
-    """`wcache serve` entry point (arguments parsed by wcache.cli)."""
+    """`wcache serve` entry point (arguments parsed by wcache.cli).
+
+    Raises:
+        UntestedVllm: the installed vLLM is not the tested version (and
+            ``WCACHE_ALLOW_UNTESTED_VLLM=1`` is not set).
+    """
+    from wcache.vllm.compat import check_vllm_version  # noqa: PLC0415
+
+    check_vllm_version()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     world = args.tensor_parallel_size * args.pipeline_parallel_size
     nnodes = getattr(args, "nnodes", 1)

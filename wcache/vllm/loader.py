@@ -35,7 +35,6 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -49,6 +48,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from wcache.core import WcacheError
 from wcache.store import CacheKey, DaemonMissing, StoreError, attach
+from wcache.vllm import compat
 from wcache.vllm.key import build_key, device_id, parallel_layout
 from wcache.vllm.probe import host_target
 from wcache.vllm.model import (
@@ -171,35 +171,17 @@ def _record_timing(opts: LoaderOptions, phase: str, seconds: float, **info: Any)
 def _forget_meta_build(vllm_config: VllmConfig, before_ctx: set, before_rope: set) -> None:
     """Undo the global registrations a meta-device build left, so a disk build can
     run in the same process (vLLM keys them by layer name / rope parameters)."""
-    from vllm.model_executor.layers import rotary_embedding  # noqa: PLC0415
-
-    ctx = vllm_config.compilation_config.static_forward_context
-    for k in set(ctx) - before_ctx:
-        del ctx[k]
-    for k in set(rotary_embedding._ROPE_DICT) - before_rope:
-        del rotary_embedding._ROPE_DICT[k]
+    compat.forget_registrations_(vllm_config, compat.Registrations(
+        forward_context=frozenset(before_ctx), ropes=frozenset(before_rope)))
 
 
-@contextlib.contextmanager
-def _without_reload_metadata() -> Iterator[None]:
-    """Skip vLLM's ``record_metadata_for_reloading`` during the meta build.
-
-    It snapshots every layer for a later in-place weight reload (RL refit), which a
-    restored model refuses anyway (its tensors are the daemon's read-only bytes;
-    :meth:`WcacheModelLoader.load_weights` raises). On SmolLM2 it is ~40% of the
-    meta build. A disk fallback builds its model outside this block, with it.
-    """
-    from vllm.model_executor.model_loader import utils as loader_utils  # noqa: PLC0415
-
-    real = getattr(loader_utils, "record_metadata_for_reloading", None)
-    if real is None:
-        yield
-        return
-    loader_utils.record_metadata_for_reloading = lambda model: None
-    try:
-        yield
-    finally:
-        loader_utils.record_metadata_for_reloading = real
+def _without_reload_metadata() -> contextlib.AbstractContextManager[None]:
+    """Skip vLLM's reload-metadata snapshot during the meta build
+    (:func:`wcache.vllm.compat.without_reload_metadata`): a restored model refuses
+    in-place reloads anyway (:meth:`WcacheModelLoader.load_weights` raises), and on
+    SmolLM2 it is ~40% of the meta build. A disk fallback builds its model outside
+    this block, with it."""
+    return compat.without_reload_metadata()
 
 
 @register_model_loader(LOAD_FORMAT)
@@ -276,14 +258,11 @@ class WcacheModelLoader(BaseModelLoader):
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig,
                    prefix: str = "") -> torch.nn.Module:
-        from vllm.model_executor.layers import rotary_embedding  # noqa: PLC0415
-
         opts = self.options
         t0 = time.perf_counter()
         device = torch.device(vllm_config.device_config.device)
         target = host_target(device)
-        before_ctx = set(vllm_config.compilation_config.static_forward_context)
-        before_rope = set(rotary_embedding._ROPE_DICT)
+        before = compat.registrations(vllm_config)
         marks = {}
         with set_default_torch_dtype(model_config.dtype), torch.device("meta"), \
                 _without_reload_metadata():
@@ -334,7 +313,7 @@ class WcacheModelLoader(BaseModelLoader):
                 logger.exception("wcache: unexpected error during restore")
             rank = f"tp_rank={layout['tp_rank']} pp_rank={layout['pp_rank']}"
             del model  # the meta build: neither a raise nor the disk load keeps it
-            _forget_meta_build(vllm_config, before_ctx, before_rope)
+            compat.forget_registrations_(vllm_config, before)
             if not opts.fallback:
                 raise RestoreFailed(f"wcache restore failed on {rank} [{code}]: {exc} "
                                     f"(fallback=false, so no disk load).", code=code) from exc

@@ -19,6 +19,7 @@ import torch
 from wcache.core import LayerConfig, NoPlan, Plan, RestoreIncomplete, Tag, Target, WcacheError
 from wcache.plans.registry import plan_for
 from wcache.stages import onednn
+from wcache.vllm import compat
 from wcache.vllm.adapter import layer_config
 
 logger = logging.getLogger("wcache.vllm")
@@ -68,8 +69,36 @@ class UnplannedLayers(NoPlan):
                            "fallback=true, which loads it from disk).")
 
 
+def unplanned_postload(module: torch.nn.Module, *, root: bool = False) -> str | None:
+    """Why a module the adapter gave no LayerConfig still has post-load work that
+    vLLM's loader would run (the safety net behind the adapter), or ``None``.
+
+    Checked: a ``quant_method`` whose ``process_weights_after_loading`` is not the
+    ``QuantizeMethodBase`` no-op; a deferred attention layer
+    (``is_deferred_attention_layer``) with post-load work; on the root module, a
+    model-level ``process_weights_after_loading`` hook.
+
+    Source: vllm/model_executor/model_loader/utils.py::process_weights_after_loading
+    """
+    quant_method = getattr(module, "quant_method", None)
+    if quant_method is not None and not compat.quant_method_postload_is_noop(quant_method):
+        return (f"its quant method {type(quant_method).__name__} runs "
+                f"process_weights_after_loading, which no wcache plan covers")
+    if compat.attention_postload(module) != "none":
+        return (f"{type(module).__name__} runs deferred attention post-load work "
+                f"(process_weights_after_loading), which no wcache plan covers")
+    if root and callable(getattr(module, "process_weights_after_loading", None)):
+        return (f"{type(module).__name__} has a model-level process_weights_after_loading "
+                f"hook, which no wcache plan covers")
+    return None
+
+
 def planned_layers(model: torch.nn.Module, target: Target) -> list[PlannedLayer]:
     """Resolve a plan for every module with post-load work, before any weight is read.
+
+    Every module vLLM's loader would post-process must have a plan: those the
+    adapter maps, and (the safety net, :func:`unplanned_postload`) any other module
+    whose quant method, attention class or model-level hook defines post-load work.
 
     Raises:
         UnplannedLayers: some modules' methods have no plan; names every such
@@ -79,6 +108,9 @@ def planned_layers(model: torch.nn.Module, target: Target) -> list[PlannedLayer]
     for name, module in model.named_modules():
         config = layer_config(getattr(module, "quant_method", None), module, target, name=name)
         if config is None:
+            reason = unplanned_postload(module, root=module is model)
+            if reason is not None:
+                missing.append((name or "<model>", reason))
             continue
         try:
             out.append(PlannedLayer(name, module, config, plan_for(config, target=target)))

