@@ -1,0 +1,189 @@
+"""`wcache verify` (issue 17): a restore equals vLLM's own load on this host, and a
+wrong plan is named layer by layer.
+
+Every verify here runs in this one process (vLLM's load, prepare, an in-process
+daemon, the engine's loader): verify undoes vLLM's process-wide registrations
+after each build, so the formats run one after another without an engine start.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import tempfile
+
+import attrs
+import pytest
+import torch
+
+from wcache.core import StageOut, Tag, stage
+from wcache.testing.fixtures import FORMATS
+from wcache.vllm.process import ENGINE_ARGS
+
+pytestmark = pytest.mark.slow
+
+#: SmolLM2-135M: 30 decoder layers x (qkv, o, gate_up, down) linears, the
+#: embedding, lm_head, and 30 attention layers.
+SMOLLM2_PLANNED_LAYERS = 30 * 4 + 2 + 30
+#: The layer the planted faults hit.
+PLANTED_LAYER = "model.layers.3.mlp.down_proj"
+
+
+@pytest.fixture(scope="module")
+def host_kernels() -> dict[str, str]:
+    """The kernel decisions vLLM makes in this process (what verify runs under)."""
+    from wcache.vllm.probe import host_target
+
+    return dict(host_target("cpu").kernels)
+
+
+def _fixture(fmt: str, host_kernels: dict[str, str]) -> str:
+    from wcache.testing.fixtures import build
+    from wcache.testing.isa import unservable_reason
+
+    reason = unservable_reason(fmt, host_kernels)
+    if reason is not None:
+        pytest.skip(reason)
+    return str(build(fmt))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_verify_passes_on_every_servable_fixture(fmt, host_kernels):
+    """Every planned layer, every other module with state, the ties, each module's
+    forward output and the logits of the restore equal vLLM's own load."""
+    from wcache.vllm.verify import verify
+
+    report = verify(_fixture(fmt, host_kernels), ENGINE_ARGS, progress=False)
+    assert [] == [(r.layer, r.difference) for r in report.failures]
+    assert report.ok and report.logits_equal
+    assert SMOLLM2_PLANNED_LAYERS == sum(r.plan != "-" for r in report.rows)
+    assert ["(ties)", "(forward)", "(logits)"] == [r.layer for r in report.rows[-3:]]
+    assert "in-process" == report.mode
+
+
+@stage("test.perturb_weight", Tag.TRANSFORM, reads=("weight",), writes=("weight",))
+def _perturb_weight(tensors, config, target, recorded):
+    """A wrong TRANSFORM: adds 1 to the first weight element."""
+    weight = tensors["weight"].clone()
+    weight.view(-1)[0] += 1
+    return StageOut(tensors={"weight": weight})
+
+
+def _plant(monkeypatch, change):
+    """Resolve ``change(plan)`` instead of the real plan for PLANTED_LAYER (on both
+    sides, as a wrong plan in wcache would be)."""
+    import wcache.vllm.model as model_mod
+
+    real = model_mod.plan_for
+
+    def plan_for(config, target=None, **kwargs):
+        plan = real(config, target=target, **kwargs)
+        return change(plan) if config.name == PLANTED_LAYER else plan
+
+    monkeypatch.setattr(model_mod, "plan_for", plan_for)
+
+
+def test_planted_wrong_transform_fails_naming_the_layer(monkeypatch, capsys, host_kernels):
+    """`wcache verify` exits 1 when one layer's plan perturbs its weight: the row of
+    that layer (a oneDNN linear, whose weight vLLM releases after prepacking, so only
+    its output can differ) and the forward name it; every other row is OK."""
+    from wcache.cli import main
+
+    path = _fixture("bf16", host_kernels)
+    _plant(monkeypatch, lambda plan: attrs.evolve(plan, stages=(_perturb_weight, *plan.stages)))
+    code = main(["verify", "--model", path, *ENGINE_ARGS, "--no-progress", "--only-failures"])
+    out = capsys.readouterr().out
+    assert 1 == code
+    failing = [line.split()[0] for line in out.splitlines() if "DIFFERS:" in line]
+    assert [PLANTED_LAYER, "(forward)", "(logits)"] == failing
+    assert f"first differing output: {PLANTED_LAYER} (checksum" in out
+    assert re.search(rf"^{re.escape(PLANTED_LAYER)}\s+unquantized/\w+@1\s+\w+\s+DIFFERS: forward "
+                     r"output differs", out, re.M)
+    assert "wcache verify: FAILED (in-process): 3 of" in out
+
+
+def test_planted_missing_metadata_stage_names_the_attribute(monkeypatch, host_kernels):
+    """An AWQ plan without its METADATA stage cpu_wna16.set_isa_hint restores a layer
+    without ``isa_hint``: that layer's row names the attribute with vLLM's value and
+    the restore's (absent), and the restored forward's error is reported, not raised."""
+    from wcache.vllm.verify import verify
+
+    path = _fixture("awq", host_kernels)
+    _plant(monkeypatch, lambda plan: attrs.evolve(plan, stages=tuple(
+        s for s in plan.stages if s.name != "cpu_wna16.set_isa_hint")))
+    report = verify(path, ENGINE_ARGS, progress=False)
+    rows = {r.layer: r for r in report.failures}
+    assert [PLANTED_LAYER, "(forward)", "(logits)"] == list(rows)
+    layer = rows[PLANTED_LAYER]
+    assert ("awq/cpu_wna16@1", "cpu_wna16") == (layer.plan, layer.kernel)
+    assert re.fullmatch(r"~isa_hint: '\w+' != '<absent>'", layer.difference)
+    assert "restore: AttributeError" in rows["(forward)"].difference
+    assert "isa_hint" in rows["(forward)"].difference
+    assert not report.logits_equal
+
+
+def test_socket_dir_mode_checks_a_running_daemon(host_kernels):
+    """With socket_dir, verify restores from the daemon serving there (here one in this
+    process, built as `wcache serve` builds it) and finds it equal to vLLM's load;
+    once that daemon is gone it raises RestoreFailed [daemon-missing]."""
+    from vllm.config import set_current_vllm_config
+
+    from wcache.vllm.daemon import _prepare_platform, build_server, engine_config
+    from wcache.vllm.key import device_id, parallel_layout
+    from wcache.vllm.loader import RestoreFailed
+    from wcache.vllm.verify import _ensure_world, verify
+
+    path = _fixture("bf16", host_kernels)
+    cfg = engine_config(path, list(ENGINE_ARGS))
+    _prepare_platform(cfg)
+    sockets = tempfile.mkdtemp(prefix="wcv-")  # short: a socket path holds <= 107 bytes
+    try:
+        with set_current_vllm_config(cfg):
+            _ensure_world(cfg)
+            dev = device_id(torch.device("cpu"), cfg.model_config, parallel_layout())
+            server = build_server(cfg, socket_dir=sockets, device_id=dev, progress=False)
+        with server:
+            report = verify(path, ENGINE_ARGS, socket_dir=sockets, progress=False)
+        with pytest.raises(RestoreFailed, match=r"\[daemon-missing\]") as err:
+            verify(path, ENGINE_ARGS, socket_dir=sockets, progress=False)
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
+    assert [] == [(r.layer, r.difference) for r in report.failures]
+    assert f"daemon {sockets}" == report.mode
+    assert "daemon-missing" == err.value.code
+
+
+def test_too_little_memory_is_refused_before_loading(monkeypatch, host_kernels):
+    """A host without memory for two copies is refused (insufficient-memory) with the
+    memory note, before any weight is read."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    import wcache.vllm.verify as verify_mod
+
+    path = _fixture("bf16", host_kernels)
+    monkeypatch.setattr(verify_mod, "available_bytes", lambda device: 2**20)
+    monkeypatch.setattr(DefaultModelLoader, "load_model",
+                        lambda *a, **k: pytest.fail("weights loaded despite the refusal"))
+    with pytest.raises(verify_mod.VerifyRefused, match=r"holds two copies.*0\.00 GiB available.*"
+                                                       r"not enough memory") as err:
+        verify_mod.verify(path, ENGINE_ARGS, progress=False, out=sys.stderr)
+    assert "insufficient-memory" == err.value.code
+
+
+@pytest.mark.parametrize("loaded, restored, expected", [
+    ({"weight": ("param", (2, 3), "torch.bfloat16", (3, 1), "aa")},
+     {"weight": ("param", (2, 3), "torch.bfloat16", (1, 2), "aa")},
+     "weight stride: (3, 1) != (1, 2)"),
+    ({"weight": ("param", (2, 3), "torch.bfloat16", (3, 1), "aa"), "@isa_hint": "vec"},
+     {"weight": ("param", (2, 3), "torch.bfloat16", (3, 1), "bb"), "@isa_hint": "amx"},
+     "weight checksum: 'aa' != 'bb'"),
+    ({"@use_w4a8": True, "~x": 1}, {"@use_w4a8": True, "~x": 2}, "~x: 1 != 2"),
+    ({"bias": ("param", None)}, {}, "bias: ('param', None) != '<absent>'"),
+    ({"~a": 1}, {"~a": 1}, None),
+])
+def test_first_difference_names_the_field_and_both_values(loaded, restored, expected):
+    """Tensors are compared before attributes, and a tensor's differing part is named."""
+    from wcache.vllm.verify import first_difference
+
+    assert expected == first_difference(loaded, restored)

@@ -1,0 +1,665 @@
+"""``wcache verify``: prove on this host, with this checkpoint, that a restore is
+the model vLLM's own loader builds.
+
+    wcache verify --model DIR [vLLM engine args]            # in-process arena
+    wcache verify --model DIR --socket-dir S [engine args]  # what a running daemon serves
+
+Steps, in one process (one rank):
+
+1. **vLLM's load**: ``DefaultModelLoader`` (load format ``auto``) builds the model
+   and runs vLLM's own ``process_weights_after_loading``. Every module is
+   snapshotted (tensor names, kinds, shapes, dtypes, strides, content checksums;
+   the attributes the plan's stages declare and every plain attribute the module
+   holds; which names are one tensor) and a fixed forward runs. The model is then
+   dropped, so at most two copies of the weights are alive at any time.
+2. **The wcache way**: a second real load runs every plan's ``prepare`` and is
+   exported into an arena served by an in-process daemon on a private socket
+   (``wcache serve``'s own :func:`wcache.vllm.daemon.build_export` and
+   :class:`wcache.store.DaemonServer`); or, with ``socket_dir``, nothing is built
+   and the running daemon is asked. The engine's own loader
+   (:class:`wcache.vllm.loader.WcacheModelLoader`, ``fallback=false``,
+   ``strict=true``) builds the meta model, attaches, installs and replays every
+   restore under the guard. The restored model is snapshotted and runs the same
+   forward.
+3. **Compare** module by module and the logits bit for bit; every planned layer's
+   row gives its plan id and the kernel vLLM decided for it on this host.
+
+The forward: the checkpoint's real kernels for every linear and embedding
+(oneDNN, CPUWNA16, the W8A8 int8 GEMM, ...), vLLM's norms, rotary embedding and
+logits processor, on :data:`DEFAULT_TOKEN_IDS` as one causal prefill. Attention
+itself is computed by a pure-torch causal reference in both models (vLLM's
+attention kernels need the engine's KV cache and scheduler metadata); the
+attention layers' post-load state is compared by the snapshot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import logging
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from wcache.core import WcacheError, snapshot, tensor_checksum
+
+logger = logging.getLogger("wcache.vllm")
+
+#: Token ids of the fixed forward: 16 ids spread over the vocabulary by a prime
+#: stride (taken modulo the vocabulary size), one causal prefill.
+DEFAULT_NUM_TOKENS = 16
+TOKEN_STRIDE = 7919
+#: Memory kept free beyond the two copies of the weights (bytes): vLLM's own
+#: state, activations of the 16-token forward, the arena's page rounding.
+MEMORY_HEADROOM_BYTES = 1 << 30
+#: Weight copies alive at once: the checkpoint's bytes as prepared (the daemon's
+#: arena) and as restored or loaded; vLLM's load is dropped before the second load.
+COPIES_HELD = 2
+#: Checkpoint files whose sizes estimate the weights' bytes.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+#: Attributes that are not load state: ``kv_cache`` is the load-time placeholder
+#: the model runner rebinds to the engine-sized KV cache after loading;
+#: ``_wcache_attachment`` keeps a restored model's mapping alive.
+IGNORED_ATTRS = frozenset({"kv_cache", "_wcache_attachment"})
+#: Longest rendering of one value in a message (characters).
+MAX_VALUE_CHARS = 120
+
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+
+
+class VerifyRefused(WcacheError, RuntimeError):
+    """``wcache verify`` cannot run here (not enough memory, more than one rank)."""
+
+    code = "verify-refused"
+
+
+@attrs.frozen
+class Row:
+    """One line of the per-layer table.
+
+    Attributes:
+        layer: the module's qualified name (``"(ties)"``, ``"(forward)"`` and
+            ``"(logits)"`` for the model-wide checks).
+        plan: the plan id, ``"-"`` for modules without post-load work.
+        kernel: the kernel vLLM decided for this layer on this host (as recorded
+            in the layer's config and the Target), ``"-"`` where none.
+        difference: ``None`` when equal, else the first differing field with both
+            values (vLLM's load first, then the restore).
+    """
+
+    layer: str
+    plan: str
+    kernel: str
+    difference: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.difference is None
+
+
+@attrs.frozen
+class VerifyReport:
+    """The outcome of :func:`verify`.
+
+    Attributes:
+        rows: planned layers, other modules with state, then the model-wide checks.
+        mode: ``"in-process"`` or ``"daemon <socket dir>"``.
+        seconds: wall time of each step (``load``, ``forward``, ``prepare``,
+            ``restore``, ...) in seconds.
+        logits_equal: the fixed forward's logits are bit-identical.
+    """
+
+    rows: tuple[Row, ...]
+    mode: str
+    seconds: Mapping[str, float]
+    logits_equal: bool
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.rows)
+
+    @property
+    def failures(self) -> tuple[Row, ...]:
+        return tuple(r for r in self.rows if not r.ok)
+
+    def table(self, *, only_failures: bool = False) -> str:
+        """The per-layer table as aligned text."""
+        rows = [r for r in self.rows if not (only_failures and r.ok)]
+        head = ("layer", "plan", "kernel", "result")
+        body = [(r.layer, r.plan, r.kernel, "OK" if r.ok else f"DIFFERS: {r.difference}")
+                for r in rows]
+        widths = [max([len(head[i])] + [len(b[i]) for b in body]) for i in range(3)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(line[:3], widths)) + "  " + line[3]
+                 for line in [head, *body]]
+        return "\n".join(lines) + "\n"
+
+    def summary(self) -> str:
+        planned = [r for r in self.rows if r.plan != "-"]
+        if self.ok:
+            return (f"wcache verify: OK ({self.mode}): {len(planned)} planned layers and "
+                    f"{len(self.rows) - len(planned)} other checks equal vLLM's load; "
+                    f"logits bit-identical.")
+        first = self.failures[0]
+        return (f"wcache verify: FAILED ({self.mode}): {len(self.failures)} of "
+                f"{len(self.rows)} checks differ; first: {first.layer}: {first.difference}")
+
+
+def default_token_ids(vocab_size: int, n: int = DEFAULT_NUM_TOKENS) -> list[int]:
+    """``n`` fixed token ids spread over ``[0, vocab_size)``."""
+    return [(i * TOKEN_STRIDE) % vocab_size for i in range(1, n + 1)]
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def checkpoint_weight_bytes(model_dir: str) -> int:
+    """Bytes of the checkpoint's weight files (an estimate of one copy, bytes)."""
+    total = 0
+    for name in os.listdir(model_dir):
+        if name.endswith(WEIGHT_SUFFIXES):
+            total += os.path.getsize(os.path.join(model_dir, name))
+    return total
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory this process can still use on ``device`` (bytes)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    import psutil  # noqa: PLC0415
+
+    return int(psutil.virtual_memory().available)
+
+
+def memory_note(model_dir: str, device: torch.device) -> tuple[str, bool]:
+    """A line saying what verify holds and whether this host has it.
+
+    Returns:
+        (the note, whether enough memory is available).
+    """
+    one = checkpoint_weight_bytes(model_dir)
+    need = COPIES_HELD * one + MEMORY_HEADROOM_BYTES
+    have = available_bytes(device)
+    note = (f"wcache verify: holds two copies of the model's weights at once (vLLM's load "
+            f"is dropped before the wcache build; about {COPIES_HELD} x {one / 2**30:.2f} GiB "
+            f"+ {MEMORY_HEADROOM_BYTES / 2**30:.0f} GiB headroom = {need / 2**30:.2f} GiB on "
+            f"{device.type}; {have / 2**30:.2f} GiB available)")
+    return note, have >= need
+
+
+# --------------------------------------------------------------------------- snapshot
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), str(value.dtype), tensor_checksum(value))
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return value
+    if isinstance(value, (tuple, list)) and all(
+            v is None or isinstance(v, (bool, int, float, str)) for v in value):
+        return tuple(value)
+    if callable(value):
+        # vLLM binds closures where a plan binds an equivalent callable object
+        # (layer.cpu_linear): like wcache.core.snapshot, compared as "callable";
+        # what they compute is checked through the forward
+        return "<callable>"
+    # process-local handles (oneDNN handlers, kernels, quant methods): compared by
+    # type, like wcache.core.snapshot
+    return f"<{type(value).__name__}>"
+
+
+def module_state(module: torch.nn.Module, attr_paths: Iterable[str] = ()) -> dict[str, Any]:
+    """One module's comparable state: :func:`wcache.core.snapshot` (its own
+    parameters and buffers: kind, shape, dtype, stride, checksum; and the values at
+    ``attr_paths``) plus every other attribute it holds (``~name``), normalized by
+    :func:`_plain`; without :data:`IGNORED_ATTRS`."""
+    paths = sorted(set(attr_paths) - IGNORED_ATTRS)
+    out = snapshot(module, paths)
+    for name, value in vars(module).items():
+        if (name in _MODULE_INTERNALS or name in IGNORED_ATTRS or name in paths
+                or isinstance(value, torch.nn.Module)):
+            continue
+        out[f"~{name}"] = _plain(value)
+    return out
+
+
+def model_state(model: torch.nn.Module, attr_paths: Mapping[str, Iterable[str]]
+                ) -> dict[str, dict[str, Any]]:
+    """:func:`module_state` of every module, by qualified name."""
+    return {name: module_state(m, attr_paths.get(name, ()))
+            for name, m in model.named_modules()}
+
+
+def ties(model: torch.nn.Module) -> list[tuple[str, ...]]:
+    """Groups of parameter/buffer names that are one tensor object (tied weights)."""
+    groups: dict[int, list[str]] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False),
+                    *model.named_buffers(remove_duplicate=False)]:
+        groups.setdefault(id(t), []).append(name)
+    return sorted(tuple(sorted(g)) for g in groups.values() if len(g) > 1)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= MAX_VALUE_CHARS else text[:MAX_VALUE_CHARS - 3] + "..."
+
+
+_TENSOR_FIELDS = ("kind", "shape", "dtype", "stride", "checksum")
+
+
+def _field_difference(field: str, a: Any, b: Any) -> str:
+    """``field: <what> a != b``; a tensor's tuple names the part that differs."""
+    if (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 5
+            and a[0] in ("param", "buffer")):
+        for part, x, y in zip(_TENSOR_FIELDS, a, b):
+            if x != y:
+                return f"{field} {part}: {_short(x)} != {_short(y)}"
+    return f"{field}: {_short(a)} != {_short(b)}"
+
+
+def first_difference(loaded: Mapping[str, Any], restored: Mapping[str, Any]) -> str | None:
+    """The first field (sorted: tensors, then ``@``declared attributes, then other
+    ``~``attributes) whose value differs, with vLLM's value first; ``None`` when equal."""
+    missing = "<absent>"
+    for field in sorted(set(loaded) | set(restored), key=lambda k: (k[0] in "@~", k[0] == "~", k)):
+        a, b = loaded.get(field, missing), restored.get(field, missing)
+        if a != b:
+            return _field_difference(field, a, b)
+    return None
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def _reference_attention_forward(self, query: torch.Tensor, key: torch.Tensor,
+                                 value: torch.Tensor, output_shape: Any = None,
+                                 output_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Causal attention of one prefill in pure torch, for ``Attention.forward``.
+
+    Args:
+        query: ``[num_tokens, num_heads * head_size]``.
+        key, value: ``[num_tokens, num_kv_heads * head_size]``.
+
+    Returns:
+        ``[num_tokens, num_heads * head_size_v]`` in ``output_dtype`` (default the
+        query's dtype).
+    """
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    n = query.shape[0]
+    heads, kv_heads = self.num_heads, self.num_kv_heads
+    head_v = getattr(self, "head_size_v", self.head_size)
+    q = query.reshape(n, heads, self.head_size).transpose(0, 1)
+    k = key.reshape(n, kv_heads, self.head_size).transpose(0, 1)
+    v = value.reshape(n, kv_heads, head_v).transpose(0, 1)
+    if heads != kv_heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=0)
+        v = v.repeat_interleave(heads // kv_heads, dim=0)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.impl.scale)
+    return out.transpose(0, 1).reshape(n, heads * head_v).to(output_dtype or query.dtype)
+
+
+@contextlib.contextmanager
+def _reference_attention() -> Iterator[None]:
+    from vllm.model_executor.layers.attention import Attention  # noqa: PLC0415
+
+    real = Attention.forward
+    Attention.forward = _reference_attention_forward
+    try:
+        yield
+    finally:
+        Attention.forward = real
+
+
+def run_forward(model: torch.nn.Module, vllm_config: Any, token_ids: Sequence[int]
+                ) -> tuple[torch.Tensor, list[tuple[str, str]]]:
+    """The fixed forward: logits of ``token_ids`` as one causal prefill.
+
+    Returns:
+        (logits ``[len(token_ids), vocab]``, ``(module name, output checksum)`` in
+        call order, for naming the first module whose output differs).
+    """
+    from vllm.forward_context import set_forward_context  # noqa: PLC0415
+
+    outputs: list[tuple[str, str]] = []
+
+    def hook(name: str):
+        def record(_module, _inputs, output):
+            t = output[0] if isinstance(output, (tuple, list)) else output
+            if isinstance(t, torch.Tensor):
+                outputs.append((name, tensor_checksum(t)))
+        return record
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
+    device = next(iter(model.parameters())).device
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)
+    positions = torch.arange(len(token_ids), dtype=torch.long, device=device)
+    try:
+        with torch.inference_mode(), _reference_attention(), \
+                set_forward_context(None, vllm_config, num_tokens=len(token_ids)):
+            hidden = model(ids, positions)
+            logits = model.compute_logits(hidden)
+    finally:
+        for h in handles:
+            h.remove()
+    return logits.detach().cpu(), outputs
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _logits_difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    if _bits_equal(a, b):
+        if not bool(torch.isfinite(a).all()):
+            # equal NaNs prove nothing: the fixed forward must be a meaningful one
+            return "logits: bit-identical but not finite, so the forward proves nothing"
+        return None
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"logits: {list(a.shape)} {a.dtype} != {list(b.shape)} {b.dtype}"
+    diff = (a.float() - b.float()).abs()
+    pos = int((diff.reshape(a.shape[0], -1) > 0).any(dim=1).nonzero()[0])
+    return (f"logits: not bit-identical (first at token {pos}; max |diff| "
+            f"{float(diff.nan_to_num(float('inf')).max()):.6g})")
+
+
+def _forward_difference(a: list[tuple[str, str]], b: list[tuple[str, str]]
+                        ) -> tuple[str | None, str | None]:
+    """(the first module, in call order, whose output differs or ``None``; the
+    difference or ``None``)."""
+    for (name_a, sum_a), (name_b, sum_b) in zip(a, b):
+        if name_a != name_b:
+            return None, f"call order: {name_a} != {name_b}"
+        if sum_a != sum_b:
+            return name_a, (f"first differing output: {name_a} (checksum {sum_a} != "
+                            f"{sum_b})")
+    if len(a) != len(b):
+        return None, f"module calls: {len(a)} != {len(b)}"
+    return None, None
+
+
+# --------------------------------------------------------------------------- builds
+
+
+@contextlib.contextmanager
+def _forgetting_registrations(vllm_config: Any) -> Iterator[None]:
+    """Undo the process-global registrations one model build leaves (attention
+    layers in ``static_forward_context``, rotary embeddings in ``_ROPE_DICT``), so
+    the next build in this process does not collide with or reuse them."""
+    from wcache.vllm import compat  # noqa: PLC0415
+
+    before = compat.registrations(vllm_config)
+    try:
+        yield
+    finally:
+        compat.forget_registrations_(vllm_config, before)
+
+
+def _ensure_world(vllm_config: Any) -> None:
+    from vllm.distributed import model_parallel_is_initialized  # noqa: PLC0415
+
+    from wcache.vllm.daemon import _init_distributed  # noqa: PLC0415
+
+    if not model_parallel_is_initialized():
+        tmp = tempfile.mkdtemp(prefix="wcache-verify-dist-")
+        _init_distributed(vllm_config, 0, 1, f"file://{tmp}/init")
+
+
+@attrs.frozen
+class _Side:
+    state: dict[str, dict[str, Any]]
+    ties: list[tuple[str, ...]]
+    logits: torch.Tensor | None
+    outputs: list[tuple[str, str]]
+    error: str | None = None  # the forward raised (``Type: message``)
+
+
+def _observe(model: torch.nn.Module, vllm_config: Any, attr_paths: Mapping[str, Iterable[str]],
+             token_ids: Sequence[int], seconds: dict[str, float], label: str) -> _Side:
+    t0 = time.perf_counter()
+    state = model_state(model, attr_paths)
+    tied = ties(model)
+    t1 = time.perf_counter()
+    logits, outputs, error = None, [], None
+    try:
+        logits, outputs = run_forward(model, vllm_config, token_ids)
+    except Exception as exc:  # noqa: BLE001  (a broken restore is a finding, not a crash)
+        logger.debug("verify: forward of the %s model raised", label, exc_info=True)
+        error = f"{type(exc).__name__}: {exc}"
+    seconds[f"snapshot ({label})"] = t1 - t0
+    seconds[f"forward ({label})"] = time.perf_counter() - t1
+    return _Side(state, tied, logits, outputs, error)
+
+
+def _plan_rows(model: torch.nn.Module, target: Any) -> tuple[dict[str, tuple[str, str]],
+                                                            dict[str, list[str]]]:
+    """Per planned layer of vLLM's loaded model: (plan id, kernel) and the
+    attribute paths its plan's stages declare."""
+    from wcache.vllm.model import planned_layers  # noqa: PLC0415
+
+    info, paths = {}, {}
+    for p in planned_layers(model, target):
+        info[p.name] = (p.plan.id, p.config.quant.kernel or p.plan.kernel)
+        paths[p.name] = sorted({a for s in p.plan.stages for a in s.attrs})
+    return info, paths
+
+
+def _compare(loaded: _Side, restored: _Side, plans: Mapping[str, tuple[str, str]]
+             ) -> tuple[list[Row], bool]:
+    rows = []
+    names = list(loaded.state) + [n for n in restored.state if n not in loaded.state]
+    planned = [n for n in names if n in plans]
+    others = [n for n in names if n not in plans]
+    for name in planned + others:
+        plan, kernel = plans.get(name, ("-", "-"))
+        a, b = loaded.state.get(name), restored.state.get(name)
+        if a is None or b is None:
+            diff = (f"module: present in {'vLLM load' if b is None else 'restore'} only")
+        else:
+            diff = first_difference(a, b)
+        if name in plans or diff is not None or any(k[0] not in "@~" for k in a or {}):
+            rows.append(Row(name or "(model)", plan, kernel, diff))
+    tie_diff = None if loaded.ties == restored.ties else \
+        f"tied names: {_short(loaded.ties)} != {_short(restored.ties)}"
+    rows.append(Row("(ties)", "-", "-", tie_diff))
+    if loaded.error is not None or restored.error is not None:
+        forward_diff = (f"the forward raised: vLLM load: {loaded.error or 'no error'}; "
+                        f"restore: {restored.error or 'no error'}")
+        logits_diff = "logits: no logits to compare (the forward raised)"
+    else:
+        culprit, forward_diff = _forward_difference(loaded.outputs, restored.outputs)
+        logits_diff = _logits_difference(loaded.logits, restored.logits)
+        for i, row in enumerate(rows):
+            # state that the snapshot cannot see (a private oneDNN handle, a released
+            # weight) shows in the output of the first module that computes differently
+            if row.layer == culprit and row.ok:
+                rows[i] = attrs.evolve(row, difference=(
+                    "forward output differs (the first module in call order that does; "
+                    "its state compares equal)"))
+    rows.append(Row("(forward)", "-", "-", forward_diff))
+    rows.append(Row("(logits)", "-", "-", logits_diff))
+    return rows, logits_diff is None
+
+
+def _steps(progress: bool, total: int):
+    if not progress:
+        return None
+    from tqdm import tqdm  # noqa: PLC0415
+
+    return tqdm(total=total, desc="wcache verify", unit="step", file=sys.stderr,
+                bar_format="{desc}: {n}/{total} steps [{elapsed}]")
+
+
+def _advance(bar: Any, desc: str) -> None:
+    if bar is not None:
+        bar.set_description_str(f"wcache verify: {desc}")
+        bar.update(0)
+
+
+def verify(model: str, engine_args: Sequence[str] = (), *, socket_dir: str | None = None,
+           job: str = "", progress: bool = True, check_memory: bool = True,
+           token_ids: Sequence[int] | None = None, out: Any = None) -> VerifyReport:
+    """Build ``model`` with vLLM's loader and the wcache way; compare every module
+    and the logits of a fixed forward.
+
+    Args:
+        model: checkpoint directory.
+        engine_args: vLLM engine arguments (as for ``wcache serve``), e.g.
+            ``["--dtype", "bfloat16"]``; they must be the engine's.
+        socket_dir: compare against the daemon serving this socket directory
+            instead of an in-process arena.
+        job: the daemon's ``--job`` (``socket_dir`` mode).
+        progress: progress bars on stderr.
+        check_memory: refuse when the host lacks memory for two copies.
+        token_ids: the forward's tokens (default :func:`default_token_ids`).
+        out: where the memory note goes (default stderr).
+
+    Returns:
+        A :class:`VerifyReport`; ``report.ok`` is the verdict.
+
+    Raises:
+        VerifyRefused: too little memory, or more than one rank.
+        RestoreFailed: the wcache side could not be built (a key mismatch with
+            the running daemon, a guard violation, ...), with its reason code.
+    """
+    from vllm.config import set_current_vllm_config  # noqa: PLC0415
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader  # noqa
+
+    from wcache.vllm.daemon import _prepare_platform, engine_config  # noqa: PLC0415
+    from wcache.vllm.probe import host_target  # noqa: PLC0415
+
+    out = out if out is not None else sys.stderr
+    vllm_config = engine_config(model, list(engine_args))
+    pc = vllm_config.parallel_config
+    if pc.tensor_parallel_size * pc.pipeline_parallel_size != 1:
+        raise VerifyRefused("wcache verify checks one rank; run it without "
+                            "--tensor-parallel-size/--pipeline-parallel-size (the plans and "
+                            "kernels per layer are the same on every rank).")
+    device = torch.device(vllm_config.device_config.device)
+    note, enough = memory_note(vllm_config.model_config.model, device)
+    print(note, file=out, flush=True)
+    if check_memory and not enough:
+        raise VerifyRefused(f"{note}: not enough memory for two copies; free memory or run "
+                            f"verify on a larger host of the same class.",
+                            code="insufficient-memory")
+    _prepare_platform(vllm_config)
+    model_config = vllm_config.model_config
+    seconds: dict[str, float] = {}
+    mode = "in-process" if socket_dir is None else f"daemon {socket_dir}"
+    bar = _steps(progress, total=5 if socket_dir else 6)
+    try:
+        with set_current_vllm_config(vllm_config):
+            _ensure_world(vllm_config)
+            target = host_target(device)
+            _advance(bar, "vLLM load")
+            t0 = time.perf_counter()
+            with _forgetting_registrations(vllm_config):
+                loaded_model = DefaultModelLoader(dataclasses.replace(
+                    vllm_config.load_config, load_format="auto", model_loader_extra_config={})
+                ).load_model(vllm_config, model_config)
+                seconds["load (vLLM)"] = time.perf_counter() - t0
+                plans, attr_paths = _plan_rows(loaded_model, target)
+                if bar is not None:
+                    bar.update(1)
+                _advance(bar, "forward (vLLM load)")
+                if token_ids is None:
+                    token_ids = default_token_ids(model_config.get_vocab_size())
+                loaded = _observe(loaded_model, vllm_config, attr_paths, token_ids, seconds,
+                                  "vLLM")
+                del loaded_model
+            gc.collect()
+            if bar is not None:
+                bar.update(1)
+            restored = _wcache_side(vllm_config, model_config, device, socket_dir, job, attr_paths,
+                                    token_ids, seconds, bar, progress)
+            _advance(bar, "compare")
+            rows, logits_equal = _compare(loaded, restored, plans)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    return VerifyReport(tuple(rows), mode, dict(seconds), logits_equal)
+
+
+def _wcache_side(vllm_config: Any, model_config: Any, device: torch.device,
+                 socket_dir: str | None, job: str, attr_paths: Mapping[str, Iterable[str]],
+                 token_ids: Sequence[int], seconds: dict[str, float], bar: Any,
+                 progress: bool) -> _Side:
+    """Prepare and serve in-process (unless ``socket_dir``), restore with the
+    engine's loader, observe, and drop everything."""
+    from wcache.vllm.daemon import build_server  # noqa: PLC0415
+    from wcache.vllm.key import device_id, parallel_layout  # noqa: PLC0415
+    from wcache.vllm.loader import WcacheModelLoader  # noqa: PLC0415
+
+    with contextlib.ExitStack() as stack:
+        if socket_dir is None:
+            _advance(bar, "load + prepare + export (wcache)")
+            t0 = time.perf_counter()
+            sockets = stack.enter_context(tempfile.TemporaryDirectory(prefix="wcache-verify-"))
+            dev_id = device_id(device, model_config, parallel_layout(), job)
+            # wcache serve's own build: load, prepare, export into the arena, then the
+            # model and its registrations are dropped
+            stack.enter_context(build_server(vllm_config, socket_dir=sockets, device_id=dev_id,
+                                             progress=progress))
+            seconds["load + prepare + export (wcache)"] = time.perf_counter() - t0
+            if bar is not None:
+                bar.update(1)
+            serving = sockets
+        else:
+            serving = socket_dir
+        _advance(bar, "restore (wcache)")
+        load_config = dataclasses.replace(
+            vllm_config.load_config, load_format="wcache",
+            model_loader_extra_config={"socket_dir": serving, "fallback": False,
+                                       "strict": True, "job": job})
+        t0 = time.perf_counter()
+        with _forgetting_registrations(vllm_config):
+            restored_model = WcacheModelLoader(load_config).load_model(vllm_config,
+                                                                       model_config)
+            seconds["restore (wcache)"] = time.perf_counter() - t0
+            if bar is not None:
+                bar.update(1)
+            _advance(bar, "forward (restore)")
+            try:
+                side = _observe(restored_model, vllm_config, attr_paths, token_ids, seconds,
+                                "restore")
+            finally:
+                attachment = getattr(restored_model, "_wcache_attachment", None)
+                del restored_model
+                gc.collect()
+                if attachment is not None:
+                    attachment.close()
+        if bar is not None:
+            bar.update(1)
+    return side
+
+
+def main(args: Any, rest: list[str]) -> int:
+    """``wcache verify`` entry point (arguments parsed by :mod:`wcache.cli`).
+
+    stdout carries the table and the verdict only: vLLM's own log lines go to
+    stderr, at WARNING and above, unless the environment says otherwise.
+    """
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from wcache.vllm.compat import check_vllm_version  # noqa: PLC0415
+
+    check_vllm_version()  # as wcache serve and the load format do
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    t0 = time.perf_counter()
+    report = verify(args.model, rest, socket_dir=args.socket_dir, job=args.job,
+                    progress=not args.no_progress, check_memory=not args.ignore_memory_check)
+    sys.stdout.write(report.table(only_failures=args.only_failures))
+    steps = ", ".join(f"{k} {v:.1f} s" for k, v in report.seconds.items())
+    print(f"{report.summary()}\ntimes: {steps}; total {time.perf_counter() - t0:.1f} s",
+          flush=True)
+    return 0 if report.ok else 1
