@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import gc
 import logging
 import os
@@ -68,6 +69,16 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 #: the model runner rebinds to the engine-sized KV cache after loading;
 #: ``_wcache_attachment`` keeps a restored model's mapping alive.
 IGNORED_ATTRS = frozenset({"kv_cache", "_wcache_attachment"})
+#: How deep attribute objects are opened (1: the module's own attributes; 2: those
+#: of e.g. its attention ``impl`` or quant method; 3: e.g. the method's kernel).
+MAX_ATTR_DEPTH = 3
+#: Only objects of these packages are opened (vLLM's layers' helpers, wcache's
+#: bound callables); configs of other libraries stay compared by type.
+OPENED_MODULES = ("vllm.", "wcache.")
+#: ... except vLLM's engine-wide configs: the same objects for both builds, and they
+#: hold process-wide counters (compilation_config.enabled_custom_ops) that the
+#: second build increments.
+CLOSED_MODULES = ("vllm.config",)
 #: Longest rendering of one value in a message (characters).
 MAX_VALUE_CHARS = 120
 
@@ -201,9 +212,13 @@ def _plain(value: Any) -> Any:
         return ("tensor", tuple(value.shape), str(value.dtype), tensor_checksum(value))
     if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
         return value
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}"
     if isinstance(value, (tuple, list)) and all(
             v is None or isinstance(v, (bool, int, float, str)) for v in value):
         return tuple(value)
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        return tuple(sorted((k, _plain(v)) for k, v in value.items()))
     if callable(value):
         # vLLM binds closures where a plan binds an equivalent callable object
         # (layer.cpu_linear): like wcache.core.snapshot, compared as "callable";
@@ -214,18 +229,33 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
+def _attributes(prefix: str, obj: Any, depth: int, seen: set[int], out: dict[str, Any],
+                skip: Iterable[str] = ()) -> None:
+    """Every attribute of ``obj`` as ``~prefix.name``, normalized by :func:`_plain`;
+    objects that hold attributes themselves (an attention ``impl``, a quant method
+    and its kernel) are opened up to :data:`MAX_ATTR_DEPTH` levels, each once."""
+    for name, value in vars(obj).items():
+        if name in skip or name in IGNORED_ATTRS or isinstance(value, torch.nn.Module):
+            continue
+        key = f"{prefix}{name}"
+        out[key] = _plain(value)
+        if (depth < MAX_ATTR_DEPTH and isinstance(out[key], str) and out[key].startswith("<")
+                and hasattr(value, "__dict__") and id(value) not in seen
+                and type(value).__module__.startswith(OPENED_MODULES)
+                and not type(value).__module__.startswith(CLOSED_MODULES)):
+            seen.add(id(value))
+            _attributes(f"{key}.", value, depth + 1, seen, out)
+
+
 def module_state(module: torch.nn.Module, attr_paths: Iterable[str] = ()) -> dict[str, Any]:
     """One module's comparable state: :func:`wcache.core.snapshot` (its own
     parameters and buffers: kind, shape, dtype, stride, checksum; and the values at
-    ``attr_paths``) plus every other attribute it holds (``~name``), normalized by
-    :func:`_plain`; without :data:`IGNORED_ATTRS`."""
+    ``attr_paths``) plus every other attribute it holds (``~name``, and
+    ``~impl.scale`` inside vLLM/wcache objects), normalized by :func:`_plain`;
+    without :data:`IGNORED_ATTRS`."""
     paths = sorted(set(attr_paths) - IGNORED_ATTRS)
     out = snapshot(module, paths)
-    for name, value in vars(module).items():
-        if (name in _MODULE_INTERNALS or name in IGNORED_ATTRS or name in paths
-                or isinstance(value, torch.nn.Module)):
-            continue
-        out[f"~{name}"] = _plain(value)
+    _attributes("~", module, 1, {id(module)}, out, skip=_MODULE_INTERNALS | set(paths))
     return out
 
 
