@@ -99,7 +99,7 @@ def test_planted_wrong_transform_fails_naming_the_layer(monkeypatch, capsys, hos
     assert [PLANTED_LAYER, "(forward)", "(logits)"] == failing
     assert f"first differing output: {PLANTED_LAYER} (checksum" in out
     assert re.search(rf"^{re.escape(PLANTED_LAYER)}\s+unquantized/\w+@1\s+\w+\s+DIFFERS: forward "
-                     r"output differs", out, re.M)
+                     r"output differs", out, re.MULTILINE)
     assert "wcache verify: FAILED (in-process): 3 of" in out
 
 
@@ -125,8 +125,9 @@ def test_planted_missing_metadata_stage_names_the_attribute(monkeypatch, host_ke
 
 def test_socket_dir_mode_checks_a_running_daemon(host_kernels):
     """With socket_dir, verify restores from the daemon serving there (here one in this
-    process, built as `wcache serve` builds it) and finds it equal to vLLM's load;
-    once that daemon is gone it raises RestoreFailed [daemon-missing]."""
+    process, built as `wcache serve` builds it) and finds it equal to vLLM's load, also
+    for engine arguments without --enforce-eager; once that daemon is gone it raises
+    RestoreFailed [daemon-missing]."""
     from vllm.config import set_current_vllm_config
 
     from wcache.vllm.daemon import _prepare_platform, build_server, engine_config
@@ -143,8 +144,9 @@ def test_socket_dir_mode_checks_a_running_daemon(host_kernels):
             _ensure_world(cfg)
             dev = device_id(torch.device("cpu"), cfg.model_config, parallel_layout())
             server = build_server(cfg, socket_dir=sockets, device_id=dev, progress=False)
-        with server:
-            report = verify(path, ENGINE_ARGS, socket_dir=sockets, progress=False)
+        with server:  # no --enforce-eager: verify adds it; it is not part of the key
+            compiled = [a for a in ENGINE_ARGS if a != "--enforce-eager"]
+            report = verify(path, compiled, socket_dir=sockets, progress=False)
         with pytest.raises(RestoreFailed, match=r"\[daemon-missing\]") as err:
             verify(path, ENGINE_ARGS, socket_dir=sockets, progress=False)
     finally:

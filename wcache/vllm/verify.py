@@ -63,6 +63,8 @@ MEMORY_HEADROOM_BYTES = 1 << 30
 #: Weight copies alive at once: the checkpoint's bytes as prepared (the daemon's
 #: arena) and as restored or loaded; vLLM's load is dropped before the second load.
 COPIES_HELD = 2
+#: Added to the engine arguments: verify's forward runs eagerly.
+EAGER_FLAG = "--enforce-eager"
 #: Checkpoint files whose sizes estimate the weights' bytes.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 #: Attributes that are not load state: ``kv_cache`` is the load-time placeholder
@@ -567,7 +569,10 @@ def verify(model: str, engine_args: Sequence[str] = (), *, socket_dir: str | Non
     from wcache.vllm.probe import host_target  # noqa: PLC0415
 
     out = out if out is not None else sys.stderr
-    vllm_config = engine_config(model, list(engine_args))
+    # vLLM's torch.compile wrapper would trace the forward hooks; eager mode changes
+    # neither the weights nor the cache key (vLLM's ModelConfig hash leaves it out)
+    eager = [] if EAGER_FLAG in engine_args else [EAGER_FLAG]
+    vllm_config = engine_config(model, [*engine_args, *eager])
     pc = vllm_config.parallel_config
     if pc.tensor_parallel_size * pc.pipeline_parallel_size != 1:
         raise VerifyRefused("wcache verify checks one rank; run it without "
