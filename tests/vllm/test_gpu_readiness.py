@@ -367,7 +367,25 @@ def test_adapter_names_only_classes_compat_imports():
              and node.value.isidentifier() and node.value[:1].isupper()
              and node.value.endswith(("Method", "Kernel", "Attention", "Int8", "WNA16"))}
     assert names  # the adapter does name classes
-    assert set() == names - set(vars(compat.classes()))
+    assert set() == names - set(compat._CLASS_MODULES)
+
+
+def test_every_mapped_vllm_class_exists_in_this_vllm():
+    """Each class compat maps is found in its module once imported (a vLLM that moved
+    or renamed one fails here); compat itself imports nothing: a module this process
+    never imported has no instances, so its classes match nothing."""
+    import importlib
+
+    from wcache.vllm import compat
+
+    for name, module in compat._CLASS_MODULES.items():
+        importlib.import_module(module)
+        assert name == getattr(compat.classes(), name).__name__
+    for kid, (module, cls) in compat._KERNEL_CLASSES.items():
+        importlib.import_module(module)
+    assert {kid for _, kid in compat.kernel_classes()} == set(compat._KERNEL_CLASSES)
+    assert all(c is not compat._NotImported for c, _ in compat.kernel_classes())
+    assert not compat.is_type(object(), "MLAAttention")
 
 
 def test_kernel_ids_by_exact_class():

@@ -28,12 +28,10 @@ The one internal outside this package is ``wcache/stages/onednn.py``'s use of
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
-import importlib
 import os
+import sys
 from collections.abc import Iterator, Mapping
-from types import SimpleNamespace
 from typing import Any
 
 import attrs
@@ -207,22 +205,46 @@ _KERNEL_CLASSES = {
 }
 
 
-@functools.cache
-def classes() -> SimpleNamespace:
-    """vLLM's classes the adapter maps, imported (attribute per class name).
+class _NotImported:
+    """Stands for a vLLM class whose module this process never imported: no object
+    can be an instance of it, and nothing is an instance of this."""
+
+
+def _imported_class(module: str, name: str) -> type:
+    """vLLM's class ``module.name`` if ``module`` is imported, else :class:`_NotImported`.
+
+    A model's layers are instances of classes whose modules vLLM imported to build
+    them, so looking only at imported modules answers every type question exactly
+    without importing (and paying for) the modules of methods the model does not use.
 
     Raises:
-        ImportError / AttributeError: vLLM moved or renamed one (an untested vLLM).
+        AttributeError: the module is imported but lacks the class (an untested vLLM).
     """
-    return SimpleNamespace(**{name: getattr(importlib.import_module(mod), name)
-                              for name, mod in _CLASS_MODULES.items()})
+    mod = sys.modules.get(module)
+    return _NotImported if mod is None else getattr(mod, name)
 
 
-@functools.cache
+class _Classes:
+    """Attribute per class name in :data:`_CLASS_MODULES`, resolved on access."""
+
+    def __getattr__(self, name: str) -> type:
+        if name not in _CLASS_MODULES:
+            raise AttributeError(f"wcache.vllm.compat knows no vLLM class {name!r}")
+        return _imported_class(_CLASS_MODULES[name], name)
+
+
+_CLASSES = _Classes()
+
+
+def classes() -> _Classes:
+    """vLLM's classes the adapter maps (attribute per class name), from the modules
+    this process imported (see :func:`_imported_class`)."""
+    return _CLASSES
+
+
 def kernel_classes() -> tuple[tuple[type, str], ...]:
-    """``(vLLM kernel class, wcache kernel id)`` pairs, imported."""
-    return tuple((getattr(importlib.import_module(mod), cls), kid)
-                 for kid, (mod, cls) in _KERNEL_CLASSES.items())
+    """``(vLLM kernel class, wcache kernel id)`` pairs of the imported kernel modules."""
+    return tuple((_imported_class(mod, cls), kid) for kid, (mod, cls) in _KERNEL_CLASSES.items())
 
 
 def kernel_id(kernel: Any) -> str:
