@@ -8,7 +8,11 @@ For each (format, size) unit, in one run:
 * **daemon prepare**: this process reads the checkpoint, runs ``plan.prepare`` per
   layer and builds the arena (``DaemonServer``), then serves it;
 * **restore**: fresh worker processes (``spawn``) attach, install the views and
-  replay ``plan.restore`` per layer with the guard off;
+  replay ``plan.restore`` per layer under the engine's default guard (one
+  ``RestoreGuard`` over every layer: metadata checks after each stage, and a
+  content checksum per layer range where the mapping is writable: ``cuda_ipc``,
+  copy mode; a read-only ``cuda_vmm``/``shm`` mapping faults on writes instead),
+  over the daemon's default transport (``cuda_vmm`` where the driver supports it);
 * **per-tensor IPC restore**: the vLLM ``ipc_cache`` way: one
   ``torch.multiprocessing.reductions.reduce_tensor`` handle per tensor (pickled, as
   vLLM's ``TensorEntry``; CPU tensors are shipped by value, as vLLM does), rebuilt
@@ -55,6 +59,13 @@ __all__ = [
     "state_digest", "WorkerFailed",
 ]
 
+#: Comparison runs only: ``WCACHE_BENCH_GUARD=off`` replays with the guard off (what
+#: the guard costs); ``WCACHE_BENCH_TRANSPORT=cuda_ipc`` makes the daemon serve that
+#: transport instead of its default (cuda_vmm where the driver supports it).
+GUARD_ENV = "WCACHE_BENCH_GUARD"
+TRANSPORT_ENV = "WCACHE_BENCH_TRANSPORT"
+#: ``WCACHE_BENCH_PROFILE=/path/prefix`` writes a cProfile of each restore's replay.
+PROFILE_ENV = "WCACHE_BENCH_PROFILE"
 #: A worker that has not reported within this many seconds is considered hung
 #: (an 8B ordinary load from page cache takes ~10 s on an H200; a 30B arena
 #: build from host memory ~30 s; 600 s leaves room for a slow CPU host).
@@ -315,22 +326,36 @@ def _load_run(conn: Any, payload: dict, sk: dict) -> dict:
 
 
 def _replay(sk: dict, layers_data: Mapping[str, dict], views: Mapping[str, torch.Tensor],
-            kinds: Mapping[str, str]) -> None:
+            kinds: Mapping[str, str], content: bool = True) -> None:
+    """Install every layer's views, then restore every layer under one guard, as
+    the engine does (``wcache.vllm.model.restore_layers_``)."""
+    from wcache.core import RestoreGuard
+
     by_layer = _group_by_layer(list(views), sk["layers"])
     for ly in sk["layers"]:
-        module = sk["modules"][ly.name]
         local = {n.rpartition(".")[2]: views[n] for n in by_layer[ly.name]}
         bufs = frozenset(n.rpartition(".")[2] for n in by_layer[ly.name] if kinds[n] == "buffer")
-        _install_(module, local, bufs)
+        _install_(sk["modules"][ly.name], local, bufs)
+    if os.environ.get(GUARD_ENV) == "off":  # the comparison run: what the guard costs
+        for ly in sk["layers"]:
+            data = layers_data[ly.name]
+            ly.plan.restore(sk["modules"][ly.name], ly.config, sk["target"], data["recorded"],
+                            guard=False, drops=data["drops"])
+        return
+    guard = RestoreGuard({ly.config.name: {n.rpartition(".")[2]: views[n] for n in by_layer[ly.name]
+                                           if views[n].device.type != "meta"}
+                          for ly in sk["layers"]}, content=content, defer=True)
+    for ly in sk["layers"]:
         data = layers_data[ly.name]
         if data["plan"] != ly.plan.id:
             raise WorkerFailed(f"{ly.name}: daemon ran plan {data['plan']}, worker {ly.plan.id}")
-        ly.plan.restore(module, ly.config, sk["target"], data["recorded"], guard=False,
-                        drops=data["drops"])
+        ly.plan.restore(sk["modules"][ly.name], ly.config, sk["target"], data["recorded"],
+                        guard=guard, drops=data["drops"])
+    guard.check_all()
 
 
 def _restore_run(conn: Any, payload: dict, sk: dict) -> dict:
-    """attach + install + plan.restore per layer (guard off)."""
+    """attach + install + plan.restore per layer (default guard and transport)."""
     from wcache.store import CacheKey, attach
 
     device = sk["device"]
@@ -341,10 +366,20 @@ def _restore_run(conn: Any, payload: dict, sk: dict) -> dict:
         att = attach(key, socket_dir=payload["socket_dir"], device=str(device),
                      device_id=payload["device_id"])
         t_attach = time.perf_counter()
-        _replay(sk, att.layers, att.tensors, att.kinds)
+        if os.environ.get(PROFILE_ENV):  # where replay time goes (a profiling run only)
+            import cProfile, io, pstats  # noqa: E401, PLC0415
+            prof = cProfile.Profile()
+            prof.runcall(_replay, sk, att.layers, att.tensors, att.kinds, content=att.writable)
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+            with open(f"{os.environ[PROFILE_ENV]}.{os.getpid()}.txt", "w") as f:
+                f.write(buf.getvalue())
+        else:
+            _replay(sk, att.layers, att.tensors, att.kinds, content=att.writable)
         _sync(device)
         t1 = time.perf_counter()
     out = {"seconds": t1 - t0, "attach_s": t_attach - t0, "tensors": len(att.tensors),
+           "transport": att.transport, "content_check": att.writable,
            "digest": state_digest(sk["modules"]) if payload.get("digest") else None}
     sk["modules"].clear()
     att.close()
@@ -626,7 +661,8 @@ class Daemon:
         export = Export(tensors=tensors, kinds=kinds, layers=layers_data)
         _sync(device)
         t0 = time.perf_counter()
-        self.server = DaemonServer(export, self.key, socket_dir=socket_dir,
+        transport = {"transport": os.environ[TRANSPORT_ENV]} if os.environ.get(TRANSPORT_ENV) else {}
+        self.server = DaemonServer(export, self.key, socket_dir=socket_dir, **transport,
                                    device=str(device) if device.type == "cuda" else "cpu",
                                    device_id=device_id)
         _sync(device)

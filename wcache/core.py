@@ -572,6 +572,13 @@ def guard_snapshot(tensors: Mapping[str, torch.Tensor], strict: bool) -> dict[st
     return {name: fingerprint(t, strict) for name, t in tensors.items()}
 
 
+def _quick_fp(t: torch.Tensor) -> tuple:
+    """(data_ptr, shape, stride, dtype, version): what :class:`TensorFingerprint`
+    holds without the checksum, as a plain tuple for the per-stage check."""
+    return (t.data_ptr() if t.device.type != "meta" else 0, t.shape, t.stride(), t.dtype,
+            t._version)
+
+
 @frozen
 class ByteRange:
     """One contiguous byte range of a storage that a layer's shared tensors use.
@@ -625,6 +632,29 @@ def layer_ranges(tensors: Mapping[str, torch.Tensor]) -> tuple[ByteRange, ...]:
     return tuple(out)
 
 
+def _device_sums(ranges: Iterable[ByteRange]) -> list[torch.Tensor]:
+    """One reduction kernel per range, left on the range's device (no sync)."""
+    out = []
+    for r in ranges:
+        v = r.view
+        if v.numel() % CHECKSUM_WORD_BYTES == 0 and v.numel():
+            out.append(v.view(torch.int64).sum())
+        else:
+            out.append(v.sum(dtype=torch.int64))
+    return out
+
+
+def _to_host(sums: list[torch.Tensor]) -> list[int]:
+    """Device sums -> ints, one device-to-host copy per device."""
+    by_dev: dict[torch.device, list[int]] = {}
+    for i, s in enumerate(sums):
+        by_dev.setdefault(s.device, []).append(i)
+    out: dict[int, int] = {}
+    for idx in by_dev.values():
+        out.update(zip(idx, (int(x) for x in torch.stack([sums[i] for i in idx]).tolist())))
+    return [out[i] for i in range(len(sums))]
+
+
 def range_sums(ranges: Iterable[ByteRange]) -> list[int]:
     """One reduction per range (on its device): the wrapping int64 sum of its
     8-byte words (of its bytes when the range is not a whole number of words);
@@ -635,19 +665,7 @@ def range_sums(ranges: Iterable[ByteRange]) -> list[int]:
     the sum (two equal-sum words swapped) is missed; read-only mappings (shm,
     cuda_vmm) fault on every write instead.
     """
-    sums: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-    for i, r in enumerate(ranges):
-        v = r.view
-        if v.numel() % CHECKSUM_WORD_BYTES == 0 and v.numel():
-            s = v.view(torch.int64).sum()
-        else:
-            s = v.sum(dtype=torch.int64)
-        sums.setdefault(v.device, []).append((i, s))
-    out: dict[int, int] = {}
-    for parts in sums.values():
-        values = torch.stack([s for _, s in parts]).tolist()
-        out.update({i: int(x) for (i, _), x in zip(parts, values)})
-    return [out[i] for i in range(len(out))]
+    return _to_host(_device_sums(ranges))
 
 
 class RestoreGuard:
@@ -677,29 +695,55 @@ class RestoreGuard:
         content: checksum the byte ranges (on by default where the mapping is
             writable: cuda_ipc and copy mode; a read-only mapping faults instead).
         strict: also a blake2b of every tensor (a host copy; tests).
+        defer: leave every checksum on the device and compare them all in
+            :meth:`check_all` (one device-to-host copy for the whole restore
+            instead of one per layer; the blame is the same). A caller that
+            sets it must call :meth:`check_all`.
     """
 
     def __init__(self, layers: Mapping[str, Mapping[str, torch.Tensor]], *,
-                 content: bool = True, strict: bool = False):
+                 content: bool = True, strict: bool = False, defer: bool = False):
         self.content = content
         self.strict = strict
+        self.defer = defer
         self._fp = {layer: guard_snapshot(ts, strict) for layer, ts in layers.items()}
+        # The hot path compares plain tuples; the fingerprint diff names fields on a mismatch.
+        self._quick = {layer: {name: _quick_fp(t) for name, t in ts.items()}
+                       for layer, ts in layers.items()}
         self._ranges = {layer: layer_ranges(ts) for layer, ts in layers.items()} if content else {}
-        self._sums = self._layer_sums(self._ranges) if content else {}
+        self._dev_before = self._layer_device_sums(self._ranges) if content else {}
+        self._dev_after: dict[str, list[torch.Tensor]] = {}
+        self._host_before: dict[str, list[int]] | None = None
 
     @staticmethod
-    def _layer_sums(ranges: Mapping[str, tuple[ByteRange, ...]]) -> dict[str, list[int]]:
+    def _layer_device_sums(ranges: Mapping[str, tuple[ByteRange, ...]]) -> dict[str, list[torch.Tensor]]:
         flat = [(layer, r) for layer, rs in ranges.items() for r in rs]
-        sums = range_sums(r for _, r in flat)
-        out: dict[str, list[int]] = {layer: [] for layer in ranges}
+        sums = _device_sums(r for _, r in flat)
+        out: dict[str, list[torch.Tensor]] = {layer: [] for layer in ranges}
         for (layer, _), s in zip(flat, sums):
             out[layer].append(s)
         return out
 
+    @staticmethod
+    def _host(sums: Mapping[str, list[torch.Tensor]]) -> dict[str, list[int]]:
+        flat = [(layer, s) for layer, ss in sums.items() for s in ss]
+        values = _to_host([s for _, s in flat])
+        out: dict[str, list[int]] = {layer: [] for layer in sums}
+        for (layer, _), v in zip(flat, values):
+            out[layer].append(v)
+        return out
+
+    @property
+    def _sums(self) -> dict[str, list[int]]:
+        """The snapshot's sums on the host (copied once, on first need)."""
+        if self._host_before is None:
+            self._host_before = self._host(self._dev_before)
+        return self._host_before
+
     def _changed(self, layers: Iterable[str]) -> dict[str, tuple[str, ...]]:
         """layer -> names in its ranges whose sums differ from the snapshot."""
         layers = [layer for layer in layers if layer in self._ranges]
-        now = self._layer_sums({layer: self._ranges[layer] for layer in layers})
+        now = self._host(self._layer_device_sums({layer: self._ranges[layer] for layer in layers}))
         out = {}
         for layer in layers:
             hit = [r.names for r, a, b in zip(self._ranges[layer], self._sums[layer], now[layer])
@@ -734,9 +778,12 @@ class RestoreGuard:
             RestoreWroteSharedTensor: one was removed, replaced or written.
         """
         before = self._fp.get(layer, {})
+        quick = self._quick.get(layer, {})
         bumped = []
         for name, fp in before.items():
             now = tensors.get(name)
+            if now is not None and not self.strict and _quick_fp(now) == quick[name]:
+                continue
             if now is None:
                 raise RestoreWroteSharedTensor(
                     f"restore of layer {layer!r}: stage {stage_name!r} removed shared tensor "
@@ -760,7 +807,10 @@ class RestoreGuard:
         Raises:
             RestoreWroteSharedTensor: the bytes changed while its stages ran.
         """
-        if not self.content:
+        if not self.content or layer not in self._ranges:
+            return
+        if self.defer:
+            self._dev_after[layer] = self._layer_device_sums({layer: self._ranges[layer]})[layer]
             return
         changed = self._changed([layer])
         if changed:
@@ -779,7 +829,17 @@ class RestoreGuard:
         """
         if not self.content:
             return
+        after = self._host(self._dev_after) if self._dev_after else {}
         changed = self._changed(self._ranges)
+        own = {layer: names for layer, names in changed.items()
+               if layer in after and after[layer] != self._sums[layer]}
+        if own:
+            raise RestoreWroteSharedTensor(
+                f"shared bytes were rewritten while their own layer was restored: "
+                f"{self._describe(own)} (content checksum differs; a write that bypassed the "
+                f"version counter: .data, .numpy(), untyped_storage() or a raw pointer). "
+                f"Restore stages must never write the daemon's bytes; tag the writing stage "
+                f"TRANSFORM.")
         if changed:
             raise RestoreWroteSharedTensor(
                 f"shared bytes were rewritten during {during}: {self._describe(changed)} "

@@ -88,6 +88,10 @@ def _writer(form: str, victim: list):
     return sneaky
 
 
+def _bad_plan(form: str, victim: list) -> Plan:
+    return Plan("toy", "bad", (_writer(form, victim),), frozenset({"weight"}), allow_invalid=True)
+
+
 def _config(name: str) -> LayerConfig:
     return LayerConfig(QuantSpec("toy"), size_k=1, size_n=1, name=name)
 
@@ -139,6 +143,23 @@ def test_cross_layer_write_blames_the_written_layer():
         guard.check_all()
     assert "layer 'B' tensors ['weight']" in str(err.value)
     assert "layer 'A' tensors" not in str(err.value)
+
+
+def test_deferred_guard_blames_own_layer_and_later_write():
+    """Deferred mode (one device-to-host copy per restore): a layer that rewrote its own bytes is named
+    as such; a write into an earlier layer is named as written after its restore."""
+    arena = torch.zeros(8192, dtype=torch.uint8)
+    a = arena[:1024].view(torch.float16)
+    b = arena[2048:3072].view(torch.float16)
+    guard = RestoreGuard({"A": {"weight": a}, "B": {"weight": b}}, defer=True)
+    _bad_plan("data_add", []).restore(_module(a), _config("A"), CPU, {}, guard=guard)  # no raise yet
+    with pytest.raises(RestoreWroteSharedTensor, match="while their own layer was restored: layer 'A'"):
+        guard.check_all()
+    guard = RestoreGuard({"A": {"weight": a}, "B": {"weight": b}}, defer=True)
+    guard.check_layer("A", ())
+    _bad_plan("data_add", [a]).restore(_module(b), _config("B"), CPU, {}, guard=guard)
+    with pytest.raises(RestoreWroteSharedTensor, match="during the restore: layer 'A'"):
+        guard.check_all()
 
 
 def test_inplace_cross_layer_write_names_stage_and_victim():

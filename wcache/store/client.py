@@ -38,6 +38,14 @@ __all__ = ["attach", "Attachment", "Connection", "daemon_status", "shutdown_daem
 
 log = logging.getLogger("wcache.store")
 
+try:
+    # The cuda_vmm transport's driver bindings (the optional wcache[cuda] extra): an
+    # engine imports wcache.store when vLLM loads the plugin, so this ~15 ms import
+    # happens at start-up rather than inside the timed weight load. Loads no driver.
+    import cuda.bindings.driver  # noqa: F401
+except Exception:  # noqa: BLE001  (absent on CPU hosts; cuda_vmm then reports why)
+    pass
+
 MODES = ("zero_copy", "copy")
 # Replies to get carry the manifest (MiBs for big models); allow a slow daemon this long.
 REPLY_TIMEOUT_S = 60.0

@@ -32,6 +32,7 @@ NVIDIA cuda-samples ``memMapIPCDrv``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -48,6 +49,8 @@ log = logging.getLogger("wcache.store")
 
 TRANSPORT = "cuda_vmm"
 _lock = threading.Lock()
+#: Milliseconds of each step of the last :func:`open_vmm` in this process (benchmarks).
+last_open_ms: dict[str, float] = {}
 
 
 def _driver():
@@ -70,17 +73,22 @@ def _check(cu, result: tuple, what: str) -> Any:
     return values[0] if len(values) == 1 else tuple(values)
 
 
-def _ensure_context(cu, device_index: int) -> None:
-    """Make torch's primary context of the device current on this thread (the
-    VMM calls act on the current context)."""
-    torch.cuda.init()
-    torch.cuda.set_device(device_index)
-    torch.empty(0, device=f"cuda:{device_index}")  # creates the primary context
-    ctx = _check(cu, cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
-    if ctx is None or int(ctx) == 0:
-        dev = _check(cu, cu.cuDeviceGet(device_index), "cuDeviceGet")
-        ctx = _check(cu, cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+@contextlib.contextmanager
+def _in_context(cu, device_index: int):
+    """Run driver calls in the device's primary context (torch's), then restore
+    the thread's previous context, so attaching never changes the caller's
+    current device."""
+    with torch.cuda.device(device_index):
+        torch.empty(0, device=f"cuda:{device_index}")  # creates the primary context
+    prev = _check(cu, cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    dev = _check(cu, cu.cuDeviceGet(device_index), "cuDeviceGet")
+    ctx = _check(cu, cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    try:
         _check(cu, cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+        yield
+    finally:
+        cu.cuCtxSetCurrent(prev)
+        cu.cuDevicePrimaryCtxRelease(dev)
 
 
 def _prop(cu, device_index: int):
@@ -105,7 +113,7 @@ def available(device_index: int) -> tuple[bool, str]:
     """(ok, reason): whether this host can serve ``cuda_vmm`` on the device."""
     try:
         cu = _driver()
-        _ensure_context(cu, device_index)
+        _check(cu, cu.cuInit(0), "cuInit")
         dev = _check(cu, cu.cuDeviceGet(device_index), "cuDeviceGet")
         attr = cu.CUdevice_attribute
         vmm = _check(cu, cu.cuDeviceGetAttribute(
@@ -155,6 +163,10 @@ class VmmMapping:
         if cu is None:
             return
         try:
+            # Kernels queued on any stream may still read the range (a copy-mode
+            # clone, the last use of a view): unmapping under them is an illegal
+            # address, so wait for the device first.
+            torch.cuda.synchronize(self.device_index)
             cu.cuMemUnmap(self.ptr, self.size)
             cu.cuMemAddressFree(self.ptr, self.size)
             cu.cuMemRelease(self._handle)
@@ -224,8 +236,7 @@ def build_vmm_arena(export, key, device_index: int):
     t0 = time.perf_counter()
     blocks, placed, nbytes = plan_layout(export.tensors, CUDA_ALIGNMENT)
     manifest = make_manifest(export, key, "cuda", CUDA_ALIGNMENT, placed, nbytes)
-    with _lock:
-        _ensure_context(cu, device_index)
+    with _lock, _in_context(cu, device_index):
         prop = _prop(cu, device_index)
         gran = _check(cu, cu.cuMemGetAllocationGranularity(
             prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
@@ -261,6 +272,7 @@ def open_vmm(handle: dict[str, Any], fds: list[int], arena_nbytes: int, device_i
     Raises:
         TransportFailed: no fd, a bad handle, no cuda-python, or a driver error.
     """
+    marks = [("start", time.perf_counter())]
     try:
         if handle.get("kind") != TRANSPORT or len(fds) != 1:
             raise TransportFailed(f"expected one fd with a cuda_vmm handle, got {len(fds)} fds")
@@ -268,17 +280,26 @@ def open_vmm(handle: dict[str, Any], fds: list[int], arena_nbytes: int, device_i
         if not isinstance(size, int) or size < arena_nbytes:
             raise TransportFailed(f"cuda_vmm handle of {size!r} bytes, the manifest needs {arena_nbytes}")
         cu = _driver()
-        with _lock:
-            _ensure_context(cu, device_index)
+        marks.append(("import", time.perf_counter()))
+        with _lock, _in_context(cu, device_index):
+            marks.append(("context", time.perf_counter()))
             mem = _check(cu, cu.cuMemImportFromShareableHandle(
                 fds[0], cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
                 "cuMemImportFromShareableHandle")
+            marks.append(("import_handle", time.perf_counter()))
             try:
                 mapping = _map(cu, mem, size, device_index, read_only=True)
             except TransportFailed:
                 cu.cuMemRelease(mem)
                 raise
+            marks.append(("map_and_access", time.perf_counter()))
     finally:
         for fd in fds:
             os.close(fd)
-    return mapping.tensor()
+    base = mapping.tensor()
+    marks.append(("tensor", time.perf_counter()))
+    last_open_ms.clear()
+    last_open_ms.update({name: round((t - prev) * 1e3, 3)
+                         for (_, prev), (name, t) in zip(marks, marks[1:])})
+    log.debug("open_vmm steps (ms): %s", last_open_ms)
+    return base

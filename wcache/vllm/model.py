@@ -280,7 +280,7 @@ def restore_layers_(planned: Iterable[PlannedLayer], layers: Mapping[str, Mappin
     planned = list(planned)
     guard = RestoreGuard({p.config.name: {k: v for k, v in state_from_module(p.module).tensors.items()
                                           if v.device.type != "meta"} for p in planned},
-                         content=content, strict=strict)
+                         content=content, strict=strict, defer=True)
     released: list[str] = []
     with (onednn.sharing_prepacks() if share_prepacks else contextlib.nullcontext()):
         for p in planned:
