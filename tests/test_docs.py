@@ -44,6 +44,15 @@ def test_every_cpu_plan_states_where_it_was_proven():
     assert set(PROVEN_ON) == {p.id for p in all_plans() if p.kernel in cpu_kernels}
 
 
+def test_every_cuda_plan_states_its_contract():
+    """docs/plans.md's CUDA table covers every CUDA plan (and names no unknown plan)."""
+    from wcache.plans import all_plans
+    from wcache.plans.docs import CUDA_CONTRACTS
+
+    cuda_kernels = ("marlin", "cutlass", "cutlass_block", "fp8_marlin", "cutlass_moe")
+    assert set(CUDA_CONTRACTS) == {p.id for p in all_plans() if p.kernel in cuda_kernels}
+
+
 def test_plans_host_shows_vllms_decisions_and_plans(capsys):
     """`wcache plans --host` prints this host's probed kernel library and the unquantized
     plan for the bf16 GEMM branch vLLM takes here."""

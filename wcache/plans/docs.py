@@ -37,6 +37,47 @@ PROVEN_ON = {
     "attention/default@1": "AVX512-BF16 host (`_C`) and the AVX2 build (every e2e run)",
 }
 
+_STAGE_ONLY = ("stage tests only (tests/plans/test_cuda_plans.py: each stage bit-exact with "
+               "vLLM's pure-torch references, restore == load); not yet run against vLLM's "
+               "own quant-method classes")
+_CONTRACT = ("contract test (tests/plans/test_cuda_contracts.py): vLLM 0.32's own layer "
+             "built and post-loaded under a simulated CUDA sm90 platform on the CPU build")
+
+#: Which contract each CUDA plan passed (issue 12 item 6). No CUDA plan has run
+#: under a real vLLM CUDA engine: vLLM's CUDA build cannot be installed on the GPU
+#: machine this project borrows. Kept by hand; tests/test_docs.py checks it names
+#: every CUDA plan.
+CUDA_CONTRACTS = {
+    "awq/marlin@1": f"{_CONTRACT} (AutoAWQMarlinLinearMethod on MarlinLinearKernel, "
+                    "ops.gptq_marlin_repack swapped for vLLM's marlin_weights reference): "
+                    "adapter picks the plan, load == vLLM's processed layer (tensors, "
+                    "strides, bytes, input_global_scale), restore == load",
+    "gptq/marlin@1": f"{_CONTRACT} (AutoGPTQLinearMethod, int4 g128 and int8 channelwise, "
+                     "on MarlinLinearKernel): as AWQ",
+    "fp8_per_tensor/cutlass@1": f"{_CONTRACT} (Fp8PerTensorOnlineLinearMethod through vLLM's "
+                                "layerwise online loader, CutlassFP8ScaledMMLinearKernel, "
+                                "ops.scaled_fp8_quant swapped for QuantFP8.forward_native; "
+                                "N % 16 != 0 included): adapter picks the plan, load == "
+                                "vLLM's layer (tensors, strides, bytes, input_scale, the "
+                                "kernel's logical_output_size), restore == load",
+    "fp8_per_channel/cutlass@1": "adapter mapping only (Fp8PtpcOnlineLinearMethod reaches "
+                                 "this plan under the simulated sm90 platform); " + _STAGE_ONLY,
+    "fp8_per_block/cutlass_block@1": "adapter mapping checked, but vLLM picks "
+                                     "TritonFp8BlockScaledMMKernel under the simulation here "
+                                     "(the plan is not chosen); " + _STAGE_ONLY,
+    "ct_w4a16/marlin@1": _STAGE_ONLY,
+    "ct_w8a8_fp8/cutlass@1": _STAGE_ONLY + " (the CompressedTensorsW8A8Fp8 scheme has no "
+                                           "adapter mapping yet)",
+    "fp8/cutlass@1": "adapter mapping added (Fp8LinearMethod); " + _STAGE_ONLY,
+    "fp8/cutlass_block@1": "adapter mapping added (Fp8LinearMethod); " + _STAGE_ONLY,
+    "ct_w8a8_fp8/fp8_marlin@1": _STAGE_ONLY,
+    "fp8/fp8_marlin@1": "adapter mapping added (Fp8LinearMethod); " + _STAGE_ONLY,
+    "mxfp8/marlin@1": _STAGE_ONLY + " (Mxfp8OnlineLinearMethod has no adapter mapping yet)",
+    "modelopt_fp4/cutlass@1": _STAGE_ONLY + " (no adapter mapping; on sm90 vLLM uses "
+                                            "MarlinNvFp4LinearKernel, which has no plan)",
+    "modelopt_fp4/cutlass_moe@1": _STAGE_ONLY + " (no adapter mapping)",
+}
+
 #: Cases the plans must refuse (the issues' "refused with a clear NoPlan" rows).
 #: The reasons printed are whatever ``plan_for`` answers today, never hard-coded;
 #: tests/test_docs.py fails if a case stops being refused.
@@ -130,6 +171,20 @@ def render_plans(markdown: bool = False, method: str | None = None) -> str:
         for p in plans:
             if p.id in PROVEN_ON:
                 parts.append(f"| `{p.id}` | {PROVEN_ON[p.id]} |")
+        parts.append("")
+        parts.append("## CUDA plans: which contract each passed")
+        parts.append("")
+        parts.append("No CUDA plan has run inside a vLLM CUDA engine (vLLM's CUDA build cannot "
+                     "be installed on the borrowed GPU machine). The contract tests run vLLM "
+                     "0.32's own quant-method classes on the CPU build under a simulated CUDA "
+                     "sm90 platform, with its CUDA custom ops swapped for vLLM's pure-torch "
+                     "references.")
+        parts.append("")
+        parts.append("| plan | contract passed |")
+        parts.append("|---|---|")
+        for p in plans:
+            if p.id in CUDA_CONTRACTS:
+                parts.append(f"| `{p.id}` | {CUDA_CONTRACTS[p.id]} |")
         parts.append("")
         parts.append("## Stages per plan")
         parts.append("")

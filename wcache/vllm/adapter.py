@@ -34,15 +34,54 @@ def _enum_value(value: Any) -> Any:
     return getattr(value, "value", value)
 
 
-def _kernel_id(obj: Any) -> str | None:
-    kernel = getattr(obj, "kernel", None)
+def _kernel_id(obj: Any, attr: str = "kernel") -> str | None:
+    kernel = getattr(obj, attr, None)
     return None if kernel is None else compat.kernel_id(kernel)
+
+
+#: vLLM's online FP8 linear methods -> wcache method (``quantization/online/fp8.py``).
+_ONLINE_FP8 = {"Fp8PerTensorOnlineLinearMethod": "fp8_per_tensor",
+               "Fp8PtpcOnlineLinearMethod": "fp8_per_channel",
+               "Fp8PerBlockOnlineLinearMethod": "fp8_per_block"}
+
+
+def _fp8_config(quant_method: Any, module: torch.nn.Module, method: str, name: str,
+                static_input: bool = False) -> LayerConfig:
+    """Online or serialized FP8 on vLLM's scaled-mm kernel (``quant_method.fp8_linear``)."""
+    block = getattr(module, "weight_block_size", None) or getattr(
+        quant_method, "weight_block_size", None)
+    strategy = "block" if block else ("channel" if method == "fp8_per_channel" else "tensor")
+    extra = {"logical_widths": tuple(int(w) for w in module.logical_widths),
+             "tp_size": int(getattr(module, "tp_size", 1) or 1)}
+    if block:
+        extra["weight_block_size"] = tuple(int(b) for b in block)
+    spec = QuantSpec(method, num_bits=8, act_bits=8, strategy=strategy,
+                     static_input=static_input, kernel=_kernel_id(quant_method, "fp8_linear"))
+    return _linear_config(module, spec, name, extra)
+
+
+def sync_kernel_state_(module: torch.nn.Module) -> None:
+    """Copy kernel state that plans keep on the layer into vLLM's kernel object.
+
+    wcache's CUTLASS stages record the logical (unpadded) output width as
+    ``layer.logical_output_size`` (:data:`wcache.stages.fp8.LOGICAL_OUTPUT_ATTR`);
+    vLLM's ``CutlassFP8ScaledMMLinearKernel.apply_scaled_mm`` reads it from
+    ``quant_method.fp8_linear.logical_output_size`` (None -> AssertionError on the
+    first forward). Call after a plan's load or restore; a no-op elsewhere.
+    """
+    width = getattr(module, "logical_output_size", None)
+    kernel = getattr(getattr(module, "quant_method", None), "fp8_linear", None)
+    if width is not None and kernel is not None and hasattr(kernel, "logical_output_size"):
+        kernel.logical_output_size = int(width)
 
 
 def _linear_config(module: torch.nn.Module, spec: QuantSpec, name: str,
                    extra: dict | None = None) -> LayerConfig:
     size_k = getattr(module, "input_size_per_partition", None)
     size_n = getattr(module, "output_size_per_partition", None)
+    if size_k is None and getattr(module, "input_size", None) is not None:
+        # ReplicatedLinear sets no per-partition sizes (its weight is unsharded)
+        size_k, size_n = module.input_size, module.output_size
     if size_k is None:  # embeddings / lm_head
         size_k = getattr(module, "embedding_dim", 0)
         size_n = getattr(module, "num_embeddings_per_partition", 0)
@@ -104,6 +143,15 @@ def layer_config(quant_method: Any, module: torch.nn.Module, target: Target | No
                          zero_point=not getattr(qc, "is_sym", True),
                          kernel=_kernel_id(quant_method))
         return _linear_config(module, spec, name)
+    online_fp8 = next((m for n, m in _ONLINE_FP8.items() if is_(n)), None)
+    if online_fp8 is not None:
+        if getattr(quant_method, "requantization_source", None) is not None:
+            # requantizing a serialized checkpoint: another post-load; no plan
+            return _linear_config(module, QuantSpec(f"vllm:{cls}+requantization"), name)
+        return _fp8_config(quant_method, module, online_fp8, name)
+    if is_("Fp8LinearMethod"):
+        static = getattr(quant_method.quant_config, "activation_scheme", "dynamic") == "static"
+        return _fp8_config(quant_method, module, "fp8", name, static_input=static)
     if is_("CompressedTensorsLinearMethod"):
         scheme = getattr(module, "scheme", None)
         scls = type(scheme).__name__

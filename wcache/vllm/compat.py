@@ -178,6 +178,7 @@ _CLASS_MODULES = {
     "Fp8PerTensorOnlineLinearMethod": "vllm.model_executor.layers.quantization.online.fp8",
     "Fp8PtpcOnlineLinearMethod": "vllm.model_executor.layers.quantization.online.fp8",
     "Fp8PerBlockOnlineLinearMethod": "vllm.model_executor.layers.quantization.online.fp8",
+    "Fp8LinearMethod": "vllm.model_executor.layers.quantization.fp8",
     "Attention": "vllm.model_executor.layers.attention",
     "MLAAttention": "vllm.model_executor.layers.attention",
     "MMEncoderAttention": "vllm.model_executor.layers.attention",
@@ -200,6 +201,10 @@ _KERNEL_CLASSES = {
                  "ZentorchWNA16LinearKernel"),
     "cutlass": ("vllm.model_executor.kernels.linear.scaled_mm.cutlass",
                 "CutlassFP8ScaledMMLinearKernel"),
+    "cutlass_block": ("vllm.model_executor.kernels.linear.scaled_mm.cutlass",
+                      "CutlassFp8BlockScaledMMKernel"),
+    "fp8_marlin": ("vllm.model_executor.kernels.linear.scaled_mm.marlin",
+                   "MarlinFP8ScaledMMLinearKernel"),
     "onednn": ("vllm.model_executor.kernels.linear.scaled_mm.cpu",
                "CPUInt8ScaledMMLinearKernel"),
 }

@@ -20,7 +20,7 @@ from wcache.core import LayerConfig, NoPlan, Plan, RestoreIncomplete, Tag, Targe
 from wcache.plans.registry import plan_for
 from wcache.stages import onednn
 from wcache.vllm import compat
-from wcache.vllm.adapter import layer_config
+from wcache.vllm.adapter import layer_config, sync_kernel_state_
 
 logger = logging.getLogger("wcache.vllm")
 
@@ -300,6 +300,7 @@ def _restore_one(p: PlannedLayer, layers: Mapping[str, Mapping], target: Target,
                                 f"{entry['plan']} but this engine resolves {p.plan.id}.")
     state = p.plan.restore(p.module, p.config, target, entry.get("recorded", {}),
                            guard=guard, drops=entry.get("drops", ()))
+    sync_kernel_state_(p.module)
     released.extend(f"{p.name}.{n}" if p.name else n for n in state.released)
 
 
