@@ -7,7 +7,6 @@ untested vLLM."""
 from __future__ import annotations
 
 import ast
-import dataclasses
 import gc
 import pathlib
 import weakref
@@ -15,7 +14,7 @@ import weakref
 import pytest
 import torch
 
-from test_loader import _meta_model, vllm_cfg  # noqa: F401  (the module-scoped world)
+from test_loader import _meta_model, load_with_changed_model, vllm_cfg  # noqa: F401
 from wcache.core import NoPlan
 
 pytestmark = pytest.mark.slow
@@ -220,36 +219,18 @@ def test_safety_net_refuses_any_module_with_postload_work(vllm_cfg):  # noqa: F8
 def test_mla_layer_is_refused_before_any_weight_is_read(vllm_cfg, monkeypatch, fallback):  # noqa: F811
     """The engine loader with an MLA layer in SmolLM2: plan-missing before the key
     (checkpoint digest) or the daemon; fallback=true loads from disk, false raises."""
-    from vllm.config import set_current_vllm_config
-
     import wcache.vllm.loader as loader_mod
 
-    real_init = loader_mod.initialize_model
-
-    def init_with_mla(**kwargs):
-        model = real_init(**kwargs)
+    def change(model):
         model.model.layers[2].self_attn.attn = _mla()
-        return model
 
-    warnings: list[str] = []
-    monkeypatch.setattr(loader_mod, "initialize_model", init_with_mla)
-    monkeypatch.setattr(loader_mod, "build_key",
-                        lambda *a, **k: pytest.fail("checkpoint read before the plan check"))
-    monkeypatch.setattr(loader_mod, "attach", lambda *a, **k: pytest.fail("daemon contacted"))
-    monkeypatch.setattr(loader_mod.logger, "warning",
-                        lambda msg, *args: warnings.append(msg % args))
-    load_config = dataclasses.replace(vllm_cfg.load_config, load_format="wcache",
-                                      model_loader_extra_config={"fallback": fallback})
-    vllm_cfg.compilation_config.static_forward_context.clear()
-    loader = loader_mod.WcacheModelLoader(load_config)
-    with set_current_vllm_config(vllm_cfg):
-        if not fallback:
-            with pytest.raises(loader_mod.RestoreFailed, match=r"\[plan-missing\].*"
-                               r"model\.layers\.2\.self_attn\.attn.*MLA attention") as err:
-                loader.load_model(vllm_cfg, vllm_cfg.model_config)
-            assert "plan-missing" == err.value.code
-            return
-        model = loader.load_model(vllm_cfg, vllm_cfg.model_config)
+    if not fallback:
+        with pytest.raises(loader_mod.RestoreFailed, match=r"\[plan-missing\].*"
+                           r"model\.layers\.2\.self_attn\.attn.*MLA attention") as err:
+            load_with_changed_model(vllm_cfg, monkeypatch, fallback, change)
+        assert "plan-missing" == err.value.code
+        return
+    model, warnings = load_with_changed_model(vllm_cfg, monkeypatch, fallback, change)
     assert [] == [n for n, p in model.named_parameters() if p.device.type == "meta"]
     assert 1 == len(warnings)
     assert "[plan-missing]" in warnings[0] and "model.layers.2.self_attn.attn" in warnings[0]

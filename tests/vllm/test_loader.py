@@ -45,30 +45,23 @@ def _meta_model(cfg):
         return initialize_model(vllm_config=cfg, model_config=cfg.model_config)
 
 
-def _load_with_mystery_layer(vllm_cfg, monkeypatch, fallback: bool):
-    """Run the wcache loader on SmolLM2 with layer 3's down_proj given a quant method
-    wcache has no plan for; the key and the daemon must never be reached."""
+def load_with_changed_model(vllm_cfg, monkeypatch, fallback: bool, change):
+    """Run the wcache loader on SmolLM2 after ``change(model)`` edits its meta build
+    (e.g. gives a layer a method wcache has no plan for); the key and the daemon must
+    never be reached. Returns ``(model, warnings logged by the loader)``."""
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
     import wcache.vllm.loader as loader_mod
 
-    class MysteryMethod(QuantizeMethodBase):
-        def create_weights(self, *args, **kwargs):
-            raise AssertionError("not used")
-
-        def apply(self, *args, **kwargs):
-            raise AssertionError("not used")
-
     real_init = loader_mod.initialize_model
 
-    def init_with_mystery(**kwargs):
+    def init_and_change(**kwargs):
         model = real_init(**kwargs)
-        model.model.layers[3].mlp.down_proj.quant_method = MysteryMethod()
+        change(model)
         return model
 
     warnings: list[str] = []
-    monkeypatch.setattr(loader_mod, "initialize_model", init_with_mystery)
+    monkeypatch.setattr(loader_mod, "initialize_model", init_and_change)
     monkeypatch.setattr(loader_mod, "build_key",
                         lambda *a, **k: pytest.fail("checkpoint read before the plan check"))
     monkeypatch.setattr(loader_mod, "attach", lambda *a, **k: pytest.fail("daemon contacted"))
@@ -81,6 +74,24 @@ def _load_with_mystery_layer(vllm_cfg, monkeypatch, fallback: bool):
         model = loader_mod.WcacheModelLoader(load_config).load_model(vllm_cfg,
                                                                       vllm_cfg.model_config)
     return model, warnings
+
+
+def _load_with_mystery_layer(vllm_cfg, monkeypatch, fallback: bool):
+    """The loader on SmolLM2 with layer 3's down_proj given a quant method wcache has
+    no plan for."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    class MysteryMethod(QuantizeMethodBase):
+        def create_weights(self, *args, **kwargs):
+            raise AssertionError("not used")
+
+        def apply(self, *args, **kwargs):
+            raise AssertionError("not used")
+
+    def change(model):
+        model.model.layers[3].mlp.down_proj.quant_method = MysteryMethod()
+
+    return load_with_changed_model(vllm_cfg, monkeypatch, fallback, change)
 
 
 def test_unplanned_layer_with_fallback_loads_from_disk_naming_it(vllm_cfg, monkeypatch):

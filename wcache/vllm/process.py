@@ -37,6 +37,23 @@ def _env() -> dict[str, str]:
     return env
 
 
+def stop_process_group(proc: subprocess.Popen | None, grace_s: float) -> None:
+    """SIGTERM a child started with ``start_new_session=True`` and its whole process
+    group (vLLM's workers included); SIGKILL after ``grace_s`` seconds. No-op when it
+    is not running."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(grace_s)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
 class DaemonProcess:
     """``wcache serve`` in a child process; ``start()`` returns once it is ready.
 
@@ -96,17 +113,7 @@ class DaemonProcess:
         return self.proc.pid
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(STOP_GRACE_S)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait()
+        stop_process_group(self.proc, STOP_GRACE_S)
 
     def kill(self) -> None:
         """SIGKILL the whole daemon process group (tests of a dead daemon)."""
@@ -301,17 +308,7 @@ class ServerProcess:
         return [c["text"] for c in choices]
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(SERVER_STOP_GRACE_S)
-        except (subprocess.TimeoutExpired, ProcessLookupError):
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait()
+        stop_process_group(self.proc, SERVER_STOP_GRACE_S)
 
     def __enter__(self) -> "ServerProcess":
         return self.start()
