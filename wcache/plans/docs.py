@@ -140,6 +140,14 @@ section 3). A restore replays exactly the non-TRANSFORM rows of a plan.
 """
 
 
+def _evidence_table(title: str, intro: str, column: str, evidence: dict[str, str],
+                    plans: list) -> list[str]:
+    """A markdown section: ``title``, ``intro``, and a ``plan | column`` row for each
+    plan in ``evidence`` (registry order)."""
+    rows = [f"| `{p.id}` | {evidence[p.id]} |" for p in plans if p.id in evidence]
+    return [f"## {title}", "", intro, "", f"| plan | {column} |", "|---|---|", *rows, ""]
+
+
 def render_plans(markdown: bool = False, method: str | None = None) -> str:
     """Every registered plan (optionally one method's) and every refused method."""
     plans = [p for p in all_plans() if method is None or p.method == method]
@@ -159,33 +167,19 @@ def render_plans(markdown: bool = False, method: str | None = None) -> str:
         for case, reason in refusals():
             parts.append(f"- {case}: {reason}")
         parts.append("")
-        parts.append("## Kernel decisions, and where each CPU plan was proven")
-        parts.append("")
-        parts.append("vLLM-CPU decides its kernels on the host; wcache asks it "
-                     "(`python -m wcache.vllm.probe`) and records the outcome in the Target, "
-                     "so a plan matches only the branch vLLM takes and a daemon and an engine "
-                     "that would decide differently never share an arena.")
-        parts.append("")
-        parts.append("| plan | proven on |")
-        parts.append("|---|---|")
-        for p in plans:
-            if p.id in PROVEN_ON:
-                parts.append(f"| `{p.id}` | {PROVEN_ON[p.id]} |")
-        parts.append("")
-        parts.append("## CUDA plans: which contract each passed")
-        parts.append("")
-        parts.append("No CUDA plan has run inside a vLLM CUDA engine (vLLM's CUDA build cannot "
-                     "be installed on the borrowed GPU machine). The contract tests run vLLM "
-                     "0.32's own quant-method classes on the CPU build under a simulated CUDA "
-                     "sm90 platform, with its CUDA custom ops swapped for vLLM's pure-torch "
-                     "references.")
-        parts.append("")
-        parts.append("| plan | contract passed |")
-        parts.append("|---|---|")
-        for p in plans:
-            if p.id in CUDA_CONTRACTS:
-                parts.append(f"| `{p.id}` | {CUDA_CONTRACTS[p.id]} |")
-        parts.append("")
+        parts += _evidence_table(
+            "Kernel decisions, and where each CPU plan was proven",
+            "vLLM-CPU decides its kernels on the host; wcache asks it "
+            "(`python -m wcache.vllm.probe`) and records the outcome in the Target, so a plan "
+            "matches only the branch vLLM takes and a daemon and an engine that would decide "
+            "differently never share an arena.", "proven on", PROVEN_ON, plans)
+        parts += _evidence_table(
+            "CUDA plans: which contract each passed",
+            "No CUDA plan has run inside a vLLM CUDA engine (vLLM's CUDA build cannot be "
+            "installed on the borrowed GPU machine). The contract tests run vLLM 0.32's own "
+            "quant-method classes on the CPU build under a simulated CUDA sm90 platform, with "
+            "its CUDA custom ops swapped for vLLM's pure-torch references.",
+            "contract passed", CUDA_CONTRACTS, plans)
         parts.append("## Stages per plan")
         parts.append("")
         parts.extend(p.describe() for p in plans)
