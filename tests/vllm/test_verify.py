@@ -86,8 +86,9 @@ def _plant(monkeypatch, change):
 
 def test_planted_wrong_transform_fails_naming_the_layer(monkeypatch, capsys, host_kernels):
     """`wcache verify` exits 1 when one layer's plan perturbs its weight: the row of
-    that layer (a oneDNN linear, whose weight vLLM releases after prepacking, so only
-    its output can differ) and the forward name it; every other row is OK."""
+    that layer and the forward name it; every other row is OK. The row names the
+    weight's checksum where vLLM keeps the weight (the F.linear branch, e.g. bf16 on
+    AVX2) and the forward output where it releases it after a oneDNN prepack."""
     from wcache.cli import main
 
     path = _fixture("bf16", host_kernels)
@@ -98,8 +99,10 @@ def test_planted_wrong_transform_fails_naming_the_layer(monkeypatch, capsys, hos
     failing = [line.split()[0] for line in out.splitlines() if "DIFFERS:" in line]
     assert [PLANTED_LAYER, "(forward)", "(logits)"] == failing
     assert f"first differing output: {PLANTED_LAYER} (checksum" in out
-    assert re.search(rf"^{re.escape(PLANTED_LAYER)}\s+unquantized/\w+@1\s+\w+\s+DIFFERS: forward "
-                     r"output differs", out, re.MULTILINE)
+    branch = host_kernels["unquantized_gemm[bfloat16]"]
+    why = "weight checksum" if branch == "torch_linear" else "forward output differs"
+    assert re.search(rf"^{re.escape(PLANTED_LAYER)}\s+unquantized/{branch}@1\s+\w+\s+DIFFERS: "
+                     rf"{why}", out, re.MULTILINE)
     assert "wcache verify: FAILED (in-process): 3 of" in out
 
 
