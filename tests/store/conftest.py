@@ -1,22 +1,10 @@
-"""Fixtures for the store tests: a private socket dir and an in-process daemon."""
-
-import os
-import shutil
-import tempfile
+"""Fixtures for the store tests: a key and an in-process daemon (the private socket
+dir, ``sock_dir``, comes from tests/conftest.py)."""
 
 import pytest
 
 from _store_helpers import BASE_KEY, synthetic_export
 from wcache.store import CacheKey, DaemonServer
-
-
-@pytest.fixture
-def sock_dir():
-    """A fresh 0700 socket dir with a short path (sun_path holds 107 bytes)."""
-    d = tempfile.mkdtemp(prefix="wcs-")
-    os.chmod(d, 0o700)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

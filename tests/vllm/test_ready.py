@@ -4,8 +4,6 @@ a reason code (in-process daemons on a private socket dir; no vLLM engine)."""
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import threading
 
 import pytest
@@ -20,15 +18,6 @@ DIGEST = "0123456789ab"
 FIELDS = (("model_arch", ["LlamaForCausalLM"]), ("dtype", "torch.bfloat16"),
           ("quantization", None), ("tp_size", 2), ("pp_size", 1))
 SPEC = ReadySpec(DIGEST, [(1, 0), (0, 0)], FIELDS)
-
-
-@pytest.fixture
-def sock_dir():
-    """A fresh 0700 socket dir with a short path."""
-    d = tempfile.mkdtemp(prefix="wcr-")
-    os.chmod(d, 0o700)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

@@ -21,12 +21,12 @@ import torch.nn.functional as F
 
 from wcache.core import LayerConfig, StageOut, Tag, Target, stage
 
-__all__ = ["GEMM_BRANCHES", "SGL_TILE_K", "SGL_TILE_N", "SGL_MAX_WEIGHT_BYTES", "gemm_decision",
-           "sgl_shape", "gemm_branch", "TorchLinear", "bind_torch_linear"]
+__all__ = ["SGL_TILE_K", "SGL_TILE_N", "SGL_MAX_WEIGHT_BYTES", "gemm_decision", "sgl_shape",
+           "gemm_branch", "missing_op_reason", "TorchLinear", "bind_torch_linear",
+           "sgl_packed_shape", "sgl_pack_weight", "sgl_bias_to_float32", "SGLLinear",
+           "bind_sgl_linear"]
 
 _UTILS = "vllm/model_executor/layers/utils.py::dispatch_cpu_unquantized_gemm"
-#: The branches of ``dispatch_cpu_unquantized_gemm``, as wcache kernel ids.
-GEMM_BRANCHES = ("zentorch", "sgl", "onednn", "torch_linear")
 #: AMX SGL kernel limit for unquantized weights (vLLM's _CPU_SGL_GEMM_MAX_WEIGHT_BYTES).
 SGL_MAX_WEIGHT_BYTES = 1 * 1024 * 1024
 #: SGL tile sizes along K and N (csrc/cpu/sgl-kernels/gemm.h).
@@ -102,10 +102,12 @@ def bind_torch_linear(tensors: Mapping[str, torch.Tensor], config: LayerConfig, 
     return StageOut(attrs={"cpu_linear": TorchLinear()})
 
 
-def missing_op_reason(target: Target, ops: tuple[str, ...], kernel: str) -> str | None:
+def missing_op_reason(target: Target, ops: tuple[str, ...], kernel: str,
+                      subject: str = "this layer") -> str | None:
     """``None`` when vLLM's loaded CPU kernel library has every op in ``ops``, else
-    why ``kernel`` cannot run on ``target`` (names the library and the missing op).
-    Reads the probed decisions only (``op.<name>`` in ``target.kernels``)."""
+    why ``kernel`` cannot run on ``target`` (names the library and the missing op, and
+    says vLLM itself cannot run ``subject`` here). Reads the probed decisions only
+    (``op.<name>`` in ``target.kernels``)."""
     library = target.kernel("cpu.kernel_library")
     if library is None:
         return ("the Target records no vLLM kernel decisions (build it with "
@@ -114,7 +116,7 @@ def missing_op_reason(target: Target, ops: tuple[str, ...], kernel: str) -> str 
     if missing:
         names = ", ".join(f"torch.ops._C.{op}" for op in missing)
         return (f"vLLM's CPU kernel library {library} on this host has no {names} "
-                f"({kernel} needs it), so vLLM itself cannot run this layer here")
+                f"({kernel} needs it), so vLLM itself cannot run {subject} here")
     return None
 
 

@@ -67,9 +67,8 @@ FORMAT_OPS = {"bf16": (), "awq": ("cpu_gemm_wna16",), "gptq": ("cpu_gemm_wna16",
 def unservable_reason(fmt: str, decisions: dict[str, str]) -> str | None:
     """Why vLLM with these probed ``decisions`` cannot serve fixture format ``fmt``
     (naming the kernel library and the missing op), or ``None`` when it can."""
-    library = decisions.get("cpu.kernel_library", "?")
-    missing = [op for op in FORMAT_OPS[fmt] if decisions.get(f"op.{op}") != "present"]
-    if missing:
-        return (f"vLLM's kernel library {library} has no torch.ops._C.{missing[0]}: "
-                f"vLLM itself cannot serve {fmt} on this host")
-    return None
+    from wcache.core import Target  # noqa: PLC0415
+    from wcache.stages.cpu_gemm import missing_op_reason  # noqa: PLC0415
+
+    return missing_op_reason(Target("cpu", kernels=decisions), FORMAT_OPS[fmt],
+                             f"the {fmt} kernel", subject=fmt) if FORMAT_OPS[fmt] else None

@@ -27,8 +27,7 @@ from wcache.core import Target
 from wcache.stages.cpu_gemm import gemm_decision
 
 __all__ = ["PROBED_DTYPES", "PROBED_OPS", "KERNEL_LIBRARIES", "cpu_kernel_decisions",
-           "host_target", "unquantized_gemm_kernel", "w8a8_int8_kernel", "gemm_decision",
-           "missing_ops"]
+           "host_target", "unquantized_gemm_kernel", "w8a8_int8_kernel"]
 
 #: Activation/weight dtypes vLLM-CPU serves unquantized linears in.
 PROBED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -168,11 +167,6 @@ def w8a8_int8_kernel(size_n: int, size_k: int, input_symmetric: bool) -> str:
     if input_symmetric and size_n and size_k and check_cpu_sgl_kernel(size_n, size_k, torch.int8):
         return "sgl"
     return "onednn"
-
-
-def missing_ops(decisions: Mapping[str, str], ops: tuple[str, ...]) -> list[str]:
-    """The ops among ``ops`` that ``decisions`` (a probe result) records as absent."""
-    return [op for op in ops if decisions.get(f"op.{op}") == "absent"]
 
 
 def main(argv: list[str] | None = None) -> int:
