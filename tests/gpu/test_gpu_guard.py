@@ -24,6 +24,7 @@ from _store_helpers import BASE_KEY, start_daemon, stop_daemon, synthetic_export
 from wcache.core import (  # noqa: E402
     LayerConfig, Plan, QuantSpec, RestoreWroteSharedTensor, StageOut, Tag, Target, stage,
 )
+from wcache.testing.plans import UncheckedPlan  # noqa: E402
 from wcache.store import ArenaInvalidated, CacheKey, attach, daemon_status, socket_path  # noqa: E402
 from wcache.store.server import INVALIDATED_EXIT, INVALIDATED_LINGER_S  # noqa: E402
 
@@ -91,7 +92,7 @@ def _writer(form: str) -> Plan:
     def sneaky(tensors, config, target, recorded):
         WRITE_FORMS[form](tensors["weight"])
         return StageOut()
-    return Plan("toy", "bad", (sneaky,), frozenset({"weight"}), allow_invalid=True)
+    return UncheckedPlan("toy", "bad", (sneaky,), frozenset({"weight"}))
 
 
 def _equal_export(att) -> list[str]:

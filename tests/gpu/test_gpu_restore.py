@@ -44,7 +44,7 @@ def _daemon_main(conn, socket_dir: str, device_id: str, key_fields: dict, layers
         tensors, kinds, entries = {}, {}, {}
         with torch.no_grad():
             for name, config, ckpt in layers:
-                plan = plan_for(config, target=target)
+                plan = plan_for(config, target=target).plan
                 module = torch.nn.Module()
                 apply_state_(module, LayerState(tensors={k: v.to(device) for k, v in ckpt.items()}))
                 prep = plan.prepare(module, config, target)
@@ -113,7 +113,7 @@ def test_cuda_ipc_restore_in_a_second_process_equals_ordinary_load(checkpoints, 
                 lo, hi = att.arena_range
                 x_gen = torch.Generator(device).manual_seed(7)
                 for name, config, ckpt in layers:
-                    plan = plan_for(config, target=target)
+                    plan = plan_for(config, target=target).plan
                     restored = torch.nn.Module()
                     local = {t.rpartition(".")[2]: v for t, v in att.tensors.items()
                              if t.rpartition(".")[0] == name}

@@ -20,6 +20,7 @@ from attrs import evolve
 from wcache.core import (
     LOAD_TAGS, PREPARE_TAGS, LayerConfig, LayerState, Plan, Target, state_from_module,
 )
+from wcache.testing.plans import UncheckedPlan
 from wcache.plans import all_plans, hosts, plan_for
 
 #: Plans run with a CUDA target of capability 10.0: every CUDA plan's minimum
@@ -63,8 +64,8 @@ def _target_for(plan: Plan, config: LayerConfig) -> Target | None:
 
 def _one_stage(plan: Plan, stage, state: LayerState, config: LayerConfig,
                target: Target) -> LayerState:
-    single = Plan(method=plan.method, kernel=plan.kernel, stages=(stage,),
-                  checkpoint=frozenset(state.tensors), allow_invalid=True)
+    single = UncheckedPlan(method=plan.method, kernel=plan.kernel, stages=(stage,),
+                           checkpoint=frozenset(state.tensors))
     return single.run(state, config, target, frozenset({stage.tag}), check_purity=True)
 
 
@@ -156,7 +157,7 @@ def test_cutlass_fp8_scaled_mm_restored_equals_loaded(method, strategy, n, k, ch
     config, tensors = make(method, n, k, strategy=strategy)
     config = evolve(config, quant=evolve(config.quant, kernel="cutlass"))
     target = Target.detect(cuda) if cuda.type == "cuda" else H200_DRY_RUN_TARGET
-    plan = plan_for(config, target=target)
+    plan = plan_for(config, target=target).plan
     assert "cutlass" == plan.kernel
     with torch.no_grad():
         loaded, restored = _restored(plan, tensors, config, target, cuda, module_with)

@@ -142,7 +142,7 @@ def _adapter_plan(layer: torch.nn.Module, expected_plan: str):
     from wcache.vllm.adapter import layer_config
 
     config = layer_config(layer.quant_method, layer, H200, name="layer")
-    plan = plan_for(config, target=H200)
+    plan = plan_for(config, target=H200).plan
     assert plan.id == expected_plan
     return config, plan
 

@@ -38,7 +38,7 @@ __all__ = [
     "weight_amax", "quantize_per_tensor", "quantize_per_channel", "channel_scale",
     "per_block_cast_to_fp8", "requantize_with_max_scale", "cutlass_pad",
     "QUANTIZE_PER_TENSOR", "QUANTIZE_PER_CHANNEL", "QUANTIZE_PER_BLOCK",
-    "INPUT_SCALE_NONE", "DROP_INPUT_SCALE", "REDUCE_INPUT_SCALE", "TRANSPOSE",
+    "INPUT_SCALE_NONE", "DROP_INPUT_SCALE", "REDUCE_INPUT_SCALE",
     "PROCESS_WEIGHT_STRATEGY", "CUTLASS_LOGICAL_WIDTH", "CUTLASS_PAD",
 ]
 
@@ -169,6 +169,9 @@ def requantize_with_max_scale(weight: torch.Tensor, weight_scale: torch.Tensor,
     Source: ``w8a8_utils.requantize_with_max_scale`` (+ ``per_tensor_dequantize``).
     """
     max_s = weight_scale.max()
+    if weight.device.type == "meta" or weight_scale.device.type == "meta":
+        # fused or not is a value question; the result has the weight's shape either way
+        return torch.empty_like(weight), max_s
     unfused = weight_scale.dim() != 0 and bool(weight_scale[-1] > torch.finfo(FP8_DTYPE).min)
     if not unfused:
         return weight, max_s
@@ -252,7 +255,7 @@ def QUANTIZE_PER_BLOCK(t, config, target, recorded):
     return StageOut(tensors={"weight": q, "weight_scale_inv": s})
 
 
-@stage("fp8.input_scale_none", Tag.METADATA, attrs=("input_scale",),
+@stage("fp8.input_scale_none", Tag.METADATA, attrs=("input_scale",), optional=("input_scale",),
        source="process_weights_after_loading: layer.input_scale = None (dynamic activations)")
 def INPUT_SCALE_NONE(t, config, target, recorded):
     """METADATA: ``layer.input_scale = None`` for dynamic activation scales (no-op for
@@ -263,7 +266,7 @@ def INPUT_SCALE_NONE(t, config, target, recorded):
 
 
 @stage("fp8.drop_input_scale", Tag.TRANSFORM, reads=(), writes=("input_scale",),
-       optional=("input_scale",),
+       optional=("input_scale",), drops=("input_scale",),
        source="marlin_utils_fp8 W8A16 scheme: layer.input_scale = None; del layer.input_scale")
 def DROP_INPUT_SCALE(t, config, target, recorded):
     """TRANSFORM: delete a checkpoint ``input_scale`` (weight-only Marlin ignores it)."""
@@ -286,13 +289,6 @@ def REDUCE_INPUT_SCALE(t, config, target, recorded):
         raise Fp8LayoutError(f"layer {config.name!r}: static activation quantization but the "
                              f"checkpoint has no input_scale")
     return StageOut(tensors={"input_scale": t["input_scale"].max()})
-
-
-@stage("fp8.transpose", Tag.TRANSFORM, reads=("weight",), writes=("weight",),
-       source="fp8_utils.process_fp8_weight_channel_strategy: weight.t()")
-def TRANSPOSE(t, config, target, recorded):
-    """TRANSFORM ``weight [N, K]`` float8_e4m3fn -> ``[K, N]`` column-major view."""
-    return StageOut(tensors={"weight": t["weight"].t()})
 
 
 @stage("fp8.process_weight_strategy", Tag.TRANSFORM, reads=("weight", "weight_scale"),

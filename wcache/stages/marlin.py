@@ -21,6 +21,8 @@ at plan resolution, so every function here builds the 16-bit-activation layout.
 
 from __future__ import annotations
 
+import functools
+
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -320,6 +322,7 @@ def _geometry(config: LayerConfig, group_size: int | None = None) -> tuple[int, 
 # --------------------------------------------------------------------------- stages
 
 
+@functools.cache
 def awq_to_standard_stage() -> Stage:
     """TRANSFORM ``qweight [K, N/8]``, ``qzeros [K/G, N/8]`` (AWQ) -> standard packing."""
 
@@ -334,6 +337,7 @@ def awq_to_standard_stage() -> Stage:
     return fn
 
 
+@functools.cache
 def repack_stage(w_q: str, *, n_major: bool = False) -> Stage:
     """TRANSFORM ``w_q`` -> Marlin layout ``[Kp / 16, Np * bits / 2]`` int32.
 
@@ -357,6 +361,7 @@ def repack_stage(w_q: str, *, n_major: bool = False) -> Stage:
     return fn
 
 
+@functools.cache
 def permute_scales_stage(w_s: str, *, n_major: bool = False) -> Stage:
     """TRANSFORM ``w_s [K/G, N]`` -> padded, permuted ``[Kp/G, Np]`` (same dtype)."""
 
@@ -372,6 +377,7 @@ def permute_scales_stage(w_s: str, *, n_major: bool = False) -> Stage:
     return fn
 
 
+@functools.cache
 def zero_points_stage(w_zp: str, *, empty_if_symmetric: bool = False) -> Stage:
     """TRANSFORM standard zero points ``[N/pf, K/G]`` -> Marlin ``[Kp/G, Np/pf]`` int32.
 
@@ -400,6 +406,7 @@ def zero_points_stage(w_zp: str, *, empty_if_symmetric: bool = False) -> Stage:
     return fn
 
 
+@functools.cache
 def empty_zero_points_stage(w_zp: str) -> Stage:
     """TRANSFORM: ``w_zp`` becomes an empty ``[0]`` int32 tensor (symmetric weights).
 
@@ -461,6 +468,8 @@ def _channel_scales(s: torch.Tensor, config: LayerConfig) -> torch.Tensor:
     """Per-tensor / per-shard / channel scale -> ``[1, N]`` (``prepare_fp8_layer_for_marlin``)."""
     n = config.size_n
     widths = tuple(config.get("logical_widths", ()) or ())
+    if s.device.type == "meta":  # repeat_interleave by a tensor needs its values
+        return s.new_empty((1, n))
     if s.numel() == 1:
         return s.reshape(1, 1).repeat_interleave(n, 1)
     if widths and s.numel() == len(widths):

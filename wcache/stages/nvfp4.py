@@ -143,7 +143,7 @@ def VALIDATE_LOADED(t, config, target, recorded):
 
 
 @stage("nvfp4.weight_global_scale", Tag.TRANSFORM, reads=("weight_scale_2",),
-       writes=("weight_global_scale", "weight_scale_2"),
+       writes=("weight_global_scale", "weight_scale_2"), drops=("weight_scale_2",),
        source=f"{_MODELOPT}: weight_global_scale = weight_scale_2.max(); del weight_scale_2")
 def WEIGHT_GLOBAL_SCALE(t, config, target, recorded):
     """TRANSFORM ``weight_scale_2 [#shards]`` fp32 -> ``weight_global_scale`` 0-d fp32 (max);
@@ -154,6 +154,7 @@ def WEIGHT_GLOBAL_SCALE(t, config, target, recorded):
 
 @stage("nvfp4.input_global_scale", Tag.TRANSFORM, reads=("input_scale",),
        writes=("input_global_scale", "input_global_scale_inv", "input_scale"),
+       drops=("input_scale",),
        source=f"{_MODELOPT}: input_global_scale = input_scale.max(); inv = 1 / it; "
               f"del input_scale")
 def INPUT_GLOBAL_SCALE(t, config, target, recorded):
