@@ -35,7 +35,8 @@ __all__ = [
     "LayerState", "Prepared", "TensorFingerprint",
     "WcacheError", "NoPlan", "PlanInvalid", "StageContractError",
     "RestoreWroteSharedTensor", "RecordedMismatch", "RestoreIncomplete",
-    "stage", "registered_stages", "STAGE_NAME", "apply_state_", "state_from_module", "snapshot", "guard_snapshot",
+    "stage", "registered_stages", "STAGE_NAME", "apply_state_", "state_from_module", "snapshot",
+    "guard_snapshot",
     "RestoreGuard", "ByteRange", "layer_ranges", "range_sums", "tensor_checksum",
     "LOAD_TAGS", "PREPARE_TAGS", "RESTORE_TAGS",
 ]

@@ -442,7 +442,7 @@ def _moe_case():
 @pytest.mark.parametrize("tag", [Tag.METADATA, Tag.ALLOCATE])
 def test_mistagged_activation_scale_fuse_is_rejected_at_build(tag):
     """The NVFP4 activation-scale fuse tagged replayable (METADATA/ALLOCATE) is a PlanInvalid."""
-    bad = evolve(F4.MOE_FUSE_ACTIVATION_SCALE, tag=tag)
+    bad = evolve(F4.moe_fuse_activation_scale, tag=tag)
     stages = tuple(bad if s.name == bad.name else s for s in nvfp4_plans.MOE.stages)
     with pytest.raises(PlanInvalid, match="nvfp4.moe_fuse_activation_scale"):
         Plan("modelopt_fp4", "cutlass_moe", stages, checkpoint=nvfp4_plans.MOE.checkpoint)
@@ -453,7 +453,7 @@ def test_mistagged_activation_scale_fuse_replay_is_caught_by_guard():
     RestoreWroteSharedTensor instead of squaring the activation scale."""
     cfg, tensors = _moe_case()
     prepared = nvfp4_plans.MOE.prepare(make_module(tensors), cfg, B200)
-    bad = evolve(F4.MOE_FUSE_ACTIVATION_SCALE, tag=Tag.ALLOCATE)
+    bad = evolve(F4.moe_fuse_activation_scale, tag=Tag.ALLOCATE)
     plan = UncheckedPlan("modelopt_fp4", "cutlass_moe",
                          tuple(bad if s.name == bad.name else s for s in nvfp4_plans.MOE.stages),
                          checkpoint=nvfp4_plans.MOE.checkpoint)
