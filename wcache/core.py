@@ -30,6 +30,14 @@ import torch
 from attrs import evolve, field, fields, frozen
 from toolz import assoc, dissoc, merge
 
+# The errors and the mutating shell live in their own modules (the shell and the
+# layers below use them without importing core); core re-exports them.
+from wcache.errors import (
+    NoPlan, PlanInvalid, RecordedMismatch, RestoreIncomplete, RestoreWroteSharedTensor,
+    StageContractError, WcacheError,
+)
+from wcache.shell import apply_state_, resolve_parent
+
 __all__ = [
     "Tag", "Target", "QuantSpec", "LayerConfig", "StageOut", "Stage", "Plan", "BoundPlan",
     "LayerState", "Prepared", "TensorFingerprint",
@@ -41,13 +49,6 @@ __all__ = [
     "LOAD_TAGS", "PREPARE_TAGS", "RESTORE_TAGS",
 ]
 
-# The errors and the mutating shell live in their own modules (imported by the
-# layers below core too); core re-exports them as part of its public API.
-from wcache.errors import (  # noqa: E402
-    NoPlan, PlanInvalid, RecordedMismatch, RestoreIncomplete, RestoreWroteSharedTensor,
-    StageContractError, WcacheError,
-)
-from wcache.shell import apply_state_, resolve_parent  # noqa: E402
 
 # --------------------------------------------------------------------------- values
 
