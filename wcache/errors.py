@@ -6,7 +6,7 @@ from __future__ import annotations
 
 __all__ = ["WcacheError", "NoPlan", "PlanInvalid", "StageContractError",
            "RestoreWroteSharedTensor", "RecordedMismatch", "RestoreIncomplete",
-           "ModelMismatch"]
+           "ModelMismatch", "PlanArgumentError"]
 
 
 class WcacheError(Exception):
@@ -64,3 +64,10 @@ class ModelMismatch(WcacheError, RuntimeError):
     """The daemon's export does not fit the engine's model (an extra or missing tensor)."""
 
     code = "model-mismatch"
+
+
+class PlanArgumentError(WcacheError, TypeError):
+    """``plan_for`` was called with something it cannot resolve (no layer sizes, a
+    vLLM object outside :mod:`wcache.vllm`, no Target); the message says what to pass."""
+
+    code = "plan-argument"

@@ -20,7 +20,10 @@ from typing import Any
 
 from attrs import evolve
 
-from wcache.core import BoundPlan, LayerConfig, NoPlan, Plan, QuantSpec, Target, WcacheError
+from wcache.core import BoundPlan, LayerConfig, NoPlan, Plan, QuantSpec, Target
+from wcache.errors import PlanArgumentError
+
+__all__ = ["PlanArgumentError", "all_plans", "plan_for", "refuse", "refused", "register"]
 
 _PLANS: list[Plan] = []
 #: method -> reason, for methods refused outright (e.g. GPTQ int8 on CPU).
@@ -47,13 +50,6 @@ def all_plans() -> tuple[Plan, ...]:
 
 def refused() -> dict[str, str]:
     return dict(_REFUSED)
-
-
-class PlanArgumentError(WcacheError, TypeError):
-    """``plan_for`` was called with something it cannot resolve (no layer sizes,
-    a vLLM object outside :mod:`wcache.vllm`); the message says what to pass."""
-
-    code = "plan-argument"
 
 
 def _layer_config(method: Any, layer: Any) -> LayerConfig:
