@@ -24,7 +24,8 @@ import test_cpu_plans as cpu  # noqa: E402  (skips without vLLM: its cases are v
 import test_cuda_plans as cuda  # noqa: E402
 import vllm_layers as vl  # noqa: E402
 from wcache.core import (
-    LOAD_TAGS, LayerConfig, LayerState, QuantSpec, Target, registered_stages, state_from_module,
+    LOAD_TAGS, LayerConfig, LayerState, QuantSpec, Target, registered_stages, snapshot,
+    state_from_module,
 )
 from wcache.plans import PLAN_MODULES, _import_plan_modules, all_plans, plan_for
 
@@ -198,3 +199,26 @@ def test_a_missing_plan_module_fails_loudly():
     """Importing a plan module that does not exist raises instead of being skipped."""
     with pytest.raises(ModuleNotFoundError, match="wcache.plans.no_such_method"):
         _import_plan_modules(("no_such_method",))
+
+
+# --------------------------------------------------------------------------- the card's API
+
+
+def test_card_api_with_a_vllm_quant_method():
+    """``wcache.vllm.plan_for(layer.quant_method, layer, target=t)`` resolves a vLLM
+    method object to the plan its LayerConfig gets, and the bound plan's
+    ``load(layer)`` / ``prepare(layer)`` / ``restore(layer, recorded)`` give a restored
+    layer equal to the loaded one (tensors, bytes and attributes)."""
+    import wcache.vllm
+
+    case = vl.unquantized_linear(128, 64)
+    layer = case.new_layer()
+    bound = wcache.vllm.plan_for(layer.quant_method, layer, target=cpu.HOST, name="layer")
+    assert plan_for(case.config, target=cpu.HOST).plan is bound.plan
+    bound.load(layer)
+    daemon = case.new_layer()
+    prepared = bound.prepare(daemon)
+    engine = case.new_layer("meta", seed=None)
+    vl.install_exported_(engine, vl.export_clone(prepared), prepared.buffers)
+    bound.restore(engine, prepared.recorded, strict=True, drops=prepared.drops)
+    assert {} == cpu._diff(snapshot(layer, case.attr_paths), snapshot(engine, case.attr_paths))
