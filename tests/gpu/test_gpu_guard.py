@@ -24,9 +24,9 @@ from _store_helpers import BASE_KEY, start_daemon, stop_daemon, synthetic_export
 from wcache.core import (  # noqa: E402
     LayerConfig, Plan, QuantSpec, RestoreWroteSharedTensor, StageOut, Tag, Target, stage,
 )
-from wcache.testing.plans import UncheckedPlan  # noqa: E402
 from wcache.store import ArenaInvalidated, CacheKey, attach, daemon_status, socket_path  # noqa: E402
 from wcache.store.server import INVALIDATED_EXIT, INVALIDATED_LINGER_S  # noqa: E402
+from wcache.testing.plans import UncheckedPlan  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

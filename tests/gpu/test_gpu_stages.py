@@ -20,8 +20,8 @@ from attrs import evolve
 from wcache.core import (
     LOAD_TAGS, PREPARE_TAGS, LayerConfig, LayerState, Plan, Target, state_from_module,
 )
-from wcache.testing.plans import UncheckedPlan
 from wcache.plans import all_plans, hosts, plan_for
+from wcache.testing.plans import UncheckedPlan
 
 #: Plans run with a CUDA target of capability 10.0: every CUDA plan's minimum
 #: (NVFP4 CUTLASS needs Blackwell); the stages are pure torch, so the H200 runs them.

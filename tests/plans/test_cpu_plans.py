@@ -19,8 +19,8 @@ from wcache.core import (PREPARE_TAGS, LayerConfig, NoPlan, Plan, PlanInvalid, Q
                          RecordedMismatch, RestoreIncomplete, RestoreWroteSharedTensor,
                          StageOut, Tag, Target, snapshot, state_from_module)
 from wcache.plans import all_plans, plan_for
-from wcache.testing.plans import UncheckedPlan, unregistered_stage
 from wcache.stages import cpu_wna16
+from wcache.testing.plans import UncheckedPlan, unregistered_stage
 
 pytest.importorskip("vllm")
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -20,7 +20,6 @@ from wcache.core import (
     LayerConfig, NoPlan, Plan, PlanInvalid, QuantSpec, RecordedMismatch,
     RestoreWroteSharedTensor, StageOut, Tag, Target, snapshot, state_from_module,
 )
-from wcache.testing.plans import UncheckedPlan, unregistered_stage
 from wcache.plans import fp8 as fp8_plans
 from wcache.plans import marlin as marlin_plans
 from wcache.plans import mxfp8 as mxfp8_plans
@@ -28,6 +27,7 @@ from wcache.plans import nvfp4 as nvfp4_plans
 from wcache.plans.registry import all_plans, plan_for
 from wcache.stages import marlin as M
 from wcache.stages import nvfp4 as F4
+from wcache.testing.plans import UncheckedPlan, unregistered_stage
 
 H200 = Target("cuda", (9, 0))
 B200 = Target("cuda", (10, 0))

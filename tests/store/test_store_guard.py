@@ -14,10 +14,10 @@ from _store_helpers import BASE_KEY, HERE, start_daemon, stop_daemon, synthetic_
 from wcache.core import (
     LayerConfig, Plan, QuantSpec, RestoreGuard, RestoreWroteSharedTensor, StageOut, Tag, Target, stage,
 )
-from wcache.testing.plans import UncheckedPlan
 from wcache.store import (
     ArenaInvalidated, CacheKey, attach, daemon_status, invalidate_daemon, socket_path,
 )
+from wcache.testing.plans import UncheckedPlan
 from wcache.store.server import INVALIDATED_EXIT, INVALIDATED_LINGER_S
 
 CPU = Target("cpu", None, frozenset())

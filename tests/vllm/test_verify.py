@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from wcache.core import StageOut, Tag
-from wcache.testing.plans import unregistered_stage
 from wcache.testing.fixtures import FORMATS
+from wcache.testing.plans import unregistered_stage
 from wcache.vllm.process import ENGINE_ARGS
 
 pytestmark = pytest.mark.slow
