@@ -1,0 +1,267 @@
+"""Seeding a new daemon's arena from a running daemon of the same key, over
+``torch.distributed`` (gloo between CPU daemons, NCCL between GPU daemons).
+
+The control socket only agrees on the key and the rendezvous: the receiver
+sends ``{"op": "seed", "key": ..., "backend": ...}`` to the source daemon; the
+source checks the key (a mismatch is answered like ``get``: ``key-mismatch``
+naming the fields), opens a ``TCPStore`` on a free port and answers with its
+manifest and the store's address. A background thread in the source then joins
+a two-rank process group of its own (rank 0; never the default group, so a
+daemon whose ranks already initialized vLLM's distributed state is unaffected)
+and broadcasts the arena in chunks, then the arena's digest; the source keeps
+serving engines meanwhile (other threads; its arena is only read). The
+receiver (rank 1) receives straight into its new arena (the memfd mapping on
+CPU, the device allocation on CUDA), computes the same digest over what
+arrived and refuses the arena when the two differ.
+
+Digests: on CPU, blake3 over the arena bytes. On CUDA, :func:`arena_digest`
+computes a position-weighted 64-bit sum per chunk on the device and hashes the
+chunk sums with blake3: it catches corruption in transfer (any single changed
+word, swapped words), but unlike blake3 it is not collision resistant, which
+is acceptable because the peer is a daemon of the same user checked by key.
+
+Source: torch.distributed c10d (TCPStore, PrefixStore, ProcessGroupGloo,
+ProcessGroupNCCL), the pattern of vLLM's StatelessProcessGroup
+(vllm/distributed/utils.py) for groups outside the default one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import logging
+import threading
+import time
+from typing import Any
+
+import blake3
+import torch
+
+from wcache.store.errors import KeyMismatch, ProtocolError, StoreError
+from wcache.store.manifest import CacheKey, Manifest
+from wcache.store.prebuilt import PrebuiltArena, served_arena
+
+__all__ = ["SeedFailed", "SeedSource", "seed_arena", "arena_digest", "BACKENDS", "SEED_CHUNK_BYTES"]
+
+log = logging.getLogger("wcache.store")
+
+#: torch.distributed backend per device type.
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+#: Bytes per broadcast: gloo's TCP transport handles messages below 2 GiB best,
+#: and chunks let both sides report progress; 256 MiB costs one round trip per
+#: chunk, negligible against the transfer.
+SEED_CHUNK_BYTES = 256 << 20
+#: How long either side waits for the other to join or for a chunk (seconds):
+#: a 70B-shaped rank over a 10 Gb/s link needs minutes.
+SEED_TIMEOUT_S = 600.0
+#: Words per device-side checksum block on CUDA (8-byte words: 128 MiB).
+DIGEST_BLOCK_WORDS = 1 << 24
+#: Bytes of a blake3 digest.
+DIGEST_BYTES = 32
+#: Prefix of every key the seeding group writes in its TCPStore.
+STORE_PREFIX = "wcache-seed/"
+
+
+class SeedFailed(StoreError):
+    """Seeding from a peer daemon failed: it refused (another key, seeding not
+    offered), the transfer broke off, or what arrived does not match the
+    source's digest. Start from the checkpoint or a snapshot instead, or check
+    that both daemons were started with the same engine arguments."""
+
+    code = "seed-failed"
+
+
+def _cpu_view(t: torch.Tensor) -> memoryview:
+    n = t.numel()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else memoryview(b"")
+
+
+def arena_digest(arena: torch.Tensor) -> tuple[str, str]:
+    """``(algorithm, hex digest)`` of a ``[n]`` uint8 arena.
+
+    CPU: ``("blake3", blake3(bytes))`` (multi-threaded). CUDA: ``("sum64-blake3",
+    ...)``: the arena as int64 words, per block of :data:`DIGEST_BLOCK_WORDS`
+    ``sum(word_i * (2*i + 1))`` and ``sum(word_i)`` (wrapping int64), the block
+    sums hashed with blake3. ``n`` must be a multiple of 8 on CUDA (arenas are
+    256-byte aligned).
+    """
+    if arena.device.type == "cpu":
+        h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        h.update(_cpu_view(arena.contiguous()))
+        return "blake3", h.hexdigest()
+    words = arena.view(torch.int64)
+    sums = []
+    for start in range(0, words.numel(), DIGEST_BLOCK_WORDS):
+        w = words[start:start + DIGEST_BLOCK_WORDS]
+        idx = torch.arange(start, start + w.numel(), device=w.device, dtype=torch.int64) * 2 + 1
+        sums.append(torch.stack([(w * idx).sum(), w.sum()]))
+    host = torch.stack(sums).cpu() if sums else torch.zeros(0, dtype=torch.int64)
+    return "sum64-blake3", blake3.blake3(host.numpy().tobytes()).hexdigest()
+
+
+def _group(backend: str, host: str, port: int, rank: int, device: torch.device, *,
+           is_master: bool, store: Any = None) -> Any:
+    import torch.distributed as dist  # noqa: PLC0415
+
+    timeout = datetime.timedelta(seconds=SEED_TIMEOUT_S)
+    if store is None:
+        store = dist.TCPStore(host, port, 2, is_master, timeout=timeout, wait_for_workers=False)
+    prefixed = dist.PrefixStore(STORE_PREFIX, store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefixed, rank, 2, timeout), store
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, 2, opts), store
+    raise StoreError(f"seeding backend {backend!r} is not one of {sorted(set(BACKENDS.values()))}")
+
+
+def _broadcast(pg: Any, t: torch.Tensor) -> None:
+    import torch.distributed as dist  # noqa: PLC0415
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    pg.broadcast([t], opts).wait()
+
+
+def _ranges(n: int, chunk: int) -> list[tuple[int, int]]:
+    return [(off, min(chunk, n - off)) for off in range(0, n, chunk)]
+
+
+class SeedSource:
+    """Answers the ``seed`` command of a running :class:`DaemonServer`
+    (``server.seed_source = SeedSource(server)``).
+
+    Args:
+        server: the daemon whose arena is sent.
+        host: address the TCPStore listens on and that the receiver connects
+            to (the seeding rendezvous travels over the local control socket,
+            so the default is the loopback address).
+    """
+
+    def __init__(self, server: Any, host: str = "127.0.0.1"):
+        self.server = server
+        self.host = host
+        self._digest: tuple[str, str] | None = None
+        self._digest_lock = threading.Lock()
+        self.seeds_done = 0
+        self.threads: list[threading.Thread] = []
+
+    def digest(self, arena: torch.Tensor) -> tuple[str, str]:
+        """The arena's digest, computed once (the arena never changes)."""
+        with self._digest_lock:
+            if self._digest is None:
+                self._digest = arena_digest(arena)
+            return self._digest
+
+    def handle(self, req: dict[str, Any], state: dict) -> dict[str, Any]:
+        """Check the key and backend, start the sending thread, return the reply."""
+        import torch.distributed as dist  # noqa: PLC0415
+
+        server = self.server
+        fields = req.get("key")
+        if not isinstance(fields, dict):
+            raise ProtocolError("seed needs a key map")
+        theirs = CacheKey(fields)
+        if theirs != server.key:
+            diff = server.key.diff(theirs)
+            return {"ok": False, "code": KeyMismatch.code, "fields": diff,
+                    "theirs": {k: server.key.fields.get(k) for k in diff},
+                    "message": f"seeding source's key differs in {', '.join(diff)}: "
+                               f"{theirs.describe_diff(server.key, 'receiver', 'source')}"}
+        backend = BACKENDS[server.device_type]
+        if req.get("backend") not in (None, backend):
+            raise ProtocolError(f"receiver asks for backend {req.get('backend')!r}; a "
+                                f"{server.device_type} daemon seeds over {backend}")
+        if server.invalidated:
+            raise StoreError("this daemon's arena was invalidated; it seeds no one")
+        store = dist.TCPStore(self.host, 0, 2, True, timeout=datetime.timedelta(seconds=SEED_TIMEOUT_S),
+                              wait_for_workers=False)
+        thread = threading.Thread(target=self._send, args=(store, backend, state.get("pid")),
+                                  name="wcache-seed", daemon=True)
+        thread.start()
+        self.threads.append(thread)
+        return {"ok": True, "manifest": server._manifest_dict, "backend": backend, "host": self.host,
+                "port": store.port, "chunk_bytes": SEED_CHUNK_BYTES}
+
+    def _send(self, store: Any, backend: str, pid: Any) -> None:
+        server = self.server
+        t0 = time.perf_counter()
+        view = None
+        try:
+            device = torch.device("cpu") if server.device_type == "cpu" else \
+                torch.device("cuda", server.device_index)
+            pg, _ = _group(backend, self.host, store.port, 0, device, is_master=True, store=store)
+            view = served_arena(server)
+            arena = view.tensor
+            for off, length in _ranges(server.manifest.arena_nbytes, SEED_CHUNK_BYTES):
+                _broadcast(pg, arena[off:off + length])
+            algo, hexd = self.digest(arena)
+            d = torch.frombuffer(bytearray(bytes.fromhex(hexd)), dtype=torch.uint8).to(device)
+            _broadcast(pg, d)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.seeds_done += 1
+            dt = time.perf_counter() - t0
+            log.info("seeded pid %s: %.1f MiB over %s in %.3f s (%s %s)", pid,
+                     server.manifest.arena_nbytes / 2**20, backend, dt, algo, hexd[:16])
+        except Exception:  # the receiver sees its own error; the source keeps serving
+            log.exception("seeding pid %s failed; still serving", pid)
+        finally:
+            if view is not None:
+                view.close()
+
+
+def seed_arena(sock_path: str, key: CacheKey, *, connect_timeout_s: float = 5.0) -> PrebuiltArena:
+    """Ask the daemon on ``sock_path`` to seed us; return the arena to build.
+
+    The returned :class:`PrebuiltArena`'s ``fill`` joins the source's process
+    group (rank 1), receives the arena into the new allocation, and checks the
+    digest of what arrived against the source's.
+
+    Raises:
+        KeyMismatch: the source serves another key (fields named).
+        DaemonMissing: nothing answers on ``sock_path``.
+        SeedFailed: the source refused, the manifest's key is not ``key``,
+            or (from ``fill``) the transfer failed or the digests differ.
+    """
+    from wcache.store.client import Connection  # noqa: PLC0415
+
+    conn = Connection(sock_path, connect_timeout_s)
+    try:
+        try:
+            reply = conn.request({"op": "seed", "key": key.fields})
+        except KeyMismatch:
+            raise
+        except StoreError as e:
+            raise SeedFailed(f"the daemon on {sock_path} refused to seed: {e}") from e
+    finally:
+        conn.close()
+    manifest = Manifest.from_dict(reply.get("manifest"))
+    if CacheKey(manifest.key) != key:
+        raise SeedFailed(f"the daemon on {sock_path} sent a manifest of key "
+                         f"{CacheKey(manifest.key).digest[:16]}, we asked for {key.digest[:16]}")
+    backend, host, port = reply["backend"], str(reply["host"]), int(reply["port"])
+    chunk = int(reply.get("chunk_bytes") or SEED_CHUNK_BYTES)
+
+    def fill(dst: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        try:
+            pg, _store = _group(backend, host, port, 1, dst.device, is_master=False)
+            for off, length in _ranges(manifest.arena_nbytes, chunk):
+                _broadcast(pg, dst[off:off + length])
+            theirs = torch.zeros(DIGEST_BYTES, dtype=torch.uint8, device=dst.device)
+            _broadcast(pg, theirs)
+        except RuntimeError as e:  # c10d reports timeouts and broken connections so
+            raise SeedFailed(f"seeding from {sock_path} broke off: {e}") from e
+        algo, mine = arena_digest(dst[:manifest.arena_nbytes])
+        theirs_hex = bytes(theirs.cpu().tolist()).hex()
+        if mine != theirs_hex:
+            raise SeedFailed(f"what arrived from {sock_path} does not match the source's digest "
+                             f"({algo}: got {mine[:16]}, source {theirs_hex[:16]}); nothing is served")
+        log.info("seeded from %s over %s: %.1f MiB in %.3f s, %s verified", sock_path, backend,
+                 manifest.arena_nbytes / 2**20, time.perf_counter() - t0, algo)
+
+    return PrebuiltArena(manifest, fill, f"peer {sock_path}")
