@@ -135,7 +135,8 @@ def _fsync_dir(path: str) -> None:
 
 
 def _write_file(path: str, data: bytes) -> str:
-    with open(path, "wb") as f:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
