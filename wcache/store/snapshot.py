@@ -322,10 +322,22 @@ def _ranges(n: int, chunk: int) -> list[tuple[int, int]]:
     return [(off, min(chunk, n - off)) for off in range(0, n, chunk)]
 
 
+def _read_range(fd: int, path: str, dst: memoryview, file_offset: int) -> None:
+    """``preadv`` until ``dst`` is full (a read may return fewer bytes)."""
+    got, length = 0, len(dst)
+    while got < length:
+        r = os.preadv(fd, [dst[got:]], file_offset + got)
+        if r <= 0:
+            raise SnapshotCorrupt(f"{path} ends {length - got} bytes early at offset {file_offset + got}")
+        got += r
+
+
 def read_bytes_into(path: str, file_offset: int, dst: memoryview, *, threads: int | None = None,
-                    chunk: int = READ_CHUNK_BYTES) -> None:
+                    chunk: int = READ_CHUNK_BYTES, hasher=None) -> None:
     """Read ``len(dst)`` bytes of ``path`` from ``file_offset`` into ``dst`` with
     ``preadv`` from several threads (large sequential requests, no staging).
+    With ``hasher`` (a blake3 object), each chunk is hashed in file order as
+    soon as it and every chunk before it have arrived, overlapping the reads.
 
     Raises:
         SnapshotCorrupt: the file is shorter than expected or a read fails.
@@ -335,19 +347,14 @@ def read_bytes_into(path: str, file_offset: int, dst: memoryview, *, threads: in
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, file_offset, n, os.POSIX_FADV_SEQUENTIAL)
-
-        def read(rng: tuple[int, int]) -> None:
-            off, length = rng
-            got = 0
-            while got < length:
-                r = os.preadv(fd, [dst[off + got:off + length]], file_offset + off + got)
-                if r <= 0:
-                    raise SnapshotCorrupt(f"{path} ends {length - got} bytes early at offset "
-                                          f"{file_offset + off + got}")
-                got += r
-
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="wcache-read") as ex:
-            list(ex.map(read, _ranges(n, chunk)))
+            futures = [(off, length, ex.submit(_read_range, fd, path, dst[off:off + length],
+                                               file_offset + off))
+                       for off, length in _ranges(n, chunk)]
+            for off, length, fut in futures:
+                fut.result()
+                if hasher is not None:
+                    hasher.update(dst[off:off + length])
     except OSError as e:
         raise SnapshotCorrupt(f"cannot read {path}: {e}") from e
     finally:
@@ -355,46 +362,57 @@ def read_bytes_into(path: str, file_offset: int, dst: memoryview, *, threads: in
 
 
 def _fill_cpu(snap: Snapshot, dst: torch.Tensor, threads: int | None) -> str:
-    view = _memview(dst)
-    read_bytes_into(os.path.join(snap.path, ARENA_FILE), snap.data_offset, view, threads=threads)
     h = blake3.blake3(snap.header, max_threads=blake3.blake3.AUTO)
-    h.update(view)
+    read_bytes_into(os.path.join(snap.path, ARENA_FILE), snap.data_offset, _memview(dst),
+                    threads=threads, hasher=h)
     return h.hexdigest()
 
 
 def _fill_cuda(snap: Snapshot, dst: torch.Tensor, threads: int | None) -> str:
-    """Stage through pinned host buffers: a wave of reads in parallel, then the
-    digest of the wave (in file order) and async copies to the device."""
+    """Stage through pinned host buffers in two halves: while one wave of
+    chunks is hashed (file order) and copied to the device asynchronously, the
+    next wave is read into the other half by the reader threads."""
     n = snap.manifest.arena_nbytes
-    chunk = READ_CHUNK_BYTES
-    depth = CUDA_STAGING_CHUNKS
-    bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(depth)]
+    chunk, depth = READ_CHUNK_BYTES, CUDA_STAGING_CHUNKS
+    ranges = _ranges(n, chunk)
+    waves = [ranges[i:i + depth] for i in range(0, len(ranges), depth)]
+    nbuf = 2 * depth if len(waves) > 1 else max(1, len(ranges))
+    bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(nbuf)]
     views = [_memview(b) for b in bufs]
     h = blake3.blake3(snap.header, max_threads=blake3.blake3.AUTO)
     stream = torch.cuda.Stream(dst.device)
     apath = os.path.join(snap.path, ARENA_FILE)
     fd = os.open(apath, os.O_RDONLY)
-    ranges = _ranges(n, chunk)
     threads = threads or min(MAX_READ_THREADS, os.cpu_count() or 1)
+    events: list = [None, None]
     try:
-        def read(i_rng: tuple[int, tuple[int, int]]) -> None:
-            i, (off, length) = i_rng
-            got = 0
-            while got < length:
-                r = os.preadv(fd, [views[i][got:length]], snap.data_offset + off + got)
-                if r <= 0:
-                    raise SnapshotCorrupt(f"{apath} ends early at offset {snap.data_offset + off + got}")
-                got += r
+        os.posix_fadvise(fd, snap.data_offset, n, os.POSIX_FADV_SEQUENTIAL)
+        with concurrent.futures.ThreadPoolExecutor(min(threads, depth),
+                                                   thread_name_prefix="wcache-read") as ex:
+            def submit(w: int) -> list:
+                base = (w % 2) * depth
+                return [ex.submit(_read_range, fd, apath, views[base + i][:length],
+                                  snap.data_offset + off)
+                        for i, (off, length) in enumerate(waves[w])]
 
-        with concurrent.futures.ThreadPoolExecutor(min(threads, depth), thread_name_prefix="wcache-read") as ex:
-            for w in range(0, len(ranges), depth):
-                wave = ranges[w:w + depth]
-                stream.synchronize()  # the previous wave's copies are done: buffers are free
-                list(ex.map(read, enumerate(wave)))
+            pending = submit(0)
+            for w, wave in enumerate(waves):
+                nxt = None
+                if w + 1 < len(waves):
+                    if events[(w + 1) % 2] is not None:
+                        events[(w + 1) % 2].synchronize()  # that half's copies are done
+                    nxt = submit(w + 1)
+                for f in pending:
+                    f.result()
+                base = (w % 2) * depth
                 with torch.cuda.stream(stream):
                     for i, (off, length) in enumerate(wave):
-                        h.update(views[i][:length])
-                        dst[off:off + length].copy_(bufs[i][:length], non_blocking=True)
+                        h.update(views[base + i][:length])
+                        dst[off:off + length].copy_(bufs[base + i][:length], non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                    events[w % 2] = ev
+                pending = nxt
             stream.synchronize()
     except OSError as e:
         raise SnapshotCorrupt(f"cannot read {apath}: {e}") from e
