@@ -265,8 +265,12 @@ def _write_json(path: Path, data: dict) -> None:
 
 def _cold_start(args: argparse.Namespace) -> int:
     """``--cold-start``: see benchmarks/bench_coldstart.py."""
+    import logging
+
     from benchmarks import bench_coldstart as cold
 
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("wcache.store").setLevel(logging.INFO)  # arena fill / snapshot timings
     if args.cpu_engine:
         rows = cold.run_engine_daemons(args.engine_formats or ("bf16", "awq"), _log)
         sys.stdout.write(cold.engine_table(rows))

@@ -14,11 +14,8 @@ receiver (rank 1) receives straight into its new arena (the memfd mapping on
 CPU, the device allocation on CUDA), computes the same digest over what
 arrived and refuses the arena when the two differ.
 
-Digests: on CPU, blake3 over the arena bytes. On CUDA, :func:`arena_digest`
-computes a position-weighted 64-bit sum per chunk on the device and hashes the
-chunk sums with blake3: it catches corruption in transfer (any single changed
-word, swapped words), but unlike blake3 it is not collision resistant, which
-is acceptable because the peer is a daemon of the same user checked by key.
+Digests: :func:`wcache.store.arena_digest.arena_digest` (blake3 on CPU, a
+device-side checksum on CUDA; see there).
 
 Source: torch.distributed c10d (TCPStore, PrefixStore, ProcessGroupGloo,
 ProcessGroupNCCL), the pattern of vLLM's StatelessProcessGroup
@@ -27,16 +24,15 @@ ProcessGroupNCCL), the pattern of vLLM's StatelessProcessGroup
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import logging
 import threading
 import time
 from typing import Any
 
-import blake3
 import torch
 
+from wcache.store.arena_digest import DIGEST_BYTES, arena_digest
 from wcache.store.errors import KeyMismatch, ProtocolError, StoreError
 from wcache.store.manifest import CacheKey, Manifest
 from wcache.store.prebuilt import PrebuiltArena, served_arena
@@ -54,10 +50,6 @@ SEED_CHUNK_BYTES = 256 << 20
 #: How long either side waits for the other to join or for a chunk (seconds):
 #: a 70B-shaped rank over a 10 Gb/s link needs minutes.
 SEED_TIMEOUT_S = 600.0
-#: Words per device-side checksum block on CUDA (8-byte words: 128 MiB).
-DIGEST_BLOCK_WORDS = 1 << 24
-#: Bytes of a blake3 digest.
-DIGEST_BYTES = 32
 #: Prefix of every key the seeding group writes in its TCPStore.
 STORE_PREFIX = "wcache-seed/"
 
@@ -69,34 +61,6 @@ class SeedFailed(StoreError):
     that both daemons were started with the same engine arguments."""
 
     code = "seed-failed"
-
-
-def _cpu_view(t: torch.Tensor) -> memoryview:
-    n = t.numel()
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else memoryview(b"")
-
-
-def arena_digest(arena: torch.Tensor) -> tuple[str, str]:
-    """``(algorithm, hex digest)`` of a ``[n]`` uint8 arena.
-
-    CPU: ``("blake3", blake3(bytes))`` (multi-threaded). CUDA: ``("sum64-blake3",
-    ...)``: the arena as int64 words, per block of :data:`DIGEST_BLOCK_WORDS`
-    ``sum(word_i * (2*i + 1))`` and ``sum(word_i)`` (wrapping int64), the block
-    sums hashed with blake3. ``n`` must be a multiple of 8 on CUDA (arenas are
-    256-byte aligned).
-    """
-    if arena.device.type == "cpu":
-        h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-        h.update(_cpu_view(arena.contiguous()))
-        return "blake3", h.hexdigest()
-    words = arena.view(torch.int64)
-    sums = []
-    for start in range(0, words.numel(), DIGEST_BLOCK_WORDS):
-        w = words[start:start + DIGEST_BLOCK_WORDS]
-        idx = torch.arange(start, start + w.numel(), device=w.device, dtype=torch.int64) * 2 + 1
-        sums.append(torch.stack([(w * idx).sum(), w.sum()]))
-    host = torch.stack(sums).cpu() if sums else torch.zeros(0, dtype=torch.int64)
-    return "sum64-blake3", blake3.blake3(host.numpy().tobytes()).hexdigest()
 
 
 def _group(backend: str, host: str, port: int, rank: int, device: torch.device, *,

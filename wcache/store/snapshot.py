@@ -7,7 +7,8 @@ caller: ``tp0of2-pp0of1-dp0of1`` from the vLLM side)::
     DIR/<name>/arena.safetensors   one tensor "arena": U8 [arena_nbytes], the arena's bytes
     DIR/<name>/manifest.json       the arena's versioned Manifest (wcache.store.manifest), verbatim
     DIR/<name>/key.json            the full CacheKey (canonical JSON)
-    DIR/<name>/digests.json        blake3 of each of the three files above, written last
+    DIR/<name>/digests.json        blake3 of each of the three files above (and, for a CUDA
+                                   arena, its device-side digest), written last
     DIR/.tmp-<name>-*/             a write in progress (or one that crashed): never read
 
 Why one flat uint8 tensor per arena rather than one safetensors tensor per
@@ -45,6 +46,7 @@ import blake3
 import torch
 from attrs import frozen
 
+from wcache.store.arena_digest import CUDA_ALGORITHM, arena_digest
 from wcache.store.errors import KeyMismatch, StoreError
 from wcache.store.manifest import CacheKey, Manifest, canonical_json
 from wcache.store.prebuilt import PrebuiltArena
@@ -73,11 +75,13 @@ OLD_PREFIX = ".old-"
 #: arena evenly (a 270 MiB SmolLM2 arena is ~4 requests).
 READ_CHUNK_BYTES = 64 << 20
 #: Reader threads: NVMe and network file systems need several requests in
-#: flight to reach their bandwidth; more than 8 gained nothing on the H200 host.
+#: flight to reach their bandwidth; 8 threads read 13 GiB from the H200 host's
+#: page cache at 26.7 GiB/s (docs/benchmarks.md, raw read).
 MAX_READ_THREADS = 8
-#: Chunks staged through pinned host memory per wave on CUDA (each
-#: READ_CHUNK_BYTES): reads of one wave overlap, copies to the GPU are async.
-CUDA_STAGING_CHUNKS = 4
+#: Chunks per wave on CUDA (each READ_CHUNK_BYTES, pinned, two waves: 1 GiB):
+#: one chunk per reader thread, so a wave is read with every thread busy while
+#: the previous wave's copies to the device run.
+CUDA_STAGING_CHUNKS = 8
 
 
 class SnapshotMissing(StoreError, FileNotFoundError):
@@ -116,6 +120,10 @@ class Snapshot:
         digests: file name -> blake3 hex digest, from ``digests.json``.
         data_offset: byte offset of the arena bytes in ``arena.safetensors``.
         header: the safetensors header bytes (``[0, data_offset)``), hashed with the data.
+        device_digest: ``{"algorithm", "digest"}`` of the arena bytes computed on the
+            device (:func:`wcache.store.arena_digest.arena_digest`), recorded for CUDA
+            arenas; a CUDA load checks it on the GPU instead of hashing the file
+            on the host. None for CPU arenas.
     """
 
     path: str
@@ -124,6 +132,7 @@ class Snapshot:
     digests: dict
     data_offset: int
     header: bytes
+    device_digest: dict | None = None
 
 
 def _fsync_dir(path: str) -> None:
@@ -189,7 +198,10 @@ def write_snapshot(root: str, name: str, arena: torch.Tensor, manifest: Manifest
     tmp = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{name}-", dir=root)
     try:
         data = arena[:n]
+        device_digest = None
         if data.device.type != "cpu":
+            algo, hexd = arena_digest(data)
+            device_digest = {"algorithm": algo, "digest": hexd}
             data = data.cpu()
         apath = os.path.join(tmp, ARENA_FILE)
         save_file({ARENA_TENSOR: data}, apath,
@@ -210,7 +222,7 @@ def write_snapshot(root: str, name: str, arena: torch.Tensor, manifest: Manifest
                    KEY_FILE: _write_file(os.path.join(tmp, KEY_FILE), key.to_json().encode())}
         _write_file(os.path.join(tmp, DIGESTS_FILE), canonical_json({
             "snapshot_format": SNAPSHOT_FORMAT_VERSION, "algorithm": "blake3", "files": digests,
-            "key_digest": key.digest, "arena_nbytes": n}).encode())
+            "key_digest": key.digest, "arena_nbytes": n, "device_digest": device_digest}).encode())
         _fsync_dir(tmp)
         old = None
         if os.path.lexists(final):
@@ -262,6 +274,7 @@ def open_snapshot(root: str, name: str) -> Snapshot:
             index = json.loads(f.read())
         digests = dict(index["files"])
         fmt = index["snapshot_format"]
+        device_digest = index.get("device_digest")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SnapshotCorrupt(f"snapshot {path}: {DIGESTS_FILE} is unreadable ({e}); delete {path} "
                               f"and write it again") from e
@@ -300,7 +313,10 @@ def open_snapshot(root: str, name: str) -> Snapshot:
         raise SnapshotCorrupt(f"snapshot {path}: {ARENA_FILE} holds {names} {shape} {dtype} in "
                               f"{size} bytes, expected one U8 [{n}] tensor of key {key.digest[:16]}; "
                               f"delete {path} and write it again")
-    return Snapshot(path, manifest, key, digests, len(header), header)
+    if device_digest is not None and not (isinstance(device_digest, dict)
+                                          and {"algorithm", "digest"} <= device_digest.keys()):
+        raise SnapshotCorrupt(f"snapshot {path}: {DIGESTS_FILE} has a malformed device_digest")
+    return Snapshot(path, manifest, key, digests, len(header), header, device_digest)
 
 
 def check_key(snap: Snapshot, key: CacheKey) -> None:
@@ -368,11 +384,13 @@ def _fill_cpu(snap: Snapshot, dst: torch.Tensor, threads: int | None) -> str:
     return h.hexdigest()
 
 
-def _fill_cuda(snap: Snapshot, dst: torch.Tensor, threads: int | None) -> str:
+def _fill_cuda(snap: Snapshot, dst: torch.Tensor, threads: int | None, hash_file: bool) -> str | None:
     """Stage through pinned host buffers in two halves: while one wave of
-    chunks is hashed (file order) and copied to the device asynchronously, the
-    next wave is read into the other half by the reader threads."""
+    chunks is copied to the device asynchronously (and, with ``hash_file``,
+    hashed in file order on the host), the next wave is read into the other
+    half by the reader threads. Returns the file's blake3 with ``hash_file``."""
     n = snap.manifest.arena_nbytes
+    threads = threads or min(MAX_READ_THREADS, os.cpu_count() or 1)
     chunk, depth = READ_CHUNK_BYTES, CUDA_STAGING_CHUNKS
     ranges = _ranges(n, chunk)
     waves = [ranges[i:i + depth] for i in range(0, len(ranges), depth)]
@@ -383,7 +401,6 @@ def _fill_cuda(snap: Snapshot, dst: torch.Tensor, threads: int | None) -> str:
     stream = torch.cuda.Stream(dst.device)
     apath = os.path.join(snap.path, ARENA_FILE)
     fd = os.open(apath, os.O_RDONLY)
-    threads = threads or min(MAX_READ_THREADS, os.cpu_count() or 1)
     events: list = [None, None]
     try:
         os.posix_fadvise(fd, snap.data_offset, n, os.POSIX_FADV_SEQUENTIAL)
@@ -407,7 +424,8 @@ def _fill_cuda(snap: Snapshot, dst: torch.Tensor, threads: int | None) -> str:
                 base = (w % 2) * depth
                 with torch.cuda.stream(stream):
                     for i, (off, length) in enumerate(wave):
-                        h.update(views[base + i][:length])
+                        if hash_file:
+                            h.update(views[base + i][:length])
                         dst[off:off + length].copy_(bufs[base + i][:length], non_blocking=True)
                     ev = torch.cuda.Event()
                     ev.record(stream)
@@ -418,13 +436,15 @@ def _fill_cuda(snap: Snapshot, dst: torch.Tensor, threads: int | None) -> str:
         raise SnapshotCorrupt(f"cannot read {apath}: {e}") from e
     finally:
         os.close(fd)
-    return h.hexdigest()
+    return h.hexdigest() if hash_file else None
 
 
 def snapshot_arena(snap: Snapshot, *, threads: int | None = None) -> PrebuiltArena:
     """A :class:`PrebuiltArena` that reads the snapshot's bytes into the daemon's
-    arena (CPU: straight into the memfd mapping; CUDA: through pinned staging
-    buffers) and then checks the file's digest.
+    arena (CPU: straight into the memfd mapping, blake3 of the file computed as
+    the chunks arrive; CUDA: through pinned staging buffers, then the recorded
+    device-side digest checked on the GPU, or the file's blake3 on the host when
+    none was recorded).
 
     Raises (from ``fill``):
         SnapshotCorrupt: a short or failed read, or a digest that differs (the
@@ -432,7 +452,19 @@ def snapshot_arena(snap: Snapshot, *, threads: int | None = None) -> PrebuiltAre
     """
     def fill(dst: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        got = (_fill_cpu if dst.device.type == "cpu" else _fill_cuda)(snap, dst, threads)
+        if dst.device.type == "cpu":
+            got = _fill_cpu(snap, dst, threads)
+        else:
+            on_device = (snap.device_digest or {}).get("algorithm") == CUDA_ALGORITHM
+            got = _fill_cuda(snap, dst, threads, hash_file=not on_device)
+            if on_device:
+                algo, hexd = arena_digest(dst[:snap.manifest.arena_nbytes])
+                if hexd != snap.device_digest["digest"]:
+                    raise SnapshotCorrupt(f"snapshot {snap.path}: the arena read from {ARENA_FILE} "
+                                          f"does not match its digest ({algo} on the device: read "
+                                          f"{hexd[:16]}, recorded {snap.device_digest['digest'][:16]}); "
+                                          f"delete {snap.path} and write it again")
+                got = snap.digests.get(ARENA_FILE)
         if got != snap.digests.get(ARENA_FILE):
             raise SnapshotCorrupt(f"snapshot {snap.path}: {ARENA_FILE} does not match its digest "
                                   f"(read {got[:16]}, recorded {str(snap.digests.get(ARENA_FILE))[:16]}); "
