@@ -47,7 +47,8 @@ CUTLASS_FP8_MIN_CAP = 89
 CUTLASS_BLOCK_FP8_MIN_CAP = 90
 
 #: Attributes vLLM's CUTLASS FP8 ``apply`` reads besides the weight tensors.
-FP8_CUTLASS_ATTRS = ("input_scale", "quant_method.fp8_linear.logical_output_size")
+FP8_CUTLASS_ATTRS = ("input_scale", "input_scale_ub",
+                     "quant_method.fp8_linear.logical_output_size")
 #: Attributes vLLM's Marlin ``apply`` reads besides the weight tensors.
 MARLIN_ATTRS = ("input_global_scale",)
 
@@ -70,6 +71,11 @@ def simulated_cuda(monkeypatch):
     from vllm.model_executor.kernels.linear.scaled_mm import cutlass as _cut  # noqa: F401
     from vllm.model_executor.layers.linear import ReplicatedLinear  # noqa: F401
     from vllm.model_executor.layers.quantization import auto_awq, auto_gptq  # noqa: F401
+    from vllm.model_executor.layers.quantization import fp8 as _fp8  # noqa: F401
+    from vllm.model_executor.layers.quantization.compressed_tensors import (  # noqa: F401
+        schemes as _schemes,
+    )
+    from vllm.model_executor.layers.quantization.online import mxfp8 as _mx  # noqa: F401
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
     from vllm.model_executor.layers.quantization.online import fp8 as online
     from vllm.model_executor.layers.quantization.utils import marlin_utils_test as mut
@@ -90,6 +96,10 @@ def simulated_cuda(monkeypatch):
                         lambda cap: cap >= CUTLASS_FP8_MIN_CAP, raising=False)
     monkeypatch.setattr(ops, "cutlass_scaled_mm_supports_block_fp8",
                         lambda cap: cap >= CUTLASS_BLOCK_FP8_MIN_CAP, raising=False)
+    # w8a8_utils computes CUTLASS_BLOCK_FP8_SUPPORTED at import (False on CPU);
+    # the CUTLASS block kernel reads its own imported copy
+    monkeypatch.setattr(_cut, "CUTLASS_BLOCK_FP8_SUPPORTED",
+                        SIM_CAPABILITY[0] * 10 + SIM_CAPABILITY[1] >= CUTLASS_BLOCK_FP8_MIN_CAP)
 
     def scaled_fp8_quant(input, scale=None, **kwargs):
         if scale is None or scale.numel() != 1 or any(v is not None for v in kwargs.values()):
@@ -105,6 +115,11 @@ def simulated_cuda(monkeypatch):
                                   mut.get_weight_perm(num_bits, is_a_8bit), is_a_8bit)
 
     monkeypatch.setattr(ops, "scaled_fp8_quant", scaled_fp8_quant)
+    # vLLM's torch.compile'd per_block_cast_to_fp8, given the plain tensor under the
+    # ModelWeightParameter (dynamo cannot trace vLLM's Parameter subclass on CPU)
+    compiled_block_cast = online.per_block_cast_to_fp8
+    monkeypatch.setattr(online, "per_block_cast_to_fp8",
+                        lambda x, *a, **kw: compiled_block_cast(x.data, *a, **kw))
     monkeypatch.setattr(ops, "gptq_marlin_repack", gptq_marlin_repack)
     monkeypatch.setattr(online.Fp8PerTensorOnlineLinearMethod, "activation_quant_key",
                         kFp8DynamicTokenSym)
@@ -176,26 +191,30 @@ def _online_fp8_layer(method_cls, size_k: int, size_n: int, meta: bool = False):
                                 quant_config=_QuantConfig(method_cls))
 
 
-@pytest.mark.parametrize("size_k,size_n", [(256, 128), (200, 100), (64, 130)])
-def test_fp8_per_tensor_online_cutlass(simulated_cuda, size_k, size_n):
-    """Fp8PerTensorOnlineLinearMethod on CUTLASS (incl. K, N % 16 != 0): vLLM's layerwise
-    online load (its weight loader materializes and processes the layer) vs wcache."""
-    from vllm.model_executor.kernels.linear.scaled_mm.cutlass import (
-        CutlassFP8ScaledMMLinearKernel,
-    )
+#: online FP8 method -> the wcache plan the adapter must pick on sm90.
+ONLINE_FP8_PLANS = {"Fp8PerTensorOnlineLinearMethod": "fp8_per_tensor/cutlass@1",
+                    "Fp8PtpcOnlineLinearMethod": "fp8_per_channel/cutlass@1",
+                    "Fp8PerBlockOnlineLinearMethod": "fp8_per_block/cutlass_block@1"}
+#: Attributes vLLM's CUTLASS block ``apply`` reads besides the weight tensors
+#: (``FP8BlockParams.from_layer``; the block shape from the method).
+FP8_BLOCK_ATTRS = ("input_scale", "input_scale_ub", "weight_block_size")
+
+
+def _online_fp8_contract(name: str, size_k: int, size_n: int, attrs: tuple[str, ...]):
+    """vLLM's layerwise online load (its weight loader materializes and processes the
+    layer) vs wcache load and restore, for one online FP8 method."""
     from vllm.model_executor.layers.quantization.online import fp8 as online
 
-    cls = online.Fp8PerTensorOnlineLinearMethod
+    cls = getattr(online, name)
     weight = (torch.randn(size_n, size_k, generator=torch.Generator().manual_seed(size_n))
               * 0.05).to(torch.bfloat16)
 
     vllm_layer = _online_fp8_layer(cls, size_k, size_n)
-    assert type(vllm_layer.quant_method.fp8_linear) is CutlassFP8ScaledMMLinearKernel
-    config, plan = _adapter_plan(vllm_layer, "fp8_per_tensor/cutlass@1")
+    config, plan = _adapter_plan(vllm_layer, ONLINE_FP8_PLANS[name])
     assert dict(config.extra)["tp_size"] == 1
     with VL.vllm_context("cpu", torch.bfloat16):
         vllm_layer.weight.weight_loader(vllm_layer.weight, weight.clone())
-    assert vllm_layer.quant_method.fp8_linear.logical_output_size == size_n
+    assert vllm_layer._already_called_process_weights_after_loading
 
     def build(meta=False):
         return _online_fp8_layer(cls, size_k, size_n, meta)
@@ -204,25 +223,183 @@ def test_fp8_per_tensor_online_cutlass(simulated_cuda, size_k, size_n):
         layer._parameters["weight"] = torch.nn.Parameter(weight.clone(), requires_grad=False)
 
     loaded, restored = _load_restore(plan, config, build, fill)
+    _assert_equal(vllm_layer, loaded, attrs)
+    _assert_equal(loaded, restored, attrs)
+    assert tensor_checksum(restored.weight) == tensor_checksum(vllm_layer.weight)
+    return vllm_layer
+
+
+@pytest.mark.parametrize("size_k,size_n", [(256, 128), (200, 100), (64, 130)])
+def test_fp8_per_tensor_online_cutlass(simulated_cuda, size_k, size_n):
+    """Fp8PerTensorOnlineLinearMethod on CUTLASS (incl. K, N % 16 != 0, where vLLM pads
+    the weight): vLLM's layerwise online load vs wcache load and restore."""
+    from vllm.model_executor.kernels.linear.scaled_mm.cutlass import (
+        CutlassFP8ScaledMMLinearKernel,
+    )
+
+    layer = _online_fp8_contract("Fp8PerTensorOnlineLinearMethod", size_k, size_n,
+                                 FP8_CUTLASS_ATTRS)
+    assert type(layer.quant_method.fp8_linear) is CutlassFP8ScaledMMLinearKernel
+    assert layer.quant_method.fp8_linear.logical_output_size == size_n
+    assert tuple(layer.weight.shape) == (-(-size_k // 16) * 16, -(-size_n // 16) * 16)
+
+
+@pytest.mark.parametrize("size_k,size_n", [(256, 128), (200, 96)])
+def test_fp8_per_channel_online_cutlass(simulated_cuda, size_k, size_n):
+    """Fp8PtpcOnlineLinearMethod on CUTLASS (incl. K % 16 != 0): vLLM's layerwise online
+    load vs wcache load and restore (weight [K16, N] column-major, scale [N, 1])."""
+    from vllm.model_executor.kernels.linear.scaled_mm.cutlass import (
+        CutlassFP8ScaledMMLinearKernel,
+    )
+
+    layer = _online_fp8_contract("Fp8PtpcOnlineLinearMethod", size_k, size_n,
+                                 FP8_CUTLASS_ATTRS)
+    assert type(layer.quant_method.fp8_linear) is CutlassFP8ScaledMMLinearKernel
+    assert layer.quant_method.fp8_linear.logical_output_size == size_n
+    assert tuple(layer.weight_scale.shape) == (size_n, 1)
+
+
+def test_fp8_per_channel_online_cutlass_padded_n(simulated_cuda, monkeypatch):
+    """Fp8PtpcOnlineLinearMethod with N % 16 != 0: vLLM 0.32's CUTLASS post-load raises
+    (it sets ``weight_loader`` on the padded weight twice); with that second
+    ``set_weight_attrs`` made idempotent, its padded weight and 1.0-padded
+    ``[N16, 1]`` scale equal wcache's load and restore."""
+    from vllm.model_executor.kernels.linear.scaled_mm import cutlass
+    from vllm.model_executor.layers.quantization.online import fp8 as online
+    from vllm.model_executor.utils import set_weight_attrs
+
+    size_k, size_n = 64, 100
+    layer = _online_fp8_layer(online.Fp8PtpcOnlineLinearMethod, size_k, size_n)
+    with VL.vllm_context("cpu", torch.bfloat16), \
+            pytest.raises(AssertionError, match="Overwriting existing tensor attribute"):
+        layer.weight.weight_loader(layer.weight, torch.zeros(size_n, size_k,
+                                                             dtype=torch.bfloat16))
+
+    def set_new_weight_attrs(weight, attrs):
+        set_weight_attrs(weight, {k: v for k, v in attrs.items() if not hasattr(weight, k)})
+
+    monkeypatch.setattr(cutlass, "set_weight_attrs", set_new_weight_attrs)
+    layer = _online_fp8_contract("Fp8PtpcOnlineLinearMethod", size_k, size_n,
+                                 FP8_CUTLASS_ATTRS)
+    assert tuple(layer.weight_scale.shape) == (112, 1)
+    assert torch.equal(layer.weight_scale[size_n:], torch.ones(112 - size_n, 1))
+
+
+@pytest.mark.parametrize("size_k,size_n", [(256, 384), (384, 200)])
+def test_fp8_per_block_online_cutlass(simulated_cuda, size_k, size_n):
+    """Fp8PerBlockOnlineLinearMethod on CutlassFp8BlockScaledMMKernel (sm90): vLLM's
+    layerwise online load vs wcache load and restore (incl. N % 128 != 0)."""
+    from vllm.model_executor.kernels.linear.scaled_mm.cutlass import (
+        CutlassFp8BlockScaledMMKernel,
+    )
+
+    layer = _online_fp8_contract("Fp8PerBlockOnlineLinearMethod", size_k, size_n,
+                                 FP8_BLOCK_ATTRS)
+    assert type(layer.quant_method.fp8_linear) is CutlassFp8BlockScaledMMKernel
+    assert tuple(layer.weight_scale_inv.shape) == (-(-size_n // 128), -(-size_k // 128))
+
+
+# --------------------------------------------------------------------------- FP8 serialized
+
+#: FP8 e4m3 values drawn for checkpoint weights stay well inside +-448 (no NaN bytes).
+FP8_DRAW_STD = 64.0
+
+
+def _rand_fp8(gen: torch.Generator, shape) -> torch.Tensor:
+    return (torch.randn(tuple(shape), generator=gen) * FP8_DRAW_STD).to(torch.float8_e4m3fn)
+
+
+def _fp8_serialized_layer(widths: tuple[int, ...], size_k: int, static: bool, block,
+                          bias: bool, meta: bool = False):
+    """A MergedColumnParallelLinear (TP 1) with vLLM's Fp8LinearMethod."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+    qc = Fp8Config(activation_scheme="static" if static else "dynamic",
+                   weight_block_size=list(block) if block else None)
+    with VL.vllm_context("meta" if meta else "cpu", torch.bfloat16):
+        return MergedColumnParallelLinear(size_k, list(widths), bias=bias,
+                                          params_dtype=torch.bfloat16, quant_config=qc)
+
+
+def _fill_fp8_serialized(layer, seed: int, fused_scale: bool = False) -> None:
+    """Checkpoint tensors: fp8 weight, per-shard (or block) scales, input scales, bias.
+    ``fused_scale``: one scale on disk, the other shards keep vLLM's fp8-min sentinel."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        layer.weight.data.copy_(_rand_fp8(gen, layer.weight.shape))
+        for name in ("weight_scale", "weight_scale_inv", "input_scale"):
+            param = getattr(layer, name, None)
+            if param is None:
+                continue
+            value = VL.rand_scale(gen, param.shape, torch.float32)
+            if fused_scale and name == "weight_scale":
+                value[1:] = torch.finfo(torch.float8_e4m3fn).min
+            param.data.copy_(value)
+        if layer.bias is not None:
+            layer.bias.data.copy_(torch.randn(layer.bias.shape, generator=gen)
+                                  .to(layer.bias.dtype))
+
+
+@pytest.mark.parametrize("widths,size_k,static,fused_scale", [
+    ((64, 64), 128, False, False),   # two shards, two scales: requantized to the max
+    ((48, 52), 200, True, False),    # static input scale; K, N % 16 != 0 (vLLM pads)
+    ((96, 32), 64, False, True),     # a fused checkpoint: one scale, no requantization
+])
+def test_fp8_serialized_per_tensor_cutlass(simulated_cuda, widths, size_k, static,
+                                           fused_scale):
+    """Fp8LinearMethod (serialized per-tensor checkpoint scales) on CUTLASS: vLLM's
+    post-load (max-scale requantization through the reference scaled_fp8_quant,
+    transpose, padding) vs wcache's ``fp8/cutlass`` load and restore."""
+    from vllm.model_executor.kernels.linear.scaled_mm.cutlass import (
+        CutlassFP8ScaledMMLinearKernel,
+    )
+
+    def build(meta=False):
+        return _fp8_serialized_layer(widths, size_k, static, None, bias=True, meta=meta)
+
+    def fill(layer):
+        _fill_fp8_serialized(layer, seed=sum(widths), fused_scale=fused_scale)
+
+    vllm_layer = build()
+    assert type(vllm_layer.quant_method.fp8_linear) is CutlassFP8ScaledMMLinearKernel
+    config, plan = _adapter_plan(vllm_layer, "fp8/cutlass@1")
+    assert config.quant.static_input is static
+    fill(vllm_layer)
+    with VL.vllm_context("cpu", torch.bfloat16):
+        vllm_layer.quant_method.process_weights_after_loading(vllm_layer)
+    assert vllm_layer.quant_method.fp8_linear.logical_output_size == sum(widths)
+
+    loaded, restored = _load_restore(plan, config, build, fill)
     _assert_equal(vllm_layer, loaded, FP8_CUTLASS_ATTRS)
     _assert_equal(loaded, restored, FP8_CUTLASS_ATTRS)
-    assert tensor_checksum(restored.weight) == tensor_checksum(vllm_layer.weight)
 
 
-@pytest.mark.parametrize("name", ["Fp8PtpcOnlineLinearMethod", "Fp8PerBlockOnlineLinearMethod"])
-def test_other_online_fp8_methods_reach_their_plans(simulated_cuda, name):
-    """The adapter maps PTPC and per-block online FP8 to their plans (plan choice only:
-    their vLLM post-load is pure torch, but the load-equality contract is only run
-    for per-tensor so far)."""
-    from vllm.model_executor.layers.quantization.online import fp8 as online
+@pytest.mark.parametrize("widths,size_k", [((128, 256), 256), ((128, 72), 384)])
+def test_fp8_serialized_block_cutlass(simulated_cuda, widths, size_k):
+    """Fp8LinearMethod with a 128x128 block-quantized checkpoint on
+    CutlassFp8BlockScaledMMKernel (sm90): vLLM's post-load vs wcache's
+    ``fp8/cutlass_block`` load and restore (incl. a last shard of 72 rows)."""
+    from vllm.model_executor.kernels.linear.scaled_mm.cutlass import (
+        CutlassFp8BlockScaledMMKernel,
+    )
 
-    layer = _online_fp8_layer(getattr(online, name), 256, 128)
-    kernel = type(layer.quant_method.fp8_linear).__name__
-    expected = {"Fp8PtpcOnlineLinearMethod": "fp8_per_channel/cutlass@1",
-                "Fp8PerBlockOnlineLinearMethod": "fp8_per_block/cutlass_block@1"}[name]
-    if name == "Fp8PerBlockOnlineLinearMethod" and kernel != "CutlassFp8BlockScaledMMKernel":
-        pytest.skip(f"vLLM picked {kernel} for per-block FP8 here (no CUTLASS block kernel)")
-    _adapter_plan(layer, expected)
+    def build(meta=False):
+        return _fp8_serialized_layer(widths, size_k, False, (128, 128), bias=False, meta=meta)
+
+    def fill(layer):
+        _fill_fp8_serialized(layer, seed=size_k)
+
+    vllm_layer = build()
+    assert type(vllm_layer.quant_method.fp8_linear) is CutlassFp8BlockScaledMMKernel
+    config, plan = _adapter_plan(vllm_layer, "fp8/cutlass_block@1")
+    fill(vllm_layer)
+    with VL.vllm_context("cpu", torch.bfloat16):
+        vllm_layer.quant_method.process_weights_after_loading(vllm_layer)
+
+    loaded, restored = _load_restore(plan, config, build, fill)
+    _assert_equal(vllm_layer, loaded, FP8_BLOCK_ATTRS)
+    _assert_equal(loaded, restored, FP8_BLOCK_ATTRS)
 
 
 # --------------------------------------------------------------------------- Marlin
