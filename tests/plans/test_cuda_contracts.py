@@ -440,6 +440,135 @@ def test_marlin_int(simulated_cuda, method, size_k, size_n, group_size, bits):
     _assert_equal(loaded, restored, MARLIN_ATTRS)
 
 
+# --------------------------------------------------------------------------- compressed-tensors
+
+
+class _SchemeQuantConfig(_QuantConfig):
+    """What ``CompressedTensorsConfig.get_quant_method`` does for a linear layer: put
+    the scheme on ``layer.scheme`` and return ``CompressedTensorsLinearMethod``."""
+
+    def __init__(self, scheme_factory):
+        self.scheme_factory = scheme_factory
+
+    def get_quant_method(self, layer, prefix=""):
+        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors \
+            import CompressedTensorsLinearMethod
+
+        layer.scheme = self.scheme_factory()
+        return CompressedTensorsLinearMethod(self)
+
+
+def _ct_layer(scheme_factory, widths: tuple[int, ...], size_k: int, bias: bool,
+              meta: bool = False):
+    """A MergedColumnParallelLinear (TP 1) with a compressed-tensors scheme."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+
+    with VL.vllm_context("meta" if meta else "cpu", torch.bfloat16):
+        return MergedColumnParallelLinear(size_k, list(widths), bias=bias,
+                                          params_dtype=torch.bfloat16,
+                                          quant_config=_SchemeQuantConfig(scheme_factory))
+
+
+@pytest.mark.parametrize("size_k,size_n,group_size,symmetric", [
+    (256, 192, 128, True),    # N % 128 != 0: Marlin, not Machete, on sm90
+    (256, 192, 64, False),    # asymmetric: zero points permuted and packed
+    (128, 64, -1, True),      # channelwise scales
+])
+def test_ct_w4a16_marlin(simulated_cuda, size_k, size_n, group_size, symmetric):
+    """CompressedTensorsWNA16 (pack-quantized int4) on MarlinLinearKernel: vLLM's
+    post-load (reference repack) vs wcache's ``ct_w4a16/marlin`` load and restore."""
+    from vllm.model_executor.kernels.linear.mixed_precision.marlin import MarlinLinearKernel
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        CompressedTensorsWNA16,
+    )
+
+    def scheme():
+        return CompressedTensorsWNA16(strategy="group" if group_size != -1 else "channel",
+                                      num_bits=4, group_size=group_size, symmetric=symmetric)
+
+    case = VL.ct_w4a16_linear(size_k, size_n, group_size, symmetric, bias=True)
+
+    def build(meta=False):
+        return _ct_layer(scheme, (size_n,), size_k, bias=True, meta=meta)
+
+    def fill(layer):
+        with torch.no_grad():
+            case.fill(layer, torch.Generator().manual_seed(size_k + size_n))
+
+    vllm_layer = build()
+    assert type(vllm_layer.scheme.kernel) is MarlinLinearKernel
+    config, plan = _adapter_plan(vllm_layer, "ct_w4a16/marlin@1")
+    fill(vllm_layer)
+    with VL.vllm_context("cpu", torch.bfloat16):
+        vllm_layer.quant_method.process_weights_after_loading(vllm_layer)
+
+    loaded, restored = _load_restore(plan, config, build, fill)
+    attrs = MARLIN_ATTRS + ("weight_zero_point",)
+    _assert_equal(vllm_layer, loaded, attrs)
+    _assert_equal(loaded, restored, attrs)
+
+
+def _ct_fp8_scheme(strategy: str, static: bool, block=None):
+    from compressed_tensors.quantization import QuantizationArgs
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        CompressedTensorsW8A8Fp8,
+    )
+
+    args = QuantizationArgs(num_bits=8, type="float", strategy=strategy, symmetric=True,
+                            dynamic=False, block_structure=list(block) if block else None)
+    return lambda: CompressedTensorsW8A8Fp8(weight_quant=args, is_static_input_scheme=static)
+
+
+@pytest.mark.parametrize("strategy,widths,size_k,static", [
+    ("tensor", (64, 64), 128, False),    # two shard scales: requantized to the max
+    ("tensor", (48, 52), 200, True),     # static input scale; K, N % 16 != 0 (vLLM pads)
+    ("channel", (64, 32), 200, False),   # [N, 1] scales; K % 16 != 0
+    ("channel", (64, 64), 128, True),
+])
+def test_ct_w8a8_fp8_cutlass(simulated_cuda, strategy, widths, size_k, static):
+    """CompressedTensorsW8A8Fp8 (tensor/channel) on CUTLASS: vLLM's post-load vs
+    wcache's ``ct_w8a8_fp8/cutlass`` load and restore."""
+    from vllm.model_executor.kernels.linear.scaled_mm.cutlass import (
+        CutlassFP8ScaledMMLinearKernel,
+    )
+
+    scheme = _ct_fp8_scheme(strategy, static)
+
+    def build(meta=False):
+        return _ct_layer(scheme, widths, size_k, bias=True, meta=meta)
+
+    def fill(layer):
+        _fill_fp8_serialized(layer, seed=size_k + sum(widths))
+
+    vllm_layer = build()
+    assert type(vllm_layer.scheme.fp8_linear) is CutlassFP8ScaledMMLinearKernel
+    config, plan = _adapter_plan(vllm_layer, "ct_w8a8_fp8/cutlass@1")
+    assert (config.quant.strategy, config.quant.static_input) == (strategy, static)
+    fill(vllm_layer)
+    with VL.vllm_context("cpu", torch.bfloat16):
+        vllm_layer.quant_method.process_weights_after_loading(vllm_layer)
+    # vLLM keeps the CUTLASS kernel on the scheme, not on quant_method
+    attrs = ("input_scale", "input_scale_ub", "scheme.fp8_linear.logical_output_size")
+
+    loaded, restored = _load_restore(plan, config, build, fill)
+    _assert_equal(vllm_layer, loaded, attrs)
+    _assert_equal(loaded, restored, attrs)
+
+
+def test_ct_w8a8_fp8_block_is_refused(simulated_cuda):
+    """CompressedTensorsW8A8Fp8 with block scales reaches plan_for as ct_w8a8_fp8 /
+    block and is refused with the reason (its block scale is ``weight_scale``, which
+    the ``fp8/cutlass_block`` plan does not take)."""
+    from wcache.core import NoPlan
+    from wcache.vllm.adapter import layer_config
+
+    layer = _ct_layer(_ct_fp8_scheme("block", False, (128, 128)), (128,), 256, bias=False)
+    config = layer_config(layer.quant_method, layer, H200, name="layer")
+    assert (config.quant.method, config.quant.strategy) == ("ct_w8a8_fp8", "block")
+    with pytest.raises(NoPlan, match="block FP8 uses the cutlass_block plan"):
+        plan_for(config, target=H200)
+
+
 @pytest.mark.parametrize("what,reason", [
     ("ct_w8a8_fp8", "not run yet: the CompressedTensorsW8A8Fp8 scheme has no adapter "
                     "mapping (it reaches plan_for as unknown and is refused)"),

@@ -46,11 +46,16 @@ _ONLINE_FP8 = {"Fp8PerTensorOnlineLinearMethod": "fp8_per_tensor",
 
 
 def _fp8_config(quant_method: Any, module: torch.nn.Module, method: str, name: str,
-                static_input: bool = False) -> LayerConfig:
-    """Online or serialized FP8 on vLLM's scaled-mm kernel (``quant_method.fp8_linear``)."""
+                static_input: bool = False, strategy: str | None = None) -> LayerConfig:
+    """Online or serialized FP8 on vLLM's scaled-mm kernel (``quant_method.fp8_linear``).
+
+    ``quant_method`` is the object holding ``fp8_linear`` (a compressed-tensors
+    scheme for ``ct_w8a8_fp8``); ``strategy`` the checkpoint's weight strategy
+    (``"tensor"``, ``"channel"``, ``"block"``) where the method has one."""
     block = getattr(module, "weight_block_size", None) or getattr(
         quant_method, "weight_block_size", None)
-    strategy = "block" if block else ("channel" if method == "fp8_per_channel" else "tensor")
+    if strategy is None:
+        strategy = "block" if block else ("channel" if method == "fp8_per_channel" else "tensor")
     extra = {"logical_widths": tuple(int(w) for w in module.logical_widths),
              "tp_size": int(getattr(module, "tp_size", 1) or 1)}
     if block:
@@ -65,14 +70,18 @@ def sync_kernel_state_(module: torch.nn.Module) -> None:
 
     wcache's CUTLASS stages record the logical (unpadded) output width as
     ``layer.logical_output_size`` (:data:`wcache.stages.fp8.LOGICAL_OUTPUT_ATTR`);
-    vLLM's ``CutlassFP8ScaledMMLinearKernel.apply_scaled_mm`` reads it from
-    ``quant_method.fp8_linear.logical_output_size`` (None -> AssertionError on the
-    first forward). Call after a plan's load or restore; a no-op elsewhere.
+    vLLM's ``CutlassFP8ScaledMMLinearKernel.apply_scaled_mm`` reads it from the
+    kernel object, ``quant_method.fp8_linear`` (Fp8LinearMethod, online FP8) or
+    ``layer.scheme.fp8_linear`` (compressed-tensors W8A8 FP8), and asserts it is not
+    None on the first forward. Call after a plan's load or restore; a no-op elsewhere.
     """
     width = getattr(module, "logical_output_size", None)
-    kernel = getattr(getattr(module, "quant_method", None), "fp8_linear", None)
-    if width is not None and kernel is not None and hasattr(kernel, "logical_output_size"):
-        kernel.logical_output_size = int(width)
+    if width is None:
+        return
+    for owner in (getattr(module, "quant_method", None), getattr(module, "scheme", None)):
+        kernel = getattr(owner, "fp8_linear", None)
+        if kernel is not None and hasattr(kernel, "logical_output_size"):
+            kernel.logical_output_size = int(width)
 
 
 def _linear_config(module: torch.nn.Module, spec: QuantSpec, name: str,
@@ -160,6 +169,10 @@ def layer_config(quant_method: Any, module: torch.nn.Module, target: Target | No
                              zero_point=not scheme.symmetric, strategy=_enum_value(scheme.strategy),
                              kernel=_kernel_id(scheme))
             return _linear_config(module, spec, name)
+        if compat.is_type(scheme, "CompressedTensorsW8A8Fp8"):
+            return _fp8_config(scheme, module, "ct_w8a8_fp8", name,
+                               static_input=bool(scheme.is_static_input_scheme),
+                               strategy=_enum_value(scheme.strategy))
         if compat.is_type(scheme, "CompressedTensorsW8A8Int8"):
             kernel = _kernel_id(scheme)
             if kernel == "onednn":  # CPUInt8ScaledMMLinearKernel: SGL or oneDNN, vLLM's check

@@ -172,6 +172,10 @@ _CLASS_MODULES = {
     "CompressedTensorsW8A8Int8":
         "vllm.model_executor.layers.quantization.compressed_tensors.schemes."
         "compressed_tensors_w8a8_int8",
+    "CompressedTensorsW8A8Fp8":
+        "vllm.model_executor.layers.quantization.compressed_tensors.schemes."
+        "compressed_tensors_w8a8_fp8",
+    "Mxfp8OnlineLinearMethod": "vllm.model_executor.layers.quantization.online.mxfp8",
     "BaseKVCacheMethod": "vllm.model_executor.layers.quantization.kv_cache",
     "Fp8KVCacheMethod": "vllm.model_executor.layers.quantization.fp8",
     "ModelOptKVCacheMethod": "vllm.model_executor.layers.quantization.modelopt",
