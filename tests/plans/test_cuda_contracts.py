@@ -92,6 +92,12 @@ def simulated_cuda(monkeypatch):
     monkeypatch.setattr(cp, "is_cpu", lambda: False)
     monkeypatch.setattr(cp, "get_device_capability",
                         lambda device_id=0: DeviceCapability(*SIM_CAPABILITY))
+    # the capability predicates are classmethods calling cls.get_device_capability:
+    # run vLLM's own bodies with the patched instance as ``cls``
+    for name in ("has_device_capability", "is_device_capability",
+                 "is_device_capability_family"):
+        body = getattr(type(cp), name).__func__
+        monkeypatch.setattr(cp, name, lambda *a, _body=body, **kw: _body(cp, *a, **kw))
     monkeypatch.setattr(ops, "cutlass_scaled_mm_supports_fp8",
                         lambda cap: cap >= CUTLASS_FP8_MIN_CAP, raising=False)
     monkeypatch.setattr(ops, "cutlass_scaled_mm_supports_block_fp8",
@@ -567,6 +573,54 @@ def test_ct_w8a8_fp8_block_is_refused(simulated_cuda):
     assert (config.quant.method, config.quant.strategy) == ("ct_w8a8_fp8", "block")
     with pytest.raises(NoPlan, match="block FP8 uses the cutlass_block plan"):
         plan_for(config, target=H200)
+
+
+# --------------------------------------------------------------------------- MXFP8
+
+
+@pytest.mark.parametrize("size_k,size_n,bias", [
+    (256, 128, True),
+    (96, 200, True),     # N, K not multiples of Marlin's tiles: vLLM pads both
+    (128, 64, False),
+])
+def test_mxfp8_online_marlin(simulated_cuda, size_k, size_n, bias):
+    """Mxfp8OnlineLinearMethod on MarlinMxfp8LinearKernel (sm90): vLLM's layerwise
+    online load (its pure-torch ``mxfp8_e4m3_quantize`` below sm100, then the reference
+    repack) vs wcache's ``mxfp8/marlin`` load and restore."""
+    from vllm.model_executor.kernels.linear.mxfp8.marlin import MarlinMxfp8LinearKernel
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+    from vllm.model_executor.layers.quantization.online.mxfp8 import Mxfp8OnlineLinearMethod
+
+    gen = torch.Generator().manual_seed(size_k + size_n)
+    weight = (torch.randn(size_n, size_k, generator=gen) * 0.05).to(torch.bfloat16)
+    bias_value = torch.randn(size_n, generator=gen).to(torch.bfloat16)
+
+    def build(meta=False):
+        with VL.vllm_context("meta" if meta else "cpu", torch.bfloat16):
+            return ReplicatedLinear(size_k, size_n, bias=bias, params_dtype=torch.bfloat16,
+                                    quant_config=_QuantConfig(Mxfp8OnlineLinearMethod))
+
+    def fill(layer):  # the daemon's checkpoint tensors, as plain Parameters
+        layer._parameters["weight"] = torch.nn.Parameter(weight.clone(), requires_grad=False)
+        if bias:
+            layer._parameters["bias"] = torch.nn.Parameter(bias_value.clone(),
+                                                           requires_grad=False)
+
+    vllm_layer = build()
+    assert type(vllm_layer.quant_method.kernel) is MarlinMxfp8LinearKernel
+    config, plan = _adapter_plan(vllm_layer, "mxfp8/marlin@1")
+    with VL.vllm_context("cpu", torch.bfloat16):
+        # vLLM wraps the bias's loader at the weight's first load; the bias then
+        # completes the layer and triggers its post-load
+        vllm_layer.weight.weight_loader(vllm_layer.weight, weight.clone())
+        if bias:
+            vllm_layer.bias.weight_loader(vllm_layer.bias, bias_value.clone())
+    assert vllm_layer._already_called_process_weights_after_loading
+
+    loaded, restored = _load_restore(plan, config, build, fill)
+    attrs = ("input_scale", "output_size_per_partition", "input_size_per_partition")
+    _assert_equal(vllm_layer, loaded, attrs)
+    _assert_equal(loaded, restored, attrs)
 
 
 @pytest.mark.parametrize("what,reason", [

@@ -158,6 +158,16 @@ def layer_config(quant_method: Any, module: torch.nn.Module, target: Target | No
             # requantizing a serialized checkpoint: another post-load; no plan
             return _linear_config(module, QuantSpec(f"vllm:{cls}+requantization"), name)
         return _fp8_config(quant_method, module, online_fp8, name)
+    if is_("Mxfp8OnlineLinearMethod"):
+        if getattr(quant_method, "requantization_source", None) is not None:
+            return _linear_config(module, QuantSpec(f"vllm:{cls}+requantization"), name)
+        kernel = quant_method.kernel
+        # MXFP8 kernels are their own family (Mxfp8LinearKernel): named here, not in
+        # compat's scaled-mm / mixed-precision kernel table
+        kid = "marlin" if compat.is_type(kernel, "MarlinMxfp8LinearKernel") \
+            else type(kernel).__name__
+        spec = QuantSpec("mxfp8", num_bits=8, group_size=32, kernel=kid)
+        return _linear_config(module, spec, name)
     if is_("Fp8LinearMethod"):
         static = getattr(quant_method.quant_config, "activation_scheme", "dynamic") == "static"
         return _fp8_config(quant_method, module, "fp8", name, static_input=static)

@@ -176,6 +176,7 @@ _CLASS_MODULES = {
         "vllm.model_executor.layers.quantization.compressed_tensors.schemes."
         "compressed_tensors_w8a8_fp8",
     "Mxfp8OnlineLinearMethod": "vllm.model_executor.layers.quantization.online.mxfp8",
+    "MarlinMxfp8LinearKernel": "vllm.model_executor.kernels.linear.mxfp8.marlin",
     "BaseKVCacheMethod": "vllm.model_executor.layers.quantization.kv_cache",
     "Fp8KVCacheMethod": "vllm.model_executor.layers.quantization.fp8",
     "ModelOptKVCacheMethod": "vllm.model_executor.layers.quantization.modelopt",
