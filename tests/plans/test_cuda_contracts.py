@@ -45,6 +45,11 @@ SIM_CAPABILITY = (9, 0)
 CUTLASS_FP8_MIN_CAP = 89
 #: CUTLASS block FP8 capability floor (``cutlass_scaled_mm_supports_block_fp8``: sm90+).
 CUTLASS_BLOCK_FP8_MIN_CAP = 90
+#: Simulated Blackwell capability, where vLLM picks CUTLASS NVFP4 (not Marlin NVFP4).
+SM100_CAPABILITY = (10, 0)
+SM100 = Target("cuda", SM100_CAPABILITY)
+#: CUTLASS FP4 capability floor (``cutlass_scaled_mm_supports_fp4``: sm100+).
+CUTLASS_FP4_MIN_CAP = 100
 
 #: Attributes vLLM's CUTLASS FP8 ``apply`` reads besides the weight tensors.
 FP8_CUTLASS_ATTRS = ("input_scale", "input_scale_ub",
@@ -61,9 +66,9 @@ def _unpack_rows(packed: torch.Tensor, num_bits: int) -> torch.Tensor:
     return vals.reshape(packed.shape[0] * pack, packed.shape[1])
 
 
-@pytest.fixture
-def simulated_cuda(monkeypatch):
-    """vLLM's platform as CUDA sm90 with reference ops, for one test only."""
+def _simulate_cuda(monkeypatch, capability: tuple[int, int]) -> None:
+    """vLLM's platform as CUDA at ``capability`` with reference ops (undone by
+    ``monkeypatch`` after the test)."""
     VL.ensure_vllm()
     # import first: these modules (or their imports) check the platform at import
     from vllm import _custom_ops as ops
@@ -75,10 +80,12 @@ def simulated_cuda(monkeypatch):
     from vllm.model_executor.layers.quantization.compressed_tensors import (  # noqa: F401
         schemes as _schemes,
     )
+    from vllm.model_executor.layers.quantization import modelopt as _mo  # noqa: F401
     from vllm.model_executor.layers.quantization.online import mxfp8 as _mx  # noqa: F401
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
     from vllm.model_executor.layers.quantization.online import fp8 as online
     from vllm.model_executor.layers.quantization.utils import marlin_utils_test as mut
+    from vllm.model_executor.layers.quantization.utils import nvfp4_utils
     from vllm.model_executor.layers.quantization.utils.quant_utils import (
         GroupShape, kFp8DynamicTokenSym,
     )
@@ -91,7 +98,7 @@ def simulated_cuda(monkeypatch):
     monkeypatch.setattr(cp, "is_cuda_alike", lambda: True)
     monkeypatch.setattr(cp, "is_cpu", lambda: False)
     monkeypatch.setattr(cp, "get_device_capability",
-                        lambda device_id=0: DeviceCapability(*SIM_CAPABILITY))
+                        lambda device_id=0: DeviceCapability(*capability))
     # the capability predicates are classmethods calling cls.get_device_capability:
     # run vLLM's own bodies with the patched instance as ``cls``
     for name in ("has_device_capability", "is_device_capability",
@@ -102,10 +109,13 @@ def simulated_cuda(monkeypatch):
                         lambda cap: cap >= CUTLASS_FP8_MIN_CAP, raising=False)
     monkeypatch.setattr(ops, "cutlass_scaled_mm_supports_block_fp8",
                         lambda cap: cap >= CUTLASS_BLOCK_FP8_MIN_CAP, raising=False)
+    # nvfp4_utils imports this op check by name
+    monkeypatch.setattr(nvfp4_utils, "cutlass_scaled_mm_supports_fp4",
+                        lambda cap: cap >= CUTLASS_FP4_MIN_CAP)
     # w8a8_utils computes CUTLASS_BLOCK_FP8_SUPPORTED at import (False on CPU);
     # the CUTLASS block kernel reads its own imported copy
     monkeypatch.setattr(_cut, "CUTLASS_BLOCK_FP8_SUPPORTED",
-                        SIM_CAPABILITY[0] * 10 + SIM_CAPABILITY[1] >= CUTLASS_BLOCK_FP8_MIN_CAP)
+                        capability[0] * 10 + capability[1] >= CUTLASS_BLOCK_FP8_MIN_CAP)
 
     def scaled_fp8_quant(input, scale=None, **kwargs):
         if scale is None or scale.numel() != 1 or any(v is not None for v in kwargs.values()):
@@ -132,7 +142,19 @@ def simulated_cuda(monkeypatch):
     # online methods read the model dtype from the current vLLM config
     monkeypatch.setattr(VL._STATE["cfg"], "model_config",
                         types.SimpleNamespace(dtype=torch.bfloat16), raising=False)
-    yield
+
+
+@pytest.fixture
+def simulated_cuda(monkeypatch):
+    """vLLM's platform as CUDA sm90 (the H200) with reference ops, for one test only."""
+    _simulate_cuda(monkeypatch, SIM_CAPABILITY)
+
+
+@pytest.fixture
+def simulated_sm100(monkeypatch):
+    """vLLM's platform as CUDA sm100 (Blackwell), where vLLM picks its CUTLASS NVFP4
+    kernels, for one test only."""
+    _simulate_cuda(monkeypatch, SM100_CAPABILITY)
 
 
 class _QuantConfig:
@@ -168,20 +190,21 @@ def _adapter_plan(layer: torch.nn.Module, expected_plan: str):
     return config, plan
 
 
-def _load_restore(plan, config, build, fill):
+def _load_restore(plan, config, build, fill, target: Target = H200):
     """(loaded, restored) via wcache on fresh vLLM-built layers."""
     from wcache.vllm.adapter import sync_kernel_state_
 
     loaded = build()
     fill(loaded)
-    plan.load(loaded, config, H200)
+    plan.load(loaded, config, target)
     sync_kernel_state_(loaded)
     daemon = build()
     fill(daemon)
-    prepared = plan.prepare(daemon, config, H200)
+    prepared = plan.prepare(daemon, config, target)
     restored = build(meta=True)
     VL.install_exported_(restored, VL.export_clone(prepared), prepared.buffers)
-    plan.restore(restored, config, H200, prepared.recorded, strict=True, drops=prepared.drops)
+    plan.restore(restored, config, target, prepared.recorded, strict=True,
+                 drops=prepared.drops)
     sync_kernel_state_(restored)
     return loaded, restored
 
@@ -621,6 +644,95 @@ def test_mxfp8_online_marlin(simulated_cuda, size_k, size_n, bias):
     attrs = ("input_scale", "output_size_per_partition", "input_size_per_partition")
     _assert_equal(vllm_layer, loaded, attrs)
     _assert_equal(loaded, restored, attrs)
+
+
+# --------------------------------------------------------------------------- NVFP4
+
+
+def _nvfp4_layer(widths: tuple[int, ...], size_k: int, meta: bool = False, w4a16=False):
+    """A MergedColumnParallelLinear (TP 1) with ModelOpt NVFP4 (ModelOptLinearMethod)."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+
+    qc = ModelOptNvFp4Config("W4A16_NVFP4" if w4a16 else "NVFP4", True, None, [], 16)
+    with VL.vllm_context("meta" if meta else "cpu", torch.bfloat16):
+        return MergedColumnParallelLinear(size_k, list(widths), bias=False,
+                                          params_dtype=torch.bfloat16, quant_config=qc,
+                                          prefix="model.layers.0.mlp.gate_up_proj")
+
+
+def _fill_nvfp4(layer, seed: int) -> None:
+    """Checkpoint tensors: packed E2M1 bytes, fp8 block scales, per-shard global scales."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        layer.weight.data.copy_(torch.randint(0, 256, tuple(layer.weight.shape), generator=gen,
+                                              dtype=torch.uint8))
+        layer.weight_scale.data.copy_(
+            (torch.rand(tuple(layer.weight_scale.shape), generator=gen) * 8 + 0.5)
+            .to(torch.float8_e4m3fn))
+        layer.weight_scale_2.data.copy_(VL.rand_scale(gen, layer.weight_scale_2.shape,
+                                                      torch.float32))
+        layer.input_scale.data.copy_(VL.rand_scale(gen, layer.input_scale.shape,
+                                                   torch.float32))
+
+
+#: Attributes vLLM's CUTLASS NVFP4 ``apply`` reads besides the layer's tensors
+#: (``output_size_per_partition`` slices the padded output; ``input_size_per_partition``
+#: gives ``nvfp4_weight_padding_bytes``).
+NVFP4_ATTRS = ("output_size_per_partition", "input_size_per_partition", "is_w4a16_nvfp4")
+
+
+@pytest.mark.parametrize("widths,size_k", [
+    ((128, 128), 256),   # aligned: no padding
+    ((64, 40), 80),      # N % 32, K % 32, N % 128, K/16 % 4 != 0: weight and scales padded
+])
+def test_nvfp4_linear_cutlass_sm100(simulated_sm100, monkeypatch, widths, size_k):
+    """ModelOpt NVFP4 (W4A4) linear on CutlassNvFp4LinearKernel, simulated sm100 (vLLM
+    picks CUTLASS NVFP4 only on Blackwell): vLLM's post-load (global scales, alpha,
+    swizzle, padding; pure torch) vs wcache's ``modelopt_fp4/cutlass`` load and restore.
+
+    vLLM's ``swizzle_blockscale`` ends in ``.cuda()``, a no-op for the CUDA tensors it
+    gets on a GPU; here ``Tensor.cuda`` is that no-op for the test's duration."""
+    from vllm.model_executor.kernels.linear.nvfp4.cutlass import CutlassNvFp4LinearKernel
+    from wcache.vllm.adapter import layer_config
+
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **kw: self)
+
+    def build(meta=False):
+        return _nvfp4_layer(widths, size_k, meta)
+
+    def fill(layer):
+        _fill_nvfp4(layer, seed=size_k + sum(widths))
+
+    vllm_layer = build()
+    assert type(vllm_layer.quant_method.kernel) is CutlassNvFp4LinearKernel
+    config = layer_config(vllm_layer.quant_method, vllm_layer, SM100, name="layer")
+    plan = plan_for(config, target=SM100)
+    assert plan.id == "modelopt_fp4/cutlass@1"
+    fill(vllm_layer)
+    with VL.vllm_context("cpu", torch.bfloat16):
+        vllm_layer.quant_method.process_weights_after_loading(vllm_layer)
+
+    loaded, restored = _load_restore(plan, config, build, fill, target=SM100)
+    _assert_equal(vllm_layer, loaded, NVFP4_ATTRS)
+    _assert_equal(loaded, restored, NVFP4_ATTRS)
+
+
+@pytest.mark.parametrize("w4a16,expected", [
+    (False, "vLLM picks kernel 'MarlinNvFp4LinearKernel' here"),
+    (True, "no plan for method 'modelopt_fp4_w4a16'"),
+])
+def test_nvfp4_linear_on_sm90_is_refused(simulated_cuda, w4a16, expected):
+    """On sm90 vLLM runs ModelOpt NVFP4 on MarlinNvFp4LinearKernel, whose layout has no
+    wcache plan, and W4A16 NVFP4 has none anywhere: the adapter's config is refused
+    by plan_for naming why (before any weight is read)."""
+    from wcache.core import NoPlan
+    from wcache.vllm.adapter import layer_config
+
+    layer = _nvfp4_layer((64, 64), 128, w4a16=w4a16)
+    config = layer_config(layer.quant_method, layer, H200, name="layer")
+    with pytest.raises(NoPlan, match=expected):
+        plan_for(config, target=H200)
 
 
 @pytest.mark.parametrize("what,reason", [

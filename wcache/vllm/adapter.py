@@ -65,6 +65,26 @@ def _fp8_config(quant_method: Any, module: torch.nn.Module, method: str, name: s
     return _linear_config(module, spec, name, extra)
 
 
+def _modelopt_config(quant_method: Any, module: torch.nn.Module, name: str) -> LayerConfig:
+    """ModelOpt's generic linear method (``ModelOptLinearMethod``): NVFP4 W4A4 ->
+    ``modelopt_fp4`` with vLLM's NVFP4 kernel (``quant_method.kernel``; only CUTLASS has
+    a plan); NVFP4 W4A16 -> ``modelopt_fp4_w4a16`` (no plan); other ModelOpt formats
+    keep their weight scheme's class name (no plan)."""
+    wkey = quant_method.wkey
+    if not compat.is_type(wkey, "KNvfp4Static"):
+        return _linear_config(module, QuantSpec(f"modelopt:{type(wkey).__name__}"), name)
+    if quant_method.akey is None:
+        return _linear_config(module, QuantSpec("modelopt_fp4_w4a16", num_bits=4,
+                                                group_size=quant_method.ctx.group_size), name)
+    kernel = quant_method.kernel
+    kid = "cutlass" if compat.is_type(kernel, "CutlassNvFp4LinearKernel") \
+        else type(kernel).__name__
+    spec = QuantSpec("modelopt_fp4", num_bits=4, act_bits=4,
+                     group_size=quant_method.ctx.group_size, kernel=kid)
+    return _linear_config(module, spec, name,
+                          {"logical_widths": tuple(int(w) for w in module.logical_widths)})
+
+
 def sync_kernel_state_(module: torch.nn.Module) -> None:
     """Copy kernel state that plans keep on the layer into vLLM's kernel object.
 
@@ -168,6 +188,8 @@ def layer_config(quant_method: Any, module: torch.nn.Module, target: Target | No
             else type(kernel).__name__
         spec = QuantSpec("mxfp8", num_bits=8, group_size=32, kernel=kid)
         return _linear_config(module, spec, name)
+    if is_("ModelOptLinearMethod"):
+        return _modelopt_config(quant_method, module, name)
     if is_("Fp8LinearMethod"):
         static = getattr(quant_method.quant_config, "activation_scheme", "dynamic") == "static"
         return _fp8_config(quant_method, module, "fp8", name, static_input=static)
