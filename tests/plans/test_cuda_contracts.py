@@ -27,6 +27,7 @@ is set to the value its class body computes on sm89+.
 
 from __future__ import annotations
 
+import itertools
 import types
 
 import pytest
@@ -735,8 +736,82 @@ def test_nvfp4_linear_on_sm90_is_refused(simulated_cuda, w4a16, expected):
         plan_for(config, target=H200)
 
 
-def test_nvfp4_cutlass_moe_not_covered():
-    """Not run: ModelOpt NVFP4 fused MoE on the CUTLASS experts (``modelopt_fp4/cutlass_moe``)."""
-    pytest.skip("ModelOptNvFp4FusedMoE has no adapter mapping, and building vLLM's "
-                "RoutedExperts layer with the VLLM_CUTLASS NvFp4 MoE backend on the CPU build "
-                "was not attempted; the plan has stage tests only (test_cuda_plans.py)")
+def _nvfp4_moe_layer(num_experts: int, hidden: int, intermediate: int, meta: bool = False):
+    """vLLM's RoutedExperts (built by FusedMoEFactory, TP 1) with ModelOptNvFp4FusedMoE."""
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
+
+    qc = ModelOptNvFp4Config("NVFP4", True, None, [], 16)
+    # vLLM registers each MoE layer by name in the forward context: one name per build
+    prefix = f"model.layers.{next(_MOE_LAYER_IDS)}.mlp.experts"
+    with VL.vllm_context("meta" if meta else "cpu", torch.bfloat16):
+        moe = FusedMoEFactory(num_experts=num_experts, top_k=2, hidden_size=hidden,
+                              intermediate_size=intermediate, params_dtype=torch.bfloat16,
+                              quant_config=qc, prefix=prefix)
+    return moe.routed_experts
+
+
+_MOE_LAYER_IDS = itertools.count()
+
+
+def _fill_nvfp4_moe(layer, seed: int) -> None:
+    """Checkpoint tensors: packed E2M1 experts, fp8 block scales, per-expert global and
+    input scales (w1 and w3 global scales equal, as ModelOpt writes them)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if p.dtype == torch.uint8:
+                value = torch.randint(0, 256, tuple(p.shape), generator=gen, dtype=torch.uint8)
+            elif p.dtype == torch.float8_e4m3fn:
+                value = (torch.rand(tuple(p.shape), generator=gen) * 8 + 0.5).to(p.dtype)
+            else:
+                value = VL.rand_scale(gen, p.shape, torch.float32)
+            if name == "w13_weight_scale_2":
+                value[:, 1] = value[:, 0]
+            p.data.copy_(value)
+
+
+#: What vLLM's NVFP4 MoE ``apply`` reads besides the layer's tensors: the modular
+#: kernel and the quant config it was built from (its tensors by bytes).
+NVFP4_MOE_ATTRS = tuple(f"quant_method.moe_quant_config.{a}" for a in (
+    "g1_alphas", "g2_alphas", "a1_gscale", "a2_gscale", "w1_scale", "w2_scale")) + (
+    "quant_method.moe_kernel", "quant_method.moe_kernel.fused_experts")
+
+
+@pytest.mark.parametrize("num_experts,hidden,intermediate", [(4, 128, 128), (2, 256, 64)])
+def test_nvfp4_moe_cutlass_sm100(simulated_sm100, monkeypatch, num_experts, hidden,
+                                 intermediate):
+    """ModelOptNvFp4FusedMoE on vLLM's VLLM_CUTLASS backend (CutlassExpertsFp4), simulated
+    sm100: vLLM's post-load (w13 global scale, input-scale max, swizzle, and the
+    experts' in-place activation-scale fuse) vs wcache's ``modelopt_fp4/cutlass_moe``
+    load and restore; the modular kernel is rebuilt without a second fuse."""
+    from vllm.model_executor.layers.fused_moe.experts.cutlass_moe import CutlassExpertsFp4
+    from wcache.vllm.adapter import layer_config
+
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **kw: self)
+    # the layers this test builds register in a forward context of their own
+    monkeypatch.setattr(VL._STATE["cfg"].compilation_config, "static_forward_context", {})
+
+    def build(meta=False):
+        return _nvfp4_moe_layer(num_experts, hidden, intermediate, meta)
+
+    def fill(layer):
+        _fill_nvfp4_moe(layer, seed=hidden + intermediate)
+
+    vllm_layer = build()
+    assert vllm_layer.quant_method.experts_cls is CutlassExpertsFp4
+    config = layer_config(vllm_layer.quant_method, vllm_layer, SM100, name="experts")
+    plan = plan_for(config, target=SM100)
+    assert plan.id == "modelopt_fp4/cutlass_moe@1"
+    fill(vllm_layer)
+    with VL.vllm_context("cpu", torch.bfloat16):
+        vllm_layer.quant_method.process_weights_after_loading(vllm_layer)
+
+    loaded, restored = _load_restore(plan, config, build, fill, target=SM100)
+    _assert_equal(vllm_layer, loaded, NVFP4_MOE_ATTRS)
+    _assert_equal(loaded, restored, NVFP4_MOE_ATTRS)
+    # the fused scale is the checkpoint's scale times the input scale once, not twice
+    fresh = build()
+    fill(fresh)
+    expected = fresh.w2_weight_scale_2 * fresh.w2_input_scale
+    assert torch.equal(restored.w2_weight_scale_2, expected)

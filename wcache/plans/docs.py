@@ -115,8 +115,19 @@ CUDA_CONTRACTS = {
                                                       "is_w4a16_nvfp4")
                               + ". On sm90 vLLM picks MarlinNvFp4LinearKernel, which has no "
                               "plan: refused (test)",
-    "modelopt_fp4/cutlass_moe@1": _STAGE_ONLY + " (no adapter mapping for "
-                                                "ModelOptNvFp4FusedMoE)",
+    "modelopt_fp4/cutlass_moe@1": f"{_CONTRACT_SM100} (ModelOptNvFp4FusedMoE, RoutedExperts "
+                                  "built by FusedMoEFactory, vLLM's VLLM_CUTLASS backend with "
+                                  "CutlassExpertsFp4, whose post-load fuses the activation "
+                                  "scales in place): " + _CHECKED.format(
+                                      attrs="the modular kernel and experts classes, and the "
+                                            "moe_quant_config tensors it reads (g1/g2 alphas, "
+                                            "a1/a2 gscales, w1/w2 scales)")
+                                  + "; the restored fused scale is the checkpoint scale "
+                                  "times the input scale once. wcache rebuilds vLLM's "
+                                  "modular kernel after restore without the experts' "
+                                  "in-place fuse (wcache.vllm.compat.build_nvfp4_moe_kernel_; "
+                                  "before this, a restored layer had no moe_kernel and "
+                                  "vLLM's apply would assert)",
 }
 
 #: Cases the plans must refuse (the issues' "refused with a clear NoPlan" rows).

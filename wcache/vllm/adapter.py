@@ -85,6 +85,26 @@ def _modelopt_config(quant_method: Any, module: torch.nn.Module, name: str) -> L
                           {"logical_widths": tuple(int(w) for w in module.logical_widths)})
 
 
+def _modelopt_fp4_moe_config(quant_method: Any, module: torch.nn.Module,
+                             name: str) -> LayerConfig:
+    """ModelOpt NVFP4 fused MoE: kernel ``cutlass_moe`` for vLLM's ``VLLM_CUTLASS`` backend
+    (CutlassExpertsFp4, W4A4); any other backend, W4A16 or per-token activations keep
+    the backend's name (no plan)."""
+    backend = getattr(quant_method.nvfp4_backend, "name", str(quant_method.nvfp4_backend))
+    kid = "cutlass_moe" if backend == "VLLM_CUTLASS" else f"nvfp4_moe:{backend}"
+    if quant_method.use_a16 or quant_method.per_token_activation:
+        kid = f"{kid}+{'w4a16' if quant_method.use_a16 else 'per_token_activation'}"
+    moe = quant_method.moe
+    spec = QuantSpec("modelopt_fp4", num_bits=4, act_bits=4,
+                     group_size=quant_method.quant_config.group_size, layer_kind="moe",
+                     kernel=kid)
+    return LayerConfig(quant=spec, size_k=int(module.hidden_size),
+                       size_n=int(module.intermediate_size_per_partition),
+                       params_dtype=_dtype_name(getattr(module, "params_dtype", None)),
+                       name=name, extra=(("is_act_and_mul", bool(moe.is_act_and_mul)),
+                                         ("num_experts", int(module.local_num_experts))))
+
+
 def sync_kernel_state_(module: torch.nn.Module) -> None:
     """Copy kernel state that plans keep on the layer into vLLM's kernel object.
 
@@ -93,8 +113,12 @@ def sync_kernel_state_(module: torch.nn.Module) -> None:
     vLLM's ``CutlassFP8ScaledMMLinearKernel.apply_scaled_mm`` reads it from the
     kernel object, ``quant_method.fp8_linear`` (Fp8LinearMethod, online FP8) or
     ``layer.scheme.fp8_linear`` (compressed-tensors W8A8 FP8), and asserts it is not
-    None on the first forward. Call after a plan's load or restore; a no-op elsewhere.
+    None on the first forward. ModelOpt NVFP4 MoE's modular kernel (process-local,
+    built from the final tensors) is rebuilt by
+    :func:`wcache.vllm.compat.build_nvfp4_moe_kernel_`. Call after a plan's load or
+    restore; a no-op elsewhere.
     """
+    compat.build_nvfp4_moe_kernel_(module)
     width = getattr(module, "logical_output_size", None)
     if width is None:
         return
@@ -188,6 +212,8 @@ def layer_config(quant_method: Any, module: torch.nn.Module, target: Target | No
             else type(kernel).__name__
         spec = QuantSpec("mxfp8", num_bits=8, group_size=32, kernel=kid)
         return _linear_config(module, spec, name)
+    if is_("ModelOptNvFp4FusedMoE"):
+        return _modelopt_fp4_moe_config(quant_method, module, name)
     if is_("ModelOptLinearMethod"):
         return _modelopt_config(quant_method, module, name)
     if is_("Fp8LinearMethod"):
