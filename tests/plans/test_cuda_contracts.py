@@ -663,6 +663,70 @@ def test_ct_w8a8_fp8_cutlass(simulated_cuda, strategy, widths, size_k, static):
     _assert_equal(loaded, restored, attrs)
 
 
+def _ct_w8a16_fp8_scheme(strategy: str, static: bool, block=None):
+    from compressed_tensors.quantization import QuantizationArgs
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        CompressedTensorsW8A16Fp8,
+    )
+
+    args = QuantizationArgs(num_bits=8, type="float", strategy=strategy, symmetric=True,
+                            dynamic=False, block_structure=list(block) if block else None)
+    return lambda: CompressedTensorsW8A16Fp8(weight_quant=args, is_static_input_scheme=static)
+
+
+@pytest.mark.parametrize("strategy,widths,size_k,static,bias", [
+    ("tensor", (64, 64), 128, False, True),    # two shard scales -> channelwise
+    ("tensor", (48, 80), 256, True, False),    # a static input scale (dropped)
+    ("channel", (64, 64), 128, False, True),
+])
+def test_ct_w8a8_fp8_on_fp8_marlin_sm80(simulated_sm80, strategy, widths, size_k, static,
+                                        bias):
+    """A compressed-tensors FP8 W8A8 checkpoint below sm89, where vLLM builds
+    CompressedTensorsW8A16Fp8 on MarlinFP8ScaledMMLinearKernel (weight-only): vLLM's
+    post-load vs wcache's ``ct_w8a8_fp8/fp8_marlin`` load and restore."""
+    from vllm.model_executor.kernels.linear.scaled_mm.marlin import (
+        MarlinFP8ScaledMMLinearKernel,
+    )
+
+    from wcache.vllm.adapter import layer_config
+
+    scheme = _ct_w8a16_fp8_scheme(strategy, static)
+
+    def build(meta=False):
+        return _ct_layer(scheme, widths, size_k, bias=bias, meta=meta)
+
+    def fill(layer):
+        _fill_fp8_serialized(layer, seed=size_k + sum(widths))
+
+    vllm_layer = build()
+    assert type(vllm_layer.scheme.linear_kernel) is MarlinFP8ScaledMMLinearKernel
+    config = layer_config(vllm_layer.quant_method, vllm_layer, SM80, name="layer")
+    plan = plan_for(config, target=SM80)
+    assert plan.id == "ct_w8a8_fp8/fp8_marlin@1"
+    fill(vllm_layer)
+    with VL.vllm_context("cpu", torch.bfloat16):
+        vllm_layer.quant_method.process_weights_after_loading(vllm_layer)
+
+    loaded, restored = _load_restore(plan, config, build, fill, target=SM80)
+    attrs = ("input_scale", "scheme.linear_kernel.marlin_input_dtype")
+    _assert_equal(vllm_layer, loaded, attrs)
+    _assert_equal(loaded, restored, attrs)
+
+
+def test_ct_fp8_block_on_fp8_marlin_is_refused(simulated_sm80):
+    """A block-FP8 compressed-tensors checkpoint below sm89 (CompressedTensorsW8A16Fp8,
+    Marlin block FP8) is refused by plan_for naming Marlin block FP8."""
+    from wcache.core import NoPlan
+    from wcache.vllm.adapter import layer_config
+
+    layer = _ct_layer(_ct_w8a16_fp8_scheme("block", False, (128, 128)), (128,), 256,
+                      bias=False)
+    config = layer_config(layer.quant_method, layer, SM80, name="layer")
+    assert (config.quant.kernel, config.quant.strategy) == ("fp8_marlin", "block")
+    with pytest.raises(NoPlan, match="Marlin block FP8 is not supported"):
+        plan_for(config, target=SM80)
+
+
 def test_ct_w8a8_fp8_block_is_refused(simulated_cuda):
     """CompressedTensorsW8A8Fp8 with block scales reaches plan_for as ct_w8a8_fp8 /
     block and is refused with the reason (its block scale is ``weight_scale``, which

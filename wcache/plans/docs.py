@@ -37,9 +37,6 @@ PROVEN_ON = {
     "attention/default@1": "AVX512-BF16 host (`_C`) and the AVX2 build (every e2e run)",
 }
 
-_STAGE_ONLY = ("stage tests only (tests/plans/test_cuda_plans.py: each stage bit-exact with "
-               "vLLM's pure-torch references, restore == load); not yet run against vLLM's "
-               "own quant-method classes")
 _CONTRACT = ("contract test (tests/plans/test_cuda_contracts.py): vLLM 0.32's own layer "
              "built and post-loaded under a simulated CUDA sm90 platform on the CPU build")
 _CONTRACT_SM100 = _CONTRACT.replace("sm90", "sm100 (vLLM picks CUTLASS NVFP4 only on "
@@ -97,9 +94,15 @@ CUDA_CONTRACTS = {
                            "included): " + _CHECKED.format(attrs="input_scale, "
                                                                  "input_scale_ub, "
                                                                  "weight_block_size"),
-    "ct_w8a8_fp8/fp8_marlin@1": _STAGE_ONLY + " (below sm89 vLLM uses the "
-                                              "CompressedTensorsW8A16Fp8 scheme, which has no "
-                                              "adapter mapping)",
+    "ct_w8a8_fp8/fp8_marlin@1": _CONTRACT.replace("sm90", "sm80")
+                                + " (a compressed-tensors FP8 checkpoint below sm89: vLLM "
+                                "builds CompressedTensorsW8A16Fp8 on "
+                                "MarlinFP8ScaledMMLinearKernel; tensor strategy with two shard "
+                                "scales or a static input scale, channel strategy, bias; the "
+                                "reference repack): " + _CHECKED.format(
+                                    attrs="input_scale (deleted), the kernel's "
+                                          "marlin_input_dtype")
+                                + ". Block strategy (Marlin block FP8) is refused (test)",
     "fp8/fp8_marlin@1": _CONTRACT.replace("sm90", "sm80 (below CUTLASS FP8's sm89, vLLM "
                                                   "picks weight-only FP8 Marlin)")
                         + " (Fp8LinearMethod, serialized per-tensor with two shard scales or "

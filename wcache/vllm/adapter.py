@@ -231,6 +231,17 @@ def layer_config(quant_method: Any, module: torch.nn.Module, target: Target | No
             return _fp8_config(scheme, module, "ct_w8a8_fp8", name,
                                static_input=bool(scheme.is_static_input_scheme),
                                strategy=_enum_value(scheme.strategy))
+        if compat.is_type(scheme, "CompressedTensorsW8A16Fp8"):
+            # what vLLM builds for an FP8 W8A8 checkpoint below sm89: weight-only FP8
+            # on scheme.linear_kernel (Marlin); the checkpoint format is ct_w8a8_fp8's
+            spec = QuantSpec("ct_w8a8_fp8", num_bits=8, act_bits=16,
+                             strategy=_enum_value(scheme.strategy),
+                             static_input=bool(scheme.is_static_input_scheme),
+                             kernel=_kernel_id(scheme, "linear_kernel"))
+            extra = {"logical_widths": tuple(int(w) for w in module.logical_widths)}
+            if scheme.weight_block_size:
+                extra["weight_block_size"] = tuple(int(b) for b in scheme.weight_block_size)
+            return _linear_config(module, spec, name, extra)
         if compat.is_type(scheme, "CompressedTensorsW8A8Int8"):
             kernel = _kernel_id(scheme)
             if kernel == "onednn":  # CPUInt8ScaledMMLinearKernel: SGL or oneDNN, vLLM's check

@@ -175,6 +175,9 @@ _CLASS_MODULES = {
     "CompressedTensorsW8A8Fp8":
         "vllm.model_executor.layers.quantization.compressed_tensors.schemes."
         "compressed_tensors_w8a8_fp8",
+    "CompressedTensorsW8A16Fp8":
+        "vllm.model_executor.layers.quantization.compressed_tensors.schemes."
+        "compressed_tensors_w8a16_fp8",
     "Mxfp8OnlineLinearMethod": "vllm.model_executor.layers.quantization.online.mxfp8",
     "MarlinMxfp8LinearKernel": "vllm.model_executor.kernels.linear.mxfp8.marlin",
     "ModelOptLinearMethod": "vllm.model_executor.layers.quantization.modelopt",
