@@ -237,7 +237,7 @@ def render_plans(markdown: bool = False, method: str | None = None) -> str:
             "No CUDA plan has run inside a vLLM CUDA engine (vLLM's CUDA build cannot be "
             "installed on the borrowed GPU machine). The contract tests run vLLM 0.32's own "
             "quant-method classes on the CPU build under a simulated CUDA platform (sm90; "
-            "sm100 for CUTLASS NVFP4), with its CUDA custom ops swapped for vLLM's pure-torch "
+            "sm100 for CUTLASS NVFP4, sm80 for FP8 Marlin), with its CUDA custom ops swapped for vLLM's pure-torch "
             "references; no CUDA kernel runs in them, so they prove layouts and state, not "
             "kernel outputs.",
             "contract passed", CUDA_CONTRACTS, plans)
