@@ -178,8 +178,11 @@ def write_snapshot(root: str, name: str, arena: torch.Tensor, manifest: Manifest
         The rank's directory.
 
     Raises:
-        StoreError: the manifest's key differs from ``key``, or a write fails
-            (the target is then untouched; the temp dir is removed).
+        StoreError: the manifest's key differs from ``key``, or the arena is
+            not ``[>= arena_nbytes]`` uint8.
+        OSError: a write, fsync or rename fails (disk full, permissions); any
+            previous snapshot of ``name`` is then left in place and the temp
+            dir is removed.
 
     Source: safetensors.torch.save_file (the file), rename(2) (atomicity).
     """
@@ -228,7 +231,13 @@ def write_snapshot(root: str, name: str, arena: torch.Tensor, manifest: Manifest
         if os.path.lexists(final):
             old = tempfile.mkdtemp(prefix=f"{OLD_PREFIX}{name}-", dir=root)
             os.rename(final, os.path.join(old, name))
-        os.rename(tmp, final)
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            if old is not None:  # put the previous snapshot back
+                os.rename(os.path.join(old, name), final)
+                os.rmdir(old)
+            raise
         _fsync_dir(root)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)

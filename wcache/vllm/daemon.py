@@ -368,6 +368,7 @@ def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_metho
     serve (answering ``seed`` too) until stopped."""
     from vllm.config import set_current_vllm_config  # noqa: PLC0415
 
+    from wcache.store import StoreError  # noqa: PLC0415
     from wcache.store.seed import SeedSource  # noqa: PLC0415
     from wcache.vllm.key import parallel_layout  # noqa: PLC0415
 
@@ -390,7 +391,12 @@ def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_metho
     server.start()
     t_ready = time.perf_counter() - t_start
     if snapshot and origin != "snapshot":
-        _write_rank_snapshot(server, snapshot, layout)  # engines may attach meanwhile
+        try:
+            _write_rank_snapshot(server, snapshot, layout)  # engines may attach meanwhile
+        except (OSError, StoreError) as exc:  # serving stays correct; only the next start is slower
+            logger.error("wcache: could not write the snapshot to %s (%s: %s); still serving, and "
+                         "the next start loads the checkpoint again", snapshot,
+                         type(exc).__name__, exc)
     line = (f"wcache: ready rank={rank}/{world} key={key.digest[:16]} "
             f"held={server.nbytes / 2**20:.1f} MiB socket={server.socket_path} "
             f"from={origin} ready_s={t_ready:.2f}")
