@@ -79,6 +79,26 @@ def test_cuda_snapshot_round_trip(sock_dir, tmp_path, transport):
         src.stop()
 
 
+def test_gloo_seeding_of_cuda_arenas_on_one_gpu(sock_dir):
+    """Two CUDA daemons on one GPU: the receiver, seeded over gloo, serves the same bytes
+    (the device-side digest and the CUDA arenas on both ends; NCCL needs two GPUs)."""
+    from wcache.store.seed import seed_arena
+
+    key = CacheKey(BASE_KEY)
+    src = start_daemon(sock_dir, "gpu0", extra_args=("--device", "cuda:0", "--seed-source"))
+    try:
+        dst = DaemonServer(seed_arena(socket_path(sock_dir, "gpu0"), key, backend="gloo"), key,
+                           socket_dir=sock_dir, device="cuda:0", device_id="gpu0b")
+        try:
+            views = tensor_views(_arena(dst), dst.manifest)
+            for name, t in synthetic_export().tensors.items():
+                assert torch.equal(t, views[name].cpu()), name
+        finally:
+            dst.stop()
+    finally:
+        stop_daemon(src)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_nccl_seeding_between_two_gpu_daemons(sock_dir):
     """A daemon on cuda:1 seeded over NCCL from a daemon process on cuda:0 holds the same bytes."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import secrets
 import threading
 import time
 from typing import Any
@@ -50,8 +51,11 @@ SEED_CHUNK_BYTES = 256 << 20
 #: How long either side waits for the other to join or for a chunk (seconds):
 #: a 70B-shaped rank over a 10 Gb/s link needs minutes.
 SEED_TIMEOUT_S = 600.0
-#: Prefix of every key the seeding group writes in its TCPStore.
+#: Prefix of every key the seeding group writes in its TCPStore; a random
+#: token follows it per seeding (see :meth:`SeedSource.handle`).
 STORE_PREFIX = "wcache-seed/"
+#: Bytes of randomness in that token.
+TOKEN_BYTES = 16
 
 
 class SeedFailed(StoreError):
@@ -63,14 +67,14 @@ class SeedFailed(StoreError):
     code = "seed-failed"
 
 
-def _group(backend: str, host: str, port: int, rank: int, device: torch.device, *,
+def _group(backend: str, host: str, port: int, rank: int, device: torch.device, token: str, *,
            is_master: bool, store: Any = None) -> Any:
     import torch.distributed as dist  # noqa: PLC0415
 
     timeout = datetime.timedelta(seconds=SEED_TIMEOUT_S)
     if store is None:
         store = dist.TCPStore(host, port, 2, is_master, timeout=timeout, wait_for_workers=False)
-    prefixed = dist.PrefixStore(STORE_PREFIX, store)
+    prefixed = dist.PrefixStore(f"{STORE_PREFIX}{token}/", store)
     if backend == "gloo":
         return dist.ProcessGroupGloo(prefixed, rank, 2, timeout), store
     if backend == "nccl":
@@ -135,29 +139,34 @@ class SeedSource:
                     "theirs": {k: server.key.fields.get(k) for k in diff},
                     "message": f"seeding source's key differs in {', '.join(diff)}: "
                                f"{theirs.describe_diff(server.key, 'receiver', 'source')}"}
-        backend = BACKENDS[server.device_type]
-        if req.get("backend") not in (None, backend):
-            raise ProtocolError(f"receiver asks for backend {req.get('backend')!r}; a "
-                                f"{server.device_type} daemon seeds over {backend}")
+        backend = req.get("backend") or BACKENDS[server.device_type]
+        allowed = {BACKENDS[server.device_type]} | ({"gloo"} if server.device_type == "cuda" else set())
+        if backend not in allowed:
+            raise ProtocolError(f"receiver asks for backend {backend!r}; a {server.device_type} "
+                                f"daemon seeds over {' or '.join(sorted(allowed))}")
         if server.invalidated:
             raise StoreError("this daemon's arena was invalidated; it seeds no one")
         store = dist.TCPStore(self.host, 0, 2, True, timeout=datetime.timedelta(seconds=SEED_TIMEOUT_S),
                               wait_for_workers=False)
-        thread = threading.Thread(target=self._send, args=(store, backend, state.get("pid")),
+        # The TCPStore listens on a port any local user can reach; the group's keys
+        # live under a random token that travels only over the uid-checked Unix
+        # socket, so nobody else can join the group and receive the weights.
+        token = secrets.token_hex(TOKEN_BYTES)
+        thread = threading.Thread(target=self._send, args=(store, backend, token, state.get("pid")),
                                   name="wcache-seed", daemon=True)
         thread.start()
         self.threads.append(thread)
         return {"ok": True, "manifest": server._manifest_dict, "backend": backend, "host": self.host,
-                "port": store.port, "chunk_bytes": SEED_CHUNK_BYTES}
+                "port": store.port, "token": token, "chunk_bytes": SEED_CHUNK_BYTES}
 
-    def _send(self, store: Any, backend: str, pid: Any) -> None:
+    def _send(self, store: Any, backend: str, token: str, pid: Any) -> None:
         server = self.server
         t0 = time.perf_counter()
         view = None
         try:
             device = torch.device("cpu") if server.device_type == "cpu" else \
                 torch.device("cuda", server.device_index)
-            pg, _ = _group(backend, self.host, store.port, 0, device, is_master=True, store=store)
+            pg, _ = _group(backend, self.host, store.port, 0, device, token, is_master=True, store=store)
             view = served_arena(server)
             arena = view.tensor
             for off, length in _ranges(server.manifest.arena_nbytes, SEED_CHUNK_BYTES):
@@ -178,8 +187,13 @@ class SeedSource:
                 view.close()
 
 
-def seed_arena(sock_path: str, key: CacheKey, *, connect_timeout_s: float = 5.0) -> PrebuiltArena:
+def seed_arena(sock_path: str, key: CacheKey, *, connect_timeout_s: float = 5.0,
+               backend: str | None = None) -> PrebuiltArena:
     """Ask the daemon on ``sock_path`` to seed us; return the arena to build.
+
+    ``backend``: None for the device's (:data:`BACKENDS`); ``"gloo"`` between
+    CUDA daemons too (gloo stages CUDA tensors through host memory: slower than
+    NCCL, but it works where NCCL cannot, e.g. two daemons on one GPU).
 
     The returned :class:`PrebuiltArena`'s ``fill`` joins the source's process
     group (rank 1), receives the arena into the new allocation, and checks the
@@ -196,7 +210,7 @@ def seed_arena(sock_path: str, key: CacheKey, *, connect_timeout_s: float = 5.0)
     conn = Connection(sock_path, connect_timeout_s)
     try:
         try:
-            reply = conn.request({"op": "seed", "key": key.fields})
+            reply = conn.request({"op": "seed", "key": key.fields, "backend": backend})
         except KeyMismatch:
             raise
         except StoreError as e:
@@ -208,12 +222,13 @@ def seed_arena(sock_path: str, key: CacheKey, *, connect_timeout_s: float = 5.0)
         raise SeedFailed(f"the daemon on {sock_path} sent a manifest of key "
                          f"{CacheKey(manifest.key).digest[:16]}, we asked for {key.digest[:16]}")
     backend, host, port = reply["backend"], str(reply["host"]), int(reply["port"])
+    token = str(reply["token"])
     chunk = int(reply.get("chunk_bytes") or SEED_CHUNK_BYTES)
 
     def fill(dst: torch.Tensor) -> None:
         t0 = time.perf_counter()
         try:
-            pg, _store = _group(backend, host, port, 1, dst.device, is_master=False)
+            pg, _store = _group(backend, host, port, 1, dst.device, token, is_master=False)
             for off, length in _ranges(manifest.arena_nbytes, chunk):
                 _broadcast(pg, dst[off:off + length])
             theirs = torch.zeros(DIGEST_BYTES, dtype=torch.uint8, device=dst.device)
