@@ -94,6 +94,17 @@ def _broadcast(pg: Any, t: torch.Tensor) -> None:
     pg.broadcast([t], opts).wait()
 
 
+def _close_group(pg: Any) -> None:
+    """Shut a group down explicitly (ProcessGroupNCCL warns, and may hang at
+    exit, when it is only garbage-collected); best effort, after the transfer."""
+    shutdown = getattr(pg, "shutdown", None)
+    if shutdown is not None:
+        try:
+            shutdown()
+        except Exception:  # noqa: BLE001  (the bytes are already checked by digest)
+            log.debug("seeding group shutdown failed", exc_info=True)
+
+
 def _ranges(n: int, chunk: int) -> list[tuple[int, int]]:
     return [(off, min(chunk, n - off)) for off in range(0, n, chunk)]
 
@@ -162,7 +173,7 @@ class SeedSource:
     def _send(self, store: Any, backend: str, token: str, pid: Any) -> None:
         server = self.server
         t0 = time.perf_counter()
-        view = None
+        view = pg = None
         try:
             device = torch.device("cpu") if server.device_type == "cpu" else \
                 torch.device("cuda", server.device_index)
@@ -183,6 +194,8 @@ class SeedSource:
         except Exception:  # the receiver sees its own error; the source keeps serving
             log.exception("seeding pid %s failed; still serving", pid)
         finally:
+            if pg is not None:
+                _close_group(pg)
             if view is not None:
                 view.close()
 
@@ -227,14 +240,20 @@ def seed_arena(sock_path: str, key: CacheKey, *, connect_timeout_s: float = 5.0,
 
     def fill(dst: torch.Tensor) -> None:
         t0 = time.perf_counter()
+        pg = None
         try:
             pg, _store = _group(backend, host, port, 1, dst.device, token, is_master=False)
             for off, length in _ranges(manifest.arena_nbytes, chunk):
                 _broadcast(pg, dst[off:off + length])
             theirs = torch.zeros(DIGEST_BYTES, dtype=torch.uint8, device=dst.device)
             _broadcast(pg, theirs)
+            if dst.device.type == "cuda":
+                torch.cuda.synchronize(dst.device)  # NCCL work is async: done before shutdown
         except RuntimeError as e:  # c10d reports timeouts and broken connections so
             raise SeedFailed(f"seeding from {sock_path} broke off: {e}") from e
+        finally:
+            if pg is not None:
+                _close_group(pg)
         algo, mine = arena_digest(dst[:manifest.arena_nbytes])
         theirs_hex = bytes(theirs.cpu().tolist()).hex()
         if mine != theirs_hex:
