@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import site
 import subprocess
 import sys
@@ -30,9 +31,13 @@ def test_installed_wheel_runs_plans_and_bench_help(tmp_path):
     interpreter's site-packages, the editable finder of a dev install not loaded)
     gives a `wcache` whose `plans` lists the plans and `bench --help` prints, run
     from an empty folder and importing the venv's copy."""
+    # build from a copy: setuptools writes build/ and *.egg-info next to the sources
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", ".hypothesis", "__pycache__", "fixtures-cache"))
     wheels = tmp_path / "wheels"
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-          "--quiet", "-w", str(wheels), str(ROOT)], cwd=tmp_path)
+          "--quiet", "-w", str(wheels), str(src)], cwd=tmp_path)
     (wheel,) = wheels.glob("wcache-*.whl")
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], cwd=tmp_path)

@@ -158,6 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "(what vLLM loads on this host) and/or avx2 (vLLM's AVX2 build, "
                         "emulated on AVX512 hosts by capping torch, oneDNN and ATen to AVX2); "
                         "default native.")
+    p.add_argument("--cold-start", action="store_true",
+                   help="instead: daemon ready time from the checkpoint vs from a prepared "
+                        "snapshot (warm and cold page cache) vs from a peer daemon, with the "
+                        "raw read/copy bandwidth of the same bytes "
+                        "(wcache/benchmarks/bench_coldstart.py); synthetic --sizes/--formats on "
+                        "--device, or with --cpu-engine real `wcache serve` daemons on the "
+                        "SmolLM2 fixtures (--engine-formats, default bf16,awq).")
+    p.add_argument("--snapshot-dir", default=None,
+                   help="--cold-start: where snapshots are written (default: the temp dir); "
+                        "an 8B bf16 arena needs 13 GiB free.")
     p.add_argument("--engine-reps", type=int, default=DEFAULT_ENGINE_REPS,
                    help="engine starts per format and side for --cpu-engine (median; default 1; "
                         "an engine start takes 30-60 s on 2 cores).")
@@ -252,9 +262,44 @@ def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+def _cold_start(args: argparse.Namespace) -> int:
+    """``--cold-start``: see :mod:`wcache.benchmarks.bench_coldstart`."""
+    import logging
+
+    from wcache.benchmarks import bench_coldstart as cold
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("wcache.store").setLevel(logging.INFO)  # arena fill / snapshot timings
+    if args.cpu_engine:
+        rows = cold.run_engine_daemons(args.engine_formats or ("bf16", "awq"), _log)
+        sys.stdout.write(cold.engine_table(rows))
+        out = Path(args.out or _results_dir() / "coldstart-cpu-engine.json")
+        _write_json(out, {"mode": "cold-start-engine", "rows": rows, "time": time.time()})
+        _log(f"results written to {out}")
+        return 0
+    _check_store_deps()
+    import torch
+
+    device = torch.device("cuda:0" if (args.device or ("cuda" if torch.cuda.is_available()
+                                                       else "cpu")) == "cuda" else "cpu")
+    sizes = args.sizes or _csv(DEFAULT_CPU_SIZES if device.type == "cpu" else "8b")
+    with tempfile.TemporaryDirectory(prefix="wcb-cold-") as socket_dir:
+        rows = cold.run_synthetic(device, sizes, args.formats, bench_dir=args.bench_dir,
+                                  snap_dir=args.snapshot_dir, seed=args.seed, layers=args.layers,
+                                  socket_dir=socket_dir, log=_log)
+    sys.stdout.write(cold.synthetic_table(rows))
+    out = Path(args.out or _results_dir() / f"coldstart-{device.type}.json")
+    _write_json(out, {"mode": "cold-start", "device": str(device), "rows": rows,
+                      "torch": torch.__version__, "time": time.time()})
+    _log(f"results written to {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """`wcache bench` entry point; returns the exit status."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.cold_start:
+        return _cold_start(args)
     if args.cpu_engine:
         from wcache.testing.fixtures import FORMATS as FIXTURE_FORMATS
 

@@ -17,6 +17,9 @@ restarting vLLM engine maps them zero-copy instead of reloading from disk and
 re-running each quantization method's post-load work.
 
   wcache serve --model DIR [vLLM engine args]   start a daemon for a checkpoint
+  wcache serve --model DIR --snapshot SNAP      ... and keep a prepared snapshot (restart from it)
+  wcache serve --model DIR --from-snapshot SNAP start from a snapshot only (no vLLM load)
+  wcache serve --model DIR --seed-from SOCKET   start from a running daemon of the same key
   wcache status                                  show running daemons
   wcache status --wait-ready --model DIR [args]  exit 0 once every rank of that daemon serves
   wcache stop                                    stop daemons
@@ -237,6 +240,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="separates two jobs of the same model on one host; pass the same "
                         "value to the engine as model_loader_extra_config job")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ready = p.add_mutually_exclusive_group()
+    ready.add_argument("--from-snapshot", metavar="DIR",
+                       help="start from a prepared snapshot in DIR (no vLLM load, no TRANSFORM); "
+                            "refused, naming why, when it was made for other engine arguments or "
+                            "another checkpoint content")
+    ready.add_argument("--seed-from", metavar="SOCKET_OR_DIR",
+                       help="fill the arena from a running daemon of the same key over "
+                            "torch.distributed (gloo on CPU, NCCL on GPU): its socket, or a "
+                            "socket directory in which the daemon of this rank's key is found")
+    p.add_argument("--snapshot", metavar="DIR",
+                   help="keep a prepared snapshot in DIR: start from it when it matches (a "
+                        "restarted daemon comes back without loading), else load the checkpoint "
+                        "and write it, atomically")
 
     p = sub.add_parser(
         "verify", help="check on this host that a restore equals vLLM's own load of a "

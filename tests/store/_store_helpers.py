@@ -130,6 +130,7 @@ def _serve_main(argv: list[str]) -> None:
     p.add_argument("--numel", type=int, default=4096)
     p.add_argument("--key", default=json.dumps(BASE_KEY))
     p.add_argument("--transport", default=None, help="CUDA: cuda_vmm or cuda_ipc (default: best)")
+    p.add_argument("--seed-source", action="store_true", help="answer `seed` (wcache.store.seed)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     export = synthetic_export(a.seed, a.n, a.numel)
@@ -137,6 +138,21 @@ def _serve_main(argv: list[str]) -> None:
         export = Export({k: v.to(a.device) for k, v in export.tensors.items()}, export.kinds, export.aliases,
                         export.layers, export.extra, export.nonpersistent)
     kw = {"transport": a.transport} if a.transport else {}
+    if a.seed_source:  # also answer `seed` (wcache.store.seed), as `wcache serve` does
+        import signal
+
+        from wcache.store import DaemonServer
+        from wcache.store.seed import SeedSource
+
+        server = DaemonServer(export, CacheKey(json.loads(a.key)), socket_dir=a.socket_dir,
+                              device=a.device, device_id=a.device_id, **kw)
+        server.seed_source = SeedSource(server)
+        signal.signal(signal.SIGTERM, lambda *_: server.request_shutdown())
+        server.start()
+        print(f"wcache-store ready key={server.key.digest} bytes={server.nbytes} "
+              f"socket={server.socket_path} pid={os.getpid()} transport={server.transport}", flush=True)
+        server.serve_forever()
+        raise SystemExit(server.exit_code)
     raise SystemExit(serve(export, CacheKey(json.loads(a.key)), socket_dir=a.socket_dir, device=a.device,
                            device_id=a.device_id, **kw))
 

@@ -37,11 +37,14 @@ PROVEN_ON = {
     "attention/default@1": "AVX512-BF16 host (`_C`) and the AVX2 build (every e2e run)",
 }
 
-_STAGE_ONLY = ("stage tests only (tests/plans/test_cuda_plans.py: each stage bit-exact with "
-               "vLLM's pure-torch references, restore == load); not yet run against vLLM's "
-               "own quant-method classes")
 _CONTRACT = ("contract test (tests/plans/test_cuda_contracts.py): vLLM 0.32's own layer "
              "built and post-loaded under a simulated CUDA sm90 platform on the CPU build")
+_CONTRACT_SM100 = _CONTRACT.replace("sm90", "sm100 (vLLM picks CUTLASS NVFP4 only on "
+                                            "Blackwell)")
+_CHECKED = ("adapter picks the plan, load == vLLM's processed layer (every tensor's shape, "
+            "dtype, strides, bytes, and {attrs}), restore == load")
+_FP8_CHECKED = _CHECKED.format(attrs="input_scale, input_scale_ub, the CUTLASS kernel's "
+                                     "logical_output_size")
 
 #: Which contract each CUDA plan passed (issue 12 item 6). No CUDA plan has run
 #: under a real vLLM CUDA engine: vLLM's CUDA build cannot be installed on the GPU
@@ -50,32 +53,88 @@ _CONTRACT = ("contract test (tests/plans/test_cuda_contracts.py): vLLM 0.32's ow
 CUDA_CONTRACTS = {
     "awq/marlin@1": f"{_CONTRACT} (AutoAWQMarlinLinearMethod on MarlinLinearKernel, "
                     "ops.gptq_marlin_repack swapped for vLLM's marlin_weights reference): "
-                    "adapter picks the plan, load == vLLM's processed layer (tensors, "
-                    "strides, bytes, input_global_scale), restore == load",
+                    + _CHECKED.format(attrs="input_global_scale"),
     "gptq/marlin@1": f"{_CONTRACT} (AutoGPTQLinearMethod, int4 g128 and int8 channelwise, "
                      "on MarlinLinearKernel): as AWQ",
+    "ct_w4a16/marlin@1": f"{_CONTRACT} (CompressedTensorsWNA16 int4, symmetric g128 and "
+                         "channelwise, asymmetric g64 with zero points, on "
+                         "MarlinLinearKernel, the reference repack): "
+                         + _CHECKED.format(attrs="input_global_scale, weight_zero_point"),
     "fp8_per_tensor/cutlass@1": f"{_CONTRACT} (Fp8PerTensorOnlineLinearMethod through vLLM's "
                                 "layerwise online loader, CutlassFP8ScaledMMLinearKernel, "
                                 "ops.scaled_fp8_quant swapped for QuantFP8.forward_native; "
-                                "N % 16 != 0 included): adapter picks the plan, load == "
-                                "vLLM's layer (tensors, strides, bytes, input_scale, the "
-                                "kernel's logical_output_size), restore == load",
-    "fp8_per_channel/cutlass@1": "adapter mapping only (Fp8PtpcOnlineLinearMethod reaches "
-                                 "this plan under the simulated sm90 platform); " + _STAGE_ONLY,
-    "fp8_per_block/cutlass_block@1": "adapter mapping checked, but vLLM picks "
-                                     "TritonFp8BlockScaledMMKernel under the simulation here "
-                                     "(the plan is not chosen); " + _STAGE_ONLY,
-    "ct_w4a16/marlin@1": _STAGE_ONLY,
-    "ct_w8a8_fp8/cutlass@1": _STAGE_ONLY + " (the CompressedTensorsW8A8Fp8 scheme has no "
-                                           "adapter mapping yet)",
-    "fp8/cutlass@1": "adapter mapping added (Fp8LinearMethod); " + _STAGE_ONLY,
-    "fp8/cutlass_block@1": "adapter mapping added (Fp8LinearMethod); " + _STAGE_ONLY,
-    "ct_w8a8_fp8/fp8_marlin@1": _STAGE_ONLY,
-    "fp8/fp8_marlin@1": "adapter mapping added (Fp8LinearMethod); " + _STAGE_ONLY,
-    "mxfp8/marlin@1": _STAGE_ONLY + " (Mxfp8OnlineLinearMethod has no adapter mapping yet)",
-    "modelopt_fp4/cutlass@1": _STAGE_ONLY + " (no adapter mapping; on sm90 vLLM uses "
-                                            "MarlinNvFp4LinearKernel, which has no plan)",
-    "modelopt_fp4/cutlass_moe@1": _STAGE_ONLY + " (no adapter mapping)",
+                                "K and N % 16 != 0 included): " + _FP8_CHECKED,
+    "fp8_per_channel/cutlass@1": f"{_CONTRACT} (Fp8PtpcOnlineLinearMethod through the "
+                                 "layerwise online loader, CUTLASS; K % 16 != 0 included): "
+                                 + _FP8_CHECKED + ". N % 16 != 0: vLLM 0.32 itself raises "
+                                 "(it sets the padded weight's weight_loader twice); with that "
+                                 "second set made idempotent its padded weight and 1.0-padded "
+                                 "scale equal wcache's",
+    "fp8_per_block/cutlass_block@1": f"{_CONTRACT} (Fp8PerBlockOnlineLinearMethod through the "
+                                     "layerwise online loader, CutlassFp8BlockScaledMMKernel, "
+                                     "the body of vLLM's per_block_cast_to_fp8 run eagerly; "
+                                     "N % 128 != 0 included): "
+                                     + _CHECKED.format(attrs="input_scale, input_scale_ub, "
+                                                             "weight_block_size"),
+    "ct_w8a8_fp8/cutlass@1": f"{_CONTRACT} (CompressedTensorsW8A8Fp8, tensor strategy with two "
+                             "shard scales requantized to the max and with a static input "
+                             "scale, channel strategy dynamic and static, K and N % 16 != 0, "
+                             "CUTLASS): " + _CHECKED.format(
+                                 attrs="input_scale, input_scale_ub, "
+                                       "scheme.fp8_linear.logical_output_size")
+                             + ". It found a wcache bug, fixed: restore left the scheme's "
+                             "kernel width None (vLLM's first forward would assert). Block "
+                             "strategy is refused (test)",
+    "fp8/cutlass@1": f"{_CONTRACT} (Fp8LinearMethod, serialized per-tensor: two shard scales "
+                     "requantized to the max through the reference scaled_fp8_quant, a fused "
+                     "checkpoint with one scale, a static input scale, K and N % 16 != 0): "
+                     + _FP8_CHECKED,
+    "fp8/cutlass_block@1": f"{_CONTRACT} (Fp8LinearMethod with a 128x128 block-quantized "
+                           "checkpoint on CutlassFp8BlockScaledMMKernel, a 72-row shard "
+                           "included): " + _CHECKED.format(attrs="input_scale, "
+                                                                 "input_scale_ub, "
+                                                                 "weight_block_size"),
+    "ct_w8a8_fp8/fp8_marlin@1": _CONTRACT.replace("sm90", "sm80")
+                                + " (a compressed-tensors FP8 checkpoint below sm89: vLLM "
+                                "builds CompressedTensorsW8A16Fp8 on "
+                                "MarlinFP8ScaledMMLinearKernel; tensor strategy with two shard "
+                                "scales or a static input scale, channel strategy, bias; the "
+                                "reference repack): " + _CHECKED.format(
+                                    attrs="input_scale (deleted), the kernel's "
+                                          "marlin_input_dtype")
+                                + ". Block strategy (Marlin block FP8) is refused (test)",
+    "fp8/fp8_marlin@1": _CONTRACT.replace("sm90", "sm80 (below CUTLASS FP8's sm89, vLLM "
+                                                  "picks weight-only FP8 Marlin)")
+                        + " (Fp8LinearMethod, serialized per-tensor with two shard scales or "
+                        "a static input scale, bias, on MarlinFP8ScaledMMLinearKernel, the "
+                        "reference repack): " + _CHECKED.format(
+                            attrs="input_scale (deleted), the kernel's marlin_input_dtype"),
+    "mxfp8/marlin@1": f"{_CONTRACT} (Mxfp8OnlineLinearMethod through the layerwise online "
+                      "loader, MarlinMxfp8LinearKernel: vLLM's pure-torch mxfp8 quantize "
+                      "below sm100, the reference repack; bias, N and K off Marlin's tiles "
+                      "included): " + _CHECKED.format(attrs="input_scale, the partition "
+                                                            "sizes apply reads"),
+    "modelopt_fp4/cutlass@1": f"{_CONTRACT_SM100} (ModelOptLinearMethod NVFP4 W4A4 on "
+                              "CutlassNvFp4LinearKernel, its post-load pure torch; "
+                              "swizzle_blockscale's trailing .cuda() made the no-op it is on a "
+                              "GPU; N, K and K/16 off the swizzle and padding tiles included): "
+                              + _CHECKED.format(attrs="the partition sizes apply reads, "
+                                                      "is_w4a16_nvfp4")
+                              + ". On sm90 vLLM picks MarlinNvFp4LinearKernel, which has no "
+                              "plan: refused (test)",
+    "modelopt_fp4/cutlass_moe@1": f"{_CONTRACT_SM100} (ModelOptNvFp4FusedMoE, RoutedExperts "
+                                  "built by FusedMoEFactory, vLLM's VLLM_CUTLASS backend with "
+                                  "CutlassExpertsFp4, whose post-load fuses the activation "
+                                  "scales in place): " + _CHECKED.format(
+                                      attrs="the modular kernel and experts classes, and the "
+                                            "moe_quant_config tensors it reads (g1/g2 alphas, "
+                                            "a1/a2 gscales, w1/w2 scales)")
+                                  + "; the restored fused scale is the checkpoint scale "
+                                  "times the input scale once. wcache rebuilds vLLM's "
+                                  "modular kernel after restore without the experts' "
+                                  "in-place fuse (wcache.vllm.compat.build_nvfp4_moe_kernel_; "
+                                  "before this, a restored layer had no moe_kernel and "
+                                  "vLLM's apply would assert)",
 }
 
 #: Cases the plans must refuse (the issues' "refused with a clear NoPlan" rows).
@@ -177,8 +236,10 @@ def render_plans(markdown: bool = False, method: str | None = None) -> str:
             "CUDA plans: which contract each passed",
             "No CUDA plan has run inside a vLLM CUDA engine (vLLM's CUDA build cannot be "
             "installed on the borrowed GPU machine). The contract tests run vLLM 0.32's own "
-            "quant-method classes on the CPU build under a simulated CUDA sm90 platform, with "
-            "its CUDA custom ops swapped for vLLM's pure-torch references.",
+            "quant-method classes on the CPU build under a simulated CUDA platform (sm90; "
+            "sm100 for CUTLASS NVFP4, sm80 for FP8 Marlin), with its CUDA custom ops swapped for vLLM's pure-torch "
+            "references; no CUDA kernel runs in them, so they prove layouts and state, not "
+            "kernel outputs.",
             "contract passed", CUDA_CONTRACTS, plans)
         parts.append("## Stages per plan")
         parts.append("")

@@ -46,7 +46,7 @@ MAX_FRAME_BYTES = 64 << 20
 HEADER = struct.Struct(">I")
 # SCM_RIGHTS carries at most SCM_MAX_FD (253) descriptors per message; we send 1.
 MAX_FDS_PER_FRAME = 1
-OPS = frozenset({"hello", "get", "release", "status", "shutdown", "invalidate"})
+OPS = frozenset({"hello", "get", "release", "status", "shutdown", "invalidate", "seed"})
 
 
 class ConnectionClosed(ProtocolError):

@@ -79,7 +79,9 @@ class DaemonServer:
     """Serves one export for one device.
 
     Args:
-        export: the tensors and metadata to serve.
+        export: the tensors and metadata to serve, or an already laid-out
+            arena to fill (:class:`wcache.store.prebuilt.PrebuiltArena`: a
+            snapshot, a peer).
         key: the cache key clients must present.
         socket_dir: per-user socket dir (default :func:`paths.default_socket_dir`).
         device: ``"cpu"`` (shm transport) or ``"cuda"``/``"cuda:<i>"`` (cuda_ipc).
@@ -115,7 +117,9 @@ class DaemonServer:
         self._lock_fd = paths.acquire_device_lock(self.socket_path)
         try:
             paths.claim_socket_path(self.socket_path)  # fail fast, before the costly arena build
-            if self.device_type == "cpu":
+            if not isinstance(export, Export):  # a filled arena (snapshot, peer): wcache.store.prebuilt
+                self._serving, self.manifest, TRANSPORT = export.build(self.device_type, index, transport)
+            elif self.device_type == "cpu":
                 from wcache.store.transport_shm import TRANSPORT, ShmServing
 
                 fd, self.manifest = build_shm_arena(export, key)
@@ -141,6 +145,8 @@ class DaemonServer:
         self.attachments_active = 0
         self.attachments_total = 0
         self.invalidated: dict[str, Any] | None = None
+        #: Handler of the ``seed`` command (:class:`wcache.store.seed.SeedSource`), or None.
+        self.seed_source: Any = None
 
     def _build_cuda(self, export: Export, key: CacheKey, index: int, transport: str | None) -> str:
         """Build the CUDA arena with the preferred transport; returns its name."""
@@ -436,6 +442,11 @@ class DaemonServer:
             return {"ok": True, **st}, ()
         if op == "invalidate":
             return self._invalidate(req, state)
+        if op == "seed":
+            if self.seed_source is None:
+                raise ProtocolError("this daemon does not offer seeding; start it with `wcache serve` "
+                                    "(wcache.store.seed.SeedSource)")
+            return self.seed_source.handle(req, state), ()
         log.info("shutdown requested by pid %s", state["pid"])
         return {"ok": True}, ()
 

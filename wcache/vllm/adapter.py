@@ -46,11 +46,16 @@ _ONLINE_FP8 = {"Fp8PerTensorOnlineLinearMethod": "fp8_per_tensor",
 
 
 def _fp8_config(quant_method: Any, module: torch.nn.Module, method: str, name: str,
-                static_input: bool = False) -> LayerConfig:
-    """Online or serialized FP8 on vLLM's scaled-mm kernel (``quant_method.fp8_linear``)."""
+                static_input: bool = False, strategy: str | None = None) -> LayerConfig:
+    """Online or serialized FP8 on vLLM's scaled-mm kernel (``quant_method.fp8_linear``).
+
+    ``quant_method`` is the object holding ``fp8_linear`` (a compressed-tensors
+    scheme for ``ct_w8a8_fp8``); ``strategy`` the checkpoint's weight strategy
+    (``"tensor"``, ``"channel"``, ``"block"``) where the method has one."""
     block = getattr(module, "weight_block_size", None) or getattr(
         quant_method, "weight_block_size", None)
-    strategy = "block" if block else ("channel" if method == "fp8_per_channel" else "tensor")
+    if strategy is None:
+        strategy = "block" if block else ("channel" if method == "fp8_per_channel" else "tensor")
     extra = {"logical_widths": tuple(int(w) for w in module.logical_widths),
              "tp_size": int(getattr(module, "tp_size", 1) or 1)}
     if block:
@@ -60,19 +65,67 @@ def _fp8_config(quant_method: Any, module: torch.nn.Module, method: str, name: s
     return _linear_config(module, spec, name, extra)
 
 
+def _modelopt_config(quant_method: Any, module: torch.nn.Module, name: str) -> LayerConfig:
+    """ModelOpt's generic linear method (``ModelOptLinearMethod``): NVFP4 W4A4 ->
+    ``modelopt_fp4`` with vLLM's NVFP4 kernel (``quant_method.kernel``; only CUTLASS has
+    a plan); NVFP4 W4A16 -> ``modelopt_fp4_w4a16`` (no plan); other ModelOpt formats
+    keep their weight scheme's class name (no plan)."""
+    wkey = quant_method.wkey
+    if not compat.is_type(wkey, "KNvfp4Static"):
+        return _linear_config(module, QuantSpec(f"modelopt:{type(wkey).__name__}"), name)
+    if quant_method.akey is None:
+        return _linear_config(module, QuantSpec("modelopt_fp4_w4a16", num_bits=4,
+                                                group_size=quant_method.ctx.group_size), name)
+    kernel = quant_method.kernel
+    kid = "cutlass" if compat.is_type(kernel, "CutlassNvFp4LinearKernel") \
+        else type(kernel).__name__
+    spec = QuantSpec("modelopt_fp4", num_bits=4, act_bits=4,
+                     group_size=quant_method.ctx.group_size, kernel=kid)
+    return _linear_config(module, spec, name,
+                          {"logical_widths": tuple(int(w) for w in module.logical_widths)})
+
+
+def _modelopt_fp4_moe_config(quant_method: Any, module: torch.nn.Module,
+                             name: str) -> LayerConfig:
+    """ModelOpt NVFP4 fused MoE: kernel ``cutlass_moe`` for vLLM's ``VLLM_CUTLASS`` backend
+    (CutlassExpertsFp4, W4A4); any other backend, W4A16 or per-token activations keep
+    the backend's name (no plan)."""
+    backend = getattr(quant_method.nvfp4_backend, "name", str(quant_method.nvfp4_backend))
+    kid = "cutlass_moe" if backend == "VLLM_CUTLASS" else f"nvfp4_moe:{backend}"
+    if quant_method.use_a16 or quant_method.per_token_activation:
+        kid = f"{kid}+{'w4a16' if quant_method.use_a16 else 'per_token_activation'}"
+    moe = quant_method.moe
+    spec = QuantSpec("modelopt_fp4", num_bits=4, act_bits=4,
+                     group_size=quant_method.quant_config.group_size, layer_kind="moe",
+                     kernel=kid)
+    return LayerConfig(quant=spec, size_k=int(module.hidden_size),
+                       size_n=int(module.intermediate_size_per_partition),
+                       params_dtype=_dtype_name(getattr(module, "params_dtype", None)),
+                       name=name, extra=(("is_act_and_mul", bool(moe.is_act_and_mul)),
+                                         ("num_experts", int(module.local_num_experts))))
+
+
 def sync_kernel_state_(module: torch.nn.Module) -> None:
     """Copy kernel state that plans keep on the layer into vLLM's kernel object.
 
     wcache's CUTLASS stages record the logical (unpadded) output width as
     ``layer.logical_output_size`` (:data:`wcache.stages.fp8.LOGICAL_OUTPUT_ATTR`);
-    vLLM's ``CutlassFP8ScaledMMLinearKernel.apply_scaled_mm`` reads it from
-    ``quant_method.fp8_linear.logical_output_size`` (None -> AssertionError on the
-    first forward). Call after a plan's load or restore; a no-op elsewhere.
+    vLLM's ``CutlassFP8ScaledMMLinearKernel.apply_scaled_mm`` reads it from the
+    kernel object, ``quant_method.fp8_linear`` (Fp8LinearMethod, online FP8) or
+    ``layer.scheme.fp8_linear`` (compressed-tensors W8A8 FP8), and asserts it is not
+    None on the first forward. ModelOpt NVFP4 MoE's modular kernel (process-local,
+    built from the final tensors) is rebuilt by
+    :func:`wcache.vllm.compat.build_nvfp4_moe_kernel_`. Call after a plan's load or
+    restore; a no-op elsewhere.
     """
+    compat.build_nvfp4_moe_kernel_(module)
     width = getattr(module, "logical_output_size", None)
-    kernel = getattr(getattr(module, "quant_method", None), "fp8_linear", None)
-    if width is not None and kernel is not None and hasattr(kernel, "logical_output_size"):
-        kernel.logical_output_size = int(width)
+    if width is None:
+        return
+    for owner in (getattr(module, "quant_method", None), getattr(module, "scheme", None)):
+        kernel = getattr(owner, "fp8_linear", None)
+        if kernel is not None and hasattr(kernel, "logical_output_size"):
+            kernel.logical_output_size = int(width)
 
 
 def _linear_config(module: torch.nn.Module, spec: QuantSpec, name: str,
@@ -149,6 +202,20 @@ def layer_config(quant_method: Any, module: torch.nn.Module, target: Target | No
             # requantizing a serialized checkpoint: another post-load; no plan
             return _linear_config(module, QuantSpec(f"vllm:{cls}+requantization"), name)
         return _fp8_config(quant_method, module, online_fp8, name)
+    if is_("Mxfp8OnlineLinearMethod"):
+        if getattr(quant_method, "requantization_source", None) is not None:
+            return _linear_config(module, QuantSpec(f"vllm:{cls}+requantization"), name)
+        kernel = quant_method.kernel
+        # MXFP8 kernels are their own family (Mxfp8LinearKernel): named here, not in
+        # compat's scaled-mm / mixed-precision kernel table
+        kid = "marlin" if compat.is_type(kernel, "MarlinMxfp8LinearKernel") \
+            else type(kernel).__name__
+        spec = QuantSpec("mxfp8", num_bits=8, group_size=32, kernel=kid)
+        return _linear_config(module, spec, name)
+    if is_("ModelOptNvFp4FusedMoE"):
+        return _modelopt_fp4_moe_config(quant_method, module, name)
+    if is_("ModelOptLinearMethod"):
+        return _modelopt_config(quant_method, module, name)
     if is_("Fp8LinearMethod"):
         static = getattr(quant_method.quant_config, "activation_scheme", "dynamic") == "static"
         return _fp8_config(quant_method, module, "fp8", name, static_input=static)
@@ -160,6 +227,21 @@ def layer_config(quant_method: Any, module: torch.nn.Module, target: Target | No
                              zero_point=not scheme.symmetric, strategy=_enum_value(scheme.strategy),
                              kernel=_kernel_id(scheme))
             return _linear_config(module, spec, name)
+        if compat.is_type(scheme, "CompressedTensorsW8A8Fp8"):
+            return _fp8_config(scheme, module, "ct_w8a8_fp8", name,
+                               static_input=bool(scheme.is_static_input_scheme),
+                               strategy=_enum_value(scheme.strategy))
+        if compat.is_type(scheme, "CompressedTensorsW8A16Fp8"):
+            # what vLLM builds for an FP8 W8A8 checkpoint below sm89: weight-only FP8
+            # on scheme.linear_kernel (Marlin); the checkpoint format is ct_w8a8_fp8's
+            spec = QuantSpec("ct_w8a8_fp8", num_bits=8, act_bits=16,
+                             strategy=_enum_value(scheme.strategy),
+                             static_input=bool(scheme.is_static_input_scheme),
+                             kernel=_kernel_id(scheme, "linear_kernel"))
+            extra = {"logical_widths": tuple(int(w) for w in module.logical_widths)}
+            if scheme.weight_block_size:
+                extra["weight_block_size"] = tuple(int(b) for b in scheme.weight_block_size)
+            return _linear_config(module, spec, name, extra)
         if compat.is_type(scheme, "CompressedTensorsW8A8Int8"):
             kernel = _kernel_id(scheme)
             if kernel == "onednn":  # CPUInt8ScaledMMLinearKernel: SGL or oneDNN, vLLM's check

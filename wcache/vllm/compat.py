@@ -172,6 +172,18 @@ _CLASS_MODULES = {
     "CompressedTensorsW8A8Int8":
         "vllm.model_executor.layers.quantization.compressed_tensors.schemes."
         "compressed_tensors_w8a8_int8",
+    "CompressedTensorsW8A8Fp8":
+        "vllm.model_executor.layers.quantization.compressed_tensors.schemes."
+        "compressed_tensors_w8a8_fp8",
+    "CompressedTensorsW8A16Fp8":
+        "vllm.model_executor.layers.quantization.compressed_tensors.schemes."
+        "compressed_tensors_w8a16_fp8",
+    "Mxfp8OnlineLinearMethod": "vllm.model_executor.layers.quantization.online.mxfp8",
+    "MarlinMxfp8LinearKernel": "vllm.model_executor.kernels.linear.mxfp8.marlin",
+    "ModelOptLinearMethod": "vllm.model_executor.layers.quantization.modelopt",
+    "KNvfp4Static": "vllm.model_executor.layers.quantization.modelopt",
+    "CutlassNvFp4LinearKernel": "vllm.model_executor.kernels.linear.nvfp4.cutlass",
+    "ModelOptNvFp4FusedMoE": "vllm.model_executor.layers.quantization.modelopt",
     "BaseKVCacheMethod": "vllm.model_executor.layers.quantization.kv_cache",
     "Fp8KVCacheMethod": "vllm.model_executor.layers.quantization.fp8",
     "ModelOptKVCacheMethod": "vllm.model_executor.layers.quantization.modelopt",
@@ -324,3 +336,35 @@ def attention_postload(module: torch.nn.Module) -> str:
     if isinstance(module, c.MMEncoderAttention):
         return "mm_encoder_fp8" if getattr(module, "fp8_enabled", False) else "none"
     return "other"
+
+
+# ------------------------------------------------------------- kernel state
+
+
+def build_nvfp4_moe_kernel_(module: torch.nn.Module) -> bool:
+    """Rebuild ModelOpt NVFP4 MoE's process-local kernel objects from the layer's final
+    tensors (``quant_method.moe_quant_config`` and ``quant_method.moe_kernel``, which
+    vLLM's ``apply`` asserts are set); a no-op (False) for other layers or when they
+    exist.
+
+    This is ``ModelOptNvFp4FusedMoE._build_moe_kernel`` without its last line, the
+    experts' ``process_weights_after_loading``: for ``CutlassExpertsFp4`` that line
+    multiplies the activation scales into ``w*_weight_scale_2`` in place, which the
+    plan's TRANSFORM (``nvfp4.moe_fuse_activation_scale``) already did; run again it
+    would write into shared bytes and square the scales.
+
+    Source: ``vllm.model_executor.layers.quantization.modelopt.ModelOptNvFp4FusedMoE
+    ._build_moe_kernel`` (0.32).
+    """
+    qm = getattr(module, "quant_method", None)
+    if not is_type(qm, "ModelOptNvFp4FusedMoE") or getattr(qm, "moe_kernel", None) is not None:
+        return False
+    from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import make_nvfp4_moe_kernel
+
+    qm.moe_quant_config = qm.get_fused_moe_quant_config(module)
+    qm.moe_kernel = make_nvfp4_moe_kernel(
+        moe_quant_config=qm.moe_quant_config, moe_config=qm.moe,
+        experts_cls=qm.experts_cls, backend=qm.nvfp4_backend,
+        routing_tables=module._expert_routing_tables(),
+        per_token_activation=qm.per_token_activation)
+    return True

@@ -7,6 +7,16 @@ exports every parameter and buffer into one arena and serves it. With
 rank is started through vLLM's own distributed initialization (gloo on CPU,
 NCCL on GPU), so each rank holds exactly the shard its engine rank will ask
 for; the ready line is printed only when every rank serves.
+
+A daemon becomes ready in one of three ways (the ready line says which:
+``from=checkpoint|snapshot|peer``): from the checkpoint (vLLM's load, then
+every plan's prepare); from a prepared snapshot (``--from-snapshot DIR``, or
+``--snapshot DIR`` when it holds one of this key: no vLLM load, no TRANSFORM);
+or from a running daemon of the same key (``--seed-from``, over
+torch.distributed). The snapshot and the peer are checked against the key the
+engine arguments give, computed as the engine computes it (a meta-device build,
+the plans, the checkpoint's content digests), so a stale one is refused naming
+the differing fields. Every daemon answers ``seed`` requests while it serves.
 """
 
 from __future__ import annotations
@@ -211,26 +221,185 @@ def build_server(vllm_config: Any, *, socket_dir: str | None, device_id: str,
         compat.free_device_memory(device_type)
 
 
+def expected_key(vllm_config: Any) -> Any:
+    """The key a daemon loading the checkpoint would serve, computed the way the
+    engine computes it (``WcacheModelLoader.load_model``): the model built on the
+    meta device, its plans, and the checkpoint's content digests (cached by
+    stat), without reading a weight. Needs vLLM's distributed state initialized
+    and ``vllm_config`` current.
+
+    Raises:
+        NoPlan: a layer's method has no plan.
+    """
+    from vllm.model_executor.model_loader.utils import initialize_model  # noqa: PLC0415
+    from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: PLC0415
+
+    from wcache.vllm import compat  # noqa: PLC0415
+    from wcache.vllm.key import build_key, parallel_layout  # noqa: PLC0415
+    from wcache.vllm.model import plan_ids, planned_layers  # noqa: PLC0415
+    from wcache.vllm.probe import host_target  # noqa: PLC0415
+
+    model_config = vllm_config.model_config
+    target = host_target(torch.device(vllm_config.device_config.device))
+    before = compat.registrations(vllm_config)
+    model = None
+    try:
+        with set_default_torch_dtype(model_config.dtype), torch.device("meta"), \
+                compat.without_reload_metadata():
+            model = initialize_model(vllm_config=vllm_config, model_config=model_config)
+        planned = planned_layers(model, target)
+        return build_key(model_config, parallel_layout(), plan_ids(planned), target)
+    finally:
+        del model
+        compat.forget_registrations_(vllm_config, before)
+
+
+def snapshot_name(layout: dict[str, int]) -> str:
+    """A rank's sub-directory in a snapshot directory: ``tp0of2-pp0of1-dp0of1``
+    (the parallel layout, not the GPU, so a snapshot moves to another GPU or node)."""
+    return (f"tp{layout['tp_rank']}of{layout['tp_size']}-pp{layout['pp_rank']}of{layout['pp_size']}"
+            f"-dp{layout['dp_rank']}of{layout['dp_size']}")
+
+
+def find_seed_source(seed_from: str, key: Any) -> str:
+    """The socket of the daemon to seed from: ``seed_from`` itself when it is a
+    socket, else the socket in directory ``seed_from`` whose daemon serves ``key``
+    (one ``status`` per socket; each rank finds its own peer rank that way).
+
+    Raises:
+        DaemonMissing: no daemon there serves this key (the keys seen are named).
+    """
+    import stat as stat_mod  # noqa: PLC0415
+
+    from wcache.store import DaemonMissing, StoreError, daemon_status  # noqa: PLC0415
+
+    try:
+        if stat_mod.S_ISSOCK(os.stat(seed_from).st_mode):
+            return seed_from
+    except FileNotFoundError:
+        raise DaemonMissing(f"--seed-from {seed_from}: no such socket or directory") from None
+    if not os.path.isdir(seed_from):
+        raise DaemonMissing(f"--seed-from {seed_from} is neither a daemon socket nor a socket directory")
+    from wcache.store.paths import list_sockets  # noqa: PLC0415
+
+    seen = []
+    for sock in list_sockets(seed_from):
+        entry = os.path.basename(sock)
+        try:
+            digest = daemon_status(sock, connect_timeout_s=2.0).get("key_digest")
+        except StoreError:
+            continue
+        if digest == key.digest:
+            return sock
+        seen.append(f"{entry} ({str(digest)[:12]})")
+    raise DaemonMissing(f"no daemon in {seed_from} serves key {key.digest[:12]} (seen: "
+                        f"{', '.join(seen) or 'none'}); start the source with the same engine "
+                        f"arguments, or start this daemon from the checkpoint")
+
+
+def build_ready_server(vllm_config: Any, *, socket_dir: str | None, device_id: str,
+                       progress: bool = True, snapshot: str | None = None,
+                       from_snapshot: str | None = None, seed_from: str | None = None
+                       ) -> tuple[Any, str]:
+    """The rank's server, from a snapshot, a peer or the checkpoint.
+
+    ``from_snapshot``: only from that snapshot. ``seed_from``: only from that
+    peer. ``snapshot``: from it when it is complete, intact and of this key,
+    else (the reason code logged) from the checkpoint. Neither: the checkpoint.
+
+    Returns:
+        (server, ``"snapshot"`` | ``"peer"`` | ``"checkpoint"``).
+
+    Raises:
+        SnapshotMissing, SnapshotStale, SnapshotCorrupt: ``from_snapshot`` cannot be used.
+        KeyMismatch, DaemonMissing, SeedFailed: ``seed_from`` cannot be used.
+        as :func:`build_server` for the checkpoint.
+    """
+    from wcache.store import DaemonServer  # noqa: PLC0415
+    from wcache.store.seed import seed_arena  # noqa: PLC0415
+    from wcache.store.snapshot import (  # noqa: PLC0415
+        SnapshotCorrupt, SnapshotMissing, SnapshotStale, check_key, open_snapshot, snapshot_arena,
+    )
+    from wcache.vllm.key import parallel_layout  # noqa: PLC0415
+
+    device_type = vllm_config.device_config.device_type
+    if from_snapshot or seed_from or snapshot:
+        t0 = time.perf_counter()
+        key = expected_key(vllm_config)
+        logger.info("wcache: key %s computed in %.2f s (meta build, plans, checkpoint digests)",
+                    key.digest[:16], time.perf_counter() - t0)
+        name = snapshot_name(parallel_layout())
+    if seed_from:
+        arena = seed_arena(find_seed_source(seed_from, key), key)
+        return DaemonServer(arena, key, socket_dir=socket_dir, device=device_type,
+                            device_id=device_id), "peer"
+    if from_snapshot or snapshot:
+        try:
+            snap = open_snapshot(from_snapshot or snapshot, name)
+            check_key(snap, key)
+            return DaemonServer(snapshot_arena(snap), key, socket_dir=socket_dir, device=device_type,
+                                device_id=device_id), "snapshot"
+        except (SnapshotMissing, SnapshotStale, SnapshotCorrupt) as exc:
+            if from_snapshot:
+                raise
+            logger.warning("wcache: not starting from the snapshot [%s]: %s; loading the checkpoint "
+                           "and writing a new snapshot", exc.code, exc)
+    return build_server(vllm_config, socket_dir=socket_dir, device_id=device_id,
+                        progress=progress), "checkpoint"
+
+
+def _write_rank_snapshot(server: Any, root: str, layout: dict[str, int]) -> None:
+    from wcache.store.prebuilt import served_arena  # noqa: PLC0415
+    from wcache.store.snapshot import write_snapshot  # noqa: PLC0415
+
+    view = served_arena(server)
+    try:
+        write_snapshot(root, snapshot_name(layout), view.tensor, server.manifest, server.key)
+    finally:
+        view.close()
+
+
 def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_method: str,
-               socket_dir: str | None, progress: bool, job: str, ready: Any = None) -> int:
-    """Build, prepare, export and serve one rank until stopped."""
+               socket_dir: str | None, progress: bool, job: str, ready: Any = None,
+               snapshot: str | None = None, from_snapshot: str | None = None,
+               seed_from: str | None = None) -> int:
+    """Make one rank ready (checkpoint, snapshot or peer: :func:`build_ready_server`),
+    write its snapshot when ``snapshot`` is given and it did not come from it, and
+    serve (answering ``seed`` too) until stopped."""
     from vllm.config import set_current_vllm_config  # noqa: PLC0415
 
+    from wcache.store import StoreError  # noqa: PLC0415
+    from wcache.store.seed import SeedSource  # noqa: PLC0415
+    from wcache.vllm.key import parallel_layout  # noqa: PLC0415
+
+    t_start = time.perf_counter()
     vllm_config = engine_config(model, rest)
     _prepare_platform(vllm_config)
     with set_current_vllm_config(vllm_config):
         _init_distributed(vllm_config, rank, world, init_method)
         dev_id = _preflight(vllm_config, socket_dir, job)
-        server = build_server(vllm_config, socket_dir=socket_dir, device_id=dev_id,
-                              progress=progress)
+        layout = parallel_layout()
+        server, origin = build_ready_server(vllm_config, socket_dir=socket_dir, device_id=dev_id,
+                                            progress=progress, snapshot=snapshot,
+                                            from_snapshot=from_snapshot, seed_from=seed_from)
     key = server.key
     import signal  # noqa: PLC0415
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.request_shutdown())
+    server.seed_source = SeedSource(server)
     server.start()
+    t_ready = time.perf_counter() - t_start
+    if snapshot and origin != "snapshot":
+        try:
+            _write_rank_snapshot(server, snapshot, layout)  # engines may attach meanwhile
+        except (OSError, StoreError) as exc:  # serving stays correct; only the next start is slower
+            logger.error("wcache: could not write the snapshot to %s (%s: %s); still serving, and "
+                         "the next start loads the checkpoint again", snapshot,
+                         type(exc).__name__, exc)
     line = (f"wcache: ready rank={rank}/{world} key={key.digest[:16]} "
-            f"held={server.nbytes / 2**20:.1f} MiB socket={server.socket_path}")
+            f"held={server.nbytes / 2**20:.1f} MiB socket={server.socket_path} "
+            f"from={origin} ready_s={t_ready:.2f}")
     print(line, flush=True)
     if ready is not None:
         ready.put((rank, line))
@@ -245,11 +414,12 @@ def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_metho
 
 def _rank_main(rank: int, local_rank: int, world: int, model: str, rest: list[str],
                init_method: str, socket_dir: str | None, progress: bool, job: str,
-               ready: Any) -> None:
+               ready: Any, sources: dict[str, str | None]) -> None:
     os.environ["LOCAL_RANK"] = str(local_rank)
     try:
         serve_rank(model, rest, rank=rank, world=world, init_method=init_method,
-                   socket_dir=socket_dir, progress=progress and rank == 0, job=job, ready=ready)
+                   socket_dir=socket_dir, progress=progress and rank == 0, job=job, ready=ready,
+                   **sources)
     except BaseException as exc:  # report to the parent, which stops the other ranks
         ready.put((rank, f"error: {type(exc).__name__}: {exc}"))
         raise
@@ -292,14 +462,16 @@ def main(args: argparse.Namespace, rest: list[str]) -> int:
     port = getattr(args, "master_port", 0) or _free_port()
     init_method = f"tcp://{getattr(args, 'master_addr', '127.0.0.1')}:{port}"
     job = getattr(args, "job", "") or ""
+    sources = {k: getattr(args, k, None) for k in ("snapshot", "from_snapshot", "seed_from")}
     if world == 1:
         return serve_rank(args.model, rest, rank=0, world=1, init_method=init_method,
-                          socket_dir=args.socket_dir, progress=not args.no_progress, job=job)
-    return _serve_ranks(args, rest, world, ranks, init_method, job)
+                          socket_dir=args.socket_dir, progress=not args.no_progress, job=job,
+                          **sources)
+    return _serve_ranks(args, rest, world, ranks, init_method, job, sources)
 
 
 def _serve_ranks(args: argparse.Namespace, rest: list[str], world: int, ranks: range,
-                 init_method: str, job: str) -> int:
+                 init_method: str, job: str, sources: dict[str, str | None]) -> int:
     import multiprocessing as mp  # noqa: PLC0415
     import queue  # noqa: PLC0415
 
@@ -307,7 +479,7 @@ def _serve_ranks(args: argparse.Namespace, rest: list[str], world: int, ranks: r
     ready = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, name=f"wcache-rank{r}",
                          args=(r, r - ranks.start, world, args.model, rest, init_method,
-                               args.socket_dir, not args.no_progress, job, ready))
+                               args.socket_dir, not args.no_progress, job, ready, sources))
              for r in ranks]
     for p in procs:
         p.start()

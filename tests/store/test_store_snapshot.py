@@ -1,0 +1,203 @@
+"""Prepared snapshots (write, restart, refusals, atomicity) and seeding a daemon
+from a peer daemon over gloo, at the store level (no vLLM)."""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from _store_helpers import BASE_KEY, start_daemon, stop_daemon, synthetic_export
+from wcache.store import CacheKey, DaemonServer, KeyMismatch, attach, daemon_status, socket_path
+from wcache.store import snapshot as snap_mod
+from wcache.store.prebuilt import served_arena
+from wcache.store.seed import SeedFailed, SeedSource, seed_arena
+from wcache.store.snapshot import (
+    ARENA_FILE, MANIFEST_FILE, SnapshotCorrupt, SnapshotMissing, SnapshotStale, check_key,
+    list_snapshots, open_snapshot, snapshot_arena, write_snapshot,
+)
+
+NAME = "tp0of1-pp0of1-dp0of1"
+
+
+def _write(server, root, name=NAME):
+    view = served_arena(server)
+    try:
+        return write_snapshot(root, name, view.tensor, server.manifest, server.key)
+    finally:
+        view.close()
+
+
+def _assert_serves_export(key, sock_dir, device_id, export=None):
+    export = export or synthetic_export()
+    with attach(key, socket_dir=sock_dir, device_id=device_id) as att:
+        for name, t in export.tensors.items():
+            v = att.tensors[name]
+            assert torch.equal(t, v) and t.stride() == v.stride() and t.dtype == v.dtype, name
+        assert att.tensors["lm_head.weight"] is att.tensors["w0"]
+        assert {"seed": 0} == att.extra and {"x": 1} == att.layers["layer0"]["recorded"]
+
+
+@pytest.fixture
+def snap_root(tmp_path):
+    return str(tmp_path / "snap")
+
+
+def test_snapshot_restart_serves_the_same_bytes(daemon, key, sock_dir, snap_root):
+    """A daemon started from a snapshot serves the exported tensors bit for bit, same manifest."""
+    path = _write(daemon, snap_root)
+    assert sorted(os.listdir(path)) == sorted([ARENA_FILE, MANIFEST_FILE, "key.json", "digests.json"])
+    assert [NAME] == list_snapshots(snap_root)
+    snap = open_snapshot(snap_root, NAME)
+    check_key(snap, key)
+    server = DaemonServer(snapshot_arena(snap), key, socket_dir=sock_dir, device_id="cpu-b").start()
+    try:
+        assert daemon.manifest == server.manifest and "shm" == server.transport
+        _assert_serves_export(key, sock_dir, "cpu-b")
+    finally:
+        server.stop()
+
+
+def test_snapshot_file_is_plain_safetensors(daemon, snap_root):
+    """safetensors.safe_open reads arena.safetensors as one U8 tensor equal to the daemon's arena."""
+    from safetensors import safe_open
+
+    path = _write(daemon, snap_root)
+    with safe_open(os.path.join(path, ARENA_FILE), framework="pt") as f:
+        data = f.get_tensor("arena")
+        assert daemon.key.digest == f.metadata()["key_digest"]
+    view = served_arena(daemon)
+    try:
+        assert torch.equal(view.tensor, data)
+    finally:
+        view.close()
+
+
+def test_stale_snapshot_is_refused_naming_the_fields(daemon, snap_root):
+    """A snapshot of another checkpoint digest and tp layout is refused with snapshot-stale naming both."""
+    _write(daemon, snap_root)
+    other = CacheKey({**BASE_KEY, "checkpoint": "beef", "tp": [2, 0]})
+    with pytest.raises(SnapshotStale) as ei:
+        check_key(open_snapshot(snap_root, NAME), other)
+    assert ["checkpoint", "tp"] == ei.value.fields and "snapshot-stale" == ei.value.code
+    assert isinstance(ei.value, KeyMismatch) and "--snapshot" in str(ei.value)
+
+
+def test_corrupted_arena_byte_is_refused_and_nothing_is_served(daemon, key, sock_dir, snap_root):
+    """One flipped byte in the arena file fails the digest check; the device is free again afterwards."""
+    path = _write(daemon, snap_root)
+    apath = os.path.join(path, ARENA_FILE)
+    size = os.path.getsize(apath)
+    with open(apath, "r+b") as f:
+        f.seek(size - 100)
+        b = f.read(1)
+        f.seek(size - 100)
+        f.write(bytes([b[0] ^ 0x01]))
+    snap = open_snapshot(snap_root, NAME)  # the small files are intact
+    with pytest.raises(SnapshotCorrupt, match="does not match its digest"):
+        DaemonServer(snapshot_arena(snap), key, socket_dir=sock_dir, device_id="cpu-c")
+    # the failed build released the device lock: a daemon from the checkpoint starts there
+    DaemonServer(synthetic_export(), key, socket_dir=sock_dir, device_id="cpu-c").stop()
+
+
+@pytest.mark.parametrize("damage", ["manifest", "truncate", "digests"])
+def test_damaged_small_files_are_refused(daemon, snap_root, damage):
+    """A changed manifest, a truncated arena file or an unreadable digests.json is snapshot-corrupt."""
+    path = _write(daemon, snap_root)
+    if damage == "manifest":
+        with open(os.path.join(path, MANIFEST_FILE), "a") as f:
+            f.write(" ")
+    elif damage == "truncate":
+        apath = os.path.join(path, ARENA_FILE)
+        os.truncate(apath, os.path.getsize(apath) - 4096)
+    else:
+        with open(os.path.join(path, "digests.json"), "w") as f:
+            f.write("{")
+    with pytest.raises(SnapshotCorrupt) as ei:
+        open_snapshot(snap_root, NAME)
+    assert "snapshot-corrupt" == ei.value.code and "write" in str(ei.value)
+
+
+def test_unfinished_write_is_ignored(daemon, snap_root):
+    """A temp dir from a crashed write (even a complete-looking one) and a dir without digests are never read."""
+    path = _write(daemon, snap_root)
+    tmp = os.path.join(snap_root, f"{snap_mod.TEMP_PREFIX}{NAME}-crashed")
+    shutil.copytree(path, tmp)
+    shutil.rmtree(path)
+    assert [] == list_snapshots(snap_root)
+    with pytest.raises(SnapshotMissing, match="no directory"):
+        open_snapshot(snap_root, NAME)
+    shutil.copytree(tmp, path)
+    os.unlink(os.path.join(path, "digests.json"))
+    with pytest.raises(SnapshotMissing, match="unfinished write"):
+        open_snapshot(snap_root, NAME)
+
+
+def test_failed_overwrite_keeps_the_old_snapshot(daemon, key, sock_dir, snap_root, monkeypatch):
+    """A write that dies mid-file leaves the previous snapshot intact and no temp dir; a good write replaces it."""
+    _write(daemon, snap_root)
+    other_key = CacheKey({**BASE_KEY, "checkpoint": "beef"})
+    other = DaemonServer(synthetic_export(seed=1), other_key, socket_dir=sock_dir, device_id="cpu-o")
+    try:
+        import safetensors.torch as st
+
+        real = st.save_file
+
+        def dying_save(tensors, filename, metadata=None):
+            with open(filename, "wb") as f:
+                f.write(b"\0" * 1000)
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(st, "save_file", dying_save)
+        with pytest.raises(OSError, match="No space"):
+            _write(other, snap_root)
+        assert [NAME] == os.listdir(snap_root)  # no temp dir left behind
+        assert key == open_snapshot(snap_root, NAME).key
+        monkeypatch.setattr(st, "save_file", real)
+        _write(other, snap_root)
+        assert [NAME] == os.listdir(snap_root)  # the replaced one is gone too
+        snap = open_snapshot(snap_root, NAME)
+        assert other_key == snap.key and other.manifest == snap.manifest
+    finally:
+        other.stop()
+
+
+def test_gloo_seeding_between_two_daemons(sock_dir, key):
+    """A daemon seeded over gloo from a daemon subprocess serves identical bytes; the source keeps serving."""
+    src = start_daemon(sock_dir, "cpu-src", extra_args=("--seed-source",))
+    try:
+        src_sock = socket_path(sock_dir, "cpu-src")
+        with attach(key, socket_dir=sock_dir, device_id="cpu-src"):  # an engine holds the source
+            receiver = DaemonServer(seed_arena(src_sock, key), key, socket_dir=sock_dir,
+                                    device_id="cpu-dst").start()
+            try:
+                _assert_serves_export(key, sock_dir, "cpu-dst")
+                st = daemon_status(src_sock)
+                assert 1 == st["attachments_active"] and st["invalidated"] is None
+            finally:
+                receiver.stop()
+        _assert_serves_export(key, sock_dir, "cpu-src")  # still serving after it seeded
+        # refusals: another key (named), and a digest that differs
+        with pytest.raises(KeyMismatch) as ei:
+            seed_arena(src_sock, CacheKey({**BASE_KEY, "dtype": "float16"}))
+        assert ["dtype"] == ei.value.fields
+    finally:
+        stop_daemon(src)
+
+
+def test_seeding_refuses_a_digest_mismatch(sock_dir, key, monkeypatch):
+    """When the receiver's digest of what arrived differs from the source's, nothing is served."""
+    from wcache.store import seed as seed_mod
+
+    server = DaemonServer(synthetic_export(), key, socket_dir=sock_dir, device_id="cpu-s").start()
+    server.seed_source = SeedSource(server)
+    try:
+        server.seed_source.digest(served_arena(server).tensor)  # the source's digest, cached
+        monkeypatch.setattr(seed_mod, "arena_digest", lambda t: ("blake3", "00" * 32))
+        with pytest.raises(SeedFailed, match="does not match the source's digest"):
+            DaemonServer(seed_arena(server.socket_path, key), key, socket_dir=sock_dir,
+                         device_id="cpu-r")
+    finally:
+        for t in server.seed_source.threads:
+            t.join(30)
+        server.stop()

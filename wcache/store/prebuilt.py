@@ -1,0 +1,213 @@
+"""Arenas whose layout is already known: filled from a snapshot file or a peer
+daemon instead of from an :class:`~wcache.store.manifest.Export`.
+
+A :class:`PrebuiltArena` carries a :class:`~wcache.store.manifest.Manifest` (the
+layout, copied verbatim from where the bytes come from) and a ``fill`` callable
+that writes the ``arena_nbytes`` bytes into a writable ``[arena_nbytes]`` uint8
+tensor: a shared mapping of the memfd on CPU, the device allocation on CUDA.
+:class:`~wcache.store.server.DaemonServer` accepts one in place of an export
+and serves it with the usual transports: ``shm`` (the memfd is sealed after the
+fill, as for an export), ``cuda_vmm`` or ``cuda_ipc``.
+
+:func:`served_arena` is the reverse: a read-only uint8 view of what a running
+server holds, for writing a snapshot or seeding a peer.
+
+Source: wcache.store.arena (build_shm_arena, build_cuda_arena) and
+wcache.store.transport_vmm (build_vmm_arena), with the copy from the export
+replaced by ``fill``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import logging
+import mmap
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from attrs import frozen
+
+from wcache.store.arena import SEALS, frombuffer_readonly, map_shm_readonly
+from wcache.store.errors import StoreError, TransportFailed
+from wcache.store.manifest import Manifest
+
+__all__ = ["PrebuiltArena", "served_arena"]
+
+log = logging.getLogger("wcache.store")
+
+#: ``fill(dst)`` writes every byte of ``dst`` (``[arena_nbytes]`` uint8, CPU or CUDA).
+Fill = Callable[[torch.Tensor], None]
+
+
+@frozen
+class PrebuiltArena:
+    """An arena layout plus the function that fills it.
+
+    Attributes:
+        manifest: the layout (``device`` must match the daemon's device type).
+        fill: writes all ``manifest.arena_nbytes`` bytes into a writable
+            ``[arena_nbytes]`` uint8 tensor; raises to abort (nothing is served).
+        origin: where the bytes come from, for logs (``snapshot /x``, ``peer /y``).
+    """
+
+    manifest: Manifest
+    fill: Fill
+    origin: str
+
+    def build(self, device_type: str, index: int | None, transport: str | None) -> tuple[Any, Manifest, str]:
+        """Allocate the arena for ``device_type``, fill it, and return
+        ``(serving, manifest, transport name)`` for :class:`DaemonServer`.
+
+        Raises:
+            StoreError: the manifest is for another device type, or the memfd
+                cannot be created/sealed.
+            TransportFailed: ``transport="cuda_vmm"`` was asked for and is unavailable.
+        """
+        if self.manifest.device != device_type:
+            raise StoreError(f"{self.origin} holds a {self.manifest.device} arena; this daemon serves "
+                             f"{device_type}. Start it with the device the arena was made on.")
+        t0 = time.perf_counter()
+        if device_type == "cpu":
+            out = self._build_shm()
+        else:
+            out = self._build_cuda(index, transport)
+        nbytes = self.manifest.arena_nbytes
+        dt = time.perf_counter() - t0
+        log.info("arena (%s) filled from %s: %.1f MiB in %.3f s (%.2f GiB/s)", out[2], self.origin,
+                 nbytes / 2**20, dt, nbytes / 2**30 / max(dt, 1e-9))
+        return out
+
+    def _build_shm(self) -> tuple[Any, Manifest, str]:
+        from wcache.store.transport_shm import TRANSPORT, ShmServing
+
+        nbytes = self.manifest.arena_nbytes
+        fd = os.memfd_create("wcache-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, nbytes)
+            os.posix_fallocate(fd, 0, nbytes)  # ENOSPC now rather than SIGBUS mid-fill
+            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            # The tensor wraps the mapping's address through a ctypes array, not
+            # the mmap's buffer, so closing the mmap never waits for a garbage
+            # collection (gc.collect() cost ~0.5 s in a daemon with vLLM imported);
+            # fill() keeps no reference to ``dst`` past its return.
+            anchor = ctypes.c_char.from_buffer(mm)
+            try:
+                dst = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ctypes.addressof(anchor)),
+                                       dtype=torch.uint8)
+                try:
+                    self.fill(dst)
+                finally:
+                    del dst
+            finally:
+                del anchor
+                mm.close()  # no writable mapping may remain before F_SEAL_WRITE
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        except BaseException as e:
+            os.close(fd)
+            if isinstance(e, OSError):
+                raise StoreError(f"cannot build the shm arena from {self.origin}: {e}") from e
+            raise
+        return ShmServing(fd, nbytes), self.manifest, TRANSPORT
+
+    def _build_cuda(self, index: int, transport: str | None) -> tuple[Any, Manifest, str]:
+        from wcache.store.server import CUDA_TRANSPORTS
+
+        if transport not in (None, *CUDA_TRANSPORTS):
+            raise StoreError(f"transport {transport!r} is not one of {CUDA_TRANSPORTS}")
+        if transport in (None, "cuda_vmm"):
+            try:
+                return self._build_vmm(index)
+            except TransportFailed as e:
+                if transport == "cuda_vmm":
+                    raise
+                log.warning("cuda_vmm unavailable (%s); serving with cuda_ipc", e)
+        from wcache.store.transport_cuda import TRANSPORT, CudaServing
+
+        arena = torch.empty(self.manifest.arena_nbytes, dtype=torch.uint8, device=f"cuda:{index}")
+        self.fill(arena)
+        torch.cuda.synchronize(index)
+        return CudaServing(arena), self.manifest, TRANSPORT
+
+    def _build_vmm(self, index: int) -> tuple[Any, Manifest, str]:
+        from wcache.store import transport_vmm as tv
+
+        ok, why = tv.available(index)
+        if not ok:
+            raise TransportFailed(why)
+        cu = tv._driver()
+        nbytes = self.manifest.arena_nbytes
+        with tv._lock, tv._in_context(cu, index):
+            prop = tv._prop(cu, index)
+            gran = tv._check(cu, cu.cuMemGetAllocationGranularity(
+                prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+                "cuMemGetAllocationGranularity")
+            size = -(-nbytes // gran) * gran
+            handle = tv._check(cu, cu.cuMemCreate(size, prop, 0), "cuMemCreate")
+            try:
+                mapping = tv._map(cu, handle, size, index, read_only=False)
+            except TransportFailed:
+                cu.cuMemRelease(handle)
+                raise
+            fd = tv._check(cu, cu.cuMemExportToShareableHandle(
+                handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                "cuMemExportToShareableHandle")
+        arena = mapping.tensor()
+        try:
+            self.fill(arena[:nbytes])
+            torch.cuda.synchronize(index)
+        except BaseException:
+            os.close(int(fd))
+            mapping.release()
+            raise
+        return tv.VmmServing(mapping, int(fd), arena), self.manifest, tv.TRANSPORT
+
+
+class _ShmView:
+    """A read-only mapping of a server's memfd, as a tensor; unmapped on close()."""
+
+    def __init__(self, fd: int, nbytes: int):
+        self._mm = map_shm_readonly(fd, nbytes)
+        self.tensor = frombuffer_readonly(self._mm)
+
+    def close(self) -> None:
+        self.tensor = None
+        try:
+            self._mm.close()
+        except BufferError:  # a caller still holds a view; the mapping goes with it
+            pass
+
+
+class _DeviceView:
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def close(self) -> None:
+        self.tensor = None
+
+
+def served_arena(server: Any) -> _ShmView | _DeviceView:
+    """A view of the bytes a running :class:`DaemonServer` serves.
+
+    Returns:
+        An object with ``.tensor`` (``[arena_nbytes]`` uint8; on CPU a read-only
+        mapping of the sealed memfd, on CUDA the daemon's own allocation, which
+        callers must only read) and ``.close()``.
+
+    Raises:
+        StoreError: the server's transport is unknown or already stopped.
+    """
+    serving = server._serving
+    nbytes = server.manifest.arena_nbytes
+    fd = getattr(serving, "fd", -1)
+    if server.transport == "shm":
+        if fd < 0:
+            raise StoreError("the daemon was stopped; its arena is gone")
+        return _ShmView(fd, nbytes)
+    arena = getattr(serving, "arena", None)
+    if arena is None:
+        raise StoreError(f"cannot read the arena of a stopped daemon or of transport {server.transport!r}")
+    return _DeviceView(arena[:nbytes])

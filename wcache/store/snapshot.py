@@ -1,0 +1,493 @@
+"""Prepared snapshots: a rank's arena on disk, so a daemon restarts without
+vLLM's load and without any TRANSFORM stage.
+
+Layout of a snapshot directory (one sub-directory per rank, named by the
+caller: ``tp0of2-pp0of1-dp0of1`` from the vLLM side)::
+
+    DIR/<name>/arena.safetensors   one tensor "arena": U8 [arena_nbytes], the arena's bytes
+    DIR/<name>/manifest.json       the arena's versioned Manifest (wcache.store.manifest), verbatim
+    DIR/<name>/key.json            the full CacheKey (canonical JSON)
+    DIR/<name>/digests.json        blake3 of each of the three files above (and, for a CUDA
+                                   arena, its device-side digest), written last
+    DIR/.tmp-<name>-*/             a write in progress (or one that crashed): never read
+
+Why one flat uint8 tensor per arena rather than one safetensors tensor per
+exported tensor: the arena already is the exported layout (shared storages
+stored once, strided views, aliases, alignment), and the manifest describes it
+exactly; one tensor makes loading one large sequential read straight into the
+arena at offset 0, with no per-tensor seek, copy or re-layout, and the file
+stays an ordinary safetensors file (``safetensors.safe_open`` reads it) whose
+bytes are meaningful together with ``manifest.json``.
+
+Writing is atomic: every file goes into a fresh temp dir beside the target,
+each file and the dir are fsynced, then the dir is renamed into place (an older
+snapshot of the same name is renamed aside first and removed after). Reading
+checks every file's digest; a digest that differs, a missing file, a temp dir
+or a manifest whose key disagrees with ``key.json`` is refused with a reason
+code, and a key that differs from the daemon's is refused naming the fields.
+
+Source: safetensors format (huggingface/safetensors, "Format": 8-byte LE header
+size, JSON header, data); rename(2) for atomic replacement.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable
+
+import blake3
+import torch
+from attrs import frozen
+
+from wcache.store.arena_digest import CUDA_ALGORITHM, arena_digest
+from wcache.store.errors import KeyMismatch, StoreError
+from wcache.store.manifest import CacheKey, Manifest, canonical_json
+from wcache.store.prebuilt import PrebuiltArena
+
+__all__ = [
+    "SNAPSHOT_FORMAT_VERSION", "ARENA_FILE", "MANIFEST_FILE", "KEY_FILE", "DIGESTS_FILE",
+    "SnapshotMissing", "SnapshotCorrupt", "SnapshotStale", "Snapshot", "write_snapshot",
+    "open_snapshot", "check_key", "snapshot_arena", "read_bytes_into", "list_snapshots", "TEMP_PREFIX",
+]
+
+log = logging.getLogger("wcache.store")
+
+#: Bumped when the directory layout or a file's meaning changes.
+SNAPSHOT_FORMAT_VERSION = 1
+ARENA_FILE = "arena.safetensors"
+MANIFEST_FILE = "manifest.json"
+KEY_FILE = "key.json"
+DIGESTS_FILE = "digests.json"
+#: The one tensor name inside ``arena.safetensors``.
+ARENA_TENSOR = "arena"
+#: In-progress writes live in ``DIR/.tmp-<name>-*``; readers never look there.
+TEMP_PREFIX = ".tmp-"
+OLD_PREFIX = ".old-"
+#: Bytes per read request: large enough that each ``preadv`` runs at the
+#: device's sequential bandwidth, small enough that several threads share the
+#: arena evenly (a 270 MiB SmolLM2 arena is ~4 requests).
+READ_CHUNK_BYTES = 64 << 20
+#: Reader threads: NVMe and network file systems need several requests in
+#: flight to reach their bandwidth; 8 threads read 13 GiB from the H200 host's
+#: page cache at 26.7 GiB/s (docs/benchmarks.md, raw read).
+MAX_READ_THREADS = 8
+#: Chunks per wave on CUDA (each READ_CHUNK_BYTES, pinned, two waves: 1 GiB):
+#: one chunk per reader thread, so a wave is read with every thread busy while
+#: the previous wave's copies to the device run.
+CUDA_STAGING_CHUNKS = 8
+
+
+class SnapshotMissing(StoreError, FileNotFoundError):
+    """No complete snapshot of this rank in the directory (never written, or a
+    write did not finish). Start the daemon from the checkpoint with
+    ``--snapshot DIR`` to write one."""
+
+    code = "snapshot-missing"
+
+
+class SnapshotCorrupt(StoreError):
+    """A snapshot file is missing, unreadable, malformed or does not match its
+    recorded digest. Delete the snapshot directory and write it again
+    (``wcache serve --snapshot DIR``)."""
+
+    code = "snapshot-corrupt"
+
+
+class SnapshotStale(KeyMismatch):
+    """The snapshot was made for another cache key (changed checkpoint, other
+    engine arguments, another vLLM/wcache/torch, another host decision);
+    ``.fields`` names the differing key fields. Start from the checkpoint with
+    ``--snapshot DIR`` to replace it."""
+
+    code = "snapshot-stale"
+
+
+@frozen
+class Snapshot:
+    """One rank's snapshot, opened and checked for consistency (not yet read).
+
+    Attributes:
+        path: the rank's directory.
+        manifest: the arena layout.
+        key: the key the arena was prepared for.
+        digests: file name -> blake3 hex digest, from ``digests.json``.
+        data_offset: byte offset of the arena bytes in ``arena.safetensors``.
+        header: the safetensors header bytes (``[0, data_offset)``), hashed with the data.
+        device_digest: ``{"algorithm", "digest"}`` of the arena bytes computed on the
+            device (:func:`wcache.store.arena_digest.arena_digest`), recorded for CUDA
+            arenas; a CUDA load checks it on the GPU instead of hashing the file
+            on the host. None for CPU arenas.
+    """
+
+    path: str
+    manifest: Manifest
+    key: CacheKey
+    digests: dict
+    data_offset: int
+    header: bytes
+    device_digest: dict | None = None
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: str, data: bytes) -> str:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return blake3.blake3(data).hexdigest()
+
+
+def _memview(t: torch.Tensor) -> memoryview:
+    """A writable memoryview of a contiguous CPU uint8 tensor's bytes (no copy)."""
+    n = t.numel()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else memoryview(b"")
+
+
+def _check_name(name: str) -> None:
+    if not name or "/" in name or name.startswith(".") or name != os.path.basename(name):
+        raise StoreError(f"snapshot name {name!r} must be a plain, non-hidden directory name")
+
+
+def write_snapshot(root: str, name: str, arena: torch.Tensor, manifest: Manifest, key: CacheKey) -> str:
+    """Write one rank's arena atomically as ``root/name``.
+
+    Args:
+        root: snapshot directory (created 0700 when missing).
+        name: the rank's sub-directory name (e.g. ``tp0of1-pp0of1-dp0of1``).
+        arena: ``[>= arena_nbytes]`` uint8, CPU or CUDA (CUDA is copied to host
+            memory once, since safetensors writes from host memory).
+        manifest: the arena's layout; its key must be ``key``.
+        key: the cache key the bytes were prepared for.
+
+    Returns:
+        The rank's directory.
+
+    Raises:
+        StoreError: the manifest's key differs from ``key``, or the arena is
+            not ``[>= arena_nbytes]`` uint8.
+        OSError: a write, fsync or rename fails (disk full, permissions); any
+            previous snapshot of ``name`` is then left in place and the temp
+            dir is removed.
+
+    Source: safetensors.torch.save_file (the file), rename(2) (atomicity).
+    """
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    _check_name(name)
+    if CacheKey(manifest.key) != key:
+        raise StoreError("the manifest's key is not the key given; refusing to write a snapshot "
+                         "that would be served under another key")
+    n = manifest.arena_nbytes
+    if arena.dtype != torch.uint8 or arena.dim() != 1 or arena.numel() < n:
+        raise StoreError(f"arena must be [>= {n}] uint8, got {arena.dtype} {tuple(arena.shape)}")
+    t0 = time.perf_counter()
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    final = os.path.join(root, name)
+    tmp = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{name}-", dir=root)
+    try:
+        data = arena[:n]
+        device_digest = None
+        if data.device.type != "cpu":
+            algo, hexd = arena_digest(data)
+            device_digest = {"algorithm": algo, "digest": hexd}
+            data = data.cpu()
+        apath = os.path.join(tmp, ARENA_FILE)
+        save_file({ARENA_TENSOR: data}, apath,
+                  metadata={"format": "wcache-arena", "snapshot_format": str(SNAPSHOT_FORMAT_VERSION),
+                            "key_digest": key.digest, "arena_nbytes": str(n)})
+        with open(apath, "rb+") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            f.seek(0)
+            header = f.read(8 + header_len)
+            os.fsync(f.fileno())
+            size = os.fstat(f.fileno()).st_size
+        if size != len(header) + n:
+            raise StoreError(f"safetensors wrote {size} bytes, expected {len(header) + n}")
+        h = blake3.blake3(header, max_threads=blake3.blake3.AUTO)
+        h.update(_memview(data.contiguous()))
+        digests = {ARENA_FILE: h.hexdigest(),
+                   MANIFEST_FILE: _write_file(os.path.join(tmp, MANIFEST_FILE), manifest.to_json().encode()),
+                   KEY_FILE: _write_file(os.path.join(tmp, KEY_FILE), key.to_json().encode())}
+        _write_file(os.path.join(tmp, DIGESTS_FILE), canonical_json({
+            "snapshot_format": SNAPSHOT_FORMAT_VERSION, "algorithm": "blake3", "files": digests,
+            "key_digest": key.digest, "arena_nbytes": n, "device_digest": device_digest}).encode())
+        _fsync_dir(tmp)
+        old = None
+        if os.path.lexists(final):
+            old = tempfile.mkdtemp(prefix=f"{OLD_PREFIX}{name}-", dir=root)
+            os.rename(final, os.path.join(old, name))
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            if old is not None:  # put the previous snapshot back
+                os.rename(os.path.join(old, name), final)
+                os.rmdir(old)
+            raise
+        _fsync_dir(root)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dt = time.perf_counter() - t0
+    log.info("snapshot %s written: %.1f MiB in %.2f s (%.2f GiB/s)", final, n / 2**20, dt,
+             n / 2**30 / max(dt, 1e-9))
+    return final
+
+
+def _read_small(path: str, digests: dict, fname: str) -> bytes:
+    try:
+        with open(os.path.join(path, fname), "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise SnapshotCorrupt(f"snapshot {path}: cannot read {fname}: {e}; delete {path} and write "
+                              f"the snapshot again") from e
+    if blake3.blake3(data).hexdigest() != digests.get(fname):
+        raise SnapshotCorrupt(f"snapshot {path}: {fname} does not match its digest; delete {path} "
+                              f"and write the snapshot again")
+    return data
+
+
+def open_snapshot(root: str, name: str) -> Snapshot:
+    """Open ``root/name`` and check its small files (digests, manifest, key, the
+    safetensors header); the arena bytes are checked when read.
+
+    Raises:
+        SnapshotMissing: no complete snapshot of that name (temp dirs are not read).
+        SnapshotCorrupt: a file is missing, malformed, or differs from its digest.
+    """
+    _check_name(name)
+    path = os.path.join(root, name)
+    dpath = os.path.join(path, DIGESTS_FILE)
+    if not os.path.isdir(path) or not os.path.exists(dpath):
+        what = "no directory" if not os.path.isdir(path) else f"no {DIGESTS_FILE} (an unfinished write?)"
+        raise SnapshotMissing(f"no snapshot at {path} ({what}); start the daemon from the checkpoint "
+                              f"with `--snapshot {root}` to write one")
+    try:
+        with open(dpath, "rb") as f:
+            index = json.loads(f.read())
+        digests = dict(index["files"])
+        fmt = index["snapshot_format"]
+        device_digest = index.get("device_digest")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SnapshotCorrupt(f"snapshot {path}: {DIGESTS_FILE} is unreadable ({e}); delete {path} "
+                              f"and write it again") from e
+    if fmt != SNAPSHOT_FORMAT_VERSION:
+        raise SnapshotCorrupt(f"snapshot {path} has format {fmt!r}, this wcache reads "
+                              f"{SNAPSHOT_FORMAT_VERSION}; write it again with this wcache")
+    try:
+        key = CacheKey.from_json(_read_small(path, digests, KEY_FILE).decode())
+        manifest = Manifest.from_json(_read_small(path, digests, MANIFEST_FILE).decode())
+    except SnapshotCorrupt:
+        raise
+    except (StoreError, UnicodeDecodeError) as e:
+        raise SnapshotCorrupt(f"snapshot {path}: {e}") from e
+    if CacheKey(manifest.key) != key:
+        raise SnapshotCorrupt(f"snapshot {path}: manifest.json and key.json name different keys")
+    apath = os.path.join(path, ARENA_FILE)
+    n = manifest.arena_nbytes
+    try:
+        from safetensors import safe_open  # noqa: PLC0415
+
+        with safe_open(apath, framework="pt") as f:
+            names = list(f.keys())
+            meta = f.metadata() or {}
+            sl = f.get_slice(ARENA_TENSOR) if names == [ARENA_TENSOR] else None
+            shape, dtype = (sl.get_shape(), sl.get_dtype()) if sl is not None else (None, None)
+        with open(apath, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            f.seek(0)
+            header = f.read(8 + header_len)
+            size = os.fstat(f.fileno()).st_size
+    except Exception as e:  # safetensors raises its own SafetensorError on a bad header
+        raise SnapshotCorrupt(f"snapshot {path}: {ARENA_FILE} is not a readable safetensors file "
+                              f"({type(e).__name__}: {e}); delete {path} and write it again") from e
+    if names != [ARENA_TENSOR] or list(shape) != [n] or dtype != "U8" or size != len(header) + n \
+            or meta.get("key_digest") != key.digest:
+        raise SnapshotCorrupt(f"snapshot {path}: {ARENA_FILE} holds {names} {shape} {dtype} in "
+                              f"{size} bytes, expected one U8 [{n}] tensor of key {key.digest[:16]}; "
+                              f"delete {path} and write it again")
+    if device_digest is not None and not (isinstance(device_digest, dict)
+                                          and {"algorithm", "digest"} <= device_digest.keys()):
+        raise SnapshotCorrupt(f"snapshot {path}: {DIGESTS_FILE} has a malformed device_digest")
+    return Snapshot(path, manifest, key, digests, len(header), header, device_digest)
+
+
+def check_key(snap: Snapshot, key: CacheKey) -> None:
+    """Refuse a snapshot made for another key.
+
+    Raises:
+        SnapshotStale: naming every differing field and both values.
+    """
+    if snap.key == key:
+        return
+    diff = key.diff(snap.key)
+    raise SnapshotStale(f"snapshot {snap.path} was prepared for another key; differing fields: "
+                        f"{key.describe_diff(snap.key, 'now', 'snapshot')}. Start from the "
+                        f"checkpoint with `--snapshot DIR` to replace it.",
+                        fields=diff, theirs={k: snap.key.fields.get(k) for k in diff})
+
+
+def _ranges(n: int, chunk: int) -> list[tuple[int, int]]:
+    return [(off, min(chunk, n - off)) for off in range(0, n, chunk)]
+
+
+def _read_range(fd: int, path: str, dst: memoryview, file_offset: int) -> None:
+    """``preadv`` until ``dst`` is full (a read may return fewer bytes)."""
+    got, length = 0, len(dst)
+    while got < length:
+        r = os.preadv(fd, [dst[got:]], file_offset + got)
+        if r <= 0:
+            raise SnapshotCorrupt(f"{path} ends {length - got} bytes early at offset {file_offset + got}")
+        got += r
+
+
+def read_bytes_into(path: str, file_offset: int, dst: memoryview, *, threads: int | None = None,
+                    chunk: int = READ_CHUNK_BYTES, hasher=None) -> None:
+    """Read ``len(dst)`` bytes of ``path`` from ``file_offset`` into ``dst`` with
+    ``preadv`` from several threads (large sequential requests, no staging).
+    With ``hasher`` (a blake3 object), each chunk is hashed in file order as
+    soon as it and every chunk before it have arrived, overlapping the reads.
+
+    Raises:
+        SnapshotCorrupt: the file is shorter than expected or a read fails.
+    """
+    n = len(dst)
+    threads = threads or min(MAX_READ_THREADS, os.cpu_count() or 1)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, file_offset, n, os.POSIX_FADV_SEQUENTIAL)
+        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="wcache-read") as ex:
+            futures = [(off, length, ex.submit(_read_range, fd, path, dst[off:off + length],
+                                               file_offset + off))
+                       for off, length in _ranges(n, chunk)]
+            for off, length, fut in futures:
+                fut.result()
+                if hasher is not None:
+                    hasher.update(dst[off:off + length])
+    except OSError as e:
+        raise SnapshotCorrupt(f"cannot read {path}: {e}") from e
+    finally:
+        os.close(fd)
+
+
+def _fill_cpu(snap: Snapshot, dst: torch.Tensor, threads: int | None) -> str:
+    h = blake3.blake3(snap.header, max_threads=blake3.blake3.AUTO)
+    read_bytes_into(os.path.join(snap.path, ARENA_FILE), snap.data_offset, _memview(dst),
+                    threads=threads, hasher=h)
+    return h.hexdigest()
+
+
+def _fill_cuda(snap: Snapshot, dst: torch.Tensor, threads: int | None, hash_file: bool) -> str | None:
+    """Stage through pinned host buffers in two halves: while one wave of
+    chunks is copied to the device asynchronously (and, with ``hash_file``,
+    hashed in file order on the host), the next wave is read into the other
+    half by the reader threads. Returns the file's blake3 with ``hash_file``."""
+    n = snap.manifest.arena_nbytes
+    threads = threads or min(MAX_READ_THREADS, os.cpu_count() or 1)
+    chunk, depth = READ_CHUNK_BYTES, CUDA_STAGING_CHUNKS
+    ranges = _ranges(n, chunk)
+    waves = [ranges[i:i + depth] for i in range(0, len(ranges), depth)]
+    nbuf = 2 * depth if len(waves) > 1 else max(1, len(ranges))
+    bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(nbuf)]
+    views = [_memview(b) for b in bufs]
+    h = blake3.blake3(snap.header, max_threads=blake3.blake3.AUTO)
+    stream = torch.cuda.Stream(dst.device)
+    apath = os.path.join(snap.path, ARENA_FILE)
+    fd = os.open(apath, os.O_RDONLY)
+    events: list = [None, None]
+    try:
+        os.posix_fadvise(fd, snap.data_offset, n, os.POSIX_FADV_SEQUENTIAL)
+        with concurrent.futures.ThreadPoolExecutor(min(threads, depth),
+                                                   thread_name_prefix="wcache-read") as ex:
+            def submit(w: int) -> list:
+                base = (w % 2) * depth
+                return [ex.submit(_read_range, fd, apath, views[base + i][:length],
+                                  snap.data_offset + off)
+                        for i, (off, length) in enumerate(waves[w])]
+
+            pending = submit(0)
+            for w, wave in enumerate(waves):
+                nxt = None
+                if w + 1 < len(waves):
+                    if events[(w + 1) % 2] is not None:
+                        events[(w + 1) % 2].synchronize()  # that half's copies are done
+                    nxt = submit(w + 1)
+                for f in pending:
+                    f.result()
+                base = (w % 2) * depth
+                with torch.cuda.stream(stream):
+                    for i, (off, length) in enumerate(wave):
+                        if hash_file:
+                            h.update(views[base + i][:length])
+                        dst[off:off + length].copy_(bufs[base + i][:length], non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                    events[w % 2] = ev
+                pending = nxt
+            stream.synchronize()
+    except OSError as e:
+        raise SnapshotCorrupt(f"cannot read {apath}: {e}") from e
+    finally:
+        os.close(fd)
+    return h.hexdigest() if hash_file else None
+
+
+def snapshot_arena(snap: Snapshot, *, threads: int | None = None) -> PrebuiltArena:
+    """A :class:`PrebuiltArena` that reads the snapshot's bytes into the daemon's
+    arena (CPU: straight into the memfd mapping, blake3 of the file computed as
+    the chunks arrive; CUDA: through pinned staging buffers, then the recorded
+    device-side digest checked on the GPU, or the file's blake3 on the host when
+    none was recorded).
+
+    Raises (from ``fill``):
+        SnapshotCorrupt: a short or failed read, or a digest that differs (the
+            arena is then dropped and nothing is served).
+    """
+    def fill(dst: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        if dst.device.type == "cpu":
+            got = _fill_cpu(snap, dst, threads)
+        else:
+            on_device = (snap.device_digest or {}).get("algorithm") == CUDA_ALGORITHM
+            got = _fill_cuda(snap, dst, threads, hash_file=not on_device)
+            if on_device:
+                algo, hexd = arena_digest(dst[:snap.manifest.arena_nbytes])
+                if hexd != snap.device_digest["digest"]:
+                    raise SnapshotCorrupt(f"snapshot {snap.path}: the arena read from {ARENA_FILE} "
+                                          f"does not match its digest ({algo} on the device: read "
+                                          f"{hexd[:16]}, recorded {snap.device_digest['digest'][:16]}); "
+                                          f"delete {snap.path} and write it again")
+                got = snap.digests.get(ARENA_FILE)
+        if got != snap.digests.get(ARENA_FILE):
+            raise SnapshotCorrupt(f"snapshot {snap.path}: {ARENA_FILE} does not match its digest "
+                                  f"(read {got[:16]}, recorded {str(snap.digests.get(ARENA_FILE))[:16]}); "
+                                  f"delete {snap.path} and write it again")
+        log.info("snapshot %s read and verified in %.3f s", snap.path, time.perf_counter() - t0)
+
+    return PrebuiltArena(snap.manifest, fill, f"snapshot {snap.path}")
+
+
+def list_snapshots(root: str) -> Iterable[str]:
+    """Names of the complete-looking rank directories under ``root`` (temp and
+    replaced directories are left out)."""
+    try:
+        entries = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return []
+    return [e for e in entries if not e.startswith(".") and os.path.isdir(os.path.join(root, e))]
