@@ -16,7 +16,7 @@ from wcache.plans.registry import plan_for
 CPU = Target("cpu", None, frozenset({"avx512"}))
 
 
-@stage("toy.scale_weight", Tag.TRANSFORM, reads=["weight"], writes=["weight"], source="test")
+@stage("toy.fold_weight_scale", Tag.TRANSFORM, reads=["weight"], writes=["weight"], source="test")
 def scale_weight(t, c, tg, r):
     return StageOut(tensors={"weight": t["weight"] * 2})
 
@@ -31,19 +31,19 @@ def alloc_workspace(t, c, tg, r):
     return StageOut(tensors={"workspace": torch.zeros(4, dtype=torch.int32)})
 
 
-@stage("toy.derive_handle", Tag.DERIVE, reads=["weight"], attrs=["handle"], source="test")
+@stage("toy.bind_handle", Tag.DERIVE, reads=["weight"], attrs=["handle"], source="test")
 def derive_handle(t, c, tg, r):
     w = t["weight"].clone()
     return StageOut(attrs={"handle": lambda x: x @ w.t()}, release=("weight",))
 
 
-@stage("toy.inplace_scale", Tag.METADATA, reads=["weight"], attrs=["flag"], source="test")
+@stage("toy.set_flag_in_place", Tag.METADATA, reads=["weight"], attrs=["flag"], source="test")
 def inplace_scale(t, c, tg, r):
     t["weight"].mul_(2)  # the bug class: an in-place write during replay
     return StageOut(attrs={"flag": True})
 
 
-@stage("toy.isa_from_target", Tag.METADATA, attrs=["isa"], source="test")
+@stage("toy.set_isa", Tag.METADATA, attrs=["isa"], source="test")
 def isa_from_target(t, c, tg, r):
     value = "amx" if tg.has("amx") else "vec"
     return StageOut(attrs={"isa": value}, record={"isa": value})
@@ -92,7 +92,7 @@ def test_prepare_skips_allocate_and_derive():
     prepared, _ = _exported(TOY, torch.ones(6, 8))
     assert set(prepared.tensors) == {"weight"}
     assert torch.equal(prepared.tensors["weight"], torch.full((6, 8), 2.0))
-    assert prepared.recorded == {"toy.set_width": {"width": 6}, "toy.isa_from_target": {"isa": "vec"}}
+    assert prepared.recorded == {"toy.set_width": {"width": 6}, "toy.set_isa": {"isa": "vec"}}
 
 
 def test_derive_release_keeps_shared_bytes_and_installs_placeholder():
@@ -109,7 +109,7 @@ def test_replayed_inplace_write_is_caught():
     """A METADATA stage that writes in place into a shared tensor raises RestoreWroteSharedTensor."""
     bad = Plan("toy", "bad", (scale_weight, inplace_scale), frozenset({"weight"}))
     prepared, engine = _exported(bad, torch.ones(2, 2))
-    with pytest.raises(RestoreWroteSharedTensor, match="toy.inplace_scale"):
+    with pytest.raises(RestoreWroteSharedTensor, match="toy.set_flag_in_place"):
         bad.restore(engine, CONFIG, CPU, prepared.recorded)
 
 
@@ -128,11 +128,11 @@ def test_plan_rules_list_every_violation():
     def alloc_over_export(t, c, tg, r):
         return StageOut()
 
-    @stage("toy.reads_ghost", Tag.TRANSFORM, reads=["ghost"], writes=["x"])
+    @stage("toy.convert_ghost", Tag.TRANSFORM, reads=["ghost"], writes=["x"])
     def reads_ghost(t, c, tg, r):
         return StageOut()
 
-    @stage("toy.transform_needs_alloc", Tag.TRANSFORM, reads=["workspace"], writes=["y"])
+    @stage("toy.pack_workspace", Tag.TRANSFORM, reads=["workspace"], writes=["y"])
     def transform_needs_alloc(t, c, tg, r):
         return StageOut()
 
@@ -148,7 +148,7 @@ def test_plan_rules_list_every_violation():
 
 def test_undeclared_write_is_rejected():
     """A stage returning a tensor it did not declare in writes is a contract error."""
-    @stage("toy.sneaky", Tag.TRANSFORM, reads=["weight"], writes=["weight"])
+    @stage("toy.repack_weight", Tag.TRANSFORM, reads=["weight"], writes=["weight"])
     def sneaky(t, c, tg, r):
         return StageOut(tensors={"other": torch.zeros(1)})
 
@@ -160,7 +160,7 @@ def test_undeclared_write_is_rejected():
 def test_recorded_mismatch_names_the_stage():
     """A value recomputed on restore that differs from the daemon's raises RecordedMismatch."""
     prepared, engine = _exported(TOY, torch.ones(6, 8), target=Target("cpu", None, {"amx"}))
-    with pytest.raises(RecordedMismatch, match="toy.isa_from_target"):
+    with pytest.raises(RecordedMismatch, match="toy.set_isa"):
         TOY.restore(engine, CONFIG, CPU, prepared.recorded)
 
 
@@ -173,7 +173,7 @@ def test_missing_tensor_is_restore_incomplete():
 def test_forgotten_metadata_breaks_the_invariant():
     """Folding METADATA work into a TRANSFORM makes restore differ from load (what the
     invariant tests catch)."""
-    @stage("toy.scale_and_width", Tag.TRANSFORM, reads=["weight"], writes=["weight"],
+    @stage("toy.fold_scale_set_width", Tag.TRANSFORM, reads=["weight"], writes=["weight"],
            attrs=["logical_width"])
     def scale_and_width(t, c, tg, r):
         return StageOut(tensors={"weight": t["weight"] * 2}, attrs={"logical_width": c.size_n})

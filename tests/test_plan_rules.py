@@ -11,8 +11,8 @@ import torch
 from attrs import evolve
 
 from wcache.core import (
-    LayerConfig, Plan, PlanInvalid, QuantSpec, RecordedMismatch, StageContractError,
-    StageOut, Tag, Target, registered_stages, stage,
+    STAGE_VERBS, LayerConfig, Plan, PlanInvalid, QuantSpec, RecordedMismatch,
+    StageContractError, StageOut, Tag, Target, registered_stages, stage, stage_name_problem,
 )
 from wcache.plans import PlanArgumentError, plan_for
 from wcache.testing.plans import UncheckedPlan, unregistered_stage
@@ -63,6 +63,31 @@ def test_a_name_not_family_verb_object_is_invalid(name):
         stage(name, Tag.METADATA)
 
 
+@pytest.mark.parametrize("name, verb", [("toy.width", "width"), ("toy.scale_weight", "scale"),
+                                        ("nvfp4.alpha", "alpha"), ("marlin.fp8_repack", "fp8"),
+                                        ("toy.input_scale_none", "input")])
+def test_a_name_not_starting_with_a_stage_verb_is_invalid(name, verb):
+    """Well-formed lower snake names whose first word after the dot is not in STAGE_VERBS
+    are refused, at build and at @stage, with the rule and the allowed verbs named."""
+    assert verb not in STAGE_VERBS
+    st_ = unregistered_stage(name, Tag.METADATA, attrs=("width",))(_out())
+    msg = _invalid(st_)
+    assert f"stage name {name!r} is not family.verb_object: {verb!r} is not a stage verb" in msg
+    assert ", ".join(STAGE_VERBS) in msg and "wcache.core.STAGE_VERBS" in msg
+    with pytest.raises(PlanInvalid, match=f"{verb!r} is not a stage verb"):
+        stage(name, Tag.METADATA)
+    assert name not in registered_stages()
+
+
+@pytest.mark.parametrize("name", ["toy.set", "toy.set_width", "cpu_wna16.repack",
+                                  "marlin.permute_zero_points"])
+def test_a_verb_alone_or_followed_by_an_object_is_valid(name):
+    """``family.<verb>`` and ``family.<verb>_<object>`` both pass the name rule."""
+    assert stage_name_problem(name) is None
+    Plan("toy", "good", (unregistered_stage(name, Tag.METADATA, attrs=("width",))(_out()),),
+         CHECKPOINT)
+
+
 def test_metadata_emptying_a_checkpoint_tensor_through_attrs_is_invalid():
     """A METADATA stage setting ``scales = None`` (dropping a checkpoint tensor through
     attrs) is a tensor write, refused at build."""
@@ -97,7 +122,7 @@ def test_replayed_read_of_an_allocate_output_is_reachable():
     """ALLOCATE outputs are in what a restore has (the rule adds them)."""
     alloc = unregistered_stage("toy.alloc_workspace", Tag.ALLOCATE, writes=("workspace",))(
         _out(tensors={"workspace": torch.zeros(1)}))
-    derive = unregistered_stage("toy.derive_handle", Tag.DERIVE, reads=("workspace",),
+    derive = unregistered_stage("toy.bind_handle", Tag.DERIVE, reads=("workspace",),
                                 attrs=("handle",))(_out())
     Plan("toy", "good", (alloc, derive), CHECKPOINT)
     assert "reads 'workspace'" in _invalid(derive, alloc)
@@ -106,7 +131,7 @@ def test_replayed_read_of_an_allocate_output_is_reachable():
 def test_every_violation_is_listed_once_in_one_error():
     """Two broken stages give one PlanInvalid naming both."""
     a = unregistered_stage("toy.clear_scales", Tag.METADATA, attrs=("scales",))(_out())
-    b = unregistered_stage("toy.read_ghost", Tag.VALIDATE, reads=("ghost",))(_out())
+    b = unregistered_stage("toy.validate_ghost", Tag.VALIDATE, reads=("ghost",))(_out())
     msg = _invalid(a, b)
     assert "toy.clear_scales" in msg and "'ghost'" in msg
 
@@ -178,16 +203,16 @@ def test_binding_a_second_function_to_a_stage_name_is_an_error():
     factory's variants (one definition) share the name."""
     from wcache.stages import cpu_wna16
 
-    @stage("toy.registered_once", Tag.METADATA)
+    @stage("toy.set_registered_once", Tag.METADATA)
     def first(t, c, tg, r):
         return StageOut()
 
     with pytest.raises(PlanInvalid, match="already bound"):
-        @stage("toy.registered_once", Tag.METADATA)
+        @stage("toy.set_registered_once", Tag.METADATA)
         def second(t, c, tg, r):
             return StageOut()
 
-    assert first in registered_stages()["toy.registered_once"]
+    assert first in registered_stages()["toy.set_registered_once"]
     assert cpu_wna16.repack("qweight") is cpu_wna16.repack("qweight")
     variants = registered_stages()["cpu_wna16.repack"]
     assert {cpu_wna16.repack("qweight"), cpu_wna16.repack("weight_packed")} <= set(variants)

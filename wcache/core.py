@@ -43,7 +43,8 @@ __all__ = [
     "LayerState", "Prepared", "TensorFingerprint",
     "WcacheError", "NoPlan", "PlanInvalid", "StageContractError",
     "RestoreWroteSharedTensor", "RecordedMismatch", "RestoreIncomplete",
-    "stage", "registered_stages", "STAGE_NAME", "apply_state_", "state_from_module", "snapshot",
+    "stage", "registered_stages", "STAGE_NAME", "STAGE_VERBS", "stage_name_problem",
+    "apply_state_", "state_from_module", "snapshot",
     "guard_snapshot",
     "RestoreGuard", "ByteRange", "layer_ranges", "range_sums", "tensor_checksum",
     "LOAD_TAGS", "PREPARE_TAGS", "RESTORE_TAGS",
@@ -339,7 +340,8 @@ class Stage:
     """One named, tagged, pure step of a method's post-load work.
 
     Attributes:
-        name: ``family.verb_object``, e.g. ``"awq.unpack_reorder"``.
+        name: ``family.verb_object`` (verb from :data:`STAGE_VERBS`), e.g.
+            ``"awq.unpack_reorder"``.
         tag: what it does to state.
         fn: ``fn(tensors, config, target, recorded) -> StageOut``; ``tensors`` is a
             read-only mapping of the layer's current tensors, ``recorded`` the
@@ -382,10 +384,66 @@ class Stage:
         return self.tag in RESTORE_TAGS
 
 
-#: A stage name: ``family.verb_object`` in lower snake case, e.g. ``awq.unpack_reorder``,
-#: ``marlin.permute_scales`` (the family is the ``wcache.stages`` module, or the
-#: kernel, whose layout the stage produces).
+#: A stage name's shape: lower snake ``family.verb[_object]``, e.g. ``awq.unpack_reorder``,
+#: ``marlin.permute_scales``, ``cpu_wna16.repack`` (the family is the ``wcache.stages``
+#: module, or the kernel, whose layout the stage produces). The verb is checked
+#: against :data:`STAGE_VERBS` (:func:`stage_name_problem`).
 STAGE_NAME = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*\.[a-z][a-z0-9]*(_[a-z0-9]+)*$")
+
+#: The closed set of verbs a stage name starts with (the first word after the dot),
+#: each with what it means for a stage. A name is ``family.<verb>`` or
+#: ``family.<verb>_<object>``, the object in the field's terms (a tensor or
+#: attribute name: ``marlin.permute_zero_points``, ``nvfp4.reduce_weight_scale_2``).
+#: A new stage that fits no verb here adds one, with its meaning, in the same change.
+STAGE_VERBS: Mapping[str, str] = types.MappingProxyType({
+    "alloc": "create a process-local tensor that depends on no checkpoint bytes",
+    "bind": "attach a callable over the final tensors to the layer (layer.cpu_linear)",
+    "cast": "convert a tensor to another dtype",
+    "clear": "set a layer attribute to None (vLLM: layer.x = None)",
+    "compute": "compute a new tensor or value from existing ones (alpha, azp_adj)",
+    "convert": "re-encode a tensor in another format's convention (AWQ -> standard, "
+               "per-tensor -> channelwise)",
+    "copy": "copy values into another tensor or onto the host",
+    "drop": "delete a tensor (vLLM: del layer.x)",
+    "empty": "replace a tensor by an empty [0] one (vLLM: marlin_make_empty)",
+    "fold": "fold one scale into another tensor",
+    "fuse": "multiply scales into one (vLLM: the fused activation scale)",
+    "pack": "pack a weight into a kernel's packed layout",
+    "pad": "zero-pad tensors to a kernel's tile sizes",
+    "permute": "reorder values into a kernel's order (scales, zero points, bias)",
+    "prepack": "build a kernel's prepacked weight handle (oneDNN)",
+    "process": "run the vLLM process_* helper of the same name (several steps in one)",
+    "quantize": "quantize a high-precision weight",
+    "reduce": "reduce over shards or a dimension (the max of per-shard scales)",
+    "register": "register a tensor as a layer parameter or buffer",
+    "repack": "re-pack a packed weight into a kernel's layout",
+    "select": "keep a slice or subset of a tensor",
+    "set": "set layer attributes from config, shapes, recorded values or the Target",
+    "swizzle": "swizzle block scales into a kernel's tiled layout",
+    "transpose": "transpose a tensor",
+    "unpack": "unpack packed values",
+    "validate": "check tensors without writing anything",
+})
+
+
+def stage_name_problem(name: str) -> str | None:
+    """Why ``name`` is not a valid stage name, or None when it is.
+
+    A valid name is lower snake ``family.<verb>[_<object>]`` (:data:`STAGE_NAME`)
+    whose verb is in :data:`STAGE_VERBS`. The message names the rule, the allowed
+    verbs and the fix; :func:`stage` raises it and plan validation lists it.
+    """
+    if not isinstance(name, str) or not STAGE_NAME.match(name):
+        return (f"stage name {name!r} is not family.verb_object in lower snake case "
+                f"(e.g. 'awq.unpack_reorder', 'cpu_wna16.repack')")
+    verb = name.partition(".")[2].split("_", 1)[0]
+    if verb not in STAGE_VERBS:
+        return (f"stage name {name!r} is not family.verb_object: {verb!r} is not a stage "
+                f"verb; start the part after the dot with one of {', '.join(STAGE_VERBS)} "
+                f"(wcache.core.STAGE_VERBS), e.g. 'nvfp4.compute_alpha', or add the verb "
+                f"there with its meaning")
+    return None
+
 
 #: name -> the code object bound to it by :func:`stage` (a factory's closures
 #: share one code object: ``cpu_wna16.repack("qweight")`` and
@@ -411,7 +469,8 @@ def stage(name: str, tag: Tag, *, reads: Iterable[str] = (), writes: Iterable[st
     strategy and listed in docs/plans.md.
 
     Raises:
-        PlanInvalid: ``name`` is not ``family.verb_object`` (:data:`STAGE_NAME`),
+        PlanInvalid: ``name`` is not ``family.verb_object`` with a verb from
+            :data:`STAGE_VERBS` (:func:`stage_name_problem`),
             ``tag`` is not a :class:`Tag`, or another function definition is
             already bound to ``name`` (a conditional variant must be its own
             stage, or a parameter of the one factory).
@@ -419,9 +478,9 @@ def stage(name: str, tag: Tag, *, reads: Iterable[str] = (), writes: Iterable[st
     if not isinstance(tag, Tag):
         raise PlanInvalid(f"stage {name!r}: tag {tag!r} is a {type(tag).__name__}, not a Tag; "
                           f"use Tag.TRANSFORM/METADATA/ALLOCATE/DERIVE/VALIDATE")
-    if not STAGE_NAME.match(name):
-        raise PlanInvalid(f"stage name {name!r} is not family.verb_object in lower snake case "
-                          f"(e.g. 'awq.unpack_reorder')")
+    problem = stage_name_problem(name)
+    if problem:
+        raise PlanInvalid(problem)
 
     def wrap(fn: StageFn) -> Stage:
         bound = _STAGE_CODE.setdefault(name, _definition(fn))
@@ -949,7 +1008,8 @@ def _validate(stages: tuple[Stage, ...], checkpoint: frozenset[str]) -> list[str
     """Build-time rules (docs/design.md section 3); returns every violation found.
 
     1. every stage is a :class:`Stage` whose tag is a :class:`Tag` and whose name
-       is ``family.verb_object`` (:data:`STAGE_NAME`); names are unique;
+       is ``family.verb_object`` with a verb from :data:`STAGE_VERBS`
+       (:func:`stage_name_problem`); names are unique;
     2. every read is a checkpoint tensor or an earlier stage's write;
     3. no TRANSFORM/METADATA/VALIDATE stage (the daemon runs them) depends on an
        ALLOCATE/DERIVE output;
@@ -971,9 +1031,9 @@ def _validate(stages: tuple[Stage, ...], checkpoint: frozenset[str]) -> list[str
         if not isinstance(st.tag, Tag):
             errors.append(f"stage {st.name!r} has tag {st.tag!r} ({type(st.tag).__name__}), "
                           f"not a Tag: it would run in no mode; use Tag.{str(st.tag).upper()}")
-        if not STAGE_NAME.match(st.name):
-            errors.append(f"stage name {st.name!r} is not family.verb_object in lower snake "
-                          f"case (e.g. 'awq.unpack_reorder')")
+        problem = stage_name_problem(st.name)
+        if problem:
+            errors.append(problem)
     if errors:
         return errors
     names = [s.name for s in stages]

@@ -88,7 +88,7 @@ def _module(w: torch.Tensor) -> torch.nn.Module:
 
 
 def _writer(form: str) -> Plan:
-    @stage("toy.sneaky_write", Tag.METADATA, reads=("weight",))
+    @stage("toy.set_sneaky_write", Tag.METADATA, reads=("weight",))
     def sneaky(tensors, config, target, recorded):
         WRITE_FORMS[form](tensors["weight"])
         return StageOut()

@@ -374,12 +374,12 @@ def test_allocate_writing_exported_tensor_is_invalid_and_guarded():
     """An ALLOCATE stage writing an exported tensor is refused at build; forced through,
     restore raises RestoreWroteSharedTensor."""
 
-    @unregistered_stage("cpu_wna16.allocate_scales", Tag.ALLOCATE, reads=("scales",),
+    @unregistered_stage("cpu_wna16.alloc_scales", Tag.ALLOCATE, reads=("scales",),
                         writes=("scales",))
     def bad(tensors, config, target, recorded):
         return StageOut(tensors={"scales": torch.ones_like(tensors["scales"])})
 
-    with pytest.raises(PlanInvalid, match="allocate_scales"):
+    with pytest.raises(PlanInvalid, match="alloc_scales"):
         _awq_plan(*_awq_stages(), bad)
     case = vl.awq_linear(128, 64, 32)
     plan = _awq_plan(*_awq_stages(), bad, unchecked=True)
@@ -394,7 +394,7 @@ def test_metadata_writing_in_place_is_caught(via_data):
     """A METADATA stage that writes shared bytes in place fails the restore guard, by
     version counter or (through ``.data``, which hides it) by checksum."""
 
-    @unregistered_stage("cpu_wna16.fix_scales", Tag.METADATA, reads=("scales",))
+    @unregistered_stage("cpu_wna16.set_scales_in_place", Tag.METADATA, reads=("scales",))
     def sneaky(tensors, config, target, recorded):
         (tensors["scales"].data if via_data else tensors["scales"]).mul_(2)
         return StageOut()

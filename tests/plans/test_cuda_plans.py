@@ -442,9 +442,9 @@ def _moe_case():
 @pytest.mark.parametrize("tag", [Tag.METADATA, Tag.ALLOCATE])
 def test_mistagged_activation_scale_fuse_is_rejected_at_build(tag):
     """The NVFP4 activation-scale fuse tagged replayable (METADATA/ALLOCATE) is a PlanInvalid."""
-    bad = evolve(F4.moe_fuse_activation_scale, tag=tag)
+    bad = evolve(F4.fuse_moe_activation_scale, tag=tag)
     stages = tuple(bad if s.name == bad.name else s for s in nvfp4_plans.MOE.stages)
-    with pytest.raises(PlanInvalid, match="nvfp4.moe_fuse_activation_scale"):
+    with pytest.raises(PlanInvalid, match="nvfp4.fuse_moe_activation_scale"):
         Plan("modelopt_fp4", "cutlass_moe", stages, checkpoint=nvfp4_plans.MOE.checkpoint)
 
 
@@ -453,7 +453,7 @@ def test_mistagged_activation_scale_fuse_replay_is_caught_by_guard():
     RestoreWroteSharedTensor instead of squaring the activation scale."""
     cfg, tensors = _moe_case()
     prepared = nvfp4_plans.MOE.prepare(make_module(tensors), cfg, B200)
-    bad = evolve(F4.moe_fuse_activation_scale, tag=Tag.ALLOCATE)
+    bad = evolve(F4.fuse_moe_activation_scale, tag=Tag.ALLOCATE)
     plan = UncheckedPlan("modelopt_fp4", "cutlass_moe",
                          tuple(bad if s.name == bad.name else s for s in nvfp4_plans.MOE.stages),
                          checkpoint=nvfp4_plans.MOE.checkpoint)
@@ -468,7 +468,7 @@ def test_vllm_style_in_place_fuse_on_restore_is_caught():
     """vLLM's form (``w13_weight_scale_2.mul_(w13_input_scale)``, declared as writing
     nothing) passes the build rules but the restore guard catches the in-place write."""
 
-    @unregistered_stage("nvfp4.moe_fuse_activation_scale", Tag.METADATA,
+    @unregistered_stage("nvfp4.fuse_moe_activation_scale", Tag.METADATA,
                         reads=("w13_weight_scale_2", "w13_input_scale"),
                         source="CutlassExpertsFp4 (vLLM)")
     def in_place(t, c, tg, r):
@@ -499,7 +499,7 @@ def test_cutlass_restore_without_logical_width_fails_invariant(method, n):
         cfg = _config(method, k, n, kernel="cutlass")
     full = plan_for(cfg, target=H200).plan
     lacking = evolve(full, stages=tuple(s for s in full.stages
-                                        if s.name != "cutlass.logical_output_size"))
+                                        if s.name != "cutlass.set_logical_output_size"))
     loaded, restored_ok, _ = roundtrip(full, tensors, cfg, H200)
     _, restored_bad, prepared_bad = roundtrip(lacking, tensors, cfg, H200)
     paths = attr_paths(full)

@@ -24,8 +24,8 @@ import test_cpu_plans as cpu  # noqa: E402  (skips without vLLM: its cases are v
 import test_cuda_plans as cuda  # noqa: E402
 import vllm_layers as vl  # noqa: E402
 from wcache.core import (
-    LOAD_TAGS, LayerConfig, LayerState, QuantSpec, Target, registered_stages, snapshot,
-    state_from_module,
+    LOAD_TAGS, STAGE_VERBS, LayerConfig, LayerState, QuantSpec, Target, registered_stages,
+    snapshot, stage_name_problem, state_from_module,
 )
 from wcache.plans import PLAN_MODULES, _import_plan_modules, all_plans, plan_for
 
@@ -156,6 +156,15 @@ def test_every_stage_has_a_strategy():
     assert set(PLAN_STRATEGIES) == {p.id for p in all_plans()}
     covered = {s.name for p in all_plans() if p.id in PLAN_STRATEGIES for s in p.stages}
     assert set(_wcache_stages()) <= covered
+
+
+def test_every_stage_verb_is_used_and_every_name_has_one():
+    """STAGE_VERBS is the verbs wcache's stages use, no more: every verb names at least
+    one registered stage, and every registered name passes the name rule."""
+    registered = _wcache_stages()
+    assert [] == [n for n in registered if stage_name_problem(n)]
+    used = {name.partition(".")[2].split("_", 1)[0] for name in registered}
+    assert [] == sorted(set(STAGE_VERBS) - used)
 
 
 def test_every_stage_is_in_plans_md():

@@ -91,14 +91,14 @@ def test_zero_points_and_pack_equal_vllm(bits, groups, n, seed):
 @given(st.sampled_from([32, 64, 128]), st.sampled_from([128, 256]),
        st.sampled_from([64, 128, 256]), st.integers(0, 2 ** 16))
 def test_awq_zero_point_pipeline_equals_awq_to_marlin_zero_points(g, k, n, seed):
-    """AWQ -> standard -> marlin.zero_points stage == vLLM's awq_to_marlin_zero_points."""
+    """AWQ -> standard -> marlin.permute_zero_points stage == vLLM's awq_to_marlin_zero_points."""
     gen = _gen(seed)
     zp = torch.randint(0, 16, (k // g, n), generator=gen, dtype=torch.int32)
     awq = M.pack_int32(zp.reshape(k // g, n // 8, 8)[:, :, [0, 2, 4, 6, 1, 3, 5, 7]]
                        .reshape(k // g, n), 4)
     qweight = torch.zeros(k, n // 8, dtype=torch.int32)
     _, std = M.awq_to_standard(qweight, awq, 4)
-    stage_ = M.zero_points_stage("qzeros")
+    stage_ = M.permute_zero_points_stage("qzeros")
     out = stage_.fn({"qzeros": std}, cfg("awq", k, n, 4, g, True), H200, {})
     assert torch.equal(mu.awq_to_marlin_zero_points(awq, k // g, n, 4), out.tensors["qzeros"])
 
@@ -162,7 +162,8 @@ def test_marlin_stages_equal_vllm_kernel_composition(method, bits, g, k, n, zp):
     if zp:
         z = torch.randint(0, 2 ** bits, (groups, n), generator=gen, dtype=torch.int32)
         std = M.pack_int32(z, bits).t().contiguous()
-        got_z = M.zero_points_stage("qzeros").fn({"qzeros": std}, c, H200, {}).tensors["qzeros"]
+        got_z = M.permute_zero_points_stage("qzeros").fn({"qzeros": std}, c, H200,
+                                                         {}).tensors["qzeros"]
         pg = pk // g if g > 0 else 1
         exp_z = mu.marlin_zero_points(mu.marlin_pad_scales(z, n, k, pn, pk, g), pg, pn, bits)
         assert torch.equal(exp_z, got_z)
@@ -185,14 +186,15 @@ def test_fp8_marlin_stages_equal_vllm(n, k, seed, dtype):
     vals = M.unpack_int32(packed.t().contiguous(), 8).t()
     vals = torch.nn.functional.pad(vals, (0, pn - n, 0, pk - k))
     expected = mut.marlin_weights(vals, pk, pn, 8, mut.get_weight_perm(8))
-    assert torch.equal(expected, M.fp8_repack.fn({"weight": w}, c, H200, {}).tensors["weight"])
+    got_w = M.repack_fp8_weight.fn({"weight": w}, c, H200, {}).tensors["weight"]
+    assert torch.equal(expected, got_w)
     scale = torch.rand(2, generator=gen) * 0.01 + 1e-4
     sd = getattr(torch, dtype)
     exp = scale.to(sd).view(1, -1).repeat_interleave(
         torch.tensor(c.get("logical_widths")), dim=1)
     exp = mu.marlin_permute_scales(mu.marlin_pad_scales(exp, n, k, pn, pk, -1), pk, pn, -1)
     exp = mfp8.fp8_fused_exponent_bias_into_scales(exp)
-    got = M.fp8_scales.fn({"weight_scale": scale}, c, H200, {}).tensors["weight_scale"]
+    got = M.permute_fp8_scales.fn({"weight_scale": scale}, c, H200, {}).tensors["weight_scale"]
     assert got.dtype == sd and torch.equal(exp, got)
 
 
@@ -205,7 +207,7 @@ def test_mxfp8_marlin_scales_equal_vllm(n, k, seed):
     exp = s.view(torch.float8_e8m0fnu).to(torch.bfloat16).T.contiguous()
     exp = mu.marlin_permute_scales(mu.marlin_pad_scales(exp, n, k, pn, pk, 32), pk, pn, 32)
     exp = mfp8.mxfp8_marlin_process_scales(exp)
-    got = M.mxfp8_scales.fn({"weight_scale": s}, c, H200, {}).tensors["weight_scale"]
+    got = M.permute_mxfp8_scales.fn({"weight_scale": s}, c, H200, {}).tensors["weight_scale"]
     assert torch.equal(u8(exp), u8(got))
 
 
@@ -300,7 +302,7 @@ def test_cutlass_pad_per_tensor_equals_vllm(kn, seed):
     pw, ps = F8.cutlass_pad(w, s)
     assert pw.shape == mod.weight.shape and pw.stride() == mod.weight.stride()
     assert torch.equal(u8(mod.weight.data), u8(pw)) and torch.equal(mod.weight_scale.data, ps)
-    out = F8.logical_output_size.fn({}, cfg("fp8", k, n), H200, {})
+    out = F8.set_logical_output_size.fn({}, cfg("fp8", k, n), H200, {})
     assert out.attrs[F8.LOGICAL_OUTPUT_ATTR] == kern.logical_output_size == n
 
 
@@ -415,7 +417,7 @@ def test_fuse_activation_scale_returns_new_tensors():
     t = {"w13_weight_scale_2": torch.tensor([0.5, 0.25]), "w13_input_scale": torch.tensor([2.0, 4.0]),
          "w2_weight_scale_2": torch.tensor([1.0, 3.0]), "w2_input_scale": torch.tensor([0.5, 0.5])}
     before = {k: (v.clone(), v._version) for k, v in t.items()}
-    out = F4.moe_fuse_activation_scale.fn(t, cfg("modelopt_fp4"), Target("cuda", (10, 0)), {})
+    out = F4.fuse_moe_activation_scale.fn(t, cfg("modelopt_fp4"), Target("cuda", (10, 0)), {})
     assert torch.equal(out.tensors["w13_weight_scale_2"], torch.tensor([1.0, 1.0]))
     assert torch.equal(out.tensors["w2_weight_scale_2"], torch.tensor([0.5, 1.5]))
     for k, (v, ver) in before.items():

@@ -82,7 +82,7 @@ WRITE_FORMS = {
 
 def _writer(form: str, victim: list):
     """A METADATA stage (mis-tagged: it writes) that writes ``victim[0]`` in one form."""
-    @stage("toy.sneaky_write", Tag.METADATA, reads=("weight",))
+    @stage("toy.set_sneaky_write", Tag.METADATA, reads=("weight",))
     def sneaky(tensors, config, target, recorded):
         WRITE_FORMS[form](victim[0] if victim else tensors["weight"])
         return StageOut()
@@ -121,7 +121,7 @@ def test_default_guard_catches_every_write_form_in_copy_mode(sock_dir, form):
 
 def test_untouched_restore_passes_default_guard():
     """A restore whose stages write nothing passes the default content check (no false alarm)."""
-    @stage("toy.width", Tag.METADATA, reads=("weight",), attrs=("width",))
+    @stage("toy.set_weight_width", Tag.METADATA, reads=("weight",), attrs=("width",))
     def width(tensors, config, target, recorded):
         return StageOut(attrs={"width": tensors["weight"].shape[1]})
 
@@ -173,12 +173,12 @@ def test_inplace_cross_layer_write_names_stage_and_victim():
     with pytest.raises(RestoreWroteSharedTensor) as err:
         plan.restore(_module(a), _config("A"), CPU, {}, guard=guard)
     msg = str(err.value)
-    assert "stage 'toy.sneaky_write'" in msg and "layer 'B' tensors ['weight']" in msg, msg
+    assert "stage 'toy.set_sneaky_write'" in msg and "layer 'B' tensors ['weight']" in msg, msg
 
 
 def test_data_swap_is_caught_by_pointer():
     """A stage that swaps a shared tensor's .data (same shape and values) fails purity by data pointer."""
-    @stage("toy.swap", Tag.METADATA, reads=("weight",))
+    @stage("toy.set_swapped_data", Tag.METADATA, reads=("weight",))
     def swap(tensors, config, target, recorded):
         tensors["weight"].data = tensors["weight"].data.clone()
         return StageOut()

@@ -103,7 +103,7 @@ TORCH_LINEAR = register(Plan(
 
 SGL = register(Plan(
     method="unquantized", kernel="sgl",
-    stages=(cpu_gemm.sgl_pack_weight, cpu_gemm.sgl_bias_to_float32, cpu_gemm.bind_sgl_linear),
+    stages=(cpu_gemm.pack_sgl_weight, cpu_gemm.cast_bias_to_float32, cpu_gemm.bind_sgl_linear),
     checkpoint={"weight", "bias"}, match=_match_cpu_branch("sgl"),
     description="Unquantized linear on CPU where vLLM picks the AMX SGL kernel (small "
                 "tile-aligned bf16/fp16 weights on AMX hosts): the daemon packs the weight "

@@ -23,7 +23,7 @@ from wcache.core import LayerConfig, StageOut, Tag, Target, stage
 
 __all__ = ["SGL_TILE_K", "SGL_TILE_N", "SGL_MAX_WEIGHT_BYTES", "gemm_decision", "sgl_shape",
            "gemm_branch", "missing_op_reason", "TorchLinear", "bind_torch_linear",
-           "sgl_packed_shape", "sgl_pack_weight", "sgl_bias_to_float32", "SGLLinear",
+           "sgl_packed_shape", "pack_sgl_weight", "cast_bias_to_float32", "SGLLinear",
            "bind_sgl_linear"]
 
 _UTILS = "vllm/model_executor/layers/utils.py::dispatch_cpu_unquantized_gemm"
@@ -135,9 +135,9 @@ def sgl_packed_shape(size_n: int, size_k: int, dtype: torch.dtype) -> tuple[tupl
     return (size_n, size_k), dtype
 
 
-@stage("cpu_gemm.sgl_pack_weight", Tag.TRANSFORM, reads=("weight",), writes=("weight",),
+@stage("cpu_gemm.pack_sgl_weight", Tag.TRANSFORM, reads=("weight",), writes=("weight",),
        source=f"{_SGL}: torch.ops._C.convert_weight_packed")
-def sgl_pack_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+def pack_sgl_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
                     recorded: Mapping[str, Any]) -> StageOut:
     """``weight`` ``[N, K]`` (bf16/fp16) -> the SGL kernel's packed weight (VNNI
     blocks, same shape and dtype; fp32 ``[K, N]`` when ``N < 16``), a new tensor.
@@ -156,10 +156,10 @@ def sgl_pack_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, ta
     return StageOut(tensors={"weight": require_op("_C", "convert_weight_packed")(weight)})
 
 
-@stage("cpu_gemm.sgl_bias_to_float32", Tag.TRANSFORM, reads=("bias",), writes=("bias",),
+@stage("cpu_gemm.cast_bias_to_float32", Tag.TRANSFORM, reads=("bias",), writes=("bias",),
        optional=("bias",), source=f"{_SGL}: layer.bias.data = layer.bias.to(torch.float32)")
-def sgl_bias_to_float32(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                        target: Target, recorded: Mapping[str, Any]) -> StageOut:
+def cast_bias_to_float32(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
+                         target: Target, recorded: Mapping[str, Any]) -> StageOut:
     """``bias`` ``[N]`` -> a new fp32 copy (the SGL kernel adds an fp32 bias); no bias,
     no change."""
     if "bias" not in tensors:

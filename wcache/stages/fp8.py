@@ -41,8 +41,8 @@ __all__ = [
     "weight_amax", "quantize_per_tensor", "quantize_per_channel", "channel_scale",
     "per_block_cast_to_fp8", "requantize_with_max_scale", "cutlass_pad",
     "quantize_per_tensor_stage", "quantize_per_channel_stage", "quantize_per_block",
-    "input_scale_none", "drop_input_scale", "reduce_input_scale",
-    "process_weight_strategy", "logical_output_size", "pad_kn",
+    "clear_input_scale", "drop_input_scale", "reduce_input_scale",
+    "process_weight_strategy", "set_logical_output_size", "pad_kn",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -273,10 +273,10 @@ def quantize_per_block(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
     return StageOut(tensors={"weight": q, "weight_scale_inv": s})
 
 
-@stage("fp8.input_scale_none", Tag.METADATA, attrs=("input_scale",), optional=("input_scale",),
+@stage("fp8.clear_input_scale", Tag.METADATA, attrs=("input_scale",), optional=("input_scale",),
        source="process_weights_after_loading: layer.input_scale = None (dynamic activations)")
-def input_scale_none(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                     recorded: Mapping[str, Any]) -> StageOut:
+def clear_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                      recorded: Mapping[str, Any]) -> StageOut:
     """METADATA: ``layer.input_scale = None`` for dynamic activation scales (no-op for
     static ones, whose ``input_scale`` tensor is exported).
 
@@ -349,11 +349,11 @@ def process_weight_strategy(tensors: Mapping[str, torch.Tensor], config: LayerCo
     return StageOut(tensors={"weight": w.t(), "weight_scale": s})
 
 
-@stage("cutlass.logical_output_size", Tag.METADATA, attrs=(LOGICAL_OUTPUT_ATTR,),
+@stage("cutlass.set_logical_output_size", Tag.METADATA, attrs=(LOGICAL_OUTPUT_ATTR,),
        source="CutlassFP8ScaledMMLinearKernel.process_weights_after_loading: "
               "kernel.logical_output_size = weight.shape[1] (before padding)")
-def logical_output_size(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                        recorded: Mapping[str, Any]) -> StageOut:
+def set_logical_output_size(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
+                            target: Target, recorded: Mapping[str, Any]) -> StageOut:
     """METADATA: ``layer.logical_output_size = config.size_n`` (the unpadded N), recorded
     at prepare and checked on restore (a mismatch raises RecordedMismatch).
 

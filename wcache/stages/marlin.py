@@ -37,9 +37,10 @@ __all__ = [
     "pack_int32", "unpack_int32", "marlin_repack", "marlin_permute_scales",
     "marlin_zero_points", "marlin_permute_bias", "awq_to_standard",
     "pack_fp8_to_int32", "fp8_exponent_bias", "fp8_fused_exponent_bias_into_scales",
-    "awq_to_standard_stage", "repack_stage", "permute_scales_stage",
-    "zero_points_stage", "empty_zero_points_stage", "input_global_scale_none",
-    "permute_bias", "fp8_repack", "fp8_scales", "mxfp8_repack", "mxfp8_scales",
+    "convert_awq_to_standard_stage", "repack_stage", "permute_scales_stage",
+    "permute_zero_points_stage", "empty_zero_points_stage", "clear_input_global_scale",
+    "permute_bias", "repack_fp8_weight", "permute_fp8_scales", "repack_mxfp8_weight",
+    "permute_mxfp8_scales",
 ]
 
 #: Marlin's tile edge (``GPTQ_MARLIN_TILE``): the repacked weight has ``K / 16`` rows.
@@ -323,10 +324,10 @@ def _geometry(config: LayerConfig, group_size: int | None = None) -> tuple[int, 
 
 
 @functools.cache
-def awq_to_standard_stage() -> Stage:
+def convert_awq_to_standard_stage() -> Stage:
     """TRANSFORM ``qweight [K, N/8]``, ``qzeros [K/G, N/8]`` (AWQ) -> standard packing."""
 
-    @stage("marlin.awq_to_standard", Tag.TRANSFORM, reads=("qweight", "qzeros"),
+    @stage("marlin.convert_awq_to_standard", Tag.TRANSFORM, reads=("qweight", "qzeros"),
            writes=("qweight", "qzeros"),
            source="vllm.model_executor.layers.quantization.auto_awq._convert_awq_to_standard_format")
     def fn(t: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
@@ -378,7 +379,7 @@ def permute_scales_stage(w_s: str, *, n_major: bool = False) -> Stage:
 
 
 @functools.cache
-def zero_points_stage(w_zp: str, *, empty_if_symmetric: bool = False) -> Stage:
+def permute_zero_points_stage(w_zp: str, *, empty_if_symmetric: bool = False) -> Stage:
     """TRANSFORM standard zero points ``[N/pf, K/G]`` -> Marlin ``[Kp/G, Np/pf]`` int32.
 
     Args:
@@ -388,7 +389,7 @@ def zero_points_stage(w_zp: str, *, empty_if_symmetric: bool = False) -> Stage:
             int32 tensor instead (``marlin_make_empty``).
     """
 
-    @stage("marlin.zero_points", Tag.TRANSFORM, reads=(w_zp,), writes=(w_zp,),
+    @stage("marlin.permute_zero_points", Tag.TRANSFORM, reads=(w_zp,), writes=(w_zp,),
            optional=(w_zp,) if empty_if_symmetric else (),
            source="MarlinLinearKernel.process_weights_after_loading: unpack_cols + "
                   "marlin_pad_scales + marlin_zero_points (or marlin_make_empty)")
@@ -424,10 +425,10 @@ def empty_zero_points_stage(w_zp: str) -> Stage:
     return fn
 
 
-@stage("marlin.input_global_scale_none", Tag.METADATA, attrs=("input_global_scale",),
+@stage("marlin.clear_input_global_scale", Tag.METADATA, attrs=("input_global_scale",),
        source="MarlinLinearKernel.process_weights_after_loading: layer.input_global_scale = None")
-def input_global_scale_none(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                            target: Target, recorded: Mapping[str, Any]) -> StageOut:
+def clear_input_global_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
+                             target: Target, recorded: Mapping[str, Any]) -> StageOut:
     """METADATA: ``layer.input_global_scale = None`` (16-bit activations).
 
     Source: MarlinLinearKernel.process_weights_after_loading: layer.input_global_scale =
@@ -465,11 +466,11 @@ def _fp8_marlin_repack(weight_nk: torch.Tensor, config: LayerConfig, g: int) -> 
     return marlin_repack(q, padded_k, padded_n, 8)
 
 
-@stage("marlin.fp8_repack", Tag.TRANSFORM, reads=("weight",), writes=("weight",),
+@stage("marlin.repack_fp8_weight", Tag.TRANSFORM, reads=("weight",), writes=("weight",),
        source="marlin_utils_fp8.prepare_fp8_layer_for_marlin: pack_fp8_to_int32 + "
               "marlin_pad_qweight + ops.gptq_marlin_repack(num_bits=8)")
-def fp8_repack(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-               recorded: Mapping[str, Any]) -> StageOut:
+def repack_fp8_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                      recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM ``weight [N, K]`` float8_e4m3fn -> ``[Kp/16, 4 * Np]`` int32 (Marlin).
 
     Source: marlin_utils_fp8.prepare_fp8_layer_for_marlin: pack_fp8_to_int32 +
@@ -499,12 +500,13 @@ def _channel_scales(s: torch.Tensor, config: LayerConfig) -> torch.Tensor:
     return s.reshape(1, n)
 
 
-@stage("marlin.fp8_scales", Tag.TRANSFORM, reads=("weight_scale",), writes=("weight_scale",),
+@stage("marlin.permute_fp8_scales", Tag.TRANSFORM, reads=("weight_scale",),
+       writes=("weight_scale",),
        source="marlin_utils_fp8.prepare_fp8_layer_for_marlin (scales): cast to orig dtype, "
               "expand to channel, marlin_pad_scales, marlin_permute_scales, "
               "fp8_fused_exponent_bias_into_scales")
-def fp8_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-               recorded: Mapping[str, Any]) -> StageOut:
+def permute_fp8_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                       recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM ``weight_scale`` (0-d, ``[#shards]``, ``[N, 1]``) fp32 -> ``[1, Np]`` in
     ``params_dtype`` with the FP8 exponent bias fused (x 2**8 fp16, x 2**120 bf16).
 
@@ -519,10 +521,10 @@ def fp8_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target:
     return StageOut(tensors={"weight_scale": fp8_fused_exponent_bias_into_scales(s)})
 
 
-@stage("marlin.mxfp8_repack", Tag.TRANSFORM, reads=("weight",), writes=("weight",),
+@stage("marlin.repack_mxfp8_weight", Tag.TRANSFORM, reads=("weight",), writes=("weight",),
        source="marlin_utils_fp8.prepare_mxfp8_layer_for_marlin (weight)")
-def mxfp8_repack(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                 recorded: Mapping[str, Any]) -> StageOut:
+def repack_mxfp8_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                        recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM ``weight [N, K]`` float8_e4m3fn -> ``[Kp/16, 4 * Np]`` int32 (Marlin, G=32).
 
     Source: marlin_utils_fp8.prepare_mxfp8_layer_for_marlin (weight)
@@ -531,11 +533,12 @@ def mxfp8_repack(tensors: Mapping[str, torch.Tensor], config: LayerConfig, targe
     return StageOut(tensors={"weight": value})
 
 
-@stage("marlin.mxfp8_scales", Tag.TRANSFORM, reads=("weight_scale",), writes=("weight_scale",),
+@stage("marlin.permute_mxfp8_scales", Tag.TRANSFORM, reads=("weight_scale",),
+       writes=("weight_scale",),
        source="marlin_utils_fp8.prepare_mxfp8_layer_for_marlin (scales) + "
               "mxfp8_marlin_process_scales")
-def mxfp8_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                 recorded: Mapping[str, Any]) -> StageOut:
+def permute_mxfp8_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                         recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM ``weight_scale [N, K/32]`` uint8 (E8M0 codes) -> ``[Kp/32, Np]``
     float8_e8m0fnu, padded, permuted, reordered ``[0, 2, 1, 3]`` within groups of 4.
 

@@ -12,7 +12,7 @@ K / 16 groups and so returns padded columns when ``K / 16 % 4 != 0``).
 
 The fused-MoE activation-scale fuse (``CutlassExpertsFp4.process_weights_after_loading``)
 is done by vLLM *in place* (``w13_weight_scale_2.mul_(w13_input_scale)``).
-:data:`moe_fuse_activation_scale` is a TRANSFORM that returns new tensors; it
+:data:`fuse_moe_activation_scale` is a TRANSFORM that returns new tensors; it
 must never be replayed on restore (the plan rules and the restore guard refuse
 any replayable variant).
 """
@@ -30,10 +30,10 @@ __all__ = [
     "NVFP4_GROUP_SIZE", "SWIZZLE_ROW_TILE", "SWIZZLE_COL_TILE", "CUTLASS_FP4_ALIGNMENT",
     "Nvfp4LayoutError", "swizzle_blockscale", "unswizzle_blockscale",
     "pad_nvfp4_weight_for_cutlass",
-    "validate_loaded", "weight_global_scale", "input_global_scale", "alpha", "flags",
-    "swizzle_scales", "pad_weight",
-    "moe_w13_global_scale", "moe_reduce_input_scale", "moe_swizzle_scales",
-    "moe_fuse_activation_scale", "moe_dims",
+    "validate_loaded", "reduce_weight_scale_2", "reduce_input_scale", "compute_alpha",
+    "set_is_w4a16_nvfp4", "swizzle_scales", "pad_weight",
+    "select_w13_weight_scale_2", "reduce_w13_input_scale", "swizzle_moe_scales",
+    "fuse_moe_activation_scale", "set_moe_dims",
 ]
 
 #: Values per block scale along K.
@@ -150,11 +150,11 @@ def validate_loaded(tensors: Mapping[str, torch.Tensor], config: LayerConfig, ta
     return StageOut()
 
 
-@stage("nvfp4.weight_global_scale", Tag.TRANSFORM, reads=("weight_scale_2",),
+@stage("nvfp4.reduce_weight_scale_2", Tag.TRANSFORM, reads=("weight_scale_2",),
        writes=("weight_global_scale", "weight_scale_2"), drops=("weight_scale_2",),
        source=f"{_MODELOPT}: weight_global_scale = weight_scale_2.max(); del weight_scale_2")
-def weight_global_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                        recorded: Mapping[str, Any]) -> StageOut:
+def reduce_weight_scale_2(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                          recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM ``weight_scale_2 [#shards]`` fp32 -> ``weight_global_scale`` 0-d fp32 (max);
     drops ``weight_scale_2``.
 
@@ -166,12 +166,12 @@ def weight_global_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig
                     drop=("weight_scale_2",))
 
 
-@stage("nvfp4.input_global_scale", Tag.TRANSFORM, reads=("input_scale",),
+@stage("nvfp4.reduce_input_scale", Tag.TRANSFORM, reads=("input_scale",),
        writes=("input_global_scale", "input_global_scale_inv", "input_scale"),
        drops=("input_scale",),
        source=f"{_MODELOPT}: input_global_scale = input_scale.max(); inv = 1 / it; "
               f"del input_scale")
-def input_global_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+def reduce_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
                        recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM ``input_scale [#shards]`` -> ``input_global_scale`` and
     ``input_global_scale_inv`` (0-d fp32); drops ``input_scale``.
@@ -185,11 +185,11 @@ def input_global_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
                     drop=("input_scale",))
 
 
-@stage("nvfp4.alpha", Tag.TRANSFORM, reads=("input_global_scale", "weight_global_scale"),
+@stage("nvfp4.compute_alpha", Tag.TRANSFORM, reads=("input_global_scale", "weight_global_scale"),
        writes=("alpha",),
        source="modelopt.maybe_fuse_global_scales: alpha = input_global_scale * weight_global_scale")
-def alpha(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-          recorded: Mapping[str, Any]) -> StageOut:
+def compute_alpha(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                  recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM: ``alpha = input_global_scale * weight_global_scale`` (new 0-d fp32 tensor).
 
     Source: modelopt.maybe_fuse_global_scales: alpha = input_global_scale *
@@ -199,10 +199,10 @@ def alpha(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Targ
     return StageOut(tensors={"alpha": value})
 
 
-@stage("nvfp4.flags", Tag.METADATA, attrs=("is_w4a16_nvfp4",),
+@stage("nvfp4.set_is_w4a16_nvfp4", Tag.METADATA, attrs=("is_w4a16_nvfp4",),
        source=f"{_MODELOPT}: layer.is_w4a16_nvfp4")
-def flags(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-          recorded: Mapping[str, Any]) -> StageOut:
+def set_is_w4a16_nvfp4(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                       recorded: Mapping[str, Any]) -> StageOut:
     """METADATA: ``layer.is_w4a16_nvfp4 = False`` (W4A4 with an activation scale).
 
     Source: vllm.model_executor.layers.quantization.modelopt.ModelOptLinearMethod:
@@ -245,11 +245,11 @@ def pad_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target:
 _MOE = "vllm.model_executor.layers.quantization.modelopt.ModelOptNvFp4FusedMoE"
 
 
-@stage("nvfp4.moe_w13_global_scale", Tag.TRANSFORM, reads=("w13_weight_scale_2",),
+@stage("nvfp4.select_w13_weight_scale_2", Tag.TRANSFORM, reads=("w13_weight_scale_2",),
        writes=("w13_weight_scale_2",),
        source=f"{_MOE}.process_weights_after_loading: w13_weight_scale_2[:, 0]")
-def moe_w13_global_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                         recorded: Mapping[str, Any]) -> StageOut:
+def select_w13_weight_scale_2(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
+                              target: Target, recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM ``w13_weight_scale_2 [E, 2]`` -> ``[E]`` (the w1 column; w1 and w3 share it).
 
     Source:
@@ -260,11 +260,11 @@ def moe_w13_global_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfi
     return StageOut(tensors={"w13_weight_scale_2": value})
 
 
-@stage("nvfp4.moe_reduce_input_scale", Tag.TRANSFORM, reads=("w13_input_scale",),
+@stage("nvfp4.reduce_w13_input_scale", Tag.TRANSFORM, reads=("w13_input_scale",),
        writes=("w13_input_scale",),
        source="flashinfer_fp4_moe.prepare_nvfp4_moe_layer_for_fi_or_cutlass: "
               "a13_scale.max(dim=1) (VLLM_CUTLASS, no global sf)")
-def moe_reduce_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+def reduce_w13_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
                            recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM ``w13_input_scale [E, 2]`` -> ``[E]`` fp32 (max over w1/w3).
 
@@ -275,12 +275,12 @@ def moe_reduce_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerCon
                              tensors["w13_input_scale"].max(dim=1).values.to(torch.float32)})
 
 
-@stage("nvfp4.moe_swizzle_scales", Tag.TRANSFORM,
+@stage("nvfp4.swizzle_moe_scales", Tag.TRANSFORM,
        reads=("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"),
        writes=("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"),
        source="flashinfer_fp4_moe.prepare_nvfp4_moe_layer_for_fi_or_cutlass "
               "(swizzle_blockscale, non-gated padding)")
-def moe_swizzle_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+def swizzle_moe_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
                        recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM expert block scales ``[E, R, C/16]`` -> swizzled ``[E, round_up(R,128),
     round_up(C/16,4)]``; for non-gated experts whose w13 rows were padded by the
@@ -312,12 +312,12 @@ def moe_swizzle_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
     return StageOut(tensors=out)
 
 
-@stage("nvfp4.moe_fuse_activation_scale", Tag.TRANSFORM,
+@stage("nvfp4.fuse_moe_activation_scale", Tag.TRANSFORM,
        reads=("w13_weight_scale_2", "w13_input_scale", "w2_weight_scale_2", "w2_input_scale"),
        writes=("w13_weight_scale_2", "w2_weight_scale_2"),
        source="fused_moe.experts.cutlass_moe.CutlassExpertsFp4.process_weights_after_loading "
               "(vLLM: in-place mul_)")
-def moe_fuse_activation_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
+def fuse_moe_activation_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
                               target: Target, recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM: ``w13_weight_scale_2 * w13_input_scale`` and ``w2_weight_scale_2 *
     w2_input_scale`` as *new* ``[E]`` fp32 tensors (the inputs are untouched).
@@ -333,11 +333,11 @@ def moe_fuse_activation_scale(tensors: Mapping[str, torch.Tensor], config: Layer
         "w2_weight_scale_2": tensors["w2_weight_scale_2"] * tensors["w2_input_scale"]})
 
 
-@stage("nvfp4.moe_dims", Tag.METADATA, reads=("w13_weight", "w2_weight"),
+@stage("nvfp4.set_moe_dims", Tag.METADATA, reads=("w13_weight", "w2_weight"),
        attrs=("moe_num_experts", "moe_hidden_dim", "moe_intermediate_size_per_partition"),
        source=f"{_MOE}._restore_padded_moe_dims (dims recovered from exported shapes)")
-def moe_dims(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-             recorded: Mapping[str, Any]) -> StageOut:
+def set_moe_dims(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                 recorded: Mapping[str, Any]) -> StageOut:
     """METADATA: expert count, (padded) hidden dim and intermediate size from the final
     ``w2_weight [E, H, I/2]`` shape, as vLLM's pre-processed TRTLLM branch does.
 

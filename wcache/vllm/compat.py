@@ -350,7 +350,7 @@ def build_nvfp4_moe_kernel_(module: torch.nn.Module) -> bool:
     This is ``ModelOptNvFp4FusedMoE._build_moe_kernel`` without its last line, the
     experts' ``process_weights_after_loading``: for ``CutlassExpertsFp4`` that line
     multiplies the activation scales into ``w*_weight_scale_2`` in place, which the
-    plan's TRANSFORM (``nvfp4.moe_fuse_activation_scale``) already did; run again it
+    plan's TRANSFORM (``nvfp4.fuse_moe_activation_scale``) already did; run again it
     would write into shared bytes and square the scales.
 
     Source: ``vllm.model_executor.layers.quantization.modelopt.ModelOptNvFp4FusedMoE
