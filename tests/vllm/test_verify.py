@@ -63,7 +63,8 @@ def test_verify_passes_on_every_servable_fixture(fmt, host_kernels):
     assert "in-process" == report.mode
 
 
-@unregistered_stage("test.convert_weight_off_by_one", Tag.TRANSFORM, reads=("weight",), writes=("weight",))
+@unregistered_stage("test.convert_weight_off_by_one", Tag.TRANSFORM, reads=("weight",),
+                    writes=("weight",))
 def _perturb_weight(tensors, config, target, recorded):
     """A wrong TRANSFORM: adds 1 to the first weight element."""
     weight = tensors["weight"].clone()
