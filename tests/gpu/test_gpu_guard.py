@@ -22,11 +22,11 @@ if _STORE not in sys.path:
 
 from _store_helpers import BASE_KEY, start_daemon, stop_daemon, synthetic_export  # noqa: E402
 from wcache.core import (  # noqa: E402
-    LayerConfig, Plan, QuantSpec, RestoreWroteSharedTensor, StageOut, Tag, Target, stage,
+    LayerConfig, Plan, QuantSpec, RestoreWroteSharedTensor, StageOut, Tag, Target,
 )
 from wcache.store import ArenaInvalidated, CacheKey, attach, daemon_status, socket_path  # noqa: E402
 from wcache.store.server import INVALIDATED_EXIT, INVALIDATED_LINGER_S  # noqa: E402
-from wcache.testing.plans import UncheckedPlan  # noqa: E402
+from wcache.testing.plans import UncheckedPlan, unregistered_stage  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -88,7 +88,7 @@ def _module(w: torch.Tensor) -> torch.nn.Module:
 
 
 def _writer(form: str) -> Plan:
-    @stage("toy.set_sneaky_write", Tag.METADATA, reads=("weight",))
+    @unregistered_stage("toy.set_sneaky_write", Tag.METADATA, reads=("weight",))
     def sneaky(tensors, config, target, recorded):
         WRITE_FORMS[form](tensors["weight"])
         return StageOut()

@@ -17,7 +17,7 @@ from wcache.core import (
 from wcache.store import (
     ArenaInvalidated, CacheKey, attach, daemon_status, invalidate_daemon, socket_path,
 )
-from wcache.testing.plans import UncheckedPlan
+from wcache.testing.plans import UncheckedPlan, unregistered_stage
 from wcache.store.server import INVALIDATED_EXIT, INVALIDATED_LINGER_S
 
 CPU = Target("cpu", None, frozenset())
@@ -81,8 +81,9 @@ WRITE_FORMS = {
 
 
 def _writer(form: str, victim: list):
-    """A METADATA stage (mis-tagged: it writes) that writes ``victim[0]`` in one form."""
-    @stage("toy.set_sneaky_write", Tag.METADATA, reads=("weight",))
+    """A METADATA stage (mis-tagged: it writes) that writes ``victim[0]`` in one form
+    (unregistered: tests/gpu/test_gpu_guard.py has its own under the same name)."""
+    @unregistered_stage("toy.set_sneaky_write", Tag.METADATA, reads=("weight",))
     def sneaky(tensors, config, target, recorded):
         WRITE_FORMS[form](victim[0] if victim else tensors["weight"])
         return StageOut()
