@@ -201,3 +201,64 @@ def test_seeding_refuses_a_digest_mismatch(sock_dir, key, monkeypatch):
         for t in server.seed_source.threads:
             t.join(30)
         server.stop()
+
+
+def test_a_full_file_system_is_an_oserror_with_a_reason_code(daemon, snap_root):
+    """A write that hits the file-size limit (as a full disk) raises an OSError naming snapshot-write-failed; nothing is left."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # Python ignores SIGXFSZ: writes get EFBIG
+    caught = None
+    try:
+        _write(daemon, snap_root)
+    except Exception as e:  # noqa: BLE001  (kept as text: its frames hold views of an unmapped arena)
+        caught = (isinstance(e, OSError), getattr(e, "code", None), str(e))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert caught is not None and (True, "snapshot-write-failed") == caught[:2], caught
+    assert "File too large" in caught[2] and snap_root in caught[2]
+    assert [] == os.listdir(snap_root)  # the temp dir is gone, nothing half-written remains
+
+
+def test_seeding_from_a_source_that_died_before_the_transfer_fails_in_bounded_time(
+        sock_dir, key, monkeypatch):
+    """When the source is gone before the receiver joins, fill raises SeedFailed within the connect timeout, not the transfer timeout."""
+    import threading
+
+    from wcache.store import seed as seed_mod
+
+    monkeypatch.setattr(seed_mod, "SEED_CONNECT_TIMEOUT_S", 1.0, raising=False)
+    server = DaemonServer(synthetic_export(), key, socket_dir=sock_dir, device_id="cpu-s").start()
+    server.seed_source = SeedSource(server)
+    # the source answers, then dies: its store closes and nobody joins the group
+    monkeypatch.setattr(SeedSource, "_send", lambda self, store, *a: None)
+    try:
+        arena = seed_arena(server.socket_path, key)
+    finally:
+        server.stop()
+    errors = []
+
+    def receive():
+        try:
+            DaemonServer(arena, key, socket_dir=sock_dir, device_id="cpu-r")
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=receive, daemon=True)
+    t.start()
+    t.join(60.0)  # the transfer timeout (SEED_TIMEOUT_S) is 600 s; a dead source must not cost that
+    assert not t.is_alive(), "the receiver still waits for a dead source"
+    assert 1 == len(errors) and isinstance(errors[0], SeedFailed), errors
+
+
+def test_snapshot_and_from_snapshot_together_are_refused(tmp_path, capsys):
+    """`--snapshot` with `--from-snapshot` is a usage error (exit 2) naming both, not a silently ignored flag."""
+    from wcache import cli
+
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["serve", "--model", str(tmp_path), "--from-snapshot", str(tmp_path / "a"),
+                  "--snapshot", str(tmp_path / "b")])
+    assert 2 == ei.value.code
+    err = capsys.readouterr().err
+    assert "--snapshot" in err and "--from-snapshot" in err

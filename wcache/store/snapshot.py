@@ -53,7 +53,7 @@ from wcache.store.prebuilt import PrebuiltArena
 
 __all__ = [
     "SNAPSHOT_FORMAT_VERSION", "ARENA_FILE", "MANIFEST_FILE", "KEY_FILE", "DIGESTS_FILE",
-    "SnapshotMissing", "SnapshotCorrupt", "SnapshotStale", "Snapshot", "write_snapshot",
+    "SnapshotMissing", "SnapshotCorrupt", "SnapshotStale", "SnapshotWriteFailed", "Snapshot", "write_snapshot",
     "open_snapshot", "check_key", "snapshot_arena", "read_bytes_into", "list_snapshots", "TEMP_PREFIX",
 ]
 
@@ -107,6 +107,16 @@ class SnapshotStale(KeyMismatch):
     ``--snapshot DIR`` to replace it."""
 
     code = "snapshot-stale"
+
+
+class SnapshotWriteFailed(StoreError, OSError):
+    """Writing a snapshot failed: the directory is not writable, the file system
+    is full, a file-size limit (``ulimit -f``) was hit, or safetensors could not
+    serialize. Nothing was left behind (the temp dir is removed, an older
+    snapshot of that name stays). Free space or fix the directory's
+    permissions, or point ``--snapshot`` elsewhere."""
+
+    code = "snapshot-write-failed"
 
 
 @frozen
@@ -180,9 +190,10 @@ def write_snapshot(root: str, name: str, arena: torch.Tensor, manifest: Manifest
     Raises:
         StoreError: the manifest's key differs from ``key``, or the arena is
             not ``[>= arena_nbytes]`` uint8.
-        OSError: a write, fsync or rename fails (disk full, permissions); any
-            previous snapshot of ``name`` is then left in place and the temp
-            dir is removed.
+        SnapshotWriteFailed: (an ``OSError``) a write, fsync or rename fails
+            (disk full, file-size limit, permissions), including safetensors'
+            own serialization errors; any previous snapshot of ``name`` is then
+            left in place and the temp dir is removed.
 
     Source: safetensors.torch.save_file (the file), rename(2) (atomicity).
     """
@@ -196,6 +207,24 @@ def write_snapshot(root: str, name: str, arena: torch.Tensor, manifest: Manifest
     if arena.dtype != torch.uint8 or arena.dim() != 1 or arena.numel() < n:
         raise StoreError(f"arena must be [>= {n}] uint8, got {arena.dtype} {tuple(arena.shape)}")
     t0 = time.perf_counter()
+    try:
+        final = _write_snapshot(root, name, arena, manifest, key, save_file)
+    except StoreError:
+        raise
+    except Exception as e:  # OSError, and safetensors' SafetensorError (not an OSError) on EFBIG/ENOSPC
+        raise SnapshotWriteFailed(f"cannot write the snapshot {os.path.join(root, name)}: "
+                                  f"{type(e).__name__}: {e}; nothing was left behind (an older "
+                                  f"snapshot stays). Free space or fix the permissions of {root}, or "
+                                  f"give --snapshot another directory") from e
+    dt = time.perf_counter() - t0
+    log.info("snapshot %s written: %.1f MiB in %.2f s (%.2f GiB/s)", final, n / 2**20, dt,
+             n / 2**30 / max(dt, 1e-9))
+    return final
+
+
+def _write_snapshot(root: str, name: str, arena: torch.Tensor, manifest: Manifest, key: CacheKey,
+                    save_file) -> str:
+    n = manifest.arena_nbytes
     os.makedirs(root, mode=0o700, exist_ok=True)
     final = os.path.join(root, name)
     tmp = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{name}-", dir=root)
@@ -217,7 +246,7 @@ def write_snapshot(root: str, name: str, arena: torch.Tensor, manifest: Manifest
             os.fsync(f.fileno())
             size = os.fstat(f.fileno()).st_size
         if size != len(header) + n:
-            raise StoreError(f"safetensors wrote {size} bytes, expected {len(header) + n}")
+            raise SnapshotWriteFailed(f"safetensors wrote {size} bytes, expected {len(header) + n}")
         h = blake3.blake3(header, max_threads=blake3.blake3.AUTO)
         h.update(_memview(data.contiguous()))
         digests = {ARENA_FILE: h.hexdigest(),
@@ -244,9 +273,6 @@ def write_snapshot(root: str, name: str, arena: torch.Tensor, manifest: Manifest
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    dt = time.perf_counter() - t0
-    log.info("snapshot %s written: %.1f MiB in %.2f s (%.2f GiB/s)", final, n / 2**20, dt,
-             n / 2**30 / max(dt, 1e-9))
     return final
 
 

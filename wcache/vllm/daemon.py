@@ -394,9 +394,9 @@ def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_metho
         try:
             _write_rank_snapshot(server, snapshot, layout)  # engines may attach meanwhile
         except (OSError, StoreError) as exc:  # serving stays correct; only the next start is slower
-            logger.error("wcache: could not write the snapshot to %s (%s: %s); still serving, and "
+            logger.error("wcache: could not write the snapshot to %s [%s]: %s; still serving, and "
                          "the next start loads the checkpoint again", snapshot,
-                         type(exc).__name__, exc)
+                         getattr(exc, "code", type(exc).__name__), exc)
     line = (f"wcache: ready rank={rank}/{world} key={key.digest[:16]} "
             f"held={server.nbytes / 2**20:.1f} MiB socket={server.socket_path} "
             f"from={origin} ready_s={t_ready:.2f}")
