@@ -260,3 +260,61 @@ def test_snapshot_and_from_snapshot_together_are_refused(tmp_path, capsys):
                           "--snapshot", str(tmp_path / "b")])
     err = capsys.readouterr().err
     assert "--snapshot" in err and "--from-snapshot" in err
+
+
+def test_a_crashed_writers_leftovers_are_removed_by_the_next_write(daemon, key, snap_root):
+    """Temp and replaced dirs that a killed writer left (arena-sized) are removed by the next write of that rank, not kept forever."""
+    os.makedirs(snap_root, mode=0o700)
+    crashed_tmp = os.path.join(snap_root, f"{snap_mod.TEMP_PREFIX}{NAME}-dead1")
+    crashed_old = os.path.join(snap_root, f"{snap_mod.OLD_PREFIX}{NAME}-dead2", NAME)
+    other_rank = os.path.join(snap_root, f"{snap_mod.TEMP_PREFIX}tp1of2-pp0of1-dp0of1-x")
+    for d in (crashed_tmp, crashed_old, other_rank):
+        os.makedirs(d)
+        with open(os.path.join(d, ARENA_FILE), "wb") as f:
+            f.write(b"\0" * 4096)
+    _write(daemon, snap_root)
+    # another rank's temp dir may be a live write of that rank: left alone
+    assert sorted([NAME, os.path.basename(other_rank)]) == sorted(os.listdir(snap_root))
+    assert key == open_snapshot(snap_root, NAME).key
+
+
+def test_two_writers_of_one_snapshot_at_once_leave_one_intact_snapshot(sock_dir, snap_root, monkeypatch):
+    """Two daemons writing the same rank's snapshot at once both succeed, one after the other; one intact snapshot and nothing else remains."""
+    import threading
+    import time
+
+    real_rename = os.rename
+
+    def slow_rename(a, b):  # widen the window between the checks and the renames
+        time.sleep(0.05)
+        real_rename(a, b)
+
+    monkeypatch.setattr(os, "rename", slow_rename)
+
+    servers = [DaemonServer(synthetic_export(seed=i), CacheKey({**BASE_KEY, "checkpoint": f"c{i}"}),
+                            socket_dir=sock_dir, device_id=f"cpu-w{i}") for i in range(2)]
+    try:
+        for _ in range(5):
+            errors = []
+            barrier = threading.Barrier(2)
+
+            def write(s):
+                barrier.wait()
+                try:
+                    _write(s, snap_root)
+                except Exception as e:  # noqa: BLE001
+                    errors.append(f"{type(e).__name__}: {e}")
+
+            threads = [threading.Thread(target=write, args=(s,)) for s in servers]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert [] == errors
+            assert [NAME] == os.listdir(snap_root)
+            snap = open_snapshot(snap_root, NAME)
+            assert snap.key in {s.key for s in servers}
+            snapshot_arena(snap).build("cpu", None, None)[0].close()  # digest-checked read
+    finally:
+        for s in servers:
+            s.stop()

@@ -21,7 +21,9 @@ bytes are meaningful together with ``manifest.json``.
 
 Writing is atomic: every file goes into a fresh temp dir beside the target,
 each file and the dir are fsynced, then the dir is renamed into place (an older
-snapshot of the same name is renamed aside first and removed after). Reading
+snapshot of the same name is renamed aside first and removed after). Writers
+of one directory take turns (``flock`` on it), and each removes what a killed
+writer of its rank left. Reading
 checks every file's digest; a digest that differs, a missing file, a temp dir
 or a manifest whose key disagrees with ``key.json`` is refused with a reason
 code, and a key that differs from the daemon's is refused naming the fields.
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import fcntl
 import json
 import logging
 import os
@@ -222,10 +225,35 @@ def write_snapshot(root: str, name: str, arena: torch.Tensor, manifest: Manifest
     return final
 
 
+def _remove_leftovers(root: str, name: str) -> None:
+    """Remove ``name``'s temp and replaced dirs that a killed writer left (each
+    as large as the arena). Called with ``root``'s write lock held, so no live
+    writer of ``name`` owns them; other ranks' dirs are left alone."""
+    for entry in os.listdir(root):
+        if entry.startswith((f"{TEMP_PREFIX}{name}-", f"{OLD_PREFIX}{name}-")):
+            log.warning("removing %s, left by a snapshot write that did not finish",
+                        os.path.join(root, entry))
+            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+
+
 def _write_snapshot(root: str, name: str, arena: torch.Tensor, manifest: Manifest, key: CacheKey,
                     save_file) -> str:
-    n = manifest.arena_nbytes
     os.makedirs(root, mode=0o700, exist_ok=True)
+    # One writer per directory at a time (two daemons of one rank, e.g. under two
+    # --socket-dir or --job): flock(2) on the directory itself, released when the
+    # fd closes, also when the writer is killed.
+    lock_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        _remove_leftovers(root, name)
+        return _write_locked(root, name, arena, manifest, key, save_file)
+    finally:
+        os.close(lock_fd)
+
+
+def _write_locked(root: str, name: str, arena: torch.Tensor, manifest: Manifest, key: CacheKey,
+                  save_file) -> str:
+    n = manifest.arena_nbytes
     final = os.path.join(root, name)
     tmp = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{name}-", dir=root)
     try:
