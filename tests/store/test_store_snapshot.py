@@ -178,7 +178,7 @@ def test_gloo_seeding_between_two_daemons(sock_dir, key):
                 receiver.stop()
         _assert_serves_export(key, sock_dir, "cpu-src")  # still serving after it seeded
         # refusals: another key (named), and a digest that differs
-        with pytest.raises(KeyMismatch) as ei:
+        with pytest.raises(KeyMismatch, match="receiver=.*source=.*start the receiver with") as ei:
             seed_arena(src_sock, CacheKey({**BASE_KEY, "dtype": "float16"}))
         assert ["dtype"] == ei.value.fields
     finally:
@@ -318,3 +318,26 @@ def test_two_writers_of_one_snapshot_at_once_leave_one_intact_snapshot(sock_dir,
     finally:
         for s in servers:
             s.stop()
+
+
+def test_seed_from_bad_paths_say_what_to_give(daemon, key, sock_dir, tmp_path):
+    """--seed-from a missing path, a plain file, a dead daemon's socket or a directory without this key's daemon: DaemonMissing, each with a fix."""
+    import socket as socket_mod
+
+    from wcache.store import DaemonMissing
+    from wcache.vllm.daemon import find_seed_source
+
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    for path in (str(tmp_path / "nope"), str(plain)):
+        with pytest.raises(DaemonMissing, match="wcache status"):
+            find_seed_source(path, key)
+    assert daemon.socket_path == find_seed_source(sock_dir, key)
+    with pytest.raises(DaemonMissing, match=r"serves key .*seen: .*start the source"):
+        find_seed_source(sock_dir, CacheKey({**BASE_KEY, "dtype": "float16"}))
+    stale = os.path.join(sock_dir, "stale.sock")
+    s = socket_mod.socket(socket_mod.AF_UNIX)
+    s.bind(stale)
+    s.close()  # a socket file nobody listens on: a dead daemon's
+    with pytest.raises(DaemonMissing):
+        seed_arena(find_seed_source(stale, key), key)

@@ -157,7 +157,9 @@ class SeedSource:
             return {"ok": False, "code": KeyMismatch.code, "fields": diff,
                     "theirs": {k: server.key.fields.get(k) for k in diff},
                     "message": f"seeding source's key differs in {', '.join(diff)}: "
-                               f"{theirs.describe_diff(server.key, 'receiver', 'source')}"}
+                               f"{theirs.describe_diff(server.key, 'receiver', 'source')}; start "
+                               f"the receiver with the source's engine arguments, or from the "
+                               f"checkpoint"}
         backend = req.get("backend") or BACKENDS[server.device_type]
         allowed = {BACKENDS[server.device_type]} | ({"gloo"} if server.device_type == "cuda" else set())
         if backend not in allowed:

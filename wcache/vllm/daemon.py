@@ -277,9 +277,12 @@ def find_seed_source(seed_from: str, key: Any) -> str:
         if stat_mod.S_ISSOCK(os.stat(seed_from).st_mode):
             return seed_from
     except FileNotFoundError:
-        raise DaemonMissing(f"--seed-from {seed_from}: no such socket or directory") from None
+        raise DaemonMissing(f"--seed-from {seed_from}: no such socket or directory; give the "
+                            f"source daemon's socket or --socket-dir (`wcache status` lists them)") from None
     if not os.path.isdir(seed_from):
-        raise DaemonMissing(f"--seed-from {seed_from} is neither a daemon socket nor a socket directory")
+        raise DaemonMissing(f"--seed-from {seed_from} is neither a daemon socket nor a socket "
+                            f"directory; give the source daemon's socket or --socket-dir "
+                            f"(`wcache status` lists them)")
     from wcache.store.paths import list_sockets  # noqa: PLC0415
 
     seen = []
