@@ -50,7 +50,7 @@ def isa_from_target(t, c, tg, r):
 
 
 TOY = Plan("toy", "ref", (scale_weight, set_width, alloc_workspace, derive_handle,
-                          isa_from_target), frozenset({"weight"}), allow_invalid=False)
+                          isa_from_target), frozenset({"weight"}))
 CONFIG = LayerConfig(QuantSpec("toy"), size_k=8, size_n=6, name="layer0")
 ATTRS = ["logical_width", "isa"]
 

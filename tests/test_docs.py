@@ -67,3 +67,19 @@ def test_plans_host_shows_vllms_decisions_and_plans(capsys):
     target = host_target("cpu")
     assert "cpu.kernel_library" in out and target.kernel("cpu.kernel_library") in out
     assert f"unquantized/{target.kernel('unquantized_gemm[bfloat16]')}@1" in out
+
+
+def _python_blocks(text: str) -> list[str]:
+    """The bodies of the fenced ```python blocks of a markdown text, in order."""
+    import re
+
+    return re.findall(r"^```python\n(.*?)^```$", text, flags=re.M | re.S)
+
+
+def test_readme_example_runs(capsys):
+    """README's library example runs as written (plan_for(...).load/prepare/restore on
+    a bound plan) and its own asserts hold; it prints the plan's stage table."""
+    blocks = _python_blocks((ROOT / "README.md").read_text())
+    assert 1 == len(blocks)
+    exec(compile(blocks[0], "README.md", "exec"), {"__name__": "readme_example"})
+    assert "### `awq/marlin@1`" in capsys.readouterr().out

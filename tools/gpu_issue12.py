@@ -6,7 +6,7 @@ Usage (one GPU; vLLM is not installed there):
 
 Per transport, a daemon process does what ``wcache.vllm.daemon.build_server`` does
 after vLLM's model build, on an 8B-shaped bf16 linear stack
-(``benchmarks/synthetic.py``, Llama-3.1-8B's linears): the "loaded model" tensors
+(``wcache/benchmarks/synthetic.py``, Llama-3.1-8B's linears): the "loaded model" tensors
 are allocated on the GPU, ``DaemonServer`` copies them into its arena, the model
 references are dropped and ``compat.free_device_memory("cuda")`` runs (the same
 call build_server makes). It reports ``torch.cuda.memory_reserved()`` before and
@@ -79,7 +79,7 @@ def daemon_main(ready_path: str, socket_dir: str, transport: str) -> None:
     import torch
 
     sys.path.insert(0, os.getcwd())
-    from benchmarks.synthetic import SHAPES, iter_layers
+    from wcache.benchmarks.synthetic import SHAPES, iter_layers
     from wcache.store import CacheKey, DaemonServer, Export
     from wcache.vllm import compat
 

@@ -2,18 +2,19 @@
 
 Two modes:
 
-* default: synthetic Llama-shaped layer stacks (``benchmarks/synthetic.py``) in
+* default: synthetic Llama-shaped layer stacks (:mod:`wcache.benchmarks.synthetic`) in
   bf16, AWQ int4 and online FP8; per format and size the ordinary load, the
   daemon's prepare, the restore in a fresh process and the vLLM-style
-  per-tensor IPC restore (``benchmarks/bench_restore.py``); then the handles
+  per-tensor IPC restore (:mod:`wcache.benchmarks.bench_restore`); then the handles
   measurement (N tensors: one arena vs N handles) and the restore-cost curve
-  (``benchmarks/plot.py``).
+  (:mod:`wcache.benchmarks.plot`).
 * ``--cpu-engine``: the real vLLM CPU engine on the SmolLM2 fixtures; weight-load
   phase from disk vs from a ``wcache serve`` daemon, per format.
 
 Prints markdown tables and writes JSON (``--out``) from which
-docs/benchmarks.md is written. Runs from a source checkout (it imports the
-``benchmarks/`` folder next to the package). The GPU path imports no vLLM.
+docs/benchmarks.md is written. The benchmark code is part of the package
+(:mod:`wcache.benchmarks`), so an installed ``wcache bench`` runs anywhere. The
+GPU path imports no vLLM.
 
 On the H200 (about 6-8 minutes):
 
@@ -60,14 +61,12 @@ examples:
 """
 
 
-def _ensure_benchmarks_importable() -> None:
-    """Put the checkout's root on sys.path so ``benchmarks`` imports (also in
-    the spawned workers, which inherit sys.path)."""
-    if not (_REPO_ROOT / "benchmarks" / "bench_restore.py").is_file():
-        raise SystemExit(f"wcache bench needs the source checkout's benchmarks/ folder next to "
-                         f"the package (looked in {_REPO_ROOT}); run it from a git checkout.")
-    if str(_REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(_REPO_ROOT))
+def _results_dir() -> Path:
+    """Where results go by default: the checkout's ``benchmarks/results`` when this
+    package runs from a source tree, else ``./benchmarks/results`` (an installed
+    package has no checkout next to it)."""
+    checkout = _REPO_ROOT / "benchmarks"
+    return (checkout if checkout.is_dir() else Path.cwd() / "benchmarks") / "results"
 
 
 def _check_store_deps() -> None:
@@ -163,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead: daemon ready time from the checkpoint vs from a prepared "
                         "snapshot (warm and cold page cache) vs from a peer daemon, with the "
                         "raw read/copy bandwidth of the same bytes "
-                        "(benchmarks/bench_coldstart.py); synthetic --sizes/--formats on "
+                        "(wcache/benchmarks/bench_coldstart.py); synthetic --sizes/--formats on "
                         "--device, or with --cpu-engine real `wcache serve` daemons on the "
                         "SmolLM2 fixtures (--engine-formats, default bf16,awq).")
     p.add_argument("--snapshot-dir", default=None,
@@ -264,17 +263,17 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _cold_start(args: argparse.Namespace) -> int:
-    """``--cold-start``: see benchmarks/bench_coldstart.py."""
+    """``--cold-start``: see :mod:`wcache.benchmarks.bench_coldstart`."""
     import logging
 
-    from benchmarks import bench_coldstart as cold
+    from wcache.benchmarks import bench_coldstart as cold
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("wcache.store").setLevel(logging.INFO)  # arena fill / snapshot timings
     if args.cpu_engine:
         rows = cold.run_engine_daemons(args.engine_formats or ("bf16", "awq"), _log)
         sys.stdout.write(cold.engine_table(rows))
-        out = Path(args.out or _REPO_ROOT / "benchmarks" / "results" / "coldstart-cpu-engine.json")
+        out = Path(args.out or _results_dir() / "coldstart-cpu-engine.json")
         _write_json(out, {"mode": "cold-start-engine", "rows": rows, "time": time.time()})
         _log(f"results written to {out}")
         return 0
@@ -289,7 +288,7 @@ def _cold_start(args: argparse.Namespace) -> int:
                                   snap_dir=args.snapshot_dir, seed=args.seed, layers=args.layers,
                                   socket_dir=socket_dir, log=_log)
     sys.stdout.write(cold.synthetic_table(rows))
-    out = Path(args.out or _REPO_ROOT / "benchmarks" / "results" / f"coldstart-{device.type}.json")
+    out = Path(args.out or _results_dir() / f"coldstart-{device.type}.json")
     _write_json(out, {"mode": "cold-start", "device": str(device), "rows": rows,
                       "torch": torch.__version__, "time": time.time()})
     _log(f"results written to {out}")
@@ -299,7 +298,6 @@ def _cold_start(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """`wcache bench` entry point; returns the exit status."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    _ensure_benchmarks_importable()
     if args.cold_start:
         return _cold_start(args)
     if args.cpu_engine:
@@ -309,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
                 for row in run_cpu_engine(args.engine_formats or tuple(FIXTURE_FORMATS),
                                           args.engine_reps, cpu_build=cpu_build)]
         sys.stdout.write(engine_table(rows))
-        out = Path(args.out or _REPO_ROOT / "benchmarks" / "results" / "cpu-engine.json")
+        out = Path(args.out or _results_dir() / "cpu-engine.json")
         _write_json(out, {"mode": "cpu-engine", "rows": rows, "time": time.time()})
         _log(f"results written to {out}")
         return 0
@@ -317,11 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     _check_store_deps()
     import torch
 
-    from benchmarks.bench_restore import (
+    from wcache.benchmarks.bench_restore import (
         DEFAULT_HANDLE_MIB, DEFAULT_HANDLE_TENSORS, BenchOptions, handles_table, markdown_table,
         run_suite,
     )
-    from benchmarks.synthetic import FORMATS, SHAPES
+    from wcache.benchmarks.synthetic import FORMATS, SHAPES
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -347,12 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     if results["handles"]:
         sys.stdout.write("\n" + handles_table(results["handles"]))
     sys.stdout.flush()
-    out = Path(args.out or _REPO_ROOT / "benchmarks" / "results" / f"{device}.json")
+    out = Path(args.out or _results_dir() / f"{device}.json")
     _write_json(out, results)
     _log(f"results written to {out}")
     plot = args.plot or (str(_REPO_ROOT / DEFAULT_PLOT) if cuda and len(sizes) > 1 else None)
     if plot and not args.no_plot:
-        from benchmarks.plot import plot_restore_cost
+        from wcache.benchmarks.plot import plot_restore_cost
 
         _log(f"restore-cost curve written to {plot_restore_cost(results, plot)}")
     return 0

@@ -11,7 +11,8 @@ an immutable :class:`LayerState`:
 * ``plan.restore(layer, recorded)``: METADATA, ALLOCATE, DERIVE and VALIDATE
   stages only (a restarting engine, on mapped tensors), under the restore guard.
 
-Only :func:`apply_state_` mutates a module; everything else returns new values.
+Only :mod:`wcache.shell` (``apply_state_``, ``install_tensors_``) mutates a module;
+everything here returns new values.
 This module imports no vLLM (docs/design.md section 2).
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import re
 import types
 from collections.abc import Callable, Iterable, Mapping
 from functools import reduce
@@ -26,70 +28,26 @@ from typing import Any
 
 import torch
 from attrs import evolve, field, fields, frozen
+from toolz import assoc, dissoc, merge
+
+# The errors and the mutating shell live in their own modules (the shell and the
+# layers below use them without importing core); core re-exports them.
+from wcache.errors import (
+    NoPlan, PlanInvalid, RecordedMismatch, RestoreIncomplete, RestoreWroteSharedTensor,
+    StageContractError, WcacheError,
+)
+from wcache.shell import apply_state_, resolve_parent
 
 __all__ = [
-    "Tag", "Target", "QuantSpec", "LayerConfig", "StageOut", "Stage", "Plan",
+    "Tag", "Target", "QuantSpec", "LayerConfig", "StageOut", "Stage", "Plan", "BoundPlan",
     "LayerState", "Prepared", "TensorFingerprint",
     "WcacheError", "NoPlan", "PlanInvalid", "StageContractError",
     "RestoreWroteSharedTensor", "RecordedMismatch", "RestoreIncomplete",
-    "stage", "apply_state_", "state_from_module", "snapshot", "guard_snapshot",
+    "stage", "registered_stages", "STAGE_NAME", "apply_state_", "state_from_module", "snapshot",
+    "guard_snapshot",
     "RestoreGuard", "ByteRange", "layer_ranges", "range_sums", "tensor_checksum",
     "LOAD_TAGS", "PREPARE_TAGS", "RESTORE_TAGS",
 ]
-
-
-# --------------------------------------------------------------------------- errors
-
-
-class WcacheError(Exception):
-    """Root of every wcache error. ``code`` is a stable reason code (e.g.
-    ``"plan-missing"``); the message says what happened and what to do."""
-
-    code = "wcache-error"
-
-    def __init__(self, message: str, *, code: str | None = None):
-        super().__init__(message)
-        if code is not None:
-            self.code = code
-
-
-class NoPlan(WcacheError, ValueError):
-    """No plan matches a (method, layer, target); the message gives the reason."""
-
-    code = "plan-missing"
-
-
-class PlanInvalid(WcacheError, ValueError):
-    """A plan violates the stage rules (docs/design.md section 3); lists every violation."""
-
-    code = "plan-invalid"
-
-
-class StageContractError(WcacheError, RuntimeError):
-    """A stage returned something its declaration does not allow (an undeclared
-    write, a missing read) or mutated an input."""
-
-    code = "stage-contract"
-
-
-class RestoreWroteSharedTensor(WcacheError, RuntimeError):
-    """Restore changed a shared (mapped) tensor: pointer, shape, stride, dtype,
-    version counter or content. Names the layer, tensor and stage."""
-
-    code = "guard-failed"
-
-
-class RecordedMismatch(WcacheError, RuntimeError):
-    """A value recomputed during restore differs from the one the daemon recorded
-    (e.g. ``use_w4a8`` on a host with a different ISA than the daemon's)."""
-
-    code = "key-mismatch"
-
-
-class RestoreIncomplete(WcacheError, RuntimeError):
-    """Restore lacks a tensor or a recorded value the plan needs."""
-
-    code = "restore-incomplete"
 
 
 # --------------------------------------------------------------------------- values
@@ -126,6 +84,19 @@ def _freeze(value: Any) -> Any:
     if isinstance(value, (set, frozenset)):
         return frozenset(_freeze(v) for v in value)
     return value
+
+
+def _ro(mapping: Mapping) -> Mapping:
+    """A read-only copy of ``mapping`` (``types.MappingProxyType``): the frozen
+    values below hold mappings nobody can change after construction."""
+    if isinstance(mapping, types.MappingProxyType):
+        return mapping
+    return types.MappingProxyType(dict(mapping))
+
+
+def _ro_nested(mapping: Mapping) -> Mapping:
+    """:func:`_ro` of a mapping of mappings (stage name -> recorded values)."""
+    return types.MappingProxyType({k: _ro(v) for k, v in mapping.items()})
 
 
 @frozen
@@ -352,11 +323,11 @@ class StageOut:
             after building the W8A8 oneDNN handler).
     """
 
-    tensors: Mapping[str, torch.Tensor] = field(factory=dict)
+    tensors: Mapping[str, torch.Tensor] = field(factory=dict, converter=_ro)
     buffers: frozenset[str] = field(default=frozenset(), converter=frozenset)
     drop: tuple[str, ...] = field(default=(), converter=tuple)
-    attrs: Mapping[str, Any] = field(factory=dict)
-    record: Mapping[str, Any] = field(factory=dict)
+    attrs: Mapping[str, Any] = field(factory=dict, converter=_ro)
+    record: Mapping[str, Any] = field(factory=dict, converter=_ro)
     release: tuple[str, ...] = field(default=(), converter=tuple)
 
 
@@ -376,38 +347,104 @@ class Stage:
             prepare). Never mutates an input, reads no globals, env or host.
         reads: tensor names it reads (must exist, unless in ``optional``).
         writes: tensor names it may return or drop.
-        attrs: attribute paths it may set.
+        drops: the names in ``writes`` it may delete for good (not return again);
+            the plan's reachability check subtracts them from what a restore has.
+        attrs: attribute paths it may set. A tensor name here is a write (it
+            replaces or empties the slot): only stages that may write tensors
+            set one, except a name also in ``optional``, which the stage sets only
+            when the layer has no such tensor (checked at run time).
         optional: reads that may be absent (e.g. ``bias``).
         version: bumped whenever the produced bytes or values change.
         source: the upstream function it mirrors.
+        memoized: ``fn`` also takes ``memo=``, a dict private to this stage that
+            lives for one restore of a whole model (``None`` elsewhere), to share
+            work between layers whose inputs are the *same* tensors (a tied
+            embedding and lm_head share one oneDNN prepack).
+
+    Two stages are equal only if their functions are the same object too (the
+    stage factories are cached, so equal arguments give the same stage).
     """
 
     name: str
     tag: Tag
-    fn: StageFn = field(eq=False, repr=False)
+    fn: StageFn = field(repr=False)
     reads: tuple[str, ...] = field(default=(), converter=tuple)
     writes: tuple[str, ...] = field(default=(), converter=tuple)
     attrs: tuple[str, ...] = field(default=(), converter=tuple)
     optional: frozenset[str] = field(default=frozenset(), converter=frozenset)
     version: int = 1
     source: str = ""
+    memoized: bool = False
+    drops: tuple[str, ...] = field(default=(), converter=tuple)
 
     @property
     def replayable(self) -> bool:
         return self.tag in RESTORE_TAGS
 
 
+#: A stage name: ``family.verb_object`` in lower snake case, e.g. ``awq.unpack_reorder``,
+#: ``marlin.permute_scales`` (the family is the ``wcache.stages`` module, or the
+#: kernel, whose layout the stage produces).
+STAGE_NAME = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*\.[a-z][a-z0-9]*(_[a-z0-9]+)*$")
+
+#: name -> the code object bound to it by :func:`stage` (a factory's closures
+#: share one code object: ``cpu_wna16.repack("qweight")`` and
+#: ``repack("weight_packed")`` are one definition over different tensor names).
+_STAGE_CODE: dict[str, Any] = {}
+#: name -> every stage value registered under it, in registration order.
+_STAGES: dict[str, list[Stage]] = {}
+
+
+def _definition(fn: Callable) -> Any:
+    """What identifies a stage function's definition: its code object."""
+    return getattr(fn, "__code__", fn)
+
+
 def stage(name: str, tag: Tag, *, reads: Iterable[str] = (), writes: Iterable[str] = (),
           attrs: Iterable[str] = (), optional: Iterable[str] = (), version: int = 1,
-          source: str = "") -> Callable[[StageFn], Stage]:
-    """Decorator: turn a pure function into a :class:`Stage` value."""
+          source: str = "", memoized: bool = False,
+          drops: Iterable[str] = ()) -> Callable[[StageFn], Stage]:
+    """Decorator: turn a pure function into a :class:`Stage` value and register it.
+
+    The registry (:func:`registered_stages`) is what the completeness tests walk:
+    every registered stage must be used by a plan, drawable by a hypothesis
+    strategy and listed in docs/plans.md.
+
+    Raises:
+        PlanInvalid: ``name`` is not ``family.verb_object`` (:data:`STAGE_NAME`),
+            ``tag`` is not a :class:`Tag`, or another function definition is
+            already bound to ``name`` (a conditional variant must be its own
+            stage, or a parameter of the one factory).
+    """
+    if not isinstance(tag, Tag):
+        raise PlanInvalid(f"stage {name!r}: tag {tag!r} is a {type(tag).__name__}, not a Tag; "
+                          f"use Tag.TRANSFORM/METADATA/ALLOCATE/DERIVE/VALIDATE")
+    if not STAGE_NAME.match(name):
+        raise PlanInvalid(f"stage name {name!r} is not family.verb_object in lower snake case "
+                          f"(e.g. 'awq.unpack_reorder')")
 
     def wrap(fn: StageFn) -> Stage:
-        return Stage(name=name, tag=tag, fn=fn, reads=tuple(reads), writes=tuple(writes),
-                     attrs=tuple(attrs), optional=frozenset(optional), version=version,
-                     source=source)
+        bound = _STAGE_CODE.setdefault(name, _definition(fn))
+        if bound is not _definition(fn):
+            raise PlanInvalid(
+                f"stage {name!r} is already bound to another function "
+                f"({getattr(bound, 'co_filename', '?')}:{getattr(bound, 'co_firstlineno', '?')}); "
+                f"give the new function its own name, or make it a parameter of the stage "
+                f"factory that defines {name!r}")
+        st = Stage(name=name, tag=tag, fn=fn, reads=tuple(reads), writes=tuple(writes),
+                   attrs=tuple(attrs), optional=frozenset(optional), version=version,
+                   source=source, memoized=memoized, drops=tuple(drops))
+        if st not in _STAGES.setdefault(name, []):
+            _STAGES[name].append(st)
+        return st
 
     return wrap
+
+
+def registered_stages() -> dict[str, tuple[Stage, ...]]:
+    """Every stage name registered with :func:`stage` -> its stage values (several
+    for a factory called with different tensor names), in registration order."""
+    return {name: tuple(values) for name, values in _STAGES.items()}
 
 
 # --------------------------------------------------------------------------- state
@@ -427,12 +464,12 @@ class LayerState:
             can still check the shared bytes).
     """
 
-    tensors: Mapping[str, torch.Tensor] = field(factory=dict)
+    tensors: Mapping[str, torch.Tensor] = field(factory=dict, converter=_ro)
     buffers: frozenset[str] = field(default=frozenset(), converter=frozenset)
-    attrs: Mapping[str, Any] = field(factory=dict)
-    drops: tuple[str, ...] = ()
-    recorded: Mapping[str, Mapping[str, Any]] = field(factory=dict)
-    released: Mapping[str, torch.Tensor] = field(factory=dict)
+    attrs: Mapping[str, Any] = field(factory=dict, converter=_ro)
+    drops: tuple[str, ...] = field(default=(), converter=tuple)
+    recorded: Mapping[str, Mapping[str, Any]] = field(factory=dict, converter=_ro_nested)
+    released: Mapping[str, torch.Tensor] = field(factory=dict, converter=_ro)
 
 
 @frozen
@@ -457,66 +494,11 @@ class Prepared:
     attrs: Mapping[str, Any]
 
 
-def _ro(mapping: Mapping) -> Mapping:
-    return types.MappingProxyType(dict(mapping))
-
-
 def state_from_module(module: torch.nn.Module) -> LayerState:
     """Read a module's own (non-recursive) parameters and buffers into a state."""
     params = {k: v for k, v in module._parameters.items() if v is not None}
     bufs = {k: v for k, v in module._buffers.items() if v is not None}
     return LayerState(tensors={**params, **bufs}, buffers=frozenset(bufs))
-
-
-def _resolve_parent(root: Any, path: str) -> tuple[Any, str]:
-    *parents, leaf = path.split(".")
-    obj = root
-    for p in parents:
-        obj = getattr(obj, p)
-    return obj, leaf
-
-
-def apply_state_(module: torch.nn.Module, state: LayerState, *,
-                 keep: Iterable[str] = ()) -> None:
-    """The one shell that mutates: make ``module`` hold ``state``.
-
-    Tensors whose object is already installed under the same name are left
-    alone (so mapped tensors keep their identity); others are registered as
-    ``nn.Parameter(requires_grad=False)`` or buffers. Dropped names are
-    deleted; attributes are set by dotted path.
-
-    Args:
-        keep: tensor names that must not be replaced (the shared ones); the
-            guard checks them, this only avoids needless re-registration.
-    """
-    for name in state.drops:
-        if name in state.tensors or (name in state.attrs and state.attrs[name] is None):
-            continue  # kept, or emptied to a None slot by the attrs below (as vLLM does)
-        if name in module._parameters:
-            del module._parameters[name]
-        elif name in module._buffers:
-            del module._buffers[name]
-        elif name in module.__dict__:
-            delattr(module, name)
-    for name, tensor in state.tensors.items():
-        current = module._parameters.get(name, module._buffers.get(name))
-        if current is tensor:
-            continue
-        base = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
-        if name in state.buffers:
-            module._parameters.pop(name, None)
-            module._buffers.pop(name, None)
-            module.register_buffer(name, base)
-        else:
-            module._buffers.pop(name, None)
-            if name in module.__dict__:
-                delattr(module, name)
-            param = tensor if isinstance(tensor, torch.nn.Parameter) else \
-                torch.nn.Parameter(base, requires_grad=False)
-            module._parameters[name] = param
-    for path, value in state.attrs.items():
-        obj, leaf = _resolve_parent(module, path)
-        setattr(obj, leaf, value)
 
 
 # --------------------------------------------------------------------------- guard
@@ -861,7 +843,8 @@ def _check_guard(layer: str, stage_name: str, before: Mapping[str, TensorFingerp
 
 def _run_stage(st: Stage, state: LayerState, config: LayerConfig, target: Target,
                recorded: Mapping[str, Any], *, shared: frozenset[str],
-               check_purity: bool, guard: "RestoreGuard | None" = None) -> LayerState:
+               check_purity: bool, guard: "RestoreGuard | None" = None,
+               memo: dict[str, dict] | None = None) -> LayerState:
     missing = [r for r in st.reads if r not in state.tensors and r not in st.optional]
     if missing:
         raise RestoreIncomplete(
@@ -870,7 +853,11 @@ def _run_stage(st: Stage, state: LayerState, config: LayerConfig, target: Target
     view = _ro(state.tensors)
     before = ({k: (v._version, v.data_ptr() if v.device.type != "meta" else 0)
                for k, v in state.tensors.items()} if check_purity else None)
-    out = st.fn(view, config, target, _ro(recorded))
+    if st.memoized:
+        out = st.fn(view, config, target, _ro(recorded),
+                    memo=None if memo is None else memo.setdefault(st.name, {}))
+    else:
+        out = st.fn(view, config, target, _ro(recorded))
     if not isinstance(out, StageOut):
         raise StageContractError(f"stage {st.name!r} returned {type(out).__name__}, not StageOut")
     if before is not None:
@@ -914,12 +901,22 @@ def _run_stage(st: Stage, state: LayerState, config: LayerConfig, target: Target
                 f"shared tensors {hit}")
     if st.tag is Tag.DERIVE and out.drop:
         raise StageContractError(f"DERIVE stage {st.name!r} may not drop tensors ({out.drop})")
+    gone = sorted(set(out.drop) - set(out.tensors) - set(st.drops))
+    if gone:
+        raise StageContractError(f"stage {st.name!r} dropped {gone} without declaring them "
+                                 f"in drops")
+    if st.tag in (Tag.METADATA, Tag.VALIDATE):
+        slots = sorted(set(out.attrs) & set(state.tensors))
+        if slots:
+            raise StageContractError(
+                f"{st.tag.name} stage {st.name!r} set tensors {slots} through attrs; only "
+                f"TRANSFORM/ALLOCATE write tensors (a name in optional is set only when the "
+                f"layer has no such tensor)")
     if out.release and (st.tag is not Tag.DERIVE or not set(out.release) <= set(st.reads)):
         raise StageContractError(
             f"stage {st.name!r} releases {list(out.release)}; only DERIVE stages may release, "
             f"and only tensors they read")
-    tensors = {k: v for k, v in state.tensors.items() if k not in out.drop}
-    tensors.update(out.tensors)
+    tensors = merge(dissoc(state.tensors, *out.drop), out.tensors)
     released = dict(state.released)
     for name in out.release:
         src = tensors[name]
@@ -930,9 +927,8 @@ def _run_stage(st: Stage, state: LayerState, config: LayerConfig, target: Target
             # of an N < 16 layer is fp32, but vLLM's placeholder keeps the weight's dtype)
             dtype = config.dtype if src.is_floating_point() else src.dtype
             tensors[name] = torch.empty(0, dtype=dtype, device=src.device)
-    attr_values = dict(state.attrs)
-    attr_values.update(out.attrs)
-    rec = dict(state.recorded)
+    attr_values = merge(state.attrs, out.attrs)
+    rec = state.recorded
     if out.record:
         old = recorded
         if old and dict(old) != dict(out.record):
@@ -942,7 +938,7 @@ def _run_stage(st: Stage, state: LayerState, config: LayerConfig, target: Target
                 f"layer {config.name!r}, stage {st.name!r}: values recomputed here differ "
                 f"from the daemon's (recorded, here): {diff}. The daemon ran on a different "
                 f"target; restart it on this host's settings.")
-        rec[st.name] = dict(out.record)
+        rec = assoc(rec, st.name, out.record)
     drops = tuple(dict.fromkeys(state.drops + tuple(d for d in out.drop)))
     buffers = (state.buffers - set(out.drop)) | out.buffers
     return LayerState(tensors=tensors, buffers=buffers, attrs=attr_values,
@@ -950,8 +946,36 @@ def _run_stage(st: Stage, state: LayerState, config: LayerConfig, target: Target
 
 
 def _validate(stages: tuple[Stage, ...], checkpoint: frozenset[str]) -> list[str]:
-    """Build-time rules (docs/design.md section 3); returns every violation found."""
+    """Build-time rules (docs/design.md section 3); returns every violation found.
+
+    1. every stage is a :class:`Stage` whose tag is a :class:`Tag` and whose name
+       is ``family.verb_object`` (:data:`STAGE_NAME`); names are unique;
+    2. every read is a checkpoint tensor or an earlier stage's write;
+    3. no TRANSFORM/METADATA/VALIDATE stage (the daemon runs them) depends on an
+       ALLOCATE/DERIVE output;
+    4. METADATA/VALIDATE/DERIVE stages write no tensor: no ``writes``, no
+       ``drops``, and no tensor name in ``attrs`` (emptying a slot through an
+       attribute is a write), unless the name is in ``optional`` and so set only
+       when the tensor is absent; DERIVE may empty a slot it reads (a release);
+    5. ``drops`` are declared writes;
+    6. ALLOCATE writes no exported tensor;
+    7. reachability: what a replayed stage reads is what a restore has, the
+       export (checkpoint tensors, plus TRANSFORM writes, minus drops) plus the
+       earlier ALLOCATE outputs.
+    """
     errors: list[str] = []
+    bad = [s for s in stages if not isinstance(s, Stage)]
+    if bad:
+        return [f"{b!r} is not a Stage (use the @stage decorator)" for b in bad]
+    for st in stages:
+        if not isinstance(st.tag, Tag):
+            errors.append(f"stage {st.name!r} has tag {st.tag!r} ({type(st.tag).__name__}), "
+                          f"not a Tag: it would run in no mode; use Tag.{str(st.tag).upper()}")
+        if not STAGE_NAME.match(st.name):
+            errors.append(f"stage name {st.name!r} is not family.verb_object in lower snake "
+                          f"case (e.g. 'awq.unpack_reorder')")
+    if errors:
+        return errors
     names = [s.name for s in stages]
     for dup in sorted({n for n in names if names.count(n) > 1}):
         errors.append(f"stage name {dup!r} is used more than once")
@@ -967,23 +991,46 @@ def _validate(stages: tuple[Stage, ...], checkpoint: frozenset[str]) -> list[str
                     st.tag in PREPARE_TAGS:
                 errors.append(f"{st.tag.name} stage {st.name!r} depends on {src.tag.name} "
                               f"output {r!r} of {src.name!r}, which the daemon never has")
-        if st.tag in (Tag.METADATA, Tag.VALIDATE, Tag.DERIVE) and st.writes:
-            errors.append(f"{st.tag.name} stage {st.name!r} declares tensor writes "
-                          f"{list(st.writes)}; only TRANSFORM/ALLOCATE write tensors")
+        if st.tag in (Tag.METADATA, Tag.VALIDATE, Tag.DERIVE):
+            if st.writes or st.drops:
+                errors.append(f"{st.tag.name} stage {st.name!r} declares tensor writes "
+                              f"{list(dict.fromkeys(st.writes + st.drops))}; only "
+                              f"TRANSFORM/ALLOCATE write tensors")
+            allowed = set(st.optional) | (set(st.reads) if st.tag is Tag.DERIVE else set())
+            slots = sorted((set(st.attrs) & available) - allowed)
+            if slots:
+                errors.append(f"{st.tag.name} stage {st.name!r} sets tensors {slots} through "
+                              f"attrs (a write that replaces or empties the slot); only "
+                              f"TRANSFORM/ALLOCATE write tensors")
+        undeclared = sorted(set(st.drops) - set(st.writes))
+        if undeclared:
+            errors.append(f"stage {st.name!r} drops {undeclared} without declaring them in "
+                          f"writes")
         for w in st.writes:
             available.add(w)
             producer[w] = st
-    # a replayable stage may not write a tensor that is exported
+        available.difference_update(st.drops)
+    # what a restore starts from: the export (every PREPARE stage has run)
     exported = set(checkpoint)
     for st in stages:
         if st.tag is Tag.TRANSFORM:
             exported.update(st.writes)
+            exported.difference_update(st.drops)
+    restorable = set(exported)
     for st in stages:
         if st.tag is Tag.ALLOCATE:
             clash = sorted(set(st.writes) & exported)
             if clash:
                 errors.append(f"ALLOCATE stage {st.name!r} writes exported tensors {clash}; "
                               f"restore would rewrite shared bytes")
+        if st.tag in RESTORE_TAGS:
+            lost = sorted(r for r in st.reads if r not in restorable and r not in st.optional)
+            if lost:
+                errors.append(f"{st.tag.name} stage {st.name!r} replays at restore and reads "
+                              f"{lost}, which the export does not hold (a TRANSFORM drops or "
+                              f"never writes it); read the final tensors or record the value")
+        if st.tag is Tag.ALLOCATE:
+            restorable.update(st.writes)
     return errors
 
 
@@ -1000,8 +1047,11 @@ class Plan:
         match: ``match(config, target) -> None`` when the plan applies, else the
             reason string.
         description: one line for ``wcache plans``.
-        allow_invalid: build even if the rules fail (tests only; the runner
-            still guards).
+
+    Raises:
+        PlanInvalid: at construction, listing every rule the stages break
+            (:func:`_validate`). There is no switch to skip it; tests that need
+            an invalid plan use :class:`wcache.testing.plans.UncheckedPlan`.
     """
 
     method: str
@@ -1012,14 +1062,12 @@ class Plan:
         default=lambda config, target: None, eq=False, repr=False)
     version: int = 1
     description: str = ""
-    allow_invalid: bool = field(default=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        if not self.allow_invalid:
-            errors = _validate(self.stages, self.checkpoint)
-            if errors:
-                raise PlanInvalid(f"plan {self.method}/{self.kernel} is invalid:\n  - " +
-                                  "\n  - ".join(errors))
+        errors = _validate(self.stages, self.checkpoint)
+        if errors:
+            raise PlanInvalid(f"plan {self.method}/{self.kernel} is invalid:\n  - " +
+                              "\n  - ".join(errors))
 
     @property
     def id(self) -> str:
@@ -1033,7 +1081,8 @@ class Plan:
 
     def run(self, state: LayerState, config: LayerConfig, target: Target, tags: frozenset[Tag],
             recorded: Mapping[str, Mapping[str, Any]] | None = None, *,
-            shared: frozenset[str] = frozenset(), check_purity: bool = False) -> LayerState:
+            shared: frozenset[str] = frozenset(), check_purity: bool = False,
+            memo: dict[str, dict] | None = None) -> LayerState:
         """Fold the stages whose tag is in ``tags`` over ``state``.
 
         Args:
@@ -1041,12 +1090,13 @@ class Plan:
             shared: tensor names that are mapped from the daemon; replayable
                 stages may not replace or drop them.
             check_purity: verify no stage bumps an input's version counter.
+            memo: per-restore memo for ``memoized`` stages (see :class:`Stage`).
         """
         recorded = recorded or {}
         steps = tuple(s for s in self.stages if s.tag in tags)
         return reduce(lambda acc, st: _run_stage(
             st, acc, config, target, recorded.get(st.name, {}),
-            shared=shared, check_purity=check_purity), steps, state)
+            shared=shared, check_purity=check_purity, memo=memo), steps, state)
 
     # -- module-level entry points (the shell) -------------------------------
 
@@ -1069,7 +1119,7 @@ class Plan:
     def restore(self, layer: torch.nn.Module, config: LayerConfig, target: Target,
                 recorded: Mapping[str, Mapping[str, Any]], *, strict: bool = False,
                 guard: "bool | RestoreGuard" = True, content: bool = True,
-                drops: Iterable[str] = ()) -> LayerState:
+                drops: Iterable[str] = (), memo: dict[str, dict] | None = None) -> LayerState:
         """Engine side: ``layer`` already holds the mapped tensors; replay the
         METADATA/ALLOCATE/DERIVE/VALIDATE stages under the restore guard.
 
@@ -1085,12 +1135,20 @@ class Plan:
                 is read-only, so that a write faults instead).
             drops: names the daemon's prepare deleted; leftover placeholders are
                 removed here.
+            memo: one dict for a whole model's restore, passed to ``memoized``
+                stages (e.g. one oneDNN prepack for tied weights); ``None``
+                shares nothing.
 
         Raises:
             RestoreWroteSharedTensor: a stage changed a shared tensor.
             RecordedMismatch: a recomputed value differs from the recorded one.
             RestoreIncomplete: a needed tensor is missing.
         """
+        unknown = sorted(set(recorded) - {s.name for s in self.stages})
+        if unknown:
+            raise RecordedMismatch(
+                f"layer {config.name!r}: the daemon recorded values for stages {unknown} "
+                f"that plan {self.id} does not have; daemon and engine run different plans.")
         initial = state_from_module(layer)
         drops = tuple(d for d in drops if d not in initial.tensors or
                       initial.tensors[d].device.type == "meta")
@@ -1107,14 +1165,10 @@ class Plan:
         state = initial
         for st in steps:
             state = _run_stage(st, state, config, target, recorded.get(st.name, {}),
-                               shared=shared, check_purity=guard is not None, guard=guard)
+                               shared=shared, check_purity=guard is not None, guard=guard,
+                               memo=memo)
             if guard is not None:
                 guard.check_stage(config.name, st.name, {**state.tensors, **state.released})
-        missing = sorted(k for k, v in recorded.items() if k not in {s.name for s in self.stages})
-        if missing:
-            raise RecordedMismatch(
-                f"layer {config.name!r}: the daemon recorded values for stages {missing} "
-                f"that plan {self.id} does not have; daemon and engine run different plans.")
         apply_state_(layer, state)
         if guard is not None:
             guard.check_stage(config.name, "(install)",
@@ -1132,6 +1186,82 @@ class Plan:
                         f"{', '.join(s.writes) or '-'} | {', '.join(s.attrs) or '-'} | "
                         f"{s.source or '-'} |")
         return "\n".join(rows) + "\n"
+
+
+@frozen
+class BoundPlan:
+    """A :class:`Plan` bound to one layer's config and its :class:`Target`: what
+    :func:`wcache.plans.plan_for` returns, so the card's API reads as written::
+
+        bound = plan_for(config, target=target)
+        bound.load(layer)                 # ordinary load
+        prepared = bound.prepare(layer)   # the daemon
+        bound.restore(layer, recorded)    # a restarting engine, on mapped tensors
+
+    Attributes:
+        plan: the resolved plan (its id, stages and checkpoint names are also
+            readable here: ``bound.id``, ``bound.stages``, ...).
+        config: the layer's frozen config the plan was resolved for.
+        target: where the layer runs.
+    """
+
+    plan: Plan
+    config: LayerConfig
+    target: Target
+
+    @property
+    def id(self) -> str:
+        return self.plan.id
+
+    @property
+    def method(self) -> str:
+        return self.plan.method
+
+    @property
+    def kernel(self) -> str:
+        return self.plan.kernel
+
+    @property
+    def version(self) -> int:
+        return self.plan.version
+
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        return self.plan.stages
+
+    @property
+    def checkpoint(self) -> frozenset[str]:
+        return self.plan.checkpoint
+
+    @property
+    def stage_versions(self) -> tuple[tuple[str, int], ...]:
+        return self.plan.stage_versions
+
+    def load(self, layer: torch.nn.Module) -> LayerState:
+        """:meth:`Plan.load` with this binding's config and target."""
+        return self.plan.load(layer, self.config, self.target)
+
+    def prepare(self, layer: torch.nn.Module) -> Prepared:
+        """:meth:`Plan.prepare` with this binding's config and target."""
+        return self.plan.prepare(layer, self.config, self.target)
+
+    def restore(self, layer: torch.nn.Module,
+                recorded: Mapping[str, Mapping[str, Any]], **kwargs: Any) -> LayerState:
+        """:meth:`Plan.restore` with this binding's config and target; ``kwargs``
+        (``strict``, ``guard``, ``content``, ``drops``, ``memo``) pass through.
+
+        Raises:
+            RestoreWroteSharedTensor, RecordedMismatch, RestoreIncomplete: as
+            :meth:`Plan.restore`.
+        """
+        return self.plan.restore(layer, self.config, self.target, recorded, **kwargs)
+
+    def run(self, state: LayerState, tags: frozenset[Tag], **kwargs: Any) -> LayerState:
+        """:meth:`Plan.run` with this binding's config and target."""
+        return self.plan.run(state, self.config, self.target, tags, **kwargs)
+
+    def describe(self) -> str:
+        return self.plan.describe()
 
 
 # --------------------------------------------------------------------------- snapshots
@@ -1163,7 +1293,7 @@ def snapshot(module: torch.nn.Module, attr_paths: Iterable[str] = ()) -> dict[st
                              tensor_checksum(t))
     for path in attr_paths:
         try:
-            obj, leaf = _resolve_parent(module, path)
+            obj, leaf = resolve_parent(module, path)
             value = getattr(obj, leaf)
         except AttributeError:
             value = "<missing>"

@@ -26,6 +26,7 @@ from wcache.core import (  # noqa: E402
 )
 from wcache.store import ArenaInvalidated, CacheKey, attach, daemon_status, socket_path  # noqa: E402
 from wcache.store.server import INVALIDATED_EXIT, INVALIDATED_LINGER_S  # noqa: E402
+from wcache.testing.plans import UncheckedPlan  # noqa: E402
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -91,7 +92,7 @@ def _writer(form: str) -> Plan:
     def sneaky(tensors, config, target, recorded):
         WRITE_FORMS[form](tensors["weight"])
         return StageOut()
-    return Plan("toy", "bad", (sneaky,), frozenset({"weight"}), allow_invalid=True)
+    return UncheckedPlan("toy", "bad", (sneaky,), frozenset({"weight"}))
 
 
 def _equal_export(att) -> list[str]:

@@ -1,4 +1,4 @@
-"""``cuda_ipc`` restore between two processes on one GPU (the H200 tier).
+"""Restore between two processes on one GPU over ``cuda_vmm`` and ``cuda_ipc`` (the H200 tier).
 
 A spawned daemon process prepares three layers on ``cuda:0`` (bf16 on kernel
 ``none``, AWQ int4 on Marlin, online FP8 per-tensor on CUTLASS with N not a
@@ -32,8 +32,9 @@ TOKENS = 33
 
 
 def _daemon_main(conn, socket_dir: str, device_id: str, key_fields: dict, layers: list,
-                 device_name: str, target: Target) -> None:
-    """The daemon process: prepare on the device, export (cuda_ipc on CUDA), serve until told."""
+                 device_name: str, target: Target, transport: str | None) -> None:
+    """The daemon process: prepare on the device, export over ``transport`` (None: the
+    store's default), serve until told."""
     try:
         from wcache.plans import plan_for
         from wcache.store import CacheKey, DaemonServer, Export
@@ -44,7 +45,7 @@ def _daemon_main(conn, socket_dir: str, device_id: str, key_fields: dict, layers
         tensors, kinds, entries = {}, {}, {}
         with torch.no_grad():
             for name, config, ckpt in layers:
-                plan = plan_for(config, target=target)
+                plan = plan_for(config, target=target).plan
                 module = torch.nn.Module()
                 apply_state_(module, LayerState(tensors={k: v.to(device) for k, v in ckpt.items()}))
                 prep = plan.prepare(module, config, target)
@@ -55,7 +56,7 @@ def _daemon_main(conn, socket_dir: str, device_id: str, key_fields: dict, layers
                                  "recorded": {k: dict(v) for k, v in prep.recorded.items()}}
         server = DaemonServer(Export(tensors=tensors, kinds=kinds, layers=entries),
                               CacheKey(key_fields), socket_dir=socket_dir, device=device_name,
-                              device_id=device_id)
+                              device_id=device_id, transport=transport)
         server.start()
         conn.send(("ready", os.getpid(), server.transport))
         conn.recv()
@@ -74,10 +75,13 @@ def _bf16_forward(layer, config, x):
 H200_DRY_RUN_TARGET = Target("cuda", (9, 0))
 
 
-def test_cuda_ipc_restore_in_a_second_process_equals_ordinary_load(checkpoints, fp8_forward, cuda):
+@pytest.mark.parametrize("transport", ["cuda_vmm", "cuda_ipc"])
+def test_restore_in_a_second_process_equals_ordinary_load(checkpoints, fp8_forward, cuda,
+                                                          transport):
     """A client process restores bf16, AWQ-Marlin and FP8-CUTLASS layers from a daemon
-    process through cuda_ipc (zero-copy views of the daemon's arena) and every
-    layer's output equals the ordinarily loaded layer's, bit for bit."""
+    process through ``transport`` (zero-copy views of the daemon's arena) and every
+    layer's output equals the ordinarily loaded layer's, bit for bit. On the CPU dry
+    run both cases use shm."""
     from wcache.plans import plan_for
     from wcache.store import CacheKey, attach
 
@@ -85,7 +89,13 @@ def test_cuda_ipc_restore_in_a_second_process_equals_ordinary_load(checkpoints, 
     make, module_with = checkpoints
     device = cuda
     target = Target.detect(device) if device.type == "cuda" else H200_DRY_RUN_TARGET
-    expected_transport = "cuda_ipc" if device.type == "cuda" else "shm"
+    if device.type == "cuda" and transport == "cuda_vmm":
+        from wcache.store import transport_vmm
+
+        ok, why = transport_vmm.available(device.index or 0)
+        if not ok:
+            pytest.skip(f"cuda_vmm unavailable here: {why}")
+    expected_transport = transport if device.type == "cuda" else "shm"
     forwards = {"unquantized": _bf16_forward, "awq": R.marlin_int_forward,
                 "fp8_per_tensor": lambda layer, config, x: fp8_forward(layer, x)}
     layers = []
@@ -99,13 +109,14 @@ def test_cuda_ipc_restore_in_a_second_process_equals_ordinary_load(checkpoints, 
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_daemon_main,
                            args=(child, socket_dir, device_id, key_fields, layers, str(device),
-                                 target), daemon=True)
+                                 target, transport if device.type == "cuda" else None),
+                           daemon=True)
         proc.start()
         try:
             assert parent.poll(DAEMON_READY_TIMEOUT_S), "daemon process did not report"
-            status, daemon_pid, transport = parent.recv()
+            status, daemon_pid, served = parent.recv()
             assert "ready" == status, daemon_pid
-            assert expected_transport == transport
+            assert expected_transport == served
             assert daemon_pid != os.getpid()
             with torch.no_grad():
                 att = attach(CacheKey(key_fields), socket_dir=socket_dir, device=str(device),
@@ -113,7 +124,7 @@ def test_cuda_ipc_restore_in_a_second_process_equals_ordinary_load(checkpoints, 
                 lo, hi = att.arena_range
                 x_gen = torch.Generator(device).manual_seed(7)
                 for name, config, ckpt in layers:
-                    plan = plan_for(config, target=target)
+                    plan = plan_for(config, target=target).plan
                     restored = torch.nn.Module()
                     local = {t.rpartition(".")[2]: v for t, v in att.tensors.items()
                              if t.rpartition(".")[0] == name}

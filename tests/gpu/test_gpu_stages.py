@@ -21,6 +21,7 @@ from wcache.core import (
     LOAD_TAGS, PREPARE_TAGS, LayerConfig, LayerState, Plan, Target, state_from_module,
 )
 from wcache.plans import all_plans, hosts, plan_for
+from wcache.testing.plans import UncheckedPlan
 
 #: Plans run with a CUDA target of capability 10.0: every CUDA plan's minimum
 #: (NVFP4 CUTLASS needs Blackwell); the stages are pure torch, so the H200 runs them.
@@ -63,8 +64,8 @@ def _target_for(plan: Plan, config: LayerConfig) -> Target | None:
 
 def _one_stage(plan: Plan, stage, state: LayerState, config: LayerConfig,
                target: Target) -> LayerState:
-    single = Plan(method=plan.method, kernel=plan.kernel, stages=(stage,),
-                  checkpoint=frozenset(state.tensors), allow_invalid=True)
+    single = UncheckedPlan(method=plan.method, kernel=plan.kernel, stages=(stage,),
+                           checkpoint=frozenset(state.tensors))
     return single.run(state, config, target, frozenset({stage.tag}), check_purity=True)
 
 
@@ -86,6 +87,8 @@ def _assert_states_equal(where: str, cpu: LayerState, gpu: LayerState,
 
 
 PLANS = all_plans()
+#: How a stage's ``source`` names a vLLM CPU kernel op it calls.
+VLLM_CPU_OP = "torch.ops._C."
 
 
 @pytest.mark.parametrize("n,k", SHAPES, ids=lambda v: str(v))
@@ -106,6 +109,10 @@ def test_every_stage_on_cuda_gives_the_cpu_bytes(plan, n, k, checkpoints, cuda):
     cpu = state_from_module(module_with(tensors, "cpu"))
     gpu = state_from_module(module_with(tensors, cuda))
     steps = [s for s in plan.stages if s.tag in tags]
+    cpu_ops = [s.name for s in steps if VLLM_CPU_OP in s.source]
+    if cpu_ops:  # e.g. unquantized/sgl's convert_weight_packed: proven in tests/plans instead
+        pytest.skip(f"{plan.id}: {', '.join(cpu_ops)} run vLLM's CPU kernel ops "
+                    f"({VLLM_CPU_OP}*), which have no CUDA implementation")
     if not steps:
         pytest.skip(f"{plan.id}: nothing but CPU DERIVE stages (vLLM's CPU ops) or no stages")
     with torch.no_grad():
@@ -156,7 +163,7 @@ def test_cutlass_fp8_scaled_mm_restored_equals_loaded(method, strategy, n, k, ch
     config, tensors = make(method, n, k, strategy=strategy)
     config = evolve(config, quant=evolve(config.quant, kernel="cutlass"))
     target = Target.detect(cuda) if cuda.type == "cuda" else H200_DRY_RUN_TARGET
-    plan = plan_for(config, target=target)
+    plan = plan_for(config, target=target).plan
     assert "cutlass" == plan.kernel
     with torch.no_grad():
         loaded, restored = _restored(plan, tensors, config, target, cuda, module_with)

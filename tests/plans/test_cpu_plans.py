@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 
 from wcache.core import (PREPARE_TAGS, LayerConfig, NoPlan, Plan, PlanInvalid, QuantSpec,
                          RecordedMismatch, RestoreIncomplete, RestoreWroteSharedTensor,
-                         StageOut, Tag, Target, snapshot, stage, state_from_module)
+                         StageOut, Tag, Target, snapshot, state_from_module)
 from wcache.plans import all_plans, plan_for
 from wcache.stages import cpu_wna16
+from wcache.testing.plans import UncheckedPlan, unregistered_stage
 
 pytest.importorskip("vllm")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -95,7 +96,7 @@ VLLM_CANNOT_RUN = "vLLM itself cannot run this layer here"
 def _host_plan(case: vl.Case) -> Plan:
     """The plan for ``case`` on this host; skips when vLLM itself cannot run it here."""
     try:
-        return plan_for(case.config.quant, case.config, HOST)
+        return plan_for(case.config, target=HOST).plan
     except NoPlan as exc:
         if VLLM_CANNOT_RUN in str(exc):
             pytest.skip(f"{HOST_LIBRARY}: {exc}")
@@ -224,7 +225,7 @@ def test_plan_for_resolves(spec, config_kw, target, plan_id):
     """plan_for picks the plan for the kernel decisions the Target records."""
     config = LayerConfig(spec, **{"size_k": 256, "size_n": 128, "params_dtype": "bfloat16",
                                   **config_kw})
-    assert plan_id == plan_for(spec, config, target).id
+    assert plan_id == plan_for(spec, config, target=target).id
 
 
 def test_plan_for_on_this_host_follows_vllms_decisions():
@@ -233,14 +234,14 @@ def test_plan_for_on_this_host_follows_vllms_decisions():
     for dtype in ("bfloat16", "float16", "float32"):
         config = LayerConfig(QuantSpec("unquantized"), 256, 128, dtype)
         assert HOST.kernel(f"unquantized_gemm[{dtype}]") == plan_for(
-            config.quant, config, HOST).kernel
+            config, target=HOST).kernel
     awq = LayerConfig(_awq_spec(), 256, 128)
     if HOST.kernel("op.cpu_gemm_wna16") == "present":
-        assert "awq/cpu_wna16@1" == plan_for(awq.quant, awq, HOST).id
+        assert "awq/cpu_wna16@1" == plan_for(awq, target=HOST).id
     else:
         with pytest.raises(NoPlan, match=f"{HOST_LIBRARY} on this host has no "
                                          f"torch.ops._C.cpu_gemm_wna16"):
-            plan_for(awq.quant, awq, HOST)
+            plan_for(awq, target=HOST)
 
 
 def _awq_spec():
@@ -283,7 +284,7 @@ def test_bad_inputs_raise_noplan(spec, size, target, message):
     """Unsupported methods, layouts, kernel decisions and targets raise NoPlan with the reason."""
     config = LayerConfig(spec, size[0], size[1], "bfloat16", name="model.layers.0.x")
     with pytest.raises(NoPlan, match=message):
-        plan_for(spec, config, target)
+        plan_for(spec, config, target=target)
 
 
 def test_kv_cache_only_v_scale_raises():
@@ -349,15 +350,16 @@ def test_recorded_values_for_unknown_stage_raise():
 # --------------------------------------------------------------------------- guard
 
 
-def _awq_plan(*stages_, allow_invalid=False) -> Plan:
-    return Plan(method="awq", kernel="cpu_wna16_test", stages=stages_,
-                checkpoint={"qweight", "qzeros", "scales", "bias"}, allow_invalid=allow_invalid)
+def _awq_plan(*stages_, unchecked=False) -> Plan:
+    cls = UncheckedPlan if unchecked else Plan
+    return cls(method="awq", kernel="cpu_wna16_test", stages=stages_,
+               checkpoint={"qweight", "qzeros", "scales", "bias"})
 
 
 def _awq_stages():
     """The AWQ plan's stages (resolved for an AVX512 host: the guard tests below run
     them without vLLM's GEMM, so they hold on hosts whose vLLM lacks cpu_gemm_wna16)."""
-    return list(plan_for(_awq_spec(), LayerConfig(_awq_spec(), 128, 64), AVX512).stages)
+    return list(plan_for(LayerConfig(_awq_spec(), 128, 64), target=AVX512).stages)
 
 
 def test_transform_mistagged_metadata_is_invalid():
@@ -372,14 +374,15 @@ def test_allocate_writing_exported_tensor_is_invalid_and_guarded():
     """An ALLOCATE stage writing an exported tensor is refused at build; forced through,
     restore raises RestoreWroteSharedTensor."""
 
-    @stage("cpu_wna16.allocate_scales", Tag.ALLOCATE, reads=("scales",), writes=("scales",))
+    @unregistered_stage("cpu_wna16.allocate_scales", Tag.ALLOCATE, reads=("scales",),
+                        writes=("scales",))
     def bad(tensors, config, target, recorded):
         return StageOut(tensors={"scales": torch.ones_like(tensors["scales"])})
 
     with pytest.raises(PlanInvalid, match="allocate_scales"):
         _awq_plan(*_awq_stages(), bad)
     case = vl.awq_linear(128, 64, 32)
-    plan = _awq_plan(*_awq_stages(), bad, allow_invalid=True)
+    plan = _awq_plan(*_awq_stages(), bad, unchecked=True)
     engine, prepared = _exported_layer(case, plan)
     with pytest.raises(RestoreWroteSharedTensor, match="scales"):
         plan.restore(engine, case.config, HOST, prepared.recorded, strict=True,
@@ -391,7 +394,7 @@ def test_metadata_writing_in_place_is_caught(via_data):
     """A METADATA stage that writes shared bytes in place fails the restore guard, by
     version counter or (through ``.data``, which hides it) by checksum."""
 
-    @stage("cpu_wna16.fix_scales", Tag.METADATA, reads=("scales",))
+    @unregistered_stage("cpu_wna16.fix_scales", Tag.METADATA, reads=("scales",))
     def sneaky(tensors, config, target, recorded):
         (tensors["scales"].data if via_data else tensors["scales"]).mul_(2)
         return StageOut()
@@ -410,8 +413,8 @@ def test_metadata_folded_into_transform_fails_invariant():
     lacks isa_hint: the snapshots differ."""
     repack = cpu_wna16.repack("qweight")
 
-    @stage("cpu_wna16.repack", Tag.TRANSFORM, reads=("qweight", "scales"), writes=("qweight",),
-           attrs=("isa_hint",))
+    @unregistered_stage("cpu_wna16.repack", Tag.TRANSFORM, reads=("qweight", "scales"),
+                        writes=("qweight",), attrs=("isa_hint",))
     def folded(tensors, config, target, recorded):
         out = repack.fn(tensors, config, target, recorded)
         return evolve(out, attrs={"isa_hint": cpu_wna16.isa_hint_for(tensors["scales"].dtype,
@@ -447,7 +450,7 @@ def test_cpu_plans_registered_with_descriptions_and_sources():
 def test_cuda_unquantized_plan_is_a_noop():
     """The CUDA unquantized plan runs no stage: load leaves the layer unchanged."""
     case = vl.unquantized_linear(64, 96)
-    plan = plan_for(case.config.quant, case.config, Target("cuda", (9, 0)))
+    plan = plan_for(case.config, target=Target("cuda", (9, 0))).plan
     layer = case.new_layer()
     before = snapshot(layer)
     plan.load(layer, case.config, Target("cuda", (9, 0)))
@@ -472,7 +475,7 @@ def test_sgl_plan_equals_vllms_amx_dispatch(size_k, size_n, dtype, bias, monkeyp
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     case = vl.unquantized_linear(size_k, size_n, dtype, bias)
     amx = AMX
-    plan = plan_for(case.config.quant, case.config, amx)
+    plan = plan_for(case.config, target=amx).plan
     assert "unquantized/sgl@1" == plan.id
     expected, loaded = case.new_layer(), case.new_layer()
     case.vllm_process(expected)

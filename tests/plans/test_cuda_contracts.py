@@ -210,7 +210,7 @@ def _adapter_plan(layer: torch.nn.Module, expected_plan: str):
     from wcache.vllm.adapter import layer_config
 
     config = layer_config(layer.quant_method, layer, H200, name="layer")
-    plan = plan_for(config, target=H200)
+    plan = plan_for(config, target=H200).plan
     assert plan.id == expected_plan
     return config, plan
 
@@ -466,7 +466,7 @@ def test_fp8_serialized_fp8_marlin_sm80(simulated_sm80, widths, size_k, static, 
     vllm_layer = build()
     assert type(vllm_layer.quant_method.fp8_linear) is MarlinFP8ScaledMMLinearKernel
     config = layer_config(vllm_layer.quant_method, vllm_layer, SM80, name="layer")
-    plan = plan_for(config, target=SM80)
+    plan = plan_for(config, target=SM80).plan
     assert plan.id == "fp8/fp8_marlin@1"
     fill(vllm_layer)
     with VL.vllm_context("cpu", torch.bfloat16):
@@ -701,7 +701,7 @@ def test_ct_w8a8_fp8_on_fp8_marlin_sm80(simulated_sm80, strategy, widths, size_k
     vllm_layer = build()
     assert type(vllm_layer.scheme.linear_kernel) is MarlinFP8ScaledMMLinearKernel
     config = layer_config(vllm_layer.quant_method, vllm_layer, SM80, name="layer")
-    plan = plan_for(config, target=SM80)
+    plan = plan_for(config, target=SM80).plan
     assert plan.id == "ct_w8a8_fp8/fp8_marlin@1"
     fill(vllm_layer)
     with VL.vllm_context("cpu", torch.bfloat16):
@@ -855,7 +855,7 @@ def test_nvfp4_linear_cutlass_sm100(simulated_sm100, monkeypatch, widths, size_k
     vllm_layer = build()
     assert type(vllm_layer.quant_method.kernel) is CutlassNvFp4LinearKernel
     config = layer_config(vllm_layer.quant_method, vllm_layer, SM100, name="layer")
-    plan = plan_for(config, target=SM100)
+    plan = plan_for(config, target=SM100).plan
     assert plan.id == "modelopt_fp4/cutlass@1"
     fill(vllm_layer)
     with VL.vllm_context("cpu", torch.bfloat16):
@@ -951,7 +951,7 @@ def test_nvfp4_moe_cutlass_sm100(simulated_sm100, monkeypatch, num_experts, hidd
     vllm_layer = build()
     assert vllm_layer.quant_method.experts_cls is CutlassExpertsFp4
     config = layer_config(vllm_layer.quant_method, vllm_layer, SM100, name="experts")
-    plan = plan_for(config, target=SM100)
+    plan = plan_for(config, target=SM100).plan
     assert plan.id == "modelopt_fp4/cutlass_moe@1"
     fill(vllm_layer)
     with VL.vllm_context("cpu", torch.bfloat16):

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import reference_kernels as R
 from wcache.core import (
     LayerConfig, NoPlan, Plan, PlanInvalid, QuantSpec, RecordedMismatch,
-    RestoreWroteSharedTensor, StageOut, Tag, Target, snapshot, stage, state_from_module,
+    RestoreWroteSharedTensor, StageOut, Tag, Target, snapshot, state_from_module,
 )
 from wcache.plans import fp8 as fp8_plans
 from wcache.plans import marlin as marlin_plans
@@ -27,6 +27,7 @@ from wcache.plans import nvfp4 as nvfp4_plans
 from wcache.plans.registry import all_plans, plan_for
 from wcache.stages import marlin as M
 from wcache.stages import nvfp4 as F4
+from wcache.testing.plans import UncheckedPlan, unregistered_stage
 
 H200 = Target("cuda", (9, 0))
 B200 = Target("cuda", (10, 0))
@@ -248,7 +249,7 @@ def assert_restore_invariant(cfg: LayerConfig, tensors: dict, seed: int = 0):
     the checkpoint tensors are untouched by all three runs; every stage is pure on this
     draw; replaying restore a second time changes nothing."""
     target = _target(cfg)
-    plan = plan_for(cfg.quant, cfg, target)
+    plan = plan_for(cfg, target=target).plan
     before = {k: v.clone() for k, v in tensors.items()}
     loaded, restored, prepared = roundtrip(plan, tensors, cfg, target)
     paths = attr_paths(plan)
@@ -340,7 +341,7 @@ def test_nvfp4_moe_restore_invariant(e, hidden, inter, seed):
 def test_cutlass_restore_with_recorded_width_mismatch_raises():
     """A restore whose LayerConfig.size_n differs from the daemon's recorded width raises."""
     cfg = _config("fp8_per_channel", 64, 100, kernel="cutlass")
-    plan = plan_for(cfg.quant, cfg, H200)
+    plan = plan_for(cfg, target=H200).plan
     tensors = {"weight": torch.randn(100, 64).to(torch.bfloat16)}
     prepared = plan.prepare(make_module(tensors), cfg, H200)
     with pytest.raises(RecordedMismatch):
@@ -402,8 +403,7 @@ def assert_stages_pure(plan: Plan, tensors: dict, cfg: LayerConfig, target: Targ
         for k, (val, ver) in before.items():
             assert state.tensors[k]._version == ver, (st_.name, k)
             assert _same(state.tensors[k], val), (st_.name, k)
-        one = Plan(plan.method, plan.kernel, (st_,), checkpoint=frozenset(state.tensors),
-                   allow_invalid=True)
+        one = UncheckedPlan(plan.method, plan.kernel, (st_,), checkpoint=frozenset(state.tensors))
         state = one.run(state, cfg, target, frozenset({st_.tag}), check_purity=True)
 
 
@@ -411,14 +411,14 @@ def assert_stages_pure(plan: Plan, tensors: dict, cfg: LayerConfig, target: Targ
 def test_every_stage_is_pure(cfg, tensors):
     """Every stage of every CUDA plan leaves its input tensors' values and version
     counters unchanged (run stage by stage through a full load)."""
-    assert_stages_pure(plan_for(cfg.quant, cfg, _target(cfg)), tensors, cfg, _target(cfg))
+    assert_stages_pure(plan_for(cfg, target=_target(cfg)).plan, tensors, cfg, _target(cfg))
 
 
 @pytest.mark.parametrize("cfg,tensors", PLAN_CASES, ids=lambda v: getattr(v, "name", None))
 def test_replayable_stages_twice_equals_once(cfg, tensors):
     """Replaying a plan's METADATA/ALLOCATE/DERIVE/VALIDATE stages twice on a restored
     layer gives the same snapshot as once, and the same recorded values."""
-    plan = plan_for(cfg.quant, cfg, _target(cfg))
+    plan = plan_for(cfg, target=_target(cfg)).plan
     prepared = plan.prepare(make_module({k: v.clone() for k, v in tensors.items()}), cfg,
                             _target(cfg))
     once = export(prepared)
@@ -442,7 +442,7 @@ def _moe_case():
 @pytest.mark.parametrize("tag", [Tag.METADATA, Tag.ALLOCATE])
 def test_mistagged_activation_scale_fuse_is_rejected_at_build(tag):
     """The NVFP4 activation-scale fuse tagged replayable (METADATA/ALLOCATE) is a PlanInvalid."""
-    bad = evolve(F4.MOE_FUSE_ACTIVATION_SCALE, tag=tag)
+    bad = evolve(F4.moe_fuse_activation_scale, tag=tag)
     stages = tuple(bad if s.name == bad.name else s for s in nvfp4_plans.MOE.stages)
     with pytest.raises(PlanInvalid, match="nvfp4.moe_fuse_activation_scale"):
         Plan("modelopt_fp4", "cutlass_moe", stages, checkpoint=nvfp4_plans.MOE.checkpoint)
@@ -453,10 +453,10 @@ def test_mistagged_activation_scale_fuse_replay_is_caught_by_guard():
     RestoreWroteSharedTensor instead of squaring the activation scale."""
     cfg, tensors = _moe_case()
     prepared = nvfp4_plans.MOE.prepare(make_module(tensors), cfg, B200)
-    bad = evolve(F4.MOE_FUSE_ACTIVATION_SCALE, tag=Tag.ALLOCATE)
-    plan = Plan("modelopt_fp4", "cutlass_moe",
-                tuple(bad if s.name == bad.name else s for s in nvfp4_plans.MOE.stages),
-                checkpoint=nvfp4_plans.MOE.checkpoint, allow_invalid=True)
+    bad = evolve(F4.moe_fuse_activation_scale, tag=Tag.ALLOCATE)
+    plan = UncheckedPlan("modelopt_fp4", "cutlass_moe",
+                         tuple(bad if s.name == bad.name else s for s in nvfp4_plans.MOE.stages),
+                         checkpoint=nvfp4_plans.MOE.checkpoint)
     restored = export(prepared)
     before = restored.w13_weight_scale_2.clone()
     with pytest.raises(RestoreWroteSharedTensor):
@@ -468,8 +468,9 @@ def test_vllm_style_in_place_fuse_on_restore_is_caught():
     """vLLM's form (``w13_weight_scale_2.mul_(w13_input_scale)``, declared as writing
     nothing) passes the build rules but the restore guard catches the in-place write."""
 
-    @stage("nvfp4.moe_fuse_activation_scale", Tag.METADATA,
-           reads=("w13_weight_scale_2", "w13_input_scale"), source="CutlassExpertsFp4 (vLLM)")
+    @unregistered_stage("nvfp4.moe_fuse_activation_scale", Tag.METADATA,
+                        reads=("w13_weight_scale_2", "w13_input_scale"),
+                        source="CutlassExpertsFp4 (vLLM)")
     def in_place(t, c, tg, r):
         t["w13_weight_scale_2"].mul_(t["w13_input_scale"])
         return StageOut()
@@ -496,7 +497,7 @@ def test_cutlass_restore_without_logical_width_fails_invariant(method, n):
     else:
         tensors = {"weight": torch.randn(n, k).to(torch.bfloat16)}
         cfg = _config(method, k, n, kernel="cutlass")
-    full = plan_for(cfg.quant, cfg, H200)
+    full = plan_for(cfg, target=H200).plan
     lacking = evolve(full, stages=tuple(s for s in full.stages
                                         if s.name != "cutlass.logical_output_size"))
     loaded, restored_ok, _ = roundtrip(full, tensors, cfg, H200)
@@ -547,19 +548,19 @@ def test_plan_registered_and_resolves(cfg, plan, target):
     """Each CUDA plan is in all_plans() and plan_for(spec with kernel, config, cuda target)
     resolves to it; on CPU the same spec is refused with a reason."""
     assert plan in all_plans()
-    assert plan_for(cfg.quant, cfg, target) is plan
+    assert plan_for(cfg, target=target).plan is plan
     with pytest.raises(NoPlan):
-        plan_for(cfg.quant, cfg, CPU)
+        plan_for(cfg, target=CPU).plan
 
 
 def test_default_kernel_on_hopper_is_marlin_only_where_vllm_picks_marlin():
     """Without an explicit kernel, sm90 resolves Marlin for shapes Machete cannot take
     (N % 128 != 0) and when Machete is disabled, as vLLM's kernel list does."""
     cfg = evolve(_config("gptq", 128, 96, bits=4, g=64), quant=QuantSpec("gptq", 4, 64))
-    assert plan_for(cfg.quant, cfg, H200) is marlin_plans.GPTQ
+    assert plan_for(cfg, target=H200).plan is marlin_plans.GPTQ
     wide = evolve(cfg, size_n=128)
     disabled = Target("cuda", (9, 0), env=(("VLLM_DISABLED_KERNELS", "MacheteLinearKernel"),))
-    assert plan_for(wide.quant, wide, disabled) is marlin_plans.GPTQ
+    assert plan_for(wide, target=disabled).plan is marlin_plans.GPTQ
 
 
 def test_all_cuda_plans_covered():
@@ -592,4 +593,4 @@ def test_all_cuda_plans_covered():
 def test_refused_cases_raise_noplan_with_reason(cfg, target, reason):
     """Unsupported combinations raise NoPlan whose message names the reason."""
     with pytest.raises(NoPlan, match=reason):
-        plan_for(cfg.quant, cfg, target)
+        plan_for(cfg, target=target).plan

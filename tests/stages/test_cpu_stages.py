@@ -233,11 +233,16 @@ def test_repack_refuses_w4a8_target():
 
 
 def test_gptq_and_ct_zero_point_stages():
-    """gptq.drop_zero_points drops qzeros into a None slot; CT clears the attribute."""
+    """gptq.drop_zero_points drops qzeros (TRANSFORM) and gptq.clear_zero_points leaves the
+    None slot (METADATA); CT clears the attribute of a symmetric layer only."""
     out = _run(gptq.drop_zero_points, {"qzeros": torch.zeros(1, 1, dtype=torch.int32)}, _cfg())
-    assert (("qzeros",), {"qzeros": None}) == (out.drop, dict(out.attrs))
+    assert (("qzeros",), {}) == (out.drop, dict(out.attrs))
+    out = _run(gptq.clear_zero_points, {}, _cfg())
+    assert ((), {"qzeros": None}) == (out.drop, dict(out.attrs))
     out = _run(compressed_tensors.clear_zero_point, {}, _cfg("ct_w4a16"))
     assert {"weight_zero_point": None} == dict(out.attrs) and out.drop == ()
+    out = _run(compressed_tensors.clear_zero_point, {}, _cfg("ct_w4a16", zero_point=True))
+    assert {} == dict(out.attrs) and out.drop == ()
 
 
 @given(shapes)

@@ -157,7 +157,7 @@ def test_marlin_stages_equal_vllm_kernel_composition(method, bits, g, k, n, zp):
     exp_s = mu.marlin_permute_scales(mu.marlin_pad_scales(s, n, k, pn, pk, g), pk, pn, g)
     assert torch.equal(exp_s, got_s)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16)
-    got_b = M.PERMUTE_BIAS.fn({"bias": bias}, c, H200, {}).tensors["bias"]
+    got_b = M.permute_bias.fn({"bias": bias}, c, H200, {}).tensors["bias"]
     assert torch.equal(mu.marlin_permute_bias(mu.marlin_pad_dim(bias, n, pn)), got_b)
     if zp:
         z = torch.randint(0, 2 ** bits, (groups, n), generator=gen, dtype=torch.int32)
@@ -185,14 +185,14 @@ def test_fp8_marlin_stages_equal_vllm(n, k, seed, dtype):
     vals = M.unpack_int32(packed.t().contiguous(), 8).t()
     vals = torch.nn.functional.pad(vals, (0, pn - n, 0, pk - k))
     expected = mut.marlin_weights(vals, pk, pn, 8, mut.get_weight_perm(8))
-    assert torch.equal(expected, M.FP8_REPACK.fn({"weight": w}, c, H200, {}).tensors["weight"])
+    assert torch.equal(expected, M.fp8_repack.fn({"weight": w}, c, H200, {}).tensors["weight"])
     scale = torch.rand(2, generator=gen) * 0.01 + 1e-4
     sd = getattr(torch, dtype)
     exp = scale.to(sd).view(1, -1).repeat_interleave(
         torch.tensor(c.get("logical_widths")), dim=1)
     exp = mu.marlin_permute_scales(mu.marlin_pad_scales(exp, n, k, pn, pk, -1), pk, pn, -1)
     exp = mfp8.fp8_fused_exponent_bias_into_scales(exp)
-    got = M.FP8_SCALES.fn({"weight_scale": scale}, c, H200, {}).tensors["weight_scale"]
+    got = M.fp8_scales.fn({"weight_scale": scale}, c, H200, {}).tensors["weight_scale"]
     assert got.dtype == sd and torch.equal(exp, got)
 
 
@@ -205,7 +205,7 @@ def test_mxfp8_marlin_scales_equal_vllm(n, k, seed):
     exp = s.view(torch.float8_e8m0fnu).to(torch.bfloat16).T.contiguous()
     exp = mu.marlin_permute_scales(mu.marlin_pad_scales(exp, n, k, pn, pk, 32), pk, pn, 32)
     exp = mfp8.mxfp8_marlin_process_scales(exp)
-    got = M.MXFP8_SCALES.fn({"weight_scale": s}, c, H200, {}).tensors["weight_scale"]
+    got = M.mxfp8_scales.fn({"weight_scale": s}, c, H200, {}).tensors["weight_scale"]
     assert torch.equal(u8(exp), u8(got))
 
 
@@ -300,7 +300,7 @@ def test_cutlass_pad_per_tensor_equals_vllm(kn, seed):
     pw, ps = F8.cutlass_pad(w, s)
     assert pw.shape == mod.weight.shape and pw.stride() == mod.weight.stride()
     assert torch.equal(u8(mod.weight.data), u8(pw)) and torch.equal(mod.weight_scale.data, ps)
-    out = F8.CUTLASS_LOGICAL_WIDTH.fn({}, cfg("fp8", k, n), H200, {})
+    out = F8.logical_output_size.fn({}, cfg("fp8", k, n), H200, {})
     assert out.attrs[F8.LOGICAL_OUTPUT_ATTR] == kern.logical_output_size == n
 
 
@@ -415,7 +415,7 @@ def test_fuse_activation_scale_returns_new_tensors():
     t = {"w13_weight_scale_2": torch.tensor([0.5, 0.25]), "w13_input_scale": torch.tensor([2.0, 4.0]),
          "w2_weight_scale_2": torch.tensor([1.0, 3.0]), "w2_input_scale": torch.tensor([0.5, 0.5])}
     before = {k: (v.clone(), v._version) for k, v in t.items()}
-    out = F4.MOE_FUSE_ACTIVATION_SCALE.fn(t, cfg("modelopt_fp4"), Target("cuda", (10, 0)), {})
+    out = F4.moe_fuse_activation_scale.fn(t, cfg("modelopt_fp4"), Target("cuda", (10, 0)), {})
     assert torch.equal(out.tensors["w13_weight_scale_2"], torch.tensor([1.0, 1.0]))
     assert torch.equal(out.tensors["w2_weight_scale_2"], torch.tensor([0.5, 1.5]))
     for k, (v, ver) in before.items():
@@ -448,14 +448,14 @@ BAD_INPUTS = [
      M.MarlinLayoutError, "group sizes"),
     (lambda: MX.mxfp8_e4m3_quantize(torch.zeros(4, 48)), MX.Mxfp8LayoutError, "divisible by 32"),
     (lambda: F8.per_block_cast_to_fp8(torch.zeros(2, 2, 2)), F8.Fp8LayoutError, "2-D"),
-    (lambda: F8.PROCESS_WEIGHT_STRATEGY.fn(
+    (lambda: F8.process_weight_strategy.fn(
         {"weight": torch.zeros(4, 4).to(torch.float8_e4m3fn), "weight_scale": torch.ones(1)},
         LayerConfig(QuantSpec("fp8", strategy="block"), 4, 4), H200, {}),
      F8.Fp8LayoutError, "cutlass_block"),
-    (lambda: F8.REDUCE_INPUT_SCALE.fn({}, LayerConfig(QuantSpec("fp8", static_input=True), 4, 4),
+    (lambda: F8.reduce_input_scale.fn({}, LayerConfig(QuantSpec("fp8", static_input=True), 4, 4),
                                       H200, {}), F8.Fp8LayoutError, "no input_scale"),
     (lambda: F4.swizzle_blockscale(torch.zeros(4, 4)), F4.Nvfp4LayoutError, "float8_e4m3fn"),
-    (lambda: F4.VALIDATE_LOADED.fn({"weight_scale": torch.full((4, 4), float("nan"))
+    (lambda: F4.validate_loaded.fn({"weight_scale": torch.full((4, 4), float("nan"))
                                     .to(torch.float8_e4m3fn)}, cfg("modelopt_fp4"), H200, {}),
      F4.Nvfp4LayoutError, "NaN"),
 ]

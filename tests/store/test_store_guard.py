@@ -17,6 +17,7 @@ from wcache.core import (
 from wcache.store import (
     ArenaInvalidated, CacheKey, attach, daemon_status, invalidate_daemon, socket_path,
 )
+from wcache.testing.plans import UncheckedPlan
 from wcache.store.server import INVALIDATED_EXIT, INVALIDATED_LINGER_S
 
 CPU = Target("cpu", None, frozenset())
@@ -89,7 +90,7 @@ def _writer(form: str, victim: list):
 
 
 def _bad_plan(form: str, victim: list) -> Plan:
-    return Plan("toy", "bad", (_writer(form, victim),), frozenset({"weight"}), allow_invalid=True)
+    return UncheckedPlan("toy", "bad", (_writer(form, victim),), frozenset({"weight"}))
 
 
 def _config(name: str) -> LayerConfig:
@@ -110,7 +111,7 @@ def test_default_guard_catches_every_write_form_in_copy_mode(sock_dir, form):
         with attach(CacheKey(BASE_KEY), socket_dir=sock_dir, mode="copy") as att:
             w = att.tensors["layer1.weight"]
             before = w.clone()
-            plan = Plan("toy", "bad", (_writer(form, []),), frozenset({"weight"}), allow_invalid=True)
+            plan = UncheckedPlan("toy", "bad", (_writer(form, []),), frozenset({"weight"}))
             with pytest.raises(RestoreWroteSharedTensor, match="layer 'l1'.*weight"):
                 plan.restore(_module(w), _config("l1"), CPU, {})
             assert not torch.equal(before, w)  # the write landed (in the private copy) and was caught
@@ -137,7 +138,7 @@ def test_cross_layer_write_blames_the_written_layer():
     b = arena[2048:3072].view(torch.float16).reshape(16, 32)
     b_ = b  # reached by the bad stage through a global, as real bugs do
     guard = RestoreGuard({"A": {"weight": a}, "B": {"weight": b}})
-    plan = Plan("toy", "bad", (_writer("data_add", [b_]),), frozenset({"weight"}), allow_invalid=True)
+    plan = UncheckedPlan("toy", "bad", (_writer("data_add", [b_]),), frozenset({"weight"}))
     with pytest.raises(RestoreWroteSharedTensor) as err:
         plan.restore(_module(a), _config("A"), CPU, {}, guard=guard)
         guard.check_all()
@@ -168,7 +169,7 @@ def test_inplace_cross_layer_write_names_stage_and_victim():
     a = arena[:1024].view(torch.float16)
     b = arena[2048:3072].view(torch.float16)
     guard = RestoreGuard({"A": {"weight": a}, "B": {"weight": b}})
-    plan = Plan("toy", "bad", (_writer("inplace", [b]),), frozenset({"weight"}), allow_invalid=True)
+    plan = UncheckedPlan("toy", "bad", (_writer("inplace", [b]),), frozenset({"weight"}))
     with pytest.raises(RestoreWroteSharedTensor) as err:
         plan.restore(_module(a), _config("A"), CPU, {}, guard=guard)
     msg = str(err.value)
@@ -184,7 +185,7 @@ def test_data_swap_is_caught_by_pointer():
 
     m = _module(torch.ones(4, 4))
     with pytest.raises(RestoreWroteSharedTensor, match="weight"):
-        Plan("toy", "swap", (swap,), frozenset({"weight"}), allow_invalid=True).restore(
+        UncheckedPlan("toy", "swap", (swap,), frozenset({"weight"})).restore(
             m, _config("l"), CPU, {}, content=False)
 
 
@@ -234,7 +235,7 @@ def test_guard_firing_in_copy_mode_invalidates_the_daemon(sock_dir):
     proc = start_daemon(sock_dir)
     try:
         att = attach(CacheKey(BASE_KEY), socket_dir=sock_dir, mode="copy")
-        plan = Plan("toy", "bad", (_writer("numpy_setitem", []),), frozenset({"weight"}), allow_invalid=True)
+        plan = UncheckedPlan("toy", "bad", (_writer("numpy_setitem", []),), frozenset({"weight"}))
         try:
             plan.restore(_module(att.tensors["layer2.weight"]), _config("l2"), CPU, {})
         except RestoreWroteSharedTensor as e:

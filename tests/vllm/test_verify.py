@@ -17,8 +17,9 @@ import attrs
 import pytest
 import torch
 
-from wcache.core import StageOut, Tag, stage
+from wcache.core import StageOut, Tag
 from wcache.testing.fixtures import FORMATS
+from wcache.testing.plans import unregistered_stage
 from wcache.vllm.process import ENGINE_ARGS
 
 pytestmark = pytest.mark.slow
@@ -62,7 +63,7 @@ def test_verify_passes_on_every_servable_fixture(fmt, host_kernels):
     assert "in-process" == report.mode
 
 
-@stage("test.perturb_weight", Tag.TRANSFORM, reads=("weight",), writes=("weight",))
+@unregistered_stage("test.perturb_weight", Tag.TRANSFORM, reads=("weight",), writes=("weight",))
 def _perturb_weight(tensors, config, target, recorded):
     """A wrong TRANSFORM: adds 1 to the first weight element."""
     weight = tensors["weight"].clone()
@@ -77,9 +78,10 @@ def _plant(monkeypatch, change):
 
     real = model_mod.plan_for
 
-    def plan_for(config, target=None, **kwargs):
-        plan = real(config, target=target, **kwargs)
-        return change(plan) if config.name == PLANTED_LAYER else plan
+    def plan_for(config, *, target, **kwargs):
+        bound = real(config, target=target, **kwargs)
+        return attrs.evolve(bound, plan=change(bound.plan)) if config.name == PLANTED_LAYER \
+            else bound
 
     monkeypatch.setattr(model_mod, "plan_for", plan_for)
 

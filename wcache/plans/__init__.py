@@ -3,24 +3,31 @@
 Public API: :func:`plan_for`, :func:`all_plans`, :func:`register`.
 """
 
-from wcache.plans.registry import all_plans, plan_for, refuse, refused, register  # noqa: F401
+import importlib
+from collections.abc import Iterable
 
-# Each module below registers its plans at import. Order matters within a
-# method: earlier plans are preferred (as in vLLM's kernel lists).
-_PLAN_MODULES = (
+from wcache.plans.registry import (  # noqa: F401
+    PlanArgumentError, all_plans, plan_for, refuse, refused, register,
+)
+
+#: Every plan module, imported (and so registered) here. Order matters within a
+#: method: earlier plans are preferred (as in vLLM's kernel lists).
+#: tests/plans/test_registry.py checks that this names every module under
+#: wcache/plans/ that registers a plan.
+PLAN_MODULES = (
     "unquantized", "awq", "gptq", "compressed_tensors", "kv_cache", "attention",  # CPU (issue 2)
     "marlin", "fp8", "mxfp8", "nvfp4",                                  # CUDA layouts (issue 3)
 )
 
 
-def _import_plan_modules() -> None:
-    import importlib
-    import importlib.util
+def _import_plan_modules(names: Iterable[str]) -> None:
+    """Import ``wcache.plans.<name>`` for each name.
 
-    for mod in _PLAN_MODULES:
-        name = f"wcache.plans.{mod}"
-        if importlib.util.find_spec(name) is not None:
-            importlib.import_module(name)
+    Raises:
+        ModuleNotFoundError: a listed module is missing (never skipped silently).
+    """
+    for name in names:
+        importlib.import_module(f"wcache.plans.{name}")
 
 
-_import_plan_modules()
+_import_plan_modules(PLAN_MODULES)

@@ -3,38 +3,12 @@ W8A8 INT8 on vLLM's oneDNN scaled-mm kernel."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 
-from wcache.core import LayerConfig, Plan, StageOut, Tag, Target, stage
+from wcache.core import LayerConfig, Plan, Target
 from wcache.plans.registry import register
 from wcache.stages import compressed_tensors as ct
 from wcache.stages import cpu_gemm, cpu_wna16, onednn
-
-_zp_transpose = cpu_wna16.transpose_zero_points("weight_zero_point")
-
-
-@stage(_zp_transpose.name, Tag.TRANSFORM, reads=("weight_zero_point",),
-       writes=("weight_zero_point",), optional=("weight_zero_point",),
-       source=_zp_transpose.source)
-def _transpose_zero_points_if_asym(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                                   target: Target, recorded: Mapping[str, Any]) -> StageOut:
-    """Asymmetric only: ``weight_zero_point`` ``[N // 8, K // G]`` -> ``[K // G, N // 8]``."""
-    if not config.quant.zero_point:
-        return StageOut()
-    return _zp_transpose.fn(tensors, config, target, recorded)
-
-
-@stage(ct.clear_zero_point.name, Tag.METADATA, attrs=("weight_zero_point",),
-       source=ct.clear_zero_point.source)
-def _clear_zero_point_if_sym(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                             target: Target, recorded: Mapping[str, Any]) -> StageOut:
-    """Symmetric only: ``layer.weight_zero_point = None``."""
-    if config.quant.zero_point:
-        return StageOut()
-    return ct.clear_zero_point.fn(tensors, config, target, recorded)
 
 
 def _match_w4a16(config: LayerConfig, target: Target) -> str | None:
@@ -61,8 +35,9 @@ def _match_w8a8_int8(config: LayerConfig, target: Target) -> str | None:
 
 W4A16_CPU_WNA16 = register(Plan(
     method="ct_w4a16", kernel="cpu_wna16",
-    stages=(ct.transpose_weight, ct.transpose_scales, _transpose_zero_points_if_asym,
-            _clear_zero_point_if_sym, cpu_wna16.set_use_w4a8,
+    stages=(ct.transpose_weight, ct.transpose_scales,
+            cpu_wna16.transpose_zero_points("weight_zero_point", asymmetric_only=True),
+            ct.clear_zero_point, cpu_wna16.set_use_w4a8,
             cpu_wna16.set_isa_hint("weight_scale"), cpu_wna16.repack("weight_packed")),
     checkpoint={"weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "bias"},
     match=_match_w4a16,

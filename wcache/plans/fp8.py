@@ -92,30 +92,30 @@ def _match_fp8_marlin(config: LayerConfig, target: Target) -> str | None:
     return marlin_target_reason(config, target)
 
 
-_CUTLASS_TAIL = (fp8.CUTLASS_LOGICAL_WIDTH, fp8.CUTLASS_PAD)
+_CUTLASS_TAIL = (fp8.logical_output_size, fp8.pad_kn)
 
 PER_TENSOR = register(Plan(
     method="fp8_per_tensor", kernel="cutlass",
-    stages=(fp8.INPUT_SCALE_NONE, fp8.QUANTIZE_PER_TENSOR) + _CUTLASS_TAIL,
+    stages=(fp8.input_scale_none, fp8.quantize_per_tensor_stage) + _CUTLASS_TAIL,
     checkpoint=_ONLINE_CHECKPOINT, match=_match_cutlass,
     description="online per-tensor FP8 on CUTLASS: quantize (amax/448, single rank), "
                 "transpose to (K, N) column-major, record N, pad K/N to 16."))
 
 PER_CHANNEL = register(Plan(
     method="fp8_per_channel", kernel="cutlass",
-    stages=(fp8.INPUT_SCALE_NONE, fp8.QUANTIZE_PER_CHANNEL) + _CUTLASS_TAIL,
+    stages=(fp8.input_scale_none, fp8.quantize_per_channel_stage) + _CUTLASS_TAIL,
     checkpoint=_ONLINE_CHECKPOINT, match=_match_cutlass,
     description="online per-channel (PTPC) FP8 on CUTLASS: quantize per row, transpose, "
                 "record N, pad K/N to 16 and the (N, 1) scale with 1.0."))
 
 PER_BLOCK = register(Plan(
     method="fp8_per_block", kernel="cutlass_block",
-    stages=(fp8.INPUT_SCALE_NONE, fp8.QUANTIZE_PER_BLOCK),
+    stages=(fp8.input_scale_none, fp8.quantize_per_block),
     checkpoint=_ONLINE_CHECKPOINT, match=_match_cutlass_block,
     description="online 128x128 block FP8 on CUTLASS block-scaled mm: weight (N, K) fp8, "
                 "weight_scale_inv (ceil(N/128), ceil(K/128))."))
 
-_SERIALIZED = (fp8.PROCESS_WEIGHT_STRATEGY, fp8.REDUCE_INPUT_SCALE, fp8.INPUT_SCALE_NONE) \
+_SERIALIZED = (fp8.process_weight_strategy, fp8.reduce_input_scale, fp8.input_scale_none) \
     + _CUTLASS_TAIL
 
 CT_CUTLASS = register(Plan(
@@ -133,12 +133,12 @@ SERIALIZED_CUTLASS = register(Plan(
 
 SERIALIZED_BLOCK = register(Plan(
     method="fp8", kernel="cutlass_block",
-    stages=(fp8.INPUT_SCALE_NONE,),
+    stages=(fp8.input_scale_none,),
     checkpoint=frozenset({"weight", "weight_scale_inv", "bias"}), match=_match_cutlass_block,
     description="serialized block FP8 on CUTLASS block-scaled mm: bytes unchanged, "
                 "input_scale = None."))
 
-_FP8_MARLIN = (marlin.FP8_REPACK, marlin.FP8_SCALES, fp8.DROP_INPUT_SCALE, marlin.PERMUTE_BIAS)
+_FP8_MARLIN = (marlin.fp8_repack, marlin.fp8_scales, fp8.drop_input_scale, marlin.permute_bias)
 
 CT_MARLIN = register(Plan(
     method="ct_w8a8_fp8", kernel="fp8_marlin",

@@ -104,7 +104,7 @@ AWQ = register(Plan(
     method="awq", kernel="marlin",
     stages=(marlin.awq_to_standard_stage(), marlin.zero_points_stage("qzeros"),
             marlin.repack_stage("qweight"), marlin.permute_scales_stage("scales"),
-            marlin.INPUT_GLOBAL_SCALE_NONE, marlin.PERMUTE_BIAS),
+            marlin.input_global_scale_none, marlin.permute_bias),
     checkpoint=_CHECKPOINT_GPTQ, match=_match_awq,
     description="AWQ int4 on Marlin: AWQ packing -> standard, zero points permuted and "
                 "packed (Kp/G, Np/8), weight repacked (Kp/16, 2Np), scales padded and "
@@ -113,8 +113,8 @@ AWQ = register(Plan(
 GPTQ = register(Plan(
     method="gptq", kernel="marlin",
     stages=(marlin.empty_zero_points_stage("qzeros"), marlin.repack_stage("qweight"),
-            marlin.permute_scales_stage("scales"), marlin.INPUT_GLOBAL_SCALE_NONE,
-            marlin.PERMUTE_BIAS),
+            marlin.permute_scales_stage("scales"), marlin.input_global_scale_none,
+            marlin.permute_bias),
     checkpoint=_CHECKPOINT_GPTQ, match=_match_gptq,
     description="GPTQ symmetric int4/int8 on Marlin: qzeros emptied, weight repacked "
                 "(Kp/16, Np*bits/2), scales padded and permuted, bias padded and permuted."))
@@ -124,7 +124,7 @@ CT_W4A16 = register(Plan(
     stages=(marlin.zero_points_stage("weight_zero_point", empty_if_symmetric=True),
             marlin.repack_stage("weight_packed", n_major=True),
             marlin.permute_scales_stage("weight_scale", n_major=True),
-            marlin.INPUT_GLOBAL_SCALE_NONE, marlin.PERMUTE_BIAS),
+            marlin.input_global_scale_none, marlin.permute_bias),
     checkpoint=_CHECKPOINT_CT, match=_match_ct,
     description="compressed-tensors W4A16 (sym/asym) on Marlin: (N, K/8) weight "
                 "transposed and repacked, (N, K/G) scales transposed, padded, permuted; "

@@ -19,8 +19,8 @@ def _match(config: LayerConfig, target: Target) -> str | None:
 
 MARLIN = register(Plan(
     method="mxfp8", kernel="marlin",
-    stages=(mxfp8.QUANTIZE, fp8.INPUT_SCALE_NONE, marlin.MXFP8_REPACK, marlin.MXFP8_SCALES,
-            marlin.PERMUTE_BIAS),
+    stages=(mxfp8.quantize, fp8.input_scale_none, marlin.mxfp8_repack, marlin.mxfp8_scales,
+            marlin.permute_bias),
     checkpoint=frozenset({"weight", "bias"}), match=_match,
     description="online MXFP8 on Marlin: quantize (fp8 values, E8M0 scale per 32), weight "
                 "repacked (Kp/16, 4Np), scales (Kp/32, Np) e8m0 permuted and reordered, "

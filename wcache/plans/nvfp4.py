@@ -32,8 +32,8 @@ def _reason(config: LayerConfig, target: Target, kind: str) -> str | None:
 
 LINEAR = register(Plan(
     method="modelopt_fp4", kernel="cutlass",
-    stages=(nvfp4.VALIDATE_LOADED, nvfp4.WEIGHT_GLOBAL_SCALE, nvfp4.INPUT_GLOBAL_SCALE,
-            nvfp4.ALPHA, nvfp4.FLAGS, nvfp4.SWIZZLE_SCALES, nvfp4.PAD_WEIGHT),
+    stages=(nvfp4.validate_loaded, nvfp4.weight_global_scale, nvfp4.input_global_scale,
+            nvfp4.alpha, nvfp4.flags, nvfp4.swizzle_scales, nvfp4.pad_weight),
     checkpoint=frozenset({"weight", "weight_scale", "weight_scale_2", "input_scale", "bias"}),
     match=lambda c, t: _reason(c, t, "linear"),
     description="ModelOpt NVFP4 linear on CUTLASS: global scales and alpha as new tensors, "
@@ -41,8 +41,8 @@ LINEAR = register(Plan(
 
 MOE = register(Plan(
     method="modelopt_fp4", kernel="cutlass_moe",
-    stages=(nvfp4.MOE_W13_GLOBAL_SCALE, nvfp4.MOE_REDUCE_INPUT_SCALE, nvfp4.MOE_SWIZZLE_SCALES,
-            nvfp4.MOE_FUSE_ACTIVATION_SCALE, nvfp4.MOE_DIMS),
+    stages=(nvfp4.moe_w13_global_scale, nvfp4.moe_reduce_input_scale, nvfp4.moe_swizzle_scales,
+            nvfp4.moe_fuse_activation_scale, nvfp4.moe_dims),
     checkpoint=frozenset({"w13_weight", "w13_weight_scale", "w13_weight_scale_2",
                           "w13_input_scale", "w2_weight", "w2_weight_scale",
                           "w2_weight_scale_2", "w2_input_scale"}),

@@ -1,5 +1,12 @@
 """The plan registry: ``register(plan)`` at import time, ``plan_for(...)`` to resolve.
 
+Importing this module imports its package first, whose ``__init__`` imports every
+plan module (:data:`wcache.plans.PLAN_MODULES`), so the registry is full before
+anyone can call :func:`plan_for`.
+
+``plan_for(config, target=t)`` returns a :class:`~wcache.core.BoundPlan`, so the
+card's ``plan_for(method, target=t).restore(layer, recorded)`` reads as written.
+
 Plans for one method are tried in registration order (the way vLLM's
 ``choose_mp_linear_kernel`` walks its kernel list); the first whose ``match``
 accepts (config, target) wins. With ``QuantSpec.kernel`` set, only plans for
@@ -11,7 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from wcache.core import LayerConfig, NoPlan, Plan, QuantSpec, Target
+from attrs import evolve
+
+from wcache.core import BoundPlan, LayerConfig, NoPlan, Plan, QuantSpec, Target
+from wcache.errors import PlanArgumentError
+
+__all__ = ["PlanArgumentError", "all_plans", "plan_for", "refuse", "refused", "register"]
 
 _PLANS: list[Plan] = []
 #: method -> reason, for methods refused outright (e.g. GPTQ int8 on CPU).
@@ -33,56 +45,78 @@ def refuse(method: str, reason: str) -> None:
 
 def all_plans() -> tuple[Plan, ...]:
     """Every registered plan, in registration order."""
-    _load_all()
     return tuple(_PLANS)
 
 
 def refused() -> dict[str, str]:
-    _load_all()
     return dict(_REFUSED)
 
 
-def _load_all() -> None:
-    import wcache.plans  # noqa: F401  (imports every plan module)
+def _layer_config(method: Any, layer: Any) -> LayerConfig:
+    """The :class:`LayerConfig` to resolve for ``(method, layer)``."""
+    if isinstance(method, LayerConfig):
+        if layer is not None:
+            raise PlanArgumentError("plan_for(LayerConfig, ...) takes no layer: the config "
+                                    "already holds the layer's sizes")
+        return method
+    if isinstance(method, QuantSpec):
+        if not isinstance(layer, LayerConfig):
+            raise PlanArgumentError(
+                f"plan_for({method.method!r} QuantSpec) needs the layer's sizes: pass "
+                f"plan_for(LayerConfig(spec, size_k=..., size_n=...), target=...) or "
+                f"plan_for(spec, layer_config, target=...); got layer={layer!r}")
+        return evolve(layer, quant=method)
+    raise PlanArgumentError(
+        f"plan_for takes a QuantSpec or LayerConfig, got {type(method).__name__}; a vLLM quant "
+        f"method resolves through wcache.vllm.plan_for(quant_method, layer, target=...)")
 
 
-def plan_for(method: Any, layer: Any = None, target: Target | None = None) -> Plan:
-    """Resolve exactly one plan.
+def plan_for(method: QuantSpec | LayerConfig, layer: LayerConfig | None = None, *,
+             target: Target) -> BoundPlan:
+    """Resolve exactly one plan and bind it to the layer's config and target.
 
     Args:
-        method: a :class:`QuantSpec`, a :class:`LayerConfig`, or a vLLM quant
-            method object (resolved through :mod:`wcache.vllm.adapter`).
-        layer: a :class:`LayerConfig` or a vLLM layer (needed with a vLLM method
-            or when the plan depends on shapes).
-        target: where the layer runs (default: ``Target.detect("cpu")``).
+        method: a :class:`LayerConfig` (the spec and the layer's sizes), or a
+            :class:`QuantSpec` with ``layer`` its :class:`LayerConfig`. vLLM quant
+            method objects resolve through :func:`wcache.vllm.plan_for`.
+        layer: the :class:`LayerConfig` with a bare :class:`QuantSpec`.
+        target: where the layer runs; required (a GPU caller must not get CPU
+            plans by omission). On CPU, :func:`wcache.vllm.probe.host_target`
+            gives this host's vLLM kernel decisions.
+
+    Returns:
+        A :class:`BoundPlan`: ``.load(layer)``, ``.prepare(layer)``,
+        ``.restore(layer, recorded)``; ``.plan`` is the registered plan.
 
     Raises:
         NoPlan: no plan matches; the message names every candidate's reason.
+        PlanArgumentError: no layer sizes, or a vLLM object (use ``wcache.vllm``).
     """
-    _load_all()
-    if target is None:
-        target = Target.detect("cpu")
-    if isinstance(method, LayerConfig):
-        config = method
-    elif isinstance(method, QuantSpec):
-        config = layer if isinstance(layer, LayerConfig) else LayerConfig(quant=method, size_k=0, size_n=0)
-        if config.quant != method:
-            config = LayerConfig(quant=method, size_k=config.size_k, size_n=config.size_n,
-                                 params_dtype=config.params_dtype, has_bias=config.has_bias,
-                                 name=config.name, extra=config.extra)
-    else:
-        from wcache.vllm.adapter import layer_config  # imports vLLM; only on this path
+    if not isinstance(target, Target):
+        raise PlanArgumentError(f"plan_for needs target=Target(...), got {target!r}")
+    spec = method.quant if isinstance(method, LayerConfig) else method
+    if isinstance(spec, QuantSpec):
+        _known_method(spec, getattr(layer, "name", "") or getattr(method, "name", ""))
+    config = _layer_config(method, layer)
+    return BoundPlan(_resolve(config, target), config, target)
 
-        config = layer_config(method, layer, target)
-    spec = config.quant
+
+def _known_method(spec: QuantSpec, name: str) -> None:
+    """Raise :class:`NoPlan` for a refused or unknown method (before sizes matter)."""
     if spec.method in _REFUSED:
         raise NoPlan(f"{spec.method}: {_REFUSED[spec.method]}")
-    candidates = [p for p in _PLANS if p.method == spec.method]
-    if not candidates:
+    if not any(p.method == spec.method for p in _PLANS):
         known = sorted({p.method for p in _PLANS})
-        raise NoPlan(f"no plan for method {spec.method!r} (layer {config.name or '?'}); "
+        raise NoPlan(f"no plan for method {spec.method!r} (layer {name or '?'}); "
                      f"wcache has plans for {known}. Load this model without wcache "
                      f"(load_format='auto') or add a plan.")
+
+
+def _resolve(config: LayerConfig, target: Target) -> Plan:
+    """The first registered plan whose ``match`` accepts ``(config, target)``."""
+    spec = config.quant
+    _known_method(spec, config.name)
+    candidates = [p for p in _PLANS if p.method == spec.method]
     if spec.kernel is not None:
         kernel_plans = [p for p in candidates if p.kernel == spec.kernel]
         if not kernel_plans:

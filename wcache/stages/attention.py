@@ -44,9 +44,27 @@ def set_default_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
        source="vllm attention.py::set_default_quant_scales (host floats)")
 def set_scale_floats(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
                      target: Target, recorded: Mapping[str, Any]) -> StageOut:
-    """``_q/_k/_v/_prob_scale_float`` as Python floats read from the exported buffers."""
-    values = {f"{name}_float": float(tensors[name].item()) for name in SCALE_BUFFERS}
-    return StageOut(attrs={k: values[k] for k in SCALE_FLOATS})
+    """``_q/_k/_v/_prob_scale_float`` as Python floats, recorded at prepare.
+
+    Args:
+        tensors: the four 0-d float32 buffers ``_k/_v/_q/_prob_scale``.
+        recorded: the floats the daemon recorded; a restore reads them from here
+            (no device sync, no ``.item()`` on mapped bytes). Load and prepare
+            (nothing recorded) read the buffers; meta buffers give ``None``.
+
+    Returns:
+        ``attrs`` and ``record``: ``{"_q_scale_float": float, ...}`` (four floats).
+
+    Source: vllm/model_executor/layers/attention/attention.py::set_default_quant_scales.
+    """
+    if recorded:
+        values = {k: recorded[k] for k in SCALE_FLOATS}
+    else:
+        values = {f"{name}_float": (None if tensors[name].device.type == "meta"
+                                    else float(tensors[name].item()))
+                  for name in SCALE_BUFFERS}
+    values = {k: values[k] for k in SCALE_FLOATS}
+    return StageOut(attrs=values, record=values)
 
 
 @stage("attention.copy_host_scales", Tag.DERIVE, reads=("_k_scale", "_v_scale"),
@@ -54,7 +72,9 @@ def set_scale_floats(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
 def copy_host_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
                      target: Target, recorded: Mapping[str, Any]) -> StageOut:
     """Private 0-d float32 CPU copies ``_k_scale_cpu`` and ``_v_scale_cpu``."""
-    return StageOut(attrs={f"{n}_cpu": tensors[n].detach().to("cpu", copy=True)
+    return StageOut(attrs={f"{n}_cpu": (tensors[n].detach().clone()  # meta: no bytes to copy
+                                        if tensors[n].device.type == "meta"
+                                        else tensors[n].detach().to("cpu", copy=True))
                            for n in ("_k_scale", "_v_scale")})
 
 

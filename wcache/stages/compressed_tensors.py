@@ -39,8 +39,21 @@ def transpose_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig, t
 
 
 @stage("compressed_tensors.clear_zero_point", Tag.METADATA, attrs=("weight_zero_point",),
+       optional=("weight_zero_point",),
        source=f"{_KERNEL} (setattr(layer, w_zp_name, None) when not zero_points)")
 def clear_zero_point(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
                      recorded: Mapping[str, Any]) -> StageOut:
-    """Symmetric: ``layer.weight_zero_point = None`` (a plain attribute; never registered)."""
+    """Symmetric only: ``layer.weight_zero_point = None`` (a plain attribute: vLLM
+    registers no zero points for a symmetric layer). Asymmetric: nothing (the
+    layer keeps its ``weight_zero_point`` tensor).
+
+    Returns:
+        ``attrs={"weight_zero_point": None}`` when ``config.quant.zero_point`` is
+        false, else an empty :class:`StageOut`.
+
+    Source: vllm/model_executor/kernels/linear/mixed_precision/cpu.py::
+    CPUWNA16LinearKernel.process_weights_after_loading.
+    """
+    if config.quant.zero_point:
+        return StageOut()
     return StageOut(attrs={"weight_zero_point": None})

@@ -15,6 +15,7 @@ differently fails with ``RecordedMismatch`` instead of misreading bytes.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -100,6 +101,7 @@ def repack_w4a16(qweight: torch.Tensor, num_bits: int = CPUWNA16_NUM_BITS) -> to
             .reshape(-1, size_k * BLOCK_N // pf).contiguous())
 
 
+@functools.cache
 def set_isa_hint(w_s: str) -> Stage:
     """METADATA stage ``cpu_wna16.set_isa_hint`` reading the scales named ``w_s``."""
 
@@ -123,6 +125,7 @@ def set_use_w4a8(tensors: Mapping[str, torch.Tensor], config: LayerConfig, targe
     return StageOut(attrs={"use_w4a8": value}, record={"use_w4a8": value})
 
 
+@functools.cache
 def repack(w_q: str) -> Stage:
     """TRANSFORM stage ``cpu_wna16.repack`` of the weight named ``w_q``."""
 
@@ -146,15 +149,26 @@ def repack(w_q: str) -> Stage:
     return fn
 
 
-def transpose_zero_points(w_zp: str) -> Stage:
-    """TRANSFORM stage ``cpu_wna16.transpose_zero_points`` of the zero points ``w_zp``."""
+@functools.cache
+def transpose_zero_points(w_zp: str, *, asymmetric_only: bool = False) -> Stage:
+    """TRANSFORM stage ``cpu_wna16.transpose_zero_points`` of the zero points ``w_zp``.
+
+    Args:
+        w_zp: the zero-point tensor's name (``"qzeros"``, ``"weight_zero_point"``).
+        asymmetric_only: the layer has ``w_zp`` only when ``config.quant.zero_point``
+            (compressed-tensors W4A16 registers no zero points when symmetric);
+            then the stage returns nothing for a symmetric layer.
+    """
 
     @stage("cpu_wna16.transpose_zero_points", Tag.TRANSFORM, reads=(w_zp,), writes=(w_zp,),
+           optional=(w_zp,) if asymmetric_only else (),
            source=f"{_KERNEL}::CPUWNA16LinearKernel.process_weights_after_loading "
                   f"(zp.output_dim == 0 branch)")
     def fn(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
            recorded: Mapping[str, Any]) -> StageOut:
         """``w_zp`` int32 ``[N // 8, K // G]`` -> ``[K // G, N // 8]`` contiguous."""
+        if asymmetric_only and not config.quant.zero_point:
+            return StageOut()
         return StageOut(tensors={w_zp: tensors[w_zp].t().contiguous()})
 
     return fn

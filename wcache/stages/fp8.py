@@ -28,18 +28,21 @@ own pre-processed branch forgets it (AssertionError on the first forward).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
-from wcache.core import StageOut, Tag, WcacheError, stage
+from wcache.core import LayerConfig, StageOut, Tag, Target, WcacheError, stage
 
 __all__ = [
     "FP8_DTYPE", "FP8_MAX", "FP8_MIN_CHANNEL_SCALE_DIVISOR", "CUTLASS_ALIGNMENT",
     "BLOCK_SIZE", "LOGICAL_OUTPUT_ATTR", "Fp8LayoutError",
     "weight_amax", "quantize_per_tensor", "quantize_per_channel", "channel_scale",
     "per_block_cast_to_fp8", "requantize_with_max_scale", "cutlass_pad",
-    "QUANTIZE_PER_TENSOR", "QUANTIZE_PER_CHANNEL", "QUANTIZE_PER_BLOCK",
-    "INPUT_SCALE_NONE", "DROP_INPUT_SCALE", "REDUCE_INPUT_SCALE", "TRANSPOSE",
-    "PROCESS_WEIGHT_STRATEGY", "CUTLASS_LOGICAL_WIDTH", "CUTLASS_PAD",
+    "quantize_per_tensor_stage", "quantize_per_channel_stage", "quantize_per_block",
+    "input_scale_none", "drop_input_scale", "reduce_input_scale",
+    "process_weight_strategy", "logical_output_size", "pad_kn",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -169,6 +172,9 @@ def requantize_with_max_scale(weight: torch.Tensor, weight_scale: torch.Tensor,
     Source: ``w8a8_utils.requantize_with_max_scale`` (+ ``per_tensor_dequantize``).
     """
     max_s = weight_scale.max()
+    if weight.device.type == "meta" or weight_scale.device.type == "meta":
+        # fused or not is a value question; the result has the weight's shape either way
+        return torch.empty_like(weight), max_s
     unfused = weight_scale.dim() != 0 and bool(weight_scale[-1] > torch.finfo(FP8_DTYPE).min)
     if not unfused:
         return weight, max_s
@@ -224,82 +230,102 @@ _ONLINE = "vllm.model_executor.layers.quantization.online.fp8"
 @stage("fp8.quantize_per_tensor", Tag.TRANSFORM, reads=("weight",),
        writes=("weight", "weight_scale"),
        source=f"{_ONLINE}.Fp8PerTensorOnlineLinearMethod.process_weights_after_loading")
-def QUANTIZE_PER_TENSOR(t, config, target, recorded):
+def quantize_per_tensor_stage(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
+                              target: Target, recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM ``weight [N, K]`` -> ``weight [K, N]`` float8_e4m3fn (column-major view of
-    the ``[N, K]`` quantized tensor) and ``weight_scale [1]`` fp32."""
-    q, s = quantize_per_tensor(t["weight"])
+    the ``[N, K]`` quantized tensor) and ``weight_scale [1]`` fp32.
+
+    Source:
+        vllm.model_executor.layers.quantization.online.fp8.Fp8PerTensorOnlineLinearMethod.process_weights_after_loading
+    """
+    q, s = quantize_per_tensor(tensors["weight"])
     return StageOut(tensors={"weight": q.t(), "weight_scale": s})
 
 
 @stage("fp8.quantize_per_channel", Tag.TRANSFORM, reads=("weight",),
        writes=("weight", "weight_scale"),
        source=f"{_ONLINE}.Fp8PtpcOnlineLinearMethod.process_weights_after_loading")
-def QUANTIZE_PER_CHANNEL(t, config, target, recorded):
+def quantize_per_channel_stage(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
+                               target: Target, recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM ``weight [N, K]`` -> ``weight [K, N]`` float8_e4m3fn (column-major) and
-    ``weight_scale [N, 1]`` fp32."""
-    q, s = quantize_per_channel(t["weight"])
+    ``weight_scale [N, 1]`` fp32.
+
+    Source:
+        vllm.model_executor.layers.quantization.online.fp8.Fp8PtpcOnlineLinearMethod.process_weights_after_loading
+    """
+    q, s = quantize_per_channel(tensors["weight"])
     return StageOut(tensors={"weight": q.t(), "weight_scale": s})
 
 
 @stage("fp8.quantize_per_block", Tag.TRANSFORM, reads=("weight",),
        writes=("weight", "weight_scale_inv"),
        source=f"{_ONLINE}.Fp8PerBlockOnlineLinearMethod.process_weights_after_loading")
-def QUANTIZE_PER_BLOCK(t, config, target, recorded):
+def quantize_per_block(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                       recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM ``weight [N, K]`` -> ``weight [N, K]`` float8_e4m3fn (not transposed) and
-    ``weight_scale_inv [ceil(N/128), ceil(K/128)]`` fp32."""
+    ``weight_scale_inv [ceil(N/128), ceil(K/128)]`` fp32.
+
+    Source:
+        vllm.model_executor.layers.quantization.online.fp8.Fp8PerBlockOnlineLinearMethod.process_weights_after_loading
+    """
     block = tuple(config.get("weight_block_size", BLOCK_SIZE))
-    q, s = per_block_cast_to_fp8(t["weight"], block)
+    q, s = per_block_cast_to_fp8(tensors["weight"], block)
     return StageOut(tensors={"weight": q, "weight_scale_inv": s})
 
 
-@stage("fp8.input_scale_none", Tag.METADATA, attrs=("input_scale",),
+@stage("fp8.input_scale_none", Tag.METADATA, attrs=("input_scale",), optional=("input_scale",),
        source="process_weights_after_loading: layer.input_scale = None (dynamic activations)")
-def INPUT_SCALE_NONE(t, config, target, recorded):
+def input_scale_none(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                     recorded: Mapping[str, Any]) -> StageOut:
     """METADATA: ``layer.input_scale = None`` for dynamic activation scales (no-op for
-    static ones, whose ``input_scale`` tensor is exported)."""
+    static ones, whose ``input_scale`` tensor is exported).
+
+    Source: process_weights_after_loading: layer.input_scale = None (dynamic activations)
+    """
     if config.quant.static_input:
         return StageOut()
     return StageOut(attrs={"input_scale": None})
 
 
 @stage("fp8.drop_input_scale", Tag.TRANSFORM, reads=(), writes=("input_scale",),
-       optional=("input_scale",),
+       optional=("input_scale",), drops=("input_scale",),
        source="marlin_utils_fp8 W8A16 scheme: layer.input_scale = None; del layer.input_scale")
-def DROP_INPUT_SCALE(t, config, target, recorded):
-    """TRANSFORM: delete a checkpoint ``input_scale`` (weight-only Marlin ignores it)."""
-    return StageOut(drop=("input_scale",) if "input_scale" in t else ())
+def drop_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                     recorded: Mapping[str, Any]) -> StageOut:
+    """TRANSFORM: delete a checkpoint ``input_scale`` (weight-only Marlin ignores it).
+
+    Source: marlin_utils_fp8 W8A16 scheme: layer.input_scale = None; del layer.input_scale
+    """
+    return StageOut(drop=("input_scale",) if "input_scale" in tensors else ())
 
 
 @stage("fp8.reduce_input_scale", Tag.TRANSFORM, reads=("input_scale",), writes=("input_scale",),
        optional=("input_scale",),
        source="CompressedTensorsW8A8Fp8 / Fp8LinearMethod: input_scale = input_scale.max()")
-def REDUCE_INPUT_SCALE(t, config, target, recorded):
+def reduce_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                       recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM static ``input_scale [#shards]`` fp32 -> its max, 0-d fp32 (no-op for
     dynamic activations).
 
     Raises:
         Fp8LayoutError: static activations but no ``input_scale`` in the checkpoint.
+
+    Source: CompressedTensorsW8A8Fp8 / Fp8LinearMethod: input_scale = input_scale.max()
     """
     if not config.quant.static_input:
         return StageOut()
-    if "input_scale" not in t:
+    if "input_scale" not in tensors:
         raise Fp8LayoutError(f"layer {config.name!r}: static activation quantization but the "
                              f"checkpoint has no input_scale")
-    return StageOut(tensors={"input_scale": t["input_scale"].max()})
-
-
-@stage("fp8.transpose", Tag.TRANSFORM, reads=("weight",), writes=("weight",),
-       source="fp8_utils.process_fp8_weight_channel_strategy: weight.t()")
-def TRANSPOSE(t, config, target, recorded):
-    """TRANSFORM ``weight [N, K]`` float8_e4m3fn -> ``[K, N]`` column-major view."""
-    return StageOut(tensors={"weight": t["weight"].t()})
+    return StageOut(tensors={"input_scale": tensors["input_scale"].max()})
 
 
 @stage("fp8.process_weight_strategy", Tag.TRANSFORM, reads=("weight", "weight_scale"),
        writes=("weight", "weight_scale"),
        source="fp8_utils.process_fp8_weight_tensor_strategy / "
               "process_fp8_weight_channel_strategy")
-def PROCESS_WEIGHT_STRATEGY(t, config, target, recorded):
+def process_weight_strategy(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
+                            target: Target, recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM a serialized ``weight [N, K]`` float8_e4m3fn to a ``[K, N]`` column-major view.
 
     Per-tensor (``strategy`` None or ``"tensor"``): ``weight_scale [#shards]`` -> the 0-d
@@ -308,24 +334,32 @@ def PROCESS_WEIGHT_STRATEGY(t, config, target, recorded):
 
     Raises:
         Fp8LayoutError: a block strategy (use the ``cutlass_block`` plan).
+
+    Source: fp8_utils.process_fp8_weight_tensor_strategy /
+        process_fp8_weight_channel_strategy
     """
     strategy = config.quant.strategy or "tensor"
     if strategy == "channel":
-        return StageOut(tensors={"weight": t["weight"].t()})
+        return StageOut(tensors={"weight": tensors["weight"].t()})
     if strategy != "tensor":
         raise Fp8LayoutError(f"layer {config.name!r}: strategy {strategy!r} is not a "
                              f"tensor/channel FP8 layout; use the cutlass_block plan")
     widths = tuple(config.get("logical_widths", ()) or (config.size_n,))
-    w, s = requantize_with_max_scale(t["weight"], t["weight_scale"], widths)
+    w, s = requantize_with_max_scale(tensors["weight"], tensors["weight_scale"], widths)
     return StageOut(tensors={"weight": w.t(), "weight_scale": s})
 
 
 @stage("cutlass.logical_output_size", Tag.METADATA, attrs=(LOGICAL_OUTPUT_ATTR,),
        source="CutlassFP8ScaledMMLinearKernel.process_weights_after_loading: "
               "kernel.logical_output_size = weight.shape[1] (before padding)")
-def CUTLASS_LOGICAL_WIDTH(t, config, target, recorded):
+def logical_output_size(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                        recorded: Mapping[str, Any]) -> StageOut:
     """METADATA: ``layer.logical_output_size = config.size_n`` (the unpadded N), recorded
-    at prepare and checked on restore (a mismatch raises RecordedMismatch)."""
+    at prepare and checked on restore (a mismatch raises RecordedMismatch).
+
+    Source: CutlassFP8ScaledMMLinearKernel.process_weights_after_loading:
+        kernel.logical_output_size = weight.shape[1] (before padding)
+    """
     return StageOut(attrs={LOGICAL_OUTPUT_ATTR: config.size_n},
                     record={LOGICAL_OUTPUT_ATTR: config.size_n})
 
@@ -333,13 +367,17 @@ def CUTLASS_LOGICAL_WIDTH(t, config, target, recorded):
 @stage("cutlass.pad_kn", Tag.TRANSFORM, reads=("weight", "weight_scale"),
        writes=("weight", "weight_scale"),
        source="CutlassFP8ScaledMMLinearKernel.process_weights_after_loading (pad K/N to 16)")
-def CUTLASS_PAD(t, config, target, recorded):
+def pad_kn(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+           recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM ``weight [K, N]`` column-major -> ``[K16, N16]`` column-major; a
-    per-channel ``weight_scale [N, 1]`` -> ``[N16, 1]`` padded with 1.0."""
-    w, s = cutlass_pad(t["weight"], t["weight_scale"])
+    per-channel ``weight_scale [N, 1]`` -> ``[N16, 1]`` padded with 1.0.
+
+    Source: CutlassFP8ScaledMMLinearKernel.process_weights_after_loading (pad K/N to 16)
+    """
+    w, s = cutlass_pad(tensors["weight"], tensors["weight_scale"])
     out = {}
-    if w is not t["weight"]:
+    if w is not tensors["weight"]:
         out["weight"] = w
-    if s is not t["weight_scale"]:
+    if s is not tensors["weight_scale"]:
         out["weight_scale"] = s
     return StageOut(tensors=out)

@@ -96,7 +96,7 @@ def final_scale_values(params: Mapping[str, torch.Tensor], kv_cache_dtype: str
 
 
 @stage("kv_cache.select_scales", Tag.TRANSFORM, reads=SCALE_PARAMS + SCALE_BUFFERS,
-       writes=SCALE_PARAMS + SCALE_BUFFERS, source=_SOURCE)
+       writes=SCALE_PARAMS + SCALE_BUFFERS, drops=SCALE_PARAMS, source=_SOURCE)
 def select_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
                   recorded: Mapping[str, Any]) -> StageOut:
     """New 0-d fp32 buffers ``_k/_v/_q/_prob_scale`` with vLLM's final values; drops
@@ -131,7 +131,7 @@ def set_scale_floats(tensors: Mapping[str, torch.Tensor], config: LayerConfig, t
     ``_prob_scale_float`` is left alone, as in vLLM."""
     floats = {f"{n}_float": (tensors[n].item() if tensors[n].device.type != "meta" else None)
               for n in SCALE_BUFFERS[:3]}
-    cpu = {f"{n}_cpu": tensors[n].detach().to("cpu").clone() for n in ("_k_scale", "_v_scale")}
+    cpu = {f"{n}_cpu": _host_copy(tensors[n]) for n in ("_k_scale", "_v_scale")}
     return StageOut(attrs={**floats, **cpu}, record=floats)
 
 
@@ -146,7 +146,8 @@ CT_BUFFERS = ("_k_scale", "_v_scale", "_q_scale")
 
 @stage("ct_kv_cache.register_scales", Tag.TRANSFORM,
        reads=CT_SCALE_PARAMS + CT_ZERO_POINTS + CT_BUFFERS,
-       writes=CT_SCALE_PARAMS + CT_ZERO_POINTS + CT_BUFFERS, source=_CT_SOURCE)
+       writes=CT_SCALE_PARAMS + CT_ZERO_POINTS + CT_BUFFERS,
+       drops=CT_SCALE_PARAMS + CT_ZERO_POINTS, source=_CT_SOURCE)
 def ct_register_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
                        target: Target, recorded: Mapping[str, Any]) -> StageOut:
     """Buffers ``_k/_v/_q_scale`` become copies of the loaded ``k/v/q_scale``
@@ -155,6 +156,11 @@ def ct_register_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
     the six checkpoint Parameters (scales and unused zero points) are dropped."""
     new = {f"_{n}": tensors[n].detach().clone() for n in CT_SCALE_PARAMS}
     return StageOut(tensors=new, buffers=frozenset(new), drop=CT_SCALE_PARAMS + CT_ZERO_POINTS)
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A private host copy of ``t`` (a meta tensor stays meta: it has no bytes)."""
+    return t.detach().clone() if t.device.type == "meta" else t.detach().to("cpu").clone()
 
 
 def _to_scalar(t: torch.Tensor) -> float | None:
@@ -179,5 +185,7 @@ def ct_copy_host_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig
                         target: Target, recorded: Mapping[str, Any]) -> StageOut:
     """Private 0-d fp32 host tensors holding the scalar scales (vLLM ``fill_``s the
     ``_k/_v_scale_cpu`` tensors it created at init)."""
-    return StageOut(attrs={f"{n}_cpu": torch.tensor(_to_scalar(tensors[n]), dtype=torch.float32)
+    return StageOut(attrs={f"{n}_cpu": torch.empty((), dtype=torch.float32, device="meta")
+                           if tensors[n].device.type == "meta"
+                           else torch.tensor(_to_scalar(tensors[n]), dtype=torch.float32)
                            for n in ("_k_scale", "_v_scale")})

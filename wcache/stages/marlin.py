@@ -21,6 +21,8 @@ at plan resolution, so every function here builds the 16-bit-activation layout.
 
 from __future__ import annotations
 
+import functools
+
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -36,8 +38,8 @@ __all__ = [
     "marlin_zero_points", "marlin_permute_bias", "awq_to_standard",
     "pack_fp8_to_int32", "fp8_exponent_bias", "fp8_fused_exponent_bias_into_scales",
     "awq_to_standard_stage", "repack_stage", "permute_scales_stage",
-    "zero_points_stage", "empty_zero_points_stage", "INPUT_GLOBAL_SCALE_NONE",
-    "PERMUTE_BIAS", "FP8_REPACK", "FP8_SCALES", "MXFP8_REPACK", "MXFP8_SCALES",
+    "zero_points_stage", "empty_zero_points_stage", "input_global_scale_none",
+    "permute_bias", "fp8_repack", "fp8_scales", "mxfp8_repack", "mxfp8_scales",
 ]
 
 #: Marlin's tile edge (``GPTQ_MARLIN_TILE``): the repacked weight has ``K / 16`` rows.
@@ -320,6 +322,7 @@ def _geometry(config: LayerConfig, group_size: int | None = None) -> tuple[int, 
 # --------------------------------------------------------------------------- stages
 
 
+@functools.cache
 def awq_to_standard_stage() -> Stage:
     """TRANSFORM ``qweight [K, N/8]``, ``qzeros [K/G, N/8]`` (AWQ) -> standard packing."""
 
@@ -334,6 +337,7 @@ def awq_to_standard_stage() -> Stage:
     return fn
 
 
+@functools.cache
 def repack_stage(w_q: str, *, n_major: bool = False) -> Stage:
     """TRANSFORM ``w_q`` -> Marlin layout ``[Kp / 16, Np * bits / 2]`` int32.
 
@@ -357,6 +361,7 @@ def repack_stage(w_q: str, *, n_major: bool = False) -> Stage:
     return fn
 
 
+@functools.cache
 def permute_scales_stage(w_s: str, *, n_major: bool = False) -> Stage:
     """TRANSFORM ``w_s [K/G, N]`` -> padded, permuted ``[Kp/G, Np]`` (same dtype)."""
 
@@ -372,6 +377,7 @@ def permute_scales_stage(w_s: str, *, n_major: bool = False) -> Stage:
     return fn
 
 
+@functools.cache
 def zero_points_stage(w_zp: str, *, empty_if_symmetric: bool = False) -> Stage:
     """TRANSFORM standard zero points ``[N/pf, K/G]`` -> Marlin ``[Kp/G, Np/pf]`` int32.
 
@@ -400,6 +406,7 @@ def zero_points_stage(w_zp: str, *, empty_if_symmetric: bool = False) -> Stage:
     return fn
 
 
+@functools.cache
 def empty_zero_points_stage(w_zp: str) -> Stage:
     """TRANSFORM: ``w_zp`` becomes an empty ``[0]`` int32 tensor (symmetric weights).
 
@@ -419,22 +426,31 @@ def empty_zero_points_stage(w_zp: str) -> Stage:
 
 @stage("marlin.input_global_scale_none", Tag.METADATA, attrs=("input_global_scale",),
        source="MarlinLinearKernel.process_weights_after_loading: layer.input_global_scale = None")
-def INPUT_GLOBAL_SCALE_NONE(t, config, target, recorded):
-    """METADATA: ``layer.input_global_scale = None`` (16-bit activations)."""
+def input_global_scale_none(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
+                            target: Target, recorded: Mapping[str, Any]) -> StageOut:
+    """METADATA: ``layer.input_global_scale = None`` (16-bit activations).
+
+    Source: MarlinLinearKernel.process_weights_after_loading: layer.input_global_scale =
+        None
+    """
     return StageOut(attrs={"input_global_scale": None})
 
 
 @stage("marlin.permute_bias", Tag.TRANSFORM, reads=("bias",), writes=("bias",),
        optional=("bias",), source="marlin_utils.marlin_pad_dim + marlin_permute_bias")
-def PERMUTE_BIAS(t, config, target, recorded):
-    """TRANSFORM ``bias [N]`` -> zero-padded to ``[Np]`` and permuted (no-op without bias)."""
-    if "bias" not in t:
+def permute_bias(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                 recorded: Mapping[str, Any]) -> StageOut:
+    """TRANSFORM ``bias [N]`` -> zero-padded to ``[Np]`` and permuted (no-op without bias).
+
+    Source: marlin_utils.marlin_pad_dim + marlin_permute_bias
+    """
+    if "bias" not in tensors:
         return StageOut()
     g = config.quant.group_size if config.quant.group_size in MARLIN_SUPPORTED_GROUP_SIZES else -1
     if config.quant.method == "mxfp8":
         g = MXFP8_GROUP_SIZE
     padded_n, _ = marlin_padded_nk(config.size_n, config.size_k, g)
-    bias = t["bias"]
+    bias = tensors["bias"]
     if padded_n != bias.shape[0]:
         bias = torch.nn.functional.pad(bias, (0, padded_n - bias.shape[0]))
     return StageOut(tensors={"bias": marlin_permute_bias(bias)})
@@ -452,15 +468,22 @@ def _fp8_marlin_repack(weight_nk: torch.Tensor, config: LayerConfig, g: int) -> 
 @stage("marlin.fp8_repack", Tag.TRANSFORM, reads=("weight",), writes=("weight",),
        source="marlin_utils_fp8.prepare_fp8_layer_for_marlin: pack_fp8_to_int32 + "
               "marlin_pad_qweight + ops.gptq_marlin_repack(num_bits=8)")
-def FP8_REPACK(t, config, target, recorded):
-    """TRANSFORM ``weight [N, K]`` float8_e4m3fn -> ``[Kp/16, 4 * Np]`` int32 (Marlin)."""
-    return StageOut(tensors={"weight": _fp8_marlin_repack(t["weight"], config, -1)})
+def fp8_repack(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+               recorded: Mapping[str, Any]) -> StageOut:
+    """TRANSFORM ``weight [N, K]`` float8_e4m3fn -> ``[Kp/16, 4 * Np]`` int32 (Marlin).
+
+    Source: marlin_utils_fp8.prepare_fp8_layer_for_marlin: pack_fp8_to_int32 +
+        marlin_pad_qweight + ops.gptq_marlin_repack(num_bits=8)
+    """
+    return StageOut(tensors={"weight": _fp8_marlin_repack(tensors["weight"], config, -1)})
 
 
 def _channel_scales(s: torch.Tensor, config: LayerConfig) -> torch.Tensor:
     """Per-tensor / per-shard / channel scale -> ``[1, N]`` (``prepare_fp8_layer_for_marlin``)."""
     n = config.size_n
     widths = tuple(config.get("logical_widths", ()) or ())
+    if s.device.type == "meta":  # repeat_interleave by a tensor needs its values
+        return s.new_empty((1, n))
     if s.numel() == 1:
         return s.reshape(1, 1).repeat_interleave(n, 1)
     if widths and s.numel() == len(widths):
@@ -480,11 +503,17 @@ def _channel_scales(s: torch.Tensor, config: LayerConfig) -> torch.Tensor:
        source="marlin_utils_fp8.prepare_fp8_layer_for_marlin (scales): cast to orig dtype, "
               "expand to channel, marlin_pad_scales, marlin_permute_scales, "
               "fp8_fused_exponent_bias_into_scales")
-def FP8_SCALES(t, config, target, recorded):
+def fp8_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+               recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM ``weight_scale`` (0-d, ``[#shards]``, ``[N, 1]``) fp32 -> ``[1, Np]`` in
-    ``params_dtype`` with the FP8 exponent bias fused (x 2**8 fp16, x 2**120 bf16)."""
+    ``params_dtype`` with the FP8 exponent bias fused (x 2**8 fp16, x 2**120 bf16).
+
+    Source: marlin_utils_fp8.prepare_fp8_layer_for_marlin (scales): cast to orig dtype,
+        expand to channel, marlin_pad_scales, marlin_permute_scales,
+        fp8_fused_exponent_bias_into_scales
+    """
     size_k, size_n, padded_k, padded_n, _ = _geometry(config, -1)
-    s = _channel_scales(t["weight_scale"].to(config.dtype), config)
+    s = _channel_scales(tensors["weight_scale"].to(config.dtype), config)
     s = _pad2(s, 1, padded_n)
     s = marlin_permute_scales(s, padded_k, padded_n, -1)
     return StageOut(tensors={"weight_scale": fp8_fused_exponent_bias_into_scales(s)})
@@ -492,19 +521,29 @@ def FP8_SCALES(t, config, target, recorded):
 
 @stage("marlin.mxfp8_repack", Tag.TRANSFORM, reads=("weight",), writes=("weight",),
        source="marlin_utils_fp8.prepare_mxfp8_layer_for_marlin (weight)")
-def MXFP8_REPACK(t, config, target, recorded):
-    """TRANSFORM ``weight [N, K]`` float8_e4m3fn -> ``[Kp/16, 4 * Np]`` int32 (Marlin, G=32)."""
-    return StageOut(tensors={"weight": _fp8_marlin_repack(t["weight"], config, MXFP8_GROUP_SIZE)})
+def mxfp8_repack(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                 recorded: Mapping[str, Any]) -> StageOut:
+    """TRANSFORM ``weight [N, K]`` float8_e4m3fn -> ``[Kp/16, 4 * Np]`` int32 (Marlin, G=32).
+
+    Source: marlin_utils_fp8.prepare_mxfp8_layer_for_marlin (weight)
+    """
+    value = _fp8_marlin_repack(tensors["weight"], config, MXFP8_GROUP_SIZE)
+    return StageOut(tensors={"weight": value})
 
 
 @stage("marlin.mxfp8_scales", Tag.TRANSFORM, reads=("weight_scale",), writes=("weight_scale",),
        source="marlin_utils_fp8.prepare_mxfp8_layer_for_marlin (scales) + "
               "mxfp8_marlin_process_scales")
-def MXFP8_SCALES(t, config, target, recorded):
+def mxfp8_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                 recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM ``weight_scale [N, K/32]`` uint8 (E8M0 codes) -> ``[Kp/32, Np]``
-    float8_e8m0fnu, padded, permuted, reordered ``[0, 2, 1, 3]`` within groups of 4."""
+    float8_e8m0fnu, padded, permuted, reordered ``[0, 2, 1, 3]`` within groups of 4.
+
+    Source: marlin_utils_fp8.prepare_mxfp8_layer_for_marlin (scales) +
+        mxfp8_marlin_process_scales
+    """
     size_k, size_n, padded_k, padded_n, g = _geometry(config, MXFP8_GROUP_SIZE)
-    s = t["weight_scale"][:size_n, :size_k // g].contiguous()
+    s = tensors["weight_scale"][:size_n, :size_k // g].contiguous()
     s = s.view(torch.float8_e8m0fnu).to(config.dtype).t().contiguous()
     s = _pad2(s, padded_k // g, padded_n)
     s = marlin_permute_scales(s, padded_k, padded_n, g)

@@ -6,12 +6,15 @@ exponent, stored as uint8) per 32 values along K.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
-from wcache.core import StageOut, Tag, WcacheError, stage
+from wcache.core import LayerConfig, StageOut, Tag, Target, WcacheError, stage
 
 __all__ = ["MXFP8_BLOCK_SIZE", "E8M0_BIAS", "Mxfp8LayoutError", "mxfp8_e4m3_quantize",
-           "QUANTIZE"]
+           "quantize"]
 
 #: Values per E8M0 scale along K (``MXFP8_BLOCK_SIZE``).
 MXFP8_BLOCK_SIZE = 32
@@ -58,8 +61,12 @@ def mxfp8_e4m3_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @stage("mxfp8.quantize", Tag.TRANSFORM, reads=("weight",), writes=("weight", "weight_scale"),
        source="Mxfp8OnlineLinearMethod.process_weights_after_loading: mxfp8_e4m3_quantize")
-def QUANTIZE(t, config, target, recorded):
+def quantize(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+             recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM ``weight [N, K]`` -> ``weight [N, K]`` float8_e4m3fn and
-    ``weight_scale [N, K/32]`` uint8 (E8M0)."""
-    q, s = mxfp8_e4m3_quantize(t["weight"])
+    ``weight_scale [N, K/32]`` uint8 (E8M0).
+
+    Source: Mxfp8OnlineLinearMethod.process_weights_after_loading: mxfp8_e4m3_quantize
+    """
+    q, s = mxfp8_e4m3_quantize(tensors["weight"])
     return StageOut(tensors={"weight": q, "weight_scale": s})

@@ -12,25 +12,28 @@ K / 16 groups and so returns padded columns when ``K / 16 % 4 != 0``).
 
 The fused-MoE activation-scale fuse (``CutlassExpertsFp4.process_weights_after_loading``)
 is done by vLLM *in place* (``w13_weight_scale_2.mul_(w13_input_scale)``).
-:data:`MOE_FUSE_ACTIVATION_SCALE` is a TRANSFORM that returns new tensors; it
+:data:`moe_fuse_activation_scale` is a TRANSFORM that returns new tensors; it
 must never be replayed on restore (the plan rules and the restore guard refuse
 any replayable variant).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
-from wcache.core import StageOut, Tag, WcacheError, stage
+from wcache.core import LayerConfig, StageOut, Tag, Target, WcacheError, stage
 
 __all__ = [
     "NVFP4_GROUP_SIZE", "SWIZZLE_ROW_TILE", "SWIZZLE_COL_TILE", "CUTLASS_FP4_ALIGNMENT",
     "Nvfp4LayoutError", "swizzle_blockscale", "unswizzle_blockscale",
     "pad_nvfp4_weight_for_cutlass",
-    "VALIDATE_LOADED", "WEIGHT_GLOBAL_SCALE", "INPUT_GLOBAL_SCALE", "ALPHA", "FLAGS",
-    "SWIZZLE_SCALES", "PAD_WEIGHT",
-    "MOE_W13_GLOBAL_SCALE", "MOE_REDUCE_INPUT_SCALE", "MOE_SWIZZLE_SCALES",
-    "MOE_FUSE_ACTIVATION_SCALE", "MOE_DIMS",
+    "validate_loaded", "weight_global_scale", "input_global_scale", "alpha", "flags",
+    "swizzle_scales", "pad_weight",
+    "moe_w13_global_scale", "moe_reduce_input_scale", "moe_swizzle_scales",
+    "moe_fuse_activation_scale", "moe_dims",
 ]
 
 #: Values per block scale along K.
@@ -129,13 +132,18 @@ _MODELOPT = "vllm.model_executor.layers.quantization.modelopt.ModelOptLinearMeth
 
 @stage("nvfp4.validate_loaded", Tag.VALIDATE, reads=("weight_scale",),
        source=f"{_MODELOPT}.process_weights_after_loading (NaN check)")
-def VALIDATE_LOADED(t, config, target, recorded):
+def validate_loaded(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                    recorded: Mapping[str, Any]) -> StageOut:
     """VALIDATE: ``weight_scale`` holds no NaN (an unloaded placeholder is NaN-filled).
 
     Raises:
         Nvfp4LayoutError: NaN found (the checkpoint lacks this layer's scales).
+
+    Source:
+        vllm.model_executor.layers.quantization.modelopt.ModelOptLinearMethod.process_weights_after_loading
+        (NaN check)
     """
-    s = t["weight_scale"]
+    s = tensors["weight_scale"]
     if s.device.type != "meta" and torch.isnan(s.float()).any():
         raise Nvfp4LayoutError(f"layer {config.name!r}: weight_scale contains NaN; the "
                                f"checkpoint did not provide this layer's block scales")
@@ -143,23 +151,35 @@ def VALIDATE_LOADED(t, config, target, recorded):
 
 
 @stage("nvfp4.weight_global_scale", Tag.TRANSFORM, reads=("weight_scale_2",),
-       writes=("weight_global_scale", "weight_scale_2"),
+       writes=("weight_global_scale", "weight_scale_2"), drops=("weight_scale_2",),
        source=f"{_MODELOPT}: weight_global_scale = weight_scale_2.max(); del weight_scale_2")
-def WEIGHT_GLOBAL_SCALE(t, config, target, recorded):
+def weight_global_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                        recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM ``weight_scale_2 [#shards]`` fp32 -> ``weight_global_scale`` 0-d fp32 (max);
-    drops ``weight_scale_2``."""
-    return StageOut(tensors={"weight_global_scale": t["weight_scale_2"].max().to(torch.float32)},
+    drops ``weight_scale_2``.
+
+    Source: vllm.model_executor.layers.quantization.modelopt.ModelOptLinearMethod:
+        weight_global_scale = weight_scale_2.max(); del weight_scale_2
+    """
+    value = tensors["weight_scale_2"].max().to(torch.float32)
+    return StageOut(tensors={"weight_global_scale": value},
                     drop=("weight_scale_2",))
 
 
 @stage("nvfp4.input_global_scale", Tag.TRANSFORM, reads=("input_scale",),
        writes=("input_global_scale", "input_global_scale_inv", "input_scale"),
+       drops=("input_scale",),
        source=f"{_MODELOPT}: input_global_scale = input_scale.max(); inv = 1 / it; "
               f"del input_scale")
-def INPUT_GLOBAL_SCALE(t, config, target, recorded):
+def input_global_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                       recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM ``input_scale [#shards]`` -> ``input_global_scale`` and
-    ``input_global_scale_inv`` (0-d fp32); drops ``input_scale``."""
-    g = t["input_scale"].max().to(torch.float32)
+    ``input_global_scale_inv`` (0-d fp32); drops ``input_scale``.
+
+    Source: vllm.model_executor.layers.quantization.modelopt.ModelOptLinearMethod:
+        input_global_scale = input_scale.max(); inv = 1 / it; del input_scale
+    """
+    g = tensors["input_scale"].max().to(torch.float32)
     return StageOut(tensors={"input_global_scale": g,
                              "input_global_scale_inv": (1.0 / g).to(torch.float32)},
                     drop=("input_scale",))
@@ -168,36 +188,56 @@ def INPUT_GLOBAL_SCALE(t, config, target, recorded):
 @stage("nvfp4.alpha", Tag.TRANSFORM, reads=("input_global_scale", "weight_global_scale"),
        writes=("alpha",),
        source="modelopt.maybe_fuse_global_scales: alpha = input_global_scale * weight_global_scale")
-def ALPHA(t, config, target, recorded):
-    """TRANSFORM: ``alpha = input_global_scale * weight_global_scale`` (new 0-d fp32 tensor)."""
-    return StageOut(tensors={"alpha": t["input_global_scale"] * t["weight_global_scale"]})
+def alpha(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+          recorded: Mapping[str, Any]) -> StageOut:
+    """TRANSFORM: ``alpha = input_global_scale * weight_global_scale`` (new 0-d fp32 tensor).
+
+    Source: modelopt.maybe_fuse_global_scales: alpha = input_global_scale *
+        weight_global_scale
+    """
+    value = tensors["input_global_scale"] * tensors["weight_global_scale"]
+    return StageOut(tensors={"alpha": value})
 
 
 @stage("nvfp4.flags", Tag.METADATA, attrs=("is_w4a16_nvfp4",),
        source=f"{_MODELOPT}: layer.is_w4a16_nvfp4")
-def FLAGS(t, config, target, recorded):
-    """METADATA: ``layer.is_w4a16_nvfp4 = False`` (W4A4 with an activation scale)."""
+def flags(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+          recorded: Mapping[str, Any]) -> StageOut:
+    """METADATA: ``layer.is_w4a16_nvfp4 = False`` (W4A4 with an activation scale).
+
+    Source: vllm.model_executor.layers.quantization.modelopt.ModelOptLinearMethod:
+        layer.is_w4a16_nvfp4
+    """
     return StageOut(attrs={"is_w4a16_nvfp4": False})
 
 
 @stage("nvfp4.swizzle_scales", Tag.TRANSFORM, reads=("weight_scale",), writes=("weight_scale",),
        source="CutlassNvFp4LinearKernel.process_weights_after_loading: swizzle_blockscale")
-def SWIZZLE_SCALES(t, config, target, recorded):
-    """TRANSFORM ``weight_scale [N, K/16]`` -> swizzled ``[round_up(N,128), round_up(K/16,4)]``."""
-    return StageOut(tensors={"weight_scale": swizzle_blockscale(t["weight_scale"])})
+def swizzle_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                   recorded: Mapping[str, Any]) -> StageOut:
+    """TRANSFORM ``weight_scale [N, K/16]`` -> swizzled ``[round_up(N,128), round_up(K/16,4)]``.
+
+    Source: CutlassNvFp4LinearKernel.process_weights_after_loading: swizzle_blockscale
+    """
+    return StageOut(tensors={"weight_scale": swizzle_blockscale(tensors["weight_scale"])})
 
 
 @stage("nvfp4.pad_weight", Tag.TRANSFORM, reads=("weight",), writes=("weight",),
        source="CutlassNvFp4LinearKernel.process_weights_after_loading: "
               "pad_nvfp4_weight_for_cutlass")
-def PAD_WEIGHT(t, config, target, recorded):
+def pad_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+               recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM ``weight [N, K/2]`` uint8 -> ``[round_up(N,32), round_up(K,32)/2]`` (zeros).
 
     The K padding is derived at run time from shapes
     (``nvfp4_weight_padding_bytes = weight.shape[1] - K / 2``); the output is sliced
-    to ``output_size_per_partition``, a create-time field. Nothing to record."""
-    w = pad_nvfp4_weight_for_cutlass(t["weight"])
-    return StageOut(tensors={"weight": w} if w is not t["weight"] else {})
+    to ``output_size_per_partition``, a create-time field. Nothing to record.
+
+    Source: CutlassNvFp4LinearKernel.process_weights_after_loading:
+        pad_nvfp4_weight_for_cutlass
+    """
+    w = pad_nvfp4_weight_for_cutlass(tensors["weight"])
+    return StageOut(tensors={"weight": w} if w is not tensors["weight"] else {})
 
 
 # --------------------------------------------------------------------------- MoE stages
@@ -208,19 +248,31 @@ _MOE = "vllm.model_executor.layers.quantization.modelopt.ModelOptNvFp4FusedMoE"
 @stage("nvfp4.moe_w13_global_scale", Tag.TRANSFORM, reads=("w13_weight_scale_2",),
        writes=("w13_weight_scale_2",),
        source=f"{_MOE}.process_weights_after_loading: w13_weight_scale_2[:, 0]")
-def MOE_W13_GLOBAL_SCALE(t, config, target, recorded):
-    """TRANSFORM ``w13_weight_scale_2 [E, 2]`` -> ``[E]`` (the w1 column; w1 and w3 share it)."""
-    return StageOut(tensors={"w13_weight_scale_2": t["w13_weight_scale_2"][:, 0].contiguous()})
+def moe_w13_global_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                         recorded: Mapping[str, Any]) -> StageOut:
+    """TRANSFORM ``w13_weight_scale_2 [E, 2]`` -> ``[E]`` (the w1 column; w1 and w3 share it).
+
+    Source:
+        vllm.model_executor.layers.quantization.modelopt.ModelOptNvFp4FusedMoE.process_weights_after_loading:
+        w13_weight_scale_2[:, 0]
+    """
+    value = tensors["w13_weight_scale_2"][:, 0].contiguous()
+    return StageOut(tensors={"w13_weight_scale_2": value})
 
 
 @stage("nvfp4.moe_reduce_input_scale", Tag.TRANSFORM, reads=("w13_input_scale",),
        writes=("w13_input_scale",),
        source="flashinfer_fp4_moe.prepare_nvfp4_moe_layer_for_fi_or_cutlass: "
               "a13_scale.max(dim=1) (VLLM_CUTLASS, no global sf)")
-def MOE_REDUCE_INPUT_SCALE(t, config, target, recorded):
-    """TRANSFORM ``w13_input_scale [E, 2]`` -> ``[E]`` fp32 (max over w1/w3)."""
+def moe_reduce_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                           recorded: Mapping[str, Any]) -> StageOut:
+    """TRANSFORM ``w13_input_scale [E, 2]`` -> ``[E]`` fp32 (max over w1/w3).
+
+    Source: flashinfer_fp4_moe.prepare_nvfp4_moe_layer_for_fi_or_cutlass:
+        a13_scale.max(dim=1) (VLLM_CUTLASS, no global sf)
+    """
     return StageOut(tensors={"w13_input_scale":
-                             t["w13_input_scale"].max(dim=1).values.to(torch.float32)})
+                             tensors["w13_input_scale"].max(dim=1).values.to(torch.float32)})
 
 
 @stage("nvfp4.moe_swizzle_scales", Tag.TRANSFORM,
@@ -228,7 +280,8 @@ def MOE_REDUCE_INPUT_SCALE(t, config, target, recorded):
        writes=("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"),
        source="flashinfer_fp4_moe.prepare_nvfp4_moe_layer_for_fi_or_cutlass "
               "(swizzle_blockscale, non-gated padding)")
-def MOE_SWIZZLE_SCALES(t, config, target, recorded):
+def moe_swizzle_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                       recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM expert block scales ``[E, R, C/16]`` -> swizzled ``[E, round_up(R,128),
     round_up(C/16,4)]``; for non-gated experts whose w13 rows were padded by the
     swizzle, ``w13_weight``, ``w2_weight`` and the w2 scales are zero-padded to match.
@@ -236,10 +289,13 @@ def MOE_SWIZZLE_SCALES(t, config, target, recorded):
     Raises:
         Nvfp4LayoutError: a gated (act-and-mul) layer would need intermediate padding,
             which vLLM does not support either (NotImplementedError there).
+
+    Source: flashinfer_fp4_moe.prepare_nvfp4_moe_layer_for_fi_or_cutlass
+        (swizzle_blockscale, non-gated padding)
     """
-    w13, w2 = t["w13_weight"], t["w2_weight"]
-    w13_scale = swizzle_blockscale(t["w13_weight_scale"])
-    w2_scale = t["w2_weight_scale"]
+    w13, w2 = tensors["w13_weight"], tensors["w2_weight"]
+    w13_scale = swizzle_blockscale(tensors["w13_weight_scale"])
+    w2_scale = tensors["w2_weight_scale"]
     out = {"w13_weight_scale": w13_scale}
     pad = w13_scale.shape[1] - w13.shape[1]
     if pad > 0:
@@ -261,24 +317,35 @@ def MOE_SWIZZLE_SCALES(t, config, target, recorded):
        writes=("w13_weight_scale_2", "w2_weight_scale_2"),
        source="fused_moe.experts.cutlass_moe.CutlassExpertsFp4.process_weights_after_loading "
               "(vLLM: in-place mul_)")
-def MOE_FUSE_ACTIVATION_SCALE(t, config, target, recorded):
+def moe_fuse_activation_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
+                              target: Target, recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM: ``w13_weight_scale_2 * w13_input_scale`` and ``w2_weight_scale_2 *
     w2_input_scale`` as *new* ``[E]`` fp32 tensors (the inputs are untouched).
 
     Never replayable: a second application would square the activation scale, and
-    vLLM's in-place form would write into the daemon's shared bytes."""
+    vLLM's in-place form would write into the daemon's shared bytes.
+
+    Source: fused_moe.experts.cutlass_moe.CutlassExpertsFp4.process_weights_after_loading
+        (vLLM: in-place mul_)
+    """
     return StageOut(tensors={
-        "w13_weight_scale_2": t["w13_weight_scale_2"] * t["w13_input_scale"],
-        "w2_weight_scale_2": t["w2_weight_scale_2"] * t["w2_input_scale"]})
+        "w13_weight_scale_2": tensors["w13_weight_scale_2"] * tensors["w13_input_scale"],
+        "w2_weight_scale_2": tensors["w2_weight_scale_2"] * tensors["w2_input_scale"]})
 
 
 @stage("nvfp4.moe_dims", Tag.METADATA, reads=("w13_weight", "w2_weight"),
        attrs=("moe_num_experts", "moe_hidden_dim", "moe_intermediate_size_per_partition"),
        source=f"{_MOE}._restore_padded_moe_dims (dims recovered from exported shapes)")
-def MOE_DIMS(t, config, target, recorded):
+def moe_dims(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+             recorded: Mapping[str, Any]) -> StageOut:
     """METADATA: expert count, (padded) hidden dim and intermediate size from the final
-    ``w2_weight [E, H, I/2]`` shape, as vLLM's pre-processed TRTLLM branch does."""
-    w2 = t["w2_weight"]
+    ``w2_weight [E, H, I/2]`` shape, as vLLM's pre-processed TRTLLM branch does.
+
+    Source:
+        vllm.model_executor.layers.quantization.modelopt.ModelOptNvFp4FusedMoE._restore_padded_moe_dims
+        (dims recovered from exported shapes)
+    """
+    w2 = tensors["w2_weight"]
     return StageOut(attrs={"moe_num_experts": int(w2.shape[0]),
                            "moe_hidden_dim": int(w2.shape[1]),
                            "moe_intermediate_size_per_partition": int(w2.shape[2]) * FP4_PER_BYTE})

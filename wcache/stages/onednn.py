@@ -13,9 +13,7 @@ tensor computed with vLLM's op sequence (bit-exact).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -81,30 +79,17 @@ def create_onednn_mm(weight_kn: torch.Tensor,
     return CPUDNNLGEMMHandler(op(weight_kn, primitive_cache_size), k, n)
 
 
-#: Memo of unquantized prepacks within one restore (see :func:`sharing_prepacks`);
-#: ``None`` outside it, so an ordinary load builds one handle per layer as vLLM does.
-_PREPACK_MEMO: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
-    "wcache_onednn_prepack_memo", default=None)
+def _prepack(weight: torch.Tensor, memo: dict | None) -> CPUDNNLGEMMHandler:
+    """One oneDNN handle for ``weight`` ``[N, K]``; with a per-restore ``memo``,
+    layers whose weight is the *same* tensor (a tied embedding and lm_head) share
+    one handle instead of two identical ones.
 
-
-@contextlib.contextmanager
-def sharing_prepacks() -> Iterator[None]:
-    """Within this block, layers whose weight is the *same* tensor (a tied
-    embedding and lm_head) share one oneDNN prepack instead of two identical ones.
-
-    A memo of a pure function of read-only bytes: the shared tensors cannot change
-    during a restore (the guard checks them), so the handle is the one vLLM would
-    build twice. Saves one prepack of the vocabulary matrix (time and its RAM).
+    A memo of a pure function of read-only bytes: the shared tensors cannot
+    change during a restore (the guard checks them), so the handle is the one
+    vLLM would build twice. Saves one prepack of the vocabulary matrix (time and
+    its RAM). ``memo`` is ``None`` in an ordinary load (one handle per layer, as
+    vLLM does).
     """
-    token = _PREPACK_MEMO.set({})
-    try:
-        yield
-    finally:
-        _PREPACK_MEMO.reset(token)
-
-
-def _prepack(weight: torch.Tensor) -> CPUDNNLGEMMHandler:
-    memo = _PREPACK_MEMO.get()
     if memo is None:
         return create_onednn_mm(weight.t(), PRIMITIVE_CACHE_SIZE)
     ident = (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()), weight.dtype)
@@ -214,14 +199,16 @@ def _kernel_attr(config: LayerConfig) -> str:
 
 
 @stage("onednn.prepack_weight", Tag.DERIVE, reads=("weight",), attrs=("cpu_linear",),
-       source=f"{_UTILS} (oneDNN branch)")
+       source=f"{_UTILS} (oneDNN branch)", memoized=True)
 def prepack_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                   recorded: Mapping[str, Any]) -> StageOut:
+                   recorded: Mapping[str, Any], *, memo: dict | None = None) -> StageOut:
     """Build ``layer.cpu_linear`` over a private oneDNN copy of ``weight`` ``[N, K]``.
 
     Linear layers then release the weight (vLLM's ``remove_weight=True``: an empty
     ``(0,)`` Parameter); embeddings (``layer_kind == "embedding"``) keep it. A
-    meta weight gets ``F.linear`` and keeps its slot, as in vLLM.
+    meta weight gets ``F.linear`` and keeps its slot, as in vLLM. ``memo`` (the
+    runner's per-restore memo for this stage) shares one handle between layers
+    whose weight is the same tensor.
 
     Raises:
         StageInputError: the weight is not 2-D, or the target selects the AMX SGL
@@ -239,7 +226,7 @@ def prepack_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, tar
         raise StageInputError(f"layer {config.name!r}: vLLM does not use oneDNN for this "
                               f"weight on the target (its decision: {branch}); this stage "
                               f"does not apply")
-    handle = _prepack(weight)
+    handle = _prepack(weight, memo)
     release = ("weight",) if config.quant.layer_kind != "embedding" else ()
     return StageOut(attrs={"cpu_linear": OneDNNLinear(handle)}, release=release)
 
@@ -349,6 +336,10 @@ def prepack_scaled_weight(tensors: Mapping[str, torch.Tensor], config: LayerConf
     kattr = _kernel_attr(config)
     if kattr != KERNEL_ATTR_DEFAULT:
         raise StageInputError(f"kernel_attr {kattr!r} is not declared by this stage")
+    if weight.device.type == "meta":  # shapes only: no handle can be built without bytes
+        method = KernelMethod(kattr, "_apply_weights_onednn")
+        return StageOut(attrs={"weight": None, f"{kattr}.dnnl_handler": None,
+                               f"{kattr}.linear_method": method}, release=("weight",))
     handle = create_onednn_scaled_mm(
         weight.t(), tensors["weight_scale"], config.dtype,
         "input_scale" not in tensors, not config.quant.input_symmetric, PRIMITIVE_CACHE_SIZE)

@@ -5,4 +5,46 @@
 - ``wcache.vllm.loader``: the engine-side restore loader.
 - ``wcache.vllm.daemon``: ``wcache serve``.
 - ``wcache.vllm.adapter``: vLLM quant method -> LayerConfig.
+- :func:`plan_for`: a vLLM quant method object -> its bound plan.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from wcache.core import BoundPlan, Target
+
+__all__ = ["plan_for"]
+
+
+def plan_for(method: Any, layer: Any = None, *, target: "Target", name: str = "") -> "BoundPlan":
+    """:func:`wcache.plans.plan_for` for a vLLM quant method object: the card's
+    ``plan_for(layer.quant_method, layer, target=t).restore(layer, recorded)``.
+
+    Args:
+        method: ``module.quant_method`` (a vLLM ``QuantizeMethodBase``), or a
+            :class:`~wcache.core.QuantSpec` / :class:`~wcache.core.LayerConfig`
+            (passed through to :func:`wcache.plans.plan_for`).
+        layer: the vLLM module (any device, meta included) with a vLLM method;
+            the :class:`~wcache.core.LayerConfig` with a bare ``QuantSpec``.
+        target: where the layer runs (:func:`wcache.vllm.probe.host_target` on CPU).
+        name: the module's qualified name, for messages.
+
+    Raises:
+        NoPlan: no plan matches, or the module has no post-load work to plan.
+
+    Source: the method -> config mapping is :func:`wcache.vllm.adapter.layer_config`.
+    """
+    from wcache.core import LayerConfig, NoPlan, QuantSpec  # noqa: PLC0415
+    from wcache.plans import plan_for as resolve  # noqa: PLC0415
+
+    if isinstance(method, (QuantSpec, LayerConfig)):
+        return resolve(method, layer, target=target)
+    from wcache.vllm.adapter import layer_config  # noqa: PLC0415  (imports vLLM)
+
+    config = layer_config(method, layer, target, name=name)
+    if config is None:
+        raise NoPlan(f"layer {name or type(layer).__name__!r} ({type(method).__name__}) has no "
+                     f"post-load work for wcache to plan")
+    return resolve(config, target=target)

@@ -8,7 +8,6 @@ layers); everything per method lives in the plans.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -16,19 +15,14 @@ from typing import Any
 import attrs
 import torch
 
-from wcache.core import LayerConfig, NoPlan, Plan, RestoreIncomplete, Tag, Target, WcacheError
+from wcache import shell
+from wcache.core import LayerConfig, NoPlan, Plan, RestoreIncomplete, Tag, Target
+from wcache.errors import ModelMismatch  # noqa: F401  (re-exported: callers catch it here)
 from wcache.plans.registry import plan_for
-from wcache.stages import onednn
 from wcache.vllm import compat
 from wcache.vllm.adapter import layer_config, sync_kernel_state_
 
 logger = logging.getLogger("wcache.vllm")
-
-
-class ModelMismatch(WcacheError, RuntimeError):
-    """The daemon's export does not fit the engine's model (an extra or missing tensor)."""
-
-    code = "model-mismatch"
 
 
 @attrs.frozen
@@ -113,7 +107,7 @@ def planned_layers(model: torch.nn.Module, target: Target) -> list[PlannedLayer]
                 missing.append((name or "<model>", reason))
             continue
         try:
-            out.append(PlannedLayer(name, module, config, plan_for(config, target=target)))
+            out.append(PlannedLayer(name, module, config, plan_for(config, target=target).plan))
         except NoPlan as exc:
             # the reason without the layer's own name, so equal reasons group together
             missing.append((name, str(exc).replace(f" (layer {name})", "")
@@ -174,87 +168,21 @@ def export_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dic
     return tensors, kinds, aliases, nonpersistent
 
 
-def _module_of(model: torch.nn.Module, modules: Mapping[str, torch.nn.Module], name: str
-               ) -> tuple[torch.nn.Module, str]:
-    mod, leaf = _split(name)
-    if mod not in modules:
-        raise ModelMismatch(f"the daemon exports {name!r} but the engine's model has no module "
-                            f"{mod!r}: daemon and engine were started on different models or "
-                            f"engine arguments; restart the daemon with the engine's arguments.")
-    return modules[mod], leaf
-
-
-def _check_shapes(modules: Mapping[str, torch.nn.Module], tensors: Mapping[str, torch.Tensor],
-                  planned: Iterable[PlannedLayer]) -> None:
-    """Shape and dtype of every exported tensor against the engine's meta model,
-    except those a TRANSFORM stage of their layer's plan writes.
-
-    Raises:
-        ModelMismatch: names the first tensor that differs, with both shapes/dtypes.
-    """
-    transformed = {p.name: {w for s in p.plan.stages if s.tag is Tag.TRANSFORM for w in s.writes}
-                   for p in planned}
-    for name, t in tensors.items():
-        mod_name, leaf = _split(name)
-        module = modules.get(mod_name)
-        if module is None or leaf in transformed.get(mod_name, ()):
-            continue
-        mine = module._parameters.get(leaf)
-        if mine is None:
-            mine = module._buffers.get(leaf)
-        if mine is None:
-            continue
-        if tuple(mine.shape) != tuple(t.shape) or mine.dtype != t.dtype:
-            raise ModelMismatch(
-                f"the daemon exports {name!r} as {list(t.shape)} {t.dtype} but the engine's "
-                f"model expects {list(mine.shape)} {mine.dtype}: daemon and engine were started "
-                f"with different engine arguments (e.g. hf_overrides, max_model_len); restart "
-                f"the daemon with the engine's arguments.")
-
-
 def install_tensors_(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
                      kinds: Mapping[str, str], persistent: Mapping[str, bool],
                      aliases: Mapping[str, str], planned: Iterable[PlannedLayer]) -> None:
-    """Register mapped tensors on a meta-built model (the engine side).
-
-    Canonical tensors become plain ``nn.Parameter(requires_grad=False)`` or
-    buffers (with their persistence); aliases are registered as the *same*
-    object. A tensor the model has no slot for is accepted only when the plan
-    of its layer declares it as a write. Every tensor whose slot the meta model
-    already has, and which no TRANSFORM stage of its layer's plan writes (so the
-    daemon could not have reshaped it), must have the meta tensor's shape and
-    dtype; all of this is checked before the model is changed.
+    """:func:`wcache.shell.install_tensors_` with each layer's writes taken from its plan.
 
     Raises:
         ModelMismatch: an exported tensor that the model cannot hold, or of
             another shape or dtype than the engine's (code ``model-mismatch``).
     """
-    modules = dict(model.named_modules(remove_duplicate=False))
     planned = list(planned)
-    plan_writes = {p.name: {w for s in p.plan.stages for w in s.writes} for p in planned}
-    _check_shapes(modules, tensors, planned)
-    objects: dict[str, torch.Tensor] = {}
-    for name in tensors:
-        canonical = aliases.get(name, name)
-        module, leaf = _module_of(model, modules, name)
-        mod_name = _split(name)[0]
-        known = leaf in module._parameters or leaf in module._buffers
-        if not known and leaf not in plan_writes.get(mod_name, ()):
-            raise ModelMismatch(
-                f"the daemon exports {name!r}, which the engine's model does not have and no "
-                f"plan of layer {mod_name!r} produces; the daemon serves a different model.")
-        kind = kinds[name]
-        obj = objects.get((canonical, kind))
-        if obj is None:
-            t = tensors[canonical]
-            obj = torch.nn.Parameter(t, requires_grad=False) if kind == "param" else t
-            objects[(canonical, kind)] = obj
-        module._parameters.pop(leaf, None)
-        module._buffers.pop(leaf, None)
-        if kind == "param":
-            module._parameters[leaf] = obj
-        else:
-            module.register_buffer(leaf, obj, persistent=persistent.get(name, True))
+    shell.install_tensors_(
+        model, tensors, kinds, persistent, aliases,
+        writes={p.name: {w for s in p.plan.stages for w in s.writes} for p in planned},
+        transformed={p.name: {w for s in p.plan.stages if s.tag is Tag.TRANSFORM
+                              for w in s.writes} for p in planned})
 
 
 def restore_layers_(planned: Iterable[PlannedLayer], layers: Mapping[str, Mapping],
@@ -282,15 +210,17 @@ def restore_layers_(planned: Iterable[PlannedLayer], layers: Mapping[str, Mappin
                                           if v.device.type != "meta"} for p in planned},
                          content=content, strict=strict, defer=True)
     released: list[str] = []
-    with (onednn.sharing_prepacks() if share_prepacks else contextlib.nullcontext()):
-        for p in planned:
-            _restore_one(p, layers, target, guard, released)
+    # one memo for the whole model: layers whose weight is the same tensor (a tied
+    # embedding and lm_head) share one oneDNN prepack (see Stage.memoized)
+    memo: dict[str, dict] | None = {} if share_prepacks else None
+    for p in planned:
+        _restore_one(p, layers, target, guard, released, memo)
     guard.check_all()
     return released
 
 
 def _restore_one(p: PlannedLayer, layers: Mapping[str, Mapping], target: Target, guard: Any,
-                 released: list[str]) -> None:
+                 released: list[str], memo: dict[str, dict] | None) -> None:
     entry = layers.get(p.name)
     if entry is None:
         raise RestoreIncomplete(f"the daemon's export has no entry for layer {p.name!r}; "
@@ -299,7 +229,7 @@ def _restore_one(p: PlannedLayer, layers: Mapping[str, Mapping], target: Target,
         raise RestoreIncomplete(f"layer {p.name!r}: the daemon prepared it with plan "
                                 f"{entry['plan']} but this engine resolves {p.plan.id}.")
     state = p.plan.restore(p.module, p.config, target, entry.get("recorded", {}),
-                           guard=guard, drops=entry.get("drops", ()))
+                           guard=guard, drops=entry.get("drops", ()), memo=memo)
     sync_kernel_state_(p.module)
     released.extend(f"{p.name}.{n}" if p.name else n for n in state.released)
 

@@ -3,7 +3,7 @@ a prepared snapshot, and from a peer daemon; and the machine's raw read/copy
 bandwidth measured in the same run (``wcache bench --cold-start``).
 
 Synthetic mode (``run_synthetic``, no vLLM; the GPU path): per format and size,
-in this process, with the Llama-shaped stacks of ``benchmarks/synthetic.py``:
+in this process, with the Llama-shaped stacks of :mod:`wcache.benchmarks.synthetic`:
 
 * **checkpoint**: read the safetensors checkpoint (page cache warm), run each
   layer's ``plan.prepare`` (every TRANSFORM), build the daemon's arena
@@ -117,11 +117,11 @@ def run_synthetic(device: torch.device, sizes: tuple[str, ...], formats: tuple[s
                   bench_dir: str | None, snap_dir: str | None, seed: int, layers: int | None,
                   socket_dir: str, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """One row per (format, size); see the module docstring for what is timed."""
-    from benchmarks.bench_restore import (
+    from wcache.benchmarks.bench_restore import (
         _key_fields, _target, _warm_page_cache, load_cpu_ops, planned_linears,
         prepare_from_checkpoint,
     )
-    import benchmarks.synthetic as syn
+    import wcache.benchmarks.synthetic as syn
     from wcache.core import NoPlan
     from wcache.store import CacheKey, DaemonServer, Export
     from wcache.store.prebuilt import served_arena

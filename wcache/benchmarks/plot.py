@@ -1,6 +1,6 @@
 """Draw the restore-cost curve (restore time vs model size) as a PNG.
 
-    python benchmarks/plot.py benchmarks/results/cuda.json docs/restore_cost.png
+    python -m wcache.benchmarks.plot benchmarks/results/cuda.json docs/restore_cost.png
 """
 
 from __future__ import annotations

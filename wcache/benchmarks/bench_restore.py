@@ -164,7 +164,7 @@ def load_cpu_ops(device: torch.device) -> None:
 
 
 def _synthetic():
-    import benchmarks.synthetic as synthetic  # the repo root is on sys.path (wcache.bench)
+    import wcache.benchmarks.synthetic as synthetic
 
     return synthetic
 
@@ -197,7 +197,7 @@ def planned_linears(shape: Any, fmt: str, target: Target) -> tuple[Layer, ...]:
         key = LayerConfig(quant=cfg.quant, size_k=cfg.size_k, size_n=cfg.size_n,
                           params_dtype=cfg.params_dtype, extra=cfg.extra)
         if key not in cache:
-            cache[key] = plan_for(cfg, target=target)
+            cache[key] = plan_for(cfg, target=target).plan
         out.append(Layer(spec.name, cfg, cache[key]))
     return tuple(out)
 
@@ -467,7 +467,7 @@ _TASKS: dict[str, tuple[Callable, Callable]] = {
 
 #: Modules the forkserver imports once, so forked workers start without importing.
 FORKSERVER_PRELOAD = ("torch", "safetensors", "wcache.core", "wcache.plans", "wcache.store",
-                      "benchmarks.synthetic", "benchmarks.bench_restore")
+                      "wcache.benchmarks.synthetic", "wcache.benchmarks.bench_restore")
 START_METHODS = ("spawn", "forkserver")
 
 

@@ -13,7 +13,7 @@ Attach time is from connect to a dict of ready tensor views (no page touched),
 measured in the client; median and minimum over repetitions (the minimum is
 the less noisy figure on a shared host).
 
-Usage: python benchmarks/bench_attach.py [--device cpu|cuda] [--ntensors 2000] [--tensor-kib 64] [--reps 15]
+Usage: python -m wcache.benchmarks.bench_attach [--device cpu|cuda] [--ntensors 2000] [--tensor-kib 64] [--reps 15]
 """
 
 from __future__ import annotations
@@ -35,14 +35,10 @@ import time
 
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-
-from wcache.store import CacheKey, DaemonServer, Export, attach  # noqa: E402
-from wcache.store.arena import SEALS, frombuffer_readonly  # noqa: E402
-from wcache.store.manifest import dtype_from_name, dtype_name  # noqa: E402
-from wcache.store.protocol import recv_frame, send_frame  # noqa: E402
+from wcache.store import CacheKey, DaemonServer, Export, attach
+from wcache.store.arena import SEALS, frombuffer_readonly
+from wcache.store.manifest import dtype_from_name, dtype_name
+from wcache.store.protocol import recv_frame, send_frame
 
 SCM_MAX_FD = 253  # Linux: most descriptors one SCM_RIGHTS message may carry
 KEY = CacheKey({"bench": "attach"})

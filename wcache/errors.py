@@ -1,0 +1,73 @@
+"""Every wcache error: one root, each class also the matching builtin, each with a
+reason code (STYLE.md). Imports nothing from wcache, so every layer can raise them.
+"""
+
+from __future__ import annotations
+
+__all__ = ["WcacheError", "NoPlan", "PlanInvalid", "StageContractError",
+           "RestoreWroteSharedTensor", "RecordedMismatch", "RestoreIncomplete",
+           "ModelMismatch", "PlanArgumentError"]
+
+
+class WcacheError(Exception):
+    """Root of every wcache error. ``code`` is a stable reason code (e.g.
+    ``"plan-missing"``); the message says what happened and what to do."""
+
+    code = "wcache-error"
+
+    def __init__(self, message: str, *, code: str | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class NoPlan(WcacheError, ValueError):
+    """No plan matches a (method, layer, target); the message gives the reason."""
+
+    code = "plan-missing"
+
+
+class PlanInvalid(WcacheError, ValueError):
+    """A plan violates the stage rules (docs/design.md section 3); lists every violation."""
+
+    code = "plan-invalid"
+
+
+class StageContractError(WcacheError, RuntimeError):
+    """A stage returned something its declaration does not allow (an undeclared
+    write, a missing read) or mutated an input."""
+
+    code = "stage-contract"
+
+
+class RestoreWroteSharedTensor(WcacheError, RuntimeError):
+    """Restore changed a shared (mapped) tensor: pointer, shape, stride, dtype,
+    version counter or content. Names the layer, tensor and stage."""
+
+    code = "guard-failed"
+
+
+class RecordedMismatch(WcacheError, RuntimeError):
+    """A value recomputed during restore differs from the one the daemon recorded
+    (e.g. ``use_w4a8`` on a host with a different ISA than the daemon's)."""
+
+    code = "key-mismatch"
+
+
+class RestoreIncomplete(WcacheError, RuntimeError):
+    """Restore lacks a tensor or a recorded value the plan needs."""
+
+    code = "restore-incomplete"
+
+
+class ModelMismatch(WcacheError, RuntimeError):
+    """The daemon's export does not fit the engine's model (an extra or missing tensor)."""
+
+    code = "model-mismatch"
+
+
+class PlanArgumentError(WcacheError, TypeError):
+    """``plan_for`` was called with something it cannot resolve (no layer sizes, a
+    vLLM object outside :mod:`wcache.vllm`, no Target); the message says what to pass."""
+
+    code = "plan-argument"
