@@ -54,8 +54,9 @@ SEED_TIMEOUT_S = 600.0
 #: How long the receiver tries to reach the source's TCPStore (seconds). The
 #: source opened it just before replying, so it answers at once unless the
 #: source died in between; c10d retries a refused connection until this runs
-#: out, then once more (a 10 s limit gave up after 18 s and 29 s here), so a
-#: dead source costs 1-1.5 min rather than SEED_TIMEOUT_S that way (20-30 min).
+#: out, with retries (here a 10 s limit gave up after 18 s and 29 s, this
+#: 30 s one after 42 s), so a dead source costs under ~1.5 min rather than
+#: SEED_TIMEOUT_S that way (20-30 min).
 SEED_CONNECT_TIMEOUT_S = 30.0
 #: Prefix of every key the seeding group writes in its TCPStore; a random
 #: token follows it per seeding (see :meth:`SeedSource.handle`).

@@ -391,15 +391,22 @@ def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_metho
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.request_shutdown())
     server.seed_source = SeedSource(server)
+    server.origin = origin  # for `wcache status`
+    snap_dir = from_snapshot or snapshot
+    server.snapshot_state = None if not snap_dir else \
+        {"dir": snap_dir, "state": "read" if origin == "snapshot" else "writing", "error": None}
     server.start()
     t_ready = time.perf_counter() - t_start
     if snapshot and origin != "snapshot":
         try:
             _write_rank_snapshot(server, snapshot, layout)  # engines may attach meanwhile
+            server.snapshot_state = {**server.snapshot_state, "state": "written"}
         except (OSError, StoreError) as exc:  # serving stays correct; only the next start is slower
+            code = getattr(exc, "code", type(exc).__name__)
+            server.snapshot_state = {**server.snapshot_state, "state": "failed",
+                                     "error": f"[{code}] {exc}"}
             logger.error("wcache: could not write the snapshot to %s [%s]: %s; still serving, and "
-                         "the next start loads the checkpoint again", snapshot,
-                         getattr(exc, "code", type(exc).__name__), exc)
+                         "the next start loads the checkpoint again", snapshot, code, exc)
     line = (f"wcache: ready rank={rank}/{world} key={key.digest[:16]} "
             f"held={server.nbytes / 2**20:.1f} MiB socket={server.socket_path} "
             f"from={origin} ready_s={t_ready:.2f}")
