@@ -341,3 +341,12 @@ def test_seed_from_bad_paths_say_what_to_give(daemon, key, sock_dir, tmp_path):
     s.close()  # a socket file nobody listens on: a dead daemon's
     with pytest.raises(DaemonMissing):
         seed_arena(find_seed_source(stale, key), key)
+
+
+def test_arena_file_gone_after_open_is_snapshot_corrupt(daemon, snap_root):
+    """An arena file removed between the check and the read is snapshot-corrupt (so --snapshot falls back to the checkpoint), not a bare store error."""
+    _write(daemon, snap_root)
+    snap = open_snapshot(snap_root, NAME)
+    os.unlink(os.path.join(snap_root, NAME, ARENA_FILE))
+    with pytest.raises(SnapshotCorrupt, match="write the snapshot again"):
+        snapshot_arena(snap).build("cpu", None, None)

@@ -411,6 +411,16 @@ def _read_range(fd: int, path: str, dst: memoryview, file_offset: int) -> None:
         got += r
 
 
+def _open_arena(path: str) -> int:
+    """``open(path, O_RDONLY)``; a file gone or unreadable since it was checked is
+    :class:`SnapshotCorrupt` (so ``--snapshot`` falls back to the checkpoint)."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise SnapshotCorrupt(f"cannot open {path}: {e}; delete {os.path.dirname(path)} and write "
+                              f"the snapshot again") from e
+
+
 def read_bytes_into(path: str, file_offset: int, dst: memoryview, *, threads: int | None = None,
                     chunk: int = READ_CHUNK_BYTES, hasher=None) -> None:
     """Read ``len(dst)`` bytes of ``path`` from ``file_offset`` into ``dst`` with
@@ -423,7 +433,7 @@ def read_bytes_into(path: str, file_offset: int, dst: memoryview, *, threads: in
     """
     n = len(dst)
     threads = threads or min(MAX_READ_THREADS, os.cpu_count() or 1)
-    fd = os.open(path, os.O_RDONLY)
+    fd = _open_arena(path)
     try:
         os.posix_fadvise(fd, file_offset, n, os.POSIX_FADV_SEQUENTIAL)
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="wcache-read") as ex:
@@ -435,7 +445,8 @@ def read_bytes_into(path: str, file_offset: int, dst: memoryview, *, threads: in
                 if hasher is not None:
                     hasher.update(dst[off:off + length])
     except OSError as e:
-        raise SnapshotCorrupt(f"cannot read {path}: {e}") from e
+        raise SnapshotCorrupt(f"cannot read {path}: {e}; delete {os.path.dirname(path)} and write "
+                              f"the snapshot again") from e
     finally:
         os.close(fd)
 
@@ -463,7 +474,7 @@ def _fill_cuda(snap: Snapshot, dst: torch.Tensor, threads: int | None, hash_file
     h = blake3.blake3(snap.header, max_threads=blake3.blake3.AUTO)
     stream = torch.cuda.Stream(dst.device)
     apath = os.path.join(snap.path, ARENA_FILE)
-    fd = os.open(apath, os.O_RDONLY)
+    fd = _open_arena(apath)
     events: list = [None, None]
     try:
         os.posix_fadvise(fd, snap.data_offset, n, os.POSIX_FADV_SEQUENTIAL)
