@@ -298,7 +298,7 @@ def test_two_writers_of_one_snapshot_at_once_leave_one_intact_snapshot(sock_dir,
             errors = []
             barrier = threading.Barrier(2)
 
-            def write(s):
+            def write(s, barrier=barrier, errors=errors):
                 barrier.wait()
                 try:
                     _write(s, snap_root)

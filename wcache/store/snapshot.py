@@ -56,8 +56,8 @@ from wcache.store.prebuilt import PrebuiltArena
 
 __all__ = [
     "SNAPSHOT_FORMAT_VERSION", "ARENA_FILE", "MANIFEST_FILE", "KEY_FILE", "DIGESTS_FILE",
-    "SnapshotMissing", "SnapshotCorrupt", "SnapshotStale", "SnapshotWriteFailed", "Snapshot", "write_snapshot",
-    "open_snapshot", "check_key", "snapshot_arena", "read_bytes_into", "list_snapshots", "TEMP_PREFIX",
+    "SnapshotMissing", "SnapshotCorrupt", "SnapshotStale", "SnapshotWriteFailed", "Snapshot",
+    "write_snapshot", "open_snapshot", "check_key", "snapshot_arena", "read_bytes_into", "list_snapshots", "TEMP_PREFIX",
 ]
 
 log = logging.getLogger("wcache.store")
@@ -274,7 +274,8 @@ def _write_locked(root: str, name: str, arena: torch.Tensor, manifest: Manifest,
             os.fsync(f.fileno())
             size = os.fstat(f.fileno()).st_size
         if size != len(header) + n:
-            raise SnapshotWriteFailed(f"safetensors wrote {size} bytes, expected {len(header) + n}")
+            raise SnapshotWriteFailed(f"safetensors wrote {size} bytes to {apath}, expected "
+                                      f"{len(header) + n}; check the file system of {root}")
         h = blake3.blake3(header, max_threads=blake3.blake3.AUTO)
         h.update(_memview(data.contiguous()))
         digests = {ARENA_FILE: h.hexdigest(),
