@@ -131,6 +131,11 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
         print("wcache serve: --tensor-parallel-size and --pipeline-parallel-size must be >= 1",
               file=sys.stderr)
         return 2
+    if args.snapshot and args.from_snapshot:
+        print("wcache serve: give either --from-snapshot DIR (start only from that snapshot, never "
+              "load the checkpoint) or --snapshot DIR (start from it when it matches, else load the "
+              "checkpoint and write it), not both", file=sys.stderr)
+        return 2
     if not os.path.isdir(args.model):
         print(f"wcache serve: --model {args.model!r} is not a local checkpoint directory; wcache "
               f"fingerprints checkpoint files by content, so download the model first (e.g. "
@@ -252,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--snapshot", metavar="DIR",
                    help="keep a prepared snapshot in DIR: start from it when it matches (a "
                         "restarted daemon comes back without loading), else load the checkpoint "
-                        "and write it, atomically")
+                        "and write it, atomically (with --seed-from: seed, then write it; "
+                        "not with --from-snapshot)")
 
     p = sub.add_parser(
         "verify", help="check on this host that a restore equals vLLM's own load of a "

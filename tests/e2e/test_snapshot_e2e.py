@@ -41,6 +41,7 @@ class Ready:
     ready: dict = attrs.field(factory=dict)
     sums: dict = attrs.field(factory=dict)
     engine: dict = attrs.field(factory=dict)
+    status: dict = attrs.field(factory=dict)
 
 
 def _checksums(sock: str) -> dict[str, str]:
@@ -68,15 +69,19 @@ def ready():
         try:
             r.ready["checkpoint"] = a.ready_lines[0]
             r.sums["checkpoint"] = _checksums(list_sockets(sock_dir)[0])
+            r.status["checkpoint"] = daemon_status(list_sockets(sock_dir)[0])
         finally:
             a.kill()  # a crash: no clean shutdown
         with DaemonProcess(model, sock_dir, ["--snapshot", snap]) as b:
             r.ready["restart"] = b.ready_lines[0]
             sock_b = list_sockets(sock_dir)[0]
             r.sums["restart"] = _checksums(sock_b)
+            r.status["restart"] = daemon_status(sock_b)
             with DaemonProcess(model, sock_dir, ["--seed-from", sock_dir, "--job", "peer"]) as c:
                 r.ready["peer"] = c.ready_lines[0]
                 r.sums["peer"] = _checksums(_only_new_socket(sock_dir, {sock_b}))
+                r.status["peer"] = daemon_status(_only_new_socket(sock_dir, {sock_b}))
+                r.status["source"] = daemon_status(sock_b)
             r.engine = run_engine(model, "wcache", {"socket_dir": sock_dir, "fallback": False},
                                   prompts=PROMPTS, max_tokens=MAX_TOKENS)
         yield r
@@ -107,6 +112,16 @@ def test_engine_restores_from_the_snapshot_started_daemon(ready):
     """An engine restores (no fallback) from the snapshot-started daemon and answers Paris."""
     assert "restore" == ready.engine["load"][-1]["phase"]
     assert ready.engine["texts"][0].startswith(" Paris")
+
+
+def test_status_says_where_each_daemon_came_from(ready):
+    """`status` names each daemon's origin, its snapshot's state, and how many peers a source seeded."""
+    st = ready.status
+    assert ("checkpoint", "written", ready.snap) == (
+        st["checkpoint"]["origin"], st["checkpoint"]["snapshot"]["state"], st["checkpoint"]["snapshot"]["dir"])
+    assert ("snapshot", "read") == (st["restart"]["origin"], st["restart"]["snapshot"]["state"])
+    assert ("peer", None) == (st["peer"]["origin"], st["peer"]["snapshot"])
+    assert (0, 1) == (st["restart"]["seeds_served"], st["source"]["seeds_served"])
 
 
 def _refused(model: str, snap: str, *extra: str) -> subprocess.CompletedProcess:

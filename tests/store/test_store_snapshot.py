@@ -178,7 +178,7 @@ def test_gloo_seeding_between_two_daemons(sock_dir, key):
                 receiver.stop()
         _assert_serves_export(key, sock_dir, "cpu-src")  # still serving after it seeded
         # refusals: another key (named), and a digest that differs
-        with pytest.raises(KeyMismatch) as ei:
+        with pytest.raises(KeyMismatch, match="receiver=.*source=.*start the receiver with") as ei:
             seed_arena(src_sock, CacheKey({**BASE_KEY, "dtype": "float16"}))
         assert ["dtype"] == ei.value.fields
     finally:
@@ -201,3 +201,152 @@ def test_seeding_refuses_a_digest_mismatch(sock_dir, key, monkeypatch):
         for t in server.seed_source.threads:
             t.join(30)
         server.stop()
+
+
+def test_a_full_file_system_is_an_oserror_with_a_reason_code(daemon, snap_root):
+    """A write that hits the file-size limit (as a full disk) raises an OSError naming snapshot-write-failed; nothing is left."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # Python ignores SIGXFSZ: writes get EFBIG
+    caught = None
+    try:
+        _write(daemon, snap_root)
+    except Exception as e:  # noqa: BLE001  (kept as text: its frames hold views of an unmapped arena)
+        caught = (isinstance(e, OSError), getattr(e, "code", None), str(e))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert caught is not None and (True, "snapshot-write-failed") == caught[:2], caught
+    assert "File too large" in caught[2] and snap_root in caught[2]
+    assert [] == os.listdir(snap_root)  # the temp dir is gone, nothing half-written remains
+
+
+def test_seeding_from_a_source_that_died_before_the_transfer_fails_in_bounded_time(
+        sock_dir, key, monkeypatch):
+    """When the source is gone before the receiver joins, fill raises SeedFailed within the connect timeout, not the transfer timeout."""
+    import threading
+
+    from wcache.store import seed as seed_mod
+
+    monkeypatch.setattr(seed_mod, "SEED_CONNECT_TIMEOUT_S", 1.0, raising=False)
+    server = DaemonServer(synthetic_export(), key, socket_dir=sock_dir, device_id="cpu-s").start()
+    server.seed_source = SeedSource(server)
+    # the source answers, then dies: its store closes and nobody joins the group
+    monkeypatch.setattr(SeedSource, "_send", lambda self, store, *a: None)
+    try:
+        arena = seed_arena(server.socket_path, key)
+    finally:
+        server.stop()
+    errors = []
+
+    def receive():
+        try:
+            DaemonServer(arena, key, socket_dir=sock_dir, device_id="cpu-r")
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=receive, daemon=True)
+    t.start()
+    t.join(60.0)  # the transfer timeout (SEED_TIMEOUT_S) is 600 s; a dead source must not cost that
+    assert not t.is_alive(), "the receiver still waits for a dead source"
+    assert 1 == len(errors) and isinstance(errors[0], SeedFailed), errors
+
+
+def test_snapshot_and_from_snapshot_together_are_refused(tmp_path, capsys):
+    """`--snapshot` with `--from-snapshot` is a usage error (exit 2) naming both, not a silently ignored flag."""
+    from wcache import cli
+
+    assert 2 == cli.main(["serve", "--model", str(tmp_path), "--from-snapshot", str(tmp_path / "a"),
+                          "--snapshot", str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert "--snapshot" in err and "--from-snapshot" in err
+
+
+def test_a_crashed_writers_leftovers_are_removed_by_the_next_write(daemon, key, snap_root):
+    """Temp and replaced dirs that a killed writer left (arena-sized) are removed by the next write of that rank, not kept forever."""
+    os.makedirs(snap_root, mode=0o700)
+    crashed_tmp = os.path.join(snap_root, f"{snap_mod.TEMP_PREFIX}{NAME}-dead1")
+    crashed_old = os.path.join(snap_root, f"{snap_mod.OLD_PREFIX}{NAME}-dead2", NAME)
+    other_rank = os.path.join(snap_root, f"{snap_mod.TEMP_PREFIX}tp1of2-pp0of1-dp0of1-x")
+    for d in (crashed_tmp, crashed_old, other_rank):
+        os.makedirs(d)
+        with open(os.path.join(d, ARENA_FILE), "wb") as f:
+            f.write(b"\0" * 4096)
+    _write(daemon, snap_root)
+    # another rank's temp dir may be a live write of that rank: left alone
+    assert sorted([NAME, os.path.basename(other_rank)]) == sorted(os.listdir(snap_root))
+    assert key == open_snapshot(snap_root, NAME).key
+
+
+def test_two_writers_of_one_snapshot_at_once_leave_one_intact_snapshot(sock_dir, snap_root, monkeypatch):
+    """Two daemons writing the same rank's snapshot at once both succeed, one after the other; one intact snapshot and nothing else remains."""
+    import threading
+    import time
+
+    real_rename = os.rename
+
+    def slow_rename(a, b):  # widen the window between the checks and the renames
+        time.sleep(0.05)
+        real_rename(a, b)
+
+    monkeypatch.setattr(os, "rename", slow_rename)
+
+    servers = [DaemonServer(synthetic_export(seed=i), CacheKey({**BASE_KEY, "checkpoint": f"c{i}"}),
+                            socket_dir=sock_dir, device_id=f"cpu-w{i}") for i in range(2)]
+    try:
+        for _ in range(5):
+            errors = []
+            barrier = threading.Barrier(2)
+
+            def write(s, barrier=barrier, errors=errors):
+                barrier.wait()
+                try:
+                    _write(s, snap_root)
+                except Exception as e:  # noqa: BLE001
+                    errors.append(f"{type(e).__name__}: {e}")
+
+            threads = [threading.Thread(target=write, args=(s,)) for s in servers]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert [] == errors
+            assert [NAME] == os.listdir(snap_root)
+            snap = open_snapshot(snap_root, NAME)
+            assert snap.key in {s.key for s in servers}
+            snapshot_arena(snap).build("cpu", None, None)[0].close()  # digest-checked read
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_seed_from_bad_paths_say_what_to_give(daemon, key, sock_dir, tmp_path):
+    """--seed-from a missing path, a plain file, a dead daemon's socket or a directory without this key's daemon: DaemonMissing, each with a fix."""
+    import socket as socket_mod
+
+    from wcache.store import DaemonMissing
+    from wcache.vllm.daemon import find_seed_source
+
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    for path in (str(tmp_path / "nope"), str(plain)):
+        with pytest.raises(DaemonMissing, match="wcache status"):
+            find_seed_source(path, key)
+    assert daemon.socket_path == find_seed_source(sock_dir, key)
+    with pytest.raises(DaemonMissing, match=r"serves key .*seen: .*start the source"):
+        find_seed_source(sock_dir, CacheKey({**BASE_KEY, "dtype": "float16"}))
+    stale = os.path.join(sock_dir, "stale.sock")
+    s = socket_mod.socket(socket_mod.AF_UNIX)
+    s.bind(stale)
+    s.close()  # a socket file nobody listens on: a dead daemon's
+    with pytest.raises(DaemonMissing):
+        seed_arena(find_seed_source(stale, key), key)
+
+
+def test_arena_file_gone_after_open_is_snapshot_corrupt(daemon, snap_root):
+    """An arena file removed between the check and the read is snapshot-corrupt (so --snapshot falls back to the checkpoint), not a bare store error."""
+    _write(daemon, snap_root)
+    snap = open_snapshot(snap_root, NAME)
+    os.unlink(os.path.join(snap_root, NAME, ARENA_FILE))
+    with pytest.raises(SnapshotCorrupt, match="write the snapshot again"):
+        snapshot_arena(snap).build("cpu", None, None)

@@ -478,6 +478,12 @@ def _print_status(sock: str, st: dict[str, Any]) -> None:
           f"  clients {st['clients_connected']}  attachments {st['attachments_active']} active, "
           f"{st['attachments_total']} served\n  key {st['key_digest'][:16]}  fields "
           f"{', '.join(sorted(st['key_fields']))}")
+    if st.get("origin"):
+        snap = st.get("snapshot")
+        print(f"  from {st['origin']}"
+              + (f"  snapshot {snap['dir']}: {snap['state']}" if snap else "")
+              + (f" {snap['error']}" if snap and snap.get("error") else "")
+              + f"  seeded {st.get('seeds_served') or 0} peer(s)")
     inv = st.get("invalidated")
     if inv:
         print(f"  INVALIDATED [{inv.get('code')}] by pid {inv.get('pid')}: {inv.get('message')}\n"

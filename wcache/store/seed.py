@@ -51,6 +51,13 @@ SEED_CHUNK_BYTES = 256 << 20
 #: How long either side waits for the other to join or for a chunk (seconds):
 #: a 70B-shaped rank over a 10 Gb/s link needs minutes.
 SEED_TIMEOUT_S = 600.0
+#: How long the receiver tries to reach the source's TCPStore (seconds). The
+#: source opened it just before replying, so it answers at once unless the
+#: source died in between; c10d retries a refused connection until this runs
+#: out, with retries (here a 10 s limit gave up after 18 s and 29 s, this
+#: 30 s one after 42 s), so a dead source costs under ~1.5 min rather than
+#: SEED_TIMEOUT_S that way (20-30 min).
+SEED_CONNECT_TIMEOUT_S = 30.0
 #: Prefix of every key the seeding group writes in its TCPStore; a random
 #: token follows it per seeding (see :meth:`SeedSource.handle`).
 STORE_PREFIX = "wcache-seed/"
@@ -73,7 +80,9 @@ def _group(backend: str, host: str, port: int, rank: int, device: torch.device, 
 
     timeout = datetime.timedelta(seconds=SEED_TIMEOUT_S)
     if store is None:
-        store = dist.TCPStore(host, port, 2, is_master, timeout=timeout, wait_for_workers=False)
+        store = dist.TCPStore(host, port, 2, is_master, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=SEED_CONNECT_TIMEOUT_S))
+        store.set_timeout(timeout)  # connected: the rendezvous and transfer may take long
     prefixed = dist.PrefixStore(f"{STORE_PREFIX}{token}/", store)
     if backend == "gloo":
         return dist.ProcessGroupGloo(prefixed, rank, 2, timeout), store
@@ -149,7 +158,9 @@ class SeedSource:
             return {"ok": False, "code": KeyMismatch.code, "fields": diff,
                     "theirs": {k: server.key.fields.get(k) for k in diff},
                     "message": f"seeding source's key differs in {', '.join(diff)}: "
-                               f"{theirs.describe_diff(server.key, 'receiver', 'source')}"}
+                               f"{theirs.describe_diff(server.key, 'receiver', 'source')}; start "
+                               f"the receiver with the source's engine arguments, or from the "
+                               f"checkpoint"}
         backend = req.get("backend") or BACKENDS[server.device_type]
         allowed = {BACKENDS[server.device_type]} | ({"gloo"} if server.device_type == "cuda" else set())
         if backend not in allowed:
@@ -250,7 +261,9 @@ def seed_arena(sock_path: str, key: CacheKey, *, connect_timeout_s: float = 5.0,
             if dst.device.type == "cuda":
                 torch.cuda.synchronize(dst.device)  # NCCL work is async: done before shutdown
         except RuntimeError as e:  # c10d reports timeouts and broken connections so
-            raise SeedFailed(f"seeding from {sock_path} broke off: {e}") from e
+            raise SeedFailed(f"seeding from {sock_path} broke off: {e}; check that the source "
+                             f"daemon still runs (`wcache status`), or start this one from the "
+                             f"checkpoint or a snapshot") from e
         finally:
             if pg is not None:
                 _close_group(pg)

@@ -506,7 +506,10 @@ class DaemonServer:
 
     def status(self) -> dict[str, Any]:
         """Memory held, clients, uptime, key, pid. ``clients_connected`` counts
-        open connections (the ``status`` command leaves out the asking one)."""
+        open connections (the ``status`` command leaves out the asking one).
+        ``origin`` (``checkpoint|snapshot|peer``), ``snapshot`` (``{"dir",
+        "state": read|writing|written|failed, "error"}``) and ``seeds_served``
+        are those of a ``wcache serve`` daemon, else None."""
         with self._conns_lock:
             clients = len(self._conns)
             active = self.attachments_active
@@ -521,6 +524,10 @@ class DaemonServer:
             "key_digest": self.key.digest, "key_fields": self.key.fields,
             "invalidated": self.invalidated,
             "transport_fallback_reason": getattr(self, "transport_fallback_reason", None),
+            # set by `wcache serve` (wcache.vllm.daemon.serve_rank); None for other servers
+            "origin": getattr(self, "origin", None),
+            "snapshot": getattr(self, "snapshot_state", None),
+            "seeds_served": getattr(getattr(self, "seed_source", None), "seeds_done", None),
         }
 
 

@@ -21,7 +21,9 @@ bytes are meaningful together with ``manifest.json``.
 
 Writing is atomic: every file goes into a fresh temp dir beside the target,
 each file and the dir are fsynced, then the dir is renamed into place (an older
-snapshot of the same name is renamed aside first and removed after). Reading
+snapshot of the same name is renamed aside first and removed after). Writers
+of one directory take turns (``flock`` on it), and each removes what a killed
+writer of its rank left. Reading
 checks every file's digest; a digest that differs, a missing file, a temp dir
 or a manifest whose key disagrees with ``key.json`` is refused with a reason
 code, and a key that differs from the daemon's is refused naming the fields.
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import fcntl
 import json
 import logging
 import os
@@ -53,8 +56,8 @@ from wcache.store.prebuilt import PrebuiltArena
 
 __all__ = [
     "SNAPSHOT_FORMAT_VERSION", "ARENA_FILE", "MANIFEST_FILE", "KEY_FILE", "DIGESTS_FILE",
-    "SnapshotMissing", "SnapshotCorrupt", "SnapshotStale", "Snapshot", "write_snapshot",
-    "open_snapshot", "check_key", "snapshot_arena", "read_bytes_into", "list_snapshots", "TEMP_PREFIX",
+    "SnapshotMissing", "SnapshotCorrupt", "SnapshotStale", "SnapshotWriteFailed", "Snapshot",
+    "write_snapshot", "open_snapshot", "check_key", "snapshot_arena", "read_bytes_into", "list_snapshots", "TEMP_PREFIX",
 ]
 
 log = logging.getLogger("wcache.store")
@@ -107,6 +110,16 @@ class SnapshotStale(KeyMismatch):
     ``--snapshot DIR`` to replace it."""
 
     code = "snapshot-stale"
+
+
+class SnapshotWriteFailed(StoreError, OSError):
+    """Writing a snapshot failed: the directory is not writable, the file system
+    is full, a file-size limit (``ulimit -f``) was hit, or safetensors could not
+    serialize. Nothing was left behind (the temp dir is removed, an older
+    snapshot of that name stays). Free space or fix the directory's
+    permissions, or point ``--snapshot`` elsewhere."""
+
+    code = "snapshot-write-failed"
 
 
 @frozen
@@ -180,9 +193,10 @@ def write_snapshot(root: str, name: str, arena: torch.Tensor, manifest: Manifest
     Raises:
         StoreError: the manifest's key differs from ``key``, or the arena is
             not ``[>= arena_nbytes]`` uint8.
-        OSError: a write, fsync or rename fails (disk full, permissions); any
-            previous snapshot of ``name`` is then left in place and the temp
-            dir is removed.
+        SnapshotWriteFailed: (an ``OSError``) a write, fsync or rename fails
+            (disk full, file-size limit, permissions), including safetensors'
+            own serialization errors; any previous snapshot of ``name`` is then
+            left in place and the temp dir is removed.
 
     Source: safetensors.torch.save_file (the file), rename(2) (atomicity).
     """
@@ -196,7 +210,50 @@ def write_snapshot(root: str, name: str, arena: torch.Tensor, manifest: Manifest
     if arena.dtype != torch.uint8 or arena.dim() != 1 or arena.numel() < n:
         raise StoreError(f"arena must be [>= {n}] uint8, got {arena.dtype} {tuple(arena.shape)}")
     t0 = time.perf_counter()
+    try:
+        final = _write_snapshot(root, name, arena, manifest, key, save_file)
+    except StoreError:
+        raise
+    except Exception as e:  # OSError, and safetensors' SafetensorError (not an OSError) on EFBIG/ENOSPC
+        raise SnapshotWriteFailed(f"cannot write the snapshot {os.path.join(root, name)}: "
+                                  f"{type(e).__name__}: {e}; nothing was left behind (an older "
+                                  f"snapshot stays). Free space or fix the permissions of {root}, or "
+                                  f"give --snapshot another directory") from e
+    dt = time.perf_counter() - t0
+    log.info("snapshot %s written: %.1f MiB in %.2f s (%.2f GiB/s)", final, n / 2**20, dt,
+             n / 2**30 / max(dt, 1e-9))
+    return final
+
+
+def _remove_leftovers(root: str, name: str) -> None:
+    """Remove ``name``'s temp and replaced dirs that a killed writer left (each
+    as large as the arena). Called with ``root``'s write lock held, so no live
+    writer of ``name`` owns them; other ranks' dirs are left alone."""
+    for entry in os.listdir(root):
+        if entry.startswith((f"{TEMP_PREFIX}{name}-", f"{OLD_PREFIX}{name}-")):
+            log.warning("removing %s, left by a snapshot write that did not finish",
+                        os.path.join(root, entry))
+            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+
+
+def _write_snapshot(root: str, name: str, arena: torch.Tensor, manifest: Manifest, key: CacheKey,
+                    save_file) -> str:
     os.makedirs(root, mode=0o700, exist_ok=True)
+    # One writer per directory at a time (two daemons of one rank, e.g. under two
+    # --socket-dir or --job): flock(2) on the directory itself, released when the
+    # fd closes, also when the writer is killed.
+    lock_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        _remove_leftovers(root, name)
+        return _write_locked(root, name, arena, manifest, key, save_file)
+    finally:
+        os.close(lock_fd)
+
+
+def _write_locked(root: str, name: str, arena: torch.Tensor, manifest: Manifest, key: CacheKey,
+                  save_file) -> str:
+    n = manifest.arena_nbytes
     final = os.path.join(root, name)
     tmp = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{name}-", dir=root)
     try:
@@ -217,7 +274,8 @@ def write_snapshot(root: str, name: str, arena: torch.Tensor, manifest: Manifest
             os.fsync(f.fileno())
             size = os.fstat(f.fileno()).st_size
         if size != len(header) + n:
-            raise StoreError(f"safetensors wrote {size} bytes, expected {len(header) + n}")
+            raise SnapshotWriteFailed(f"safetensors wrote {size} bytes to {apath}, expected "
+                                      f"{len(header) + n}; check the file system of {root}")
         h = blake3.blake3(header, max_threads=blake3.blake3.AUTO)
         h.update(_memview(data.contiguous()))
         digests = {ARENA_FILE: h.hexdigest(),
@@ -244,9 +302,6 @@ def write_snapshot(root: str, name: str, arena: torch.Tensor, manifest: Manifest
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    dt = time.perf_counter() - t0
-    log.info("snapshot %s written: %.1f MiB in %.2f s (%.2f GiB/s)", final, n / 2**20, dt,
-             n / 2**30 / max(dt, 1e-9))
     return final
 
 
@@ -357,6 +412,16 @@ def _read_range(fd: int, path: str, dst: memoryview, file_offset: int) -> None:
         got += r
 
 
+def _open_arena(path: str) -> int:
+    """``open(path, O_RDONLY)``; a file gone or unreadable since it was checked is
+    :class:`SnapshotCorrupt` (so ``--snapshot`` falls back to the checkpoint)."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise SnapshotCorrupt(f"cannot open {path}: {e}; delete {os.path.dirname(path)} and write "
+                              f"the snapshot again") from e
+
+
 def read_bytes_into(path: str, file_offset: int, dst: memoryview, *, threads: int | None = None,
                     chunk: int = READ_CHUNK_BYTES, hasher=None) -> None:
     """Read ``len(dst)`` bytes of ``path`` from ``file_offset`` into ``dst`` with
@@ -369,7 +434,7 @@ def read_bytes_into(path: str, file_offset: int, dst: memoryview, *, threads: in
     """
     n = len(dst)
     threads = threads or min(MAX_READ_THREADS, os.cpu_count() or 1)
-    fd = os.open(path, os.O_RDONLY)
+    fd = _open_arena(path)
     try:
         os.posix_fadvise(fd, file_offset, n, os.POSIX_FADV_SEQUENTIAL)
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="wcache-read") as ex:
@@ -381,7 +446,8 @@ def read_bytes_into(path: str, file_offset: int, dst: memoryview, *, threads: in
                 if hasher is not None:
                     hasher.update(dst[off:off + length])
     except OSError as e:
-        raise SnapshotCorrupt(f"cannot read {path}: {e}") from e
+        raise SnapshotCorrupt(f"cannot read {path}: {e}; delete {os.path.dirname(path)} and write "
+                              f"the snapshot again") from e
     finally:
         os.close(fd)
 
@@ -409,7 +475,7 @@ def _fill_cuda(snap: Snapshot, dst: torch.Tensor, threads: int | None, hash_file
     h = blake3.blake3(snap.header, max_threads=blake3.blake3.AUTO)
     stream = torch.cuda.Stream(dst.device)
     apath = os.path.join(snap.path, ARENA_FILE)
-    fd = os.open(apath, os.O_RDONLY)
+    fd = _open_arena(apath)
     events: list = [None, None]
     try:
         os.posix_fadvise(fd, snap.data_offset, n, os.POSIX_FADV_SEQUENTIAL)

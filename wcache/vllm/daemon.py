@@ -277,9 +277,12 @@ def find_seed_source(seed_from: str, key: Any) -> str:
         if stat_mod.S_ISSOCK(os.stat(seed_from).st_mode):
             return seed_from
     except FileNotFoundError:
-        raise DaemonMissing(f"--seed-from {seed_from}: no such socket or directory") from None
+        raise DaemonMissing(f"--seed-from {seed_from}: no such socket or directory; give the "
+                            f"source daemon's socket or --socket-dir (`wcache status` lists them)") from None
     if not os.path.isdir(seed_from):
-        raise DaemonMissing(f"--seed-from {seed_from} is neither a daemon socket nor a socket directory")
+        raise DaemonMissing(f"--seed-from {seed_from} is neither a daemon socket nor a socket "
+                            f"directory; give the source daemon's socket or --socket-dir "
+                            f"(`wcache status` lists them)")
     from wcache.store.paths import list_sockets  # noqa: PLC0415
 
     seen = []
@@ -388,15 +391,22 @@ def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_metho
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.request_shutdown())
     server.seed_source = SeedSource(server)
+    server.origin = origin  # for `wcache status`
+    snap_dir = from_snapshot or snapshot
+    server.snapshot_state = None if not snap_dir else \
+        {"dir": snap_dir, "state": "read" if origin == "snapshot" else "writing", "error": None}
     server.start()
     t_ready = time.perf_counter() - t_start
     if snapshot and origin != "snapshot":
         try:
             _write_rank_snapshot(server, snapshot, layout)  # engines may attach meanwhile
+            server.snapshot_state = {**server.snapshot_state, "state": "written"}
         except (OSError, StoreError) as exc:  # serving stays correct; only the next start is slower
-            logger.error("wcache: could not write the snapshot to %s (%s: %s); still serving, and "
-                         "the next start loads the checkpoint again", snapshot,
-                         type(exc).__name__, exc)
+            code = getattr(exc, "code", type(exc).__name__)
+            server.snapshot_state = {**server.snapshot_state, "state": "failed",
+                                     "error": f"[{code}] {exc}"}
+            logger.error("wcache: could not write the snapshot to %s [%s]: %s; still serving, and "
+                         "the next start loads the checkpoint again", snapshot, code, exc)
     line = (f"wcache: ready rank={rank}/{world} key={key.digest[:16]} "
             f"held={server.nbytes / 2**20:.1f} MiB socket={server.socket_path} "
             f"from={origin} ready_s={t_ready:.2f}")
