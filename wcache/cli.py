@@ -20,6 +20,10 @@ re-running each quantization method's post-load work.
   wcache serve --model DIR --snapshot SNAP      ... and keep a prepared snapshot (restart from it)
   wcache serve --model DIR --from-snapshot SNAP start from a snapshot only (no vLLM load)
   wcache serve --model DIR --seed-from SOCKET   start from a running daemon of the same key
+  wcache serve --model DIR --seed-listen HOST:PORT --seed-secret-file F
+                                                 ... and seed daemons on other hosts over TCP
+  wcache serve --model DIR --seed-from tcp://HOST:PORT --seed-secret-file F
+                                                 start from a daemon on another host
   wcache status                                  show running daemons
   wcache status --wait-ready --model DIR [args]  exit 0 once every rank of that daemon serves
   wcache stop                                    stop daemons
@@ -136,6 +140,10 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
               "load the checkpoint) or --snapshot DIR (start from it when it matches, else load the "
               "checkpoint and write it), not both", file=sys.stderr)
         return 2
+    problem = _check_seed_args(args)
+    if problem:
+        print(f"wcache serve: {problem}", file=sys.stderr)
+        return 2
     if not os.path.isdir(args.model):
         print(f"wcache serve: --model {args.model!r} is not a local checkpoint directory; wcache "
               f"fingerprints checkpoint files by content, so download the model first (e.g. "
@@ -144,6 +152,33 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
     from wcache.vllm.daemon import main as serve_main
 
     return serve_main(args, rest)
+
+
+def _check_seed_args(args: argparse.Namespace) -> str | None:
+    """The reason the TCP seeding flags cannot work, or None. Reads the secret
+    file now (SeedSecretUnsafe propagates), so a bad one fails before any load."""
+    from wcache.store.seed import TCP_SCHEME, WILDCARD_HOSTS, parse_host_port, read_secret
+
+    tcp_from = bool(args.seed_from and args.seed_from.startswith(TCP_SCHEME))
+    if (args.seed_listen or tcp_from) and not args.seed_secret_file:
+        return ("--seed-listen and --seed-from tcp://... need --seed-secret-file FILE (the same "
+                "file, mode 600, on the source and the receiver)")
+    if args.seed_advertise and not args.seed_listen:
+        return "--seed-advertise needs --seed-listen"
+    for flag, spec in (("--seed-listen", args.seed_listen), ("--seed-from", args.seed_from if tcp_from else None)):
+        if spec:
+            try:
+                host, port = parse_host_port(spec, flag)
+            except ValueError as exc:
+                return str(exc)
+            if flag == "--seed-from" and port == 0:
+                return "--seed-from tcp://HOST:PORT needs the source's port (not 0)"
+            if flag == "--seed-listen" and host in WILDCARD_HOSTS and not args.seed_advertise:
+                return (f"--seed-listen {spec} listens on every interface; add --seed-advertise "
+                        f"ADDR (the address other hosts reach this one at), or listen on that address")
+    if args.seed_secret_file:
+        read_secret(args.seed_secret_file)
+    return None
 
 
 def _cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:
@@ -250,10 +285,26 @@ def build_parser() -> argparse.ArgumentParser:
                        help="start from a prepared snapshot in DIR (no vLLM load, no TRANSFORM); "
                             "refused, naming why, when it was made for other engine arguments or "
                             "another checkpoint content")
-    ready.add_argument("--seed-from", metavar="SOCKET_OR_DIR",
+    ready.add_argument("--seed-from", metavar="SOCKET_OR_DIR_OR_TCP",
                        help="fill the arena from a running daemon of the same key over "
                             "torch.distributed (gloo on CPU, NCCL on GPU): its socket, or a "
-                            "socket directory in which the daemon of this rank's key is found")
+                            "socket directory in which the daemon of this rank's key is found, "
+                            "or tcp://HOST:PORT, another host's --seed-listen (this node's rank "
+                            "i asks PORT+i; needs --seed-secret-file)")
+    p.add_argument("--seed-listen", metavar="HOST:PORT",
+                   help="also seed daemons on other hosts: accept only `seed` requests over TCP "
+                        "on HOST:PORT (this node's rank i on PORT+i), authenticated with "
+                        "--seed-secret-file; the weights then travel unencrypted over gloo/NCCL "
+                        "from HOST (set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to pin the "
+                        "interface); use a private cluster network")
+    p.add_argument("--seed-advertise", metavar="ADDR",
+                   help="the address receivers are told to connect to when it differs from "
+                        "--seed-listen's HOST (needed when that is 0.0.0.0)")
+    p.add_argument("--seed-secret-file", metavar="FILE",
+                   help="shared secret for --seed-listen and --seed-from tcp://...: the same "
+                        "file on both hosts, a regular file of mode 600 (refused otherwise), at "
+                        "least 16 bytes, e.g. `head -c 32 /dev/urandom | base64 > FILE; chmod "
+                        "600 FILE`; it is never sent (HMAC-SHA256 challenge-response)")
     p.add_argument("--snapshot", metavar="DIR",
                    help="keep a prepared snapshot in DIR: start from it when it matches (a "
                         "restarted daemon comes back without loading), else load the checkpoint "

@@ -131,6 +131,8 @@ def _serve_main(argv: list[str]) -> None:
     p.add_argument("--key", default=json.dumps(BASE_KEY))
     p.add_argument("--transport", default=None, help="CUDA: cuda_vmm or cuda_ipc (default: best)")
     p.add_argument("--seed-source", action="store_true", help="answer `seed` (wcache.store.seed)")
+    p.add_argument("--seed-listen", help="HOST:PORT: also answer `seed` over TCP (needs --seed-source)")
+    p.add_argument("--seed-secret-file", help="the shared secret for --seed-listen")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     export = synthetic_export(a.seed, a.n, a.numel)
@@ -144,13 +146,21 @@ def _serve_main(argv: list[str]) -> None:
         from wcache.store import DaemonServer
         from wcache.store.seed import SeedSource
 
+        from wcache.store.seed import parse_host_port, read_secret
+
         server = DaemonServer(export, CacheKey(json.loads(a.key)), socket_dir=a.socket_dir,
                               device=a.device, device_id=a.device_id, **kw)
-        server.seed_source = SeedSource(server)
+        listen = parse_host_port(a.seed_listen) if a.seed_listen else None
+        server.seed_source = SeedSource(server) if listen is None else SeedSource(server, host=listen[0])
         signal.signal(signal.SIGTERM, lambda *_: server.request_shutdown())
         server.start()
+        tail = ""
+        if listen is not None:
+            host, port = server.listen_seed_tcp(*listen, read_secret(a.seed_secret_file))
+            tail = f" seed_listen={host}:{port}"
         print(f"wcache-store ready key={server.key.digest} bytes={server.nbytes} "
-              f"socket={server.socket_path} pid={os.getpid()} transport={server.transport}", flush=True)
+              f"socket={server.socket_path} pid={os.getpid()} transport={server.transport}{tail}",
+              flush=True)
         server.serve_forever()
         raise SystemExit(server.exit_code)
     raise SystemExit(serve(export, CacheKey(json.loads(a.key)), socket_dir=a.socket_dir, device=a.device,

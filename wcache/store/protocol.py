@@ -19,11 +19,23 @@ Commands (``{"op": ...}``), each answered by ``{"ok": true, ...}`` or
   arena: the daemon answers, refuses every later ``get`` with
   ``code="arena-invalidated"``, shows the reason in ``status`` and exits
   (status 75, EX_TEMPFAIL) after :data:`~wcache.store.server.INVALIDATED_LINGER_S`.
+
+Seeding over TCP (``wcache serve --seed-listen``, another host) uses the same
+frames on a TCP connection that carries exactly one ``seed`` exchange, with a
+shared-secret challenge-response instead of the Unix socket's uid check: the
+daemon sends ``{"op": "challenge", "nonce", "protocol", "wcache"}``; the
+client answers ``{"op": "seed", ..., "nonce": <its own>, "mac":
+HMAC-SHA256(secret, "wcache-seed-request" || daemon nonce || SHA-256(request))}``;
+the daemon's reply carries ``"mac": HMAC-SHA256(secret, "wcache-seed-reply" ||
+client nonce || SHA-256(reply))``, so each side proves it knows the secret and
+the secret never travels (:func:`seed_mac`).
 """
 
 from __future__ import annotations
 
 import array
+import hashlib
+import hmac
 import os
 import socket
 import struct
@@ -32,10 +44,12 @@ from typing import Any
 import msgpack
 
 from wcache.store.errors import ProtocolError, StoreError
+from wcache.store.manifest import canonical_json
 
 __all__ = [
     "PROTOCOL_VERSION", "MAX_FRAME_BYTES", "HEADER", "OPS", "send_frame", "recv_frame",
-    "error_frame", "raise_for_error", "ConnectionClosed",
+    "error_frame", "raise_for_error", "ConnectionClosed", "seed_mac", "SEED_NONCE_BYTES",
+    "SEED_REQUEST_LABEL", "SEED_REPLY_LABEL",
 ]
 
 PROTOCOL_VERSION = 1
@@ -47,6 +61,11 @@ HEADER = struct.Struct(">I")
 # SCM_RIGHTS carries at most SCM_MAX_FD (253) descriptors per message; we send 1.
 MAX_FDS_PER_FRAME = 1
 OPS = frozenset({"hello", "get", "release", "status", "shutdown", "invalidate", "seed"})
+#: Random bytes per challenge nonce (256 bits: never repeats, cannot be guessed).
+SEED_NONCE_BYTES = 32
+#: Domain labels of the two MACs, so a request's MAC can never pass as a reply's.
+SEED_REQUEST_LABEL = b"wcache-seed-request\0"
+SEED_REPLY_LABEL = b"wcache-seed-reply\0"
 
 
 class ConnectionClosed(ProtocolError):
@@ -161,6 +180,27 @@ def _close_quietly(fd: int) -> None:
         os.close(fd)
     except OSError:
         pass
+
+
+def seed_mac(secret: bytes, label: bytes, nonce_hex: str, frame: dict[str, Any]) -> str:
+    """HMAC-SHA256 (hex) of ``label || nonce || SHA-256(canonical JSON of frame)``.
+
+    ``frame`` is taken without its ``"mac"`` entry; canonical JSON (sorted keys,
+    no spaces) makes both ends digest the same bytes whatever order msgpack
+    delivered the map in.
+
+    Raises:
+        ProtocolError: ``nonce_hex`` is not hex, or ``frame`` holds a value JSON cannot carry.
+
+    Source: RFC 2104 (HMAC) through Python's ``hmac``/``hashlib``; compare with
+    ``hmac.compare_digest``.
+    """
+    try:
+        nonce = bytes.fromhex(nonce_hex)
+        body = canonical_json({k: v for k, v in frame.items() if k != "mac"}).encode()
+    except (TypeError, ValueError, StoreError) as e:
+        raise ProtocolError(f"seed frame cannot be authenticated: {e}") from None
+    return hmac.new(secret, label + nonce + hashlib.sha256(body).digest(), hashlib.sha256).hexdigest()
 
 
 def error_frame(err: BaseException) -> dict[str, Any]:

@@ -14,6 +14,19 @@ receiver (rank 1) receives straight into its new arena (the memfd mapping on
 CPU, the device allocation on CUDA), computes the same digest over what
 arrived and refuses the arena when the two differ.
 
+Across hosts (``wcache serve --seed-listen HOST:PORT --seed-secret-file FILE``
+on the source, ``--seed-from tcp://HOST:PORT --seed-secret-file FILE`` on the
+receiver) the same ``seed`` exchange runs over one TCP connection per request,
+authenticated by a shared secret with an HMAC-SHA256 challenge-response in both
+directions (:func:`wcache.store.protocol.seed_mac`; the secret never travels).
+That connection answers ``seed`` and nothing else. The source's TCPStore and
+its gloo device then bind and advertise the source's address, the receiver's
+gloo device the address its control connection left from (``GLOO_SOCKET_IFNAME``
+overrides both; NCCL picks its interface itself, ``NCCL_SOCKET_IFNAME``), and the
+authenticated reply carries the arena's digest, against which what arrived is
+checked. The weights themselves travel unencrypted over gloo/NCCL, as vLLM's own
+distributed traffic does.
+
 Digests: :func:`wcache.store.arena_digest.arena_digest` (blake3 on CPU, a
 device-side checksum on CUDA; see there).
 
@@ -25,20 +38,35 @@ ProcessGroupNCCL), the pattern of vLLM's StatelessProcessGroup
 from __future__ import annotations
 
 import datetime
+import hmac
 import logging
+import os
 import secrets
+import socket
+import stat
 import threading
 import time
 from typing import Any
 
+import msgpack
 import torch
 
 from wcache.store.arena_digest import DIGEST_BYTES, arena_digest
-from wcache.store.errors import KeyMismatch, ProtocolError, StoreError
+from wcache.store.errors import DaemonMissing, KeyMismatch, ProtocolError, StoreError
 from wcache.store.manifest import CacheKey, Manifest
 from wcache.store.prebuilt import PrebuiltArena, served_arena
+from wcache.store.protocol import (
+    PROTOCOL_VERSION,
+    SEED_NONCE_BYTES,
+    SEED_REPLY_LABEL,
+    SEED_REQUEST_LABEL,
+    recv_frame,
+    seed_mac,
+    send_frame,
+)
 
-__all__ = ["SeedFailed", "SeedSource", "seed_arena", "arena_digest", "BACKENDS", "SEED_CHUNK_BYTES"]
+__all__ = ["SeedFailed", "SeedSecretUnsafe", "SeedSource", "seed_arena", "arena_digest", "read_secret",
+           "parse_host_port", "BACKENDS", "SEED_CHUNK_BYTES", "TCP_SCHEME"]
 
 log = logging.getLogger("wcache.store")
 
@@ -63,6 +91,26 @@ SEED_CONNECT_TIMEOUT_S = 30.0
 STORE_PREFIX = "wcache-seed/"
 #: Bytes of randomness in that token.
 TOKEN_BYTES = 16
+#: ``--seed-from`` prefix naming a source daemon's TCP seeding listener.
+TCP_SCHEME = "tcp://"
+#: Connecting to a source's TCP listener (seconds): a reachable host answers in
+#: milliseconds; longer means it is down or a firewall drops the packets.
+TCP_CONNECT_TIMEOUT_S = 10.0
+#: Waiting for the source's reply over TCP (seconds): before answering, the source
+#: computes its arena's digest once (blake3 at ~1 GB/s per core: ~20 s for a
+#: 16 GiB CPU rank; a device checksum on CUDA).
+TCP_REPLY_TIMEOUT_S = 120.0
+#: Shortest secret accepted (bytes, after stripping the trailing newline): 16
+#: random bytes (128 bits) as `head -c 32 /dev/urandom | base64` writes 44.
+SECRET_MIN_BYTES = 16
+#: Largest secret file read (bytes): a secret, not a document.
+SECRET_MAX_BYTES = 4096
+#: Bind addresses that listen on every interface: they cannot be advertised.
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+#: listen() backlog of a seeding TCPStore: one receiver per seeding.
+STORE_BACKLOG = 8
+SECRET_FIX = ("create it with `head -c 32 /dev/urandom | base64 > FILE && chmod 600 FILE` and give "
+              "the same file to the source and the receiver")
 
 
 class SeedFailed(StoreError):
@@ -74,8 +122,87 @@ class SeedFailed(StoreError):
     code = "seed-failed"
 
 
+class SeedSecretUnsafe(StoreError, PermissionError):
+    """The seeding secret file is missing, not a regular file, readable by group
+    or others, or too short. ``chmod 600`` it (Kubernetes: ``defaultMode: 0400``),
+    or write a new one of at least 16 random bytes."""
+
+    code = "seed-secret-unsafe"
+
+
+def read_secret(path: str) -> bytes:
+    """The shared seeding secret in ``path`` (its bytes, the trailing newline stripped).
+
+    Symlinks are followed (Kubernetes mounts secrets as symlinks); the file that
+    is opened is checked (``fstat``), not the name.
+
+    Raises:
+        SeedSecretUnsafe: missing or unreadable, not a regular file, group/other
+            permission bits set (fix: ``chmod 600 FILE``), shorter than
+            :data:`SECRET_MIN_BYTES` or longer than :data:`SECRET_MAX_BYTES`.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
+    except OSError as e:
+        raise SeedSecretUnsafe(f"seed secret file {path}: {e.strerror}; {SECRET_FIX}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SeedSecretUnsafe(f"seed secret file {path} is not a regular file; {SECRET_FIX}")
+        if st.st_mode & 0o077:
+            raise SeedSecretUnsafe(f"seed secret file {path} has mode {stat.S_IMODE(st.st_mode):o}: "
+                                   f"group or others may read it; run `chmod 600 {path}`")
+        data = os.read(fd, SECRET_MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    secret = data.rstrip(b"\r\n")
+    if not SECRET_MIN_BYTES <= len(secret) <= SECRET_MAX_BYTES:
+        raise SeedSecretUnsafe(f"seed secret file {path} holds {len(secret)} bytes; a secret needs "
+                               f"{SECRET_MIN_BYTES} to {SECRET_MAX_BYTES}; {SECRET_FIX}")
+    return secret
+
+
+def parse_host_port(spec: str, what: str = "--seed-listen") -> tuple[str, int]:
+    """``HOST:PORT`` or ``[IPV6]:PORT`` (``tcp://`` prefix allowed) as ``(host, port)``.
+
+    Raises:
+        ValueError: no port, a port outside 0..65535, or an empty host.
+    """
+    rest = spec.removeprefix(TCP_SCHEME)
+    host, sep, port = rest.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{what} {spec!r} is not HOST:PORT (e.g. 10.0.0.5:29600, "
+                         f"[fd00::5]:29600)")
+    return host, int(port)
+
+
+def _listening_store(host: str, timeout: datetime.timedelta) -> Any:
+    """A master ``TCPStore`` listening on ``host`` only, on a free port (c10d's own
+    master binds every interface; it adopts this socket through ``master_listen_fd``
+    and closes it when the store goes)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind((host, 0))
+        listener.listen(STORE_BACKLOG)
+        port = listener.getsockname()[1]
+    except OSError as e:
+        listener.close()
+        raise StoreError(f"cannot open the seeding store on {host}: {e}") from e
+    fd = listener.detach()
+    return dist.TCPStore(host, port, 2, True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=fd)
+
+
 def _group(backend: str, host: str, port: int, rank: int, device: torch.device, token: str, *,
-           is_master: bool, store: Any = None) -> Any:
+           is_master: bool, store: Any = None, gloo_host: str | None = None) -> Any:
+    """The two-rank group; ``gloo_host``: the local address gloo binds and
+    advertises (across hosts), None for c10d's default (``GLOO_SOCKET_IFNAME``
+    or this host's name)."""
     import torch.distributed as dist  # noqa: PLC0415
 
     timeout = datetime.timedelta(seconds=SEED_TIMEOUT_S)
@@ -85,7 +212,12 @@ def _group(backend: str, host: str, port: int, rank: int, device: torch.device, 
         store.set_timeout(timeout)  # connected: the rendezvous and transfer may take long
     prefixed = dist.PrefixStore(f"{STORE_PREFIX}{token}/", store)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, 2, timeout), store
+        if gloo_host is None or os.environ.get("GLOO_SOCKET_IFNAME"):
+            return dist.ProcessGroupGloo(prefixed, rank, 2, timeout), store
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=gloo_host)]
+        return dist.ProcessGroupGloo(prefixed, rank, 2, opts), store
     if backend == "nccl":
         torch.cuda.set_device(device)
         opts = dist.ProcessGroupNCCL.Options()
@@ -124,14 +256,25 @@ class SeedSource:
 
     Args:
         server: the daemon whose arena is sent.
-        host: address the TCPStore listens on and that the receiver connects
-            to (the seeding rendezvous travels over the local control socket,
-            so the default is the loopback address).
+        host: address the seeding TCPStore listens on (only there), and that the
+            receiver connects to. The loopback address by default (requests over
+            the local control socket); a daemon seeding other hosts gives its
+            ``--seed-listen`` address (requests over TCP).
+        advertise: the address receivers are told to connect to, and that gloo
+            binds, when it differs from ``host`` (``host`` a wildcard such as
+            ``0.0.0.0``, or behind NAT).
+
+    Raises:
+        StoreError: ``host`` is a wildcard and no ``advertise`` is given.
     """
 
-    def __init__(self, server: Any, host: str = "127.0.0.1"):
+    def __init__(self, server: Any, host: str = "127.0.0.1", advertise: str | None = None):
+        if host in WILDCARD_HOSTS and not advertise:
+            raise StoreError(f"seeding listens on every interface ({host!r}); give the address "
+                             f"receivers reach it at (--seed-advertise), or listen on that address")
         self.server = server
         self.host = host
+        self.advertise = advertise or host
         self._digest: tuple[str, str] | None = None
         self._digest_lock = threading.Lock()
         self.seeds_done = 0
@@ -145,9 +288,12 @@ class SeedSource:
             return self._digest
 
     def handle(self, req: dict[str, Any], state: dict) -> dict[str, Any]:
-        """Check the key and backend, start the sending thread, return the reply."""
-        import torch.distributed as dist  # noqa: PLC0415
+        """Check the key and backend, start the sending thread, return the reply.
 
+        ``state["tcp"]`` (a request over the TCP listener, already authenticated):
+        the reply also carries the arena's digest (computed once), and gloo binds
+        :attr:`advertise` instead of c10d's default device.
+        """
         server = self.server
         fields = req.get("key")
         if not isinstance(fields, dict):
@@ -168,27 +314,41 @@ class SeedSource:
                                 f"daemon seeds over {' or '.join(sorted(allowed))}")
         if server.invalidated:
             raise StoreError("this daemon's arena was invalidated; it seeds no one")
-        store = dist.TCPStore(self.host, 0, 2, True, timeout=datetime.timedelta(seconds=SEED_TIMEOUT_S),
-                              wait_for_workers=False)
-        # The TCPStore listens on a port any local user can reach; the group's keys
-        # live under a random token that travels only over the uid-checked Unix
-        # socket, so nobody else can join the group and receive the weights.
+        tcp = bool(state.get("tcp"))
+        digest = None
+        if tcp:  # the authenticated reply carries it: what arrives is checked against it
+            view = served_arena(server)
+            try:
+                digest = list(self.digest(view.tensor))
+            finally:
+                view.close()
+        store = _listening_store(self.host, datetime.timedelta(seconds=SEED_TIMEOUT_S))
+        # The TCPStore listens on `host` only; the group's keys live under a random
+        # token that travels only over the uid-checked Unix socket or the
+        # authenticated TCP exchange, so nobody else can join the group and
+        # receive the weights.
         token = secrets.token_hex(TOKEN_BYTES)
-        thread = threading.Thread(target=self._send, args=(store, backend, token, state.get("pid")),
+        gloo_host = self.advertise if tcp else None
+        thread = threading.Thread(target=self._send, args=(store, backend, token, state.get("pid"), gloo_host),
                                   name="wcache-seed", daemon=True)
         thread.start()
         self.threads.append(thread)
-        return {"ok": True, "manifest": server._manifest_dict, "backend": backend, "host": self.host,
-                "port": store.port, "token": token, "chunk_bytes": SEED_CHUNK_BYTES}
+        reply = {"ok": True, "manifest": server._manifest_dict, "backend": backend,
+                 "host": self.advertise, "port": store.port, "token": token,
+                 "chunk_bytes": SEED_CHUNK_BYTES}
+        if digest is not None:
+            reply["digest"] = digest
+        return reply
 
-    def _send(self, store: Any, backend: str, token: str, pid: Any) -> None:
+    def _send(self, store: Any, backend: str, token: str, pid: Any, gloo_host: str | None = None) -> None:
         server = self.server
         t0 = time.perf_counter()
         view = pg = None
         try:
             device = torch.device("cpu") if server.device_type == "cpu" else \
                 torch.device("cuda", server.device_index)
-            pg, _ = _group(backend, self.host, store.port, 0, device, token, is_master=True, store=store)
+            pg, _ = _group(backend, self.host, store.port, 0, device, token, is_master=True, store=store,
+                           gloo_host=gloo_host)
             view = served_arena(server)
             arena = view.tensor
             for off, length in _ranges(server.manifest.arena_nbytes, SEED_CHUNK_BYTES):
@@ -211,49 +371,132 @@ class SeedSource:
                 view.close()
 
 
-def seed_arena(sock_path: str, key: CacheKey, *, connect_timeout_s: float = 5.0,
-               backend: str | None = None) -> PrebuiltArena:
-    """Ask the daemon on ``sock_path`` to seed us; return the arena to build.
+def _tcp_seed_request(source: str, secret: bytes, request: dict[str, Any],
+                      connect_timeout_s: float) -> tuple[dict[str, Any], str]:
+    """One authenticated ``seed`` exchange with the TCP listener ``source``
+    (``tcp://HOST:PORT``); returns the verified reply and the local address the
+    connection left from (gloo binds it: the interface that routes to the source).
 
-    ``backend``: None for the device's (:data:`BACKENDS`); ``"gloo"`` between
-    CUDA daemons too (gloo stages CUDA tensors through host memory: slower than
-    NCCL, but it works where NCCL cannot, e.g. two daemons on one GPU).
+    Raises:
+        DaemonMissing: nothing answers there.
+        KeyMismatch: the source serves another key (an authenticated answer).
+        SeedFailed: the source refused us (another secret), or did not prove it
+            knows the secret, or the exchange broke off or timed out.
+    """
+    host, port = parse_host_port(source, "--seed-from")
+    try:
+        sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+    except OSError as e:
+        raise DaemonMissing(f"nothing answers seeding requests on {source} ({e}); start the source "
+                            f"with `wcache serve ... --seed-listen {host}:{port} --seed-secret-file "
+                            f"FILE`, and check the address and the firewall between the hosts") from None
+    try:
+        sock.settimeout(TCP_REPLY_TIMEOUT_S)
+        challenge, _ = recv_frame(sock, frame_timeout_s=TCP_REPLY_TIMEOUT_S)
+        if challenge.get("op") != "challenge" or not isinstance(challenge.get("nonce"), str):
+            raise SeedFailed(f"{source} did not send a seeding challenge "
+                             f"({str(challenge.get('message') or sorted(challenge))[:300]})")
+        if challenge.get("protocol") != PROTOCOL_VERSION:
+            raise SeedFailed(f"{source} speaks protocol {challenge.get('protocol')!r} (wcache "
+                             f"{challenge.get('wcache')!r}), we speak {PROTOCOL_VERSION}; run the "
+                             f"same wcache version on both hosts")
+        req = {**request, "nonce": secrets.token_hex(SEED_NONCE_BYTES)}
+        # MAC what the source will decode: msgpack turns tuples into lists
+        req = msgpack.unpackb(msgpack.packb(req, use_bin_type=True), raw=False)
+        req["mac"] = seed_mac(secret, SEED_REQUEST_LABEL, challenge["nonce"], req)
+        send_frame(sock, req)
+        reply, _ = recv_frame(sock, frame_timeout_s=TCP_REPLY_TIMEOUT_S)
+        local_host = sock.getsockname()[0]
+    except (OSError, ProtocolError) as e:  # socket.timeout is an OSError
+        raise SeedFailed(f"the seeding exchange with {source} broke off: {e}; check that the "
+                         f"source daemon still runs and that --seed-from names its --seed-listen "
+                         f"address") from e
+    finally:
+        sock.close()
+    mac = reply.get("mac")
+    if reply.get("ok") is False and reply.get("code") != KeyMismatch.code:
+        raise SeedFailed(f"{source} refused to seed [{reply.get('code')}]: {reply.get('message')}")
+    if not isinstance(mac, str) or not _compare(mac, seed_mac(secret, SEED_REPLY_LABEL, req["nonce"], reply)):
+        raise SeedFailed(f"the answer from {source} is not signed with our secret: it is not a "
+                         f"wcache daemon holding the same --seed-secret-file; nothing is received")
+    if reply.get("ok") is False:
+        raise KeyMismatch(f"daemon on {source}: {reply.get('message')}",
+                          fields=[str(f) for f in reply.get("fields") or ()],
+                          theirs=reply.get("theirs") if isinstance(reply.get("theirs"), dict) else {})
+    return reply, local_host
+
+
+def _compare(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode(), b.encode())
+
+
+def seed_arena(source: str, key: CacheKey, *, connect_timeout_s: float = 5.0,
+               backend: str | None = None, secret: bytes | None = None) -> PrebuiltArena:
+    """Ask the daemon at ``source`` to seed us; return the arena to build.
+
+    ``source``: a daemon's Unix socket path (this host, uid-checked), or
+    ``tcp://HOST:PORT``, a daemon's ``--seed-listen`` address on another host
+    (needs ``secret``, the bytes of the shared ``--seed-secret-file``:
+    :func:`read_secret`). ``backend``: None for the device's (:data:`BACKENDS`);
+    ``"gloo"`` between CUDA daemons too (gloo stages CUDA tensors through host
+    memory: slower than NCCL, but it works where NCCL cannot, e.g. two daemons
+    on one GPU).
 
     The returned :class:`PrebuiltArena`'s ``fill`` joins the source's process
     group (rank 1), receives the arena into the new allocation, and checks the
-    digest of what arrived against the source's.
+    digest of what arrived against the source's (over TCP also against the
+    digest in the source's authenticated reply).
 
     Raises:
         KeyMismatch: the source serves another key (fields named).
-        DaemonMissing: nothing answers on ``sock_path``.
-        SeedFailed: the source refused, the manifest's key is not ``key``,
-            or (from ``fill``) the transfer failed or the digests differ.
+        DaemonMissing: nothing answers on ``source``.
+        SeedFailed: the source refused (another secret, too), a ``tcp://``
+            source without ``secret``, the manifest's key is not ``key``, or
+            (from ``fill``) the transfer failed or the digests differ.
     """
     from wcache.store.client import Connection  # noqa: PLC0415
 
-    conn = Connection(sock_path, connect_timeout_s)
-    try:
+    request = {"op": "seed", "key": key.fields, "backend": backend}
+    gloo_host = None
+    if source.startswith(TCP_SCHEME):
+        if not secret:
+            raise SeedFailed(f"--seed-from {source} needs the source's shared secret: give "
+                             f"--seed-secret-file FILE (the same file as the source's)")
+        timeout = max(connect_timeout_s, TCP_CONNECT_TIMEOUT_S)
+        reply, gloo_host = _tcp_seed_request(source, secret, request, timeout)
+    else:
+        conn = Connection(source, connect_timeout_s)
         try:
-            reply = conn.request({"op": "seed", "key": key.fields, "backend": backend})
-        except KeyMismatch:
-            raise
-        except StoreError as e:
-            raise SeedFailed(f"the daemon on {sock_path} refused to seed: {e}") from e
-    finally:
-        conn.close()
-    manifest = Manifest.from_dict(reply.get("manifest"))
+            try:
+                reply = conn.request(request)
+            except KeyMismatch:
+                raise
+            except StoreError as e:
+                raise SeedFailed(f"the daemon on {source} refused to seed: {e}") from e
+        finally:
+            conn.close()
+    try:
+        manifest = Manifest.from_dict(reply.get("manifest"))
+        backend, host, port = reply["backend"], str(reply["host"]), int(reply["port"])
+        token = str(reply["token"])
+        chunk = int(reply.get("chunk_bytes") or SEED_CHUNK_BYTES)
+    except (KeyError, TypeError, ValueError) as e:
+        raise SeedFailed(f"the daemon at {source} sent an incomplete seeding answer ({e}); run the "
+                         f"same wcache version on both sides") from e
     if CacheKey(manifest.key) != key:
-        raise SeedFailed(f"the daemon on {sock_path} sent a manifest of key "
+        raise SeedFailed(f"the daemon at {source} sent a manifest of key "
                          f"{CacheKey(manifest.key).digest[:16]}, we asked for {key.digest[:16]}")
-    backend, host, port = reply["backend"], str(reply["host"]), int(reply["port"])
-    token = str(reply["token"])
-    chunk = int(reply.get("chunk_bytes") or SEED_CHUNK_BYTES)
+    signed = reply.get("digest")  # over TCP: the source's digest, authenticated with the reply
+    if gloo_host is not None and not (isinstance(signed, list) and len(signed) == 2):
+        raise SeedFailed(f"the daemon at {source} sent no arena digest; run the same wcache "
+                         f"version on both sides")
 
     def fill(dst: torch.Tensor) -> None:
         t0 = time.perf_counter()
         pg = None
         try:
-            pg, _store = _group(backend, host, port, 1, dst.device, token, is_master=False)
+            pg, _store = _group(backend, host, port, 1, dst.device, token, is_master=False,
+                                gloo_host=gloo_host)
             for off, length in _ranges(manifest.arena_nbytes, chunk):
                 _broadcast(pg, dst[off:off + length])
             theirs = torch.zeros(DIGEST_BYTES, dtype=torch.uint8, device=dst.device)
@@ -261,7 +504,7 @@ def seed_arena(sock_path: str, key: CacheKey, *, connect_timeout_s: float = 5.0,
             if dst.device.type == "cuda":
                 torch.cuda.synchronize(dst.device)  # NCCL work is async: done before shutdown
         except RuntimeError as e:  # c10d reports timeouts and broken connections so
-            raise SeedFailed(f"seeding from {sock_path} broke off: {e}; check that the source "
+            raise SeedFailed(f"seeding from {source} broke off: {e}; check that the source "
                              f"daemon still runs (`wcache status`), or start this one from the "
                              f"checkpoint or a snapshot") from e
         finally:
@@ -270,9 +513,13 @@ def seed_arena(sock_path: str, key: CacheKey, *, connect_timeout_s: float = 5.0,
         algo, mine = arena_digest(dst[:manifest.arena_nbytes])
         theirs_hex = bytes(theirs.cpu().tolist()).hex()
         if mine != theirs_hex:
-            raise SeedFailed(f"what arrived from {sock_path} does not match the source's digest "
+            raise SeedFailed(f"what arrived from {source} does not match the source's digest "
                              f"({algo}: got {mine[:16]}, source {theirs_hex[:16]}); nothing is served")
-        log.info("seeded from %s over %s: %.1f MiB in %.3f s, %s verified", sock_path, backend,
+        if signed is not None and [algo, mine] != list(signed):
+            raise SeedFailed(f"what arrived from {source} does not match the digest in the source's "
+                             f"signed answer ({algo}: got {mine[:16]}, signed {str(signed[1])[:16]}): "
+                             f"the bytes were changed on the way; nothing is served")
+        log.info("seeded from %s over %s: %.1f MiB in %.3f s, %s verified", source, backend,
                  manifest.arena_nbytes / 2**20, time.perf_counter() - t0, algo)
 
-    return PrebuiltArena(manifest, fill, f"peer {sock_path}")
+    return PrebuiltArena(manifest, fill, f"peer {source}")

@@ -16,7 +16,10 @@ or from a running daemon of the same key (``--seed-from``, over
 torch.distributed). The snapshot and the peer are checked against the key the
 engine arguments give, computed as the engine computes it (a meta-device build,
 the plans, the checkpoint's content digests), so a stale one is refused naming
-the differing fields. Every daemon answers ``seed`` requests while it serves.
+the differing fields. Every daemon answers ``seed`` requests while it serves:
+over its local socket, and with ``--seed-listen HOST:PORT --seed-secret-file
+FILE`` over TCP from other hosts (rank ``i`` of a node on ``PORT + i``; a
+receiver's ``--seed-from tcp://HOST:PORT`` maps its ranks the same way).
 """
 
 from __future__ import annotations
@@ -300,15 +303,34 @@ def find_seed_source(seed_from: str, key: Any) -> str:
                         f"arguments, or start this daemon from the checkpoint")
 
 
+def rank_seed_address(spec: str, local_rank: int) -> tuple[str, int]:
+    """This rank's TCP seeding address: ``HOST:PORT`` (or ``tcp://HOST:PORT``) with
+    ``PORT + local_rank`` (port 0, any free port, stays 0).
+
+    Raises:
+        ValueError: ``spec`` is not HOST:PORT, or the rank's port exceeds 65535.
+    """
+    from wcache.store.seed import parse_host_port  # noqa: PLC0415
+
+    host, port = parse_host_port(spec, "--seed-listen/--seed-from")
+    if port and port + local_rank > 65535:
+        raise ValueError(f"{spec}: rank {local_rank} would use port {port + local_rank} > 65535; "
+                         f"pick a lower port")
+    return host, (port + local_rank if port else 0)
+
+
 def build_ready_server(vllm_config: Any, *, socket_dir: str | None, device_id: str,
                        progress: bool = True, snapshot: str | None = None,
-                       from_snapshot: str | None = None, seed_from: str | None = None
-                       ) -> tuple[Any, str]:
+                       from_snapshot: str | None = None, seed_from: str | None = None,
+                       seed_secret: bytes | None = None) -> tuple[Any, str]:
     """The rank's server, from a snapshot, a peer or the checkpoint.
 
     ``from_snapshot``: only from that snapshot. ``seed_from``: only from that
-    peer. ``snapshot``: from it when it is complete, intact and of this key,
-    else (the reason code logged) from the checkpoint. Neither: the checkpoint.
+    peer (a socket, a socket directory, or ``tcp://HOST:PORT`` of another
+    host's ``--seed-listen``, this node's rank ``i`` asking ``PORT + i``, with
+    ``seed_secret``). ``snapshot``: from it when it is complete, intact and of
+    this key, else (the reason code logged) from the checkpoint. Neither: the
+    checkpoint.
 
     Returns:
         (server, ``"snapshot"`` | ``"peer"`` | ``"checkpoint"``).
@@ -319,7 +341,7 @@ def build_ready_server(vllm_config: Any, *, socket_dir: str | None, device_id: s
         as :func:`build_server` for the checkpoint.
     """
     from wcache.store import DaemonServer  # noqa: PLC0415
-    from wcache.store.seed import seed_arena  # noqa: PLC0415
+    from wcache.store.seed import TCP_SCHEME, seed_arena  # noqa: PLC0415
     from wcache.store.snapshot import (  # noqa: PLC0415
         SnapshotCorrupt, SnapshotMissing, SnapshotStale, check_key, open_snapshot, snapshot_arena,
     )
@@ -333,7 +355,12 @@ def build_ready_server(vllm_config: Any, *, socket_dir: str | None, device_id: s
                     key.digest[:16], time.perf_counter() - t0)
         name = snapshot_name(parallel_layout())
     if seed_from:
-        arena = seed_arena(find_seed_source(seed_from, key), key)
+        if seed_from.startswith(TCP_SCHEME):
+            host, port = rank_seed_address(seed_from, int(os.environ.get("LOCAL_RANK", "0")))
+            source = f"{TCP_SCHEME}[{host}]:{port}" if ":" in host else f"{TCP_SCHEME}{host}:{port}"
+        else:
+            source = find_seed_source(seed_from, key)
+        arena = seed_arena(source, key, secret=seed_secret)
         return DaemonServer(arena, key, socket_dir=socket_dir, device=device_type,
                             device_id=device_id), "peer"
     if from_snapshot or snapshot:
@@ -365,17 +392,26 @@ def _write_rank_snapshot(server: Any, root: str, layout: dict[str, int]) -> None
 def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_method: str,
                socket_dir: str | None, progress: bool, job: str, ready: Any = None,
                snapshot: str | None = None, from_snapshot: str | None = None,
-               seed_from: str | None = None) -> int:
+               seed_from: str | None = None, seed_listen: str | None = None,
+               seed_advertise: str | None = None, seed_secret_file: str | None = None) -> int:
     """Make one rank ready (checkpoint, snapshot or peer: :func:`build_ready_server`),
     write its snapshot when ``snapshot`` is given and it did not come from it, and
-    serve (answering ``seed`` too) until stopped."""
+    serve (answering ``seed`` too, over TCP on ``seed_listen`` with this node's
+    rank ``i`` on ``PORT + i`` when given) until stopped.
+
+    Raises:
+        SeedSecretUnsafe: ``seed_secret_file`` is unsafe (before any load).
+    """
     from vllm.config import set_current_vllm_config  # noqa: PLC0415
 
     from wcache.store import StoreError  # noqa: PLC0415
-    from wcache.store.seed import SeedSource  # noqa: PLC0415
+    from wcache.store.seed import SeedSource, read_secret  # noqa: PLC0415
     from wcache.vllm.key import parallel_layout  # noqa: PLC0415
 
     t_start = time.perf_counter()
+    secret = read_secret(seed_secret_file) if seed_secret_file else None
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    listen = rank_seed_address(seed_listen, local_rank) if seed_listen else None
     vllm_config = engine_config(model, rest)
     _prepare_platform(vllm_config)
     with set_current_vllm_config(vllm_config):
@@ -384,18 +420,30 @@ def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_metho
         layout = parallel_layout()
         server, origin = build_ready_server(vllm_config, socket_dir=socket_dir, device_id=dev_id,
                                             progress=progress, snapshot=snapshot,
-                                            from_snapshot=from_snapshot, seed_from=seed_from)
+                                            from_snapshot=from_snapshot, seed_from=seed_from,
+                                            seed_secret=secret)
     key = server.key
     import signal  # noqa: PLC0415
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.request_shutdown())
-    server.seed_source = SeedSource(server)
+    try:
+        server.seed_source = SeedSource(server) if listen is None else \
+            SeedSource(server, host=listen[0], advertise=seed_advertise)
+    except StoreError:
+        server.stop()
+        raise
     server.origin = origin  # for `wcache status`
     snap_dir = from_snapshot or snapshot
     server.snapshot_state = None if not snap_dir else \
         {"dir": snap_dir, "state": "read" if origin == "snapshot" else "writing", "error": None}
     server.start()
+    if listen is not None:
+        try:
+            listen = server.listen_seed_tcp(listen[0], listen[1], secret)
+        except StoreError:
+            server.stop()
+            raise
     t_ready = time.perf_counter() - t_start
     if snapshot and origin != "snapshot":
         try:
@@ -410,6 +458,8 @@ def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_metho
     line = (f"wcache: ready rank={rank}/{world} key={key.digest[:16]} "
             f"held={server.nbytes / 2**20:.1f} MiB socket={server.socket_path} "
             f"from={origin} ready_s={t_ready:.2f}")
+    if listen is not None:
+        line += f" seed_listen={listen[0]}:{listen[1]}"
     print(line, flush=True)
     if ready is not None:
         ready.put((rank, line))
@@ -472,7 +522,8 @@ def main(args: argparse.Namespace, rest: list[str]) -> int:
     port = getattr(args, "master_port", 0) or _free_port()
     init_method = f"tcp://{getattr(args, 'master_addr', '127.0.0.1')}:{port}"
     job = getattr(args, "job", "") or ""
-    sources = {k: getattr(args, k, None) for k in ("snapshot", "from_snapshot", "seed_from")}
+    sources = {k: getattr(args, k, None) for k in ("snapshot", "from_snapshot", "seed_from", "seed_listen",
+                                                   "seed_advertise", "seed_secret_file")}
     if world == 1:
         return serve_rank(args.model, rest, rank=0, world=1, init_method=init_method,
                           socket_dir=args.socket_dir, progress=not args.no_progress, job=job,
