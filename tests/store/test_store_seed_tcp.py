@@ -17,6 +17,7 @@ import threading
 
 import msgpack
 import pytest
+import torch
 
 from _store_helpers import BASE_KEY, start_daemon, stop_daemon, synthetic_export
 from test_store_snapshot import _assert_serves_export
@@ -311,3 +312,34 @@ def test_bytes_that_differ_from_the_signed_digest_are_not_served(tcp_source, key
     with pytest.raises(SeedFailed, match="signed answer .*changed on the way"):
         DaemonServer(arena, key, socket_dir=server.socket_dir, device_id="cpu-dst")
     DaemonServer(synthetic_export(), key, socket_dir=server.socket_dir, device_id="cpu-dst").stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_seeding_over_tcp(sock_dir, host, secret_file):
+    """A CUDA daemon seeded over TCP from a daemon process on cuda:0 holds the same bytes, checked against the signed device digest: over NCCL onto cuda:1 with two GPUs, over gloo onto cuda:0 with one."""
+    from wcache.store.arena import tensor_views
+    from wcache.store.prebuilt import served_arena
+
+    two = torch.cuda.device_count() >= 2
+    device, backend = ("cuda:1", None) if two else ("cuda:0", "gloo")
+    key = CacheKey(BASE_KEY)
+    src = start_daemon(sock_dir, "gpu0", extra_args=("--device", "cuda:0", "--seed-source", "--seed-listen",
+                                                     f"{host}:0", "--seed-secret-file", secret_file))
+    try:
+        listen = src.ready_line.split("seed_listen=")[1]
+        dst = DaemonServer(seed_arena(f"tcp://{listen}", key, secret=SECRET, backend=backend), key,
+                           socket_dir=sock_dir, device=device, device_id="gpu-dst")
+        try:
+            view = served_arena(dst)
+            try:
+                assert torch.device(device) == view.tensor.device
+                views = tensor_views(view.tensor, dst.manifest)
+                for name, t in synthetic_export().tensors.items():
+                    assert torch.equal(t, views[name].cpu()), name
+            finally:
+                view.close()
+        finally:
+            dst.stop()
+    finally:
+        stop_daemon(src)
