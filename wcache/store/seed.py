@@ -262,7 +262,7 @@ class SeedSource:
             ``--seed-listen`` address (requests over TCP).
         advertise: the address receivers are told to connect to, and that gloo
             binds, when it differs from ``host`` (``host`` a wildcard such as
-            ``0.0.0.0``, or behind NAT).
+            ``0.0.0.0``); an address of this host.
 
     Raises:
         StoreError: ``host`` is a wildcard and no ``advertise`` is given.
