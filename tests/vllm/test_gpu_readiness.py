@@ -53,6 +53,11 @@ def test_build_server_keeps_no_model_reference(vllm_cfg, tmp_path, monkeypatch):
         refs.extend(weakref.ref(m) for m in model.modules())
         return out
 
+    # as in a fresh daemon process: no rotary embedding cached by an earlier build in this
+    # process (vLLM's _ROPE_DICT would hand this model that older, still-owned module)
+    from vllm.model_executor.layers import rotary_embedding
+
+    monkeypatch.setattr(rotary_embedding, "_ROPE_DICT", {})
     monkeypatch.setattr(DefaultModelLoader, "create_model", create_and_watch)
     monkeypatch.setattr("wcache.vllm.model.export_tensors", export_and_watch)
     cfg = engine_config(str(vllm_cfg.model_config.model), list(ENGINE_ARGS))
