@@ -7,6 +7,7 @@ Each subcommand imports only what it needs, so `wcache plans` and
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from wcache.core import WcacheError
@@ -355,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     except (WcacheError, ValueError) as exc:  # a clear message, not a traceback
         code = getattr(exc, "code", "invalid-argument")
         print(f"wcache {args.command}: error [{code}]: {exc}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `wcache status | head`: the reader left; no traceback
+        # Python's recipe (docs "Note on SIGPIPE"): point stdout at devnull so the
+        # interpreter's final flush does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
 
 
