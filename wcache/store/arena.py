@@ -20,7 +20,7 @@ import mmap
 import os
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from attrs import frozen
@@ -33,7 +33,7 @@ from wcache.store.manifest import (
 
 __all__ = [
     "CPU_ALIGNMENT", "CUDA_ALIGNMENT", "SEALS", "Block", "plan_layout", "make_manifest",
-    "build_shm_arena", "build_cuda_arena", "tensor_views", "map_shm_readonly", "frombuffer_readonly",
+    "build_shm_arena", "build_cuda_arena", "sealed_memfd", "tensor_views", "map_shm_readonly", "frombuffer_readonly",
 ]
 
 log = logging.getLogger("wcache.store")
@@ -174,6 +174,42 @@ def frombuffer_readonly(buf) -> torch.Tensor:
         return torch.frombuffer(buf, dtype=torch.uint8)
 
 
+def sealed_memfd(nbytes: int, fill: Callable[[mmap.mmap], None], what: str) -> int:
+    """A memfd of ``nbytes`` filled by ``fill`` through a writable shared mapping,
+    then unmapped and sealed (:data:`SEALS`): afterwards no process can write it
+    or map it writable-shared.
+
+    Every page is allocated before ``fill`` runs (``posix_fallocate``), so a host
+    without the memory fails here with ENOSPC rather than with SIGBUS mid-fill.
+    ``fill`` must keep no reference to the mapping past its return.
+
+    Returns:
+        The sealed memfd; the caller owns it.
+
+    Raises:
+        StoreError: the kernel refuses memfd, the memory or sealing (``what``
+            names the arena in the message); ``fill``'s own errors propagate.
+
+    Source: vllm-cpu-restore-notes.md section 7 (memfd sealing, read-only mapping).
+    """
+    fd = os.memfd_create("wcache-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, nbytes)
+        os.posix_fallocate(fd, 0, nbytes)
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            fill(mm)
+        finally:
+            mm.close()  # the writable mapping must be gone before F_SEAL_WRITE
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException as e:
+        os.close(fd)
+        if isinstance(e, OSError):
+            raise StoreError(f"cannot build {what}: {e}") from e
+        raise
+    return fd
+
+
 def build_shm_arena(export: Export, key: CacheKey) -> tuple[int, Manifest]:
     """Fill one memfd with the export and seal it.
 
@@ -193,23 +229,7 @@ def build_shm_arena(export: Export, key: CacheKey) -> tuple[int, Manifest]:
     t0 = time.perf_counter()
     blocks, placed, nbytes = plan_layout(export.tensors, CPU_ALIGNMENT)
     manifest = make_manifest(export, key, "cpu", CPU_ALIGNMENT, placed, nbytes)
-    fd = os.memfd_create("wcache-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, nbytes)
-        # Allocate every page now: a host without the memory fails here, with
-        # ENOSPC, instead of with SIGBUS in the middle of the copy.
-        os.posix_fallocate(fd, 0, nbytes)
-        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        try:
-            _fill(mm, export, blocks)
-        finally:
-            mm.close()  # the writable mapping must be gone before F_SEAL_WRITE
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-    except BaseException as e:
-        os.close(fd)
-        if isinstance(e, OSError):
-            raise StoreError(f"cannot build the shm arena: {e}") from e
-        raise
+    fd = sealed_memfd(nbytes, lambda mm: _fill(mm, export, blocks), "the shm arena")
     log.info("arena (shm): %d tensors, %d aliases, %.1f MiB in %.3f s", len(manifest.tensors),
              len(manifest.aliases), nbytes / 2**20, time.perf_counter() - t0)
     return fd, manifest

@@ -12,18 +12,16 @@ fill, as for an export), ``cuda_vmm`` or ``cuda_ipc``.
 :func:`served_arena` is the reverse: a read-only uint8 view of what a running
 server holds, for writing a snapshot or seeding a peer.
 
-Source: wcache.store.arena (build_shm_arena, build_cuda_arena) and
-wcache.store.transport_vmm (build_vmm_arena), with the copy from the export
-replaced by ``fill``.
+The allocations are the export builders' own (``wcache.store.arena.sealed_memfd``,
+``wcache.store.transport_vmm.allocate_vmm_arena``; ``torch.empty`` for
+``cuda_ipc``), with the copy from the export replaced by ``fill``.
 """
 
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import logging
 import mmap
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +29,7 @@ from typing import Any
 import torch
 from attrs import frozen
 
-from wcache.store.arena import SEALS, frombuffer_readonly, map_shm_readonly
+from wcache.store.arena import frombuffer_readonly, map_shm_readonly, sealed_memfd
 from wcache.store.errors import StoreError, TransportFailed
 from wcache.store.manifest import Manifest
 
@@ -85,11 +83,8 @@ class PrebuiltArena:
         from wcache.store.transport_shm import TRANSPORT, ShmServing
 
         nbytes = self.manifest.arena_nbytes
-        fd = os.memfd_create("wcache-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, nbytes)
-            os.posix_fallocate(fd, 0, nbytes)  # ENOSPC now rather than SIGBUS mid-fill
-            mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+        def fill_mapping(mm: mmap.mmap) -> None:
             # The tensor wraps the mapping's address through a ctypes array, not
             # the mmap's buffer, so closing the mmap never waits for a garbage
             # collection (gc.collect() cost ~0.5 s in a daemon with vLLM imported);
@@ -104,13 +99,8 @@ class PrebuiltArena:
                     del dst
             finally:
                 del anchor
-                mm.close()  # no writable mapping may remain before F_SEAL_WRITE
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-        except BaseException as e:
-            os.close(fd)
-            if isinstance(e, OSError):
-                raise StoreError(f"cannot build the shm arena from {self.origin}: {e}") from e
-            raise
+
+        fd = sealed_memfd(nbytes, fill_mapping, f"the shm arena from {self.origin}")
         return ShmServing(fd, nbytes), self.manifest, TRANSPORT
 
     def _build_cuda(self, index: int, transport: str | None) -> tuple[Any, Manifest, str]:
@@ -133,37 +123,10 @@ class PrebuiltArena:
         return CudaServing(arena), self.manifest, TRANSPORT
 
     def _build_vmm(self, index: int) -> tuple[Any, Manifest, str]:
-        from wcache.store import transport_vmm as tv
+        from wcache.store import transport_vmm
 
-        ok, why = tv.available(index)
-        if not ok:
-            raise TransportFailed(why)
-        cu = tv._driver()
-        nbytes = self.manifest.arena_nbytes
-        with tv._lock, tv._in_context(cu, index):
-            prop = tv._prop(cu, index)
-            gran = tv._check(cu, cu.cuMemGetAllocationGranularity(
-                prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
-                "cuMemGetAllocationGranularity")
-            size = -(-nbytes // gran) * gran
-            handle = tv._check(cu, cu.cuMemCreate(size, prop, 0), "cuMemCreate")
-            try:
-                mapping = tv._map(cu, handle, size, index, read_only=False)
-            except TransportFailed:
-                cu.cuMemRelease(handle)
-                raise
-            fd = tv._check(cu, cu.cuMemExportToShareableHandle(
-                handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-                "cuMemExportToShareableHandle")
-        arena = mapping.tensor()
-        try:
-            self.fill(arena[:nbytes])
-            torch.cuda.synchronize(index)
-        except BaseException:
-            os.close(int(fd))
-            mapping.release()
-            raise
-        return tv.VmmServing(mapping, int(fd), arena), self.manifest, tv.TRANSPORT
+        serving, _ = transport_vmm.allocate_vmm_arena(self.manifest.arena_nbytes, index, self.fill)
+        return serving, self.manifest, transport_vmm.TRANSPORT
 
 
 class _ShmView:

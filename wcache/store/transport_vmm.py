@@ -37,13 +37,14 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from wcache.store.errors import TransportFailed
 
-__all__ = ["TRANSPORT", "VmmMapping", "VmmServing", "build_vmm_arena", "open_vmm", "available"]
+__all__ = ["TRANSPORT", "VmmMapping", "VmmServing", "build_vmm_arena", "allocate_vmm_arena", "open_vmm", "available"]
 
 log = logging.getLogger("wcache.store")
 
@@ -217,25 +218,24 @@ class VmmServing:
             mapping.release()
 
 
-def build_vmm_arena(export, key, device_index: int):
-    """Lay out and copy ``export`` into one VMM allocation on ``cuda:<device_index>``.
+def allocate_vmm_arena(nbytes: int, device_index: int,
+                       fill: Callable[[torch.Tensor], None]) -> tuple[VmmServing, int]:
+    """One VMM allocation of at least ``nbytes`` on ``cuda:<device_index>``, exportable
+    as a POSIX fd, filled by ``fill(arena[:nbytes])`` (a writable uint8 view).
 
     Returns:
-        (:class:`VmmServing`, manifest).
+        (:class:`VmmServing`, mapped size in bytes: ``nbytes`` rounded up to the
+        allocation granularity).
 
     Raises:
         TransportFailed: no cuda-python, or the driver cannot allocate or
             export a POSIX-fd VMM allocation (the daemon then uses cuda_ipc).
+            ``fill``'s own errors propagate, with the allocation released.
     """
-    from wcache.store.arena import CUDA_ALIGNMENT, _fill, make_manifest, plan_layout
-
     ok, why = available(device_index)
     if not ok:
         raise TransportFailed(why)
     cu = _driver()
-    t0 = time.perf_counter()
-    blocks, placed, nbytes = plan_layout(export.tensors, CUDA_ALIGNMENT)
-    manifest = make_manifest(export, key, "cuda", CUDA_ALIGNMENT, placed, nbytes)
     with _lock, _in_context(cu, device_index):
         prop = _prop(cu, device_index)
         gran = _check(cu, cu.cuMemGetAllocationGranularity(
@@ -252,11 +252,35 @@ def build_vmm_arena(export, key, device_index: int):
             handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
             "cuMemExportToShareableHandle")
     arena = mapping.tensor()
-    _fill(arena, export, blocks)
-    torch.cuda.synchronize(device_index)
+    try:
+        fill(arena[:nbytes])
+        torch.cuda.synchronize(device_index)
+    except BaseException:
+        os.close(int(fd))
+        mapping.release()
+        raise
+    return VmmServing(mapping, int(fd), arena), size
+
+
+def build_vmm_arena(export, key, device_index: int):
+    """Lay out and copy ``export`` into one VMM allocation on ``cuda:<device_index>``
+    (:func:`allocate_vmm_arena`).
+
+    Returns:
+        (:class:`VmmServing`, manifest).
+
+    Raises:
+        TransportFailed: as :func:`allocate_vmm_arena`.
+    """
+    from wcache.store.arena import CUDA_ALIGNMENT, _fill, make_manifest, plan_layout
+
+    t0 = time.perf_counter()
+    blocks, placed, nbytes = plan_layout(export.tensors, CUDA_ALIGNMENT)
+    manifest = make_manifest(export, key, "cuda", CUDA_ALIGNMENT, placed, nbytes)
+    serving, size = allocate_vmm_arena(nbytes, device_index, lambda dst: _fill(dst, export, blocks))
     log.info("arena (cuda_vmm, cuda:%d): %d tensors, %.1f MiB (%.1f MiB mapped) in %.3f s", device_index,
              len(manifest.tensors), nbytes / 2**20, size / 2**20, time.perf_counter() - t0)
-    return VmmServing(mapping, int(fd), arena), manifest
+    return serving, manifest
 
 
 def open_vmm(handle: dict[str, Any], fds: list[int], arena_nbytes: int, device_index: int) -> torch.Tensor:
