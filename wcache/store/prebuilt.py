@@ -30,7 +30,7 @@ import torch
 from attrs import frozen
 
 from wcache.store.arena import frombuffer_readonly, map_shm_readonly, sealed_memfd
-from wcache.store.errors import StoreError, TransportFailed
+from wcache.store.errors import StoreError
 from wcache.store.manifest import Manifest
 
 __all__ = ["PrebuiltArena", "served_arena"]
@@ -56,9 +56,12 @@ class PrebuiltArena:
     fill: Fill
     origin: str
 
-    def build(self, device_type: str, index: int | None, transport: str | None) -> tuple[Any, Manifest, str]:
+    def build(self, device_type: str, index: int | None, transport: str | None
+              ) -> tuple[Any, Manifest, str, str | None]:
         """Allocate the arena for ``device_type``, fill it, and return
-        ``(serving, manifest, transport name)`` for :class:`DaemonServer`.
+        ``(serving, manifest, transport name, why cuda_vmm was not used or None)``
+        for :class:`DaemonServer` (CUDA: its policy,
+        :func:`wcache.store.server.build_cuda_serving`).
 
         Raises:
             StoreError: the manifest is for another device type, or the memfd
@@ -70,17 +73,22 @@ class PrebuiltArena:
                              f"{device_type}. Start it with the device the arena was made on.")
         t0 = time.perf_counter()
         if device_type == "cpu":
-            out = self._build_shm()
+            from wcache.store.transport_shm import TRANSPORT  # noqa: PLC0415
+
+            out = (*self._build_shm(), TRANSPORT, None)
         else:
-            out = self._build_cuda(index, transport)
+            from wcache.store.server import build_cuda_serving  # noqa: PLC0415
+
+            out = build_cuda_serving(transport, lambda: self._build_vmm(index),
+                                     lambda: self._build_ipc(index))
         nbytes = self.manifest.arena_nbytes
         dt = time.perf_counter() - t0
         log.info("arena (%s) filled from %s: %.1f MiB in %.3f s (%.2f GiB/s)", out[2], self.origin,
                  nbytes / 2**20, dt, nbytes / 2**30 / max(dt, 1e-9))
         return out
 
-    def _build_shm(self) -> tuple[Any, Manifest, str]:
-        from wcache.store.transport_shm import TRANSPORT, ShmServing
+    def _build_shm(self) -> tuple[Any, Manifest]:
+        from wcache.store.transport_shm import ShmServing
 
         nbytes = self.manifest.arena_nbytes
 
@@ -101,32 +109,21 @@ class PrebuiltArena:
                 del anchor
 
         fd = sealed_memfd(nbytes, fill_mapping, f"the shm arena from {self.origin}")
-        return ShmServing(fd, nbytes), self.manifest, TRANSPORT
+        return ShmServing(fd, nbytes), self.manifest
 
-    def _build_cuda(self, index: int, transport: str | None) -> tuple[Any, Manifest, str]:
-        from wcache.store.server import CUDA_TRANSPORTS
-
-        if transport not in (None, *CUDA_TRANSPORTS):
-            raise StoreError(f"transport {transport!r} is not one of {CUDA_TRANSPORTS}")
-        if transport in (None, "cuda_vmm"):
-            try:
-                return self._build_vmm(index)
-            except TransportFailed as e:
-                if transport == "cuda_vmm":
-                    raise
-                log.warning("cuda_vmm unavailable (%s); serving with cuda_ipc", e)
-        from wcache.store.transport_cuda import TRANSPORT, CudaServing
+    def _build_ipc(self, index: int) -> tuple[Any, Manifest]:
+        from wcache.store.transport_cuda import CudaServing
 
         arena = torch.empty(self.manifest.arena_nbytes, dtype=torch.uint8, device=f"cuda:{index}")
         self.fill(arena)
         torch.cuda.synchronize(index)
-        return CudaServing(arena), self.manifest, TRANSPORT
+        return CudaServing(arena), self.manifest
 
-    def _build_vmm(self, index: int) -> tuple[Any, Manifest, str]:
+    def _build_vmm(self, index: int) -> tuple[Any, Manifest]:
         from wcache.store import transport_vmm
 
         serving, _ = transport_vmm.allocate_vmm_arena(self.manifest.arena_nbytes, index, self.fill)
-        return serving, self.manifest, transport_vmm.TRANSPORT
+        return serving, self.manifest
 
 
 class _ShmView:

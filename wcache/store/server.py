@@ -31,6 +31,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,14 +42,14 @@ from wcache.store.arena import build_cuda_arena, build_shm_arena
 from wcache.store.errors import (
     ArenaInvalidated, DaemonBusy, KeyMismatch, PeerRefused, ProtocolError, StoreError, TransportFailed,
 )
-from wcache.store.manifest import CacheKey, Export
+from wcache.store.manifest import CacheKey, Export, Manifest
 from wcache.store.protocol import (
     OPS, PROTOCOL_VERSION, SEED_NONCE_BYTES, SEED_REPLY_LABEL, SEED_REQUEST_LABEL, ConnectionClosed,
     error_frame, recv_frame, seed_mac, send_frame,
 )
 
 __all__ = ["DaemonServer", "serve", "peer_credentials", "MAX_CONNECTIONS", "INVALIDATED_EXIT",
-           "INVALIDATED_LINGER_S", "CUDA_TRANSPORTS"]
+           "INVALIDATED_LINGER_S", "CUDA_TRANSPORTS", "build_cuda_serving"]
 
 log = logging.getLogger("wcache.store")
 
@@ -80,6 +81,42 @@ CUDA_TRANSPORTS = ("cuda_vmm", "cuda_ipc")
 #: cannot hold a handler thread.
 SEED_TCP_TIMEOUT_S = 10.0
 _PEERCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
+
+
+def build_cuda_serving(transport: str | None, build_vmm: Callable[[], tuple[Any, Manifest]],
+                       build_ipc: Callable[[], tuple[Any, Manifest]]
+                       ) -> tuple[Any, Manifest, str, str | None]:
+    """The CUDA transport policy, for an export and for a prebuilt arena alike:
+    ``cuda_vmm`` when asked for or by default, else (or when the default's
+    driver support is missing) ``cuda_ipc``.
+
+    Args:
+        transport: ``None`` (prefer cuda_vmm, fall back), ``"cuda_vmm"`` (no
+            fallback) or ``"cuda_ipc"``.
+        build_vmm, build_ipc: allocate and fill the arena with that transport;
+            each returns ``(serving, manifest)``.
+
+    Returns:
+        ``(serving, manifest, transport name, fallback reason or None)``.
+
+    Raises:
+        StoreError: ``transport`` is not a CUDA transport.
+        TransportFailed: ``transport="cuda_vmm"`` and it is unavailable.
+    """
+    from wcache.store import transport_cuda, transport_vmm  # noqa: PLC0415
+
+    if transport not in (None, *CUDA_TRANSPORTS):
+        raise StoreError(f"transport {transport!r} is not one of {CUDA_TRANSPORTS}")
+    reason = None
+    if transport in (None, "cuda_vmm"):
+        try:
+            return (*build_vmm(), transport_vmm.TRANSPORT, None)
+        except TransportFailed as e:
+            if transport == "cuda_vmm":
+                raise
+            reason = str(e)
+            log.warning("cuda_vmm unavailable (%s); serving with cuda_ipc", e)
+    return (*build_ipc(), transport_cuda.TRANSPORT, reason)
 
 
 def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
@@ -129,15 +166,28 @@ class DaemonServer:
         self._lock_fd = paths.acquire_device_lock(self.socket_path)
         try:
             paths.claim_socket_path(self.socket_path)  # fail fast, before the costly arena build
+            #: why cuda_vmm was not used (None: it was, or the device is a CPU)
+            self.transport_fallback_reason: str | None = None
             if not isinstance(export, Export):  # a filled arena (snapshot, peer): wcache.store.prebuilt
-                self._serving, self.manifest, TRANSPORT = export.build(self.device_type, index, transport)
+                self._serving, self.manifest, TRANSPORT, self.transport_fallback_reason = \
+                    export.build(self.device_type, index, transport)
             elif self.device_type == "cpu":
                 from wcache.store.transport_shm import TRANSPORT, ShmServing
 
                 fd, self.manifest = build_shm_arena(export, key)
                 self._serving = ShmServing(fd, self.manifest.arena_nbytes)
             else:
-                TRANSPORT = self._build_cuda(export, key, index, transport)
+                from wcache.store import transport_vmm  # noqa: PLC0415
+                from wcache.store.transport_cuda import CudaServing  # noqa: PLC0415
+
+                def build_ipc() -> tuple[Any, Manifest]:
+                    arena, manifest = build_cuda_arena(export, key, index)
+                    return CudaServing(arena), manifest
+
+                self._serving, self.manifest, TRANSPORT, self.transport_fallback_reason = \
+                    build_cuda_serving(transport,
+                                       lambda: transport_vmm.build_vmm_arena(export, key, index),
+                                       build_ipc)
             self.transport = TRANSPORT
         except BaseException:
             os.close(self._lock_fd)
@@ -164,28 +214,6 @@ class DaemonServer:
         self._tcp_secret: bytes | None = None
         #: ``(host, port)`` the TCP seeding listener is bound to, or None.
         self.seed_tcp_address: tuple[str, int] | None = None
-
-    def _build_cuda(self, export: Export, key: CacheKey, index: int, transport: str | None) -> str:
-        """Build the CUDA arena with the preferred transport; returns its name."""
-        if transport not in (None, *CUDA_TRANSPORTS):
-            raise StoreError(f"transport {transport!r} is not one of {CUDA_TRANSPORTS}")
-        self.transport_fallback_reason = None
-        if transport in (None, "cuda_vmm"):
-            from wcache.store import transport_vmm
-
-            try:
-                self._serving, self.manifest = transport_vmm.build_vmm_arena(export, key, index)
-                return transport_vmm.TRANSPORT
-            except TransportFailed as e:
-                if transport == "cuda_vmm":
-                    raise
-                self.transport_fallback_reason = str(e)
-                log.warning("cuda_vmm unavailable (%s); serving with cuda_ipc", e)
-        from wcache.store.transport_cuda import TRANSPORT, CudaServing
-
-        arena, self.manifest = build_cuda_arena(export, key, index)
-        self._serving = CudaServing(arena)
-        return TRANSPORT
 
     @property
     def exit_code(self) -> int:
@@ -681,7 +709,7 @@ class DaemonServer:
             "uptime_s": round(time.monotonic() - self._started_at, 3),
             "key_digest": self.key.digest, "key_fields": self.key.fields,
             "invalidated": self.invalidated,
-            "transport_fallback_reason": getattr(self, "transport_fallback_reason", None),
+            "transport_fallback_reason": self.transport_fallback_reason,
             # set by `wcache serve` (wcache.vllm.daemon.serve_rank); None for other servers
             "origin": getattr(self, "origin", None),
             "snapshot": getattr(self, "snapshot_state", None),
