@@ -49,7 +49,8 @@ def test_every_cuda_plan_states_its_contract():
     from wcache.plans import all_plans
     from wcache.plans.docs import CUDA_CONTRACTS
 
-    cuda_kernels = ("marlin", "cutlass", "cutlass_block", "fp8_marlin", "cutlass_moe")
+    cuda_kernels = ("marlin", "cutlass", "cutlass_block", "fp8_marlin", "cutlass_moe", "machete",
+                    "cutlass_int8")
     assert set(CUDA_CONTRACTS) == {p.id for p in all_plans() if p.kernel in cuda_kernels}
 
 

@@ -278,7 +278,7 @@ def _awq_spec():
     (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor", kernel="sgl"),
      (64, 96), AVX512, "SGL int8"),
     (QuantSpec("awq", num_bits=4, zero_point=True, kernel="machete"), (256, 128), AVX512,
-     "vLLM picks kernel 'machete' here and wcache has no plan"),
+     "Machete is a CUDA kernel; the target is cpu"),
 ])
 def test_bad_inputs_raise_noplan(spec, size, target, message):
     """Unsupported methods, layouts, kernel decisions and targets raise NoPlan with the reason."""

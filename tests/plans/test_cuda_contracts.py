@@ -283,6 +283,54 @@ def _online_fp8_contract(name: str, size_k: int, size_n: int, attrs: tuple[str, 
     return vllm_layer
 
 
+@pytest.mark.parametrize("name", sorted(ONLINE_FP8_PLANS))
+def test_online_fp8_daemon_load_path(simulated_cuda, name):
+    """The daemon's load path for online FP8: vLLM's layerwise weight loader runs (as
+    in ``wcache serve``) under the daemon's deferral, so ``plan.prepare`` gets the
+    checkpoint's bf16 weight, and the restored layer equals vLLM's own online load.
+    Without the deferral vLLM quantizes while loading and prepare quantizes FP8 bytes
+    again (the daemon crash seen on the H200 with vLLM 0.32)."""
+    from vllm.model_executor.layers.quantization.online import fp8 as online
+
+    from wcache.vllm.daemon import load_checkpoint_
+
+    size_k, size_n = 256, 128
+    cls = getattr(online, name)
+    weight = (torch.randn(size_n, size_k, generator=torch.Generator().manual_seed(7))
+              * 0.05).to(torch.bfloat16)
+    vllm_layer = _online_fp8_layer(cls, size_k, size_n)
+    config, plan = _adapter_plan(vllm_layer, ONLINE_FP8_PLANS[name])
+    with VL.vllm_context("cpu", torch.bfloat16):
+        vllm_layer.weight.weight_loader(vllm_layer.weight, weight.clone())
+
+    daemon = _online_fp8_layer(cls, size_k, size_n)
+    assert daemon.weight.device.type == "meta"  # vLLM materializes it while loading
+
+    class Loader:  # vLLM's DefaultModelLoader.load_weights: each tensor through its loader
+        @staticmethod
+        def load_weights(model, model_config):
+            model.weight.weight_loader(model.weight, weight.clone())
+
+    with VL.vllm_context("cpu", torch.bfloat16):
+        load_checkpoint_(Loader, daemon, types.SimpleNamespace(dtype=torch.bfloat16))
+    # what vLLM's loader handed over: the checkpoint bytes, not FP8
+    assert daemon.weight.dtype == torch.bfloat16
+    assert torch.equal(daemon.weight.data, weight)
+    assert not getattr(daemon, "_already_called_process_weights_after_loading", False)
+    # the patch is scoped: a later load quantizes as vLLM does
+    from vllm.model_executor.model_loader.reload import layerwise
+    assert layerwise._layerwise_process.__name__ == "_layerwise_process"
+
+    prepared = plan.prepare(daemon, config, H200)
+    restored = _online_fp8_layer(cls, size_k, size_n, meta=True)
+    VL.install_exported_(restored, VL.export_clone(prepared), prepared.buffers)
+    plan.restore(restored, config, H200, prepared.recorded, strict=True, drops=prepared.drops)
+    from wcache.vllm.adapter import sync_kernel_state_
+    sync_kernel_state_(restored)
+    attrs = FP8_BLOCK_ATTRS if "Block" in name else FP8_CUTLASS_ATTRS
+    _assert_equal(vllm_layer, restored, attrs)
+
+
 @pytest.mark.parametrize("size_k,size_n", [(256, 128), (200, 100), (64, 130)])
 def test_fp8_per_tensor_online_cutlass(simulated_cuda, size_k, size_n):
     """Fp8PerTensorOnlineLinearMethod on CUTLASS (incl. K, N % 16 != 0, where vLLM pads
@@ -543,6 +591,57 @@ def test_marlin_int(simulated_cuda, method, size_k, size_n, group_size, bits):
     loaded, restored = _load_restore(plan, config, build, fill)
     _assert_equal(vllm_layer, loaded, MARLIN_ATTRS)
     _assert_equal(loaded, restored, MARLIN_ATTRS)
+
+
+@pytest.mark.parametrize("method,size_k,size_n,group_size,bits", [
+    ("awq", 256, 256, 128, 4),
+    ("awq", 128, 128, 64, 4),
+    ("gptq", 256, 256, 128, 4),
+    ("gptq", 256, 128, -1, 4),
+])
+def test_machete_int(simulated_cuda, method, size_k, size_n, group_size, bits):
+    """AutoAWQMarlinLinearMethod / AutoGPTQLinearMethod where vLLM picks
+    MacheteLinearKernel on sm90 (K % 64 == 0, N % 128 == 0): vLLM's post-load (with the
+    machete_prepack_B stand-in) vs wcache's awq/gptq Machete plans, load and restore."""
+    from vllm.model_executor.kernels.linear.mixed_precision.machete import (
+        MacheteLinearKernel,
+    )
+
+    case = _marlin_case(method, size_k, size_n, group_size, bits)
+    vllm_layer = case.new_layer("cpu", seed=0)
+    assert type(vllm_layer.quant_method.kernel) is MacheteLinearKernel
+    config, plan = _adapter_plan(vllm_layer, f"{method}/machete@1")
+    assert config.get("machete_b_type_id") == vllm_layer.quant_method.kernel.config.weight_type.id
+    case.vllm_process(vllm_layer)
+
+    def build(meta=False):
+        return case.new_layer("meta" if meta else "cpu", seed=None)
+
+    def fill(layer):
+        with torch.no_grad():
+            case.fill(layer, torch.Generator().manual_seed(0))
+
+    loaded, restored = _load_restore(plan, config, build, fill)
+    _assert_equal(vllm_layer, loaded, ())
+    _assert_equal(loaded, restored, ())
+
+
+def test_machete_disabled_by_vllms_switch_gives_marlin(simulated_cuda, monkeypatch):
+    """With vLLM's own VLLM_DISABLED_KERNELS=MacheteLinearKernel a Machete shape gets
+    MarlinLinearKernel from vLLM, and the adapter the Marlin plan (wcache follows the
+    layer, it does not re-derive the choice)."""
+    from vllm import envs
+    from vllm.model_executor.kernels.linear.mixed_precision.marlin import (
+        MarlinLinearKernel,
+    )
+
+    monkeypatch.setenv("VLLM_DISABLED_KERNELS", "MacheteLinearKernel")
+    if hasattr(envs, "__getattr__") and hasattr(envs, "_env_cache"):
+        envs._env_cache.clear()  # noqa: SLF001  (vLLM caches env reads in some versions)
+    case = _marlin_case("awq", 256, 256, 128)
+    layer = case.new_layer("cpu", seed=0)
+    assert type(layer.quant_method.kernel) is MarlinLinearKernel
+    _adapter_plan(layer, "awq/marlin@1")
 
 
 # --------------------------------------------------------------------------- compressed-tensors
@@ -965,3 +1064,92 @@ def test_nvfp4_moe_cutlass_sm100(simulated_sm100, monkeypatch, num_experts, hidd
     fill(fresh)
     expected = fresh.w2_weight_scale_2 * fresh.w2_input_scale
     assert torch.equal(restored.w2_weight_scale_2, expected)
+
+
+@pytest.mark.parametrize("size_k,size_n,group_size,symmetric", [
+    (256, 256, 128, True),
+    (256, 256, 64, False),    # asymmetric: zero points folded into -scale * zp
+    (128, 128, -1, True),     # channelwise scales
+])
+def test_ct_w4a16_machete(simulated_cuda, size_k, size_n, group_size, symmetric):
+    """CompressedTensorsWNA16 where vLLM picks MacheteLinearKernel on sm90: vLLM's
+    post-load (machete_prepack_B stand-in) vs wcache's ``ct_w4a16/machete``."""
+    from vllm.model_executor.kernels.linear.mixed_precision.machete import (
+        MacheteLinearKernel,
+    )
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        CompressedTensorsWNA16,
+    )
+
+    def scheme():
+        return CompressedTensorsWNA16(strategy="group" if group_size != -1 else "channel",
+                                      num_bits=4, group_size=group_size, symmetric=symmetric)
+
+    case = VL.ct_w4a16_linear(size_k, size_n, group_size, symmetric, bias=True)
+
+    def build(meta=False):
+        return _ct_layer(scheme, (size_n,), size_k, bias=True, meta=meta)
+
+    def fill(layer):
+        with torch.no_grad():
+            case.fill(layer, torch.Generator().manual_seed(size_k + size_n))
+
+    vllm_layer = build()
+    assert type(vllm_layer.scheme.kernel) is MacheteLinearKernel
+    config, plan = _adapter_plan(vllm_layer, "ct_w4a16/machete@1")
+    fill(vllm_layer)
+    with VL.vllm_context("cpu", torch.bfloat16):
+        vllm_layer.quant_method.process_weights_after_loading(vllm_layer)
+    loaded, restored = _load_restore(plan, config, build, fill)
+    _assert_equal(vllm_layer, loaded, ())
+    _assert_equal(loaded, restored, ())
+
+
+# --------------------------------------------------------------------------- CUTLASS INT8
+
+#: What CutlassInt8ScaledMMLinearKernel.apply_weights reads besides the weight tensors.
+CUTLASS_INT8_ATTRS = ("input_scale", "input_zero_point", "azp_adj")
+
+
+@pytest.mark.parametrize("strategy,widths,static,symmetric", [
+    ("channel", (128,), False, True),
+    ("channel", (128,), False, False),
+    ("tensor", (64, 32, 32), True, True),     # fused per-tensor scales -> channelwise
+    ("tensor", (64, 32, 32), True, False),
+    ("channel", (96, 32), True, False),
+])
+def test_ct_w8a8_int8_cutlass(simulated_cuda, strategy, widths, static, symmetric):
+    """CompressedTensorsW8A8Int8 on CutlassInt8ScaledMMLinearKernel (vLLM's first INT8
+    kernel on CUDA): vLLM's post-load vs wcache's ``ct_w8a8_int8/cutlass_int8``, load and
+    restore, symmetric/asymmetric x static/dynamic activations."""
+    from vllm.model_executor.kernels.linear.scaled_mm.cutlass import (
+        CutlassInt8ScaledMMLinearKernel,
+    )
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        CompressedTensorsW8A8Int8,
+    )
+
+    size_k = 128
+    case = VL.ct_w8a8_int8_linear(size_k, widths, strategy, static, symmetric, bias=True)
+
+    def scheme():
+        return CompressedTensorsW8A8Int8(strategy=strategy, is_static_input_scheme=static,
+                                         input_symmetric=symmetric)
+
+    def build(meta=False):
+        return _ct_layer(scheme, widths, size_k, bias=True, meta=meta)
+
+    def fill(layer):
+        with torch.no_grad():
+            case.fill(layer, torch.Generator().manual_seed(sum(widths)))
+
+    vllm_layer = build()
+    assert type(vllm_layer.scheme.kernel) is CutlassInt8ScaledMMLinearKernel
+    config, plan = _adapter_plan(vllm_layer, "ct_w8a8_int8/cutlass_int8@1")
+    fill(vllm_layer)
+    with VL.vllm_context("cpu", torch.bfloat16):
+        vllm_layer.scheme.process_weights_after_loading(vllm_layer)
+    loaded, restored = _load_restore(plan, config, build, fill)
+    _assert_equal(vllm_layer, loaded, CUTLASS_INT8_ATTRS)
+    _assert_equal(loaded, restored, CUTLASS_INT8_ATTRS)
+    assert tuple(restored.weight.stride()) == (1, size_k)  # CUTLASS takes B column-major

@@ -20,7 +20,9 @@ from wcache.core import (
     LayerConfig, NoPlan, Plan, PlanInvalid, QuantSpec, RecordedMismatch,
     RestoreWroteSharedTensor, StageOut, Tag, Target, snapshot, state_from_module,
 )
+from wcache.plans import cutlass_int8 as cutlass_int8_plans
 from wcache.plans import fp8 as fp8_plans
+from wcache.plans import machete as machete_plans
 from wcache.plans import marlin as marlin_plans
 from wcache.plans import mxfp8 as mxfp8_plans
 from wcache.plans import nvfp4 as nvfp4_plans
@@ -155,6 +157,45 @@ def marlin_int_cases(draw):
     seed = draw(st.integers(0, 2 ** 16))
     cfg = _config(method, k, n, bits=bits, g=g, zp=zp, kernel="marlin", bias=bias)
     return cfg, int_checkpoint(method, k, n, g, bits, zp, bias, seed)
+
+
+@st.composite
+def machete_int_cases(draw):
+    """AWQ, GPTQ and CT W4A16 checkpoints on Machete's shapes (K % 64, N % 128)."""
+    method = draw(st.sampled_from(["awq", "gptq", "ct_w4a16"]))
+    bits = 4 if method != "gptq" else draw(st.sampled_from([4, 8]))
+    zp = True if method == "awq" else (draw(st.booleans()) if method == "ct_w4a16" else False)
+    g = draw(st.sampled_from([-1, 64, 128]))
+    k, n = draw(st.sampled_from([128, 256])), draw(st.sampled_from([128, 256]))
+    bias = draw(st.booleans())
+    cfg = _config(method, k, n, bits=bits, g=g, zp=zp, kernel="machete", bias=bias,
+                  extra=MACHETE_EXTRA)
+    return cfg, int_checkpoint(method, k, n, g, bits, zp, bias, draw(st.integers(0, 2 ** 16)))
+
+
+@st.composite
+def cutlass_int8_cases(draw):
+    """CT W8A8 INT8 checkpoints: tensor/channel scales, fused or not, static/dynamic,
+    symmetric/asymmetric activations."""
+    widths = draw(st.sampled_from([(64,), (32, 16, 16), (48, 16)]))
+    strategy = draw(st.sampled_from(["tensor", "channel"]))
+    static, symmetric = draw(st.booleans()), draw(st.booleans())
+    k, seed = draw(st.sampled_from([32, 64, 96])), draw(st.integers(0, 2 ** 16))
+    g = _gen(seed)
+    n = sum(widths)
+    t = {"weight": torch.randint(-128, 128, (n, k), generator=g).to(torch.int8),
+         "weight_scale": (torch.rand((n, 1) if strategy == "channel" else (len(widths),),
+                                     generator=g) * 0.01 + 1e-3)}
+    if static:
+        t["input_scale"] = torch.rand(1, generator=g) * 0.1 + 0.01
+        if not symmetric:
+            t["input_zero_point"] = torch.randint(-20, 20, (1,), generator=g).to(torch.int8)
+    cfg = LayerConfig(QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy=strategy,
+                                static_input=static, input_symmetric=symmetric,
+                                kernel="cutlass_int8"),
+                      size_k=k, size_n=n, name="ct_w8a8_int8.layer",
+                      extra=(("logical_widths", widths),))
+    return cfg, t
 
 
 @st.composite
@@ -380,7 +421,10 @@ def _plan_cases():
 
 
 PLAN_CASES = _plan_cases()
-MY_KERNELS = {"marlin", "cutlass", "fp8_marlin", "cutlass_block", "cutlass_moe"}
+MY_KERNELS = {"marlin", "cutlass", "fp8_marlin", "cutlass_block", "cutlass_moe", "machete",
+              "cutlass_int8"}
+#: What the adapter records of a MacheteLinearKernel (here vLLM 0.32's uint4b8 id).
+MACHETE_EXTRA = (("machete_act_type", "bfloat16"), ("machete_b_type_id", 1125899907892224))
 
 
 def _target(cfg):
@@ -539,6 +583,14 @@ REGISTRY_CASES = [
     (_config("modelopt_fp4", 64, 64, bits=4, g=16, kernel="cutlass"), nvfp4_plans.LINEAR, B200),
     (_config("modelopt_fp4", 64, 64, bits=4, g=16, kind="moe", kernel="cutlass_moe"),
      nvfp4_plans.MOE, B200),
+    (_config("awq", 128, 128, bits=4, g=64, zp=True, kernel="machete", extra=MACHETE_EXTRA),
+     machete_plans.AWQ, H200),
+    (_config("gptq", 128, 128, bits=4, g=64, kernel="machete", extra=MACHETE_EXTRA),
+     machete_plans.GPTQ, H200),
+    (_config("ct_w4a16", 128, 128, bits=4, g=64, kernel="machete", extra=MACHETE_EXTRA),
+     machete_plans.CT_W4A16, H200),
+    (_config("ct_w8a8_int8", 64, 64, bits=8, strategy="channel", kernel="cutlass_int8"),
+     cutlass_int8_plans.W8A8_INT8, H200),
 ]
 
 
@@ -553,14 +605,18 @@ def test_plan_registered_and_resolves(cfg, plan, target):
         plan_for(cfg, target=CPU).plan
 
 
-def test_default_kernel_on_hopper_is_marlin_only_where_vllm_picks_marlin():
-    """Without an explicit kernel, sm90 resolves Marlin for shapes Machete cannot take
-    (N % 128 != 0) and when Machete is disabled, as vLLM's kernel list does."""
-    cfg = evolve(_config("gptq", 128, 96, bits=4, g=64), quant=QuantSpec("gptq", 4, 64))
+def test_plain_spec_without_kernel_gets_marlin_and_machete_only_when_named():
+    """wcache does not re-derive vLLM's kernel choice: a plain spec without a kernel
+    resolves Marlin on sm90 (the Machete plan names its reason), and kernel='machete'
+    (what the adapter records when vLLM picked Machete) resolves the Machete plan."""
+    cfg = evolve(_config("gptq", 128, 128, bits=4, g=64), quant=QuantSpec("gptq", 4, 64))
     assert plan_for(cfg, target=H200).plan is marlin_plans.GPTQ
-    wide = evolve(cfg, size_n=128)
-    disabled = Target("cuda", (9, 0), env=(("VLLM_DISABLED_KERNELS", "MacheteLinearKernel"),))
-    assert plan_for(wide, target=disabled).plan is marlin_plans.GPTQ
+    named = evolve(cfg, quant=evolve(cfg.quant, kernel="machete"), extra=MACHETE_EXTRA)
+    assert plan_for(named, target=H200).plan is machete_plans.GPTQ
+    with pytest.raises(NoPlan, match="MacheteLinearKernel"):
+        plan_for(evolve(named, extra=()), target=H200).plan
+    with pytest.raises(NoPlan, match="sm90"):
+        plan_for(named, target=Target("cuda", (10, 0))).plan
 
 
 def test_all_cuda_plans_covered():
@@ -588,7 +644,10 @@ def test_all_cuda_plans_covered():
      "compute capability >= 8.9"),
     (_config("modelopt_fp4", 64, 64, bits=4, g=16, kernel="cutlass"), H200, "Blackwell"),
     (_config("gptq", 128, 128, bits=4, g=64, kernel="marlin"), CPU, "CUDA kernel"),
-    (_config("awq", 128, 256, bits=4, g=128, zp=True), H200, "Machete"),
+    (_config("gptq", 128, 128, bits=4, g=64, zp=True, kernel="machete", extra=MACHETE_EXTRA),
+     H200, "asymmetric GPTQ"),
+    (_config("ct_w8a8_int8", 64, 64, bits=8, strategy="group", kernel="cutlass_int8"), H200,
+     "tensor/channel"),
 ])
 def test_refused_cases_raise_noplan_with_reason(cfg, target, reason):
     """Unsupported combinations raise NoPlan whose message names the reason."""

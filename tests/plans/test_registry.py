@@ -122,6 +122,9 @@ PLAN_STRATEGIES: dict[str, st.SearchStrategy] = {
                        "fp8_per_block/cutlass_block@1", "ct_w8a8_fp8/cutlass@1",
                        "fp8/cutlass@1", "fp8/cutlass_block@1", "ct_w8a8_fp8/fp8_marlin@1",
                        "fp8/fp8_marlin@1", "mxfp8/marlin@1")},
+    **{plan_id: _cuda(cuda.machete_int_cases(), H200)
+       for plan_id in ("awq/machete@1", "gptq/machete@1", "ct_w4a16/machete@1")},
+    "ct_w8a8_int8/cutlass_int8@1": _cuda(cuda.cutlass_int8_cases(), H200),
     "modelopt_fp4/cutlass@1": _nvfp4_linear(),
     "modelopt_fp4/cutlass_moe@1": _nvfp4_moe(),
 }

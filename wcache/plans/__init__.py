@@ -17,6 +17,7 @@ from wcache.plans.registry import (  # noqa: F401
 PLAN_MODULES = (
     "unquantized", "awq", "gptq", "compressed_tensors", "kv_cache", "attention",  # CPU (issue 2)
     "marlin", "fp8", "mxfp8", "nvfp4",                                  # CUDA layouts (issue 3)
+    "machete", "cutlass_int8",                          # the kernels vLLM picks on Hopper
 )
 
 

@@ -135,7 +135,87 @@ CUDA_CONTRACTS = {
                                   "in-place fuse (wcache.vllm.compat.build_nvfp4_moe_kernel_; "
                                   "before this, a restored layer had no moe_kernel and "
                                   "vLLM's apply would assert)",
+    "awq/machete@1": f"{_CONTRACT} (AutoAWQMarlinLinearMethod where vLLM picks "
+                     "MacheteLinearKernel: K % 64 == 0, N % 128 == 0, g64/g128; "
+                     "ops.machete_prepack_B swapped for a stand-in reorder that depends on "
+                     "vLLM's type arguments, so the contract proves which values are "
+                     "prepacked with which arguments, not Machete's layout): "
+                     + _CHECKED.format(attrs="the folded -scale * zp zero points"),
+    "gptq/machete@1": f"{_CONTRACT} (AutoGPTQLinearMethod on MacheteLinearKernel, int4 g128 "
+                      "and channelwise, the stand-in prepack): as AWQ",
+    "ct_w4a16/machete@1": f"{_CONTRACT} (CompressedTensorsWNA16 on MacheteLinearKernel: "
+                          "symmetric g128 and channelwise, asymmetric g64; the stand-in "
+                          "prepack): " + _CHECKED.format(attrs="the transposed scales and "
+                                                               "folded zero points"),
+    "ct_w8a8_int8/cutlass_int8@1": f"{_CONTRACT} (CompressedTensorsW8A8Int8 on "
+                                   "CutlassInt8ScaledMMLinearKernel, its post-load pure torch: "
+                                   "channel dynamic sym/asym, fused per-tensor static "
+                                   "sym/asym, fused channel static asym): "
+                                   + _CHECKED.format(attrs="input_scale, input_zero_point, "
+                                                           "azp_adj"),
 }
+
+#: The gpu_engine tier's outcomes (tests/gpu_engine, tools/gpu/run-tier.sh on the H200),
+#: committed as the tier wrote them; docs/plans.md's real-engine column is read from it.
+REAL_ENGINE_RESULTS = "benchmarks/results-h200-engine-vllm-0.32.0.jsonl"
+
+
+def real_engine_results(root=None) -> list[dict]:
+    """The committed gpu_engine rows (last row per case), or [] when there are none."""
+    import json  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    path = Path(root or Path(__file__).resolve().parents[2]) / REAL_ENGINE_RESULTS
+    if not path.is_file():
+        return []
+    rows: dict[str, dict] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows[row["case"]] = row
+    return list(rows.values())
+
+
+def _case_label(row: dict) -> str:
+    extra = [f"--quantization {row['quantization']}"] if row.get("quantization") else []
+    extra += [f"{k}={v}" for k, v in sorted(row.get("env", {}).items())]
+    label = f"{row['case']} (`{row['fmt']}`" + (f"; {'; '.join(extra)}" if extra else "") + ")"
+    return label if len(label) < 160 else label[:157] + "..."
+
+
+def real_engine_evidence(rows: list[dict]) -> dict[str, str]:
+    """plan id -> the real-engine cases that restored through it, from the tier's rows."""
+    out: dict[str, list[str]] = {}
+    for row in rows:
+        for plan in row.get("plans", []):
+            out.setdefault(plan, []).append(f"{row['case']}: {row['outcome']}")
+    return {plan: "; ".join(cases) for plan, cases in out.items()}
+
+
+def _real_engine_section(rows: list[dict]) -> list[str]:
+    if not rows:
+        return ["## Real engine, H200, vLLM 0.32", "",
+                "No gpu_engine results are committed yet (docs/gpu.md says how to run the "
+                "tier).", ""]
+    meta = sorted({r.get("time", "")[:10] for r in rows} - {""})
+    lines = ["## Real engine, H200, vLLM 0.32", "",
+             "Every case of the gpu_engine tier (tests/gpu_engine, `bash tools/gpu/run-tier.sh` "
+             "on one H200, vLLM 0.32.0's CUDA build, TRITON_ATTN), rendered from "
+             f"`{REAL_ENGINE_RESULTS}` as the tier wrote it ({', '.join(meta)}). Outcomes: "
+             "`restored` (disk, no-daemon fallback, daemon and a second engine give the disk "
+             "load's greedy tokens, or top-5 logprobs close, and `wcache verify` passes); "
+             "`refused` (`wcache serve` refused before serving; the fallback load equals "
+             "disk); `not-runnable` (vLLM's own disk load fails on sm90); `failed`.", "",
+             "| case (checkpoint; vLLM switches) | outcome | plans | reason |",
+             "|---|---|---|---|"]
+    for row in sorted(rows, key=lambda r: r["case"]):
+        plans = ", ".join(f"`{p}`" for p in row.get("plans", []) if not p.startswith(
+            ("attention/", "kv_cache/", "ct_kv_cache/")))
+        reason = str(row.get("reason", "")).replace("|", "\\|").replace("\n", " ")
+        reason = reason if len(reason) < 300 else reason[:297] + "..."
+        lines.append(f"| {_case_label(row)} | {row['outcome']} | {plans or '-'} | {reason} |")
+    return lines + [""]
+
 
 #: Cases the plans must refuse (the issues' "refused with a clear NoPlan" rows).
 #: The reasons printed are whatever ``plan_for`` answers today, never hard-coded;
@@ -200,11 +280,18 @@ section 3). A restore replays exactly the non-TRANSFORM rows of a plan.
 
 
 def _evidence_table(title: str, intro: str, column: str, evidence: dict[str, str],
-                    plans: list) -> list[str]:
+                    plans: list, second: tuple[str, dict[str, str]] | None = None) -> list[str]:
     """A markdown section: ``title``, ``intro``, and a ``plan | column`` row for each
-    plan in ``evidence`` (registry order)."""
-    rows = [f"| `{p.id}` | {evidence[p.id]} |" for p in plans if p.id in evidence]
-    return [f"## {title}", "", intro, "", f"| plan | {column} |", "|---|---|", *rows, ""]
+    plan in ``evidence`` (registry order); ``second`` adds a column (name, plan -> text;
+    "not run" where a plan has none)."""
+    if second is None:
+        rows = [f"| `{p.id}` | {evidence[p.id]} |" for p in plans if p.id in evidence]
+        return [f"## {title}", "", intro, "", f"| plan | {column} |", "|---|---|", *rows, ""]
+    name, more = second
+    rows = [f"| `{p.id}` | {evidence[p.id]} | {more.get(p.id, 'not run')} |"
+            for p in plans if p.id in evidence]
+    return [f"## {title}", "", intro, "", f"| plan | {column} | {name} |", "|---|---|---|",
+            *rows, ""]
 
 
 def render_plans(markdown: bool = False, method: str | None = None) -> str:
@@ -232,15 +319,20 @@ def render_plans(markdown: bool = False, method: str | None = None) -> str:
             "(`python -m wcache.vllm.probe`) and records the outcome in the Target, so a plan "
             "matches only the branch vLLM takes and a daemon and an engine that would decide "
             "differently never share an arena.", "proven on", PROVEN_ON, plans)
+        rows = real_engine_results()
         parts += _evidence_table(
-            "CUDA plans: which contract each passed",
-            "No CUDA plan has run inside a vLLM CUDA engine (vLLM's CUDA build cannot be "
-            "installed on the borrowed GPU machine). The contract tests run vLLM 0.32's own "
-            "quant-method classes on the CPU build under a simulated CUDA platform (sm90; "
-            "sm100 for CUTLASS NVFP4, sm80 for FP8 Marlin), with its CUDA custom ops swapped for vLLM's pure-torch "
-            "references; no CUDA kernel runs in them, so they prove layouts and state, not "
-            "kernel outputs.",
-            "contract passed", CUDA_CONTRACTS, plans)
+            "CUDA plans: which contract each passed, and the real engine",
+            "The contract tests run vLLM 0.32's own quant-method classes on the CPU build "
+            "under a simulated CUDA platform (sm90; sm100 for CUTLASS NVFP4, sm80 for FP8 "
+            "Marlin), with its CUDA custom ops swapped for vLLM's pure-torch references; no "
+            "CUDA kernel runs in them, so they prove layouts and state, not kernel outputs "
+            "(CI runs them). The last column is the proof: the gpu_engine tier's cases that "
+            "went through each plan on a real vLLM 0.32 CUDA engine on one H200 (section "
+            "below); \"not run\" where no case reached the plan there (sm100-only kernels "
+            "cannot run on sm90).",
+            "contract passed", CUDA_CONTRACTS, plans,
+            second=("real engine, H200, vLLM 0.32", real_engine_evidence(rows)))
+        parts += _real_engine_section(rows)
         parts.append("## Stages per plan")
         parts.append("")
         parts.extend(p.describe() for p in plans)

@@ -58,30 +58,7 @@ def _int_reason(config: LayerConfig, target: Target, bits: tuple[int, ...]) -> s
                 f"not {q.group_size}")
     if q.group_size > 0 and config.size_k % q.group_size:
         return f"size_k={config.size_k} is not a multiple of group_size={q.group_size}"
-    if q.kernel is None and _machete_would_win(config, target):
-        return ("on Hopper vLLM picks Machete, not Marlin, for this int4 shape (its layout "
-                "has no plan); pass kernel='marlin' only if Machete is disabled "
-                "(VLLM_DISABLED_KERNELS)")
     return None
-
-
-#: Hopper major version, where ``choose_mp_linear_kernel`` tries Machete before Marlin.
-HOPPER_MAJOR = 9
-#: Machete's shape rule for int4 (``MacheteLinearKernel.can_implement``).
-MACHETE_GROUP_SIZES = (-1, 64, 128)
-MACHETE_K_MULTIPLE = 64
-MACHETE_N_MULTIPLE = 128
-
-
-def _machete_would_win(config: LayerConfig, target: Target) -> bool:
-    """Whether vLLM 0.32 would choose Machete over Marlin for this layer (H100/H200)."""
-    q = config.quant
-    disabled = target.env_value("VLLM_DISABLED_KERNELS", "")
-    return (target.capability is not None and target.capability[0] == HOPPER_MAJOR
-            and "MacheteLinearKernel" not in disabled and q.num_bits == 4
-            and q.group_size in MACHETE_GROUP_SIZES and config.size_k > 0
-            and config.size_k % MACHETE_K_MULTIPLE == 0
-            and config.size_n % MACHETE_N_MULTIPLE == 0)
 
 
 def _match_awq(config: LayerConfig, target: Target) -> str | None:

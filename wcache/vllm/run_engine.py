@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 
 #: Prompts used when none are given (greedy, 16 tokens in the tests).
 DEFAULT_PROMPTS = ("The capital of France is", "Water boils at a temperature of")
@@ -63,6 +64,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
     ap.add_argument("--dump-state", action="store_true",
                     help="also report a digest of every planned layer's state")
+    ap.add_argument("--quantization", default=None,
+                    help="vLLM's --quantization (e.g. fp8 for online FP8 on CUDA)")
+    ap.add_argument("--attention-backend", default=None,
+                    help="vLLM's attention backend (TRITON_ATTN on the H200 bundle)")
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                    help="fixed KV-cache size (skips vLLM's memory profiling; engines that "
+                         "share one GPU)")
+    ap.add_argument("--logprobs", type=int, default=0,
+                    help="also report the top-N logprobs of every generated token")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile and CUDA graphs (default: enforce_eager)")
     args = ap.parse_args(argv)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -76,17 +88,29 @@ def main(argv: list[str] | None = None) -> int:
     timing.close()
     if args.load_format in ("wcache", "wcache_timed_auto"):
         extra.setdefault("timing_file", timing.name)
+    optional = {k: v for k, v in (("quantization", args.quantization),
+                                  ("attention_backend", args.attention_backend),
+                                  ("kv_cache_memory_bytes", args.kv_cache_memory_bytes))
+                if v is not None}
+    t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, load_format=args.load_format,
-              model_loader_extra_config=extra, enforce_eager=True,
+              model_loader_extra_config=extra, enforce_eager=not args.compile,
               gpu_memory_utilization=args.gpu_memory_utilization,
               max_model_len=args.max_model_len, max_num_seqs=1,
-              tensor_parallel_size=args.tensor_parallel_size, seed=0)
+              tensor_parallel_size=args.tensor_parallel_size, seed=0, **optional)
+    start_s = time.perf_counter() - t0
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     # ignore_eos: always max_tokens tokens, so runs compare token for token
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
+                            logprobs=args.logprobs or None)
     outs = llm.generate(prompts, params, use_tqdm=False)
     result = {"texts": [o.outputs[0].text for o in outs],
-              "token_ids": [list(o.outputs[0].token_ids) for o in outs]}
+              "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+              "llm_start_s": start_s}
+    if args.logprobs:
+        # per prompt, per generated token: {token id: logprob} of the top N
+        result["logprobs"] = [[{str(t): float(lp.logprob) for t, lp in step.items()}
+                               for step in (o.outputs[0].logprobs or [])] for o in outs]
     with open(timing.name) as f:
         result["load"] = [json.loads(line) for line in f if line.strip()]
     os.unlink(timing.name)

@@ -1,0 +1,45 @@
+"""The ``gpu_engine`` tier: a real vLLM CUDA engine restores each format from a real
+``wcache serve`` daemon (the four-load acceptance), on the H200.
+
+Every test here is marked ``gpu_engine`` and skipped unless torch sees a CUDA device
+*and* vLLM's CUDA build imports (its ``_C_stable_libtorch`` kernels). Run it with
+``bash tools/gpu/run-tier.sh`` on the H200 machine (docs/gpu.md); outcomes are
+appended as JSON lines to ``$WCACHE_GPU_ENGINE_RESULTS``
+(:func:`wcache.testing.engine_acceptance.record_result`) and rendered into
+docs/plans.md's real-engine column (``make docs``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+_HERE = Path(__file__).resolve().parent
+
+
+def _vllm_cuda_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "gpu_engine tier: torch sees no CUDA device"
+    if importlib.util.find_spec("vllm") is None:
+        return "gpu_engine tier: vLLM is not installed (tools/gpu/device-setup.sh)"
+    spec = importlib.util.find_spec("vllm")
+    root = Path(next(iter(spec.submodule_search_locations or ()), ""))
+    if not list(root.glob("_C_stable_libtorch*.so")):
+        return f"gpu_engine tier: {root} is not vLLM's CUDA build (no _C_stable_libtorch)"
+    return None
+
+
+SKIP_REASON = _vllm_cuda_reason()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason=SKIP_REASON or "")
+    for item in items:
+        if _HERE in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.gpu_engine)
+            item.add_marker(pytest.mark.slow)
+            if SKIP_REASON:
+                item.add_marker(skip)

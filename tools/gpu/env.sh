@@ -1,0 +1,11 @@
+# Source on the H200 machine after tools/gpu/device-setup.sh: the environment every wcache GPU
+# command needs there. The checkout comes first on PYTHONPATH (the code under test), then vLLM and
+# its dependencies, then wcache's installed metadata (its vllm.general_plugins entry point).
+export PYTHONPATH=$PWD:${WCACHE_GPU_SITE:-/tmp/site}:/tmp/wcache-dist
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# FlashInfer is not in the bundle; FlashAttention's kernels were left out (TRITON_ATTN instead).
+# vLLM's usage reporting and its version check would try the network, which the machine lacks.
+export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+# Keep NVLink multicast off (the device README: it can take shared GPUs out of service).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export WCACHE_FIXTURES_DIR=${WCACHE_FIXTURES_DIR:-/tmp/wcache-fixtures}

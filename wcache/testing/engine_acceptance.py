@@ -1,0 +1,319 @@
+"""The four-load acceptance on a real vLLM engine, one case at a time.
+
+For one checkpoint and one set of engine arguments (a *case*), as the upstream
+weight-cache pull requests test their ``ipc_cache``:
+
+1. **disk**: ``load_format="auto"``, vLLM's own load;
+2. **fallback**: ``load_format="wcache"`` with no daemon and ``fallback=true``: the
+   engine loads from disk and the loader records the reason code;
+3. **daemon**: ``wcache serve`` with the same arguments, then
+   ``load_format="wcache"`` with ``fallback=false``;
+4. **second**: another engine on the same daemon, ``fallback=false``;
+
+then ``wcache verify --socket-dir`` against that daemon (every module's tensors,
+attributes and kernel state against vLLM's own load, and the logits of a fixed
+forward). Greedy token ids must equal the disk load's; where a kernel is not
+batch-invariant the top-N logprobs must be close in vLLM's ``check_logprobs_close``
+sense. Each engine runs in its own process (:func:`wcache.vllm.process.run_engine`).
+
+The outcome of a case is one of:
+
+* ``restored``: every load gave the disk load's tokens (or close logprobs) and
+  verify passed;
+* ``refused``: ``wcache serve`` refused the model before serving (exit non-zero,
+  its one-line reason recorded), the fallback load still equal to disk;
+* ``not-runnable``: vLLM's own disk load fails on this machine (the reason is its
+  first traceback line), so there is nothing to restore;
+* ``failed``: anything else (a mismatch, a crash, verify differing), with details.
+
+Used by the ``gpu_engine`` test tier (tests/gpu_engine) and the CUDA engine
+benchmark (:mod:`wcache.benchmarks.bench_engine_cuda`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from wcache.vllm.process import DaemonProcess, first_traceback, run_engine
+
+__all__ = ["EngineCase", "run_case", "logprobs_close", "record_result", "CUDA_ENGINE_ARGS",
+           "RESULTS_ENV"]
+
+#: Where :func:`record_result` appends each case's outcome (one JSON object a line).
+RESULTS_ENV = "WCACHE_GPU_ENGINE_RESULTS"
+DEFAULT_RESULTS = "/tmp/wcache-gpu-engine/results.jsonl"
+
+#: Top-N logprobs each engine reports per generated token (vLLM's
+#: ``check_logprobs_close`` tests use 5).
+TOP_LOGPROBS = 5
+#: KV cache per engine (bytes): SmolLM2 at 512 tokens needs ~10 MiB, an 8B-shaped
+#: model ~64 MiB; a fixed size skips vLLM's memory profiling, which is unreliable
+#: while other engines of the tier start on the same GPU.
+KV_CACHE_BYTES = 1 << 30
+#: Share of the GPU each engine may claim at start (vLLM refuses to start when less
+#: is free): small, so several cases run side by side on one H200.
+GPU_MEMORY_UTILIZATION = 0.06
+#: vLLM's FlashAttention kernels are not in the H200 bundle (tools/gpu).
+ATTENTION_BACKEND = "TRITON_ATTN"
+#: Engine options every CUDA engine of the acceptance gets (wcache.vllm.run_engine).
+CUDA_ENGINE_ARGS = ("--attention-backend", ATTENTION_BACKEND,
+                    "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
+                    "--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION),
+                    "--logprobs", str(TOP_LOGPROBS))
+#: ``wcache verify`` on SmolLM2 takes ~20 s on the H200; an 8B-shaped model ~2 min.
+VERIFY_TIMEOUT_S = 600.0
+#: Lines of a failing command's output kept in a result row.
+TAIL_LINES = 25
+
+
+@attrs.frozen
+class EngineCase:
+    """One row of the acceptance matrix.
+
+    Attributes:
+        id: the case name (``awq``, ``awq-marlin``, ``online-fp8``, ...).
+        fmt: the fixture format of the checkpoint (:mod:`wcache.testing.fixtures`).
+        quantization: vLLM's ``--quantization`` (online methods), or None.
+        env: environment for the daemon and every engine (``VLLM_DISABLED_KERNELS``).
+        expect: ``"restored"`` (the tier fails on any other outcome) or ``"result"``
+            (exploratory: any honest outcome passes; a mismatch or crash fails).
+        note: why the case exists (shown in the docs' table).
+    """
+
+    id: str
+    fmt: str
+    quantization: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    expect: str = "restored"
+    note: str = ""
+
+    @property
+    def serve_args(self) -> tuple[str, ...]:
+        """vLLM engine arguments for ``wcache serve`` (they shape the weights)."""
+        return ("--quantization", self.quantization) if self.quantization else ()
+
+    @property
+    def engine_args(self) -> tuple[str, ...]:
+        """:mod:`wcache.vllm.run_engine` options for every engine of the case."""
+        q = ("--quantization", self.quantization) if self.quantization else ()
+        return CUDA_ENGINE_ARGS + q
+
+
+def logprobs_close(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[bool, str]:
+    """vLLM's ``check_logprobs_close`` on two engine results (per prompt: tokens
+    equal until the first difference; there each side's token must be in the other's
+    top-N logprobs; later tokens are not compared, as the sequences diverged).
+
+    Returns:
+        ``(close, detail)``; ``detail`` names the first position that fails.
+
+    Source: vllm/tests/models/utils.py::check_logprobs_close
+    """
+    for p, (ids_a, ids_b) in enumerate(zip(a["token_ids"], b["token_ids"], strict=True)):
+        lps_a, lps_b = a.get("logprobs", [[]])[p], b.get("logprobs", [[]])[p]
+        for i, (ta, tb) in enumerate(zip(ids_a, ids_b, strict=True)):
+            if ta == tb:
+                continue
+            if i >= len(lps_a) or i >= len(lps_b):
+                return False, f"prompt {p} token {i}: {ta} != {tb} and no logprobs"
+            if str(ta) not in lps_b[i] or str(tb) not in lps_a[i]:
+                return False, (f"prompt {p} token {i}: {ta} != {tb}, and one is not in the "
+                               f"other's top-{len(lps_a[i])}")
+            break
+    return True, ""
+
+
+def _tokens(result: Mapping[str, Any]) -> list[list[int]]:
+    return [list(t) for t in result["token_ids"]]
+
+
+def _engine(model: Path, case: EngineCase, load_format: str, extra: dict,
+            prompts: Sequence[str], max_tokens: int) -> dict:
+    t0 = time.perf_counter()
+    out = run_engine(model, load_format, extra, prompts=prompts, max_tokens=max_tokens,
+                     env=dict(case.env), engine_args=case.engine_args)
+    out["process_s"] = time.perf_counter() - t0
+    out.pop("log", None)
+    return out
+
+
+def _phase(result: Mapping[str, Any], phase: str) -> dict | None:
+    return next((r for r in result.get("load", []) if r.get("phase") == phase), None)
+
+
+def _summary(result: Mapping[str, Any]) -> dict:
+    """What a row keeps of one engine run."""
+    keep = ("texts", "token_ids", "model_loading_s", "model_loading_gib", "llm_start_s",
+            "process_s", "load")
+    return {k: result[k] for k in keep if k in result}
+
+
+def _verify(model: Path, case: EngineCase, socket_dir: str) -> dict:
+    cmd = [sys.executable, "-m", "wcache.cli", "verify", "--model", str(model),
+           "--socket-dir", socket_dir, "--dtype", "bfloat16", "--enforce-eager",
+           "--max-model-len", "512", *case.serve_args]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=VERIFY_TIMEOUT_S,
+                          env={**os.environ, **dict(case.env)})
+    out = proc.stdout + proc.stderr
+    return {"exit": proc.returncode, "seconds": time.perf_counter() - t0,
+            "tail": out.splitlines()[-TAIL_LINES:]}
+
+
+def run_case(case: EngineCase, model: Path, *, prompts: Sequence[str],
+             max_tokens: int = 16, verify: bool = True) -> dict[str, Any]:
+    """Run the four loads (and verify) for one case; never raises for an engine or
+    daemon failure: the returned row says what happened.
+
+    Returns:
+        ``{"case", "fmt", "quantization", "env", "outcome", "reason", "plans",
+        "loads": {disk, fallback, daemon, second}, "verify", "identical",
+        "logprobs_close", "fallback_reason"}``.
+    """
+    row: dict[str, Any] = {"case": case.id, "fmt": case.fmt, "quantization": case.quantization,
+                           "env": dict(case.env), "expect": case.expect, "note": case.note,
+                           "loads": {}}
+    try:
+        disk = _engine(model, case, "auto", {}, prompts, max_tokens)
+    except RuntimeError as exc:
+        root = first_traceback(getattr(exc, "output", "")) or str(exc)
+        last = [ln for ln in root.splitlines() if ln.strip()][-1:] or [str(exc)[:300]]
+        return {**row, "outcome": "not-runnable", "reason": last[0].strip(),
+                "detail": str(exc).splitlines()[-TAIL_LINES:]}
+    row["loads"]["disk"] = _summary(disk)
+    with tempfile.TemporaryDirectory(prefix="wcg-") as sock, \
+            tempfile.TemporaryDirectory(prefix="wcg-none-") as empty:
+        try:
+            fallback = _engine(model, case, "wcache", {"fallback": True, "socket_dir": empty},
+                               prompts, max_tokens)
+            row["loads"]["fallback"] = _summary(fallback)
+            fb = _phase(fallback, "fallback")
+            row["fallback_reason"] = fb.get("reason") if fb else None
+        except RuntimeError as exc:
+            return {**row, "outcome": "failed", "reason": "fallback load failed",
+                    "detail": str(exc).splitlines()[-TAIL_LINES:]}
+        daemon = DaemonProcess(model, sock, extra_args=case.serve_args, env=dict(case.env))
+        try:
+            daemon.start()
+        except RuntimeError as exc:
+            lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+            reason = next((ln for ln in lines if "wcache serve: error" in ln or "no wcache plan"
+                           in ln or "NoPlan" in ln or "plan-missing" in ln), lines[-1] if lines else "")
+            same = _tokens(fallback) == _tokens(disk)
+            outcome = "refused" if daemon.proc is not None and daemon.proc.returncode not in (
+                None, 0, -9, -11, -6) and same else "failed"
+            return {**row, "outcome": outcome, "reason": reason.strip()[:600],
+                    "fallback_identical": same, "daemon_exit": daemon.proc.returncode
+                    if daemon.proc else None, "detail": lines[-TAIL_LINES:]}
+        try:
+            row["daemon_ready_s"] = round(daemon.ready_s, 3)
+            from wcache.store import daemon_status  # noqa: PLC0415
+            from wcache.store.paths import list_sockets  # noqa: PLC0415
+
+            status = daemon_status(list_sockets(sock)[0])
+            row["plans"] = sorted({p.split(":")[0] for p in status["key_fields"].get("plans", [])})
+            row["transport"] = status.get("transport")
+            loads = {}
+            for name in ("daemon", "second"):
+                try:
+                    loads[name] = _engine(model, case, "wcache",
+                                          {"fallback": False, "socket_dir": sock},
+                                          prompts, max_tokens)
+                except RuntimeError as exc:
+                    return {**row, "outcome": "failed", "reason": f"{name} load failed",
+                            "detail": str(exc).splitlines()[-TAIL_LINES:]}
+                row["loads"][name] = _summary(loads[name])
+            row["verify"] = _verify(model, case, sock) if verify else None
+        finally:
+            daemon.stop()
+    others = {"fallback": fallback, **loads}
+    identical = {k: _tokens(v) == _tokens(disk) for k, v in others.items()}
+    close = {k: logprobs_close(disk, v) for k, v in others.items()}
+    row["identical"] = identical
+    row["logprobs_close"] = {k: ok for k, (ok, _) in close.items()}
+    problems = [f"{k}: {why}" for k, (ok, why) in close.items() if not ok]
+    if row["fallback_reason"] != "daemon-missing":
+        problems.append(f"fallback reason {row['fallback_reason']!r}, expected 'daemon-missing'")
+    for name in ("daemon", "second"):
+        if _phase(loads[name], "restore") is None:
+            problems.append(f"{name}: the loader recorded no restore phase")
+    if verify and row["verify"]["exit"] != 0:
+        problems.append(f"wcache verify exited {row['verify']['exit']}")
+    row["outcome"] = "failed" if problems else "restored"
+    row["reason"] = "; ".join(problems) if problems else (
+        "identical greedy tokens" if all(identical.values()) else "top-5 logprobs close")
+    return row
+
+
+def record_result(row: Mapping[str, Any], path: str | os.PathLike | None = None) -> Path:
+    """Append one case's row to ``path`` (default ``$WCACHE_GPU_ENGINE_RESULTS``), one
+    ``write`` of one line on an ``O_APPEND`` file, so parallel test workers can share it.
+
+    Returns:
+        The results file.
+    """
+    out = Path(path or os.environ.get(RESULTS_ENV) or DEFAULT_RESULTS)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **row},
+                      sort_keys=True, default=str) + "\n"
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+    return out
+
+
+def summary_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """A markdown table of result rows: case, outcome, plans, reason, and vLLM's
+    "Model loading took" seconds from disk and from the daemon."""
+    def loading(row: Mapping[str, Any], load: str) -> str:
+        v = row.get("loads", {}).get(load, {}).get("model_loading_s")
+        return "-" if v is None else f"{v:.3f}"
+
+    lines = ["| case | outcome | plans | reason | loading disk s | loading daemon s |",
+             "|---|---|---|---|---:|---:|"]
+    for row in rows:
+        plans = ", ".join(f"`{p}`" for p in row.get("plans", []) if not p.startswith(
+            ("attention/", "kv_cache/", "ct_kv_cache/")))
+        reason = str(row.get("reason", "")).replace("|", "\\|")[:240]
+        lines.append(f"| {row['case']} | {row['outcome']} | {plans} | {reason} | "
+                     f"{loading(row, 'disk')} | {loading(row, 'daemon')} |")
+    return "\n".join(lines)
+
+
+def read_results(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of a results file, the last row of each case only (a re-run wins)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows[row["case"]] = row
+    return list(rows.values())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m wcache.testing.engine_acceptance --summary RESULTS``: print the table."""
+    import argparse  # noqa: PLC0415
+
+    ap = argparse.ArgumentParser(prog="python -m wcache.testing.engine_acceptance",
+                                 description=main.__doc__)
+    ap.add_argument("--summary", required=True, metavar="RESULTS",
+                    help="a results.jsonl written by the gpu_engine tier")
+    args = ap.parse_args(argv)
+    print(summary_table(read_results(args.summary)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
