@@ -54,7 +54,9 @@ CASES = (
     EngineCase("ct-w8a8-int8", "ct_w8a8_int8", expect="result"),
     EngineCase("ct-w8a8-int8-asym", "ct_w8a8_int8_asym", expect="result"),
     EngineCase("ct-w8a8-int8-static", "ct_w8a8_int8_static", expect="result"),
-    # NVFP4 online on sm90 (vLLM's choice, restored or refused by name)
+    # NVFP4 and MXFP8 on sm90: whatever vLLM runs them with here, restored or refused by name
+    EngineCase("nvfp4", "nvfp4", expect="result", note="ModelOpt NVFP4 W4A4 checkpoint"),
+    EngineCase("mxfp8", "mxfp8", expect="result", note="ModelOpt MXFP8 checkpoint"),
     EngineCase("online-nvfp4", "bf16", quantization="nvfp4_per_token", expect="result"),
 )
 PROMPTS = ("The capital of France is", "Water boils at a temperature of")

@@ -60,7 +60,7 @@ __all__ = [
     "build", "build_all", "build_variant", "build_with_lm_head", "fixture_path", "fixtures_root", "gguf_path",
     "convert_state_dict", "quantized_linear_prefixes", "is_quantized_linear_weight",
     "awq_quantize", "gptq_quantize", "ct_w4a16_compress", "ct_w8a8_int8_compress",
-    "ct_compress", "fp8_quantize", "calibrate_input_amax",
+    "ct_compress", "fp8_quantize", "nvfp4_quantize", "mxfp8_quantize", "calibrate_input_amax",
     "dequantize_linear", "pack_int4_cols", "unpack_int4_cols", "pack_int4_rows",
     "unpack_int4_rows", "ct_scheme", "quantization_config", "load_state_dict",
 ]
@@ -78,9 +78,11 @@ QUANTIZED_FORMATS = FORMATS[1:]
 #: compressed-tensors FP8 W8A8 presets FP8_DYNAMIC (channel weights, per-token
 #: activations) and FP8 (tensor weights, static tensor activations); INT8 W8A8
 #: with asymmetric per-token (dynamic) and asymmetric static tensor activations;
-#: W4A16 with channel scales (``group_size`` -1).
+#: W4A16 with channel scales (``group_size`` -1); ModelOpt's NVFP4 (W4A4, 16-value
+#: blocks with FP8 block scales and a per-tensor global scale) and MXFP8 (32-value
+#: blocks with E8M0 scales).
 GPU_FORMATS = ("fp8", "ct_w8a8_fp8", "ct_w8a8_fp8_static", "ct_w8a8_int8_asym",
-               "ct_w8a8_int8_static", "ct_w4a16_channel")
+               "ct_w8a8_int8_static", "ct_w4a16_channel", "nvfp4", "mxfp8")
 #: Every format :func:`build` makes.
 ALL_FORMATS = FORMATS + GPU_FORMATS
 
@@ -547,17 +549,111 @@ def fp8_quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"weight": q, "weight_scale": scale.reshape(())}
 
 
+#: FP4 E2M1's magnitudes by code (bit 3 is the sign): the NVFP4 value grid.
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_E2M1_MAX = 6.0
+#: NVFP4 values per FP8 block scale along K (ModelOpt's group_size).
+NVFP4_BLOCK = 16
+#: MX values per E8M0 scale along K (OCP MX spec).
+MX_BLOCK = 32
+#: E8M0's exponent bias, and float8_e4m3fn's largest exponent (448 = 1.75 * 2**8).
+E8M0_BIAS = 127
+FP8_E4M3_MAX_EXPONENT = 8
+#: Checkpoint linears vLLM fuses into one layer; NVFP4 needs one global weight scale
+#: (``weight_scale_2``) across them (``KNvfp4Static`` requires them equal).
+FUSED_LINEARS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 ("mlp.gate_proj", "mlp.up_proj"))
+
+
+def _fp4_codes(x: torch.Tensor) -> torch.Tensor:
+    """Round float32 ``x`` (already in FP4 range) to the nearest E2M1 value; its 4-bit
+    codes as uint8 (sign in bit 3). Ties go to the lower magnitude code."""
+    grid = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
+    mag = (x.abs().unsqueeze(-1) - grid).abs().argmin(dim=-1).to(torch.uint8)
+    return mag | ((x < 0).to(torch.uint8) << 3)
+
+
+def nvfp4_quantize(weight: torch.Tensor, input_amax: float,
+                   weight_amax: float | None = None) -> dict[str, torch.Tensor]:
+    """ModelOpt NVFP4 (W4A4) tensors for one linear layer.
+
+    Args:
+        weight: ``[size_n, size_k]`` float.
+        input_amax: calibrated ``max|x|`` of the layer's input (the activations'
+            global scale is ``amax / (6 * 448)``).
+        weight_amax: the global weight amax (shared by the linears vLLM fuses);
+            default this weight's own.
+
+    Returns:
+        ``weight`` uint8 ``[size_n, size_k // 2]`` (two E2M1 codes a byte, the even
+        column in the low nibble); ``weight_scale`` float8_e4m3fn
+        ``[size_n, size_k // 16]``; ``weight_scale_2`` and ``input_scale`` fp32 0-d.
+
+    Raises:
+        FixtureError: not 2-D float or 16 does not divide size_k.
+
+    Source: ModelOpt NVFP4 export (``NVFP4QTensor``); vLLM ``KNvfp4Static`` layout.
+    """
+    _check_linear_weight(weight, NVFP4_BLOCK)
+    w = weight.to(torch.float32)
+    amax = float(weight_amax if weight_amax is not None else w.abs().max())
+    global_scale = max(amax, torch.finfo(torch.float32).tiny) / (FP4_E2M1_MAX * FP8_E4M3_MAX)
+    blocks = w.reshape(w.shape[0], -1, NVFP4_BLOCK)
+    block_scale = (blocks.abs().amax(dim=-1) / FP4_E2M1_MAX / global_scale) \
+        .clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    denom = (block_scale.to(torch.float32) * global_scale).unsqueeze(-1)
+    scaled = torch.where(denom > 0, blocks / denom.clamp(min=torch.finfo(torch.float32).tiny),
+                         torch.zeros_like(blocks)).clamp(-FP4_E2M1_MAX, FP4_E2M1_MAX)
+    codes = _fp4_codes(scaled).reshape(w.shape[0], -1)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    input_scale = max(float(input_amax) * CALIBRATION_HEADROOM, 1e-6) / (
+        FP4_E2M1_MAX * FP8_E4M3_MAX)
+    return {"weight": packed.contiguous(), "weight_scale": block_scale,
+            "weight_scale_2": torch.tensor(global_scale, dtype=torch.float32),
+            "input_scale": torch.tensor(input_scale, dtype=torch.float32)}
+
+
+def mxfp8_quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """ModelOpt/OCP MXFP8 tensors for one linear layer: per 32 values along K a
+    power-of-two scale ``2**(floor(log2(amax)) - 8)`` (E8M0), values in float8_e4m3fn.
+
+    Args:
+        weight: ``[size_n, size_k]`` float.
+
+    Returns:
+        ``weight`` float8_e4m3fn ``[size_n, size_k]``; ``weight_scale`` uint8 (E8M0
+        bits) ``[size_n, size_k // 32]``.
+
+    Raises:
+        FixtureError: not 2-D float or 32 does not divide size_k.
+
+    Source: OCP Microscaling Formats (MX) v1.0 (shared exponent); vLLM
+    ``_mxfp8_e4m3_quantize_torch`` and ``KMxfp8Static``.
+    """
+    _check_linear_weight(weight, MX_BLOCK)
+    w = weight.to(torch.float32)
+    blocks = w.reshape(w.shape[0], -1, MX_BLOCK)
+    amax = blocks.abs().amax(dim=-1).clamp(min=torch.finfo(torch.float32).tiny)
+    exponent = (torch.floor(torch.log2(amax)) - FP8_E4M3_MAX_EXPONENT).clamp(
+        -E8M0_BIAS, E8M0_BIAS)
+    q = (blocks / torch.exp2(exponent).unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return {"weight": q.reshape(w.shape).to(torch.float8_e4m3fn),
+            "weight_scale": (exponent + E8M0_BIAS).to(torch.uint8)}
+
+
 _QUANTIZERS: dict[str, Callable[..., dict[str, torch.Tensor]]] = {
     "awq": awq_quantize,
     "gptq": gptq_quantize,
     "ct_w4a16": ct_w4a16_compress,
     "ct_w8a8_int8": ct_w8a8_int8_compress,
     "fp8": fp8_quantize,
+    "nvfp4": nvfp4_quantize,
+    "mxfp8": mxfp8_quantize,
     **{fmt: (lambda w, amax=None, _fmt=fmt: ct_compress(w, _fmt, amax))
        for fmt in GPU_FORMATS if fmt.startswith("ct_")},
 }
 #: Formats whose quantizer takes each layer's calibrated input amax.
-STATIC_INPUT_FORMATS = tuple(f for f in GPU_FORMATS if f.endswith("_static"))
+STATIC_INPUT_FORMATS = tuple(f for f in GPU_FORMATS if f.endswith("_static")) + ("nvfp4",)
 
 
 def dequantize_linear(tensors: Mapping[str, torch.Tensor], fmt: str) -> torch.Tensor:
@@ -611,6 +707,19 @@ def quantized_linear_prefixes(names: Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted(n[: -len(".weight")] for n in names if is_quantized_linear_weight(n)))
 
 
+def _fused_weight_amax(state_dict: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """module prefix -> ``max|w|`` over the linears vLLM fuses with it (q/k/v, gate/up);
+    a linear of no fused group keeps its own."""
+    out: dict[str, float] = {}
+    for prefix in quantized_linear_prefixes(state_dict):
+        base, _, leaf_parent = prefix.rpartition(".layers.")
+        layer, _, local = leaf_parent.partition(".")
+        group = next((g for g in FUSED_LINEARS if local in g), (local,))
+        names = [f"{base}.layers.{layer}.{m}.weight" for m in group]
+        out[prefix] = max(float(state_dict[n].abs().max()) for n in names if n in state_dict)
+    return out
+
+
 def convert_state_dict(state_dict: Mapping[str, torch.Tensor], fmt: str,
                        input_amax: Mapping[str, float] | None = None) -> dict[str, torch.Tensor]:
     """Convert a bf16 checkpoint state dict to ``fmt``; never mutates the input.
@@ -640,14 +749,19 @@ def convert_state_dict(state_dict: Mapping[str, torch.Tensor], fmt: str,
                            "(calibrate_input_amax on the bf16 fixture)")
     quantize = _QUANTIZERS.get(fmt)
     rest_dtype = REST_DTYPE[fmt]
+    group_amax = _fused_weight_amax(state_dict) if fmt == "nvfp4" else {}
 
     def convert(item: tuple[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         name, tensor = item
         if quantize is None or not is_quantized_linear_weight(name):
             return {name: tensor.to(rest_dtype) if tensor.is_floating_point() else tensor}
         prefix = name[: -len(".weight")]
-        out = quantize(tensor, input_amax[prefix]) if fmt in STATIC_INPUT_FORMATS \
-            else quantize(tensor)
+        if fmt == "nvfp4":
+            out = quantize(tensor, input_amax[prefix], group_amax[prefix])
+        elif fmt in STATIC_INPUT_FORMATS:
+            out = quantize(tensor, input_amax[prefix])
+        else:
+            out = quantize(tensor)
         return {f"{prefix}.{k}": v for k, v in out.items()}
 
     merged: dict[str, torch.Tensor] = {}
@@ -681,6 +795,13 @@ def quantization_config(fmt: str) -> dict[str, Any] | None:
                 "true_sequential": True, "lm_head": False, "checkpoint_format": "gptq"}
     if fmt == "fp8":
         return {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    if fmt in ("nvfp4", "mxfp8"):
+        algo = {"nvfp4": "NVFP4", "mxfp8": "MXFP8"}[fmt]
+        config = {"quant_method": "modelopt", "quant_algo": algo, "kv_cache_quant_algo": None,
+                  "exclude_modules": ["lm_head"]}
+        if fmt == "nvfp4":
+            config["group_size"] = NVFP4_BLOCK
+        return config
     if fmt.startswith("ct_") and fmt in ALL_FORMATS:
         from compressed_tensors.compressors import ModelCompressor
         from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
