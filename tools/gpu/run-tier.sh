@@ -26,17 +26,24 @@ while [ $# -gt 0 ]; do
 done
 nvidia-smi -L
 python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name(0))"
-if [ "$TIER" = 1 ]; then
-  t0=$(date +%s)
-  python3 -m wcache.testing.fixtures --formats bf16 >"$OUT/fixtures.log" 2>&1 || { tail -30 "$OUT/fixtures.log"; exit 1; }
-  python3 - <<'PY' >>"$OUT/fixtures.log" 2>&1 || { tail -30 "$OUT/fixtures.log"; exit 1; }
-from concurrent.futures import ProcessPoolExecutor
+build_fixtures() {  # the quantizers are pure torch: on the GPU they take seconds
+  python3 -m wcache.testing.fixtures --formats bf16 >>"$OUT/fixtures.log" 2>&1 || return 1
+  python3 - <<'PY' >>"$OUT/fixtures.log" 2>&1
 from wcache.testing.fixtures import ALL_FORMATS, build
-with ProcessPoolExecutor(6) as pool:
-    for fmt, path in zip(ALL_FORMATS, pool.map(build, ALL_FORMATS)):
-        print(f"{fmt:22s} {path}")
+for fmt in ALL_FORMATS:
+    print(f"{fmt:22s} {build(fmt)}", flush=True)
 PY
+}
+if [ "$TIER" = 1 ] || [ -n "$BENCH" ]; then
+  t0=$(date +%s)
+  WCACHE_FIXTURES_DEVICE=cuda build_fixtures || { echo "[run-tier] fixture build on cuda failed; on cpu:"; tail -5 "$OUT/fixtures.log"; build_fixtures; } \
+    || { tail -30 "$OUT/fixtures.log"; exit 1; }
   echo "[run-tier] fixtures in $(( $(date +%s) - t0 )) s"
+  # one engine first: a failure here is the machine's, not a format's (its root cause printed)
+  eval "$(python3 -m wcache.testing.engine_acceptance --preflight "$WCACHE_FIXTURES_DIR/smollm2-135m-instruct-bf16" 2> >(tee "$OUT/preflight.log" | tail -40 >&2))"
+  echo "[run-tier] preflight done; WCACHE_GPU_LOGPROBS=${WCACHE_GPU_LOGPROBS:-on}"
+fi
+if [ "$TIER" = 1 ]; then
   args=(-q -p no:cacheprovider -rfEs -m gpu_engine -n "$WORKERS" --dist load)
   [ -n "$KEXPR" ] && args+=(-k "$KEXPR")
   timeout "$TIER_TIMEOUT" python3 -m pytest "${args[@]}" tests/gpu_engine 2>&1 | tee "$OUT/tier.log" | tail -60

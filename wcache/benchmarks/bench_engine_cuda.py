@@ -220,7 +220,8 @@ def run(formats: Sequence[str], root: Path, log: Callable[[str], None]) -> list[
         nbytes = _warm(ckpt)
         case = EngineCase(fmt, kind, quantization=quant)
         engine_args = list(case.engine_args)
-        engine_args[engine_args.index("--logprobs") + 1] = "0"
+        if "--logprobs" in engine_args:  # tokens are compared; logprobs are not needed
+            del engine_args[engine_args.index("--logprobs"):engine_args.index("--logprobs") + 2]
         engine_args[engine_args.index("--gpu-memory-utilization") + 1] = str(
             GPU_MEMORY_UTILIZATION)
         common = dict(prompts=[PROMPT], max_tokens=MAX_TOKENS, timeout_s=ENGINE_TIMEOUT_S,

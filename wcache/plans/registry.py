@@ -107,7 +107,8 @@ def _known_method(spec: QuantSpec, name: str) -> None:
         raise NoPlan(f"{spec.method}: {_REFUSED[spec.method]}")
     if not any(p.method == spec.method for p in _PLANS):
         known = sorted({p.method for p in _PLANS})
-        raise NoPlan(f"no plan for method {spec.method!r} (layer {name or '?'}); "
+        kernel = f", which vLLM runs with {spec.kernel} here" if spec.kernel else ""
+        raise NoPlan(f"no plan for method {spec.method!r}{kernel} (layer {name or '?'}); "
                      f"wcache has plans for {known}. Load this model without wcache "
                      f"(load_format='auto') or add a plan.")
 

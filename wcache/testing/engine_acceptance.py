@@ -68,12 +68,17 @@ ATTENTION_BACKEND = "TRITON_ATTN"
 #: Engine options every CUDA engine of the acceptance gets (wcache.vllm.run_engine).
 CUDA_ENGINE_ARGS = ("--attention-backend", ATTENTION_BACKEND,
                     "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
-                    "--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION),
-                    "--logprobs", str(TOP_LOGPROBS))
+                    "--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION))
+#: ``0`` drops the top-N logprobs request (greedy token ids are compared either way);
+#: ``tools/gpu/run-tier.sh``'s preflight sets it when vLLM cannot return logprobs on
+#: the machine (it reports why).
+LOGPROBS_ENV = "WCACHE_GPU_LOGPROBS"
 #: ``wcache verify`` on SmolLM2 takes ~20 s on the H200; an 8B-shaped model ~2 min.
 VERIFY_TIMEOUT_S = 600.0
 #: Lines of a failing command's output kept in a result row.
 TAIL_LINES = 25
+#: Lines of a root-cause traceback kept in a result row.
+MAX_DETAIL_LINES = 60
 
 
 @attrs.frozen
@@ -99,14 +104,18 @@ class EngineCase:
 
     @property
     def serve_args(self) -> tuple[str, ...]:
-        """vLLM engine arguments for ``wcache serve`` (they shape the weights)."""
-        return ("--quantization", self.quantization) if self.quantization else ()
+        """vLLM engine arguments for ``wcache serve`` and ``wcache verify``: the ones that
+        shape the weights, and the attention backend (the daemon builds the model's
+        attention layers too; FlashAttention is not in the H200 bundle)."""
+        q = ("--quantization", self.quantization) if self.quantization else ()
+        return ("--attention-backend", ATTENTION_BACKEND) + q
 
     @property
     def engine_args(self) -> tuple[str, ...]:
         """:mod:`wcache.vllm.run_engine` options for every engine of the case."""
         q = ("--quantization", self.quantization) if self.quantization else ()
-        return CUDA_ENGINE_ARGS + q
+        lp = () if os.environ.get(LOGPROBS_ENV) == "0" else ("--logprobs", str(TOP_LOGPROBS))
+        return CUDA_ENGINE_ARGS + q + lp
 
 
 def logprobs_close(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[bool, str]:
@@ -120,7 +129,8 @@ def logprobs_close(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[bool, st
     Source: vllm/tests/models/utils.py::check_logprobs_close
     """
     for p, (ids_a, ids_b) in enumerate(zip(a["token_ids"], b["token_ids"], strict=True)):
-        lps_a, lps_b = a.get("logprobs", [[]])[p], b.get("logprobs", [[]])[p]
+        lps_a = (a.get("logprobs") or [[]] * len(a["token_ids"]))[p]
+        lps_b = (b.get("logprobs") or [[]] * len(b["token_ids"]))[p]
         for i, (ta, tb) in enumerate(zip(ids_a, ids_b, strict=True)):
             if ta == tb:
                 continue
@@ -131,6 +141,17 @@ def logprobs_close(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[bool, st
                                f"other's top-{len(lps_a[i])}")
             break
     return True, ""
+
+
+def _failure(exc: BaseException, prefix: str = "") -> dict[str, Any]:
+    """``reason`` (the root cause's last line) and ``detail`` (the first traceback of
+    the engine's output, vLLM's worker included: the root cause, not the engine
+    client's "see root cause above")."""
+    output = getattr(exc, "output", "") or str(exc)
+    root = first_traceback(output) or output
+    lines = [ln for ln in root.splitlines() if ln.strip()]
+    return {"reason": prefix + (lines[-1].strip() if lines else str(exc)[:300]),
+            "detail": lines[-MAX_DETAIL_LINES:]}
 
 
 def _tokens(result: Mapping[str, Any]) -> list[list[int]]:
@@ -186,10 +207,7 @@ def run_case(case: EngineCase, model: Path, *, prompts: Sequence[str],
     try:
         disk = _engine(model, case, "auto", {}, prompts, max_tokens)
     except RuntimeError as exc:
-        root = first_traceback(getattr(exc, "output", "")) or str(exc)
-        last = [ln for ln in root.splitlines() if ln.strip()][-1:] or [str(exc)[:300]]
-        return {**row, "outcome": "not-runnable", "reason": last[0].strip(),
-                "detail": str(exc).splitlines()[-TAIL_LINES:]}
+        return {**row, "outcome": "not-runnable", **_failure(exc)}
     row["loads"]["disk"] = _summary(disk)
     with tempfile.TemporaryDirectory(prefix="wcg-") as sock, \
             tempfile.TemporaryDirectory(prefix="wcg-none-") as empty:
@@ -200,8 +218,7 @@ def run_case(case: EngineCase, model: Path, *, prompts: Sequence[str],
             fb = _phase(fallback, "fallback")
             row["fallback_reason"] = fb.get("reason") if fb else None
         except RuntimeError as exc:
-            return {**row, "outcome": "failed", "reason": "fallback load failed",
-                    "detail": str(exc).splitlines()[-TAIL_LINES:]}
+            return {**row, "outcome": "failed", **_failure(exc, "fallback load failed: ")}
         daemon = DaemonProcess(model, sock, extra_args=case.serve_args, env=dict(case.env))
         try:
             daemon.start()
@@ -230,8 +247,8 @@ def run_case(case: EngineCase, model: Path, *, prompts: Sequence[str],
                                           {"fallback": False, "socket_dir": sock},
                                           prompts, max_tokens)
                 except RuntimeError as exc:
-                    return {**row, "outcome": "failed", "reason": f"{name} load failed",
-                            "detail": str(exc).splitlines()[-TAIL_LINES:]}
+                    return {**row, "outcome": "failed",
+                            **_failure(exc, f"{name} load failed: ")}
                 row["loads"][name] = _summary(loads[name])
             row["verify"] = _verify(model, case, sock) if verify else None
         finally:
@@ -302,15 +319,47 @@ def read_results(path: str | os.PathLike) -> list[dict[str, Any]]:
     return list(rows.values())
 
 
+def preflight(model: Path, prompts: Sequence[str]) -> dict[str, str]:
+    """One disk engine with the tier's options before the tier: if it fails, print
+    the root cause and retry without the logprobs request; returns the environment
+    the tier should run with (``{LOGPROBS_ENV: "0"}`` when only that works)."""
+    case = EngineCase("preflight", "bf16")
+    for env in ({}, {LOGPROBS_ENV: "0"}):
+        os.environ.update(env)
+        try:
+            out = _engine(model, case, "auto", {}, prompts, 4)
+            print(f"[preflight] disk engine OK with {env or 'the full options'}: "
+                  f"{out['texts']!r}", file=sys.stderr, flush=True)
+            return env
+        except RuntimeError as exc:
+            fail = _failure(exc)
+            notes = [ln for ln in (getattr(exc, "output", "") or "").splitlines()
+                     if ln.startswith("wcache: ")]
+            print(f"[preflight] disk engine FAILED with {env or 'the full options'}: "
+                  f"{fail['reason']}\n" + "\n".join(notes + fail["detail"]), file=sys.stderr,
+                  flush=True)
+        finally:
+            for k in env:
+                os.environ.pop(k, None)
+    return {}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m wcache.testing.engine_acceptance --summary RESULTS``: print the table."""
+    """``--summary RESULTS``: print the table of a results file; ``--preflight MODEL``:
+    check that one engine starts, print ``export`` lines for the tier's environment."""
     import argparse  # noqa: PLC0415
 
     ap = argparse.ArgumentParser(prog="python -m wcache.testing.engine_acceptance",
                                  description=main.__doc__)
-    ap.add_argument("--summary", required=True, metavar="RESULTS",
-                    help="a results.jsonl written by the gpu_engine tier")
+    group = ap.add_mutually_exclusive_group(required=True)
+    group.add_argument("--summary", metavar="RESULTS",
+                       help="a results.jsonl written by the gpu_engine tier")
+    group.add_argument("--preflight", metavar="MODEL", help="a bf16 checkpoint directory")
     args = ap.parse_args(argv)
+    if args.preflight:
+        for key, value in preflight(Path(args.preflight), ("The capital of France is",)).items():
+            print(f"export {key}={value}")
+        return 0
     print(summary_table(read_results(args.summary)))
     return 0
 

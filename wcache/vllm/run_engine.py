@@ -50,6 +50,35 @@ def _state_digest(model) -> dict:
     return json.loads(json.dumps({"state": out, "ties": ties}, default=str))
 
 
+#: Optional packages vLLM switches on when ``importlib.util.find_spec`` finds them
+#: (``vllm.utils.flashinfer.has_flashinfer``): one that is found but does not import
+#: fails the engine at start with a bare ModuleNotFoundError.
+OPTIONAL_MODULES = ("flashinfer", "flashinfer_cubin", "deep_gemm")
+
+
+def _report_broken_optional_modules() -> None:
+    """Print to stderr each optional module that ``find_spec`` finds but that does not
+    import, with where it was found (the cause of an otherwise opaque engine failure)."""
+    import importlib  # noqa: PLC0415
+    import importlib.util  # noqa: PLC0415
+
+    for name in OPTIONAL_MODULES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError) as exc:
+            print(f"wcache: find_spec({name!r}) raised {exc!r}", file=sys.stderr)
+            continue
+        if spec is None:
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001  (a report, whatever breaks the import)
+            print(f"wcache: {name!r} is found (origin={spec.origin}, "
+                  f"locations={list(spec.submodule_search_locations or [])}, "
+                  f"loader={type(spec.loader).__name__}) but does not import: {exc!r}",
+                  file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -81,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dump_state:
         # collective_rpc with a callable needs in-process execution to be simple
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    _report_broken_optional_modules()
     from vllm import LLM, SamplingParams  # noqa: PLC0415
 
     extra = json.loads(args.extra)
