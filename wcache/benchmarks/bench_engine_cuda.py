@@ -205,8 +205,10 @@ def _phase(result: dict, phase: str) -> float | None:
     return None if rec is None else float(rec["seconds"])
 
 
-def run(formats: Sequence[str], root: Path, log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """Disk vs daemon for each format; one row per format (see the module doc)."""
+def run(formats: Sequence[str], root: Path, log: Callable[[str], None],
+        on_row: Callable[[list[dict[str, Any]]], None] = lambda rows: None) -> list[dict[str, Any]]:
+    """Disk vs daemon for each format; one row per format (see the module doc).
+    ``on_row`` gets the rows so far after each format (results survive a timeout)."""
     from wcache.testing.fixtures import build
     from wcache.vllm.process import DaemonProcess, run_engine
 
@@ -239,6 +241,7 @@ def run(formats: Sequence[str], root: Path, log: Callable[[str], None]) -> list[
             row["error"] = str(exc).splitlines()[-5:]
             log(f"{fmt}: FAILED {row['error']}")
             rows.append(row)
+            on_row(rows)
             continue
         row.update({
             "disk_model_loading_s": disk.get("model_loading_s"),
@@ -253,6 +256,7 @@ def run(formats: Sequence[str], root: Path, log: Callable[[str], None]) -> list[
             f"{row['daemon_model_loading_s']} s, restore {row['restore_s']}, "
             f"identical={row['identical']}")
         rows.append(row)
+        on_row(rows)
     return rows
 
 
@@ -291,18 +295,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown:
         ap.error(f"unknown formats {unknown}; choose from {','.join(FORMATS)}")
-    rows = run(formats, Path(args.root), lambda m: print(f"[bench-engine-cuda] {m}", flush=True))
-    print(table(rows))
-    if args.out:
-        meta = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-                "torch": torch.__version__}
-        try:
-            import vllm  # noqa: PLC0415
+    meta = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "shape": LLAMA_8B,
+            "date": time.strftime("%Y-%m-%d", time.gmtime())}
+    try:
+        import vllm  # noqa: PLC0415
 
-            meta["vllm"] = vllm.__version__
-        except ImportError:
-            pass
-        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        meta["vllm"] = vllm.__version__
+    except ImportError:
+        pass
+
+    def save(rows: list[dict[str, Any]]) -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+    rows = run(formats, Path(args.root), lambda m: print(f"[bench-engine-cuda] {m}", flush=True),
+               on_row=save)
+    print(table(rows))
     return 0 if all("error" not in r and r.get("identical") for r in rows) else 1
 
 

@@ -73,6 +73,8 @@ CUDA_ENGINE_ARGS = ("--attention-backend", ATTENTION_BACKEND,
 #: ``tools/gpu/run-tier.sh``'s preflight sets it when vLLM cannot return logprobs on
 #: the machine (it reports why).
 LOGPROBS_ENV = "WCACHE_GPU_LOGPROBS"
+#: Environment a row records (what the preflight chose, vLLM switches set for all).
+TIER_ENV = (LOGPROBS_ENV, "VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_FLASHINFER_SAMPLER")
 #: ``wcache verify`` on SmolLM2 takes ~20 s on the H200; an 8B-shaped model ~2 min.
 VERIFY_TIMEOUT_S = 600.0
 #: Lines of a failing command's output kept in a result row.
@@ -203,6 +205,7 @@ def run_case(case: EngineCase, model: Path, *, prompts: Sequence[str],
     """
     row: dict[str, Any] = {"case": case.id, "fmt": case.fmt, "quantization": case.quantization,
                            "env": dict(case.env), "expect": case.expect, "note": case.note,
+                           "tier_env": {k: os.environ[k] for k in TIER_ENV if k in os.environ},
                            "loads": {}}
     try:
         disk = _engine(model, case, "auto", {}, prompts, max_tokens)
@@ -321,10 +324,12 @@ def read_results(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 def preflight(model: Path, prompts: Sequence[str]) -> dict[str, str]:
     """One disk engine with the tier's options before the tier: if it fails, print
-    the root cause and retry without the logprobs request; returns the environment
-    the tier should run with (``{LOGPROBS_ENV: "0"}`` when only that works)."""
+    the root cause and retry without the logprobs request, then with vLLM's V1 model
+    runner; returns the environment the tier should run with (empty when the full
+    options work; the tier's cases then record which variant ran)."""
     case = EngineCase("preflight", "bf16")
-    for env in ({}, {LOGPROBS_ENV: "0"}):
+    for env in ({}, {LOGPROBS_ENV: "0"}, {"VLLM_USE_V2_MODEL_RUNNER": "0"},
+                {LOGPROBS_ENV: "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}):
         os.environ.update(env)
         try:
             out = _engine(model, case, "auto", {}, prompts, 4)
