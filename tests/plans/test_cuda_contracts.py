@@ -331,6 +331,31 @@ def test_online_fp8_daemon_load_path(simulated_cuda, name):
     _assert_equal(vllm_layer, restored, attrs)
 
 
+@pytest.mark.parametrize("name", ["Fp8PerTensorOnlineLinearMethod", "Fp8PtpcOnlineLinearMethod"])
+def test_restored_fp8_layer_has_vllms_attributes_and_no_more(simulated_cuda, name):
+    """Every attribute the plan declares reads the same on the restored layer as on
+    vLLM's own (what ``wcache verify`` compares): the CUTLASS output width lives on
+    vLLM's kernel object only. Before the fix the restored layer also carried
+    ``logical_output_size`` (verify failed for every CUTLASS FP8 format on the H200)."""
+    from vllm.model_executor.layers.quantization.online import fp8 as online
+
+    cls = getattr(online, name)
+    weight = (torch.randn(128, 256, generator=torch.Generator().manual_seed(3))
+              * 0.05).to(torch.bfloat16)
+    vllm_layer = _online_fp8_layer(cls, 256, 128)
+    config, plan = _adapter_plan(vllm_layer, ONLINE_FP8_PLANS[name])
+    with VL.vllm_context("cpu", torch.bfloat16):
+        vllm_layer.weight.weight_loader(vllm_layer.weight, weight.clone())
+
+    def fill(layer):
+        layer._parameters["weight"] = torch.nn.Parameter(weight.clone(), requires_grad=False)
+
+    _, restored = _load_restore(plan, config, lambda meta=False: _online_fp8_layer(
+        cls, 256, 128, meta), fill)
+    declared = sorted({a for s in plan.stages for a in s.attrs}) + list(FP8_CUTLASS_ATTRS)
+    _assert_equal(vllm_layer, restored, tuple(declared))
+
+
 @pytest.mark.parametrize("size_k,size_n", [(256, 128), (200, 100), (64, 130)])
 def test_fp8_per_tensor_online_cutlass(simulated_cuda, size_k, size_n):
     """Fp8PerTensorOnlineLinearMethod on CUTLASS (incl. K, N % 16 != 0, where vLLM pads

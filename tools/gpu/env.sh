@@ -3,7 +3,9 @@
 # its dependencies, then wcache's installed metadata (its vllm.general_plugins entry point).
 export PYTHONPATH=$PWD:${WCACHE_GPU_SITE:-/tmp/site}:/tmp/wcache-dist
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# FlashInfer is not in the bundle; FlashAttention's kernels were left out (TRITON_ATTN instead).
+# FlashInfer is not in the bundle (vLLM imports it for its sampler unless told not to);
+# FlashAttention's kernels were left out (engines use TRITON_ATTN).
+export VLLM_USE_FLASHINFER_SAMPLER=0
 # vLLM's usage reporting and its version check would try the network, which the machine lacks.
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 # Keep NVLink multicast off (the device README: it can take shared GPUs out of service).

@@ -206,14 +206,30 @@ def _real_engine_section(rows: list[dict]) -> list[str]:
              "load's greedy tokens, or top-5 logprobs close, and `wcache verify` passes); "
              "`refused` (`wcache serve` refused before serving; the fallback load equals "
              "disk); `not-runnable` (vLLM's own disk load fails on sm90); `failed`.", "",
-             "| case (checkpoint; vLLM switches) | outcome | plans | reason |",
-             "|---|---|---|---|"]
+             "Cases of tests/gpu_engine that have no row here were not run on the H200 for "
+             "this record. vLLM's own \"Model loading took\" seconds are SmolLM2's, with 10 "
+             "cases sharing the GPU and 16 CPU cores (the 8B-shaped figures belong in "
+             "docs/benchmarks.md).", "",
+             "| case (checkpoint; vLLM switches) | outcome | plans | reason | transport | "
+             "Model loading took, disk / daemon (s) | wcache restore phase (s) |",
+             "|---|---|---|---|---|---:|---:|"]
     for row in sorted(rows, key=lambda r: r["case"]):
         plans = ", ".join(f"`{p}`" for p in row.get("plans", []) if not p.startswith(
             ("attention/", "kv_cache/", "ct_kv_cache/")))
         reason = str(row.get("reason", "")).replace("|", "\\|").replace("\n", " ")
         reason = reason if len(reason) < 300 else reason[:297] + "..."
-        lines.append(f"| {_case_label(row)} | {row['outcome']} | {plans or '-'} | {reason} |")
+        identical = row.get("identical") or {}
+        if row["outcome"] == "failed" and identical and all(identical.values()):
+            reason += " (greedy tokens identical in the fallback, daemon and second loads)"
+        loads = row.get("loads", {})
+        disk = loads.get("disk", {}).get("model_loading_s")
+        daemon = loads.get("daemon", {}).get("model_loading_s")
+        restore = next((r.get("seconds") for r in loads.get("daemon", {}).get("load", [])
+                        if r.get("phase") == "restore"), None)
+        timing = "-" if disk is None or daemon is None else f"{disk:.2f} / {daemon:.2f}"
+        lines.append(f"| {_case_label(row)} | {row['outcome']} | {plans or '-'} | {reason} | "
+                     f"{row.get('transport') or '-'} | {timing} | "
+                     f"{'-' if restore is None else f'{restore:.3f}'} |")
     return lines + [""]
 
 

@@ -188,9 +188,10 @@ def _verify(model: Path, case: EngineCase, socket_dir: str) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=VERIFY_TIMEOUT_S,
                           env={**os.environ, **dict(case.env)})
-    out = proc.stdout + proc.stderr
+    # stdout holds verify's table and verdict only (vLLM's log goes to stderr)
     return {"exit": proc.returncode, "seconds": time.perf_counter() - t0,
-            "tail": out.splitlines()[-TAIL_LINES:]}
+            "table": proc.stdout.splitlines()[-MAX_DETAIL_LINES:],
+            "tail": proc.stderr.splitlines()[-TAIL_LINES:]}
 
 
 def run_case(case: EngineCase, model: Path, *, prompts: Sequence[str],

@@ -131,17 +131,24 @@ def sync_kernel_state_(module: torch.nn.Module) -> None:
     ``layer.scheme.fp8_linear`` (compressed-tensors W8A8 FP8), and asserts it is not
     None on the first forward. ModelOpt NVFP4 MoE's modular kernel (process-local,
     built from the final tensors) is rebuilt by
-    :func:`wcache.vllm.compat.build_nvfp4_moe_kernel_`. Call after a plan's load or
-    restore; a no-op elsewhere.
+    :func:`wcache.vllm.compat.build_nvfp4_moe_kernel_`. The layer attribute is then
+    deleted: vLLM's own layer has none, and the restored layer must equal it. Call
+    after a plan's load or restore; a no-op elsewhere.
     """
     compat.build_nvfp4_moe_kernel_(module)
     width = getattr(module, "logical_output_size", None)
     if width is None:
         return
+    moved = False
     for owner in (getattr(module, "quant_method", None), getattr(module, "scheme", None)):
         kernel = getattr(owner, "fp8_linear", None)
         if kernel is not None and hasattr(kernel, "logical_output_size"):
             kernel.logical_output_size = int(width)
+            moved = True
+    if moved and "logical_output_size" in vars(module):
+        # vLLM keeps the width on its kernel only; a layer attribute of wcache's own
+        # would make the restored layer differ from vLLM's (wcache verify, H200)
+        del module.logical_output_size
 
 
 def _linear_config(module: torch.nn.Module, spec: QuantSpec, name: str,
