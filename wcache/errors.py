@@ -6,7 +6,7 @@ from __future__ import annotations
 
 __all__ = ["WcacheError", "NoPlan", "PlanInvalid", "StageContractError",
            "RestoreWroteSharedTensor", "RecordedMismatch", "RestoreIncomplete",
-           "ModelMismatch", "PlanArgumentError"]
+           "ModelMismatch", "PlanArgumentError", "UpdateUnsupported"]
 
 
 class WcacheError(Exception):
@@ -71,3 +71,12 @@ class PlanArgumentError(WcacheError, TypeError):
     vLLM object outside :mod:`wcache.vllm`, no Target); the message says what to pass."""
 
     code = "plan-argument"
+
+
+class UpdateUnsupported(WcacheError, RuntimeError):
+    """A vLLM weight-mutation path (sleep mode, expert rebalancing) cannot run on a
+    restored model with this transport; refused before any tensor is touched. The
+    message names the path and the setting that makes it work (``mode=copy``)."""
+
+    code = "update-unsupported"
+

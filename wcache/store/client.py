@@ -155,6 +155,9 @@ class Attachment:
             mode: in the private copy; ``cuda_ipc``: in the daemon's memory).
             ``shm`` and ``cuda_vmm`` mappings are read-only: a write faults. The
             restore guard checksums content where this is True.
+        copy_on_write: True once :meth:`allow_private_writes_` made a CPU
+            ``zero_copy`` mapping copy-on-write (a write then lands in this
+            process's own copy of the page; the daemon's bytes never change).
 
     Lifetime: every tensor view holds the mapping (its storage owns the mmap
     object or the CUDA mapping), so :meth:`close` only drops this object's
@@ -184,6 +187,7 @@ class Attachment:
         self.layers = dict(manifest.layers)
         self.extra = dict(manifest.extra)
         self._entries = {e.name: e for e in manifest.tensors}
+        self.copy_on_write = False
 
     @property
     def closed(self) -> bool:
@@ -219,11 +223,18 @@ class Attachment:
         Raises:
             Released: the attachment is closed.
             KeyError: an unknown name.
+            StoreError: code ``cow-armed``: the mapping was made copy-on-write
+                (:meth:`allow_private_writes_`); dropping pages now would throw away
+                this process's own writes (weight updates).
         """
         if self._base is None:
             raise Released("this attachment was closed")
         if self._mm is None:
             return 0
+        if self.copy_on_write:
+            raise StoreError("release_ranges_ after allow_private_writes_ would discard this "
+                             "process's written pages; release ranges before arming copy-on-write",
+                             code="cow-armed")
         page = mmap.PAGESIZE
         total = 0
         for name in names:
@@ -235,6 +246,38 @@ class Attachment:
             self._mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
             total += hi - lo
         return total
+
+    def allow_private_writes_(self) -> bool:
+        """Make later writes through these tensors land in this process's own
+        pages (copy on write), so that vLLM's weight updates (``load_weights``,
+        ``reload_weights``) work on a restored model without touching the daemon's
+        bytes.
+
+        A CPU ``zero_copy`` mapping (``MAP_PRIVATE``, read-only until now) is made
+        writable: each written page is copied on its first write, untouched pages
+        stay shared. A ``copy`` attachment is private already.
+
+        Returns:
+            True when writes are now private (CPU ``zero_copy``, or ``copy`` mode);
+            False for a CUDA ``zero_copy`` attachment, whose mapping cannot be made
+            copy-on-write (the caller privatizes tensors before writing them).
+
+        Raises:
+            Released: the attachment is closed.
+            TransportFailed: ``mprotect`` refused.
+        """
+        if self._base is None:
+            raise Released("this attachment was closed")
+        if self.mode == "copy":
+            return True
+        if self._mm is None:
+            return False
+        if not self.copy_on_write:
+            from wcache.store.arena import allow_private_writes_  # noqa: PLC0415
+
+            allow_private_writes_(self._base, self.nbytes)
+            self.copy_on_write = True
+        return True
 
     def close(self) -> None:
         """Drop this attachment's references to the mapping and tell the daemon.
