@@ -25,7 +25,7 @@ import wcache
 from wcache.store import paths
 from wcache.store.arena import tensor_views
 from wcache.store.errors import (
-    ArenaInvalidated, DaemonBusy, DaemonMissing, KeyMismatch, PeerRefused, ProtocolError, Released,
+    ArenaInvalidated, DaemonBusy, DaemonMissing, IdleTimeout, KeyMismatch, PeerRefused, ProtocolError, Released,
     StoreError, TransportFailed, UnsafePath,
 )
 from wcache.store.manifest import KIND_BUFFER, CacheKey, Manifest
@@ -55,7 +55,7 @@ STOP_POLL_S = 0.05
 # The guard's message travels to the daemon's log and status; a few lines suffice.
 INVALIDATE_MESSAGE_CHARS = 2000
 _ERRORS = {c.code: c for c in (DaemonMissing, KeyMismatch, TransportFailed, ProtocolError, DaemonBusy,
-                               Released, UnsafePath, PeerRefused, ArenaInvalidated)}
+                               Released, UnsafePath, PeerRefused, ArenaInvalidated, IdleTimeout)}
 
 
 class Connection:
@@ -81,6 +81,10 @@ class Connection:
             s.connect(sock_path)
         except OSError as e:
             s.close()
+            if e.errno in (errno.EACCES, errno.EPERM):
+                raise PeerRefused(f"permission denied connecting to {sock_path}: the daemon there "
+                                  f"runs as another user; run as that user or start a daemon of "
+                                  f"your own (`wcache serve`)") from None
             if isinstance(e, socket.timeout) or e.errno in (errno.ECONNREFUSED, errno.ENOENT):
                 raise DaemonMissing(f"no daemon answers on {sock_path} ({e}); the socket is stale or "
                                     "the daemon is not running: start one with `wcache serve`") from None
@@ -499,10 +503,17 @@ def cli_status(socket_dir: str | None) -> int:
         print(f"error [{e.code}]: {e}")
         return 1
     found = 0
-    socks = paths.list_sockets(d)
+    try:
+        socks = paths.list_sockets(d)
+    except UnsafePath as e:
+        print(f"error [{e.code}]: {e}")
+        return 1
     for sock in socks:
         try:
             st = daemon_status(sock)
+        except (PeerRefused, UnsafePath) as e:
+            print(f"{sock}: refused [{e.code}]: {e}")
+            continue
         except StoreError as e:
             alive = paths.owner_alive(paths.read_pid_file(paths.pid_path(sock)))
             print(f"{sock}: {'not answering' if alive else 'stale (owner dead)'} [{e.code}]")

@@ -9,7 +9,7 @@ from wcache.core import WcacheError
 
 __all__ = [
     "StoreError", "DaemonMissing", "KeyMismatch", "TransportFailed", "ProtocolError",
-    "DaemonBusy", "Released", "UnsafePath", "PeerRefused", "CheckpointChanged", "ArenaInvalidated",
+    "DaemonBusy", "IdleTimeout", "Released", "UnsafePath", "PeerRefused", "CheckpointChanged", "ArenaInvalidated",
 ]
 
 
@@ -50,6 +50,14 @@ class ProtocolError(StoreError, ValueError):
     peer speaks another protocol version."""
 
     code = "protocol-error"
+
+
+class IdleTimeout(ProtocolError):
+    """The daemon closed a connection that said nothing for too long (no ``hello``
+    after connecting, or no request while holding no attachment). Connect again
+    when there is something to ask."""
+
+    code = "idle-timeout"
 
 
 class DaemonBusy(StoreError):

@@ -141,6 +141,13 @@ def default_device_id(device: str = "cpu", index: int | None = None) -> str:
     return cuda_device_uuid(index if index is not None else torch.cuda.current_device())
 
 
+def _unreadable(path: str, what: str, exc: OSError) -> UnsafePath:
+    """The refusal of a path this user may not even inspect (another user's)."""
+    return UnsafePath(f"{what} {path} cannot be inspected ({exc.strerror}): it belongs to another "
+                      f"user. Use a socket dir of your own (socket_dir=... / --socket-dir), or "
+                      f"run as the daemon's user.")
+
+
 def _check_owned(st: os.stat_result, path: str, what: str) -> None:
     if st.st_uid != os.getuid():
         raise UnsafePath(f"{what} {path} is owned by uid {st.st_uid}, not by you (uid {os.getuid()}); "
@@ -155,10 +162,13 @@ def ensure_socket_dir(path: str | None = None, *, create: bool = True) -> str:
     Raises:
         UnsafePath: symlink, foreign owner, not a directory, or group/other bits.
         FileNotFoundError: the dir is missing and ``create`` is false.
+        UnsafePath: also when it cannot be inspected (permission denied).
     """
     path = os.path.abspath(path or default_socket_dir())
     try:
         st = os.lstat(path)
+    except PermissionError as e:
+        raise _unreadable(path, "socket dir", e) from None
     except FileNotFoundError:
         if not create:
             raise
@@ -215,6 +225,8 @@ def list_sockets(socket_dir: str) -> list[str]:
         names = os.listdir(socket_dir)
     except FileNotFoundError:
         return []
+    except PermissionError as e:
+        raise _unreadable(socket_dir, "socket dir", e) from None
     return sorted(os.path.join(socket_dir, n) for n in names
                   if n.startswith(SOCKET_PREFIX) and n.endswith(SOCKET_SUFFIX))
 
@@ -226,7 +238,10 @@ def check_socket_file(path: str) -> None:
         FileNotFoundError: nothing there.
         UnsafePath: symlink, not a socket, or another user's.
     """
-    st = os.lstat(path)
+    try:
+        st = os.lstat(path)
+    except PermissionError as e:
+        raise _unreadable(path, "socket", e) from None
     if stat.S_ISLNK(st.st_mode):
         raise UnsafePath(f"socket {path} is a symlink; refusing it.")
     if not stat.S_ISSOCK(st.st_mode):
