@@ -1,6 +1,7 @@
 """A daemon cannot be denied to engines, and errors reach people as one line:
 idle and silent connections time out, connections are limited per client and
-idle ones make room, malformed frames of any type get ``protocol-error``, and a
+idle ones make room, malformed frames of any type get ``protocol-error``, a
+stalled daemon holds a client no longer than its ``connect_timeout_s``, and a
 socket of another user is refused with ``unsafe-path`` / ``peer-refused``."""
 
 import errno
@@ -10,15 +11,16 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
 import torch
 
-from _store_helpers import HERE, synthetic_export
+from _store_helpers import BASE_KEY, HERE, synthetic_export
 from wcache import cli
 from wcache.store import (
-    PeerRefused, UnsafePath, attach, cli_status, daemon_status,
+    CacheKey, DaemonMissing, PeerRefused, UnsafePath, attach, cli_status, daemon_status, paths,
 )
 from wcache.store.protocol import PROTOCOL_VERSION, recv_frame, send_frame
 
@@ -179,6 +181,58 @@ def test_one_client_cannot_take_every_connection(daemon, sock_dir):
     finally:
         for s in mine:
             s.close()
+
+
+# --------------------------------------------------------------------------- a stalled daemon
+
+
+@pytest.fixture
+def stalled_daemon(sock_dir):
+    """A fake daemon on the cpu socket that answers hello, then never answers again."""
+    path = paths.socket_path(sock_dir, "cpu")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    os.chmod(path, paths.FILE_MODE)
+    listener.listen(8)
+    stop = threading.Event()
+    held = []
+
+    def serve():
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except socket.timeout:
+                continue
+            held.append(conn)
+            recv_frame(conn)
+            send_frame(conn, {"ok": True, "protocol": PROTOCOL_VERSION, "wcache": "stall",
+                              "pid": os.getpid(), "device": "cpu", "device_id": "cpu",
+                              "device_uuid": None, "transport": "shm"})
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield path
+    stop.set()
+    thread.join()
+    for c in held:
+        c.close()
+    listener.close()
+
+
+@pytest.mark.parametrize("call", ["attach", "status"])
+def test_stalled_daemon_holds_a_client_no_longer_than_connect_timeout(stalled_daemon, sock_dir, call):
+    """A daemon that answers hello and then stalls: the client gives up with daemon-missing
+    within connect_timeout_s (not the 60 s reply timeout)."""
+    t0 = time.monotonic()
+    with pytest.raises(DaemonMissing) as info:
+        if call == "attach":
+            attach(CacheKey(BASE_KEY), socket_dir=sock_dir, connect_timeout_s=SHORT_TIMEOUT_S)
+        else:
+            daemon_status(stalled_daemon, connect_timeout_s=SHORT_TIMEOUT_S)
+    waited = time.monotonic() - t0
+    assert SHORT_TIMEOUT_S * 0.9 <= waited < SHORT_TIMEOUT_S + SLACK_S
+    assert f"within {SHORT_TIMEOUT_S} s" in str(info.value)
 
 
 # --------------------------------------------------------------------------- another user's socket

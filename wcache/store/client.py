@@ -61,6 +61,13 @@ _ERRORS = {c.code: c for c in (DaemonMissing, KeyMismatch, TransportFailed, Prot
 class Connection:
     """One checked connection to a daemon, after ``hello``.
 
+    Args:
+        sock_path: the daemon's socket.
+        connect_timeout_s: seconds for connect and ``hello`` together.
+        reply_timeout_s: seconds each later request may wait for its reply
+            (default :data:`REPLY_TIMEOUT_S`); an engine passes its own
+            ``connect_timeout_s`` so that no wait outlasts its setting.
+
     Raises (from the constructor):
         DaemonMissing: no socket dir / socket, or nothing listening.
         UnsafePath: unsafe socket dir or socket.
@@ -68,8 +75,10 @@ class Connection:
         ProtocolError: another protocol version.
     """
 
-    def __init__(self, sock_path: str, connect_timeout_s: float = 5.0):
+    def __init__(self, sock_path: str, connect_timeout_s: float = 5.0,
+                 reply_timeout_s: float = REPLY_TIMEOUT_S):
         self.path = sock_path
+        self.sock: socket.socket | None = None
         try:
             paths.ensure_socket_dir(os.path.dirname(sock_path), create=False)
             paths.check_socket_file(sock_path)
@@ -108,18 +117,29 @@ class Connection:
         except BaseException:
             self.close()
             raise
-        s.settimeout(REPLY_TIMEOUT_S)
+        s.settimeout(reply_timeout_s)
 
     def request(self, frame: dict[str, Any], max_fds: int = 0) -> dict[str, Any]:
-        """Send one command and return its ``ok`` reply (fds in ``reply["_fds"]``)."""
+        """Send one command and return its ``ok`` reply (fds in ``reply["_fds"]``).
+
+        Raises:
+            DaemonMissing: the daemon closed the connection or gave no reply within
+                the connection's timeout.
+        """
         try:
             send_frame(self.sock, frame)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the daemon may have refused us and closed: its error frame is still readable
+        except TimeoutError:
+            raise DaemonMissing(f"daemon on {self.path} took no {frame.get('op')!r} request "
+                                f"within {self.sock.gettimeout()} s") from None
         try:
             reply, fds = recv_frame(self.sock, max_fds)
         except (BrokenPipeError, ConnectionResetError, ConnectionClosed) as e:
             raise DaemonMissing(f"daemon on {self.path} closed the connection: {e}") from e
+        except TimeoutError:
+            raise DaemonMissing(f"daemon on {self.path} did not answer {frame.get('op')!r} within "
+                                f"{self.sock.gettimeout()} s; it is stalled or overloaded") from None
         if fds:
             reply["_fds"] = fds
         try:
@@ -348,7 +368,9 @@ def attach(key: CacheKey, socket_dir: str | None = None, device: str = "cpu", de
             stays open until :meth:`Attachment.close`) or ``"copy"`` (one
             private copy; the mapping and connection are dropped at once, the
             daemon keeps serving others).
-        connect_timeout_s: seconds for connect and hello.
+        connect_timeout_s: seconds for connect and hello, and again at most for
+            each later reply (``get``, ``release``): no wait of an attach
+            outlasts it.
 
     Returns:
         An :class:`Attachment`.
@@ -366,7 +388,7 @@ def attach(key: CacheKey, socket_dir: str | None = None, device: str = "cpu", de
     if device_id is None:
         device_id = paths.default_device_id(kind, index)
     sock_path = paths.socket_path(socket_dir, device_id)
-    conn = Connection(sock_path, connect_timeout_s)
+    conn = Connection(sock_path, connect_timeout_s, reply_timeout_s=connect_timeout_s)
     mm = base = None
     try:
         daemon_device = conn.hello.get("device")
@@ -430,8 +452,9 @@ def attach(key: CacheKey, socket_dir: str | None = None, device: str = "cpu", de
 
 
 def daemon_status(sock_path: str, connect_timeout_s: float = 5.0) -> dict[str, Any]:
-    """The ``status`` reply of the daemon on one socket."""
-    conn = Connection(sock_path, connect_timeout_s)
+    """The ``status`` reply of the daemon on one socket; connect, hello and the
+    reply each wait at most ``connect_timeout_s``."""
+    conn = Connection(sock_path, connect_timeout_s, reply_timeout_s=connect_timeout_s)
     try:
         return conn.request({"op": "status"})
     finally:
@@ -449,7 +472,7 @@ def invalidate_daemon(sock_path: str, key: CacheKey, code: str, message: str,
         (it is gone already) or serves another key.
     """
     try:
-        conn = Connection(sock_path, connect_timeout_s)
+        conn = Connection(sock_path, connect_timeout_s, reply_timeout_s=connect_timeout_s)
     except StoreError as e:
         log.warning("cannot tell the daemon on %s to invalidate its arena: %s", sock_path, e)
         return False

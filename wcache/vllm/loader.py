@@ -401,8 +401,10 @@ class WcacheModelLoader(BaseModelLoader):
             logger.warning("wcache: falling back to disk on %s [%s]: %s", rank, code, exc)
             t1 = time.perf_counter()
             model = self._disk_loader().load_model(vllm_config, model_config, prefix)
-            _record_timing(opts, "fallback", time.perf_counter() - t1, reason=code,
-                           tp_rank=layout["tp_rank"])
+            t2 = time.perf_counter()
+            # the whole load phase: the meta build and every wait on the daemon too
+            _record_timing(opts, "fallback", t2 - t0, reason=code, tp_rank=layout["tp_rank"],
+                           before_fallback_s=round(t1 - t0, 4), disk_s=round(t2 - t1, 4))
             return model
         model._wcache_attachment = attachment  # keeps the mapping alive with the model
         marks["verify"] = time.perf_counter()
