@@ -6,7 +6,8 @@ from __future__ import annotations
 
 __all__ = ["WcacheError", "NoPlan", "PlanInvalid", "StageContractError",
            "RestoreWroteSharedTensor", "RecordedMismatch", "RestoreIncomplete",
-           "ModelMismatch", "PlanArgumentError", "UpdateUnsupported"]
+           "ModelMismatch", "PlanArgumentError", "UpdateUnsupported",
+           "CheckpointCorrupt", "ConfigInvalid", "LoadFailed"]
 
 
 class WcacheError(Exception):
@@ -80,3 +81,24 @@ class UpdateUnsupported(WcacheError, RuntimeError):
 
     code = "update-unsupported"
 
+
+class CheckpointCorrupt(WcacheError, ValueError):
+    """A checkpoint file cannot be what it claims (a truncated or damaged
+    safetensors file); the message names the file and what is wrong with it."""
+
+    code = "checkpoint-corrupt"
+
+
+class ConfigInvalid(WcacheError, ValueError):
+    """The checkpoint's ``config.json`` is missing, not JSON, or not a JSON object;
+    the message names the file and the position of the problem."""
+
+    code = "config-invalid"
+
+
+class LoadFailed(WcacheError, RuntimeError):
+    """The daemon's load (vLLM, transformers, safetensors) raised something wcache
+    does not classify; the message names the checkpoint and the error, and the
+    traceback is in the log (``--verbose``)."""
+
+    code = "load-failed"

@@ -62,6 +62,30 @@ def engine_config(model: str, rest: list[str]) -> Any:
     return engine_args.create_engine_config()
 
 
+def _checked_engine_config(model: str, rest: list[str]) -> Any:
+    """:func:`engine_config`, with what vLLM and transformers raise about the
+    checkpoint's config (or the engine arguments) turned into one
+    :class:`~wcache.errors.ConfigInvalid` naming the file; the traceback is logged
+    at DEBUG (``wcache serve --verbose``).
+
+    Raises:
+        ConfigInvalid: vLLM or transformers refused the config or the arguments.
+    """
+    from wcache.core import WcacheError  # noqa: PLC0415
+    from wcache.errors import ConfigInvalid  # noqa: PLC0415
+
+    try:
+        return engine_config(model, rest)
+    except WcacheError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (vLLM and transformers raise many kinds)
+        logger.debug("wcache serve: vLLM refused the config", exc_info=True)
+        last = (str(exc).strip().splitlines() or [""])[-1].strip()
+        raise ConfigInvalid(f"{os.path.join(model, 'config.json')} (with the engine arguments "
+                            f"{' '.join(rest) or 'none'}): vLLM refused it: {type(exc).__name__}: "
+                            f"{last}; fix the config or the arguments") from exc
+
+
 def build_export(vllm_config: Any, *, progress: bool = True):
     """Load the model with vLLM's loader, prepare every planned layer, and return
     ``(Export, CacheKey)``. Needs vLLM's distributed state initialized.
@@ -412,7 +436,7 @@ def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_metho
     secret = read_secret(seed_secret_file) if seed_secret_file else None
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     listen = rank_seed_address(seed_listen, local_rank) if seed_listen else None
-    vllm_config = engine_config(model, rest)
+    vllm_config = _checked_engine_config(model, rest)
     _prepare_platform(vllm_config)
     with set_current_vllm_config(vllm_config):
         _init_distributed(vllm_config, rank, world, init_method)
@@ -510,7 +534,8 @@ def main(args: argparse.Namespace, rest: list[str]) -> int:
     from wcache.vllm.compat import check_vllm_version  # noqa: PLC0415
 
     check_vllm_version()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
+                        format="%(asctime)s %(name)s %(message)s")
     world = args.tensor_parallel_size * args.pipeline_parallel_size
     nnodes = getattr(args, "nnodes", 1)
     ranks = local_ranks(world, nnodes, getattr(args, "node_rank", 0))
