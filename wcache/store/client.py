@@ -377,7 +377,8 @@ def attach(key: CacheKey, socket_dir: str | None = None, device: str = "cpu", de
 
     Raises:
         DaemonMissing, KeyMismatch (``.fields``), TransportFailed, ProtocolError,
-        PeerRefused, UnsafePath: see :mod:`wcache.store.errors`.
+        PeerRefused, UnsafePath, ShmTooSmall (cuda_ipc with a full /dev/shm): see
+        :mod:`wcache.store.errors`.
     """
     if mode not in MODES:
         raise StoreError(f"mode {mode!r} is not one of {MODES}")
@@ -394,6 +395,8 @@ def attach(key: CacheKey, socket_dir: str | None = None, device: str = "cpu", de
         daemon_device = conn.hello.get("device")
         if daemon_device != kind:
             raise TransportFailed(f"daemon on {sock_path} serves {daemon_device!r}, asked for {kind!r}")
+        if conn.hello.get("transport") == "cuda_ipc":  # torch's IPC ref counters live there
+            paths.check_dev_shm(paths.DEV_SHM_REFCOUNT_BYTES, "attaching over cuda_ipc")
         reply = conn.request({"op": "get", "key": key.fields, "mode": mode, "transport": conn.hello.get("transport")},
                              max_fds=1)
         fds = reply.pop("_fds", [])

@@ -23,7 +23,7 @@ import re
 import socket
 import stat
 
-from wcache.store.errors import DaemonBusy, StoreError, UnsafePath
+from wcache.store.errors import DaemonBusy, ShmTooSmall, StoreError, UnsafePath
 
 __all__ = [
     "default_socket_dir", "ensure_socket_dir", "socket_path", "lock_path", "pid_path",
@@ -31,6 +31,7 @@ __all__ = [
     "write_pid_file", "owner_alive", "acquire_device_lock", "socket_accepts",
     "default_device_id", "list_sockets", "registry_dir", "register_daemon", "unregister_daemon",
     "registered_daemons", "parse_device", "cuda_device_uuid", "SOCKET_PREFIX", "SOCKET_SUFFIX",
+    "check_dev_shm", "DEV_SHM", "DEV_SHM_COLLECTIVES_BYTES", "DEV_SHM_REFCOUNT_BYTES",
 ]
 
 # A sun_path holds 108 bytes including the terminating NUL (Linux <sys/un.h>).
@@ -44,6 +45,16 @@ _FOREIGN_BITS = stat.S_IRWXG | stat.S_IRWXO
 _DEVICE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # Connecting to probe a pid-less socket: a live daemon accepts at once.
 PROBE_TIMEOUT_S = 1.0
+DEV_SHM = "/dev/shm"
+#: Free /dev/shm that collectives wcache starts need (bytes): NCCL's SHM transport
+#: and proxies extend segments of ~9 MiB per peer and channel there, and vLLM's
+#: CPU shared-memory all-reduce (TP/PP groups on CPU) maps buffers per rank and
+#: thread; Docker's default 64 MiB /dev/shm is what the public "No space left on
+#: device" / SIGBUS reports run into, so twice that is asked for.
+DEV_SHM_COLLECTIVES_BYTES = 128 << 20
+#: Free /dev/shm that torch's CUDA IPC ref-counter files need (bytes): one small
+#: file per exported storage; a full or zero-sized /dev/shm is what fails.
+DEV_SHM_REFCOUNT_BYTES = 1 << 20
 
 
 def _usable_runtime_dir(path: str | None) -> bool:
@@ -402,3 +413,35 @@ def cuda_device_uuid(index: int) -> str:
     import torch
 
     return f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+
+
+def check_dev_shm(need_bytes: int, purpose: str, path: str = DEV_SHM) -> int:
+    """Refuse to start ``purpose`` when ``path`` (``/dev/shm``) has less than
+    ``need_bytes`` free, before any work.
+
+    Args:
+        need_bytes: free bytes ``purpose`` needs there.
+        purpose: what needs it (named in the message), e.g. ``"seeding over NCCL"``.
+        path: the shared-memory filesystem (tests pass another).
+
+    Returns:
+        The free bytes found.
+
+    Raises:
+        ShmTooSmall: missing, not inspectable, or too small; names the sizes and
+            the fix (``docker run --shm-size=1g`` / ``--ipc=host``, a Kubernetes
+            ``emptyDir: {medium: Memory}`` on /dev/shm).
+    """
+    fix = (f"give the container a larger {path} (docker run --shm-size=1g or --ipc=host; "
+           f"Kubernetes: an emptyDir with medium: Memory mounted on {path})")
+    try:
+        st = os.statvfs(path)
+    except OSError as e:
+        raise ShmTooSmall(f"{purpose} needs {path}, which cannot be used ({e.strerror}); "
+                          f"{fix}") from None
+    free = st.f_bavail * st.f_frsize
+    if free < need_bytes:
+        raise ShmTooSmall(f"{purpose} needs {need_bytes / 2**20:.0f} MiB free in {path}, which "
+                          f"has {free / 2**20:.1f} MiB free of {st.f_blocks * st.f_frsize / 2**20:.1f}"
+                          f" MiB; {fix}")
+    return free

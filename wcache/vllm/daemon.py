@@ -524,6 +524,28 @@ def local_ranks(world: int, nnodes: int, node_rank: int) -> range:
     return range(node_rank * per_node, (node_rank + 1) * per_node)
 
 
+def shm_needs(device_type: str, world: int, seeding: bool) -> list[tuple[int, str]]:
+    """What the processes and collectives a ``wcache serve`` starts need free in
+    ``/dev/shm``: ``[(bytes, purpose)]``, empty when nothing does.
+
+    * ranks > 1 on CPU: vLLM's CPU communicator maps its TP/PP all-reduce buffers
+      there (``_CPUSHMDistributed``); on CUDA NCCL's SHM transport does.
+    * seeding on CUDA: NCCL (gloo, on CPU, needs none).
+    * any CUDA daemon may serve ``cuda_ipc``, whose ref counters are files there.
+    """
+    from wcache.store.paths import DEV_SHM_COLLECTIVES_BYTES, DEV_SHM_REFCOUNT_BYTES  # noqa
+
+    needs = []
+    if world > 1:
+        needs.append((DEV_SHM_COLLECTIVES_BYTES,
+                      f"{world} ranks ({'vLLM CPU shared-memory all-reduce' if device_type == 'cpu' else 'NCCL'})"))
+    if seeding and device_type == "cuda":
+        needs.append((DEV_SHM_COLLECTIVES_BYTES, "seeding over NCCL"))
+    if device_type == "cuda":
+        needs.append((DEV_SHM_REFCOUNT_BYTES, "cuda_ipc ref counters"))
+    return needs
+
+
 def main(args: argparse.Namespace, rest: list[str]) -> int:
     """`wcache serve` entry point (arguments parsed by wcache.cli).
 
@@ -549,6 +571,13 @@ def main(args: argparse.Namespace, rest: list[str]) -> int:
     job = getattr(args, "job", "") or ""
     sources = {k: getattr(args, k, None) for k in ("snapshot", "from_snapshot", "seed_from", "seed_listen",
                                                    "seed_advertise", "seed_secret_file")}
+    from vllm.platforms import current_platform  # noqa: PLC0415
+
+    from wcache.store.paths import check_dev_shm  # noqa: PLC0415
+
+    seeding = bool(sources.get("seed_from") or sources.get("seed_listen"))
+    for need, purpose in shm_needs(current_platform.device_type, world, seeding):
+        check_dev_shm(need, f"wcache serve: {purpose}")  # before any rank starts or loads
     if world == 1:
         return serve_rank(args.model, rest, rank=0, world=1, init_method=init_method,
                           socket_dir=args.socket_dir, progress=not args.no_progress, job=job,
