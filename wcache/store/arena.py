@@ -246,8 +246,14 @@ def build_cuda_arena(export: Export, key: CacheKey, device_index: int) -> tuple[
     blocks, placed, nbytes = plan_layout(export.tensors, CUDA_ALIGNMENT)
     manifest = make_manifest(export, key, "cuda", CUDA_ALIGNMENT, placed, nbytes)
     arena = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device_index}")
-    _fill(arena, export, blocks)
-    torch.cuda.synchronize(device_index)
+    try:
+        _fill(arena, export, blocks)
+        torch.cuda.synchronize(device_index)
+    except BaseException:
+        from wcache.store.transport_cuda import drain_before_free  # noqa: PLC0415
+
+        drain_before_free(device_index, "a cuda_ipc arena whose copy failed", arena)
+        raise
     log.info("arena (cuda:%d): %d tensors, %.1f MiB in %.3f s", device_index, len(manifest.tensors),
              nbytes / 2**20, time.perf_counter() - t0)
     return arena, manifest
