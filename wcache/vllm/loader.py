@@ -23,7 +23,16 @@ Order of work: build the model on the meta device with vLLM's own
 each layer and why, and the model loads from disk); attach; install
 tensors and tied aliases as the same object; replay each plan's restore under
 the guard; verify nothing is left on meta; keep the mapping alive on the model.
-vLLM's ``process_weights_after_loading`` is never called on mapped tensors.
+vLLM's ``process_weights_after_loading`` is never called on mapped tensors during
+the restore.
+
+After a successful restore, vLLM's weight updates (``model.load_weights`` through
+``collective_rpc``, ``reload_weights`` with an iterator, in kernel format or from
+disk) work: on CPU the mapping turns copy-on-write (each page an update writes
+becomes the engine's own, the daemon's bytes never change); on CUDA ``zero_copy``
+the tensors an update writes are copied first. vLLM's reload metadata is kept for
+this. Sleep mode and expert rebalancing on CUDA ``zero_copy`` are refused at load
+(``update-unsupported``). See docs/quickstart.md, "Mapped weights and weight updates".
 """
 
 from __future__ import annotations
@@ -178,7 +187,7 @@ def _forget_meta_build(vllm_config: VllmConfig, before_ctx: set, before_rope: se
 def _update_refusal(vllm_config: VllmConfig, device: torch.device, opts: LoaderOptions
                     ) -> str | None:
     """Why a weight-mutation path this engine enables cannot run on a restored
-    model, or None (see docs/quickstart.md, "Weight updates on a restored engine").
+    model, or None (see docs/quickstart.md, "Mapped weights and weight updates").
 
     On CUDA with ``zero_copy`` the weights are the daemon's device memory, which
     cannot be made copy-on-write: expert rebalancing (EPLB) rewrites expert weights
