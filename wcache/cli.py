@@ -150,9 +150,33 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
               f"fingerprints checkpoint files by content, so download the model first (e.g. "
               f"`huggingface-cli download REPO --local-dir DIR`) and pass DIR", file=sys.stderr)
         return 2
+    from wcache.checkpoint import check_checkpoint_dir
+
+    check_checkpoint_dir(args.model)  # a damaged file: one line naming it, before vLLM starts
     from wcache.vllm.daemon import main as serve_main
 
-    return serve_main(args, rest)
+    import traceback
+
+    try:
+        return serve_main(args, rest)
+    except WcacheError as exc:
+        if args.verbose and exc.__cause__ is not None:
+            traceback.print_exception(exc.__cause__)
+        raise
+    except KeyboardInterrupt:
+        raise
+    except Exception as exc:  # vLLM, transformers, safetensors: one line; the traceback in the log
+        import logging
+
+        from wcache.errors import LoadFailed
+
+        logging.getLogger("wcache").debug("wcache serve: the load failed", exc_info=True)
+        if args.verbose:
+            traceback.print_exc()
+        last = (str(exc).strip().splitlines() or [""])[-1]
+        raise LoadFailed(f"{args.model}: {type(exc).__name__}: {last}"
+                         + ("" if args.verbose else " (run with --verbose for the traceback)")) \
+            from exc
 
 
 def _check_seed_args(args: argparse.Namespace) -> str | None:
@@ -281,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="separates two jobs of the same model on one host; pass the same "
                         "value to the engine as model_loader_extra_config job")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--verbose", action="store_true",
+                   help="log at DEBUG level and print the traceback of a failed start (by "
+                        "default a failure is one line: `wcache serve: error [code]: ...`)")
     ready = p.add_mutually_exclusive_group()
     ready.add_argument("--from-snapshot", metavar="DIR",
                        help="start from a prepared snapshot in DIR (no vLLM load, no TRANSFORM); "

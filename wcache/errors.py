@@ -6,7 +6,8 @@ from __future__ import annotations
 
 __all__ = ["WcacheError", "NoPlan", "PlanInvalid", "StageContractError",
            "RestoreWroteSharedTensor", "RecordedMismatch", "RestoreIncomplete",
-           "ModelMismatch", "PlanArgumentError"]
+           "ModelMismatch", "PlanArgumentError", "UpdateUnsupported",
+           "CheckpointCorrupt", "ConfigInvalid", "LoadFailed"]
 
 
 class WcacheError(Exception):
@@ -71,3 +72,33 @@ class PlanArgumentError(WcacheError, TypeError):
     vLLM object outside :mod:`wcache.vllm`, no Target); the message says what to pass."""
 
     code = "plan-argument"
+
+
+class UpdateUnsupported(WcacheError, RuntimeError):
+    """A vLLM weight-mutation path (sleep mode, expert rebalancing) cannot run on a
+    restored model with this transport; refused before any tensor is touched. The
+    message names the path and the setting that makes it work (``mode=copy``)."""
+
+    code = "update-unsupported"
+
+
+class CheckpointCorrupt(WcacheError, ValueError):
+    """A checkpoint file cannot be what it claims (a truncated or damaged
+    safetensors file); the message names the file and what is wrong with it."""
+
+    code = "checkpoint-corrupt"
+
+
+class ConfigInvalid(WcacheError, ValueError):
+    """The checkpoint's ``config.json`` is missing, not JSON, or not a JSON object;
+    the message names the file and the position of the problem."""
+
+    code = "config-invalid"
+
+
+class LoadFailed(WcacheError, RuntimeError):
+    """The daemon's load (vLLM, transformers, safetensors) raised something wcache
+    does not classify; the message names the checkpoint and the error, and the
+    traceback is in the log (``--verbose``)."""
+
+    code = "load-failed"

@@ -25,12 +25,13 @@ FAIL_FAST_S = 2.0
 
 
 def test_attach_is_zero_copy_read_only_and_bit_exact(daemon, key, sock_dir):
-    """Every tensor equals the export bit for bit and lies inside one read-only shared memfd mapping."""
+    """Every tensor equals the export bit for bit and lies inside one read-only memfd mapping
+    (private, so that it can later turn copy-on-write for weight updates)."""
     export = synthetic_export()
     with attach(key, socket_dir=sock_dir) as att:
         lo, hi = att.arena_range
         perms, path = mapping_of(lo)
-        assert "r--s" == perms and path.startswith("/memfd:wcache-arena")
+        assert "r--p" == perms and path.startswith("/memfd:wcache-arena")
         for name, t in export.tensors.items():
             v = att.tensors[name]
             assert torch.equal(t, v) and t.stride() == v.stride() and t.dtype == v.dtype, name

@@ -34,6 +34,7 @@ from wcache.store.manifest import (
 __all__ = [
     "CPU_ALIGNMENT", "CUDA_ALIGNMENT", "SEALS", "Block", "plan_layout", "make_manifest",
     "build_shm_arena", "build_cuda_arena", "sealed_memfd", "tensor_views", "map_shm_readonly", "frombuffer_readonly",
+    "allow_private_writes_",
 ]
 
 log = logging.getLogger("wcache.store")
@@ -245,8 +246,14 @@ def build_cuda_arena(export: Export, key: CacheKey, device_index: int) -> tuple[
     blocks, placed, nbytes = plan_layout(export.tensors, CUDA_ALIGNMENT)
     manifest = make_manifest(export, key, "cuda", CUDA_ALIGNMENT, placed, nbytes)
     arena = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{device_index}")
-    _fill(arena, export, blocks)
-    torch.cuda.synchronize(device_index)
+    try:
+        _fill(arena, export, blocks)
+        torch.cuda.synchronize(device_index)
+    except BaseException:
+        from wcache.store.transport_cuda import drain_before_free  # noqa: PLC0415
+
+        drain_before_free(device_index, "a cuda_ipc arena whose copy failed", arena)
+        raise
     log.info("arena (cuda:%d): %d tensors, %.1f MiB in %.3f s", device_index, len(manifest.tensors),
              nbytes / 2**20, time.perf_counter() - t0)
     return arena, manifest
@@ -281,9 +288,13 @@ def tensor_views(base: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tens
     return out
 
 
-def map_shm_readonly(fd: int, nbytes: int) -> mmap.mmap:
+def map_shm_readonly(fd: int, nbytes: int, *, private: bool = False) -> mmap.mmap:
     """Check that ``fd`` is a sealed memfd of ``nbytes`` bytes and map it
-    ``PROT_READ``/``MAP_SHARED``.
+    ``PROT_READ``, ``MAP_SHARED`` (or ``MAP_PRIVATE`` with ``private``).
+
+    Read-only either way: a write faults. ``private`` lets the mapping later be
+    made writable with :func:`allow_private_writes_`, each written page becoming
+    this process's own copy (the sealed memfd itself can never be written).
 
     Raises:
         TransportFailed: the fd is not sealed against writes/resizing, or its
@@ -299,4 +310,28 @@ def map_shm_readonly(fd: int, nbytes: int) -> mmap.mmap:
     size = os.fstat(fd).st_size
     if size != nbytes:
         raise TransportFailed(f"the arena memfd has {size} bytes, the manifest says {nbytes}")
-    return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    flags = mmap.MAP_PRIVATE if private else mmap.MAP_SHARED
+    return mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ)
+
+
+def allow_private_writes_(base: torch.Tensor, nbytes: int) -> None:
+    """Make a ``MAP_PRIVATE`` mapping of a sealed memfd writable (``mprotect``
+    ``PROT_READ|PROT_WRITE``): a later write copies the touched page into this
+    process (copy on write); untouched pages stay the memfd's shared pages and the
+    memfd's bytes never change (``F_SEAL_WRITE``; a private mapping never writes back).
+
+    Args:
+        base: the ``[nbytes]`` uint8 tensor over the mapping (page-aligned start).
+        nbytes: length of the mapping in bytes.
+
+    Raises:
+        TransportFailed: ``mprotect`` refused (e.g. a ``MAP_SHARED`` mapping of a
+            sealed memfd: EACCES).
+
+    Source: mprotect(2); memfd_create(2) on F_SEAL_WRITE and private mappings.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if libc.mprotect(base.data_ptr(), nbytes, mmap.PROT_READ | mmap.PROT_WRITE) != 0:
+        err = ctypes.get_errno()
+        raise TransportFailed(f"cannot make the arena mapping copy-on-write: {os.strerror(err)}")

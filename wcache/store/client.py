@@ -25,7 +25,7 @@ import wcache
 from wcache.store import paths
 from wcache.store.arena import tensor_views
 from wcache.store.errors import (
-    ArenaInvalidated, DaemonBusy, DaemonMissing, KeyMismatch, PeerRefused, ProtocolError, Released,
+    ArenaInvalidated, DaemonBusy, DaemonMissing, IdleTimeout, KeyMismatch, PeerRefused, ProtocolError, Released,
     StoreError, TransportFailed, UnsafePath,
 )
 from wcache.store.manifest import KIND_BUFFER, CacheKey, Manifest
@@ -55,11 +55,18 @@ STOP_POLL_S = 0.05
 # The guard's message travels to the daemon's log and status; a few lines suffice.
 INVALIDATE_MESSAGE_CHARS = 2000
 _ERRORS = {c.code: c for c in (DaemonMissing, KeyMismatch, TransportFailed, ProtocolError, DaemonBusy,
-                               Released, UnsafePath, PeerRefused, ArenaInvalidated)}
+                               Released, UnsafePath, PeerRefused, ArenaInvalidated, IdleTimeout)}
 
 
 class Connection:
     """One checked connection to a daemon, after ``hello``.
+
+    Args:
+        sock_path: the daemon's socket.
+        connect_timeout_s: seconds for connect and ``hello`` together.
+        reply_timeout_s: seconds each later request may wait for its reply
+            (default :data:`REPLY_TIMEOUT_S`); an engine passes its own
+            ``connect_timeout_s`` so that no wait outlasts its setting.
 
     Raises (from the constructor):
         DaemonMissing: no socket dir / socket, or nothing listening.
@@ -68,8 +75,10 @@ class Connection:
         ProtocolError: another protocol version.
     """
 
-    def __init__(self, sock_path: str, connect_timeout_s: float = 5.0):
+    def __init__(self, sock_path: str, connect_timeout_s: float = 5.0,
+                 reply_timeout_s: float = REPLY_TIMEOUT_S):
         self.path = sock_path
+        self.sock: socket.socket | None = None
         try:
             paths.ensure_socket_dir(os.path.dirname(sock_path), create=False)
             paths.check_socket_file(sock_path)
@@ -81,6 +90,10 @@ class Connection:
             s.connect(sock_path)
         except OSError as e:
             s.close()
+            if e.errno in (errno.EACCES, errno.EPERM):
+                raise PeerRefused(f"permission denied connecting to {sock_path}: the daemon there "
+                                  f"runs as another user; run as that user or start a daemon of "
+                                  f"your own (`wcache serve`)") from None
             if isinstance(e, socket.timeout) or e.errno in (errno.ECONNREFUSED, errno.ENOENT):
                 raise DaemonMissing(f"no daemon answers on {sock_path} ({e}); the socket is stale or "
                                     "the daemon is not running: start one with `wcache serve`") from None
@@ -104,18 +117,29 @@ class Connection:
         except BaseException:
             self.close()
             raise
-        s.settimeout(REPLY_TIMEOUT_S)
+        s.settimeout(reply_timeout_s)
 
     def request(self, frame: dict[str, Any], max_fds: int = 0) -> dict[str, Any]:
-        """Send one command and return its ``ok`` reply (fds in ``reply["_fds"]``)."""
+        """Send one command and return its ``ok`` reply (fds in ``reply["_fds"]``).
+
+        Raises:
+            DaemonMissing: the daemon closed the connection or gave no reply within
+                the connection's timeout.
+        """
         try:
             send_frame(self.sock, frame)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the daemon may have refused us and closed: its error frame is still readable
+        except TimeoutError:
+            raise DaemonMissing(f"daemon on {self.path} took no {frame.get('op')!r} request "
+                                f"within {self.sock.gettimeout()} s") from None
         try:
             reply, fds = recv_frame(self.sock, max_fds)
         except (BrokenPipeError, ConnectionResetError, ConnectionClosed) as e:
             raise DaemonMissing(f"daemon on {self.path} closed the connection: {e}") from e
+        except TimeoutError:
+            raise DaemonMissing(f"daemon on {self.path} did not answer {frame.get('op')!r} within "
+                                f"{self.sock.gettimeout()} s; it is stalled or overloaded") from None
         if fds:
             reply["_fds"] = fds
         try:
@@ -155,6 +179,9 @@ class Attachment:
             mode: in the private copy; ``cuda_ipc``: in the daemon's memory).
             ``shm`` and ``cuda_vmm`` mappings are read-only: a write faults. The
             restore guard checksums content where this is True.
+        copy_on_write: True once :meth:`allow_private_writes_` made a CPU
+            ``zero_copy`` mapping copy-on-write (a write then lands in this
+            process's own copy of the page; the daemon's bytes never change).
 
     Lifetime: every tensor view holds the mapping (its storage owns the mmap
     object or the CUDA mapping), so :meth:`close` only drops this object's
@@ -184,6 +211,7 @@ class Attachment:
         self.layers = dict(manifest.layers)
         self.extra = dict(manifest.extra)
         self._entries = {e.name: e for e in manifest.tensors}
+        self.copy_on_write = False
 
     @property
     def closed(self) -> bool:
@@ -219,11 +247,18 @@ class Attachment:
         Raises:
             Released: the attachment is closed.
             KeyError: an unknown name.
+            StoreError: code ``cow-armed``: the mapping was made copy-on-write
+                (:meth:`allow_private_writes_`); dropping pages now would throw away
+                this process's own writes (weight updates).
         """
         if self._base is None:
             raise Released("this attachment was closed")
         if self._mm is None:
             return 0
+        if self.copy_on_write:
+            raise StoreError("release_ranges_ after allow_private_writes_ would discard this "
+                             "process's written pages; release ranges before arming copy-on-write",
+                             code="cow-armed")
         page = mmap.PAGESIZE
         total = 0
         for name in names:
@@ -235,6 +270,38 @@ class Attachment:
             self._mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
             total += hi - lo
         return total
+
+    def allow_private_writes_(self) -> bool:
+        """Make later writes through these tensors land in this process's own
+        pages (copy on write), so that vLLM's weight updates (``load_weights``,
+        ``reload_weights``) work on a restored model without touching the daemon's
+        bytes.
+
+        A CPU ``zero_copy`` mapping (``MAP_PRIVATE``, read-only until now) is made
+        writable: each written page is copied on its first write, untouched pages
+        stay shared. A ``copy`` attachment is private already.
+
+        Returns:
+            True when writes are now private (CPU ``zero_copy``, or ``copy`` mode);
+            False for a CUDA ``zero_copy`` attachment, whose mapping cannot be made
+            copy-on-write (the caller privatizes tensors before writing them).
+
+        Raises:
+            Released: the attachment is closed.
+            TransportFailed: ``mprotect`` refused.
+        """
+        if self._base is None:
+            raise Released("this attachment was closed")
+        if self.mode == "copy":
+            return True
+        if self._mm is None:
+            return False
+        if not self.copy_on_write:
+            from wcache.store.arena import allow_private_writes_  # noqa: PLC0415
+
+            allow_private_writes_(self._base, self.nbytes)
+            self.copy_on_write = True
+        return True
 
     def close(self) -> None:
         """Drop this attachment's references to the mapping and tell the daemon.
@@ -301,14 +368,17 @@ def attach(key: CacheKey, socket_dir: str | None = None, device: str = "cpu", de
             stays open until :meth:`Attachment.close`) or ``"copy"`` (one
             private copy; the mapping and connection are dropped at once, the
             daemon keeps serving others).
-        connect_timeout_s: seconds for connect and hello.
+        connect_timeout_s: seconds for connect and hello, and again at most for
+            each later reply (``get``, ``release``): no wait of an attach
+            outlasts it.
 
     Returns:
         An :class:`Attachment`.
 
     Raises:
         DaemonMissing, KeyMismatch (``.fields``), TransportFailed, ProtocolError,
-        PeerRefused, UnsafePath: see :mod:`wcache.store.errors`.
+        PeerRefused, UnsafePath, ShmTooSmall (cuda_ipc with a full /dev/shm): see
+        :mod:`wcache.store.errors`.
     """
     if mode not in MODES:
         raise StoreError(f"mode {mode!r} is not one of {MODES}")
@@ -319,12 +389,14 @@ def attach(key: CacheKey, socket_dir: str | None = None, device: str = "cpu", de
     if device_id is None:
         device_id = paths.default_device_id(kind, index)
     sock_path = paths.socket_path(socket_dir, device_id)
-    conn = Connection(sock_path, connect_timeout_s)
+    conn = Connection(sock_path, connect_timeout_s, reply_timeout_s=connect_timeout_s)
     mm = base = None
     try:
         daemon_device = conn.hello.get("device")
         if daemon_device != kind:
             raise TransportFailed(f"daemon on {sock_path} serves {daemon_device!r}, asked for {kind!r}")
+        if conn.hello.get("transport") == "cuda_ipc":  # torch's IPC ref counters live there
+            paths.check_dev_shm(paths.DEV_SHM_REFCOUNT_BYTES, "attaching over cuda_ipc")
         reply = conn.request({"op": "get", "key": key.fields, "mode": mode, "transport": conn.hello.get("transport")},
                              max_fds=1)
         fds = reply.pop("_fds", [])
@@ -383,8 +455,9 @@ def attach(key: CacheKey, socket_dir: str | None = None, device: str = "cpu", de
 
 
 def daemon_status(sock_path: str, connect_timeout_s: float = 5.0) -> dict[str, Any]:
-    """The ``status`` reply of the daemon on one socket."""
-    conn = Connection(sock_path, connect_timeout_s)
+    """The ``status`` reply of the daemon on one socket; connect, hello and the
+    reply each wait at most ``connect_timeout_s``."""
+    conn = Connection(sock_path, connect_timeout_s, reply_timeout_s=connect_timeout_s)
     try:
         return conn.request({"op": "status"})
     finally:
@@ -402,7 +475,7 @@ def invalidate_daemon(sock_path: str, key: CacheKey, code: str, message: str,
         (it is gone already) or serves another key.
     """
     try:
-        conn = Connection(sock_path, connect_timeout_s)
+        conn = Connection(sock_path, connect_timeout_s, reply_timeout_s=connect_timeout_s)
     except StoreError as e:
         log.warning("cannot tell the daemon on %s to invalidate its arena: %s", sock_path, e)
         return False
@@ -456,10 +529,17 @@ def cli_status(socket_dir: str | None) -> int:
         print(f"error [{e.code}]: {e}")
         return 1
     found = 0
-    socks = paths.list_sockets(d)
+    try:
+        socks = paths.list_sockets(d)
+    except UnsafePath as e:
+        print(f"error [{e.code}]: {e}")
+        return 1
     for sock in socks:
         try:
             st = daemon_status(sock)
+        except (PeerRefused, UnsafePath) as e:
+            print(f"{sock}: refused [{e.code}]: {e}")
+            continue
         except StoreError as e:
             alive = paths.owner_alive(paths.read_pid_file(paths.pid_path(sock)))
             print(f"{sock}: {'not answering' if alive else 'stale (owner dead)'} [{e.code}]")

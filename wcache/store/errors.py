@@ -9,7 +9,7 @@ from wcache.core import WcacheError
 
 __all__ = [
     "StoreError", "DaemonMissing", "KeyMismatch", "TransportFailed", "ProtocolError",
-    "DaemonBusy", "Released", "UnsafePath", "PeerRefused", "CheckpointChanged", "ArenaInvalidated",
+    "DaemonBusy", "IdleTimeout", "ShmTooSmall", "Released", "UnsafePath", "PeerRefused", "CheckpointChanged", "ArenaInvalidated",
 ]
 
 
@@ -50,6 +50,23 @@ class ProtocolError(StoreError, ValueError):
     peer speaks another protocol version."""
 
     code = "protocol-error"
+
+
+class IdleTimeout(ProtocolError):
+    """The daemon closed a connection that said nothing for too long (no ``hello``
+    after connecting, or no request while holding no attachment). Connect again
+    when there is something to ask."""
+
+    code = "idle-timeout"
+
+
+class ShmTooSmall(StoreError, OSError):
+    """``/dev/shm`` is missing or has less free space than what wcache is about to
+    start needs there (NCCL, vLLM's CPU shared-memory all-reduce, torch's CUDA IPC
+    ref counters); refused before any work instead of SIGBUS or NCCL's "No space
+    left on device" mid-way. The message names the size, the need and the fix."""
+
+    code = "shm-too-small"
 
 
 class DaemonBusy(StoreError):

@@ -23,7 +23,7 @@ import re
 import socket
 import stat
 
-from wcache.store.errors import DaemonBusy, StoreError, UnsafePath
+from wcache.store.errors import DaemonBusy, ShmTooSmall, StoreError, UnsafePath
 
 __all__ = [
     "default_socket_dir", "ensure_socket_dir", "socket_path", "lock_path", "pid_path",
@@ -31,6 +31,7 @@ __all__ = [
     "write_pid_file", "owner_alive", "acquire_device_lock", "socket_accepts",
     "default_device_id", "list_sockets", "registry_dir", "register_daemon", "unregister_daemon",
     "registered_daemons", "parse_device", "cuda_device_uuid", "SOCKET_PREFIX", "SOCKET_SUFFIX",
+    "check_dev_shm", "DEV_SHM", "DEV_SHM_COLLECTIVES_BYTES", "DEV_SHM_REFCOUNT_BYTES",
 ]
 
 # A sun_path holds 108 bytes including the terminating NUL (Linux <sys/un.h>).
@@ -44,6 +45,16 @@ _FOREIGN_BITS = stat.S_IRWXG | stat.S_IRWXO
 _DEVICE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # Connecting to probe a pid-less socket: a live daemon accepts at once.
 PROBE_TIMEOUT_S = 1.0
+DEV_SHM = "/dev/shm"
+#: Free /dev/shm that collectives wcache starts need (bytes): NCCL's SHM transport
+#: and proxies extend segments of ~9 MiB per peer and channel there, and vLLM's
+#: CPU shared-memory all-reduce (TP/PP groups on CPU) maps buffers per rank and
+#: thread; Docker's default 64 MiB /dev/shm is what the public "No space left on
+#: device" / SIGBUS reports run into, so twice that is asked for.
+DEV_SHM_COLLECTIVES_BYTES = 128 << 20
+#: Free /dev/shm that torch's CUDA IPC ref-counter files need (bytes): one small
+#: file per exported storage; a full or zero-sized /dev/shm is what fails.
+DEV_SHM_REFCOUNT_BYTES = 1 << 20
 
 
 def _usable_runtime_dir(path: str | None) -> bool:
@@ -141,6 +152,13 @@ def default_device_id(device: str = "cpu", index: int | None = None) -> str:
     return cuda_device_uuid(index if index is not None else torch.cuda.current_device())
 
 
+def _unreadable(path: str, what: str, exc: OSError) -> UnsafePath:
+    """The refusal of a path this user may not even inspect (another user's)."""
+    return UnsafePath(f"{what} {path} cannot be inspected ({exc.strerror}): it belongs to another "
+                      f"user. Use a socket dir of your own (socket_dir=... / --socket-dir), or "
+                      f"run as the daemon's user.")
+
+
 def _check_owned(st: os.stat_result, path: str, what: str) -> None:
     if st.st_uid != os.getuid():
         raise UnsafePath(f"{what} {path} is owned by uid {st.st_uid}, not by you (uid {os.getuid()}); "
@@ -155,10 +173,13 @@ def ensure_socket_dir(path: str | None = None, *, create: bool = True) -> str:
     Raises:
         UnsafePath: symlink, foreign owner, not a directory, or group/other bits.
         FileNotFoundError: the dir is missing and ``create`` is false.
+        UnsafePath: also when it cannot be inspected (permission denied).
     """
     path = os.path.abspath(path or default_socket_dir())
     try:
         st = os.lstat(path)
+    except PermissionError as e:
+        raise _unreadable(path, "socket dir", e) from None
     except FileNotFoundError:
         if not create:
             raise
@@ -215,6 +236,8 @@ def list_sockets(socket_dir: str) -> list[str]:
         names = os.listdir(socket_dir)
     except FileNotFoundError:
         return []
+    except PermissionError as e:
+        raise _unreadable(socket_dir, "socket dir", e) from None
     return sorted(os.path.join(socket_dir, n) for n in names
                   if n.startswith(SOCKET_PREFIX) and n.endswith(SOCKET_SUFFIX))
 
@@ -226,7 +249,10 @@ def check_socket_file(path: str) -> None:
         FileNotFoundError: nothing there.
         UnsafePath: symlink, not a socket, or another user's.
     """
-    st = os.lstat(path)
+    try:
+        st = os.lstat(path)
+    except PermissionError as e:
+        raise _unreadable(path, "socket", e) from None
     if stat.S_ISLNK(st.st_mode):
         raise UnsafePath(f"socket {path} is a symlink; refusing it.")
     if not stat.S_ISSOCK(st.st_mode):
@@ -387,3 +413,35 @@ def cuda_device_uuid(index: int) -> str:
     import torch
 
     return f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+
+
+def check_dev_shm(need_bytes: int, purpose: str, path: str = DEV_SHM) -> int:
+    """Refuse to start ``purpose`` when ``path`` (``/dev/shm``) has less than
+    ``need_bytes`` free, before any work.
+
+    Args:
+        need_bytes: free bytes ``purpose`` needs there.
+        purpose: what needs it (named in the message), e.g. ``"seeding over NCCL"``.
+        path: the shared-memory filesystem (tests pass another).
+
+    Returns:
+        The free bytes found.
+
+    Raises:
+        ShmTooSmall: missing, not inspectable, or too small; names the sizes and
+            the fix (``docker run --shm-size=1g`` / ``--ipc=host``, a Kubernetes
+            ``emptyDir: {medium: Memory}`` on /dev/shm).
+    """
+    fix = (f"give the container a larger {path} (docker run --shm-size=1g or --ipc=host; "
+           f"Kubernetes: an emptyDir with medium: Memory mounted on {path})")
+    try:
+        st = os.statvfs(path)
+    except OSError as e:
+        raise ShmTooSmall(f"{purpose} needs {path}, which cannot be used ({e.strerror}); "
+                          f"{fix}") from None
+    free = st.f_bavail * st.f_frsize
+    if free < need_bytes:
+        raise ShmTooSmall(f"{purpose} needs {need_bytes / 2**20:.0f} MiB free in {path}, which "
+                          f"has {free / 2**20:.1f} MiB free of {st.f_blocks * st.f_frsize / 2**20:.1f}"
+                          f" MiB; {fix}")
+    return free

@@ -114,9 +114,17 @@ class PrebuiltArena:
     def _build_ipc(self, index: int) -> tuple[Any, Manifest]:
         from wcache.store.transport_cuda import CudaServing
 
+        from wcache.store.transport_cuda import drain_before_free
+
         arena = torch.empty(self.manifest.arena_nbytes, dtype=torch.uint8, device=f"cuda:{index}")
-        self.fill(arena)
-        torch.cuda.synchronize(index)
+        try:
+            self.fill(arena)
+            torch.cuda.synchronize(index)
+        except BaseException:
+            # the block returns to the caching allocator when `arena` goes; not before
+            # the copies a failed fill queued into it (on any stream) have landed
+            drain_before_free(index, f"the cuda_ipc arena from {self.origin}", arena)
+            raise
         return CudaServing(arena), self.manifest
 
     def _build_vmm(self, index: int) -> tuple[Any, Manifest]:

@@ -47,7 +47,8 @@ from wcache.store.errors import ProtocolError, StoreError
 from wcache.store.manifest import canonical_json
 
 __all__ = [
-    "PROTOCOL_VERSION", "MAX_FRAME_BYTES", "HEADER", "OPS", "send_frame", "recv_frame",
+    "PROTOCOL_VERSION", "MAX_FRAME_BYTES", "HEADER", "OPS", "REQUEST_FIELDS", "REQUIRED_FIELDS",
+    "check_request", "send_frame", "recv_frame",
     "error_frame", "raise_for_error", "ConnectionClosed", "seed_mac", "SEED_NONCE_BYTES",
     "SEED_REQUEST_LABEL", "SEED_REPLY_LABEL",
 ]
@@ -60,7 +61,24 @@ MAX_FRAME_BYTES = 64 << 20
 HEADER = struct.Struct(">I")
 # SCM_RIGHTS carries at most SCM_MAX_FD (253) descriptors per message; we send 1.
 MAX_FDS_PER_FRAME = 1
-OPS = frozenset({"hello", "get", "release", "status", "shutdown", "invalidate", "seed"})
+_NONE = type(None)
+#: Every command's fields besides ``op`` and the types each may have (a bool is
+#: never an int here). :func:`check_request` refuses any other field or type.
+REQUEST_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
+    "hello": {"protocol": (int,), "wcache": (str, _NONE)},
+    "get": {"key": (dict,), "mode": (str, _NONE), "transport": (str, _NONE)},
+    "release": {},
+    "status": {},
+    "shutdown": {},
+    "invalidate": {"key": (dict,), "code": (str, _NONE), "message": (str, _NONE)},
+    "seed": {"key": (dict,), "backend": (str, _NONE), "nonce": (str, _NONE), "mac": (str, _NONE)},
+}
+#: Fields a command cannot do without.
+REQUIRED_FIELDS: dict[str, frozenset[str]] = {
+    "hello": frozenset({"protocol"}), "get": frozenset({"key"}),
+    "invalidate": frozenset({"key"}), "seed": frozenset({"key"}),
+}
+OPS = frozenset(REQUEST_FIELDS)
 #: Random bytes per challenge nonce (256 bits: never repeats, cannot be guessed).
 SEED_NONCE_BYTES = 32
 #: Domain labels of the two MACs, so a request's MAC can never pass as a reply's.
@@ -201,6 +219,44 @@ def seed_mac(secret: bytes, label: bytes, nonce_hex: str, frame: dict[str, Any])
     except (TypeError, ValueError, StoreError) as e:
         raise ProtocolError(f"seed frame cannot be authenticated: {e}") from None
     return hmac.new(secret, label + nonce + hashlib.sha256(body).digest(), hashlib.sha256).hexdigest()
+
+
+def _type_names(types: tuple[type, ...]) -> str:
+    return " or ".join("nil" if t is _NONE else t.__name__ for t in types)
+
+
+def check_request(req: dict[str, Any]) -> str:
+    """The command of a well-formed request frame.
+
+    Well-formed: ``op`` is a string naming a command, every other field is one
+    that command takes (:data:`REQUEST_FIELDS`) with one of its types (a bool is
+    never taken for an int), and the required fields (:data:`REQUIRED_FIELDS`)
+    are there.
+
+    Raises:
+        ProtocolError: naming the first offending field, its type and what was expected.
+    """
+    op = req.get("op")
+    if not isinstance(op, str):
+        raise ProtocolError(f"'op' must be a string naming a command, not "
+                            f"{type(op).__name__}; commands: {sorted(OPS)}")
+    if op not in REQUEST_FIELDS:
+        raise ProtocolError(f"unknown command {op[:40]!r}; expected one of {sorted(OPS)}")
+    fields = REQUEST_FIELDS[op]
+    for name, value in req.items():
+        if name == "op":
+            continue
+        if name not in fields:
+            raise ProtocolError(f"{op} takes no field {str(name)[:40]!r}; its fields: "
+                                f"{sorted(fields) or 'none'}")
+        allowed = fields[name]
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            raise ProtocolError(f"{op}: field {name!r} must be {_type_names(allowed)}, not "
+                                f"{type(value).__name__}")
+    missing = sorted(REQUIRED_FIELDS.get(op, frozenset()) - set(req))
+    if missing:
+        raise ProtocolError(f"{op} needs the field(s) {missing}")
+    return op
 
 
 def error_frame(err: BaseException) -> dict[str, Any]:

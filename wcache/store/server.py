@@ -40,21 +40,33 @@ import wcache
 from wcache.store import paths
 from wcache.store.arena import build_cuda_arena, build_shm_arena
 from wcache.store.errors import (
-    ArenaInvalidated, DaemonBusy, KeyMismatch, PeerRefused, ProtocolError, StoreError, TransportFailed,
+    ArenaInvalidated, DaemonBusy, IdleTimeout, KeyMismatch, PeerRefused, ProtocolError, StoreError, TransportFailed,
 )
 from wcache.store.manifest import CacheKey, Export, Manifest
 from wcache.store.protocol import (
-    OPS, PROTOCOL_VERSION, SEED_NONCE_BYTES, SEED_REPLY_LABEL, SEED_REQUEST_LABEL, ConnectionClosed,
-    error_frame, recv_frame, seed_mac, send_frame,
+    PROTOCOL_VERSION, SEED_NONCE_BYTES, SEED_REPLY_LABEL, SEED_REQUEST_LABEL, ConnectionClosed,
+    check_request, error_frame, recv_frame, seed_mac, send_frame,
 )
 
-__all__ = ["DaemonServer", "serve", "peer_credentials", "MAX_CONNECTIONS", "INVALIDATED_EXIT",
+__all__ = ["DaemonServer", "serve", "peer_credentials", "client_key", "MAX_CONNECTIONS",
+           "MAX_CONNECTIONS_PER_CLIENT", "HELLO_TIMEOUT_S", "IDLE_TIMEOUT_S", "INVALIDATED_EXIT",
            "INVALIDATED_LINGER_S", "CUDA_TRANSPORTS", "build_cuda_serving"]
 
 log = logging.getLogger("wcache.store")
 
 # Engines per device are few; more connections than this is a runaway client.
 MAX_CONNECTIONS = 64
+#: Connections one client process (by SO_PEERCRED pid) may hold at once: an engine
+#: holds one attachment and makes short status probes; more is a leak or a flood,
+#: and refusing it keeps slots free for other clients (engines get through).
+MAX_CONNECTIONS_PER_CLIENT = 8
+#: A new connection must say hello within this (seconds): a local client sends it
+#: right after connecting; a silent one is dropped so it holds no slot.
+HELLO_TIMEOUT_S = 10.0
+#: A connection that holds no attachment and sends nothing for this long is closed
+#: (seconds): status, stop and wait-ready probes are one exchange each. A
+#: connection holding an attachment may stay idle for the attachment's lifetime.
+IDLE_TIMEOUT_S = 60.0
 # listen() backlog: a burst of engines starting at once.
 LISTEN_BACKLOG = 64
 # The accept loop wakes this often to notice stop().
@@ -119,6 +131,22 @@ def build_cuda_serving(transport: str | None, build_vmm: Callable[[], tuple[Any,
     return (*build_ipc(), transport_cuda.TRANSPORT, reason)
 
 
+def client_key(fields: Any) -> CacheKey:
+    """A client's key map as a :class:`CacheKey`.
+
+    Raises:
+        ProtocolError: not a map, or values a key cannot hold.
+    """
+    if not isinstance(fields, dict):
+        raise ProtocolError(f"key must be a map, not {type(fields).__name__}")
+    try:
+        key = CacheKey(fields)
+        key.digest  # noqa: B018  (computes the canonical form: refuses what JSON cannot carry)
+    except (StoreError, TypeError, ValueError, KeyError, AttributeError) as e:
+        raise ProtocolError(f"key map is malformed: {type(e).__name__}: {str(e)[:200]}") from None
+    return key
+
+
 def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process on the other end of a Unix socket."""
     return _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
@@ -163,6 +191,9 @@ class DaemonServer:
         self.socket_path = paths.socket_path(self.socket_dir, self.device_id)
         self.allowed_uid = os.getuid() if allowed_uid is None else allowed_uid
         self.frame_timeout_s = FRAME_TIMEOUT_S
+        self.hello_timeout_s = HELLO_TIMEOUT_S
+        self.idle_timeout_s = IDLE_TIMEOUT_S
+        self.max_connections_per_client = MAX_CONNECTIONS_PER_CLIENT
         self._lock_fd = paths.acquire_device_lock(self.socket_path)
         try:
             paths.claim_socket_path(self.socket_path)  # fail fast, before the costly arena build
@@ -199,6 +230,8 @@ class DaemonServer:
         self._next_watch = 0.0
         self._accept_thread: threading.Thread | None = None
         self._conns: dict[socket.socket, threading.Thread] = {}
+        #: Unix connections: the handler's state (peer pid, hello, attached, opened at)
+        self._conn_states: dict[socket.socket, dict[str, Any]] = {}
         self._conns_lock = threading.Lock()
         self._stopping = threading.Event()
         self._stopped = threading.Event()
@@ -487,6 +520,11 @@ class DaemonServer:
                 self._refuse(conn, ProtocolError("seed over TCP needs the client's nonce"))
                 return
             try:
+                check_request(request)
+            except ProtocolError as e:
+                self._refuse(conn, e)
+                return
+            try:
                 reply = self.seed_source.handle(request, {"pid": peer, "tcp": True})
             except StoreError as e:
                 reply = error_frame(e)
@@ -524,14 +562,29 @@ class DaemonServer:
                 log.exception("accept failed; still serving")
                 time.sleep(ACCEPT_POLL_S)
                 continue
-            conn.settimeout(None)
+            try:
+                pid = peer_credentials(conn)[0]
+            except OSError:
+                conn.close()
+                continue
+            state = {"hello": False, "attached": False, "pid": pid, "opened": time.monotonic()}
             with self._conns_lock:
-                too_many = len(self._conns) >= MAX_CONNECTIONS
-                if not too_many:
-                    thread = threading.Thread(target=self._handle, args=(conn,), name="wcache-conn", daemon=True)
+                mine = sum(1 for st in self._conn_states.values() if st["pid"] == pid)
+                busy = None
+                if mine >= self.max_connections_per_client:
+                    busy = (f"pid {pid} already holds {mine} connections to this daemon (at most "
+                            f"{self.max_connections_per_client} per client); close some first")
+                elif len(self._conns) >= MAX_CONNECTIONS and not self._evict_idle_locked():
+                    busy = (f"daemon has {MAX_CONNECTIONS} connections, each holding an "
+                            f"attachment; try again later")
+                else:
+                    thread = threading.Thread(target=self._handle, args=(conn, state),
+                                              name="wcache-conn", daemon=True)
                     self._conns[conn] = thread
-            if too_many:
-                self._refuse(conn, DaemonBusy(f"daemon has {MAX_CONNECTIONS} connections; try again later"))
+                    self._conn_states[conn] = state
+            if busy:
+                log.warning("refused a connection from pid %d: %s", pid, busy)
+                self._refuse(conn, DaemonBusy(busy))
                 continue
             thread.start()
 
@@ -545,20 +598,47 @@ class DaemonServer:
         finally:
             conn.close()
 
-    def _handle(self, conn: socket.socket) -> None:
-        state = {"hello": False, "attached": False, "pid": None}
+    def _evict_idle_locked(self) -> bool:
+        """At the connection limit: close the oldest connection that holds no
+        attachment (a silent or idle client), so that a new client (an engine) gets
+        its slot. Called with ``_conns_lock`` held. False when every connection
+        holds an attachment."""
+        idle = [(st["opened"], conn) for conn, st in self._conn_states.items()
+                if not st["attached"] and not st.get("evicted")]
+        if not idle:
+            return False
+        _, victim = min(idle, key=lambda item: item[0])
+        self._conn_states[victim]["evicted"] = True
+        log.warning("at %d connections: closing pid %d's oldest connection, which holds no "
+                    "attachment, for a new client", MAX_CONNECTIONS, self._conn_states[victim]["pid"])
+        try:
+            victim.shutdown(socket.SHUT_RDWR)  # its handler sees the close and ends
+        except OSError:
+            pass
+        return True
+
+    def _handle(self, conn: socket.socket, state: dict[str, Any]) -> None:
         try:
             pid, uid, _ = peer_credentials(conn)
-            state["pid"] = pid
             if uid != self.allowed_uid:
                 log.warning("refused a connection from pid %d uid %d (allowed uid %d)", pid, uid, self.allowed_uid)
                 self._refuse(conn, PeerRefused(f"uid {uid} may not use this daemon (owner uid "
                                                f"{self.allowed_uid})"))
                 return
             while not self._stopping.is_set():
+                # Until hello, then while holding no attachment, silence is bounded.
+                wait = None if state["attached"] else \
+                    self.idle_timeout_s if state["hello"] else self.hello_timeout_s
+                conn.settimeout(wait)
                 try:
                     request, _ = recv_frame(conn, frame_timeout_s=self.frame_timeout_s)
                 except ConnectionClosed:
+                    return
+                except TimeoutError:  # socket.timeout: nothing arrived within `wait`
+                    what = "idle, holding no attachment" if state["hello"] else "no hello"
+                    log.info("closing pid %d's connection: %s for %.1f s", pid, what, wait)
+                    self._refuse(conn, IdleTimeout(f"connection closed after {wait:.1f} s "
+                                                   f"without a request ({what})"))
                     return
                 except ProtocolError as e:
                     log.warning("pid %d sent a bad frame (%s); closing its connection", pid, e)
@@ -590,6 +670,7 @@ class DaemonServer:
                 self._release(state)
             with self._conns_lock:
                 self._conns.pop(conn, None)
+                self._conn_states.pop(conn, None)
             conn.close()
 
     def _release(self, state: dict) -> None:
@@ -602,9 +683,7 @@ class DaemonServer:
         log.info("pid %s released its attachment", state["pid"])
 
     def _dispatch(self, req: dict[str, Any], state: dict) -> tuple[dict[str, Any], tuple[int, ...]]:
-        op = req.get("op")
-        if op not in OPS:
-            raise ProtocolError(f"unknown command {op!r}; expected one of {sorted(OPS)}")
+        op = check_request(req)
         if op == "hello":
             if req.get("protocol") != PROTOCOL_VERSION:
                 raise ProtocolError(f"client speaks protocol {req.get('protocol')!r}, this daemon "
@@ -650,7 +729,7 @@ class DaemonServer:
             raise ArenaInvalidated(f"this daemon's arena was invalidated by pid {inv['pid']} "
                                    f"[{inv['code']}]: {inv['message']}; it exits and a fresh "
                                    f"daemon rebuilds it (load from disk meanwhile)")
-        theirs = CacheKey(fields)
+        theirs = client_key(fields)
         if theirs != self.key:
             diff = self.key.diff(theirs)
             mine = self.key.fields
@@ -663,7 +742,7 @@ class DaemonServer:
         with self._conns_lock:
             self.attachments_active += 1
             self.attachments_total += 1
-        state["attached"] = True
+            state["attached"] = True  # under the lock: eviction never picks an attached client
         log.info("pid %s attached (%s, %s) in %.1f ms", state["pid"], req.get("mode"), self.transport,
                  (time.perf_counter() - t0) * 1e3)
         return {"ok": True, "manifest": self._manifest_dict, "handle": handle}, fds
@@ -672,7 +751,7 @@ class DaemonServer:
         """A client's guard fired on this arena: stop serving it, exit after
         :data:`INVALIDATED_LINGER_S` with :data:`INVALIDATED_EXIT`."""
         fields = req.get("key")
-        if not isinstance(fields, dict) or CacheKey(fields) != self.key:
+        if not isinstance(fields, dict) or client_key(fields) != self.key:
             raise ProtocolError("invalidate names another key than this daemon serves; ignored")
         with self._conns_lock:
             first = self.invalidated is None

@@ -507,8 +507,17 @@ def _fill_cuda(snap: Snapshot, dst: torch.Tensor, threads: int | None, hash_file
                     events[w % 2] = ev
                 pending = nxt
             stream.synchronize()
-    except OSError as e:
-        raise SnapshotCorrupt(f"cannot read {apath}: {e}") from e
+    except BaseException as e:
+        # A read failed (or anything else) with copies still queued on `stream`: let
+        # them land before the staging buffers and `dst` can be freed by the caller.
+        # If the stream cannot be drained, the caller's drain_before_free keeps `dst`.
+        try:
+            stream.synchronize()
+        except Exception:  # noqa: BLE001  (a sticky CUDA error; the caller keeps dst)
+            log.exception("cannot drain the snapshot copy stream after a failed fill")
+        if isinstance(e, OSError):
+            raise SnapshotCorrupt(f"cannot read {apath}: {e}") from e
+        raise
     finally:
         os.close(fd)
     return h.hexdigest() if hash_file else None

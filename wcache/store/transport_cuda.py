@@ -15,13 +15,20 @@ Source: torch/multiprocessing/reductions.py (reduce_tensor, rebuild_cuda_tensor)
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from wcache.store.errors import TransportFailed
 
-__all__ = ["TRANSPORT", "CudaServing", "open_cuda", "encode_reduce_args", "decode_reduce_args"]
+__all__ = ["TRANSPORT", "CudaServing", "open_cuda", "encode_reduce_args", "decode_reduce_args",
+           "drain_before_free"]
+
+log = logging.getLogger("wcache.store")
+#: Device memory an error path could not drain: kept referenced for the life of
+#: the process rather than freed under a copy that may still write it.
+_QUARANTINED: list[Any] = []
 
 TRANSPORT = "cuda_ipc"
 _ARG_NAMES = ("tensor_cls", "tensor_size", "tensor_stride", "tensor_offset", "storage_cls", "dtype",
@@ -31,6 +38,32 @@ _ARG_NAMES = ("tensor_cls", "tensor_size", "tensor_stride", "tensor_offset", "st
 # reduce_tensor passes the class of tensor._typed_storage() (TypedStorage); both
 # classes are accepted by rebuild_cuda_tensor. Sent by name, never pickled.
 _STORAGE_CLASSES = {"TypedStorage": torch.storage.TypedStorage, "UntypedStorage": torch.UntypedStorage}
+
+
+def drain_before_free(device_index: int, what: str, *keep: Any) -> bool:
+    """On an error path, wait until every copy queued on ``cuda:<device_index>``
+    (any stream: a fill's side streams, NCCL's) has finished, so that the caller
+    may free the buffer those copies write (``torch.empty`` blocks go back to the
+    caching allocator, which only tracks their allocation stream; a VMM mapping is
+    unmapped and released).
+
+    Returns:
+        True when drained: free the buffer now. False when the device cannot be
+        synchronized (a sticky CUDA error): ``keep`` (the buffer, its mapping) is
+        then kept referenced for the rest of the process, never freed under a
+        possibly pending write, and the error is logged.
+
+    Source: LMCache#4830 (a fill that raised with copies queued freed the buffer
+    they wrote, corrupting the next allocation); torch.cuda.synchronize.
+    """
+    try:
+        torch.cuda.synchronize(device_index)
+    except Exception:  # noqa: BLE001  (the original error is the caller's; this one is logged)
+        _QUARANTINED.extend(keep)
+        log.exception("cannot drain cuda:%d before freeing %s; keeping it allocated rather than "
+                      "freeing memory a queued copy may still write", device_index, what)
+        return False
+    return True
 
 
 def encode_reduce_args(tensor: torch.Tensor) -> dict[str, Any]:

@@ -1,5 +1,7 @@
 """The ``shm`` transport (CPU): one sealed memfd, passed with SCM_RIGHTS and
-mapped ``PROT_READ``/``MAP_SHARED`` by the client.
+mapped ``PROT_READ``/``MAP_PRIVATE`` by the client: a write faults until the
+client turns the mapping copy-on-write (:func:`wcache.store.arena.allow_private_writes_`,
+after a restore, so that weight updates land in the engine's own pages).
 
 Source: vllm-cpu-restore-notes.md section 7; memfd_create(2), fcntl(2) seals.
 """
@@ -56,7 +58,7 @@ def open_shm(handle: dict[str, Any], fds: list[int], arena_nbytes: int) -> tuple
                                   f"and handle kind {handle.get('kind')!r}")
         if handle.get("nbytes") != arena_nbytes:
             raise TransportFailed(f"handle says {handle.get('nbytes')} bytes, manifest {arena_nbytes}")
-        mm = map_shm_readonly(fds[0], arena_nbytes)
+        mm = map_shm_readonly(fds[0], arena_nbytes, private=True)
     finally:
         for fd in fds:
             os.close(fd)

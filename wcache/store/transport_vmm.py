@@ -230,7 +230,9 @@ def allocate_vmm_arena(nbytes: int, device_index: int,
     Raises:
         TransportFailed: no cuda-python, or the driver cannot allocate or
             export a POSIX-fd VMM allocation (the daemon then uses cuda_ipc).
-            ``fill``'s own errors propagate, with the allocation released.
+            ``fill``'s own errors propagate, with the allocation released once
+            every copy queued on the device has finished
+            (:func:`wcache.store.transport_cuda.drain_before_free`).
     """
     ok, why = available(device_index)
     if not ok:
@@ -257,7 +259,11 @@ def allocate_vmm_arena(nbytes: int, device_index: int,
         torch.cuda.synchronize(device_index)
     except BaseException:
         os.close(int(fd))
-        mapping.release()
+        from wcache.store.transport_cuda import drain_before_free  # noqa: PLC0415
+
+        del arena
+        if drain_before_free(device_index, "a cuda_vmm arena whose fill failed", mapping):
+            mapping.release()  # only once no queued copy can still write it
         raise
     return VmmServing(mapping, int(fd), arena), size
 

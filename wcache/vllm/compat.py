@@ -207,6 +207,52 @@ def finalize_online_loading_(model: torch.nn.Module, model_config: Any) -> None:
         finalize_layerwise_processing(model, model_config)
 
 
+def set_reload_device_(model: torch.nn.Module, device: torch.device) -> int:
+    """Point vLLM's reload metadata of ``model`` at ``device``.
+
+    ``initialize_model`` records, per module, the tensors' metadata and the device
+    to materialize them on for a later in-place ``reload_weights``
+    (``record_metadata_for_reloading``), taking the device from
+    ``torch.get_default_device()``: ``meta`` for a model built on the meta device,
+    which would make a reload materialize its new weights on ``meta``.
+
+    Returns:
+        The number of modules whose record was updated.
+
+    Source: vllm/model_executor/model_loader/reload/layerwise.py::
+        record_metadata_for_reloading, materialize_layer (LayerReloadingInfo.restore_device)
+    """
+    from vllm.model_executor.model_loader.reload import layerwise  # noqa: PLC0415
+
+    count = 0
+    for module in model.modules():
+        info = layerwise.LAYERWISE_INFO.get(module)
+        if info is not None:
+            info.restore_device = device
+            count += 1
+    return count
+
+
+def reload_kernel_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors an in-place ``reload_weights`` in progress will copy its
+    processed weights into (vLLM keeps them aside while the layer is rebuilt on
+    ``meta``); empty when no reload is in progress.
+
+    Source: vllm/model_executor/model_loader/reload/layerwise.py::
+        initialize_layerwise_reload (LayerReloadingInfo.kernel_tensors)
+    """
+    from vllm.model_executor.model_loader.reload import layerwise  # noqa: PLC0415
+
+    out = []
+    for module in model.modules():
+        info = layerwise.LAYERWISE_INFO.get(module)
+        if info is not None and info.kernel_tensors is not None:
+            params, buffers = info.kernel_tensors
+            out.extend(params.values())
+            out.extend(buffers.values())
+    return out
+
+
 def set_torch_accelerator_to_noop() -> None:
     """Install vLLM's CPU no-ops for ``torch.accelerator`` (``BaseModelLoader`` calls
     ``torch.accelerator.empty_cache()``, which raises on a CPU-only torch)."""

