@@ -342,7 +342,7 @@ def test_quantized_linear_names():
 
 BAD_INPUTS = [
     (lambda: fx.convert_state_dict({}, "int3"), "fixture-build", "unknown fixture format"),
-    (lambda: fx.fixture_path("fp8"), "fixture-build", "unknown fixture format"),
+    (lambda: fx.fixture_path("int3"), "fixture-build", "unknown fixture format"),
     (lambda: fx.awq_quantize(torch.zeros(8, 96)), "fixture-build", "multiple of group_size=64"),
     (lambda: fx.gptq_quantize(torch.zeros(12, 64)), "fixture-build", "size_n of 8"),
     (lambda: fx.awq_quantize(torch.zeros(8, 64, dtype=torch.int32)), "fixture-build",
