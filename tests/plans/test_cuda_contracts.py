@@ -710,6 +710,15 @@ def test_ct_w4a16_marlin(simulated_cuda, size_k, size_n, group_size, symmetric):
     from vllm.model_executor.kernels.linear.mixed_precision.marlin import (
         MarlinLinearKernel,
     )
+
+    _ct_w4a16_contract(MarlinLinearKernel, "ct_w4a16/marlin@1", size_k, size_n, group_size,
+                       symmetric, MARLIN_ATTRS + ("weight_zero_point",))
+
+
+def _ct_w4a16_contract(kernel_cls: type, plan_id: str, size_k: int, size_n: int,
+                       group_size: int, symmetric: bool, attrs: tuple[str, ...]) -> None:
+    """CompressedTensorsWNA16 on the kernel vLLM picks (``kernel_cls``): vLLM's post-load
+    vs wcache's ``plan_id`` load and restore, tensors and ``attrs``."""
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
         CompressedTensorsWNA16,
     )
@@ -728,14 +737,12 @@ def test_ct_w4a16_marlin(simulated_cuda, size_k, size_n, group_size, symmetric):
             case.fill(layer, torch.Generator().manual_seed(size_k + size_n))
 
     vllm_layer = build()
-    assert type(vllm_layer.scheme.kernel) is MarlinLinearKernel
-    config, plan = _adapter_plan(vllm_layer, "ct_w4a16/marlin@1")
+    assert type(vllm_layer.scheme.kernel) is kernel_cls
+    config, plan = _adapter_plan(vllm_layer, plan_id)
     fill(vllm_layer)
     with VL.vllm_context("cpu", torch.bfloat16):
         vllm_layer.quant_method.process_weights_after_loading(vllm_layer)
-
     loaded, restored = _load_restore(plan, config, build, fill)
-    attrs = MARLIN_ATTRS + ("weight_zero_point",)
     _assert_equal(vllm_layer, loaded, attrs)
     _assert_equal(loaded, restored, attrs)
 
@@ -1102,32 +1109,9 @@ def test_ct_w4a16_machete(simulated_cuda, size_k, size_n, group_size, symmetric)
     from vllm.model_executor.kernels.linear.mixed_precision.machete import (
         MacheteLinearKernel,
     )
-    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
-        CompressedTensorsWNA16,
-    )
 
-    def scheme():
-        return CompressedTensorsWNA16(strategy="group" if group_size != -1 else "channel",
-                                      num_bits=4, group_size=group_size, symmetric=symmetric)
-
-    case = VL.ct_w4a16_linear(size_k, size_n, group_size, symmetric, bias=True)
-
-    def build(meta=False):
-        return _ct_layer(scheme, (size_n,), size_k, bias=True, meta=meta)
-
-    def fill(layer):
-        with torch.no_grad():
-            case.fill(layer, torch.Generator().manual_seed(size_k + size_n))
-
-    vllm_layer = build()
-    assert type(vllm_layer.scheme.kernel) is MacheteLinearKernel
-    config, plan = _adapter_plan(vllm_layer, "ct_w4a16/machete@1")
-    fill(vllm_layer)
-    with VL.vllm_context("cpu", torch.bfloat16):
-        vllm_layer.quant_method.process_weights_after_loading(vllm_layer)
-    loaded, restored = _load_restore(plan, config, build, fill)
-    _assert_equal(vllm_layer, loaded, ())
-    _assert_equal(loaded, restored, ())
+    _ct_w4a16_contract(MacheteLinearKernel, "ct_w4a16/machete@1", size_k, size_n, group_size,
+                       symmetric, ("weight_zero_point",))
 
 
 # --------------------------------------------------------------------------- CUTLASS INT8

@@ -19,7 +19,7 @@ from wcache.core import WcacheError
 __all__ = [
     "BITS_PER_INT32", "StageInputError", "OpUnavailable", "pack_factor", "pack_along",
     "unpack_along", "pack_rows", "pack_cols", "unpack_rows", "unpack_cols", "pad_to",
-    "round_up", "require_op",
+    "round_up", "require_op", "fold_int8_static_input",
 ]
 
 #: int32 words hold the packed values.
@@ -188,3 +188,41 @@ def require_op(namespace: str, name: str):
             f"torch.ops.{namespace}.{name} is not registered: vLLM's {namespace} "
             f"extension is not loaded in this process. Import vllm._custom_ops first "
             f"(wcache.vllm does) or use a plan that does not need this op.") from e
+
+
+_INT8 = torch.iinfo(torch.int8)
+
+
+def fold_int8_static_input(tensors, config, *, round_zero_point: bool) -> dict[str, torch.Tensor]:
+    """The static-activation part of vLLM's W8A8 INT8 post-load, shared by its CUTLASS
+    and oneDNN kernels; ``{}`` for dynamic activations.
+
+    Symmetric: ``input_scale`` fp32 ``[S]`` -> its max (0-d). Asymmetric: one 0-d fp32
+    scale over the range ``[min_s scale_s * (-128 - zp_s), max_s scale_s * (127 - zp_s)]``
+    of ``input_scale`` and ``input_zero_point`` (int8 ``[S]``), and the 0-d int32 zero
+    point ``-128 - range_min / scale``, rounded (oneDNN) or truncated (CUTLASS).
+
+    Raises:
+        StageInputError: static without ``input_scale``, or asymmetric static without
+            ``input_zero_point``.
+
+    Source: vLLM's ``CutlassInt8ScaledMMLinearKernel`` / ``CPUInt8ScaledMMLinearKernel``
+    ``process_weights_after_loading`` (INPUT SCALE).
+    """
+    if not config.quant.static_input:
+        return {}
+    if "input_scale" not in tensors:
+        raise StageInputError(f"layer {config.name!r}: static W8A8 INT8 without input_scale")
+    input_scale = tensors["input_scale"]
+    if config.quant.input_symmetric:
+        return {"input_scale": input_scale.max()}
+    if "input_zero_point" not in tensors:
+        raise StageInputError(f"layer {config.name!r}: asymmetric static W8A8 INT8 without "
+                              "input_zero_point")
+    azps = tensors["input_zero_point"].to(dtype=torch.int32)
+    range_max = (input_scale * (_INT8.max - azps)).max()
+    range_min = (input_scale * (_INT8.min - azps)).min()
+    scale = (range_max - range_min) / (_INT8.max - _INT8.min)
+    azp = _INT8.min - range_min / scale
+    azp = (azp.round() if round_zero_point else azp).to(dtype=torch.int32)
+    return {"input_scale": scale, "input_zero_point": azp}

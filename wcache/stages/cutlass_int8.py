@@ -27,13 +27,12 @@ from typing import Any
 import torch
 
 from wcache.core import LayerConfig, StageOut, Tag, Target, stage
-from wcache.stages.common import StageInputError
+from wcache.stages.common import StageInputError, fold_int8_static_input
 
 __all__ = ["transpose_weight", "fold_input_scale", "compute_azp_adj"]
 
 _SOURCE = "vllm.model_executor.kernels.linear.scaled_mm.cutlass." \
           "CutlassInt8ScaledMMLinearKernel.process_weights_after_loading"
-_INT8 = torch.iinfo(torch.int8)
 
 
 @stage("cutlass_int8.transpose_weight", Tag.TRANSFORM, reads=("weight",), writes=("weight",),
@@ -60,22 +59,8 @@ def fold_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, t
         StageInputError: static without ``input_scale``, or asymmetric static without
             ``input_zero_point``.
     """
-    if not config.quant.static_input:
-        return StageOut()
-    if "input_scale" not in tensors:
-        raise StageInputError(f"layer {config.name!r}: static W8A8 INT8 without input_scale")
-    input_scale = tensors["input_scale"]
-    if config.quant.input_symmetric:
-        return StageOut(tensors={"input_scale": input_scale.max()})
-    if "input_zero_point" not in tensors:
-        raise StageInputError(f"layer {config.name!r}: asymmetric static W8A8 INT8 without "
-                              "input_zero_point")
-    azps = tensors["input_zero_point"].to(dtype=torch.int32)
-    range_max = (input_scale * (_INT8.max - azps)).max()
-    range_min = (input_scale * (_INT8.min - azps)).min()
-    scale = (range_max - range_min) / (_INT8.max - _INT8.min)
-    azp = (_INT8.min - range_min / scale).to(dtype=torch.int32)
-    return StageOut(tensors={"input_scale": scale, "input_zero_point": azp})
+    # the zero point truncated, as vLLM's CUTLASS post-load does (oneDNN's rounds)
+    return StageOut(tensors=fold_int8_static_input(tensors, config, round_zero_point=False))
 
 
 @stage("cutlass_int8.compute_azp_adj", Tag.TRANSFORM, reads=("weight", "input_zero_point"),

@@ -21,7 +21,9 @@ import torch.nn.functional as F
 
 from wcache.core import LayerConfig, StageOut, Tag, Target, stage
 from wcache.stages import cpu_gemm
-from wcache.stages.common import OpUnavailable, StageInputError, require_op  # noqa: F401
+from wcache.stages.common import (  # noqa: F401
+    OpUnavailable, StageInputError, fold_int8_static_input, require_op,
+)
 
 __all__ = ["PRIMITIVE_CACHE_SIZE", "CPUDNNLGEMMHandler", "OneDNNLinear", "KernelMethod",
            "create_onednn_mm", "create_onednn_scaled_mm", "onednn_mm",
@@ -233,7 +235,6 @@ def prepack_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, tar
 
 # --------------------------------------------------------------------------- W8A8 INT8
 
-_INT8 = torch.iinfo(torch.int8)
 
 
 def _is_fused(config: LayerConfig) -> bool:
@@ -278,22 +279,7 @@ def fold_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, t
     range from ``input_scale`` and ``input_zero_point`` (int8 ``[1]``) and return a
     0-d fp32 ``input_scale`` and a 0-d int32 ``input_zero_point``.
     """
-    if not config.quant.static_input:
-        return StageOut()
-    if "input_scale" not in tensors:
-        raise StageInputError(f"layer {config.name!r}: static W8A8 INT8 without input_scale")
-    input_scale = tensors["input_scale"]
-    if config.quant.input_symmetric:
-        return StageOut(tensors={"input_scale": input_scale.max()})
-    if "input_zero_point" not in tensors:
-        raise StageInputError(f"layer {config.name!r}: asymmetric static W8A8 INT8 "
-                              f"without input_zero_point")
-    azps = tensors["input_zero_point"].to(dtype=torch.int32)
-    range_max = (input_scale * (_INT8.max - azps)).max()
-    range_min = (input_scale * (_INT8.min - azps)).min()
-    scale = (range_max - range_min) / (_INT8.max - _INT8.min)
-    azp = (_INT8.min - range_min / scale).round().to(dtype=torch.int32)
-    return StageOut(tensors={"input_scale": scale, "input_zero_point": azp})
+    return StageOut(tensors=fold_int8_static_input(tensors, config, round_zero_point=True))
 
 
 @stage("onednn.compute_azp_adj", Tag.TRANSFORM, reads=("weight", "weight_scale"),
