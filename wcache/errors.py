@@ -102,3 +102,11 @@ class LoadFailed(WcacheError, RuntimeError):
     traceback is in the log (``--verbose``)."""
 
     code = "load-failed"
+
+
+class PrepareFailed(WcacheError, RuntimeError):
+    """A plan's prepare (the daemon's TRANSFORM stages) failed on what vLLM's loader
+    handed over; the message names the layer, the plan, the stage error and the
+    layer's tensors as vLLM left them. Nothing is served."""
+
+    code = "prepare-failed"

@@ -49,7 +49,7 @@ import pytest
 import torch
 import vllm_layers as VL
 
-from wcache.core import Target, snapshot, tensor_checksum
+from wcache.core import LayerConfig, QuantSpec, Target, snapshot, tensor_checksum
 from wcache.plans.registry import plan_for
 
 pytest.importorskip("vllm")
@@ -1162,3 +1162,28 @@ def test_ct_w8a8_int8_cutlass(simulated_cuda, strategy, widths, static, symmetri
     _assert_equal(vllm_layer, loaded, CUTLASS_INT8_ATTRS)
     _assert_equal(loaded, restored, CUTLASS_INT8_ATTRS)
     assert tuple(restored.weight.stride()) == (1, size_k)  # CUTLASS takes B column-major
+
+
+def test_daemon_refuses_an_already_quantized_online_weight_naming_layer_plan_and_state():
+    """A daemon handed vLLM's processed layer (float8 weight) instead of the checkpoint's
+    bf16 one refuses before serving: PrepareFailed (code prepare-failed) names the
+    layer, the plan, the dtype found and the layer's tensors; never a crash in torch
+    (``aminmax`` on float8) or bytes that differ from an ordinary load."""
+    from wcache.errors import PrepareFailed
+    from wcache.vllm.daemon import prepare_layers_
+    from wcache.vllm.model import PlannedLayer
+
+    config = LayerConfig(QuantSpec("fp8_per_tensor", 8, kernel="cutlass"), 64, 32,
+                         "bfloat16", name="model.layers.0.mlp.down_proj")
+    layer = torch.nn.Module()
+    layer.register_parameter("weight", torch.nn.Parameter(
+        torch.zeros(64, 32).to(torch.float8_e4m3fn), requires_grad=False))
+    planned = [PlannedLayer("model.layers.0.mlp.down_proj", layer, config,
+                            plan_for(config, target=H200).plan)]
+    with pytest.raises(PrepareFailed) as info:
+        prepare_layers_(planned, H200)
+    message = str(info.value)
+    assert info.value.code == "prepare-failed"
+    for part in ("model.layers.0.mlp.down_proj", "fp8_per_tensor/cutlass@1",
+                 "float8_e4m3fn [64, 32]", "weight float8_e4m3fn [64, 32]"):
+        assert part in message

@@ -19,7 +19,7 @@ from wcache.core import WcacheError
 __all__ = [
     "BITS_PER_INT32", "StageInputError", "OpUnavailable", "pack_factor", "pack_along",
     "unpack_along", "pack_rows", "pack_cols", "unpack_rows", "unpack_cols", "pad_to",
-    "round_up", "require_op", "fold_int8_static_input",
+    "round_up", "require_op", "fold_int8_static_input", "high_precision_weight",
 ]
 
 #: int32 words hold the packed values.
@@ -226,3 +226,27 @@ def fold_int8_static_input(tensors, config, *, round_zero_point: bool) -> dict[s
     azp = _INT8.min - range_min / scale
     azp = (azp.round() if round_zero_point else azp).to(dtype=torch.int32)
     return {"input_scale": scale, "input_zero_point": azp}
+
+
+#: dtypes an online quantization stage takes: a checkpoint's unquantized weight.
+HIGH_PRECISION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def high_precision_weight(tensors, config, what: str) -> torch.Tensor:
+    """``tensors["weight"]`` when it is a checkpoint's bf16/fp16/fp32 weight.
+
+    Raises:
+        StageInputError: it is already quantized (e.g. float8): the daemon was handed
+            vLLM's processed layer, not the checkpoint's (vLLM 0.32 quantizes online
+            methods while loading; ``wcache serve`` defers that), so quantizing again
+            would serve other bytes than an ordinary load. Names the layer, the step
+            and the dtype and shape found.
+    """
+    weight = tensors["weight"]
+    if weight.dtype not in HIGH_PRECISION_DTYPES:
+        raise StageInputError(
+            f"layer {config.name!r}: {what} expects the checkpoint's bf16/fp16/fp32 weight, "
+            f"got {str(weight.dtype).removeprefix('torch.')} {list(weight.shape)}: the weight "
+            f"is already quantized (vLLM quantized it while loading). Report this as a "
+            f"wcache bug with the vLLM version, or serve the model without wcache.")
+    return weight

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from wcache.core import LayerConfig, StageOut, Tag, Target, WcacheError, stage
+from wcache.stages.common import high_precision_weight
 
 __all__ = [
     "FP8_DTYPE", "FP8_MAX", "FP8_MIN_CHANNEL_SCALE_DIVISOR", "CUTLASS_ALIGNMENT",
@@ -238,7 +239,7 @@ def quantize_per_tensor_stage(tensors: Mapping[str, torch.Tensor], config: Layer
     Source:
         vllm.model_executor.layers.quantization.online.fp8.Fp8PerTensorOnlineLinearMethod.process_weights_after_loading
     """
-    q, s = quantize_per_tensor(tensors["weight"])
+    q, s = quantize_per_tensor(high_precision_weight(tensors, config, "online FP8 (per tensor)"))
     return StageOut(tensors={"weight": q.t(), "weight_scale": s})
 
 
@@ -253,7 +254,8 @@ def quantize_per_channel_stage(tensors: Mapping[str, torch.Tensor], config: Laye
     Source:
         vllm.model_executor.layers.quantization.online.fp8.Fp8PtpcOnlineLinearMethod.process_weights_after_loading
     """
-    q, s = quantize_per_channel(tensors["weight"])
+    q, s = quantize_per_channel(high_precision_weight(tensors, config,
+                                                      "online FP8 (per channel)"))
     return StageOut(tensors={"weight": q.t(), "weight_scale": s})
 
 
@@ -269,7 +271,8 @@ def quantize_per_block(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
         vllm.model_executor.layers.quantization.online.fp8.Fp8PerBlockOnlineLinearMethod.process_weights_after_loading
     """
     block = tuple(config.get("weight_block_size", BLOCK_SIZE))
-    q, s = per_block_cast_to_fp8(tensors["weight"], block)
+    q, s = per_block_cast_to_fp8(high_precision_weight(tensors, config, "online FP8 (per block)"),
+                                 block)
     return StageOut(tensors={"weight": q, "weight_scale_inv": s})
 
 

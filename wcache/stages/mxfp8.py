@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from wcache.core import LayerConfig, StageOut, Tag, Target, WcacheError, stage
+from wcache.stages.common import high_precision_weight
 
 __all__ = ["MXFP8_BLOCK_SIZE", "E8M0_BIAS", "Mxfp8LayoutError", "mxfp8_e4m3_quantize",
            "quantize"]
@@ -68,5 +69,5 @@ def quantize(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: T
 
     Source: Mxfp8OnlineLinearMethod.process_weights_after_loading: mxfp8_e4m3_quantize
     """
-    q, s = mxfp8_e4m3_quantize(tensors["weight"])
+    q, s = mxfp8_e4m3_quantize(high_precision_weight(tensors, config, "online MXFP8"))
     return StageOut(tensors={"weight": q, "weight_scale": s})

@@ -127,15 +127,7 @@ def build_export(vllm_config: Any, *, progress: bool = True):
     load_checkpoint_(loader, model, model_config)
     _retie_word_embeddings_(model, model_config)
     t_load = time.perf_counter()
-    prepared = {}
-    iterator = planned
-    if progress:
-        from tqdm import tqdm  # noqa: PLC0415
-
-        iterator = tqdm(planned, desc="wcache prepare", unit="layer", file=sys.stderr)
-    with torch.no_grad():
-        for p in iterator:
-            prepared[p.name] = p.plan.prepare(p.module, p.config, target)
+    prepared = prepare_layers_(planned, target, progress=progress)
     t_prep = time.perf_counter()
     tensors, kinds, aliases, nonpersistent = export_tensors(model)
     layers = layer_entries(planned, prepared)
@@ -148,6 +140,51 @@ def build_export(vllm_config: Any, *, progress: bool = True):
     logger.info("wcache: load %.2f s, prepare %.2f s (%d layers), %d tensors, %d aliases",
                 t_load - t0, t_prep - t_load, len(planned), len(tensors), len(aliases))
     return export, key
+
+
+#: Tensors of a failing layer named in a PrepareFailed message (the rest counted).
+MAX_NAMED_TENSORS = 8
+
+
+def _layer_state(module: torch.nn.Module) -> str:
+    """``name dtype [shape]`` of a layer's own tensors, as vLLM's loader left them."""
+    items = [f"{n} {str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+             for n, t in [*module.named_parameters(recurse=False),
+                          *module.named_buffers(recurse=False)]]
+    more = f" and {len(items) - MAX_NAMED_TENSORS} more" if len(items) > MAX_NAMED_TENSORS else ""
+    return ", ".join(items[:MAX_NAMED_TENSORS]) + more or "no tensors"
+
+
+def prepare_layers_(planned: list, target: Any, *, progress: bool = False) -> dict:
+    """Run every planned layer's ``plan.prepare`` (the daemon's TRANSFORM stages).
+
+    Returns:
+        layer name -> the plan's prepared result.
+
+    Raises:
+        PrepareFailed: a plan failed on a layer; names the layer, the plan, the error
+            and the layer's tensors as vLLM's loader left them (code ``prepare-failed``),
+            before anything is exported or served.
+    """
+    from wcache.errors import PrepareFailed  # noqa: PLC0415
+
+    prepared = {}
+    iterator = planned
+    if progress:
+        from tqdm import tqdm  # noqa: PLC0415
+
+        iterator = tqdm(planned, desc="wcache prepare", unit="layer", file=sys.stderr)
+    with torch.no_grad():
+        for p in iterator:
+            try:
+                prepared[p.name] = p.plan.prepare(p.module, p.config, target)
+            except Exception as exc:  # noqa: BLE001  (named and re-raised, never served)
+                raise PrepareFailed(
+                    f"layer {p.name!r}, plan {p.plan.id}: {type(exc).__name__}: {exc} "
+                    f"(vLLM's loader left: {_layer_state(p.module)}). Nothing was served; "
+                    f"serve this model without wcache (load_format='auto') and report it.",
+                    code="prepare-failed") from exc
+    return prepared
 
 
 def load_checkpoint_(loader: Any, model: torch.nn.Module, model_config: Any) -> None:
