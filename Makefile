@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-fast bootstrap docs clean
+.PHONY: demo test test-fast bootstrap docs clean gpu-bundle
 
 bootstrap:
 	@WCACHE_VENV=$(VENV) bash tools/bootstrap.sh
@@ -25,6 +25,12 @@ test-fast: bootstrap
 ## Regenerate docs/plans.md from the plan registry.
 docs: bootstrap
 	$(PY) -m wcache.cli plans --markdown > docs/plans.md
+
+## Build the vLLM CUDA bundle the H200 harness carries over (docs/gpu.md; needs a registry).
+VLLM_CUDA_VERSION ?= 0.32.0
+gpu-bundle:
+	@grep -qx '/.vx/' .git/info/exclude 2>/dev/null || echo /.vx/ >> .git/info/exclude
+	bash tools/gpu/build-bundle.sh $(VLLM_CUDA_VERSION) .vx
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
