@@ -33,6 +33,7 @@ re-running each quantization method's post-load work.
   wcache plans --host                            what vLLM decides here, and the plans it gets
   wcache bench                                   run the benchmark suite
   wcache bench --server                          time to first completion, disk vs daemon
+  wcache bench --soak                            attach/release soak: attaches/s, latency, RSS, fds
   wcache verify --model DIR [vLLM engine args]   prove a restore equals vLLM's own load here
 
 Engines attach with: LLM(model=DIR, load_format="wcache") or
@@ -237,6 +238,10 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         from wcache.vllm.bench_server import main as server_main
 
         return server_main([a for a in rest if a != "--server"])
+    if "--soak" in rest:  # raw clients attaching and releasing against a real daemon
+        from wcache.benchmarks.bench_soak import main as soak_main
+
+        return soak_main([a for a in rest if a != "--soak"])
     from wcache.bench import main as bench_main
 
     return bench_main(rest)
