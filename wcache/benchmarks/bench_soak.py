@@ -11,8 +11,8 @@ spends its time).
 
 Each attach reads one tensor of the mapped arena (tensor ``cycle % n``; each
 client starts at another offset, so every tensor is read many times) and
-compares its blake3 digest with the reference taken from a first attach:
-``wrong reads`` counts the differences. Reported: attaches/s, p50/p99 attach
+records its blake3 digest; ``wrong reads`` counts the reads whose digest differs
+from that tensor's digest in a full read of the arena after the soak. Reported: attaches/s, p50/p99 attach
 latency (connect + hello + get + map, seconds), the daemon's RSS (and its
 anonymous/file/shmem parts) and open fds after the warm-up and at the end, with
 their ratios, the snapshot's state over the run, and the daemon's own counters
@@ -51,7 +51,8 @@ DEFAULT_KILL_EVERY_S = 3.0
 #: A killed client runs this long at most before its SIGKILL (seconds), drawn
 #: uniformly from (0, this] after it started attaching.
 KILL_WINDOW_S = 1.0
-#: Cycles (in all) before the "start" sample of RSS and fds: the first attaches
+#: Cycles (in all) before the "start" sample of RSS and fds, taken while every
+#: client pauses between two cycles (no connection open): the first attaches
 #: grow the daemon's thread stacks, msgpack buffers and allocator arenas once.
 WARMUP_CYCLES = 1_000
 #: RSS and fds are sampled this often (seconds).
@@ -109,7 +110,8 @@ def _wait_socket(sock_dir: str, deadline: float) -> tuple[str, dict[str, Any]]:
     raise TimeoutError(f"no daemon served in {sock_dir}")
 
 
-def _client(index: int, clients: int, cycles: int, sock_dir: str, done: Any, results: Any) -> None:
+def _client(index: int, clients: int, cycles: int, sock_dir: str, done: Any, results: Any,
+            paused: Any, resume: Any) -> None:
     """One soak client: ``cycles`` attach/read/release cycles; puts its result dict."""
     import warnings  # noqa: PLC0415
 
@@ -124,7 +126,12 @@ def _client(index: int, clients: int, cycles: int, sock_dir: str, done: Any, res
     latencies, errors = [], {}
     seen: dict[tuple[str, str], int] = {}  # (tensor, digest read) -> reads
     start = time.perf_counter()
+    warmup = WARMUP_CYCLES // clients
     for i in range(cycles):
+        if i == warmup:  # hold no connection while the main process samples the daemon
+            with paused.get_lock():
+                paused.value += 1
+            resume.wait()
         t0 = time.perf_counter()
         try:
             att = attach(key, socket_dir=sock_dir, device_id=dev, connect_timeout_s=CONNECT_TIMEOUT_S)
@@ -197,9 +204,9 @@ def run(clients: int, cycles: int, kill_every_s: float) -> dict[str, Any]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     ctx = mp.get_context("spawn")
-    done, results = ctx.Value("l", 0), ctx.Queue()
+    done, results, paused, resume = ctx.Value("l", 0), ctx.Queue(), ctx.Value("l", 0), ctx.Event()
     per = [cycles // clients + (1 if i < cycles % clients else 0) for i in range(clients)]
-    workers = [ctx.Process(target=_client, args=(i, clients, per[i], sock_dir, done, results))
+    workers = [ctx.Process(target=_client, args=(i, clients, per[i], sock_dir, done, results, paused, resume))
                for i in range(clients)]
     for w in workers:
         w.start()  # they import torch meanwhile and wait for the socket
@@ -219,6 +226,7 @@ def run(clients: int, cycles: int, kill_every_s: float) -> dict[str, Any]:
                               daemon=True)
     killer.start()
     t0 = time.monotonic()
+    warm: dict[str, Any] | None = None
     from wcache.store import StoreError, daemon_status  # noqa: PLC0415
 
     while any(w.is_alive() for w in workers):
@@ -233,6 +241,11 @@ def run(clients: int, cycles: int, kill_every_s: float) -> dict[str, Any]:
         samples.append({"t": time.monotonic() - t0, "cycles": done.value,
                         **_proc_status(daemon.pid), "snapshot": state,
                         "connections": now.get("clients_connected", 0) + 1})  # + this status
+        if warm is None and paused.value == clients:  # every client between two cycles
+            time.sleep(SETTLE_S)
+            warm = {"t": time.monotonic() - t0, "cycles": done.value, **_proc_status(daemon.pid),
+                    "connections": 0}
+            resume.set()
         if done.value >= cycles:
             break
     got = [results.get(timeout=SERVE_TIMEOUT_S) for _ in workers]
@@ -246,7 +259,8 @@ def run(clients: int, cycles: int, kill_every_s: float) -> dict[str, Any]:
     end = {**_proc_status(daemon.pid), "connections": 0}
     metrics = _metrics(url)
     daemon.stop()
-    warm = next((s for s in samples if s["cycles"] >= WARMUP_CYCLES), samples[-1])
+    if warm is None:
+        raise RuntimeError("the clients ended before the warm-up sample")
     lat = sorted(x for g in got for x in g["latencies"])
     client_s = max(g["seconds"] for g in got)
     return {
@@ -300,7 +314,8 @@ def report(r: dict[str, Any]) -> str:
     idle = [r[k]["fds"] - r[k]["connections"] for k in ("ready", "warm", "end")]
     lines.append(f"    {'fds - connections':<21} {idle[0]:<13} {idle[1]:<14} {idle[2]:<13} "
                  f"{r['idle_fds_ratio']:.4f}")
-    lines.append(f"  warm-up sample at cycle {r['warm']['cycles']} (t={r['warm']['t']:.1f} s)")
+    lines.append(f"  warm-up and end samples: every client paused (no connection open), "
+                 f"{SETTLE_S:.0f} s after; warm-up at cycle {r['warm']['cycles']} (t={r['warm']['t']:.1f} s)")
     lines.append("  daemon /metrics at the end: " + ", ".join(f"{k}={v:g}" for k, v in sorted(r["metrics"].items())))
     return "\n".join(lines) + "\n"
 
