@@ -25,6 +25,7 @@ re-running each quantization method's post-load work.
                                                  ... and seed daemons on other hosts over TCP
   wcache serve --model DIR --seed-from tcp://HOST:PORT --seed-secret-file F
                                                  start from a daemon on another host
+  wcache serve --model DIR --http 9400           ... with GET /health and /metrics on 127.0.0.1:9400
   wcache status                                  show running daemons
   wcache status --wait-ready --model DIR [args]  exit 0 once every rank of that daemon serves
   wcache stop                                    stop daemons
@@ -32,6 +33,7 @@ re-running each quantization method's post-load work.
   wcache plans --host                            what vLLM decides here, and the plans it gets
   wcache bench                                   run the benchmark suite
   wcache bench --server                          time to first completion, disk vs daemon
+  wcache bench --soak                            attach/release soak: attaches/s, latency, RSS, fds
   wcache verify --model DIR [vLLM engine args]   prove a restore equals vLLM's own load here
 
 Engines attach with: LLM(model=DIR, load_format="wcache") or
@@ -141,7 +143,7 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
               "load the checkpoint) or --snapshot DIR (start from it when it matches, else load the "
               "checkpoint and write it), not both", file=sys.stderr)
         return 2
-    problem = _check_seed_args(args)
+    problem = _check_seed_args(args) or _check_http_arg(args)
     if problem:
         print(f"wcache serve: {problem}", file=sys.stderr)
         return 2
@@ -177,6 +179,19 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
         raise LoadFailed(f"{args.model}: {type(exc).__name__}: {last}"
                          + ("" if args.verbose else " (run with --verbose for the traceback)")) \
             from exc
+
+
+def _check_http_arg(args: argparse.Namespace) -> str | None:
+    """The reason ``--http`` cannot be used, or None."""
+    if not args.http:
+        return None
+    from wcache.store.http import parse_http_address
+
+    try:
+        parse_http_address(args.http)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _check_seed_args(args: argparse.Namespace) -> str | None:
@@ -223,6 +238,10 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         from wcache.vllm.bench_server import main as server_main
 
         return server_main([a for a in rest if a != "--server"])
+    if "--soak" in rest:  # raw clients attaching and releasing against a real daemon
+        from wcache.benchmarks.bench_soak import main as soak_main
+
+        return soak_main([a for a in rest if a != "--soak"])
     from wcache.bench import main as bench_main
 
     return bench_main(rest)
@@ -305,6 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="separates two jobs of the same model on one host; pass the same "
                         "value to the engine as model_loader_extra_config job")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--http", metavar="[HOST:]PORT",
+                   help="also answer GET /health (200 once every rank of this node serves, "
+                        "503 with the reason code otherwise: the check of `wcache status "
+                        "--wait-ready`) and GET /metrics (Prometheus text: clients, attaches, "
+                        "releases, bytes held, refusals by reason code, invalidations, "
+                        "snapshot and seeding state) on HOST:PORT; a bare PORT binds "
+                        "127.0.0.1 (default: off)")
     p.add_argument("--verbose", action="store_true",
                    help="log at DEBUG level and print the traceback of a failed start (by "
                         "default a failure is one line: `wcache serve: error [code]: ...`)")

@@ -151,3 +151,17 @@ def test_engine_spec_ranks_of_one_node():
     assert dict(spec.fields) == {"model_arch": ["LlamaForCausalLM"], "dtype": "torch.bfloat16",
                                  "quantization": None, "tp_size": 2, "pp_size": 2}
     assert len(spec.digest) == 12
+
+
+def test_invalidated_rank_is_not_ready(sock_dir, daemons):
+    """A rank whose arena was invalidated (still answering) is not ready: arena-invalidated
+    with the client's reason, as `wcache serve --http`'s /health reports it."""
+    from wcache.store import invalidate_daemon
+
+    spec = ReadySpec(DIGEST, [(0, 0)], FIELDS)
+    server = daemons(sock_dir, 0)
+    assert check_ready(sock_dir, spec).ok
+    assert invalidate_daemon(server.socket_path, server.key, "guard-failed", "checksum differs")
+    result = check_ready(sock_dir, spec)
+    assert (result.ok, result.code, result.serving) == (False, "arena-invalidated", ())
+    assert "tp_rank=0 pp_rank=0" in result.message and "[guard-failed]: checksum differs" in result.message

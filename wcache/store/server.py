@@ -22,6 +22,7 @@ the Unix socket is unchanged.
 
 from __future__ import annotations
 
+import collections
 import hmac
 import logging
 import os
@@ -239,6 +240,13 @@ class DaemonServer:
         self._started_at = time.monotonic()
         self.attachments_active = 0
         self.attachments_total = 0
+        #: attachments ended, by how: ``release`` (the client asked) or ``disconnect``
+        #: (its connection closed while attached: a closed engine, a killed client)
+        self.releases: collections.Counter[str] = collections.Counter()
+        #: error replies sent to clients (Unix socket and TCP seeding), by reason code (key-mismatch,
+        #: arena-invalidated, daemon-busy, peer-refused, idle-timeout, protocol-error, ...):
+        #: what the daemon sees of the engines' fallbacks and refusals
+        self.refusals: collections.Counter[str] = collections.Counter()
         self.invalidated: dict[str, Any] | None = None
         #: Handler of the ``seed`` command (:class:`wcache.store.seed.SeedSource`), or None.
         self.seed_source: Any = None
@@ -588,8 +596,8 @@ class DaemonServer:
                 continue
             thread.start()
 
-    @staticmethod
-    def _refuse(conn: socket.socket, err: StoreError) -> None:
+    def _refuse(self, conn: socket.socket, err: StoreError) -> None:
+        self._count_refusal(err.code)
         try:
             conn.settimeout(ACCEPT_POLL_S * 5)
             send_frame(conn, error_frame(err))
@@ -597,6 +605,10 @@ class DaemonServer:
             pass
         finally:
             conn.close()
+
+    def _count_refusal(self, code: str) -> None:
+        with self._conns_lock:
+            self.refusals[code] += 1
 
     def _evict_idle_locked(self) -> bool:
         """At the connection limit: close the oldest connection that holds no
@@ -642,6 +654,7 @@ class DaemonServer:
                     return
                 except ProtocolError as e:
                     log.warning("pid %d sent a bad frame (%s); closing its connection", pid, e)
+                    self._count_refusal(e.code)
                     try:
                         send_frame(conn, error_frame(e))
                     except OSError:
@@ -657,6 +670,8 @@ class DaemonServer:
                 except Exception as e:  # a bug in a handler must not take the daemon down
                     log.exception("handler error for pid %d", pid)
                     reply = error_frame(e)
+                if not reply.get("ok"):
+                    self._count_refusal(str(reply.get("code", StoreError.code)))
                 try:
                     send_frame(conn, reply, fds)
                 except OSError:
@@ -667,15 +682,16 @@ class DaemonServer:
                     return
         finally:
             if state["attached"]:
-                self._release(state)
+                self._release(state, "disconnect")
             with self._conns_lock:
                 self._conns.pop(conn, None)
                 self._conn_states.pop(conn, None)
             conn.close()
 
-    def _release(self, state: dict) -> None:
+    def _release(self, state: dict, how: str) -> None:
         with self._conns_lock:
             self.attachments_active -= 1
+            self.releases[how] += 1
         state["attached"] = False
         collect = getattr(self._serving, "collect", None)
         if collect is not None:
@@ -699,7 +715,7 @@ class DaemonServer:
             return self._get(req, state)
         if op == "release":
             if state["attached"]:
-                self._release(state)
+                self._release(state, "release")
             return {"ok": True}, ()
         if op == "status":
             st = self.status()
@@ -771,13 +787,17 @@ class DaemonServer:
 
     def status(self) -> dict[str, Any]:
         """Memory held, clients, uptime, key, pid. ``clients_connected`` counts
-        open connections (the ``status`` command leaves out the asking one).
+        open connections (the ``status`` command leaves out the asking one);
+        ``releases`` counts ended attachments by how (``release``, ``disconnect``)
+        and ``refusals`` the error replies by reason code.
         ``origin`` (``checkpoint|snapshot|peer``), ``snapshot`` (``{"dir",
         "state": read|writing|written|failed, "error"}``) and ``seeds_served``
         are those of a ``wcache serve`` daemon, else None."""
         with self._conns_lock:
             clients = len(self._conns)
             active = self.attachments_active
+            releases = dict(self.releases)
+            refusals = dict(self.refusals)
         return {
             "pid": os.getpid(), "wcache": wcache.__version__, "protocol": PROTOCOL_VERSION,
             "device": self.device_type, "device_id": self.device_id, "device_uuid": self.device_uuid,
@@ -785,6 +805,7 @@ class DaemonServer:
             "tensors": len(self.manifest.tensors), "aliases": len(self.manifest.aliases),
             "clients_connected": clients, "attachments_active": active,
             "attachments_total": self.attachments_total,
+            "releases": releases, "refusals": refusals,
             "uptime_s": round(time.monotonic() - self._started_at, 3),
             "key_digest": self.key.digest, "key_fields": self.key.fields,
             "invalidated": self.invalidated,

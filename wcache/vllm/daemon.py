@@ -620,6 +620,39 @@ def main(args: argparse.Namespace, rest: list[str]) -> int:
     if nnodes > 1 and not args.master_port:
         raise SystemExit("wcache serve: --master-port is required with --nnodes > 1 (the same "
                          "value on every node, different from vLLM's own port)")
+    ops = _start_http(args, rest) if getattr(args, "http", None) else None
+    try:
+        return _serve_node(args, rest, world, ranks)
+    finally:
+        if ops is not None:
+            ops.stop()
+
+
+def _start_http(args: argparse.Namespace, rest: list[str]) -> Any:
+    """``--http``: bind the health and metrics endpoints now, before any rank loads,
+    so that a probe sees 503 (``daemon-missing``) while loading, not a refused port.
+
+    Raises:
+        ValueError: ``--http`` is not [HOST:]PORT.
+        HttpListenFailed: the address cannot be bound.
+    """
+    from wcache.store.http import OpsServer, parse_http_address  # noqa: PLC0415
+    from wcache.vllm import ready  # noqa: PLC0415
+
+    host, port = parse_http_address(args.http)
+    spec = ready.engine_ready_spec(args.model, rest, tensor_parallel_size=args.tensor_parallel_size,
+                                   pipeline_parallel_size=args.pipeline_parallel_size,
+                                   nnodes=getattr(args, "nnodes", 1),
+                                   node_rank=getattr(args, "node_rank", 0),
+                                   job=getattr(args, "job", "") or "")
+    ops = OpsServer(host, port, lambda: ready.probe(args.socket_dir, spec)).start()
+    print(f"wcache: http health=http://{ops.address[0]}:{ops.address[1]}/health "
+          f"metrics=http://{ops.address[0]}:{ops.address[1]}/metrics", flush=True)
+    return ops
+
+
+def _serve_node(args: argparse.Namespace, rest: list[str], world: int, ranks: range) -> int:
+    """Serve this node's ranks: in this process when there is one, else one process each."""
     rest = [*rest, "--tensor-parallel-size", str(args.tensor_parallel_size),
             "--pipeline-parallel-size", str(args.pipeline_parallel_size)]
     port = getattr(args, "master_port", 0) or _free_port()

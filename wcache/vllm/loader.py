@@ -170,6 +170,49 @@ def _diagnose_missing(exc: Exception, key: Any, socket_dir: str | None) -> Excep
     return err
 
 
+@attrs.frozen
+class EngineCounters:
+    """What this engine process saw of wcache, the engine-side half of ``wcache serve
+    --http``'s ``/metrics`` (logged in one INFO line per load by :func:`count_load`).
+
+    Attributes:
+        restores: loads restored from a daemon.
+        fallbacks: ``(reason code, count)`` of loads that fell back to disk, sorted.
+        restore_s: seconds spent in restores, summed (units: seconds).
+    """
+
+    restores: int = 0
+    fallbacks: tuple[tuple[str, int], ...] = ()
+    restore_s: float = 0.0
+
+    def record(self, phase: str, seconds: float, code: str | None = None) -> "EngineCounters":
+        """These counters after one load (``phase`` ``restore`` or ``fallback``)."""
+        if phase == "restore":
+            return attrs.evolve(self, restores=self.restores + 1, restore_s=self.restore_s + seconds)
+        counts = dict(self.fallbacks)
+        counts[str(code)] = counts.get(str(code), 0) + 1
+        return attrs.evolve(self, fallbacks=tuple(sorted(counts.items())))
+
+    def line(self) -> str:
+        """The INFO line: ``restores=N restore_s=S fallbacks=M (code=n ...)``."""
+        total = sum(n for _, n in self.fallbacks)
+        codes = " ".join(f"{c}={n}" for c, n in self.fallbacks)
+        return (f"restores={self.restores} restore_s={self.restore_s:.3f} fallbacks={total}"
+                + (f" ({codes})" if codes else ""))
+
+
+_counters = EngineCounters()
+
+
+def count_load(phase: str, seconds: float, code: str | None = None) -> EngineCounters:
+    """Add one load to this process's :class:`EngineCounters` and log them (one INFO line)."""
+    global _counters
+    _counters = _counters.record(phase, seconds, code)
+    last = f"{phase} {seconds:.3f} s" + (f" [{code}]" if code else "")
+    logger.info("wcache: engine counters (this process): %s; last load: %s", _counters.line(), last)
+    return _counters
+
+
 def _record_timing(opts: LoaderOptions, phase: str, seconds: float, **info: Any) -> None:
     logger.info("wcache: weight-load phase (%s) took %.3f s", phase, seconds)
     if opts.timing_file:
@@ -414,6 +457,7 @@ class WcacheModelLoader(BaseModelLoader):
             # the whole load phase: the meta build and every wait on the daemon too
             _record_timing(opts, "fallback", t2 - t0, reason=code, tp_rank=layout["tp_rank"],
                            before_fallback_s=round(t1 - t0, 4), disk_s=round(t2 - t1, 4))
+            count_load("fallback", t2 - t0, code)
             return model
         model._wcache_attachment = attachment  # keeps the mapping alive with the model
         marks["verify"] = time.perf_counter()
@@ -428,6 +472,7 @@ class WcacheModelLoader(BaseModelLoader):
         logger.info("wcache: restored %d layers via %s (%s; guard: %s)", len(planned),
                     attachment.transport, opts.mode,
                     "content checksums" if attachment.writable else "read-only mapping + metadata")
+        count_load("restore", time.perf_counter() - t0)
         return model.eval()
 
 

@@ -113,13 +113,29 @@ def check_ready(socket_dir: str | None, spec: ReadySpec) -> Readiness:
     Raises:
         UnsafePath: the socket dir is a symlink, not ours, or not 0700.
     """
+    return survey(socket_dir, spec)[0]
+
+
+def survey(socket_dir: str | None, spec: ReadySpec
+           ) -> tuple[Readiness, dict[tuple[int, int], dict[str, Any]]]:
+    """:func:`check_ready`, and the ``status`` reply of each rank of ``spec`` that
+    answered (by (tp_rank, pp_rank)), for ``wcache serve --http``'s ``/metrics``.
+
+    A rank whose arena was invalidated (it still answers for
+    ``INVALIDATED_LINGER_S``, refusing every ``get``) does not serve: not ready,
+    code ``arena-invalidated`` with the reason the client gave.
+
+    Raises:
+        UnsafePath: the socket dir is a symlink, not ours, or not 0700.
+    """
     d = os.path.abspath(socket_dir or paths.default_socket_dir())
     try:
         paths.ensure_socket_dir(d, create=False)
     except FileNotFoundError:
         return Readiness(False, "daemon-missing", f"{d} does not exist: no daemon was started "
-                                                  f"with this socket dir")
+                                                  f"with this socket dir"), {}
     serving: set[tuple[int, int]] = set()
+    statuses: dict[tuple[int, int], dict[str, Any]] = {}
     others: dict[str, dict[str, Any]] = {}
     suffix = f"-{spec.digest}{paths.SOCKET_SUFFIX}"
     for sock in paths.list_sockets(d):
@@ -130,9 +146,26 @@ def check_ready(socket_dir: str | None, spec: ReadySpec) -> Readiness:
         fields = st.get("key_fields") or {}
         if sock.endswith(suffix):
             par = fields.get("parallel") or {}
-            serving.add((par.get("tp_rank"), par.get("pp_rank")))
+            rank = (par.get("tp_rank"), par.get("pp_rank"))
+            statuses[rank] = st
+            if not st.get("invalidated"):
+                serving.add(rank)
         else:
             others[os.path.basename(sock)] = _other_fields(fields)
+    return _readiness(d, spec, serving, statuses, others), statuses
+
+
+def _readiness(d: str, spec: ReadySpec, serving: set[tuple[int, int]],
+               statuses: dict[tuple[int, int], dict[str, Any]],
+               others: dict[str, dict[str, Any]]) -> Readiness:
+    invalidated = [(r, statuses[r]["invalidated"]) for r in spec.ranks
+                   if (statuses.get(r) or {}).get("invalidated")]
+    if invalidated:
+        rank, inv = invalidated[0]
+        return Readiness(False, "arena-invalidated",
+                         f"the arena of {rank_name(rank)} was invalidated by pid {inv.get('pid')} "
+                         f"[{inv.get('code')}]: {inv.get('message')}; that daemon exits and a "
+                         f"fresh one rebuilds it", tuple(sorted(serving)))
     missing = [r for r in spec.ranks if r not in serving]
     if not missing:
         return Readiness(True, None, f"all {len(spec.ranks)} rank(s) of {spec.digest} serve in {d}",
@@ -163,3 +196,17 @@ def wait_ready(socket_dir: str | None, spec: ReadySpec, timeout_s: float,
         if result.ok or time.monotonic() + poll_s > deadline:
             return result
         time.sleep(poll_s)
+
+
+def probe(socket_dir: str | None, spec: ReadySpec) -> Any:
+    """One :func:`survey` as the :class:`wcache.store.http.Probe` that ``wcache serve
+    --http`` answers ``/health`` and ``/metrics`` from.
+
+    Raises:
+        UnsafePath: the socket dir is a symlink, not ours, or not 0700.
+    """
+    from wcache.store.http import Probe  # noqa: PLC0415
+
+    result, statuses = survey(socket_dir, spec)
+    return Probe(result.ok, result.code, result.message, spec.ranks,
+                 tuple(sorted((r, st) for r, st in statuses.items() if r in spec.ranks)))

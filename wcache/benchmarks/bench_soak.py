@@ -1,0 +1,345 @@
+"""``wcache bench --soak``: a daemon under attach/release load (a benchmark, not a test).
+
+One real ``wcache serve --snapshot DIR --http PORT`` on the SmolLM2 bf16 fixture
+(CPU); ``--clients`` raw client processes (``wcache.store.attach``, no engine)
+attach and release in a loop, ``--cycles`` in all. The clients are started
+before the daemon and begin as soon as its socket serves, so the first cycles
+run while the daemon writes its snapshot. Every ``--kill-every-s`` seconds a
+further client process, attaching and releasing as fast as it can, is
+SIGKILLed at a random moment (mid-attach, most of the time: that is where it
+spends its time).
+
+Each attach reads one tensor of the mapped arena (tensor ``cycle % n``; each
+client starts at another offset, so every tensor is read many times) and
+records its blake3 digest; ``wrong reads`` counts the reads whose digest differs
+from that tensor's digest in a full read of the arena after the soak. Reported: attaches/s, p50/p99 attach
+latency (connect + hello + get + map, seconds), the daemon's RSS (and its
+anonymous/file/shmem parts) and open fds after the warm-up and at the end, with
+their ratios, the snapshot's state over the run, and the daemon's own counters
+from ``/metrics``.
+
+    wcache bench --soak --clients 4 --cycles 10000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from typing import Any
+
+__all__ = ["main", "build_parser"]
+
+#: Attach/release cycles over all clients: the issue's minimum for "RSS and fds flat".
+DEFAULT_CYCLES = 10_000
+#: Raw clients attaching in parallel: 2 cores here; 4 keeps the daemon's accept
+#: loop and handler threads contended without starving the daemon itself.
+DEFAULT_CLIENTS = 4
+#: A client process is killed about this often (seconds): several kills in a run
+#: of a minute or two, each a dropped connection mid-attach.
+DEFAULT_KILL_EVERY_S = 3.0
+#: A killed client runs this long at most before its SIGKILL (seconds), drawn
+#: uniformly from (0, this] after it started attaching.
+KILL_WINDOW_S = 1.0
+#: Cycles (in all) before the "start" sample of RSS and fds, taken while every
+#: client pauses between two cycles (no connection open): the first attaches
+#: grow the daemon's thread stacks, msgpack buffers and allocator arenas once.
+WARMUP_CYCLES = 1_000
+#: RSS and fds are sampled this often (seconds).
+SAMPLE_S = 0.5
+#: After the last client ends, wait this long for the daemon's handler threads to
+#: finish before the "end" sample (seconds): each exits within milliseconds.
+SETTLE_S = 2.0
+#: Clients wait at most this long for the daemon's socket (seconds): a bf16
+#: SmolLM2 daemon serves in under a minute on 2 cores.
+SERVE_TIMEOUT_S = 600.0
+#: Seconds for one client connect + hello + get.
+CONNECT_TIMEOUT_S = 30.0
+
+_KILLED_CLIENT = """
+import sys
+from wcache.store import CacheKey, attach
+import json
+key, sock_dir, dev = CacheKey(json.loads(sys.argv[1])), sys.argv[2], sys.argv[3]
+print("go", flush=True)
+while True:
+    attach(key, socket_dir=sock_dir, device_id=dev).close()
+"""
+
+
+def _proc_status(pid: int) -> dict[str, int]:
+    """VmRSS and its RssAnon/RssFile/RssShmem parts (bytes), and open fds, of ``pid``."""
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                out[name] = int(rest.split()[0]) * 1024  # kB
+    out["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
+    return out
+
+
+def _digest(t: Any) -> str:
+    import blake3  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    return blake3.blake3(memoryview(t.flatten().view(torch.uint8).numpy())).hexdigest()
+
+
+def _wait_socket(sock_dir: str, deadline: float) -> tuple[str, dict[str, Any]]:
+    from wcache.store import StoreError, daemon_status  # noqa: PLC0415
+    from wcache.store.paths import list_sockets  # noqa: PLC0415
+
+    while time.monotonic() < deadline:
+        for sock in list_sockets(sock_dir) if os.path.isdir(sock_dir) else ():
+            try:
+                return sock, daemon_status(sock)
+            except StoreError:
+                pass
+        time.sleep(0.05)
+    raise TimeoutError(f"no daemon served in {sock_dir}")
+
+
+def _client(index: int, clients: int, cycles: int, sock_dir: str, done: Any, results: Any,
+            paused: Any, resume: Any) -> None:
+    """One soak client: ``cycles`` attach/read/release cycles; puts its result dict."""
+    import warnings  # noqa: PLC0415
+
+    warnings.filterwarnings("ignore")  # torch.frombuffer on a read-only mapping warns once
+    from wcache.store import CacheKey, StoreError, attach  # noqa: PLC0415
+
+    _, st = _wait_socket(sock_dir, time.monotonic() + SERVE_TIMEOUT_S)
+    key, dev = CacheKey(st["key_fields"]), st["device_id"]
+    first = attach(key, socket_dir=sock_dir, device_id=dev, connect_timeout_s=CONNECT_TIMEOUT_S)
+    names = sorted(first.tensors)
+    first.close()
+    latencies, errors = [], {}
+    seen: dict[tuple[str, str], int] = {}  # (tensor, digest read) -> reads
+    start = time.perf_counter()
+    warmup = WARMUP_CYCLES // clients
+    for i in range(cycles):
+        if i == warmup:  # hold no connection while the main process samples the daemon
+            with paused.get_lock():
+                paused.value += 1
+            resume.wait()
+        t0 = time.perf_counter()
+        try:
+            att = attach(key, socket_dir=sock_dir, device_id=dev, connect_timeout_s=CONNECT_TIMEOUT_S)
+        except StoreError as e:
+            errors[e.code] = errors.get(e.code, 0) + 1
+            continue
+        latencies.append(time.perf_counter() - t0)
+        name = names[(i + index * len(names) // clients) % len(names)]
+        read = (name, _digest(att.tensors[name]))
+        seen[read] = seen.get(read, 0) + 1
+        att.close()
+        with done.get_lock():
+            done.value += 1
+    results.put({"client": index, "latencies": latencies, "seen": list(seen.items()), "errors": errors,
+                 "seconds": time.perf_counter() - start, "tensors": len(names)})
+
+
+def _reference(sock_dir: str, st: dict[str, Any]) -> dict[str, str]:
+    """Every tensor's blake3, from one more attach after the soak: the reads during
+    the soak (while the snapshot was written, clients were killed) must equal it."""
+    from wcache.store import CacheKey, attach  # noqa: PLC0415
+
+    with attach(CacheKey(st["key_fields"]), socket_dir=sock_dir, device_id=st["device_id"]) as att:
+        return {name: _digest(t) for name, t in att.tensors.items()}
+
+
+def _metrics(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                              if k not in ("tp_rank", "pp_rank"))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def _killer(key_fields: dict, sock_dir: str, dev: str, every_s: float, stop: threading.Event,
+            kills: list[float], env: dict[str, str]) -> None:
+    rng = random.Random(0)
+    while not stop.wait(every_s):
+        proc = subprocess.Popen([sys.executable, "-c", _KILLED_CLIENT, json.dumps(key_fields),
+                                 sock_dir, dev], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                env=env, text=True)
+        if proc.stdout.readline().strip() != "go":
+            proc.kill()
+            proc.wait()
+            continue
+        delay = rng.uniform(0, KILL_WINDOW_S)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills.append(delay)
+
+
+def run(clients: int, cycles: int, kill_every_s: float) -> dict[str, Any]:
+    """One soak run; returns its figures (see the module docstring)."""
+    from wcache.store.paths import list_sockets  # noqa: PLC0415
+    from wcache.testing.fixtures import build  # noqa: PLC0415
+    from wcache.vllm.process import DaemonProcess, free_port  # noqa: PLC0415
+
+    model = str(build("bf16"))
+    tmp = tempfile.mkdtemp(prefix="wc-soak-")
+    sock_dir = os.path.join(tmp, "s")
+    os.mkdir(sock_dir, 0o700)
+    snap = os.path.join(tmp, "snap")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    ctx = mp.get_context("spawn")
+    done, results, paused, resume = ctx.Value("l", 0), ctx.Queue(), ctx.Value("l", 0), ctx.Event()
+    per = [cycles // clients + (1 if i < cycles % clients else 0) for i in range(clients)]
+    workers = [ctx.Process(target=_client, args=(i, clients, per[i], sock_dir, done, results, paused, resume))
+               for i in range(clients)]
+    for w in workers:
+        w.start()  # they import torch meanwhile and wait for the socket
+    daemon = DaemonProcess(model, sock_dir, ["--snapshot", snap, "--http", f"127.0.0.1:{port}"])
+    threading.Thread(target=daemon.start, daemon=True).start()
+    deadline = time.monotonic() + SERVE_TIMEOUT_S
+    while daemon.proc is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sock, st = _wait_socket(sock_dir, deadline)
+    samples = [{"t": 0.0, "cycles": 0, **_proc_status(daemon.pid),
+                "snapshot": (st.get("snapshot") or {}).get("state"), "connections": 0}]
+    snapshot_states = [samples[0]["snapshot"]]
+    stop = threading.Event()
+    kills: list[float] = []
+    killer = threading.Thread(target=_killer, args=(st["key_fields"], sock_dir, st["device_id"],
+                                                     kill_every_s, stop, kills, daemon.env),
+                              daemon=True)
+    killer.start()
+    t0 = time.monotonic()
+    warm: dict[str, Any] | None = None
+    from wcache.store import StoreError, daemon_status  # noqa: PLC0415
+
+    while any(w.is_alive() for w in workers):
+        time.sleep(SAMPLE_S)
+        try:
+            now = daemon_status(sock)
+        except StoreError:
+            now = {}
+        state = (now.get("snapshot") or {}).get("state")
+        if state != snapshot_states[-1]:
+            snapshot_states.append(state)
+        samples.append({"t": time.monotonic() - t0, "cycles": done.value,
+                        **_proc_status(daemon.pid), "snapshot": state,
+                        "connections": now.get("clients_connected", 0) + 1})  # + this status
+        if warm is None and paused.value == clients:  # every client between two cycles
+            time.sleep(SETTLE_S)
+            warm = {"t": time.monotonic() - t0, "cycles": done.value, **_proc_status(daemon.pid),
+                    "connections": 0}
+            resume.set()
+        if done.value >= cycles:
+            break
+    got = [results.get(timeout=SERVE_TIMEOUT_S) for _ in workers]
+    reference = _reference(sock_dir, st)
+    for w in workers:
+        w.join()
+    wall = time.monotonic() - t0
+    stop.set()
+    killer.join()
+    time.sleep(SETTLE_S)
+    end = {**_proc_status(daemon.pid), "connections": 0}
+    metrics = _metrics(url)
+    daemon.stop()
+    if warm is None:
+        raise RuntimeError("the clients ended before the warm-up sample")
+    lat = sorted(x for g in got for x in g["latencies"])
+    client_s = max(g["seconds"] for g in got)
+    return {
+        "clients": clients, "cycles": len(lat), "cycles_asked": cycles, "kills": len(kills),
+        "wall_s": wall, "attaches_per_s": len(lat) / client_s,
+        "p50_ms": statistics.median(lat) * 1e3, "p99_ms": lat[int(len(lat) * 0.99) - 1] * 1e3,
+        "reads_checked": sum(n for g in got for _, n in g["seen"]),
+        "wrong_reads": sum(n for g in got for (name, digest), n in g["seen"]
+                           if reference[name] != digest),
+        "client_errors": {k: v for g in got for k, v in g["errors"].items()},
+        "tensors": got[0]["tensors"], "ready": samples[0], "warm": warm, "end": end,
+        "rss_ratio": end["VmRSS"] / warm["VmRSS"], "fds_ratio": end["fds"] / warm["fds"],
+        # the daemon's fds that are not client connections (each connection is one fd)
+        "idle_fds_ratio": (end["fds"] - end["connections"]) / (warm["fds"] - warm["connections"]),
+        "snapshot_states": snapshot_states,
+        "snapshot_written_at_cycle": next((s["cycles"] for s in samples
+                                           if s["snapshot"] == "written"), None),
+        "metrics": {k: v for k, v in metrics.items()
+                    if k.startswith(("wcache_attaches", "wcache_releases", "wcache_refusals",
+                                     "wcache_attachments_active", "wcache_clients",
+                                     "wcache_snapshot_state{state=written"))},
+        "sockets_left": len(list_sockets(sock_dir)),
+    }
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def report(r: dict[str, Any]) -> str:
+    """The run as text (what docs/benchmarks.md records)."""
+    lines = [
+        f"soak: {r['clients']} clients, {r['cycles']} attach/read/release cycles "
+        f"({r['cycles_asked']} asked), {r['kills']} clients SIGKILLed mid-attach, {r['wall_s']:.1f} s",
+        f"  attaches/s              {r['attaches_per_s']:.0f}",
+        f"  attach latency p50/p99  {r['p50_ms']:.2f} ms / {r['p99_ms']:.2f} ms",
+        f"  wrong reads             {r['wrong_reads']} of {r['reads_checked']} (one tensor's "
+        f"blake3 per attach, {r['tensors']} tensors in rotation, against every tensor's digest "
+        f"read after the soak)",
+        f"  client errors           {r['client_errors'] or 'none'}",
+        f"  snapshot state          {' -> '.join(map(str, r['snapshot_states']))} "
+        f"(written by cycle {r['snapshot_written_at_cycle']})",
+        "  daemon                  ready         after warm-up  end           end/warm-up",
+    ]
+    for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+        ratio = r["end"][k] / r["warm"][k] if r["warm"][k] else float("nan")
+        lines.append(f"    {k:<21} {_mib(r['ready'][k]):<13} {_mib(r['warm'][k]):<14} "
+                     f"{_mib(r['end'][k]):<13} {ratio:.4f}")
+    lines.append(f"    {'open fds':<21} {r['ready']['fds']:<13} {r['warm']['fds']:<14} "
+                 f"{r['end']['fds']:<13} {r['fds_ratio']:.4f}")
+    idle = [r[k]["fds"] - r[k]["connections"] for k in ("ready", "warm", "end")]
+    lines.append(f"    {'fds - connections':<21} {idle[0]:<13} {idle[1]:<14} {idle[2]:<13} "
+                 f"{r['idle_fds_ratio']:.4f}")
+    lines.append(f"  warm-up and end samples: every client paused (no connection open), "
+                 f"{SETTLE_S:.0f} s after; warm-up at cycle {r['warm']['cycles']} (t={r['warm']['t']:.1f} s)")
+    lines.append("  daemon /metrics at the end: " + ", ".join(f"{k}={v:g}" for k, v in sorted(r["metrics"].items())))
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="wcache bench --soak", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, default=DEFAULT_CLIENTS)
+    p.add_argument("--cycles", type=int, default=DEFAULT_CYCLES)
+    p.add_argument("--kill-every-s", type=float, default=DEFAULT_KILL_EVERY_S)
+    p.add_argument("--json", help="also write the figures here")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    r = run(args.clients, args.cycles, args.kill_every_s)
+    sys.stdout.write(report(r))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1, default=str)
+    ok = r["wrong_reads"] == 0 and r["cycles"] >= args.cycles
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
