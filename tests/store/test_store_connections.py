@@ -11,13 +11,13 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import pytest
 import torch
 
 from _store_helpers import BASE_KEY, HERE, synthetic_export
+from stalled_daemon import stalled_daemon as fake_stalled_daemon  # noqa: E402
 from wcache import cli
 from wcache.store import (
     CacheKey, DaemonMissing, PeerRefused, UnsafePath, attach, cli_status, daemon_status, paths,
@@ -192,35 +192,8 @@ def test_one_client_cannot_take_every_connection(daemon, sock_dir):
 @pytest.fixture
 def stalled_daemon(sock_dir):
     """A fake daemon on the cpu socket that answers hello, then never answers again."""
-    path = paths.socket_path(sock_dir, "cpu")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    os.chmod(path, paths.FILE_MODE)
-    listener.listen(8)
-    stop = threading.Event()
-    held = []
-
-    def serve():
-        listener.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except socket.timeout:
-                continue
-            held.append(conn)
-            recv_frame(conn)
-            send_frame(conn, {"ok": True, "protocol": PROTOCOL_VERSION, "wcache": "stall",
-                              "pid": os.getpid(), "device": "cpu", "device_id": "cpu",
-                              "device_uuid": None, "transport": "shm"})
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    yield path
-    stop.set()
-    thread.join()
-    for c in held:
-        c.close()
-    listener.close()
+    with fake_stalled_daemon(paths.socket_path(sock_dir, "cpu")) as path:
+        yield path
 
 
 @pytest.mark.parametrize("call", ["attach", "status"])

@@ -7,16 +7,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import tempfile
-import threading
 import time
 
 import pytest
 import torch
 
+from stalled_daemon import stalled_daemon as fake_stalled_daemon  # noqa: E402
 from wcache.store import paths
-from wcache.store.protocol import PROTOCOL_VERSION, recv_frame, send_frame
 from wcache.vllm.process import ENGINE_ARGS
 
 pytestmark = pytest.mark.slow
@@ -53,33 +51,8 @@ def stalled_daemon(vllm_cfg, sock_dir):
 
     path = paths.socket_path(sock_dir, device_id(torch.device("cpu"), vllm_cfg.model_config,
                                                  parallel_layout(), ""))
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    os.chmod(path, paths.FILE_MODE)
-    listener.listen(8)
-    listener.settimeout(0.1)
-    stop, held = threading.Event(), []
-
-    def serve():
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except socket.timeout:
-                continue
-            held.append(conn)
-            recv_frame(conn)
-            send_frame(conn, {"ok": True, "protocol": PROTOCOL_VERSION, "wcache": "stall",
-                              "pid": os.getpid(), "device": "cpu", "device_id": "cpu",
-                              "device_uuid": None, "transport": "shm"})
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    yield sock_dir
-    stop.set()
-    thread.join()
-    for c in held:
-        c.close()
-    listener.close()
+    with fake_stalled_daemon(path):
+        yield sock_dir
 
 
 def test_stalled_daemon_costs_at_most_connect_timeout_and_timing_counts_it(vllm_cfg, stalled_daemon,
