@@ -79,6 +79,8 @@ TIER_ENV = (LOGPROBS_ENV, "VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_FLASHINFER_SAMPL
 VERIFY_TIMEOUT_S = 600.0
 #: Lines of a failing command's output kept in a result row.
 TAIL_LINES = 25
+#: What a refusing ``wcache serve`` prints (its one-line error, or the NoPlan text).
+REFUSAL_MARKERS = ("wcache serve: error", "no wcache plan", "NoPlan", "plan-missing")
 #: Lines of a root-cause traceback kept in a result row.
 MAX_DETAIL_LINES = 60
 
@@ -228,11 +230,13 @@ def run_case(case: EngineCase, model: Path, *, prompts: Sequence[str],
             daemon.start()
         except RuntimeError as exc:
             lines = [ln for ln in str(exc).splitlines() if ln.strip()]
-            reason = next((ln for ln in lines if "wcache serve: error" in ln or "no wcache plan"
-                           in ln or "NoPlan" in ln or "plan-missing" in ln), lines[-1] if lines else "")
+            reason = next((ln for ln in lines if any(m in ln for m in REFUSAL_MARKERS)),
+                          lines[-1] if lines else "")
             same = _tokens(fallback) == _tokens(disk)
-            outcome = "refused" if daemon.proc is not None and daemon.proc.returncode not in (
-                None, 0, -9, -11, -6) and same else "failed"
+            # a refusal is an exit with a status (wcache serve's one-line error); a
+            # negative status is a signal (a crash), never a refusal
+            code = daemon.proc.returncode if daemon.proc is not None else None
+            outcome = "refused" if code is not None and code > 0 and same else "failed"
             return {**row, "outcome": outcome, "reason": reason.strip()[:600],
                     "fallback_identical": same, "daemon_exit": daemon.proc.returncode
                     if daemon.proc else None, "detail": lines[-TAIL_LINES:]}
