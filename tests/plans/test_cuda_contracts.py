@@ -600,10 +600,19 @@ def test_marlin_int(simulated_cuda, method, size_k, size_n, group_size, bits):
         MarlinLinearKernel,
     )
 
+    _int_contract(MarlinLinearKernel, "marlin", method, size_k, size_n, group_size, bits,
+                  MARLIN_ATTRS)
+
+
+def _int_contract(kernel_cls: type, kernel: str, method: str, size_k: int, size_n: int,
+                  group_size: int, bits: int, attrs: tuple[str, ...]):
+    """AutoAWQMarlinLinearMethod / AutoGPTQLinearMethod on the kernel vLLM picks
+    (``kernel_cls``): vLLM's post-load vs wcache's ``<method>/<kernel>`` plan, load and
+    restore, tensors and ``attrs``. Returns ``(vLLM's layer, its LayerConfig)``."""
     case = _marlin_case(method, size_k, size_n, group_size, bits)
     vllm_layer = case.new_layer("cpu", seed=0)
-    assert type(vllm_layer.quant_method.kernel) is MarlinLinearKernel
-    config, plan = _adapter_plan(vllm_layer, f"{method}/marlin@1")
+    assert type(vllm_layer.quant_method.kernel) is kernel_cls
+    config, plan = _adapter_plan(vllm_layer, f"{method}/{kernel}@1")
     case.vllm_process(vllm_layer)
 
     def build(meta=False):
@@ -614,8 +623,9 @@ def test_marlin_int(simulated_cuda, method, size_k, size_n, group_size, bits):
             case.fill(layer, torch.Generator().manual_seed(0))
 
     loaded, restored = _load_restore(plan, config, build, fill)
-    _assert_equal(vllm_layer, loaded, MARLIN_ATTRS)
-    _assert_equal(loaded, restored, MARLIN_ATTRS)
+    _assert_equal(vllm_layer, loaded, attrs)
+    _assert_equal(loaded, restored, attrs)
+    return vllm_layer, config
 
 
 @pytest.mark.parametrize("method,size_k,size_n,group_size,bits", [
@@ -632,37 +642,20 @@ def test_machete_int(simulated_cuda, method, size_k, size_n, group_size, bits):
         MacheteLinearKernel,
     )
 
-    case = _marlin_case(method, size_k, size_n, group_size, bits)
-    vllm_layer = case.new_layer("cpu", seed=0)
-    assert type(vllm_layer.quant_method.kernel) is MacheteLinearKernel
-    config, plan = _adapter_plan(vllm_layer, f"{method}/machete@1")
+    vllm_layer, config = _int_contract(MacheteLinearKernel, "machete", method, size_k, size_n,
+                                       group_size, bits, ())
     assert config.get("machete_b_type_id") == vllm_layer.quant_method.kernel.config.weight_type.id
-    case.vllm_process(vllm_layer)
-
-    def build(meta=False):
-        return case.new_layer("meta" if meta else "cpu", seed=None)
-
-    def fill(layer):
-        with torch.no_grad():
-            case.fill(layer, torch.Generator().manual_seed(0))
-
-    loaded, restored = _load_restore(plan, config, build, fill)
-    _assert_equal(vllm_layer, loaded, ())
-    _assert_equal(loaded, restored, ())
 
 
 def test_machete_disabled_by_vllms_switch_gives_marlin(simulated_cuda, monkeypatch):
     """With vLLM's own VLLM_DISABLED_KERNELS=MacheteLinearKernel a Machete shape gets
     MarlinLinearKernel from vLLM, and the adapter the Marlin plan (wcache follows the
     layer, it does not re-derive the choice)."""
-    from vllm import envs
     from vllm.model_executor.kernels.linear.mixed_precision.marlin import (
         MarlinLinearKernel,
     )
 
     monkeypatch.setenv("VLLM_DISABLED_KERNELS", "MacheteLinearKernel")
-    if hasattr(envs, "__getattr__") and hasattr(envs, "_env_cache"):
-        envs._env_cache.clear()  # noqa: SLF001  (vLLM caches env reads in some versions)
     case = _marlin_case("awq", 256, 256, 128)
     layer = case.new_layer("cpu", seed=0)
     assert type(layer.quant_method.kernel) is MarlinLinearKernel
