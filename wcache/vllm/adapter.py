@@ -85,10 +85,8 @@ def _modelopt_config(quant_method: Any, module: torch.nn.Module, name: str) -> L
     keep their weight scheme's class name (no plan)."""
     wkey = quant_method.wkey
     if not compat.is_type(wkey, "KNvfp4Static"):
-        kernel = getattr(quant_method, "kernel", None)
-        return _linear_config(module, QuantSpec(
-            f"modelopt:{type(wkey).__name__}",
-            kernel=None if kernel is None else type(kernel).__name__), name)
+        return _linear_config(module, QuantSpec(f"modelopt:{type(wkey).__name__}",
+                                                kernel=_kernel_id(quant_method)), name)
     if quant_method.akey is None:
         return _linear_config(module, QuantSpec("modelopt_fp4_w4a16", num_bits=4,
                                                 group_size=quant_method.ctx.group_size), name)
