@@ -6,7 +6,7 @@
 #
 #   bash tools/gpu/run-tier.sh [-k PYTEST_EXPR] [--workers N] [--bench FORMATS] [--no-tier]
 #
-# Cost on one H200 (2026-12): fixtures ~1 min; the tier ~5 min with 8 workers; the 8B bench
+# Cost on one H200 (2026-12): fixtures ~1 min (one process per format, FIXTURE_JOBS); the tier ~5 min with 8 workers; the 8B bench
 # ~1 min per format.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -26,13 +26,11 @@ while [ $# -gt 0 ]; do
 done
 nvidia-smi -L
 python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name(0))"
-build_fixtures() {  # the quantizers are pure torch: on the GPU they take seconds
+build_fixtures() {  # the quantizers are pure torch: on the GPU they take seconds; one process per format
   python3 -m wcache.testing.fixtures --formats bf16 >>"$OUT/fixtures.log" 2>&1 || return 1
-  python3 - <<'PY' >>"$OUT/fixtures.log" 2>&1
-from wcache.testing.fixtures import ALL_FORMATS, build
-for fmt in ALL_FORMATS:
-    print(f"{fmt:22s} {build(fmt)}", flush=True)
-PY
+  python3 -c 'from wcache.testing.fixtures import ALL_FORMATS; print("\n".join(ALL_FORMATS))' \
+    | xargs -P "${FIXTURE_JOBS:-8}" -I{} python3 -c 'import sys; from wcache.testing.fixtures import build; print(f"{sys.argv[1]:22s} {build(sys.argv[1])}", flush=True)' {} \
+      >>"$OUT/fixtures.log" 2>&1
 }
 if [ "$TIER" = 1 ] || [ -n "$BENCH" ]; then
   t0=$(date +%s)
