@@ -73,10 +73,19 @@ def delayed_failing_fill(snap, monkeypatch):
     seen: dict[str, list] = {"streams": [], "dst_ptr": []}
     calls = {"n": 0}
 
+    busy = {"now": False}
+
     def delayed_stream(*args, **kwargs):
         s = real_stream(*args, **kwargs)
-        with torch.cuda.stream(s):
-            torch.cuda._sleep(DELAY_CYCLES)
+        if busy["now"] or "stream_id" in kwargs:
+            # current_stream() (inside torch.cuda.stream()) wraps an existing stream
+            return s
+        busy["now"] = True
+        try:
+            with torch.cuda.stream(s):
+                torch.cuda._sleep(DELAY_CYCLES)
+        finally:
+            busy["now"] = False
         seen["streams"].append(s)
         return s
 

@@ -356,6 +356,37 @@ def test_restored_fp8_layer_has_vllms_attributes_and_no_more(simulated_cuda, nam
     _assert_equal(vllm_layer, restored, tuple(declared))
 
 
+@pytest.mark.parametrize("name", sorted(ONLINE_FP8_PLANS))
+def test_restored_online_fp8_layer_equals_vllms_in_everything_verify_reads(simulated_cuda,
+                                                                           name):
+    """``wcache verify``'s own per-module state (tensors and every attribute, kernel
+    objects opened up) reads the same on the restored layer as on vLLM's online load.
+    Before the fix the restored layer lacked vLLM's
+    ``_already_called_process_weights_after_loading`` flag (verify failed for every
+    online FP8 scheme on the H200)."""
+    from vllm.model_executor.layers.quantization.online import fp8 as online
+
+    from wcache.vllm.compat import POSTLOAD_DONE_ATTR
+    from wcache.vllm.verify import module_state
+
+    cls = getattr(online, name)
+    size_k, size_n = 256, 128
+    weight = (torch.randn(size_n, size_k, generator=torch.Generator().manual_seed(5))
+              * 0.05).to(torch.bfloat16)
+    vllm_layer = _online_fp8_layer(cls, size_k, size_n)
+    config, plan = _adapter_plan(vllm_layer, ONLINE_FP8_PLANS[name])
+    with VL.vllm_context("cpu", torch.bfloat16):
+        vllm_layer.weight.weight_loader(vllm_layer.weight, weight.clone())
+
+    def fill(layer):
+        layer._parameters["weight"] = torch.nn.Parameter(weight.clone(), requires_grad=False)
+
+    _, restored = _load_restore(plan, config, lambda meta=False: _online_fp8_layer(
+        cls, size_k, size_n, meta), fill)
+    assert getattr(restored, POSTLOAD_DONE_ATTR) is True
+    assert {} == _diff(module_state(vllm_layer), module_state(restored))
+
+
 @pytest.mark.parametrize("size_k,size_n", [(256, 128), (200, 100), (64, 130)])
 def test_fp8_per_tensor_online_cutlass(simulated_cuda, size_k, size_n):
     """Fp8PerTensorOnlineLinearMethod on CUTLASS (incl. K, N % 16 != 0, where vLLM pads

@@ -92,3 +92,22 @@ def test_vllm_request_memory_admits_the_engine_with_the_daemons_bytes(vllm_cfg, 
         request_memory(snapshot, cache_config, 0)
     assert math.ceil(total * UTILIZATION) - server.nbytes == request_memory(snapshot, cache_config,
                                                                            external)
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_gc_heap_frozen_before_the_load_unless_turned_off(vllm_cfg, tmp_path, freeze):  # noqa: F811
+    """vLLM calls get_external_weight_memory right before its timed load phase: with
+    ``freeze_gc`` (the default) the worker's gc heap is frozen there (the phase's
+    three full collections then skip it); ``freeze_gc=false`` leaves gc alone."""
+    import gc
+
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    try:
+        extra = {"socket_dir": str(tmp_path / "s")}
+        if not freeze:
+            extra["freeze_gc"] = "false"  # as vllm serve's command line passes it
+        assert 0 == _loader(vllm_cfg, **extra).get_external_weight_memory(vllm_cfg)
+        assert (gc.get_freeze_count() > 0) is freeze
+    finally:
+        gc.unfreeze()

@@ -5,6 +5,7 @@
 # brings that folder back): results.jsonl (one row per case), tier.log, bench JSON.
 #
 #   bash tools/gpu/run-tier.sh [-k PYTEST_EXPR] [--workers N] [--bench FORMATS] [--no-tier]
+#                              [--no-preflight]   (skip the one-engine check: a warm machine)
 #
 # Cost on one H200 (2026-12): fixtures ~1 min (one process per format, FIXTURE_JOBS); the tier ~5 min with 8 workers; the 8B bench
 # ~1 min per format.
@@ -14,13 +15,14 @@ source tools/gpu/env.sh
 OUT=${OUT:-/tmp/wcache-gpu-out}
 mkdir -p "$OUT"
 export WCACHE_GPU_ENGINE_RESULTS=$OUT/results.jsonl
-KEXPR=""; WORKERS=8; BENCH=""; TIER=1; TIER_TIMEOUT=${TIER_TIMEOUT:-480}
+KEXPR=""; WORKERS=8; BENCH=""; TIER=1; PREFLIGHT=1; TIER_TIMEOUT=${TIER_TIMEOUT:-480}
 while [ $# -gt 0 ]; do
   case "$1" in
     -k) KEXPR=$2; shift 2 ;;
     --workers) WORKERS=$2; shift 2 ;;
     --bench) BENCH=$2; shift 2 ;;
     --no-tier) TIER=0; shift ;;
+    --no-preflight) PREFLIGHT=0; shift ;;
     *) echo "run-tier: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -38,7 +40,7 @@ if [ "$TIER" = 1 ] || [ -n "$BENCH" ]; then
     || { tail -30 "$OUT/fixtures.log"; exit 1; }
   echo "[run-tier] fixtures in $(( $(date +%s) - t0 )) s"
   # one engine first: a failure here is the machine's, not a format's (its root cause printed)
-  eval "$(python3 -m wcache.testing.engine_acceptance --preflight "$WCACHE_FIXTURES_DIR/smollm2-135m-instruct-bf16" 2> >(tee "$OUT/preflight.log" | tail -40 >&2))"
+  [ "$PREFLIGHT" = 1 ] && eval "$(python3 -m wcache.testing.engine_acceptance --preflight "$WCACHE_FIXTURES_DIR/smollm2-135m-instruct-bf16" 2> >(tee "$OUT/preflight.log" | tail -40 >&2))"
   echo "[run-tier] preflight done; WCACHE_GPU_LOGPROBS=${WCACHE_GPU_LOGPROBS:-on}"
 fi
 if [ "$TIER" = 1 ]; then

@@ -129,11 +129,14 @@ def sync_kernel_state_(module: torch.nn.Module) -> None:
     ``layer.scheme.fp8_linear`` (compressed-tensors W8A8 FP8), and asserts it is not
     None on the first forward. ModelOpt NVFP4 MoE's modular kernel (process-local,
     built from the final tensors) is rebuilt by
-    :func:`wcache.vllm.compat.build_nvfp4_moe_kernel_`. The layer attribute is then
+    :func:`wcache.vllm.compat.build_nvfp4_moe_kernel_`; the "already processed" flag
+    of the methods whose own post-load sets it, by
+    :func:`wcache.vllm.compat.mark_postload_done_`. The width attribute is then
     deleted: vLLM's own layer has none, and the restored layer must equal it. Call
     after a plan's load or restore; a no-op elsewhere.
     """
     compat.build_nvfp4_moe_kernel_(module)
+    compat.mark_postload_done_(module)
     width = getattr(module, "logical_output_size", None)
     if width is None:
         return

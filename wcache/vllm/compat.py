@@ -147,6 +147,37 @@ def uses_online_quantization(quant_method: Any) -> bool:
     return bool(getattr(quant_method, "uses_meta_device", False))
 
 
+#: Marks the instance attributes wcache puts on a restored CUDA model
+#: (``wcache.vllm.loader._install_update_hooks_``: copy-on-write wrappers of
+#: ``model.load_weights`` and ``model.get_submodule``). ``wcache verify`` leaves them out
+#: of its comparison: vLLM's disk-loaded model has none, and what they wrap is vLLM's.
+COPY_ON_WRITE_HOOK = "__wcache_copy_on_write__"
+
+#: The layer flag some of vLLM's ``process_weights_after_loading`` set on entry so a
+#: second call returns at once (the online FP8/MXFP8/NVFP4/MXFP4/INT8 methods,
+#: ModelOpt MXFP8 MoE); vLLM's reload deletes it before processing again.
+#: Source: vllm/model_executor/layers/quantization/online/fp8.py,
+#: vllm/model_executor/model_loader/reload/layerwise.py
+POSTLOAD_DONE_ATTR = "_already_called_process_weights_after_loading"
+
+
+def mark_postload_done_(layer: torch.nn.Module) -> bool:
+    """Set :data:`POSTLOAD_DONE_ATTR` on ``layer`` when vLLM's own
+    ``process_weights_after_loading`` of its quant method would have set it: a plan
+    replaces that call, and the restored layer must equal vLLM's processed one (a
+    missing flag would also let a later call process the layer twice). Whether the
+    method sets it is read from the method's own code (the attribute it stores), so a
+    subclass or a new online method needs no table here. Returns whether it was set.
+    """
+    quant_method = getattr(layer, "quant_method", None)
+    fn = getattr(type(quant_method), "process_weights_after_loading", None)
+    code = getattr(fn, "__code__", None)
+    if code is None or POSTLOAD_DONE_ATTR not in code.co_names:
+        return False
+    setattr(layer, POSTLOAD_DONE_ATTR, True)
+    return True
+
+
 def _skip_postload(layer: torch.nn.Module) -> None:
     """Stands in for an online method's ``process_weights_after_loading`` while the
     daemon loads (:func:`online_quantization_deferred`)."""
@@ -267,6 +298,32 @@ def free_device_memory(device_type: str) -> None:
     gc.collect()
     if device_type == "cuda" and torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def freeze_gc_heap() -> float:
+    """Freeze the garbage collector's heap (everything alive now moves to a permanent
+    generation that later collections skip); returns the seconds it took.
+
+    vLLM's V2 GPU model runner times its "Model loading took" phase around a
+    ``DeviceMemoryProfiler``, which runs a full ``gc.collect()`` on entry and two on
+    exit: about 0.3-0.4 s each in an engine process (a few million objects), so
+    ~1 s of the phase whatever the loader does. vLLM freezes the worker's heap itself
+    once warmup is done (``freeze_gc_heap`` in ``Worker.compile_or_warm_up_model``)
+    and unfreezes at shutdown; doing it just before the load moves that one full
+    collection out of the load phase and lets the phase's three skip the static
+    heap. Only cyclic garbage among objects alive now waits until the unfreeze;
+    reference counting frees everything else as usual.
+
+    Source: vllm/utils/gc_utils.py::freeze_gc_heap,
+    vllm/v1/worker/gpu/model_runner.py::GPUModelRunner.load_model
+    """
+    import time  # noqa: PLC0415
+
+    from vllm.utils.gc_utils import freeze_gc_heap as vllm_freeze  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    vllm_freeze()
+    return time.perf_counter() - t0
 
 
 # --------------------------------------------------------------------- classes

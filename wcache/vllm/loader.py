@@ -87,6 +87,7 @@ class LoaderOptions:
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     strict: bool = False
     share_prepacks: bool = True
+    freeze_gc: bool = True
     job: str = ""
     timing_file: str | None = None
 
@@ -106,7 +107,7 @@ class LoaderOptions:
                              f"known: {sorted(known)}")
         if extra.get("mode", "zero_copy") not in ("zero_copy", "copy"):
             raise ValueError(f"wcache: mode must be 'zero_copy' or 'copy', not {extra['mode']!r}")
-        for flag in ("fallback", "strict", "share_prepacks"):
+        for flag in ("fallback", "strict", "share_prepacks", "freeze_gc"):
             if flag in extra:
                 extra[flag] = _parse_bool(flag, extra[flag])
         if "connect_timeout_s" in extra:
@@ -276,7 +277,8 @@ def _install_update_hooks_(model: torch.nn.Module, attachment: Any) -> None:
       each name through it, then ``param.copy_``): that module's mapped tensors are
       privatized first.
 
-    Untested on this CPU host (needs the GPU tier).
+    On CPU, tests/vllm/test_update_hooks.py checks both with a plain tensor standing in
+    for the mapping; the GPU tier restores through them.
     """
     lo, hi = attachment.arena_range
     load_weights, get_submodule = model.load_weights, model.get_submodule
@@ -295,6 +297,8 @@ def _install_update_hooks_(model: torch.nn.Module, attachment: Any) -> None:
                     lo, hi)
         return module
 
+    for hook in (privatizing_load_weights, privatizing_get_submodule):
+        setattr(hook, compat.COPY_ON_WRITE_HOOK, True)
     model.load_weights = privatizing_load_weights
     model.get_submodule = privatizing_get_submodule
 
@@ -317,6 +321,8 @@ class WcacheModelLoader(BaseModelLoader):
         result from its ``gpu_memory_utilization`` budget (``request_memory`` in
         ``vllm/v1/worker/utils.py``): the daemon's arena already counts as used on
         the device, and the engine must not size its KV cache as if it were free.
+        With ``freeze_gc`` it first freezes the gc heap
+        (:func:`wcache.vllm.compat.freeze_gc_heap`): the load phase comes next.
 
         Returns:
             The arena size in bytes of the daemon on this rank's socket when this
@@ -333,6 +339,10 @@ class WcacheModelLoader(BaseModelLoader):
         from wcache.store import daemon_status, socket_path  # noqa: PLC0415
 
         opts = self.options
+        if opts.freeze_gc:
+            # vLLM calls this right before the load phase (CUDA workers only)
+            logger.info("wcache: froze the worker's gc heap before the load (%.3f s; "
+                        "freeze_gc=false turns this off)", compat.freeze_gc_heap())
         if opts.mode != "zero_copy":
             return 0
         model_config = vllm_config.model_config

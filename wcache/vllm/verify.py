@@ -50,6 +50,7 @@ import attrs
 import torch
 
 from wcache.core import WcacheError, snapshot, tensor_checksum
+from wcache.vllm import compat
 
 logger = logging.getLogger("wcache.vllm")
 
@@ -237,7 +238,8 @@ def _attributes(prefix: str, obj: Any, depth: int, seen: set[int], out: dict[str
     objects that hold attributes themselves (an attention ``impl``, a quant method
     and its kernel) are opened up to :data:`MAX_ATTR_DEPTH` levels, each once."""
     for name, value in vars(obj).items():
-        if name in skip or name in IGNORED_ATTRS or isinstance(value, torch.nn.Module):
+        if (name in skip or name in IGNORED_ATTRS or isinstance(value, torch.nn.Module)
+                or getattr(value, compat.COPY_ON_WRITE_HOOK, False)):
             continue
         key = f"{prefix}{name}"
         out[key] = _plain(value)
