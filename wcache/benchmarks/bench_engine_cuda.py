@@ -200,8 +200,12 @@ def _warm(path: Path) -> float:
     return float(total)
 
 
+def _phase_record(result: dict, phase: str) -> dict | None:
+    return next((r for r in result.get("load", []) if r.get("phase") == phase), None)
+
+
 def _phase(result: dict, phase: str) -> float | None:
-    rec = next((r for r in result.get("load", []) if r.get("phase") == phase), None)
+    rec = _phase_record(result, phase)
     return None if rec is None else float(rec["seconds"])
 
 
@@ -247,6 +251,7 @@ def run(formats: Sequence[str], root: Path, log: Callable[[str], None],
             "disk_model_loading_s": disk.get("model_loading_s"),
             "daemon_model_loading_s": wc.get("model_loading_s"),
             "restore_s": _phase(wc, "restore"),
+            "restore_steps_s": (_phase_record(wc, "restore") or {}).get("steps"),
             "disk_llm_start_s": disk.get("llm_start_s"), "daemon_llm_start_s": wc.get("llm_start_s"),
             "disk_gib": disk.get("model_loading_gib"), "daemon_gib": wc.get("model_loading_gib"),
             "identical": disk["token_ids"] == wc["token_ids"]})
