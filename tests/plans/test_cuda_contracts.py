@@ -331,18 +331,15 @@ def test_online_fp8_daemon_load_path(simulated_cuda, name):
     _assert_equal(vllm_layer, restored, attrs)
 
 
-@pytest.mark.parametrize("name", ["Fp8PerTensorOnlineLinearMethod", "Fp8PtpcOnlineLinearMethod"])
-def test_restored_fp8_layer_has_vllms_attributes_and_no_more(simulated_cuda, name):
-    """Every attribute the plan declares reads the same on the restored layer as on
-    vLLM's own (what ``wcache verify`` compares): the CUTLASS output width lives on
-    vLLM's kernel object only. Before the fix the restored layer also carried
-    ``logical_output_size`` (verify failed for every CUTLASS FP8 format on the H200)."""
+def _online_fp8_vllm_and_restored(name: str, size_k: int, size_n: int, seed: int):
+    """(vLLM's online-loaded layer, the adapter's plan, wcache's restored layer) for
+    one online FP8 method on a random ``[size_n, size_k]`` bf16 weight."""
     from vllm.model_executor.layers.quantization.online import fp8 as online
 
     cls = getattr(online, name)
-    weight = (torch.randn(128, 256, generator=torch.Generator().manual_seed(3))
+    weight = (torch.randn(size_n, size_k, generator=torch.Generator().manual_seed(seed))
               * 0.05).to(torch.bfloat16)
-    vllm_layer = _online_fp8_layer(cls, 256, 128)
+    vllm_layer = _online_fp8_layer(cls, size_k, size_n)
     config, plan = _adapter_plan(vllm_layer, ONLINE_FP8_PLANS[name])
     with VL.vllm_context("cpu", torch.bfloat16):
         vllm_layer.weight.weight_loader(vllm_layer.weight, weight.clone())
@@ -351,7 +348,17 @@ def test_restored_fp8_layer_has_vllms_attributes_and_no_more(simulated_cuda, nam
         layer._parameters["weight"] = torch.nn.Parameter(weight.clone(), requires_grad=False)
 
     _, restored = _load_restore(plan, config, lambda meta=False: _online_fp8_layer(
-        cls, 256, 128, meta), fill)
+        cls, size_k, size_n, meta), fill)
+    return vllm_layer, plan, restored
+
+
+@pytest.mark.parametrize("name", ["Fp8PerTensorOnlineLinearMethod", "Fp8PtpcOnlineLinearMethod"])
+def test_restored_fp8_layer_has_vllms_attributes_and_no_more(simulated_cuda, name):
+    """Every attribute the plan declares reads the same on the restored layer as on
+    vLLM's own (what ``wcache verify`` compares): the CUTLASS output width lives on
+    vLLM's kernel object only. Before the fix the restored layer also carried
+    ``logical_output_size`` (verify failed for every CUTLASS FP8 format on the H200)."""
+    vllm_layer, plan, restored = _online_fp8_vllm_and_restored(name, 256, 128, seed=3)
     declared = sorted({a for s in plan.stages for a in s.attrs}) + list(FP8_CUTLASS_ATTRS)
     _assert_equal(vllm_layer, restored, tuple(declared))
 
@@ -364,25 +371,10 @@ def test_restored_online_fp8_layer_equals_vllms_in_everything_verify_reads(simul
     Before the fix the restored layer lacked vLLM's
     ``_already_called_process_weights_after_loading`` flag (verify failed for every
     online FP8 scheme on the H200)."""
-    from vllm.model_executor.layers.quantization.online import fp8 as online
-
     from wcache.vllm.compat import POSTLOAD_DONE_ATTR
     from wcache.vllm.verify import module_state
 
-    cls = getattr(online, name)
-    size_k, size_n = 256, 128
-    weight = (torch.randn(size_n, size_k, generator=torch.Generator().manual_seed(5))
-              * 0.05).to(torch.bfloat16)
-    vllm_layer = _online_fp8_layer(cls, size_k, size_n)
-    config, plan = _adapter_plan(vllm_layer, ONLINE_FP8_PLANS[name])
-    with VL.vllm_context("cpu", torch.bfloat16):
-        vllm_layer.weight.weight_loader(vllm_layer.weight, weight.clone())
-
-    def fill(layer):
-        layer._parameters["weight"] = torch.nn.Parameter(weight.clone(), requires_grad=False)
-
-    _, restored = _load_restore(plan, config, lambda meta=False: _online_fp8_layer(
-        cls, size_k, size_n, meta), fill)
+    vllm_layer, _, restored = _online_fp8_vllm_and_restored(name, 256, 128, seed=5)
     assert getattr(restored, POSTLOAD_DONE_ATTR) is True
     assert {} == _diff(module_state(vllm_layer), module_state(restored))
 
