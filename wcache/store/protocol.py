@@ -43,8 +43,8 @@ from typing import Any
 
 import msgpack
 
-from wcache.store.errors import ProtocolError, StoreError
 from wcache.errors import ConnectionClosed  # noqa: F401  (re-exported: its old home)
+from wcache.store.errors import ProtocolError, StoreError
 from wcache.store.manifest import canonical_json
 
 __all__ = [

@@ -51,9 +51,9 @@ from typing import Any
 import msgpack
 import torch
 
+from wcache.errors import SeedFailed, SeedSecretUnsafe  # noqa: F401  (re-exported: their old home)
 from wcache.store.arena_digest import DIGEST_BYTES, arena_digest
 from wcache.store.errors import DaemonMissing, KeyMismatch, ProtocolError, StoreError
-from wcache.errors import SeedFailed, SeedSecretUnsafe  # noqa: F401  (re-exported: their old home)
 from wcache.store.manifest import CacheKey, Manifest
 from wcache.store.prebuilt import PrebuiltArena, served_arena
 from wcache.store.protocol import (

@@ -49,11 +49,11 @@ import blake3
 import torch
 from attrs import frozen
 
-from wcache.store.arena_digest import CUDA_ALGORITHM, arena_digest
-from wcache.store.errors import StoreError
 from wcache.errors import (  # noqa: F401  (re-exported: their old home)
     SnapshotCorrupt, SnapshotMissing, SnapshotStale, SnapshotWriteFailed,
 )
+from wcache.store.arena_digest import CUDA_ALGORITHM, arena_digest
+from wcache.store.errors import StoreError
 from wcache.store.manifest import CacheKey, Manifest, canonical_json
 from wcache.store.prebuilt import PrebuiltArena
 

@@ -17,8 +17,9 @@ import torch
 
 from wcache import shell
 from wcache.core import LayerConfig, NoPlan, Plan, RestoreIncomplete, Tag, Target
-from wcache.errors import ModelMismatch  # noqa: F401  (re-exported: callers catch it here)
-from wcache.errors import MAX_NAMED_UNPLANNED, UnplannedLayers  # noqa: F401  (re-exported: their old home)
+from wcache.errors import (  # noqa: F401  (re-exported: callers catch them here)
+    MAX_NAMED_UNPLANNED, ModelMismatch, UnplannedLayers,
+)
 from wcache.plans.registry import plan_for
 from wcache.vllm import compat
 from wcache.vllm.adapter import layer_config, sync_kernel_state_
