@@ -18,9 +18,9 @@ demo: bootstrap
 test: bootstrap
 	$(PY) -m pytest tests -q -p no:cacheprovider
 
-## Stages and plans only (seconds).
+## The core, stages and plans only (seconds).
 test-fast: bootstrap
-	$(PY) -m pytest tests/stages tests/plans -q -p no:cacheprovider
+	$(PY) -m pytest tests/core tests/stages tests/plans -q -p no:cacheprovider
 
 ## Regenerate docs/plans.md from the plan registry.
 docs: bootstrap

@@ -3,7 +3,9 @@
 ``core`` <- ``stages`` <- ``plans``; ``store`` <- ``core``; ``vllm``, ``cli``,
 ``bench`` <- everything. Nothing under ``core``, ``stages``, ``plans`` or ``store``
 imports ``wcache.vllm`` (lazily inside a function included); imports only under
-``if TYPE_CHECKING:`` are annotations, not edges.
+``if TYPE_CHECKING:`` are annotations, not edges. Production modules (the core, the
+store, the engine's loader side, ``wcache serve``) never load the benchmark suite,
+the test fixtures or the demo when they are imported.
 """
 
 from __future__ import annotations
@@ -107,3 +109,88 @@ def test_the_checker_sees_a_vllm_import():
                      "    from wcache.vllm import model\n"
                      "def f():\n    from wcache.vllm.adapter import layer_config\n")
     assert {"wcache.vllm.adapter"} == _imports(tree)
+
+
+# --------------------------------------------------------------------------- production vs benchmarks
+
+#: What production runs (the engine's load format, the daemon, the functional core):
+#: a module name, or a package prefix ending in ``.``. ``wcache.core.`` covers core
+#: once it is a package.
+PRODUCTION = ("wcache.core", "wcache.core.", "wcache.stages.", "wcache.plans.", "wcache.store.",
+              "wcache.shell", "wcache.errors", "wcache.checkpoint", "wcache.cli",
+              "wcache.vllm.plugin", "wcache.vllm.loader", "wcache.vllm.adapter",
+              "wcache.vllm.compat", "wcache.vllm.model", "wcache.vllm.key", "wcache.vllm.probe")
+#: What production must never load: the benchmark suite, test fixtures and the demo.
+NOT_PRODUCTION = ("wcache.benchmarks", "wcache.testing", "wcache.demo", "wcache.bench")
+#: ``wcache serve``'s functions in cli.py: their lazy imports are part of the serve path.
+CLI_SERVE_PATH = ("main", "build_parser", "_cmd_serve", "_check_seed_args", "_check_http_arg")
+
+
+def _is(module: str, names: tuple[str, ...]) -> bool:
+    return any(module == n or module.startswith(n if n.endswith(".") else f"{n}.") for n in names)
+
+
+def _module_level_imports(tree: ast.Module, functions: tuple[str, ...] = ()) -> set[str]:
+    """The ``wcache`` modules ``tree`` imports when it is imported: top-level statements
+    (inside ``if``/``try`` too, not TYPE_CHECKING), plus the bodies of ``functions``."""
+    top = ast.Module(body=[], type_ignores=[])
+
+    def keep(stmts: list[ast.stmt]) -> None:
+        for node in stmts:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                top.body.append(node)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if node.name in functions:
+                    top.body.append(node)
+            elif isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+                keep(node.orelse)
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    for child in getattr(node, field, ()):
+                        keep(child.body if isinstance(child, ast.ExceptHandler) else [child])
+    keep(tree.body)
+    return _imports(top)
+
+
+def _loaded_by(module: str, graph: dict[str, set[str]]) -> dict[str, str]:
+    """Every wcache module importing ``module`` loads, each with the module that imported it."""
+    seen: dict[str, str] = {}
+    todo = [module]
+    while todo:
+        mod = todo.pop()
+        parts = mod.split(".")
+        for dep in graph.get(mod, set()) | {".".join(parts[:i]) for i in range(1, len(parts))}:
+            if dep in graph and dep not in seen:
+                seen[dep] = mod
+                todo.append(dep)
+    return seen
+
+
+def _module_graph() -> dict[str, set[str]]:
+    graph = {}
+    for path in WCACHE.rglob("*.py"):
+        mod = _module(path)
+        graph[mod] = _module_level_imports(ast.parse(path.read_text()),
+                                           CLI_SERVE_PATH if mod == "wcache.cli" else ())
+    return graph
+
+
+def test_production_never_loads_benchmarks_fixtures_or_the_demo():
+    """Importing a production module (cli's serve path included) never loads, at module
+    level and transitively, wcache.benchmarks, wcache.testing, wcache.demo or wcache.bench."""
+    graph = _module_graph()
+    production = sorted(m for m in graph if _is(m, PRODUCTION))
+    assert {"wcache.cli", "wcache.vllm.loader", "wcache.store.server"} <= set(production)
+    bad = sorted(f"{mod} loads {dep} (imported by {via})" for mod in production
+                 for dep, via in _loaded_by(mod, graph).items() if _is(dep, NOT_PRODUCTION))
+    assert [] == bad
+
+
+def test_the_production_checker_sees_a_module_level_import():
+    """A top-level import (inside try/if too) and an import in a listed function count;
+    a lazy import in any other function and a TYPE_CHECKING import do not."""
+    tree = ast.parse("from typing import TYPE_CHECKING\ntry:\n    import wcache.demo\nexcept ImportError:\n"
+                     "    pass\nif TYPE_CHECKING:\n    from wcache import bench\n"
+                     "def serve():\n    from wcache.testing import fixtures\n"
+                     "def other():\n    from wcache.benchmarks import synthetic\n")
+    assert {"wcache.demo", "wcache.testing.fixtures"} == _module_level_imports(tree, ("serve",))

@@ -1,13 +1,46 @@
 """Every wcache error: one root, each class also the matching builtin, each with a
-reason code (STYLE.md). Imports nothing from wcache, so every layer can raise them.
+reason code of its own (STYLE.md). Imports nothing from wcache, so every layer can
+raise them.
+
+The reason codes are what users see: the engine's fallback log line
+(``falling back to disk ... [code]``), ``wcache serve: error [code]``, the daemon's
+refusal counters (``/metrics``: ``wcache_refusals_total{code=...}``) and
+docs/quickstart.md's table. A code is declared by exactly one class (a subclass
+that declares none is a refinement of its parent's reason, e.g.
+:class:`UnplannedLayers` is a ``plan-missing``); ``tests/test_errors.py`` checks
+that, and that every class is also a builtin exception.
+
+Left where they are (their modules are being rewritten by other work; they are
+under this root and their codes are unique all the same): the stage errors of
+``wcache.stages`` (``StageInputError``, ``OpUnavailable``, ``Fp8LayoutError``,
+``MarlinLayoutError``, ``Mxfp8LayoutError``, ``Nvfp4LayoutError``),
+``wcache.vllm.compat.UntestedVllm`` and ``wcache.vllm.loader.RestoreFailed``.
 """
 
 from __future__ import annotations
 
-__all__ = ["WcacheError", "NoPlan", "PlanInvalid", "StageContractError",
-           "RestoreWroteSharedTensor", "RecordedMismatch", "RestoreIncomplete",
-           "ModelMismatch", "PlanArgumentError", "UpdateUnsupported",
-           "CheckpointCorrupt", "ConfigInvalid", "LoadFailed"]
+from collections.abc import Iterable
+
+__all__ = [
+    # plans, stages, restore (the functional core)
+    "WcacheError", "NoPlan", "PlanInvalid", "StageContractError", "RestoreWroteSharedTensor",
+    "RecordedMismatch", "RestoreIncomplete", "ModelMismatch", "PlanArgumentError",
+    "UpdateUnsupported",
+    # checkpoint and the daemon's load
+    "CheckpointCorrupt", "ConfigInvalid", "LoadFailed", "PrepareFailed",
+    # the weight store
+    "StoreError", "DaemonMissing", "KeyMismatch", "TransportFailed", "ProtocolError",
+    "ConnectionClosed", "IdleTimeout", "ShmTooSmall", "DaemonBusy", "Released", "UnsafePath",
+    "PeerRefused", "CheckpointChanged", "ArenaInvalidated", "HttpListenFailed", "SeedFailed",
+    "SeedSecretUnsafe", "SnapshotMissing", "SnapshotCorrupt", "SnapshotStale",
+    "SnapshotWriteFailed",
+    # the vLLM side
+    "UnplannedLayers", "MAX_NAMED_UNPLANNED", "VerifyRefused",
+    # benchmarks and test fixtures
+    "DiskFull", "WorkerFailed", "FixtureError",
+]
+
+# --------------------------------------------------------------------------- plans, stages, restore
 
 
 class WcacheError(Exception):
@@ -52,7 +85,7 @@ class RecordedMismatch(WcacheError, RuntimeError):
     """A value recomputed during restore differs from the one the daemon recorded
     (e.g. ``use_w4a8`` on a host with a different ISA than the daemon's)."""
 
-    code = "key-mismatch"
+    code = "recorded-mismatch"
 
 
 class RestoreIncomplete(WcacheError, RuntimeError):
@@ -80,6 +113,9 @@ class UpdateUnsupported(WcacheError, RuntimeError):
     message names the path and the setting that makes it work (``mode=copy``)."""
 
     code = "update-unsupported"
+
+
+# --------------------------------------------------------------------------- checkpoint, the daemon's load
 
 
 class CheckpointCorrupt(WcacheError, ValueError):
@@ -110,3 +146,228 @@ class PrepareFailed(WcacheError, RuntimeError):
     layer's tensors as vLLM left them. Nothing is served."""
 
     code = "prepare-failed"
+
+
+# --------------------------------------------------------------------------- store
+
+
+class StoreError(WcacheError, RuntimeError):
+    """Root of the store's errors (arena, transports, protocol, daemon, client)."""
+
+    code = "store-error"
+
+
+class DaemonMissing(StoreError):
+    """No daemon answers on the socket: none was started, it died, or it is not
+    answering within the timeout. Start one with ``wcache serve``."""
+
+    code = "daemon-missing"
+
+
+class KeyMismatch(StoreError, ValueError):
+    """The daemon holds weights for a different cache key; ``.fields`` names the
+    differing key fields (sorted), ``.theirs`` the daemon's values of them."""
+
+    code = "key-mismatch"
+
+    def __init__(self, message: str, *, fields: Iterable[str] = (), theirs: dict | None = None):
+        super().__init__(message)
+        self.fields = sorted(fields)
+        self.theirs = dict(theirs or {})
+
+
+class TransportFailed(StoreError):
+    """A handle could not be passed or mapped (memfd not sealed, size differs
+    from the manifest, CUDA IPC open failed, wrong device)."""
+
+    code = "transport-failed"
+
+
+class ProtocolError(StoreError, ValueError):
+    """A frame is malformed, truncated, oversized, of an unknown command, or the
+    peer speaks another protocol version."""
+
+    code = "protocol-error"
+
+
+class ConnectionClosed(ProtocolError):
+    """The peer closed the connection cleanly between frames."""
+
+    code = "connection-closed"
+
+
+class IdleTimeout(ProtocolError):
+    """The daemon closed a connection that said nothing for too long (no ``hello``
+    after connecting, or no request while holding no attachment). Connect again
+    when there is something to ask."""
+
+    code = "idle-timeout"
+
+
+class ShmTooSmall(StoreError, OSError):
+    """``/dev/shm`` is missing or has less free space than what wcache is about to
+    start needs there (NCCL, vLLM's CPU shared-memory all-reduce, torch's CUDA IPC
+    ref counters); refused before any work instead of SIGBUS or NCCL's "No space
+    left on device" mid-way. The message names the size, the need and the fix."""
+
+    code = "shm-too-small"
+
+
+class DaemonBusy(StoreError):
+    """Another live daemon already serves this device (its lock or its socket is
+    held). Stop it first (``wcache stop``) or pick another socket dir."""
+
+    code = "daemon-busy"
+
+
+class Released(StoreError):
+    """The attachment was closed; its tensors are no longer served through it."""
+
+    code = "released"
+
+
+class UnsafePath(StoreError, PermissionError):
+    """A socket dir, socket or lock file is a symlink, is owned by another user,
+    or is group/world accessible."""
+
+    code = "unsafe-path"
+
+
+class PeerRefused(StoreError, PermissionError):
+    """The peer on the socket runs as another user (SO_PEERCRED check)."""
+
+    code = "peer-refused"
+
+
+class CheckpointChanged(StoreError):
+    """A checkpoint file changed, shrank, vanished or could not be read while it
+    was hashed or loaded, so no key can describe the bytes that were read. Wait
+    until the checkpoint is fully written, then start again."""
+
+    code = "checkpoint-changed"
+
+
+class ArenaInvalidated(StoreError):
+    """A client's restore guard fired on this daemon's arena, so its bytes may have
+    been rewritten: the daemon serves it to no one and exits (a supervisor starts
+    a fresh one, which rebuilds the arena from the checkpoint). Engines fall back
+    to disk meanwhile."""
+
+    code = "arena-invalidated"
+
+
+class HttpListenFailed(StoreError):
+    """``--http HOST:PORT`` cannot be bound (in use, not an address of this host,
+    or a privileged port). Pick another address or port."""
+
+    code = "http-listen-failed"
+
+
+class SeedFailed(StoreError):
+    """Seeding from a peer daemon failed: it refused (another key, seeding not
+    offered), the transfer broke off, or what arrived does not match the
+    source's digest. Start from the checkpoint or a snapshot instead, or check
+    that both daemons were started with the same engine arguments."""
+
+    code = "seed-failed"
+
+
+class SeedSecretUnsafe(StoreError, PermissionError):
+    """The seeding secret file is missing, not a regular file, readable by group
+    or others, or too short. ``chmod 600`` it (Kubernetes: ``defaultMode: 0400``),
+    or write a new one of at least 16 random bytes."""
+
+    code = "seed-secret-unsafe"
+
+
+class SnapshotMissing(StoreError, FileNotFoundError):
+    """No complete snapshot of this rank in the directory (never written, or a
+    write did not finish). Start the daemon from the checkpoint with
+    ``--snapshot DIR`` to write one."""
+
+    code = "snapshot-missing"
+
+
+class SnapshotCorrupt(StoreError):
+    """A snapshot file is missing, unreadable, malformed or does not match its
+    recorded digest. Delete the snapshot directory and write it again
+    (``wcache serve --snapshot DIR``)."""
+
+    code = "snapshot-corrupt"
+
+
+class SnapshotStale(KeyMismatch):
+    """The snapshot was made for another cache key (changed checkpoint, other
+    engine arguments, another vLLM/wcache/torch, another host decision);
+    ``.fields`` names the differing key fields. Start from the checkpoint with
+    ``--snapshot DIR`` to replace it."""
+
+    code = "snapshot-stale"
+
+
+class SnapshotWriteFailed(StoreError, OSError):
+    """Writing a snapshot failed: the directory is not writable, the file system
+    is full, a file-size limit (``ulimit -f``) was hit, or safetensors could not
+    serialize. Nothing was left behind (the temp dir is removed, an older
+    snapshot of that name stays). Free space or fix the directory's
+    permissions, or point ``--snapshot`` elsewhere."""
+
+    code = "snapshot-write-failed"
+
+
+# --------------------------------------------------------------------------- the vLLM side
+
+#: Unplanned layers named one by one in a refusal before the rest are counted.
+MAX_NAMED_UNPLANNED = 8
+
+
+class UnplannedLayers(NoPlan):
+    """Some modules' post-load work has no wcache plan on this host (reason code
+    ``plan-missing``, its parent's: the engine's fallback logs it so).
+
+    Attributes:
+        layers: ``(module name, reason)`` for every unplanned module.
+    """
+
+    def __init__(self, layers: list[tuple[str, str]]):
+        self.layers = tuple(layers)
+        by_reason: dict[str, list[str]] = {}
+        for name, reason in layers:
+            by_reason.setdefault(reason, []).append(name)
+        parts = []
+        for reason, names in by_reason.items():
+            shown = ", ".join(names[:MAX_NAMED_UNPLANNED])
+            more = f" and {len(names) - MAX_NAMED_UNPLANNED} more" if len(names) > \
+                MAX_NAMED_UNPLANNED else ""
+            parts.append(f"{len(names)} layer(s) [{shown}{more}]: {reason}")
+        super().__init__(f"{len(layers)} layer(s) have no wcache plan on this host: "
+                         + "; ".join(parts)
+                         + ". Serve this model with load_format='auto' (or keep "
+                           "fallback=true, which loads it from disk).")
+
+
+class VerifyRefused(WcacheError, RuntimeError):
+    """``wcache verify`` cannot run here (not enough memory, more than one rank)."""
+
+    code = "verify-refused"
+
+
+# --------------------------------------------------------------------------- benchmarks, fixtures
+
+
+class DiskFull(WcacheError, OSError):
+    """Not enough free disk for a synthetic checkpoint; the message says what to do."""
+
+    code = "bench-disk-full"
+
+
+class WorkerFailed(WcacheError, RuntimeError):
+    """A benchmark worker process raised or died; carries its traceback."""
+
+    code = "bench-worker-failed"
+
+
+class FixtureError(WcacheError, RuntimeError):
+    """A test fixture cannot be built or checked; the message says what to do."""
+
+    code = "fixture-build"

@@ -9,21 +9,17 @@ Needs one GPU: ``python -m pytest tests/gpu/test_gpu_drain.py -q -m gpu``.
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "store"))
-
-from _store_helpers import BASE_KEY, synthetic_export  # noqa: E402
-from wcache.store import CacheKey, DaemonServer, Export  # noqa: E402
-from wcache.store import snapshot as snapshot_mod  # noqa: E402
-from wcache.store.prebuilt import served_arena  # noqa: E402
-from wcache.store.snapshot import (  # noqa: E402
+from wcache.store import CacheKey, DaemonServer, Export
+from wcache.store import snapshot as snapshot_mod
+from wcache.store.prebuilt import served_arena
+from wcache.store.snapshot import (
     SnapshotCorrupt, open_snapshot, snapshot_arena, write_snapshot,
 )
+from wcache.testing.store import BASE_KEY, synthetic_export
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -16,17 +16,16 @@ import textwrap
 import pytest
 import torch
 
-_STORE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "store")
-if _STORE not in sys.path:
-    sys.path.insert(0, _STORE)
+#: The repository root: the children import wcache (and its testing helpers) from it.
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _store_helpers import BASE_KEY, start_daemon, stop_daemon, synthetic_export  # noqa: E402
-from wcache.core import (  # noqa: E402
+from wcache.core import (
     LayerConfig, Plan, QuantSpec, RestoreWroteSharedTensor, StageOut, Tag, Target,
 )
-from wcache.store import ArenaInvalidated, CacheKey, attach, daemon_status, socket_path  # noqa: E402
-from wcache.store.server import INVALIDATED_EXIT, INVALIDATED_LINGER_S  # noqa: E402
-from wcache.testing.plans import UncheckedPlan, unregistered_stage  # noqa: E402
+from wcache.store import ArenaInvalidated, CacheKey, attach, daemon_status, socket_path
+from wcache.store.server import INVALIDATED_EXIT, INVALIDATED_LINGER_S
+from wcache.testing.plans import UncheckedPlan, unregistered_stage
+from wcache.testing.store import BASE_KEY, start_daemon, stop_daemon, synthetic_export
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -73,8 +72,7 @@ def _attach(sock_dir: str, mode: str = "zero_copy"):
 def _child(script: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
                           timeout=CHILD_TIMEOUT_S, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                              [_STORE, os.path.dirname(os.path.dirname(_STORE)),
-                               os.environ.get("PYTHONPATH", "")])})
+                              [_REPO, os.environ.get("PYTHONPATH", "")])})
 
 
 def _config(name: str) -> LayerConfig:
@@ -121,7 +119,7 @@ def test_vmm_write_faults_and_leaves_daemon_bytes(sock_dir):
     try:
         child = _child(f"""
             import torch
-            from _store_helpers import BASE_KEY
+            from wcache.testing.store import BASE_KEY
             from wcache.store import CacheKey, attach
             from wcache.store.paths import cuda_device_uuid
             att = attach(CacheKey(BASE_KEY), socket_dir={sock_dir!r}, device="cuda:0",
@@ -200,7 +198,7 @@ def test_view_outlives_close_on_cuda(sock_dir, transport):
     try:
         child = _child(f"""
             import gc, torch
-            from _store_helpers import BASE_KEY, synthetic_export
+            from wcache.testing.store import BASE_KEY, synthetic_export
             from wcache.store import CacheKey, attach
             from wcache.store.paths import cuda_device_uuid
             att = attach(CacheKey(BASE_KEY), socket_dir={sock_dir!r}, device="cuda:0",

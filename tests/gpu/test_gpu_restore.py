@@ -85,7 +85,7 @@ def test_restore_in_a_second_process_equals_ordinary_load(checkpoints, fp8_forwa
     from wcache.plans import plan_for
     from wcache.store import CacheKey, attach
 
-    R = pytest.importorskip("reference_kernels")
+    R = pytest.importorskip("tests.helpers.reference_kernels")
     make, module_with = checkpoints
     device = cuda
     target = Target.detect(device) if device.type == "cuda" else H200_DRY_RUN_TARGET

@@ -7,20 +7,17 @@ cuda:0 seeds a daemon on cuda:1 in this process).
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "store"))
-
-from _store_helpers import BASE_KEY, start_daemon, stop_daemon, synthetic_export  # noqa: E402
-from wcache.store import CacheKey, DaemonServer, Export, socket_path  # noqa: E402
-from wcache.store.arena import tensor_views  # noqa: E402
-from wcache.store.prebuilt import served_arena  # noqa: E402
-from wcache.store.snapshot import (  # noqa: E402
+from wcache.store import CacheKey, DaemonServer, Export, socket_path
+from wcache.store.arena import tensor_views
+from wcache.store.prebuilt import served_arena
+from wcache.store.snapshot import (
     ARENA_FILE, SnapshotCorrupt, open_snapshot, snapshot_arena, write_snapshot,
 )
+from wcache.testing.store import BASE_KEY, start_daemon, stop_daemon, synthetic_export
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

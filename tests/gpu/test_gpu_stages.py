@@ -158,7 +158,7 @@ def test_cutlass_fp8_scaled_mm_restored_equals_loaded(method, strategy, n, k, ch
     """torch._scaled_mm on the restored padded layer, sliced to the recorded width,
     gives bit for bit the ordinarily loaded layer's output, and that output is the
     layer's product (close to the high-precision reference)."""
-    R = pytest.importorskip("reference_kernels")
+    R = pytest.importorskip("tests.helpers.reference_kernels")
     make, module_with = checkpoints
     config, tensors = make(method, n, k, strategy=strategy)
     config = evolve(config, quant=evolve(config.quant, kernel="cutlass"))
@@ -181,7 +181,7 @@ def test_cutlass_fp8_scaled_mm_restored_equals_loaded(method, strategy, n, k, ch
 
 
 def _reference_forward(plan: Plan):
-    R = pytest.importorskip("reference_kernels")
+    R = pytest.importorskip("tests.helpers.reference_kernels")
     return {("awq", "marlin"): R.marlin_int_forward, ("gptq", "marlin"): R.marlin_int_forward,
             ("ct_w4a16", "marlin"): R.marlin_int_forward,
             ("fp8", "fp8_marlin"): R.fp8_marlin_forward,

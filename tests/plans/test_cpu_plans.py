@@ -6,9 +6,6 @@ documented errors."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from attrs import evolve
@@ -23,62 +20,17 @@ from wcache.stages import cpu_wna16
 from wcache.testing.plans import UncheckedPlan, unregistered_stage
 
 pytest.importorskip("vllm")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import vllm_layers as vl  # noqa: E402
 
-from wcache.vllm.probe import host_target  # noqa: E402
-
-#: this host as vLLM decides on it, with the kernel-selection env pinned to vLLM's defaults.
-HOST = host_target("cpu", env={})
-#: the probed decisions this process runs under, for skip reasons and test ids.
-HOST_LIBRARY = HOST.kernel("cpu.kernel_library")
-AVX512 = vl.synthetic_target()
-AVX2 = vl.synthetic_target((), **vl.AVX2_DECISIONS)
-BF16 = torch.bfloat16
-CPU_PLAN_IDS = ("unquantized/none@1", "unquantized/onednn@1", "unquantized/torch_linear@1",
-                "awq/cpu_wna16@1",
-                "gptq/cpu_wna16@1", "ct_w4a16/cpu_wna16@1", "ct_w8a8_int8/onednn@1",
-                "kv_cache/scales@1")
+from tests.helpers import vllm_layers as vl  # noqa: E402
+from tests.helpers.cpu_cases import (  # noqa: E402
+    AMX, AMX_W4A8_OFF, AVX2, AVX512, BF16, CPU_PLAN_IDS, FAMILIES, HOST, HOST_LIBRARY, dict_diff,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _vllm_world():
     """One 1-rank gloo world and vLLM config for the whole module."""
     vl.ensure_vllm()
-
-
-# --------------------------------------------------------------------------- strategies
-
-k32 = st.integers(1, 4).map(lambda i: 64 * i)
-n32 = st.integers(1, 3).map(lambda i: 32 * i)
-group = st.sampled_from([-1, 32, 64])
-scale_value = st.one_of(st.just(-1.0), st.floats(0.0625, 4.0, width=32))
-
-FAMILIES = {
-    "unquantized_linear": st.builds(vl.unquantized_linear, k32, n32,
-                                    st.sampled_from([BF16, torch.float16, torch.float32]),
-                                    st.booleans()),
-    "embedding": st.builds(vl.unquantized_embedding, st.integers(1, 130), n32,
-                           st.sampled_from([BF16, torch.float16, torch.float32])),
-    "awq": st.builds(vl.awq_linear, k32, n32, group, st.just(BF16), st.booleans()),
-    "gptq": st.builds(vl.gptq_linear, k32, n32, group, st.just(BF16), st.booleans()),
-    "ct_w4a16": st.builds(vl.ct_w4a16_linear, k32, n32, st.sampled_from([32, 64]),
-                          st.booleans(), st.just(BF16), st.booleans()),
-    "ct_w8a8_int8": st.builds(vl.ct_w8a8_int8_linear, st.integers(1, 4).map(lambda i: 16 * i),
-                              st.lists(st.integers(1, 3).map(lambda i: 16 * i), min_size=1,
-                                       max_size=3).map(tuple),
-                              st.sampled_from(["tensor", "channel"]), st.booleans(),
-                              st.booleans(), st.just(BF16), st.booleans()),
-    # a quantized cache with only v_scale set is invalid (vLLM asserts; see bad inputs)
-    "kv_cache": st.builds(vl.kv_cache_layer,
-                          st.sampled_from(["auto", "fp8", "fp8_e5m2", "int8_per_token_head"]),
-                          scale_value, scale_value, scale_value, scale_value).filter(
-        lambda c: not (c.extra["kv"][0] != "auto" and c.extra["kv"][1] < 0 < c.extra["kv"][2])),
-}
-
-
-def _diff(a: dict, b: dict) -> dict:
-    return {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
 
 
 def _forward(case: vl.Case, layer) -> torch.Tensor | None:
@@ -125,7 +77,7 @@ def test_load_matches_vllm(family, data):
     expected, actual = case.new_layer(), case.new_layer()
     case.vllm_process(expected)
     plan.load(actual, case.config, HOST)
-    assert {} == _diff(snapshot(expected, case.attr_paths), snapshot(actual, case.attr_paths))
+    assert {} == dict_diff(snapshot(expected, case.attr_paths), snapshot(actual, case.attr_paths))
     if case.apply is not None:
         assert torch.equal(_forward(case, expected), _forward(case, actual))
 
@@ -145,7 +97,7 @@ def test_restore_of_export_equals_load(family, data):
     engine, prepared = _exported_layer(case, plan)
     plan.restore(engine, case.config, HOST, prepared.recorded, strict=True,
                  drops=prepared.drops)
-    assert {} == _diff(snapshot(loaded, case.attr_paths), snapshot(engine, case.attr_paths))
+    assert {} == dict_diff(snapshot(loaded, case.attr_paths), snapshot(engine, case.attr_paths))
     meta_left = [k for k, v in state_from_module(engine).tensors.items()
                  if v.device.type == "meta"]
     assert [] == meta_left
@@ -183,17 +135,12 @@ def test_restore_twice_equals_once(family):
     once = snapshot(engine, case.attr_paths)
     out_once = _forward(case, engine)
     plan.restore(engine, case.config, HOST, prepared.recorded, strict=True, drops=prepared.drops)
-    assert {} == _diff(once, snapshot(engine, case.attr_paths))
+    assert {} == dict_diff(once, snapshot(engine, case.attr_paths))
     if out_once is not None:
         assert torch.equal(out_once, _forward(case, engine))
 
 
 # --------------------------------------------------------------------------- resolution
-
-
-AMX_W4A8_OFF = vl.synthetic_target(("amx", "avx512", "avx512_bf16"),
-                                   env={"VLLM_CPU_INT4_W4A8": "0"})
-AMX = vl.synthetic_target(("amx", "avx512", "avx512_bf16"))
 
 
 @pytest.mark.parametrize("spec,config_kw,target,plan_id", [
@@ -427,10 +374,10 @@ def test_metadata_folded_into_transform_fails_invariant():
     loaded, expected = case.new_layer(), case.new_layer()
     plan.load(loaded, case.config, HOST)
     case.vllm_process(expected)
-    assert {} == _diff(snapshot(expected, case.attr_paths), snapshot(loaded, case.attr_paths))
+    assert {} == dict_diff(snapshot(expected, case.attr_paths), snapshot(loaded, case.attr_paths))
     engine, prepared = _exported_layer(case, plan)
     plan.restore(engine, case.config, HOST, prepared.recorded, strict=True, drops=prepared.drops)
-    diff = _diff(snapshot(loaded, case.attr_paths), snapshot(engine, case.attr_paths))
+    diff = dict_diff(snapshot(loaded, case.attr_paths), snapshot(engine, case.attr_paths))
     assert {"@isa_hint": (loaded.isa_hint, "<missing>")} == diff
 
 
@@ -481,12 +428,12 @@ def test_sgl_plan_equals_vllms_amx_dispatch(size_k, size_n, dtype, bias, monkeyp
     case.vllm_process(expected)
     assert "sgl" == vl.probe_branch(expected)
     plan.load(loaded, case.config, amx)
-    assert {} == _diff(snapshot(expected, case.attr_paths), snapshot(loaded, case.attr_paths))
+    assert {} == dict_diff(snapshot(expected, case.attr_paths), snapshot(loaded, case.attr_paths))
     assert torch.equal(_forward(case, expected), _forward(case, loaded))
     engine, prepared = _exported_layer(case, plan, target=amx)
     shared = prepared.tensors["weight"]
     plan.restore(engine, case.config, amx, prepared.recorded, strict=True, drops=prepared.drops)
-    assert {} == _diff(snapshot(loaded, case.attr_paths), snapshot(engine, case.attr_paths))
+    assert {} == dict_diff(snapshot(loaded, case.attr_paths), snapshot(engine, case.attr_paths))
     assert torch.equal(_forward(case, loaded), _forward(case, engine))
     assert engine.cpu_linear.packed_weight.data_ptr() != shared.data_ptr()  # engine's own copy
     assert engine.weight.numel() == 0

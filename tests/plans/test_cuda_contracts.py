@@ -47,10 +47,11 @@ import types
 
 import pytest
 import torch
-import vllm_layers as VL
 
 from wcache.core import LayerConfig, QuantSpec, Target, snapshot, tensor_checksum
 from wcache.plans.registry import plan_for
+
+from tests.helpers import vllm_layers as VL
 
 pytest.importorskip("vllm")
 

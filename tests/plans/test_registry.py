@@ -20,14 +20,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import test_cpu_plans as cpu  # noqa: E402  (skips without vLLM: its cases are vLLM layers)
-import test_cuda_plans as cuda  # noqa: E402
-import vllm_layers as vl  # noqa: E402
 from wcache.core import (
     LOAD_TAGS, STAGE_VERBS, LayerConfig, LayerState, QuantSpec, Target, registered_stages,
     snapshot, stage_name_problem, state_from_module,
 )
 from wcache.plans import PLAN_MODULES, _import_plan_modules, all_plans, plan_for
+
+from tests.helpers import cpu_cases as cpu  # skips this module without vLLM: its cases are vLLM layers
+from tests.helpers import cuda_cases as cuda
+from tests.helpers import vllm_layers as vl
 
 ROOT = Path(__file__).resolve().parents[2]
 H200, B200 = cuda.H200, cuda.B200
@@ -88,7 +89,7 @@ def _cuda(strategy: st.SearchStrategy, target: Target) -> st.SearchStrategy:
 def _nvfp4_linear(draw) -> tuple:
     n, k = draw(st.sampled_from([32, 100, 128])), draw(st.sampled_from([64, 128]))
     bias = draw(st.booleans())
-    cfg = cuda._config("modelopt_fp4", k, n, bits=4, g=16, kernel="cutlass", bias=bias)
+    cfg = cuda.cuda_config("modelopt_fp4", k, n, bits=4, g=16, kernel="cutlass", bias=bias)
     return cfg, cuda.nvfp4_linear_checkpoint(n, k, draw(st.integers(0, 2 ** 16)), bias), B200
 
 
@@ -96,7 +97,7 @@ def _nvfp4_linear(draw) -> tuple:
 def _nvfp4_moe(draw) -> tuple:
     e, hidden, inter = (draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([64, 128])),
                         draw(st.sampled_from([64, 128])))
-    cfg = cuda._config("modelopt_fp4", hidden, inter, bits=4, g=16, kind="moe",
+    cfg = cuda.cuda_config("modelopt_fp4", hidden, inter, bits=4, g=16, kind="moe",
                        kernel="cutlass_moe")
     return cfg, cuda.nvfp4_moe_checkpoint(e, hidden, inter, draw(st.integers(0, 2 ** 16))), B200
 
@@ -233,4 +234,4 @@ def test_card_api_with_a_vllm_quant_method():
     engine = case.new_layer("meta", seed=None)
     vl.install_exported_(engine, vl.export_clone(prepared), prepared.buffers)
     bound.restore(engine, prepared.recorded, strict=True, drops=prepared.drops)
-    assert {} == cpu._diff(snapshot(layer, case.attr_paths), snapshot(engine, case.attr_paths))
+    assert {} == cpu.dict_diff(snapshot(layer, case.attr_paths), snapshot(engine, case.attr_paths))

@@ -4,9 +4,7 @@ where tagged so, and shape-correct on meta tensors."""
 
 from __future__ import annotations
 
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +20,7 @@ import vllm._custom_ops  # noqa: E402,F401  (registers torch.ops._C)
 from vllm.model_executor.layers.quantization.utils import quant_utils as qu  # noqa: E402
 from vllm.scalar_type import scalar_types  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plans"))
-import vllm_layers  # noqa: E402  (tests/plans/vllm_layers.py: one gloo world per session)
+from tests.helpers import vllm_layers  # noqa: E402  (one gloo world per session)
 
 from wcache.vllm.probe import host_target  # noqa: E402
 

@@ -10,12 +10,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import reference_kernels as R
 from wcache.core import LayerConfig, QuantSpec, Target
 from wcache.stages import fp8 as F8
 from wcache.stages import marlin as M
 from wcache.stages import mxfp8 as MX
 from wcache.stages import nvfp4 as F4
+
+from tests.helpers import reference_kernels as R
 
 mu = pytest.importorskip("vllm.model_executor.layers.quantization.utils.marlin_utils")
 mut = pytest.importorskip("vllm.model_executor.layers.quantization.utils.marlin_utils_test")

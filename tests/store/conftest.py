@@ -3,8 +3,8 @@ dir, ``sock_dir``, comes from tests/conftest.py)."""
 
 import pytest
 
-from _store_helpers import BASE_KEY, synthetic_export
 from wcache.store import CacheKey, DaemonServer
+from wcache.testing.store import BASE_KEY, synthetic_export
 
 
 @pytest.fixture

@@ -16,13 +16,14 @@ import time
 import pytest
 import torch
 
-from _store_helpers import BASE_KEY, HERE, synthetic_export
-from stalled_daemon import stalled_daemon as fake_stalled_daemon  # noqa: E402
 from wcache import cli
 from wcache.store import (
     CacheKey, DaemonMissing, PeerRefused, UnsafePath, attach, cli_status, daemon_status, paths,
 )
 from wcache.store.protocol import PROTOCOL_VERSION, recv_frame, send_frame
+from wcache.testing.store import BASE_KEY, synthetic_export
+
+from tests.helpers.stalled_daemon import stalled_daemon as fake_stalled_daemon
 
 #: Timeouts the tests give the daemon (seconds): short, so the suite stays fast.
 SHORT_TIMEOUT_S = 0.5
@@ -172,8 +173,7 @@ def test_one_client_cannot_take_every_connection(daemon, sock_dir):
         assert ("daemon-busy", True) == (reply["code"], "per client" in reply["message"])
         script = textwrap.dedent(f"""
             import sys, torch
-            sys.path.insert(0, {HERE!r})
-            from _store_helpers import BASE_KEY, synthetic_export
+            from wcache.testing.store import BASE_KEY, synthetic_export
             from wcache.store import CacheKey, attach
             with attach(CacheKey(BASE_KEY), socket_dir={sock_dir!r}) as att:
                 print(torch.equal(synthetic_export().tensors["w0"], att.tensors["w0"]))

@@ -5,8 +5,8 @@ daemon's bytes and other attachments never see it."""
 import pytest
 import torch
 
-from _store_helpers import mapping_of, synthetic_export
 from wcache.store import StoreError, attach
+from wcache.testing.store import mapping_of, synthetic_export
 
 
 def test_mapping_is_read_only_until_armed_then_private_writable(daemon, key, sock_dir):

@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from _store_helpers import BASE_KEY, HERE, start_daemon, stop_daemon, synthetic_export
 from wcache.store import CacheKey, attach, daemon_status, socket_path
 from wcache.store.paths import cuda_device_uuid
+from wcache.testing.store import BASE_KEY, start_daemon, stop_daemon, synthetic_export
 
 # The daemon notices a client process's exit through EOF on its connection.
 RELEASE_WAIT_S = 10.0
@@ -53,8 +53,7 @@ def test_cuda_two_processes_and_copy_mode(sock_dir, cuda_daemon):
             private.tensors["w0"].add_(1)
         script = textwrap.dedent(f"""
             import sys, torch
-            sys.path.insert(0, {HERE!r})
-            from _store_helpers import BASE_KEY, synthetic_export
+            from wcache.testing.store import BASE_KEY, synthetic_export
             from wcache.store import CacheKey, attach
             with attach(CacheKey(BASE_KEY), socket_dir={sock_dir!r}, device="cuda:0",
                         device_id={cuda_daemon!r}) as att:

@@ -11,7 +11,6 @@ import time
 import pytest
 import torch
 
-from _store_helpers import BASE_KEY, mapping_of, synthetic_export
 from wcache.store import (
     CacheKey, DaemonBusy, DaemonMissing, DaemonServer, KeyMismatch, PeerRefused, Released,
     StoreError, UnsafePath, attach, cli_status, cli_stop, daemon_status, socket_path,
@@ -19,6 +18,7 @@ from wcache.store import (
 from wcache.store import paths
 from wcache.store.client import Connection
 from wcache.store.protocol import PROTOCOL_VERSION, recv_frame, send_frame
+from wcache.testing.store import BASE_KEY, mapping_of, synthetic_export
 
 # A second daemon must be refused well before a client's connect timeout.
 FAIL_FAST_S = 2.0

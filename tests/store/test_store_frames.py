@@ -13,9 +13,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from _store_helpers import BASE_KEY, synthetic_export
 from wcache.store import CacheKey, DaemonServer, ProtocolError, attach, daemon_status
 from wcache.store.protocol import HEADER, MAX_FRAME_BYTES, PROTOCOL_VERSION, recv_frame, send_frame
+from wcache.testing.store import BASE_KEY, synthetic_export
 
 @pytest.fixture(scope="module")
 def module_daemon():

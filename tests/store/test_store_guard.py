@@ -10,7 +10,6 @@ import time
 import pytest
 import torch
 
-from _store_helpers import BASE_KEY, HERE, start_daemon, stop_daemon, synthetic_export
 from wcache.core import (
     LayerConfig, Plan, QuantSpec, RestoreGuard, RestoreWroteSharedTensor, StageOut, Tag, Target, stage,
 )
@@ -19,6 +18,7 @@ from wcache.store import (
 )
 from wcache.testing.plans import UncheckedPlan, unregistered_stage
 from wcache.store.server import INVALIDATED_EXIT, INVALIDATED_LINGER_S
+from wcache.testing.store import BASE_KEY, start_daemon, stop_daemon, synthetic_export
 
 CPU = Target("cpu", None, frozenset())
 # A daemon that was invalidated exits after INVALIDATED_LINGER_S; give a busy host this much more.
@@ -37,8 +37,7 @@ def test_view_outlives_close_in_child(sock_dir):
     try:
         child = _child(f"""
             import gc, sys
-            sys.path.insert(0, {HERE!r})
-            from _store_helpers import BASE_KEY, count_arena_mappings, synthetic_export
+            from wcache.testing.store import BASE_KEY, count_arena_mappings, synthetic_export
             from wcache.store import CacheKey, attach
             att = attach(CacheKey(BASE_KEY), socket_dir={sock_dir!r})
             t = att.tensors["layer0.weight"]

@@ -7,11 +7,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from _store_helpers import synthetic_export, synthetic_tensors
 from wcache.core import WcacheError
 from wcache.store import CacheKey, Export, KeyMismatch, ProtocolError, StoreError
 from wcache.store.arena import CPU_ALIGNMENT, plan_layout, tensor_views, make_manifest
 from wcache.store.manifest import MANIFEST_FORMAT_VERSION, Manifest, canonical_json
+from wcache.testing.store import synthetic_export, synthetic_tensors
 
 
 def _arena_from(export, key):

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from _store_helpers import synthetic_export
 from wcache.store import DaemonServer, attach, cli_status, daemon_status
 from wcache.store import paths, server as server_mod
+from wcache.testing.store import synthetic_export
 
 # The daemon checks its socket every SOCKET_WATCH_S; allow a few periods.
 REBIND_WAIT_S = 5 * getattr(server_mod, "SOCKET_WATCH_S", 1.0)

@@ -11,10 +11,10 @@ import textwrap
 import pytest
 import torch
 
-from _store_helpers import (
-    BASE_KEY, HERE, count_arena_mappings, fd_count, rss_bytes, start_daemon, stop_daemon, synthetic_export,
-)
 from wcache.store import CacheKey, DaemonServer, attach, daemon_status, socket_path
+from wcache.testing.store import (
+    BASE_KEY, count_arena_mappings, fd_count, rss_bytes, start_daemon, stop_daemon, synthetic_export,
+)
 
 # Arena tensors large enough that a leaked mapping (or a leaked copy) per cycle
 # would show: 8 layers x 64 Ki fp16 elements = 1 MiB per attachment.
@@ -31,8 +31,7 @@ FD_TOLERANCE = 1
 def _client_script(sock_dir: str, body: str) -> list[str]:
     prelude = f"""
         import sys, torch
-        sys.path.insert(0, {HERE!r})
-        from _store_helpers import BASE_KEY, synthetic_export
+        from wcache.testing.store import BASE_KEY, synthetic_export
         from wcache.store import CacheKey, attach
         att = attach(CacheKey(BASE_KEY), socket_dir={sock_dir!r})
     """

@@ -19,8 +19,6 @@ import msgpack
 import pytest
 import torch
 
-from _store_helpers import BASE_KEY, start_daemon, stop_daemon, synthetic_export
-from test_store_snapshot import _assert_serves_export
 from wcache.store import CacheKey, DaemonMissing, DaemonServer, KeyMismatch, attach, daemon_status
 from wcache.store import seed as seed_mod
 from wcache.store import server as server_mod
@@ -29,6 +27,8 @@ from wcache.store.protocol import (
     send_frame,
 )
 from wcache.store.seed import SeedFailed, SeedSecretUnsafe, SeedSource, read_secret, seed_arena
+from wcache.testing.store import BASE_KEY, start_daemon, stop_daemon, synthetic_export
+from wcache.testing.store import assert_serves_export as _assert_serves_export
 
 SECRET = b"q2Zl5m1dW0bO3x7Yk8c9v4n6J2h1g0f5e4d3c2b1a0Y="  # 44 bytes, as base64 of 32 random bytes
 

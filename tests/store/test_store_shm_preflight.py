@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from _store_helpers import BASE_KEY
 from wcache import cli
 from wcache.store import CacheKey, attach, paths
 from wcache.store.errors import ShmTooSmall
 from wcache.store.protocol import PROTOCOL_VERSION, recv_frame, send_frame
+from wcache.testing.store import BASE_KEY
 
 MIB = 1 << 20
 #: Docker's default /dev/shm (64 MiB), nearly empty.

@@ -7,7 +7,6 @@ import shutil
 import pytest
 import torch
 
-from _store_helpers import BASE_KEY, start_daemon, stop_daemon, synthetic_export
 from wcache.store import CacheKey, DaemonServer, KeyMismatch, attach, daemon_status, socket_path
 from wcache.store import snapshot as snap_mod
 from wcache.store.prebuilt import served_arena
@@ -15,6 +14,9 @@ from wcache.store.seed import SeedFailed, SeedSource, seed_arena
 from wcache.store.snapshot import (
     ARENA_FILE, MANIFEST_FILE, SnapshotCorrupt, SnapshotMissing, SnapshotStale, check_key,
     list_snapshots, open_snapshot, snapshot_arena, write_snapshot,
+)
+from wcache.testing.store import (
+    BASE_KEY, assert_serves_export, start_daemon, stop_daemon, synthetic_export,
 )
 
 NAME = "tp0of1-pp0of1-dp0of1"
@@ -26,16 +28,6 @@ def _write(server, root, name=NAME):
         return write_snapshot(root, name, view.tensor, server.manifest, server.key)
     finally:
         view.close()
-
-
-def _assert_serves_export(key, sock_dir, device_id, export=None):
-    export = export or synthetic_export()
-    with attach(key, socket_dir=sock_dir, device_id=device_id) as att:
-        for name, t in export.tensors.items():
-            v = att.tensors[name]
-            assert torch.equal(t, v) and t.stride() == v.stride() and t.dtype == v.dtype, name
-        assert att.tensors["lm_head.weight"] is att.tensors["w0"]
-        assert {"seed": 0} == att.extra and {"x": 1} == att.layers["layer0"]["recorded"]
 
 
 @pytest.fixture
@@ -53,7 +45,7 @@ def test_snapshot_restart_serves_the_same_bytes(daemon, key, sock_dir, snap_root
     server = DaemonServer(snapshot_arena(snap), key, socket_dir=sock_dir, device_id="cpu-b").start()
     try:
         assert daemon.manifest == server.manifest and "shm" == server.transport
-        _assert_serves_export(key, sock_dir, "cpu-b")
+        assert_serves_export(key, sock_dir, "cpu-b")
     finally:
         server.stop()
 
@@ -171,12 +163,12 @@ def test_gloo_seeding_between_two_daemons(sock_dir, key):
             receiver = DaemonServer(seed_arena(src_sock, key), key, socket_dir=sock_dir,
                                     device_id="cpu-dst").start()
             try:
-                _assert_serves_export(key, sock_dir, "cpu-dst")
+                assert_serves_export(key, sock_dir, "cpu-dst")
                 st = daemon_status(src_sock)
                 assert 1 == st["attachments_active"] and st["invalidated"] is None
             finally:
                 receiver.stop()
-        _assert_serves_export(key, sock_dir, "cpu-src")  # still serving after it seeded
+        assert_serves_export(key, sock_dir, "cpu-src")  # still serving after it seeded
         # refusals: another key (named), and a digest that differs
         with pytest.raises(KeyMismatch, match="receiver=.*source=.*start the receiver with") as ei:
             seed_arena(src_sock, CacheKey({**BASE_KEY, "dtype": "float16"}))

@@ -14,7 +14,6 @@ import textwrap
 import pytest
 import torch
 
-from _store_helpers import BASE_KEY, HERE, start_daemon, stop_daemon
 from wcache.store.paths import cuda_device_uuid
 
 pytestmark = [pytest.mark.gpu,
@@ -23,10 +22,10 @@ pytestmark = [pytest.mark.gpu,
 #: One client rank: attach to this GPU's daemon, check shard, device and zero-copy.
 RANK_SCRIPT = """
 import sys, json, torch
-sys.path.insert(0, {here!r})
-from _store_helpers import BASE_KEY, synthetic_export
+from wcache.testing.store import BASE_KEY, synthetic_export
 from wcache.store import CacheKey, attach
 from wcache.store.paths import cuda_device_uuid
+from wcache.testing.store import BASE_KEY, start_daemon, stop_daemon
 rank = {rank}
 torch.cuda.set_device(rank)
 key = dict(BASE_KEY, tp=[2, rank])
@@ -57,7 +56,7 @@ def two_daemons(sock_dir):
 def test_each_rank_attaches_to_its_own_gpu_daemon(two_daemons):
     """Rank r (on cuda:r) gets shard r, on cuda:r, as a view of that daemon's arena."""
     children = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT.format(
-        here=HERE, rank=rank, sock=two_daemons)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        rank=rank, sock=two_daemons)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True) for rank in (0, 1)]
     outs = [c.communicate(timeout=300) for c in children]
     results = [o[0].strip().splitlines()[-1] if o[0].strip() else o[1][-2000:] for o in outs]
@@ -68,8 +67,7 @@ def test_client_on_the_wrong_gpu_is_refused(two_daemons):
     """A client on cuda:0 asking GPU 1's daemon is refused with transport-failed."""
     script = textwrap.dedent(f"""
         import sys, torch
-        sys.path.insert(0, {HERE!r})
-        from _store_helpers import BASE_KEY
+        from wcache.testing.store import BASE_KEY
         from wcache.store import CacheKey, TransportFailed, attach
         from wcache.store.paths import cuda_device_uuid
         try:

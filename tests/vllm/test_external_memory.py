@@ -11,7 +11,6 @@ import math
 import pytest
 import torch
 
-from test_loader import vllm_cfg  # noqa: F401  (the module-scoped world)
 
 pytestmark = pytest.mark.slow
 

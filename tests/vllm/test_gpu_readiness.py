@@ -14,8 +14,9 @@ import weakref
 import pytest
 import torch
 
-from test_loader import _meta_model, load_with_changed_model, vllm_cfg  # noqa: F401
 from wcache.core import NoPlan
+
+from tests.helpers.vllm_loader import load_with_changed_model, meta_model
 
 pytestmark = pytest.mark.slow
 
@@ -247,7 +248,7 @@ def test_smollm2_attention_layers_still_get_the_attention_plan(vllm_cfg):  # noq
     from vllm.config import set_current_vllm_config
 
     with set_current_vllm_config(vllm_cfg):
-        planned = _planned(_meta_model(vllm_cfg))
+        planned = _planned(meta_model(vllm_cfg))
     attn = [p for p in planned if p.name.endswith("self_attn.attn")]
     assert 30 == len(attn)
     assert {"attention/default@1"} == {p.plan.id for p in attn}

@@ -12,9 +12,10 @@ import shutil
 import pytest
 import torch
 
-from test_loader import _meta_model, vllm_cfg  # noqa: F401  (the module-scoped world)
 from wcache.core import Target
 from wcache.vllm.process import ENGINE_ARGS
+
+from tests.helpers.vllm_loader import meta_model
 
 pytestmark = pytest.mark.slow
 
@@ -103,7 +104,7 @@ def test_wrong_shape_or_dtype_buffer_is_model_mismatch(vllm_cfg, change):  # noq
     from wcache.vllm.model import ModelMismatch, install_tensors_
 
     with set_current_vllm_config(vllm_cfg):
-        model = _meta_model(vllm_cfg)
+        model = meta_model(vllm_cfg)
     name = _cos_sin_cache_name(model)
     mine = dict(model.named_buffers(remove_duplicate=False))[name]
     shape = (131072, mine.shape[1]) if change == "shape" else tuple(mine.shape)

@@ -6,74 +6,14 @@ engine start), so these run in seconds.
 
 from __future__ import annotations
 
-import dataclasses
-import tempfile
-
 import pytest
 import torch
 
 from wcache.core import NoPlan
-from wcache.vllm.process import ENGINE_ARGS
+
+from tests.helpers.vllm_loader import load_with_changed_model, meta_model
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def vllm_cfg():
-    """A VllmConfig for the bf16 SmolLM2 with vLLM's 1-rank world initialized."""
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import model_parallel_is_initialized
-
-    from wcache.testing.fixtures import build
-    from wcache.vllm.daemon import _init_distributed, _prepare_platform, engine_config
-
-    cfg = engine_config(str(build("bf16")), list(ENGINE_ARGS))
-    _prepare_platform(cfg)
-    with set_current_vllm_config(cfg):
-        if not model_parallel_is_initialized():  # the plan tests may have done it
-            tmp = tempfile.mkdtemp(prefix="wcache-dist-")
-            _init_distributed(cfg, 0, 1, f"file://{tmp}/init")
-        yield cfg
-
-
-def _meta_model(cfg):
-    from vllm.model_executor.model_loader.utils import initialize_model
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
-    cfg.compilation_config.static_forward_context.clear()
-    with set_default_torch_dtype(cfg.model_config.dtype), torch.device("meta"):
-        return initialize_model(vllm_config=cfg, model_config=cfg.model_config)
-
-
-def load_with_changed_model(vllm_cfg, monkeypatch, fallback: bool, change):
-    """Run the wcache loader on SmolLM2 after ``change(model)`` edits its meta build
-    (e.g. gives a layer a method wcache has no plan for); the key and the daemon must
-    never be reached. Returns ``(model, warnings logged by the loader)``."""
-    from vllm.config import set_current_vllm_config
-
-    import wcache.vllm.loader as loader_mod
-
-    real_init = loader_mod.initialize_model
-
-    def init_and_change(**kwargs):
-        model = real_init(**kwargs)
-        change(model)
-        return model
-
-    warnings: list[str] = []
-    monkeypatch.setattr(loader_mod, "initialize_model", init_and_change)
-    monkeypatch.setattr(loader_mod, "build_key",
-                        lambda *a, **k: pytest.fail("checkpoint read before the plan check"))
-    monkeypatch.setattr(loader_mod, "attach", lambda *a, **k: pytest.fail("daemon contacted"))
-    monkeypatch.setattr(loader_mod.logger, "warning",
-                        lambda msg, *args: warnings.append(msg % args))
-    load_config = dataclasses.replace(vllm_cfg.load_config, load_format="wcache",
-                                      model_loader_extra_config={"fallback": fallback})
-    vllm_cfg.compilation_config.static_forward_context.clear()
-    with set_current_vllm_config(vllm_cfg):
-        model = loader_mod.WcacheModelLoader(load_config).load_model(vllm_cfg,
-                                                                      vllm_cfg.model_config)
-    return model, warnings
 
 
 def _load_with_mystery_layer(vllm_cfg, monkeypatch, fallback: bool):
@@ -132,7 +72,7 @@ def test_unplanned_layers_are_all_named_in_one_refusal(vllm_cfg):
             raise AssertionError("not used")
 
     with set_current_vllm_config(vllm_cfg):
-        model = _meta_model(vllm_cfg)
+        model = meta_model(vllm_cfg)
     for i in (1, 7):
         model.model.layers[i].mlp.gate_up_proj.quant_method = OddMethod()
     with pytest.raises(UnplannedLayers) as info:
@@ -155,7 +95,7 @@ def test_every_smollm_layer_resolves_a_plan(vllm_cfg):
     from wcache.vllm.probe import host_target
 
     with set_current_vllm_config(vllm_cfg):
-        model = _meta_model(vllm_cfg)
+        model = meta_model(vllm_cfg)
     host = host_target("cpu", env={})
     branch = host.kernel("unquantized_gemm[bfloat16]")
     if "sgl" in (branch, host.kernel("unquantized_gemm[bfloat16,sgl_shape]")):
@@ -171,7 +111,7 @@ def test_extra_tensor_from_daemon_is_refused(vllm_cfg):
     from wcache.vllm.model import ModelMismatch, install_tensors_
 
     with set_current_vllm_config(vllm_cfg):
-        model = _meta_model(vllm_cfg)
+        model = meta_model(vllm_cfg)
     extra = {"model.layers.0.mlp.down_proj.surprise": torch.zeros(2)}
     with pytest.raises(ModelMismatch, match="surprise"):
         install_tensors_(model, extra, {"model.layers.0.mlp.down_proj.surprise": "param"}, {},
@@ -185,7 +125,7 @@ def test_meta_leftovers_include_module_attributes(vllm_cfg):
     from wcache.vllm.model import meta_leftovers
 
     with set_current_vllm_config(vllm_cfg):
-        model = _meta_model(vllm_cfg)
+        model = meta_model(vllm_cfg)
     left = meta_leftovers(model)
     assert "model.layers.0.self_attn.attn.kv_cache" in left
     assert "model.embed_tokens.weight" in left

@@ -7,15 +7,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 import time
 
 import pytest
 import torch
 
-from stalled_daemon import stalled_daemon as fake_stalled_daemon  # noqa: E402
 from wcache.store import paths
-from wcache.vllm.process import ENGINE_ARGS
+
+from tests.helpers.stalled_daemon import stalled_daemon as fake_stalled_daemon
 
 pytestmark = pytest.mark.slow
 
@@ -24,24 +23,6 @@ CONNECT_TIMEOUT_S = 1.0
 #: Slack on a loaded 2-core machine (seconds), far below the 60 s a stalled reply
 #: used to wait.
 SLACK_S = 5.0
-
-
-@pytest.fixture(scope="module")
-def vllm_cfg():
-    """A VllmConfig for the bf16 SmolLM2 with vLLM's 1-rank world initialized."""
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import model_parallel_is_initialized
-
-    from wcache.testing.fixtures import build
-    from wcache.vllm.daemon import _init_distributed, _prepare_platform, engine_config
-
-    cfg = engine_config(str(build("bf16")), list(ENGINE_ARGS))
-    _prepare_platform(cfg)
-    with set_current_vllm_config(cfg):
-        if not model_parallel_is_initialized():
-            tmp = tempfile.mkdtemp(prefix="wcache-dist-")
-            _init_distributed(cfg, 0, 1, f"file://{tmp}/init")
-        yield cfg
 
 
 @pytest.fixture

@@ -53,6 +53,7 @@ import torch
 from attrs import asdict, field, frozen
 
 from wcache.core import LayerConfig, LayerState, Plan, Target, apply_state_
+from wcache.errors import WorkerFailed  # noqa: F401  (re-exported: its old home)
 
 __all__ = [
     "BenchOptions", "run_suite", "markdown_table", "handles_table", "curve_points",
@@ -81,10 +82,6 @@ DEFAULT_HANDLE_TENSORS = 2000
 #: 10 MiB large-allocation threshold, so every tensor is its own cudaMalloc
 #: segment and needs its own IPC handle, like a real model's weights.
 DEFAULT_HANDLE_MIB = 12.0
-
-
-class WorkerFailed(RuntimeError):
-    """A benchmark worker process raised or died; carries its traceback."""
 
 
 # --------------------------------------------------------------------------- options

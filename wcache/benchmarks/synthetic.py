@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 from attrs import frozen
 
-from wcache.core import LayerConfig, QuantSpec, Target, WcacheError
+from wcache.core import LayerConfig, QuantSpec, Target
+from wcache.errors import DiskFull  # noqa: F401  (re-exported: its old home)
 
 __all__ = [
     "ModelShape", "LinearSpec", "SHAPES", "FORMATS", "CHECKPOINT_KIND", "AWQ_GROUP_SIZE",
@@ -52,12 +53,6 @@ STAMP_SUFFIX = ".json"
 #: Free space required before writing a checkpoint, as a multiple of its size
 #: (the temporary file plus room for the rest of the machine).
 DISK_HEADROOM = 1.1
-
-
-class DiskFull(WcacheError, OSError):
-    """Not enough free disk for a synthetic checkpoint; the message says what to do."""
-
-    code = "bench-disk-full"
 
 
 @frozen

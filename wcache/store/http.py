@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from wcache.store.errors import StoreError
+from wcache.errors import HttpListenFailed  # noqa: F401  (re-exported: its old home)
 
 __all__ = ["HttpListenFailed", "Probe", "OpsServer", "DaemonCollector", "parse_http_address",
            "LOOPBACK", "SNAPSHOT_STATES", "HEALTH_PATH", "METRICS_PATH"]
@@ -58,13 +58,6 @@ RELEASE_HOWS = ("release", "disconnect")
 #: An HTTP request (headers included) must arrive within this (seconds): probes
 #: and scrapes send theirs at once; a silent client must not hold a thread.
 REQUEST_TIMEOUT_S = 10.0
-
-
-class HttpListenFailed(StoreError):
-    """``--http HOST:PORT`` cannot be bound (in use, not an address of this host,
-    or a privileged port). Pick another address or port."""
-
-    code = "http-listen-failed"
 
 
 @attrs.frozen

@@ -43,6 +43,7 @@ from typing import Any
 
 import msgpack
 
+from wcache.errors import ConnectionClosed  # noqa: F401  (re-exported: its old home)
 from wcache.store.errors import ProtocolError, StoreError
 from wcache.store.manifest import canonical_json
 
@@ -84,12 +85,6 @@ SEED_NONCE_BYTES = 32
 #: Domain labels of the two MACs, so a request's MAC can never pass as a reply's.
 SEED_REQUEST_LABEL = b"wcache-seed-request\0"
 SEED_REPLY_LABEL = b"wcache-seed-reply\0"
-
-
-class ConnectionClosed(ProtocolError):
-    """The peer closed the connection cleanly between frames."""
-
-    code = "connection-closed"
 
 
 def send_frame(sock: socket.socket, obj: dict[str, Any], fds: tuple[int, ...] = ()) -> None:

@@ -51,6 +51,7 @@ from typing import Any
 import msgpack
 import torch
 
+from wcache.errors import SeedFailed, SeedSecretUnsafe  # noqa: F401  (re-exported: their old home)
 from wcache.store.arena_digest import DIGEST_BYTES, arena_digest
 from wcache.store.errors import DaemonMissing, KeyMismatch, ProtocolError, StoreError
 from wcache.store.manifest import CacheKey, Manifest
@@ -111,23 +112,6 @@ WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 STORE_BACKLOG = 8
 SECRET_FIX = ("create it with `head -c 32 /dev/urandom | base64 > FILE && chmod 600 FILE` and give "
               "the same file to the source and the receiver")
-
-
-class SeedFailed(StoreError):
-    """Seeding from a peer daemon failed: it refused (another key, seeding not
-    offered), the transfer broke off, or what arrived does not match the
-    source's digest. Start from the checkpoint or a snapshot instead, or check
-    that both daemons were started with the same engine arguments."""
-
-    code = "seed-failed"
-
-
-class SeedSecretUnsafe(StoreError, PermissionError):
-    """The seeding secret file is missing, not a regular file, readable by group
-    or others, or too short. ``chmod 600`` it (Kubernetes: ``defaultMode: 0400``),
-    or write a new one of at least 16 random bytes."""
-
-    code = "seed-secret-unsafe"
 
 
 def read_secret(path: str) -> bytes:

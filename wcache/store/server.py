@@ -15,18 +15,17 @@ error frame and the daemon keeps serving; a frame that breaks the framing
 connection is closed.
 
 :meth:`DaemonServer.listen_seed_tcp` adds a TCP listener for other hosts'
-daemons: it answers ``seed`` and nothing else, one request per connection,
-after a shared-secret challenge-response (see :mod:`wcache.store.protocol`);
-the Unix socket is unchanged.
+daemons (:class:`wcache.store.seed_listener.SeedListener`, which the daemon
+owns): it answers ``seed`` and nothing else, one request per connection, after a
+shared-secret challenge-response (see :mod:`wcache.store.protocol`); the Unix
+socket is unchanged.
 """
 
 from __future__ import annotations
 
 import collections
-import hmac
 import logging
 import os
-import secrets
 import signal
 import socket
 import struct
@@ -45,9 +44,9 @@ from wcache.store.errors import (
 )
 from wcache.store.manifest import CacheKey, Export, Manifest
 from wcache.store.protocol import (
-    PROTOCOL_VERSION, SEED_NONCE_BYTES, SEED_REPLY_LABEL, SEED_REQUEST_LABEL, ConnectionClosed,
-    check_request, error_frame, recv_frame, seed_mac, send_frame,
+    PROTOCOL_VERSION, ConnectionClosed, check_request, error_frame, recv_frame, send_frame,
 )
+from wcache.store.seed_listener import SeedListener
 
 __all__ = ["DaemonServer", "serve", "peer_credentials", "client_key", "MAX_CONNECTIONS",
            "MAX_CONNECTIONS_PER_CLIENT", "HELLO_TIMEOUT_S", "IDLE_TIMEOUT_S", "INVALIDATED_EXIT",
@@ -250,9 +249,7 @@ class DaemonServer:
         self.invalidated: dict[str, Any] | None = None
         #: Handler of the ``seed`` command (:class:`wcache.store.seed.SeedSource`), or None.
         self.seed_source: Any = None
-        self._tcp_listener: socket.socket | None = None
-        self._tcp_thread: threading.Thread | None = None
-        self._tcp_secret: bytes | None = None
+        self._seed_listener: SeedListener | None = None
         #: ``(host, port)`` the TCP seeding listener is bound to, or None.
         self.seed_tcp_address: tuple[str, int] | None = None
 
@@ -365,10 +362,8 @@ class DaemonServer:
         try:
             if self._accept_thread is not None and self._accept_thread is not threading.current_thread():
                 self._accept_thread.join(JOIN_TIMEOUT_S)
-            if self._tcp_thread is not None and self._tcp_thread is not threading.current_thread():
-                self._tcp_thread.join(JOIN_TIMEOUT_S)
-            if self._tcp_listener is not None:
-                self._tcp_listener.close()
+            if self._seed_listener is not None:
+                self._seed_listener.close(JOIN_TIMEOUT_S)
             if self._listener is not None:
                 self._listener.close()
                 self._remove_own_files()
@@ -414,7 +409,8 @@ class DaemonServer:
     # ------------------------------------------------------------------ TCP seeding
 
     def listen_seed_tcp(self, host: str, port: int, secret: bytes) -> tuple[str, int]:
-        """Accept ``seed`` requests of other hosts' daemons on ``host:port`` (TCP).
+        """Accept ``seed`` requests of other hosts' daemons on ``host:port`` (TCP),
+        through a :class:`wcache.store.seed_listener.SeedListener` this daemon owns.
 
         Each connection carries one exchange: the daemon sends a challenge
         (a random nonce), the peer answers with a ``seed`` request and its
@@ -441,117 +437,48 @@ class DaemonServer:
             raise StoreError("set seed_source (wcache.store.seed.SeedSource) before listening for seeding")
         if not secret:
             raise StoreError("a TCP seeding listener needs a non-empty secret")
-        if self._tcp_listener is not None:
+        if self._seed_listener is not None:
             raise StoreError(f"already listening for seeding on {self.seed_tcp_address}")
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((host, port))
-            listener.listen(LISTEN_BACKLOG)
-            listener.settimeout(ACCEPT_POLL_S)
-        except OSError as e:
-            listener.close()
-            raise StoreError(f"cannot listen for seeding on {host}:{port}: {e}; pick another "
-                             f"--seed-listen address or port") from e
-        self._tcp_secret = bytes(secret)
-        self._tcp_listener = listener
-        self.seed_tcp_address = (host, listener.getsockname()[1])
-        self._tcp_thread = threading.Thread(target=self._tcp_accept_loop, name="wcache-seed-tcp",
-                                            daemon=True)
-        self._tcp_thread.start()
-        log.info("daemon pid %d accepts seed requests on tcp %s:%d", os.getpid(), *self.seed_tcp_address)
+        self._seed_listener = SeedListener(self, host, port, secret, backlog=LISTEN_BACKLOG,
+                                           poll_s=ACCEPT_POLL_S).start()
+        self.seed_tcp_address = self._seed_listener.address
         return self.seed_tcp_address
 
-    def _tcp_accept_loop(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                conn, addr = self._tcp_listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                if self._stopping.is_set():
-                    return
-                log.exception("seeding accept failed; still serving")
-                time.sleep(ACCEPT_POLL_S)
-                continue
-            conn.settimeout(SEED_TCP_TIMEOUT_S)
-            with self._conns_lock:
-                too_many = len(self._conns) >= MAX_CONNECTIONS
-                if not too_many:
-                    thread = threading.Thread(target=self._tcp_handle, args=(conn, addr),
-                                              name="wcache-seed-conn", daemon=True)
-                    self._conns[conn] = thread
-            if too_many:
-                log.warning("refused a seeding connection from %s: %d connections open", addr[0],
-                            MAX_CONNECTIONS)
-                self._refuse(conn, DaemonBusy(f"daemon has {MAX_CONNECTIONS} connections; try again later"))
-                continue
-            thread.start()
+    # What the seeding listener shares with the daemon (wcache.store.seed_listener.SeedOwner).
 
-    def _tcp_handle(self, conn: socket.socket, addr: tuple) -> None:
-        """One authenticated ``seed`` exchange; everything else is refused and logged."""
-        peer = f"{addr[0]}:{addr[1]}"
-        try:
-            nonce = secrets.token_hex(SEED_NONCE_BYTES)
-            send_frame(conn, {"op": "challenge", "nonce": nonce, "protocol": PROTOCOL_VERSION,
-                              "wcache": wcache.__version__})
-            try:
-                request, _ = recv_frame(conn, frame_timeout_s=SEED_TCP_TIMEOUT_S)
-            except ConnectionClosed:
-                return
-            except ProtocolError as e:
-                log.warning("seeding peer %s sent a bad frame (%s); closing its connection", peer, e)
-                self._refuse(conn, e)
-                return
-            op = request.get("op")
-            if op != "seed":
-                log.warning("refused %r from %s: the TCP listener answers only seed", op, peer)
-                self._refuse(conn, PeerRefused(f"{op!r} is not accepted over TCP; this listener "
-                                               f"answers only seed (other commands: the local "
-                                               f"Unix socket)"))
-                return
-            mac = request.get("mac")
-            try:
-                expected = seed_mac(self._tcp_secret, SEED_REQUEST_LABEL, nonce, request)
-                ok = isinstance(mac, str) and hmac.compare_digest(mac.encode(), expected.encode())
-            except ProtocolError:
-                ok = False
-            if not ok:
-                log.warning("refused a seed request from %s: %s authentication", peer,
-                            "missing" if mac is None else "bad")
-                self._refuse(conn, PeerRefused("authentication failed: the request is not signed "
-                                               "with this daemon's seeding secret; give the "
-                                               "receiver the source's --seed-secret-file"))
-                return
-            if not isinstance(request.get("nonce"), str):
-                self._refuse(conn, ProtocolError("seed over TCP needs the client's nonce"))
-                return
-            try:
-                check_request(request)
-            except ProtocolError as e:
-                self._refuse(conn, e)
-                return
-            try:
-                reply = self.seed_source.handle(request, {"pid": peer, "tcp": True})
-            except StoreError as e:
-                reply = error_frame(e)
-            except Exception as e:  # a bug in a handler must not take the daemon down
-                log.exception("seed handler error for %s", peer)
-                reply = error_frame(e)
-            try:
-                reply["mac"] = seed_mac(self._tcp_secret, SEED_REPLY_LABEL, request["nonce"], reply)
-            except ProtocolError as e:  # the client's nonce is not hex: its own fault
-                reply = error_frame(e)
-            if reply.get("ok"):
-                log.info("seeding %s over TCP", peer)
-            send_frame(conn, reply)
-        except OSError as e:  # timeouts included: the peer went silent or away
-            log.warning("seeding connection from %s dropped: %s", peer, e)
-        finally:
-            with self._conns_lock:
-                self._conns.pop(conn, None)
-            conn.close()
+    @property
+    def stopping(self) -> threading.Event:
+        """Set once :meth:`stop` has begun."""
+        return self._stopping
+
+    @property
+    def seed_tcp_timeout_s(self) -> float:
+        """:data:`SEED_TCP_TIMEOUT_S`, read when each TCP seeding connection starts."""
+        return SEED_TCP_TIMEOUT_S
+
+    def admit_(self, conn: socket.socket, thread: threading.Thread) -> bool:
+        """Take one of the :data:`MAX_CONNECTIONS` slots (Unix and TCP together) for a
+        TCP seeding connection handled by ``thread``; False when every slot is taken."""
+        with self._conns_lock:
+            if len(self._conns) >= MAX_CONNECTIONS:
+                return False
+            self._conns[conn] = thread
+            return True
+
+    def forget_(self, conn: socket.socket) -> None:
+        """Give a connection's slot back."""
+        with self._conns_lock:
+            self._conns.pop(conn, None)
+
+    def refuse_(self, conn: socket.socket, err: StoreError) -> None:
+        """Count ``err.code`` in :attr:`refusals`, send it as an error frame, close ``conn``."""
+        self._refuse(conn, err)
+
+    def refuse_full_(self, conn: socket.socket, peer: str) -> None:
+        """Refuse a TCP seeding connection from ``peer`` when every slot is taken."""
+        log.warning("refused a seeding connection from %s: %d connections open", peer,
+                    MAX_CONNECTIONS)
+        self._refuse(conn, DaemonBusy(f"daemon has {MAX_CONNECTIONS} connections; try again later"))
 
     # ------------------------------------------------------------------ serving
 

@@ -49,8 +49,11 @@ import blake3
 import torch
 from attrs import frozen
 
+from wcache.errors import (  # noqa: F401  (re-exported: their old home)
+    SnapshotCorrupt, SnapshotMissing, SnapshotStale, SnapshotWriteFailed,
+)
 from wcache.store.arena_digest import CUDA_ALGORITHM, arena_digest
-from wcache.store.errors import KeyMismatch, StoreError
+from wcache.store.errors import StoreError
 from wcache.store.manifest import CacheKey, Manifest, canonical_json
 from wcache.store.prebuilt import PrebuiltArena
 
@@ -85,41 +88,6 @@ MAX_READ_THREADS = 8
 #: one chunk per reader thread, so a wave is read with every thread busy while
 #: the previous wave's copies to the device run.
 CUDA_STAGING_CHUNKS = 8
-
-
-class SnapshotMissing(StoreError, FileNotFoundError):
-    """No complete snapshot of this rank in the directory (never written, or a
-    write did not finish). Start the daemon from the checkpoint with
-    ``--snapshot DIR`` to write one."""
-
-    code = "snapshot-missing"
-
-
-class SnapshotCorrupt(StoreError):
-    """A snapshot file is missing, unreadable, malformed or does not match its
-    recorded digest. Delete the snapshot directory and write it again
-    (``wcache serve --snapshot DIR``)."""
-
-    code = "snapshot-corrupt"
-
-
-class SnapshotStale(KeyMismatch):
-    """The snapshot was made for another cache key (changed checkpoint, other
-    engine arguments, another vLLM/wcache/torch, another host decision);
-    ``.fields`` names the differing key fields. Start from the checkpoint with
-    ``--snapshot DIR`` to replace it."""
-
-    code = "snapshot-stale"
-
-
-class SnapshotWriteFailed(StoreError, OSError):
-    """Writing a snapshot failed: the directory is not writable, the file system
-    is full, a file-size limit (``ulimit -f``) was hit, or safetensors could not
-    serialize. Nothing was left behind (the temp dir is removed, an older
-    snapshot of that name stays). Free space or fix the directory's
-    permissions, or point ``--snapshot`` elsewhere."""
-
-    code = "snapshot-write-failed"
 
 
 @frozen

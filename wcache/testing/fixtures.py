@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from wcache.core import WcacheError
+from wcache.errors import FixtureError  # noqa: F401  (re-exported: its old home)
 
 __all__ = [
     "FORMATS", "QUANTIZED_FORMATS", "GPU_FORMATS", "ALL_FORMATS", "BUILDER_VERSION", "GROUP_SIZE", "FixtureError",
@@ -161,12 +161,6 @@ CHECK_KV_CACHE_BYTES = 256 * 1024 * 1024
 CHECK_TIMEOUT_S = 600
 #: Prefix of the one JSON line a ``--check-one`` child prints for its parent.
 CHECK_RESULT_TAG = "WCACHE_FIXTURE_CHECK "
-
-
-class FixtureError(WcacheError, RuntimeError):
-    """A test fixture cannot be built or checked; the message says what to do."""
-
-    code = "fixture-build"
 
 
 # --------------------------------------------------------------------------- packing (pure)

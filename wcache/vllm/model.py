@@ -17,7 +17,9 @@ import torch
 
 from wcache import shell
 from wcache.core import LayerConfig, NoPlan, Plan, RestoreIncomplete, Tag, Target
-from wcache.errors import ModelMismatch  # noqa: F401  (re-exported: callers catch it here)
+from wcache.errors import (  # noqa: F401  (re-exported: callers catch them here)
+    MAX_NAMED_UNPLANNED, ModelMismatch, UnplannedLayers,
+)
 from wcache.plans.registry import plan_for
 from wcache.vllm import compat
 from wcache.vllm.adapter import layer_config, sync_kernel_state_
@@ -33,34 +35,6 @@ class PlannedLayer:
     module: torch.nn.Module = attrs.field(eq=False, repr=False)
     config: LayerConfig
     plan: Plan
-
-
-#: Unplanned layers named one by one in a refusal before the rest are counted.
-MAX_NAMED_UNPLANNED = 8
-
-
-class UnplannedLayers(NoPlan):
-    """Some modules' post-load work has no wcache plan on this host.
-
-    Attributes:
-        layers: ``(module name, reason)`` for every unplanned module.
-    """
-
-    def __init__(self, layers: list[tuple[str, str]]):
-        self.layers = tuple(layers)
-        by_reason: dict[str, list[str]] = {}
-        for name, reason in layers:
-            by_reason.setdefault(reason, []).append(name)
-        parts = []
-        for reason, names in by_reason.items():
-            shown = ", ".join(names[:MAX_NAMED_UNPLANNED])
-            more = f" and {len(names) - MAX_NAMED_UNPLANNED} more" if len(names) > \
-                MAX_NAMED_UNPLANNED else ""
-            parts.append(f"{len(names)} layer(s) [{shown}{more}]: {reason}")
-        super().__init__(f"{len(layers)} layer(s) have no wcache plan on this host: "
-                         + "; ".join(parts)
-                         + ". Serve this model with load_format='auto' (or keep "
-                           "fallback=true, which loads it from disk).")
 
 
 def unplanned_postload(module: torch.nn.Module, *, root: bool = False) -> str | None:

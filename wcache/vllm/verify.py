@@ -49,7 +49,8 @@ from typing import Any
 import attrs
 import torch
 
-from wcache.core import WcacheError, snapshot, tensor_checksum
+from wcache.core import snapshot, tensor_checksum
+from wcache.errors import VerifyRefused  # noqa: F401  (re-exported: its old home)
 from wcache.vllm import compat
 
 logger = logging.getLogger("wcache.vllm")
@@ -86,12 +87,6 @@ CLOSED_MODULES = ("vllm.config",)
 MAX_VALUE_CHARS = 120
 
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
-
-
-class VerifyRefused(WcacheError, RuntimeError):
-    """``wcache verify`` cannot run here (not enough memory, more than one rank)."""
-
-    code = "verify-refused"
 
 
 @attrs.frozen

@@ -1,8 +1,9 @@
-"""Issue 12 items 1 and 2 on a GPU without vLLM: the daemon's memory after it
-built its arena, and vLLM's start-up memory check with the loader's answer.
+"""The daemon's device memory after it built its arena, and vLLM's start-up memory
+check with the loader's answer, on a GPU without vLLM (measured for issue 12;
+docs/benchmarks.md).
 
 Usage (one GPU; vLLM is not installed there):
-    python3 tools/gpu_issue12.py OUT_DIR [cuda_vmm|cuda_ipc ...]
+    python3 -m wcache.benchmarks.daemon_memory OUT_DIR [cuda_vmm|cuda_ipc ...]
 
 Per transport, a daemon process does what ``wcache.vllm.daemon.build_server`` does
 after vLLM's model build, on an 8B-shaped bf16 linear stack
@@ -127,7 +128,8 @@ def measure(transport: str, out_dir: str) -> dict:
     tmp = tempfile.mkdtemp(prefix="wcache-i12-")
     ready = os.path.join(tmp, "ready.json")
     free0, total = torch.cuda.mem_get_info()
-    proc = subprocess.Popen([sys.executable, __file__, "--daemon", ready, tmp, transport])
+    proc = subprocess.Popen([sys.executable, "-m", "wcache.benchmarks.daemon_memory", "--daemon", ready, tmp,
+                             transport])
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not os.path.exists(ready):
@@ -163,6 +165,9 @@ def measure(transport: str, out_dir: str) -> dict:
 
 
 def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if len(sys.argv) >= 2 else 2
     if sys.argv[1] == "--daemon":
         daemon_main(*sys.argv[2:5])
         return 0

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Issue 13 on the H200, one command: the guard/transport GPU tests, the cuda_ipc
-# store tests, then the 8B restore benchmark with the default guard and transport.
+# The restore guard and CUDA transports on the H200, one command (measured for
+# issue 13): the guard/transport GPU tests, the cuda_ipc store tests, then the 8B
+# restore benchmark with the default guard and transport, and the comparison runs.
 # Needs blake3 as a cp312 wheel under .whl/ (the GPU image has no blake3; see
 # the device README); cuda-bindings, msgpack, attrs, toolz are on the image.
-# Usage: bash tools/gpu_issue13.sh [OUT_DIR] [tests|bench|compare|all]  (default all)
+# Usage: bash tools/gpu/bench-restore.sh [OUT_DIR] [tests|bench|compare|all]  (default all)
 set -uo pipefail
 OUT=${1:-${OUT:-/tmp/wcache-gpu}}
 PHASE=${2:-all}

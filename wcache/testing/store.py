@@ -1,5 +1,9 @@
 """Helpers for the store tests: a deterministic synthetic export, a daemon run as
-a subprocess (``python tests/store/_store_helpers.py serve ...``), and /proc readers."""
+a subprocess (``python -m wcache.testing.store serve ...``), and /proc readers.
+
+Here rather than under tests/ because the tests' child processes (a daemon, a
+client on another GPU) import it too; nothing in production imports it.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +17,7 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-
-from wcache.store import CacheKey, Export  # noqa: E402
+from wcache.store import CacheKey, Export, attach
 
 # A daemon subprocess imports torch and builds its arena; on 2 busy cores that
 # can take several seconds.
@@ -54,10 +53,24 @@ def synthetic_export(seed: int = 0, n: int = 6, numel: int = 4096) -> Export:
                   extra={"seed": seed}, nonpersistent={"q_slice"})
 
 
+def assert_serves_export(key: CacheKey, sock_dir: str, device_id: str,
+                         export: Export | None = None) -> None:
+    """Attach to the daemon of ``device_id`` and assert it serves ``export`` (default:
+    :func:`synthetic_export`) bit for bit: values, strides, dtypes, the alias, the
+    extra and the recorded values."""
+    export = export or synthetic_export()
+    with attach(key, socket_dir=sock_dir, device_id=device_id) as att:
+        for name, t in export.tensors.items():
+            v = att.tensors[name]
+            assert torch.equal(t, v) and t.stride() == v.stride() and t.dtype == v.dtype, name
+        assert att.tensors["lm_head.weight"] is att.tensors["w0"]
+        assert {"seed": 0} == att.extra and {"x": 1} == att.layers["layer0"]["recorded"]
+
+
 def start_daemon(socket_dir: str, device_id: str = "cpu", *, seed: int = 0, n: int = 6, numel: int = 4096,
                  key: dict | None = None, extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
     """Start a daemon subprocess and wait for its ready line."""
-    cmd = [sys.executable, os.path.join(HERE, "_store_helpers.py"), "serve", "--socket-dir", socket_dir,
+    cmd = [sys.executable, "-m", "wcache.testing.store", "serve", "--socket-dir", socket_dir,
            "--device-id", device_id, "--seed", str(seed), "--n", str(n), "--numel", str(numel),
            "--key", json.dumps(key or BASE_KEY), *extra_args]
     log = tempfile.TemporaryFile(mode="w+")  # a pipe could fill up and block a chatty daemon
@@ -171,4 +184,4 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["serve"]:
         _serve_main(sys.argv[2:])
     else:
-        raise SystemExit("usage: _store_helpers.py serve --socket-dir DIR [...]")
+        raise SystemExit("usage: python -m wcache.testing.store serve --socket-dir DIR [...]")

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issues 14/16 on the H200 machine with two GPUs, one command: the gpu tier and the
-# CUDA store/snapshot tests (NCCL seeding included), then the 8B-shaped cold-start
-# benchmark (checkpoint vs snapshot vs peer over NCCL, raw read/copy in the same run).
-# Needs blake3 as a cp312 wheel under .whl/ (see tools/gpu_issue13.sh).
-# Usage: bash tools/gpu_issue16.sh [OUT_DIR] [tests|bench|all]  (default all)
+# Cold start on the H200 machine with two GPUs, one command (measured for issues
+# 14/16): the gpu tier and the CUDA store/snapshot tests (NCCL seeding included),
+# then the 8B-shaped cold-start benchmark (checkpoint vs snapshot vs peer over NCCL, raw read/copy in the same run).
+# Needs blake3 as a cp312 wheel under .whl/ (see tools/gpu/bench-restore.sh).
+# Usage: bash tools/gpu/bench-coldstart.sh [OUT_DIR] [tests|bench|all]  (default all)
 set -uo pipefail
 OUT=${1:-${OUT:-/tmp/wcache-gpu}}
 PHASE=${2:-all}

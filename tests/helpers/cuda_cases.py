@@ -1,0 +1,252 @@
+"""Checkpoint-format tensors, layer configs and hypothesis strategies for the
+CUDA-layout plans (Marlin, Machete, CUTLASS INT8/FP8, NVFP4), shared by
+tests/plans/test_cuda_plans.py and tests/plans/test_registry.py. CPU only, no vLLM."""
+
+from __future__ import annotations
+
+import torch
+from attrs import evolve
+from hypothesis import strategies as st
+
+from wcache.core import LayerConfig, Plan, QuantSpec, Target
+from wcache.stages import marlin as M
+
+#: What the adapter records of a MacheteLinearKernel (here vLLM 0.32's uint4b8 id).
+MACHETE_EXTRA = (("machete_act_type", "bfloat16"), ("machete_b_type_id", 1125899907892224))
+
+H200 = Target("cuda", (9, 0))
+B200 = Target("cuda", (10, 0))
+CPU = Target("cpu", None, frozenset({"avx512"}))
+#: AWQ packs column j*8+AWQ_PACK_ORDER[i] into nibble i of word j.
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+#: float8_e4m3fn NaN bit patterns (S.1111.111); drawn fp8 bytes avoid them.
+FP8_NAN_BITS = (0x7F, 0xFF)
+#: Largest positive finite float8_e4m3fn byte below NaN, used to draw positive scales.
+FP8_POS_MAX_BITS = 0x7E
+#: Ceiling for drawn positive FP8 block scales: keeps products with 6.0 and global
+#: scales far from overflow while still covering subnormals.
+FP8_SCALE_MAX_BITS = 0x58
+
+
+# --------------------------------------------------------------------------- builders
+
+
+def make_module(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A plain module holding ``tensors`` as frozen Parameters."""
+    m = torch.nn.Module()
+    for name, t in tensors.items():
+        m.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+    return m
+
+
+def export(prepared) -> torch.nn.Module:
+    """Clone the daemon's exported tensors into a fresh module (strides preserved)."""
+    m = torch.nn.Module()
+    for name, t in prepared.tensors.items():
+        if name in prepared.buffers:
+            m.register_buffer(name, t.clone())
+        else:
+            m.register_parameter(name, torch.nn.Parameter(t.clone(), requires_grad=False))
+    return m
+
+
+def attr_paths(plan: Plan) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(a for s in plan.stages for a in s.attrs))
+
+
+def roundtrip(plan: Plan, tensors: dict, config: LayerConfig, target: Target):
+    """(loaded, restored, prepared) for one checkpoint."""
+    loaded = make_module({k: v.clone() for k, v in tensors.items()})
+    plan.load(loaded, config, target)
+    daemon = make_module({k: v.clone() for k, v in tensors.items()})
+    prepared = plan.prepare(daemon, config, target)
+    restored = export(prepared)
+    plan.restore(restored, config, target, prepared.recorded, strict=True, drops=prepared.drops)
+    return loaded, restored, prepared
+
+
+def seeded_generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _ints(g, shape, bits):
+    return torch.randint(0, 2 ** bits, shape, generator=g, dtype=torch.int32)
+
+
+def _scales(g, shape, dtype=torch.bfloat16):
+    return (torch.rand(shape, generator=g) * 0.02 + 0.001).to(dtype)
+
+
+def fp8_bits(g, shape, positive=False, max_bits=FP8_POS_MAX_BITS) -> torch.Tensor:
+    """Random finite float8_e4m3fn drawn as bit patterns."""
+    if positive:
+        b = torch.randint(1, max_bits + 1, shape, generator=g, dtype=torch.int32)
+    else:
+        b = torch.randint(0, 256, shape, generator=g, dtype=torch.int32)
+        for nan in FP8_NAN_BITS:
+            b = torch.where(b == nan, torch.zeros_like(b), b)
+    return b.to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+def awq_pack(q: torch.Tensor) -> torch.Tensor:
+    k, n = q.shape
+    return M.pack_int32(q.reshape(k, n // 8, 8)[:, :, list(AWQ_PACK_ORDER)].reshape(k, n), 4)
+
+
+def int_checkpoint(method, k, n, g, bits, zero_point, bias, seed):
+    gen = seeded_generator(seed)
+    groups = k // g if g > 0 else 1
+    q = _ints(gen, (k, n), bits)
+    s = _scales(gen, (groups, n))
+    zp = _ints(gen, (groups, n), bits)
+    t: dict[str, torch.Tensor] = {}
+    if method == "awq":
+        t = {"qweight": awq_pack(q), "qzeros": awq_pack(zp), "scales": s}
+    elif method == "gptq":
+        t = {"qweight": M.pack_int32(q.t().contiguous(), bits).t().contiguous(),
+             "qzeros": M.pack_int32(zp, bits), "scales": s}
+    else:
+        t = {"weight_packed": M.pack_int32(q.t().contiguous(), bits),
+             "weight_scale": s.t().contiguous(),
+             "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+        if zero_point:
+            t["weight_zero_point"] = M.pack_int32(zp, bits).t().contiguous()
+    if bias:
+        t["bias"] = torch.randn(n, generator=gen).to(torch.bfloat16)
+    return t
+
+
+def cuda_config(method, k, n, *, bits=16, g=-1, zp=False, strategy=None, static=False,
+            kind="linear", kernel=None, extra=(), bias=False):
+    return LayerConfig(QuantSpec(method, num_bits=bits, group_size=g, zero_point=zp,
+                                 strategy=strategy, static_input=static, layer_kind=kind,
+                                 kernel=kernel),
+                       size_k=k, size_n=n, has_bias=bias, name=f"{method}.layer", extra=extra)
+
+
+# --------------------------------------------------------------------------- strategies
+
+
+@st.composite
+def marlin_int_cases(draw):
+    method = draw(st.sampled_from(["awq", "gptq", "ct_w4a16"]))
+    bits = 4 if method == "awq" else draw(st.sampled_from([4, 8]))
+    zp = True if method == "awq" else (draw(st.booleans()) if method == "ct_w4a16" else False)
+    g = draw(st.sampled_from([-1, 32, 64, 128]))
+    k = draw(st.sampled_from([128, 192, 256])) if g in (-1, 32, 64) else draw(st.sampled_from([128, 256]))
+    n = draw(st.sampled_from([64, 96, 128, 200 if bits == 8 else 160]))
+    n = n if n % 8 == 0 else 64
+    bias = draw(st.booleans())
+    seed = draw(st.integers(0, 2 ** 16))
+    cfg = cuda_config(method, k, n, bits=bits, g=g, zp=zp, kernel="marlin", bias=bias)
+    return cfg, int_checkpoint(method, k, n, g, bits, zp, bias, seed)
+
+
+@st.composite
+def machete_int_cases(draw):
+    """AWQ, GPTQ and CT W4A16 checkpoints on Machete's shapes (K % 64, N % 128)."""
+    method = draw(st.sampled_from(["awq", "gptq", "ct_w4a16"]))
+    bits = 4 if method != "gptq" else draw(st.sampled_from([4, 8]))
+    zp = True if method == "awq" else (draw(st.booleans()) if method == "ct_w4a16" else False)
+    g = draw(st.sampled_from([-1, 64, 128]))
+    k, n = draw(st.sampled_from([128, 256])), draw(st.sampled_from([128, 256]))
+    bias = draw(st.booleans())
+    cfg = cuda_config(method, k, n, bits=bits, g=g, zp=zp, kernel="machete", bias=bias,
+                  extra=MACHETE_EXTRA)
+    return cfg, int_checkpoint(method, k, n, g, bits, zp, bias, draw(st.integers(0, 2 ** 16)))
+
+
+@st.composite
+def cutlass_int8_cases(draw):
+    """CT W8A8 INT8 checkpoints: tensor/channel scales, fused or not, static/dynamic,
+    symmetric/asymmetric activations."""
+    widths = draw(st.sampled_from([(64,), (32, 16, 16), (48, 16)]))
+    strategy = draw(st.sampled_from(["tensor", "channel"]))
+    static, symmetric = draw(st.booleans()), draw(st.booleans())
+    k, seed = draw(st.sampled_from([32, 64, 96])), draw(st.integers(0, 2 ** 16))
+    g = seeded_generator(seed)
+    n = sum(widths)
+    t = {"weight": torch.randint(-128, 128, (n, k), generator=g).to(torch.int8),
+         "weight_scale": (torch.rand((n, 1) if strategy == "channel" else (len(widths),),
+                                     generator=g) * 0.01 + 1e-3)}
+    if static:
+        t["input_scale"] = torch.rand(1, generator=g) * 0.1 + 0.01
+        if not symmetric:
+            t["input_zero_point"] = torch.randint(-20, 20, (1,), generator=g).to(torch.int8)
+    cfg = LayerConfig(QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy=strategy,
+                                static_input=static, input_symmetric=symmetric,
+                                kernel="cutlass_int8"),
+                      size_k=k, size_n=n, name="ct_w8a8_int8.layer",
+                      extra=(("logical_widths", widths),))
+    return cfg, t
+
+
+@st.composite
+def fp8_cases(draw):
+    """Every FP8/MXFP8 plan with a checkpoint drawn for it (N, K not multiples of 16)."""
+    which = draw(st.sampled_from(["fp8_per_tensor", "fp8_per_channel", "fp8_per_block",
+                                  "ct_tensor", "ct_channel", "fp8_serialized",
+                                  "fp8_block_serialized", "ct_marlin", "fp8_marlin", "mxfp8"]))
+    n = draw(st.sampled_from([48, 100, 130, 256]))
+    k = draw(st.sampled_from([64, 96, 200])) if which != "mxfp8" else draw(st.sampled_from([64, 96, 256]))
+    seed = draw(st.integers(0, 2 ** 16))
+    bias = draw(st.booleans())
+    g = seeded_generator(seed)
+    dense = {"weight": (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)}
+    extra = ()
+    if which == "fp8_per_tensor":
+        cfg, t = cuda_config("fp8_per_tensor", k, n, kernel="cutlass"), dense
+    elif which == "fp8_per_channel":
+        cfg, t = cuda_config("fp8_per_channel", k, n, kernel="cutlass"), dense
+    elif which == "fp8_per_block":
+        cfg, t = cuda_config("fp8_per_block", k, n, kernel="cutlass_block", strategy="block"), dense
+    elif which == "mxfp8":
+        cfg, t = cuda_config("mxfp8", k, n, kernel="marlin"), dense
+    elif which == "fp8_block_serialized":
+        t = {"weight": fp8_bits(g, (n, k)),
+             "weight_scale_inv": torch.rand(-(-n // 128), -(-k // 128), generator=g) * 0.01}
+        cfg = cuda_config("fp8", k, n, strategy="block", kernel="cutlass_block")
+    else:
+        channel = which == "ct_channel"
+        half = n // 2
+        extra = (("logical_widths", (half, n - half)),)
+        scale = (torch.rand(n, 1, generator=g) * 0.01 + 1e-4) if channel else \
+            (torch.rand(2, generator=g) * 0.01 + 1e-4)
+        static = draw(st.booleans()) and not channel
+        t = {"weight": fp8_bits(g, (n, k)), "weight_scale": scale}
+        if static:
+            t["input_scale"] = torch.rand(2, generator=g) + 0.5
+        method = "fp8" if which in ("fp8_serialized", "fp8_marlin") else "ct_w8a8_fp8"
+        kernel = "fp8_marlin" if which in ("ct_marlin", "fp8_marlin") else "cutlass"
+        cfg = cuda_config(method, k, n, strategy="channel" if channel else "tensor",
+                      static=static, kernel=kernel, extra=extra)
+    if bias:
+        t = dict(t, bias=torch.randn(n, generator=g).to(torch.bfloat16))
+        cfg = evolve(cfg, has_bias=True)
+    return cfg, t
+
+
+def nvfp4_linear_checkpoint(n, k, seed, bias=False):
+    g = seeded_generator(seed)
+    t = {"weight": torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int32).to(torch.uint8),
+         "weight_scale": fp8_bits(g, (n, k // 16), positive=True, max_bits=FP8_SCALE_MAX_BITS),
+         "weight_scale_2": torch.rand(2, generator=g) * 0.01 + 1e-3,
+         "input_scale": torch.rand(2, generator=g) + 0.5}
+    if bias:
+        t["bias"] = torch.randn(n, generator=g).to(torch.bfloat16)
+    return t
+
+
+def nvfp4_moe_checkpoint(e, hidden, inter, seed):
+    g = seeded_generator(seed)
+    u8 = lambda *s: torch.randint(0, 256, s, generator=g, dtype=torch.int32).to(torch.uint8)  # noqa: E731
+    return {
+        "w13_weight": u8(e, 2 * inter, hidden // 2),
+        "w13_weight_scale": fp8_bits(g, (e, 2 * inter, hidden // 16), True, FP8_SCALE_MAX_BITS),
+        "w13_weight_scale_2": (torch.rand(e, 1, generator=g) * 0.01 + 1e-3).repeat(1, 2),
+        "w13_input_scale": torch.rand(e, 2, generator=g) + 0.5,
+        "w2_weight": u8(e, hidden, inter // 2),
+        "w2_weight_scale": fp8_bits(g, (e, hidden, inter // 16), True, FP8_SCALE_MAX_BITS),
+        "w2_weight_scale_2": torch.rand(e, generator=g) * 0.01 + 1e-3,
+        "w2_input_scale": torch.rand(e, generator=g) + 0.5,
+    }

@@ -1,0 +1,28 @@
+"""Fixtures of the vLLM integration tests: ``vllm_cfg``, SmolLM2's VllmConfig with
+vLLM's 1-rank world (module-scoped: one world per test module)."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+
+from wcache.vllm.process import ENGINE_ARGS
+
+
+@pytest.fixture(scope="module")
+def vllm_cfg():
+    """A VllmConfig for the bf16 SmolLM2 with vLLM's 1-rank world initialized."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import model_parallel_is_initialized
+
+    from wcache.testing.fixtures import build
+    from wcache.vllm.daemon import _init_distributed, _prepare_platform, engine_config
+
+    cfg = engine_config(str(build("bf16")), list(ENGINE_ARGS))
+    _prepare_platform(cfg)
+    with set_current_vllm_config(cfg):
+        if not model_parallel_is_initialized():  # the plan tests may have done it
+            tmp = tempfile.mkdtemp(prefix="wcache-dist-")
+            _init_distributed(cfg, 0, 1, f"file://{tmp}/init")
+        yield cfg
