@@ -11,8 +11,7 @@ in one file. Three kinds of reach, and nothing of them outside this module
   ``_ROPE_DICT``); ``_layerwise_process``; the CPU worker's
   ``_set_torch_accelerator_to_noop``; ``vllm._custom_ops`` (which loads the
   ``torch.ops._C`` kernels); the layer flag :data:`POSTLOAD_DONE_ATTR`;
-  ModelOpt NVFP4 MoE's ``_expert_routing_tables``; a kernel's
-  ``_apply_weights_onednn``;
+  ModelOpt NVFP4 MoE's ``_expert_routing_tables``;
 * **patches**, each a context manager undone on exit (:func:`without_reload_metadata`,
   :func:`online_quantization_deferred`, :func:`captured_hash_factors`,
   :func:`attention_forward_replaced`, :func:`torch_accelerator_noops`);
@@ -30,6 +29,13 @@ here, instead of silently no longer matching a name string), which attention
 layers vLLM gives deferred post-load work (``is_deferred_attention_layer``) and
 whether a method's or impl's ``process_weights_after_loading`` is the base class's
 no-op.
+
+Not yet behind this door: ``wcache/stages/onednn.py``'s
+``onednn.prepack_scaled_weight`` still declares attrs on vLLM's kernel
+(``scheme.kernel.dnnl_handler``, ``scheme.kernel.linear_method``, applied through a
+``KernelMethod`` naming ``_apply_weights_onednn``); moving them onto the layer and
+binding them here by :data:`KERNEL_BINDINGS` (as ``logical_output_size`` is) is
+issue 25's next step.
 
 Classes are compared by exact type, not ``isinstance``: a subclass may change
 the post-load work (``ZentorchWNA16LinearKernel`` subclasses
@@ -636,19 +642,6 @@ def build_nvfp4_moe_kernel_(module: torch.nn.Module) -> bool:
     return True
 
 
-#: The kernel library vLLM's ``CPUInt8ScaledMMLinearKernel`` applies through after
-#: its oneDNN post-load -> the kernel's method (``kernel.linear_method``).
-#: Source: vllm/model_executor/kernels/linear/scaled_mm/cpu.py::
-#: CPUInt8ScaledMMLinearKernel.process_weights_after_loading
-_LINEAR_METHODS = {"onednn": "_apply_weights_onednn"}
-
-
-def _kernel_method(kernel: Any, value: Any) -> Any:
-    """``kernel.linear_method`` for the stage's value: the kernel's own bound method,
-    as vLLM binds it (``self.linear_method = self._apply_weights_onednn``)."""
-    return getattr(kernel, _LINEAR_METHODS[value])
-
-
 @attrs.frozen
 class KernelBinding:
     """One value a plan's stage leaves on the layer (a layer-local name) that vLLM
@@ -684,11 +677,6 @@ KERNEL_BINDINGS = (
     KernelBinding("logical_output_size", ("quant_method.fp8_linear", "scheme.fp8_linear"),
                   "logical_output_size", only_existing=True,
                   convert=lambda kernel, value: int(value)),
-    # compressed-tensors W8A8 INT8 on CPU: CPUInt8ScaledMMLinearKernel's oneDNN handle
-    # and apply (wcache.stages.onednn.prepack_scaled_weight)
-    KernelBinding("dnnl_handler", ("scheme.kernel",), "dnnl_handler"),
-    KernelBinding("linear_method", ("scheme.kernel",), "linear_method",
-                  convert=_kernel_method),
 )
 
 
