@@ -20,8 +20,7 @@ def vllm_cfg():
     from wcache.vllm.daemon import _init_distributed, _prepare_platform, engine_config
 
     cfg = engine_config(str(build("bf16")), list(ENGINE_ARGS))
-    _prepare_platform(cfg)
-    with set_current_vllm_config(cfg):
+    with _prepare_platform(cfg), set_current_vllm_config(cfg):
         if not model_parallel_is_initialized():  # the plan tests may have done it
             tmp = tempfile.mkdtemp(prefix="wcache-dist-")
             _init_distributed(cfg, 0, 1, f"file://{tmp}/init")

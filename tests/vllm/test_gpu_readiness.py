@@ -324,11 +324,11 @@ def test_daemon_refuses_untested_vllm(monkeypatch):
         daemon.main(argparse.Namespace(), [])
 
 
-#: vLLM internals that only compat.py may name. verify.py (another session's
-#: module, not yet moved) still names two of them itself.
+#: vLLM internals that only compat.py may name (tests/vllm/test_one_door.py checks
+#: every private name with ast; this also catches them in docstrings).
 INTERNALS = ("_ROPE_DICT", "static_forward_context", "record_metadata_for_reloading",
              "_set_torch_accelerator_to_noop")
-NOT_YET_MOVED = {"verify.py"}
+NOT_YET_MOVED: set[str] = set()
 
 
 def test_vllm_internals_only_in_compat():

@@ -143,10 +143,9 @@ def test_socket_dir_mode_checks_a_running_daemon(host_kernels):
 
     path = _fixture("bf16", host_kernels)
     cfg = engine_config(path, list(ENGINE_ARGS))
-    _prepare_platform(cfg)
     sockets = tempfile.mkdtemp(prefix="wcv-")  # short: a socket path holds <= 107 bytes
     try:
-        with set_current_vllm_config(cfg):
+        with _prepare_platform(cfg), set_current_vllm_config(cfg):
             _ensure_world(cfg)
             dev = device_id(torch.device("cpu"), cfg.model_config, parallel_layout())
             server = build_server(cfg, socket_dir=sockets, device_id=dev, progress=False)

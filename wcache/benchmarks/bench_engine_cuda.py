@@ -304,9 +304,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "torch": torch.__version__, "shape": LLAMA_8B,
             "date": time.strftime("%Y-%m-%d", time.gmtime())}
     try:
-        import vllm  # noqa: PLC0415
+        from wcache.vllm.compat import vllm_version  # noqa: PLC0415
 
-        meta["vllm"] = vllm.__version__
+        meta["vllm"] = vllm_version()
     except ImportError:
         pass
 

@@ -157,7 +157,9 @@ def load_cpu_ops(device: torch.device) -> None:
     stages call, when vLLM is installed. Never on CUDA: the GPU path imports no vLLM."""
     if device.type != "cpu" or importlib.util.find_spec("vllm") is None:
         return
-    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+    from wcache.vllm import compat  # noqa: PLC0415
+
+    compat.load_custom_ops()  # registers torch.ops._C
 
 
 def _synthetic():

@@ -1142,12 +1142,11 @@ def _check_one(path: Path) -> dict[str, Any]:
     Must run in the ``__main__`` process of a dedicated interpreter (vLLM spawns
     workers that re-import ``__main__``).
     """
-    from vllm import LLM, SamplingParams
+    from wcache.vllm.run_engine import greedy_texts, start_llm
 
-    llm = LLM(model=str(path), dtype="bfloat16", enforce_eager=True,
-              max_model_len=CHECK_MAX_MODEL_LEN, kv_cache_memory_bytes=CHECK_KV_CACHE_BYTES)
-    params = SamplingParams(temperature=0.0, max_tokens=CHECK_MAX_TOKENS)
-    text = llm.generate([CHECK_PROMPT], params, use_tqdm=False)[0].outputs[0].text
+    llm = start_llm(model=str(path), dtype="bfloat16", enforce_eager=True,
+                    max_model_len=CHECK_MAX_MODEL_LEN, kv_cache_memory_bytes=CHECK_KV_CACHE_BYTES)
+    text = greedy_texts(llm, [CHECK_PROMPT], CHECK_MAX_TOKENS)[0]
     # By reference to the importable module (not ``__main__``), so the worker
     # process can unpickle it.
     from wcache.testing.fixtures import _layer_methods as layer_methods

@@ -1,15 +1,24 @@
 """vLLM quant method objects -> wcache LayerConfig (the method -> plan adapter).
 
 This is the only place that maps vLLM's quant method, scheme and kernel classes
-(imported through :mod:`wcache.vllm.compat`, compared by exact type) to plans.
-Unknown methods map to a QuantSpec whose method is the class name, so
-``plan_for`` refuses them with a reason instead of guessing; so do attention
-layers whose deferred post-load work has no plan (MLA, FP8 multimodal-encoder
-attention, an overriding subclass).
+(imported through :mod:`wcache.vllm.compat`, compared by exact type) to plans: a
+registry from class name (a key of compat's class table) to one small function
+``(quant_method, module, target, name) -> LayerConfig`` each, :data:`METHODS` for
+quant methods and :data:`SCHEMES` for compressed-tensors schemes
+(``tests/vllm/test_one_door.py`` checks that they cover every quant method and
+scheme class of compat's table). Unknown methods map to a QuantSpec whose method
+is the class name, so ``plan_for`` refuses them with a reason instead of
+guessing; so do attention layers whose deferred post-load work has no plan (MLA,
+FP8 multimodal-encoder attention, an overriding subclass).
+
+The adapter reads vLLM objects and writes none; what a plan leaves for vLLM's
+kernel objects is bound by :func:`wcache.vllm.compat.sync_kernel_state_`
+(re-exported here as :func:`sync_kernel_state_`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,10 +26,8 @@ from attrs import evolve
 
 from wcache.core import LayerConfig, QuantSpec, Target
 from wcache.vllm import compat, probe
+from wcache.vllm.compat import sync_kernel_state_  # noqa: F401  (re-exported)
 
-#: KV-cache quant methods whose post-load work is BaseKVCacheMethod's (the
-#: ``kv_cache`` plan); the compressed-tensors one has its own plan.
-_KV_CACHE_METHODS = ("BaseKVCacheMethod", "Fp8KVCacheMethod", "ModelOptKVCacheMethod")
 #: Deferred attention post-load work wcache refuses -> the QuantSpec method that
 #: ``plan_for`` refuses with its reason (registered in :mod:`wcache.plans.attention`).
 _ATTENTION_REFUSALS = {"mla": "mla_attention", "mm_encoder_fp8": "mm_encoder_attention_fp8"}
@@ -50,12 +57,6 @@ def _mp_kernel_extra(owner: Any) -> dict[str, Any]:
     cfg = kernel.config
     return {"machete_b_type_id": int(cfg.weight_type.id),
             "machete_act_type": _dtype_name(cfg.act_type)}
-
-
-#: vLLM's online FP8 linear methods -> wcache method (``quantization/online/fp8.py``).
-_ONLINE_FP8 = {"Fp8PerTensorOnlineLinearMethod": "fp8_per_tensor",
-               "Fp8PtpcOnlineLinearMethod": "fp8_per_channel",
-               "Fp8PerBlockOnlineLinearMethod": "fp8_per_block"}
 
 
 def _fp8_config(quant_method: Any, module: torch.nn.Module, method: str, name: str,
@@ -119,39 +120,6 @@ def _modelopt_fp4_moe_config(quant_method: Any, module: torch.nn.Module,
                                          ("num_experts", int(module.local_num_experts))))
 
 
-def sync_kernel_state_(module: torch.nn.Module) -> None:
-    """Copy kernel state that plans keep on the layer into vLLM's kernel object.
-
-    wcache's CUTLASS stages record the logical (unpadded) output width as
-    ``layer.logical_output_size`` (:data:`wcache.stages.fp8.LOGICAL_OUTPUT_ATTR`);
-    vLLM's ``CutlassFP8ScaledMMLinearKernel.apply_scaled_mm`` reads it from the
-    kernel object, ``quant_method.fp8_linear`` (Fp8LinearMethod, online FP8) or
-    ``layer.scheme.fp8_linear`` (compressed-tensors W8A8 FP8), and asserts it is not
-    None on the first forward. ModelOpt NVFP4 MoE's modular kernel (process-local,
-    built from the final tensors) is rebuilt by
-    :func:`wcache.vllm.compat.build_nvfp4_moe_kernel_`; the "already processed" flag
-    of the methods whose own post-load sets it, by
-    :func:`wcache.vllm.compat.mark_postload_done_`. The width attribute is then
-    deleted: vLLM's own layer has none, and the restored layer must equal it. Call
-    after a plan's load or restore; a no-op elsewhere.
-    """
-    compat.build_nvfp4_moe_kernel_(module)
-    compat.mark_postload_done_(module)
-    width = getattr(module, "logical_output_size", None)
-    if width is None:
-        return
-    moved = False
-    for owner in (getattr(module, "quant_method", None), getattr(module, "scheme", None)):
-        kernel = getattr(owner, "fp8_linear", None)
-        if kernel is not None and hasattr(kernel, "logical_output_size"):
-            kernel.logical_output_size = int(width)
-            moved = True
-    if moved and "logical_output_size" in vars(module):
-        # vLLM keeps the width on its kernel only; a layer attribute of wcache's own
-        # would make the restored layer differ from vLLM's (wcache verify, H200)
-        del module.logical_output_size
-
-
 def _linear_config(module: torch.nn.Module, spec: QuantSpec, name: str,
                    extra: dict | None = None) -> LayerConfig:
     size_k = getattr(module, "input_size_per_partition", None)
@@ -169,6 +137,192 @@ def _linear_config(module: torch.nn.Module, spec: QuantSpec, name: str,
         extra=tuple(sorted((extra or {}).items())))
 
 
+#: ``(quant_method, module, target, name) -> LayerConfig``: one vLLM class's mapping.
+Adapter = Callable[[Any, torch.nn.Module, "Target | None", str], LayerConfig]
+
+
+def _unquantized(kind: str) -> Adapter:
+    def adapt(quant_method: Any, module: torch.nn.Module, target: Target | None,
+              name: str) -> LayerConfig:
+        """Unquantized linear / embedding; on CPU the branch vLLM's dispatch takes for
+        this weight on this host, asked of vLLM (:mod:`wcache.vllm.probe`)."""
+        config = _linear_config(module, QuantSpec("unquantized", layer_kind=kind), name)
+        if target is not None and target.device_type == "cpu":
+            kernel = probe.unquantized_gemm_kernel(config.size_n, config.size_k, config.dtype)
+            config = evolve(config, quant=evolve(config.quant, kernel=kernel))
+        return config
+    return adapt
+
+
+def _awq(quant_method: Any, module: torch.nn.Module, target: Target | None,
+         name: str) -> LayerConfig:
+    qc = quant_method.quant_config
+    spec = QuantSpec("awq", num_bits=qc.weight_bits, group_size=qc.group_size,
+                     zero_point=bool(qc.zero_point), kernel=_kernel_id(quant_method))
+    return _linear_config(module, spec, name, _mp_kernel_extra(quant_method))
+
+
+def _gptq(quant_method: Any, module: torch.nn.Module, target: Target | None,
+          name: str) -> LayerConfig:
+    qc = quant_method.quant_config
+    spec = QuantSpec("gptq", num_bits=qc.weight_bits, group_size=qc.group_size,
+                     zero_point=not getattr(qc, "is_sym", True), kernel=_kernel_id(quant_method))
+    return _linear_config(module, spec, name, _mp_kernel_extra(quant_method))
+
+
+def _requantization(quant_method: Any, module: torch.nn.Module, name: str) -> LayerConfig | None:
+    """An online method requantizing a serialized checkpoint: another post-load; no plan."""
+    if getattr(quant_method, "requantization_source", None) is None:
+        return None
+    return _linear_config(module, QuantSpec(f"vllm:{type(quant_method).__name__}"
+                                            f"+requantization"), name)
+
+
+def _online_fp8(method: str) -> Adapter:
+    def adapt(quant_method: Any, module: torch.nn.Module, target: Target | None,
+              name: str) -> LayerConfig:
+        """vLLM's online FP8 linear methods (``quantization/online/fp8.py``)."""
+        return (_requantization(quant_method, module, name)
+                or _fp8_config(quant_method, module, method, name))
+    return adapt
+
+
+def _online_mxfp8(quant_method: Any, module: torch.nn.Module, target: Target | None,
+                  name: str) -> LayerConfig:
+    requantized = _requantization(quant_method, module, name)
+    if requantized is not None:
+        return requantized
+    kernel = quant_method.kernel
+    # MXFP8 kernels are their own family (Mxfp8LinearKernel): named here, not in
+    # compat's scaled-mm / mixed-precision kernel table
+    kid = "marlin" if compat.is_type(kernel, "MarlinMxfp8LinearKernel") else type(kernel).__name__
+    return _linear_config(module, QuantSpec("mxfp8", num_bits=8, group_size=32, kernel=kid), name)
+
+
+def _modelopt_fp4_moe(quant_method: Any, module: torch.nn.Module, target: Target | None,
+                      name: str) -> LayerConfig:
+    return _modelopt_fp4_moe_config(quant_method, module, name)
+
+
+def _modelopt_linear(quant_method: Any, module: torch.nn.Module, target: Target | None,
+                     name: str) -> LayerConfig:
+    return _modelopt_config(quant_method, module, name)
+
+
+def _fp8(quant_method: Any, module: torch.nn.Module, target: Target | None,
+         name: str) -> LayerConfig:
+    static = getattr(quant_method.quant_config, "activation_scheme", "dynamic") == "static"
+    return _fp8_config(quant_method, module, "fp8", name, static_input=static)
+
+
+def _compressed_tensors(quant_method: Any, module: torch.nn.Module, target: Target | None,
+                        name: str) -> LayerConfig:
+    """compressed-tensors: the layer's scheme decides (:data:`SCHEMES`)."""
+    scheme = getattr(module, "scheme", None)
+    adapt = _lookup(SCHEMES, scheme)
+    if adapt is None:
+        return _linear_config(module, QuantSpec(f"compressed-tensors:{type(scheme).__name__}"),
+                              name)
+    return adapt(scheme, module, target, name)
+
+
+def _ct_kv_cache(quant_method: Any, module: torch.nn.Module, target: Target | None,
+                 name: str) -> LayerConfig:
+    return LayerConfig(quant=QuantSpec("ct_kv_cache", layer_kind="attention"), size_k=0,
+                       size_n=0, name=name)
+
+
+def _kv_cache(quant_method: Any, module: torch.nn.Module, target: Target | None,
+              name: str) -> LayerConfig:
+    """KV-cache methods whose post-load work is BaseKVCacheMethod's (``kv_cache`` plan)."""
+    return LayerConfig(quant=QuantSpec("kv_cache", layer_kind="attention"), size_k=0, size_n=0,
+                       name=name,
+                       extra=(("kv_cache_dtype", str(getattr(module, "kv_cache_dtype", "auto"))),))
+
+
+def _ct_wna16(scheme: Any, module: torch.nn.Module, target: Target | None,
+              name: str) -> LayerConfig:
+    spec = QuantSpec("ct_w4a16", num_bits=scheme.num_bits, group_size=scheme.group_size,
+                     zero_point=not scheme.symmetric, strategy=_enum_value(scheme.strategy),
+                     kernel=_kernel_id(scheme))
+    return _linear_config(module, spec, name, _mp_kernel_extra(scheme))
+
+
+def _ct_w8a8_fp8(scheme: Any, module: torch.nn.Module, target: Target | None,
+                 name: str) -> LayerConfig:
+    return _fp8_config(scheme, module, "ct_w8a8_fp8", name,
+                       static_input=bool(scheme.is_static_input_scheme),
+                       strategy=_enum_value(scheme.strategy))
+
+
+def _ct_w8a16_fp8(scheme: Any, module: torch.nn.Module, target: Target | None,
+                  name: str) -> LayerConfig:
+    """What vLLM builds for an FP8 W8A8 checkpoint below sm89: weight-only FP8 on
+    ``scheme.linear_kernel`` (Marlin); the checkpoint format is ct_w8a8_fp8's."""
+    spec = QuantSpec("ct_w8a8_fp8", num_bits=8, act_bits=16, strategy=_enum_value(scheme.strategy),
+                     static_input=bool(scheme.is_static_input_scheme),
+                     kernel=_kernel_id(scheme, "linear_kernel"))
+    extra = {"logical_widths": tuple(int(w) for w in module.logical_widths)}
+    if scheme.weight_block_size:
+        extra["weight_block_size"] = tuple(int(b) for b in scheme.weight_block_size)
+    return _linear_config(module, spec, name, extra)
+
+
+def _ct_w8a8_int8(scheme: Any, module: torch.nn.Module, target: Target | None,
+                  name: str) -> LayerConfig:
+    kernel = _kernel_id(scheme)
+    if kernel == "onednn":  # CPUInt8ScaledMMLinearKernel: SGL or oneDNN, vLLM's check
+        kernel = probe.w8a8_int8_kernel(
+            int(module.output_size_per_partition), int(module.input_size_per_partition),
+            bool(scheme.input_symmetric))
+    spec = QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy=_enum_value(scheme.strategy),
+                     static_input=bool(scheme.is_static_input_scheme),
+                     input_symmetric=bool(scheme.input_symmetric), kernel=kernel)
+    return _linear_config(module, spec, name,
+                          {"logical_widths": tuple(int(w) for w in module.logical_widths)})
+
+
+#: vLLM quant-method class (a name in compat's class table) -> its adapter.
+METHODS: dict[str, Adapter] = {
+    "UnquantizedLinearMethod": _unquantized("linear"),
+    "UnquantizedEmbeddingMethod": _unquantized("embedding"),
+    "AutoAWQMarlinLinearMethod": _awq,
+    "AutoGPTQLinearMethod": _gptq,
+    "Fp8PerTensorOnlineLinearMethod": _online_fp8("fp8_per_tensor"),
+    "Fp8PtpcOnlineLinearMethod": _online_fp8("fp8_per_channel"),
+    "Fp8PerBlockOnlineLinearMethod": _online_fp8("fp8_per_block"),
+    "Mxfp8OnlineLinearMethod": _online_mxfp8,
+    "ModelOptNvFp4FusedMoE": _modelopt_fp4_moe,
+    "ModelOptLinearMethod": _modelopt_linear,
+    "Fp8LinearMethod": _fp8,
+    "CompressedTensorsLinearMethod": _compressed_tensors,
+    "CompressedTensorsKVCacheMethod": _ct_kv_cache,
+    "BaseKVCacheMethod": _kv_cache,
+    "Fp8KVCacheMethod": _kv_cache,
+    "ModelOptKVCacheMethod": _kv_cache,
+}
+
+#: compressed-tensors scheme class (a name in compat's class table) -> its adapter
+#: (called with the scheme in place of the quant method).
+SCHEMES: dict[str, Adapter] = {
+    "CompressedTensorsWNA16": _ct_wna16,
+    "CompressedTensorsW8A8Fp8": _ct_w8a8_fp8,
+    "CompressedTensorsW8A16Fp8": _ct_w8a16_fp8,
+    "CompressedTensorsW8A8Int8": _ct_w8a8_int8,
+}
+
+#: The KV-cache methods (their layers are attention layers with a plan of their own).
+_KV_CACHE_METHODS = frozenset(n for n, f in METHODS.items() if f in (_kv_cache, _ct_kv_cache))
+
+
+def _lookup(registry: dict[str, Adapter], obj: Any) -> Adapter | None:
+    """The adapter of ``obj``'s exact vLLM class (by name, then identity with compat's
+    class), or None."""
+    cls_name = type(obj).__name__
+    adapt = registry.get(cls_name)
+    return adapt if adapt is not None and compat.is_type(obj, cls_name) else None
+
+
 def layer_config(quant_method: Any, module: torch.nn.Module, target: Target | None = None,
                  name: str = "") -> LayerConfig | None:
     """The LayerConfig of a vLLM module, or ``None`` when it has no post-load work.
@@ -180,13 +334,8 @@ def layer_config(quant_method: Any, module: torch.nn.Module, target: Target | No
             branch is asked of vLLM for this layer (:mod:`wcache.vllm.probe`).
         name: the module's qualified name, for messages.
     """
-    c = compat.classes()
-    cls = type(quant_method).__name__ if quant_method is not None else None
-
-    def is_(name: str) -> bool:
-        return compat.is_type(quant_method, name)
-
-    is_kv_method = any(is_(n) for n in (*_KV_CACHE_METHODS, "CompressedTensorsKVCacheMethod"))
+    is_kv_method = _lookup(METHODS, quant_method) is not None and \
+        type(quant_method).__name__ in _KV_CACHE_METHODS
     postload = compat.attention_postload(module)
     if postload in _ATTENTION_REFUSALS or postload == "other":
         # vLLM's deferred attention post-load that no plan replays: refused by plan_for
@@ -199,91 +348,9 @@ def layer_config(quant_method: Any, module: torch.nn.Module, target: Target | No
         return LayerConfig(quant=spec, size_k=0, size_n=0, name=name,
                            params_dtype=_dtype_name(torch.get_default_dtype()),
                            extra=(("impl_postload_noop", compat.impl_postload_is_noop(module)),))
-    if not isinstance(quant_method, c.QuantizeMethodBase):
+    if not isinstance(quant_method, compat.classes().QuantizeMethodBase):
         return None
-    if is_("UnquantizedLinearMethod") or is_("UnquantizedEmbeddingMethod"):
-        kind = "linear" if is_("UnquantizedLinearMethod") else "embedding"
-        config = _linear_config(module, QuantSpec("unquantized", layer_kind=kind), name)
-        if target is not None and target.device_type == "cpu":
-            # the branch vLLM's dispatch takes for this weight on this host, asked of vLLM
-            kernel = probe.unquantized_gemm_kernel(config.size_n, config.size_k, config.dtype)
-            config = evolve(config, quant=evolve(config.quant, kernel=kernel))
-        return config
-    if is_("AutoAWQMarlinLinearMethod"):
-        qc = quant_method.quant_config
-        spec = QuantSpec("awq", num_bits=qc.weight_bits, group_size=qc.group_size,
-                         zero_point=bool(qc.zero_point), kernel=_kernel_id(quant_method))
-        return _linear_config(module, spec, name, _mp_kernel_extra(quant_method))
-    if is_("AutoGPTQLinearMethod"):
-        qc = quant_method.quant_config
-        spec = QuantSpec("gptq", num_bits=qc.weight_bits, group_size=qc.group_size,
-                         zero_point=not getattr(qc, "is_sym", True),
-                         kernel=_kernel_id(quant_method))
-        return _linear_config(module, spec, name, _mp_kernel_extra(quant_method))
-    online_fp8 = next((m for n, m in _ONLINE_FP8.items() if is_(n)), None)
-    if online_fp8 is not None:
-        if getattr(quant_method, "requantization_source", None) is not None:
-            # requantizing a serialized checkpoint: another post-load; no plan
-            return _linear_config(module, QuantSpec(f"vllm:{cls}+requantization"), name)
-        return _fp8_config(quant_method, module, online_fp8, name)
-    if is_("Mxfp8OnlineLinearMethod"):
-        if getattr(quant_method, "requantization_source", None) is not None:
-            return _linear_config(module, QuantSpec(f"vllm:{cls}+requantization"), name)
-        kernel = quant_method.kernel
-        # MXFP8 kernels are their own family (Mxfp8LinearKernel): named here, not in
-        # compat's scaled-mm / mixed-precision kernel table
-        kid = "marlin" if compat.is_type(kernel, "MarlinMxfp8LinearKernel") \
-            else type(kernel).__name__
-        spec = QuantSpec("mxfp8", num_bits=8, group_size=32, kernel=kid)
-        return _linear_config(module, spec, name)
-    if is_("ModelOptNvFp4FusedMoE"):
-        return _modelopt_fp4_moe_config(quant_method, module, name)
-    if is_("ModelOptLinearMethod"):
-        return _modelopt_config(quant_method, module, name)
-    if is_("Fp8LinearMethod"):
-        static = getattr(quant_method.quant_config, "activation_scheme", "dynamic") == "static"
-        return _fp8_config(quant_method, module, "fp8", name, static_input=static)
-    if is_("CompressedTensorsLinearMethod"):
-        scheme = getattr(module, "scheme", None)
-        scls = type(scheme).__name__
-        if compat.is_type(scheme, "CompressedTensorsWNA16"):
-            spec = QuantSpec("ct_w4a16", num_bits=scheme.num_bits, group_size=scheme.group_size,
-                             zero_point=not scheme.symmetric, strategy=_enum_value(scheme.strategy),
-                             kernel=_kernel_id(scheme))
-            return _linear_config(module, spec, name, _mp_kernel_extra(scheme))
-        if compat.is_type(scheme, "CompressedTensorsW8A8Fp8"):
-            return _fp8_config(scheme, module, "ct_w8a8_fp8", name,
-                               static_input=bool(scheme.is_static_input_scheme),
-                               strategy=_enum_value(scheme.strategy))
-        if compat.is_type(scheme, "CompressedTensorsW8A16Fp8"):
-            # what vLLM builds for an FP8 W8A8 checkpoint below sm89: weight-only FP8
-            # on scheme.linear_kernel (Marlin); the checkpoint format is ct_w8a8_fp8's
-            spec = QuantSpec("ct_w8a8_fp8", num_bits=8, act_bits=16,
-                             strategy=_enum_value(scheme.strategy),
-                             static_input=bool(scheme.is_static_input_scheme),
-                             kernel=_kernel_id(scheme, "linear_kernel"))
-            extra = {"logical_widths": tuple(int(w) for w in module.logical_widths)}
-            if scheme.weight_block_size:
-                extra["weight_block_size"] = tuple(int(b) for b in scheme.weight_block_size)
-            return _linear_config(module, spec, name, extra)
-        if compat.is_type(scheme, "CompressedTensorsW8A8Int8"):
-            kernel = _kernel_id(scheme)
-            if kernel == "onednn":  # CPUInt8ScaledMMLinearKernel: SGL or oneDNN, vLLM's check
-                kernel = probe.w8a8_int8_kernel(
-                    int(module.output_size_per_partition), int(module.input_size_per_partition),
-                    bool(scheme.input_symmetric))
-            spec = QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8,
-                             strategy=_enum_value(scheme.strategy),
-                             static_input=bool(scheme.is_static_input_scheme),
-                             input_symmetric=bool(scheme.input_symmetric), kernel=kernel)
-            return _linear_config(module, spec, name, {
-                "logical_widths": tuple(int(w) for w in module.logical_widths)})
-        return _linear_config(module, QuantSpec(f"compressed-tensors:{scls}"), name)
-    if is_("CompressedTensorsKVCacheMethod"):
-        return LayerConfig(quant=QuantSpec("ct_kv_cache", layer_kind="attention"), size_k=0,
-                           size_n=0, name=name)
-    if any(is_(n) for n in _KV_CACHE_METHODS):
-        return LayerConfig(quant=QuantSpec("kv_cache", layer_kind="attention"), size_k=0,
-                           size_n=0, name=name,
-                           extra=(("kv_cache_dtype", str(getattr(module, "kv_cache_dtype", "auto"))),))
-    return _linear_config(module, QuantSpec(f"vllm:{cls}"), name)
+    adapt = _lookup(METHODS, quant_method)
+    if adapt is None:
+        return _linear_config(module, QuantSpec(f"vllm:{type(quant_method).__name__}"), name)
+    return adapt(quant_method, module, target, name)

@@ -1,28 +1,46 @@
-"""Every place wcache reaches into vLLM internals, in one module.
+"""Every place wcache reaches into vLLM internals, in one module (the one door).
 
 wcache is tested against one vLLM version (:data:`TESTED_VLLM_VERSION`). What it
 uses of vLLM beyond its public entry points (``LLM``, ``EngineArgs``, the model
 loader registry, ``initialize_model``) lives here, so a vLLM upgrade is checked
-in one file:
+in one file. Three kinds of reach, and nothing of them outside this module
+(``tests/vllm/test_one_door.py`` reads every module of wcache with ``ast``):
 
-* the process-wide registrations a model build leaves (the compilation
-  config's ``static_forward_context``, rotary embeddings' ``_ROPE_DICT``);
-* ``record_metadata_for_reloading`` (skipped during the engine's meta build);
-* the CPU worker's ``_set_torch_accelerator_to_noop`` (the daemon's CPU build);
-* the quant-method, scheme, kernel and attention classes the adapter maps, as
-  imported classes (a class vLLM renames or moves fails loudly at import here,
-  instead of silently no longer matching a name string);
-* which attention layers vLLM gives deferred post-load work
-  (``is_deferred_attention_layer``) and whether a method's or impl's
-  ``process_weights_after_loading`` is the base class's no-op.
+* **private names** of vLLM: the process-wide registrations a model build leaves
+  (the compilation config's ``static_forward_context``, rotary embeddings'
+  ``_ROPE_DICT``); ``_layerwise_process``; the CPU worker's
+  ``_set_torch_accelerator_to_noop``; ``vllm._custom_ops`` (which loads the
+  ``torch.ops._C`` kernels); the layer flag :data:`POSTLOAD_DONE_ATTR`;
+  ModelOpt NVFP4 MoE's ``_expert_routing_tables``;
+* **patches**, each a context manager undone on exit (:func:`without_reload_metadata`,
+  :func:`online_quantization_deferred`, :func:`captured_hash_factors`,
+  :func:`attention_forward_replaced`, :func:`torch_accelerator_noops`);
+* **writes onto vLLM objects**: kernel state a plan leaves on the layer, bound onto
+  vLLM's kernel objects by the table :data:`KERNEL_BINDINGS`
+  (:func:`sync_kernel_state_`); ModelOpt NVFP4 MoE's kernel objects; the
+  copy-on-write wrappers of a restored model's ``load_weights``/``get_submodule``
+  (:func:`wrap_weight_writers_`); the attachment kept on the model
+  (:func:`keep_attachment_`); the daemon's load format on ``EngineArgs``
+  (:func:`disk_load_engine_args_`); vLLM's reload metadata device.
+
+It also holds the quant-method, scheme, kernel and attention classes the adapter
+maps, as imported classes (a class vLLM renames or moves fails loudly at import
+here, instead of silently no longer matching a name string), which attention
+layers vLLM gives deferred post-load work (``is_deferred_attention_layer``) and
+whether a method's or impl's ``process_weights_after_loading`` is the base class's
+no-op.
+
+Not yet behind this door: ``wcache/stages/onednn.py``'s
+``onednn.prepack_scaled_weight`` still declares attrs on vLLM's kernel
+(``scheme.kernel.dnnl_handler``, ``scheme.kernel.linear_method``, applied through a
+``KernelMethod`` naming ``_apply_weights_onednn``); moving them onto the layer and
+binding them here by :data:`KERNEL_BINDINGS` (as ``logical_output_size`` is) is
+issue 25's next step.
 
 Classes are compared by exact type, not ``isinstance``: a subclass may change
 the post-load work (``ZentorchWNA16LinearKernel`` subclasses
 ``CPUWNA16LinearKernel`` and lays weights out differently), and an unknown
 subclass must reach ``plan_for`` as unknown so it is refused, not guessed.
-
-The one internal outside this package is ``wcache/stages/onednn.py``'s use of
-``_apply_weights_onednn`` (a stage calling vLLM's own bound method by name).
 """
 
 from __future__ import annotations
@@ -31,7 +49,7 @@ import contextlib
 import gc
 import os
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -118,6 +136,18 @@ def forget_registrations_(vllm_config: Any, before: Registrations) -> None:
 
 
 @contextlib.contextmanager
+def _patched(owner: Any, name: str, value: Any) -> Iterator[Any]:
+    """``owner.name = value`` inside the block, the original again on exit (also on
+    an exception); yields the original. Every patch of vLLM goes through here."""
+    real = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield real
+    finally:
+        setattr(owner, name, real)
+
+
+@contextlib.contextmanager
 def without_reload_metadata() -> Iterator[None]:
     """Skip vLLM's ``record_metadata_for_reloading`` inside the block.
 
@@ -126,15 +156,80 @@ def without_reload_metadata() -> Iterator[None]:
     """
     from vllm.model_executor.model_loader import utils as loader_utils  # noqa: PLC0415
 
-    real = getattr(loader_utils, "record_metadata_for_reloading", None)
-    if real is None:
+    if getattr(loader_utils, "record_metadata_for_reloading", None) is None:
         yield
         return
-    loader_utils.record_metadata_for_reloading = lambda model: None
+    with _patched(loader_utils, "record_metadata_for_reloading", lambda model: None):
+        yield
+
+
+@contextlib.contextmanager
+def captured_hash_factors() -> Iterator[list[dict]]:
+    """Inside the block every ``hash_factors(items)`` vLLM's configs call (from
+    ``compute_hash``) also appends a copy of ``items`` to the yielded list; vLLM's
+    function is back on exit.
+
+    Source: vllm/config/utils.py::hash_factors (called by ModelConfig.compute_hash)
+    """
+    from vllm.config import utils as config_utils  # noqa: PLC0415
+
+    captured: list[dict] = []
+    real = config_utils.hash_factors
+
+    def capture(items: dict) -> str:
+        captured.append(dict(items))
+        return real(items)
+
+    with _patched(config_utils, "hash_factors", capture):
+        yield captured
+
+
+def model_config_hash_factors(model_config: Any) -> dict[str, Any]:
+    """The factors ``ModelConfig.compute_hash`` hashes, captured from vLLM itself
+    (so its own ignore list and any factor it adds later apply); every field when
+    vLLM no longer hashes through ``hash_factors`` (more than needed is safe: a
+    spurious mismatch is refused loudly, a missing factor would lie)."""
+    from vllm.config import utils as config_utils  # noqa: PLC0415
+
+    with captured_hash_factors() as captured:
+        model_config.compute_hash()
+    if captured:
+        return captured[-1]
+    return config_utils.get_hash_factors(model_config, set())
+
+
+@contextlib.contextmanager
+def attention_forward_replaced(forward: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """``Attention.forward`` is ``forward`` inside the block (for every attention
+    layer of every model in this process), vLLM's own again on exit. ``wcache
+    verify`` computes attention by a pure-torch reference this way (vLLM's kernels
+    need the engine's KV cache and scheduler metadata)."""
+    from vllm.model_executor.layers.attention import Attention  # noqa: PLC0415
+
+    with _patched(Attention, "forward", forward):
+        yield
+
+
+@contextlib.contextmanager
+def torch_accelerator_noops() -> Iterator[None]:
+    """vLLM's CPU no-ops for ``torch.accelerator`` inside the block
+    (``BaseModelLoader`` calls ``torch.accelerator.empty_cache()``, which raises on a
+    CPU-only torch); torch's own functions again on exit. vLLM's CPU worker installs
+    them for its whole process; the daemon and ``wcache verify`` scope them to
+    their builds.
+
+    Source: vllm/v1/worker/cpu_model_runner.py::_set_torch_accelerator_to_noop
+    """
+    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop  # noqa
+
+    accelerator = torch.accelerator
+    real = {name: getattr(accelerator, name) for name in ("synchronize", "empty_cache")}
+    _set_torch_accelerator_to_noop()
     try:
         yield
     finally:
-        loader_utils.record_metadata_for_reloading = real
+        for name, fn in real.items():
+            setattr(accelerator, name, fn)
 
 
 def uses_online_quantization(quant_method: Any) -> bool:
@@ -217,11 +312,8 @@ def online_quantization_deferred() -> Iterator[None]:
         finally:
             del quant_method.process_weights_after_loading
 
-    layerwise._layerwise_process = load_without_quantizing
-    try:
+    with _patched(layerwise, "_layerwise_process", load_without_quantizing):
         yield
-    finally:
-        layerwise._layerwise_process = real
 
 
 def finalize_online_loading_(model: torch.nn.Module, model_config: Any) -> None:
@@ -284,12 +376,17 @@ def reload_kernel_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def set_torch_accelerator_to_noop() -> None:
-    """Install vLLM's CPU no-ops for ``torch.accelerator`` (``BaseModelLoader`` calls
-    ``torch.accelerator.empty_cache()``, which raises on a CPU-only torch)."""
-    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop  # noqa
+def load_custom_ops() -> None:
+    """Import ``vllm._custom_ops``, which loads vLLM's kernel library for this host
+    (``import_kernels``: ``_C``, ``_C_AVX512`` or ``_C_AVX2`` on CPU) and so
+    registers the ``torch.ops._C`` ops wcache's CPU stages call."""
+    import vllm._custom_ops  # noqa: F401, PLC0415
 
-    _set_torch_accelerator_to_noop()
+
+def has_custom_op(name: str) -> bool:
+    """Whether vLLM's loaded kernel library has op ``name`` (``torch.ops._C.<name>``);
+    call :func:`load_custom_ops` first."""
+    return hasattr(torch.ops._C, name)
 
 
 def free_device_memory(device_type: str) -> None:
@@ -543,3 +640,154 @@ def build_nvfp4_moe_kernel_(module: torch.nn.Module) -> bool:
         routing_tables=module._expert_routing_tables(),
         per_token_activation=qm.per_token_activation)
     return True
+
+
+@attrs.frozen
+class KernelBinding:
+    """One value a plan's stage leaves on the layer (a layer-local name) that vLLM
+    keeps on a kernel object the layer holds.
+
+    Attributes:
+        layer_attr: what the stage sets on the layer (its declared ``attrs``).
+        owners: where vLLM's kernel object lives, dotted from the layer; each that
+            exists gets the value.
+        kernel_attr: the kernel's attribute vLLM reads.
+        only_existing: bind only onto kernels that already have ``kernel_attr`` (the
+            attribute's presence says the kernel reads it).
+        convert: ``(kernel, value) -> what vLLM stores``.
+    """
+
+    layer_attr: str
+    owners: tuple[str, ...]
+    kernel_attr: str
+    only_existing: bool = False
+    convert: Callable[[Any, Any], Any] = attrs.field(default=lambda kernel, value: value,
+                                                     eq=False)
+
+
+#: Layer-local stage attrs -> vLLM's kernel objects (0.32). A binding whose kernel is
+#: found moves the value (the layer attribute is deleted: vLLM's own layer has none,
+#: and the restored layer must equal it); with no kernel found it stays on the layer
+#: (a plan run on a plain module, the reference kernels of the tests).
+KERNEL_BINDINGS = (
+    # CUTLASS FP8: CutlassFP8ScaledMMLinearKernel.apply_scaled_mm reads it (and
+    # asserts it is not None on the first forward); Fp8LinearMethod / online FP8 keep
+    # the kernel as quant_method.fp8_linear, compressed-tensors W8A8 FP8 as
+    # scheme.fp8_linear (wcache.stages.fp8.LOGICAL_OUTPUT_ATTR)
+    KernelBinding("logical_output_size", ("quant_method.fp8_linear", "scheme.fp8_linear"),
+                  "logical_output_size", only_existing=True,
+                  convert=lambda kernel, value: int(value)),
+)
+
+
+def _resolve(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def bound_attr_path(module: torch.nn.Module, layer_attr: str) -> str:
+    """Where vLLM keeps the value a stage declares as ``layer_attr`` on ``module``
+    (``"scheme.kernel.dnnl_handler"``), or ``layer_attr`` itself when it is layer
+    state (no binding, or no kernel to bind to): what ``wcache verify`` compares."""
+    for binding in KERNEL_BINDINGS:
+        if binding.layer_attr != layer_attr:
+            continue
+        for owner in binding.owners:
+            kernel = _resolve(module, owner)
+            if kernel is not None and (not binding.only_existing
+                                       or hasattr(kernel, binding.kernel_attr)):
+                return f"{owner}.{binding.kernel_attr}"
+    return layer_attr
+
+
+def sync_kernel_state_(module: torch.nn.Module) -> None:
+    """Put the kernel state a plan left on ``module`` where vLLM keeps it; call after
+    a plan's load or restore (a no-op elsewhere, and idempotent).
+
+    * each :data:`KERNEL_BINDINGS` value the layer holds goes onto vLLM's kernel
+      object, and the layer attribute is deleted once bound;
+    * ModelOpt NVFP4 MoE's process-local kernel objects are rebuilt
+      (:func:`build_nvfp4_moe_kernel_`);
+    * the "already processed" flag of the methods whose own post-load sets it
+      (:func:`mark_postload_done_`).
+    """
+    build_nvfp4_moe_kernel_(module)
+    mark_postload_done_(module)
+    for binding in KERNEL_BINDINGS:
+        if binding.layer_attr not in vars(module):
+            continue
+        value = vars(module)[binding.layer_attr]
+        if value is None and binding.only_existing:
+            continue
+        moved = False
+        for owner in binding.owners:
+            kernel = _resolve(module, owner)
+            if kernel is None or (binding.only_existing
+                                  and not hasattr(kernel, binding.kernel_attr)):
+                continue
+            setattr(kernel, binding.kernel_attr, binding.convert(kernel, value))
+            moved = True
+        if moved:
+            delattr(module, binding.layer_attr)
+
+
+# ------------------------------------------------------------- the engine's model
+
+#: The attribute that keeps a restored model's attachment (its mapping) alive for as
+#: long as the model lives; ``wcache verify`` leaves it out of its comparison.
+ATTACHMENT_ATTR = "_wcache_attachment"
+
+
+def keep_attachment_(model: torch.nn.Module, attachment: Any) -> None:
+    """Keep ``attachment`` (the daemon's mapping) alive with vLLM's ``model``."""
+    setattr(model, ATTACHMENT_ATTR, attachment)
+
+
+def attachment_of(model: torch.nn.Module) -> Any:
+    """The attachment :func:`keep_attachment_` put on ``model``, or ``None``."""
+    return getattr(model, ATTACHMENT_ATTR, None)
+
+
+def wrap_weight_writers_(model: torch.nn.Module, *, before_load_weights: Callable[[], None],
+                         before_module_write: Callable[[torch.nn.Module], None]) -> None:
+    """Run a callback before each of vLLM's two ways of writing a model's weights
+    (wcache's copy on write for a CUDA ``zero_copy`` model):
+
+    * ``model.load_weights`` (called directly through ``collective_rpc``, and by
+      ``reload_weights`` in checkpoint format): ``before_load_weights()`` first;
+    * ``model.get_submodule`` (``reload_weights(is_checkpoint_format=False)``
+      resolves each name through it, then ``param.copy_``):
+      ``before_module_write(module)`` on the module it returns.
+
+    Both wrappers are instance attributes marked :data:`COPY_ON_WRITE_HOOK`.
+
+    Source: vllm/v1/worker/gpu_model_runner.py::reload_weights,
+    vllm/model_executor/model_loader/reload/inplace.py
+    """
+    load_weights, get_submodule = model.load_weights, model.get_submodule
+
+    def privatizing_load_weights(weights: Any, *args: Any, **kwargs: Any) -> Any:
+        before_load_weights()
+        return load_weights(weights, *args, **kwargs)
+
+    def privatizing_get_submodule(target: str) -> torch.nn.Module:
+        module = get_submodule(target)
+        before_module_write(module)
+        return module
+
+    for hook in (privatizing_load_weights, privatizing_get_submodule):
+        setattr(hook, COPY_ON_WRITE_HOOK, True)
+    model.load_weights = privatizing_load_weights
+    model.get_submodule = privatizing_get_submodule
+
+
+def disk_load_engine_args_(engine_args: Any) -> Any:
+    """Point vLLM's ``EngineArgs`` at its own disk loader (load format ``auto``, no
+    loader options): the daemon loads the checkpoint the ordinary way whatever the
+    engine's ``--load-format``. Returns ``engine_args``."""
+    engine_args.load_format = "auto"
+    engine_args.model_loader_extra_config = {}
+    return engine_args

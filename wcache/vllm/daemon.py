@@ -25,11 +25,13 @@ receiver's ``--seed-from tcp://HOST:PORT`` maps its ranks the same way).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -58,9 +60,7 @@ def engine_config(model: str, rest: list[str]) -> Any:
     parser = FlexibleArgumentParser(prog="wcache serve")
     EngineArgs.add_cli_args(parser)
     ns = parser.parse_args(["--model", model, *rest])
-    engine_args = EngineArgs.from_cli_args(ns)
-    engine_args.load_format = "auto"
-    engine_args.model_loader_extra_config = {}
+    engine_args = compat.disk_load_engine_args_(EngineArgs.from_cli_args(ns))
     return engine_args.create_engine_config()
 
 
@@ -241,15 +241,19 @@ def _init_distributed(vllm_config: Any, rank: int, world: int, init_method: str)
     initialize_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size)
 
 
-def _prepare_platform(vllm_config: Any) -> None:
+@contextlib.contextmanager
+def _prepare_platform(vllm_config: Any) -> Iterator[None]:
+    """The device set up for a build inside the block: on CPU vLLM's no-ops for
+    ``torch.accelerator`` (:func:`wcache.vllm.compat.torch_accelerator_noops`,
+    undone on exit), on CUDA this rank's device (``LOCAL_RANK``)."""
     if vllm_config.device_config.device_type == "cpu":
         # BaseModelLoader calls torch.accelerator.empty_cache(), which raises on a
         # CPU-only torch unless vLLM's CPU runner installed its no-ops.
-        from wcache.vllm.compat import set_torch_accelerator_to_noop  # noqa: PLC0415
-
-        set_torch_accelerator_to_noop()
+        with compat.torch_accelerator_noops():
+            yield
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        yield
 
 
 def _preflight(vllm_config: Any, socket_dir: str | None, job: str) -> str:
@@ -482,18 +486,35 @@ def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_metho
     Raises:
         SeedSecretUnsafe: ``seed_secret_file`` is unsafe (before any load).
     """
-    from vllm.config import set_current_vllm_config  # noqa: PLC0415
-
-    from wcache.store import StoreError  # noqa: PLC0415
-    from wcache.store.seed import SeedSource, read_secret  # noqa: PLC0415
-    from wcache.vllm.key import parallel_layout  # noqa: PLC0415
+    from wcache.store.seed import read_secret  # noqa: PLC0415
 
     t_start = time.perf_counter()
     secret = read_secret(seed_secret_file) if seed_secret_file else None
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     listen = rank_seed_address(seed_listen, local_rank) if seed_listen else None
     vllm_config = _checked_engine_config(model, rest)
-    _prepare_platform(vllm_config)
+    with _prepare_platform(vllm_config):
+        return _serve_prepared_rank(vllm_config, rank=rank, world=world,
+                                    init_method=init_method, socket_dir=socket_dir,
+                                    progress=progress, job=job, ready=ready, snapshot=snapshot,
+                                    from_snapshot=from_snapshot, seed_from=seed_from,
+                                    listen=listen, seed_advertise=seed_advertise,
+                                    secret=secret, t_start=t_start)
+
+
+def _serve_prepared_rank(vllm_config: Any, *, rank: int, world: int, init_method: str,
+                         socket_dir: str | None, progress: bool, job: str, ready: Any,
+                         snapshot: str | None, from_snapshot: str | None,
+                         seed_from: str | None, listen: tuple[str, int] | None,
+                         seed_advertise: str | None, secret: bytes | None,
+                         t_start: float) -> int:
+    """:func:`serve_rank` once the rank's platform is prepared."""
+    from vllm.config import set_current_vllm_config  # noqa: PLC0415
+
+    from wcache.store import StoreError  # noqa: PLC0415
+    from wcache.store.seed import SeedSource  # noqa: PLC0415
+    from wcache.vllm.key import parallel_layout  # noqa: PLC0415
+
     with set_current_vllm_config(vllm_config):
         _init_distributed(vllm_config, rank, world, init_method)
         dev_id = _preflight(vllm_config, socket_dir, job)

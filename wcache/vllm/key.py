@@ -12,6 +12,7 @@ import torch
 import wcache
 from wcache.core import Target
 from wcache.store import CacheKey, checkpoint_digest
+from wcache.vllm import compat
 
 
 def parallel_layout() -> dict[str, int]:
@@ -58,30 +59,6 @@ WEIGHT_FACTORS_VLLM_IGNORES = ("hf_overrides",)
 MODEL_FACTOR_PREFIX = "model_config."
 
 
-def _vllm_hash_factors(model_config: Any) -> dict[str, Any]:
-    """The factors ``ModelConfig.compute_hash`` hashes, captured from vLLM itself
-    (so its own ignore list and any factor it adds later apply)."""
-    from vllm.config import utils as config_utils  # noqa: PLC0415
-
-    captured: list[dict] = []
-    real = config_utils.hash_factors
-
-    def capture(items: dict) -> str:
-        captured.append(dict(items))
-        return real(items)
-
-    config_utils.hash_factors = capture
-    try:
-        model_config.compute_hash()
-    finally:
-        config_utils.hash_factors = real
-    if captured:
-        return captured[-1]
-    # vLLM changed how it hashes: take every field (more than needed is safe:
-    # a spurious mismatch is refused loudly, a missing factor would lie).
-    return config_utils.get_hash_factors(model_config, set())
-
-
 def model_config_factors(model_config: Any) -> dict[str, Any]:
     """vLLM's ModelConfig hash factors that shape the weights, as JSON values, one
     key field per factor (``model_config.<factor>``) so a mismatch names it.
@@ -91,7 +68,7 @@ def model_config_factors(model_config: Any) -> dict[str, Any]:
     """
     from vllm.config.utils import normalize_value  # noqa: PLC0415
 
-    factors = _vllm_hash_factors(model_config)
+    factors = compat.model_config_hash_factors(model_config)
     for name in WEIGHT_FACTORS_VLLM_IGNORES:
         raw = getattr(model_config, name, None)
         factors[name] = raw if isinstance(raw, (dict, type(None))) else normalize_value(raw)
@@ -146,8 +123,6 @@ def build_key(model_config: Any, layout: dict[str, int], plans: Iterable[str],
         checkpoint: per-file digests already taken (the daemon takes them before
             it loads); None computes them now.
     """
-    import vllm  # noqa: PLC0415
-
     fields = {
         **model_config_factors(model_config),
         "checkpoint": checkpoint if checkpoint is not None else checkpoint_digest(model_config.model),
@@ -159,7 +134,7 @@ def build_key(model_config: Any, layout: dict[str, int], plans: Iterable[str],
         "parallel": dict(layout),
         "plans": list(plans),
         "target": target.to_json(),
-        "versions": {"wcache": wcache.__version__, "vllm": vllm.__version__,
+        "versions": {"wcache": wcache.__version__, "vllm": compat.vllm_version(),
                      "torch": torch.__version__},
     }
     return CacheKey(fields)

@@ -281,26 +281,20 @@ def _install_update_hooks_(model: torch.nn.Module, attachment: Any) -> None:
     for the mapping; the GPU tier restores through them.
     """
     lo, hi = attachment.arena_range
-    load_weights, get_submodule = model.load_weights, model.get_submodule
 
-    def privatizing_load_weights(weights: Any, *args: Any, **kwargs: Any) -> Any:
+    def before_load_weights() -> None:
         copied = _privatize_(list(model.parameters()) + list(model.buffers())
                              + compat.reload_kernel_tensors(model), lo, hi)
         if copied:
             logger.info("wcache: weight update: %.1f MiB of mapped weights copied into the "
                         "engine (copy on write)", copied / 2**20)
-        return load_weights(weights, *args, **kwargs)
 
-    def privatizing_get_submodule(target: str) -> torch.nn.Module:
-        module = get_submodule(target)
+    def before_module_write(module: torch.nn.Module) -> None:
         _privatize_(list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)),
                     lo, hi)
-        return module
 
-    for hook in (privatizing_load_weights, privatizing_get_submodule):
-        setattr(hook, compat.COPY_ON_WRITE_HOOK, True)
-    model.load_weights = privatizing_load_weights
-    model.get_submodule = privatizing_get_submodule
+    compat.wrap_weight_writers_(model, before_load_weights=before_load_weights,
+                                before_module_write=before_module_write)
 
 
 @register_model_loader(LOAD_FORMAT)
@@ -469,7 +463,7 @@ class WcacheModelLoader(BaseModelLoader):
                            before_fallback_s=round(t1 - t0, 4), disk_s=round(t2 - t1, 4))
             count_load("fallback", t2 - t0, code)
             return model
-        model._wcache_attachment = attachment  # keeps the mapping alive with the model
+        compat.keep_attachment_(model, attachment)  # the mapping lives as long as the model
         marks["verify"] = time.perf_counter()
         steps, prev = {}, t0
         for name, t in marks.items():

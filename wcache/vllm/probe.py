@@ -25,6 +25,7 @@ import torch
 
 from wcache.core import Target
 from wcache.stages.cpu_gemm import gemm_decision
+from wcache.vllm import compat
 
 __all__ = ["PROBED_DTYPES", "PROBED_OPS", "KERNEL_LIBRARIES", "cpu_kernel_decisions",
            "host_target", "unquantized_gemm_kernel", "w8a8_int8_kernel"]
@@ -54,7 +55,7 @@ _BRANCH_MARKERS = (("zentorch_linear_unary", "zentorch"),
 
 def _loaded_library() -> str:
     """Which of vLLM's kernel libraries this process mapped (``/proc/self/maps``)."""
-    import vllm._custom_ops  # noqa: F401, PLC0415  (import_kernels runs here)
+    compat.load_custom_ops()  # vLLM's import_kernels runs here
 
     try:
         with open("/proc/self/maps") as f:
@@ -122,7 +123,7 @@ def cpu_kernel_decisions() -> tuple[tuple[str, str], ...]:
 
     out = {"cpu.kernel_library": _loaded_library()}
     for op in PROBED_OPS:
-        out[f"op.{op}"] = "present" if hasattr(torch.ops._C, op) else "absent"
+        out[f"op.{op}"] = "present" if compat.has_custom_op(op) else "absent"
     with torch.device("cpu"):
         for dtype in PROBED_DTYPES:
             out[gemm_decision(dtype)] = _dispatch_outcome(dtype, PROBE_SHAPE_GENERAL)

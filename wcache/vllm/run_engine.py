@@ -20,6 +20,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import Any
 
 #: Prompts used when none are given (greedy, 16 tokens in the tests).
 DEFAULT_PROMPTS = ("The capital of France is", "Water boils at a temperature of")
@@ -77,6 +78,22 @@ def _report_broken_optional_modules() -> None:
                   f"locations={list(spec.submodule_search_locations or [])}, "
                   f"loader={type(spec.loader).__name__}) but does not import: {exc!r}",
                   file=sys.stderr, flush=True)
+
+
+def start_llm(**kwargs: Any) -> Any:
+    """vLLM's ``LLM(**kwargs)`` (for wcache's own tools outside this package, which
+    reach vLLM only through :mod:`wcache.vllm`)."""
+    from vllm import LLM  # noqa: PLC0415
+
+    return LLM(**kwargs)
+
+
+def greedy_texts(llm: Any, prompts: list[str], max_tokens: int) -> list[str]:
+    """``llm``'s greedy completions (temperature 0) of ``prompts``, one text each."""
+    from vllm import SamplingParams  # noqa: PLC0415
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -71,8 +71,8 @@ EAGER_FLAG = "--enforce-eager"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 #: Attributes that are not load state: ``kv_cache`` is the load-time placeholder
 #: the model runner rebinds to the engine-sized KV cache after loading;
-#: ``_wcache_attachment`` keeps a restored model's mapping alive.
-IGNORED_ATTRS = frozenset({"kv_cache", "_wcache_attachment"})
+#: ``compat.ATTACHMENT_ATTR`` keeps a restored model's mapping alive.
+IGNORED_ATTRS = frozenset({"kv_cache", compat.ATTACHMENT_ATTR})
 #: How deep attribute objects are opened (1: the module's own attributes; 2: those
 #: of e.g. its attention ``impl`` or quant method; 3: e.g. the method's kernel).
 MAX_ATTR_DEPTH = 3
@@ -334,18 +334,6 @@ def _reference_attention_forward(self, query: torch.Tensor, key: torch.Tensor,
     return out.transpose(0, 1).reshape(n, heads * head_v).to(output_dtype or query.dtype)
 
 
-@contextlib.contextmanager
-def _reference_attention() -> Iterator[None]:
-    from vllm.model_executor.layers.attention import Attention  # noqa: PLC0415
-
-    real = Attention.forward
-    Attention.forward = _reference_attention_forward
-    try:
-        yield
-    finally:
-        Attention.forward = real
-
-
 def run_forward(model: torch.nn.Module, vllm_config: Any, token_ids: Sequence[int]
                 ) -> tuple[torch.Tensor, list[tuple[str, str]]]:
     """The fixed forward: logits of ``token_ids`` as one causal prefill.
@@ -370,7 +358,8 @@ def run_forward(model: torch.nn.Module, vllm_config: Any, token_ids: Sequence[in
     ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)
     positions = torch.arange(len(token_ids), dtype=torch.long, device=device)
     try:
-        with torch.inference_mode(), _reference_attention(), \
+        with torch.inference_mode(), \
+                compat.attention_forward_replaced(_reference_attention_forward), \
                 set_forward_context(None, vllm_config, num_tokens=len(token_ids)):
             hidden = model(ids, positions)
             logits = model.compute_logits(hidden)
@@ -420,11 +409,9 @@ def _forward_difference(a: list[tuple[str, str]], b: list[tuple[str, str]]
 
 @contextlib.contextmanager
 def _forgetting_registrations(vllm_config: Any) -> Iterator[None]:
-    """Undo the process-global registrations one model build leaves (attention
-    layers in ``static_forward_context``, rotary embeddings in ``_ROPE_DICT``), so
-    the next build in this process does not collide with or reuse them."""
-    from wcache.vllm import compat  # noqa: PLC0415
-
+    """Undo the process-global registrations one model build leaves
+    (:func:`wcache.vllm.compat.forget_registrations_`), so the next build in this
+    process does not collide with or reuse them."""
     before = compat.registrations(vllm_config)
     try:
         yield
@@ -582,13 +569,12 @@ def verify(model: str, engine_args: Sequence[str] = (), *, socket_dir: str | Non
         raise VerifyRefused(f"{note}: not enough memory for two copies; free memory or run "
                             f"verify on a larger host of the same class.",
                             code="insufficient-memory")
-    _prepare_platform(vllm_config)
     model_config = vllm_config.model_config
     seconds: dict[str, float] = {}
     mode = "in-process" if socket_dir is None else f"daemon {socket_dir}"
     bar = _steps(progress, total=5 if socket_dir else 6)
     try:
-        with set_current_vllm_config(vllm_config):
+        with _prepare_platform(vllm_config), set_current_vllm_config(vllm_config):
             _ensure_world(vllm_config)
             target = host_target(device)
             _advance(bar, "vLLM load")
@@ -665,7 +651,7 @@ def _wcache_side(vllm_config: Any, model_config: Any, device: torch.device,
                 side = _observe(restored_model, vllm_config, attr_paths, token_ids, seconds,
                                 "restore")
             finally:
-                attachment = getattr(restored_model, "_wcache_attachment", None)
+                attachment = compat.attachment_of(restored_model)
                 del restored_model
                 gc.collect()
                 if attachment is not None:
