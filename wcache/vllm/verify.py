@@ -49,7 +49,8 @@ from typing import Any
 import attrs
 import torch
 
-from wcache.core import WcacheError, snapshot, tensor_checksum
+from wcache.core import WcacheError, tensor_checksum
+from wcache.shell import snapshot
 from wcache.vllm import compat
 
 logger = logging.getLogger("wcache.vllm")
