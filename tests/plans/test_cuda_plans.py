@@ -2,8 +2,8 @@
 
 Layers are plain ``nn.Module`` objects holding checkpoint-format tensors (vLLM's
 ``create_weights`` needs CUDA kernels). "Export" clones ``Prepared.tensors`` into a
-fresh module, which ``plan.restore(..., strict=True)`` then finishes; the restore
-invariant compares :func:`wcache.core.snapshot` and the reference forward of
+fresh module, which ``restore_(..., strict=True)`` then finishes; the restore
+invariant compares :func:`wcache.shell.snapshot` and the reference forward of
 ``tests/reference_kernels.py`` with an ordinary load.
 """
 

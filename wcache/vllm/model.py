@@ -212,7 +212,8 @@ def restore_layers_(planned: Iterable[PlannedLayer], layers: Mapping[str, Mappin
                          content=content, strict=strict, defer=True)
     released: list[str] = []
     # one memo for the whole model: layers whose weight is the same tensor (a tied
-    # embedding and lm_head) share one oneDNN prepack (see Stage.memoized); the memo is ours, restore_ adds to it
+    # embedding and lm_head) share one oneDNN prepack (see Stage.memoized); the memo
+    # is ours: the stage reads it, shell.restore_ adds the entries it returns
     memo: dict[str, dict] | None = {} if share_prepacks else None
     for p in planned:
         _restore_one(p, layers, target, guard, released, memo)
