@@ -78,7 +78,7 @@ def _python_blocks(text: str) -> list[str]:
 
 
 def test_readme_example_runs(capsys):
-    """README's library example runs as written (plan_for(...).load/prepare/restore on
+    """README's library example runs as written (wcache.shell's load_/prepare_/restore_ on
     a bound plan) and its own asserts hold; it prints the plan's stage table."""
     blocks = _python_blocks((ROOT / "README.md").read_text())
     assert 1 == len(blocks)

@@ -16,12 +16,12 @@ from pathlib import Path
 WCACHE = Path(__file__).resolve().parents[1] / "wcache"
 
 #: The lower layers and what each may import (``wcache`` is the package root, for
-#: ``__version__``). errors and shell are core's own modules: errors imports
-#: nothing from wcache, shell only the errors, core both.
+#: ``__version__``). errors imports nothing from wcache, core only the errors, and
+#: the shell (the one module that touches nn.Modules) core and the errors.
 ALLOWED = {
     "errors": set(),
-    "shell": {"errors"},
-    "core": {"errors", "shell"},
+    "core": {"errors"},
+    "shell": {"core", "errors"},
     "stages": {"core", "errors"},
     "plans": {"core", "errors", "stages"},
     "store": {"core", "errors", "wcache"},
@@ -194,3 +194,56 @@ def test_the_production_checker_sees_a_module_level_import():
                      "def serve():\n    from wcache.testing import fixtures\n"
                      "def other():\n    from wcache.benchmarks import synthetic\n")
     assert {"wcache.demo", "wcache.testing.fixtures"} == _module_level_imports(tree, ("serve",))
+
+
+#: What the functional core must never import: the shell that mutates modules, the
+#: vLLM integration, the store, and vLLM itself (issue 25).
+CORE_FORBIDDEN = ("wcache.shell", "wcache.vllm", "wcache.store", "vllm")
+
+
+def _every_import(tree: ast.AST) -> set[str]:
+    """Every module named by an import anywhere in ``tree`` (lazy ones included,
+    ``TYPE_CHECKING`` blocks too: the core needs none of these even for types)."""
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+def _forbidden_in(tree: ast.AST) -> list[str]:
+    return sorted(m for m in _every_import(tree)
+                  if any(m == f or m.startswith(f + ".") for f in CORE_FORBIDDEN))
+
+
+def test_core_imports_nothing_from_shell_vllm_or_store():
+    """No module of wcache/core imports wcache.shell, wcache.vllm, wcache.store or vllm."""
+    core = sorted((WCACHE / "core").rglob("*.py"))
+    assert len(core) > 1, "wcache/core is a package"
+    bad = {str(p.relative_to(WCACHE)): _forbidden_in(ast.parse(p.read_text())) for p in core}
+    assert {} == {k: v for k, v in bad.items() if v}
+
+
+def test_the_core_check_sees_every_forbidden_import():
+    """The core check finds a shell import, a lazy vllm import and a store import."""
+    tree = ast.parse("from wcache.shell import apply_state_\n"
+                     "def f():\n    import vllm.envs\n"
+                     "from wcache import store\nimport torch\n")
+    assert ["vllm.envs", "wcache.shell", "wcache.shell.apply_state_", "wcache.store"] == \
+        _forbidden_in(tree)
+
+
+def test_core_takes_no_module():
+    """No function in wcache/core annotates an argument as an nn.Module (the module-touching
+    entry points live in wcache.shell)."""
+    hits = []
+    for path in sorted((WCACHE / "core").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for arg in node.args.args + node.args.kwonlyargs:
+                    if arg.annotation is not None and "Module" in ast.unparse(arg.annotation):
+                        hits.append(f"{path.name}:{node.name}({arg.arg})")
+    assert [] == hits

@@ -1,28 +1,125 @@
-"""The one shell that mutates modules (docs/design.md section 3).
+"""The one shell that touches modules (docs/design.md section 3).
 
-Every other wcache function returns new values; these two install them:
+Every other wcache function returns new values; this module reads a module into
+a :class:`~wcache.core.LayerState`, runs the pure fold of :mod:`wcache.core` and
+installs the result:
 
-* :func:`apply_state_`: make one layer hold a runner's :class:`~wcache.core.LayerState`
-  (ordinary load, the daemon's prepare, the engine's restore).
+* :func:`load_`, :func:`prepare_`, :func:`restore_`: a bound plan's ordinary
+  load, the daemon's prepare and the engine's restore of one layer
+  (``state_from_module`` -> the fold -> ``apply_state_``).
+* :func:`apply_state_`: make one layer hold a runner's :class:`~wcache.core.LayerState`.
 * :func:`install_tensors_`: register the daemon's mapped tensors on the engine's
   meta-built model before the restores run.
+* :func:`state_from_module`, :func:`snapshot`: read a layer (no mutation).
 
-Imports nothing from wcache but the errors, so :mod:`wcache.core` can use it.
+Imports :mod:`wcache.core` and the errors; core imports nothing from here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+import enum
+from collections.abc import Iterable, Mapping, MutableMapping
+from typing import Any
 
 import torch
 
+from wcache.core import (
+    LOAD_TAGS, PREPARE_TAGS, BoundPlan, LayerState, Prepared, RestoreGuard, tensor_checksum,
+)
 from wcache.errors import ModelMismatch
 
-if TYPE_CHECKING:  # the type only; core imports this module
-    from wcache.core import LayerState
+__all__ = ["load_", "prepare_", "restore_", "apply_state_", "install_tensors_",
+           "resolve_parent", "state_from_module", "snapshot"]
 
-__all__ = ["apply_state_", "install_tensors_", "resolve_parent"]
+
+def state_from_module(module: torch.nn.Module) -> LayerState:
+    """Read a module's own (non-recursive) parameters and buffers into a state."""
+    params = {k: v for k, v in module._parameters.items() if v is not None}
+    bufs = {k: v for k, v in module._buffers.items() if v is not None}
+    return LayerState(tensors={**params, **bufs}, buffers=frozenset(bufs))
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def load_(layer: torch.nn.Module, bound: BoundPlan) -> LayerState:
+    """Ordinary load: run every stage of ``bound`` and install the result on ``layer``."""
+    state = bound.run(state_from_module(layer), LOAD_TAGS)
+    apply_state_(layer, state)
+    return state
+
+
+def prepare_(layer: torch.nn.Module, bound: BoundPlan) -> Prepared:
+    """Daemon side: run TRANSFORM/METADATA/VALIDATE stages, install the result on
+    ``layer`` (so the daemon can keep serving a consistent module) and return
+    the tensors to export with the recorded values."""
+    state = bound.run(state_from_module(layer), PREPARE_TAGS)
+    apply_state_(layer, state)
+    return bound.prepared(state)
+
+
+def restore_(layer: torch.nn.Module, bound: BoundPlan,
+             recorded: Mapping[str, Mapping[str, Any]], *, strict: bool = False,
+             guard: "bool | RestoreGuard" = True, content: bool = True,
+             drops: Iterable[str] = (),
+             memo: MutableMapping[str, dict] | None = None) -> LayerState:
+    """Engine side: ``layer`` already holds the mapped tensors; replay the
+    METADATA/ALLOCATE/DERIVE/VALIDATE stages (the restore fold, with the guard as
+    its per-step hook) and install the result.
+
+    Args:
+        recorded: the daemon's recorded values for this layer.
+        strict: also compare a blake2b of every shared tensor (host copy).
+        guard: ``True`` guards this layer alone (:class:`RestoreGuard`);
+            a :class:`RestoreGuard` built over many layers (keyed by
+            ``config.name``) guards them together, so a write into another
+            layer is blamed on the stage that made it; ``False`` no guard.
+        content: with ``guard=True``, checksum the layer's byte ranges
+            before and after (default on; pass False only when the mapping
+            is read-only, so that a write faults instead).
+        drops: names the daemon's prepare deleted; leftover placeholders are
+            removed here.
+        memo: one dict for a whole model's restore (stage name -> entries), the
+            caller's: ``memoized`` stages read it (e.g. one oneDNN prepack for
+            tied weights) and the entries they return are added to it here;
+            ``None`` shares nothing.
+
+    Raises:
+        RestoreWroteSharedTensor: a stage changed a shared tensor.
+        RecordedMismatch: a recomputed value differs from the recorded one.
+        RestoreIncomplete: a needed tensor is missing.
+    """
+    name = bound.config.name
+    initial = bound.restore_start(state_from_module(layer), recorded, drops)
+    if guard is True:
+        guard = RestoreGuard({name: {k: initial.tensors[k] for k in sorted(initial.tensors)
+                                     if initial.tensors[k].device.type != "meta"}},
+                             content=content, strict=strict)
+    elif guard is False:
+        guard = None
+    state = bound.restore_run(initial, recorded, guard=guard, memo=memo)
+    if memo is not None:
+        for stage_name, entries in state.memo.items():
+            memo.setdefault(stage_name, {}).update(entries)
+    apply_state_(layer, state)
+    if guard is not None:
+        guard.check_stage(name, "(install)",
+                          {**state_from_module(layer).tensors, **state.released})
+        guard.check_layer(name, [s.name for s in bound.stages if s.replayable])
+    return state
+
+
+# --------------------------------------------------------------------------- snapshots
+
+
+def _is_plain(value: Any) -> bool:
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, enum.Enum)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, Mapping):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    return False
 
 
 def resolve_parent(root: Any, path: str) -> tuple[Any, str]:
@@ -80,6 +177,38 @@ def apply_state_(module: torch.nn.Module, state: "LayerState", *,
     for path, value in state.attrs.items():
         obj, leaf = resolve_parent(module, path)
         setattr(obj, leaf, value)
+
+
+def snapshot(module: torch.nn.Module, attr_paths: Iterable[str] = ()) -> dict[str, Any]:
+    """A comparable picture of a layer: per tensor (kind, shape, dtype, stride, bytes
+    checksum), tensor-slot Nones, and the values at ``attr_paths``.
+
+    Used by the restore-invariant tests: ``snapshot(restored) == snapshot(loaded)``.
+    """
+    out: dict[str, Any] = {}
+    for kind, table in (("param", module._parameters), ("buffer", module._buffers)):
+        for name, t in table.items():
+            if t is None:
+                out[name] = (kind, None)
+            else:
+                out[name] = (kind, tuple(t.shape), str(t.dtype), tuple(t.stride()),
+                             tensor_checksum(t))
+    for path in attr_paths:
+        try:
+            obj, leaf = resolve_parent(module, path)
+            value = getattr(obj, leaf)
+        except AttributeError:
+            value = "<missing>"
+        if isinstance(value, torch.Tensor):
+            value = ("tensor", tuple(value.shape), str(value.dtype), tensor_checksum(value))
+        elif callable(value):
+            value = "<callable>"
+        elif not _is_plain(value):
+            # process-local handles (oneDNN handlers, ...): compared by type; their
+            # behaviour is checked through the forward output
+            value = f"<{type(value).__name__}>"
+        out[f"@{path}"] = value
+    return out
 
 
 def _split(name: str) -> tuple[str, str]:

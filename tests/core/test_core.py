@@ -9,9 +9,10 @@ from hypothesis import strategies as st
 
 from wcache.core import (
     LayerConfig, NoPlan, Plan, PlanInvalid, QuantSpec, RecordedMismatch, RestoreIncomplete,
-    RestoreWroteSharedTensor, StageContractError, StageOut, Tag, Target, snapshot, stage,
+    RestoreWroteSharedTensor, StageContractError, StageOut, Tag, Target, stage,
 )
 from wcache.plans.registry import plan_for
+from wcache.shell import load_, prepare_, restore_, snapshot
 
 CPU = Target("cpu", None, frozenset({"avx512"}))
 
@@ -63,7 +64,7 @@ def _layer(weight: torch.Tensor) -> torch.nn.Module:
 
 def _exported(plan: Plan, weight: torch.Tensor, target: Target = CPU):
     daemon = _layer(weight)
-    prepared = plan.prepare(daemon, CONFIG, target)
+    prepared = prepare_(daemon, plan.bind(CONFIG, target))
     engine = torch.nn.Module()
     for name, t in prepared.tensors.items():
         engine.register_parameter(name, torch.nn.Parameter(t.clone(), requires_grad=False))
@@ -76,12 +77,12 @@ def test_restore_equals_load(n, k):
     weight = torch.randn(n, k)
     config = LayerConfig(QuantSpec("toy"), size_k=k, size_n=n, name="l")
     loaded = _layer(weight)
-    TOY.load(loaded, config, CPU)
+    load_(loaded, TOY.bind(config, CPU))
     daemon = _layer(weight)
-    prepared = TOY.prepare(daemon, config, CPU)
+    prepared = prepare_(daemon, TOY.bind(config, CPU))
     engine = torch.nn.Module()
     engine.weight = torch.nn.Parameter(prepared.tensors["weight"].clone(), requires_grad=False)
-    TOY.restore(engine, config, CPU, prepared.recorded, strict=True)
+    restore_(engine, TOY.bind(config, CPU), prepared.recorded, strict=True)
     assert snapshot(engine, ATTRS) == snapshot(loaded, ATTRS)
     x = torch.randn(3, k)
     assert torch.equal(engine.handle(x), loaded.handle(x))
@@ -99,7 +100,7 @@ def test_derive_release_keeps_shared_bytes_and_installs_placeholder():
     """A DERIVE release leaves an empty placeholder while the guard still checks the mapped bytes."""
     prepared, engine = _exported(TOY, torch.ones(6, 8))
     shared = engine.weight
-    state = TOY.restore(engine, CONFIG, CPU, prepared.recorded, strict=True)
+    state = restore_(engine, TOY.bind(CONFIG, CPU), prepared.recorded, strict=True)
     assert engine.weight.shape == (0,)
     assert state.released["weight"] is shared
     assert torch.equal(shared, torch.full((6, 8), 2.0))
@@ -110,7 +111,7 @@ def test_replayed_inplace_write_is_caught():
     bad = Plan("toy", "bad", (scale_weight, inplace_scale), frozenset({"weight"}))
     prepared, engine = _exported(bad, torch.ones(2, 2))
     with pytest.raises(RestoreWroteSharedTensor, match="toy.set_flag_in_place"):
-        bad.restore(engine, CONFIG, CPU, prepared.recorded)
+        restore_(engine, bad.bind(CONFIG, CPU), prepared.recorded)
 
 
 def test_stage_mutating_input_during_load_is_a_contract_error():
@@ -154,20 +155,20 @@ def test_undeclared_write_is_rejected():
 
     plan = Plan("toy", "sneaky", (sneaky,), frozenset({"weight"}))
     with pytest.raises(StageContractError, match="other"):
-        plan.load(_layer(torch.ones(1)), CONFIG, CPU)
+        load_(_layer(torch.ones(1)), plan.bind(CONFIG, CPU))
 
 
 def test_recorded_mismatch_names_the_stage():
     """A value recomputed on restore that differs from the daemon's raises RecordedMismatch."""
     prepared, engine = _exported(TOY, torch.ones(6, 8), target=Target("cpu", None, {"amx"}))
     with pytest.raises(RecordedMismatch, match="toy.set_isa"):
-        TOY.restore(engine, CONFIG, CPU, prepared.recorded)
+        restore_(engine, TOY.bind(CONFIG, CPU), prepared.recorded)
 
 
 def test_missing_tensor_is_restore_incomplete():
     """Restoring without an exported tensor the plan reads raises RestoreIncomplete."""
     with pytest.raises(RestoreIncomplete, match="weight"):
-        TOY.restore(torch.nn.Module(), CONFIG, CPU, {})
+        restore_(torch.nn.Module(), TOY.bind(CONFIG, CPU), {})
 
 
 def test_forgotten_metadata_breaks_the_invariant():
@@ -180,9 +181,9 @@ def test_forgotten_metadata_breaks_the_invariant():
 
     plan = Plan("toy", "forgetful", (scale_and_width,), frozenset({"weight"}))
     loaded = _layer(torch.ones(6, 8))
-    plan.load(loaded, CONFIG, CPU)
+    load_(loaded, plan.bind(CONFIG, CPU))
     prepared, engine = _exported(plan, torch.ones(6, 8))
-    plan.restore(engine, CONFIG, CPU, prepared.recorded)
+    restore_(engine, plan.bind(CONFIG, CPU), prepared.recorded)
     assert snapshot(engine, ["logical_width"]) != snapshot(loaded, ["logical_width"])
 
 
@@ -209,3 +210,137 @@ def test_target_env_set_to_vllm_default_is_the_same_target(env, expected):
     """A kernel-selection variable set to vLLM's default (or empty) gives the same Target as
     leaving it unset, so the cache key does not change for nothing."""
     assert Target.detect("cpu", env=env).env == expected
+
+
+# --------------------------------------------------------------------------- the fold's guard hook
+
+
+class _RecordingGuard:
+    """A :class:`~wcache.core.StepGuard` that records each call and checks nothing."""
+
+    def __init__(self) -> None:
+        self.stages: list[tuple[str, str]] = []
+        self.layers: list[tuple[str, tuple[str, ...]]] = []
+
+    def check_stage(self, layer, stage_name, tensors):
+        self.stages.append((layer, stage_name))
+
+    def blame_write(self, layer, stage_name, names):
+        raise AssertionError(f"blamed {stage_name} for {names}")
+
+    def check_layer(self, layer, stage_names):
+        self.layers.append((layer, tuple(stage_names)))
+
+
+def test_restore_fold_calls_the_guard_hook_once_per_replayed_stage():
+    """The restore fold runs the guard's check_stage once after each replayed stage, in
+    plan order and never for a TRANSFORM; the shell adds one install check."""
+    prepared, engine = _exported(TOY, torch.randn(6, 8))
+    replayed = [s.name for s in TOY.stages if s.replayable]
+    assert ["toy.set_width", "toy.alloc_workspace", "toy.bind_handle", "toy.set_isa"] == replayed
+
+    bound = TOY.bind(CONFIG, CPU)
+    pure = _RecordingGuard()
+    from wcache.shell import state_from_module
+
+    bound.restore_run(bound.restore_start(state_from_module(engine), prepared.recorded),
+                      prepared.recorded, guard=pure)
+    assert [("layer0", n) for n in replayed] == pure.stages
+
+    prepared, engine = _exported(TOY, torch.randn(6, 8))
+    shell_guard = _RecordingGuard()
+    restore_(engine, bound, prepared.recorded, guard=shell_guard)
+    assert [("layer0", n) for n in replayed] + [("layer0", "(install)")] == shell_guard.stages
+    assert [("layer0", tuple(replayed))] == shell_guard.layers
+
+
+def test_load_and_prepare_are_the_same_fold_without_a_guard():
+    """Plan.run with LOAD_TAGS/PREPARE_TAGS folds exactly the stages of those tags and
+    never calls a guard it was not given (the guard is the restore's hook only)."""
+    from wcache.core import LOAD_TAGS, PREPARE_TAGS
+    from wcache.shell import state_from_module
+
+    state = state_from_module(_layer(torch.ones(6, 8)))
+    loaded = TOY.run(state, CONFIG, CPU, LOAD_TAGS)
+    prepared = TOY.run(state, CONFIG, CPU, PREPARE_TAGS)
+    assert {"weight", "workspace"} == set(loaded.tensors)
+    assert {"weight"} == set(prepared.tensors)
+    assert {"toy.set_width", "toy.set_isa"} == set(prepared.recorded)
+    guard = _RecordingGuard()
+    TOY.run(state, CONFIG, CPU, PREPARE_TAGS, guard=guard)
+    assert [("layer0", "toy.fold_weight_scale"), ("layer0", "toy.set_width"),
+            ("layer0", "toy.set_isa")] == guard.stages
+
+
+# --------------------------------------------------------------------------- contract checks
+
+from wcache.core import LayerState, checks  # noqa: E402
+from wcache.core.checks import Step  # noqa: E402
+from wcache.testing.plans import unregistered_stage  # noqa: E402
+
+
+def _st(tag=Tag.METADATA, **decl):
+    return unregistered_stage("toy.set_x", tag, **decl)(lambda t, c, tg, r: StageOut())
+
+
+_W = LayerState(tensors={"weight": torch.ones(2)})
+
+#: (check, a step that breaks its rule, the violation it must report)
+BAD_STEPS = [
+    (checks.check_reads, Step(_st(reads=("weight",)), LayerState(), CONFIG),
+     "stage 'toy.set_x' reads ['weight'] but the layer has only []"),
+    (checks.check_returns_stage_out, Step(_st(), _W, CONFIG, out=None),
+     "stage 'toy.set_x' returned NoneType, not StageOut"),
+    (checks.check_shared_untouched,
+     Step(_st(), _W, CONFIG, shared=frozenset({"weight"}), out=StageOut(), touched=("weight",)),
+     "stage 'toy.set_x' wrote in place into shared tensors ['weight']"),
+    (checks.check_inputs_untouched, Step(_st(), _W, CONFIG, out=StageOut(), touched=("weight",)),
+     "stage 'toy.set_x' mutated its input tensors ['weight'] in place"),
+    (checks.check_declared_writes,
+     Step(_st(Tag.TRANSFORM), _W, CONFIG, out=StageOut(tensors={"x": torch.ones(1)})),
+     "stage 'toy.set_x' wrote ['x'] without declaring them in writes"),
+    (checks.check_declared_attrs, Step(_st(), _W, CONFIG, out=StageOut(attrs={"a": 1})),
+     "stage 'toy.set_x' set attributes ['a'] without declaring them in attrs"),
+    (checks.check_no_tensors_from_readonly_tags,
+     Step(_st(), _W, CONFIG, out=StageOut(tensors={"x": torch.ones(1)})),
+     "METADATA stage 'toy.set_x' returned tensors ['x']; only TRANSFORM and ALLOCATE"),
+    (checks.check_shared_not_replaced,
+     Step(_st(), _W, CONFIG, shared=frozenset({"weight"}), out=StageOut(drop=("weight",))),
+     "stage 'toy.set_x' replaces or drops shared tensors ['weight']"),
+    (checks.check_derive_drops_nothing, Step(_st(Tag.DERIVE), _W, CONFIG,
+                                             out=StageOut(drop=("weight",))),
+     "DERIVE stage 'toy.set_x' may not drop tensors (('weight',))"),
+    (checks.check_declared_drops, Step(_st(Tag.TRANSFORM, writes=("weight",)), _W, CONFIG,
+                                       out=StageOut(drop=("weight",))),
+     "stage 'toy.set_x' dropped ['weight'] without declaring them in drops"),
+    (checks.check_no_tensor_slots_in_attrs,
+     Step(_st(attrs=("weight",)), _W, CONFIG, out=StageOut(attrs={"weight": None})),
+     "METADATA stage 'toy.set_x' set tensors ['weight'] through attrs"),
+    (checks.check_release, Step(_st(reads=("weight",)), _W, CONFIG,
+                                out=StageOut(release=("weight",))),
+     "stage 'toy.set_x' releases ['weight']; only DERIVE stages may release"),
+    (checks.check_memo, Step(_st(), _W, CONFIG, out=StageOut(memo={"k": 1})),
+     "stage 'toy.set_x' returned memo entries but is not declared memoized"),
+    (checks.check_recorded, Step(_st(), _W, CONFIG, recorded={"width": 6},
+                                 out=StageOut(record={"width": 7})),
+     "stage 'toy.set_x': values recomputed here differ from the daemon's (recorded, here): "
+     "{'width': (6, 7)}"),
+]
+
+
+@pytest.mark.parametrize("check, bad, violation", BAD_STEPS,
+                         ids=[c.__name__ for c, _, _ in BAD_STEPS])
+def test_each_contract_check_reports_its_violation(check, bad, violation):
+    """Each named check returns exactly one violation for its bad input, naming it, and
+    none for the same stage returning nothing (StageOut())."""
+    problems = check(bad)
+    assert 1 == len(problems) and violation in problems[0], problems
+    good = Step(bad.stage, bad.state, CONFIG, out=StageOut()) \
+        if check is not checks.check_reads else Step(bad.stage, _W, CONFIG)
+    assert [] == check(good)
+
+
+def test_the_table_covers_every_step_check():
+    """Every check the fold runs (READ_CHECKS + STEP_CHECKS) has a row in BAD_STEPS."""
+    run = {fn for _, fn in checks.READ_CHECKS + checks.STEP_CHECKS}
+    assert run == {c for c, _, _ in BAD_STEPS}

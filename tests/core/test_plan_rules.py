@@ -12,9 +12,11 @@ from attrs import evolve
 
 from wcache.core import (
     STAGE_VERBS, LayerConfig, Plan, PlanInvalid, QuantSpec, RecordedMismatch,
-    StageContractError, StageOut, Tag, Target, registered_stages, stage, stage_name_problem,
+    StageContractError, StageOut, Tag, Target, registered_stages, stage,
+    stage_name_problem,
 )
 from wcache.plans import PlanArgumentError, plan_for
+from wcache.shell import load_, restore_
 from wcache.testing.plans import UncheckedPlan, unregistered_stage
 
 CPU = Target("cpu", None, frozenset({"avx512"}))
@@ -150,7 +152,7 @@ def test_records_are_checked_before_the_replay():
     width = unregistered_stage("toy.set_width", Tag.METADATA, attrs=("width",))(fn)
     plan = Plan("toy", "ok", (width,), CHECKPOINT)
     with pytest.raises(RecordedMismatch, match="toy.other"):
-        plan.restore(_layer(weight=torch.ones(2)), CONFIG, CPU, {"toy.other": {"x": 1}})
+        restore_(_layer(weight=torch.ones(2)), plan.bind(CONFIG, CPU), {"toy.other": {"x": 1}})
     assert [] == calls
 
 
@@ -161,7 +163,7 @@ def test_an_undeclared_drop_is_a_contract_error():
         _out(drop=("scales",)))
     plan = Plan("toy", "bad", (st_,), CHECKPOINT)
     with pytest.raises(StageContractError, match="without declaring them in drops"):
-        plan.load(_layer(weight=torch.ones(2), scales=torch.ones(2)), CONFIG, CPU)
+        load_(_layer(weight=torch.ones(2), scales=torch.ones(2)), plan.bind(CONFIG, CPU))
 
 
 def test_optional_slot_set_while_the_tensor_exists_is_a_contract_error():
@@ -169,9 +171,9 @@ def test_optional_slot_set_while_the_tensor_exists_is_a_contract_error():
     st_ = unregistered_stage("toy.clear_scales", Tag.METADATA, attrs=("scales",),
                              optional=("scales",))(_out(attrs={"scales": None}))
     plan = Plan("toy", "ok", (st_,), CHECKPOINT)
-    plan.load(_layer(weight=torch.ones(2)), CONFIG, CPU)  # absent: fine
+    load_(_layer(weight=torch.ones(2)), plan.bind(CONFIG, CPU))  # absent: fine
     with pytest.raises(StageContractError, match="through attrs"):
-        plan.load(_layer(weight=torch.ones(2), scales=torch.ones(2)), CONFIG, CPU)
+        load_(_layer(weight=torch.ones(2), scales=torch.ones(2)), plan.bind(CONFIG, CPU))
 
 
 # --------------------------------------------------------------------------- values
@@ -184,8 +186,8 @@ def test_stage_outputs_and_states_hold_frozen_mappings():
         assert isinstance(mapping, types.MappingProxyType)
         with pytest.raises(TypeError):
             mapping["x"] = 0
-    state = UncheckedPlan("toy", "ok", (), CHECKPOINT).load(
-        _layer(weight=torch.ones(2)), CONFIG, CPU)
+    state = load_(_layer(weight=torch.ones(2)),
+                  UncheckedPlan("toy", "ok", (), CHECKPOINT).bind(CONFIG, CPU))
     with pytest.raises(TypeError):
         state.tensors["x"] = torch.ones(1)
 
@@ -199,8 +201,9 @@ def test_stage_equality_includes_the_function():
 
 
 def test_binding_a_second_function_to_a_stage_name_is_an_error():
-    """@stage registers; a second definition under a registered name is refused, while a
-    factory's variants (one definition) share the name."""
+    """@stage registers one value per name; a second definition under a registered name
+    is refused, while a parameterized stage's values (one definition) share the name and
+    compare by their parameters."""
     from wcache.stages import cpu_wna16
 
     @stage("toy.set_registered_once", Tag.METADATA)
@@ -212,10 +215,12 @@ def test_binding_a_second_function_to_a_stage_name_is_an_error():
         def second(t, c, tg, r):
             return StageOut()
 
-    assert first in registered_stages()["toy.set_registered_once"]
-    assert cpu_wna16.repack("qweight") is cpu_wna16.repack("qweight")
-    variants = registered_stages()["cpu_wna16.repack"]
-    assert {cpu_wna16.repack("qweight"), cpu_wna16.repack("weight_packed")} <= set(variants)
+    assert first is registered_stages()["toy.set_registered_once"]
+    assert cpu_wna16.repack is registered_stages()["cpu_wna16.repack"]
+    assert cpu_wna16.repack("qweight") == cpu_wna16.repack(w_q="qweight")
+    assert cpu_wna16.repack("qweight") != cpu_wna16.repack("weight_packed")
+    assert (("w_q", "weight_packed"),) == cpu_wna16.repack("weight_packed").params
+    assert "params=(('w_q', 'weight_packed'),)" in repr(cpu_wna16.repack("weight_packed"))
 
 
 # --------------------------------------------------------------------------- plan_for

@@ -22,6 +22,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 from wcache.core import (
     LayerConfig, Plan, QuantSpec, RestoreWroteSharedTensor, StageOut, Tag, Target,
 )
+from wcache.shell import restore_
 from wcache.store import ArenaInvalidated, CacheKey, attach, daemon_status, socket_path
 from wcache.store.server import INVALIDATED_EXIT, INVALIDATED_LINGER_S
 from wcache.testing.plans import UncheckedPlan, unregistered_stage
@@ -145,7 +146,8 @@ def test_ipc_default_guard_catches_each_write_form_and_invalidates(sock_dir, for
     try:
         att = _attach(sock_dir)
         with pytest.raises(RestoreWroteSharedTensor, match="layer 'l0'") as err:
-            _writer(form).restore(_module(att.tensors["layer0.weight"]), _config("l0"), CUDA, {})
+            restore_(_module(att.tensors["layer0.weight"]),
+                     _writer(form).bind(_config("l0"), CUDA), {})
         assert att.invalidate(err.value.code, str(err.value))
         att.close()
         with pytest.raises(ArenaInvalidated):
@@ -163,7 +165,8 @@ def test_copy_mode_default_guard_catches_each_write_form(sock_dir, form):
         with _attach(sock_dir, mode="copy") as att:
             assert att.writable
             with pytest.raises(RestoreWroteSharedTensor, match="layer 'l1'"):
-                _writer(form).restore(_module(att.tensors["layer1.weight"]), _config("l1"), CUDA, {})
+                restore_(_module(att.tensors["layer1.weight"]),
+                         _writer(form).bind(_config("l1"), CUDA), {})
     finally:
         stop_daemon(proc)
 

@@ -19,7 +19,8 @@ import pytest
 import torch
 from attrs import evolve
 
-from wcache.core import LayerState, Target, apply_state_
+from wcache.core import LayerState, Target
+from wcache.shell import apply_state_, load_, prepare_, restore_
 
 #: Seconds to wait for the daemon process to prepare and serve (CUDA init plus a
 #: few small layers take a few seconds; 300 covers a busy machine).
@@ -48,7 +49,7 @@ def _daemon_main(conn, socket_dir: str, device_id: str, key_fields: dict, layers
                 plan = plan_for(config, target=target).plan
                 module = torch.nn.Module()
                 apply_state_(module, LayerState(tensors={k: v.to(device) for k, v in ckpt.items()}))
-                prep = plan.prepare(module, config, target)
+                prep = prepare_(module, plan.bind(config, target))
                 for local, t in prep.tensors.items():
                     tensors[f"{name}.{local}"] = t
                     kinds[f"{name}.{local}"] = "buffer" if local in prep.buffers else "param"
@@ -131,13 +132,13 @@ def test_restore_in_a_second_process_equals_ordinary_load(checkpoints, fp8_forwa
                     apply_state_(restored, LayerState(tensors=local))
                     entry = att.layers[name]
                     assert plan.id == entry["plan"]
-                    plan.restore(restored, config, target, entry["recorded"], strict=True,
+                    restore_(restored, plan.bind(config, target), entry["recorded"], strict=True,
                                  drops=entry["drops"])
                     for tname, t in {**restored._parameters, **restored._buffers}.items():
                         if t is not None and t.numel():
                             assert lo <= t.data_ptr() < hi, f"{name}.{tname} is not a view of the arena"
                     loaded = module_with(ckpt, device)
-                    plan.load(loaded, config, target)
+                    load_(loaded, plan.bind(config, target))
                     x = torch.randn(TOKENS, config.size_k, generator=x_gen,
                                     device=device).to(config.dtype)
                     y_restored = forwards[config.quant.method](restored, config, x)

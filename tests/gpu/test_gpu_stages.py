@@ -18,9 +18,10 @@ import torch
 from attrs import evolve
 
 from wcache.core import (
-    LOAD_TAGS, PREPARE_TAGS, LayerConfig, LayerState, Plan, Target, state_from_module,
+    LOAD_TAGS, PREPARE_TAGS, LayerConfig, LayerState, Plan, Target,
 )
 from wcache.plans import all_plans, hosts, plan_for
+from wcache.shell import load_, prepare_, restore_, state_from_module
 from wcache.testing.plans import UncheckedPlan
 
 #: Plans run with a CUDA target of capability 10.0: every CUDA plan's minimum
@@ -128,9 +129,9 @@ def _restored(plan: Plan, tensors: dict, config: LayerConfig, target: Target, de
     stride-preserving copies of the prepared tensors (the export) and replays
     ``plan.restore`` under the strict guard."""
     loaded = module_with(tensors, device)
-    plan.load(loaded, config, target)
+    load_(loaded, plan.bind(config, target))
     daemon = module_with(tensors, device)
-    prepared = plan.prepare(daemon, config, target)
+    prepared = prepare_(daemon, plan.bind(config, target))
     restored = torch.nn.Module()
     for name, t in prepared.tensors.items():
         copy = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
@@ -139,7 +140,8 @@ def _restored(plan: Plan, tensors: dict, config: LayerConfig, target: Target, de
             restored.register_buffer(name, copy)
         else:
             restored.register_parameter(name, torch.nn.Parameter(copy, requires_grad=False))
-    plan.restore(restored, config, target, prepared.recorded, strict=True, drops=prepared.drops)
+    restore_(restored, plan.bind(config, target), prepared.recorded, strict=True,
+             drops=prepared.drops)
     return loaded, restored
 
 

@@ -9,6 +9,7 @@ from attrs import evolve
 from hypothesis import strategies as st
 
 from wcache.core import LayerConfig, Plan, QuantSpec, Target
+from wcache.shell import load_, prepare_, restore_
 from wcache.stages import marlin as M
 
 #: What the adapter records of a MacheteLinearKernel (here vLLM 0.32's uint4b8 id).
@@ -57,11 +58,12 @@ def attr_paths(plan: Plan) -> tuple[str, ...]:
 def roundtrip(plan: Plan, tensors: dict, config: LayerConfig, target: Target):
     """(loaded, restored, prepared) for one checkpoint."""
     loaded = make_module({k: v.clone() for k, v in tensors.items()})
-    plan.load(loaded, config, target)
+    load_(loaded, plan.bind(config, target))
     daemon = make_module({k: v.clone() for k, v in tensors.items()})
-    prepared = plan.prepare(daemon, config, target)
+    prepared = prepare_(daemon, plan.bind(config, target))
     restored = export(prepared)
-    plan.restore(restored, config, target, prepared.recorded, strict=True, drops=prepared.drops)
+    restore_(restored, plan.bind(config, target), prepared.recorded, strict=True,
+             drops=prepared.drops)
     return loaded, restored, prepared
 
 

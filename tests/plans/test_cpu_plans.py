@@ -12,10 +12,12 @@ from attrs import evolve
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wcache.core import (PREPARE_TAGS, LayerConfig, NoPlan, Plan, PlanInvalid, QuantSpec,
-                         RecordedMismatch, RestoreIncomplete, RestoreWroteSharedTensor,
-                         StageOut, Tag, Target, snapshot, state_from_module)
+from wcache.core import (
+    PREPARE_TAGS, LayerConfig, NoPlan, Plan, PlanInvalid, QuantSpec, RecordedMismatch,
+    RestoreIncomplete, RestoreWroteSharedTensor, StageOut, Tag, Target,
+)
 from wcache.plans import all_plans, plan_for
+from wcache.shell import load_, prepare_, restore_, snapshot, state_from_module
 from wcache.stages import cpu_wna16
 from wcache.testing.plans import UncheckedPlan, unregistered_stage
 
@@ -58,7 +60,7 @@ def _host_plan(case: vl.Case) -> Plan:
 def _exported_layer(case: vl.Case, plan: Plan, seed: int = 0, target: Target | None = None):
     """prepare on a daemon-side layer; install fresh clones on a meta-built one."""
     daemon = case.new_layer(seed=seed)
-    prepared = plan.prepare(daemon, case.config, target or HOST)
+    prepared = prepare_(daemon, plan.bind(case.config, target or HOST))
     engine = case.new_layer("meta", seed=None)
     vl.install_exported_(engine, vl.export_clone(prepared), prepared.buffers)
     return engine, prepared
@@ -76,7 +78,7 @@ def test_load_matches_vllm(family, data):
     plan = _host_plan(case)
     expected, actual = case.new_layer(), case.new_layer()
     case.vllm_process(expected)
-    plan.load(actual, case.config, HOST)
+    load_(actual, plan.bind(case.config, HOST))
     assert {} == dict_diff(snapshot(expected, case.attr_paths), snapshot(actual, case.attr_paths))
     if case.apply is not None:
         assert torch.equal(_forward(case, expected), _forward(case, actual))
@@ -93,9 +95,9 @@ def test_restore_of_export_equals_load(family, data):
     case = data.draw(FAMILIES[family])
     plan = _host_plan(case)
     loaded = case.new_layer()
-    plan.load(loaded, case.config, HOST)
+    load_(loaded, plan.bind(case.config, HOST))
     engine, prepared = _exported_layer(case, plan)
-    plan.restore(engine, case.config, HOST, prepared.recorded, strict=True,
+    restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
                  drops=prepared.drops)
     assert {} == dict_diff(snapshot(loaded, case.attr_paths), snapshot(engine, case.attr_paths))
     meta_left = [k for k, v in state_from_module(engine).tensors.items()
@@ -131,10 +133,12 @@ def test_restore_twice_equals_once(family):
             "kv_cache": vl.kv_cache_layer("fp8", 0.5, 0.25, -1.0, 2.0)}[family]
     plan = _host_plan(case)
     engine, prepared = _exported_layer(case, plan)
-    plan.restore(engine, case.config, HOST, prepared.recorded, strict=True, drops=prepared.drops)
+    restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
+             drops=prepared.drops)
     once = snapshot(engine, case.attr_paths)
     out_once = _forward(case, engine)
-    plan.restore(engine, case.config, HOST, prepared.recorded, strict=True, drops=prepared.drops)
+    restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
+             drops=prepared.drops)
     assert {} == dict_diff(once, snapshot(engine, case.attr_paths))
     if out_once is not None:
         assert torch.equal(out_once, _forward(case, engine))
@@ -243,7 +247,7 @@ def test_kv_cache_only_v_scale_raises():
         case.vllm_process(case.new_layer())
     plan = _host_plan(case)
     with pytest.raises(StageInputError, match="k_scale"):
-        plan.load(case.new_layer(), case.config, HOST)
+        load_(case.new_layer(), plan.bind(case.config, HOST))
 
 
 def test_restore_missing_tensor_raises_incomplete():
@@ -253,7 +257,7 @@ def test_restore_missing_tensor_raises_incomplete():
     engine, prepared = _exported_layer(case, plan)
     del engine._parameters["scales"]
     with pytest.raises(RestoreIncomplete, match="scales"):
-        plan.restore(engine, case.config, HOST, prepared.recorded, strict=True,
+        restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
                      drops=prepared.drops)
 
 
@@ -270,7 +274,7 @@ def test_restore_recorded_mismatch(stage_name, key, value):
     assert recorded[stage_name][key] != value
     recorded[stage_name][key] = value
     with pytest.raises(RecordedMismatch, match=key):
-        plan.restore(engine, case.config, HOST, recorded, strict=True, drops=prepared.drops)
+        restore_(engine, plan.bind(case.config, HOST), recorded, strict=True, drops=prepared.drops)
 
 
 def test_restore_on_other_isa_raises_recorded_mismatch():
@@ -281,7 +285,7 @@ def test_restore_on_other_isa_raises_recorded_mismatch():
     engine, prepared = _exported_layer(case, plan)
     amx_host = AMX_W4A8_OFF
     with pytest.raises(RecordedMismatch, match="isa_hint"):
-        plan.restore(engine, case.config, amx_host, prepared.recorded, drops=prepared.drops)
+        restore_(engine, plan.bind(case.config, amx_host), prepared.recorded, drops=prepared.drops)
 
 
 def test_recorded_values_for_unknown_stage_raise():
@@ -291,7 +295,7 @@ def test_recorded_values_for_unknown_stage_raise():
     engine, prepared = _exported_layer(case, plan)
     recorded = {**prepared.recorded, "marlin.repack": {"x": 1}}
     with pytest.raises(RecordedMismatch, match="marlin.repack"):
-        plan.restore(engine, case.config, HOST, recorded, drops=prepared.drops)
+        restore_(engine, plan.bind(case.config, HOST), recorded, drops=prepared.drops)
 
 
 # --------------------------------------------------------------------------- guard
@@ -332,7 +336,7 @@ def test_allocate_writing_exported_tensor_is_invalid_and_guarded():
     plan = _awq_plan(*_awq_stages(), bad, unchecked=True)
     engine, prepared = _exported_layer(case, plan)
     with pytest.raises(RestoreWroteSharedTensor, match="scales"):
-        plan.restore(engine, case.config, HOST, prepared.recorded, strict=True,
+        restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
                      drops=prepared.drops)
 
 
@@ -351,7 +355,7 @@ def test_metadata_writing_in_place_is_caught(via_data):
     engine, prepared = _exported_layer(case, plan)
     bad_plan = _awq_plan(*_awq_stages(), sneaky)
     with pytest.raises(RestoreWroteSharedTensor, match="scales"):
-        bad_plan.restore(engine, case.config, HOST, prepared.recorded, strict=True,
+        restore_(engine, bad_plan.bind(case.config, HOST), prepared.recorded, strict=True,
                          drops=prepared.drops)
 
 
@@ -363,7 +367,7 @@ def test_metadata_folded_into_transform_fails_invariant():
     @unregistered_stage("cpu_wna16.repack", Tag.TRANSFORM, reads=("qweight", "scales"),
                         writes=("qweight",), attrs=("isa_hint",))
     def folded(tensors, config, target, recorded):
-        out = repack.fn(tensors, config, target, recorded)
+        out = repack(tensors, config, target, recorded)
         return evolve(out, attrs={"isa_hint": cpu_wna16.isa_hint_for(tensors["scales"].dtype,
                                                                      target)})
 
@@ -372,11 +376,12 @@ def test_metadata_folded_into_transform_fails_invariant():
     plan = _awq_plan(*stages_)
     case = vl.awq_linear(128, 64, 32)
     loaded, expected = case.new_layer(), case.new_layer()
-    plan.load(loaded, case.config, HOST)
+    load_(loaded, plan.bind(case.config, HOST))
     case.vllm_process(expected)
     assert {} == dict_diff(snapshot(expected, case.attr_paths), snapshot(loaded, case.attr_paths))
     engine, prepared = _exported_layer(case, plan)
-    plan.restore(engine, case.config, HOST, prepared.recorded, strict=True, drops=prepared.drops)
+    restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
+             drops=prepared.drops)
     diff = dict_diff(snapshot(loaded, case.attr_paths), snapshot(engine, case.attr_paths))
     assert {"@isa_hint": (loaded.isa_hint, "<missing>")} == diff
 
@@ -400,7 +405,7 @@ def test_cuda_unquantized_plan_is_a_noop():
     plan = plan_for(case.config, target=Target("cuda", (9, 0))).plan
     layer = case.new_layer()
     before = snapshot(layer)
-    plan.load(layer, case.config, Target("cuda", (9, 0)))
+    load_(layer, plan.bind(case.config, Target("cuda", (9, 0))))
     assert ("none", ()) == (plan.kernel, plan.stages)
     assert before == snapshot(layer)
 
@@ -427,12 +432,13 @@ def test_sgl_plan_equals_vllms_amx_dispatch(size_k, size_n, dtype, bias, monkeyp
     expected, loaded = case.new_layer(), case.new_layer()
     case.vllm_process(expected)
     assert "sgl" == vl.probe_branch(expected)
-    plan.load(loaded, case.config, amx)
+    load_(loaded, plan.bind(case.config, amx))
     assert {} == dict_diff(snapshot(expected, case.attr_paths), snapshot(loaded, case.attr_paths))
     assert torch.equal(_forward(case, expected), _forward(case, loaded))
     engine, prepared = _exported_layer(case, plan, target=amx)
     shared = prepared.tensors["weight"]
-    plan.restore(engine, case.config, amx, prepared.recorded, strict=True, drops=prepared.drops)
+    restore_(engine, plan.bind(case.config, amx), prepared.recorded, strict=True,
+             drops=prepared.drops)
     assert {} == dict_diff(snapshot(loaded, case.attr_paths), snapshot(engine, case.attr_paths))
     assert torch.equal(_forward(case, loaded), _forward(case, engine))
     assert engine.cpu_linear.packed_weight.data_ptr() != shared.data_ptr()  # engine's own copy

@@ -48,8 +48,9 @@ import types
 import pytest
 import torch
 
-from wcache.core import LayerConfig, QuantSpec, Target, snapshot, tensor_checksum
+from wcache.core import LayerConfig, QuantSpec, Target, tensor_checksum
 from wcache.plans.registry import plan_for
+from wcache.shell import load_, prepare_, restore_, snapshot
 
 from tests.helpers import vllm_layers as VL
 
@@ -222,14 +223,14 @@ def _load_restore(plan, config, build, fill, target: Target = H200):
 
     loaded = build()
     fill(loaded)
-    plan.load(loaded, config, target)
+    load_(loaded, plan.bind(config, target))
     sync_kernel_state_(loaded)
     daemon = build()
     fill(daemon)
-    prepared = plan.prepare(daemon, config, target)
+    prepared = prepare_(daemon, plan.bind(config, target))
     restored = build(meta=True)
     VL.install_exported_(restored, VL.export_clone(prepared), prepared.buffers)
-    plan.restore(restored, config, target, prepared.recorded, strict=True,
+    restore_(restored, plan.bind(config, target), prepared.recorded, strict=True,
                  drops=prepared.drops)
     sync_kernel_state_(restored)
     return loaded, restored
@@ -322,10 +323,11 @@ def test_online_fp8_daemon_load_path(simulated_cuda, name):
     from vllm.model_executor.model_loader.reload import layerwise
     assert layerwise._layerwise_process.__name__ == "_layerwise_process"
 
-    prepared = plan.prepare(daemon, config, H200)
+    prepared = prepare_(daemon, plan.bind(config, H200))
     restored = _online_fp8_layer(cls, size_k, size_n, meta=True)
     VL.install_exported_(restored, VL.export_clone(prepared), prepared.buffers)
-    plan.restore(restored, config, H200, prepared.recorded, strict=True, drops=prepared.drops)
+    restore_(restored, plan.bind(config, H200), prepared.recorded, strict=True,
+             drops=prepared.drops)
     from wcache.vllm.adapter import sync_kernel_state_
     sync_kernel_state_(restored)
     attrs = FP8_BLOCK_ATTRS if "Block" in name else FP8_CUTLASS_ATTRS

@@ -2,8 +2,8 @@
 
 Layers are plain ``nn.Module`` objects holding checkpoint-format tensors (vLLM's
 ``create_weights`` needs CUDA kernels). "Export" clones ``Prepared.tensors`` into a
-fresh module, which ``plan.restore(..., strict=True)`` then finishes; the restore
-invariant compares :func:`wcache.core.snapshot` and the reference forward of
+fresh module, which ``restore_(..., strict=True)`` then finishes; the restore
+invariant compares :func:`wcache.shell.snapshot` and the reference forward of
 ``tests/helpers/reference_kernels.py`` with an ordinary load.
 """
 
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from wcache.core import (
     LayerConfig, NoPlan, Plan, PlanInvalid, QuantSpec, RecordedMismatch,
-    RestoreWroteSharedTensor, StageOut, Tag, Target, snapshot, state_from_module,
+    RestoreWroteSharedTensor, StageOut, Tag, Target,
 )
 from wcache.plans import cutlass_int8 as cutlass_int8_plans
 from wcache.plans import fp8 as fp8_plans
@@ -26,13 +26,14 @@ from wcache.plans import marlin as marlin_plans
 from wcache.plans import mxfp8 as mxfp8_plans
 from wcache.plans import nvfp4 as nvfp4_plans
 from wcache.plans.registry import all_plans, plan_for
+from wcache.shell import load_, prepare_, restore_, snapshot, state_from_module
 from wcache.stages import marlin as M
 from wcache.stages import nvfp4 as F4
 from wcache.testing.plans import UncheckedPlan, unregistered_stage
 
 from tests.helpers import reference_kernels as R
 from tests.helpers.cuda_cases import (
-    MACHETE_EXTRA, seeded_generator,
+    MACHETE_EXTRA,
     seeded_generator, attr_paths, B200, CPU, cuda_config, export, fp8_bits, fp8_cases, H200,
     int_checkpoint, make_module, marlin_int_cases, nvfp4_linear_checkpoint,
     nvfp4_moe_checkpoint, roundtrip,
@@ -68,7 +69,8 @@ def assert_restore_invariant(cfg: LayerConfig, tensors: dict, seed: int = 0):
         assert torch.equal(before[k].view(torch.uint8) if v.dtype.itemsize == 1 else before[k],
                            v.view(torch.uint8) if v.dtype.itemsize == 1 else v)
     assert_stages_pure(plan, tensors, cfg, target)
-    plan.restore(restored, cfg, target, prepared.recorded, strict=True)      # replay twice == once
+    restore_(restored, plan.bind(cfg, target), prepared.recorded,
+             strict=True)      # replay twice == once
     assert snapshot(loaded, paths) == snapshot(restored, paths)
     fwd = forward_for(plan, cfg)
     if plan.method == "modelopt_fp4" and plan.kernel == "cutlass_moe":
@@ -153,9 +155,9 @@ def test_cutlass_restore_with_recorded_width_mismatch_raises():
     cfg = cuda_config("fp8_per_channel", 64, 100, kernel="cutlass")
     plan = plan_for(cfg, target=H200).plan
     tensors = {"weight": torch.randn(100, 64).to(torch.bfloat16)}
-    prepared = plan.prepare(make_module(tensors), cfg, H200)
+    prepared = prepare_(make_module(tensors), plan.bind(cfg, H200))
     with pytest.raises(RecordedMismatch):
-        plan.restore(export(prepared), evolve(cfg, size_n=112), H200, prepared.recorded)
+        restore_(export(prepared), plan.bind(evolve(cfg, size_n=112), H200), prepared.recorded)
 
 
 # --------------------------------------------------------------------------- purity, replay
@@ -209,7 +211,7 @@ def assert_stages_pure(plan: Plan, tensors: dict, cfg: LayerConfig, target: Targ
     state = state_from_module(make_module({k: v.clone() for k, v in tensors.items()}))
     for st_ in plan.stages:
         before = {k: (v.clone(), v._version) for k, v in state.tensors.items()}
-        out = st_.fn(dict(state.tensors), cfg, target, {})
+        out = st_(dict(state.tensors), cfg, target, {})
         assert isinstance(out, StageOut)
         for k, (val, ver) in before.items():
             assert state.tensors[k]._version == ver, (st_.name, k)
@@ -230,13 +232,15 @@ def test_replayable_stages_twice_equals_once(cfg, tensors):
     """Replaying a plan's METADATA/ALLOCATE/DERIVE/VALIDATE stages twice on a restored
     layer gives the same snapshot as once, and the same recorded values."""
     plan = plan_for(cfg, target=_target(cfg)).plan
-    prepared = plan.prepare(make_module({k: v.clone() for k, v in tensors.items()}), cfg,
-                            _target(cfg))
+    prepared = prepare_(make_module({k: v.clone() for k, v in tensors.items()}),
+                        plan.bind(cfg, _target(cfg)))
     once = export(prepared)
-    plan.restore(once, cfg, _target(cfg), prepared.recorded, strict=True, drops=prepared.drops)
+    restore_(once, plan.bind(cfg, _target(cfg)), prepared.recorded, strict=True,
+             drops=prepared.drops)
     twice = export(prepared)
-    plan.restore(twice, cfg, _target(cfg), prepared.recorded, strict=True, drops=prepared.drops)
-    state2 = plan.restore(twice, cfg, _target(cfg), prepared.recorded, strict=True)
+    restore_(twice, plan.bind(cfg, _target(cfg)), prepared.recorded, strict=True,
+             drops=prepared.drops)
+    state2 = restore_(twice, plan.bind(cfg, _target(cfg)), prepared.recorded, strict=True)
     paths = attr_paths(plan)
     assert snapshot(once, paths) == snapshot(twice, paths)
     assert {k: dict(v) for k, v in state2.recorded.items()} == prepared.recorded
@@ -263,7 +267,7 @@ def test_mistagged_activation_scale_fuse_replay_is_caught_by_guard():
     """Forced past the build rules (ALLOCATE), replaying the fuse on restore raises
     RestoreWroteSharedTensor instead of squaring the activation scale."""
     cfg, tensors = _moe_case()
-    prepared = nvfp4_plans.MOE.prepare(make_module(tensors), cfg, B200)
+    prepared = prepare_(make_module(tensors), nvfp4_plans.MOE.bind(cfg, B200))
     bad = evolve(F4.fuse_moe_activation_scale, tag=Tag.ALLOCATE)
     plan = UncheckedPlan("modelopt_fp4", "cutlass_moe",
                          tuple(bad if s.name == bad.name else s for s in nvfp4_plans.MOE.stages),
@@ -271,7 +275,7 @@ def test_mistagged_activation_scale_fuse_replay_is_caught_by_guard():
     restored = export(prepared)
     before = restored.w13_weight_scale_2.clone()
     with pytest.raises(RestoreWroteSharedTensor):
-        plan.restore(restored, cfg, B200, prepared.recorded, strict=True)
+        restore_(restored, plan.bind(cfg, B200), prepared.recorded, strict=True)
     assert torch.equal(restored.w13_weight_scale_2, before)
 
 
@@ -287,12 +291,12 @@ def test_vllm_style_in_place_fuse_on_restore_is_caught():
         return StageOut()
 
     cfg, tensors = _moe_case()
-    prepared = nvfp4_plans.MOE.prepare(make_module(tensors), cfg, B200)
+    prepared = prepare_(make_module(tensors), nvfp4_plans.MOE.bind(cfg, B200))
     plan = Plan("modelopt_fp4", "cutlass_moe",
                 tuple(in_place if s.name == in_place.name else s for s in nvfp4_plans.MOE.stages),
                 checkpoint=nvfp4_plans.MOE.checkpoint)
     with pytest.raises(RestoreWroteSharedTensor, match="w13_weight_scale_2"):
-        plan.restore(export(prepared), cfg, B200, prepared.recorded, strict=True)
+        restore_(export(prepared), plan.bind(cfg, B200), prepared.recorded, strict=True)
 
 
 @pytest.mark.parametrize("method,n", [("fp8_per_tensor", 100), ("fp8_per_channel", 100),
@@ -320,10 +324,10 @@ def test_cutlass_restore_without_logical_width_fails_invariant(method, n):
     R.cutlass_fp8_forward(loaded, cfg, x)
     with pytest.raises(R.MissingLogicalWidth):
         R.cutlass_fp8_forward(restored_bad, cfg, x)
-    prepared_full = full.prepare(make_module({k_: v.clone() for k_, v in tensors.items()}),
-                                 cfg, H200)
+    prepared_full = prepare_(make_module({k_: v.clone() for k_, v in tensors.items()}),
+                             full.bind(cfg, H200))
     with pytest.raises(RecordedMismatch):
-        lacking.restore(export(prepared_full), cfg, H200, prepared_full.recorded)
+        restore_(export(prepared_full), lacking.bind(cfg, H200), prepared_full.recorded)
 
 
 # --------------------------------------------------------------------------- registry

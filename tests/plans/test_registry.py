@@ -22,9 +22,11 @@ from hypothesis import strategies as st
 
 from wcache.core import (
     LOAD_TAGS, STAGE_VERBS, LayerConfig, LayerState, QuantSpec, Target, registered_stages,
-    snapshot, stage_name_problem, state_from_module,
+    stage_name_problem,
 )
+from wcache.core.registry import is_registered
 from wcache.plans import PLAN_MODULES, _import_plan_modules, all_plans, plan_for
+from wcache.shell import load_, prepare_, restore_, snapshot, state_from_module
 
 from tests.helpers import cpu_cases as cpu  # skips this module without vLLM: its cases are vLLM layers
 from tests.helpers import cuda_cases as cuda
@@ -35,10 +37,10 @@ H200, B200 = cuda.H200, cuda.B200
 AMX = cpu.AMX
 
 
-def _wcache_stages() -> dict[str, tuple]:
+def _wcache_stages() -> dict[str, object]:
     """Registered stages defined by wcache's own stage modules (tests register toys)."""
-    return {name: values for name, values in registered_stages().items()
-            if values[0].fn.__module__.startswith("wcache.stages.")}
+    return {name: value for name, value in registered_stages().items()
+            if value.fn.__module__.startswith("wcache.stages.")}
 
 
 # --------------------------------------------------------------------------- strategies
@@ -148,11 +150,11 @@ def test_every_registered_stage_is_used_by_a_plan_and_back():
     """The registry and the plans agree: no registered stage is unused, and every
     stage a plan runs is the registered value of a wcache.stages module."""
     registered = _wcache_stages()
-    used = {s.name: s for p in all_plans() for s in p.stages}
-    assert [] == sorted(set(registered) - set(used))
-    for name, st_ in used.items():
-        assert name in registered, f"{name} is not registered by a wcache.stages module"
-        assert st_ in registered[name], f"{name}: the plan's stage is not the registered one"
+    used = [s for p in all_plans() for s in p.stages]
+    assert [] == sorted(set(registered) - {s.name for s in used})
+    for st_ in used:
+        assert st_.name in registered, f"{st_.name} is not registered by a wcache.stages module"
+        assert is_registered(st_), f"{st_.name}: the plan's stage is not the registered one"
 
 
 def test_every_stage_has_a_strategy():
@@ -228,10 +230,10 @@ def test_card_api_with_a_vllm_quant_method():
     layer = case.new_layer()
     bound = wcache.vllm.plan_for(layer.quant_method, layer, target=cpu.HOST, name="layer")
     assert plan_for(case.config, target=cpu.HOST).plan is bound.plan
-    bound.load(layer)
+    load_(layer, bound)
     daemon = case.new_layer()
-    prepared = bound.prepare(daemon)
+    prepared = prepare_(daemon, bound)
     engine = case.new_layer("meta", seed=None)
     vl.install_exported_(engine, vl.export_clone(prepared), prepared.buffers)
-    bound.restore(engine, prepared.recorded, strict=True, drops=prepared.drops)
+    restore_(engine, bound, prepared.recorded, strict=True, drops=prepared.drops)
     assert {} == cpu.dict_diff(snapshot(layer, case.attr_paths), snapshot(engine, case.attr_paths))

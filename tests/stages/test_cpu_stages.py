@@ -58,7 +58,7 @@ def _module(**tensors: torch.Tensor) -> torch.nn.Module:
 
 
 def _run(st_: Stage, tensors, config, target=NON_AMX, recorded=None) -> StageOut:
-    return st_.fn(types.MappingProxyType(dict(tensors)), config, target,
+    return st_(types.MappingProxyType(dict(tensors)), config, target,
                   types.MappingProxyType(dict(recorded or {})))
 
 

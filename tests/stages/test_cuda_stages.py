@@ -100,7 +100,7 @@ def test_awq_zero_point_pipeline_equals_awq_to_marlin_zero_points(g, k, n, seed)
     qweight = torch.zeros(k, n // 8, dtype=torch.int32)
     _, std = M.awq_to_standard(qweight, awq, 4)
     stage_ = M.permute_zero_points_stage("qzeros")
-    out = stage_.fn({"qzeros": std}, cfg("awq", k, n, 4, g, True), H200, {})
+    out = stage_({"qzeros": std}, cfg("awq", k, n, 4, g, True), H200, {})
     assert torch.equal(mu.awq_to_marlin_zero_points(awq, k // g, n, 4), out.tensors["qzeros"])
 
 
@@ -151,19 +151,19 @@ def test_marlin_stages_equal_vllm_kernel_composition(method, bits, g, k, n, zp):
     packed = M.pack_int32(q.t().contiguous(), bits).t().contiguous()
     s = torch.rand(groups, n, generator=gen).to(torch.bfloat16)
     c = cfg(method, k, n, bits, g, zp)
-    got_q = M.repack_stage("qweight").fn({"qweight": packed}, c, H200, {}).tensors["qweight"]
+    got_q = M.repack_stage("qweight")({"qweight": packed}, c, H200, {}).tensors["qweight"]
     qp = torch.nn.functional.pad(q, (0, pn - n, 0, pk - k))
     assert torch.equal(mut.marlin_weights(qp, pk, pn, bits, mut.get_weight_perm(bits)), got_q)
-    got_s = M.permute_scales_stage("scales").fn({"scales": s}, c, H200, {}).tensors["scales"]
+    got_s = M.permute_scales_stage("scales")({"scales": s}, c, H200, {}).tensors["scales"]
     exp_s = mu.marlin_permute_scales(mu.marlin_pad_scales(s, n, k, pn, pk, g), pk, pn, g)
     assert torch.equal(exp_s, got_s)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16)
-    got_b = M.permute_bias.fn({"bias": bias}, c, H200, {}).tensors["bias"]
+    got_b = M.permute_bias({"bias": bias}, c, H200, {}).tensors["bias"]
     assert torch.equal(mu.marlin_permute_bias(mu.marlin_pad_dim(bias, n, pn)), got_b)
     if zp:
         z = torch.randint(0, 2 ** bits, (groups, n), generator=gen, dtype=torch.int32)
         std = M.pack_int32(z, bits).t().contiguous()
-        got_z = M.permute_zero_points_stage("qzeros").fn({"qzeros": std}, c, H200,
+        got_z = M.permute_zero_points_stage("qzeros")({"qzeros": std}, c, H200,
                                                          {}).tensors["qzeros"]
         pg = pk // g if g > 0 else 1
         exp_z = mu.marlin_zero_points(mu.marlin_pad_scales(z, n, k, pn, pk, g), pg, pn, bits)
@@ -187,7 +187,7 @@ def test_fp8_marlin_stages_equal_vllm(n, k, seed, dtype):
     vals = M.unpack_int32(packed.t().contiguous(), 8).t()
     vals = torch.nn.functional.pad(vals, (0, pn - n, 0, pk - k))
     expected = mut.marlin_weights(vals, pk, pn, 8, mut.get_weight_perm(8))
-    got_w = M.repack_fp8_weight.fn({"weight": w}, c, H200, {}).tensors["weight"]
+    got_w = M.repack_fp8_weight({"weight": w}, c, H200, {}).tensors["weight"]
     assert torch.equal(expected, got_w)
     scale = torch.rand(2, generator=gen) * 0.01 + 1e-4
     sd = getattr(torch, dtype)
@@ -195,7 +195,7 @@ def test_fp8_marlin_stages_equal_vllm(n, k, seed, dtype):
         torch.tensor(c.get("logical_widths")), dim=1)
     exp = mu.marlin_permute_scales(mu.marlin_pad_scales(exp, n, k, pn, pk, -1), pk, pn, -1)
     exp = mfp8.fp8_fused_exponent_bias_into_scales(exp)
-    got = M.permute_fp8_scales.fn({"weight_scale": scale}, c, H200, {}).tensors["weight_scale"]
+    got = M.permute_fp8_scales({"weight_scale": scale}, c, H200, {}).tensors["weight_scale"]
     assert got.dtype == sd and torch.equal(exp, got)
 
 
@@ -208,7 +208,7 @@ def test_mxfp8_marlin_scales_equal_vllm(n, k, seed):
     exp = s.view(torch.float8_e8m0fnu).to(torch.bfloat16).T.contiguous()
     exp = mu.marlin_permute_scales(mu.marlin_pad_scales(exp, n, k, pn, pk, 32), pk, pn, 32)
     exp = mfp8.mxfp8_marlin_process_scales(exp)
-    got = M.permute_mxfp8_scales.fn({"weight_scale": s}, c, H200, {}).tensors["weight_scale"]
+    got = M.permute_mxfp8_scales({"weight_scale": s}, c, H200, {}).tensors["weight_scale"]
     assert torch.equal(u8(exp), u8(got))
 
 
@@ -303,7 +303,7 @@ def test_cutlass_pad_per_tensor_equals_vllm(kn, seed):
     pw, ps = F8.cutlass_pad(w, s)
     assert pw.shape == mod.weight.shape and pw.stride() == mod.weight.stride()
     assert torch.equal(u8(mod.weight.data), u8(pw)) and torch.equal(mod.weight_scale.data, ps)
-    out = F8.set_logical_output_size.fn({}, cfg("fp8", k, n), H200, {})
+    out = F8.set_logical_output_size({}, cfg("fp8", k, n), H200, {})
     assert out.attrs[F8.LOGICAL_OUTPUT_ATTR] == kern.logical_output_size == n
 
 
@@ -418,7 +418,7 @@ def test_fuse_activation_scale_returns_new_tensors():
     t = {"w13_weight_scale_2": torch.tensor([0.5, 0.25]), "w13_input_scale": torch.tensor([2.0, 4.0]),
          "w2_weight_scale_2": torch.tensor([1.0, 3.0]), "w2_input_scale": torch.tensor([0.5, 0.5])}
     before = {k: (v.clone(), v._version) for k, v in t.items()}
-    out = F4.fuse_moe_activation_scale.fn(t, cfg("modelopt_fp4"), Target("cuda", (10, 0)), {})
+    out = F4.fuse_moe_activation_scale(t, cfg("modelopt_fp4"), Target("cuda", (10, 0)), {})
     assert torch.equal(out.tensors["w13_weight_scale_2"], torch.tensor([1.0, 1.0]))
     assert torch.equal(out.tensors["w2_weight_scale_2"], torch.tensor([0.5, 1.5]))
     for k, (v, ver) in before.items():
@@ -432,7 +432,7 @@ def test_stages_accept_meta_tensors():
     """Marlin repack/scales, FP8 quantization and the NVFP4 swizzle produce correct shapes on meta."""
     c = cfg("gptq", 256, 96, 4, 64)
     q = torch.empty(32, 96, dtype=torch.int32, device="meta")
-    out = M.repack_stage("qweight").fn({"qweight": q}, c, H200, {}).tensors["qweight"]
+    out = M.repack_stage("qweight")({"qweight": q}, c, H200, {}).tensors["qweight"]
     assert out.device.type == "meta" and tuple(out.shape) == (16, 256)
     w = torch.empty(100, 64, dtype=torch.bfloat16, device="meta")
     q8, s8 = F8.quantize_per_channel(w)
@@ -446,19 +446,19 @@ BAD_INPUTS = [
      "pad with marlin_padded_nk"),
     (lambda: M.marlin_weight_perm(3), M.MarlinLayoutError, "4- or 8-bit"),
     (lambda: M.fp8_exponent_bias(torch.float32), M.MarlinLayoutError, "float16 or bfloat16"),
-    (lambda: M.repack_stage("qweight").fn({"qweight": torch.zeros(16, 128, dtype=torch.int32)},
+    (lambda: M.repack_stage("qweight")({"qweight": torch.zeros(16, 128, dtype=torch.int32)},
                                           cfg("gptq", 128, 128, 4, 48), H200, {}),
      M.MarlinLayoutError, "group sizes"),
     (lambda: MX.mxfp8_e4m3_quantize(torch.zeros(4, 48)), MX.Mxfp8LayoutError, "divisible by 32"),
     (lambda: F8.per_block_cast_to_fp8(torch.zeros(2, 2, 2)), F8.Fp8LayoutError, "2-D"),
-    (lambda: F8.process_weight_strategy.fn(
+    (lambda: F8.process_weight_strategy(
         {"weight": torch.zeros(4, 4).to(torch.float8_e4m3fn), "weight_scale": torch.ones(1)},
         LayerConfig(QuantSpec("fp8", strategy="block"), 4, 4), H200, {}),
      F8.Fp8LayoutError, "cutlass_block"),
-    (lambda: F8.reduce_input_scale.fn({}, LayerConfig(QuantSpec("fp8", static_input=True), 4, 4),
+    (lambda: F8.reduce_input_scale({}, LayerConfig(QuantSpec("fp8", static_input=True), 4, 4),
                                       H200, {}), F8.Fp8LayoutError, "no input_scale"),
     (lambda: F4.swizzle_blockscale(torch.zeros(4, 4)), F4.Nvfp4LayoutError, "float8_e4m3fn"),
-    (lambda: F4.validate_loaded.fn({"weight_scale": torch.full((4, 4), float("nan"))
+    (lambda: F4.validate_loaded({"weight_scale": torch.full((4, 4), float("nan"))
                                     .to(torch.float8_e4m3fn)}, cfg("modelopt_fp4"), H200, {}),
      F4.Nvfp4LayoutError, "NaN"),
 ]

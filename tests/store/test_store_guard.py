@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from wcache.core import (
-    LayerConfig, Plan, QuantSpec, RestoreGuard, RestoreWroteSharedTensor, StageOut, Tag, Target, stage,
+    LayerConfig, Plan, QuantSpec, RestoreGuard, RestoreWroteSharedTensor, StageOut, Tag,
+    Target, stage,
 )
+from wcache.shell import restore_
 from wcache.store import (
     ArenaInvalidated, CacheKey, attach, daemon_status, invalidate_daemon, socket_path,
 )
@@ -113,7 +115,7 @@ def test_default_guard_catches_every_write_form_in_copy_mode(sock_dir, form):
             before = w.clone()
             plan = UncheckedPlan("toy", "bad", (_writer(form, []),), frozenset({"weight"}))
             with pytest.raises(RestoreWroteSharedTensor, match="layer 'l1'.*weight"):
-                plan.restore(_module(w), _config("l1"), CPU, {})
+                restore_(_module(w), plan.bind(_config("l1"), CPU), {})
             assert not torch.equal(before, w)  # the write landed (in the private copy) and was caught
     finally:
         stop_daemon(proc)
@@ -126,7 +128,7 @@ def test_untouched_restore_passes_default_guard():
         return StageOut(attrs={"width": tensors["weight"].shape[1]})
 
     m = _module(torch.arange(12, dtype=torch.float16).reshape(3, 4))
-    Plan("toy", "ok", (width,), frozenset({"weight"})).restore(m, _config("l"), CPU, {})
+    restore_(m, Plan("toy", "ok", (width,), frozenset({"weight"})).bind(_config("l"), CPU), {})
     assert 4 == m.width
 
 
@@ -140,7 +142,7 @@ def test_cross_layer_write_blames_the_written_layer():
     guard = RestoreGuard({"A": {"weight": a}, "B": {"weight": b}})
     plan = UncheckedPlan("toy", "bad", (_writer("data_add", [b_]),), frozenset({"weight"}))
     with pytest.raises(RestoreWroteSharedTensor) as err:
-        plan.restore(_module(a), _config("A"), CPU, {}, guard=guard)
+        restore_(_module(a), plan.bind(_config("A"), CPU), {}, guard=guard)
         guard.check_all()
     assert "layer 'B' tensors ['weight']" in str(err.value)
     assert "layer 'A' tensors" not in str(err.value)
@@ -153,12 +155,13 @@ def test_deferred_guard_blames_own_layer_and_later_write():
     a = arena[:1024].view(torch.float16)
     b = arena[2048:3072].view(torch.float16)
     guard = RestoreGuard({"A": {"weight": a}, "B": {"weight": b}}, defer=True)
-    _bad_plan("data_add", []).restore(_module(a), _config("A"), CPU, {}, guard=guard)  # no raise yet
+    restore_(_module(a), _bad_plan("data_add", []).bind(_config("A"), CPU), {},
+             guard=guard)  # no raise yet
     with pytest.raises(RestoreWroteSharedTensor, match="while their own layer was restored: layer 'A'"):
         guard.check_all()
     guard = RestoreGuard({"A": {"weight": a}, "B": {"weight": b}}, defer=True)
     guard.check_layer("A", ())
-    _bad_plan("data_add", [a]).restore(_module(b), _config("B"), CPU, {}, guard=guard)
+    restore_(_module(b), _bad_plan("data_add", [a]).bind(_config("B"), CPU), {}, guard=guard)
     with pytest.raises(RestoreWroteSharedTensor, match="during the restore: layer 'A'"):
         guard.check_all()
 
@@ -171,7 +174,7 @@ def test_inplace_cross_layer_write_names_stage_and_victim():
     guard = RestoreGuard({"A": {"weight": a}, "B": {"weight": b}})
     plan = UncheckedPlan("toy", "bad", (_writer("inplace", [b]),), frozenset({"weight"}))
     with pytest.raises(RestoreWroteSharedTensor) as err:
-        plan.restore(_module(a), _config("A"), CPU, {}, guard=guard)
+        restore_(_module(a), plan.bind(_config("A"), CPU), {}, guard=guard)
     msg = str(err.value)
     assert "stage 'toy.set_sneaky_write'" in msg and "layer 'B' tensors ['weight']" in msg, msg
 
@@ -185,8 +188,8 @@ def test_data_swap_is_caught_by_pointer():
 
     m = _module(torch.ones(4, 4))
     with pytest.raises(RestoreWroteSharedTensor, match="weight"):
-        UncheckedPlan("toy", "swap", (swap,), frozenset({"weight"})).restore(
-            m, _config("l"), CPU, {}, content=False)
+        plan = UncheckedPlan("toy", "swap", (swap,), frozenset({"weight"}))
+        restore_(m, plan.bind(_config("l"), CPU), {}, content=False)
 
 
 # --------------------------------------------------------------------------- invalidate
@@ -237,7 +240,7 @@ def test_guard_firing_in_copy_mode_invalidates_the_daemon(sock_dir):
         att = attach(CacheKey(BASE_KEY), socket_dir=sock_dir, mode="copy")
         plan = UncheckedPlan("toy", "bad", (_writer("numpy_setitem", []),), frozenset({"weight"}))
         try:
-            plan.restore(_module(att.tensors["layer2.weight"]), _config("l2"), CPU, {})
+            restore_(_module(att.tensors["layer2.weight"]), plan.bind(_config("l2"), CPU), {})
         except RestoreWroteSharedTensor as e:
             assert att.invalidate(e.code, str(e))
         att.close()

@@ -52,8 +52,9 @@ from typing import Any
 import torch
 from attrs import asdict, field, frozen
 
-from wcache.core import LayerConfig, LayerState, Plan, Target, apply_state_
+from wcache.core import LayerConfig, LayerState, Plan, Target
 from wcache.errors import WorkerFailed  # noqa: F401  (re-exported: its old home)
+from wcache.shell import apply_state_, load_, prepare_, restore_
 
 __all__ = [
     "BenchOptions", "run_suite", "markdown_table", "handles_table", "curve_points",
@@ -313,7 +314,7 @@ def _load_run(conn: Any, payload: dict, sk: dict) -> dict:
             for ly in sk["layers"]:
                 local = {n.rpartition(".")[2]: f.get_tensor(n) for n in by_layer[ly.name]}
                 _install_(modules[ly.name], local)
-                ly.plan.load(modules[ly.name], ly.config, target)
+                load_(modules[ly.name], ly.plan.bind(ly.config, target))
         _sync(device)
         seconds.append(time.perf_counter() - t0)
         if rep == payload["reps"] - 1:
@@ -338,8 +339,9 @@ def _replay(sk: dict, layers_data: Mapping[str, dict], views: Mapping[str, torch
     if os.environ.get(GUARD_ENV) == "off":  # the comparison run: what the guard costs
         for ly in sk["layers"]:
             data = layers_data[ly.name]
-            ly.plan.restore(sk["modules"][ly.name], ly.config, sk["target"], data["recorded"],
-                            guard=False, drops=data["drops"])
+            restore_(sk["modules"][ly.name], ly.plan.bind(ly.config, sk["target"]),
+                     data["recorded"],
+                     guard=False, drops=data["drops"])
         return
     guard = RestoreGuard({ly.config.name: {n.rpartition(".")[2]: views[n] for n in by_layer[ly.name]
                                            if views[n].device.type != "meta"}
@@ -348,8 +350,8 @@ def _replay(sk: dict, layers_data: Mapping[str, dict], views: Mapping[str, torch
         data = layers_data[ly.name]
         if data["plan"] != ly.plan.id:
             raise WorkerFailed(f"{ly.name}: daemon ran plan {data['plan']}, worker {ly.plan.id}")
-        ly.plan.restore(sk["modules"][ly.name], ly.config, sk["target"], data["recorded"],
-                        guard=guard, drops=data["drops"])
+        restore_(sk["modules"][ly.name], ly.plan.bind(ly.config, sk["target"]), data["recorded"],
+                 guard=guard, drops=data["drops"])
     guard.check_all()
 
 
@@ -596,7 +598,7 @@ def prepare_from_checkpoint(path: Path, layers: Sequence[Layer], device: torch.d
             _install_(module, {n.rpartition(".")[2]: f.get_tensor(n) for n in by_layer[ly.name]})
             _sync(device)
             t1 = time.perf_counter()
-            prep = ly.plan.prepare(module, ly.config, target)
+            prep = prepare_(module, ly.plan.bind(ly.config, target))
             _sync(device)
             read_s += t1 - t0
             prep_s += time.perf_counter() - t1
@@ -634,7 +636,7 @@ def prepare_synthesized(shape: Any, fmt: str, layers: Sequence[Layer], device: t
                 module = torch.nn.Module()
                 _install_(module, syn.make_linear_tensors(spec, kind, gen, device))
                 t0 = time.perf_counter()
-                prep = ly.plan.prepare(module, ly.config, target)
+                prep = prepare_(module, ly.plan.bind(ly.config, target))
                 _sync(device)
                 prep_s += time.perf_counter() - t0
                 samples[dims] = {k: (tuple(v.shape), tuple(v.stride()), v.dtype)

@@ -46,7 +46,7 @@ def _match_gptq(config: LayerConfig, target: Target) -> str | None:
 
 AWQ = register(Plan(
     method="awq", kernel="machete",
-    stages=(marlin.convert_awq_to_standard_stage(), machete.prepack_stage("qweight"),
+    stages=(marlin.convert_awq_to_standard, machete.prepack_stage("qweight"),
             machete.fold_zero_points_stage("qzeros", "scales")),
     checkpoint=_CHECKPOINT_GPTQ, match=_match,
     description="AWQ int4 on Machete (sm90): AWQ packing -> standard, weight prepacked "

@@ -79,7 +79,7 @@ def _match_ct(config: LayerConfig, target: Target) -> str | None:
 
 AWQ = register(Plan(
     method="awq", kernel="marlin",
-    stages=(marlin.convert_awq_to_standard_stage(), marlin.permute_zero_points_stage("qzeros"),
+    stages=(marlin.convert_awq_to_standard, marlin.permute_zero_points_stage("qzeros"),
             marlin.repack_stage("qweight"), marlin.permute_scales_stage("scales"),
             marlin.clear_input_global_scale, marlin.permute_bias),
     checkpoint=_CHECKPOINT_GPTQ, match=_match_awq,

@@ -11,6 +11,8 @@ exports the fused scales and restore replays only the METADATA dims.
 
 from __future__ import annotations
 
+import functools
+
 from wcache.core import LayerConfig, Plan, Target
 from wcache.plans.registry import register
 from wcache.stages import nvfp4
@@ -36,7 +38,7 @@ LINEAR = register(Plan(
             nvfp4.compute_alpha, nvfp4.set_is_w4a16_nvfp4, nvfp4.swizzle_scales,
             nvfp4.pad_weight),
     checkpoint=frozenset({"weight", "weight_scale", "weight_scale_2", "input_scale", "bias"}),
-    match=lambda c, t: _reason(c, t, "linear"),
+    match=functools.partial(_reason, kind="linear"),
     description="ModelOpt NVFP4 linear on CUTLASS: global scales and alpha as new tensors, "
                 "block scales swizzled (no .cuda()), weight padded to 32."))
 
@@ -47,7 +49,7 @@ MOE = register(Plan(
     checkpoint=frozenset({"w13_weight", "w13_weight_scale", "w13_weight_scale_2",
                           "w13_input_scale", "w2_weight", "w2_weight_scale",
                           "w2_weight_scale_2", "w2_input_scale"}),
-    match=lambda c, t: _reason(c, t, "moe"),
+    match=functools.partial(_reason, kind="moe"),
     description="ModelOpt NVFP4 fused MoE on CUTLASS experts: w13 global scale, a13 max, "
                 "scales swizzled, activation scales fused into w*_weight_scale_2 as new "
                 "tensors (vLLM: in place); restore replays only the dims."))

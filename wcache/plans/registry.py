@@ -4,8 +4,9 @@ Importing this module imports its package first, whose ``__init__`` imports ever
 plan module (:data:`wcache.plans.PLAN_MODULES`), so the registry is full before
 anyone can call :func:`plan_for`.
 
-``plan_for(config, target=t)`` returns a :class:`~wcache.core.BoundPlan`, so the
-card's ``plan_for(method, target=t).restore(layer, recorded)`` reads as written.
+``plan_for(config, target=t)`` returns a :class:`~wcache.core.BoundPlan`, a pure
+value the shell's entry points take: ``wcache.shell.restore_(layer, plan_for(config,
+target=t), recorded)``.
 
 Plans for one method are tried in registration order (the way vLLM's
 ``choose_mp_linear_kernel`` walks its kernel list); the first whose ``match``
@@ -85,8 +86,8 @@ def plan_for(method: QuantSpec | LayerConfig, layer: LayerConfig | None = None, 
             gives this host's vLLM kernel decisions.
 
     Returns:
-        A :class:`BoundPlan`: ``.load(layer)``, ``.prepare(layer)``,
-        ``.restore(layer, recorded)``; ``.plan`` is the registered plan.
+        A :class:`BoundPlan` for :func:`wcache.shell.load_`, ``prepare_`` and
+        ``restore_``; ``.plan`` is the registered plan.
 
     Raises:
         NoPlan: no plan matches; the message names every candidate's reason.

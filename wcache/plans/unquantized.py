@@ -20,18 +20,21 @@ decision, probed by :mod:`wcache.vllm.probe` and recorded in the Target):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from wcache.core import LayerConfig, Plan, Target
+from wcache.core.decisions import GEMM_ONEDNN, GEMM_SGL, GEMM_TORCH_LINEAR, GEMM_ZENTORCH
 from wcache.plans.registry import register
 from wcache.stages import cpu_gemm, onednn
 
 _LAYER_KINDS = ("linear", "embedding")
 #: Branches vLLM can take that wcache has no plan for, and why.
 _UNPLANNED = {
-    "sgl": "vLLM picks the AMX SGL kernel (convert_weight_packed, a VNNI byte repack "
+    GEMM_SGL: "vLLM picks the AMX SGL kernel (convert_weight_packed, a VNNI byte repack "
            "held in a closure) for this weight",
-    "zentorch": "vLLM picks zentorch_linear_unary (zentorch's own weight prepack) for "
+    GEMM_ZENTORCH: "vLLM picks zentorch_linear_unary (zentorch's own weight prepack) for "
                 "this weight; wcache has no plan for it yet",
 }
 
@@ -62,20 +65,25 @@ def _cpu_branch_reason(branch: str, config: LayerConfig, target: Target) -> str 
     return None
 
 
-def _match_cpu_branch(branch: str):
-    def match(config: LayerConfig, target: Target) -> str | None:
-        reason = _cpu_branch_reason(branch, config, target)
-        if reason is None and branch == "sgl":
-            if config.quant.layer_kind == "embedding":
-                return ("vLLM picks the AMX SGL kernel for this embedding and keeps its "
-                        "unpacked weight for the lookup; wcache has no plan for it")
-            if config.dtype not in (torch.bfloat16, torch.float16):
-                return f"the SGL plan takes bf16/fp16 weights, got {config.params_dtype}"
-            return cpu_gemm.missing_op_reason(
-                target, ("convert_weight_packed", "weight_packed_linear"), "the SGL kernel")
-        return reason
-    match.__name__ = f"_match_{branch}"
-    return match
+def _match_branch(branch: str, config: LayerConfig, target: Target) -> str | None:
+    """None when vLLM's CPU dispatch takes ``branch`` for this layer and wcache has
+    a plan for it there, else the reason."""
+    reason = _cpu_branch_reason(branch, config, target)
+    if reason is None and branch == GEMM_SGL:
+        if config.quant.layer_kind == "embedding":
+            return ("vLLM picks the AMX SGL kernel for this embedding and keeps its "
+                    "unpacked weight for the lookup; wcache has no plan for it")
+        if config.dtype not in (torch.bfloat16, torch.float16):
+            return f"the SGL plan takes bf16/fp16 weights, got {config.params_dtype}"
+        return cpu_gemm.missing_op_reason(
+            target, ("convert_weight_packed", "weight_packed_linear"), "the SGL kernel")
+    return reason
+
+
+def _match_cpu_branch(branch: str) -> functools.partial:
+    """The plan's match for the CPU dispatch ``branch`` (a partial of a module-level
+    function, so the plan pickles)."""
+    return functools.partial(_match_branch, branch)
 
 
 NONE_CUDA = register(Plan(
@@ -86,7 +94,7 @@ NONE_CUDA = register(Plan(
 
 ONEDNN = register(Plan(
     method="unquantized", kernel="onednn", stages=(onednn.prepack_weight,),
-    checkpoint={"weight", "bias"}, match=_match_cpu_branch("onednn"),
+    checkpoint={"weight", "bias"}, match=_match_cpu_branch(GEMM_ONEDNN),
     description="Unquantized linear/embedding on CPU where vLLM's dispatch builds a oneDNN "
                 "handle: the loaded weight is exported; restore rebuilds the private "
                 "oneDNN handle (layer.cpu_linear) from it. Linear layers then release the "
@@ -95,7 +103,7 @@ ONEDNN = register(Plan(
 
 TORCH_LINEAR = register(Plan(
     method="unquantized", kernel="torch_linear", stages=(cpu_gemm.bind_torch_linear,),
-    checkpoint={"weight", "bias"}, match=_match_cpu_branch("torch_linear"),
+    checkpoint={"weight", "bias"}, match=_match_cpu_branch(GEMM_TORCH_LINEAR),
     description="Unquantized linear/embedding on CPU where oneDNN refuses the dtype and "
                 "vLLM's dispatch falls back to F.linear (bf16/fp16 on AVX2 hosts, fp16 on "
                 "AVX512 ones): the loaded weight is exported and used in place; restore "
@@ -104,7 +112,7 @@ TORCH_LINEAR = register(Plan(
 SGL = register(Plan(
     method="unquantized", kernel="sgl",
     stages=(cpu_gemm.pack_sgl_weight, cpu_gemm.cast_bias_to_float32, cpu_gemm.bind_sgl_linear),
-    checkpoint={"weight", "bias"}, match=_match_cpu_branch("sgl"),
+    checkpoint={"weight", "bias"}, match=_match_cpu_branch(GEMM_SGL),
     description="Unquantized linear on CPU where vLLM picks the AMX SGL kernel (small "
                 "tile-aligned bf16/fp16 weights on AMX hosts): the daemon packs the weight "
                 "(convert_weight_packed) and casts the bias to fp32, both exported; restore "

@@ -7,8 +7,8 @@ build a matmul for the dtype on this ISA (bf16/fp16 on AVX2-only hosts, fp16 on
 AVX512 hosts without AVX512-FP16), ``torch.nn.functional.linear`` on the weight
 as loaded. Which branch wins is the engine's decision, probed by
 :mod:`wcache.vllm.probe` and recorded in :attr:`Target.kernels`; this module
-only names those decisions and implements the ``F.linear`` branch's only
-post-load work: binding ``layer.cpu_linear`` (METADATA, nothing to prepack).
+reads those decisions (named in :mod:`wcache.core.decisions`) and implements the
+``F.linear`` branch's only post-load work: binding ``layer.cpu_linear`` (METADATA, nothing to prepack).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from wcache.core import LayerConfig, StageOut, Tag, Target, stage
+from wcache.core.decisions import KERNEL_LIBRARY, OP_PRESENT, gemm_decision, op_decision
 
 __all__ = ["SGL_TILE_K", "SGL_TILE_N", "SGL_MAX_WEIGHT_BYTES", "gemm_decision", "sgl_shape",
            "gemm_branch", "missing_op_reason", "TorchLinear", "bind_torch_linear",
@@ -31,13 +32,6 @@ _UTILS = "vllm/model_executor/layers/utils.py::dispatch_cpu_unquantized_gemm"
 SGL_MAX_WEIGHT_BYTES = 1 * 1024 * 1024
 #: SGL tile sizes along K and N (csrc/cpu/sgl-kernels/gemm.h).
 SGL_TILE_K, SGL_TILE_N = 32, 16
-
-
-def gemm_decision(dtype: torch.dtype, sgl: bool = False) -> str:
-    """The :attr:`Target.kernels` key of the unquantized GEMM decision for
-    ``dtype``, for general weights or (``sgl``) small tile-aligned ones."""
-    name = str(dtype).removeprefix("torch.")
-    return f"unquantized_gemm[{name}{',sgl_shape' if sgl else ''}]"
 
 
 def sgl_shape(size_n: int, size_k: int, dtype: torch.dtype) -> bool:
@@ -108,11 +102,11 @@ def missing_op_reason(target: Target, ops: tuple[str, ...], kernel: str,
     why ``kernel`` cannot run on ``target`` (names the library and the missing op, and
     says vLLM itself cannot run ``subject`` here). Reads the probed decisions only
     (``op.<name>`` in ``target.kernels``)."""
-    library = target.kernel("cpu.kernel_library")
+    library = target.kernel(KERNEL_LIBRARY)
     if library is None:
         return ("the Target records no vLLM kernel decisions (build it with "
                 "wcache.vllm.probe.host_target, which asks vLLM)")
-    missing = [op for op in ops if target.kernel(f"op.{op}") != "present"]
+    missing = [op for op in ops if target.kernel(op_decision(op)) != OP_PRESENT]
     if missing:
         names = ", ".join(f"torch.ops._C.{op}" for op in missing)
         return (f"vLLM's CPU kernel library {library} on this host has no {names} "

@@ -15,13 +15,12 @@ differently fails with ``RecordedMismatch`` instead of misreading bytes.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from wcache.core import LayerConfig, Stage, StageOut, Tag, Target, stage
+from wcache.core import LayerConfig, StageOut, Tag, Target, stage
 from wcache.stages import cpu_gemm
 from wcache.stages.common import StageInputError, pack_along, pack_factor, unpack_along
 
@@ -101,19 +100,14 @@ def repack_w4a16(qweight: torch.Tensor, num_bits: int = CPUWNA16_NUM_BITS) -> to
             .reshape(-1, size_k * BLOCK_N // pf).contiguous())
 
 
-@functools.cache
-def set_isa_hint(w_s: str) -> Stage:
-    """METADATA stage ``cpu_wna16.set_isa_hint`` reading the scales named ``w_s``."""
-
-    @stage("cpu_wna16.set_isa_hint", Tag.METADATA, reads=(w_s,), attrs=("isa_hint",),
-           source=f"{_KERNEL}::_get_isa_hint")
-    def fn(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-           recorded: Mapping[str, Any]) -> StageOut:
-        """``layer.isa_hint`` from the scales dtype and the Target; recorded."""
-        hint = isa_hint_for(tensors[w_s].dtype, target)
-        return StageOut(attrs={"isa_hint": hint}, record={"isa_hint": hint})
-
-    return fn
+@stage("cpu_wna16.set_isa_hint", Tag.METADATA, attrs=("isa_hint",),
+       source=f"{_KERNEL}::_get_isa_hint", params=lambda w_s: {"reads": (w_s,)})
+def set_isa_hint(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                 recorded: Mapping[str, Any], *, w_s: str) -> StageOut:
+    """METADATA: ``layer.isa_hint`` from the dtype of the scales named ``w_s`` and the
+    Target; recorded."""
+    hint = isa_hint_for(tensors[w_s].dtype, target)
+    return StageOut(attrs={"isa_hint": hint}, record={"isa_hint": hint})
 
 
 @stage("cpu_wna16.set_use_w4a8", Tag.METADATA, attrs=("use_w4a8",),
@@ -125,33 +119,37 @@ def set_use_w4a8(tensors: Mapping[str, torch.Tensor], config: LayerConfig, targe
     return StageOut(attrs={"use_w4a8": value}, record={"use_w4a8": value})
 
 
-@functools.cache
-def repack(w_q: str) -> Stage:
-    """TRANSFORM stage ``cpu_wna16.repack`` of the weight named ``w_q``."""
+@stage("cpu_wna16.repack", Tag.TRANSFORM,
+       source=f"{_KERNEL}::CPUWNA16LinearKernel._process_gptq_weights_w4a16",
+       params=lambda w_q: {"reads": (w_q,), "writes": (w_q,)})
+def repack(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+           recorded: Mapping[str, Any], *, w_q: str) -> StageOut:
+    """TRANSFORM: the weight named ``w_q`` ``[K // 8, N]`` -> ``[N // 16, 2K]`` (w4a16
+    layout).
 
-    @stage("cpu_wna16.repack", Tag.TRANSFORM, reads=(w_q,), writes=(w_q,),
-           source=f"{_KERNEL}::CPUWNA16LinearKernel._process_gptq_weights_w4a16")
-    def fn(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-           recorded: Mapping[str, Any]) -> StageOut:
-        """``w_q`` ``[K // 8, N]`` -> ``[N // 16, 2K]`` (w4a16 layout).
-
-        Raises:
-            StageInputError: the Target selects the w4a8 layout, which this stage
-                does not produce.
-        """
-        if use_w4a8_for(config.dtype, target):
-            raise StageInputError(
-                f"layer {config.name!r}: the target selects CPUWNA16's w4a8 layout "
-                f"(AMX/RISC-V, bf16, {W4A8_ENV}!=0); wcache only builds w4a16. Set "
-                f"{W4A8_ENV}=0 or load without wcache.")
-        return StageOut(tensors={w_q: repack_w4a16(tensors[w_q], CPUWNA16_NUM_BITS)})
-
-    return fn
+    Raises:
+        StageInputError: the Target selects the w4a8 layout, which this stage
+            does not produce.
+    """
+    if use_w4a8_for(config.dtype, target):
+        raise StageInputError(
+            f"layer {config.name!r}: the target selects CPUWNA16's w4a8 layout "
+            f"(AMX/RISC-V, bf16, {W4A8_ENV}!=0); wcache only builds w4a16. Set "
+            f"{W4A8_ENV}=0 or load without wcache.")
+    return StageOut(tensors={w_q: repack_w4a16(tensors[w_q], CPUWNA16_NUM_BITS)})
 
 
-@functools.cache
-def transpose_zero_points(w_zp: str, *, asymmetric_only: bool = False) -> Stage:
-    """TRANSFORM stage ``cpu_wna16.transpose_zero_points`` of the zero points ``w_zp``.
+@stage("cpu_wna16.transpose_zero_points", Tag.TRANSFORM,
+       source=f"{_KERNEL}::CPUWNA16LinearKernel.process_weights_after_loading "
+              f"(zp.output_dim == 0 branch)",
+       params=lambda w_zp, asymmetric_only=False: {
+           "reads": (w_zp,), "writes": (w_zp,),
+           "optional": (w_zp,) if asymmetric_only else ()})
+def transpose_zero_points(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
+                          target: Target, recorded: Mapping[str, Any], *, w_zp: str,
+                          asymmetric_only: bool) -> StageOut:
+    """TRANSFORM: the zero points ``w_zp`` int32 ``[N // 8, K // G]`` -> ``[K // G, N // 8]``
+    contiguous.
 
     Args:
         w_zp: the zero-point tensor's name (``"qzeros"``, ``"weight_zero_point"``).
@@ -159,20 +157,9 @@ def transpose_zero_points(w_zp: str, *, asymmetric_only: bool = False) -> Stage:
             (compressed-tensors W4A16 registers no zero points when symmetric);
             then the stage returns nothing for a symmetric layer.
     """
-
-    @stage("cpu_wna16.transpose_zero_points", Tag.TRANSFORM, reads=(w_zp,), writes=(w_zp,),
-           optional=(w_zp,) if asymmetric_only else (),
-           source=f"{_KERNEL}::CPUWNA16LinearKernel.process_weights_after_loading "
-                  f"(zp.output_dim == 0 branch)")
-    def fn(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-           recorded: Mapping[str, Any]) -> StageOut:
-        """``w_zp`` int32 ``[N // 8, K // G]`` -> ``[K // G, N // 8]`` contiguous."""
-        if asymmetric_only and not config.quant.zero_point:
-            return StageOut()
-        return StageOut(tensors={w_zp: tensors[w_zp].t().contiguous()})
-
-    return fn
-
+    if asymmetric_only and not config.quant.zero_point:
+        return StageOut()
+    return StageOut(tensors={w_zp: tensors[w_zp].t().contiguous()})
 
 
 def can_implement(config: LayerConfig, target: Target) -> str | None:

@@ -28,13 +28,12 @@ meta device the result is vLLM's own fake (``empty_like``, contiguous).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from wcache.core import LayerConfig, Stage, StageOut, Tag, Target, stage
+from wcache.core import LayerConfig, StageOut, Tag, Target, stage
 from wcache.stages.common import StageInputError, require_op
 
 __all__ = ["machete_prepack", "prepack_stage", "permute_scales_stage",
@@ -84,8 +83,11 @@ def machete_prepack(w_kn: torch.Tensor, config: LayerConfig) -> torch.Tensor:
     return op(w_kn.t().contiguous().t(), act_dtype, int(b_type_id), act_dtype)
 
 
-@functools.cache
-def prepack_stage(w_q: str, *, n_major: bool = False) -> Stage:
+@stage("machete.prepack", Tag.TRANSFORM,
+       source=f"{_SOURCE} (permute_param_layout_ + ops.machete_prepack_B)",
+       params=lambda w_q, n_major=False: {"reads": (w_q,), "writes": (w_q,)})
+def prepack_stage(t: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                  recorded: Mapping[str, Any], *, w_q: str, n_major: bool) -> StageOut:
     """TRANSFORM ``w_q`` -> Machete's prepacked ``[K / pf, N]`` int32.
 
     Args:
@@ -93,27 +95,17 @@ def prepack_stage(w_q: str, *, n_major: bool = False) -> Stage:
         n_major: the checkpoint stores ``[N, K / pf]`` (compressed-tensors,
             ``input_dim == 1``): transposed first (``permute_param_layout_``).
     """
-
-    @stage("machete.prepack", Tag.TRANSFORM, reads=(w_q,), writes=(w_q,),
-           source=f"{_SOURCE} (permute_param_layout_ + ops.machete_prepack_B)")
-    def fn(t: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-           recorded: Mapping[str, Any]) -> StageOut:
-        q = t[w_q].t() if n_major else t[w_q]
-        return StageOut(tensors={w_q: machete_prepack(q, config)})
-
-    return fn
+    q = t[w_q].t() if n_major else t[w_q]
+    return StageOut(tensors={w_q: machete_prepack(q, config)})
 
 
-@functools.cache
-def permute_scales_stage(w_s: str) -> Stage:
+@stage("machete.permute_scales", Tag.TRANSFORM,
+       source=f"{_SOURCE} (transform_w_s: permute_param_layout_ + contiguous)",
+       params=lambda w_s: {"reads": (w_s,), "writes": (w_s,)})
+def permute_scales_stage(t: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                         recorded: Mapping[str, Any], *, w_s: str) -> StageOut:
     """TRANSFORM ``w_s`` ``[N, K / G]`` -> ``[K / G, N]`` contiguous (same dtype)."""
-
-    @stage("machete.permute_scales", Tag.TRANSFORM, reads=(w_s,), writes=(w_s,),
-           source=f"{_SOURCE} (transform_w_s: permute_param_layout_ + contiguous)")
-    def fn(t, config, target, recorded):
-        return StageOut(tensors={w_s: t[w_s].t().contiguous()})
-
-    return fn
+    return StageOut(tensors={w_s: t[w_s].t().contiguous()})
 
 
 def _unpack_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -124,8 +116,13 @@ def _unpack_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return values.reshape(packed.shape[0], packed.shape[1] * per)
 
 
-@functools.cache
-def fold_zero_points_stage(w_zp: str, w_s: str) -> Stage:
+@stage("machete.fold_zero_points", Tag.TRANSFORM,
+       source=f"{_SOURCE} (transform_w_zp: permute_param_layout_, "
+              f"unpack_quantized_values_into_int32, then -w_s * zp)",
+       params=lambda w_zp, w_s: {"reads": (w_zp, w_s), "writes": (w_zp,),
+                                 "optional": (w_zp,)})
+def fold_zero_points_stage(t: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                           recorded: Mapping[str, Any], *, w_zp: str, w_s: str) -> StageOut:
     """TRANSFORM standard zero points ``[N / pf, K / G]`` (packed along N, the layout
     AWQ's conversion and compressed-tensors both give) -> ``-scale * zp``
     ``[K / G, N]`` in the scales' dtype.
@@ -133,20 +130,12 @@ def fold_zero_points_stage(w_zp: str, w_s: str) -> Stage:
     Reads ``w_s`` in Machete's ``[K / G, N]`` order (after its own stage, if any). A
     no-op for symmetric weights (``zero_point`` false: vLLM's ``c.zero_points``).
     """
-
-    @stage("machete.fold_zero_points", Tag.TRANSFORM, reads=(w_zp, w_s), writes=(w_zp,),
-           optional=(w_zp,),
-           source=f"{_SOURCE} (transform_w_zp: permute_param_layout_, "
-                  f"unpack_quantized_values_into_int32, then -w_s * zp)")
-    def fn(t, config, target, recorded):
-        if not config.quant.zero_point or w_zp not in t:  # symmetric: no zero points
-            return StageOut()
-        zp = t[w_zp].t()                                    # [K/G, N/pf]
-        scales = t[w_s]
-        if zp.device.type == "meta":
-            return StageOut(tensors={w_zp: torch.empty(scales.shape, dtype=scales.dtype,
-                                                       device="meta")})
-        unpacked = _unpack_cols(zp.contiguous(), config.quant.num_bits)
-        return StageOut(tensors={w_zp: (-1.0 * scales * unpacked.to(scales.dtype)).contiguous()})
-
-    return fn
+    if not config.quant.zero_point or w_zp not in t:  # symmetric: no zero points
+        return StageOut()
+    zp = t[w_zp].t()                                    # [K/G, N/pf]
+    scales = t[w_s]
+    if zp.device.type == "meta":
+        return StageOut(tensors={w_zp: torch.empty(scales.shape, dtype=scales.dtype,
+                                                   device="meta")})
+    unpacked = _unpack_cols(zp.contiguous(), config.quant.num_bits)
+    return StageOut(tensors={w_zp: (-1.0 * scales * unpacked.to(scales.dtype)).contiguous()})

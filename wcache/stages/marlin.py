@@ -21,7 +21,6 @@ at plan resolution, so every function here builds the 16-bit-activation layout.
 
 from __future__ import annotations
 
-import functools
 
 import math
 from collections.abc import Mapping
@@ -29,7 +28,7 @@ from typing import Any
 
 import torch
 
-from wcache.core import LayerConfig, Stage, StageOut, Tag, Target, WcacheError, stage
+from wcache.core import LayerConfig, StageOut, Tag, Target, WcacheError, stage
 
 __all__ = [
     "MARLIN_TILE", "MARLIN_SUPPORTED_GROUP_SIZES", "MarlinLayoutError",
@@ -37,7 +36,7 @@ __all__ = [
     "pack_int32", "unpack_int32", "marlin_repack", "marlin_permute_scales",
     "marlin_zero_points", "marlin_permute_bias", "awq_to_standard",
     "pack_fp8_to_int32", "fp8_exponent_bias", "fp8_fused_exponent_bias_into_scales",
-    "convert_awq_to_standard_stage", "repack_stage", "permute_scales_stage",
+    "convert_awq_to_standard", "repack_stage", "permute_scales_stage",
     "permute_zero_points_stage", "empty_zero_points_stage", "clear_input_global_scale",
     "permute_bias", "repack_fp8_weight", "permute_fp8_scales", "repack_mxfp8_weight",
     "permute_mxfp8_scales",
@@ -323,23 +322,22 @@ def _geometry(config: LayerConfig, group_size: int | None = None) -> tuple[int, 
 # --------------------------------------------------------------------------- stages
 
 
-@functools.cache
-def convert_awq_to_standard_stage() -> Stage:
+@stage("marlin.convert_awq_to_standard", Tag.TRANSFORM, reads=("qweight", "qzeros"),
+       writes=("qweight", "qzeros"),
+       source="vllm.model_executor.layers.quantization.auto_awq._convert_awq_to_standard_format")
+def convert_awq_to_standard(t: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                            recorded: Mapping[str, Any]) -> StageOut:
     """TRANSFORM ``qweight [K, N/8]``, ``qzeros [K/G, N/8]`` (AWQ) -> standard packing."""
-
-    @stage("marlin.convert_awq_to_standard", Tag.TRANSFORM, reads=("qweight", "qzeros"),
-           writes=("qweight", "qzeros"),
-           source="vllm.model_executor.layers.quantization.auto_awq._convert_awq_to_standard_format")
-    def fn(t: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-           recorded: Mapping[str, Any]) -> StageOut:
-        w, z = awq_to_standard(t["qweight"], t["qzeros"], config.quant.num_bits)
-        return StageOut(tensors={"qweight": w, "qzeros": z})
-
-    return fn
+    w, z = awq_to_standard(t["qweight"], t["qzeros"], config.quant.num_bits)
+    return StageOut(tensors={"qweight": w, "qzeros": z})
 
 
-@functools.cache
-def repack_stage(w_q: str, *, n_major: bool = False) -> Stage:
+@stage("marlin.repack", Tag.TRANSFORM,
+       source="MarlinLinearKernel.process_weights_after_loading: marlin_pad_qweight + "
+              "ops.gptq_marlin_repack (reference marlin_utils_test.marlin_weights)",
+       params=lambda w_q, n_major=False: {"reads": (w_q,), "writes": (w_q,)})
+def repack_stage(t: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                 recorded: Mapping[str, Any], *, w_q: str, n_major: bool) -> StageOut:
     """TRANSFORM ``w_q`` -> Marlin layout ``[Kp / 16, Np * bits / 2]`` int32.
 
     Args:
@@ -347,39 +345,36 @@ def repack_stage(w_q: str, *, n_major: bool = False) -> Stage:
         n_major: the checkpoint stores ``[N, K / pf]`` (compressed-tensors,
             ``input_dim == 1``); it is transposed first (``permute_param_layout_``).
     """
-
-    @stage("marlin.repack", Tag.TRANSFORM, reads=(w_q,), writes=(w_q,),
-           source="MarlinLinearKernel.process_weights_after_loading: marlin_pad_qweight + "
-                  "ops.gptq_marlin_repack (reference marlin_utils_test.marlin_weights)")
-    def fn(t, config, target, recorded):
-        size_k, size_n, padded_k, padded_n, _ = _geometry(config)
-        bits = config.quant.num_bits
-        _check_bits(bits)
-        q = t[w_q].t() if n_major else t[w_q]
-        q = _pad2(q.contiguous(), padded_k // (WORD_BITS // bits), padded_n)
-        return StageOut(tensors={w_q: marlin_repack(q, padded_k, padded_n, bits)})
-
-    return fn
+    size_k, size_n, padded_k, padded_n, _ = _geometry(config)
+    bits = config.quant.num_bits
+    _check_bits(bits)
+    q = t[w_q].t() if n_major else t[w_q]
+    q = _pad2(q.contiguous(), padded_k // (WORD_BITS // bits), padded_n)
+    return StageOut(tensors={w_q: marlin_repack(q, padded_k, padded_n, bits)})
 
 
-@functools.cache
-def permute_scales_stage(w_s: str, *, n_major: bool = False) -> Stage:
+@stage("marlin.permute_scales", Tag.TRANSFORM,
+       source="marlin_utils.marlin_pad_scales + marlin_permute_scales",
+       params=lambda w_s, n_major=False: {"reads": (w_s,), "writes": (w_s,)})
+def permute_scales_stage(t: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                         recorded: Mapping[str, Any], *, w_s: str, n_major: bool) -> StageOut:
     """TRANSFORM ``w_s [K/G, N]`` -> padded, permuted ``[Kp/G, Np]`` (same dtype)."""
-
-    @stage("marlin.permute_scales", Tag.TRANSFORM, reads=(w_s,), writes=(w_s,),
-           source="marlin_utils.marlin_pad_scales + marlin_permute_scales")
-    def fn(t, config, target, recorded):
-        size_k, size_n, padded_k, padded_n, g = _geometry(config)
-        s = t[w_s].t() if n_major else t[w_s]
-        rows = padded_k // g if g > 0 else s.shape[0]
-        s = _pad2(s.contiguous(), rows, padded_n)
-        return StageOut(tensors={w_s: marlin_permute_scales(s, padded_k, padded_n, g)})
-
-    return fn
+    size_k, size_n, padded_k, padded_n, g = _geometry(config)
+    s = t[w_s].t() if n_major else t[w_s]
+    rows = padded_k // g if g > 0 else s.shape[0]
+    s = _pad2(s.contiguous(), rows, padded_n)
+    return StageOut(tensors={w_s: marlin_permute_scales(s, padded_k, padded_n, g)})
 
 
-@functools.cache
-def permute_zero_points_stage(w_zp: str, *, empty_if_symmetric: bool = False) -> Stage:
+@stage("marlin.permute_zero_points", Tag.TRANSFORM,
+       source="MarlinLinearKernel.process_weights_after_loading: unpack_cols + "
+              "marlin_pad_scales + marlin_zero_points (or marlin_make_empty)",
+       params=lambda w_zp, empty_if_symmetric=False: {
+           "reads": (w_zp,), "writes": (w_zp,),
+           "optional": (w_zp,) if empty_if_symmetric else ()})
+def permute_zero_points_stage(t: Mapping[str, torch.Tensor], config: LayerConfig,
+                              target: Target, recorded: Mapping[str, Any], *, w_zp: str,
+                              empty_if_symmetric: bool) -> StageOut:
     """TRANSFORM standard zero points ``[N/pf, K/G]`` -> Marlin ``[Kp/G, Np/pf]`` int32.
 
     Args:
@@ -388,41 +383,29 @@ def permute_zero_points_stage(w_zp: str, *, empty_if_symmetric: bool = False) ->
             (compressed-tensors W4A16): a symmetric layer gets the empty ``[0]``
             int32 tensor instead (``marlin_make_empty``).
     """
-
-    @stage("marlin.permute_zero_points", Tag.TRANSFORM, reads=(w_zp,), writes=(w_zp,),
-           optional=(w_zp,) if empty_if_symmetric else (),
-           source="MarlinLinearKernel.process_weights_after_loading: unpack_cols + "
-                  "marlin_pad_scales + marlin_zero_points (or marlin_make_empty)")
-    def fn(t, config, target, recorded):
-        if empty_if_symmetric and not config.quant.zero_point:
-            device = next(iter(t.values())).device if t else torch.device("cpu")
-            return StageOut(tensors={w_zp: torch.empty(0, dtype=torch.int32, device=device)})
-        size_k, size_n, padded_k, padded_n, g = _geometry(config)
-        bits = config.quant.num_bits
-        zp = unpack_int32(t[w_zp].t().contiguous(), bits)           # [K/G, N]
-        rows = padded_k // g if g > 0 else 1
-        zp = _pad2(zp, rows, padded_n)
-        return StageOut(tensors={w_zp: marlin_zero_points(zp, rows, padded_n, bits)})
-
-    return fn
+    if empty_if_symmetric and not config.quant.zero_point:
+        device = next(iter(t.values())).device if t else torch.device("cpu")
+        return StageOut(tensors={w_zp: torch.empty(0, dtype=torch.int32, device=device)})
+    size_k, size_n, padded_k, padded_n, g = _geometry(config)
+    bits = config.quant.num_bits
+    zp = unpack_int32(t[w_zp].t().contiguous(), bits)           # [K/G, N]
+    rows = padded_k // g if g > 0 else 1
+    zp = _pad2(zp, rows, padded_n)
+    return StageOut(tensors={w_zp: marlin_zero_points(zp, rows, padded_n, bits)})
 
 
-@functools.cache
-def empty_zero_points_stage(w_zp: str) -> Stage:
+@stage("marlin.empty_zero_points", Tag.TRANSFORM, source="marlin_utils.marlin_make_empty",
+       params=lambda w_zp: {"reads": (), "writes": (w_zp,), "optional": (w_zp,)})
+def empty_zero_points_stage(t: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
+                            recorded: Mapping[str, Any], *, w_zp: str) -> StageOut:
     """TRANSFORM: ``w_zp`` becomes an empty ``[0]`` int32 tensor (symmetric weights).
 
     vLLM's ``marlin_make_empty`` is an allocation, but it replaces a checkpoint
     tensor (GPTQ's ``qzeros``), so it is a TRANSFORM here: the daemon exports the
     0-byte tensor and restore never replaces a mapped name.
     """
-
-    @stage("marlin.empty_zero_points", Tag.TRANSFORM, reads=(), writes=(w_zp,),
-           optional=(w_zp,), source="marlin_utils.marlin_make_empty")
-    def fn(t, config, target, recorded):
-        device = next(iter(t.values())).device if t else torch.device("cpu")
-        return StageOut(tensors={w_zp: torch.empty(0, dtype=torch.int32, device=device)})
-
-    return fn
+    device = next(iter(t.values())).device if t else torch.device("cpu")
+    return StageOut(tensors={w_zp: torch.empty(0, dtype=torch.int32, device=device)})
 
 
 @stage("marlin.clear_input_global_scale", Tag.METADATA, attrs=("input_global_scale",),

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from wcache.core import LayerConfig, StageOut, Tag, Target, stage
+from wcache.core.decisions import GEMM_ONEDNN, GEMM_SGL, W8A8_INT8_SGL, gemm_decision
 from wcache.stages import cpu_gemm
 from wcache.stages.common import (  # noqa: F401
     OpUnavailable, StageInputError, fold_int8_static_input, require_op,
@@ -81,24 +82,27 @@ def create_onednn_mm(weight_kn: torch.Tensor,
     return CPUDNNLGEMMHandler(op(weight_kn, primitive_cache_size), k, n)
 
 
-def _prepack(weight: torch.Tensor, memo: dict | None) -> CPUDNNLGEMMHandler:
-    """One oneDNN handle for ``weight`` ``[N, K]``; with a per-restore ``memo``,
-    layers whose weight is the *same* tensor (a tied embedding and lm_head) share
-    one handle instead of two identical ones.
+def _prepack(weight: torch.Tensor, memo: Mapping | None) -> tuple[CPUDNNLGEMMHandler, dict]:
+    """One oneDNN handle for ``weight`` ``[N, K]``, and the memo entries to add;
+    with a per-restore ``memo`` (read only here), layers whose weight is the *same*
+    tensor (a tied embedding and lm_head) share one handle instead of two identical
+    ones.
 
     A memo of a pure function of read-only bytes: the shared tensors cannot
     change during a restore (the guard checks them), so the handle is the one
     vLLM would build twice. Saves one prepack of the vocabulary matrix (time and
     its RAM). ``memo`` is ``None`` in an ordinary load (one handle per layer, as
-    vLLM does).
+    vLLM does). The caller of the restore keeps the memo; the entry goes back
+    through :attr:`StageOut.memo`.
     """
     if memo is None:
-        return create_onednn_mm(weight.t(), PRIMITIVE_CACHE_SIZE)
+        return create_onednn_mm(weight.t(), PRIMITIVE_CACHE_SIZE), {}
     ident = (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()), weight.dtype)
     handle = memo.get(ident)
-    if handle is None:
-        handle = memo[ident] = create_onednn_mm(weight.t(), PRIMITIVE_CACHE_SIZE)
-    return handle
+    if handle is not None:
+        return handle, {}
+    handle = create_onednn_mm(weight.t(), PRIMITIVE_CACHE_SIZE)
+    return handle, {ident: handle}
 
 
 def onednn_mm(handle: CPUDNNLGEMMHandler, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -189,8 +193,8 @@ def sgl_selected(size_n: int, size_k: int, dtype: torch.dtype, target: Target) -
     if not cpu_gemm.sgl_shape(size_n, size_k, dtype):
         return False
     if dtype == torch.int8:
-        return target.kernel("w8a8_int8[sgl_shape]") == "sgl"
-    return target.kernel(cpu_gemm.gemm_decision(dtype, True)) == "sgl"
+        return target.kernel(W8A8_INT8_SGL) == GEMM_SGL
+    return target.kernel(gemm_decision(dtype, True)) == GEMM_SGL
 
 
 def _kernel_attr(config: LayerConfig) -> str:
@@ -203,14 +207,15 @@ def _kernel_attr(config: LayerConfig) -> str:
 @stage("onednn.prepack_weight", Tag.DERIVE, reads=("weight",), attrs=("cpu_linear",),
        source=f"{_UTILS} (oneDNN branch)", memoized=True)
 def prepack_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                   recorded: Mapping[str, Any], *, memo: dict | None = None) -> StageOut:
+                   recorded: Mapping[str, Any], *, memo: Mapping | None = None) -> StageOut:
     """Build ``layer.cpu_linear`` over a private oneDNN copy of ``weight`` ``[N, K]``.
 
     Linear layers then release the weight (vLLM's ``remove_weight=True``: an empty
     ``(0,)`` Parameter); embeddings (``layer_kind == "embedding"``) keep it. A
     meta weight gets ``F.linear`` and keeps its slot, as in vLLM. ``memo`` (the
-    runner's per-restore memo for this stage) shares one handle between layers
-    whose weight is the same tensor.
+    caller's per-restore memo for this stage, read only) shares one handle between
+    layers whose weight is the same tensor; a new handle is returned in
+    ``StageOut.memo``.
 
     Raises:
         StageInputError: the weight is not 2-D, or the target selects the AMX SGL
@@ -224,13 +229,13 @@ def prepack_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, tar
         raise StageInputError(f"layer {config.name!r}: oneDNN prepack needs a 2-D weight, "
                               f"got {tuple(weight.shape)}")
     branch = cpu_gemm.gemm_branch(config, target)
-    if branch != "onednn" or target.has("power"):
+    if branch != GEMM_ONEDNN or target.has("power"):
         raise StageInputError(f"layer {config.name!r}: vLLM does not use oneDNN for this "
                               f"weight on the target (its decision: {branch}); this stage "
                               f"does not apply")
-    handle = _prepack(weight, memo)
+    handle, new = _prepack(weight, memo)
     release = ("weight",) if config.quant.layer_kind != "embedding" else ()
-    return StageOut(attrs={"cpu_linear": OneDNNLinear(handle)}, release=release)
+    return StageOut(attrs={"cpu_linear": OneDNNLinear(handle)}, release=release, memo=new)
 
 
 # --------------------------------------------------------------------------- W8A8 INT8

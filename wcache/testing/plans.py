@@ -23,7 +23,7 @@ class UncheckedPlan(Plan):
     runner and the restore guard still check everything at run time)."""
 
     def __attrs_post_init__(self) -> None:
-        """Skip :func:`wcache.core._validate` (tests of the run-time checks only)."""
+        """Skip :func:`wcache.core.checks.plan_problems` (tests of the run-time checks only)."""
 
 
 def unregistered_stage(name: str, tag: Tag, *, reads: Iterable[str] = (),

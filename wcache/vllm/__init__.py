@@ -20,7 +20,8 @@ __all__ = ["plan_for"]
 
 def plan_for(method: Any, layer: Any = None, *, target: "Target", name: str = "") -> "BoundPlan":
     """:func:`wcache.plans.plan_for` for a vLLM quant method object: the card's
-    ``plan_for(layer.quant_method, layer, target=t).restore(layer, recorded)``.
+    ``restore_(layer, plan_for(layer.quant_method, layer, target=t), recorded)``
+    (:func:`wcache.shell.restore_`).
 
     Args:
         method: ``module.quant_method`` (a vLLM ``QuantizeMethodBase``), or a

@@ -167,6 +167,7 @@ def prepare_layers_(planned: list, target: Any, *, progress: bool = False) -> di
             before anything is exported or served.
     """
     from wcache.errors import PrepareFailed  # noqa: PLC0415
+    from wcache.shell import prepare_  # noqa: PLC0415
 
     prepared = {}
     iterator = planned
@@ -177,7 +178,7 @@ def prepare_layers_(planned: list, target: Any, *, progress: bool = False) -> di
     with torch.no_grad():
         for p in iterator:
             try:
-                prepared[p.name] = p.plan.prepare(p.module, p.config, target)
+                prepared[p.name] = prepare_(p.module, p.plan.bind(p.config, target))
             except Exception as exc:  # noqa: BLE001  (named and re-raised, never served)
                 raise PrepareFailed(
                     f"layer {p.name!r}, plan {p.plan.id}: {type(exc).__name__}: {exc} "

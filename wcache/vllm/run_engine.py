@@ -33,7 +33,7 @@ DEFAULT_MAX_MODEL_LEN = 512
 def _state_digest(model) -> dict:
     """Per planned layer: tensor checksums and the plan-declared attributes; and the
     groups of parameter names that are one object (tied weights)."""
-    from wcache.core import snapshot  # noqa: PLC0415
+    from wcache.shell import snapshot  # noqa: PLC0415
     from wcache.vllm.model import planned_layers  # noqa: PLC0415
     from wcache.vllm.probe import host_target  # noqa: PLC0415
 

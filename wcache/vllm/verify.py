@@ -49,8 +49,9 @@ from typing import Any
 import attrs
 import torch
 
-from wcache.core import snapshot, tensor_checksum
+from wcache.core import tensor_checksum
 from wcache.errors import VerifyRefused  # noqa: F401  (re-exported: its old home)
+from wcache.shell import snapshot
 from wcache.vllm import compat
 
 logger = logging.getLogger("wcache.vllm")
@@ -219,11 +220,11 @@ def _plain(value: Any) -> Any:
         return tuple(sorted((k, _plain(v)) for k, v in value.items()))
     if callable(value):
         # vLLM binds closures where a plan binds an equivalent callable object
-        # (layer.cpu_linear): like wcache.core.snapshot, compared as "callable";
+        # (layer.cpu_linear): like wcache.shell.snapshot, compared as "callable";
         # what they compute is checked through the forward
         return "<callable>"
     # process-local handles (oneDNN handlers, kernels, quant methods): compared by
-    # type, like wcache.core.snapshot
+    # type, like wcache.shell.snapshot
     return f"<{type(value).__name__}>"
 
 
@@ -247,7 +248,7 @@ def _attributes(prefix: str, obj: Any, depth: int, seen: set[int], out: dict[str
 
 
 def module_state(module: torch.nn.Module, attr_paths: Iterable[str] = ()) -> dict[str, Any]:
-    """One module's comparable state: :func:`wcache.core.snapshot` (its own
+    """One module's comparable state: :func:`wcache.shell.snapshot` (its own
     parameters and buffers: kind, shape, dtype, stride, checksum; and the values at
     ``attr_paths``) plus every other attribute it holds (``~name``, and
     ``~impl.scale`` inside vLLM/wcache objects), normalized by :func:`_plain`;
