@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from wcache.core import WcacheError
@@ -284,22 +282,6 @@ def test_ct_w8a8_weight_is_round_of_weight_over_channel_scale(states):
     assert torch.equal(expected_scale, layer["weight_scale"])
     expected_q = torch.round(w.float() / layer["weight_scale"].float()).clamp(-128, 127)
     assert torch.equal(expected_q.to(torch.int8), layer["weight"])
-
-
-@given(rows=st.integers(1, 6), words=st.integers(1, 4), seed=st.integers(0, 2**16))
-def test_pack_int4_matches_vllm_pack_helpers(rows, words, seed):
-    """pack_int4_cols (AWQ order / identity) and pack_int4_rows equal vLLM's awq_pack,
-    pack_cols and gptq_pack; the unpackers invert them."""
-    qu = pytest.importorskip("vllm.model_executor.layers.quantization.utils.quant_utils")
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(0, 16, (rows * 8, words * 8), generator=gen, dtype=torch.int32)
-    k, n = q.shape
-    awq = fx.pack_int4_cols(q, fx.AWQ_PACK_ORDER)
-    assert torch.equal(qu.awq_pack(q, 4, k, n), awq)
-    assert torch.equal(qu.pack_cols(q, 4, k, n), fx.pack_int4_cols(q))
-    assert torch.equal(qu.gptq_pack(q, 4, k, n), fx.pack_int4_rows(q))
-    assert torch.equal(q, fx.unpack_int4_cols(awq, fx.AWQ_PACK_ORDER))
-    assert torch.equal(q, fx.unpack_int4_rows(fx.pack_int4_rows(q)))
 
 
 # --------------------------------------------------------------------------- pure core

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from wcache.core import LayerConfig, QuantSpec
+from wcache.stages.packing import pack_awq, pack_int32
 
 _HERE = Path(__file__).resolve().parent
 HAVE_CUDA = torch.cuda.is_available()
@@ -33,8 +34,6 @@ FP8_NAN_BITS = (0x7F, 0xFF)
 FP8_MAX = 448.0
 #: Positive scale range of synthetic checkpoints: small, like trained models.
 SCALE_LOW, SCALE_SPAN = 1e-3, 2e-2
-#: AWQ packs column j*8+AWQ_PACK_ORDER[i] into nibble i of word j.
-AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 #: Smallest activation amax of the dynamic FP8 quantization (vLLM clamps likewise
 #: so an all-zero row does not divide by zero).
 ACT_AMAX_FLOOR = 1e-12
@@ -60,15 +59,6 @@ def _gen(seed: int) -> torch.Generator:
 
 def _nibbles(g: torch.Generator, shape: tuple[int, ...], bits: int = 4) -> torch.Tensor:
     return torch.randint(0, 2 ** bits, shape, generator=g, dtype=torch.int32)
-
-
-def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack ``[..., m * (32 // bits)]`` unsigned values along the last dim, low bits first."""
-    per = 32 // bits
-    v = values.to(torch.int64).reshape(*values.shape[:-1], -1, per)
-    shifts = torch.arange(per, dtype=torch.int64) * bits
-    words = (v << shifts).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def _scales(g: torch.Generator, shape: tuple[int, ...], dtype=torch.bfloat16) -> torch.Tensor:
@@ -109,21 +99,19 @@ def checkpoint(method: str, n: int, k: int, seed: int = 0, strategy: str | None 
         return _config(method, n, k), {"weight": torch.randn(n, k, generator=g).bfloat16()}
     if method == "awq":
         q, zp = _nibbles(g, (k, n)), _nibbles(g, (groups, n))
-        order = list(AWQ_PACK_ORDER)
-        awq = lambda v: pack_int32(v.reshape(v.shape[0], -1, 8)[:, :, order].reshape(v.shape), 4)  # noqa: E731
         return (_config(method, n, k, num_bits=4, group_size=GROUP_SIZE, zero_point=True,
                         params_dtype="float16"),
-                {"qweight": awq(q), "qzeros": awq(zp), "scales": _scales(g, (groups, n), torch.float16)})
+                {"qweight": pack_awq(q, 4), "qzeros": pack_awq(zp, 4), "scales": _scales(g, (groups, n), torch.float16)})
     if method == "gptq":
         q = _nibbles(g, (k, n))
         return (_config(method, n, k, num_bits=4, group_size=GROUP_SIZE, params_dtype="float16"),
-                {"qweight": pack_int32(q.t().contiguous(), 4).t().contiguous(),
-                 "qzeros": pack_int32(torch.full((groups, n), 7, dtype=torch.int32), 4),
+                {"qweight": pack_int32(q.t().contiguous(), 4, -1).t().contiguous(),
+                 "qzeros": pack_int32(torch.full((groups, n), 7, dtype=torch.int32), 4, -1),
                  "scales": _scales(g, (groups, n), torch.float16)})
     if method == "ct_w4a16":
         q = _nibbles(g, (n, k))
         return (_config(method, n, k, num_bits=4, group_size=GROUP_SIZE, strategy="group"),
-                {"weight_packed": pack_int32(q, 4), "weight_scale": _scales(g, (n, groups)),
+                {"weight_packed": pack_int32(q, 4, -1), "weight_scale": _scales(g, (n, groups)),
                  "weight_shape": torch.tensor([n, k], dtype=torch.int64)})
     if method == "ct_w8a8_int8":
         return (_config(method, n, k, num_bits=8, act_bits=8, strategy="channel"),

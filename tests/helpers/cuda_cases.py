@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from wcache.core import LayerConfig, Plan, QuantSpec, Target
 from wcache.shell import load_, prepare_, restore_
-from wcache.stages import marlin as M
+from wcache.stages import packing as P
 
 #: What the adapter records of a MacheteLinearKernel (here vLLM 0.32's uint4b8 id).
 MACHETE_EXTRA = (("machete_act_type", "bfloat16"), ("machete_b_type_id", 1125899907892224))
@@ -18,8 +18,6 @@ MACHETE_EXTRA = (("machete_act_type", "bfloat16"), ("machete_b_type_id", 1125899
 H200 = Target("cuda", (9, 0))
 B200 = Target("cuda", (10, 0))
 CPU = Target("cpu", None, frozenset({"avx512"}))
-#: AWQ packs column j*8+AWQ_PACK_ORDER[i] into nibble i of word j.
-AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 #: float8_e4m3fn NaN bit patterns (S.1111.111); drawn fp8 bytes avoid them.
 FP8_NAN_BITS = (0x7F, 0xFF)
 #: Largest positive finite float8_e4m3fn byte below NaN, used to draw positive scales.
@@ -90,11 +88,6 @@ def fp8_bits(g, shape, positive=False, max_bits=FP8_POS_MAX_BITS) -> torch.Tenso
     return b.to(torch.uint8).view(torch.float8_e4m3fn)
 
 
-def awq_pack(q: torch.Tensor) -> torch.Tensor:
-    k, n = q.shape
-    return M.pack_int32(q.reshape(k, n // 8, 8)[:, :, list(AWQ_PACK_ORDER)].reshape(k, n), 4)
-
-
 def int_checkpoint(method, k, n, g, bits, zero_point, bias, seed):
     gen = seeded_generator(seed)
     groups = k // g if g > 0 else 1
@@ -103,16 +96,16 @@ def int_checkpoint(method, k, n, g, bits, zero_point, bias, seed):
     zp = _ints(gen, (groups, n), bits)
     t: dict[str, torch.Tensor] = {}
     if method == "awq":
-        t = {"qweight": awq_pack(q), "qzeros": awq_pack(zp), "scales": s}
+        t = {"qweight": P.pack_awq(q, 4), "qzeros": P.pack_awq(zp, 4), "scales": s}
     elif method == "gptq":
-        t = {"qweight": M.pack_int32(q.t().contiguous(), bits).t().contiguous(),
-             "qzeros": M.pack_int32(zp, bits), "scales": s}
+        t = {"qweight": P.pack_int32(q.t().contiguous(), bits, -1).t().contiguous(),
+             "qzeros": P.pack_int32(zp, bits, -1), "scales": s}
     else:
-        t = {"weight_packed": M.pack_int32(q.t().contiguous(), bits),
+        t = {"weight_packed": P.pack_int32(q.t().contiguous(), bits, -1),
              "weight_scale": s.t().contiguous(),
              "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
         if zero_point:
-            t["weight_zero_point"] = M.pack_int32(zp, bits).t().contiguous()
+            t["weight_zero_point"] = P.pack_int32(zp, bits, -1).t().contiguous()
     if bias:
         t["bias"] = torch.randn(n, generator=gen).to(torch.bfloat16)
     return t

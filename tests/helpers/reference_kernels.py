@@ -19,6 +19,7 @@ import torch
 
 from wcache.stages import marlin as M
 from wcache.stages import nvfp4 as F4
+from wcache.stages import packing as P
 
 #: E2M1 code -> value (sign bit 3).
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -36,7 +37,7 @@ def marlin_unrepack(q: torch.Tensor, num_bits: int) -> torch.Tensor:
     pf = 32 // num_bits
     size_k = q.shape[0] * M.MARLIN_TILE
     size_n = q.shape[1] * pf // M.MARLIN_TILE
-    vals = M.unpack_int32(q, num_bits)                       # [Kp/16, Np*16]
+    vals = P.unpack_int32(q, num_bits, -1)                       # [Kp/16, Np*16]
     perm = M.marlin_weight_perm(num_bits)
     flat = vals.reshape(-1, perm.numel())
     inv = torch.empty_like(flat)
@@ -59,7 +60,7 @@ def marlin_unzero_points(zp: torch.Tensor, size_n: int, num_bits: int) -> torch.
     """Marlin zero points ``[G, Np/pf]`` -> values ``[G, Np]``."""
     scale_perm, _ = M.marlin_scale_perms()
     interleave = list(M._INTERLEAVE[num_bits])
-    vals = M.unpack_int32(zp, num_bits).reshape(-1, len(interleave))
+    vals = P.unpack_int32(zp, num_bits, -1).reshape(-1, len(interleave))
     inv = torch.empty_like(vals)
     inv[:, interleave] = vals
     inv = inv.reshape(-1, len(scale_perm))
@@ -144,20 +145,20 @@ def int_checkpoint_weight(tensors: dict, config) -> torch.Tensor:
     q = config.quant
     bits, k = q.num_bits, config.size_k
     if q.method == "awq":
-        w_std, z_std = M.awq_to_standard(tensors["qweight"], tensors["qzeros"], bits)
-        vals = M.unpack_int32(w_std.t().contiguous(), bits).t()
-        zero = _expand_groups(M.unpack_int32(z_std.t().contiguous(), bits), k)
+        w_std, z_std = P.awq_to_standard(tensors["qweight"], tensors["qzeros"], bits)
+        vals = P.unpack_int32(w_std.t().contiguous(), bits, -1).t()
+        zero = _expand_groups(P.unpack_int32(z_std.t().contiguous(), bits, -1), k)
         scales = tensors["scales"]
     elif q.method == "gptq":
-        vals = M.unpack_int32(tensors["qweight"].t().contiguous(), bits).t()
+        vals = P.unpack_int32(tensors["qweight"].t().contiguous(), bits, -1).t()
         zero = _int_zero(bits, False)
         scales = tensors["scales"]
     else:
-        vals = M.unpack_int32(tensors["weight_packed"], bits).t()
+        vals = P.unpack_int32(tensors["weight_packed"], bits, -1).t()
         scales = tensors["weight_scale"].t()
         if q.zero_point:
-            zero = _expand_groups(M.unpack_int32(tensors["weight_zero_point"].t().contiguous(),
-                                                 bits), k)
+            zero = _expand_groups(P.unpack_int32(tensors["weight_zero_point"].t().contiguous(),
+                                                 bits, -1), k)
         else:
             zero = _int_zero(bits, False)
     return (vals - zero).to(torch.float32) * _expand_groups(scales.float(), k)

@@ -317,7 +317,7 @@ def test_transform_mistagged_metadata_is_invalid():
     """A TRANSFORM re-tagged METADATA (so restore would replay it) is refused at build."""
     stages_ = _awq_stages()
     stages_[0] = evolve(stages_[0], tag=Tag.METADATA)
-    with pytest.raises(PlanInvalid, match="awq.unpack_reorder"):
+    with pytest.raises(PlanInvalid, match="awq.convert_to_standard"):
         _awq_plan(*stages_)
 
 

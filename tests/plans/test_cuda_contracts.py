@@ -77,11 +77,14 @@ MARLIN_ATTRS = ("input_global_scale",)
 
 
 def _unpack_rows(packed: torch.Tensor, num_bits: int) -> torch.Tensor:
-    """``[K // pack, N]`` int32 (GPTQ packing along K) -> ``[K, N]`` int32 values."""
-    pack = 32 // num_bits
-    shifts = torch.arange(pack, dtype=torch.int32) * num_bits
-    vals = (packed.unsqueeze(1) >> shifts.view(1, pack, 1)) & ((1 << num_bits) - 1)
-    return vals.reshape(packed.shape[0] * pack, packed.shape[1])
+    """``[K // pack, N]`` int32 (GPTQ packing along K) -> ``[K, N]`` int32 values, by
+    vLLM's own unpack (the reference side stays vLLM's code)."""
+    from vllm.model_executor.layers.quantization.utils.quant_utils import (
+        unpack_quantized_values_into_int32)
+    from vllm.scalar_type import scalar_types
+
+    wtype = {4: scalar_types.uint4, 8: scalar_types.uint8}[num_bits]
+    return unpack_quantized_values_into_int32(packed, wtype, packed_dim=0).contiguous()
 
 
 #: vLLM modules imported before the platform is patched: their import-time platform

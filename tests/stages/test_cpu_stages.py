@@ -37,8 +37,6 @@ BF16 = torch.bfloat16
 #: A dtype vLLM's dispatch gives to oneDNN on this host (bf16 unless oneDNN refuses
 #: it here, as on AVX2-only hosts; fp32 is oneDNN everywhere vLLM-CPU runs on x86).
 ONEDNN_DTYPE = BF16 if HOST.kernel("unquantized_gemm[bfloat16]") == "onednn" else torch.float32
-#: the vLLM scalar type per bit width for pack/unpack references.
-WTYPES = {4: scalar_types.uint4, 8: scalar_types.uint8}
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -75,50 +73,6 @@ shapes = st.tuples(st.integers(1, 6).map(lambda i: 32 * i),
 # --------------------------------------------------------------------------- common
 
 
-@given(rows=st.integers(1, 6), cols=st.integers(1, 6), bits=st.sampled_from([4, 8]),
-       dim=st.sampled_from([0, 1]), seed=st.integers(0, 2**16))
-def test_pack_unpack_along_match_vllm(rows, cols, bits, dim, seed):
-    """pack_along/unpack_along equal vLLM's pack/unpack_quantized_values_into_int32."""
-    pf = 32 // bits
-    shape = [rows, cols]
-    shape[dim] *= pf
-    values = torch.randint(0, 2**bits, shape, dtype=torch.int32, generator=_gen(seed))
-    expected = qu.pack_quantized_values_into_int32(values, WTYPES[bits], dim)
-    actual = common.pack_along(values, bits, dim)
-    assert torch.equal(expected, actual)
-    packed = _int32(seed, expected.shape)
-    assert torch.equal(qu.unpack_quantized_values_into_int32(packed, WTYPES[bits], dim),
-                       common.unpack_along(packed, bits, dim))
-
-
-@given(k=st.integers(1, 4).map(lambda i: 8 * i), n=st.integers(1, 4).map(lambda i: 8 * i),
-       seed=st.integers(0, 2**16))
-def test_pack_rows_cols_match_numpy_references(k, n, seed):
-    """pack_rows/pack_cols/unpack_cols equal vLLM's numpy references (gptq_pack too)."""
-    q = torch.randint(0, 16, (k, n), dtype=torch.int32, generator=_gen(seed))
-    assert torch.equal(qu.pack_rows(q, 4, k, n), common.pack_rows(q, 4))
-    assert torch.equal(qu.gptq_pack(q, 4, k, n), common.pack_rows(q, 4))
-    assert torch.equal(qu.pack_cols(q, 4, k, n), common.pack_cols(q, 4))
-    packed = qu.pack_cols(q, 4, k, n)
-    assert torch.equal(qu.unpack_cols(packed, 4, k, n), common.unpack_cols(packed, 4))
-    assert torch.equal(q, common.unpack_rows(common.pack_rows(q, 4), 4))
-
-
-def test_pack_errors_and_pad():
-    """Bad bit widths and sizes raise StageInputError; pad_to pads with the value."""
-    with pytest.raises(common.StageInputError, match="does not divide"):
-        common.pack_factor(3)
-    with pytest.raises(common.StageInputError, match="multiple of 8"):
-        common.pack_along(torch.zeros(7, 2, dtype=torch.int32), 4, 0)
-    padded = common.pad_to(torch.ones(2, 3), (4, 5), value=7.0)
-    expected = torch.full((4, 5), 7.0)
-    expected[:2, :3] = 1.0
-    assert torch.equal(expected, padded)
-    assert common.round_up(33, 32) == 64
-    with pytest.raises(common.StageInputError):
-        common.pad_to(torch.ones(4), (2,))
-
-
 def test_require_op_raises_when_missing():
     """A native op that is not registered raises OpUnavailable (a WcacheError)."""
     with pytest.raises(common.OpUnavailable, match="not registered"):
@@ -130,8 +84,8 @@ def test_require_op_raises_when_missing():
 
 
 @given(shapes)
-def test_awq_stages_match_vllm_conversion(shape):
-    """awq.unpack_reorder + awq.convert_zero_points equal _convert_awq_to_standard_format."""
+def test_awq_stage_matches_vllm_conversion(shape):
+    """awq.convert_to_standard equals vLLM's _convert_awq_to_standard_format on a layer."""
     from vllm.model_executor.layers.quantization.auto_awq import (
         _convert_awq_to_standard_format)
 
@@ -141,20 +95,21 @@ def test_awq_stages_match_vllm_conversion(shape):
     ref = _module(qweight=qweight, qzeros=qzeros)
     _convert_awq_to_standard_format(ref, "qweight", "qzeros", 4)
     cfg = _cfg(k=k, n=n, g=g)
-    out_w = _run(awq.unpack_reorder, {"qweight": qweight}, cfg).tensors["qweight"]
-    out_z = _run(awq.convert_zero_points, {"qzeros": qzeros}, cfg).tensors["qzeros"]
-    assert torch.equal(ref.qweight.data, out_w)
-    assert torch.equal(ref.qzeros.data, out_z)
+    out = _run(awq.convert_to_standard, {"qweight": qweight, "qzeros": qzeros}, cfg).tensors
+    assert torch.equal(ref.qweight.data, out["qweight"])
+    assert torch.equal(ref.qzeros.data, out["qzeros"])
 
 
 @given(shapes)
-def test_awq_unpack_reorder_gives_gptq_pack(shape):
+def test_awq_convert_to_standard_gives_gptq_pack(shape):
     """AWQ-packed quantized weights become exactly gptq_pack of the same values."""
     k, n, g, seed = shape
     w = torch.randn(k, n, generator=_gen(seed))
     _, q_w, _, _ = qu.quantize_weights(w, scalar_types.uint4, g, zero_points=True)
     awq_packed = qu.awq_pack(q_w, 4, k, n)
-    out = _run(awq.unpack_reorder, {"qweight": awq_packed}, _cfg(k=k, n=n, g=g))
+    qzeros = torch.zeros(1 if g == -1 else k // g, n // 8, dtype=torch.int32)
+    out = _run(awq.convert_to_standard, {"qweight": awq_packed, "qzeros": qzeros},
+               _cfg(k=k, n=n, g=g))
     assert torch.equal(qu.gptq_pack(q_w, 4, k, n), out.tensors["qweight"])
 
 
@@ -398,10 +353,9 @@ def _inputs(name: str, k: int, n: int, g: int, seed: int):
                      enumerate(kv_cache.SCALE_PARAMS)},
                   **{b: torch.tensor(1.0) for b in kv_cache.SCALE_BUFFERS}}
     table = {
-        "awq.unpack_reorder": (awq.unpack_reorder, {"qweight": _int32(seed, (k, n // 8))},
-                               _cfg(k=k, n=n, g=g)),
-        "awq.convert_zero_points": (awq.convert_zero_points,
-                                    {"qzeros": _int32(seed, (groups, n // 8))},
+        "awq.convert_to_standard": (awq.convert_to_standard,
+                                    {"qweight": _int32(seed, (k, n // 8)),
+                                     "qzeros": _int32(seed + 1, (groups, n // 8))},
                                     _cfg(k=k, n=n, g=g)),
         "gptq.drop_zero_points": (gptq.drop_zero_points,
                                   {"qzeros": _int32(seed, (groups, n // 8))}, _cfg("gptq")),
@@ -442,7 +396,7 @@ def _inputs(name: str, k: int, n: int, g: int, seed: int):
     return table[name]
 
 
-ALL_STAGES = ("awq.unpack_reorder", "awq.convert_zero_points", "gptq.drop_zero_points",
+ALL_STAGES = ("awq.convert_to_standard", "gptq.drop_zero_points",
               "compressed_tensors.transpose_weight", "compressed_tensors.transpose_scales",
               "compressed_tensors.clear_zero_point", "cpu_wna16.transpose_zero_points",
               "cpu_wna16.set_isa_hint", "cpu_wna16.set_use_w4a8", "cpu_wna16.repack",

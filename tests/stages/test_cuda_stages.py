@@ -15,6 +15,7 @@ from wcache.stages import fp8 as F8
 from wcache.stages import marlin as M
 from wcache.stages import mxfp8 as MX
 from wcache.stages import nvfp4 as F4
+from wcache.stages import packing as P
 
 from tests.helpers import reference_kernels as R
 
@@ -59,7 +60,7 @@ def test_repack_equals_marlin_weights(bits, k_tiles, n_blocks, seed):
     """marlin_repack(gptq_pack(q)) == marlin_weights(q, K, N, bits, get_weight_perm(bits))."""
     k, n = 16 * k_tiles, 64 * n_blocks
     q = torch.randint(0, 2 ** bits, (k, n), generator=_gen(seed), dtype=torch.int32)
-    packed = M.pack_int32(q.t().contiguous(), bits).t().contiguous()
+    packed = P.pack_int32(q.t().contiguous(), bits, -1).t().contiguous()
     expected = mut.marlin_weights(q, k, n, bits, mut.get_weight_perm(bits))
     assert torch.equal(expected, M.marlin_repack(packed, k, n, bits))
 
@@ -86,7 +87,7 @@ def test_zero_points_and_pack_equal_vllm(bits, groups, n, seed):
     zp = torch.randint(0, 2 ** bits, (groups, n), generator=_gen(seed), dtype=torch.int32)
     assert torch.equal(mu.marlin_zero_points(zp, groups, n, bits),
                        M.marlin_zero_points(zp, groups, n, bits))
-    assert torch.equal(pack_cols(zp, bits, groups, n), M.pack_int32(zp, bits))
+    assert torch.equal(pack_cols(zp, bits, groups, n), P.pack_int32(zp, bits, -1))
 
 
 @given(st.sampled_from([32, 64, 128]), st.sampled_from([128, 256]),
@@ -95,33 +96,12 @@ def test_awq_zero_point_pipeline_equals_awq_to_marlin_zero_points(g, k, n, seed)
     """AWQ -> standard -> marlin.permute_zero_points stage == vLLM's awq_to_marlin_zero_points."""
     gen = _gen(seed)
     zp = torch.randint(0, 16, (k // g, n), generator=gen, dtype=torch.int32)
-    awq = M.pack_int32(zp.reshape(k // g, n // 8, 8)[:, :, [0, 2, 4, 6, 1, 3, 5, 7]]
-                       .reshape(k // g, n), 4)
+    awq = P.pack_awq(zp, 4)
     qweight = torch.zeros(k, n // 8, dtype=torch.int32)
-    _, std = M.awq_to_standard(qweight, awq, 4)
+    _, std = P.awq_to_standard(qweight, awq, 4)
     stage_ = M.permute_zero_points_stage("qzeros")
     out = stage_({"qzeros": std}, cfg("awq", k, n, 4, g, True), H200, {})
     assert torch.equal(mu.awq_to_marlin_zero_points(awq, k // g, n, 4), out.tensors["qzeros"])
-
-
-def test_awq_to_standard_equals_vllm():
-    """awq_to_standard == vLLM's _convert_awq_to_standard_format (weight and zero points)."""
-    from vllm.model_executor.layers.quantization.auto_awq import _convert_awq_to_standard_format
-
-    gen = _gen(7)
-    qweight = torch.randint(-2 ** 31, 2 ** 31 - 1, (128, 16), generator=gen, dtype=torch.int32)
-    qzeros = torch.randint(-2 ** 31, 2 ** 31 - 1, (2, 16), generator=gen, dtype=torch.int32)
-    layer = torch.nn.Module()
-    layer.qweight = torch.nn.Parameter(qweight.clone(), requires_grad=False)
-    layer.qzeros = torch.nn.Parameter(qzeros.clone(), requires_grad=False)
-    import vllm.model_executor.parameter as vparam
-
-    with mock.patch.object(vparam, "get_tensor_model_parallel_rank", lambda: 0), \
-            mock.patch.object(vparam, "get_tensor_model_parallel_world_size", lambda: 1):
-        _convert_awq_to_standard_format(layer, "qweight", "qzeros", 4)
-    w, z = M.awq_to_standard(qweight, qzeros, 4)
-    assert torch.equal(layer.qweight.data, w)
-    assert torch.equal(layer.qzeros.data, z)
 
 
 @given(st.sampled_from([64, 128, 256]), st.integers(0, 2 ** 16))
@@ -148,7 +128,7 @@ def test_marlin_stages_equal_vllm_kernel_composition(method, bits, g, k, n, zp):
     groups = k // g if g > 0 else 1
     pn, pk = mu.marlin_padded_nk(n, k, g)
     q = torch.randint(0, 2 ** bits, (k, n), generator=gen, dtype=torch.int32)
-    packed = M.pack_int32(q.t().contiguous(), bits).t().contiguous()
+    packed = P.pack_int32(q.t().contiguous(), bits, -1).t().contiguous()
     s = torch.rand(groups, n, generator=gen).to(torch.bfloat16)
     c = cfg(method, k, n, bits, g, zp)
     got_q = M.repack_stage("qweight")({"qweight": packed}, c, H200, {}).tensors["qweight"]
@@ -162,7 +142,7 @@ def test_marlin_stages_equal_vllm_kernel_composition(method, bits, g, k, n, zp):
     assert torch.equal(mu.marlin_permute_bias(mu.marlin_pad_dim(bias, n, pn)), got_b)
     if zp:
         z = torch.randint(0, 2 ** bits, (groups, n), generator=gen, dtype=torch.int32)
-        std = M.pack_int32(z, bits).t().contiguous()
+        std = P.pack_int32(z, bits, -1).t().contiguous()
         got_z = M.permute_zero_points_stage("qzeros")({"qzeros": std}, c, H200,
                                                          {}).tensors["qzeros"]
         pg = pk // g if g > 0 else 1
@@ -184,7 +164,7 @@ def test_fp8_marlin_stages_equal_vllm(n, k, seed, dtype):
     pn, pk = mu.marlin_padded_nk(n, k, -1)
     packed = mfp8.pack_fp8_to_int32(w, size_k_first=False).T.contiguous()
     assert torch.equal(packed, M.pack_fp8_to_int32(w))
-    vals = M.unpack_int32(packed.t().contiguous(), 8).t()
+    vals = P.unpack_int32(packed.t().contiguous(), 8, -1).t()
     vals = torch.nn.functional.pad(vals, (0, pn - n, 0, pk - k))
     expected = mut.marlin_weights(vals, pk, pn, 8, mut.get_weight_perm(8))
     got_w = M.repack_fp8_weight({"weight": w}, c, H200, {}).tensors["weight"]

@@ -26,10 +26,10 @@ __all__ = ["STAGE_NAME", "STAGE_VERBS", "StageDef", "stage", "stage_name_problem
            "registered_stages", "registered_stage", "is_registered"]
 
 
-#: A stage name's shape: lower snake ``family.verb[_object]``, e.g. ``awq.unpack_reorder``,
-#: ``marlin.permute_scales``, ``cpu_wna16.repack`` (the family is the ``wcache.stages``
-#: module, or the kernel, whose layout the stage produces). The verb is checked
-#: against :data:`STAGE_VERBS` (:func:`stage_name_problem`).
+#: A stage name's shape: lower snake ``family.verb[_object]``, e.g.
+#: ``awq.convert_to_standard``, ``marlin.permute_scales``, ``cpu_wna16.repack`` (the
+#: family is the ``wcache.stages`` module, or the kernel, whose layout the stage
+#: produces). The verb is checked against :data:`STAGE_VERBS` (:func:`stage_name_problem`).
 STAGE_NAME = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*\.[a-z][a-z0-9]*(_[a-z0-9]+)*$")
 
 #: The closed set of verbs a stage name starts with (the first word after the dot),
@@ -63,7 +63,6 @@ STAGE_VERBS: Mapping[str, str] = types.MappingProxyType({
     "set": "set layer attributes from config, shapes, recorded values or the Target",
     "swizzle": "swizzle block scales into a kernel's tiled layout",
     "transpose": "transpose a tensor",
-    "unpack": "unpack packed values",
     "validate": "check tensors without writing anything",
 })
 
@@ -77,7 +76,7 @@ def stage_name_problem(name: str) -> str | None:
     """
     if not isinstance(name, str) or not STAGE_NAME.match(name):
         return (f"stage name {name!r} is not family.verb_object in lower snake case "
-                f"(e.g. 'awq.unpack_reorder', 'cpu_wna16.repack')")
+                f"(e.g. 'awq.convert_to_standard', 'cpu_wna16.repack')")
     verb = name.partition(".")[2].split("_", 1)[0]
     if verb not in STAGE_VERBS:
         return (f"stage name {name!r} is not family.verb_object: {verb!r} is not a stage "

@@ -292,7 +292,7 @@ class Stage:
 
     Attributes:
         name: ``family.verb_object`` (verb from :data:`STAGE_VERBS`), e.g.
-            ``"awq.unpack_reorder"``.
+            ``"awq.convert_to_standard"``.
         tag: what it does to state.
         fn: ``fn(tensors, config, target, recorded) -> StageOut``; ``tensors`` is a
             read-only mapping of the layer's current tensors, ``recorded`` the
@@ -357,9 +357,10 @@ class Stage:
         return getattr(self.fn, "__module__", "") or ""
 
 
-#: A stage name's shape: lower snake ``family.verb[_object]``, e.g. ``awq.unpack_reorder``,
-#: ``marlin.permute_scales``, ``cpu_wna16.repack`` (the family is the ``wcache.stages``
-#: module, or the kernel, whose layout the stage produces). The verb is checked
+#: A stage name's shape: lower snake ``family.verb[_object]``, e.g.
+#: ``awq.convert_to_standard``, ``marlin.permute_scales``, ``cpu_wna16.repack`` (the
+#: family is the ``wcache.stages`` module, or the kernel, whose layout the stage
+#: produces). The verb is checked
 
 
 @frozen

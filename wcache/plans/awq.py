@@ -15,9 +15,9 @@ def _match(config: LayerConfig, target: Target) -> str | None:
 
 CPU_WNA16 = register(Plan(
     method="awq", kernel="cpu_wna16",
-    stages=(awq.unpack_reorder, awq.convert_zero_points,
-            cpu_wna16.transpose_zero_points("qzeros"), cpu_wna16.set_use_w4a8,
-            cpu_wna16.set_isa_hint("scales"), cpu_wna16.repack("qweight")),
+    stages=(awq.convert_to_standard, cpu_wna16.transpose_zero_points("qzeros"),
+            cpu_wna16.set_use_w4a8, cpu_wna16.set_isa_hint("scales"),
+            cpu_wna16.repack("qweight")),
     checkpoint={"qweight", "qzeros", "scales", "bias"}, match=_match,
     description="AWQ int4 on CPU (cpu_gemm_wna16, w4a16 layout): AWQ nibble order "
                 "to standard order packed along K, zero points to (K/G, N/8), weight "

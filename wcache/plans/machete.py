@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from wcache.core import LayerConfig, Plan, Target
 from wcache.plans.registry import register
-from wcache.stages import machete, marlin
+from wcache.stages import awq, machete
 
 #: Machete runs on sm90 only (``MacheteLinearKernel.can_implement``:
 #: ``is_device_capability(90)``).
@@ -46,7 +46,7 @@ def _match_gptq(config: LayerConfig, target: Target) -> str | None:
 
 AWQ = register(Plan(
     method="awq", kernel="machete",
-    stages=(marlin.convert_awq_to_standard, machete.prepack_stage("qweight"),
+    stages=(awq.convert_to_standard, machete.prepack_stage("qweight"),
             machete.fold_zero_points_stage("qzeros", "scales")),
     checkpoint=_CHECKPOINT_GPTQ, match=_match,
     description="AWQ int4 on Machete (sm90): AWQ packing -> standard, weight prepacked "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from wcache.core import LayerConfig, Plan, Target
 from wcache.plans.registry import register
-from wcache.stages import marlin
+from wcache.stages import awq, marlin
 
 #: Marlin runs on compute capability 7.5 and newer (``is_fp8_marlin_supported``, and
 #: ``query_marlin_supported_quant_types`` for integer weights).
@@ -79,7 +79,7 @@ def _match_ct(config: LayerConfig, target: Target) -> str | None:
 
 AWQ = register(Plan(
     method="awq", kernel="marlin",
-    stages=(marlin.convert_awq_to_standard, marlin.permute_zero_points_stage("qzeros"),
+    stages=(awq.convert_to_standard, marlin.permute_zero_points_stage("qzeros"),
             marlin.repack_stage("qweight"), marlin.permute_scales_stage("scales"),
             marlin.clear_input_global_scale, marlin.permute_bias),
     checkpoint=_CHECKPOINT_GPTQ, match=_match_awq,

@@ -1,13 +1,7 @@
-"""Generic, pure tensor helpers shared by stage families (CPU and CUDA plans).
+"""What stage families share besides packing: the stage errors, the native-op lookup,
+vLLM's static INT8 input folding and the online-quantization input check.
 
-Packing convention (GPTQ / compressed-tensors "standard" order): ``32 // num_bits``
-unsigned values share one int32; value ``i`` of a pack sits in bits
-``[i * num_bits, (i + 1) * num_bits)``. "Along rows" packs dimension 0
-(``[size_k, size_n] -> [size_k // pack_factor, size_n]``), "along cols" packs
-dimension 1 (``[size_k, size_n] -> [size_k, size_n // pack_factor]``).
-
-Every helper returns a new tensor, never writes its input, and works on CPU,
-CUDA and meta tensors (no numpy, no ``.item()``).
+Packing, AWQ order, round-up and padding live in :mod:`wcache.stages.packing`.
 """
 
 from __future__ import annotations
@@ -16,14 +10,8 @@ import torch
 
 from wcache.core import WcacheError
 
-__all__ = [
-    "BITS_PER_INT32", "StageInputError", "OpUnavailable", "pack_factor", "pack_along",
-    "unpack_along", "pack_rows", "pack_cols", "unpack_rows", "unpack_cols", "pad_to",
-    "round_up", "require_op", "fold_int8_static_input", "high_precision_weight",
-]
-
-#: int32 words hold the packed values.
-BITS_PER_INT32 = 32
+__all__ = ["StageInputError", "OpUnavailable", "require_op", "fold_int8_static_input",
+           "high_precision_weight"]
 
 
 class StageInputError(WcacheError, ValueError):
@@ -36,140 +24,6 @@ class OpUnavailable(WcacheError, RuntimeError):
     """A native op a stage needs is not registered in this process."""
 
     code = "op-unavailable"
-
-
-def pack_factor(num_bits: int) -> int:
-    """Values per int32 word for ``num_bits``-bit values.
-
-    Raises:
-        StageInputError: ``num_bits`` does not divide 32.
-    """
-    if num_bits <= 0 or BITS_PER_INT32 % num_bits:
-        raise StageInputError(f"num_bits={num_bits} does not divide {BITS_PER_INT32}; "
-                              f"only 1, 2, 4, 8, 16-bit values pack into int32 words")
-    return BITS_PER_INT32 // num_bits
-
-
-def pack_along(values: torch.Tensor, num_bits: int, dim: int) -> torch.Tensor:
-    """Pack unsigned ``num_bits``-bit values into int32 words along ``dim``.
-
-    Args:
-        values: int tensor, any rank; ``values.shape[dim] % (32 // num_bits) == 0``;
-            only the low ``num_bits`` bits of each value are kept.
-        num_bits: bits per value.
-        dim: the dimension to pack.
-
-    Returns:
-        int32, the shape of ``values`` with ``shape[dim] // (32 // num_bits)``;
-        contiguous in the permuted order of the upstream function (a permuted
-        view, exactly as upstream returns it).
-
-    Raises:
-        StageInputError: ``shape[dim]`` is not a multiple of the pack factor.
-
-    Source: vllm/model_executor/layers/quantization/utils/quant_utils.py::
-        pack_quantized_values_into_int32 (same op sequence, so bit-exact).
-    """
-    pf = pack_factor(num_bits)
-    ndim = values.dim()
-    dim = dim % ndim
-    if values.shape[dim] % pf:
-        raise StageInputError(f"cannot pack dim {dim} of size {values.shape[dim]} by "
-                              f"{pf}; it must be a multiple of {pf}")
-    perm = (*[i for i in range(ndim) if i != dim], dim)
-    inv_perm = tuple(perm.index(i) for i in range(ndim))
-    v = values.permute(perm)
-    mask = (1 << num_bits) - 1
-    shape = list(v.shape)
-    shape[-1] //= pf
-    res = torch.zeros(shape, dtype=torch.int32, device=values.device)
-    for i in range(pf):
-        res = res | ((v[..., i::pf] & mask) << (num_bits * i))
-    return res.permute(inv_perm)
-
-
-def unpack_along(packed: torch.Tensor, num_bits: int, dim: int) -> torch.Tensor:
-    """Inverse of :func:`pack_along`: int32 words to unsigned values along ``dim``.
-
-    Args:
-        packed: int32, any rank.
-        num_bits: bits per value.
-        dim: the packed dimension.
-
-    Returns:
-        int32 values in ``[0, 2**num_bits)``, ``shape[dim] * (32 // num_bits)``.
-
-    Source: quant_utils.py::unpack_quantized_values_into_int32.
-    """
-    pf = pack_factor(num_bits)
-    ndim = packed.dim()
-    dim = dim % ndim
-    perm = (*[i for i in range(ndim) if i != dim], dim)
-    inv_perm = tuple(perm.index(i) for i in range(ndim))
-    p = packed.permute(perm)
-    mask = (1 << num_bits) - 1
-    parts = [(p >> (num_bits * i)) & mask for i in range(pf)]
-    # interleave: element j*pf + i comes from word j, slot i
-    res = torch.stack(parts, dim=-1).reshape(*p.shape[:-1], p.shape[-1] * pf)
-    return res.to(torch.int32).permute(inv_perm)
-
-
-def pack_rows(values: torch.Tensor, num_bits: int) -> torch.Tensor:
-    """``[size_k, size_n]`` values -> ``[size_k // pf, size_n]`` int32 (GPTQ qweight).
-
-    Source: quant_utils.py::pack_rows / gptq_pack (numpy there; same bits).
-    """
-    return pack_along(values, num_bits, 0).contiguous()
-
-
-def pack_cols(values: torch.Tensor, num_bits: int) -> torch.Tensor:
-    """``[size_k, size_n]`` values -> ``[size_k, size_n // pf]`` int32 (GPTQ qzeros).
-
-    Source: quant_utils.py::pack_cols (numpy there; same bits).
-    """
-    return pack_along(values, num_bits, 1).contiguous()
-
-
-def unpack_rows(packed: torch.Tensor, num_bits: int) -> torch.Tensor:
-    """``[size_k // pf, size_n]`` int32 -> ``[size_k, size_n]`` int32 values."""
-    return unpack_along(packed, num_bits, 0).contiguous()
-
-
-def unpack_cols(packed: torch.Tensor, num_bits: int) -> torch.Tensor:
-    """``[size_k, size_n // pf]`` int32 -> ``[size_k, size_n]`` int32 values.
-
-    Source: quant_utils.py::unpack_cols (numpy there; same bits).
-    """
-    return unpack_along(packed, num_bits, 1).contiguous()
-
-
-def round_up(x: int, multiple: int) -> int:
-    """The smallest multiple of ``multiple`` that is ``>= x``."""
-    return -(-x // multiple) * multiple
-
-
-def pad_to(t: torch.Tensor, shape: tuple[int, ...], value: float | int = 0) -> torch.Tensor:
-    """Pad ``t`` at the end of each dimension up to ``shape`` with ``value``.
-
-    Args:
-        t: any tensor; every ``t.shape[i] <= shape[i]``.
-        shape: the target shape (same rank).
-        value: the fill value for the new elements.
-
-    Returns:
-        a new contiguous tensor of ``shape`` (a contiguous copy when no padding
-        is needed), same dtype and device.
-
-    Raises:
-        StageInputError: rank differs or a dimension would shrink.
-    """
-    if len(shape) != t.dim() or any(s < d for s, d in zip(shape, t.shape)):
-        raise StageInputError(f"cannot pad shape {tuple(t.shape)} to {tuple(shape)}")
-    out = torch.full(shape, value, dtype=t.dtype, device=t.device)
-    if t.device.type == "meta":
-        return out
-    out[tuple(slice(0, d) for d in t.shape)] = t
-    return out
 
 
 def require_op(namespace: str, name: str):

@@ -22,7 +22,8 @@ import torch
 
 from wcache.core import LayerConfig, StageOut, Tag, Target, stage
 from wcache.stages import cpu_gemm
-from wcache.stages.common import StageInputError, pack_along, pack_factor, unpack_along
+from wcache.stages.common import StageInputError
+from wcache.stages.packing import pack_factor, pack_int32, unpack_int32
 
 __all__ = ["W4A8_ENV", "W4A8_ENV_DEFAULT", "CPUWNA16_NUM_BITS", "BLOCK_N", "isa_hint_for",
            "use_w4a8_for", "repack_w4a16", "set_isa_hint", "set_use_w4a8", "repack",
@@ -94,8 +95,8 @@ def repack_w4a16(qweight: torch.Tensor, num_bits: int = CPUWNA16_NUM_BITS) -> to
     size_k = qweight.shape[0] * pf
     if qweight.shape[1] % BLOCK_N:
         raise StageInputError(f"CPUWNA16 needs size_n % {BLOCK_N} == 0, got {qweight.shape[1]}")
-    w = unpack_along(qweight, num_bits, 0)
-    w = pack_along(w, num_bits, 1)
+    w = unpack_int32(qweight, num_bits, 0)
+    w = pack_int32(w, num_bits, 1)
     return (w.view(size_k, -1, BLOCK_N // pf).permute(1, 0, 2)
             .reshape(-1, size_k * BLOCK_N // pf).contiguous())
 

@@ -35,6 +35,7 @@ import torch
 
 from wcache.core import LayerConfig, StageOut, Tag, Target, WcacheError, stage
 from wcache.stages.common import high_precision_weight
+from wcache.stages.packing import round_up
 
 __all__ = [
     "FP8_DTYPE", "FP8_MAX", "FP8_MIN_CHANNEL_SCALE_DIVISOR", "CUTLASS_ALIGNMENT",
@@ -144,7 +145,7 @@ def per_block_cast_to_fp8(x: torch.Tensor, block_size: tuple[int, int] = BLOCK_S
         raise Fp8LayoutError(f"per_block_cast_to_fp8 takes a 2-D weight, got {tuple(x.shape)}")
     m, n = x.shape
     bm, bn = block_size
-    mp, np_ = -(-m // bm) * bm, -(-n // bn) * bn
+    mp, np_ = round_up(m, bm), round_up(n, bn)
     x_padded = torch.nn.functional.pad(x, (0, np_ - n, 0, mp - m))
     x_view = x_padded.view(-1, bm, np_ // bn, bn)
     x_amax = x_view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(BLOCK_AMAX_FLOOR)

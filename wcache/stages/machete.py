@@ -35,6 +35,7 @@ import torch
 
 from wcache.core import LayerConfig, StageOut, Tag, Target, stage
 from wcache.stages.common import StageInputError, require_op
+from wcache.stages.packing import unpack_int32
 
 __all__ = ["machete_prepack", "prepack_stage", "permute_scales_stage",
            "fold_zero_points_stage", "B_TYPE_ID_KEY", "ACT_TYPE_KEY"]
@@ -42,8 +43,6 @@ __all__ = ["machete_prepack", "prepack_stage", "permute_scales_stage",
 #: LayerConfig extra keys the adapter fills from vLLM's MPLinearLayerConfig.
 B_TYPE_ID_KEY = "machete_b_type_id"
 ACT_TYPE_KEY = "machete_act_type"
-#: Bits per int32 word.
-WORD_BITS = 32
 _SOURCE = "vllm.model_executor.kernels.linear.mixed_precision.machete." \
           "MacheteLinearKernel.process_weights_after_loading"
 
@@ -108,14 +107,6 @@ def permute_scales_stage(t: Mapping[str, torch.Tensor], config: LayerConfig, tar
     return StageOut(tensors={w_s: t[w_s].t().contiguous()})
 
 
-def _unpack_cols(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """``[R, C / pf]`` int32 packed along dim 1, low bits first -> ``[R, C]`` int32."""
-    per = WORD_BITS // bits
-    shifts = torch.arange(0, WORD_BITS, bits, dtype=torch.int32, device=packed.device)
-    values = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return values.reshape(packed.shape[0], packed.shape[1] * per)
-
-
 @stage("machete.fold_zero_points", Tag.TRANSFORM,
        source=f"{_SOURCE} (transform_w_zp: permute_param_layout_, "
               f"unpack_quantized_values_into_int32, then -w_s * zp)",
@@ -137,5 +128,5 @@ def fold_zero_points_stage(t: Mapping[str, torch.Tensor], config: LayerConfig, t
     if zp.device.type == "meta":
         return StageOut(tensors={w_zp: torch.empty(scales.shape, dtype=scales.dtype,
                                                    device="meta")})
-    unpacked = _unpack_cols(zp.contiguous(), config.quant.num_bits)
+    unpacked = unpack_int32(zp, config.quant.num_bits, 1)       # [K/G, N]
     return StageOut(tensors={w_zp: (-1.0 * scales * unpacked.to(scales.dtype)).contiguous()})

@@ -29,14 +29,14 @@ from typing import Any
 import torch
 
 from wcache.core import LayerConfig, StageOut, Tag, Target, WcacheError, stage
+from wcache.stages.packing import pack_factor, pack_int32, pad_to, round_up, unpack_int32
 
 __all__ = [
     "MARLIN_TILE", "MARLIN_SUPPORTED_GROUP_SIZES", "MarlinLayoutError",
     "marlin_padded_nk", "marlin_weight_perm", "marlin_scale_perms",
-    "pack_int32", "unpack_int32", "marlin_repack", "marlin_permute_scales",
-    "marlin_zero_points", "marlin_permute_bias", "awq_to_standard",
+    "marlin_repack", "marlin_permute_scales", "marlin_zero_points", "marlin_permute_bias",
     "pack_fp8_to_int32", "fp8_exponent_bias", "fp8_fused_exponent_bias_into_scales",
-    "convert_awq_to_standard", "repack_stage", "permute_scales_stage",
+    "repack_stage", "permute_scales_stage",
     "permute_zero_points_stage", "empty_zero_points_stage", "clear_input_global_scale",
     "permute_bias", "repack_fp8_weight", "permute_fp8_scales", "repack_mxfp8_weight",
     "permute_mxfp8_scales",
@@ -48,13 +48,9 @@ MARLIN_TILE = 16
 MARLIN_TILE_FAMILIES = ((64, 128), (128, 64))
 #: Group sizes the Marlin kernel supports (``MARLIN_SUPPORTED_GROUP_SIZES``).
 MARLIN_SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
-#: Bits per int32 word.
-WORD_BITS = 32
 #: Interleave of the values packed in one int32 word, per weight width
 #: (``get_weight_perm`` / ``marlin_zero_points`` for 16-bit activations).
 _INTERLEAVE = {4: (0, 2, 4, 6, 1, 3, 5, 7), 8: (0, 2, 1, 3)}
-#: AWQ's nibble order inside an int32 word, inverted (``_REVERSE_AWQ_PACK_ORDER``).
-AWQ_REVERSE_PACK_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 #: MX block size along K (``MXFP8_BLOCK_SIZE``): one e8m0 scale per 32 values.
 MXFP8_GROUP_SIZE = 32
 #: Reorder of e8m0 scales inside groups of four (``mxfp8_marlin_process_scales``).
@@ -74,10 +70,6 @@ class MarlinLayoutError(WcacheError, ValueError):
 # --------------------------------------------------------------------------- pure helpers
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
 def marlin_padded_nk(size_n: int, size_k: int, group_size: int = -1) -> tuple[int, int]:
     """The cheaper Marlin tile family that fits ``(size_n, size_k)``.
 
@@ -87,7 +79,7 @@ def marlin_padded_nk(size_n: int, size_k: int, group_size: int = -1) -> tuple[in
     Source: ``vllm.model_executor.layers.quantization.utils.marlin_utils.marlin_padded_nk``.
     """
     group = group_size if group_size > 0 else 1
-    candidates = tuple((_round_up(size_n, n_mult), _round_up(size_k, math.lcm(k_mult, group)))
+    candidates = tuple((round_up(size_n, n_mult), round_up(size_k, math.lcm(k_mult, group)))
                        for n_mult, k_mult in MARLIN_TILE_FAMILIES)
     return min(candidates, key=lambda nk: (nk[0] * nk[1], nk[0] + nk[1]))
 
@@ -128,37 +120,6 @@ def marlin_scale_perms() -> tuple[tuple[int, ...], tuple[int, ...]]:
     return scale_perm, single
 
 
-def pack_int32(values: torch.Tensor, num_bits: int) -> torch.Tensor:
-    """Pack unsigned ``num_bits`` values along the last dim, low bits first.
-
-    Args:
-        values: ``[..., n]`` integer tensor with values in ``[0, 2**num_bits)``;
-            ``n`` divisible by ``32 // num_bits``.
-
-    Returns:
-        ``[..., n // (32 // num_bits)]`` int32 (two's complement of the uint32 word).
-
-    Source: ``quant_utils.pack_cols`` / the packing loop of ``marlin_weights``.
-    """
-    pf = WORD_BITS // num_bits
-    v = values.to(torch.int64).reshape(*values.shape[:-1], values.shape[-1] // pf, pf)
-    shifts = torch.arange(pf, dtype=torch.int64, device=values.device) * num_bits
-    word = (v << shifts).sum(dim=-1)
-    word = torch.where(word >= 2 ** 31, word - 2 ** 32, word)
-    return word.to(torch.int32)
-
-
-def unpack_int32(packed: torch.Tensor, num_bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack_int32`: ``[..., m]`` int32 -> ``[..., m * (32 // num_bits)]`` int32.
-
-    Source: ``quant_utils.unpack_cols``.
-    """
-    pf = WORD_BITS // num_bits
-    shifts = torch.arange(pf, dtype=torch.int32, device=packed.device) * num_bits
-    vals = (packed.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)
-    return vals.reshape(*packed.shape[:-1], packed.shape[-1] * pf)
-
-
 def marlin_repack(q_packed: torch.Tensor, size_k: int, size_n: int, num_bits: int) -> torch.Tensor:
     """GPTQ-layout packed weight -> Marlin layout (what ``gptq_marlin_repack`` computes).
 
@@ -180,7 +141,7 @@ def marlin_repack(q_packed: torch.Tensor, size_k: int, size_n: int, num_bits: in
     the reference for ``ops.gptq_marlin_repack``.
     """
     _check_bits(num_bits)
-    pf = WORD_BITS // num_bits
+    pf = pack_factor(num_bits)
     min_n = min(n_mult for n_mult, _ in MARLIN_TILE_FAMILIES)
     if tuple(q_packed.shape) != (size_k // pf, size_n) or size_k % MARLIN_TILE or \
             size_n % min_n:
@@ -188,16 +149,13 @@ def marlin_repack(q_packed: torch.Tensor, size_k: int, size_n: int, num_bits: in
             f"marlin_repack expects [{size_k // pf}, {size_n}] with K a multiple of "
             f"{MARLIN_TILE} and N of {min_n}, got {tuple(q_packed.shape)}; pad with "
             f"marlin_padded_nk first")
-    # unpack along K: [K/pf, N] -> [K/pf, pf, N] -> [K, N]
-    shifts = torch.arange(pf, dtype=torch.int32, device=q_packed.device) * num_bits
-    q_w = ((q_packed.unsqueeze(1) >> shifts[None, :, None]) & ((1 << num_bits) - 1))
-    q_w = q_w.reshape(size_k, size_n)
+    q_w = unpack_int32(q_packed, num_bits, 0)                  # [K, N]
     tile = MARLIN_TILE
     q_w = q_w.reshape(size_k // tile, tile, size_n // tile, tile).permute(0, 2, 1, 3)
     q_w = q_w.reshape(size_k // tile, size_n * tile)
     perm = marlin_weight_perm(num_bits, q_w.device)
     q_w = q_w.reshape(-1, perm.numel())[:, perm].reshape(size_k // tile, size_n * tile)
-    return pack_int32(q_w, num_bits)
+    return pack_int32(q_w, num_bits, -1)
 
 
 def marlin_permute_scales(s: torch.Tensor, size_k: int, size_n: int,
@@ -234,44 +192,13 @@ def marlin_zero_points(zp: torch.Tensor, size_k: int, size_n: int, num_bits: int
     out = zp.reshape(-1, len(scale_perm))[:, list(scale_perm)]
     interleave = list(_INTERLEAVE[num_bits])
     out = out.reshape(-1, len(interleave))[:, interleave].reshape(-1, size_n)
-    return pack_int32(out.reshape(size_k, size_n), num_bits)
+    return pack_int32(out.reshape(size_k, size_n), num_bits, -1)
 
 
 def marlin_permute_bias(bias: torch.Tensor) -> torch.Tensor:
     """``[n]`` -> ``[n]``, Marlin's single-scale permutation. Source: ``marlin_permute_bias``."""
     _, single = marlin_scale_perms()
     return bias.reshape(-1, len(single))[:, list(single)].reshape(bias.shape).contiguous()
-
-
-def awq_to_standard(qweight: torch.Tensor, qzeros: torch.Tensor | None,
-                    num_bits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """AWQ packing -> the standard (GPTQ / compressed-tensors) packing.
-
-    Args:
-        qweight: ``[K, N // pf]`` int32, packed along N in AWQ order.
-        qzeros: ``[K // G, N // pf]`` int32, packed along N in AWQ order, or None.
-
-    Returns:
-        ``(qweight [K // pf, N] int32 packed along K, qzeros [N // pf, K // G] int32
-        packed along N, or None)``, standard bit order.
-
-    Source: ``vllm.model_executor.layers.quantization.auto_awq._convert_awq_to_standard_format``.
-    """
-    pf = WORD_BITS // num_bits
-    order = torch.tensor(AWQ_REVERSE_PACK_ORDER[:pf] if pf == 8 else tuple(range(pf)),
-                         dtype=torch.long, device=qweight.device)
-
-    def _awq_values(packed: torch.Tensor) -> torch.Tensor:
-        rows, cols = packed.shape
-        return unpack_int32(packed, num_bits).reshape(rows, cols, pf)[:, :, order] \
-            .reshape(rows, cols * pf)
-
-    w = _awq_values(qweight)                          # [K, N]
-    w_std = pack_int32(w.t().contiguous(), num_bits).t().contiguous()   # [K/pf, N]
-    if qzeros is None:
-        return w_std, None
-    z = _awq_values(qzeros)                           # [K/G, N]
-    return w_std, pack_int32(z, num_bits).t().contiguous()   # [N/pf, K/G]
 
 
 def pack_fp8_to_int32(weight_nk: torch.Tensor) -> torch.Tensor:
@@ -302,13 +229,6 @@ def fp8_fused_exponent_bias_into_scales(scales: torch.Tensor) -> torch.Tensor:
     return scales * s ** fp8_exponent_bias(scales.dtype)
 
 
-def _pad2(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Zero-pad a 2-D tensor to ``[rows, cols]`` (no copy when already that size)."""
-    if tuple(x.shape) == (rows, cols):
-        return x
-    return torch.nn.functional.pad(x, (0, cols - x.shape[1], 0, rows - x.shape[0]))
-
-
 def _geometry(config: LayerConfig, group_size: int | None = None) -> tuple[int, int, int, int, int]:
     g = config.quant.group_size if group_size is None else group_size
     if g not in MARLIN_SUPPORTED_GROUP_SIZES:
@@ -320,16 +240,6 @@ def _geometry(config: LayerConfig, group_size: int | None = None) -> tuple[int, 
 
 
 # --------------------------------------------------------------------------- stages
-
-
-@stage("marlin.convert_awq_to_standard", Tag.TRANSFORM, reads=("qweight", "qzeros"),
-       writes=("qweight", "qzeros"),
-       source="vllm.model_executor.layers.quantization.auto_awq._convert_awq_to_standard_format")
-def convert_awq_to_standard(t: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                            recorded: Mapping[str, Any]) -> StageOut:
-    """TRANSFORM ``qweight [K, N/8]``, ``qzeros [K/G, N/8]`` (AWQ) -> standard packing."""
-    w, z = awq_to_standard(t["qweight"], t["qzeros"], config.quant.num_bits)
-    return StageOut(tensors={"qweight": w, "qzeros": z})
 
 
 @stage("marlin.repack", Tag.TRANSFORM,
@@ -349,7 +259,7 @@ def repack_stage(t: Mapping[str, torch.Tensor], config: LayerConfig, target: Tar
     bits = config.quant.num_bits
     _check_bits(bits)
     q = t[w_q].t() if n_major else t[w_q]
-    q = _pad2(q.contiguous(), padded_k // (WORD_BITS // bits), padded_n)
+    q = pad_to(q, (padded_k // pack_factor(bits), padded_n))
     return StageOut(tensors={w_q: marlin_repack(q, padded_k, padded_n, bits)})
 
 
@@ -362,7 +272,7 @@ def permute_scales_stage(t: Mapping[str, torch.Tensor], config: LayerConfig, tar
     size_k, size_n, padded_k, padded_n, g = _geometry(config)
     s = t[w_s].t() if n_major else t[w_s]
     rows = padded_k // g if g > 0 else s.shape[0]
-    s = _pad2(s.contiguous(), rows, padded_n)
+    s = pad_to(s, (rows, padded_n))
     return StageOut(tensors={w_s: marlin_permute_scales(s, padded_k, padded_n, g)})
 
 
@@ -388,9 +298,9 @@ def permute_zero_points_stage(t: Mapping[str, torch.Tensor], config: LayerConfig
         return StageOut(tensors={w_zp: torch.empty(0, dtype=torch.int32, device=device)})
     size_k, size_n, padded_k, padded_n, g = _geometry(config)
     bits = config.quant.num_bits
-    zp = unpack_int32(t[w_zp].t().contiguous(), bits)           # [K/G, N]
+    zp = unpack_int32(t[w_zp], bits, 0).t()                     # [K/G, N]
     rows = padded_k // g if g > 0 else 1
-    zp = _pad2(zp, rows, padded_n)
+    zp = pad_to(zp, (rows, padded_n))
     return StageOut(tensors={w_zp: marlin_zero_points(zp, rows, padded_n, bits)})
 
 
@@ -445,7 +355,7 @@ def permute_bias(tensors: Mapping[str, torch.Tensor], config: LayerConfig, targe
 
 def _fp8_marlin_repack(weight_nk: torch.Tensor, config: LayerConfig, g: int) -> torch.Tensor:
     size_k, size_n, padded_k, padded_n, _ = _geometry(config, g)
-    q = _pad2(pack_fp8_to_int32(weight_nk), padded_k // 4, padded_n)
+    q = pad_to(pack_fp8_to_int32(weight_nk), (padded_k // pack_factor(8), padded_n))
     return marlin_repack(q, padded_k, padded_n, 8)
 
 
@@ -499,7 +409,7 @@ def permute_fp8_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
     """
     size_k, size_n, padded_k, padded_n, _ = _geometry(config, -1)
     s = _channel_scales(tensors["weight_scale"].to(config.dtype), config)
-    s = _pad2(s, 1, padded_n)
+    s = pad_to(s, (1, padded_n))
     s = marlin_permute_scales(s, padded_k, padded_n, -1)
     return StageOut(tensors={"weight_scale": fp8_fused_exponent_bias_into_scales(s)})
 
@@ -531,7 +441,7 @@ def permute_mxfp8_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfi
     size_k, size_n, padded_k, padded_n, g = _geometry(config, MXFP8_GROUP_SIZE)
     s = tensors["weight_scale"][:size_n, :size_k // g].contiguous()
     s = s.view(torch.float8_e8m0fnu).to(config.dtype).t().contiguous()
-    s = _pad2(s, padded_k // g, padded_n)
+    s = pad_to(s, (padded_k // g, padded_n))
     s = marlin_permute_scales(s, padded_k, padded_n, g)
     s = s.view(-1, 4)[:, list(MXFP8_SCALE_REORDER)].view(s.shape[0], -1)
     return StageOut(tensors={"weight_scale": s.to(torch.float8_e8m0fnu)})

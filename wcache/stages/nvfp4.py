@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from wcache.core import LayerConfig, StageOut, Tag, Target, WcacheError, stage
+from wcache.stages.packing import round_up
 
 __all__ = [
     "NVFP4_GROUP_SIZE", "SWIZZLE_ROW_TILE", "SWIZZLE_COL_TILE", "CUTLASS_FP4_ALIGNMENT",
@@ -56,10 +57,6 @@ class Nvfp4LayoutError(WcacheError, ValueError):
     code = "nvfp4-layout"
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
 def swizzle_blockscale(scale: torch.Tensor) -> torch.Tensor:
     """Pad and block-interleave FP4 block scales for CUTLASS / FlashInfer.
 
@@ -81,7 +78,7 @@ def swizzle_blockscale(scale: torch.Tensor) -> torch.Tensor:
         raise Nvfp4LayoutError(f"block scales must be 2-D or 3-D, got {tuple(scale.shape)}")
     s = scale.unsqueeze(0) if scale.ndim == 2 else scale
     b, m, k = s.shape
-    mp, kp = _round_up(m, SWIZZLE_ROW_TILE), _round_up(k, SWIZZLE_COL_TILE)
+    mp, kp = round_up(m, SWIZZLE_ROW_TILE), round_up(k, SWIZZLE_COL_TILE)
     padded = torch.nn.functional.pad(s.view(torch.uint8), (0, kp - k, 0, mp - m)) \
         .view(torch.float8_e4m3fn)
     out = padded.reshape(b, mp // SWIZZLE_ROW_TILE, *_SWIZZLE_ROW_SPLIT, kp // SWIZZLE_COL_TILE,
@@ -117,8 +114,8 @@ def pad_nvfp4_weight_for_cutlass(weight: torch.Tensor) -> torch.Tensor:
     Source: ``nvfp4_utils.pad_nvfp4_weight_for_cutlass``.
     """
     n, kb = weight.shape
-    pad_rows = _round_up(n, CUTLASS_FP4_ALIGNMENT) - n
-    pad_bytes = (_round_up(kb * FP4_PER_BYTE, CUTLASS_FP4_ALIGNMENT) - kb * FP4_PER_BYTE) \
+    pad_rows = round_up(n, CUTLASS_FP4_ALIGNMENT) - n
+    pad_bytes = (round_up(kb * FP4_PER_BYTE, CUTLASS_FP4_ALIGNMENT) - kb * FP4_PER_BYTE) \
         // FP4_PER_BYTE
     if pad_rows == 0 and pad_bytes == 0:
         return weight

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from wcache.errors import FixtureError  # noqa: F401  (re-exported: its old home)
+from wcache.stages.packing import pack_awq, pack_factor, pack_int32, unpack_awq, unpack_int32
 
 __all__ = [
     "FORMATS", "QUANTIZED_FORMATS", "GPU_FORMATS", "ALL_FORMATS", "BUILDER_VERSION", "GROUP_SIZE", "FixtureError",
@@ -61,8 +62,7 @@ __all__ = [
     "convert_state_dict", "quantized_linear_prefixes", "is_quantized_linear_weight",
     "awq_quantize", "gptq_quantize", "ct_w4a16_compress", "ct_w8a8_int8_compress",
     "ct_compress", "fp8_quantize", "nvfp4_quantize", "mxfp8_quantize", "calibrate_input_amax",
-    "dequantize_linear", "pack_int4_cols", "unpack_int4_cols", "pack_int4_rows",
-    "unpack_int4_rows", "ct_scheme", "quantization_config", "load_state_dict",
+    "dequantize_linear", "ct_scheme", "quantization_config", "load_state_dict",
 ]
 
 # --------------------------------------------------------------------------- constants
@@ -93,15 +93,9 @@ GROUP_SIZE = 64
 
 INT4_BITS = 4
 #: int4 values per int32 word.
-INT4_PACK_FACTOR = 32 // INT4_BITS
-INT4_MASK = (1 << INT4_BITS) - 1
+INT4_PACK_FACTOR = pack_factor(INT4_BITS)
 #: uint4 range (AWQ stores q in [0, 15] with a zero point in the same range).
 UINT4_MAX = 15
-#: AWQ GEMM packs 8 output columns per int32; nibble j (bits 4j..4j+3) holds
-#: column ``AWQ_PACK_ORDER[j]`` of the group of 8.
-AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-#: Identity nibble order (GPTQ, and the standard order after AWQ is unpacked).
-STANDARD_PACK_ORDER = tuple(range(INT4_PACK_FACTOR))
 #: AWQ's scale floor for a constant group, from vLLM's ``quantize_weights``
 #: (``(max - min).clamp(min=1e-5)``) and AutoAWQ's ``pseudo_quantize_tensor``.
 AWQ_SCALE_MIN = 1e-5
@@ -163,86 +157,6 @@ CHECK_TIMEOUT_S = 600
 CHECK_RESULT_TAG = "WCACHE_FIXTURE_CHECK "
 
 
-# --------------------------------------------------------------------------- packing (pure)
-
-
-def _to_int32_words(words: torch.Tensor) -> torch.Tensor:
-    """Reinterpret non-negative int64 values below 2**32 as int32 (two's complement)."""
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def pack_int4_cols(q: torch.Tensor, order: Iterable[int] = STANDARD_PACK_ORDER) -> torch.Tensor:
-    """Pack int4 values along the last dimension, 8 per int32 word.
-
-    Args:
-        q: ``[rows, cols]`` integer tensor with values in ``[0, 15]``;
-            ``cols % 8 == 0``.
-        order: nibble ``j`` of each word holds column ``order[j]`` of its group
-            of 8 (:data:`AWQ_PACK_ORDER` for AWQ, identity otherwise).
-
-    Returns:
-        ``[rows, cols // 8]`` int32.
-
-    Source: vLLM ``quant_utils.pack_cols`` (identity order) and ``awq_pack``.
-    """
-    rows, cols = q.shape
-    groups = q.to(torch.int64).reshape(rows, cols // INT4_PACK_FACTOR, INT4_PACK_FACTOR)
-    groups = groups[:, :, list(order)]
-    shifts = torch.arange(INT4_PACK_FACTOR, dtype=torch.int64, device=q.device) * INT4_BITS
-    return _to_int32_words((groups << shifts).sum(dim=-1))
-
-
-def unpack_int4_cols(packed: torch.Tensor,
-                     order: Iterable[int] = STANDARD_PACK_ORDER) -> torch.Tensor:
-    """Inverse of :func:`pack_int4_cols`.
-
-    Args:
-        packed: ``[rows, cols // 8]`` int32.
-        order: the nibble order used when packing.
-
-    Returns:
-        ``[rows, cols]`` int32 with values in ``[0, 15]``.
-
-    Source: vLLM ``quant_utils.unpack_cols`` (identity order).
-    """
-    rows, words = packed.shape
-    shifts = torch.arange(INT4_PACK_FACTOR, dtype=torch.int64, device=packed.device) * INT4_BITS
-    nibbles = (packed.to(torch.int64).unsqueeze(-1) >> shifts) & INT4_MASK  # nibble j at [..., j]
-    inverse = torch.argsort(torch.tensor(list(order), device=packed.device))
-    return nibbles[:, :, inverse].reshape(rows, words * INT4_PACK_FACTOR).to(torch.int32)
-
-
-def pack_int4_rows(q: torch.Tensor) -> torch.Tensor:
-    """Pack int4 values along the first dimension (GPTQ), 8 rows per int32 word.
-
-    Args:
-        q: ``[size_k, size_n]`` integer tensor with values in ``[0, 15]``;
-            ``size_k % 8 == 0``.
-
-    Returns:
-        ``[size_k // 8, size_n]`` int32; nibble ``i`` of row ``r`` holds
-        ``q[8 * r + i]``.
-
-    Source: vLLM ``quant_utils.pack_rows`` / ``gptq_pack``.
-    """
-    size_k, size_n = q.shape
-    groups = q.to(torch.int64).reshape(size_k // INT4_PACK_FACTOR, INT4_PACK_FACTOR, size_n)
-    shifts = torch.arange(INT4_PACK_FACTOR, dtype=torch.int64, device=q.device) * INT4_BITS
-    return _to_int32_words((groups << shifts[:, None]).sum(dim=1))
-
-
-def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_int4_rows`: ``[size_k // 8, size_n]`` int32 to
-    ``[size_k, size_n]`` int32 in ``[0, 15]``.
-
-    Source: the inverse of vLLM ``quant_utils.pack_rows``.
-    """
-    words, size_n = packed.shape
-    shifts = torch.arange(INT4_PACK_FACTOR, dtype=torch.int64, device=packed.device) * INT4_BITS
-    nibbles = (packed.to(torch.int64).unsqueeze(1) >> shifts[:, None]) & INT4_MASK
-    return nibbles.reshape(words * INT4_PACK_FACTOR, size_n).to(torch.int32)
-
-
 # --------------------------------------------------------------------------- quantizers (pure)
 
 
@@ -281,7 +195,7 @@ def awq_quantize(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> dict[str
 
     Returns:
         ``qweight`` ``[size_k, size_n // 8]`` int32, packed along N in
-        :data:`AWQ_PACK_ORDER`; ``qzeros`` ``[size_k // G, size_n // 8]`` int32,
+        AWQ order (:func:`wcache.stages.packing.pack_awq`); ``qzeros`` ``[size_k // G, size_n // 8]`` int32,
         same packing; ``scales`` ``[size_k // G, size_n]`` float16.
 
     Raises:
@@ -296,8 +210,8 @@ def awq_quantize(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> dict[str
     zeros = torch.round(torch.abs(w_min / scales)).clamp(0, UINT4_MAX).to(torch.int32)
     q = (torch.round(w / scales[:, None]).to(torch.int32) + zeros[:, None]).clamp(0, UINT4_MAX)
     return {
-        "qweight": pack_int4_cols(q.reshape(size_k, size_n), AWQ_PACK_ORDER),
-        "qzeros": pack_int4_cols(zeros, AWQ_PACK_ORDER),
+        "qweight": pack_awq(q.reshape(size_k, size_n), INT4_BITS),
+        "qzeros": pack_awq(zeros, INT4_BITS),
         "scales": scales.to(torch.float16),
     }
 
@@ -333,8 +247,8 @@ def gptq_quantize(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> dict[st
     q = q + UINT4B8_BIAS
     zeros = torch.full((size_k // group_size, size_n), GPTQ_V1_QZERO, dtype=torch.int32)
     return {
-        "qweight": pack_int4_rows(q.reshape(size_k, size_n)),
-        "qzeros": pack_int4_cols(zeros),
+        "qweight": pack_int32(q.reshape(size_k, size_n), INT4_BITS, 0).contiguous(),
+        "qzeros": pack_int32(zeros, INT4_BITS, 1),
         "scales": scales.to(torch.float16),
         "g_idx": (torch.arange(size_k, dtype=torch.int32) // group_size),
     }
@@ -669,14 +583,14 @@ def dequantize_linear(tensors: Mapping[str, torch.Tensor], fmt: str) -> torch.Te
     GPTQ: ``(q - 8) * s``; compressed-tensors: the compressors' ``decompress``.
     """
     if fmt == "awq":
-        q = unpack_int4_cols(tensors["qweight"], AWQ_PACK_ORDER)            # [K, N]
-        zeros = unpack_int4_cols(tensors["qzeros"], AWQ_PACK_ORDER)          # [K/G, N]
+        q = unpack_awq(tensors["qweight"], INT4_BITS)                        # [K, N]
+        zeros = unpack_awq(tensors["qzeros"], INT4_BITS)                     # [K/G, N]
         scales = tensors["scales"].to(torch.float32)
         group = q.shape[0] // scales.shape[0]
         w = (q - zeros.repeat_interleave(group, 0)) * scales.repeat_interleave(group, 0)
         return w.t().contiguous()
     if fmt == "gptq":
-        q = unpack_int4_rows(tensors["qweight"]) - UINT4B8_BIAS              # [K, N]
+        q = unpack_int32(tensors["qweight"], INT4_BITS, 0) - UINT4B8_BIAS     # [K, N]
         scales = tensors["scales"].to(torch.float32)[tensors["g_idx"].long()]
         return (q * scales).t().contiguous()
     if fmt in ("ct_w4a16", "ct_w8a8_int8"):
