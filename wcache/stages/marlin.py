@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from wcache.core import LayerConfig, StageOut, Tag, Target, WcacheError, stage
-from wcache.stages.packing import pack_factor, pack_int32, pad_to, round_up, unpack_int32
+from wcache.stages.packing import pack_factor, pack_int32, round_up, unpack_int32
 
 __all__ = [
     "MARLIN_TILE", "MARLIN_SUPPORTED_GROUP_SIZES", "MarlinLayoutError",
@@ -229,6 +229,18 @@ def fp8_fused_exponent_bias_into_scales(scales: torch.Tensor) -> torch.Tensor:
     return scales * s ** fp8_exponent_bias(scales.dtype)
 
 
+def _pad2(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Zero-pad a 2-D tensor to ``[rows, cols]`` (no copy when already that size).
+
+    Not :func:`wcache.stages.packing.pad_to`: ``torch.nn.functional.pad`` crops where a
+    size exceeds the target (a checkpoint with more groups than the config says, as in
+    the README example), and the Marlin stages keep that behaviour unchanged.
+    """
+    if tuple(x.shape) == (rows, cols):
+        return x
+    return torch.nn.functional.pad(x, (0, cols - x.shape[1], 0, rows - x.shape[0]))
+
+
 def _geometry(config: LayerConfig, group_size: int | None = None) -> tuple[int, int, int, int, int]:
     g = config.quant.group_size if group_size is None else group_size
     if g not in MARLIN_SUPPORTED_GROUP_SIZES:
@@ -259,7 +271,7 @@ def repack_stage(t: Mapping[str, torch.Tensor], config: LayerConfig, target: Tar
     bits = config.quant.num_bits
     _check_bits(bits)
     q = t[w_q].t() if n_major else t[w_q]
-    q = pad_to(q, (padded_k // pack_factor(bits), padded_n))
+    q = _pad2(q.contiguous(), padded_k // pack_factor(bits), padded_n)
     return StageOut(tensors={w_q: marlin_repack(q, padded_k, padded_n, bits)})
 
 
@@ -272,7 +284,7 @@ def permute_scales_stage(t: Mapping[str, torch.Tensor], config: LayerConfig, tar
     size_k, size_n, padded_k, padded_n, g = _geometry(config)
     s = t[w_s].t() if n_major else t[w_s]
     rows = padded_k // g if g > 0 else s.shape[0]
-    s = pad_to(s, (rows, padded_n))
+    s = _pad2(s.contiguous(), rows, padded_n)
     return StageOut(tensors={w_s: marlin_permute_scales(s, padded_k, padded_n, g)})
 
 
@@ -300,7 +312,7 @@ def permute_zero_points_stage(t: Mapping[str, torch.Tensor], config: LayerConfig
     bits = config.quant.num_bits
     zp = unpack_int32(t[w_zp], bits, 0).t()                     # [K/G, N]
     rows = padded_k // g if g > 0 else 1
-    zp = pad_to(zp, (rows, padded_n))
+    zp = _pad2(zp, rows, padded_n)
     return StageOut(tensors={w_zp: marlin_zero_points(zp, rows, padded_n, bits)})
 
 
@@ -355,7 +367,7 @@ def permute_bias(tensors: Mapping[str, torch.Tensor], config: LayerConfig, targe
 
 def _fp8_marlin_repack(weight_nk: torch.Tensor, config: LayerConfig, g: int) -> torch.Tensor:
     size_k, size_n, padded_k, padded_n, _ = _geometry(config, g)
-    q = pad_to(pack_fp8_to_int32(weight_nk), (padded_k // pack_factor(8), padded_n))
+    q = _pad2(pack_fp8_to_int32(weight_nk), padded_k // pack_factor(8), padded_n)
     return marlin_repack(q, padded_k, padded_n, 8)
 
 
@@ -409,7 +421,7 @@ def permute_fp8_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
     """
     size_k, size_n, padded_k, padded_n, _ = _geometry(config, -1)
     s = _channel_scales(tensors["weight_scale"].to(config.dtype), config)
-    s = pad_to(s, (1, padded_n))
+    s = _pad2(s, 1, padded_n)
     s = marlin_permute_scales(s, padded_k, padded_n, -1)
     return StageOut(tensors={"weight_scale": fp8_fused_exponent_bias_into_scales(s)})
 
@@ -441,7 +453,7 @@ def permute_mxfp8_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfi
     size_k, size_n, padded_k, padded_n, g = _geometry(config, MXFP8_GROUP_SIZE)
     s = tensors["weight_scale"][:size_n, :size_k // g].contiguous()
     s = s.view(torch.float8_e8m0fnu).to(config.dtype).t().contiguous()
-    s = pad_to(s, (padded_k // g, padded_n))
+    s = _pad2(s, padded_k // g, padded_n)
     s = marlin_permute_scales(s, padded_k, padded_n, g)
     s = s.view(-1, 4)[:, list(MXFP8_SCALE_REORDER)].view(s.shape[0], -1)
     return StageOut(tensors={"weight_scale": s.to(torch.float8_e8m0fnu)})
