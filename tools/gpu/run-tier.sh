@@ -40,8 +40,10 @@ if [ "$TIER" = 1 ] || [ -n "$BENCH" ]; then
     || { tail -30 "$OUT/fixtures.log"; exit 1; }
   echo "[run-tier] fixtures in $(( $(date +%s) - t0 )) s"
   # one engine first: a failure here is the machine's, not a format's (its root cause printed)
-  [ "$PREFLIGHT" = 1 ] && eval "$(python3 -m wcache.testing.engine_acceptance --preflight "$WCACHE_FIXTURES_DIR/smollm2-135m-instruct-bf16" 2> >(tee "$OUT/preflight.log" | tail -40 >&2))"
-  echo "[run-tier] preflight done; WCACHE_GPU_LOGPROBS=${WCACHE_GPU_LOGPROBS:-on}"
+  if [ "$PREFLIGHT" = 1 ]; then
+    eval "$(python3 -m wcache.testing.engine_acceptance --preflight "$WCACHE_FIXTURES_DIR/smollm2-135m-instruct-bf16" 2> >(tee "$OUT/preflight.log" | tail -40 >&2))"
+    echo "[run-tier] preflight done; WCACHE_GPU_LOGPROBS=${WCACHE_GPU_LOGPROBS:-on}"
+  fi
 fi
 if [ "$TIER" = 1 ]; then
   args=(-q -p no:cacheprovider -rfEs -m gpu_engine -n "$WORKERS" --dist load)

@@ -49,6 +49,7 @@ import contextlib
 import gc
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -414,8 +415,6 @@ def freeze_gc_heap() -> float:
     Source: vllm/utils/gc_utils.py::freeze_gc_heap,
     vllm/v1/worker/gpu/model_runner.py::GPUModelRunner.load_model
     """
-    import time  # noqa: PLC0415
-
     from vllm.utils.gc_utils import freeze_gc_heap as vllm_freeze  # noqa: PLC0415
 
     t0 = time.perf_counter()
