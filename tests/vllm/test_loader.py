@@ -159,6 +159,7 @@ def test_loader_options_parse_cli_strings():
     ({"connect_timeout_s": -1}, "connect_timeout_s must be a positive number"),
     ({"connect_timeout_s": "nan"}, "connect_timeout_s must be a positive number"),
     ({"socket_dir": 123}, "socket_dir must be a string"),
+    ({"profile_file": 1}, "profile_file must be a string"),
 ])
 def test_bad_option_values_name_the_key(extra, message):
     """A typo in a value never silently changes behaviour: the key is named."""
@@ -166,3 +167,25 @@ def test_bad_option_values_name_the_key(extra, message):
 
     with pytest.raises(ValueError, match=message):
         LoaderOptions.from_extra(extra)
+
+
+def test_profile_file_holds_the_whole_load_phase(vllm_cfg, tmp_path):
+    """``profile_file`` writes cProfile stats of the whole weight-load phase, the
+    fallback's disk load included (no daemon here: daemon-missing, then disk)."""
+    import dataclasses
+    import pstats
+
+    from vllm.config import set_current_vllm_config
+
+    from wcache.vllm.loader import WcacheModelLoader
+
+    prof = tmp_path / "load.prof"
+    load_config = dataclasses.replace(vllm_cfg.load_config, load_format="wcache",
+                                      model_loader_extra_config={
+                                          "socket_dir": str(tmp_path / "none"),
+                                          "profile_file": str(prof)})
+    vllm_cfg.compilation_config.static_forward_context.clear()
+    with set_current_vllm_config(vllm_cfg):
+        WcacheModelLoader(load_config).load_model(vllm_cfg, vllm_cfg.model_config)
+    functions = {name for (_, _, name) in pstats.Stats(str(prof)).stats}
+    assert {"_load_model", "initialize_model"} <= functions

@@ -54,6 +54,6 @@ if [ "$TIER" = 1 ]; then
 fi
 if [ -n "$BENCH" ]; then
   timeout "${BENCH_TIMEOUT:-420}" python3 -m wcache.benchmarks.bench_engine_cuda --formats "$BENCH" \
-      --out "$OUT/bench-engine-cuda.json" 2>&1 | tee "$OUT/bench.log" | tail -40
+      ${BENCH_PROFILE:+--profile-dir "$OUT"} --out "$OUT/bench-engine-cuda.json" 2>&1 | tee "$OUT/bench.log" | tail -40
 fi
 exit 0

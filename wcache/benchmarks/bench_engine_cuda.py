@@ -210,9 +210,13 @@ def _phase(result: dict, phase: str) -> float | None:
 
 
 def run(formats: Sequence[str], root: Path, log: Callable[[str], None],
-        on_row: Callable[[list[dict[str, Any]]], None] = lambda rows: None) -> list[dict[str, Any]]:
+        on_row: Callable[[list[dict[str, Any]]], None] = lambda rows: None,
+        profile_dir: Path | None = None) -> list[dict[str, Any]]:
     """Disk vs daemon for each format; one row per format (see the module doc).
-    ``on_row`` gets the rows so far after each format (results survive a timeout)."""
+    ``on_row`` gets the rows so far after each format (results survive a timeout);
+    with ``profile_dir``, the daemon-backed load's ``cProfile`` stats are written to
+    ``profile_dir/<format>.prof`` (the loader's ``profile_file``; it adds profiler
+    overhead to that load's figures)."""
     from wcache.testing.fixtures import build
     from wcache.vllm.process import DaemonProcess, run_engine
 
@@ -239,8 +243,10 @@ def run(formats: Sequence[str], root: Path, log: Callable[[str], None],
             with tempfile.TemporaryDirectory(prefix="wcb-") as sock:
                 with DaemonProcess(ckpt, sock, extra_args=case.serve_args) as daemon:
                     row["daemon_ready_s"] = daemon.ready_s
-                    wc = run_engine(ckpt, "wcache", {"fallback": False, "socket_dir": sock},
-                                    **common)
+                    extra = {"fallback": False, "socket_dir": sock}
+                    if profile_dir is not None:
+                        extra["profile_file"] = str(profile_dir / f"{fmt}.prof")
+                    wc = run_engine(ckpt, "wcache", extra, **common)
         except RuntimeError as exc:
             row["error"] = str(exc).splitlines()[-5:]
             log(f"{fmt}: FAILED {row['error']}")
@@ -295,6 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--root", default=os.environ.get("WCACHE_BENCH_DIR", "/tmp/wcache-8b"),
                     help="where the 8B-shaped checkpoints are written (~45 GB for all)")
     ap.add_argument("--out", help="write the rows as JSON here")
+    ap.add_argument("--profile-dir", type=Path,
+                    help="write cProfile stats of each daemon-backed load here "
+                         "(<format>.prof; adds profiler overhead to those loads)")
     args = ap.parse_args(argv)
     formats = [f for f in args.formats.split(",") if f]
     unknown = sorted(set(formats) - set(FORMATS))
@@ -315,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
     rows = run(formats, Path(args.root), lambda m: print(f"[bench-engine-cuda] {m}", flush=True),
-               on_row=save)
+               on_row=save, profile_dir=args.profile_dir)
     print(table(rows))
     return 0 if all("error" not in r and r.get("identical") for r in rows) else 1
 

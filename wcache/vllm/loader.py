@@ -37,6 +37,7 @@ this. Sleep mode and expert rebalancing on CUDA ``zero_copy`` are refused at loa
 
 from __future__ import annotations
 
+import cProfile
 import dataclasses
 import json
 import logging
@@ -90,6 +91,7 @@ class LoaderOptions:
     freeze_gc: bool = True
     job: str = ""
     timing_file: str | None = None
+    profile_file: str | None = None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "LoaderOptions":
@@ -120,7 +122,7 @@ class LoaderOptions:
                 raise ValueError(f"wcache: connect_timeout_s must be a positive number of "
                                  f"seconds, not {value!r}")
             extra["connect_timeout_s"] = seconds
-        for name in ("socket_dir", "job", "timing_file"):
+        for name in ("socket_dir", "job", "timing_file", "profile_file"):
             if name in extra and extra[name] is not None and not isinstance(extra[name], str):
                 raise ValueError(f"wcache: {name} must be a string, not {extra[name]!r}")
         return cls(**extra)
@@ -385,6 +387,20 @@ class WcacheModelLoader(BaseModelLoader):
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig,
                    prefix: str = "") -> torch.nn.Module:
+        """The model, restored from the daemon (or loaded from disk by the fallback
+        rule); with ``profile_file`` set, the whole call under ``cProfile``, its stats
+        written there (``pstats`` format; ``python -m pstats FILE`` reads them)."""
+        if not self.options.profile_file:
+            return self._load_model(vllm_config, model_config, prefix)
+        profiler = cProfile.Profile()
+        try:
+            return profiler.runcall(self._load_model, vllm_config, model_config, prefix)
+        finally:
+            profiler.dump_stats(self.options.profile_file)
+            logger.info("wcache: load profile written to %s", self.options.profile_file)
+
+    def _load_model(self, vllm_config: VllmConfig, model_config: ModelConfig,
+                    prefix: str) -> torch.nn.Module:
         opts = self.options
         t0 = time.perf_counter()
         device = torch.device(vllm_config.device_config.device)
