@@ -6,6 +6,9 @@ engine start), so these run in seconds.
 
 from __future__ import annotations
 
+import copy
+import types
+
 import pytest
 import torch
 
@@ -189,3 +192,101 @@ def test_profile_file_holds_the_whole_load_phase(vllm_cfg, tmp_path):
         WcacheModelLoader(load_config).load_model(vllm_cfg, vllm_cfg.model_config)
     functions = {name for (_, _, name) in pstats.Stats(str(prof)).stats}
     assert {"_load_model", "initialize_model"} <= functions
+
+
+def _reload_records(model) -> dict:
+    """Each module's reload record, as comparable values: per tensor its class, shape,
+    dtype, device and attribute names, and the restore device."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    out = {}
+    for name, module in model.named_modules():
+        info = layerwise.LAYERWISE_INFO.get(module)
+        if info is None:
+            continue
+        params, buffers = info.restore_metadata
+        out[name] = (
+            {k: (type(t), tuple(t.shape), t.dtype, t.device.type, sorted(t.__dict__))
+             for k, t in params.items()},
+            {k: (type(t), tuple(t.shape), t.dtype, t.device.type, sorted(t.__dict__))
+             for k, t in buffers.items()},
+            str(info.restore_device))
+    return out
+
+
+def test_reload_metadata_recorded_after_the_build_equals_vllms(vllm_cfg):
+    """The loader builds on meta without vLLM's in-build reload record and records it
+    afterwards (compat.record_reload_metadata_): the records equal the ones vLLM's own
+    build leaves (with our device), module by module, buffers dropped or kept alike."""
+    from wcache.vllm import compat
+
+    device = torch.device("cpu")
+    theirs = meta_model(vllm_cfg)
+    compat.set_reload_device_(theirs, device)
+    expected = _reload_records(theirs)
+    with compat.without_reload_metadata():
+        ours = meta_model(vllm_cfg)
+    # the in-build record was skipped: only modules the two builds share (vLLM caches
+    # rotary embeddings process-wide) carry one already
+    shared = {n for n, m in ours.named_modules() if m is dict(theirs.named_modules()).get(n)}
+    assert set(_reload_records(ours)) <= shared
+    assert len(expected) == compat.record_reload_metadata_(ours, device)
+    assert expected == _reload_records(ours)
+    assert any(b for _, b, _ in expected.values()), "no buffer recorded: the test sees nothing"
+    vllm_cfg.compilation_config.static_forward_context.clear()
+
+
+def test_gptq_configs_are_copied_shallow_only_without_dynamic_rules():
+    """gptq_config_copied_shallow: each layer still gets its own config object, equal
+    to vLLM's deep copy after override_config; a config with dynamic rules is still
+    deep-copied and the rule still applies to that layer alone."""
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+    from vllm.model_executor.layers.quantization.auto_gptq import AutoGPTQConfig
+    from vllm.model_executor.layers.quantization.utils import gptq_utils
+
+    from wcache.vllm import compat
+
+    def config(dynamic):
+        return AutoGPTQConfig(weight_bits=4, group_size=128, desc_act=False, is_sym=True,
+                              lm_head_quantized=False, dynamic=dynamic,
+                              full_config={"bits": 4, "group_size": 128, "nested": [[1]]})
+
+    def method_config(cfg, prefix):
+        with torch.device("meta"):
+            layer = ReplicatedLinear(256, 256, bias=False, params_dtype=torch.bfloat16)
+        return gptq_utils.get_linear_quant_method(cfg, layer, prefix,
+                                                  lambda c: types.SimpleNamespace(cfg=c)).cfg
+
+    base = config({})
+    deep = method_config(base, "model.layers.0.mlp.down_proj")
+    with compat.gptq_config_copied_shallow():
+        shallow = method_config(base, "model.layers.0.mlp.down_proj")
+        ruled = config({r"+:.*\.1\..*": {"bits": 8}})
+        ruled_cfg = method_config(ruled, "model.layers.1.mlp.down_proj")
+    assert shallow is not base and vars(shallow) == vars(deep)
+    assert shallow.full_config is base.full_config  # shared, not copied
+    assert (8, 4) == (ruled_cfg.weight_bits, ruled.weight_bits)  # deep copy, rule applied
+    assert ruled_cfg.full_config is not ruled.full_config
+    assert gptq_utils.deepcopy is copy.deepcopy  # the patch is undone
+
+
+def test_reload_record_drops_parameter_alias_buffers_as_vllm_does():
+    """A non-persistent buffer aliasing a parameter's storage is left out of the record
+    and any other buffer kept, by record_reload_metadata_ exactly as by vLLM's own
+    record_metadata_for_reloading (whose storage pointers ours computes on demand)."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    from wcache.vllm import compat
+
+    def model():
+        inner = torch.nn.Linear(4, 4)
+        inner.register_buffer("alias", inner.weight.data, persistent=False)
+        inner.register_buffer("own", torch.zeros(2), persistent=False)
+        return torch.nn.Sequential(inner)
+
+    theirs, ours = model(), model()
+    layerwise.record_metadata_for_reloading(theirs)
+    compat.set_reload_device_(theirs, torch.device("cpu"))
+    compat.record_reload_metadata_(ours, torch.device("cpu"))
+    assert _reload_records(theirs) == _reload_records(ours)
+    assert ["own"] == sorted(_reload_records(ours)["0"][1])

@@ -331,6 +331,7 @@ def _patch_sites():
     """(context manager factory, owner, attribute) of each of compat's patches."""
     from vllm.config import utils as config_utils
     from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.quantization.utils import gptq_utils
     from vllm.model_executor.model_loader import utils as loader_utils
     from vllm.model_executor.model_loader.reload import layerwise
 
@@ -343,10 +344,11 @@ def _patch_sites():
         (lambda: compat.attention_forward_replaced(lambda *a, **k: None), Attention, "forward"),
         (compat.torch_accelerator_noops, torch.accelerator, "empty_cache"),
         (compat.torch_accelerator_noops, torch.accelerator, "synchronize"),
+        (compat.gptq_config_copied_shallow, gptq_utils, "deepcopy"),
     ]
 
 
-@pytest.mark.parametrize("index", range(6))
+@pytest.mark.parametrize("index", range(7))
 def test_patch_is_undone_after_its_scope(index):
     """Each of compat's patches replaces vLLM's (or torch's) function inside its
     block only: the original is back after a normal exit and after a raise."""

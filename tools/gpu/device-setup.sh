@@ -36,9 +36,14 @@ guard = "if not (FA2_AVAILABLE or FA3_AVAILABLE):"
 if guard in s:
     open(p, "w").write(s[:s.index(guard)] + s[s.index("__all__"):])
 PY
+  # Bytecode, as a normal pip install writes it: the bundle is installed --no-compile and the
+  # machine's Python does not write it on import, so without this every engine start compiles
+  # each vLLM module it imports from source (0.04 s inside vLLM's timed load phase alone).
+  python3 -m compileall -q -j 0 "$SITE" >/dev/null 2>&1 || true
   cat /tmp/bundle/VLLM_VERSION > "$SITE/.wcache-gpu-ready"
   echo "[device-setup] vLLM $(cat /tmp/bundle/VLLM_VERSION) installed in $SITE in $(( $(date +%s) - t0 )) s"
 fi
 # wcache itself, for its vllm.general_plugins entry point (the code runs from the checkout).
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/wcache-dist . \
     >/dev/null 2>&1 || { echo "device-setup: installing wcache's entry point failed" >&2; exit 4; }
+python3 -m compileall -q -j 0 wcache >/dev/null 2>&1 || true  # the checkout's code, bytecode too

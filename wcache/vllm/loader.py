@@ -407,12 +407,14 @@ class WcacheModelLoader(BaseModelLoader):
         target = host_target(device)
         before = compat.registrations(vllm_config)
         marks = {}
-        with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
-            # vLLM records each layer's model-format metadata here, which an in-place
-            # reload_weights needs; it records the meta device, so point it at ours
+        with (compat.without_reload_metadata(), compat.gptq_config_copied_shallow(),
+              set_default_torch_dtype(model_config.dtype), torch.device("meta")):
             model = initialize_model(vllm_config=vllm_config, model_config=model_config,
                                      prefix=prefix)
-        compat.set_reload_device_(model, device)
+        # each layer's model-format metadata, which an in-place reload_weights needs
+        # (vLLM records it inside initialize_model; outside the meta context it costs
+        # half), with our device as the one a reload materializes layers on
+        compat.record_reload_metadata_(model, device)
         marks["meta_init"] = time.perf_counter()
         layout = parallel_layout()
         dev_id = device_id(device, model_config, layout, opts.job)
