@@ -30,6 +30,7 @@ nvidia-smi -L
 python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name(0))"
 build_fixtures() {  # the quantizers are pure torch: on the GPU they take seconds; one process per format
   python3 -m wcache.testing.fixtures --formats bf16 >>"$OUT/fixtures.log" 2>&1 || return 1
+  [ "$TIER" = 1 ] || return 0  # the 8B bench needs only the bf16 fixture (its tokenizer)
   python3 -c 'from wcache.testing.fixtures import ALL_FORMATS; print("\n".join(ALL_FORMATS))' \
     | xargs -P "${FIXTURE_JOBS:-8}" -I{} python3 -c 'import sys; from wcache.testing.fixtures import build; print(f"{sys.argv[1]:22s} {build(sys.argv[1])}", flush=True)' {} \
       >>"$OUT/fixtures.log" 2>&1
