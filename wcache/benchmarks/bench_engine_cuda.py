@@ -214,7 +214,7 @@ def run(formats: Sequence[str], root: Path, log: Callable[[str], None],
     """Disk vs daemon for each format; one row per format (see the module doc).
     ``on_row`` gets the rows so far after each format (results survive a timeout)."""
     from wcache.testing.fixtures import build
-    from wcache.vllm.process import DaemonProcess, run_engine
+    from wcache.daemon.process import DaemonProcess, run_engine
 
     tokenizer_dir = build("bf16")
     rows = []
