@@ -459,13 +459,15 @@ def _observe(model: torch.nn.Module, vllm_config: Any, attr_paths: Mapping[str, 
 def _plan_rows(model: torch.nn.Module, target: Any) -> tuple[dict[str, tuple[str, str]],
                                                             dict[str, list[str]]]:
     """Per planned layer of vLLM's loaded model: (plan id, kernel) and the
-    attribute paths its plan's stages declare."""
+    attribute paths its plan's stages declare, each where vLLM keeps it (a kernel
+    binding's path on vLLM's kernel object: :func:`wcache.vllm.compat.bound_attr_path`)."""
     from wcache.vllm.model import planned_layers  # noqa: PLC0415
 
     info, paths = {}, {}
     for p in planned_layers(model, target):
         info[p.name] = (p.plan.id, p.config.quant.kernel or p.plan.kernel)
-        paths[p.name] = sorted({a for s in p.plan.stages for a in s.attrs})
+        paths[p.name] = sorted({compat.bound_attr_path(p.module, a)
+                                for s in p.plan.stages for a in s.attrs})
     return info, paths
 
 
