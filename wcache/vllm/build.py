@@ -211,6 +211,9 @@ def _retie_word_embeddings_(model: torch.nn.Module, model_config: Any) -> None:
 
 
 def init_distributed(vllm_config: Any, rank: int, world: int, init_method: str) -> None:
+    """vLLM's distributed state for one rank of ``world`` (gloo on CPU, NCCL on
+    CUDA), joined at ``init_method`` (``tcp://HOST:PORT`` or ``file://PATH``), and
+    its TP/PP groups from ``vllm_config``."""
     from vllm.distributed import (  # noqa: PLC0415
         init_distributed_environment, initialize_model_parallel,
     )
