@@ -24,15 +24,6 @@ from wcache.store import protocol, seed, snapshot
 #: Modules the walk does not import: a ``sitecustomize`` for a child interpreter.
 NOT_IMPORTED = ("wcache.testing.avx2_site",)
 
-#: Classes still outside wcache/errors.py that declare no code of their own, with
-#: why. Their modules are being rewritten by other work (issue 25 item 4); each
-#: entry is checked to be still needed, so the list shrinks as they move.
-CODE_PENDING = {
-    "wcache.vllm.loader.RestoreFailed":
-        "each instance carries the code of the step that failed (``code=``); the class "
-        "declares none; wcache/vllm/loader.py is rewritten by the compat/adapter work",
-}
-
 #: Codes users see (docs/quickstart.md, the fallback log, the refusal counters):
 #: they must keep their class. RecordedMismatch, which shared ``key-mismatch``,
 #: got ``recorded-mismatch`` (docs/quickstart.md).
@@ -90,15 +81,15 @@ def test_every_class_has_a_code(classes):
     """Every error class has a code other than the root's: declared, or refined from a
     parent that declares one (UnplannedLayers is a plan-missing)."""
     missing = [_name(c) for c in classes if c.code == WcacheError.code]
-    assert sorted(CODE_PENDING) == missing
+    assert [] == missing
 
 
-def test_pending_entries_still_exist_without_a_code(classes):
-    """Each CODE_PENDING entry names a class that exists and still declares no code
-    (drop the entry when it gets one)."""
-    names = {_name(c): c for c in classes}
-    assert set(CODE_PENDING) <= set(names)
-    assert all("code" not in names[n].__dict__ for n in CODE_PENDING)
+def test_restore_failed_carries_the_failed_steps_code():
+    """RestoreFailed has a class code of its own, and an instance raised with the
+    failed step's code carries that one (what fallback=false users see)."""
+    assert "restore-failed" == errors.RestoreFailed("x").code
+    assert "daemon-missing" == errors.RestoreFailed("x", code="daemon-missing").code
+    assert "restore-failed" == errors.RestoreFailed.code
 
 
 def test_every_class_is_also_a_builtin_exception(classes):
@@ -123,8 +114,11 @@ def test_errors_module_holds_every_gathered_class(classes):
     assert defined <= set(errors.__all__)
     assert store_errors.KeyMismatch is errors.KeyMismatch
     model = importlib.import_module("wcache.vllm.model")  # imports vLLM
-    assert (protocol.ConnectionClosed, seed.SeedFailed, snapshot.SnapshotStale, model.UnplannedLayers) \
-        == (errors.ConnectionClosed, errors.SeedFailed, errors.SnapshotStale, errors.UnplannedLayers)
+    loader = importlib.import_module("wcache.vllm.loader")
+    assert (protocol.ConnectionClosed, seed.SeedFailed, snapshot.SnapshotStale, model.UnplannedLayers,
+            loader.RestoreFailed) \
+        == (errors.ConnectionClosed, errors.SeedFailed, errors.SnapshotStale, errors.UnplannedLayers,
+            errors.RestoreFailed)
 
 
 def test_no_error_class_outside_the_root():

@@ -1,8 +1,9 @@
 """Imports run one way (docs/design.md section 2), read from the code with ``ast``.
 
-``core`` <- ``stages`` <- ``plans``; ``store`` <- ``core``; ``vllm``, ``cli``,
-``bench`` <- everything. Nothing under ``core``, ``stages``, ``plans`` or ``store``
-imports ``wcache.vllm`` (lazily inside a function included); imports only under
+``core`` <- ``stages`` <- ``plans``; ``store`` <- ``core``; ``vllm`` <- ``daemon``;
+``daemon``, ``cli``, ``bench`` <- everything. Nothing under ``core``, ``stages``,
+``plans`` or ``store`` imports ``wcache.vllm``, and nothing under ``wcache.vllm``
+imports ``wcache.daemon`` (lazily inside a function included); imports only under
 ``if TYPE_CHECKING:`` are annotations, not edges. Production modules (the core, the
 store, the engine's loader side, ``wcache serve``) never load the benchmark suite,
 the test fixtures or the demo when they are imported.
@@ -103,6 +104,14 @@ def test_no_import_cycle_among_lower_modules():
     assert [] == cycles
 
 
+def test_vllm_never_imports_the_daemon():
+    """The vLLM integration is below the daemon's orchestration: no module of
+    wcache/vllm imports wcache.daemon (the daemon calls wcache.vllm.build)."""
+    bad = sorted(f"{mod} imports {dep}" for mod, deps in _graph().items()
+                 if _layer(mod) == "vllm" for dep in deps if _layer(dep) == "daemon")
+    assert [] == bad
+
+
 def test_the_checker_sees_a_vllm_import():
     """The walker finds a lazy import inside a function and ignores TYPE_CHECKING."""
     tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
@@ -119,7 +128,8 @@ def test_the_checker_sees_a_vllm_import():
 PRODUCTION = ("wcache.core", "wcache.core.", "wcache.stages.", "wcache.plans.", "wcache.store.",
               "wcache.shell", "wcache.errors", "wcache.checkpoint", "wcache.cli",
               "wcache.vllm.plugin", "wcache.vllm.loader", "wcache.vllm.adapter",
-              "wcache.vllm.compat", "wcache.vllm.model", "wcache.vllm.key", "wcache.vllm.probe")
+              "wcache.vllm.compat", "wcache.vllm.model", "wcache.vllm.key", "wcache.vllm.probe",
+              "wcache.vllm.build", "wcache.daemon.serve", "wcache.daemon.ready")
 #: What production must never load: the benchmark suite, test fixtures and the demo.
 NOT_PRODUCTION = ("wcache.benchmarks", "wcache.testing", "wcache.demo", "wcache.bench")
 #: ``wcache serve``'s functions in cli.py: their lazy imports are part of the serve path.

@@ -101,12 +101,12 @@ def test_config_vllm_refuses_is_one_line_and_verbose_shows_the_traceback(real_ch
 
 def test_unclassified_load_error_is_one_line(monkeypatch, capsys, real_checkpoint):
     """Anything else the load raises becomes [load-failed] naming the checkpoint and the error's last line."""
-    import wcache.vllm.daemon as daemon
+    import wcache.daemon.serve as serve
 
     def boom(args, rest):
         raise OSError("first line\nNo space left on device")
 
-    monkeypatch.setattr(daemon, "main", boom)
+    monkeypatch.setattr(serve, "main", boom)
     assert 1 == cli.main(["serve", "--model", str(real_checkpoint)])
     err = capsys.readouterr().err
     assert (f"wcache serve: error [{LoadFailed.code}]: {real_checkpoint}: OSError: No space left "

@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server", action="store_true",
                    help="instead: time from vLLM's OpenAI-compatible server start to its first "
                         "answered completion, from disk vs from a daemon "
-                        "(wcache.vllm.bench_server; its own options follow, see "
+                        "(wcache.benchmarks.bench_server; its own options follow, see "
                         "`wcache bench --server --help`).")
     p.add_argument("--cpu-build", type=_csv, default=("native",),
                    help="vLLM CPU kernel libraries for --cpu-engine, comma-separated: native "
@@ -201,7 +201,7 @@ def run_cpu_engine(formats: tuple[str, ...], reps: int, log=_log,
 
     from wcache.testing.fixtures import build
     from wcache.testing.isa import build_env, probe, unservable_reason
-    from wcache.vllm.process import DaemonProcess, run_engine
+    from wcache.daemon.process import DaemonProcess, run_engine
 
     env = build_env(cpu_build)
     library = probe(cpu_build)["kernels"]["cpu.kernel_library"]

@@ -112,7 +112,7 @@ def _wait_ready(args: argparse.Namespace, rest: list[str]) -> int:
     if args.timeout < 0 or args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
         print("wcache status: --timeout must be >= 0 and parallel sizes >= 1", file=sys.stderr)
         return 2
-    from wcache.vllm.ready import engine_ready_spec, wait_ready
+    from wcache.daemon.ready import engine_ready_spec, wait_ready
 
     spec = engine_ready_spec(args.model, rest, tensor_parallel_size=args.tensor_parallel_size,
                              pipeline_parallel_size=args.pipeline_parallel_size,
@@ -155,7 +155,7 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
     from wcache.checkpoint import check_checkpoint_dir
 
     check_checkpoint_dir(args.model)  # a damaged file: one line naming it, before vLLM starts
-    from wcache.vllm.daemon import main as serve_main
+    from wcache.daemon.serve import main as serve_main
 
     import traceback
 
@@ -235,7 +235,7 @@ def _cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:
 
 def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     if "--server" in rest:  # time to first completion of vLLM's API server, disk vs daemon
-        from wcache.vllm.bench_server import main as server_main
+        from wcache.benchmarks.bench_server import main as server_main
 
         return server_main([a for a in rest if a != "--server"])
     if "--soak" in rest:  # raw clients attaching and releasing against a real daemon

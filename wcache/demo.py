@@ -25,7 +25,7 @@ import argparse
 import sys
 import tempfile
 
-from wcache.vllm.process import DaemonProcess, run_engine
+from wcache.daemon.process import DaemonProcess, run_engine
 
 PROMPT = "The capital of France is"
 DEFAULT_FORMATS = ("bf16", "awq", "gptq", "ct_w4a16", "ct_w8a8_int8")

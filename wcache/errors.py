@@ -13,8 +13,8 @@ that, and that every class is also a builtin exception.
 Left where they are (their modules are being rewritten by other work; they are
 under this root and their codes are unique all the same): the stage errors of
 ``wcache.stages`` (``StageInputError``, ``OpUnavailable``, ``Fp8LayoutError``,
-``MarlinLayoutError``, ``Mxfp8LayoutError``, ``Nvfp4LayoutError``),
-``wcache.vllm.compat.UntestedVllm`` and ``wcache.vllm.loader.RestoreFailed``.
+``MarlinLayoutError``, ``Mxfp8LayoutError``, ``Nvfp4LayoutError``) and
+``wcache.vllm.compat.UntestedVllm``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ __all__ = [
     "SeedSecretUnsafe", "SnapshotMissing", "SnapshotCorrupt", "SnapshotStale",
     "SnapshotWriteFailed",
     # the vLLM side
-    "UnplannedLayers", "MAX_NAMED_UNPLANNED", "VerifyRefused",
+    "UnplannedLayers", "MAX_NAMED_UNPLANNED", "RestoreFailed", "VerifyRefused",
     # benchmarks and test fixtures
     "DiskFull", "WorkerFailed", "FixtureError",
 ]
@@ -344,6 +344,15 @@ class UnplannedLayers(NoPlan):
                          + "; ".join(parts)
                          + ". Serve this model with load_format='auto' (or keep "
                            "fallback=true, which loads it from disk).")
+
+
+class RestoreFailed(WcacheError, RuntimeError):
+    """The engine's restore from the daemon failed and ``fallback=false`` forbids a
+    disk load. Each instance carries the code of the step that failed (``code=``:
+    ``daemon-missing``, ``key-mismatch``, ...), the one the fallback would have
+    logged; ``restore-failed`` is the class's own, for a raise that names none."""
+
+    code = "restore-failed"
 
 
 class VerifyRefused(WcacheError, RuntimeError):

@@ -16,7 +16,7 @@ import pytest
 
 from wcache.store import daemon_status
 from wcache.store.paths import list_sockets
-from wcache.vllm.process import DaemonProcess, run_engine
+from wcache.daemon.process import DaemonProcess, run_engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

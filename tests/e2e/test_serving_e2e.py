@@ -22,7 +22,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from wcache.vllm.process import ENGINE_ARGS, DaemonProcess, ServerProcess, server_command
+from wcache.daemon.process import ENGINE_ARGS, DaemonProcess, ServerProcess, server_command
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ("The capital of France is", "Water boils at a temperature of")

@@ -23,10 +23,27 @@ from wcache.testing.plans import UncheckedPlan, unregistered_stage
 
 pytest.importorskip("vllm")
 
+from wcache.vllm.compat import sync_kernel_state_  # noqa: E402
+
 from tests.helpers import vllm_layers as vl  # noqa: E402
 from tests.helpers.cpu_cases import (  # noqa: E402
     AMX, AMX_W4A8_OFF, AVX2, AVX512, BF16, CPU_PLAN_IDS, FAMILIES, HOST, HOST_LIBRARY, dict_diff,
 )
+
+
+def _load_(layer, bound) -> None:
+    """:func:`wcache.shell.load_`, then the kernel state bound onto vLLM's kernel
+    objects (:func:`wcache.vllm.compat.sync_kernel_state_`), as the engine does."""
+    load_(layer, bound)
+    sync_kernel_state_(layer)
+
+
+def _restore_(layer, bound, recorded, **kwargs):
+    """:func:`wcache.shell.restore_`, then :func:`sync_kernel_state_` (as the
+    engine's ``wcache.vllm.model.restore_layers_`` does)."""
+    state = restore_(layer, bound, recorded, **kwargs)
+    sync_kernel_state_(layer)
+    return state
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -78,7 +95,7 @@ def test_load_matches_vllm(family, data):
     plan = _host_plan(case)
     expected, actual = case.new_layer(), case.new_layer()
     case.vllm_process(expected)
-    load_(actual, plan.bind(case.config, HOST))
+    _load_(actual, plan.bind(case.config, HOST))
     assert {} == dict_diff(snapshot(expected, case.attr_paths), snapshot(actual, case.attr_paths))
     if case.apply is not None:
         assert torch.equal(_forward(case, expected), _forward(case, actual))
@@ -95,9 +112,9 @@ def test_restore_of_export_equals_load(family, data):
     case = data.draw(FAMILIES[family])
     plan = _host_plan(case)
     loaded = case.new_layer()
-    load_(loaded, plan.bind(case.config, HOST))
+    _load_(loaded, plan.bind(case.config, HOST))
     engine, prepared = _exported_layer(case, plan)
-    restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
+    _restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
                  drops=prepared.drops)
     assert {} == dict_diff(snapshot(loaded, case.attr_paths), snapshot(engine, case.attr_paths))
     meta_left = [k for k, v in state_from_module(engine).tensors.items()
@@ -133,11 +150,11 @@ def test_restore_twice_equals_once(family):
             "kv_cache": vl.kv_cache_layer("fp8", 0.5, 0.25, -1.0, 2.0)}[family]
     plan = _host_plan(case)
     engine, prepared = _exported_layer(case, plan)
-    restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
+    _restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
              drops=prepared.drops)
     once = snapshot(engine, case.attr_paths)
     out_once = _forward(case, engine)
-    restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
+    _restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
              drops=prepared.drops)
     assert {} == dict_diff(once, snapshot(engine, case.attr_paths))
     if out_once is not None:
@@ -247,7 +264,7 @@ def test_kv_cache_only_v_scale_raises():
         case.vllm_process(case.new_layer())
     plan = _host_plan(case)
     with pytest.raises(StageInputError, match="k_scale"):
-        load_(case.new_layer(), plan.bind(case.config, HOST))
+        _load_(case.new_layer(), plan.bind(case.config, HOST))
 
 
 def test_restore_missing_tensor_raises_incomplete():
@@ -257,7 +274,7 @@ def test_restore_missing_tensor_raises_incomplete():
     engine, prepared = _exported_layer(case, plan)
     del engine._parameters["scales"]
     with pytest.raises(RestoreIncomplete, match="scales"):
-        restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
+        _restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
                      drops=prepared.drops)
 
 
@@ -274,7 +291,7 @@ def test_restore_recorded_mismatch(stage_name, key, value):
     assert recorded[stage_name][key] != value
     recorded[stage_name][key] = value
     with pytest.raises(RecordedMismatch, match=key):
-        restore_(engine, plan.bind(case.config, HOST), recorded, strict=True, drops=prepared.drops)
+        _restore_(engine, plan.bind(case.config, HOST), recorded, strict=True, drops=prepared.drops)
 
 
 def test_restore_on_other_isa_raises_recorded_mismatch():
@@ -285,7 +302,7 @@ def test_restore_on_other_isa_raises_recorded_mismatch():
     engine, prepared = _exported_layer(case, plan)
     amx_host = AMX_W4A8_OFF
     with pytest.raises(RecordedMismatch, match="isa_hint"):
-        restore_(engine, plan.bind(case.config, amx_host), prepared.recorded, drops=prepared.drops)
+        _restore_(engine, plan.bind(case.config, amx_host), prepared.recorded, drops=prepared.drops)
 
 
 def test_recorded_values_for_unknown_stage_raise():
@@ -295,7 +312,7 @@ def test_recorded_values_for_unknown_stage_raise():
     engine, prepared = _exported_layer(case, plan)
     recorded = {**prepared.recorded, "marlin.repack": {"x": 1}}
     with pytest.raises(RecordedMismatch, match="marlin.repack"):
-        restore_(engine, plan.bind(case.config, HOST), recorded, drops=prepared.drops)
+        _restore_(engine, plan.bind(case.config, HOST), recorded, drops=prepared.drops)
 
 
 # --------------------------------------------------------------------------- guard
@@ -336,7 +353,7 @@ def test_allocate_writing_exported_tensor_is_invalid_and_guarded():
     plan = _awq_plan(*_awq_stages(), bad, unchecked=True)
     engine, prepared = _exported_layer(case, plan)
     with pytest.raises(RestoreWroteSharedTensor, match="scales"):
-        restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
+        _restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
                      drops=prepared.drops)
 
 
@@ -355,7 +372,7 @@ def test_metadata_writing_in_place_is_caught(via_data):
     engine, prepared = _exported_layer(case, plan)
     bad_plan = _awq_plan(*_awq_stages(), sneaky)
     with pytest.raises(RestoreWroteSharedTensor, match="scales"):
-        restore_(engine, bad_plan.bind(case.config, HOST), prepared.recorded, strict=True,
+        _restore_(engine, bad_plan.bind(case.config, HOST), prepared.recorded, strict=True,
                          drops=prepared.drops)
 
 
@@ -376,11 +393,11 @@ def test_metadata_folded_into_transform_fails_invariant():
     plan = _awq_plan(*stages_)
     case = vl.awq_linear(128, 64, 32)
     loaded, expected = case.new_layer(), case.new_layer()
-    load_(loaded, plan.bind(case.config, HOST))
+    _load_(loaded, plan.bind(case.config, HOST))
     case.vllm_process(expected)
     assert {} == dict_diff(snapshot(expected, case.attr_paths), snapshot(loaded, case.attr_paths))
     engine, prepared = _exported_layer(case, plan)
-    restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
+    _restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
              drops=prepared.drops)
     diff = dict_diff(snapshot(loaded, case.attr_paths), snapshot(engine, case.attr_paths))
     assert {"@isa_hint": (loaded.isa_hint, "<missing>")} == diff
@@ -405,7 +422,7 @@ def test_cuda_unquantized_plan_is_a_noop():
     plan = plan_for(case.config, target=Target("cuda", (9, 0))).plan
     layer = case.new_layer()
     before = snapshot(layer)
-    load_(layer, plan.bind(case.config, Target("cuda", (9, 0))))
+    _load_(layer, plan.bind(case.config, Target("cuda", (9, 0))))
     assert ("none", ()) == (plan.kernel, plan.stages)
     assert before == snapshot(layer)
 
@@ -432,12 +449,12 @@ def test_sgl_plan_equals_vllms_amx_dispatch(size_k, size_n, dtype, bias, monkeyp
     expected, loaded = case.new_layer(), case.new_layer()
     case.vllm_process(expected)
     assert "sgl" == vl.probe_branch(expected)
-    load_(loaded, plan.bind(case.config, amx))
+    _load_(loaded, plan.bind(case.config, amx))
     assert {} == dict_diff(snapshot(expected, case.attr_paths), snapshot(loaded, case.attr_paths))
     assert torch.equal(_forward(case, expected), _forward(case, loaded))
     engine, prepared = _exported_layer(case, plan, target=amx)
     shared = prepared.tensors["weight"]
-    restore_(engine, plan.bind(case.config, amx), prepared.recorded, strict=True,
+    _restore_(engine, plan.bind(case.config, amx), prepared.recorded, strict=True,
              drops=prepared.drops)
     assert {} == dict_diff(snapshot(loaded, case.attr_paths), snapshot(engine, case.attr_paths))
     assert torch.equal(_forward(case, loaded), _forward(case, engine))

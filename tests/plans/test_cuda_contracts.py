@@ -297,7 +297,7 @@ def test_online_fp8_daemon_load_path(simulated_cuda, name):
     again (the daemon crash seen on the H200 with vLLM 0.32)."""
     from vllm.model_executor.layers.quantization.online import fp8 as online
 
-    from wcache.vllm.daemon import load_checkpoint_
+    from wcache.vllm.build import load_checkpoint_
 
     size_k, size_n = 256, 128
     cls = getattr(online, name)
@@ -1192,7 +1192,7 @@ def test_daemon_refuses_an_already_quantized_online_weight_naming_layer_plan_and
     layer, the plan, the dtype found and the layer's tensors; never a crash in torch
     (``aminmax`` on float8) or bytes that differ from an ordinary load."""
     from wcache.errors import PrepareFailed
-    from wcache.vllm.daemon import prepare_layers_
+    from wcache.vllm.build import prepare_layers_
     from wcache.vllm.model import PlannedLayer
 
     config = LayerConfig(QuantSpec("fp8_per_tensor", 8, kernel="cutlass"), 64, 32,

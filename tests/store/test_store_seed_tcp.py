@@ -289,7 +289,7 @@ def test_an_unsigned_answer_is_not_received(host, key):
 
 def test_rank_ports_follow_the_local_rank():
     """Rank i of a node listens on, and asks, PORT + i; port 0 stays 0; a port past 65535 is refused."""
-    from wcache.vllm.daemon import rank_seed_address
+    from wcache.daemon.serve import rank_seed_address
 
     assert ("10.0.0.5", 29602) == rank_seed_address("tcp://10.0.0.5:29600", 2)
     assert ("fd00::5", 29601) == rank_seed_address("[fd00::5]:29600", 1)

@@ -58,7 +58,7 @@ def test_missing_dev_shm_is_refused(tmp_path):
 ])
 def test_serve_asks_for_dev_shm_where_its_backends_need_it(device, world, seeding, expected):
     """shm_needs: CPU TP/PP and NCCL (ranks, seeding) need the collectives' size; CUDA the ref counters'."""
-    from wcache.vllm.daemon import shm_needs
+    from wcache.daemon.serve import shm_needs
 
     assert expected == [need for need, _ in shm_needs(device, world, seeding)]
 
@@ -67,14 +67,14 @@ def test_serve_asks_for_dev_shm_where_its_backends_need_it(device, world, seedin
 def test_serve_with_two_cpu_ranks_refuses_a_small_dev_shm_before_any_work(small_shm, monkeypatch,
                                                                           capsys):
     """`wcache serve -tp 2` on CPU with a 64 MiB /dev/shm: one [shm-too-small] line; no rank starts."""
-    import wcache.vllm.daemon as daemon
+    import wcache.daemon.serve as serve
     from wcache.testing.fixtures import build
 
     def never(*a, **k):
         pytest.fail("a rank started")
 
-    monkeypatch.setattr(daemon, "serve_rank", never)
-    monkeypatch.setattr(daemon, "_serve_ranks", never)
+    monkeypatch.setattr(serve, "serve_rank", never)
+    monkeypatch.setattr(serve, "_serve_ranks", never)
     assert 1 == cli.main(["serve", "--model", str(build("bf16")), "--tensor-parallel-size", "2"])
     err = capsys.readouterr().err
     assert err.startswith("wcache serve: error [shm-too-small]: wcache serve: 2 ranks (vLLM CPU ")

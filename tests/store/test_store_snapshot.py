@@ -317,7 +317,7 @@ def test_seed_from_bad_paths_say_what_to_give(daemon, key, sock_dir, tmp_path):
     import socket as socket_mod
 
     from wcache.store import DaemonMissing
-    from wcache.vllm.daemon import find_seed_source
+    from wcache.daemon.serve import find_seed_source
 
     plain = tmp_path / "plain"
     plain.write_text("x")

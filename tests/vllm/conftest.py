@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 
-from wcache.vllm.process import ENGINE_ARGS
+from wcache.daemon.process import ENGINE_ARGS
 
 
 @pytest.fixture(scope="module")
@@ -17,11 +17,11 @@ def vllm_cfg():
     from vllm.distributed import model_parallel_is_initialized
 
     from wcache.testing.fixtures import build
-    from wcache.vllm.daemon import _init_distributed, _prepare_platform, engine_config
+    from wcache.vllm.build import engine_config, init_distributed, prepare_platform
 
     cfg = engine_config(str(build("bf16")), list(ENGINE_ARGS))
-    with _prepare_platform(cfg), set_current_vllm_config(cfg):
+    with prepare_platform(cfg), set_current_vllm_config(cfg):
         if not model_parallel_is_initialized():  # the plan tests may have done it
             tmp = tempfile.mkdtemp(prefix="wcache-dist-")
-            _init_distributed(cfg, 0, 1, f"file://{tmp}/init")
+            init_distributed(cfg, 0, 1, f"file://{tmp}/init")
         yield cfg

@@ -33,9 +33,9 @@ def test_build_server_keeps_no_model_reference(vllm_cfg, tmp_path, monkeypatch):
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     from wcache.vllm import compat
-    from wcache.vllm.daemon import build_server, engine_config
+    from wcache.vllm.build import build_server, engine_config
     from wcache.vllm.key import device_id, parallel_layout
-    from wcache.vllm.process import ENGINE_ARGS
+    from wcache.daemon.process import ENGINE_ARGS
 
     refs: list[weakref.ref] = []
     real_create = DefaultModelLoader.create_model
@@ -317,12 +317,13 @@ def test_daemon_refuses_untested_vllm(monkeypatch):
     """`wcache serve` stops before loading on another vLLM version."""
     import argparse
 
-    from wcache.vllm import compat, daemon
+    from wcache.daemon import serve
+    from wcache.vllm import compat
 
     monkeypatch.setattr(compat, "vllm_version", lambda: "0.99.0")
     monkeypatch.delenv(compat.ALLOW_UNTESTED_ENV, raising=False)
     with pytest.raises(compat.UntestedVllm):
-        daemon.main(argparse.Namespace(), [])
+        serve.main(argparse.Namespace(), [])
 
 
 #: vLLM internals that only compat.py may name (tests/vllm/test_one_door.py checks

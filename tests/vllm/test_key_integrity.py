@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from wcache.core import Target
-from wcache.vllm.process import ENGINE_ARGS
+from wcache.daemon.process import ENGINE_ARGS
 
 from tests.helpers.vllm_loader import meta_model
 
@@ -26,7 +26,7 @@ ONE_RANK = {"tp_size": 1, "tp_rank": 0, "pp_size": 1, "pp_rank": 0, "dp_size": 1
 
 
 def _config(path, *extra):
-    from wcache.vllm.daemon import engine_config
+    from wcache.vllm.build import engine_config
 
     return engine_config(str(path), [*ENGINE_ARGS, *extra])
 
@@ -125,7 +125,7 @@ def test_checkpoint_swapped_during_load_is_refused(vllm_cfg, tmp_path, private_c
 
     from wcache.store import CheckpointChanged
     from wcache.testing.fixtures import build_variant
-    from wcache.vllm.daemon import build_export
+    from wcache.vllm.build import build_export
 
     a = _copy_checkpoint(tmp_path, "a")
     b = build_variant(a, tmp_path / "b")
@@ -202,7 +202,7 @@ def test_duplicated_lm_head_is_restored_tied(vllm_cfg, tmp_path, private_caches)
     import wcache.vllm.loader as loader_mod
     from wcache.store import DaemonServer
     from wcache.testing.fixtures import build, build_with_lm_head
-    from wcache.vllm.daemon import build_export
+    from wcache.vllm.build import build_export
     from wcache.vllm.key import device_id, parallel_layout
 
     ckpt = build_with_lm_head(build("bf16"), tmp_path / "dup")

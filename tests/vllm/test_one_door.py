@@ -396,3 +396,38 @@ def test_kernel_bindings_move_layer_state_onto_the_kernel():
     assert "scheme.fp8_linear.logical_output_size" == compat.bound_attr_path(
         layer, "logical_output_size")
     assert "logical_output_size" == compat.bound_attr_path(bare, "logical_output_size")
+
+
+def test_no_stage_declares_an_attr_through_another_object():
+    """Every registered stage's attrs are layer-local names (no dotted path onto a
+    kernel or scheme object): vLLM's objects are reached by compat's bindings."""
+    import wcache.plans  # noqa: F401  (registers every stage)
+    from wcache.core.registry import registered_stages
+
+    stages = registered_stages()
+    assert "onednn.prepack_scaled_weight" in stages
+    assert {} == {name: [a for a in getattr(st, "attrs", ()) if "." in a]
+                  for name, st in stages.items() if any("." in a for a in getattr(st, "attrs", ()))}
+
+
+def test_onednn_state_is_bound_onto_vllms_int8_kernel():
+    """The oneDNN W8A8 stage's dnnl_handler and linear_method go onto scheme.kernel,
+    linear_method as the kernel's own bound oneDNN apply (what vLLM's post-load sets)."""
+    from wcache.stages.onednn import ONEDNN_LINEAR_METHOD
+    from wcache.vllm import compat
+
+    class Kernel:
+        def _apply_weights_onednn(self, layer, x, bias=None):
+            return "onednn"
+
+    layer = torch.nn.Module()
+    layer.scheme = type("Scheme", (), {})()
+    layer.scheme.kernel = Kernel()
+    handle = object()
+    layer.dnnl_handler, layer.linear_method = handle, ONEDNN_LINEAR_METHOD
+    assert "scheme.kernel.dnnl_handler" == compat.bound_attr_path(layer, "dnnl_handler")
+    compat.sync_kernel_state_(layer)
+    assert handle is layer.scheme.kernel.dnnl_handler
+    assert layer.scheme.kernel._apply_weights_onednn == layer.scheme.kernel.linear_method
+    assert "onednn" == layer.scheme.kernel.linear_method(layer, None)
+    assert set() == {"dnnl_handler", "linear_method"} & set(vars(layer))

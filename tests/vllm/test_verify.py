@@ -20,7 +20,7 @@ import torch
 from wcache.core import StageOut, Tag
 from wcache.testing.fixtures import FORMATS
 from wcache.testing.plans import unregistered_stage
-from wcache.vllm.process import ENGINE_ARGS
+from wcache.daemon.process import ENGINE_ARGS
 
 pytestmark = pytest.mark.slow
 
@@ -136,7 +136,7 @@ def test_socket_dir_mode_checks_a_running_daemon(host_kernels):
     RestoreFailed [daemon-missing]."""
     from vllm.config import set_current_vllm_config
 
-    from wcache.vllm.daemon import _prepare_platform, build_server, engine_config
+    from wcache.vllm.build import build_server, engine_config, prepare_platform
     from wcache.vllm.key import device_id, parallel_layout
     from wcache.vllm.loader import RestoreFailed
     from wcache.vllm.verify import _ensure_world, verify
@@ -145,7 +145,7 @@ def test_socket_dir_mode_checks_a_running_daemon(host_kernels):
     cfg = engine_config(path, list(ENGINE_ARGS))
     sockets = tempfile.mkdtemp(prefix="wcv-")  # short: a socket path holds <= 107 bytes
     try:
-        with _prepare_platform(cfg), set_current_vllm_config(cfg):
+        with prepare_platform(cfg), set_current_vllm_config(cfg):
             _ensure_world(cfg)
             dev = device_id(torch.device("cpu"), cfg.model_config, parallel_layout())
             server = build_server(cfg, socket_dir=sockets, device_id=dev, progress=False)

@@ -298,7 +298,7 @@ def run_engine_daemons(formats: tuple[str, ...], log: Callable[[str], None]) -> 
     ``serve_rank``: engine arguments, distributed init, key, arena; Python and
     vLLM imports excluded) and the process wall time to the ready line."""
     from wcache.testing.fixtures import build
-    from wcache.vllm.process import DaemonProcess
+    from wcache.daemon.process import DaemonProcess
 
     rows = []
     for fmt in formats:

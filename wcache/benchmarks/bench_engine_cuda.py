@@ -218,7 +218,7 @@ def run(formats: Sequence[str], root: Path, log: Callable[[str], None],
     ``profile_dir/<format>.prof`` (the loader's ``profile_file``; it adds profiler
     overhead to that load's figures)."""
     from wcache.testing.fixtures import build
-    from wcache.vllm.process import DaemonProcess, run_engine
+    from wcache.daemon.process import DaemonProcess, run_engine
 
     tokenizer_dir = build("bf16")
     rows = []

@@ -194,7 +194,7 @@ def run(clients: int, cycles: int, kill_every_s: float) -> dict[str, Any]:
     """One soak run; returns its figures (see the module docstring)."""
     from wcache.store.paths import list_sockets  # noqa: PLC0415
     from wcache.testing.fixtures import build  # noqa: PLC0415
-    from wcache.vllm.process import DaemonProcess, free_port  # noqa: PLC0415
+    from wcache.daemon.process import DaemonProcess, free_port  # noqa: PLC0415
 
     model = str(build("bf16"))
     tmp = tempfile.mkdtemp(prefix="wc-soak-")

@@ -5,7 +5,7 @@ docs/benchmarks.md).
 Usage (one GPU; vLLM is not installed there):
     python3 -m wcache.benchmarks.daemon_memory OUT_DIR [cuda_vmm|cuda_ipc ...]
 
-Per transport, a daemon process does what ``wcache.vllm.daemon.build_server`` does
+Per transport, a daemon process does what ``wcache.vllm.build.build_server`` does
 after vLLM's model build, on an 8B-shaped bf16 linear stack
 (``wcache/benchmarks/synthetic.py``, Llama-3.1-8B's linears): the "loaded model" tensors
 are allocated on the GPU, ``DaemonServer`` copies them into its arena, the model

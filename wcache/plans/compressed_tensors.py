@@ -55,5 +55,5 @@ W8A8_INT8_ONEDNN = register(Plan(
     description="compressed-tensors W8A8 INT8 on CPU (oneDNN scaled mm): fused per-tensor "
                 "scales to per-channel, static input scale/zero point folded, azp_adj "
                 "computed (dynamic or asymmetric input); all exported. Restore rebuilds "
-                "scheme.kernel.dnnl_handler from the int8 weight and drops the weight "
-                "slot (None) like vLLM."))
+                "the oneDNN handle (dnnl_handler, bound onto vLLM's kernel object) from "
+                "the int8 weight and drops the weight slot (None) like vLLM."))

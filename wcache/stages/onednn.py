@@ -26,10 +26,10 @@ from wcache.stages.common import (  # noqa: F401
     OpUnavailable, StageInputError, fold_int8_static_input, require_op,
 )
 
-__all__ = ["PRIMITIVE_CACHE_SIZE", "CPUDNNLGEMMHandler", "OneDNNLinear", "KernelMethod",
+__all__ = ["PRIMITIVE_CACHE_SIZE", "CPUDNNLGEMMHandler", "OneDNNLinear",
            "create_onednn_mm", "create_onednn_scaled_mm", "onednn_mm",
            "prepack_weight", "convert_scale_to_channelwise", "fold_input_scale",
-           "compute_azp_adj", "prepack_scaled_weight", "sgl_selected", "KERNEL_ATTR_DEFAULT"]
+           "compute_azp_adj", "prepack_scaled_weight", "sgl_selected", "ONEDNN_LINEAR_METHOD"]
 
 _UTILS = "vllm/model_executor/layers/utils.py::dispatch_cpu_unquantized_gemm"
 _SCALED = ("vllm/model_executor/kernels/linear/scaled_mm/cpu.py::"
@@ -37,9 +37,11 @@ _SCALED = ("vllm/model_executor/kernels/linear/scaled_mm/cpu.py::"
 
 #: oneDNN primitive cache entries per handle; vLLM passes 32 in both dispatches.
 PRIMITIVE_CACHE_SIZE = 32
-#: where the W8A8 kernel object lives, relative to the layer (compressed-tensors:
-#: ``layer.scheme.kernel``); override with ``LayerConfig.extra["kernel_attr"]``.
-KERNEL_ATTR_DEFAULT = "scheme.kernel"
+#: The W8A8 kernel path :func:`prepack_scaled_weight` selects, as the layer's
+#: ``linear_method``: vLLM's oneDNN scaled-mm apply (not the AMX SGL one). The
+#: stage leaves it and ``dnnl_handler`` on the layer; ``wcache.vllm.compat``'s
+#: ``KERNEL_BINDINGS`` puts both on vLLM's kernel object (``layer.scheme.kernel``).
+ONEDNN_LINEAR_METHOD = "onednn"
 
 
 class CPUDNNLGEMMHandler:
@@ -154,33 +156,6 @@ def create_onednn_scaled_mm(weight_kn: torch.Tensor, weight_scales: torch.Tensor
     return CPUDNNLGEMMHandler(ptr, k, n, keepalive=(weight_kn, weight_scales))
 
 
-class KernelMethod:
-    """A stand-in for a bound method of the layer's kernel, resolved at call time:
-    ``KernelMethod("scheme.kernel", "_apply_weights_onednn")(layer, x, bias)`` calls
-    ``layer.scheme.kernel._apply_weights_onednn(layer, x, bias)``. Lets a stage set
-    ``kernel.linear_method`` without holding (or importing) the kernel object."""
-
-    def __init__(self, kernel_attr: str, method: str):
-        self.kernel_attr, self.method = kernel_attr, method
-
-    def __call__(self, layer: torch.nn.Module, x: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-        obj: Any = layer
-        for part in self.kernel_attr.split("."):
-            obj = getattr(obj, part)
-        return getattr(obj, self.method)(layer, x, bias)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, KernelMethod) and \
-            (self.kernel_attr, self.method) == (other.kernel_attr, other.method)
-
-    def __hash__(self) -> int:
-        return hash((self.kernel_attr, self.method))
-
-    def __repr__(self) -> str:
-        return f"KernelMethod({self.kernel_attr!r}, {self.method!r})"
-
-
 def sgl_selected(size_n: int, size_k: int, dtype: torch.dtype, target: Target) -> bool:
     """Whether vLLM picks the AMX SGL kernel (a byte TRANSFORM, not oneDNN) for an
     ``[N, K]`` weight of ``dtype`` on ``target``: the probed host decision
@@ -195,10 +170,6 @@ def sgl_selected(size_n: int, size_k: int, dtype: torch.dtype, target: Target) -
     if dtype == torch.int8:
         return target.kernel(W8A8_INT8_SGL) == GEMM_SGL
     return target.kernel(gemm_decision(dtype, True)) == GEMM_SGL
-
-
-def _kernel_attr(config: LayerConfig) -> str:
-    return config.get("kernel_attr", KERNEL_ATTR_DEFAULT)
 
 
 # --------------------------------------------------------------------------- unquantized
@@ -303,14 +274,16 @@ def compute_azp_adj(tensors: Mapping[str, torch.Tensor], config: LayerConfig, ta
 
 @stage("onednn.prepack_scaled_weight", Tag.DERIVE,
        reads=("weight", "weight_scale", "input_scale"), optional=("input_scale",),
-       attrs=("weight", f"{KERNEL_ATTR_DEFAULT}.dnnl_handler",
-              f"{KERNEL_ATTR_DEFAULT}.linear_method"),
+       attrs=("weight", "dnnl_handler", "linear_method"),
        source=f"{_SCALED} (create_onednn_scaled_mm, then setattr(layer, 'weight', None))")
 def prepack_scaled_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
                           target: Target, recorded: Mapping[str, Any]) -> StageOut:
-    """Build ``kernel.dnnl_handler`` from int8 ``weight`` ``[N, K]`` (passed as the
-    ``[K, N]`` view) and ``weight_scale``; set ``kernel.linear_method`` to the
-    kernel's oneDNN apply; release ``weight`` into a ``None`` slot (vLLM drops it).
+    """Build ``dnnl_handler`` from int8 ``weight`` ``[N, K]`` (passed as the
+    ``[K, N]`` view) and ``weight_scale``; set ``linear_method`` to
+    :data:`ONEDNN_LINEAR_METHOD` (the kernel's oneDNN apply); release ``weight``
+    into a ``None`` slot (vLLM drops it). Both attrs are layer-local: on a vLLM layer
+    ``wcache.vllm.compat.sync_kernel_state_`` moves them onto the kernel object,
+    where vLLM's own post-load sets them.
 
     The handle's output dtype is ``config.params_dtype`` (vLLM: the default dtype
     during load, which is the model dtype).
@@ -324,18 +297,13 @@ def prepack_scaled_weight(tensors: Mapping[str, torch.Tensor], config: LayerConf
     if config.quant.input_symmetric and sgl_selected(n, k, torch.int8, target):
         raise StageInputError(f"layer {config.name!r}: the target selects the AMX SGL int8 "
                               f"kernel (a byte transform); no wcache plan for it")
-    kattr = _kernel_attr(config)
-    if kattr != KERNEL_ATTR_DEFAULT:
-        raise StageInputError(f"kernel_attr {kattr!r} is not declared by this stage")
     if weight.device.type == "meta":  # shapes only: no handle can be built without bytes
-        method = KernelMethod(kattr, "_apply_weights_onednn")
-        return StageOut(attrs={"weight": None, f"{kattr}.dnnl_handler": None,
-                               f"{kattr}.linear_method": method}, release=("weight",))
+        return StageOut(attrs={"weight": None, "dnnl_handler": None,
+                               "linear_method": ONEDNN_LINEAR_METHOD}, release=("weight",))
     handle = create_onednn_scaled_mm(
         weight.t(), tensors["weight_scale"], config.dtype,
         "input_scale" not in tensors, not config.quant.input_symmetric, PRIMITIVE_CACHE_SIZE)
     return StageOut(
-        attrs={"weight": None, f"{kattr}.dnnl_handler": handle,
-               f"{kattr}.linear_method": KernelMethod(kattr, "_apply_weights_onednn")},
+        attrs={"weight": None, "dnnl_handler": handle, "linear_method": ONEDNN_LINEAR_METHOD},
         release=("weight",))
 

@@ -10,7 +10,7 @@ host is named):
   (``daemon-missing`` while a rank loads or after it died, ``arena-invalidated``
   after a client's guard fired, ``key-mismatch`` when only another
   configuration answers). It is the same check as ``wcache status
-  --wait-ready`` (:func:`wcache.vllm.ready.survey`).
+  --wait-ready`` (:func:`wcache.daemon.ready.survey`).
 * ``GET /metrics``: Prometheus text format (``prometheus_client``), gathered at
   scrape time from each rank's ``status`` reply, one label set per rank
   (``tp_rank``, ``pp_rank``): clients, attaches, releases (by how), bytes
@@ -50,7 +50,7 @@ log = logging.getLogger("wcache.store")
 LOOPBACK = "127.0.0.1"
 HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
-#: A snapshot's states as ``status`` reports them (``wcache.vllm.daemon.serve_rank``),
+#: A snapshot's states as ``status`` reports them (``wcache.daemon.serve.serve_rank``),
 #: plus ``none`` (no --snapshot): each is one 0/1 series so a dashboard sees changes.
 SNAPSHOT_STATES = ("none", "read", "writing", "written", "failed")
 #: How ended attachments are counted (:attr:`DaemonServer.releases`).

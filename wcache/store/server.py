@@ -737,7 +737,7 @@ class DaemonServer:
             "key_digest": self.key.digest, "key_fields": self.key.fields,
             "invalidated": self.invalidated,
             "transport_fallback_reason": self.transport_fallback_reason,
-            # set by `wcache serve` (wcache.vllm.daemon.serve_rank); None for other servers
+            # set by `wcache serve` (wcache.daemon.serve.serve_rank); None for other servers
             "origin": getattr(self, "origin", None),
             "snapshot": getattr(self, "snapshot_state", None),
             "seeds_served": getattr(getattr(self, "seed_source", None), "seeds_done", None),

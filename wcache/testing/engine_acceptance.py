@@ -14,7 +14,7 @@ then ``wcache verify --socket-dir`` against that daemon (every module's tensors,
 attributes and kernel state against vLLM's own load, and the logits of a fixed
 forward). Greedy token ids must equal the disk load's; where a kernel is not
 batch-invariant the top-N logprobs must be close in vLLM's ``check_logprobs_close``
-sense. Each engine runs in its own process (:func:`wcache.vllm.process.run_engine`).
+sense. Each engine runs in its own process (:func:`wcache.daemon.process.run_engine`).
 
 The outcome of a case is one of:
 
@@ -44,7 +44,7 @@ from typing import Any
 
 import attrs
 
-from wcache.vllm.process import DaemonProcess, first_traceback, run_engine
+from wcache.daemon.process import DaemonProcess, first_traceback, run_engine
 
 __all__ = ["EngineCase", "run_case", "logprobs_close", "record_result", "CUDA_ENGINE_ARGS",
            "RESULTS_ENV"]

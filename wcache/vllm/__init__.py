@@ -3,7 +3,8 @@
 - ``wcache.vllm.plugin``: the ``vllm.general_plugins`` entry point (registers
   load formats ``wcache`` and ``wcache_timed_auto`` in every vLLM process).
 - ``wcache.vllm.loader``: the engine-side restore loader.
-- ``wcache.vllm.daemon``: ``wcache serve``.
+- ``wcache.vllm.build``: the daemon's model build with vLLM's own loader (what
+  ``wcache serve``, in :mod:`wcache.daemon`, asks of vLLM).
 - ``wcache.vllm.adapter``: vLLM quant method -> LayerConfig.
 - :func:`plan_for`: a vLLM quant method object -> its bound plan.
 """

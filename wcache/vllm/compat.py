@@ -32,13 +32,6 @@ layers vLLM gives deferred post-load work (``is_deferred_attention_layer``) and
 whether a method's or impl's ``process_weights_after_loading`` is the base class's
 no-op.
 
-Not yet behind this door: ``wcache/stages/onednn.py``'s
-``onednn.prepack_scaled_weight`` still declares attrs on vLLM's kernel
-(``scheme.kernel.dnnl_handler``, ``scheme.kernel.linear_method``, applied through a
-``KernelMethod`` naming ``_apply_weights_onednn``); moving them onto the layer and
-binding them here by :data:`KERNEL_BINDINGS` (as ``logical_output_size`` is) is
-issue 25's next step.
-
 Classes are compared by exact type, not ``isinstance``: a subclass may change
 the post-load work (``ZentorchWNA16LinearKernel`` subclasses
 ``CPUWNA16LinearKernel`` and lays weights out differently), and an unknown
@@ -776,7 +769,27 @@ KERNEL_BINDINGS = (
     KernelBinding("logical_output_size", ("quant_method.fp8_linear", "scheme.fp8_linear"),
                   "logical_output_size", only_existing=True,
                   convert=lambda kernel, value: int(value)),
+    # oneDNN W8A8 INT8 on CPU (wcache.stages.onednn.prepack_scaled_weight):
+    # CPUInt8ScaledMMLinearKernel, the compressed-tensors scheme's kernel, keeps the
+    # handle and the apply its process_weights_after_loading chose
+    KernelBinding("dnnl_handler", ("scheme.kernel",), "dnnl_handler"),
+    KernelBinding("linear_method", ("scheme.kernel",), "linear_method",
+                  convert=lambda kernel, value: _int8_linear_method(kernel, value)),
 )
+
+#: ``linear_method`` as the oneDNN W8A8 stage names it -> the method of vLLM's
+#: CPUInt8ScaledMMLinearKernel that its own post-load binds for it.
+_INT8_LINEAR_METHODS = {"onednn": "_apply_weights_onednn"}
+
+
+def _int8_linear_method(kernel: Any, value: str) -> Any:
+    """The kernel's bound apply for the stage's ``linear_method`` (what vLLM sets:
+    ``self.linear_method = self._apply_weights_onednn``).
+
+    Raises:
+        KeyError: a value no stage of this vLLM version sets.
+    """
+    return getattr(kernel, _INT8_LINEAR_METHODS[value])
 
 
 def _resolve(obj: Any, path: str) -> Any:

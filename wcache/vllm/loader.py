@@ -56,7 +56,7 @@ from vllm.model_executor.model_loader.utils import initialize_model
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 from wcache.core import WcacheError
-from wcache.errors import UpdateUnsupported
+from wcache.errors import RestoreFailed, UpdateUnsupported
 from wcache.store import CacheKey, DaemonMissing, StoreError, attach
 from wcache.vllm import compat
 from wcache.vllm.key import build_key, device_id, parallel_layout
@@ -74,10 +74,6 @@ DEFAULT_CONNECT_TIMEOUT_S = 5.0  # a local daemon answers in milliseconds; 5 s c
 #: Status probe of other daemons when ours is missing (seconds): a live local
 #: daemon answers in milliseconds; this only bounds the diagnosis.
 STATUS_PROBE_S = 1.0
-
-
-class RestoreFailed(WcacheError, RuntimeError):
-    """Restore from the daemon failed and ``fallback=false`` forbids a disk load."""
 
 
 @attrs.frozen

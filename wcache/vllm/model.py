@@ -1,6 +1,6 @@
 """Walk a vLLM model: resolve a plan per layer, export after prepare, install and restore.
 
-Shared by the daemon (:mod:`wcache.vllm.daemon`) and the engine-side loader
+Shared by the daemon (:mod:`wcache.vllm.build`) and the engine-side loader
 (:mod:`wcache.vllm.loader`). The only vLLM-specific knowledge here is which
 modules carry post-load work (those with a ``quant_method`` and attention
 layers); everything per method lives in the plans.

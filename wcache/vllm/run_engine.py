@@ -34,6 +34,7 @@ def _state_digest(model) -> dict:
     """Per planned layer: tensor checksums and the plan-declared attributes; and the
     groups of parameter names that are one object (tied weights)."""
     from wcache.shell import snapshot  # noqa: PLC0415
+    from wcache.vllm.compat import bound_attr_path  # noqa: PLC0415
     from wcache.vllm.model import planned_layers  # noqa: PLC0415
     from wcache.vllm.probe import host_target  # noqa: PLC0415
 
@@ -41,7 +42,9 @@ def _state_digest(model) -> dict:
     for p in planned_layers(model, host_target("cpu")):
         # kv_cache is the load-time placeholder that the model runner rebinds to the
         # real (uninitialized, engine-sized) KV cache after loading: not load state.
-        paths = sorted({a for s in p.plan.stages for a in s.attrs} - {"kv_cache"})
+        # Kernel state is read where vLLM keeps it (on its kernel object).
+        paths = sorted({bound_attr_path(p.module, a) for s in p.plan.stages for a in s.attrs}
+                       - {"kv_cache"})
         snap = snapshot(p.module, paths)
         out[p.name] = {k: list(v) if isinstance(v, tuple) else v for k, v in snap.items()}
     groups: dict[int, list[str]] = {}

@@ -14,7 +14,7 @@ Steps, in one process (one rank):
    dropped, so at most two copies of the weights are alive at any time.
 2. **The wcache way**: a second real load runs every plan's ``prepare`` and is
    exported into an arena served by an in-process daemon on a private socket
-   (``wcache serve``'s own :func:`wcache.vllm.daemon.build_export` and
+   (``wcache serve``'s own :func:`wcache.vllm.build.build_export` and
    :class:`wcache.store.DaemonServer`); or, with ``socket_dir``, nothing is built
    and the running daemon is asked. The engine's own loader
    (:class:`wcache.vllm.loader.WcacheModelLoader`, ``fallback=false``,
@@ -423,11 +423,11 @@ def _forgetting_registrations(vllm_config: Any) -> Iterator[None]:
 def _ensure_world(vllm_config: Any) -> None:
     from vllm.distributed import model_parallel_is_initialized  # noqa: PLC0415
 
-    from wcache.vllm.daemon import _init_distributed  # noqa: PLC0415
+    from wcache.vllm.build import init_distributed  # noqa: PLC0415
 
     if not model_parallel_is_initialized():
         tmp = tempfile.mkdtemp(prefix="wcache-verify-dist-")
-        _init_distributed(vllm_config, 0, 1, f"file://{tmp}/init")
+        init_distributed(vllm_config, 0, 1, f"file://{tmp}/init")
 
 
 @attrs.frozen
@@ -459,13 +459,15 @@ def _observe(model: torch.nn.Module, vllm_config: Any, attr_paths: Mapping[str, 
 def _plan_rows(model: torch.nn.Module, target: Any) -> tuple[dict[str, tuple[str, str]],
                                                             dict[str, list[str]]]:
     """Per planned layer of vLLM's loaded model: (plan id, kernel) and the
-    attribute paths its plan's stages declare."""
+    attribute paths its plan's stages declare, each where vLLM keeps it (a kernel
+    binding's path on vLLM's kernel object: :func:`wcache.vllm.compat.bound_attr_path`)."""
     from wcache.vllm.model import planned_layers  # noqa: PLC0415
 
     info, paths = {}, {}
     for p in planned_layers(model, target):
         info[p.name] = (p.plan.id, p.config.quant.kernel or p.plan.kernel)
-        paths[p.name] = sorted({a for s in p.plan.stages for a in s.attrs})
+        paths[p.name] = sorted({compat.bound_attr_path(p.module, a)
+                                for s in p.plan.stages for a in s.attrs})
     return info, paths
 
 
@@ -550,7 +552,7 @@ def verify(model: str, engine_args: Sequence[str] = (), *, socket_dir: str | Non
     from vllm.config import set_current_vllm_config  # noqa: PLC0415
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader  # noqa
 
-    from wcache.vllm.daemon import _prepare_platform, engine_config  # noqa: PLC0415
+    from wcache.vllm.build import engine_config, prepare_platform  # noqa: PLC0415
     from wcache.vllm.probe import host_target  # noqa: PLC0415
 
     out = out if out is not None else sys.stderr
@@ -575,7 +577,7 @@ def verify(model: str, engine_args: Sequence[str] = (), *, socket_dir: str | Non
     mode = "in-process" if socket_dir is None else f"daemon {socket_dir}"
     bar = _steps(progress, total=5 if socket_dir else 6)
     try:
-        with _prepare_platform(vllm_config), set_current_vllm_config(vllm_config):
+        with prepare_platform(vllm_config), set_current_vllm_config(vllm_config):
             _ensure_world(vllm_config)
             target = host_target(device)
             _advance(bar, "vLLM load")
@@ -615,7 +617,7 @@ def _wcache_side(vllm_config: Any, model_config: Any, device: torch.device,
                  progress: bool) -> _Side:
     """Prepare and serve in-process (unless ``socket_dir``), restore with the
     engine's loader, observe, and drop everything."""
-    from wcache.vllm.daemon import build_server  # noqa: PLC0415
+    from wcache.vllm.build import build_server  # noqa: PLC0415
     from wcache.vllm.key import device_id, parallel_layout  # noqa: PLC0415
     from wcache.vllm.loader import WcacheModelLoader  # noqa: PLC0415
 

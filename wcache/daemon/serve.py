@@ -2,7 +2,9 @@
 
 Builds the model with vLLM's own loader (on CPU here, CUDA where available),
 runs each layer's ``plan.prepare`` (TRANSFORM/METADATA/VALIDATE stages only),
-exports every parameter and buffer into one arena and serves it. With
+exports every parameter and buffer into one arena and serves it; the build and
+everything else that touches vLLM is :mod:`wcache.vllm.build`, this module the
+orchestration around it (imports no vLLM). With
 ``--tensor-parallel-size N`` / ``--pipeline-parallel-size M`` one process per
 rank is started through vLLM's own distributed initialization (gloo on CPU,
 NCCL on GPU), so each rank holds exactly the shard its engine rank will ask
@@ -25,20 +27,18 @@ receiver's ``--seed-from tcp://HOST:PORT`` maps its ranks the same way).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
 import socket
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from wcache.vllm import compat
+from wcache.vllm import build
 
-logger = logging.getLogger("wcache.vllm")
+logger = logging.getLogger("wcache.daemon")
 
 #: How long the parent waits for every rank to report ready (seconds): a
 #: 30B-shaped model on a slow disk takes minutes to load and prepare.
@@ -49,212 +49,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def engine_config(model: str, rest: list[str]) -> Any:
-    """A VllmConfig from vLLM's own engine-argument parser (the same flags as
-    ``vllm serve``), with load_format forced to ``auto`` for the daemon's load."""
-    from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
-    from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: PLC0415
-
-    parser = FlexibleArgumentParser(prog="wcache serve")
-    EngineArgs.add_cli_args(parser)
-    ns = parser.parse_args(["--model", model, *rest])
-    engine_args = compat.disk_load_engine_args_(EngineArgs.from_cli_args(ns))
-    return engine_args.create_engine_config()
-
-
-def _checked_engine_config(model: str, rest: list[str]) -> Any:
-    """:func:`engine_config`, with what vLLM and transformers raise about the
-    checkpoint's config (or the engine arguments) turned into one
-    :class:`~wcache.errors.ConfigInvalid` naming the file; the traceback is logged
-    at DEBUG (``wcache serve --verbose``).
-
-    Raises:
-        ConfigInvalid: vLLM or transformers refused the config or the arguments.
-    """
-    from wcache.core import WcacheError  # noqa: PLC0415
-    from wcache.errors import ConfigInvalid  # noqa: PLC0415
-
-    try:
-        return engine_config(model, rest)
-    except WcacheError:
-        raise
-    except Exception as exc:  # noqa: BLE001  (vLLM and transformers raise many kinds)
-        logger.debug("wcache serve: vLLM refused the config", exc_info=True)
-        last = (str(exc).strip().splitlines() or [""])[-1].strip()
-        raise ConfigInvalid(f"{os.path.join(model, 'config.json')} (with the engine arguments "
-                            f"{' '.join(rest) or 'none'}): vLLM refused it: {type(exc).__name__}: "
-                            f"{last}; fix the config or the arguments") from exc
-
-
-def build_export(vllm_config: Any, *, progress: bool = True):
-    """Load the model with vLLM's loader, prepare every planned layer, and return
-    ``(Export, CacheKey)``. Needs vLLM's distributed state initialized.
-
-    Raises:
-        NoPlan: a layer's method has no plan (before any weight is read).
-        CheckpointChanged: a checkpoint file changed between the digest taken
-            before the load and the end of prepare; nothing is served.
-    """
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader  # noqa
-    from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: PLC0415
-
-    from wcache.vllm.probe import host_target  # noqa: PLC0415
-    from wcache.store import Export  # noqa: PLC0415
-    from wcache.store.fingerprint import (  # noqa: PLC0415
-        checkpoint_digest, checkpoint_stats, verify_checkpoint_unchanged,
-    )
-    from wcache.vllm.key import build_key, parallel_layout  # noqa: PLC0415
-    from wcache.vllm.model import export_tensors, layer_entries, plan_ids, planned_layers  # noqa
-
-    model_config = vllm_config.model_config
-    device = torch.device(vllm_config.device_config.device)
-    target = host_target(device)
-    loader = DefaultModelLoader(vllm_config.load_config)
-    t0 = time.perf_counter()
-    with set_default_torch_dtype(model_config.dtype), device:
-        model = loader.create_model(vllm_config=vllm_config, model_config=model_config)
-    planned = planned_layers(model, target)  # also refuses a model-level post-load hook
-    layout = parallel_layout()
-    logger.info("wcache: loading weights of %s (rank tp%d/pp%d)", model_config.model,
-                layout["tp_rank"], layout["pp_rank"])
-    # The key must describe the bytes loaded: digest and stat every file before the
-    # load, and refuse after prepare if any file changed meanwhile (vLLM's loader
-    # opens the files itself, so they cannot be hashed as it reads them).
-    checkpoint_before = checkpoint_stats(model_config.model)
-    checkpoint = checkpoint_digest(model_config.model)
-    load_checkpoint_(loader, model, model_config)
-    _retie_word_embeddings_(model, model_config)
-    t_load = time.perf_counter()
-    prepared = prepare_layers_(planned, target, progress=progress)
-    t_prep = time.perf_counter()
-    tensors, kinds, aliases, nonpersistent = export_tensors(model)
-    layers = layer_entries(planned, prepared)
-    verify_checkpoint_unchanged(model_config.model, checkpoint_before)
-    key = build_key(model_config, layout, plan_ids(planned), target, checkpoint=checkpoint)
-    export = Export(tensors=tensors, kinds=kinds, aliases=aliases, layers=layers,
-                    nonpersistent=nonpersistent,
-                    extra={"model": str(model_config.model), "layout": layout,
-                           "load_s": t_load - t0, "prepare_s": t_prep - t_load})
-    logger.info("wcache: load %.2f s, prepare %.2f s (%d layers), %d tensors, %d aliases",
-                t_load - t0, t_prep - t_load, len(planned), len(tensors), len(aliases))
-    return export, key
-
-
-#: Tensors of a failing layer named in a PrepareFailed message (the rest counted).
-MAX_NAMED_TENSORS = 8
-
-
-def _layer_state(module: torch.nn.Module) -> str:
-    """``name dtype [shape]`` of a layer's own tensors, as vLLM's loader left them."""
-    items = [f"{n} {str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
-             for n, t in [*module.named_parameters(recurse=False),
-                          *module.named_buffers(recurse=False)]]
-    more = f" and {len(items) - MAX_NAMED_TENSORS} more" if len(items) > MAX_NAMED_TENSORS else ""
-    return ", ".join(items[:MAX_NAMED_TENSORS]) + more or "no tensors"
-
-
-def prepare_layers_(planned: list, target: Any, *, progress: bool = False) -> dict:
-    """Run every planned layer's ``plan.prepare`` (the daemon's TRANSFORM stages).
-
-    Returns:
-        layer name -> the plan's prepared result.
-
-    Raises:
-        PrepareFailed: a plan failed on a layer; names the layer, the plan, the error
-            and the layer's tensors as vLLM's loader left them (code ``prepare-failed``),
-            before anything is exported or served.
-    """
-    from wcache.errors import PrepareFailed  # noqa: PLC0415
-    from wcache.shell import prepare_  # noqa: PLC0415
-
-    prepared = {}
-    iterator = planned
-    if progress:
-        from tqdm import tqdm  # noqa: PLC0415
-
-        iterator = tqdm(planned, desc="wcache prepare", unit="layer", file=sys.stderr)
-    with torch.no_grad():
-        for p in iterator:
-            try:
-                prepared[p.name] = prepare_(p.module, p.plan.bind(p.config, target))
-            except Exception as exc:  # noqa: BLE001  (named and re-raised, never served)
-                raise PrepareFailed(
-                    f"layer {p.name!r}, plan {p.plan.id}: {type(exc).__name__}: {exc} "
-                    f"(vLLM's loader left: {_layer_state(p.module)}). Nothing was served; "
-                    f"serve this model without wcache (load_format='auto') and report it.",
-                    code="prepare-failed") from exc
-    return prepared
-
-
-def load_checkpoint_(loader: Any, model: torch.nn.Module, model_config: Any) -> None:
-    """Read the checkpoint into ``model`` with vLLM's loader, leaving every weight as
-    the checkpoint has it for the plans' TRANSFORM stages.
-
-    vLLM quantizes online FP8/MXFP8 layers while it loads them; here that step is
-    deferred (:func:`wcache.vllm.compat.online_quantization_deferred`), so what
-    reaches ``plan.prepare`` is the checkpoint's bf16/fp16 weight for online methods
-    too, as for every serialized method.
-
-    Source: vllm/model_executor/model_loader/base_loader.py::load_model (load_weights,
-    then finalize_layerwise_processing for online quantization).
-    """
-    with compat.online_quantization_deferred():
-        loader.load_weights(model, model_config)
-        compat.finalize_online_loading_(model, model_config)
-
-
-def _retie_word_embeddings_(model: torch.nn.Module, model_config: Any) -> None:
-    """Re-tie ``lm_head`` to the input embeddings as vLLM's disk load does
-    (``process_weights_after_loading`` calls ``maybe_retie_word_embeddings``
-    first): a checkpoint that stores a duplicate ``lm_head.weight`` with
-    ``tie_word_embeddings=true`` gets one shared tensor, which the export then
-    records as an alias.
-
-    Source: vllm/model_executor/model_loader/weight_tying.py::maybe_retie_word_embeddings
-    """
-    try:
-        from vllm.model_executor.model_loader.weight_tying import (  # noqa: PLC0415
-            maybe_retie_word_embeddings,
-        )
-    except ImportError:  # a vLLM without re-tying never unties either
-        return
-    maybe_retie_word_embeddings(model, model_config)
-
-
-def _init_distributed(vllm_config: Any, rank: int, world: int, init_method: str) -> None:
-    from vllm.distributed import (  # noqa: PLC0415
-        init_distributed_environment, initialize_model_parallel,
-    )
-
-    pc = vllm_config.parallel_config
-    backend = "nccl" if vllm_config.device_config.device_type == "cuda" else "gloo"
-    if backend == "gloo":
-        # vLLM's CPU communicator names its shared-memory segments after this (set by
-        # CPUWorker.init_device the same way); unique per init method, so per job.
-        os.environ["VLLM_DIST_IDENT"] = (
-            os.path.basename(init_method.removeprefix("file://"))
-            if init_method.startswith("file://") else init_method.split(":")[-1])
-    init_distributed_environment(world_size=world, rank=rank,
-                                 local_rank=int(os.environ.get("LOCAL_RANK", rank)),
-                                 distributed_init_method=init_method, backend=backend)
-    initialize_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size)
-
-
-@contextlib.contextmanager
-def _prepare_platform(vllm_config: Any) -> Iterator[None]:
-    """The device set up for a build inside the block: on CPU vLLM's no-ops for
-    ``torch.accelerator`` (:func:`wcache.vllm.compat.torch_accelerator_noops`,
-    undone on exit), on CUDA this rank's device (``LOCAL_RANK``)."""
-    if vllm_config.device_config.device_type == "cpu":
-        # BaseModelLoader calls torch.accelerator.empty_cache(), which raises on a
-        # CPU-only torch unless vLLM's CPU runner installed its no-ops.
-        with compat.torch_accelerator_noops():
-            yield
-    else:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        yield
 
 
 def _preflight(vllm_config: Any, socket_dir: str | None, job: str) -> str:
@@ -276,70 +70,6 @@ def _preflight(vllm_config: Any, socket_dir: str | None, job: str) -> str:
         raise DaemonBusy(f"a daemon already serves {sock}; stop it first with "
                          f"`wcache stop --device {dev_id}` or use another --socket-dir/--job")
     return dev_id
-
-
-def build_server(vllm_config: Any, *, socket_dir: str | None, device_id: str,
-                 progress: bool = True) -> Any:
-    """Build the export, copy it into the daemon's arena, and free everything else:
-    the loaded model, vLLM's process-wide registrations of its layers (forward
-    context, rotary cache), and on CUDA the caching allocator's unused blocks, so
-    the daemon holds the arena and not a second copy of the weights. Needs vLLM's
-    distributed state initialized and ``vllm_config`` current.
-
-    Returns:
-        A :class:`wcache.store.DaemonServer`, not yet started.
-
-    Raises:
-        as :func:`build_export`, and the server's own (a busy socket, an unsafe dir).
-    """
-    from wcache.store import DaemonServer  # noqa: PLC0415
-    from wcache.vllm import compat  # noqa: PLC0415
-
-    device_type = vllm_config.device_config.device_type
-    before = compat.registrations(vllm_config)
-    try:
-        export, key = build_export(vllm_config, progress=progress)
-        try:
-            return DaemonServer(export, key, socket_dir=socket_dir, device=device_type,
-                                device_id=device_id)
-        finally:
-            del export  # the model's tensors: the arena holds its own copy now
-    finally:
-        compat.forget_registrations_(vllm_config, before)
-        compat.free_device_memory(device_type)
-
-
-def expected_key(vllm_config: Any) -> Any:
-    """The key a daemon loading the checkpoint would serve, computed the way the
-    engine computes it (``WcacheModelLoader.load_model``): the model built on the
-    meta device, its plans, and the checkpoint's content digests (cached by
-    stat), without reading a weight. Needs vLLM's distributed state initialized
-    and ``vllm_config`` current.
-
-    Raises:
-        NoPlan: a layer's method has no plan.
-    """
-    from vllm.model_executor.model_loader.utils import initialize_model  # noqa: PLC0415
-    from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: PLC0415
-
-    from wcache.vllm import compat  # noqa: PLC0415
-    from wcache.vllm.key import build_key, parallel_layout  # noqa: PLC0415
-    from wcache.vllm.model import plan_ids, planned_layers  # noqa: PLC0415
-    from wcache.vllm.probe import host_target  # noqa: PLC0415
-
-    model_config = vllm_config.model_config
-    target = host_target(torch.device(vllm_config.device_config.device))
-    before = compat.registrations(vllm_config)
-    model = None
-    try:
-        with set_default_torch_dtype(model_config.dtype), torch.device("meta"), \
-                compat.without_reload_metadata():
-            model = initialize_model(vllm_config=vllm_config, model_config=model_config)
-        planned = planned_layers(model, target)
-        return build_key(model_config, parallel_layout(), plan_ids(planned), target)
-    finally:
-        del model
-        compat.forget_registrations_(vllm_config, before)
 
 
 def snapshot_name(layout: dict[str, int]) -> str:
@@ -423,7 +153,7 @@ def build_ready_server(vllm_config: Any, *, socket_dir: str | None, device_id: s
     Raises:
         SnapshotMissing, SnapshotStale, SnapshotCorrupt: ``from_snapshot`` cannot be used.
         KeyMismatch, DaemonMissing, SeedFailed: ``seed_from`` cannot be used.
-        as :func:`build_server` for the checkpoint.
+        as :func:`wcache.vllm.build.build_server` for the checkpoint.
     """
     from wcache.store import DaemonServer  # noqa: PLC0415
     from wcache.store.seed import TCP_SCHEME, seed_arena  # noqa: PLC0415
@@ -435,7 +165,7 @@ def build_ready_server(vllm_config: Any, *, socket_dir: str | None, device_id: s
     device_type = vllm_config.device_config.device_type
     if from_snapshot or seed_from or snapshot:
         t0 = time.perf_counter()
-        key = expected_key(vllm_config)
+        key = build.expected_key(vllm_config)
         logger.info("wcache: key %s computed in %.2f s (meta build, plans, checkpoint digests)",
                     key.digest[:16], time.perf_counter() - t0)
         name = snapshot_name(parallel_layout())
@@ -459,8 +189,8 @@ def build_ready_server(vllm_config: Any, *, socket_dir: str | None, device_id: s
                 raise
             logger.warning("wcache: not starting from the snapshot [%s]: %s; loading the checkpoint "
                            "and writing a new snapshot", exc.code, exc)
-    return build_server(vllm_config, socket_dir=socket_dir, device_id=device_id,
-                        progress=progress), "checkpoint"
+    return build.build_server(vllm_config, socket_dir=socket_dir, device_id=device_id,
+                              progress=progress), "checkpoint"
 
 
 def _write_rank_snapshot(server: Any, root: str, layout: dict[str, int]) -> None:
@@ -493,8 +223,8 @@ def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_metho
     secret = read_secret(seed_secret_file) if seed_secret_file else None
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     listen = rank_seed_address(seed_listen, local_rank) if seed_listen else None
-    vllm_config = _checked_engine_config(model, rest)
-    with _prepare_platform(vllm_config):
+    vllm_config = build.checked_engine_config(model, rest)
+    with build.prepare_platform(vllm_config):
         return _serve_prepared_rank(vllm_config, rank=rank, world=world,
                                     init_method=init_method, socket_dir=socket_dir,
                                     progress=progress, job=job, ready=ready, snapshot=snapshot,
@@ -510,14 +240,12 @@ def _serve_prepared_rank(vllm_config: Any, *, rank: int, world: int, init_method
                          seed_advertise: str | None, secret: bytes | None,
                          t_start: float) -> int:
     """:func:`serve_rank` once the rank's platform is prepared."""
-    from vllm.config import set_current_vllm_config  # noqa: PLC0415
-
     from wcache.store import StoreError  # noqa: PLC0415
     from wcache.store.seed import SeedSource  # noqa: PLC0415
     from wcache.vllm.key import parallel_layout  # noqa: PLC0415
 
-    with set_current_vllm_config(vllm_config):
-        _init_distributed(vllm_config, rank, world, init_method)
+    with build.current_config(vllm_config):
+        build.init_distributed(vllm_config, rank, world, init_method)
         dev_id = _preflight(vllm_config, socket_dir, job)
         layout = parallel_layout()
         server, origin = build_ready_server(vllm_config, socket_dir=socket_dir, device_id=dev_id,
@@ -659,7 +387,7 @@ def _start_http(args: argparse.Namespace, rest: list[str]) -> Any:
         HttpListenFailed: the address cannot be bound.
     """
     from wcache.store.http import OpsServer, parse_http_address  # noqa: PLC0415
-    from wcache.vllm import ready  # noqa: PLC0415
+    from wcache.daemon import ready  # noqa: PLC0415
 
     host, port = parse_http_address(args.http)
     spec = ready.engine_ready_spec(args.model, rest, tensor_parallel_size=args.tensor_parallel_size,
@@ -682,12 +410,10 @@ def _serve_node(args: argparse.Namespace, rest: list[str], world: int, ranks: ra
     job = getattr(args, "job", "") or ""
     sources = {k: getattr(args, k, None) for k in ("snapshot", "from_snapshot", "seed_from", "seed_listen",
                                                    "seed_advertise", "seed_secret_file")}
-    from vllm.platforms import current_platform  # noqa: PLC0415
-
     from wcache.store.paths import check_dev_shm  # noqa: PLC0415
 
     seeding = bool(sources.get("seed_from") or sources.get("seed_listen"))
-    for need, purpose in shm_needs(current_platform.device_type, world, seeding):
+    for need, purpose in shm_needs(build.platform_device_type(), world, seeding):
         check_dev_shm(need, f"wcache serve: {purpose}")  # before any rank starts or loads
     if world == 1:
         return serve_rank(args.model, rest, rank=0, world=1, init_method=init_method,

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from wcache.vllm.process import DaemonProcess, ServerProcess
+from wcache.daemon.process import DaemonProcess, ServerProcess
 
 PROMPTS = ("The capital of France is", "Water boils at a temperature of")
 MAX_TOKENS = 16

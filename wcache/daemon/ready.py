@@ -9,8 +9,9 @@ its ``parallel`` key field says which (tp_rank, pp_rank) it serves. Sockets are
 matched by digest, not by full device id, so the probe needs no GPU of its own
 (a CUDA device id also names the GPU's UUID).
 
-:func:`engine_ready_spec` imports vLLM; :func:`check_ready` and
-:func:`wait_ready` only talk to sockets.
+:func:`engine_ready_spec` asks vLLM (through :mod:`wcache.vllm.build` and
+:mod:`wcache.vllm.key`); :func:`check_ready` and :func:`wait_ready` only talk to
+sockets.
 """
 
 from __future__ import annotations
@@ -79,18 +80,14 @@ def engine_ready_spec(model: str, rest: list[str], *, tensor_parallel_size: int 
     Raises:
         ValueError: the ranks do not split over ``nnodes`` (as ``wcache serve``).
     """
-    from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
-    from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: PLC0415
-
-    from wcache.vllm.daemon import local_ranks  # noqa: PLC0415
+    from wcache.daemon.serve import local_ranks  # noqa: PLC0415
+    from wcache.vllm.build import engine_model_config  # noqa: PLC0415
     from wcache.vllm.key import job_digest  # noqa: PLC0415
 
     tp, pp = tensor_parallel_size, pipeline_parallel_size
-    parser = FlexibleArgumentParser(prog="wcache status --wait-ready")
-    EngineArgs.add_cli_args(parser)
-    ns = parser.parse_args(["--model", model, *rest, "--tensor-parallel-size", str(tp),
-                            "--pipeline-parallel-size", str(pp)])
-    model_config = EngineArgs.from_cli_args(ns).create_model_config()
+    model_config = engine_model_config(model, [*rest, "--tensor-parallel-size", str(tp),
+                                               "--pipeline-parallel-size", str(pp)],
+                                       prog="wcache status --wait-ready")
     layout = {"tp_size": tp, "pp_size": pp, "dp_size": 1}
     # vLLM numbers ranks with TP fastest: rank = pp_rank * tp_size + tp_rank.
     ranks = [(r % tp, r // tp) for r in local_ranks(tp * pp, nnodes, node_rank)]

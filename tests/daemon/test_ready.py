@@ -11,8 +11,8 @@ import torch
 
 from wcache import cli
 from wcache.store import CacheKey, DaemonServer, Export
-from wcache.vllm import ready
-from wcache.vllm.ready import Readiness, ReadySpec, check_ready, wait_ready
+from wcache.daemon import ready
+from wcache.daemon.ready import Readiness, ReadySpec, check_ready, wait_ready
 
 DIGEST = "0123456789ab"
 FIELDS = (("model_arch", ["LlamaForCausalLM"]), ("dtype", "torch.bfloat16"),

@@ -20,8 +20,8 @@ from wcache.store import CacheKey, KeyMismatch, attach, daemon_status, invalidat
 from wcache.store.http import OpsServer, parse_http_address
 from wcache.store.paths import list_sockets
 from wcache.store.server import INVALIDATED_EXIT
-from wcache.vllm import ready as ready_mod
-from wcache.vllm.process import DaemonProcess, free_port
+from wcache.daemon import ready as ready_mod
+from wcache.daemon.process import DaemonProcess, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -116,7 +116,7 @@ def test_health_is_503_while_loading_then_200(served):
 
 def test_health_matches_wait_ready(served):
     """/health's verdict is `wcache status --wait-ready`'s for the same engine arguments."""
-    from wcache.vllm.process import ENGINE_ARGS
+    from wcache.daemon.process import ENGINE_ARGS
 
     spec = ready_mod.engine_ready_spec(served.model, list(ENGINE_ARGS))
     result = ready_mod.check_ready(served.sock_dir, spec)
@@ -125,7 +125,7 @@ def test_health_matches_wait_ready(served):
 
 def test_health_is_503_for_a_rank_not_ready(served):
     """With a second rank expected that no daemon serves, /health is 503 naming that rank."""
-    from wcache.vllm.process import ENGINE_ARGS
+    from wcache.daemon.process import ENGINE_ARGS
 
     spec = ready_mod.engine_ready_spec(served.model, list(ENGINE_ARGS))
     two = ready_mod.ReadySpec(spec.digest, [(0, 0), (1, 0)], spec.fields)
