@@ -144,7 +144,7 @@ def test_execv_error_restores_descriptors_and_serving(server, sock_dir, monkeypa
     assert reason.startswith(f"exec {sys.executable} failed: [Errno 13] Permission denied")
     fds = (server._serving.fd, server._listener.fileno(), server._lock_fd)
     assert (False, False, False) == tuple(os.get_inheritable(fd) for fd in fds)
-    assert [] == [n for n in os.listdir(sock_dir) if n.startswith(".lean-")]
+    assert [] == [n for n in os.listdir(sock_dir) if n.startswith(lean.STATE_PREFIX)]
     assert_serves_export(CacheKey(BASE_KEY), sock_dir, "cpu")
 
 
@@ -156,3 +156,13 @@ def test_lean_refusal_reasons(server, monkeypatch, enabled, transport, reason):
     """--no-lean and a CUDA transport keep the full process, each with its reason."""
     monkeypatch.setattr(server, "transport", transport)
     assert reason == lean.lean_refusal(server, enabled=enabled)
+
+
+def test_unpicklable_http_probe_keeps_the_full_process(server):
+    """An --http probe that cannot cross execve (a lambda) keeps the full process, naming why."""
+    from wcache.store.http import OpsServer
+
+    with OpsServer("127.0.0.1", 0, lambda: None):
+        reason = lean.lean_refusal(server)
+    assert reason.startswith("the --http probe cannot be carried over (")
+    assert lean.lean_refusal(server) is None

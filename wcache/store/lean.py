@@ -40,7 +40,7 @@ import time
 from typing import Any
 
 from wcache.store import paths
-from wcache.store.errors import ProtocolError, StoreError
+from wcache.store.errors import ProtocolError
 
 __all__ = ["handoff", "lean_refusal", "main", "HANDOFF_DRAIN_S", "LEAN_EXEC_ENV", "LEAN_LINE", "NO_LEAN_ENV"]
 
@@ -59,6 +59,8 @@ LEAN_EXEC_ENV = "WCACHE_LEAN_EXECUTABLE"
 #: Set (to any non-empty value) to keep the full process: ``wcache serve --no-lean``
 #: sets it, so that every rank process of a ``-tp N`` daemon sees it.
 NO_LEAN_ENV = "WCACHE_NO_LEAN"
+#: The state file's name in the socket dir (``.lean-XXXX.pickle``, 0600, removed once read).
+STATE_PREFIX = ".lean-"
 #: What the lean process prints (stdout, flushed) once it serves.
 LEAN_LINE = "wcache: serving: lean (torch-free, pid same)"
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -145,23 +147,27 @@ def _exec_lean(server: Any, exe: str, ready_queue: Any) -> str:
     for ops in ops_list:
         ops.pause()
     fds = [server._serving.fd, server._listener.fileno(), server._lock_fd, *(o.fileno() for o in ops_list)]
-    state = {
-        "key": server.key.canonical, "manifest": server._manifest_dict, "transport": server.transport,
-        "device_id": server.device_id, "socket_dir": server.socket_dir, "socket_ino": server._socket_ino,
-        "registry_path": server._registry_path, "allowed_uid": server.allowed_uid,
-        "memfd": fds[0], "nbytes": server.nbytes, "listener": fds[1], "lock_fd": fds[2],
-        "http": [(o.fileno(), *o.address, o.probe) for o in ops_list],
-        "origin": getattr(server, "origin", None), "snapshot": getattr(server, "snapshot_state", None),
-        "seeds_done": getattr(getattr(server, "seed_source", None), "seeds_done", None),
-        "uptime_s": time.monotonic() - server._started_at,
-        "attachments_total": server.attachments_total, "releases": dict(server.releases),
-        "refusals": dict(server.refusals), "log_level": logging.getLogger().getEffectiveLevel(),
-    }
-    fd, state_path = tempfile.mkstemp(prefix=".lean-", suffix=".pickle", dir=server.socket_dir)
-    with os.fdopen(fd, "wb") as f:
-        pickle.dump(state, f)
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)  # pending until the lean server's handlers
+    state_path = None
+    old_mask = None
     try:
+        state = {
+            "key": server.key.canonical, "manifest": server._manifest_dict, "transport": server.transport,
+            "device_id": server.device_id, "socket_dir": server.socket_dir, "socket_ino": server._socket_ino,
+            "registry_path": server._registry_path, "allowed_uid": server.allowed_uid,
+            "memfd": fds[0], "nbytes": server.nbytes, "listener": fds[1], "lock_fd": fds[2],
+            "http": [(o.fileno(), *o.address, o.probe) for o in ops_list],
+            "origin": getattr(server, "origin", None), "snapshot": getattr(server, "snapshot_state", None),
+            "seeds_done": getattr(getattr(server, "seed_source", None), "seeds_done", None),
+            "uptime_s": time.monotonic() - server._started_at,
+            "attachments_total": server.attachments_total, "releases": dict(server.releases),
+            "refusals": dict(server.refusals), "log_level": logging.getLogger().getEffectiveLevel(),
+        }
+        fd, state_path = tempfile.mkstemp(prefix=STATE_PREFIX, suffix=".pickle", dir=server.socket_dir)
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(state, f)
+        # SIGTERM/SIGINT stay pending across exec until the lean server's handlers are in
+        # place (this thread's mask; a signal another thread takes in the exec's few ms is lost)
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
         for each in fds:
             os.set_inheritable(each, True)
         if ready_queue is not None:
@@ -170,12 +176,16 @@ def _exec_lean(server: Any, exe: str, ready_queue: Any) -> str:
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(exe, [exe, "-m", "wcache.store.lean", state_path])
-    except OSError as e:
-        reason = f"exec {exe} failed: {e}"
+        reason = "execv returned"  # it does not; only for the type checker
+    except Exception as e:  # noqa: BLE001  (whatever failed, the full process serves on)
+        reason = f"exec {exe} failed: {e}" if isinstance(e, OSError) and old_mask is not None else \
+            f"the hand-off failed: {type(e).__name__}: {e}"
     for each in fds:
         os.set_inheritable(each, False)
-    signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-    os.unlink(state_path)
+    if old_mask is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+    if state_path is not None:
+        os.unlink(state_path)
     for ops in ops_list:
         ops.start()
     server.resume_accepting_()
@@ -250,7 +260,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=state["log_level"], format="%(asctime)s %(name)s %(message)s")
     try:
         return _serve(state)
-    except (StoreError, OSError, ValueError, TypeError, KeyError) as e:
+    except Exception as e:  # noqa: BLE001  (exec'd: no full process to go back to)
         log.error("the lean server could not start (%s: %s); this daemon exits and a restart "
                   "builds it again", type(e).__name__, e)
         _cleanup_failed(state)
