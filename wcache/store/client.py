@@ -570,6 +570,10 @@ def _print_status(sock: str, st: dict[str, Any]) -> None:
               + (f"  snapshot {snap['dir']}: {snap['state']}" if snap else "")
               + (f" {snap['error']}" if snap and snap.get("error") else "")
               + f"  seeded {st.get('seeds_served') or 0} peer(s)")
+    if st.get("serving"):  # a daemon older than the lean hand-off (issue 28) has none
+        print(f"  serving {st['serving']}"
+              + (" (torch-free)" if st["serving"] == "lean" else
+                 f" (torch {'loaded' if st.get('torch_loaded') else 'not loaded'})"))
     inv = st.get("invalidated")
     if inv:
         print(f"  INVALIDATED [{inv.get('code')}] by pid {inv.get('pid')}: {inv.get('message')}\n"
