@@ -332,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep serving from the process that loaded the model. By default, on "
                         "CPU, once a rank is ready (and its --snapshot written) it execs a "
                         "torch-free server with the same pid that holds only the arena, the "
-                        "manifest and the socket (~40 MiB instead of ~800 MiB resident); that "
+                        "manifest and the socket (SmolLM2: ~30 MiB instead of ~825 MiB resident beyond the arena); that "
                         "server cannot seed a peer, so give --no-lean to a daemon that others "
                         "--seed-from over its socket (--seed-listen keeps the full process too)")
     p.add_argument("--http", metavar="[HOST:]PORT",
