@@ -155,6 +155,10 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
     from wcache.checkpoint import check_checkpoint_dir
 
     check_checkpoint_dir(args.model)  # a damaged file: one line naming it, before vLLM starts
+    if args.no_lean:  # read by every rank process's hand-off (wcache.store.lean)
+        from wcache.store.lean import NO_LEAN_ENV
+
+        os.environ[NO_LEAN_ENV] = "1"
     from wcache.daemon.serve import main as serve_main
 
     import traceback
@@ -324,6 +328,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="separates two jobs of the same model on one host; pass the same "
                         "value to the engine as model_loader_extra_config job")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-lean", action="store_true",
+                   help="keep serving from the process that loaded the model. By default, on "
+                        "CPU, once a rank is ready (and its --snapshot written) it execs a "
+                        "torch-free server with the same pid that holds only the arena, the "
+                        "manifest and the socket (SmolLM2: ~30 MiB instead of ~825 MiB resident beyond the arena); that "
+                        "server cannot seed a peer, so give --no-lean to a daemon that others "
+                        "--seed-from over its socket (--seed-listen keeps the full process too)")
     p.add_argument("--http", metavar="[HOST:]PORT",
                    help="also answer GET /health (200 once every rank of this node serves, "
                         "503 with the reason code otherwise: the check of `wcache status "

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from wcache.store import CacheKey, KeyMismatch, attach, daemon_status, invalidate_daemon
 from wcache.store.http import OpsServer, parse_http_address
+from wcache.store.lean import LEAN_LINE
 from wcache.store.paths import list_sockets
 from wcache.store.server import INVALIDATED_EXIT
 from wcache.daemon import ready as ready_mod
@@ -30,6 +31,11 @@ pytestmark = pytest.mark.slow
 POLL_S = 0.1
 #: One HTTP request to a local endpoint; the probe asks one socket, in milliseconds.
 HTTP_TIMEOUT_S = 10.0
+#: The lean hand-off after the ready line (an interpreter start and the store
+#: imports: well under a second) is awaited this long (seconds).
+LEAN_WAIT_S = 60.0
+#: Issue 28's target: a ready CPU daemon's resident memory beyond its arena.
+LEAN_TARGET_BYTES = 150 * 2**20
 #: The invalidated daemon exits after INVALIDATED_LINGER_S; give it this long.
 EXIT_WAIT_S = 30.0
 
@@ -112,6 +118,26 @@ def test_health_is_503_while_loading_then_200(served):
     doc = json.loads(body)
     assert (status, doc["ready"], doc["code"]) == (200, True, None)
     assert doc["ranks"] == [{"tp_rank": 0, "pp_rank": 0, "serving": True}]
+
+
+def test_ready_daemon_serves_lean_and_keeps_both_endpoints(served):
+    """After ready the same pid serves without torch (no libtorch mapped, under issue 28's
+    150 MiB beyond the arena) and still answers /health 200 and /metrics."""
+    deadline = time.monotonic() + LEAN_WAIT_S
+    while (st := daemon_status(served.sock))["serving"] != "lean" and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    pid = served.daemon.pid
+    assert ("lean", False, pid) == (st["serving"], st["torch_loaded"], st["pid"])
+    assert any(ln.startswith(f"{LEAN_LINE} pid={pid} ") for ln in served.daemon.lines)
+    with open(f"/proc/{pid}/maps") as f:
+        assert "libtorch" not in f.read()
+    with open(f"/proc/{pid}/status") as f:
+        rss = dict(line.split(":", 1) for line in f)
+    beyond = (int(rss["VmRSS"].split()[0]) - int(rss["RssShmem"].split()[0])) * 1024
+    assert beyond < LEAN_TARGET_BYTES
+    status, body = _get(f"{served.url}/health")
+    assert (status, json.loads(body)["ready"]) == (200, True)
+    assert _metrics(served.url)[_k("wcache_bytes_held")] == float(st["bytes_held"])
 
 
 def test_health_matches_wait_ready(served):

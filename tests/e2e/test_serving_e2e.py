@@ -12,6 +12,7 @@ commands are the README's, not variants with a socket_dir option.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -22,6 +23,8 @@ from pathlib import Path
 import attrs
 import pytest
 
+from wcache.store import daemon_status
+from wcache.store.paths import list_sockets
 from wcache.daemon.process import ENGINE_ARGS, DaemonProcess, ServerProcess, server_command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,6 +44,10 @@ class Run:
     texts: dict = attrs.field(factory=dict)
     logs: dict = attrs.field(factory=dict)
     ready: dict = attrs.field(factory=dict)
+    #: the daemon's status just before each daemon-backed server start
+    status: dict = attrs.field(factory=dict)
+    #: after SIGTERM: the daemon's exit status and what is left in its socket dir
+    stopped: dict = attrs.field(factory=dict)
 
 
 def _wait_ready(env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -64,11 +71,16 @@ def run():
             probe_env = {**daemon.env, "WCACHE_E2E_MODEL": str(model)}
             out.ready["up"] = _wait_ready(probe_env)
             for name in ("first", "second"):
+                out.status[name] = daemon_status(list_sockets(daemon.socket_dir)[0])
                 with ServerProcess(model, "wcache", EXTRA, env=env) as server:
                     out.texts[name] = server.complete(PROMPTS, MAX_TOKENS)
                 out.logs[name] = server.log
         finally:
             daemon.stop()
+        registry = Path(runtime) / "wcache-daemons"  # the daemon's registry_dir() under this env
+        out.stopped = {"exit": daemon.proc.returncode, "left": sorted(os.listdir(daemon.socket_dir)),
+                       "registered": sorted(os.listdir(registry)) if registry.is_dir() else [],
+                       "registry_was_used": registry.is_dir()}
         out.ready["down"] = _wait_ready(probe_env)
         with ServerProcess(model, "wcache", EXTRA, env=env) as server:
             out.texts["daemon_stopped"] = server.complete(PROMPTS, MAX_TOKENS)
@@ -94,6 +106,25 @@ def test_restarts_restore_from_the_daemon(run):
     for name in ("first", "second"):
         assert RESTORE_LINE in run.logs[name], name
         assert "falling back to disk" not in run.logs[name], name
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_servers_restore_from_the_lean_serving_process(run):
+    """Both daemon-backed starts attach to the torch-free lean process (issue 28), same pid."""
+    for name in ("first", "second"):
+        st = run.status[name]
+        assert ("lean", False) == (st["serving"], st["torch_loaded"]), name
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_sigterm_to_the_lean_daemon_cleans_up(run):
+    """SIGTERM to the lean daemon: exit 0, no socket or pid file left (only the lock file), no registry entry."""
+    assert run.stopped["registry_was_used"]
+    assert (0, [], []) == (run.stopped["exit"],
+                           [n for n in run.stopped["left"] if not n.endswith(".lock")],
+                           run.stopped["registered"])
 
 
 @pytest.mark.e2e

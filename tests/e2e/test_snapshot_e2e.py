@@ -72,7 +72,8 @@ def ready():
             r.status["checkpoint"] = daemon_status(list_sockets(sock_dir)[0])
         finally:
             a.kill()  # a crash: no clean shutdown
-        with DaemonProcess(model, sock_dir, ["--snapshot", snap]) as b:
+        # --no-lean: C seeds from B over torch.distributed, which the lean server cannot
+        with DaemonProcess(model, sock_dir, ["--snapshot", snap, "--no-lean"]) as b:
             r.ready["restart"] = b.ready_lines[0]
             sock_b = list_sockets(sock_dir)[0]
             r.sums["restart"] = _checksums(sock_b)

@@ -1,9 +1,19 @@
 """The daemon's device memory after it built its arena, and vLLM's start-up memory
 check with the loader's answer, on a GPU without vLLM (measured for issue 12;
-docs/benchmarks.md).
+docs/benchmarks.md); and, with ``--cpu``, a ready CPU daemon's resident memory
+beyond its arena, full process against lean (issue 28).
 
 Usage (one GPU; vLLM is not installed there):
     python3 -m wcache.benchmarks.daemon_memory OUT_DIR [cuda_vmm|cuda_ipc ...]
+
+Usage (CPU, vLLM installed; one real ``wcache serve`` on the SmolLM2 bf16 fixture
+with ``--no-lean``, then one without; ~2 minutes on 2 cores):
+    python3 -m wcache.benchmarks.daemon_memory --cpu [OUT.json]
+
+``--cpu`` reports, per mode, VmRSS and its RssAnon/RssFile/RssShmem parts
+(``/proc/PID/status``), the arena's bytes (``status`` ``bytes_held``), VmRSS - RssShmem
+("beyond the arena": the memfd is held, not mapped, while serving, so RssShmem
+is 0 and beyond = VmRSS), whether libtorch is mapped, and the lean/full ratio.
 
 Per transport, a daemon process does what ``wcache.vllm.build.build_server`` does
 after vLLM's model build, on an 8B-shaped bf16 linear stack
@@ -164,10 +174,88 @@ def measure(transport: str, out_dir: str) -> dict:
             proc.kill()
 
 
+#: Issue 28's target: a ready CPU daemon's resident memory beyond its arena (bytes).
+CPU_TARGET_BEYOND_BYTES = 150 * 2 ** 20
+#: After the daemon reports its serving mode, wait this long before sampling
+#: (seconds): the lean process's first accept and log lines settle.
+CPU_SETTLE_S = 2.0
+#: The hand-off (an interpreter start, the store imports) takes well under this (seconds).
+CPU_SERVING_TIMEOUT_S = 60.0
+MIB = 2 ** 20
+
+
+def _rss_parts(pid: int) -> dict[str, int]:
+    """VmRSS, RssAnon, RssFile, RssShmem of ``pid`` (bytes)."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                out[name] = int(rest.split()[0]) * 1024  # kB
+    return out
+
+
+def measure_cpu_mode(model: str, lean: bool) -> dict:
+    """One ready ``wcache serve`` on ``model`` (lean or ``--no-lean``): its memory figures."""
+    from wcache.store import StoreError, daemon_status, socket_path  # noqa: PLC0415
+    from wcache.store.paths import list_sockets  # noqa: PLC0415
+    from wcache.daemon.process import DaemonProcess  # noqa: PLC0415
+
+    mode = "lean" if lean else "full"
+    sock_dir = tempfile.mkdtemp(prefix="wc-mem-")
+    os.chmod(sock_dir, 0o700)
+    with DaemonProcess(model, sock_dir, [] if lean else ["--no-lean"]) as daemon:
+        deadline = time.monotonic() + CPU_SERVING_TIMEOUT_S
+        st: dict = {}
+        while st.get("serving") != mode:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"daemon did not report serving={mode} (last: {st.get('serving')}); "
+                                   f"log tail: {list(daemon.lines)[-5:]}")
+            try:
+                st = daemon_status(list_sockets(sock_dir)[0])
+            except (StoreError, IndexError):
+                pass
+            time.sleep(0.1)
+        time.sleep(CPU_SETTLE_S)
+        rss = _rss_parts(daemon.pid)
+        with open(f"/proc/{daemon.pid}/maps") as f:
+            libtorch = "libtorch" in f.read()
+        return {"mode": mode, "pid": daemon.pid, "same_pid": st["pid"] == daemon.pid,
+                "torch_loaded": st["torch_loaded"], "libtorch_mapped": libtorch,
+                "arena_bytes": st["bytes_held"], **rss,
+                "beyond_arena": rss["VmRSS"] - rss["RssShmem"],
+                "serving_line": next((ln for ln in daemon.lines if ln.startswith("wcache: serving:")), None)}
+
+
+def cpu_main(out: str | None) -> int:
+    """``--cpu``: full against lean, one run each; prints a table and the ratio."""
+    from wcache.testing.fixtures import build  # noqa: PLC0415
+
+    model = str(build("bf16"))
+    runs = [measure_cpu_mode(model, lean) for lean in (False, True)]
+    full, lean = runs
+    ratio = lean["beyond_arena"] / full["beyond_arena"]
+    print(f"CPU daemon memory, SmolLM2 bf16 fixture ({full['arena_bytes'] / MIB:.1f} MiB arena), TP=1")
+    print(f"{'':24s} {'full':>10s} {'lean':>10s}")
+    for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "beyond_arena"):
+        print(f"{k + ' (MiB)':24s} {full[k] / MIB:10.1f} {lean[k] / MIB:10.1f}")
+    for k in ("torch_loaded", "libtorch_mapped", "same_pid"):
+        print(f"{k:24s} {str(full[k]):>10s} {str(lean[k]):>10s}")
+    met = lean["beyond_arena"] <= CPU_TARGET_BEYOND_BYTES
+    print(f"lean / full beyond the arena: {ratio:.3f} ({full['beyond_arena'] / lean['beyond_arena']:.1f}x "
+          f"less); target <= {CPU_TARGET_BEYOND_BYTES / MIB:.0f} MiB: {'met' if met else 'NOT met'}")
+    if out:
+        with open(out, "w") as f:
+            json.dump({"runs": runs, "ratio": ratio, "target_met": met}, f, indent=1)
+    return 0 if met else 1
+
+
 def main() -> int:
     if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
         print(__doc__)
         return 0 if len(sys.argv) >= 2 else 2
+    if sys.argv[1] == "--cpu":
+        return cpu_main(sys.argv[2] if len(sys.argv) > 2 else None)
     if sys.argv[1] == "--daemon":
         daemon_main(*sys.argv[2:5])
         return 0

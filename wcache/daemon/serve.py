@@ -293,6 +293,10 @@ def _serve_prepared_rank(vllm_config: Any, *, rank: int, world: int, init_method
     print(line, flush=True)
     if ready is not None:
         ready.put((rank, line))
+    # the lean hand-off: on CPU, exec a torch-free server; returns only when it stays full
+    from wcache.store import lean  # noqa: PLC0415
+
+    lean.handoff(server, ready_queue=ready)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -395,7 +399,10 @@ def _start_http(args: argparse.Namespace, rest: list[str]) -> Any:
                                    nnodes=getattr(args, "nnodes", 1),
                                    node_rank=getattr(args, "node_rank", 0),
                                    job=getattr(args, "job", "") or "")
-    ops = OpsServer(host, port, lambda: ready.probe(args.socket_dir, spec)).start()
+    import functools  # noqa: PLC0415
+
+    # a partial, not a lambda: the lean hand-off (wcache.store.lean) pickles it across execve
+    ops = OpsServer(host, port, functools.partial(ready.probe, args.socket_dir, spec)).start()
     print(f"wcache: http health=http://{ops.address[0]}:{ops.address[1]}/health "
           f"metrics=http://{ops.address[0]}:{ops.address[1]}/metrics", flush=True)
     return ops

@@ -14,20 +14,35 @@ Engine side::
         att.tensors["model.embed_tokens.weight"]   # a read-only zero-copy view
 """
 
-from wcache.store.client import (
-    Attachment, attach, cli_status, cli_stop, daemon_status, invalidate_daemon, shutdown_daemon,
-)
-from wcache.store.errors import (
-    ArenaInvalidated, CheckpointChanged, DaemonBusy, DaemonMissing, KeyMismatch, PeerRefused, ProtocolError, Released, StoreError,
-    TransportFailed, UnsafePath,
-)
-from wcache.store.fingerprint import (
-    DigestCache, DigestingReader, checkpoint_digest, checkpoint_key_fields, checkpoint_stats,
-    digest_file, read_file_digest, verify_checkpoint_unchanged,
-)
-from wcache.store.manifest import CacheKey, Export, Manifest
-from wcache.store.paths import default_socket_dir, socket_path
-from wcache.store.server import DaemonServer, serve
+# Imported on first use (PEP 562), so that ``import wcache.store.<module>`` loads only
+# that module's imports: the lean serving process (wcache.store.lean) must not import
+# torch, which the client and the arena builders need.
+_EXPORTS = {
+    "wcache.store.client": ("Attachment", "attach", "cli_status", "cli_stop", "daemon_status",
+                            "invalidate_daemon", "shutdown_daemon"),
+    "wcache.store.errors": ("ArenaInvalidated", "CheckpointChanged", "DaemonBusy", "DaemonMissing",
+                            "KeyMismatch", "PeerRefused", "ProtocolError", "Released", "StoreError",
+                            "TransportFailed", "UnsafePath"),
+    "wcache.store.fingerprint": ("DigestCache", "DigestingReader", "checkpoint_digest",
+                                 "checkpoint_key_fields", "checkpoint_stats", "digest_file",
+                                 "read_file_digest", "verify_checkpoint_unchanged"),
+    "wcache.store.manifest": ("CacheKey", "Export", "Manifest"),
+    "wcache.store.paths": ("default_socket_dir", "socket_path"),
+    "wcache.store.server": ("DaemonServer", "serve"),
+}
+_HOME = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str):
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module 'wcache.store' has no attribute {name!r}")
+    import importlib  # noqa: PLC0415
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "Export", "CacheKey", "Manifest", "DaemonServer", "serve", "attach", "Attachment",

@@ -17,13 +17,10 @@ import os
 import socket
 import time
 from collections.abc import Iterable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 import wcache
 from wcache.store import paths
-from wcache.store.arena import tensor_views
 from wcache.store.errors import (
     ArenaInvalidated, DaemonBusy, DaemonMissing, IdleTimeout, KeyMismatch, PeerRefused, ProtocolError, Released,
     StoreError, TransportFailed, UnsafePath,
@@ -32,6 +29,9 @@ from wcache.store.manifest import KIND_BUFFER, CacheKey, Manifest
 from wcache.store.protocol import (
     PROTOCOL_VERSION, ConnectionClosed, raise_for_error, recv_frame, send_frame,
 )
+
+if TYPE_CHECKING:  # torch only where an arena is attached: status, stop and probes need none
+    import torch
 
 __all__ = ["attach", "Attachment", "Connection", "daemon_status", "shutdown_daemon", "invalidate_daemon",
            "cli_status", "cli_stop", "MODES"]
@@ -189,7 +189,7 @@ class Attachment:
     dies, never under a live one.
     """
 
-    def __init__(self, manifest: Manifest, base: torch.Tensor, mm: mmap.mmap | None, conn: Connection | None,
+    def __init__(self, manifest: Manifest, base: "torch.Tensor", mm: mmap.mmap | None, conn: Connection | None,
                  mode: str, transport: str = "shm", sock_path: str | None = None,
                  key: CacheKey | None = None):
         self.manifest = manifest
@@ -200,9 +200,11 @@ class Attachment:
         self.key = key
         self.nbytes = manifest.arena_nbytes
         self.device = str(base.device)
-        self._base: torch.Tensor | None = base
+        self._base: "torch.Tensor | None" = base
         self._mm = mm
         self._conn = conn
+        from wcache.store.arena import tensor_views  # noqa: PLC0415
+
         self._tensors = tensor_views(base, manifest)
         self.kinds = {e.name: e.kind for e in manifest.tensors} | {a.name: a.kind for a in manifest.aliases}
         self.persistent = ({e.name: e.persistent for e in manifest.tensors if e.kind == KIND_BUFFER}
@@ -218,7 +220,7 @@ class Attachment:
         return self._base is None
 
     @property
-    def tensors(self) -> dict[str, torch.Tensor]:
+    def tensors(self) -> "dict[str, torch.Tensor]":
         if self._base is None:
             raise Released("this attachment was closed; attach again")
         return self._tensors
@@ -346,6 +348,8 @@ class Attachment:
 
 
 def _local_cuda_index(device_uuid: str | None, wanted: int | None) -> int:
+    import torch  # noqa: PLC0415
+
     for i in range(torch.cuda.device_count()):
         if paths.cuda_device_uuid(i) == device_uuid:
             if wanted is not None and wanted != i:
@@ -430,6 +434,8 @@ def attach(key: CacheKey, socket_dir: str | None = None, device: str = "cpu", de
             local = _local_cuda_index(conn.hello.get("device_uuid"), index)
             base = open_cuda(handle, manifest.arena_nbytes, local)
         if mode == "copy":
+            import torch  # noqa: PLC0415
+
             private = torch.empty_like(base)
             private.copy_(base)
             del base
@@ -564,6 +570,10 @@ def _print_status(sock: str, st: dict[str, Any]) -> None:
               + (f"  snapshot {snap['dir']}: {snap['state']}" if snap else "")
               + (f" {snap['error']}" if snap and snap.get("error") else "")
               + f"  seeded {st.get('seeds_served') or 0} peer(s)")
+    if st.get("serving"):  # a daemon older than the lean hand-off (issue 28) has none
+        print(f"  serving {st['serving']}"
+              + (" (torch-free)" if st["serving"] == "lean" else
+                 f" (torch {'loaded' if st.get('torch_loaded') else 'not loaded'})"))
     inv = st.get("invalidated")
     if inv:
         print(f"  INVALIDATED [{inv.get('code')}] by pid {inv.get('pid')}: {inv.get('message')}\n"

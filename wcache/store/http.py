@@ -187,13 +187,20 @@ class OpsServer:
 
     Args:
         host, port: the address to bind (port 0: a free one; see :attr:`address`).
-        probe: returns this node's :class:`Probe` (called once per request).
+        probe: returns this node's :class:`Probe` (called once per request). A
+            picklable one (a ``functools.partial`` of a module function) lets the
+            lean hand-off (:mod:`wcache.store.lean`) carry the endpoints over.
+        listen_fd: an already bound, listening socket to serve on instead of
+            binding ``host:port`` (the lean hand-off passes it across ``execve``).
 
     Raises:
         HttpListenFailed: the address cannot be bound.
     """
 
-    def __init__(self, host: str, port: int, probe: Callable[[], Probe]):
+    #: Started and not stopped, in this process (what the lean hand-off carries over).
+    running: "set[OpsServer]" = set()
+
+    def __init__(self, host: str, port: int, probe: Callable[[], Probe], *, listen_fd: int | None = None):
         self.probe = probe
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(DaemonCollector(probe))
@@ -203,7 +210,13 @@ class OpsServer:
             server_cls = type("ThreadingHTTPServer6", (ThreadingHTTPServer,),
                               {"address_family": socket.AF_INET6})
         try:
-            self._httpd = server_cls((host, port), handler)
+            if listen_fd is None:
+                self._httpd = server_cls((host, port), handler)
+            else:
+                self._httpd = server_cls((host, port), handler, bind_and_activate=False)
+                self._httpd.socket.close()
+                self._httpd.socket = socket.socket(fileno=listen_fd)
+                self._httpd.server_address = self._httpd.socket.getsockname()[:2]
         except OSError as e:
             raise HttpListenFailed(f"cannot serve --http on {host}:{port}: {e}; pick another "
                                    f"address or port") from e
@@ -215,17 +228,27 @@ class OpsServer:
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="wcache-http",
                                         daemon=True)
         self._thread.start()
+        OpsServer.running.add(self)
         log.info("health and metrics on http://%s:%d%s and %s", *self.address, HEALTH_PATH,
                  METRICS_PATH)
         return self
 
     def stop(self) -> None:
         """Stop answering and close the listener. Idempotent."""
+        self.pause()
+        self._httpd.server_close()
+
+    def pause(self) -> None:
+        """Stop answering; the listener stays bound (:meth:`start` answers again)."""
+        OpsServer.running.discard(self)
         if self._thread is not None:
             self._httpd.shutdown()
             self._thread.join()
             self._thread = None
-        self._httpd.server_close()
+
+    def fileno(self) -> int:
+        """The listening socket's fd."""
+        return self._httpd.socket.fileno()
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """``(HTTP status, JSON body)`` of ``GET /health``."""

@@ -12,11 +12,16 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
+from functools import cache
+from typing import TYPE_CHECKING
+
 import blake3
-import torch
 from attrs import field, frozen
 
 from wcache.store.errors import ProtocolError, StoreError
+
+if TYPE_CHECKING:  # torch is imported where tensors are built or viewed, not to serve
+    import torch
 
 __all__ = [
     "MANIFEST_FORMAT_VERSION", "KIND_PARAM", "KIND_BUFFER", "KINDS", "Export", "CacheKey",
@@ -30,31 +35,62 @@ KIND_PARAM = "param"
 KIND_BUFFER = "buffer"
 KINDS = frozenset({KIND_PARAM, KIND_BUFFER})
 
-# Every torch dtype that can be a view of raw bytes, by its short name ("float16").
-_DTYPES: dict[str, torch.dtype] = {
-    name: obj for name in dir(torch)
-    if isinstance(obj := getattr(torch, name), torch.dtype)
-    and not obj.is_complex  # complex views of uint8 need conj-bit care; none are exported today
-    and str(obj) == f"torch.{name}"
-}
+#: Bytes per element of every dtype an arena entry may have, by torch's short name:
+#: the manifest is checked with this table, so a serving process that never views a
+#: tensor (the lean server, :mod:`wcache.store.lean`) needs no torch. It equals
+#: torch's own table (every non-complex ``torch.dtype``; tests/store/test_lean.py
+#: compares them); a dtype a newer torch adds is refused until it is listed here.
+DTYPE_ITEMSIZES: types.MappingProxyType = types.MappingProxyType({
+    "bfloat16": 2, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bits8": 1, "bool": 1,
+    "float16": 2, "float32": 4, "float4_e2m1fn_x2": 1, "float64": 8, "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+    "int1": 1, "int16": 2, "int2": 1, "int3": 1, "int32": 4, "int4": 1, "int5": 1, "int6": 1,
+    "int64": 8, "int7": 1, "int8": 1, "qint32": 4, "qint8": 1, "quint2x4": 1, "quint4x2": 1,
+    "quint8": 1, "uint1": 1, "uint16": 2, "uint2": 1, "uint3": 1, "uint32": 4, "uint4": 1,
+    "uint5": 1, "uint6": 1, "uint64": 8, "uint7": 1, "uint8": 1,
+})
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+@cache
+def torch_dtypes() -> dict[str, "torch.dtype"]:
+    """Every torch dtype that can be a view of raw bytes, by its short name
+    (``"float16"``), limited to :data:`DTYPE_ITEMSIZES`. Imports torch."""
+    import torch  # noqa: PLC0415
+
+    return {name: obj for name in dir(torch)
+            if isinstance(obj := getattr(torch, name), torch.dtype)
+            and not obj.is_complex  # complex views of uint8 need conj-bit care; none are exported today
+            and str(obj) == f"torch.{name}" and name in DTYPE_ITEMSIZES}
+
+
+def dtype_name(dtype: "torch.dtype") -> str:
     """``torch.float16`` -> ``"float16"``."""
     name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
+    if name not in torch_dtypes():
         raise StoreError(f"dtype {dtype} cannot be stored in an arena")
     return name
 
 
-def dtype_from_name(name: str) -> torch.dtype:
+def dtype_from_name(name: str) -> "torch.dtype":
     """``"float16"`` -> ``torch.float16``.
 
     Raises:
         ProtocolError: an unknown dtype name.
     """
     try:
-        return _DTYPES[name]
+        return torch_dtypes()[name]
+    except (KeyError, TypeError):
+        raise ProtocolError(f"unknown dtype {name!r} in manifest") from None
+
+
+def dtype_itemsize(name: str) -> int:
+    """Bytes per element of dtype ``name`` (torch-free: :data:`DTYPE_ITEMSIZES`).
+
+    Raises:
+        ProtocolError: an unknown dtype name.
+    """
+    try:
+        return DTYPE_ITEMSIZES[name]
     except (KeyError, TypeError):
         raise ProtocolError(f"unknown dtype {name!r} in manifest") from None
 
@@ -88,6 +124,8 @@ def _ro_dict(value: Mapping) -> types.MappingProxyType:
 
 
 def _check_export(inst: "Export") -> None:
+    import torch  # noqa: PLC0415  (an export holds tensors: torch is loaded already)
+
     errors = []
     for name, t in inst.tensors.items():
         if not isinstance(name, str) or not name:
@@ -283,7 +321,7 @@ def _check_manifest(m: "Manifest") -> None:
         itemsize = itemsizes.get(e.dtype)
         if itemsize is None:
             try:
-                itemsize = itemsizes[e.dtype] = dtype_from_name(e.dtype).itemsize
+                itemsize = itemsizes[e.dtype] = dtype_itemsize(e.dtype)
             except ProtocolError as err:
                 errors.append(f"{name}: {err}")
                 continue

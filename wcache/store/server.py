@@ -29,16 +29,14 @@ import os
 import signal
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 import wcache
 from wcache.store import paths
-from wcache.store.arena import build_cuda_arena, build_shm_arena
 from wcache.store.errors import (
     ArenaInvalidated, DaemonBusy, IdleTimeout, KeyMismatch, PeerRefused, ProtocolError, StoreError, TransportFailed,
 )
@@ -183,6 +181,8 @@ class DaemonServer:
         self.key = key
         self.device_type, index = paths.parse_device(device)
         if self.device_type == "cuda" and index is None:
+            import torch  # noqa: PLC0415
+
             index = torch.cuda.current_device()
         self.device_index = index
         self.device_id = device_id or paths.default_device_id(self.device_type, index)
@@ -203,6 +203,7 @@ class DaemonServer:
                 self._serving, self.manifest, TRANSPORT, self.transport_fallback_reason = \
                     export.build(self.device_type, index, transport)
             elif self.device_type == "cpu":
+                from wcache.store.arena import build_shm_arena  # noqa: PLC0415
                 from wcache.store.transport_shm import TRANSPORT, ShmServing
 
                 fd, self.manifest = build_shm_arena(export, key)
@@ -212,6 +213,8 @@ class DaemonServer:
                 from wcache.store.transport_cuda import CudaServing  # noqa: PLC0415
 
                 def build_ipc() -> tuple[Any, Manifest]:
+                    from wcache.store.arena import build_cuda_arena  # noqa: PLC0415
+
                     arena, manifest = build_cuda_arena(export, key, index)
                     return CudaServing(arena), manifest
 
@@ -223,12 +226,46 @@ class DaemonServer:
         except BaseException:
             os.close(self._lock_fd)
             raise
+        self._init_runtime()
+
+    @classmethod
+    def adopt(cls, *, key: CacheKey, manifest: Manifest, serving: Any, transport: str, device_id: str,
+              socket_dir: str, lock_fd: int, listener: socket.socket, socket_ino: int,
+              registry_path: str | None, allowed_uid: int) -> "DaemonServer":
+        """A server over what another process image of this pid built and bound
+        (the lean hand-off, :mod:`wcache.store.lean`): the filled arena's
+        ``serving``, the device lock fd and the bound, listening socket. Nothing is
+        built, locked or bound again; the pid file and registry entry (this pid)
+        stay valid. CPU only. :meth:`start` starts the accept thread."""
+        self = cls.__new__(cls)
+        self.key = key
+        self.device_type, self.device_index, self.device_uuid = "cpu", None, None
+        self.device_id = device_id
+        self.socket_dir = paths.ensure_socket_dir(socket_dir)
+        self.socket_path = paths.socket_path(self.socket_dir, device_id)
+        self.allowed_uid = allowed_uid
+        self.frame_timeout_s = FRAME_TIMEOUT_S
+        self.hello_timeout_s = HELLO_TIMEOUT_S
+        self.idle_timeout_s = IDLE_TIMEOUT_S
+        self.max_connections_per_client = MAX_CONNECTIONS_PER_CLIENT
+        self._lock_fd = lock_fd
+        self.transport_fallback_reason = None
+        self._serving, self.manifest, self.transport = serving, manifest, transport
+        self._init_runtime()
+        listener.settimeout(ACCEPT_POLL_S)
+        self._listener, self._socket_ino, self._registry_path = listener, socket_ino, registry_path
+        return self
+
+    def _init_runtime(self) -> None:
         self._manifest_dict = self.manifest.to_dict()
+        #: ``"full"`` (the process that built the arena) or ``"lean"`` (wcache.store.lean)
+        self.serving_mode = "full"
         self._listener: socket.socket | None = None
         self._socket_ino: int | None = None
         self._registry_path: str | None = None
         self._next_watch = 0.0
         self._accept_thread: threading.Thread | None = None
+        self._accept_paused = threading.Event()
         self._conns: dict[socket.socket, threading.Thread] = {}
         #: Unix connections: the handler's state (peer pid, hello, attached, opened at)
         self._conn_states: dict[socket.socket, dict[str, Any]] = {}
@@ -266,16 +303,17 @@ class DaemonServer:
 
     def start(self) -> "DaemonServer":
         """Bind the socket and serve in a background thread; returns once bound."""
-        if self._listener is not None:
+        if self._accept_thread is not None:
             return self
         if self._stopping.is_set():
             raise StoreError("this DaemonServer was stopped; build a new one")
-        self._listener = self._bind()
-        try:
-            self._registry_path = paths.register_daemon(self.socket_path, self.device_id)
-        except OSError as e:  # the daemon still serves; only `wcache status` elsewhere misses it
-            log.warning("could not record this daemon in %s: %s", paths.registry_dir(), e)
-        self._started_at = time.monotonic()
+        if self._listener is None:  # else adopted (bound, pid file and registry entry written)
+            self._listener = self._bind()
+            try:
+                self._registry_path = paths.register_daemon(self.socket_path, self.device_id)
+            except OSError as e:  # the daemon still serves; only `wcache status` elsewhere misses it
+                log.warning("could not record this daemon in %s: %s", paths.registry_dir(), e)
+            self._started_at = time.monotonic()
         self._accept_thread = threading.Thread(target=self._accept_loop, name="wcache-accept", daemon=True)
         self._accept_thread.start()
         log.info("daemon pid %d serving %s (%s, %.1f MiB, key %s)", os.getpid(), self.socket_path,
@@ -336,6 +374,25 @@ class DaemonServer:
         old, self._listener = self._listener, listener
         old.close()
         log.warning("re-bound %s", self.socket_path)
+
+    def pause_accepting_(self) -> None:
+        """Stop accepting (the listener stays bound: new clients wait in its
+        backlog) and return once the accept thread has ended."""
+        self._accept_paused.set()
+        if self._accept_thread is not None:
+            self._accept_thread.join()
+            self._accept_thread = None
+
+    def resume_accepting_(self) -> None:
+        """Accept again after :meth:`pause_accepting_`."""
+        self._accept_paused.clear()
+        self.start()
+
+    @property
+    def connections_open(self) -> int:
+        """Open connections (Unix and TCP seeding)."""
+        with self._conns_lock:
+            return len(self._conns)
 
     def serve_forever(self) -> None:
         """Serve until a client sends ``shutdown`` or :meth:`stop` is called."""
@@ -483,7 +540,7 @@ class DaemonServer:
     # ------------------------------------------------------------------ serving
 
     def _accept_loop(self) -> None:
-        while not self._stopping.is_set():
+        while not self._stopping.is_set() and not self._accept_paused.is_set():
             self._watch_socket()
             if self._stopping.is_set():
                 return
@@ -737,6 +794,8 @@ class DaemonServer:
             "key_digest": self.key.digest, "key_fields": self.key.fields,
             "invalidated": self.invalidated,
             "transport_fallback_reason": self.transport_fallback_reason,
+            # "lean": the torch-free process that serves after the hand-off (wcache.store.lean)
+            "serving": self.serving_mode, "torch_loaded": "torch" in sys.modules,
             # set by `wcache serve` (wcache.daemon.serve.serve_rank); None for other servers
             "origin": getattr(self, "origin", None),
             "snapshot": getattr(self, "snapshot_state", None),

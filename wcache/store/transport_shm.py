@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from wcache.store.arena import frombuffer_readonly, map_shm_readonly
 from wcache.store.errors import TransportFailed
+
+if TYPE_CHECKING:  # the client side views the arena as a tensor; the serving side needs no torch
+    import torch
 
 __all__ = ["TRANSPORT", "ShmServing", "open_shm"]
 
@@ -40,7 +40,7 @@ class ShmServing:
             self.fd = -1
 
 
-def open_shm(handle: dict[str, Any], fds: list[int], arena_nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+def open_shm(handle: dict[str, Any], fds: list[int], arena_nbytes: int) -> tuple[mmap.mmap, "torch.Tensor"]:
     """Client side: map the received memfd read-only and wrap it without a copy.
 
     The fd is closed once mapped (the mapping keeps the memfd alive).
@@ -52,6 +52,8 @@ def open_shm(handle: dict[str, Any], fds: list[int], arena_nbytes: int) -> tuple
     Raises:
         TransportFailed: no fd, wrong handle, unsealed memfd or wrong size.
     """
+    from wcache.store.arena import frombuffer_readonly, map_shm_readonly  # noqa: PLC0415
+
     try:
         if handle.get("kind") != TRANSPORT or len(fds) != 1:
             raise TransportFailed(f"expected one memfd with an shm handle, got {len(fds)} fds "

@@ -146,6 +146,8 @@ def _serve_main(argv: list[str]) -> None:
     p.add_argument("--seed-source", action="store_true", help="answer `seed` (wcache.store.seed)")
     p.add_argument("--seed-listen", help="HOST:PORT: also answer `seed` over TCP (needs --seed-source)")
     p.add_argument("--seed-secret-file", help="the shared secret for --seed-listen")
+    p.add_argument("--lean", action="store_true",
+                   help="after the ready line, hand off to the torch-free server (wcache.store.lean)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     export = synthetic_export(a.seed, a.n, a.numel)
@@ -153,6 +155,20 @@ def _serve_main(argv: list[str]) -> None:
         export = Export({k: v.to(a.device) for k, v in export.tensors.items()}, export.kinds, export.aliases,
                         export.layers, export.extra, export.nonpersistent)
     kw = {"transport": a.transport} if a.transport else {}
+    if a.lean:  # as `wcache serve` does on CPU once ready
+        import signal
+
+        from wcache.store import DaemonServer, lean
+
+        server = DaemonServer(export, CacheKey(json.loads(a.key)), socket_dir=a.socket_dir,
+                              device=a.device, device_id=a.device_id, **kw)
+        signal.signal(signal.SIGTERM, lambda *_: server.request_shutdown())
+        server.start()
+        print(f"wcache-store ready key={server.key.digest} bytes={server.nbytes} "
+              f"socket={server.socket_path} pid={os.getpid()} transport={server.transport}", flush=True)
+        lean.handoff(server)
+        server.serve_forever()
+        raise SystemExit(server.exit_code)
     if a.seed_source:  # also answer `seed` (wcache.store.seed), as `wcache serve` does
         import signal
 

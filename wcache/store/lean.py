@@ -1,0 +1,271 @@
+"""The lean serving process: once a CPU daemon is ready, it ``execve``'s a server
+that imports neither torch nor vLLM (issue 28, docs/benchmarks.md "CPU: what a
+ready daemon holds resident beyond its arena").
+
+:func:`handoff` (called by ``wcache serve`` after the rank is ready and its
+snapshot written) pauses the accept thread (new clients wait in the listen
+backlog), waits up to :data:`HANDOFF_DRAIN_S` for open connections to end,
+writes the state the server needs (key, manifest dict, counters, origin,
+snapshot state) to a private file, clears ``FD_CLOEXEC`` on the sealed memfd,
+the bound listening socket, the device lock and any ``--http`` listener, and
+``execve``'s ``python -m wcache.store.lean STATE``. The pid is the same under
+exec, so the pid file, the registry entry and the stale-socket check
+(:func:`wcache.store.paths.claim_socket_path`) stay valid, and the parent (a
+shell, a supervisor, ``wcache serve -tp N``'s ``multiprocessing`` parent) sees
+the same child.
+
+Where it cannot apply, :func:`handoff` returns the reason and the caller keeps
+serving in the full process: a CUDA transport (VMM handles or a CUDA context
+live in the process), a TCP seeding listener (``--seed-listen``: ``seed``
+needs torch.distributed), ``--no-lean``, connections that do not end in time,
+a lean server that does not import, or an ``execve`` that fails. The lean
+server answers every command but ``seed`` (refused with a reason that names
+``--no-lean``).
+
+Once exec'd, the process cannot go back: a lean server that fails to start logs
+why, removes its socket, pid file and registry entry (so the next daemon
+starts cleanly) and exits 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from wcache.store import paths
+from wcache.store.errors import ProtocolError
+
+__all__ = ["handoff", "lean_refusal", "main", "HANDOFF_DRAIN_S", "LEAN_EXEC_ENV", "LEAN_LINE", "NO_LEAN_ENV"]
+
+log = logging.getLogger("wcache.store")
+
+#: How long the hand-off waits for connections opened before it (``status
+#: --wait-ready`` probes: one exchange each) to end (seconds); an engine that
+#: attached meanwhile holds its connection, and the daemon then stays full.
+HANDOFF_DRAIN_S = 5.0
+#: How long the import check of the lean server may take (seconds): a cold
+#: interpreter importing the store modules takes ~0.2 s.
+PREFLIGHT_TIMEOUT_S = 30.0
+#: The interpreter to exec (default ``sys.executable``); tests point it elsewhere
+#: to prove that a failed exec leaves the full process serving.
+LEAN_EXEC_ENV = "WCACHE_LEAN_EXECUTABLE"
+#: Set (to any non-empty value) to keep the full process: ``wcache serve --no-lean``
+#: sets it, so that every rank process of a ``-tp N`` daemon sees it.
+NO_LEAN_ENV = "WCACHE_NO_LEAN"
+#: The state file's name in the socket dir (``.lean-XXXX.pickle``, 0600, removed once read).
+STATE_PREFIX = ".lean-"
+#: What the lean process prints (stdout, flushed) once it serves.
+LEAN_LINE = "wcache: serving: lean (torch-free, pid same)"
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class LeanSeedRefusal:
+    """The lean server's ``seed`` handler: seeding needs torch.distributed."""
+
+    def __init__(self, seeds_done: int | None):
+        self.seeds_done = seeds_done
+
+    def handle(self, req: dict[str, Any], state: dict) -> dict[str, Any]:
+        raise ProtocolError("this daemon serves lean (torch-free) and cannot seed a peer; start "
+                            "the source daemon with --no-lean (or --seed-listen) to seed from it")
+
+
+def lean_refusal(server: Any, *, enabled: bool = True) -> str | None:
+    """Why ``server`` cannot hand off to the lean process (None: it can)."""
+    from wcache.store.http import OpsServer  # noqa: PLC0415
+
+    if not enabled:
+        return "--no-lean"
+    if (server.device_type != "cpu" or server.transport != "shm"
+            or not isinstance(getattr(server._serving, "fd", None), int)):
+        return f"{server.transport} transport: its handles live in this process"
+    if getattr(server, "_seed_listener", None) is not None:
+        return "--seed-listen: seeding needs torch.distributed"
+    for ops in OpsServer.running:
+        try:
+            pickle.dumps(ops.probe)
+        except Exception as e:  # noqa: BLE001  (any pickling failure means: keep it here)
+            return f"the --http probe cannot be carried over ({type(e).__name__})"
+    return None
+
+
+def _preflight(exe: str) -> str | None:
+    """None when ``exe -m wcache.store.lean --check`` imports the lean server
+    without torch, else why not."""
+    try:
+        done = subprocess.run([exe, "-m", "wcache.store.lean", "--check"], capture_output=True,
+                              text=True, timeout=PREFLIGHT_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"the lean server cannot start: {type(e).__name__}: {e}"
+    if done.returncode != 0:
+        return f"the lean server does not import: {done.stderr.strip()[-300:]}"
+    return None
+
+
+def handoff(server: Any, *, enabled: bool | None = None, ready_queue: Any = None) -> str:
+    """Replace this process image with the lean server; returns only when it
+    stays full, with the reason (logged, and printed as ``wcache: serving: full
+    (reason)``).
+
+    Args:
+        server: the ready, started :class:`wcache.store.server.DaemonServer`.
+        enabled: False for ``--no-lean`` (default: unless :data:`NO_LEAN_ENV` is set).
+        ready_queue: a ``multiprocessing`` queue this process put its ready line
+            on (``wcache serve -tp N``): flushed before exec.
+    """
+    if enabled is None:
+        enabled = not os.environ.get(NO_LEAN_ENV)
+    reason = lean_refusal(server, enabled=enabled)
+    exe = os.environ.get(LEAN_EXEC_ENV) or sys.executable
+    if reason is None:
+        reason = _preflight(exe) if exe == sys.executable else None
+    if reason is None:
+        reason = _exec_lean(server, exe, ready_queue)
+    log.info("serving: full (%s)", reason)
+    print(f"wcache: serving: full ({reason}) pid={os.getpid()}", flush=True)
+    return reason
+
+
+def _exec_lean(server: Any, exe: str, ready_queue: Any) -> str:
+    from wcache.store.http import OpsServer  # noqa: PLC0415
+
+    server.pause_accepting_()
+    deadline = time.monotonic() + HANDOFF_DRAIN_S
+    while server.connections_open and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if server.connections_open:
+        server.resume_accepting_()
+        return f"{server.connections_open} connection(s) still open after {HANDOFF_DRAIN_S:.1f} s"
+    ops_list = list(OpsServer.running)
+    for ops in ops_list:
+        ops.pause()
+    fds = [server._serving.fd, server._listener.fileno(), server._lock_fd, *(o.fileno() for o in ops_list)]
+    state_path = None
+    old_mask = None
+    try:
+        state = {
+            "key": server.key.canonical, "manifest": server._manifest_dict, "transport": server.transport,
+            "device_id": server.device_id, "socket_dir": server.socket_dir, "socket_ino": server._socket_ino,
+            "registry_path": server._registry_path, "allowed_uid": server.allowed_uid,
+            "memfd": fds[0], "nbytes": server.nbytes, "listener": fds[1], "lock_fd": fds[2],
+            "http": [(o.fileno(), *o.address, o.probe) for o in ops_list],
+            "origin": getattr(server, "origin", None), "snapshot": getattr(server, "snapshot_state", None),
+            "seeds_done": getattr(getattr(server, "seed_source", None), "seeds_done", None),
+            "uptime_s": time.monotonic() - server._started_at,
+            "attachments_total": server.attachments_total, "releases": dict(server.releases),
+            "refusals": dict(server.refusals), "log_level": logging.getLogger().getEffectiveLevel(),
+        }
+        fd, state_path = tempfile.mkstemp(prefix=STATE_PREFIX, suffix=".pickle", dir=server.socket_dir)
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(state, f)
+        # SIGTERM/SIGINT stay pending across exec until the lean server's handlers are in
+        # place (this thread's mask; a signal another thread takes in the exec's few ms is lost)
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+        for each in fds:
+            os.set_inheritable(each, True)
+        if ready_queue is not None:
+            ready_queue.close()
+            ready_queue.join_thread()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(exe, [exe, "-m", "wcache.store.lean", state_path])
+        reason = "execv returned"  # it does not; only for the type checker
+    except Exception as e:  # noqa: BLE001  (whatever failed, the full process serves on)
+        reason = f"exec {exe} failed: {e}" if isinstance(e, OSError) and old_mask is not None else \
+            f"the hand-off failed: {type(e).__name__}: {e}"
+    for each in fds:
+        os.set_inheritable(each, False)
+    if old_mask is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+    if state_path is not None:
+        os.unlink(state_path)
+    for ops in ops_list:
+        ops.start()
+    server.resume_accepting_()
+    return reason
+
+
+def _cleanup_failed(state: dict) -> None:
+    """The lean server could not start: remove what names this pid as serving."""
+    sock = paths.socket_path(state["socket_dir"], state["device_id"])
+    try:
+        if os.lstat(sock).st_ino == state["socket_ino"]:
+            os.unlink(sock)
+    except OSError:
+        pass
+    rec = paths.read_pid_file(paths.pid_path(sock))
+    if rec is not None and rec["pid"] == os.getpid():
+        try:
+            os.unlink(paths.pid_path(sock))
+        except OSError:
+            pass
+    if state.get("registry_path"):
+        paths.unregister_daemon(state["registry_path"])
+
+
+def _serve(state: dict) -> int:
+    import socket  # noqa: PLC0415
+
+    from wcache.store.http import OpsServer  # noqa: PLC0415
+    from wcache.store.manifest import CacheKey, Manifest  # noqa: PLC0415
+    from wcache.store.server import DaemonServer  # noqa: PLC0415
+    from wcache.store.transport_shm import ShmServing  # noqa: PLC0415
+
+    server = DaemonServer.adopt(
+        key=CacheKey.from_json(state["key"]), manifest=Manifest.from_dict(state["manifest"]),
+        serving=ShmServing(state["memfd"], state["nbytes"]), transport=state["transport"],
+        device_id=state["device_id"], socket_dir=state["socket_dir"], lock_fd=state["lock_fd"],
+        listener=socket.socket(fileno=state["listener"]), socket_ino=state["socket_ino"],
+        registry_path=state["registry_path"], allowed_uid=state["allowed_uid"])
+    server.serving_mode = "lean"
+    server.origin, server.snapshot_state = state["origin"], state["snapshot"]
+    server.seed_source = LeanSeedRefusal(state["seeds_done"])
+    server.attachments_total = state["attachments_total"]
+    server.releases.update(state["releases"])
+    server.refusals.update(state["refusals"])
+    server._started_at = time.monotonic() - state["uptime_s"]
+    for sig in _SIGNALS:
+        signal.signal(sig, lambda *_: server.request_shutdown())
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
+    ops_list = [OpsServer(host, port, probe, listen_fd=fd).start() for fd, host, port, probe in state["http"]]
+    server.start()
+    print(f"{LEAN_LINE} pid={os.getpid()} socket={server.socket_path}", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        for ops in ops_list:
+            ops.stop()
+    return server.exit_code
+
+
+def main(argv: list[str]) -> int:
+    """``python -m wcache.store.lean STATE`` (exec'd by :func:`handoff`), or
+    ``--check``: import what serving needs and fail if torch came with it."""
+    if argv == ["--check"]:
+        import wcache.store.http  # noqa: F401, PLC0415
+        import wcache.store.server  # noqa: F401, PLC0415
+        import wcache.store.transport_shm  # noqa: F401, PLC0415
+
+        return 1 if "torch" in sys.modules else 0
+    with open(argv[0], "rb") as f:
+        state = pickle.load(f)  # our own 0600 file in our 0700 socket dir, read once
+    os.unlink(argv[0])
+    logging.basicConfig(level=state["log_level"], format="%(asctime)s %(name)s %(message)s")
+    try:
+        return _serve(state)
+    except Exception as e:  # noqa: BLE001  (exec'd: no full process to go back to)
+        log.error("the lean server could not start (%s: %s); this daemon exits and a restart "
+                  "builds it again", type(e).__name__, e)
+        _cleanup_failed(state)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
