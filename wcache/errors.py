@@ -32,6 +32,7 @@ __all__ = [
     "StoreError", "DaemonMissing", "KeyMismatch", "TransportFailed", "ProtocolError",
     "ConnectionClosed", "IdleTimeout", "ShmTooSmall", "DaemonBusy", "Released", "UnsafePath",
     "PeerRefused", "CheckpointChanged", "ArenaInvalidated", "HttpListenFailed", "SeedFailed",
+    "SeedUnavailable",
     "SeedSecretUnsafe", "SnapshotMissing", "SnapshotCorrupt", "SnapshotStale",
     "SnapshotWriteFailed",
     # the vLLM side
@@ -188,6 +189,13 @@ class ProtocolError(StoreError, ValueError):
     peer speaks another protocol version."""
 
     code = "protocol-error"
+
+
+class SeedUnavailable(StoreError):
+    """This daemon cannot seed a peer: it serves lean (torch-free), and seeding needs
+    torch.distributed. Start the source daemon with ``--no-lean`` (or ``--seed-listen``)."""
+
+    code = "seed-unavailable"
 
 
 class ConnectionClosed(ProtocolError):

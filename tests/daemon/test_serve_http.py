@@ -137,7 +137,10 @@ def test_ready_daemon_serves_lean_and_keeps_both_endpoints(served):
     assert beyond < LEAN_TARGET_BYTES
     status, body = _get(f"{served.url}/health")
     assert (status, json.loads(body)["ready"]) == (200, True)
-    assert _metrics(served.url)[_k("wcache_bytes_held")] == float(st["bytes_held"])
+    metrics = _metrics(served.url)
+    assert metrics[_k("wcache_bytes_held")] == float(st["bytes_held"])
+    assert ["lean"] == [dict(labels)["serving"] for (name, labels) in metrics
+                        if name == "wcache_rank_info"]
 
 
 def test_health_matches_wait_ready(served):

@@ -13,7 +13,7 @@ import torch
 
 from wcache.store import CacheKey, DaemonServer, attach, cli_status, daemon_status, lean, paths, socket_path
 from wcache.store.client import Connection
-from wcache.store.errors import ProtocolError
+from wcache.store.errors import SeedUnavailable
 from wcache.store.manifest import DTYPE_ITEMSIZES
 from wcache.testing.store import (
     BASE_KEY, assert_serves_export, rss_bytes, start_daemon, stop_daemon, synthetic_export,
@@ -77,7 +77,7 @@ def test_lean_daemon_serves_the_same_bytes_without_torch(sock_dir, capsys):
         assert rss_bytes(pid) < LEAN_RSS_BOUND_BYTES
         conn = Connection(socket_path(sock_dir, "cpu"))
         try:
-            with pytest.raises(ProtocolError, match="serves lean"):
+            with pytest.raises(SeedUnavailable, match="serves lean"):
                 conn.request({"op": "seed", "key": BASE_KEY})
         finally:
             conn.close()
@@ -166,3 +166,57 @@ def test_unpicklable_http_probe_keeps_the_full_process(server):
         reason = lean.lean_refusal(server)
     assert reason.startswith("the --http probe cannot be carried over (")
     assert lean.lean_refusal(server) is None
+
+
+@pytest.mark.parametrize("event", ["sigterm", "invalidated"])
+def test_a_stop_or_invalidation_during_the_handoff_calls_it_off(server, monkeypatch, event):
+    """A SIGTERM (its handler: request_shutdown) or an invalidation that arrives while
+    the hand-off drains or writes its state: no exec, the full process keeps what it
+    must act on (the stop, exit status 75), no state file is left."""
+    monkeypatch.setattr(lean, "_preflight", lambda exe: None)
+    monkeypatch.setattr(os, "execv", lambda *a: pytest.fail("exec'd although stopping"))
+    real_mkstemp = lean.tempfile.mkstemp
+
+    def mkstemp_then_event(*args, **kwargs):  # the event lands while the state is written
+        if event == "sigterm":
+            server.request_shutdown()
+        else:
+            server.invalidated = {"code": "guard-failed", "pid": 1, "message": "", "at": 0.0}
+        return real_mkstemp(*args, **kwargs)
+
+    monkeypatch.setattr(lean.tempfile, "mkstemp", mkstemp_then_event)
+    reason = lean.handoff(server)
+    assert {"sigterm": "stopping", "invalidated": "arena invalidated [guard-failed]"}[event] == reason
+    assert [] == [n for n in os.listdir(server.socket_dir) if n.startswith(lean.STATE_PREFIX)]
+    if event == "sigterm":
+        server.serve_forever()  # returns: the stop asked is honoured
+        assert server.stopping.is_set()
+    else:
+        assert 75 == server.exit_code
+
+
+@pytest.mark.parametrize("value, enabled", [("1", False), ("0", True), ("", True)])
+def test_no_lean_env_is_read_as_a_flag(server, monkeypatch, value, enabled):
+    """WCACHE_NO_LEAN=1 (what --no-lean sets) keeps the full process; 0 or empty does not."""
+    monkeypatch.setenv(lean.NO_LEAN_ENV, value)
+    seen = {}
+    monkeypatch.setattr(lean, "lean_refusal",
+                        lambda server, enabled: seen.setdefault("enabled", enabled) and "stop here")
+    lean.handoff(server)
+    assert enabled == seen["enabled"]
+
+
+def test_lean_server_closes_descriptors_it_was_not_handed(tmp_path):
+    """Only stdio and the descriptors the state names survive into the lean server."""
+    stray = os.open(tmp_path / "stray", os.O_CREAT | os.O_RDWR)  # inheritable: no O_CLOEXEC here
+    kept = os.open(tmp_path / "kept", os.O_CREAT | os.O_RDWR)
+    os.set_inheritable(stray, True)
+    code = (f"import os; from wcache.store import lean; "
+            f"lean._close_inherited_fds({{'memfd': {kept}, 'listener': {kept}, 'lock_fd': {kept}, "
+            f"'http': []}}); print(sorted(int(n) for n in os.listdir('/proc/self/fd')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         pass_fds=(stray, kept), check=True).stdout
+    left = eval(out)  # noqa: S307  (our own child's list of ints)
+    assert kept in left and stray not in left
+    os.close(stray)
+    os.close(kept)

@@ -315,7 +315,10 @@ def _rank_main(rank: int, local_rank: int, world: int, model: str, rest: list[st
                    socket_dir=socket_dir, progress=progress and rank == 0, job=job, ready=ready,
                    **sources)
     except BaseException as exc:  # report to the parent, which stops the other ranks
-        ready.put((rank, f"error: {type(exc).__name__}: {exc}"))
+        try:
+            ready.put((rank, f"error: {type(exc).__name__}: {exc}"))
+        except (ValueError, OSError):  # the queue was closed for a lean hand-off that failed
+            pass
         raise
 
 

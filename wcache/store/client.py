@@ -23,7 +23,7 @@ import wcache
 from wcache.store import paths
 from wcache.store.errors import (
     ArenaInvalidated, DaemonBusy, DaemonMissing, IdleTimeout, KeyMismatch, PeerRefused, ProtocolError, Released,
-    StoreError, TransportFailed, UnsafePath,
+    SeedUnavailable, StoreError, TransportFailed, UnsafePath,
 )
 from wcache.store.manifest import KIND_BUFFER, CacheKey, Manifest
 from wcache.store.protocol import (
@@ -55,7 +55,8 @@ STOP_POLL_S = 0.05
 # The guard's message travels to the daemon's log and status; a few lines suffice.
 INVALIDATE_MESSAGE_CHARS = 2000
 _ERRORS = {c.code: c for c in (DaemonMissing, KeyMismatch, TransportFailed, ProtocolError, DaemonBusy,
-                               Released, UnsafePath, PeerRefused, ArenaInvalidated, IdleTimeout)}
+                               Released, UnsafePath, PeerRefused, ArenaInvalidated, IdleTimeout,
+                               SeedUnavailable)}
 
 
 class Connection:

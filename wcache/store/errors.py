@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from wcache.errors import (  # noqa: F401  (re-exported: the store's errors' old home)
     ArenaInvalidated, CheckpointChanged, DaemonBusy, DaemonMissing, IdleTimeout, KeyMismatch,
-    PeerRefused, ProtocolError, Released, ShmTooSmall, StoreError, TransportFailed, UnsafePath,
+    PeerRefused, ProtocolError, Released, SeedUnavailable, ShmTooSmall, StoreError, TransportFailed, UnsafePath,
 )
 
 __all__ = [
     "StoreError", "DaemonMissing", "KeyMismatch", "TransportFailed", "ProtocolError",
     "DaemonBusy", "IdleTimeout", "ShmTooSmall", "Released", "UnsafePath", "PeerRefused", "CheckpointChanged", "ArenaInvalidated",
+    "SeedUnavailable",
 ]

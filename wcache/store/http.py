@@ -178,7 +178,8 @@ class DaemonCollector:
                                      "transport": str(st.get("transport")),
                                      "device_id": str(st.get("device_id")),
                                      "key_digest": str(st.get("key_digest", ""))[:16],
-                                     "pid": str(st.get("pid"))})
+                                     "pid": str(st.get("pid")),
+                                     "serving": str(st.get("serving") or "full")})
         yield from (attaches, releases, refusals, invalidations, seeds, snapshot, seed_listening, info)
 
 

@@ -19,8 +19,9 @@ serving in the full process: a CUDA transport (VMM handles or a CUDA context
 live in the process), a TCP seeding listener (``--seed-listen``: ``seed``
 needs torch.distributed), ``--no-lean``, connections that do not end in time,
 a lean server that does not import, or an ``execve`` that fails. The lean
-server answers every command but ``seed`` (refused with a reason that names
-``--no-lean``).
+server answers every command but ``seed`` (refused, ``seed-unavailable``, with a
+reason that names ``--no-lean``). A stop asked or an invalidation during the
+hand-off calls it off (the full process then stops as usual).
 
 Once exec'd, the process cannot go back: a lean server that fails to start logs
 why, removes its socket, pid file and registry entry (so the next daemon
@@ -40,7 +41,7 @@ import time
 from typing import Any
 
 from wcache.store import paths
-from wcache.store.errors import ProtocolError
+from wcache.store.errors import SeedUnavailable
 
 __all__ = ["handoff", "lean_refusal", "main", "HANDOFF_DRAIN_S", "LEAN_EXEC_ENV", "LEAN_LINE", "NO_LEAN_ENV"]
 
@@ -56,8 +57,8 @@ PREFLIGHT_TIMEOUT_S = 30.0
 #: The interpreter to exec (default ``sys.executable``); tests point it elsewhere
 #: to prove that a failed exec leaves the full process serving.
 LEAN_EXEC_ENV = "WCACHE_LEAN_EXECUTABLE"
-#: Set (to any non-empty value) to keep the full process: ``wcache serve --no-lean``
-#: sets it, so that every rank process of a ``-tp N`` daemon sees it.
+#: Set to ``1`` to keep the full process: ``wcache serve --no-lean`` sets it, so that
+#: every rank process of a ``-tp N`` daemon sees it.
 NO_LEAN_ENV = "WCACHE_NO_LEAN"
 #: The state file's name in the socket dir (``.lean-XXXX.pickle``, 0600, removed once read).
 STATE_PREFIX = ".lean-"
@@ -73,8 +74,9 @@ class LeanSeedRefusal:
         self.seeds_done = seeds_done
 
     def handle(self, req: dict[str, Any], state: dict) -> dict[str, Any]:
-        raise ProtocolError("this daemon serves lean (torch-free) and cannot seed a peer; start "
-                            "the source daemon with --no-lean (or --seed-listen) to seed from it")
+        raise SeedUnavailable("this daemon serves lean (torch-free) and cannot seed a peer; "
+                              "start the source daemon with --no-lean (or --seed-listen) to "
+                              "seed from it")
 
 
 def lean_refusal(server: Any, *, enabled: bool = True) -> str | None:
@@ -121,7 +123,7 @@ def handoff(server: Any, *, enabled: bool | None = None, ready_queue: Any = None
             on (``wcache serve -tp N``): flushed before exec.
     """
     if enabled is None:
-        enabled = not os.environ.get(NO_LEAN_ENV)
+        enabled = os.environ.get(NO_LEAN_ENV, "") != "1"
     reason = lean_refusal(server, enabled=enabled)
     exe = os.environ.get(LEAN_EXEC_ENV) or sys.executable
     if reason is None:
@@ -143,6 +145,11 @@ def _exec_lean(server: Any, exe: str, ready_queue: Any) -> str:
     if server.connections_open:
         server.resume_accepting_()
         return f"{server.connections_open} connection(s) still open after {HANDOFF_DRAIN_S:.1f} s"
+    stopping = _stopping(server)
+    if stopping:
+        if not server.stopping.is_set():
+            server.resume_accepting_()  # serve_forever then sees the request and stops
+        return stopping
     ops_list = list(OpsServer.running)
     for ops in ops_list:
         ops.pause()
@@ -168,28 +175,44 @@ def _exec_lean(server: Any, exe: str, ready_queue: Any) -> str:
         # SIGTERM/SIGINT stay pending across exec until the lean server's handlers are in
         # place (this thread's mask; a signal another thread takes in the exec's few ms is lost)
         old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
-        for each in fds:
-            os.set_inheritable(each, True)
-        if ready_queue is not None:
-            ready_queue.close()
-            ready_queue.join_thread()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execv(exe, [exe, "-m", "wcache.store.lean", state_path])
-        reason = "execv returned"  # it does not; only for the type checker
+        # a SIGTERM, `shutdown` or `invalidate` that came during the drain or the state
+        # write: stay full and let serve_forever act on it (the exec would drop it)
+        stopping = _stopping(server)
+        if stopping is None:
+            for each in fds:
+                os.set_inheritable(each, True)
+            if ready_queue is not None:
+                ready_queue.close()
+                ready_queue.join_thread()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.execv(exe, [exe, "-m", "wcache.store.lean", state_path])
+        reason = stopping or "execv returned"  # execv does not return
     except Exception as e:  # noqa: BLE001  (whatever failed, the full process serves on)
         reason = f"exec {exe} failed: {e}" if isinstance(e, OSError) and old_mask is not None else \
             f"the hand-off failed: {type(e).__name__}: {e}"
     for each in fds:
         os.set_inheritable(each, False)
     if old_mask is not None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)  # a pending SIGTERM lands now
     if state_path is not None:
         os.unlink(state_path)
-    for ops in ops_list:
-        ops.start()
-    server.resume_accepting_()
+    if not server.stopping.is_set():
+        for ops in ops_list:
+            ops.start()
+        server.resume_accepting_()
     return reason
+
+
+def _stopping(server: Any) -> str | None:
+    """Why ``server`` must not be handed off now: a stop was asked (SIGTERM, the
+    ``shutdown`` command) or a client invalidated its arena (the full process exits
+    with status 75 as usual); None otherwise."""
+    if server.stopping.is_set() or server._shutdown_requested.is_set():
+        return "stopping"
+    if server.invalidated:
+        return f"arena invalidated [{server.invalidated.get('code')}]"
+    return None
 
 
 def _cleanup_failed(state: dict) -> None:
@@ -254,17 +277,43 @@ def main(argv: list[str]) -> int:
         import wcache.store.transport_shm  # noqa: F401, PLC0415
 
         return 1 if "torch" in sys.modules else 0
-    with open(argv[0], "rb") as f:
-        state = pickle.load(f)  # our own 0600 file in our 0700 socket dir, read once
-    os.unlink(argv[0])
-    logging.basicConfig(level=state["log_level"], format="%(asctime)s %(name)s %(message)s")
+    state = None
     try:
+        try:
+            with open(argv[0], "rb") as f:
+                state = pickle.load(f)  # our own 0600 file in our 0700 socket dir, read once
+        finally:
+            os.unlink(argv[0])
+        logging.basicConfig(level=state["log_level"], format="%(asctime)s %(name)s %(message)s")
+        _close_inherited_fds(state)
         return _serve(state)
     except Exception as e:  # noqa: BLE001  (exec'd: no full process to go back to)
+        logging.basicConfig()
         log.error("the lean server could not start (%s: %s); this daemon exits and a restart "
                   "builds it again", type(e).__name__, e)
-        _cleanup_failed(state)
+        if state is not None:
+            _cleanup_failed(state)
         return 1
+
+
+def _close_inherited_fds(state: dict) -> None:
+    """Close every fd but stdio and the ones ``state`` names: a descriptor the full
+    process's C++ libraries opened without ``O_CLOEXEC`` (gloo or TCPStore sockets,
+    shared-memory segments) would otherwise stay open, keeping its port or segment
+    alive, for as long as this daemon serves."""
+    keep = {0, 1, 2, state["memfd"], state["listener"], state["lock_fd"],
+            *(fd for fd, *_ in state["http"])}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for name in names:
+        fd = int(name)
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # the fd listdir itself held, already closed
 
 
 if __name__ == "__main__":

@@ -10,10 +10,8 @@ from __future__ import annotations
 import json
 import types
 from collections.abc import Mapping
-from typing import Any
-
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import blake3
 from attrs import field, frozen
@@ -38,7 +36,7 @@ KINDS = frozenset({KIND_PARAM, KIND_BUFFER})
 #: Bytes per element of every dtype an arena entry may have, by torch's short name:
 #: the manifest is checked with this table, so a serving process that never views a
 #: tensor (the lean server, :mod:`wcache.store.lean`) needs no torch. It equals
-#: torch's own table (every non-complex ``torch.dtype``; tests/store/test_lean.py
+#: torch's own table (every non-complex ``torch.dtype``; tests/store/test_store_lean.py
 #: compares them); a dtype a newer torch adds is refused until it is listed here.
 DTYPE_ITEMSIZES: types.MappingProxyType = types.MappingProxyType({
     "bfloat16": 2, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bits8": 1, "bool": 1,

@@ -395,7 +395,11 @@ class DaemonServer:
             return len(self._conns)
 
     def serve_forever(self) -> None:
-        """Serve until a client sends ``shutdown`` or :meth:`stop` is called."""
+        """Serve until a client sends ``shutdown`` or :meth:`stop` is called (returns at
+        once, after the stop completes, when it already was)."""
+        if self._stopping.is_set():
+            self.stop()
+            return
         self.start()
         try:
             while not self._shutdown_requested.wait(ACCEPT_POLL_S):

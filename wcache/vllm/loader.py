@@ -14,7 +14,9 @@ strict              false      restore guard also compares content checksums
 share_prepacks      true       a tied embedding/lm_head shares one oneDNN prepack
                                (CPU; vLLM builds two identical ones)
 job                 ""         separates two jobs of the same model on one host
+freeze_gc           true       CUDA: freeze the gc heap before vLLM's timed load
 timing_file         none       append a JSON line with the load-phase time
+profile_file        none       write cProfile stats of the whole load phase there
 ==================  =========  ====================================================
 
 Order of work: build the model on the meta device with vLLM's own
@@ -385,15 +387,24 @@ class WcacheModelLoader(BaseModelLoader):
                    prefix: str = "") -> torch.nn.Module:
         """The model, restored from the daemon (or loaded from disk by the fallback
         rule); with ``profile_file`` set, the whole call under ``cProfile``, its stats
-        written there (``pstats`` format; ``python -m pstats FILE`` reads them)."""
+        written there (``pstats`` format; ``python -m pstats FILE`` reads them; with
+        several ranks, ``FILE.tp<R>.pp<P>`` per rank). A profile that cannot be written
+        is a warning, never a failed load."""
         if not self.options.profile_file:
             return self._load_model(vllm_config, model_config, prefix)
+        path = self.options.profile_file
+        layout = parallel_layout()
+        if layout["tp_size"] * layout["pp_size"] > 1:
+            path = f"{path}.tp{layout['tp_rank']}.pp{layout['pp_rank']}"
         profiler = cProfile.Profile()
         try:
             return profiler.runcall(self._load_model, vllm_config, model_config, prefix)
         finally:
-            profiler.dump_stats(self.options.profile_file)
-            logger.info("wcache: load profile written to %s", self.options.profile_file)
+            try:
+                profiler.dump_stats(path)
+                logger.info("wcache: load profile written to %s", path)
+            except OSError as exc:
+                logger.warning("wcache: could not write the load profile to %s: %s", path, exc)
 
     def _load_model(self, vllm_config: VllmConfig, model_config: ModelConfig,
                     prefix: str) -> torch.nn.Module:
