@@ -111,7 +111,7 @@ def _wait_socket(sock_dir: str, deadline: float) -> tuple[str, dict[str, Any]]:
 
 
 def _client(index: int, clients: int, cycles: int, sock_dir: str, done: Any, results: Any,
-            paused: Any, resume: Any) -> None:
+            paused: Any, resume: Any, warmup_cycles: int = WARMUP_CYCLES) -> None:
     """One soak client: ``cycles`` attach/read/release cycles; puts its result dict."""
     import warnings  # noqa: PLC0415
 
@@ -126,7 +126,7 @@ def _client(index: int, clients: int, cycles: int, sock_dir: str, done: Any, res
     latencies, errors = [], {}
     seen: dict[tuple[str, str], int] = {}  # (tensor, digest read) -> reads
     start = time.perf_counter()
-    warmup = WARMUP_CYCLES // clients
+    warmup = warmup_cycles // clients
     for i in range(cycles):
         if i == warmup:  # hold no connection while the main process samples the daemon
             with paused.get_lock():
@@ -190,8 +190,10 @@ def _killer(key_fields: dict, sock_dir: str, dev: str, every_s: float, stop: thr
         kills.append(delay)
 
 
-def run(clients: int, cycles: int, kill_every_s: float) -> dict[str, Any]:
-    """One soak run; returns its figures (see the module docstring)."""
+def run(clients: int, cycles: int, kill_every_s: float,
+        warmup_cycles: int = WARMUP_CYCLES) -> dict[str, Any]:
+    """One soak run; returns its figures (see the module docstring). The warm-up
+    sample is taken after ``warmup_cycles`` cycles over all clients."""
     from wcache.store.paths import list_sockets  # noqa: PLC0415
     from wcache.testing.fixtures import build  # noqa: PLC0415
     from wcache.daemon.process import DaemonProcess, free_port  # noqa: PLC0415
@@ -206,7 +208,8 @@ def run(clients: int, cycles: int, kill_every_s: float) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     done, results, paused, resume = ctx.Value("l", 0), ctx.Queue(), ctx.Value("l", 0), ctx.Event()
     per = [cycles // clients + (1 if i < cycles % clients else 0) for i in range(clients)]
-    workers = [ctx.Process(target=_client, args=(i, clients, per[i], sock_dir, done, results, paused, resume))
+    workers = [ctx.Process(target=_client, args=(i, clients, per[i], sock_dir, done, results, paused, resume,
+                                             warmup_cycles))
                for i in range(clients)]
     for w in workers:
         w.start()  # they import torch meanwhile and wait for the socket
@@ -326,13 +329,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=int, default=DEFAULT_CLIENTS)
     p.add_argument("--cycles", type=int, default=DEFAULT_CYCLES)
     p.add_argument("--kill-every-s", type=float, default=DEFAULT_KILL_EVERY_S)
+    p.add_argument("--warmup-cycles", type=int, default=WARMUP_CYCLES,
+                   help="cycles (over all clients) before the warm-up sample of RSS and fds "
+                        f"(default {WARMUP_CYCLES}); a CPU daemon hands off to its lean "
+                        "serving process after the snapshot is written, a few hundred cycles "
+                        "in, so the serving process's own warm-up starts there")
     p.add_argument("--json", help="also write the figures here")
     return p
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    r = run(args.clients, args.cycles, args.kill_every_s)
+    r = run(args.clients, args.cycles, args.kill_every_s, args.warmup_cycles)
     sys.stdout.write(report(r))
     if args.json:
         with open(args.json, "w") as f:
