@@ -190,10 +190,6 @@ class DaemonServer:
         self.socket_dir = paths.ensure_socket_dir(socket_dir)
         self.socket_path = paths.socket_path(self.socket_dir, self.device_id)
         self.allowed_uid = os.getuid() if allowed_uid is None else allowed_uid
-        self.frame_timeout_s = FRAME_TIMEOUT_S
-        self.hello_timeout_s = HELLO_TIMEOUT_S
-        self.idle_timeout_s = IDLE_TIMEOUT_S
-        self.max_connections_per_client = MAX_CONNECTIONS_PER_CLIENT
         self._lock_fd = paths.acquire_device_lock(self.socket_path)
         try:
             paths.claim_socket_path(self.socket_path)  # fail fast, before the costly arena build
@@ -244,10 +240,6 @@ class DaemonServer:
         self.socket_dir = paths.ensure_socket_dir(socket_dir)
         self.socket_path = paths.socket_path(self.socket_dir, device_id)
         self.allowed_uid = allowed_uid
-        self.frame_timeout_s = FRAME_TIMEOUT_S
-        self.hello_timeout_s = HELLO_TIMEOUT_S
-        self.idle_timeout_s = IDLE_TIMEOUT_S
-        self.max_connections_per_client = MAX_CONNECTIONS_PER_CLIENT
         self._lock_fd = lock_fd
         self.transport_fallback_reason = None
         self._serving, self.manifest, self.transport = serving, manifest, transport
@@ -257,6 +249,11 @@ class DaemonServer:
         return self
 
     def _init_runtime(self) -> None:
+        """The serving state both a built and an adopted server start with."""
+        self.frame_timeout_s = FRAME_TIMEOUT_S
+        self.hello_timeout_s = HELLO_TIMEOUT_S
+        self.idle_timeout_s = IDLE_TIMEOUT_S
+        self.max_connections_per_client = MAX_CONNECTIONS_PER_CLIENT
         self._manifest_dict = self.manifest.to_dict()
         #: ``"full"`` (the process that built the arena) or ``"lean"`` (wcache.store.lean)
         self.serving_mode = "full"
