@@ -77,16 +77,21 @@ while True:
 """
 
 
-def _proc_status(pid: int) -> dict[str, int]:
-    """VmRSS and its RssAnon/RssFile/RssShmem parts (bytes), and open fds, of ``pid``."""
+def rss_parts(pid: int) -> dict[str, int]:
+    """VmRSS and its RssAnon/RssFile/RssShmem parts of ``pid`` (bytes), from
+    ``/proc/PID/status``."""
     out: dict[str, int] = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
             name, _, rest = line.partition(":")
             if name in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
                 out[name] = int(rest.split()[0]) * 1024  # kB
-    out["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
     return out
+
+
+def _proc_status(pid: int) -> dict[str, int]:
+    """:func:`rss_parts` and the open fds of ``pid``."""
+    return {**rss_parts(pid), "fds": len(os.listdir(f"/proc/{pid}/fd"))}
 
 
 def _digest(t: Any) -> str:

@@ -184,21 +184,11 @@ CPU_SERVING_TIMEOUT_S = 60.0
 MIB = 2 ** 20
 
 
-def _rss_parts(pid: int) -> dict[str, int]:
-    """VmRSS, RssAnon, RssFile, RssShmem of ``pid`` (bytes)."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
-                out[name] = int(rest.split()[0]) * 1024  # kB
-    return out
-
-
 def measure_cpu_mode(model: str, lean: bool) -> dict:
     """One ready ``wcache serve`` on ``model`` (lean or ``--no-lean``): its memory figures."""
     from wcache.store import StoreError, daemon_status, socket_path  # noqa: PLC0415
     from wcache.store.paths import list_sockets  # noqa: PLC0415
+    from wcache.benchmarks.bench_soak import rss_parts  # noqa: PLC0415
     from wcache.daemon.process import DaemonProcess  # noqa: PLC0415
 
     mode = "lean" if lean else "full"
@@ -217,7 +207,7 @@ def measure_cpu_mode(model: str, lean: bool) -> dict:
                 pass
             time.sleep(0.1)
         time.sleep(CPU_SETTLE_S)
-        rss = _rss_parts(daemon.pid)
+        rss = rss_parts(daemon.pid)
         with open(f"/proc/{daemon.pid}/maps") as f:
             libtorch = "libtorch" in f.read()
         return {"mode": mode, "pid": daemon.pid, "same_pid": st["pid"] == daemon.pid,

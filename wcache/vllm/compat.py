@@ -41,6 +41,7 @@ subclass must reach ``plan_for`` as unknown so it is refused, not guessed.
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import os
 import sys
@@ -195,8 +196,6 @@ def gptq_config_copied_shallow() -> Iterator[None]:
     Source: vllm/model_executor/layers/quantization/utils/gptq_utils.py::
         get_linear_quant_method, override_config
     """
-    import copy  # noqa: PLC0415
-
     from vllm.model_executor.layers.quantization.utils import gptq_utils  # noqa: PLC0415
 
     def config_copy(config: Any) -> Any:
