@@ -1,7 +1,13 @@
 # Source on the H200 machine after tools/gpu/device-setup.sh: the environment every wcache GPU
-# command needs there. The checkout comes first on PYTHONPATH (the code under test), then vLLM and
-# its dependencies, then wcache's installed metadata (its vllm.general_plugins entry point).
-export PYTHONPATH=$PWD:${WCACHE_GPU_SITE:-/tmp/site}:/tmp/wcache-dist
+# command needs there. The checkout comes first on PYTHONPATH (the code under test), then one vLLM
+# version's tree (WCACHE_GPU_VLLM, e.g. 0.33.0; default: the first version the bundle holds), then
+# the shared dependencies, then wcache's installed metadata (its vllm.general_plugins entry point).
+# Switch versions in one shell with `WCACHE_GPU_VLLM=0.32.0 source tools/gpu/env.sh`.
+_wc_site=${WCACHE_GPU_SITE:-/tmp/site}
+WCACHE_GPU_VLLM=${WCACHE_GPU_VLLM:-$(head -1 "$_wc_site/.wcache-gpu-ready" 2>/dev/null || echo none)}
+export WCACHE_GPU_VLLM
+export PYTHONPATH=$PWD:$(dirname "$_wc_site")/vllm-$WCACHE_GPU_VLLM:$_wc_site:/tmp/wcache-dist
+unset _wc_site
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # FlashInfer is not in the bundle (vLLM imports it for its sampler unless told not to);
 # FlashAttention's kernels were left out (engines use TRITON_ATTN).

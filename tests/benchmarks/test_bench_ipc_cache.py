@@ -1,0 +1,78 @@
+"""The pure parts of the ipc_cache side-by-side benchmark (the runs need the H200)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from wcache.benchmarks import bench_ipc_cache as B
+
+
+def _checkpoint(path, rows=6, cols=4):
+    path.mkdir()
+    emb = torch.arange(rows * cols, dtype=torch.bfloat16).reshape(rows, cols)
+    save_file({"model.embed_tokens.weight": emb, "lm_head.weight": emb + 1},
+              path / "model.safetensors", metadata={"format": "pt"})
+    (path / "config.json").write_text("{}")
+    return emb
+
+
+def test_swapped_checkpoint_changes_one_value_and_keeps_the_header(tmp_path):
+    """write_swapped_checkpoint changes exactly [tok, 0] of the embedding; headers stay byte-equal."""
+    emb = _checkpoint(tmp_path / "a")
+    change = B.write_swapped_checkpoint(tmp_path / "a", tmp_path / "b", token_id=3, value=8.0)
+    assert B._headers(tmp_path / "a") == B._headers(tmp_path / "b")
+    after = load_file(tmp_path / "b" / "model.safetensors")
+    expected = emb.clone()
+    expected[3, 0] = 8.0
+    assert torch.equal(after["model.embed_tokens.weight"], expected)
+    assert torch.equal(after["lm_head.weight"], emb + 1)
+    assert change == {"file": "model.safetensors", "tensor": "model.embed_tokens.weight",
+                      "index": [3, 0], "old": float(emb[3, 0]), "new": 8.0}
+    assert (tmp_path / "b" / "config.json").is_file()
+
+
+def test_swapped_checkpoint_refuses_a_non_bf16_embedding(tmp_path):
+    """A float32 embedding is refused by name, not rewritten with the wrong width."""
+    (tmp_path / "a").mkdir()
+    save_file({"model.embed_tokens.weight": torch.zeros(2, 2)}, tmp_path / "a" / "m.safetensors")
+    with pytest.raises(ValueError, match="F32, not BF16"):
+        B.write_swapped_checkpoint(tmp_path / "a", tmp_path / "b", token_id=0)
+
+
+def test_table_lists_each_system_and_refusals():
+    """The table has a disk reference line, a measured line and a refusal line per case."""
+    rows = [{"case": "smol-awq", "disk": {"model_loading_s": 1.0, "model_loading_gib": 0.1,
+                                          "llm_start_s": 5.0},
+             "wcache": {"daemon_ready_s": 20.0, "daemon_gpu_mib": 300.0, "model_loading_s": 0.2,
+                        "model_loading_gib": 0.0, "llm_start_s": 3.0, "identical": True},
+             "ipc_cache": {"daemon_error": ["RuntimeError: AWQMarlinLinearMethod | refused"]}}]
+    lines = B.table(rows).splitlines()
+    assert lines[2] == "| smol-awq | disk | - | - | 1.000 | 0.10 | 5.0 | (reference) |"
+    assert lines[3] == "| smol-awq | wcache | 20.0 | 300 | 0.200 | 0.00 | 3.0 | yes |"
+    assert lines[4].startswith("| smol-awq | ipc_cache | refused/failed (daemon): "
+                               "RuntimeError: AWQMarlinLinearMethod \\| refused")
+
+
+def test_cases_name_known_checkpoint_kinds():
+    """Every case's SmolLM2 kind is a fixture the builder makes; 8B kinds are the bench's."""
+    from wcache.benchmarks.bench_engine_cuda import FORMATS
+    from wcache.testing.fixtures import ALL_FORMATS
+
+    kinds_8b = {kind for kind, _ in FORMATS.values()}
+    for case, (model, kind, _) in B.CASES.items():
+        assert kind in (ALL_FORMATS if model == "smol" else kinds_8b), case
+
+
+def test_cross_version_env_swaps_only_the_vllm_tree(tmp_path):
+    """env_for replaces the vllm-* entry of PYTHONPATH and refuses a missing tree."""
+    from wcache.testing.cross_version import env_for
+
+    (tmp_path / "vllm-0.33.0" / "vllm").mkdir(parents=True)
+    pattern = str(tmp_path / "vllm-{version}")
+    env = env_for("0.33.0", f"/repo:{tmp_path}/vllm-0.32.0:/tmp/site:/tmp/wcache-dist", pattern)
+    assert env == {"PYTHONPATH": f"/repo:{tmp_path}/vllm-0.33.0:/tmp/site:/tmp/wcache-dist",
+                   "WCACHE_GPU_VLLM": "0.33.0"}
+    with pytest.raises(FileNotFoundError, match="no vLLM 0.34.0"):
+        env_for("0.34.0", "/repo", pattern)

@@ -1,0 +1,83 @@
+"""A daemon under one vLLM version and an engine under another, on one machine.
+
+``python -m wcache.testing.cross_version --model DIR --daemon 0.33.0 --engine 0.32.0``
+(on the H200, with a bundle of both versions: tools/gpu/build-bundle.sh 0.32.0,0.33.0;
+each version's tree is ``/tmp/vllm-VERSION``, tools/gpu/env.sh).
+
+Starts ``wcache serve`` with the daemon version's tree on ``PYTHONPATH``, then two
+engines with the engine version's: ``fallback=false`` (must be refused, the message
+naming both versions) and ``fallback=true`` (must load from disk and give the disk
+engine's tokens, the fallback reason recorded). Prints one JSON line; exit 0 only when
+both hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+#: Where tools/gpu/device-setup.sh installs each vLLM version's tree.
+TREE = "/tmp/vllm-{version}"
+PROMPT = "The capital of France is"
+MAX_TOKENS = 8
+
+
+def env_for(version: str, pythonpath: str | None = None, tree_pattern: str = TREE
+            ) -> dict[str, str]:
+    """The environment with ``PYTHONPATH``'s vLLM tree (a ``vllm-*`` entry) replaced by
+    ``version``'s, placed after the checkout (the first entry).
+
+    Raises:
+        FileNotFoundError: that version's tree is not installed.
+    """
+    tree = tree_pattern.format(version=version)
+    if not Path(tree, "vllm").is_dir():
+        raise FileNotFoundError(f"no vLLM {version} at {tree}: build the bundle with it "
+                                f"(tools/gpu/build-bundle.sh 0.32.0,0.33.0)")
+    parts = (pythonpath if pythonpath is not None else os.environ.get("PYTHONPATH", "")).split(":")
+    parts = [p for p in parts if p and not Path(p).name.startswith("vllm-")]
+    at = 1 if parts else 0  # after the checkout, before the shared site
+    return {"PYTHONPATH": ":".join(parts[:at] + [tree] + parts[at:]), "WCACHE_GPU_VLLM": version}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from wcache.daemon.process import DaemonProcess, run_engine  # noqa: PLC0415
+    from wcache.testing.engine_acceptance import ATTENTION_BACKEND  # noqa: PLC0415
+
+    ap = argparse.ArgumentParser(prog="python -m wcache.testing.cross_version",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="checkpoint directory (SmolLM2 bf16)")
+    ap.add_argument("--daemon", required=True, help="vLLM version the daemon runs")
+    ap.add_argument("--engine", required=True, help="vLLM version the engines run")
+    args = ap.parse_args(argv)
+    d_env, e_env = env_for(args.daemon), env_for(args.engine)
+    common = dict(prompts=[PROMPT], max_tokens=MAX_TOKENS, env=e_env,
+                  engine_args=["--attention-backend", ATTENTION_BACKEND])
+    out: dict = {"daemon_vllm": args.daemon, "engine_vllm": args.engine}
+    out["disk_tokens"] = run_engine(args.model, "auto", {}, **common)["token_ids"]
+    with tempfile.TemporaryDirectory(prefix="wcx-") as sock:
+        with DaemonProcess(args.model, sock, env=d_env,
+                           extra_args=("--attention-backend", ATTENTION_BACKEND)):
+            try:
+                run_engine(args.model, "wcache", {"fallback": False, "socket_dir": sock}, **common)
+                out["strict"] = {"refused": False}
+            except RuntimeError as exc:
+                lines = [ln for ln in str(exc).splitlines() if "vLLM" in ln or "Error" in ln]
+                msg = "\n".join(lines[-6:])
+                out["strict"] = {"refused": True, "message": msg,
+                                 "names_both": args.daemon in msg and args.engine in msg}
+            fb = run_engine(args.model, "wcache", {"fallback": True, "socket_dir": sock},
+                            **common)
+            out["fallback"] = {"identical": fb["token_ids"] == out["disk_tokens"],
+                               "load": fb.get("load")}
+    print(json.dumps(out, default=str), flush=True)
+    ok = out["strict"].get("names_both") and out["fallback"]["identical"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
