@@ -13,7 +13,8 @@ import torch
 
 from wcache.store import CacheKey, DaemonServer, attach, cli_status, daemon_status, lean, paths, socket_path
 from wcache.store.client import Connection
-from wcache.store.errors import SeedUnavailable
+from wcache.store.errors import KeyMismatch
+from wcache.store.seed import seed_arena
 from wcache.store.manifest import DTYPE_ITEMSIZES
 from wcache.testing.store import (
     BASE_KEY, assert_serves_export, rss_bytes, start_daemon, stop_daemon, synthetic_export,
@@ -64,7 +65,7 @@ def test_serving_modules_import_without_torch():
 
 
 def test_lean_daemon_serves_the_same_bytes_without_torch(sock_dir, capsys):
-    """After the hand-off: same pid, no libtorch mapped, status says lean, attach reads the export bit for bit, seed refused."""
+    """After the hand-off: same pid, no libtorch mapped, status says lean, attach reads the export bit for bit, a key mismatch in seed is refused naming the field."""
     proc = start_daemon(sock_dir, extra_args=("--lean",))
     try:
         pid = int(proc.ready_line.split("pid=")[1].split()[0])
@@ -72,19 +73,53 @@ def test_lean_daemon_serves_the_same_bytes_without_torch(sock_dir, capsys):
         assert (pid, False) == (st["pid"], st["torch_loaded"])
         assert proc.stdout.readline().startswith(f"{lean.LEAN_LINE} pid={pid} ")
         assert "libtorch" not in _maps(pid)
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            assert b"MALLOC_ARENA_MAX=1" in f.read().split(b"\0")
         key = CacheKey(BASE_KEY)
         assert_serves_export(key, sock_dir, "cpu")
         assert rss_bytes(pid) < LEAN_RSS_BOUND_BYTES
         conn = Connection(socket_path(sock_dir, "cpu"))
         try:
-            with pytest.raises(SeedUnavailable, match="serves lean"):
-                conn.request({"op": "seed", "key": BASE_KEY})
+            with pytest.raises(KeyMismatch) as err:
+                conn.request({"op": "seed", "key": {**BASE_KEY, "dtype": "float16"}})
+            assert ["dtype"] == err.value.fields
         finally:
             conn.close()
         st = daemon_status(socket_path(sock_dir, "cpu"))
         assert (1, 0) == (st["attachments_total"], st["attachments_active"])
         assert 0 == cli_status(sock_dir)
         assert "  serving lean (torch-free)\n" in capsys.readouterr().out
+    finally:
+        stop_daemon(proc)
+
+
+def test_lean_environ_holds_malloc_to_one_arena_unless_set():
+    """The lean server's environment adds MALLOC_ARENA_MAX=1 and keeps an operator's own value and the rest."""
+    assert {"MALLOC_ARENA_MAX": "1", "A": "b"} == lean.lean_environ({"A": "b"})
+    assert {"MALLOC_ARENA_MAX": "4"} == lean.lean_environ({"MALLOC_ARENA_MAX": "4"})
+
+
+def test_a_peer_seeds_from_the_lean_daemon(sock_dir):
+    """seed against a lean daemon: its helper attaches and sends the arena, the peer serves the export bit for bit, the lean process stays torch-free and counts the seed; the helper's attachment is released."""
+    proc = start_daemon(sock_dir, extra_args=("--lean",))
+    try:
+        pid = int(proc.ready_line.split("pid=")[1].split()[0])
+        _wait_serving(sock_dir, "lean")
+        key = CacheKey(BASE_KEY)
+        arena = seed_arena(socket_path(sock_dir, "cpu"), key, connect_timeout_s=LEAN_WAIT_S)
+        receiver = DaemonServer(arena, key, socket_dir=sock_dir, device_id="cpu-peer").start()
+        try:
+            assert_serves_export(key, sock_dir, "cpu-peer")
+        finally:
+            receiver.stop()
+        deadline = time.monotonic() + LEAN_WAIT_S
+        while (st := daemon_status(socket_path(sock_dir, "cpu")))["seeds_served"] != 1 \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ("lean", False, pid, 1, 0, {"release": 1}) == (
+            st["serving"], st["torch_loaded"], st["pid"], st["seeds_served"], st["attachments_active"],
+            st["releases"])
+        assert "libtorch" not in _maps(pid)
     finally:
         stop_daemon(proc)
 
@@ -126,7 +161,7 @@ def server(sock_dir):
 def test_handoff_with_an_attached_client_stays_full(server, sock_dir, monkeypatch):
     """A connection that holds an attachment past the drain time keeps the full process, which serves on."""
     monkeypatch.setattr(lean, "HANDOFF_DRAIN_S", 0.3)
-    monkeypatch.setattr(os, "execv", lambda *a: pytest.fail("exec'd with a client attached"))
+    monkeypatch.setattr(os, "execve", lambda *a: pytest.fail("exec'd with a client attached"))
     with attach(CacheKey(BASE_KEY), socket_dir=sock_dir):
         reason = lean.handoff(server)
     assert "1 connection(s) still open after 0.3 s" == reason
@@ -134,11 +169,11 @@ def test_handoff_with_an_attached_client_stays_full(server, sock_dir, monkeypatc
 
 
 def test_execv_error_restores_descriptors_and_serving(server, sock_dir, monkeypatch):
-    """execv raising: the fds are close-on-exec again, no state file is left, and the socket answers."""
+    """execve raising: the fds are close-on-exec again, no state file is left, and the socket answers."""
     def fail(*_):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(os, "execv", fail)
+    monkeypatch.setattr(os, "execve", fail)
     monkeypatch.setattr(lean, "_preflight", lambda exe: None)
     reason = lean.handoff(server)
     assert reason.startswith(f"exec {sys.executable} failed: [Errno 13] Permission denied")
@@ -174,7 +209,7 @@ def test_a_stop_or_invalidation_during_the_handoff_calls_it_off(server, monkeypa
     the hand-off drains or writes its state: no exec, the full process keeps what it
     must act on (the stop, exit status 75), no state file is left."""
     monkeypatch.setattr(lean, "_preflight", lambda exe: None)
-    monkeypatch.setattr(os, "execv", lambda *a: pytest.fail("exec'd although stopping"))
+    monkeypatch.setattr(os, "execve", lambda *a: pytest.fail("exec'd although stopping"))
     real_mkstemp = lean.tempfile.mkstemp
 
     def mkstemp_then_event(*args, **kwargs):  # the event lands while the state is written

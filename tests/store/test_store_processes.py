@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -26,6 +27,9 @@ WARMUP_CYCLES = 10
 RSS_TOLERANCE_BYTES = 8 << 20
 # Descriptors may differ by a transient one (e.g. a log file reopened).
 FD_TOLERANCE = 1
+# A killed client's connection closes with its process; the daemon's handler
+# sees it at once (seconds allowed: a busy 2-core host).
+RELEASE_WAIT_S = 10.0
 
 
 def _client_script(sock_dir: str, body: str) -> list[str]:
@@ -125,5 +129,29 @@ def test_attach_detach_cycles_leave_memory_and_fds_flat(sock_dir):
         assert mapped_before_test == after[4] == before[4]
         st = daemon_status(socket_path(sock_dir, "cpu"))
         assert (0, 1 + WARMUP_CYCLES + CYCLES) == (st["attachments_active"], st["attachments_total"])
+    finally:
+        stop_daemon(proc)
+
+
+def test_sigkilled_client_frees_its_attachment(sock_dir):
+    """A client SIGKILLed while it holds an attachment: the daemon counts a disconnect release, has none active, and serves the next client."""
+    proc = start_daemon(sock_dir)
+    try:
+        child = subprocess.Popen(_client_script(sock_dir, """
+            print("attached", flush=True)
+            sys.stdin.read()
+        """), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert "attached" == child.stdout.readline().strip()
+        st = daemon_status(socket_path(sock_dir, "cpu"))
+        assert (1, 1) == (st["attachments_active"], st["clients_connected"])
+        child.send_signal(signal.SIGKILL)
+        assert -signal.SIGKILL == child.wait(30)
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        while (st := daemon_status(socket_path(sock_dir, "cpu")))["attachments_active"] and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (0, 0, {"disconnect": 1}) == (st["attachments_active"], st["clients_connected"], st["releases"])
+        with attach(CacheKey(BASE_KEY), socket_dir=sock_dir) as att:
+            assert torch.equal(synthetic_export().tensors["w0"], att.tensors["w0"])
     finally:
         stop_daemon(proc)

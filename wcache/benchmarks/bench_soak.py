@@ -9,6 +9,14 @@ further client process, attaching and releasing as fast as it can, is
 SIGKILLed at a random moment (mid-attach, most of the time: that is where it
 spends its time).
 
+Once the daemon serves lean, a peer daemon (``wcache serve --seed-from SOCKET``,
+a full one with its vLLM imports) seeds from it while the clients attach
+(``--no-peer`` leaves it out), and its arena is checked against the soak
+daemon's, tensor by tensor; halfway through the cycles a further client
+process writes a snapshot of the served arena (``write_snapshot``, as ``wcache
+serve --snapshot`` does) and reads it back (``open_snapshot``, every file's
+digest checked) (``--no-live-snapshot`` leaves it out).
+
 Each attach reads one tensor of the mapped arena (tensor ``cycle % n``; each
 client starts at another offset, so every tensor is read many times) and
 records its blake3 digest; ``wrong reads`` counts the reads whose digest differs
@@ -65,6 +73,25 @@ SETTLE_S = 2.0
 SERVE_TIMEOUT_S = 600.0
 #: Seconds for one client connect + hello + get.
 CONNECT_TIMEOUT_S = 30.0
+#: RSS and fds are also reported at this many evenly spaced cycles after the
+#: warm-up (samples taken with the clients running), to show a level, not a trend.
+CHECKPOINTS = 4
+#: The live snapshot is written once this fraction of the cycles is done.
+LIVE_SNAPSHOT_AT = 0.5
+
+_LIVE_SNAPSHOT = """
+import json, sys, time
+import warnings; warnings.filterwarnings("ignore")
+from wcache.store import CacheKey, attach
+from wcache.store.snapshot import check_key, open_snapshot, write_snapshot
+key, sock_dir, dev, root = CacheKey(json.loads(sys.argv[1])), sys.argv[2], sys.argv[3], sys.argv[4]
+t0 = time.perf_counter()
+with attach(key, socket_dir=sock_dir, device_id=dev) as att:
+    write_snapshot(root, "soak", att.arena, att.manifest, key)
+t1 = time.perf_counter()
+check_key(open_snapshot(root, "soak"), key)
+print(json.dumps({"write_s": t1 - t0, "read_s": time.perf_counter() - t1}))
+"""
 
 _KILLED_CLIENT = """
 import sys
@@ -195,10 +222,47 @@ def _killer(key_fields: dict, sock_dir: str, dev: str, every_s: float, stop: thr
         kills.append(delay)
 
 
+def _live_snapshot(key_fields: dict, sock_dir: str, dev: str, root: str, env: dict[str, str],
+                   out: dict[str, Any]) -> None:
+    """Write a snapshot of the served arena from a client process, read it back."""
+    done = subprocess.run([sys.executable, "-c", _LIVE_SNAPSHOT, json.dumps(key_fields), sock_dir, dev, root],
+                          capture_output=True, text=True, env=env, timeout=SERVE_TIMEOUT_S)
+    out.update(json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else
+               {"error": done.stderr.strip()[-500:]})
+    out["ok"] = done.returncode == 0
+
+
+def _peer(model: str, sock: str, peer_dir: str, st: dict[str, Any], done: Any,
+          out: dict[str, Any]) -> None:
+    """``wcache serve --seed-from sock``: its origin, how long it took, the cycles
+    done meanwhile, and whether it serves the soak daemon's bytes."""
+    from wcache.daemon.process import DaemonProcess  # noqa: PLC0415
+    from wcache.store import daemon_status  # noqa: PLC0415
+    from wcache.store.paths import list_sockets  # noqa: PLC0415
+
+    out["at_cycle"] = done.value
+    t0 = time.monotonic()
+    # --no-lean: it is read once and stopped, so its own hand-off would only cost time
+    peer = DaemonProcess(model, peer_dir, ["--seed-from", sock, "--no-lean"])
+    try:
+        peer.start()
+        out["ready_s"] = time.monotonic() - t0
+        out["ready_at_cycle"] = done.value
+        pst = daemon_status(list_sockets(peer_dir)[0])
+        out["origin"] = pst.get("origin")
+        out["digests"] = _reference(peer_dir, pst)
+    except Exception as e:  # noqa: BLE001  (reported, the soak goes on)
+        out["error"] = f"{type(e).__name__}: {e}; {' | '.join(list(peer.lines)[-5:])}"
+    finally:
+        peer.stop()
+
+
 def run(clients: int, cycles: int, kill_every_s: float,
-        warmup_cycles: int = WARMUP_CYCLES) -> dict[str, Any]:
+        warmup_cycles: int = WARMUP_CYCLES, peer: bool = True,
+        live_snapshot: bool = True) -> dict[str, Any]:
     """One soak run; returns its figures (see the module docstring). The warm-up
-    sample is taken after ``warmup_cycles`` cycles over all clients."""
+    sample is taken after ``warmup_cycles`` cycles over all clients; ``peer`` and
+    ``live_snapshot`` add the seeding peer and the snapshot written mid-run."""
     from wcache.store.paths import list_sockets  # noqa: PLC0415
     from wcache.testing.fixtures import build  # noqa: PLC0415
     from wcache.daemon.process import DaemonProcess, free_port  # noqa: PLC0415
@@ -237,6 +301,10 @@ def run(clients: int, cycles: int, kill_every_s: float,
     warm: dict[str, Any] | None = None
     from wcache.store import StoreError, daemon_status  # noqa: PLC0415
 
+    side: list[threading.Thread] = []
+    peer_out: dict[str, Any] = {} if peer else {"skipped": True}
+    snap_out: dict[str, Any] = {} if live_snapshot else {"skipped": True}
+    serving_states = [None]
     while any(w.is_alive() for w in workers):
         time.sleep(SAMPLE_S)
         try:
@@ -246,6 +314,20 @@ def run(clients: int, cycles: int, kill_every_s: float,
         state = (now.get("snapshot") or {}).get("state")
         if state != snapshot_states[-1]:
             snapshot_states.append(state)
+        if now.get("serving") and now.get("serving") != serving_states[-1]:
+            serving_states.append(now["serving"])
+        if peer and not peer_out and now.get("serving") == "lean":  # seed from the lean process
+            peer_out["started"] = True
+            side.append(threading.Thread(target=_peer, args=(model, sock, os.path.join(tmp, "peer"), st,
+                                                             done, peer_out), daemon=True))
+            os.mkdir(os.path.join(tmp, "peer"), 0o700)
+            side[-1].start()
+        if live_snapshot and not snap_out and done.value >= cycles * LIVE_SNAPSHOT_AT:
+            snap_out["at_cycle"] = done.value
+            side.append(threading.Thread(target=_live_snapshot, args=(
+                st["key_fields"], sock_dir, st["device_id"], os.path.join(tmp, "live-snap"), daemon.env,
+                snap_out), daemon=True))
+            side[-1].start()
         samples.append({"t": time.monotonic() - t0, "cycles": done.value,
                         **_proc_status(daemon.pid), "snapshot": state,
                         "connections": now.get("clients_connected", 0) + 1})  # + this status
@@ -257,10 +339,12 @@ def run(clients: int, cycles: int, kill_every_s: float,
         if done.value >= cycles:
             break
     got = [results.get(timeout=SERVE_TIMEOUT_S) for _ in workers]
+    wall = time.monotonic() - t0
+    for thread in side:  # a peer still starting, or a snapshot still being written
+        thread.join(SERVE_TIMEOUT_S)
     reference = _reference(sock_dir, st)
     for w in workers:
         w.join()
-    wall = time.monotonic() - t0
     stop.set()
     killer.join()
     time.sleep(SETTLE_S)
@@ -270,6 +354,13 @@ def run(clients: int, cycles: int, kill_every_s: float,
     if warm is None:
         raise RuntimeError("the clients ended before the warm-up sample")
     lat = sorted(x for g in got for x in g["latencies"])
+    after = [x for x in samples if warm is not None and x["t"] > warm["t"]]
+    checkpoints = [min(after, key=lambda x, c=c: abs(x["cycles"] - c))
+                   for c in (warm["cycles"] + (cycles - warm["cycles"]) * (i + 1) // CHECKPOINTS
+                             for i in range(CHECKPOINTS))] if after else []
+    if "digests" in peer_out:
+        peer_out["wrong_tensors"] = sum(1 for k, v in reference.items() if peer_out["digests"].get(k) != v)
+        peer_out["tensors"] = len(peer_out.pop("digests"))
     client_s = max(g["seconds"] for g in got)
     return {
         "clients": clients, "cycles": len(lat), "cycles_asked": cycles, "kills": len(kills),
@@ -289,8 +380,13 @@ def run(clients: int, cycles: int, kill_every_s: float,
         "metrics": {k: v for k, v in metrics.items()
                     if k.startswith(("wcache_attaches", "wcache_releases", "wcache_refusals",
                                      "wcache_attachments_active", "wcache_clients",
-                                     "wcache_snapshot_state{state=written"))},
+                                     "wcache_snapshot_state{state=written", "wcache_seeds_served"))},
         "sockets_left": len(list_sockets(sock_dir)),
+        "serving_states": serving_states[1:], "peer": peer_out, "live_snapshot": snap_out,
+        "checkpoints": [{k: c[k] for k in ("t", "cycles", "VmRSS", "RssAnon", "fds", "connections")}
+                        for c in checkpoints],
+        "rss_anon_max_after_warmup": max((x["RssAnon"] for x in after), default=None),
+        "seeds_served": metrics.get("wcache_seeds_served_total"),
     }
 
 
@@ -322,6 +418,29 @@ def report(r: dict[str, Any]) -> str:
     idle = [r[k]["fds"] - r[k]["connections"] for k in ("ready", "warm", "end")]
     lines.append(f"    {'fds - connections':<21} {idle[0]:<13} {idle[1]:<14} {idle[2]:<13} "
                  f"{r['idle_fds_ratio']:.4f}")
+    if r["checkpoints"]:
+        lines.append("  after warm-up (clients running)  " + "  ".join(
+            f"cycle {c['cycles']}: {_mib(c['VmRSS'])}, {c['fds']} fds" for c in r["checkpoints"]))
+        lines.append(f"    RssAnon max after warm-up {_mib(r['rss_anon_max_after_warmup'])}")
+    lines.append(f"  serving                 {' -> '.join(r['serving_states']) or '?'}")
+    p = r["peer"]
+    if p.get("skipped"):
+        lines.append("  peer seeding            not run (--no-peer)")
+    elif "error" in p or "wrong_tensors" not in p:
+        lines.append(f"  peer seeding            FAILED: {p.get('error', 'did not start')}")
+    else:
+        lines.append(f"  peer seeding            `wcache serve --seed-from` started at cycle {p['at_cycle']}, "
+                     f"ready (origin={p['origin']}) at cycle {p['ready_at_cycle']} after {p['ready_s']:.1f} s; "
+                     f"{p['wrong_tensors']} of {p['tensors']} tensors differ from the soak daemon's; "
+                     f"seeds served {r['seeds_served']:g}")
+    q = r["live_snapshot"]
+    if q.get("skipped"):
+        lines.append("  live snapshot           not run (--no-live-snapshot)")
+    elif not q.get("ok"):
+        lines.append(f"  live snapshot           FAILED: {q.get('error', 'did not run')}")
+    else:
+        lines.append(f"  live snapshot           written by a client at cycle {q['at_cycle']} in {q['write_s']:.1f} s, "
+                     f"read back (digests checked) in {q['read_s']:.1f} s")
     lines.append(f"  warm-up and end samples: every client paused (no connection open), "
                  f"{SETTLE_S:.0f} s after; warm-up at cycle {r['warm']['cycles']} (t={r['warm']['t']:.1f} s)")
     lines.append("  daemon /metrics at the end: " + ", ".join(f"{k}={v:g}" for k, v in sorted(r["metrics"].items())))
@@ -331,26 +450,41 @@ def report(r: dict[str, Any]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="wcache bench --soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--clients", type=int, default=DEFAULT_CLIENTS)
-    p.add_argument("--cycles", type=int, default=DEFAULT_CYCLES)
-    p.add_argument("--kill-every-s", type=float, default=DEFAULT_KILL_EVERY_S)
+    p.add_argument("--clients", type=int, default=DEFAULT_CLIENTS,
+                   help=f"raw client processes attaching in parallel (default {DEFAULT_CLIENTS})")
+    p.add_argument("--cycles", type=int, default=DEFAULT_CYCLES,
+                   help=f"attach/read/release cycles over all clients (default {DEFAULT_CYCLES}, "
+                        "the issue's minimum; ~1-2 min here)")
+    p.add_argument("--kill-every-s", type=float, default=DEFAULT_KILL_EVERY_S,
+                   help="a further client, attaching in a loop, is SIGKILLed at a random moment "
+                        f"this often (seconds, default {DEFAULT_KILL_EVERY_S:g})")
     p.add_argument("--warmup-cycles", type=int, default=WARMUP_CYCLES,
                    help="cycles (over all clients) before the warm-up sample of RSS and fds "
                         f"(default {WARMUP_CYCLES}); a CPU daemon hands off to its lean "
                         "serving process after the snapshot is written, a few hundred cycles "
                         "in, so the serving process's own warm-up starts there")
+    p.add_argument("--no-peer", action="store_true",
+                   help="leave out the peer daemon (`wcache serve --seed-from SOCKET`, a full "
+                        "process with vLLM's imports: ~1 GB and ~30-60 s here) that seeds from "
+                        "the soak daemon once it serves lean")
+    p.add_argument("--no-live-snapshot", action="store_true",
+                   help="leave out the snapshot of the served arena that a client process "
+                        f"writes and reads back once {LIVE_SNAPSHOT_AT:.0%} of the cycles are done")
     p.add_argument("--json", help="also write the figures here")
     return p
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    r = run(args.clients, args.cycles, args.kill_every_s, args.warmup_cycles)
+    r = run(args.clients, args.cycles, args.kill_every_s, args.warmup_cycles, peer=not args.no_peer,
+            live_snapshot=not args.no_live_snapshot)
     sys.stdout.write(report(r))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=1, default=str)
-    ok = r["wrong_reads"] == 0 and r["cycles"] >= args.cycles
+    ok = (r["wrong_reads"] == 0 and r["cycles"] >= args.cycles
+          and (args.no_peer or r["peer"].get("wrong_tensors") == 0)
+          and (args.no_live_snapshot or r["live_snapshot"].get("ok")))
     return 0 if ok else 1
 
 

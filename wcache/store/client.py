@@ -221,6 +221,13 @@ class Attachment:
         return self._base is None
 
     @property
+    def arena(self) -> "torch.Tensor":
+        """The whole arena, ``[nbytes]`` uint8 (read-only unless :attr:`writable`)."""
+        if self._base is None:
+            raise Released("this attachment was closed; attach again")
+        return self._base
+
+    @property
     def tensors(self) -> "dict[str, torch.Tensor]":
         if self._base is None:
             raise Released("this attachment was closed; attach again")

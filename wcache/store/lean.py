@@ -19,8 +19,9 @@ serving in the full process: a CUDA transport (VMM handles or a CUDA context
 live in the process), a TCP seeding listener (``--seed-listen``: ``seed``
 needs torch.distributed), ``--no-lean``, connections that do not end in time,
 a lean server that does not import, or an ``execve`` that fails. The lean
-server answers every command but ``seed`` (refused, ``seed-unavailable``, with a
-reason that names ``--no-lean``). A stop asked or an invalidation during the
+server answers every command; ``seed`` starts a helper process with torch that
+attaches like any client and sends the arena (:class:`LeanSeedSource`,
+:mod:`wcache.store.seed_helper`). A stop asked or an invalidation during the
 hand-off calls it off (the full process then stops as usual).
 
 Once exec'd, the process cannot go back: a lean server that fails to start logs
@@ -30,20 +31,24 @@ starts cleanly) and exits 1.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
+import select
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
+from wcache.errors import SeedFailed
 from wcache.store import paths
-from wcache.store.errors import SeedUnavailable
+from wcache.store.protocol import SEED_CHUNK_BYTES, check_seed_request
 
-__all__ = ["handoff", "lean_refusal", "main", "HANDOFF_DRAIN_S", "LEAN_EXEC_ENV", "LEAN_LINE", "NO_LEAN_ENV"]
+__all__ = ["handoff", "lean_refusal", "main", "HANDOFF_DRAIN_S", "LeanSeedSource", "lean_environ", "LEAN_EXEC_ENV", "LEAN_LINE", "NO_LEAN_ENV"]
 
 log = logging.getLogger("wcache.store")
 
@@ -65,18 +70,79 @@ STATE_PREFIX = ".lean-"
 #: What the lean process prints (stdout, flushed) once it serves.
 LEAN_LINE = "wcache: serving: lean (torch-free, pid same)"
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: glibc malloc arenas of the lean server (``MALLOC_ARENA_MAX``). By default glibc
+#: gives a thread that allocates while the others hold theirs a new arena, up to
+#: 8 per core, and each keeps ~130-270 KiB resident (its heap's top is not given
+#: back): with one handler thread per connection, every new high of concurrent
+#: connections (a status probe, a killed client's connection closing late) added
+#: one, long after a warm-up (docs/benchmarks.md, the soak). The handlers run
+#: Python under the GIL, so more arenas buy no parallelism here.
+MALLOC_ARENAS = 1
+#: How long a ``seed`` request waits for the seeding helper to report its store
+#: (seconds): a torch import and one attach, ~3-5 s on an idle 2-core host and
+#: several times that under load; under the receiver's reply timeout
+#: (:data:`wcache.store.client.REPLY_TIMEOUT_S`, 60 s).
+SEED_HELPER_START_S = 45.0
+#: Where the helper's seeding store listens: the lean server answers ``seed`` only
+#: on its Unix socket (a TCP ``--seed-listen`` keeps the full process), so the
+#: receiver is on this host.
+SEED_HOST = "127.0.0.1"
 
 
-class LeanSeedRefusal:
-    """The lean server's ``seed`` handler: seeding needs torch.distributed."""
+class LeanSeedSource:
+    """The lean server's ``seed`` handler. Seeding needs torch.distributed, which
+    this process does not import: each request starts a helper (``python -m
+    wcache.store.seed_helper``) that attaches to this daemon like any client, opens
+    the seeding store and sends the arena; the reply names the helper's store.
+    ``seeds_done`` counts the helpers that exited 0 (the receiver has the arena)."""
 
-    def __init__(self, seeds_done: int | None):
-        self.seeds_done = seeds_done
+    def __init__(self, server: Any, seeds_done: int | None):
+        self.server = server
+        self.seeds_done = seeds_done or 0
+        self._lock = threading.Lock()
 
     def handle(self, req: dict[str, Any], state: dict) -> dict[str, Any]:
-        raise SeedUnavailable("this daemon serves lean (torch-free) and cannot seed a peer; "
-                              "start the source daemon with --no-lean (or --seed-listen) to "
-                              "seed from it")
+        mismatch, backend = check_seed_request(req, self.server)
+        if mismatch is not None:
+            return mismatch
+        server = self.server
+        exe = os.environ.get(LEAN_EXEC_ENV) or sys.executable
+        try:
+            proc = subprocess.Popen([exe, "-m", "wcache.store.seed_helper"], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True)
+        except OSError as e:
+            raise SeedFailed(f"this lean daemon cannot start its seeding helper ({e}); start the "
+                             f"source daemon with --no-lean to seed from it") from None
+        ready = started = None
+        try:
+            proc.stdin.write(json.dumps({
+                "socket_dir": server.socket_dir, "device_id": server.device_id,
+                "key": server.key.canonical, "backend": backend, "host": SEED_HOST,
+                "pid": state.get("pid"), "log_level": logging.getLogger().getEffectiveLevel()}) + "\n")
+            proc.stdin.close()
+            ready, _, _ = select.select([proc.stdout], [], [], SEED_HELPER_START_S)
+            started = json.loads(proc.stdout.readline()) if ready else None
+            port, token = int(started["port"]), str(started["token"])
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            proc.kill()
+            proc.wait()
+            why = f"{type(e).__name__}: {e}" if started is not None or ready else \
+                f"no answer in {SEED_HELPER_START_S:.0f} s"
+            raise SeedFailed(f"this lean daemon's seeding helper did not start ({why}; its log is "
+                             f"in this daemon's stderr); start the source daemon with --no-lean "
+                             f"to seed from it") from None
+        threading.Thread(target=self._reap, args=(proc, state.get("pid")), name="wcache-seed-helper",
+                         daemon=True).start()
+        return {"ok": True, "manifest": server._manifest_dict, "backend": backend, "host": SEED_HOST,
+                "port": port, "token": token, "chunk_bytes": SEED_CHUNK_BYTES}
+
+    def _reap(self, proc: subprocess.Popen, pid: Any) -> None:
+        rc = proc.wait()
+        if rc == 0:
+            with self._lock:
+                self.seeds_done += 1
+        else:
+            log.error("seeding pid %s from this lean daemon failed (helper exit %s); still serving", pid, rc)
 
 
 def lean_refusal(server: Any, *, enabled: bool = True) -> str | None:
@@ -186,8 +252,8 @@ def _exec_lean(server: Any, exe: str, ready_queue: Any) -> str:
                 ready_queue.join_thread()
             sys.stdout.flush()
             sys.stderr.flush()
-            os.execv(exe, [exe, "-m", "wcache.store.lean", state_path])
-        reason = stopping or "execv returned"  # execv does not return
+            os.execve(exe, [exe, "-m", "wcache.store.lean", state_path], lean_environ(os.environ))
+        reason = stopping or "execve returned"  # execve does not return
     except Exception as e:  # noqa: BLE001  (whatever failed, the full process serves on)
         reason = f"exec {exe} failed: {e}" if isinstance(e, OSError) and old_mask is not None else \
             f"the hand-off failed: {type(e).__name__}: {e}"
@@ -202,6 +268,12 @@ def _exec_lean(server: Any, exe: str, ready_queue: Any) -> str:
             ops.start()
         server.resume_accepting_()
     return reason
+
+
+def lean_environ(environ: dict[str, str]) -> dict[str, str]:
+    """The lean server's environment: ``environ`` with glibc's malloc held to one
+    arena (:data:`MALLOC_ARENAS`; a ``MALLOC_ARENA_MAX`` already set is kept)."""
+    return {"MALLOC_ARENA_MAX": str(MALLOC_ARENAS), **environ}
 
 
 def _stopping(server: Any) -> str | None:
@@ -249,7 +321,7 @@ def _serve(state: dict) -> int:
         registry_path=state["registry_path"], allowed_uid=state["allowed_uid"])
     server.serving_mode = "lean"
     server.origin, server.snapshot_state = state["origin"], state["snapshot"]
-    server.seed_source = LeanSeedRefusal(state["seeds_done"])
+    server.seed_source = LeanSeedSource(server, state["seeds_done"])
     server.attachments_total = state["attachments_total"]
     server.releases.update(state["releases"])
     server.refusals.update(state["refusals"])

@@ -39,19 +39,20 @@ import hmac
 import os
 import socket
 import struct
+import sys
 from typing import Any
 
 import msgpack
 
 from wcache.errors import ConnectionClosed  # noqa: F401  (re-exported: its old home)
-from wcache.store.errors import ProtocolError, StoreError
-from wcache.store.manifest import canonical_json
+from wcache.store.errors import KeyMismatch, ProtocolError, StoreError
+from wcache.store.manifest import CacheKey, canonical_json
 
 __all__ = [
     "PROTOCOL_VERSION", "MAX_FRAME_BYTES", "HEADER", "OPS", "REQUEST_FIELDS", "REQUIRED_FIELDS",
     "check_request", "send_frame", "recv_frame",
     "error_frame", "raise_for_error", "ConnectionClosed", "seed_mac", "SEED_NONCE_BYTES",
-    "SEED_REQUEST_LABEL", "SEED_REPLY_LABEL",
+    "SEED_REQUEST_LABEL", "SEED_REPLY_LABEL", "SEED_BACKENDS", "SEED_CHUNK_BYTES", "check_seed_request", "pin_map_keys",
 ]
 
 PROTOCOL_VERSION = 1
@@ -85,6 +86,73 @@ SEED_NONCE_BYTES = 32
 #: Domain labels of the two MACs, so a request's MAC can never pass as a reply's.
 SEED_REQUEST_LABEL = b"wcache-seed-request\0"
 SEED_REPLY_LABEL = b"wcache-seed-reply\0"
+#: torch.distributed backend a source seeds over, per device type (a CUDA source
+#: also seeds over gloo when asked).
+SEED_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+#: Bytes per broadcast: gloo's TCP transport handles messages below 2 GiB best,
+#: and chunks let both sides report progress; 256 MiB costs one round trip per
+#: chunk, negligible against the transfer.
+SEED_CHUNK_BYTES = 256 << 20
+
+
+def check_seed_request(req: dict[str, Any], server: Any) -> tuple[dict[str, Any] | None, str]:
+    """A ``seed`` request checked against the source ``server`` (a
+    :class:`wcache.store.server.DaemonServer`): ``(the key-mismatch reply, "")``
+    when the receiver's key differs (the fields named, as ``get`` answers), else
+    ``(None, the backend to seed over)``. Torch-free: the full and the lean
+    server's seeding both start here.
+
+    Raises:
+        ProtocolError: no key map, or a backend this device cannot seed over.
+        StoreError: the arena was invalidated.
+    """
+    fields = req.get("key")
+    if not isinstance(fields, dict):
+        raise ProtocolError("seed needs a key map")
+    theirs = CacheKey(fields)
+    if theirs != server.key:
+        diff = server.key.diff(theirs)
+        return {"ok": False, "code": KeyMismatch.code, "fields": diff,
+                "theirs": {k: server.key.fields.get(k) for k in diff},
+                "message": f"seeding source's key differs in {', '.join(diff)}: "
+                           f"{theirs.describe_diff(server.key, 'receiver', 'source')}; start "
+                           f"the receiver with the source's engine arguments, or from the "
+                           f"checkpoint"}, ""
+    device_type = server.device_type
+    backend = req.get("backend") or SEED_BACKENDS[device_type]
+    allowed = {SEED_BACKENDS[device_type]} | ({"gloo"} if device_type == "cuda" else set())
+    if backend not in allowed:
+        raise ProtocolError(f"receiver asks for backend {backend!r}; a {device_type} "
+                            f"daemon seeds over {' or '.join(sorted(allowed))}")
+    if server.invalidated:
+        raise StoreError("this daemon's arena was invalidated; it seeds no one")
+    return None, backend
+
+
+def pin_map_keys(value: Any) -> frozenset[str]:
+    """Every map key in the JSON-like ``value``, at every depth, interned
+    (``sys.intern``); a server holds the result for as long as it serves.
+
+    msgpack interns each map key it decodes (``PyUnicode_InternInPlace``). A key
+    name nothing else holds (the cache key's field names: the server's copy came
+    from ``json.loads``, which does not intern) is added to the interpreter's
+    interned-string table by every request that carries it and removed when the
+    request is freed. Each such add takes a fresh slot of the table, so the
+    churn of a few hundred names per ``get`` soon makes the table resize, once
+    into a table twice as large (+0.5 MiB in the lean serving process: the
+    "RSS grows after warm-up, then levels off" of docs/benchmarks.md). With the
+    names held, decoding finds them in the table and adds nothing.
+    """
+    out: set[str] = set()
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, dict):
+            out.update(sys.intern(k) for k in v if isinstance(k, str))
+            todo.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            todo.extend(v)
+    return frozenset(out)
 
 
 def send_frame(sock: socket.socket, obj: dict[str, Any], fds: tuple[int, ...] = ()) -> None:

@@ -60,23 +60,22 @@ from wcache.store.protocol import (
     PROTOCOL_VERSION,
     SEED_NONCE_BYTES,
     SEED_REPLY_LABEL,
+    SEED_BACKENDS,
+    SEED_CHUNK_BYTES,
     SEED_REQUEST_LABEL,
+    check_seed_request,
     recv_frame,
     seed_mac,
     send_frame,
 )
 
-__all__ = ["SeedFailed", "SeedSecretUnsafe", "SeedSource", "seed_arena", "arena_digest", "read_secret",
+__all__ = ["SeedFailed", "SeedSecretUnsafe", "SeedSource", "seed_arena", "send_arena", "arena_digest", "read_secret",
            "parse_host_port", "BACKENDS", "SEED_CHUNK_BYTES", "TCP_SCHEME"]
 
 log = logging.getLogger("wcache.store")
 
-#: torch.distributed backend per device type.
-BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
-#: Bytes per broadcast: gloo's TCP transport handles messages below 2 GiB best,
-#: and chunks let both sides report progress; 256 MiB costs one round trip per
-#: chunk, negligible against the transfer.
-SEED_CHUNK_BYTES = 256 << 20
+#: torch.distributed backend per device type (defined torch-free, for the lean server).
+BACKENDS = SEED_BACKENDS
 #: How long either side waits for the other to join or for a chunk (seconds):
 #: a 70B-shaped rank over a 10 Gb/s link needs minutes.
 SEED_TIMEOUT_S = 600.0
@@ -279,25 +278,9 @@ class SeedSource:
         :attr:`advertise` instead of c10d's default device.
         """
         server = self.server
-        fields = req.get("key")
-        if not isinstance(fields, dict):
-            raise ProtocolError("seed needs a key map")
-        theirs = CacheKey(fields)
-        if theirs != server.key:
-            diff = server.key.diff(theirs)
-            return {"ok": False, "code": KeyMismatch.code, "fields": diff,
-                    "theirs": {k: server.key.fields.get(k) for k in diff},
-                    "message": f"seeding source's key differs in {', '.join(diff)}: "
-                               f"{theirs.describe_diff(server.key, 'receiver', 'source')}; start "
-                               f"the receiver with the source's engine arguments, or from the "
-                               f"checkpoint"}
-        backend = req.get("backend") or BACKENDS[server.device_type]
-        allowed = {BACKENDS[server.device_type]} | ({"gloo"} if server.device_type == "cuda" else set())
-        if backend not in allowed:
-            raise ProtocolError(f"receiver asks for backend {backend!r}; a {server.device_type} "
-                                f"daemon seeds over {' or '.join(sorted(allowed))}")
-        if server.invalidated:
-            raise StoreError("this daemon's arena was invalidated; it seeds no one")
+        mismatch, backend = check_seed_request(req, server)
+        if mismatch is not None:
+            return mismatch
         tcp = bool(state.get("tcp"))
         digest = None
         if tcp:  # the authenticated reply carries it: what arrives is checked against it
@@ -326,33 +309,53 @@ class SeedSource:
 
     def _send(self, store: Any, backend: str, token: str, pid: Any, gloo_host: str | None = None) -> None:
         server = self.server
-        t0 = time.perf_counter()
-        view = pg = None
+        view = None
         try:
             device = torch.device("cpu") if server.device_type == "cpu" else \
                 torch.device("cuda", server.device_index)
-            pg, _ = _group(backend, self.host, store.port, 0, device, token, is_master=True, store=store,
-                           gloo_host=gloo_host)
             view = served_arena(server)
-            arena = view.tensor
-            for off, length in _ranges(server.manifest.arena_nbytes, SEED_CHUNK_BYTES):
-                _broadcast(pg, arena[off:off + length])
-            algo, hexd = self.digest(arena)
-            d = torch.frombuffer(bytearray(bytes.fromhex(hexd)), dtype=torch.uint8).to(device)
-            _broadcast(pg, d)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            send_arena(store, backend, self.host, token, view.tensor, device,
+                       lambda: self.digest(view.tensor), pid, gloo_host)
             self.seeds_done += 1
-            dt = time.perf_counter() - t0
-            log.info("seeded pid %s: %.1f MiB over %s in %.3f s (%s %s)", pid,
-                     server.manifest.arena_nbytes / 2**20, backend, dt, algo, hexd[:16])
         except Exception:  # the receiver sees its own error; the source keeps serving
             log.exception("seeding pid %s failed; still serving", pid)
         finally:
-            if pg is not None:
-                _close_group(pg)
             if view is not None:
                 view.close()
+
+
+def send_arena(store: Any, backend: str, host: str, token: str, arena: torch.Tensor, device: torch.device,
+               digest: Any, pid: Any = None, gloo_host: str | None = None) -> None:
+    """The source's side of one seeding: join the two-rank group (rank 0) over
+    ``store``, broadcast ``arena`` in :data:`SEED_CHUNK_BYTES` chunks, then its digest.
+
+    Args:
+        store: the master ``TCPStore`` the reply named (:func:`_listening_store`).
+        arena: ``[arena_nbytes]`` uint8, only read.
+        digest: a callable returning ``(algorithm, hex digest)`` of ``arena``
+            (:func:`wcache.store.arena_digest.arena_digest`, computed once by the caller).
+        pid: the receiver's pid, for the log.
+
+    Raises:
+        RuntimeError: c10d's errors (the receiver went away, a timeout).
+    """
+    t0 = time.perf_counter()
+    pg = None
+    try:
+        pg, _ = _group(backend, host, store.port, 0, device, token, is_master=True, store=store,
+                       gloo_host=gloo_host)
+        for off, length in _ranges(arena.numel(), SEED_CHUNK_BYTES):
+            _broadcast(pg, arena[off:off + length])
+        algo, hexd = digest()
+        d = torch.frombuffer(bytearray(bytes.fromhex(hexd)), dtype=torch.uint8).to(device)
+        _broadcast(pg, d)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        log.info("seeded pid %s: %.1f MiB over %s in %.3f s (%s %s)", pid, arena.numel() / 2**20,
+                 backend, time.perf_counter() - t0, algo, hexd[:16])
+    finally:
+        if pg is not None:
+            _close_group(pg)
 
 
 def _tcp_seed_request(source: str, secret: bytes, request: dict[str, Any],

@@ -42,7 +42,7 @@ from wcache.store.errors import (
 )
 from wcache.store.manifest import CacheKey, Export, Manifest
 from wcache.store.protocol import (
-    PROTOCOL_VERSION, ConnectionClosed, check_request, error_frame, recv_frame, send_frame,
+    PROTOCOL_VERSION, ConnectionClosed, check_request, error_frame, pin_map_keys, recv_frame, send_frame,
 )
 from wcache.store.seed_listener import SeedListener
 
@@ -255,6 +255,9 @@ class DaemonServer:
         self.idle_timeout_s = IDLE_TIMEOUT_S
         self.max_connections_per_client = MAX_CONNECTIONS_PER_CLIENT
         self._manifest_dict = self.manifest.to_dict()
+        #: the key's field names, interned and held: requests carrying them then add
+        #: nothing to the interned-string table (wcache.store.protocol.pin_map_keys)
+        self._key_names = pin_map_keys(self.key.fields)
         #: ``"full"`` (the process that built the arena) or ``"lean"`` (wcache.store.lean)
         self.serving_mode = "full"
         self._listener: socket.socket | None = None
