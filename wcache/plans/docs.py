@@ -89,8 +89,8 @@ CUDA_CONTRACTS = {
                              "strategy is refused (test)",
     "ct_w8a8_fp8/cutlass@2": "the @1 contract test run against vLLM 0.33.0, where the plan "
                              "is @2 (tests/plans/test_cuda_contracts.py): as @1, and "
-                             "wcache verify's whole module state (every attribute, "
-                             "processed_weight_dims = (0, 1) included) equal to vLLM's",
+                             "every layer attribute wcache verify reads (the "
+                             "layer.processed_weight_dims = (0, 1) included) equal to vLLM's",
     "fp8/cutlass@1": f"{_CONTRACT} (Fp8LinearMethod, serialized per-tensor: two shard scales "
                      "requantized to the max through the reference scaled_fp8_quant, a fused "
                      "checkpoint with one scale, a static input scale, K and N % 16 != 0): "
@@ -110,7 +110,7 @@ CUDA_CONTRACTS = {
                                           "marlin_input_dtype")
                                 + ". Block strategy (Marlin block FP8) is refused (test)",
     "ct_w8a8_fp8/fp8_marlin@2": "the @1 contract test run against vLLM 0.33.0, where the "
-                                "plan is @2: as @1, and wcache verify's whole module state "
+                                "plan is @2: as @1, and every layer attribute wcache verify reads "
                                 "(processed_weight_dims = (0, 1) included) equal to vLLM's",
     "fp8/fp8_marlin@1": _CONTRACT.replace("sm90", "sm80 (below CUTLASS FP8's sm89, vLLM "
                                                   "picks weight-only FP8 Marlin)")
