@@ -110,8 +110,9 @@ CUDA_CONTRACTS = {
                                           "marlin_input_dtype")
                                 + ". Block strategy (Marlin block FP8) is refused (test)",
     "ct_w8a8_fp8/fp8_marlin@2": "the @1 contract test run against vLLM 0.33.0, where the "
-                                "plan is @2: as @1, and every layer attribute wcache verify reads "
-                                "(processed_weight_dims = (0, 1) included) equal to vLLM's",
+                                "plan is @2: as @1, and every layer attribute wcache "
+                                "verify reads (processed_weight_dims = (0, 1) included) "
+                                "equal to vLLM's",
     "fp8/fp8_marlin@1": _CONTRACT.replace("sm90", "sm80 (below CUTLASS FP8's sm89, vLLM "
                                                   "picks weight-only FP8 Marlin)")
                         + " (Fp8LinearMethod, serialized per-tensor with two shard scales or "
