@@ -14,9 +14,11 @@ bootstrap:
 demo: bootstrap
 	$(PY) -m wcache.demo
 
-## Run the whole test suite (what CI runs).
+## Run the whole test suite (what CI runs); the contract tests also run against every
+## other supported vLLM release's Python (tests/test_vllm_releases.py; a missing tree,
+## which bootstrap makes, fails here instead of skipping).
 test: bootstrap
-	$(PY) -m pytest tests -q -p no:cacheprovider
+	WCACHE_REQUIRE_VLLM_TREES=1 $(PY) -m pytest tests -q -p no:cacheprovider
 
 ## The core, stages and plans only (seconds).
 test-fast: bootstrap
@@ -33,4 +35,4 @@ gpu-bundle:
 	bash tools/gpu/build-bundle.sh $(VLLM_CUDA_VERSION) .vx
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .vllm-trees

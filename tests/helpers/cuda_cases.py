@@ -212,6 +212,8 @@ def fp8_cases(draw):
         if static:
             t["input_scale"] = torch.rand(2, generator=g) + 0.5
         method = "fp8" if which in ("fp8_serialized", "fp8_marlin") else "ct_w8a8_fp8"
+        if method == "ct_w8a8_fp8" and draw(st.booleans()):  # vLLM 0.33's layer attribute
+            extra = (*extra, ("processed_weight_dims", (0, 1)))
         kernel = "fp8_marlin" if which in ("ct_marlin", "fp8_marlin") else "cutlass"
         cfg = cuda_config(method, k, n, strategy="channel" if channel else "tensor",
                       static=static, kernel=kernel, extra=extra)

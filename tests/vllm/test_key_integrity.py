@@ -228,3 +228,81 @@ def test_duplicated_lm_head_is_restored_tied(vllm_cfg, tmp_path, private_caches)
         model = loader_mod.WcacheModelLoader(load_config).load_model(cfg, cfg.model_config)
         assert model.lm_head.weight is model.model.embed_tokens.weight
         model._wcache_attachment.close()
+
+
+def _engine_key_and_device(cfg, load_config, loader_mod):
+    """The key and device id the engine's loader computes for ``cfg`` (one load against
+    no daemon, its disk fallback stubbed)."""
+    seen = {}
+    real_key, real_dev = loader_mod.build_key, loader_mod.device_id
+
+    def spy_key(*args, **kwargs):
+        seen["key"] = real_key(*args, **kwargs)
+        seen["key_args"] = (args, kwargs)
+        return seen["key"]
+
+    def spy_dev(*args, **kwargs):
+        seen["device"] = real_dev(*args, **kwargs)
+        return seen["device"]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loader_mod, "build_key", spy_key)
+        mp.setattr(loader_mod, "device_id", spy_dev)
+        loader_mod.WcacheModelLoader(load_config).load_model(cfg, cfg.model_config)
+    return seen
+
+
+@pytest.mark.parametrize("daemon_vllm", ["0.33.0", "0.31.0"])
+@pytest.mark.parametrize("fallback", [True, False])
+def test_engine_and_daemon_of_other_vllm_releases_refuse_each_other(
+        vllm_cfg, tmp_path, private_caches, fallback, daemon_vllm):  # noqa: F811
+    """A daemon whose key was built under another vLLM release (everything else equal)
+    refuses this engine with key-mismatch naming both vLLM versions; the engine
+    follows the fallback rule: fallback=true loads from disk logging key-mismatch,
+    fallback=false raises RestoreFailed with both versions in the message."""
+    from vllm.config import set_current_vllm_config
+
+    import wcache.vllm.loader as loader_mod
+    from wcache.store import DaemonServer, Export
+    from wcache.vllm import compat, key as key_mod
+
+    ckpt = _copy_checkpoint(tmp_path)
+    cfg = _config(ckpt)
+    timing = tmp_path / "timing.jsonl"
+    sock_dir = str(tmp_path / "s")
+    load_config = dataclasses.replace(
+        cfg.load_config, load_format="wcache",
+        model_loader_extra_config={"fallback": True, "socket_dir": sock_dir,
+                                   "timing_file": str(timing)})
+    sentinel = torch.nn.Linear(1, 1)
+
+    class StubDisk:
+        def load_model(self, *args, **kwargs):
+            return sentinel
+
+    engine_vllm = compat.vllm_version()
+    with pytest.MonkeyPatch.context() as mp, set_current_vllm_config(cfg):
+        mp.setattr(loader_mod.WcacheModelLoader, "_disk_loader", lambda self: StubDisk())
+        seen = _engine_key_and_device(cfg, load_config, loader_mod)
+        args, kwargs = seen["key_args"]
+        with pytest.MonkeyPatch.context() as other_release:
+            other_release.setattr(compat, "vllm_version", lambda: daemon_vllm)
+            daemon_key = key_mod.build_key(*args, **kwargs)
+        assert ["versions"] == seen["key"].diff(daemon_key)
+        export = Export(tensors={"w": torch.zeros(4)}, kinds={"w": "param"})
+        with DaemonServer(export, daemon_key, socket_dir=sock_dir, device_id=seen["device"]):
+            opts = dict(load_config.model_loader_extra_config, fallback=fallback)
+            loader = loader_mod.WcacheModelLoader(
+                dataclasses.replace(load_config, model_loader_extra_config=opts))
+            both = f"vLLM {engine_vllm} (engine) vs {daemon_vllm} (daemon)"
+            if fallback:
+                assert loader.load_model(cfg, cfg.model_config) is sentinel
+                record = json.loads(timing.read_text().splitlines()[-1])
+                assert ("fallback", "key-mismatch") == (record["phase"], record["reason"])
+            else:
+                with pytest.raises(loader_mod.RestoreFailed) as err:
+                    loader.load_model(cfg, cfg.model_config)
+                assert "key-mismatch" == err.value.code
+                assert both in str(err.value)
+                assert (f'versions.vllm: engine="{engine_vllm}" daemon="{daemon_vllm}"'
+                        in str(err.value))

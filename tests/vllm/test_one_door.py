@@ -285,13 +285,13 @@ def _compat_method_classes() -> set[str]:
     compressed-tensors scheme (imported here, so every module is loaded)."""
     from wcache.vllm import compat
 
-    base = importlib.import_module(compat._CLASS_MODULES["QuantizeMethodBase"]).QuantizeMethodBase
+    base = importlib.import_module(compat.release().class_modules["QuantizeMethodBase"]).QuantizeMethodBase
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
         CompressedTensorsScheme,
     )
 
     out = set()
-    for name, module in compat._CLASS_MODULES.items():
+    for name, module in compat.release().class_modules.items():
         cls = getattr(importlib.import_module(module), name)
         if cls is not base and issubclass(cls, (base, CompressedTensorsScheme)):
             out.add(name)
@@ -305,7 +305,7 @@ def test_adapter_registry_covers_compat_class_table():
 
     covered = set(adapter.METHODS) | set(adapter.SCHEMES)
     assert set() == _compat_method_classes() - covered  # a class the adapter misses
-    assert set() == covered - set(compat._CLASS_MODULES)  # a class compat does not know
+    assert set() == covered - set(compat.release().class_modules)  # a class compat does not know
     assert set() == set(adapter.SCHEMES) & set(adapter.METHODS)
 
 
@@ -318,7 +318,7 @@ def test_adapter_registry_maps_methods_and_schemes_by_kind():
     from wcache.vllm import adapter, compat
 
     def cls(name):
-        return getattr(importlib.import_module(compat._CLASS_MODULES[name]), name)
+        return getattr(importlib.import_module(compat.release().class_modules[name]), name)
 
     assert [] == [n for n in adapter.SCHEMES if not issubclass(cls(n), CompressedTensorsScheme)]
     assert [] == [n for n in adapter.METHODS if issubclass(cls(n), CompressedTensorsScheme)]

@@ -363,7 +363,7 @@ def main(args: argparse.Namespace, rest: list[str]) -> int:
     """`wcache serve` entry point (arguments parsed by wcache.cli).
 
     Raises:
-        UntestedVllm: the installed vLLM is not the tested version (and
+        UntestedVllm: the installed vLLM is not a supported version or build (and
             ``WCACHE_ALLOW_UNTESTED_VLLM=1`` is not set).
     """
     from wcache.vllm.compat import check_vllm_version  # noqa: PLC0415

@@ -37,8 +37,9 @@ PROVEN_ON = {
     "attention/default@1": "AVX512-BF16 host (`_C`) and the AVX2 build (every e2e run)",
 }
 
-_CONTRACT = ("contract test (tests/plans/test_cuda_contracts.py): vLLM 0.32's own layer "
-             "built and post-loaded under a simulated CUDA sm90 platform on the CPU build")
+_CONTRACT = ("contract test (tests/plans/test_cuda_contracts.py, run against vLLM 0.32.0's "
+             "and 0.33.0's own Python): vLLM's own layer built and post-loaded under a "
+             "simulated CUDA sm90 platform on the CPU build")
 _CONTRACT_SM100 = _CONTRACT.replace("sm90", "sm100 (vLLM picks CUTLASS NVFP4 only on "
                                             "Blackwell)")
 _CHECKED = ("adapter picks the plan, load == vLLM's processed layer (every tensor's shape, "
@@ -69,7 +70,8 @@ CUDA_CONTRACTS = {
                                  + _FP8_CHECKED + ". N % 16 != 0: vLLM 0.32 itself raises "
                                  "(it sets the padded weight's weight_loader twice); with that "
                                  "second set made idempotent its padded weight and 1.0-padded "
-                                 "scale equal wcache's",
+                                 "scale equal wcache's; vLLM 0.33 pads without the workaround "
+                                 "and equals wcache's",
     "fp8_per_block/cutlass_block@1": f"{_CONTRACT} (Fp8PerBlockOnlineLinearMethod through the "
                                      "layerwise online loader, CutlassFp8BlockScaledMMKernel, "
                                      "the body of vLLM's per_block_cast_to_fp8 run eagerly; "
@@ -85,6 +87,10 @@ CUDA_CONTRACTS = {
                              + ". It found a wcache bug, fixed: restore left the scheme's "
                              "kernel width None (vLLM's first forward would assert). Block "
                              "strategy is refused (test)",
+    "ct_w8a8_fp8/cutlass@2": "the @1 contract test run against vLLM 0.33.0, where the plan "
+                             "is @2 (tests/plans/test_cuda_contracts.py): as @1, and "
+                             "every layer attribute wcache verify reads (the "
+                             "layer.processed_weight_dims = (0, 1) included) equal to vLLM's",
     "fp8/cutlass@1": f"{_CONTRACT} (Fp8LinearMethod, serialized per-tensor: two shard scales "
                      "requantized to the max through the reference scaled_fp8_quant, a fused "
                      "checkpoint with one scale, a static input scale, K and N % 16 != 0): "
@@ -103,6 +109,10 @@ CUDA_CONTRACTS = {
                                     attrs="input_scale (deleted), the kernel's "
                                           "marlin_input_dtype")
                                 + ". Block strategy (Marlin block FP8) is refused (test)",
+    "ct_w8a8_fp8/fp8_marlin@2": "the @1 contract test run against vLLM 0.33.0, where the "
+                                "plan is @2: as @1, and every layer attribute wcache "
+                                "verify reads (processed_weight_dims = (0, 1) included) "
+                                "equal to vLLM's",
     "fp8/fp8_marlin@1": _CONTRACT.replace("sm90", "sm80 (below CUTLASS FP8's sm89, vLLM "
                                                   "picks weight-only FP8 Marlin)")
                         + " (Fp8LinearMethod, serialized per-tensor with two shard scales or "

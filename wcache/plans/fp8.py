@@ -10,6 +10,11 @@ FP8 Marlin.
   (sm90+): 128 x 128 block quantization, no layout change.
 * ``ct_w8a8_fp8`` and ``fp8`` on ``"fp8_marlin"`` (sm75+): weight-only FP8 Marlin.
   Block FP8 on Marlin is refused.
+* ``ct_w8a8_fp8`` on either kernel comes in two versions: ``@1`` mirrors vLLM 0.32's
+  post-load; ``@2`` adds the layer attribute ``processed_weight_dims = (0, 1)`` that
+  vLLM 0.33's compressed-tensors FP8 schemes set (the adapter passes it in the
+  ``LayerConfig`` where the installed release sets it:
+  ``wcache.vllm.compat.VllmRelease.layer_attrs``). Same bytes.
 
 Online quantization computes one rank's ``amax``; vLLM all-reduces it over the
 TP group first (``amax_for_tp_weight_quant``), so the online plans refuse a
@@ -94,6 +99,36 @@ def _match_fp8_marlin(config: LayerConfig, target: Target) -> str | None:
 
 _CUTLASS_TAIL = (fp8.set_logical_output_size, fp8.pad_kn)
 
+
+def _without_processed_weight_dims(config: LayerConfig) -> str | None:
+    if config.get(fp8.PROCESSED_WEIGHT_DIMS_ATTR) is not None:
+        return (f"vLLM sets {fp8.PROCESSED_WEIGHT_DIMS_ATTR} on this layer (0.33): the @2 "
+                f"plan sets it too")
+    return None
+
+
+def _with_processed_weight_dims(config: LayerConfig) -> str | None:
+    if config.get(fp8.PROCESSED_WEIGHT_DIMS_ATTR) is None:
+        return (f"vLLM sets no {fp8.PROCESSED_WEIGHT_DIMS_ATTR} on this layer (0.32): the "
+                f"@1 plan")
+    return None
+
+
+def _match_ct_cutlass_v1(config: LayerConfig, target: Target) -> str | None:
+    return _without_processed_weight_dims(config) or _match_cutlass(config, target)
+
+
+def _match_ct_cutlass_v2(config: LayerConfig, target: Target) -> str | None:
+    return _with_processed_weight_dims(config) or _match_cutlass(config, target)
+
+
+def _match_ct_marlin_v1(config: LayerConfig, target: Target) -> str | None:
+    return _without_processed_weight_dims(config) or _match_fp8_marlin(config, target)
+
+
+def _match_ct_marlin_v2(config: LayerConfig, target: Target) -> str | None:
+    return _with_processed_weight_dims(config) or _match_fp8_marlin(config, target)
+
 PER_TENSOR = register(Plan(
     method="fp8_per_tensor", kernel="cutlass",
     stages=(fp8.clear_input_scale, fp8.quantize_per_tensor_stage) + _CUTLASS_TAIL,
@@ -120,10 +155,17 @@ _SERIALIZED = (fp8.process_weight_strategy, fp8.reduce_input_scale, fp8.clear_in
 
 CT_CUTLASS = register(Plan(
     method="ct_w8a8_fp8", kernel="cutlass",
-    stages=_SERIALIZED, checkpoint=_SERIALIZED_CHECKPOINT, match=_match_cutlass,
-    description="compressed-tensors W8A8 FP8 (tensor/channel) on CUTLASS: max-scale "
-                "requantization into a new tensor (tensor), transpose, input scale, record "
-                "N, pad K/N to 16."))
+    stages=_SERIALIZED, checkpoint=_SERIALIZED_CHECKPOINT, match=_match_ct_cutlass_v1,
+    description="compressed-tensors W8A8 FP8 (tensor/channel) on CUTLASS (vLLM 0.32): "
+                "max-scale requantization into a new tensor (tensor), transpose, input "
+                "scale, record N, pad K/N to 16."))
+
+CT_CUTLASS_V2 = register(Plan(
+    method="ct_w8a8_fp8", kernel="cutlass", version=2,
+    stages=_SERIALIZED[:3] + (fp8.set_processed_weight_dims,) + _CUTLASS_TAIL,
+    checkpoint=_SERIALIZED_CHECKPOINT, match=_match_ct_cutlass_v2,
+    description="compressed-tensors W8A8 FP8 (tensor/channel) on CUTLASS (vLLM 0.33): as "
+                "@1, plus layer.processed_weight_dims = (0, 1)."))
 
 SERIALIZED_CUTLASS = register(Plan(
     method="fp8", kernel="cutlass",
@@ -143,10 +185,18 @@ _FP8_MARLIN = (marlin.repack_fp8_weight, marlin.permute_fp8_scales, fp8.drop_inp
 
 CT_MARLIN = register(Plan(
     method="ct_w8a8_fp8", kernel="fp8_marlin",
-    stages=_FP8_MARLIN, checkpoint=_SERIALIZED_CHECKPOINT, match=_match_fp8_marlin,
-    description="compressed-tensors FP8 weight-only on Marlin (W8A16): weight packed to "
-                "int32 and repacked (Kp/16, 4Np), scales to channel (1, Np) in params dtype "
-                "with the exponent bias, input_scale dropped, bias padded and permuted."))
+    stages=_FP8_MARLIN, checkpoint=_SERIALIZED_CHECKPOINT, match=_match_ct_marlin_v1,
+    description="compressed-tensors FP8 weight-only on Marlin (W8A16, vLLM 0.32): weight "
+                "packed to int32 and repacked (Kp/16, 4Np), scales to channel (1, Np) in "
+                "params dtype with the exponent bias, input_scale dropped, bias padded and "
+                "permuted."))
+
+CT_MARLIN_V2 = register(Plan(
+    method="ct_w8a8_fp8", kernel="fp8_marlin", version=2,
+    stages=(fp8.set_processed_weight_dims,) + _FP8_MARLIN, checkpoint=_SERIALIZED_CHECKPOINT,
+    match=_match_ct_marlin_v2,
+    description="compressed-tensors FP8 weight-only on Marlin (W8A16, vLLM 0.33): as @1, "
+                "plus layer.processed_weight_dims = (0, 1)."))
 
 SERIALIZED_MARLIN = register(Plan(
     method="fp8", kernel="fp8_marlin",

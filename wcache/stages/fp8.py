@@ -44,7 +44,8 @@ __all__ = [
     "per_block_cast_to_fp8", "requantize_with_max_scale", "cutlass_pad",
     "quantize_per_tensor_stage", "quantize_per_channel_stage", "quantize_per_block",
     "clear_input_scale", "drop_input_scale", "reduce_input_scale",
-    "process_weight_strategy", "set_logical_output_size", "pad_kn",
+    "process_weight_strategy", "set_logical_output_size", "set_processed_weight_dims", "pad_kn",
+    "PROCESSED_WEIGHT_DIMS_ATTR",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -63,6 +64,10 @@ BLOCK_SIZE = (128, 128)
 BLOCK_AMAX_FLOOR = 1e-4
 #: Layer attribute holding the logical (unpadded) output width for CUTLASS.
 LOGICAL_OUTPUT_ATTR = "logical_output_size"
+#: Layer attribute (and ``LayerConfig`` extra) naming the processed weight's
+#: ``(input_dim, output_dim)``: vLLM 0.33's compressed-tensors FP8 schemes set it to
+#: ``(0, 1)`` after transposing the weight to ``[K, N]``.
+PROCESSED_WEIGHT_DIMS_ATTR = "processed_weight_dims"
 
 
 class Fp8LayoutError(WcacheError, ValueError):
@@ -366,6 +371,28 @@ def set_logical_output_size(tensors: Mapping[str, torch.Tensor], config: LayerCo
     """
     return StageOut(attrs={LOGICAL_OUTPUT_ATTR: config.size_n},
                     record={LOGICAL_OUTPUT_ATTR: config.size_n})
+
+
+@stage("fp8.set_processed_weight_dims", Tag.METADATA, attrs=(PROCESSED_WEIGHT_DIMS_ATTR,),
+       source="CompressedTensorsW8A8Fp8 / CompressedTensorsW8A16Fp8."
+              "process_weights_after_loading (vLLM 0.33): layer.processed_weight_dims = (0, 1)")
+def set_processed_weight_dims(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
+                              target: Target, recorded: Mapping[str, Any]) -> StageOut:
+    """METADATA: ``layer.processed_weight_dims = config.get("processed_weight_dims")``, a
+    tuple of two ints (``(0, 1)``: the processed weight is ``[K, N]``), which the vLLM
+    adapter passes where the installed vLLM's post-load sets it.
+
+    Raises:
+        Fp8LayoutError: the config carries no ``(input_dim, output_dim)`` pair.
+
+    Source: CompressedTensorsW8A8Fp8 / CompressedTensorsW8A16Fp8
+        .process_weights_after_loading (vLLM 0.33): layer.processed_weight_dims = (0, 1)
+    """
+    dims = config.get(PROCESSED_WEIGHT_DIMS_ATTR)
+    if dims is None or len(tuple(dims)) != 2:
+        raise Fp8LayoutError(f"layer {config.name!r}: {PROCESSED_WEIGHT_DIMS_ATTR} must be an "
+                             f"(input_dim, output_dim) pair in the layer config, got {dims!r}")
+    return StageOut(attrs={PROCESSED_WEIGHT_DIMS_ATTR: tuple(int(d) for d in dims)})
 
 
 @stage("cutlass.pad_kn", Tag.TRANSFORM, reads=("weight", "weight_scale"),

@@ -207,6 +207,10 @@ def _leaf_diffs(path: str, a: Any, b: Any) -> list[tuple[str, Any, Any]]:
     return [(path, None if a is ... else a, None if b is ... else b)]
 
 
+#: Display names of the key's ``versions`` entries.
+VERSION_NAMES = {"vllm": "vLLM", "torch": "torch", "wcache": "wcache"}
+
+
 @frozen(init=False)
 class CacheKey:
     """Everything that must match for an engine to use a daemon's bytes.
@@ -252,6 +256,20 @@ class CacheKey:
         return "; ".join(f"{path}: {mine}={short(x)} {theirs}={short(y)}"
                          for f in self.diff(other)
                          for path, x, y in _leaf_diffs(f, a.get(f, ...), b.get(f, ...)))
+
+    def versions_note(self, other: "CacheKey", mine: str = "engine",
+                      theirs: str = "daemon") -> str:
+        """A lead sentence for a refusal when the keys' ``versions`` differ (an engine
+        and a daemon of different vLLM, torch or wcache releases), naming both sides'
+        versions; ``""`` when they agree."""
+        a, b = self.fields.get("versions") or {}, other.fields.get("versions") or {}
+        if not isinstance(a, dict) or not isinstance(b, dict) or a == b:
+            return ""
+        parts = [f"{VERSION_NAMES.get(n, n)} {a.get(n)} ({mine}) vs {b.get(n)} ({theirs})"
+                 for n in sorted(a.keys() | b.keys()) if a.get(n) != b.get(n)]
+        return (f"the {mine} and the {theirs} run different releases ({', '.join(parts)}): "
+                f"a daemon's bytes come from its own vLLM's post-load, so it serves only "
+                f"engines of the same versions; run `wcache serve` under the {mine}'s. ")
 
     def to_json(self) -> str:
         return self.canonical

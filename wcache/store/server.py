@@ -740,8 +740,8 @@ class DaemonServer:
             log.warning("pid %s asked for key %s; differing fields %s", state["pid"], theirs.digest[:16], diff)
             return {"ok": False, "code": KeyMismatch.code, "fields": diff,
                     "theirs": {k: mine.get(k) for k in diff},
-                    "message": f"daemon key differs in {', '.join(diff)}: "
-                               f"{theirs.describe_diff(self.key)}"}, ()
+                    "message": f"{theirs.versions_note(self.key)}daemon key differs in "
+                               f"{', '.join(diff)}: {theirs.describe_diff(self.key)}"}, ()
         handle, fds = self._serving.export()
         with self._conns_lock:
             self.attachments_active += 1

@@ -59,6 +59,14 @@ def _mp_kernel_extra(owner: Any) -> dict[str, Any]:
             "machete_act_type": _dtype_name(cfg.act_type)}
 
 
+def _release_layer_attrs(obj: Any) -> dict[str, Any]:
+    """The layer attributes the installed vLLM release's post-load of ``obj`` adds
+    (``compat.VllmRelease.layer_attrs``; vLLM 0.33's compressed-tensors FP8 schemes:
+    ``processed_weight_dims``), as ``LayerConfig`` extras: the plan that sets them is
+    chosen by their presence (its tensor/channel branches only; block FP8 sets none)."""
+    return dict(compat.postload_layer_attrs(obj))
+
+
 def _fp8_config(quant_method: Any, module: torch.nn.Module, method: str, name: str,
                 static_input: bool = False, strategy: str | None = None) -> LayerConfig:
     """Online or serialized FP8 on vLLM's scaled-mm kernel (``quant_method.fp8_linear``).
@@ -74,6 +82,8 @@ def _fp8_config(quant_method: Any, module: torch.nn.Module, method: str, name: s
              "tp_size": int(getattr(module, "tp_size", 1) or 1)}
     if block:
         extra["weight_block_size"] = tuple(int(b) for b in block)
+    else:
+        extra.update(_release_layer_attrs(quant_method))
     spec = QuantSpec(method, num_bits=8, act_bits=8, strategy=strategy,
                      static_input=static_input, kernel=_kernel_id(quant_method, "fp8_linear"))
     return _linear_config(module, spec, name, extra)
@@ -265,6 +275,8 @@ def _ct_w8a16_fp8(scheme: Any, module: torch.nn.Module, target: Target | None,
     extra = {"logical_widths": tuple(int(w) for w in module.logical_widths)}
     if scheme.weight_block_size:
         extra["weight_block_size"] = tuple(int(b) for b in scheme.weight_block_size)
+    else:
+        extra.update(_release_layer_attrs(scheme))
     return _linear_config(module, spec, name, extra)
 
 

@@ -40,17 +40,15 @@ def _quant_config_json(model_config: Any) -> str | None:
     return json.dumps(qc, sort_keys=True, default=str)
 
 
-#: vLLM ModelConfig hash factors that do not shape the weights: paths (the
-#: checkpoint's *content* is the ``checkpoint`` field, so a copy at another path
-#: matches) and run-time options (sleep mode, logprobs, generation defaults).
-#: Every other factor, including any vLLM adds later, is part of the key.
-NON_WEIGHT_FACTORS = frozenset({
-    "model", "model_weights", "tokenizer", "served_model_name", "max_logprobs",
-    "renderer_num_workers", "enable_sleep_mode", "sleep_mode_backend",
-    "sleep_mode_offload_cudagraph", "sleep_preserve_parameter_names",
-    "enable_cumem_allocator", "enable_nccl_comm_suspend", "generation_config",
-    "override_generation_config", "enable_prompt_embeds",
-})
+def non_weight_factors() -> frozenset[str]:
+    """The installed vLLM release's ModelConfig hash factors that do not shape the
+    weights (``compat.release().non_weight_factors``): paths (the checkpoint's
+    *content* is the ``checkpoint`` field, so a copy at another path matches) and
+    run-time options (sleep mode, logprobs, generation defaults, multimodal prompt
+    limits). Every other factor, including any vLLM adds later, is part of the key."""
+    return compat.release().non_weight_factors
+
+
 #: Factors vLLM's own hash leaves out but that shape the weights. ``hf_overrides``
 #: already reaches the hash through ``hf_config``; it is kept by name so that a
 #: mismatch names the override, not only the (large) resulting config.
@@ -73,8 +71,9 @@ def model_config_factors(model_config: Any) -> dict[str, Any]:
         raw = getattr(model_config, name, None)
         factors[name] = raw if isinstance(raw, (dict, type(None))) else normalize_value(raw)
     out = {}
+    skip = non_weight_factors()
     for name, value in sorted(factors.items()):
-        if name in NON_WEIGHT_FACTORS:
+        if name in skip:
             continue
         if isinstance(value, str) and name.startswith("hf_") and value.startswith("{"):
             try:

@@ -166,7 +166,8 @@ def _diagnose_missing(exc: Exception, key: Any, socket_dir: str | None) -> Excep
         return exc
     sock, other = best
     err = KeyMismatch(f"no daemon serves this engine's configuration ({exc}); the daemon at "
-                      f"{sock} serves another: key differs in {key.describe_diff(other)}. Start "
+                      f"{sock} serves another: {key.versions_note(other)}key differs in "
+                      f"{key.describe_diff(other)}. Start "
                       f"`wcache serve` with the engine's arguments.", fields=key.diff(other))
     return err
 

@@ -4,11 +4,12 @@ vLLM runs ``vllm.general_plugins`` entry points in the main process, the engine
 core and every worker (CPU workers are spawned), so registering here is what
 makes ``load_format="wcache"`` resolvable where the model is actually loaded.
 
-On a vLLM other than the tested one
-(:data:`wcache.vllm.compat.TESTED_VLLM_VERSION`) the formats are registered as
-loaders that refuse with :class:`~wcache.vllm.compat.UntestedVllm` (override:
-``WCACHE_ALLOW_UNTESTED_VLLM=1``): wcache's plans mirror one version's post-load
-code, and a changed step would be restored wrongly instead of refused. vLLM
+On a vLLM version or build wcache does not support
+(:data:`wcache.vllm.compat.SUPPORTED_VLLM`) the formats are registered as
+loaders that refuse with :class:`~wcache.vllm.compat.UntestedVllm`, naming the
+installed version and build and listing the supported ones (override:
+``WCACHE_ALLOW_UNTESTED_VLLM=1``): wcache's plans mirror each supported release's
+post-load code, and a changed step would be restored wrongly instead of refused. vLLM
 itself keeps working for every other load format (the plugin runs in every vLLM
 process, with wcache in use or not).
 """
@@ -22,7 +23,7 @@ LOAD_FORMATS = ("wcache", "wcache_timed_auto")
 
 
 def register() -> None:
-    """Register the load formats, or refusing stand-ins on an untested vLLM."""
+    """Register the load formats, or refusing stand-ins on an unsupported vLLM."""
     from wcache.vllm.compat import UntestedVllm, check_vllm_version  # noqa: PLC0415
 
     try:
@@ -41,7 +42,7 @@ def register_refusals(exc: Exception) -> None:
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader  # noqa: PLC0415
 
     class RefusingLoader(BaseModelLoader):
-        """Stands in for wcache's loaders on an untested vLLM."""
+        """Stands in for wcache's loaders on an unsupported vLLM."""
 
         def __init__(self, load_config):
             raise exc
