@@ -169,17 +169,24 @@ def _checkpoint(model: str, kind: str, root: Path) -> Path:
     return write_llama_checkpoint(root / f"llama-8b-{kind}", kind, Path(build("bf16")))
 
 
-def _engine_args(quantization: str | None) -> list[str]:
-    args = ["--attention-backend", "TRITON_ATTN",
-            "--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION)]
+def _engine_args(quantization: str | None, model: str) -> list[str]:
+    """8B engines size their KV cache by profiling (a share of the GPU, as a user's
+    would); SmolLM2 engines get the tier's fixed KV cache, which skips the profiling
+    that fails when other processes on the GPU free memory meanwhile."""
+    from wcache.testing.engine_acceptance import CUDA_ENGINE_ARGS  # noqa: PLC0415
+
+    args = (list(CUDA_ENGINE_ARGS) if model == "smol" else
+            ["--attention-backend", "TRITON_ATTN",
+             "--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION)])
     return args + (["--quantization", quantization] if quantization else [])
 
 
-def _engine(ckpt: Path, load_format: str, extra: dict, quantization: str | None) -> dict:
+def _engine(ckpt: Path, load_format: str, extra: dict, quantization: str | None,
+            model: str) -> dict:
     from wcache.daemon.process import run_engine  # noqa: PLC0415
 
     return run_engine(ckpt, load_format, extra, prompts=[PROMPT], max_tokens=MAX_TOKENS,
-                      timeout_s=ENGINE_TIMEOUT_S, engine_args=_engine_args(quantization))
+                      timeout_s=ENGINE_TIMEOUT_S, engine_args=_engine_args(quantization, model))
 
 
 def _summary(res: dict) -> dict[str, Any]:
@@ -195,7 +202,7 @@ def _error(exc: Exception) -> list[str]:
     return (keep or lines)[-4:]
 
 
-def _system(name: str, ckpt: Path, quantization: str | None, log_dir: Path,
+def _system(name: str, ckpt: Path, quantization: str | None, model: str, log_dir: Path,
             serve_ckpt: Path | None = None) -> dict[str, Any]:
     """One system's daemon (on ``serve_ckpt``, default ``ckpt``) and one engine on ``ckpt``."""
     from wcache.daemon.process import DaemonProcess  # noqa: PLC0415
@@ -224,7 +231,7 @@ def _system(name: str, ckpt: Path, quantization: str | None, log_dir: Path,
             if before is not None and after is not None:
                 out["daemon_gpu_mib"] = after - before
             try:
-                out.update(_summary(_engine(ckpt, fmt, extra, quantization)))
+                out.update(_summary(_engine(ckpt, fmt, extra, quantization, model)))
             except RuntimeError as exc:
                 out["engine_error"] = _error(exc)
         finally:
@@ -243,14 +250,14 @@ def run(cases: Sequence[str], root: Path, log: Callable[[str], None],
         row: dict[str, Any] = {"case": case, "quantization": quant}
         try:
             ckpt = _checkpoint(model, kind, root)
-            row["disk"] = _summary(_engine(ckpt, "auto", {}, quant))
+            row["disk"] = _summary(_engine(ckpt, "auto", {}, quant, model))
         except RuntimeError as exc:
             row["disk"] = {"engine_error": _error(exc)}
             rows.append(row)
             on_row(rows)
             continue
         for name in ("wcache", "ipc_cache"):
-            res = _system(name, ckpt, quant, log_dir)
+            res = _system(name, ckpt, quant, model, log_dir)
             if "token_ids" in res:
                 res["identical"] = res["token_ids"] == row["disk"]["token_ids"]
             row[name] = res
@@ -320,11 +327,11 @@ def run_swap(root: Path, log: Callable[[str], None]) -> dict[str, Any]:
     b = root / "swap-b"
     change = write_swapped_checkpoint(a, b, last)
     out: dict[str, Any] = {"change": change, "headers_identical": _headers(a) == _headers(b)}
-    out["disk_a"] = _summary(_engine(a, "auto", {}, None))
-    out["disk_b"] = _summary(_engine(b, "auto", {}, None))
+    out["disk_a"] = _summary(_engine(a, "auto", {}, None, "smol"))
+    out["disk_b"] = _summary(_engine(b, "auto", {}, None, "smol"))
     out["a_b_differ"] = out["disk_a"]["token_ids"] != out["disk_b"]["token_ids"]
     for name in ("wcache", "ipc_cache"):
-        res = _system(name, b, None, root / "logs", serve_ckpt=a)
+        res = _system(name, b, None, "smol", root / "logs", serve_ckpt=a)
         if "token_ids" in res:
             res["served"] = ("B (right)" if res["token_ids"] == out["disk_b"]["token_ids"]
                              else "A (another checkpoint's weights)"

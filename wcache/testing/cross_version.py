@@ -46,7 +46,7 @@ def env_for(version: str, pythonpath: str | None = None, tree_pattern: str = TRE
 
 def main(argv: list[str] | None = None) -> int:
     from wcache.daemon.process import DaemonProcess, run_engine  # noqa: PLC0415
-    from wcache.testing.engine_acceptance import ATTENTION_BACKEND  # noqa: PLC0415
+    from wcache.testing.engine_acceptance import ATTENTION_BACKEND, CUDA_ENGINE_ARGS  # noqa: PLC0415
 
     ap = argparse.ArgumentParser(prog="python -m wcache.testing.cross_version",
                                  description=__doc__.split("\n")[0])
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     d_env, e_env = env_for(args.daemon), env_for(args.engine)
     common = dict(prompts=[PROMPT], max_tokens=MAX_TOKENS, env=e_env,
-                  engine_args=["--attention-backend", ATTENTION_BACKEND])
+                  engine_args=list(CUDA_ENGINE_ARGS))
     out: dict = {"daemon_vllm": args.daemon, "engine_vllm": args.engine}
     out["disk_tokens"] = run_engine(args.model, "auto", {}, **common)["token_ids"]
     with tempfile.TemporaryDirectory(prefix="wcx-") as sock:
