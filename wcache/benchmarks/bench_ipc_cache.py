@@ -196,8 +196,11 @@ def _summary(res: dict) -> dict[str, Any]:
 
 
 def _error(exc: Exception) -> list[str]:
-    """The refusal or failure: the first traceback's last lines, else the tail."""
-    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+    """The refusal or failure: the last lines of the root-cause traceback that
+    ``run_engine`` puts first in its message (else of the whole message)."""
+    text = str(exc)
+    root = text.split("Output tail:")[0] if "First traceback" in text else text
+    lines = [ln.strip() for ln in root.splitlines() if ln.strip()]
     keep = [ln for ln in lines if "Error" in ln or "refus" in ln.lower()]
     return (keep or lines)[-4:]
 

@@ -165,17 +165,28 @@ CUDA_CONTRACTS = {
                                                            "azp_adj"),
 }
 
-#: The gpu_engine tier's outcomes (tests/gpu_engine, tools/gpu/run-tier.sh on the H200),
-#: committed as the tier wrote them; docs/plans.md's real-engine column is read from it.
-REAL_ENGINE_RESULTS = "benchmarks/results-h200-engine-vllm-0.32.0.jsonl"
+#: The gpu_engine tier's outcomes (tests/gpu_engine, tools/gpu/run-tier.sh on the H200), one
+#: file per vLLM version, committed as the tier wrote them; docs/plans.md's real-engine
+#: columns are read from them. Each entry: (file, the provenance of its rows).
+REAL_ENGINE_RESULTS: dict[str, tuple[str, str]] = {
+    "0.32.0": ("benchmarks/results-h200-engine-vllm-0.32.0.jsonl",
+               "run at commit 3c450bd"),
+    "0.33.0": ("benchmarks/results-h200-engine-vllm-0.33.0.jsonl",
+               "run at commit d56ef83 with `WCACHE_ALLOW_UNTESTED_VLLM=1`, before wcache had "
+               "a 0.33.0 release row and the `ct_w8a8_fp8/*@2` plans: the three CT W8A8 FP8 "
+               "failures (`wcache verify`: vLLM 0.33 sets `processed_weight_dims` on those "
+               "layers, which the @1 plans do not) are what the @2 plans add; the @2 plans "
+               "passed the contract tests against 0.33.0's own classes but have not yet run "
+               "on the H200"),
+}
 
 
-def real_engine_results(root=None) -> list[dict]:
-    """The committed gpu_engine rows (last row per case), or [] when there are none."""
+def real_engine_results(version: str = "0.32.0", root=None) -> list[dict]:
+    """The committed gpu_engine rows of one vLLM version (last row per case), or []."""
     import json  # noqa: PLC0415
     from pathlib import Path  # noqa: PLC0415
 
-    path = Path(root or Path(__file__).resolve().parents[2]) / REAL_ENGINE_RESULTS
+    path = Path(root or Path(__file__).resolve().parents[2]) / REAL_ENGINE_RESULTS[version][0]
     if not path.is_file():
         return []
     rows: dict[str, dict] = {}
@@ -202,16 +213,19 @@ def real_engine_evidence(rows: list[dict]) -> dict[str, str]:
     return {plan: "; ".join(cases) for plan, cases in out.items()}
 
 
-def _real_engine_section(rows: list[dict]) -> list[str]:
+def _real_engine_section(version: str, rows: list[dict]) -> list[str]:
+    short = ".".join(version.split(".")[:2])
+    path, provenance = REAL_ENGINE_RESULTS[version]
     if not rows:
-        return ["## Real engine, H200, vLLM 0.32", "",
+        return [f"## Real engine, H200, vLLM {short}", "",
                 "No gpu_engine results are committed yet (docs/gpu.md says how to run the "
                 "tier).", ""]
     meta = sorted({r.get("time", "")[:10] for r in rows} - {""})
-    lines = ["## Real engine, H200, vLLM 0.32", "",
+    lines = [f"## Real engine, H200, vLLM {short}", "",
              "Every case of the gpu_engine tier (tests/gpu_engine, `bash tools/gpu/run-tier.sh` "
-             "on one H200, vLLM 0.32.0's CUDA build, TRITON_ATTN), rendered from "
-             f"`{REAL_ENGINE_RESULTS}` as the tier wrote it ({', '.join(meta)}). Outcomes: "
+             f"on one H200, vLLM {version}'s CUDA build next to torch 2.11, TRITON_ATTN), "
+             f"rendered from `{path}` as the tier wrote it ({', '.join(meta)}; "
+             f"{provenance}). Outcomes: "
              "`restored` (disk, no-daemon fallback, daemon and a second engine give the disk "
              "load's greedy tokens, or top-5 logprobs close, and `wcache verify` passes); "
              "`refused` (`wcache serve` refused before serving; the fallback load equals "
@@ -306,18 +320,16 @@ section 3). A restore replays exactly the non-TRANSFORM rows of a plan.
 
 
 def _evidence_table(title: str, intro: str, column: str, evidence: dict[str, str],
-                    plans: list, second: tuple[str, dict[str, str]] | None = None) -> list[str]:
+                    plans: list, more: tuple[tuple[str, dict[str, str]], ...] = ()) -> list[str]:
     """A markdown section: ``title``, ``intro``, and a ``plan | column`` row for each
-    plan in ``evidence`` (registry order); ``second`` adds a column (name, plan -> text;
-    "not run" where a plan has none)."""
-    if second is None:
-        rows = [f"| `{p.id}` | {evidence[p.id]} |" for p in plans if p.id in evidence]
-        return [f"## {title}", "", intro, "", f"| plan | {column} |", "|---|---|", *rows, ""]
-    name, more = second
-    rows = [f"| `{p.id}` | {evidence[p.id]} | {more.get(p.id, 'not run')} |"
+    plan in ``evidence`` (registry order); each of ``more`` adds a column (name, plan ->
+    text; "not run" where a plan has none)."""
+    head = "".join(f" {name} |" for name, _ in more)
+    rows = [f"| `{p.id}` | {evidence[p.id]} |" + "".join(f" {m.get(p.id, 'not run')} |"
+                                                         for _, m in more)
             for p in plans if p.id in evidence]
-    return [f"## {title}", "", intro, "", f"| plan | {column} | {name} |", "|---|---|---|",
-            *rows, ""]
+    return [f"## {title}", "", intro, "", f"| plan | {column} |{head}",
+            "|---|---|" + "---|" * len(more), *rows, ""]
 
 
 def render_plans(markdown: bool = False, method: str | None = None) -> str:
@@ -345,20 +357,23 @@ def render_plans(markdown: bool = False, method: str | None = None) -> str:
             "(`python -m wcache.vllm.probe`) and records the outcome in the Target, so a plan "
             "matches only the branch vLLM takes and a daemon and an engine that would decide "
             "differently never share an arena.", "proven on", PROVEN_ON, plans)
-        rows = real_engine_results()
+        results = {v: real_engine_results(v) for v in REAL_ENGINE_RESULTS}
         parts += _evidence_table(
             "CUDA plans: which contract each passed, and the real engine",
-            "The contract tests run vLLM 0.32's own quant-method classes on the CPU build "
+            "The contract tests run vLLM's own quant-method classes (0.32.0's, and 0.33.0's "
+            "Python over the CPU build: tests/test_vllm_releases.py) on the CPU build "
             "under a simulated CUDA platform (sm90; sm100 for CUTLASS NVFP4, sm80 for FP8 "
             "Marlin), with its CUDA custom ops swapped for vLLM's pure-torch references; no "
             "CUDA kernel runs in them, so they prove layouts and state, not kernel outputs "
-            "(CI runs them). The last column is the proof: the gpu_engine tier's cases that "
-            "went through each plan on a real vLLM 0.32 CUDA engine on one H200 (section "
-            "below); \"not run\" where no case reached the plan there (sm100-only kernels "
-            "cannot run on sm90).",
+            "(CI runs them). The last columns are the proof: the gpu_engine tier's cases that "
+            "went through each plan on a real vLLM CUDA engine on one H200, per vLLM version "
+            "(sections below); \"not run\" where no case reached the plan there (sm100-only "
+            "kernels cannot run on sm90).",
             "contract passed", CUDA_CONTRACTS, plans,
-            second=("real engine, H200, vLLM 0.32", real_engine_evidence(rows)))
-        parts += _real_engine_section(rows)
+            more=tuple((f"real engine, H200, vLLM {'.'.join(v.split('.')[:2])}",
+                        real_engine_evidence(rows)) for v, rows in results.items()))
+        for v, rows in results.items():
+            parts += _real_engine_section(v, rows)
         parts.append("## Stages per plan")
         parts.append("")
         parts.extend(p.describe() for p in plans)

@@ -58,7 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(prompts=[PROMPT], max_tokens=MAX_TOKENS, env=e_env,
                   engine_args=list(CUDA_ENGINE_ARGS))
     out: dict = {"daemon_vllm": args.daemon, "engine_vllm": args.engine}
+
+    def step(name: str) -> None:  # progress on stderr: a run cut short still says where
+        print(f"[cross-version] {name}: {json.dumps(out.get(name), default=str)[:2000]}",
+              file=sys.stderr, flush=True)
+
     out["disk_tokens"] = run_engine(args.model, "auto", {}, **common)["token_ids"]
+    step("disk_tokens")
     with tempfile.TemporaryDirectory(prefix="wcx-") as sock:
         with DaemonProcess(args.model, sock, env=d_env,
                            extra_args=("--attention-backend", ATTENTION_BACKEND)):
@@ -66,10 +72,13 @@ def main(argv: list[str] | None = None) -> int:
                 run_engine(args.model, "wcache", {"fallback": False, "socket_dir": sock}, **common)
                 out["strict"] = {"refused": False}
             except RuntimeError as exc:
-                lines = [ln for ln in str(exc).splitlines() if "vLLM" in ln or "Error" in ln]
+                root = str(exc).split("Output tail:")[0]  # run_engine: root cause first
+                lines = [ln.strip() for ln in root.splitlines()
+                         if "vLLM" in ln or "Error" in ln or "key-mismatch" in ln]
                 msg = "\n".join(lines[-6:])
                 out["strict"] = {"refused": True, "message": msg,
-                                 "names_both": args.daemon in msg and args.engine in msg}
+                                 "names_both": args.daemon in root and args.engine in root}
+            step("strict")
             fb = run_engine(args.model, "wcache", {"fallback": True, "socket_dir": sock},
                             **common)
             out["fallback"] = {"identical": fb["token_ids"] == out["disk_tokens"],
