@@ -17,6 +17,12 @@ process writes a snapshot of the served arena (``write_snapshot``, as ``wcache
 serve --snapshot`` does) and reads it back (``open_snapshot``, every file's
 digest checked) (``--no-live-snapshot`` leaves it out).
 
+``--engines N`` adds real vLLM CPU engines: one engine loads the checkpoint from
+disk (the reference tokens) while the clients start, and once the daemon serves
+lean, N engines restore from it one after another (``load_format="wcache"``,
+``fallback=false``) while the clients attach; each must give the disk engine's
+greedy tokens.
+
 Each attach reads one tensor of the mapped arena (tensor ``cycle % n``; each
 client starts at another offset, so every tensor is read many times) and
 records its blake3 digest; ``wrong reads`` counts the reads whose digest differs
@@ -257,12 +263,41 @@ def _peer(model: str, sock: str, peer_dir: str, st: dict[str, Any], done: Any,
         peer.stop()
 
 
+def _engines(model: str, sock_dir: str, n: int, lean: threading.Event, done: Any,
+             out: dict[str, Any]) -> None:
+    """A disk engine (the reference tokens), then, once the daemon serves lean, ``n``
+    engines restoring from it one after another, each compared with the disk one."""
+    from wcache.daemon.process import run_engine  # noqa: PLC0415
+
+    try:
+        disk = run_engine(model, "auto", {})
+    except RuntimeError as e:
+        out["error"] = f"disk engine: {str(e).splitlines()[-1]}"
+        return
+    out["runs"] = []
+    lean.wait(SERVE_TIMEOUT_S)
+    for _ in range(n):
+        row: dict[str, Any] = {"at_cycle": done.value}
+        t0 = time.monotonic()
+        try:
+            res = run_engine(model, "wcache", {"fallback": False, "socket_dir": sock_dir})
+            row["identical"] = res["token_ids"] == disk["token_ids"]
+            row["restore_s"] = next((r["seconds"] for r in res.get("load", [])
+                                     if r.get("phase") == "restore"), None)
+        except RuntimeError as e:  # reported, the soak goes on
+            row["error"] = str(e).splitlines()[-1]
+        row["process_s"] = time.monotonic() - t0
+        row["end_cycle"] = done.value
+        out["runs"].append(row)
+
+
 def run(clients: int, cycles: int, kill_every_s: float,
         warmup_cycles: int = WARMUP_CYCLES, peer: bool = True,
-        live_snapshot: bool = True) -> dict[str, Any]:
+        live_snapshot: bool = True, engines: int = 0) -> dict[str, Any]:
     """One soak run; returns its figures (see the module docstring). The warm-up
     sample is taken after ``warmup_cycles`` cycles over all clients; ``peer`` and
-    ``live_snapshot`` add the seeding peer and the snapshot written mid-run."""
+    ``live_snapshot`` add the seeding peer and the snapshot written mid-run;
+    ``engines`` the vLLM CPU engines restoring from the daemon during the run."""
     from wcache.store.paths import list_sockets  # noqa: PLC0415
     from wcache.testing.fixtures import build  # noqa: PLC0415
     from wcache.daemon.process import DaemonProcess, free_port  # noqa: PLC0415
@@ -305,6 +340,12 @@ def run(clients: int, cycles: int, kill_every_s: float,
     peer_out: dict[str, Any] = {} if peer else {"skipped": True}
     snap_out: dict[str, Any] = {} if live_snapshot else {"skipped": True}
     serving_states = [None]
+    engines_out: dict[str, Any] = {} if engines else {"skipped": True}
+    lean = threading.Event()
+    if engines:
+        side.append(threading.Thread(target=_engines, args=(model, sock_dir, engines, lean, done,
+                                                            engines_out), daemon=True))
+        side[-1].start()
     while any(w.is_alive() for w in workers):
         time.sleep(SAMPLE_S)
         try:
@@ -316,6 +357,8 @@ def run(clients: int, cycles: int, kill_every_s: float,
             snapshot_states.append(state)
         if now.get("serving") and now.get("serving") != serving_states[-1]:
             serving_states.append(now["serving"])
+        if now.get("serving") == "lean":
+            lean.set()
         if peer and not peer_out and now.get("serving") == "lean":  # seed from the lean process
             peer_out["started"] = True
             side.append(threading.Thread(target=_peer, args=(model, sock, os.path.join(tmp, "peer"), st,
@@ -340,7 +383,8 @@ def run(clients: int, cycles: int, kill_every_s: float,
             break
     got = [results.get(timeout=SERVE_TIMEOUT_S) for _ in workers]
     wall = time.monotonic() - t0
-    for thread in side:  # a peer still starting, or a snapshot still being written
+    lean.set()  # engines that never saw the lean process restore from what serves
+    for thread in side:  # a peer still starting, a snapshot or an engine still running
         thread.join(SERVE_TIMEOUT_S)
     reference = _reference(sock_dir, st)
     for w in workers:
@@ -383,6 +427,7 @@ def run(clients: int, cycles: int, kill_every_s: float,
                                      "wcache_snapshot_state{state=written", "wcache_seeds_served"))},
         "sockets_left": len(list_sockets(sock_dir)),
         "serving_states": serving_states[1:], "peer": peer_out, "live_snapshot": snap_out,
+        "engines": engines_out,
         "checkpoints": [{k: c[k] for k in ("t", "cycles", "VmRSS", "RssAnon", "fds", "connections")}
                         for c in checkpoints],
         "rss_anon_max_after_warmup": max((x["RssAnon"] for x in after), default=None),
@@ -441,6 +486,18 @@ def report(r: dict[str, Any]) -> str:
     else:
         lines.append(f"  live snapshot           written by a client at cycle {q['at_cycle']} in {q['write_s']:.1f} s, "
                      f"read back (digests checked) in {q['read_s']:.1f} s")
+    e = r.get("engines", {"skipped": True})
+    if e.get("skipped"):
+        lines.append("  vLLM engines            not run (--engines 0)")
+    elif "error" in e:
+        lines.append(f"  vLLM engines            FAILED: {e['error']}")
+    else:
+        for i, x in enumerate(e["runs"], 1):
+            what = (f"FAILED: {x['error']}" if "error" in x else
+                    f"restore {x['restore_s']:.3f} s, "
+                    f"{'same tokens as the disk engine' if x['identical'] else 'TOKENS DIFFER'}")
+            lines.append(f"  vLLM engine {i:<11} cycles {x['at_cycle']}-{x['end_cycle']}, "
+                         f"process {x['process_s']:.1f} s: {what}")
     lines.append(f"  warm-up and end samples: every client paused (no connection open), "
                  f"{SETTLE_S:.0f} s after; warm-up at cycle {r['warm']['cycles']} (t={r['warm']['t']:.1f} s)")
     lines.append("  daemon /metrics at the end: " + ", ".join(f"{k}={v:g}" for k, v in sorted(r["metrics"].items())))
@@ -470,6 +527,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-live-snapshot", action="store_true",
                    help="leave out the snapshot of the served arena that a client process "
                         f"writes and reads back once {LIVE_SNAPSHOT_AT:.0%} of the cycles are done")
+    p.add_argument("--engines", type=int, default=0,
+                   help="vLLM CPU engines that restore from the daemon one after another "
+                        "during the soak, each compared with a disk engine's greedy tokens "
+                        "(default 0; each costs ~30 s and ~1 GB here)")
     p.add_argument("--json", help="also write the figures here")
     return p
 
@@ -477,14 +538,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     r = run(args.clients, args.cycles, args.kill_every_s, args.warmup_cycles, peer=not args.no_peer,
-            live_snapshot=not args.no_live_snapshot)
+            live_snapshot=not args.no_live_snapshot, engines=args.engines)
     sys.stdout.write(report(r))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=1, default=str)
     ok = (r["wrong_reads"] == 0 and r["cycles"] >= args.cycles
           and (args.no_peer or r["peer"].get("wrong_tensors") == 0)
-          and (args.no_live_snapshot or r["live_snapshot"].get("ok")))
+          and (args.no_live_snapshot or r["live_snapshot"].get("ok"))
+          and (not args.engines or (len(r["engines"].get("runs", [])) == args.engines
+                                    and all(x.get("identical") for x in r["engines"]["runs"]))))
     return 0 if ok else 1
 
 
