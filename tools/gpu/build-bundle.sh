@@ -37,11 +37,14 @@ for t in manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux20
   PLAT="$PLAT --platform ${t}_x86_64"
 done
 mkdir -p "$W/bundle/deps"
+# One pin per line: no CR, trailing blanks, comments or empty lines (so `comm` compares pins).
+pins() { sed 's/\r$//; s/[[:space:]]*$//; /^[[:space:]]*#/d; /^$/d' "$HERE/deps-vllm-$1.txt" | sort -u; }
 # Pins every version lists (shared) and the rest (per version).
-sort -u "$HERE/deps-vllm-${VERSIONS[0]}.txt" > "$W/common.txt"
+pins "${VERSIONS[0]}" > "$W/common.txt"
 for v in "${VERSIONS[@]:1}"; do
-  sort -u "$HERE/deps-vllm-$v.txt" | comm -12 "$W/common.txt" - > "$W/c2.txt"; mv "$W/c2.txt" "$W/common.txt"
+  pins "$v" | comm -12 "$W/common.txt" - > "$W/c2.txt"; mv "$W/c2.txt" "$W/common.txt"
 done
+[ -s "$W/common.txt" ] || { echo "build-bundle: the versions' dependency lists share no pin: check tools/gpu/deps-vllm-*.txt" >&2; exit 2; }
 for v in "${VERSIONS[@]}"; do
   echo "[build-bundle] vLLM $v CUDA wheel"
   rm -rf "$W/whl" "$W/x"; mkdir -p "$W/x"
@@ -53,7 +56,7 @@ for v in "${VERSIONS[@]}"; do
          "$W/x/vllm/entrypoints/serve/instrumentator/static"
   echo "[build-bundle] trimming and compressing vLLM $v's tree"
   (cd "$W/x" && tar cf - vllm vllm-*.dist-info | xz -T0 -6 > "$W/bundle/vllm-$v.tar.xz")
-  sort -u "$HERE/deps-vllm-$v.txt" | comm -23 - "$W/common.txt" > "$W/only-$v.txt"
+  pins "$v" | comm -23 - "$W/common.txt" > "$W/only-$v.txt"
   if [ -s "$W/only-$v.txt" ]; then
     mkdir -p "$W/bundle/deps-$v"
     python3 -m pip download -q --no-deps $PLAT -d "$W/bundle/deps-$v" -r "$W/only-$v.txt"

