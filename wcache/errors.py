@@ -192,8 +192,10 @@ class ProtocolError(StoreError, ValueError):
 
 
 class SeedUnavailable(StoreError):
-    """This daemon cannot seed a peer: it serves lean (torch-free), and seeding needs
-    torch.distributed. Start the source daemon with ``--no-lean`` (or ``--seed-listen``)."""
+    """This daemon cannot seed a peer now: it serves lean and already sends as many
+    seedings as it runs at once (:data:`wcache.store.lean.MAX_CONCURRENT_SEEDS`,
+    each a helper process with torch), or it is stopping. Start the receiver again
+    once a seeding is done, or from the checkpoint or a snapshot."""
 
     code = "seed-unavailable"
 

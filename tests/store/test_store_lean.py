@@ -13,8 +13,8 @@ import torch
 
 from wcache.store import CacheKey, DaemonServer, attach, cli_status, daemon_status, lean, paths, socket_path
 from wcache.store.client import Connection
-from wcache.store.errors import KeyMismatch
-from wcache.store.seed import seed_arena
+from wcache.store.errors import KeyMismatch, SeedUnavailable
+from wcache.store.seed import SeedFailed, seed_arena
 from wcache.store.manifest import DTYPE_ITEMSIZES
 from wcache.testing.store import (
     BASE_KEY, assert_serves_export, rss_bytes, start_daemon, stop_daemon, synthetic_export,
@@ -25,6 +25,17 @@ from wcache.testing.store import (
 LEAN_RSS_BOUND_BYTES = 80 << 20
 #: The hand-off takes an interpreter start and the store imports (~0.3 s).
 LEAN_WAIT_S = 30.0
+#: A stand-in for wcache.store.seed_helper (run as ``EXE -m wcache.store.seed_helper``,
+#: arguments ignored): reads the request, reports a store, then waits as a helper
+#: whose receiver never joins does; FAKE_HELPER_IGNORE_TERM=1 makes it ignore SIGTERM.
+FAKE_HELPER = """#!{python}
+import json, os, signal, sys, time
+if os.environ.get("FAKE_HELPER_IGNORE_TERM") == "1":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+sys.stdin.readline()
+print(json.dumps({{"port": 1, "token": "00"}}), flush=True)
+time.sleep(600)
+"""
 
 
 def _wait_serving(sock_dir: str, mode: str) -> dict:
@@ -97,6 +108,138 @@ def test_lean_environ_holds_malloc_to_one_arena_unless_set():
     """The lean server's environment adds MALLOC_ARENA_MAX=1 and keeps an operator's own value and the rest."""
     assert {"MALLOC_ARENA_MAX": "1", "A": "b"} == lean.lean_environ({"A": "b"})
     assert {"MALLOC_ARENA_MAX": "4"} == lean.lean_environ({"MALLOC_ARENA_MAX": "4"})
+
+
+@pytest.mark.parametrize("operator,expected", [
+    (None, {"A": "b"}), ("4", {"A": "b", "MALLOC_ARENA_MAX": "4"}), ("1", {"A": "b", "MALLOC_ARENA_MAX": "1"}),
+])
+def test_helper_environ_restores_the_operators_malloc_arena_max(operator, expected):
+    """A seeding helper gets the operator's MALLOC_ARENA_MAX (none when unset), not the lean server's 1."""
+    assert expected == lean.helper_environ(lean.lean_environ({"A": "b", **(
+        {"MALLOC_ARENA_MAX": operator} if operator else {})}), operator)
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(e.decode().split("=", 1) for e in f.read().split(b"\0") if e)
+
+
+def _pids_running(word: bytes, parent: int | None = None) -> list[int]:
+    """The pids whose command line holds ``word`` (children of ``parent`` only, when given)."""
+    found = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if word in cmdline and parent in (None, ppid):
+            found.append(int(name))
+    return found
+
+
+def _seed_helpers_of(pid: int) -> list[int]:
+    """The pids of ``pid``'s children running wcache.store.seed_helper."""
+    return _pids_running(b"wcache.store.seed_helper", pid)
+
+
+@pytest.mark.parametrize("how", ["sigterm", "shutdown"])
+def test_stopping_the_lean_daemon_ends_a_seeding_helper_in_flight(sock_dir, monkeypatch, how):
+    """A receiver took the seed reply and never joins: the helper holds an attachment, lacks MALLOC_ARENA_MAX (the operator set none), and is gone once the lean daemon stopped by SIGTERM or `shutdown`."""
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    proc = start_daemon(sock_dir, extra_args=("--lean",))
+    sock = socket_path(sock_dir, "cpu")
+    helpers: list[int] = []
+    try:
+        _wait_serving(sock_dir, "lean")
+        conn = Connection(sock)
+        try:
+            reply = conn.request({"op": "seed", "key": BASE_KEY})  # and never join the group
+        finally:
+            conn.close()
+        assert (True, "127.0.0.1") == (reply["ok"], reply["host"])
+        helpers = _seed_helpers_of(proc.pid)
+        assert 1 == len(helpers)
+        helper = helpers[0]
+        assert "MALLOC_ARENA_MAX" not in _environ(helper)
+        assert "1" == _environ(proc.pid)["MALLOC_ARENA_MAX"]
+        assert 1 == daemon_status(sock)["attachments_active"]  # the helper's
+        if how == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            conn = Connection(sock)
+            try:
+                conn.request({"op": "shutdown"})
+            finally:
+                conn.close()
+        assert 0 == proc.wait(30)
+        assert not os.path.exists(f"/proc/{helper}"), "the seeding helper outlived its daemon"
+    finally:
+        stop_daemon(proc)
+        for pid in helpers:  # one left behind by a failure here must not outlive the test
+            if os.path.exists(f"/proc/{pid}"):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def fake_helper(tmp_path, monkeypatch):
+    """LEAN_EXEC_ENV pointed at :data:`FAKE_HELPER`: seeds whose receivers never join, without torch."""
+    path = tmp_path / "fake-seed-helper"
+    path.write_text(FAKE_HELPER.format(python=sys.executable))
+    path.chmod(0o700)
+    monkeypatch.setenv(lean.LEAN_EXEC_ENV, str(path))
+    yield path
+    for pid in _pids_running(str(path).encode()):  # left behind by a failure: not past the test
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_a_seed_beyond_the_cap_is_refused_seed_unavailable(server, sock_dir, key, fake_helper):
+    """With MAX_CONCURRENT_SEEDS helpers in flight a further seed is refused seed-unavailable, which the receiver raises as SeedFailed naming the code; a reaped helper frees its slot."""
+    server.seed_source = lean.LeanSeedSource(server, 0)
+    for _ in range(lean.MAX_CONCURRENT_SEEDS):
+        seed_arena(server.socket_path, key)  # replies taken, nobody joins
+    helpers = server.seed_source.helpers
+    assert lean.MAX_CONCURRENT_SEEDS == len(helpers)
+    with pytest.raises(SeedFailed, match=r"refused to seed \[seed-unavailable\].*at most "
+                                         rf"{lean.MAX_CONCURRENT_SEEDS} at once") as ei:
+        seed_arena(server.socket_path, key)
+    assert "seed-unavailable" == ei.value.__cause__.code
+    assert 1 == daemon_status(server.socket_path)["refusals"]["seed-unavailable"]
+    assert lean.MAX_CONCURRENT_SEEDS == len(server.seed_source.helpers)  # the refusal started none
+    helpers[0].kill()
+    deadline = time.monotonic() + LEAN_WAIT_S
+    while helpers[0] in server.seed_source.helpers and time.monotonic() < deadline:
+        time.sleep(0.02)
+    seed_arena(server.socket_path, key)  # the slot is free again
+    assert lean.MAX_CONCURRENT_SEEDS == len(server.seed_source.helpers)
+
+
+@pytest.mark.parametrize("ignore_term,signal_seen", [("0", signal.SIGTERM), ("1", signal.SIGKILL)])
+def test_server_stop_ends_every_helper(server, key, fake_helper, monkeypatch, ignore_term, signal_seen):
+    """DaemonServer.stop ends the lean seed source's helpers: SIGTERM, or SIGKILL after the grace for one that ignores it; later seeds are refused."""
+    monkeypatch.setattr(lean, "HELPER_STOP_GRACE_S", 0.5)
+    monkeypatch.setenv("FAKE_HELPER_IGNORE_TERM", ignore_term)
+    source = server.seed_source = lean.LeanSeedSource(server, 0)
+    seed_arena(server.socket_path, key)
+    [helper] = source.helpers
+    t0 = time.monotonic()
+    server.stop()
+    assert (-signal_seen, ()) == (helper.returncode, source.helpers)
+    assert time.monotonic() - t0 < lean.HELPER_STOP_GRACE_S + 5.0
+    with pytest.raises(SeedUnavailable, match="stopping"):
+        source.handle({"key": BASE_KEY}, {"pid": os.getpid()})
+
+
+@pytest.mark.parametrize("operator", [None, "4"])
+def test_the_helper_runs_under_the_operators_malloc_arena_max(server, key, fake_helper, monkeypatch, operator):
+    """In the lean server's environment (MALLOC_ARENA_MAX=1), a helper gets the operator's value, or none when the operator set none."""
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "1")  # as lean_environ left it in the lean server
+    source = server.seed_source = lean.LeanSeedSource(server, 0, operator)
+    seed_arena(server.socket_path, key)
+    [helper] = source.helpers
+    assert operator == _environ(helper.pid).get("MALLOC_ARENA_MAX")
 
 
 def test_a_peer_seeds_from_the_lean_daemon(sock_dir):

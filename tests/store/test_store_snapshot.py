@@ -177,6 +177,31 @@ def test_gloo_seeding_between_two_daemons(sock_dir, key):
         stop_daemon(src)
 
 
+@pytest.mark.parametrize("source_class", ["full", "lean"])
+@pytest.mark.parametrize("receiver_vllm,source_vllm", [("0.32.0", "0.33.0"), ("0.33.0", "0.32.0")])
+def test_seeding_between_vllm_releases_is_refused_naming_both(sock_dir, source_class, receiver_vllm,
+                                                             source_vllm):
+    """A seed between daemons of different vLLM releases (keys equal but for versions.vllm) is a key-mismatch led by both versions, from the full and the lean seed source alike."""
+    from wcache.store.lean import LeanSeedSource
+
+    versions = {"wcache": "0.1.0", "torch": "2.13.0+cpu"}
+    source_key = CacheKey({**BASE_KEY, "versions": {**versions, "vllm": source_vllm}})
+    receiver_key = CacheKey({**BASE_KEY, "versions": {**versions, "vllm": receiver_vllm}})
+    server = DaemonServer(synthetic_export(), source_key, socket_dir=sock_dir, device_id="cpu-s").start()
+    server.seed_source = SeedSource(server) if source_class == "full" else LeanSeedSource(server, 0)
+    try:
+        with pytest.raises(KeyMismatch) as ei:
+            seed_arena(server.socket_path, receiver_key)
+    finally:
+        server.stop()
+    assert ["versions"] == ei.value.fields
+    message = str(ei.value)
+    lead = message.split(f"daemon on {server.socket_path}: ", 1)[-1]  # the source's own message
+    assert lead.startswith(f"the receiver and the source run different releases (vLLM "
+                           f"{receiver_vllm} (receiver) vs {source_vllm} (source)): "), message
+    assert f'versions.vllm: receiver="{receiver_vllm}" source="{source_vllm}"' in message
+
+
 def test_seeding_refuses_a_digest_mismatch(sock_dir, key, monkeypatch):
     """When the receiver's digest of what arrived differs from the source's, nothing is served."""
     from wcache.store import seed as seed_mod

@@ -21,7 +21,10 @@ needs torch.distributed), ``--no-lean``, connections that do not end in time,
 a lean server that does not import, or an ``execve`` that fails. The lean
 server answers every command; ``seed`` starts a helper process with torch that
 attaches like any client and sends the arena (:class:`LeanSeedSource`,
-:mod:`wcache.store.seed_helper`). A stop asked or an invalidation during the
+:mod:`wcache.store.seed_helper`): at most :data:`MAX_CONCURRENT_SEEDS` at once
+(a further ``seed`` is refused ``seed-unavailable``), each killed when the lean
+server stops, and run under the operator's own ``MALLOC_ARENA_MAX``, not the
+lean server's. A stop asked or an invalidation during the
 hand-off calls it off (the full process then stops as usual).
 
 Once exec'd, the process cannot go back: a lean server that fails to start logs
@@ -44,11 +47,12 @@ import threading
 import time
 from typing import Any
 
-from wcache.errors import SeedFailed
+from wcache.errors import SeedFailed, SeedUnavailable
 from wcache.store import paths
 from wcache.store.protocol import SEED_CHUNK_BYTES, check_seed_request
 
-__all__ = ["handoff", "lean_refusal", "main", "HANDOFF_DRAIN_S", "LeanSeedSource", "lean_environ", "LEAN_EXEC_ENV", "LEAN_LINE", "NO_LEAN_ENV"]
+__all__ = ["handoff", "lean_refusal", "main", "HANDOFF_DRAIN_S", "LeanSeedSource", "lean_environ", "helper_environ",
+           "LEAN_EXEC_ENV", "LEAN_LINE", "NO_LEAN_ENV", "MAX_CONCURRENT_SEEDS", "HELPER_STOP_GRACE_S"]
 
 log = logging.getLogger("wcache.store")
 
@@ -78,6 +82,8 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 #: one, long after a warm-up (docs/benchmarks.md, the soak). The handlers run
 #: Python under the GIL, so more arenas buy no parallelism here.
 MALLOC_ARENAS = 1
+#: The environment variable :data:`MALLOC_ARENAS` is given by.
+MALLOC_ARENA_ENV = "MALLOC_ARENA_MAX"
 #: How long a ``seed`` request waits for the seeding helper to report its store
 #: (seconds): a torch import and one attach, ~3-5 s on an idle 2-core host and
 #: several times that under load; under the receiver's reply timeout
@@ -87,6 +93,18 @@ SEED_HELPER_START_S = 45.0
 #: on its Unix socket (a TCP ``--seed-listen`` keeps the full process), so the
 #: receiver is on this host.
 SEED_HOST = "127.0.0.1"
+#: Seeding helpers a lean daemon runs at once; a further ``seed`` is refused
+#: (``seed-unavailable``: the receiver fails with ``seed-failed`` naming it and can
+#: be started again). Each helper is a full torch process (~300 MiB resident beyond
+#: the arena it maps) that sends the whole arena, so an unbounded number could take
+#: more memory than the lean hand-off saved; two let a second peer (another job's
+#: daemon starting alongside) seed without waiting.
+MAX_CONCURRENT_SEEDS = 2
+#: How long a helper has to exit after SIGTERM when the lean daemon stops, before
+#: SIGKILL (seconds). The helper installs no handler, so SIGTERM ends it at once;
+#: the grace bounds the daemon's stop should a helper not end on SIGTERM (a handler
+#: a library installed), and is short next to the stop's own joins (5 s each).
+HELPER_STOP_GRACE_S = 2.0
 
 
 class LeanSeedSource:
@@ -94,25 +112,67 @@ class LeanSeedSource:
     this process does not import: each request starts a helper (``python -m
     wcache.store.seed_helper``) that attaches to this daemon like any client, opens
     the seeding store and sends the arena; the reply names the helper's store.
-    ``seeds_done`` counts the helpers that exited 0 (the receiver has the arena)."""
+    ``seeds_done`` counts the helpers that exited 0 (the receiver has the arena).
 
-    def __init__(self, server: Any, seeds_done: int | None):
+    At most :data:`MAX_CONCURRENT_SEEDS` helpers run at once; :meth:`close_` (called
+    by :meth:`wcache.store.server.DaemonServer.stop`: SIGTERM, ``shutdown``) kills
+    the ones still running, so none outlives the daemon holding an attachment and
+    the arena's mapping for up to :data:`wcache.store.seed.SEED_TIMEOUT_S` (a
+    receiver that took the reply and never joined).
+
+    Args:
+        server: the lean :class:`wcache.store.server.DaemonServer`.
+        seeds_done: the count carried over from the full process.
+        malloc_arena_max: the operator's ``MALLOC_ARENA_MAX`` before the hand-off
+            (None: unset), which the helpers get instead of the lean server's
+            (:func:`helper_environ`).
+    """
+
+    def __init__(self, server: Any, seeds_done: int | None, malloc_arena_max: str | None = None):
         self.server = server
         self.seeds_done = seeds_done or 0
+        self.malloc_arena_max = malloc_arena_max
         self._lock = threading.Lock()
+        #: the helpers started and not yet reaped
+        self._helpers: set[subprocess.Popen] = set()
+        self._closed = False
+
+    @property
+    def helpers(self) -> tuple[subprocess.Popen, ...]:
+        """The helpers running now (started and not yet reaped)."""
+        with self._lock:
+            return tuple(self._helpers)
 
     def handle(self, req: dict[str, Any], state: dict) -> dict[str, Any]:
+        """Check the request, start a helper, return the reply naming its store.
+
+        Raises:
+            SeedUnavailable: :data:`MAX_CONCURRENT_SEEDS` helpers already run, or
+                the daemon is stopping.
+            SeedFailed: the helper could not start or did not report its store.
+        """
         mismatch, backend = check_seed_request(req, self.server)
         if mismatch is not None:
             return mismatch
         server = self.server
         exe = os.environ.get(LEAN_EXEC_ENV) or sys.executable
-        try:
-            proc = subprocess.Popen([exe, "-m", "wcache.store.seed_helper"], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, text=True)
-        except OSError as e:
-            raise SeedFailed(f"this lean daemon cannot start its seeding helper ({e}); start the "
-                             f"source daemon with --no-lean to seed from it") from None
+        with self._lock:  # the check and the start together: two requests cannot both take the last slot
+            if self._closed:
+                raise SeedUnavailable("this daemon is stopping; seed from another daemon of this key, "
+                                      "or start from the checkpoint or a snapshot")
+            if len(self._helpers) >= MAX_CONCURRENT_SEEDS:
+                raise SeedUnavailable(
+                    f"this lean daemon already sends {len(self._helpers)} seeding(s), at most "
+                    f"{MAX_CONCURRENT_SEEDS} at once (each through a helper process with torch); "
+                    f"start the receiver again once one is done, or from the checkpoint or a snapshot")
+            try:
+                proc = subprocess.Popen([exe, "-m", "wcache.store.seed_helper"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True,
+                                        env=helper_environ(os.environ, self.malloc_arena_max))
+            except OSError as e:
+                raise SeedFailed(f"this lean daemon cannot start its seeding helper ({e}); start the "
+                                 f"source daemon with --no-lean to seed from it") from None
+            self._helpers.add(proc)
         ready = started = None
         try:
             proc.stdin.write(json.dumps({
@@ -126,6 +186,7 @@ class LeanSeedSource:
         except (OSError, ValueError, TypeError, KeyError) as e:
             proc.kill()
             proc.wait()
+            self._forget(proc)
             why = f"{type(e).__name__}: {e}" if started is not None or ready else \
                 f"no answer in {SEED_HELPER_START_S:.0f} s"
             raise SeedFailed(f"this lean daemon's seeding helper did not start ({why}; its log is "
@@ -136,12 +197,43 @@ class LeanSeedSource:
         return {"ok": True, "manifest": server._manifest_dict, "backend": backend, "host": SEED_HOST,
                 "port": port, "token": token, "chunk_bytes": SEED_CHUNK_BYTES}
 
+    def close_(self) -> None:
+        """Refuse every later ``seed`` and end the running helpers: SIGTERM, then
+        SIGKILL to those still running after :data:`HELPER_STOP_GRACE_S`; returns
+        once all are reaped. Idempotent."""
+        with self._lock:
+            self._closed = True
+            procs = tuple(self._helpers)
+        for proc in procs:
+            if proc.poll() is None:
+                log.warning("stopping: ending seeding helper pid %d (its receiver does not get the arena)",
+                            proc.pid)
+                proc.terminate()
+        deadline = time.monotonic() + HELPER_STOP_GRACE_S
+        for proc in procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("seeding helper pid %d still runs %.1f s after SIGTERM; killing it",
+                            proc.pid, HELPER_STOP_GRACE_S)
+                proc.kill()
+                proc.wait()
+            self._forget(proc)
+
+    def _forget(self, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._helpers.discard(proc)
+
     def _reap(self, proc: subprocess.Popen, pid: Any) -> None:
         rc = proc.wait()
-        if rc == 0:
-            with self._lock:
+        with self._lock:
+            self._helpers.discard(proc)
+            closed = self._closed
+            if rc == 0:
                 self.seeds_done += 1
-        else:
+        if rc != 0 and closed:
+            log.info("seeding pid %s from this lean daemon called off: the daemon stops", pid)
+        elif rc != 0:
             log.error("seeding pid %s from this lean daemon failed (helper exit %s); still serving", pid, rc)
 
 
@@ -234,6 +326,7 @@ def _exec_lean(server: Any, exe: str, ready_queue: Any) -> str:
             "uptime_s": time.monotonic() - server._started_at,
             "attachments_total": server.attachments_total, "releases": dict(server.releases),
             "refusals": dict(server.refusals), "log_level": logging.getLogger().getEffectiveLevel(),
+            "malloc_arena_max": os.environ.get(MALLOC_ARENA_ENV),  # the operator's, for the seeding helpers
         }
         fd, state_path = tempfile.mkstemp(prefix=STATE_PREFIX, suffix=".pickle", dir=server.socket_dir)
         with os.fdopen(fd, "wb") as f:
@@ -273,7 +366,19 @@ def _exec_lean(server: Any, exe: str, ready_queue: Any) -> str:
 def lean_environ(environ: dict[str, str]) -> dict[str, str]:
     """The lean server's environment: ``environ`` with glibc's malloc held to one
     arena (:data:`MALLOC_ARENAS`; a ``MALLOC_ARENA_MAX`` already set is kept)."""
-    return {"MALLOC_ARENA_MAX": str(MALLOC_ARENAS), **environ}
+    return {MALLOC_ARENA_ENV: str(MALLOC_ARENAS), **environ}
+
+
+def helper_environ(environ: dict[str, str], malloc_arena_max: str | None) -> dict[str, str]:
+    """A seeding helper's environment: the lean server's ``environ`` with
+    ``MALLOC_ARENA_MAX`` back to the operator's ``malloc_arena_max`` (removed when
+    None). One arena suits the lean server's GIL-bound handler threads
+    (:data:`MALLOC_ARENAS`), not torch and gloo's native threads, which would all
+    contend for its lock."""
+    out = {k: v for k, v in environ.items() if k != MALLOC_ARENA_ENV}
+    if malloc_arena_max is not None:
+        out[MALLOC_ARENA_ENV] = malloc_arena_max
+    return out
 
 
 def _stopping(server: Any) -> str | None:
@@ -321,7 +426,7 @@ def _serve(state: dict) -> int:
         registry_path=state["registry_path"], allowed_uid=state["allowed_uid"])
     server.serving_mode = "lean"
     server.origin, server.snapshot_state = state["origin"], state["snapshot"]
-    server.seed_source = LeanSeedSource(server, state["seeds_done"])
+    server.seed_source = LeanSeedSource(server, state["seeds_done"], state.get("malloc_arena_max"))
     server.attachments_total = state["attachments_total"]
     server.releases.update(state["releases"])
     server.refusals.update(state["refusals"])

@@ -98,7 +98,8 @@ SEED_CHUNK_BYTES = 256 << 20
 def check_seed_request(req: dict[str, Any], server: Any) -> tuple[dict[str, Any] | None, str]:
     """A ``seed`` request checked against the source ``server`` (a
     :class:`wcache.store.server.DaemonServer`): ``(the key-mismatch reply, "")``
-    when the receiver's key differs (the fields named, as ``get`` answers), else
+    when the receiver's key differs (the fields named, as ``get`` answers, led by
+    both sides' versions when they run different releases), else
     ``(None, the backend to seed over)``. Torch-free: the full and the lean
     server's seeding both start here.
 
@@ -114,7 +115,8 @@ def check_seed_request(req: dict[str, Any], server: Any) -> tuple[dict[str, Any]
         diff = server.key.diff(theirs)
         return {"ok": False, "code": KeyMismatch.code, "fields": diff,
                 "theirs": {k: server.key.fields.get(k) for k in diff},
-                "message": f"seeding source's key differs in {', '.join(diff)}: "
+                "message": f"{theirs.versions_note(server.key, 'receiver', 'source')}seeding "
+                           f"source's key differs in {', '.join(diff)}: "
                            f"{theirs.describe_diff(server.key, 'receiver', 'source')}; start "
                            f"the receiver with the source's engine arguments, or from the "
                            f"checkpoint"}, ""

@@ -459,7 +459,7 @@ def seed_arena(source: str, key: CacheKey, *, connect_timeout_s: float = 5.0,
             except KeyMismatch:
                 raise
             except StoreError as e:
-                raise SeedFailed(f"the daemon on {source} refused to seed: {e}") from e
+                raise SeedFailed(f"the daemon on {source} refused to seed [{e.code}]: {e}") from e
         finally:
             conn.close()
     try:

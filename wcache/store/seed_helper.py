@@ -10,7 +10,10 @@ the seeding ``TCPStore`` on ``host``, prints ``{"port", "token"}`` as one JSON
 line on stdout, then sends the arena (:func:`wcache.store.seed.send_arena`) and
 exits 0 once the receiver has it (1 on any failure, which the receiver sees as
 its own ``seed-failed``). The torch import and the transfer cost this helper's
-memory and time, not the daemon's.
+memory and time, not the daemon's. It runs under the operator's
+``MALLOC_ARENA_MAX`` (not the lean server's), and the lean daemon ends it
+(SIGTERM, then SIGKILL) when it stops, so a receiver that never joins cannot
+keep it past its daemon.
 """
 
 from __future__ import annotations

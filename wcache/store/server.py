@@ -413,14 +413,18 @@ class DaemonServer:
         self._shutdown_requested.set()
 
     def stop(self) -> None:
-        """Stop serving: close the socket (removing it and the pid file), end the
-        handler threads, drop the arena (clients that mapped it keep it) and
-        release the device lock. Idempotent."""
+        """Stop serving: end the seeding helpers (``seed_source.close_``, where the
+        seed source has one: :class:`wcache.store.lean.LeanSeedSource`), close the
+        socket (removing it and the pid file), end the handler threads, drop the
+        arena (clients that mapped it keep it) and release the device lock. Idempotent."""
         if self._stopping.is_set():
             self._stopped.wait(JOIN_TIMEOUT_S)
             return
         self._stopping.set()
         try:
+            close_seeds = getattr(self.seed_source, "close_", None)
+            if close_seeds is not None:  # the lean server's seeding helpers end with it
+                close_seeds()
             if self._accept_thread is not None and self._accept_thread is not threading.current_thread():
                 self._accept_thread.join(JOIN_TIMEOUT_S)
             if self._seed_listener is not None:
