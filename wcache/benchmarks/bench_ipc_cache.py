@@ -93,14 +93,6 @@ def gpu_used_mib() -> float | None:
         return None
 
 
-def _free_port() -> int:
-    import socket  # noqa: PLC0415
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class PreloadProcess:
     """``vllm preload`` for one checkpoint in a child process (its own session);
     ``start()`` returns once its ``/health`` answers 200.
@@ -112,7 +104,9 @@ class PreloadProcess:
 
     def __init__(self, model: str | Path, socket_dir: str | Path, quantization: str | None,
                  log_path: Path):
-        self.port = _free_port()
+        from wcache.daemon.process import free_port  # noqa: PLC0415
+
+        self.port = free_port()
         self.args = [sys.executable, "-m", "vllm.entrypoints.cli.main", "preload",
                      "--model", str(model), "--weight-cache-socket-dir", str(socket_dir),
                      "--weight-cache-health-port", str(self.port),
@@ -159,12 +153,11 @@ class PreloadProcess:
 
 
 def _checkpoint(model: str, kind: str, root: Path) -> Path:
-    if model == "smol":
-        from wcache.testing.fixtures import build  # noqa: PLC0415
+    from wcache.testing.fixtures import build  # noqa: PLC0415
 
+    if model == "smol":
         return Path(build(kind))
     from wcache.benchmarks.bench_engine_cuda import write_llama_checkpoint  # noqa: PLC0415
-    from wcache.testing.fixtures import build  # noqa: PLC0415
 
     return write_llama_checkpoint(root / f"llama-8b-{kind}", kind, Path(build("bf16")))
 
@@ -198,8 +191,10 @@ def _summary(res: dict) -> dict[str, Any]:
 def _error(exc: Exception) -> list[str]:
     """The refusal or failure: the last lines of the root-cause traceback that
     ``run_engine`` puts first in its message (else of the whole message)."""
+    from wcache.daemon.process import engine_failure_cause  # noqa: PLC0415
+
     text = str(exc)
-    root = text.split("Output tail:")[0] if "First traceback" in text else text
+    root = engine_failure_cause(exc) if "First traceback" in text else text
     lines = [ln.strip() for ln in root.splitlines() if ln.strip()]
     keep = [ln for ln in lines if "Error" in ln or "refus" in ln.lower()]
     return (keep or lines)[-4:]

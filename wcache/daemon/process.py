@@ -153,6 +153,16 @@ def first_traceback(output: str) -> str | None:
     return "\n".join(out)
 
 
+#: Where :func:`run_engine`'s failure message turns from the root cause to the output tail.
+OUTPUT_TAIL = "Output tail:"
+
+
+def engine_failure_cause(exc: BaseException) -> str:
+    """The part of a :func:`run_engine` failure before its output tail: the exit status
+    and the first traceback (the root cause), without the generic lines that end it."""
+    return str(exc).split(OUTPUT_TAIL)[0]
+
+
 def run_engine(model: str | Path, load_format: str = "auto", extra: dict | None = None,
                prompts: Sequence[str] | None = None, max_tokens: int = 16,
                dump_state: bool = False, tensor_parallel_size: int = 1,
@@ -187,7 +197,7 @@ def run_engine(model: str | Path, load_format: str = "auto", extra: dict | None 
         err = RuntimeError(f"engine ({load_format}) failed with exit {proc.returncode}.\n"
                            + (f"First traceback (the root cause, often in vLLM's worker):\n"
                               f"{root}\n" if root else "")
-                           + "Output tail:\n" + "\n".join(output.splitlines()[-30:]))
+                           + OUTPUT_TAIL + "\n" + "\n".join(output.splitlines()[-30:]))
         err.output = output  # type: ignore[attr-defined]
         raise err
     result = json.loads(lines[-1])

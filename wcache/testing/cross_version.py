@@ -45,7 +45,7 @@ def env_for(version: str, pythonpath: str | None = None, tree_pattern: str = TRE
 
 
 def main(argv: list[str] | None = None) -> int:
-    from wcache.daemon.process import DaemonProcess, run_engine  # noqa: PLC0415
+    from wcache.daemon.process import DaemonProcess, engine_failure_cause, run_engine  # noqa: PLC0415
     from wcache.testing.engine_acceptance import ATTENTION_BACKEND, CUDA_ENGINE_ARGS  # noqa: PLC0415
 
     ap = argparse.ArgumentParser(prog="python -m wcache.testing.cross_version",
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                 run_engine(args.model, "wcache", {"fallback": False, "socket_dir": sock}, **common)
                 out["strict"] = {"refused": False}
             except RuntimeError as exc:
-                root = str(exc).split("Output tail:")[0]  # run_engine: root cause first
+                root = engine_failure_cause(exc)
                 lines = [ln.strip() for ln in root.splitlines()
                          if "vLLM" in ln or "Error" in ln or "key-mismatch" in ln]
                 out["strict"] = {"refused": True, "message": "\n".join(lines[-6:]),
