@@ -96,3 +96,43 @@ def test_cross_version_passes_only_on_a_named_key_mismatch_and_its_fallback():
                    {"fallback": {"identical": True, "reasons": ["daemon-missing"]}},
                    {"fallback": {"identical": False, "reasons": ["key-mismatch"]}}):
         assert not passed({**good, **broken}), broken
+
+
+def test_cross_version_recognizes_the_key_mismatch_a_real_engine_prints():
+    """is_key_mismatch(): the first traceback of a real vLLM 0.33 engine refused by a 0.32
+    daemon (H200, 2026-12-01) shows the class, not the reason code; other errors do not
+    count."""
+    from wcache.testing.cross_version import is_key_mismatch
+
+    seen = ("First traceback (the root cause, often in vLLM's worker):\n"
+            "wcache.errors.KeyMismatch: daemon on /tmp/wcx-uesyc04t/wcache-cuda-3de7.sock: the "
+            "engine and the daemon run different releases (vLLM 0.33.0 (engine) vs 0.32.0 "
+            "(daemon)): a daemon's bytes come from its own vLLM's post-load")
+    assert is_key_mismatch(seen)
+    assert is_key_mismatch("RestoreFailed [key-mismatch]: ...")
+    assert not is_key_mismatch("wcache.errors.TransportFailed: cuda_vmm import failed")
+    assert not is_key_mismatch("AssertionError: KeyMismatchTable")
+
+
+def test_engine_error_keeps_where_a_bare_assertion_was_raised():
+    """_error(): a bare AssertionError comes back with its innermost frame and source
+    line (what a row needs to say which assert fired), then the error lines."""
+    from wcache.benchmarks.bench_ipc_cache import _error
+
+    exc = RuntimeError(
+        "engine (ipc_cache) failed with exit 1.\n"
+        "First traceback (the root cause, often in vLLM's worker):\n"
+        "Traceback (most recent call last):\n"
+        '  File "/x/vllm/model_executor/layers/linear.py", line 10, in forward\n'
+        "    out = self.quant_method.apply(self, x)\n"
+        '  File "/x/vllm/model_executor/kernels/linear/scaled_mm/cutlass.py", line 248, in '
+        "apply_scaled_mm\n"
+        "    assert output_size is not None\n"
+        "AssertionError\n"
+        "--- output tail ---\nlater lines")
+    from wcache.daemon import process
+
+    exc = RuntimeError(str(exc).replace("--- output tail ---", process.OUTPUT_TAIL))
+    assert _error(exc) == [
+        'File "/x/vllm/model_executor/kernels/linear/scaled_mm/cutlass.py", line 248, in '
+        "apply_scaled_mm", "assert output_size is not None", "AssertionError"]

@@ -197,7 +197,11 @@ def _error(exc: Exception) -> list[str]:
     root = engine_failure_cause(exc) if "First traceback" in text else text
     lines = [ln.strip() for ln in root.splitlines() if ln.strip()]
     keep = [ln for ln in lines if "Error" in ln or "refus" in ln.lower()]
-    return (keep or lines)[-4:]
+    # where it was raised: the innermost frame and its source line (a bare
+    # ``AssertionError`` says nothing without them)
+    frames = [i for i, ln in enumerate(lines) if ln.startswith('File "')]
+    where = lines[frames[-1]:frames[-1] + 2] if frames else []
+    return where + [ln for ln in (keep or lines)[-4:] if ln not in where]
 
 
 def _system(name: str, ckpt: Path, quantization: str | None, model: str, log_dir: Path,
@@ -317,6 +321,7 @@ def run_swap(root: Path, log: Callable[[str], None]) -> dict[str, Any]:
     """The checkpoint-swap case (module doc): daemons on A, engines asking for B."""
     from transformers import AutoTokenizer  # noqa: PLC0415
 
+    from wcache.testing.cross_version import is_key_mismatch  # noqa: PLC0415
     from wcache.testing.fixtures import build  # noqa: PLC0415
 
     a = Path(build("bf16"))
@@ -334,6 +339,8 @@ def run_swap(root: Path, log: Callable[[str], None]) -> dict[str, Any]:
             res["served"] = ("B (right)" if res["token_ids"] == out["disk_b"]["token_ids"]
                              else "A (another checkpoint's weights)"
                              if res["token_ids"] == out["disk_a"]["token_ids"] else "neither")
+        elif is_key_mismatch(" ".join(res.get("engine_error", []))):
+            res["served"] = "nothing: refused (key-mismatch, the checkpoint content differs)"
         out[name] = res
         log(f"swap {name}: " + json.dumps({k: v for k, v in res.items() if k != "token_ids"}))
     return out

@@ -172,12 +172,13 @@ REAL_ENGINE_RESULTS: dict[str, tuple[str, str]] = {
     "0.32.0": ("benchmarks/results-h200-engine-vllm-0.32.0.jsonl",
                "run at commit 3c450bd"),
     "0.33.0": ("benchmarks/results-h200-engine-vllm-0.33.0.jsonl",
-               "run at commit d56ef83 with `WCACHE_ALLOW_UNTESTED_VLLM=1`, before wcache had "
-               "a 0.33.0 release row and the `ct_w8a8_fp8/*@2` plans: the three CT W8A8 FP8 "
-               "failures (`wcache verify`: vLLM 0.33 sets `processed_weight_dims` on those "
-               "layers, which the @1 plans do not) are what the @2 plans add; the @2 plans "
-               "passed the contract tests against 0.33.0's own classes but have not yet run "
-               "on the H200"),
+               "bf16, the three CT W8A8 FP8 cases (the `ct_w8a8_fp8/*@2` plans) and online "
+               "NVFP4 were run at commit 7ab0ac6 (2026-12-01T21:24Z), with wcache's 0.33.0 "
+               "release row; the other 20 cases at commit d56ef83 with "
+               "`WCACHE_ALLOW_UNTESTED_VLLM=1`, before that row existed (none of their plans "
+               "changed since). `nvfp4_per_token` quantizes MoE experts only "
+               "(config/quantization.py: `moe=QuantSpec(weight=kNvfp4Static)`), so "
+               "SmolLM2's dense linears stay `unquantized/none`"),
 }
 
 

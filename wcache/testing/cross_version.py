@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 lines = [ln.strip() for ln in root.splitlines()
                          if "vLLM" in ln or "Error" in ln or "key-mismatch" in ln]
                 out["strict"] = {"refused": True, "message": "\n".join(lines[-6:]),
-                                 "key_mismatch": "key-mismatch" in root,
+                                 "key_mismatch": is_key_mismatch(root),
                                  "names_both": versions_named(root, args.engine, args.daemon)}
             step("strict")
             fb = run_engine(args.model, "wcache", {"fallback": True, "socket_dir": sock},
@@ -86,6 +86,14 @@ def main(argv: list[str] | None = None) -> int:
                                "reasons": reasons, "load": fb.get("load")}
     print(json.dumps(out, default=str), flush=True)
     return 0 if passed(out) else 1
+
+
+def is_key_mismatch(message: str) -> bool:
+    """The engine's failure is wcache's key mismatch: its reason code, or (in a traceback,
+    which shows the class, not the code) :class:`wcache.errors.KeyMismatch`."""
+    from wcache.errors import KeyMismatch  # noqa: PLC0415
+
+    return KeyMismatch.code in message or f"wcache.errors.{KeyMismatch.__name__}" in message
 
 
 def versions_named(message: str, engine: str, daemon: str) -> bool:
