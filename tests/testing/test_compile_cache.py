@@ -77,6 +77,37 @@ def test_compiled_graphs_normalize_roots_and_compare(tmp_path):
     assert cc.compiled_graphs(tmp_path / "empty") == {}
 
 
+def test_provenance_comments_and_benchmark_harness_are_dropped_unless_asked(tmp_path):
+    """Same ops reached through other Python frames, and example inputs in one shared
+    storage (a wcache arena) vs one each: equal graphs; provenance=True keeps both."""
+    disk_graph = ("    # File: /v/vllm/model_executor/parameter.py:124 in __torch_function__, "
+                  "code: return super().__torch_function__(func, types, args, kwargs)\n"
+                  "    mm = torch.ops.aten.mm.default(x, permute)\n")
+    wc_graph = ("    # File: /w/wcache/stages/cpu_gemm.py:74 in __call__, code: return "
+                "F.linear(x, weight, bias)\n    mm = torch.ops.aten.mm.default(x, permute)\n")
+    harness = "\ndef benchmark_compiled_module(times=10, repeat=10):\n    arg2_1 = {}\n"
+    call = "def call(args):\n    cpp_fused_0(arg2_1)\n"
+    _write_artifact(tmp_path / "A", disk_graph, call + harness.format("rand_strided((8,), (1,))"))
+    _write_artifact(tmp_path / "B", wc_graph,
+                    call + harness.format("torch.as_strided(_shared_storage_1, (8,), (1,))"))
+    ga, gb = cc.compiled_graphs(tmp_path / "A"), cc.compiled_graphs(tmp_path / "B")
+    assert ga == gb and "# File:" not in next(iter(ga.values()))
+    assert "benchmark_compiled_module" not in next(iter(ga.values()))
+    assert "cpp_fused_0(arg2_1)" in next(iter(ga.values()))
+    full = cc.graph_diff(cc.compiled_graphs(tmp_path / "A", provenance=True),
+                         cc.compiled_graphs(tmp_path / "B", provenance=True))
+    assert "+    # File: /w/wcache/stages/cpu_gemm.py:74" in full and "_shared_storage_1" in full
+
+
+def test_computation_graph_files_are_entries_too(tmp_path):
+    """vLLM's backend's computation_graph.py (CUDA) is read as one more entry, normalized."""
+    path = tmp_path / "vllm" / cc.AOT_CACHE_DIR[0] / "0123456789" / "rank_0_0" / "backbone"
+    path.mkdir(parents=True)
+    (path / cc.COMPUTATION_GRAPH).write_text(f"class GraphModule:  # {tmp_path}/vllm\n")
+    assert cc.compiled_graphs(tmp_path) == {
+        "0123456789/rank_0_0/backbone/computation_graph.py": "class GraphModule:  # <cache-root>\n"}
+
+
 def test_unknown_compiled_function_kind_is_refused(tmp_path):
     """An artifact whose compiled function this reader does not know raises with its code."""
 

@@ -42,9 +42,24 @@ __all__ = ["AOT_CACHE_DIR", "ARTIFACT_NAME", "CompileCacheEvents", "UnreadableAr
 AOT_CACHE_DIR = ("torch_compile_cache", "torch_aot_compile")
 #: The artifact's file name inside ``{hash}/rank_{rank}_{dp_rank}/``.
 ARTIFACT_NAME = "model"
+#: The readable split graph vLLM's own backend writes (CUDA, with or without AOT
+#: compile) at ``torch_compile_cache/{hash10}/rank_{r}_{dp}/{prefix}/``, once per
+#: directory (the first engine to compile there wins).
+COMPUTATION_GRAPH = "computation_graph.py"
 #: Stands in for a cache root's path inside graph text (Inductor writes its own cache
 #: paths into the output code), so texts from two roots compare.
 ROOT_PLACEHOLDER = "<cache-root>"
+#: The source-location comment Dynamo and Inductor put above each node ("# File:
+#: .../parameter.py:124 in __torch_function__, code: ..."): which Python line produced
+#: the op, not the op. A wcache-restored layer reaches the same ``F.linear`` through
+#: other Python frames than vLLM's own load (a plain tensor instead of vLLM's
+#: Parameter subclass, wcache's GEMM callable), so these lines differ by design.
+_PROVENANCE_LINE = re.compile(r"^\s*# File: .*\n?", re.MULTILINE)
+#: Where Inductor's output code turns from the compiled module to its stand-alone
+#: benchmark harness (example inputs rebuilt from the inputs' storages: one shared
+#: storage where wcache maps every weight from one arena, one each on disk). The
+#: compiled ``call`` never reads it.
+_BENCHMARK_HARNESS = "\ndef benchmark_compiled_module("
 #: Dynamo names each compiled function ``__compiled_fn_<n>_<uuid>``: the uuid is per
 #: process, not part of the graph.
 _COMPILED_FN_NAME = re.compile(r"__compiled_fn_(\d+)_[0-9a-f_]{36}")
@@ -192,26 +207,37 @@ def _graph_texts(compiled_fn_state: tuple[Any, bytes]) -> list[tuple[str, str]]:
                              "vLLM's VllmSerializableFunction only")
 
 
-def _normalize(text: str, roots: tuple[str, ...]) -> str:
+def _normalize(text: str, roots: tuple[str, ...], provenance: bool) -> str:
     for root in roots:
         text = text.replace(root, ROOT_PLACEHOLDER)
+    if not provenance:
+        text = _PROVENANCE_LINE.sub("", text).split(_BENCHMARK_HARNESS)[0]
     return _COMPILED_FN_NAME.sub(r"__compiled_fn_\1", text)
 
 
-def compiled_graphs(cache_root: str | Path) -> dict[str, str]:
+def compiled_graphs(cache_root: str | Path, *, provenance: bool = False) -> dict[str, str]:
     """The graph each AOT artifact under ``cache_root`` was compiled from, as text.
 
     For torch's Inductor backend (vLLM on CPU) the text is the post-grad FX graph
     (ops, dtypes, shapes and strides of every node) and Inductor's output code; for
-    vLLM's backend (CUDA) the readable split graph module. Paths of the cache root
-    and per-process names are normalized, so equal graphs give equal text.
+    vLLM's backend (CUDA) the readable split graph module. vLLM's backend also
+    writes ``computation_graph.py`` (its ``split_gm.print_readable()``); each such
+    file is one more entry. Paths of the cache root and per-process names are
+    normalized, so equal graphs give equal text. Unless ``provenance``, the
+    source-location comments ("# File: ...") and Inductor's benchmark harness are
+    dropped: they say which Python frames produced an op and how the example inputs'
+    storages were laid out, which differ between a restored and a disk-loaded model
+    whose graphs, kernels and compiled ``call`` are the same.
 
     Args:
         cache_root: a root given to :func:`wcache.testing.caches.cache_env` (or a
             ``VLLM_CACHE_ROOT``).
+        provenance: keep the source-location comments and the benchmark harness.
 
     Returns:
-        ``{"{hash}/rank_{rank}_{dp_rank}": text}`` for every artifact (empty when none).
+        ``{"{hash}/rank_{rank}_{dp_rank}": text}`` for every AOT artifact and
+        ``{"{hash10}/rank_{rank}_{dp_rank}/{prefix}/computation_graph.py": text}`` for
+        every graph vLLM's backend wrote (empty when none).
 
     Raises:
         UnreadableArtifact: an artifact's compiled function is of an unknown kind.
@@ -226,9 +252,13 @@ def compiled_graphs(cache_root: str | Path) -> dict[str, str]:
     for key, path in aot_artifacts(cache_root).items():
         state = _StateUnpickler(io.BytesIO(path.read_bytes())).load()
         parts = _graph_texts(state["compiled_fn"])
-        out[key] = "\n".join(f"# ---- {title}\n{_normalize(text, roots)}"
+        out[key] = "\n".join(f"# ---- {title}\n{_normalize(text, roots, provenance)}"
                              for title, text in parts)
-    return out
+    base = vllm_root / AOT_CACHE_DIR[0]
+    if base.is_dir():
+        for path in sorted(base.glob(f"*/rank_*/*/{COMPUTATION_GRAPH}")):
+            out[str(path.relative_to(base))] = _normalize(path.read_text(), roots, provenance)
+    return dict(sorted(out.items()))
 
 
 def graph_diff(a: dict[str, str], b: dict[str, str], names: tuple[str, str] = ("a", "b"),
