@@ -56,10 +56,10 @@ ROOT_PLACEHOLDER = "<cache-root>"
 #: Parameter subclass, wcache's GEMM callable), so these lines differ by design.
 _PROVENANCE_LINE = re.compile(r"^\s*# File: .*\n?", re.MULTILINE)
 #: Where Inductor's output code turns from the compiled module to its stand-alone
-#: benchmark harness (example inputs rebuilt from the inputs' storages: one shared
-#: storage where wcache maps every weight from one arena, one each on disk). The
-#: compiled ``call`` never reads it.
-_BENCHMARK_HARNESS = "\ndef benchmark_compiled_module("
+#: benchmark harness (``get_args``: example inputs rebuilt from the inputs' storages,
+#: one shared storage where wcache maps every weight from one arena, one each on
+#: disk; then ``benchmark_compiled_module``). The compiled ``call`` never reads it.
+_BENCHMARK_HARNESS = re.compile(r"\n(?:def get_args\(|def benchmark_compiled_module\()")
 #: Dynamo names each compiled function ``__compiled_fn_<n>_<uuid>``: the uuid is per
 #: process, not part of the graph.
 _COMPILED_FN_NAME = re.compile(r"__compiled_fn_(\d+)_[0-9a-f_]{36}")
@@ -211,7 +211,7 @@ def _normalize(text: str, roots: tuple[str, ...], provenance: bool) -> str:
     for root in roots:
         text = text.replace(root, ROOT_PLACEHOLDER)
     if not provenance:
-        text = _PROVENANCE_LINE.sub("", text).split(_BENCHMARK_HARNESS)[0]
+        text = _BENCHMARK_HARNESS.split(_PROVENANCE_LINE.sub("", text), maxsplit=1)[0]
     return _COMPILED_FN_NAME.sub(r"__compiled_fn_\1", text)
 
 
