@@ -38,7 +38,7 @@ __all__ = [
     # the vLLM side
     "UnplannedLayers", "MAX_NAMED_UNPLANNED", "RestoreFailed", "VerifyRefused",
     # benchmarks and test fixtures
-    "DiskFull", "WorkerFailed", "FixtureError",
+    "DiskFull", "WorkerFailed", "FixtureError", "UnreadableArtifact",
 ]
 
 # --------------------------------------------------------------------------- plans, stages, restore
@@ -390,3 +390,11 @@ class FixtureError(WcacheError, RuntimeError):
     """A test fixture cannot be built or checked; the message says what to do."""
 
     code = "fixture-build"
+
+
+class UnreadableArtifact(WcacheError, ValueError):
+    """A torch.compile AOT artifact whose compiled function is of a kind
+    :func:`wcache.testing.compile_cache.compiled_graphs` cannot read; load it with
+    ``torch.compiler.load_compiled_function`` in the engine's environment instead."""
+
+    code = "compile-artifact-unknown"

