@@ -35,6 +35,7 @@ __all__ = [
     "SeedUnavailable",
     "SeedSecretUnsafe", "SnapshotMissing", "SnapshotCorrupt", "SnapshotStale",
     "SnapshotWriteFailed", "ArtifactsMissing", "ArtifactsCorrupt",
+    "PrimingFailed",
     # the vLLM side
     "UnplannedLayers", "MAX_NAMED_UNPLANNED", "RestoreFailed", "VerifyRefused",
     # benchmarks and test fixtures
@@ -340,6 +341,14 @@ class ArtifactsCorrupt(StoreError):
     ``startup.*`` files (or prime again)."""
 
     code = "artifacts-corrupt"
+
+
+class PrimingFailed(WcacheError, RuntimeError):
+    """``wcache serve --prime-compile``'s priming engine failed, timed out,
+    serves more than one rank, or recorded no compile factors. The daemon keeps
+    serving (``wcache status`` shows the reason); engines compile as usual."""
+
+    code = "priming-failed"
 
 
 # --------------------------------------------------------------------------- the vLLM side

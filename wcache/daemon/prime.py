@@ -44,10 +44,7 @@ PASSED_ARGS = ("--dtype", "--max-model-len", "--quantization", "--attention-back
 OUTPUT_TAIL_CHARS = 2000
 
 
-class PrimingFailed(RuntimeError):
-    """Raised (and caught by the caller, which keeps serving) when priming fails."""
-
-    code = "priming-failed"
+from wcache.errors import PrimingFailed  # noqa: E402
 
 
 def _engine_args(rest: list[str]) -> tuple[list[str], list[str]]:
