@@ -57,8 +57,8 @@ def test_fresh_engine_gets_the_primed_compile_and_the_disk_tokens(sock_dir, tmp_
     # ("'function' object has no attribute 'finalize_loading'") and recompiles from the
     # installed Inductor cache; on CUDA it loads it ("Directly load AOT compilation").
     used = re.search(rf"(Directly load AOT compilation from path|load failure from) "
-                     rf"{re.escape(hash_dir)}/rank_0_0/model", got["log"])
-    assert used, got["log"][-3000:]
+                     rf"{re.escape(hash_dir)}/rank_0_0/model", got["output"])
+    assert used, got["output"][-3000:]
     # an eager disk engine: on this model its tokens equal a compiled disk engine's
     # (measured: both [[40432, 14817, 38082, ...], [19119, 25659, ...]]), at a fifth of the cost
     disk = run_engine(model, "auto", max_tokens=8, env=cache_env(tmp_path / "disk-node"))
