@@ -13,7 +13,7 @@ from wcache.store import artifacts as art
 from wcache.vllm import startup
 
 FACTORS = {"vllm": "0.32.0", "torch": "2.13.0", "triton": None, "device": "cpu:x86_64",
-           "capability": None, "env_hash": "e" * 64, "config_hash": "c" * 10, "aot_hash": "a" * 64,
+           "capability": None, "env_hash": "e" * 64, "config_hash": "c" * 10,
            "aot_enabled": True, "compile_mode": "VLLM_COMPILE"}
 
 
@@ -25,11 +25,26 @@ FACTORS = {"vllm": "0.32.0", "torch": "2.13.0", "triton": None, "device": "cpu:x
     ("capability", "9.0", "capability: bundle=None engine='9.0'"),
     ("env_hash", "f" * 64, f"env_hash: bundle='{'e' * 64}' engine='{'f' * 64}'"),
     ("config_hash", "d" * 10, f"config_hash: bundle='{'c' * 10}' engine='{'d' * 10}'"),
-    ("aot_hash", "b" * 64, f"aot_hash: bundle='{'a' * 64}' engine='{'b' * 64}'"),
 ])
 def test_stale_reason_names_the_first_differing_factor(field, value, reason):
     """A bundle differing in one factor is stale with exactly that factor and both values named."""
     assert startup.stale_reason(FACTORS, {**FACTORS, field: value}) == reason
+
+
+def test_informational_fields_do_not_make_a_bundle_stale():
+    """Only FACTOR_ORDER decides: a differing AOT switch or compile mode is for the record."""
+    assert startup.stale_reason(FACTORS, {**FACTORS, "aot_enabled": False,
+                                          "compile_mode": "NONE"}) is None
+
+
+def test_compile_dirs_names_what_vllm_wrote():
+    """compile_dirs(): the bundle's vllm entries under torch_compile_cache, nothing else."""
+    manifest = {"entries": [{"root": "vllm", "path": "torch_compile_cache/torch_aot_compile/ab"},
+                            {"root": "vllm", "path": "torch_compile_cache/0123456789"},
+                            {"root": "vllm", "path": "modelinfos/llama.json"},
+                            {"root": "triton", "path": "XYZ"}]}
+    assert startup.compile_dirs(manifest) == ["torch_compile_cache/torch_aot_compile/ab",
+                                              "torch_compile_cache/0123456789"]
 
 
 def test_versions_are_named_before_hashes():

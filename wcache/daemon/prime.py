@@ -94,7 +94,7 @@ def prime_compile(model: str, rest: list[str], *, socket_dir: str | None, job: s
             (its output's tail in the message).
         ArtifactsMissing: it wrote no compile artifact.
     """
-    from wcache.vllm.startup import pack_primed  # noqa: PLC0415
+    from wcache.vllm.startup import compile_dirs, pack_primed  # noqa: PLC0415
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="wcache-prime-") as root:
@@ -126,6 +126,7 @@ def prime_compile(model: str, rest: list[str], *, socket_dir: str | None, job: s
         bundle = pack_primed(dirs, factors)
     seconds = time.perf_counter() - t0
     print(f"wcache: primed: {len(bundle.manifest['entries'])} entries, "
-          f"{bundle.nbytes / 2**20:.1f} MiB, aot hash {str(factors.get('aot_hash'))[:16]} "
+          f"{bundle.nbytes / 2**20:.1f} MiB, compile dirs "
+          f"{[p.rsplit('/', 1)[-1][:16] for p in compile_dirs(bundle.manifest)]} "
           f"in {seconds:.1f} s", flush=True)
     return bundle

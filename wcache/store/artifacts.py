@@ -453,5 +453,8 @@ def bundle_summary(bundle: Bundle | None, state: str | None = None,
     return {"present": True, "state": state, "error": error, "bytes": bundle.nbytes,
             "tar_bytes": bundle.tar_nbytes, "files": len(bundle.manifest["files"]),
             "entries": len(bundle.manifest["entries"]),
-            "aot_hash": factors.get("aot_hash"), "config_hash": factors.get("config_hash"),
+            "compile_dirs": [e["path"].rsplit("/", 1)[-1] for e in bundle.manifest["entries"]
+                             if e["root"] == "vllm"
+                             and e["path"].startswith("torch_compile_cache/")],
+            "config_hash": factors.get("config_hash"),
             "vllm": factors.get("vllm")}

@@ -606,7 +606,8 @@ def _print_status(sock: str, st: dict[str, Any]) -> None:
     if art is not None:  # a daemon older than start-up bundles has none
         if art.get("present"):
             print(f"  artifacts present  {_fmt_bytes(art['bytes'])} in {art['files']} files  "
-                  f"vLLM {art.get('vllm')} aot hash {str(art.get('aot_hash'))[:16]}  "
+                  f"vLLM {art.get('vllm')} compile dirs "
+                  f"{', '.join(d[:16] for d in art.get('compile_dirs') or []) or '-'}  "
                   f"from {art.get('state')}")
         else:
             print(f"  artifacts absent" + (f" ({art['state']})" if art.get("state") else "")

@@ -345,11 +345,12 @@ def _startup_artifacts(opts: LoaderOptions, vllm_config: VllmConfig, model: torc
             else:
                 outcome = "installed" if result.installed else "present"
                 info.update(installed=len(result.installed), skipped=len(result.skipped),
-                            nbytes=result.nbytes, aot_hash=mine.get("aot_hash"))
+                            nbytes=result.nbytes,
+                            compile_dirs=startup.compile_dirs(bundle.manifest))
                 logger.info("wcache: start-up artifacts %s: %d entries installed (%.1f MiB), %d "
-                            "already in this engine's caches (aot hash %s)", outcome,
+                            "already in this engine's caches (compile dirs %s)", outcome,
                             len(result.installed), result.nbytes / 2**20, len(result.skipped),
-                            str(mine.get("aot_hash"))[:16])
+                            info["compile_dirs"])
     except Exception as exc:  # noqa: BLE001  (artifacts only save a compile; never fail the load)
         code = getattr(exc, "code", None) or type(exc).__name__
         outcome = "missing" if code == "artifacts-missing" else "error"

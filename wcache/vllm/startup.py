@@ -29,7 +29,6 @@ bundle records what the engine that made it computed.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -42,7 +41,7 @@ import torch
 from wcache.store.artifacts import BUNDLE_ROOTS, Bundle, InstallResult, install_bundle, pack_bundle
 
 __all__ = ["FACTOR_ORDER", "engine_factors", "stale_reason", "cache_dirs", "collect_entries",
-           "pack_primed", "install_for_engine", "aot_hash_of", "AOT_DIR", "COMPILE_DIR"]
+           "pack_primed", "install_for_engine", "compile_dirs", "AOT_DIR", "COMPILE_DIR"]
 
 logger = logging.getLogger("vllm.wcache")
 
@@ -54,9 +53,15 @@ AOT_DIR = f"{COMPILE_DIR}/torch_aot_compile"
 MODELINFO_DIR = "modelinfos"
 #: The factors a bundle must share with the engine, in the order a stale bundle's
 #: first difference is named: versions first (they change everything), then the
-#: device, then vLLM's own hashes.
-FACTOR_ORDER = ("vllm", "torch", "triton", "device", "capability", "env_hash", "config_hash",
-                "aot_hash")
+#: device, then the two hashes vLLM's compile-cache key is made of
+#: (``aot_compile_hash_factors``). The rest of that key is the compiled forward's
+#: identity (``_model_hash_key``: vLLM's version, the qualname and first line of the
+#: forward, so fixed by the version) and, with torch >= 2.12, Inductor's system and
+#: config factors (fixed by the torch version and the device): computing the key's
+#: final hash here, at load time, does not give vLLM's directory name (Inductor's
+#: config is patched while vLLM compiles), so it is not compared; the bundle's
+#: compile directories are named in :func:`compile_dirs` instead.
+FACTOR_ORDER = ("vllm", "torch", "triton", "device", "capability", "env_hash", "config_hash")
 
 
 def _triton_version() -> str | None:
@@ -78,38 +83,16 @@ def _device_facts(device: torch.device) -> tuple[str, str | None]:
     return f"cpu:{platform.machine()}", None
 
 
-def aot_hash_of(vllm_config: Any, forward: Any) -> str:
-    """The ``torch_aot_compile/{hash}`` name vLLM gives the compiled module whose
-    ``forward`` this is, computed the way vLLM 0.32 does.
-
-    Source: vllm/compilation/decorators.py (``__call__``, ``_model_hash_key``),
-    vllm/compilation/caching.py (``aot_compile_hash_factors``).
-    """
-    from vllm.compilation.caching import aot_compile_hash_factors  # noqa: PLC0415
-    from vllm.compilation.decorators import _model_hash_key  # noqa: PLC0415
-
-    factors = list(aot_compile_hash_factors(vllm_config))
-    factors.append(_model_hash_key(forward))
-    return hashlib.sha256(str(factors).encode()).hexdigest()
-
-
-def _compiled_module(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The first submodule vLLM's ``@support_torch_compile`` compiles (its
-    ``__init__`` sets ``_compile_tag`` only when it will compile), or None."""
-    for module in model.modules():
-        if hasattr(module, "_compile_tag"):
-            return module
-    return None
 
 
 def engine_factors(vllm_config: Any, model: torch.nn.Module | None = None) -> dict[str, Any]:
     """What this engine's vLLM keys its start-up artifacts by: versions, device,
-    ``hash_factors(envs.compile_factors())``, ``vllm_config.compute_hash()`` and,
-    when ``model`` has a compiled module, the AOT hash dir name.
+    ``hash_factors(envs.compile_factors())`` and ``vllm_config.compute_hash()``
+    (``model`` is accepted for the callers' symmetry and not read).
 
     Returns:
-        A JSON-able map with every name of :data:`FACTOR_ORDER` (``aot_hash``
-        None when no compiled module was found; ``triton`` None without Triton).
+        A JSON-able map with every name of :data:`FACTOR_ORDER` (``triton`` None
+        without Triton), and ``aot_enabled`` / ``compile_mode`` for the record.
     """
     import vllm  # noqa: PLC0415
     from vllm import envs  # noqa: PLC0415
@@ -117,13 +100,11 @@ def engine_factors(vllm_config: Any, model: torch.nn.Module | None = None) -> di
 
     device = torch.device(vllm_config.device_config.device)
     name, capability = _device_facts(device)
-    compiled = _compiled_module(model) if model is not None else None
     return {
         "vllm": vllm.__version__, "torch": torch.__version__, "triton": _triton_version(),
         "device": name, "capability": capability,
         "env_hash": hash_factors(envs.compile_factors()),
         "config_hash": vllm_config.compute_hash(),
-        "aot_hash": aot_hash_of(vllm_config, compiled.forward) if compiled is not None else None,
         "aot_enabled": bool(envs.VLLM_USE_AOT_COMPILE),
         "compile_mode": str(getattr(vllm_config.compilation_config, "mode", None)),
     }
@@ -227,3 +208,11 @@ def write_factors(path: str, factors: Mapping[str, Any]) -> None:
     with open(tmp, "w") as f:
         json.dump(dict(factors), f, sort_keys=True)
     os.replace(tmp, path)
+
+
+def compile_dirs(manifest: Mapping[str, Any]) -> list[str]:
+    """The vLLM compile-cache directories a bundle carries, as vLLM named them
+    (``torch_compile_cache/torch_aot_compile/{hash}``, or the non-AOT path's
+    ``torch_compile_cache/{hash10}``): what an engine of the same key opens."""
+    return [e["path"] for e in manifest.get("entries", ())
+            if e.get("root") == "vllm" and e.get("path", "").startswith(COMPILE_DIR + "/")]
