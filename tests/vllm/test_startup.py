@@ -104,16 +104,25 @@ def test_cache_dirs_follow_the_engine_environment(tmp_path):
 
 
 def test_priming_command_runs_one_compiled_wcache_engine_without_fallback():
-    """The priming engine is run_engine --compile against this daemon (fallback off, factors recorded), with the serve's dtype and length."""
-    cmd, left = prime.priming_command(
+    """The priming engine is prime_engine against this daemon (fallback off, factors recorded) with the serve's vLLM arguments verbatim, less --enforce-eager."""
+    cmd = prime.priming_command(
         "/m", ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512",
-               "--tensor-parallel-size", "1", "--seed", "3"], socket_dir="/s", job="j", record="/r")
-    assert cmd[1:3] == ["-m", "wcache.vllm.run_engine"]
-    assert "--compile" in cmd and cmd[cmd.index("--load-format") + 1] == "wcache"
+               "--max-num-seqs", "8", "--seed", "3"], socket_dir="/s", job="j", record="/r")
+    assert cmd[1:5] == ["-m", "wcache.vllm.prime_engine", "--model", "/m"]
     assert json.loads(cmd[cmd.index("--extra") + 1]) == \
         {"fallback": False, "socket_dir": "/s", "job": "j", "artifacts_record": "/r"}
-    assert cmd[-4:] == ["--dtype", "bfloat16", "--max-model-len", "512"]
-    assert left == ["--seed", "3"]
+    assert cmd[cmd.index("--") + 1:] == ["--dtype", "bfloat16", "--max-model-len", "512",
+                                         "--max-num-seqs", "8", "--seed", "3"]
+
+
+def test_prime_engine_kwargs_are_the_serve_arguments_vllm_parses():
+    """prime_engine.engine_kwargs: vLLM's own parser turns the serve's arguments into the
+    EngineArgs fields that differ from its defaults (what LLM() is given), model included."""
+    from wcache.vllm.prime_engine import engine_kwargs
+
+    got = engine_kwargs("/m", ["--dtype", "bfloat16", "--max-model-len", "512",
+                               "--max-num-seqs", "8"])
+    assert got == {"model": "/m", "dtype": "bfloat16", "max_model_len": 512, "max_num_seqs": 8}
 
 
 def test_priming_refuses_more_than_one_rank():

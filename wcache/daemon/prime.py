@@ -4,8 +4,8 @@ as the daemon's start-up artifact bundle (:mod:`wcache.store.artifacts`), so the
 first engine on a node that gets this daemon's arena (here, from its snapshot, or
 from it as a peer) does not pay a cold compile.
 
-The engine is ``python -m wcache.vllm.run_engine --compile --load-format wcache``
-in a child process with ``fallback: false`` (a priming run that loaded from disk
+The engine is ``python -m wcache.vllm.prime_engine`` (the serve's own vLLM engine
+arguments, compiled, ``load_format="wcache"``) in a child process with ``fallback: false`` (a priming run that loaded from disk
 would prove nothing about this daemon) and the loader option ``artifacts_record``
 (the engine writes the compile factors its vLLM computed: the bundle records
 those). Imports no vLLM; the bundle is packed by :mod:`wcache.vllm.startup`.
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PRIME_TIMEOUT_S", "ROOT_ENV", "priming_command", "prime_compile", "PrimingFailed"]
+__all__ = ["PRIME_TIMEOUT_S", "ROOT_ENV", "priming_args", "priming_command", "prime_compile", "PrimingFailed"]
 
 logger = logging.getLogger("wcache.daemon")
 
@@ -36,10 +36,6 @@ PRIME_TIMEOUT_S = 1800.0
 #: priming engine at its private directory.
 ROOT_ENV = {"vllm": "VLLM_CACHE_ROOT", "triton": "TRITON_CACHE_DIR",
             "inductor": "TORCHINDUCTOR_CACHE_DIR"}
-#: Engine arguments of ``wcache serve`` that ``run_engine`` takes (name -> its option).
-#: Others are not passed (run_engine has no pass-through; the report says which).
-PASSED_ARGS = ("--dtype", "--max-model-len", "--quantization", "--attention-backend",
-               "--kv-cache-memory-bytes", "--gpu-memory-utilization")
 #: Characters of the priming engine's output kept in a failure message.
 OUTPUT_TAIL_CHARS = 2000
 
@@ -47,39 +43,36 @@ OUTPUT_TAIL_CHARS = 2000
 from wcache.errors import PrimingFailed  # noqa: E402
 
 
-def _engine_args(rest: list[str]) -> tuple[list[str], list[str]]:
-    """(run_engine arguments, serve arguments left out) from the serve's vLLM args."""
+def priming_args(rest: list[str]) -> list[str]:
+    """The serve's vLLM engine arguments ``rest`` as the priming engine gets them: the
+    same, less ``--enforce-eager`` (the daemon itself need not compile; the engines
+    priming is for do).
+
+    Raises:
+        PrimingFailed: more than one rank (priming runs one engine).
+    """
     ap = argparse.ArgumentParser(add_help=False)
-    for name in PASSED_ARGS:
-        ap.add_argument(name)
-    ap.add_argument("--tensor-parallel-size", type=int, default=1)
-    ap.add_argument("--pipeline-parallel-size", type=int, default=1)
-    ap.add_argument("--enforce-eager", action="store_true")
-    known, left = ap.parse_known_args(rest)
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    ap.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    known, _ = ap.parse_known_args(rest)
     if known.tensor_parallel_size * known.pipeline_parallel_size != 1:
         raise PrimingFailed("priming runs one engine of one rank; this daemon serves "
                             f"TP={known.tensor_parallel_size} x PP={known.pipeline_parallel_size}")
-    out = []
-    for name in PASSED_ARGS:
-        value = getattr(known, name.lstrip("-").replace("-", "_"))
-        if value is not None:
-            out += [name, str(value)]
-    return out, left
+    return [a for a in rest if a != "--enforce-eager"]
 
 
 def priming_command(model: str, rest: list[str], *, socket_dir: str | None, job: str,
-                    record: str) -> tuple[list[str], list[str]]:
-    """The priming engine's command line and the serve arguments it leaves out.
+                    record: str) -> list[str]:
+    """The priming engine's command line: :mod:`wcache.vllm.prime_engine` with the
+    serve's vLLM engine arguments ``rest`` verbatim (the compile-cache key covers
+    them), restored from this daemon with fallback off and its factors recorded.
 
     Raises:
         PrimingFailed: more than one rank.
     """
-    args, left = _engine_args(rest)
     extra = {"fallback": False, "socket_dir": socket_dir, "job": job, "artifacts_record": record}
-    cmd = [sys.executable, "-m", "wcache.vllm.run_engine", "--model", model, "--compile",
-           "--load-format", "wcache", "--extra", json.dumps(extra), "--max-tokens", "1",
-           "--prompt", "wcache priming", *args]
-    return cmd, left
+    return [sys.executable, "-m", "wcache.vllm.prime_engine", "--model", model,
+            "--extra", json.dumps(extra), "--", *priming_args(rest)]
 
 
 def prime_compile(model: str, rest: list[str], *, socket_dir: str | None, job: str = "",
@@ -102,10 +95,7 @@ def prime_compile(model: str, rest: list[str], *, socket_dir: str | None, job: s
         for d in dirs.values():
             d.mkdir()
         record = os.path.join(root, "factors.json")
-        cmd, left = priming_command(model, rest, socket_dir=socket_dir, job=job, record=record)
-        if left:
-            logger.warning("wcache: priming: engine arguments not passed to the priming engine "
-                           "(wcache.vllm.run_engine has no option for them): %s", left)
+        cmd = priming_command(model, rest, socket_dir=socket_dir, job=job, record=record)
         env = {**os.environ, **{ROOT_ENV[n]: str(d) for n, d in dirs.items()}}
         logger.info("wcache: priming the start-up caches: one engine against this daemon "
                     "(torch.compile, private cache root %s)", root)
