@@ -20,6 +20,7 @@ from wcache.daemon.process import DaemonProcess, run_engine
 from wcache.store import daemon_status, paths
 from wcache.testing.caches import cache_env
 from wcache.testing.tiny import build_tiny
+from wcache.vllm.run_engine import DEFAULT_GPU_MEMORY_UTILIZATION
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -42,7 +43,11 @@ def _wait_primed(daemon: DaemonProcess) -> None:
 def test_fresh_engine_gets_the_primed_compile_and_the_disk_tokens(sock_dir, tmp_path):
     """A daemon primed once hands an engine with empty caches vLLM's compiled hash dir (vLLM opens it, nothing compiles from zero) and the disk engine's greedy tokens."""
     model = build_tiny("bf16")
-    with DaemonProcess(model, sock_dir, extra_args=("--prime-compile",),
+    # the serve gets the engine's arguments (run_engine's): the priming engine is built
+    # from them, and vLLM's compile key covers max_num_seqs and the memory share
+    same_as_engine = ("--max-num-seqs", "1", "--gpu-memory-utilization",
+                      str(DEFAULT_GPU_MEMORY_UTILIZATION))
+    with DaemonProcess(model, sock_dir, extra_args=("--prime-compile", *same_as_engine),
                        env=cache_env(tmp_path / "daemon-node")) as daemon:
         _wait_primed(daemon)
         sock = paths.list_sockets(sock_dir)[0]
