@@ -25,6 +25,7 @@ re-running each quantization method's post-load work.
                                                  ... and seed daemons on other hosts over TCP
   wcache serve --model DIR --seed-from tcp://HOST:PORT --seed-secret-file F
                                                  start from a daemon on another host
+  wcache serve --model DIR --prime-compile      ... and compile once, so engines on fresh nodes need not
   wcache serve --model DIR --http 9400           ... with GET /health and /metrics on 127.0.0.1:9400
   wcache status                                  show running daemons
   wcache status --wait-ready --model DIR [args]  exit 0 once every rank of that daemon serves
@@ -328,6 +329,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="separates two jobs of the same model on one host; pass the same "
                         "value to the engine as model_loader_extra_config job")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--prime-compile", action="store_true",
+                   help="once the daemon serves, run one engine against it (torch.compile, "
+                        "private empty caches) and keep what its compile wrote (vLLM's "
+                        "torch_compile_cache hash dir, Triton and Inductor caches) as this "
+                        "daemon's start-up artifacts: --snapshot stores them, --from-snapshot "
+                        "and --seed-from (a local socket) bring them back, and engines with "
+                        "--load-format wcache install them into their own empty caches when "
+                        "they fit their vLLM (same versions, device, vLLM compile hashes; else "
+                        "artifacts-stale, a cold compile). One rank only; a failure is logged "
+                        "and shown by `wcache status`, the daemon keeps serving. Off by default")
     p.add_argument("--no-lean", action="store_true",
                    help="keep serving from the process that loaded the model. By default, on "
                         "CPU, once a rank is ready (and its --snapshot written) it execs a "

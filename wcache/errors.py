@@ -34,7 +34,8 @@ __all__ = [
     "PeerRefused", "CheckpointChanged", "ArenaInvalidated", "HttpListenFailed", "SeedFailed",
     "SeedUnavailable",
     "SeedSecretUnsafe", "SnapshotMissing", "SnapshotCorrupt", "SnapshotStale",
-    "SnapshotWriteFailed",
+    "SnapshotWriteFailed", "ArtifactsMissing", "ArtifactsCorrupt",
+    "PrimingFailed",
     # the vLLM side
     "UnplannedLayers", "MAX_NAMED_UNPLANNED", "RestoreFailed", "VerifyRefused",
     # benchmarks and test fixtures
@@ -323,6 +324,31 @@ class SnapshotWriteFailed(StoreError, OSError):
     permissions, or point ``--snapshot`` elsewhere."""
 
     code = "snapshot-write-failed"
+
+
+class ArtifactsMissing(StoreError, FileNotFoundError):
+    """The daemon holds no start-up artifact bundle (it was not primed with
+    ``wcache serve --prime-compile``, priming failed, or its snapshot or peer had
+    none). The engine compiles as usual."""
+
+    code = "artifacts-missing"
+
+
+class ArtifactsCorrupt(StoreError):
+    """A start-up artifact bundle is malformed: a file's blake3 differs from its
+    manifest, a tar member escapes its entry or is not a plain file or directory,
+    or the memfd is not sealed. Nothing of it is installed; delete the snapshot's
+    ``startup.*`` files (or prime again)."""
+
+    code = "artifacts-corrupt"
+
+
+class PrimingFailed(WcacheError, RuntimeError):
+    """``wcache serve --prime-compile``'s priming engine failed, timed out,
+    serves more than one rank, or recorded no compile factors. The daemon keeps
+    serving (``wcache status`` shows the reason); engines compile as usual."""
+
+    code = "priming-failed"
 
 
 # --------------------------------------------------------------------------- the vLLM side

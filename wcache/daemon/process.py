@@ -202,6 +202,7 @@ def run_engine(model: str | Path, load_format: str = "auto", extra: dict | None 
         raise err
     result = json.loads(lines[-1])
     result["log"] = proc.stderr
+    result["output"] = proc.stdout + proc.stderr  # vLLM's own log lines go to stdout
     loading = MODEL_LOADING_LINE.search(proc.stdout + proc.stderr)
     if loading:
         result["model_loading_gib"] = float(loading.group(1))

@@ -176,8 +176,10 @@ def build_ready_server(vllm_config: Any, *, socket_dir: str | None, device_id: s
         else:
             source = find_seed_source(seed_from, key)
         arena = seed_arena(source, key, secret=seed_secret)
-        return DaemonServer(arena, key, socket_dir=socket_dir, device=device_type,
-                            device_id=device_id), "peer"
+        server = DaemonServer(arena, key, socket_dir=socket_dir, device=device_type,
+                              device_id=device_id)
+        _bring_peer_artifacts(server, source)
+        return server, "peer"
     if from_snapshot or snapshot:
         try:
             snap = open_snapshot(from_snapshot or snapshot, name)
@@ -191,6 +193,76 @@ def build_ready_server(vllm_config: Any, *, socket_dir: str | None, device_id: s
                            "and writing a new snapshot", exc.code, exc)
     return build.build_server(vllm_config, socket_dir=socket_dir, device_id=device_id,
                               progress=progress), "checkpoint"
+
+
+#: Where a snapshot directory keeps each rank's start-up artifact bundle:
+#: ``DIR/.startup/<rank name>/startup.{tar,json}`` (hidden: not a rank's arena dir).
+SNAPSHOT_STARTUP_DIR = ".startup"
+
+
+def _bring_peer_artifacts(server: Any, source: str) -> None:
+    """The start-up artifact bundle of the peer daemon on local socket ``source``,
+    asked for with ``artifacts`` (the bytes come as a sealed memfd). A TCP peer's
+    bundle does not travel yet (the TCP channel carries one ``seed`` exchange).
+    Never fails the seeding: the state and reason go to ``status``."""
+    from wcache.store import StoreError  # noqa: PLC0415
+    from wcache.store.client import fetch_artifacts  # noqa: PLC0415
+    from wcache.store.seed import TCP_SCHEME  # noqa: PLC0415
+
+    if source.startswith(TCP_SCHEME):
+        server.artifacts_state, server.artifacts_error = None, "a TCP peer's bundle does not travel"
+        return
+    try:
+        server.artifacts = fetch_artifacts(source)
+        server.artifacts_state = "peer"
+        logger.info("wcache: start-up artifacts from the peer: %.1f MiB in %d files",
+                    server.artifacts.nbytes / 2**20, len(server.artifacts.manifest["files"]))
+    except (StoreError, OSError) as exc:
+        code = getattr(exc, "code", type(exc).__name__)
+        server.artifacts_state, server.artifacts_error = None, f"[{code}] {exc}"
+        logger.info("wcache: no start-up artifacts from the peer [%s]: %s", code, exc)
+
+
+def _snapshot_artifacts(server: Any, snap_dir: str, name: str) -> None:
+    """Load the bundle a snapshot holds for this rank (none: the state says so)."""
+    from wcache.store import StoreError  # noqa: PLC0415
+    from wcache.store.artifacts import read_bundle  # noqa: PLC0415
+
+    try:
+        bundle = read_bundle(os.path.join(snap_dir, SNAPSHOT_STARTUP_DIR, name))
+    except StoreError as exc:
+        server.artifacts_error = f"[{exc.code}] {exc}"
+        logger.warning("wcache: the snapshot's start-up artifacts are not used [%s]: %s",
+                       exc.code, exc)
+        return
+    if bundle is not None:
+        server.artifacts, server.artifacts_state = bundle, "snapshot"
+
+
+def _prime(server: Any, prime: tuple[str, list[str], str], snapshot: str | None, name: str) -> None:
+    """``--prime-compile``: run the priming engine (:mod:`wcache.daemon.prime`), keep
+    its bundle, write it into the snapshot. Never stops the daemon serving: a
+    failure is logged with its reason and shown in ``status``."""
+    from wcache.daemon.prime import prime_compile  # noqa: PLC0415
+    from wcache.store.artifacts import write_bundle  # noqa: PLC0415
+
+    model, rest, job = prime
+    server.artifacts_state = "priming"
+    try:
+        bundle = prime_compile(model, rest, socket_dir=server.socket_dir, job=job)
+    except Exception as exc:  # noqa: BLE001  (priming only saves a later compile)
+        code = getattr(exc, "code", type(exc).__name__)
+        server.artifacts_state, server.artifacts_error = "failed", f"[{code}] {exc}"[:2000]
+        logger.error("wcache: priming failed [%s]: %s; still serving (engines compile as usual)",
+                     code, str(exc)[-1000:])
+        return
+    server.artifacts, server.artifacts_state = bundle, "primed"
+    if snapshot:
+        try:
+            write_bundle(os.path.join(snapshot, SNAPSHOT_STARTUP_DIR, name), bundle)
+        except OSError as exc:
+            server.artifacts_error = f"not written to the snapshot: {exc}"
+            logger.error("wcache: could not write the start-up artifacts to %s: %s", snapshot, exc)
 
 
 def _write_rank_snapshot(server: Any, root: str, layout: dict[str, int]) -> None:
@@ -208,11 +280,14 @@ def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_metho
                socket_dir: str | None, progress: bool, job: str, ready: Any = None,
                snapshot: str | None = None, from_snapshot: str | None = None,
                seed_from: str | None = None, seed_listen: str | None = None,
-               seed_advertise: str | None = None, seed_secret_file: str | None = None) -> int:
+               seed_advertise: str | None = None, seed_secret_file: str | None = None,
+               prime_compile: bool = False) -> int:
     """Make one rank ready (checkpoint, snapshot or peer: :func:`build_ready_server`),
     write its snapshot when ``snapshot`` is given and it did not come from it, and
     serve (answering ``seed`` too, over TCP on ``seed_listen`` with this node's
-    rank ``i`` on ``PORT + i`` when given) until stopped.
+    rank ``i`` on ``PORT + i`` when given) until stopped. With ``prime_compile``
+    and no start-up artifact bundle from the snapshot or peer, first run the
+    priming engine against this daemon (:func:`_prime`).
 
     Raises:
         SeedSecretUnsafe: ``seed_secret_file`` is unsafe (before any load).
@@ -230,7 +305,8 @@ def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_metho
                                     progress=progress, job=job, ready=ready, snapshot=snapshot,
                                     from_snapshot=from_snapshot, seed_from=seed_from,
                                     listen=listen, seed_advertise=seed_advertise,
-                                    secret=secret, t_start=t_start)
+                                    secret=secret, t_start=t_start,
+                                    prime=(model, rest, job) if prime_compile else None)
 
 
 def _serve_prepared_rank(vllm_config: Any, *, rank: int, world: int, init_method: str,
@@ -238,7 +314,7 @@ def _serve_prepared_rank(vllm_config: Any, *, rank: int, world: int, init_method
                          snapshot: str | None, from_snapshot: str | None,
                          seed_from: str | None, listen: tuple[str, int] | None,
                          seed_advertise: str | None, secret: bytes | None,
-                         t_start: float) -> int:
+                         t_start: float, prime: tuple[str, list[str], str] | None = None) -> int:
     """:func:`serve_rank` once the rank's platform is prepared."""
     from wcache.store import StoreError  # noqa: PLC0415
     from wcache.store.seed import SeedSource  # noqa: PLC0415
@@ -267,6 +343,8 @@ def _serve_prepared_rank(vllm_config: Any, *, rank: int, world: int, init_method
     snap_dir = from_snapshot or snapshot
     server.snapshot_state = None if not snap_dir else \
         {"dir": snap_dir, "state": "read" if origin == "snapshot" else "writing", "error": None}
+    if origin == "snapshot":
+        _snapshot_artifacts(server, snap_dir, snapshot_name(layout))
     server.start()
     if listen is not None:
         try:
@@ -293,6 +371,8 @@ def _serve_prepared_rank(vllm_config: Any, *, rank: int, world: int, init_method
     print(line, flush=True)
     if ready is not None:
         ready.put((rank, line))
+    if prime is not None and server.artifacts is None:  # serving meanwhile, in the full process
+        _prime(server, prime, snapshot, snapshot_name(layout))
     # the lean hand-off: on CPU, exec a torch-free server; returns only when it stays full
     from wcache.store import lean  # noqa: PLC0415
 
@@ -420,6 +500,7 @@ def _serve_node(args: argparse.Namespace, rest: list[str], world: int, ranks: ra
     job = getattr(args, "job", "") or ""
     sources = {k: getattr(args, k, None) for k in ("snapshot", "from_snapshot", "seed_from", "seed_listen",
                                                    "seed_advertise", "seed_secret_file")}
+    sources["prime_compile"] = bool(getattr(args, "prime_compile", False))
     from wcache.store.paths import check_dev_shm  # noqa: PLC0415
 
     seeding = bool(sources.get("seed_from") or sources.get("seed_listen"))

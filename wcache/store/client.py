@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import wcache
 from wcache.store import paths
 from wcache.store.errors import (
+    ArtifactsCorrupt, ArtifactsMissing,
     ArenaInvalidated, DaemonBusy, DaemonMissing, IdleTimeout, KeyMismatch, PeerRefused, ProtocolError, Released,
     SeedUnavailable, StoreError, TransportFailed, UnsafePath,
 )
@@ -33,7 +34,7 @@ from wcache.store.protocol import (
 if TYPE_CHECKING:  # torch only where an arena is attached: status, stop and probes need none
     import torch
 
-__all__ = ["attach", "Attachment", "Connection", "daemon_status", "shutdown_daemon", "invalidate_daemon",
+__all__ = ["attach", "Attachment", "Connection", "daemon_status", "fetch_artifacts", "shutdown_daemon", "invalidate_daemon",
            "cli_status", "cli_stop", "MODES"]
 
 log = logging.getLogger("wcache.store")
@@ -56,7 +57,7 @@ STOP_POLL_S = 0.05
 INVALIDATE_MESSAGE_CHARS = 2000
 _ERRORS = {c.code: c for c in (DaemonMissing, KeyMismatch, TransportFailed, ProtocolError, DaemonBusy,
                                Released, UnsafePath, PeerRefused, ArenaInvalidated, IdleTimeout,
-                               SeedUnavailable)}
+                               SeedUnavailable, ArtifactsMissing, ArtifactsCorrupt)}
 
 
 class Connection:
@@ -478,6 +479,25 @@ def daemon_status(sock_path: str, connect_timeout_s: float = 5.0) -> dict[str, A
         conn.close()
 
 
+def fetch_artifacts(sock_path: str, connect_timeout_s: float = 5.0) -> Any:
+    """The start-up artifact bundle the daemon on ``sock_path`` holds
+    (:class:`wcache.store.artifacts.Bundle`, its sealed memfd now owned by the caller).
+
+    Raises:
+        ArtifactsMissing: the daemon holds none.
+        ArtifactsCorrupt: the reply's memfd or manifest is malformed.
+        DaemonMissing, PeerRefused, ProtocolError: as :class:`Connection`.
+    """
+    from wcache.store.artifacts import open_bundle_fd  # noqa: PLC0415
+
+    conn = Connection(sock_path, connect_timeout_s, reply_timeout_s=REPLY_TIMEOUT_S)
+    try:
+        reply = conn.request({"op": "artifacts"}, max_fds=1)
+    finally:
+        conn.close()
+    return open_bundle_fd(reply.get("manifest"), list(reply.pop("_fds", [])))
+
+
 def invalidate_daemon(sock_path: str, key: CacheKey, code: str, message: str,
                       connect_timeout_s: float = 5.0) -> bool:
     """Tell the daemon on ``sock_path`` that a restore guard fired on the arena of
@@ -582,6 +602,16 @@ def _print_status(sock: str, st: dict[str, Any]) -> None:
         print(f"  serving {st['serving']}"
               + (" (torch-free)" if st["serving"] == "lean" else
                  f" (torch {'loaded' if st.get('torch_loaded') else 'not loaded'})"))
+    art = st.get("artifacts")
+    if art is not None:  # a daemon older than start-up bundles has none
+        if art.get("present"):
+            print(f"  artifacts present  {_fmt_bytes(art['bytes'])} in {art['files']} files  "
+                  f"vLLM {art.get('vllm')} compile dirs "
+                  f"{', '.join(d[:16] for d in art.get('compile_dirs') or []) or '-'}  "
+                  f"from {art.get('state')}")
+        else:
+            print(f"  artifacts absent" + (f" ({art['state']})" if art.get("state") else "")
+                  + (f": {art['error']}" if art.get("error") else ""))
     inv = st.get("invalidated")
     if inv:
         print(f"  INVALIDATED [{inv.get('code')}] by pid {inv.get('pid')}: {inv.get('message')}\n"

@@ -5,12 +5,12 @@ engine-side fallback logs (docs/design.md section 5, "Fallback")."""
 from __future__ import annotations
 
 from wcache.errors import (  # noqa: F401  (re-exported: the store's errors' old home)
-    ArenaInvalidated, CheckpointChanged, DaemonBusy, DaemonMissing, IdleTimeout, KeyMismatch,
+    ArenaInvalidated, ArtifactsCorrupt, ArtifactsMissing, CheckpointChanged, DaemonBusy, DaemonMissing, IdleTimeout, KeyMismatch,
     PeerRefused, ProtocolError, Released, SeedUnavailable, ShmTooSmall, StoreError, TransportFailed, UnsafePath,
 )
 
 __all__ = [
     "StoreError", "DaemonMissing", "KeyMismatch", "TransportFailed", "ProtocolError",
     "DaemonBusy", "IdleTimeout", "ShmTooSmall", "Released", "UnsafePath", "PeerRefused", "CheckpointChanged", "ArenaInvalidated",
-    "SeedUnavailable",
+    "SeedUnavailable", "ArtifactsMissing", "ArtifactsCorrupt",
 ]

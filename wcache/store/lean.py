@@ -311,7 +311,9 @@ def _exec_lean(server: Any, exe: str, ready_queue: Any) -> str:
     ops_list = list(OpsServer.running)
     for ops in ops_list:
         ops.pause()
-    fds = [server._serving.fd, server._listener.fileno(), server._lock_fd, *(o.fileno() for o in ops_list)]
+    bundle = getattr(server, "artifacts", None)  # the start-up artifact bundle's sealed memfd
+    fds = [server._serving.fd, server._listener.fileno(), server._lock_fd, *(o.fileno() for o in ops_list),
+           *([bundle.fd] if bundle is not None else [])]
     state_path = None
     old_mask = None
     try:
@@ -327,6 +329,10 @@ def _exec_lean(server: Any, exe: str, ready_queue: Any) -> str:
             "attachments_total": server.attachments_total, "releases": dict(server.releases),
             "refusals": dict(server.refusals), "log_level": logging.getLogger().getEffectiveLevel(),
             "malloc_arena_max": os.environ.get(MALLOC_ARENA_ENV),  # the operator's, for the seeding helpers
+            "artifacts": {"fd": bundle.fd if bundle is not None else None,
+                          "manifest": dict(bundle.manifest) if bundle is not None else None,
+                          "state": getattr(server, "artifacts_state", None),
+                          "error": getattr(server, "artifacts_error", None)},
         }
         fd, state_path = tempfile.mkstemp(prefix=STATE_PREFIX, suffix=".pickle", dir=server.socket_dir)
         with os.fdopen(fd, "wb") as f:
@@ -431,6 +437,12 @@ def _serve(state: dict) -> int:
     server.releases.update(state["releases"])
     server.refusals.update(state["refusals"])
     server._started_at = time.monotonic() - state["uptime_s"]
+    art = state.get("artifacts") or {}
+    if art.get("fd") is not None:
+        from wcache.store.artifacts import Bundle  # noqa: PLC0415
+
+        server.artifacts = Bundle(art["fd"], art["manifest"])
+    server.artifacts_state, server.artifacts_error = art.get("state"), art.get("error")
     for sig in _SIGNALS:
         signal.signal(sig, lambda *_: server.request_shutdown())
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
@@ -449,6 +461,7 @@ def main(argv: list[str]) -> int:
     """``python -m wcache.store.lean STATE`` (exec'd by :func:`handoff`), or
     ``--check``: import what serving needs and fail if torch came with it."""
     if argv == ["--check"]:
+        import wcache.store.artifacts  # noqa: F401, PLC0415
         import wcache.store.http  # noqa: F401, PLC0415
         import wcache.store.server  # noqa: F401, PLC0415
         import wcache.store.transport_shm  # noqa: F401, PLC0415
@@ -480,6 +493,8 @@ def _close_inherited_fds(state: dict) -> None:
     alive, for as long as this daemon serves."""
     keep = {0, 1, 2, state["memfd"], state["listener"], state["lock_fd"],
             *(fd for fd, *_ in state["http"])}
+    if (state.get("artifacts") or {}).get("fd") is not None:
+        keep.add(state["artifacts"]["fd"])
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:

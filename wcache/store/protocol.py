@@ -15,6 +15,10 @@ Commands (``{"op": ...}``), each answered by ``{"ok": true, ...}`` or
 * ``release {}`` -> the client dropped its mapping (copy mode or close).
 * ``status {}`` -> memory held, clients, uptime, key, pid.
 * ``shutdown {}`` -> the daemon stops after answering.
+* ``artifacts {}`` -> ``{manifest}`` (+ a sealed memfd holding the start-up
+  artifact bundle's tar, :mod:`wcache.store.artifacts`), or
+  ``code="artifacts-missing"`` when the daemon holds none. The bytes never
+  travel inside a frame.
 * ``invalidate {key, code, message}`` -> a client's restore guard fired on this
   arena: the daemon answers, refuses every later ``get`` with
   ``code="arena-invalidated"``, shows the reason in ``status`` and exits
@@ -74,6 +78,7 @@ REQUEST_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "shutdown": {},
     "invalidate": {"key": (dict,), "code": (str, _NONE), "message": (str, _NONE)},
     "seed": {"key": (dict,), "backend": (str, _NONE), "nonce": (str, _NONE), "mac": (str, _NONE)},
+    "artifacts": {},
 }
 #: Fields a command cannot do without.
 REQUIRED_FIELDS: dict[str, frozenset[str]] = {

@@ -38,12 +38,13 @@ from typing import Any
 import wcache
 from wcache.store import paths
 from wcache.store.errors import (
-    ArenaInvalidated, DaemonBusy, IdleTimeout, KeyMismatch, PeerRefused, ProtocolError, StoreError, TransportFailed,
+    ArenaInvalidated, ArtifactsMissing, DaemonBusy, IdleTimeout, KeyMismatch, PeerRefused, ProtocolError, StoreError, TransportFailed,
 )
 from wcache.store.manifest import CacheKey, Export, Manifest
 from wcache.store.protocol import (
     PROTOCOL_VERSION, ConnectionClosed, check_request, error_frame, pin_map_keys, recv_frame, send_frame,
 )
+from wcache.store.artifacts import bundle_summary
 from wcache.store.seed_listener import SeedListener
 
 __all__ = ["DaemonServer", "serve", "peer_credentials", "client_key", "MAX_CONNECTIONS",
@@ -289,6 +290,12 @@ class DaemonServer:
         self._seed_listener: SeedListener | None = None
         #: ``(host, port)`` the TCP seeding listener is bound to, or None.
         self.seed_tcp_address: tuple[str, int] | None = None
+        #: The start-up artifact bundle served by ``artifacts``
+        #: (:class:`wcache.store.artifacts.Bundle`), or None; with its state
+        #: (``priming``, ``primed``, ``failed``, ``snapshot``, ``peer`` or None) and error.
+        self.artifacts: Any = None
+        self.artifacts_state: str | None = None
+        self.artifacts_error: str | None = None
 
     @property
     def exit_code(self) -> int:
@@ -445,6 +452,8 @@ class DaemonServer:
                 if thread is not threading.current_thread():
                     thread.join(JOIN_TIMEOUT_S)
             self._serving.close()
+            if self.artifacts is not None:
+                self.artifacts.close()
         finally:
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)
@@ -715,6 +724,15 @@ class DaemonServer:
             return {"ok": True, **st}, ()
         if op == "invalidate":
             return self._invalidate(req, state)
+        if op == "artifacts":
+            bundle = self.artifacts
+            if bundle is None:
+                raise ArtifactsMissing(
+                    f"this daemon holds no start-up artifact bundle (state "
+                    f"{self.artifacts_state or 'not primed'}"
+                    + (f": {self.artifacts_error}" if self.artifacts_error else "")
+                    + "); start it with --prime-compile, or from a snapshot or peer that has one")
+            return {"ok": True, "manifest": dict(bundle.manifest)}, (bundle.fd,)
         if op == "seed":
             if self.seed_source is None:
                 raise ProtocolError("this daemon does not offer seeding; start it with `wcache serve` "
@@ -810,6 +828,7 @@ class DaemonServer:
             "seeds_served": getattr(getattr(self, "seed_source", None), "seeds_done", None),
             "seed_listen": (f"{self.seed_tcp_address[0]}:{self.seed_tcp_address[1]}"
                             if self.seed_tcp_address else None),
+            "artifacts": bundle_summary(self.artifacts, self.artifacts_state, self.artifacts_error),
         }
 
 

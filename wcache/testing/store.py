@@ -148,6 +148,8 @@ def _serve_main(argv: list[str]) -> None:
     p.add_argument("--seed-secret-file", help="the shared secret for --seed-listen")
     p.add_argument("--lean", action="store_true",
                    help="after the ready line, hand off to the torch-free server (wcache.store.lean)")
+    p.add_argument("--artifacts", help="with --lean: serve the start-up artifact bundle in this "
+                                       "directory (wcache.store.artifacts.write_bundle's files)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     export = synthetic_export(a.seed, a.n, a.numel)
@@ -163,6 +165,10 @@ def _serve_main(argv: list[str]) -> None:
         server = DaemonServer(export, CacheKey(json.loads(a.key)), socket_dir=a.socket_dir,
                               device=a.device, device_id=a.device_id, **kw)
         signal.signal(signal.SIGTERM, lambda *_: server.request_shutdown())
+        if a.artifacts:
+            from wcache.store.artifacts import read_bundle
+
+            server.artifacts, server.artifacts_state = read_bundle(a.artifacts), "snapshot"
         server.start()
         print(f"wcache-store ready key={server.key.digest} bytes={server.nbytes} "
               f"socket={server.socket_path} pid={os.getpid()} transport={server.transport}", flush=True)

