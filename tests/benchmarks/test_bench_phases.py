@@ -49,6 +49,8 @@ VLLM_LINES = (
     ("v1/engine/core.py", "init engine (profile, create kv cache, warmup model) took %.2f s",
      (2.5,)),
 )
+#: vLLM CPU's warm-up lines (their timestamps time the compile on CPU).
+CPU_WARMUP_LINES = ("Warming up model for the compilation...", "Warming up done.")
 #: What :func:`parse_log` reads from each line of :data:`VLLM_LINES` alone.
 EXPECTED = (
     {"initializing_model_s": 0.123456},
@@ -88,6 +90,9 @@ def test_vllm_sources_print_the_lines_parsed(release, tree):
     """Each format string the parser reads is in this release's source, as written here."""
     missing = [(f, fmt) for f, fmt, _ in VLLM_LINES
                if fmt not in _source_literals(tree / f)]
+    cpu_runner = _source_literals(tree / "v1/worker/cpu_model_runner.py")
+    missing += [("v1/worker/cpu_model_runner.py", ln) for ln in CPU_WARMUP_LINES
+                if f'logger.info("{ln}")' not in cpu_runner]
     assert [] == missing
 
 
@@ -165,6 +170,19 @@ def test_breakdown_compiled_cpu_has_no_graph_capture():
     assert (25.0, 0.0, 5.0) == (phases["compile"].seconds, phases["graph capture"].seconds,
                                 phases["KV-cache/other init"].seconds)
     assert "cpu" in phases["graph capture"].note
+
+
+def test_cpu_compile_is_read_from_the_warm_up_timestamps():
+    """vLLM CPU logs no compile time: a compiled CPU engine's compile is the time between
+    its 'Warming up model for the compilation...' and 'Warming up done.' lines, and the
+    init-engine rest is KV-cache/other init."""
+    log = ("(Worker pid=1) INFO 12-01 23:59:50 [cpu_model_runner.py:87] Warming up model for "
+           "the compilation...\n(Worker pid=1) INFO 12-02 00:05:30 [cpu_model_runner.py:91] "
+           "Warming up done.\n(EngineCore pid=2) INFO 12-02 00:05:31 [core.py:402] init engine "
+           "(profile, create kv cache, warmup model) took 345.00 s\n")
+    assert 340.0 == parse_log(log)["cpu_warmup_s"]
+    phases = {p.name: p.seconds for p in breakdown(MARKS, log, compiled=True, device="cpu")}
+    assert (340.0, 5.0) == (phases["compile"], phases["KV-cache/other init"])
 
 
 def test_breakdown_clamps_other_and_says_so():

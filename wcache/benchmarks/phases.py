@@ -18,8 +18,10 @@ weights                vLLM's "Model loading took" (CUDA model runner; build inc
                        load phase (``disk``/``restore``/``fallback``) minus the build,
                        else "Loading weights took" (vLLM's default loader)
 compile                the "(compilation: X s)" of vLLM's "init engine ... took" line,
-                       else the sum of its "torch.compile ... took X s in total" lines;
-                       a warm cache's load counts here too
+                       else the sum of its "torch.compile ... took X s in total" lines,
+                       else (vLLM CPU, which logs no compile time) the time between its
+                       "Warming up model for the compilation..." and "Warming up done."
+                       (log timestamps, whole seconds); a warm cache's load counts here
 graph capture          "Graph capturing finished in X secs" (vLLM rounds it to whole
                        seconds)
 KV-cache/other init    "init engine (profile, create kv cache, warmup model) took X s"
@@ -74,6 +76,15 @@ LINES: dict[str, re.Pattern[str]] = {
     "init_engine": re.compile(r"init engine \(profile, create kv cache, warmup model\) took "
                               rf"{_NUM} s(?: \(compilation: {_NUM} s)?"),
 }
+#: vLLM's CPU model runner around its warm-up (``warming_up_model``): on CPU a compiled
+#: engine runs Dynamo once with Inductor (``DYNAMO_TRACE_ONCE``), which logs no compile
+#: time, so the compile is read from these two lines' timestamps (vLLM's log date
+#: format ``%m-%d %H:%M:%S``: whole seconds).
+_STAMP = r"(\d\d-\d\d \d\d:\d\d:\d\d)"
+CPU_WARMUP_START = re.compile(_STAMP + r"\S* \[[^\]]*\] Warming up model for the compilation\.\.\.")
+CPU_WARMUP_DONE = re.compile(_STAMP + r"\S* \[[^\]]*\] Warming up done\.")
+LOG_DATE_FORMAT = "%m-%d %H:%M:%S"
+SECONDS_PER_DAY = 86400.0
 #: The wcache loader's own line (wcache/vllm/loader.py ``_record_timing``).
 WCACHE_LOAD_LINE = re.compile(rf"wcache: weight-load phase \((\w+)\) took {_NUM} s")
 #: A phase shorter than this counts as "does not remain" in the fresh-node summary (s):
@@ -109,7 +120,9 @@ def parse_log(log: str) -> dict[str, Any]:
         ``torch.compile ... in total`` line), ``compile_graphs`` (``[range, s]`` per
         graph compiled), ``compile_loaded`` (``[range, s]`` per graph loaded from the
         cache), ``aot_loaded_from``, ``dynamo_s`` (sum), ``graph_capture_s`` and
-        ``graph_capture_gib``, ``init_engine_s`` and ``init_engine_compile_s``; and
+        ``graph_capture_gib``, ``init_engine_s`` and ``init_engine_compile_s``,
+        ``cpu_warmup_s`` (vLLM CPU: its warm-up, which compiles, from the log
+        timestamps); and
         ``compile_cache``: ``"aot-loaded"``, ``"graphs-loaded"``, ``"compiled"`` or
         ``"none"`` (no compile line: an eager engine).
     """
@@ -144,16 +157,29 @@ def parse_log(log: str) -> dict[str, Any]:
         out["init_engine_s"] = float(m.group(1))
         if m.group(2) is not None:
             out["init_engine_compile_s"] = float(m.group(2))
+    start, done = CPU_WARMUP_START.search(log), CPU_WARMUP_DONE.search(log)
+    if start and done:
+        out["cpu_warmup_s"] = _stamp_diff(start.group(1), done.group(1))
     out["compile_cache"] = ("aot-loaded" if "aot_loaded_from" in out else
                             "graphs-loaded" if loaded and not graphs else
                             "compiled" if graphs or totals else "none")
     return out
 
 
+def _stamp_diff(a: str, b: str) -> float:
+    """Seconds from vLLM log timestamp ``a`` to ``b`` (``%m-%d %H:%M:%S``; a run that
+    crosses midnight counts the day)."""
+    import datetime  # noqa: PLC0415
+
+    d = (datetime.datetime.strptime(b, LOG_DATE_FORMAT)
+         - datetime.datetime.strptime(a, LOG_DATE_FORMAT)).total_seconds()
+    return d + SECONDS_PER_DAY if d < 0 else d
+
+
 def phase_lines(log: str) -> list[str]:
     """The lines of ``log`` that one of :data:`LINES` (or the wcache loader's timing
     line) matches, in order: the evidence a breakdown was computed from."""
-    wanted = (*LINES.values(), WCACHE_LOAD_LINE)
+    wanted = (*LINES.values(), WCACHE_LOAD_LINE, CPU_WARMUP_START, CPU_WARMUP_DONE)
     return [ln.strip() for ln in log.splitlines() if any(p.search(ln) for p in wanted)]
 
 
@@ -232,6 +258,10 @@ def breakdown(marks: Mapping[str, float], log: str, load: Sequence[Mapping[str, 
     elif "compile_total_s" in figs:
         compile_ = Phase("compile", figs["compile_total_s"],
                          f"vLLM: torch.compile ... s in total; cache: {figs['compile_cache']}")
+    elif "cpu_warmup_s" in figs:
+        compile_ = Phase("compile", figs["cpu_warmup_s"],
+                         "vLLM CPU: Warming up model for the compilation... -> Warming up done. "
+                         "(log timestamps, whole seconds; Dynamo + Inductor and the warm-up run)")
     else:
         compile_ = Phase("compile", 0.0, "compiled engine, but no compile line in the log")
 
