@@ -419,7 +419,8 @@ def table(rows: Sequence[Mapping[str, Any]]) -> str:
             continue
         secs = {p["name"]: p["seconds"] for p in r["phases"]}
         cells = [f"{secs[n]:.2f}" for n in PHASES]
-        cache = r["figures"].get("compile_cache", "-") if r["compiled"] else "-"
+        cache = r["figures"].get("compile_cache", "none") if r["compiled"] else "-"
+        cache = "not logged" if cache == "none" else cache  # vLLM CPU logs no compile lines
         out.append(f"| {r['row']} | " + " | ".join(cells) + f" | **{r['total_s']:.2f}** | "
                    f"{cache} |")
     s = target_summary(rows)
@@ -476,7 +477,7 @@ def plot_phases(results: Mapping[str, Any], png: str | Path) -> Path:
                  f"{meta.get('vllm', '?')}", fontsize=9)
     ax.set_xlim(0, max(left, default=1.0) * 1.12)
     ax.grid(True, axis="x", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars
     fig.tight_layout()
     fig.savefig(png, dpi=DPI)
     plt.close(fig)
