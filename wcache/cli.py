@@ -35,6 +35,8 @@ re-running each quantization method's post-load work.
   wcache bench                                   run the benchmark suite
   wcache bench --server                          time to first completion, disk vs daemon
   wcache bench --soak                            attach/release soak: attaches/s, latency, RSS, fds
+  wcache bench --phases                          an engine start by phase: disk vs daemon, eager vs
+                                                 compiled, cold vs warm compile caches, fresh node
   wcache verify --model DIR [vLLM engine args]   prove a restore equals vLLM's own load here
 
 Engines attach with: LLM(model=DIR, load_format="wcache") or
@@ -247,6 +249,10 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         from wcache.benchmarks.bench_soak import main as soak_main
 
         return soak_main([a for a in rest if a != "--soak"])
+    if "--phases" in rest:  # a whole engine start, phase by phase (process start -> 1st token)
+        from wcache.benchmarks.bench_phases import main as phases_main
+
+        return phases_main([a for a in rest if a != "--phases"])
     from wcache.bench import main as bench_main
 
     return bench_main(rest)

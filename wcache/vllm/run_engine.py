@@ -7,20 +7,28 @@ process (vLLM spawns workers; a process builds one engine):
         --extra '{"fallback": false, "socket_dir": "/tmp/x"}' --prompt "The capital of France is"
 
 Output (stdout, last line): ``{"texts": [...], "token_ids": [[...]], "load": {...},
-"state": {...}}`` where ``load`` is the loader's timing record (phase and seconds)
-and ``state`` (with ``--dump-state``) a per-layer digest of tensors and plan
-attributes from the worker.
+"state": {...}, "phases": {...}}`` where ``load`` is the loader's timing record (phase
+and seconds), ``state`` (with ``--dump-state``) a per-layer digest of tensors and plan
+attributes from the worker, and ``phases`` this process's wall-clock marks
+(:func:`phase_marks`): process start, after ``import vllm``, after ``LLM()`` returns,
+after the first token of a separate 1-token request, at the end.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-import tempfile
 import time
-from typing import Any
+
+#: Wall clock (``time.time()``, seconds since the epoch) when this module starts to
+#: run, before its other imports: the process-start mark where /proc/self/stat cannot
+#: be read, and the end of the "process start" phase.
+_MODULE_START = time.time()
+
+import argparse  # noqa: E402  (after the module-start mark)
+import json  # noqa: E402  (after the module-start mark)
+import os  # noqa: E402  (after the module-start mark)
+import sys  # noqa: E402  (after the module-start mark)
+import tempfile  # noqa: E402  (after the module-start mark)
+from typing import Any  # noqa: E402  (after the module-start mark)
 
 #: Prompts used when none are given (greedy, 16 tokens in the tests).
 DEFAULT_PROMPTS = ("The capital of France is", "Water boils at a temperature of")
@@ -28,6 +36,18 @@ DEFAULT_PROMPTS = ("The capital of France is", "Water boils at a temperature of"
 #: sizes its KV cache from it); 0.2 leaves room for a daemon and a second engine.
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.2
 DEFAULT_MAX_MODEL_LEN = 512
+#: One sequence at a time: every test and the demo run one request after another.
+DEFAULT_MAX_NUM_SEQS = 1
+#: ``--max-model-len 0`` / ``--max-num-seqs 0``: leave the value to vLLM (its default
+#: for the model and the device: a "production defaults" engine).
+VLLM_DEFAULT = 0
+#: Field 22 of /proc/PID/stat: the process start, in clock ticks after boot (proc(5)).
+PROC_STAT_STARTTIME_FIELD = 22
+#: Fields of /proc/PID/stat before the ones after the ``comm`` field's closing ")".
+PROC_STAT_FIELDS_BEFORE_STATE = 2
+#: The order of the marks in ``phases["marks"]``.
+PHASE_MARKS = ("process_start", "module_start", "vllm_imported", "llm_ready", "first_token",
+               "end")
 
 
 def _state_digest(model) -> dict:
@@ -83,6 +103,42 @@ def _report_broken_optional_modules() -> None:
                   file=sys.stderr, flush=True)
 
 
+def process_start_time() -> tuple[float, str]:
+    """This process's start as wall-clock seconds since the epoch, and its source.
+
+    Reads the start in clock ticks after boot from ``/proc/self/stat`` (field 22)
+    and subtracts the process's age from ``time.time()`` (age = ``CLOCK_BOOTTIME``
+    now minus the start), so the mark has the tick's resolution (10 ms at the usual
+    ``CLK_TCK`` of 100) and no truncated boot time (``/proc/stat``'s ``btime`` is
+    whole seconds). Where that cannot be read (not Linux), the time this module
+    started to run (``time.time()`` at its top: after interpreter start-up and the
+    imports ``python -m`` makes first).
+
+    Returns:
+        ``(seconds since the epoch, "proc-stat" | "module-top")``.
+    """
+    try:
+        with open("/proc/self/stat") as f:
+            stat = f.read()
+        # comm (field 2) may hold spaces and ")": split after its last ")"
+        fields = stat[stat.rindex(")") + 2:].split()
+        ticks = int(fields[PROC_STAT_STARTTIME_FIELD - PROC_STAT_FIELDS_BEFORE_STATE - 1])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age, "proc-stat"
+    except (OSError, ValueError, IndexError, AttributeError):
+        return _MODULE_START, "module-top"
+
+
+def phase_marks(marks: dict[str, float], source: str, first_token_s: float | None) -> dict:
+    """The ``phases`` entry of the JSON line: each mark of :data:`PHASE_MARKS` that was
+    taken (wall-clock seconds since the epoch, ``time.time()``), where the process-start
+    mark came from (:func:`process_start_time`), and the first request's time to its
+    first token (seconds)."""
+    return {"clock": "time.time", "process_start_source": source,
+            "marks": {k: marks[k] for k in PHASE_MARKS if k in marks},
+            "first_token_s": first_token_s}
+
+
 def start_llm(**kwargs: Any) -> Any:
     """vLLM's ``LLM(**kwargs)`` (for wcache's own tools outside this package, which
     reach vLLM only through :mod:`wcache.vllm`)."""
@@ -110,7 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION)
-    ap.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
+    ap.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
+                    help=f"default {DEFAULT_MAX_MODEL_LEN}; {VLLM_DEFAULT}: vLLM's default "
+                         "for the model (its max_position_embeddings)")
+    ap.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                    help=f"default {DEFAULT_MAX_NUM_SEQS}; {VLLM_DEFAULT}: vLLM's default for "
+                         "the device (production; it also decides the CUDA graph sizes)")
+    ap.add_argument("--no-first-token", action="store_true",
+                    help="skip the separate 1-token request that times the first token "
+                         "(phases.first_token_s is then null)")
     ap.add_argument("--dump-state", action="store_true",
                     help="also report a digest of every planned layer's state")
     ap.add_argument("--quantization", default=None,
@@ -126,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch.compile and CUDA graphs (default: enforce_eager)")
     args = ap.parse_args(argv)
 
+    process_start, start_source = process_start_time()
+    marks = {"process_start": process_start, "module_start": _MODULE_START}
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.dump_state:
         # collective_rpc with a callable needs in-process execution to be simple
@@ -133,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     _report_broken_optional_modules()
     from vllm import LLM, SamplingParams  # noqa: PLC0415
 
+    marks["vllm_imported"] = time.time()
     extra = json.loads(args.extra)
     timing = tempfile.NamedTemporaryFile(prefix="wcache-timing-", suffix=".jsonl", delete=False)
     timing.close()
@@ -140,16 +207,28 @@ def main(argv: list[str] | None = None) -> int:
         extra.setdefault("timing_file", timing.name)
     optional = {k: v for k, v in (("quantization", args.quantization),
                                   ("attention_backend", args.attention_backend),
-                                  ("kv_cache_memory_bytes", args.kv_cache_memory_bytes))
+                                  ("kv_cache_memory_bytes", args.kv_cache_memory_bytes),
+                                  ("max_model_len", args.max_model_len or None),
+                                  ("max_num_seqs", args.max_num_seqs or None))
                 if v is not None}
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, load_format=args.load_format,
               model_loader_extra_config=extra, enforce_eager=not args.compile,
               gpu_memory_utilization=args.gpu_memory_utilization,
-              max_model_len=args.max_model_len, max_num_seqs=1,
               tensor_parallel_size=args.tensor_parallel_size, seed=0, **optional)
     start_s = time.perf_counter() - t0
+    marks["llm_ready"] = time.time()
     prompts = args.prompt or list(DEFAULT_PROMPTS)
+    first_token_s = None
+    if not args.no_first_token:
+        # the first request's time to its first token: the first prompt, one token;
+        # then the prefix cache is emptied, so the outputs below see the engine as if
+        # this request had not run
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=1),
+                     use_tqdm=False)
+        marks["first_token"] = time.time()
+        first_token_s = marks["first_token"] - marks["llm_ready"]
+        llm.reset_prefix_cache()
     # ignore_eos: always max_tokens tokens, so runs compare token for token
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
                             logprobs=args.logprobs or None)
@@ -167,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dump_state:
         result.update(llm.collective_rpc(
             lambda self: _state_digest(self.model_runner.model))[0])
+    marks["end"] = time.time()
+    result["phases"] = phase_marks(marks, start_source, first_token_s)
     print(json.dumps(result), flush=True)
     return 0
 

