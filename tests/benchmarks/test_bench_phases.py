@@ -292,3 +292,20 @@ def test_prime_compile_probe_reports_absence_with_reason(monkeypatch):
     monkeypatch.setattr(bp.subprocess, "run", lambda *a, **k: Done())
     ok, reason = bp.prime_compile_supported()
     assert (False, True) == (ok, "--prime-compile" in reason)
+
+
+def test_vllm_engine_args_are_what_run_engine_builds_its_engine_with():
+    """vllm_engine_args: run_engine's options as vLLM engine arguments, run_engine's own
+    defaults included (max_num_seqs 1, its memory share), vLLM's default (0) left out, and
+    run_engine-only options (--compile, --logprobs) dropped: what a priming serve needs."""
+    from wcache.vllm.run_engine import vllm_engine_args
+
+    assert vllm_engine_args([]) == ["--dtype", "bfloat16", "--tensor-parallel-size", "1",
+                                    "--gpu-memory-utilization", "0.2", "--max-model-len", "512",
+                                    "--max-num-seqs", "1"]
+    got = vllm_engine_args(["--compile", "--logprobs", "5", "--attention-backend", "TRITON_ATTN",
+                            "--gpu-memory-utilization", "0.3", "--max-model-len", "8192",
+                            "--max-num-seqs", "0", "--kv-cache-memory-bytes", "1024"])
+    assert got == ["--dtype", "bfloat16", "--tensor-parallel-size", "1",
+                   "--gpu-memory-utilization", "0.3", "--max-model-len", "8192",
+                   "--attention-backend", "TRITON_ATTN", "--kv-cache-memory-bytes", "1024"]

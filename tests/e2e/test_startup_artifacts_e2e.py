@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 
 import pytest
 
@@ -35,22 +34,6 @@ if os.environ.get(OPT_IN_ENV) != "1":
 #: takes ~3 GiB and a minute to allocate here; the tiny model needs ~4 MiB).
 KV_CACHE_ARGS = ("--kv-cache-memory-bytes", str(64 << 20))
 
-#: The priming engine's cold compile on 2 loaded cores took 105 s of a 205 s start.
-PRIMED_TIMEOUT_S = 900.0
-POLL_S = 1.0
-
-
-def _wait_primed(daemon: DaemonProcess) -> None:
-    deadline = time.monotonic() + PRIMED_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if any(line.startswith("wcache: primed:") for line in daemon.lines):
-            return
-        if any("priming failed" in line for line in daemon.lines) or daemon.proc.poll() is not None:
-            break
-        time.sleep(POLL_S)
-    pytest.fail("priming did not finish:\n" + "\n".join(list(daemon.lines)[-30:]))
-
-
 def test_fresh_engine_gets_the_primed_compile_and_the_disk_tokens(sock_dir, tmp_path):
     """A daemon primed once hands an engine with empty caches vLLM's compiled hash dir (vLLM opens it, nothing compiles from zero) and the disk engine's greedy tokens."""
     model = build_tiny("bf16")
@@ -60,7 +43,7 @@ def test_fresh_engine_gets_the_primed_compile_and_the_disk_tokens(sock_dir, tmp_
                       str(DEFAULT_GPU_MEMORY_UTILIZATION), *KV_CACHE_ARGS)
     with DaemonProcess(model, sock_dir, extra_args=("--prime-compile", *same_as_engine),
                        env=cache_env(tmp_path / "daemon-node")) as daemon:
-        _wait_primed(daemon)
+        daemon.wait_primed()
         sock = paths.list_sockets(sock_dir)[0]
         art = daemon_status(sock)["artifacts"]
         assert (art["present"], art["state"]) == (True, "primed")

@@ -272,6 +272,8 @@ class _Runner:
         from wcache.daemon.process import DaemonProcess  # noqa: PLC0415
         from wcache.testing.caches import cache_env  # noqa: PLC0415
 
+        from wcache.vllm.run_engine import vllm_engine_args  # noqa: PLC0415
+
         ok, reason = prime_compile_supported()
         if not ok:
             return {"not_run": reason}
@@ -279,11 +281,18 @@ class _Runner:
         shutil.rmtree(snap, ignore_errors=True)
         info: dict[str, Any] = {}
         with tempfile.TemporaryDirectory(prefix="wcb-prime-") as sock:
+            # the priming engine is built from the serve's arguments: give it the
+            # engines' (vLLM's compile key covers max_model_len and max_num_seqs; the
+            # memory share lets it start beside the daemon)
             prime = DaemonProcess(self.ckpt, sock, env=cache_env(self.node("prime", True)),
-                                  extra_args=[*self.serve_args, PRIME_COMPILE_FLAG,
-                                              "--snapshot", str(snap)])
+                                  extra_args=[*self.serve_args,
+                                              *vllm_engine_args(list(self.engine_args)),
+                                              PRIME_COMPILE_FLAG, "--snapshot", str(snap)])
             with prime:
-                info["prime_daemon"] = {"ready_s": prime.ready_s, "command": prime.args}
+                t0 = time.time()
+                info["prime_daemon"] = {"ready_s": prime.ready_s, "command": prime.args,
+                                        "primed": prime.wait_primed(),
+                                        "priming_s": time.time() - t0}
         root = self.node(row.node, fresh=True)
         with tempfile.TemporaryDirectory(prefix="wcb-fresh-") as sock:
             served = DaemonProcess(self.ckpt, sock, env=cache_env(root),

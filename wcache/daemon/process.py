@@ -28,6 +28,12 @@ STOP_GRACE_S = 20.0
 #: Engine arguments shared by daemons and engines in demos and tests, so the
 #: cache key (dtype, quantization) matches on both sides.
 ENGINE_ARGS = ("--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512")
+#: ``wcache serve --prime-compile``'s line once its bundle exists (wcache.daemon.prime).
+PRIMED_PREFIX = "wcache: primed:"
+#: A priming engine's cold compile: ~2-3 min for the tiny model on 2 loaded CPU cores,
+#: minutes for an 8B model's compile and graph capture on the H200; room for both.
+PRIMED_TIMEOUT_S = 1800.0
+PRIMED_POLL_S = 1.0
 
 
 def _env() -> dict[str, str]:
@@ -77,6 +83,30 @@ class DaemonProcess:
         self.lines: deque[str] = deque(maxlen=400)
         self.ready_lines: list[str] = []
         self.tensor_parallel_size = tensor_parallel_size
+
+    def wait_primed(self, timeout_s: float = PRIMED_TIMEOUT_S) -> str:
+        """Wait until this ``--prime-compile`` daemon prints ``wcache: primed:`` (it
+        serves from ready on; its start-up bundle, and a ``--snapshot``'s copy of it,
+        exist from that line on).
+
+        Returns:
+            That line.
+
+        Raises:
+            RuntimeError: priming failed, the daemon exited, or ``timeout_s`` passed
+                (the daemon's last lines in the message).
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            lines = list(self.lines)
+            done = [ln for ln in lines if ln.startswith(PRIMED_PREFIX)]
+            if done:
+                return done[-1]
+            if any("priming failed" in ln for ln in lines) or self.proc.poll() is not None:
+                break
+            time.sleep(PRIMED_POLL_S)
+        raise RuntimeError("the --prime-compile daemon did not prime:\n"
+                           + "\n".join(list(self.lines)[-30:]))
 
     def start(self, timeout_s: float = DAEMON_READY_TIMEOUT_S) -> "DaemonProcess":
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

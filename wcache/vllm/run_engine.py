@@ -155,7 +155,37 @@ def greedy_texts(llm: Any, prompts: list[str], max_tokens: int) -> list[str]:
     return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+#: run_engine options that are vLLM engine arguments of the same name and meaning
+#: (``--max-model-len`` / ``--max-num-seqs`` with :data:`VLLM_DEFAULT` aside).
+VLLM_OPTIONS = ("--dtype", "--tensor-parallel-size", "--gpu-memory-utilization",
+                "--max-model-len", "--max-num-seqs", "--quantization", "--attention-backend",
+                "--kv-cache-memory-bytes")
+
+
+def vllm_engine_args(argv: list[str]) -> list[str]:
+    """The vLLM engine arguments (``vllm serve`` / ``wcache serve`` form) of the engine
+    that these run_engine options (``--model`` excluded) build, defaults included: what
+    ``wcache serve --prime-compile`` needs for its priming engine to compile for this
+    engine's compile-cache key (``vllm_config.compute_hash()`` covers
+    ``max_model_len`` and ``max_num_seqs``; :mod:`wcache.vllm.prime_engine`).
+    """
+    args = _parser().parse_args(["--model", "-", *argv])
+    out: list[str] = []
+    for opt in VLLM_OPTIONS:
+        value = getattr(args, opt[2:].replace("-", "_"))
+        if value is None or (opt in ("--max-model-len", "--max-num-seqs")
+                             and value == VLLM_DEFAULT):
+            continue
+        out += [opt, str(value)]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return _run(args)
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -188,8 +218,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="also report the top-N logprobs of every generated token")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile and CUDA graphs (default: enforce_eager)")
-    args = ap.parse_args(argv)
+    return ap
 
+
+def _run(args: argparse.Namespace) -> int:
     process_start, start_source = process_start_time()
     marks = {"process_start": process_start, "module_start": _MODULE_START}
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
