@@ -224,16 +224,19 @@ def _bring_peer_artifacts(server: Any, source: str) -> None:
 
 
 def _snapshot_artifacts(server: Any, snap_dir: str, name: str) -> None:
-    """Load the bundle a snapshot holds for this rank (none: the state says so)."""
+    """Load the bundle a snapshot holds for this rank (none: the state says so).
+    Never fails the daemon's start: a bad or unreadable ``.startup`` file only
+    costs the engines a compile, so its reason goes to ``status`` and the log."""
     from wcache.store import StoreError  # noqa: PLC0415
     from wcache.store.artifacts import read_bundle  # noqa: PLC0415
 
     try:
         bundle = read_bundle(os.path.join(snap_dir, SNAPSHOT_STARTUP_DIR, name))
-    except StoreError as exc:
-        server.artifacts_error = f"[{exc.code}] {exc}"
+    except (StoreError, OSError) as exc:  # read_bundle wraps OSErrors; an OSError is a bug there
+        code = getattr(exc, "code", type(exc).__name__)
+        server.artifacts_error = f"[{code}] {exc}"
         logger.warning("wcache: the snapshot's start-up artifacts are not used [%s]: %s",
-                       exc.code, exc)
+                       code, exc)
         return
     if bundle is not None:
         server.artifacts, server.artifacts_state = bundle, "snapshot"
@@ -266,12 +269,27 @@ def _prime(server: Any, prime: tuple[str, list[str], str], snapshot: str | None,
 
 
 def _write_rank_snapshot(server: Any, root: str, layout: dict[str, int]) -> None:
+    """Write this rank's snapshot into ``root``, first removing the rank's old
+    start-up bundle (``root/.startup/<rank name>``): it was made for the snapshot
+    being replaced, and priming (which runs after this) writes the new one.
+
+    Raises:
+        OSError, StoreError: as :func:`wcache.store.snapshot.write_snapshot`, or the
+            old bundle cannot be removed.
+    """
+    import shutil  # noqa: PLC0415
+
     from wcache.store.prebuilt import served_arena  # noqa: PLC0415
     from wcache.store.snapshot import write_snapshot  # noqa: PLC0415
 
+    name = snapshot_name(layout)
+    try:
+        shutil.rmtree(os.path.join(root, SNAPSHOT_STARTUP_DIR, name))
+    except FileNotFoundError:
+        pass
     view = served_arena(server)
     try:
-        write_snapshot(root, snapshot_name(layout), view.tensor, server.manifest, server.key)
+        write_snapshot(root, name, view.tensor, server.manifest, server.key)
     finally:
         view.close()
 

@@ -16,7 +16,8 @@ An *entry* is the unit of installation: one directory (or file) under one cache
 root (``vllm`` -> ``VLLM_CACHE_ROOT``, ``triton`` -> ``TRITON_CACHE_DIR``,
 ``inductor`` -> ``TORCHINDUCTOR_CACHE_DIR``). :func:`install_bundle` installs each
 entry the engine's cache does not have yet (extract to a temp dir beside it,
-check every file's blake3, rename) and never overwrites an existing one.
+check every file's size and blake3, ``renameat2(RENAME_NOREPLACE)``) and never
+overwrites an existing one, even one that appears while it installs.
 
 This module imports neither torch nor vLLM: the daemon's lean server serves
 bundles, snapshots store them. What the factors mean and whether a bundle fits
@@ -28,6 +29,8 @@ vllm/compilation/caching.py (``aot_compile_hash_factors``); tarfile, blake3.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import fcntl
 import io
 import json
@@ -51,6 +54,7 @@ __all__ = [
     "BUNDLE_FORMAT", "BUNDLE_ROOTS", "MAX_BUNDLE_BYTES", "TAR_FILE", "MANIFEST_FILE", "Bundle",
     "ArtifactsMissing", "ArtifactsCorrupt", "pack_bundle", "bundle_from_bytes", "write_bundle",
     "read_bundle", "open_bundle_fd", "install_bundle", "InstallResult", "bundle_summary",
+    "INSTALL_FAILED",
 ]
 
 log = logging.getLogger("wcache.store")
@@ -74,6 +78,23 @@ _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_
 _CHUNK = 1 << 20
 #: Prefix of the temp dirs an install extracts into (beside the final entry).
 _TMP_PREFIX = ".wcache-startup-"
+#: Reason code of an entry that could not be moved into the engine's cache for a
+#: reason other than "already there" (EACCES, EXDEV, ENOSPC, ...): a StoreError,
+#: which the loader logs before the engine compiles as usual.
+INSTALL_FAILED = "artifacts-install-failed"
+#: renameat2(2)'s "relative to the working directory" fd and its no-replace flag
+#: (linux/fcntl.h, linux/fs.h): the rename fails with EEXIST when the target exists.
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+#: errnos of a kernel or file system that does not do RENAME_NOREPLACE (before
+#: Linux 3.15; some network and FUSE file systems): the fallbacks of :func:`_place` apply.
+_NOREPLACE_UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
+#: errnos saying the destination exists (a file, a directory, or a non-empty one).
+_EXISTS = (errno.EEXIST, errno.ENOTEMPTY)
+#: Reasons :class:`InstallResult` gives for a skipped entry.
+SKIP_PRESENT = "present"        # the engine's cache had it (or it appeared meanwhile)
+SKIP_NO_ROOT = "no-root"        # the caller gave no directory for its root
+SKIP_NOT_IN_TAR = "not-in-tar"  # listed, but the tar has no member of it (see install_bundle)
 
 
 @attrs.frozen
@@ -146,7 +167,9 @@ def pack_bundle(roots: Mapping[str, str | os.PathLike], entries: list[tuple[str,
 
     Args:
         roots: cache root name (one of :data:`BUNDLE_ROOTS`) -> directory.
-        entries: what to carry; symlinks and special files inside are skipped.
+        entries: what to carry; symlinks and special files inside are skipped, and an
+            entry that is itself one (or is gone) is left out of the manifest, so each
+            listed entry has members in the tar.
         factors: what the artifacts were made under (JSON-able; :mod:`wcache.vllm.startup`).
 
     Returns:
@@ -165,12 +188,17 @@ def pack_bundle(roots: Mapping[str, str | os.PathLike], entries: list[tuple[str,
             raise ArtifactsCorrupt(f"entry {root}/{rel}: no directory given for root {root!r}")
         checked.append({"root": root, "path": rel})
 
+    carried = []
+
     def write(f: Any) -> None:
         with tarfile.open(fileobj=f, mode="w", format=tarfile.PAX_FORMAT) as tar:
             for entry in checked:
                 base = Path(roots[entry["root"]]) / entry["path"]
                 arc = f"{entry['root']}/{entry['path']}"
-                for path, name in _walk(base, arc):
+                walked = _walk(base, arc)
+                if walked:  # a symlink, special file or vanished entry carries nothing
+                    carried.append(entry)
+                for path, name in walked:
                     st = os.lstat(path)
                     info = tarfile.TarInfo(name)
                     info.mtime = int(st.st_mtime)
@@ -185,7 +213,7 @@ def pack_bundle(roots: Mapping[str, str | os.PathLike], entries: list[tuple[str,
                     files.append({"path": name, "nbytes": st.st_size, "blake3": _digest_file(path)})
 
     fd, tar_nbytes, tar_digest = _sealed_from(write, "the start-up artifact bundle")
-    manifest = {"format": BUNDLE_FORMAT, "factors": dict(factors), "entries": checked,
+    manifest = {"format": BUNDLE_FORMAT, "factors": dict(factors), "entries": carried,
                 "files": files, "nbytes": sum(f["nbytes"] for f in files),
                 "tar_nbytes": tar_nbytes, "tar_blake3": tar_digest}
     return Bundle(fd, manifest)
@@ -222,15 +250,24 @@ def bundle_from_bytes(data: bytes | io.BufferedIOBase | Any, manifest: Mapping[s
     checked against the manifest's ``tar_blake3``.
 
     Raises:
-        ArtifactsCorrupt: the bytes differ from the manifest, or the manifest is malformed.
+        ArtifactsCorrupt: the bytes differ from the manifest, the manifest is malformed,
+            or reading ``data`` fails (an OSError: EIO, ...).
+        StoreError: the memfd cannot be made or filled.
     """
     _check_manifest(manifest)
 
     def write(f: Any) -> None:
         if isinstance(data, (bytes, bytearray, memoryview)):
             f.write(data)
-        else:
-            shutil.copyfileobj(data, f, _CHUNK)
+            return
+        while True:
+            try:
+                chunk = data.read(_CHUNK)
+            except OSError as e:  # a read error is the source's, not the memfd's
+                raise ArtifactsCorrupt(f"cannot read the bundle tar: {_oserror(e)}") from e
+            if not chunk:
+                return
+            f.write(chunk)
 
     fd, nbytes, digest = _sealed_from(write, "the start-up artifact bundle")
     if nbytes != manifest["tar_nbytes"] or digest != manifest["tar_blake3"]:
@@ -242,7 +279,14 @@ def bundle_from_bytes(data: bytes | io.BufferedIOBase | Any, manifest: Mapping[s
 
 
 def _check_manifest(manifest: Any) -> None:
-    """Raises ArtifactsCorrupt unless ``manifest`` has the fields a bundle needs."""
+    """Check that ``manifest`` has the fields a bundle needs, each of its type: every
+    entry a map with a string ``root`` (one of :data:`BUNDLE_ROOTS`) and a plain
+    relative string ``path``, every files item a map with a string ``path`` and
+    ``blake3`` and an int ``nbytes >= 0``.
+
+    Raises:
+        ArtifactsCorrupt: naming the first field that is missing or malformed.
+    """
     if not isinstance(manifest, Mapping):
         raise ArtifactsCorrupt(f"bundle manifest is a {type(manifest).__name__}, not a map")
     if manifest.get("format") != BUNDLE_FORMAT:
@@ -257,8 +301,19 @@ def _check_manifest(manifest: Any) -> None:
                                f"{MAX_BUNDLE_BYTES}-byte limit")
     for entry in manifest["entries"]:
         if not isinstance(entry, Mapping):
-            raise ArtifactsCorrupt("a bundle entry is not a map")
-        _check_entry(str(entry.get("root")), str(entry.get("path")))
+            raise ArtifactsCorrupt(f"bundle entry {entry!r:.80} is not a map")
+        root, rel = entry.get("root"), entry.get("path")
+        if not isinstance(root, str) or not isinstance(rel, str):
+            raise ArtifactsCorrupt(f"bundle entry {dict(entry)!r:.120} lacks a string root and path")
+        _check_entry(root, rel)
+    for item in manifest["files"]:
+        if not isinstance(item, Mapping):
+            raise ArtifactsCorrupt(f"bundle files item {item!r:.80} is not a map")
+        path, digest, nbytes = item.get("path"), item.get("blake3"), item.get("nbytes")
+        if not (isinstance(path, str) and isinstance(digest, str) and isinstance(nbytes, int)
+                and not isinstance(nbytes, bool) and nbytes >= 0):
+            raise ArtifactsCorrupt(f"bundle files item {dict(item)!r:.120} needs a string path and "
+                                   f"blake3 and an int nbytes >= 0")
 
 
 def open_bundle_fd(manifest: Any, fds: list[int]) -> Bundle:
@@ -328,92 +383,211 @@ def read_bundle(directory: str | os.PathLike) -> Bundle | None:
     """The bundle :func:`write_bundle` left in ``directory``, or None when there is none.
 
     Raises:
-        ArtifactsCorrupt: the manifest is unreadable or the tar differs from it.
+        ArtifactsCorrupt: the manifest is unreadable or malformed, the tar is missing,
+            unreadable (any OSError: a directory, EACCES, EIO; the message names the
+            path and errno) or differs from the manifest.
+        StoreError: the memfd cannot be made.
     """
     directory = Path(directory)
     try:
         manifest = json.loads((directory / MANIFEST_FILE).read_text())
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:
-        raise ArtifactsCorrupt(f"{directory / MANIFEST_FILE} is unreadable: {e}") from None
+    except OSError as e:
+        raise ArtifactsCorrupt(f"{directory / MANIFEST_FILE} is unreadable: {_oserror(e)}") from e
+    except ValueError as e:
+        raise ArtifactsCorrupt(f"{directory / MANIFEST_FILE} is not JSON: {e}") from e
     try:
         with open(directory / TAR_FILE, "rb") as f:
             return bundle_from_bytes(f, manifest)
     except FileNotFoundError:
         raise ArtifactsCorrupt(f"{directory / MANIFEST_FILE} names a bundle but "
                                f"{directory / TAR_FILE} is missing") from None
+    except OSError as e:
+        raise ArtifactsCorrupt(f"{directory / TAR_FILE} is unreadable: {_oserror(e)}") from e
+
+
+def _oserror(e: OSError) -> str:
+    """``[ERRNO] message`` of ``e`` (e.g. ``[EISDIR] Is a directory``)."""
+    name = errno.errorcode.get(e.errno, str(e.errno)) if e.errno is not None else "no errno"
+    return f"[{name}] {e.strerror or e}"
 
 
 @attrs.frozen
 class InstallResult:
-    """What :func:`install_bundle` did: entries (``root/path``) installed, and those
-    skipped because the engine's cache already had them."""
+    """What :func:`install_bundle` did.
+
+    Attributes:
+        installed: entries (``root/path``) moved into the engine's caches.
+        skipped: entries not installed (the engine's cache already had them, their
+            root has no destination, or the tar carries nothing of them).
+        nbytes: bytes of the files installed.
+        reasons: ``(entry, reason)`` for each skipped entry, the reason one of
+            :data:`SKIP_PRESENT`, :data:`SKIP_NO_ROOT`, :data:`SKIP_NOT_IN_TAR`.
+    """
 
     installed: tuple[str, ...] = ()
     skipped: tuple[str, ...] = ()
     nbytes: int = 0
+    reasons: tuple[tuple[str, str], ...] = ()
+
+
+def _libc_renameat2() -> Any:
+    """libc's ``renameat2`` (glibc >= 2.28), or None where libc has none."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_renameat2 = _libc_renameat2()
+
+
+def _rename_noreplace(src: Path, dst: Path) -> None:
+    """``renameat2(src, dst, RENAME_NOREPLACE)``: atomic, and fails with EEXIST when
+    ``dst`` exists (a file, or a directory, empty or not).
+
+    Raises:
+        OSError: with the call's errno (ENOSYS where libc has no renameat2).
+    """
+    if _renameat2 is None:
+        raise OSError(errno.ENOSYS, "libc has no renameat2", str(dst))
+    if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE):
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(dst))
+
+
+def _place(src: Path, dst: Path) -> bool:
+    """Move the extracted entry ``src`` to ``dst`` unless ``dst`` exists; True when
+    moved, False when ``dst`` exists (kept as it is).
+
+    ``renameat2(RENAME_NOREPLACE)`` where the kernel and file system do it. Where
+    they refuse the flag (EINVAL, ENOSYS, EOPNOTSUPP): a file is hard-linked to
+    ``dst`` (link(2) never replaces: EEXIST) and its temp name removed; a
+    directory has no such call, so it is renamed after an ``lexists`` check, and
+    an empty directory that another process creates between the two is replaced
+    (rename(2) onto an empty directory succeeds). That window is the fallback's
+    only gap; a non-empty directory still makes the rename fail (ENOTEMPTY).
+
+    Raises:
+        StoreError: code :data:`INSTALL_FAILED`, the move failed for another reason
+            (EACCES, EXDEV, ENOSPC, ...; the message names the path and errno).
+    """
+    try:
+        try:
+            _rename_noreplace(src, dst)
+            return True
+        except OSError as e:
+            if e.errno not in _NOREPLACE_UNSUPPORTED:
+                raise
+        if not src.is_dir():
+            os.link(src, dst)
+            os.unlink(src)
+            return True
+        if os.path.lexists(dst):
+            return False
+        os.rename(src, dst)
+        return True
+    except OSError as e:
+        if e.errno in _EXISTS:
+            return False
+        raise StoreError(f"cannot install the start-up artifact {dst}: {_oserror(e)}",
+                         code=INSTALL_FAILED) from e
+
+
+def _members_by_entry(members: list[tarfile.TarInfo],
+                      names: set[str]) -> dict[str, list[tarfile.TarInfo]]:
+    """Each entry name of ``names`` -> its tar members (the member named so, and
+    those under it), in tar order; one pass over the members, so a bundle of many
+    small entries (Inductor's files) is not entries x members."""
+    out: dict[str, list[tarfile.TarInfo]] = {n: [] for n in names}
+    for m in members:
+        parts = m.name.split("/")
+        for i in range(len(parts), 0, -1):
+            owner = "/".join(parts[:i])
+            if owner in out:
+                out[owner].append(m)
+                break
+    return out
 
 
 def install_bundle(bundle: Bundle, dests: Mapping[str, str | os.PathLike]) -> InstallResult:
     """Install each entry of ``bundle`` whose destination does not exist yet.
 
     Per entry: its tar members are written into a fresh temp dir beside the
-    destination (same file system), every file checked against its blake3, then
-    the entry is renamed into place (``os.rename``: atomic; a directory that
-    appeared meanwhile makes the rename fail and the entry is skipped). An
-    existing destination is never touched. Roots missing from ``dests`` are skipped.
+    destination (same file system), every file's size and blake3 checked against
+    the manifest, then the entry is moved into place by :func:`_place`
+    (``renameat2(RENAME_NOREPLACE)``: atomic, and an entry that appeared meanwhile,
+    file or directory, is kept and this one skipped). An existing destination is
+    never touched. Roots missing from ``dests`` are skipped, and so is an entry the
+    tar has no member of (a bundle packed before :func:`pack_bundle` left such
+    entries out: a symlinked cache entry it counted and did not carry); each skip
+    has its reason in :attr:`InstallResult.reasons`.
 
     Args:
-        bundle: the bundle.
+        bundle: the bundle (its manifest checked, as every :class:`Bundle` read or
+            received is).
         dests: cache root name -> the engine's directory for it (created if missing).
 
     Returns:
-        The entries installed and skipped, and the bytes written.
+        The entries installed and skipped, the bytes written, the skips' reasons.
 
     Raises:
-        ArtifactsCorrupt: a member outside its entry, not a file or directory, or with a
-            wrong digest (nothing of that entry is left behind; entries installed before
-            stay: each was complete and checked).
+        ArtifactsCorrupt: a member outside its entry, not a file or directory, sparse,
+            of another size than the manifest says, or with a wrong digest (nothing of
+            that entry is left behind; entries installed before stay: each was
+            complete and checked).
+        StoreError: code :data:`INSTALL_FAILED`, an entry could not be moved into place
+            for a reason other than "already there" (EACCES, EXDEV, ...).
     """
     digests = {f["path"]: (f["blake3"], f["nbytes"]) for f in bundle.manifest["files"]}
-    installed, skipped, written = [], [], 0
+    installed, reasons, written = [], [], 0
     with os.fdopen(os.dup(bundle.fd), "rb") as raw:
         raw.seek(0)
         with tarfile.open(fileobj=raw, mode="r:") as tar:
-            members = tar.getmembers()
-            for entry in bundle.manifest["entries"]:
+            names = {f"{e['root']}/{e['path']}": e for e in bundle.manifest["entries"]}
+            by_entry = _members_by_entry(tar.getmembers(), set(names))
+            for name, entry in names.items():
                 root, rel = entry["root"], entry["path"]
-                name = f"{root}/{rel}"
                 if root not in dests:
-                    skipped.append(name)
+                    reasons.append((name, SKIP_NO_ROOT))
                     continue
                 final = Path(dests[root]) / rel
                 if os.path.lexists(final):
-                    skipped.append(name)
+                    reasons.append((name, SKIP_PRESENT))
                     continue
-                mine = [m for m in members if m.name == name or m.name.startswith(name + "/")]
+                mine = by_entry[name]
+                if not mine:
+                    reasons.append((name, SKIP_NOT_IN_TAR))
+                    continue
                 final.parent.mkdir(parents=True, exist_ok=True)
                 tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=final.parent))
                 try:
-                    written += _extract_entry(tar, mine, name, tmp / "e", digests)
-                    try:
-                        os.rename(tmp / "e", final)
-                    except OSError:  # appeared meanwhile (another engine installed it): keep theirs
-                        skipped.append(name)
-                        continue
-                    installed.append(name)
+                    nbytes = _extract_entry(tar, mine, name, tmp / "e", digests)
+                    if _place(tmp / "e", final):
+                        installed.append(name)
+                        written += nbytes
+                    else:  # appeared meanwhile (another engine installed it): keep theirs
+                        reasons.append((name, SKIP_PRESENT))
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
-    return InstallResult(tuple(installed), tuple(skipped), written)
+    return InstallResult(tuple(installed), tuple(n for n, _ in reasons), written, tuple(reasons))
 
 
 def _extract_entry(tar: tarfile.TarFile, members: list[tarfile.TarInfo], name: str, out: Path,
                    digests: Mapping[str, tuple[str, int]]) -> int:
-    """Write ``members`` (entry ``name``) under ``out``, checking each file; bytes written."""
+    """Write ``members`` (entry ``name``, at least one) under ``out``, checking each
+    file's size before and its blake3 after writing it; bytes written.
+
+    Raises:
+        ArtifactsCorrupt: a member escapes the entry, is not a plain file or
+            directory, is sparse, is not in the manifest, or has another size or
+            digest than the manifest says.
+    """
     written = 0
-    if not members:
-        raise ArtifactsCorrupt(f"bundle entry {name} has no member in the tar")
     for m in members:
         rel = PurePosixPath(m.name).relative_to(name) if m.name != name else PurePosixPath(".")
         if m.name != name and (".." in rel.parts or rel.is_absolute()):
@@ -422,11 +596,17 @@ def _extract_entry(tar: tarfile.TarFile, members: list[tarfile.TarInfo], name: s
         if m.isdir():
             target.mkdir(parents=True, exist_ok=True)
             continue
+        if m.issparse():  # a GNU sparse member's size is not what it writes
+            raise ArtifactsCorrupt(f"tar member {m.name!r} is a sparse file; a bundle holds "
+                                   f"plain files")
         if not m.isfile():
             raise ArtifactsCorrupt(f"tar member {m.name!r} is not a plain file or directory")
         want = digests.get(m.name)
         if want is None:
             raise ArtifactsCorrupt(f"tar member {m.name!r} is not in the bundle's manifest")
+        if m.size != want[1]:
+            raise ArtifactsCorrupt(f"tar member {m.name!r} is {m.size} bytes, the bundle "
+                                   f"manifest says {want[1]}")
         target.parent.mkdir(parents=True, exist_ok=True)
         h = blake3.blake3()
         src = tar.extractfile(m)
@@ -446,15 +626,19 @@ def bundle_summary(bundle: Bundle | None, state: str | None = None,
                    error: str | None = None) -> dict[str, Any]:
     """What ``status`` shows of a daemon's bundle: present, bytes, files, the
     vLLM hashes it was made under, and the priming state (``priming``,
-    ``primed``, ``failed``, ``snapshot``, ``peer``) with its error."""
+    ``primed``, ``failed``, ``snapshot``, ``peer``) with its error. Never raises:
+    it reads the manifest with ``.get`` (a ``status`` reply must not fail on a
+    bundle, whatever its manifest holds)."""
     if bundle is None:
         return {"present": False, "state": state, "error": error}
-    factors = bundle.manifest.get("factors") or {}
-    return {"present": True, "state": state, "error": error, "bytes": bundle.nbytes,
-            "tar_bytes": bundle.tar_nbytes, "files": len(bundle.manifest["files"]),
-            "entries": len(bundle.manifest["entries"]),
-            "compile_dirs": [e["path"].rsplit("/", 1)[-1] for e in bundle.manifest["entries"]
-                             if e["root"] == "vllm"
-                             and e["path"].startswith("torch_compile_cache/")],
+    manifest = bundle.manifest
+    factors = manifest.get("factors") or {}
+    entries = [e for e in manifest.get("entries") or () if isinstance(e, Mapping)]
+    return {"present": True, "state": state, "error": error, "bytes": manifest.get("nbytes"),
+            "tar_bytes": manifest.get("tar_nbytes"), "files": len(manifest.get("files") or ()),
+            "entries": len(entries),
+            "compile_dirs": [str(e.get("path")).rsplit("/", 1)[-1] for e in entries
+                             if e.get("root") == "vllm"
+                             and str(e.get("path")).startswith("torch_compile_cache/")],
             "config_hash": factors.get("config_hash"),
             "vllm": factors.get("vllm")}

@@ -144,7 +144,18 @@ def cache_dirs(environ: Mapping[str, str] | None = None) -> dict[str, Path]:
 def collect_entries(dirs: Mapping[str, Path]) -> list[tuple[str, str]]:
     """The entries a priming run left in its private ``dirs``: each AOT hash dir,
     each other ``torch_compile_cache`` dir (the non-AOT path's ``{hash10}``), each
-    model-info file, and each top-level Triton and Inductor cache entry."""
+    model-info file, each top-level Triton cache entry (Triton's are per-kernel
+    hash dirs already), and each regular file under the Inductor root.
+
+    Inductor's top level is a few shared dirs (``fxgraph``, ``aotautograd``,
+    ``triton``, ...) that any earlier compile creates, so as entries they would be
+    "present" in almost every engine's cache; as leaf files they merge into it
+    file by file, none overwritten. Names starting with ``.`` (lock and temp
+    files) and symlinks are left out.
+
+    Returns:
+        ``(root name, path relative to that root)`` pairs, sorted within each root.
+    """
     out: list[tuple[str, str]] = []
     vroot = dirs.get("vllm")
     if vroot is not None:
@@ -158,12 +169,27 @@ def collect_entries(dirs: Mapping[str, Path]) -> list[tuple[str, str]]:
         info = vroot / MODELINFO_DIR
         if info.is_dir():
             out += [("vllm", f"{MODELINFO_DIR}/{p.name}") for p in sorted(info.iterdir()) if p.is_file()]
-    for root in ("triton", "inductor"):
-        d = dirs.get(root)
-        if d is not None and d.is_dir():
-            out += [(root, p.name) for p in sorted(d.iterdir())
-                    if (p.is_dir() or p.is_file()) and not p.name.startswith(".")]
+    triton = dirs.get("triton")
+    if triton is not None and triton.is_dir():
+        out += [("triton", p.name) for p in sorted(triton.iterdir())
+                if (p.is_dir() or p.is_file()) and not p.name.startswith(".")]
+    inductor = dirs.get("inductor")
+    if inductor is not None and inductor.is_dir():
+        out += [("inductor", rel) for rel in _leaf_files(inductor)]
     return out
+
+
+def _leaf_files(base: Path) -> list[str]:
+    """Paths (relative, ``/``-separated, sorted) of the regular files under ``base``,
+    not following symlinks and leaving out every name that starts with ``.``."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]  # os.walk skips dir symlinks
+        for name in filenames:
+            p = Path(dirpath) / name
+            if not name.startswith(".") and not p.is_symlink() and p.is_file():
+                found.append(p.relative_to(base).as_posix())
+    return sorted(found)
 
 
 def pack_primed(dirs: Mapping[str, Path], factors: Mapping[str, Any]) -> Bundle:
