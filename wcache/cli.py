@@ -25,7 +25,9 @@ re-running each quantization method's post-load work.
                                                  ... and seed daemons on other hosts over TCP
   wcache serve --model DIR --seed-from tcp://HOST:PORT --seed-secret-file F
                                                  start from a daemon on another host
-  wcache serve --model DIR --prime-compile      ... and compile once, so engines on fresh nodes need not
+  wcache serve --model DIR --prime-compile [serve|llm]
+                                                 ... and compile once for `vllm serve` (default) or LLM()
+                                                 engines, so engines on fresh nodes need not
   wcache serve --model DIR --http 9400           ... with GET /health and /metrics on 127.0.0.1:9400
   wcache status                                  show running daemons
   wcache status --wait-ready --model DIR [args]  exit 0 once every rank of that daemon serves
@@ -260,6 +262,7 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     import wcache
+    from wcache.daemon.prime import USAGE_CONTEXTS  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(
         prog="wcache", description=DESCRIPTION,
@@ -335,8 +338,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="separates two jobs of the same model on one host; pass the same "
                         "value to the engine as model_loader_extra_config job")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--prime-compile", action="store_true",
-                   help="once the daemon serves, run one engine against it (torch.compile, "
+    p.add_argument("--prime-compile", nargs="?", const="serve", default=None,
+                   choices=tuple(USAGE_CONTEXTS), metavar="{serve,llm}",
+                   help="for which engines: 'serve' (the default: `vllm serve`, the OpenAI API "
+                        "server) or 'llm' (LLM() in Python); vLLM's batch defaults, hence its "
+                        "compile hash, differ between the two, so a bundle primed for one is "
+                        "stale for the other. Once the daemon serves, run one engine against it "
+                        "(that usage context, torch.compile, "
                         "private empty caches) and keep what its compile wrote (vLLM's "
                         "torch_compile_cache hash dir, Triton and Inductor caches) as this "
                         "daemon's start-up artifacts: --snapshot stores them, --from-snapshot "
@@ -344,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--load-format wcache install them into their own empty caches when "
                         "they fit their vLLM (same versions, device, vLLM compile hashes; else "
                         "artifacts-stale, a cold compile). One rank only; a failure is logged "
-                        "and shown by `wcache status`, the daemon keeps serving. Off by default")
+                        "and shown by `wcache status`, the daemon keeps serving; `wcache stop` ends it. "
+                        "Off by default")
     p.add_argument("--no-lean", action="store_true",
                    help="keep serving from the process that loaded the model. By default, on "
                         "CPU, once a rank is ready (and its --snapshot written) it execs a "

@@ -41,7 +41,8 @@ def test_fresh_engine_gets_the_primed_compile_and_the_disk_tokens(sock_dir, tmp_
     # from them, and vLLM's compile key covers max_num_seqs and the memory share
     same_as_engine = ("--max-num-seqs", "1", "--gpu-memory-utilization",
                       str(DEFAULT_GPU_MEMORY_UTILIZATION), *KV_CACHE_ARGS)
-    with DaemonProcess(model, sock_dir, extra_args=("--prime-compile", *same_as_engine),
+    # primed for LLM() (run_engine's engine), not `vllm serve`: their batch defaults differ
+    with DaemonProcess(model, sock_dir, extra_args=("--prime-compile", "llm", *same_as_engine),
                        env=cache_env(tmp_path / "daemon-node")) as daemon:
         daemon.wait_primed()
         sock = paths.list_sockets(sock_dir)[0]

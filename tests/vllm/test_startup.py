@@ -5,12 +5,18 @@ reason a stale one is refused, and what the priming engine is started with."""
 from __future__ import annotations
 
 import json
+import os
+import types
+from pathlib import Path
 
 import pytest
 
 from wcache.daemon import prime
 from wcache.store import artifacts as art
 from wcache.vllm import startup
+
+MODEL = Path(os.path.expanduser("~/.cache/wcache/fixtures/smollm2-135m-instruct-bf16"))
+needs_model = pytest.mark.skipif(not MODEL.is_dir(), reason="needs the bf16 SmolLM2 fixture")
 
 FACTORS = {"vllm": "0.32.0", "torch": "2.13.0", "triton": None, "device": "cpu:x86_64",
            "capability": None, "env_hash": "e" * 64, "config_hash": "c" * 10,
@@ -51,11 +57,6 @@ def test_versions_are_named_before_hashes():
     """When versions and hashes differ, the version comes first (it explains the hashes)."""
     mine = {**FACTORS, "vllm": "0.33.0", "config_hash": "x"}
     assert startup.stale_reason(FACTORS, mine).startswith("vllm:")
-
-
-def test_a_matching_bundle_is_fresh_and_informational_fields_do_not_matter():
-    """Equal factors are fresh; aot_enabled/compile_mode are recorded but not compared."""
-    assert startup.stale_reason(FACTORS, {**FACTORS, "compile_mode": "NONE"}) is None
 
 
 def test_collect_entries_finds_hash_dirs_model_infos_and_kernel_caches(tmp_path):
@@ -108,7 +109,7 @@ def test_priming_command_runs_one_compiled_wcache_engine_without_fallback():
     cmd = prime.priming_command(
         "/m", ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512",
                "--max-num-seqs", "8", "--seed", "3"], socket_dir="/s", job="j", record="/r")
-    assert cmd[1:5] == ["-m", "wcache.vllm.prime_engine", "--model", "/m"]
+    assert cmd[1:7] == ["-m", "wcache.vllm.prime_engine", "--model", "/m", "--usage-context", "serve"]
     assert json.loads(cmd[cmd.index("--extra") + 1]) == \
         {"fallback": False, "socket_dir": "/s", "job": "j", "artifacts_record": "/r"}
     assert cmd[cmd.index("--") + 1:] == ["--dtype", "bfloat16", "--max-model-len", "512",
@@ -130,3 +131,97 @@ def test_priming_refuses_more_than_one_rank():
     with pytest.raises(prime.PrimingFailed, match="TP=2 x PP=1"):
         prime.priming_command("/m", ["--tensor-parallel-size", "2"], socket_dir=None, job="",
                               record="/r")
+
+
+def test_priming_command_passes_the_usage_context_and_refuses_an_unknown_one():
+    """--prime-compile llm reaches prime_engine as --usage-context llm; another value is priming-failed."""
+    cmd = prime.priming_command("/m", [], socket_dir=None, job="", record="/r", usage="llm")
+    assert cmd[cmd.index("--usage-context") + 1] == "llm"
+    with pytest.raises(prime.PrimingFailed, match="unknown priming usage 'batch'"):
+        prime.priming_command("/m", [], socket_dir=None, job="", record="/r", usage="batch")
+
+
+def _api_server_config(vllm_args):
+    """The VllmConfig `vllm serve` builds: AsyncEngineArgs from its engine arguments, under
+    UsageContext.OPENAI_API_SERVER (vllm/entrypoints/launchers/api_server/entry.py)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(vllm_args)
+    return AsyncEngineArgs.from_cli_args(args).create_engine_config(
+        usage_context=UsageContext.OPENAI_API_SERVER)
+
+
+@needs_model
+def test_priming_config_has_the_compile_hash_of_the_engines_primed_for():
+    """prime_engine's config for "serve" has `vllm serve`'s compute_hash, for "llm" LLM()'s
+    (same arguments; vLLM's batch defaults differ by usage context), config building only."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    from wcache.vllm import prime_engine
+
+    args = ["--dtype", "bfloat16", "--max-model-len", "512"]
+    priming = prime_engine.priming_engine_args(str(MODEL), args, {"fallback": False, "artifacts_record": "/r"})
+    engine_kw = {**prime_engine.engine_kwargs(str(MODEL), args), "load_format": "wcache",
+                 "model_loader_extra_config": {"socket_dir": "/s"}}
+    srv = _api_server_config(["--model", str(MODEL), *args, "--load-format", "wcache",
+                              "--model-loader-extra-config", '{"socket_dir": "/s"}'])
+    llm = EngineArgs(**engine_kw).create_engine_config(usage_context=UsageContext.LLM_CLASS)
+    assert srv.compute_hash() != llm.compute_hash()  # else this test proves nothing
+    assert prime_engine.engine_config(priming, "serve").compute_hash() == srv.compute_hash()
+    assert prime_engine.engine_config(priming, "llm").compute_hash() == llm.compute_hash()
+
+
+@needs_model
+def test_an_eager_engine_has_another_compile_hash():
+    """Why eager engines skip the bundle: --enforce-eager changes compute_hash (they would
+    always be artifacts-stale), and _compiles() tells them apart."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    from wcache.vllm.loader import _compiles
+
+    kw = {"model": str(MODEL), "dtype": "bfloat16", "max_model_len": 512}
+    eager = EngineArgs(**kw, enforce_eager=True).create_engine_config(usage_context=UsageContext.LLM_CLASS)
+    comp = EngineArgs(**kw).create_engine_config(usage_context=UsageContext.LLM_CLASS)
+    assert eager.compute_hash() != comp.compute_hash()
+    assert (_compiles(eager), _compiles(comp)) == (False, True)
+
+
+def _fake_vllm_config(enforce_eager, mode):
+    from vllm.config.compilation import CompilationMode
+
+    return types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=enforce_eager),
+                                 compilation_config=types.SimpleNamespace(mode=CompilationMode[mode]))
+
+
+@pytest.mark.parametrize("enforce_eager, mode", [(True, "VLLM_COMPILE"), (False, "NONE"), (True, "NONE")])
+def test_an_engine_that_does_not_compile_fetches_no_bundle(enforce_eager, mode, monkeypatch, tmp_path):
+    """An eager engine (enforce_eager or mode NONE) is outcome off, reason "not compiling":
+    no fetch, no artifacts-stale warning; its factors are still recorded when asked."""
+    from wcache.store import client
+    from wcache.vllm import loader
+
+    monkeypatch.setattr(startup, "engine_factors", lambda cfg, model=None: FACTORS)
+    monkeypatch.setattr(client, "fetch_artifacts", lambda *a: pytest.fail("fetched a bundle"))
+    record = tmp_path / "factors.json"
+    opts = loader.LoaderOptions(artifacts_record=str(record))
+    got = loader._startup_artifacts(opts, _fake_vllm_config(enforce_eager, mode), None, "cpu")
+    assert (got["outcome"], got["reason"]) == ("off", "not compiling")
+    assert json.loads(record.read_text()) == FACTORS
+
+
+def test_a_compiling_engine_fetches_the_bundle(monkeypatch):
+    """A compiled engine (enforce_eager off, VLLM_COMPILE) does fetch: the check does not skip it."""
+    from wcache.store import client
+    from wcache.vllm import loader
+
+    fetched = []
+    monkeypatch.setattr(startup, "engine_factors", lambda cfg, model=None: FACTORS)
+    monkeypatch.setattr(client, "fetch_artifacts",
+                        lambda *a: fetched.append(a) or (_ for _ in ()).throw(OSError("no daemon")))
+    got = loader._startup_artifacts(loader.LoaderOptions(), _fake_vllm_config(False, "VLLM_COMPILE"),
+                                    None, "cpu")
+    assert (len(fetched), got["outcome"]) == (1, "error")

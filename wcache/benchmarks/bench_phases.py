@@ -287,7 +287,8 @@ class _Runner:
             prime = DaemonProcess(self.ckpt, sock, env=cache_env(self.node("prime", True)),
                                   extra_args=[*self.serve_args,
                                               *vllm_engine_args(list(self.engine_args)),
-                                              PRIME_COMPILE_FLAG, "--snapshot", str(snap)])
+                                              # its engines are run_engine's LLM()
+                                              PRIME_COMPILE_FLAG, "llm", "--snapshot", str(snap)])
             with prime:
                 t0 = time.time()
                 info["prime_daemon"] = {"ready_s": prime.ready_s, "command": prime.args,

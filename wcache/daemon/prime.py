@@ -5,26 +5,35 @@ first engine on a node that gets this daemon's arena (here, from its snapshot, o
 from it as a peer) does not pay a cold compile.
 
 The engine is ``python -m wcache.vllm.prime_engine`` (the serve's own vLLM engine
-arguments, compiled, ``load_format="wcache"``) in a child process with ``fallback: false`` (a priming run that loaded from disk
-would prove nothing about this daemon) and the loader option ``artifacts_record``
-(the engine writes the compile factors its vLLM computed: the bundle records
-those). Imports no vLLM; the bundle is packed by :mod:`wcache.vllm.startup`.
+arguments, compiled, ``load_format="wcache"``, the usage context of the engines it
+primes for: ``serve`` for ``vllm serve``, ``llm`` for ``LLM()``) in a child process
+with ``fallback: false`` (a priming run that loaded from disk would prove nothing
+about this daemon) and the loader option ``artifacts_record`` (the engine writes
+the compile factors its vLLM computed: the bundle records those). The child runs
+in its own process group, dies with the rank (``PR_SET_PDEATHSIG`` on Linux), and
+is killed when the daemon is asked to stop meanwhile. Imports no vLLM; the bundle
+is packed by :mod:`wcache.vllm.startup`.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PRIME_TIMEOUT_S", "ROOT_ENV", "priming_args", "priming_command", "prime_compile", "PrimingFailed"]
+__all__ = ["PRIME_TIMEOUT_S", "ROOT_ENV", "USAGE_CONTEXTS", "priming_args", "priming_command",
+           "prime_compile", "PrimingFailed"]
 
 logger = logging.getLogger("wcache.daemon")
 
@@ -38,9 +47,19 @@ ROOT_ENV = {"vllm": "VLLM_CACHE_ROOT", "triton": "TRITON_CACHE_DIR",
             "inductor": "TORCHINDUCTOR_CACHE_DIR"}
 #: Characters of the priming engine's output kept in a failure message.
 OUTPUT_TAIL_CHARS = 2000
+#: How often the rank checks, while the priming engine runs, whether it was asked to
+#: stop (seconds): a stop (``wcache stop``, SIGTERM) ends the engine within this.
+STOP_POLL_S = 0.2
+#: How long the priming engine's process group gets to exit after SIGTERM before
+#: SIGKILL (seconds): vLLM's engine core shuts down its workers on SIGTERM in well
+#: under this; a wedged compile does not, and its GPU memory must come back.
+STOP_GRACE_S = 10.0
+#: ``prctl`` option: the signal the child gets when its parent (the rank) dies.
+_PR_SET_PDEATHSIG = 1
 
 
 from wcache.errors import PrimingFailed  # noqa: E402
+from wcache.vllm.prime_engine import USAGE_CONTEXTS  # noqa: E402  (no vLLM import)
 
 
 def priming_args(rest: list[str]) -> list[str]:
@@ -62,29 +81,113 @@ def priming_args(rest: list[str]) -> list[str]:
 
 
 def priming_command(model: str, rest: list[str], *, socket_dir: str | None, job: str,
-                    record: str) -> list[str]:
-    """The priming engine's command line: :mod:`wcache.vllm.prime_engine` with the
-    serve's vLLM engine arguments ``rest`` verbatim (the compile-cache key covers
-    them), restored from this daemon with fallback off and its factors recorded.
+                    record: str, usage: str = "serve") -> list[str]:
+    """The priming engine's command line: :mod:`wcache.vllm.prime_engine` for the
+    ``usage`` context (one of :data:`USAGE_CONTEXTS`) with the serve's vLLM engine
+    arguments ``rest`` verbatim (the compile-cache key covers them), restored from
+    this daemon with fallback off and its factors recorded.
 
     Raises:
-        PrimingFailed: more than one rank.
+        PrimingFailed: more than one rank, or an unknown ``usage``.
     """
+    if usage not in USAGE_CONTEXTS:
+        raise PrimingFailed(f"unknown priming usage {usage!r}; use one of {USAGE_CONTEXTS}")
     extra = {"fallback": False, "socket_dir": socket_dir, "job": job, "artifacts_record": record}
     return [sys.executable, "-m", "wcache.vllm.prime_engine", "--model", model,
-            "--extra", json.dumps(extra), "--", *priming_args(rest)]
+            "--usage-context", usage, "--extra", json.dumps(extra), "--", *priming_args(rest)]
+
+
+def _die_with_parent_fn() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the child SIGKILLed when the rank dies (Linux
+    ``PR_SET_PDEATHSIG``), so a SIGKILLed rank leaves no priming engine holding its
+    device; None elsewhere (the stop path still kills the group). libc is loaded
+    here, in the parent: the child, forked from a threaded daemon, only calls
+    ``prctl`` and ``getppid`` before exec.
+
+    The signal follows the forking thread: the rank's main thread, which lives as
+    long as the rank.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    parent = os.getpid()
+
+    def die_with_parent() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the rank died before prctl took effect
+            os._exit(1)
+    return die_with_parent
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the child's process group, then SIGKILL what is left of it once the
+    child exited or :data:`STOP_GRACE_S` passed (vLLM's engine-core processes are in
+    the group too)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(STOP_GRACE_S)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _run_until_stopped(cmd: list[str], env: dict[str, str], timeout_s: float,
+                       stop_requested: Callable[[], bool], out_dir: str) -> tuple[int, str]:
+    """Run ``cmd`` in its own session, dying with this process, until it exits; kill its
+    group when ``stop_requested()`` turns true or ``timeout_s`` passes.
+
+    Returns:
+        ``(returncode, output tail)`` (stdout and stderr, the last
+        :data:`OUTPUT_TAIL_CHARS` characters).
+
+    Raises:
+        PrimingFailed: stopped (reason "stopped") or timed out.
+    """
+    log_path = os.path.join(out_dir, "prime-engine.log")
+    with open(log_path, "w+b") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=_die_with_parent_fn())
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                try:
+                    rc = proc.wait(STOP_POLL_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                if stop_requested():
+                    raise PrimingFailed("stopped")
+                if time.monotonic() > deadline:
+                    raise PrimingFailed(f"the priming engine did not finish within {timeout_s:.0f} s")
+        finally:
+            if proc.returncode is None:
+                _kill_group(proc)
+        # the tail only: bytes enough for OUTPUT_TAIL_CHARS characters of UTF-8
+        log.seek(max(0, os.fstat(log.fileno()).st_size - 4 * OUTPUT_TAIL_CHARS))
+        tail = log.read().decode(errors="replace")[-OUTPUT_TAIL_CHARS:]
+    return rc, tail
 
 
 def prime_compile(model: str, rest: list[str], *, socket_dir: str | None, job: str = "",
-                  timeout_s: float = PRIME_TIMEOUT_S) -> Any:
+                  usage: str = "serve", timeout_s: float = PRIME_TIMEOUT_S,
+                  stop_requested: Callable[[], bool] = lambda: False) -> Any:
     """Run the priming engine and return the bundle of what it wrote.
+
+    Args:
+        usage: the engines primed for, one of :data:`USAGE_CONTEXTS`.
+        stop_requested: polled every :data:`STOP_POLL_S` while the engine runs; when
+            it returns true the engine's process group is killed.
 
     Returns:
         A :class:`wcache.store.artifacts.Bundle` (fd owned by the caller).
 
     Raises:
-        PrimingFailed: the engine failed, timed out or recorded no factors
-            (its output's tail in the message).
+        PrimingFailed: the engine failed, timed out, was stopped (reason
+            "stopped") or recorded no factors (its output's tail in the message).
         ArtifactsMissing: it wrote no compile artifact.
     """
     from wcache.vllm.startup import compile_dirs, pack_primed  # noqa: PLC0415
@@ -95,18 +198,15 @@ def prime_compile(model: str, rest: list[str], *, socket_dir: str | None, job: s
         for d in dirs.values():
             d.mkdir()
         record = os.path.join(root, "factors.json")
-        cmd = priming_command(model, rest, socket_dir=socket_dir, job=job, record=record)
+        cmd = priming_command(model, rest, socket_dir=socket_dir, job=job, record=record,
+                              usage=usage)
         env = {**os.environ, **{ROOT_ENV[n]: str(d) for n, d in dirs.items()}}
         logger.info("wcache: priming the start-up caches: one engine against this daemon "
                     "(torch.compile, private cache root %s)", root)
         print("wcache: priming: compiling once (one engine against this daemon)", flush=True)
-        try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise PrimingFailed(f"the priming engine did not finish within {timeout_s:.0f} s") from None
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout or "")[-OUTPUT_TAIL_CHARS:]
-            raise PrimingFailed(f"the priming engine exited {done.returncode}: ...{tail}")
+        rc, tail = _run_until_stopped(cmd, env, timeout_s, stop_requested, root)
+        if rc != 0:
+            raise PrimingFailed(f"the priming engine exited {rc}: ...{tail}")
         try:
             with open(record) as f:
                 factors = json.load(f)
@@ -115,8 +215,12 @@ def prime_compile(model: str, rest: list[str], *, socket_dir: str | None, job: s
                                 f"restore from this daemon?") from None
         bundle = pack_primed(dirs, factors)
     seconds = time.perf_counter() - t0
-    print(f"wcache: primed: {len(bundle.manifest['entries'])} entries, "
-          f"{bundle.nbytes / 2**20:.1f} MiB, compile dirs "
-          f"{[p.rsplit('/', 1)[-1][:16] for p in compile_dirs(bundle.manifest)]} "
-          f"in {seconds:.1f} s", flush=True)
+    try:
+        print(f"wcache: primed for {usage}: {len(bundle.manifest['entries'])} entries, "
+              f"{bundle.nbytes / 2**20:.1f} MiB, compile dirs "
+              f"{[p.rsplit('/', 1)[-1][:16] for p in compile_dirs(bundle.manifest)]} "
+              f"in {seconds:.1f} s", flush=True)
+    except BaseException:
+        bundle.close()
+        raise
     return bundle

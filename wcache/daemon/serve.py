@@ -242,22 +242,32 @@ def _snapshot_artifacts(server: Any, snap_dir: str, name: str) -> None:
         server.artifacts, server.artifacts_state = bundle, "snapshot"
 
 
-def _prime(server: Any, prime: tuple[str, list[str], str], snapshot: str | None, name: str) -> None:
-    """``--prime-compile``: run the priming engine (:mod:`wcache.daemon.prime`), keep
-    its bundle, write it into the snapshot. Never stops the daemon serving: a
-    failure is logged with its reason and shown in ``status``."""
+def _prime(server: Any, prime: tuple[str, list[str], str, str], snapshot: str | None,
+           name: str) -> None:
+    """``--prime-compile``: run the priming engine (:mod:`wcache.daemon.prime`) for the
+    usage context ``prime[3]`` (``serve`` or ``llm``), keep its bundle, write it into
+    the snapshot. Never stops the daemon serving: a failure is logged with its reason
+    and shown in ``status``. A stop asked meanwhile (``wcache stop``, SIGTERM) kills
+    the priming engine and keeps nothing (state ``failed``, reason ``stopped``)."""
     from wcache.daemon.prime import prime_compile  # noqa: PLC0415
     from wcache.store.artifacts import write_bundle  # noqa: PLC0415
 
-    model, rest, job = prime
+    model, rest, job, usage = prime
     server.artifacts_state = "priming"
+
+    def stop_requested() -> bool:
+        return server._shutdown_requested.is_set() or \
+            bool(getattr(server, "stopping", None) and server.stopping.is_set())
+
     try:
-        bundle = prime_compile(model, rest, socket_dir=server.socket_dir, job=job)
+        bundle = prime_compile(model, rest, socket_dir=server.socket_dir, job=job, usage=usage,
+                               stop_requested=stop_requested)
     except Exception as exc:  # noqa: BLE001  (priming only saves a later compile)
         code = getattr(exc, "code", type(exc).__name__)
         server.artifacts_state, server.artifacts_error = "failed", f"[{code}] {exc}"[:2000]
-        logger.error("wcache: priming failed [%s]: %s; still serving (engines compile as usual)",
-                     code, str(exc)[-1000:])
+        log = logger.info if stop_requested() else logger.error
+        log("wcache: priming failed [%s]: %s; still serving (engines compile as usual)",
+            code, str(exc)[-1000:])
         return
     server.artifacts, server.artifacts_state = bundle, "primed"
     if snapshot:
@@ -299,13 +309,14 @@ def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_metho
                snapshot: str | None = None, from_snapshot: str | None = None,
                seed_from: str | None = None, seed_listen: str | None = None,
                seed_advertise: str | None = None, seed_secret_file: str | None = None,
-               prime_compile: bool = False) -> int:
+               prime_compile: str | None = None) -> int:
     """Make one rank ready (checkpoint, snapshot or peer: :func:`build_ready_server`),
     write its snapshot when ``snapshot`` is given and it did not come from it, and
     serve (answering ``seed`` too, over TCP on ``seed_listen`` with this node's
     rank ``i`` on ``PORT + i`` when given) until stopped. With ``prime_compile``
-    and no start-up artifact bundle from the snapshot or peer, first run the
-    priming engine against this daemon (:func:`_prime`).
+    (the usage context primed for: ``serve`` or ``llm``) and no start-up artifact
+    bundle from the snapshot or peer, first run the priming engine against this
+    daemon (:func:`_prime`).
 
     Raises:
         SeedSecretUnsafe: ``seed_secret_file`` is unsafe (before any load).
@@ -324,7 +335,7 @@ def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_metho
                                     from_snapshot=from_snapshot, seed_from=seed_from,
                                     listen=listen, seed_advertise=seed_advertise,
                                     secret=secret, t_start=t_start,
-                                    prime=(model, rest, job) if prime_compile else None)
+                                    prime=(model, rest, job, prime_compile) if prime_compile else None)
 
 
 def _serve_prepared_rank(vllm_config: Any, *, rank: int, world: int, init_method: str,
@@ -332,7 +343,7 @@ def _serve_prepared_rank(vllm_config: Any, *, rank: int, world: int, init_method
                          snapshot: str | None, from_snapshot: str | None,
                          seed_from: str | None, listen: tuple[str, int] | None,
                          seed_advertise: str | None, secret: bytes | None,
-                         t_start: float, prime: tuple[str, list[str], str] | None = None) -> int:
+                         t_start: float, prime: tuple[str, list[str], str, str] | None = None) -> int:
     """:func:`serve_rank` once the rank's platform is prepared."""
     from wcache.store import StoreError  # noqa: PLC0415
     from wcache.store.seed import SeedSource  # noqa: PLC0415
@@ -518,7 +529,7 @@ def _serve_node(args: argparse.Namespace, rest: list[str], world: int, ranks: ra
     job = getattr(args, "job", "") or ""
     sources = {k: getattr(args, k, None) for k in ("snapshot", "from_snapshot", "seed_from", "seed_listen",
                                                    "seed_advertise", "seed_secret_file")}
-    sources["prime_compile"] = bool(getattr(args, "prime_compile", False))
+    sources["prime_compile"] = getattr(args, "prime_compile", None) or None
     from wcache.store.paths import check_dev_shm  # noqa: PLC0415
 
     seeding = bool(sources.get("seed_from") or sources.get("seed_listen"))

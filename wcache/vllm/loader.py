@@ -305,16 +305,31 @@ def _install_update_hooks_(model: torch.nn.Module, attachment: Any) -> None:
                                 before_module_write=before_module_write)
 
 
+def _compiles(vllm_config: VllmConfig) -> bool:
+    """Whether this engine runs torch.compile: not ``enforce_eager``, and a compilation
+    mode other than ``NONE`` (an eager engine's compile hash differs from a compiled
+    one's, and it would use no artifact anyway).
+
+    Source: vllm/config/compilation.py (``CompilationMode``), vllm/config/model.py
+    (``ModelConfig.enforce_eager``); the same fields in vLLM 0.32 and 0.33.
+    """
+    from vllm.config.compilation import CompilationMode  # noqa: PLC0415
+
+    return not vllm_config.model_config.enforce_eager and \
+        vllm_config.compilation_config.mode != CompilationMode.NONE
+
+
 def _startup_artifacts(opts: LoaderOptions, vllm_config: VllmConfig, model: torch.nn.Module,
                        dev_id: str) -> dict[str, Any]:
     """After a restore: record this engine's compile factors (``artifacts_record``),
-    then fetch the daemon's start-up artifact bundle, check it against this
-    engine's vLLM and install it into this engine's caches (never overwriting an
-    entry). Never fails the load: every outcome is one log line.
+    then, when the engine compiles, fetch the daemon's start-up artifact bundle,
+    check it against this engine's vLLM and install it into this engine's caches
+    (never overwriting an entry). Never fails the load: every outcome is one log line.
 
     Returns:
         The ``artifacts`` part of the restore's timing record (``timing_file``):
-        ``{"seconds", "outcome", ...}`` with outcome ``off``, ``missing``, ``stale``
+        ``{"seconds", "outcome", ...}`` with outcome ``off`` (+ reason ``not
+        compiling`` for an eager engine: nothing fetched), ``missing``, ``stale``
         (+ ``reason``), ``installed``, ``present`` (every entry already there) or
         ``error`` (+ ``reason``). Its seconds are not part of the restore's (the
         restore record's ``seconds`` stays the weight-load phase of before).
@@ -331,6 +346,9 @@ def _startup_artifacts(opts: LoaderOptions, vllm_config: VllmConfig, model: torc
             startup.write_factors(opts.artifacts_record, mine)
         if not opts.artifacts:
             outcome = "off"
+        elif not _compiles(vllm_config):
+            outcome = "off"
+            info["reason"] = "not compiling"
         else:
             bundle = fetch_artifacts(socket_path(opts.socket_dir, dev_id), opts.connect_timeout_s)
             try:

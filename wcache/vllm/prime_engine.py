@@ -1,7 +1,8 @@
 """The priming engine of ``wcache serve --prime-compile``: one vLLM engine built from
 the serve's own vLLM engine arguments, restored from the daemon, compiled, one token.
 
-    python -m wcache.vllm.prime_engine --model DIR --extra JSON -- [vLLM engine args]
+    python -m wcache.vllm.prime_engine --model DIR [--usage-context serve|llm] --extra JSON \
+        -- [vLLM engine args]
 
 vLLM keys its torch.compile cache by ``vllm_config.compute_hash()``, which covers the
 model, scheduler, cache, parallel and compilation configs (``max_num_seqs`` decides
@@ -15,12 +16,21 @@ and compilation on (:func:`wcache.daemon.prime.priming_args` drops the serve's
 ``--enforce-eager``). Engines started with other arguments get a bundle whose
 ``config_hash`` differs, and refuse it as stale (they compile as usual).
 
+The usage context counts as an argument: vLLM's default ``max_num_batched_tokens`` /
+``max_num_seqs`` depend on it (``EngineArgs.get_batch_defaults``; CPU: 2048/128 for
+the API server, 4096/256 for ``LLM()``) and ``SchedulerConfig.compute_hash`` covers
+them. So the engine's config is built the way the engines primed for build theirs,
+``engine_args.create_engine_config(usage_context=...)`` with ``OPENAI_API_SERVER``
+(``serve``: ``vllm serve``) or ``LLM_CLASS`` (``llm``: ``LLM()``), and run by
+``LLMEngine.from_vllm_config`` (``add_request`` / ``step`` for the one token).
+
 Prints one JSON line: ``{"token_ids": [[...]], "llm_start_s": s}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
@@ -29,6 +39,9 @@ import time
 from typing import Any
 
 PROMPT = "wcache priming"
+#: ``--usage-context`` value -> the vLLM ``UsageContext`` member of the engines primed
+#: for: ``serve`` is ``vllm serve`` (the OpenAI API server), ``llm`` is ``LLM()``.
+USAGE_CONTEXTS = {"serve": "OPENAI_API_SERVER", "llm": "LLM_CLASS"}
 
 
 def engine_kwargs(model: str, vllm_args: list[str]) -> dict[str, Any]:
@@ -49,27 +62,68 @@ def engine_kwargs(model: str, vllm_args: list[str]) -> dict[str, Any]:
             if f.name == "model" or getattr(parsed, f.name) != getattr(default, f.name)}
 
 
+def priming_engine_args(model: str, vllm_args: list[str], extra: dict[str, Any]) -> Any:
+    """vLLM's ``EngineArgs`` of the priming engine: :func:`engine_kwargs`, loaded by
+    wcache with the loader config ``extra``, compiled (``enforce_eager=False``)."""
+    from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
+
+    return EngineArgs(**{**engine_kwargs(model, vllm_args), "load_format": "wcache",
+                         "model_loader_extra_config": extra, "enforce_eager": False})
+
+
+def usage_context(usage: str) -> Any:
+    """vLLM's ``UsageContext`` for a ``--usage-context`` value (:data:`USAGE_CONTEXTS`).
+
+    Source: vllm/usage/usage_lib.py (``UsageContext``).
+    """
+    from vllm.usage.usage_lib import UsageContext  # noqa: PLC0415
+
+    return UsageContext[USAGE_CONTEXTS[usage]]
+
+
+def engine_config(engine_args: Any, usage: str) -> Any:
+    """The ``VllmConfig`` the priming engine runs with: ``engine_args`` under the usage
+    context of the engines primed for (what its ``compute_hash()`` keys the compile by).
+    ``engine_args`` is left as it was (vLLM writes its batch defaults into the object
+    it builds from; this builds from a copy).
+
+    Source: vllm/v1/engine/llm_engine.py (``LLMEngine.from_engine_args``).
+    """
+    return copy.deepcopy(engine_args).create_engine_config(usage_context=usage_context(usage))
+
+
+def _generate_one(engine: Any) -> list[list[int]]:
+    """One greedy token for :data:`PROMPT`, by vLLM's ``add_request`` / ``step``."""
+    from vllm import SamplingParams  # noqa: PLC0415
+
+    engine.add_request("wcache-prime-0", PROMPT, SamplingParams(temperature=0.0, max_tokens=1))
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    return [list(o.outputs[0].token_ids) for o in finished]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m wcache.vllm.prime_engine",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
+    ap.add_argument("--usage-context", choices=tuple(USAGE_CONTEXTS), default="serve",
+                    help="the engines primed for: serve (vllm serve) or llm (LLM())")
     ap.add_argument("--extra", default="{}", help="model_loader_extra_config as JSON")
     ap.add_argument("vllm_args", nargs=argparse.REMAINDER,
                     help="after --: the serve's vLLM engine arguments, verbatim")
     args = ap.parse_args(argv)
     rest = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    kwargs = engine_kwargs(args.model, rest)
-    kwargs.update(load_format="wcache", model_loader_extra_config=json.loads(args.extra),
-                  enforce_eager=False)
-    from vllm import LLM, SamplingParams  # noqa: PLC0415
+    engine_args = priming_engine_args(args.model, rest, json.loads(args.extra))
+    from vllm.v1.engine.llm_engine import LLMEngine  # noqa: PLC0415
 
     t0 = time.perf_counter()
-    llm = LLM(**kwargs)
+    engine = LLMEngine.from_vllm_config(engine_config(engine_args, args.usage_context),
+                                        usage_context=usage_context(args.usage_context),
+                                        disable_log_stats=engine_args.disable_log_stats)
     start_s = time.perf_counter() - t0
-    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
-    print(json.dumps({"token_ids": [list(o.outputs[0].token_ids) for o in out],
-                      "llm_start_s": start_s}), flush=True)
+    print(json.dumps({"token_ids": _generate_one(engine), "llm_start_s": start_s}), flush=True)
     return 0
 
 
