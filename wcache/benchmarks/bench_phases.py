@@ -461,13 +461,9 @@ def plot_phases(results: Mapping[str, Any], png: str | Path) -> Path:
     Returns:
         The path written.
     """
-    import matplotlib  # noqa: PLC0415
+    from wcache.benchmarks.plot import pyplot_for  # noqa: PLC0415
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    png = Path(png)
-    png.parent.mkdir(parents=True, exist_ok=True)
+    plt, png = pyplot_for(png)
     ran = [r for r in results["rows"] if "phases" in r][::-1]  # first row on top
     fig, ax = plt.subplots(figsize=FIGSIZE_IN)
     colors = plt.get_cmap("tab10").colors

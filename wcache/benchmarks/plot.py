@@ -9,8 +9,9 @@ import json
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-__all__ = ["plot_restore_cost", "main"]
+__all__ = ["plot_restore_cost", "pyplot_for", "main"]
 
 #: Figure size in inches and resolution: readable in docs at GitHub's page width.
 FIGSIZE_IN = (6.4, 4.0)
@@ -19,6 +20,23 @@ PARAMS_PER_BILLION = 1e9
 MS_PER_S = 1e3
 #: Room above the highest point so its size label is not clipped.
 LABEL_HEADROOM = 1.2
+
+
+def pyplot_for(png: str | Path) -> tuple[Any, Path]:
+    """matplotlib's ``pyplot`` on the Agg backend (files only, no display), and ``png``
+    as a Path whose parent directory exists.
+
+    Raises:
+        ModuleNotFoundError: matplotlib is not installed (the ``bench`` extra).
+    """
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    png = Path(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    return plt, png
 
 
 def plot_restore_cost(results: Mapping, png: str | Path) -> Path:
@@ -32,13 +50,7 @@ def plot_restore_cost(results: Mapping, png: str | Path) -> Path:
     Returns:
         The path written.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    png = Path(png)
-    png.parent.mkdir(parents=True, exist_ok=True)
+    plt, png = pyplot_for(png)
     by_fmt: dict[str, list[tuple[float, float, str]]] = {}
     for p in results.get("curve", []):
         by_fmt.setdefault(p["format"], []).append(
