@@ -10,6 +10,8 @@ import threading
 import time
 import types
 
+import pytest
+
 from wcache.daemon import prime, serve
 
 
@@ -77,3 +79,22 @@ def test_the_priming_engine_dies_with_its_rank(tmp_path):
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(pid)
+
+
+def test_wait_primed_returns_the_primed_line_and_refuses_a_failure():
+    """DaemonProcess.wait_primed: returns the line prime_compile prints (PRIMED_PREFIX),
+    and raises at once on a priming failure instead of waiting out its timeout."""
+    import collections  # noqa: PLC0415
+
+    from wcache.daemon.process import DaemonProcess
+
+    d = DaemonProcess.__new__(DaemonProcess)
+    d.proc = types.SimpleNamespace(poll=lambda: None)
+    line = f"{prime.PRIMED_PREFIX} 3 entries for llm, 1.8 MiB, compile dirs ['d7303c25'] in 9 s"
+    d.lines = collections.deque(["wcache: ready rank=0/1", line])
+    assert d.wait_primed(timeout_s=5) == line
+    d.lines = collections.deque(["wcache: priming failed [priming-failed]: boom"])
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not prime"):
+        d.wait_primed(timeout_s=60)
+    assert time.monotonic() - t0 < 5

@@ -45,6 +45,9 @@ PRIME_TIMEOUT_S = 1800.0
 #: priming engine at its private directory.
 ROOT_ENV = {"vllm": "VLLM_CACHE_ROOT", "triton": "TRITON_CACHE_DIR",
             "inductor": "TORCHINDUCTOR_CACHE_DIR"}
+#: The start of the line a primed daemon prints (``wcache.daemon.process.DaemonProcess
+#: .wait_primed`` and scripts wait for it).
+PRIMED_PREFIX = "wcache: primed:"
 #: Characters of the priming engine's output kept in a failure message.
 OUTPUT_TAIL_CHARS = 2000
 #: How often the rank checks, while the priming engine runs, whether it was asked to
@@ -216,7 +219,7 @@ def prime_compile(model: str, rest: list[str], *, socket_dir: str | None, job: s
         bundle = pack_primed(dirs, factors)
     seconds = time.perf_counter() - t0
     try:
-        print(f"wcache: primed for {usage}: {len(bundle.manifest['entries'])} entries, "
+        print(f"{PRIMED_PREFIX} {len(bundle.manifest['entries'])} entries for {usage}, "
               f"{bundle.nbytes / 2**20:.1f} MiB, compile dirs "
               f"{[p.rsplit('/', 1)[-1][:16] for p in compile_dirs(bundle.manifest)]} "
               f"in {seconds:.1f} s", flush=True)

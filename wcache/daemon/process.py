@@ -28,8 +28,6 @@ STOP_GRACE_S = 20.0
 #: Engine arguments shared by daemons and engines in demos and tests, so the
 #: cache key (dtype, quantization) matches on both sides.
 ENGINE_ARGS = ("--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512")
-#: ``wcache serve --prime-compile``'s line once its bundle exists (wcache.daemon.prime).
-PRIMED_PREFIX = "wcache: primed:"
 #: A priming engine's cold compile: ~2-3 min for the tiny model on 2 loaded CPU cores,
 #: minutes for an 8B model's compile and graph capture on the H200; room for both.
 PRIMED_TIMEOUT_S = 1800.0
@@ -96,10 +94,12 @@ class DaemonProcess:
             RuntimeError: priming failed, the daemon exited, or ``timeout_s`` passed
                 (the daemon's last lines in the message).
         """
+        from wcache.daemon import prime  # noqa: PLC0415
+
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             lines = list(self.lines)
-            done = [ln for ln in lines if ln.startswith(PRIMED_PREFIX)]
+            done = [ln for ln in lines if ln.startswith(prime.PRIMED_PREFIX)]
             if done:
                 return done[-1]
             if any("priming failed" in ln for ln in lines) or self.proc.poll() is not None:
