@@ -116,14 +116,18 @@ def test_priming_command_runs_one_compiled_wcache_engine_without_fallback():
                                          "--max-num-seqs", "8", "--seed", "3"]
 
 
-def test_prime_engine_kwargs_are_the_serve_arguments_vllm_parses():
+def test_prime_engine_kwargs_are_the_serve_arguments_vllm_parses(tmp_path, monkeypatch):
     """prime_engine.engine_kwargs: vLLM's own parser turns the serve's arguments into the
-    EngineArgs fields that differ from its defaults (what LLM() is given), model included."""
+    EngineArgs fields that differ from its defaults (what LLM() is given), model included
+    (a local directory: with HF_HUB_OFFLINE, as `make test` sets, vLLM resolves the model
+    path while parsing)."""
     from wcache.vllm.prime_engine import engine_kwargs
 
-    got = engine_kwargs("/m", ["--dtype", "bfloat16", "--max-model-len", "512",
-                               "--max-num-seqs", "8"])
-    assert got == {"model": "/m", "dtype": "bfloat16", "max_model_len": 512, "max_num_seqs": 8}
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = str(tmp_path)
+    got = engine_kwargs(model, ["--dtype", "bfloat16", "--max-model-len", "512",
+                                "--max-num-seqs", "8"])
+    assert got == {"model": model, "dtype": "bfloat16", "max_model_len": 512, "max_num_seqs": 8}
 
 
 def test_priming_refuses_more_than_one_rank():
