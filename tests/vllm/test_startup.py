@@ -208,11 +208,11 @@ def test_an_engine_that_does_not_compile_fetches_no_bundle(enforce_eager, mode, 
     from wcache.store import client
     from wcache.vllm import loader
 
-    monkeypatch.setattr(startup, "engine_factors", lambda cfg, model=None: FACTORS)
+    monkeypatch.setattr(startup, "engine_factors", lambda cfg: FACTORS)
     monkeypatch.setattr(client, "fetch_artifacts", lambda *a: pytest.fail("fetched a bundle"))
     record = tmp_path / "factors.json"
     opts = loader.LoaderOptions(artifacts_record=str(record))
-    got = loader._startup_artifacts(opts, _fake_vllm_config(enforce_eager, mode), None, "cpu")
+    got = loader._startup_artifacts(opts, _fake_vllm_config(enforce_eager, mode), "cpu")
     assert (got["outcome"], got["reason"]) == ("off", "not compiling")
     assert json.loads(record.read_text()) == FACTORS
 
@@ -223,9 +223,9 @@ def test_a_compiling_engine_fetches_the_bundle(monkeypatch):
     from wcache.vllm import loader
 
     fetched = []
-    monkeypatch.setattr(startup, "engine_factors", lambda cfg, model=None: FACTORS)
+    monkeypatch.setattr(startup, "engine_factors", lambda cfg: FACTORS)
     monkeypatch.setattr(client, "fetch_artifacts",
                         lambda *a: fetched.append(a) or (_ for _ in ()).throw(OSError("no daemon")))
     got = loader._startup_artifacts(loader.LoaderOptions(), _fake_vllm_config(False, "VLLM_COMPILE"),
-                                    None, "cpu")
+                                    "cpu")
     assert (len(fetched), got["outcome"]) == (1, "error")

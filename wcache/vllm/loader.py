@@ -319,7 +319,7 @@ def _compiles(vllm_config: VllmConfig) -> bool:
         vllm_config.compilation_config.mode != CompilationMode.NONE
 
 
-def _startup_artifacts(opts: LoaderOptions, vllm_config: VllmConfig, model: torch.nn.Module,
+def _startup_artifacts(opts: LoaderOptions, vllm_config: VllmConfig,
                        dev_id: str) -> dict[str, Any]:
     """After a restore: record this engine's compile factors (``artifacts_record``),
     then, when the engine compiles, fetch the daemon's start-up artifact bundle,
@@ -341,7 +341,7 @@ def _startup_artifacts(opts: LoaderOptions, vllm_config: VllmConfig, model: torc
     t0 = time.perf_counter()
     info: dict[str, Any] = {}
     try:
-        mine = startup.engine_factors(vllm_config, model)
+        mine = startup.engine_factors(vllm_config)
         if opts.artifacts_record:
             startup.write_factors(opts.artifacts_record, mine)
         if not opts.artifacts:
@@ -579,7 +579,7 @@ class WcacheModelLoader(BaseModelLoader):
             steps[name] = round(t - prev, 4)
             prev = t
         restore_s = time.perf_counter() - t0
-        artifacts = _startup_artifacts(opts, vllm_config, model, dev_id)
+        artifacts = _startup_artifacts(opts, vllm_config, dev_id)
         _record_timing(opts, "restore", restore_s, layers=len(planned), artifacts=artifacts,
                        tp_rank=layout["tp_rank"], nbytes=attachment.nbytes, steps=steps,
                        transport=attachment.transport, mode=opts.mode,

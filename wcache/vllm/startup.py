@@ -85,10 +85,9 @@ def _device_facts(device: torch.device) -> tuple[str, str | None]:
 
 
 
-def engine_factors(vllm_config: Any, model: torch.nn.Module | None = None) -> dict[str, Any]:
+def engine_factors(vllm_config: Any) -> dict[str, Any]:
     """What this engine's vLLM keys its start-up artifacts by: versions, device,
-    ``hash_factors(envs.compile_factors())`` and ``vllm_config.compute_hash()``
-    (``model`` is accepted for the callers' symmetry and not read).
+    ``hash_factors(envs.compile_factors())`` and ``vllm_config.compute_hash()``.
 
     Returns:
         A JSON-able map with every name of :data:`FACTOR_ORDER` (``triton`` None
