@@ -124,3 +124,54 @@ class _OtherCallable:
     @classmethod
     def deserialize_compile_artifacts(cls, data):
         return data
+
+
+#: Writes, in its own interpreter (vLLM imported), an artifact whose compiled function is
+#: vLLM's VllmSerializableFunction (the CUDA backend's kind) with a split graph calling
+#: ``torch.ops.vllm_ir.rms_norm``, the op the H200 run's reader could not resolve.
+_WRITE_VLLM_ARTIFACT = """
+import pickle, sys
+from pathlib import Path
+import torch, vllm.ir  # noqa: F401  (registers torch.ops.vllm_ir.*)
+from vllm.compilation.caching import VllmSerializableFunction as V
+class M(torch.nn.Module):
+    def forward(self, x, w):
+        return torch.ops.vllm_ir.rms_norm.default(x, w, 1e-6)
+data = pickle.dumps({"graph_module": V.serialize_graph_module(torch.fx.symbolic_trace(M()))})
+path = Path(sys.argv[1]); path.parent.mkdir(parents=True, exist_ok=True)
+path.write_bytes(pickle.dumps({"compiled_fn": (V.deserialize_compile_artifacts, data)}))
+"""
+#: Reads it back in a fresh interpreter that has imported no vLLM op module itself.
+_READ = """
+import sys
+from wcache.testing import compile_cache as cc
+if sys.argv[2] == "unregistered":
+    cc.VLLM_OP_MODULES = ()
+try:
+    print(cc.compiled_graphs(sys.argv[1]))
+except cc.UnreadableArtifact as exc:
+    print("UNREADABLE", exc)
+"""
+
+
+def test_vllm_split_graph_reads_back_in_a_fresh_process(tmp_path):
+    """A VllmSerializableFunction artifact names vLLM's own torch ops: the reader
+    registers them (VLLM_OP_MODULES) before unpickling, and without them it says
+    which list to extend instead of a bare AttributeError (seen on the H200, 0.33)."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    pytest.importorskip("vllm.ir")
+    art = artifact_path(tmp_path / "vllm")
+    subprocess.run([sys.executable, "-c", _WRITE_VLLM_ARTIFACT, str(art)], check=True,
+                   capture_output=True)
+
+    def read(mode: str) -> str:
+        return subprocess.run([sys.executable, "-c", _READ, str(tmp_path), mode], check=True,
+                              capture_output=True, text=True).stdout
+
+    text = read("registered")
+    assert "torch.ops.vllm_ir.rms_norm.default(x, w, 1e-06)" in text
+    assert f"{HASH}/rank_0_0" in text
+    bare = read("unregistered")
+    assert bare.startswith("UNREADABLE") and "VLLM_OP_MODULES" in bare and "rms_norm" in bare

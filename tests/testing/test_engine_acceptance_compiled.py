@@ -86,6 +86,20 @@ def test_compiled_case_runs_five_loads_over_two_roots(monkeypatch):
     assert row["loads"]["disk"]["compile"]["compile_s"] == (2.5,)
 
 
+def test_progress_names_each_load_as_it_happens(monkeypatch, tmp_path):
+    """With the results file set, every load's start and end (its seconds and hit) and
+    the case's outcome are appended to RESULTS.progress while the case runs."""
+    _fake_engines(monkeypatch)
+    monkeypatch.setenv(ea.RESULTS_ENV, str(tmp_path / "results.jsonl"))
+    row = _run(ea.EngineCase("bf16-compiled", "bf16", compile=True))
+    lines = (tmp_path / "results.jsonl.progress").read_text().splitlines()
+    done = [ln.split()[2].rstrip(":") for ln in lines if "engine done" in ln]
+    assert done == ["disk", "fallback", "daemon", "second", "disk_b"]
+    assert "bf16-compiled disk_b: engine done in" in lines[-2]
+    assert "compile-cache hit True" in lines[-2]
+    assert lines[-1].endswith(f"bf16-compiled case: {row['outcome']}: ")
+
+
 def test_compiled_case_fails_on_differing_graphs(monkeypatch):
     """A wcache engine that traces another graph fails the row, with the diff in it."""
     _fake_engines(monkeypatch, graph_of=lambda lf: GRAPH if lf == "auto"

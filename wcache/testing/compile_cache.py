@@ -36,7 +36,8 @@ from wcache.errors import UnreadableArtifact
 from wcache.testing.caches import CACHE_ENV_DIRS
 
 __all__ = ["AOT_CACHE_DIR", "ARTIFACT_NAME", "CompileCacheEvents", "UnreadableArtifact",
-           "aot_artifacts", "compile_cache_events", "compiled_graphs", "graph_diff"]
+           "VLLM_OP_MODULES", "aot_artifacts", "compile_cache_events", "compiled_graphs",
+           "graph_diff", "register_vllm_ops"]
 
 #: Where vLLM keeps AOT-compiled functions under ``VLLM_CACHE_ROOT``.
 AOT_CACHE_DIR = ("torch_compile_cache", "torch_aot_compile")
@@ -63,6 +64,19 @@ _BENCHMARK_HARNESS = re.compile(r"\n(?:def get_args\(|def benchmark_compiled_mod
 #: Dynamo names each compiled function ``__compiled_fn_<n>_<uuid>``: the uuid is per
 #: process, not part of the graph.
 _COMPILED_FN_NAME = re.compile(r"__compiled_fn_(\d+)_[0-9a-f_]{36}")
+#: Modules whose import registers the torch ops a vLLM split graph names (its nodes'
+#: targets are resolved by name while unpickling: ``torch.ops.vllm_ir.rms_norm``,
+#: ``torch.ops.vllm.unified_attention_with_output``, ``torch.ops._C.*``). An engine
+#: has imported them all before it loads an artifact; a reader must do the same.
+#: Modules a release lacks are skipped (``vllm.ir`` is new in 0.33).
+VLLM_OP_MODULES = (
+    "vllm._custom_ops",                                   # torch.ops._C.* (CUDA kernels)
+    "vllm.ir",                                            # torch.ops.vllm_ir.* (0.33)
+    "vllm.kernels",                                       # the vllm_ir ops' implementations
+    "vllm.model_executor.models.llama",                   # linear, norm, rotary, attention ops
+    "vllm.model_executor.layers.quantization.utils.marlin_utils",
+    "vllm.model_executor.layers.quantization.utils.w8a8_utils",
+)
 
 
 @attrs.frozen
@@ -198,13 +212,40 @@ def _graph_texts(compiled_fn_state: tuple[Any, bytes]) -> list[tuple[str, str]]:
         from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: PLC0415
         from torch.fx.experimental.symbolic_shapes import ShapeEnv  # noqa: PLC0415
 
+        register_vllm_ops()
         state = pickle.loads(data)  # noqa: S301  (an artifact our engine wrote)
-        gm = owner.deserialize_graph_module(state["graph_module"],
-                                            FakeTensorMode(shape_env=ShapeEnv()))
+        try:
+            gm = owner.deserialize_graph_module(state["graph_module"],
+                                                FakeTensorMode(shape_env=ShapeEnv()))
+        except AttributeError as exc:  # a node's op is registered by a module not imported
+            raise UnreadableArtifact(
+                f"the split graph names a torch op no imported module registers ({exc}): "
+                "add the vLLM module that registers it to "
+                "wcache.testing.compile_cache.VLLM_OP_MODULES") from exc
         return [("graph module", gm.print_readable(print_output=False))]
     raise UnreadableArtifact(f"AOT artifact with a compiled function of kind {kind!r}: "
                              "compiled_graphs reads torch's bundled Inductor callable and "
                              "vLLM's VllmSerializableFunction only")
+
+
+def register_vllm_ops() -> tuple[str, ...]:
+    """Import :data:`VLLM_OP_MODULES`, so a vLLM split graph's op targets resolve.
+
+    Returns:
+        The modules that imported (a release lacks some; those are skipped).
+    """
+    import importlib  # noqa: PLC0415
+
+    done = []
+    for name in VLLM_OP_MODULES:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not name.startswith(exc.name):
+                raise  # the module exists but needs something missing: say so
+            continue
+        done.append(name)
+    return tuple(done)
 
 
 def _normalize(text: str, roots: tuple[str, ...], provenance: bool) -> str:

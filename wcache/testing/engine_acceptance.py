@@ -188,21 +188,47 @@ def _tokens(result: Mapping[str, Any]) -> list[list[int]]:
     return [list(t) for t in result["token_ids"]]
 
 
+def progress(case_id: str, load: str, what: str) -> None:
+    """One line of a case's progress, appended to ``$WCACHE_GPU_ENGINE_RESULTS.progress``
+    (when set) as it happens: a tier ended by its time limit still says which load of
+    which case it was in, and for how long (a row is written only when its case ends)."""
+    results = os.environ.get(RESULTS_ENV)
+    if not results:
+        return
+    line = f"{time.strftime('%H:%M:%S')} {case_id} {load}: {what}\n"
+    fd = os.open(f"{results}.progress", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
 def _engine(model: Path, case: EngineCase, load_format: str, extra: dict,
-            prompts: Sequence[str], max_tokens: int, cache_root: Path | None = None) -> dict:
-    """One engine; with ``cache_root`` its start-up caches live there and the result
-    holds its compile-cache events (``compile``) instead of its log."""
+            prompts: Sequence[str], max_tokens: int, cache_root: Path | None = None,
+            name: str = "") -> dict:
+    """One engine (load ``name`` of the case); with ``cache_root`` its start-up caches
+    live there and the result holds its compile-cache events (``compile``) instead of
+    its log."""
     env = dict(case.env)
     if cache_root is not None:
         env.update({**cache_env(cache_root), **LOG_TO_STDERR})
+    progress(case.id, name, f"engine starting ({load_format})")
     t0 = time.perf_counter()
-    out = run_engine(model, load_format, extra, prompts=prompts, max_tokens=max_tokens,
-                     env=env, engine_args=case.engine_args)
+    try:
+        out = run_engine(model, load_format, extra, prompts=prompts, max_tokens=max_tokens,
+                         env=env, engine_args=case.engine_args)
+    except RuntimeError as exc:
+        progress(case.id, name, f"engine failed after {time.perf_counter() - t0:.1f} s: "
+                 + (str(exc).strip().splitlines() or [""])[-1][:300])
+        raise
     out["process_s"] = time.perf_counter() - t0
     log = out.pop("log", None) or ""
+    done = f"engine done in {out['process_s']:.1f} s"
     if cache_root is not None:
         events = compile_cache_events(log)
         out["compile"] = {**attrs.asdict(events), "hit": events.hit, "compiled": events.compiled}
+        done += f" (compile-cache hit {events.hit}, compile {list(events.compile_s)} s)"
+    progress(case.id, name, done)
     return out
 
 
@@ -258,7 +284,7 @@ def _run_case(case: EngineCase, model: Path, prompts: Sequence[str], max_tokens:
                            "tier_env": {k: os.environ[k] for k in TIER_ENV if k in os.environ},
                            "loads": {}}
     try:
-        disk = _engine(model, case, "auto", {}, prompts, max_tokens, root("disk"))
+        disk = _engine(model, case, "auto", {}, prompts, max_tokens, root("disk"), "disk")
     except RuntimeError as exc:
         return {**row, "outcome": "not-runnable", **_failure(exc)}
     row["loads"]["disk"] = _summary(disk)
@@ -266,13 +292,14 @@ def _run_case(case: EngineCase, model: Path, prompts: Sequence[str], max_tokens:
             tempfile.TemporaryDirectory(prefix="wcg-none-") as empty:
         try:
             fallback = _engine(model, case, "wcache", {"fallback": True, "socket_dir": empty},
-                               prompts, max_tokens, root("fallback"))
+                               prompts, max_tokens, root("fallback"), "fallback")
             row["loads"]["fallback"] = _summary(fallback)
             fb = _phase(fallback, "fallback")
             row["fallback_reason"] = fb.get("reason") if fb else None
         except RuntimeError as exc:
             return {**row, "outcome": "failed", **_failure(exc, "fallback load failed: ")}
         daemon = DaemonProcess(model, sock, extra_args=case.serve_args, env=dict(case.env))
+        progress(case.id, "daemon", "wcache serve starting")
         try:
             daemon.start()
         except RuntimeError as exc:
@@ -289,6 +316,7 @@ def _run_case(case: EngineCase, model: Path, prompts: Sequence[str], max_tokens:
                     if daemon.proc else None, "detail": lines[-TAIL_LINES:]}
         try:
             row["daemon_ready_s"] = round(daemon.ready_s, 3)
+            progress(case.id, "daemon", f"ready in {daemon.ready_s:.1f} s")
             from wcache.store import daemon_status  # noqa: PLC0415
             from wcache.store.paths import list_sockets  # noqa: PLC0415
 
@@ -300,7 +328,7 @@ def _run_case(case: EngineCase, model: Path, prompts: Sequence[str], max_tokens:
                 try:
                     loads[name] = _engine(model, case, "wcache",
                                           {"fallback": False, "socket_dir": sock},
-                                          prompts, max_tokens, root(name))
+                                          prompts, max_tokens, root(name), name)
                 except RuntimeError as exc:
                     return {**row, "outcome": "failed",
                             **_failure(exc, f"{name} load failed: ")}
@@ -308,6 +336,8 @@ def _run_case(case: EngineCase, model: Path, prompts: Sequence[str], max_tokens:
             if roots:
                 # before disk_b reads root B: the graph the wcache engine compiled
                 graphs_b = _read_graphs(roots["B"])
+            if verify:
+                progress(case.id, "verify", "wcache verify starting")
             row["verify"] = _verify(model, case, sock) if verify else None
         finally:
             daemon.stop()
@@ -315,7 +345,7 @@ def _run_case(case: EngineCase, model: Path, prompts: Sequence[str], max_tokens:
     if roots:
         try:
             loads["disk_b"] = _engine(model, case, "auto", {}, prompts, max_tokens,
-                                      root("disk_b"))
+                                      root("disk_b"), "disk_b")
         except RuntimeError as exc:
             return {**row, "outcome": "failed", **_failure(exc, "disk_b load failed: ")}
         row["loads"]["disk_b"] = _summary(loads["disk_b"])
@@ -335,6 +365,7 @@ def _run_case(case: EngineCase, model: Path, prompts: Sequence[str], max_tokens:
     if verify and row["verify"]["exit"] != 0:
         problems.append(f"wcache verify exited {row['verify']['exit']}")
     row["outcome"] = "failed" if problems else "restored"
+    progress(case.id, "case", f"{row['outcome']}: {'; '.join(problems)[:300]}")
     row["reason"] = "; ".join(problems) if problems else (
         "identical greedy tokens" if all(identical.values()) else "top-5 logprobs close")
     return row
