@@ -62,7 +62,7 @@ EXPECTED = (
     {"compile_loaded": [["(1, 8192)", 0.5]]},
     {"aot_loaded_from": "/c/torch_aot_compile/abc/model"},
     {"dynamo_s": 3.25},
-    {"graph_capture_s": 12.0, "graph_capture_gib": 0.53},
+    {"graph_captures": [[12.0, 0.53]], "graph_capture_s": 12.0, "graph_capture_gib": 0.53},
     {"init_engine_s": 65.0, "init_engine_compile_s": 19.7},
     {"init_engine_s": 2.5},
 )
@@ -147,6 +147,28 @@ def test_breakdown_of_a_compiled_cuda_disk_start():
             "compile": 19.7, "graph capture": 12.0, "KV-cache/other init": 8.3,
             "other": 17.75, "first token": 0.25} == _secs(phases)
     assert MARKS["first_token"] - MARKS["process_start"] == pytest.approx(total_s(phases))
+
+
+#: The fresh-node engine's init on the H200 (vLLM 0.33.0, 8B bf16, 2026-12-02): two
+#: captures, the memory-profiling one (profile_cudagraph_memory) and the real one.
+H200_INIT = "\n".join(PREFIX + ln for ln in (
+    "torch.compile took 6.11 s in total",
+    "Graph capturing finished in 9 secs, took 0.36 GiB",
+    "Graph capturing finished in 7 secs, took 0.19 GiB",
+    "init engine (profile, create kv cache, warmup model) took 42.83 s (compilation: 6.11 s)",
+))
+
+
+def test_graph_capture_sums_every_capture_line():
+    """vLLM 0.33 captures twice (profiling, then for real): both count, the note says
+    so, and KV-cache/other init is what is left of init engine."""
+    figs = parse_log(H200_INIT)
+    assert figs["graph_captures"] == [[9.0, 0.36], [7.0, 0.19]]
+    assert (figs["graph_capture_s"], figs["graph_capture_gib"]) == (16.0, 0.19)
+    phases = {p.name: p for p in breakdown(MARKS, H200_INIT, compiled=True, device="cuda")}
+    assert phases["graph capture"].seconds == 16.0
+    assert "profile_cudagraph_memory" in phases["graph capture"].note
+    assert phases["KV-cache/other init"].seconds == pytest.approx(42.83 - 6.11 - 16.0)
 
 
 def test_breakdown_of_a_daemon_eager_cpu_start():
@@ -309,3 +331,68 @@ def test_vllm_engine_args_are_what_run_engine_builds_its_engine_with():
     assert got == ["--dtype", "bfloat16", "--tensor-parallel-size", "1",
                    "--gpu-memory-utilization", "0.3", "--max-model-len", "8192",
                    "--attention-backend", "TRITON_ATTN", "--kv-cache-memory-bytes", "1024"]
+
+
+def _saved_row(name: str, log: str, total_s_: float = 0.0, compiled: bool = True) -> dict:
+    """A row as --out saves it, with a stale breakdown (``total_s_``) to be recomputed."""
+    return {"row": name, "source": "disk", "compiled": compiled, "caches": "cold",
+            "marks": MARKS, "log_lines": phase_lines(log), "load": [], "token_ids": [[1, 2]],
+            "phases": [], "total_s": total_s_, "figures": {}}
+
+
+def _results(tmp_path: Path, name: str, rows: list[dict], device_name="NVIDIA H200") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps({"meta": {"device": "cuda", "device_name": device_name,
+                                         "vllm": "0.33.0", "date": name, "git": "abc",
+                                         "command": ["wcache", "bench"]},
+                                "daemon": {}, "rows": rows}))
+    return path
+
+
+def test_merge_results_recomputes_rows_from_their_evidence(tmp_path, capsys):
+    """Two device calls' files: rows in ROWS order, the last file's row wins, every row
+    recomputed from its saved marks and log lines (a parser fix reaches old runs), and
+    the target from the merged rows; --from-json writes the table and JSON."""
+    a = _results(tmp_path, "a.json", [_saved_row("disk-compiled-cold", H200_INIT, 1.0),
+                                      _saved_row("fresh-node", CUDA_LOG, 1.0)])
+    b = _results(tmp_path, "b.json", [_saved_row("fresh-node", H200_INIT, 2.0)])
+    merged = bp.merge_results([a, b])
+    assert [r["row"] for r in merged["rows"]] == ["disk-compiled-cold", "fresh-node"]
+    fresh = {p["name"]: p["seconds"] for p in merged["rows"][1]["phases"]}
+    assert fresh["graph capture"] == 16.0  # b's log (two captures), not a's
+    assert merged["rows"][1]["total_s"] == pytest.approx(MARKS["first_token"] - 100.0)
+    assert merged["target"]["ratio"] == pytest.approx(1.0)
+    assert [r["path"] for r in merged["meta"]["runs"]] == [str(a), str(b)]
+    out = tmp_path / "all.json"
+    assert bp.main(["--from-json", str(a), str(b), "--out", str(out)]) == 0
+    assert "| fresh-node |" in capsys.readouterr().out
+    assert json.loads(out.read_text())["rows"][1]["row"] == "fresh-node"
+
+
+def test_merge_results_refuses_other_devices(tmp_path):
+    """Rows measured on different devices do not go in one table."""
+    a = _results(tmp_path, "a.json", [_saved_row("disk-eager", CUDA_LOG, compiled=False)])
+    b = _results(tmp_path, "b.json", [], device_name="NVIDIA A100")
+    with pytest.raises(ValueError, match="do not compare"):
+        bp.merge_results([a, b])
+    with pytest.raises(SystemExit, match="--from-json"):
+        bp.main(["--from-json", str(a), str(b)])
+
+
+def test_each_engine_log_is_kept_whole_beside_the_json(tmp_path, monkeypatch):
+    """With --out, every engine's whole log lands in OUT.logs/ROW.log (the JSON keeps
+    vLLM's phase lines only): a disk row with a fake engine."""
+    full_log = CUDA_LOG + "\nsomething no parser knows about\n"
+
+    def fake_run_engine(ckpt, load_format, extra, **kw):
+        return {"log": full_log, "token_ids": [[1]], "load": [],
+                "phases": {"marks": MARKS, "process_start_source": "test"}}
+
+    monkeypatch.setattr("wcache.daemon.process.run_engine", fake_run_engine)
+    logs = bp._log_dir(str(tmp_path / "phases-h200.json"))
+    assert logs == tmp_path / "phases-h200.logs"
+    rows, _ = bp.run(["disk-eager"], tmp_path / "ckpt", [], [], "cuda", tmp_path / "w",
+                     log=lambda m: None, log_dir=logs)
+    assert rows[0]["total_s"] == pytest.approx(MARKS["first_token"] - MARKS["process_start"])
+    assert (logs / "disk-eager.log").read_text() == full_log
+    assert bp._log_dir(None) is None

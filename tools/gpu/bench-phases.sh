@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # On the H200 machine, after tools/gpu/device-setup.sh: the phase breakdown of a whole engine
 # start (`wcache bench --phases`, issue 24 item 2) on the 8B-shaped bf16 Llama, production
-# defaults. Writes phases-h200.json, .md and .png to $OUT (the device tool brings it back).
+# defaults. Writes phases-h200.json, .md and .png (or $OUT_NAME.*) to $OUT (the device tool
+# brings it back).
 #
 #   bash tools/gpu/bench-phases.sh [ROWS]   (default: every row; e.g. disk-compiled-cold,fresh-node)
 #
-# Cost on one H200 (estimated from the earlier 8B starts, not yet measured by this script):
-# the 8B checkpoint ~1 min once, each compiled cold start ~75 s, each other start 20-40 s, a
-# daemon ~30 s: about 6-8 min for every row. Split the rows over two calls when a command's
-# limit is 10 min (the checkpoint under $WCACHE_BENCH_DIR is reused on a warm machine).
+# Cost on one H200 (measured 2026-12-02, vLLM 0.33.0): the 8B checkpoint, disk-eager,
+# daemon-eager (its daemon 46 s), disk-compiled-cold (107 s) and disk-compiled-warm took most
+# of one 10-minute call; fresh-node alone took 306 s (a primed daemon: ready 65 s, priming
+# 101 s; a --from-snapshot daemon; the engine). Split the rows over calls on a warm machine
+# (the checkpoint under $WCACHE_BENCH_DIR is reused), give each call its own --out name
+# (OUT_NAME), and merge: wcache bench --phases --from-json a.json b.json --out all.json.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source tools/gpu/env.sh || exit 2
@@ -19,6 +22,6 @@ nvidia-smi -L
 python3 -m wcache.testing.fixtures --formats bf16 >>"$OUT/fixtures.log" 2>&1 \
   || { tail -20 "$OUT/fixtures.log"; exit 1; }   # SmolLM2's tokenizer for the 8B checkpoint
 timeout "${BENCH_TIMEOUT:-580}" python3 -m wcache.cli bench --phases --device cuda --rows "$ROWS" \
-    --root "${WCACHE_BENCH_DIR:-/tmp/wcache-phases}" --out "$OUT/phases-h200.json" \
-    --markdown "$OUT/phases-h200.md" --plot "$OUT/phases-h200.png" 2>&1 | tee "$OUT/phases.log" | tail -40
+    --root "${WCACHE_BENCH_DIR:-/tmp/wcache-phases}" --out "$OUT/${OUT_NAME:-phases-h200}.json" \
+    --markdown "$OUT/${OUT_NAME:-phases-h200}.md" --plot "$OUT/${OUT_NAME:-phases-h200}.png" 2>&1 | tee "$OUT/phases.log" | tail -40
 exit 0

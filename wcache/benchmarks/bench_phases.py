@@ -59,7 +59,8 @@ from wcache.benchmarks.phases import (
     NEGLIGIBLE_S, PHASES, breakdown, parse_log, phase_lines, total_s,
 )
 
-__all__ = ["ROWS", "Row", "run", "table", "plot_phases", "main", "prime_compile_supported"]
+__all__ = ["ROWS", "Row", "run", "table", "plot_phases", "main", "merge_results",
+           "prime_compile_supported"]
 
 HELP_EPILOG = """\
 target (issue 24; docs/benchmarks.md records what was reached):
@@ -71,6 +72,7 @@ examples:
   wcache bench --phases                                   # every row; cuda if present
   wcache bench --phases --rows disk-eager,daemon-eager --model-kind tiny
   wcache bench --phases --device cuda --out $OUT/phases.json --plot $OUT/phases.png
+  wcache bench --phases --from-json a.json b.json --out all.json --markdown all.md
 """
 
 
@@ -205,8 +207,10 @@ class _Runner:
     """Runs the rows: owns the cache roots, the daemons and the engine calls."""
 
     def __init__(self, ckpt: Path, engine_args: Sequence[str], serve_args: Sequence[str],
-                 device: str, work: Path, log: Callable[[str], None]):
+                 device: str, work: Path, log: Callable[[str], None],
+                 log_dir: Path | None = None):
         self.ckpt, self.device, self.work, self.log = ckpt, device, work, log
+        self.log_dir = log_dir
         self.engine_args, self.serve_args = list(engine_args), list(serve_args)
         self.nodes: dict[str, Path] = {}
         self.warmed: set[str] = set()
@@ -226,7 +230,9 @@ class _Runner:
             self.nodes[name] = root
         return self.nodes[name]
 
-    def engine(self, load_format: str, extra: dict, compiled: bool, root: Path) -> dict:
+    def engine(self, load_format: str, extra: dict, compiled: bool, root: Path,
+               name: str) -> dict:
+        """One engine of row ``name``; its whole log goes to ``log_dir/name.log``."""
         from wcache.daemon.process import run_engine  # noqa: PLC0415
         from wcache.testing.caches import cache_env  # noqa: PLC0415
 
@@ -237,6 +243,9 @@ class _Runner:
                          engine_args=args)
         res["wall_s"] = time.time() - t0
         res["spawn_time"] = t0
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            (self.log_dir / f"{name}.log").write_text(res.get("log") or "")
         res["command"] = {"module": "wcache.vllm.run_engine", "model": str(self.ckpt),
                           "load_format": load_format, "extra": extra, "engine_args": args,
                           "prompt": PROMPT, "max_tokens": MAX_TOKENS, "env": cache_env(root)}
@@ -301,7 +310,8 @@ class _Runner:
             with served:
                 info["snapshot_daemon"] = {"ready_s": served.ready_s, "command": served.args,
                                            "ready_line": served.ready_lines[-1:]}
-                res = self.engine("wcache", {"socket_dir": sock, "fallback": False}, True, root)
+                res = self.engine("wcache", {"socket_dir": sock, "fallback": False}, True, root,
+                                  row.name)
         return {**info, "result": res, "cache_root": str(root)}
 
     def row(self, row: Row) -> dict[str, Any]:
@@ -322,8 +332,9 @@ class _Runner:
                 fmt = "wcache" if row.source == "daemon" else self.disk_format()
                 if warm and row.node not in self.warmed:
                     self.log(f"{row.name}: warming its caches with one unrecorded start")
-                    out["warmup_wall_s"] = self.engine(fmt, extra, row.compiled, root)["wall_s"]
-                res = self.engine(fmt, extra, row.compiled, root)
+                    out["warmup_wall_s"] = self.engine(fmt, extra, row.compiled, root,
+                                                      f"{row.name}-warmup")["wall_s"]
+                res = self.engine(fmt, extra, row.compiled, root, row.name)
                 out["cache_root"] = str(root)
                 if row.compiled:
                     self.warmed.add(row.node)
@@ -346,8 +357,8 @@ class _Runner:
 
 def run(rows: Sequence[str], ckpt: Path, engine_args: Sequence[str], serve_args: Sequence[str],
         device: str, work: Path, log: Callable[[str], None] = _log,
-        on_row: Callable[[list[dict[str, Any]]], None] = lambda rows: None
-        ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        on_row: Callable[[list[dict[str, Any]]], None] = lambda rows: None,
+        log_dir: Path | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run ``rows`` (names of :data:`ROWS`) in :data:`ROWS` order.
 
     Returns:
@@ -358,7 +369,7 @@ def run(rows: Sequence[str], ckpt: Path, engine_args: Sequence[str], serve_args:
     unknown = sorted(set(rows) - set(ROWS))
     if unknown:
         raise ValueError(f"unknown rows {unknown}; choose from {','.join(ROWS)}")
-    runner = _Runner(ckpt, engine_args, serve_args, device, work, log)
+    runner = _Runner(ckpt, engine_args, serve_args, device, work, log, log_dir)
     results: list[dict[str, Any]] = []
     try:
         for name in (n for n in ROWS if n in rows):
@@ -380,6 +391,51 @@ def run(rows: Sequence[str], ckpt: Path, engine_args: Sequence[str], serve_args:
 
 
 # --------------------------------------------------------------------------- rendering
+
+
+def merge_results(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
+    """Several runs' JSON (``--out`` of one device call each) as one result.
+
+    A row that ran is recomputed from the evidence it saved (its marks, vLLM's phase
+    lines and the loader's records), so a later fix of the parser applies to an
+    earlier run. Where files hold the same row, the last file's wins; rows come in
+    :data:`ROWS` order.
+
+    Returns:
+        ``{"meta", "daemon", "rows", "target"}`` as :func:`main` writes; ``meta`` is
+        the first file's, with ``runs`` (each file's path, date, git and command).
+
+    Raises:
+        ValueError: no file given, or the files were measured on different devices
+            or vLLM versions (their rows do not compare).
+    """
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    if not runs:
+        raise ValueError("merge_results: no results file given")
+    seen = {(r["meta"].get("device_name"), r["meta"].get("vllm")) for r in runs}
+    if len(seen) > 1:
+        raise ValueError(f"merge_results: the files were measured on {sorted(seen)}: "
+                         "rows of different devices or vLLM versions do not compare")
+    device = runs[0]["meta"]["device"]
+    rows: dict[str, dict[str, Any]] = {}
+    for run_ in runs:
+        for r in run_["rows"]:
+            if "marks" in r:
+                phases = breakdown(r["marks"], "\n".join(r["log_lines"]), r.get("load") or [],
+                                   compiled=r["compiled"], device=device)
+                r = {**r, "phases": [p.to_json() for p in phases], "total_s": total_s(phases),
+                     "figures": parse_log("\n".join(r["log_lines"]))}
+            rows[r["row"]] = r
+    ordered = [rows[n] for n in ROWS if n in rows]
+    first = next((r for r in ordered if "token_ids" in r), None)
+    for r in ordered:
+        if "token_ids" in r:
+            r["same_tokens_as_first_row"] = r["token_ids"] == first["token_ids"]
+    meta = {**runs[0]["meta"], "runs": [
+        {"path": str(p), **{k: r["meta"].get(k) for k in ("date", "git", "command")}}
+        for p, r in zip(paths, runs)]}
+    daemon = next((r["daemon"] for r in runs if r.get("daemon")), {})
+    return {"meta": meta, "daemon": daemon, "rows": ordered, "target": target_summary(ordered)}
 
 
 def _by_row(rows: Sequence[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
@@ -515,6 +571,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="JSON results (rewritten after every row)")
     p.add_argument("--markdown", default=None, help="also write the table here")
     p.add_argument("--plot", default=None, help="PNG of the stacked phases (matplotlib)")
+    p.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
+                   help="run nothing: merge these --out files (rows split over device "
+                        "calls; the last file's row wins), recompute each row's phases "
+                        "from its saved evidence, and write --out/--markdown/--plot")
     return p
 
 
@@ -549,6 +609,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point (`wcache bench --phases ...`); returns 0 unless a row failed."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.from_json:
+        return _write_merged(args)
     import torch  # noqa: PLC0415
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -570,7 +632,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="nodes-", dir=root) as work:
         rows, daemon = run(args.rows, ckpt, engine_args, serve_args, device, Path(work),
-                           on_row=save)
+                           on_row=save, log_dir=_log_dir(args.out))
     save(rows, daemon)
     text = table(rows)
     sys.stdout.write(text)
@@ -579,6 +641,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         _log(f"phases written to {plot_phases({'meta': meta, 'rows': rows}, args.plot)}")
     return 1 if any("error" in r for r in rows) else 0
+
+
+def _log_dir(out: str | None) -> Path | None:
+    """Where the engines' whole logs go: ``{--out without .json}.logs/`` (none without
+    --out). The JSON keeps only vLLM's phase lines; a phase nobody expected needs the rest."""
+    return None if not out else Path(out).with_suffix("").with_name(Path(out).stem + ".logs")
+
+
+def _write_merged(args: argparse.Namespace) -> int:
+    try:
+        merged = merge_results(args.from_json)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"wcache bench --phases --from-json: {exc}") from exc
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(merged, indent=1, default=str))
+    text = table(merged["rows"])
+    sys.stdout.write(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    if args.plot:
+        _log(f"phases written to {plot_phases(merged, args.plot)}")
+    return 1 if any("error" in r for r in merged["rows"]) else 0
 
 
 if __name__ == "__main__":

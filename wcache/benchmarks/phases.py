@@ -22,8 +22,10 @@ compile                the "(compilation: X s)" of vLLM's "init engine ... took"
                        else (vLLM CPU, which logs no compile time) the time between its
                        "Warming up model for the compilation..." and "Warming up done."
                        (log timestamps, whole seconds); a warm cache's load counts here
-graph capture          "Graph capturing finished in X secs" (vLLM rounds it to whole
-                       seconds)
+graph capture          the sum of vLLM's "Graph capturing finished in X secs" lines
+                       (whole seconds). vLLM 0.33 on CUDA prints two: the first is
+                       ``profile_cudagraph_memory``'s capture, made while profiling
+                       memory for the KV cache and thrown away; the second the real one
 KV-cache/other init    "init engine (profile, create kv cache, warmup model) took X s"
                        minus compile and graph capture (both run inside it)
 other                  the rest of ``LLM()``: engine-core process start, config,
@@ -119,8 +121,10 @@ def parse_log(log: str) -> dict[str, Any]:
         first of each: vLLM logs them once), ``compile_total_s`` (the sum of every
         ``torch.compile ... in total`` line), ``compile_graphs`` (``[range, s]`` per
         graph compiled), ``compile_loaded`` (``[range, s]`` per graph loaded from the
-        cache), ``aot_loaded_from``, ``dynamo_s`` (sum), ``graph_capture_s`` and
-        ``graph_capture_gib``, ``init_engine_s`` and ``init_engine_compile_s``,
+        cache), ``aot_loaded_from``, ``dynamo_s`` (sum), ``graph_captures``
+        (``[s, GiB]`` per "Graph capturing finished" line), ``graph_capture_s`` (their
+        sum) and ``graph_capture_gib`` (the last: the graphs kept), ``init_engine_s``
+        and ``init_engine_compile_s``,
         ``cpu_warmup_s`` (vLLM CPU: its warm-up, which compiles, from the log
         timestamps); and
         ``compile_cache``: ``"aot-loaded"``, ``"graphs-loaded"``, ``"compiled"`` or
@@ -151,8 +155,12 @@ def parse_log(log: str) -> dict[str, Any]:
     dynamo = [float(m.group(1)) for m in LINES["dynamo"].finditer(log)]
     if dynamo:
         out["dynamo_s"] = sum(dynamo)
-    if m := first("graph_capture"):
-        out["graph_capture_s"], out["graph_capture_gib"] = float(m.group(1)), float(m.group(2))
+    captures = [(float(m.group(1)), float(m.group(2)))
+                for m in LINES["graph_capture"].finditer(log)]
+    if captures:
+        out["graph_captures"] = [list(c) for c in captures]
+        out["graph_capture_s"] = sum(c[0] for c in captures)
+        out["graph_capture_gib"] = captures[-1][1]
     if m := first("init_engine"):
         out["init_engine_s"] = float(m.group(1))
         if m.group(2) is not None:
@@ -267,8 +275,12 @@ def breakdown(marks: Mapping[str, float], log: str, load: Sequence[Mapping[str, 
 
     # graph capture
     if "graph_capture_s" in figs:
+        n = len(figs.get("graph_captures", ())) or 1
         graphs = Phase("graph capture", figs["graph_capture_s"],
-                       "vLLM: Graph capturing finished in (whole seconds)")
+                       "vLLM: Graph capturing finished in (whole seconds)" if n == 1 else
+                       f"vLLM: the sum of its {n} Graph capturing finished lines (whole "
+                       "seconds; in 0.33 the first is the memory-profiling capture, "
+                       "profile_cudagraph_memory, which kv_cache_memory_bytes skips)")
     elif not compiled:
         graphs = Phase("graph capture", 0.0, "eager (enforce_eager): no CUDA graphs")
     elif device != "cuda":
