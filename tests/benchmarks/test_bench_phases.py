@@ -369,11 +369,31 @@ def test_merge_results_recomputes_rows_from_their_evidence(tmp_path, capsys):
     assert json.loads(out.read_text())["rows"][1]["row"] == "fresh-node"
 
 
+def test_merge_results_keeps_a_row_that_ran_and_orders_rows(tmp_path):
+    """Rows come in ROWS order whatever the files' order; a later file's failed try of
+    a row does not hide the earlier one that ran; the first row's token check is None
+    (as run() writes it) and the daemon is the one of the file whose daemon row won."""
+    daemon_row = {**_saved_row("daemon-eager", CUDA_LOG, compiled=False), "source": "daemon"}
+    a = _results(tmp_path, "a.json", [_saved_row("fresh-node", H200_INIT),
+                                      _saved_row("disk-eager", CUDA_LOG, compiled=False)])
+    b = _results(tmp_path, "b.json", [daemon_row,
+                                      {"row": "fresh-node", "error": ["boom"]}])
+    data = json.loads(b.read_text())
+    data["daemon"] = {"ready_s": 46.2}
+    b.write_text(json.dumps(data))
+    merged = bp.merge_results([a, b])
+    assert [r["row"] for r in merged["rows"]] == ["disk-eager", "daemon-eager", "fresh-node"]
+    assert "error" not in merged["rows"][2] and merged["rows"][2]["total_s"] > 0
+    assert [r["same_tokens_as_first_row"] for r in merged["rows"]] == [None, True, True]
+    assert merged["daemon"] == {"ready_s": 46.2}
+    assert merged["meta"]["provenance"].startswith("merged from 2 runs")
+
+
 def test_merge_results_refuses_other_devices(tmp_path):
     """Rows measured on different devices do not go in one table."""
     a = _results(tmp_path, "a.json", [_saved_row("disk-eager", CUDA_LOG, compiled=False)])
     b = _results(tmp_path, "b.json", [], device_name="NVIDIA A100")
-    with pytest.raises(ValueError, match="do not compare"):
+    with pytest.raises(ValueError, match="device_name"):
         bp.merge_results([a, b])
     with pytest.raises(SystemExit, match="--from-json"):
         bp.main(["--from-json", str(a), str(b)])

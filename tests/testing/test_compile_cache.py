@@ -175,3 +175,15 @@ def test_vllm_split_graph_reads_back_in_a_fresh_process(tmp_path):
     assert f"{HASH}/rank_0_0" in text
     bare = read("unregistered")
     assert bare.startswith("UNREADABLE") and "VLLM_OP_MODULES" in bare and "rms_norm" in bare
+
+
+def test_register_vllm_ops_skips_absent_modules_and_raises_on_broken_ones(tmp_path, monkeypatch):
+    """A module a release lacks is skipped; one that exists but imports something
+    missing is an error, not silently skipped."""
+    (tmp_path / "wcache_broken_ops_mod.py").write_text("import wcache_no_such_dep_zz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cc, "VLLM_OP_MODULES", ("wcache_no_such_mod_zz", "json"))
+    assert cc.register_vllm_ops() == ("json",)
+    monkeypatch.setattr(cc, "VLLM_OP_MODULES", ("wcache_broken_ops_mod",))
+    with pytest.raises(ModuleNotFoundError, match="wcache_no_such_dep_zz"):
+        cc.register_vllm_ops()

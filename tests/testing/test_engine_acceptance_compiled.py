@@ -97,7 +97,25 @@ def test_progress_names_each_load_as_it_happens(monkeypatch, tmp_path):
     assert done == ["disk", "fallback", "daemon", "second", "disk_b"]
     assert "bf16-compiled disk_b: engine done in" in lines[-2]
     assert "compile-cache hit True" in lines[-2]
-    assert lines[-1].endswith(f"bf16-compiled case: {row['outcome']}: ")
+    assert lines[-1].endswith(f"bf16-compiled case: {row['outcome']}: {row['reason']}")
+    assert all(ln.split()[0].endswith("Z") for ln in lines)  # UTC, as the rows
+
+
+def test_progress_of_a_case_that_ends_early_and_a_missing_folder(monkeypatch, tmp_path):
+    """A case whose disk load fails still ends with its case line; the results file's
+    folder is created (a diagnostic never fails the case)."""
+    _fake_engines(monkeypatch)
+
+    def failing(*a, **kw):
+        raise RuntimeError("engine (auto) failed with exit 1.\nboom")
+
+    monkeypatch.setattr(ea, "run_engine", failing)
+    monkeypatch.setenv(ea.RESULTS_ENV, str(tmp_path / "new" / "results.jsonl"))
+    row = _run(ea.EngineCase("bf16-compiled", "bf16", compile=True))
+    assert row["outcome"] == "not-runnable"
+    lines = (tmp_path / "new" / "results.jsonl.progress").read_text().splitlines()
+    assert "bf16-compiled disk: engine failed after" in lines[-2] and "boom" in lines[-2]
+    assert "bf16-compiled case: not-runnable" in lines[-1]
 
 
 def test_compiled_case_fails_on_differing_graphs(monkeypatch):

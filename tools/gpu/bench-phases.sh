@@ -5,6 +5,8 @@
 # brings it back).
 #
 #   bash tools/gpu/bench-phases.sh [ROWS]   (default: every row; e.g. disk-compiled-cold,fresh-node)
+#   environment: BENCH_TIMEOUT (seconds, default 580), OUT_NAME (output files' name, default
+#   phases-h200; the engines' whole logs go to $OUT/$OUT_NAME.logs/)
 #
 # Cost on one H200 (measured 2026-12-02, vLLM 0.33.0): the 8B checkpoint, disk-eager,
 # daemon-eager (its daemon 46 s), disk-compiled-cold (107 s) and disk-compiled-warm took most

@@ -7,6 +7,8 @@
 #
 #   bash tools/gpu/run-tier.sh [-k PYTEST_EXPR] [--workers N] [--bench FORMATS] [--no-tier]
 #                              [--no-preflight]   (skip the one-engine check: a warm machine)
+#   environment: TIER_TIMEOUT (pytest's seconds, default 480), FIXTURE_FORMATS=bf16,fp8 (only
+#   those fixtures; a misspelt one fails the build, which is then retried on the CPU)
 #
 # Cost on one H200 (2026-12): fixtures ~1 min (one process per format, FIXTURE_JOBS); the tier ~5 min with 8 workers; the 8B bench
 # ~1 min per format.

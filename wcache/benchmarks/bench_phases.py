@@ -136,6 +136,8 @@ MODEL_KINDS = ("8b", "smol", "tiny")
 #: Figure size (inches) and resolution of the PNG: readable at GitHub's page width.
 FIGSIZE_IN = (8.0, 4.2)
 DPI = 150
+#: The meta fields two runs' JSON must share to be merged into one table.
+COMPARABLE_META = ("device_name", "vllm", "torch", "model_kind", "engine_args", "serve_args")
 
 
 def _log(msg: str) -> None:
@@ -238,18 +240,26 @@ class _Runner:
 
         args = self.engine_args + (["--compile"] if compiled else [])
         t0 = time.time()
-        res = run_engine(self.ckpt, load_format, extra, prompts=[PROMPT], max_tokens=MAX_TOKENS,
-                         env={**cache_env(root), **LOG_ENV}, timeout_s=ENGINE_TIMEOUT_S,
-                         engine_args=args)
+        try:
+            res = run_engine(self.ckpt, load_format, extra, prompts=[PROMPT],
+                             max_tokens=MAX_TOKENS, env={**cache_env(root), **LOG_ENV},
+                             timeout_s=ENGINE_TIMEOUT_S, engine_args=args)
+        except RuntimeError as exc:
+            self._keep_log(name, getattr(exc, "output", str(exc)))
+            raise
+        self._keep_log(name, res.get("output") or res.get("log") or "")
         res["wall_s"] = time.time() - t0
         res["spawn_time"] = t0
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            (self.log_dir / f"{name}.log").write_text(res.get("log") or "")
         res["command"] = {"module": "wcache.vllm.run_engine", "model": str(self.ckpt),
                           "load_format": load_format, "extra": extra, "engine_args": args,
                           "prompt": PROMPT, "max_tokens": MAX_TOKENS, "env": cache_env(root)}
         return res
+
+    def _keep_log(self, name: str, text: str) -> None:
+        """The engine's whole output (stdout and stderr) in ``log_dir/name.log``."""
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            (self.log_dir / f"{name}.log").write_text(text)
 
     def disk_format(self) -> str:
         # CPU: vLLM's default loader timed by wcache (vLLM's CPU model runner logs no
@@ -357,9 +367,12 @@ class _Runner:
 
 def run(rows: Sequence[str], ckpt: Path, engine_args: Sequence[str], serve_args: Sequence[str],
         device: str, work: Path, log: Callable[[str], None] = _log,
-        on_row: Callable[[list[dict[str, Any]]], None] = lambda rows: None,
+        on_row: Callable[[list[dict[str, Any]], Mapping[str, Any]], None] =
+        lambda rows, daemon: None,
         log_dir: Path | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Run ``rows`` (names of :data:`ROWS`) in :data:`ROWS` order.
+    """Run ``rows`` (names of :data:`ROWS`) in :data:`ROWS` order. After each row
+    ``on_row`` gets the rows so far and the shared daemon's info (results survive a
+    timeout); with ``log_dir`` every engine's whole output is kept there.
 
     Returns:
         ``(results, daemon)``: one dict per row (``phases``, ``total_s``, ``figures``,
@@ -384,7 +397,7 @@ def run(rows: Sequence[str], ckpt: Path, engine_args: Sequence[str], serve_args:
             else:
                 log(f"{name}: {res.get('error') or res.get('not_run')}")
             results.append(res)
-            on_row(results)
+            on_row(results, runner.daemon_info)
     finally:
         runner.stop()
     return results, runner.daemon_info
@@ -406,35 +419,46 @@ def merge_results(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
         the first file's, with ``runs`` (each file's path, date, git and command).
 
     Raises:
-        ValueError: no file given, or the files were measured on different devices
-            or vLLM versions (their rows do not compare).
+        ValueError: no file given, or the files differ in one of
+            :data:`COMPARABLE_META` (their rows do not compare).
     """
     runs = [json.loads(Path(p).read_text()) for p in paths]
     if not runs:
         raise ValueError("merge_results: no results file given")
-    seen = {(r["meta"].get("device_name"), r["meta"].get("vllm")) for r in runs}
+    seen = {json.dumps({k: r["meta"].get(k) for k in COMPARABLE_META}, sort_keys=True)
+            for r in runs}
     if len(seen) > 1:
-        raise ValueError(f"merge_results: the files were measured on {sorted(seen)}: "
-                         "rows of different devices or vLLM versions do not compare")
+        raise ValueError(f"merge_results: the files differ in {', '.join(COMPARABLE_META)} "
+                         f"({sorted(seen)}): rows of different setups do not compare")
     device = runs[0]["meta"]["device"]
     rows: dict[str, dict[str, Any]] = {}
+    daemon_of: dict[str, Mapping[str, Any]] = {}  # row -> its file's shared daemon
     for run_ in runs:
         for r in run_["rows"]:
+            if "marks" not in r and "marks" in rows.get(r["row"], {}):
+                continue  # a later failed or skipped try does not hide a row that ran
             if "marks" in r:
                 phases = breakdown(r["marks"], "\n".join(r["log_lines"]), r.get("load") or [],
                                    compiled=r["compiled"], device=device)
                 r = {**r, "phases": [p.to_json() for p in phases], "total_s": total_s(phases),
                      "figures": parse_log("\n".join(r["log_lines"]))}
             rows[r["row"]] = r
+            daemon_of[r["row"]] = run_.get("daemon") or {}
     ordered = [rows[n] for n in ROWS if n in rows]
     first = next((r for r in ordered if "token_ids" in r), None)
-    for r in ordered:
+    for r in ordered:  # as run() sets it: None for the first row with tokens
         if "token_ids" in r:
-            r["same_tokens_as_first_row"] = r["token_ids"] == first["token_ids"]
+            r["same_tokens_as_first_row"] = (None if r is first
+                                             else r["token_ids"] == first["token_ids"])
     meta = {**runs[0]["meta"], "runs": [
-        {"path": str(p), **{k: r["meta"].get(k) for k in ("date", "git", "command")}}
+        {"path": str(p), **{k: r["meta"].get(k) for k in ("date", "git", "git_dirty",
+                                                           "command")}}
         for p, r in zip(paths, runs)]}
-    daemon = next((r["daemon"] for r in runs if r.get("daemon")), {})
+    meta["provenance"] = (f"merged from {len(runs)} runs of wcache.benchmarks.bench_phases "
+                          f"(meta.runs); each row measured in one of them; "
+                          f"{runs[0]['meta'].get('provenance', '')}")
+    daemon = next((daemon_of[r["row"]] for r in ordered
+                   if r.get("source") == "daemon" and daemon_of[r["row"]]), {})
     return {"meta": meta, "daemon": daemon, "rows": ordered, "target": target_summary(ordered)}
 
 
@@ -600,8 +624,14 @@ def _meta(device: str, kind: str, ckpt: Path, argv: Sequence[str]) -> dict[str, 
         rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                              cwd=Path(__file__).resolve().parent, timeout=HELP_TIMEOUT_S)
         meta["git"] = rev.stdout.strip() or None
+        # a copied checkout (the device machine's) can carry stale git metadata: say
+        # whether the files differ from the commit named
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=HELP_TIMEOUT_S,
+                               cwd=Path(__file__).resolve().parent)
+        meta["git_dirty"] = bool(dirty.stdout.strip()) if dirty.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired):
-        meta["git"] = None
+        meta["git"] = meta["git_dirty"] = None
     return meta
 
 
@@ -644,9 +674,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _log_dir(out: str | None) -> Path | None:
-    """Where the engines' whole logs go: ``{--out without .json}.logs/`` (none without
-    --out). The JSON keeps only vLLM's phase lines; a phase nobody expected needs the rest."""
-    return None if not out else Path(out).with_suffix("").with_name(Path(out).stem + ".logs")
+    """Where the engines' whole output goes: ``{--out without its suffix}.logs/ROW.log``
+    (none without --out). The JSON keeps only vLLM's phase lines; a phase nobody
+    expected needs the rest."""
+    return None if not out else Path(out).with_name(Path(out).stem + ".logs")
 
 
 def _write_merged(args: argparse.Namespace) -> int:

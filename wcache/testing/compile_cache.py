@@ -217,7 +217,9 @@ def _graph_texts(compiled_fn_state: tuple[Any, bytes]) -> list[tuple[str, str]]:
         try:
             gm = owner.deserialize_graph_module(state["graph_module"],
                                                 FakeTensorMode(shape_env=ShapeEnv()))
-        except AttributeError as exc:  # a node's op is registered by a module not imported
+        except AttributeError as exc:
+            if "_OpNamespace" not in str(exc):  # not an unregistered op: a real error
+                raise
             raise UnreadableArtifact(
                 f"the split graph names a torch op no imported module registers ({exc}): "
                 "add the vLLM module that registers it to "
@@ -233,6 +235,10 @@ def register_vllm_ops() -> tuple[str, ...]:
 
     Returns:
         The modules that imported (a release lacks some; those are skipped).
+
+    Raises:
+        ModuleNotFoundError: a module of the list exists but one it imports is missing.
+        ImportError: a module of the list fails to import.
     """
     import importlib  # noqa: PLC0415
 
@@ -241,7 +247,7 @@ def register_vllm_ops() -> tuple[str, ...]:
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as exc:
-            if exc.name is None or not name.startswith(exc.name):
+            if exc.name is None or not (name == exc.name or name.startswith(exc.name + ".")):
                 raise  # the module exists but needs something missing: say so
             continue
         done.append(name)

@@ -195,12 +195,16 @@ def progress(case_id: str, load: str, what: str) -> None:
     results = os.environ.get(RESULTS_ENV)
     if not results:
         return
-    line = f"{time.strftime('%H:%M:%S')} {case_id} {load}: {what}\n"
-    fd = os.open(f"{results}.progress", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
+    line = f"{time.strftime('%H:%M:%SZ', time.gmtime())} {case_id} {load}: {what}\n"
+    try:  # a diagnostic: it never fails a case
+        Path(results).parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(f"{results}.progress", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
 
 
 def _engine(model: Path, case: EngineCase, load_format: str, extra: dict,
@@ -217,7 +221,7 @@ def _engine(model: Path, case: EngineCase, load_format: str, extra: dict,
     try:
         out = run_engine(model, load_format, extra, prompts=prompts, max_tokens=max_tokens,
                          env=env, engine_args=case.engine_args)
-    except RuntimeError as exc:
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
         progress(case.id, name, f"engine failed after {time.perf_counter() - t0:.1f} s: "
                  + (str(exc).strip().splitlines() or [""])[-1][:300])
         raise
@@ -270,7 +274,10 @@ def run_case(case: EngineCase, model: Path, *, prompts: Sequence[str],
     """
     with tempfile.TemporaryDirectory(prefix="wcg-cache-") as caches:
         roots = {name: Path(caches, name) for name in ("A", "B")} if case.compile else None
-        return _run_case(case, model, prompts, max_tokens, verify, roots)
+        row = _run_case(case, model, prompts, max_tokens, verify, roots)
+    progress(case.id, "case", row["outcome"] + (f": {row['reason'][:300]}"
+                                                if row.get("reason") else ""))
+    return row
 
 
 def _run_case(case: EngineCase, model: Path, prompts: Sequence[str], max_tokens: int,
@@ -365,7 +372,6 @@ def _run_case(case: EngineCase, model: Path, prompts: Sequence[str], max_tokens:
     if verify and row["verify"]["exit"] != 0:
         problems.append(f"wcache verify exited {row['verify']['exit']}")
     row["outcome"] = "failed" if problems else "restored"
-    progress(case.id, "case", f"{row['outcome']}: {'; '.join(problems)[:300]}")
     row["reason"] = "; ".join(problems) if problems else (
         "identical greedy tokens" if all(identical.values()) else "top-5 logprobs close")
     return row
