@@ -244,8 +244,10 @@ class _Runner:
             res = run_engine(self.ckpt, load_format, extra, prompts=[PROMPT],
                              max_tokens=MAX_TOKENS, env={**cache_env(root), **LOG_ENV},
                              timeout_s=ENGINE_TIMEOUT_S, engine_args=args)
-        except RuntimeError as exc:
-            self._keep_log(name, getattr(exc, "output", str(exc)))
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            out = getattr(exc, "output", None)
+            self._keep_log(name, (out.decode(errors="replace") if isinstance(out, bytes)
+                                  else out) or str(exc))
             raise
         self._keep_log(name, res.get("output") or res.get("log") or "")
         res["wall_s"] = time.time() - t0
@@ -411,8 +413,9 @@ def merge_results(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
 
     A row that ran is recomputed from the evidence it saved (its marks, vLLM's phase
     lines and the loader's records), so a later fix of the parser applies to an
-    earlier run. Where files hold the same row, the last file's wins; rows come in
-    :data:`ROWS` order.
+    earlier run. Where files hold the same row, the last file's wins, unless it did
+    not run (an error, not run) and an earlier one did; rows come in :data:`ROWS`
+    order.
 
     Returns:
         ``{"meta", "daemon", "rows", "target"}`` as :func:`main` writes; ``meta`` is
@@ -597,7 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="PNG of the stacked phases (matplotlib)")
     p.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
                    help="run nothing: merge these --out files (rows split over device "
-                        "calls; the last file's row wins), recompute each row's phases "
+                        "calls; the last file's row wins unless it failed), recompute each row's phases "
                         "from its saved evidence, and write --out/--markdown/--plot")
     return p
 
