@@ -36,7 +36,6 @@ docs: bootstrap
 ## Build the vLLM CUDA bundle the H200 harness carries over (docs/gpu.md; needs a registry).
 VLLM_CUDA_VERSION ?= 0.32.0,0.33.0
 gpu-bundle:
-	@grep -qx '/.vx/' .git/info/exclude 2>/dev/null || echo /.vx/ >> .git/info/exclude
 	bash tools/gpu/build-bundle.sh $(VLLM_CUDA_VERSION) .vx
 
 clean:
