@@ -357,14 +357,29 @@ class _Runner:
         if row.source != "disk" and not any(r.get("phase") == "restore" for r in loads):
             out["error"] = [f"the engine did not restore from the daemon (load records: {loads})"]
             return out
-        phases = breakdown(res["phases"]["marks"], res["log"], loads, compiled=row.compiled,
-                           device=self.device)
-        out.update({"phases": [p.to_json() for p in phases], "total_s": total_s(phases),
-                    "wall_s": res["wall_s"], "figures": parse_log(res["log"]),
+        out.update({**_phase_fields(res["phases"]["marks"], res["log"], loads, row.compiled,
+                                    self.device),
+                    "wall_s": res["wall_s"],
                     "marks": res["phases"]["marks"], "log_lines": phase_lines(res["log"]),
                     "process_start_source": res["phases"]["process_start_source"],
                     "load": loads, "token_ids": res["token_ids"], "command": res["command"]})
         return out
+
+
+def _phase_fields(marks: Mapping[str, float], log: str, loads: Sequence[Mapping[str, Any]],
+                  compiled: bool, device: str) -> dict[str, Any]:
+    """A row's ``phases``, ``total_s`` and ``figures`` from its evidence (run_engine's
+    marks, vLLM's log or its phase lines, the loader's records)."""
+    phases = breakdown(marks, log, loads, compiled=compiled, device=device)
+    return {"phases": [p.to_json() for p in phases], "total_s": total_s(phases),
+            "figures": parse_log(log)}
+
+
+def _same_tokens(row: Mapping[str, Any], earlier: Sequence[Mapping[str, Any]]) -> bool | None:
+    """Whether ``row`` gave the tokens of the first of ``earlier`` that has any (None
+    when none has: ``row`` is the first)."""
+    first = next((r for r in earlier if "token_ids" in r), None)
+    return None if first is None else first["token_ids"] == row["token_ids"]
 
 
 def run(rows: Sequence[str], ckpt: Path, engine_args: Sequence[str], serve_args: Sequence[str],
@@ -391,9 +406,7 @@ def run(rows: Sequence[str], ckpt: Path, engine_args: Sequence[str], serve_args:
             log(f"{name}: starting")
             res = runner.row(ROWS[name])
             if "total_s" in res:
-                first = next((r for r in results if "token_ids" in r), None)
-                res["same_tokens_as_first_row"] = (None if first is None else
-                                                   first["token_ids"] == res["token_ids"])
+                res["same_tokens_as_first_row"] = _same_tokens(res, results)
                 log(f"{name}: first token at {res['total_s']:.2f} s ("
                     + ", ".join(f"{p['name']} {p['seconds']:.2f}" for p in res["phases"]) + ")")
             else:
@@ -441,18 +454,14 @@ def merge_results(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
             if "marks" not in r and "marks" in rows.get(r["row"], {}):
                 continue  # a later failed or skipped try does not hide a row that ran
             if "marks" in r:
-                phases = breakdown(r["marks"], "\n".join(r["log_lines"]), r.get("load") or [],
-                                   compiled=r["compiled"], device=device)
-                r = {**r, "phases": [p.to_json() for p in phases], "total_s": total_s(phases),
-                     "figures": parse_log("\n".join(r["log_lines"]))}
+                r = {**r, **_phase_fields(r["marks"], "\n".join(r["log_lines"]),
+                                          r.get("load") or [], r["compiled"], device)}
             rows[r["row"]] = r
             daemon_of[r["row"]] = run_.get("daemon") or {}
     ordered = [rows[n] for n in ROWS if n in rows]
-    first = next((r for r in ordered if "token_ids" in r), None)
-    for r in ordered:  # as run() sets it: None for the first row with tokens
+    for i, r in enumerate(ordered):  # as run() sets it, in the merged order
         if "token_ids" in r:
-            r["same_tokens_as_first_row"] = (None if r is first
-                                             else r["token_ids"] == first["token_ids"])
+            r["same_tokens_as_first_row"] = _same_tokens(r, ordered[:i])
     meta = {**runs[0]["meta"], "runs": [
         {"path": str(p), **{k: r["meta"].get(k) for k in ("date", "git", "git_dirty",
                                                            "command")}}
@@ -656,24 +665,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = _meta(device, kind if args.model is None else "custom", ckpt, argv)
     meta.update(engine_args=engine_args, serve_args=serve_args)
 
-    def save(rows: list[dict[str, Any]], daemon: Mapping[str, Any] | None = None) -> None:
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(
-                {"meta": meta, "daemon": dict(daemon or {}), "rows": rows,
-                 "target": target_summary(rows)}, indent=1, default=str))
+    def results(rows: list[dict[str, Any]], daemon: Mapping[str, Any]) -> dict[str, Any]:
+        return {"meta": meta, "daemon": dict(daemon), "rows": rows,
+                "target": target_summary(rows)}
 
     with tempfile.TemporaryDirectory(prefix="nodes-", dir=root) as work:
         rows, daemon = run(args.rows, ckpt, engine_args, serve_args, device, Path(work),
-                           on_row=save, log_dir=_log_dir(args.out))
-    save(rows, daemon)
-    text = table(rows)
+                           on_row=lambda rows, daemon: _save(args.out, results(rows, daemon)),
+                           log_dir=_log_dir(args.out))
+    return _write_outputs(args, results(rows, daemon))
+
+
+def _save(out: str | None, results: Mapping[str, Any]) -> None:
+    """``results`` as JSON at ``out`` (nothing without --out)."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(results, indent=1, default=str))
+
+
+def _write_outputs(args: argparse.Namespace, results: Mapping[str, Any]) -> int:
+    """--out, the table (stdout and --markdown) and --plot of ``results``; returns 0
+    unless a row failed."""
+    _save(args.out, results)
+    text = table(results["rows"])
     sys.stdout.write(text)
     if args.markdown:
         Path(args.markdown).write_text(text)
     if args.plot:
-        _log(f"phases written to {plot_phases({'meta': meta, 'rows': rows}, args.plot)}")
-    return 1 if any("error" in r for r in rows) else 0
+        _log(f"phases written to {plot_phases(results, args.plot)}")
+    return 1 if any("error" in r for r in results["rows"]) else 0
 
 
 def _log_dir(out: str | None) -> Path | None:
@@ -688,16 +708,7 @@ def _write_merged(args: argparse.Namespace) -> int:
         merged = merge_results(args.from_json)
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
         raise SystemExit(f"wcache bench --phases --from-json: {exc}") from exc
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(merged, indent=1, default=str))
-    text = table(merged["rows"])
-    sys.stdout.write(text)
-    if args.markdown:
-        Path(args.markdown).write_text(text)
-    if args.plot:
-        _log(f"phases written to {plot_phases(merged, args.plot)}")
-    return 1 if any("error" in r for r in merged["rows"]) else 0
+    return _write_outputs(args, merged)
 
 
 if __name__ == "__main__":

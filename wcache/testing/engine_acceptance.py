@@ -197,14 +197,20 @@ def progress(case_id: str, load: str, what: str) -> None:
         return
     line = f"{time.strftime('%H:%M:%SZ', time.gmtime())} {case_id} {load}: {what}\n"
     try:  # a diagnostic: it never fails a case
-        Path(results).parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(f"{results}.progress", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        try:
-            os.write(fd, line.encode())
-        finally:
-            os.close(fd)
+        _append_line(Path(f"{results}.progress"), line)
     except OSError:
         pass
+
+
+def _append_line(path: Path, line: str) -> None:
+    """One ``write`` of ``line`` on an ``O_APPEND`` file (its folder made), so parallel
+    test workers can share the file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
 
 
 def _engine(model: Path, case: EngineCase, load_format: str, extra: dict,
@@ -427,14 +433,8 @@ def record_result(row: Mapping[str, Any], path: str | os.PathLike | None = None)
         The results file.
     """
     out = Path(path or os.environ.get(RESULTS_ENV) or DEFAULT_RESULTS)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **row},
-                      sort_keys=True, default=str) + "\n"
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
+    _append_line(out, json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                  **row}, sort_keys=True, default=str) + "\n")
     return out
 
 
