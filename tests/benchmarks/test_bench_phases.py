@@ -416,3 +416,73 @@ def test_each_engine_log_is_kept_whole_beside_the_json(tmp_path, monkeypatch):
     assert rows[0]["total_s"] == pytest.approx(MARKS["first_token"] - MARKS["process_start"])
     assert (logs / "disk-eager.log").read_text() == full_log
     assert bp._log_dir(None) is None
+
+
+def test_each_engine_records_what_it_wrote_into_its_caches(tmp_path, monkeypatch):
+    """A row records the files its engine wrote into its node's caches (and none it did
+    not write): a fake engine writes one Triton kernel and one vLLM file."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home" / ".cache"))
+
+    def fake_run_engine(ckpt, load_format, extra, **kw):
+        env = kw["env"]
+        Path(env["TRITON_CACHE_DIR"], "k1").mkdir()
+        Path(env["TRITON_CACHE_DIR"], "k1", "kernel.cubin").write_bytes(b"x" * 300)
+        Path(env["VLLM_CACHE_ROOT"], "modelinfos").mkdir()
+        Path(env["VLLM_CACHE_ROOT"], "modelinfos", "m.json").write_text("{}")
+        Path(tmp_path / "home" / ".cache" / "flashinfer").mkdir(parents=True)
+        Path(tmp_path / "home" / ".cache" / "flashinfer" / "k.so").write_bytes(b"y" * 7)
+        assert "WCACHE_STACK_SAMPLES" not in env  # off unless asked for
+        return {"log": CUDA_LOG, "token_ids": [[1]], "load": [],
+                "phases": {"marks": MARKS, "process_start_source": "test"}}
+
+    monkeypatch.setattr("wcache.daemon.process.run_engine", fake_run_engine)
+    rows, _ = bp.run(["disk-eager"], tmp_path / "ckpt", [], [], "cuda", tmp_path / "w",
+                     log=lambda m: None)
+    writes = rows[0]["cache_writes"]
+    assert writes["node/triton"] == {"files": 1, "bytes": 300, "changed": 0,
+                                     "largest": [["k1/kernel.cubin", 300]]}
+    assert writes["node/vllm"]["files"] == 1
+    assert writes["xdg_cache"]["largest"] == [["flashinfer/k.so", 7]]
+    assert set(writes) == {"node/triton", "node/vllm", "xdg_cache"}
+
+
+def test_stack_samples_go_to_the_log_dir_of_each_engine(tmp_path, monkeypatch):
+    """--stack-samples gives the engine's processes the sampler's environment: its
+    directory first on PYTHONPATH, the samples under OUT.logs/ROW.stacks."""
+    seen = {}
+
+    def fake_run_engine(ckpt, load_format, extra, **kw):
+        seen.update(kw["env"])
+        return {"log": CUDA_LOG, "token_ids": [[1]], "load": [],
+                "phases": {"marks": MARKS, "process_start_source": "test"}}
+
+    monkeypatch.setattr("wcache.daemon.process.run_engine", fake_run_engine)
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    logs = tmp_path / "p.logs"
+    bp.run(["disk-eager"], tmp_path / "ckpt", [], [], "cuda", tmp_path / "w",
+           log=lambda m: None, log_dir=logs, stack_samples_s=0.25)
+    assert seen["PYTHONPATH"] == f"{bp.STACK_SAMPLER_DIR}{os.pathsep}/somewhere"
+    assert seen["WCACHE_STACK_SAMPLES"] == str(logs / "disk-eager.stacks")
+    assert seen["WCACHE_STACK_SAMPLE_S"] == "0.25"
+    with pytest.raises(SystemExit, match="--out"):
+        bp.main(["--stack-samples", "0.5", "--rows", "disk-eager"])
+
+
+def test_startup_plan_goes_to_every_engine_and_the_record(tmp_path, monkeypatch):
+    """--startup-plan sets vLLM's VLLM_ENABLE_STARTUP_PLAN=1 on every engine and says so
+    in meta.engine_env and each row's command."""
+    seen = []
+
+    def fake_run_engine(ckpt, load_format, extra, **kw):
+        seen.append(kw["env"].get("VLLM_ENABLE_STARTUP_PLAN"))
+        return {"log": CUDA_LOG, "token_ids": [[1]], "load": [],
+                "phases": {"marks": MARKS, "process_start_source": "test"}}
+
+    monkeypatch.setattr("wcache.daemon.process.run_engine", fake_run_engine)
+    rows, _ = bp.run(["disk-eager"], tmp_path / "ckpt", [], [], "cuda", tmp_path / "w",
+                     log=lambda m: None, engine_env={bp.STARTUP_PLAN_ENV: "1"})
+    assert seen == ["1"] and rows[0]["command"]["env"]["VLLM_ENABLE_STARTUP_PLAN"] == "1"
+    from wcache.vllm.startup import STARTUP_PLAN_ENV
+    assert bp.STARTUP_PLAN_ENV == STARTUP_PLAN_ENV
+    assert "--startup-plan" in bp.build_parser().format_help()

@@ -66,11 +66,74 @@ def test_collect_entries_finds_hash_dirs_model_infos_and_kernel_caches(tmp_path)
     (v / startup.COMPILE_DIR / "abcdef0123").mkdir(parents=True)
     (v / "modelinfos").mkdir()
     (v / "modelinfos" / "m.json").write_text("{}")
+    (v / startup.STARTUP_PLAN_DIR).mkdir()
+    (v / startup.STARTUP_PLAN_DIR / "startup_plan_0123456789abcdef.json").write_text("{}")
+    (v / startup.STARTUP_PLAN_DIR / "startup_plan_0123456789abcdef.json.tmp.77").write_text("{")
     (tmp_path / "triton" / "k1").mkdir(parents=True)
     dirs = {"vllm": v, "triton": tmp_path / "triton", "inductor": tmp_path / "none"}
     assert startup.collect_entries(dirs) == [
         ("vllm", f"{startup.AOT_DIR}/h1"), ("vllm", f"{startup.COMPILE_DIR}/abcdef0123"),
-        ("vllm", "modelinfos/m.json"), ("triton", "k1")]
+        ("vllm", "modelinfos/m.json"),
+        ("vllm", f"{startup.STARTUP_PLAN_DIR}/startup_plan_0123456789abcdef.json"),  # not its temp file
+        ("triton", "k1")]
+
+
+def test_startup_plans_names_the_plans_a_bundle_carries():
+    manifest = {"entries": [{"root": "vllm", "path": f"{startup.AOT_DIR}/h1"},
+                            {"root": "vllm", "path": "startup_plan/startup_plan_ab.json"},
+                            {"root": "triton", "path": "startup_plan/x.json"}]}
+    assert startup.startup_plans(manifest) == ["startup_plan/startup_plan_ab.json"]
+
+
+def test_the_priming_engine_writes_a_startup_plan_into_its_private_roots(tmp_path):
+    """The priming engine's environment points every cache root at the private dirs and
+    turns vLLM's startup plan on (not a compile factor in vLLM 0.33: the key stays)."""
+    dirs = {name: tmp_path / name for name in prime.ROOT_ENV}
+    env = prime.priming_env(dirs, {"PATH": "/bin", "VLLM_CACHE_ROOT": "/elsewhere"})
+    assert env == {"PATH": "/bin", "VLLM_CACHE_ROOT": str(tmp_path / "vllm"),
+                   "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+                   "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+                   startup.STARTUP_PLAN_ENV: "1"}
+
+
+def test_vllm_0_33_knows_the_startup_plan_and_leaves_it_out_of_the_compile_key():
+    """vLLM 0.33's own source (``make vllm-trees``): the variable is one of its envs,
+    ``compile_factors`` ignores it, and the plans live under VLLM_CACHE_ROOT/startup_plan."""
+    tree = Path(os.environ.get("WCACHE_VLLM_TREES", Path(__file__).resolve().parents[2]
+                               / ".vllm-trees")) / "0.33.0"
+    if not (tree / ".complete").exists():
+        why = f"vLLM 0.33.0's Python tree is not at {tree} (`make vllm-trees`)"
+        if os.environ.get("WCACHE_REQUIRE_VLLM_TREES") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    text = (tree / "vllm" / "envs.py").read_text()
+    ignored = text[text.index("def compile_factors"):]
+    assert f'"{startup.STARTUP_PLAN_ENV}"' in ignored[:ignored.index("}")]
+    assert f'"{startup.STARTUP_PLAN_ENV}": lambda' in text
+    plan = (tree / "vllm" / "v1" / "worker" / "startup_plan.py").read_text()
+    assert f'envs.VLLM_CACHE_ROOT, "{startup.STARTUP_PLAN_DIR}", f"startup_plan_{{fingerprint}}.json"' in plan
+
+
+def test_an_installed_bundle_with_a_startup_plan_says_how_to_apply_it(caplog, monkeypatch):
+    """vLLM applies a carried plan only with VLLM_ENABLE_STARTUP_PLAN=1: without it the
+    loader says so (and counts the plans); with it, nothing is said."""
+    from vllm import envs
+
+    from wcache.vllm import loader
+
+    manifest = {"entries": [{"root": "vllm", "path": "startup_plan/startup_plan_ab.json"}]}
+    monkeypatch.delenv(startup.STARTUP_PLAN_ENV, raising=False)
+    info: dict = {}
+    with caplog.at_level("INFO", logger="vllm.wcache"):
+        loader._startup_plan_hint(manifest, info)
+    assert info == {"startup_plans": 1}
+    assert f"set {startup.STARTUP_PLAN_ENV}=1" in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(envs, startup.STARTUP_PLAN_ENV, True, raising=False)
+    with caplog.at_level("INFO", logger="vllm.wcache"):
+        loader._startup_plan_hint(manifest, {})
+        loader._startup_plan_hint({"entries": []}, info := {})
+    assert caplog.text == "" and info == {}
 
 
 def test_pack_primed_without_a_compile_artifact_is_artifacts_missing(tmp_path):

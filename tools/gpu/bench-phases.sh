@@ -6,7 +6,10 @@
 #
 #   bash tools/gpu/bench-phases.sh [ROWS]   (default: every row; e.g. disk-compiled-cold,fresh-node)
 #   environment: BENCH_TIMEOUT (seconds, default 580), OUT_NAME (output files' name, default
-#   phases-h200; the engines' whole logs go to $OUT/$OUT_NAME.logs/)
+#   phases-h200; the engines' whole logs go to $OUT/$OUT_NAME.logs/), STACK_SAMPLES (seconds:
+#   also sample every engine process's Python stacks there; python -m wcache.benchmarks.stacks),
+#   STARTUP_PLAN=1 (--startup-plan: VLLM_ENABLE_STARTUP_PLAN=1 on every engine). The logs
+#   folder is packed into $OUT/$OUT_NAME.logs.tgz (the device tool brings back 8 files at most).
 #
 # Cost on one H200 (measured 2026-12-02, vLLM 0.33.0): the 8B checkpoint, disk-eager,
 # daemon-eager (its daemon 46 s), disk-compiled-cold (107 s) and disk-compiled-warm took most
@@ -25,5 +28,11 @@ python3 -m wcache.testing.fixtures --formats bf16 >>"$OUT/fixtures.log" 2>&1 \
   || { tail -20 "$OUT/fixtures.log"; exit 1; }   # SmolLM2's tokenizer for the 8B checkpoint
 timeout "${BENCH_TIMEOUT:-580}" python3 -m wcache.cli bench --phases --device cuda --rows "$ROWS" \
     --root "${WCACHE_BENCH_DIR:-/tmp/wcache-phases}" --out "$OUT/${OUT_NAME:-phases-h200}.json" \
-    --markdown "$OUT/${OUT_NAME:-phases-h200}.md" --plot "$OUT/${OUT_NAME:-phases-h200}.png" 2>&1 | tee "$OUT/phases.log" | tail -40
+    --markdown "$OUT/${OUT_NAME:-phases-h200}.md" --plot "$OUT/${OUT_NAME:-phases-h200}.png" \
+    ${STACK_SAMPLES:+--stack-samples "$STACK_SAMPLES"} ${STARTUP_PLAN:+--startup-plan} \
+    2>&1 | tee "$OUT/phases.log" | tail -40
+logs=${OUT_NAME:-phases-h200}.logs
+if [ -d "$OUT/$logs" ]; then
+  tar czf "$OUT/$logs.tgz" -C "$OUT" "$logs" && rm -rf "${OUT:?}/$logs"
+fi
 exit 0

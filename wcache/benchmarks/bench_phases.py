@@ -138,6 +138,10 @@ FIGSIZE_IN = (8.0, 4.2)
 DPI = 150
 #: The meta fields two runs' JSON must share to be merged into one table.
 COMPARABLE_META = ("device_name", "vllm", "torch", "model_kind", "engine_args", "serve_args")
+#: The variable --startup-plan sets (wcache.vllm.startup.STARTUP_PLAN_ENV; that module imports torch).
+STARTUP_PLAN_ENV = "VLLM_ENABLE_STARTUP_PLAN"
+#: The directory --stack-samples puts first on the engines' PYTHONPATH (its sitecustomize).
+STACK_SAMPLER_DIR = str(Path(__file__).resolve().parent / "_stack_sampler")
 
 
 def _log(msg: str) -> None:
@@ -210,9 +214,11 @@ class _Runner:
 
     def __init__(self, ckpt: Path, engine_args: Sequence[str], serve_args: Sequence[str],
                  device: str, work: Path, log: Callable[[str], None],
-                 log_dir: Path | None = None):
+                 log_dir: Path | None = None, stack_samples_s: float = 0.0,
+                 engine_env: Mapping[str, str] | None = None):
         self.ckpt, self.device, self.work, self.log = ckpt, device, work, log
-        self.log_dir = log_dir
+        self.log_dir, self.stack_samples_s = log_dir, stack_samples_s
+        self.engine_env = dict(engine_env or {})
         self.engine_args, self.serve_args = list(engine_args), list(serve_args)
         self.nodes: dict[str, Path] = {}
         self.warmed: set[str] = set()
@@ -234,15 +240,23 @@ class _Runner:
 
     def engine(self, load_format: str, extra: dict, compiled: bool, root: Path,
                name: str) -> dict:
-        """One engine of row ``name``; its whole log goes to ``log_dir/name.log``."""
+        """One engine of row ``name``; its whole log goes to ``log_dir/name.log``, what
+        it wrote into each cache (its node's and the host's) to ``res["cache_writes"]``."""
         from wcache.daemon.process import run_engine  # noqa: PLC0415
-        from wcache.testing.caches import cache_env  # noqa: PLC0415
+        from wcache.testing.caches import (  # noqa: PLC0415
+            CACHE_ENV_DIRS, cache_env, cache_states, cache_writes, host_cache_dirs,
+        )
 
         args = self.engine_args + (["--compile"] if compiled else [])
+        watched = {**{f"node/{sub}": root / sub for sub in CACHE_ENV_DIRS.values()},
+                   **host_cache_dirs()}
+        before = cache_states(watched)
         t0 = time.time()
         try:
             res = run_engine(self.ckpt, load_format, extra, prompts=[PROMPT],
-                             max_tokens=MAX_TOKENS, env={**cache_env(root), **LOG_ENV},
+                             max_tokens=MAX_TOKENS,
+                             env={**cache_env(root), **LOG_ENV, **self.engine_env,
+                                  **self._sampler_env(name)},
                              timeout_s=ENGINE_TIMEOUT_S, engine_args=args)
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             out = getattr(exc, "output", None)
@@ -251,11 +265,25 @@ class _Runner:
             raise
         self._keep_log(name, res.get("output") or res.get("log") or "")
         res["wall_s"] = time.time() - t0
+        res["cache_writes"] = cache_writes(before, cache_states(watched))
         res["spawn_time"] = t0
         res["command"] = {"module": "wcache.vllm.run_engine", "model": str(self.ckpt),
                           "load_format": load_format, "extra": extra, "engine_args": args,
-                          "prompt": PROMPT, "max_tokens": MAX_TOKENS, "env": cache_env(root)}
+                          "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+                          "env": {**cache_env(root), **self.engine_env}}
         return res
+
+    def _sampler_env(self, name: str) -> dict[str, str]:
+        """With --stack-samples: the environment that makes every Python process of the
+        engine sample its stacks into ``log_dir/name.stacks.{pid}``
+        (wcache/benchmarks/_stack_sampler, read by wcache.benchmarks.stacks)."""
+        if not self.stack_samples_s or self.log_dir is None:
+            return {}
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        path = os.environ.get("PYTHONPATH")
+        return {"PYTHONPATH": STACK_SAMPLER_DIR + (os.pathsep + path if path else ""),
+                "WCACHE_STACK_SAMPLES": str(self.log_dir / f"{name}.stacks"),
+                "WCACHE_STACK_SAMPLE_S": str(self.stack_samples_s)}
 
     def _keep_log(self, name: str, text: str) -> None:
         """The engine's whole output (stdout and stderr) in ``log_dir/name.log``."""
@@ -362,7 +390,8 @@ class _Runner:
                     "wall_s": res["wall_s"],
                     "marks": res["phases"]["marks"], "log_lines": phase_lines(res["log"]),
                     "process_start_source": res["phases"]["process_start_source"],
-                    "load": loads, "token_ids": res["token_ids"], "command": res["command"]})
+                    "load": loads, "token_ids": res["token_ids"], "command": res["command"],
+                    "cache_writes": res.get("cache_writes")})
         return out
 
 
@@ -386,10 +415,14 @@ def run(rows: Sequence[str], ckpt: Path, engine_args: Sequence[str], serve_args:
         device: str, work: Path, log: Callable[[str], None] = _log,
         on_row: Callable[[list[dict[str, Any]], Mapping[str, Any]], None] =
         lambda rows, daemon: None,
-        log_dir: Path | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        log_dir: Path | None = None, stack_samples_s: float = 0.0,
+        engine_env: Mapping[str, str] | None = None
+        ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run ``rows`` (names of :data:`ROWS`) in :data:`ROWS` order. After each row
     ``on_row`` gets the rows so far and the shared daemon's info (results survive a
-    timeout); with ``log_dir`` every engine's whole output is kept there.
+    timeout); with ``log_dir`` every engine's whole output is kept there, and with
+    ``stack_samples_s`` > 0 its processes' stack samples (every that many seconds).
+    ``engine_env`` goes into every engine's environment (``--startup-plan``).
 
     Returns:
         ``(results, daemon)``: one dict per row (``phases``, ``total_s``, ``figures``,
@@ -399,7 +432,8 @@ def run(rows: Sequence[str], ckpt: Path, engine_args: Sequence[str], serve_args:
     unknown = sorted(set(rows) - set(ROWS))
     if unknown:
         raise ValueError(f"unknown rows {unknown}; choose from {','.join(ROWS)}")
-    runner = _Runner(ckpt, engine_args, serve_args, device, work, log, log_dir)
+    runner = _Runner(ckpt, engine_args, serve_args, device, work, log, log_dir,
+                     stack_samples_s, engine_env)
     results: list[dict[str, Any]] = []
     try:
         for name in (n for n in ROWS if n in rows):
@@ -607,6 +641,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="JSON results (rewritten after every row)")
     p.add_argument("--markdown", default=None, help="also write the table here")
     p.add_argument("--plot", default=None, help="PNG of the stacked phases (matplotlib)")
+    p.add_argument("--startup-plan", action="store_true",
+                   help="set VLLM_ENABLE_STARTUP_PLAN=1 on every engine (vLLM 0.33+, off by "
+                        "default): a warm cache root or a fresh node's start-up artifacts then "
+                        "give the KV-cache memory its profiling arrived at, and the engine "
+                        "skips that profiling. Recorded in the JSON (meta.engine_env)")
+    p.add_argument("--stack-samples", type=float, default=0.0, metavar="SECONDS",
+                   help="a diagnostic: every SECONDS, sample the Python stacks of every "
+                        "engine process into {--out}.logs/ROW.stacks.PID (needs --out; read "
+                        "them with python -m wcache.benchmarks.stacks). Default 0: off")
     p.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
                    help="run nothing: merge these --out files (rows split over device "
                         "calls; the last file's row wins unless it failed), recompute each row's phases "
@@ -653,6 +696,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.from_json:
         return _write_merged(args)
+    if args.stack_samples < 0 or (args.stack_samples and not args.out):
+        raise SystemExit("--stack-samples: give a positive interval in seconds, and --out "
+                         "(the samples go to {--out}.logs/)")
     import torch  # noqa: PLC0415
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -663,7 +709,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     ckpt, engine_args, serve_args = model_setup(kind, device, root, args.model)
     meta = _meta(device, kind if args.model is None else "custom", ckpt, argv)
-    meta.update(engine_args=engine_args, serve_args=serve_args)
+    engine_env = {STARTUP_PLAN_ENV: "1"} if args.startup_plan else {}
+    meta.update(engine_args=engine_args, serve_args=serve_args, engine_env=engine_env)
 
     def results(rows: list[dict[str, Any]], daemon: Mapping[str, Any]) -> dict[str, Any]:
         return {"meta": meta, "daemon": dict(daemon), "rows": rows,
@@ -672,7 +719,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="nodes-", dir=root) as work:
         rows, daemon = run(args.rows, ckpt, engine_args, serve_args, device, Path(work),
                            on_row=lambda rows, daemon: _save(args.out, results(rows, daemon)),
-                           log_dir=_log_dir(args.out))
+                           log_dir=_log_dir(args.out), stack_samples_s=args.stack_samples,
+                           engine_env=engine_env)
     return _write_outputs(args, results(rows, daemon))
 
 

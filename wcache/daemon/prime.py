@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["PRIME_TIMEOUT_S", "ROOT_ENV", "USAGE_CONTEXTS", "priming_args", "priming_command",
-           "prime_compile", "PrimingFailed"]
+           "priming_env", "prime_compile", "PrimingFailed"]
 
 logger = logging.getLogger("wcache.daemon")
 
@@ -138,6 +138,20 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def priming_env(dirs: dict[str, Path], environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The priming engine's environment: this process's (``environ``), with each start-up
+    cache of :data:`ROOT_ENV` pointed at ``dirs`` (the private roots packed afterwards)
+    and vLLM's startup plan on (``VLLM_ENABLE_STARTUP_PLAN=1``: the engine writes the
+    KV-cache memory its profiling arrived at, and the bundle carries it; vLLM < 0.33
+    ignores the variable, and it is not a compile factor, so the compile key stays
+    the engines'). Source: vllm/v1/worker/startup_plan.py, vllm/envs.py.
+    """
+    from wcache.vllm.startup import STARTUP_PLAN_ENV  # noqa: PLC0415
+
+    base = dict(os.environ if environ is None else environ)
+    return {**base, **{ROOT_ENV[n]: str(d) for n, d in dirs.items()}, STARTUP_PLAN_ENV: "1"}
+
+
 def _run_until_stopped(cmd: list[str], env: dict[str, str], timeout_s: float,
                        stop_requested: Callable[[], bool], out_dir: str) -> tuple[int, str]:
     """Run ``cmd`` in its own session, dying with this process, until it exits; kill its
@@ -203,7 +217,7 @@ def prime_compile(model: str, rest: list[str], *, socket_dir: str | None, job: s
         record = os.path.join(root, "factors.json")
         cmd = priming_command(model, rest, socket_dir=socket_dir, job=job, record=record,
                               usage=usage)
-        env = {**os.environ, **{ROOT_ENV[n]: str(d) for n, d in dirs.items()}}
+        env = priming_env(dirs)
         logger.info("wcache: priming the start-up caches: one engine against this daemon "
                     "(torch.compile, private cache root %s)", root)
         print("wcache: priming: compiling once (one engine against this daemon)", flush=True)

@@ -21,9 +21,14 @@ Source: vllm/envs.py (VLLM_CACHE_ROOT), vllm/compilation/decorators.py
 
 from __future__ import annotations
 
+import stat
+import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-__all__ = ["CACHE_ENV_DIRS", "cache_env"]
+__all__ = ["CACHE_ENV_DIRS", "cache_env", "host_cache_dirs", "tree_state", "cache_states",
+           "cache_writes"]
 
 #: Environment variable -> sub-directory of the root it is pointed at.
 CACHE_ENV_DIRS = {
@@ -47,3 +52,68 @@ def cache_env(root: str | Path) -> dict[str, str]:
         (root / sub).mkdir(parents=True, exist_ok=True)
         env[var] = str(root / sub)
     return env
+
+
+def host_cache_dirs(environ: Mapping[str, str] | None = None) -> dict[str, Path]:
+    """The start-up caches :func:`cache_env` does not redirect, by name: what an engine
+    on one machine shares with every later engine there (FlashInfer's and torch's JIT
+    kernels and the rest of ``XDG_CACHE_HOME``, the defaults of the redirected ones,
+    Inductor's default root).
+
+    Source: flashinfer/jit/env.py (``~/.cache/flashinfer``), torch/_inductor/runtime/
+    cache_dir_utils.py (``/tmp/torchinductor_$USER``), the CUDA driver
+    (``~/.nv/ComputeCache``), triton/runtime/cache.py (``~/.triton``).
+    """
+    import getpass  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    env = os.environ if environ is None else environ
+    home = Path(env.get("HOME") or os.path.expanduser("~"))
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return {"xdg_cache": Path(env.get("XDG_CACHE_HOME") or home / ".cache"),
+            "nv_default": home / ".nv", "triton_default": home / ".triton",
+            "inductor_default": Path(tempfile.gettempdir()) / f"torchinductor_{user}",
+            "vllm_config": home / ".config" / "vllm"}
+
+
+def tree_state(base: Path) -> dict[str, int]:
+    """``{path relative to base: size in bytes}`` of every regular file under ``base``
+    (symlinks not followed; ``{}`` when ``base`` is missing)."""
+    import os  # noqa: PLC0415
+
+    out: dict[str, int] = {}
+    for dirpath, _dirs, files in os.walk(base):
+        for name in files:
+            p = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue  # removed while walking
+            if stat.S_ISREG(st.st_mode):
+                out[os.path.relpath(p, base)] = st.st_size
+    return out
+
+
+def cache_states(dirs: Mapping[str, Path]) -> dict[str, dict[str, int]]:
+    """:func:`tree_state` of each of ``dirs``."""
+    return {name: tree_state(Path(d)) for name, d in dirs.items()}
+
+
+def cache_writes(before: Mapping[str, Mapping[str, int]], after: Mapping[str, Mapping[str, int]],
+                 largest: int = 5) -> dict[str, dict[str, Any]]:
+    """What a run wrote into each cache, from :func:`cache_states` before and after:
+    ``{name: {"files": new files, "bytes": their bytes, "changed": files whose size
+    changed, "largest": [[path, bytes], ...]}}``, only for caches it wrote to."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, now in after.items():
+        was = before.get(name, {})
+        new = {p: s for p, s in now.items() if p not in was}
+        changed = sum(1 for p, s in now.items() if p in was and was[p] != s)
+        if new or changed:
+            out[name] = {"files": len(new), "bytes": sum(new.values()), "changed": changed,
+                         "largest": [[p, s] for p, s in sorted(new.items(), key=lambda x: -x[1])
+                                     [:largest]]}
+    return out

@@ -319,6 +319,25 @@ def _compiles(vllm_config: VllmConfig) -> bool:
         vllm_config.compilation_config.mode != CompilationMode.NONE
 
 
+def _startup_plan_hint(manifest: dict[str, Any], info: dict[str, Any]) -> None:
+    """Note in ``info`` (``startup_plans``) the vLLM startup plans a bundle carries, and
+    say in the log when this engine does not apply them: vLLM reads them only with
+    ``VLLM_ENABLE_STARTUP_PLAN=1`` (vllm/v1/worker/startup_plan.py, 0.33+), an
+    operator's switch this loader leaves alone."""
+    from vllm import envs  # noqa: PLC0415
+
+    from wcache.vllm import startup  # noqa: PLC0415
+
+    plans = startup.startup_plans(manifest)
+    if not plans:
+        return
+    info["startup_plans"] = len(plans)
+    if not getattr(envs, startup.STARTUP_PLAN_ENV, False):
+        logger.info("wcache: the start-up artifacts carry vLLM's startup plan (the KV-cache "
+                    "memory the priming engine profiled); set %s=1 on the engine to apply it "
+                    "and skip memory profiling", startup.STARTUP_PLAN_ENV)
+
+
 def _startup_artifacts(opts: LoaderOptions, vllm_config: VllmConfig,
                        dev_id: str) -> dict[str, Any]:
     """After a restore: record this engine's compile factors (``artifacts_record``),
@@ -369,6 +388,7 @@ def _startup_artifacts(opts: LoaderOptions, vllm_config: VllmConfig,
                             "already in this engine's caches (compile dirs %s)", outcome,
                             len(result.installed), result.nbytes / 2**20, len(result.skipped),
                             info["compile_dirs"])
+                _startup_plan_hint(bundle.manifest, info)
     except Exception as exc:  # noqa: BLE001  (artifacts only save a compile; never fail the load)
         code = getattr(exc, "code", None) or type(exc).__name__
         outcome = "missing" if code == "artifacts-missing" else "error"

@@ -19,6 +19,17 @@ Facts from vLLM 0.32's source this module relies on:
   engine and the priming run share the hash.
 * the compile runs after ``load_model`` returns (profile run / warm-up), and
   Triton kernels JIT at the first forward: what the loader installs is there in time.
+* vLLM 0.33's startup plan (``VLLM_ENABLE_STARTUP_PLAN=1``, off by default): a worker
+  that profiled its KV-cache memory writes the ``--kv-cache-memory`` value that
+  reproduces it to ``VLLM_CACHE_ROOT/startup_plan/startup_plan_{fingerprint}.json``
+  (fingerprint: ``vllm_config.compute_hash()``, vLLM/torch/CUDA versions, device name,
+  total memory and capability, rank, world size); a later worker with the same
+  fingerprint and at least the recorded free memory applies it and skips the memory
+  profiling and ``profile_cudagraph_memory``'s throw-away capture. The variable is
+  not a compile factor. The priming run turns it on, so its plan rides in the bundle
+  and an engine that turns it on too applies the plan on a fresh node
+  (vllm/v1/worker/startup_plan.py; vllm/v1/worker/gpu_worker.py
+  ``determine_available_memory``, which runs after ``load_model``).
 
 The engine's loader computes :func:`engine_factors` after its restore, compares
 them with the bundle's (:func:`stale_reason`), and installs a fresh bundle with
@@ -41,7 +52,8 @@ import torch
 from wcache.store.artifacts import BUNDLE_ROOTS, Bundle, InstallResult, install_bundle, pack_bundle
 
 __all__ = ["FACTOR_ORDER", "engine_factors", "stale_reason", "cache_dirs", "collect_entries",
-           "pack_primed", "install_for_engine", "compile_dirs", "AOT_DIR", "COMPILE_DIR"]
+           "pack_primed", "install_for_engine", "compile_dirs", "startup_plans", "AOT_DIR",
+           "COMPILE_DIR", "STARTUP_PLAN_DIR", "STARTUP_PLAN_ENV"]
 
 logger = logging.getLogger("vllm.wcache")
 
@@ -51,6 +63,10 @@ COMPILE_DIR = "torch_compile_cache"
 AOT_DIR = f"{COMPILE_DIR}/torch_aot_compile"
 #: vLLM's model-inspection cache under ``VLLM_CACHE_ROOT`` (vllm/model_executor/models/registry.py).
 MODELINFO_DIR = "modelinfos"
+#: vLLM's startup plans under ``VLLM_CACHE_ROOT`` (vllm/v1/worker/startup_plan.py, 0.33+).
+STARTUP_PLAN_DIR = "startup_plan"
+#: The variable that turns vLLM's startup plan on (vllm/envs.py; ignored by older vLLM).
+STARTUP_PLAN_ENV = "VLLM_ENABLE_STARTUP_PLAN"
 #: The factors a bundle must share with the engine, in the order a stale bundle's
 #: first difference is named: versions first (they change everything), then the
 #: device, then the two hashes vLLM's compile-cache key is made of
@@ -143,8 +159,9 @@ def cache_dirs(environ: Mapping[str, str] | None = None) -> dict[str, Path]:
 def collect_entries(dirs: Mapping[str, Path]) -> list[tuple[str, str]]:
     """The entries a priming run left in its private ``dirs``: each AOT hash dir,
     each other ``torch_compile_cache`` dir (the non-AOT path's ``{hash10}``), each
-    model-info file, each top-level Triton cache entry (Triton's are per-kernel
-    hash dirs already), and each regular file under the Inductor root.
+    model-info file, each startup-plan file, each top-level Triton cache entry
+    (Triton's are per-kernel hash dirs already), and each regular file under the
+    Inductor root.
 
     Inductor's top level is a few shared dirs (``fxgraph``, ``aotautograd``,
     ``triton``, ...) that any earlier compile creates, so as entries they would be
@@ -165,9 +182,12 @@ def collect_entries(dirs: Mapping[str, Path]) -> list[tuple[str, str]]:
         if comp.is_dir():
             out += [("vllm", f"{COMPILE_DIR}/{p.name}") for p in sorted(comp.iterdir())
                     if p.is_dir() and p.name != "torch_aot_compile"]
-        info = vroot / MODELINFO_DIR
-        if info.is_dir():
-            out += [("vllm", f"{MODELINFO_DIR}/{p.name}") for p in sorted(info.iterdir()) if p.is_file()]
+        for sub in (MODELINFO_DIR, STARTUP_PLAN_DIR):
+            d = vroot / sub
+            if d.is_dir():
+                out += [("vllm", f"{sub}/{p.name}") for p in sorted(d.iterdir())
+                        if p.is_file() and not p.is_symlink() and not p.name.startswith(".")
+                        and p.suffix == ".json"]
     triton = dirs.get("triton")
     if triton is not None and triton.is_dir():
         out += [("triton", p.name) for p in sorted(triton.iterdir())
@@ -233,6 +253,12 @@ def write_factors(path: str, factors: Mapping[str, Any]) -> None:
     with open(tmp, "w") as f:
         json.dump(dict(factors), f, sort_keys=True)
     os.replace(tmp, path)
+
+
+def startup_plans(manifest: Mapping[str, Any]) -> list[str]:
+    """The vLLM startup-plan files a bundle carries (``startup_plan/startup_plan_{fp}.json``)."""
+    return [e["path"] for e in manifest.get("entries", ())
+            if e.get("root") == "vllm" and e.get("path", "").startswith(STARTUP_PLAN_DIR + "/")]
 
 
 def compile_dirs(manifest: Mapping[str, Any]) -> list[str]:

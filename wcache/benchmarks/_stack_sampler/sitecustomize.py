@@ -1,0 +1,79 @@
+"""Stack samples of every Python process of an engine start (`wcache bench --phases
+--stack-samples S`, a diagnostic; :mod:`wcache.benchmarks.stacks` reads them).
+
+This directory goes first on ``PYTHONPATH`` only for the engines of that run, so
+Python imports this module at start-up in the engine's process and in each process
+it spawns; forked children re-arm through ``os.register_at_fork``. With
+``WCACHE_STACK_SAMPLES=PREFIX`` set, a daemon thread wakes every
+``WCACHE_STACK_SAMPLE_S`` seconds (default 0.5) and appends one line per other
+thread to ``PREFIX.{pid}``::
+
+    {unix time, s} {thread name} {outermost frame};...;{innermost frame}
+
+each frame ``path:line:function`` (the collapsed-stack format flame-graph tools
+read). A thread that holds the GIL in C for longer than the interval shows as a gap
+in the samples. Then the ``sitecustomize`` this module shadows, if any, runs.
+"""
+
+import os
+import sys
+
+
+def _start() -> None:
+    import threading
+    import time
+
+    prefix = os.environ.get("WCACHE_STACK_SAMPLES")
+    if not prefix:
+        return
+    try:
+        interval = float(os.environ.get("WCACHE_STACK_SAMPLE_S") or 0.5)
+        out = open(f"{prefix}.{os.getpid()}", "a", buffering=1)  # noqa: SIM115
+    except (OSError, ValueError):
+        return
+    out.write(f"# pid={os.getpid()} ppid={os.getppid()} start={time.time():.3f} "
+              f"interval={interval} argv={getattr(sys, 'argv', None)!r}\n")
+
+    def frame_text(frame) -> str:
+        parts = []
+        while frame is not None:
+            code = frame.f_code
+            parts.append(f"{code.co_filename}:{frame.f_lineno}:{code.co_name}")
+            frame = frame.f_back
+        return ";".join(reversed(parts))
+
+    def loop() -> None:
+        me = threading.get_ident()
+        while True:
+            time.sleep(interval)
+            try:
+                names = {t.ident: t.name.replace(" ", "_") for t in threading.enumerate()}
+                now = time.time()
+                out.write("".join(f"{now:.2f} {names.get(tid, tid)} {frame_text(f)}\n"
+                                  for tid, f in sys._current_frames().items() if tid != me))
+            except Exception:  # noqa: BLE001  (interpreter shutting down: stop sampling)
+                return
+
+    threading.Thread(target=loop, name="wcache-stack-sampler", daemon=True).start()
+
+
+if os.environ.get("WCACHE_STACK_SAMPLES"):
+    _start()
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_start)
+
+
+def _chain() -> None:
+    """Run the ``sitecustomize`` later on ``sys.path`` that this one shadows."""
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+_chain()
