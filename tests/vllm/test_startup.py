@@ -292,3 +292,58 @@ def test_a_compiling_engine_fetches_the_bundle(monkeypatch):
     got = loader._startup_artifacts(loader.LoaderOptions(), _fake_vllm_config(False, "VLLM_COMPILE"),
                                     "cpu")
     assert (len(fetched), got["outcome"]) == (1, "error")
+
+
+def _triton_entry(monkeypatch, root: Path, key: str) -> dict:
+    """One kernel's entry written by Triton's own FileCacheManager under ``root``."""
+    from triton.runtime.cache import FileCacheManager
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(root))
+    mgr = FileCacheManager(key)
+    group = {name: mgr.put(data, name) for name, data in
+             (("k.cubin", b"\x7fELF" + bytes(28)), ("k.json", '{"name": "k"}'))}
+    mgr.put_group("k.json", group)
+    return group
+
+
+@pytest.mark.parametrize("relocate", [True, False])
+def test_an_installed_triton_entry_is_a_cache_hit_at_its_new_place(tmp_path, monkeypatch, relocate):
+    """Triton's group file names absolute paths: copied as it is into another cache root
+    (the priming engine's root is gone by then), Triton finds none of the kernel's files
+    and compiles it again; installed by install_for_engine it finds them at the new place."""
+    pytest.importorskip("triton")
+    from triton.runtime.cache import FileCacheManager
+
+    src, dst = tmp_path / "prime" / "triton", tmp_path / "engine" / "triton"
+    old = _triton_entry(monkeypatch, src, "KERNELKEY")
+    bundle = art.pack_bundle({"triton": src}, [("triton", "KERNELKEY")], FACTORS)
+    try:
+        if relocate:
+            result, reason = startup.install_for_engine(bundle, FACTORS, {"triton": dst})
+            assert reason is None and result.installed == ("triton/KERNELKEY",)
+        else:  # the bundle's bytes as they are: what a plain copy gives
+            art.install_bundle(bundle, {"triton": dst})
+    finally:
+        bundle.close()
+    import shutil
+    shutil.rmtree(tmp_path / "prime")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(dst))
+    found = FileCacheManager("KERNELKEY").get_group("k.json")
+    if relocate:
+        assert found == {name: str(dst / "KERNELKEY" / name) for name in old}
+        assert Path(found["k.cubin"]).read_bytes().startswith(b"\x7fELF")
+    else:
+        assert not found  # Triton's miss (None or {}): every child path pointed into the old root
+
+
+def test_a_triton_group_file_that_is_not_triton_json_is_refused_and_nothing_installed(tmp_path):
+    src = tmp_path / "src" / "triton" / "KEY"
+    src.mkdir(parents=True)
+    (src / "__grp__k.json").write_text('{"no": "children"}')
+    bundle = art.pack_bundle({"triton": tmp_path / "src" / "triton"}, [("triton", "KEY")], FACTORS)
+    try:
+        with pytest.raises(art.ArtifactsCorrupt, match="__grp__k.json"):
+            startup.install_for_engine(bundle, FACTORS, {"triton": tmp_path / "dst"})
+    finally:
+        bundle.close()
+    assert not (tmp_path / "dst" / "KEY").exists()

@@ -41,7 +41,7 @@ import shutil
 import stat
 import tarfile
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -514,7 +514,8 @@ def _members_by_entry(members: list[tarfile.TarInfo],
     return out
 
 
-def install_bundle(bundle: Bundle, dests: Mapping[str, str | os.PathLike]) -> InstallResult:
+def install_bundle(bundle: Bundle, dests: Mapping[str, str | os.PathLike],
+                   fixups: Mapping[str, Callable[[Path, Path], None]] | None = None) -> InstallResult:
     """Install each entry of ``bundle`` whose destination does not exist yet.
 
     Per entry: its tar members are written into a fresh temp dir beside the
@@ -531,6 +532,11 @@ def install_bundle(bundle: Bundle, dests: Mapping[str, str | os.PathLike]) -> In
         bundle: the bundle (its manifest checked, as every :class:`Bundle` read or
             received is).
         dests: cache root name -> the engine's directory for it (created if missing).
+        fixups: cache root name -> ``fix(extracted, final)``, called on each entry of
+            that root after its files are checked and before it is moved into place
+            (``extracted`` is where it is now, ``final`` where it goes): what makes a
+            cache entry valid at its new path (Triton's group files name absolute
+            paths). An exception from it leaves nothing of that entry behind.
 
     Returns:
         The entries installed and skipped, the bytes written, the skips' reasons.
@@ -567,6 +573,9 @@ def install_bundle(bundle: Bundle, dests: Mapping[str, str | os.PathLike]) -> In
                 tmp = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=final.parent))
                 try:
                     nbytes = _extract_entry(tar, mine, name, tmp / "e", digests)
+                    fix = (fixups or {}).get(root)
+                    if fix is not None:
+                        fix(tmp / "e", final)
                     if _place(tmp / "e", final):
                         installed.append(name)
                         written += nbytes
