@@ -486,3 +486,21 @@ def test_startup_plan_goes_to_every_engine_and_the_record(tmp_path, monkeypatch)
     from wcache.vllm.startup import STARTUP_PLAN_ENV
     assert bp.STARTUP_PLAN_ENV == STARTUP_PLAN_ENV
     assert "--startup-plan" in bp.build_parser().format_help()
+
+
+def test_merge_refuses_runs_of_other_engine_env_and_takes_a_missing_one_as_none(tmp_path):
+    """Rows with VLLM_ENABLE_STARTUP_PLAN=1 do not merge with rows without it; a file from
+    before the option (no engine_env) is a run that set none."""
+    a = _results(tmp_path, "a.json", [])
+    data = json.loads(Path(a).read_text())
+    data["meta"].pop("engine_env", None)
+    Path(a).write_text(json.dumps(data))
+    b = _results(tmp_path, "b.json", [])
+    data["meta"]["engine_env"] = {}
+    Path(b).write_text(json.dumps(data))
+    bp.merge_results([a, b])
+    data["meta"]["engine_env"] = {bp.STARTUP_PLAN_ENV: "1"}
+    c = tmp_path / "c.json"
+    c.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="engine_env"):
+        bp.merge_results([a, c])

@@ -3,6 +3,7 @@ a reason code (in-process daemons on a private socket dir; no vLLM engine)."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 
@@ -165,3 +166,25 @@ def test_invalidated_rank_is_not_ready(sock_dir, daemons):
     result = check_ready(sock_dir, spec)
     assert (result.ok, result.code, result.serving) == (False, "arena-invalidated", ())
     assert "tp_rank=0 pp_rank=0" in result.message and "[guard-failed]: checksum differs" in result.message
+
+
+def test_the_daemon_gives_its_unused_cuda_cache_back_before_it_is_ready(monkeypatch):
+    """release_device_cache empties the CUDA caching allocator (the digest's and the
+    load's temporaries) and says how much it freed; without a CUDA context it does
+    nothing (a CPU daemon)."""
+    import torch
+
+    from wcache.daemon import serve
+
+    reserved = [512 << 20]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: reserved[0])
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: reserved.__setitem__(0, 128 << 20))
+    assert serve.release_device_cache() == 384 << 20
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: pytest.fail("no CUDA context to empty"))
+    assert serve.release_device_cache() == 0
+    # it runs right before the ready line
+    src = inspect.getsource(serve._serve_prepared_rank)
+    assert src.index("release_device_cache()") < src.index('line = (f"wcache: ready rank=')

@@ -106,7 +106,30 @@ def test_computation_graph_files_are_entries_too(tmp_path):
     path.mkdir(parents=True)
     (path / cc.COMPUTATION_GRAPH).write_text(f"class GraphModule:  # {tmp_path}/vllm\n")
     assert cc.compiled_graphs(tmp_path) == {
-        "0123456789/rank_0_0/backbone/computation_graph.py": "class GraphModule:  # <cache-root>\n"}
+        "<backend-cache-dir>/rank_0_0/backbone/computation_graph.py":
+            "class GraphModule:  # <cache-root>\n"}
+    assert cc.backend_cache_dirs(tmp_path) == ["0123456789"]
+
+
+def test_computation_graphs_of_two_roots_compare_across_their_backend_dirs(tmp_path):
+    """A disk and a wcache engine write computation_graph.py under different {hash10}
+    dirs (vLLM's non-AOT key covers the traced files): with one such dir per root the
+    graphs compare by their place below it; with two, the hash stays in the key."""
+    for root, h in (("A", "aaaaaaaaaa"), ("B", "bbbbbbbbbb")):
+        d = tmp_path / root / "vllm" / cc.AOT_CACHE_DIR[0] / h / "rank_0_0" / "backbone"
+        d.mkdir(parents=True)
+        (d / cc.COMPUTATION_GRAPH).write_text("graph\n")
+    (tmp_path / "A" / "vllm" / cc.AOT_CACHE_DIR[0] / cc.AOT_CACHE_DIR[1]).mkdir()
+    assert cc.compiled_graphs(tmp_path / "A") == cc.compiled_graphs(tmp_path / "B")
+    assert cc.backend_cache_dirs(tmp_path / "A") == ["aaaaaaaaaa"]
+    (tmp_path / "B" / "vllm" / cc.AOT_CACHE_DIR[0] / "bbbbbbbbbb" / "rank_0_0" / "backbone" /
+     cc.COMPUTATION_GRAPH).write_text("another graph\n")
+    assert cc.graph_diff(cc.compiled_graphs(tmp_path / "A"), cc.compiled_graphs(tmp_path / "B"))
+    two = tmp_path / "B" / "vllm" / cc.AOT_CACHE_DIR[0] / "cccccccccc" / "rank_0_0" / "backbone"
+    two.mkdir(parents=True)
+    (two / cc.COMPUTATION_GRAPH).write_text("graph\n")
+    assert sorted(cc.compiled_graphs(tmp_path / "B")) == [
+        f"{h}/rank_0_0/backbone/{cc.COMPUTATION_GRAPH}" for h in ("bbbbbbbbbb", "cccccccccc")]
 
 
 def test_unknown_compiled_function_kind_is_refused(tmp_path):

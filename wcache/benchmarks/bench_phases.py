@@ -137,7 +137,8 @@ MODEL_KINDS = ("8b", "smol", "tiny")
 FIGSIZE_IN = (8.0, 4.2)
 DPI = 150
 #: The meta fields two runs' JSON must share to be merged into one table.
-COMPARABLE_META = ("device_name", "vllm", "torch", "model_kind", "engine_args", "serve_args")
+COMPARABLE_META = ("device_name", "vllm", "torch", "model_kind", "engine_args", "serve_args",
+                   "engine_env")
 #: The variable --startup-plan sets (wcache.vllm.startup.STARTUP_PLAN_ENV; that module imports torch).
 STARTUP_PLAN_ENV = "VLLM_ENABLE_STARTUP_PLAN"
 #: The directory --stack-samples puts first on the engines' PYTHONPATH (its sitecustomize).
@@ -475,7 +476,7 @@ def merge_results(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
     runs = [json.loads(Path(p).read_text()) for p in paths]
     if not runs:
         raise ValueError("merge_results: no results file given")
-    seen = {json.dumps({k: r["meta"].get(k) for k in COMPARABLE_META}, sort_keys=True)
+    seen = {json.dumps({k: _meta_value(r["meta"], k) for k in COMPARABLE_META}, sort_keys=True)
             for r in runs}
     if len(seen) > 1:
         raise ValueError(f"merge_results: the files differ in {', '.join(COMPARABLE_META)} "
@@ -506,6 +507,13 @@ def merge_results(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
     daemon = next((daemon_of[r["row"]] for r in ordered
                    if r.get("source") == "daemon" and daemon_of[r["row"]]), {})
     return {"meta": meta, "daemon": daemon, "rows": ordered, "target": target_summary(ordered)}
+
+
+def _meta_value(meta: Mapping[str, Any], key: str) -> Any:
+    """``meta[key]`` for the comparison of merged runs; a run from before --startup-plan
+    has no ``engine_env``: it set none."""
+    value = meta.get(key)
+    return {} if key == "engine_env" and value is None else value
 
 
 def _by_row(rows: Sequence[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:

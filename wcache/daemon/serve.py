@@ -242,6 +242,31 @@ def _snapshot_artifacts(server: Any, snap_dir: str, name: str) -> None:
         server.artifacts, server.artifacts_state = bundle, "snapshot"
 
 
+def release_device_cache() -> int:
+    """Give the CUDA caching allocator's unused blocks back to the driver, once the
+    arena is in place and before the daemon says it is ready: what the load, a snapshot
+    fill and the arena digest left cached (``arena_digest``'s temporaries are 128 MiB
+    blocks) would otherwise stay reserved by the daemon, in an amount that depends on
+    how it started. Engines profile the free memory they find (and vLLM 0.33's startup
+    plan is applied only when at least the recorded free memory is there: measured on
+    the H200, a fresh node's engine found 70 MiB less than its priming engine had and
+    profiled again), so the daemon's footprint should be the arena and its context.
+
+    Returns:
+        Bytes released (0 without an initialized CUDA context: CPU daemons).
+    """
+    import torch  # noqa: PLC0415
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return 0
+    before = torch.cuda.memory_reserved()
+    torch.cuda.empty_cache()
+    freed = before - torch.cuda.memory_reserved()
+    logger.info("wcache: released %.1f MiB the CUDA caching allocator held unused "
+                "(%.1f MiB still reserved)", freed / 2**20, torch.cuda.memory_reserved() / 2**20)
+    return freed
+
+
 def _prime(server: Any, prime: tuple[str, list[str], str, str], snapshot: str | None,
            name: str) -> None:
     """``--prime-compile``: run the priming engine (:mod:`wcache.daemon.prime`) for the
@@ -392,6 +417,7 @@ def _serve_prepared_rank(vllm_config: Any, *, rank: int, world: int, init_method
                                      "error": f"[{code}] {exc}"}
             logger.error("wcache: could not write the snapshot to %s [%s]: %s; still serving, and "
                          "the next start loads the checkpoint again", snapshot, code, exc)
+    release_device_cache()
     line = (f"wcache: ready rank={rank}/{world} key={key.digest[:16]} "
             f"held={server.nbytes / 2**20:.1f} MiB socket={server.socket_path} "
             f"from={origin} ready_s={t_ready:.2f}")

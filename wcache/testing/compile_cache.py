@@ -27,7 +27,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import attrs
@@ -37,7 +37,7 @@ from wcache.testing.caches import CACHE_ENV_DIRS
 
 __all__ = ["AOT_CACHE_DIR", "ARTIFACT_NAME", "CompileCacheEvents", "UnreadableArtifact",
            "VLLM_OP_MODULES", "aot_artifacts", "compile_cache_events", "compiled_graphs",
-           "graph_diff", "register_vllm_ops"]
+           "backend_cache_dirs", "graph_diff", "register_vllm_ops", "BACKEND_DIR_PLACEHOLDER"]
 
 #: Where vLLM keeps AOT-compiled functions under ``VLLM_CACHE_ROOT``.
 AOT_CACHE_DIR = ("torch_compile_cache", "torch_aot_compile")
@@ -47,6 +47,10 @@ ARTIFACT_NAME = "model"
 #: compile) at ``torch_compile_cache/{hash10}/rank_{r}_{dp}/{prefix}/``, once per
 #: directory (the first engine to compile there wins).
 COMPUTATION_GRAPH = "computation_graph.py"
+#: Stands in for the ``{hash10}`` directory of a root's computation_graph.py entries
+#: when the root has one such directory (:func:`backend_cache_dirs` says why a disk
+#: and a wcache engine name it differently).
+BACKEND_DIR_PLACEHOLDER = "<backend-cache-dir>"
 #: Stands in for a cache root's path inside graph text (Inductor writes its own cache
 #: paths into the output code), so texts from two roots compare.
 ROOT_PLACEHOLDER = "<cache-root>"
@@ -283,8 +287,9 @@ def compiled_graphs(cache_root: str | Path, *, provenance: bool = False) -> dict
 
     Returns:
         ``{"{hash}/rank_{rank}_{dp_rank}": text}`` for every AOT artifact and
-        ``{"{hash10}/rank_{rank}_{dp_rank}/{prefix}/computation_graph.py": text}`` for
-        every graph vLLM's backend wrote (empty when none).
+        ``{"<backend-cache-dir>/rank_{rank}_{dp_rank}/{prefix}/computation_graph.py":
+        text}`` for every graph vLLM's backend wrote (empty when none); the real
+        ``{hash10}`` stays in the key when the root has more than one such directory.
 
     Raises:
         UnreadableArtifact: an artifact's compiled function is of an unknown kind.
@@ -302,10 +307,30 @@ def compiled_graphs(cache_root: str | Path, *, provenance: bool = False) -> dict
         out[key] = "\n".join(f"# ---- {title}\n{_normalize(text, roots, provenance)}"
                              for title, text in parts)
     base = vllm_root / AOT_CACHE_DIR[0]
-    if base.is_dir():
-        for path in sorted(base.glob(f"*/rank_*/*/{COMPUTATION_GRAPH}")):
-            out[str(path.relative_to(base))] = _normalize(path.read_text(), roots, provenance)
+    graphs = sorted(base.glob(f"*/rank_*/*/{COMPUTATION_GRAPH}")) if base.is_dir() else []
+    one_dir = len({p.relative_to(base).parts[0] for p in graphs}) == 1
+    for path in graphs:
+        rel = path.relative_to(base)
+        key = str(PurePosixPath(BACKEND_DIR_PLACEHOLDER, *rel.parts[1:])) if one_dir else str(rel)
+        out[key] = _normalize(path.read_text(), roots, provenance)
     return dict(sorted(out.items()))
+
+
+def backend_cache_dirs(cache_root: str | Path) -> list[str]:
+    """The ``torch_compile_cache/{hash10}`` directories vLLM's backend made under
+    ``cache_root`` (the AOT artifacts' ``torch_aot_compile`` left out), sorted.
+
+    ``hash10`` is vLLM's key of the non-AOT compile cache: it covers the files
+    Dynamo traced (their paths and text), which differ between a disk-loaded and a
+    restored model (vLLM's parameter classes define ``__torch_function__``; a
+    restored model's plain tensors do not), so the two get different directories;
+    the AOT key (``torch_aot_compile/{hash}``) leaves the traced files out and is
+    the same. Source: vllm/compilation/backends.py ``VllmBackend.__call__``.
+    """
+    base = _vllm_cache_root(cache_root) / AOT_CACHE_DIR[0]
+    if not base.is_dir():
+        return []
+    return sorted(p.name for p in base.iterdir() if p.is_dir() and p.name != AOT_CACHE_DIR[1])
 
 
 def graph_diff(a: dict[str, str], b: dict[str, str], names: tuple[str, str] = ("a", "b"),

@@ -27,7 +27,10 @@ load's compile-cache events and vLLM's compile / graph-capture seconds are recor
 (:func:`wcache.testing.compile_cache.compile_cache_events`), and the graphs compiled
 into A and into B must be equal text (:func:`~wcache.testing.compile_cache.compiled_graphs`):
 a hit skips Dynamo, so sharing is correct exactly when the restored model traces to
-vLLM's own graph. ``wcache verify`` still runs eager.
+vLLM's own graph. (vLLM's non-AOT key, the ``torch_compile_cache/{hash10}`` dir its
+backend writes ``computation_graph.py`` into, covers the files Dynamo traced, which
+differ between the two models: the dirs are recorded as ``backend_cache_dirs`` and
+the graphs compared by their place below them.) ``wcache verify`` still runs eager.
 
 The outcome of a case is one of:
 
@@ -59,7 +62,9 @@ import attrs
 
 from wcache.daemon.process import DaemonProcess, first_traceback, run_engine
 from wcache.testing.caches import cache_env
-from wcache.testing.compile_cache import compile_cache_events, compiled_graphs, graph_diff
+from wcache.testing.compile_cache import (
+    backend_cache_dirs, compile_cache_events, compiled_graphs, graph_diff,
+)
 
 __all__ = ["EngineCase", "run_case", "logprobs_close", "record_result", "CUDA_ENGINE_ARGS",
            "RESULTS_ENV"]
@@ -349,6 +354,7 @@ def _run_case(case: EngineCase, model: Path, prompts: Sequence[str], max_tokens:
             if roots:
                 # before disk_b reads root B: the graph the wcache engine compiled
                 graphs_b = _read_graphs(roots["B"])
+                backend_b = backend_cache_dirs(roots["B"])
             if verify:
                 progress(case.id, "verify", "wcache verify starting")
             row["verify"] = _verify(model, case, sock) if verify else None
@@ -362,6 +368,9 @@ def _run_case(case: EngineCase, model: Path, prompts: Sequence[str], max_tokens:
         except RuntimeError as exc:
             return {**row, "outcome": "failed", **_failure(exc, "disk_b load failed: ")}
         row["loads"]["disk_b"] = _summary(loads["disk_b"])
+        # vLLM's non-AOT key (informational: it covers the traced files, which differ
+        # between a disk-loaded and a restored model; the AOT key does not)
+        row["backend_cache_dirs"] = {"A": backend_cache_dirs(roots["A"]), "B": backend_b}
         problems += _compiled_checks(row, {"disk": disk, "fallback": fallback, **loads},
                                      _read_graphs(roots["A"]), graphs_b)
     others = {"fallback": fallback, **loads}
