@@ -423,6 +423,8 @@ def test_each_engine_records_what_it_wrote_into_its_caches(tmp_path, monkeypatch
     not write): a fake engine writes one Triton kernel and one vLLM file."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home" / ".cache"))
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # not the shared /tmp
 
     def fake_run_engine(ckpt, load_format, extra, **kw):
         env = kw["env"]

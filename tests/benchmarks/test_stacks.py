@@ -39,6 +39,8 @@ PROGRAM = textwrap.dedent("""
 
 
 def test_every_process_samples_its_stacks_and_the_reader_attributes_them(tmp_path):
+    """A parent, its forked child and a spawned process each write their own samples,
+    and the reader puts each spin in its process."""
     script = tmp_path / "prog.py"
     script.write_text(PROGRAM)
     prefix = tmp_path / "row.stacks"
@@ -62,14 +64,22 @@ def test_every_process_samples_its_stacks_and_the_reader_attributes_them(tmp_pat
 
 
 def test_without_the_variable_nothing_is_sampled(tmp_path):
+    """On PYTHONPATH without WCACHE_STACK_SAMPLES the sampler starts no thread (and with
+    it, it does: the check can tell)."""
+    code = ("import threading; print(any(t.name == 'wcache-stack-sampler' "
+            "for t in threading.enumerate()))")
     env = {k: v for k, v in os.environ.items() if k != "WCACHE_STACK_SAMPLES"}
     env["PYTHONPATH"] = STACK_SAMPLER_DIR
-    subprocess.run([sys.executable, "-c", "import time; time.sleep(0.2)"], env=env, check=True,
-                   timeout=60, cwd=tmp_path)
-    assert list(tmp_path.iterdir()) == []
+    off = subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60,
+                         cwd=tmp_path, capture_output=True, text=True)
+    on = subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=tmp_path,
+                        env={**env, "WCACHE_STACK_SAMPLES": str(tmp_path / "s")},
+                        capture_output=True, text=True)
+    assert (off.stdout.strip(), on.stdout.strip()) == ("False", "True")
 
 
 def test_the_shadowed_sitecustomize_still_runs(tmp_path):
+    """The sitecustomize later on sys.path, which this one shadows, still runs."""
     other = tmp_path / "other"
     other.mkdir()
     (other / "sitecustomize.py").write_text("import os\nos.environ['SHADOWED_RAN'] = '1'\n")
@@ -80,6 +90,7 @@ def test_the_shadowed_sitecustomize_still_runs(tmp_path):
 
 
 def test_reader_skips_cut_off_lines(tmp_path):
+    """A sample cut off by the process's exit is dropped; the others are attributed."""
     path = tmp_path / "r.stacks.7"
     path.write_text("# pid=7 ppid=1 start=100.0 interval=0.5 argv=['x']\n"
                     "100.5 MainThread /a/vllm/x.py:3:f;/a/vllm/y.py:9:g\n"

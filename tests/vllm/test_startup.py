@@ -79,13 +79,14 @@ def test_collect_entries_finds_hash_dirs_model_infos_and_kernel_caches(tmp_path)
 
 
 def test_startup_plans_names_the_plans_a_bundle_carries():
+    """Only the vllm root's startup_plan/ entries are plans."""
     manifest = {"entries": [{"root": "vllm", "path": f"{startup.AOT_DIR}/h1"},
                             {"root": "vllm", "path": "startup_plan/startup_plan_ab.json"},
                             {"root": "triton", "path": "startup_plan/x.json"}]}
     assert startup.startup_plans(manifest) == ["startup_plan/startup_plan_ab.json"]
 
 
-def test_the_priming_engine_writes_a_startup_plan_into_its_private_roots(tmp_path):
+def test_the_priming_engine_environment_points_at_its_roots_and_turns_the_plan_on(tmp_path):
     """The priming engine's environment points every cache root at the private dirs and
     turns vLLM's startup plan on (not a compile factor in vLLM 0.33: the key stays)."""
     dirs = {name: tmp_path / name for name in prime.ROOT_ENV}
@@ -125,15 +126,21 @@ def test_an_installed_bundle_with_a_startup_plan_says_how_to_apply_it(caplog, mo
     monkeypatch.delenv(startup.STARTUP_PLAN_ENV, raising=False)
     info: dict = {}
     with caplog.at_level("INFO", logger="vllm.wcache"):
-        loader._startup_plan_hint(manifest, info)
+        loader._startup_plan_hint(manifest, (), info)
     assert info == {"startup_plans": 1}
     assert f"set {startup.STARTUP_PLAN_ENV}=1" in caplog.text
     caplog.clear()
     monkeypatch.setattr(envs, startup.STARTUP_PLAN_ENV, True, raising=False)
     with caplog.at_level("INFO", logger="vllm.wcache"):
-        loader._startup_plan_hint(manifest, {})
-        loader._startup_plan_hint({"entries": []}, info := {})
+        loader._startup_plan_hint(manifest, (), {})
+        loader._startup_plan_hint({"entries": []}, (), info := {})
     assert caplog.text == "" and info == {}
+    # skipped for another memory share: said so, whatever the switch
+    with caplog.at_level("INFO", logger="vllm.wcache"):
+        loader._startup_plan_hint(manifest, (("vllm/startup_plan/startup_plan_ab.json",
+                                              startup.SKIP_PLAN_BUDGET),), info := {})
+    assert info == {"startup_plans": 1, "startup_plans_skipped": 1}
+    assert "gpu_memory_utilization differs" in caplog.text
 
 
 def test_pack_primed_without_a_compile_artifact_is_artifacts_missing(tmp_path):
@@ -336,14 +343,43 @@ def test_an_installed_triton_entry_is_a_cache_hit_at_its_new_place(tmp_path, mon
         assert not found  # Triton's miss (None or {}): every child path pointed into the old root
 
 
-def test_a_triton_group_file_that_is_not_triton_json_is_refused_and_nothing_installed(tmp_path):
+def test_a_triton_group_file_that_is_not_triton_json_is_installed_as_it_is(tmp_path):
+    """A group file Triton could not read either is left untouched (Triton misses on it,
+    as it would have); the entry and the rest of the bundle are installed."""
     src = tmp_path / "src" / "triton" / "KEY"
     src.mkdir(parents=True)
     (src / "__grp__k.json").write_text('{"no": "children"}')
+    (src / "__grp__j.json").write_text("not json")
     bundle = art.pack_bundle({"triton": tmp_path / "src" / "triton"}, [("triton", "KEY")], FACTORS)
     try:
-        with pytest.raises(art.ArtifactsCorrupt, match="__grp__k.json"):
-            startup.install_for_engine(bundle, FACTORS, {"triton": tmp_path / "dst"})
+        result, reason = startup.install_for_engine(bundle, FACTORS, {"triton": tmp_path / "dst"})
     finally:
         bundle.close()
-    assert not (tmp_path / "dst" / "KEY").exists()
+    assert reason is None and result.installed == ("triton/KEY",)
+    assert (tmp_path / "dst" / "KEY" / "__grp__k.json").read_text() == '{"no": "children"}'
+    assert (tmp_path / "dst" / "KEY" / "__grp__j.json").read_text() == "not json"
+
+
+@pytest.mark.parametrize("engine_share, installed", [(0.3, True), (0.5, False), (None, False)])
+def test_a_startup_plan_is_installed_only_for_the_priming_engines_memory_share(
+        tmp_path, engine_share, installed):
+    """vLLM's plan fingerprint leaves gpu_memory_utilization out and an applied plan
+    overrides it: an engine asking for another share (or none known) gets every entry
+    but the plan, which is skipped with its reason."""
+    src = tmp_path / "src" / "vllm"
+    (src / startup.AOT_DIR / "h1").mkdir(parents=True)
+    (src / startup.AOT_DIR / "h1" / "model").write_bytes(b"fn")
+    (src / startup.STARTUP_PLAN_DIR).mkdir()
+    (src / startup.STARTUP_PLAN_DIR / "startup_plan_ab.json").write_text("{}")
+    primed = {**FACTORS, "gpu_memory_utilization": 0.3}
+    bundle = art.pack_bundle({"vllm": src}, startup.collect_entries({"vllm": src}), primed)
+    try:
+        result, _ = startup.install_for_engine(bundle, {**FACTORS, "gpu_memory_utilization":
+                                                        engine_share}, {"vllm": tmp_path / "dst"})
+    finally:
+        bundle.close()
+    plan = f"vllm/{startup.STARTUP_PLAN_DIR}/startup_plan_ab.json"
+    assert f"vllm/{startup.AOT_DIR}/h1" in result.installed
+    assert (plan in result.installed) is installed
+    assert ((plan, startup.SKIP_PLAN_BUDGET) in result.reasons) is not installed
+    assert (tmp_path / "dst" / startup.STARTUP_PLAN_DIR / "startup_plan_ab.json").exists() is installed

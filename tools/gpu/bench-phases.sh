@@ -29,7 +29,7 @@ python3 -m wcache.testing.fixtures --formats bf16 >>"$OUT/fixtures.log" 2>&1 \
 timeout "${BENCH_TIMEOUT:-580}" python3 -m wcache.cli bench --phases --device cuda --rows "$ROWS" \
     --root "${WCACHE_BENCH_DIR:-/tmp/wcache-phases}" --out "$OUT/${OUT_NAME:-phases-h200}.json" \
     --markdown "$OUT/${OUT_NAME:-phases-h200}.md" --plot "$OUT/${OUT_NAME:-phases-h200}.png" \
-    ${STACK_SAMPLES:+--stack-samples "$STACK_SAMPLES"} ${STARTUP_PLAN:+--startup-plan} \
+    ${STACK_SAMPLES:+--stack-samples "$STACK_SAMPLES"} $([ "${STARTUP_PLAN:-0}" = 1 ] && echo --startup-plan) \
     2>&1 | tee "$OUT/phases.log" | tail -40
 logs=${OUT_NAME:-phases-h200}.logs
 if [ -d "$OUT/$logs" ]; then

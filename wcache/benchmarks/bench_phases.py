@@ -138,7 +138,7 @@ FIGSIZE_IN = (8.0, 4.2)
 DPI = 150
 #: The meta fields two runs' JSON must share to be merged into one table.
 COMPARABLE_META = ("device_name", "vllm", "torch", "model_kind", "engine_args", "serve_args",
-                   "engine_env")
+                   "engine_env", "stack_samples_s")
 #: The variable --startup-plan sets (wcache.vllm.startup.STARTUP_PLAN_ENV; that module imports torch).
 STARTUP_PLAN_ENV = "VLLM_ENABLE_STARTUP_PLAN"
 #: The directory --stack-samples puts first on the engines' PYTHONPATH (its sitecustomize).
@@ -511,9 +511,12 @@ def merge_results(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
 
 def _meta_value(meta: Mapping[str, Any], key: str) -> Any:
     """``meta[key]`` for the comparison of merged runs; a run from before --startup-plan
-    has no ``engine_env``: it set none."""
+    or --stack-samples has no ``engine_env`` / ``stack_samples_s``: it set none (the
+    sampler runs inside the timed processes, so sampled rows do not merge with others)."""
     value = meta.get(key)
-    return {} if key == "engine_env" and value is None else value
+    if value is None:  # written before the field existed: the default
+        return {"engine_env": {}, "stack_samples_s": 0.0}.get(key)
+    return value
 
 
 def _by_row(rows: Sequence[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
@@ -718,7 +721,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ckpt, engine_args, serve_args = model_setup(kind, device, root, args.model)
     meta = _meta(device, kind if args.model is None else "custom", ckpt, argv)
     engine_env = {STARTUP_PLAN_ENV: "1"} if args.startup_plan else {}
-    meta.update(engine_args=engine_args, serve_args=serve_args, engine_env=engine_env)
+    meta.update(engine_args=engine_args, serve_args=serve_args, engine_env=engine_env,
+                stack_samples_s=args.stack_samples)
 
     def results(rows: list[dict[str, Any]], daemon: Mapping[str, Any]) -> dict[str, Any]:
         return {"meta": meta, "daemon": dict(daemon), "rows": rows,

@@ -26,7 +26,9 @@ import attrs
 
 __all__ = ["Process", "read_samples", "hot_frames", "timeline", "main"]
 
-_HEADER = re.compile(r"# pid=(\d+) ppid=(\d+) start=([\d.]+) interval=([\d.]+) argv=(.*)")
+_HEADER = re.compile(r"# pid=(\d+) ppid=(\d+) start=(\S+) interval=(\S+) argv=(.*)")
+#: Defaults of the command line: keys printed per process.
+TOP_DEFAULT = 25
 
 
 @attrs.define
@@ -58,7 +60,11 @@ def read_samples(prefix: str) -> list[Process]:
             for line in f:
                 m = _HEADER.match(line)
                 if m:
-                    current = Process(int(m[1]), int(m[2]), float(m[3]), float(m[4]), m[5])
+                    try:
+                        current = Process(int(m[1]), int(m[2]), float(m[3]), float(m[4]), m[5])
+                    except ValueError:
+                        current = None  # a header cut off: its samples cannot be placed
+                        continue
                     procs.append(current)
                     continue
                 parts = line.rstrip("\n").split(" ", 2)
@@ -116,6 +122,8 @@ def timeline(proc: Process, *, thread: str = "MainThread", package: str = "vllm"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Print, per sampled process, seconds per innermost frame of ``--package``
+    (and with ``--timeline`` each stretch); 1 when no sample file is found."""
     p = argparse.ArgumentParser(prog="python -m wcache.benchmarks.stacks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prefix", help="the samples' prefix: {--out}.logs/{row}.stacks")
@@ -123,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--package", default="vllm",
                    help="attribute each sample to this package's innermost frame (default vllm)")
     p.add_argument("--depth", type=int, default=1, help="frames of the package per key")
-    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--top", type=int, default=TOP_DEFAULT)
     p.add_argument("--timeline", action="store_true", help="also print each stretch in order")
     args = p.parse_args(argv)
     procs = read_samples(args.prefix)
@@ -141,7 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    depth=args.depth)[:args.top]:
             print(f"  {sec:7.1f} s  {key}")
         if args.timeline:
-            for a, b, key in timeline(proc, thread=args.thread, package=args.package):
+            for a, b, key in timeline(proc, thread=args.thread, package=args.package,
+                                      depth=max(args.depth, 2)):
                 if b - a >= proc.interval:
                     print(f"    {a:7.1f}-{b:7.1f} s  {key}")
     return 0

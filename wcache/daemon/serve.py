@@ -248,9 +248,11 @@ def release_device_cache() -> int:
     fill and the arena digest left cached (``arena_digest``'s temporaries are 128 MiB
     blocks) would otherwise stay reserved by the daemon, in an amount that depends on
     how it started. Engines profile the free memory they find (and vLLM 0.33's startup
-    plan is applied only when at least the recorded free memory is there: measured on
-    the H200, a fresh node's engine found 70 MiB less than its priming engine had and
-    profiled again), so the daemon's footprint should be the arena and its context.
+    plan is applied only when at least the recorded free memory is there: on the H200 a
+    fresh node's engine found about 70 MiB less than its priming engine had, and
+    profiled again; the daemon's cache is the likely difference, not measured), so the daemon's footprint should be the arena and its context.
+    It runs after the server started: an engine that attaches while a snapshot is
+    being written (which ``--snapshot`` allows) profiles before this release.
 
     Returns:
         Bytes released (0 without an initialized CUDA context: CPU daemons).

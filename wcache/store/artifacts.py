@@ -515,7 +515,8 @@ def _members_by_entry(members: list[tarfile.TarInfo],
 
 
 def install_bundle(bundle: Bundle, dests: Mapping[str, str | os.PathLike],
-                   fixups: Mapping[str, Callable[[Path, Path], None]] | None = None) -> InstallResult:
+                   fixups: Mapping[str, Callable[[Path, Path], None]] | None = None,
+                   skip: Mapping[str, str] | None = None) -> InstallResult:
     """Install each entry of ``bundle`` whose destination does not exist yet.
 
     Per entry: its tar members are written into a fresh temp dir beside the
@@ -536,7 +537,11 @@ def install_bundle(bundle: Bundle, dests: Mapping[str, str | os.PathLike],
             that root after its files are checked and before it is moved into place
             (``extracted`` is where it is now, ``final`` where it goes): what makes a
             cache entry valid at its new path (Triton's group files name absolute
-            paths). An exception from it leaves nothing of that entry behind.
+            paths), so an installed entry's files may differ from the manifest's
+            digests in what the fixup rewrote. An exception from it leaves nothing of
+            that entry behind and propagates.
+        skip: ``"{root}/{path}"`` -> reason code: entries the caller leaves out (each
+            in :attr:`InstallResult.reasons` with its code).
 
     Returns:
         The entries installed and skipped, the bytes written, the skips' reasons.
@@ -558,6 +563,9 @@ def install_bundle(bundle: Bundle, dests: Mapping[str, str | os.PathLike],
             by_entry = _members_by_entry(tar.getmembers(), set(names))
             for name, entry in names.items():
                 root, rel = entry["root"], entry["path"]
+                if name in (skip or {}):
+                    reasons.append((name, skip[name]))
+                    continue
                 if root not in dests:
                     reasons.append((name, SKIP_NO_ROOT))
                     continue

@@ -21,6 +21,8 @@ Source: vllm/envs.py (VLLM_CACHE_ROOT), vllm/compilation/decorators.py
 
 from __future__ import annotations
 
+import getpass
+import os
 import stat
 import tempfile
 from collections.abc import Mapping
@@ -64,9 +66,6 @@ def host_cache_dirs(environ: Mapping[str, str] | None = None) -> dict[str, Path]
     cache_dir_utils.py (``/tmp/torchinductor_$USER``), the CUDA driver
     (``~/.nv/ComputeCache``), triton/runtime/cache.py (``~/.triton``).
     """
-    import getpass  # noqa: PLC0415
-    import os  # noqa: PLC0415
-
     env = os.environ if environ is None else environ
     home = Path(env.get("HOME") or os.path.expanduser("~"))
     try:
@@ -82,8 +81,6 @@ def host_cache_dirs(environ: Mapping[str, str] | None = None) -> dict[str, Path]
 def tree_state(base: Path) -> dict[str, int]:
     """``{path relative to base: size in bytes}`` of every regular file under ``base``
     (symlinks not followed; ``{}`` when ``base`` is missing)."""
-    import os  # noqa: PLC0415
-
     out: dict[str, int] = {}
     for dirpath, _dirs, files in os.walk(base):
         for name in files:
@@ -102,11 +99,18 @@ def cache_states(dirs: Mapping[str, Path]) -> dict[str, dict[str, int]]:
     return {name: tree_state(Path(d)) for name, d in dirs.items()}
 
 
+#: New files listed per cache by :func:`cache_writes`, largest first.
+LARGEST_LISTED = 5
+
+
 def cache_writes(before: Mapping[str, Mapping[str, int]], after: Mapping[str, Mapping[str, int]],
-                 largest: int = 5) -> dict[str, dict[str, Any]]:
-    """What a run wrote into each cache, from :func:`cache_states` before and after:
-    ``{name: {"files": new files, "bytes": their bytes, "changed": files whose size
-    changed, "largest": [[path, bytes], ...]}}``, only for caches it wrote to."""
+                 largest: int = LARGEST_LISTED) -> dict[str, dict[str, Any]]:
+    """What appeared in each cache during a run, from :func:`cache_states` before and
+    after: ``{name: {"files": new files, "bytes": their bytes, "changed": files whose
+    size changed, "largest": [[path, bytes], ...]}}``, only for caches that changed.
+    The host's caches (:func:`host_cache_dirs`) are shared: what another process wrote
+    meanwhile counts too; and an engine's own writes include what its loader installed
+    (a start-up bundle)."""
     out: dict[str, dict[str, Any]] = {}
     for name, now in after.items():
         was = before.get(name, {})

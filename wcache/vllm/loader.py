@@ -319,11 +319,14 @@ def _compiles(vllm_config: VllmConfig) -> bool:
         vllm_config.compilation_config.mode != CompilationMode.NONE
 
 
-def _startup_plan_hint(manifest: dict[str, Any], info: dict[str, Any]) -> None:
-    """Note in ``info`` (``startup_plans``) the vLLM startup plans a bundle carries, and
-    say in the log when this engine does not apply them: vLLM reads them only with
-    ``VLLM_ENABLE_STARTUP_PLAN=1`` (vllm/v1/worker/startup_plan.py, 0.33+), an
-    operator's switch this loader leaves alone."""
+def _startup_plan_hint(manifest: dict[str, Any], reasons: tuple[tuple[str, str], ...],
+                       info: dict[str, Any]) -> None:
+    """Note in ``info`` (``startup_plans``, ``startup_plans_skipped``) the vLLM startup
+    plans a bundle carries and how many were not installed (``reasons``: the install's),
+    and say in the log when this engine does not apply them: a plan skipped for another
+    ``gpu_memory_utilization``, or vLLM's switch ``VLLM_ENABLE_STARTUP_PLAN=1`` off
+    (vllm/v1/worker/startup_plan.py, 0.33+; an operator's switch this loader leaves
+    alone)."""
     from vllm import envs  # noqa: PLC0415
 
     from wcache.vllm import startup  # noqa: PLC0415
@@ -332,7 +335,14 @@ def _startup_plan_hint(manifest: dict[str, Any], info: dict[str, Any]) -> None:
     if not plans:
         return
     info["startup_plans"] = len(plans)
-    if not getattr(envs, startup.STARTUP_PLAN_ENV, False):
+    skipped = [n for n, why in reasons if why == startup.SKIP_PLAN_BUDGET]
+    if skipped:
+        info["startup_plans_skipped"] = len(skipped)
+        logger.info("wcache: vLLM's startup plan not installed: this engine's "
+                    "gpu_memory_utilization differs from the priming engine's, and a plan "
+                    "would set the KV cache's size regardless (start the daemon with the "
+                    "engines' --gpu-memory-utilization to carry a plan that fits)")
+    elif not getattr(envs, startup.STARTUP_PLAN_ENV, False):
         logger.info("wcache: the start-up artifacts carry vLLM's startup plan (the KV-cache "
                     "memory the priming engine profiled); set %s=1 on the engine to apply it "
                     "and skip memory profiling", startup.STARTUP_PLAN_ENV)
@@ -385,10 +395,11 @@ def _startup_artifacts(opts: LoaderOptions, vllm_config: VllmConfig,
                             nbytes=result.nbytes,
                             compile_dirs=startup.compile_dirs(bundle.manifest))
                 logger.info("wcache: start-up artifacts %s: %d entries installed (%.1f MiB), %d "
-                            "already in this engine's caches (compile dirs %s)", outcome,
+                            "skipped (already in this engine's caches, or a startup plan that "
+                            "does not fit) (compile dirs %s)", outcome,
                             len(result.installed), result.nbytes / 2**20, len(result.skipped),
                             info["compile_dirs"])
-                _startup_plan_hint(bundle.manifest, info)
+                _startup_plan_hint(bundle.manifest, result.reasons, info)
     except Exception as exc:  # noqa: BLE001  (artifacts only save a compile; never fail the load)
         code = getattr(exc, "code", None) or type(exc).__name__
         outcome = "missing" if code == "artifacts-missing" else "error"

@@ -4,7 +4,7 @@ vLLM's model-info cache) and a fresh node lacks, recorded by a priming run
 against the daemon, carried by the daemon, and installed into an engine's own
 caches before its compile step.
 
-Facts from vLLM 0.32's source this module relies on:
+Facts from vLLM's source (0.32, and 0.33 where said) this module relies on:
 
 * with torch >= 2.10 ``VLLM_USE_AOT_COMPILE`` is on; the artifacts of one model
   config live in ``VLLM_CACHE_ROOT/torch_compile_cache/torch_aot_compile/{hash}/``
@@ -29,7 +29,10 @@ Facts from vLLM 0.32's source this module relies on:
   not a compile factor. The priming run turns it on, so its plan rides in the bundle
   and an engine that turns it on too applies the plan on a fresh node
   (vllm/v1/worker/startup_plan.py; vllm/v1/worker/gpu_worker.py
-  ``determine_available_memory``, which runs after ``load_model``).
+  ``determine_available_memory``, which runs after ``load_model``). The fingerprint
+  leaves ``gpu_memory_utilization`` out (``CacheConfig.compute_hash`` ignores it) and
+  an applied plan overrides it, so a plan is installed only into an engine with the
+  priming engine's ``gpu_memory_utilization`` (:func:`install_for_engine`).
 
 The engine's loader computes :func:`engine_factors` after its restore, compares
 them with the bundle's (:func:`stale_reason`), and installs a fresh bundle with
@@ -55,7 +58,7 @@ from wcache.store.artifacts import BUNDLE_ROOTS, Bundle, InstallResult, install_
 __all__ = ["FACTOR_ORDER", "engine_factors", "stale_reason", "cache_dirs", "collect_entries",
            "pack_primed", "install_for_engine", "relocate_triton_entry", "compile_dirs",
            "startup_plans", "AOT_DIR",
-           "COMPILE_DIR", "STARTUP_PLAN_DIR", "STARTUP_PLAN_ENV"]
+           "COMPILE_DIR", "STARTUP_PLAN_DIR", "STARTUP_PLAN_ENV", "SKIP_PLAN_BUDGET"]
 
 logger = logging.getLogger("vllm.wcache")
 
@@ -67,6 +70,9 @@ AOT_DIR = f"{COMPILE_DIR}/torch_aot_compile"
 MODELINFO_DIR = "modelinfos"
 #: vLLM's startup plans under ``VLLM_CACHE_ROOT`` (vllm/v1/worker/startup_plan.py, 0.33+).
 STARTUP_PLAN_DIR = "startup_plan"
+#: Why a carried startup plan was not installed: the engine asked for another share
+#: of the GPU (``gpu_memory_utilization``) than the priming engine had.
+SKIP_PLAN_BUDGET = "startup-plan-other-gpu-memory-utilization"
 #: Triton's group files in a cache entry (triton/runtime/cache.py ``put_group``).
 TRITON_GROUP_PREFIX = "__grp__"
 #: The variable that turns vLLM's startup plan on (vllm/envs.py; ignored by older vLLM).
@@ -111,7 +117,9 @@ def engine_factors(vllm_config: Any) -> dict[str, Any]:
 
     Returns:
         A JSON-able map with every name of :data:`FACTOR_ORDER` (``triton`` None
-        without Triton), and ``aot_enabled`` / ``compile_mode`` for the record.
+        without Triton), ``aot_enabled`` / ``compile_mode`` for the record, and
+        ``gpu_memory_utilization`` (the fraction, 0-1: whether a carried startup plan
+        fits this engine).
     """
     import vllm  # noqa: PLC0415
     from vllm import envs  # noqa: PLC0415
@@ -126,6 +134,8 @@ def engine_factors(vllm_config: Any) -> dict[str, Any]:
         "config_hash": vllm_config.compute_hash(),
         "aot_enabled": bool(envs.VLLM_USE_AOT_COMPILE),
         "compile_mode": str(getattr(vllm_config.compilation_config, "mode", None)),
+        "gpu_memory_utilization": getattr(vllm_config.cache_config, "gpu_memory_utilization",
+                                          None),
     }
 
 
@@ -237,6 +247,12 @@ def install_for_engine(bundle: Bundle, mine: Mapping[str, Any],
                        dirs: Mapping[str, Path] | None = None) -> tuple[InstallResult | None, str | None]:
     """Check ``bundle`` against this engine's factors ``mine`` and install it.
 
+    Each Triton entry's group files are pointed at its new place
+    (:func:`relocate_triton_entry`). The startup plans (:func:`startup_plans`) are left
+    out, reason :data:`SKIP_PLAN_BUDGET`, unless this engine's
+    ``gpu_memory_utilization`` is the priming engine's: vLLM's plan fingerprint does
+    not cover it, and an applied plan sets the KV cache's size regardless of it.
+
     Returns:
         ``(result, None)`` when installed (entries the engine's cache already had
         are skipped, never overwritten), or ``(None, reason)`` when stale (the
@@ -245,40 +261,42 @@ def install_for_engine(bundle: Bundle, mine: Mapping[str, Any],
     Raises:
         ArtifactsCorrupt: as :func:`wcache.store.artifacts.install_bundle`.
     """
-    reason = stale_reason(bundle.manifest.get("factors") or {}, mine)
+    theirs = bundle.manifest.get("factors") or {}
+    reason = stale_reason(theirs, mine)
     if reason is not None:
         return None, reason
-    return install_bundle(bundle, dirs or cache_dirs(), {"triton": relocate_triton_entry}), None
+    skip = {} if theirs.get("gpu_memory_utilization") == mine.get("gpu_memory_utilization") \
+        and mine.get("gpu_memory_utilization") is not None else \
+        {f"vllm/{p}": SKIP_PLAN_BUDGET for p in startup_plans(bundle.manifest)}
+    return install_bundle(bundle, dirs or cache_dirs(), {"triton": relocate_triton_entry},
+                          skip), None
 
 
 def relocate_triton_entry(extracted: Path, final: Path) -> None:
     """Make a Triton cache entry (one kernel's ``{key}/`` dir) valid at ``final``.
 
     Triton's ``FileCacheManager.put_group`` writes ``__grp__{name}.json`` with
-    ``{"child_paths": {file: absolute path}}`` and ``get_group`` keeps only the paths
-    that exist, so an entry copied to another cache root (here: from the priming
-    engine's private root, deleted after packing) is a miss: the kernel compiles
-    again (measured on the H200: ~19 s of Triton compiles on a fresh node). Each
-    child path is pointed at ``final/{file}``, for the files the entry holds
-    (others are left as they were: Triton drops them as before). Written in place
-    (the entry is not visible yet). Source: triton/runtime/cache.py.
-
-    Raises:
-        ArtifactsCorrupt: a group file that is not Triton's JSON.
+    ``{"child_paths": {file: absolute path}}``, and ``get_group`` returns None (a
+    miss: the kernel compiles again) when any of those paths does not exist. So an
+    entry copied to another cache root (here: from the priming engine's private root,
+    deleted after packing) is a miss; on the H200 a fresh node spent ~19 s in Triton
+    compiles. Each child path whose file the entry holds is pointed at
+    ``final/{file}``, in place (the entry is not visible yet). A group file that is
+    not Triton's JSON, or names a file the entry lacks, is left as it is: Triton
+    misses on it as it would have (source: triton/runtime/cache.py, 3.x).
     """
-    from wcache.store.artifacts import ArtifactsCorrupt  # noqa: PLC0415
-
     if not extracted.is_dir():
         return
     for grp in extracted.glob(f"{TRITON_GROUP_PREFIX}*.json"):
         try:
             data = json.loads(grp.read_text())
             children = data["child_paths"]
-            if not isinstance(children, dict):
-                raise TypeError("child_paths is not a map")
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ArtifactsCorrupt(f"Triton group file {grp.name} of {final.name} is not "
-                                   f"Triton's {{\"child_paths\": {{...}}}} ({exc})") from None
+        except (OSError, ValueError, KeyError, TypeError):
+            logger.info("wcache: Triton group file %s of %s is not Triton's JSON; left as it is "
+                        "(Triton compiles that kernel again)", grp.name, final.name)
+            continue
+        if not isinstance(children, dict):
+            continue
         moved = {c: (str(final / os.path.basename(p)) if isinstance(p, str) and
                      (extracted / os.path.basename(p)).is_file() else p)
                  for c, p in children.items()}

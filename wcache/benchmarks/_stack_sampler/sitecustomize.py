@@ -12,11 +12,17 @@ thread to ``PREFIX.{pid}``::
 
 each frame ``path:line:function`` (the collapsed-stack format flame-graph tools
 read). A thread that holds the GIL in C for longer than the interval shows as a gap
-in the samples. Then the ``sitecustomize`` this module shadows, if any, runs.
+in the samples. A child forked to exec another program (``subprocess`` with
+``preexec_fn``) writes a header before it execs, and a Python program it execs one
+more: such a file holds more than one header. Then the ``sitecustomize`` this module
+shadows, if any, runs.
 """
 
 import os
 import sys
+
+#: Seconds between samples when ``WCACHE_STACK_SAMPLE_S`` is not set.
+DEFAULT_INTERVAL_S = 0.5
 
 
 def _start() -> None:
@@ -27,18 +33,19 @@ def _start() -> None:
     if not prefix:
         return
     try:
-        interval = float(os.environ.get("WCACHE_STACK_SAMPLE_S") or 0.5)
+        interval = float(os.environ.get("WCACHE_STACK_SAMPLE_S") or DEFAULT_INTERVAL_S)
         out = open(f"{prefix}.{os.getpid()}", "a", buffering=1)  # noqa: SIM115
     except (OSError, ValueError):
         return
+    argv = getattr(sys, "orig_argv", None) or getattr(sys, "argv", None)  # argv is not set yet
     out.write(f"# pid={os.getpid()} ppid={os.getppid()} start={time.time():.3f} "
-              f"interval={interval} argv={getattr(sys, 'argv', None)!r}\n")
+              f"interval={interval} argv={argv!r}\n")
 
     def frame_text(frame) -> str:
         parts = []
         while frame is not None:
             code = frame.f_code
-            parts.append(f"{code.co_filename}:{frame.f_lineno}:{code.co_name}")
+            parts.append(f"{code.co_filename}:{frame.f_lineno or 0}:{code.co_name}")
             frame = frame.f_back
         return ";".join(reversed(parts))
 
@@ -68,8 +75,8 @@ def _chain() -> None:
     import importlib.machinery
     import importlib.util
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    rest = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    here = os.path.realpath(os.path.dirname(__file__))
+    rest = [p for p in sys.path if os.path.realpath(p or ".") != here]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
     if spec is not None and spec.loader is not None:
         module = importlib.util.module_from_spec(spec)
