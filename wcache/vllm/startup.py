@@ -57,8 +57,8 @@ from wcache.store.artifacts import BUNDLE_ROOTS, Bundle, InstallResult, install_
 
 __all__ = ["FACTOR_ORDER", "engine_factors", "stale_reason", "cache_dirs", "collect_entries",
            "pack_primed", "install_for_engine", "relocate_triton_entry", "compile_dirs",
-           "startup_plans", "AOT_DIR",
-           "COMPILE_DIR", "STARTUP_PLAN_DIR", "STARTUP_PLAN_ENV", "SKIP_PLAN_BUDGET"]
+           "startup_plans", "AOT_DIR", "COMPILE_DIR", "STARTUP_PLAN_DIR", "STARTUP_PLAN_ENV",
+           "SKIP_PLAN_BUDGET"]
 
 logger = logging.getLogger("vllm.wcache")
 
