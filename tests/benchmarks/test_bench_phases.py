@@ -506,3 +506,23 @@ def test_merge_refuses_runs_of_other_engine_env_and_takes_a_missing_one_as_none(
     c.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="engine_env"):
         bp.merge_results([a, c])
+
+
+def test_parse_log_says_whether_vllm_applied_its_startup_plan():
+    """vLLM 0.33's two startup-plan lines (as the H200 run printed the refusal) give
+    ``startup_plan``, and they are kept among the phase lines."""
+    refused = (PREFIX + "Startup plan not applied: current free memory (116.62 GiB) is below "
+               "the recorded baseline (116.69 GiB); falling back to full memory profiling.")
+    applied = (PREFIX + "Applying persisted startup plan (fingerprint 8a4c3262d5f1a9e4): "
+               "kv_cache_memory_bytes=1 (0.00 GiB), recorded free-memory baseline 1.00 GiB")
+    assert parse_log(refused)["startup_plan"] == ("not applied: current free memory (116.62 GiB) "
+                                                  "is below the recorded baseline (116.69 GiB)")
+    assert parse_log(applied)["startup_plan"] == "applied"
+    assert "startup_plan" not in parse_log(PREFIX + "Model loading took 1.0 GiB memory and 2.0 seconds")
+    assert phase_lines(f"{refused}\nunrelated\n{applied}") == [refused.strip(), applied.strip()]
+    tree = TREES / "0.33.0" / "vllm" / "v1" / "worker" / "startup_plan.py"
+    assert tree.is_file() or os.environ.get("WCACHE_REQUIRE_VLLM_TREES") != "1"
+    if tree.is_file():  # the format strings, in vLLM 0.33's own source
+        src = _source_literals(tree)
+        assert "Applying persisted startup plan (fingerprint %s): kv_cache_memory_bytes" in src
+        assert "Startup plan not applied: current free memory (%.2f GiB) is below" in src

@@ -383,3 +383,29 @@ def test_a_startup_plan_is_installed_only_for_the_priming_engines_memory_share(
     assert (plan in result.installed) is installed
     assert ((plan, startup.SKIP_PLAN_BUDGET) in result.reasons) is not installed
     assert (tmp_path / "dst" / startup.STARTUP_PLAN_DIR / "startup_plan_ab.json").exists() is installed
+
+
+def test_the_restore_record_counts_what_was_installed_per_cache_root(tmp_path, monkeypatch):
+    """A compiling engine's artifacts record says how many entries went to each root, so
+    a benchmark can tell the loader's installs from the engine's own cache writes."""
+    from wcache.store import client
+    from wcache.vllm import loader
+
+    src = tmp_path / "src"
+    (src / "vllm" / startup.AOT_DIR / "h1").mkdir(parents=True)
+    (src / "vllm" / startup.AOT_DIR / "h1" / "model").write_bytes(b"fn")
+    for key in ("K1", "K2"):
+        (src / "triton" / key).mkdir(parents=True)
+        (src / "triton" / key / "k.cubin").write_bytes(b"\x7fELF")
+    dirs = {"vllm": src / "vllm", "triton": src / "triton"}
+    for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TRITON_CACHE_DIR", "triton"),
+                     ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
+        monkeypatch.setenv(var, str(tmp_path / "engine" / sub))
+    monkeypatch.setattr(startup, "engine_factors", lambda cfg: FACTORS)
+    monkeypatch.setattr(client, "fetch_artifacts",
+                        lambda *a: art.pack_bundle(dirs, startup.collect_entries(dirs), FACTORS))
+    got = loader._startup_artifacts(loader.LoaderOptions(), _fake_vllm_config(False, "VLLM_COMPILE"),
+                                    "cpu")
+    assert (got["outcome"], got["installed"]) == ("installed", 3)
+    assert got["installed_by_root"] == {"vllm": 1, "triton": 2}
+    assert (tmp_path / "engine" / "triton" / "K2" / "k.cubin").is_file()

@@ -87,6 +87,11 @@ CPU_WARMUP_START = re.compile(_STAMP + r"\S* \[[^\]]*\] Warming up model for the
 CPU_WARMUP_DONE = re.compile(_STAMP + r"\S* \[[^\]]*\] Warming up done\.")
 LOG_DATE_FORMAT = "%m-%d %H:%M:%S"
 SECONDS_PER_DAY = 86400.0
+#: vLLM 0.33's startup plan (vllm/v1/worker/startup_plan.py): applied, or refused with
+#: its reason (``VLLM_ENABLE_STARTUP_PLAN=1`` only).
+STARTUP_PLAN_APPLIED = re.compile(r"Applying persisted startup plan \(fingerprint (\w+)\)")
+STARTUP_PLAN_REFUSED = re.compile(r"Startup plan not applied: (.+?)(?:; falling back.*)?$",
+                                  re.MULTILINE)
 #: The wcache loader's own line (wcache/vllm/loader.py ``_record_timing``).
 WCACHE_LOAD_LINE = re.compile(rf"wcache: weight-load phase \((\w+)\) took {_NUM} s")
 #: A phase shorter than this counts as "does not remain" in the fresh-node summary (s):
@@ -126,7 +131,8 @@ def parse_log(log: str) -> dict[str, Any]:
         sum) and ``graph_capture_gib`` (the last: the graphs kept), ``init_engine_s``
         and ``init_engine_compile_s``,
         ``cpu_warmup_s`` (vLLM CPU: its warm-up, which compiles, from the log
-        timestamps); and
+        timestamps), ``startup_plan`` (vLLM 0.33: ``"applied"`` or ``"not applied:
+        <vLLM's reason>"``; absent when vLLM said neither); and
         ``compile_cache``: ``"aot-loaded"``, ``"graphs-loaded"``, ``"compiled"`` or
         ``"none"`` (no compile line: an eager engine).
     """
@@ -168,6 +174,10 @@ def parse_log(log: str) -> dict[str, Any]:
     start, done = CPU_WARMUP_START.search(log), CPU_WARMUP_DONE.search(log)
     if start and done:
         out["cpu_warmup_s"] = _stamp_diff(start.group(1), done.group(1))
+    if STARTUP_PLAN_APPLIED.search(log):
+        out["startup_plan"] = "applied"
+    elif m := STARTUP_PLAN_REFUSED.search(log):
+        out["startup_plan"] = f"not applied: {m.group(1)}"
     out["compile_cache"] = ("aot-loaded" if "aot_loaded_from" in out else
                             "graphs-loaded" if loaded and not graphs else
                             "compiled" if graphs or totals else "none")
@@ -187,7 +197,8 @@ def _stamp_diff(a: str, b: str) -> float:
 def phase_lines(log: str) -> list[str]:
     """The lines of ``log`` that one of :data:`LINES` (or the wcache loader's timing
     line) matches, in order: the evidence a breakdown was computed from."""
-    wanted = (*LINES.values(), WCACHE_LOAD_LINE, CPU_WARMUP_START, CPU_WARMUP_DONE)
+    wanted = (*LINES.values(), WCACHE_LOAD_LINE, CPU_WARMUP_START, CPU_WARMUP_DONE,
+              STARTUP_PLAN_APPLIED, STARTUP_PLAN_REFUSED)
     return [ln.strip() for ln in log.splitlines() if any(p.search(ln) for p in wanted)]
 
 

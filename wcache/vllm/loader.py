@@ -45,6 +45,7 @@ this. Sleep mode and expert rebalancing on CUDA ``zero_copy`` are refused at loa
 from __future__ import annotations
 
 import cProfile
+import collections
 import dataclasses
 import json
 import logging
@@ -359,8 +360,10 @@ def _startup_artifacts(opts: LoaderOptions, vllm_config: VllmConfig,
         The ``artifacts`` part of the restore's timing record (``timing_file``):
         ``{"seconds", "outcome", ...}`` with outcome ``off`` (+ reason ``not
         compiling`` for an eager engine: nothing fetched), ``missing``, ``stale``
-        (+ ``reason``), ``installed``, ``present`` (every entry already there) or
-        ``error`` (+ ``reason``). Its seconds are not part of the restore's (the
+        (+ ``reason``), ``installed`` or ``present`` (every entry already there; both
+        + ``installed``, ``installed_by_root`` (entries per cache root), ``skipped``,
+        ``nbytes``, ``compile_dirs``, and the startup-plan counts) or ``error``
+        (+ ``reason``). Its seconds are not part of the restore's (the
         restore record's ``seconds`` stays the weight-load phase of before).
     """
     from wcache.store import socket_path  # noqa: PLC0415
@@ -392,6 +395,8 @@ def _startup_artifacts(opts: LoaderOptions, vllm_config: VllmConfig,
             else:
                 outcome = "installed" if result.installed else "present"
                 info.update(installed=len(result.installed), skipped=len(result.skipped),
+                            installed_by_root=dict(collections.Counter(
+                                n.split("/", 1)[0] for n in result.installed)),
                             nbytes=result.nbytes,
                             compile_dirs=startup.compile_dirs(bundle.manifest))
                 logger.info("wcache: start-up artifacts %s: %d entries installed (%.1f MiB), %d "
