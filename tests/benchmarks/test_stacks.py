@@ -56,7 +56,7 @@ def test_every_process_samples_its_stacks_and_the_reader_attributes_them(tmp_pat
     assert {"spin"} <= set(by_function)
     pids = {pid for pid, _ in by_function["spin"]}
     assert len(pids) == 3, by_function
-    assert all(seconds >= 0.2 for _, seconds in by_function["spin"])
+    assert all(seconds >= 0.1 for _, seconds in by_function["spin"])  # >= 2 samples each
     parent = procs[0]
     lines = stacks.timeline(parent, package=tmp_path.name)
     assert any("spin" in key for _a, _b, key in lines)
