@@ -483,10 +483,10 @@ def test_startup_plan_goes_to_every_engine_and_the_record(tmp_path, monkeypatch)
 
     monkeypatch.setattr("wcache.daemon.process.run_engine", fake_run_engine)
     rows, _ = bp.run(["disk-eager"], tmp_path / "ckpt", [], [], "cuda", tmp_path / "w",
-                     log=lambda m: None, engine_env={bp.STARTUP_PLAN_ENV: "1"})
+                     log=lambda m: None, engine_env=bp.startup_plan_env())
     assert seen == ["1"] and rows[0]["command"]["env"]["VLLM_ENABLE_STARTUP_PLAN"] == "1"
     from wcache.vllm.startup import STARTUP_PLAN_ENV
-    assert bp.STARTUP_PLAN_ENV == STARTUP_PLAN_ENV
+    assert bp.startup_plan_env() == {STARTUP_PLAN_ENV: "1"}
     assert "--startup-plan" in bp.build_parser().format_help()
 
 
@@ -501,7 +501,7 @@ def test_merge_refuses_runs_of_other_engine_env_and_takes_a_missing_one_as_none(
     data["meta"]["engine_env"] = {}
     Path(b).write_text(json.dumps(data))
     bp.merge_results([a, b])
-    data["meta"]["engine_env"] = {bp.STARTUP_PLAN_ENV: "1"}
+    data["meta"]["engine_env"] = bp.startup_plan_env()
     c = tmp_path / "c.json"
     c.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="engine_env"):

@@ -139,8 +139,6 @@ DPI = 150
 #: The meta fields two runs' JSON must share to be merged into one table.
 COMPARABLE_META = ("device_name", "vllm", "torch", "model_kind", "engine_args", "serve_args",
                    "engine_env", "stack_samples_s")
-#: The variable --startup-plan sets (wcache.vllm.startup.STARTUP_PLAN_ENV; that module imports torch).
-STARTUP_PLAN_ENV = "VLLM_ENABLE_STARTUP_PLAN"
 #: The directory --stack-samples puts first on the engines' PYTHONPATH (its sitecustomize).
 STACK_SAMPLER_DIR = str(Path(__file__).resolve().parent / "_stack_sampler")
 
@@ -509,6 +507,14 @@ def merge_results(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
     return {"meta": meta, "daemon": daemon, "rows": ordered, "target": target_summary(ordered)}
 
 
+def startup_plan_env() -> dict[str, str]:
+    """The engines' environment of --startup-plan: vLLM's switch
+    (:data:`wcache.vllm.startup.STARTUP_PLAN_ENV`) on."""
+    from wcache.vllm.startup import STARTUP_PLAN_ENV  # noqa: PLC0415  (imports torch)
+
+    return {STARTUP_PLAN_ENV: "1"}
+
+
 def _meta_value(meta: Mapping[str, Any], key: str) -> Any:
     """``meta[key]`` for the comparison of merged runs; a run from before --startup-plan
     or --stack-samples has no ``engine_env`` / ``stack_samples_s``: it set none (the
@@ -720,7 +726,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     ckpt, engine_args, serve_args = model_setup(kind, device, root, args.model)
     meta = _meta(device, kind if args.model is None else "custom", ckpt, argv)
-    engine_env = {STARTUP_PLAN_ENV: "1"} if args.startup_plan else {}
+    engine_env = startup_plan_env() if args.startup_plan else {}
     meta.update(engine_args=engine_args, serve_args=serve_args, engine_env=engine_env,
                 stack_samples_s=args.stack_samples)
 

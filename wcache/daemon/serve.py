@@ -250,8 +250,9 @@ def release_device_cache() -> int:
     how it started. Engines profile the free memory they find (and vLLM 0.33's startup
     plan is applied only when at least the recorded free memory is there: on the H200 a
     fresh node's engine found about 70 MiB less than its priming engine had, and
-    profiled again; the daemon's cache is the likely difference, not measured), so the daemon's footprint should be the arena and its context.
-    It runs after the server started: an engine that attaches while a snapshot is
+    profiled again; the daemon's cache is the likely difference, not measured), so the
+    daemon's footprint should be the arena and its context. It runs after the server
+    started: an engine that attaches while a snapshot is
     being written (which ``--snapshot`` allows) profiles before this release.
 
     Returns:
@@ -263,10 +264,10 @@ def release_device_cache() -> int:
         return 0
     before = torch.cuda.memory_reserved()
     torch.cuda.empty_cache()
-    freed = before - torch.cuda.memory_reserved()
+    after = torch.cuda.memory_reserved()
     logger.info("wcache: released %.1f MiB the CUDA caching allocator held unused "
-                "(%.1f MiB still reserved)", freed / 2**20, torch.cuda.memory_reserved() / 2**20)
-    return freed
+                "(%.1f MiB still reserved)", (before - after) / 2**20, after / 2**20)
+    return before - after
 
 
 def _prime(server: Any, prime: tuple[str, list[str], str, str], snapshot: str | None,

@@ -321,11 +321,11 @@ def backend_cache_dirs(cache_root: str | Path) -> list[str]:
     ``cache_root`` (the AOT artifacts' ``torch_aot_compile`` left out), sorted.
 
     ``hash10`` is vLLM's key of the non-AOT compile cache: it covers the files
-    Dynamo traced (their paths and text), which differ between a disk-loaded and a
-    restored model (vLLM's parameter classes define ``__torch_function__``; a
-    restored model's plain tensors do not), so the two get different directories;
-    the AOT key (``torch_aot_compile/{hash}``) leaves the traced files out and is
-    the same. Source: vllm/compilation/backends.py ``VllmBackend.__call__``.
+    Dynamo traced (their paths and text). On the H200 a disk-loaded and a restored
+    model got different directories; the likely reason (read from the source, the
+    traced files were not recorded) is that vLLM's parameter classes define
+    ``__torch_function__`` and a restored model's plain tensors do not. The AOT key
+    (``torch_aot_compile/{hash}``) leaves the traced files out and was the same. Source: vllm/compilation/backends.py ``VllmBackend.__call__``.
     """
     base = _vllm_cache_root(cache_root) / AOT_CACHE_DIR[0]
     if not base.is_dir():

@@ -265,9 +265,10 @@ def install_for_engine(bundle: Bundle, mine: Mapping[str, Any],
     reason = stale_reason(theirs, mine)
     if reason is not None:
         return None, reason
-    skip = {} if theirs.get("gpu_memory_utilization") == mine.get("gpu_memory_utilization") \
-        and mine.get("gpu_memory_utilization") is not None else \
-        {f"vllm/{p}": SKIP_PLAN_BUDGET for p in startup_plans(bundle.manifest)}
+    share = mine.get("gpu_memory_utilization")
+    plan_fits = share is not None and theirs.get("gpu_memory_utilization") == share
+    skip = {} if plan_fits else {f"vllm/{p}": SKIP_PLAN_BUDGET
+                                 for p in startup_plans(bundle.manifest)}
     return install_bundle(bundle, dirs or cache_dirs(), {"triton": relocate_triton_entry},
                           skip), None
 
