@@ -97,9 +97,9 @@ def test_the_priming_engine_environment_points_at_its_roots_and_turns_the_plan_o
                    startup.STARTUP_PLAN_ENV: "1"}
 
 
-def test_vllm_0_33_knows_the_startup_plan_and_leaves_it_out_of_the_compile_key():
-    """vLLM 0.33's own source (``make vllm-trees``): the variable is one of its envs,
-    ``compile_factors`` ignores it, and the plans live under VLLM_CACHE_ROOT/startup_plan."""
+def _vllm_0_33_tree() -> Path:
+    """vLLM 0.33.0's Python tree (``make vllm-trees``); skips (fails under
+    WCACHE_REQUIRE_VLLM_TREES=1) without it."""
     tree = Path(os.environ.get("WCACHE_VLLM_TREES", Path(__file__).resolve().parents[2]
                                / ".vllm-trees")) / "0.33.0"
     if not (tree / ".complete").exists():
@@ -107,6 +107,13 @@ def test_vllm_0_33_knows_the_startup_plan_and_leaves_it_out_of_the_compile_key()
         if os.environ.get("WCACHE_REQUIRE_VLLM_TREES") == "1":
             pytest.fail(why)
         pytest.skip(why)
+    return tree
+
+
+def test_vllm_0_33_knows_the_startup_plan_and_leaves_it_out_of_the_compile_key():
+    """vLLM 0.33's own source (``make vllm-trees``): the variable is one of its envs,
+    ``compile_factors`` ignores it, and the plans live under VLLM_CACHE_ROOT/startup_plan."""
+    tree = _vllm_0_33_tree()
     text = (tree / "vllm" / "envs.py").read_text()
     ignored = text[text.index("def compile_factors"):]
     assert f'"{startup.STARTUP_PLAN_ENV}"' in ignored[:ignored.index("}")]
@@ -383,6 +390,83 @@ def test_a_startup_plan_is_installed_only_for_the_priming_engines_memory_share(
     assert (plan in result.installed) is installed
     assert ((plan, startup.SKIP_PLAN_BUDGET) in result.reasons) is not installed
     assert (tmp_path / "dst" / startup.STARTUP_PLAN_DIR / "startup_plan_ab.json").exists() is installed
+
+
+GIB = 1 << 30
+#: The free memory of the H200 fresh-node run whose plan vLLM refused (2026-12-02,
+#: vLLM 0.33.0): the priming engine's (recorded) and the fresh engine's, each beside its
+#: daemon; the total is an H200's ~139.8 GiB (not read in that run).
+H200_TOTAL, H200_RECORDED, H200_FRESH = 150_121_594_880, int(117.06 * GIB), int(116.99 * GIB)
+
+
+def _bundle_with_plan(tmp_path: Path, plan_text: str, factors: dict) -> art.Bundle:
+    src = tmp_path / "src" / "vllm"
+    (src / startup.AOT_DIR / "h1").mkdir(parents=True)
+    (src / startup.AOT_DIR / "h1" / "model").write_bytes(b"fn")
+    (src / startup.STARTUP_PLAN_DIR).mkdir()
+    (src / startup.STARTUP_PLAN_DIR / "startup_plan_ab.json").write_text(plan_text)
+    return art.pack_bundle({"vllm": src}, startup.collect_entries({"vllm": src}), factors)
+
+
+def _install_plan(tmp_path: Path, plan_text: str, total: int | None) -> str:
+    """Install a bundle carrying ``plan_text`` into an engine of the priming engine's
+    share (0.3) on a device of ``total`` bytes; the installed plan's text."""
+    primed = {**FACTORS, "gpu_memory_utilization": 0.3, "device_total_memory": total}
+    bundle = _bundle_with_plan(tmp_path, plan_text, primed)
+    try:
+        result, reason = startup.install_for_engine(bundle, primed, {"vllm": tmp_path / "dst"})
+    finally:
+        bundle.close()
+    assert reason is None
+    assert f"vllm/{startup.STARTUP_PLAN_DIR}/startup_plan_ab.json" in result.installed
+    assert (tmp_path / "dst" / startup.AOT_DIR / "h1" / "model").read_bytes() == b"fn"
+    return (tmp_path / "dst" / startup.STARTUP_PLAN_DIR / "startup_plan_ab.json").read_text()
+
+
+def test_an_installed_startup_plans_free_memory_gate_is_the_engines_budget(tmp_path):
+    """The priming node's free memory counted the priming daemon; the installed plan
+    asks for the engine's gpu_memory_utilization budget instead, ceil(total * share),
+    and keeps every other field."""
+    plan = {"schema": 1, "fingerprint": "ab", "kv_cache_memory_bytes": 20 * GIB,
+            "free_memory_baseline": H200_RECORDED}
+    got = json.loads(_install_plan(tmp_path, json.dumps(plan), H200_TOTAL))
+    assert got == {**plan, "free_memory_baseline": -(-H200_TOTAL * 3 // 10)}
+    assert startup.plan_gate_bytes({"device_total_memory": H200_TOTAL,
+                                    "gpu_memory_utilization": 0.3}) == 45_036_478_464
+
+
+@pytest.mark.parametrize("text, total", [
+    # a recorded gate already below the budget is never raised
+    ('{"kv_cache_memory_bytes": 1, "free_memory_baseline": 1024}', H200_TOTAL),
+    ('{"kv_cache_memory_bytes": 1, "free_memory_baseline": "117 GiB"}', H200_TOTAL),
+    ('{"kv_cache_memory_bytes": 1}', H200_TOTAL),
+    ("not json", H200_TOTAL),
+    # off CUDA (no total memory in the factors) the plan is installed as recorded
+    (f'{{"kv_cache_memory_bytes": 1, "free_memory_baseline": {H200_RECORDED}}}', None),
+])
+def test_a_plan_the_gate_does_not_apply_to_is_installed_as_it_is(tmp_path, text, total):
+    assert _install_plan(tmp_path, text, total) == text
+
+
+def test_vllm_0_33_applies_the_gated_plan_it_refused_as_recorded(tmp_path):
+    """vLLM 0.33's own gate (vllm/v1/worker/startup_plan.py, loaded from its tree):
+    with the H200 run's figures it refused the plan as recorded and applies the
+    installed one; with less free memory than the engine's budget it still refuses."""
+    import importlib.util
+
+    path = _vllm_0_33_tree() / "vllm" / "v1" / "worker" / "startup_plan.py"
+    spec = importlib.util.spec_from_file_location("vllm_0_33_startup_plan", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    recorded = {"schema": 1, "fingerprint": "ab", "kv_cache_memory_bytes": 20 * GIB,
+                "free_memory_baseline": H200_RECORDED}
+    installed = json.loads(_install_plan(tmp_path, json.dumps(recorded), H200_TOTAL))
+    budget = startup.plan_gate_bytes({"device_total_memory": H200_TOTAL,
+                                      "gpu_memory_utilization": 0.3})
+    assert mod._applicable_kv_cache_memory_bytes(recorded, H200_FRESH) is None
+    assert mod._applicable_kv_cache_memory_bytes(installed, H200_FRESH) == 20 * GIB
+    assert mod._applicable_kv_cache_memory_bytes(installed, budget) == 20 * GIB
+    assert mod._applicable_kv_cache_memory_bytes(installed, budget - 1) is None
 
 
 def test_the_restore_record_counts_what_was_installed_per_cache_root(tmp_path, monkeypatch):

@@ -32,7 +32,10 @@ Facts from vLLM's source (0.32, and 0.33 where said) this module relies on:
   ``determine_available_memory``, which runs after ``load_model``). The fingerprint
   leaves ``gpu_memory_utilization`` out (``CacheConfig.compute_hash`` ignores it) and
   an applied plan overrides it, so a plan is installed only into an engine with the
-  priming engine's ``gpu_memory_utilization`` (:func:`install_for_engine`).
+  priming engine's ``gpu_memory_utilization`` (:func:`install_for_engine`). The
+  recorded free memory counts the priming daemon, whose footprint a snapshot's or a
+  peer's daemon does not match to the MiB, so the installed plan's gate is the
+  engine's budget instead (:func:`gate_startup_plan`).
 
 The engine's loader computes :func:`engine_factors` after its restore, compares
 them with the bundle's (:func:`stale_reason`), and installs a fresh bundle with
@@ -44,8 +47,10 @@ bundle records what the engine that made it computed.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -57,7 +62,7 @@ from wcache.store.artifacts import BUNDLE_ROOTS, Bundle, InstallResult, install_
 
 __all__ = ["FACTOR_ORDER", "engine_factors", "stale_reason", "cache_dirs", "collect_entries",
            "pack_primed", "install_for_engine", "relocate_triton_entry", "compile_dirs",
-           "startup_plans", "AOT_DIR", "COMPILE_DIR", "STARTUP_PLAN_DIR", "STARTUP_PLAN_ENV",
+           "startup_plans", "plan_gate_bytes", "gate_startup_plan", "AOT_DIR", "COMPILE_DIR", "STARTUP_PLAN_DIR", "STARTUP_PLAN_ENV",
            "SKIP_PLAN_BUDGET"]
 
 logger = logging.getLogger("vllm.wcache")
@@ -99,6 +104,15 @@ def _triton_version() -> str | None:
         return None
 
 
+def _device_total_memory(device: torch.device) -> int | None:
+    """The device's total memory in bytes as vLLM's ``MemorySnapshot`` reads it
+    (``torch.cuda.mem_get_info``'s second value); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return int(torch.cuda.mem_get_info(index)[1])
+
+
 def _device_facts(device: torch.device) -> tuple[str, str | None]:
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -119,7 +133,8 @@ def engine_factors(vllm_config: Any) -> dict[str, Any]:
         A JSON-able map with every name of :data:`FACTOR_ORDER` (``triton`` None
         without Triton), ``aot_enabled`` / ``compile_mode`` for the record, and
         ``gpu_memory_utilization`` (the fraction, 0-1: whether a carried startup plan
-        fits this engine).
+        fits this engine) and ``device_total_memory`` (bytes, None off CUDA: the
+        engine's memory budget, :func:`plan_gate_bytes`).
     """
     import vllm  # noqa: PLC0415
     from vllm import envs  # noqa: PLC0415
@@ -136,6 +151,7 @@ def engine_factors(vllm_config: Any) -> dict[str, Any]:
         "compile_mode": str(getattr(vllm_config.compilation_config, "mode", None)),
         "gpu_memory_utilization": getattr(vllm_config.cache_config, "gpu_memory_utilization",
                                           None),
+        "device_total_memory": _device_total_memory(device),
     }
 
 
@@ -251,7 +267,9 @@ def install_for_engine(bundle: Bundle, mine: Mapping[str, Any],
     (:func:`relocate_triton_entry`). The startup plans (:func:`startup_plans`) are left
     out, reason :data:`SKIP_PLAN_BUDGET`, unless this engine's
     ``gpu_memory_utilization`` is the priming engine's: vLLM's plan fingerprint does
-    not cover it, and an applied plan sets the KV cache's size regardless of it.
+    not cover it, and an applied plan sets the KV cache's size regardless of it. An
+    installed plan's free-memory gate is set to this engine's budget
+    (:func:`gate_startup_plan`; on CUDA, where ``device_total_memory`` is known).
 
     Returns:
         ``(result, None)`` when installed (entries the engine's cache already had
@@ -269,8 +287,65 @@ def install_for_engine(bundle: Bundle, mine: Mapping[str, Any],
     plan_fits = share is not None and theirs.get("gpu_memory_utilization") == share
     skip = {} if plan_fits else {f"vllm/{p}": SKIP_PLAN_BUDGET
                                  for p in startup_plans(bundle.manifest)}
-    return install_bundle(bundle, dirs or cache_dirs(), {"triton": relocate_triton_entry},
-                          skip), None
+    fixups: dict[str, Any] = {"triton": relocate_triton_entry}
+    budget = plan_gate_bytes(mine)
+    if plan_fits and budget is not None:
+        fixups["vllm"] = functools.partial(gate_startup_plan, budget_bytes=budget)
+    return install_bundle(bundle, dirs or cache_dirs(), fixups, skip), None
+
+
+def plan_gate_bytes(mine: Mapping[str, Any]) -> int | None:
+    """The free device memory (bytes) a carried startup plan needs on this engine:
+    its whole ``gpu_memory_utilization`` budget, ``ceil(device_total_memory * share)``
+    (vLLM's ``request_memory``, vllm/v1/worker/utils.py, before it takes away the
+    weights held outside the engine); None when either is unknown (off CUDA)."""
+    total, share = mine.get("device_total_memory"), mine.get("gpu_memory_utilization")
+    if not isinstance(total, int) or not isinstance(share, (int, float)):
+        return None
+    return math.ceil(total * share)
+
+
+def gate_startup_plan(extracted: Path, final: Path, budget_bytes: int) -> None:
+    """Set a carried startup plan's free-memory gate to this engine's budget, when the
+    recorded one is higher (an ``install_bundle`` fixup of the ``vllm`` root; other
+    entries of that root are left alone).
+
+    vLLM applies a plan only when the device's free memory at worker start is at least
+    the plan's ``free_memory_baseline``: the free memory the priming engine saw, which
+    counts every other tenant of the device then, the priming daemon among them. A
+    daemon restored from a snapshot or a peer holds the same weights in a footprint
+    that differs by tens of MiB (on the H200: 70 MiB less free, "current free memory
+    (116.99 GiB) is below the recorded baseline (117.06 GiB)"), so vLLM refused every
+    carried plan. The plan's ``kv_cache_memory_bytes`` is vLLM's
+    ``requested_memory - non_kv_cache_memory - 150 MiB`` (gpu_worker.py,
+    ``determine_available_memory``): the engine's own allocations stay inside its
+    ``gpu_memory_utilization`` budget whatever the other tenants hold, and a worker
+    starts only when that budget is free (``request_memory`` raises otherwise). So
+    the gate is lowered to the budget, never below: a device with less free memory
+    than the engine's budget still falls back to vLLM's full profiling. A file that is
+    not a plan vLLM could read is left as it is (vLLM ignores it as well).
+
+    Args:
+        extracted: where the entry is now (a ``startup_plan/startup_plan_{fp}.json`` file).
+        final: where it goes (its parent dir named :data:`STARTUP_PLAN_DIR` marks a plan).
+        budget_bytes: :func:`plan_gate_bytes` of this engine.
+
+    Source: vllm/v1/worker/startup_plan.py (``_applicable_kv_cache_memory_bytes``,
+    ``maybe_save_startup_plan``), vLLM 0.33.
+    """
+    if final.parent.name != STARTUP_PLAN_DIR or not extracted.is_file():
+        return
+    try:
+        plan = json.loads(extracted.read_text())
+        baseline = plan["free_memory_baseline"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    if not isinstance(baseline, int) or isinstance(baseline, bool) or baseline <= budget_bytes:
+        return
+    extracted.write_text(json.dumps({**plan, "free_memory_baseline": budget_bytes}))
+    logger.info("wcache: vLLM's startup plan %s: free-memory gate set to this engine's "
+                "gpu_memory_utilization budget, %.2f GiB (recorded: %.2f GiB, the priming "
+                "node's free memory)", final.name, budget_bytes / 2**30, baseline / 2**30)
 
 
 def relocate_triton_entry(extracted: Path, final: Path) -> None:
