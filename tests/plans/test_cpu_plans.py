@@ -101,6 +101,24 @@ def test_load_matches_vllm(family, data):
         assert torch.equal(_forward(case, expected), _forward(case, actual))
 
 
+@pytest.mark.parametrize("family", ["awq", "gptq", "ct_w4a16"])
+@settings(max_examples=8)
+@given(data=st.data())
+def test_load_matches_vllm_tensors_where_the_host_cannot_apply(family, data):
+    """Where this host's vLLM kernel library lacks ``cpu_gemm_wna16`` (an AVX2-only host,
+    where the test above skips these families), plan.load for an AVX512 target still
+    gives vLLM's post-load tensors and attributes (values, shapes, strides): vLLM's
+    post-load is plain torch here; only ``apply`` needs the kernel."""
+    case = data.draw(FAMILIES[family])
+    if cpu_wna16.can_implement(case.config, HOST) is None:
+        pytest.skip(f"{HOST_LIBRARY} runs CPUWNA16: test_load_matches_vllm covers it")
+    plan = plan_for(case.config, target=AVX512).plan
+    expected, actual = case.new_layer(), case.new_layer()
+    case.vllm_process(expected)
+    _load_(actual, plan.bind(case.config, AVX512))
+    assert {} == dict_diff(snapshot(expected, case.attr_paths), snapshot(actual, case.attr_paths))
+
+
 # --------------------------------------------------------------------------- restore invariant
 
 

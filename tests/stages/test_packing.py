@@ -134,12 +134,13 @@ def _vllm_awq(qweight: torch.Tensor, qzeros: torch.Tensor | None):
        groups=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**16))
 def test_awq_to_standard_equals_vllm(k, n, groups, seed):
     """awq_to_standard == vLLM's _convert_awq_to_standard_format on a layer (weight and
-    zero points, and the weight alone), arbitrary int32 words."""
+    zero points, and the weight alone; values and strides), arbitrary int32 words."""
     qweight, qzeros = _words(seed, (k, n // 8)), _words(seed + 1, (groups, n // 8))
     exp_w, exp_z = _vllm_awq(qweight, qzeros)
     w, z = P.awq_to_standard(qweight, qzeros)
     assert torch.equal(exp_w, w) and torch.equal(exp_z, z)
-    assert w.is_contiguous() and z.is_contiguous()
+    # the strides too, a size-1 dim's included (one group: zero points [n // 8, 1])
+    assert (exp_w.stride(), exp_z.stride()) == (w.stride(), z.stride())
     w_only, none = P.awq_to_standard(qweight, None)
     assert none is None and torch.equal(_vllm_awq(qweight, None)[0], w_only)
 

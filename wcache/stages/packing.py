@@ -202,11 +202,35 @@ def awq_to_standard(qweight: torch.Tensor, qzeros: torch.Tensor | None,
         _convert_awq_to_standard_format (unpack, reorder, repack along dim 0).
     """
     _check_awq(qweight, "qweight")
-    w = pack_int32(unpack_awq(qweight, num_bits), num_bits, 0).contiguous()
+    w = _pack_rows_by_sum(unpack_awq(qweight, num_bits), num_bits)
     if qzeros is None:
         return w, None
     _check_awq(qzeros, "qzeros")
-    return w, pack_int32(unpack_awq(qzeros, num_bits).T, num_bits, 0).contiguous()
+    return w, _pack_rows_by_sum(unpack_awq(qzeros, num_bits).T, num_bits)
+
+
+def _pack_rows_by_sum(values: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """Pack int32 ``[rows, cols]`` values (in ``[0, 2**num_bits)``) along dim 0 as
+    vLLM's AWQ conversion does: shift each slot, then ``sum(dim=1, dtype=int32)``.
+
+    The words equal :func:`pack_int32`'s (the slots' bits are disjoint); the result is
+    a fresh tensor with row-major strides, including on a size-1 dim: a single group's
+    zero points ``[size_n // 8, 1]`` have strides ``(1, 1)`` there, not the ``(1, 4)``
+    a permuted :func:`pack_int32` view leaves, which ``.contiguous()`` keeps.
+
+    Raises:
+        StageInputError: ``rows`` is not a multiple of the pack factor.
+
+    Source: auto_awq.py::_convert_awq_to_standard_format (the repack of both tensors).
+    """
+    pf = pack_factor(num_bits)
+    rows, cols = values.shape
+    if rows % pf:
+        raise StageInputError(f"cannot pack dim 0 of size {rows} by {pf}; it must be a "
+                              f"multiple of {pf}")
+    shifts = torch.arange(0, 32, num_bits, dtype=torch.int32, device=values.device)
+    return (values.reshape(rows // pf, pf, cols).to(torch.int32)
+            << shifts[None, :, None]).sum(dim=1, dtype=torch.int32).contiguous()
 
 
 def round_up(x: int, multiple: int) -> int:
