@@ -142,7 +142,9 @@ def test_awq_to_standard_equals_vllm(k, n, groups, seed):
     # the strides too, a size-1 dim's included (one group: zero points [n // 8, 1])
     assert (exp_w.stride(), exp_z.stride()) == (w.stride(), z.stride())
     w_only, none = P.awq_to_standard(qweight, None)
-    assert none is None and torch.equal(_vllm_awq(qweight, None)[0], w_only)
+    exp_w_only = _vllm_awq(qweight, None)[0]
+    assert none is None and torch.equal(exp_w_only, w_only)
+    assert exp_w_only.stride() == w_only.stride()
 
 
 def test_awq_orders_invert_each_other():
@@ -181,6 +183,8 @@ def test_meta_shapes():
     (lambda: P.awq_to_standard(torch.zeros(8, 1, dtype=torch.int64), None), "2-D int32"),
     (lambda: P.awq_to_standard(torch.zeros(8, 1, dtype=torch.int32),
                                torch.zeros(1, dtype=torch.int32)), "qzeros must be 2-D"),
+    (lambda: P.awq_to_standard(torch.zeros(12, 1, dtype=torch.int32), None),
+     r"qweight \(size_k\) of size 12 by 8"),
     (lambda: P.pad_to(torch.ones(4), (2,)), "cannot pad"),
     (lambda: P.pad_to(torch.ones(2, 2), (2,)), "cannot pad"),
 ])

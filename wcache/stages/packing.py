@@ -187,7 +187,7 @@ def awq_to_standard(qweight: torch.Tensor, qzeros: torch.Tensor | None,
         qzeros: int32 ``[size_k // group_size, size_n // 8]``, packed along N in AWQ
             order, or None (symmetric: only the weight is converted).
         num_bits: bits per value (4; another width is unpacked in identity slot order,
-            as wcache's Marlin conversion did; vLLM's indexes out of range there).
+            as wcache's Marlin conversion did; vLLM's raises there, at its reorder or reshape).
 
     Returns:
         ``(qweight, qzeros)``: int32 ``[size_k // 8, size_n]`` packed along K (dim 0)
@@ -202,21 +202,27 @@ def awq_to_standard(qweight: torch.Tensor, qzeros: torch.Tensor | None,
         _convert_awq_to_standard_format (unpack, reorder, repack along dim 0).
     """
     _check_awq(qweight, "qweight")
-    w = _pack_rows_by_sum(unpack_awq(qweight, num_bits), num_bits)
+    w = _pack_rows_by_sum(unpack_awq(qweight, num_bits), num_bits, "qweight (size_k)")
     if qzeros is None:
         return w, None
     _check_awq(qzeros, "qzeros")
-    return w, _pack_rows_by_sum(unpack_awq(qzeros, num_bits).T, num_bits)
+    return w, _pack_rows_by_sum(unpack_awq(qzeros, num_bits).T, num_bits, "qzeros (size_n)")
 
 
-def _pack_rows_by_sum(values: torch.Tensor, num_bits: int) -> torch.Tensor:
+def _pack_rows_by_sum(values: torch.Tensor, num_bits: int, what: str) -> torch.Tensor:
     """Pack int32 ``[rows, cols]`` values (in ``[0, 2**num_bits)``) along dim 0 as
     vLLM's AWQ conversion does: shift each slot, then ``sum(dim=1, dtype=int32)``.
 
     The words equal :func:`pack_int32`'s (the slots' bits are disjoint); the result is
     a fresh tensor with row-major strides, including on a size-1 dim: a single group's
-    zero points ``[size_n // 8, 1]`` have strides ``(1, 1)`` there, not the ``(1, 4)``
-    a permuted :func:`pack_int32` view leaves, which ``.contiguous()`` keeps.
+    zero points ``[size_n // 8, 1]`` have strides ``(1, 1)`` there, not the
+    ``(1, size_n // 8)`` a permuted :func:`pack_int32` view leaves, which
+    ``.contiguous()`` keeps.
+
+    Args:
+        values: int32 ``[rows, cols]``.
+        num_bits: bits per value.
+        what: the tensor and dim, for the error (``"qzeros (size_n)"``).
 
     Raises:
         StageInputError: ``rows`` is not a multiple of the pack factor.
@@ -226,8 +232,8 @@ def _pack_rows_by_sum(values: torch.Tensor, num_bits: int) -> torch.Tensor:
     pf = pack_factor(num_bits)
     rows, cols = values.shape
     if rows % pf:
-        raise StageInputError(f"cannot pack dim 0 of size {rows} by {pf}; it must be a "
-                              f"multiple of {pf}")
+        raise StageInputError(f"cannot pack AWQ {what} of size {rows} by {pf}; "
+                              f"it must be a multiple of {pf}")
     shifts = torch.arange(0, 32, num_bits, dtype=torch.int32, device=values.device)
     return (values.reshape(rows // pf, pf, cols).to(torch.int32)
             << shifts[None, :, None]).sum(dim=1, dtype=torch.int32).contiguous()
