@@ -24,8 +24,9 @@ Facts from vLLM's source (0.32, and 0.33 where said) this module relies on:
   reproduces it to ``VLLM_CACHE_ROOT/startup_plan/startup_plan_{fingerprint}.json``
   (fingerprint: ``vllm_config.compute_hash()``, vLLM/torch/CUDA versions, device name,
   total memory and capability, rank, world size); a later worker with the same
-  fingerprint and at least the recorded free memory applies it and skips the memory
-  profiling and ``profile_cudagraph_memory``'s throw-away capture. The variable is
+  fingerprint and at least the recorded free memory applies it: it still runs its
+  profile run (which compiles), but not the memory measurement around it nor
+  ``profile_cudagraph_memory``'s throw-away capture. The variable is
   not a compile factor. The priming run turns it on, so its plan rides in the bundle
   and an engine that turns it on too applies the plan on a fresh node
   (vllm/v1/worker/startup_plan.py; vllm/v1/worker/gpu_worker.py
@@ -33,24 +34,23 @@ Facts from vLLM's source (0.32, and 0.33 where said) this module relies on:
   leaves ``gpu_memory_utilization`` out (``CacheConfig.compute_hash`` ignores it) and
   an applied plan overrides it, so a plan is installed only into an engine with the
   priming engine's ``gpu_memory_utilization`` (:func:`install_for_engine`). The
-  recorded free memory counts the priming daemon, whose footprint a snapshot's or a
-  peer's daemon does not match to the MiB, so the installed plan's gate is the
-  engine's budget instead (:func:`gate_startup_plan`).
+  recorded free memory (the plan's ``free_memory_baseline``) counts the priming
+  daemon, whose footprint a snapshot's or a peer's daemon does not match to the MiB,
+  so an installed plan's baseline is lowered by a tolerance
+  (:func:`rebase_startup_plan_`).
 
 The engine's loader computes :func:`engine_factors` after its restore, compares
 them with the bundle's (:func:`stale_reason`), and installs a fresh bundle with
 :func:`install_for_engine` (which points each Triton entry's group files at its new
-place: :func:`relocate_triton_entry`). The priming run (``wcache serve --prime-compile``)
+place: :func:`relocate_triton_entry_`). The priming run (``wcache serve --prime-compile``)
 writes the same factors to a file (loader option ``artifacts_record``) so the
 bundle records what the engine that made it computed.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
-import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -61,11 +61,20 @@ import torch
 from wcache.store.artifacts import BUNDLE_ROOTS, Bundle, InstallResult, install_bundle, pack_bundle
 
 __all__ = ["FACTOR_ORDER", "engine_factors", "stale_reason", "cache_dirs", "collect_entries",
-           "pack_primed", "install_for_engine", "relocate_triton_entry", "compile_dirs",
-           "startup_plans", "plan_gate_bytes", "gate_startup_plan", "AOT_DIR", "COMPILE_DIR", "STARTUP_PLAN_DIR", "STARTUP_PLAN_ENV",
-           "SKIP_PLAN_BUDGET"]
+           "pack_primed", "install_for_engine", "relocate_triton_entry_", "compile_dirs",
+           "startup_plans", "rebase_startup_plan_", "AOT_DIR", "COMPILE_DIR",
+           "STARTUP_PLAN_DIR", "STARTUP_PLAN_ENV", "SKIP_PLAN_BUDGET",
+           "PLAN_FREE_MEMORY_TOLERANCE"]
 
 logger = logging.getLogger("vllm.wcache")
+_GIB = 1 << 30  # bytes, for log lines
+
+#: How much less free device memory than the priming node had (bytes) still lets an
+#: engine apply a carried startup plan: the plan's ``free_memory_baseline`` is lowered by
+#: this much on install (:func:`rebase_startup_plan_`). It covers a daemon restored from a
+#: snapshot or a peer, whose footprint differs from the priming daemon's (70 MiB on the
+#: H200, vLLM 0.33.0, 8B-shaped bf16), with room to spare; vLLM's own buffer is 150 MiB.
+PLAN_FREE_MEMORY_TOLERANCE = 512 << 20
 
 #: vLLM's compile cache under ``VLLM_CACHE_ROOT`` (vllm/compilation/decorators.py,
 #: vllm/compilation/backends.py).
@@ -104,15 +113,6 @@ def _triton_version() -> str | None:
         return None
 
 
-def _device_total_memory(device: torch.device) -> int | None:
-    """The device's total memory in bytes as vLLM's ``MemorySnapshot`` reads it
-    (``torch.cuda.mem_get_info``'s second value); None off CUDA."""
-    if device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return int(torch.cuda.mem_get_info(index)[1])
-
-
 def _device_facts(device: torch.device) -> tuple[str, str | None]:
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -133,8 +133,7 @@ def engine_factors(vllm_config: Any) -> dict[str, Any]:
         A JSON-able map with every name of :data:`FACTOR_ORDER` (``triton`` None
         without Triton), ``aot_enabled`` / ``compile_mode`` for the record, and
         ``gpu_memory_utilization`` (the fraction, 0-1: whether a carried startup plan
-        fits this engine) and ``device_total_memory`` (bytes, None off CUDA: the
-        engine's memory budget, :func:`plan_gate_bytes`).
+        fits this engine).
     """
     import vllm  # noqa: PLC0415
     from vllm import envs  # noqa: PLC0415
@@ -151,7 +150,6 @@ def engine_factors(vllm_config: Any) -> dict[str, Any]:
         "compile_mode": str(getattr(vllm_config.compilation_config, "mode", None)),
         "gpu_memory_utilization": getattr(vllm_config.cache_config, "gpu_memory_utilization",
                                           None),
-        "device_total_memory": _device_total_memory(device),
     }
 
 
@@ -264,12 +262,17 @@ def install_for_engine(bundle: Bundle, mine: Mapping[str, Any],
     """Check ``bundle`` against this engine's factors ``mine`` and install it.
 
     Each Triton entry's group files are pointed at its new place
-    (:func:`relocate_triton_entry`). The startup plans (:func:`startup_plans`) are left
+    (:func:`relocate_triton_entry_`). The startup plans (:func:`startup_plans`) are left
     out, reason :data:`SKIP_PLAN_BUDGET`, unless this engine's
     ``gpu_memory_utilization`` is the priming engine's: vLLM's plan fingerprint does
     not cover it, and an applied plan sets the KV cache's size regardless of it. An
-    installed plan's free-memory gate is set to this engine's budget
-    (:func:`gate_startup_plan`; on CUDA, where ``device_total_memory`` is known).
+    installed plan's free-memory baseline is lowered by
+    :data:`PLAN_FREE_MEMORY_TOLERANCE` (:func:`rebase_startup_plan_`).
+
+    Args:
+        bundle: the daemon's start-up artifact bundle.
+        mine: this engine's :func:`engine_factors`.
+        dirs: cache root name -> directory (default :func:`cache_dirs`).
 
     Returns:
         ``(result, None)`` when installed (entries the engine's cache already had
@@ -287,48 +290,50 @@ def install_for_engine(bundle: Bundle, mine: Mapping[str, Any],
     plan_fits = share is not None and theirs.get("gpu_memory_utilization") == share
     skip = {} if plan_fits else {f"vllm/{p}": SKIP_PLAN_BUDGET
                                  for p in startup_plans(bundle.manifest)}
-    fixups: dict[str, Any] = {"triton": relocate_triton_entry}
-    budget = plan_gate_bytes(mine)
-    if plan_fits and budget is not None:
-        fixups["vllm"] = functools.partial(gate_startup_plan, budget_bytes=budget)
+    fixups = {"triton": relocate_triton_entry_, "vllm": rebase_startup_plan_}
     return install_bundle(bundle, dirs or cache_dirs(), fixups, skip), None
 
 
-def plan_gate_bytes(mine: Mapping[str, Any]) -> int | None:
-    """The free device memory (bytes) a carried startup plan needs on this engine:
-    its whole ``gpu_memory_utilization`` budget, ``ceil(device_total_memory * share)``
-    (vLLM's ``request_memory``, vllm/v1/worker/utils.py, before it takes away the
-    weights held outside the engine); None when either is unknown (off CUDA)."""
-    total, share = mine.get("device_total_memory"), mine.get("gpu_memory_utilization")
-    if not isinstance(total, int) or not isinstance(share, (int, float)):
-        return None
-    return math.ceil(total * share)
-
-
-def gate_startup_plan(extracted: Path, final: Path, budget_bytes: int) -> None:
-    """Set a carried startup plan's free-memory gate to this engine's budget, when the
-    recorded one is higher (an ``install_bundle`` fixup of the ``vllm`` root; other
+def rebase_startup_plan_(extracted: Path, final: Path,
+                         tolerance_bytes: int = PLAN_FREE_MEMORY_TOLERANCE) -> None:
+    """Lower a carried startup plan's ``free_memory_baseline`` by ``tolerance_bytes``
+    (not below 0), in place (an ``install_bundle`` fixup of the ``vllm`` root; other
     entries of that root are left alone).
 
     vLLM applies a plan only when the device's free memory at worker start is at least
-    the plan's ``free_memory_baseline``: the free memory the priming engine saw, which
+    the plan's ``free_memory_baseline``: the free memory the priming worker saw, which
     counts every other tenant of the device then, the priming daemon among them. A
     daemon restored from a snapshot or a peer holds the same weights in a footprint
     that differs by tens of MiB (on the H200: 70 MiB less free, "current free memory
     (116.99 GiB) is below the recorded baseline (117.06 GiB)"), so vLLM refused every
-    carried plan. The plan's ``kv_cache_memory_bytes`` is vLLM's
+    carried plan. With the baseline lowered by the tolerance, a device with up to
+    that much less free memory than the priming node had applies the plan, and one
+    with less still makes vLLM profile as usual, as vLLM's check intends (another
+    tenant, a driver whose context takes more).
+
+    Why the plan still fits: its ``kv_cache_memory_bytes`` is the priming worker's
     ``requested_memory - non_kv_cache_memory - 150 MiB`` (gpu_worker.py,
-    ``determine_available_memory``): the engine's own allocations stay inside its
-    ``gpu_memory_utilization`` budget whatever the other tenants hold, and a worker
-    starts only when that budget is free (``request_memory`` raises otherwise). So
-    the gate is lowered to the budget, never below: a device with less free memory
-    than the engine's budget still falls back to vLLM's full profiling. A file that is
-    not a plan vLLM could read is left as it is (vLLM ignores it as well).
+    ``determine_available_memory``), and this worker starts only with its own
+    ``requested_memory`` free (``request_memory``, vllm/v1/worker/utils.py). The two
+    requested memories differ only by the weights held outside each engine (the
+    daemon's arena in ``zero_copy`` mode), and so do the non-KV memories (the weights
+    are in one or the other). So this engine stays inside its requested memory
+    whatever the device's other tenants hold, as long as its non-KV memory (weights it
+    holds, activations, CUDA graphs, non-torch memory) is the priming engine's within
+    vLLM's 150 MiB buffer: the same vLLM, config and device, which the plan's
+    fingerprint and :func:`stale_reason` check. What vLLM's check bounds beyond that
+    (a change the fingerprint misses, such as the driver's) is bounded here to the
+    tolerance less. The baseline is never raised.
+
+    A file that is not a JSON object with an integer ``free_memory_baseline`` is left
+    as it is (what vLLM makes of it is vLLM's), and so is a plan that cannot be
+    rewritten (logged; vLLM then applies it only with the recorded free memory, or
+    profiles as usual). Every rank's plan gets the same tolerance.
 
     Args:
         extracted: where the entry is now (a ``startup_plan/startup_plan_{fp}.json`` file).
         final: where it goes (its parent dir named :data:`STARTUP_PLAN_DIR` marks a plan).
-        budget_bytes: :func:`plan_gate_bytes` of this engine.
+        tolerance_bytes: how much lower the baseline becomes, in bytes.
 
     Source: vllm/v1/worker/startup_plan.py (``_applicable_kv_cache_memory_bytes``,
     ``maybe_save_startup_plan``), vLLM 0.33.
@@ -340,15 +345,21 @@ def gate_startup_plan(extracted: Path, final: Path, budget_bytes: int) -> None:
         baseline = plan["free_memory_baseline"]
     except (OSError, ValueError, KeyError, TypeError):
         return
-    if not isinstance(baseline, int) or isinstance(baseline, bool) or baseline <= budget_bytes:
+    if not isinstance(baseline, int) or isinstance(baseline, bool) or baseline <= 0:
         return
-    extracted.write_text(json.dumps({**plan, "free_memory_baseline": budget_bytes}))
-    logger.info("wcache: vLLM's startup plan %s: free-memory gate set to this engine's "
-                "gpu_memory_utilization budget, %.2f GiB (recorded: %.2f GiB, the priming "
-                "node's free memory)", final.name, budget_bytes / 2**30, baseline / 2**30)
+    rebased = max(baseline - tolerance_bytes, 0)
+    try:
+        extracted.write_text(json.dumps({**plan, "free_memory_baseline": rebased}))
+    except OSError as exc:
+        logger.warning("wcache: vLLM's startup plan %s left as recorded (free-memory baseline "
+                       "%.2f GiB): cannot rewrite it (%s)", final.name, baseline / _GIB, exc)
+        return
+    logger.info("wcache: vLLM's startup plan %s: free-memory baseline %.2f GiB (the priming "
+                "node's free memory, %.2f GiB, less a %d MiB tolerance for the daemon's "
+                "footprint)", final.name, rebased / _GIB, baseline / _GIB, tolerance_bytes >> 20)
 
 
-def relocate_triton_entry(extracted: Path, final: Path) -> None:
+def relocate_triton_entry_(extracted: Path, final: Path) -> None:
     """Make a Triton cache entry (one kernel's ``{key}/`` dir) valid at ``final``.
 
     Triton's ``FileCacheManager.put_group`` writes ``__grp__{name}.json`` with
