@@ -443,7 +443,6 @@ def test_an_installed_startup_plans_baseline_is_lowered_by_the_tolerance(
 
 
 @pytest.mark.parametrize("text", [
-    json.dumps(_plan(0)),
     json.dumps(_plan(-1)),
     json.dumps(_plan("117 GiB")),
     json.dumps(_plan(True)),
@@ -460,20 +459,43 @@ def test_a_plan_the_rebase_does_not_apply_to_is_installed_as_it_is(tmp_path, tex
 
 
 def test_a_plan_that_cannot_be_rewritten_is_installed_as_recorded(tmp_path, monkeypatch, caplog):
-    """An OSError rewriting the plan leaves it as recorded and logs why; the rest of the
-    bundle installs (vLLM then applies the plan only with the recorded free memory)."""
+    """A disk that fills halfway through the rewrite leaves the plan as recorded (not
+    half written) and logs why; the rest of the bundle installs (vLLM then applies the
+    plan only with the recorded free memory)."""
     text = json.dumps(_plan(H200_RECORDED))
     real = Path.write_text
 
-    def failing(self, *args, **kwargs):
+    def failing(self, data, *args, **kwargs):
         if (tmp_path / "dst") in self.parents:  # the install's rewrite, not the bundle's source
+            real(self, data[:len(data) // 2], *args, **kwargs)
             raise OSError(28, "No space left on device")
-        return real(self, *args, **kwargs)
+        return real(self, data, *args, **kwargs)
 
     monkeypatch.setattr(Path, "write_text", failing)
     with caplog.at_level("WARNING", logger="vllm.wcache"):
         assert _install_plan(tmp_path, text) == text
     assert "No space left on device" in caplog.text and "left as recorded" in caplog.text
+    assert sorted(p.name for p in (tmp_path / "dst" / startup.STARTUP_PLAN_DIR).iterdir()) == [
+        "startup_plan_ab.json"]
+
+
+def test_only_startup_plans_are_rebased(tmp_path):
+    """A JSON file of the vllm root outside startup_plan/ (vLLM's model-info cache) is
+    installed byte for byte, even with a free_memory_baseline field."""
+    src = tmp_path / "src" / "vllm"
+    (src / startup.AOT_DIR / "h1").mkdir(parents=True)
+    (src / startup.AOT_DIR / "h1" / "model").write_bytes(b"fn")
+    (src / "modelinfos").mkdir()
+    text = json.dumps(_plan(H200_RECORDED))
+    (src / "modelinfos" / "llama.json").write_text(text)
+    primed = {**FACTORS, "gpu_memory_utilization": 0.3}
+    bundle = art.pack_bundle({"vllm": src}, startup.collect_entries({"vllm": src}), primed)
+    try:
+        result, _ = startup.install_for_engine(bundle, primed, {"vllm": tmp_path / "dst"})
+    finally:
+        bundle.close()
+    assert "vllm/modelinfos/llama.json" in result.installed
+    assert (tmp_path / "dst" / "modelinfos" / "llama.json").read_text() == text
 
 
 def test_vllm_0_33_applies_the_rebased_plan_it_refused_as_recorded(tmp_path):
@@ -520,4 +542,3 @@ def test_the_restore_record_counts_what_was_installed_per_cache_root(tmp_path, m
     assert (got["outcome"], got["installed"]) == ("installed", 3)
     assert got["installed_by_root"] == {"vllm": 1, "triton": 2}
     assert (tmp_path / "engine" / "triton" / "K2" / "k.cubin").is_file()
-

@@ -421,7 +421,8 @@ class InstallResult:
         installed: entries (``root/path``) moved into the engine's caches.
         skipped: entries not installed (the engine's cache already had them, their
             root has no destination, or the tar carries nothing of them).
-        nbytes: bytes of the files installed.
+        nbytes: bytes of the files installed, as the bundle carries them (an install
+            fixup that rewrites a file, such as a startup plan's rebase, is not counted).
         reasons: ``(entry, reason)`` for each skipped entry, the reason one of
             :data:`SKIP_PRESENT`, :data:`SKIP_NO_ROOT`, :data:`SKIP_NOT_IN_TAR`.
     """

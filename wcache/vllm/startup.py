@@ -327,8 +327,10 @@ def rebase_startup_plan_(extracted: Path, final: Path,
 
     A file that is not a JSON object with an integer ``free_memory_baseline`` is left
     as it is (what vLLM makes of it is vLLM's), and so is a plan that cannot be
-    rewritten (logged; vLLM then applies it only with the recorded free memory, or
-    profiles as usual). Every rank's plan gets the same tolerance.
+    rewritten (logged; the rewrite goes to a file beside it and replaces it in one
+    rename, so a full disk never leaves half a plan; vLLM then applies it only with the
+    recorded free memory, or profiles as usual). Every rank's plan gets the same
+    tolerance.
 
     Args:
         extracted: where the entry is now (a ``startup_plan/startup_plan_{fp}.json`` file).
@@ -348,9 +350,12 @@ def rebase_startup_plan_(extracted: Path, final: Path,
     if not isinstance(baseline, int) or isinstance(baseline, bool) or baseline <= 0:
         return
     rebased = max(baseline - tolerance_bytes, 0)
+    new = extracted.with_name(extracted.name + ".rebased")  # beside it: one rename, atomic
     try:
-        extracted.write_text(json.dumps({**plan, "free_memory_baseline": rebased}))
+        new.write_text(json.dumps({**plan, "free_memory_baseline": rebased}))
+        os.replace(new, extracted)
     except OSError as exc:
+        new.unlink(missing_ok=True)
         logger.warning("wcache: vLLM's startup plan %s left as recorded (free-memory baseline "
                        "%.2f GiB): cannot rewrite it (%s)", final.name, baseline / _GIB, exc)
         return
