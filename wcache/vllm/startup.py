@@ -308,7 +308,7 @@ def rebase_startup_plan_(extracted: Path, final: Path,
     (116.99 GiB) is below the recorded baseline (117.06 GiB)"), so vLLM refused every
     carried plan. With the baseline lowered by the tolerance, a device with up to
     that much less free memory than the priming node had applies the plan, and one
-    with less still makes vLLM profile as usual, as vLLM's check intends (another
+    with even less makes vLLM profile as usual, as vLLM's check intends (another
     tenant, a driver whose context takes more).
 
     Why the plan still fits: its ``kv_cache_memory_bytes`` is the priming worker's
@@ -322,11 +322,11 @@ def rebase_startup_plan_(extracted: Path, final: Path,
     holds, activations, CUDA graphs, non-torch memory) is the priming engine's within
     vLLM's 150 MiB buffer: the same vLLM, config and device, which the plan's
     fingerprint and :func:`stale_reason` check. What vLLM's check bounds beyond that
-    (a change the fingerprint misses, such as the driver's) is bounded here to the
-    tolerance less. The baseline is never raised.
+    (a change the fingerprint misses, such as the driver's) stays bounded, looser by
+    the tolerance. The baseline is never raised.
 
-    A file that is not a JSON object with an integer ``free_memory_baseline`` is left
-    as it is (what vLLM makes of it is vLLM's), and so is a plan that cannot be
+    A file that is not a JSON object with a positive integer ``free_memory_baseline``
+    is left as it is (what vLLM makes of it is vLLM's), and so is a plan that cannot be
     rewritten (logged; the rewrite goes to a file beside it and replaces it in one
     rename, so a full disk never leaves half a plan; vLLM then applies it only with the
     recorded free memory, or profiles as usual). Every rank's plan gets the same
