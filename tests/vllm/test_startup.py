@@ -400,26 +400,33 @@ MIB = 1 << 20
 H200_RECORDED, H200_FRESH = int(117.06 * GIB), int(116.99 * GIB)
 
 
-def _bundle_with_plan(tmp_path: Path, plan_text: str, factors: dict) -> art.Bundle:
+def _bundle_with_plan(tmp_path: Path, plan_text: str, factors: dict,
+                      extra: dict[str, str] | None = None) -> art.Bundle:
+    """A bundle of a vllm root with a compile entry, the plan ``plan_text`` and the
+    ``extra`` files (path under the root -> text)."""
     src = tmp_path / "src" / "vllm"
     (src / startup.AOT_DIR / "h1").mkdir(parents=True)
     (src / startup.AOT_DIR / "h1" / "model").write_bytes(b"fn")
     (src / startup.STARTUP_PLAN_DIR).mkdir()
     (src / startup.STARTUP_PLAN_DIR / "startup_plan_ab.json").write_text(plan_text)
+    for rel, text in (extra or {}).items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(text)
     return art.pack_bundle({"vllm": src}, startup.collect_entries({"vllm": src}), factors)
 
 
-def _install_plan(tmp_path: Path, plan_text: str) -> str:
-    """Install a bundle carrying ``plan_text`` into an engine of the priming engine's
-    share; the installed plan's text."""
+def _install_plan(tmp_path: Path, plan_text: str, extra: dict[str, str] | None = None) -> str:
+    """Install a bundle carrying ``plan_text`` (and the ``extra`` files) into an engine
+    of the priming engine's share, under ``tmp_path / "dst"``; the installed plan's text."""
     primed = {**FACTORS, "gpu_memory_utilization": 0.3}
-    bundle = _bundle_with_plan(tmp_path, plan_text, primed)
+    bundle = _bundle_with_plan(tmp_path, plan_text, primed, extra)
     try:
         result, reason = startup.install_for_engine(bundle, primed, {"vllm": tmp_path / "dst"})
     finally:
         bundle.close()
     assert reason is None
     assert f"vllm/{startup.STARTUP_PLAN_DIR}/startup_plan_ab.json" in result.installed
+    assert all(f"vllm/{rel}" in result.installed for rel in extra or {})
     assert (tmp_path / "dst" / startup.AOT_DIR / "h1" / "model").read_bytes() == b"fn"
     return (tmp_path / "dst" / startup.STARTUP_PLAN_DIR / "startup_plan_ab.json").read_text()
 
@@ -482,19 +489,9 @@ def test_a_plan_that_cannot_be_rewritten_is_installed_as_recorded(tmp_path, monk
 def test_only_startup_plans_are_rebased(tmp_path):
     """A JSON file of the vllm root outside startup_plan/ (vLLM's model-info cache) is
     installed byte for byte, even with a free_memory_baseline field."""
-    src = tmp_path / "src" / "vllm"
-    (src / startup.AOT_DIR / "h1").mkdir(parents=True)
-    (src / startup.AOT_DIR / "h1" / "model").write_bytes(b"fn")
-    (src / "modelinfos").mkdir()
     text = json.dumps(_plan(H200_RECORDED))
-    (src / "modelinfos" / "llama.json").write_text(text)
-    primed = {**FACTORS, "gpu_memory_utilization": 0.3}
-    bundle = art.pack_bundle({"vllm": src}, startup.collect_entries({"vllm": src}), primed)
-    try:
-        result, _ = startup.install_for_engine(bundle, primed, {"vllm": tmp_path / "dst"})
-    finally:
-        bundle.close()
-    assert "vllm/modelinfos/llama.json" in result.installed
+    plan = _install_plan(tmp_path, text, extra={"modelinfos/llama.json": text})
+    assert json.loads(plan) == _plan(H200_RECORDED - startup.PLAN_FREE_MEMORY_TOLERANCE)
     assert (tmp_path / "dst" / "modelinfos" / "llama.json").read_text() == text
 
 
