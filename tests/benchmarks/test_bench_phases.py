@@ -526,3 +526,47 @@ def test_parse_log_says_whether_vllm_applied_its_startup_plan():
         src = _source_literals(tree)
         assert "Applying persisted startup plan (fingerprint %s): kv_cache_memory_bytes" in src
         assert "Startup plan not applied: current free memory (%.2f GiB) is below" in src
+
+
+def test_merge_of_merges_lists_each_run_once_and_says_when_the_target_spans_runs(tmp_path):
+    """A merged file merged again contributes its own runs (meta.runs lists every device
+    call once, the provenance says so once), each row names the run that measured it,
+    and a target whose two rows come from different runs says so; one run's says not."""
+    a = _results(tmp_path, "a.json", [_saved_row("disk-compiled-cold", H200_INIT)])
+    b = _results(tmp_path, "b.json", [_saved_row("fresh-node", H200_INIT)])
+    c = _results(tmp_path, "c.json", [_saved_row("fresh-node", CUDA_LOG)])
+    for p in (a, b, c):
+        data = json.loads(p.read_text())
+        data["meta"]["provenance"] = "measured by wcache.benchmarks.bench_phases in one run"
+        p.write_text(json.dumps(data))
+    ab = tmp_path / "ab.json"
+    ab.write_text(json.dumps(bp.merge_results([a, b])))
+    merged = bp.merge_results([ab, c])
+    assert [r["path"] for r in merged["meta"]["runs"]] == [str(a), str(b), str(c)]
+    assert [(r["row"], r["run"]) for r in merged["rows"]] == [("disk-compiled-cold", 0),
+                                                              ("fresh-node", 2)]
+    prov = merged["meta"]["provenance"]
+    assert prov.startswith("merged from 3 runs") and prov.count("merged from") == 1
+    assert prov.endswith("measured by wcache.benchmarks.bench_phases in one run")
+    assert merged["target"]["one_run"] is False
+    assert "measured in different runs" in bp.table(merged["rows"])
+    one = json.loads(a.read_text())
+    one["rows"].append(_saved_row("fresh-node", H200_INIT))
+    single = bp.merge_results([_write(tmp_path / "one.json", one)])
+    assert single["target"]["one_run"] is True
+    assert "different runs" not in bp.table(single["rows"])
+    legacy = json.loads(ab.read_text())  # a merge from before rows named their run
+    for r in legacy["rows"]:
+        del r["run"]
+    legacy["meta"]["provenance"] = "merged from 2 runs of x (meta.runs); each row " \
+        "measured in one of them; measured by wcache.benchmarks.bench_phases in one run"
+    del legacy["meta"]["measured"]
+    old = bp.merge_results([_write(tmp_path / "legacy.json", legacy)])
+    assert [r["run"] for r in old["rows"]] == [None, None]
+    assert old["target"]["one_run"] is False
+    assert old["meta"]["measured"] == "measured by wcache.benchmarks.bench_phases in one run"
+
+
+def _write(path: Path, data: dict) -> Path:
+    path.write_text(json.dumps(data))
+    return path
