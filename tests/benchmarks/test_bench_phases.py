@@ -531,7 +531,8 @@ def test_parse_log_says_whether_vllm_applied_its_startup_plan():
 def test_merge_of_merges_lists_each_run_once_and_says_when_the_target_spans_runs(tmp_path):
     """A merged file merged again contributes its own runs (meta.runs lists every device
     call once, the provenance says so once), each row names the run that measured it,
-    and a target whose two rows come from different runs says so; one run's says not."""
+    and a target whose two rows come from different runs says so and is not reached
+    whatever its ratio; one run's says neither."""
     a = _results(tmp_path, "a.json", [_saved_row("disk-compiled-cold", H200_INIT)])
     b = _results(tmp_path, "b.json", [_saved_row("fresh-node", H200_INIT)])
     c = _results(tmp_path, "c.json", [_saved_row("fresh-node", CUDA_LOG)])
@@ -550,6 +551,11 @@ def test_merge_of_merges_lists_each_run_once_and_says_when_the_target_spans_runs
     assert prov.endswith("measured by wcache.benchmarks.bench_phases in one run")
     assert merged["target"]["one_run"] is False
     assert "measured in different runs" in bp.table(merged["rows"])
+    far = [{**r, "total_s": 90.0 if r["row"] == "disk-compiled-cold" else 10.0}
+           for r in merged["rows"]]  # 9x, but across runs: not the target's ratio
+    assert bp.target_summary(far)["ratio"] == pytest.approx(9.0)
+    assert bp.target_summary(far)["reached"] is False
+    assert bp.target_summary([{**r, "run": 0} for r in far])["reached"] is True
     one = json.loads(a.read_text())
     one["rows"].append(_saved_row("fresh-node", H200_INIT))
     single = bp.merge_results([_write(tmp_path / "one.json", one)])

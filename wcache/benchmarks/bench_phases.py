@@ -547,10 +547,12 @@ def _by_row(rows: Sequence[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
 
 def target_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The target's figures: ``ratio`` (disk-compiled-cold / fresh-node totals, or None),
-    ``reached``, ``one_run`` (both rows measured in one run: always in a run's own
-    result; in a merge, when both rows' ``run`` is the same), ``remaining`` (the fresh
-    node's phases above :data:`NEGLIGIBLE_S`, longest first), and, when the fresh node did not run, the same against
-    :data:`SUBSTITUTE_ROW` (``substitute_ratio``; not the target's row)."""
+    ``one_run`` (both rows measured in one run: always in a run's own result; in a
+    merge, when both rows' ``run`` is the same), ``reached`` (the ratio is at least
+    :data:`TARGET_RATIO` and ``one_run``: the target is one run's ratio), ``remaining``
+    (the fresh node's phases above :data:`NEGLIGIBLE_S`, longest first), and, when the
+    fresh node did not run, the same against :data:`SUBSTITUTE_ROW`
+    (``substitute_ratio``; not the target's row)."""
     by = _by_row(rows)
     disk = by.get(TARGET_DISK_ROW, {}).get("total_s")
     out: dict[str, Any] = {"disk_row": TARGET_DISK_ROW, "row": TARGET_ROW,
@@ -558,10 +560,10 @@ def target_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     fresh = by.get(TARGET_ROW, {})
     if fresh.get("total_s") and disk:
         out["ratio"] = disk / fresh["total_s"]
-        out["reached"] = out["ratio"] >= TARGET_RATIO
         # the target is one run's ratio; merged rows (with ``run``) may come from two
         runs_ = (by[TARGET_DISK_ROW].get("run", 0), fresh.get("run", 0))
         out["one_run"] = None not in runs_ and runs_[0] == runs_[1]
+        out["reached"] = out["ratio"] >= TARGET_RATIO and out["one_run"]
         out["remaining"] = [[p["name"], p["seconds"]] for p in
                             sorted(fresh["phases"], key=lambda p: -p["seconds"])
                             if p["seconds"] > NEGLIGIBLE_S]
