@@ -17,6 +17,10 @@
 # 101 s; a --from-snapshot daemon; the engine). Split the rows over calls on a warm machine
 # (the checkpoint under $WCACHE_BENCH_DIR is reused), give each call its own --out name
 # (OUT_NAME), and merge: wcache bench --phases --from-json a.json b.json --out all.json.
+# The target's ratio is one run's: disk-compiled-cold and fresh-node in one call, about 540 s
+# on a fresh machine (the 8B checkpoint ~100 s, the disk row ~120 s, fresh-node ~306 s), e.g.
+# in the last transfer call after setup (11 s): STARTUP_PLAN=1 BENCH_TIMEOUT=575 ... \
+#   bash tools/gpu/bench-phases.sh disk-compiled-cold,fresh-node
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 source tools/gpu/env.sh || exit 2
