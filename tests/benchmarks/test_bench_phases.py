@@ -340,11 +340,16 @@ def _saved_row(name: str, log: str, total_s_: float = 0.0, compiled: bool = True
             "phases": [], "total_s": total_s_, "figures": {}}
 
 
+#: The provenance of one run's --out file (as main writes it on a GPU).
+ONE_RUN = "measured by wcache.benchmarks.bench_phases in one run; a CUDA GPU"
+
+
 def _results(tmp_path: Path, name: str, rows: list[dict], device_name="NVIDIA H200") -> Path:
     path = tmp_path / name
     path.write_text(json.dumps({"meta": {"device": "cuda", "device_name": device_name,
                                          "vllm": "0.33.0", "date": name, "git": "abc",
-                                         "command": ["wcache", "bench"]},
+                                         "command": ["wcache", "bench"],
+                                         "provenance": ONE_RUN},
                                 "daemon": {}, "rows": rows}))
     return path
 
@@ -536,10 +541,6 @@ def test_merge_of_merges_lists_each_run_once_and_says_when_the_target_spans_runs
     a = _results(tmp_path, "a.json", [_saved_row("disk-compiled-cold", H200_INIT)])
     b = _results(tmp_path, "b.json", [_saved_row("fresh-node", H200_INIT)])
     c = _results(tmp_path, "c.json", [_saved_row("fresh-node", CUDA_LOG)])
-    for p in (a, b, c):
-        data = json.loads(p.read_text())
-        data["meta"]["provenance"] = "measured by wcache.benchmarks.bench_phases in one run"
-        p.write_text(json.dumps(data))
     ab = tmp_path / "ab.json"
     ab.write_text(json.dumps(bp.merge_results([a, b])))
     merged = bp.merge_results([ab, c])
@@ -548,7 +549,7 @@ def test_merge_of_merges_lists_each_run_once_and_says_when_the_target_spans_runs
                                                               ("fresh-node", 2)]
     prov = merged["meta"]["provenance"]
     assert prov.startswith("merged from 3 runs") and prov.count("merged from") == 1
-    assert prov.endswith("measured by wcache.benchmarks.bench_phases in one run")
+    assert prov.endswith(ONE_RUN)
     assert merged["target"]["one_run"] is False
     assert "measured in different runs" in bp.table(merged["rows"])
     far = [{**r, "total_s": 90.0 if r["row"] == "disk-compiled-cold" else 10.0}
@@ -564,13 +565,13 @@ def test_merge_of_merges_lists_each_run_once_and_says_when_the_target_spans_runs
     legacy = json.loads(ab.read_text())  # a merge from before rows named their run
     for r in legacy["rows"]:
         del r["run"]
-    legacy["meta"]["provenance"] = "merged from 2 runs of x (meta.runs); each row " \
-        "measured in one of them; measured by wcache.benchmarks.bench_phases in one run"
+    legacy["meta"]["provenance"] = ("merged from 2 runs of x (meta.runs); each row "
+                                    f"measured in one of them; {ONE_RUN}")
     del legacy["meta"]["measured"]
     old = bp.merge_results([_write(tmp_path / "legacy.json", legacy)])
     assert [r["run"] for r in old["rows"]] == [None, None]
     assert old["target"]["one_run"] is False
-    assert old["meta"]["measured"] == "measured by wcache.benchmarks.bench_phases in one run"
+    assert old["meta"]["measured"] == ONE_RUN
 
 
 def _write(path: Path, data: dict) -> Path:

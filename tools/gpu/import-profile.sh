@@ -13,10 +13,10 @@ mkdir -p "$OUT"
   python3 -c 'import sys; print("dont_write_bytecode", sys.flags.dont_write_bytecode, "pycache_prefix", sys.pycache_prefix)'
   env | grep -E '^PYTHON' || true
   python3 - <<'PY'
-import os, sys, time
+import os, sys
 for root in [p for p in sys.path if os.path.isdir(p)]:
     py = pyc = 0
-    for d, _, files in os.walk(root):
+    for _, _, files in os.walk(root):
         for f in files:
             if f.endswith(".py"): py += 1
             elif f.endswith(".pyc"): pyc += 1
