@@ -152,6 +152,10 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
     if problem:
         print(f"wcache serve: {problem}", file=sys.stderr)
         return 2
+    if args.seed_timeout is not None:  # read by every rank process and seeding helper
+        from wcache.store.protocol import SEED_TIMEOUT_ENV
+
+        os.environ[SEED_TIMEOUT_ENV] = repr(args.seed_timeout)
     if not os.path.isdir(args.model):
         print(f"wcache serve: --model {args.model!r} is not a local checkpoint directory; wcache "
               f"fingerprints checkpoint files by content, so download the model first (e.g. "
@@ -188,6 +192,16 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
         raise LoadFailed(f"{args.model}: {type(exc).__name__}: {last}"
                          + ("" if args.verbose else " (run with --verbose for the traceback)")) \
             from exc
+
+
+def _positive_seconds(text: str) -> float:
+    """argparse type: a positive, finite number of seconds."""
+    from wcache.store.protocol import parse_seconds
+
+    try:
+        return parse_seconds(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _check_http_arg(args: argparse.Namespace) -> str | None:
@@ -391,6 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed-advertise", metavar="ADDR",
                    help="the address receivers are told to connect to when it differs from "
                         "--seed-listen's HOST (needed when that is 0.0.0.0)")
+    p.add_argument("--seed-timeout", metavar="SECONDS", type=_positive_seconds, default=None,
+                   help="how long either side of a seeding (this daemon --seed-from a peer, or "
+                        "a peer seeding from this one) waits for the other to join and for each "
+                        "256 MiB chunk before it gives up: the receiver fails with seed-failed, "
+                        "a source logs the failure and keeps serving (default 600, enough for a "
+                        "70B-shaped rank over 10 Gb/s; also WCACHE_SEED_TIMEOUT_S)")
     p.add_argument("--seed-secret-file", metavar="FILE",
                    help="shared secret for --seed-listen and --seed-from tcp://...: the same "
                         "file on both hosts, a regular file of mode 600 (refused otherwise), at "

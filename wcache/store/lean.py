@@ -117,8 +117,9 @@ class LeanSeedSource:
     At most :data:`MAX_CONCURRENT_SEEDS` helpers run at once; :meth:`close_` (called
     by :meth:`wcache.store.server.DaemonServer.stop`: SIGTERM, ``shutdown``) kills
     the ones still running, so none outlives the daemon holding an attachment and
-    the arena's mapping for up to :data:`wcache.store.seed.SEED_TIMEOUT_S` (a
-    receiver that took the reply and never joined).
+    the arena's mapping for up to the seeding timeout
+    (:func:`wcache.store.seed.seed_timeout_s`: a receiver that took the reply and
+    never joined).
 
     Args:
         server: the lean :class:`wcache.store.server.DaemonServer`.

@@ -100,6 +100,28 @@ SEED_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 SEED_CHUNK_BYTES = 256 << 20
 
 
+#: Overrides the seeding timeout (seconds, > 0; :func:`wcache.store.seed.seed_timeout_s`):
+#: ``wcache serve --seed-timeout`` sets it, so every rank process and seeding helper
+#: reads the same value.
+SEED_TIMEOUT_ENV = "WCACHE_SEED_TIMEOUT_S"
+
+
+def parse_seconds(text: str) -> float:
+    """``text`` as a positive, finite number of seconds (``--seed-timeout``,
+    ``WCACHE_SEED_TIMEOUT_S``).
+
+    Raises:
+        ValueError: not a number, or not above 0, or infinite.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
 def check_seed_request(req: dict[str, Any], server: Any) -> tuple[dict[str, Any] | None, str]:
     """A ``seed`` request checked against the source ``server`` (a
     :class:`wcache.store.server.DaemonServer`): ``(the key-mismatch reply, "")``

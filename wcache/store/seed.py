@@ -63,14 +63,16 @@ from wcache.store.protocol import (
     SEED_BACKENDS,
     SEED_CHUNK_BYTES,
     SEED_REQUEST_LABEL,
+    SEED_TIMEOUT_ENV,
     check_seed_request,
+    parse_seconds,
     recv_frame,
     seed_mac,
     send_frame,
 )
 
 __all__ = ["SeedFailed", "SeedSecretUnsafe", "SeedSource", "seed_arena", "send_arena", "arena_digest", "read_secret",
-           "parse_host_port", "BACKENDS", "SEED_CHUNK_BYTES", "TCP_SCHEME"]
+           "parse_host_port", "seed_timeout_s", "BACKENDS", "SEED_CHUNK_BYTES", "SEED_TIMEOUT_ENV", "TCP_SCHEME"]
 
 log = logging.getLogger("wcache.store")
 
@@ -79,6 +81,13 @@ BACKENDS = SEED_BACKENDS
 #: How long either side waits for the other to join or for a chunk (seconds):
 #: a 70B-shaped rank over a 10 Gb/s link needs minutes.
 SEED_TIMEOUT_S = 600.0
+#: What a seeding NCCL group is built with (ProcessGroupNCCL reads it in its
+#: constructor, torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp): 2, CleanUpOnly.
+#: On a timeout or a peer's error the watchdog aborts this group's communicator and
+#: fails its work, which the side waiting on it raises as ``seed-failed``. torch's
+#: default, 3 (SkipCleanUp), tears the whole process down (SIGABRT): a serving
+#: source daemon would die, and the engines mapping its weights with it.
+NCCL_GROUP_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 #: How long the receiver tries to reach the source's TCPStore (seconds). The
 #: source opened it just before replying, so it answers at once unless the
 #: source died in between; c10d retries a refused connection until this runs
@@ -161,6 +170,44 @@ def parse_host_port(spec: str, what: str = "--seed-listen") -> tuple[str, int]:
     return host, int(port)
 
 
+def seed_timeout_s() -> float:
+    """The seeding timeout in seconds: :data:`SEED_TIMEOUT_ENV` when set, else
+    :data:`SEED_TIMEOUT_S`.
+
+    Raises:
+        SeedFailed: the variable is set to something other than a positive number.
+    """
+    raw = os.environ.get(SEED_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return SEED_TIMEOUT_S
+    try:
+        return parse_seconds(raw)
+    except ValueError as e:
+        raise SeedFailed(f"{SEED_TIMEOUT_ENV}: {e}; unset it (default {SEED_TIMEOUT_S:g} s) or "
+                         f"pass `wcache serve --seed-timeout SECONDS`") from None
+
+
+_env_lock = threading.Lock()
+
+
+def _nccl_group(prefixed: Any, rank: int, opts: Any) -> Any:
+    """``ProcessGroupNCCL`` built under :data:`NCCL_GROUP_ENV` (the process's own
+    values are put back at once: vLLM's groups elsewhere in it keep theirs)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    with _env_lock:
+        saved = {k: os.environ.get(k) for k in NCCL_GROUP_ENV}
+        os.environ.update(NCCL_GROUP_ENV)
+        try:
+            return dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
 def _listening_store(host: str, timeout: datetime.timedelta) -> Any:
     """A master ``TCPStore`` listening on ``host`` only, on a free port (c10d's own
     master binds every interface; it adopts this socket through ``master_listen_fd``
@@ -188,7 +235,7 @@ def _group(backend: str, host: str, port: int, rank: int, device: torch.device, 
     or this host's name)."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    timeout = datetime.timedelta(seconds=SEED_TIMEOUT_S)
+    timeout = datetime.timedelta(seconds=seed_timeout_s())
     if store is None:
         store = dist.TCPStore(host, port, 2, is_master, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=SEED_CONNECT_TIMEOUT_S))
@@ -205,17 +252,29 @@ def _group(backend: str, host: str, port: int, rank: int, device: torch.device, 
         torch.cuda.set_device(device)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, 2, opts), store
+        return _nccl_group(prefixed, rank, opts), store
     raise StoreError(f"seeding backend {backend!r} is not one of {sorted(set(BACKENDS.values()))}")
 
 
-def _broadcast(pg: Any, t: torch.Tensor) -> None:
+def _broadcast(pg: Any, t: torch.Tensor, timeout_s: float) -> None:
+    """One broadcast from rank 0, waited for on this thread for at most ``timeout_s``.
+
+    An explicit timeout makes ``Work.wait`` block until the work is done on NCCL
+    too (without one it only orders the current stream after it), and on expiry
+    abort the group's communicator and raise, so a peer that died or stalls ends
+    in an error here rather than a hang or the watchdog's abort.
+
+    Raises:
+        RuntimeError: c10d's errors (``DistBackendError`` included): the peer went
+            away, the timeout ran out.
+    """
     import torch.distributed as dist  # noqa: PLC0415
 
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     opts.rootTensor = 0
-    pg.broadcast([t], opts).wait()
+    if not pg.broadcast([t], opts).wait(datetime.timedelta(seconds=timeout_s)):
+        raise RuntimeError(f"a seeding broadcast did not finish within {timeout_s:g} s")
 
 
 def _close_group(pg: Any) -> None:
@@ -289,7 +348,7 @@ class SeedSource:
                 digest = list(self.digest(view.tensor))
             finally:
                 view.close()
-        store = _listening_store(self.host, datetime.timedelta(seconds=SEED_TIMEOUT_S))
+        store = _listening_store(self.host, datetime.timedelta(seconds=seed_timeout_s()))
         # The TCPStore listens on `host` only; the group's keys live under a random
         # token that travels only over the uid-checked Unix socket or the
         # authenticated TCP exchange, so nobody else can join the group and
@@ -340,15 +399,16 @@ def send_arena(store: Any, backend: str, host: str, token: str, arena: torch.Ten
         RuntimeError: c10d's errors (the receiver went away, a timeout).
     """
     t0 = time.perf_counter()
+    timeout_s = seed_timeout_s()
     pg = None
     try:
         pg, _ = _group(backend, host, store.port, 0, device, token, is_master=True, store=store,
                        gloo_host=gloo_host)
         for off, length in _ranges(arena.numel(), SEED_CHUNK_BYTES):
-            _broadcast(pg, arena[off:off + length])
+            _broadcast(pg, arena[off:off + length], timeout_s)
         algo, hexd = digest()
         d = torch.frombuffer(bytearray(bytes.fromhex(hexd)), dtype=torch.uint8).to(device)
-        _broadcast(pg, d)
+        _broadcast(pg, d, timeout_s)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         log.info("seeded pid %s: %.1f MiB over %s in %.3f s (%s %s)", pid, arena.numel() / 2**20,
@@ -482,12 +542,13 @@ def seed_arena(source: str, key: CacheKey, *, connect_timeout_s: float = 5.0,
         t0 = time.perf_counter()
         pg = None
         try:
+            timeout_s = seed_timeout_s()
             pg, _store = _group(backend, host, port, 1, dst.device, token, is_master=False,
                                 gloo_host=gloo_host)
             for off, length in _ranges(manifest.arena_nbytes, chunk):
-                _broadcast(pg, dst[off:off + length])
+                _broadcast(pg, dst[off:off + length], timeout_s)
             theirs = torch.zeros(DIGEST_BYTES, dtype=torch.uint8, device=dst.device)
-            _broadcast(pg, theirs)
+            _broadcast(pg, theirs, timeout_s)
             if dst.device.type == "cuda":
                 torch.cuda.synchronize(dst.device)  # NCCL work is async: done before shutdown
         except RuntimeError as e:  # c10d reports timeouts and broken connections so

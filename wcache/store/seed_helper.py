@@ -35,7 +35,7 @@ def main() -> int:
     from wcache.store.arena_digest import arena_digest  # noqa: PLC0415
     from wcache.store.client import attach  # noqa: PLC0415
     from wcache.store.manifest import CacheKey  # noqa: PLC0415
-    from wcache.store.seed import SEED_TIMEOUT_S, TOKEN_BYTES, _listening_store, send_arena  # noqa: PLC0415
+    from wcache.store.seed import TOKEN_BYTES, _listening_store, seed_timeout_s, send_arena  # noqa: PLC0415
 
     req = json.loads(sys.stdin.readline())
     logging.basicConfig(level=req.get("log_level", logging.INFO),
@@ -43,7 +43,7 @@ def main() -> int:
     with attach(CacheKey.from_json(req["key"]), socket_dir=req["socket_dir"],
                 device_id=req["device_id"]) as att:
         arena = att.arena
-        store = _listening_store(req["host"], datetime.timedelta(seconds=SEED_TIMEOUT_S))
+        store = _listening_store(req["host"], datetime.timedelta(seconds=seed_timeout_s()))
         token = secrets.token_hex(TOKEN_BYTES)
         print(json.dumps({"port": store.port, "token": token}), flush=True)
         send_arena(store, req["backend"], req["host"], token, arena, torch.device("cpu"),

@@ -13,7 +13,9 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from typing import Any
 
 import torch
 
@@ -129,6 +131,65 @@ def count_arena_mappings() -> int:
         return sum("memfd:wcache-arena" in line for line in f)
 
 
+#: The line a daemon of :func:`_serve_main` prints when ``--seed-stall-after`` stops its seeding.
+SEED_STALLED_LINE = "wcache-store seed-stalled"
+
+
+def fault_seeding(chunk_bytes: int | None = None, stall_after: int | None = None) -> None:
+    """Testing: change this process's seeding (both sides of :mod:`wcache.store.seed`).
+
+    ``chunk_bytes``: broadcast the arena in chunks of that many bytes (a source's
+    reply tells its receivers), so a small arena travels in many. ``stall_after``:
+    after that many broadcasts, print :data:`SEED_STALLED_LINE` to stdout and block
+    that seeding for good, as a peer that hangs or is about to be killed mid-transfer.
+    """
+    from wcache.store import seed
+
+    if chunk_bytes:
+        seed.SEED_CHUNK_BYTES = chunk_bytes
+    if stall_after is None:
+        return
+    broadcast, done = seed._broadcast, [0]
+
+    def stalling(pg: Any, t: Any, timeout_s: float) -> None:
+        if done[0] >= stall_after:
+            print(SEED_STALLED_LINE, flush=True)
+            threading.Event().wait()
+        broadcast(pg, t, timeout_s)
+        done[0] += 1
+
+    seed._broadcast = stalling
+
+
+def _receive_main(argv: list[str]) -> None:
+    """``seed-receive``: a daemon filled from ``--seed-from`` (wcache.store.seed), with
+    the seeding faults of :func:`fault_seeding`; prints the ready line and serves."""
+    import logging
+    import signal
+
+    from wcache.store import DaemonServer
+    from wcache.store.seed import seed_arena
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--socket-dir", required=True)
+    p.add_argument("--device-id", default="cpu-dst")
+    p.add_argument("--seed-from", required=True, help="the source daemon's socket")
+    p.add_argument("--key", default=json.dumps(BASE_KEY))
+    p.add_argument("--seed-stall-after", type=int, default=None)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    fault_seeding(stall_after=a.seed_stall_after)
+    key = CacheKey(json.loads(a.key))
+    server = DaemonServer(seed_arena(a.seed_from, key), key, socket_dir=a.socket_dir,
+                          device_id=a.device_id)
+    signal.signal(signal.SIGTERM, lambda *_: server.request_shutdown())
+    server.start()
+    print(f"wcache-store ready key={server.key.digest} bytes={server.nbytes} "
+          f"socket={server.socket_path} pid={os.getpid()} transport={server.transport}", flush=True)
+    server.serve_forever()
+    raise SystemExit(server.exit_code)
+
+
 def _serve_main(argv: list[str]) -> None:
     import logging
 
@@ -146,12 +207,18 @@ def _serve_main(argv: list[str]) -> None:
     p.add_argument("--seed-source", action="store_true", help="answer `seed` (wcache.store.seed)")
     p.add_argument("--seed-listen", help="HOST:PORT: also answer `seed` over TCP (needs --seed-source)")
     p.add_argument("--seed-secret-file", help="the shared secret for --seed-listen")
+    p.add_argument("--seed-chunk-bytes", type=int, default=None,
+                   help="with --seed-source: seed in chunks of this many bytes (fault_seeding)")
+    p.add_argument("--seed-stall-after", type=int, default=None,
+                   help="with --seed-source: stall each seeding after this many broadcasts")
     p.add_argument("--lean", action="store_true",
                    help="after the ready line, hand off to the torch-free server (wcache.store.lean)")
     p.add_argument("--artifacts", help="with --lean: serve the start-up artifact bundle in this "
                                        "directory (wcache.store.artifacts.write_bundle's files)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    if a.seed_chunk_bytes or a.seed_stall_after is not None:
+        fault_seeding(a.seed_chunk_bytes, a.seed_stall_after)
     export = synthetic_export(a.seed, a.n, a.numel)
     if a.device != "cpu":
         export = Export({k: v.to(a.device) for k, v in export.tensors.items()}, export.kinds, export.aliases,
@@ -205,5 +272,7 @@ def _serve_main(argv: list[str]) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["serve"]:
         _serve_main(sys.argv[2:])
+    elif sys.argv[1:2] == ["seed-receive"]:
+        _receive_main(sys.argv[2:])
     else:
-        raise SystemExit("usage: python -m wcache.testing.store serve --socket-dir DIR [...]")
+        raise SystemExit("usage: python -m wcache.testing.store serve|seed-receive --socket-dir DIR [...]")
