@@ -63,6 +63,21 @@ def _receive_in_thread(arena, key, sock_dir: str, device_id: str) -> tuple[threa
     return t, errors, ended
 
 
+def _stalled_seeding(sock_dir: str, key) -> tuple[subprocess.Popen, tuple[threading.Thread, list, list]]:
+    """A source daemon that stalls after its first chunk, and a receiver (on a thread,
+    :func:`_receive_in_thread`) seeding from it; returns once the source has stalled."""
+    src = start_daemon(sock_dir, "cpu-src", extra_args=("--seed-source", "--seed-chunk-bytes", str(CHUNK),
+                                                        "--seed-stall-after", "1"))
+    try:
+        arena = seed_arena(socket_path(sock_dir, "cpu-src"), key)
+        receiving = _receive_in_thread(arena, key, sock_dir, "cpu-dst")
+        _wait_for_line(src, SEED_STALLED_LINE, STALL_WAIT_S)
+    except BaseException:
+        stop_daemon(src)
+        raise
+    return src, receiving
+
+
 def test_a_receiver_killed_after_its_first_chunk_leaves_the_source_serving(sock_dir, key, monkeypatch):
     """SIGKILL a receiving daemon after its first chunk: the source logs the failed seeding, answers status with its engine still attached, serves a new engine, and seeds another daemon."""
     monkeypatch.setenv(SEED_TIMEOUT_ENV, "30")
@@ -105,12 +120,8 @@ def test_a_receiver_killed_after_its_first_chunk_leaves_the_source_serving(sock_
 def test_a_source_killed_mid_broadcast_fails_the_receiver_with_seed_failed(sock_dir, key, monkeypatch):
     """SIGKILL the source after its first chunk: the receiver raises SeedFailed (no abort, no hang) well before the seeding timeout, and serves nothing."""
     monkeypatch.setenv(SEED_TIMEOUT_ENV, "60")
-    src = start_daemon(sock_dir, "cpu-src", extra_args=("--seed-source", "--seed-chunk-bytes", str(CHUNK),
-                                                        "--seed-stall-after", "1"))
+    src, (t, errors, ended) = _stalled_seeding(sock_dir, key)
     try:
-        arena = seed_arena(socket_path(sock_dir, "cpu-src"), key)
-        t, errors, ended = _receive_in_thread(arena, key, sock_dir, "cpu-dst")
-        _wait_for_line(src, SEED_STALLED_LINE, STALL_WAIT_S)
         killed = time.monotonic()
         src.kill()
         t.join(seed_timeout_s() + 30)
@@ -128,12 +139,8 @@ def test_a_stalled_source_fails_the_receiver_after_the_seeding_timeout(sock_dir,
     """A source that stops sending after one chunk (alive, silent) fails the receiver with SeedFailed once the lowered seeding timeout runs out; the source itself keeps serving."""
     timeout_s = 3.0
     monkeypatch.setenv(SEED_TIMEOUT_ENV, str(timeout_s))
-    src = start_daemon(sock_dir, "cpu-src", extra_args=("--seed-source", "--seed-chunk-bytes", str(CHUNK),
-                                                        "--seed-stall-after", "1"))
+    src, (t, errors, ended) = _stalled_seeding(sock_dir, key)
     try:
-        arena = seed_arena(socket_path(sock_dir, "cpu-src"), key)
-        t, errors, ended = _receive_in_thread(arena, key, sock_dir, "cpu-dst")
-        _wait_for_line(src, SEED_STALLED_LINE, STALL_WAIT_S)
         stalled = time.monotonic()
         t.join(timeout_s + 60)
         assert not t.is_alive(), "the receiver ignores the seeding timeout"
