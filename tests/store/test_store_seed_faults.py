@@ -195,12 +195,11 @@ def test_a_seeding_nccl_group_is_built_to_abort_its_communicator_not_the_process
         monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
     else:
         monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", before)
-    monkeypatch.setenv(SEED_TIMEOUT_ENV, "42")
     monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     store = dist.HashStore()
     pg, _ = seed._group("nccl", "127.0.0.1", 0, 1, torch.device("cuda", 0), "tok", is_master=False,
-                        store=store)
+                        timeout_s=42.0, store=store)
     assert isinstance(pg, FakeNCCL)
     assert [("2", 1, 2, datetime.timedelta(seconds=42))] == seen
     assert before == os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")

@@ -229,13 +229,13 @@ def _listening_store(host: str, timeout: datetime.timedelta) -> Any:
 
 
 def _group(backend: str, host: str, port: int, rank: int, device: torch.device, token: str, *,
-           is_master: bool, store: Any = None, gloo_host: str | None = None) -> Any:
+           is_master: bool, timeout_s: float, store: Any = None, gloo_host: str | None = None) -> Any:
     """The two-rank group; ``gloo_host``: the local address gloo binds and
     advertises (across hosts), None for c10d's default (``GLOO_SOCKET_IFNAME``
     or this host's name)."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    timeout = datetime.timedelta(seconds=seed_timeout_s())
+    timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(host, port, 2, is_master, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=SEED_CONNECT_TIMEOUT_S))
@@ -402,8 +402,8 @@ def send_arena(store: Any, backend: str, host: str, token: str, arena: torch.Ten
     timeout_s = seed_timeout_s()
     pg = None
     try:
-        pg, _ = _group(backend, host, store.port, 0, device, token, is_master=True, store=store,
-                       gloo_host=gloo_host)
+        pg, _ = _group(backend, host, store.port, 0, device, token, is_master=True, timeout_s=timeout_s,
+                       store=store, gloo_host=gloo_host)
         for off, length in _ranges(arena.numel(), SEED_CHUNK_BYTES):
             _broadcast(pg, arena[off:off + length], timeout_s)
         algo, hexd = digest()
@@ -544,7 +544,7 @@ def seed_arena(source: str, key: CacheKey, *, connect_timeout_s: float = 5.0,
         try:
             timeout_s = seed_timeout_s()
             pg, _store = _group(backend, host, port, 1, dst.device, token, is_master=False,
-                                gloo_host=gloo_host)
+                                timeout_s=timeout_s, gloo_host=gloo_host)
             for off, length in _ranges(manifest.arena_nbytes, chunk):
                 _broadcast(pg, dst[off:off + length], timeout_s)
             theirs = torch.zeros(DIGEST_BYTES, dtype=torch.uint8, device=dst.device)

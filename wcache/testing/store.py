@@ -161,6 +161,12 @@ def fault_seeding(chunk_bytes: int | None = None, stall_after: int | None = None
     seed._broadcast = stalling
 
 
+def _ready_line(server: Any) -> str:
+    """The line a daemon of this module prints once it serves (:func:`start_daemon` waits for it)."""
+    return (f"wcache-store ready key={server.key.digest} bytes={server.nbytes} "
+            f"socket={server.socket_path} pid={os.getpid()} transport={server.transport}")
+
+
 def _receive_main(argv: list[str]) -> None:
     """``seed-receive``: a daemon filled from ``--seed-from`` (wcache.store.seed), with
     the seeding faults of :func:`fault_seeding`; prints the ready line and serves."""
@@ -184,8 +190,7 @@ def _receive_main(argv: list[str]) -> None:
                           device_id=a.device_id)
     signal.signal(signal.SIGTERM, lambda *_: server.request_shutdown())
     server.start()
-    print(f"wcache-store ready key={server.key.digest} bytes={server.nbytes} "
-          f"socket={server.socket_path} pid={os.getpid()} transport={server.transport}", flush=True)
+    print(_ready_line(server), flush=True)
     server.serve_forever()
     raise SystemExit(server.exit_code)
 
@@ -237,8 +242,7 @@ def _serve_main(argv: list[str]) -> None:
 
             server.artifacts, server.artifacts_state = read_bundle(a.artifacts), "snapshot"
         server.start()
-        print(f"wcache-store ready key={server.key.digest} bytes={server.nbytes} "
-              f"socket={server.socket_path} pid={os.getpid()} transport={server.transport}", flush=True)
+        print(_ready_line(server), flush=True)
         lean.handoff(server)
         server.serve_forever()
         raise SystemExit(server.exit_code)
@@ -260,9 +264,7 @@ def _serve_main(argv: list[str]) -> None:
         if listen is not None:
             host, port = server.listen_seed_tcp(*listen, read_secret(a.seed_secret_file))
             tail = f" seed_listen={host}:{port}"
-        print(f"wcache-store ready key={server.key.digest} bytes={server.nbytes} "
-              f"socket={server.socket_path} pid={os.getpid()} transport={server.transport}{tail}",
-              flush=True)
+        print(_ready_line(server) + tail, flush=True)
         server.serve_forever()
         raise SystemExit(server.exit_code)
     raise SystemExit(serve(export, CacheKey(json.loads(a.key)), socket_dir=a.socket_dir, device=a.device,
