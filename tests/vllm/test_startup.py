@@ -15,8 +15,14 @@ from wcache.daemon import prime
 from wcache.store import artifacts as art
 from wcache.vllm import startup
 
-MODEL = Path(os.path.expanduser("~/.cache/wcache/fixtures/smollm2-135m-instruct-bf16"))
-needs_model = pytest.mark.skipif(not MODEL.is_dir(), reason="needs the bf16 SmolLM2 fixture")
+
+
+@pytest.fixture(scope="module")
+def bf16_model() -> Path:
+    """The bf16 SmolLM2 fixture, built by the suite (wcache.testing.fixtures) when missing."""
+    from wcache.testing.fixtures import build
+
+    return Path(build("bf16"))
 
 FACTORS = {"vllm": "0.32.0", "torch": "2.13.0", "triton": None, "device": "cpu:x86_64",
            "capability": None, "env_hash": "e" * 64, "config_hash": "c" * 10,
@@ -234,8 +240,7 @@ def _api_server_config(vllm_args):
         usage_context=UsageContext.OPENAI_API_SERVER)
 
 
-@needs_model
-def test_priming_config_has_the_compile_hash_of_the_engines_primed_for():
+def test_priming_config_has_the_compile_hash_of_the_engines_primed_for(bf16_model):
     """prime_engine's config for "serve" has `vllm serve`'s compute_hash, for "llm" LLM()'s
     (same arguments; vLLM's batch defaults differ by usage context), config building only."""
     from vllm.engine.arg_utils import EngineArgs
@@ -244,10 +249,10 @@ def test_priming_config_has_the_compile_hash_of_the_engines_primed_for():
     from wcache.vllm import prime_engine
 
     args = ["--dtype", "bfloat16", "--max-model-len", "512"]
-    priming = prime_engine.priming_engine_args(str(MODEL), args, {"fallback": False, "artifacts_record": "/r"})
-    engine_kw = {**prime_engine.engine_kwargs(str(MODEL), args), "load_format": "wcache",
+    priming = prime_engine.priming_engine_args(str(bf16_model), args, {"fallback": False, "artifacts_record": "/r"})
+    engine_kw = {**prime_engine.engine_kwargs(str(bf16_model), args), "load_format": "wcache",
                  "model_loader_extra_config": {"socket_dir": "/s"}}
-    srv = _api_server_config(["--model", str(MODEL), *args, "--load-format", "wcache",
+    srv = _api_server_config(["--model", str(bf16_model), *args, "--load-format", "wcache",
                               "--model-loader-extra-config", '{"socket_dir": "/s"}'])
     llm = EngineArgs(**engine_kw).create_engine_config(usage_context=UsageContext.LLM_CLASS)
     assert srv.compute_hash() != llm.compute_hash()  # else this test proves nothing
@@ -255,8 +260,7 @@ def test_priming_config_has_the_compile_hash_of_the_engines_primed_for():
     assert prime_engine.engine_config(priming, "llm").compute_hash() == llm.compute_hash()
 
 
-@needs_model
-def test_an_eager_engine_has_another_compile_hash():
+def test_an_eager_engine_has_another_compile_hash(bf16_model):
     """Why eager engines skip the bundle: --enforce-eager changes compute_hash (they would
     always be artifacts-stale), and _compiles() tells them apart."""
     from vllm.engine.arg_utils import EngineArgs
@@ -264,7 +268,7 @@ def test_an_eager_engine_has_another_compile_hash():
 
     from wcache.vllm.loader import _compiles
 
-    kw = {"model": str(MODEL), "dtype": "bfloat16", "max_model_len": 512}
+    kw = {"model": str(bf16_model), "dtype": "bfloat16", "max_model_len": 512}
     eager = EngineArgs(**kw, enforce_eager=True).create_engine_config(usage_context=UsageContext.LLM_CLASS)
     comp = EngineArgs(**kw).create_engine_config(usage_context=UsageContext.LLM_CLASS)
     assert eager.compute_hash() != comp.compute_hash()
