@@ -287,6 +287,7 @@ def test_engine_and_daemon_of_other_vllm_releases_refuse_each_other(
         args, kwargs = seen["key_args"]
         with pytest.MonkeyPatch.context() as other_release:
             other_release.setattr(compat, "vllm_version", lambda: daemon_vllm)
+            other_release.setattr(compat.releases, "vllm_version", lambda: daemon_vllm)
             daemon_key = key_mod.build_key(*args, **kwargs)
         assert ["versions"] == seen["key"].diff(daemon_key)
         export = Export(tensors={"w": torch.zeros(4)}, kinds={"w": "param"})

@@ -1,6 +1,6 @@
 """vLLM behind one door (issue 25, item 4): every vLLM private name, patch and write
-onto a vLLM object is in ``wcache/vllm/compat.py``; the adapter covers compat's
-class table; compat's patches are undone after their scope.
+onto a vLLM object is in the ``wcache/vllm/compat/`` package; the adapter covers
+compat's class table; compat's patches are undone after their scope.
 
 The scans read every module of the ``wcache`` package with ``ast``; each rule's
 own test below feeds it a small offending source, so a rule that stopped finding
@@ -20,7 +20,7 @@ import torch
 
 WCACHE = Path(__file__).resolve().parents[2] / "wcache"
 VLLM_PKG = WCACHE / "vllm"
-COMPAT = VLLM_PKG / "compat.py"
+COMPAT = VLLM_PKG / "compat"
 
 #: (module, function, written expression) -> why the write stays outside compat.
 #: Only what cannot move: each entry is checked to still exist (a stale entry fails).
@@ -37,6 +37,10 @@ _TORCH_NAMES = frozenset(dir(torch.nn.Module())) | frozenset(dir(torch.Tensor))
 
 def _py_files(root: Path) -> list[Path]:
     return sorted(root.rglob("*.py"))
+
+
+def _in_compat(path: Path) -> bool:
+    return COMPAT in path.parents
 
 
 def _rel(path: Path) -> str:
@@ -213,31 +217,34 @@ def test_no_vllm_import_outside_wcache_vllm():
 
 
 def test_vllm_private_names_only_in_compat():
-    """Inside wcache/vllm/, only compat.py imports or names a vLLM private name."""
+    """Inside wcache/vllm/, only compat/ imports or names a vLLM private name."""
     names = _wcache_names()
     offenders = {_rel(p): private_reaches(ast.parse(p.read_text()), names)
-                 for p in _py_files(VLLM_PKG) if p != COMPAT}
+                 for p in _py_files(VLLM_PKG) if not _in_compat(p)}
     assert {} == {k: v for k, v in offenders.items() if v}
 
 
 def test_writes_onto_vllm_objects_only_in_compat():
-    """Inside wcache/vllm/, only compat.py assigns, sets or deletes attributes of
+    """Inside wcache/vllm/, only compat/ assigns, sets or deletes attributes of
     objects wcache did not build (vLLM's modules, classes, layers, kernels, configs),
     but for the explicit allow-list; every allow-list entry is still needed."""
     found = set()
     for p in _py_files(VLLM_PKG):
-        if p != COMPAT:
+        if not _in_compat(p):
             found.update(object_writes(ast.parse(p.read_text()), _rel(p)))
     assert set() == found - set(ALLOWED_WRITES)
     assert set() == set(ALLOWED_WRITES) - found
 
 
 def test_compat_holds_what_the_scans_forbid_elsewhere():
-    """The rules find what they exist for: compat.py itself has private names,
+    """The rules find what they exist for: compat/ itself has private names,
     patches (module attribute writes) and writes onto vLLM objects."""
-    tree = ast.parse(COMPAT.read_text())
-    privates = private_reaches(tree, _wcache_names())
-    writes = {w[2] for w in object_writes(tree, _rel(COMPAT))}
+    names = _wcache_names()
+    privates, writes = [], set()
+    for p in _py_files(COMPAT):
+        tree = ast.parse(p.read_text())
+        privates += private_reaches(tree, names)
+        writes |= {w[2] for w in object_writes(tree, _rel(p))}
     assert "rotary_embedding._ROPE_DICT" in privates
     assert any("_set_torch_accelerator_to_noop" in p for p in privates)
     assert {"model.load_weights", "engine_args.load_format", "delattr(module, ...)"} <= writes

@@ -1,0 +1,193 @@
+"""Kernel state on vLLM's objects: what a plan leaves on a layer bound onto vLLM's kernel
+objects (:data:`KERNEL_BINDINGS`, :func:`sync_kernel_state_`), the "already processed"
+flag, ModelOpt NVFP4 MoE's rebuilt kernel, and vLLM's kernel library (``torch.ops._C``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+from wcache.vllm.compat.class_table import is_type
+
+
+#: The layer flag some of vLLM's ``process_weights_after_loading`` set on entry so a
+#: second call returns at once (the online FP8/MXFP8/NVFP4/MXFP4/INT8 methods,
+#: ModelOpt MXFP8 MoE); vLLM's reload deletes it before processing again.
+#: Source: vllm/model_executor/layers/quantization/online/fp8.py,
+#: vllm/model_executor/model_loader/reload/layerwise.py
+POSTLOAD_DONE_ATTR = "_already_called_process_weights_after_loading"
+
+
+def mark_postload_done_(layer: torch.nn.Module) -> bool:
+    """Set :data:`POSTLOAD_DONE_ATTR` on ``layer`` when vLLM's own
+    ``process_weights_after_loading`` of its quant method would have set it: a plan
+    replaces that call, and the restored layer must equal vLLM's processed one (a
+    missing flag would also let a later call process the layer twice). Whether the
+    method sets it is read from the method's own code (the attribute it stores), so a
+    subclass or a new online method needs no table here. Returns whether it was set.
+    """
+    quant_method = getattr(layer, "quant_method", None)
+    fn = getattr(type(quant_method), "process_weights_after_loading", None)
+    code = getattr(fn, "__code__", None)
+    if code is None or POSTLOAD_DONE_ATTR not in code.co_names:
+        return False
+    setattr(layer, POSTLOAD_DONE_ATTR, True)
+    return True
+
+
+def load_custom_ops() -> None:
+    """Import ``vllm._custom_ops``, which loads vLLM's kernel library for this host
+    (``import_kernels``: ``_C``, ``_C_AVX512`` or ``_C_AVX2`` on CPU) and so
+    registers the ``torch.ops._C`` ops wcache's CPU stages call."""
+    import vllm._custom_ops  # noqa: F401, PLC0415
+
+
+def has_custom_op(name: str) -> bool:
+    """Whether vLLM's loaded kernel library has op ``name`` (``torch.ops._C.<name>``);
+    call :func:`load_custom_ops` first."""
+    return hasattr(torch.ops._C, name)
+
+
+def build_nvfp4_moe_kernel_(module: torch.nn.Module) -> bool:
+    """Rebuild ModelOpt NVFP4 MoE's process-local kernel objects from the layer's final
+    tensors (``quant_method.moe_quant_config`` and ``quant_method.moe_kernel``, which
+    vLLM's ``apply`` asserts are set); a no-op (False) for other layers or when they
+    exist.
+
+    This is ``ModelOptNvFp4FusedMoE._build_moe_kernel`` without its last line, the
+    experts' ``process_weights_after_loading``: for ``CutlassExpertsFp4`` that line
+    multiplies the activation scales into ``w*_weight_scale_2`` in place, which the
+    plan's TRANSFORM (``nvfp4.fuse_moe_activation_scale``) already did; run again it
+    would write into shared bytes and square the scales.
+
+    Source: ``vllm.model_executor.layers.quantization.modelopt.ModelOptNvFp4FusedMoE
+    ._build_moe_kernel`` (0.32).
+    """
+    qm = getattr(module, "quant_method", None)
+    if not is_type(qm, "ModelOptNvFp4FusedMoE") or getattr(qm, "moe_kernel", None) is not None:
+        return False
+    from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import make_nvfp4_moe_kernel
+
+    qm.moe_quant_config = qm.get_fused_moe_quant_config(module)
+    qm.moe_kernel = make_nvfp4_moe_kernel(
+        moe_quant_config=qm.moe_quant_config, moe_config=qm.moe,
+        experts_cls=qm.experts_cls, backend=qm.nvfp4_backend,
+        routing_tables=module._expert_routing_tables(),
+        per_token_activation=qm.per_token_activation)
+    return True
+
+
+@attrs.frozen
+class KernelBinding:
+    """One value a plan's stage leaves on the layer (a layer-local name) that vLLM
+    keeps on a kernel object the layer holds.
+
+    Attributes:
+        layer_attr: what the stage sets on the layer (its declared ``attrs``).
+        owners: where vLLM's kernel object lives, dotted from the layer; each that
+            exists gets the value.
+        kernel_attr: the kernel's attribute vLLM reads.
+        only_existing: bind only onto kernels that already have ``kernel_attr`` (the
+            attribute's presence says the kernel reads it).
+        convert: ``(kernel, value) -> what vLLM stores``.
+    """
+
+    layer_attr: str
+    owners: tuple[str, ...]
+    kernel_attr: str
+    only_existing: bool = False
+    convert: Callable[[Any, Any], Any] = attrs.field(default=lambda kernel, value: value,
+                                                     eq=False)
+
+
+#: Layer-local stage attrs -> vLLM's kernel objects (0.32). A binding whose kernel is
+#: found moves the value (the layer attribute is deleted: vLLM's own layer has none,
+#: and the restored layer must equal it); with no kernel found it stays on the layer
+#: (a plan run on a plain module, the reference kernels of the tests).
+KERNEL_BINDINGS = (
+    # CUTLASS FP8: CutlassFP8ScaledMMLinearKernel.apply_scaled_mm reads it (and
+    # asserts it is not None on the first forward); Fp8LinearMethod / online FP8 keep
+    # the kernel as quant_method.fp8_linear, compressed-tensors W8A8 FP8 as
+    # scheme.fp8_linear (wcache.stages.fp8.LOGICAL_OUTPUT_ATTR)
+    KernelBinding("logical_output_size", ("quant_method.fp8_linear", "scheme.fp8_linear"),
+                  "logical_output_size", only_existing=True,
+                  convert=lambda kernel, value: int(value)),
+    # oneDNN W8A8 INT8 on CPU (wcache.stages.onednn.prepack_scaled_weight):
+    # CPUInt8ScaledMMLinearKernel, the compressed-tensors scheme's kernel, keeps the
+    # handle and the apply its process_weights_after_loading chose
+    KernelBinding("dnnl_handler", ("scheme.kernel",), "dnnl_handler"),
+    KernelBinding("linear_method", ("scheme.kernel",), "linear_method",
+                  convert=lambda kernel, value: _int8_linear_method(kernel, value)),
+)
+
+#: ``linear_method`` as the oneDNN W8A8 stage names it -> the method of vLLM's
+#: CPUInt8ScaledMMLinearKernel that its own post-load binds for it.
+_INT8_LINEAR_METHODS = {"onednn": "_apply_weights_onednn"}
+
+
+def _int8_linear_method(kernel: Any, value: str) -> Any:
+    """The kernel's bound apply for the stage's ``linear_method`` (what vLLM sets:
+    ``self.linear_method = self._apply_weights_onednn``).
+
+    Raises:
+        KeyError: a value no stage of this vLLM version sets.
+    """
+    return getattr(kernel, _INT8_LINEAR_METHODS[value])
+
+
+def _resolve(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def bound_attr_path(module: torch.nn.Module, layer_attr: str) -> str:
+    """Where vLLM keeps the value a stage declares as ``layer_attr`` on ``module``
+    (``"scheme.kernel.dnnl_handler"``), or ``layer_attr`` itself when it is layer
+    state (no binding, or no kernel to bind to): what ``wcache verify`` compares."""
+    for binding in KERNEL_BINDINGS:
+        if binding.layer_attr != layer_attr:
+            continue
+        for owner in binding.owners:
+            kernel = _resolve(module, owner)
+            if kernel is not None and (not binding.only_existing
+                                       or hasattr(kernel, binding.kernel_attr)):
+                return f"{owner}.{binding.kernel_attr}"
+    return layer_attr
+
+
+def sync_kernel_state_(module: torch.nn.Module) -> None:
+    """Put the kernel state a plan left on ``module`` where vLLM keeps it; call after
+    a plan's load or restore (a no-op elsewhere, and idempotent).
+
+    * each :data:`KERNEL_BINDINGS` value the layer holds goes onto vLLM's kernel
+      object, and the layer attribute is deleted once bound;
+    * ModelOpt NVFP4 MoE's process-local kernel objects are rebuilt
+      (:func:`build_nvfp4_moe_kernel_`);
+    * the "already processed" flag of the methods whose own post-load sets it
+      (:func:`mark_postload_done_`).
+    """
+    build_nvfp4_moe_kernel_(module)
+    mark_postload_done_(module)
+    for binding in KERNEL_BINDINGS:
+        if binding.layer_attr not in vars(module):
+            continue
+        value = vars(module)[binding.layer_attr]
+        if value is None and binding.only_existing:
+            continue
+        moved = False
+        for owner in binding.owners:
+            kernel = _resolve(module, owner)
+            if kernel is None or (binding.only_existing
+                                  and not hasattr(kernel, binding.kernel_attr)):
+                continue
+            setattr(kernel, binding.kernel_attr, binding.convert(kernel, value))
+            moved = True
+        if moved:
+            delattr(module, binding.layer_attr)
