@@ -55,6 +55,15 @@ def test_a_tag_given_as_a_string_is_invalid():
         stage("toy.set_width_str", "metadata")
 
 
+@pytest.mark.parametrize("devices", ["rocm", (), ("cpu", "tpu")])
+def test_a_device_not_cpu_or_cuda_is_invalid(devices):
+    """A plan's devices are a non-empty subset of DEVICE_TYPES; one string is one device."""
+    with pytest.raises(PlanInvalid, match="devices"):
+        Plan("toy", "bad", (), CHECKPOINT, devices=devices)
+    assert ("cuda",) == Plan("toy", "ok", (), CHECKPOINT, devices="cuda").devices
+    assert ("cpu", "cuda") == Plan("toy", "ok", (), CHECKPOINT).devices
+
+
 @pytest.mark.parametrize("name", ["setwidth", "Toy.set_width", "toy.SetWidth", "toy.set-width",
                                   "toy.set_width.extra", "toy._set"])
 def test_a_name_not_family_verb_object_is_invalid(name):

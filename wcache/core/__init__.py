@@ -40,7 +40,7 @@ from wcache.core.guard import (
 from wcache.core.registry import (
     STAGE_NAME, STAGE_VERBS, StageDef, registered_stages, stage, stage_name_problem,
 )
-from wcache.core.runner import BoundPlan, Plan, StepGuard
+from wcache.core.runner import DEVICE_TYPES, BoundPlan, Plan, StepGuard
 from wcache.core.values import (
     LOAD_TAGS, PREPARE_TAGS, RESTORE_TAGS, TARGET_ENV_DEFAULTS, TARGET_ENV_VARS, LayerConfig,
     LayerState, Prepared, QuantSpec, Stage, StageFn, StageOut, Tag, Target,
@@ -54,7 +54,7 @@ from wcache.errors import (
 
 __all__ = [
     "Tag", "Target", "QuantSpec", "LayerConfig", "StageOut", "StageFn", "Stage", "StageDef",
-    "Plan", "BoundPlan", "StepGuard", "LayerState", "Prepared", "TensorFingerprint",
+    "DEVICE_TYPES", "Plan", "BoundPlan", "StepGuard", "LayerState", "Prepared", "TensorFingerprint",
     "WcacheError", "NoPlan", "PlanInvalid", "StageContractError",
     "RestoreWroteSharedTensor", "RecordedMismatch", "RestoreIncomplete",
     "stage", "registered_stages", "STAGE_NAME", "STAGE_VERBS", "stage_name_problem",

@@ -28,7 +28,7 @@ from wcache.core.values import (
 )
 from wcache.errors import PlanInvalid, RecordedMismatch
 
-__all__ = ["Plan", "BoundPlan", "StepGuard", "applies_always", "step", "apply_out",
+__all__ = ["DEVICE_TYPES", "Plan", "BoundPlan", "StepGuard", "applies_always", "step", "apply_out",
            "prepared_of", "restore_start", "shared_names", "restore_run"]
 
 
@@ -122,6 +122,14 @@ def step(st: Stage, state: LayerState, config: LayerConfig, target: Target,
 
 # --------------------------------------------------------------------------- plans
 
+#: The device types a plan can run on (``Target.device_type``).
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _device_tuple(value: str | Iterable[str]) -> tuple[str, ...]:
+    """``"cuda"`` -> ``("cuda",)``; a tuple or list of device types as a tuple."""
+    return (value,) if isinstance(value, str) else tuple(value)
+
 
 @frozen
 class Plan:
@@ -136,6 +144,13 @@ class Plan:
         match: ``match(config, target) -> None`` when the plan applies, else the
             reason string.
         description: one line for ``wcache plans``.
+        devices: the device types (:data:`DEVICE_TYPES`) the plan's kernel runs on:
+            ``("cpu",)`` for vLLM-CPU's kernels, ``("cuda",)`` for the CUDA ones
+            (``unquantized/none`` included: vLLM's CUDA build does no post-load work
+            there), both for plans whose stages are plain torch on either device
+            (``attention/default``, the KV-cache scales). Every registered plan names
+            it (a string is one device); the default, both, is for test plans. The
+            docs' CPU and CUDA evidence tables are split by it.
 
     A plan is a value: equal plans have equal fields (``match`` aside); it pickles
     when ``match`` is a module-level function (or a ``functools.partial`` of one),
@@ -155,9 +170,14 @@ class Plan:
         default=applies_always, eq=False, repr=False)
     version: int = 1
     description: str = ""
+    devices: tuple[str, ...] = field(default=DEVICE_TYPES, converter=_device_tuple)
 
     def __attrs_post_init__(self) -> None:
         errors = plan_problems(self.stages, self.checkpoint)
+        unknown = sorted(set(self.devices) - set(DEVICE_TYPES))
+        if unknown or not self.devices:
+            errors.append(f"devices {self.devices!r}: each must be one of {DEVICE_TYPES}, "
+                          f"and at least one")
         if errors:
             raise PlanInvalid(f"plan {self.method}/{self.kernel} is invalid:\n  - " +
                               "\n  - ".join(errors))
@@ -209,6 +229,7 @@ class Plan:
     def describe(self) -> str:
         """A markdown table: stage, tag, reads, writes, attrs, source."""
         rows = [f"### `{self.id}`", "", self.description, "",
+                f"Runs on: {', '.join(self.devices)}.", "",
                 "| # | stage | tag | reads | writes | attrs | source |",
                 "|---|---|---|---|---|---|---|"]
         for i, s in enumerate(self.stages, 1):

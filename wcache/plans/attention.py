@@ -15,7 +15,7 @@ def _match(config: LayerConfig, target: Target) -> str | None:
 
 
 ATTENTION = register(Plan(
-    method="attention", kernel="default",
+    method="attention", kernel="default", devices=("cpu", "cuda"),
     stages=(a.set_default_scales, a.set_scale_floats, a.copy_host_scales,
             a.alloc_kv_cache_placeholder),
     checkpoint=frozenset(a.SCALE_BUFFERS),

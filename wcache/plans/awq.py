@@ -14,7 +14,7 @@ def _match(config: LayerConfig, target: Target) -> str | None:
 
 
 CPU_WNA16 = register(Plan(
-    method="awq", kernel="cpu_wna16",
+    method="awq", kernel="cpu_wna16", devices="cpu",
     stages=(awq.convert_to_standard, cpu_wna16.transpose_zero_points("qzeros"),
             cpu_wna16.set_use_w4a8, cpu_wna16.set_isa_hint("scales"),
             cpu_wna16.repack("qweight")),

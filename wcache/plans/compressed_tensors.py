@@ -34,7 +34,7 @@ def _match_w8a8_int8(config: LayerConfig, target: Target) -> str | None:
 
 
 W4A16_CPU_WNA16 = register(Plan(
-    method="ct_w4a16", kernel="cpu_wna16",
+    method="ct_w4a16", kernel="cpu_wna16", devices="cpu",
     stages=(ct.transpose_weight, ct.transpose_scales,
             cpu_wna16.transpose_zero_points("weight_zero_point", asymmetric_only=True),
             ct.clear_zero_point, cpu_wna16.set_use_w4a8,
@@ -47,7 +47,7 @@ W4A16_CPU_WNA16 = register(Plan(
                 "against the record) and the symmetric weight_zero_point=None."))
 
 W8A8_INT8_ONEDNN = register(Plan(
-    method="ct_w8a8_int8", kernel="onednn",
+    method="ct_w8a8_int8", kernel="onednn", devices="cpu",
     stages=(onednn.convert_scale_to_channelwise, onednn.fold_input_scale,
             onednn.compute_azp_adj, onednn.prepack_scaled_weight),
     checkpoint={"weight", "weight_scale", "input_scale", "input_zero_point", "bias"},

@@ -28,7 +28,7 @@ def _match(config: LayerConfig, target: Target) -> str | None:
 
 
 W8A8_INT8 = register(Plan(
-    method="ct_w8a8_int8", kernel="cutlass_int8",
+    method="ct_w8a8_int8", kernel="cutlass_int8", devices="cuda",
     stages=(cutlass_int8.transpose_weight, onednn.convert_scale_to_channelwise,
             cutlass_int8.fold_input_scale, cutlass_int8.compute_azp_adj),
     checkpoint={"weight", "weight_scale", "input_scale", "input_zero_point", "bias"},

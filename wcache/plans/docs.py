@@ -13,9 +13,9 @@ _CPU_ZEN = hosts.reference_target(**{"unquantized_gemm[bfloat16]": "zentorch",
                                      "unquantized_gemm[bfloat16,sgl_shape]": "zentorch"})
 _H200 = Target("cuda", (9, 0))
 
-#: Where each CPU plan's evidence was produced (bit-exact against vLLM's own
-#: post-load, restore == load, e2e token identity): kept by hand, checked for
-#: completeness by tests/test_docs.py.
+#: Where each CPU plan's (``"cpu" in plan.devices``) evidence was produced (bit-exact
+#: against vLLM's own post-load, restore == load, e2e token identity): kept by hand,
+#: checked for completeness by tests/test_docs.py.
 PROVEN_ON = {
     "unquantized/onednn@1": "AVX512-BF16 host (vLLM `_C`), native: plan, stage and e2e tests "
                             "(bf16, fp32)",
@@ -47,11 +47,21 @@ _CHECKED = ("adapter picks the plan, load == vLLM's processed layer (every tenso
 _FP8_CHECKED = _CHECKED.format(attrs="input_scale, input_scale_ub, the CUTLASS kernel's "
                                      "logical_output_size")
 
-#: Which contract each CUDA plan passed (issue 12 item 6). No CUDA plan has run
-#: under a real vLLM CUDA engine: vLLM's CUDA build cannot be installed on the GPU
-#: machine this project borrows. Kept by hand; tests/test_docs.py checks it names
-#: every CUDA plan.
+#: Which contract each CUDA plan (``"cuda" in plan.devices``) passed (issue 12 item 6).
+#: The real-engine evidence is not here: it is the gpu_engine tier's committed rows
+#: (:data:`REAL_ENGINE_RESULTS`, docs/gpu.md), rendered next to this table. Kept by
+#: hand; tests/test_docs.py checks it names every CUDA plan.
 CUDA_CONTRACTS = {
+    "unquantized/none@1": "no stages, so no layout to compare: vLLM's CUDA build does no "
+                          "post-load work on an unquantized linear/embedding; the adapter "
+                          "picks the plan for vLLM's own UnquantizedLinearMethod on a CUDA "
+                          "target (tests/plans/test_registry.py)",
+    "attention/default@1": "the same stages as on CPU (plain torch on the scale buffers, "
+                           "proven there: the CPU table); no CUDA contract test of its own",
+    "kv_cache/scales@1": "the same stages as on CPU (plain torch on the scale buffers, "
+                         "proven there: the CPU table); no CUDA contract test of its own",
+    "ct_kv_cache/scales@1": "the same stages as on CPU (plain torch on the scale buffers, "
+                            "proven there: the CPU table); no CUDA contract test of its own",
     "awq/marlin@1": f"{_CONTRACT} (AutoAWQMarlinLinearMethod on MarlinLinearKernel, "
                     "ops.gptq_marlin_repack swapped for vLLM's marlin_weights reference): "
                     + _CHECKED.format(attrs="input_global_scale"),
@@ -337,11 +347,13 @@ def render_plans(markdown: bool = False, method: str | None = None) -> str:
     """Every registered plan (optionally one method's) and every refused method."""
     plans = [p for p in all_plans() if method is None or p.method == method]
     if markdown:
-        parts = [HEADER, "## Index", "", "| plan | method | kernel | stages | replayed on restore |",
-                 "|---|---|---|---|---|"]
+        parts = [HEADER, "## Index", "",
+                 "| plan | method | kernel | devices | stages | replayed on restore |",
+                 "|---|---|---|---|---|---|"]
         for p in plans:
             replay = sum(1 for s in p.stages if s.tag is not Tag.TRANSFORM)
-            parts.append(f"| `{p.id}` | {p.method} | {p.kernel} | {len(p.stages)} | {replay} |")
+            parts.append(f"| `{p.id}` | {p.method} | {p.kernel} | {', '.join(p.devices)} | "
+                         f"{len(p.stages)} | {replay} |")
         parts.append("")
         parts.append("## Refused (NoPlan)")
         parts.append("")
@@ -381,7 +393,7 @@ def render_plans(markdown: bool = False, method: str | None = None) -> str:
         return "\n".join(parts)
     lines = []
     for p in plans:
-        lines.append(f"{p.id}  ({p.method}, kernel {p.kernel})")
+        lines.append(f"{p.id}  ({p.method}, kernel {p.kernel}, on {'/'.join(p.devices)})")
         if p.description:
             lines.append(f"    {p.description}")
         for i, s in enumerate(p.stages, 1):

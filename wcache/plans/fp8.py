@@ -134,21 +134,21 @@ def _match_ct_marlin_v2(config: LayerConfig, target: Target) -> str | None:
     return _with_processed_weight_dims(config) or _match_fp8_marlin(config, target)
 
 PER_TENSOR = register(Plan(
-    method="fp8_per_tensor", kernel="cutlass",
+    method="fp8_per_tensor", kernel="cutlass", devices="cuda",
     stages=(fp8.clear_input_scale, fp8.quantize_per_tensor_stage) + _CUTLASS_TAIL,
     checkpoint=_ONLINE_CHECKPOINT, match=_match_cutlass,
     description="online per-tensor FP8 on CUTLASS: quantize (amax/448, single rank), "
                 "transpose to (K, N) column-major, record N, pad K/N to 16."))
 
 PER_CHANNEL = register(Plan(
-    method="fp8_per_channel", kernel="cutlass",
+    method="fp8_per_channel", kernel="cutlass", devices="cuda",
     stages=(fp8.clear_input_scale, fp8.quantize_per_channel_stage) + _CUTLASS_TAIL,
     checkpoint=_ONLINE_CHECKPOINT, match=_match_cutlass,
     description="online per-channel (PTPC) FP8 on CUTLASS: quantize per row, transpose, "
                 "record N, pad K/N to 16 and the (N, 1) scale with 1.0."))
 
 PER_BLOCK = register(Plan(
-    method="fp8_per_block", kernel="cutlass_block",
+    method="fp8_per_block", kernel="cutlass_block", devices="cuda",
     stages=(fp8.clear_input_scale, fp8.quantize_per_block),
     checkpoint=_ONLINE_CHECKPOINT, match=_match_cutlass_block,
     description="online 128x128 block FP8 on CUTLASS block-scaled mm: weight (N, K) fp8, "
@@ -158,27 +158,27 @@ _SERIALIZED = (fp8.process_weight_strategy, fp8.reduce_input_scale, fp8.clear_in
     + _CUTLASS_TAIL
 
 CT_CUTLASS = register(Plan(
-    method="ct_w8a8_fp8", kernel="cutlass",
+    method="ct_w8a8_fp8", kernel="cutlass", devices="cuda",
     stages=_SERIALIZED, checkpoint=_SERIALIZED_CHECKPOINT, match=_match_ct_cutlass_v1,
     description="compressed-tensors W8A8 FP8 (tensor/channel) on CUTLASS (vLLM 0.32): "
                 "max-scale requantization into a new tensor (tensor), transpose, input "
                 "scale, record N, pad K/N to 16."))
 
 CT_CUTLASS_V2 = register(Plan(
-    method="ct_w8a8_fp8", kernel="cutlass", version=2,
+    method="ct_w8a8_fp8", kernel="cutlass", devices="cuda", version=2,
     stages=_SERIALIZED[:3] + (fp8.set_processed_weight_dims,) + _CUTLASS_TAIL,
     checkpoint=_SERIALIZED_CHECKPOINT, match=_match_ct_cutlass_v2,
     description="compressed-tensors W8A8 FP8 (tensor/channel) on CUTLASS (vLLM 0.33): as "
                 "@1, plus layer.processed_weight_dims = (0, 1)."))
 
 SERIALIZED_CUTLASS = register(Plan(
-    method="fp8", kernel="cutlass",
+    method="fp8", kernel="cutlass", devices="cuda",
     stages=_SERIALIZED, checkpoint=_SERIALIZED_CHECKPOINT, match=_match_cutlass,
     description="serialized FP8 (Fp8LinearMethod) on CUTLASS, including the logical output "
                 "width that vLLM 0.32's pre-processed branch forgets."))
 
 SERIALIZED_BLOCK = register(Plan(
-    method="fp8", kernel="cutlass_block",
+    method="fp8", kernel="cutlass_block", devices="cuda",
     stages=(fp8.clear_input_scale,),
     checkpoint=frozenset({"weight", "weight_scale_inv", "bias"}), match=_match_cutlass_block,
     description="serialized block FP8 on CUTLASS block-scaled mm: bytes unchanged, "
@@ -188,7 +188,7 @@ _FP8_MARLIN = (marlin.repack_fp8_weight, marlin.permute_fp8_scales, fp8.drop_inp
                marlin.permute_bias)
 
 CT_MARLIN = register(Plan(
-    method="ct_w8a8_fp8", kernel="fp8_marlin",
+    method="ct_w8a8_fp8", kernel="fp8_marlin", devices="cuda",
     stages=_FP8_MARLIN, checkpoint=_SERIALIZED_CHECKPOINT, match=_match_ct_marlin_v1,
     description="compressed-tensors FP8 weight-only on Marlin (W8A16, vLLM 0.32): weight "
                 "packed to int32 and repacked (Kp/16, 4Np), scales to channel (1, Np) in "
@@ -196,13 +196,13 @@ CT_MARLIN = register(Plan(
                 "permuted."))
 
 CT_MARLIN_V2 = register(Plan(
-    method="ct_w8a8_fp8", kernel="fp8_marlin", version=2,
+    method="ct_w8a8_fp8", kernel="fp8_marlin", devices="cuda", version=2,
     stages=(fp8.set_processed_weight_dims,) + _FP8_MARLIN, checkpoint=_SERIALIZED_CHECKPOINT,
     match=_match_ct_marlin_v2,
     description="compressed-tensors FP8 weight-only on Marlin (W8A16, vLLM 0.33): as @1, "
                 "plus layer.processed_weight_dims = (0, 1)."))
 
 SERIALIZED_MARLIN = register(Plan(
-    method="fp8", kernel="fp8_marlin",
+    method="fp8", kernel="fp8_marlin", devices="cuda",
     stages=_FP8_MARLIN, checkpoint=_SERIALIZED_CHECKPOINT, match=_match_fp8_marlin,
     description="serialized per-tensor FP8 weight-only on Marlin (no native FP8)."))

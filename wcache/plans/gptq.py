@@ -21,7 +21,7 @@ def _match(config: LayerConfig, target: Target) -> str | None:
 
 
 CPU_WNA16 = register(Plan(
-    method="gptq", kernel="cpu_wna16",
+    method="gptq", kernel="cpu_wna16", devices="cpu",
     stages=(gptq.drop_zero_points, gptq.clear_zero_points, cpu_wna16.set_use_w4a8,
             cpu_wna16.set_isa_hint("scales"), cpu_wna16.repack("qweight")),
     checkpoint={"qweight", "qzeros", "scales", "bias"}, match=_match,

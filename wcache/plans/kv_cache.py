@@ -15,7 +15,7 @@ def _match(config: LayerConfig, target: Target) -> str | None:
 
 
 SCALES = register(Plan(
-    method="kv_cache", kernel="scales",
+    method="kv_cache", kernel="scales", devices=("cpu", "cuda"),
     stages=(kv_cache.select_scales, kv_cache.set_scale_floats, alloc_kv_cache_placeholder),
     checkpoint=set(kv_cache.SCALE_PARAMS + kv_cache.SCALE_BUFFERS), match=_match,
     description="KV-cache scales: the daemon computes the final _k/_v/_q/_prob_scale "
@@ -25,7 +25,7 @@ SCALES = register(Plan(
 
 
 CT_SCALES = register(Plan(
-    method="ct_kv_cache", kernel="scales",
+    method="ct_kv_cache", kernel="scales", devices=("cpu", "cuda"),
     stages=(kv_cache.ct_register_scales, kv_cache.ct_set_scale_floats,
             kv_cache.ct_copy_host_scales, alloc_kv_cache_placeholder),
     checkpoint=set(kv_cache.CT_SCALE_PARAMS + kv_cache.CT_ZERO_POINTS + kv_cache.CT_BUFFERS),

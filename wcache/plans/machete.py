@@ -45,7 +45,7 @@ def _match_gptq(config: LayerConfig, target: Target) -> str | None:
 
 
 AWQ = register(Plan(
-    method="awq", kernel="machete",
+    method="awq", kernel="machete", devices="cuda",
     stages=(awq.convert_to_standard, machete.prepack_stage("qweight"),
             machete.fold_zero_points_stage("qzeros", "scales")),
     checkpoint=_CHECKPOINT_GPTQ, match=_match,
@@ -53,14 +53,14 @@ AWQ = register(Plan(
                 "(machete_prepack_B), zero points folded into -scale * zp [K/G, N]."))
 
 GPTQ = register(Plan(
-    method="gptq", kernel="machete",
+    method="gptq", kernel="machete", devices="cuda",
     stages=(machete.prepack_stage("qweight"),),
     checkpoint=_CHECKPOINT_GPTQ, match=_match_gptq,
     description="GPTQ symmetric int4/int8 on Machete (sm90): weight prepacked "
                 "(machete_prepack_B); scales and qzeros kept as loaded."))
 
 CT_W4A16 = register(Plan(
-    method="ct_w4a16", kernel="machete",
+    method="ct_w4a16", kernel="machete", devices="cuda",
     stages=(machete.prepack_stage("weight_packed", n_major=True),
             machete.permute_scales_stage("weight_scale"),
             machete.fold_zero_points_stage("weight_zero_point", "weight_scale")),

@@ -78,7 +78,7 @@ def _match_ct(config: LayerConfig, target: Target) -> str | None:
 
 
 AWQ = register(Plan(
-    method="awq", kernel="marlin",
+    method="awq", kernel="marlin", devices="cuda",
     stages=(awq.convert_to_standard, marlin.permute_zero_points_stage("qzeros"),
             marlin.repack_stage("qweight"), marlin.permute_scales_stage("scales"),
             marlin.clear_input_global_scale, marlin.permute_bias),
@@ -88,7 +88,7 @@ AWQ = register(Plan(
                 "permuted, bias padded and permuted."))
 
 GPTQ = register(Plan(
-    method="gptq", kernel="marlin",
+    method="gptq", kernel="marlin", devices="cuda",
     stages=(marlin.empty_zero_points_stage("qzeros"), marlin.repack_stage("qweight"),
             marlin.permute_scales_stage("scales"), marlin.clear_input_global_scale,
             marlin.permute_bias),
@@ -97,7 +97,7 @@ GPTQ = register(Plan(
                 "(Kp/16, Np*bits/2), scales padded and permuted, bias padded and permuted."))
 
 CT_W4A16 = register(Plan(
-    method="ct_w4a16", kernel="marlin",
+    method="ct_w4a16", kernel="marlin", devices="cuda",
     stages=(marlin.permute_zero_points_stage("weight_zero_point", empty_if_symmetric=True),
             marlin.repack_stage("weight_packed", n_major=True),
             marlin.permute_scales_stage("weight_scale", n_major=True),

@@ -18,7 +18,7 @@ def _match(config: LayerConfig, target: Target) -> str | None:
 
 
 MARLIN = register(Plan(
-    method="mxfp8", kernel="marlin",
+    method="mxfp8", kernel="marlin", devices="cuda",
     stages=(mxfp8.quantize, fp8.clear_input_scale, marlin.repack_mxfp8_weight,
             marlin.permute_mxfp8_scales, marlin.permute_bias),
     checkpoint=frozenset({"weight", "bias"}), match=_match,

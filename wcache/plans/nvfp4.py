@@ -33,7 +33,7 @@ def _reason(config: LayerConfig, target: Target, kind: str) -> str | None:
 
 
 LINEAR = register(Plan(
-    method="modelopt_fp4", kernel="cutlass",
+    method="modelopt_fp4", kernel="cutlass", devices="cuda",
     stages=(nvfp4.validate_loaded, nvfp4.reduce_weight_scale_2, nvfp4.reduce_input_scale,
             nvfp4.compute_alpha, nvfp4.set_is_w4a16_nvfp4, nvfp4.swizzle_scales,
             nvfp4.pad_weight),
@@ -43,7 +43,7 @@ LINEAR = register(Plan(
                 "block scales swizzled (no .cuda()), weight padded to 32."))
 
 MOE = register(Plan(
-    method="modelopt_fp4", kernel="cutlass_moe",
+    method="modelopt_fp4", kernel="cutlass_moe", devices="cuda",
     stages=(nvfp4.select_w13_weight_scale_2, nvfp4.reduce_w13_input_scale,
             nvfp4.swizzle_moe_scales, nvfp4.fuse_moe_activation_scale, nvfp4.set_moe_dims),
     checkpoint=frozenset({"w13_weight", "w13_weight_scale", "w13_weight_scale_2",

@@ -30,10 +30,8 @@ from wcache.plans.registry import register
 from wcache.stages import cpu_gemm, onednn
 
 _LAYER_KINDS = ("linear", "embedding")
-#: Branches vLLM can take that wcache has no plan for, and why.
+#: Branches vLLM can take that wcache has no plan for, and why (SGL has one: :data:`SGL`).
 _UNPLANNED = {
-    GEMM_SGL: "vLLM picks the AMX SGL kernel (convert_weight_packed, a VNNI byte repack "
-           "held in a closure) for this weight",
     GEMM_ZENTORCH: "vLLM picks zentorch_linear_unary (zentorch's own weight prepack) for "
                 "this weight; wcache has no plan for it yet",
 }
@@ -87,13 +85,15 @@ def _match_cpu_branch(branch: str) -> functools.partial:
 
 
 NONE_CUDA = register(Plan(
-    method="unquantized", kernel="none", stages=(), checkpoint={"weight", "bias"},
+    method="unquantized", kernel="none", devices="cuda", stages=(),
+    checkpoint={"weight", "bias"},
     match=_match_cuda,
     description="Unquantized linear/embedding on CUDA: vLLM does no post-load work; "
                 "the loaded weight is exported and restore replays nothing."))
 
 ONEDNN = register(Plan(
-    method="unquantized", kernel="onednn", stages=(onednn.prepack_weight,),
+    method="unquantized", kernel="onednn", devices="cpu",
+    stages=(onednn.prepack_weight,),
     checkpoint={"weight", "bias"}, match=_match_cpu_branch(GEMM_ONEDNN),
     description="Unquantized linear/embedding on CPU where vLLM's dispatch builds a oneDNN "
                 "handle: the loaded weight is exported; restore rebuilds the private "
@@ -102,7 +102,8 @@ ONEDNN = register(Plan(
                 "time, not RAM (oneDNN holds a copy)."))
 
 TORCH_LINEAR = register(Plan(
-    method="unquantized", kernel="torch_linear", stages=(cpu_gemm.bind_torch_linear,),
+    method="unquantized", kernel="torch_linear", devices="cpu",
+    stages=(cpu_gemm.bind_torch_linear,),
     checkpoint={"weight", "bias"}, match=_match_cpu_branch(GEMM_TORCH_LINEAR),
     description="Unquantized linear/embedding on CPU where oneDNN refuses the dtype and "
                 "vLLM's dispatch falls back to F.linear (bf16/fp16 on AVX2 hosts, fp16 on "
@@ -110,7 +111,7 @@ TORCH_LINEAR = register(Plan(
                 "binds layer.cpu_linear and rebuilds nothing (truly zero-copy)."))
 
 SGL = register(Plan(
-    method="unquantized", kernel="sgl",
+    method="unquantized", kernel="sgl", devices="cpu",
     stages=(cpu_gemm.pack_sgl_weight, cpu_gemm.cast_bias_to_float32, cpu_gemm.bind_sgl_linear),
     checkpoint={"weight", "bias"}, match=_match_cpu_branch(GEMM_SGL),
     description="Unquantized linear on CPU where vLLM picks the AMX SGL kernel (small "
