@@ -1,0 +1,3 @@
+"""Multimodal entries of :mod:`wcache.testing.tiny_models` (placeholder)."""
+
+from __future__ import annotations
