@@ -74,6 +74,9 @@ MOE_INTERMEDIATE_PADDED = 96
 #: Context the engines use is 512 tokens; 2048 leaves room and keeps rope tables small.
 MAX_POSITIONS = 2048
 STAMP_FILE = fx.STAMP_FILE
+#: vLLM's FP8 block (``weight_block_size`` [128, 128]): the base of the block-quantized
+#: MoE fixture has every quantized dimension a multiple of it.
+FP8_BLOCK = 128
 #: GPT-OSS's config fixes YaRN (factor 32 over 4096 original positions): the
 #: context it implies; a smaller one makes transformers warn of a mismatch.
 GPT_OSS_POSITIONS = 131072
@@ -204,6 +207,10 @@ _ENTRIES = (
         head_dim=HEAD_DIM, sliding_window=None), note="8 experts of 96 (padded)"),
     _arch("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", "moe",
           _dense(head_dim=HEAD_DIM, **_MOE_QWEN), note="6 experts (not a power of two) of 96"),
+    _arch("qwen3_moe_128", "qwen3_moe", "Qwen3MoeForCausalLM", "moe", _dense(
+        heads=4, kv_heads=2, head_dim=HEAD_DIM, **{**_MOE_QWEN, "num_experts": 8,
+                                                   "moe_intermediate_size": FP8_BLOCK}),
+          note="hidden 256, 8 experts of 128: every dim a multiple of the FP8 block"),
     _arch("qwen2_moe", "qwen2_moe", "Qwen2MoeForCausalLM", "moe", _dense(
         moe_intermediate_size=MOE_INTERMEDIATE_PADDED, num_experts=12, num_experts_per_tok=2,
         shared_expert_intermediate_size=2 * MOE_INTERMEDIATE_PADDED, norm_topk_prob=False),
