@@ -18,9 +18,9 @@ Families:
   intermediate size that is not a multiple of 128 (96), expert counts that are not
   powers of two (6, 12), a shared expert (Qwen2-MoE).
 * ``mla``: DeepSeek-V2/V3 (multi-head latent attention, ``kv_lora_rank`` 128).
-* ``multimodal``: Qwen2.5-VL, LLaVA (CLIP tower) and Gemma 3 (SigLIP tower), with
-  their image processor and processor config saved and the image tokens added to
-  SmolLM2's tokenizer.
+* ``multimodal``: reserved; no entry yet (Qwen2.5-VL, LLaVA and Gemma 3 with its
+  vision tower need an image processor and image tokens added to SmolLM2's
+  tokenizer: not built yet).
 
 :mod:`wcache.testing.moe_fixtures` writes the serialized FP8 versions of the MoE
 models; :mod:`wcache.testing.arch_sweep` runs each through the four-load acceptance.
@@ -236,8 +236,7 @@ _ENTRIES = (
           note="MLA with q_lora, sigmoid router with e_score_correction_bias"),
 )
 
-#: name -> :class:`Arch`; the multimodal entries are added by
-#: :mod:`wcache.testing.tiny_multimodal` below.
+#: name -> :class:`Arch`.
 ARCHS: dict[str, Arch] = {a.name: a for a in _ENTRIES}
 
 
@@ -247,14 +246,9 @@ def arch(name: str) -> Arch:
     Raises:
         FixtureError: no such architecture.
     """
-    _load_multimodal()
     if name not in ARCHS:
         raise FixtureError(f"unknown architecture {name!r}; choose from {sorted(ARCHS)}")
     return ARCHS[name]
-
-
-def _load_multimodal() -> None:
-    from wcache.testing import tiny_multimodal  # noqa: F401,PLC0415  (registers entries)
 
 
 def tokenizer_dir(out: str | os.PathLike | None = None) -> Path:
@@ -328,8 +322,7 @@ def build_arch(name: str, out: str | os.PathLike | None = None, *,
     """Build (or reuse) the bf16 tiny checkpoint of architecture ``name``.
 
     Returns:
-        Its folder (``config.json``, ``model.safetensors``, the tokenizer files; for
-        multimodal entries also ``preprocessor_config.json`` / ``processor_config.json``).
+        Its folder (``config.json``, ``model.safetensors``, the tokenizer files).
 
     Raises:
         FixtureError: unknown architecture, or transformers saved another architecture.
@@ -340,19 +333,13 @@ def build_arch(name: str, out: str | os.PathLike | None = None, *,
         return final
     tok_dir = tokenizer_dir(out)
     with fx.atomic_folder(final) as tmp:
-        if a.family == "multimodal":
-            from wcache.testing.tiny_multimodal import write_multimodal  # noqa: PLC0415
-
-            write_multimodal(a, tmp, tok_dir)
-        else:
-            _write_text_model(a, tmp, tok_dir)
+        _write_text_model(a, tmp, tok_dir)
         (tmp / STAMP_FILE).write_text(json.dumps(_stamp(a, "bf16"), sort_keys=True) + "\n")
     return final
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: build the named architectures (default: all) and print their folders."""
-    _load_multimodal()
     ap = argparse.ArgumentParser(prog="python -m wcache.testing.tiny_models",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--archs", default="", help="comma-separated registry names (default all)")
