@@ -32,7 +32,7 @@ USER_VISIBLE = {
     "plan-missing": "NoPlan", "transport-failed": "TransportFailed",
     "guard-failed": "RestoreWroteSharedTensor", "checkpoint-changed": "CheckpointChanged",
     "model-mismatch": "ModelMismatch", "arena-invalidated": "ArenaInvalidated",
-    "recorded-mismatch": "RecordedMismatch",
+    "recorded-mismatch": "RecordedMismatch", "update-unsupported": "UpdateUnsupported",
 }
 
 

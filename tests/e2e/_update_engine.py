@@ -1,11 +1,21 @@
-"""One vLLM CPU engine (in process) that goes through vLLM's weight-update paths
-step by step and prints one JSON line: the greedy tokens after each step.
+"""One vLLM engine (in process) that goes through vLLM's weight-update paths
+step by step and prints one JSON line: the greedy tokens after each step, each
+step's error code (a refused update), the parameters whose ``data_ptr()`` a step
+changed, and the engine's transport and CUDA-graph / compile modes.
 
-Run by tests/e2e/test_weight_updates_e2e.py, once with ``load_format="auto"`` and
-once restored from a daemon (``wcache``, fallback off), so that both engines get
-the very same updates:
+Run by tests/e2e/test_weight_updates_e2e.py (CPU, eager) and
+tests/gpu_engine/test_weight_updates_graphs.py (CUDA, with CUDA graphs and
+torch.compile), once with ``load_format="auto"`` and once restored from a daemon
+(``wcache``, fallback off), so that both engines get the very same updates:
 
-    python tests/e2e/_update_engine.py --model DIR --load-format wcache --extra '{...}'
+    python tests/e2e/_update_engine.py --model DIR --load-format wcache --extra '{...}' \
+        [--device cuda --mode graphs|compiled] [--steps baseline]
+
+``--mode``: ``eager`` (``enforce_eager=True``), ``graphs`` (CUDA graphs without
+torch.compile: compilation mode ``NONE``, ``cudagraph_mode`` ``FULL``) or
+``compiled`` (vLLM's CUDA defaults: torch.compile and piecewise + full graphs).
+``--device cuda`` adds the tier's engine options (TRITON_ATTN, a fixed 1 GiB KV
+cache, a small ``gpu_memory_utilization``: wcache.testing.engine_acceptance).
 
 Steps (each followed by a greedy generation):
 
@@ -51,19 +61,72 @@ def _checkpoint_tensor(model_dir: str, name: str):
         return f.get_tensor(name)
 
 
+STEPS = ("baseline", "load_weights", "reload_iterator", "reload_kernel_format", "reload_disk")
+#: CPU engines' share of memory (vLLM's CPU worker sizes its KV cache from it).
+CPU_MEMORY_UTILIZATION = 0.2
+
+
+def _engine_kwargs(device: str, mode: str) -> dict:
+    """``LLM`` keyword arguments for the device and the graph/compile mode."""
+    kwargs: dict = {"enforce_eager": mode == "eager"}
+    if mode == "graphs":
+        kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL"}  # 0: NONE
+    if device == "cuda":
+        from wcache.testing.engine_acceptance import (  # noqa: PLC0415
+            ATTENTION_BACKEND, GPU_MEMORY_UTILIZATION, KV_CACHE_BYTES,
+        )
+
+        kwargs.update(attention_backend=ATTENTION_BACKEND, kv_cache_memory_bytes=KV_CACHE_BYTES,
+                      gpu_memory_utilization=GPU_MEMORY_UTILIZATION)
+    else:
+        kwargs["gpu_memory_utilization"] = CPU_MEMORY_UTILIZATION
+    return kwargs
+
+
+def _model(worker):
+    return worker.model_runner.get_model()  # unwraps vLLM's CUDA-graph wrapper
+
+
+def _ptrs(worker) -> dict[str, int]:
+    return {n: p.data_ptr() for n, p in _model(worker).named_parameters()}
+
+
+def _engine_info(worker) -> dict:
+    from wcache.vllm import compat  # noqa: PLC0415
+
+    att = compat.attachment_of(_model(worker))
+    cfg = worker.model_runner.vllm_config.compilation_config
+    return {"transport": getattr(att, "transport", None),
+            "cudagraph_mode": getattr(cfg.cudagraph_mode, "name", str(cfg.cudagraph_mode)),
+            "compilation_mode": getattr(cfg.mode, "name", str(cfg.mode))}
+
+
+def _error_code(exc: BaseException) -> str:
+    """The wcache reason code of a refused update (vLLM may re-raise it wrapped)."""
+    code = getattr(exc, "code", None)
+    if code:
+        return str(code)
+    return "update-unsupported" if "update-unsupported" in str(exc) or \
+        type(exc).__name__ == "UpdateUnsupported" else type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--extra", default="{}")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--mode", choices=("eager", "graphs", "compiled"), default="eager")
+    ap.add_argument("--steps", default=",".join(STEPS),
+                    help=f"comma-separated, in order, from {STEPS}")
     args = ap.parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # collective_rpc with a callable
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm import LLM, SamplingParams  # noqa: PLC0415
 
     llm = LLM(model=args.model, dtype="bfloat16", load_format=args.load_format,
-              model_loader_extra_config=json.loads(args.extra), enforce_eager=True,
-              gpu_memory_utilization=0.2, max_model_len=512, max_num_seqs=1, seed=0)
+              model_loader_extra_config=json.loads(args.extra), max_model_len=512,
+              max_num_seqs=1, seed=0, **_engine_kwargs(args.device, args.mode))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
     def generate() -> list[list[int]]:
@@ -73,14 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     norm1 = _norm_weight(SEED)
     down = -_checkpoint_tensor(args.model, "model.layers.0.mlp.down_proj.weight")
     norm2, norm3 = _norm_weight(SEED + 1), _norm_weight(SEED + 2)
-    steps = {"baseline": generate()}
-    llm.collective_rpc(lambda w: w.model_runner.model.load_weights(
-        [("model.norm.weight", norm1)]))
-    steps["load_weights"] = generate()
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [
-        ("model.layers.0.mlp.down_proj.weight", down),
-        ("model.layers.0.input_layernorm.weight", norm2)]})
-    steps["reload_iterator"] = generate()
 
     def kernel_format_reload(worker) -> None:
         import torch  # noqa: PLC0415
@@ -93,11 +148,31 @@ def main(argv: list[str] | None = None) -> int:
                 weights_iterator=[("model.layers.1.post_attention_layernorm.weight", norm3)],
                 is_checkpoint_format=False)
 
-    llm.collective_rpc(kernel_format_reload)
-    steps["reload_kernel_format"] = generate()
-    llm.collective_rpc("reload_weights")
-    steps["reload_disk"] = generate()
-    print(json.dumps({"steps": steps}), flush=True)
+    updates = {
+        "load_weights": lambda: llm.collective_rpc(lambda w: _model(w).load_weights(
+            [("model.norm.weight", norm1)])),
+        "reload_iterator": lambda: llm.collective_rpc("reload_weights", kwargs={
+            "weights_iterator": [("model.layers.0.mlp.down_proj.weight", down),
+                                 ("model.layers.0.input_layernorm.weight", norm2)]}),
+        "reload_kernel_format": lambda: llm.collective_rpc(kernel_format_reload),
+        "reload_disk": lambda: llm.collective_rpc("reload_weights"),
+    }
+    out: dict = {"steps": {}, "errors": {}, "ptrs_changed": {},
+                 "engine": llm.collective_rpc(_engine_info)[0]}
+    for step in args.steps.split(","):
+        if step not in STEPS:
+            raise SystemExit(f"unknown step {step!r}; steps: {STEPS}")
+        before = llm.collective_rpc(_ptrs)[0]
+        if step != "baseline":
+            try:
+                updates[step]()
+            except Exception as exc:  # noqa: BLE001  (a refused update: recorded, the engine serves on)
+                out["errors"][step] = _error_code(exc)
+                print(f"{step}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        after = llm.collective_rpc(_ptrs)[0]
+        out["ptrs_changed"][step] = sorted(n for n in before if after.get(n) != before[n])
+        out["steps"][step] = generate()
+    print(json.dumps(out), flush=True)
     return 0
 
 

@@ -51,7 +51,11 @@ def _run(model: Path, load_format: str, extra: dict) -> dict:
         out = proc.stdout + proc.stderr
         raise AssertionError(f"{load_format} engine exited {proc.returncode}\n"
                              f"{first_traceback(out) or ''}\n" + "\n".join(out.splitlines()[-25:]))
-    return json.loads(lines[-1])["steps"]
+    result = json.loads(lines[-1])
+    if result["errors"]:  # the script records a failed update and goes on: not here
+        raise AssertionError(f"{load_format} engine: updates failed: {result['errors']}\n"
+                             + "\n".join(proc.stderr.splitlines()[-25:]))
+    return result["steps"]
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ COMPAT = VLLM_PKG / "compat"
 #: (module, function, written expression) -> why the write stays outside compat.
 #: Only what cannot move: each entry is checked to still exist (a stale entry fails).
 ALLOWED_WRITES = {
-    ("wcache/vllm/loader.py", "_privatize_", "t.data"):
+    ("wcache/vllm/loader.py", "_clone_privatize_", "t.data"):
         "torch's own API (Tensor.data) swapping a parameter's storage for a private "
         "copy, keeping the Parameter object vLLM's layers reference; a torch tensor, "
         "not a vLLM attribute",

@@ -184,6 +184,12 @@ class Attachment:
         copy_on_write: True once :meth:`allow_private_writes_` made a CPU
             ``zero_copy`` mapping copy-on-write (a write then lands in this
             process's own copy of the page; the daemon's bytes never change).
+        keeps_addresses_on_write: whether private writes keep every tensor's
+            address (:meth:`allow_private_writes_` for ``shm`` and ``copy``,
+            :meth:`privatize_in_place_` for ``cuda_vmm``): what CUDA graphs
+            and torch.compile need, as they hold addresses. False only for a
+            ``cuda_ipc`` ``zero_copy`` attachment, whose tensors can become
+            private only as new allocations (new addresses).
 
     Lifetime: every tensor view holds the mapping (its storage owns the mmap
     object or the CUDA mapping), so :meth:`close` only drops this object's
@@ -193,7 +199,7 @@ class Attachment:
 
     def __init__(self, manifest: Manifest, base: "torch.Tensor", mm: mmap.mmap | None, conn: Connection | None,
                  mode: str, transport: str = "shm", sock_path: str | None = None,
-                 key: CacheKey | None = None):
+                 key: CacheKey | None = None, vmm: Any = None):
         self.manifest = manifest
         self.mode = mode
         self.transport = transport
@@ -216,6 +222,10 @@ class Attachment:
         self.extra = dict(manifest.extra)
         self._entries = {e.name: e for e in manifest.tensors}
         self.copy_on_write = False
+        #: the cuda_vmm mapping (:class:`wcache.store.transport_vmm.VmmMapping`) of a
+        #: zero_copy attachment, for :meth:`privatize_in_place_`; None otherwise
+        self._vmm = vmm if mode == "zero_copy" else None
+        self.keeps_addresses_on_write = not (mode == "zero_copy" and transport == "cuda_ipc")
 
     @property
     def closed(self) -> bool:
@@ -295,7 +305,10 @@ class Attachment:
         Returns:
             True when writes are now private (CPU ``zero_copy``, or ``copy`` mode);
             False for a CUDA ``zero_copy`` attachment, whose mapping cannot be made
-            copy-on-write (the caller privatizes tensors before writing them).
+            copy-on-write: the caller privatizes before writing, with
+            :meth:`privatize_in_place_` (``cuda_vmm``: the addresses stay) or by
+            giving each tensor a new private copy (``cuda_ipc``: new addresses;
+            see :attr:`keeps_addresses_on_write`).
 
         Raises:
             Released: the attachment is closed.
@@ -314,6 +327,35 @@ class Attachment:
             self.copy_on_write = True
         return True
 
+    def privatize_in_place_(self) -> int:
+        """Make the whole arena this process's own, writable, at the same addresses
+        (a ``cuda_vmm`` ``zero_copy`` attachment:
+        :meth:`wcache.store.transport_vmm.VmmMapping.privatize_`): tensors, CUDA
+        graphs and compiled code keep their addresses and see later writes; the
+        daemon's memory is never written. The whole mapping is copied at once
+        (``cuMemMap`` maps whole allocations only), on the first call; later
+        calls copy nothing.
+
+        Returns:
+            bytes copied (the mapping's size on the first call, then 0).
+
+        Raises:
+            Released: the attachment is closed.
+            TransportFailed: not a ``cuda_vmm`` ``zero_copy`` attachment (``shm``
+                and ``copy`` use :meth:`allow_private_writes_`; ``cuda_ipc`` cannot
+                keep addresses), or a driver call failed (the read-only mapping is
+                left in place).
+        """
+        if self._base is None:
+            raise Released("this attachment was closed")
+        if self._vmm is None:
+            raise TransportFailed(f"privatize_in_place_ needs a cuda_vmm zero_copy attachment, "
+                                  f"this one is {self.transport} {self.mode}")
+        copied = self._vmm.privatize_()
+        if copied:
+            self.writable = True
+        return copied
+
     def close(self) -> None:
         """Drop this attachment's references to the mapping and tell the daemon.
         Idempotent.
@@ -327,6 +369,7 @@ class Attachment:
             return
         self._tensors = {}
         self._base = None
+        self._vmm = None  # the views' storages keep the mapping alive
         self._mm = None  # never mmap.close(): that would unmap under live views
         if self._conn is not None:
             with contextlib.suppress(StoreError, OSError):
@@ -403,7 +446,7 @@ def attach(key: CacheKey, socket_dir: str | None = None, device: str = "cpu", de
         device_id = paths.default_device_id(kind, index)
     sock_path = paths.socket_path(socket_dir, device_id)
     conn = Connection(sock_path, connect_timeout_s, reply_timeout_s=connect_timeout_s)
-    mm = base = None
+    mm = base = vmm = None
     try:
         daemon_device = conn.hello.get("device")
         if daemon_device != kind:
@@ -434,7 +477,7 @@ def attach(key: CacheKey, socket_dir: str | None = None, device: str = "cpu", de
             from wcache.store.transport_vmm import open_vmm
 
             local = _local_cuda_index(conn.hello.get("device_uuid"), index)
-            base = open_vmm(handle, fds, manifest.arena_nbytes, local)
+            base, vmm = open_vmm(handle, fds, manifest.arena_nbytes, local)
         else:
             from wcache.store.transport_cuda import open_cuda
 
@@ -449,15 +492,15 @@ def attach(key: CacheKey, socket_dir: str | None = None, device: str = "cpu", de
             private.copy_(base)
             del base
             base = private
-            mm = None  # the last reference: unmapped here
+            mm = vmm = None  # the last reference: unmapped here
             with contextlib.suppress(StoreError, OSError):
                 conn.request({"op": "release"})
             conn.close()
             conn = None
         att = Attachment(manifest, base, mm, conn, mode, transport=str(transport), sock_path=sock_path,
-                         key=key)
+                         key=key, vmm=vmm)
     except BaseException:
-        base = mm = None  # unmapped once no view is left (none escaped this function)
+        base = mm = vmm = None  # unmapped once no view is left (none escaped this function)
         if conn is not None:
             conn.close()
         raise

@@ -14,6 +14,14 @@ illegal-address error in that engine) instead of rewriting every engine's
 weights. The imported handle holds its own reference to the physical memory,
 so a client keeps its weights when the daemon dies (even by SIGKILL).
 
+Private writes keep the address (:meth:`VmmMapping.privatize_`): on the first
+weight update the engine maps a private physical allocation, holding a copy of
+the daemon's bytes, at the *same* virtual address range, read-write. Tensors,
+CUDA graphs captured on them and torch.compile'd code keep reading and writing
+the same addresses; the daemon's memory is never written. ``cuMemMap``'s
+``offset`` must be zero, so the whole mapping (the whole arena) is privatized at
+once, costing the arena's size in this engine's device memory.
+
 The mapping is wrapped as a ``[size]`` uint8 torch tensor through
 ``__cuda_array_interface__``; torch keeps the wrapping :class:`VmmMapping`
 alive for as long as any storage made from it lives, and the mapping is
@@ -26,7 +34,8 @@ they are missing or the driver does not support POSIX-fd handles,
 back to ``cuda_ipc``.
 
 Source: CUDA Driver API, Virtual Memory Management (cuMemCreate,
-cuMemExportToShareableHandle, cuMemImportFromShareableHandle, cuMemSetAccess);
+cuMemExportToShareableHandle, cuMemImportFromShareableHandle, cuMemSetAccess,
+cuMemMap/cuMemUnmap: "the offset ... must be zero");
 NVIDIA cuda-samples ``memMapIPCDrv``.
 """
 
@@ -159,6 +168,48 @@ class VmmMapping:
             raise TransportFailed("torch copied the VMM mapping instead of wrapping it")
         return t
 
+    def privatize_(self) -> int:
+        """Replace the read-only import at this mapping's address by a private,
+        writable copy, *keeping the address*: later writes land in this process's
+        own memory, and every tensor view, captured CUDA graph and compiled kernel
+        that holds the address sees them. The daemon's memory is never written.
+
+        ``cuMemMap`` maps a physical allocation only as a whole (its ``offset``
+        must be zero), so the whole mapping is privatized at once: ``size`` bytes
+        of device memory allocated and copied (device to device), once.
+        Idempotent: a private mapping returns 0 and copies nothing.
+
+        Steps (:func:`_remap_private`): synchronize the context; ``cuMemCreate``
+        a private allocation of ``size`` bytes; map it at a temporary address
+        range (read-write) and copy the mapping's bytes into it; synchronize;
+        ``cuMemUnmap`` the import at the real address; ``cuMemMap`` the private
+        allocation there, ``cuMemSetAccess`` read-write; drop the temporary range;
+        release the imported handle.
+
+        Returns:
+            bytes copied (``size``; 0 when already private).
+
+        Raises:
+            TransportFailed: the mapping was released, or a driver call failed.
+                Every failure before the real address is unmapped leaves the
+                read-only import mapped there, untouched; a failure after it
+                maps the import back (the message says if even that failed).
+        """
+        if not self.read_only:
+            return 0
+        cu = self._cu
+        if cu is None:
+            raise TransportFailed("this cuda_vmm mapping was released; attach again")
+        t0 = time.perf_counter()
+        with _lock, _in_context(cu, self.device_index):
+            self._handle = _remap_private(cu, self._handle, self.ptr, self.size,
+                                          self.device_index)
+        self.read_only = False
+        log.info("cuda_vmm: privatized the mapping at 0x%x in place: %.1f MiB copied into "
+                 "this process's own device memory in %.3f s (the address is unchanged)",
+                 self.ptr, self.size / 2**20, time.perf_counter() - t0)
+        return self.size
+
     def release(self) -> None:
         cu, self._cu = self._cu, None
         if cu is None:
@@ -192,6 +243,81 @@ def _map(cu, handle, size: int, device_index: int, read_only: bool) -> VmmMappin
         cu.cuMemAddressFree(ptr, size)
         raise
     return VmmMapping(cu, handle, int(ptr), size, device_index, read_only)
+
+
+def _remap_private(cu, imported, ptr: int, size: int, device_index: int):
+    """The driver calls of :meth:`VmmMapping.privatize_`, in the device's context.
+
+    Args:
+        cu: the driver bindings (``cuda.bindings.driver``).
+        imported: the handle mapped read-only at ``[ptr, ptr + size)``.
+        ptr, size: the mapping (``size`` a multiple of the granularity the
+            daemon allocated with, which :func:`_prop` reproduces).
+        device_index: the mapping's device.
+
+    Returns:
+        The private allocation's handle, now mapped read-write at ``ptr``
+        (``imported`` was released).
+
+    Raises:
+        TransportFailed: a driver call failed; ``ptr`` still maps ``imported``
+            read-only (or the message says that restoring it failed).
+    """
+    # kernels queued on any stream may still read the range: nothing may run on it
+    # while it is remapped
+    _check(cu, cu.cuCtxSynchronize(), "cuCtxSynchronize")
+    private = _check(cu, cu.cuMemCreate(size, _prop(cu, device_index), 0), "cuMemCreate")
+    tmp = None
+    tmp_mapped = False
+    swapped = False
+    try:
+        tmp = _check(cu, cu.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve")
+        _check(cu, cu.cuMemMap(tmp, size, 0, private, 0), "cuMemMap (temporary range)")
+        tmp_mapped = True
+        _check(cu, cu.cuMemSetAccess(tmp, size, [_access(cu, device_index, read_only=False)], 1),
+               "cuMemSetAccess (temporary range)")
+        _check(cu, cu.cuMemcpyDtoD(tmp, ptr, size), "cuMemcpyDtoD")
+        _check(cu, cu.cuCtxSynchronize(), "cuCtxSynchronize")
+        _check(cu, cu.cuMemUnmap(ptr, size), "cuMemUnmap (the read-only import)")
+        try:
+            _check(cu, cu.cuMemMap(ptr, size, 0, private, 0), "cuMemMap (the private copy)")
+            try:
+                _check(cu, cu.cuMemSetAccess(ptr, size, [_access(cu, device_index, False)], 1),
+                       "cuMemSetAccess (the private copy)")
+            except TransportFailed:
+                cu.cuMemUnmap(ptr, size)
+                raise
+        except TransportFailed as e:
+            _restore_import(cu, imported, ptr, size, device_index, e)
+            raise
+        swapped = True
+    finally:
+        if tmp is not None:
+            if tmp_mapped:
+                cu.cuMemUnmap(tmp, size)
+            cu.cuMemAddressFree(tmp, size)
+        if not swapped:
+            cu.cuMemRelease(private)
+    cu.cuMemRelease(imported)  # the daemon's memory: this process no longer maps it
+    return private
+
+
+def _restore_import(cu, imported, ptr: int, size: int, device_index: int,
+                    cause: TransportFailed) -> None:
+    """Map ``imported`` back read-only at ``ptr`` after a failed swap.
+
+    Raises:
+        TransportFailed: that failed too: the range is unmapped (this engine must
+            restart), chained to ``cause``.
+    """
+    try:
+        _check(cu, cu.cuMemMap(ptr, size, 0, imported, 0), "cuMemMap (restoring the import)")
+        _check(cu, cu.cuMemSetAccess(ptr, size, [_access(cu, device_index, True)], 1),
+               "cuMemSetAccess (restoring the import)")
+    except TransportFailed as e:
+        raise TransportFailed(f"privatizing the cuda_vmm mapping failed ({cause}) and mapping "
+                              f"the daemon's memory back failed too ({e}): the weights at "
+                              f"0x{ptr:x} are unmapped; restart this engine") from cause
 
 
 class VmmServing:
@@ -289,15 +415,17 @@ def build_vmm_arena(export, key, device_index: int):
     return serving, manifest
 
 
-def open_vmm(handle: dict[str, Any], fds: list[int], arena_nbytes: int, device_index: int) -> torch.Tensor:
+def open_vmm(handle: dict[str, Any], fds: list[int], arena_nbytes: int, device_index: int
+             ) -> tuple[torch.Tensor, VmmMapping]:
     """Client side: import the daemon's fd and map it read-only.
 
     The fd is closed once imported (the imported handle keeps the memory).
 
     Returns:
-        ``[size]`` uint8 tensor on ``cuda:<device_index>`` (``size`` >=
-        ``arena_nbytes``, rounded to the granularity); its storage holds the
-        :class:`VmmMapping`. A kernel writing it faults.
+        (``[size]`` uint8 tensor on ``cuda:<device_index>`` (``size`` >=
+        ``arena_nbytes``, rounded to the granularity), whose storage holds the
+        mapping; the :class:`VmmMapping`, for :meth:`VmmMapping.privatize_`).
+        A kernel writing the tensor faults until the mapping is privatized.
 
     Raises:
         TransportFailed: no fd, a bad handle, no cuda-python, or a driver error.
@@ -332,4 +460,4 @@ def open_vmm(handle: dict[str, Any], fds: list[int], arena_nbytes: int, device_i
     last_open_ms.update({name: round((t - prev) * 1e3, 3)
                          for (_, prev), (name, t) in zip(marks, marks[1:])})
     log.debug("open_vmm steps (ms): %s", last_open_ms)
-    return base
+    return base, mapping

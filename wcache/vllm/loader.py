@@ -37,7 +37,10 @@ After a successful restore, vLLM's weight updates (``model.load_weights`` throug
 ``collective_rpc``, ``reload_weights`` with an iterator, in kernel format or from
 disk) work: on CPU the mapping turns copy-on-write (each page an update writes
 becomes the engine's own, the daemon's bytes never change); on CUDA ``zero_copy``
-the tensors an update writes are copied first. vLLM's reload metadata is kept for
+over ``cuda_vmm`` the first update copies the arena into the engine at the same
+addresses (CUDA graphs and torch.compile see it); over ``cuda_ipc`` an eager
+engine copies the tensors an update writes, and an engine with CUDA graphs or
+torch.compile refuses the update (``update-unsupported``) before any write. vLLM's reload metadata is kept for
 this. Sleep mode and expert rebalancing on CUDA ``zero_copy`` are refused at load
 (``update-unsupported``). See docs/quickstart.md, "Mapped weights and weight updates".
 """
@@ -47,6 +50,7 @@ from __future__ import annotations
 import cProfile
 import collections
 import dataclasses
+import inspect
 import json
 import logging
 import math
@@ -262,10 +266,11 @@ def _update_refusal(vllm_config: VllmConfig, device: torch.device, opts: LoaderO
     return None
 
 
-def _privatize_(tensors: list[torch.Tensor], lo: int, hi: int) -> int:
+def _clone_privatize_(tensors: list[torch.Tensor], lo: int, hi: int) -> int:
     """Give each tensor whose data lies in the arena ``[lo, hi)`` its own copy
     (``t.data = t.data.clone()``: the same Parameter object, so tied aliases and
-    vLLM's references follow). Returns the bytes copied."""
+    vLLM's references follow, but a **new address**: only for an engine that runs
+    eagerly, see :func:`_install_update_hooks_`). Returns the bytes copied."""
     copied = 0
     for t in tensors:
         if t.numel() and lo <= t.data_ptr() < hi:
@@ -274,36 +279,150 @@ def _privatize_(tensors: list[torch.Tensor], lo: int, hi: int) -> int:
     return copied
 
 
-def _install_update_hooks_(model: torch.nn.Module, attachment: Any) -> None:
-    """Copy on write for a CUDA ``zero_copy`` model, whose mapping cannot be made
-    copy-on-write: before vLLM writes weights, the tensors it will write get private
-    copies, and the daemon's memory is never written.
+#: How many frames above :func:`_called_from_reload` vLLM's
+#: ``get_parameter_for_reload`` may be (the policy's callback, compat's
+#: ``get_submodule`` wrapper, then its caller; one spare).
+RELOAD_CALLER_DEPTH = 5
+#: vLLM's kernel-format ``reload_weights`` resolves each name through this function
+#: (the same in 0.32 and 0.33), then ``param.copy_``.
+RELOAD_CALLER = ("vllm.model_executor.model_loader.reload.inplace", "get_parameter_for_reload")
 
-    * ``model.load_weights`` (called directly through ``collective_rpc``, and by
-      ``reload_weights`` in checkpoint format): every mapped tensor of the model and
-      of a reload in progress is privatized first.
-    * ``model.get_submodule`` (``reload_weights(is_checkpoint_format=False)`` resolves
-      each name through it, then ``param.copy_``): that module's mapped tensors are
-      privatized first.
 
-    On CPU, tests/vllm/test_update_hooks.py checks both with a plain tensor standing in
-    for the mapping; the GPU tier restores through them.
+def _called_from_reload() -> bool:
+    """Whether vLLM's kernel-format reload (``get_parameter_for_reload``) is on the
+    stack just above the ``get_submodule`` hook: other callers (LoRA's module
+    replacement, weight tying) only read the module tree and must not trigger a
+    copy or a refusal."""
+    frame = inspect.currentframe()
+    for _ in range(RELOAD_CALLER_DEPTH):
+        frame = frame.f_back
+        if frame is None:
+            return False
+        if (frame.f_globals.get("__name__"), frame.f_code.co_name) == RELOAD_CALLER:
+            return True
+    return False
+
+
+#: What a weight update does, per policy of :func:`_install_update_hooks_` (a log line).
+_POLICY_NOTE = {
+    "in_place": "the first one copies the arena into this engine at the same addresses",
+    "refuse": "refused (update-unsupported): cuda_ipc with CUDA graphs or torch.compile",
+    "clone": "each one copies the tensors it writes (new addresses; eager engine)",
+}
+
+
+def _address_bound(vllm_config: VllmConfig) -> bool:
+    """Whether this engine's compiled code or captured CUDA graphs hold weight
+    addresses: not ``enforce_eager``, and torch.compile (:func:`_compiles`) or a
+    ``cudagraph_mode`` other than ``NONE``.
+
+    Source: vllm/config/compilation.py (``CompilationConfig.cudagraph_mode``,
+    ``CUDAGraphMode``), vllm/config/model.py (``enforce_eager``); 0.32 and 0.33.
+    """
+    if vllm_config.model_config.enforce_eager:
+        return False
+    if _compiles(vllm_config):
+        return True
+    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    return mode is not None and getattr(mode, "name", str(mode)) != "NONE"
+
+
+def _ipc_refusal() -> UpdateUnsupported:
+    return UpdateUnsupported(
+        "wcache: weight update refused before any tensor was written: this engine maps the "
+        "daemon's weights over cuda_ipc and runs CUDA graphs or torch.compile, which hold the "
+        "weights' addresses, and cuda_ipc memory can become private only at new addresses "
+        "(the graphs would keep computing with the old weights). The engine keeps serving "
+        "the weights it has. Fix: serve over cuda_vmm (the daemon's default where the "
+        "driver supports it; `wcache status` shows the transport), or set "
+        "model_loader_extra_config mode='copy', or run the engine with enforce_eager=True.")
+
+
+def _install_update_hooks_(model: torch.nn.Module, attachment: Any,
+                           address_bound: bool = False) -> str:
+    """Private writes for a CUDA ``zero_copy`` model, whose mapping cannot be made
+    copy-on-write: before vLLM first writes weights, the daemon's memory is replaced
+    by this engine's own; the daemon's memory is never written.
+
+    Per transport (``attachment.keeps_addresses_on_write``):
+
+    * ``cuda_vmm``: the whole arena is privatized in place, once
+      (:meth:`Attachment.privatize_in_place_`): every address stays, so CUDA graphs
+      and torch.compile'd code see the update.
+    * ``cuda_ipc`` with ``address_bound`` (graphs or torch.compile): the first write
+      raises :class:`UpdateUnsupported` before any tensor is touched; the engine
+      keeps serving the old weights.
+    * ``cuda_ipc`` eager: the tensors an update writes get private copies (new
+      addresses, which an eager engine reads afresh each step).
+
+    The hooks fire before each of vLLM's ways of writing:
+
+    * ``model.load_weights`` (called directly through ``collective_rpc``, by
+      vLLM 0.33's weight-transfer engines, and by ``reload_weights`` in checkpoint
+      format);
+    * the start of a checkpoint-format ``reload_weights`` (:func:`compat.hook_reload_start_`),
+      before vLLM moves the layers' tensors aside;
+    * ``model.get_submodule`` called by vLLM's kernel-format reload
+      (``get_parameter_for_reload``, then ``param.copy_``).
+
+    Returns:
+        ``"in_place"``, ``"refuse"`` or ``"clone"``: the policy installed.
+
+    On CPU, tests/vllm/test_update_hooks.py checks each policy with fakes standing in
+    for the mapping; tests/gpu_engine/test_weight_updates_graphs.py on the H200.
     """
     lo, hi = attachment.arena_range
 
-    def before_load_weights() -> None:
-        copied = _privatize_(list(model.parameters()) + list(model.buffers())
-                             + compat.reload_kernel_tensors(model), lo, hi)
-        if copied:
-            logger.info("wcache: weight update: %.1f MiB of mapped weights copied into the "
-                        "engine (copy on write)", copied / 2**20)
+    if attachment.keeps_addresses_on_write:
+        policy = "in_place"
 
-    def before_module_write(module: torch.nn.Module) -> None:
-        _privatize_(list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)),
-                    lo, hi)
+        def before_write() -> None:
+            copied = attachment.privatize_in_place_()
+            if copied:
+                logger.info("wcache: weight update: the mapped arena (%.1f MiB) copied into this "
+                            "engine's own device memory at the same addresses (cuda_vmm; "
+                            "outside vLLM's memory budget)", copied / 2**20)
 
+        def before_load_weights() -> None:
+            before_write()
+
+        def before_module_write(module: torch.nn.Module) -> None:
+            if _called_from_reload():
+                before_write()
+    elif address_bound:
+        policy = "refuse"
+
+        def before_write() -> None:
+            raise _ipc_refusal()
+
+        def before_load_weights() -> None:
+            before_write()
+
+        def before_module_write(module: torch.nn.Module) -> None:
+            if _called_from_reload():
+                before_write()
+    else:
+        policy = "clone"
+
+        def before_write() -> None:
+            pass  # the tensors are known only once vLLM set them aside (load_weights)
+
+        def before_load_weights() -> None:
+            copied = _clone_privatize_(list(model.parameters()) + list(model.buffers())
+                                       + compat.reload_kernel_tensors(model), lo, hi)
+            if copied:
+                logger.info("wcache: weight update: %.1f MiB of mapped weights copied into the "
+                            "engine (cuda_ipc, eager: new addresses)", copied / 2**20)
+
+        def before_module_write(module: torch.nn.Module) -> None:
+            if _called_from_reload():
+                _clone_privatize_(list(module.parameters(recurse=False))
+                                  + list(module.buffers(recurse=False)), lo, hi)
+
+    compat.hook_reload_start_(model, before_write)
     compat.wrap_weight_writers_(model, before_load_weights=before_load_weights,
                                 before_module_write=before_module_write)
+    return policy
 
 
 def _compiles(vllm_config: VllmConfig) -> bool:
@@ -581,7 +700,9 @@ class WcacheModelLoader(BaseModelLoader):
             # tensors: from here on they land in the engine's own pages (CPU), or
             # the tensors they touch are copied first (CUDA).
             if not attachment.allow_private_writes_():
-                _install_update_hooks_(model, attachment)
+                policy = _install_update_hooks_(model, attachment, _address_bound(vllm_config))
+                logger.info("wcache: weight updates on this %s engine: %s", attachment.transport,
+                            _POLICY_NOTE[policy])
         except Exception as exc:  # noqa: BLE001  (every failure takes the fallback rule)
             if attachment is not None:
                 if getattr(exc, "code", None) == "guard-failed":

@@ -71,6 +71,7 @@ from wcache.vllm.compat.attachment import (
     attachment_of,
     disk_load_engine_args_,
     keep_attachment_,
+    hook_reload_start_,
     wrap_weight_writers_,
 )
 from wcache.vllm.compat.class_table import (
@@ -147,5 +148,5 @@ __all__ = [
     "record_reload_metadata_", "registrations", "release", "reload_kernel_tensors",
     "set_reload_device_", "supported_releases", "sync_kernel_state_",
     "torch_accelerator_noops", "uses_online_quantization", "vllm_distribution",
-    "vllm_version", "without_reload_metadata", "wrap_weight_writers_",
+    "vllm_version", "without_reload_metadata", "wrap_weight_writers_", "hook_reload_start_",
 ]

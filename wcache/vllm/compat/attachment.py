@@ -71,3 +71,46 @@ def disk_load_engine_args_(engine_args: Any) -> Any:
     engine_args.load_format = "auto"
     engine_args.model_loader_extra_config = {}
     return engine_args
+
+
+def hook_reload_start_(model: torch.nn.Module, before: Callable[[], None]) -> bool:
+    """Run ``before()`` when vLLM starts a checkpoint-format ``reload_weights`` (with
+    an iterator, or from disk), before it touches any tensor.
+
+    vLLM's ``initialize_layerwise_reload`` moves every layer's tensors aside (onto
+    ``meta``) *before* it calls ``model.load_weights``, and asks each module's
+    ``LayerReloadingInfo.can_load()`` first, the root module's before any other: the
+    root's record is given a subclass whose ``can_load`` calls ``before`` at the
+    start of a reload (no kernel tensors set aside yet). A refusal raised there
+    leaves every layer as it was.
+
+    (wcache's private writes for a CUDA ``zero_copy`` model,
+    ``wcache.vllm.loader._install_update_hooks_``.)
+
+    Returns:
+        False when the model has no reload record (vLLM's reload then fails on its own).
+
+    Source: vllm/model_executor/model_loader/reload/layerwise.py::
+        initialize_layerwise_reload, LAYERWISE_INFO (the same in vLLM 0.32 and 0.33).
+    """
+    from vllm.model_executor.model_loader.reload import layerwise  # noqa: PLC0415
+
+    info = layerwise.LAYERWISE_INFO.get(model)
+    if info is None:
+        return False
+    base = type(info)
+
+    class _ReloadStartHook(base):  # type: ignore[misc, valid-type]
+        def can_load(self) -> bool:
+            if self.kernel_tensors is None and not base.can_load(self):
+                try:
+                    before()
+                except BaseException:
+                    # initialize_layerwise_reload set this just before asking us
+                    if "_original_do_torchao_reload" in vars(model):
+                        model._do_torchao_reload = vars(model).pop("_original_do_torchao_reload")
+                    raise
+            return base.can_load(self)
+
+    info.__class__ = _ReloadStartHook
+    return True
