@@ -22,6 +22,7 @@ from typing import Any
 
 import attrs
 
+from wcache.daemon.ranks import local_ranks
 from wcache.store import StoreError, daemon_status
 from wcache.store import paths
 
@@ -80,7 +81,6 @@ def engine_ready_spec(model: str, rest: list[str], *, tensor_parallel_size: int 
     Raises:
         ValueError: the ranks do not split over ``nnodes`` (as ``wcache serve``).
     """
-    from wcache.daemon.serve import local_ranks  # noqa: PLC0415
     from wcache.vllm.build import engine_model_config  # noqa: PLC0415
     from wcache.vllm.key import job_digest  # noqa: PLC0415
 

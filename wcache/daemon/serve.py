@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from wcache.daemon.ranks import local_ranks
 from wcache.vllm import build
 
 logger = logging.getLogger("wcache.daemon")
@@ -458,21 +459,6 @@ def _rank_main(rank: int, local_rank: int, world: int, model: str, rest: list[st
         except (ValueError, OSError):  # the queue was closed for a lean hand-off that failed
             pass
         raise
-
-
-def local_ranks(world: int, nnodes: int, node_rank: int) -> range:
-    """The global ranks one node's daemon hosts: vLLM places ranks node by node,
-    ``world // nnodes`` consecutive ranks per node.
-
-    Raises:
-        ValueError: ``world`` does not divide over ``nnodes`` or ``node_rank`` is out of range.
-    """
-    if nnodes < 1 or world % nnodes:
-        raise ValueError(f"{world} ranks (TP x PP) cannot be split over {nnodes} nodes")
-    if not 0 <= node_rank < nnodes:
-        raise ValueError(f"--node-rank {node_rank} is outside 0..{nnodes - 1}")
-    per_node = world // nnodes
-    return range(node_rank * per_node, (node_rank + 1) * per_node)
 
 
 def shm_needs(device_type: str, world: int, seeding: bool) -> list[tuple[int, str]]:
