@@ -96,6 +96,16 @@ def test_prepare_skips_allocate_and_derive():
     assert prepared.recorded == {"toy.set_width": {"width": 6}, "toy.set_isa": {"isa": "vec"}}
 
 
+def test_prepared_mappings_are_read_only():
+    """Prepared's tensors, attrs and recorded values (inner mappings too) refuse writes."""
+    prepared, _ = _exported(TOY, torch.ones(6, 8))
+    for mapping in (prepared.tensors, prepared.attrs, prepared.recorded,
+                    prepared.recorded["toy.set_width"]):
+        with pytest.raises(TypeError):
+            mapping["x"] = 1  # type: ignore[index]  # the write the proxy refuses
+    assert {"width": 6} == dict(prepared.recorded["toy.set_width"])
+
+
 def test_derive_release_keeps_shared_bytes_and_installs_placeholder():
     """A DERIVE release leaves an empty placeholder while the guard still checks the mapped bytes."""
     prepared, engine = _exported(TOY, torch.ones(6, 8))

@@ -322,9 +322,8 @@ class BoundPlan:
 def prepared_of(plan: Plan, state: LayerState) -> Prepared:
     """What the daemon keeps of ``state`` after a PREPARE run of ``plan``: the
     tensors to export, their buffer kinds, recorded values, drops and attrs."""
-    return Prepared(plan_id=plan.id, tensors=dict(state.tensors), buffers=state.buffers,
-                    recorded={k: dict(v) for k, v in state.recorded.items()},
-                    drops=state.drops, attrs=dict(state.attrs))
+    return Prepared(plan_id=plan.id, tensors=state.tensors, buffers=state.buffers,
+                    recorded=state.recorded, drops=state.drops, attrs=state.attrs)
 
 
 def restore_start(plan: Plan, state: LayerState, config: LayerConfig,

@@ -400,11 +400,14 @@ class Prepared:
         drops: names the plan deletes (the engine deletes its meta placeholders).
         attrs: attribute values the prepare run set (for the manifest; restore
             recomputes them).
+
+    Every mapping (``recorded``'s inner ones too) is a read-only copy
+    (``types.MappingProxyType``): a caller that needs to change one copies it.
     """
 
     plan_id: str
-    tensors: Mapping[str, torch.Tensor]
-    buffers: frozenset[str]
-    recorded: Mapping[str, Mapping[str, Any]]
-    drops: tuple[str, ...]
-    attrs: Mapping[str, Any]
+    tensors: Mapping[str, torch.Tensor] = field(converter=_ro)
+    buffers: frozenset[str] = field(converter=frozenset)
+    recorded: Mapping[str, Mapping[str, Any]] = field(converter=_ro_nested)
+    drops: tuple[str, ...] = field(converter=tuple)
+    attrs: Mapping[str, Any] = field(converter=_ro)

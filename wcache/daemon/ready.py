@@ -125,7 +125,7 @@ def survey(socket_dir: str | None, spec: ReadySpec
     Raises:
         UnsafePath: the socket dir is a symlink, not ours, or not 0700.
     """
-    d = os.path.abspath(socket_dir or paths.default_socket_dir())
+    d = paths.resolve_socket_dir(socket_dir)
     try:
         paths.ensure_socket_dir(d, create=False)
     except FileNotFoundError:

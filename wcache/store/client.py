@@ -5,6 +5,15 @@ the daemon's uid (SO_PEERCRED), says ``hello``, asks ``get`` with the key and
 maps the handle: tensors are views into one read-only mapping (CPU) or one
 IPC-opened allocation (CUDA). Any failure after mapping drops every mapping
 before the error is raised, so a caller can fall back to disk safely.
+
+One convention for naming a daemon: a function that talks to one daemon takes its
+socket path, ``sock_path`` (:func:`daemon_status`, :func:`fetch_artifacts`,
+:func:`invalidate_daemon`, :func:`shutdown_daemon`); the socket path is built in one
+place, :func:`wcache.store.paths.socket_path` from ``(socket_dir, device_id)``, or
+listed by :func:`wcache.store.paths.list_sockets`. The entry points that find a daemon
+by what it serves take ``(socket_dir, device_id)`` and build the path with it:
+:func:`attach` (a key on a device) and the CLI helpers (:func:`cli_status`,
+:func:`cli_stop`; the dir through :func:`wcache.store.paths.resolve_socket_dir`).
 """
 
 from __future__ import annotations
@@ -552,7 +561,7 @@ def cli_status(socket_dir: str | None) -> int:
     """Print every daemon in a socket dir, then every other live daemon of this
     user (other socket dirs, or a socket file gone). Returns 0 when at least one
     answers in the dir, 3 when none does (1 when the dir is unsafe)."""
-    d = os.path.abspath(socket_dir or paths.default_socket_dir())
+    d = paths.resolve_socket_dir(socket_dir)
     try:
         paths.ensure_socket_dir(d, create=False)
     except FileNotFoundError:
@@ -640,7 +649,7 @@ def _print_other_daemons(listed: set[str]) -> None:
 def cli_stop(socket_dir: str | None, device: str | None) -> int:
     """Stop the daemon of one device id (or every daemon when ``device`` is None).
     Returns 0 when all targeted daemons stopped, 1 when one did not, 3 when none ran."""
-    d = os.path.abspath(socket_dir or paths.default_socket_dir())
+    d = paths.resolve_socket_dir(socket_dir)
     try:
         paths.ensure_socket_dir(d, create=False)
         socks = [paths.socket_path(d, device)] if device else paths.list_sockets(d)
