@@ -9,8 +9,8 @@ model, scheduler, cache, parallel and compilation configs (``max_num_seqs`` deci
 the CUDA-graph capture sizes, for one). A priming engine with any setting of its own
 would compile for another key than the engines it primes for, and its artifacts would
 be refused as stale. So this engine takes exactly the arguments the daemon was started
-with (the same the serving engines are given; DESIGN.md: "use the same engine arguments
-as the engine that will attach"), parsed by vLLM's own engine-argument parser, and
+with (the same the serving engines are given: an engine attaches only with the
+engine arguments the daemon was started with, docs/quickstart.md), parsed by vLLM's own engine-argument parser, and
 changes only what priming needs: ``load_format="wcache"`` with the given loader config,
 and compilation on (:func:`wcache.daemon.prime.priming_args` drops the serve's
 ``--enforce-eager``). Engines started with other arguments get a bundle whose
