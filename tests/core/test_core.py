@@ -8,11 +8,26 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from wcache.core import (
-    LayerConfig, NoPlan, Plan, PlanInvalid, QuantSpec, RecordedMismatch, RestoreIncomplete,
-    RestoreWroteSharedTensor, StageContractError, StageOut, Tag, Target, stage,
+    LayerConfig,
+    LayerState,
+    NoPlan,
+    Plan,
+    PlanInvalid,
+    QuantSpec,
+    RecordedMismatch,
+    RestoreIncomplete,
+    RestoreWroteSharedTensor,
+    StageContractError,
+    StageOut,
+    Tag,
+    Target,
+    checks,
+    stage,
 )
+from wcache.core.checks import Step
 from wcache.plans.registry import plan_for
 from wcache.shell import load_, prepare_, restore_, snapshot
+from wcache.testing.plans import unregistered_stage
 
 CPU = Target("cpu", None, frozenset({"avx512"}))
 
@@ -284,9 +299,6 @@ def test_load_and_prepare_are_the_same_fold_without_a_guard():
 
 # --------------------------------------------------------------------------- contract checks
 
-from wcache.core import LayerState, checks  # noqa: E402
-from wcache.core.checks import Step  # noqa: E402
-from wcache.testing.plans import unregistered_stage  # noqa: E402
 
 
 def _st(tag=Tag.METADATA, **decl):

@@ -153,7 +153,7 @@ def default_device_id(device: str = "cpu", index: int | None = None) -> str:
     (``"GPU-<uuid>"``) for CUDA, so two GPUs never share a socket."""
     if device == "cpu":
         return "cpu"
-    import torch
+    import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     return cuda_device_uuid(index if index is not None else torch.cuda.current_device())
 
@@ -331,7 +331,7 @@ def socket_accepts(path: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     try:
         s.connect(path)
         return True
-    except socket.timeout:
+    except TimeoutError:
         return True  # a listener with a full backlog is alive
     except OSError as e:
         if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
@@ -416,7 +416,7 @@ def parse_device(device: str) -> tuple[str, int | None]:
 
 def cuda_device_uuid(index: int) -> str:
     """``"GPU-<uuid>"`` of a local CUDA device index."""
-    import torch
+    import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     return f"GPU-{torch.cuda.get_device_properties(index).uuid}"
 
