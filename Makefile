@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-fast bootstrap vllm-trees docs clean gpu-bundle
+.PHONY: demo test test-fast lint bootstrap vllm-trees docs clean gpu-bundle
 
 bootstrap:
 	@WCACHE_VENV=$(VENV) bash tools/bootstrap.sh
@@ -28,6 +28,13 @@ test: vllm-trees
 ## The core, stages and plans only (seconds).
 test-fast: bootstrap
 	$(PY) -m pytest tests/core tests/stages tests/plans -q -p no:cacheprovider
+
+## Lint (ruff: pyproject.toml's [tool.ruff]), formatting and types (mypy, checked against
+## the baseline in tools/mypy-baseline.txt, which only goes down); CI runs it before the tests.
+lint: bootstrap
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) tools/mypy_ratchet.py
 
 ## Regenerate docs/plans.md from the plan registry.
 docs: bootstrap

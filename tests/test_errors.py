@@ -1,4 +1,4 @@
-"""One error hierarchy (STYLE.md, issue 25): every error class in the package is a
+"""One error hierarchy (CONTRIBUTING.md, issue 25): every error class in the package is a
 ``WcacheError`` and a builtin exception, and has a reason code of its own.
 
 Every module of the package is imported (vLLM's included: a few seconds), then the

@@ -25,9 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from wcache.vllm import compat
-
 from tests.helpers.release_plugin import EXPECT_ENV, REPORT_ENV
+from wcache.vllm import compat
 
 pytestmark = pytest.mark.slow
 

@@ -27,11 +27,16 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from wcache.benchmarks.plot import plot_restore_cost
+from wcache.testing.isa import build_env, probe, unservable_reason
 
 __all__ = ["main", "build_parser", "run_cpu_engine", "engine_table"]
 
@@ -197,11 +202,9 @@ def run_cpu_engine(formats: tuple[str, ...], reps: int, log=_log,
     Raises:
         RuntimeError: an engine or daemon failed, or the restore fell back to disk.
     """
-    import statistics
 
-    from wcache.testing.fixtures import build
-    from wcache.testing.isa import build_env, probe, unservable_reason
-    from wcache.daemon.process import DaemonProcess, run_engine
+    from wcache.daemon.process import DaemonProcess, run_engine  # noqa: PLC0415 (imported at call time: tests patch DaemonProcess, run_engine)
+    from wcache.testing.fixtures import build  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     env = build_env(cpu_build)
     library = probe(cpu_build)["kernels"]["cpu.kernel_library"]
@@ -264,9 +267,8 @@ def _write_json(path: Path, data: dict) -> None:
 
 def _cold_start(args: argparse.Namespace) -> int:
     """``--cold-start``: see :mod:`wcache.benchmarks.bench_coldstart`."""
-    import logging
 
-    from wcache.benchmarks import bench_coldstart as cold
+    from wcache.benchmarks import bench_coldstart as cold  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("wcache.store").setLevel(logging.INFO)  # arena fill / snapshot timings
@@ -278,7 +280,7 @@ def _cold_start(args: argparse.Namespace) -> int:
         _log(f"results written to {out}")
         return 0
     _check_store_deps()
-    import torch
+    import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     device = torch.device("cuda:0" if (args.device or ("cuda" if torch.cuda.is_available()
                                                        else "cpu")) == "cuda" else "cpu")
@@ -301,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cold_start:
         return _cold_start(args)
     if args.cpu_engine:
-        from wcache.testing.fixtures import FORMATS as FIXTURE_FORMATS
+        from wcache.testing.fixtures import FORMATS as FIXTURE_FORMATS  # noqa: PLC0415 (torch import ~2 s: only when called)
 
         rows = [row for cpu_build in args.cpu_build
                 for row in run_cpu_engine(args.engine_formats or tuple(FIXTURE_FORMATS),
@@ -313,13 +315,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     _check_store_deps()
-    import torch
+    import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
-    from wcache.benchmarks.bench_restore import (
-        DEFAULT_HANDLE_MIB, DEFAULT_HANDLE_TENSORS, BenchOptions, handles_table, markdown_table,
+    from wcache.benchmarks.bench_restore import (  # noqa: PLC0415 (torch import ~2 s: only when called)
+        DEFAULT_HANDLE_MIB,
+        DEFAULT_HANDLE_TENSORS,
+        BenchOptions,
+        handles_table,
+        markdown_table,
         run_suite,
     )
-    from wcache.benchmarks.synthetic import FORMATS, SHAPES
+    from wcache.benchmarks.synthetic import FORMATS, SHAPES  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -350,7 +356,6 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"results written to {out}")
     plot = args.plot or (str(_REPO_ROOT / DEFAULT_PLOT) if cuda and len(sizes) > 1 else None)
     if plot and not args.no_plot:
-        from wcache.benchmarks.plot import plot_restore_cost
 
         _log(f"restore-cost curve written to {plot_restore_cost(results, plot)}")
     return 0

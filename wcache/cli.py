@@ -7,10 +7,24 @@ Each subcommand imports only what it needs, so `wcache plans` and
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+import traceback
 
-from wcache.core import WcacheError
+import wcache
+from wcache.checkpoint import check_checkpoint_dir
+from wcache.core import LayerConfig, NoPlan, QuantSpec, WcacheError
+from wcache.daemon.prime import USAGE_CONTEXTS
+from wcache.errors import LoadFailed
+from wcache.plans.docs import render_plans
+from wcache.plans.registry import all_plans
+from wcache.store import cli_status, cli_stop
+from wcache.store.http import parse_http_address
+from wcache.store.lean import NO_LEAN_ENV
+from wcache.store.protocol import SEED_TIMEOUT_ENV, parse_seconds
+from wcache.store.seed import TCP_SCHEME, WILDCARD_HOSTS, parse_host_port, read_secret
+from wcache.vllm.probe import host_target
 
 DESCRIPTION = """\
 wcache keeps a model's post-processed weights resident in a daemon so that a
@@ -47,9 +61,7 @@ Engines attach with: LLM(model=DIR, load_format="wcache") or
 
 
 def _cmd_plans_host() -> int:
-    from wcache.core import LayerConfig, NoPlan, QuantSpec
-    from wcache.plans.registry import plan_for
-    from wcache.vllm.probe import host_target
+    from wcache.plans.registry import plan_for  # noqa: PLC0415 (imported at call time: tests patch plan_for)
 
     target = host_target("cpu")
     print(f"vLLM's decisions on this host (ISA {', '.join(sorted(target.isa)) or 'no AVX512'}):")
@@ -72,8 +84,6 @@ def _cmd_plans_host() -> int:
 
 
 def _cmd_plans(args: argparse.Namespace) -> int:
-    from wcache.plans.docs import render_plans
-    from wcache.plans.registry import all_plans
 
     if args.host:
         return _cmd_plans_host()
@@ -101,7 +111,6 @@ def _cmd_status(args: argparse.Namespace, rest: list[str]) -> int:
             print(f"wcache status: unrecognized arguments: {' '.join(rest)} (engine arguments "
                   f"are read with --wait-ready only)", file=sys.stderr)
             return 2
-        from wcache.store import cli_status
 
         return cli_status(args.socket_dir)
     return _wait_ready(args, rest)
@@ -117,7 +126,7 @@ def _wait_ready(args: argparse.Namespace, rest: list[str]) -> int:
     if args.timeout < 0 or args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
         print("wcache status: --timeout must be >= 0 and parallel sizes >= 1", file=sys.stderr)
         return 2
-    from wcache.daemon.ready import engine_ready_spec, wait_ready
+    from wcache.daemon.ready import engine_ready_spec, wait_ready  # noqa: PLC0415 (imported at call time: tests patch engine_ready_spec)
 
     spec = engine_ready_spec(args.model, rest, tensor_parallel_size=args.tensor_parallel_size,
                              pipeline_parallel_size=args.pipeline_parallel_size,
@@ -131,13 +140,11 @@ def _wait_ready(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_stop(args: argparse.Namespace) -> int:
-    from wcache.store import cli_stop
 
     return cli_stop(args.socket_dir, args.device)
 
 
 def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
-    import os
 
     if args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
         print("wcache serve: --tensor-parallel-size and --pipeline-parallel-size must be >= 1",
@@ -153,7 +160,6 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
         print(f"wcache serve: {problem}", file=sys.stderr)
         return 2
     if args.seed_timeout is not None:  # read by every rank process and seeding helper
-        from wcache.store.protocol import SEED_TIMEOUT_ENV
 
         os.environ[SEED_TIMEOUT_ENV] = repr(args.seed_timeout)
     if not os.path.isdir(args.model):
@@ -161,16 +167,13 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
               f"fingerprints checkpoint files by content, so download the model first (e.g. "
               f"`huggingface-cli download REPO --local-dir DIR`) and pass DIR", file=sys.stderr)
         return 2
-    from wcache.checkpoint import check_checkpoint_dir
 
     check_checkpoint_dir(args.model)  # a damaged file: one line naming it, before vLLM starts
     if args.no_lean:  # read by every rank process's hand-off (wcache.store.lean)
-        from wcache.store.lean import NO_LEAN_ENV
 
         os.environ[NO_LEAN_ENV] = "1"
-    from wcache.daemon.serve import main as serve_main
+    from wcache.daemon.serve import main as serve_main  # noqa: PLC0415 (imported at call time: tests patch main)
 
-    import traceback
 
     try:
         return serve_main(args, rest)
@@ -181,9 +184,7 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # vLLM, transformers, safetensors: one line; the traceback in the log
-        import logging
 
-        from wcache.errors import LoadFailed
 
         logging.getLogger("wcache").debug("wcache serve: the load failed", exc_info=True)
         if args.verbose:
@@ -196,7 +197,6 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
 
 def _positive_seconds(text: str) -> float:
     """argparse type: a positive, finite number of seconds."""
-    from wcache.store.protocol import parse_seconds
 
     try:
         return parse_seconds(text)
@@ -208,7 +208,6 @@ def _check_http_arg(args: argparse.Namespace) -> str | None:
     """The reason ``--http`` cannot be used, or None."""
     if not args.http:
         return None
-    from wcache.store.http import parse_http_address
 
     try:
         parse_http_address(args.http)
@@ -220,7 +219,6 @@ def _check_http_arg(args: argparse.Namespace) -> str | None:
 def _check_seed_args(args: argparse.Namespace) -> str | None:
     """The reason the TCP seeding flags cannot work, or None. Reads the secret
     file now (SeedSecretUnsafe propagates), so a bad one fails before any load."""
-    from wcache.store.seed import TCP_SCHEME, WILDCARD_HOSTS, parse_host_port, read_secret
 
     tcp_from = bool(args.seed_from and args.seed_from.startswith(TCP_SCHEME))
     if (args.seed_listen or tcp_from) and not args.seed_secret_file:
@@ -245,38 +243,35 @@ def _check_seed_args(args: argparse.Namespace) -> str | None:
 
 
 def _cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:
-    import os
 
     if not os.path.isdir(args.model):
         print(f"wcache verify: --model {args.model!r} is not a local checkpoint directory",
               file=sys.stderr)
         return 2
-    from wcache.vllm.verify import main as verify_main
+    from wcache.vllm.verify import main as verify_main  # noqa: PLC0415 (imported at call time: tests patch main)
 
     return verify_main(args, rest)
 
 
 def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     if "--server" in rest:  # time to first completion of vLLM's API server, disk vs daemon
-        from wcache.benchmarks.bench_server import main as server_main
+        from wcache.benchmarks.bench_server import main as server_main  # noqa: PLC0415 (wcache.benchmarks.bench_server stays out of production's imports (tests/test_imports.py))
 
         return server_main([a for a in rest if a != "--server"])
     if "--soak" in rest:  # raw clients attaching and releasing against a real daemon
-        from wcache.benchmarks.bench_soak import main as soak_main
+        from wcache.benchmarks.bench_soak import main as soak_main  # noqa: PLC0415 (wcache.benchmarks.bench_soak stays out of production's imports (tests/test_imports.py))
 
         return soak_main([a for a in rest if a != "--soak"])
     if "--phases" in rest:  # a whole engine start, phase by phase (process start -> 1st token)
-        from wcache.benchmarks.bench_phases import main as phases_main
+        from wcache.benchmarks.bench_phases import main as phases_main  # noqa: PLC0415 (wcache.benchmarks.bench_phases stays out of production's imports (tests/test_imports.py))
 
         return phases_main([a for a in rest if a != "--phases"])
-    from wcache.bench import main as bench_main
+    from wcache.bench import main as bench_main  # noqa: PLC0415 (wcache.bench stays out of production's imports (tests/test_imports.py))
 
     return bench_main(rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import wcache
-    from wcache.daemon.prime import USAGE_CONTEXTS  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(
         prog="wcache", description=DESCRIPTION,

@@ -26,13 +26,14 @@ import sys
 import tempfile
 
 from wcache.daemon.process import DaemonProcess, run_engine
+from wcache.testing.isa import FORMAT_OPS, probe, unservable_reason
 
 PROMPT = "The capital of France is"
 DEFAULT_FORMATS = ("bf16", "awq", "gptq", "ct_w4a16", "ct_w8a8_int8")
 
 
 def run_format(fmt: str, max_tokens: int) -> dict:
-    from wcache.testing.fixtures import build  # noqa: PLC0415
+    from wcache.testing.fixtures import build  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     print(f"[{fmt}] building the SmolLM2 {fmt} checkpoint (cached after the first run)",
           flush=True)
@@ -50,7 +51,6 @@ def run_format(fmt: str, max_tokens: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from wcache.testing.isa import FORMAT_OPS, probe, unservable_reason  # noqa: PLC0415
 
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

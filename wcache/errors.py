@@ -1,5 +1,5 @@
 """Every wcache error: one root, each class also the matching builtin, each with a
-reason code of its own (STYLE.md). Imports nothing from wcache, so every layer can
+reason code of its own (CONTRIBUTING.md, "Errors"). Imports nothing from wcache, so every layer can
 raise them.
 
 The reason codes are what users see: the engine's fallback log line

@@ -24,7 +24,13 @@ from typing import Any
 import torch
 
 from wcache.core import (
-    LOAD_TAGS, PREPARE_TAGS, BoundPlan, LayerState, Prepared, RestoreGuard, tensor_checksum,
+    LOAD_TAGS,
+    PREPARE_TAGS,
+    BoundPlan,
+    LayerState,
+    Prepared,
+    RestoreGuard,
+    tensor_checksum,
 )
 from wcache.errors import ModelMismatch
 
@@ -60,7 +66,7 @@ def prepare_(layer: torch.nn.Module, bound: BoundPlan) -> Prepared:
 
 def restore_(layer: torch.nn.Module, bound: BoundPlan,
              recorded: Mapping[str, Mapping[str, Any]], *, strict: bool = False,
-             guard: "bool | RestoreGuard" = True, content: bool = True,
+             guard: bool | RestoreGuard = True, content: bool = True,
              drops: Iterable[str] = (),
              memo: MutableMapping[str, dict] | None = None) -> LayerState:
     """Engine side: ``layer`` already holds the mapped tensors; replay the
@@ -136,7 +142,7 @@ def resolve_parent(root: Any, path: str) -> tuple[Any, str]:
     return obj, leaf
 
 
-def apply_state_(module: torch.nn.Module, state: "LayerState", *,
+def apply_state_(module: torch.nn.Module, state: LayerState, *,
                  keep: Iterable[str] = ()) -> None:
     """The one shell that mutates: make ``module`` hold ``state``.
 

@@ -8,11 +8,26 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from wcache.core import (
-    LayerConfig, NoPlan, Plan, PlanInvalid, QuantSpec, RecordedMismatch, RestoreIncomplete,
-    RestoreWroteSharedTensor, StageContractError, StageOut, Tag, Target, stage,
+    LayerConfig,
+    LayerState,
+    NoPlan,
+    Plan,
+    PlanInvalid,
+    QuantSpec,
+    RecordedMismatch,
+    RestoreIncomplete,
+    RestoreWroteSharedTensor,
+    StageContractError,
+    StageOut,
+    Tag,
+    Target,
+    checks,
+    stage,
 )
+from wcache.core.checks import Step
 from wcache.plans.registry import plan_for
 from wcache.shell import load_, prepare_, restore_, snapshot
+from wcache.testing.plans import unregistered_stage
 
 CPU = Target("cpu", None, frozenset({"avx512"}))
 
@@ -94,6 +109,16 @@ def test_prepare_skips_allocate_and_derive():
     assert set(prepared.tensors) == {"weight"}
     assert torch.equal(prepared.tensors["weight"], torch.full((6, 8), 2.0))
     assert prepared.recorded == {"toy.set_width": {"width": 6}, "toy.set_isa": {"isa": "vec"}}
+
+
+def test_prepared_mappings_are_read_only():
+    """Prepared's tensors, attrs and recorded values (inner mappings too) refuse writes."""
+    prepared, _ = _exported(TOY, torch.ones(6, 8))
+    for mapping in (prepared.tensors, prepared.attrs, prepared.recorded,
+                    prepared.recorded["toy.set_width"]):
+        with pytest.raises(TypeError):
+            mapping["x"] = 1  # type: ignore[index]  # the write the proxy refuses
+    assert {"width": 6} == dict(prepared.recorded["toy.set_width"])
 
 
 def test_derive_release_keeps_shared_bytes_and_installs_placeholder():
@@ -274,9 +299,6 @@ def test_load_and_prepare_are_the_same_fold_without_a_guard():
 
 # --------------------------------------------------------------------------- contract checks
 
-from wcache.core import LayerState, checks  # noqa: E402
-from wcache.core.checks import Step  # noqa: E402
-from wcache.testing.plans import unregistered_stage  # noqa: E402
 
 
 def _st(tag=Tag.METADATA, **decl):

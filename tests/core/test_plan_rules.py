@@ -11,8 +11,18 @@ import torch
 from attrs import evolve
 
 from wcache.core import (
-    STAGE_VERBS, LayerConfig, Plan, PlanInvalid, QuantSpec, RecordedMismatch,
-    StageContractError, StageOut, Tag, Target, registered_stages, stage,
+    STAGE_VERBS,
+    LayerConfig,
+    Plan,
+    PlanInvalid,
+    QuantSpec,
+    RecordedMismatch,
+    StageContractError,
+    StageOut,
+    Tag,
+    Target,
+    registered_stages,
+    stage,
     stage_name_problem,
 )
 from wcache.plans import PlanArgumentError, plan_for

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from wcache.daemon.serve import local_ranks
+from wcache.daemon.ranks import local_ranks
 from wcache.vllm.key import device_id
 
 MODEL = SimpleNamespace(hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"]),

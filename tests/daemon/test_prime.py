@@ -84,7 +84,7 @@ def test_the_priming_engine_dies_with_its_rank(tmp_path):
 def test_wait_primed_returns_the_primed_line_and_refuses_a_failure():
     """DaemonProcess.wait_primed: returns the line prime_compile prints (PRIMED_PREFIX),
     and raises at once on a priming failure instead of waiting out its timeout."""
-    import collections  # noqa: PLC0415
+    import collections
 
     from wcache.daemon.process import DaemonProcess
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from wcache import cli
-from wcache.store import CacheKey, DaemonServer, Export
 from wcache.daemon import ready
 from wcache.daemon.ready import Readiness, ReadySpec, check_ready, wait_ready
+from wcache.store import CacheKey, DaemonServer, Export
 
 DIGEST = "0123456789ab"
 FIELDS = (("model_arch", ["LlamaForCausalLM"]), ("dtype", "torch.bfloat16"),

@@ -16,13 +16,13 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from wcache.daemon import ready as ready_mod
+from wcache.daemon.process import DaemonProcess, free_port
 from wcache.store import CacheKey, KeyMismatch, attach, daemon_status, invalidate_daemon
 from wcache.store.http import OpsServer, parse_http_address
 from wcache.store.lean import LEAN_LINE
 from wcache.store.paths import list_sockets
 from wcache.store.server import INVALIDATED_EXIT
-from wcache.daemon import ready as ready_mod
-from wcache.daemon.process import DaemonProcess, free_port
 
 pytestmark = pytest.mark.slow
 

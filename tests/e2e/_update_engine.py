@@ -48,14 +48,14 @@ NORM_LOW, NORM_SPAN = 0.25, 1.5
 
 
 def _norm_weight(seed: int):
-    import torch  # noqa: PLC0415
+    import torch
 
     gen = torch.Generator().manual_seed(seed)
     return (torch.rand(HIDDEN, generator=gen) * NORM_SPAN + NORM_LOW).to(torch.bfloat16)
 
 
 def _checkpoint_tensor(model_dir: str, name: str):
-    from safetensors import safe_open  # noqa: PLC0415
+    from safetensors import safe_open
 
     with safe_open(os.path.join(model_dir, "model.safetensors"), framework="pt") as f:
         return f.get_tensor(name)
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # collective_rpc with a callable
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from vllm import LLM, SamplingParams  # noqa: PLC0415
+    from vllm import LLM, SamplingParams
 
     llm = LLM(model=args.model, dtype="bfloat16", load_format=args.load_format,
               model_loader_extra_config=json.loads(args.extra), max_model_len=512,
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     norm2, norm3 = _norm_weight(SEED + 1), _norm_weight(SEED + 2)
 
     def kernel_format_reload(worker) -> None:
-        import torch  # noqa: PLC0415
+        import torch
 
         # vLLM 0.32 copies into each parameter with grad mode on: a disk-loaded model's
         # parameters require grad, so without no_grad it raises "a leaf Variable that

@@ -36,8 +36,12 @@ import pytest
 
 from wcache.daemon.process import DaemonProcess, run_engine
 from wcache.testing.caches import cache_env
-from wcache.testing.compile_cache import (aot_artifacts, compile_cache_events,
-                                          compiled_graphs, graph_diff)
+from wcache.testing.compile_cache import (
+    aot_artifacts,
+    compile_cache_events,
+    compiled_graphs,
+    graph_diff,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -14,9 +14,9 @@ import time
 
 import pytest
 
+from wcache.daemon.process import DaemonProcess, run_engine
 from wcache.store import daemon_status
 from wcache.store.paths import list_sockets
-from wcache.daemon.process import DaemonProcess, run_engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

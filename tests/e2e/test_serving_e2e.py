@@ -12,6 +12,7 @@ commands are the README's, not variants with a socket_dir option.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shlex
@@ -23,9 +24,9 @@ from pathlib import Path
 import attrs
 import pytest
 
+from wcache.daemon.process import ENGINE_ARGS, DaemonProcess, ServerProcess, server_command
 from wcache.store import daemon_status
 from wcache.store.paths import list_sockets
-from wcache.daemon.process import ENGINE_ARGS, DaemonProcess, ServerProcess, server_command
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ("The capital of France is", "Water boils at a temperature of")
@@ -165,7 +166,7 @@ def test_readme_serving_lines_are_the_tested_commands():
     tested_server[:3] = ["python", "-m", tested_server[2]]
 
     def pairs(argv: list[str]) -> set[tuple[str, str]]:
-        return {(a, b) for a, b in zip(argv, argv[1:]) if a.startswith("--")}
+        return {(a, b) for a, b in itertools.pairwise(argv) if a.startswith("--")}
 
     assert daemon_line[:2] == tested_daemon[:2]
     assert pairs(daemon_line) <= pairs(tested_daemon)

@@ -20,9 +20,9 @@ import attrs
 import pytest
 
 from wcache.core import tensor_checksum
+from wcache.daemon.process import ENGINE_ARGS, DaemonProcess, run_engine
 from wcache.store import CacheKey, attach, daemon_status
 from wcache.store.paths import list_sockets
-from wcache.daemon.process import ENGINE_ARGS, DaemonProcess, run_engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from wcache.core import tensor_checksum
+from wcache.daemon.process import ENGINE_TIMEOUT_S, DaemonProcess, first_traceback
 from wcache.store import CacheKey, attach, daemon_status
 from wcache.store.paths import list_sockets
-from wcache.daemon.process import ENGINE_TIMEOUT_S, DaemonProcess, first_traceback
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

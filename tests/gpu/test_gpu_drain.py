@@ -9,7 +9,6 @@ Needs one GPU: ``python -m pytest tests/gpu/test_gpu_drain.py -q -m gpu``.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -17,7 +16,10 @@ from wcache.store import CacheKey, DaemonServer, Export
 from wcache.store import snapshot as snapshot_mod
 from wcache.store.prebuilt import served_arena
 from wcache.store.snapshot import (
-    SnapshotCorrupt, open_snapshot, snapshot_arena, write_snapshot,
+    SnapshotCorrupt,
+    open_snapshot,
+    snapshot_arena,
+    write_snapshot,
 )
 from wcache.testing.store import BASE_KEY, synthetic_export
 

@@ -20,7 +20,13 @@ import torch
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from wcache.core import (
-    LayerConfig, Plan, QuantSpec, RestoreWroteSharedTensor, StageOut, Tag, Target,
+    LayerConfig,
+    Plan,
+    QuantSpec,
+    RestoreWroteSharedTensor,
+    StageOut,
+    Tag,
+    Target,
 )
 from wcache.shell import restore_
 from wcache.store import ArenaInvalidated, CacheKey, attach, daemon_status, socket_path

@@ -62,7 +62,7 @@ def _daemon_main(conn, socket_dir: str, device_id: str, key_fields: dict, layers
         conn.send(("ready", os.getpid(), server.transport))
         conn.recv()
         server.stop()
-    except BaseException as e:  # the test reports it
+    except BaseException as e:  # noqa: BLE001 (the test reports it)
         import traceback
 
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}", None))

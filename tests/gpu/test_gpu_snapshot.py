@@ -15,7 +15,11 @@ from wcache.store import CacheKey, DaemonServer, Export, socket_path
 from wcache.store.arena import tensor_views
 from wcache.store.prebuilt import served_arena
 from wcache.store.snapshot import (
-    ARENA_FILE, SnapshotCorrupt, open_snapshot, snapshot_arena, write_snapshot,
+    ARENA_FILE,
+    SnapshotCorrupt,
+    open_snapshot,
+    snapshot_arena,
+    write_snapshot,
 )
 from wcache.testing.store import BASE_KEY, start_daemon, stop_daemon, synthetic_export
 

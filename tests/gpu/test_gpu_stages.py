@@ -18,7 +18,12 @@ import torch
 from attrs import evolve
 
 from wcache.core import (
-    LOAD_TAGS, PREPARE_TAGS, LayerConfig, LayerState, Plan, Target,
+    LOAD_TAGS,
+    PREPARE_TAGS,
+    LayerConfig,
+    LayerState,
+    Plan,
+    Target,
 )
 from wcache.plans import all_plans, hosts, plan_for
 from wcache.shell import load_, prepare_, restore_, state_from_module

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("vllm")
 
-from tests.helpers import vllm_layers as vl  # noqa: E402
-from wcache.vllm.probe import host_target  # noqa: E402
+from tests.helpers import vllm_layers as vl
+from wcache.vllm.probe import host_target
 
 #: this host as vLLM decides on it, with the kernel-selection env pinned to vLLM's defaults.
 HOST = host_target("cpu", env={})

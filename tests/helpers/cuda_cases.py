@@ -236,7 +236,7 @@ def nvfp4_linear_checkpoint(n, k, seed, bias=False):
 
 def nvfp4_moe_checkpoint(e, hidden, inter, seed):
     g = seeded_generator(seed)
-    u8 = lambda *s: torch.randint(0, 256, s, generator=g, dtype=torch.int32).to(torch.uint8)  # noqa: E731
+    u8 = lambda *s: torch.randint(0, 256, s, generator=g, dtype=torch.int32).to(torch.uint8)  # noqa: E731 (a one-line local function)
     return {
         "w13_weight": u8(e, 2 * inter, hidden // 2),
         "w13_weight_scale": fp8_bits(g, (e, 2 * inter, hidden // 16), True, FP8_SCALE_MAX_BITS),

@@ -33,7 +33,7 @@ def stalled_daemon(path: str) -> Iterator[str]:
         while not stop.is_set():
             try:
                 conn, _ = listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             held.append(conn)
             recv_frame(conn)

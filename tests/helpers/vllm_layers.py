@@ -63,8 +63,11 @@ def ensure_vllm() -> None:
     if _STATE.get("ready"):
         return
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import (init_distributed_environment, initialize_model_parallel,
-                                  model_parallel_is_initialized)
+    from vllm.distributed import (
+        init_distributed_environment,
+        initialize_model_parallel,
+        model_parallel_is_initialized,
+    )
 
     cfg = VllmConfig()
     _STATE["cfg"] = cfg
@@ -318,7 +321,8 @@ def _scheme_apply(layer, x):
 def ct_w4a16_linear(size_k: int, size_n: int, group_size: int, symmetric: bool,
                     dtype: torch.dtype = torch.bfloat16, bias: bool = False) -> Case:
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
-        CompressedTensorsWNA16)
+        CompressedTensorsWNA16,
+    )
 
     def build(device):
         scheme = CompressedTensorsWNA16(strategy="group" if group_size != -1 else "channel",
@@ -351,7 +355,8 @@ def ct_w8a8_int8_linear(size_k: int, widths: tuple[int, ...], strategy: str, sta
                         symmetric: bool, dtype: torch.dtype = torch.bfloat16,
                         bias: bool = False) -> Case:
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
-        CompressedTensorsW8A8Int8)
+        CompressedTensorsW8A8Int8,
+    )
 
     size_n = sum(widths)
 

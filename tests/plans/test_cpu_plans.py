@@ -13,8 +13,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wcache.core import (
-    PREPARE_TAGS, LayerConfig, NoPlan, Plan, PlanInvalid, QuantSpec, RecordedMismatch,
-    RestoreIncomplete, RestoreWroteSharedTensor, StageOut, Tag, Target,
+    PREPARE_TAGS,
+    LayerConfig,
+    NoPlan,
+    Plan,
+    PlanInvalid,
+    QuantSpec,
+    RecordedMismatch,
+    RestoreIncomplete,
+    RestoreWroteSharedTensor,
+    StageOut,
+    Tag,
+    Target,
 )
 from wcache.plans import all_plans, plan_for
 from wcache.shell import load_, prepare_, restore_, snapshot, state_from_module
@@ -23,12 +33,20 @@ from wcache.testing.plans import UncheckedPlan, unregistered_stage
 
 pytest.importorskip("vllm")
 
-from wcache.vllm.compat import sync_kernel_state_  # noqa: E402
-
-from tests.helpers import vllm_layers as vl  # noqa: E402
-from tests.helpers.cpu_cases import (  # noqa: E402
-    AMX, AMX_W4A8_OFF, AVX2, AVX512, BF16, CPU_PLAN_IDS, FAMILIES, HOST, HOST_LIBRARY, dict_diff,
+from tests.helpers import vllm_layers as vl
+from tests.helpers.cpu_cases import (
+    AMX,
+    AMX_W4A8_OFF,
+    AVX2,
+    AVX512,
+    BF16,
+    CPU_PLAN_IDS,
+    FAMILIES,
+    HOST,
+    HOST_LIBRARY,
+    dict_diff,
 )
+from wcache.vllm.compat import sync_kernel_state_
 
 
 def _load_(layer, bound) -> None:

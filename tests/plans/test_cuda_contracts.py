@@ -52,11 +52,10 @@ import types
 import pytest
 import torch
 
+from tests.helpers import vllm_layers as VL
 from wcache.core import LayerConfig, QuantSpec, Target, tensor_checksum
 from wcache.plans.registry import plan_for
 from wcache.shell import load_, prepare_, restore_, snapshot
-
-from tests.helpers import vllm_layers as VL
 
 pytest.importorskip("vllm")
 
@@ -84,7 +83,8 @@ def _unpack_rows(packed: torch.Tensor, num_bits: int) -> torch.Tensor:
     """``[K // pack, N]`` int32 (GPTQ packing along K) -> ``[K, N]`` int32 values, by
     vLLM's own unpack (the reference side stays vLLM's code)."""
     from vllm.model_executor.layers.quantization.utils.quant_utils import (
-        unpack_quantized_values_into_int32)
+        unpack_quantized_values_into_int32,
+    )
     from vllm.scalar_type import scalar_types
 
     wtype = {4: scalar_types.uint4, 8: scalar_types.uint8}[num_bits]

@@ -15,9 +15,36 @@ from attrs import evolve
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import reference_kernels as R
+from tests.helpers.cuda_cases import (
+    B200,
+    CPU,
+    H200,
+    MACHETE_EXTRA,
+    attr_paths,
+    cuda_config,
+    export,
+    fp8_bits,
+    fp8_cases,
+    int_checkpoint,
+    make_module,
+    marlin_int_cases,
+    nvfp4_linear_checkpoint,
+    nvfp4_moe_checkpoint,
+    roundtrip,
+    seeded_generator,
+)
 from wcache.core import (
-    LayerConfig, NoPlan, Plan, PlanInvalid, QuantSpec, RecordedMismatch,
-    RestoreWroteSharedTensor, StageOut, Tag, Target,
+    LayerConfig,
+    NoPlan,
+    Plan,
+    PlanInvalid,
+    QuantSpec,
+    RecordedMismatch,
+    RestoreWroteSharedTensor,
+    StageOut,
+    Tag,
+    Target,
 )
 from wcache.plans import cutlass_int8 as cutlass_int8_plans
 from wcache.plans import fp8 as fp8_plans
@@ -28,17 +55,8 @@ from wcache.plans import nvfp4 as nvfp4_plans
 from wcache.plans import unquantized as unquantized_plans
 from wcache.plans.registry import all_plans, plan_for
 from wcache.shell import load_, prepare_, restore_, snapshot, state_from_module
-from wcache.stages import marlin as M
 from wcache.stages import nvfp4 as F4
 from wcache.testing.plans import UncheckedPlan, unregistered_stage
-
-from tests.helpers import reference_kernels as R
-from tests.helpers.cuda_cases import (
-    MACHETE_EXTRA,
-    seeded_generator, attr_paths, B200, CPU, cuda_config, export, fp8_bits, fp8_cases, H200,
-    int_checkpoint, make_module, marlin_int_cases, nvfp4_linear_checkpoint,
-    nvfp4_moe_checkpoint, roundtrip,
-)
 
 _FORWARD = {
     "marlin": lambda cfg: R.marlin_int_forward,

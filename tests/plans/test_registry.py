@@ -20,17 +20,24 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import (
+    cpu_cases as cpu,  # skips this module without vLLM: its cases are vLLM layers
+)
+from tests.helpers import cuda_cases as cuda
+from tests.helpers import vllm_layers as vl
 from wcache.core import (
-    LOAD_TAGS, STAGE_VERBS, LayerConfig, LayerState, QuantSpec, Target, registered_stages,
+    LOAD_TAGS,
+    STAGE_VERBS,
+    LayerConfig,
+    LayerState,
+    QuantSpec,
+    Target,
+    registered_stages,
     stage_name_problem,
 )
 from wcache.core.registry import is_registered
 from wcache.plans import PLAN_MODULES, _import_plan_modules, all_plans, plan_for
 from wcache.shell import load_, prepare_, restore_, snapshot, state_from_module
-
-from tests.helpers import cpu_cases as cpu  # skips this module without vLLM: its cases are vLLM layers
-from tests.helpers import cuda_cases as cuda
-from tests.helpers import vllm_layers as vl
 
 ROOT = Path(__file__).resolve().parents[2]
 H200, B200 = cuda.H200, cuda.B200

@@ -8,8 +8,16 @@ import pickle
 
 import pytest
 
-from wcache.core import BoundPlan, LayerConfig, Plan, QuantSpec, Stage, StageDef, Target
-from wcache.core import registered_stages
+from wcache.core import (
+    BoundPlan,
+    LayerConfig,
+    Plan,
+    QuantSpec,
+    Stage,
+    StageDef,
+    Target,
+    registered_stages,
+)
 from wcache.plans import all_plans
 from wcache.stages import cpu_wna16, marlin
 

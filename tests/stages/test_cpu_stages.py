@@ -12,17 +12,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wcache.core import LayerConfig, QuantSpec, Stage, StageOut, Tag, Target
-from wcache.stages import (awq, common, compressed_tensors, cpu_gemm, cpu_wna16, gptq,
-                           kv_cache, onednn)
+from wcache.stages import (
+    awq,
+    common,
+    compressed_tensors,
+    cpu_gemm,
+    cpu_wna16,
+    gptq,
+    kv_cache,
+    onednn,
+)
 
 vllm = pytest.importorskip("vllm")
-import vllm._custom_ops  # noqa: E402,F401  (registers torch.ops._C)
-from vllm.model_executor.layers.quantization.utils import quant_utils as qu  # noqa: E402
-from vllm.scalar_type import scalar_types  # noqa: E402
+import vllm._custom_ops  # noqa: E402, F811 (registers torch.ops._C; after the importorskip)
+from vllm.model_executor.layers.quantization.utils import quant_utils as qu  # noqa: E402 (after pytest.importorskip)
+from vllm.scalar_type import scalar_types  # noqa: E402 (after pytest.importorskip)
 
 from tests.helpers import vllm_layers  # noqa: E402  (one gloo world per session)
-
-from wcache.vllm.probe import host_target  # noqa: E402
+from wcache.vllm.probe import host_target  # noqa: E402 (after pytest.importorskip)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -86,8 +93,7 @@ def test_require_op_raises_when_missing():
 @given(shapes)
 def test_awq_stage_matches_vllm_conversion(shape):
     """awq.convert_to_standard equals vLLM's _convert_awq_to_standard_format on a layer."""
-    from vllm.model_executor.layers.quantization.auto_awq import (
-        _convert_awq_to_standard_format)
+    from vllm.model_executor.layers.quantization.auto_awq import _convert_awq_to_standard_format
 
     k, n, g, seed = shape
     groups = 1 if g == -1 else k // g

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.helpers import reference_kernels as R
 from wcache.core import LayerConfig, QuantSpec, Target
 from wcache.stages import fp8 as F8
 from wcache.stages import marlin as M
@@ -17,15 +18,15 @@ from wcache.stages import mxfp8 as MX
 from wcache.stages import nvfp4 as F4
 from wcache.stages import packing as P
 
-from tests.helpers import reference_kernels as R
-
 mu = pytest.importorskip("vllm.model_executor.layers.quantization.utils.marlin_utils")
 mut = pytest.importorskip("vllm.model_executor.layers.quantization.utils.marlin_utils_test")
-from vllm.model_executor.layers.quantization.utils import marlin_utils_fp8 as mfp8  # noqa: E402
-from vllm.model_executor.layers.quantization.utils import mxfp8_utils  # noqa: E402
-from vllm.model_executor.layers.quantization.utils import nvfp4_emulation_utils as emu  # noqa: E402
-from vllm.model_executor.layers.quantization.utils import nvfp4_utils  # noqa: E402
-from vllm.model_executor.layers.quantization.utils.quant_utils import pack_cols  # noqa: E402
+from vllm.model_executor.layers.quantization.utils import marlin_utils_fp8 as mfp8  # noqa: E402 (after pytest.importorskip)
+from vllm.model_executor.layers.quantization.utils import (  # noqa: E402 (after pytest.importorskip)
+    mxfp8_utils,
+    nvfp4_utils,
+)
+from vllm.model_executor.layers.quantization.utils import nvfp4_emulation_utils as emu  # noqa: E402 (after pytest.importorskip)
+from vllm.model_executor.layers.quantization.utils.quant_utils import pack_cols  # noqa: E402 (after pytest.importorskip)
 
 H200 = Target("cuda", (9, 0))
 #: float8_e4m3fn NaN bit patterns; drawn FP8 bytes avoid them.

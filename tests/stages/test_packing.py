@@ -17,9 +17,8 @@ from wcache.stages import packing as P
 from wcache.stages.common import StageInputError
 
 qu = pytest.importorskip("vllm.model_executor.layers.quantization.utils.quant_utils")
-from vllm.model_executor.layers.quantization.auto_awq import (  # noqa: E402
-    _convert_awq_to_standard_format)
-from vllm.scalar_type import scalar_types  # noqa: E402
+from vllm.model_executor.layers.quantization.auto_awq import _convert_awq_to_standard_format  # noqa: E402 (after pytest.importorskip)
+from vllm.scalar_type import scalar_types  # noqa: E402 (after pytest.importorskip)
 
 ROOT = Path(__file__).resolve().parents[2]
 #: vLLM's scalar type per bit width (its pack/unpack take the width from it).

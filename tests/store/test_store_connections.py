@@ -16,14 +16,20 @@ import time
 import pytest
 import torch
 
+from tests.helpers.stalled_daemon import stalled_daemon as fake_stalled_daemon
 from wcache import cli
 from wcache.store import (
-    CacheKey, DaemonMissing, PeerRefused, UnsafePath, attach, cli_status, daemon_status, paths,
+    CacheKey,
+    DaemonMissing,
+    PeerRefused,
+    UnsafePath,
+    attach,
+    cli_status,
+    daemon_status,
+    paths,
 )
 from wcache.store.protocol import PROTOCOL_VERSION, recv_frame, send_frame
 from wcache.testing.store import BASE_KEY, synthetic_export
-
-from tests.helpers.stalled_daemon import stalled_daemon as fake_stalled_daemon
 
 #: Timeouts the tests give the daemon (seconds): short, so the suite stays fast.
 SHORT_TIMEOUT_S = 0.5

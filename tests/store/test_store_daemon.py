@@ -12,10 +12,22 @@ import pytest
 import torch
 
 from wcache.store import (
-    CacheKey, DaemonBusy, DaemonMissing, DaemonServer, KeyMismatch, PeerRefused, Released,
-    StoreError, UnsafePath, attach, cli_status, cli_stop, daemon_status, socket_path,
+    CacheKey,
+    DaemonBusy,
+    DaemonMissing,
+    DaemonServer,
+    KeyMismatch,
+    PeerRefused,
+    Released,
+    StoreError,
+    UnsafePath,
+    attach,
+    cli_status,
+    cli_stop,
+    daemon_status,
+    paths,
+    socket_path,
 )
-from wcache.store import paths
 from wcache.store.client import Connection
 from wcache.store.protocol import PROTOCOL_VERSION, recv_frame, send_frame
 from wcache.testing.store import BASE_KEY, mapping_of, synthetic_export

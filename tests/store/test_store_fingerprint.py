@@ -76,7 +76,8 @@ def test_streaming_digest_equals_file_digest_and_fills_cache(tmp_path, monkeypat
     path = str(d / "model.safetensors")
     cache = fp.DigestCache(str(tmp_path / "cache.json"))
     data, digest = fp.read_file_digest(path, cache)
-    assert open(path, "rb").read() == data
+    with open(path, "rb") as f:
+        assert f.read() == data
     cache.save()
     monkeypatch.setattr(fp, "_hash_fd", lambda fd, size, p: (_ for _ in ()).throw(AssertionError("rehashed")))
     assert digest == fp.digest_file(path, fp.DigestCache(str(tmp_path / "cache.json")))

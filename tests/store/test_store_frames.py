@@ -17,6 +17,7 @@ from wcache.store import CacheKey, DaemonServer, ProtocolError, attach, daemon_s
 from wcache.store.protocol import HEADER, MAX_FRAME_BYTES, PROTOCOL_VERSION, recv_frame, send_frame
 from wcache.testing.store import BASE_KEY, synthetic_export
 
+
 @pytest.fixture(scope="module")
 def module_daemon():
     d = tempfile.mkdtemp(prefix="wcf-")
@@ -45,7 +46,7 @@ def _send_raw(server, data: bytes, hello_first: bool) -> tuple[str, dict | None]
             reply, _ = recv_frame(s)
         except ProtocolError:  # ConnectionClosed included: the daemon dropped us
             return "closed", None
-        except (ConnectionResetError, socket.timeout):
+        except (TimeoutError, ConnectionResetError):
             return "closed", None
         return "reply", reply
     finally:

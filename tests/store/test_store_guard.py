@@ -5,21 +5,32 @@ whose bytes changed; a client whose guard fires invalidates the daemon."""
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
 
 from wcache.core import (
-    LayerConfig, Plan, QuantSpec, RestoreGuard, RestoreWroteSharedTensor, StageOut, Tag,
-    Target, stage,
+    LayerConfig,
+    Plan,
+    QuantSpec,
+    RestoreGuard,
+    RestoreWroteSharedTensor,
+    StageOut,
+    Tag,
+    Target,
+    stage,
 )
 from wcache.shell import restore_
 from wcache.store import (
-    ArenaInvalidated, CacheKey, attach, daemon_status, invalidate_daemon, socket_path,
+    ArenaInvalidated,
+    CacheKey,
+    attach,
+    daemon_status,
+    invalidate_daemon,
+    socket_path,
 )
-from wcache.testing.plans import UncheckedPlan, unregistered_stage
 from wcache.store.server import INVALIDATED_EXIT, INVALIDATED_LINGER_S
+from wcache.testing.plans import UncheckedPlan, unregistered_stage
 from wcache.testing.store import BASE_KEY, start_daemon, stop_daemon, synthetic_export
 
 CPU = Target("cpu", None, frozenset())

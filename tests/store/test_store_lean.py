@@ -11,13 +11,27 @@ import time
 import pytest
 import torch
 
-from wcache.store import CacheKey, DaemonServer, attach, cli_status, daemon_status, lean, paths, socket_path
+from wcache.store import (
+    CacheKey,
+    DaemonServer,
+    attach,
+    cli_status,
+    daemon_status,
+    lean,
+    paths,
+    socket_path,
+)
 from wcache.store.client import Connection
 from wcache.store.errors import KeyMismatch, SeedUnavailable
-from wcache.store.seed import SeedFailed, seed_arena
 from wcache.store.manifest import DTYPE_ITEMSIZES
+from wcache.store.seed import SeedFailed, seed_arena
 from wcache.testing.store import (
-    BASE_KEY, assert_serves_export, rss_bytes, start_daemon, stop_daemon, synthetic_export,
+    BASE_KEY,
+    assert_serves_export,
+    rss_bytes,
+    start_daemon,
+    stop_daemon,
+    synthetic_export,
 )
 
 #: The synthetic lean daemon holds a 0.1 MiB arena; Python with msgpack, attrs,
@@ -45,7 +59,7 @@ def _wait_serving(sock_dir: str, mode: str) -> dict:
             st = daemon_status(socket_path(sock_dir, "cpu"))
             if st.get("serving") == mode:
                 return st
-        except Exception:  # noqa: BLE001  (between exec and accept: the backlog may refuse)
+        except Exception:  # between exec and accept: the backlog may refuse
             if time.monotonic() > deadline:
                 raise
         if time.monotonic() > deadline:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from wcache.core import WcacheError
 from wcache.store import CacheKey, Export, KeyMismatch, ProtocolError, StoreError
-from wcache.store.arena import CPU_ALIGNMENT, plan_layout, tensor_views, make_manifest
+from wcache.store.arena import CPU_ALIGNMENT, make_manifest, plan_layout, tensor_views
 from wcache.store.manifest import MANIFEST_FORMAT_VERSION, Manifest, canonical_json
 from wcache.testing.store import synthetic_export, synthetic_tensors
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from wcache.store import DaemonServer, attach, cli_status, daemon_status
-from wcache.store import paths, server as server_mod
+from wcache.store import DaemonServer, attach, cli_status, daemon_status, paths
+from wcache.store import server as server_mod
 from wcache.testing.store import synthetic_export
 
 # The daemon checks its socket every SOCKET_WATCH_S; allow a few periods.

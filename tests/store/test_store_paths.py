@@ -6,8 +6,7 @@ import sys
 
 import pytest
 
-from wcache.store import DaemonBusy, StoreError, default_socket_dir, socket_path
-from wcache.store import paths
+from wcache.store import DaemonBusy, StoreError, default_socket_dir, paths, socket_path
 
 
 def test_socket_path_per_device_id():

@@ -14,7 +14,13 @@ import torch
 
 from wcache.store import CacheKey, DaemonServer, attach, daemon_status, socket_path
 from wcache.testing.store import (
-    BASE_KEY, count_arena_mappings, fd_count, rss_bytes, start_daemon, stop_daemon, synthetic_export,
+    BASE_KEY,
+    count_arena_mappings,
+    fd_count,
+    rss_bytes,
+    start_daemon,
+    stop_daemon,
+    synthetic_export,
 )
 
 # Arena tensors large enough that a leaked mapping (or a leaked copy) per cycle

@@ -19,7 +19,11 @@ import pytest
 from wcache.store import DaemonServer, attach, daemon_status, socket_path
 from wcache.store.seed import SEED_TIMEOUT_ENV, SeedFailed, seed_arena, seed_timeout_s
 from wcache.testing.store import (
-    BASE_KEY, SEED_STALLED_LINE, assert_serves_export, start_daemon, stop_daemon,
+    BASE_KEY,
+    SEED_STALLED_LINE,
+    assert_serves_export,
+    start_daemon,
+    stop_daemon,
 )
 
 #: The synthetic arena (6 float32 tensors of 4096) is 96 KiB: 24 chunks of this size.
@@ -54,7 +58,7 @@ def _receive_in_thread(arena, key, sock_dir: str, device_id: str) -> tuple[threa
     def receive() -> None:
         try:
             DaemonServer(arena, key, socket_dir=sock_dir, device_id=device_id).stop()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 (the test reports it)
             errors.append(e)
         ended.append(time.monotonic())
 

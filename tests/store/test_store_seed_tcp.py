@@ -23,7 +23,12 @@ from wcache.store import CacheKey, DaemonMissing, DaemonServer, KeyMismatch, att
 from wcache.store import seed as seed_mod
 from wcache.store import server as server_mod
 from wcache.store.protocol import (
-    MAX_FRAME_BYTES, PROTOCOL_VERSION, SEED_REPLY_LABEL, SEED_REQUEST_LABEL, recv_frame, seed_mac,
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    SEED_REPLY_LABEL,
+    SEED_REQUEST_LABEL,
+    recv_frame,
+    seed_mac,
     send_frame,
 )
 from wcache.store.seed import SeedFailed, SeedSecretUnsafe, SeedSource, read_secret, seed_arena

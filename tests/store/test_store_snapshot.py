@@ -12,11 +12,23 @@ from wcache.store import snapshot as snap_mod
 from wcache.store.prebuilt import served_arena
 from wcache.store.seed import SeedFailed, SeedSource, seed_arena
 from wcache.store.snapshot import (
-    ARENA_FILE, MANIFEST_FILE, SnapshotCorrupt, SnapshotMissing, SnapshotStale, check_key,
-    list_snapshots, open_snapshot, snapshot_arena, write_snapshot,
+    ARENA_FILE,
+    MANIFEST_FILE,
+    SnapshotCorrupt,
+    SnapshotMissing,
+    SnapshotStale,
+    check_key,
+    list_snapshots,
+    open_snapshot,
+    snapshot_arena,
+    write_snapshot,
 )
 from wcache.testing.store import (
-    BASE_KEY, assert_serves_export, start_daemon, stop_daemon, synthetic_export,
+    BASE_KEY,
+    assert_serves_export,
+    start_daemon,
+    stop_daemon,
+    synthetic_export,
 )
 
 NAME = "tp0of1-pp0of1-dp0of1"
@@ -259,7 +271,7 @@ def test_seeding_from_a_source_that_died_before_the_transfer_fails_in_bounded_ti
     def receive():
         try:
             DaemonServer(arena, key, socket_dir=sock_dir, device_id="cpu-r")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 (the test reports it)
             errors.append(e)
 
     t = threading.Thread(target=receive, daemon=True)
@@ -319,7 +331,7 @@ def test_two_writers_of_one_snapshot_at_once_leave_one_intact_snapshot(sock_dir,
                 barrier.wait()
                 try:
                     _write(s, snap_root)
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:  # noqa: BLE001 (the test reports it)
                     errors.append(f"{type(e).__name__}: {e}")
 
             threads = [threading.Thread(target=write, args=(s,)) for s in servers]
@@ -341,8 +353,8 @@ def test_seed_from_bad_paths_say_what_to_give(daemon, key, sock_dir, tmp_path):
     """--seed-from a missing path, a plain file, a dead daemon's socket or a directory without this key's daemon: DaemonMissing, each with a fix."""
     import socket as socket_mod
 
-    from wcache.store import DaemonMissing
     from wcache.daemon.serve import find_seed_source
+    from wcache.store import DaemonMissing
 
     plain = tmp_path / "plain"
     plain.write_text("x")

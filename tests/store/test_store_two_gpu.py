@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from wcache.store.paths import cuda_device_uuid
+from wcache.testing.store import BASE_KEY, start_daemon, stop_daemon
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
@@ -25,7 +26,6 @@ import sys, json, torch
 from wcache.testing.store import BASE_KEY, synthetic_export
 from wcache.store import CacheKey, attach
 from wcache.store.paths import cuda_device_uuid
-from wcache.testing.store import BASE_KEY, start_daemon, stop_daemon
 rank = {rank}
 torch.cuda.set_device(rank)
 key = dict(BASE_KEY, tp=[2, rank])

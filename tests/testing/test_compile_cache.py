@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
 
-from wcache.errors import UnreadableArtifact
 from tests.helpers.compile_artifacts import HASH, artifact_path, write_artifact
+from wcache.errors import UnreadableArtifact
 from wcache.testing import compile_cache as cc
 
 ART = f"/tmp/wcc/A/vllm/torch_compile_cache/torch_aot_compile/{HASH}/rank_0_0/model"
@@ -181,8 +181,8 @@ def test_vllm_split_graph_reads_back_in_a_fresh_process(tmp_path):
     """A VllmSerializableFunction artifact names vLLM's own torch ops: the reader
     registers them (VLLM_OP_MODULES) before unpickling, and without them it says
     which list to extend instead of a bare AttributeError (seen on the H200, 0.33)."""
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
+    import subprocess
+    import sys
 
     pytest.importorskip("vllm.ir")
     art = artifact_path(tmp_path / "vllm")

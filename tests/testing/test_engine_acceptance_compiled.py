@@ -5,6 +5,7 @@ this is not a run of the GPU tier)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 from tests.helpers.compile_artifacts import artifact_path, write_artifact
 from wcache.testing import engine_acceptance as ea
@@ -18,7 +19,7 @@ GRAPH = "def forward(self, arg0_1: 'bf16[s72, 576]'):\n    mm = torch.mm(arg0_1,
 class _FakeDaemon:
     """Stands in for DaemonProcess: starts at once, records that it ran."""
 
-    started: list[str] = []
+    started: ClassVar[list[str]] = []
 
     def __init__(self, model, socket_dir, extra_args=(), env=None):
         self.socket_dir, self.proc, self.ready_s = socket_dir, None, 0.5
@@ -152,8 +153,8 @@ def test_eager_case_keeps_four_loads_and_no_cache_roots(monkeypatch):
 
 def test_gpu_tier_selects_the_compiled_cases_by_id():
     """pytest -k compiled on the GPU tier collects exactly the three compiled cases."""
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
+    import subprocess
+    import sys
 
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
                           "-p", "no:cacheprovider", "tests/gpu_engine", "-k", "compiled"],

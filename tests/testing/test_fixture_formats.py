@@ -111,7 +111,9 @@ def test_modelopt_configs_parse_in_vllm_and_exclude_the_lm_head():
     tied lm_head and failed on the H200)."""
     pytest.importorskip("vllm")
     from vllm.model_executor.layers.quantization.modelopt import (
-        ModelOptMxFp8Config, ModelOptNvFp4Config)
+        ModelOptMxFp8Config,
+        ModelOptNvFp4Config,
+    )
 
     nvfp4 = ModelOptNvFp4Config.from_config(fx.quantization_config("nvfp4"))
     mxfp8 = ModelOptMxFp8Config.from_config(fx.quantization_config("mxfp8"))

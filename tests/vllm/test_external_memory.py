@@ -11,7 +11,6 @@ import math
 import pytest
 import torch
 
-
 pytestmark = pytest.mark.slow
 
 #: The simulated card holds the daemon's arena as this fraction of its memory:
@@ -47,12 +46,12 @@ def _serve(cfg, key, sock_dir):
     return DaemonServer(export, key, socket_dir=sock_dir, device_id=dev)
 
 
-def test_no_daemon_counts_zero(vllm_cfg, tmp_path):  # noqa: F811
+def test_no_daemon_counts_zero(vllm_cfg, tmp_path):
     """Without a daemon the load falls back to disk: 0 external bytes."""
     assert 0 == _loader(vllm_cfg, socket_dir=str(tmp_path / "s")).get_external_weight_memory(vllm_cfg)
 
 
-def test_matching_daemon_counts_its_arena(vllm_cfg, tmp_path):  # noqa: F811
+def test_matching_daemon_counts_its_arena(vllm_cfg, tmp_path):
     """A daemon whose key matches (plans aside, which need the model) counts its arena
     in zero_copy mode and nothing in copy mode."""
     sock_dir = str(tmp_path / "s")
@@ -64,7 +63,7 @@ def test_matching_daemon_counts_its_arena(vllm_cfg, tmp_path):  # noqa: F811
                             mode="copy").get_external_weight_memory(vllm_cfg)
 
 
-def test_daemon_of_another_configuration_counts_zero(vllm_cfg, tmp_path):  # noqa: F811
+def test_daemon_of_another_configuration_counts_zero(vllm_cfg, tmp_path):
     """A daemon on this rank's socket whose key differs (another dtype) will be refused
     at load, so nothing is external."""
     sock_dir = str(tmp_path / "s")
@@ -72,7 +71,7 @@ def test_daemon_of_another_configuration_counts_zero(vllm_cfg, tmp_path):  # noq
         assert 0 == _loader(vllm_cfg, socket_dir=sock_dir).get_external_weight_memory(vllm_cfg)
 
 
-def test_vllm_request_memory_admits_the_engine_with_the_daemons_bytes(vllm_cfg, tmp_path):  # noqa: F811
+def test_vllm_request_memory_admits_the_engine_with_the_daemons_bytes(vllm_cfg, tmp_path):
     """vLLM's own request_memory on a card where the daemon holds 20%: without the hook
     (0 bytes) it refuses at utilization 0.9; with the hook's answer it grants the
     budget minus the arena."""
@@ -94,7 +93,7 @@ def test_vllm_request_memory_admits_the_engine_with_the_daemons_bytes(vllm_cfg, 
 
 
 @pytest.mark.parametrize("freeze", [True, False])
-def test_gc_heap_frozen_before_the_load_unless_turned_off(vllm_cfg, tmp_path, freeze):  # noqa: F811
+def test_gc_heap_frozen_before_the_load_unless_turned_off(vllm_cfg, tmp_path, freeze):
     """vLLM calls get_external_weight_memory right before its timed load phase: with
     ``freeze_gc`` (the default) the worker's gc heap is frozen there (the phase's
     three full collections then skip it); ``freeze_gc=false`` leaves gc alone."""

@@ -14,9 +14,8 @@ import weakref
 import pytest
 import torch
 
-from wcache.core import NoPlan
-
 from tests.helpers.vllm_loader import load_with_changed_model, meta_model
+from wcache.core import NoPlan
 
 pytestmark = pytest.mark.slow
 
@@ -26,16 +25,16 @@ WCACHE_VLLM = pathlib.Path(__file__).resolve().parents[2] / "wcache" / "vllm"
 # ------------------------------------------------------------------ item 2
 
 
-def test_build_server_keeps_no_model_reference(vllm_cfg, tmp_path, monkeypatch):  # noqa: F811
+def test_build_server_keeps_no_model_reference(vllm_cfg, tmp_path, monkeypatch):
     """After build_server the loaded model, every one of its parameters and buffers,
     and its forward-context/rope registrations are gone: only the arena remains."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
+    from wcache.daemon.process import ENGINE_ARGS
     from wcache.vllm import compat
     from wcache.vllm.build import build_server, engine_config
     from wcache.vllm.key import device_id, parallel_layout
-    from wcache.daemon.process import ENGINE_ARGS
 
     refs: list[weakref.ref] = []
     real_create = DefaultModelLoader.create_model
@@ -162,7 +161,7 @@ class _HookedModel(torch.nn.Module):
      "multimodal-encoder attention with FP8 populates its scale buffers"),
     (_overriding_attention, "attn", "no plan for method 'vllm-attention:PackingAttention'"),
 ])
-def test_attention_without_a_plan_is_refused_naming_the_module(vllm_cfg, make, name, reason):  # noqa: F811
+def test_attention_without_a_plan_is_refused_naming_the_module(vllm_cfg, make, name, reason):
     """MLA, FP8 multimodal-encoder attention and an Attention subclass with its own
     post-load work are refused by planned_layers, naming the module and why."""
     from vllm.config import set_current_vllm_config
@@ -176,7 +175,7 @@ def test_attention_without_a_plan_is_refused_naming_the_module(vllm_cfg, make, n
     assert "plan-missing" == err.value.code
 
 
-def test_mm_encoder_attention_without_fp8_has_no_postload_work(vllm_cfg):  # noqa: F811
+def test_mm_encoder_attention_without_fp8_has_no_postload_work(vllm_cfg):
     """Multimodal-encoder attention without FP8 does nothing after load: no plan, no refusal."""
     from vllm.config import set_current_vllm_config
 
@@ -184,7 +183,7 @@ def test_mm_encoder_attention_without_fp8_has_no_postload_work(vllm_cfg):  # noq
         assert [] == _planned(_Holder(attn=_mm_encoder(False)))
 
 
-def test_safety_net_refuses_any_module_with_postload_work(vllm_cfg):  # noqa: F811
+def test_safety_net_refuses_any_module_with_postload_work(vllm_cfg):
     """A quant method that is no QuantizeMethodBase but does post-load work, and a
     model-level hook, are refused by the safety net; a method whose post-load is the
     base no-op is not."""
@@ -222,7 +221,7 @@ def test_safety_net_refuses_any_module_with_postload_work(vllm_cfg):  # noqa: F8
 
 
 @pytest.mark.parametrize("fallback", [True, False])
-def test_mla_layer_is_refused_before_any_weight_is_read(vllm_cfg, monkeypatch, fallback):  # noqa: F811
+def test_mla_layer_is_refused_before_any_weight_is_read(vllm_cfg, monkeypatch, fallback):
     """The engine loader with an MLA layer in SmolLM2: plan-missing before the key
     (checkpoint digest) or the daemon; fallback=true loads from disk, false raises."""
     import wcache.vllm.loader as loader_mod
@@ -242,7 +241,7 @@ def test_mla_layer_is_refused_before_any_weight_is_read(vllm_cfg, monkeypatch, f
     assert "[plan-missing]" in warnings[0] and "model.layers.2.self_attn.attn" in warnings[0]
 
 
-def test_smollm2_attention_layers_still_get_the_attention_plan(vllm_cfg):  # noqa: F811
+def test_smollm2_attention_layers_still_get_the_attention_plan(vllm_cfg):
     """Plain Attention layers keep wcache's attention plan (the refusals are only for
     the variants)."""
     from vllm.config import set_current_vllm_config
@@ -434,7 +433,7 @@ def test_every_mapped_vllm_class_exists_in_this_vllm():
     for name, module in compat.release().class_modules.items():
         importlib.import_module(module)
         assert name == getattr(compat.classes(), name).__name__
-    for kid, (module, cls) in compat.release().kernel_classes.items():
+    for module, _cls in compat.release().kernel_classes.values():
         importlib.import_module(module)
     assert {kid for _, kid in compat.kernel_classes()} == set(compat.release().kernel_classes)
     assert all(c is not compat._NotImported for c, _ in compat.kernel_classes())

@@ -12,10 +12,9 @@ import shutil
 import pytest
 import torch
 
+from tests.helpers.vllm_loader import meta_model
 from wcache.core import Target
 from wcache.daemon.process import ENGINE_ARGS
-
-from tests.helpers.vllm_loader import meta_model
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +56,7 @@ def _copy_checkpoint(tmp_path, name="ckpt"):
     return shutil.copytree(build("bf16"), tmp_path / name)
 
 
-def test_rope_override_is_a_key_mismatch_naming_hf_overrides(vllm_cfg, tmp_path):  # noqa: F811
+def test_rope_override_is_a_key_mismatch_naming_hf_overrides(vllm_cfg, tmp_path):
     """A daemon without hf_overrides and an engine with the yarn rope override share a
     socket, and the daemon refuses the engine naming model_config.hf_overrides."""
     from wcache.store import DaemonServer, Export, KeyMismatch, attach
@@ -79,7 +78,7 @@ def test_rope_override_is_a_key_mismatch_naming_hf_overrides(vllm_cfg, tmp_path)
     assert "key-mismatch" == err.value.code
 
 
-def test_key_ignores_the_checkpoint_path(vllm_cfg, tmp_path, private_caches):  # noqa: F811
+def test_key_ignores_the_checkpoint_path(vllm_cfg, tmp_path, private_caches):
     """A byte-identical copy of the checkpoint at another path has the same key."""
     from wcache.vllm.key import build_key
 
@@ -95,7 +94,7 @@ def _cos_sin_cache_name(model) -> str:
 
 
 @pytest.mark.parametrize("change", ["shape", "dtype"])
-def test_wrong_shape_or_dtype_buffer_is_model_mismatch(vllm_cfg, change):  # noqa: F811
+def test_wrong_shape_or_dtype_buffer_is_model_mismatch(vllm_cfg, change):
     """A daemon buffer whose shape or dtype differs from the engine's meta model (a
     131072-row rope cache for a 8192-position engine) is model-mismatch naming it,
     and the model is left untouched."""
@@ -117,7 +116,7 @@ def test_wrong_shape_or_dtype_buffer_is_model_mismatch(vllm_cfg, change):  # noq
     assert dict(model.named_buffers(remove_duplicate=False))[name] is mine  # nothing installed
 
 
-def test_checkpoint_swapped_during_load_is_refused(vllm_cfg, tmp_path, private_caches):  # noqa: F811
+def test_checkpoint_swapped_during_load_is_refused(vllm_cfg, tmp_path, private_caches):
     """Replacing the shard by another checkpoint's (atomic rename) after the daemon read
     it is refused with checkpoint-changed instead of exporting A's bytes under B's key."""
     from vllm.config import set_current_vllm_config
@@ -145,7 +144,7 @@ def test_checkpoint_swapped_during_load_is_refused(vllm_cfg, tmp_path, private_c
 
 
 @pytest.mark.parametrize("fallback", [True, False])
-def test_shard_truncated_while_hashed_follows_the_fallback_rule(vllm_cfg, tmp_path, private_caches,  # noqa: F811
+def test_shard_truncated_while_hashed_follows_the_fallback_rule(vllm_cfg, tmp_path, private_caches,
                                                                 fallback):
     """A shard that shrinks while the engine hashes it: fallback=true loads from disk
     logging reason checkpoint-changed; fallback=false raises RestoreFailed with it."""
@@ -192,7 +191,7 @@ def test_shard_truncated_while_hashed_follows_the_fallback_rule(vllm_cfg, tmp_pa
                 assert "checkpoint-changed" == err.value.code
 
 
-def test_duplicated_lm_head_is_restored_tied(vllm_cfg, tmp_path, private_caches):  # noqa: F811
+def test_duplicated_lm_head_is_restored_tied(vllm_cfg, tmp_path, private_caches):
     """A checkpoint that stores lm_head.weight beside the embedding with
     tie_word_embeddings=true: vLLM's disk load ties them, and so does the daemon's
     export and the engine's restore (one tensor object, one storage)."""
@@ -255,7 +254,7 @@ def _engine_key_and_device(cfg, load_config, loader_mod):
 @pytest.mark.parametrize("daemon_vllm", ["0.33.0", "0.31.0"])
 @pytest.mark.parametrize("fallback", [True, False])
 def test_engine_and_daemon_of_other_vllm_releases_refuse_each_other(
-        vllm_cfg, tmp_path, private_caches, fallback, daemon_vllm):  # noqa: F811
+        vllm_cfg, tmp_path, private_caches, fallback, daemon_vllm):
     """A daemon whose key was built under another vLLM release (everything else equal)
     refuses this engine with key-mismatch naming both vLLM versions; the engine
     follows the fallback rule: fallback=true loads from disk logging key-mismatch,
@@ -264,7 +263,8 @@ def test_engine_and_daemon_of_other_vllm_releases_refuse_each_other(
 
     import wcache.vllm.loader as loader_mod
     from wcache.store import DaemonServer, Export
-    from wcache.vllm import compat, key as key_mod
+    from wcache.vllm import compat
+    from wcache.vllm import key as key_mod
 
     ckpt = _copy_checkpoint(tmp_path)
     cfg = _config(ckpt)

@@ -12,9 +12,8 @@ import types
 import pytest
 import torch
 
-from wcache.core import NoPlan
-
 from tests.helpers.vllm_loader import load_with_changed_model, meta_model
+from wcache.core import NoPlan
 
 pytestmark = pytest.mark.slow
 

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 
 import pytest
 import torch
 
-from wcache.store import paths
-
 from tests.helpers.stalled_daemon import stalled_daemon as fake_stalled_daemon
+from wcache.store import paths
 
 pytestmark = pytest.mark.slow
 

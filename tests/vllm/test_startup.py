@@ -16,7 +16,6 @@ from wcache.store import artifacts as art
 from wcache.vllm import startup
 
 
-
 @pytest.fixture(scope="module")
 def bf16_model() -> Path:
     """The bf16 SmolLM2 fixture, built by the suite (wcache.testing.fixtures) when missing."""

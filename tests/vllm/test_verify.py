@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from wcache.core import StageOut, Tag
+from wcache.daemon.process import ENGINE_ARGS
 from wcache.testing.fixtures import FORMATS
 from wcache.testing.plans import unregistered_stage
-from wcache.daemon.process import ENGINE_ARGS
 
 pytestmark = pytest.mark.slow
 

@@ -24,6 +24,7 @@ import fcntl
 import json
 import mmap
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -34,11 +35,13 @@ import threading
 import time
 
 import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from wcache.store import CacheKey, DaemonServer, Export, attach
 from wcache.store.arena import SEALS, frombuffer_readonly
 from wcache.store.manifest import dtype_from_name, dtype_name
 from wcache.store.protocol import recv_frame, send_frame
+from wcache.store.transport_cuda import _ARG_NAMES, _STORAGE_CLASSES, encode_reduce_args
 
 SCM_MAX_FD = 253  # Linux: most descriptors one SCM_RIGHTS message may carry
 KEY = CacheKey({"bench": "attach"})
@@ -66,7 +69,7 @@ class PerTensorServer:
                         for n, t in tensors.items()]
         self.fds = []
         if device == "cpu":
-            for name, t in tensors.items():
+            for t in tensors.values():
                 fd = os.memfd_create("wcache-bench", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
                 nbytes = t.numel() * t.element_size()
                 os.write(fd, ctypes.string_at(t.data_ptr(), nbytes))  # one memcpy, like the arena's fill
@@ -79,7 +82,6 @@ class PerTensorServer:
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self):
-        from wcache.store.transport_cuda import encode_reduce_args
 
         while True:
             try:
@@ -90,7 +92,7 @@ class PerTensorServer:
                 while True:
                     try:
                         recv_frame(conn)
-                    except Exception:
+                    except Exception:  # noqa: BLE001 (any failure ends this client's loop)
                         break
                     if self.device == "cpu":
                         send_frame(conn, {"entries": self.entries, "batches": -(-len(self.fds) // SCM_MAX_FD)})
@@ -110,7 +112,6 @@ class PerTensorServer:
 
 
 def client_main(args) -> None:
-    import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4 * args.ntensors)), hard))
@@ -158,7 +159,6 @@ def per_tensor_attach(path: str, device: str):
                 maps.append(mm)
                 views[name] = frombuffer_readonly(mm).view(dtype_from_name(dtype)).view(shape)
         else:
-            from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
             for (name, _dtype, _shape, _nbytes), h in zip(head["entries"], head["handles"]):
                 views[name] = rebuild_cuda_tensor(*decode_reduce_args_any(h))
@@ -167,7 +167,6 @@ def per_tensor_attach(path: str, device: str):
 
 def decode_reduce_args_any(d):
     """decode_reduce_args for any dtype (the store's arena is always uint8)."""
-    from wcache.store.transport_cuda import _ARG_NAMES, _STORAGE_CLASSES
 
     out = dict(d)
     out["tensor_cls"] = torch.Tensor
@@ -194,7 +193,6 @@ def main() -> None:
     if args.client:
         return client_main(args)
 
-    import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4 * args.ntensors)), hard))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import tempfile
 import time
 import uuid
@@ -37,6 +38,21 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+import wcache.benchmarks.synthetic as syn
+from wcache.benchmarks.bench_restore import (
+    _key_fields,
+    _target,
+    _warm_page_cache,
+    load_cpu_ops,
+    planned_linears,
+    prepare_from_checkpoint,
+)
+from wcache.core import NoPlan
+from wcache.store import CacheKey, DaemonServer, Export
+from wcache.store.seed import SeedSource, seed_arena
+from wcache.store.snapshot import _memview, read_bytes_into
+from wcache.testing.fixtures import build
 
 __all__ = ["run_synthetic", "run_engine_daemons", "synthetic_table", "engine_table"]
 
@@ -56,8 +72,8 @@ def _drop_page_cache(path: str) -> None:
 
 
 def _digest(server: Any) -> str:
-    from wcache.store.prebuilt import served_arena
-    from wcache.store.seed import arena_digest
+    from wcache.store.prebuilt import served_arena  # noqa: PLC0415 (imported at call time: tests patch served_arena)
+    from wcache.store.seed import arena_digest  # noqa: PLC0415 (imported at call time: tests patch arena_digest)
 
     view = served_arena(server)
     try:
@@ -68,7 +84,6 @@ def _digest(server: Any) -> str:
 
 def _raw(path: str, offset: int, nbytes: int, device: torch.device, peer: bool) -> dict[str, float]:
     """Raw bandwidth figures for ``nbytes`` (seconds)."""
-    from wcache.store.snapshot import _memview, read_bytes_into
 
     out: dict[str, float] = {}
     host = torch.empty(nbytes, dtype=torch.uint8)
@@ -117,16 +132,8 @@ def run_synthetic(device: torch.device, sizes: tuple[str, ...], formats: tuple[s
                   bench_dir: str | None, snap_dir: str | None, seed: int, layers: int | None,
                   socket_dir: str, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """One row per (format, size); see the module docstring for what is timed."""
-    from wcache.benchmarks.bench_restore import (
-        _key_fields, _target, _warm_page_cache, load_cpu_ops, planned_linears,
-        prepare_from_checkpoint,
-    )
-    import wcache.benchmarks.synthetic as syn
-    from wcache.core import NoPlan
-    from wcache.store import CacheKey, DaemonServer, Export
-    from wcache.store.prebuilt import served_arena
-    from wcache.store.seed import SeedSource, seed_arena
-    from wcache.store.snapshot import ARENA_FILE, open_snapshot, snapshot_arena, write_snapshot
+    from wcache.store.prebuilt import served_arena  # noqa: PLC0415 (imported at call time: tests patch served_arena)
+    from wcache.store.snapshot import ARENA_FILE, open_snapshot, snapshot_arena, write_snapshot  # noqa: PLC0415 (imported at call time: tests patch write_snapshot)
 
     load_cpu_ops(device)
     target = _target(device, False)
@@ -232,7 +239,6 @@ def run_synthetic(device: torch.device, sizes: tuple[str, ...], formats: tuple[s
             finally:
                 for s in servers:
                     s.stop()
-                import shutil
 
                 shutil.rmtree(snap_root, ignore_errors=True)
                 if device.type == "cuda":
@@ -297,8 +303,7 @@ def run_engine_daemons(formats: tuple[str, ...], log: Callable[[str], None]) -> 
     Each row holds the ``ready_s`` each printed (seconds from the start of
     ``serve_rank``: engine arguments, distributed init, key, arena; Python and
     vLLM imports excluded) and the process wall time to the ready line."""
-    from wcache.testing.fixtures import build
-    from wcache.daemon.process import DaemonProcess
+    from wcache.daemon.process import DaemonProcess  # noqa: PLC0415 (imported at call time: tests patch DaemonProcess)
 
     rows = []
     for fmt in formats:

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from wcache.testing.engine_acceptance import EngineCase
+from wcache.testing.fixtures import build
 
 __all__ = ["LLAMA_8B", "write_llama_checkpoint", "run", "table", "FORMATS"]
 
@@ -93,7 +94,7 @@ def _linear_tensors(kind: str, n: int, k: int, g: torch.Generator,
             out["weight_scale_inv"] = torch.full((-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)),
                                                  SCALE / 64, dtype=torch.float32)
         return out
-    words = lambda *shape: torch.randint(-2**31, 2**31 - 1, shape, generator=g,  # noqa: E731
+    words = lambda *shape: torch.randint(-2**31, 2**31 - 1, shape, generator=g,  # noqa: E731 (a one-line local function)
                                          device=device, dtype=torch.int32)
     scales = (torch.rand(k // GROUP_SIZE, n, generator=g, device=device) * SCALE + SCALE / 4)
     if kind == "awq":
@@ -146,7 +147,7 @@ def write_llama_checkpoint(out: Path, kind: str, tokenizer_dir: Path,
     Returns:
         ``out``.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # noqa: PLC0415 (imported at call time: tests patch save_file)
 
     stamp = out / "wcache-bench-checkpoint.json"
     want = {"kind": kind, "config": cfg, "version": 1}
@@ -217,8 +218,7 @@ def run(formats: Sequence[str], root: Path, log: Callable[[str], None],
     with ``profile_dir``, the daemon-backed load's ``cProfile`` stats are written to
     ``profile_dir/<format>.prof`` (the loader's ``profile_file``; it adds profiler
     overhead to that load's figures)."""
-    from wcache.testing.fixtures import build
-    from wcache.daemon.process import DaemonProcess, run_engine
+    from wcache.daemon.process import DaemonProcess, run_engine  # noqa: PLC0415 (imported at call time: tests patch DaemonProcess, run_engine)
 
     tokenizer_dir = build("bf16")
     rows = []
@@ -313,7 +313,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "torch": torch.__version__, "shape": LLAMA_8B,
             "date": time.strftime("%Y-%m-%d", time.gmtime())}
     try:
-        from wcache.vllm.compat import vllm_version  # noqa: PLC0415
+        from wcache.vllm.compat import vllm_version  # noqa: PLC0415 (optional dependency, checked where it is used)
 
         meta["vllm"] = vllm_version()
     except ImportError:

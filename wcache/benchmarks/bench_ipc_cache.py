@@ -46,6 +46,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from wcache.daemon.process import engine_failure_cause, free_port, stop_process_group
+from wcache.testing.cross_version import is_key_mismatch
+from wcache.testing.engine_acceptance import CUDA_ENGINE_ARGS
+
 __all__ = ["CASES", "run", "run_swap", "table", "write_swapped_checkpoint"]
 
 #: Case -> (model, checkpoint kind, vLLM --quantization). "8b" models are written by
@@ -104,7 +108,6 @@ class PreloadProcess:
 
     def __init__(self, model: str | Path, socket_dir: str | Path, quantization: str | None,
                  log_path: Path):
-        from wcache.daemon.process import free_port  # noqa: PLC0415
 
         self.port = free_port()
         self.args = [sys.executable, "-m", "vllm.entrypoints.cli.main", "preload",
@@ -118,7 +121,7 @@ class PreloadProcess:
         self.proc: subprocess.Popen | None = None
         self.ready_s: float | None = None
 
-    def start(self) -> "PreloadProcess":
+    def start(self) -> PreloadProcess:
         log = open(self.log_path, "w")  # noqa: SIM115  (closed with the process)
         t0 = time.monotonic()
         self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
@@ -141,11 +144,10 @@ class PreloadProcess:
                            f"{self.proc.returncode}):\n{tail}")
 
     def stop(self) -> None:
-        from wcache.daemon.process import stop_process_group  # noqa: PLC0415
 
         stop_process_group(self.proc, STOP_GRACE_S)
 
-    def __enter__(self) -> "PreloadProcess":
+    def __enter__(self) -> PreloadProcess:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -153,11 +155,11 @@ class PreloadProcess:
 
 
 def _checkpoint(model: str, kind: str, root: Path) -> Path:
-    from wcache.testing.fixtures import build  # noqa: PLC0415
+    from wcache.testing.fixtures import build  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     if model == "smol":
         return Path(build(kind))
-    from wcache.benchmarks.bench_engine_cuda import write_llama_checkpoint  # noqa: PLC0415
+    from wcache.benchmarks.bench_engine_cuda import write_llama_checkpoint  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     return write_llama_checkpoint(root / f"llama-8b-{kind}", kind, Path(build("bf16")))
 
@@ -166,7 +168,6 @@ def _engine_args(quantization: str | None, model: str) -> list[str]:
     """8B engines size their KV cache by profiling (a share of the GPU, as a user's
     would); SmolLM2 engines get the tier's fixed KV cache, which skips the profiling
     that fails when other processes on the GPU free memory meanwhile."""
-    from wcache.testing.engine_acceptance import CUDA_ENGINE_ARGS  # noqa: PLC0415
 
     args = (list(CUDA_ENGINE_ARGS) if model == "smol" else
             ["--attention-backend", "TRITON_ATTN",
@@ -176,7 +177,7 @@ def _engine_args(quantization: str | None, model: str) -> list[str]:
 
 def _engine(ckpt: Path, load_format: str, extra: dict, quantization: str | None,
             model: str) -> dict:
-    from wcache.daemon.process import run_engine  # noqa: PLC0415
+    from wcache.daemon.process import run_engine  # noqa: PLC0415 (imported at call time: tests patch run_engine)
 
     return run_engine(ckpt, load_format, extra, prompts=[PROMPT], max_tokens=MAX_TOKENS,
                       timeout_s=ENGINE_TIMEOUT_S, engine_args=_engine_args(quantization, model))
@@ -191,7 +192,6 @@ def _summary(res: dict) -> dict[str, Any]:
 def _error(exc: Exception) -> list[str]:
     """The refusal or failure: the last lines of the root-cause traceback that
     ``run_engine`` puts first in its message (else of the whole message)."""
-    from wcache.daemon.process import engine_failure_cause  # noqa: PLC0415
 
     text = str(exc)
     root = engine_failure_cause(exc) if "First traceback" in text else text
@@ -207,7 +207,7 @@ def _error(exc: Exception) -> list[str]:
 def _system(name: str, ckpt: Path, quantization: str | None, model: str, log_dir: Path,
             serve_ckpt: Path | None = None) -> dict[str, Any]:
     """One system's daemon (on ``serve_ckpt``, default ``ckpt``) and one engine on ``ckpt``."""
-    from wcache.daemon.process import DaemonProcess  # noqa: PLC0415
+    from wcache.daemon.process import DaemonProcess  # noqa: PLC0415 (imported at call time: tests patch DaemonProcess)
 
     serve_ckpt = serve_ckpt or ckpt
     out: dict[str, Any] = {}
@@ -281,7 +281,7 @@ def write_swapped_checkpoint(src: Path, dst: Path, token_id: int,
     Raises:
         ValueError: no ``model.embed_tokens.weight`` in bf16 in ``src``.
     """
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     if dst.exists():
         shutil.rmtree(dst)
@@ -319,10 +319,9 @@ def _headers(path: Path) -> list[bytes]:
 
 def run_swap(root: Path, log: Callable[[str], None]) -> dict[str, Any]:
     """The checkpoint-swap case (module doc): daemons on A, engines asking for B."""
-    from transformers import AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoTokenizer  # noqa: PLC0415 (transformers import ~1 s: only when called)
 
-    from wcache.testing.cross_version import is_key_mismatch  # noqa: PLC0415
-    from wcache.testing.fixtures import build  # noqa: PLC0415
+    from wcache.testing.fixtures import build  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     a = Path(build("bf16"))
     tok = AutoTokenizer.from_pretrained(str(a))
@@ -396,9 +395,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(cases) - set(CASES))
     if unknown:
         ap.error(f"unknown cases {unknown}; choose from {','.join(CASES)}")
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
-    from wcache.vllm.compat import vllm_version  # noqa: PLC0415
+    from wcache.vllm.compat import vllm_version  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     meta = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "vllm": vllm_version(),

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -56,8 +57,23 @@ from typing import Any
 import attrs
 
 from wcache.benchmarks.phases import (
-    NEGLIGIBLE_S, PHASES, breakdown, parse_log, phase_lines, total_s,
+    NEGLIGIBLE_S,
+    PHASES,
+    breakdown,
+    parse_log,
+    phase_lines,
+    total_s,
 )
+from wcache.benchmarks.plot import pyplot_for
+from wcache.daemon.process import engine_failure_cause
+from wcache.testing.caches import (
+    CACHE_ENV_DIRS,
+    cache_env,
+    cache_states,
+    cache_writes,
+    host_cache_dirs,
+)
+from wcache.vllm.run_engine import vllm_engine_args
 
 __all__ = ["ROWS", "Row", "run", "table", "plot_phases", "main", "merge_results",
            "prime_compile_supported"]
@@ -174,16 +190,16 @@ def model_setup(kind: str, device: str, root: Path, model: str | None = None
         ``(checkpoint, engine_args, serve_args)``; both argument lists set the same
         max_model_len (it is part of the cache key).
     """
-    from wcache.testing.fixtures import build  # noqa: PLC0415
+    from wcache.testing.fixtures import build  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     if model is not None:
         path = Path(model)
     elif kind == "8b":
-        from wcache.benchmarks.bench_engine_cuda import write_llama_checkpoint  # noqa: PLC0415
+        from wcache.benchmarks.bench_engine_cuda import write_llama_checkpoint  # noqa: PLC0415 (torch import ~2 s: only when called)
 
         path = write_llama_checkpoint(root / "llama-8b-bf16", "bf16", Path(build("bf16")))
     elif kind == "tiny":
-        from wcache.testing.tiny import build_tiny  # noqa: PLC0415
+        from wcache.testing.tiny import build_tiny  # noqa: PLC0415 (torch import ~2 s: only when called)
 
         path = Path(build_tiny("bf16"))
     else:
@@ -202,7 +218,6 @@ def model_setup(kind: str, device: str, root: Path, model: str | None = None
 
 
 def _error_lines(exc: BaseException) -> list[str]:
-    from wcache.daemon.process import engine_failure_cause  # noqa: PLC0415
 
     lines = [ln.strip() for ln in engine_failure_cause(exc).splitlines() if ln.strip()]
     return lines[-6:]
@@ -227,7 +242,6 @@ class _Runner:
 
     def node(self, name: str, fresh: bool) -> Path:
         """The cache root of ``name``: a new empty one when ``fresh``."""
-        from wcache.testing.caches import cache_env  # noqa: PLC0415
 
         if fresh or name not in self.nodes:
             self.fresh += 1
@@ -241,10 +255,7 @@ class _Runner:
                name: str) -> dict:
         """One engine of row ``name``; its whole log goes to ``log_dir/name.log``, what
         it wrote into each cache (its node's and the host's) to ``res["cache_writes"]``."""
-        from wcache.daemon.process import run_engine  # noqa: PLC0415
-        from wcache.testing.caches import (  # noqa: PLC0415
-            CACHE_ENV_DIRS, cache_env, cache_states, cache_writes, host_cache_dirs,
-        )
+        from wcache.daemon.process import run_engine  # noqa: PLC0415 (imported at call time: tests patch run_engine)
 
         args = self.engine_args + (["--compile"] if compiled else [])
         watched = {**{f"node/{sub}": root / sub for sub in CACHE_ENV_DIRS.values()},
@@ -296,8 +307,7 @@ class _Runner:
         return "wcache_timed_auto" if self.device == "cpu" else "auto"
 
     def daemon_socket(self) -> str:
-        from wcache.daemon.process import DaemonProcess  # noqa: PLC0415
-        from wcache.testing.caches import cache_env  # noqa: PLC0415
+        from wcache.daemon.process import DaemonProcess  # noqa: PLC0415 (imported at call time: tests patch DaemonProcess)
 
         if self.daemon is None:
             sock = tempfile.mkdtemp(prefix="wcb-phases-")
@@ -317,10 +327,8 @@ class _Runner:
 
     def fresh_node(self, row: Row) -> dict[str, Any]:
         """The fresh-node row: prime, snapshot, a daemon --from-snapshot, an engine."""
-        from wcache.daemon.process import DaemonProcess  # noqa: PLC0415
-        from wcache.testing.caches import cache_env  # noqa: PLC0415
+        from wcache.daemon.process import DaemonProcess  # noqa: PLC0415 (imported at call time: tests patch DaemonProcess)
 
-        from wcache.vllm.run_engine import vllm_engine_args  # noqa: PLC0415
 
         ok, reason = prime_compile_supported()
         if not ok:
@@ -526,7 +534,7 @@ def _measured(meta: Mapping[str, Any]) -> str:
 def startup_plan_env() -> dict[str, str]:
     """The engines' environment of --startup-plan: vLLM's switch
     (:data:`wcache.vllm.startup.STARTUP_PLAN_ENV`) on."""
-    from wcache.vllm.startup import STARTUP_PLAN_ENV  # noqa: PLC0415  (imports torch)
+    from wcache.vllm.startup import STARTUP_PLAN_ENV  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     return {STARTUP_PLAN_ENV: "1"}
 
@@ -628,7 +636,6 @@ def plot_phases(results: Mapping[str, Any], png: str | Path) -> Path:
     Returns:
         The path written.
     """
-    from wcache.benchmarks.plot import pyplot_for  # noqa: PLC0415
 
     plt, png = pyplot_for(png)
     ran = [r for r in results["rows"] if "phases" in r][::-1]  # first row on top
@@ -699,11 +706,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _meta(device: str, kind: str, ckpt: Path, argv: Sequence[str]) -> dict[str, Any]:
-    import platform  # noqa: PLC0415
 
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
-    from wcache.vllm.compat import vllm_version  # noqa: PLC0415
+    from wcache.vllm.compat import vllm_version  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     meta = {"device": device, "model_kind": kind, "checkpoint": str(ckpt),
             "torch": torch.__version__, "vllm": vllm_version(), "python": platform.python_version(),
@@ -740,7 +746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.stack_samples < 0 or (args.stack_samples and not args.out):
         raise SystemExit("--stack-samples: give a positive interval in seconds, and --out "
                          "(the samples go to {--out}.logs/)")
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():

@@ -35,12 +35,17 @@ on the critical path. Each restore repetition runs in its own fresh process.
 
 from __future__ import annotations
 
+import cProfile
+import hashlib
 import importlib.util
+import io
 import math
 import multiprocessing as mp
 import os
 import pickle
+import pstats
 import statistics
+import sys
 import tempfile
 import time
 import traceback
@@ -51,10 +56,16 @@ from typing import Any
 
 import torch
 from attrs import asdict, field, frozen
+from safetensors import safe_open
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from wcache.core import LayerConfig, LayerState, Plan, Target
-from wcache.errors import WorkerFailed  # noqa: F401  (re-exported: its old home)
+import wcache.benchmarks.synthetic as synthetic
+from wcache.core import LayerConfig, LayerState, NoPlan, Plan, RestoreGuard, Target
+from wcache.core.values import as_tuple
+from wcache.errors import WorkerFailed  # re-exported: its old home
 from wcache.shell import apply_state_, load_, prepare_, restore_
+from wcache.store import CacheKey, DaemonServer, Export
+from wcache.vllm import compat
 
 __all__ = [
     "BenchOptions", "run_suite", "markdown_table", "handles_table", "curve_points",
@@ -114,9 +125,9 @@ class BenchOptions:
     """
 
     device: str = "cuda"
-    sizes: tuple[str, ...] = field(default=("8b",), converter=tuple)
-    formats: tuple[str, ...] = field(default=("bf16", "awq", "fp8"), converter=tuple)
-    no_disk: tuple[str, ...] = field(default=(), converter=tuple)
+    sizes: tuple[str, ...] = field(default=("8b",), converter=as_tuple)
+    formats: tuple[str, ...] = field(default=("bf16", "awq", "fp8"), converter=as_tuple)
+    no_disk: tuple[str, ...] = field(default=(), converter=as_tuple)
     layers: int | None = None
     reps: int = 3
     load_reps: int = 2
@@ -141,7 +152,7 @@ def _target(device: torch.device, simulate_cuda: bool) -> Target:
         return Target("cuda", SIMULATED_CAPABILITY)
     if device.type == "cpu":
         try:  # the CPU plans need vLLM's own kernel decisions
-            from wcache.vllm.probe import host_target  # noqa: PLC0415
+            from wcache.vllm.probe import host_target  # noqa: PLC0415 (optional dependency, checked where it is used)
         except ImportError:
             return Target.detect(device)
         return host_target(device)
@@ -158,13 +169,11 @@ def load_cpu_ops(device: torch.device) -> None:
     stages call, when vLLM is installed. Never on CUDA: the GPU path imports no vLLM."""
     if device.type != "cpu" or importlib.util.find_spec("vllm") is None:
         return
-    from wcache.vllm import compat  # noqa: PLC0415
 
     compat.load_custom_ops()  # registers torch.ops._C
 
 
 def _synthetic():
-    import wcache.benchmarks.synthetic as synthetic
 
     return synthetic
 
@@ -187,7 +196,7 @@ def planned_linears(shape: Any, fmt: str, target: Target) -> tuple[Layer, ...]:
     Raises:
         NoPlan: the format has no plan on the target.
     """
-    from wcache.plans import plan_for
+    from wcache.plans import plan_for  # noqa: PLC0415 (imported at call time: tests patch plan_for)
 
     syn = _synthetic()
     out = []
@@ -220,7 +229,6 @@ def state_digest(modules: Mapping[str, torch.nn.Module]) -> str:
     per tensor its shape, dtype and two sums over its bytes in logical order (plain
     and position-weighted), so equal digests mean equal bytes for benchmark
     purposes (tests use exact comparisons)."""
-    import hashlib
 
     h = hashlib.blake2b(digest_size=16)
     for mname in sorted(modules):
@@ -251,7 +259,6 @@ def state_digest(modules: Mapping[str, torch.nn.Module]) -> str:
 def _worker_main(conn: Any, task: str, payload: dict) -> None:
     """Entry point of a spawned worker: initialise, report ready, wait for go, run."""
     try:
-        import sys
 
         sys.path[:0] = [p for p in payload.get("sys_path", ()) if p not in sys.path]
         device = torch.device(payload["device"])
@@ -273,7 +280,7 @@ def _worker_main(conn: Any, task: str, payload: dict) -> None:
             break
         result = _TASKS[task][1](conn, payload, prepared)
         conn.send(("result", result))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 (sent to the parent, which reports it)
         try:
             conn.send(("error", traceback.format_exc()))
         except OSError:
@@ -298,7 +305,6 @@ def _load_prepare(payload: dict) -> dict:
 
 def _load_run(conn: Any, payload: dict, sk: dict) -> dict:
     """Ordinary load, ``load_reps`` times: safetensors from page cache + plan.load."""
-    from safetensors import safe_open
 
     device, target = sk["device"], sk["target"]
     seconds = []
@@ -329,7 +335,6 @@ def _replay(sk: dict, layers_data: Mapping[str, dict], views: Mapping[str, torch
             kinds: Mapping[str, str], content: bool = True) -> None:
     """Install every layer's views, then restore every layer under one guard, as
     the engine does (``wcache.vllm.model.restore_layers_``)."""
-    from wcache.core import RestoreGuard
 
     by_layer = _group_by_layer(list(views), sk["layers"])
     for ly in sk["layers"]:
@@ -357,7 +362,7 @@ def _replay(sk: dict, layers_data: Mapping[str, dict], views: Mapping[str, torch
 
 def _restore_run(conn: Any, payload: dict, sk: dict) -> dict:
     """attach + install + plan.restore per layer (default guard and transport)."""
-    from wcache.store import CacheKey, attach
+    from wcache.store import attach  # noqa: PLC0415 (imported at call time: tests patch attach)
 
     device = sk["device"]
     key = CacheKey(payload["key"])
@@ -368,7 +373,6 @@ def _restore_run(conn: Any, payload: dict, sk: dict) -> dict:
                      device_id=payload["device_id"])
         t_attach = time.perf_counter()
         if os.environ.get(PROFILE_ENV):  # where replay time goes (a profiling run only)
-            import cProfile, io, pstats  # noqa: E401, PLC0415
             prof = cProfile.Profile()
             prof.runcall(_replay, sk, att.layers, att.tensors, att.kinds, content=att.writable)
             buf = io.StringIO()
@@ -393,7 +397,6 @@ def _rebuild(entry: tuple, device: torch.device) -> torch.Tensor:
     if ipc_args is None:
         data, dtype = value
         return data.view(getattr(torch, dtype))
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     args = list(ipc_args)
     args[6] = device.index if device.index is not None else torch.cuda.current_device()
@@ -407,7 +410,7 @@ def _per_tensor_run(conn: Any, payload: dict, sk: dict) -> dict:
         _sync(device)
         t0 = time.perf_counter()
         conn.send(("handles", None))
-        entries = pickle.loads(conn.recv_bytes())
+        entries = pickle.loads(conn.recv_bytes())  # noqa: S301 (our own child's pipe)
         views = {name: _rebuild(e, device) for name, e in entries.items()}
         t_attach = time.perf_counter()
         kinds = {name: e[0] for name, e in entries.items()}
@@ -428,7 +431,7 @@ def _attach_only_prepare(payload: dict) -> dict:
 
 def _attach_only_run(conn: Any, payload: dict, sk: dict) -> dict:
     """Handles measurement, arena side: attach and build every view."""
-    from wcache.store import CacheKey, attach
+    from wcache.store import attach  # noqa: PLC0415 (imported at call time: tests patch attach)
 
     device = sk["device"]
     _sync(device)
@@ -448,7 +451,7 @@ def _handles_only_run(conn: Any, payload: dict, sk: dict) -> dict:
     _sync(device)
     t0 = time.perf_counter()
     conn.send(("handles", None))
-    entries = pickle.loads(conn.recv_bytes())
+    entries = pickle.loads(conn.recv_bytes())  # noqa: S301 (our own child's pipe)
     views = {name: _rebuild(e, device) for name, e in entries.items()}
     _sync(device)
     t1 = time.perf_counter()
@@ -546,7 +549,6 @@ _BY_VALUE_CARRIER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.in
 def per_tensor_entries(tensors: Mapping[str, torch.Tensor], kinds: Mapping[str, str]) -> bytes:
     """vLLM's ``TensorEntry.from_tensor`` for every tensor, pickled as vLLM's
     ``send_msg`` does: CUDA tensors as ``reduce_tensor`` args, others by value."""
-    from torch.multiprocessing.reductions import reduce_tensor
 
     out = {}
     for name, t in tensors.items():
@@ -583,7 +585,6 @@ def prepare_from_checkpoint(path: Path, layers: Sequence[Layer], device: torch.d
         (tensors by full name, kinds, per-layer manifest data, read seconds,
         prepare seconds).
     """
-    from safetensors import safe_open
 
     tensors: dict[str, torch.Tensor] = {}
     kinds: dict[str, str] = {}
@@ -656,7 +657,6 @@ class Daemon:
 
     def __init__(self, tensors: dict, kinds: dict, layers_data: dict, key_fields: dict,
                  device: torch.device, socket_dir: str, device_id: str):
-        from wcache.store import CacheKey, DaemonServer, Export
 
         self.key = CacheKey(key_fields)
         export = Export(tensors=tensors, kinds=kinds, layers=layers_data)
@@ -692,7 +692,6 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def _base_payload(opts: BenchOptions, device: torch.device) -> dict:
-    import sys
 
     return {"device": str(device), "simulate_cuda_target": opts.simulate_cuda_target,
             "sys_path": list(sys.path), "start_method": opts.start_method}
@@ -701,7 +700,6 @@ def _base_payload(opts: BenchOptions, device: torch.device) -> dict:
 def run_unit(opts: BenchOptions, fmt: str, size: str, socket_dir: str,
              log: Callable[[str], None]) -> dict:
     """Measure one (format, size). Returns a JSON-able result row."""
-    from wcache.core import NoPlan
 
     syn = _synthetic()
     device = _device(opts.device)
@@ -784,8 +782,8 @@ def run_unit(opts: BenchOptions, fmt: str, size: str, socket_dir: str,
             f"(attach {row['restore_attach_s'] * 1e3:.2f} ms)")
         if per_tensor_workers:
             pts = []
-            serve = lambda: per_tensor_entries(tensors, kinds)  # noqa: E731
-            for i, w in enumerate(per_tensor_workers):
+            serve = lambda: per_tensor_entries(tensors, kinds)  # noqa: E731 (a one-line local function)
+            for w in per_tensor_workers:
                 res = w.run({"layers_data": layers_data, "digest": False}, serve)
                 pts.append(res["seconds"])
             per_tensor_workers = []
@@ -835,7 +833,7 @@ def run_handles(opts: BenchOptions, socket_dir: str, log: Callable[[str], None])
               "device_id": f"bench-{os.getpid()}-handles"}
         arena = [w.run(rp)["seconds"] for w in arena_workers]
         arena_workers = []
-        serve = lambda: per_tensor_entries(tensors, kinds)  # noqa: E731
+        serve = lambda: per_tensor_entries(tensors, kinds)  # noqa: E731 (a one-line local function)
         pt = [w.run({}, serve)["seconds"] for w in pt_workers]
         pt_workers = []
     finally:

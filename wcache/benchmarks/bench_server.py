@@ -45,7 +45,7 @@ def run_format(fmt: str, reps: int, log=_log) -> dict[str, Any]:
         RuntimeError: a daemon-backed start did not restore, or the two sides answered
             differently (the comparison would be meaningless).
     """
-    from wcache.testing.fixtures import build  # noqa: PLC0415
+    from wcache.testing.fixtures import build  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     model = build(fmt)
     runs: dict[str, list[dict[str, Any]]] = {"disk": [], "daemon": []}

@@ -50,7 +50,11 @@ import tempfile
 import threading
 import time
 import urllib.request
+import warnings
 from typing import Any
+
+import blake3
+from prometheus_client.parser import text_string_to_metric_families
 
 __all__ = ["main", "build_parser"]
 
@@ -128,15 +132,14 @@ def _proc_status(pid: int) -> dict[str, int]:
 
 
 def _digest(t: Any) -> str:
-    import blake3  # noqa: PLC0415
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     return blake3.blake3(memoryview(t.flatten().view(torch.uint8).numpy())).hexdigest()
 
 
 def _wait_socket(sock_dir: str, deadline: float) -> tuple[str, dict[str, Any]]:
-    from wcache.store import StoreError, daemon_status  # noqa: PLC0415
-    from wcache.store.paths import list_sockets  # noqa: PLC0415
+    from wcache.store import StoreError, daemon_status  # noqa: PLC0415 (imported at call time: tests patch daemon_status)
+    from wcache.store.paths import list_sockets  # noqa: PLC0415 (imported at call time: tests patch list_sockets)
 
     while time.monotonic() < deadline:
         for sock in list_sockets(sock_dir) if os.path.isdir(sock_dir) else ():
@@ -151,10 +154,9 @@ def _wait_socket(sock_dir: str, deadline: float) -> tuple[str, dict[str, Any]]:
 def _client(index: int, clients: int, cycles: int, sock_dir: str, done: Any, results: Any,
             paused: Any, resume: Any, warmup_cycles: int = WARMUP_CYCLES) -> None:
     """One soak client: ``cycles`` attach/read/release cycles; puts its result dict."""
-    import warnings  # noqa: PLC0415
 
     warnings.filterwarnings("ignore")  # torch.frombuffer on a read-only mapping warns once
-    from wcache.store import CacheKey, StoreError, attach  # noqa: PLC0415
+    from wcache.store import CacheKey, StoreError, attach  # noqa: PLC0415 (imported at call time: tests patch attach)
 
     _, st = _wait_socket(sock_dir, time.monotonic() + SERVE_TIMEOUT_S)
     key, dev = CacheKey(st["key_fields"]), st["device_id"]
@@ -190,14 +192,13 @@ def _client(index: int, clients: int, cycles: int, sock_dir: str, done: Any, res
 def _reference(sock_dir: str, st: dict[str, Any]) -> dict[str, str]:
     """Every tensor's blake3, from one more attach after the soak: the reads during
     the soak (while the snapshot was written, clients were killed) must equal it."""
-    from wcache.store import CacheKey, attach  # noqa: PLC0415
+    from wcache.store import CacheKey, attach  # noqa: PLC0415 (imported at call time: tests patch attach)
 
     with attach(CacheKey(st["key_fields"]), socket_dir=sock_dir, device_id=st["device_id"]) as att:
         return {name: _digest(t) for name, t in att.tensors.items()}
 
 
 def _metrics(url: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
 
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
         text = resp.read().decode()
@@ -242,9 +243,9 @@ def _peer(model: str, sock: str, peer_dir: str, st: dict[str, Any], done: Any,
           out: dict[str, Any]) -> None:
     """``wcache serve --seed-from sock``: its origin, how long it took, the cycles
     done meanwhile, and whether it serves the soak daemon's bytes."""
-    from wcache.daemon.process import DaemonProcess  # noqa: PLC0415
-    from wcache.store import daemon_status  # noqa: PLC0415
-    from wcache.store.paths import list_sockets  # noqa: PLC0415
+    from wcache.daemon.process import DaemonProcess  # noqa: PLC0415 (imported at call time: tests patch DaemonProcess)
+    from wcache.store import daemon_status  # noqa: PLC0415 (imported at call time: tests patch daemon_status)
+    from wcache.store.paths import list_sockets  # noqa: PLC0415 (imported at call time: tests patch list_sockets)
 
     out["at_cycle"] = done.value
     t0 = time.monotonic()
@@ -268,7 +269,7 @@ def _engines(model: str, sock_dir: str, n: int, lean: threading.Event, done: Any
     """Once the daemon serves lean, ``n`` engines restoring from it side by side (each
     its own process, while the clients attach); then a disk engine, the reference their
     greedy tokens are compared with (it needs no daemon, so it may run after the soak)."""
-    from wcache.daemon.process import run_engine  # noqa: PLC0415
+    from wcache.daemon.process import run_engine  # noqa: PLC0415 (imported at call time: tests patch run_engine)
 
     lean.wait(SERVE_TIMEOUT_S)
     runs: list[dict[str, Any]] = [{} for _ in range(n)]
@@ -309,9 +310,9 @@ def run(clients: int, cycles: int, kill_every_s: float,
     sample is taken after ``warmup_cycles`` cycles over all clients; ``peer`` and
     ``live_snapshot`` add the seeding peer and the snapshot written mid-run;
     ``engines`` the vLLM CPU engines restoring from the daemon during the run."""
-    from wcache.store.paths import list_sockets  # noqa: PLC0415
-    from wcache.testing.fixtures import build  # noqa: PLC0415
-    from wcache.daemon.process import DaemonProcess, free_port  # noqa: PLC0415
+    from wcache.daemon.process import DaemonProcess, free_port  # noqa: PLC0415 (imported at call time: tests patch DaemonProcess)
+    from wcache.store.paths import list_sockets  # noqa: PLC0415 (imported at call time: tests patch list_sockets)
+    from wcache.testing.fixtures import build  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     model = str(build("bf16"))
     tmp = tempfile.mkdtemp(prefix="wc-soak-")
@@ -345,7 +346,7 @@ def run(clients: int, cycles: int, kill_every_s: float,
     killer.start()
     t0 = time.monotonic()
     warm: dict[str, Any] | None = None
-    from wcache.store import StoreError, daemon_status  # noqa: PLC0415
+    from wcache.store import StoreError, daemon_status  # noqa: PLC0415 (imported at call time: tests patch daemon_status)
 
     side: list[threading.Thread] = []
     peer_out: dict[str, Any] = {} if peer else {"skipped": True}

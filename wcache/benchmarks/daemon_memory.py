@@ -43,6 +43,9 @@ import sys
 import tempfile
 import time
 
+from wcache.benchmarks.bench_soak import rss_parts
+from wcache.store import CacheKey, DaemonServer, Export
+
 #: vLLM's default ``gpu_memory_utilization``.
 GPU_MEMORY_UTILIZATION = 0.9
 #: Issue 12 item 2's target: daemon reserved memory within 1% of the arena.
@@ -87,12 +90,11 @@ def _smi_used_mib(pid: int) -> int | None:
 
 
 def daemon_main(ready_path: str, socket_dir: str, transport: str) -> None:
-    import torch
+    import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     sys.path.insert(0, os.getcwd())
-    from wcache.benchmarks.synthetic import SHAPES, iter_layers
-    from wcache.store import CacheKey, DaemonServer, Export
-    from wcache.vllm import compat
+    from wcache.benchmarks.synthetic import SHAPES, iter_layers  # noqa: PLC0415 (torch import ~2 s: only when called)
+    from wcache.vllm import compat  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     torch.cuda.init()
     tensors, kinds = {}, {}
@@ -131,9 +133,9 @@ def daemon_main(ready_path: str, socket_dir: str, transport: str) -> None:
 
 
 def measure(transport: str, out_dir: str) -> dict:
-    import torch
+    import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
-    from wcache.store import daemon_status
+    from wcache.store import daemon_status  # noqa: PLC0415 (imported at call time: tests patch daemon_status)
 
     tmp = tempfile.mkdtemp(prefix="wcache-i12-")
     ready = os.path.join(tmp, "ready.json")
@@ -186,10 +188,9 @@ MIB = 2 ** 20
 
 def measure_cpu_mode(model: str, lean: bool) -> dict:
     """One ready ``wcache serve`` on ``model`` (lean or ``--no-lean``): its memory figures."""
-    from wcache.store import StoreError, daemon_status, socket_path  # noqa: PLC0415
-    from wcache.store.paths import list_sockets  # noqa: PLC0415
-    from wcache.benchmarks.bench_soak import rss_parts  # noqa: PLC0415
-    from wcache.daemon.process import DaemonProcess  # noqa: PLC0415
+    from wcache.daemon.process import DaemonProcess  # noqa: PLC0415 (imported at call time: tests patch DaemonProcess)
+    from wcache.store import StoreError, daemon_status  # noqa: PLC0415 (imported at call time: tests patch daemon_status)
+    from wcache.store.paths import list_sockets  # noqa: PLC0415 (imported at call time: tests patch list_sockets)
 
     mode = "lean" if lean else "full"
     sock_dir = tempfile.mkdtemp(prefix="wc-mem-")
@@ -219,7 +220,7 @@ def measure_cpu_mode(model: str, lean: bool) -> dict:
 
 def cpu_main(out: str | None) -> int:
     """``--cpu``: full against lean, one run each; prints a table and the ratio."""
-    from wcache.testing.fixtures import build  # noqa: PLC0415
+    from wcache.testing.fixtures import build  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     model = str(build("bf16"))
     runs = [measure_cpu_mode(model, lean) for lean in (False, True)]
@@ -230,7 +231,7 @@ def cpu_main(out: str | None) -> int:
     for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "beyond_arena"):
         print(f"{k + ' (MiB)':24s} {full[k] / MIB:10.1f} {lean[k] / MIB:10.1f}")
     for k in ("torch_loaded", "libtorch_mapped", "same_pid"):
-        print(f"{k:24s} {str(full[k]):>10s} {str(lean[k]):>10s}")
+        print(f"{k:24s} {full[k]!s:>10s} {lean[k]!s:>10s}")
     met = lean["beyond_arena"] <= CPU_TARGET_BEYOND_BYTES
     print(f"lean / full beyond the arena: {ratio:.3f} ({full['beyond_arena'] / lean['beyond_arena']:.1f}x "
           f"less); target <= {CPU_TARGET_BEYOND_BYTES / MIB:.0f} MiB: {'met' if met else 'NOT met'}")
@@ -249,7 +250,7 @@ def main() -> int:
     if sys.argv[1] == "--daemon":
         daemon_main(*sys.argv[2:5])
         return 0
-    import torch
+    import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     out_dir = sys.argv[1]
     os.makedirs(out_dir, exist_ok=True)

@@ -17,13 +17,14 @@ in a child process, three times per transport. Results print as text lines.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+
+from wcache.store import CacheKey, DaemonServer, Export
 
 #: An 8B bf16 model's weights (GiB): the default arena size.
 DEFAULT_GIB = 13.0
@@ -39,7 +40,7 @@ CHILD_TIMEOUT_S = 300
 
 def _timed_ms(fn: Callable[[], object], reps: int = REPS) -> float:
     """Median wall time of ``fn`` in milliseconds, synchronizing the device around it."""
-    import torch
+    import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     fn()
     torch.cuda.synchronize()
@@ -55,9 +56,9 @@ def _timed_ms(fn: Callable[[], object], reps: int = REPS) -> float:
 
 def checksum(gib: float) -> None:
     """One content-check pass over a ``gib`` GiB arena per reduction variant."""
-    import torch
+    import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
-    from wcache.core import ByteRange, RestoreGuard, range_sums
+    from wcache.core import ByteRange, RestoreGuard, range_sums  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     n = int(gib * 2**30) // 4096 * 4096
     arena = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda:0")
@@ -98,11 +99,11 @@ def checksum(gib: float) -> None:
 def guard_cold() -> None:
     """The guard's content check cold (first kernel use) and the whole guard over
     :data:`GUARD_LAYERS` ranges of a 13 GiB arena, three times."""
-    import torch
+    import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     torch.empty(1, device="cuda:0")
     torch.cuda.synchronize()
-    from wcache.core import RestoreGuard, layer_ranges, range_sums
+    from wcache.core import RestoreGuard, layer_ranges, range_sums  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     small = torch.zeros(4096, dtype=torch.uint8, device="cuda:0")
     t0 = time.perf_counter()
@@ -154,9 +155,8 @@ print(json.dumps(out))
 
 def vmm_steps(gib: float) -> None:
     """Each step of an attach of a ``gib`` GiB bf16 arena, per CUDA transport."""
-    import torch
+    import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
-    from wcache.store import CacheKey, DaemonServer, Export
 
     n = int(gib * 2**30) // 2
     key = CacheKey({"bench": "vmm-steps", "gib": gib})

@@ -49,6 +49,7 @@ graph(s)``), vllm/v1/engine/core.py (``init engine ...``); wcache/vllm/loader.py
 
 from __future__ import annotations
 
+import datetime
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -187,7 +188,6 @@ def parse_log(log: str) -> dict[str, Any]:
 def _stamp_diff(a: str, b: str) -> float:
     """Seconds from vLLM log timestamp ``a`` to ``b`` (``%m-%d %H:%M:%S``; a run that
     crosses midnight counts the day)."""
-    import datetime  # noqa: PLC0415
 
     d = (datetime.datetime.strptime(b, LOG_DATE_FORMAT)
          - datetime.datetime.strptime(a, LOG_DATE_FORMAT)).total_seconds()

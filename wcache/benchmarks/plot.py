@@ -29,10 +29,10 @@ def pyplot_for(png: str | Path) -> tuple[Any, Path]:
     Raises:
         ModuleNotFoundError: matplotlib is not installed (the ``bench`` extra).
     """
-    import matplotlib  # noqa: PLC0415
+    import matplotlib  # noqa: PLC0415 (optional dependency (the bench extra))
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (optional dependency (the bench extra))
 
     png = Path(png)
     png.parent.mkdir(parents=True, exist_ok=True)

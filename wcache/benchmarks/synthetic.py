@@ -28,7 +28,7 @@ import torch
 from attrs import frozen
 
 from wcache.core import LayerConfig, QuantSpec, Target
-from wcache.errors import DiskFull  # noqa: F401  (re-exported: its old home)
+from wcache.errors import DiskFull  # re-exported: its old home
 
 __all__ = [
     "ModelShape", "LinearSpec", "SHAPES", "FORMATS", "CHECKPOINT_KIND", "AWQ_GROUP_SIZE",
@@ -77,7 +77,7 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
 
-    def with_layers(self, num_layers: int | None) -> "ModelShape":
+    def with_layers(self, num_layers: int | None) -> ModelShape:
         if num_layers is None:
             return self
         return ModelShape(self.name, num_layers, self.hidden, self.intermediate,
@@ -225,7 +225,7 @@ def write_checkpoint(path: Path, shape: ModelShape, kind: str, seed: int = 0,
     ``gen_device`` (a GPU generates 8B of bf16 in well under a second) and
     written from host memory; the file lands in the page cache.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # noqa: PLC0415 (imported at call time: tests patch save_file)
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}

@@ -34,22 +34,52 @@ from __future__ import annotations
 
 from wcache.core.checks import plan_problems
 from wcache.core.guard import (
-    CHECKSUM_WORD_BYTES, ByteRange, RestoreGuard, TensorFingerprint, fingerprint,
-    guard_snapshot, layer_ranges, range_sums, tensor_checksum,
+    CHECKSUM_WORD_BYTES,
+    ByteRange,
+    RestoreGuard,
+    TensorFingerprint,
+    fingerprint,
+    guard_snapshot,
+    layer_ranges,
+    range_sums,
+    tensor_checksum,
 )
 from wcache.core.registry import (
-    STAGE_NAME, STAGE_VERBS, StageDef, registered_stages, stage, stage_name_problem,
+    STAGE_NAME,
+    STAGE_VERBS,
+    StageDef,
+    registered_stages,
+    stage,
+    stage_name_problem,
 )
 from wcache.core.runner import DEVICE_TYPES, BoundPlan, Plan, StepGuard
 from wcache.core.values import (
-    LOAD_TAGS, PREPARE_TAGS, RESTORE_TAGS, TARGET_ENV_DEFAULTS, TARGET_ENV_VARS, LayerConfig,
-    LayerState, Prepared, QuantSpec, Stage, StageFn, StageOut, Tag, Target,
+    LOAD_TAGS,
+    PREPARE_TAGS,
+    RESTORE_TAGS,
+    TARGET_ENV_DEFAULTS,
+    TARGET_ENV_VARS,
+    LayerConfig,
+    LayerState,
+    Prepared,
+    QuantSpec,
+    Stage,
+    StageFn,
+    StageOut,
+    Tag,
+    Target,
 )
+
 # The errors live in their own module (the layers below core use them without
 # importing core); core re-exports them.
 from wcache.errors import (
-    NoPlan, PlanInvalid, RecordedMismatch, RestoreIncomplete, RestoreWroteSharedTensor,
-    StageContractError, WcacheError,
+    NoPlan,
+    PlanInvalid,
+    RecordedMismatch,
+    RestoreIncomplete,
+    RestoreWroteSharedTensor,
+    StageContractError,
+    WcacheError,
 )
 
 __all__ = [

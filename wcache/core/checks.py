@@ -16,10 +16,19 @@ from attrs import field, frozen
 
 from wcache.core.registry import stage_name_problem
 from wcache.core.values import (
-    PREPARE_TAGS, RESTORE_TAGS, LayerConfig, LayerState, Stage, StageOut, Tag,
+    PREPARE_TAGS,
+    RESTORE_TAGS,
+    LayerConfig,
+    LayerState,
+    Stage,
+    StageOut,
+    Tag,
 )
 from wcache.errors import (
-    RecordedMismatch, RestoreIncomplete, RestoreWroteSharedTensor, StageContractError,
+    RecordedMismatch,
+    RestoreIncomplete,
+    RestoreWroteSharedTensor,
+    StageContractError,
     WcacheError,
 )
 

@@ -43,7 +43,7 @@ class TensorFingerprint:
     version: int
     checksum: str | None
 
-    def diff(self, other: "TensorFingerprint") -> list[str]:
+    def diff(self, other: TensorFingerprint) -> list[str]:
         return [f.name for f in fields(TensorFingerprint)
                 if getattr(self, f.name) != getattr(other, f.name)]
 

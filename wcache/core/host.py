@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import platform
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import torch
 

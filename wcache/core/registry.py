@@ -19,7 +19,7 @@ from typing import Any
 
 from attrs import field, frozen
 
-from wcache.core.values import Stage, StageFn, Tag
+from wcache.core.values import Stage, StageFn, Tag, as_tuple
 from wcache.errors import PlanInvalid
 
 __all__ = ["STAGE_NAME", "STAGE_VERBS", "StageDef", "stage", "stage_name_problem",
@@ -89,7 +89,7 @@ def stage_name_problem(name: str) -> str | None:
 #: name -> the one definition registered under it: a :class:`Stage`, or the
 #: :class:`StageDef` of a parameterized stage (``cpu_wna16.repack("qweight")`` and
 #: ``repack("weight_packed")`` are two values of the one definition).
-_REGISTRY: dict[str, "Stage | StageDef"] = {}
+_REGISTRY: dict[str, Stage | StageDef] = {}
 
 #: The declarations a parameterized stage's ``params`` function may return.
 _DECLARED = frozenset({"reads", "writes", "attrs", "optional", "drops"})
@@ -120,7 +120,7 @@ class StageDef:
     tag: Tag
     fn: StageFn = field(repr=False)
     declare: Callable[..., Mapping[str, Any]] = field(repr=False)
-    base: tuple[tuple[str, Any], ...] = field(default=(), converter=tuple)
+    base: tuple[tuple[str, Any], ...] = field(default=(), converter=as_tuple)
 
     def params(self, *args: Any, **kwargs: Any) -> tuple[tuple[str, Any], ...]:
         """The parameter values of a call, defaults filled in, in signature order.
@@ -150,7 +150,7 @@ def stage(name: str, tag: Tag, *, reads: Iterable[str] = (), writes: Iterable[st
           attrs: Iterable[str] = (), optional: Iterable[str] = (), version: int = 1,
           source: str = "", memoized: bool = False, drops: Iterable[str] = (),
           params: Callable[..., Mapping[str, Any]] | None = None
-          ) -> Callable[[StageFn], "Stage | StageDef"]:
+          ) -> Callable[[StageFn], Stage | StageDef]:
     """Decorator: turn a pure module-level function into a :class:`Stage` value (or,
     with ``params``, a :class:`StageDef`) and register it under ``name``.
 
@@ -182,7 +182,7 @@ def stage(name: str, tag: Tag, *, reads: Iterable[str] = (), writes: Iterable[st
                 optional=frozenset(optional), version=version, source=source,
                 memoized=memoized, drops=tuple(drops))
 
-    def wrap(fn: StageFn) -> "Stage | StageDef":
+    def wrap(fn: StageFn) -> Stage | StageDef:
         held = _REGISTRY.get(name)
         if held is not None and _definition(held.fn) is not _definition(fn):
             code = _definition(held.fn)
@@ -201,7 +201,7 @@ def stage(name: str, tag: Tag, *, reads: Iterable[str] = (), writes: Iterable[st
     return wrap
 
 
-def registered_stages() -> dict[str, "Stage | StageDef"]:
+def registered_stages() -> dict[str, Stage | StageDef]:
     """Every stage name registered with :func:`stage` -> its one definition (a
     :class:`Stage`, or the :class:`StageDef` of a parameterized stage)."""
     return dict(_REGISTRY)
@@ -217,7 +217,7 @@ def is_registered(st: Stage) -> bool:
 
 
 def registered_stage(module: str, name: str,
-                     params: tuple[tuple[str, Any], ...] | None = ()) -> "Stage | StageDef":
+                     params: tuple[tuple[str, Any], ...] | None = ()) -> Stage | StageDef:
     """The registered value ``name`` (importing ``module``, which registers it):
     the :class:`Stage`, a value of its :class:`StageDef` for ``params``, or
     (``params=None``) the :class:`StageDef` itself. What pickles resolve.

@@ -23,8 +23,17 @@ from toolz import assoc, dissoc, merge
 from wcache.core import checks
 from wcache.core.checks import plan_problems
 from wcache.core.values import (
-    RESTORE_TAGS, LayerConfig, LayerState, Prepared, Stage, StageOut, Tag, Target,
+    RESTORE_TAGS,
+    LayerConfig,
+    LayerState,
+    Prepared,
+    Stage,
+    StageOut,
+    Tag,
+    Target,
     _ro,
+    as_frozenset,
+    as_tuple,
 )
 from wcache.errors import PlanInvalid, RecordedMismatch
 
@@ -164,8 +173,8 @@ class Plan:
 
     method: str
     kernel: str
-    stages: tuple[Stage, ...] = field(converter=tuple)
-    checkpoint: frozenset[str] = field(converter=frozenset)
+    stages: tuple[Stage, ...] = field(converter=as_tuple)
+    checkpoint: frozenset[str] = field(converter=as_frozenset)
     match: Callable[[LayerConfig, Target], str | None] = field(
         default=applies_always, eq=False, repr=False)
     version: int = 1
@@ -222,7 +231,7 @@ class Plan:
 
         return reduce(fold, (s for s in self.stages if s.tag in tags), state)
 
-    def bind(self, config: LayerConfig, target: Target) -> "BoundPlan":
+    def bind(self, config: LayerConfig, target: Target) -> BoundPlan:
         """This plan bound to ``config`` and ``target``."""
         return BoundPlan(self, config, target)
 
@@ -322,9 +331,8 @@ class BoundPlan:
 def prepared_of(plan: Plan, state: LayerState) -> Prepared:
     """What the daemon keeps of ``state`` after a PREPARE run of ``plan``: the
     tensors to export, their buffer kinds, recorded values, drops and attrs."""
-    return Prepared(plan_id=plan.id, tensors=dict(state.tensors), buffers=state.buffers,
-                    recorded={k: dict(v) for k, v in state.recorded.items()},
-                    drops=state.drops, attrs=dict(state.attrs))
+    return Prepared(plan_id=plan.id, tensors=state.tensors, buffers=state.buffers,
+                    recorded=state.recorded, drops=state.drops, attrs=state.attrs)
 
 
 def restore_start(plan: Plan, state: LayerState, config: LayerConfig,

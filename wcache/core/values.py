@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -64,6 +64,17 @@ def _freeze(value: Any) -> Any:
     return value
 
 
+def as_tuple(items: Iterable[Any]) -> tuple[Any, ...]:
+    """``tuple(items)``, typed for attrs converters (the builtin's generic signature
+    reads as ``Iterable[_T_co]`` to a type checker)."""
+    return tuple(items)
+
+
+def as_frozenset(items: Iterable[Any]) -> frozenset[Any]:
+    """``frozenset(items)``, typed for attrs converters (see :func:`as_tuple`)."""
+    return frozenset(items)
+
+
 def _ro(mapping: Mapping) -> Mapping:
     """A read-only copy of ``mapping`` (``types.MappingProxyType``): the frozen
     values below hold mappings nobody can change after construction."""
@@ -100,7 +111,7 @@ class Target:
 
     device_type: str = "cpu"
     capability: tuple[int, int] | None = None
-    isa: frozenset[str] = field(default=frozenset(), converter=frozenset)
+    isa: frozenset[str] = field(default=frozenset(), converter=as_frozenset)
     env: tuple[tuple[str, str], ...] = field(default=(), converter=_freeze)
     kernels: tuple[tuple[str, str], ...] = field(default=(), converter=_freeze)
 
@@ -121,7 +132,7 @@ class Target:
                 "kernels": dict(self.kernels)}
 
     @classmethod
-    def from_json(cls, data: Mapping) -> "Target":
+    def from_json(cls, data: Mapping) -> Target:
         cap = data.get("capability")
         return cls(device_type=data["device_type"],
                    capability=tuple(cap) if cap else None,
@@ -131,7 +142,7 @@ class Target:
 
     @classmethod
     def detect(cls, device: str | torch.device = "cpu",
-               env: Mapping[str, str] | None = None) -> "Target":
+               env: Mapping[str, str] | None = None) -> Target:
         """The Target of this host for ``device``. The only place that queries the
         host (through :mod:`wcache.core.host`: ``/proc/cpuinfo``, CUDA properties,
         the environment); stages never do.
@@ -275,11 +286,11 @@ class StageOut:
     """
 
     tensors: Mapping[str, torch.Tensor] = field(factory=dict, converter=_ro)
-    buffers: frozenset[str] = field(default=frozenset(), converter=frozenset)
-    drop: tuple[str, ...] = field(default=(), converter=tuple)
+    buffers: frozenset[str] = field(default=frozenset(), converter=as_frozenset)
+    drop: tuple[str, ...] = field(default=(), converter=as_tuple)
     attrs: Mapping[str, Any] = field(factory=dict, converter=_ro)
     record: Mapping[str, Any] = field(factory=dict, converter=_ro)
-    release: tuple[str, ...] = field(default=(), converter=tuple)
+    release: tuple[str, ...] = field(default=(), converter=as_tuple)
     memo: Mapping[Any, Any] = field(factory=dict, converter=_ro)
 
 
@@ -331,22 +342,22 @@ class Stage:
     name: str
     tag: Tag
     fn: StageFn = field(repr=False)
-    reads: tuple[str, ...] = field(default=(), converter=tuple)
-    writes: tuple[str, ...] = field(default=(), converter=tuple)
-    attrs: tuple[str, ...] = field(default=(), converter=tuple)
-    optional: frozenset[str] = field(default=frozenset(), converter=frozenset)
+    reads: tuple[str, ...] = field(default=(), converter=as_tuple)
+    writes: tuple[str, ...] = field(default=(), converter=as_tuple)
+    attrs: tuple[str, ...] = field(default=(), converter=as_tuple)
+    optional: frozenset[str] = field(default=frozenset(), converter=as_frozenset)
     version: int = 1
     source: str = ""
     memoized: bool = False
-    drops: tuple[str, ...] = field(default=(), converter=tuple)
+    drops: tuple[str, ...] = field(default=(), converter=as_tuple)
     params: tuple[tuple[str, Any], ...] = field(default=(), converter=_freeze)
 
     @property
     def replayable(self) -> bool:
         return self.tag in RESTORE_TAGS
 
-    def __call__(self, tensors: Mapping[str, torch.Tensor], config: "LayerConfig",
-                 target: "Target", recorded: Mapping[str, Any], **kwargs: Any) -> "StageOut":
+    def __call__(self, tensors: Mapping[str, torch.Tensor], config: LayerConfig,
+                 target: Target, recorded: Mapping[str, Any], **kwargs: Any) -> StageOut:
         """``fn(tensors, config, target, recorded, **params, **kwargs)``: the stage's
         function with its parameters (``kwargs``: ``memo=`` for memoized stages)."""
         return self.fn(tensors, config, target, recorded, **dict(self.params), **kwargs)
@@ -380,9 +391,9 @@ class LayerState:
     """
 
     tensors: Mapping[str, torch.Tensor] = field(factory=dict, converter=_ro)
-    buffers: frozenset[str] = field(default=frozenset(), converter=frozenset)
+    buffers: frozenset[str] = field(default=frozenset(), converter=as_frozenset)
     attrs: Mapping[str, Any] = field(factory=dict, converter=_ro)
-    drops: tuple[str, ...] = field(default=(), converter=tuple)
+    drops: tuple[str, ...] = field(default=(), converter=as_tuple)
     recorded: Mapping[str, Mapping[str, Any]] = field(factory=dict, converter=_ro_nested)
     released: Mapping[str, torch.Tensor] = field(factory=dict, converter=_ro)
     memo: Mapping[str, Mapping[Any, Any]] = field(factory=dict, converter=_ro_nested)
@@ -400,11 +411,14 @@ class Prepared:
         drops: names the plan deletes (the engine deletes its meta placeholders).
         attrs: attribute values the prepare run set (for the manifest; restore
             recomputes them).
+
+    Every mapping (``recorded``'s inner ones too) is a read-only copy
+    (``types.MappingProxyType``): a caller that needs to change one copies it.
     """
 
     plan_id: str
-    tensors: Mapping[str, torch.Tensor]
-    buffers: frozenset[str]
-    recorded: Mapping[str, Mapping[str, Any]]
-    drops: tuple[str, ...]
-    attrs: Mapping[str, Any]
+    tensors: Mapping[str, torch.Tensor] = field(converter=_ro)
+    buffers: frozenset[str] = field(converter=as_frozenset)
+    recorded: Mapping[str, Mapping[str, Any]] = field(converter=_ro_nested)
+    drops: tuple[str, ...] = field(converter=as_tuple)
+    attrs: Mapping[str, Any] = field(converter=_ro)

@@ -32,6 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from wcache.errors import PrimingFailed
+
 __all__ = ["PRIME_TIMEOUT_S", "ROOT_ENV", "USAGE_CONTEXTS", "priming_args", "priming_command",
            "priming_env", "prime_compile", "PrimingFailed"]
 
@@ -60,8 +62,6 @@ STOP_GRACE_S = 10.0
 #: ``prctl`` option: the signal the child gets when its parent (the rank) dies.
 _PR_SET_PDEATHSIG = 1
 
-
-from wcache.errors import PrimingFailed  # noqa: E402
 from wcache.vllm.prime_engine import USAGE_CONTEXTS  # noqa: E402  (no vLLM import)
 
 
@@ -146,7 +146,7 @@ def priming_env(dirs: dict[str, Path], environ: dict[str, str] | None = None) ->
     ignores the variable, and it is not a compile factor, so the compile key stays
     the engines'). Source: vllm/v1/worker/startup_plan.py, vllm/envs.py.
     """
-    from wcache.vllm.startup import STARTUP_PLAN_ENV  # noqa: PLC0415
+    from wcache.vllm.startup import STARTUP_PLAN_ENV  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     base = dict(os.environ if environ is None else environ)
     return {**base, **{ROOT_ENV[n]: str(d) for n, d in dirs.items()}, STARTUP_PLAN_ENV: "1"}
@@ -207,7 +207,7 @@ def prime_compile(model: str, rest: list[str], *, socket_dir: str | None, job: s
             "stopped") or recorded no factors (its output's tail in the message).
         ArtifactsMissing: it wrote no compile artifact.
     """
-    from wcache.vllm.startup import compile_dirs, pack_primed  # noqa: PLC0415
+    from wcache.vllm.startup import compile_dirs, pack_primed  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="wcache-prime-") as root:

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +18,11 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import httpx
+
+from wcache.daemon import prime
+from wcache.vllm.run_engine import DEFAULT_GPU_MEMORY_UTILIZATION
 
 #: A SmolLM2-sized daemon loads and prepares in ~15-40 s on 2 cores; 600 s
 #: leaves room for a cold page cache and a busy machine.
@@ -94,7 +100,6 @@ class DaemonProcess:
             RuntimeError: priming failed, the daemon exited, or ``timeout_s`` passed
                 (the daemon's last lines in the message).
         """
-        from wcache.daemon import prime  # noqa: PLC0415
 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -108,7 +113,7 @@ class DaemonProcess:
         raise RuntimeError("the --prime-compile daemon did not prime:\n"
                            + "\n".join(list(self.lines)[-30:]))
 
-    def start(self, timeout_s: float = DAEMON_READY_TIMEOUT_S) -> "DaemonProcess":
+    def start(self, timeout_s: float = DAEMON_READY_TIMEOUT_S) -> DaemonProcess:
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=self.env, start_new_session=True)
         ready = threading.Event()
@@ -151,7 +156,7 @@ class DaemonProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
-    def __enter__(self) -> "DaemonProcess":
+    def __enter__(self) -> DaemonProcess:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -267,7 +272,6 @@ SERVED_MODEL_NAME = "wcache-test"
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now."""
-    import socket  # noqa: PLC0415
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -279,7 +283,6 @@ def server_command(model: str | Path, load_format: str = "auto", extra: dict | N
     """The ``python -m vllm.entrypoints.openai.api_server`` command line the tests and
     the server benchmark run: the engine arguments of :data:`ENGINE_ARGS` and of
     ``wcache.vllm.run_engine`` (KV share, one sequence at a time, seed 0)."""
-    from wcache.vllm.run_engine import DEFAULT_GPU_MEMORY_UTILIZATION  # noqa: PLC0415
 
     cmd = [sys.executable, "-m", SERVER_MODULE, "--model", str(model), "--host", host,
            "--port", str(port), "--served-model-name", SERVED_MODEL_NAME, *ENGINE_ARGS,
@@ -320,8 +323,7 @@ class ServerProcess:
     def log(self) -> str:
         return "\n".join(self.lines)
 
-    def start(self, timeout_s: float = SERVER_READY_TIMEOUT_S) -> "ServerProcess":
-        import httpx  # noqa: PLC0415
+    def start(self, timeout_s: float = SERVER_READY_TIMEOUT_S) -> ServerProcess:
 
         self.t_spawn = time.monotonic()
         self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -352,7 +354,6 @@ class ServerProcess:
     def complete(self, prompts: Sequence[str], max_tokens: int = 16) -> list[str]:
         """POST /v1/completions (greedy, ``max_tokens`` tokens each, EOS ignored so
         every answer has exactly ``max_tokens`` tokens); the texts in prompt order."""
-        import httpx  # noqa: PLC0415
 
         body = {"model": SERVED_MODEL_NAME, "prompt": list(prompts), "max_tokens": max_tokens,
                 "temperature": 0.0, "seed": 0, "ignore_eos": True}
@@ -366,7 +367,7 @@ class ServerProcess:
     def stop(self) -> None:
         stop_process_group(self.proc, SERVER_STOP_GRACE_S)
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

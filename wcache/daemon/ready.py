@@ -22,8 +22,9 @@ from typing import Any
 
 import attrs
 
-from wcache.store import StoreError, daemon_status
-from wcache.store import paths
+from wcache.daemon.ranks import local_ranks
+from wcache.store import StoreError, daemon_status, paths
+from wcache.store.http import Probe
 
 #: Seconds to wait for one daemon's status reply; a serving daemon answers in
 #: milliseconds, and a probe must not hang on a wedged one.
@@ -80,9 +81,8 @@ def engine_ready_spec(model: str, rest: list[str], *, tensor_parallel_size: int 
     Raises:
         ValueError: the ranks do not split over ``nnodes`` (as ``wcache serve``).
     """
-    from wcache.daemon.serve import local_ranks  # noqa: PLC0415
-    from wcache.vllm.build import engine_model_config  # noqa: PLC0415
-    from wcache.vllm.key import job_digest  # noqa: PLC0415
+    from wcache.vllm.build import engine_model_config  # noqa: PLC0415 (torch import ~2 s: only when called)
+    from wcache.vllm.key import job_digest  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     model_config = engine_model_config(model, [*rest, "--tensor-parallel-size", str(tp),
@@ -125,7 +125,7 @@ def survey(socket_dir: str | None, spec: ReadySpec
     Raises:
         UnsafePath: the socket dir is a symlink, not ours, or not 0700.
     """
-    d = os.path.abspath(socket_dir or paths.default_socket_dir())
+    d = paths.resolve_socket_dir(socket_dir)
     try:
         paths.ensure_socket_dir(d, create=False)
     except FileNotFoundError:
@@ -202,7 +202,6 @@ def probe(socket_dir: str | None, spec: ReadySpec) -> Any:
     Raises:
         UnsafePath: the socket dir is a symlink, not ours, or not 0700.
     """
-    from wcache.store.http import Probe  # noqa: PLC0415
 
     result, statuses = survey(socket_dir, spec)
     return Probe(result.ok, result.code, result.message, spec.ranks,

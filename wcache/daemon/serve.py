@@ -27,16 +27,40 @@ receiver's ``--seed-from tcp://HOST:PORT`` maps its ranks the same way).
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
+import multiprocessing as mp
 import os
+import queue
+import shutil
+import signal
 import socket
+import stat as stat_mod
 import sys
 import time
 from typing import Any
 
 import torch
 
+from wcache.daemon import ready
+from wcache.daemon.prime import prime_compile
+from wcache.daemon.ranks import local_ranks
+from wcache.store import DaemonBusy, DaemonServer, StoreError, lean, paths
+from wcache.store.artifacts import read_bundle, write_bundle
+from wcache.store.http import OpsServer, parse_http_address
+from wcache.store.paths import DEV_SHM_COLLECTIVES_BYTES, DEV_SHM_REFCOUNT_BYTES, check_dev_shm
+from wcache.store.seed import TCP_SCHEME, SeedSource, parse_host_port, read_secret, seed_arena
+from wcache.store.snapshot import (
+    SnapshotCorrupt,
+    SnapshotMissing,
+    SnapshotStale,
+    check_key,
+    open_snapshot,
+    snapshot_arena,
+)
 from wcache.vllm import build
+from wcache.vllm.compat import check_vllm_version
+from wcache.vllm.key import parallel_layout
 
 logger = logging.getLogger("wcache.daemon")
 
@@ -59,9 +83,7 @@ def _preflight(vllm_config: Any, socket_dir: str | None, job: str) -> str:
         UnsafePath: the socket dir is not ours, not 0700, or a symlink.
         DaemonBusy: a daemon answers on this rank's socket.
     """
-    from wcache.store import DaemonBusy  # noqa: PLC0415
-    from wcache.store import paths  # noqa: PLC0415
-    from wcache.vllm.key import device_id, parallel_layout  # noqa: PLC0415
+    from wcache.vllm.key import device_id  # noqa: PLC0415 (imported at call time: tests patch device_id)
 
     dev_id = device_id(torch.device(vllm_config.device_config.device),
                        vllm_config.model_config, parallel_layout(), job)
@@ -87,9 +109,8 @@ def find_seed_source(seed_from: str, key: Any) -> str:
     Raises:
         DaemonMissing: no daemon there serves this key (the keys seen are named).
     """
-    import stat as stat_mod  # noqa: PLC0415
 
-    from wcache.store import DaemonMissing, StoreError, daemon_status  # noqa: PLC0415
+    from wcache.store import DaemonMissing, daemon_status  # noqa: PLC0415 (imported at call time: tests patch daemon_status)
 
     try:
         if stat_mod.S_ISSOCK(os.stat(seed_from).st_mode):
@@ -101,7 +122,7 @@ def find_seed_source(seed_from: str, key: Any) -> str:
         raise DaemonMissing(f"--seed-from {seed_from} is neither a daemon socket nor a socket "
                             f"directory; give the source daemon's socket or --socket-dir "
                             f"(`wcache status` lists them)")
-    from wcache.store.paths import list_sockets  # noqa: PLC0415
+    from wcache.store.paths import list_sockets  # noqa: PLC0415 (imported at call time: tests patch list_sockets)
 
     seen = []
     for sock in list_sockets(seed_from):
@@ -125,7 +146,6 @@ def rank_seed_address(spec: str, local_rank: int) -> tuple[str, int]:
     Raises:
         ValueError: ``spec`` is not HOST:PORT, or the rank's port exceeds 65535.
     """
-    from wcache.store.seed import parse_host_port  # noqa: PLC0415
 
     host, port = parse_host_port(spec, "--seed-listen/--seed-from")
     if port and port + local_rank > 65535:
@@ -155,12 +175,6 @@ def build_ready_server(vllm_config: Any, *, socket_dir: str | None, device_id: s
         KeyMismatch, DaemonMissing, SeedFailed: ``seed_from`` cannot be used.
         as :func:`wcache.vllm.build.build_server` for the checkpoint.
     """
-    from wcache.store import DaemonServer  # noqa: PLC0415
-    from wcache.store.seed import TCP_SCHEME, seed_arena  # noqa: PLC0415
-    from wcache.store.snapshot import (  # noqa: PLC0415
-        SnapshotCorrupt, SnapshotMissing, SnapshotStale, check_key, open_snapshot, snapshot_arena,
-    )
-    from wcache.vllm.key import parallel_layout  # noqa: PLC0415
 
     device_type = vllm_config.device_config.device_type
     if from_snapshot or seed_from or snapshot:
@@ -205,9 +219,7 @@ def _bring_peer_artifacts(server: Any, source: str) -> None:
     asked for with ``artifacts`` (the bytes come as a sealed memfd). A TCP peer's
     bundle does not travel yet (the TCP channel carries one ``seed`` exchange).
     Never fails the seeding: the state and reason go to ``status``."""
-    from wcache.store import StoreError  # noqa: PLC0415
-    from wcache.store.client import fetch_artifacts  # noqa: PLC0415
-    from wcache.store.seed import TCP_SCHEME  # noqa: PLC0415
+    from wcache.store.client import fetch_artifacts  # noqa: PLC0415 (imported at call time: tests patch fetch_artifacts)
 
     if source.startswith(TCP_SCHEME):
         server.artifacts_state, server.artifacts_error = None, "a TCP peer's bundle does not travel"
@@ -227,8 +239,6 @@ def _snapshot_artifacts(server: Any, snap_dir: str, name: str) -> None:
     """Load the bundle a snapshot holds for this rank (none: the state says so).
     Never fails the daemon's start: a bad or unreadable ``.startup`` file only
     costs the engines a compile, so its reason goes to ``status`` and the log."""
-    from wcache.store import StoreError  # noqa: PLC0415
-    from wcache.store.artifacts import read_bundle  # noqa: PLC0415
 
     try:
         bundle = read_bundle(os.path.join(snap_dir, SNAPSHOT_STARTUP_DIR, name))
@@ -258,7 +268,6 @@ def release_device_cache() -> int:
     Returns:
         Bytes released (0 without an initialized CUDA context: CPU daemons).
     """
-    import torch  # noqa: PLC0415
 
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
         return 0
@@ -277,8 +286,6 @@ def _prime(server: Any, prime: tuple[str, list[str], str, str], snapshot: str | 
     the snapshot. Never stops the daemon serving: a failure is logged with its reason
     and shown in ``status``. A stop asked meanwhile (``wcache stop``, SIGTERM) kills
     the priming engine and keeps nothing (state ``failed``, reason ``stopped``)."""
-    from wcache.daemon.prime import prime_compile  # noqa: PLC0415
-    from wcache.store.artifacts import write_bundle  # noqa: PLC0415
 
     model, rest, job, usage = prime
     server.artifacts_state = "priming"
@@ -315,10 +322,9 @@ def _write_rank_snapshot(server: Any, root: str, layout: dict[str, int]) -> None
         OSError, StoreError: as :func:`wcache.store.snapshot.write_snapshot`, or the
             old bundle cannot be removed.
     """
-    import shutil  # noqa: PLC0415
 
-    from wcache.store.prebuilt import served_arena  # noqa: PLC0415
-    from wcache.store.snapshot import write_snapshot  # noqa: PLC0415
+    from wcache.store.prebuilt import served_arena  # noqa: PLC0415 (imported at call time: tests patch served_arena)
+    from wcache.store.snapshot import write_snapshot  # noqa: PLC0415 (imported at call time: tests patch write_snapshot)
 
     name = snapshot_name(layout)
     try:
@@ -349,7 +355,6 @@ def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_metho
     Raises:
         SeedSecretUnsafe: ``seed_secret_file`` is unsafe (before any load).
     """
-    from wcache.store.seed import read_secret  # noqa: PLC0415
 
     t_start = time.perf_counter()
     secret = read_secret(seed_secret_file) if seed_secret_file else None
@@ -373,9 +378,6 @@ def _serve_prepared_rank(vllm_config: Any, *, rank: int, world: int, init_method
                          seed_advertise: str | None, secret: bytes | None,
                          t_start: float, prime: tuple[str, list[str], str, str] | None = None) -> int:
     """:func:`serve_rank` once the rank's platform is prepared."""
-    from wcache.store import StoreError  # noqa: PLC0415
-    from wcache.store.seed import SeedSource  # noqa: PLC0415
-    from wcache.vllm.key import parallel_layout  # noqa: PLC0415
 
     with build.current_config(vllm_config):
         build.init_distributed(vllm_config, rank, world, init_method)
@@ -386,7 +388,6 @@ def _serve_prepared_rank(vllm_config: Any, *, rank: int, world: int, init_method
                                             from_snapshot=from_snapshot, seed_from=seed_from,
                                             seed_secret=secret)
     key = server.key
-    import signal  # noqa: PLC0415
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.request_shutdown())
@@ -432,7 +433,6 @@ def _serve_prepared_rank(vllm_config: Any, *, rank: int, world: int, init_method
     if prime is not None and server.artifacts is None:  # serving meanwhile, in the full process
         _prime(server, prime, snapshot, snapshot_name(layout))
     # the lean hand-off: on CPU, exec a torch-free server; returns only when it stays full
-    from wcache.store import lean  # noqa: PLC0415
 
     lean.handoff(server, ready_queue=ready)
     try:
@@ -460,21 +460,6 @@ def _rank_main(rank: int, local_rank: int, world: int, model: str, rest: list[st
         raise
 
 
-def local_ranks(world: int, nnodes: int, node_rank: int) -> range:
-    """The global ranks one node's daemon hosts: vLLM places ranks node by node,
-    ``world // nnodes`` consecutive ranks per node.
-
-    Raises:
-        ValueError: ``world`` does not divide over ``nnodes`` or ``node_rank`` is out of range.
-    """
-    if nnodes < 1 or world % nnodes:
-        raise ValueError(f"{world} ranks (TP x PP) cannot be split over {nnodes} nodes")
-    if not 0 <= node_rank < nnodes:
-        raise ValueError(f"--node-rank {node_rank} is outside 0..{nnodes - 1}")
-    per_node = world // nnodes
-    return range(node_rank * per_node, (node_rank + 1) * per_node)
-
-
 def shm_needs(device_type: str, world: int, seeding: bool) -> list[tuple[int, str]]:
     """What the processes and collectives a ``wcache serve`` starts need free in
     ``/dev/shm``: ``[(bytes, purpose)]``, empty when nothing does.
@@ -484,7 +469,6 @@ def shm_needs(device_type: str, world: int, seeding: bool) -> list[tuple[int, st
     * seeding on CUDA: NCCL (gloo, on CPU, needs none).
     * any CUDA daemon may serve ``cuda_ipc``, whose ref counters are files there.
     """
-    from wcache.store.paths import DEV_SHM_COLLECTIVES_BYTES, DEV_SHM_REFCOUNT_BYTES  # noqa
 
     needs = []
     if world > 1:
@@ -504,7 +488,6 @@ def main(args: argparse.Namespace, rest: list[str]) -> int:
         UntestedVllm: the installed vLLM is not a supported version or build (and
             ``WCACHE_ALLOW_UNTESTED_VLLM=1`` is not set).
     """
-    from wcache.vllm.compat import check_vllm_version  # noqa: PLC0415
 
     check_vllm_version()
     logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
@@ -531,8 +514,6 @@ def _start_http(args: argparse.Namespace, rest: list[str]) -> Any:
         ValueError: ``--http`` is not [HOST:]PORT.
         HttpListenFailed: the address cannot be bound.
     """
-    from wcache.store.http import OpsServer, parse_http_address  # noqa: PLC0415
-    from wcache.daemon import ready  # noqa: PLC0415
 
     host, port = parse_http_address(args.http)
     spec = ready.engine_ready_spec(args.model, rest, tensor_parallel_size=args.tensor_parallel_size,
@@ -540,7 +521,6 @@ def _start_http(args: argparse.Namespace, rest: list[str]) -> Any:
                                    nnodes=getattr(args, "nnodes", 1),
                                    node_rank=getattr(args, "node_rank", 0),
                                    job=getattr(args, "job", "") or "")
-    import functools  # noqa: PLC0415
 
     # a partial, not a lambda: the lean hand-off (wcache.store.lean) pickles it across execve
     ops = OpsServer(host, port, functools.partial(ready.probe, args.socket_dir, spec)).start()
@@ -559,7 +539,6 @@ def _serve_node(args: argparse.Namespace, rest: list[str], world: int, ranks: ra
     sources = {k: getattr(args, k, None) for k in ("snapshot", "from_snapshot", "seed_from", "seed_listen",
                                                    "seed_advertise", "seed_secret_file")}
     sources["prime_compile"] = getattr(args, "prime_compile", None) or None
-    from wcache.store.paths import check_dev_shm  # noqa: PLC0415
 
     seeding = bool(sources.get("seed_from") or sources.get("seed_listen"))
     for need, purpose in shm_needs(build.platform_device_type(), world, seeding):
@@ -573,8 +552,6 @@ def _serve_node(args: argparse.Namespace, rest: list[str], world: int, ranks: ra
 
 def _serve_ranks(args: argparse.Namespace, rest: list[str], world: int, ranks: range,
                  init_method: str, job: str, sources: dict[str, str | None]) -> int:
-    import multiprocessing as mp  # noqa: PLC0415
-    import queue  # noqa: PLC0415
 
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
@@ -594,7 +571,7 @@ def _serve_ranks(args: argparse.Namespace, rest: list[str], world: int, ranks: r
                 dead = [p for p in procs if not p.is_alive()]
                 if dead or time.monotonic() > deadline:
                     raise RuntimeError(f"wcache serve: rank(s) {[p.name for p in dead]} died "
-                                       f"during start-up; stopping the others")
+                                       f"during start-up; stopping the others") from None
                 continue
             if line.startswith("error"):
                 raise RuntimeError(f"wcache serve: rank {rank} failed during start-up: {line}")

@@ -6,8 +6,13 @@ Public API: :func:`plan_for`, :func:`all_plans`, :func:`register`.
 import importlib
 from collections.abc import Iterable
 
-from wcache.plans.registry import (  # noqa: F401
-    PlanArgumentError, all_plans, plan_for, refuse, refused, register,
+from wcache.plans.registry import (  # noqa: F401 (re-exported)
+    PlanArgumentError,
+    all_plans,
+    plan_for,
+    refuse,
+    refused,
+    register,
 )
 
 #: Every plan module, imported (and so registered) here. Order matters within a

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from wcache.core import LayerConfig, NoPlan, QuantSpec, Tag, Target
 from wcache.plans import hosts
 from wcache.plans.registry import all_plans, plan_for, refused
@@ -194,8 +197,6 @@ REAL_ENGINE_RESULTS: dict[str, tuple[str, str]] = {
 
 def real_engine_results(version: str = "0.32.0", root=None) -> list[dict]:
     """The committed gpu_engine rows of one vLLM version (last row per case), or []."""
-    import json  # noqa: PLC0415
-    from pathlib import Path  # noqa: PLC0415
 
     path = Path(root or Path(__file__).resolve().parents[2]) / REAL_ENGINE_RESULTS[version][0]
     if not path.is_file():

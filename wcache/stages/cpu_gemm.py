@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from wcache.core import LayerConfig, StageOut, Tag, Target, stage
 from wcache.core.decisions import KERNEL_LIBRARY, OP_PRESENT, gemm_decision, op_decision
+from wcache.stages.common import StageInputError, require_op
 
 __all__ = ["SGL_TILE_K", "SGL_TILE_N", "SGL_MAX_WEIGHT_BYTES", "gemm_decision", "sgl_shape",
            "gemm_branch", "missing_op_reason", "TorchLinear", "bind_torch_linear",
@@ -145,7 +146,6 @@ def pack_sgl_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, ta
     if weight.device.type == "meta":
         shape, dtype = sgl_packed_shape(*weight.shape, weight.dtype)
         return StageOut(tensors={"weight": torch.empty(shape, dtype=dtype, device="meta")})
-    from wcache.stages.common import require_op  # noqa: PLC0415
 
     return StageOut(tensors={"weight": require_op("_C", "convert_weight_packed")(weight)})
 
@@ -196,7 +196,6 @@ def bind_sgl_linear(tensors: Mapping[str, torch.Tensor], config: LayerConfig, ta
         StageInputError: an embedding (vLLM keeps its unpacked weight for the lookup;
             wcache has no plan for an SGL embedding).
     """
-    from wcache.stages.common import StageInputError  # noqa: PLC0415
 
     weight = tensors["weight"]
     if weight.device.type == "meta":

@@ -21,7 +21,6 @@ at plan resolution, so every function here builds the 16-bit-activation layout.
 
 from __future__ import annotations
 
-
 import math
 from collections.abc import Mapping
 from typing import Any

@@ -22,8 +22,11 @@ import torch.nn.functional as F
 from wcache.core import LayerConfig, StageOut, Tag, Target, stage
 from wcache.core.decisions import GEMM_ONEDNN, GEMM_SGL, W8A8_INT8_SGL, gemm_decision
 from wcache.stages import cpu_gemm
-from wcache.stages.common import (  # noqa: F401
-    OpUnavailable, StageInputError, fold_int8_static_input, require_op,
+from wcache.stages.common import (  # noqa: F401 (re-exported)
+    OpUnavailable,
+    StageInputError,
+    fold_int8_static_input,
+    require_op,
 )
 
 __all__ = ["PRIMITIVE_CACHE_SIZE", "CPUDNNLGEMMHandler", "OneDNNLinear",

@@ -13,6 +13,7 @@ Engine side::
     with attach(key, device="cpu", device_id="cpu-rank0-<job>") as att:
         att.tensors["model.embed_tokens.weight"]   # a read-only zero-copy view
 """
+import importlib
 
 # Imported on first use (PEP 562), so that ``import wcache.store.<module>`` loads only
 # that module's imports: the lean serving process (wcache.store.lean) must not import
@@ -37,7 +38,6 @@ def __getattr__(name: str):
     module = _HOME.get(name)
     if module is None:
         raise AttributeError(f"module 'wcache.store' has no attribute {name!r}")
-    import importlib  # noqa: PLC0415
 
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value

@@ -27,9 +27,18 @@ from attrs import frozen
 
 from wcache.store.errors import StoreError, TransportFailed
 from wcache.store.manifest import (
-    KIND_BUFFER, MANIFEST_FORMAT_VERSION, AliasEntry, CacheKey, Export, Manifest, TensorEntry,
-    dtype_from_name, dtype_name, span_elements,
+    KIND_BUFFER,
+    MANIFEST_FORMAT_VERSION,
+    AliasEntry,
+    CacheKey,
+    Export,
+    Manifest,
+    TensorEntry,
+    dtype_from_name,
+    dtype_name,
+    span_elements,
 )
+from wcache.store.transport_cuda import drain_before_free
 
 __all__ = [
     "CPU_ALIGNMENT", "CUDA_ALIGNMENT", "SEALS", "Block", "plan_layout", "make_manifest",
@@ -250,7 +259,6 @@ def build_cuda_arena(export: Export, key: CacheKey, device_index: int) -> tuple[
         _fill(arena, export, blocks)
         torch.cuda.synchronize(device_index)
     except BaseException:
-        from wcache.store.transport_cuda import drain_before_free  # noqa: PLC0415
 
         drain_before_free(device_index, "a cuda_ipc arena whose copy failed", arena)
         raise

@@ -5,6 +5,15 @@ the daemon's uid (SO_PEERCRED), says ``hello``, asks ``get`` with the key and
 maps the handle: tensors are views into one read-only mapping (CPU) or one
 IPC-opened allocation (CUDA). Any failure after mapping drops every mapping
 before the error is raised, so a caller can fall back to disk safely.
+
+One convention for naming a daemon: a function that talks to one daemon takes its
+socket path, ``sock_path`` (:func:`daemon_status`, :func:`fetch_artifacts`,
+:func:`invalidate_daemon`, :func:`shutdown_daemon`); the socket path is built in one
+place, :func:`wcache.store.paths.socket_path` from ``(socket_dir, device_id)``, or
+listed by :func:`wcache.store.paths.list_sockets`. The entry points that find a daemon
+by what it serves take ``(socket_dir, device_id)`` and build the path with it:
+:func:`attach` (a key on a device) and the CLI helpers (:func:`cli_status`,
+:func:`cli_stop`; the dir through :func:`wcache.store.paths.resolve_socket_dir`).
 """
 
 from __future__ import annotations
@@ -21,15 +30,33 @@ from typing import TYPE_CHECKING, Any
 
 import wcache
 from wcache.store import paths
+from wcache.store.artifacts import open_bundle_fd
 from wcache.store.errors import (
-    ArtifactsCorrupt, ArtifactsMissing,
-    ArenaInvalidated, DaemonBusy, DaemonMissing, IdleTimeout, KeyMismatch, PeerRefused, ProtocolError, Released,
-    SeedUnavailable, StoreError, TransportFailed, UnsafePath,
+    ArenaInvalidated,
+    ArtifactsCorrupt,
+    ArtifactsMissing,
+    DaemonBusy,
+    DaemonMissing,
+    IdleTimeout,
+    KeyMismatch,
+    PeerRefused,
+    ProtocolError,
+    Released,
+    SeedUnavailable,
+    StoreError,
+    TransportFailed,
+    UnsafePath,
 )
 from wcache.store.manifest import KIND_BUFFER, CacheKey, Manifest
 from wcache.store.protocol import (
-    PROTOCOL_VERSION, ConnectionClosed, raise_for_error, recv_frame, send_frame,
+    PROTOCOL_VERSION,
+    ConnectionClosed,
+    raise_for_error,
+    recv_frame,
+    send_frame,
 )
+from wcache.store.server import peer_credentials
+from wcache.store.transport_shm import open_shm
 
 if TYPE_CHECKING:  # torch only where an arena is attached: status, stop and probes need none
     import torch
@@ -43,7 +70,7 @@ try:
     # The cuda_vmm transport's driver bindings (the optional wcache[cuda] extra): an
     # engine imports wcache.store when vLLM loads the plugin, so this ~15 ms import
     # happens at start-up rather than inside the timed weight load. Loads no driver.
-    import cuda.bindings.driver  # noqa: F401
+    import cuda.bindings.driver  # noqa: F401 (probe: is the cuda extra installed)
 except Exception:  # noqa: BLE001  (absent on CPU hosts; cuda_vmm then reports why)
     pass
 
@@ -102,7 +129,6 @@ class Connection:
             raise DaemonMissing(f"cannot connect to {sock_path}: {e}") from e
         self.sock = s
         try:
-            from wcache.store.server import peer_credentials
 
             pid, uid, _ = peer_credentials(s)
             if uid != os.getuid():
@@ -113,7 +139,7 @@ class Connection:
             if self.hello.get("protocol") != PROTOCOL_VERSION:
                 raise ProtocolError(f"daemon speaks protocol {self.hello.get('protocol')!r}, we speak "
                                     f"{PROTOCOL_VERSION}")
-        except socket.timeout:
+        except TimeoutError:
             self.close()
             raise DaemonMissing(f"daemon on {sock_path} did not answer hello within {connect_timeout_s} s") from None
         except BaseException:
@@ -400,7 +426,7 @@ class Attachment:
 
 
 def _local_cuda_index(device_uuid: str | None, wanted: int | None) -> int:
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     for i in range(torch.cuda.device_count()):
         if paths.cuda_device_uuid(i) == device_uuid:
@@ -470,23 +496,22 @@ def attach(key: CacheKey, socket_dir: str | None = None, device: str = "cpu", de
         handle = reply.get("handle") if isinstance(reply.get("handle"), dict) else {}
         transport = handle.get("kind")
         if kind == "cpu":
-            from wcache.store.transport_shm import open_shm
 
             mm, base = open_shm(handle, fds, manifest.arena_nbytes)
         elif transport == "cuda_vmm":
-            from wcache.store.transport_vmm import open_vmm
+            from wcache.store.transport_vmm import open_vmm  # noqa: PLC0415 (torch import ~2 s: only when called)
 
             local = _local_cuda_index(conn.hello.get("device_uuid"), index)
             base, vmm = open_vmm(handle, fds, manifest.arena_nbytes, local)
         else:
-            from wcache.store.transport_cuda import open_cuda
+            from wcache.store.transport_cuda import open_cuda  # noqa: PLC0415 (torch import ~2 s: only when called)
 
             for fd in fds:
                 os.close(fd)
             local = _local_cuda_index(conn.hello.get("device_uuid"), index)
             base = open_cuda(handle, manifest.arena_nbytes, local)
         if mode == "copy":
-            import torch  # noqa: PLC0415
+            import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
             private = torch.empty_like(base)
             private.copy_(base)
@@ -531,7 +556,6 @@ def fetch_artifacts(sock_path: str, connect_timeout_s: float = 5.0) -> Any:
         ArtifactsCorrupt: the reply's memfd or manifest is malformed.
         DaemonMissing, PeerRefused, ProtocolError: as :class:`Connection`.
     """
-    from wcache.store.artifacts import open_bundle_fd  # noqa: PLC0415
 
     conn = Connection(sock_path, connect_timeout_s, reply_timeout_s=REPLY_TIMEOUT_S)
     try:
@@ -595,7 +619,7 @@ def cli_status(socket_dir: str | None) -> int:
     """Print every daemon in a socket dir, then every other live daemon of this
     user (other socket dirs, or a socket file gone). Returns 0 when at least one
     answers in the dir, 3 when none does (1 when the dir is unsafe)."""
-    d = os.path.abspath(socket_dir or paths.default_socket_dir())
+    d = paths.resolve_socket_dir(socket_dir)
     try:
         paths.ensure_socket_dir(d, create=False)
     except FileNotFoundError:
@@ -653,7 +677,7 @@ def _print_status(sock: str, st: dict[str, Any]) -> None:
                   f"{', '.join(d[:16] for d in art.get('compile_dirs') or []) or '-'}  "
                   f"from {art.get('state')}")
         else:
-            print(f"  artifacts absent" + (f" ({art['state']})" if art.get("state") else "")
+            print("  artifacts absent" + (f" ({art['state']})" if art.get("state") else "")
                   + (f": {art['error']}" if art.get("error") else ""))
     inv = st.get("invalidated")
     if inv:
@@ -683,7 +707,7 @@ def _print_other_daemons(listed: set[str]) -> None:
 def cli_stop(socket_dir: str | None, device: str | None) -> int:
     """Stop the daemon of one device id (or every daemon when ``device`` is None).
     Returns 0 when all targeted daemons stopped, 1 when one did not, 3 when none ran."""
-    d = os.path.abspath(socket_dir or paths.default_socket_dir())
+    d = paths.resolve_socket_dir(socket_dir)
     try:
         paths.ensure_socket_dir(d, create=False)
         socks = [paths.socket_path(d, device)] if device else paths.list_sockets(d)

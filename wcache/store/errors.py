@@ -4,9 +4,23 @@ engine-side fallback logs (docs/design.md section 5, "Fallback")."""
 
 from __future__ import annotations
 
-from wcache.errors import (  # noqa: F401  (re-exported: the store's errors' old home)
-    ArenaInvalidated, ArtifactsCorrupt, ArtifactsMissing, CheckpointChanged, DaemonBusy, DaemonMissing, IdleTimeout, KeyMismatch,
-    PeerRefused, ProtocolError, Released, SeedUnavailable, ShmTooSmall, StoreError, TransportFailed, UnsafePath,
+from wcache.errors import (  # re-exported: the store's errors' old home
+    ArenaInvalidated,
+    ArtifactsCorrupt,
+    ArtifactsMissing,
+    CheckpointChanged,
+    DaemonBusy,
+    DaemonMissing,
+    IdleTimeout,
+    KeyMismatch,
+    PeerRefused,
+    ProtocolError,
+    Released,
+    SeedUnavailable,
+    ShmTooSmall,
+    StoreError,
+    TransportFailed,
+    UnsafePath,
 )
 
 __all__ = [

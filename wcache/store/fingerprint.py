@@ -304,7 +304,7 @@ class DigestingReader(io.RawIOBase):
     def __init__(self, path: str, cache: DigestCache | None = None):
         super().__init__()
         self._real = os.path.realpath(path)
-        self._f = open(self._real, "rb", buffering=0)
+        self._f = open(self._real, "rb", buffering=0)  # noqa: SIM115 (closed by close())
         self._st = os.fstat(self._f.fileno())
         self._cache = cache
         self._hasher = blake3.blake3()

@@ -31,14 +31,14 @@ import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from wcache.errors import HttpListenFailed  # noqa: F401  (re-exported: its old home)
+from wcache.errors import HttpListenFailed  # re-exported: its old home
 
 __all__ = ["HttpListenFailed", "Probe", "OpsServer", "DaemonCollector", "parse_http_address",
            "LOOPBACK", "SNAPSHOT_STATES", "HEALTH_PATH", "METRICS_PATH"]
@@ -199,7 +199,7 @@ class OpsServer:
     """
 
     #: Started and not stopped, in this process (what the lean hand-off carries over).
-    running: "set[OpsServer]" = set()
+    running: ClassVar[set[OpsServer]] = set()
 
     def __init__(self, host: str, port: int, probe: Callable[[], Probe], *, listen_fd: int | None = None):
         self.probe = probe
@@ -225,7 +225,7 @@ class OpsServer:
         self.address: tuple[str, int] = (host, self._httpd.server_address[1])
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "OpsServer":
+    def start(self) -> OpsServer:
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="wcache-http",
                                         daemon=True)
         self._thread.start()
@@ -260,7 +260,7 @@ class OpsServer:
                            not dict(p.statuses)[r].get("invalidated")} for r in p.ranks]}
         return (200 if p.ready else 503), body
 
-    def __enter__(self) -> "OpsServer":
+    def __enter__(self) -> OpsServer:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -271,7 +271,7 @@ def _handler_class(ops: OpsServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         timeout = REQUEST_TIMEOUT_S
 
-        def do_GET(self) -> None:  # noqa: N802  (http.server's name)
+        def do_GET(self) -> None:  # http.server's name
             path = self.path.split("?", 1)[0]
             try:
                 if path == HEALTH_PATH:

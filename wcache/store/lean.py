@@ -40,6 +40,7 @@ import os
 import pickle
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -49,7 +50,12 @@ from typing import Any
 
 from wcache.errors import SeedFailed, SeedUnavailable
 from wcache.store import paths
+from wcache.store.artifacts import Bundle
+from wcache.store.http import OpsServer
+from wcache.store.manifest import CacheKey, Manifest
 from wcache.store.protocol import SEED_CHUNK_BYTES, check_seed_request
+from wcache.store.server import DaemonServer
+from wcache.store.transport_shm import ShmServing
 
 __all__ = ["handoff", "lean_refusal", "main", "HANDOFF_DRAIN_S", "LeanSeedSource", "lean_environ", "helper_environ",
            "LEAN_EXEC_ENV", "LEAN_LINE", "NO_LEAN_ENV", "MAX_CONCURRENT_SEEDS", "HELPER_STOP_GRACE_S"]
@@ -240,7 +246,6 @@ class LeanSeedSource:
 
 def lean_refusal(server: Any, *, enabled: bool = True) -> str | None:
     """Why ``server`` cannot hand off to the lean process (None: it can)."""
-    from wcache.store.http import OpsServer  # noqa: PLC0415
 
     if not enabled:
         return "--no-lean"
@@ -295,7 +300,6 @@ def handoff(server: Any, *, enabled: bool | None = None, ready_queue: Any = None
 
 
 def _exec_lean(server: Any, exe: str, ready_queue: Any) -> str:
-    from wcache.store.http import OpsServer  # noqa: PLC0415
 
     server.pause_accepting_()
     deadline = time.monotonic() + HANDOFF_DRAIN_S
@@ -418,12 +422,7 @@ def _cleanup_failed(state: dict) -> None:
 
 
 def _serve(state: dict) -> int:
-    import socket  # noqa: PLC0415
 
-    from wcache.store.http import OpsServer  # noqa: PLC0415
-    from wcache.store.manifest import CacheKey, Manifest  # noqa: PLC0415
-    from wcache.store.server import DaemonServer  # noqa: PLC0415
-    from wcache.store.transport_shm import ShmServing  # noqa: PLC0415
 
     server = DaemonServer.adopt(
         key=CacheKey.from_json(state["key"]), manifest=Manifest.from_dict(state["manifest"]),
@@ -440,7 +439,6 @@ def _serve(state: dict) -> int:
     server._started_at = time.monotonic() - state["uptime_s"]
     art = state.get("artifacts") or {}
     if art.get("fd") is not None:
-        from wcache.store.artifacts import Bundle  # noqa: PLC0415
 
         server.artifacts = Bundle(art["fd"], art["manifest"])
     server.artifacts_state, server.artifacts_error = art.get("state"), art.get("error")
@@ -462,17 +460,16 @@ def main(argv: list[str]) -> int:
     """``python -m wcache.store.lean STATE`` (exec'd by :func:`handoff`), or
     ``--check``: import what serving needs and fail if torch came with it."""
     if argv == ["--check"]:
-        import wcache.store.artifacts  # noqa: F401, PLC0415
-        import wcache.store.http  # noqa: F401, PLC0415
-        import wcache.store.server  # noqa: F401, PLC0415
-        import wcache.store.transport_shm  # noqa: F401, PLC0415
+        import wcache.store.http  # noqa: PLC0415 (the check itself: import what serving needs)
+        import wcache.store.server  # noqa: PLC0415 (the check itself: import what serving needs)
+        import wcache.store.transport_shm  # noqa: F401, PLC0415 (the check itself: import what serving needs)
 
         return 1 if "torch" in sys.modules else 0
     state = None
     try:
         try:
             with open(argv[0], "rb") as f:
-                state = pickle.load(f)  # our own 0600 file in our 0700 socket dir, read once
+                state = pickle.load(f)  # noqa: S301 (our own 0600 file in our 0700 socket dir, read once)
         finally:
             os.unlink(argv[0])
         logging.basicConfig(level=state["log_level"], format="%(asctime)s %(name)s %(message)s")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import types
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
@@ -49,11 +49,23 @@ DTYPE_ITEMSIZES: types.MappingProxyType = types.MappingProxyType({
 })
 
 
+
+
+def _as_tuple(items: Iterable[Any]) -> tuple[Any, ...]:
+    """``tuple(items)``, typed for attrs converters (this module stays torch-free, so not
+    wcache.core.values.as_tuple)."""
+    return tuple(items)
+
+
+def _as_frozenset(items: Iterable[Any]) -> frozenset[Any]:
+    """``frozenset(items)``, typed for attrs converters."""
+    return frozenset(items)
+
 @cache
-def torch_dtypes() -> dict[str, "torch.dtype"]:
+def torch_dtypes() -> dict[str, torch.dtype]:
     """Every torch dtype that can be a view of raw bytes, by its short name
     (``"float16"``), limited to :data:`DTYPE_ITEMSIZES`. Imports torch."""
-    import torch  # noqa: PLC0415
+    import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     return {name: obj for name in dir(torch)
             if isinstance(obj := getattr(torch, name), torch.dtype)
@@ -61,7 +73,7 @@ def torch_dtypes() -> dict[str, "torch.dtype"]:
             and str(obj) == f"torch.{name}" and name in DTYPE_ITEMSIZES}
 
 
-def dtype_name(dtype: "torch.dtype") -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     """``torch.float16`` -> ``"float16"``."""
     name = str(dtype).removeprefix("torch.")
     if name not in torch_dtypes():
@@ -69,7 +81,7 @@ def dtype_name(dtype: "torch.dtype") -> str:
     return name
 
 
-def dtype_from_name(name: str) -> "torch.dtype":
+def dtype_from_name(name: str) -> torch.dtype:
     """``"float16"`` -> ``torch.float16``.
 
     Raises:
@@ -121,8 +133,8 @@ def _ro_dict(value: Mapping) -> types.MappingProxyType:
 # --------------------------------------------------------------------------- export
 
 
-def _check_export(inst: "Export") -> None:
-    import torch  # noqa: PLC0415  (an export holds tensors: torch is loaded already)
+def _check_export(inst: Export) -> None:
+    import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     errors = []
     for name, t in inst.tensors.items():
@@ -179,7 +191,7 @@ class Export:
     aliases: Mapping[str, str] = field(factory=dict, converter=_ro_dict)
     layers: Mapping[str, dict] = field(factory=dict, converter=_ro_dict)
     extra: Mapping[str, Any] = field(factory=dict, converter=_ro_dict)
-    nonpersistent: frozenset[str] = field(factory=frozenset, converter=frozenset)
+    nonpersistent: frozenset[str] = field(factory=frozenset, converter=_as_frozenset)
 
     def __attrs_post_init__(self):
         _check_export(self)
@@ -240,13 +252,13 @@ class CacheKey:
         """blake3 hex digest (64 characters) of the canonical JSON."""
         return blake3.blake3(self.canonical.encode()).hexdigest()
 
-    def diff(self, other: "CacheKey | Mapping[str, Any]") -> list[str]:
+    def diff(self, other: CacheKey | Mapping[str, Any]) -> list[str]:
         """Sorted names of the fields that differ or exist on one side only."""
         mine = self.fields
         theirs = other.fields if isinstance(other, CacheKey) else CacheKey(other).fields
         return sorted(k for k in mine.keys() | theirs.keys() if mine.get(k, ...) != theirs.get(k, ...))
 
-    def describe_diff(self, other: "CacheKey", mine: str = "engine", theirs: str = "daemon") -> str:
+    def describe_diff(self, other: CacheKey, mine: str = "engine", theirs: str = "daemon") -> str:
         """``field: engine=<value> daemon=<value>`` for each differing field (values
         cut to :data:`MISMATCH_VALUE_CHARS`), for error messages."""
         def short(v: Any) -> str:
@@ -257,7 +269,7 @@ class CacheKey:
                          for f in self.diff(other)
                          for path, x, y in _leaf_diffs(f, a.get(f, ...), b.get(f, ...)))
 
-    def versions_note(self, other: "CacheKey", mine: str = "engine",
+    def versions_note(self, other: CacheKey, mine: str = "engine",
                       theirs: str = "daemon") -> str:
         """A lead sentence for a refusal when the keys' ``versions`` differ (an engine
         and a daemon of different vLLM, torch or wcache releases), naming both sides'
@@ -275,7 +287,7 @@ class CacheKey:
         return self.canonical
 
     @classmethod
-    def from_json(cls, text: str) -> "CacheKey":
+    def from_json(cls, text: str) -> CacheKey:
         try:
             value = json.loads(text)
         except ValueError as e:
@@ -300,8 +312,8 @@ class TensorEntry:
     offset: int
     nbytes: int
     dtype: str
-    shape: tuple[int, ...] = field(converter=tuple)
-    stride: tuple[int, ...] = field(converter=tuple)
+    shape: tuple[int, ...] = field(converter=_as_tuple)
+    stride: tuple[int, ...] = field(converter=_as_tuple)
     kind: str
     persistent: bool = True
 
@@ -316,7 +328,7 @@ class AliasEntry:
     persistent: bool = True
 
 
-def _check_manifest(m: "Manifest") -> None:
+def _check_manifest(m: Manifest) -> None:
     """Every entry must lie inside the arena, aligned, with a known dtype and a
     span that matches its shape and stride (runs on every attach: kept lean)."""
     errors = []
@@ -389,8 +401,8 @@ class Manifest:
     device: str
     alignment: int
     arena_nbytes: int
-    tensors: tuple[TensorEntry, ...] = field(converter=tuple)
-    aliases: tuple[AliasEntry, ...] = field(converter=tuple)
+    tensors: tuple[TensorEntry, ...] = field(converter=_as_tuple)
+    aliases: tuple[AliasEntry, ...] = field(converter=_as_tuple)
     layers: Mapping[str, Any] = field(converter=_ro_dict)
     extra: Mapping[str, Any] = field(converter=_ro_dict)
 
@@ -415,7 +427,7 @@ class Manifest:
         return canonical_json(self.to_dict())
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Manifest":
+    def from_dict(cls, d: Any) -> Manifest:
         """Parse and validate a manifest dict (from the wire or a file).
 
         Raises:
@@ -440,7 +452,7 @@ class Manifest:
             raise ProtocolError(f"manifest is malformed: {type(e).__name__}: {e}") from e
 
     @classmethod
-    def from_json(cls, text: str) -> "Manifest":
+    def from_json(cls, text: str) -> Manifest:
         try:
             return cls.from_dict(json.loads(text))
         except ValueError as e:

@@ -80,6 +80,12 @@ def default_socket_dir() -> str:
     return f"/tmp/wcache-{os.getuid()}"
 
 
+def resolve_socket_dir(socket_dir: str | None) -> str:
+    """The absolute socket dir: ``socket_dir``, or :func:`default_socket_dir` when None.
+    Every socket path and every listing of a socket dir starts here."""
+    return os.path.abspath(socket_dir or default_socket_dir())
+
+
 def registry_dir() -> str:
     """Where every live daemon of this user records itself, whatever its socket
     dir: ``$XDG_RUNTIME_DIR/wcache-daemons`` when usable, else
@@ -147,7 +153,7 @@ def default_device_id(device: str = "cpu", index: int | None = None) -> str:
     (``"GPU-<uuid>"``) for CUDA, so two GPUs never share a socket."""
     if device == "cpu":
         return "cpu"
-    import torch
+    import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     return cuda_device_uuid(index if index is not None else torch.cuda.current_device())
 
@@ -175,7 +181,7 @@ def ensure_socket_dir(path: str | None = None, *, create: bool = True) -> str:
         FileNotFoundError: the dir is missing and ``create`` is false.
         UnsafePath: also when it cannot be inspected (permission denied).
     """
-    path = os.path.abspath(path or default_socket_dir())
+    path = resolve_socket_dir(path)
     try:
         st = os.lstat(path)
     except PermissionError as e:
@@ -214,7 +220,7 @@ def socket_path(socket_dir: str | None, device_id: str) -> str:
     """
     if not isinstance(device_id, str) or not _DEVICE_ID_RE.match(device_id):
         raise StoreError(f"device id {device_id!r} must match {_DEVICE_ID_RE.pattern}")
-    path = os.path.join(os.path.abspath(socket_dir or default_socket_dir()),
+    path = os.path.join(resolve_socket_dir(socket_dir),
                         f"{SOCKET_PREFIX}{device_id}{SOCKET_SUFFIX}")
     if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
         raise StoreError(f"socket path {path} exceeds {MAX_SOCKET_PATH_BYTES} bytes; "
@@ -325,7 +331,7 @@ def socket_accepts(path: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     try:
         s.connect(path)
         return True
-    except socket.timeout:
+    except TimeoutError:
         return True  # a listener with a full backlog is alive
     except OSError as e:
         if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
@@ -410,7 +416,7 @@ def parse_device(device: str) -> tuple[str, int | None]:
 
 def cuda_device_uuid(index: int) -> str:
     """``"GPU-<uuid>"`` of a local CUDA device index."""
-    import torch
+    import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     return f"GPU-{torch.cuda.get_device_properties(index).uuid}"
 

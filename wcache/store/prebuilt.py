@@ -29,9 +29,13 @@ from typing import Any
 import torch
 from attrs import frozen
 
+from wcache.store import transport_vmm
 from wcache.store.arena import frombuffer_readonly, map_shm_readonly, sealed_memfd
 from wcache.store.errors import StoreError
 from wcache.store.manifest import Manifest
+from wcache.store.server import build_cuda_serving
+from wcache.store.transport_cuda import CudaServing, drain_before_free
+from wcache.store.transport_shm import TRANSPORT, ShmServing
 
 __all__ = ["PrebuiltArena", "served_arena"]
 
@@ -73,11 +77,9 @@ class PrebuiltArena:
                              f"{device_type}. Start it with the device the arena was made on.")
         t0 = time.perf_counter()
         if device_type == "cpu":
-            from wcache.store.transport_shm import TRANSPORT  # noqa: PLC0415
 
             out = (*self._build_shm(), TRANSPORT, None)
         else:
-            from wcache.store.server import build_cuda_serving  # noqa: PLC0415
 
             out = build_cuda_serving(transport, lambda: self._build_vmm(index),
                                      lambda: self._build_ipc(index))
@@ -88,7 +90,6 @@ class PrebuiltArena:
         return out
 
     def _build_shm(self) -> tuple[Any, Manifest]:
-        from wcache.store.transport_shm import ShmServing
 
         nbytes = self.manifest.arena_nbytes
 
@@ -112,9 +113,7 @@ class PrebuiltArena:
         return ShmServing(fd, nbytes), self.manifest
 
     def _build_ipc(self, index: int) -> tuple[Any, Manifest]:
-        from wcache.store.transport_cuda import CudaServing
 
-        from wcache.store.transport_cuda import drain_before_free
 
         arena = torch.empty(self.manifest.arena_nbytes, dtype=torch.uint8, device=f"cuda:{index}")
         try:
@@ -128,7 +127,6 @@ class PrebuiltArena:
         return CudaServing(arena), self.manifest
 
     def _build_vmm(self, index: int) -> tuple[Any, Manifest]:
-        from wcache.store import transport_vmm
 
         serving, _ = transport_vmm.allocate_vmm_arena(self.manifest.arena_nbytes, index, self.fill)
         return serving, self.manifest

@@ -48,7 +48,7 @@ from typing import Any
 
 import msgpack
 
-from wcache.errors import ConnectionClosed  # noqa: F401  (re-exported: its old home)
+from wcache.errors import ConnectionClosed  # re-exported: its old home
 from wcache.store.errors import KeyMismatch, ProtocolError, StoreError
 from wcache.store.manifest import CacheKey, canonical_json
 
@@ -265,11 +265,11 @@ def recv_frame(sock: socket.socket, max_fds: int = 0, frame_timeout_s: float | N
             payload = _recv_exact(sock, length, fds, max_fds) if length else b""
             if payload is None:
                 raise ProtocolError("connection closed after a frame header")
-        except socket.timeout:
+        except TimeoutError:
             raise ProtocolError(f"frame not completed within {frame_timeout_s} s") from None
         try:
             obj = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-        except Exception as e:  # msgpack raises several unrelated types on bad input
+        except Exception as e:  # noqa: BLE001 (msgpack raises several unrelated types on bad input)
             raise ProtocolError(f"frame is not valid msgpack: {type(e).__name__}: {e}") from None
         if not isinstance(obj, dict):
             raise ProtocolError(f"frame is a {type(obj).__name__}, not a map")

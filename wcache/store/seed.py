@@ -50,18 +50,20 @@ from typing import Any
 
 import msgpack
 import torch
+import torch.distributed as dist
 
-from wcache.errors import SeedFailed, SeedSecretUnsafe  # noqa: F401  (re-exported: their old home)
+from wcache.errors import SeedFailed, SeedSecretUnsafe  # re-exported: their old home
 from wcache.store.arena_digest import DIGEST_BYTES, arena_digest
+from wcache.store.client import Connection
 from wcache.store.errors import DaemonMissing, KeyMismatch, ProtocolError, StoreError
 from wcache.store.manifest import CacheKey, Manifest
 from wcache.store.prebuilt import PrebuiltArena, served_arena
 from wcache.store.protocol import (
     PROTOCOL_VERSION,
-    SEED_NONCE_BYTES,
-    SEED_REPLY_LABEL,
     SEED_BACKENDS,
     SEED_CHUNK_BYTES,
+    SEED_NONCE_BYTES,
+    SEED_REPLY_LABEL,
     SEED_REQUEST_LABEL,
     SEED_TIMEOUT_ENV,
     check_seed_request,
@@ -193,7 +195,6 @@ _env_lock = threading.Lock()
 def _nccl_group(prefixed: Any, rank: int, opts: Any) -> Any:
     """``ProcessGroupNCCL`` built under :data:`NCCL_GROUP_ENV` (the process's own
     values are put back at once: vLLM's groups elsewhere in it keep theirs)."""
-    import torch.distributed as dist  # noqa: PLC0415
 
     with _env_lock:
         saved = {k: os.environ.get(k) for k in NCCL_GROUP_ENV}
@@ -212,7 +213,6 @@ def _listening_store(host: str, timeout: datetime.timedelta) -> Any:
     """A master ``TCPStore`` listening on ``host`` only, on a free port (c10d's own
     master binds every interface; it adopts this socket through ``master_listen_fd``
     and closes it when the store goes)."""
-    import torch.distributed as dist  # noqa: PLC0415
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
@@ -233,7 +233,6 @@ def _group(backend: str, host: str, port: int, rank: int, device: torch.device, 
     """The two-rank group; ``gloo_host``: the local address gloo binds and
     advertises (across hosts), None for c10d's default (``GLOO_SOCKET_IFNAME``
     or this host's name)."""
-    import torch.distributed as dist  # noqa: PLC0415
 
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
@@ -268,7 +267,6 @@ def _broadcast(pg: Any, t: torch.Tensor, timeout_s: float) -> None:
         RuntimeError: c10d's errors (``DistBackendError`` included): the peer went
             away, the timeout ran out.
     """
-    import torch.distributed as dist  # noqa: PLC0415
 
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
@@ -284,7 +282,7 @@ def _close_group(pg: Any) -> None:
     if shutdown is not None:
         try:
             shutdown()
-        except Exception:  # noqa: BLE001  (the bytes are already checked by digest)
+        except Exception:  # the bytes are already checked by digest
             log.debug("seeding group shutdown failed", exc_info=True)
 
 
@@ -501,7 +499,6 @@ def seed_arena(source: str, key: CacheKey, *, connect_timeout_s: float = 5.0,
             source without ``secret``, the manifest's key is not ``key``, or
             (from ``fill``) the transfer failed or the digests differ.
     """
-    from wcache.store.client import Connection  # noqa: PLC0415
 
     request = {"op": "seed", "key": key.fields, "backend": backend}
     gloo_host = None

@@ -30,8 +30,16 @@ from typing import Any, Protocol
 import wcache
 from wcache.store.errors import PeerRefused, ProtocolError, StoreError
 from wcache.store.protocol import (
-    PROTOCOL_VERSION, SEED_NONCE_BYTES, SEED_REPLY_LABEL, SEED_REQUEST_LABEL, ConnectionClosed,
-    check_request, error_frame, recv_frame, seed_mac, send_frame,
+    PROTOCOL_VERSION,
+    SEED_NONCE_BYTES,
+    SEED_REPLY_LABEL,
+    SEED_REQUEST_LABEL,
+    ConnectionClosed,
+    check_request,
+    error_frame,
+    recv_frame,
+    seed_mac,
+    send_frame,
 )
 
 __all__ = ["SeedListener", "SeedOwner"]
@@ -105,7 +113,7 @@ class SeedListener:
         self.address: tuple[str, int] = (host, listener.getsockname()[1])
         self._thread = threading.Thread(target=self._accept_loop, name="wcache-seed-tcp", daemon=True)
 
-    def start(self) -> "SeedListener":
+    def start(self) -> SeedListener:
         """Start the accept thread."""
         self._thread.start()
         log.info("daemon pid %d accepts seed requests on tcp %s:%d", os.getpid(), *self.address)
@@ -122,7 +130,7 @@ class SeedListener:
         while not self._owner.stopping.is_set():
             try:
                 conn, addr = self._socket.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 if self._owner.stopping.is_set():

@@ -37,15 +37,31 @@ from typing import Any
 
 import wcache
 from wcache.store import paths
+from wcache.store.artifacts import bundle_summary
 from wcache.store.errors import (
-    ArenaInvalidated, ArtifactsMissing, DaemonBusy, IdleTimeout, KeyMismatch, PeerRefused, ProtocolError, StoreError, TransportFailed,
+    ArenaInvalidated,
+    ArtifactsMissing,
+    DaemonBusy,
+    IdleTimeout,
+    KeyMismatch,
+    PeerRefused,
+    ProtocolError,
+    StoreError,
+    TransportFailed,
 )
 from wcache.store.manifest import CacheKey, Export, Manifest
 from wcache.store.protocol import (
-    PROTOCOL_VERSION, ConnectionClosed, check_request, error_frame, pin_map_keys, recv_frame, send_frame,
+    PROTOCOL_VERSION,
+    ConnectionClosed,
+    check_request,
+    error_frame,
+    pin_map_keys,
+    recv_frame,
+    send_frame,
 )
-from wcache.store.artifacts import bundle_summary
 from wcache.store.seed_listener import SeedListener
+from wcache.store.transport_shm import TRANSPORT as SHM_TRANSPORT
+from wcache.store.transport_shm import ShmServing
 
 __all__ = ["DaemonServer", "serve", "peer_credentials", "client_key", "MAX_CONNECTIONS",
            "MAX_CONNECTIONS_PER_CLIENT", "HELLO_TIMEOUT_S", "IDLE_TIMEOUT_S", "INVALIDATED_EXIT",
@@ -114,7 +130,7 @@ def build_cuda_serving(transport: str | None, build_vmm: Callable[[], tuple[Any,
         StoreError: ``transport`` is not a CUDA transport.
         TransportFailed: ``transport="cuda_vmm"`` and it is unavailable.
     """
-    from wcache.store import transport_cuda, transport_vmm  # noqa: PLC0415
+    from wcache.store import transport_cuda, transport_vmm  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     if transport not in (None, *CUDA_TRANSPORTS):
         raise StoreError(f"transport {transport!r} is not one of {CUDA_TRANSPORTS}")
@@ -182,7 +198,7 @@ class DaemonServer:
         self.key = key
         self.device_type, index = paths.parse_device(device)
         if self.device_type == "cuda" and index is None:
-            import torch  # noqa: PLC0415
+            import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
             index = torch.cuda.current_device()
         self.device_index = index
@@ -200,17 +216,17 @@ class DaemonServer:
                 self._serving, self.manifest, TRANSPORT, self.transport_fallback_reason = \
                     export.build(self.device_type, index, transport)
             elif self.device_type == "cpu":
-                from wcache.store.arena import build_shm_arena  # noqa: PLC0415
-                from wcache.store.transport_shm import TRANSPORT, ShmServing
+                from wcache.store.arena import build_shm_arena  # noqa: PLC0415 (torch import ~2 s: only when called)
 
                 fd, self.manifest = build_shm_arena(export, key)
                 self._serving = ShmServing(fd, self.manifest.arena_nbytes)
+                TRANSPORT = SHM_TRANSPORT
             else:
-                from wcache.store import transport_vmm  # noqa: PLC0415
-                from wcache.store.transport_cuda import CudaServing  # noqa: PLC0415
+                from wcache.store import transport_vmm  # noqa: PLC0415 (torch import ~2 s: only when called)
+                from wcache.store.transport_cuda import CudaServing  # noqa: PLC0415 (torch import ~2 s: only when called)
 
                 def build_ipc() -> tuple[Any, Manifest]:
-                    from wcache.store.arena import build_cuda_arena  # noqa: PLC0415
+                    from wcache.store.arena import build_cuda_arena  # noqa: PLC0415 (torch import ~2 s: only when called)
 
                     arena, manifest = build_cuda_arena(export, key, index)
                     return CudaServing(arena), manifest
@@ -228,7 +244,7 @@ class DaemonServer:
     @classmethod
     def adopt(cls, *, key: CacheKey, manifest: Manifest, serving: Any, transport: str, device_id: str,
               socket_dir: str, lock_fd: int, listener: socket.socket, socket_ino: int,
-              registry_path: str | None, allowed_uid: int) -> "DaemonServer":
+              registry_path: str | None, allowed_uid: int) -> DaemonServer:
         """A server over what another process image of this pid built and bound
         (the lean hand-off, :mod:`wcache.store.lean`): the filled arena's
         ``serving``, the device lock fd and the bound, listening socket. Nothing is
@@ -308,7 +324,7 @@ class DaemonServer:
     def nbytes(self) -> int:
         return self.manifest.arena_nbytes
 
-    def start(self) -> "DaemonServer":
+    def start(self) -> DaemonServer:
         """Bind the socket and serve in a background thread; returns once bound."""
         if self._accept_thread is not None:
             return self
@@ -474,7 +490,7 @@ class DaemonServer:
             except FileNotFoundError:
                 pass
 
-    def __enter__(self) -> "DaemonServer":
+    def __enter__(self) -> DaemonServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -563,7 +579,7 @@ class DaemonServer:
                 return
             try:
                 conn, _ = self._listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 if self._stopping.is_set():

@@ -48,9 +48,13 @@ from collections.abc import Iterable
 import blake3
 import torch
 from attrs import frozen
+from safetensors import safe_open
 
-from wcache.errors import (  # noqa: F401  (re-exported: their old home)
-    SnapshotCorrupt, SnapshotMissing, SnapshotStale, SnapshotWriteFailed,
+from wcache.errors import (  # re-exported: their old home
+    SnapshotCorrupt,
+    SnapshotMissing,
+    SnapshotStale,
+    SnapshotWriteFailed,
 )
 from wcache.store.arena_digest import CUDA_ALGORITHM, arena_digest
 from wcache.store.errors import StoreError
@@ -168,7 +172,7 @@ def write_snapshot(root: str, name: str, arena: torch.Tensor, manifest: Manifest
 
     Source: safetensors.torch.save_file (the file), rename(2) (atomicity).
     """
-    from safetensors.torch import save_file  # noqa: PLC0415
+    from safetensors.torch import save_file  # noqa: PLC0415 (imported at call time: tests patch save_file)
 
     _check_name(name)
     if CacheKey(manifest.key) != key:
@@ -325,7 +329,6 @@ def open_snapshot(root: str, name: str) -> Snapshot:
     apath = os.path.join(path, ARENA_FILE)
     n = manifest.arena_nbytes
     try:
-        from safetensors import safe_open  # noqa: PLC0415
 
         with safe_open(apath, framework="pt") as f:
             names = list(f.keys())
@@ -481,7 +484,7 @@ def _fill_cuda(snap: Snapshot, dst: torch.Tensor, threads: int | None, hash_file
         # If the stream cannot be drained, the caller's drain_before_free keeps `dst`.
         try:
             stream.synchronize()
-        except Exception:  # noqa: BLE001  (a sticky CUDA error; the caller keeps dst)
+        except Exception:  # a sticky CUDA error; the caller keeps dst
             log.exception("cannot drain the snapshot copy stream after a failed fill")
         if isinstance(e, OSError):
             raise SnapshotCorrupt(f"cannot read {apath}: {e}") from e

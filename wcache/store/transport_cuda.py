@@ -19,6 +19,7 @@ import logging
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from wcache.store.errors import TransportFailed
 
@@ -58,7 +59,7 @@ def drain_before_free(device_index: int, what: str, *keep: Any) -> bool:
     """
     try:
         torch.cuda.synchronize(device_index)
-    except Exception:  # noqa: BLE001  (the original error is the caller's; this one is logged)
+    except Exception:  # the original error is the caller's; this one is logged
         _QUARANTINED.extend(keep)
         log.exception("cannot drain cuda:%d before freeing %s; keeping it allocated rather than "
                       "freeing memory a queued copy may still write", device_index, what)
@@ -72,7 +73,6 @@ def encode_reduce_args(tensor: torch.Tensor) -> dict[str, Any]:
     Raises:
         TransportFailed: the tensor is not a CUDA tensor torch can share.
     """
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
     if tensor.device.type != "cuda" or type(tensor) is not torch.Tensor:
         raise TransportFailed("cuda_ipc exports plain CUDA tensors only")
@@ -152,7 +152,6 @@ def open_cuda(handle: dict[str, Any], arena_nbytes: int, device_index: int) -> t
     Raises:
         TransportFailed: a bad handle, or the IPC open failed.
     """
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     if handle.get("kind") != TRANSPORT or handle.get("nbytes") != arena_nbytes:
         raise TransportFailed(f"expected a cuda_ipc handle of {arena_nbytes} bytes")

@@ -40,7 +40,7 @@ class ShmServing:
             self.fd = -1
 
 
-def open_shm(handle: dict[str, Any], fds: list[int], arena_nbytes: int) -> tuple[mmap.mmap, "torch.Tensor"]:
+def open_shm(handle: dict[str, Any], fds: list[int], arena_nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
     """Client side: map the received memfd read-only and wrap it without a copy.
 
     The fd is closed once mapped (the mapping keeps the memfd alive).
@@ -52,7 +52,7 @@ def open_shm(handle: dict[str, Any], fds: list[int], arena_nbytes: int) -> tuple
     Raises:
         TransportFailed: no fd, wrong handle, unsealed memfd or wrong size.
     """
-    from wcache.store.arena import frombuffer_readonly, map_shm_readonly  # noqa: PLC0415
+    from wcache.store.arena import frombuffer_readonly, map_shm_readonly  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     try:
         if handle.get("kind") != TRANSPORT or len(fds) != 1:

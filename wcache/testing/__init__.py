@@ -19,7 +19,7 @@ __all__ = ["FORMATS", "FixtureError", "build", "build_all", "build_variant", "fi
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from wcache.testing import fixtures
+        from wcache.testing import fixtures  # noqa: PLC0415 (torch import ~2 s: only when called)
 
         return getattr(fixtures, name)
     raise AttributeError(f"module 'wcache.testing' has no attribute {name!r}")

@@ -24,6 +24,8 @@ vllm/compilation/caching.py (``VllmSerializableFunction``), vllm/compilation/mon
 
 from __future__ import annotations
 
+import difflib
+import importlib
 import io
 import pickle
 import re
@@ -213,8 +215,8 @@ def _graph_texts(compiled_fn_state: tuple[Any, bytes]) -> list[tuple[str, str]]:
         return out
     if kind == "VllmSerializableFunction":
         # vLLM's own backend (VLLM_COMPILE, CUDA): the split graph module it compiled
-        from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: PLC0415
-        from torch.fx.experimental.symbolic_shapes import ShapeEnv  # noqa: PLC0415
+        from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: PLC0415 (torch import ~2 s: only when called)
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv  # noqa: PLC0415 (torch import ~2 s: only when called)
 
         register_vllm_ops()
         state = pickle.loads(data)  # noqa: S301  (an artifact our engine wrote)
@@ -244,7 +246,6 @@ def register_vllm_ops() -> tuple[str, ...]:
         ModuleNotFoundError: a module of the list exists but one it imports is missing.
         ImportError: a module of the list fails to import.
     """
-    import importlib  # noqa: PLC0415
 
     done = []
     for name in VLLM_OP_MODULES:
@@ -343,7 +344,6 @@ def graph_diff(a: dict[str, str], b: dict[str, str], names: tuple[str, str] = ("
         context: lines of context per hunk.
         max_lines: the diff is cut after this many lines.
     """
-    import difflib  # noqa: PLC0415
 
     if a == b:
         return ""

@@ -20,6 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from wcache.errors import KeyMismatch
+from wcache.testing.engine_acceptance import ATTENTION_BACKEND, CUDA_ENGINE_ARGS
+
 #: Where tools/gpu/device-setup.sh installs each vLLM version's tree.
 TREE = "/tmp/vllm-{version}"
 PROMPT = "The capital of France is"
@@ -45,8 +48,7 @@ def env_for(version: str, pythonpath: str | None = None, tree_pattern: str = TRE
 
 
 def main(argv: list[str] | None = None) -> int:
-    from wcache.daemon.process import DaemonProcess, engine_failure_cause, run_engine  # noqa: PLC0415
-    from wcache.testing.engine_acceptance import ATTENTION_BACKEND, CUDA_ENGINE_ARGS  # noqa: PLC0415
+    from wcache.daemon.process import DaemonProcess, engine_failure_cause, run_engine  # noqa: PLC0415 (imported at call time: tests patch DaemonProcess, run_engine)
 
     ap = argparse.ArgumentParser(prog="python -m wcache.testing.cross_version",
                                  description=__doc__.split("\n")[0])
@@ -91,7 +93,6 @@ def main(argv: list[str] | None = None) -> int:
 def is_key_mismatch(message: str) -> bool:
     """The engine's failure is wcache's key mismatch: its reason code, or (in a traceback,
     which shows the class, not the code) :class:`wcache.errors.KeyMismatch`."""
-    from wcache.errors import KeyMismatch  # noqa: PLC0415
 
     return KeyMismatch.code in message or f"wcache.errors.{KeyMismatch.__name__}" in message
 

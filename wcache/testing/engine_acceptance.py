@@ -48,6 +48,7 @@ benchmark (:mod:`wcache.benchmarks.bench_engine_cuda`).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -63,7 +64,10 @@ import attrs
 from wcache.daemon.process import DaemonProcess, first_traceback, run_engine
 from wcache.testing.caches import cache_env
 from wcache.testing.compile_cache import (
-    backend_cache_dirs, compile_cache_events, compiled_graphs, graph_diff,
+    backend_cache_dirs,
+    compile_cache_events,
+    compiled_graphs,
+    graph_diff,
 )
 
 __all__ = ["EngineCase", "run_case", "logprobs_close", "record_result", "CUDA_ENGINE_ARGS",
@@ -335,8 +339,8 @@ def _run_case(case: EngineCase, model: Path, prompts: Sequence[str], max_tokens:
         try:
             row["daemon_ready_s"] = round(daemon.ready_s, 3)
             progress(case.id, "daemon", f"ready in {daemon.ready_s:.1f} s")
-            from wcache.store import daemon_status  # noqa: PLC0415
-            from wcache.store.paths import list_sockets  # noqa: PLC0415
+            from wcache.store import daemon_status  # noqa: PLC0415 (imported at call time: tests patch daemon_status)
+            from wcache.store.paths import list_sockets  # noqa: PLC0415 (imported at call time: tests patch list_sockets)
 
             status = daemon_status(list_sockets(sock)[0])
             row["plans"] = sorted({p.split(":")[0] for p in status["key_fields"].get("plans", [])})
@@ -505,7 +509,6 @@ def preflight(model: Path, prompts: Sequence[str]) -> dict[str, str]:
 def main(argv: Sequence[str] | None = None) -> int:
     """``--summary RESULTS``: print the table of a results file; ``--preflight MODEL``:
     check that one engine starts, print ``export`` lines for the tier's environment."""
-    import argparse  # noqa: PLC0415
 
     ap = argparse.ArgumentParser(prog="python -m wcache.testing.engine_acceptance",
                                  description=main.__doc__)

@@ -52,9 +52,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
-from wcache.errors import FixtureError  # noqa: F401  (re-exported: its old home)
+import wcache
+from wcache.errors import FixtureError  # re-exported: its old home
 from wcache.stages.packing import pack_awq, pack_factor, pack_int32, unpack_awq, unpack_int32
+from wcache.vllm.run_engine import greedy_texts, start_llm
 
 __all__ = [
     "FORMATS", "QUANTIZED_FORMATS", "GPU_FORMATS", "ALL_FORMATS", "BUILDER_VERSION", "GROUP_SIZE", "FixtureError",
@@ -272,8 +276,12 @@ def ct_scheme(fmt: str) -> Any:
     Source: compressed-tensors ``quant_scheme`` presets W4A16, INT8_W8A8, FP8,
     FP8_DYNAMIC.
     """
-    from compressed_tensors.quantization import (
-        QuantizationArgs, QuantizationScheme, QuantizationStrategy, QuantizationType)
+    from compressed_tensors.quantization import (  # noqa: PLC0415 (optional dependency (the fixtures extra))
+        QuantizationArgs,
+        QuantizationScheme,
+        QuantizationStrategy,
+        QuantizationType,
+    )
 
     def args(num_bits, kind, strategy, symmetric=True, dynamic=False, group_size=None):
         return QuantizationArgs(num_bits=num_bits, type=kind, strategy=strategy,
@@ -301,7 +309,7 @@ def ct_scheme(fmt: str) -> Any:
 
 def _ct_compression_format(fmt: str) -> Any:
     """The compressed-tensors ``CompressionFormat`` a ``ct_*`` format is saved in."""
-    from compressed_tensors.config import CompressionFormat
+    from compressed_tensors.config import CompressionFormat  # noqa: PLC0415 (optional dependency (the fixtures extra))
 
     if fmt.startswith("ct_w4a16"):
         return CompressionFormat.pack_quantized
@@ -314,8 +322,8 @@ def _ct_qparams(weight: torch.Tensor, scheme: Any) -> tuple[torch.Tensor, torch.
     """Min-max ``(weight_scale, weight_zero_point)`` for ``weight [N, K]`` under a
     scheme: ``[N, K // G]`` for GROUP, ``[N, 1]`` for CHANNEL, ``[1]`` for TENSOR, in
     the weight's dtype."""
-    from compressed_tensors.quantization import QuantizationStrategy
-    from compressed_tensors.quantization.utils import calculate_qparams
+    from compressed_tensors.quantization import QuantizationStrategy  # noqa: PLC0415 (optional dependency (the fixtures extra))
+    from compressed_tensors.quantization.utils import calculate_qparams  # noqa: PLC0415 (optional dependency (the fixtures extra))
 
     args = scheme.weights
     if args.strategy == QuantizationStrategy.GROUP:
@@ -351,7 +359,7 @@ def ct_w4a16_compress(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     Source: compressed-tensors ``calculate_qparams`` and
     ``PackedQuantizationCompressor.compress``.
     """
-    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.compressors import PackedQuantizationCompressor  # noqa: PLC0415 (optional dependency (the fixtures extra))
 
     _check_linear_weight(weight, GROUP_SIZE)
     scheme = ct_scheme("ct_w4a16")
@@ -382,7 +390,7 @@ def ct_w8a8_int8_compress(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     Source: compressed-tensors ``calculate_qparams`` and
     ``IntQuantizationCompressor.compress``.
     """
-    from compressed_tensors.compressors import IntQuantizationCompressor
+    from compressed_tensors.compressors import IntQuantizationCompressor  # noqa: PLC0415 (optional dependency (the fixtures extra))
 
     _check_linear_weight(weight, 1)
     scheme = ct_scheme("ct_w8a8_int8")
@@ -414,7 +422,7 @@ def ct_compress(weight: torch.Tensor, fmt: str,
     Source: compressed-tensors ``calculate_qparams`` and its ``Packed``/``Int``/
     ``FloatQuantizationCompressor.compress``.
     """
-    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.compressors import BaseCompressor  # noqa: PLC0415 (optional dependency (the fixtures extra))
 
     _check_linear_weight(weight, GROUP_SIZE if fmt == "ct_w4a16" else 1)
     scheme = ct_scheme(fmt)
@@ -594,8 +602,10 @@ def dequantize_linear(tensors: Mapping[str, torch.Tensor], fmt: str) -> torch.Te
         scales = tensors["scales"].to(torch.float32)[tensors["g_idx"].long()]
         return (q * scales).t().contiguous()
     if fmt in ("ct_w4a16", "ct_w8a8_int8"):
-        from compressed_tensors.compressors import (
-            IntQuantizationCompressor, PackedQuantizationCompressor)
+        from compressed_tensors.compressors import (  # noqa: PLC0415 (optional dependency (the fixtures extra))
+            IntQuantizationCompressor,
+            PackedQuantizationCompressor,
+        )
 
         compressor = (PackedQuantizationCompressor if fmt == "ct_w4a16"
                       else IntQuantizationCompressor)
@@ -717,8 +727,8 @@ def quantization_config(fmt: str) -> dict[str, Any] | None:
             config["group_size"] = NVFP4_BLOCK
         return config
     if fmt.startswith("ct_") and fmt in ALL_FORMATS:
-        from compressed_tensors.compressors import ModelCompressor
-        from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+        from compressed_tensors.compressors import ModelCompressor  # noqa: PLC0415 (optional dependency (the fixtures extra))
+        from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus  # noqa: PLC0415 (optional dependency (the fixtures extra))
 
         form = _ct_compression_format(fmt)
         qconfig = QuantizationConfig(config_groups={"group_0": ct_scheme(fmt)},
@@ -780,7 +790,6 @@ def _is_built(path: Path, fmt: str) -> bool:
 
 def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All tensors of a fixture folder's safetensors files, by name."""
-    from safetensors.torch import load_file
 
     merged: dict[str, torch.Tensor] = {}
     for file in sorted(Path(path).glob("*.safetensors")):
@@ -789,7 +798,7 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def _save_state_dict(state_dict: Mapping[str, torch.Tensor], folder: Path) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # noqa: PLC0415 (imported at call time: tests patch save_file)
 
     save_file({k: v.contiguous() for k, v in state_dict.items()}, folder / WEIGHTS_FILE,
               metadata={"format": "pt"})
@@ -802,7 +811,7 @@ def _build_bf16(tmp: Path) -> None:
     reads only the local GGUF file and must never reach a hub.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig  # noqa: PLC0415 (transformers import ~1 s: only when called)
 
     gguf = gguf_path()
     # dequantize=True: transformers >= 5 would otherwise keep the weights in GGUF
@@ -839,7 +848,7 @@ def calibrate_input_amax(bf16_dir: Path) -> dict[str, float]:
 
     Source: llm-compressor's static activation calibration (min-max observer).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 (transformers import ~1 s: only when called)
 
     model = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(bf16_dir)
@@ -953,8 +962,7 @@ def build_variant(base_dir: str | os.PathLike, out_dir: str | os.PathLike,
     Raises:
         FixtureError: ``change`` is not in the checkpoint or ``index`` is out of range.
     """
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file  # noqa: PLC0415 (imported at call time: tests patch save_file)
 
     def holds(file: Path) -> bool:
         with safe_open(file, "pt") as f:
@@ -996,8 +1004,7 @@ def build_with_lm_head(base_dir: str | os.PathLike, out_dir: str | os.PathLike) 
     Raises:
         FixtureError: the base stores ``lm_head.weight`` already, or no embedding.
     """
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file  # noqa: PLC0415 (imported at call time: tests patch save_file)
 
     base, final = Path(base_dir), Path(out_dir)
     weights = base / WEIGHTS_FILE
@@ -1056,14 +1063,14 @@ def _check_one(path: Path) -> dict[str, Any]:
     Must run in the ``__main__`` process of a dedicated interpreter (vLLM spawns
     workers that re-import ``__main__``).
     """
-    from wcache.vllm.run_engine import greedy_texts, start_llm
 
     llm = start_llm(model=str(path), dtype="bfloat16", enforce_eager=True,
                     max_model_len=CHECK_MAX_MODEL_LEN, kv_cache_memory_bytes=CHECK_KV_CACHE_BYTES)
     text = greedy_texts(llm, [CHECK_PROMPT], CHECK_MAX_TOKENS)[0]
     # By reference to the importable module (not ``__main__``), so the worker
     # process can unpickle it.
-    from wcache.testing.fixtures import _layer_methods as layer_methods
+    # (this module imports itself by name when it runs as __main__)
+    from wcache.testing.fixtures import _layer_methods as layer_methods  # noqa: PLC0415 (itself by name)
 
     try:
         methods = llm.apply_model(layer_methods)[0]
@@ -1079,7 +1086,6 @@ def check(fmt: str, path: Path, timeout_s: float = CHECK_TIMEOUT_S) -> dict[str,
         FixtureError: the engine failed or printed no result (the child's
             output tail is in the message).
     """
-    import wcache
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                # lets apply_model ship _layer_methods to the worker

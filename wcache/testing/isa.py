@@ -67,8 +67,8 @@ FORMAT_OPS = {"bf16": (), "awq": ("cpu_gemm_wna16",), "gptq": ("cpu_gemm_wna16",
 def unservable_reason(fmt: str, decisions: dict[str, str]) -> str | None:
     """Why vLLM with these probed ``decisions`` cannot serve fixture format ``fmt``
     (naming the kernel library and the missing op), or ``None`` when it can."""
-    from wcache.core import Target  # noqa: PLC0415
-    from wcache.stages.cpu_gemm import missing_op_reason  # noqa: PLC0415
+    from wcache.core import Target  # noqa: PLC0415 (torch import ~2 s: only when called)
+    from wcache.stages.cpu_gemm import missing_op_reason  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     return missing_op_reason(Target("cpu", kernels=decisions), FORMAT_OPS[fmt],
                              f"the {fmt} kernel", subject=fmt) if FORMAT_OPS[fmt] else None

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -19,7 +21,9 @@ from typing import Any
 
 import torch
 
-from wcache.store import CacheKey, Export, attach
+from wcache.store import CacheKey, DaemonServer, Export, attach, lean, seed, serve
+from wcache.store.artifacts import read_bundle
+from wcache.store.seed import SeedSource, parse_host_port, read_secret, seed_arena
 
 # A daemon subprocess imports torch and builds its arena; on 2 busy cores that
 # can take several seconds.
@@ -75,7 +79,7 @@ def start_daemon(socket_dir: str, device_id: str = "cpu", *, seed: int = 0, n: i
     cmd = [sys.executable, "-m", "wcache.testing.store", "serve", "--socket-dir", socket_dir,
            "--device-id", device_id, "--seed", str(seed), "--n", str(n), "--numel", str(numel),
            "--key", json.dumps(key or BASE_KEY), *extra_args]
-    log = tempfile.TemporaryFile(mode="w+")  # a pipe could fill up and block a chatty daemon
+    log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (kept on proc: a pipe could fill up and block a chatty daemon)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
     proc.log = log
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -143,7 +147,6 @@ def fault_seeding(chunk_bytes: int | None = None, stall_after: int | None = None
     after that many broadcasts, print :data:`SEED_STALLED_LINE` to stdout and block
     that seeding for good, as a peer that hangs or is about to be killed mid-transfer.
     """
-    from wcache.store import seed
 
     if chunk_bytes:
         seed.SEED_CHUNK_BYTES = chunk_bytes
@@ -170,11 +173,7 @@ def _ready_line(server: Any) -> str:
 def _receive_main(argv: list[str]) -> None:
     """``seed-receive``: a daemon filled from ``--seed-from`` (wcache.store.seed), with
     the seeding faults of :func:`fault_seeding`; prints the ready line and serves."""
-    import logging
-    import signal
 
-    from wcache.store import DaemonServer
-    from wcache.store.seed import seed_arena
 
     p = argparse.ArgumentParser()
     p.add_argument("--socket-dir", required=True)
@@ -196,9 +195,7 @@ def _receive_main(argv: list[str]) -> None:
 
 
 def _serve_main(argv: list[str]) -> None:
-    import logging
 
-    from wcache.store import serve
 
     p = argparse.ArgumentParser()
     p.add_argument("--socket-dir", required=True)
@@ -230,15 +227,12 @@ def _serve_main(argv: list[str]) -> None:
                         export.layers, export.extra, export.nonpersistent)
     kw = {"transport": a.transport} if a.transport else {}
     if a.lean:  # as `wcache serve` does on CPU once ready
-        import signal
 
-        from wcache.store import DaemonServer, lean
 
         server = DaemonServer(export, CacheKey(json.loads(a.key)), socket_dir=a.socket_dir,
                               device=a.device, device_id=a.device_id, **kw)
         signal.signal(signal.SIGTERM, lambda *_: server.request_shutdown())
         if a.artifacts:
-            from wcache.store.artifacts import read_bundle
 
             server.artifacts, server.artifacts_state = read_bundle(a.artifacts), "snapshot"
         server.start()
@@ -247,12 +241,8 @@ def _serve_main(argv: list[str]) -> None:
         server.serve_forever()
         raise SystemExit(server.exit_code)
     if a.seed_source:  # also answer `seed` (wcache.store.seed), as `wcache serve` does
-        import signal
 
-        from wcache.store import DaemonServer
-        from wcache.store.seed import SeedSource
 
-        from wcache.store.seed import parse_host_port, read_secret
 
         server = DaemonServer(export, CacheKey(json.loads(a.key)), socket_dir=a.socket_dir,
                               device=a.device, device_id=a.device_id, **kw)

@@ -50,7 +50,7 @@ def _built(path: Path, fmt: str) -> bool:
 
 
 def _write_bf16(tmp: Path, smollm: Path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415 (transformers import ~1 s: only when called)
 
     base = json.loads((smollm / fx.CONFIG_FILE).read_text())
     config = LlamaConfig(vocab_size=base["vocab_size"], bos_token_id=base.get("bos_token_id"),

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 __all__ = ["plan_for"]
 
 
-def plan_for(method: Any, layer: Any = None, *, target: "Target", name: str = "") -> "BoundPlan":
+def plan_for(method: Any, layer: Any = None, *, target: Target, name: str = "") -> BoundPlan:
     """:func:`wcache.plans.plan_for` for a vLLM quant method object: the card's
     ``restore_(layer, plan_for(layer.quant_method, layer, target=t), recorded)``
     (:func:`wcache.shell.restore_`).
@@ -38,12 +38,12 @@ def plan_for(method: Any, layer: Any = None, *, target: "Target", name: str = ""
 
     Source: the method -> config mapping is :func:`wcache.vllm.adapter.layer_config`.
     """
-    from wcache.core import LayerConfig, NoPlan, QuantSpec  # noqa: PLC0415
-    from wcache.plans import plan_for as resolve  # noqa: PLC0415
+    from wcache.core import LayerConfig, NoPlan, QuantSpec  # noqa: PLC0415 (torch import ~2 s: only when called)
+    from wcache.plans import plan_for as resolve  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     if isinstance(method, (QuantSpec, LayerConfig)):
         return resolve(method, layer, target=target)
-    from wcache.vllm.adapter import layer_config  # noqa: PLC0415  (imports vLLM)
+    from wcache.vllm.adapter import layer_config  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     config = layer_config(method, layer, target, name=name)
     if config is None:

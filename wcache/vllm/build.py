@@ -20,8 +20,20 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
+from wcache.core import WcacheError
+from wcache.errors import ConfigInvalid, PrepareFailed
+from wcache.shell import prepare_
+from wcache.store import DaemonServer, Export
+from wcache.store.fingerprint import (
+    checkpoint_digest,
+    checkpoint_stats,
+    verify_checkpoint_unchanged,
+)
 from wcache.vllm import compat
+from wcache.vllm.model import plan_ids, planned_layers
+from wcache.vllm.probe import host_target
 
 logger = logging.getLogger("wcache.vllm")
 
@@ -29,8 +41,8 @@ logger = logging.getLogger("wcache.vllm")
 def _engine_args(prog: str, argv: list[str]) -> Any:
     """vLLM's ``EngineArgs`` from its own engine-argument parser (the same flags as
     ``vllm serve``); ``prog`` names the command in its usage messages."""
-    from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
-    from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: PLC0415
+    from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415 (vLLM import ~6 s: only when called)
+    from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     parser = FlexibleArgumentParser(prog=prog)
     EngineArgs.add_cli_args(parser)
@@ -60,14 +72,12 @@ def checked_engine_config(model: str, rest: list[str]) -> Any:
     Raises:
         ConfigInvalid: vLLM or transformers refused the config or the arguments.
     """
-    from wcache.core import WcacheError  # noqa: PLC0415
-    from wcache.errors import ConfigInvalid  # noqa: PLC0415
 
     try:
         return engine_config(model, rest)
     except WcacheError:
         raise
-    except Exception as exc:  # noqa: BLE001  (vLLM and transformers raise many kinds)
+    except Exception as exc:  # vLLM and transformers raise many kinds
         logger.debug("wcache serve: vLLM refused the config", exc_info=True)
         last = (str(exc).strip().splitlines() or [""])[-1].strip()
         raise ConfigInvalid(f"{os.path.join(model, 'config.json')} (with the engine arguments "
@@ -84,16 +94,11 @@ def build_export(vllm_config: Any, *, progress: bool = True):
         CheckpointChanged: a checkpoint file changed between the digest taken
             before the load and the end of prepare; nothing is served.
     """
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader  # noqa
-    from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: PLC0415
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader  # noqa: PLC0415 (vLLM import ~6 s: only when called)
+    from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
-    from wcache.vllm.probe import host_target  # noqa: PLC0415
-    from wcache.store import Export  # noqa: PLC0415
-    from wcache.store.fingerprint import (  # noqa: PLC0415
-        checkpoint_digest, checkpoint_stats, verify_checkpoint_unchanged,
-    )
-    from wcache.vllm.key import build_key, parallel_layout  # noqa: PLC0415
-    from wcache.vllm.model import export_tensors, layer_entries, plan_ids, planned_layers  # noqa
+    from wcache.vllm.key import build_key, parallel_layout  # noqa: PLC0415 (imported at call time: tests patch build_key)
+    from wcache.vllm.model import export_tensors, layer_entries  # noqa: PLC0415 (imported at call time: tests patch export_tensors)
 
     model_config = vllm_config.model_config
     device = torch.device(vllm_config.device_config.device)
@@ -153,20 +158,17 @@ def prepare_layers_(planned: list, target: Any, *, progress: bool = False) -> di
             and the layer's tensors as vLLM's loader left them (code ``prepare-failed``),
             before anything is exported or served.
     """
-    from wcache.errors import PrepareFailed  # noqa: PLC0415
-    from wcache.shell import prepare_  # noqa: PLC0415
 
     prepared = {}
     iterator = planned
     if progress:
-        from tqdm import tqdm  # noqa: PLC0415
 
         iterator = tqdm(planned, desc="wcache prepare", unit="layer", file=sys.stderr)
     with torch.no_grad():
         for p in iterator:
             try:
                 prepared[p.name] = prepare_(p.module, p.plan.bind(p.config, target))
-            except Exception as exc:  # noqa: BLE001  (named and re-raised, never served)
+            except Exception as exc:  # named and re-raised, never served
                 raise PrepareFailed(
                     f"layer {p.name!r}, plan {p.plan.id}: {type(exc).__name__}: {exc} "
                     f"(vLLM's loader left: {_layer_state(p.module)}). Nothing was served; "
@@ -202,7 +204,7 @@ def _retie_word_embeddings_(model: torch.nn.Module, model_config: Any) -> None:
     Source: vllm/model_executor/model_loader/weight_tying.py::maybe_retie_word_embeddings
     """
     try:
-        from vllm.model_executor.model_loader.weight_tying import (  # noqa: PLC0415
+        from vllm.model_executor.model_loader.weight_tying import (  # noqa: PLC0415 (optional dependency, checked where it is used)
             maybe_retie_word_embeddings,
         )
     except ImportError:  # a vLLM without re-tying never unties either
@@ -214,8 +216,9 @@ def init_distributed(vllm_config: Any, rank: int, world: int, init_method: str) 
     """vLLM's distributed state for one rank of ``world`` (gloo on CPU, NCCL on
     CUDA), joined at ``init_method`` (``tcp://HOST:PORT`` or ``file://PATH``), and
     its TP/PP groups from ``vllm_config``."""
-    from vllm.distributed import (  # noqa: PLC0415
-        init_distributed_environment, initialize_model_parallel,
+    from vllm.distributed import (  # noqa: PLC0415 (vLLM import ~6 s: only when called)
+        init_distributed_environment,
+        initialize_model_parallel,
     )
 
     pc = vllm_config.parallel_config
@@ -261,7 +264,6 @@ def build_server(vllm_config: Any, *, socket_dir: str | None, device_id: str,
     Raises:
         as :func:`build_export`, and the server's own (a busy socket, an unsafe dir).
     """
-    from wcache.store import DaemonServer  # noqa: PLC0415
 
     device_type = vllm_config.device_config.device_type
     before = compat.registrations(vllm_config)
@@ -287,12 +289,10 @@ def expected_key(vllm_config: Any) -> Any:
     Raises:
         NoPlan: a layer's method has no plan.
     """
-    from vllm.model_executor.model_loader.utils import initialize_model  # noqa: PLC0415
-    from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: PLC0415
+    from vllm.model_executor.model_loader.utils import initialize_model  # noqa: PLC0415 (vLLM import ~6 s: only when called)
+    from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
-    from wcache.vllm.key import build_key, parallel_layout  # noqa: PLC0415
-    from wcache.vllm.model import plan_ids, planned_layers  # noqa: PLC0415
-    from wcache.vllm.probe import host_target  # noqa: PLC0415
+    from wcache.vllm.key import build_key, parallel_layout  # noqa: PLC0415 (imported at call time: tests patch build_key)
 
     model_config = vllm_config.model_config
     target = host_target(torch.device(vllm_config.device_config.device))
@@ -313,7 +313,7 @@ def expected_key(vllm_config: Any) -> Any:
 def current_config(vllm_config: Any) -> Iterator[None]:
     """``vllm_config`` as vLLM's current config inside the block (vLLM's layers read
     it while they are built)."""
-    from vllm.config import set_current_vllm_config  # noqa: PLC0415
+    from vllm.config import set_current_vllm_config  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     with set_current_vllm_config(vllm_config):
         yield
@@ -321,6 +321,6 @@ def current_config(vllm_config: Any) -> Iterator[None]:
 
 def platform_device_type() -> str:
     """The device type of vLLM's platform on this host (``"cpu"``, ``"cuda"``)."""
-    from vllm.platforms import current_platform  # noqa: PLC0415
+    from vllm.platforms import current_platform  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     return current_platform.device_type

@@ -17,7 +17,7 @@ from wcache.vllm import compat
 
 def parallel_layout() -> dict[str, int]:
     """This rank's TP/PP/DP sizes and ranks from vLLM's initialized groups."""
-    from vllm.distributed import parallel_state as ps  # noqa: PLC0415
+    from vllm.distributed import parallel_state as ps  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     tp = ps.get_tp_group()
     pp = ps.get_pp_group()
@@ -64,7 +64,7 @@ def model_config_factors(model_config: Any) -> dict[str, Any]:
     ``hf_config`` / ``hf_text_config`` (vLLM hashes their JSON text) are parsed back
     into objects so key diffs stay readable.
     """
-    from vllm.config.utils import normalize_value  # noqa: PLC0415
+    from vllm.config.utils import normalize_value  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     factors = compat.model_config_hash_factors(model_config)
     for name in WEIGHT_FACTORS_VLLM_IGNORES:

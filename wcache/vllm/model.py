@@ -16,9 +16,11 @@ import attrs
 import torch
 
 from wcache import shell
-from wcache.core import LayerConfig, NoPlan, Plan, RestoreIncomplete, Tag, Target
+from wcache.core import LayerConfig, NoPlan, Plan, RestoreGuard, RestoreIncomplete, Tag, Target
 from wcache.errors import (  # noqa: F401  (re-exported: callers catch them here)
-    MAX_NAMED_UNPLANNED, ModelMismatch, UnplannedLayers,
+    MAX_NAMED_UNPLANNED,
+    ModelMismatch,
+    UnplannedLayers,
 )
 from wcache.plans.registry import plan_for
 from wcache.vllm import compat
@@ -177,7 +179,6 @@ def restore_layers_(planned: Iterable[PlannedLayer], layers: Mapping[str, Mappin
         RestoreIncomplete: the daemon has no entry for a planned layer.
         RecordedMismatch / RestoreWroteSharedTensor: from the runner.
     """
-    from wcache.core import RestoreGuard  # noqa: PLC0415
 
     planned = list(planned)
     guard = RestoreGuard({p.config.name: {k: v for k, v in

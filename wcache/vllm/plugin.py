@@ -24,7 +24,7 @@ LOAD_FORMATS = ("wcache", "wcache_timed_auto")
 
 def register() -> None:
     """Register the load formats, or refusing stand-ins on an unsupported vLLM."""
-    from wcache.vllm.compat import UntestedVllm, check_vllm_version  # noqa: PLC0415
+    from wcache.vllm.compat import UntestedVllm, check_vllm_version  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     try:
         check_vllm_version()
@@ -32,14 +32,14 @@ def register() -> None:
         logger.warning("wcache: load formats %s disabled: %s", list(LOAD_FORMATS), exc)
         register_refusals(exc)
         return
-    import wcache.vllm.loader  # noqa: F401, PLC0415  (decorators register the formats)
+    import wcache.vllm.loader  # noqa: PLC0415, F401 (torch import ~2 s, vLLM import ~6 s: only when called)
 
 
 def register_refusals(exc: Exception) -> None:
     """Register every wcache load format as a loader whose construction raises ``exc``
     (only vLLM's public loader registry is touched)."""
-    from vllm.model_executor.model_loader import register_model_loader  # noqa: PLC0415
-    from vllm.model_executor.model_loader.base_loader import BaseModelLoader  # noqa: PLC0415
+    from vllm.model_executor.model_loader import register_model_loader  # noqa: PLC0415 (vLLM import ~6 s: only when called)
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     class RefusingLoader(BaseModelLoader):
         """Stands in for wcache's loaders on an unsupported vLLM."""

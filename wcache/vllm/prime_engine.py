@@ -9,8 +9,8 @@ model, scheduler, cache, parallel and compilation configs (``max_num_seqs`` deci
 the CUDA-graph capture sizes, for one). A priming engine with any setting of its own
 would compile for another key than the engines it primes for, and its artifacts would
 be refused as stale. So this engine takes exactly the arguments the daemon was started
-with (the same the serving engines are given; DESIGN.md: "use the same engine arguments
-as the engine that will attach"), parsed by vLLM's own engine-argument parser, and
+with (the same the serving engines are given: an engine attaches only with the
+engine arguments the daemon was started with, docs/quickstart.md), parsed by vLLM's own engine-argument parser, and
 changes only what priming needs: ``load_format="wcache"`` with the given loader config,
 and compilation on (:func:`wcache.daemon.prime.priming_args` drops the serve's
 ``--enforce-eager``). Engines started with other arguments get a bundle whose
@@ -52,9 +52,9 @@ def engine_kwargs(model: str, vllm_args: list[str]) -> dict[str, Any]:
 
     Source: vllm/engine/arg_utils.py (``EngineArgs.add_cli_args``, ``from_cli_args``).
     """
-    from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
+    from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
-    from wcache.vllm.build import _engine_args  # noqa: PLC0415
+    from wcache.vllm.build import _engine_args  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     parsed = _engine_args("wcache-prime", ["--model", model, *vllm_args])
     default = _engine_args("wcache-prime", ["--model", model])
@@ -65,7 +65,7 @@ def engine_kwargs(model: str, vllm_args: list[str]) -> dict[str, Any]:
 def priming_engine_args(model: str, vllm_args: list[str], extra: dict[str, Any]) -> Any:
     """vLLM's ``EngineArgs`` of the priming engine: :func:`engine_kwargs`, loaded by
     wcache with the loader config ``extra``, compiled (``enforce_eager=False``)."""
-    from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
+    from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     return EngineArgs(**{**engine_kwargs(model, vllm_args), "load_format": "wcache",
                          "model_loader_extra_config": extra, "enforce_eager": False})
@@ -76,7 +76,7 @@ def usage_context(usage: str) -> Any:
 
     Source: vllm/usage/usage_lib.py (``UsageContext``).
     """
-    from vllm.usage.usage_lib import UsageContext  # noqa: PLC0415
+    from vllm.usage.usage_lib import UsageContext  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     return UsageContext[USAGE_CONTEXTS[usage]]
 
@@ -94,7 +94,7 @@ def engine_config(engine_args: Any, usage: str) -> Any:
 
 def _generate_one(engine: Any) -> list[list[int]]:
     """One greedy token for :data:`PROMPT`, by vLLM's ``add_request`` / ``step``."""
-    from vllm import SamplingParams  # noqa: PLC0415
+    from vllm import SamplingParams  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     engine.add_request("wcache-prime-0", PROMPT, SamplingParams(temperature=0.0, max_tokens=1))
     finished = []
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     rest = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     engine_args = priming_engine_args(args.model, rest, json.loads(args.extra))
-    from vllm.v1.engine.llm_engine import LLMEngine  # noqa: PLC0415
+    from vllm.v1.engine.llm_engine import LLMEngine  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     t0 = time.perf_counter()
     engine = LLMEngine.from_vllm_config(engine_config(engine_args, args.usage_context),

@@ -16,17 +16,27 @@ environment would decide).
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
+import logging
 import sys
 from collections.abc import Mapping
 
 import torch
+from attrs import evolve
 
 from wcache.core import Target
 from wcache.core.decisions import (
-    GEMM_ONEDNN, GEMM_SGL, KERNEL_LIBRARIES, KERNEL_LIBRARY, OP_ABSENT, OP_PRESENT,
-    W8A8_INT8_SGL, gemm_decision, op_decision,
+    GEMM_ONEDNN,
+    GEMM_SGL,
+    KERNEL_LIBRARIES,
+    KERNEL_LIBRARY,
+    OP_ABSENT,
+    OP_PRESENT,
+    W8A8_INT8_SGL,
+    gemm_decision,
+    op_decision,
 )
 from wcache.vllm import compat
 
@@ -82,9 +92,8 @@ def _branch_of(cpu_linear: object) -> str:
 def _dispatch_outcome(dtype: torch.dtype, shape: tuple[int, int]) -> str:
     """Run vLLM's own ``dispatch_cpu_unquantized_gemm`` on a tiny linear of
     ``shape`` ``(N, K)`` and return the branch it took."""
-    import logging  # noqa: PLC0415
 
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm  # noqa: PLC0415
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
@@ -120,7 +129,7 @@ def cpu_kernel_decisions() -> tuple[tuple[str, str], ...]:
     vllm/model_executor/layers/utils.py::dispatch_cpu_unquantized_gemm and
     check_cpu_sgl_kernel (all run, not re-implemented).
     """
-    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel  # noqa: PLC0415
+    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     out = {KERNEL_LIBRARY: _loaded_library()}
     for op in PROBED_OPS:
@@ -145,7 +154,6 @@ def host_target(device: str | torch.device = "cpu",
     target = Target.detect(device, env=env)
     if target.device_type != "cpu":
         return target
-    from attrs import evolve  # noqa: PLC0415
 
     return evolve(target, kernels=cpu_kernel_decisions())
 
@@ -154,7 +162,7 @@ def unquantized_gemm_kernel(size_n: int, size_k: int, dtype: torch.dtype) -> str
     """The branch vLLM's ``dispatch_cpu_unquantized_gemm`` takes for an ``[N, K]``
     weight of ``dtype`` on this host: vLLM's own ``check_cpu_sgl_kernel`` for the
     shape, then the probed outcome for that class of shape and dtype."""
-    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel  # noqa: PLC0415
+    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     decisions = dict(cpu_kernel_decisions())
     sgl = bool(size_n and size_k and check_cpu_sgl_kernel(size_n, size_k, dtype))
@@ -164,7 +172,7 @@ def unquantized_gemm_kernel(size_n: int, size_k: int, dtype: torch.dtype) -> str
 def w8a8_int8_kernel(size_n: int, size_k: int, input_symmetric: bool) -> str:
     """``sgl`` or ``onednn``: the branch vLLM's ``CPUInt8ScaledMMLinearKernel``
     takes (``process_weights_after_loading``) for an int8 ``[N, K]`` weight."""
-    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel  # noqa: PLC0415
+    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     if input_symmetric and size_n and size_k and check_cpu_sgl_kernel(size_n, size_k, torch.int8):
         return "sgl"
@@ -173,7 +181,6 @@ def w8a8_int8_kernel(size_n: int, size_k: int, input_symmetric: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Print this host's decisions as one JSON object."""
-    import argparse  # noqa: PLC0415
 
     ap = argparse.ArgumentParser(prog="python -m wcache.vllm.probe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -24,6 +24,8 @@ import time
 _MODULE_START = time.time()
 
 import argparse  # noqa: E402  (after the module-start mark)
+import importlib  # noqa: E402  (after the module-start mark)
+import importlib.util  # noqa: E402  (after the module-start mark)
 import json  # noqa: E402  (after the module-start mark)
 import os  # noqa: E402  (after the module-start mark)
 import sys  # noqa: E402  (after the module-start mark)
@@ -53,10 +55,10 @@ PHASE_MARKS = ("process_start", "module_start", "vllm_imported", "llm_ready", "f
 def _state_digest(model) -> dict:
     """Per planned layer: tensor checksums and the plan-declared attributes; and the
     groups of parameter names that are one object (tied weights)."""
-    from wcache.shell import snapshot  # noqa: PLC0415
-    from wcache.vllm.compat import bound_attr_path  # noqa: PLC0415
-    from wcache.vllm.model import planned_layers  # noqa: PLC0415
-    from wcache.vllm.probe import host_target  # noqa: PLC0415
+    from wcache.shell import snapshot  # noqa: PLC0415 (torch import ~2 s: only when called)
+    from wcache.vllm.compat import bound_attr_path  # noqa: PLC0415 (torch import ~2 s: only when called)
+    from wcache.vllm.model import planned_layers  # noqa: PLC0415 (torch import ~2 s: only when called)
+    from wcache.vllm.probe import host_target  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     out = {}
     for p in planned_layers(model, host_target("cpu")):
@@ -83,9 +85,6 @@ OPTIONAL_MODULES = ("flashinfer", "flashinfer_cubin", "deep_gemm")
 def _report_broken_optional_modules() -> None:
     """Print to stderr each optional module that ``find_spec`` finds but that does not
     import, with where it was found (the cause of an otherwise opaque engine failure)."""
-    import importlib  # noqa: PLC0415
-    import importlib.util  # noqa: PLC0415
-
     for name in OPTIONAL_MODULES:
         try:
             spec = importlib.util.find_spec(name)
@@ -142,14 +141,14 @@ def phase_marks(marks: dict[str, float], source: str, first_token_s: float | Non
 def start_llm(**kwargs: Any) -> Any:
     """vLLM's ``LLM(**kwargs)`` (for wcache's own tools outside this package, which
     reach vLLM only through :mod:`wcache.vllm`)."""
-    from vllm import LLM  # noqa: PLC0415
+    from vllm import LLM  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     return LLM(**kwargs)
 
 
 def greedy_texts(llm: Any, prompts: list[str], max_tokens: int) -> list[str]:
     """``llm``'s greedy completions (temperature 0) of ``prompts``, one text each."""
-    from vllm import SamplingParams  # noqa: PLC0415
+    from vllm import SamplingParams  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -229,11 +228,12 @@ def _run(args: argparse.Namespace) -> int:
         # collective_rpc with a callable needs in-process execution to be simple
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     _report_broken_optional_modules()
-    from vllm import LLM, SamplingParams  # noqa: PLC0415
+    from vllm import LLM, SamplingParams  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     marks["vllm_imported"] = time.time()
     extra = json.loads(args.extra)
-    timing = tempfile.NamedTemporaryFile(prefix="wcache-timing-", suffix=".jsonl", delete=False)
+    timing = tempfile.NamedTemporaryFile(  # noqa: SIM115 (only its name is used: closed at once)
+        prefix="wcache-timing-", suffix=".jsonl", delete=False)
     timing.close()
     if args.load_format in ("wcache", "wcache_timed_auto"):
         extra.setdefault("timing_file", timing.name)

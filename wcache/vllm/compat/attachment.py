@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-
 #: Marks the instance attributes wcache puts on a restored CUDA model
 #: (``wcache.vllm.loader._install_update_hooks_``: copy-on-write wrappers of
 #: ``model.load_weights`` and ``model.get_submodule``). ``wcache verify`` leaves them out

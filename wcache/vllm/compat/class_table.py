@@ -111,7 +111,7 @@ def is_deferred_attention_layer(module: torch.nn.Module) -> bool:
 
     Source: vllm/model_executor/layers/attention/__init__.py::is_deferred_attention_layer
     """
-    from vllm.model_executor.layers.attention import (  # noqa: PLC0415
+    from vllm.model_executor.layers.attention import (  # noqa: PLC0415 (vLLM import ~6 s: only when called)
         is_deferred_attention_layer as deferred,
     )
 

@@ -13,7 +13,6 @@ import torch
 
 from wcache.vllm.compat.class_table import is_type
 
-
 #: The layer flag some of vLLM's ``process_weights_after_loading`` set on entry so a
 #: second call returns at once (the online FP8/MXFP8/NVFP4/MXFP4/INT8 methods,
 #: ModelOpt MXFP8 MoE); vLLM's reload deletes it before processing again.
@@ -43,7 +42,7 @@ def load_custom_ops() -> None:
     """Import ``vllm._custom_ops``, which loads vLLM's kernel library for this host
     (``import_kernels``: ``_C``, ``_C_AVX512`` or ``_C_AVX2`` on CPU) and so
     registers the ``torch.ops._C`` ops wcache's CPU stages call."""
-    import vllm._custom_ops  # noqa: F401, PLC0415
+    import vllm._custom_ops  # noqa: PLC0415, F401 (vLLM import ~6 s: only when called)
 
 
 def has_custom_op(name: str) -> bool:
@@ -70,7 +69,7 @@ def build_nvfp4_moe_kernel_(module: torch.nn.Module) -> bool:
     qm = getattr(module, "quant_method", None)
     if not is_type(qm, "ModelOptNvFp4FusedMoE") or getattr(qm, "moe_kernel", None) is not None:
         return False
-    from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import make_nvfp4_moe_kernel
+    from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import make_nvfp4_moe_kernel  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     qm.moe_quant_config = qm.get_fused_moe_quant_config(module)
     qm.moe_kernel = make_nvfp4_moe_kernel(

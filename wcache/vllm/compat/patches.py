@@ -26,7 +26,7 @@ class Registrations:
 
 def registrations(vllm_config: Any) -> Registrations:
     """The registrations present now (take it before a build)."""
-    from vllm.model_executor.layers import rotary_embedding  # noqa: PLC0415
+    from vllm.model_executor.layers import rotary_embedding  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     return Registrations(
         forward_context=frozenset(vllm_config.compilation_config.static_forward_context),
@@ -36,7 +36,7 @@ def registrations(vllm_config: Any) -> Registrations:
 def forget_registrations_(vllm_config: Any, before: Registrations) -> None:
     """Drop every registration added since ``before``, so another build can run in
     this process and the built model's layers are no longer referenced."""
-    from vllm.model_executor.layers import rotary_embedding  # noqa: PLC0415
+    from vllm.model_executor.layers import rotary_embedding  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     ctx = vllm_config.compilation_config.static_forward_context
     for k in set(ctx) - before.forward_context:
@@ -75,7 +75,7 @@ def gptq_config_copied_shallow() -> Iterator[None]:
     Source: vllm/model_executor/layers/quantization/utils/gptq_utils.py::
         get_linear_quant_method, override_config
     """
-    from vllm.model_executor.layers.quantization.utils import gptq_utils  # noqa: PLC0415
+    from vllm.model_executor.layers.quantization.utils import gptq_utils  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     def config_copy(config: Any) -> Any:
         if getattr(config, "dynamic", None):
@@ -94,7 +94,7 @@ def captured_hash_factors() -> Iterator[list[dict]]:
 
     Source: vllm/config/utils.py::hash_factors (called by ModelConfig.compute_hash)
     """
-    from vllm.config import utils as config_utils  # noqa: PLC0415
+    from vllm.config import utils as config_utils  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     captured: list[dict] = []
     real = config_utils.hash_factors
@@ -112,7 +112,7 @@ def model_config_hash_factors(model_config: Any) -> dict[str, Any]:
     (so its own ignore list and any factor it adds later apply); every field when
     vLLM no longer hashes through ``hash_factors`` (more than needed is safe: a
     spurious mismatch is refused loudly, a missing factor would lie)."""
-    from vllm.config import utils as config_utils  # noqa: PLC0415
+    from vllm.config import utils as config_utils  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     with captured_hash_factors() as captured:
         model_config.compute_hash()
@@ -127,7 +127,7 @@ def attention_forward_replaced(forward: Callable[..., torch.Tensor]) -> Iterator
     layer of every model in this process), vLLM's own again on exit. ``wcache
     verify`` computes attention by a pure-torch reference this way (vLLM's kernels
     need the engine's KV cache and scheduler metadata)."""
-    from vllm.model_executor.layers.attention import Attention  # noqa: PLC0415
+    from vllm.model_executor.layers.attention import Attention  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     with _patched(Attention, "forward", forward):
         yield
@@ -143,7 +143,7 @@ def torch_accelerator_noops() -> Iterator[None]:
 
     Source: vllm/v1/worker/cpu_model_runner.py::_set_torch_accelerator_to_noop
     """
-    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop  # noqa
+    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     accelerator = torch.accelerator
     real = {name: getattr(accelerator, name) for name in ("synchronize", "empty_cache")}
@@ -188,7 +188,7 @@ def online_quantization_deferred() -> Iterator[None]:
     (called through the module global by ``make_online_process_loader`` and
     ``finalize_layerwise_processing``).
     """
-    from vllm.model_executor.model_loader.reload import layerwise  # noqa: PLC0415
+    from vllm.model_executor.model_loader.reload import layerwise  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     real = layerwise._layerwise_process
 
@@ -216,7 +216,7 @@ def finalize_online_loading_(model: torch.nn.Module, model_config: Any) -> None:
     Source: vllm/model_executor/model_loader/base_loader.py::load_model
     (``finalize_layerwise_processing`` when ``_has_online_quant(model)``).
     """
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_processing  # noqa
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_processing  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     if any(uses_online_quantization(getattr(m, "quant_method", None)) for m in model.modules()):
         finalize_layerwise_processing(model, model_config)

