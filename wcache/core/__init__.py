@@ -43,7 +43,7 @@ from wcache.core.registry import (
 from wcache.core.runner import BoundPlan, Plan, StepGuard
 from wcache.core.values import (
     LOAD_TAGS, PREPARE_TAGS, RESTORE_TAGS, TARGET_ENV_DEFAULTS, TARGET_ENV_VARS, LayerConfig,
-    LayerState, Prepared, QuantSpec, Stage, StageFn, StageOut, Tag, Target,
+    LayerState, MoeShape, Prepared, QuantSpec, Stage, StageFn, StageOut, Tag, Target,
 )
 # The errors live in their own module (the layers below core use them without
 # importing core); core re-exports them.
@@ -53,7 +53,7 @@ from wcache.errors import (
 )
 
 __all__ = [
-    "Tag", "Target", "QuantSpec", "LayerConfig", "StageOut", "StageFn", "Stage", "StageDef",
+    "Tag", "Target", "QuantSpec", "MoeShape", "LayerConfig", "StageOut", "StageFn", "Stage", "StageDef",
     "Plan", "BoundPlan", "StepGuard", "LayerState", "Prepared", "TensorFingerprint",
     "WcacheError", "NoPlan", "PlanInvalid", "StageContractError",
     "RestoreWroteSharedTensor", "RecordedMismatch", "RestoreIncomplete",
