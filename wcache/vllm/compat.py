@@ -22,7 +22,7 @@ checked in one file. Three kinds of reach, and nothing of them outside this modu
   ``_ROPE_DICT``); ``_layerwise_process``; the CPU worker's
   ``_set_torch_accelerator_to_noop``; ``vllm._custom_ops`` (which loads the
   ``torch.ops._C`` kernels); the layer flag :data:`POSTLOAD_DONE_ATTR`;
-  ModelOpt NVFP4 MoE's ``_expert_routing_tables``;
+  a fused-MoE layer's ``_expert_routing_tables`` (:func:`moe_routing_tables`);
 * **patches**, each a context manager undone on exit (:func:`without_reload_metadata`,
   :func:`online_quantization_deferred`, :func:`captured_hash_factors`,
   :func:`attention_forward_replaced`, :func:`torch_accelerator_noops`,
@@ -30,7 +30,8 @@ checked in one file. Three kinds of reach, and nothing of them outside this modu
   :func:`record_reload_metadata_`);
 * **writes onto vLLM objects**: kernel state a plan leaves on the layer, bound onto
   vLLM's kernel objects by the table :data:`KERNEL_BINDINGS`
-  (:func:`sync_kernel_state_`); ModelOpt NVFP4 MoE's kernel objects; the
+  (:func:`sync_kernel_state_`); a fused-MoE method's kernel objects
+  (:func:`set_moe_kernel_`, for the table in :mod:`wcache.vllm.moe`); the
   copy-on-write wrappers of a restored model's ``load_weights``/``get_submodule``
   (:func:`wrap_weight_writers_`); the attachment kept on the model
   (:func:`keep_attachment_`); the daemon's load format on ``EngineArgs``
@@ -662,6 +663,10 @@ _CLASS_MODULES = {
     "KNvfp4Static": "vllm.model_executor.layers.quantization.modelopt",
     "CutlassNvFp4LinearKernel": "vllm.model_executor.kernels.linear.nvfp4.cutlass",
     "ModelOptNvFp4FusedMoE": "vllm.model_executor.layers.quantization.modelopt",
+    "UnquantizedFusedMoEMethod":
+        "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",
+    "Fp8MoEMethod": "vllm.model_executor.layers.quantization.fp8",
+    "Fp8PerTensorOnlineMoEMethod": "vllm.model_executor.layers.quantization.online.fp8",
     "BaseKVCacheMethod": "vllm.model_executor.layers.quantization.kv_cache",
     "Fp8KVCacheMethod": "vllm.model_executor.layers.quantization.fp8",
     "ModelOptKVCacheMethod": "vllm.model_executor.layers.quantization.modelopt",
@@ -887,33 +892,18 @@ def attention_postload(module: torch.nn.Module) -> str:
 # ------------------------------------------------------------- kernel state
 
 
-def build_nvfp4_moe_kernel_(module: torch.nn.Module) -> bool:
-    """Rebuild ModelOpt NVFP4 MoE's process-local kernel objects from the layer's final
-    tensors (``quant_method.moe_quant_config`` and ``quant_method.moe_kernel``, which
-    vLLM's ``apply`` asserts are set); a no-op (False) for other layers or when they
-    exist.
+def moe_routing_tables(module: torch.nn.Module) -> Any:
+    """A fused-MoE layer's expert routing tables (``RoutedExperts._expert_routing_tables()``),
+    the argument vLLM's MoE kernel factories take (:mod:`wcache.vllm.moe`)."""
+    return module._expert_routing_tables()
 
-    This is ``ModelOptNvFp4FusedMoE._build_moe_kernel`` without its last line, the
-    experts' ``process_weights_after_loading``: for ``CutlassExpertsFp4`` that line
-    multiplies the activation scales into ``w*_weight_scale_2`` in place, which the
-    plan's TRANSFORM (``nvfp4.fuse_moe_activation_scale``) already did; run again it
-    would write into shared bytes and square the scales.
 
-    Source: ``vllm.model_executor.layers.quantization.modelopt.ModelOptNvFp4FusedMoE
-    ._build_moe_kernel`` (0.32).
-    """
-    qm = getattr(module, "quant_method", None)
-    if not is_type(qm, "ModelOptNvFp4FusedMoE") or getattr(qm, "moe_kernel", None) is not None:
-        return False
-    from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import make_nvfp4_moe_kernel
-
-    qm.moe_quant_config = qm.get_fused_moe_quant_config(module)
-    qm.moe_kernel = make_nvfp4_moe_kernel(
-        moe_quant_config=qm.moe_quant_config, moe_config=qm.moe,
-        experts_cls=qm.experts_cls, backend=qm.nvfp4_backend,
-        routing_tables=module._expert_routing_tables(),
-        per_token_activation=qm.per_token_activation)
-    return True
+def set_moe_kernel_(quant_method: Any, moe_quant_config: Any, moe_kernel: Any) -> None:
+    """Bind a fused-MoE method's process-local kernel objects (what vLLM's
+    ``_init_moe_kernel`` / ``_build_moe_kernel`` store, and ``apply`` asserts): the
+    table rows of :mod:`wcache.vllm.moe` that build them with vLLM's factories."""
+    quant_method.moe_quant_config = moe_quant_config
+    quant_method.moe_kernel = moe_kernel
 
 
 @attrs.frozen
@@ -1003,12 +993,9 @@ def sync_kernel_state_(module: torch.nn.Module) -> None:
 
     * each :data:`KERNEL_BINDINGS` value the layer holds goes onto vLLM's kernel
       object, and the layer attribute is deleted once bound;
-    * ModelOpt NVFP4 MoE's process-local kernel objects are rebuilt
-      (:func:`build_nvfp4_moe_kernel_`);
     * the "already processed" flag of the methods whose own post-load sets it
       (:func:`mark_postload_done_`).
     """
-    build_nvfp4_moe_kernel_(module)
     mark_postload_done_(module)
     for binding in KERNEL_BINDINGS:
         if binding.layer_attr not in vars(module):
