@@ -153,11 +153,14 @@ def requantize_w13_to_max_scale(w13: torch.Tensor, w13_scale: torch.Tensor,
     if w13.device.type == "meta" or w13_scale.device.type == "meta":
         return torch.empty_like(w13), max_scales
     out = torch.empty_like(w13)
-    for shard in range(2):
-        rows = slice(shard * intermediate_size, (shard + 1) * intermediate_size)
-        dq = w13[:, rows, :].to(torch.float16) * w13_scale[:, shard].view(-1, 1, 1)
-        inv = max_scales.to(torch.float32).reciprocal().view(-1, 1, 1)
-        out[:, rows, :] = (dq.to(torch.float32) * inv).clamp(-FP8_MAX, FP8_MAX).to(w13.dtype)
+    for expert in range(w13.shape[0]):
+        inv = max_scales[expert].to(torch.float32).reciprocal()
+        for shard in range(2):
+            rows = slice(shard * intermediate_size, (shard + 1) * intermediate_size)
+            # a 0-d fp32 scale keeps the product fp16, as per_tensor_dequantize's does
+            dq = w13[expert, rows].to(torch.float16) * w13_scale[expert, shard]
+            out[expert, rows] = (dq.to(torch.float32) * inv).clamp(-FP8_MAX, FP8_MAX).to(
+                w13.dtype)
     return out, max_scales
 
 
