@@ -39,6 +39,8 @@ REQUIRE_ENV = "WCACHE_REQUIRE_VLLM_TREES"
 #: helpers) or compat's class tables; each runs under every release.
 CONTRACT_FILES = (
     "tests/plans/test_cuda_contracts.py",
+    "tests/plans/test_moe_contracts.py",
+    "tests/stages/test_moe_stages.py",
     "tests/stages/test_cuda_stages.py",
     "tests/vllm/test_one_door.py",
     "tests/vllm/test_gpu_readiness.py",

@@ -11,6 +11,10 @@ its kernel library and ops), then for each format this host's vLLM can serve
 4. print both generated texts, whether they are identical, and the
    weight-load phase time of each with the ratio.
 
+Then the same for a tiny random-weight Qwen3-MoE (``--moe``, on by default): its
+fused-MoE experts are padded and prepacked once by the daemon; its text is from
+random weights (only the equality of the two outputs means anything).
+
 Formats vLLM cannot serve here are skipped with the reason. A failing engine
 shows its first traceback (vLLM's worker, the root cause).
 
@@ -50,6 +54,26 @@ def run_format(fmt: str, max_tokens: int) -> dict:
     return {"disk": disk, "restored": restored}
 
 
+#: The MoE row's name in the demo's output.
+MOE_ROW = "qwen3-moe (tiny, random weights)"
+
+
+def run_moe(max_tokens: int) -> dict:
+    """Disk vs daemon for the tiny random-weight Qwen3-MoE (:mod:`wcache.testing.tiny_moe`)."""
+    from wcache.testing.tiny_moe import build  # noqa: PLC0415
+
+    print(f"[{MOE_ROW}] building the tiny Qwen3-MoE checkpoint (cached after the first run)",
+          flush=True)
+    model = build()
+    with tempfile.TemporaryDirectory(prefix="wcache-demo-") as sock_dir:
+        with DaemonProcess(model, sock_dir) as daemon:
+            print(f"[{MOE_ROW}] {daemon.ready_lines[-1]}  ({daemon.ready_s:.1f} s)", flush=True)
+            disk = run_engine(model, "wcache_timed_auto", prompts=[PROMPT], max_tokens=max_tokens)
+            restored = run_engine(model, "wcache", {"socket_dir": sock_dir, "fallback": False},
+                                  prompts=[PROMPT], max_tokens=max_tokens)
+    return {"disk": disk, "restored": restored}
+
+
 def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__,
@@ -59,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"(default: all; those this host's vLLM cannot serve are skipped)")
     ap.add_argument("--max-tokens", type=int, default=2,
                     help="greedy tokens to generate (default 2: ' Paris.' for bf16)")
+    ap.add_argument("--moe", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the tiny random-weight Qwen3-MoE row (default on)")
     args = ap.parse_args(argv)
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     unknown = [f for f in formats if f not in FORMAT_OPS]
@@ -82,6 +108,13 @@ def main(argv: list[str] | None = None) -> int:
             failed[fmt] = str(exc)
             print(f"[{fmt}] FAILED:\n{exc}", file=sys.stderr, flush=True)
 
+    if args.moe:
+        try:
+            results[MOE_ROW] = run_moe(args.max_tokens)
+        except RuntimeError as exc:
+            failed[MOE_ROW] = str(exc)
+            print(f"[{MOE_ROW}] FAILED:\n{exc}", file=sys.stderr, flush=True)
+
     ok = not failed
     print()
     print(f"prompt: {PROMPT!r}")
@@ -96,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  outputs:            {'identical' if same else 'DIFFERENT'}")
         print(f"  weight-load phase:  disk {t_disk:.3f} s, daemon {t_rest:.3f} s, "
               f"ratio {t_disk / t_rest:.1f}x")
+        if fmt == MOE_ROW:
+            print("  (random weights: the text means nothing, only its equality does)")
     for fmt, reason in skipped.items():
         print(f"\n[{fmt}]\n  skipped:            {reason}")
     for fmt in failed:

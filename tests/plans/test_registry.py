@@ -24,6 +24,7 @@ from tests.helpers import (
     cpu_cases as cpu,  # skips this module without vLLM: its cases are vLLM layers
 )
 from tests.helpers import cuda_cases as cuda
+from tests.helpers import moe_cases
 from tests.helpers import vllm_layers as vl
 from wcache.core import (
     LOAD_TAGS,
@@ -138,6 +139,7 @@ PLAN_STRATEGIES: dict[str, st.SearchStrategy] = {
     "ct_w8a8_int8/cutlass_int8@1": _cuda(cuda.cutlass_int8_cases(), H200),
     "modelopt_fp4/cutlass@1": _nvfp4_linear(),
     "modelopt_fp4/cutlass_moe@1": _nvfp4_moe(),
+    **moe_cases.PLAN_STRATEGIES,
 }
 
 

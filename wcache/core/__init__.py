@@ -61,6 +61,7 @@ from wcache.core.values import (
     TARGET_ENV_VARS,
     LayerConfig,
     LayerState,
+    MoeShape,
     Prepared,
     QuantSpec,
     Stage,
@@ -83,7 +84,7 @@ from wcache.errors import (
 )
 
 __all__ = [
-    "Tag", "Target", "QuantSpec", "LayerConfig", "StageOut", "StageFn", "Stage", "StageDef",
+    "Tag", "Target", "QuantSpec", "MoeShape", "LayerConfig", "StageOut", "StageFn", "Stage", "StageDef",
     "DEVICE_TYPES", "Plan", "BoundPlan", "StepGuard", "LayerState", "Prepared", "TensorFingerprint",
     "WcacheError", "NoPlan", "PlanInvalid", "StageContractError",
     "RestoreWroteSharedTensor", "RecordedMismatch", "RestoreIncomplete",

@@ -20,7 +20,7 @@ from wcache.core import host
 
 __all__ = [
     "Tag", "LOAD_TAGS", "PREPARE_TAGS", "RESTORE_TAGS", "Target", "TARGET_ENV_VARS",
-    "TARGET_ENV_DEFAULTS", "QuantSpec", "LayerConfig", "StageOut", "StageFn", "Stage",
+    "TARGET_ENV_DEFAULTS", "QuantSpec", "MoeShape", "LayerConfig", "StageOut", "StageFn", "Stage",
     "LayerState", "Prepared",
 ]
 
@@ -226,18 +226,91 @@ class QuantSpec:
 
 
 @frozen
+class MoeShape:
+    """A fused-MoE layer's shape and the experts kernel vLLM resolved for it.
+
+    A fused-MoE layer (vLLM's ``RoutedExperts``) holds every local expert's weights
+    in two tensors: ``w13_weight [num_experts, w13_num_shards *
+    intermediate_size_per_partition, hidden_size]`` (gate and up projections
+    fused, gate first, when ``is_act_and_mul``; one projection otherwise) and
+    ``w2_weight [num_experts, hidden_size, intermediate_size_per_partition]``
+    (the down projection), with per-expert scales in the quantized methods
+    (``w13_weight_scale [num_experts, 2]`` per tensor,
+    ``w13_weight_scale_inv [num_experts, 2 * I / 128, H / 128]`` per block, ...).
+
+    Attributes:
+        num_experts: experts held by this rank (vLLM's ``local_num_experts``).
+        global_num_experts: experts of the whole model (``global_num_experts``).
+        hidden_size: the layer's hidden size as allocated (vLLM's rounded-up
+            ``hidden_size``).
+        intermediate_size_per_partition: this rank's share of the experts'
+            intermediate size, as allocated (vLLM's rounded-up value, before any
+            post-load padding).
+        is_act_and_mul: gated experts (SiLU/GELU and mul): w13 holds two shards.
+        has_bias: the experts have ``w13_bias``/``w2_bias``.
+        backend: the backend vLLM's MoE oracle **resolved** for the layer
+            (``select_*_moe_backend``: ``"TRITON"``, ``"CPU"``,
+            ``"FLASHINFER_CUTLASS"``, ``"VLLM_CUTLASS"``, ...), not the requested
+            ``moe_backend`` string: two processes whose oracles resolve differently
+            (another optional package, another DeepGEMM switch) lay the bytes out
+            differently and so get different plans and keys.
+        experts: the experts class the oracle picked with it
+            (``"TritonExperts"``, ``"CPUUnquantizedExperts"``, ...); on CPU it
+            decides the prepacked layout (its ISA), and ``"zentorch"`` marks a
+            layer vLLM hands to ZenDNN instead.
+        activation: the experts' activation (``"silu"``, ``"gelu"``, ...).
+    """
+
+    num_experts: int
+    global_num_experts: int
+    hidden_size: int
+    intermediate_size_per_partition: int
+    backend: str
+    experts: str = ""
+    is_act_and_mul: bool = True
+    has_bias: bool = False
+    activation: str = "silu"
+
+    @property
+    def w13_num_shards(self) -> int:
+        """Shards fused in ``w13_weight`` (2 gated, 1 otherwise); vLLM's ``w13_num_shards``."""
+        return 2 if self.is_act_and_mul else 1
+
+    def w13_shape(self) -> tuple[int, int, int]:
+        """``w13_weight``'s shape as allocated: ``[E, shards * I, H]``."""
+        return (self.num_experts, self.w13_num_shards * self.intermediate_size_per_partition,
+                self.hidden_size)
+
+    def w2_shape(self) -> tuple[int, int, int]:
+        """``w2_weight``'s shape as allocated: ``[E, H, I]``."""
+        return (self.num_experts, self.hidden_size, self.intermediate_size_per_partition)
+
+    def to_json(self) -> dict:
+        return {"num_experts": self.num_experts, "global_num_experts": self.global_num_experts,
+                "hidden_size": self.hidden_size,
+                "intermediate_size_per_partition": self.intermediate_size_per_partition,
+                "backend": self.backend, "experts": self.experts,
+                "is_act_and_mul": self.is_act_and_mul, "has_bias": self.has_bias,
+                "activation": self.activation}
+
+
+@frozen
 class LayerConfig:
     """One layer's frozen configuration, everything a stage may read besides tensors.
 
     Attributes:
         quant: the method.
-        size_k: input features of this partition (``input_size_per_partition``).
-        size_n: output features of this partition (``output_size_per_partition``).
+        size_k: input features of this partition (``input_size_per_partition``);
+            0 for fused-MoE layers, whose sizes are in ``moe``.
+        size_n: output features of this partition (``output_size_per_partition``);
+            0 for fused-MoE layers.
         params_dtype: activation/params dtype name, e.g. ``"bfloat16"``.
         has_bias: the layer has a bias.
         name: the module's qualified name (for error messages only).
         extra: method-specific facts as sorted ``(name, value)`` pairs
             (e.g. ``("logical_widths", (64, 64))``, ``("tp_size", 1)``).
+        moe: a fused-MoE layer's shape and resolved experts backend
+            (``quant.layer_kind == "moe"``); ``None`` for every other layer.
     """
 
     quant: QuantSpec
@@ -247,6 +320,7 @@ class LayerConfig:
     has_bias: bool = False
     name: str = ""
     extra: tuple[tuple[str, Any], ...] = field(default=(), converter=_freeze)
+    moe: MoeShape | None = None
 
     @property
     def dtype(self) -> torch.dtype:

@@ -23,6 +23,7 @@ PLAN_MODULES = (
     "unquantized", "awq", "gptq", "compressed_tensors", "kv_cache", "attention",  # CPU (issue 2)
     "marlin", "fp8", "mxfp8", "nvfp4",                                  # CUDA layouts (issue 3)
     "machete", "cutlass_int8",                          # the kernels vLLM picks on Hopper
+    "fused_moe",                                        # fused MoE, CUDA and CPU (issue 42)
 )
 
 

