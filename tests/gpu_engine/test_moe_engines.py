@@ -1,0 +1,65 @@
+"""Fused MoE restored by a real vLLM CUDA engine (H200): issue 42's gpu tier rows.
+
+One case per (tiny MoE architecture, checkpoint format, online quantization, compiled):
+the four-load acceptance and ``wcache verify``
+(:func:`wcache.testing.engine_acceptance.run_case`) on tiny random-weight MoE checkpoints
+built offline by :mod:`wcache.testing.tiny_models` (bf16) and
+:mod:`wcache.testing.moe_fixtures` (serialized FP8 made by wcache's own quantizers).
+``restored`` cases are what vLLM 0.33 resolves on sm90 by default and wcache plans
+(``wcache plans``: ``unquantized_moe/triton``, ``fp8_moe_block/triton``,
+``fp8_moe_tensor/triton``, ``fp8_per_tensor_moe/triton``); ``result`` cases pass on any
+honest outcome (restored, refused by name before serving, not runnable in vLLM) and fail
+on a mismatch or a crash. Every row is recorded (``record_result``) with the plans each
+load used.
+
+Run on the H200: ``bash tools/gpu/run-tier.sh -k moe`` (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from wcache.testing.engine_acceptance import EngineCase, record_result, run_case
+
+PROMPTS = ("The capital of France is", "Water boils at a temperature of")
+#: Random weights: greedy text is noise, so a few tokens decide equality as well as many.
+MAX_TOKENS = 8
+
+#: (architecture of wcache.testing.tiny_models, checkpoint format, vLLM --quantization,
+#: torch.compile + CUDA graphs, expect, note)
+MOE_CASES = (
+    ("qwen3_moe", "bf16", None, False, "restored", "6 experts of 96: padding shapes"),
+    ("mixtral", "bf16", None, False, "restored", "8 experts"),
+    ("qwen2_moe", "bf16", None, False, "restored", "12 experts + a shared expert"),
+    ("olmoe", "bf16", None, False, "restored", ""),
+    ("qwen3_moe", "bf16", "fp8", False, "restored", "online FP8 MoE"),
+    ("qwen3_moe_128", "fp8_block", None, False, "restored", "serialized block 128x128"),
+    ("qwen3_moe", "fp8", None, False, "restored", "serialized per-tensor, dynamic"),
+    ("qwen3_moe", "fp8_static", None, False, "restored", "serialized per-tensor, static"),
+    ("qwen3_moe", "bf16", None, True, "restored", "torch.compile + CUDA graphs"),
+    ("qwen3_moe_128", "fp8_block", None, True, "restored", "torch.compile + CUDA graphs"),
+    ("qwen3_moe", "ct_w8a8_fp8", None, False, "result", "compressed-tensors, channel"),
+    ("qwen3_moe", "ct_w8a8_fp8_static", None, False, "result", "compressed-tensors, tensor"),
+    ("granitemoe", "bf16", None, False, "result", ""),
+    ("gpt_oss", "bf16", None, False, "result", "bf16 random GPT-OSS"),
+)
+
+
+def _case_id(arch: str, fmt: str, quantization: str | None, compiled: bool) -> str:
+    parts = ["moe", arch, fmt] + ([f"q-{quantization}"] if quantization else [])
+    return "-".join(parts + (["compiled"] if compiled else []))
+
+
+@pytest.mark.parametrize("arch, fmt, quantization, compiled, expect, note", MOE_CASES,
+                         ids=[_case_id(*c[:4]) for c in MOE_CASES])
+def test_moe_four_loads(arch, fmt, quantization, compiled, expect, note):
+    """The MoE case's four loads on the real engine give the disk load's tokens (and
+    verify passes), or, for an exploratory case, an honest refusal/not-runnable."""
+    from wcache.testing.arch_sweep import checkpoint
+
+    case = EngineCase(_case_id(arch, fmt, quantization, compiled), fmt,
+                      quantization=quantization, expect=expect, note=note, compile=compiled)
+    row = run_case(case, checkpoint(arch, fmt, None), prompts=PROMPTS, max_tokens=MAX_TOKENS)
+    record_result({**row, "arch": arch})
+    allowed = {"restored"} if expect == "restored" else {"restored", "refused", "not-runnable"}
+    assert row["outcome"] in allowed, f"{case.id}: {row['outcome']}: {row.get('reason')}"
