@@ -232,6 +232,26 @@ def _module_of(model: torch.nn.Module, modules: Mapping[str, torch.nn.Module], n
     return modules[mod], leaf
 
 
+def _by_every_name(modules: Mapping[str, torch.nn.Module],
+                   per_layer: Mapping[str, Iterable[str]]) -> dict[str, set[str]]:
+    """``per_layer`` (layer name -> tensor names) under every name of each layer's module.
+
+    One module can hang under two names: vLLM 0.33's fused-MoE layers keep the router
+    gate as ``mlp.gate`` and ``mlp.experts.gate``. The plan is resolved for one of them,
+    and the export names the tensor by whichever ``named_parameters`` meets first, so
+    what a plan writes must be known under both.
+    """
+    by_module: dict[int, set[str]] = {}
+    for name, names in per_layer.items():
+        if name in modules:
+            by_module.setdefault(id(modules[name]), set()).update(names)
+    out = {name: set(names) for name, names in per_layer.items()}
+    for name, module in modules.items():
+        if id(module) in by_module:
+            out.setdefault(name, set()).update(by_module[id(module)])
+    return out
+
+
 def _check_shapes(modules: Mapping[str, torch.nn.Module], tensors: Mapping[str, torch.Tensor],
                   transformed: Mapping[str, Iterable[str]]) -> None:
     """Shape and dtype of every exported tensor against the engine's meta model,
@@ -286,8 +306,8 @@ def install_tensors_(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
             another shape or dtype than the engine's (code ``model-mismatch``).
     """
     modules = dict(model.named_modules(remove_duplicate=False))
-    plan_writes = {name: set(ws) for name, ws in writes.items()}
-    _check_shapes(modules, tensors, transformed)
+    plan_writes = _by_every_name(modules, writes)
+    _check_shapes(modules, tensors, _by_every_name(modules, transformed))
     objects: dict[str, torch.Tensor] = {}
     for name in tensors:
         canonical = aliases.get(name, name)

@@ -194,3 +194,17 @@ def test_first_difference_names_the_field_and_both_values(loaded, restored, expe
     from wcache.vllm.verify import first_difference
 
     assert expected == first_difference(loaded, restored)
+
+
+def test_verify_forward_gives_the_process_vllms_workspace_manager():
+    """vLLM's fused-MoE kernels assert a workspace manager exists (an engine's model runner
+    makes it); verify's forward runs outside an engine, so compat makes one, once."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from vllm.v1.worker import workspace; from wcache.vllm import compat; "
+            "d = torch.device('cpu'); print(workspace.is_workspace_manager_initialized(), "
+            "compat.init_workspace_manager_(d), compat.init_workspace_manager_(d), "
+            "workspace.is_workspace_manager_initialized())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split()[-4:] == ["False", "True", "False", "True"], out.stderr[-2000:]

@@ -389,6 +389,7 @@ def run_forward(model: torch.nn.Module, vllm_config: Any, token_ids: Sequence[in
 
     handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
     device = next(iter(model.parameters())).device
+    compat.init_workspace_manager_(device)  # fused-MoE kernels take their scratch from it
     ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)
     positions = torch.arange(len(token_ids), dtype=torch.long, device=device)
     try:

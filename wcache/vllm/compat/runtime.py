@@ -39,3 +39,23 @@ def freeze_gc_heap() -> float:
     t0 = time.perf_counter()
     vllm_freeze()
     return time.perf_counter() - t0
+
+
+def init_workspace_manager_(device: torch.device) -> bool:
+    """Give this process vLLM's workspace manager on ``device`` unless it has one: the
+    scratch buffers vLLM's fused-MoE kernels take (``current_workspace_manager()``
+    asserts it exists). An engine's model runner makes it; a forward outside an engine
+    (``wcache verify``'s fixed forward) must make it first.
+
+    Returns:
+        True when it was made here, False when one existed.
+
+    Source: vllm/v1/worker/workspace.py::init_workspace_manager (0.32 and 0.33),
+    called by GPUModelRunner.__init__ and the CPU model runner.
+    """
+    from vllm.v1.worker import workspace  # noqa: PLC0415 (vLLM import ~6 s: only when called)
+
+    if workspace.is_workspace_manager_initialized():
+        return False
+    workspace.init_workspace_manager(device)
+    return True
