@@ -116,7 +116,9 @@ def test_script_same_as_direct(template, work, env):
     "import sys; print(sys.argv, repr(sys.path[0]), __name__)",
     "raise KeyboardInterrupt",
     "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
-], ids=["exit-3", "uncaught", "systemexit-str", "argv", "keyboardinterrupt", "sigkill"])
+    "import logging; logging.warning('careful')",
+], ids=["exit-3", "uncaught", "systemexit-str", "argv", "keyboardinterrupt", "sigkill",
+        "root-logger"])
 def test_exit_codes_same_as_direct(template, work, env, code):
     """`python -c CODE ARG`: exit code (a signal as -N, as a shell shows 128+N), stdout
     and stderr (tracebacks included) equal a direct start's."""

@@ -428,7 +428,8 @@ class Template:
         if self._sel is not None and hasattr(self._sel, "fileno"):
             out.append(self._sel.fileno())
         for c in self.children.values():
-            out.append(c["conn"].fileno())
+            if c["conn"] is not None:
+                out.append(c["conn"].fileno())
             if c["pidfd"] is not None:
                 out.append(c["pidfd"])
         return out
@@ -618,7 +619,7 @@ def _child_main(req: dict[str, Any], fds: list[int], own: list[int],
         sys.orig_argv = [str(a) for a in req.get("argv", [])]
         _stdio(bool(entry.get("unbuffered")) or bool(env.get("PYTHONUNBUFFERED")))
         _reseed()
-        logging.getLogger("wcache.template").handlers.clear()
+        log.handlers.clear()  # the template's own log handler (main() adds it; root is untouched)
     except BaseException:  # the child could not become the command: say so on its stderr
         traceback.print_exc()
         os._exit(UNCAUGHT_EXIT)
@@ -675,7 +676,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-platform-preload", action="store_true",
                    help="do not import the platform's worker, model runner and attention backend")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    # the template's own log on its stdout (template.log); the root logger is left as a
+    # fresh interpreter has it, since children inherit it
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
     tpl = Template(args.socket_dir, tuple(args.preload) if args.preload else None,
                    platform_preload=not args.no_platform_preload)
     try:
