@@ -14,6 +14,7 @@ to the command's exit).
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -67,6 +68,7 @@ def main() -> int:
                     rows.setdefault((mp, how), []).append(r)
     finally:
         stop_template(sock_dir)
+        shutil.rmtree(sock_dir, ignore_errors=True)
     print("\n| engine core | start | first token (s): median [min, max] | exit (s) | text |")
     print("|---|---|---|---|---|")
     for (mp, how), rs in rows.items():

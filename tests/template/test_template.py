@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,6 +63,7 @@ def template(env):
     start_template(d)
     yield d
     stop_template(d)
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture
@@ -272,6 +274,7 @@ def test_no_template_runs_directly(work, env, tmp_path):
     assert r.returncode == 4 and "stdin y" in r.stdout
     assert r.stderr.startswith("wcache run: running directly [template-missing]")
     assert _run(cmd, work, env, empty).returncode == REFUSED_EXIT
+    shutil.rmtree(empty, ignore_errors=True)
 
 
 @pytest.mark.e2e
