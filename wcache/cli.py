@@ -1,4 +1,4 @@
-"""`wcache` command line: serve | status | stop | plans | bench | verify.
+"""`wcache` command line: serve | status | stop | plans | bench | verify | template | run.
 
 Each subcommand imports only what it needs, so `wcache plans` and
 `wcache status` start without importing vLLM.
@@ -24,6 +24,7 @@ from wcache.store.http import parse_http_address
 from wcache.store.lean import NO_LEAN_ENV
 from wcache.store.protocol import SEED_TIMEOUT_ENV, parse_seconds
 from wcache.store.seed import TCP_SCHEME, WILDCARD_HOSTS, parse_host_port, read_secret
+from wcache.template import client as template_client
 from wcache.vllm.probe import host_target
 
 DESCRIPTION = """\
@@ -54,6 +55,10 @@ re-running each quantization method's post-load work.
   wcache bench --phases                          an engine start by phase: disk vs daemon, eager vs
                                                  compiled, cold vs warm compile caches, fresh node
   wcache verify --model DIR [vLLM engine args]   prove a restore equals vLLM's own load here
+  wcache template start                          a pre-imported engine template beside the daemon
+  wcache template status | stop                  show / stop it
+  wcache run -- vllm serve DIR --load-format wcache ...
+                                                 run an engine forked from the template (no import)
 
 Engines attach with: LLM(model=DIR, load_format="wcache") or
 `vllm serve DIR --load-format wcache`.
@@ -271,6 +276,37 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     return bench_main(rest)
 
 
+def _cmd_template(args: argparse.Namespace) -> int:
+    """``wcache template start | status | stop`` (docs/template.md)."""
+    if args.action == "start":
+        st = template_client.start_template(args.socket_dir, args.preload,
+                                   platform_preload=not args.no_platform_preload,
+                                   timeout_s=args.timeout, foreground=args.foreground)
+        print(f"wcache template: ready: {template_client.format_status(st)}", flush=True)
+        return 0
+    try:
+        if args.action == "status":
+            print(template_client.format_status(template_client.template_status(args.socket_dir)))
+            return 0
+        reply = template_client.stop_template(args.socket_dir)
+    except template_client.TemplateMissing as exc:
+        print(f"wcache template: not running [{exc.code}]: {exc}")
+        return template_client.NOT_RUNNING_EXIT
+    print(f"wcache template: pid {reply.get('pid')} stopped accepting"
+          + (f"; it exits when its {reply['children']} running children have"
+             if reply.get("children") else ""))
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace, rest: list[str]) -> int:
+    """``wcache run [--socket-dir D] [--no-fallback] -- CMD ARGS...``."""
+    command = list(args.command_argv or []) + list(rest)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    return template_client.run_command(command, args.socket_dir,
+                                       fallback=not args.no_fallback, verbose=args.verbose)
+
+
 def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
@@ -437,6 +473,39 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run even when the host seems to lack memory for two copies")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
+    p = sub.add_parser(
+        "template", help="a pre-imported engine template: start | status | stop",
+        description="A long-lived process beside the daemon that imported torch, vLLM and what "
+                    "an engine imports, with CUDA uninitialised; `wcache run -- CMD` forks an "
+                    "engine from it, so a restart pays no import (docs/template.md). Start it "
+                    "from the environment the engines run in: a command whose interpreter, "
+                    "installs (wcache, vLLM, torch) or import-time variables differ is refused "
+                    "(template-stale) and runs directly.")
+    p.add_argument("action", choices=("start", "status", "stop"))
+    p.add_argument("--socket-dir", help="socket directory (default: the daemons')")
+    p.add_argument("--preload", action="append", metavar="MODULE",
+                   help="start: a module to import (repeat; replaces the default list)")
+    p.add_argument("--no-platform-preload", action="store_true",
+                   help="start: skip the platform's worker, model runner and attention backend")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="start: seconds to wait for the imports (default 300)")
+    p.add_argument("--foreground", action="store_true",
+                   help="start: become the template in this process (systemd, a container)")
+
+    p = sub.add_parser(
+        "run", help="run a command's Python entry in a child forked from the template "
+                    "(or directly, saying why)",
+        description="wcache run -- CMD ARGS...: run CMD (python SCRIPT | python -m MOD | "
+                    "python -c CODE | a console script such as vllm) in a child forked from the "
+                    "running template, with this process's argv, environment, cwd and stdio; "
+                    "signals are forwarded and the exit code (or the signal) is the command's. "
+                    "Without a usable template it says why on stderr and runs CMD directly.")
+    p.add_argument("--socket-dir", help="socket directory of the template (default: the daemons')")
+    p.add_argument("--no-fallback", action="store_true",
+                   help="exit 3 naming the reason instead of running the command directly")
+    p.add_argument("--verbose", action="store_true", help="say which child runs the command")
+    p.add_argument("command_argv", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
+
     sub.add_parser("bench", help="benchmarks: restore vs ordinary load, arena vs per-tensor "
                                  "handles (see docs/benchmarks.md)", add_help=False)
     return parser
@@ -451,13 +520,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        if args.command in ("serve", "bench", "status", "verify"):
-            handler = {"serve": _cmd_serve, "bench": _cmd_bench,
-                       "status": _cmd_status, "verify": _cmd_verify}[args.command]
+        if args.command in ("serve", "bench", "status", "verify", "run"):
+            handler = {"serve": _cmd_serve, "bench": _cmd_bench, "status": _cmd_status,
+                       "verify": _cmd_verify, "run": _cmd_run}[args.command]
             return handler(args, rest)
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        return {"plans": _cmd_plans, "stop": _cmd_stop}[args.command](args)
+        return {"plans": _cmd_plans, "stop": _cmd_stop,
+                "template": _cmd_template}[args.command](args)
     except (WcacheError, ValueError) as exc:  # a clear message, not a traceback
         code = getattr(exc, "code", "invalid-argument")
         print(f"wcache {args.command}: error [{code}]: {exc}", file=sys.stderr)

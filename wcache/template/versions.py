@@ -1,0 +1,169 @@
+"""What a template is keyed on, read from the file system and the environment
+(no import of torch or vLLM, so ``wcache run`` computes its side in milliseconds).
+
+A template imported torch, vLLM and wcache once; a command it runs must see the
+same code and the same import-time settings it would have seen in a fresh
+interpreter. The template records, when it starts:
+
+* ``python``: the interpreter (its bin directory, the binary it resolves to, that
+  binary's size and mtime) and ``sys.version``;
+* ``packages``: for wcache, vLLM and torch (the versions the cache key names,
+  :func:`wcache.vllm.key.build_key`) the imported package's directory, its
+  ``__version__``, and an install stamp: the digest of the ``*.dist-info/RECORD``
+  that lists its ``__init__.py`` (pip rewrites it on every install), or, for a
+  source tree without one (a checkout on ``PYTHONPATH``, the H200 bundle), the
+  digest of every ``*.py`` file's (path, size, mtime);
+* ``env``: the environment variables that take effect at import or interpreter
+  start (:func:`import_time_env`).
+
+Each ``wcache run`` compares: its interpreter and import-time environment against
+the recorded ones, its own wcache install stamp against the template's, and the
+template re-stamps its packages on disk against what it imported. Any difference
+is ``template-stale`` naming the fields, and the command runs directly.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import wcache
+
+__all__ = ["IMPORT_TIME_ENV_PREFIXES", "IMPORT_TIME_ENV_NAMES", "KEYED_PACKAGES",
+           "import_time_env", "interpreter_identity", "package_stamp", "differences",
+           "is_import_time_var"]
+
+#: Packages whose install a template is keyed on: the versions the weight cache key
+#: names (wcache, vLLM, torch).
+KEYED_PACKAGES = ("wcache", "vllm", "torch")
+
+#: Prefixes of variables read at interpreter start or at import by what the template
+#: imports, so a child would inherit the template's value, not its own:
+#: ``PYTHON*`` (sys.path, hash seed, warnings, I/O encoding), the OpenMP / BLAS
+#: runtimes (libgomp, MKL, OpenBLAS size their pools when torch and numpy load
+#: them), torch (``TORCH_LOGS``, Inductor and PyTorch settings read into config
+#: modules), Hugging Face (``huggingface_hub.constants`` and transformers read
+#: offline flags and cache paths at import) and vLLM's logging (configured when
+#: ``vllm.logger`` is imported; vLLM's other ``VLLM_*`` variables are read lazily).
+IMPORT_TIME_ENV_PREFIXES = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO",
+                            "TORCH_", "TORCHINDUCTOR_", "PYTORCH_", "HF_", "HUGGINGFACE_",
+                            "TRANSFORMERS_", "VLLM_LOGGING_", "LD_")
+#: Single variables of the same kind: vLLM's logging switch, the locale (stdio and
+#: file-system encodings are fixed at interpreter start), the cache roots
+#: huggingface_hub derives its paths from at import, and the visible GPUs (vLLM
+#: caches device counts per value of this variable; keying on it keeps a template
+#: from answering for another device set).
+IMPORT_TIME_ENV_NAMES = ("VLLM_CONFIGURE_LOGGING", "LANG", "LC_ALL", "LC_CTYPE", "HOME",
+                         "XDG_CACHE_HOME", "CUDA_VISIBLE_DEVICES")
+#: ``PYTHONUNBUFFERED`` is replayed in the child (its stdio is rebuilt), so it is
+#: not a reason to refuse a template.
+REPLAYED_ENV = frozenset({"PYTHONUNBUFFERED"})
+#: Names of the dist-info file that lists an install's files (PEP 376 / 627).
+_RECORD = "RECORD"
+
+
+def is_import_time_var(name: str) -> bool:
+    """True when ``name`` is an import-time variable (:data:`IMPORT_TIME_ENV_PREFIXES`)."""
+    if name in REPLAYED_ENV:
+        return False
+    return name in IMPORT_TIME_ENV_NAMES or name.startswith(IMPORT_TIME_ENV_PREFIXES)
+
+
+def import_time_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The import-time variables of ``environ`` (:func:`is_import_time_var`), sorted."""
+    return {k: environ[k] for k in sorted(environ) if is_import_time_var(k)}
+
+
+def interpreter_identity(executable: str) -> dict[str, Any]:
+    """Who an interpreter path is: its bin directory (a venv is its bin directory;
+    ``python`` and ``python3`` there are the same interpreter), the binary it resolves
+    to, and that binary's size and mtime (an upgrade in place changes them).
+
+    Raises:
+        FileNotFoundError: ``executable`` does not exist.
+    """
+    path = os.path.abspath(executable)
+    binary = os.path.realpath(path)
+    st = os.stat(binary)
+    return {"bin_dir": os.path.dirname(path), "binary": binary, "size": st.st_size,
+            "mtime_ns": st.st_mtime_ns}
+
+
+def _digest_record(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.blake2b(f.read(), digest_size=16).hexdigest()
+
+
+def _find_record(pkg_dir: str, name: str) -> str | None:
+    """The ``RECORD`` of the dist-info beside ``pkg_dir`` that lists ``name/__init__.py``."""
+    parent = os.path.dirname(pkg_dir)
+    needle = f"{name}/__init__.py,".encode()
+    for info in sorted(glob.glob(os.path.join(glob.escape(parent), "*.dist-info"))):
+        record = os.path.join(info, _RECORD)
+        try:
+            with open(record, "rb") as f:
+                if any(line.startswith(needle) for line in f):
+                    return record
+        except OSError:
+            continue
+    return None
+
+
+def _tree_digest(pkg_dir: str) -> str:
+    """Digest of every ``*.py`` file's (relative path, size, mtime) under ``pkg_dir``."""
+    h = hashlib.blake2b(digest_size=16)
+    for root, dirs, files in os.walk(pkg_dir):
+        dirs.sort()
+        for fn in sorted(files):
+            if not fn.endswith(".py"):
+                continue
+            p = os.path.join(root, fn)
+            try:
+                st = os.stat(p)
+            except OSError:
+                continue
+            h.update(f"{os.path.relpath(p, pkg_dir)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def package_stamp(pkg_dir: str, name: str) -> dict[str, Any]:
+    """The install stamp of the package ``name`` in ``pkg_dir`` (its directory, e.g.
+    ``.../site-packages/vllm``): ``{"path", "record", "stamp"}`` where ``stamp`` is the
+    digest of the dist-info ``RECORD`` listing it (``record`` its path), or, without
+    one, of the source tree (:func:`_tree_digest`; ``record`` None). wcache is always
+    stamped by its tree: a checkout is edited without reinstalling."""
+    record = None if name == "wcache" else _find_record(pkg_dir, name)
+    if record is not None:
+        try:
+            return {"path": pkg_dir, "record": record, "stamp": _digest_record(record)}
+        except OSError:
+            pass
+    return {"path": pkg_dir, "record": None, "stamp": _tree_digest(pkg_dir)}
+
+
+def own_wcache_stamp() -> dict[str, Any]:
+    """The stamp of the wcache package this process runs."""
+    return package_stamp(os.path.dirname(os.path.abspath(wcache.__file__)), "wcache")
+
+
+def differences(recorded: Mapping[str, Any], current: Mapping[str, Any],
+                prefix: str = "") -> list[str]:
+    """Dotted names of the fields that differ between two nested mappings, sorted."""
+    out = []
+    for k in sorted(set(recorded) | set(current)):
+        a, b = recorded.get(k), current.get(k)
+        name = f"{prefix}{k}"
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out.extend(differences(a, b, name + "."))
+        elif a != b:
+            out.append(name)
+    return out
+
+
+def python_version() -> str:
+    """``sys.version`` of this interpreter (recorded by the template, informative)."""
+    return sys.version
