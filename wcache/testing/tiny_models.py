@@ -22,7 +22,7 @@ Families:
   vision tower need an image processor and image tokens added to SmolLM2's
   tokenizer: not built yet).
 
-:mod:`wcache.testing.moe_fixtures` writes the serialized FP8 versions of the MoE
+:mod:`wcache.testing.moe_fixtures` writes the serialized quantized (FP8, int4, FP4, MXFP8) versions of the MoE
 models; :mod:`wcache.testing.arch_sweep` runs each through the four-load acceptance.
 
 Builds are cached under the fixture root (``$WCACHE_FIXTURES_DIR``), one folder per
