@@ -25,6 +25,7 @@ from wcache.store.lean import NO_LEAN_ENV
 from wcache.store.protocol import SEED_TIMEOUT_ENV, parse_seconds
 from wcache.store.seed import TCP_SCHEME, WILDCARD_HOSTS, parse_host_port, read_secret
 from wcache.template import client as template_client
+from wcache.template import run_cli
 from wcache.vllm.probe import host_target
 
 DESCRIPTION = """\
@@ -300,11 +301,7 @@ def _cmd_template(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace, rest: list[str]) -> int:
     """``wcache run [--socket-dir D] [--no-fallback] -- CMD ARGS...``."""
-    command = list(args.command_argv or []) + list(rest)
-    if command[:1] == ["--"]:
-        command = command[1:]
-    return template_client.run_command(command, args.socket_dir,
-                                       fallback=not args.no_fallback, verbose=args.verbose)
+    return run_cli.run(args, rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -494,17 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "run", help="run a command's Python entry in a child forked from the template "
-                    "(or directly, saying why)",
-        description="wcache run -- CMD ARGS...: run CMD (python SCRIPT | python -m MOD | "
-                    "python -c CODE | a console script such as vllm) in a child forked from the "
-                    "running template, with this process's argv, environment, cwd and stdio; "
-                    "signals are forwarded and the exit code (or the signal) is the command's. "
-                    "Without a usable template it says why on stderr and runs CMD directly.")
-    p.add_argument("--socket-dir", help="socket directory of the template (default: the daemons')")
-    p.add_argument("--no-fallback", action="store_true",
-                   help="exit 3 naming the reason instead of running the command directly")
-    p.add_argument("--verbose", action="store_true", help="say which child runs the command")
-    p.add_argument("command_argv", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
+                    "(or directly, saying why)", description=run_cli.DESCRIPTION)
+    run_cli.add_run_arguments(p)
 
     sub.add_parser("bench", help="benchmarks: restore vs ordinary load, arena vs per-tensor "
                                  "handles (see docs/benchmarks.md)", add_help=False)

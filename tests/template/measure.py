@@ -55,7 +55,7 @@ def main() -> int:
     st = start_template(sock_dir)
     print(json.dumps({"template_ready_s": round(time.time() - t0, 2), "import_s": st["import_s"],
                       "modules": st["modules"], "rss_mib": st["rss_kib"] // 1024}), flush=True)
-    wrun = [sys.executable, "-m", "wcache.cli", "run", "--no-fallback", "--socket-dir", sock_dir, "--"]
+    wrun = [sys.executable, "-m", "wcache.launcher", "run", "--no-fallback", "--socket-dir", sock_dir, "--"]
     rows = {}
     try:
         for mp in (("0", "1") if args.mp == "both" else (args.mp,)):

@@ -75,7 +75,7 @@ def work(tmp_path):
 def _run(cmd, cwd, env, template=None, stdin="", fallback=False, timeout=RUN_TIMEOUT_S):
     """Run ``cmd`` directly, or through ``wcache run`` on ``template``."""
     if template is not None:
-        cmd = [sys.executable, "-m", "wcache.cli", "run", "--socket-dir", template,
+        cmd = [sys.executable, "-m", "wcache.launcher", "run", "--socket-dir", template,
                *(() if fallback else ("--no-fallback",)), "--", *cmd]
     return subprocess.run(cmd, cwd=cwd, env=env, input=stdin, capture_output=True, text=True,
                           timeout=timeout)
@@ -159,7 +159,7 @@ time.sleep(120)
 
 def _start_waiter(template, work, env, mode):
     (work / "waiter.py").write_text(WAITER)
-    cmd = [sys.executable, "-m", "wcache.cli", "run", "--no-fallback", "--socket-dir", template,
+    cmd = [sys.executable, "-m", "wcache.launcher", "run", "--no-fallback", "--socket-dir", template,
            "--", sys.executable, "waiter.py", mode]
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
