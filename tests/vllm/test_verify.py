@@ -208,3 +208,19 @@ def test_verify_forward_gives_the_process_vllms_workspace_manager():
             "workspace.is_workspace_manager_initialized())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.split()[-4:] == ["False", "True", "False", "True"], out.stderr[-2000:]
+
+
+def test_forgetting_a_build_trims_the_moe_layer_list_it_appended():
+    """vLLM appends each fused-MoE layer's name to ``static_all_moe_layers`` (its forward
+    context indexes it): forgetting a build removes exactly the names it appended."""
+    import types
+
+    from wcache.vllm import compat
+
+    cc = types.SimpleNamespace(static_forward_context={"a": 1}, static_all_moe_layers=["m0"])
+    cfg = types.SimpleNamespace(compilation_config=cc)
+    before = compat.registrations(cfg)
+    cc.static_forward_context.update({"l0": 2, "l1": 3})
+    cc.static_all_moe_layers.extend(["l0", "l1"])
+    compat.forget_registrations_(cfg, before)
+    assert (cc.static_forward_context, cc.static_all_moe_layers) == ({"a": 1}, ["m0"])

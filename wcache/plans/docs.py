@@ -217,7 +217,9 @@ REAL_ENGINE_RESULTS: dict[str, tuple[str, str]] = {
                "`WCACHE_ALLOW_UNTESTED_VLLM=1`, before that row existed (none of their plans "
                "changed since). `nvfp4_per_token` quantizes MoE experts only "
                "(config/quantization.py: `moe=QuantSpec(weight=kNvfp4Static)`), so "
-               "SmolLM2's dense linears stay `unquantized/none`"),
+               "SmolLM2's dense linears stay `unquantized/none`. The `moe-*` rows (tiny "
+               "random MoE checkpoints, tests/gpu_engine/test_moe_engines.py) at commit "
+               "608a393 (2026-12-04)"),
 }
 
 

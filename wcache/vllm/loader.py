@@ -234,13 +234,6 @@ def _record_timing(opts: LoaderOptions, phase: str, seconds: float, **info: Any)
             f.write(json.dumps({"phase": phase, "seconds": seconds, **info}) + "\n")
 
 
-def _forget_meta_build(vllm_config: VllmConfig, before_ctx: set, before_rope: set) -> None:
-    """Undo the global registrations a meta-device build left, so a disk build can
-    run in the same process (vLLM keys them by layer name / rope parameters)."""
-    compat.forget_registrations_(vllm_config, compat.Registrations(
-        forward_context=frozenset(before_ctx), ropes=frozenset(before_rope)))
-
-
 def _update_refusal(vllm_config: VllmConfig, device: torch.device, opts: LoaderOptions
                     ) -> str | None:
     """Why a weight-mutation path this engine enables cannot run on a restored

@@ -22,6 +22,9 @@ class Registrations:
 
     forward_context: frozenset[str]
     ropes: frozenset[Any]
+    #: length of ``compilation_config.static_all_moe_layers`` (vLLM appends each fused-MoE
+    #: layer's name; its forward context indexes the list when ``fast_moe_cold_start``)
+    moe_layers: int = 0
 
 
 def registrations(vllm_config: Any) -> Registrations:
@@ -30,7 +33,8 @@ def registrations(vllm_config: Any) -> Registrations:
 
     return Registrations(
         forward_context=frozenset(vllm_config.compilation_config.static_forward_context),
-        ropes=frozenset(rotary_embedding._ROPE_DICT))
+        ropes=frozenset(rotary_embedding._ROPE_DICT),
+        moe_layers=len(getattr(vllm_config.compilation_config, "static_all_moe_layers", ())))
 
 
 def forget_registrations_(vllm_config: Any, before: Registrations) -> None:
@@ -43,6 +47,11 @@ def forget_registrations_(vllm_config: Any, before: Registrations) -> None:
         del ctx[k]
     for k in set(rotary_embedding._ROPE_DICT) - before.ropes:
         del rotary_embedding._ROPE_DICT[k]
+    # appended in build order: a second build left in it would double every MoE layer (a
+    # fallback engine's compiled graph then differed from a disk engine's: a cache miss)
+    moe_layers = getattr(vllm_config.compilation_config, "static_all_moe_layers", None)
+    if moe_layers is not None:
+        del moe_layers[before.moe_layers:]
 
 
 @contextlib.contextmanager
