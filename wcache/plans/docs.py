@@ -219,7 +219,7 @@ REAL_ENGINE_RESULTS: dict[str, tuple[str, str]] = {
                "(config/quantization.py: `moe=QuantSpec(weight=kNvfp4Static)`), so "
                "SmolLM2's dense linears stay `unquantized/none`. The `moe-*` rows (tiny "
                "random MoE checkpoints, tests/gpu_engine/test_moe_engines.py) at commit "
-               "608a393 (2026-12-04)"),
+               "608a393 (2026-12-04), the two compiled ones at 3dcad3c"),
 }
 
 
