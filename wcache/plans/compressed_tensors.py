@@ -15,6 +15,10 @@ def _match_w4a16(config: LayerConfig, target: Target) -> str | None:
     return cpu_wna16.can_implement(config, target)
 
 
+def _match_w4a16_w4a8(config: LayerConfig, target: Target) -> str | None:
+    return cpu_wna16.can_implement_w4a8(config, target)
+
+
 def _match_w8a8_int8(config: LayerConfig, target: Target) -> str | None:
     if target.device_type != "cpu":
         return f"needs a CPU target, got {target.device_type!r}"
@@ -45,6 +49,23 @@ W4A16_CPU_WNA16 = register(Plan(
                 "(N, K/8) transposed and repacked to (N/16, 2K), scales and zero points "
                 "transposed to (K/G, ...). Restore replays isa_hint/use_w4a8 (checked "
                 "against the record) and the symmetric weight_zero_point=None."))
+
+W4A16_CPU_WNA16_W4A8 = register(Plan(
+    method="ct_w4a16", kernel="cpu_wna16_w4a8", devices="cpu",
+    stages=(ct.transpose_weight, ct.transpose_scales,
+            cpu_wna16.transpose_zero_points("weight_zero_point", asymmetric_only=True),
+            cpu_wna16.set_use_w4a8,
+            cpu_wna16.repack_w4a8("weight_packed", "weight_scale", "weight_zero_point"),
+            cpu_wna16.cast_bias_to_float32),
+    checkpoint={"weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "bias"},
+    match=_match_w4a16_w4a8,
+    description="compressed-tensors W4A16 (sym/asym) on CPU where vLLM picks CPUWNA16's "
+                "w4a8 layout (int4_scaled_mm_cpu: AMX/RISC-V, bf16 activations, "
+                "VLLM_CPU_INT4_W4A8 on): weight, scales and zero points transposed to "
+                "(K/..., N...), then blocked by vLLM's convert_weight_packed_scale_zp "
+                "(uint8/int8/fp32; a symmetric layer gets vLLM's fake all-8 zero points as "
+                "a new weight_zero_point), bias to fp32; all exported. Restore replays "
+                "use_w4a8 and checks it against the record."))
 
 W8A8_INT8_ONEDNN = register(Plan(
     method="ct_w8a8_int8", kernel="onednn", devices="cpu",
