@@ -212,6 +212,7 @@ def test_restore_twice_equals_once(family):
     (QuantSpec("unquantized"), {}, AVX2, "unquantized/torch_linear@1"),
     (QuantSpec("unquantized"), {"params_dtype": "float32"}, AVX2, "unquantized/onednn@1"),
     (QuantSpec("unquantized"), {}, AMX, "unquantized/sgl@1"),  # 256x128 bf16: SGL-shaped
+    (QuantSpec("unquantized", layer_kind="embedding"), {}, AMX, "unquantized/sgl@1"),
     (QuantSpec("unquantized"), {"size_n": 4096, "size_k": 4096}, AMX, "unquantized/onednn@1"),
     (QuantSpec("unquantized", kernel="torch_linear"), {}, AVX512, "unquantized/torch_linear@1"),
     (QuantSpec("unquantized"), {}, Target("cuda", (9, 0)), "unquantized/none@1"),
@@ -288,8 +289,6 @@ def _awq_spec():
     (_awq_spec(), (256, 128), Target("cpu"), "records no vLLM kernel decisions"),
     (QuantSpec("unquantized"), (64, 96), Target("cpu"), "records no unquantized GEMM decision"),
     (QuantSpec("unquantized"), (64, 96), vl.synthetic_target(("power",)), "POWER"),
-    (QuantSpec("unquantized", layer_kind="embedding"), (64, 96), AMX,
-     "SGL kernel for this embedding"),
     (QuantSpec("unquantized", kernel="sgl"), (64, 96), AVX2,
      "_C_AVX2 on this host has no torch.ops._C.convert_weight_packed"),
     (QuantSpec("unquantized", kernel="zentorch"), (64, 96), AVX512, "zentorch"),
@@ -537,3 +536,33 @@ def test_sgl_plan_equals_vllms_amx_dispatch(size_k, size_n, dtype, bias, monkeyp
     assert torch.equal(_forward(case, loaded), _forward(case, engine))
     assert engine.cpu_linear.packed_weight.data_ptr() != shared.data_ptr()  # engine's own copy
     assert engine.weight.numel() == 0
+
+
+@pytest.mark.parametrize("vocab,dim", [(100, 64), (10, 32), (130, 32)])
+def test_sgl_plan_equals_vllms_amx_embedding(vocab, dim, monkeypatch):
+    """Where vLLM picks its AMX SGL kernel for an embedding / lm_head (small bf16
+    vocabularies), the sgl plan keeps the unpacked weight for the lookup (exported as
+    loaded, not transformed) and binds cpu_linear over a private packed copy: load
+    equals vLLM's dispatch (lookup and lm_head matmul bit for bit) and restore equals
+    load. AMX is reported present in-process, as in the linear test above."""
+    if HOST.kernel("op.convert_weight_packed") != "present":
+        pytest.skip(f"vLLM's {HOST_LIBRARY} has no torch.ops._C.convert_weight_packed")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    case = vl.unquantized_embedding(vocab, dim)
+    plan = plan_for(case.config, target=AMX).plan
+    assert "unquantized/sgl@1" == plan.id
+    expected, loaded = case.new_layer(), case.new_layer()
+    case.vllm_process(expected)
+    assert "sgl" == vl.probe_branch(expected)
+    _load_(loaded, plan.bind(case.config, AMX))
+    assert {} == dict_diff(snapshot(expected, case.attr_paths), snapshot(loaded, case.attr_paths))
+    assert torch.equal(_forward(case, expected), _forward(case, loaded))
+    x = torch.randn(3, dim, generator=torch.Generator().manual_seed(4)).to(BF16)
+    assert torch.equal(expected.cpu_linear(x, None, None), loaded.cpu_linear(x, None, None))
+    engine, prepared = _exported_layer(case, plan, target=AMX)
+    assert torch.equal(prepared.tensors["weight"], expected.weight.data)  # exported unpacked
+    _restore_(engine, plan.bind(case.config, AMX), prepared.recorded, strict=True,
+              drops=prepared.drops)
+    assert {} == dict_diff(snapshot(loaded, case.attr_paths), snapshot(engine, case.attr_paths))
+    assert torch.equal(loaded.cpu_linear(x, None, None), engine.cpu_linear(x, None, None))
+    assert tuple(engine.weight.shape) == tuple(expected.weight.shape)  # kept for the lookup

@@ -134,14 +134,18 @@ def sgl_packed_shape(size_n: int, size_k: int, dtype: torch.dtype) -> tuple[tupl
        source=f"{_SGL}: torch.ops._C.convert_weight_packed")
 def pack_sgl_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
                     recorded: Mapping[str, Any]) -> StageOut:
-    """``weight`` ``[N, K]`` (bf16/fp16) -> the SGL kernel's packed weight (VNNI
-    blocks, same shape and dtype; fp32 ``[K, N]`` when ``N < 16``), a new tensor.
-    vLLM keeps it in the ``cpu_linear`` closure; wcache exports it under
+    """A linear layer's ``weight`` ``[N, K]`` (bf16/fp16) -> the SGL kernel's packed
+    weight (VNNI blocks, same shape and dtype; fp32 ``[K, N]`` when ``N < 16``), a new
+    tensor. vLLM keeps it in the ``cpu_linear`` closure; wcache exports it under
     ``weight`` so a restore maps it and rebuilds the closure over the shared bytes.
+    An embedding / lm_head keeps its unpacked weight (vLLM's lookup reads it): no
+    change; :data:`bind_sgl_linear` packs its private copy.
 
     Raises:
         OpUnavailable: vLLM's ``_C`` (with the SGL ops) is not loaded.
     """
+    if config.quant.layer_kind == "embedding":
+        return StageOut()
     weight = tensors["weight"]
     if weight.device.type == "meta":
         shape, dtype = sgl_packed_shape(*weight.shape, weight.dtype)
@@ -183,24 +187,48 @@ class SGLLinear:
         return f"SGLLinear(n={self.n})"
 
 
+def _sgl_pack(weight: torch.Tensor, memo: Mapping | None) -> tuple[torch.Tensor, dict]:
+    """vLLM's SGL packed copy of ``weight`` ``[N, K]`` and the memo entries to add; with
+    a per-restore ``memo`` (read only here), layers whose weight is the *same* tensor
+    (a tied embedding and lm_head) share one packed copy, as
+    :func:`wcache.stages.onednn.prepack_weight` shares its handle. ``memo`` is
+    ``None`` in an ordinary load (one copy per layer, as vLLM does)."""
+    pack = require_op("_C", "convert_weight_packed")
+    if memo is None:
+        return pack(weight), {}
+    ident = (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()), weight.dtype)
+    packed = memo.get(ident)
+    if packed is not None:
+        return packed, {}
+    packed = pack(weight)
+    return packed, {ident: packed}
+
+
 @stage("cpu_gemm.bind_sgl_linear", Tag.DERIVE, reads=("weight",), attrs=("cpu_linear",),
-       source=f"{_SGL}: the cpu_linear closure over the packed weight, then remove_weight")
+       source=f"{_SGL}: the cpu_linear closure over the packed weight, then remove_weight "
+              f"(linear) or keep the weight (embedding: remove_weight=False)",
+       memoized=True)
 def bind_sgl_linear(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                    recorded: Mapping[str, Any]) -> StageOut:
-    """Set ``layer.cpu_linear`` to :class:`SGLLinear` over the packed ``weight`` and,
+                    recorded: Mapping[str, Any], *, memo: Mapping | None = None) -> StageOut:
+    """Set ``layer.cpu_linear`` to :class:`SGLLinear`.
+
+    Linear layers: over the packed ``weight`` (:data:`pack_sgl_weight`'s output) and,
     like vLLM's ``remove_weight=True``, release the weight slot (an empty ``(0,)``
-    Parameter); the packed bytes stay referenced by the closure only. A meta weight
-    gets ``F.linear``, as in vLLM.
+    Parameter); the packed bytes stay referenced by the closure only.
+    Embeddings / lm_head (vLLM's ``remove_weight=False``: the unpacked weight stays for
+    the lookup): over a **private** packed copy of the weight (``convert_weight_packed``,
+    at most vLLM's 1 MiB SGL limit), shared through ``memo`` by layers whose weight is
+    the same tensor (a tied embedding and lm_head). A meta weight gets ``F.linear``,
+    as in vLLM.
 
     Raises:
-        StageInputError: an embedding (vLLM keeps its unpacked weight for the lookup;
-            wcache has no plan for an SGL embedding).
+        OpUnavailable: (embeddings) vLLM's ``_C`` (with the SGL ops) is not loaded.
     """
 
     weight = tensors["weight"]
     if weight.device.type == "meta":
         return StageOut(attrs={"cpu_linear": F.linear})
     if config.quant.layer_kind == "embedding":
-        raise StageInputError(f"layer {config.name!r}: an SGL embedding keeps its unpacked "
-                              f"weight; no wcache plan for it")
+        packed, new = _sgl_pack(weight, memo)
+        return StageOut(attrs={"cpu_linear": SGLLinear(packed, config.size_n)}, memo=new)
     return StageOut(attrs={"cpu_linear": SGLLinear(weight, config.size_n)}, release=("weight",))
