@@ -235,6 +235,14 @@ def test_restore_twice_equals_once(family):
      "ct_w8a8_int8/onednn@1"),
     (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="channel"), {}, AVX2,
      "ct_w8a8_int8/onednn@1"),
+    # AMX, symmetric input, tile-aligned int8: vLLM's SGL int8 kernel
+    (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor"),
+     {"size_k": 64, "size_n": 96}, AMX, "ct_w8a8_int8/sgl@1"),
+    (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor", kernel="sgl"),
+     {"size_k": 64, "size_n": 96}, AVX512, "ct_w8a8_int8/sgl@1"),  # the adapter's answer
+    (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor",
+               input_symmetric=False), {"size_k": 64, "size_n": 96}, AMX,
+     "ct_w8a8_int8/onednn@1"),  # asymmetric input: oneDNN on AMX too
     (QuantSpec("kv_cache", layer_kind="attention"), {}, AVX512, "kv_cache/scales@1"),
 ])
 def test_plan_for_resolves(spec, config_kw, target, plan_id):
@@ -296,10 +304,12 @@ def _awq_spec():
      vl.synthetic_target(**{"unquantized_gemm[bfloat16]": "zentorch",
                             "unquantized_gemm[bfloat16,sgl_shape]": "zentorch"}),
      "zentorch_linear_unary"),
-    (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor"), (64, 96),
-     AMX, "SGL int8"),
+    # vLLM's check_cpu_sgl_kernel takes int8 N % 16, its convert_weight_packed N % 32
+    (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor"), (64, 48),
+     AMX, "convert_weight_packed needs N % 32 == 0"),
     (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor", kernel="sgl"),
-     (64, 96), AVX512, "SGL int8"),
+     (64, 96), AVX2, r"no torch.ops._C.convert_weight_packed, "
+                     r"torch.ops._C.int8_scaled_mm_with_quant"),
     (QuantSpec("awq", num_bits=4, zero_point=True, kernel="machete"), (256, 128), AVX512,
      "Machete is a CUDA kernel; the target is cpu"),
 ])

@@ -484,6 +484,17 @@ def _inputs(name: str, k: int, n: int, g: int, seed: int):
                                          {"weight": w8,
                                           "weight_scale": torch.rand(n, 1, generator=gen)},
                                          dyn_asym),
+        "cpu_gemm.pack_sgl_int8_weight": (
+            cpu_gemm.pack_sgl_int8_weight,
+            {"weight": torch.randint(-128, 128, (32 * max(n // 32, 1), k),
+                                     generator=gen).to(torch.int8)}, static_asym),
+        "cpu_gemm.convert_int8_scale_to_channelwise": (
+            cpu_gemm.convert_int8_scale_to_channelwise,
+            {"weight_scale": torch.rand(2, generator=gen)}, static_asym),
+        "cpu_gemm.copy_bias_to_float32": (cpu_gemm.copy_bias_to_float32,
+                                          {"bias": torch.randn(n, generator=gen).to(BF16)},
+                                          static_asym),
+        "cpu_gemm.set_int8_sgl_method": (cpu_gemm.set_int8_sgl_method, {}, static_asym),
         "kv_cache.select_scales": (kv_cache.select_scales, kv_tensors, kv_cfg),
         "kv_cache.set_scale_floats": (kv_cache.set_scale_floats, kv_tensors, kv_cfg),
     }
@@ -498,7 +509,11 @@ ALL_STAGES = ("awq.convert_to_standard", "gptq.drop_zero_points",
               "cpu_wna16.cast_bias_to_float32",
               "onednn.prepack_weight", "onednn.convert_scale_to_channelwise",
               "onednn.fold_input_scale", "onednn.compute_azp_adj",
-              "onednn.prepack_scaled_weight", "kv_cache.select_scales",
+              "onednn.prepack_scaled_weight",
+              *(("cpu_gemm.pack_sgl_int8_weight",)
+                if HOST.kernel("op.convert_weight_packed") == "present" else ()),
+              "cpu_gemm.convert_int8_scale_to_channelwise", "cpu_gemm.copy_bias_to_float32",
+              "cpu_gemm.set_int8_sgl_method", "kv_cache.select_scales",
               "kv_cache.set_scale_floats")
 
 #: stages that run only on a target other than NON_AMX (the w4a8 layout's).
@@ -562,3 +577,43 @@ def test_transform_on_meta_gives_real_shapes(name):
     assert {k: (tuple(v.shape), v.dtype) for k, v in real.tensors.items()} == \
         {k: (tuple(v.shape), v.dtype) for k, v in meta.tensors.items()}
     assert real.drop == meta.drop
+
+
+@pytest.mark.skipif(HOST.kernel("op.convert_weight_packed") != "present",
+                    reason="vLLM's kernel library here lacks convert_weight_packed")
+@pytest.mark.parametrize("strategy,widths,bias", [("tensor", (32, 64), True),
+                                                  ("channel", (64,), False),
+                                                  ("tensor", (96,), False)])
+def test_sgl_int8_stages_match_vllm(strategy, widths, bias, monkeypatch):
+    """The SGL W8A8 INT8 stages (packed weight, per-channel scales, bias_fp32) equal
+    CPUInt8ScaledMMLinearKernel.process_weights_for_sgl bit for bit (AMX reported
+    present in-process; vLLM's SGL ops run on this ISA without it)."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    case = vllm_layers.ct_w8a8_int8_linear(64, widths, strategy, True, True, BF16, bias)
+    ref = case.new_layer()
+    case.vllm_process(ref)
+    assert ref.scheme.kernel.linear_method.__name__ == "_apply_weights_sgl"
+    raw = case.new_layer()
+    cfg = case.config
+    w = _run(cpu_gemm.pack_sgl_int8_weight, {"weight": raw.weight.data}, cfg).tensors["weight"]
+    assert torch.equal(ref.weight.data, w) and ref.weight.dtype == w.dtype
+    s_out = _run(cpu_gemm.convert_int8_scale_to_channelwise,
+                 {"weight_scale": raw.weight_scale.data}, cfg).tensors
+    assert torch.equal(ref.weight_scale.data, s_out.get("weight_scale", raw.weight_scale.data))
+    b = _run(cpu_gemm.copy_bias_to_float32, {"bias": raw.bias.data} if bias else {}, cfg).tensors
+    assert (torch.equal(ref.bias_fp32.data, b["bias_fp32"]) if bias
+            else not hasattr(ref, "bias_fp32") and {} == dict(b))
+
+
+def test_sgl_int8_n_not_multiple_of_32_fails_in_vllm_too(monkeypatch):
+    """An int8 weight with N % 32 != 0 (vLLM's check_cpu_sgl_kernel accepts N % 16):
+    vLLM's own SGL post-load fails, and so does the wcache stage, naming the rule."""
+    if HOST.kernel("op.convert_weight_packed") != "present":
+        pytest.skip("vLLM's kernel library here lacks convert_weight_packed")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    case = vllm_layers.ct_w8a8_int8_linear(64, (48,), "tensor", True, True, BF16)
+    with pytest.raises(RuntimeError, match="BLOCK_N"):
+        case.vllm_process(case.new_layer())
+    with pytest.raises(common.StageInputError, match="multiple of 32"):
+        _run(cpu_gemm.pack_sgl_int8_weight, {"weight": case.new_layer().weight.data},
+             case.config)
