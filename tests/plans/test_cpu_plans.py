@@ -26,6 +26,7 @@ from wcache.core import (
     Tag,
     Target,
 )
+from wcache.core.decisions import gemm_decision
 from wcache.plans import all_plans, plan_for
 from wcache.shell import load_, prepare_, restore_, snapshot, state_from_module
 from wcache.stages import cpu_gemm, cpu_wna16
@@ -44,8 +45,10 @@ from tests.helpers.cpu_cases import (
     FAMILIES,
     HOST,
     HOST_LIBRARY,
+    HOST_W4A16,
     dict_diff,
 )
+from wcache.vllm import probe
 from wcache.vllm.compat import sync_kernel_state_
 
 
@@ -209,6 +212,7 @@ def test_restore_twice_equals_once(family):
     (QuantSpec("unquantized"), {}, AVX2, "unquantized/torch_linear@1"),
     (QuantSpec("unquantized"), {"params_dtype": "float32"}, AVX2, "unquantized/onednn@1"),
     (QuantSpec("unquantized"), {}, AMX, "unquantized/sgl@1"),  # 256x128 bf16: SGL-shaped
+    (QuantSpec("unquantized", layer_kind="embedding"), {}, AMX, "unquantized/sgl@1"),
     (QuantSpec("unquantized"), {"size_n": 4096, "size_k": 4096}, AMX, "unquantized/onednn@1"),
     (QuantSpec("unquantized", kernel="torch_linear"), {}, AVX512, "unquantized/torch_linear@1"),
     (QuantSpec("unquantized"), {}, Target("cuda", (9, 0)), "unquantized/none@1"),
@@ -220,10 +224,25 @@ def test_restore_twice_equals_once(family):
     (QuantSpec("ct_w4a16", num_bits=4, group_size=64), {}, AVX512, "ct_w4a16/cpu_wna16@1"),
     (QuantSpec("ct_w4a16", num_bits=4, group_size=64, zero_point=True),
      {"params_dtype": "float16"}, AMX, "ct_w4a16/cpu_wna16@1"),  # fp16 activations: w4a16
+    # AMX / RISC-V with bf16 activations and VLLM_CPU_INT4_W4A8 on: the w4a8 layout
+    (QuantSpec("awq", num_bits=4, group_size=64, zero_point=True), {}, AMX,
+     "awq/cpu_wna16_w4a8@1"),
+    (QuantSpec("gptq", num_bits=4), {}, vl.synthetic_target(("riscv",)),
+     "gptq/cpu_wna16_w4a8@1"),
+    (QuantSpec("ct_w4a16", num_bits=4, group_size=32), {},
+     vl.synthetic_target(("amx",), env={"VLLM_CPU_INT4_W4A8": "1"}), "ct_w4a16/cpu_wna16_w4a8@1"),
     (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="channel"), {}, AVX512,
      "ct_w8a8_int8/onednn@1"),
     (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="channel"), {}, AVX2,
      "ct_w8a8_int8/onednn@1"),
+    # AMX, symmetric input, tile-aligned int8: vLLM's SGL int8 kernel
+    (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor"),
+     {"size_k": 64, "size_n": 96}, AMX, "ct_w8a8_int8/sgl@1"),
+    (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor", kernel="sgl"),
+     {"size_k": 64, "size_n": 96}, AVX512, "ct_w8a8_int8/sgl@1"),  # the adapter's answer
+    (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor",
+               input_symmetric=False), {"size_k": 64, "size_n": 96}, AMX,
+     "ct_w8a8_int8/onednn@1"),  # asymmetric input: oneDNN on AMX too
     (QuantSpec("kv_cache", layer_kind="attention"), {}, AVX512, "kv_cache/scales@1"),
 ])
 def test_plan_for_resolves(spec, config_kw, target, plan_id):
@@ -238,11 +257,17 @@ def test_plan_for_on_this_host_follows_vllms_decisions():
     CPUWNA16 plans resolve exactly when vLLM's kernel library has cpu_gemm_wna16."""
     for dtype in ("bfloat16", "float16", "float32"):
         config = LayerConfig(QuantSpec("unquantized"), 256, 128, dtype)
-        assert HOST.kernel(f"unquantized_gemm[{dtype}]") == plan_for(
+        shaped = cpu_gemm.sgl_shape(128, 256, getattr(torch, dtype))
+        assert HOST.kernel(gemm_decision(getattr(torch, dtype), shaped)) == plan_for(
+            config, target=HOST).kernel
+    for n, k in ((128, 256), (64, 96), (8, 32)):  # general, SGL-shaped, N < 16
+        config = LayerConfig(QuantSpec("unquantized"), k, n, "bfloat16")
+        assert probe.unquantized_gemm_kernel(n, k, torch.bfloat16) == plan_for(
             config, target=HOST).kernel
     awq = LayerConfig(_awq_spec(), 256, 128)
     if HOST.kernel("op.cpu_gemm_wna16") == "present":
-        assert "awq/cpu_wna16@1" == plan_for(awq, target=HOST).id
+        layout = "cpu_wna16_w4a8" if cpu_wna16.use_w4a8_for(BF16, HOST) else "cpu_wna16"
+        assert f"awq/{layout}@1" == plan_for(awq, target=HOST).id
     else:
         with pytest.raises(NoPlan, match=f"{HOST_LIBRARY} on this host has no "
                                          f"torch.ops._C.cpu_gemm_wna16"):
@@ -255,10 +280,13 @@ def _awq_spec():
 
 @pytest.mark.parametrize("spec,size,target,message", [
     (QuantSpec("gptq", num_bits=8, group_size=128), (256, 128), AVX512, "GPTQ int8 on CPU"),
-    (_awq_spec(), (256, 128), AMX, "w4a8 layout"),
-    (QuantSpec("gptq", num_bits=4), (256, 128), vl.synthetic_target(("riscv",)), "w4a8 layout"),
-    (QuantSpec("ct_w4a16", num_bits=4, group_size=32), (256, 128),
-     vl.synthetic_target(("amx",), env={"VLLM_CPU_INT4_W4A8": "1"}), "w4a8 layout"),
+    # vLLM's convert_weight_packed_scale_zp blocks K by min(group, 128): it fails itself
+    (QuantSpec("awq", num_bits=4, group_size=-1, zero_point=True), (192, 128), AMX,
+     "convert_weight_packed_scale_zp cannot block size_k 192"),
+    (_awq_spec(), (256, 128),
+     vl.synthetic_target(("amx", "avx512", "avx512_bf16"),
+                         **{"op.int4_scaled_mm_cpu": "absent"}),
+     r"no torch.ops._C.int4_scaled_mm_cpu \(CPUWNA16LinearKernel \(w4a8\)"),
     (QuantSpec("mystery_quant"), (256, 128), AVX512, "no plan for method 'mystery_quant'"),
     (QuantSpec("awq", num_bits=4, group_size=64, zero_point=False), (256, 128), AVX512,
      "without zero points"),
@@ -269,8 +297,6 @@ def _awq_spec():
     (_awq_spec(), (256, 128), Target("cpu"), "records no vLLM kernel decisions"),
     (QuantSpec("unquantized"), (64, 96), Target("cpu"), "records no unquantized GEMM decision"),
     (QuantSpec("unquantized"), (64, 96), vl.synthetic_target(("power",)), "POWER"),
-    (QuantSpec("unquantized", layer_kind="embedding"), (64, 96), AMX,
-     "SGL kernel for this embedding"),
     (QuantSpec("unquantized", kernel="sgl"), (64, 96), AVX2,
      "_C_AVX2 on this host has no torch.ops._C.convert_weight_packed"),
     (QuantSpec("unquantized", kernel="zentorch"), (64, 96), AVX512, "zentorch"),
@@ -278,10 +304,12 @@ def _awq_spec():
      vl.synthetic_target(**{"unquantized_gemm[bfloat16]": "zentorch",
                             "unquantized_gemm[bfloat16,sgl_shape]": "zentorch"}),
      "zentorch_linear_unary"),
-    (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor"), (64, 96),
-     AMX, "SGL int8"),
+    # vLLM's check_cpu_sgl_kernel takes int8 N % 16, its convert_weight_packed N % 32
+    (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor"), (64, 48),
+     AMX, "convert_weight_packed needs N % 32 == 0"),
     (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor", kernel="sgl"),
-     (64, 96), AVX512, "SGL int8"),
+     (64, 96), AVX2, r"no torch.ops._C.convert_weight_packed, "
+                     r"torch.ops._C.int8_scaled_mm_with_quant"),
     (QuantSpec("awq", num_bits=4, zero_point=True, kernel="machete"), (256, 128), AVX512,
      "Machete is a CUDA kernel; the target is cpu"),
 ])
@@ -305,41 +333,61 @@ def test_kv_cache_only_v_scale_raises():
 
 
 def test_restore_missing_tensor_raises_incomplete():
-    """A restore whose export lacks a tensor the plan reads raises RestoreIncomplete."""
+    """A restore whose export lacks a tensor the plan reads raises RestoreIncomplete
+    (the w4a16 layout: its restore reads the scales for isa_hint)."""
     case = vl.gptq_linear(128, 64, 32)
-    plan = _host_plan(case)
-    engine, prepared = _exported_layer(case, plan)
+    plan = plan_for(case.config, target=AVX512).plan  # plain torch: runs on any host
+    engine, prepared = _exported_layer(case, plan, target=AVX512)
     del engine._parameters["scales"]
     with pytest.raises(RestoreIncomplete, match="scales"):
-        _restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
+        _restore_(engine, plan.bind(case.config, AVX512), prepared.recorded, strict=True,
                      drops=prepared.drops)
 
 
-@pytest.mark.parametrize("stage_name,key,value", [
-    ("cpu_wna16.set_use_w4a8", "use_w4a8", True),
-    ("cpu_wna16.set_isa_hint", "isa_hint", "amx"),
-])
-def test_restore_recorded_mismatch(stage_name, key, value):
-    """A daemon record of use_w4a8/isa_hint that differs from this target's raises."""
+@pytest.mark.parametrize("target,stage_name,key,value", [
+    (AVX512, "cpu_wna16.set_use_w4a8", "use_w4a8", True),
+    (AVX512, "cpu_wna16.set_isa_hint", "isa_hint", "vsx"),  # no x86 host records vsx
+    (AMX, "cpu_wna16.set_use_w4a8", "use_w4a8", False),
+], ids=["w4a16-use_w4a8", "w4a16-isa_hint", "w4a8-use_w4a8"])
+def test_restore_recorded_mismatch(target, stage_name, key, value):
+    """A daemon record of use_w4a8/isa_hint that differs from the target's raises
+    (both CPUWNA16 layouts; the w4a8 prepare needs vLLM's ``_C`` op)."""
+    if target is AMX and HOST.kernel("op.convert_weight_packed_scale_zp") != "present":
+        pytest.skip(f"vLLM's {HOST_LIBRARY} has no convert_weight_packed_scale_zp")
     case = vl.awq_linear(128, 64, 32)
-    plan = _host_plan(case)
-    engine, prepared = _exported_layer(case, plan)
+    plan = plan_for(case.config, target=target).plan
+    engine, prepared = _exported_layer(case, plan, target=target)
     recorded = {k: dict(v) for k, v in prepared.recorded.items()}
     assert recorded[stage_name][key] != value
     recorded[stage_name][key] = value
     with pytest.raises(RecordedMismatch, match=key):
-        _restore_(engine, plan.bind(case.config, HOST), recorded, strict=True, drops=prepared.drops)
+        _restore_(engine, plan.bind(case.config, target), recorded, strict=True,
+                  drops=prepared.drops)
 
 
 def test_restore_on_other_isa_raises_recorded_mismatch():
     """Bytes prepared on a non-AMX host restored on an AMX host (w4a8 off) raise
-    RecordedMismatch on isa_hint ("vec" recorded, "amx" here)."""
+    RecordedMismatch on isa_hint ("vec" recorded, "amx" there)."""
     case = vl.awq_linear(128, 64, 32)
-    plan = _host_plan(case)
-    engine, prepared = _exported_layer(case, plan)
-    amx_host = AMX_W4A8_OFF
+    plan = plan_for(case.config, target=AVX512).plan
+    engine, prepared = _exported_layer(case, plan, target=AVX512)
     with pytest.raises(RecordedMismatch, match="isa_hint"):
-        _restore_(engine, plan.bind(case.config, amx_host), prepared.recorded, drops=prepared.drops)
+        _restore_(engine, plan.bind(case.config, AMX_W4A8_OFF), prepared.recorded,
+                  drops=prepared.drops)
+
+
+def test_w4a16_bytes_on_a_w4a8_host_raise_recorded_mismatch():
+    """w4a16 bytes (prepared for a non-AMX host) restored with the plan an AMX host
+    resolves (w4a8 layout) raise RecordedMismatch: the record names set_isa_hint,
+    which the w4a8 plan lacks, so the engine never reads w4a16 bytes as w4a8."""
+    case = vl.awq_linear(128, 64, 32)
+    plan = plan_for(case.config, target=AVX512).plan
+    engine, prepared = _exported_layer(case, plan, target=AVX512)
+    amx_plan = plan_for(case.config, target=AMX).plan
+    assert "awq/cpu_wna16_w4a8@1" == amx_plan.id
+    with pytest.raises(RecordedMismatch, match="cpu_wna16.set_isa_hint"):
+        _restore_(engine, amx_plan.bind(case.config, AMX), prepared.recorded,
+                  drops=prepared.drops)
 
 
 def test_recorded_values_for_unknown_stage_raise():
@@ -362,8 +410,9 @@ def _awq_plan(*stages_, unchecked=False) -> Plan:
 
 
 def _awq_stages():
-    """The AWQ plan's stages (resolved for an AVX512 host: the guard tests below run
-    them without vLLM's GEMM, so they hold on hosts whose vLLM lacks cpu_gemm_wna16)."""
+    """The AWQ plan's w4a16 stages (resolved for an AVX512 host: the guard tests below
+    run them without vLLM's GEMM, so they hold on hosts whose vLLM lacks cpu_gemm_wna16;
+    they bind HOST_W4A16, where the w4a16 layout is vLLM's choice on any host)."""
     return list(plan_for(LayerConfig(_awq_spec(), 128, 64), target=AVX512).stages)
 
 
@@ -388,9 +437,9 @@ def test_allocate_writing_exported_tensor_is_invalid_and_guarded():
         _awq_plan(*_awq_stages(), bad)
     case = vl.awq_linear(128, 64, 32)
     plan = _awq_plan(*_awq_stages(), bad, unchecked=True)
-    engine, prepared = _exported_layer(case, plan)
+    engine, prepared = _exported_layer(case, plan, target=HOST_W4A16)
     with pytest.raises(RestoreWroteSharedTensor, match="scales"):
-        _restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
+        _restore_(engine, plan.bind(case.config, HOST_W4A16), prepared.recorded, strict=True,
                      drops=prepared.drops)
 
 
@@ -406,10 +455,10 @@ def test_metadata_writing_in_place_is_caught(via_data):
 
     case = vl.awq_linear(128, 64, 32)
     plan = _awq_plan(*_awq_stages())
-    engine, prepared = _exported_layer(case, plan)
+    engine, prepared = _exported_layer(case, plan, target=HOST_W4A16)
     bad_plan = _awq_plan(*_awq_stages(), sneaky)
     with pytest.raises(RestoreWroteSharedTensor, match="scales"):
-        _restore_(engine, bad_plan.bind(case.config, HOST), prepared.recorded, strict=True,
+        _restore_(engine, bad_plan.bind(case.config, HOST_W4A16), prepared.recorded, strict=True,
                          drops=prepared.drops)
 
 
@@ -430,11 +479,13 @@ def test_metadata_folded_into_transform_fails_invariant():
     plan = _awq_plan(*stages_)
     case = vl.awq_linear(128, 64, 32)
     loaded, expected = case.new_layer(), case.new_layer()
-    _load_(loaded, plan.bind(case.config, HOST))
-    case.vllm_process(expected)
+    _load_(loaded, plan.bind(case.config, HOST_W4A16))
+    with pytest.MonkeyPatch.context() as mp:  # vLLM's w4a16 layout, as HOST_W4A16
+        mp.setenv(cpu_wna16.W4A8_ENV, "0")
+        case.vllm_process(expected)
     assert {} == dict_diff(snapshot(expected, case.attr_paths), snapshot(loaded, case.attr_paths))
-    engine, prepared = _exported_layer(case, plan)
-    _restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
+    engine, prepared = _exported_layer(case, plan, target=HOST_W4A16)
+    _restore_(engine, plan.bind(case.config, HOST_W4A16), prepared.recorded, strict=True,
              drops=prepared.drops)
     diff = dict_diff(snapshot(loaded, case.attr_paths), snapshot(engine, case.attr_paths))
     assert {"@isa_hint": (loaded.isa_hint, "<missing>")} == diff
@@ -497,3 +548,33 @@ def test_sgl_plan_equals_vllms_amx_dispatch(size_k, size_n, dtype, bias, monkeyp
     assert torch.equal(_forward(case, loaded), _forward(case, engine))
     assert engine.cpu_linear.packed_weight.data_ptr() != shared.data_ptr()  # engine's own copy
     assert engine.weight.numel() == 0
+
+
+@pytest.mark.parametrize("vocab,dim", [(100, 64), (10, 32), (130, 32)])
+def test_sgl_plan_equals_vllms_amx_embedding(vocab, dim, monkeypatch):
+    """Where vLLM picks its AMX SGL kernel for an embedding / lm_head (small bf16
+    vocabularies), the sgl plan keeps the unpacked weight for the lookup (exported as
+    loaded, not transformed) and binds cpu_linear over a private packed copy: load
+    equals vLLM's dispatch (lookup and lm_head matmul bit for bit) and restore equals
+    load. AMX is reported present in-process, as in the linear test above."""
+    if HOST.kernel("op.convert_weight_packed") != "present":
+        pytest.skip(f"vLLM's {HOST_LIBRARY} has no torch.ops._C.convert_weight_packed")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    case = vl.unquantized_embedding(vocab, dim)
+    plan = plan_for(case.config, target=AMX).plan
+    assert "unquantized/sgl@1" == plan.id
+    expected, loaded = case.new_layer(), case.new_layer()
+    case.vllm_process(expected)
+    assert "sgl" == vl.probe_branch(expected)
+    _load_(loaded, plan.bind(case.config, AMX))
+    assert {} == dict_diff(snapshot(expected, case.attr_paths), snapshot(loaded, case.attr_paths))
+    assert torch.equal(_forward(case, expected), _forward(case, loaded))
+    x = torch.randn(3, dim, generator=torch.Generator().manual_seed(4)).to(BF16)
+    assert torch.equal(expected.cpu_linear(x, None, None), loaded.cpu_linear(x, None, None))
+    engine, prepared = _exported_layer(case, plan, target=AMX)
+    assert torch.equal(prepared.tensors["weight"], expected.weight.data)  # exported unpacked
+    _restore_(engine, plan.bind(case.config, AMX), prepared.recorded, strict=True,
+              drops=prepared.drops)
+    assert {} == dict_diff(snapshot(loaded, case.attr_paths), snapshot(engine, case.attr_paths))
+    assert torch.equal(loaded.cpu_linear(x, None, None), engine.cpu_linear(x, None, None))
+    assert tuple(engine.weight.shape) == tuple(expected.weight.shape)  # kept for the lookup

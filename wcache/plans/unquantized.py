@@ -14,6 +14,10 @@ decision, probed by :mod:`wcache.vllm.probe` and recorded in the Target):
   is a TRANSFORM the daemon runs (the packed weight is exported under
   ``weight``, the bias as fp32); restore binds ``cpu_linear`` over the mapped
   packed bytes (DERIVE) and releases the slot as vLLM does. Truly zero-copy.
+  An SGL *embedding* / lm_head keeps its unpacked weight for the lookup: the
+  weight is exported as loaded and restore packs a private copy (DERIVE, at most
+  1 MiB; one for a tied embedding and lm_head) for ``cpu_linear``, as vLLM's
+  closure holds one.
 * ``zentorch`` has no wcache plan yet: refused, naming the decision; the engine
   loads such models from disk under ``fallback=true``.
 """
@@ -68,9 +72,6 @@ def _match_branch(branch: str, config: LayerConfig, target: Target) -> str | Non
     a plan for it there, else the reason."""
     reason = _cpu_branch_reason(branch, config, target)
     if reason is None and branch == GEMM_SGL:
-        if config.quant.layer_kind == "embedding":
-            return ("vLLM picks the AMX SGL kernel for this embedding and keeps its "
-                    "unpacked weight for the lookup; wcache has no plan for it")
         if config.dtype not in (torch.bfloat16, torch.float16):
             return f"the SGL plan takes bf16/fp16 weights, got {config.params_dtype}"
         return cpu_gemm.missing_op_reason(
@@ -114,8 +115,11 @@ SGL = register(Plan(
     method="unquantized", kernel="sgl", devices="cpu",
     stages=(cpu_gemm.pack_sgl_weight, cpu_gemm.cast_bias_to_float32, cpu_gemm.bind_sgl_linear),
     checkpoint={"weight", "bias"}, match=_match_cpu_branch(GEMM_SGL),
-    description="Unquantized linear on CPU where vLLM picks the AMX SGL kernel (small "
-                "tile-aligned bf16/fp16 weights on AMX hosts): the daemon packs the weight "
-                "(convert_weight_packed) and casts the bias to fp32, both exported; restore "
-                "binds layer.cpu_linear over the mapped packed weight and releases the "
-                "weight slot like vLLM (remove_weight=True). Zero-copy: no private prepack."))
+    description="Unquantized linear/embedding on CPU where vLLM picks the AMX SGL kernel "
+                "(small tile-aligned bf16/fp16 weights on AMX hosts). Linear: the daemon "
+                "packs the weight (convert_weight_packed) and casts the bias to fp32, both "
+                "exported; restore binds layer.cpu_linear over the mapped packed weight and "
+                "releases the weight slot like vLLM (remove_weight=True); zero-copy. "
+                "Embedding / lm_head: vLLM keeps the unpacked weight for the lookup, so it "
+                "is exported as loaded and restore packs a private copy (at most 1 MiB, one "
+                "for a tied pair) for layer.cpu_linear."))

@@ -29,6 +29,7 @@ import torch
 from attrs import evolve
 
 from wcache.core import LayerConfig, MoeShape, QuantSpec, Target
+from wcache.stages import cpu_wna16
 from wcache.stages.moe_cpu import ZENTORCH_EXPERTS
 from wcache.vllm import compat, moe, probe
 
@@ -61,6 +62,18 @@ def _mp_kernel_extra(owner: Any) -> dict[str, Any]:
     cfg = kernel.config
     return {"machete_b_type_id": int(cfg.weight_type.id),
             "machete_act_type": _dtype_name(cfg.act_type)}
+
+
+def _wna16_layout(config: LayerConfig, target: Target | None) -> LayerConfig:
+    """vLLM's ``CPUWNA16LinearKernel`` serves two weight layouts, chosen per layer from
+    the host in its post-load (``use_w4a8``); name the w4a8 one ``cpu_wna16_w4a8`` so
+    the plan of that layout is the one that resolves. The choice is
+    :func:`wcache.stages.cpu_wna16.use_w4a8_for` on the Target (vLLM's expression),
+    and both plans record it, so a restore on a host that chooses otherwise raises."""
+    if (config.quant.kernel != "cpu_wna16" or target is None
+            or not cpu_wna16.use_w4a8_for(config.dtype, target)):
+        return config
+    return evolve(config, quant=evolve(config.quant, kernel="cpu_wna16_w4a8"))
 
 
 def _release_layer_attrs(obj: Any) -> dict[str, Any]:
@@ -234,7 +247,8 @@ def _awq(quant_method: Any, module: torch.nn.Module, target: Target | None,
     qc = quant_method.quant_config
     spec = QuantSpec("awq", num_bits=qc.weight_bits, group_size=qc.group_size,
                      zero_point=bool(qc.zero_point), kernel=_kernel_id(quant_method))
-    return _linear_config(module, spec, name, _mp_kernel_extra(quant_method))
+    return _wna16_layout(_linear_config(module, spec, name, _mp_kernel_extra(quant_method)),
+                         target)
 
 
 def _gptq(quant_method: Any, module: torch.nn.Module, target: Target | None,
@@ -242,7 +256,8 @@ def _gptq(quant_method: Any, module: torch.nn.Module, target: Target | None,
     qc = quant_method.quant_config
     spec = QuantSpec("gptq", num_bits=qc.weight_bits, group_size=qc.group_size,
                      zero_point=not getattr(qc, "is_sym", True), kernel=_kernel_id(quant_method))
-    return _linear_config(module, spec, name, _mp_kernel_extra(quant_method))
+    return _wna16_layout(_linear_config(module, spec, name, _mp_kernel_extra(quant_method)),
+                         target)
 
 
 def _requantization(quant_method: Any, module: torch.nn.Module, name: str) -> LayerConfig | None:
@@ -320,7 +335,7 @@ def _ct_wna16(scheme: Any, module: torch.nn.Module, target: Target | None,
     spec = QuantSpec("ct_w4a16", num_bits=scheme.num_bits, group_size=scheme.group_size,
                      zero_point=not scheme.symmetric, strategy=_enum_value(scheme.strategy),
                      kernel=_kernel_id(scheme))
-    return _linear_config(module, spec, name, _mp_kernel_extra(scheme))
+    return _wna16_layout(_linear_config(module, spec, name, _mp_kernel_extra(scheme)), target)
 
 
 def _ct_w8a8_fp8(scheme: Any, module: torch.nn.Module, target: Target | None,

@@ -46,8 +46,10 @@ __all__ = ["PROBED_DTYPES", "PROBED_OPS", "KERNEL_LIBRARIES", "cpu_kernel_decisi
 #: Activation/weight dtypes vLLM-CPU serves unquantized linears in.
 PROBED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Ops whose presence decides whether a vLLM CPU kernel can run at all
-#: (``_C_AVX2`` lacks the first three; ``_C_AVX512`` the SGL ones).
+#: (``_C_AVX2`` lacks the first five; ``_C_AVX512`` all but ``cpu_gemm_wna16``
+#: and the oneDNN ones: the SGL and the w4a8 ops are ``_C``'s only).
 PROBED_OPS = ("cpu_gemm_wna16", "convert_weight_packed", "int8_scaled_mm_with_quant",
+              "convert_weight_packed_scale_zp", "int4_scaled_mm_cpu",
               "weight_packed_linear", "create_onednn_mm_handler",
               "create_onednn_scaled_mm_handler")
 #: A probe shape outside vLLM's SGL rule (K not a multiple of its 32-wide tile)

@@ -108,9 +108,9 @@ KERNEL_BINDINGS = (
                   convert=lambda kernel, value: _int8_linear_method(kernel, value)),
 )
 
-#: ``linear_method`` as the oneDNN W8A8 stage names it -> the method of vLLM's
+#: ``linear_method`` as the W8A8 INT8 stages name it (oneDNN, AMX SGL) -> the method of vLLM's
 #: CPUInt8ScaledMMLinearKernel that its own post-load binds for it.
-_INT8_LINEAR_METHODS = {"onednn": "_apply_weights_onednn"}
+_INT8_LINEAR_METHODS = {"onednn": "_apply_weights_onednn", "sgl": "_apply_weights_sgl"}
 
 
 def _int8_linear_method(kernel: Any, value: str) -> Any:
