@@ -208,9 +208,9 @@ class Template:
         for name in self.preload:
             self._import(name)
         if self.platform_preload and "vllm" in sys.modules:
-            from vllm.platforms import current_platform  # noqa: PLC0415 (vLLM: imported by the preloads above, never at module import)
+            from wcache.vllm import compat  # noqa: PLC0415 (vLLM: imported by the preloads above, never at module import)
 
-            extra = CPU_PRELOAD if current_platform.is_cpu() else CUDA_PRELOAD
+            extra = CPU_PRELOAD if compat.platform_is_cpu() else CUDA_PRELOAD
             for name in extra:
                 self._import(name)
         self.import_s = time.monotonic() - t0

@@ -154,18 +154,11 @@ def install_tensors_(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
             another shape or dtype than the engine's (code ``model-mismatch``).
     """
     planned = list(planned)
-    # a module reachable under several names (a MoE router gate is both ``mlp.gate`` and
-    # ``mlp.experts.gate``) is planned once, under its first name, but the daemon's
-    # export names its tensors under every name (aliases): each name gets the plan's sets
-    names: dict[int, list[str]] = {}
-    for mod_name, module in model.named_modules(remove_duplicate=False):
-        names.setdefault(id(module), []).append(mod_name)
-    writes = {n: {w for s in p.plan.stages for w in s.writes}
-              for p in planned for n in names.get(id(p.module), [p.name])}
-    transformed = {n: {w for s in p.plan.stages if s.tag is Tag.TRANSFORM for w in s.writes}
-                   for p in planned for n in names.get(id(p.module), [p.name])}
-    shell.install_tensors_(model, tensors, kinds, persistent, aliases, writes=writes,
-                           transformed=transformed)
+    shell.install_tensors_(  # a layer under several names: shell._by_every_name
+        model, tensors, kinds, persistent, aliases,
+        writes={p.name: {w for s in p.plan.stages for w in s.writes} for p in planned},
+        transformed={p.name: {w for s in p.plan.stages if s.tag is Tag.TRANSFORM
+                              for w in s.writes} for p in planned})
 
 
 def restore_layers_(planned: Iterable[PlannedLayer], layers: Mapping[str, Mapping],

