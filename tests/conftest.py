@@ -9,10 +9,12 @@ from hypothesis import HealthCheck, settings
 
 # Stage properties run real tensor math; 30 examples per property keep the suite
 # within CI's budget on a 2-core machine while still drawing shapes widely.
-settings.register_profile("ci", max_examples=30, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("thorough", max_examples=300, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "thorough", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.load_profile(os.environ.get("WCACHE_HYPOTHESIS_PROFILE", "ci"))
 
 

@@ -24,15 +24,20 @@ def test_a_reader_that_leaves_the_pipe_ends_the_command_quietly(monkeypatch, cap
     assert "Traceback" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, prime_compile, rest", [
-    ([], None, ["--dtype", "bfloat16"]),
-    (["--prime-compile"], "serve", ["--dtype", "bfloat16"]),
-    (["--prime-compile", "serve"], "serve", ["--dtype", "bfloat16"]),
-    (["--prime-compile", "llm"], "llm", ["--dtype", "bfloat16"]),
-])
+@pytest.mark.parametrize(
+    "argv, prime_compile, rest",
+    [
+        ([], None, ["--dtype", "bfloat16"]),
+        (["--prime-compile"], "serve", ["--dtype", "bfloat16"]),
+        (["--prime-compile", "serve"], "serve", ["--dtype", "bfloat16"]),
+        (["--prime-compile", "llm"], "llm", ["--dtype", "bfloat16"]),
+    ],
+)
 def test_prime_compile_takes_the_usage_context_serve_by_default(argv, prime_compile, rest):
     """`--prime-compile [serve|llm]`: absent is off, bare is serve; the vLLM arguments after it stay rest."""
-    args, got_rest = cli.build_parser().parse_known_args(["serve", "--model", "/m", *argv, "--dtype", "bfloat16"])
+    args, got_rest = cli.build_parser().parse_known_args(
+        ["serve", "--model", "/m", *argv, "--dtype", "bfloat16"]
+    )
     assert (args.prime_compile, got_rest) == (prime_compile, rest)
 
 

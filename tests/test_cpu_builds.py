@@ -38,14 +38,20 @@ def test_cpu_stage_and_plan_tests_pass_under_build(cpu_build):
     if native == "_C_AVX2":
         pytest.skip("this host's own build is _C_AVX2: the in-process tests already cover it")
     env = {**os.environ, **build_env(cpu_build)}
-    proc = subprocess.run([sys.executable, "-m", "pytest", *CPU_TESTS, "-q", "-rs",
-                           "-p", "no:cacheprovider"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=CHILD_TIMEOUT_S)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", *CPU_TESTS, "-q", "-rs", "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+    )
     tail = "\n".join(proc.stdout.splitlines()[-40:])
     assert proc.returncode == 0, tail
     summary = proc.stdout.strip().splitlines()[-1]
     assert re.search(r"\d+ passed", summary) and "failed" not in summary, summary
     skips = [ln for ln in proc.stdout.splitlines() if ln.startswith("SKIPPED")]
     # every skip names an op vLLM's _C_AVX2 lacks (cpu_gemm_wna16, the SGL ops)
-    assert all(re.search(r"_C_AVX2\b.* has no torch\.ops\._C\.\w+", ln)
-               for ln in skips), "\n".join(skips)
+    assert all(re.search(r"_C_AVX2\b.* has no torch\.ops\._C\.\w+", ln) for ln in skips), "\n".join(
+        skips
+    )

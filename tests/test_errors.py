@@ -28,11 +28,16 @@ NOT_IMPORTED = ("wcache.testing.avx2_site",)
 #: they must keep their class. RecordedMismatch, which shared ``key-mismatch``,
 #: got ``recorded-mismatch`` (docs/quickstart.md).
 USER_VISIBLE = {
-    "daemon-missing": "DaemonMissing", "key-mismatch": "KeyMismatch",
-    "plan-missing": "NoPlan", "transport-failed": "TransportFailed",
-    "guard-failed": "RestoreWroteSharedTensor", "checkpoint-changed": "CheckpointChanged",
-    "model-mismatch": "ModelMismatch", "arena-invalidated": "ArenaInvalidated",
-    "recorded-mismatch": "RecordedMismatch", "update-unsupported": "UpdateUnsupported",
+    "daemon-missing": "DaemonMissing",
+    "key-mismatch": "KeyMismatch",
+    "plan-missing": "NoPlan",
+    "transport-failed": "TransportFailed",
+    "guard-failed": "RestoreWroteSharedTensor",
+    "checkpoint-changed": "CheckpointChanged",
+    "model-mismatch": "ModelMismatch",
+    "arena-invalidated": "ArenaInvalidated",
+    "recorded-mismatch": "RecordedMismatch",
+    "update-unsupported": "UpdateUnsupported",
 }
 
 
@@ -95,9 +100,14 @@ def test_restore_failed_carries_the_failed_steps_code():
 def test_every_class_is_also_a_builtin_exception(classes):
     """Each class subclasses a builtin exception besides WcacheError's Exception
     (ValueError, RuntimeError, OSError, ...), so callers can catch it either way."""
+
     def builtin(cls):
-        return [b for b in cls.__mro__
-                if b.__module__ == "builtins" and b not in (Exception, BaseException, object)]
+        return [
+            b
+            for b in cls.__mro__
+            if b.__module__ == "builtins" and b not in (Exception, BaseException, object)
+        ]
+
     assert [] == [_name(c) for c in classes if not builtin(c)]
 
 
@@ -115,17 +125,27 @@ def test_errors_module_holds_every_gathered_class(classes):
     assert store_errors.KeyMismatch is errors.KeyMismatch
     model = importlib.import_module("wcache.vllm.model")  # imports vLLM
     loader = importlib.import_module("wcache.vllm.loader")
-    assert (protocol.ConnectionClosed, seed.SeedFailed, snapshot.SnapshotStale, model.UnplannedLayers,
-            loader.RestoreFailed) \
-        == (errors.ConnectionClosed, errors.SeedFailed, errors.SnapshotStale, errors.UnplannedLayers,
-            errors.RestoreFailed)
+    assert (
+        protocol.ConnectionClosed,
+        seed.SeedFailed,
+        snapshot.SnapshotStale,
+        model.UnplannedLayers,
+        loader.RestoreFailed,
+    ) == (
+        errors.ConnectionClosed,
+        errors.SeedFailed,
+        errors.SnapshotStale,
+        errors.UnplannedLayers,
+        errors.RestoreFailed,
+    )
 
 
 def test_no_error_class_outside_the_root():
     """Every exception class defined in the package is under WcacheError."""
     root = Path(wcache.__file__).parent
-    builtin_errors = {n for n, v in vars(builtins).items()
-                      if isinstance(v, type) and issubclass(v, BaseException)}
+    builtin_errors = {
+        n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)
+    }
     outside = []
     for path in root.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -24,8 +24,9 @@ def test_build_bundle_needs_a_version_and_its_pins(tmp_path):
     script = str(TOOLS / "build-bundle.sh")
     none = subprocess.run(["bash", script], capture_output=True, text=True)
     assert none.returncode != 0 and "vLLM version" in none.stderr
-    unknown = subprocess.run(["bash", script, "9.9.9", str(tmp_path)], capture_output=True,
-                             text=True)
+    unknown = subprocess.run(
+        ["bash", script, "9.9.9", str(tmp_path)], capture_output=True, text=True
+    )
     assert unknown.returncode == 2 and "deps-vllm-9.9.9.txt" in unknown.stderr
 
 
@@ -33,10 +34,14 @@ def test_device_setup_names_missing_chunks(tmp_path):
     """device-setup.sh on a machine that received no chunks says so and exits 2."""
     sha = tmp_path / "bundle.sha"
     sha.write_text("0" * 64 + "\n")
-    env = {"PATH": "/usr/bin:/bin", "WCACHE_GPU_SITE": str(tmp_path / "site"),
-           "WCACHE_GPU_RECV": str(tmp_path / "recv")}
-    out = subprocess.run(["bash", str(TOOLS / "device-setup.sh"), str(sha)],
-                         capture_output=True, text=True, env=env)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "WCACHE_GPU_SITE": str(tmp_path / "site"),
+        "WCACHE_GPU_RECV": str(tmp_path / "recv"),
+    }
+    out = subprocess.run(
+        ["bash", str(TOOLS / "device-setup.sh"), str(sha)], capture_output=True, text=True, env=env
+    )
     assert out.returncode == 2 and "no chunks" in out.stderr
 
 
@@ -51,10 +56,19 @@ def _source_env(site, version=None):
     env = {"PATH": "/usr/bin:/bin", "WCACHE_GPU_SITE": str(site)}
     if version:
         env["WCACHE_GPU_VLLM"] = version
-    return subprocess.run(["bash", "-c", f"source {TOOLS / 'env.sh'} || exit $?; echo "
-                           "$VLLM_USE_FLASHINFER_SAMPLER $NCCL_NVLS_ENABLE $WCACHE_GPU_VLLM "
-                           "$PYTHONPATH"], capture_output=True, text=True, env=env,
-                          cwd=str(site.parent))  # $PWD: the checkout's place
+    return subprocess.run(
+        [
+            "bash",
+            "-c",
+            f"source {TOOLS / 'env.sh'} || exit $?; echo "
+            "$VLLM_USE_FLASHINFER_SAMPLER $NCCL_NVLS_ENABLE $WCACHE_GPU_VLLM "
+            "$PYTHONPATH",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(site.parent),
+    )  # $PWD: the checkout's place
 
 
 def test_env_sets_what_the_bundle_needs(tmp_path):
@@ -64,7 +78,11 @@ def test_env_sets_what_the_bundle_needs(tmp_path):
     site = _bundle_site(tmp_path)
     out = _source_env(site)
     assert out.stdout.split() == [
-        "0", "0", "0.32.0", f"{tmp_path}:{tmp_path}/vllm-0.32.0:{site}:/tmp/wcache-dist"]
+        "0",
+        "0",
+        "0.32.0",
+        f"{tmp_path}:{tmp_path}/vllm-0.32.0:{site}:/tmp/wcache-dist",
+    ]
 
 
 def test_env_picks_the_asked_version_and_refuses_one_not_in_the_bundle(tmp_path):
@@ -72,7 +90,9 @@ def test_env_picks_the_asked_version_and_refuses_one_not_in_the_bundle(tmp_path)
     refused naming what the bundle holds (exit 2), not left to a ModuleNotFoundError."""
     site = _bundle_site(tmp_path)
     assert _source_env(site, "0.33.0").stdout.split()[2:] == [
-        "0.33.0", f"{tmp_path}:{tmp_path}/vllm-0.33.0:{site}:/tmp/wcache-dist"]
+        "0.33.0",
+        f"{tmp_path}:{tmp_path}/vllm-0.33.0:{site}:/tmp/wcache-dist",
+    ]
     other = _source_env(site, "0.34.0")
     assert other.returncode == 2
     assert "vLLM 0.34.0 is not in the bundle (it holds: 0.32.0 0.33.0 )" in other.stderr

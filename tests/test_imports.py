@@ -53,14 +53,21 @@ def _imports(tree: ast.AST) -> set[str]:
             return
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name.split(".")[0] == "wcache")
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and \
-                node.module.split(".")[0] == "wcache":
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and node.module.split(".")[0] == "wcache"
+        ):
             # ``from pkg import submodule`` is an edge to the submodule (the package's
             # own __init__ runs first for any import; it is an edge only when a name
             # comes from it)
             folder = WCACHE.parent / node.module.replace(".", "/")
-            subs = {a.name for a in node.names
-                    if (folder / a.name).is_dir() or (folder / f"{a.name}.py").is_file()}
+            subs = {
+                a.name
+                for a in node.names
+                if (folder / a.name).is_dir() or (folder / f"{a.name}.py").is_file()
+            }
             out.update(f"{node.module}.{name}" for name in subs)
             if len(subs) < len(node.names):
                 out.add(node.module)
@@ -77,9 +84,13 @@ def _graph() -> dict[str, set[str]]:
 
 def test_lower_layers_import_only_downwards():
     """core/stages/plans/store import only the layers below them, never wcache.vllm."""
-    bad = sorted(f"{mod} imports {dep}" for mod, deps in _graph().items()
-                 if _layer(mod) in ALLOWED for dep in deps
-                 if _layer(dep) != _layer(mod) and _layer(dep) not in ALLOWED[_layer(mod)])
+    bad = sorted(
+        f"{mod} imports {dep}"
+        for mod, deps in _graph().items()
+        if _layer(mod) in ALLOWED
+        for dep in deps
+        if _layer(dep) != _layer(mod) and _layer(dep) not in ALLOWED[_layer(mod)]
+    )
     assert [] == bad
 
 
@@ -93,7 +104,7 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         state[node] = 1
         for dep in sorted(graph.get(node, ())):
             if state.get(dep) == 1:
-                cycles.append(stack[stack.index(dep):] + [dep])
+                cycles.append(stack[stack.index(dep) :] + [dep])
             elif dep not in state:
                 walk(dep, stack + [dep])
         state[node] = 2
@@ -118,23 +129,31 @@ def test_the_cycle_walker_finds_a_circle_through_a_lazy_import():
     ready = ast.parse("from wcache.daemon.serve import local_ranks\n")
     serve = ast.parse("def main():\n    from wcache.daemon import ready\n")
     graph = {"wcache.daemon.ready": _imports(ready), "wcache.daemon.serve": _imports(serve)}
-    assert [["wcache.daemon.ready", "wcache.daemon.serve", "wcache.daemon.ready"]] == \
-        import_cycles(graph)
+    assert [["wcache.daemon.ready", "wcache.daemon.serve", "wcache.daemon.ready"]] == import_cycles(
+        graph
+    )
 
 
 def test_vllm_never_imports_the_daemon():
     """The vLLM integration is below the daemon's orchestration: no module of
     wcache/vllm imports wcache.daemon (the daemon calls wcache.vllm.build)."""
-    bad = sorted(f"{mod} imports {dep}" for mod, deps in _graph().items()
-                 if _layer(mod) == "vllm" for dep in deps if _layer(dep) == "daemon")
+    bad = sorted(
+        f"{mod} imports {dep}"
+        for mod, deps in _graph().items()
+        if _layer(mod) == "vllm"
+        for dep in deps
+        if _layer(dep) == "daemon"
+    )
     assert [] == bad
 
 
 def test_the_checker_sees_a_vllm_import():
     """The walker finds a lazy import inside a function and ignores TYPE_CHECKING."""
-    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                     "    from wcache.vllm import model\n"
-                     "def f():\n    from wcache.vllm.adapter import layer_config\n")
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from wcache.vllm import model\n"
+        "def f():\n    from wcache.vllm.adapter import layer_config\n"
+    )
     assert {"wcache.vllm.adapter"} == _imports(tree)
 
 
@@ -143,11 +162,27 @@ def test_the_checker_sees_a_vllm_import():
 #: What production runs (the engine's load format, the daemon, the functional core):
 #: a module name, or a package prefix ending in ``.``. ``wcache.core.`` covers core
 #: once it is a package.
-PRODUCTION = ("wcache.core", "wcache.core.", "wcache.stages.", "wcache.plans.", "wcache.store.",
-              "wcache.shell", "wcache.errors", "wcache.checkpoint", "wcache.cli",
-              "wcache.vllm.plugin", "wcache.vllm.loader", "wcache.vllm.adapter",
-              "wcache.vllm.compat", "wcache.vllm.model", "wcache.vllm.key", "wcache.vllm.probe",
-              "wcache.vllm.build", "wcache.daemon.serve", "wcache.daemon.ready")
+PRODUCTION = (
+    "wcache.core",
+    "wcache.core.",
+    "wcache.stages.",
+    "wcache.plans.",
+    "wcache.store.",
+    "wcache.shell",
+    "wcache.errors",
+    "wcache.checkpoint",
+    "wcache.cli",
+    "wcache.vllm.plugin",
+    "wcache.vllm.loader",
+    "wcache.vllm.adapter",
+    "wcache.vllm.compat",
+    "wcache.vllm.model",
+    "wcache.vllm.key",
+    "wcache.vllm.probe",
+    "wcache.vllm.build",
+    "wcache.daemon.serve",
+    "wcache.daemon.ready",
+)
 #: What production must never load: the benchmark suite, test fixtures and the demo.
 NOT_PRODUCTION = ("wcache.benchmarks", "wcache.testing", "wcache.demo", "wcache.bench")
 #: ``wcache serve``'s functions in cli.py: their lazy imports are part of the serve path.
@@ -176,6 +211,7 @@ def _module_level_imports(tree: ast.Module, functions: tuple[str, ...] = ()) -> 
                 for field in ("body", "orelse", "finalbody", "handlers"):
                     for child in getattr(node, field, ()):
                         keep(child.body if isinstance(child, ast.ExceptHandler) else [child])
+
     keep(tree.body)
     return _imports(top)
 
@@ -198,8 +234,9 @@ def _module_graph() -> dict[str, set[str]]:
     graph = {}
     for path in WCACHE.rglob("*.py"):
         mod = _module(path)
-        graph[mod] = _module_level_imports(ast.parse(path.read_text()),
-                                           CLI_SERVE_PATH if mod == "wcache.cli" else ())
+        graph[mod] = _module_level_imports(
+            ast.parse(path.read_text()), CLI_SERVE_PATH if mod == "wcache.cli" else ()
+        )
     return graph
 
 
@@ -209,18 +246,24 @@ def test_production_never_loads_benchmarks_fixtures_or_the_demo():
     graph = _module_graph()
     production = sorted(m for m in graph if _is(m, PRODUCTION))
     assert {"wcache.cli", "wcache.vllm.loader", "wcache.store.server"} <= set(production)
-    bad = sorted(f"{mod} loads {dep} (imported by {via})" for mod in production
-                 for dep, via in _loaded_by(mod, graph).items() if _is(dep, NOT_PRODUCTION))
+    bad = sorted(
+        f"{mod} loads {dep} (imported by {via})"
+        for mod in production
+        for dep, via in _loaded_by(mod, graph).items()
+        if _is(dep, NOT_PRODUCTION)
+    )
     assert [] == bad
 
 
 def test_the_production_checker_sees_a_module_level_import():
     """A top-level import (inside try/if too) and an import in a listed function count;
     a lazy import in any other function and a TYPE_CHECKING import do not."""
-    tree = ast.parse("from typing import TYPE_CHECKING\ntry:\n    import wcache.demo\nexcept ImportError:\n"
-                     "    pass\nif TYPE_CHECKING:\n    from wcache import bench\n"
-                     "def serve():\n    from wcache.testing import fixtures\n"
-                     "def other():\n    from wcache.benchmarks import synthetic\n")
+    tree = ast.parse(
+        "from typing import TYPE_CHECKING\ntry:\n    import wcache.demo\nexcept ImportError:\n"
+        "    pass\nif TYPE_CHECKING:\n    from wcache import bench\n"
+        "def serve():\n    from wcache.testing import fixtures\n"
+        "def other():\n    from wcache.benchmarks import synthetic\n"
+    )
     assert {"wcache.demo", "wcache.testing.fixtures"} == _module_level_imports(tree, ("serve",))
 
 
@@ -243,8 +286,11 @@ def _every_import(tree: ast.AST) -> set[str]:
 
 
 def _forbidden_in(tree: ast.AST) -> list[str]:
-    return sorted(m for m in _every_import(tree)
-                  if any(m == f or m.startswith(f + ".") for f in CORE_FORBIDDEN))
+    return sorted(
+        m
+        for m in _every_import(tree)
+        if any(m == f or m.startswith(f + ".") for f in CORE_FORBIDDEN)
+    )
 
 
 def test_core_imports_nothing_from_shell_vllm_or_store():
@@ -257,11 +303,17 @@ def test_core_imports_nothing_from_shell_vllm_or_store():
 
 def test_the_core_check_sees_every_forbidden_import():
     """The core check finds a shell import, a lazy vllm import and a store import."""
-    tree = ast.parse("from wcache.shell import apply_state_\n"
-                     "def f():\n    import vllm.envs\n"
-                     "from wcache import store\nimport torch\n")
-    assert ["vllm.envs", "wcache.shell", "wcache.shell.apply_state_", "wcache.store"] == \
-        _forbidden_in(tree)
+    tree = ast.parse(
+        "from wcache.shell import apply_state_\n"
+        "def f():\n    import vllm.envs\n"
+        "from wcache import store\nimport torch\n"
+    )
+    assert [
+        "vllm.envs",
+        "wcache.shell",
+        "wcache.shell.apply_state_",
+        "wcache.store",
+    ] == _forbidden_in(tree)
 
 
 def test_core_takes_no_module():

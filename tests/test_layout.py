@@ -25,7 +25,7 @@ def layout_entries(text: str, heading: str) -> dict[str, str]:
     """``{path: description}`` of the first fenced block after ``heading`` in ``text``."""
     start = text.index(heading)
     open_ = text.index("```", start)
-    block = text[text.index("\n", open_) + 1:text.index("```", open_ + 3)]
+    block = text[text.index("\n", open_) + 1 : text.index("```", open_ + 3)]
     entries: dict[str, str] = {}
     current = None
     for line in block.splitlines():
@@ -47,15 +47,21 @@ def entries(request) -> dict[str, str]:
 
 def test_every_named_path_exists(entries):
     """Each entry is a directory (named with a trailing /) or a file of the tree."""
-    missing = [p for p in entries
-               if not ((ROOT / p).is_dir() if p.endswith("/") else (ROOT / p).is_file())]
+    missing = [
+        p for p in entries if not ((ROOT / p).is_dir() if p.endswith("/") else (ROOT / p).is_file())
+    ]
     assert [] == missing
 
 
 def test_every_file_a_directory_entry_names_is_in_it(entries):
     """``server.py`` in wcache/store/'s description is wcache/store/server.py, and so on."""
-    missing = [f"{d}{name}" for d, desc in entries.items() if d.endswith("/")
-               for name in FILE_NAME.findall(desc) if not (ROOT / d / name).is_file()]
+    missing = [
+        f"{d}{name}"
+        for d, desc in entries.items()
+        if d.endswith("/")
+        for name in FILE_NAME.findall(desc)
+        if not (ROOT / d / name).is_file()
+    ]
     assert [] == missing
 
 
@@ -63,14 +69,19 @@ def test_every_package_and_top_level_module_is_named(entries):
     """Every package under wcache/ (a directory with __init__.py) and every module
     directly in wcache/ has an entry."""
     wcache = ROOT / "wcache"
-    packages = {f"{p.parent.relative_to(ROOT)}/" for p in wcache.rglob("__init__.py")
-                if p.parent != wcache}
+    packages = {
+        f"{p.parent.relative_to(ROOT)}/" for p in wcache.rglob("__init__.py") if p.parent != wcache
+    }
     modules = {str(p.relative_to(ROOT)) for p in wcache.glob("*.py") if p.name != "__init__.py"}
     assert [] == sorted((packages | modules) - set(entries))
 
 
 def test_the_parser_reads_entries_and_their_continuations():
     """A column-0 path starts an entry, indented lines continue it, prose ends it."""
-    text = ("## L\n```\nwcache/store/   daemon (server.py),\n                client\n"
-            "tests/\n\nimports run one way: a/b\n```\n")
-    assert {"wcache/store/": "daemon (server.py), client", "tests/": ""} == layout_entries(text, "## L")
+    text = (
+        "## L\n```\nwcache/store/   daemon (server.py),\n                client\n"
+        "tests/\n\nimports run one way: a/b\n```\n"
+    )
+    assert {"wcache/store/": "daemon (server.py), client", "tests/": ""} == layout_entries(
+        text, "## L"
+    )

@@ -27,11 +27,29 @@ FAST_EXIT_S = 60.0
 
 
 def _serve(model: Path, *extra: str, timeout: float = 600.0) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH"))))}
-    return subprocess.run([sys.executable, "-m", "wcache.cli", "serve", "--model", str(model),
-                           "--no-progress", "--dtype", "bfloat16", *extra], capture_output=True,
-                          text=True, env=env, timeout=timeout)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH")))),
+    }
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "wcache.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--no-progress",
+            "--dtype",
+            "bfloat16",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
 
 
 def _our_lines(stderr: str) -> list[str]:
@@ -65,7 +83,9 @@ def test_truncated_safetensors_is_one_line_naming_the_file(real_checkpoint, tmp_
     proc = _serve(model, "--socket-dir", sock_dir, timeout=FAST_EXIT_S)
     assert 1 == proc.returncode
     (line,) = _our_lines(proc.stderr)
-    assert line.startswith(f"wcache serve: error [checkpoint-corrupt]: {model / 'model.safetensors'}: ")
+    assert line.startswith(
+        f"wcache serve: error [checkpoint-corrupt]: {model / 'model.safetensors'}: "
+    )
     assert "truncated" in line and "download or copy the checkpoint again" in line
     assert "Traceback" not in proc.stderr + proc.stdout
     assert [] == os.listdir(sock_dir)  # nothing left behind
@@ -78,14 +98,16 @@ def test_config_that_is_not_json_is_one_line_naming_the_file(real_checkpoint, tm
     proc = _serve(model, "--socket-dir", sock_dir, timeout=FAST_EXIT_S)
     assert 1 == proc.returncode
     (line,) = _our_lines(proc.stderr)
-    assert line.startswith(f"wcache serve: error [config-invalid]: {model / 'config.json'}: "
-                           f"not valid JSON (")
+    assert line.startswith(
+        f"wcache serve: error [config-invalid]: {model / 'config.json'}: not valid JSON ("
+    )
     assert "line 1 column" in line and "Traceback" not in proc.stderr + proc.stdout
 
 
 @pytest.mark.slow
-def test_config_vllm_refuses_is_one_line_and_verbose_shows_the_traceback(real_checkpoint, tmp_path,
-                                                                         sock_dir):
+def test_config_vllm_refuses_is_one_line_and_verbose_shows_the_traceback(
+    real_checkpoint, tmp_path, sock_dir
+):
     """Valid JSON vLLM refuses (7 heads for 576 dims): one [config-invalid] line naming config.json
     and vLLM's reason; with --verbose the traceback is printed too."""
     model = _copy(real_checkpoint, tmp_path / "ckpt", link_weights=True)
@@ -109,8 +131,10 @@ def test_unclassified_load_error_is_one_line(monkeypatch, capsys, real_checkpoin
     monkeypatch.setattr(serve, "main", boom)
     assert 1 == cli.main(["serve", "--model", str(real_checkpoint)])
     err = capsys.readouterr().err
-    assert (f"wcache serve: error [{LoadFailed.code}]: {real_checkpoint}: OSError: No space left "
-            f"on device (run with --verbose for the traceback)\n") == err
+    assert (
+        f"wcache serve: error [{LoadFailed.code}]: {real_checkpoint}: OSError: No space left "
+        f"on device (run with --verbose for the traceback)\n"
+    ) == err
 
 
 def _valid(path: Path) -> Path:
@@ -122,17 +146,37 @@ def _valid(path: Path) -> Path:
 BAD_FILES = [
     ("empty", lambda b: b"", CheckpointCorrupt, "shorter than the 8-byte header length"),
     ("short", lambda b: b[:5], CheckpointCorrupt, "shorter than the 8-byte header length"),
-    ("huge header", lambda b: (10**12).to_bytes(8, "little") + b[8:], CheckpointCorrupt,
-     "does not fit"),
+    (
+        "huge header",
+        lambda b: (10**12).to_bytes(8, "little") + b[8:],
+        CheckpointCorrupt,
+        "does not fit",
+    ),
     ("cut header", lambda b: b[:20], CheckpointCorrupt, "does not fit"),
-    ("header not json", lambda b: (4).to_bytes(8, "little") + b"{{{{", CheckpointCorrupt,
-     "header is not valid JSON"),
-    ("header a list", lambda b: (2).to_bytes(8, "little") + b"[]", CheckpointCorrupt,
-     "not a JSON object"),
-    ("no offsets", lambda b: (14).to_bytes(8, "little") + b'{"a": {"x":1}}', CheckpointCorrupt,
-     "no valid data_offsets"),
-    ("bad offsets", lambda b: (28).to_bytes(8, "little") + b'{"a": {"data_offsets": [5]}}',
-     CheckpointCorrupt, "no valid data_offsets"),
+    (
+        "header not json",
+        lambda b: (4).to_bytes(8, "little") + b"{{{{",
+        CheckpointCorrupt,
+        "header is not valid JSON",
+    ),
+    (
+        "header a list",
+        lambda b: (2).to_bytes(8, "little") + b"[]",
+        CheckpointCorrupt,
+        "not a JSON object",
+    ),
+    (
+        "no offsets",
+        lambda b: (14).to_bytes(8, "little") + b'{"a": {"x":1}}',
+        CheckpointCorrupt,
+        "no valid data_offsets",
+    ),
+    (
+        "bad offsets",
+        lambda b: (28).to_bytes(8, "little") + b'{"a": {"data_offsets": [5]}}',
+        CheckpointCorrupt,
+        "no valid data_offsets",
+    ),
     ("truncated data", lambda b: b[:-4], CheckpointCorrupt, "truncated"),
 ]
 

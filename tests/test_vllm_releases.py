@@ -70,25 +70,51 @@ def test_contract_tests_pass_under_release(version, tmp_path, record_property):
     its tree, checked by the child), with at least one test passed per file."""
     tree = TREES / version
     if not (tree / ".complete").exists():
-        why = (f"vLLM {version}'s Python tree is not at {tree} (made by `make vllm-trees`: "
-               f"tools/vllm-tree.sh {version}), so the contract tests against vLLM "
-               f"{version} did not run")
+        why = (
+            f"vLLM {version}'s Python tree is not at {tree} (made by `make vllm-trees`: "
+            f"tools/vllm-tree.sh {version}), so the contract tests against vLLM "
+            f"{version} did not run"
+        )
         if os.environ.get(REQUIRE_ENV) == "1":
             pytest.fail(why)
         pytest.skip(why)
     junit, report = tmp_path / "junit.xml", tmp_path / "release.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(REPO)]),
-           "VLLM_TARGET_DEVICE": "cpu", EXPECT_ENV: version, REPORT_ENV: str(report)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tree), str(REPO)]),
+        "VLLM_TARGET_DEVICE": "cpu",
+        EXPECT_ENV: version,
+        REPORT_ENV: str(report),
+    }
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", *CONTRACT_FILES, "-q", "-p", "no:cacheprovider",
-         "-p", "tests.helpers.release_plugin", f"--junitxml={junit}", "-o",
-         "junit_family=xunit2"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            *CONTRACT_FILES,
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "tests.helpers.release_plugin",
+            f"--junitxml={junit}",
+            "-o",
+            "junit_family=xunit2",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+    )
     out = proc.stdout + proc.stderr
     tail = "\n".join(out.splitlines()[-TAIL_LINES:])
     assert report.exists(), tail
-    assert {"version": version, "distribution": "vllm",
-            "package": os.path.realpath(tree / "vllm")} == json.loads(report.read_text())
+    assert {
+        "version": version,
+        "distribution": "vllm",
+        "package": os.path.realpath(tree / "vllm"),
+    } == json.loads(report.read_text())
     counts = _counts(junit)
     record_property(f"vllm_{version}", counts)
     print(f"vLLM {version}: {counts}")

@@ -17,8 +17,9 @@ BASELINE = Path(__file__).with_name("mypy-baseline.txt")
 
 def main() -> int:
     """Run mypy, print its findings and the count against the baseline; 1 when above it."""
-    proc = subprocess.run([sys.executable, "-m", "mypy"], capture_output=True, text=True,
-                          check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy"], capture_output=True, text=True, check=False
+    )
     found = len(re.findall(r"^\S+:\d+: error:", proc.stdout, flags=re.M))
     baseline = int(BASELINE.read_text().split()[0])
     if proc.returncode not in (0, 1):  # 2: mypy itself failed (a config or crash)
@@ -26,11 +27,16 @@ def main() -> int:
         return proc.returncode
     if found > baseline:
         print(proc.stdout)
-        print(f"mypy: {found} findings, more than the baseline {baseline} "
-              f"({BASELINE.name}): fix the new ones")
+        print(
+            f"mypy: {found} findings, more than the baseline {baseline} "
+            f"({BASELINE.name}): fix the new ones"
+        )
         return 1
-    print(f"mypy: {found} findings (baseline {baseline}"
-          + (f"; lower {BASELINE.name} to {found}" if found < baseline else "") + ")")
+    print(
+        f"mypy: {found} findings (baseline {baseline}"
+        + (f"; lower {BASELINE.name} to {found}" if found < baseline else "")
+        + ")"
+    )
     return 0
 
 

@@ -75,11 +75,14 @@ def _results_dir() -> Path:
 
 
 def _check_store_deps() -> None:
-    missing = [m for m in ("blake3", "msgpack", "safetensors")
-               if importlib.util.find_spec(m) is None]
+    missing = [
+        m for m in ("blake3", "msgpack", "safetensors") if importlib.util.find_spec(m) is None
+    ]
     if missing:
-        raise SystemExit(f"wcache bench needs {', '.join(missing)} (the store imports blake3 "
-                         f"for its key digest); pip install {' '.join(missing)}")
+        raise SystemExit(
+            f"wcache bench needs {', '.join(missing)} (the store imports blake3 "
+            f"for its key digest); pip install {' '.join(missing)}"
+        )
 
 
 def _csv(value: str) -> tuple[str, ...]:
@@ -88,94 +91,173 @@ def _csv(value: str) -> tuple[str, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="wcache bench", description=__doc__, epilog=HELP_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                   help="where weights live and plans run: cuda (cuda:0, cuda_ipc transport) "
-                        "or cpu (shm transport). Default: cuda when available, else cpu.")
-    p.add_argument("--sizes", type=_csv, default=None,
-                   help="comma-separated model shapes: tiny (smoke tests), 1b, 8b (Llama-3.1-8B: "
-                        "32 layers, hidden 4096, intermediate 14336, 32 heads, 8 KV heads), 30b "
-                        f"(LLaMA-30B-like with GQA). Default: {DEFAULT_GPU_SIZES} on cuda, "
-                        f"{DEFAULT_CPU_SIZES} on cpu. Each size is one point of the restore-cost "
-                        "curve.")
-    p.add_argument("--formats", type=_csv, default=("bf16", "awq", "fp8"),
-                   help="comma-separated formats: bf16 (unquantized), awq (AutoAWQ int4, group "
-                        "128; Marlin plan on cuda, CPUWNA16 on cpu), fp8 (bf16 checkpoint + "
-                        "online fp8_per_tensor plan, CUTLASS layout; no CPU plan). Default: all.")
-    p.add_argument("--no-disk", type=_csv, default=_csv(DEFAULT_NO_DISK),
-                   help="sizes measured without a checkpoint on disk: the export is synthesized "
-                        "in memory (one prepared layer per distinct shape, replicated) and only "
-                        "the restore is measured (no ordinary load, no per-tensor IPC). "
-                        f"Default: {DEFAULT_NO_DISK}. Pass '' to put every size on disk.")
-    p.add_argument("--layers", type=int, default=None,
-                   help="override every shape's layer count (e.g. 2 for a smoke test).")
-    p.add_argument("--reps", type=int, default=3,
-                   help="restore repetitions per format and size, each in a fresh spawned "
-                        "process; the median is reported (default 3).")
-    p.add_argument("--load-reps", type=int, default=2,
-                   help="ordinary-load repetitions (one fresh process, page cache warm; "
-                        "median reported; default 2).")
-    p.add_argument("--handle-tensors", type=int, default=None,
-                   help="tensors of the arena-vs-per-tensor-handles measurement (default 2000 "
-                        "on cuda, 200 on cpu; 0 skips it).")
-    p.add_argument("--handle-mib", type=float, default=None,
-                   help="MiB per tensor of the handles measurement (default 12 on cuda, so each "
-                        "is its own cudaMalloc segment like real weights; 0.0625 on cpu).")
-    p.add_argument("--bench-dir", default=None,
-                   help="where synthetic checkpoints are written once and reused (default "
-                        "$WCACHE_BENCH_DIR or /tmp/wcache-bench). An 8B bf16 file is 13 GiB, "
-                        "AWQ 3.4 GiB; fp8 reuses the bf16 file. Writing stops with an error "
-                        "when the disk lacks the space.")
+        prog="wcache bench",
+        description=__doc__,
+        epilog=HELP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default=None,
+        help="where weights live and plans run: cuda (cuda:0, cuda_ipc transport) "
+        "or cpu (shm transport). Default: cuda when available, else cpu.",
+    )
+    p.add_argument(
+        "--sizes",
+        type=_csv,
+        default=None,
+        help="comma-separated model shapes: tiny (smoke tests), 1b, 8b (Llama-3.1-8B: "
+        "32 layers, hidden 4096, intermediate 14336, 32 heads, 8 KV heads), 30b "
+        f"(LLaMA-30B-like with GQA). Default: {DEFAULT_GPU_SIZES} on cuda, "
+        f"{DEFAULT_CPU_SIZES} on cpu. Each size is one point of the restore-cost "
+        "curve.",
+    )
+    p.add_argument(
+        "--formats",
+        type=_csv,
+        default=("bf16", "awq", "fp8"),
+        help="comma-separated formats: bf16 (unquantized), awq (AutoAWQ int4, group "
+        "128; Marlin plan on cuda, CPUWNA16 on cpu), fp8 (bf16 checkpoint + "
+        "online fp8_per_tensor plan, CUTLASS layout; no CPU plan). Default: all.",
+    )
+    p.add_argument(
+        "--no-disk",
+        type=_csv,
+        default=_csv(DEFAULT_NO_DISK),
+        help="sizes measured without a checkpoint on disk: the export is synthesized "
+        "in memory (one prepared layer per distinct shape, replicated) and only "
+        "the restore is measured (no ordinary load, no per-tensor IPC). "
+        f"Default: {DEFAULT_NO_DISK}. Pass '' to put every size on disk.",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="override every shape's layer count (e.g. 2 for a smoke test).",
+    )
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=3,
+        help="restore repetitions per format and size, each in a fresh spawned "
+        "process; the median is reported (default 3).",
+    )
+    p.add_argument(
+        "--load-reps",
+        type=int,
+        default=2,
+        help="ordinary-load repetitions (one fresh process, page cache warm; "
+        "median reported; default 2).",
+    )
+    p.add_argument(
+        "--handle-tensors",
+        type=int,
+        default=None,
+        help="tensors of the arena-vs-per-tensor-handles measurement (default 2000 "
+        "on cuda, 200 on cpu; 0 skips it).",
+    )
+    p.add_argument(
+        "--handle-mib",
+        type=float,
+        default=None,
+        help="MiB per tensor of the handles measurement (default 12 on cuda, so each "
+        "is its own cudaMalloc segment like real weights; 0.0625 on cpu).",
+    )
+    p.add_argument(
+        "--bench-dir",
+        default=None,
+        help="where synthetic checkpoints are written once and reused (default "
+        "$WCACHE_BENCH_DIR or /tmp/wcache-bench). An 8B bf16 file is 13 GiB, "
+        "AWQ 3.4 GiB; fp8 reuses the bf16 file. Writing stops with an error "
+        "when the disk lacks the space.",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic values.")
-    p.add_argument("--out", default=None,
-                   help="JSON results path (default benchmarks/results/<device>.json, or "
-                        "benchmarks/results/cpu-engine.json with --cpu-engine).")
-    p.add_argument("--plot", default=None,
-                   help=f"PNG of restore time vs model size (default {DEFAULT_PLOT} when more "
-                        "than one size is measured on cuda; otherwise only when given).")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON results path (default benchmarks/results/<device>.json, or "
+        "benchmarks/results/cpu-engine.json with --cpu-engine).",
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        help=f"PNG of restore time vs model size (default {DEFAULT_PLOT} when more "
+        "than one size is measured on cuda; otherwise only when given).",
+    )
     p.add_argument("--no-plot", action="store_true", help="never draw the PNG.")
-    p.add_argument("--simulate-cuda-target", action="store_true",
-                   help="resolve the CUDA plans (kernels none/marlin/cutlass, capability 9.0) "
-                        "while running on --device; a smoke-test aid that exercises the GPU "
-                        "code path's plans on a CPU host. Not a performance measurement.")
-    p.add_argument("--start-method", choices=("spawn", "forkserver"), default="spawn",
-                   help="how the fresh worker processes start: spawn (default; a new "
-                        "interpreter per worker) or forkserver (forked from a server that "
-                        "imported torch and wcache but never touched the device: still no "
-                        "CUDA context, IPC handle or mapping shared, and start-up in ~0.1 s "
-                        "instead of seconds; used by the CPU smoke test).")
-    p.add_argument("--cpu-engine", action="store_true",
-                   help="instead: run the vLLM CPU engine on the SmolLM2 fixtures "
-                        "(wcache.testing.fixtures) and compare its weight-load phase from disk "
-                        "(load format wcache_timed_auto) with the restore from a `wcache serve` "
-                        "daemon (load format wcache), per format. Needs vLLM (CPU build).")
-    p.add_argument("--engine-formats", type=_csv, default=None,
-                   help="fixture formats for --cpu-engine (default: every fixture format: "
-                        "bf16, awq, gptq, ct_w4a16, ct_w8a8_int8).")
-    p.add_argument("--server", action="store_true",
-                   help="instead: time from vLLM's OpenAI-compatible server start to its first "
-                        "answered completion, from disk vs from a daemon "
-                        "(wcache.benchmarks.bench_server; its own options follow, see "
-                        "`wcache bench --server --help`).")
-    p.add_argument("--cpu-build", type=_csv, default=("native",),
-                   help="vLLM CPU kernel libraries for --cpu-engine, comma-separated: native "
-                        "(what vLLM loads on this host) and/or avx2 (vLLM's AVX2 build, "
-                        "emulated on AVX512 hosts by capping torch, oneDNN and ATen to AVX2); "
-                        "default native.")
-    p.add_argument("--cold-start", action="store_true",
-                   help="instead: daemon ready time from the checkpoint vs from a prepared "
-                        "snapshot (warm and cold page cache) vs from a peer daemon, with the "
-                        "raw read/copy bandwidth of the same bytes "
-                        "(wcache/benchmarks/bench_coldstart.py); synthetic --sizes/--formats on "
-                        "--device, or with --cpu-engine real `wcache serve` daemons on the "
-                        "SmolLM2 fixtures (--engine-formats, default bf16,awq).")
-    p.add_argument("--snapshot-dir", default=None,
-                   help="--cold-start: where snapshots are written (default: the temp dir); "
-                        "an 8B bf16 arena needs 13 GiB free.")
-    p.add_argument("--engine-reps", type=int, default=DEFAULT_ENGINE_REPS,
-                   help="engine starts per format and side for --cpu-engine (median; default 1; "
-                        "an engine start takes 30-60 s on 2 cores).")
+    p.add_argument(
+        "--simulate-cuda-target",
+        action="store_true",
+        help="resolve the CUDA plans (kernels none/marlin/cutlass, capability 9.0) "
+        "while running on --device; a smoke-test aid that exercises the GPU "
+        "code path's plans on a CPU host. Not a performance measurement.",
+    )
+    p.add_argument(
+        "--start-method",
+        choices=("spawn", "forkserver"),
+        default="spawn",
+        help="how the fresh worker processes start: spawn (default; a new "
+        "interpreter per worker) or forkserver (forked from a server that "
+        "imported torch and wcache but never touched the device: still no "
+        "CUDA context, IPC handle or mapping shared, and start-up in ~0.1 s "
+        "instead of seconds; used by the CPU smoke test).",
+    )
+    p.add_argument(
+        "--cpu-engine",
+        action="store_true",
+        help="instead: run the vLLM CPU engine on the SmolLM2 fixtures "
+        "(wcache.testing.fixtures) and compare its weight-load phase from disk "
+        "(load format wcache_timed_auto) with the restore from a `wcache serve` "
+        "daemon (load format wcache), per format. Needs vLLM (CPU build).",
+    )
+    p.add_argument(
+        "--engine-formats",
+        type=_csv,
+        default=None,
+        help="fixture formats for --cpu-engine (default: every fixture format: "
+        "bf16, awq, gptq, ct_w4a16, ct_w8a8_int8).",
+    )
+    p.add_argument(
+        "--server",
+        action="store_true",
+        help="instead: time from vLLM's OpenAI-compatible server start to its first "
+        "answered completion, from disk vs from a daemon "
+        "(wcache.benchmarks.bench_server; its own options follow, see "
+        "`wcache bench --server --help`).",
+    )
+    p.add_argument(
+        "--cpu-build",
+        type=_csv,
+        default=("native",),
+        help="vLLM CPU kernel libraries for --cpu-engine, comma-separated: native "
+        "(what vLLM loads on this host) and/or avx2 (vLLM's AVX2 build, "
+        "emulated on AVX512 hosts by capping torch, oneDNN and ATen to AVX2); "
+        "default native.",
+    )
+    p.add_argument(
+        "--cold-start",
+        action="store_true",
+        help="instead: daemon ready time from the checkpoint vs from a prepared "
+        "snapshot (warm and cold page cache) vs from a peer daemon, with the "
+        "raw read/copy bandwidth of the same bytes "
+        "(wcache/benchmarks/bench_coldstart.py); synthetic --sizes/--formats on "
+        "--device, or with --cpu-engine real `wcache serve` daemons on the "
+        "SmolLM2 fixtures (--engine-formats, default bf16,awq).",
+    )
+    p.add_argument(
+        "--snapshot-dir",
+        default=None,
+        help="--cold-start: where snapshots are written (default: the temp dir); "
+        "an 8B bf16 arena needs 13 GiB free.",
+    )
+    p.add_argument(
+        "--engine-reps",
+        type=int,
+        default=DEFAULT_ENGINE_REPS,
+        help="engine starts per format and side for --cpu-engine (median; default 1; "
+        "an engine start takes 30-60 s on 2 cores).",
+    )
     return p
 
 
@@ -186,8 +268,9 @@ def _log(msg: str) -> None:
 # --------------------------------------------------------------------------- cpu engine
 
 
-def run_cpu_engine(formats: tuple[str, ...], reps: int, log=_log,
-                   cpu_build: str = "native") -> list[dict[str, Any]]:
+def run_cpu_engine(
+    formats: tuple[str, ...], reps: int, log=_log, cpu_build: str = "native"
+) -> list[dict[str, Any]]:
     """Weight-load phase of the vLLM CPU engine from disk vs from a daemon.
 
     Args:
@@ -213,8 +296,15 @@ def run_cpu_engine(formats: tuple[str, ...], reps: int, log=_log,
         reason = unservable_reason(fmt, probe(cpu_build)["kernels"])
         if reason:
             log(f"[engine {fmt} {library}] skipped: {reason}")
-            rows.append({"format": fmt, "build": cpu_build, "kernel_library": library,
-                         "skipped": reason, "ratio": None})
+            rows.append(
+                {
+                    "format": fmt,
+                    "build": cpu_build,
+                    "kernel_library": library,
+                    "skipped": reason,
+                    "ratio": None,
+                }
+            )
             continue
         path = build(fmt)
         disk = []
@@ -226,34 +316,54 @@ def run_cpu_engine(formats: tuple[str, ...], reps: int, log=_log,
         with tempfile.TemporaryDirectory(prefix="wcb-engine-") as sd:
             with DaemonProcess(path, sd, env=env):
                 for _ in range(reps):
-                    res = run_engine(path, "wcache", extra={"socket_dir": sd, "fallback": False},
-                                     max_tokens=1, env=env)
+                    res = run_engine(
+                        path,
+                        "wcache",
+                        extra={"socket_dir": sd, "fallback": False},
+                        max_tokens=1,
+                        env=env,
+                    )
                     rec = res["load"][-1]
                     if rec.get("phase") != "restore":
-                        raise RuntimeError(f"{fmt}: the engine did not restore from the daemon "
-                                           f"(phase {rec.get('phase')!r})")
+                        raise RuntimeError(
+                            f"{fmt}: the engine did not restore from the daemon "
+                            f"(phase {rec.get('phase')!r})"
+                        )
                     phases.append(rec["phase"])
                     restore.append(rec["seconds"])
         d, r = statistics.median(disk), statistics.median(restore)
         log(f"[engine {fmt} {library}] daemon restore phase {r:.3f} s ({d / r:.1f}x)")
-        rows.append({"format": fmt, "build": cpu_build, "kernel_library": library,
-                     "fixture": str(path), "disk_s": d, "restore_s": r,
-                     "disk_s_all": disk, "restore_s_all": restore, "phases": phases,
-                     "ratio": d / r if r > 0 else None})
+        rows.append(
+            {
+                "format": fmt,
+                "build": cpu_build,
+                "kernel_library": library,
+                "fixture": str(path),
+                "disk_s": d,
+                "restore_s": r,
+                "disk_s_all": disk,
+                "restore_s_all": restore,
+                "phases": phases,
+                "ratio": d / r if r > 0 else None,
+            }
+        )
     return rows
 
 
 def engine_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| vLLM kernel library | format | disk weight-load s | daemon restore s "
-             "| disk/restore |", "|---|---|---:|---:|---:|"]
+    lines = [
+        "| vLLM kernel library | format | disk weight-load s | daemon restore s | disk/restore |",
+        "|---|---|---:|---:|---:|",
+    ]
     for r in rows:
         lib = r.get("kernel_library", "?")
         if r.get("skipped"):
             lines.append(f"| {lib} | {r['format']} | - | - | skipped: {r['skipped']} |")
             continue
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1f}x"
-        lines.append(f"| {lib} | {r['format']} | {r['disk_s']:.3f} | {r['restore_s']:.3f} "
-                     f"| {ratio} |")
+        lines.append(
+            f"| {lib} | {r['format']} | {r['disk_s']:.3f} | {r['restore_s']:.3f} | {ratio} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -282,17 +392,36 @@ def _cold_start(args: argparse.Namespace) -> int:
     _check_store_deps()
     import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
-    device = torch.device("cuda:0" if (args.device or ("cuda" if torch.cuda.is_available()
-                                                       else "cpu")) == "cuda" else "cpu")
+    device = torch.device(
+        "cuda:0"
+        if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+        else "cpu"
+    )
     sizes = args.sizes or _csv(DEFAULT_CPU_SIZES if device.type == "cpu" else "8b")
     with tempfile.TemporaryDirectory(prefix="wcb-cold-") as socket_dir:
-        rows = cold.run_synthetic(device, sizes, args.formats, bench_dir=args.bench_dir,
-                                  snap_dir=args.snapshot_dir, seed=args.seed, layers=args.layers,
-                                  socket_dir=socket_dir, log=_log)
+        rows = cold.run_synthetic(
+            device,
+            sizes,
+            args.formats,
+            bench_dir=args.bench_dir,
+            snap_dir=args.snapshot_dir,
+            seed=args.seed,
+            layers=args.layers,
+            socket_dir=socket_dir,
+            log=_log,
+        )
     sys.stdout.write(cold.synthetic_table(rows))
     out = Path(args.out or _results_dir() / f"coldstart-{device.type}.json")
-    _write_json(out, {"mode": "cold-start", "device": str(device), "rows": rows,
-                      "torch": torch.__version__, "time": time.time()})
+    _write_json(
+        out,
+        {
+            "mode": "cold-start",
+            "device": str(device),
+            "rows": rows,
+            "torch": torch.__version__,
+            "time": time.time(),
+        },
+    )
     _log(f"results written to {out}")
     return 0
 
@@ -305,9 +434,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu_engine:
         from wcache.testing.fixtures import FORMATS as FIXTURE_FORMATS  # noqa: PLC0415 (torch import ~2 s: only when called)
 
-        rows = [row for cpu_build in args.cpu_build
-                for row in run_cpu_engine(args.engine_formats or tuple(FIXTURE_FORMATS),
-                                          args.engine_reps, cpu_build=cpu_build)]
+        rows = [
+            row
+            for cpu_build in args.cpu_build
+            for row in run_cpu_engine(
+                args.engine_formats or tuple(FIXTURE_FORMATS), args.engine_reps, cpu_build=cpu_build
+            )
+        ]
         sys.stdout.write(engine_table(rows))
         out = Path(args.out or _results_dir() / "cpu-engine.json")
         _write_json(out, {"mode": "cpu-engine", "rows": rows, "time": time.time()})
@@ -333,19 +466,37 @@ def main(argv: list[str] | None = None) -> int:
     sizes = args.sizes or _csv(DEFAULT_GPU_SIZES if device == "cuda" else DEFAULT_CPU_SIZES)
     bad = [s for s in sizes if s not in SHAPES] + [f for f in args.formats if f not in FORMATS]
     if bad:
-        raise SystemExit(f"unknown sizes/formats {bad}; sizes: {sorted(SHAPES)}, "
-                         f"formats: {list(FORMATS)}")
+        raise SystemExit(
+            f"unknown sizes/formats {bad}; sizes: {sorted(SHAPES)}, formats: {list(FORMATS)}"
+        )
     cuda = device == "cuda"
     opts = BenchOptions(
-        device=device, sizes=sizes, formats=args.formats,
-        no_disk=tuple(s for s in args.no_disk if s in sizes), layers=args.layers,
-        reps=args.reps, load_reps=args.load_reps,
-        handle_tensors=(args.handle_tensors if args.handle_tensors is not None
-                        else DEFAULT_HANDLE_TENSORS if cuda else 200),
-        handle_mib=(args.handle_mib if args.handle_mib is not None
-                    else DEFAULT_HANDLE_MIB if cuda else 0.0625),
-        bench_dir=args.bench_dir, seed=args.seed,
-        simulate_cuda_target=args.simulate_cuda_target, start_method=args.start_method)
+        device=device,
+        sizes=sizes,
+        formats=args.formats,
+        no_disk=tuple(s for s in args.no_disk if s in sizes),
+        layers=args.layers,
+        reps=args.reps,
+        load_reps=args.load_reps,
+        handle_tensors=(
+            args.handle_tensors
+            if args.handle_tensors is not None
+            else DEFAULT_HANDLE_TENSORS
+            if cuda
+            else 200
+        ),
+        handle_mib=(
+            args.handle_mib
+            if args.handle_mib is not None
+            else DEFAULT_HANDLE_MIB
+            if cuda
+            else 0.0625
+        ),
+        bench_dir=args.bench_dir,
+        seed=args.seed,
+        simulate_cuda_target=args.simulate_cuda_target,
+        start_method=args.start_method,
+    )
     results = run_suite(opts, _log)
     sys.stdout.write(markdown_table(results["rows"]))
     if results["handles"]:
@@ -356,7 +507,6 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"results written to {out}")
     plot = args.plot or (str(_REPO_ROOT / DEFAULT_PLOT) if cuda and len(sizes) > 1 else None)
     if plot and not args.no_plot:
-
         _log(f"restore-cost curve written to {plot_restore_cost(results, plot)}")
     return 0
 

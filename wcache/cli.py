@@ -74,12 +74,15 @@ def _cmd_plans_host() -> int:
     for decision, outcome in target.kernels:
         print(f"  {decision:<40} {outcome}")
     print("\nplans for typical layers here (K=4096, N=4096, bf16):")
-    examples = {"unquantized linear": QuantSpec("unquantized"),
-                "AWQ int4": QuantSpec("awq", 4, 128, zero_point=True),
-                "GPTQ int4": QuantSpec("gptq", 4, 128),
-                "compressed-tensors W4A16": QuantSpec("ct_w4a16", 4, 128),
-                "compressed-tensors W8A8 INT8": QuantSpec("ct_w8a8_int8", 8, act_bits=8,
-                                                          strategy="channel")}
+    examples = {
+        "unquantized linear": QuantSpec("unquantized"),
+        "AWQ int4": QuantSpec("awq", 4, 128, zero_point=True),
+        "GPTQ int4": QuantSpec("gptq", 4, 128),
+        "compressed-tensors W4A16": QuantSpec("ct_w4a16", 4, 128),
+        "compressed-tensors W8A8 INT8": QuantSpec(
+            "ct_w8a8_int8", 8, act_bits=8, strategy="channel"
+        ),
+    }
     for label, spec in examples.items():
         config = LayerConfig(spec, 4096, 4096, "bfloat16")
         try:
@@ -96,8 +99,10 @@ def _cmd_plans(args: argparse.Namespace) -> int:
 
     methods = sorted({p.method for p in all_plans()})
     if args.method is not None and args.method not in methods:
-        print(f"wcache plans: no plans for method {args.method!r}; methods: {', '.join(methods)}",
-              file=sys.stderr)
+        print(
+            f"wcache plans: no plans for method {args.method!r}; methods: {', '.join(methods)}",
+            file=sys.stderr,
+        )
         return 2
     sys.stdout.write(render_plans(markdown=args.markdown, method=args.method))
     return 0
@@ -114,8 +119,11 @@ DEFAULT_WAIT_READY_TIMEOUT_S = 600.0
 def _cmd_status(args: argparse.Namespace, rest: list[str]) -> int:
     if not args.wait_ready:
         if rest:
-            print(f"wcache status: unrecognized arguments: {' '.join(rest)} (engine arguments "
-                  f"are read with --wait-ready only)", file=sys.stderr)
+            print(
+                f"wcache status: unrecognized arguments: {' '.join(rest)} (engine arguments "
+                f"are read with --wait-ready only)",
+                file=sys.stderr,
+            )
             return 2
 
         return cli_status(args.socket_dir)
@@ -126,17 +134,26 @@ def _wait_ready(args: argparse.Namespace, rest: list[str]) -> int:
     """``wcache status --wait-ready --model DIR [engine args]``: 0 once every rank of the
     daemon for these engine arguments serves; 3 with the reason code when not."""
     if args.model is None:
-        print("wcache status: --wait-ready needs --model DIR and the engine arguments the "
-              "daemon was started with (e.g. --dtype bfloat16)", file=sys.stderr)
+        print(
+            "wcache status: --wait-ready needs --model DIR and the engine arguments the "
+            "daemon was started with (e.g. --dtype bfloat16)",
+            file=sys.stderr,
+        )
         return 2
     if args.timeout < 0 or args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
         print("wcache status: --timeout must be >= 0 and parallel sizes >= 1", file=sys.stderr)
         return 2
     from wcache.daemon.ready import engine_ready_spec, wait_ready  # noqa: PLC0415 (imported at call time: tests patch engine_ready_spec)
 
-    spec = engine_ready_spec(args.model, rest, tensor_parallel_size=args.tensor_parallel_size,
-                             pipeline_parallel_size=args.pipeline_parallel_size,
-                             nnodes=args.nnodes, node_rank=args.node_rank, job=args.job)
+    spec = engine_ready_spec(
+        args.model,
+        rest,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        job=args.job,
+    )
     result = wait_ready(args.socket_dir, spec, args.timeout)
     if result.ok:
         print(f"wcache: ready: {result.message}", flush=True)
@@ -153,33 +170,38 @@ def _cmd_stop(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
 
     if args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
-        print("wcache serve: --tensor-parallel-size and --pipeline-parallel-size must be >= 1",
-              file=sys.stderr)
+        print(
+            "wcache serve: --tensor-parallel-size and --pipeline-parallel-size must be >= 1",
+            file=sys.stderr,
+        )
         return 2
     if args.snapshot and args.from_snapshot:
-        print("wcache serve: give either --from-snapshot DIR (start only from that snapshot, never "
-              "load the checkpoint) or --snapshot DIR (start from it when it matches, else load the "
-              "checkpoint and write it), not both", file=sys.stderr)
+        print(
+            "wcache serve: give either --from-snapshot DIR (start only from that snapshot, never "
+            "load the checkpoint) or --snapshot DIR (start from it when it matches, else load the "
+            "checkpoint and write it), not both",
+            file=sys.stderr,
+        )
         return 2
     problem = _check_seed_args(args) or _check_http_arg(args)
     if problem:
         print(f"wcache serve: {problem}", file=sys.stderr)
         return 2
     if args.seed_timeout is not None:  # read by every rank process and seeding helper
-
         os.environ[SEED_TIMEOUT_ENV] = repr(args.seed_timeout)
     if not os.path.isdir(args.model):
-        print(f"wcache serve: --model {args.model!r} is not a local checkpoint directory; wcache "
-              f"fingerprints checkpoint files by content, so download the model first (e.g. "
-              f"`huggingface-cli download REPO --local-dir DIR`) and pass DIR", file=sys.stderr)
+        print(
+            f"wcache serve: --model {args.model!r} is not a local checkpoint directory; wcache "
+            f"fingerprints checkpoint files by content, so download the model first (e.g. "
+            f"`huggingface-cli download REPO --local-dir DIR`) and pass DIR",
+            file=sys.stderr,
+        )
         return 2
 
     check_checkpoint_dir(args.model)  # a damaged file: one line naming it, before vLLM starts
     if args.no_lean:  # read by every rank process's hand-off (wcache.store.lean)
-
         os.environ[NO_LEAN_ENV] = "1"
     from wcache.daemon.serve import main as serve_main  # noqa: PLC0415 (imported at call time: tests patch main)
-
 
     try:
         return serve_main(args, rest)
@@ -190,15 +212,14 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # vLLM, transformers, safetensors: one line; the traceback in the log
-
-
         logging.getLogger("wcache").debug("wcache serve: the load failed", exc_info=True)
         if args.verbose:
             traceback.print_exc()
         last = (str(exc).strip().splitlines() or [""])[-1]
-        raise LoadFailed(f"{args.model}: {type(exc).__name__}: {last}"
-                         + ("" if args.verbose else " (run with --verbose for the traceback)")) \
-            from exc
+        raise LoadFailed(
+            f"{args.model}: {type(exc).__name__}: {last}"
+            + ("" if args.verbose else " (run with --verbose for the traceback)")
+        ) from exc
 
 
 def _positive_seconds(text: str) -> float:
@@ -228,11 +249,16 @@ def _check_seed_args(args: argparse.Namespace) -> str | None:
 
     tcp_from = bool(args.seed_from and args.seed_from.startswith(TCP_SCHEME))
     if (args.seed_listen or tcp_from) and not args.seed_secret_file:
-        return ("--seed-listen and --seed-from tcp://... need --seed-secret-file FILE (the same "
-                "file, mode 600, on the source and the receiver)")
+        return (
+            "--seed-listen and --seed-from tcp://... need --seed-secret-file FILE (the same "
+            "file, mode 600, on the source and the receiver)"
+        )
     if args.seed_advertise and not args.seed_listen:
         return "--seed-advertise needs --seed-listen"
-    for flag, spec in (("--seed-listen", args.seed_listen), ("--seed-from", args.seed_from if tcp_from else None)):
+    for flag, spec in (
+        ("--seed-listen", args.seed_listen),
+        ("--seed-from", args.seed_from if tcp_from else None),
+    ):
         if spec:
             try:
                 host, port = parse_host_port(spec, flag)
@@ -241,8 +267,10 @@ def _check_seed_args(args: argparse.Namespace) -> str | None:
             if flag == "--seed-from" and port == 0:
                 return "--seed-from tcp://HOST:PORT needs the source's port (not 0)"
             if flag == "--seed-listen" and host in WILDCARD_HOSTS and not args.seed_advertise:
-                return (f"--seed-listen {spec} listens on every interface; add --seed-advertise "
-                        f"ADDR (the address other hosts reach this one at), or listen on that address")
+                return (
+                    f"--seed-listen {spec} listens on every interface; add --seed-advertise "
+                    f"ADDR (the address other hosts reach this one at), or listen on that address"
+                )
     if args.seed_secret_file:
         read_secret(args.seed_secret_file)
     return None
@@ -251,8 +279,10 @@ def _check_seed_args(args: argparse.Namespace) -> str | None:
 def _cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:
 
     if not os.path.isdir(args.model):
-        print(f"wcache verify: --model {args.model!r} is not a local checkpoint directory",
-              file=sys.stderr)
+        print(
+            f"wcache verify: --model {args.model!r} is not a local checkpoint directory",
+            file=sys.stderr,
+        )
         return 2
     from wcache.vllm.verify import main as verify_main  # noqa: PLC0415 (imported at call time: tests patch main)
 
@@ -280,9 +310,13 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
 def _cmd_template(args: argparse.Namespace) -> int:
     """``wcache template start | status | stop`` (docs/template.md)."""
     if args.action == "start":
-        st = template_client.start_template(args.socket_dir, args.preload,
-                                   platform_preload=not args.no_platform_preload,
-                                   timeout_s=args.timeout, foreground=args.foreground)
+        st = template_client.start_template(
+            args.socket_dir,
+            args.preload,
+            platform_preload=not args.no_platform_preload,
+            timeout_s=args.timeout,
+            foreground=args.foreground,
+        )
         print(f"wcache template: ready: {template_client.format_status(st)}", flush=True)
         return 0
     try:
@@ -293,9 +327,14 @@ def _cmd_template(args: argparse.Namespace) -> int:
     except template_client.TemplateMissing as exc:
         print(f"wcache template: not running [{exc.code}]: {exc}")
         return template_client.NOT_RUNNING_EXIT
-    print(f"wcache template: pid {reply.get('pid')} stopped accepting"
-          + (f"; it exits when its {reply['children']} running children have"
-             if reply.get("children") else ""))
+    print(
+        f"wcache template: pid {reply.get('pid')} stopped accepting"
+        + (
+            f"; it exits when its {reply['children']} running children have"
+            if reply.get("children")
+            else ""
+        )
+    )
     return 0
 
 
@@ -307,195 +346,327 @@ def _cmd_run(args: argparse.Namespace, rest: list[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
-        prog="wcache", description=DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="wcache", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"wcache {wcache.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("plans", help="list every plan with its stages, tags, reads, writes "
-                                     "and upstream source")
-    p.add_argument("--markdown", action="store_true",
-                   help="print the markdown of docs/plans.md instead of a terminal table")
+    p = sub.add_parser(
+        "plans", help="list every plan with its stages, tags, reads, writes and upstream source"
+    )
+    p.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print the markdown of docs/plans.md instead of a terminal table",
+    )
     p.add_argument("--method", help="only plans of this method (e.g. awq)")
-    p.add_argument("--host", action="store_true",
-                   help="instead: ask vLLM what it decides on this host (its CPU kernel "
-                        "library, the ops it has, the GEMM branch per dtype) and show which "
-                        "plan each fixture format's layers get here or why they are refused "
-                        "(imports vLLM)")
+    p.add_argument(
+        "--host",
+        action="store_true",
+        help="instead: ask vLLM what it decides on this host (its CPU kernel "
+        "library, the ops it has, the GEMM branch per dtype) and show which "
+        "plan each fixture format's layers get here or why they are refused "
+        "(imports vLLM)",
+    )
 
-    for name, helptext in (("status", "show every daemon in the socket directory: key, memory "
-                                      "held, clients, uptime; then every other live daemon of "
-                                      "yours (other socket dirs, or a socket removed)"),
-                           ("stop", "ask daemons to shut down (all, or one device)")):
+    for name, helptext in (
+        (
+            "status",
+            "show every daemon in the socket directory: key, memory "
+            "held, clients, uptime; then every other live daemon of "
+            "yours (other socket dirs, or a socket removed)",
+        ),
+        ("stop", "ask daemons to shut down (all, or one device)"),
+    ):
         p = sub.add_parser(name, help=helptext)
-        p.add_argument("--socket-dir", help="socket directory (default: $XDG_RUNTIME_DIR/wcache "
-                                            "or /tmp/wcache-<uid>)")
+        p.add_argument(
+            "--socket-dir",
+            help="socket directory (default: $XDG_RUNTIME_DIR/wcache or /tmp/wcache-<uid>)",
+        )
         if name == "stop":
             p.add_argument("--device", help="only the daemon of this device id")
     p = sub.choices["status"]
-    p.description = ("Show every daemon in the socket directory. With --wait-ready --model DIR "
-                     "[engine args] instead: exit 0 once every rank of the daemon started with "
-                     "those engine arguments serves, 3 (printing the reason code) when one does "
-                     "not within --timeout; for init containers and readiness probes.")
-    p.add_argument("--wait-ready", action="store_true",
-                   help="wait until every rank of the daemon for --model and the engine "
-                        "arguments that follow serves (exit 0), else exit 3 with the reason")
-    p.add_argument("--timeout", type=float, default=DEFAULT_WAIT_READY_TIMEOUT_S,
-                   help="--wait-ready: seconds to wait; 0 checks once (readiness probes) "
-                        f"(default {DEFAULT_WAIT_READY_TIMEOUT_S:.0f})")
+    p.description = (
+        "Show every daemon in the socket directory. With --wait-ready --model DIR "
+        "[engine args] instead: exit 0 once every rank of the daemon started with "
+        "those engine arguments serves, 3 (printing the reason code) when one does "
+        "not within --timeout; for init containers and readiness probes."
+    )
+    p.add_argument(
+        "--wait-ready",
+        action="store_true",
+        help="wait until every rank of the daemon for --model and the engine "
+        "arguments that follow serves (exit 0), else exit 3 with the reason",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_WAIT_READY_TIMEOUT_S,
+        help="--wait-ready: seconds to wait; 0 checks once (readiness probes) "
+        f"(default {DEFAULT_WAIT_READY_TIMEOUT_S:.0f})",
+    )
     p.add_argument("--model", help="--wait-ready: the checkpoint directory given to wcache serve")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="--wait-ready: as given to wcache serve (default 1)")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                   help="--wait-ready: as given to wcache serve (default 1)")
-    p.add_argument("--nnodes", type=int, default=1,
-                   help="--wait-ready: nodes; only this node's ranks are waited for (default 1)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="--wait-ready: as given to wcache serve (default 1)",
+    )
+    p.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="--wait-ready: as given to wcache serve (default 1)",
+    )
+    p.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="--wait-ready: nodes; only this node's ranks are waited for (default 1)",
+    )
     p.add_argument("--node-rank", type=int, default=0, help="--wait-ready: this node's index")
     p.add_argument("--job", default="", help="--wait-ready: as given to wcache serve")
 
     p = sub.add_parser(
-        "serve", help="load a checkpoint with vLLM's loader, run each plan's prepare, export "
-                      "the weights and serve them",
+        "serve",
+        help="load a checkpoint with vLLM's loader, run each plan's prepare, export "
+        "the weights and serve them",
         description="Start a wcache daemon in the foreground (stop it with Ctrl-C, SIGTERM or "
-                    "`wcache stop`). Any argument wcache does not know is passed to vLLM's "
-                    "EngineArgs (e.g. --dtype bfloat16 --quantization awq). Use the same "
-                    "engine arguments as the engine that will attach: dtype, quantization and "
-                    "parallel sizes are part of the cache key.")
+        "`wcache stop`). Any argument wcache does not know is passed to vLLM's "
+        "EngineArgs (e.g. --dtype bfloat16 --quantization awq). Use the same "
+        "engine arguments as the engine that will attach: dtype, quantization and "
+        "parallel sizes are part of the cache key.",
+    )
     p.add_argument("--model", required=True, help="checkpoint directory (local safetensors)")
     p.add_argument("--socket-dir", help="socket directory (default: per-user runtime dir)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="start one daemon process per rank (default 1)")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                   help="pipeline stages; ranks = TP x PP (default 1)")
-    p.add_argument("--nnodes", type=int, default=1,
-                   help="nodes the engine spans; run one `wcache serve` per node (IPC is "
-                        "node-local), each hosting that node's ranks (default 1)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="start one daemon process per rank (default 1)",
+    )
+    p.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="pipeline stages; ranks = TP x PP (default 1)",
+    )
+    p.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="nodes the engine spans; run one `wcache serve` per node (IPC is "
+        "node-local), each hosting that node's ranks (default 1)",
+    )
     p.add_argument("--node-rank", type=int, default=0, help="this node's index (default 0)")
-    p.add_argument("--master-addr", default="127.0.0.1",
-                   help="rendezvous address of node 0's daemon (multi-node only)")
-    p.add_argument("--master-port", type=int, default=0,
-                   help="rendezvous port; must differ from vLLM's own (default: a free port "
-                        "on one node; required with --nnodes > 1)")
-    p.add_argument("--job", default="",
-                   help="separates two jobs of the same model on one host; pass the same "
-                        "value to the engine as model_loader_extra_config job")
+    p.add_argument(
+        "--master-addr",
+        default="127.0.0.1",
+        help="rendezvous address of node 0's daemon (multi-node only)",
+    )
+    p.add_argument(
+        "--master-port",
+        type=int,
+        default=0,
+        help="rendezvous port; must differ from vLLM's own (default: a free port "
+        "on one node; required with --nnodes > 1)",
+    )
+    p.add_argument(
+        "--job",
+        default="",
+        help="separates two jobs of the same model on one host; pass the same "
+        "value to the engine as model_loader_extra_config job",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--prime-compile", nargs="?", const="serve", default=None,
-                   choices=tuple(USAGE_CONTEXTS), metavar="{serve,llm}",
-                   help="for which engines: 'serve' (the default: `vllm serve`, the OpenAI API "
-                        "server) or 'llm' (LLM() in Python); vLLM's batch defaults, hence its "
-                        "compile hash, differ between the two, so a bundle primed for one is "
-                        "stale for the other. Once the daemon serves, run one engine against it "
-                        "(that usage context, torch.compile, "
-                        "private empty caches) and keep what its compile wrote (vLLM's "
-                        "torch_compile_cache hash dir, Triton and Inductor caches) as this "
-                        "daemon's start-up artifacts: --snapshot stores them, --from-snapshot "
-                        "and --seed-from (a local socket) bring them back, and engines with "
-                        "--load-format wcache install them into their own empty caches when "
-                        "they fit their vLLM (same versions, device, vLLM compile hashes; else "
-                        "artifacts-stale, a cold compile). One rank only; a failure is logged "
-                        "and shown by `wcache status`, the daemon keeps serving; `wcache stop` ends it. "
-                        "Off by default")
-    p.add_argument("--no-lean", action="store_true",
-                   help="keep serving from the process that loaded the model. By default, on "
-                        "CPU, once a rank is ready (and its --snapshot written) it execs a "
-                        "torch-free server with the same pid that holds only the arena, the "
-                        "manifest and the socket (SmolLM2: ~30 MiB instead of ~825 MiB resident beyond the arena); that "
-                        "server cannot seed a peer, so give --no-lean to a daemon that others "
-                        "--seed-from over its socket (--seed-listen keeps the full process too)")
-    p.add_argument("--http", metavar="[HOST:]PORT",
-                   help="also answer GET /health (200 once every rank of this node serves, "
-                        "503 with the reason code otherwise: the check of `wcache status "
-                        "--wait-ready`) and GET /metrics (Prometheus text: clients, attaches, "
-                        "releases, bytes held, refusals by reason code, invalidations, "
-                        "snapshot and seeding state) on HOST:PORT; a bare PORT binds "
-                        "127.0.0.1 (default: off)")
-    p.add_argument("--verbose", action="store_true",
-                   help="log at DEBUG level and print the traceback of a failed start (by "
-                        "default a failure is one line: `wcache serve: error [code]: ...`)")
+    p.add_argument(
+        "--prime-compile",
+        nargs="?",
+        const="serve",
+        default=None,
+        choices=tuple(USAGE_CONTEXTS),
+        metavar="{serve,llm}",
+        help="for which engines: 'serve' (the default: `vllm serve`, the OpenAI API "
+        "server) or 'llm' (LLM() in Python); vLLM's batch defaults, hence its "
+        "compile hash, differ between the two, so a bundle primed for one is "
+        "stale for the other. Once the daemon serves, run one engine against it "
+        "(that usage context, torch.compile, "
+        "private empty caches) and keep what its compile wrote (vLLM's "
+        "torch_compile_cache hash dir, Triton and Inductor caches) as this "
+        "daemon's start-up artifacts: --snapshot stores them, --from-snapshot "
+        "and --seed-from (a local socket) bring them back, and engines with "
+        "--load-format wcache install them into their own empty caches when "
+        "they fit their vLLM (same versions, device, vLLM compile hashes; else "
+        "artifacts-stale, a cold compile). One rank only; a failure is logged "
+        "and shown by `wcache status`, the daemon keeps serving; `wcache stop` ends it. "
+        "Off by default",
+    )
+    p.add_argument(
+        "--no-lean",
+        action="store_true",
+        help="keep serving from the process that loaded the model. By default, on "
+        "CPU, once a rank is ready (and its --snapshot written) it execs a "
+        "torch-free server with the same pid that holds only the arena, the "
+        "manifest and the socket (SmolLM2: ~30 MiB instead of ~825 MiB resident beyond the arena); that "
+        "server cannot seed a peer, so give --no-lean to a daemon that others "
+        "--seed-from over its socket (--seed-listen keeps the full process too)",
+    )
+    p.add_argument(
+        "--http",
+        metavar="[HOST:]PORT",
+        help="also answer GET /health (200 once every rank of this node serves, "
+        "503 with the reason code otherwise: the check of `wcache status "
+        "--wait-ready`) and GET /metrics (Prometheus text: clients, attaches, "
+        "releases, bytes held, refusals by reason code, invalidations, "
+        "snapshot and seeding state) on HOST:PORT; a bare PORT binds "
+        "127.0.0.1 (default: off)",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="log at DEBUG level and print the traceback of a failed start (by "
+        "default a failure is one line: `wcache serve: error [code]: ...`)",
+    )
     ready = p.add_mutually_exclusive_group()
-    ready.add_argument("--from-snapshot", metavar="DIR",
-                       help="start from a prepared snapshot in DIR (no vLLM load, no TRANSFORM); "
-                            "refused, naming why, when it was made for other engine arguments or "
-                            "another checkpoint content")
-    ready.add_argument("--seed-from", metavar="SOCKET_OR_DIR_OR_TCP",
-                       help="fill the arena from a running daemon of the same key over "
-                            "torch.distributed (gloo on CPU, NCCL on GPU): its socket, or a "
-                            "socket directory in which the daemon of this rank's key is found, "
-                            "or tcp://HOST:PORT, another host's --seed-listen (this node's rank "
-                            "i asks PORT+i; needs --seed-secret-file)")
-    p.add_argument("--seed-listen", metavar="HOST:PORT",
-                   help="also seed daemons on other hosts: accept only `seed` requests over TCP "
-                        "on HOST:PORT (this node's rank i on PORT+i), authenticated with "
-                        "--seed-secret-file; the weights then travel unencrypted over gloo/NCCL "
-                        "from HOST (set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to pin the "
-                        "interface); use a private cluster network")
-    p.add_argument("--seed-advertise", metavar="ADDR",
-                   help="the address receivers are told to connect to when it differs from "
-                        "--seed-listen's HOST (needed when that is 0.0.0.0)")
-    p.add_argument("--seed-timeout", metavar="SECONDS", type=_positive_seconds, default=None,
-                   help="how long either side of a seeding (this daemon --seed-from a peer, or "
-                        "a peer seeding from this one) waits for the other to join and for each "
-                        "256 MiB chunk before it gives up: the receiver fails with seed-failed, "
-                        "a source logs the failure and keeps serving (default 600, enough for a "
-                        "70B-shaped rank over 10 Gb/s; also WCACHE_SEED_TIMEOUT_S)")
-    p.add_argument("--seed-secret-file", metavar="FILE",
-                   help="shared secret for --seed-listen and --seed-from tcp://...: the same "
-                        "file on both hosts, a regular file of mode 600 (refused otherwise), at "
-                        "least 16 bytes, e.g. `head -c 32 /dev/urandom | base64 > FILE; chmod "
-                        "600 FILE`; it is never sent (HMAC-SHA256 challenge-response)")
-    p.add_argument("--snapshot", metavar="DIR",
-                   help="keep a prepared snapshot in DIR: start from it when it matches (a "
-                        "restarted daemon comes back without loading), else load the checkpoint "
-                        "and write it, atomically (with --seed-from: seed, then write it; "
-                        "not with --from-snapshot)")
+    ready.add_argument(
+        "--from-snapshot",
+        metavar="DIR",
+        help="start from a prepared snapshot in DIR (no vLLM load, no TRANSFORM); "
+        "refused, naming why, when it was made for other engine arguments or "
+        "another checkpoint content",
+    )
+    ready.add_argument(
+        "--seed-from",
+        metavar="SOCKET_OR_DIR_OR_TCP",
+        help="fill the arena from a running daemon of the same key over "
+        "torch.distributed (gloo on CPU, NCCL on GPU): its socket, or a "
+        "socket directory in which the daemon of this rank's key is found, "
+        "or tcp://HOST:PORT, another host's --seed-listen (this node's rank "
+        "i asks PORT+i; needs --seed-secret-file)",
+    )
+    p.add_argument(
+        "--seed-listen",
+        metavar="HOST:PORT",
+        help="also seed daemons on other hosts: accept only `seed` requests over TCP "
+        "on HOST:PORT (this node's rank i on PORT+i), authenticated with "
+        "--seed-secret-file; the weights then travel unencrypted over gloo/NCCL "
+        "from HOST (set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to pin the "
+        "interface); use a private cluster network",
+    )
+    p.add_argument(
+        "--seed-advertise",
+        metavar="ADDR",
+        help="the address receivers are told to connect to when it differs from "
+        "--seed-listen's HOST (needed when that is 0.0.0.0)",
+    )
+    p.add_argument(
+        "--seed-timeout",
+        metavar="SECONDS",
+        type=_positive_seconds,
+        default=None,
+        help="how long either side of a seeding (this daemon --seed-from a peer, or "
+        "a peer seeding from this one) waits for the other to join and for each "
+        "256 MiB chunk before it gives up: the receiver fails with seed-failed, "
+        "a source logs the failure and keeps serving (default 600, enough for a "
+        "70B-shaped rank over 10 Gb/s; also WCACHE_SEED_TIMEOUT_S)",
+    )
+    p.add_argument(
+        "--seed-secret-file",
+        metavar="FILE",
+        help="shared secret for --seed-listen and --seed-from tcp://...: the same "
+        "file on both hosts, a regular file of mode 600 (refused otherwise), at "
+        "least 16 bytes, e.g. `head -c 32 /dev/urandom | base64 > FILE; chmod "
+        "600 FILE`; it is never sent (HMAC-SHA256 challenge-response)",
+    )
+    p.add_argument(
+        "--snapshot",
+        metavar="DIR",
+        help="keep a prepared snapshot in DIR: start from it when it matches (a "
+        "restarted daemon comes back without loading), else load the checkpoint "
+        "and write it, atomically (with --seed-from: seed, then write it; "
+        "not with --from-snapshot)",
+    )
 
     p = sub.add_parser(
-        "verify", help="check on this host that a restore equals vLLM's own load of a "
-                       "checkpoint, layer by layer and bit for bit",
+        "verify",
+        help="check on this host that a restore equals vLLM's own load of a "
+        "checkpoint, layer by layer and bit for bit",
         description="Build the model with vLLM's ordinary loader and the wcache way (prepare, "
-                    "export, restore under the guard) in one process, compare every module "
-                    "(tensors, strides, checksums, attributes, tying) and the logits of a fixed "
-                    "forward; print a per-layer table and exit 1 naming each layer that "
-                    "differs. Holds two copies of the weights. Run it once per new host class "
-                    "and model before turning --load-format wcache on in production. Any "
-                    "argument wcache does not know is passed to vLLM's EngineArgs; give the "
-                    "engine's.")
+        "export, restore under the guard) in one process, compare every module "
+        "(tensors, strides, checksums, attributes, tying) and the logits of a fixed "
+        "forward; print a per-layer table and exit 1 naming each layer that "
+        "differs. Holds two copies of the weights. Run it once per new host class "
+        "and model before turning --load-format wcache on in production. Any "
+        "argument wcache does not know is passed to vLLM's EngineArgs; give the "
+        "engine's.",
+    )
     p.add_argument("--model", required=True, help="checkpoint directory (local safetensors)")
-    p.add_argument("--socket-dir", help="compare against what the daemon in this socket "
-                                        "directory serves instead of an in-process arena")
+    p.add_argument(
+        "--socket-dir",
+        help="compare against what the daemon in this socket "
+        "directory serves instead of an in-process arena",
+    )
     p.add_argument("--job", default="", help="--socket-dir: the daemon's --job")
     p.add_argument("--only-failures", action="store_true", help="print only differing rows")
-    p.add_argument("--ignore-memory-check", action="store_true",
-                   help="run even when the host seems to lack memory for two copies")
+    p.add_argument(
+        "--ignore-memory-check",
+        action="store_true",
+        help="run even when the host seems to lack memory for two copies",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
     p = sub.add_parser(
-        "template", help="a pre-imported engine template: start | status | stop",
+        "template",
+        help="a pre-imported engine template: start | status | stop",
         description="A long-lived process beside the daemon that imported torch, vLLM and what "
-                    "an engine imports, with CUDA uninitialised; `wcache run -- CMD` forks an "
-                    "engine from it, so a restart pays no import (docs/template.md). Start it "
-                    "from the environment the engines run in: a command whose interpreter, "
-                    "installs (wcache, vLLM, torch) or import-time variables differ is refused "
-                    "(template-stale) and runs directly.")
+        "an engine imports, with CUDA uninitialised; `wcache run -- CMD` forks an "
+        "engine from it, so a restart pays no import (docs/template.md). Start it "
+        "from the environment the engines run in: a command whose interpreter, "
+        "installs (wcache, vLLM, torch) or import-time variables differ is refused "
+        "(template-stale) and runs directly.",
+    )
     p.add_argument("action", choices=("start", "status", "stop"))
     p.add_argument("--socket-dir", help="socket directory (default: the daemons')")
-    p.add_argument("--preload", action="append", metavar="MODULE",
-                   help="start: a module to import (repeat; replaces the default list)")
-    p.add_argument("--no-platform-preload", action="store_true",
-                   help="start: skip the platform's worker, model runner and attention backend")
-    p.add_argument("--timeout", type=float, default=300.0,
-                   help="start: seconds to wait for the imports (default 300)")
-    p.add_argument("--foreground", action="store_true",
-                   help="start: become the template in this process (systemd, a container)")
+    p.add_argument(
+        "--preload",
+        action="append",
+        metavar="MODULE",
+        help="start: a module to import (repeat; replaces the default list)",
+    )
+    p.add_argument(
+        "--no-platform-preload",
+        action="store_true",
+        help="start: skip the platform's worker, model runner and attention backend",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="start: seconds to wait for the imports (default 300)",
+    )
+    p.add_argument(
+        "--foreground",
+        action="store_true",
+        help="start: become the template in this process (systemd, a container)",
+    )
 
     p = sub.add_parser(
-        "run", help="run a command's Python entry in a child forked from the template "
-                    "(or directly, saying why)", description=run_cli.DESCRIPTION)
+        "run",
+        help="run a command's Python entry in a child forked from the template "
+        "(or directly, saying why)",
+        description=run_cli.DESCRIPTION,
+    )
     run_cli.add_run_arguments(p)
 
-    sub.add_parser("bench", help="benchmarks: restore vs ordinary load, arena vs per-tensor "
-                                 "handles (see docs/benchmarks.md)", add_help=False)
+    sub.add_parser(
+        "bench",
+        help="benchmarks: restore vs ordinary load, arena vs per-tensor "
+        "handles (see docs/benchmarks.md)",
+        add_help=False,
+    )
     return parser
 
 
@@ -509,13 +680,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.command in ("serve", "bench", "status", "verify", "run"):
-            handler = {"serve": _cmd_serve, "bench": _cmd_bench, "status": _cmd_status,
-                       "verify": _cmd_verify, "run": _cmd_run}[args.command]
+            handler = {
+                "serve": _cmd_serve,
+                "bench": _cmd_bench,
+                "status": _cmd_status,
+                "verify": _cmd_verify,
+                "run": _cmd_run,
+            }[args.command]
             return handler(args, rest)
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        return {"plans": _cmd_plans, "stop": _cmd_stop,
-                "template": _cmd_template}[args.command](args)
+        return {"plans": _cmd_plans, "stop": _cmd_stop, "template": _cmd_template}[args.command](
+            args
+        )
     except (WcacheError, ValueError) as exc:  # a clear message, not a traceback
         code = getattr(exc, "code", "invalid-argument")
         print(f"wcache {args.command}: error [{code}]: {exc}", file=sys.stderr)

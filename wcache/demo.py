@@ -39,8 +39,7 @@ DEFAULT_FORMATS = ("bf16", "awq", "gptq", "ct_w4a16", "ct_w8a8_int8")
 def run_format(fmt: str, max_tokens: int) -> dict:
     from wcache.testing.fixtures import build  # noqa: PLC0415 (torch import ~2 s: only when called)
 
-    print(f"[{fmt}] building the SmolLM2 {fmt} checkpoint (cached after the first run)",
-          flush=True)
+    print(f"[{fmt}] building the SmolLM2 {fmt} checkpoint (cached after the first run)", flush=True)
     model = build(fmt)
     with tempfile.TemporaryDirectory(prefix="wcache-demo-") as sock_dir:
         print(f"[{fmt}] starting the wcache daemon", flush=True)
@@ -49,8 +48,13 @@ def run_format(fmt: str, max_tokens: int) -> dict:
             print(f"[{fmt}] vLLM from disk (load_format=auto, timed)", flush=True)
             disk = run_engine(model, "wcache_timed_auto", prompts=[PROMPT], max_tokens=max_tokens)
             print(f"[{fmt}] vLLM from the daemon (load_format=wcache, fallback=false)", flush=True)
-            restored = run_engine(model, "wcache", {"socket_dir": sock_dir, "fallback": False},
-                                  prompts=[PROMPT], max_tokens=max_tokens)
+            restored = run_engine(
+                model,
+                "wcache",
+                {"socket_dir": sock_dir, "fallback": False},
+                prompts=[PROMPT],
+                max_tokens=max_tokens,
+            )
     return {"disk": disk, "restored": restored}
 
 
@@ -62,29 +66,48 @@ def run_moe(max_tokens: int) -> dict:
     """Disk vs daemon for the tiny random-weight Qwen3-MoE (:mod:`wcache.testing.tiny_moe`)."""
     from wcache.testing.tiny_moe import build  # noqa: PLC0415
 
-    print(f"[{MOE_ROW}] building the tiny Qwen3-MoE checkpoint (cached after the first run)",
-          flush=True)
+    print(
+        f"[{MOE_ROW}] building the tiny Qwen3-MoE checkpoint (cached after the first run)",
+        flush=True,
+    )
     model = build()
     with tempfile.TemporaryDirectory(prefix="wcache-demo-") as sock_dir:
         with DaemonProcess(model, sock_dir) as daemon:
             print(f"[{MOE_ROW}] {daemon.ready_lines[-1]}  ({daemon.ready_s:.1f} s)", flush=True)
             disk = run_engine(model, "wcache_timed_auto", prompts=[PROMPT], max_tokens=max_tokens)
-            restored = run_engine(model, "wcache", {"socket_dir": sock_dir, "fallback": False},
-                                  prompts=[PROMPT], max_tokens=max_tokens)
+            restored = run_engine(
+                model,
+                "wcache",
+                {"socket_dir": sock_dir, "fallback": False},
+                prompts=[PROMPT],
+                max_tokens=max_tokens,
+            )
     return {"disk": disk, "restored": restored}
 
 
 def main(argv: list[str] | None = None) -> int:
 
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
-                    help=f"comma-separated fixture formats among {', '.join(FORMAT_OPS)} "
-                         f"(default: all; those this host's vLLM cannot serve are skipped)")
-    ap.add_argument("--max-tokens", type=int, default=2,
-                    help="greedy tokens to generate (default 2: ' Paris.' for bf16)")
-    ap.add_argument("--moe", action=argparse.BooleanOptionalAction, default=True,
-                    help="also run the tiny random-weight Qwen3-MoE row (default on)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--formats",
+        default=",".join(DEFAULT_FORMATS),
+        help=f"comma-separated fixture formats among {', '.join(FORMAT_OPS)} "
+        f"(default: all; those this host's vLLM cannot serve are skipped)",
+    )
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=2,
+        help="greedy tokens to generate (default 2: ' Paris.' for bf16)",
+    )
+    ap.add_argument(
+        "--moe",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the tiny random-weight Qwen3-MoE row (default on)",
+    )
     args = ap.parse_args(argv)
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     unknown = [f for f in formats if f not in FORMAT_OPS]
@@ -94,8 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     print("asking vLLM what it decides on this host (python -m wcache.vllm.probe)", flush=True)
     host = probe("native")
     kernels = host["kernels"]
-    print(f"  kernel library {kernels['cpu.kernel_library']}, ISA {host['isa'] or ['(no AVX512)']}, "
-          f"bf16 GEMM: {kernels.get('unquantized_gemm[bfloat16]')}", flush=True)
+    print(
+        f"  kernel library {kernels['cpu.kernel_library']}, ISA {host['isa'] or ['(no AVX512)']}, "
+        f"bf16 GEMM: {kernels.get('unquantized_gemm[bfloat16]')}",
+        flush=True,
+    )
     skipped = {f: r for f in formats if (r := unservable_reason(f, kernels))}
     for fmt, reason in skipped.items():
         print(f"[{fmt}] skipped: {reason}", flush=True)
@@ -127,8 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  from disk:          {r['disk']['texts'][0]!r}")
         print(f"  from the daemon:    {r['restored']['texts'][0]!r}")
         print(f"  outputs:            {'identical' if same else 'DIFFERENT'}")
-        print(f"  weight-load phase:  disk {t_disk:.3f} s, daemon {t_rest:.3f} s, "
-              f"ratio {t_disk / t_rest:.1f}x")
+        print(
+            f"  weight-load phase:  disk {t_disk:.3f} s, daemon {t_rest:.3f} s, "
+            f"ratio {t_disk / t_rest:.1f}x"
+        )
         if fmt == MOE_ROW:
             print("  (random weights: the text means nothing, only its equality does)")
     for fmt, reason in skipped.items():

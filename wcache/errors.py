@@ -23,23 +23,57 @@ from collections.abc import Iterable
 
 __all__ = [
     # plans, stages, restore (the functional core)
-    "WcacheError", "NoPlan", "PlanInvalid", "StageContractError", "RestoreWroteSharedTensor",
-    "RecordedMismatch", "RestoreIncomplete", "ModelMismatch", "PlanArgumentError",
+    "WcacheError",
+    "NoPlan",
+    "PlanInvalid",
+    "StageContractError",
+    "RestoreWroteSharedTensor",
+    "RecordedMismatch",
+    "RestoreIncomplete",
+    "ModelMismatch",
+    "PlanArgumentError",
     "UpdateUnsupported",
     # checkpoint and the daemon's load
-    "CheckpointCorrupt", "ConfigInvalid", "LoadFailed", "PrepareFailed",
+    "CheckpointCorrupt",
+    "ConfigInvalid",
+    "LoadFailed",
+    "PrepareFailed",
     # the weight store
-    "StoreError", "DaemonMissing", "KeyMismatch", "TransportFailed", "ProtocolError",
-    "ConnectionClosed", "IdleTimeout", "ShmTooSmall", "DaemonBusy", "Released", "UnsafePath",
-    "PeerRefused", "CheckpointChanged", "ArenaInvalidated", "HttpListenFailed", "SeedFailed",
+    "StoreError",
+    "DaemonMissing",
+    "KeyMismatch",
+    "TransportFailed",
+    "ProtocolError",
+    "ConnectionClosed",
+    "IdleTimeout",
+    "ShmTooSmall",
+    "DaemonBusy",
+    "Released",
+    "UnsafePath",
+    "PeerRefused",
+    "CheckpointChanged",
+    "ArenaInvalidated",
+    "HttpListenFailed",
+    "SeedFailed",
     "SeedUnavailable",
-    "SeedSecretUnsafe", "SnapshotMissing", "SnapshotCorrupt", "SnapshotStale",
-    "SnapshotWriteFailed", "ArtifactsMissing", "ArtifactsCorrupt",
+    "SeedSecretUnsafe",
+    "SnapshotMissing",
+    "SnapshotCorrupt",
+    "SnapshotStale",
+    "SnapshotWriteFailed",
+    "ArtifactsMissing",
+    "ArtifactsCorrupt",
     "PrimingFailed",
     # the vLLM side
-    "UnplannedLayers", "MAX_NAMED_UNPLANNED", "RestoreFailed", "VerifyRefused",
+    "UnplannedLayers",
+    "MAX_NAMED_UNPLANNED",
+    "RestoreFailed",
+    "VerifyRefused",
     # benchmarks and test fixtures
-    "DiskFull", "WorkerFailed", "FixtureError", "UnreadableArtifact",
+    "DiskFull",
+    "WorkerFailed",
+    "FixtureError",
+    "UnreadableArtifact",
 ]
 
 # --------------------------------------------------------------------------- plans, stages, restore
@@ -377,13 +411,18 @@ class UnplannedLayers(NoPlan):
         parts = []
         for reason, names in by_reason.items():
             shown = ", ".join(names[:MAX_NAMED_UNPLANNED])
-            more = f" and {len(names) - MAX_NAMED_UNPLANNED} more" if len(names) > \
-                MAX_NAMED_UNPLANNED else ""
+            more = (
+                f" and {len(names) - MAX_NAMED_UNPLANNED} more"
+                if len(names) > MAX_NAMED_UNPLANNED
+                else ""
+            )
             parts.append(f"{len(names)} layer(s) [{shown}{more}]: {reason}")
-        super().__init__(f"{len(layers)} layer(s) have no wcache plan on this host: "
-                         + "; ".join(parts)
-                         + ". Serve this model with load_format='auto' (or keep "
-                           "fallback=true, which loads it from disk).")
+        super().__init__(
+            f"{len(layers)} layer(s) have no wcache plan on this host: "
+            + "; ".join(parts)
+            + ". Serve this model with load_format='auto' (or keep "
+            "fallback=true, which loads it from disk)."
+        )
 
 
 class RestoreFailed(WcacheError, RuntimeError):

@@ -34,8 +34,16 @@ from wcache.core import (
 )
 from wcache.errors import ModelMismatch
 
-__all__ = ["load_", "prepare_", "restore_", "apply_state_", "install_tensors_",
-           "resolve_parent", "state_from_module", "snapshot"]
+__all__ = [
+    "load_",
+    "prepare_",
+    "restore_",
+    "apply_state_",
+    "install_tensors_",
+    "resolve_parent",
+    "state_from_module",
+    "snapshot",
+]
 
 
 def state_from_module(module: torch.nn.Module) -> LayerState:
@@ -64,11 +72,17 @@ def prepare_(layer: torch.nn.Module, bound: BoundPlan) -> Prepared:
     return bound.prepared(state)
 
 
-def restore_(layer: torch.nn.Module, bound: BoundPlan,
-             recorded: Mapping[str, Mapping[str, Any]], *, strict: bool = False,
-             guard: bool | RestoreGuard = True, content: bool = True,
-             drops: Iterable[str] = (),
-             memo: MutableMapping[str, dict] | None = None) -> LayerState:
+def restore_(
+    layer: torch.nn.Module,
+    bound: BoundPlan,
+    recorded: Mapping[str, Mapping[str, Any]],
+    *,
+    strict: bool = False,
+    guard: bool | RestoreGuard = True,
+    content: bool = True,
+    drops: Iterable[str] = (),
+    memo: MutableMapping[str, dict] | None = None,
+) -> LayerState:
     """Engine side: ``layer`` already holds the mapped tensors; replay the
     METADATA/ALLOCATE/DERIVE/VALIDATE stages (the restore fold, with the guard as
     its per-step hook) and install the result.
@@ -98,9 +112,17 @@ def restore_(layer: torch.nn.Module, bound: BoundPlan,
     name = bound.config.name
     initial = bound.restore_start(state_from_module(layer), recorded, drops)
     if guard is True:
-        guard = RestoreGuard({name: {k: initial.tensors[k] for k in sorted(initial.tensors)
-                                     if initial.tensors[k].device.type != "meta"}},
-                             content=content, strict=strict)
+        guard = RestoreGuard(
+            {
+                name: {
+                    k: initial.tensors[k]
+                    for k in sorted(initial.tensors)
+                    if initial.tensors[k].device.type != "meta"
+                }
+            },
+            content=content,
+            strict=strict,
+        )
     elif guard is False:
         guard = None
     state = bound.restore_run(initial, recorded, guard=guard, memo=memo)
@@ -109,8 +131,7 @@ def restore_(layer: torch.nn.Module, bound: BoundPlan,
             memo.setdefault(stage_name, {}).update(entries)
     apply_state_(layer, state)
     if guard is not None:
-        guard.check_stage(name, "(install)",
-                          {**state_from_module(layer).tensors, **state.released})
+        guard.check_stage(name, "(install)", {**state_from_module(layer).tensors, **state.released})
         guard.check_layer(name, [s.name for s in bound.stages if s.replayable])
     return state
 
@@ -142,8 +163,7 @@ def resolve_parent(root: Any, path: str) -> tuple[Any, str]:
     return obj, leaf
 
 
-def apply_state_(module: torch.nn.Module, state: LayerState, *,
-                 keep: Iterable[str] = ()) -> None:
+def apply_state_(module: torch.nn.Module, state: LayerState, *, keep: Iterable[str] = ()) -> None:
     """The one shell that mutates: make ``module`` hold ``state``.
 
     Tensors whose object is already installed under the same name are left
@@ -177,8 +197,11 @@ def apply_state_(module: torch.nn.Module, state: LayerState, *,
             module._buffers.pop(name, None)
             if name in module.__dict__:
                 delattr(module, name)
-            param = tensor if isinstance(tensor, torch.nn.Parameter) else \
-                torch.nn.Parameter(base, requires_grad=False)
+            param = (
+                tensor
+                if isinstance(tensor, torch.nn.Parameter)
+                else torch.nn.Parameter(base, requires_grad=False)
+            )
             module._parameters[name] = param
     for path, value in state.attrs.items():
         obj, leaf = resolve_parent(module, path)
@@ -197,8 +220,13 @@ def snapshot(module: torch.nn.Module, attr_paths: Iterable[str] = ()) -> dict[st
             if t is None:
                 out[name] = (kind, None)
             else:
-                out[name] = (kind, tuple(t.shape), str(t.dtype), tuple(t.stride()),
-                             tensor_checksum(t))
+                out[name] = (
+                    kind,
+                    tuple(t.shape),
+                    str(t.dtype),
+                    tuple(t.stride()),
+                    tensor_checksum(t),
+                )
     for path in attr_paths:
         try:
             obj, leaf = resolve_parent(module, path)
@@ -222,18 +250,22 @@ def _split(name: str) -> tuple[str, str]:
     return mod, leaf
 
 
-def _module_of(model: torch.nn.Module, modules: Mapping[str, torch.nn.Module], name: str
-               ) -> tuple[torch.nn.Module, str]:
+def _module_of(
+    model: torch.nn.Module, modules: Mapping[str, torch.nn.Module], name: str
+) -> tuple[torch.nn.Module, str]:
     mod, leaf = _split(name)
     if mod not in modules:
-        raise ModelMismatch(f"the daemon exports {name!r} but the engine's model has no module "
-                            f"{mod!r}: daemon and engine were started on different models or "
-                            f"engine arguments; restart the daemon with the engine's arguments.")
+        raise ModelMismatch(
+            f"the daemon exports {name!r} but the engine's model has no module "
+            f"{mod!r}: daemon and engine were started on different models or "
+            f"engine arguments; restart the daemon with the engine's arguments."
+        )
     return modules[mod], leaf
 
 
-def _by_every_name(modules: Mapping[str, torch.nn.Module],
-                   per_layer: Mapping[str, Iterable[str]]) -> dict[str, set[str]]:
+def _by_every_name(
+    modules: Mapping[str, torch.nn.Module], per_layer: Mapping[str, Iterable[str]]
+) -> dict[str, set[str]]:
     """``per_layer`` (layer name -> tensor names) under every name of each layer's module.
 
     One module can hang under two names: vLLM 0.33's fused-MoE layers keep the router
@@ -252,8 +284,11 @@ def _by_every_name(modules: Mapping[str, torch.nn.Module],
     return out
 
 
-def _check_shapes(modules: Mapping[str, torch.nn.Module], tensors: Mapping[str, torch.Tensor],
-                  transformed: Mapping[str, Iterable[str]]) -> None:
+def _check_shapes(
+    modules: Mapping[str, torch.nn.Module],
+    tensors: Mapping[str, torch.Tensor],
+    transformed: Mapping[str, Iterable[str]],
+) -> None:
     """Shape and dtype of every exported tensor against the engine's meta model,
     except those a TRANSFORM stage of their layer's plan writes.
 
@@ -275,13 +310,20 @@ def _check_shapes(modules: Mapping[str, torch.nn.Module], tensors: Mapping[str, 
                 f"the daemon exports {name!r} as {list(t.shape)} {t.dtype} but the engine's "
                 f"model expects {list(mine.shape)} {mine.dtype}: daemon and engine were started "
                 f"with different engine arguments (e.g. hf_overrides, max_model_len); restart "
-                f"the daemon with the engine's arguments.")
+                f"the daemon with the engine's arguments."
+            )
 
 
-def install_tensors_(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
-                     kinds: Mapping[str, str], persistent: Mapping[str, bool],
-                     aliases: Mapping[str, str], *, writes: Mapping[str, Iterable[str]],
-                     transformed: Mapping[str, Iterable[str]]) -> None:
+def install_tensors_(
+    model: torch.nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    kinds: Mapping[str, str],
+    persistent: Mapping[str, bool],
+    aliases: Mapping[str, str],
+    *,
+    writes: Mapping[str, Iterable[str]],
+    transformed: Mapping[str, Iterable[str]],
+) -> None:
     """Register mapped tensors on a meta-built model (the engine side).
 
     Canonical tensors become plain ``nn.Parameter(requires_grad=False)`` or
@@ -317,7 +359,8 @@ def install_tensors_(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
         if not known and leaf not in plan_writes.get(mod_name, ()):
             raise ModelMismatch(
                 f"the daemon exports {name!r}, which the engine's model does not have and no "
-                f"plan of layer {mod_name!r} produces; the daemon serves a different model.")
+                f"plan of layer {mod_name!r} produces; the daemon serves a different model."
+            )
         kind = kinds[name]
         obj = objects.get((canonical, kind))
         if obj is None:

@@ -12,8 +12,11 @@ from wcache.benchmarks import bench_ipc_cache as B
 def _checkpoint(path, rows=6, cols=4):
     path.mkdir()
     emb = torch.arange(rows * cols, dtype=torch.bfloat16).reshape(rows, cols)
-    save_file({"model.embed_tokens.weight": emb, "lm_head.weight": emb + 1},
-              path / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {"model.embed_tokens.weight": emb, "lm_head.weight": emb + 1},
+        path / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     (path / "config.json").write_text("{}")
     return emb
 
@@ -28,8 +31,13 @@ def test_swapped_checkpoint_changes_one_value_and_keeps_the_header(tmp_path):
     expected[3, 0] = 8.0
     assert torch.equal(after["model.embed_tokens.weight"], expected)
     assert torch.equal(after["lm_head.weight"], emb + 1)
-    assert change == {"file": "model.safetensors", "tensor": "model.embed_tokens.weight",
-                      "index": [3, 0], "old": float(emb[3, 0]), "new": 8.0}
+    assert change == {
+        "file": "model.safetensors",
+        "tensor": "model.embed_tokens.weight",
+        "index": [3, 0],
+        "old": float(emb[3, 0]),
+        "new": 8.0,
+    }
     assert (tmp_path / "b" / "config.json").is_file()
 
 
@@ -43,16 +51,28 @@ def test_swapped_checkpoint_refuses_a_non_bf16_embedding(tmp_path):
 
 def test_table_lists_each_system_and_refusals():
     """The table has a disk reference line, a measured line and a refusal line per case."""
-    rows = [{"case": "smol-awq", "disk": {"model_loading_s": 1.0, "model_loading_gib": 0.1,
-                                          "llm_start_s": 5.0},
-             "wcache": {"daemon_ready_s": 20.0, "daemon_gpu_mib": 300.0, "model_loading_s": 0.2,
-                        "model_loading_gib": 0.0, "llm_start_s": 3.0, "identical": True},
-             "ipc_cache": {"daemon_error": ["RuntimeError: AWQMarlinLinearMethod | refused"]}}]
+    rows = [
+        {
+            "case": "smol-awq",
+            "disk": {"model_loading_s": 1.0, "model_loading_gib": 0.1, "llm_start_s": 5.0},
+            "wcache": {
+                "daemon_ready_s": 20.0,
+                "daemon_gpu_mib": 300.0,
+                "model_loading_s": 0.2,
+                "model_loading_gib": 0.0,
+                "llm_start_s": 3.0,
+                "identical": True,
+            },
+            "ipc_cache": {"daemon_error": ["RuntimeError: AWQMarlinLinearMethod | refused"]},
+        }
+    ]
     lines = B.table(rows).splitlines()
     assert lines[2] == "| smol-awq | disk | - | - | 1.000 | 0.10 | 5.0 | (reference) |"
     assert lines[3] == "| smol-awq | wcache | 20.0 | 300 | 0.200 | 0.00 | 3.0 | yes |"
-    assert lines[4].startswith("| smol-awq | ipc_cache | refused/failed (daemon): "
-                               "RuntimeError: AWQMarlinLinearMethod \\| refused")
+    assert lines[4].startswith(
+        "| smol-awq | ipc_cache | refused/failed (daemon): "
+        "RuntimeError: AWQMarlinLinearMethod \\| refused"
+    )
 
 
 def test_cases_name_known_checkpoint_kinds():
@@ -72,8 +92,10 @@ def test_cross_version_env_swaps_only_the_vllm_tree(tmp_path):
     (tmp_path / "vllm-0.33.0" / "vllm").mkdir(parents=True)
     pattern = str(tmp_path / "vllm-{version}")
     env = env_for("0.33.0", f"/repo:{tmp_path}/vllm-0.32.0:/tmp/site:/tmp/wcache-dist", pattern)
-    assert env == {"PYTHONPATH": f"/repo:{tmp_path}/vllm-0.33.0:/tmp/site:/tmp/wcache-dist",
-                   "WCACHE_GPU_VLLM": "0.33.0"}
+    assert env == {
+        "PYTHONPATH": f"/repo:{tmp_path}/vllm-0.33.0:/tmp/site:/tmp/wcache-dist",
+        "WCACHE_GPU_VLLM": "0.33.0",
+    }
     with pytest.raises(FileNotFoundError, match="no vLLM 0.34.0"):
         env_for("0.34.0", "/repo", pattern)
 
@@ -83,18 +105,24 @@ def test_cross_version_passes_only_on_a_named_key_mismatch_and_its_fallback():
     the key does, or a fallback for another reason does not pass."""
     from wcache.testing.cross_version import passed, versions_named
 
-    msg = ("RestoreFailed [key-mismatch]: the engine and the daemon run different releases "
-           "(vLLM 0.32.0 (engine) vs 0.33.0 (daemon)): ...")
+    msg = (
+        "RestoreFailed [key-mismatch]: the engine and the daemon run different releases "
+        "(vLLM 0.32.0 (engine) vs 0.33.0 (daemon)): ..."
+    )
     assert versions_named(msg, "0.32.0", "0.33.0")
     assert not versions_named("/tmp/vllm-0.32.0/x.py 0.33.0 OOM", "0.32.0", "0.33.0")
-    good = {"strict": {"refused": True, "key_mismatch": True, "names_both": True},
-            "fallback": {"identical": True, "reasons": ["key-mismatch"]}}
+    good = {
+        "strict": {"refused": True, "key_mismatch": True, "names_both": True},
+        "fallback": {"identical": True, "reasons": ["key-mismatch"]},
+    }
     assert passed(good)
-    for broken in ({"strict": {**good["strict"], "key_mismatch": False}},
-                   {"strict": {**good["strict"], "names_both": False}},
-                   {"strict": {"refused": False}},
-                   {"fallback": {"identical": True, "reasons": ["daemon-missing"]}},
-                   {"fallback": {"identical": False, "reasons": ["key-mismatch"]}}):
+    for broken in (
+        {"strict": {**good["strict"], "key_mismatch": False}},
+        {"strict": {**good["strict"], "names_both": False}},
+        {"strict": {"refused": False}},
+        {"fallback": {"identical": True, "reasons": ["daemon-missing"]}},
+        {"fallback": {"identical": False, "reasons": ["key-mismatch"]}},
+    ):
         assert not passed({**good, **broken}), broken
 
 
@@ -104,10 +132,12 @@ def test_cross_version_recognizes_the_key_mismatch_a_real_engine_prints():
     count."""
     from wcache.testing.cross_version import is_key_mismatch
 
-    seen = ("First traceback (the root cause, often in vLLM's worker):\n"
-            "wcache.errors.KeyMismatch: daemon on /tmp/wcx-uesyc04t/wcache-cuda-3de7.sock: the "
-            "engine and the daemon run different releases (vLLM 0.33.0 (engine) vs 0.32.0 "
-            "(daemon)): a daemon's bytes come from its own vLLM's post-load")
+    seen = (
+        "First traceback (the root cause, often in vLLM's worker):\n"
+        "wcache.errors.KeyMismatch: daemon on /tmp/wcx-uesyc04t/wcache-cuda-3de7.sock: the "
+        "engine and the daemon run different releases (vLLM 0.33.0 (engine) vs 0.32.0 "
+        "(daemon)): a daemon's bytes come from its own vLLM's post-load"
+    )
     assert is_key_mismatch(seen)
     assert is_key_mismatch("RestoreFailed [key-mismatch]: ...")
     assert not is_key_mismatch("wcache.errors.TransportFailed: cuda_vmm import failed")
@@ -129,10 +159,14 @@ def test_engine_error_keeps_where_a_bare_assertion_was_raised():
         "apply_scaled_mm\n"
         "    assert output_size is not None\n"
         "AssertionError\n"
-        "--- output tail ---\nlater lines")
+        "--- output tail ---\nlater lines"
+    )
     from wcache.daemon import process
 
     exc = RuntimeError(str(exc).replace("--- output tail ---", process.OUTPUT_TAIL))
     assert _error(exc) == [
         'File "/x/vllm/model_executor/kernels/linear/scaled_mm/cutlass.py", line 248, in '
-        "apply_scaled_mm", "assert output_size is not None", "AssertionError"]
+        "apply_scaled_mm",
+        "assert output_size is not None",
+        "AssertionError",
+    ]

@@ -26,28 +26,54 @@ REPO = Path(__file__).resolve().parents[2]
 TREES = Path(os.environ.get("WCACHE_VLLM_TREES", REPO / ".vllm-trees"))
 #: vLLM's phase lines: (file under vllm/, the format string as in the source, args).
 VLLM_LINES = (
-    ("model_executor/model_loader/base_loader.py", "Initializing model took %.6f seconds",
-     (0.123456,)),
-    ("v1/worker/gpu_model_runner.py", "Model loading took %s GiB memory and %.6f seconds",
-     ("14.99", 3.5)),
-    ("model_executor/model_loader/default_loader.py", "Loading weights took %.2f seconds",
-     (2.25,)),
+    (
+        "model_executor/model_loader/base_loader.py",
+        "Initializing model took %.6f seconds",
+        (0.123456,),
+    ),
+    (
+        "v1/worker/gpu_model_runner.py",
+        "Model loading took %s GiB memory and %.6f seconds",
+        ("14.99", 3.5),
+    ),
+    ("model_executor/model_loader/default_loader.py", "Loading weights took %.2f seconds", (2.25,)),
     ("compilation/monitor.py", "%storch.compile took %.2f s in total", ("", 19.7)),
-    ("compilation/decorators.py", "%storch.compile and initial profiling/warmup run together "
-     "took %.2f s in total", ("[backbone] ", 4.5)),
-    ("compilation/backends.py", "%sCompiling a graph for compile range %s takes %.2f s",
-     ("", "(1, 8192)", 7.25)),
-    ("compilation/backends.py", "%sDirectly load the compiled graph(s) for compile range %s "
-     "from the cache, took %.3f s", ("", "(1, 8192)", 0.5)),
-    ("compilation/decorators.py", "%sDirectly load AOT compilation from path %s",
-     ("", "/c/torch_aot_compile/abc/model")),
+    (
+        "compilation/decorators.py",
+        "%storch.compile and initial profiling/warmup run together took %.2f s in total",
+        ("[backbone] ", 4.5),
+    ),
+    (
+        "compilation/backends.py",
+        "%sCompiling a graph for compile range %s takes %.2f s",
+        ("", "(1, 8192)", 7.25),
+    ),
+    (
+        "compilation/backends.py",
+        "%sDirectly load the compiled graph(s) for compile range %s from the cache, took %.3f s",
+        ("", "(1, 8192)", 0.5),
+    ),
+    (
+        "compilation/decorators.py",
+        "%sDirectly load AOT compilation from path %s",
+        ("", "/c/torch_aot_compile/abc/model"),
+    ),
     ("compilation/backends.py", "%sDynamo bytecode transform time: %.2f s", ("", 3.25)),
-    ("v1/worker/gpu_model_runner.py", "Graph capturing finished in %.0f secs, took %.2f GiB",
-     (12.4, 0.53)),
-    ("v1/engine/core.py", "init engine (profile, create kv cache, warmup model) took %.2f s "
-     "(compilation: %.2f s)", (65.0, 19.7)),
-    ("v1/engine/core.py", "init engine (profile, create kv cache, warmup model) took %.2f s",
-     (2.5,)),
+    (
+        "v1/worker/gpu_model_runner.py",
+        "Graph capturing finished in %.0f secs, took %.2f GiB",
+        (12.4, 0.53),
+    ),
+    (
+        "v1/engine/core.py",
+        "init engine (profile, create kv cache, warmup model) took %.2f s (compilation: %.2f s)",
+        (65.0, 19.7),
+    ),
+    (
+        "v1/engine/core.py",
+        "init engine (profile, create kv cache, warmup model) took %.2f s",
+        (2.5,),
+    ),
 )
 #: vLLM CPU's warm-up lines (their timestamps time the compile on CPU).
 CPU_WARMUP_LINES = ("Warming up model for the compilation...", "Warming up done.")
@@ -88,11 +114,13 @@ def _source_literals(path: Path) -> str:
 @pytest.mark.parametrize("release,tree", _trees(), ids=[n for n, _ in _trees()])
 def test_vllm_sources_print_the_lines_parsed(release, tree):
     """Each format string the parser reads is in this release's source, as written here."""
-    missing = [(f, fmt) for f, fmt, _ in VLLM_LINES
-               if fmt not in _source_literals(tree / f)]
+    missing = [(f, fmt) for f, fmt, _ in VLLM_LINES if fmt not in _source_literals(tree / f)]
     cpu_runner = _source_literals(tree / "v1/worker/cpu_model_runner.py")
-    missing += [("v1/worker/cpu_model_runner.py", ln) for ln in CPU_WARMUP_LINES
-                if f'logger.info("{ln}")' not in cpu_runner]
+    missing += [
+        ("v1/worker/cpu_model_runner.py", ln)
+        for ln in CPU_WARMUP_LINES
+        if f'logger.info("{ln}")' not in cpu_runner
+    ]
     assert [] == missing
 
 
@@ -112,27 +140,39 @@ def test_parse_log_compile_cache_kind():
     loaded = "Directly load the compiled graph(s) for compile range (1, 512) from the cache, took 0.100 s\n"
     aot = "Directly load AOT compilation from path /x\n"
     assert ["compiled", "graphs-loaded", "aot-loaded", "none"] == [
-        parse_log(t)["compile_cache"] for t in (compiled, loaded, aot + loaded, "nothing\n")]
+        parse_log(t)["compile_cache"] for t in (compiled, loaded, aot + loaded, "nothing\n")
+    ]
 
 
 def test_parse_log_sums_repeated_compile_lines():
     """Two compiled submodules' 'torch.compile took' lines add up; the once-lines count once."""
-    log = ("[a] torch.compile took 1.50 s in total\n[b] torch.compile took 2.25 s in total\n"
-           "Initializing model took 0.5 seconds\nInitializing model took 9.0 seconds\n")
+    log = (
+        "[a] torch.compile took 1.50 s in total\n[b] torch.compile took 2.25 s in total\n"
+        "Initializing model took 0.5 seconds\nInitializing model took 9.0 seconds\n"
+    )
     figures = parse_log(log)
     assert (3.75, 0.5) == (figures["compile_total_s"], figures["initializing_model_s"])
 
 
 #: A compiled CUDA disk start: marks (s after an epoch offset) and vLLM's log.
-MARKS = {"process_start": 100.0, "module_start": 100.5, "vllm_imported": 108.0,
-         "llm_ready": 170.0, "first_token": 170.25, "end": 171.0}
-CUDA_LOG = "\n".join(PREFIX + ln for ln in (
-    "Initializing model took 0.250000 seconds",
-    "Model loading took 14.99 GiB memory and 4.250000 seconds",
-    "torch.compile took 19.70 s in total",
-    "Graph capturing finished in 12 secs, took 0.53 GiB",
-    "init engine (profile, create kv cache, warmup model) took 40.00 s (compilation: 19.70 s)",
-))
+MARKS = {
+    "process_start": 100.0,
+    "module_start": 100.5,
+    "vllm_imported": 108.0,
+    "llm_ready": 170.0,
+    "first_token": 170.25,
+    "end": 171.0,
+}
+CUDA_LOG = "\n".join(
+    PREFIX + ln
+    for ln in (
+        "Initializing model took 0.250000 seconds",
+        "Model loading took 14.99 GiB memory and 4.250000 seconds",
+        "torch.compile took 19.70 s in total",
+        "Graph capturing finished in 12 secs, took 0.53 GiB",
+        "init engine (profile, create kv cache, warmup model) took 40.00 s (compilation: 19.70 s)",
+    )
+)
 
 
 def _secs(phases: list[Phase]) -> dict[str, float]:
@@ -143,20 +183,31 @@ def test_breakdown_of_a_compiled_cuda_disk_start():
     """Every phase of a compiled disk start, in order, adding up to the first-token time."""
     phases = breakdown(MARKS, CUDA_LOG, compiled=True, device="cuda")
     assert list(PHASES) == [p.name for p in phases]
-    assert {"process start": 0.5, "vLLM import": 7.5, "model build": 0.25, "weights": 4.0,
-            "compile": 19.7, "graph capture": 12.0, "KV-cache/other init": 8.3,
-            "other": 17.75, "first token": 0.25} == _secs(phases)
+    assert {
+        "process start": 0.5,
+        "vLLM import": 7.5,
+        "model build": 0.25,
+        "weights": 4.0,
+        "compile": 19.7,
+        "graph capture": 12.0,
+        "KV-cache/other init": 8.3,
+        "other": 17.75,
+        "first token": 0.25,
+    } == _secs(phases)
     assert MARKS["first_token"] - MARKS["process_start"] == pytest.approx(total_s(phases))
 
 
 #: The fresh-node engine's init on the H200 (vLLM 0.33.0, 8B bf16, 2026-12-02): two
 #: captures, the memory-profiling one (profile_cudagraph_memory) and the real one.
-H200_INIT = "\n".join(PREFIX + ln for ln in (
-    "torch.compile took 6.11 s in total",
-    "Graph capturing finished in 9 secs, took 0.36 GiB",
-    "Graph capturing finished in 7 secs, took 0.19 GiB",
-    "init engine (profile, create kv cache, warmup model) took 42.83 s (compilation: 6.11 s)",
-))
+H200_INIT = "\n".join(
+    PREFIX + ln
+    for ln in (
+        "torch.compile took 6.11 s in total",
+        "Graph capturing finished in 9 secs, took 0.36 GiB",
+        "Graph capturing finished in 7 secs, took 0.19 GiB",
+        "init engine (profile, create kv cache, warmup model) took 42.83 s (compilation: 6.11 s)",
+    )
+)
 
 
 def test_graph_capture_sums_every_capture_line():
@@ -178,8 +229,13 @@ def test_breakdown_of_a_daemon_eager_cpu_start():
     log = "init engine (profile, create kv cache, warmup model) took 3.00 s\n"
     phases = breakdown(MARKS, log, load, compiled=False, device="cpu")
     secs = _secs(phases)
-    assert (0.1, 0.3, 0.0, 0.0, 3.0) == (secs["model build"], secs["weights"], secs["compile"],
-                                         secs["graph capture"], secs["KV-cache/other init"])
+    assert (0.1, 0.3, 0.0, 0.0, 3.0) == (
+        secs["model build"],
+        secs["weights"],
+        secs["compile"],
+        secs["graph capture"],
+        secs["KV-cache/other init"],
+    )
     assert 62.0 - 0.4 - 3.0 == pytest.approx(secs["other"])
     notes = {p.name: p.note for p in phases}
     assert notes["compile"].startswith("eager") and notes["graph capture"].startswith("eager")
@@ -187,10 +243,15 @@ def test_breakdown_of_a_daemon_eager_cpu_start():
 
 def test_breakdown_compiled_cpu_has_no_graph_capture():
     """On CPU a compiled engine's graph capture is 0 with a note naming the device."""
-    log = "init engine (profile, create kv cache, warmup model) took 30.00 s (compilation: 25.00 s)\n"
+    log = (
+        "init engine (profile, create kv cache, warmup model) took 30.00 s (compilation: 25.00 s)\n"
+    )
     phases = {p.name: p for p in breakdown(MARKS, log, compiled=True, device="cpu")}
-    assert (25.0, 0.0, 5.0) == (phases["compile"].seconds, phases["graph capture"].seconds,
-                                phases["KV-cache/other init"].seconds)
+    assert (25.0, 0.0, 5.0) == (
+        phases["compile"].seconds,
+        phases["graph capture"].seconds,
+        phases["KV-cache/other init"].seconds,
+    )
     assert "cpu" in phases["graph capture"].note
 
 
@@ -198,10 +259,12 @@ def test_cpu_compile_is_read_from_the_warm_up_timestamps():
     """vLLM CPU logs no compile time: a compiled CPU engine's compile is the time between
     its 'Warming up model for the compilation...' and 'Warming up done.' lines, and the
     init-engine rest is KV-cache/other init."""
-    log = ("(Worker pid=1) INFO 12-01 23:59:50 [cpu_model_runner.py:87] Warming up model for "
-           "the compilation...\n(Worker pid=1) INFO 12-02 00:05:30 [cpu_model_runner.py:91] "
-           "Warming up done.\n(EngineCore pid=2) INFO 12-02 00:05:31 [core.py:402] init engine "
-           "(profile, create kv cache, warmup model) took 345.00 s\n")
+    log = (
+        "(Worker pid=1) INFO 12-01 23:59:50 [cpu_model_runner.py:87] Warming up model for "
+        "the compilation...\n(Worker pid=1) INFO 12-02 00:05:30 [cpu_model_runner.py:91] "
+        "Warming up done.\n(EngineCore pid=2) INFO 12-02 00:05:31 [core.py:402] init engine "
+        "(profile, create kv cache, warmup model) took 345.00 s\n"
+    )
     assert 340.0 == parse_log(log)["cpu_warmup_s"]
     phases = {p.name: p.seconds for p in breakdown(MARKS, log, compiled=True, device="cpu")}
     assert (340.0, 5.0) == (phases["compile"], phases["KV-cache/other init"])
@@ -224,7 +287,7 @@ def test_breakdown_needs_the_first_token_mark():
 
 def test_phase_lines_keep_only_phase_lines():
     """phase_lines keeps vLLM's and wcache's phase lines, in order, and nothing else."""
-    log = ("hello\nwcache: weight-load phase (restore) took 0.042 s\n" + CUDA_LOG + "\nbye\n")
+    log = "hello\nwcache: weight-load phase (restore) took 0.042 s\n" + CUDA_LOG + "\nbye\n"
     lines = phase_lines(log)
     assert 6 == len(lines)
     assert lines[0] == "wcache: weight-load phase (restore) took 0.042 s"
@@ -243,19 +306,28 @@ def test_run_engine_phase_marks_and_process_start():
 
 # --------------------------------------------------------------------------- rendering
 
+
 def _row(name: str, secs: dict[str, float], compiled: bool = True) -> dict:
     phases = [{"name": n, "seconds": secs.get(n, 0.0), "note": ""} for n in PHASES]
-    return {"row": name, "compiled": compiled, "phases": phases,
-            "total_s": sum(secs.values()), "figures": {"compile_cache": "compiled"}}
+    return {
+        "row": name,
+        "compiled": compiled,
+        "phases": phases,
+        "total_s": sum(secs.values()),
+        "figures": {"compile_cache": "compiled"},
+    }
 
 
-RECORDED = {"meta": {"device": "cuda", "device_name": "NVIDIA H200", "vllm": "0.32.0",
-                     "model_kind": "8b"},
-            "rows": [_row("disk-compiled-cold", {"weights": 40.0, "compile": 20.0,
-                                                 "other": 13.5}),
-                     _row("fresh-node", {"weights": 2.0, "graph capture": 12.0,
-                                         "other": 6.0, "first token": 0.01}),
-                     {"row": "daemon-eager", "error": ["RuntimeError: boom"]}]}
+RECORDED = {
+    "meta": {"device": "cuda", "device_name": "NVIDIA H200", "vllm": "0.32.0", "model_kind": "8b"},
+    "rows": [
+        _row("disk-compiled-cold", {"weights": 40.0, "compile": 20.0, "other": 13.5}),
+        _row(
+            "fresh-node", {"weights": 2.0, "graph capture": 12.0, "other": 6.0, "first token": 0.01}
+        ),
+        {"row": "daemon-eager", "error": ["RuntimeError: boom"]},
+    ],
+}
 
 
 def test_table_reports_rows_ratio_and_remaining_phases():
@@ -276,8 +348,11 @@ def test_table_reports_rows_ratio_and_remaining_phases():
 def test_table_without_fresh_node_says_why_and_gives_the_substitute():
     """Without a fresh-node row the target is 'not measured' with the reason, and the
     daemon-compiled-warm ratio is given, labelled as not the target's row."""
-    rows = [RECORDED["rows"][0], {"row": "fresh-node", "not_run": "no --prime-compile"},
-            _row("daemon-compiled-warm", {"weights": 2.0, "compile": 3.4, "other": 16.7})]
+    rows = [
+        RECORDED["rows"][0],
+        {"row": "fresh-node", "not_run": "no --prime-compile"},
+        _row("daemon-compiled-warm", {"weights": 2.0, "compile": 3.4, "other": 16.7}),
+    ]
     text = bp.table(rows)
     assert "not measured: no --prime-compile." in text
     assert "not the target's row" in text and "3.33x" in text
@@ -300,14 +375,22 @@ def test_rows_run_in_the_declared_order_and_unknown_rows_are_refused(tmp_path):
     """run() refuses an unknown row by name before starting anything."""
     with pytest.raises(ValueError, match="nope"):
         bp.run(["disk-eager", "nope"], tmp_path, [], [], "cpu", tmp_path)
-    assert ["disk-eager", "daemon-eager", "disk-compiled-cold", "disk-compiled-warm",
-            "daemon-compiled-cold", "daemon-compiled-warm", "fresh-node"] == list(bp.ROWS)
+    assert [
+        "disk-eager",
+        "daemon-eager",
+        "disk-compiled-cold",
+        "disk-compiled-warm",
+        "daemon-compiled-cold",
+        "daemon-compiled-warm",
+        "fresh-node",
+    ] == list(bp.ROWS)
     assert bp.ROWS["disk-compiled-warm"].node == bp.ROWS["disk-compiled-cold"].node
 
 
 def test_prime_compile_probe_reports_absence_with_reason(monkeypatch):
     """Without --prime-compile in `wcache serve --help` the fresh-node row is not run,
     and the reason names the option."""
+
     class Done:
         stdout = "usage: wcache serve [--snapshot DIR]"
 
@@ -322,22 +405,66 @@ def test_vllm_engine_args_are_what_run_engine_builds_its_engine_with():
     run_engine-only options (--compile, --logprobs) dropped: what a priming serve needs."""
     from wcache.vllm.run_engine import vllm_engine_args
 
-    assert vllm_engine_args([]) == ["--dtype", "bfloat16", "--tensor-parallel-size", "1",
-                                    "--gpu-memory-utilization", "0.2", "--max-model-len", "512",
-                                    "--max-num-seqs", "1"]
-    got = vllm_engine_args(["--compile", "--logprobs", "5", "--attention-backend", "TRITON_ATTN",
-                            "--gpu-memory-utilization", "0.3", "--max-model-len", "8192",
-                            "--max-num-seqs", "0", "--kv-cache-memory-bytes", "1024"])
-    assert got == ["--dtype", "bfloat16", "--tensor-parallel-size", "1",
-                   "--gpu-memory-utilization", "0.3", "--max-model-len", "8192",
-                   "--attention-backend", "TRITON_ATTN", "--kv-cache-memory-bytes", "1024"]
+    assert vllm_engine_args([]) == [
+        "--dtype",
+        "bfloat16",
+        "--tensor-parallel-size",
+        "1",
+        "--gpu-memory-utilization",
+        "0.2",
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "1",
+    ]
+    got = vllm_engine_args(
+        [
+            "--compile",
+            "--logprobs",
+            "5",
+            "--attention-backend",
+            "TRITON_ATTN",
+            "--gpu-memory-utilization",
+            "0.3",
+            "--max-model-len",
+            "8192",
+            "--max-num-seqs",
+            "0",
+            "--kv-cache-memory-bytes",
+            "1024",
+        ]
+    )
+    assert got == [
+        "--dtype",
+        "bfloat16",
+        "--tensor-parallel-size",
+        "1",
+        "--gpu-memory-utilization",
+        "0.3",
+        "--max-model-len",
+        "8192",
+        "--attention-backend",
+        "TRITON_ATTN",
+        "--kv-cache-memory-bytes",
+        "1024",
+    ]
 
 
 def _saved_row(name: str, log: str, total_s_: float = 0.0, compiled: bool = True) -> dict:
     """A row as --out saves it, with a stale breakdown (``total_s_``) to be recomputed."""
-    return {"row": name, "source": "disk", "compiled": compiled, "caches": "cold",
-            "marks": MARKS, "log_lines": phase_lines(log), "load": [], "token_ids": [[1, 2]],
-            "phases": [], "total_s": total_s_, "figures": {}}
+    return {
+        "row": name,
+        "source": "disk",
+        "compiled": compiled,
+        "caches": "cold",
+        "marks": MARKS,
+        "log_lines": phase_lines(log),
+        "load": [],
+        "token_ids": [[1, 2]],
+        "phases": [],
+        "total_s": total_s_,
+        "figures": {},
+    }
 
 
 #: The provenance of one run's --out file (as main writes it on a GPU).
@@ -346,11 +473,23 @@ ONE_RUN = "measured by wcache.benchmarks.bench_phases in one run; a CUDA GPU"
 
 def _results(tmp_path: Path, name: str, rows: list[dict], device_name="NVIDIA H200") -> Path:
     path = tmp_path / name
-    path.write_text(json.dumps({"meta": {"device": "cuda", "device_name": device_name,
-                                         "vllm": "0.33.0", "date": name, "git": "abc",
-                                         "command": ["wcache", "bench"],
-                                         "provenance": ONE_RUN},
-                                "daemon": {}, "rows": rows}))
+    path.write_text(
+        json.dumps(
+            {
+                "meta": {
+                    "device": "cuda",
+                    "device_name": device_name,
+                    "vllm": "0.33.0",
+                    "date": name,
+                    "git": "abc",
+                    "command": ["wcache", "bench"],
+                    "provenance": ONE_RUN,
+                },
+                "daemon": {},
+                "rows": rows,
+            }
+        )
+    )
     return path
 
 
@@ -358,8 +497,11 @@ def test_merge_results_recomputes_rows_from_their_evidence(tmp_path, capsys):
     """Two device calls' files: rows in ROWS order, the last file's row wins, every row
     recomputed from its saved marks and log lines (a parser fix reaches old runs), and
     the target from the merged rows; --from-json writes the table and JSON."""
-    a = _results(tmp_path, "a.json", [_saved_row("disk-compiled-cold", H200_INIT, 1.0),
-                                      _saved_row("fresh-node", CUDA_LOG, 1.0)])
+    a = _results(
+        tmp_path,
+        "a.json",
+        [_saved_row("disk-compiled-cold", H200_INIT, 1.0), _saved_row("fresh-node", CUDA_LOG, 1.0)],
+    )
     b = _results(tmp_path, "b.json", [_saved_row("fresh-node", H200_INIT, 2.0)])
     merged = bp.merge_results([a, b])
     assert [r["row"] for r in merged["rows"]] == ["disk-compiled-cold", "fresh-node"]
@@ -379,10 +521,12 @@ def test_merge_results_keeps_a_row_that_ran_and_orders_rows(tmp_path):
     a row does not hide the earlier one that ran; the first row's token check is None
     (as run() writes it) and the daemon is the one of the file whose daemon row won."""
     daemon_row = {**_saved_row("daemon-eager", CUDA_LOG, compiled=False), "source": "daemon"}
-    a = _results(tmp_path, "a.json", [_saved_row("fresh-node", H200_INIT),
-                                      _saved_row("disk-eager", CUDA_LOG, compiled=False)])
-    b = _results(tmp_path, "b.json", [daemon_row,
-                                      {"row": "fresh-node", "error": ["boom"]}])
+    a = _results(
+        tmp_path,
+        "a.json",
+        [_saved_row("fresh-node", H200_INIT), _saved_row("disk-eager", CUDA_LOG, compiled=False)],
+    )
+    b = _results(tmp_path, "b.json", [daemon_row, {"row": "fresh-node", "error": ["boom"]}])
     data = json.loads(b.read_text())
     data["daemon"] = {"ready_s": 46.2}
     b.write_text(json.dumps(data))
@@ -410,14 +554,26 @@ def test_each_engine_log_is_kept_whole_beside_the_json(tmp_path, monkeypatch):
     full_log = CUDA_LOG + "\nsomething no parser knows about\n"
 
     def fake_run_engine(ckpt, load_format, extra, **kw):
-        return {"log": full_log, "token_ids": [[1]], "load": [],
-                "phases": {"marks": MARKS, "process_start_source": "test"}}
+        return {
+            "log": full_log,
+            "token_ids": [[1]],
+            "load": [],
+            "phases": {"marks": MARKS, "process_start_source": "test"},
+        }
 
     monkeypatch.setattr("wcache.daemon.process.run_engine", fake_run_engine)
     logs = bp._log_dir(str(tmp_path / "phases-h200.json"))
     assert logs == tmp_path / "phases-h200.logs"
-    rows, _ = bp.run(["disk-eager"], tmp_path / "ckpt", [], [], "cuda", tmp_path / "w",
-                     log=lambda m: None, log_dir=logs)
+    rows, _ = bp.run(
+        ["disk-eager"],
+        tmp_path / "ckpt",
+        [],
+        [],
+        "cuda",
+        tmp_path / "w",
+        log=lambda m: None,
+        log_dir=logs,
+    )
     assert rows[0]["total_s"] == pytest.approx(MARKS["first_token"] - MARKS["process_start"])
     assert (logs / "disk-eager.log").read_text() == full_log
     assert bp._log_dir(None) is None
@@ -429,6 +585,7 @@ def test_each_engine_records_what_it_wrote_into_its_caches(tmp_path, monkeypatch
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home" / ".cache"))
     import tempfile
+
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # not the shared /tmp
 
     def fake_run_engine(ckpt, load_format, extra, **kw):
@@ -440,15 +597,24 @@ def test_each_engine_records_what_it_wrote_into_its_caches(tmp_path, monkeypatch
         Path(tmp_path / "home" / ".cache" / "flashinfer").mkdir(parents=True)
         Path(tmp_path / "home" / ".cache" / "flashinfer" / "k.so").write_bytes(b"y" * 7)
         assert "WCACHE_STACK_SAMPLES" not in env  # off unless asked for
-        return {"log": CUDA_LOG, "token_ids": [[1]], "load": [],
-                "phases": {"marks": MARKS, "process_start_source": "test"}}
+        return {
+            "log": CUDA_LOG,
+            "token_ids": [[1]],
+            "load": [],
+            "phases": {"marks": MARKS, "process_start_source": "test"},
+        }
 
     monkeypatch.setattr("wcache.daemon.process.run_engine", fake_run_engine)
-    rows, _ = bp.run(["disk-eager"], tmp_path / "ckpt", [], [], "cuda", tmp_path / "w",
-                     log=lambda m: None)
+    rows, _ = bp.run(
+        ["disk-eager"], tmp_path / "ckpt", [], [], "cuda", tmp_path / "w", log=lambda m: None
+    )
     writes = rows[0]["cache_writes"]
-    assert writes["node/triton"] == {"files": 1, "bytes": 300, "changed": 0,
-                                     "largest": [["k1/kernel.cubin", 300]]}
+    assert writes["node/triton"] == {
+        "files": 1,
+        "bytes": 300,
+        "changed": 0,
+        "largest": [["k1/kernel.cubin", 300]],
+    }
     assert writes["node/vllm"]["files"] == 1
     assert writes["xdg_cache"]["largest"] == [["flashinfer/k.so", 7]]
     assert set(writes) == {"node/triton", "node/vllm", "xdg_cache"}
@@ -461,14 +627,27 @@ def test_stack_samples_go_to_the_log_dir_of_each_engine(tmp_path, monkeypatch):
 
     def fake_run_engine(ckpt, load_format, extra, **kw):
         seen.update(kw["env"])
-        return {"log": CUDA_LOG, "token_ids": [[1]], "load": [],
-                "phases": {"marks": MARKS, "process_start_source": "test"}}
+        return {
+            "log": CUDA_LOG,
+            "token_ids": [[1]],
+            "load": [],
+            "phases": {"marks": MARKS, "process_start_source": "test"},
+        }
 
     monkeypatch.setattr("wcache.daemon.process.run_engine", fake_run_engine)
     monkeypatch.setenv("PYTHONPATH", "/somewhere")
     logs = tmp_path / "p.logs"
-    bp.run(["disk-eager"], tmp_path / "ckpt", [], [], "cuda", tmp_path / "w",
-           log=lambda m: None, log_dir=logs, stack_samples_s=0.25)
+    bp.run(
+        ["disk-eager"],
+        tmp_path / "ckpt",
+        [],
+        [],
+        "cuda",
+        tmp_path / "w",
+        log=lambda m: None,
+        log_dir=logs,
+        stack_samples_s=0.25,
+    )
     assert seen["PYTHONPATH"] == f"{bp.STACK_SAMPLER_DIR}{os.pathsep}/somewhere"
     assert seen["WCACHE_STACK_SAMPLES"] == str(logs / "disk-eager.stacks")
     assert seen["WCACHE_STACK_SAMPLE_S"] == "0.25"
@@ -483,14 +662,27 @@ def test_startup_plan_goes_to_every_engine_and_the_record(tmp_path, monkeypatch)
 
     def fake_run_engine(ckpt, load_format, extra, **kw):
         seen.append(kw["env"].get("VLLM_ENABLE_STARTUP_PLAN"))
-        return {"log": CUDA_LOG, "token_ids": [[1]], "load": [],
-                "phases": {"marks": MARKS, "process_start_source": "test"}}
+        return {
+            "log": CUDA_LOG,
+            "token_ids": [[1]],
+            "load": [],
+            "phases": {"marks": MARKS, "process_start_source": "test"},
+        }
 
     monkeypatch.setattr("wcache.daemon.process.run_engine", fake_run_engine)
-    rows, _ = bp.run(["disk-eager"], tmp_path / "ckpt", [], [], "cuda", tmp_path / "w",
-                     log=lambda m: None, engine_env=bp.startup_plan_env())
+    rows, _ = bp.run(
+        ["disk-eager"],
+        tmp_path / "ckpt",
+        [],
+        [],
+        "cuda",
+        tmp_path / "w",
+        log=lambda m: None,
+        engine_env=bp.startup_plan_env(),
+    )
     assert seen == ["1"] and rows[0]["command"]["env"]["VLLM_ENABLE_STARTUP_PLAN"] == "1"
     from wcache.vllm.startup import STARTUP_PLAN_ENV
+
     assert bp.startup_plan_env() == {STARTUP_PLAN_ENV: "1"}
     assert "--startup-plan" in bp.build_parser().format_help()
 
@@ -516,14 +708,21 @@ def test_merge_refuses_runs_of_other_engine_env_and_takes_a_missing_one_as_none(
 def test_parse_log_says_whether_vllm_applied_its_startup_plan():
     """vLLM 0.33's two startup-plan lines (as the H200 run printed the refusal) give
     ``startup_plan``, and they are kept among the phase lines."""
-    refused = (PREFIX + "Startup plan not applied: current free memory (116.62 GiB) is below "
-               "the recorded baseline (116.69 GiB); falling back to full memory profiling.")
-    applied = (PREFIX + "Applying persisted startup plan (fingerprint 8a4c3262d5f1a9e4): "
-               "kv_cache_memory_bytes=1 (0.00 GiB), recorded free-memory baseline 1.00 GiB")
-    assert parse_log(refused)["startup_plan"] == ("not applied: current free memory (116.62 GiB) "
-                                                  "is below the recorded baseline (116.69 GiB)")
+    refused = (
+        PREFIX + "Startup plan not applied: current free memory (116.62 GiB) is below "
+        "the recorded baseline (116.69 GiB); falling back to full memory profiling."
+    )
+    applied = (
+        PREFIX + "Applying persisted startup plan (fingerprint 8a4c3262d5f1a9e4): "
+        "kv_cache_memory_bytes=1 (0.00 GiB), recorded free-memory baseline 1.00 GiB"
+    )
+    assert parse_log(refused)["startup_plan"] == (
+        "not applied: current free memory (116.62 GiB) is below the recorded baseline (116.69 GiB)"
+    )
     assert parse_log(applied)["startup_plan"] == "applied"
-    assert "startup_plan" not in parse_log(PREFIX + "Model loading took 1.0 GiB memory and 2.0 seconds")
+    assert "startup_plan" not in parse_log(
+        PREFIX + "Model loading took 1.0 GiB memory and 2.0 seconds"
+    )
     assert phase_lines(f"{refused}\nunrelated\n{applied}") == [refused.strip(), applied.strip()]
     tree = TREES / "0.33.0" / "vllm" / "v1" / "worker" / "startup_plan.py"
     assert tree.is_file() or os.environ.get("WCACHE_REQUIRE_VLLM_TREES") != "1"
@@ -545,15 +744,18 @@ def test_merge_of_merges_lists_each_run_once_and_says_when_the_target_spans_runs
     ab.write_text(json.dumps(bp.merge_results([a, b])))
     merged = bp.merge_results([ab, c])
     assert [r["path"] for r in merged["meta"]["runs"]] == [str(a), str(b), str(c)]
-    assert [(r["row"], r["run"]) for r in merged["rows"]] == [("disk-compiled-cold", 0),
-                                                              ("fresh-node", 2)]
+    assert [(r["row"], r["run"]) for r in merged["rows"]] == [
+        ("disk-compiled-cold", 0),
+        ("fresh-node", 2),
+    ]
     prov = merged["meta"]["provenance"]
     assert prov.startswith("merged from 3 runs") and prov.count("merged from") == 1
     assert prov.endswith(ONE_RUN)
     assert merged["target"]["one_run"] is False
     assert "measured in different runs" in bp.table(merged["rows"])
-    far = [{**r, "total_s": 90.0 if r["row"] == "disk-compiled-cold" else 10.0}
-           for r in merged["rows"]]  # 9x, but across runs: not the target's ratio
+    far = [
+        {**r, "total_s": 90.0 if r["row"] == "disk-compiled-cold" else 10.0} for r in merged["rows"]
+    ]  # 9x, but across runs: not the target's ratio
     assert bp.target_summary(far)["ratio"] == pytest.approx(9.0)
     assert bp.target_summary(far)["reached"] is False
     assert bp.target_summary([{**r, "run": 0} for r in far])["reached"] is True
@@ -565,8 +767,9 @@ def test_merge_of_merges_lists_each_run_once_and_says_when_the_target_spans_runs
     legacy = json.loads(ab.read_text())  # a merge from before rows named their run
     for r in legacy["rows"]:
         del r["run"]
-    legacy["meta"]["provenance"] = ("merged from 2 runs of x (meta.runs); each row "
-                                    f"measured in one of them; {ONE_RUN}")
+    legacy["meta"]["provenance"] = (
+        f"merged from 2 runs of x (meta.runs); each row measured in one of them; {ONE_RUN}"
+    )
     del legacy["meta"]["measured"]
     old = bp.merge_results([_write(tmp_path / "legacy.json", legacy)])
     assert [r["run"] for r in old["rows"]] == [None, None]

@@ -37,10 +37,31 @@ def bench_run(tmp_path_factory):
     """Run the harness once; returns (stdout, results JSON, png path)."""
     tmp = tmp_path_factory.mktemp("bench")
     out, png = tmp / "cpu.json", tmp / "curve.png"
-    argv = ["--device", "cpu", "--sizes", "tiny", "--layers", "1", "--formats",
-            ",".join(SMOKE_FORMATS), "--no-disk", "", "--simulate-cuda-target", "--start-method", "forkserver", "--reps", "1",
-            "--load-reps", "1", "--handle-tensors", "8", "--bench-dir", str(tmp / "ckpt"),
-            "--out", str(out)]
+    argv = [
+        "--device",
+        "cpu",
+        "--sizes",
+        "tiny",
+        "--layers",
+        "1",
+        "--formats",
+        ",".join(SMOKE_FORMATS),
+        "--no-disk",
+        "",
+        "--simulate-cuda-target",
+        "--start-method",
+        "forkserver",
+        "--reps",
+        "1",
+        "--load-reps",
+        "1",
+        "--handle-tensors",
+        "8",
+        "--bench-dir",
+        str(tmp / "ckpt"),
+        "--out",
+        str(out),
+    ]
     # matplotlib is on the H200 image but optional here; without it no plot is drawn
     argv += ["--plot", str(png)] if HAVE_MATPLOTLIB else ["--no-plot"]
     import contextlib

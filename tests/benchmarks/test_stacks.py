@@ -44,8 +44,12 @@ def test_every_process_samples_its_stacks_and_the_reader_attributes_them(tmp_pat
     script = tmp_path / "prog.py"
     script.write_text(PROGRAM)
     prefix = tmp_path / "row.stacks"
-    env = {**os.environ, "PYTHONPATH": f"{STACK_SAMPLER_DIR}{os.pathsep}{os.getcwd()}",
-           "WCACHE_STACK_SAMPLES": str(prefix), "WCACHE_STACK_SAMPLE_S": "0.05"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{STACK_SAMPLER_DIR}{os.pathsep}{os.getcwd()}",
+        "WCACHE_STACK_SAMPLES": str(prefix),
+        "WCACHE_STACK_SAMPLE_S": "0.05",
+    }
     subprocess.run([sys.executable, str(script)], env=env, check=True, timeout=120, cwd=tmp_path)
     procs = stacks.read_samples(str(prefix))
     by_function = {}
@@ -66,15 +70,30 @@ def test_every_process_samples_its_stacks_and_the_reader_attributes_them(tmp_pat
 def test_without_the_variable_nothing_is_sampled(tmp_path):
     """On PYTHONPATH without WCACHE_STACK_SAMPLES the sampler starts no thread (and with
     it, it does: the check can tell)."""
-    code = ("import threading; print(any(t.name == 'wcache-stack-sampler' "
-            "for t in threading.enumerate()))")
+    code = (
+        "import threading; print(any(t.name == 'wcache-stack-sampler' "
+        "for t in threading.enumerate()))"
+    )
     env = {k: v for k, v in os.environ.items() if k != "WCACHE_STACK_SAMPLES"}
     env["PYTHONPATH"] = STACK_SAMPLER_DIR
-    off = subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60,
-                         cwd=tmp_path, capture_output=True, text=True)
-    on = subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd=tmp_path,
-                        env={**env, "WCACHE_STACK_SAMPLES": str(tmp_path / "s")},
-                        capture_output=True, text=True)
+    off = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        check=True,
+        timeout=60,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    on = subprocess.run(
+        [sys.executable, "-c", code],
+        check=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={**env, "WCACHE_STACK_SAMPLES": str(tmp_path / "s")},
+        capture_output=True,
+        text=True,
+    )
     assert (off.stdout.strip(), on.stdout.strip()) == ("False", "True")
 
 
@@ -84,18 +103,26 @@ def test_the_shadowed_sitecustomize_still_runs(tmp_path):
     other.mkdir()
     (other / "sitecustomize.py").write_text("import os\nos.environ['SHADOWED_RAN'] = '1'\n")
     env = {**os.environ, "PYTHONPATH": f"{STACK_SAMPLER_DIR}{os.pathsep}{other}"}
-    out = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('SHADOWED_RAN'))"],
-                         env=env, check=True, timeout=60, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.environ.get('SHADOWED_RAN'))"],
+        env=env,
+        check=True,
+        timeout=60,
+        capture_output=True,
+        text=True,
+    )
     assert out.stdout.strip() == "1"
 
 
 def test_reader_skips_cut_off_lines(tmp_path):
     """A sample cut off by the process's exit is dropped; the others are attributed."""
     path = tmp_path / "r.stacks.7"
-    path.write_text("# pid=7 ppid=1 start=100.0 interval=0.5 argv=['x']\n"
-                    "100.5 MainThread /a/vllm/x.py:3:f;/a/vllm/y.py:9:g\n"
-                    "101.0 MainThread /a/vllm/x.py:3:f;/a/vllm/y.py:9:g\n"
-                    "101.5 MainThread /a/vllm/x.py:3:f;/a/vl\n")
+    path.write_text(
+        "# pid=7 ppid=1 start=100.0 interval=0.5 argv=['x']\n"
+        "100.5 MainThread /a/vllm/x.py:3:f;/a/vllm/y.py:9:g\n"
+        "101.0 MainThread /a/vllm/x.py:3:f;/a/vllm/y.py:9:g\n"
+        "101.5 MainThread /a/vllm/x.py:3:f;/a/vl\n"
+    )
     (proc,) = stacks.read_samples(str(tmp_path / "r.stacks"))
     assert len(proc.samples) == 2
     assert stacks.hot_frames(proc) == [("vllm/y.py:g", 1.0)]

@@ -65,8 +65,12 @@ def isa_from_target(t, c, tg, r):
     return StageOut(attrs={"isa": value}, record={"isa": value})
 
 
-TOY = Plan("toy", "ref", (scale_weight, set_width, alloc_workspace, derive_handle,
-                          isa_from_target), frozenset({"weight"}))
+TOY = Plan(
+    "toy",
+    "ref",
+    (scale_weight, set_width, alloc_workspace, derive_handle, isa_from_target),
+    frozenset({"weight"}),
+)
 CONFIG = LayerConfig(QuantSpec("toy"), size_k=8, size_n=6, name="layer0")
 ATTRS = ["logical_width", "isa"]
 
@@ -114,8 +118,12 @@ def test_prepare_skips_allocate_and_derive():
 def test_prepared_mappings_are_read_only():
     """Prepared's tensors, attrs and recorded values (inner mappings too) refuse writes."""
     prepared, _ = _exported(TOY, torch.ones(6, 8))
-    for mapping in (prepared.tensors, prepared.attrs, prepared.recorded,
-                    prepared.recorded["toy.set_width"]):
+    for mapping in (
+        prepared.tensors,
+        prepared.attrs,
+        prepared.recorded,
+        prepared.recorded["toy.set_width"],
+    ):
         with pytest.raises(TypeError):
             mapping["x"] = 1  # type: ignore[index]  # the write the proxy refuses
     assert {"width": 6} == dict(prepared.recorded["toy.set_width"])
@@ -143,6 +151,7 @@ def test_stage_mutating_input_during_load_is_a_contract_error():
     """Purity is checked even outside restore when check_purity is on."""
     bad = Plan("toy", "bad2", (inplace_scale,), frozenset({"weight"}))
     from wcache.core import LayerState
+
     state = LayerState(tensors={"weight": torch.ones(2)})
     with pytest.raises(StageContractError, match="mutated"):
         bad.run(state, CONFIG, CPU, frozenset(Tag), check_purity=True)
@@ -150,6 +159,7 @@ def test_stage_mutating_input_during_load_is_a_contract_error():
 
 def test_plan_rules_list_every_violation():
     """Plan validation reports all rule violations at build time, in one error."""
+
     @stage("toy.alloc_over_export", Tag.ALLOCATE, writes=["weight"])
     def alloc_over_export(t, c, tg, r):
         return StageOut()
@@ -163,8 +173,19 @@ def test_plan_rules_list_every_violation():
         return StageOut()
 
     with pytest.raises(PlanInvalid) as info:
-        Plan("toy", "invalid", (scale_weight, scale_weight, alloc_over_export, reads_ghost,
-                                alloc_workspace, transform_needs_alloc), frozenset({"weight"}))
+        Plan(
+            "toy",
+            "invalid",
+            (
+                scale_weight,
+                scale_weight,
+                alloc_over_export,
+                reads_ghost,
+                alloc_workspace,
+                transform_needs_alloc,
+            ),
+            frozenset({"weight"}),
+        )
     msg = str(info.value)
     assert "used more than once" in msg
     assert "writes exported tensors ['weight']" in msg
@@ -174,6 +195,7 @@ def test_plan_rules_list_every_violation():
 
 def test_undeclared_write_is_rejected():
     """A stage returning a tensor it did not declare in writes is a contract error."""
+
     @stage("toy.repack_weight", Tag.TRANSFORM, reads=["weight"], writes=["weight"])
     def sneaky(t, c, tg, r):
         return StageOut(tensors={"other": torch.zeros(1)})
@@ -199,8 +221,14 @@ def test_missing_tensor_is_restore_incomplete():
 def test_forgotten_metadata_breaks_the_invariant():
     """Folding METADATA work into a TRANSFORM makes restore differ from load (what the
     invariant tests catch)."""
-    @stage("toy.fold_scale_set_width", Tag.TRANSFORM, reads=["weight"], writes=["weight"],
-           attrs=["logical_width"])
+
+    @stage(
+        "toy.fold_scale_set_width",
+        Tag.TRANSFORM,
+        reads=["weight"],
+        writes=["weight"],
+        attrs=["logical_width"],
+    )
     def scale_and_width(t, c, tg, r):
         return StageOut(tensors={"weight": t["weight"] * 2}, attrs={"logical_width": c.size_n})
 
@@ -224,13 +252,16 @@ def test_target_json_roundtrip():
     assert Target.from_json(t.to_json()) == t
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({"VLLM_CPU_INT4_W4A8": "1"}, ()),
-    ({"VLLM_CPU_INT4_W4A8": "0"}, (("VLLM_CPU_INT4_W4A8", "0"),)),
-    ({"VLLM_BATCH_INVARIANT": "00"}, ()),
-    ({"VLLM_MARLIN_INPUT_DTYPE": ""}, ()),
-    ({"VLLM_MARLIN_INPUT_DTYPE": "fp8"}, (("VLLM_MARLIN_INPUT_DTYPE", "fp8"),)),
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"VLLM_CPU_INT4_W4A8": "1"}, ()),
+        ({"VLLM_CPU_INT4_W4A8": "0"}, (("VLLM_CPU_INT4_W4A8", "0"),)),
+        ({"VLLM_BATCH_INVARIANT": "00"}, ()),
+        ({"VLLM_MARLIN_INPUT_DTYPE": ""}, ()),
+        ({"VLLM_MARLIN_INPUT_DTYPE": "fp8"}, (("VLLM_MARLIN_INPUT_DTYPE", "fp8"),)),
+    ],
+)
 def test_target_env_set_to_vllm_default_is_the_same_target(env, expected):
     """A kernel-selection variable set to vLLM's default (or empty) gives the same Target as
     leaving it unset, so the cache key does not change for nothing."""
@@ -268,8 +299,11 @@ def test_restore_fold_calls_the_guard_hook_once_per_replayed_stage():
     pure = _RecordingGuard()
     from wcache.shell import state_from_module
 
-    bound.restore_run(bound.restore_start(state_from_module(engine), prepared.recorded),
-                      prepared.recorded, guard=pure)
+    bound.restore_run(
+        bound.restore_start(state_from_module(engine), prepared.recorded),
+        prepared.recorded,
+        guard=pure,
+    )
     assert [("layer0", n) for n in replayed] == pure.stages
 
     prepared, engine = _exported(TOY, torch.randn(6, 8))
@@ -293,12 +327,14 @@ def test_load_and_prepare_are_the_same_fold_without_a_guard():
     assert {"toy.set_width", "toy.set_isa"} == set(prepared.recorded)
     guard = _RecordingGuard()
     TOY.run(state, CONFIG, CPU, PREPARE_TAGS, guard=guard)
-    assert [("layer0", "toy.fold_weight_scale"), ("layer0", "toy.set_width"),
-            ("layer0", "toy.set_isa")] == guard.stages
+    assert [
+        ("layer0", "toy.fold_weight_scale"),
+        ("layer0", "toy.set_width"),
+        ("layer0", "toy.set_isa"),
+    ] == guard.stages
 
 
 # --------------------------------------------------------------------------- contract checks
-
 
 
 def _st(tag=Tag.METADATA, **decl):
@@ -309,56 +345,93 @@ _W = LayerState(tensors={"weight": torch.ones(2)})
 
 #: (check, a step that breaks its rule, the violation it must report)
 BAD_STEPS = [
-    (checks.check_reads, Step(_st(reads=("weight",)), LayerState(), CONFIG),
-     "stage 'toy.set_x' reads ['weight'] but the layer has only []"),
-    (checks.check_returns_stage_out, Step(_st(), _W, CONFIG, out=None),
-     "stage 'toy.set_x' returned NoneType, not StageOut"),
-    (checks.check_shared_untouched,
-     Step(_st(), _W, CONFIG, shared=frozenset({"weight"}), out=StageOut(), touched=("weight",)),
-     "stage 'toy.set_x' wrote in place into shared tensors ['weight']"),
-    (checks.check_inputs_untouched, Step(_st(), _W, CONFIG, out=StageOut(), touched=("weight",)),
-     "stage 'toy.set_x' mutated its input tensors ['weight'] in place"),
-    (checks.check_declared_writes,
-     Step(_st(Tag.TRANSFORM), _W, CONFIG, out=StageOut(tensors={"x": torch.ones(1)})),
-     "stage 'toy.set_x' wrote ['x'] without declaring them in writes"),
-    (checks.check_declared_attrs, Step(_st(), _W, CONFIG, out=StageOut(attrs={"a": 1})),
-     "stage 'toy.set_x' set attributes ['a'] without declaring them in attrs"),
-    (checks.check_no_tensors_from_readonly_tags,
-     Step(_st(), _W, CONFIG, out=StageOut(tensors={"x": torch.ones(1)})),
-     "METADATA stage 'toy.set_x' returned tensors ['x']; only TRANSFORM and ALLOCATE"),
-    (checks.check_shared_not_replaced,
-     Step(_st(), _W, CONFIG, shared=frozenset({"weight"}), out=StageOut(drop=("weight",))),
-     "stage 'toy.set_x' replaces or drops shared tensors ['weight']"),
-    (checks.check_derive_drops_nothing, Step(_st(Tag.DERIVE), _W, CONFIG,
-                                             out=StageOut(drop=("weight",))),
-     "DERIVE stage 'toy.set_x' may not drop tensors (('weight',))"),
-    (checks.check_declared_drops, Step(_st(Tag.TRANSFORM, writes=("weight",)), _W, CONFIG,
-                                       out=StageOut(drop=("weight",))),
-     "stage 'toy.set_x' dropped ['weight'] without declaring them in drops"),
-    (checks.check_no_tensor_slots_in_attrs,
-     Step(_st(attrs=("weight",)), _W, CONFIG, out=StageOut(attrs={"weight": None})),
-     "METADATA stage 'toy.set_x' set tensors ['weight'] through attrs"),
-    (checks.check_release, Step(_st(reads=("weight",)), _W, CONFIG,
-                                out=StageOut(release=("weight",))),
-     "stage 'toy.set_x' releases ['weight']; only DERIVE stages may release"),
-    (checks.check_memo, Step(_st(), _W, CONFIG, out=StageOut(memo={"k": 1})),
-     "stage 'toy.set_x' returned memo entries but is not declared memoized"),
-    (checks.check_recorded, Step(_st(), _W, CONFIG, recorded={"width": 6},
-                                 out=StageOut(record={"width": 7})),
-     "stage 'toy.set_x': values recomputed here differ from the daemon's (recorded, here): "
-     "{'width': (6, 7)}"),
+    (
+        checks.check_reads,
+        Step(_st(reads=("weight",)), LayerState(), CONFIG),
+        "stage 'toy.set_x' reads ['weight'] but the layer has only []",
+    ),
+    (
+        checks.check_returns_stage_out,
+        Step(_st(), _W, CONFIG, out=None),
+        "stage 'toy.set_x' returned NoneType, not StageOut",
+    ),
+    (
+        checks.check_shared_untouched,
+        Step(_st(), _W, CONFIG, shared=frozenset({"weight"}), out=StageOut(), touched=("weight",)),
+        "stage 'toy.set_x' wrote in place into shared tensors ['weight']",
+    ),
+    (
+        checks.check_inputs_untouched,
+        Step(_st(), _W, CONFIG, out=StageOut(), touched=("weight",)),
+        "stage 'toy.set_x' mutated its input tensors ['weight'] in place",
+    ),
+    (
+        checks.check_declared_writes,
+        Step(_st(Tag.TRANSFORM), _W, CONFIG, out=StageOut(tensors={"x": torch.ones(1)})),
+        "stage 'toy.set_x' wrote ['x'] without declaring them in writes",
+    ),
+    (
+        checks.check_declared_attrs,
+        Step(_st(), _W, CONFIG, out=StageOut(attrs={"a": 1})),
+        "stage 'toy.set_x' set attributes ['a'] without declaring them in attrs",
+    ),
+    (
+        checks.check_no_tensors_from_readonly_tags,
+        Step(_st(), _W, CONFIG, out=StageOut(tensors={"x": torch.ones(1)})),
+        "METADATA stage 'toy.set_x' returned tensors ['x']; only TRANSFORM and ALLOCATE",
+    ),
+    (
+        checks.check_shared_not_replaced,
+        Step(_st(), _W, CONFIG, shared=frozenset({"weight"}), out=StageOut(drop=("weight",))),
+        "stage 'toy.set_x' replaces or drops shared tensors ['weight']",
+    ),
+    (
+        checks.check_derive_drops_nothing,
+        Step(_st(Tag.DERIVE), _W, CONFIG, out=StageOut(drop=("weight",))),
+        "DERIVE stage 'toy.set_x' may not drop tensors (('weight',))",
+    ),
+    (
+        checks.check_declared_drops,
+        Step(_st(Tag.TRANSFORM, writes=("weight",)), _W, CONFIG, out=StageOut(drop=("weight",))),
+        "stage 'toy.set_x' dropped ['weight'] without declaring them in drops",
+    ),
+    (
+        checks.check_no_tensor_slots_in_attrs,
+        Step(_st(attrs=("weight",)), _W, CONFIG, out=StageOut(attrs={"weight": None})),
+        "METADATA stage 'toy.set_x' set tensors ['weight'] through attrs",
+    ),
+    (
+        checks.check_release,
+        Step(_st(reads=("weight",)), _W, CONFIG, out=StageOut(release=("weight",))),
+        "stage 'toy.set_x' releases ['weight']; only DERIVE stages may release",
+    ),
+    (
+        checks.check_memo,
+        Step(_st(), _W, CONFIG, out=StageOut(memo={"k": 1})),
+        "stage 'toy.set_x' returned memo entries but is not declared memoized",
+    ),
+    (
+        checks.check_recorded,
+        Step(_st(), _W, CONFIG, recorded={"width": 6}, out=StageOut(record={"width": 7})),
+        "stage 'toy.set_x': values recomputed here differ from the daemon's (recorded, here): "
+        "{'width': (6, 7)}",
+    ),
 ]
 
 
-@pytest.mark.parametrize("check, bad, violation", BAD_STEPS,
-                         ids=[c.__name__ for c, _, _ in BAD_STEPS])
+@pytest.mark.parametrize(
+    "check, bad, violation", BAD_STEPS, ids=[c.__name__ for c, _, _ in BAD_STEPS]
+)
 def test_each_contract_check_reports_its_violation(check, bad, violation):
     """Each named check returns exactly one violation for its bad input, naming it, and
     none for the same stage returning nothing (StageOut())."""
     problems = check(bad)
     assert 1 == len(problems) and violation in problems[0], problems
-    good = Step(bad.stage, bad.state, CONFIG, out=StageOut()) \
-        if check is not checks.check_reads else Step(bad.stage, _W, CONFIG)
+    good = (
+        Step(bad.stage, bad.state, CONFIG, out=StageOut())
+        if check is not checks.check_reads
+        else Step(bad.stage, _W, CONFIG)
+    )
     assert [] == check(good)
 
 

@@ -74,8 +74,17 @@ def test_a_device_not_cpu_or_cuda_is_invalid(devices):
     assert ("cpu", "cuda") == Plan("toy", "ok", (), CHECKPOINT).devices
 
 
-@pytest.mark.parametrize("name", ["setwidth", "Toy.set_width", "toy.SetWidth", "toy.set-width",
-                                  "toy.set_width.extra", "toy._set"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "setwidth",
+        "Toy.set_width",
+        "toy.SetWidth",
+        "toy.set-width",
+        "toy.set_width.extra",
+        "toy._set",
+    ],
+)
 def test_a_name_not_family_verb_object_is_invalid(name):
     """Stage names are lower snake ``family.verb_object``, at build and at @stage."""
     st_ = unregistered_stage(name, Tag.METADATA, attrs=("width",))(_out())
@@ -84,9 +93,16 @@ def test_a_name_not_family_verb_object_is_invalid(name):
         stage(name, Tag.METADATA)
 
 
-@pytest.mark.parametrize("name, verb", [("toy.width", "width"), ("toy.scale_weight", "scale"),
-                                        ("nvfp4.alpha", "alpha"), ("marlin.fp8_repack", "fp8"),
-                                        ("toy.input_scale_none", "input")])
+@pytest.mark.parametrize(
+    "name, verb",
+    [
+        ("toy.width", "width"),
+        ("toy.scale_weight", "scale"),
+        ("nvfp4.alpha", "alpha"),
+        ("marlin.fp8_repack", "fp8"),
+        ("toy.input_scale_none", "input"),
+    ],
+)
 def test_a_name_not_starting_with_a_stage_verb_is_invalid(name, verb):
     """Well-formed lower snake names whose first word after the dot is not in STAGE_VERBS
     are refused, at build and at @stage, with the rule and the allowed verbs named."""
@@ -100,20 +116,26 @@ def test_a_name_not_starting_with_a_stage_verb_is_invalid(name, verb):
     assert name not in registered_stages()
 
 
-@pytest.mark.parametrize("name", ["toy.set", "toy.set_width", "cpu_wna16.repack",
-                                  "marlin.permute_zero_points"])
+@pytest.mark.parametrize(
+    "name", ["toy.set", "toy.set_width", "cpu_wna16.repack", "marlin.permute_zero_points"]
+)
 def test_a_verb_alone_or_followed_by_an_object_is_valid(name):
     """``family.<verb>`` and ``family.<verb>_<object>`` both pass the name rule."""
     assert stage_name_problem(name) is None
-    Plan("toy", "good", (unregistered_stage(name, Tag.METADATA, attrs=("width",))(_out()),),
-         CHECKPOINT)
+    Plan(
+        "toy",
+        "good",
+        (unregistered_stage(name, Tag.METADATA, attrs=("width",))(_out()),),
+        CHECKPOINT,
+    )
 
 
 def test_metadata_emptying_a_checkpoint_tensor_through_attrs_is_invalid():
     """A METADATA stage setting ``scales = None`` (dropping a checkpoint tensor through
     attrs) is a tensor write, refused at build."""
     st_ = unregistered_stage("toy.clear_scales", Tag.METADATA, attrs=("scales",))(
-        _out(attrs={"scales": None}))
+        _out(attrs={"scales": None})
+    )
     assert "sets tensors ['scales'] through attrs" in _invalid(st_)
 
 
@@ -128,12 +150,15 @@ def test_metadata_declaring_drops_is_invalid():
 def test_replayed_read_of_a_dropped_intermediate_is_unreachable():
     """A METADATA stage reading ``packed``, which a later TRANSFORM drops, would fail
     only at restore; the reachability check refuses it at build."""
-    pack = unregistered_stage("toy.pack_weight", Tag.TRANSFORM, reads=("weight",),
-                              writes=("packed",))(_out())
-    width = unregistered_stage("toy.set_width", Tag.METADATA, reads=("packed",),
-                               attrs=("width",))(_out())
-    drop = unregistered_stage("toy.drop_packed", Tag.TRANSFORM, writes=("packed",),
-                              drops=("packed",))(_out(drop=("packed",)))
+    pack = unregistered_stage(
+        "toy.pack_weight", Tag.TRANSFORM, reads=("weight",), writes=("packed",)
+    )(_out())
+    width = unregistered_stage("toy.set_width", Tag.METADATA, reads=("packed",), attrs=("width",))(
+        _out()
+    )
+    drop = unregistered_stage(
+        "toy.drop_packed", Tag.TRANSFORM, writes=("packed",), drops=("packed",)
+    )(_out(drop=("packed",)))
     msg = _invalid(pack, width, drop)
     assert "'toy.set_width' replays at restore and reads ['packed']" in msg
     Plan("toy", "good", (pack, width), CHECKPOINT)  # without the drop it is reachable
@@ -142,9 +167,11 @@ def test_replayed_read_of_a_dropped_intermediate_is_unreachable():
 def test_replayed_read_of_an_allocate_output_is_reachable():
     """ALLOCATE outputs are in what a restore has (the rule adds them)."""
     alloc = unregistered_stage("toy.alloc_workspace", Tag.ALLOCATE, writes=("workspace",))(
-        _out(tensors={"workspace": torch.zeros(1)}))
-    derive = unregistered_stage("toy.bind_handle", Tag.DERIVE, reads=("workspace",),
-                                attrs=("handle",))(_out())
+        _out(tensors={"workspace": torch.zeros(1)})
+    )
+    derive = unregistered_stage(
+        "toy.bind_handle", Tag.DERIVE, reads=("workspace",), attrs=("handle",)
+    )(_out())
     Plan("toy", "good", (alloc, derive), CHECKPOINT)
     assert "reads 'workspace'" in _invalid(derive, alloc)
 
@@ -179,7 +206,8 @@ def test_an_undeclared_drop_is_a_contract_error():
     """A TRANSFORM dropping a name it declared as a write but not in drops fails at run
     time (the reachability check trusts the declaration)."""
     st_ = unregistered_stage("toy.drop_scales", Tag.TRANSFORM, writes=("scales",))(
-        _out(drop=("scales",)))
+        _out(drop=("scales",))
+    )
     plan = Plan("toy", "bad", (st_,), CHECKPOINT)
     with pytest.raises(StageContractError, match="without declaring them in drops"):
         load_(_layer(weight=torch.ones(2), scales=torch.ones(2)), plan.bind(CONFIG, CPU))
@@ -187,8 +215,9 @@ def test_an_undeclared_drop_is_a_contract_error():
 
 def test_optional_slot_set_while_the_tensor_exists_is_a_contract_error():
     """A METADATA stage may set an optional tensor slot only when the layer lacks it."""
-    st_ = unregistered_stage("toy.clear_scales", Tag.METADATA, attrs=("scales",),
-                             optional=("scales",))(_out(attrs={"scales": None}))
+    st_ = unregistered_stage(
+        "toy.clear_scales", Tag.METADATA, attrs=("scales",), optional=("scales",)
+    )(_out(attrs={"scales": None}))
     plan = Plan("toy", "ok", (st_,), CHECKPOINT)
     load_(_layer(weight=torch.ones(2)), plan.bind(CONFIG, CPU))  # absent: fine
     with pytest.raises(StageContractError, match="through attrs"):
@@ -205,8 +234,9 @@ def test_stage_outputs_and_states_hold_frozen_mappings():
         assert isinstance(mapping, types.MappingProxyType)
         with pytest.raises(TypeError):
             mapping["x"] = 0
-    state = load_(_layer(weight=torch.ones(2)),
-                  UncheckedPlan("toy", "ok", (), CHECKPOINT).bind(CONFIG, CPU))
+    state = load_(
+        _layer(weight=torch.ones(2)), UncheckedPlan("toy", "ok", (), CHECKPOINT).bind(CONFIG, CPU)
+    )
     with pytest.raises(TypeError):
         state.tensors["x"] = torch.ones(1)
 
@@ -230,6 +260,7 @@ def test_binding_a_second_function_to_a_stage_name_is_an_error():
         return StageOut()
 
     with pytest.raises(PlanInvalid, match="already bound"):
+
         @stage("toy.set_registered_once", Tag.METADATA)
         def second(t, c, tg, r):
             return StageOut()
@@ -250,8 +281,7 @@ def test_plan_for_needs_an_explicit_target():
     with pytest.raises(TypeError):
         plan_for(LayerConfig(QuantSpec("awq", num_bits=4, group_size=128), 256, 128))
     with pytest.raises(PlanArgumentError, match="target=Target"):
-        plan_for(LayerConfig(QuantSpec("awq", num_bits=4, group_size=128), 256, 128),
-                 target="cuda")
+        plan_for(LayerConfig(QuantSpec("awq", num_bits=4, group_size=128), 256, 128), target="cuda")
 
 
 def test_plan_for_needs_the_layer_sizes_and_sends_vllm_objects_to_wcache_vllm():
@@ -270,6 +300,10 @@ def test_plan_for_returns_a_plan_bound_to_its_config():
     spec = QuantSpec("awq", num_bits=4, group_size=128, zero_point=True)
     target = Target("cuda", (8, 9))
     bound = plan_for(spec, LayerConfig(QuantSpec("other"), 256, 128), target=target)
-    assert ("awq/marlin@1", spec, 256, target) == (bound.id, bound.config.quant,
-                                                   bound.config.size_k, bound.target)
+    assert ("awq/marlin@1", spec, 256, target) == (
+        bound.id,
+        bound.config.quant,
+        bound.config.size_k,
+        bound.target,
+    )
     assert bound.plan.stages == bound.stages

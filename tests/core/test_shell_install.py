@@ -27,9 +27,15 @@ def _model() -> torch.nn.Module:
 
 def _install(model: torch.nn.Module, transformed: dict[str, set[str]]) -> None:
     packed = torch.zeros(128, 16, dtype=torch.float8_e4m3fn)  # a transposed, padded FP8 weight
-    install_tensors_(model, {"mlp.experts.gate.weight": packed},
-                     {"mlp.experts.gate.weight": "param"}, {}, {},
-                     writes=transformed, transformed=transformed)
+    install_tensors_(
+        model,
+        {"mlp.experts.gate.weight": packed},
+        {"mlp.experts.gate.weight": "param"},
+        {},
+        {},
+        writes=transformed,
+        transformed=transformed,
+    )
 
 
 def test_a_transform_declared_under_one_name_covers_the_modules_other_name():

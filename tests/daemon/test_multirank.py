@@ -10,13 +10,22 @@ import torch
 from wcache.daemon.ranks import local_ranks
 from wcache.vllm.key import device_id
 
-MODEL = SimpleNamespace(hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"]),
-                        dtype=torch.bfloat16, quantization="awq")
+MODEL = SimpleNamespace(
+    hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"]),
+    dtype=torch.bfloat16,
+    quantization="awq",
+)
 
 
 def _layout(rank: int, tp: int, pp: int) -> dict[str, int]:
-    return {"tp_size": tp, "tp_rank": rank % tp, "pp_size": pp, "pp_rank": rank // tp,
-            "dp_size": 1, "dp_rank": 0}
+    return {
+        "tp_size": tp,
+        "tp_rank": rank % tp,
+        "pp_size": pp,
+        "pp_rank": rank // tp,
+        "dp_size": 1,
+        "dp_rank": 0,
+    }
 
 
 def test_two_nodes_host_disjoint_ranks():
@@ -26,10 +35,13 @@ def test_two_nodes_host_disjoint_ranks():
     assert list(local_ranks(8, 2, 1)) == [4, 5, 6, 7]
 
 
-@pytest.mark.parametrize("world, nnodes, node_rank, message", [
-    (3, 2, 0, "cannot be split over 2 nodes"),
-    (4, 2, 2, "outside 0..1"),
-])
+@pytest.mark.parametrize(
+    "world, nnodes, node_rank, message",
+    [
+        (3, 2, 0, "cannot be split over 2 nodes"),
+        (4, 2, 2, "outside 0..1"),
+    ],
+)
 def test_bad_node_layouts_are_refused(world, nnodes, node_rank, message):
     """A world that does not split evenly, or a node rank out of range, fails with the reason."""
     with pytest.raises(ValueError, match=message):
@@ -42,10 +54,17 @@ def test_each_node_serves_exactly_the_sockets_its_engine_ranks_ask_for():
     tp, pp, nnodes = 2, 2, 2
     world = tp * pp
     cpu = torch.device("cpu")
-    served = {node: {device_id(cpu, MODEL, _layout(r, tp, pp)) for r in local_ranks(world, nnodes, node)}
-              for node in range(nnodes)}
-    wanted = {node: {device_id(cpu, MODEL, _layout(node * (world // nnodes) + local, tp, pp))
-                     for local in range(world // nnodes)} for node in range(nnodes)}
+    served = {
+        node: {device_id(cpu, MODEL, _layout(r, tp, pp)) for r in local_ranks(world, nnodes, node)}
+        for node in range(nnodes)
+    }
+    wanted = {
+        node: {
+            device_id(cpu, MODEL, _layout(node * (world // nnodes) + local, tp, pp))
+            for local in range(world // nnodes)
+        }
+        for node in range(nnodes)
+    }
     assert served == wanted
     assert len(served[0] | served[1]) == world
 

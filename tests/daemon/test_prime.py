@@ -16,9 +16,14 @@ from wcache.daemon import prime, serve
 
 
 def _stub_server():
-    return types.SimpleNamespace(artifacts=None, artifacts_state=None, artifacts_error=None,
-                                 socket_dir=None, _shutdown_requested=threading.Event(),
-                                 stopping=threading.Event())
+    return types.SimpleNamespace(
+        artifacts=None,
+        artifacts_state=None,
+        artifacts_error=None,
+        socket_dir=None,
+        _shutdown_requested=threading.Event(),
+        stopping=threading.Event(),
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -44,15 +49,21 @@ def test_a_stop_request_kills_the_priming_engine_and_keeps_nothing(tmp_path, mon
     pid = int(pid_file.read_text())
     assert took < 1.0 + 10 * prime.STOP_POLL_S, f"priming ran {took:.1f} s"
     assert not _alive(pid)
-    assert (server.artifacts, server.artifacts_state, server.artifacts_error) == \
-        (None, "failed", "[priming-failed] stopped")
+    assert (server.artifacts, server.artifacts_state, server.artifacts_error) == (
+        None,
+        "failed",
+        "[priming-failed] stopped",
+    )
     assert not (tmp_path / "snap").exists()
 
 
 def test_a_stop_requested_before_priming_ends_it_at_the_first_poll(monkeypatch):
     """A stop that arrived before priming began ends it within a poll or two, not after the engine."""
-    monkeypatch.setattr(prime, "priming_command",
-                        lambda *a, **k: [sys.executable, "-c", "import time; time.sleep(60)"])
+    monkeypatch.setattr(
+        prime,
+        "priming_command",
+        lambda *a, **k: [sys.executable, "-c", "import time; time.sleep(60)"],
+    )
     server = _stub_server()
     server.stopping.set()
     t0 = time.monotonic()
@@ -65,8 +76,10 @@ def test_the_priming_engine_dies_with_its_rank(tmp_path):
     """PR_SET_PDEATHSIG: a priming engine whose rank is SIGKILLed is killed too (no orphan)."""
     pid_file = tmp_path / "pid"
     child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
-    rank = (f"import sys; from wcache.daemon import prime; "
-            f"prime._run_until_stopped([sys.executable, '-c', {child!r}], None, 60, lambda: False, {str(tmp_path)!r})")
+    rank = (
+        f"import sys; from wcache.daemon import prime; "
+        f"prime._run_until_stopped([sys.executable, '-c', {child!r}], None, 60, lambda: False, {str(tmp_path)!r})"
+    )
     proc = subprocess.Popen([sys.executable, "-c", rank])
     deadline = time.monotonic() + 30
     while not pid_file.exists() or not pid_file.read_text():

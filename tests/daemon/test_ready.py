@@ -16,8 +16,13 @@ from wcache.daemon.ready import Readiness, ReadySpec, check_ready, wait_ready
 from wcache.store import CacheKey, DaemonServer, Export
 
 DIGEST = "0123456789ab"
-FIELDS = (("model_arch", ["LlamaForCausalLM"]), ("dtype", "torch.bfloat16"),
-          ("quantization", None), ("tp_size", 2), ("pp_size", 1))
+FIELDS = (
+    ("model_arch", ["LlamaForCausalLM"]),
+    ("dtype", "torch.bfloat16"),
+    ("quantization", None),
+    ("tp_size", 2),
+    ("pp_size", 1),
+)
 SPEC = ReadySpec(DIGEST, [(1, 0), (0, 0)], FIELDS)
 
 
@@ -25,11 +30,28 @@ SPEC = ReadySpec(DIGEST, [(1, 0), (0, 0)], FIELDS)
 def daemons():
     started: list[DaemonServer] = []
 
-    def start(sock_dir: str, tp_rank: int, digest: str = DIGEST, dtype: str = "torch.bfloat16",
-              tp_size: int = 2) -> DaemonServer:
-        key = CacheKey({"model_arch": ["LlamaForCausalLM"], "dtype": dtype, "quantization": None,
-                        "parallel": {"tp_size": tp_size, "tp_rank": tp_rank, "pp_size": 1,
-                                     "pp_rank": 0, "dp_size": 1, "dp_rank": 0}})
+    def start(
+        sock_dir: str,
+        tp_rank: int,
+        digest: str = DIGEST,
+        dtype: str = "torch.bfloat16",
+        tp_size: int = 2,
+    ) -> DaemonServer:
+        key = CacheKey(
+            {
+                "model_arch": ["LlamaForCausalLM"],
+                "dtype": dtype,
+                "quantization": None,
+                "parallel": {
+                    "tp_size": tp_size,
+                    "tp_rank": tp_rank,
+                    "pp_size": 1,
+                    "pp_rank": 0,
+                    "dp_size": 1,
+                    "dp_rank": 0,
+                },
+            }
+        )
         export = Export({"w": torch.arange(8, dtype=torch.float32)}, {"w": "param"})
         dev_id = f"cpu-tp{tp_rank}of{tp_size}-pp0of1-{digest}"
         server = DaemonServer(export, key, socket_dir=sock_dir, device_id=dev_id).start()
@@ -92,8 +114,11 @@ def test_wait_ready_returns_once_the_last_rank_serves(sock_dir, daemons):
 def test_wait_ready_timeout_zero_checks_once(sock_dir, monkeypatch):
     """--timeout 0 is one check (a readiness probe), not a wait."""
     calls = []
-    monkeypatch.setattr(ready, "check_ready",
-                        lambda d, s: calls.append(d) or Readiness(False, "daemon-missing", "x"))
+    monkeypatch.setattr(
+        ready,
+        "check_ready",
+        lambda d, s: calls.append(d) or Readiness(False, "daemon-missing", "x"),
+    )
     assert wait_ready(sock_dir, SPEC, timeout_s=0).code == "daemon-missing"
     assert calls == [sock_dir]
 
@@ -107,24 +132,47 @@ def test_cli_exit_codes_and_reason(sock_dir, daemons, monkeypatch, capsys):
         return SPEC
 
     monkeypatch.setattr(ready, "engine_ready_spec", spec)
-    argv = ["status", "--socket-dir", sock_dir, "--wait-ready", "--timeout", "0",
-            "--model", "/m", "-tp", "2", "--dtype", "bfloat16"]
+    argv = [
+        "status",
+        "--socket-dir",
+        sock_dir,
+        "--wait-ready",
+        "--timeout",
+        "0",
+        "--model",
+        "/m",
+        "-tp",
+        "2",
+        "--dtype",
+        "bfloat16",
+    ]
     daemons(sock_dir, 0)
     assert cli.main(argv) == cli.NOT_READY_EXIT
-    assert capsys.readouterr().out.startswith("wcache: not ready [daemon-missing]: no daemon "
-                                              "serves tp_rank=1 pp_rank=0")
+    assert capsys.readouterr().out.startswith(
+        "wcache: not ready [daemon-missing]: no daemon serves tp_rank=1 pp_rank=0"
+    )
     daemons(sock_dir, 1)
     assert cli.main(argv) == 0
     assert capsys.readouterr().out.startswith("wcache: ready: all 2 rank(s)")
-    assert seen == {"model": "/m", "rest": ["--dtype", "bfloat16"], "tensor_parallel_size": 2,
-                    "pipeline_parallel_size": 1, "nnodes": 1, "node_rank": 0, "job": ""}
+    assert seen == {
+        "model": "/m",
+        "rest": ["--dtype", "bfloat16"],
+        "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 1,
+        "nnodes": 1,
+        "node_rank": 0,
+        "job": "",
+    }
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["status", "--wait-ready"], "--wait-ready needs --model"),
-    (["status", "--dtype", "bfloat16"], "engine arguments are read with --wait-ready only"),
-    (["status", "--wait-ready", "--model", "/m", "--timeout", "-1"], "--timeout must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["status", "--wait-ready"], "--wait-ready needs --model"),
+        (["status", "--dtype", "bfloat16"], "engine arguments are read with --wait-ready only"),
+        (["status", "--wait-ready", "--model", "/m", "--timeout", "-1"], "--timeout must be >= 0"),
+    ],
+)
 def test_cli_refuses_bad_arguments(argv, message, capsys):
     """Bad --wait-ready invocations exit 2 with a message saying what is missing."""
     assert cli.main(argv) == 2
@@ -135,8 +183,12 @@ def test_cli_unsafe_socket_dir_exits_1_with_code(sock_dir, monkeypatch, capsys):
     """A group-readable socket dir is refused (exit 1, unsafe-path), not reported as not ready."""
     monkeypatch.setattr(ready, "engine_ready_spec", lambda *a, **k: SPEC)
     os.chmod(sock_dir, 0o750)
-    assert cli.main(["status", "--socket-dir", sock_dir, "--wait-ready", "--timeout", "0",
-                     "--model", "/m"]) == 1
+    assert (
+        cli.main(
+            ["status", "--socket-dir", sock_dir, "--wait-ready", "--timeout", "0", "--model", "/m"]
+        )
+        == 1
+    )
     assert "[unsafe-path]" in capsys.readouterr().err
 
 
@@ -145,12 +197,22 @@ def test_engine_spec_ranks_of_one_node():
     """vLLM's config gives the digest; node 1 of 2 hosts pipeline stage 1 of TP=2 x PP=2."""
     from wcache.testing.fixtures import build
 
-    spec = ready.engine_ready_spec(str(build("bf16")), ["--dtype", "bfloat16"],
-                                   tensor_parallel_size=2, pipeline_parallel_size=2,
-                                   nnodes=2, node_rank=1)
+    spec = ready.engine_ready_spec(
+        str(build("bf16")),
+        ["--dtype", "bfloat16"],
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        nnodes=2,
+        node_rank=1,
+    )
     assert spec.ranks == ((0, 1), (1, 1))
-    assert dict(spec.fields) == {"model_arch": ["LlamaForCausalLM"], "dtype": "torch.bfloat16",
-                                 "quantization": None, "tp_size": 2, "pp_size": 2}
+    assert dict(spec.fields) == {
+        "model_arch": ["LlamaForCausalLM"],
+        "dtype": "torch.bfloat16",
+        "quantization": None,
+        "tp_size": 2,
+        "pp_size": 2,
+    }
     assert len(spec.digest) == 12
 
 
@@ -165,7 +227,10 @@ def test_invalidated_rank_is_not_ready(sock_dir, daemons):
     assert invalidate_daemon(server.socket_path, server.key, "guard-failed", "checksum differs")
     result = check_ready(sock_dir, spec)
     assert (result.ok, result.code, result.serving) == (False, "arena-invalidated", ())
-    assert "tp_rank=0 pp_rank=0" in result.message and "[guard-failed]: checksum differs" in result.message
+    assert (
+        "tp_rank=0 pp_rank=0" in result.message
+        and "[guard-failed]: checksum differs" in result.message
+    )
 
 
 def test_the_daemon_gives_its_unused_cuda_cache_back_before_it_is_ready(monkeypatch):

@@ -15,8 +15,13 @@ LAYOUT = {"tp_size": 1, "tp_rank": 0, "pp_size": 1, "pp_rank": 0, "dp_size": 1, 
 
 
 def _stub_server():
-    return types.SimpleNamespace(artifacts=None, artifacts_state=None, artifacts_error=None,
-                                 socket_dir=None, _shutdown_requested=threading.Event())
+    return types.SimpleNamespace(
+        artifacts=None,
+        artifacts_state=None,
+        artifacts_error=None,
+        socket_dir=None,
+        _shutdown_requested=threading.Event(),
+    )
 
 
 def test_unreadable_snapshot_tar_does_not_fail_the_daemon_start(tmp_path):
@@ -28,7 +33,10 @@ def test_unreadable_snapshot_tar_does_not_fail_the_daemon_start(tmp_path):
     server = _stub_server()
     serve._snapshot_artifacts(server, str(tmp_path / "snap"), RANK)
     assert (server.artifacts, server.artifacts_state) == (None, None)
-    assert server.artifacts_error.startswith("[artifacts-corrupt]") and "[EISDIR]" in server.artifacts_error
+    assert (
+        server.artifacts_error.startswith("[artifacts-corrupt]")
+        and "[EISDIR]" in server.artifacts_error
+    )
 
 
 def test_rewriting_a_rank_snapshot_removes_its_old_startup_bundle(tmp_path, monkeypatch):
@@ -37,15 +45,21 @@ def test_rewriting_a_rank_snapshot_removes_its_old_startup_bundle(tmp_path, monk
 
     assert serve.snapshot_name(LAYOUT) == RANK
     snap = tmp_path / "snap"
-    mine, other = snap / serve.SNAPSHOT_STARTUP_DIR / RANK, snap / serve.SNAPSHOT_STARTUP_DIR / "tp1of2"
+    mine, other = (
+        snap / serve.SNAPSHOT_STARTUP_DIR / RANK,
+        snap / serve.SNAPSHOT_STARTUP_DIR / "tp1of2",
+    )
     for d in (mine, other):
         d.mkdir(parents=True)
         (d / art.MANIFEST_FILE).write_text("{}")
     calls = []
     view = types.SimpleNamespace(tensor="arena", close=lambda: calls.append("closed"))
     monkeypatch.setattr(prebuilt, "served_arena", lambda server: view)
-    monkeypatch.setattr(snapshot, "write_snapshot", lambda root, name, tensor, manifest, key:
-                        calls.append((root, name, tensor, mine.exists())))
+    monkeypatch.setattr(
+        snapshot,
+        "write_snapshot",
+        lambda root, name, tensor, manifest, key: calls.append((root, name, tensor, mine.exists())),
+    )
     server = types.SimpleNamespace(manifest="m", key="k")
     serve._write_rank_snapshot(server, str(snap), LAYOUT)
     assert calls == [(str(snap), RANK, "arena", False), "closed"]

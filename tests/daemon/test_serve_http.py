@@ -52,11 +52,16 @@ def _metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of /metrics by (name, sorted labels), parsed by prometheus_client."""
     status, text = _get(f"{url}/metrics")
     assert status == 200
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
-def _k(name: str, tp_rank: int | None = 0, **labels: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+def _k(
+    name: str, tp_rank: int | None = 0, **labels: str
+) -> tuple[str, tuple[tuple[str, str], ...]]:
     """A sample's key in :func:`_metrics`: rank 0's series unless ``tp_rank=None``."""
     if tp_rank is not None:
         labels = {**labels, "tp_rank": str(tp_rank), "pp_rank": "0"}
@@ -139,8 +144,9 @@ def test_ready_daemon_serves_lean_and_keeps_both_endpoints(served):
     assert (status, json.loads(body)["ready"]) == (200, True)
     metrics = _metrics(served.url)
     assert metrics[_k("wcache_bytes_held")] == float(st["bytes_held"])
-    assert ["lean"] == [dict(labels)["serving"] for (name, labels) in metrics
-                        if name == "wcache_rank_info"]
+    assert ["lean"] == [
+        dict(labels)["serving"] for (name, labels) in metrics if name == "wcache_rank_info"
+    ]
 
 
 def test_health_matches_wait_ready(served):
@@ -205,8 +211,9 @@ def test_invalidated_arena_is_503_with_its_reason(served):
     """After a client invalidates the arena, /health is 503 arena-invalidated with the reason
     and /metrics counts the invalidation; the daemon then exits with INVALIDATED_EXIT."""
     st = daemon_status(served.sock)
-    assert invalidate_daemon(served.sock, CacheKey(st["key_fields"]), "guard-failed",
-                             "test: a shared tensor changed")
+    assert invalidate_daemon(
+        served.sock, CacheKey(st["key_fields"]), "guard-failed", "test: a shared tensor changed"
+    )
     status, body = _get(f"{served.url}/health")
     metrics = _metrics(served.url)
     doc = json.loads(body)
@@ -231,8 +238,17 @@ def test_engine_counters_line():
     """The engine's counters add restores and their time, and fallbacks by reason code."""
     from wcache.vllm.loader import EngineCounters
 
-    c = (EngineCounters().record("restore", 0.25).record("fallback", 3.0, "key-mismatch")
-         .record("restore", 0.5).record("fallback", 2.0, "daemon-missing")
-         .record("fallback", 1.0, "key-mismatch"))
-    assert (c.restores, c.restore_s, c.fallbacks) == (2, 0.75, (("daemon-missing", 1), ("key-mismatch", 2)))
+    c = (
+        EngineCounters()
+        .record("restore", 0.25)
+        .record("fallback", 3.0, "key-mismatch")
+        .record("restore", 0.5)
+        .record("fallback", 2.0, "daemon-missing")
+        .record("fallback", 1.0, "key-mismatch")
+    )
+    assert (c.restores, c.restore_s, c.fallbacks) == (
+        2,
+        0.75,
+        (("daemon-missing", 1), ("key-mismatch", 2)),
+    )
     assert c.line() == "restores=2 restore_s=0.750 fallbacks=3 (daemon-missing=1 key-mismatch=2)"

@@ -72,12 +72,17 @@ def _engine_kwargs(device: str, mode: str) -> dict:
     if mode == "graphs":
         kwargs["compilation_config"] = {"mode": 0, "cudagraph_mode": "FULL"}  # 0: NONE
     if device == "cuda":
-        from wcache.testing.engine_acceptance import (  # noqa: PLC0415
-            ATTENTION_BACKEND, GPU_MEMORY_UTILIZATION, KV_CACHE_BYTES,
+        from wcache.testing.engine_acceptance import (
+            ATTENTION_BACKEND,
+            GPU_MEMORY_UTILIZATION,
+            KV_CACHE_BYTES,
         )
 
-        kwargs.update(attention_backend=ATTENTION_BACKEND, kv_cache_memory_bytes=KV_CACHE_BYTES,
-                      gpu_memory_utilization=GPU_MEMORY_UTILIZATION)
+        kwargs.update(
+            attention_backend=ATTENTION_BACKEND,
+            kv_cache_memory_bytes=KV_CACHE_BYTES,
+            gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
+        )
     else:
         kwargs["gpu_memory_utilization"] = CPU_MEMORY_UTILIZATION
     return kwargs
@@ -92,13 +97,15 @@ def _ptrs(worker) -> dict[str, int]:
 
 
 def _engine_info(worker) -> dict:
-    from wcache.vllm import compat  # noqa: PLC0415
+    from wcache.vllm import compat
 
     att = compat.attachment_of(_model(worker))
     cfg = worker.model_runner.vllm_config.compilation_config
-    return {"transport": getattr(att, "transport", None),
-            "cudagraph_mode": getattr(cfg.cudagraph_mode, "name", str(cfg.cudagraph_mode)),
-            "compilation_mode": getattr(cfg.mode, "name", str(cfg.mode))}
+    return {
+        "transport": getattr(att, "transport", None),
+        "cudagraph_mode": getattr(cfg.cudagraph_mode, "name", str(cfg.cudagraph_mode)),
+        "compilation_mode": getattr(cfg.mode, "name", str(cfg.mode)),
+    }
 
 
 def _error_code(exc: BaseException) -> str:
@@ -106,8 +113,11 @@ def _error_code(exc: BaseException) -> str:
     code = getattr(exc, "code", None)
     if code:
         return str(code)
-    return "update-unsupported" if "update-unsupported" in str(exc) or \
-        type(exc).__name__ == "UpdateUnsupported" else type(exc).__name__
+    return (
+        "update-unsupported"
+        if "update-unsupported" in str(exc) or type(exc).__name__ == "UpdateUnsupported"
+        else type(exc).__name__
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,21 +127,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra", default="{}")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--mode", choices=("eager", "graphs", "compiled"), default="eager")
-    ap.add_argument("--steps", default=",".join(STEPS),
-                    help=f"comma-separated, in order, from {STEPS}")
+    ap.add_argument(
+        "--steps", default=",".join(STEPS), help=f"comma-separated, in order, from {STEPS}"
+    )
     args = ap.parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # collective_rpc with a callable
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype="bfloat16", load_format=args.load_format,
-              model_loader_extra_config=json.loads(args.extra), max_model_len=512,
-              max_num_seqs=1, seed=0, **_engine_kwargs(args.device, args.mode))
+    llm = LLM(
+        model=args.model,
+        dtype="bfloat16",
+        load_format=args.load_format,
+        model_loader_extra_config=json.loads(args.extra),
+        max_model_len=512,
+        max_num_seqs=1,
+        seed=0,
+        **_engine_kwargs(args.device, args.mode),
+    )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
     def generate() -> list[list[int]]:
-        return [list(o.outputs[0].token_ids) for o in llm.generate(list(PROMPTS), params,
-                                                                   use_tqdm=False)]
+        return [
+            list(o.outputs[0].token_ids)
+            for o in llm.generate(list(PROMPTS), params, use_tqdm=False)
+        ]
 
     norm1 = _norm_weight(SEED)
     down = -_checkpoint_tensor(args.model, "model.layers.0.mlp.down_proj.weight")
@@ -146,19 +166,31 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             worker.reload_weights(
                 weights_iterator=[("model.layers.1.post_attention_layernorm.weight", norm3)],
-                is_checkpoint_format=False)
+                is_checkpoint_format=False,
+            )
 
     updates = {
-        "load_weights": lambda: llm.collective_rpc(lambda w: _model(w).load_weights(
-            [("model.norm.weight", norm1)])),
-        "reload_iterator": lambda: llm.collective_rpc("reload_weights", kwargs={
-            "weights_iterator": [("model.layers.0.mlp.down_proj.weight", down),
-                                 ("model.layers.0.input_layernorm.weight", norm2)]}),
+        "load_weights": lambda: llm.collective_rpc(
+            lambda w: _model(w).load_weights([("model.norm.weight", norm1)])
+        ),
+        "reload_iterator": lambda: llm.collective_rpc(
+            "reload_weights",
+            kwargs={
+                "weights_iterator": [
+                    ("model.layers.0.mlp.down_proj.weight", down),
+                    ("model.layers.0.input_layernorm.weight", norm2),
+                ]
+            },
+        ),
         "reload_kernel_format": lambda: llm.collective_rpc(kernel_format_reload),
         "reload_disk": lambda: llm.collective_rpc("reload_weights"),
     }
-    out: dict = {"steps": {}, "errors": {}, "ptrs_changed": {},
-                 "engine": llm.collective_rpc(_engine_info)[0]}
+    out: dict = {
+        "steps": {},
+        "errors": {},
+        "ptrs_changed": {},
+        "engine": llm.collective_rpc(_engine_info)[0],
+    }
     for step in args.steps.split(","):
         if step not in STEPS:
             raise SystemExit(f"unknown step {step!r}; steps: {STEPS}")

@@ -16,7 +16,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 def test_tiny_architecture_restores_with_verify_clean(arch_name):
     """Four loads give identical greedy tokens, both daemon loads restore, verify exits 0."""
     row = run_arch(arch_name, "bf16", "cpu")
-    assert row["outcome"] == "restored", (row.get("reason"), row.get("detail"),
-                                          (row.get("verify") or {}).get("table"))
+    assert row["outcome"] == "restored", (
+        row.get("reason"),
+        row.get("detail"),
+        (row.get("verify") or {}).get("table"),
+    )
     assert row["verify"]["exit"] == 0
     assert all(row["identical"].values())

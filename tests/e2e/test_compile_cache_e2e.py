@@ -61,8 +61,11 @@ CPU_AOT_LOAD_FAILURE = "has no attribute 'finalize_loading'"
 KERNEL_SUFFIX = ".so"
 
 if os.environ.get(OPT_IN_ENV) != "1":
-    pytestmark.append(pytest.mark.skip(
-        reason=f"four compiled vLLM-CPU engines take 7-11 min here; set {OPT_IN_ENV}=1"))
+    pytestmark.append(
+        pytest.mark.skip(
+            reason=f"four compiled vLLM-CPU engines take 7-11 min here; set {OPT_IN_ENV}=1"
+        )
+    )
 
 
 def _kernels(root: Path) -> set[str]:
@@ -70,8 +73,15 @@ def _kernels(root: Path) -> set[str]:
 
 
 def _engine(model, load_format, extra, root):
-    return run_engine(model, load_format, extra, prompts=PROMPTS, max_tokens=MAX_TOKENS,
-                      env={**cache_env(root), **LOG_TO_STDERR}, engine_args=COMPILE_ARGS)
+    return run_engine(
+        model,
+        load_format,
+        extra,
+        prompts=PROMPTS,
+        max_tokens=MAX_TOKENS,
+        env={**cache_env(root), **LOG_TO_STDERR},
+        engine_args=COMPILE_ARGS,
+    )
 
 
 def _assert_read(result, root: Path, artifacts_before, kernels_before, who: str) -> None:
@@ -80,8 +90,10 @@ def _assert_read(result, root: Path, artifacts_before, kernels_before, who: str)
     events = compile_cache_events(result["log"])
     paths = set(events.loaded) | {p for p, _ in events.load_failures}
     assert paths == {str(p) for p in artifacts_before.values()}, (who, events)
-    assert events.hit or all(CPU_AOT_LOAD_FAILURE in why for _, why in events.load_failures), \
-        (who, events)
+    assert events.hit or all(CPU_AOT_LOAD_FAILURE in why for _, why in events.load_failures), (
+        who,
+        events,
+    )
     assert aot_artifacts(root).keys() == artifacts_before.keys(), who
     assert _kernels(root) == kernels_before, f"{who}: new Inductor kernels were compiled"
 
@@ -119,13 +131,18 @@ def test_compile_cache_shared_between_disk_and_wcache_engines(tmp_path):
         assert graphs_disk == graphs_wcache, f"compiled graphs differ:\n{diff}"
         # what differs with provenance kept: only source-location comments and the
         # benchmark harness's example inputs (printed with -s, for the record)
-        full = graph_diff(full_disk, full_wcache, ("disk", "wcache"), context=0,
-                          max_lines=1 << 16)
-        changed = [ln for ln in full.splitlines() if ln[:1] in "+-"
-                   and not ln.startswith(("---", "+++"))]
+        full = graph_diff(full_disk, full_wcache, ("disk", "wcache"), context=0, max_lines=1 << 16)
+        changed = [
+            ln for ln in full.splitlines() if ln[:1] in "+-" and not ln.startswith(("---", "+++"))
+        ]
         print(f"provenance diff: {len(changed)} lines, e.g.\n" + "\n".join(changed[:6]))
-        assert all("# File: " in ln or "rand_strided(" in ln or "as_strided(" in ln
-                   or "_shared_storage_" in ln for ln in changed), full
+        assert all(
+            "# File: " in ln
+            or "rand_strided(" in ln
+            or "as_strided(" in ln
+            or "_shared_storage_" in ln
+            for ln in changed
+        ), full
         assert compiled_graphs(root_a) == graphs_disk == compiled_graphs(root_b)
     tokens = disk_a["token_ids"]
     assert len(tokens[0]) == MAX_TOKENS

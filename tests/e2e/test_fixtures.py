@@ -37,29 +37,49 @@ LINEAR_SHAPES = {
 
 #: Every tensor a quantized linear has, as (shape, dtype), from its (size_n, size_k).
 LAYOUTS = {
-    "awq": lambda n, k: {"qweight": ((k, n // 8), torch.int32),
-                         "qzeros": ((k // G, n // 8), torch.int32),
-                         "scales": ((k // G, n), torch.float16)},
-    "gptq": lambda n, k: {"qweight": ((k // 8, n), torch.int32),
-                          "qzeros": ((k // G, n // 8), torch.int32),
-                          "scales": ((k // G, n), torch.float16),
-                          "g_idx": ((k,), torch.int32)},
-    "ct_w4a16": lambda n, k: {"weight_packed": ((n, k // 8), torch.int32),
-                              "weight_scale": ((n, k // G), torch.bfloat16),
-                              "weight_shape": ((2,), torch.int64)},
-    "ct_w8a8_int8": lambda n, k: {"weight": ((n, k), torch.int8),
-                                  "weight_scale": ((n, 1), torch.bfloat16)},
+    "awq": lambda n, k: {
+        "qweight": ((k, n // 8), torch.int32),
+        "qzeros": ((k // G, n // 8), torch.int32),
+        "scales": ((k // G, n), torch.float16),
+    },
+    "gptq": lambda n, k: {
+        "qweight": ((k // 8, n), torch.int32),
+        "qzeros": ((k // G, n // 8), torch.int32),
+        "scales": ((k // G, n), torch.float16),
+        "g_idx": ((k,), torch.int32),
+    },
+    "ct_w4a16": lambda n, k: {
+        "weight_packed": ((n, k // 8), torch.int32),
+        "weight_scale": ((n, k // G), torch.bfloat16),
+        "weight_shape": ((2,), torch.int64),
+    },
+    "ct_w8a8_int8": lambda n, k: {
+        "weight": ((n, k), torch.int8),
+        "weight_scale": ((n, 1), torch.bfloat16),
+    },
 }
 
 EXPECTED_QUANT_CONFIG = {
-    "awq": {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True,
-            "version": "gemm"},
-    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False,
-             "sym": True},
-    "ct_w4a16": {"quant_method": "compressed-tensors", "format": "pack-quantized",
-                 "ignore": ["lm_head"], "quantization_status": "compressed"},
-    "ct_w8a8_int8": {"quant_method": "compressed-tensors", "format": "int-quantized",
-                     "ignore": ["lm_head"], "quantization_status": "compressed"},
+    "awq": {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 64,
+        "zero_point": True,
+        "version": "gemm",
+    },
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False, "sym": True},
+    "ct_w4a16": {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "ignore": ["lm_head"],
+        "quantization_status": "compressed",
+    },
+    "ct_w8a8_int8": {
+        "quant_method": "compressed-tensors",
+        "format": "int-quantized",
+        "ignore": ["lm_head"],
+        "quantization_status": "compressed",
+    },
 }
 
 #: GPTQ v1 qzeros word: the nibble 7 (zero 8, stored minus one) eight times.
@@ -67,8 +87,11 @@ GPTQ_QZERO_WORD = 0x77777777
 
 #: Layers compared bit for bit with vLLM's reference quantizers: the first and
 #: the last, covering K = 576 and K = 1536.
-REFERENCE_PREFIXES = ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
-                      f"model.layers.{NUM_LAYERS - 1}.mlp.down_proj")
+REFERENCE_PREFIXES = (
+    "model.layers.0.self_attn.q_proj",
+    "model.layers.0.self_attn.k_proj",
+    f"model.layers.{NUM_LAYERS - 1}.mlp.down_proj",
+)
 
 #: Relative Frobenius error of dequantized vs bf16 weights, worst layer. Measured
 #: worst: awq 0.109, gptq 0.130, ct_w4a16 0.132, ct_w8a8_int8 0.012 (int4 RTN with
@@ -86,7 +109,7 @@ MAX_Q = {"awq": 15, "gptq": 8, "ct_w4a16": 8, "ct_w8a8_int8": 128}
 
 def _layer(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     """The local-name tensors of one module."""
-    return {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
+    return {k[len(prefix) + 1 :]: v for k, v in state.items() if k.startswith(prefix + ".")}
 
 
 @pytest.fixture(scope="session")
@@ -115,10 +138,16 @@ def configs(paths) -> dict[str, dict]:
 def test_bf16_config_is_smollm2_with_tied_embeddings(configs):
     """The bf16 config is SmolLM2-135M's, tied, with no quantization_config."""
     cfg = configs["bf16"]
-    expected = {"hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE,
-                "num_hidden_layers": NUM_LAYERS, "num_attention_heads": 9,
-                "num_key_value_heads": KV_HEADS, "vocab_size": VOCAB,
-                "tie_word_embeddings": True, "model_type": "llama"}
+    expected = {
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": 9,
+        "num_key_value_heads": KV_HEADS,
+        "vocab_size": VOCAB,
+        "tie_word_embeddings": True,
+        "model_type": "llama",
+    }
     assert expected == {k: cfg[k] for k in expected}
     assert "quantization_config" not in cfg
 
@@ -139,8 +168,7 @@ def test_bf16_tensors_have_no_lm_head_and_are_bf16(states):
 def test_stamp_names_builder_version(paths, fmt):
     """Each fixture carries a stamp with this builder's version and its format."""
     stamp = json.loads((paths[fmt] / fx.STAMP_FILE).read_text())
-    assert {"builder_version": fx.BUILDER_VERSION, "format": fmt,
-            "source": fx.GGUF_FILE} == stamp
+    assert {"builder_version": fx.BUILDER_VERSION, "format": fmt, "source": fx.GGUF_FILE} == stamp
 
 
 @pytest.mark.parametrize("fmt", fx.FORMATS)
@@ -172,9 +200,17 @@ def test_ct_w4a16_config_groups(configs):
     groups = configs["ct_w4a16"]["quantization_config"]["config_groups"]
     assert ["group_0"] == list(groups)
     weights = groups["group_0"]["weights"]
-    assert {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 64,
-            "symmetric": True, "dynamic": False} == {k: weights[k] for k in (
-                "num_bits", "type", "strategy", "group_size", "symmetric", "dynamic")}
+    assert {
+        "num_bits": 4,
+        "type": "int",
+        "strategy": "group",
+        "group_size": 64,
+        "symmetric": True,
+        "dynamic": False,
+    } == {
+        k: weights[k]
+        for k in ("num_bits", "type", "strategy", "group_size", "symmetric", "dynamic")
+    }
     assert groups["group_0"]["input_activations"] is None
     assert ["Linear"] == groups["group_0"]["targets"]
 
@@ -183,18 +219,30 @@ def test_ct_w8a8_int8_config_groups(configs):
     """W8A8 INT8: int8 channel static weights, int8 per-token dynamic activations."""
     group = configs["ct_w8a8_int8"]["quantization_config"]["config_groups"]["group_0"]
     keys = ("num_bits", "type", "strategy", "symmetric", "dynamic")
-    assert {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True,
-            "dynamic": False} == {k: group["weights"][k] for k in keys}
-    assert {"num_bits": 8, "type": "int", "strategy": "token", "symmetric": True,
-            "dynamic": True} == {k: group["input_activations"][k] for k in keys}
+    assert {
+        "num_bits": 8,
+        "type": "int",
+        "strategy": "channel",
+        "symmetric": True,
+        "dynamic": False,
+    } == {k: group["weights"][k] for k in keys}
+    assert {
+        "num_bits": 8,
+        "type": "int",
+        "strategy": "token",
+        "symmetric": True,
+        "dynamic": True,
+    } == {k: group["input_activations"][k] for k in keys}
 
 
 @pytest.mark.parametrize("fmt", fx.QUANTIZED_FORMATS)
 def test_tensor_names_dtypes_shapes(states, fmt):
     """Every tensor has exactly the expected name, shape and dtype."""
     rest = fx.REST_DTYPE[fmt]
-    expected = {"model.embed_tokens.weight": ((VOCAB, HIDDEN), rest),
-                "model.norm.weight": ((HIDDEN,), rest)}
+    expected = {
+        "model.embed_tokens.weight": ((VOCAB, HIDDEN), rest),
+        "model.norm.weight": ((HIDDEN,), rest),
+    }
     for i in range(NUM_LAYERS):
         expected[f"model.layers.{i}.input_layernorm.weight"] = ((HIDDEN,), rest)
         expected[f"model.layers.{i}.post_attention_layernorm.weight"] = ((HIDDEN,), rest)
@@ -208,8 +256,11 @@ def test_tensor_names_dtypes_shapes(states, fmt):
 def test_unquantized_tensors_equal_bf16_cast(states):
     """Embedding and norms of each format are the bf16 values cast to its dtype."""
     for fmt in fx.QUANTIZED_FORMATS:
-        for name in ("model.embed_tokens.weight", "model.norm.weight",
-                     "model.layers.7.input_layernorm.weight"):
+        for name in (
+            "model.embed_tokens.weight",
+            "model.norm.weight",
+            "model.layers.7.input_layernorm.weight",
+        ):
             expected = states["bf16"][name].to(fx.REST_DTYPE[fmt])
             assert torch.equal(expected, states[fmt][name]), (fmt, name)
 
@@ -251,8 +302,7 @@ def test_gptq_equals_vllm_gptq_quantize_weights_and_pack(states, prefix):
     layer = _layer(states["gptq"], prefix)
     assert torch.equal(qu.gptq_pack(w_q, 4, size_k, size_n), layer["qweight"])
     assert torch.equal(w_s.to(torch.float16), layer["scales"])
-    expected_qzeros = torch.full((size_k // G, size_n // 8), GPTQ_QZERO_WORD,
-                                 dtype=torch.int32)
+    expected_qzeros = torch.full((size_k // G, size_n // 8), GPTQ_QZERO_WORD, dtype=torch.int32)
     assert torch.equal(expected_qzeros, layer["qzeros"])
     assert torch.equal(torch.arange(size_k, dtype=torch.int32) // G, layer["g_idx"])
 
@@ -265,8 +315,12 @@ def test_ct_w4a16_packing_as_vllm_unpacks_it(states, prefix):
     from vllm.scalar_type import scalar_types
 
     layer = _layer(states["ct_w4a16"], prefix)
-    q = qu.unpack_quantized_values_into_int32(layer["weight_packed"], scalar_types.uint4b8,
-                                              packed_dim=1) - scalar_types.uint4b8.bias
+    q = (
+        qu.unpack_quantized_values_into_int32(
+            layer["weight_packed"], scalar_types.uint4b8, packed_dim=1
+        )
+        - scalar_types.uint4b8.bias
+    )
     scale = layer["weight_scale"].repeat_interleave(G, dim=1)
     assert torch.equal((q.to(scale.dtype) * scale).float(), fx.dequantize_linear(layer, "ct_w4a16"))
     assert int(q.min()) >= -8 and int(q.max()) <= 7
@@ -291,10 +345,12 @@ def _tiny_state() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     return {
         "model.embed_tokens.weight": torch.randn(16, 128, generator=gen).to(torch.bfloat16),
-        "model.layers.0.self_attn.q_proj.weight":
-            (torch.randn(64, 128, generator=gen) * 0.05).to(torch.bfloat16),
-        "model.layers.0.mlp.down_proj.weight":
-            (torch.randn(128, 64, generator=gen) * 0.05).to(torch.bfloat16),
+        "model.layers.0.self_attn.q_proj.weight": (torch.randn(64, 128, generator=gen) * 0.05).to(
+            torch.bfloat16
+        ),
+        "model.layers.0.mlp.down_proj.weight": (torch.randn(128, 64, generator=gen) * 0.05).to(
+            torch.bfloat16
+        ),
         "model.layers.0.input_layernorm.weight": torch.ones(128, dtype=torch.bfloat16),
     }
 
@@ -305,21 +361,30 @@ def test_convert_state_dict_is_pure_and_deterministic(fmt):
     state = _tiny_state()
     before = {k: (v.clone(), v._version) for k, v in state.items()}
     once, twice = fx.convert_state_dict(state, fmt), fx.convert_state_dict(state, fmt)
-    assert all(torch.equal(before[k][0], v) and before[k][1] == v._version
-               for k, v in state.items())
+    assert all(
+        torch.equal(before[k][0], v) and before[k][1] == v._version for k, v in state.items()
+    )
     assert list(once) == list(twice)
     assert all(torch.equal(once[k], twice[k]) for k in once)
 
 
 def test_quantized_linear_names():
     """Only decoder q/k/v/o/gate/up/down weights are quantized."""
-    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.12.mlp.down_proj.weight",
-             "model.layers.0.input_layernorm.weight", "model.embed_tokens.weight",
-             "lm_head.weight", "model.layers.0.self_attn.q_proj.bias"]
+    names = [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.12.mlp.down_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.layers.0.self_attn.q_proj.bias",
+    ]
     assert [True, True, False, False, False, False] == [
-        fx.is_quantized_linear_weight(n) for n in names]
-    assert ("model.layers.0.self_attn.q_proj", "model.layers.12.mlp.down_proj") == \
-        fx.quantized_linear_prefixes(names)
+        fx.is_quantized_linear_weight(n) for n in names
+    ]
+    assert (
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.12.mlp.down_proj",
+    ) == fx.quantized_linear_prefixes(names)
 
 
 BAD_INPUTS = [
@@ -327,8 +392,7 @@ BAD_INPUTS = [
     (lambda: fx.fixture_path("int3"), "fixture-build", "unknown fixture format"),
     (lambda: fx.awq_quantize(torch.zeros(8, 96)), "fixture-build", "multiple of group_size=64"),
     (lambda: fx.gptq_quantize(torch.zeros(12, 64)), "fixture-build", "size_n of 8"),
-    (lambda: fx.awq_quantize(torch.zeros(8, 64, dtype=torch.int32)), "fixture-build",
-     "2-D float"),
+    (lambda: fx.awq_quantize(torch.zeros(8, 64, dtype=torch.int32)), "fixture-build", "2-D float"),
     (lambda: fx.dequantize_linear({}, "bf16"), "fixture-build", "cannot dequantize"),
     (lambda: fx.ct_scheme("awq"), "fixture-build", "no compressed-tensors scheme"),
 ]
@@ -375,21 +439,27 @@ def test_stale_stamp_is_not_built(tmp_path):
 
 def _tiny_checkpoint(folder: Path) -> Path:
     folder.mkdir()
-    save_file(fx.convert_state_dict(_tiny_state(), "awq"), folder / fx.WEIGHTS_FILE,
-              metadata={"format": "pt"})
+    save_file(
+        fx.convert_state_dict(_tiny_state(), "awq"),
+        folder / fx.WEIGHTS_FILE,
+        metadata={"format": "pt"},
+    )
     (folder / "config.json").write_text('{"model_type": "llama"}')
     return folder
 
 
-@pytest.mark.parametrize("change,index", [("model.layers.0.input_layernorm.weight", 0),
-                                          ("model.layers.0.self_attn.q_proj.qweight", 37)])
+@pytest.mark.parametrize(
+    "change,index",
+    [("model.layers.0.input_layernorm.weight", 0), ("model.layers.0.self_attn.q_proj.qweight", 37)],
+)
 def test_build_variant_changes_exactly_one_element(tmp_path, change, index):
     """The variant differs from its base in exactly one element of one tensor."""
     base = _tiny_checkpoint(tmp_path / "base")
     out = fx.build_variant(base, tmp_path / "variant", change=change, index=index)
     a, b = load_file(base / fx.WEIGHTS_FILE), load_file(out / fx.WEIGHTS_FILE)
-    assert {k: (v.shape, v.dtype) for k, v in a.items()} == \
-        {k: (v.shape, v.dtype) for k, v in b.items()}
+    assert {k: (v.shape, v.dtype) for k, v in a.items()} == {
+        k: (v.shape, v.dtype) for k, v in b.items()
+    }
     assert [change] == [k for k in a if not torch.equal(a[k], b[k])]
     differing = (a[change].reshape(-1) != b[change].reshape(-1)).nonzero().flatten().tolist()
     assert [index] == differing
@@ -404,9 +474,13 @@ def test_build_variant_default_on_real_fixture(paths, tmp_path):
     assert sorted(p.name for p in paths["awq"].iterdir()) == sorted(p.name for p in out.iterdir())
 
 
-@pytest.mark.parametrize("change,index,text", [("nope.weight", 0, "is not in"),
-                                               ("model.layers.0.input_layernorm.weight", 128,
-                                                "out of range")])
+@pytest.mark.parametrize(
+    "change,index,text",
+    [
+        ("nope.weight", 0, "is not in"),
+        ("model.layers.0.input_layernorm.weight", 128, "out of range"),
+    ],
+)
 def test_build_variant_bad_inputs(tmp_path, change, index, text):
     """Unknown tensor or out-of-range index raise FixtureError('fixture-variant'), no output."""
     base = _tiny_checkpoint(tmp_path / "base")
@@ -425,8 +499,11 @@ def _step(layer: dict[str, torch.Tensor], fmt: str, size_k: int) -> torch.Tensor
     """The quantization step of every weight element, ``[size_n, size_k]`` float32."""
     if fmt in ("awq", "gptq"):
         return layer["scales"].float().repeat_interleave(G, dim=0).t()
-    return layer["weight_scale"].float().repeat_interleave(
-        size_k // layer["weight_scale"].shape[1], dim=1)
+    return (
+        layer["weight_scale"]
+        .float()
+        .repeat_interleave(size_k // layer["weight_scale"].shape[1], dim=1)
+    )
 
 
 @pytest.mark.slow

@@ -29,8 +29,9 @@ def shared_checksums(socket_dir: str) -> dict[str, str]:
     """Attach from the test process with the daemon's own key and hash every tensor."""
     (sock,) = list_sockets(socket_dir)
     status = daemon_status(sock)
-    with attach(CacheKey(status["key_fields"]), socket_dir=socket_dir,
-                device_id=status["device_id"]) as att:
+    with attach(
+        CacheKey(status["key_fields"]), socket_dir=socket_dir, device_id=status["device_id"]
+    ) as att:
         return {name: tensor_checksum(t) for name, t in att.tensors.items()}
 
 
@@ -40,20 +41,34 @@ def moe_runs():
 
     model = build()
     runs = {}
-    with tempfile.TemporaryDirectory(prefix="wc-moe-") as sock_dir, \
-            tempfile.TemporaryDirectory(prefix="wc-none-") as empty_dir:
+    with (
+        tempfile.TemporaryDirectory(prefix="wc-moe-") as sock_dir,
+        tempfile.TemporaryDirectory(prefix="wc-none-") as empty_dir,
+    ):
         with DaemonProcess(model, sock_dir):
             before = shared_checksums(sock_dir)
             attached = {"socket_dir": sock_dir, "fallback": False}
-            runs["ordinary"] = run_engine(model, "auto", prompts=PROMPTS, max_tokens=MAX_TOKENS,
-                                          dump_state=True)
-            runs["fallback"] = run_engine(model, "wcache",
-                                          {"socket_dir": empty_dir, "fallback": True},
-                                          prompts=PROMPTS, max_tokens=MAX_TOKENS)
-            runs["first"] = run_engine(model, "wcache", {**attached, "strict": True},
-                                       prompts=PROMPTS, max_tokens=MAX_TOKENS, dump_state=True)
-            runs["second"] = run_engine(model, "wcache", attached, prompts=PROMPTS,
-                                        max_tokens=MAX_TOKENS)
+            runs["ordinary"] = run_engine(
+                model, "auto", prompts=PROMPTS, max_tokens=MAX_TOKENS, dump_state=True
+            )
+            runs["fallback"] = run_engine(
+                model,
+                "wcache",
+                {"socket_dir": empty_dir, "fallback": True},
+                prompts=PROMPTS,
+                max_tokens=MAX_TOKENS,
+            )
+            runs["first"] = run_engine(
+                model,
+                "wcache",
+                {**attached, "strict": True},
+                prompts=PROMPTS,
+                max_tokens=MAX_TOKENS,
+                dump_state=True,
+            )
+            runs["second"] = run_engine(
+                model, "wcache", attached, prompts=PROMPTS, max_tokens=MAX_TOKENS
+            )
             after = shared_checksums(sock_dir)
     yield {"runs": runs, "before": before, "after": after}
 
@@ -61,8 +76,9 @@ def moe_runs():
 def test_moe_greedy_tokens_identical_across_four_loads(moe_runs):
     """Ordinary, fallback, first and second attachment give the same greedy tokens."""
     tokens = {k: r["token_ids"] for k, r in moe_runs["runs"].items()}
-    assert all(len(t) == len(PROMPTS) and all(len(s) == MAX_TOKENS for s in t)
-               for t in tokens.values())
+    assert all(
+        len(t) == len(PROMPTS) and all(len(s) == MAX_TOKENS for s in t) for t in tokens.values()
+    )
     assert tokens["fallback"] == tokens["ordinary"]
     assert tokens["first"] == tokens["ordinary"]
     assert tokens["second"] == tokens["ordinary"]
@@ -91,7 +107,12 @@ def test_moe_restored_state_equals_ordinary_load(moe_runs):
     restored = moe_runs["runs"]["first"]["state"]
     assert any(".experts" in layer for layer in ordinary), sorted(ordinary)[:10]
     assert set(restored) == set(ordinary)
-    diffs = {layer: sorted(k for k in set(ordinary[layer]) | set(restored[layer])
-                           if ordinary[layer].get(k) != restored[layer].get(k))
-             for layer in ordinary}
+    diffs = {
+        layer: sorted(
+            k
+            for k in set(ordinary[layer]) | set(restored[layer])
+            if ordinary[layer].get(k) != restored[layer].get(k)
+        )
+        for layer in ordinary
+    }
     assert {k: v for k, v in diffs.items() if v} == {}

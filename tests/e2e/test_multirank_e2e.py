@@ -41,21 +41,40 @@ def tp_runs():
     with tempfile.TemporaryDirectory(prefix="wc-tp-") as sock_dir:
         with DaemonProcess(model, sock_dir, tensor_parallel_size=TP) as daemon:
             runs["ready"] = list(daemon.ready_lines)
-            runs["ordinary"] = run_engine(model, "auto", tensor_parallel_size=TP, env=ENV,
-                                          max_tokens=MAX_TOKENS)
-            runs["attached"] = run_engine(model, "wcache", {"socket_dir": sock_dir, "fallback": False},
-                                          tensor_parallel_size=TP, env=ENV, max_tokens=MAX_TOKENS)
+            runs["ordinary"] = run_engine(
+                model, "auto", tensor_parallel_size=TP, env=ENV, max_tokens=MAX_TOKENS
+            )
+            runs["attached"] = run_engine(
+                model,
+                "wcache",
+                {"socket_dir": sock_dir, "fallback": False},
+                tensor_parallel_size=TP,
+                env=ENV,
+                max_tokens=MAX_TOKENS,
+            )
             (rank1,) = [s for s in list_sockets(sock_dir) if "-tp1of2-" in s]
             pid = daemon_status(rank1)["pid"]
             os.kill(pid, signal.SIGKILL)
             deadline = time.monotonic() + KILL_WAIT_S
             while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
                 time.sleep(0.1)
-            runs["partial"] = run_engine(model, "wcache", {"socket_dir": sock_dir, "fallback": True},
-                                         tensor_parallel_size=TP, env=ENV, max_tokens=MAX_TOKENS)
+            runs["partial"] = run_engine(
+                model,
+                "wcache",
+                {"socket_dir": sock_dir, "fallback": True},
+                tensor_parallel_size=TP,
+                env=ENV,
+                max_tokens=MAX_TOKENS,
+            )
             try:
-                run_engine(model, "wcache", {"socket_dir": sock_dir, "fallback": False},
-                           tensor_parallel_size=TP, env=ENV, max_tokens=MAX_TOKENS)
+                run_engine(
+                    model,
+                    "wcache",
+                    {"socket_dir": sock_dir, "fallback": False},
+                    tensor_parallel_size=TP,
+                    env=ENV,
+                    max_tokens=MAX_TOKENS,
+                )
                 runs["strict_error"] = None
             except RuntimeError as exc:
                 runs["strict_error"] = exc.output  # type: ignore[attr-defined]
@@ -74,8 +93,10 @@ def test_every_rank_reports_ready(tp_runs):
 def test_attached_output_equals_ordinary(tp_runs):
     """TP=2 greedy tokens from the rank daemons equal the ordinary TP=2 load's."""
     assert tp_runs["attached"]["token_ids"] == tp_runs["ordinary"]["token_ids"]
-    assert {r: rec["phase"] for r, rec in _by_rank(tp_runs["attached"]).items()} == \
-        {0: "restore", 1: "restore"}
+    assert {r: rec["phase"] for r, rec in _by_rank(tp_runs["attached"]).items()} == {
+        0: "restore",
+        1: "restore",
+    }
 
 
 def test_killed_rank_alone_falls_back(tp_runs):

@@ -73,21 +73,37 @@ def case(request):
     fmt, cpu_build = request.param
     env = skip_unless_servable(fmt, cpu_build)
     model = build(fmt)
-    with tempfile.TemporaryDirectory(prefix="wc-e2e-") as sock_dir, \
-            tempfile.TemporaryDirectory(prefix="wc-none-") as empty_dir:
+    with (
+        tempfile.TemporaryDirectory(prefix="wc-e2e-") as sock_dir,
+        tempfile.TemporaryDirectory(prefix="wc-none-") as empty_dir,
+    ):
         with DaemonProcess(model, sock_dir, env=env) as daemon:
             c = Case(fmt, model, sock_dir, daemon)
             c.before = _shared_checksums(sock_dir)
             attached = {"socket_dir": sock_dir, "fallback": False}
-            c.runs["ordinary"] = run_engine(model, "auto", prompts=PROMPTS, env=env,
-                                            max_tokens=MAX_TOKENS, dump_state=True)
-            c.runs["fallback"] = run_engine(model, "wcache",
-                                            {"socket_dir": empty_dir, "fallback": True},
-                                            prompts=PROMPTS, max_tokens=MAX_TOKENS, env=env)
-            c.runs["first"] = run_engine(model, "wcache", {**attached, "strict": True}, env=env,
-                                         prompts=PROMPTS, max_tokens=MAX_TOKENS, dump_state=True)
-            c.runs["second"] = run_engine(model, "wcache", attached, prompts=PROMPTS,
-                                          max_tokens=MAX_TOKENS, env=env)
+            c.runs["ordinary"] = run_engine(
+                model, "auto", prompts=PROMPTS, env=env, max_tokens=MAX_TOKENS, dump_state=True
+            )
+            c.runs["fallback"] = run_engine(
+                model,
+                "wcache",
+                {"socket_dir": empty_dir, "fallback": True},
+                prompts=PROMPTS,
+                max_tokens=MAX_TOKENS,
+                env=env,
+            )
+            c.runs["first"] = run_engine(
+                model,
+                "wcache",
+                {**attached, "strict": True},
+                env=env,
+                prompts=PROMPTS,
+                max_tokens=MAX_TOKENS,
+                dump_state=True,
+            )
+            c.runs["second"] = run_engine(
+                model, "wcache", attached, prompts=PROMPTS, max_tokens=MAX_TOKENS, env=env
+            )
             c.after = _shared_checksums(sock_dir)
             yield c
 
@@ -95,8 +111,9 @@ def case(request):
 def test_greedy_outputs_identical_across_four_loads(case):
     """Ordinary, fallback, first and second attachment give the same 2x16 greedy tokens."""
     tokens = {k: r["token_ids"] for k, r in case.runs.items()}
-    assert all(len(t) == len(PROMPTS) and all(len(s) == MAX_TOKENS for s in t)
-               for t in tokens.values())
+    assert all(
+        len(t) == len(PROMPTS) and all(len(s) == MAX_TOKENS for s in t) for t in tokens.values()
+    )
     assert tokens["fallback"] == tokens["ordinary"]
     assert tokens["first"] == tokens["ordinary"]
     assert tokens["second"] == tokens["ordinary"]
@@ -119,9 +136,14 @@ def test_restored_state_equals_ordinary_load(case):
     """Per planned layer: the same tensors (shape, dtype, stride, bytes) and plan attributes."""
     ordinary, restored = case.runs["ordinary"]["state"], case.runs["first"]["state"]
     assert set(restored) == set(ordinary)
-    diffs = {layer: sorted(k for k in set(ordinary[layer]) | set(restored[layer])
-                           if ordinary[layer].get(k) != restored[layer].get(k))
-             for layer in ordinary}
+    diffs = {
+        layer: sorted(
+            k
+            for k in set(ordinary[layer]) | set(restored[layer])
+            if ordinary[layer].get(k) != restored[layer].get(k)
+        )
+        for layer in ordinary
+    }
     assert {k: v for k, v in diffs.items() if v} == {}
 
 
@@ -159,8 +181,13 @@ def test_no_daemon_without_fallback_fails_with_daemon_missing(tmp_path):
     empty = tempfile.mkdtemp(prefix="wc-none-")
     os.chmod(empty, 0o700)
     with pytest.raises(RuntimeError) as info:
-        run_engine(build("bf16"), "wcache", {"socket_dir": empty, "fallback": False},
-                   prompts=PROMPTS[:1], max_tokens=2)
+        run_engine(
+            build("bf16"),
+            "wcache",
+            {"socket_dir": empty, "fallback": False},
+            prompts=PROMPTS[:1],
+            max_tokens=2,
+        )
     assert "[daemon-missing]" in info.value.output
     assert "tp_rank=0" in info.value.output
 
@@ -172,8 +199,13 @@ def test_changed_checkpoint_is_refused_with_key_mismatch(bf16_daemon, tmp_path):
     model, sock_dir, _ = bf16_daemon
     variant = build_variant(model, tmp_path / "variant")
     with pytest.raises(RuntimeError) as info:
-        run_engine(variant, "wcache", {"socket_dir": sock_dir, "fallback": False},
-                   prompts=PROMPTS[:1], max_tokens=2)
+        run_engine(
+            variant,
+            "wcache",
+            {"socket_dir": sock_dir, "fallback": False},
+            prompts=PROMPTS[:1],
+            max_tokens=2,
+        )
     out = info.value.output
     assert "[key-mismatch]" in out
     assert "checkpoint" in out
@@ -183,10 +215,20 @@ def test_copy_mode_restores_and_daemon_keeps_serving(bf16_daemon):
     """mode=copy restores the same tokens from private copies, and the daemon still serves
     zero-copy engines afterwards (copy mode never makes it drop its arena)."""
     model, sock_dir, _ = bf16_daemon
-    copied = run_engine(model, "wcache", {"socket_dir": sock_dir, "fallback": False,
-                                          "mode": "copy"}, prompts=PROMPTS[:1], max_tokens=4)
-    shared = run_engine(model, "wcache", {"socket_dir": sock_dir, "fallback": False},
-                        prompts=PROMPTS[:1], max_tokens=4)
+    copied = run_engine(
+        model,
+        "wcache",
+        {"socket_dir": sock_dir, "fallback": False, "mode": "copy"},
+        prompts=PROMPTS[:1],
+        max_tokens=4,
+    )
+    shared = run_engine(
+        model,
+        "wcache",
+        {"socket_dir": sock_dir, "fallback": False},
+        prompts=PROMPTS[:1],
+        max_tokens=4,
+    )
     assert copied["load"][-1]["phase"] == shared["load"][-1]["phase"] == "restore"
     assert copied["token_ids"] == shared["token_ids"]
     assert copied["texts"][0].startswith(" Paris")
@@ -197,8 +239,14 @@ def test_other_dtype_is_refused_naming_the_field(bf16_daemon):
     told which key field differs and both values, not just 'no daemon'."""
     model, sock_dir, _ = bf16_daemon
     with pytest.raises(RuntimeError) as info:
-        run_engine(model, "wcache", {"socket_dir": sock_dir, "fallback": False},
-                   prompts=PROMPTS[:1], max_tokens=2, dtype="float16")
+        run_engine(
+            model,
+            "wcache",
+            {"socket_dir": sock_dir, "fallback": False},
+            prompts=PROMPTS[:1],
+            max_tokens=2,
+            dtype="float16",
+        )
     out = info.value.output
     assert "[key-mismatch]" in out
     assert 'key differs in dtype: engine="torch.float16" daemon="torch.bfloat16"' in out
@@ -211,8 +259,14 @@ def test_other_kernel_decision_is_refused_naming_it(bf16_daemon):
     model, sock_dir, _ = bf16_daemon
     env = skip_unless_servable("bf16", "avx2")
     with pytest.raises(RuntimeError) as info:
-        run_engine(model, "wcache", {"socket_dir": sock_dir, "fallback": False},
-                   prompts=PROMPTS[:1], max_tokens=2, env=env)
+        run_engine(
+            model,
+            "wcache",
+            {"socket_dir": sock_dir, "fallback": False},
+            prompts=PROMPTS[:1],
+            max_tokens=2,
+            env=env,
+        )
     out = info.value.output
     assert "[key-mismatch]" in out
     assert 'target.kernels.cpu.kernel_library: engine="_C_AVX2"' in out

@@ -53,10 +53,21 @@ class Run:
 
 def _wait_ready(env: dict[str, str]) -> subprocess.CompletedProcess:
     """``wcache status --wait-ready --timeout 0`` for the daemon's engine arguments."""
-    cmd = [sys.executable, "-m", "wcache.cli", "status", "--wait-ready", "--timeout", "0",
-           "--model", env["WCACHE_E2E_MODEL"], *ENGINE_ARGS]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env,
-                          timeout=WAIT_READY_TIMEOUT_S)
+    cmd = [
+        sys.executable,
+        "-m",
+        "wcache.cli",
+        "status",
+        "--wait-ready",
+        "--timeout",
+        "0",
+        "--model",
+        env["WCACHE_E2E_MODEL"],
+        *ENGINE_ARGS,
+    ]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, env=env, timeout=WAIT_READY_TIMEOUT_S
+    )
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +90,12 @@ def run():
         finally:
             daemon.stop()
         registry = Path(runtime) / "wcache-daemons"  # the daemon's registry_dir() under this env
-        out.stopped = {"exit": daemon.proc.returncode, "left": sorted(os.listdir(daemon.socket_dir)),
-                       "registered": sorted(os.listdir(registry)) if registry.is_dir() else [],
-                       "registry_was_used": registry.is_dir()}
+        out.stopped = {
+            "exit": daemon.proc.returncode,
+            "left": sorted(os.listdir(daemon.socket_dir)),
+            "registered": sorted(os.listdir(registry)) if registry.is_dir() else [],
+            "registry_was_used": registry.is_dir(),
+        }
         out.ready["down"] = _wait_ready(probe_env)
         with ServerProcess(model, "wcache", EXTRA, env=env) as server:
             out.texts["daemon_stopped"] = server.complete(PROMPTS, MAX_TOKENS)
@@ -123,9 +137,11 @@ def test_servers_restore_from_the_lean_serving_process(run):
 def test_sigterm_to_the_lean_daemon_cleans_up(run):
     """SIGTERM to the lean daemon: exit 0, no socket or pid file left (only the lock file), no registry entry."""
     assert run.stopped["registry_was_used"]
-    assert (0, [], []) == (run.stopped["exit"],
-                           [n for n in run.stopped["left"] if not n.endswith(".lock")],
-                           run.stopped["registered"])
+    assert (0, [], []) == (
+        run.stopped["exit"],
+        [n for n in run.stopped["left"] if not n.endswith(".lock")],
+        run.stopped["registered"],
+    )
 
 
 @pytest.mark.e2e

@@ -46,8 +46,11 @@ class Ready:
 
 def _checksums(sock: str) -> dict[str, str]:
     status = daemon_status(sock)
-    with attach(CacheKey(status["key_fields"]), socket_dir=os.path.dirname(sock),
-                device_id=status["device_id"]) as att:
+    with attach(
+        CacheKey(status["key_fields"]),
+        socket_dir=os.path.dirname(sock),
+        device_id=status["device_id"],
+    ) as att:
         return {name: tensor_checksum(t) for name, t in att.tensors.items()}
 
 
@@ -61,8 +64,10 @@ def ready():
     from wcache.testing.fixtures import build
 
     model = str(build("bf16"))
-    with tempfile.TemporaryDirectory(prefix="wc-snap-") as tmp, \
-            tempfile.TemporaryDirectory(prefix="wc-ss-") as sock_dir:
+    with (
+        tempfile.TemporaryDirectory(prefix="wc-snap-") as tmp,
+        tempfile.TemporaryDirectory(prefix="wc-ss-") as sock_dir,
+    ):
         snap = os.path.join(tmp, "snap")
         r = Ready(model, snap, sock_dir)
         a = DaemonProcess(model, sock_dir, ["--snapshot", snap]).start()
@@ -83,8 +88,13 @@ def ready():
                 r.sums["peer"] = _checksums(_only_new_socket(sock_dir, {sock_b}))
                 r.status["peer"] = daemon_status(_only_new_socket(sock_dir, {sock_b}))
                 r.status["source"] = daemon_status(sock_b)
-            r.engine = run_engine(model, "wcache", {"socket_dir": sock_dir, "fallback": False},
-                                  prompts=PROMPTS, max_tokens=MAX_TOKENS)
+            r.engine = run_engine(
+                model,
+                "wcache",
+                {"socket_dir": sock_dir, "fallback": False},
+                prompts=PROMPTS,
+                max_tokens=MAX_TOKENS,
+            )
         yield r
 
 
@@ -92,8 +102,9 @@ def test_checkpoint_start_writes_the_snapshot(ready):
     """--snapshot on a first start loads the checkpoint and leaves one complete rank directory."""
     assert "from=checkpoint" in ready.ready["checkpoint"]
     assert [RANK] == sorted(os.listdir(ready.snap))
-    assert {"arena.safetensors", "manifest.json", "key.json", "digests.json"} == \
-        set(os.listdir(os.path.join(ready.snap, RANK)))
+    assert {"arena.safetensors", "manifest.json", "key.json", "digests.json"} == set(
+        os.listdir(os.path.join(ready.snap, RANK))
+    )
 
 
 def test_crashed_daemon_comes_back_from_its_snapshot_bit_exact(ready):
@@ -119,7 +130,10 @@ def test_status_says_where_each_daemon_came_from(ready):
     """`status` names each daemon's origin, its snapshot's state, and how many peers a source seeded."""
     st = ready.status
     assert ("checkpoint", "written", ready.snap) == (
-        st["checkpoint"]["origin"], st["checkpoint"]["snapshot"]["state"], st["checkpoint"]["snapshot"]["dir"])
+        st["checkpoint"]["origin"],
+        st["checkpoint"]["snapshot"]["state"],
+        st["checkpoint"]["snapshot"]["dir"],
+    )
     assert ("snapshot", "read") == (st["restart"]["origin"], st["restart"]["snapshot"]["state"])
     assert ("peer", None) == (st["peer"]["origin"], st["peer"]["snapshot"])
     assert (0, 1) == (st["restart"]["seeds_served"], st["source"]["seeds_served"])
@@ -127,10 +141,28 @@ def test_status_says_where_each_daemon_came_from(ready):
 
 def _refused(model: str, snap: str, *extra: str) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory(prefix="wc-rs-") as sock_dir:
-        cmd = [sys.executable, "-m", "wcache.cli", "serve", "--model", model, "--socket-dir", sock_dir,
-               "--no-progress", *ENGINE_ARGS, "--from-snapshot", snap, *extra]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=REFUSAL_TIMEOUT_S,
-                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        cmd = [
+            sys.executable,
+            "-m",
+            "wcache.cli",
+            "serve",
+            "--model",
+            model,
+            "--socket-dir",
+            sock_dir,
+            "--no-progress",
+            *ENGINE_ARGS,
+            "--from-snapshot",
+            snap,
+            *extra,
+        ]
+        return subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=REFUSAL_TIMEOUT_S,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )
 
 
 def test_other_engine_arguments_are_refused(ready):

@@ -27,30 +27,49 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 #: this 2-core host takes minutes (the suite's budget has no room for it).
 OPT_IN_ENV = "WCACHE_COMPILE_E2E"
 if os.environ.get(OPT_IN_ENV) != "1":
-    pytestmark.append(pytest.mark.skip(
-        reason=f"a primed daemon and a compiled vLLM-CPU engine take ~5 min here; set "
-               f"{OPT_IN_ENV}=1"))
+    pytestmark.append(
+        pytest.mark.skip(
+            reason=f"a primed daemon and a compiled vLLM-CPU engine take ~5 min here; set "
+            f"{OPT_IN_ENV}=1"
+        )
+    )
 #: A fixed KV cache for the priming engine and the engine (vLLM-CPU's default sizing
 #: takes ~3 GiB and a minute to allocate here; the tiny model needs ~4 MiB).
 KV_CACHE_ARGS = ("--kv-cache-memory-bytes", str(64 << 20))
+
 
 def test_fresh_engine_gets_the_primed_compile_and_the_disk_tokens(sock_dir, tmp_path):
     """A daemon primed once hands an engine with empty caches vLLM's compiled hash dir (vLLM opens it, nothing compiles from zero) and the disk engine's greedy tokens."""
     model = build_tiny("bf16")
     # the serve gets the engine's arguments (run_engine's): the priming engine is built
     # from them, and vLLM's compile key covers max_num_seqs and the memory share
-    same_as_engine = ("--max-num-seqs", "1", "--gpu-memory-utilization",
-                      str(DEFAULT_GPU_MEMORY_UTILIZATION), *KV_CACHE_ARGS)
+    same_as_engine = (
+        "--max-num-seqs",
+        "1",
+        "--gpu-memory-utilization",
+        str(DEFAULT_GPU_MEMORY_UTILIZATION),
+        *KV_CACHE_ARGS,
+    )
     # primed for LLM() (run_engine's engine), not `vllm serve`: their batch defaults differ
-    with DaemonProcess(model, sock_dir, extra_args=("--prime-compile", "llm", *same_as_engine),
-                       env=cache_env(tmp_path / "daemon-node")) as daemon:
+    with DaemonProcess(
+        model,
+        sock_dir,
+        extra_args=("--prime-compile", "llm", *same_as_engine),
+        env=cache_env(tmp_path / "daemon-node"),
+    ) as daemon:
         daemon.wait_primed()
         sock = paths.list_sockets(sock_dir)[0]
         art = daemon_status(sock)["artifacts"]
         assert (art["present"], art["state"]) == (True, "primed")
         fresh = cache_env(tmp_path / "fresh-node")
-        got = run_engine(model, "wcache", {"fallback": False, "socket_dir": sock_dir},
-                         env=fresh, max_tokens=8, engine_args=("--compile", *KV_CACHE_ARGS))
+        got = run_engine(
+            model,
+            "wcache",
+            {"fallback": False, "socket_dir": sock_dir},
+            env=fresh,
+            max_tokens=8,
+            engine_args=("--compile", *KV_CACHE_ARGS),
+        )
     outcome = got["load"][-1]["artifacts"]
     assert outcome["outcome"] == "installed"
     assert [d.rsplit("/", 1)[-1] for d in outcome["compile_dirs"]] == art["compile_dirs"]
@@ -62,8 +81,11 @@ def test_fresh_engine_gets_the_primed_compile_and_the_disk_tokens(sock_dir, tmp_
     # vLLM-CPU 0.32 + torch 2.13 opens the AOT function and then fails to finalize it
     # ("'function' object has no attribute 'finalize_loading'") and recompiles from the
     # installed Inductor cache; on CUDA it loads it ("Directly load AOT compilation").
-    used = re.search(rf"(Directly load AOT compilation from path|load failure from) "
-                     rf"{re.escape(hash_dir)}/rank_0_0/model", got["output"])
+    used = re.search(
+        rf"(Directly load AOT compilation from path|load failure from) "
+        rf"{re.escape(hash_dir)}/rank_0_0/model",
+        got["output"],
+    )
     assert used, got["output"][-3000:]
     # an eager disk engine: on this model its tokens equal a compiled disk engine's
     # (measured: both [[40432, 14817, 38082, ...], [19119, 25659, ...]]), at a fifth of the cost

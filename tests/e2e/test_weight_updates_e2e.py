@@ -34,27 +34,49 @@ def _shared_checksums(socket_dir: str) -> dict[str, str]:
     """Attach from the test process with the daemon's own key and hash every tensor."""
     (sock,) = list_sockets(socket_dir)
     status = daemon_status(sock)
-    with attach(CacheKey(status["key_fields"]), socket_dir=socket_dir,
-                device_id=status["device_id"]) as att:
+    with attach(
+        CacheKey(status["key_fields"]), socket_dir=socket_dir, device_id=status["device_id"]
+    ) as att:
         return {name: tensor_checksum(t) for name, t in att.tensors.items()}
 
 
 def _run(model: Path, load_format: str, extra: dict) -> dict:
     repo = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH"))))}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(model), "--load-format",
-                           load_format, "--extra", json.dumps(extra)], capture_output=True,
-                          text=True, env=env, timeout=ENGINE_TIMEOUT_S)
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH")))),
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--model",
+            str(model),
+            "--load-format",
+            load_format,
+            "--extra",
+            json.dumps(extra),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=ENGINE_TIMEOUT_S,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         out = proc.stdout + proc.stderr
-        raise AssertionError(f"{load_format} engine exited {proc.returncode}\n"
-                             f"{first_traceback(out) or ''}\n" + "\n".join(out.splitlines()[-25:]))
+        raise AssertionError(
+            f"{load_format} engine exited {proc.returncode}\n"
+            f"{first_traceback(out) or ''}\n" + "\n".join(out.splitlines()[-25:])
+        )
     result = json.loads(lines[-1])
     if result["errors"]:  # the script records a failed update and goes on: not here
-        raise AssertionError(f"{load_format} engine: updates failed: {result['errors']}\n"
-                             + "\n".join(proc.stderr.splitlines()[-25:]))
+        raise AssertionError(
+            f"{load_format} engine: updates failed: {result['errors']}\n"
+            + "\n".join(proc.stderr.splitlines()[-25:])
+        )
     return result["steps"]
 
 

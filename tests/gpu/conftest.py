@@ -58,7 +58,7 @@ def _gen(seed: int) -> torch.Generator:
 
 
 def _nibbles(g: torch.Generator, shape: tuple[int, ...], bits: int = 4) -> torch.Tensor:
-    return torch.randint(0, 2 ** bits, shape, generator=g, dtype=torch.int32)
+    return torch.randint(0, 2**bits, shape, generator=g, dtype=torch.int32)
 
 
 def _scales(g: torch.Generator, shape: tuple[int, ...], dtype=torch.bfloat16) -> torch.Tensor:
@@ -76,13 +76,20 @@ def fp8_bits(g: torch.Generator, shape: tuple[int, ...]) -> torch.Tensor:
 def _config(method: str, n: int, k: int, **quant) -> LayerConfig:
     widths = quant.pop("logical_widths", (n,))
     dtype = quant.pop("params_dtype", "bfloat16")
-    return LayerConfig(QuantSpec(method, **quant), size_k=k, size_n=n, params_dtype=dtype,
-                       has_bias=False, name=f"{method}.layer",
-                       extra=(("logical_widths", tuple(widths)),))
+    return LayerConfig(
+        QuantSpec(method, **quant),
+        size_k=k,
+        size_n=n,
+        params_dtype=dtype,
+        has_bias=False,
+        name=f"{method}.layer",
+        extra=(("logical_widths", tuple(widths)),),
+    )
 
 
-def checkpoint(method: str, n: int, k: int, seed: int = 0, strategy: str | None = None
-               ) -> tuple[LayerConfig, dict[str, torch.Tensor]] | None:
+def checkpoint(
+    method: str, n: int, k: int, seed: int = 0, strategy: str | None = None
+) -> tuple[LayerConfig, dict[str, torch.Tensor]] | None:
     """A synthetic checkpoint-format linear layer (CPU tensors) and its config, or
     None for a method this tier has no synthetic layer for (attention, KV cache, MoE).
 
@@ -99,53 +106,110 @@ def checkpoint(method: str, n: int, k: int, seed: int = 0, strategy: str | None 
         return _config(method, n, k), {"weight": torch.randn(n, k, generator=g).bfloat16()}
     if method == "awq":
         q, zp = _nibbles(g, (k, n)), _nibbles(g, (groups, n))
-        return (_config(method, n, k, num_bits=4, group_size=GROUP_SIZE, zero_point=True,
-                        params_dtype="float16"),
-                {"qweight": pack_awq(q, 4), "qzeros": pack_awq(zp, 4), "scales": _scales(g, (groups, n), torch.float16)})
+        return (
+            _config(
+                method,
+                n,
+                k,
+                num_bits=4,
+                group_size=GROUP_SIZE,
+                zero_point=True,
+                params_dtype="float16",
+            ),
+            {
+                "qweight": pack_awq(q, 4),
+                "qzeros": pack_awq(zp, 4),
+                "scales": _scales(g, (groups, n), torch.float16),
+            },
+        )
     if method == "gptq":
         q = _nibbles(g, (k, n))
-        return (_config(method, n, k, num_bits=4, group_size=GROUP_SIZE, params_dtype="float16"),
-                {"qweight": pack_int32(q.t().contiguous(), 4, -1).t().contiguous(),
-                 "qzeros": pack_int32(torch.full((groups, n), 7, dtype=torch.int32), 4, -1),
-                 "scales": _scales(g, (groups, n), torch.float16)})
+        return (
+            _config(method, n, k, num_bits=4, group_size=GROUP_SIZE, params_dtype="float16"),
+            {
+                "qweight": pack_int32(q.t().contiguous(), 4, -1).t().contiguous(),
+                "qzeros": pack_int32(torch.full((groups, n), 7, dtype=torch.int32), 4, -1),
+                "scales": _scales(g, (groups, n), torch.float16),
+            },
+        )
     if method == "ct_w4a16":
         q = _nibbles(g, (n, k))
-        return (_config(method, n, k, num_bits=4, group_size=GROUP_SIZE, strategy="group"),
-                {"weight_packed": pack_int32(q, 4, -1), "weight_scale": _scales(g, (n, groups)),
-                 "weight_shape": torch.tensor([n, k], dtype=torch.int64)})
+        return (
+            _config(method, n, k, num_bits=4, group_size=GROUP_SIZE, strategy="group"),
+            {
+                "weight_packed": pack_int32(q, 4, -1),
+                "weight_scale": _scales(g, (n, groups)),
+                "weight_shape": torch.tensor([n, k], dtype=torch.int64),
+            },
+        )
     if method == "ct_w8a8_int8":
-        return (_config(method, n, k, num_bits=8, act_bits=8, strategy="channel"),
-                {"weight": torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8),
-                 "weight_scale": _scales(g, (n, 1), torch.float32)})
+        return (
+            _config(method, n, k, num_bits=8, act_bits=8, strategy="channel"),
+            {
+                "weight": torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8),
+                "weight_scale": _scales(g, (n, 1), torch.float32),
+            },
+        )
     if method in ("fp8_per_tensor", "fp8_per_channel", "fp8_per_block", "mxfp8"):
-        strat = {"fp8_per_tensor": "tensor", "fp8_per_channel": "channel",
-                 "fp8_per_block": "block", "mxfp8": None}[method]
-        return (_config(method, n, k, num_bits=8, act_bits=8, strategy=strat),
-                {"weight": (torch.randn(n, k, generator=g) * 0.05).bfloat16()})
+        strat = {
+            "fp8_per_tensor": "tensor",
+            "fp8_per_channel": "channel",
+            "fp8_per_block": "block",
+            "mxfp8": None,
+        }[method]
+        return (
+            _config(method, n, k, num_bits=8, act_bits=8, strategy=strat),
+            {"weight": (torch.randn(n, k, generator=g) * 0.05).bfloat16()},
+        )
     if method in ("fp8", "ct_w8a8_fp8"):
         strat = strategy or "tensor"
         if strat == "block":
             bn, bk = -(-n // 128), -(-k // 128)
-            return (_config(method, n, k, num_bits=8, act_bits=8, strategy="block",
-                            static_input=False),
-                    {"weight": fp8_bits(g, (n, k)),
-                     "weight_scale_inv": _scales(g, (bn, bk), torch.float32)})
+            return (
+                _config(method, n, k, num_bits=8, act_bits=8, strategy="block", static_input=False),
+                {
+                    "weight": fp8_bits(g, (n, k)),
+                    "weight_scale_inv": _scales(g, (bn, bk), torch.float32),
+                },
+            )
         half = n // 2
         widths = (half, n - half)
-        scale = (_scales(g, (len(widths),), torch.float32) if strat == "tensor"
-                 else _scales(g, (n, 1), torch.float32))
-        return (_config(method, n, k, num_bits=8, act_bits=8, strategy=strat, static_input=True,
-                        logical_widths=widths),
-                {"weight": fp8_bits(g, (n, k)), "weight_scale": scale,
-                 "input_scale": _scales(g, (len(widths),), torch.float32)})
+        scale = (
+            _scales(g, (len(widths),), torch.float32)
+            if strat == "tensor"
+            else _scales(g, (n, 1), torch.float32)
+        )
+        return (
+            _config(
+                method,
+                n,
+                k,
+                num_bits=8,
+                act_bits=8,
+                strategy=strat,
+                static_input=True,
+                logical_widths=widths,
+            ),
+            {
+                "weight": fp8_bits(g, (n, k)),
+                "weight_scale": scale,
+                "input_scale": _scales(g, (len(widths),), torch.float32),
+            },
+        )
     if method == "modelopt_fp4":
-        return (_config(method, n, k, num_bits=4, act_bits=4, group_size=NVFP4_BLOCK),
-                {"weight": torch.randint(0, 256, (n, k // 2), generator=g,
-                                         dtype=torch.int32).to(torch.uint8),
-                 "weight_scale": _scales(g, (n, k // NVFP4_BLOCK), torch.float32)
-                 .to(torch.float8_e4m3fn),
-                 "weight_scale_2": _scales(g, (1,), torch.float32),
-                 "input_scale": _scales(g, (1,), torch.float32)})
+        return (
+            _config(method, n, k, num_bits=4, act_bits=4, group_size=NVFP4_BLOCK),
+            {
+                "weight": torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int32).to(
+                    torch.uint8
+                ),
+                "weight_scale": _scales(g, (n, k // NVFP4_BLOCK), torch.float32).to(
+                    torch.float8_e4m3fn
+                ),
+                "weight_scale_2": _scales(g, (1,), torch.float32),
+                "input_scale": _scales(g, (1,), torch.float32),
+            },
+        )
     return None
 
 
@@ -191,13 +255,14 @@ def scaled_mm_forward(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if isinstance(static, torch.Tensor) and not per_channel:
         xs = static.to(torch.float32).reshape(())
     elif per_channel:
-        xs = (x.abs().amax(dim=-1, keepdim=True).float().clamp_min(ACT_AMAX_FLOOR) / FP8_MAX)
+        xs = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(ACT_AMAX_FLOOR) / FP8_MAX
     else:
         xs = x.abs().amax().float().clamp_min(ACT_AMAX_FLOOR) / FP8_MAX
     xq = (x.float() / xs).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     scale_b = ws.reshape(1, -1).contiguous() if per_channel else ws.reshape(())
-    out = torch._scaled_mm(xq, w, scale_a=xs.contiguous(), scale_b=scale_b,
-                           out_dtype=torch.bfloat16)
+    out = torch._scaled_mm(
+        xq, w, scale_a=xs.contiguous(), scale_b=scale_b, out_dtype=torch.bfloat16
+    )
     return out[:, :n]
 
 

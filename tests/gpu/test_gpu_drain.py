@@ -23,8 +23,10 @@ from wcache.store.snapshot import (
 )
 from wcache.testing.store import BASE_KEY, synthetic_export
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 #: Spin-kernel length that holds the copy stream back (GPU clock cycles): ~1 s at
 #: the H200's ~2 GHz, far longer than the failing read takes to raise.
@@ -39,16 +41,28 @@ SENTINEL = 0xAB
 
 def _cuda_export() -> Export:
     e = synthetic_export()
-    return Export({k: v.to("cuda:0") for k, v in e.tensors.items()}, e.kinds, e.aliases, e.layers,
-                  e.extra, e.nonpersistent)
+    return Export(
+        {k: v.to("cuda:0") for k, v in e.tensors.items()},
+        e.kinds,
+        e.aliases,
+        e.layers,
+        e.extra,
+        e.nonpersistent,
+    )
 
 
 @pytest.fixture
 def snap(tmp_path, sock_dir):
     """A snapshot of a small CUDA arena."""
     key = CacheKey(BASE_KEY)
-    src = DaemonServer(_cuda_export(), key, socket_dir=sock_dir, device="cuda:0",
-                       device_id="gpu-src", transport="cuda_ipc")
+    src = DaemonServer(
+        _cuda_export(),
+        key,
+        socket_dir=sock_dir,
+        device="cuda:0",
+        device_id="gpu-src",
+        transport="cuda_ipc",
+    )
     try:
         view = served_arena(src)
         try:
@@ -66,8 +80,11 @@ def delayed_failing_fill(snap, monkeypatch):
     in two waves and every read of the second wave fails. Yields
     ``{"streams": [...], "dst_ptr": [...]}``: the streams the fill created and the
     address of the arena it filled."""
-    real_stream, real_read, real_fill = torch.cuda.Stream, snapshot_mod._read_range, \
-        snapshot_mod._fill_cuda
+    real_stream, real_read, real_fill = (
+        torch.cuda.Stream,
+        snapshot_mod._read_range,
+        snapshot_mod._fill_cuda,
+    )
     seen: dict[str, list] = {"streams": [], "dst_ptr": []}
     calls = {"n": 0}
 
@@ -107,8 +124,9 @@ def delayed_failing_fill(snap, monkeypatch):
 
 
 @pytest.mark.parametrize("transport", ["cuda_ipc", "cuda_vmm"])
-def test_failed_snapshot_fill_drains_its_copies_before_freeing(snap, delayed_failing_fill, sock_dir,
-                                                               transport):
+def test_failed_snapshot_fill_drains_its_copies_before_freeing(
+    snap, delayed_failing_fill, sock_dir, transport
+):
     """The fill fails with copies queued behind a ~1 s spin kernel: when the error reaches the
     caller the copy stream is idle (drained), and on cuda_ipc the freed block, reused by the next
     allocation, is not overwritten by a late copy."""
@@ -118,11 +136,18 @@ def test_failed_snapshot_fill_drains_its_copies_before_freeing(snap, delayed_fai
         pytest.skip(transport_vmm.available(0)[1])
     torch.cuda.synchronize()
     with pytest.raises(SnapshotCorrupt, match="injected"):
-        DaemonServer(snapshot_arena(snap), CacheKey(BASE_KEY), socket_dir=sock_dir,
-                     device="cuda:0", device_id="gpu-dst", transport=transport)
+        DaemonServer(
+            snapshot_arena(snap),
+            CacheKey(BASE_KEY),
+            socket_dir=sock_dir,
+            device="cuda:0",
+            device_id="gpu-dst",
+            transport=transport,
+        )
     streams = delayed_failing_fill["streams"]
-    assert streams and all(s.query() for s in streams), \
+    assert streams and all(s.query() for s in streams), (
         "the error returned with copies still queued on the fill's stream"
+    )
     if transport == "cuda_ipc":
         n = snap.manifest.arena_nbytes
         probe = torch.full((n,), SENTINEL, dtype=torch.uint8, device="cuda:0")

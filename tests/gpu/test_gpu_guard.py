@@ -34,8 +34,10 @@ from wcache.store.server import INVALIDATED_EXIT, INVALIDATED_LINGER_S
 from wcache.testing.plans import UncheckedPlan, unregistered_stage
 from wcache.testing.store import BASE_KEY, start_daemon, stop_daemon, synthetic_export
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 CUDA = Target("cuda", (9, 0), frozenset())
 # Seconds a child process may take (imports torch, initialises CUDA).
@@ -48,8 +50,11 @@ WRITE_FORMS = {
     "inplace": lambda t: t.add_(1),
     "data_add": lambda t: t.data.add_(1),
     "data_setitem": lambda t: t.data.__setitem__((0,), 7),
-    "storage_view": lambda t: torch.empty(0, dtype=torch.uint8, device=t.device).set_(
-        t.untyped_storage())[t.storage_offset() * t.element_size()].fill_(0x55),
+    "storage_view": lambda t: (
+        torch.empty(0, dtype=torch.uint8, device=t.device)
+        .set_(t.untyped_storage())[t.storage_offset() * t.element_size()]
+        .fill_(0x55)
+    ),
 }
 
 
@@ -65,21 +70,33 @@ def sock_dir(tmp_path_factory, monkeypatch):
 
 def _device_id() -> str:
     from wcache.store.paths import cuda_device_uuid
+
     return cuda_device_uuid(0)
 
 
 def _daemon(sock_dir: str, transport: str):
-    return start_daemon(sock_dir, _device_id(), extra_args=("--device", "cuda:0", "--transport", transport))
+    return start_daemon(
+        sock_dir, _device_id(), extra_args=("--device", "cuda:0", "--transport", transport)
+    )
 
 
 def _attach(sock_dir: str, mode: str = "zero_copy"):
-    return attach(CacheKey(BASE_KEY), socket_dir=sock_dir, device="cuda:0", device_id=_device_id(), mode=mode)
+    return attach(
+        CacheKey(BASE_KEY), socket_dir=sock_dir, device="cuda:0", device_id=_device_id(), mode=mode
+    )
 
 
 def _child(script: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
-                          timeout=CHILD_TIMEOUT_S, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                              [_REPO, os.environ.get("PYTHONPATH", "")])})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")]),
+        },
+    )
 
 
 def _config(name: str) -> LayerConfig:
@@ -97,11 +114,14 @@ def _writer(form: str) -> Plan:
     def sneaky(tensors, config, target, recorded):
         WRITE_FORMS[form](tensors["weight"])
         return StageOut()
+
     return UncheckedPlan("toy", "bad", (sneaky,), frozenset({"weight"}))
 
 
 def _equal_export(att) -> list[str]:
-    return [n for n, t in synthetic_export().tensors.items() if not torch.equal(t, att.tensors[n].cpu())]
+    return [
+        n for n, t in synthetic_export().tensors.items() if not torch.equal(t, att.tensors[n].cpu())
+    ]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -137,7 +157,9 @@ def test_vmm_write_faults_and_leaves_daemon_bytes(sock_dir):
             print("WROTE", flush=True)
         """)
         assert "attached cuda_vmm" in child.stdout, child.stderr[-3000:]
-        assert "WROTE" not in child.stdout and 0 != child.returncode, child.stdout + child.stderr[-3000:]
+        assert "WROTE" not in child.stdout and 0 != child.returncode, (
+            child.stdout + child.stderr[-3000:]
+        )
         with _attach(sock_dir) as att:
             assert [] == _equal_export(att)
     finally:
@@ -152,8 +174,9 @@ def test_ipc_default_guard_catches_each_write_form_and_invalidates(sock_dir, for
     try:
         att = _attach(sock_dir)
         with pytest.raises(RestoreWroteSharedTensor, match="layer 'l0'") as err:
-            restore_(_module(att.tensors["layer0.weight"]),
-                     _writer(form).bind(_config("l0"), CUDA), {})
+            restore_(
+                _module(att.tensors["layer0.weight"]), _writer(form).bind(_config("l0"), CUDA), {}
+            )
         assert att.invalidate(err.value.code, str(err.value))
         att.close()
         with pytest.raises(ArenaInvalidated):
@@ -171,8 +194,11 @@ def test_copy_mode_default_guard_catches_each_write_form(sock_dir, form):
         with _attach(sock_dir, mode="copy") as att:
             assert att.writable
             with pytest.raises(RestoreWroteSharedTensor, match="layer 'l1'"):
-                restore_(_module(att.tensors["layer1.weight"]),
-                         _writer(form).bind(_config("l1"), CUDA), {})
+                restore_(
+                    _module(att.tensors["layer1.weight"]),
+                    _writer(form).bind(_config("l1"), CUDA),
+                    {},
+                )
     finally:
         stop_daemon(proc)
 

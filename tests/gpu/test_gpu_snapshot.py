@@ -23,14 +23,22 @@ from wcache.store.snapshot import (
 )
 from wcache.testing.store import BASE_KEY, start_daemon, stop_daemon, synthetic_export
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
 
 
 def _cuda_export(device: str = "cuda:0") -> Export:
     e = synthetic_export()
-    return Export({k: v.to(device) for k, v in e.tensors.items()}, e.kinds, e.aliases, e.layers,
-                  e.extra, e.nonpersistent)
+    return Export(
+        {k: v.to(device) for k, v in e.tensors.items()},
+        e.kinds,
+        e.aliases,
+        e.layers,
+        e.extra,
+        e.nonpersistent,
+    )
 
 
 def _arena(server) -> torch.Tensor:
@@ -49,18 +57,30 @@ def test_cuda_snapshot_round_trip(sock_dir, tmp_path, transport):
     if transport == "cuda_vmm" and not transport_vmm.available(0)[0]:
         pytest.skip(transport_vmm.available(0)[1])
     key = CacheKey(BASE_KEY)
-    src = DaemonServer(_cuda_export(), key, socket_dir=sock_dir, device="cuda:0",
-                       device_id="gpu-src", transport=transport)
+    src = DaemonServer(
+        _cuda_export(),
+        key,
+        socket_dir=sock_dir,
+        device="cuda:0",
+        device_id="gpu-src",
+        transport=transport,
+    )
     try:
         ref = _arena(src)
         write_snapshot(str(tmp_path), "rank0", ref, src.manifest, key)
         snap = open_snapshot(str(tmp_path), "rank0")
-        dst = DaemonServer(snapshot_arena(snap), key, socket_dir=sock_dir, device="cuda:0",
-                           device_id="gpu-dst", transport=transport)
+        dst = DaemonServer(
+            snapshot_arena(snap),
+            key,
+            socket_dir=sock_dir,
+            device="cuda:0",
+            device_id="gpu-dst",
+            transport=transport,
+        )
         try:
             assert transport == dst.transport and src.manifest == dst.manifest
             got = _arena(dst)
-            assert torch.equal(ref[:src.nbytes], got[:src.nbytes])
+            assert torch.equal(ref[: src.nbytes], got[: src.nbytes])
             views = tensor_views(got, dst.manifest)
             for name, t in synthetic_export().tensors.items():
                 assert torch.equal(t, views[name].cpu()), name
@@ -73,9 +93,14 @@ def test_cuda_snapshot_round_trip(sock_dir, tmp_path, transport):
             f.seek(snap.data_offset + 7)
             f.write(bytes([b[0] ^ 0x80]))
         with pytest.raises(SnapshotCorrupt, match="does not match its digest"):
-            DaemonServer(snapshot_arena(open_snapshot(str(tmp_path), "rank0")), key,
-                         socket_dir=sock_dir, device="cuda:0", device_id="gpu-bad",
-                         transport=transport)
+            DaemonServer(
+                snapshot_arena(open_snapshot(str(tmp_path), "rank0")),
+                key,
+                socket_dir=sock_dir,
+                device="cuda:0",
+                device_id="gpu-bad",
+                transport=transport,
+            )
     finally:
         src.stop()
 
@@ -88,8 +113,13 @@ def test_gloo_seeding_of_cuda_arenas_on_one_gpu(sock_dir):
     key = CacheKey(BASE_KEY)
     src = start_daemon(sock_dir, "gpu0", extra_args=("--device", "cuda:0", "--seed-source"))
     try:
-        dst = DaemonServer(seed_arena(socket_path(sock_dir, "gpu0"), key, backend="gloo"), key,
-                           socket_dir=sock_dir, device="cuda:0", device_id="gpu0b")
+        dst = DaemonServer(
+            seed_arena(socket_path(sock_dir, "gpu0"), key, backend="gloo"),
+            key,
+            socket_dir=sock_dir,
+            device="cuda:0",
+            device_id="gpu0b",
+        )
         try:
             views = tensor_views(_arena(dst), dst.manifest)
             for name, t in synthetic_export().tensors.items():
@@ -108,8 +138,13 @@ def test_nccl_seeding_between_two_gpu_daemons(sock_dir):
     key = CacheKey(BASE_KEY)
     src = start_daemon(sock_dir, "gpu0", extra_args=("--device", "cuda:0", "--seed-source"))
     try:
-        dst = DaemonServer(seed_arena(socket_path(sock_dir, "gpu0"), key), key,
-                           socket_dir=sock_dir, device="cuda:1", device_id="gpu1")
+        dst = DaemonServer(
+            seed_arena(socket_path(sock_dir, "gpu0"), key),
+            key,
+            socket_dir=sock_dir,
+            device="cuda:1",
+            device_id="gpu1",
+        )
         try:
             got = _arena(dst)
             assert got.device == torch.device("cuda", 1)

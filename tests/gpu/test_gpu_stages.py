@@ -54,8 +54,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _same_value(a, b) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return (a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()
-                and torch.equal(_bytes(a), _bytes(b)))
+        return (
+            a.shape == b.shape
+            and a.dtype == b.dtype
+            and a.stride() == b.stride()
+            and torch.equal(_bytes(a), _bytes(b))
+        )
     return a == b
 
 
@@ -68,21 +72,25 @@ def _target_for(plan: Plan, config: LayerConfig) -> Target | None:
     return None
 
 
-def _one_stage(plan: Plan, stage, state: LayerState, config: LayerConfig,
-               target: Target) -> LayerState:
-    single = UncheckedPlan(method=plan.method, kernel=plan.kernel, stages=(stage,),
-                           checkpoint=frozenset(state.tensors))
+def _one_stage(
+    plan: Plan, stage, state: LayerState, config: LayerConfig, target: Target
+) -> LayerState:
+    single = UncheckedPlan(
+        method=plan.method, kernel=plan.kernel, stages=(stage,), checkpoint=frozenset(state.tensors)
+    )
     return single.run(state, config, target, frozenset({stage.tag}), check_purity=True)
 
 
-def _assert_states_equal(where: str, cpu: LayerState, gpu: LayerState,
-                         device: torch.device) -> None:
+def _assert_states_equal(
+    where: str, cpu: LayerState, gpu: LayerState, device: torch.device
+) -> None:
     assert sorted(cpu.tensors) == sorted(gpu.tensors), where
     for name, t in cpu.tensors.items():
         g = gpu.tensors[name]
         assert device.type == g.device.type, f"{where}: {name} left the GPU"
-        assert (tuple(t.shape), t.dtype, t.stride()) == (tuple(g.shape), g.dtype, g.stride()), \
+        assert (tuple(t.shape), t.dtype, t.stride()) == (tuple(g.shape), g.dtype, g.stride()), (
             f"{where}: {name} layout differs"
+        )
         assert torch.equal(_bytes(t), _bytes(g)), f"{where}: {name} bytes differ"
     assert sorted(cpu.attrs) == sorted(gpu.attrs), where
     for name, v in cpu.attrs.items():
@@ -117,8 +125,10 @@ def test_every_stage_on_cuda_gives_the_cpu_bytes(plan, n, k, checkpoints, cuda):
     steps = [s for s in plan.stages if s.tag in tags]
     cpu_ops = [s.name for s in steps if VLLM_CPU_OP in s.source]
     if cpu_ops:  # e.g. unquantized/sgl's convert_weight_packed: proven in tests/plans instead
-        pytest.skip(f"{plan.id}: {', '.join(cpu_ops)} run vLLM's CPU kernel ops "
-                    f"({VLLM_CPU_OP}*), which have no CUDA implementation")
+        pytest.skip(
+            f"{plan.id}: {', '.join(cpu_ops)} run vLLM's CPU kernel ops "
+            f"({VLLM_CPU_OP}*), which have no CUDA implementation"
+        )
     if not steps:
         pytest.skip(f"{plan.id}: nothing but CPU DERIVE stages (vLLM's CPU ops) or no stages")
     with torch.no_grad():
@@ -128,8 +138,9 @@ def test_every_stage_on_cuda_gives_the_cpu_bytes(plan, n, k, checkpoints, cuda):
             _assert_states_equal(f"{plan.id} after {st.name}", cpu, gpu, cuda)
 
 
-def _restored(plan: Plan, tensors: dict, config: LayerConfig, target: Target, device,
-              module_with) -> tuple[torch.nn.Module, torch.nn.Module]:
+def _restored(
+    plan: Plan, tensors: dict, config: LayerConfig, target: Target, device, module_with
+) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(ordinarily loaded, restored) layers on ``device``; the restored one holds
     stride-preserving copies of the prepared tensors (the export) and replays
     ``plan.restore`` under the strict guard."""
@@ -145,13 +156,19 @@ def _restored(plan: Plan, tensors: dict, config: LayerConfig, target: Target, de
             restored.register_buffer(name, copy)
         else:
             restored.register_parameter(name, torch.nn.Parameter(copy, requires_grad=False))
-    restore_(restored, plan.bind(config, target), prepared.recorded, strict=True,
-             drops=prepared.drops)
+    restore_(
+        restored, plan.bind(config, target), prepared.recorded, strict=True, drops=prepared.drops
+    )
     return loaded, restored
 
 
-CUTLASS_FP8 = (("fp8_per_tensor", None), ("fp8_per_channel", None), ("fp8", "tensor"),
-               ("ct_w8a8_fp8", "tensor"), ("ct_w8a8_fp8", "channel"))
+CUTLASS_FP8 = (
+    ("fp8_per_tensor", None),
+    ("fp8_per_channel", None),
+    ("fp8", "tensor"),
+    ("ct_w8a8_fp8", "tensor"),
+    ("ct_w8a8_fp8", "channel"),
+)
 
 
 def _round16(x: int) -> int:
@@ -160,8 +177,9 @@ def _round16(x: int) -> int:
 
 @pytest.mark.parametrize("n,k", ((200, 256), (200, 248), (4104, 512)), ids=lambda v: str(v))
 @pytest.mark.parametrize("method,strategy", CUTLASS_FP8, ids=lambda v: str(v))
-def test_cutlass_fp8_scaled_mm_restored_equals_loaded(method, strategy, n, k, checkpoints,
-                                                      fp8_forward, cuda):
+def test_cutlass_fp8_scaled_mm_restored_equals_loaded(
+    method, strategy, n, k, checkpoints, fp8_forward, cuda
+):
     """torch._scaled_mm on the restored padded layer, sliced to the recorded width,
     gives bit for bit the ordinarily loaded layer's output, and that output is the
     layer's product (close to the high-precision reference)."""
@@ -176,8 +194,9 @@ def test_cutlass_fp8_scaled_mm_restored_equals_loaded(method, strategy, n, k, ch
         loaded, restored = _restored(plan, tensors, config, target, cuda, module_with)
         assert (_round16(k), _round16(n)) == tuple(restored.weight.shape)
         assert n == restored.logical_output_size
-        x = torch.randn(TOKENS, k, generator=torch.Generator(cuda).manual_seed(1),
-                        device=cuda).bfloat16()
+        x = torch.randn(
+            TOKENS, k, generator=torch.Generator(cuda).manual_seed(1), device=cuda
+        ).bfloat16()
         y_loaded = fp8_forward(loaded, x)
         y_restored = fp8_forward(restored, x)
         ref = R.cutlass_fp8_forward(restored, config, x).float()
@@ -189,18 +208,25 @@ def test_cutlass_fp8_scaled_mm_restored_equals_loaded(method, strategy, n, k, ch
 
 def _reference_forward(plan: Plan):
     R = pytest.importorskip("tests.helpers.reference_kernels")
-    return {("awq", "marlin"): R.marlin_int_forward, ("gptq", "marlin"): R.marlin_int_forward,
-            ("ct_w4a16", "marlin"): R.marlin_int_forward,
-            ("fp8", "fp8_marlin"): R.fp8_marlin_forward,
-            ("ct_w8a8_fp8", "fp8_marlin"): R.fp8_marlin_forward,
-            ("mxfp8", "marlin"): R.mxfp8_marlin_forward,
-            ("modelopt_fp4", "cutlass"): R.nvfp4_linear_forward,
-            ("fp8_per_block", "cutlass_block"): R.block_fp8_forward,
-            ("fp8", "cutlass_block"): R.block_fp8_forward}.get((plan.method, plan.kernel))
+    return {
+        ("awq", "marlin"): R.marlin_int_forward,
+        ("gptq", "marlin"): R.marlin_int_forward,
+        ("ct_w4a16", "marlin"): R.marlin_int_forward,
+        ("fp8", "fp8_marlin"): R.fp8_marlin_forward,
+        ("ct_w8a8_fp8", "fp8_marlin"): R.fp8_marlin_forward,
+        ("mxfp8", "marlin"): R.mxfp8_marlin_forward,
+        ("modelopt_fp4", "cutlass"): R.nvfp4_linear_forward,
+        ("fp8_per_block", "cutlass_block"): R.block_fp8_forward,
+        ("fp8", "cutlass_block"): R.block_fp8_forward,
+    }.get((plan.method, plan.kernel))
 
 
-REFERENCE_PLANS = [p for p in PLANS if p.kernel in ("marlin", "fp8_marlin", "cutlass_block")
-                   or (p.method, p.kernel) == ("modelopt_fp4", "cutlass")]
+REFERENCE_PLANS = [
+    p
+    for p in PLANS
+    if p.kernel in ("marlin", "fp8_marlin", "cutlass_block")
+    or (p.method, p.kernel) == ("modelopt_fp4", "cutlass")
+]
 
 
 @pytest.mark.parametrize("n,k", SHAPES, ids=lambda v: str(v))
@@ -221,8 +247,9 @@ def test_reference_kernel_restored_equals_loaded(plan, n, k, checkpoints, cuda):
         pytest.skip(f"{plan.id} does not match N={n}, K={k}")
     with torch.no_grad():
         loaded, restored = _restored(plan, tensors, config, target, cuda, module_with)
-        x = torch.randn(TOKENS, k, generator=torch.Generator(cuda).manual_seed(2),
-                        device=cuda).to(config.dtype)
+        x = torch.randn(TOKENS, k, generator=torch.Generator(cuda).manual_seed(2), device=cuda).to(
+            config.dtype
+        )
         y_loaded = forward(loaded, config, x)
         y_restored = forward(restored, config, x)
     assert (TOKENS, n) == tuple(y_restored.shape)

@@ -20,9 +20,11 @@ from wcache.testing.engine_acceptance import EngineCase, record_result, run_case
 #: vLLM 0.32's FP8 scaled-mm kernels on CUDA that rank above Marlin
 #: (kernels/linear/__init__.py::_POSSIBLE_FP8_KERNELS): disabling them is vLLM's own
 #: switch to weight-only FP8 Marlin on sm90.
-FP8_ABOVE_MARLIN = ("FlashInferFP8ScaledMMLinearKernel,CutlassFP8ScaledMMLinearKernel,"
-                    "B12xTensorFP8ScaledMMLinearKernel,PerTensorTorchFP8ScaledMMLinearKernel,"
-                    "ChannelWiseTorchFP8ScaledMMLinearKernel")
+FP8_ABOVE_MARLIN = (
+    "FlashInferFP8ScaledMMLinearKernel,CutlassFP8ScaledMMLinearKernel,"
+    "B12xTensorFP8ScaledMMLinearKernel,PerTensorTorchFP8ScaledMMLinearKernel,"
+    "ChannelWiseTorchFP8ScaledMMLinearKernel"
+)
 NO_MACHETE = (("VLLM_DISABLED_KERNELS", "MacheteLinearKernel"),)
 FORCE_FP8_MARLIN = (("VLLM_DISABLED_KERNELS", FP8_ABOVE_MARLIN),)
 
@@ -42,14 +44,18 @@ CASES = (  # most important first: a tier cut short by its timeout still has the
     EngineCase("online-fp8-per-tensor", "bf16", quantization="fp8_per_tensor"),
     EngineCase("ct-w8a8-fp8-static", "ct_w8a8_fp8_static", note="tensor weights, static"),
     EngineCase("fp8-marlin", "fp8", env=FORCE_FP8_MARLIN, note="FP8 Marlin forced"),
-    EngineCase("ct-w8a8-fp8-marlin", "ct_w8a8_fp8", env=FORCE_FP8_MARLIN,
-               note="FP8 Marlin forced"),
+    EngineCase("ct-w8a8-fp8-marlin", "ct_w8a8_fp8", env=FORCE_FP8_MARLIN, note="FP8 Marlin forced"),
     EngineCase("ct-w8a8-int8-asym", "ct_w8a8_int8_asym", expect="result"),
     EngineCase("ct-w8a8-int8-static", "ct_w8a8_int8_static", expect="result"),
     EngineCase("ct-w4a16-channel", "ct_w4a16_channel", expect="result"),
     EngineCase("ct-w4a16-channel-marlin", "ct_w4a16_channel", env=NO_MACHETE, expect="result"),
-    EngineCase("online-fp8-per-block", "bf16", quantization="fp8_per_block", expect="result",
-               note="128x128 blocks on K=576"),
+    EngineCase(
+        "online-fp8-per-block",
+        "bf16",
+        quantization="fp8_per_block",
+        expect="result",
+        note="128x128 blocks on K=576",
+    ),
     EngineCase("online-mxfp8", "bf16", quantization="mxfp8", expect="result"),
     # NVFP4 and MXFP8 on sm90: whatever vLLM runs them with here, restored or refused by name
     EngineCase("nvfp4", "nvfp4", expect="result", note="ModelOpt NVFP4 W4A4 checkpoint"),
@@ -58,10 +64,19 @@ CASES = (  # most important first: a tier cut short by its timeout still has the
     # compiled mode: torch.compile + CUDA graphs, five loads over two cache roots
     # (disk writes A, fallback and daemon read it; second writes B, disk_b reads it)
     EngineCase("bf16-compiled", "bf16", compile=True, note="torch.compile + CUDA graphs"),
-    EngineCase("fp8-compiled", "fp8", compile=True,
-               note="serialized per-tensor, torch.compile + CUDA graphs"),
-    EngineCase("awq-marlin-compiled", "awq", env=NO_MACHETE, compile=True,
-               note="int4 on Marlin, torch.compile + CUDA graphs"),
+    EngineCase(
+        "fp8-compiled",
+        "fp8",
+        compile=True,
+        note="serialized per-tensor, torch.compile + CUDA graphs",
+    ),
+    EngineCase(
+        "awq-marlin-compiled",
+        "awq",
+        env=NO_MACHETE,
+        compile=True,
+        note="int4 on Marlin, torch.compile + CUDA graphs",
+    ),
 )
 PROMPTS = ("The capital of France is", "Water boils at a temperature of")
 
@@ -75,13 +90,19 @@ def test_four_loads(case):
     model = build(case.fmt)
     row = run_case(case, model, prompts=PROMPTS)
     record_result(row)
-    allowed = {"restored"} if case.expect == "restored" else {"restored", "refused",
-                                                               "not-runnable"}
-    assert row["outcome"] in allowed, f"{case.id}: {row['outcome']}: {row.get('reason')}\n" + \
-        "\n".join(map(str, row.get("detail", [])))
+    allowed = {"restored"} if case.expect == "restored" else {"restored", "refused", "not-runnable"}
+    assert row["outcome"] in allowed, (
+        f"{case.id}: {row['outcome']}: {row.get('reason')}\n"
+        + "\n".join(map(str, row.get("detail", [])))
+    )
     if row["outcome"] == "restored":
         assert all(row["logprobs_close"].values())
         assert row["fallback_reason"] == "daemon-missing"
     if case.compile and row["outcome"] == "restored":
         assert row["graphs_equal"] and row["compile_hits"] == {
-            "disk": False, "fallback": True, "daemon": True, "second": False, "disk_b": True}
+            "disk": False,
+            "fallback": True,
+            "daemon": True,
+            "second": False,
+            "disk_b": True,
+        }

@@ -50,15 +50,24 @@ def _case_id(arch: str, fmt: str, quantization: str | None, compiled: bool) -> s
     return "-".join(parts + (["compiled"] if compiled else []))
 
 
-@pytest.mark.parametrize("arch, fmt, quantization, compiled, expect, note", MOE_CASES,
-                         ids=[_case_id(*c[:4]) for c in MOE_CASES])
+@pytest.mark.parametrize(
+    "arch, fmt, quantization, compiled, expect, note",
+    MOE_CASES,
+    ids=[_case_id(*c[:4]) for c in MOE_CASES],
+)
 def test_moe_four_loads(arch, fmt, quantization, compiled, expect, note):
     """The MoE case's four loads on the real engine give the disk load's tokens (and
     verify passes), or, for an exploratory case, an honest refusal/not-runnable."""
     from wcache.testing.arch_sweep import checkpoint
 
-    case = EngineCase(_case_id(arch, fmt, quantization, compiled), fmt,
-                      quantization=quantization, expect=expect, note=note, compile=compiled)
+    case = EngineCase(
+        _case_id(arch, fmt, quantization, compiled),
+        fmt,
+        quantization=quantization,
+        expect=expect,
+        note=note,
+        compile=compiled,
+    )
     row = run_case(case, checkpoint(arch, fmt, None), prompts=PROMPTS, max_tokens=MAX_TOKENS)
     record_result({**row, "arch": arch})
     allowed = {"restored"} if expect == "restored" else {"restored", "refused", "not-runnable"}

@@ -52,19 +52,48 @@ SERVE_ARGS = ("--attention-backend", "TRITON_ATTN")
 MODES = ("graphs", "compiled")
 
 
-def _engine(model: Path, load_format: str, extra: dict, mode: str,
-            steps: tuple[str, ...] = ("baseline", *UPDATES)) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--model", str(model), "--load-format",
-                           load_format, "--extra", json.dumps(extra), "--device", "cuda",
-                           "--mode", mode, "--steps", ",".join(steps)],
-                          capture_output=True, text=True, env=env, timeout=ENGINE_TIMEOUT_S)
+def _engine(
+    model: Path,
+    load_format: str,
+    extra: dict,
+    mode: str,
+    steps: tuple[str, ...] = ("baseline", *UPDATES),
+) -> dict:
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
+    }
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--model",
+            str(model),
+            "--load-format",
+            load_format,
+            "--extra",
+            json.dumps(extra),
+            "--device",
+            "cuda",
+            "--mode",
+            mode,
+            "--steps",
+            ",".join(steps),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=ENGINE_TIMEOUT_S,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         out = proc.stdout + proc.stderr
-        raise AssertionError(f"{load_format} {mode} engine exited {proc.returncode}\n"
-                             f"{first_traceback(out) or ''}\n" + "\n".join(out.splitlines()[-25:]))
+        raise AssertionError(
+            f"{load_format} {mode} engine exited {proc.returncode}\n"
+            f"{first_traceback(out) or ''}\n" + "\n".join(out.splitlines()[-25:])
+        )
     return json.loads(lines[-1])
 
 
@@ -75,8 +104,12 @@ def _daemon_checksums(socket_dir: str) -> tuple[str, dict[str, str]]:
 
     (sock,) = list_sockets(socket_dir)
     status = daemon_status(sock)
-    with attach(CacheKey(status["key_fields"]), socket_dir=socket_dir, device="cuda",
-                device_id=status["device_id"]) as att:
+    with attach(
+        CacheKey(status["key_fields"]),
+        socket_dir=socket_dir,
+        device="cuda",
+        device_id=status["device_id"],
+    ) as att:
         return status["transport"], {n: tensor_checksum(t) for n, t in att.tensors.items()}
 
 
@@ -95,8 +128,13 @@ def _restored(model: Path, *, ipc: bool, modes: tuple[str, ...]) -> dict:
             runs = {mode: _engine(model, "wcache", extra, mode) for mode in modes}
             second = _engine(model, "wcache", extra, "graphs", steps=("baseline",))
             _, after = _daemon_checksums(sock)
-    return {"transport": transport, "runs": runs, "second": second, "before": before,
-            "after": after}
+    return {
+        "transport": transport,
+        "runs": runs,
+        "second": second,
+        "before": before,
+        "after": after,
+    }
 
 
 @pytest.fixture(scope="module")

@@ -21,13 +21,16 @@ def artifact_path(vllm_cache_root: Path, rank: str = "rank_0_0") -> Path:
     return Path(vllm_cache_root).joinpath(*cc.AOT_CACHE_DIR, HASH, rank, cc.ARTIFACT_NAME)
 
 
-def write_artifact(path: Path, graph: str, code: str,
-                   kind=BundledAOTAutogradSerializableCallable) -> Path:
+def write_artifact(
+    path: Path, graph: str, code: str, kind=BundledAOTAutogradSerializableCallable
+) -> Path:
     """Write an artifact at ``path`` holding post-grad ``graph`` and output ``code``."""
     result = SimpleNamespace(inductor_post_grad_graph_str=graph, source_code=code)
     entry = SimpleNamespace(compiled_fw=SimpleNamespace(result=result), compiled_bw=None)
-    state = {"compiled_fn": (kind.deserialize_compile_artifacts, pickle.dumps((entry, {}, {}))),
-             "backend_id": "__compiled_fn_1_3c5ce0d1_17f4_4626_a777_bad41688b2d0"}
+    state = {
+        "compiled_fn": (kind.deserialize_compile_artifacts, pickle.dumps((entry, {}, {}))),
+        "backend_id": "__compiled_fn_1_3c5ce0d1_17f4_4626_a777_bad41688b2d0",
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(pickle.dumps(state))
     return path

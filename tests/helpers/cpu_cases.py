@@ -23,13 +23,23 @@ HOST_LIBRARY = HOST.kernel("cpu.kernel_library")
 AVX512 = vl.synthetic_target()
 AVX2 = vl.synthetic_target((), **vl.AVX2_DECISIONS)
 BF16 = torch.bfloat16
-CPU_PLAN_IDS = ("unquantized/none@1", "unquantized/onednn@1", "unquantized/torch_linear@1",
-                "awq/cpu_wna16@1", "awq/cpu_wna16_w4a8@1",
-                "gptq/cpu_wna16@1", "gptq/cpu_wna16_w4a8@1", "ct_w4a16/cpu_wna16@1",
-                "ct_w4a16/cpu_wna16_w4a8@1", "ct_w8a8_int8/onednn@1", "ct_w8a8_int8/sgl@1",
-                "kv_cache/scales@1")
-AMX_W4A8_OFF = vl.synthetic_target(("amx", "avx512", "avx512_bf16"),
-                                   env={"VLLM_CPU_INT4_W4A8": "0"})
+CPU_PLAN_IDS = (
+    "unquantized/none@1",
+    "unquantized/onednn@1",
+    "unquantized/torch_linear@1",
+    "awq/cpu_wna16@1",
+    "awq/cpu_wna16_w4a8@1",
+    "gptq/cpu_wna16@1",
+    "gptq/cpu_wna16_w4a8@1",
+    "ct_w4a16/cpu_wna16@1",
+    "ct_w4a16/cpu_wna16_w4a8@1",
+    "ct_w8a8_int8/onednn@1",
+    "ct_w8a8_int8/sgl@1",
+    "kv_cache/scales@1",
+)
+AMX_W4A8_OFF = vl.synthetic_target(
+    ("amx", "avx512", "avx512_bf16"), env={"VLLM_CPU_INT4_W4A8": "0"}
+)
 AMX = vl.synthetic_target(("amx", "avx512", "avx512_bf16"))
 
 
@@ -45,27 +55,55 @@ group = st.sampled_from([-1, 32, 64])
 scale_value = st.one_of(st.just(-1.0), st.floats(0.0625, 4.0, width=32))
 
 FAMILIES = {
-    "unquantized_linear": st.builds(vl.unquantized_linear, k32, n32,
-                                    st.sampled_from([BF16, torch.float16, torch.float32]),
-                                    st.booleans()),
-    "embedding": st.builds(vl.unquantized_embedding, st.integers(1, 130), n32,
-                           st.sampled_from([BF16, torch.float16, torch.float32])),
+    "unquantized_linear": st.builds(
+        vl.unquantized_linear,
+        k32,
+        n32,
+        st.sampled_from([BF16, torch.float16, torch.float32]),
+        st.booleans(),
+    ),
+    "embedding": st.builds(
+        vl.unquantized_embedding,
+        st.integers(1, 130),
+        n32,
+        st.sampled_from([BF16, torch.float16, torch.float32]),
+    ),
     "awq": st.builds(vl.awq_linear, k_wna16, n32, group, st.just(BF16), st.booleans()),
     "gptq": st.builds(vl.gptq_linear, k_wna16, n32, group, st.just(BF16), st.booleans()),
-    "ct_w4a16": st.builds(vl.ct_w4a16_linear, k_wna16, n32, st.sampled_from([32, 64]),
-                          st.booleans(), st.just(BF16), st.booleans()),
+    "ct_w4a16": st.builds(
+        vl.ct_w4a16_linear,
+        k_wna16,
+        n32,
+        st.sampled_from([32, 64]),
+        st.booleans(),
+        st.just(BF16),
+        st.booleans(),
+    ),
     # widths sum to a multiple of 32: vLLM's AMX SGL int8 kernel fails itself otherwise
     # (tests/plans covers that refusal)
-    "ct_w8a8_int8": st.builds(vl.ct_w8a8_int8_linear, st.integers(1, 4).map(lambda i: 16 * i),
-                              st.lists(st.integers(1, 3).map(lambda i: 16 * i), min_size=1,
-                                       max_size=3).map(tuple).filter(lambda w: sum(w) % 32 == 0),
-                              st.sampled_from(["tensor", "channel"]), st.booleans(),
-                              st.booleans(), st.just(BF16), st.booleans()),
+    "ct_w8a8_int8": st.builds(
+        vl.ct_w8a8_int8_linear,
+        st.integers(1, 4).map(lambda i: 16 * i),
+        st.lists(st.integers(1, 3).map(lambda i: 16 * i), min_size=1, max_size=3)
+        .map(tuple)
+        .filter(lambda w: sum(w) % 32 == 0),
+        st.sampled_from(["tensor", "channel"]),
+        st.booleans(),
+        st.booleans(),
+        st.just(BF16),
+        st.booleans(),
+    ),
     # a quantized cache with only v_scale set is invalid (vLLM asserts; see bad inputs)
-    "kv_cache": st.builds(vl.kv_cache_layer,
-                          st.sampled_from(["auto", "fp8", "fp8_e5m2", "int8_per_token_head"]),
-                          scale_value, scale_value, scale_value, scale_value).filter(
-        lambda c: not (c.extra["kv"][0] != "auto" and c.extra["kv"][1] < 0 < c.extra["kv"][2])),
+    "kv_cache": st.builds(
+        vl.kv_cache_layer,
+        st.sampled_from(["auto", "fp8", "fp8_e5m2", "int8_per_token_head"]),
+        scale_value,
+        scale_value,
+        scale_value,
+        scale_value,
+    ).filter(
+        lambda c: not (c.extra["kv"][0] != "auto" and c.extra["kv"][1] < 0 < c.extra["kv"][2])
+    ),
 }
 
 

@@ -60,8 +60,9 @@ def roundtrip(plan: Plan, tensors: dict, config: LayerConfig, target: Target):
     daemon = make_module({k: v.clone() for k, v in tensors.items()})
     prepared = prepare_(daemon, plan.bind(config, target))
     restored = export(prepared)
-    restore_(restored, plan.bind(config, target), prepared.recorded, strict=True,
-             drops=prepared.drops)
+    restore_(
+        restored, plan.bind(config, target), prepared.recorded, strict=True, drops=prepared.drops
+    )
     return loaded, restored, prepared
 
 
@@ -70,7 +71,7 @@ def seeded_generator(seed: int) -> torch.Generator:
 
 
 def _ints(g, shape, bits):
-    return torch.randint(0, 2 ** bits, shape, generator=g, dtype=torch.int32)
+    return torch.randint(0, 2**bits, shape, generator=g, dtype=torch.int32)
 
 
 def _scales(g, shape, dtype=torch.bfloat16):
@@ -98,12 +99,17 @@ def int_checkpoint(method, k, n, g, bits, zero_point, bias, seed):
     if method == "awq":
         t = {"qweight": P.pack_awq(q, 4), "qzeros": P.pack_awq(zp, 4), "scales": s}
     elif method == "gptq":
-        t = {"qweight": P.pack_int32(q.t().contiguous(), bits, -1).t().contiguous(),
-             "qzeros": P.pack_int32(zp, bits, -1), "scales": s}
+        t = {
+            "qweight": P.pack_int32(q.t().contiguous(), bits, -1).t().contiguous(),
+            "qzeros": P.pack_int32(zp, bits, -1),
+            "scales": s,
+        }
     else:
-        t = {"weight_packed": P.pack_int32(q.t().contiguous(), bits, -1),
-             "weight_scale": s.t().contiguous(),
-             "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
+        t = {
+            "weight_packed": P.pack_int32(q.t().contiguous(), bits, -1),
+            "weight_scale": s.t().contiguous(),
+            "weight_shape": torch.tensor([n, k], dtype=torch.int64),
+        }
         if zero_point:
             t["weight_zero_point"] = P.pack_int32(zp, bits, -1).t().contiguous()
     if bias:
@@ -111,12 +117,38 @@ def int_checkpoint(method, k, n, g, bits, zero_point, bias, seed):
     return t
 
 
-def cuda_config(method, k, n, *, bits=16, g=-1, zp=False, strategy=None, static=False,
-            kind="linear", kernel=None, extra=(), bias=False):
-    return LayerConfig(QuantSpec(method, num_bits=bits, group_size=g, zero_point=zp,
-                                 strategy=strategy, static_input=static, layer_kind=kind,
-                                 kernel=kernel),
-                       size_k=k, size_n=n, has_bias=bias, name=f"{method}.layer", extra=extra)
+def cuda_config(
+    method,
+    k,
+    n,
+    *,
+    bits=16,
+    g=-1,
+    zp=False,
+    strategy=None,
+    static=False,
+    kind="linear",
+    kernel=None,
+    extra=(),
+    bias=False,
+):
+    return LayerConfig(
+        QuantSpec(
+            method,
+            num_bits=bits,
+            group_size=g,
+            zero_point=zp,
+            strategy=strategy,
+            static_input=static,
+            layer_kind=kind,
+            kernel=kernel,
+        ),
+        size_k=k,
+        size_n=n,
+        has_bias=bias,
+        name=f"{method}.layer",
+        extra=extra,
+    )
 
 
 # --------------------------------------------------------------------------- strategies
@@ -128,11 +160,15 @@ def marlin_int_cases(draw):
     bits = 4 if method == "awq" else draw(st.sampled_from([4, 8]))
     zp = True if method == "awq" else (draw(st.booleans()) if method == "ct_w4a16" else False)
     g = draw(st.sampled_from([-1, 32, 64, 128]))
-    k = draw(st.sampled_from([128, 192, 256])) if g in (-1, 32, 64) else draw(st.sampled_from([128, 256]))
+    k = (
+        draw(st.sampled_from([128, 192, 256]))
+        if g in (-1, 32, 64)
+        else draw(st.sampled_from([128, 256]))
+    )
     n = draw(st.sampled_from([64, 96, 128, 200 if bits == 8 else 160]))
     n = n if n % 8 == 0 else 64
     bias = draw(st.booleans())
-    seed = draw(st.integers(0, 2 ** 16))
+    seed = draw(st.integers(0, 2**16))
     cfg = cuda_config(method, k, n, bits=bits, g=g, zp=zp, kernel="marlin", bias=bias)
     return cfg, int_checkpoint(method, k, n, g, bits, zp, bias, seed)
 
@@ -146,9 +182,10 @@ def machete_int_cases(draw):
     g = draw(st.sampled_from([-1, 64, 128]))
     k, n = draw(st.sampled_from([128, 256])), draw(st.sampled_from([128, 256]))
     bias = draw(st.booleans())
-    cfg = cuda_config(method, k, n, bits=bits, g=g, zp=zp, kernel="machete", bias=bias,
-                  extra=MACHETE_EXTRA)
-    return cfg, int_checkpoint(method, k, n, g, bits, zp, bias, draw(st.integers(0, 2 ** 16)))
+    cfg = cuda_config(
+        method, k, n, bits=bits, g=g, zp=zp, kernel="machete", bias=bias, extra=MACHETE_EXTRA
+    )
+    return cfg, int_checkpoint(method, k, n, g, bits, zp, bias, draw(st.integers(0, 2**16)))
 
 
 @st.composite
@@ -158,33 +195,64 @@ def cutlass_int8_cases(draw):
     widths = draw(st.sampled_from([(64,), (32, 16, 16), (48, 16)]))
     strategy = draw(st.sampled_from(["tensor", "channel"]))
     static, symmetric = draw(st.booleans()), draw(st.booleans())
-    k, seed = draw(st.sampled_from([32, 64, 96])), draw(st.integers(0, 2 ** 16))
+    k, seed = draw(st.sampled_from([32, 64, 96])), draw(st.integers(0, 2**16))
     g = seeded_generator(seed)
     n = sum(widths)
-    t = {"weight": torch.randint(-128, 128, (n, k), generator=g).to(torch.int8),
-         "weight_scale": (torch.rand((n, 1) if strategy == "channel" else (len(widths),),
-                                     generator=g) * 0.01 + 1e-3)}
+    t = {
+        "weight": torch.randint(-128, 128, (n, k), generator=g).to(torch.int8),
+        "weight_scale": (
+            torch.rand((n, 1) if strategy == "channel" else (len(widths),), generator=g) * 0.01
+            + 1e-3
+        ),
+    }
     if static:
         t["input_scale"] = torch.rand(1, generator=g) * 0.1 + 0.01
         if not symmetric:
             t["input_zero_point"] = torch.randint(-20, 20, (1,), generator=g).to(torch.int8)
-    cfg = LayerConfig(QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy=strategy,
-                                static_input=static, input_symmetric=symmetric,
-                                kernel="cutlass_int8"),
-                      size_k=k, size_n=n, name="ct_w8a8_int8.layer",
-                      extra=(("logical_widths", widths),))
+    cfg = LayerConfig(
+        QuantSpec(
+            "ct_w8a8_int8",
+            num_bits=8,
+            act_bits=8,
+            strategy=strategy,
+            static_input=static,
+            input_symmetric=symmetric,
+            kernel="cutlass_int8",
+        ),
+        size_k=k,
+        size_n=n,
+        name="ct_w8a8_int8.layer",
+        extra=(("logical_widths", widths),),
+    )
     return cfg, t
 
 
 @st.composite
 def fp8_cases(draw):
     """Every FP8/MXFP8 plan with a checkpoint drawn for it (N, K not multiples of 16)."""
-    which = draw(st.sampled_from(["fp8_per_tensor", "fp8_per_channel", "fp8_per_block",
-                                  "ct_tensor", "ct_channel", "fp8_serialized",
-                                  "fp8_block_serialized", "ct_marlin", "fp8_marlin", "mxfp8"]))
+    which = draw(
+        st.sampled_from(
+            [
+                "fp8_per_tensor",
+                "fp8_per_channel",
+                "fp8_per_block",
+                "ct_tensor",
+                "ct_channel",
+                "fp8_serialized",
+                "fp8_block_serialized",
+                "ct_marlin",
+                "fp8_marlin",
+                "mxfp8",
+            ]
+        )
+    )
     n = draw(st.sampled_from([48, 100, 130, 256]))
-    k = draw(st.sampled_from([64, 96, 200])) if which != "mxfp8" else draw(st.sampled_from([64, 96, 256]))
-    seed = draw(st.integers(0, 2 ** 16))
+    k = (
+        draw(st.sampled_from([64, 96, 200]))
+        if which != "mxfp8"
+        else draw(st.sampled_from([64, 96, 256]))
+    )
+    seed = draw(st.integers(0, 2**16))
     bias = draw(st.booleans())
     g = seeded_generator(seed)
     dense = {"weight": (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)}
@@ -198,15 +266,20 @@ def fp8_cases(draw):
     elif which == "mxfp8":
         cfg, t = cuda_config("mxfp8", k, n, kernel="marlin"), dense
     elif which == "fp8_block_serialized":
-        t = {"weight": fp8_bits(g, (n, k)),
-             "weight_scale_inv": torch.rand(-(-n // 128), -(-k // 128), generator=g) * 0.01}
+        t = {
+            "weight": fp8_bits(g, (n, k)),
+            "weight_scale_inv": torch.rand(-(-n // 128), -(-k // 128), generator=g) * 0.01,
+        }
         cfg = cuda_config("fp8", k, n, strategy="block", kernel="cutlass_block")
     else:
         channel = which == "ct_channel"
         half = n // 2
         extra = (("logical_widths", (half, n - half)),)
-        scale = (torch.rand(n, 1, generator=g) * 0.01 + 1e-4) if channel else \
-            (torch.rand(2, generator=g) * 0.01 + 1e-4)
+        scale = (
+            (torch.rand(n, 1, generator=g) * 0.01 + 1e-4)
+            if channel
+            else (torch.rand(2, generator=g) * 0.01 + 1e-4)
+        )
         static = draw(st.booleans()) and not channel
         t = {"weight": fp8_bits(g, (n, k)), "weight_scale": scale}
         if static:
@@ -215,8 +288,15 @@ def fp8_cases(draw):
         if method == "ct_w8a8_fp8" and draw(st.booleans()):  # vLLM 0.33's layer attribute
             extra = (*extra, ("processed_weight_dims", (0, 1)))
         kernel = "fp8_marlin" if which in ("ct_marlin", "fp8_marlin") else "cutlass"
-        cfg = cuda_config(method, k, n, strategy="channel" if channel else "tensor",
-                      static=static, kernel=kernel, extra=extra)
+        cfg = cuda_config(
+            method,
+            k,
+            n,
+            strategy="channel" if channel else "tensor",
+            static=static,
+            kernel=kernel,
+            extra=extra,
+        )
     if bias:
         t = dict(t, bias=torch.randn(n, generator=g).to(torch.bfloat16))
         cfg = evolve(cfg, has_bias=True)
@@ -225,10 +305,14 @@ def fp8_cases(draw):
 
 def nvfp4_linear_checkpoint(n, k, seed, bias=False):
     g = seeded_generator(seed)
-    t = {"weight": torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int32).to(torch.uint8),
-         "weight_scale": fp8_bits(g, (n, k // 16), positive=True, max_bits=FP8_SCALE_MAX_BITS),
-         "weight_scale_2": torch.rand(2, generator=g) * 0.01 + 1e-3,
-         "input_scale": torch.rand(2, generator=g) + 0.5}
+    t = {
+        "weight": torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int32).to(
+            torch.uint8
+        ),
+        "weight_scale": fp8_bits(g, (n, k // 16), positive=True, max_bits=FP8_SCALE_MAX_BITS),
+        "weight_scale_2": torch.rand(2, generator=g) * 0.01 + 1e-3,
+        "input_scale": torch.rand(2, generator=g) + 0.5,
+    }
     if bias:
         t["bias"] = torch.randn(n, generator=g).to(torch.bfloat16)
     return t

@@ -23,26 +23,53 @@ FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 BLOCK = 128
 
 
-def moe_config(method: str, kernel: str, *, experts: int, hidden: int, inter: int,
-               backend: str, experts_cls: str, strategy: str | None = None,
-               static: bool = False, bias: bool = False, tp: int = 1) -> LayerConfig:
+def moe_config(
+    method: str,
+    kernel: str,
+    *,
+    experts: int,
+    hidden: int,
+    inter: int,
+    backend: str,
+    experts_cls: str,
+    strategy: str | None = None,
+    static: bool = False,
+    bias: bool = False,
+    tp: int = 1,
+) -> LayerConfig:
     """A fused-MoE LayerConfig as the adapter builds it for vLLM's RoutedExperts."""
-    shape = MoeShape(num_experts=experts, global_num_experts=experts, hidden_size=hidden,
-                     intermediate_size_per_partition=inter, backend=backend,
-                     experts=experts_cls, has_bias=bias)
-    spec = QuantSpec(method, num_bits=16 if method == "unquantized_moe" else 8,
-                     strategy=strategy, static_input=static, layer_kind="moe", kernel=kernel)
-    return LayerConfig(spec, 0, 0, has_bias=bias, name=f"{method}.experts", moe=shape,
-                       extra={"moe_tp_size": tp})
+    shape = MoeShape(
+        num_experts=experts,
+        global_num_experts=experts,
+        hidden_size=hidden,
+        intermediate_size_per_partition=inter,
+        backend=backend,
+        experts=experts_cls,
+        has_bias=bias,
+    )
+    spec = QuantSpec(
+        method,
+        num_bits=16 if method == "unquantized_moe" else 8,
+        strategy=strategy,
+        static_input=static,
+        layer_kind="moe",
+        kernel=kernel,
+    )
+    return LayerConfig(
+        spec, 0, 0, has_bias=bias, name=f"{method}.experts", moe=shape, extra={"moe_tp_size": tp}
+    )
 
 
-def bf16_experts(e: int, hidden: int, inter: int, seed: int, bias: bool = False
-                 ) -> dict[str, torch.Tensor]:
+def bf16_experts(
+    e: int, hidden: int, inter: int, seed: int, bias: bool = False
+) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    out = {"w13_weight": (torch.randn(e, 2 * inter, hidden, generator=g) * WEIGHT_STD
-                          ).to(torch.bfloat16),
-           "w2_weight": (torch.randn(e, hidden, inter, generator=g) * WEIGHT_STD
-                         ).to(torch.bfloat16)}
+    out = {
+        "w13_weight": (torch.randn(e, 2 * inter, hidden, generator=g) * WEIGHT_STD).to(
+            torch.bfloat16
+        ),
+        "w2_weight": (torch.randn(e, hidden, inter, generator=g) * WEIGHT_STD).to(torch.bfloat16),
+    }
     if bias:
         out["w13_bias"] = (torch.randn(e, 2 * inter, generator=g) * WEIGHT_STD).to(torch.bfloat16)
         out["w2_bias"] = (torch.randn(e, hidden, generator=g) * WEIGHT_STD).to(torch.bfloat16)
@@ -53,16 +80,20 @@ def _fp8(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
-def fp8_tensor_experts(e: int, hidden: int, inter: int, seed: int, static: bool = False
-                       ) -> dict[str, torch.Tensor]:
+def fp8_tensor_experts(
+    e: int, hidden: int, inter: int, seed: int, static: bool = False
+) -> dict[str, torch.Tensor]:
     """A serialized per-tensor FP8 MoE checkpoint: w1 and w3 with their own scale."""
     w = bf16_experts(e, hidden, inter, seed)
     w13 = w["w13_weight"].float().view(e, 2, inter, hidden)
-    s13 = w13.abs().amax(dim=(2, 3)) / FP8_MAX                      # [E, 2]
-    s2 = w["w2_weight"].float().abs().amax(dim=(1, 2)) / FP8_MAX    # [E]
-    out = {"w13_weight": _fp8(w13, s13.view(e, 2, 1, 1)).view(e, 2 * inter, hidden),
-           "w13_weight_scale": s13, "w2_weight": _fp8(w["w2_weight"], s2.view(e, 1, 1)),
-           "w2_weight_scale": s2}
+    s13 = w13.abs().amax(dim=(2, 3)) / FP8_MAX  # [E, 2]
+    s2 = w["w2_weight"].float().abs().amax(dim=(1, 2)) / FP8_MAX  # [E]
+    out = {
+        "w13_weight": _fp8(w13, s13.view(e, 2, 1, 1)).view(e, 2 * inter, hidden),
+        "w13_weight_scale": s13,
+        "w2_weight": _fp8(w["w2_weight"], s2.view(e, 1, 1)),
+        "w2_weight_scale": s2,
+    }
     if static:
         g = torch.Generator().manual_seed(seed + 1)
         out["w13_input_scale"] = torch.rand(e, generator=g) + 0.5
@@ -86,52 +117,95 @@ def fp8_block_experts(e: int, hidden: int, inter: int, seed: int) -> dict[str, t
     return out
 
 
-_SIZES = dict(e=st.sampled_from([1, 3, 8]), hidden=st.sampled_from([128, 256]),
-              inter=st.sampled_from([64, 96, 128]))
+_SIZES = dict(
+    e=st.sampled_from([1, 3, 8]),
+    hidden=st.sampled_from([128, 256]),
+    inter=st.sampled_from([64, 96, 128]),
+)
 
 
 @st.composite
 def unquantized_triton(draw):
     e, h, i = (draw(_SIZES[k]) for k in ("e", "hidden", "inter"))
     bias = draw(st.booleans())
-    cfg = moe_config("unquantized_moe", "triton", experts=e, hidden=h, inter=i,
-                     backend="TRITON", experts_cls="TritonExperts", bias=bias)
-    return cfg, bf16_experts(e, h, i, draw(st.integers(0, 2 ** 16)), bias), H200
+    cfg = moe_config(
+        "unquantized_moe",
+        "triton",
+        experts=e,
+        hidden=h,
+        inter=i,
+        backend="TRITON",
+        experts_cls="TritonExperts",
+        bias=bias,
+    )
+    return cfg, bf16_experts(e, h, i, draw(st.integers(0, 2**16)), bias), H200
 
 
 @st.composite
 def unquantized_cpu(draw, experts_cls: str = "CPUUnquantizedExperts"):
     e, h, i = (draw(_SIZES[k]) for k in ("e", "hidden", "inter"))
     kernel = {"CPUUnquantizedExperts": "cpu_vec", "X86CPUUnquantizedExperts": "cpu_amx"}
-    cfg = moe_config("unquantized_moe", kernel[experts_cls], experts=e, hidden=h, inter=i,
-                     backend="CPU", experts_cls=experts_cls)
-    return cfg, bf16_experts(e, h, i, draw(st.integers(0, 2 ** 16))), CPU
+    cfg = moe_config(
+        "unquantized_moe",
+        kernel[experts_cls],
+        experts=e,
+        hidden=h,
+        inter=i,
+        backend="CPU",
+        experts_cls=experts_cls,
+    )
+    return cfg, bf16_experts(e, h, i, draw(st.integers(0, 2**16))), CPU
 
 
 @st.composite
 def fp8_tensor_triton(draw):
     e, h, i = (draw(_SIZES[k]) for k in ("e", "hidden", "inter"))
     static = draw(st.booleans())
-    cfg = moe_config("fp8_moe_tensor", "triton", experts=e, hidden=h, inter=i, backend="TRITON",
-                     experts_cls="TritonExperts", strategy="tensor", static=static)
-    return cfg, fp8_tensor_experts(e, h, i, draw(st.integers(0, 2 ** 16)), static), H200
+    cfg = moe_config(
+        "fp8_moe_tensor",
+        "triton",
+        experts=e,
+        hidden=h,
+        inter=i,
+        backend="TRITON",
+        experts_cls="TritonExperts",
+        strategy="tensor",
+        static=static,
+    )
+    return cfg, fp8_tensor_experts(e, h, i, draw(st.integers(0, 2**16)), static), H200
 
 
 @st.composite
 def fp8_block_triton(draw):
     e, h = draw(_SIZES["e"]), draw(_SIZES["hidden"])
     i = draw(st.sampled_from([128, 256]))
-    cfg = moe_config("fp8_moe_block", "triton", experts=e, hidden=h, inter=i, backend="TRITON",
-                     experts_cls="TritonExperts", strategy="block")
-    return cfg, fp8_block_experts(e, h, i, draw(st.integers(0, 2 ** 16))), H200
+    cfg = moe_config(
+        "fp8_moe_block",
+        "triton",
+        experts=e,
+        hidden=h,
+        inter=i,
+        backend="TRITON",
+        experts_cls="TritonExperts",
+        strategy="block",
+    )
+    return cfg, fp8_block_experts(e, h, i, draw(st.integers(0, 2**16))), H200
 
 
 @st.composite
 def fp8_online_triton(draw):
     e, h, i = (draw(_SIZES[k]) for k in ("e", "hidden", "inter"))
-    cfg = moe_config("fp8_per_tensor_moe", "triton", experts=e, hidden=h, inter=i,
-                     backend="TRITON", experts_cls="TritonExperts", strategy="tensor")
-    return cfg, bf16_experts(e, h, i, draw(st.integers(0, 2 ** 16))), H200
+    cfg = moe_config(
+        "fp8_per_tensor_moe",
+        "triton",
+        experts=e,
+        hidden=h,
+        inter=i,
+        backend="TRITON",
+        experts_cls="TritonExperts",
+        strategy="tensor",
+    )
+    return cfg, bf16_experts(e, h, i, draw(st.integers(0, 2**16))), H200
 
 
 #: plan id -> strategy of ``(config, checkpoint, target)`` (tests/plans/test_registry.py).

@@ -37,7 +37,7 @@ def marlin_unrepack(q: torch.Tensor, num_bits: int) -> torch.Tensor:
     pf = 32 // num_bits
     size_k = q.shape[0] * M.MARLIN_TILE
     size_n = q.shape[1] * pf // M.MARLIN_TILE
-    vals = P.unpack_int32(q, num_bits, -1)                       # [Kp/16, Np*16]
+    vals = P.unpack_int32(q, num_bits, -1)  # [Kp/16, Np*16]
     perm = M.marlin_weight_perm(num_bits)
     flat = vals.reshape(-1, perm.numel())
     inv = torch.empty_like(flat)
@@ -46,7 +46,9 @@ def marlin_unrepack(q: torch.Tensor, num_bits: int) -> torch.Tensor:
     return inv.reshape(size_k // t, size_n // t, t, t).permute(0, 2, 1, 3).reshape(size_k, size_n)
 
 
-def marlin_unpermute_scales(s: torch.Tensor, size_k: int, size_n: int, group_size: int) -> torch.Tensor:
+def marlin_unpermute_scales(
+    s: torch.Tensor, size_k: int, size_n: int, group_size: int
+) -> torch.Tensor:
     """Inverse of :func:`wcache.stages.marlin.marlin_permute_scales`."""
     scale_perm, single = M.marlin_scale_perms()
     perm = list(scale_perm) if (group_size < size_k and group_size != -1) else list(single)
@@ -109,8 +111,11 @@ def _int_zero(num_bits: int, zero_point: bool) -> int:
 # --------------------------------------------------------------------------- Marlin int
 
 
-_MARLIN_NAMES = {"awq": ("qweight", "scales", "qzeros"), "gptq": ("qweight", "scales", "qzeros"),
-                 "ct_w4a16": ("weight_packed", "weight_scale", "weight_zero_point")}
+_MARLIN_NAMES = {
+    "awq": ("qweight", "scales", "qzeros"),
+    "gptq": ("qweight", "scales", "qzeros"),
+    "ct_w4a16": ("weight_packed", "weight_scale", "weight_zero_point"),
+}
 
 
 def marlin_int_weight(layer: torch.nn.Module, config) -> torch.Tensor:
@@ -129,14 +134,14 @@ def marlin_int_weight(layer: torch.nn.Module, config) -> torch.Tensor:
     else:
         zero = _int_zero(bits, False)
     w = (vals - zero).to(torch.float32) * _expand_groups(scales, kp)
-    return w[:config.size_k, :config.size_n]
+    return w[: config.size_k, : config.size_n]
 
 
 def marlin_int_forward(layer: torch.nn.Module, config, x: torch.Tensor) -> torch.Tensor:
     """Reference ``marlin_gemm`` for AWQ/GPTQ/CT-W4A16 Marlin layouts: ``[..., K] -> [..., N]``."""
     bias = getattr(layer, "bias", None)
     if bias is not None:
-        bias = marlin_unpermute_bias(bias)[:config.size_n]
+        bias = marlin_unpermute_bias(bias)[: config.size_n]
     return _matmul(x, marlin_int_weight(layer, config), bias)
 
 
@@ -157,8 +162,9 @@ def int_checkpoint_weight(tensors: dict, config) -> torch.Tensor:
         vals = P.unpack_int32(tensors["weight_packed"], bits, -1).t()
         scales = tensors["weight_scale"].t()
         if q.zero_point:
-            zero = _expand_groups(P.unpack_int32(tensors["weight_zero_point"].t().contiguous(),
-                                                 bits, -1), k)
+            zero = _expand_groups(
+                P.unpack_int32(tensors["weight_zero_point"].t().contiguous(), bits, -1), k
+            )
         else:
             zero = _int_zero(bits, False)
     return (vals - zero).to(torch.float32) * _expand_groups(scales.float(), k)
@@ -180,22 +186,24 @@ def cutlass_fp8_forward(layer: torch.nn.Module, config, x: torch.Tensor) -> torc
     n = getattr(layer, "logical_output_size", None)
     if n is None:
         raise MissingLogicalWidth("logical_output_size is None (vLLM: assert output_size)")
-    w = layer.weight                                           # [Kp, Np] column-major
+    w = layer.weight  # [Kp, Np] column-major
     s = layer.weight_scale.float()
     w = w.float() * (s.reshape(1, -1) if s.numel() > 1 else s.reshape(()))
-    return _matmul(x, w[:x.shape[-1], :n], getattr(layer, "bias", None))
+    return _matmul(x, w[: x.shape[-1], :n], getattr(layer, "bias", None))
 
 
-def fp8_checkpoint_forward(weight_nk: torch.Tensor, scale: torch.Tensor, x: torch.Tensor,
-                           bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_checkpoint_forward(
+    weight_nk: torch.Tensor, scale: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[N, K]`` fp8 with a 0-d/[1] or ``[N, 1]`` scale."""
     s = scale.float()
     w = weight_nk.float() * (s.reshape(-1, 1) if s.numel() > 1 else s.reshape(()))
     return _matmul(x, w.t(), bias)
 
 
-def block_fp8_weight(weight_nk: torch.Tensor, scale_inv: torch.Tensor,
-                     block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+def block_fp8_weight(
+    weight_nk: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> torch.Tensor:
     n, k = weight_nk.shape
     s = scale_inv.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:n, :k]
     return weight_nk.float() * s
@@ -203,24 +211,25 @@ def block_fp8_weight(weight_nk: torch.Tensor, scale_inv: torch.Tensor,
 
 def block_fp8_forward(layer: torch.nn.Module, config, x: torch.Tensor) -> torch.Tensor:
     """Reference block-scaled FP8 GEMM: ``[N, K]`` fp8 with ``[N/128, K/128]`` scales."""
-    return _matmul(x, block_fp8_weight(layer.weight, layer.weight_scale_inv).t(),
-                   getattr(layer, "bias", None))
+    return _matmul(
+        x, block_fp8_weight(layer.weight, layer.weight_scale_inv).t(), getattr(layer, "bias", None)
+    )
 
 
 def fp8_marlin_weight(layer: torch.nn.Module, config) -> torch.Tensor:
-    vals = marlin_unrepack(layer.weight, 8)                    # bytes of W[n, k] at [k, n]
+    vals = marlin_unrepack(layer.weight, 8)  # bytes of W[n, k] at [k, n]
     kp, np_ = vals.shape
     fp8 = vals.to(torch.uint8).view(torch.float8_e4m3fn).float()
     s = marlin_unpermute_scales(layer.weight_scale, kp, np_, -1)
     s = s.float() / 2.0 ** M.fp8_exponent_bias(layer.weight_scale.dtype)
-    return (fp8 * s)[:config.size_k, :config.size_n]
+    return (fp8 * s)[: config.size_k, : config.size_n]
 
 
 def fp8_marlin_forward(layer: torch.nn.Module, config, x: torch.Tensor) -> torch.Tensor:
     """Reference FP8 weight-only ``marlin_gemm``."""
     bias = getattr(layer, "bias", None)
     if bias is not None:
-        bias = marlin_unpermute_bias(bias)[:config.size_n]
+        bias = marlin_unpermute_bias(bias)[: config.size_n]
     return _matmul(x, fp8_marlin_weight(layer, config), bias)
 
 
@@ -228,17 +237,17 @@ def mxfp8_marlin_weight(layer: torch.nn.Module, config) -> torch.Tensor:
     vals = marlin_unrepack(layer.weight, 8)
     kp, np_ = vals.shape
     fp8 = vals.to(torch.uint8).view(torch.float8_e4m3fn).float()
-    s = layer.weight_scale                                     # [Kp/32, Np] e8m0
+    s = layer.weight_scale  # [Kp/32, Np] e8m0
     s = s.view(-1, 4)[:, list(M.MXFP8_SCALE_REORDER)].reshape(s.shape).float()
     s = marlin_unpermute_scales(s, kp, np_, M.MXFP8_GROUP_SIZE)
-    return (fp8 * _expand_groups(s, kp))[:config.size_k, :config.size_n]
+    return (fp8 * _expand_groups(s, kp))[: config.size_k, : config.size_n]
 
 
 def mxfp8_marlin_forward(layer: torch.nn.Module, config, x: torch.Tensor) -> torch.Tensor:
     """Reference MXFP8 ``marlin_gemm``."""
     bias = getattr(layer, "bias", None)
     if bias is not None:
-        bias = marlin_unpermute_bias(bias)[:config.size_n]
+        bias = marlin_unpermute_bias(bias)[: config.size_n]
     return _matmul(x, mxfp8_marlin_weight(layer, config), bias)
 
 
@@ -250,8 +259,9 @@ def mxfp8_checkpoint_weight(q_nk: torch.Tensor, scales_u8: torch.Tensor) -> torc
 # --------------------------------------------------------------------------- NVFP4
 
 
-def nvfp4_weight(weight: torch.Tensor, scale_swizzled: torch.Tensor, global_scale: torch.Tensor,
-                 n: int, k: int) -> torch.Tensor:
+def nvfp4_weight(
+    weight: torch.Tensor, scale_swizzled: torch.Tensor, global_scale: torch.Tensor, n: int, k: int
+) -> torch.Tensor:
     """Dequantized ``[n, k]`` fp32 from a padded ``[Np, Kp/2]`` weight and swizzled scales."""
     vals = e2m1_decode(weight)[:n, :k]
     sf = F4.unswizzle_blockscale(scale_swizzled, n, k // F4.NVFP4_GROUP_SIZE).float()
@@ -260,8 +270,9 @@ def nvfp4_weight(weight: torch.Tensor, scale_swizzled: torch.Tensor, global_scal
 
 def nvfp4_linear_forward(layer: torch.nn.Module, config, x: torch.Tensor) -> torch.Tensor:
     """Reference ``cutlass_scaled_fp4_mm`` with dequantized weight (activation unquantized)."""
-    w = nvfp4_weight(layer.weight, layer.weight_scale, layer.weight_global_scale,
-                     config.size_n, config.size_k)
+    w = nvfp4_weight(
+        layer.weight, layer.weight_scale, layer.weight_global_scale, config.size_n, config.size_k
+    )
     return _matmul(x, w.t(), getattr(layer, "bias", None))
 
 
@@ -282,5 +293,7 @@ def nvfp4_moe_forward(layer: torch.nn.Module, config, x: torch.Tensor) -> torch.
         h = (x.float() / layer.w13_input_scale[e]) @ w13.t() * layer.w13_weight_scale_2[e]
         gate, up = h.chunk(2, dim=-1)
         a = torch.nn.functional.silu(gate) * up
-        outs.append(((a / layer.w2_input_scale[e]) @ w2.t() * layer.w2_weight_scale_2[e]).to(x.dtype))
+        outs.append(
+            ((a / layer.w2_input_scale[e]) @ w2.t() * layer.w2_weight_scale_2[e]).to(x.dtype)
+        )
     return torch.stack(outs)

@@ -22,8 +22,15 @@ def pytest_sessionstart(session) -> None:
 
     want = os.environ[EXPECT_ENV]
     if vllm.__version__ != want:
-        raise RuntimeError(f"the release run for vLLM {want} imports vLLM {vllm.__version__} "
-                           f"from {vllm.__file__}")
+        raise RuntimeError(
+            f"the release run for vLLM {want} imports vLLM {vllm.__version__} from {vllm.__file__}"
+        )
     with open(os.environ[REPORT_ENV], "w") as f:
-        json.dump({"version": vllm.__version__, "distribution": compat.vllm_distribution(),
-                   "package": os.path.dirname(os.path.realpath(vllm.__file__))}, f)
+        json.dump(
+            {
+                "version": vllm.__version__,
+                "distribution": compat.vllm_distribution(),
+                "package": os.path.dirname(os.path.realpath(vllm.__file__)),
+            },
+            f,
+        )

@@ -37,9 +37,19 @@ def stalled_daemon(path: str) -> Iterator[str]:
                 continue
             held.append(conn)
             recv_frame(conn)
-            send_frame(conn, {"ok": True, "protocol": PROTOCOL_VERSION, "wcache": "stall",
-                              "pid": os.getpid(), "device": "cpu", "device_id": "cpu",
-                              "device_uuid": None, "transport": "shm"})
+            send_frame(
+                conn,
+                {
+                    "ok": True,
+                    "protocol": PROTOCOL_VERSION,
+                    "wcache": "stall",
+                    "pid": os.getpid(),
+                    "device": "cpu",
+                    "device_id": "cpu",
+                    "device_uuid": None,
+                    "transport": "shm",
+                },
+            )
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()

@@ -74,11 +74,16 @@ def ensure_vllm() -> None:
     with set_current_vllm_config(cfg):
         if not model_parallel_is_initialized():
             tmp = tempfile.mkdtemp(prefix="wcache-dist-")
-            init_distributed_environment(world_size=1, rank=0, local_rank=0,
-                                         distributed_init_method=f"file://{tmp}/init",
-                                         backend="gloo")
+            init_distributed_environment(
+                world_size=1,
+                rank=0,
+                local_rank=0,
+                distributed_init_method=f"file://{tmp}/init",
+                backend="gloo",
+            )
             initialize_model_parallel(1)
     import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+
     ensure_machete_stand_in()
     _STATE["ready"] = True
 
@@ -87,8 +92,9 @@ def ensure_vllm() -> None:
 _LIBRARIES: list = []
 
 
-def machete_stand_in(b: torch.Tensor, a_type: torch.dtype, b_type: int,
-                     group_scales_type: torch.dtype | None) -> torch.Tensor:
+def machete_stand_in(
+    b: torch.Tensor, a_type: torch.dtype, b_type: int, group_scales_type: torch.dtype | None
+) -> torch.Tensor:
     """A CPU stand-in for ``_C::machete_prepack_B`` (vLLM-CPU has no Machete): a fixed
     reorder (rows reversed) plus the low bits of the type arguments, contiguous. It
     proves that a plan prepacks the right values with vLLM's arguments, exactly once,
@@ -103,11 +109,16 @@ def ensure_machete_stand_in() -> None:
     if hasattr(torch.ops._C, "machete_prepack_B"):
         return
     lib = torch.library.Library("_C", "FRAGMENT")
-    lib.define("machete_prepack_B(Tensor B, ScalarType a_type, int b_type, "
-               "ScalarType? group_scales_type) -> Tensor")
+    lib.define(
+        "machete_prepack_B(Tensor B, ScalarType a_type, int b_type, "
+        "ScalarType? group_scales_type) -> Tensor"
+    )
     lib.impl("machete_prepack_B", machete_stand_in, "CPU")
-    lib.impl("machete_prepack_B",
-             lambda b, *args: torch.empty_like(b, memory_format=torch.contiguous_format), "Meta")
+    lib.impl(
+        "machete_prepack_B",
+        lambda b, *args: torch.empty_like(b, memory_format=torch.contiguous_format),
+        "Meta",
+    )
     _LIBRARIES.append(lib)
 
 
@@ -133,7 +144,7 @@ def _noop_loader(*args, **kwargs) -> None:
 
 def rand_int32(gen: torch.Generator, shape) -> torch.Tensor:
     """Random int32 words over the full range (every nibble pattern)."""
-    return torch.randint(-2**31, 2**31 - 1, tuple(shape), dtype=torch.int32, generator=gen)
+    return torch.randint(-(2**31), 2**31 - 1, tuple(shape), dtype=torch.int32, generator=gen)
 
 
 def rand_scale(gen: torch.Generator, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -204,8 +215,9 @@ def _linear_apply(layer, x):
 # --------------------------------------------------------------------------- unquantized
 
 
-def unquantized_linear(size_k: int, size_n: int, dtype: torch.dtype = torch.bfloat16,
-                       bias: bool = True) -> Case:
+def unquantized_linear(
+    size_k: int, size_n: int, dtype: torch.dtype = torch.bfloat16, bias: bool = True
+) -> Case:
     from vllm.model_executor.layers.linear import ReplicatedLinear
 
     def build(device):
@@ -217,11 +229,21 @@ def unquantized_linear(size_k: int, size_n: int, dtype: torch.dtype = torch.bflo
 
     return Case(
         name=f"unquantized_linear_{size_k}x{size_n}_{dtype}",
-        config=LayerConfig(QuantSpec("unquantized"), size_k, size_n, str(dtype).split(".")[1],
-                           has_bias=bias, name="linear"),
-        build=build, fill=fill,
+        config=LayerConfig(
+            QuantSpec("unquantized"),
+            size_k,
+            size_n,
+            str(dtype).split(".")[1],
+            has_bias=bias,
+            name="linear",
+        ),
+        build=build,
+        fill=fill,
         process=lambda layer: layer.quant_method.process_weights_after_loading(layer),
-        apply=_linear_apply, attr_paths=("cpu_linear",), act_dtype=dtype)
+        apply=_linear_apply,
+        attr_paths=("cpu_linear",),
+        act_dtype=dtype,
+    )
 
 
 def unquantized_embedding(vocab: int, dim: int, dtype: torch.dtype = torch.bfloat16) -> Case:
@@ -236,12 +258,20 @@ def unquantized_embedding(vocab: int, dim: int, dtype: torch.dtype = torch.bfloa
     padded = -(-vocab // VOCAB_PAD) * VOCAB_PAD
     return Case(
         name=f"embedding_{vocab}x{dim}_{dtype}",
-        config=LayerConfig(QuantSpec("unquantized", layer_kind="embedding"), dim, padded,
-                           str(dtype).split(".")[1], name="embed"),
-        build=build, fill=fill,
+        config=LayerConfig(
+            QuantSpec("unquantized", layer_kind="embedding"),
+            dim,
+            padded,
+            str(dtype).split(".")[1],
+            name="embed",
+        ),
+        build=build,
+        fill=fill,
         process=lambda layer: layer.quant_method.process_weights_after_loading(layer),
         apply=lambda layer, x: layer.quant_method.apply(layer, x, None),
-        attr_paths=("cpu_linear",), act_dtype=dtype)
+        attr_paths=("cpu_linear",),
+        act_dtype=dtype,
+    )
 
 
 # --------------------------------------------------------------------------- AWQ / GPTQ
@@ -255,14 +285,20 @@ def _fill_packed_int(layer, gen, dtype) -> None:
     _fill_bias(layer, gen, dtype)
 
 
-def awq_linear(size_k: int, size_n: int, group_size: int, dtype: torch.dtype = torch.bfloat16,
-               bias: bool = False) -> Case:
+def awq_linear(
+    size_k: int,
+    size_n: int,
+    group_size: int,
+    dtype: torch.dtype = torch.bfloat16,
+    bias: bool = False,
+) -> Case:
     from vllm.model_executor.layers.linear import ReplicatedLinear
     from vllm.model_executor.layers.quantization.auto_awq import AutoAWQConfig
 
     def build(device):
-        qc = AutoAWQConfig(weight_bits=4, group_size=group_size, zero_point=True,
-                           lm_head_quantized=False)
+        qc = AutoAWQConfig(
+            weight_bits=4, group_size=group_size, zero_point=True, lm_head_quantized=False
+        )
         return ReplicatedLinear(size_k, size_n, bias=bias, params_dtype=dtype, quant_config=qc)
 
     def fill(layer, gen):
@@ -270,21 +306,44 @@ def awq_linear(size_k: int, size_n: int, group_size: int, dtype: torch.dtype = t
 
     return Case(
         name=f"awq_{size_k}x{size_n}_g{group_size}_{dtype}",
-        config=LayerConfig(QuantSpec("awq", num_bits=4, group_size=group_size, zero_point=True),
-                           size_k, size_n, str(dtype).split(".")[1], has_bias=bias, name="awq"),
-        build=build, fill=fill,
+        config=LayerConfig(
+            QuantSpec("awq", num_bits=4, group_size=group_size, zero_point=True),
+            size_k,
+            size_n,
+            str(dtype).split(".")[1],
+            has_bias=bias,
+            name="awq",
+        ),
+        build=build,
+        fill=fill,
         process=lambda layer: layer.quant_method.process_weights_after_loading(layer),
-        apply=_linear_apply, attr_paths=("isa_hint", "use_w4a8"), act_dtype=dtype)
+        apply=_linear_apply,
+        attr_paths=("isa_hint", "use_w4a8"),
+        act_dtype=dtype,
+    )
 
 
-def gptq_linear(size_k: int, size_n: int, group_size: int, dtype: torch.dtype = torch.bfloat16,
-                bias: bool = False, num_bits: int = 4) -> Case:
+def gptq_linear(
+    size_k: int,
+    size_n: int,
+    group_size: int,
+    dtype: torch.dtype = torch.bfloat16,
+    bias: bool = False,
+    num_bits: int = 4,
+) -> Case:
     from vllm.model_executor.layers.linear import ReplicatedLinear
     from vllm.model_executor.layers.quantization.auto_gptq import AutoGPTQConfig
 
     def build(device):
-        qc = AutoGPTQConfig(weight_bits=num_bits, group_size=group_size, desc_act=False,
-                            is_sym=True, lm_head_quantized=False, dynamic={}, full_config={})
+        qc = AutoGPTQConfig(
+            weight_bits=num_bits,
+            group_size=group_size,
+            desc_act=False,
+            is_sym=True,
+            lm_head_quantized=False,
+            dynamic={},
+            full_config={},
+        )
         return ReplicatedLinear(size_k, size_n, bias=bias, params_dtype=dtype, quant_config=qc)
 
     def fill(layer, gen):
@@ -292,11 +351,21 @@ def gptq_linear(size_k: int, size_n: int, group_size: int, dtype: torch.dtype = 
 
     return Case(
         name=f"gptq_{size_k}x{size_n}_g{group_size}_{dtype}",
-        config=LayerConfig(QuantSpec("gptq", num_bits=num_bits, group_size=group_size),
-                           size_k, size_n, str(dtype).split(".")[1], has_bias=bias, name="gptq"),
-        build=build, fill=fill,
+        config=LayerConfig(
+            QuantSpec("gptq", num_bits=num_bits, group_size=group_size),
+            size_k,
+            size_n,
+            str(dtype).split(".")[1],
+            has_bias=bias,
+            name="gptq",
+        ),
+        build=build,
+        fill=fill,
         process=lambda layer: layer.quant_method.process_weights_after_loading(layer),
-        apply=_linear_apply, attr_paths=("isa_hint", "use_w4a8"), act_dtype=dtype)
+        apply=_linear_apply,
+        attr_paths=("isa_hint", "use_w4a8"),
+        act_dtype=dtype,
+    )
 
 
 # --------------------------------------------------------------------------- compressed-tensors
@@ -307,8 +376,9 @@ def _scheme_layer(scheme, create_kwargs: dict, bias: bool, size_n: int, dtype):
     scheme.create_weights(layer, weight_loader=_noop_loader, **create_kwargs)
     layer.scheme = scheme
     if bias:
-        layer.register_parameter("bias", torch.nn.Parameter(torch.empty(size_n, dtype=dtype),
-                                                            requires_grad=False))
+        layer.register_parameter(
+            "bias", torch.nn.Parameter(torch.empty(size_n, dtype=dtype), requires_grad=False)
+        )
     else:
         layer.register_parameter("bias", None)
     return layer
@@ -318,19 +388,38 @@ def _scheme_apply(layer, x):
     return layer.scheme.apply_weights(layer, x, layer.bias)
 
 
-def ct_w4a16_linear(size_k: int, size_n: int, group_size: int, symmetric: bool,
-                    dtype: torch.dtype = torch.bfloat16, bias: bool = False) -> Case:
+def ct_w4a16_linear(
+    size_k: int,
+    size_n: int,
+    group_size: int,
+    symmetric: bool,
+    dtype: torch.dtype = torch.bfloat16,
+    bias: bool = False,
+) -> Case:
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
         CompressedTensorsWNA16,
     )
 
     def build(device):
-        scheme = CompressedTensorsWNA16(strategy="group" if group_size != -1 else "channel",
-                                        num_bits=4, group_size=group_size, symmetric=symmetric)
-        return _scheme_layer(scheme, dict(output_size=size_n, input_size=size_k,
-                                          output_partition_sizes=[size_n],
-                                          input_size_per_partition=size_k, params_dtype=dtype),
-                             bias, size_n, dtype)
+        scheme = CompressedTensorsWNA16(
+            strategy="group" if group_size != -1 else "channel",
+            num_bits=4,
+            group_size=group_size,
+            symmetric=symmetric,
+        )
+        return _scheme_layer(
+            scheme,
+            dict(
+                output_size=size_n,
+                input_size=size_k,
+                output_partition_sizes=[size_n],
+                input_size_per_partition=size_k,
+                params_dtype=dtype,
+            ),
+            bias,
+            size_n,
+            dtype,
+        )
 
     def fill(layer, gen):
         _copy(layer.weight_packed, rand_int32(gen, layer.weight_packed.shape))
@@ -342,18 +431,32 @@ def ct_w4a16_linear(size_k: int, size_n: int, group_size: int, symmetric: bool,
 
     return Case(
         name=f"ct_w4a16_{'sym' if symmetric else 'asym'}_{size_k}x{size_n}_g{group_size}",
-        config=LayerConfig(QuantSpec("ct_w4a16", num_bits=4, group_size=group_size,
-                                     zero_point=not symmetric),
-                           size_k, size_n, str(dtype).split(".")[1], has_bias=bias, name="ct"),
-        build=build, fill=fill,
+        config=LayerConfig(
+            QuantSpec("ct_w4a16", num_bits=4, group_size=group_size, zero_point=not symmetric),
+            size_k,
+            size_n,
+            str(dtype).split(".")[1],
+            has_bias=bias,
+            name="ct",
+        ),
+        build=build,
+        fill=fill,
         process=lambda layer: layer.scheme.process_weights_after_loading(layer),
-        apply=_scheme_apply, attr_paths=("isa_hint", "use_w4a8", "weight_zero_point"),
-        act_dtype=dtype)
+        apply=_scheme_apply,
+        attr_paths=("isa_hint", "use_w4a8", "weight_zero_point"),
+        act_dtype=dtype,
+    )
 
 
-def ct_w8a8_int8_linear(size_k: int, widths: tuple[int, ...], strategy: str, static: bool,
-                        symmetric: bool, dtype: torch.dtype = torch.bfloat16,
-                        bias: bool = False) -> Case:
+def ct_w8a8_int8_linear(
+    size_k: int,
+    widths: tuple[int, ...],
+    strategy: str,
+    static: bool,
+    symmetric: bool,
+    dtype: torch.dtype = torch.bfloat16,
+    bias: bool = False,
+) -> Case:
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
         CompressedTensorsW8A8Int8,
     )
@@ -361,42 +464,80 @@ def ct_w8a8_int8_linear(size_k: int, widths: tuple[int, ...], strategy: str, sta
     size_n = sum(widths)
 
     def build(device):
-        scheme = CompressedTensorsW8A8Int8(strategy=strategy, is_static_input_scheme=static,
-                                           input_symmetric=symmetric)
-        return _scheme_layer(scheme, dict(output_partition_sizes=list(widths),
-                                          input_size_per_partition=size_k, params_dtype=dtype),
-                             bias, size_n, dtype)
+        scheme = CompressedTensorsW8A8Int8(
+            strategy=strategy, is_static_input_scheme=static, input_symmetric=symmetric
+        )
+        return _scheme_layer(
+            scheme,
+            dict(
+                output_partition_sizes=list(widths),
+                input_size_per_partition=size_k,
+                params_dtype=dtype,
+            ),
+            bias,
+            size_n,
+            dtype,
+        )
 
     def fill(layer, gen):
-        _copy(layer.weight, torch.randint(-128, 128, tuple(layer.weight.shape),
-                                          generator=gen).to(torch.int8))
+        _copy(
+            layer.weight,
+            torch.randint(-128, 128, tuple(layer.weight.shape), generator=gen).to(torch.int8),
+        )
         _copy(layer.weight_scale, rand_scale(gen, layer.weight_scale.shape, torch.float32))
         if static:
             _copy(layer.input_scale, rand_scale(gen, layer.input_scale.shape, torch.float32) * 4)
             if not symmetric:
-                _copy(layer.input_zero_point, torch.randint(-20, 20, (1,), generator=gen)
-                      .to(torch.int8))
+                _copy(
+                    layer.input_zero_point,
+                    torch.randint(-20, 20, (1,), generator=gen).to(torch.int8),
+                )
         _fill_bias(layer, gen, dtype)
 
-    paths = ("scheme.kernel.dnnl_handler.n", "scheme.kernel.dnnl_handler.k",
-             "scheme.kernel.linear_method")
+    paths = (
+        "scheme.kernel.dnnl_handler.n",
+        "scheme.kernel.dnnl_handler.k",
+        "scheme.kernel.linear_method",
+    )
     return Case(
         name=f"ct_w8a8_{strategy}_{'static' if static else 'dyn'}_"
-             f"{'sym' if symmetric else 'asym'}_{size_k}x{widths}",
-        config=LayerConfig(QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy=strategy,
-                                     static_input=static, input_symmetric=symmetric),
-                           size_k, size_n, str(dtype).split(".")[1], has_bias=bias,
-                           name="w8a8", extra={"logical_widths": tuple(widths)}),
-        build=build, fill=fill,
+        f"{'sym' if symmetric else 'asym'}_{size_k}x{widths}",
+        config=LayerConfig(
+            QuantSpec(
+                "ct_w8a8_int8",
+                num_bits=8,
+                act_bits=8,
+                strategy=strategy,
+                static_input=static,
+                input_symmetric=symmetric,
+            ),
+            size_k,
+            size_n,
+            str(dtype).split(".")[1],
+            has_bias=bias,
+            name="w8a8",
+            extra={"logical_widths": tuple(widths)},
+        ),
+        build=build,
+        fill=fill,
         process=lambda layer: layer.scheme.process_weights_after_loading(layer),
-        apply=_scheme_apply, attr_paths=paths, act_dtype=dtype)
+        apply=_scheme_apply,
+        attr_paths=paths,
+        act_dtype=dtype,
+    )
 
 
 # --------------------------------------------------------------------------- KV cache
 
 
-def kv_cache_layer(kv_cache_dtype: str, k: float, v: float, q: float, prob: float,
-                   scale_dtype: torch.dtype = torch.float32) -> Case:
+def kv_cache_layer(
+    kv_cache_dtype: str,
+    k: float,
+    v: float,
+    q: float,
+    prob: float,
+    scale_dtype: torch.dtype = torch.float32,
+) -> Case:
     from vllm.model_executor.layers.attention.attention import set_default_quant_scales
     from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
 
@@ -410,20 +551,33 @@ def kv_cache_layer(kv_cache_dtype: str, k: float, v: float, q: float, prob: floa
         return layer
 
     def fill(layer, gen):
-        for name, value in (("k_scale", k), ("v_scale", v), ("q_scale", q),
-                            ("prob_scale", prob)):
+        for name, value in (("k_scale", k), ("v_scale", v), ("q_scale", q), ("prob_scale", prob)):
             _copy(getattr(layer, name), torch.tensor(value, dtype=scale_dtype))
 
     return Case(
         name=f"kv_{kv_cache_dtype}_{k}_{v}_{q}_{prob}",
-        config=LayerConfig(QuantSpec("kv_cache", layer_kind="attention"), 0, 0,
-                           name="attn", extra={"kv_cache_dtype": kv_cache_dtype}),
-        build=build, fill=fill,
+        config=LayerConfig(
+            QuantSpec("kv_cache", layer_kind="attention"),
+            0,
+            0,
+            name="attn",
+            extra={"kv_cache_dtype": kv_cache_dtype},
+        ),
+        build=build,
+        fill=fill,
         process=lambda layer: layer.quant_method.process_weights_after_loading(layer),
         apply=None,
-        attr_paths=("_k_scale_float", "_v_scale_float", "_q_scale_float", "_prob_scale_float",
-                    "_k_scale_cpu", "_v_scale_cpu"),
-        act_dtype=torch.float32, extra={"kv": (kv_cache_dtype, k, v, q, prob)})
+        attr_paths=(
+            "_k_scale_float",
+            "_v_scale_float",
+            "_q_scale_float",
+            "_prob_scale_float",
+            "_k_scale_cpu",
+            "_v_scale_cpu",
+        ),
+        act_dtype=torch.float32,
+        extra={"kv": (kv_cache_dtype, k, v, q, prob)},
+    )
 
 
 # --------------------------------------------------------------------------- export

@@ -37,15 +37,21 @@ def load_with_changed_model(vllm_cfg, monkeypatch, fallback: bool, change):
 
     warnings: list[str] = []
     monkeypatch.setattr(loader_mod, "initialize_model", init_and_change)
-    monkeypatch.setattr(loader_mod, "build_key",
-                        lambda *a, **k: pytest.fail("checkpoint read before the plan check"))
+    monkeypatch.setattr(
+        loader_mod,
+        "build_key",
+        lambda *a, **k: pytest.fail("checkpoint read before the plan check"),
+    )
     monkeypatch.setattr(loader_mod, "attach", lambda *a, **k: pytest.fail("daemon contacted"))
-    monkeypatch.setattr(loader_mod.logger, "warning",
-                        lambda msg, *args: warnings.append(msg % args))
-    load_config = dataclasses.replace(vllm_cfg.load_config, load_format="wcache",
-                                      model_loader_extra_config={"fallback": fallback})
+    monkeypatch.setattr(
+        loader_mod.logger, "warning", lambda msg, *args: warnings.append(msg % args)
+    )
+    load_config = dataclasses.replace(
+        vllm_cfg.load_config, load_format="wcache", model_loader_extra_config={"fallback": fallback}
+    )
     vllm_cfg.compilation_config.static_forward_context.clear()
     with set_current_vllm_config(vllm_cfg):
-        model = loader_mod.WcacheModelLoader(load_config).load_model(vllm_cfg,
-                                                                      vllm_cfg.model_config)
+        model = loader_mod.WcacheModelLoader(load_config).load_model(
+            vllm_cfg, vllm_cfg.model_config
+        )
     return model, warnings

@@ -154,11 +154,11 @@ def test_restore_of_export_equals_load(family, data):
     loaded = case.new_layer()
     _load_(loaded, plan.bind(case.config, HOST))
     engine, prepared = _exported_layer(case, plan)
-    _restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
-                 drops=prepared.drops)
+    _restore_(
+        engine, plan.bind(case.config, HOST), prepared.recorded, strict=True, drops=prepared.drops
+    )
     assert {} == dict_diff(snapshot(loaded, case.attr_paths), snapshot(engine, case.attr_paths))
-    meta_left = [k for k, v in state_from_module(engine).tensors.items()
-                 if v.device.type == "meta"]
+    meta_left = [k for k, v in state_from_module(engine).tensors.items() if v.device.type == "meta"]
     assert [] == meta_left
     if case.apply is not None:
         assert torch.equal(_forward(case, loaded), _forward(case, engine))
@@ -184,18 +184,22 @@ def test_prepare_and_load_are_pure(family, data):
 def test_restore_twice_equals_once(family):
     """Replaying the restore stages a second time changes nothing observable (plans
     whose DERIVE releases the source weight can only be restored once, as in vLLM)."""
-    case = {"awq": vl.awq_linear(128, 64, 32),
-            "ct_w4a16": vl.ct_w4a16_linear(128, 64, 32, False),
-            "embedding": vl.unquantized_embedding(100, 64),
-            "kv_cache": vl.kv_cache_layer("fp8", 0.5, 0.25, -1.0, 2.0)}[family]
+    case = {
+        "awq": vl.awq_linear(128, 64, 32),
+        "ct_w4a16": vl.ct_w4a16_linear(128, 64, 32, False),
+        "embedding": vl.unquantized_embedding(100, 64),
+        "kv_cache": vl.kv_cache_layer("fp8", 0.5, 0.25, -1.0, 2.0),
+    }[family]
     plan = _host_plan(case)
     engine, prepared = _exported_layer(case, plan)
-    _restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
-             drops=prepared.drops)
+    _restore_(
+        engine, plan.bind(case.config, HOST), prepared.recorded, strict=True, drops=prepared.drops
+    )
     once = snapshot(engine, case.attr_paths)
     out_once = _forward(case, engine)
-    _restore_(engine, plan.bind(case.config, HOST), prepared.recorded, strict=True,
-             drops=prepared.drops)
+    _restore_(
+        engine, plan.bind(case.config, HOST), prepared.recorded, strict=True, drops=prepared.drops
+    )
     assert {} == dict_diff(once, snapshot(engine, case.attr_paths))
     if out_once is not None:
         assert torch.equal(out_once, _forward(case, engine))
@@ -204,51 +208,104 @@ def test_restore_twice_equals_once(family):
 # --------------------------------------------------------------------------- resolution
 
 
-@pytest.mark.parametrize("spec,config_kw,target,plan_id", [
-    (QuantSpec("unquantized"), {}, AVX512, "unquantized/onednn@1"),
-    (QuantSpec("unquantized", layer_kind="embedding"), {}, AVX512, "unquantized/onednn@1"),
-    (QuantSpec("unquantized"), {"params_dtype": "float16"}, AVX512,
-     "unquantized/torch_linear@1"),
-    (QuantSpec("unquantized"), {}, AVX2, "unquantized/torch_linear@1"),
-    (QuantSpec("unquantized"), {"params_dtype": "float32"}, AVX2, "unquantized/onednn@1"),
-    (QuantSpec("unquantized"), {}, AMX, "unquantized/sgl@1"),  # 256x128 bf16: SGL-shaped
-    (QuantSpec("unquantized", layer_kind="embedding"), {}, AMX, "unquantized/sgl@1"),
-    (QuantSpec("unquantized"), {"size_n": 4096, "size_k": 4096}, AMX, "unquantized/onednn@1"),
-    (QuantSpec("unquantized", kernel="torch_linear"), {}, AVX512, "unquantized/torch_linear@1"),
-    (QuantSpec("unquantized"), {}, Target("cuda", (9, 0)), "unquantized/none@1"),
-    (QuantSpec("awq", num_bits=4, group_size=128, zero_point=True), {}, AVX512,
-     "awq/cpu_wna16@1"),
-    (QuantSpec("awq", num_bits=4, group_size=128, zero_point=True), {}, AMX_W4A8_OFF,
-     "awq/cpu_wna16@1"),
-    (QuantSpec("gptq", num_bits=4, group_size=128), {}, AVX512, "gptq/cpu_wna16@1"),
-    (QuantSpec("ct_w4a16", num_bits=4, group_size=64), {}, AVX512, "ct_w4a16/cpu_wna16@1"),
-    (QuantSpec("ct_w4a16", num_bits=4, group_size=64, zero_point=True),
-     {"params_dtype": "float16"}, AMX, "ct_w4a16/cpu_wna16@1"),  # fp16 activations: w4a16
-    # AMX / RISC-V with bf16 activations and VLLM_CPU_INT4_W4A8 on: the w4a8 layout
-    (QuantSpec("awq", num_bits=4, group_size=64, zero_point=True), {}, AMX,
-     "awq/cpu_wna16_w4a8@1"),
-    (QuantSpec("gptq", num_bits=4), {}, vl.synthetic_target(("riscv",)),
-     "gptq/cpu_wna16_w4a8@1"),
-    (QuantSpec("ct_w4a16", num_bits=4, group_size=32), {},
-     vl.synthetic_target(("amx",), env={"VLLM_CPU_INT4_W4A8": "1"}), "ct_w4a16/cpu_wna16_w4a8@1"),
-    (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="channel"), {}, AVX512,
-     "ct_w8a8_int8/onednn@1"),
-    (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="channel"), {}, AVX2,
-     "ct_w8a8_int8/onednn@1"),
-    # AMX, symmetric input, tile-aligned int8: vLLM's SGL int8 kernel
-    (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor"),
-     {"size_k": 64, "size_n": 96}, AMX, "ct_w8a8_int8/sgl@1"),
-    (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor", kernel="sgl"),
-     {"size_k": 64, "size_n": 96}, AVX512, "ct_w8a8_int8/sgl@1"),  # the adapter's answer
-    (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor",
-               input_symmetric=False), {"size_k": 64, "size_n": 96}, AMX,
-     "ct_w8a8_int8/onednn@1"),  # asymmetric input: oneDNN on AMX too
-    (QuantSpec("kv_cache", layer_kind="attention"), {}, AVX512, "kv_cache/scales@1"),
-])
+@pytest.mark.parametrize(
+    "spec,config_kw,target,plan_id",
+    [
+        (QuantSpec("unquantized"), {}, AVX512, "unquantized/onednn@1"),
+        (QuantSpec("unquantized", layer_kind="embedding"), {}, AVX512, "unquantized/onednn@1"),
+        (
+            QuantSpec("unquantized"),
+            {"params_dtype": "float16"},
+            AVX512,
+            "unquantized/torch_linear@1",
+        ),
+        (QuantSpec("unquantized"), {}, AVX2, "unquantized/torch_linear@1"),
+        (QuantSpec("unquantized"), {"params_dtype": "float32"}, AVX2, "unquantized/onednn@1"),
+        (QuantSpec("unquantized"), {}, AMX, "unquantized/sgl@1"),  # 256x128 bf16: SGL-shaped
+        (QuantSpec("unquantized", layer_kind="embedding"), {}, AMX, "unquantized/sgl@1"),
+        (QuantSpec("unquantized"), {"size_n": 4096, "size_k": 4096}, AMX, "unquantized/onednn@1"),
+        (QuantSpec("unquantized", kernel="torch_linear"), {}, AVX512, "unquantized/torch_linear@1"),
+        (QuantSpec("unquantized"), {}, Target("cuda", (9, 0)), "unquantized/none@1"),
+        (
+            QuantSpec("awq", num_bits=4, group_size=128, zero_point=True),
+            {},
+            AVX512,
+            "awq/cpu_wna16@1",
+        ),
+        (
+            QuantSpec("awq", num_bits=4, group_size=128, zero_point=True),
+            {},
+            AMX_W4A8_OFF,
+            "awq/cpu_wna16@1",
+        ),
+        (QuantSpec("gptq", num_bits=4, group_size=128), {}, AVX512, "gptq/cpu_wna16@1"),
+        (QuantSpec("ct_w4a16", num_bits=4, group_size=64), {}, AVX512, "ct_w4a16/cpu_wna16@1"),
+        (
+            QuantSpec("ct_w4a16", num_bits=4, group_size=64, zero_point=True),
+            {"params_dtype": "float16"},
+            AMX,
+            "ct_w4a16/cpu_wna16@1",
+        ),  # fp16 activations: w4a16
+        # AMX / RISC-V with bf16 activations and VLLM_CPU_INT4_W4A8 on: the w4a8 layout
+        (
+            QuantSpec("awq", num_bits=4, group_size=64, zero_point=True),
+            {},
+            AMX,
+            "awq/cpu_wna16_w4a8@1",
+        ),
+        (
+            QuantSpec("gptq", num_bits=4),
+            {},
+            vl.synthetic_target(("riscv",)),
+            "gptq/cpu_wna16_w4a8@1",
+        ),
+        (
+            QuantSpec("ct_w4a16", num_bits=4, group_size=32),
+            {},
+            vl.synthetic_target(("amx",), env={"VLLM_CPU_INT4_W4A8": "1"}),
+            "ct_w4a16/cpu_wna16_w4a8@1",
+        ),
+        (
+            QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="channel"),
+            {},
+            AVX512,
+            "ct_w8a8_int8/onednn@1",
+        ),
+        (
+            QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="channel"),
+            {},
+            AVX2,
+            "ct_w8a8_int8/onednn@1",
+        ),
+        # AMX, symmetric input, tile-aligned int8: vLLM's SGL int8 kernel
+        (
+            QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor"),
+            {"size_k": 64, "size_n": 96},
+            AMX,
+            "ct_w8a8_int8/sgl@1",
+        ),
+        (
+            QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor", kernel="sgl"),
+            {"size_k": 64, "size_n": 96},
+            AVX512,
+            "ct_w8a8_int8/sgl@1",
+        ),  # the adapter's answer
+        (
+            QuantSpec(
+                "ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor", input_symmetric=False
+            ),
+            {"size_k": 64, "size_n": 96},
+            AMX,
+            "ct_w8a8_int8/onednn@1",
+        ),  # asymmetric input: oneDNN on AMX too
+        (QuantSpec("kv_cache", layer_kind="attention"), {}, AVX512, "kv_cache/scales@1"),
+    ],
+)
 def test_plan_for_resolves(spec, config_kw, target, plan_id):
     """plan_for picks the plan for the kernel decisions the Target records."""
-    config = LayerConfig(spec, **{"size_k": 256, "size_n": 128, "params_dtype": "bfloat16",
-                                  **config_kw})
+    config = LayerConfig(
+        spec, **{"size_k": 256, "size_n": 128, "params_dtype": "bfloat16", **config_kw}
+    )
     assert plan_id == plan_for(spec, config, target=target).id
 
 
@@ -258,19 +315,24 @@ def test_plan_for_on_this_host_follows_vllms_decisions():
     for dtype in ("bfloat16", "float16", "float32"):
         config = LayerConfig(QuantSpec("unquantized"), 256, 128, dtype)
         shaped = cpu_gemm.sgl_shape(128, 256, getattr(torch, dtype))
-        assert HOST.kernel(gemm_decision(getattr(torch, dtype), shaped)) == plan_for(
-            config, target=HOST).kernel
+        assert (
+            HOST.kernel(gemm_decision(getattr(torch, dtype), shaped))
+            == plan_for(config, target=HOST).kernel
+        )
     for n, k in ((128, 256), (64, 96), (8, 32)):  # general, SGL-shaped, N < 16
         config = LayerConfig(QuantSpec("unquantized"), k, n, "bfloat16")
-        assert probe.unquantized_gemm_kernel(n, k, torch.bfloat16) == plan_for(
-            config, target=HOST).kernel
+        assert (
+            probe.unquantized_gemm_kernel(n, k, torch.bfloat16)
+            == plan_for(config, target=HOST).kernel
+        )
     awq = LayerConfig(_awq_spec(), 256, 128)
     if HOST.kernel("op.cpu_gemm_wna16") == "present":
         layout = "cpu_wna16_w4a8" if cpu_wna16.use_w4a8_for(BF16, HOST) else "cpu_wna16"
         assert f"awq/{layout}@1" == plan_for(awq, target=HOST).id
     else:
-        with pytest.raises(NoPlan, match=f"{HOST_LIBRARY} on this host has no "
-                                         f"torch.ops._C.cpu_gemm_wna16"):
+        with pytest.raises(
+            NoPlan, match=f"{HOST_LIBRARY} on this host has no torch.ops._C.cpu_gemm_wna16"
+        ):
             plan_for(awq, target=HOST)
 
 
@@ -278,41 +340,83 @@ def _awq_spec():
     return QuantSpec("awq", num_bits=4, group_size=64, zero_point=True)
 
 
-@pytest.mark.parametrize("spec,size,target,message", [
-    (QuantSpec("gptq", num_bits=8, group_size=128), (256, 128), AVX512, "GPTQ int8 on CPU"),
-    # vLLM's convert_weight_packed_scale_zp blocks K by min(group, 128): it fails itself
-    (QuantSpec("awq", num_bits=4, group_size=-1, zero_point=True), (192, 128), AMX,
-     "convert_weight_packed_scale_zp cannot block size_k 192"),
-    (_awq_spec(), (256, 128),
-     vl.synthetic_target(("amx", "avx512", "avx512_bf16"),
-                         **{"op.int4_scaled_mm_cpu": "absent"}),
-     r"no torch.ops._C.int4_scaled_mm_cpu \(CPUWNA16LinearKernel \(w4a8\)"),
-    (QuantSpec("mystery_quant"), (256, 128), AVX512, "no plan for method 'mystery_quant'"),
-    (QuantSpec("awq", num_bits=4, group_size=64, zero_point=False), (256, 128), AVX512,
-     "without zero points"),
-    (_awq_spec(), (256, 100), AVX512, "size_n % 32"),
-    (_awq_spec(), (256, 128), AVX2,
-     r"_C_AVX2 on this host has no torch.ops._C.cpu_gemm_wna16 \(CPUWNA16LinearKernel"),
-    (QuantSpec("gptq", num_bits=4, group_size=64), (256, 128), AVX2, "cpu_gemm_wna16"),
-    (_awq_spec(), (256, 128), Target("cpu"), "records no vLLM kernel decisions"),
-    (QuantSpec("unquantized"), (64, 96), Target("cpu"), "records no unquantized GEMM decision"),
-    (QuantSpec("unquantized"), (64, 96), vl.synthetic_target(("power",)), "POWER"),
-    (QuantSpec("unquantized", kernel="sgl"), (64, 96), AVX2,
-     "_C_AVX2 on this host has no torch.ops._C.convert_weight_packed"),
-    (QuantSpec("unquantized", kernel="zentorch"), (64, 96), AVX512, "zentorch"),
-    (QuantSpec("unquantized"), (64, 96),
-     vl.synthetic_target(**{"unquantized_gemm[bfloat16]": "zentorch",
-                            "unquantized_gemm[bfloat16,sgl_shape]": "zentorch"}),
-     "zentorch_linear_unary"),
-    # vLLM's check_cpu_sgl_kernel takes int8 N % 16, its convert_weight_packed N % 32
-    (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor"), (64, 48),
-     AMX, "convert_weight_packed needs N % 32 == 0"),
-    (QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor", kernel="sgl"),
-     (64, 96), AVX2, r"no torch.ops._C.convert_weight_packed, "
-                     r"torch.ops._C.int8_scaled_mm_with_quant"),
-    (QuantSpec("awq", num_bits=4, zero_point=True, kernel="machete"), (256, 128), AVX512,
-     "Machete is a CUDA kernel; the target is cpu"),
-])
+@pytest.mark.parametrize(
+    "spec,size,target,message",
+    [
+        (QuantSpec("gptq", num_bits=8, group_size=128), (256, 128), AVX512, "GPTQ int8 on CPU"),
+        # vLLM's convert_weight_packed_scale_zp blocks K by min(group, 128): it fails itself
+        (
+            QuantSpec("awq", num_bits=4, group_size=-1, zero_point=True),
+            (192, 128),
+            AMX,
+            "convert_weight_packed_scale_zp cannot block size_k 192",
+        ),
+        (
+            _awq_spec(),
+            (256, 128),
+            vl.synthetic_target(
+                ("amx", "avx512", "avx512_bf16"), **{"op.int4_scaled_mm_cpu": "absent"}
+            ),
+            r"no torch.ops._C.int4_scaled_mm_cpu \(CPUWNA16LinearKernel \(w4a8\)",
+        ),
+        (QuantSpec("mystery_quant"), (256, 128), AVX512, "no plan for method 'mystery_quant'"),
+        (
+            QuantSpec("awq", num_bits=4, group_size=64, zero_point=False),
+            (256, 128),
+            AVX512,
+            "without zero points",
+        ),
+        (_awq_spec(), (256, 100), AVX512, "size_n % 32"),
+        (
+            _awq_spec(),
+            (256, 128),
+            AVX2,
+            r"_C_AVX2 on this host has no torch.ops._C.cpu_gemm_wna16 \(CPUWNA16LinearKernel",
+        ),
+        (QuantSpec("gptq", num_bits=4, group_size=64), (256, 128), AVX2, "cpu_gemm_wna16"),
+        (_awq_spec(), (256, 128), Target("cpu"), "records no vLLM kernel decisions"),
+        (QuantSpec("unquantized"), (64, 96), Target("cpu"), "records no unquantized GEMM decision"),
+        (QuantSpec("unquantized"), (64, 96), vl.synthetic_target(("power",)), "POWER"),
+        (
+            QuantSpec("unquantized", kernel="sgl"),
+            (64, 96),
+            AVX2,
+            "_C_AVX2 on this host has no torch.ops._C.convert_weight_packed",
+        ),
+        (QuantSpec("unquantized", kernel="zentorch"), (64, 96), AVX512, "zentorch"),
+        (
+            QuantSpec("unquantized"),
+            (64, 96),
+            vl.synthetic_target(
+                **{
+                    "unquantized_gemm[bfloat16]": "zentorch",
+                    "unquantized_gemm[bfloat16,sgl_shape]": "zentorch",
+                }
+            ),
+            "zentorch_linear_unary",
+        ),
+        # vLLM's check_cpu_sgl_kernel takes int8 N % 16, its convert_weight_packed N % 32
+        (
+            QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor"),
+            (64, 48),
+            AMX,
+            "convert_weight_packed needs N % 32 == 0",
+        ),
+        (
+            QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy="tensor", kernel="sgl"),
+            (64, 96),
+            AVX2,
+            r"no torch.ops._C.convert_weight_packed, "
+            r"torch.ops._C.int8_scaled_mm_with_quant",
+        ),
+        (
+            QuantSpec("awq", num_bits=4, zero_point=True, kernel="machete"),
+            (256, 128),
+            AVX512,
+            "Machete is a CUDA kernel; the target is cpu",
+        ),
+    ],
+)
 def test_bad_inputs_raise_noplan(spec, size, target, message):
     """Unsupported methods, layouts, kernel decisions and targets raise NoPlan with the reason."""
     config = LayerConfig(spec, size[0], size[1], "bfloat16", name="model.layers.0.x")
@@ -340,15 +444,24 @@ def test_restore_missing_tensor_raises_incomplete():
     engine, prepared = _exported_layer(case, plan, target=AVX512)
     del engine._parameters["scales"]
     with pytest.raises(RestoreIncomplete, match="scales"):
-        _restore_(engine, plan.bind(case.config, AVX512), prepared.recorded, strict=True,
-                     drops=prepared.drops)
+        _restore_(
+            engine,
+            plan.bind(case.config, AVX512),
+            prepared.recorded,
+            strict=True,
+            drops=prepared.drops,
+        )
 
 
-@pytest.mark.parametrize("target,stage_name,key,value", [
-    (AVX512, "cpu_wna16.set_use_w4a8", "use_w4a8", True),
-    (AVX512, "cpu_wna16.set_isa_hint", "isa_hint", "vsx"),  # no x86 host records vsx
-    (AMX, "cpu_wna16.set_use_w4a8", "use_w4a8", False),
-], ids=["w4a16-use_w4a8", "w4a16-isa_hint", "w4a8-use_w4a8"])
+@pytest.mark.parametrize(
+    "target,stage_name,key,value",
+    [
+        (AVX512, "cpu_wna16.set_use_w4a8", "use_w4a8", True),
+        (AVX512, "cpu_wna16.set_isa_hint", "isa_hint", "vsx"),  # no x86 host records vsx
+        (AMX, "cpu_wna16.set_use_w4a8", "use_w4a8", False),
+    ],
+    ids=["w4a16-use_w4a8", "w4a16-isa_hint", "w4a8-use_w4a8"],
+)
 def test_restore_recorded_mismatch(target, stage_name, key, value):
     """A daemon record of use_w4a8/isa_hint that differs from the target's raises
     (both CPUWNA16 layouts; the w4a8 prepare needs vLLM's ``_C`` op)."""
@@ -361,8 +474,9 @@ def test_restore_recorded_mismatch(target, stage_name, key, value):
     assert recorded[stage_name][key] != value
     recorded[stage_name][key] = value
     with pytest.raises(RecordedMismatch, match=key):
-        _restore_(engine, plan.bind(case.config, target), recorded, strict=True,
-                  drops=prepared.drops)
+        _restore_(
+            engine, plan.bind(case.config, target), recorded, strict=True, drops=prepared.drops
+        )
 
 
 def test_restore_on_other_isa_raises_recorded_mismatch():
@@ -372,8 +486,9 @@ def test_restore_on_other_isa_raises_recorded_mismatch():
     plan = plan_for(case.config, target=AVX512).plan
     engine, prepared = _exported_layer(case, plan, target=AVX512)
     with pytest.raises(RecordedMismatch, match="isa_hint"):
-        _restore_(engine, plan.bind(case.config, AMX_W4A8_OFF), prepared.recorded,
-                  drops=prepared.drops)
+        _restore_(
+            engine, plan.bind(case.config, AMX_W4A8_OFF), prepared.recorded, drops=prepared.drops
+        )
 
 
 def test_w4a16_bytes_on_a_w4a8_host_raise_recorded_mismatch():
@@ -386,8 +501,7 @@ def test_w4a16_bytes_on_a_w4a8_host_raise_recorded_mismatch():
     amx_plan = plan_for(case.config, target=AMX).plan
     assert "awq/cpu_wna16_w4a8@1" == amx_plan.id
     with pytest.raises(RecordedMismatch, match="cpu_wna16.set_isa_hint"):
-        _restore_(engine, amx_plan.bind(case.config, AMX), prepared.recorded,
-                  drops=prepared.drops)
+        _restore_(engine, amx_plan.bind(case.config, AMX), prepared.recorded, drops=prepared.drops)
 
 
 def test_recorded_values_for_unknown_stage_raise():
@@ -405,8 +519,12 @@ def test_recorded_values_for_unknown_stage_raise():
 
 def _awq_plan(*stages_, unchecked=False) -> Plan:
     cls = UncheckedPlan if unchecked else Plan
-    return cls(method="awq", kernel="cpu_wna16_test", stages=stages_,
-               checkpoint={"qweight", "qzeros", "scales", "bias"})
+    return cls(
+        method="awq",
+        kernel="cpu_wna16_test",
+        stages=stages_,
+        checkpoint={"qweight", "qzeros", "scales", "bias"},
+    )
 
 
 def _awq_stages():
@@ -428,8 +546,9 @@ def test_allocate_writing_exported_tensor_is_invalid_and_guarded():
     """An ALLOCATE stage writing an exported tensor is refused at build; forced through,
     restore raises RestoreWroteSharedTensor."""
 
-    @unregistered_stage("cpu_wna16.alloc_scales", Tag.ALLOCATE, reads=("scales",),
-                        writes=("scales",))
+    @unregistered_stage(
+        "cpu_wna16.alloc_scales", Tag.ALLOCATE, reads=("scales",), writes=("scales",)
+    )
     def bad(tensors, config, target, recorded):
         return StageOut(tensors={"scales": torch.ones_like(tensors["scales"])})
 
@@ -439,8 +558,13 @@ def test_allocate_writing_exported_tensor_is_invalid_and_guarded():
     plan = _awq_plan(*_awq_stages(), bad, unchecked=True)
     engine, prepared = _exported_layer(case, plan, target=HOST_W4A16)
     with pytest.raises(RestoreWroteSharedTensor, match="scales"):
-        _restore_(engine, plan.bind(case.config, HOST_W4A16), prepared.recorded, strict=True,
-                     drops=prepared.drops)
+        _restore_(
+            engine,
+            plan.bind(case.config, HOST_W4A16),
+            prepared.recorded,
+            strict=True,
+            drops=prepared.drops,
+        )
 
 
 @pytest.mark.parametrize("via_data", [False, True])
@@ -458,8 +582,13 @@ def test_metadata_writing_in_place_is_caught(via_data):
     engine, prepared = _exported_layer(case, plan, target=HOST_W4A16)
     bad_plan = _awq_plan(*_awq_stages(), sneaky)
     with pytest.raises(RestoreWroteSharedTensor, match="scales"):
-        _restore_(engine, bad_plan.bind(case.config, HOST_W4A16), prepared.recorded, strict=True,
-                         drops=prepared.drops)
+        _restore_(
+            engine,
+            bad_plan.bind(case.config, HOST_W4A16),
+            prepared.recorded,
+            strict=True,
+            drops=prepared.drops,
+        )
 
 
 def test_metadata_folded_into_transform_fails_invariant():
@@ -467,15 +596,22 @@ def test_metadata_folded_into_transform_fails_invariant():
     lacks isa_hint: the snapshots differ."""
     repack = cpu_wna16.repack("qweight")
 
-    @unregistered_stage("cpu_wna16.repack", Tag.TRANSFORM, reads=("qweight", "scales"),
-                        writes=("qweight",), attrs=("isa_hint",))
+    @unregistered_stage(
+        "cpu_wna16.repack",
+        Tag.TRANSFORM,
+        reads=("qweight", "scales"),
+        writes=("qweight",),
+        attrs=("isa_hint",),
+    )
     def folded(tensors, config, target, recorded):
         out = repack(tensors, config, target, recorded)
-        return evolve(out, attrs={"isa_hint": cpu_wna16.isa_hint_for(tensors["scales"].dtype,
-                                                                     target)})
+        return evolve(
+            out, attrs={"isa_hint": cpu_wna16.isa_hint_for(tensors["scales"].dtype, target)}
+        )
 
-    stages_ = [s for s in _awq_stages() if s.name not in ("cpu_wna16.set_isa_hint",
-                                                          "cpu_wna16.repack")] + [folded]
+    stages_ = [
+        s for s in _awq_stages() if s.name not in ("cpu_wna16.set_isa_hint", "cpu_wna16.repack")
+    ] + [folded]
     plan = _awq_plan(*stages_)
     case = vl.awq_linear(128, 64, 32)
     loaded, expected = case.new_layer(), case.new_layer()
@@ -485,8 +621,13 @@ def test_metadata_folded_into_transform_fails_invariant():
         case.vllm_process(expected)
     assert {} == dict_diff(snapshot(expected, case.attr_paths), snapshot(loaded, case.attr_paths))
     engine, prepared = _exported_layer(case, plan, target=HOST_W4A16)
-    _restore_(engine, plan.bind(case.config, HOST_W4A16), prepared.recorded, strict=True,
-             drops=prepared.drops)
+    _restore_(
+        engine,
+        plan.bind(case.config, HOST_W4A16),
+        prepared.recorded,
+        strict=True,
+        drops=prepared.drops,
+    )
     diff = dict_diff(snapshot(loaded, case.attr_paths), snapshot(engine, case.attr_paths))
     assert {"@isa_hint": (loaded.isa_hint, "<missing>")} == diff
 
@@ -518,10 +659,16 @@ def test_cuda_unquantized_plan_is_a_noop():
 # --------------------------------------------------------------------------- SGL (AMX)
 
 
-@pytest.mark.parametrize("size_k,size_n,dtype,bias", [
-    # fp16 SGL needs AMX-FP16 silicon: vLLM's fp16 kernel aborts without it, so only bf16 here
-    (64, 96, BF16, True), (64, 96, BF16, False), (40, 8, BF16, True), (32, 16, BF16, True),
-])
+@pytest.mark.parametrize(
+    "size_k,size_n,dtype,bias",
+    [
+        # fp16 SGL needs AMX-FP16 silicon: vLLM's fp16 kernel aborts without it, so only bf16 here
+        (64, 96, BF16, True),
+        (64, 96, BF16, False),
+        (40, 8, BF16, True),
+        (32, 16, BF16, True),
+    ],
+)
 def test_sgl_plan_equals_vllms_amx_dispatch(size_k, size_n, dtype, bias, monkeypatch):
     """Where vLLM picks its AMX SGL kernel (small tile-aligned weights), the sgl plan's
     load equals vLLM's dispatch (packed weight released, fp32 bias, forward bit for bit)
@@ -542,8 +689,9 @@ def test_sgl_plan_equals_vllms_amx_dispatch(size_k, size_n, dtype, bias, monkeyp
     assert torch.equal(_forward(case, expected), _forward(case, loaded))
     engine, prepared = _exported_layer(case, plan, target=amx)
     shared = prepared.tensors["weight"]
-    _restore_(engine, plan.bind(case.config, amx), prepared.recorded, strict=True,
-             drops=prepared.drops)
+    _restore_(
+        engine, plan.bind(case.config, amx), prepared.recorded, strict=True, drops=prepared.drops
+    )
     assert {} == dict_diff(snapshot(loaded, case.attr_paths), snapshot(engine, case.attr_paths))
     assert torch.equal(_forward(case, loaded), _forward(case, engine))
     assert engine.cpu_linear.packed_weight.data_ptr() != shared.data_ptr()  # engine's own copy
@@ -573,8 +721,9 @@ def test_sgl_plan_equals_vllms_amx_embedding(vocab, dim, monkeypatch):
     assert torch.equal(expected.cpu_linear(x, None, None), loaded.cpu_linear(x, None, None))
     engine, prepared = _exported_layer(case, plan, target=AMX)
     assert torch.equal(prepared.tensors["weight"], expected.weight.data)  # exported unpacked
-    _restore_(engine, plan.bind(case.config, AMX), prepared.recorded, strict=True,
-              drops=prepared.drops)
+    _restore_(
+        engine, plan.bind(case.config, AMX), prepared.recorded, strict=True, drops=prepared.drops
+    )
     assert {} == dict_diff(snapshot(loaded, case.attr_paths), snapshot(engine, case.attr_paths))
     assert torch.equal(loaded.cpu_linear(x, None, None), engine.cpu_linear(x, None, None))
     assert tuple(engine.weight.shape) == tuple(expected.weight.shape)  # kept for the lookup

@@ -73,8 +73,7 @@ SM100 = Target("cuda", SM100_CAPABILITY)
 CUTLASS_FP4_MIN_CAP = 100
 
 #: Attributes vLLM's CUTLASS FP8 ``apply`` reads besides the weight tensors.
-FP8_CUTLASS_ATTRS = ("input_scale", "input_scale_ub",
-                     "quant_method.fp8_linear.logical_output_size")
+FP8_CUTLASS_ATTRS = ("input_scale", "input_scale_ub", "quant_method.fp8_linear.logical_output_size")
 #: Attributes vLLM's Marlin ``apply`` reads besides the weight tensors.
 MARLIN_ATTRS = ("input_global_scale",)
 
@@ -131,51 +130,60 @@ def _simulate_cuda(monkeypatch, capability: tuple[int, int]) -> None:
     monkeypatch.setattr(cp, "is_cuda", lambda: True)
     monkeypatch.setattr(cp, "is_cuda_alike", lambda: True)
     monkeypatch.setattr(cp, "is_cpu", lambda: False)
-    monkeypatch.setattr(cp, "get_device_capability",
-                        lambda device_id=0: DeviceCapability(*capability))
+    monkeypatch.setattr(
+        cp, "get_device_capability", lambda device_id=0: DeviceCapability(*capability)
+    )
     # the capability predicates are classmethods calling cls.get_device_capability:
     # run vLLM's own bodies with the patched instance as ``cls``
-    for name in ("has_device_capability", "is_device_capability",
-                 "is_device_capability_family"):
+    for name in ("has_device_capability", "is_device_capability", "is_device_capability_family"):
         body = getattr(type(cp), name).__func__
         monkeypatch.setattr(cp, name, lambda *a, _body=body, **kw: _body(cp, *a, **kw))
-    monkeypatch.setattr(ops, "cutlass_scaled_mm_supports_fp8",
-                        lambda cap: cap >= CUTLASS_FP8_MIN_CAP, raising=False)
-    monkeypatch.setattr(ops, "cutlass_scaled_mm_supports_block_fp8",
-                        lambda cap: cap >= CUTLASS_BLOCK_FP8_MIN_CAP, raising=False)
+    monkeypatch.setattr(
+        ops, "cutlass_scaled_mm_supports_fp8", lambda cap: cap >= CUTLASS_FP8_MIN_CAP, raising=False
+    )
+    monkeypatch.setattr(
+        ops,
+        "cutlass_scaled_mm_supports_block_fp8",
+        lambda cap: cap >= CUTLASS_BLOCK_FP8_MIN_CAP,
+        raising=False,
+    )
     # nvfp4_utils imports this op check by name
-    monkeypatch.setattr(nvfp4_utils, "cutlass_scaled_mm_supports_fp4",
-                        lambda cap: cap >= CUTLASS_FP4_MIN_CAP)
+    monkeypatch.setattr(
+        nvfp4_utils, "cutlass_scaled_mm_supports_fp4", lambda cap: cap >= CUTLASS_FP4_MIN_CAP
+    )
     # w8a8_utils computes CUTLASS_BLOCK_FP8_SUPPORTED at import (False on CPU);
     # the CUTLASS block kernel reads its own imported copy
-    monkeypatch.setattr(_cut, "CUTLASS_BLOCK_FP8_SUPPORTED",
-                        capability[0] * 10 + capability[1] >= CUTLASS_BLOCK_FP8_MIN_CAP)
+    monkeypatch.setattr(
+        _cut,
+        "CUTLASS_BLOCK_FP8_SUPPORTED",
+        capability[0] * 10 + capability[1] >= CUTLASS_BLOCK_FP8_MIN_CAP,
+    )
 
     def scaled_fp8_quant(input, scale=None, **kwargs):
         if scale is None or scale.numel() != 1 or any(v is not None for v in kwargs.values()):
             pytest.skip("no pure-torch reference wired for this scaled_fp8_quant variant")
-        return QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR).forward_native(
-            input, scale)
+        return QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR).forward_native(input, scale)
 
-    def gptq_marlin_repack(b_q_weight, perm=None, size_k=0, size_n=0, num_bits=4,
-                           is_a_8bit=False):
+    def gptq_marlin_repack(b_q_weight, perm=None, size_k=0, size_n=0, num_bits=4, is_a_8bit=False):
         assert perm is None or perm.numel() == 0, "act-order repack has no reference here"
         q = _unpack_rows(b_q_weight, num_bits)
-        return mut.marlin_weights(q, size_k, size_n, num_bits,
-                                  mut.get_weight_perm(num_bits, is_a_8bit), is_a_8bit)
+        return mut.marlin_weights(
+            q, size_k, size_n, num_bits, mut.get_weight_perm(num_bits, is_a_8bit), is_a_8bit
+        )
 
     monkeypatch.setattr(ops, "scaled_fp8_quant", scaled_fp8_quant)
     # vLLM's per_block_cast_to_fp8 body, run eagerly: its torch.compile wrapper cannot
     # trace vLLM's Parameter subclass on CPU, and compiling in this process lets a
     # garbage-collected oneDNN handle's __del__ run under FakeTensorMode (flaky)
-    monkeypatch.setattr(online, "per_block_cast_to_fp8",
-                        online.per_block_cast_to_fp8.__wrapped__)
+    monkeypatch.setattr(online, "per_block_cast_to_fp8", online.per_block_cast_to_fp8.__wrapped__)
     monkeypatch.setattr(ops, "gptq_marlin_repack", gptq_marlin_repack)
-    monkeypatch.setattr(online.Fp8PerTensorOnlineLinearMethod, "activation_quant_key",
-                        kFp8DynamicTokenSym)
+    monkeypatch.setattr(
+        online.Fp8PerTensorOnlineLinearMethod, "activation_quant_key", kFp8DynamicTokenSym
+    )
     # online methods read the model dtype from the current vLLM config
-    monkeypatch.setattr(VL._STATE["cfg"], "model_config",
-                        types.SimpleNamespace(dtype=torch.bfloat16), raising=False)
+    monkeypatch.setattr(
+        VL._STATE["cfg"], "model_config", types.SimpleNamespace(dtype=torch.bfloat16), raising=False
+    )
 
 
 @pytest.fixture
@@ -220,8 +228,11 @@ def _module_attrs(module: torch.nn.Module) -> dict:
     its module state; tensors are compared by :func:`_assert_equal`)."""
     from wcache.vllm.verify import module_state
 
-    return {k: v for k, v in module_state(module).items() if k.startswith("~")
-            and not k.startswith(("~scheme", "~quant_method"))}
+    return {
+        k: v
+        for k, v in module_state(module).items()
+        if k.startswith("~") and not k.startswith(("~scheme", "~quant_method"))
+    }
 
 
 def _assert_module_attrs_equal(expected: torch.nn.Module, actual: torch.nn.Module):
@@ -252,8 +263,9 @@ def _load_restore(plan, config, build, fill, target: Target = H200):
     prepared = prepare_(daemon, plan.bind(config, target))
     restored = build(meta=True)
     VL.install_exported_(restored, VL.export_clone(prepared), prepared.buffers)
-    restore_(restored, plan.bind(config, target), prepared.recorded, strict=True,
-                 drops=prepared.drops)
+    restore_(
+        restored, plan.bind(config, target), prepared.recorded, strict=True, drops=prepared.drops
+    )
     sync_kernel_state_(restored)
     return loaded, restored
 
@@ -265,14 +277,21 @@ def _online_fp8_layer(method_cls, size_k: int, size_n: int, meta: bool = False):
     from vllm.model_executor.layers.linear import ReplicatedLinear
 
     with VL.vllm_context("meta" if meta else "cpu", torch.bfloat16):
-        return ReplicatedLinear(size_k, size_n, bias=False, params_dtype=torch.bfloat16,
-                                quant_config=_QuantConfig(method_cls))
+        return ReplicatedLinear(
+            size_k,
+            size_n,
+            bias=False,
+            params_dtype=torch.bfloat16,
+            quant_config=_QuantConfig(method_cls),
+        )
 
 
 #: online FP8 method -> the wcache plan the adapter must pick on sm90.
-ONLINE_FP8_PLANS = {"Fp8PerTensorOnlineLinearMethod": "fp8_per_tensor/cutlass@1",
-                    "Fp8PtpcOnlineLinearMethod": "fp8_per_channel/cutlass@1",
-                    "Fp8PerBlockOnlineLinearMethod": "fp8_per_block/cutlass_block@1"}
+ONLINE_FP8_PLANS = {
+    "Fp8PerTensorOnlineLinearMethod": "fp8_per_tensor/cutlass@1",
+    "Fp8PtpcOnlineLinearMethod": "fp8_per_channel/cutlass@1",
+    "Fp8PerBlockOnlineLinearMethod": "fp8_per_block/cutlass_block@1",
+}
 #: Attributes vLLM's CUTLASS block ``apply`` reads besides the weight tensors
 #: (``FP8BlockParams.from_layer``; the block shape from the method).
 FP8_BLOCK_ATTRS = ("input_scale", "input_scale_ub", "weight_block_size")
@@ -284,8 +303,9 @@ def _online_fp8_contract(name: str, size_k: int, size_n: int, attrs: tuple[str, 
     from vllm.model_executor.layers.quantization.online import fp8 as online
 
     cls = getattr(online, name)
-    weight = (torch.randn(size_n, size_k, generator=torch.Generator().manual_seed(size_n))
-              * 0.05).to(torch.bfloat16)
+    weight = (
+        torch.randn(size_n, size_k, generator=torch.Generator().manual_seed(size_n)) * 0.05
+    ).to(torch.bfloat16)
 
     vllm_layer = _online_fp8_layer(cls, size_k, size_n)
     config, plan = _adapter_plan(vllm_layer, ONLINE_FP8_PLANS[name])
@@ -320,8 +340,9 @@ def test_online_fp8_daemon_load_path(simulated_cuda, name):
 
     size_k, size_n = 256, 128
     cls = getattr(online, name)
-    weight = (torch.randn(size_n, size_k, generator=torch.Generator().manual_seed(7))
-              * 0.05).to(torch.bfloat16)
+    weight = (torch.randn(size_n, size_k, generator=torch.Generator().manual_seed(7)) * 0.05).to(
+        torch.bfloat16
+    )
     vllm_layer = _online_fp8_layer(cls, size_k, size_n)
     config, plan = _adapter_plan(vllm_layer, ONLINE_FP8_PLANS[name])
     with VL.vllm_context("cpu", torch.bfloat16):
@@ -343,14 +364,17 @@ def test_online_fp8_daemon_load_path(simulated_cuda, name):
     assert not getattr(daemon, "_already_called_process_weights_after_loading", False)
     # the patch is scoped: a later load quantizes as vLLM does
     from vllm.model_executor.model_loader.reload import layerwise
+
     assert layerwise._layerwise_process.__name__ == "_layerwise_process"
 
     prepared = prepare_(daemon, plan.bind(config, H200))
     restored = _online_fp8_layer(cls, size_k, size_n, meta=True)
     VL.install_exported_(restored, VL.export_clone(prepared), prepared.buffers)
-    restore_(restored, plan.bind(config, H200), prepared.recorded, strict=True,
-             drops=prepared.drops)
+    restore_(
+        restored, plan.bind(config, H200), prepared.recorded, strict=True, drops=prepared.drops
+    )
     from wcache.vllm.adapter import sync_kernel_state_
+
     sync_kernel_state_(restored)
     attrs = FP8_BLOCK_ATTRS if "Block" in name else FP8_CUTLASS_ATTRS
     _assert_equal(vllm_layer, restored, attrs)
@@ -362,8 +386,9 @@ def _online_fp8_vllm_and_restored(name: str, size_k: int, size_n: int, seed: int
     from vllm.model_executor.layers.quantization.online import fp8 as online
 
     cls = getattr(online, name)
-    weight = (torch.randn(size_n, size_k, generator=torch.Generator().manual_seed(seed))
-              * 0.05).to(torch.bfloat16)
+    weight = (torch.randn(size_n, size_k, generator=torch.Generator().manual_seed(seed)) * 0.05).to(
+        torch.bfloat16
+    )
     vllm_layer = _online_fp8_layer(cls, size_k, size_n)
     config, plan = _adapter_plan(vllm_layer, ONLINE_FP8_PLANS[name])
     with VL.vllm_context("cpu", torch.bfloat16):
@@ -372,8 +397,9 @@ def _online_fp8_vllm_and_restored(name: str, size_k: int, size_n: int, seed: int
     def fill(layer):
         layer._parameters["weight"] = torch.nn.Parameter(weight.clone(), requires_grad=False)
 
-    _, restored = _load_restore(plan, config, lambda meta=False: _online_fp8_layer(
-        cls, size_k, size_n, meta), fill)
+    _, restored = _load_restore(
+        plan, config, lambda meta=False: _online_fp8_layer(cls, size_k, size_n, meta), fill
+    )
     return vllm_layer, plan, restored
 
 
@@ -389,8 +415,7 @@ def test_restored_fp8_layer_has_vllms_attributes_and_no_more(simulated_cuda, nam
 
 
 @pytest.mark.parametrize("name", sorted(ONLINE_FP8_PLANS))
-def test_restored_online_fp8_layer_equals_vllms_in_everything_verify_reads(simulated_cuda,
-                                                                           name):
+def test_restored_online_fp8_layer_equals_vllms_in_everything_verify_reads(simulated_cuda, name):
     """``wcache verify``'s own per-module state (tensors and every attribute, kernel
     objects opened up) reads the same on the restored layer as on vLLM's online load.
     Before the fix the restored layer lacked vLLM's
@@ -412,8 +437,9 @@ def test_fp8_per_tensor_online_cutlass(simulated_cuda, size_k, size_n):
         CutlassFP8ScaledMMLinearKernel,
     )
 
-    layer = _online_fp8_contract("Fp8PerTensorOnlineLinearMethod", size_k, size_n,
-                                 FP8_CUTLASS_ATTRS)
+    layer = _online_fp8_contract(
+        "Fp8PerTensorOnlineLinearMethod", size_k, size_n, FP8_CUTLASS_ATTRS
+    )
     assert type(layer.quant_method.fp8_linear) is CutlassFP8ScaledMMLinearKernel
     assert layer.quant_method.fp8_linear.logical_output_size == size_n
     assert tuple(layer.weight.shape) == (-(-size_k // 16) * 16, -(-size_n // 16) * 16)
@@ -427,8 +453,7 @@ def test_fp8_per_channel_online_cutlass(simulated_cuda, size_k, size_n):
         CutlassFP8ScaledMMLinearKernel,
     )
 
-    layer = _online_fp8_contract("Fp8PtpcOnlineLinearMethod", size_k, size_n,
-                                 FP8_CUTLASS_ATTRS)
+    layer = _online_fp8_contract("Fp8PtpcOnlineLinearMethod", size_k, size_n, FP8_CUTLASS_ATTRS)
     assert type(layer.quant_method.fp8_linear) is CutlassFP8ScaledMMLinearKernel
     assert layer.quant_method.fp8_linear.logical_output_size == size_n
     assert tuple(layer.weight_scale.shape) == (size_n, 1)
@@ -447,17 +472,19 @@ def test_fp8_per_channel_online_cutlass_padded_n(simulated_cuda, monkeypatch):
         from vllm.model_executor.utils import set_weight_attrs
 
         layer = _online_fp8_layer(online.Fp8PtpcOnlineLinearMethod, size_k, size_n)
-        with VL.vllm_context("cpu", torch.bfloat16), \
-                pytest.raises(AssertionError, match="Overwriting existing tensor attribute"):
-            layer.weight.weight_loader(layer.weight, torch.zeros(size_n, size_k,
-                                                                 dtype=torch.bfloat16))
+        with (
+            VL.vllm_context("cpu", torch.bfloat16),
+            pytest.raises(AssertionError, match="Overwriting existing tensor attribute"),
+        ):
+            layer.weight.weight_loader(
+                layer.weight, torch.zeros(size_n, size_k, dtype=torch.bfloat16)
+            )
 
         def set_new_weight_attrs(weight, attrs):
             set_weight_attrs(weight, {k: v for k, v in attrs.items() if not hasattr(weight, k)})
 
         monkeypatch.setattr(cutlass, "set_weight_attrs", set_new_weight_attrs)
-    layer = _online_fp8_contract("Fp8PtpcOnlineLinearMethod", size_k, size_n,
-                                 FP8_CUTLASS_ATTRS)
+    layer = _online_fp8_contract("Fp8PtpcOnlineLinearMethod", size_k, size_n, FP8_CUTLASS_ATTRS)
     padded_n = -(-size_n // 16) * 16
     assert tuple(layer.weight_scale.shape) == (padded_n, 1)
     assert torch.equal(layer.weight_scale[size_n:], torch.ones(padded_n - size_n, 1))
@@ -471,8 +498,7 @@ def test_fp8_per_block_online_cutlass(simulated_cuda, size_k, size_n):
         CutlassFp8BlockScaledMMKernel,
     )
 
-    layer = _online_fp8_contract("Fp8PerBlockOnlineLinearMethod", size_k, size_n,
-                                 FP8_BLOCK_ATTRS)
+    layer = _online_fp8_contract("Fp8PerBlockOnlineLinearMethod", size_k, size_n, FP8_BLOCK_ATTRS)
     assert type(layer.quant_method.fp8_linear) is CutlassFp8BlockScaledMMKernel
     assert tuple(layer.weight_scale_inv.shape) == (-(-size_n // 128), -(-size_k // 128))
 
@@ -487,17 +513,21 @@ def _rand_fp8(gen: torch.Generator, shape) -> torch.Tensor:
     return (torch.randn(tuple(shape), generator=gen) * FP8_DRAW_STD).to(torch.float8_e4m3fn)
 
 
-def _fp8_serialized_layer(widths: tuple[int, ...], size_k: int, static: bool, block,
-                          bias: bool, meta: bool = False):
+def _fp8_serialized_layer(
+    widths: tuple[int, ...], size_k: int, static: bool, block, bias: bool, meta: bool = False
+):
     """A MergedColumnParallelLinear (TP 1) with vLLM's Fp8LinearMethod."""
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 
-    qc = Fp8Config(activation_scheme="static" if static else "dynamic",
-                   weight_block_size=list(block) if block else None)
+    qc = Fp8Config(
+        activation_scheme="static" if static else "dynamic",
+        weight_block_size=list(block) if block else None,
+    )
     with VL.vllm_context("meta" if meta else "cpu", torch.bfloat16):
-        return MergedColumnParallelLinear(size_k, list(widths), bias=bias,
-                                          params_dtype=torch.bfloat16, quant_config=qc)
+        return MergedColumnParallelLinear(
+            size_k, list(widths), bias=bias, params_dtype=torch.bfloat16, quant_config=qc
+        )
 
 
 def _fill_fp8_serialized(layer, seed: int, fused_scale: bool = False) -> None:
@@ -515,17 +545,18 @@ def _fill_fp8_serialized(layer, seed: int, fused_scale: bool = False) -> None:
                 value[1:] = torch.finfo(torch.float8_e4m3fn).min
             param.data.copy_(value)
         if layer.bias is not None:
-            layer.bias.data.copy_(torch.randn(layer.bias.shape, generator=gen)
-                                  .to(layer.bias.dtype))
+            layer.bias.data.copy_(torch.randn(layer.bias.shape, generator=gen).to(layer.bias.dtype))
 
 
-@pytest.mark.parametrize("widths,size_k,static,fused_scale", [
-    ((64, 64), 128, False, False),   # two shards, two scales: requantized to the max
-    ((48, 52), 200, True, False),    # static input scale; K, N % 16 != 0 (vLLM pads)
-    ((96, 32), 64, False, True),     # a fused checkpoint: one scale, no requantization
-])
-def test_fp8_serialized_per_tensor_cutlass(simulated_cuda, widths, size_k, static,
-                                           fused_scale):
+@pytest.mark.parametrize(
+    "widths,size_k,static,fused_scale",
+    [
+        ((64, 64), 128, False, False),  # two shards, two scales: requantized to the max
+        ((48, 52), 200, True, False),  # static input scale; K, N % 16 != 0 (vLLM pads)
+        ((96, 32), 64, False, True),  # a fused checkpoint: one scale, no requantization
+    ],
+)
+def test_fp8_serialized_per_tensor_cutlass(simulated_cuda, widths, size_k, static, fused_scale):
     """Fp8LinearMethod (serialized per-tensor checkpoint scales) on CUTLASS: vLLM's
     post-load (max-scale requantization through the reference scaled_fp8_quant,
     transpose, padding) vs wcache's ``fp8/cutlass`` load and restore."""
@@ -565,10 +596,13 @@ def simulated_sm80(monkeypatch):
     _simulate_cuda(monkeypatch, SM80_CAPABILITY)
 
 
-@pytest.mark.parametrize("widths,size_k,static,bias", [
-    ((64, 64), 128, False, True),    # two shard scales
-    ((48, 80), 256, True, False),    # a static input scale (weight-only Marlin drops it)
-])
+@pytest.mark.parametrize(
+    "widths,size_k,static,bias",
+    [
+        ((64, 64), 128, False, True),  # two shard scales
+        ((48, 80), 256, True, False),  # a static input scale (weight-only Marlin drops it)
+    ],
+)
 def test_fp8_serialized_fp8_marlin_sm80(simulated_sm80, widths, size_k, static, bias):
     """Fp8LinearMethod (serialized per-tensor) on MarlinFP8ScaledMMLinearKernel, simulated
     sm80: vLLM's post-load (transpose, int32 packing, reference repack, scales to
@@ -632,17 +666,23 @@ def test_fp8_serialized_block_cutlass(simulated_cuda, widths, size_k):
 
 
 def _marlin_case(method: str, size_k: int, size_n: int, group_size: int, bits: int = 4):
-    case = (VL.awq_linear(size_k, size_n, group_size) if method == "awq"
-            else VL.gptq_linear(size_k, size_n, group_size, num_bits=bits))
+    case = (
+        VL.awq_linear(size_k, size_n, group_size)
+        if method == "awq"
+        else VL.gptq_linear(size_k, size_n, group_size, num_bits=bits)
+    )
     return case
 
 
-@pytest.mark.parametrize("method,size_k,size_n,group_size,bits", [
-    ("awq", 256, 192, 128, 4),    # N % 128 != 0: Marlin, not Machete, on sm90
-    ("awq", 128, 64, 32, 4),
-    ("gptq", 256, 192, 128, 4),
-    ("gptq", 256, 192, -1, 8),    # int8: Machete does not take it
-])
+@pytest.mark.parametrize(
+    "method,size_k,size_n,group_size,bits",
+    [
+        ("awq", 256, 192, 128, 4),  # N % 128 != 0: Marlin, not Machete, on sm90
+        ("awq", 128, 64, 32, 4),
+        ("gptq", 256, 192, 128, 4),
+        ("gptq", 256, 192, -1, 8),  # int8: Machete does not take it
+    ],
+)
 def test_marlin_int(simulated_cuda, method, size_k, size_n, group_size, bits):
     """AutoAWQMarlinLinearMethod / AutoGPTQLinearMethod on MarlinLinearKernel: vLLM's
     post-load (with the reference repack) vs wcache's awq/gptq Marlin plans."""
@@ -650,12 +690,21 @@ def test_marlin_int(simulated_cuda, method, size_k, size_n, group_size, bits):
         MarlinLinearKernel,
     )
 
-    _int_contract(MarlinLinearKernel, "marlin", method, size_k, size_n, group_size, bits,
-                  MARLIN_ATTRS)
+    _int_contract(
+        MarlinLinearKernel, "marlin", method, size_k, size_n, group_size, bits, MARLIN_ATTRS
+    )
 
 
-def _int_contract(kernel_cls: type, kernel: str, method: str, size_k: int, size_n: int,
-                  group_size: int, bits: int, attrs: tuple[str, ...]):
+def _int_contract(
+    kernel_cls: type,
+    kernel: str,
+    method: str,
+    size_k: int,
+    size_n: int,
+    group_size: int,
+    bits: int,
+    attrs: tuple[str, ...],
+):
     """AutoAWQMarlinLinearMethod / AutoGPTQLinearMethod on the kernel vLLM picks
     (``kernel_cls``): vLLM's post-load vs wcache's ``<method>/<kernel>`` plan, load and
     restore, tensors and ``attrs``. Returns ``(vLLM's layer, its LayerConfig)``."""
@@ -678,12 +727,15 @@ def _int_contract(kernel_cls: type, kernel: str, method: str, size_k: int, size_
     return vllm_layer, config
 
 
-@pytest.mark.parametrize("method,size_k,size_n,group_size,bits", [
-    ("awq", 256, 256, 128, 4),
-    ("awq", 128, 128, 64, 4),
-    ("gptq", 256, 256, 128, 4),
-    ("gptq", 256, 128, -1, 4),
-])
+@pytest.mark.parametrize(
+    "method,size_k,size_n,group_size,bits",
+    [
+        ("awq", 256, 256, 128, 4),
+        ("awq", 128, 128, 64, 4),
+        ("gptq", 256, 256, 128, 4),
+        ("gptq", 256, 128, -1, 4),
+    ],
+)
 def test_machete_int(simulated_cuda, method, size_k, size_n, group_size, bits):
     """AutoAWQMarlinLinearMethod / AutoGPTQLinearMethod where vLLM picks
     MacheteLinearKernel on sm90 (K % 64 == 0, N % 128 == 0): vLLM's post-load (with the
@@ -692,8 +744,9 @@ def test_machete_int(simulated_cuda, method, size_k, size_n, group_size, bits):
         MacheteLinearKernel,
     )
 
-    vllm_layer, config = _int_contract(MacheteLinearKernel, "machete", method, size_k, size_n,
-                                       group_size, bits, ())
+    vllm_layer, config = _int_contract(
+        MacheteLinearKernel, "machete", method, size_k, size_n, group_size, bits, ()
+    )
     assert config.get("machete_b_type_id") == vllm_layer.quant_method.kernel.config.weight_type.id
 
 
@@ -731,22 +784,28 @@ class _SchemeQuantConfig(_QuantConfig):
         return CompressedTensorsLinearMethod(self)
 
 
-def _ct_layer(scheme_factory, widths: tuple[int, ...], size_k: int, bias: bool,
-              meta: bool = False):
+def _ct_layer(scheme_factory, widths: tuple[int, ...], size_k: int, bias: bool, meta: bool = False):
     """A MergedColumnParallelLinear (TP 1) with a compressed-tensors scheme."""
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 
     with VL.vllm_context("meta" if meta else "cpu", torch.bfloat16):
-        return MergedColumnParallelLinear(size_k, list(widths), bias=bias,
-                                          params_dtype=torch.bfloat16,
-                                          quant_config=_SchemeQuantConfig(scheme_factory))
+        return MergedColumnParallelLinear(
+            size_k,
+            list(widths),
+            bias=bias,
+            params_dtype=torch.bfloat16,
+            quant_config=_SchemeQuantConfig(scheme_factory),
+        )
 
 
-@pytest.mark.parametrize("size_k,size_n,group_size,symmetric", [
-    (256, 192, 128, True),    # N % 128 != 0: Marlin, not Machete, on sm90
-    (256, 192, 64, False),    # asymmetric: zero points permuted and packed
-    (128, 64, -1, True),      # channelwise scales
-])
+@pytest.mark.parametrize(
+    "size_k,size_n,group_size,symmetric",
+    [
+        (256, 192, 128, True),  # N % 128 != 0: Marlin, not Machete, on sm90
+        (256, 192, 64, False),  # asymmetric: zero points permuted and packed
+        (128, 64, -1, True),  # channelwise scales
+    ],
+)
 def test_ct_w4a16_marlin(simulated_cuda, size_k, size_n, group_size, symmetric):
     """CompressedTensorsWNA16 (pack-quantized int4) on MarlinLinearKernel: vLLM's
     post-load (reference repack) vs wcache's ``ct_w4a16/marlin`` load and restore."""
@@ -754,12 +813,26 @@ def test_ct_w4a16_marlin(simulated_cuda, size_k, size_n, group_size, symmetric):
         MarlinLinearKernel,
     )
 
-    _ct_w4a16_contract(MarlinLinearKernel, "ct_w4a16/marlin@1", size_k, size_n, group_size,
-                       symmetric, MARLIN_ATTRS + ("weight_zero_point",))
+    _ct_w4a16_contract(
+        MarlinLinearKernel,
+        "ct_w4a16/marlin@1",
+        size_k,
+        size_n,
+        group_size,
+        symmetric,
+        MARLIN_ATTRS + ("weight_zero_point",),
+    )
 
 
-def _ct_w4a16_contract(kernel_cls: type, plan_id: str, size_k: int, size_n: int,
-                       group_size: int, symmetric: bool, attrs: tuple[str, ...]) -> None:
+def _ct_w4a16_contract(
+    kernel_cls: type,
+    plan_id: str,
+    size_k: int,
+    size_n: int,
+    group_size: int,
+    symmetric: bool,
+    attrs: tuple[str, ...],
+) -> None:
     """CompressedTensorsWNA16 on the kernel vLLM picks (``kernel_cls``): vLLM's post-load
     vs wcache's ``plan_id`` load and restore, tensors and ``attrs``."""
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
@@ -767,8 +840,12 @@ def _ct_w4a16_contract(kernel_cls: type, plan_id: str, size_k: int, size_n: int,
     )
 
     def scheme():
-        return CompressedTensorsWNA16(strategy="group" if group_size != -1 else "channel",
-                                      num_bits=4, group_size=group_size, symmetric=symmetric)
+        return CompressedTensorsWNA16(
+            strategy="group" if group_size != -1 else "channel",
+            num_bits=4,
+            group_size=group_size,
+            symmetric=symmetric,
+        )
 
     case = VL.ct_w4a16_linear(size_k, size_n, group_size, symmetric, bias=True)
 
@@ -796,17 +873,26 @@ def _ct_fp8_scheme(strategy: str, static: bool, block=None):
         CompressedTensorsW8A8Fp8,
     )
 
-    args = QuantizationArgs(num_bits=8, type="float", strategy=strategy, symmetric=True,
-                            dynamic=False, block_structure=list(block) if block else None)
+    args = QuantizationArgs(
+        num_bits=8,
+        type="float",
+        strategy=strategy,
+        symmetric=True,
+        dynamic=False,
+        block_structure=list(block) if block else None,
+    )
     return lambda: CompressedTensorsW8A8Fp8(weight_quant=args, is_static_input_scheme=static)
 
 
-@pytest.mark.parametrize("strategy,widths,size_k,static", [
-    ("tensor", (64, 64), 128, False),    # two shard scales: requantized to the max
-    ("tensor", (48, 52), 200, True),     # static input scale; K, N % 16 != 0 (vLLM pads)
-    ("channel", (64, 32), 200, False),   # [N, 1] scales; K % 16 != 0
-    ("channel", (64, 64), 128, True),
-])
+@pytest.mark.parametrize(
+    "strategy,widths,size_k,static",
+    [
+        ("tensor", (64, 64), 128, False),  # two shard scales: requantized to the max
+        ("tensor", (48, 52), 200, True),  # static input scale; K, N % 16 != 0 (vLLM pads)
+        ("channel", (64, 32), 200, False),  # [N, 1] scales; K % 16 != 0
+        ("channel", (64, 64), 128, True),
+    ],
+)
 def test_ct_w8a8_fp8_cutlass(simulated_cuda, strategy, widths, size_k, static):
     """CompressedTensorsW8A8Fp8 (tensor/channel) on CUTLASS: vLLM's post-load vs
     wcache's ``ct_w8a8_fp8/cutlass`` load and restore."""
@@ -845,18 +931,26 @@ def _ct_w8a16_fp8_scheme(strategy: str, static: bool, block=None):
         CompressedTensorsW8A16Fp8,
     )
 
-    args = QuantizationArgs(num_bits=8, type="float", strategy=strategy, symmetric=True,
-                            dynamic=False, block_structure=list(block) if block else None)
+    args = QuantizationArgs(
+        num_bits=8,
+        type="float",
+        strategy=strategy,
+        symmetric=True,
+        dynamic=False,
+        block_structure=list(block) if block else None,
+    )
     return lambda: CompressedTensorsW8A16Fp8(weight_quant=args, is_static_input_scheme=static)
 
 
-@pytest.mark.parametrize("strategy,widths,size_k,static,bias", [
-    ("tensor", (64, 64), 128, False, True),    # two shard scales -> channelwise
-    ("tensor", (48, 80), 256, True, False),    # a static input scale (dropped)
-    ("channel", (64, 64), 128, False, True),
-])
-def test_ct_w8a8_fp8_on_fp8_marlin_sm80(simulated_sm80, strategy, widths, size_k, static,
-                                        bias):
+@pytest.mark.parametrize(
+    "strategy,widths,size_k,static,bias",
+    [
+        ("tensor", (64, 64), 128, False, True),  # two shard scales -> channelwise
+        ("tensor", (48, 80), 256, True, False),  # a static input scale (dropped)
+        ("channel", (64, 64), 128, False, True),
+    ],
+)
+def test_ct_w8a8_fp8_on_fp8_marlin_sm80(simulated_sm80, strategy, widths, size_k, static, bias):
     """A compressed-tensors FP8 W8A8 checkpoint below sm89, where vLLM builds
     CompressedTensorsW8A16Fp8 on MarlinFP8ScaledMMLinearKernel (weight-only): vLLM's
     post-load vs wcache's ``ct_w8a8_fp8/fp8_marlin`` load and restore."""
@@ -878,7 +972,9 @@ def test_ct_w8a8_fp8_on_fp8_marlin_sm80(simulated_sm80, strategy, widths, size_k
     assert type(vllm_layer.scheme.linear_kernel) is MarlinFP8ScaledMMLinearKernel
     config = layer_config(vllm_layer.quant_method, vllm_layer, SM80, name="layer")
     plan = plan_for(config, target=SM80).plan
-    assert plan.id == f"ct_w8a8_fp8/fp8_marlin@{VL.ct_fp8_plan_version('CompressedTensorsW8A16Fp8')}"
+    assert (
+        plan.id == f"ct_w8a8_fp8/fp8_marlin@{VL.ct_fp8_plan_version('CompressedTensorsW8A16Fp8')}"
+    )
     fill(vllm_layer)
     with VL.vllm_context("cpu", torch.bfloat16):
         vllm_layer.quant_method.process_weights_after_loading(vllm_layer)
@@ -896,8 +992,7 @@ def test_ct_fp8_block_on_fp8_marlin_is_refused(simulated_sm80):
     from wcache.core import NoPlan
     from wcache.vllm.adapter import layer_config
 
-    layer = _ct_layer(_ct_w8a16_fp8_scheme("block", False, (128, 128)), (128,), 256,
-                      bias=False)
+    layer = _ct_layer(_ct_w8a16_fp8_scheme("block", False, (128, 128)), (128,), 256, bias=False)
     config = layer_config(layer.quant_method, layer, SM80, name="layer")
     assert (config.quant.kernel, config.quant.strategy) == ("fp8_marlin", "block")
     with pytest.raises(NoPlan, match="Marlin block FP8 is not supported"):
@@ -921,11 +1016,14 @@ def test_ct_w8a8_fp8_block_is_refused(simulated_cuda):
 # --------------------------------------------------------------------------- MXFP8
 
 
-@pytest.mark.parametrize("size_k,size_n,bias", [
-    (256, 128, True),
-    (96, 200, True),     # N, K not multiples of Marlin's tiles: vLLM pads both
-    (128, 64, False),
-])
+@pytest.mark.parametrize(
+    "size_k,size_n,bias",
+    [
+        (256, 128, True),
+        (96, 200, True),  # N, K not multiples of Marlin's tiles: vLLM pads both
+        (128, 64, False),
+    ],
+)
 def test_mxfp8_online_marlin(simulated_cuda, size_k, size_n, bias):
     """Mxfp8OnlineLinearMethod on MarlinMxfp8LinearKernel (sm90): vLLM's layerwise
     online load (its pure-torch ``mxfp8_e4m3_quantize`` below sm100, then the reference
@@ -942,14 +1040,18 @@ def test_mxfp8_online_marlin(simulated_cuda, size_k, size_n, bias):
 
     def build(meta=False):
         with VL.vllm_context("meta" if meta else "cpu", torch.bfloat16):
-            return ReplicatedLinear(size_k, size_n, bias=bias, params_dtype=torch.bfloat16,
-                                    quant_config=_QuantConfig(Mxfp8OnlineLinearMethod))
+            return ReplicatedLinear(
+                size_k,
+                size_n,
+                bias=bias,
+                params_dtype=torch.bfloat16,
+                quant_config=_QuantConfig(Mxfp8OnlineLinearMethod),
+            )
 
     def fill(layer):  # the daemon's checkpoint tensors, as plain Parameters
         layer._parameters["weight"] = torch.nn.Parameter(weight.clone(), requires_grad=False)
         if bias:
-            layer._parameters["bias"] = torch.nn.Parameter(bias_value.clone(),
-                                                           requires_grad=False)
+            layer._parameters["bias"] = torch.nn.Parameter(bias_value.clone(), requires_grad=False)
 
     vllm_layer = build()
     assert type(vllm_layer.quant_method.kernel) is MarlinMxfp8LinearKernel
@@ -978,24 +1080,32 @@ def _nvfp4_layer(widths: tuple[int, ...], size_k: int, meta: bool = False, w4a16
 
     qc = ModelOptNvFp4Config("W4A16_NVFP4" if w4a16 else "NVFP4", True, None, [], 16)
     with VL.vllm_context("meta" if meta else "cpu", torch.bfloat16):
-        return MergedColumnParallelLinear(size_k, list(widths), bias=False,
-                                          params_dtype=torch.bfloat16, quant_config=qc,
-                                          prefix="model.layers.0.mlp.gate_up_proj")
+        return MergedColumnParallelLinear(
+            size_k,
+            list(widths),
+            bias=False,
+            params_dtype=torch.bfloat16,
+            quant_config=qc,
+            prefix="model.layers.0.mlp.gate_up_proj",
+        )
 
 
 def _fill_nvfp4(layer, seed: int) -> None:
     """Checkpoint tensors: packed E2M1 bytes, fp8 block scales, per-shard global scales."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        layer.weight.data.copy_(torch.randint(0, 256, tuple(layer.weight.shape), generator=gen,
-                                              dtype=torch.uint8))
+        layer.weight.data.copy_(
+            torch.randint(0, 256, tuple(layer.weight.shape), generator=gen, dtype=torch.uint8)
+        )
         layer.weight_scale.data.copy_(
-            (torch.rand(tuple(layer.weight_scale.shape), generator=gen) * 8 + 0.5)
-            .to(torch.float8_e4m3fn))
-        layer.weight_scale_2.data.copy_(VL.rand_scale(gen, layer.weight_scale_2.shape,
-                                                      torch.float32))
-        layer.input_scale.data.copy_(VL.rand_scale(gen, layer.input_scale.shape,
-                                                   torch.float32))
+            (torch.rand(tuple(layer.weight_scale.shape), generator=gen) * 8 + 0.5).to(
+                torch.float8_e4m3fn
+            )
+        )
+        layer.weight_scale_2.data.copy_(
+            VL.rand_scale(gen, layer.weight_scale_2.shape, torch.float32)
+        )
+        layer.input_scale.data.copy_(VL.rand_scale(gen, layer.input_scale.shape, torch.float32))
 
 
 #: Attributes vLLM's CUTLASS NVFP4 ``apply`` reads besides the layer's tensors
@@ -1004,10 +1114,13 @@ def _fill_nvfp4(layer, seed: int) -> None:
 NVFP4_ATTRS = ("output_size_per_partition", "input_size_per_partition", "is_w4a16_nvfp4")
 
 
-@pytest.mark.parametrize("widths,size_k", [
-    ((128, 128), 256),   # aligned: no padding
-    ((64, 40), 80),      # N % 32, K % 32, N % 128, K/16 % 4 != 0: weight and scales padded
-])
+@pytest.mark.parametrize(
+    "widths,size_k",
+    [
+        ((128, 128), 256),  # aligned: no padding
+        ((64, 40), 80),  # N % 32, K % 32, N % 128, K/16 % 4 != 0: weight and scales padded
+    ],
+)
 def test_nvfp4_linear_cutlass_sm100(simulated_sm100, monkeypatch, widths, size_k):
     """ModelOpt NVFP4 (W4A4) linear on CutlassNvFp4LinearKernel, simulated sm100 (vLLM
     picks CUTLASS NVFP4 only on Blackwell): vLLM's post-load (global scales, alpha,
@@ -1043,10 +1156,13 @@ def test_nvfp4_linear_cutlass_sm100(simulated_sm100, monkeypatch, widths, size_k
     _assert_equal(loaded, restored, NVFP4_ATTRS)
 
 
-@pytest.mark.parametrize("w4a16,expected", [
-    (False, "vLLM picks kernel 'MarlinNvFp4LinearKernel' here"),
-    (True, "no plan for method 'modelopt_fp4_w4a16'"),
-])
+@pytest.mark.parametrize(
+    "w4a16,expected",
+    [
+        (False, "vLLM picks kernel 'MarlinNvFp4LinearKernel' here"),
+        (True, "no plan for method 'modelopt_fp4_w4a16'"),
+    ],
+)
 def test_nvfp4_linear_on_sm90_is_refused(simulated_cuda, w4a16, expected):
     """On sm90 vLLM runs ModelOpt NVFP4 on MarlinNvFp4LinearKernel, whose layout has no
     wcache plan, and W4A16 NVFP4 has none anywhere: the adapter's config is refused
@@ -1072,9 +1188,15 @@ def _nvfp4_moe_layer(num_experts: int, hidden: int, intermediate: int, meta: boo
     qc = ModelOptNvFp4Config("NVFP4", True, None, [], 16)
     prefix = f"model.layers.{next(_MOE_LAYER_IDS)}.mlp.experts"
     with VL.vllm_context("meta" if meta else "cpu", torch.bfloat16):
-        moe = FusedMoEFactory(num_experts=num_experts, top_k=2, hidden_size=hidden,
-                              intermediate_size=intermediate, params_dtype=torch.bfloat16,
-                              quant_config=qc, prefix=prefix)
+        moe = FusedMoEFactory(
+            num_experts=num_experts,
+            top_k=2,
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            params_dtype=torch.bfloat16,
+            quant_config=qc,
+            prefix=prefix,
+        )
     return moe.routed_experts
 
 
@@ -1097,14 +1219,14 @@ def _fill_nvfp4_moe(layer, seed: int) -> None:
 
 #: What vLLM's NVFP4 MoE ``apply`` reads besides the layer's tensors: the modular
 #: kernel and the quant config it was built from (its tensors by bytes).
-NVFP4_MOE_ATTRS = tuple(f"quant_method.moe_quant_config.{a}" for a in (
-    "g1_alphas", "g2_alphas", "a1_gscale", "a2_gscale", "w1_scale", "w2_scale")) + (
-    "quant_method.moe_kernel", "quant_method.moe_kernel.fused_experts")
+NVFP4_MOE_ATTRS = tuple(
+    f"quant_method.moe_quant_config.{a}"
+    for a in ("g1_alphas", "g2_alphas", "a1_gscale", "a2_gscale", "w1_scale", "w2_scale")
+) + ("quant_method.moe_kernel", "quant_method.moe_kernel.fused_experts")
 
 
 @pytest.mark.parametrize("num_experts,hidden,intermediate", [(4, 128, 128), (2, 256, 64)])
-def test_nvfp4_moe_cutlass_sm100(simulated_sm100, monkeypatch, num_experts, hidden,
-                                 intermediate):
+def test_nvfp4_moe_cutlass_sm100(simulated_sm100, monkeypatch, num_experts, hidden, intermediate):
     """ModelOptNvFp4FusedMoE on vLLM's VLLM_CUTLASS backend (CutlassExpertsFp4), simulated
     sm100: vLLM's post-load (w13 global scale, input-scale max, swizzle, and the
     experts' in-place activation-scale fuse) vs wcache's ``modelopt_fp4/cutlass_moe``
@@ -1144,11 +1266,14 @@ def test_nvfp4_moe_cutlass_sm100(simulated_sm100, monkeypatch, num_experts, hidd
     assert torch.equal(restored.w2_weight_scale_2, expected)
 
 
-@pytest.mark.parametrize("size_k,size_n,group_size,symmetric", [
-    (256, 256, 128, True),
-    (256, 256, 64, False),    # asymmetric: zero points folded into -scale * zp
-    (128, 128, -1, True),     # channelwise scales
-])
+@pytest.mark.parametrize(
+    "size_k,size_n,group_size,symmetric",
+    [
+        (256, 256, 128, True),
+        (256, 256, 64, False),  # asymmetric: zero points folded into -scale * zp
+        (128, 128, -1, True),  # channelwise scales
+    ],
+)
 def test_ct_w4a16_machete(simulated_cuda, size_k, size_n, group_size, symmetric):
     """CompressedTensorsWNA16 where vLLM picks MacheteLinearKernel on sm90: vLLM's
     post-load (machete_prepack_B stand-in) vs wcache's ``ct_w4a16/machete``."""
@@ -1156,8 +1281,15 @@ def test_ct_w4a16_machete(simulated_cuda, size_k, size_n, group_size, symmetric)
         MacheteLinearKernel,
     )
 
-    _ct_w4a16_contract(MacheteLinearKernel, "ct_w4a16/machete@1", size_k, size_n, group_size,
-                       symmetric, ("weight_zero_point",))
+    _ct_w4a16_contract(
+        MacheteLinearKernel,
+        "ct_w4a16/machete@1",
+        size_k,
+        size_n,
+        group_size,
+        symmetric,
+        ("weight_zero_point",),
+    )
 
 
 # --------------------------------------------------------------------------- CUTLASS INT8
@@ -1166,13 +1298,16 @@ def test_ct_w4a16_machete(simulated_cuda, size_k, size_n, group_size, symmetric)
 CUTLASS_INT8_ATTRS = ("input_scale", "input_zero_point", "azp_adj")
 
 
-@pytest.mark.parametrize("strategy,widths,static,symmetric", [
-    ("channel", (128,), False, True),
-    ("channel", (128,), False, False),
-    ("tensor", (64, 32, 32), True, True),     # fused per-tensor scales -> channelwise
-    ("tensor", (64, 32, 32), True, False),
-    ("channel", (96, 32), True, False),
-])
+@pytest.mark.parametrize(
+    "strategy,widths,static,symmetric",
+    [
+        ("channel", (128,), False, True),
+        ("channel", (128,), False, False),
+        ("tensor", (64, 32, 32), True, True),  # fused per-tensor scales -> channelwise
+        ("tensor", (64, 32, 32), True, False),
+        ("channel", (96, 32), True, False),
+    ],
+)
 def test_ct_w8a8_int8_cutlass(simulated_cuda, strategy, widths, static, symmetric):
     """CompressedTensorsW8A8Int8 on CutlassInt8ScaledMMLinearKernel (vLLM's first INT8
     kernel on CUDA): vLLM's post-load vs wcache's ``ct_w8a8_int8/cutlass_int8``, load and
@@ -1188,8 +1323,9 @@ def test_ct_w8a8_int8_cutlass(simulated_cuda, strategy, widths, static, symmetri
     case = VL.ct_w8a8_int8_linear(size_k, widths, strategy, static, symmetric, bias=True)
 
     def scheme():
-        return CompressedTensorsW8A8Int8(strategy=strategy, is_static_input_scheme=static,
-                                         input_symmetric=symmetric)
+        return CompressedTensorsW8A8Int8(
+            strategy=strategy, is_static_input_scheme=static, input_symmetric=symmetric
+        )
 
     def build(meta=False):
         return _ct_layer(scheme, widths, size_k, bias=True, meta=meta)
@@ -1219,17 +1355,31 @@ def test_daemon_refuses_an_already_quantized_online_weight_naming_layer_plan_and
     from wcache.vllm.build import prepare_layers_
     from wcache.vllm.model import PlannedLayer
 
-    config = LayerConfig(QuantSpec("fp8_per_tensor", 8, kernel="cutlass"), 64, 32,
-                         "bfloat16", name="model.layers.0.mlp.down_proj")
+    config = LayerConfig(
+        QuantSpec("fp8_per_tensor", 8, kernel="cutlass"),
+        64,
+        32,
+        "bfloat16",
+        name="model.layers.0.mlp.down_proj",
+    )
     layer = torch.nn.Module()
-    layer.register_parameter("weight", torch.nn.Parameter(
-        torch.zeros(64, 32).to(torch.float8_e4m3fn), requires_grad=False))
-    planned = [PlannedLayer("model.layers.0.mlp.down_proj", layer, config,
-                            plan_for(config, target=H200).plan)]
+    layer.register_parameter(
+        "weight",
+        torch.nn.Parameter(torch.zeros(64, 32).to(torch.float8_e4m3fn), requires_grad=False),
+    )
+    planned = [
+        PlannedLayer(
+            "model.layers.0.mlp.down_proj", layer, config, plan_for(config, target=H200).plan
+        )
+    ]
     with pytest.raises(PrepareFailed) as info:
         prepare_layers_(planned, H200)
     message = str(info.value)
     assert info.value.code == "prepare-failed"
-    for part in ("model.layers.0.mlp.down_proj", "fp8_per_tensor/cutlass@1",
-                 "float8_e4m3fn [64, 32]", "weight float8_e4m3fn [64, 32]"):
+    for part in (
+        "model.layers.0.mlp.down_proj",
+        "fp8_per_tensor/cutlass@1",
+        "float8_e4m3fn [64, 32]",
+        "weight float8_e4m3fn [64, 32]",
+    ):
         assert part in message

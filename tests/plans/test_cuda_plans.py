@@ -86,15 +86,20 @@ def assert_restore_invariant(cfg: LayerConfig, tensors: dict, seed: int = 0):
     paths = attr_paths(plan)
     assert snapshot(loaded, paths) == snapshot(restored, paths)
     for k, v in tensors.items():
-        assert torch.equal(before[k].view(torch.uint8) if v.dtype.itemsize == 1 else before[k],
-                           v.view(torch.uint8) if v.dtype.itemsize == 1 else v)
+        assert torch.equal(
+            before[k].view(torch.uint8) if v.dtype.itemsize == 1 else before[k],
+            v.view(torch.uint8) if v.dtype.itemsize == 1 else v,
+        )
     assert_stages_pure(plan, tensors, cfg, target)
-    restore_(restored, plan.bind(cfg, target), prepared.recorded,
-             strict=True)      # replay twice == once
+    restore_(
+        restored, plan.bind(cfg, target), prepared.recorded, strict=True
+    )  # replay twice == once
     assert snapshot(loaded, paths) == snapshot(restored, paths)
     fwd = forward_for(plan, cfg)
     if plan.method == "modelopt_fp4" and plan.kernel == "cutlass_moe":
-        x = torch.randn(3, tensors["w2_weight"].shape[1], generator=seeded_generator(seed)).to(torch.bfloat16)
+        x = torch.randn(3, tensors["w2_weight"].shape[1], generator=seeded_generator(seed)).to(
+            torch.bfloat16
+        )
     else:
         x = torch.randn(3, cfg.size_k, generator=seeded_generator(seed)).to(torch.bfloat16)
     out_loaded, out_restored = fwd(loaded, cfg, x), fwd(restored, cfg, x)
@@ -116,8 +121,8 @@ def test_marlin_int_restore_invariant_and_checkpoint_forward(case):
     assert torch.equal(R.int_checkpoint_forward(tensors, cfg, x), out)
     w_name = "weight_packed" if cfg.quant.method == "ct_w4a16" else "qweight"
     vals = R.marlin_unrepack(getattr(loaded, w_name), cfg.quant.num_bits)
-    tail = torch.cat([vals[cfg.size_k:].reshape(-1), vals[:, cfg.size_n:].reshape(-1)])
-    assert torch.equal(tail, torch.zeros_like(tail))                  # padded tails are zero
+    tail = torch.cat([vals[cfg.size_k :].reshape(-1), vals[:, cfg.size_n :].reshape(-1)])
+    assert torch.equal(tail, torch.zeros_like(tail))  # padded tails are zero
 
 
 @settings(max_examples=25)
@@ -131,37 +136,49 @@ def test_fp8_restore_invariant(case):
         assert loaded.logical_output_size == cfg.size_n
         assert loaded.weight.shape[0] % 16 == 0 and loaded.weight.shape[1] % 16 == 0
         assert loaded.weight.stride() == (1, loaded.weight.shape[0])
-        tail = loaded.weight[:, cfg.size_n:].view(torch.uint8)
+        tail = loaded.weight[:, cfg.size_n :].view(torch.uint8)
         assert torch.equal(tail, torch.zeros_like(tail))
         if loaded.weight_scale.numel() > 1:
-            pad = loaded.weight_scale.reshape(-1)[cfg.size_n:]
+            pad = loaded.weight_scale.reshape(-1)[cfg.size_n :]
             assert torch.equal(pad, torch.ones_like(pad))
 
 
 @settings(max_examples=10)
-@given(st.sampled_from([32, 100, 128, 160]), st.sampled_from([64, 96, 256]), st.booleans(),
-       st.integers(0, 2 ** 16))
+@given(
+    st.sampled_from([32, 100, 128, 160]),
+    st.sampled_from([64, 96, 256]),
+    st.booleans(),
+    st.integers(0, 2**16),
+)
 def test_nvfp4_linear_restore_invariant(n, k, bias, seed):
     """NVFP4 linear on CUTLASS: restore == load; swizzled+padded forward equals the
     checkpoint dequantization (weight_scale_2 max) bit for bit, for K/16 % 4 != 0 too."""
     cfg = cuda_config("modelopt_fp4", k, n, bits=4, g=16, kernel="cutlass", bias=bias)
     tensors = nvfp4_linear_checkpoint(n, k, seed, bias)
     plan, loaded, _, x, out = assert_restore_invariant(cfg, tensors, seed)
-    w = R.e2m1_decode(tensors["weight"]) * tensors["weight_scale"].float().repeat_interleave(
-        16, dim=1) * tensors["weight_scale_2"].max()
+    w = (
+        R.e2m1_decode(tensors["weight"])
+        * tensors["weight_scale"].float().repeat_interleave(16, dim=1)
+        * tensors["weight_scale_2"].max()
+    )
     assert torch.equal(R._matmul(x, w.t(), tensors.get("bias")), out)
     assert torch.equal(loaded.alpha, tensors["input_scale"].max() * tensors["weight_scale_2"].max())
     assert not hasattr(loaded, "weight_scale_2") and not hasattr(loaded, "input_scale")
 
 
 @settings(max_examples=8)
-@given(st.sampled_from([1, 2, 3]), st.sampled_from([64, 128]), st.sampled_from([64, 128]),
-       st.integers(0, 2 ** 16))
+@given(
+    st.sampled_from([1, 2, 3]),
+    st.sampled_from([64, 128]),
+    st.sampled_from([64, 128]),
+    st.integers(0, 2**16),
+)
 def test_nvfp4_moe_restore_invariant(e, hidden, inter, seed):
     """NVFP4 fused MoE on CUTLASS experts: restore == load; the fused scale_2 equals
     scale_2[:, 0] * max(a13) exactly; the checkpoint is not modified (no in-place fuse)."""
-    cfg = cuda_config("modelopt_fp4", hidden, 2 * inter, bits=4, g=16, kind="moe",
-                  kernel="cutlass_moe")
+    cfg = cuda_config(
+        "modelopt_fp4", hidden, 2 * inter, bits=4, g=16, kind="moe", kernel="cutlass_moe"
+    )
     tensors = nvfp4_moe_checkpoint(e, hidden, inter, seed)
     plan, loaded, restored, x, out = assert_restore_invariant(cfg, tensors, seed)
     expect = tensors["w13_weight_scale_2"][:, 0] * tensors["w13_input_scale"].max(dim=1).values
@@ -186,28 +203,56 @@ def test_cutlass_restore_with_recorded_width_mismatch_raises():
 def _plan_cases():
     cases = []
     for k_, n_ in ((128, 96),):
-        for method, bits, zp in (("awq", 4, True), ("gptq", 8, False), ("ct_w4a16", 4, True),
-                                 ("ct_w4a16", 4, False)):
+        for method, bits, zp in (
+            ("awq", 4, True),
+            ("gptq", 8, False),
+            ("ct_w4a16", 4, True),
+            ("ct_w4a16", 4, False),
+        ):
             cfg = cuda_config(method, k_, n_, bits=bits, g=64, zp=zp, kernel="marlin", bias=True)
             cases.append((cfg, int_checkpoint(method, k_, n_, 64, bits, zp, True, 1)))
     w = (torch.randn(100, 64) * 0.05).to(torch.bfloat16)
-    for m, kern, strat in (("fp8_per_tensor", "cutlass", None), ("fp8_per_channel", "cutlass", None),
-                           ("fp8_per_block", "cutlass_block", "block"), ("mxfp8", "marlin", None)):
+    for m, kern, strat in (
+        ("fp8_per_tensor", "cutlass", None),
+        ("fp8_per_channel", "cutlass", None),
+        ("fp8_per_block", "cutlass_block", "block"),
+        ("mxfp8", "marlin", None),
+    ):
         cases.append((cuda_config(m, 64, 100, kernel=kern, strategy=strat), {"weight": w}))
     g = seeded_generator(3)
-    ser = {"weight": fp8_bits(g, (100, 64)), "weight_scale": torch.tensor([0.01, 0.02]),
-           "input_scale": torch.tensor([0.7, 0.9])}
+    ser = {
+        "weight": fp8_bits(g, (100, 64)),
+        "weight_scale": torch.tensor([0.01, 0.02]),
+        "input_scale": torch.tensor([0.7, 0.9]),
+    }
     lw = (("logical_widths", (50, 50)),)
-    for m, kern in (("ct_w8a8_fp8", "cutlass"), ("fp8", "cutlass"), ("ct_w8a8_fp8", "fp8_marlin"),
-                    ("fp8", "fp8_marlin")):
-        cases.append((cuda_config(m, 64, 100, strategy="tensor", static=True, kernel=kern,
-                              extra=lw), ser))
-    cases.append((cuda_config("fp8", 64, 100, strategy="block", kernel="cutlass_block"),
-                  {"weight": ser["weight"], "weight_scale_inv": torch.tensor([[0.01]])}))
-    cases.append((cuda_config("modelopt_fp4", 96, 100, bits=4, g=16, kernel="cutlass"),
-                  nvfp4_linear_checkpoint(100, 96, 4)))
-    cases.append((cuda_config("modelopt_fp4", 64, 128, bits=4, g=16, kind="moe",
-                          kernel="cutlass_moe"), nvfp4_moe_checkpoint(2, 64, 64, 5)))
+    for m, kern in (
+        ("ct_w8a8_fp8", "cutlass"),
+        ("fp8", "cutlass"),
+        ("ct_w8a8_fp8", "fp8_marlin"),
+        ("fp8", "fp8_marlin"),
+    ):
+        cases.append(
+            (cuda_config(m, 64, 100, strategy="tensor", static=True, kernel=kern, extra=lw), ser)
+        )
+    cases.append(
+        (
+            cuda_config("fp8", 64, 100, strategy="block", kernel="cutlass_block"),
+            {"weight": ser["weight"], "weight_scale_inv": torch.tensor([[0.01]])},
+        )
+    )
+    cases.append(
+        (
+            cuda_config("modelopt_fp4", 96, 100, bits=4, g=16, kernel="cutlass"),
+            nvfp4_linear_checkpoint(100, 96, 4),
+        )
+    )
+    cases.append(
+        (
+            cuda_config("modelopt_fp4", 64, 128, bits=4, g=16, kind="moe", kernel="cutlass_moe"),
+            nvfp4_moe_checkpoint(2, 64, 64, 5),
+        )
+    )
     return cases
 
 
@@ -250,14 +295,17 @@ def test_replayable_stages_twice_equals_once(cfg, tensors):
     """Replaying a plan's METADATA/ALLOCATE/DERIVE/VALIDATE stages twice on a restored
     layer gives the same snapshot as once, and the same recorded values."""
     plan = plan_for(cfg, target=_target(cfg)).plan
-    prepared = prepare_(make_module({k: v.clone() for k, v in tensors.items()}),
-                        plan.bind(cfg, _target(cfg)))
+    prepared = prepare_(
+        make_module({k: v.clone() for k, v in tensors.items()}), plan.bind(cfg, _target(cfg))
+    )
     once = export(prepared)
-    restore_(once, plan.bind(cfg, _target(cfg)), prepared.recorded, strict=True,
-             drops=prepared.drops)
+    restore_(
+        once, plan.bind(cfg, _target(cfg)), prepared.recorded, strict=True, drops=prepared.drops
+    )
     twice = export(prepared)
-    restore_(twice, plan.bind(cfg, _target(cfg)), prepared.recorded, strict=True,
-             drops=prepared.drops)
+    restore_(
+        twice, plan.bind(cfg, _target(cfg)), prepared.recorded, strict=True, drops=prepared.drops
+    )
     state2 = restore_(twice, plan.bind(cfg, _target(cfg)), prepared.recorded, strict=True)
     paths = attr_paths(plan)
     assert snapshot(once, paths) == snapshot(twice, paths)
@@ -287,9 +335,12 @@ def test_mistagged_activation_scale_fuse_replay_is_caught_by_guard():
     cfg, tensors = _moe_case()
     prepared = prepare_(make_module(tensors), nvfp4_plans.MOE.bind(cfg, B200))
     bad = evolve(F4.fuse_moe_activation_scale, tag=Tag.ALLOCATE)
-    plan = UncheckedPlan("modelopt_fp4", "cutlass_moe",
-                         tuple(bad if s.name == bad.name else s for s in nvfp4_plans.MOE.stages),
-                         checkpoint=nvfp4_plans.MOE.checkpoint)
+    plan = UncheckedPlan(
+        "modelopt_fp4",
+        "cutlass_moe",
+        tuple(bad if s.name == bad.name else s for s in nvfp4_plans.MOE.stages),
+        checkpoint=nvfp4_plans.MOE.checkpoint,
+    )
     restored = export(prepared)
     before = restored.w13_weight_scale_2.clone()
     with pytest.raises(RestoreWroteSharedTensor):
@@ -301,38 +352,49 @@ def test_vllm_style_in_place_fuse_on_restore_is_caught():
     """vLLM's form (``w13_weight_scale_2.mul_(w13_input_scale)``, declared as writing
     nothing) passes the build rules but the restore guard catches the in-place write."""
 
-    @unregistered_stage("nvfp4.fuse_moe_activation_scale", Tag.METADATA,
-                        reads=("w13_weight_scale_2", "w13_input_scale"),
-                        source="CutlassExpertsFp4 (vLLM)")
+    @unregistered_stage(
+        "nvfp4.fuse_moe_activation_scale",
+        Tag.METADATA,
+        reads=("w13_weight_scale_2", "w13_input_scale"),
+        source="CutlassExpertsFp4 (vLLM)",
+    )
     def in_place(t, c, tg, r):
         t["w13_weight_scale_2"].mul_(t["w13_input_scale"])
         return StageOut()
 
     cfg, tensors = _moe_case()
     prepared = prepare_(make_module(tensors), nvfp4_plans.MOE.bind(cfg, B200))
-    plan = Plan("modelopt_fp4", "cutlass_moe",
-                tuple(in_place if s.name == in_place.name else s for s in nvfp4_plans.MOE.stages),
-                checkpoint=nvfp4_plans.MOE.checkpoint)
+    plan = Plan(
+        "modelopt_fp4",
+        "cutlass_moe",
+        tuple(in_place if s.name == in_place.name else s for s in nvfp4_plans.MOE.stages),
+        checkpoint=nvfp4_plans.MOE.checkpoint,
+    )
     with pytest.raises(RestoreWroteSharedTensor, match="w13_weight_scale_2"):
         restore_(export(prepared), plan.bind(cfg, B200), prepared.recorded, strict=True)
 
 
-@pytest.mark.parametrize("method,n", [("fp8_per_tensor", 100), ("fp8_per_channel", 100),
-                                      ("fp8", 96)])
+@pytest.mark.parametrize(
+    "method,n", [("fp8_per_tensor", 100), ("fp8_per_channel", 100), ("fp8", 96)]
+)
 def test_cutlass_restore_without_logical_width_fails_invariant(method, n):
     """Without the METADATA stage (vLLM 0.32's pre-processed branch), the restored layer
     lacks the logical width: snapshots differ and the forward fails like vLLM's assert;
     mixing daemon and engine plans is refused."""
     k = 64
     if method == "fp8":
-        tensors = {"weight": fp8_bits(seeded_generator(1), (n, k)), "weight_scale": torch.tensor([0.01])}
+        tensors = {
+            "weight": fp8_bits(seeded_generator(1), (n, k)),
+            "weight_scale": torch.tensor([0.01]),
+        }
         cfg = cuda_config("fp8", k, n, strategy="tensor", kernel="cutlass")
     else:
         tensors = {"weight": torch.randn(n, k).to(torch.bfloat16)}
         cfg = cuda_config(method, k, n, kernel="cutlass")
     full = plan_for(cfg, target=H200).plan
-    lacking = evolve(full, stages=tuple(s for s in full.stages
-                                        if s.name != "cutlass.set_logical_output_size"))
+    lacking = evolve(
+        full, stages=tuple(s for s in full.stages if s.name != "cutlass.set_logical_output_size")
+    )
     loaded, restored_ok, _ = roundtrip(full, tensors, cfg, H200)
     _, restored_bad, prepared_bad = roundtrip(lacking, tensors, cfg, H200)
     paths = attr_paths(full)
@@ -342,8 +404,9 @@ def test_cutlass_restore_without_logical_width_fails_invariant(method, n):
     R.cutlass_fp8_forward(loaded, cfg, x)
     with pytest.raises(R.MissingLogicalWidth):
         R.cutlass_fp8_forward(restored_bad, cfg, x)
-    prepared_full = prepare_(make_module({k_: v.clone() for k_, v in tensors.items()}),
-                             full.bind(cfg, H200))
+    prepared_full = prepare_(
+        make_module({k_: v.clone() for k_, v in tensors.items()}), full.bind(cfg, H200)
+    )
     with pytest.raises(RecordedMismatch):
         restore_(export(prepared_full), lacking.bind(cfg, H200), prepared_full.recorded)
 
@@ -359,42 +422,102 @@ REGISTRY_CASES = [
     (cuda_config("awq", 128, 128, bits=4, g=64, zp=True, kernel="marlin"), marlin_plans.AWQ, H200),
     (cuda_config("gptq", 128, 128, bits=4, g=64, kernel="marlin"), marlin_plans.GPTQ, H200),
     (cuda_config("gptq", 128, 128, bits=8, g=-1, kernel="marlin"), marlin_plans.GPTQ, H200),
-    (cuda_config("ct_w4a16", 128, 128, bits=4, g=64, zp=True, kernel="marlin"),
-     marlin_plans.CT_W4A16, H200),
-    (cuda_config("ct_w8a8_fp8", 64, 64, strategy="channel", kernel="cutlass"), fp8_plans.CT_CUTLASS, H200),
-    (cuda_config("ct_w8a8_fp8", 64, 64, strategy="tensor", kernel="fp8_marlin"), fp8_plans.CT_MARLIN, H200),
-    (cuda_config("ct_w8a8_fp8", 64, 64, strategy="channel", kernel="cutlass",
-                 extra=PROCESSED_WEIGHT_DIMS), fp8_plans.CT_CUTLASS_V2, H200),
-    (cuda_config("ct_w8a8_fp8", 64, 64, strategy="tensor", kernel="fp8_marlin",
-                 extra=PROCESSED_WEIGHT_DIMS), fp8_plans.CT_MARLIN_V2, H200),
+    (
+        cuda_config("ct_w4a16", 128, 128, bits=4, g=64, zp=True, kernel="marlin"),
+        marlin_plans.CT_W4A16,
+        H200,
+    ),
+    (
+        cuda_config("ct_w8a8_fp8", 64, 64, strategy="channel", kernel="cutlass"),
+        fp8_plans.CT_CUTLASS,
+        H200,
+    ),
+    (
+        cuda_config("ct_w8a8_fp8", 64, 64, strategy="tensor", kernel="fp8_marlin"),
+        fp8_plans.CT_MARLIN,
+        H200,
+    ),
+    (
+        cuda_config(
+            "ct_w8a8_fp8", 64, 64, strategy="channel", kernel="cutlass", extra=PROCESSED_WEIGHT_DIMS
+        ),
+        fp8_plans.CT_CUTLASS_V2,
+        H200,
+    ),
+    (
+        cuda_config(
+            "ct_w8a8_fp8",
+            64,
+            64,
+            strategy="tensor",
+            kernel="fp8_marlin",
+            extra=PROCESSED_WEIGHT_DIMS,
+        ),
+        fp8_plans.CT_MARLIN_V2,
+        H200,
+    ),
     (cuda_config("fp8_per_tensor", 64, 64, kernel="cutlass"), fp8_plans.PER_TENSOR, H200),
     (cuda_config("fp8_per_channel", 64, 64, kernel="cutlass"), fp8_plans.PER_CHANNEL, H200),
-    (cuda_config("fp8_per_block", 64, 64, strategy="block", kernel="cutlass_block"),
-     fp8_plans.PER_BLOCK, H200),
-    (cuda_config("fp8", 64, 64, strategy="tensor", kernel="cutlass"), fp8_plans.SERIALIZED_CUTLASS, H200),
-    (cuda_config("fp8", 64, 64, strategy="block", kernel="cutlass_block"),
-     fp8_plans.SERIALIZED_BLOCK, H200),
-    (cuda_config("fp8", 64, 64, strategy="tensor", kernel="fp8_marlin"),
-     fp8_plans.SERIALIZED_MARLIN, H200),
+    (
+        cuda_config("fp8_per_block", 64, 64, strategy="block", kernel="cutlass_block"),
+        fp8_plans.PER_BLOCK,
+        H200,
+    ),
+    (
+        cuda_config("fp8", 64, 64, strategy="tensor", kernel="cutlass"),
+        fp8_plans.SERIALIZED_CUTLASS,
+        H200,
+    ),
+    (
+        cuda_config("fp8", 64, 64, strategy="block", kernel="cutlass_block"),
+        fp8_plans.SERIALIZED_BLOCK,
+        H200,
+    ),
+    (
+        cuda_config("fp8", 64, 64, strategy="tensor", kernel="fp8_marlin"),
+        fp8_plans.SERIALIZED_MARLIN,
+        H200,
+    ),
     (cuda_config("mxfp8", 64, 64, kernel="marlin"), mxfp8_plans.MARLIN, H200),
     (cuda_config("modelopt_fp4", 64, 64, bits=4, g=16, kernel="cutlass"), nvfp4_plans.LINEAR, B200),
-    (cuda_config("modelopt_fp4", 64, 64, bits=4, g=16, kind="moe", kernel="cutlass_moe"),
-     nvfp4_plans.MOE, B200),
-    (cuda_config("awq", 128, 128, bits=4, g=64, zp=True, kernel="machete", extra=MACHETE_EXTRA),
-     machete_plans.AWQ, H200),
-    (cuda_config("gptq", 128, 128, bits=4, g=64, kernel="machete", extra=MACHETE_EXTRA),
-     machete_plans.GPTQ, H200),
-    (cuda_config("ct_w4a16", 128, 128, bits=4, g=64, kernel="machete", extra=MACHETE_EXTRA),
-     machete_plans.CT_W4A16, H200),
-    (cuda_config("ct_w8a8_int8", 64, 64, bits=8, strategy="channel", kernel="cutlass_int8"),
-     cutlass_int8_plans.W8A8_INT8, H200),
-    (LayerConfig(QuantSpec("unquantized", kernel="none"), 128, 128), unquantized_plans.NONE_CUDA,
-     H200),
+    (
+        cuda_config("modelopt_fp4", 64, 64, bits=4, g=16, kind="moe", kernel="cutlass_moe"),
+        nvfp4_plans.MOE,
+        B200,
+    ),
+    (
+        cuda_config("awq", 128, 128, bits=4, g=64, zp=True, kernel="machete", extra=MACHETE_EXTRA),
+        machete_plans.AWQ,
+        H200,
+    ),
+    (
+        cuda_config("gptq", 128, 128, bits=4, g=64, kernel="machete", extra=MACHETE_EXTRA),
+        machete_plans.GPTQ,
+        H200,
+    ),
+    (
+        cuda_config("ct_w4a16", 128, 128, bits=4, g=64, kernel="machete", extra=MACHETE_EXTRA),
+        machete_plans.CT_W4A16,
+        H200,
+    ),
+    (
+        cuda_config("ct_w8a8_int8", 64, 64, bits=8, strategy="channel", kernel="cutlass_int8"),
+        cutlass_int8_plans.W8A8_INT8,
+        H200,
+    ),
+    (
+        LayerConfig(QuantSpec("unquantized", kernel="none"), 128, 128),
+        unquantized_plans.NONE_CUDA,
+        H200,
+    ),
 ]
 
 
-@pytest.mark.parametrize("cfg,plan,target", REGISTRY_CASES,
-                         ids=lambda v: getattr(v, "id", None) if isinstance(v, Plan) else None)
+@pytest.mark.parametrize(
+    "cfg,plan,target",
+    REGISTRY_CASES,
+    ids=lambda v: getattr(v, "id", None) if isinstance(v, Plan) else None,
+)
 def test_plan_registered_and_resolves(cfg, plan, target):
     """Each CUDA plan is in all_plans() and plan_for(spec with kernel, config, cuda target)
     resolves to it; on CPU the same spec is refused with a reason."""
@@ -404,9 +527,14 @@ def test_plan_registered_and_resolves(cfg, plan, target):
         plan_for(cfg, target=CPU).plan
 
 
-@pytest.mark.parametrize("v1,v2", [(fp8_plans.CT_CUTLASS, fp8_plans.CT_CUTLASS_V2),
-                                   (fp8_plans.CT_MARLIN, fp8_plans.CT_MARLIN_V2)],
-                         ids=["cutlass", "fp8_marlin"])
+@pytest.mark.parametrize(
+    "v1,v2",
+    [
+        (fp8_plans.CT_CUTLASS, fp8_plans.CT_CUTLASS_V2),
+        (fp8_plans.CT_MARLIN, fp8_plans.CT_MARLIN_V2),
+    ],
+    ids=["cutlass", "fp8_marlin"],
+)
 def test_ct_fp8_v2_is_v1_plus_processed_weight_dims(v1, v2):
     """The vLLM 0.33 plan (@2) is the 0.32 plan (@1) plus one METADATA stage that sets
     ``processed_weight_dims = (0, 1)``: same tensors and bytes, and restore replays the
@@ -416,11 +544,15 @@ def test_ct_fp8_v2_is_v1_plus_processed_weight_dims(v1, v2):
     assert [s for s in v2.stages if s is not F8.set_processed_weight_dims] == list(v1.stages)
     assert Tag.METADATA == F8.set_processed_weight_dims.tag
     kernel = v1.kernel
-    cfg = evolve(cuda_config("ct_w8a8_fp8", 128, 64, strategy="channel", kernel=kernel),
-                 extra=(("logical_widths", (64,)),) + PROCESSED_WEIGHT_DIMS)
+    cfg = evolve(
+        cuda_config("ct_w8a8_fp8", 128, 64, strategy="channel", kernel=kernel),
+        extra=(("logical_widths", (64,)),) + PROCESSED_WEIGHT_DIMS,
+    )
     gen = torch.Generator().manual_seed(3)
-    tensors = {"weight": fp8_bits(gen, (64, 128)),
-               "weight_scale": torch.rand(64, 1, generator=gen) * 0.01 + 1e-4}
+    tensors = {
+        "weight": fp8_bits(gen, (64, 128)),
+        "weight_scale": torch.rand(64, 1, generator=gen) * 0.01 + 1e-4,
+    }
 
     def layer():
         mod = torch.nn.Module()
@@ -445,11 +577,14 @@ def test_ct_fp8_plan_version_follows_the_layer_config():
 
     cfg = cuda_config("ct_w8a8_fp8", 64, 64, strategy="channel", kernel="cutlass")
     assert plan_for(cfg, target=H200).plan is fp8_plans.CT_CUTLASS
-    assert plan_for(evolve(cfg, extra=PROCESSED_WEIGHT_DIMS), target=H200).plan \
+    assert (
+        plan_for(evolve(cfg, extra=PROCESSED_WEIGHT_DIMS), target=H200).plan
         is fp8_plans.CT_CUTLASS_V2
+    )
     with pytest.raises(F8.Fp8LayoutError, match="ct_w8a8_fp8.layer.*processed_weight_dims"):
-        F8.set_processed_weight_dims.fn({}, evolve(cfg, extra=(("processed_weight_dims", (0,)),)),
-                                        H200, {})
+        F8.set_processed_weight_dims.fn(
+            {}, evolve(cfg, extra=(("processed_weight_dims", (0,)),)), H200, {}
+        )
 
 
 def test_plain_spec_without_kernel_gets_marlin_and_machete_only_when_named():
@@ -471,48 +606,109 @@ def test_all_cuda_plans_covered():
     or, for fused MoE, in tests/helpers/moe_cases.py's strategies (none untested)."""
     mine = {p.id for p in all_plans() if p.devices == ("cuda",)}
     assert mine == {plan.id for _, plan, _ in REGISTRY_CASES} | (
-        mine & set(moe_cases.PLAN_STRATEGIES))
+        mine & set(moe_cases.PLAN_STRATEGIES)
+    )
 
 
-@pytest.mark.parametrize("cfg,target,reason", [
-    (cuda_config("fp8", 64, 64, strategy="block", kernel="fp8_marlin"), H200, "Marlin block FP8"),
-    (cuda_config("ct_w8a8_fp8", 64, 64, strategy="block", kernel="fp8_marlin"), H200,
-     "Marlin block FP8"),
-    (cuda_config("awq", 128, 128, bits=4, g=64, zp=True, kind="moe", kernel="marlin"), H200,
-     "fused-MoE"),
-    (cuda_config("gptq", 128, 128, bits=4, g=64, kind="moe", kernel="marlin"), H200, "fused-MoE"),
-    (evolve(cuda_config("gptq", 128, 128, bits=4, g=64),
-            quant=QuantSpec("gptq", num_bits=4, group_size=64, kernel="marlin",
-                            options=(("marlin_input_dtype", "int8"),))), H200, "int8 activations"),
-    (evolve(cuda_config("ct_w4a16", 128, 128, bits=4, g=64),
-            quant=QuantSpec("ct_w4a16", num_bits=4, group_size=64, kernel="marlin",
-                            options=(("marlin_input_dtype", "fp8"),))), H200, "fp8 activations"),
-    (cuda_config("gptq", 128, 128, bits=4, g=64, kernel="marlin"),
-     Target("cuda", (9, 0), env=(("VLLM_MARLIN_INPUT_DTYPE", "fp8"),)), "fp8 activations"),
-    (cuda_config("fp8_per_tensor", 64, 64, kernel="cutlass"), Target("cuda", (8, 0)),
-     "compute capability >= 8.9"),
-    (cuda_config("modelopt_fp4", 64, 64, bits=4, g=16, kernel="cutlass"), H200, "Blackwell"),
-    (cuda_config("gptq", 128, 128, bits=4, g=64, kernel="marlin"), CPU, "CUDA kernel"),
-    (cuda_config("gptq", 128, 128, bits=4, g=64, zp=True, kernel="machete", extra=MACHETE_EXTRA),
-     H200, "asymmetric GPTQ"),
-    (cuda_config("ct_w8a8_int8", 64, 64, bits=8, strategy="group", kernel="cutlass_int8"), H200,
-     "tensor/channel"),
-])
+@pytest.mark.parametrize(
+    "cfg,target,reason",
+    [
+        (
+            cuda_config("fp8", 64, 64, strategy="block", kernel="fp8_marlin"),
+            H200,
+            "Marlin block FP8",
+        ),
+        (
+            cuda_config("ct_w8a8_fp8", 64, 64, strategy="block", kernel="fp8_marlin"),
+            H200,
+            "Marlin block FP8",
+        ),
+        (
+            cuda_config("awq", 128, 128, bits=4, g=64, zp=True, kind="moe", kernel="marlin"),
+            H200,
+            "fused-MoE",
+        ),
+        (
+            cuda_config("gptq", 128, 128, bits=4, g=64, kind="moe", kernel="marlin"),
+            H200,
+            "fused-MoE",
+        ),
+        (
+            evolve(
+                cuda_config("gptq", 128, 128, bits=4, g=64),
+                quant=QuantSpec(
+                    "gptq",
+                    num_bits=4,
+                    group_size=64,
+                    kernel="marlin",
+                    options=(("marlin_input_dtype", "int8"),),
+                ),
+            ),
+            H200,
+            "int8 activations",
+        ),
+        (
+            evolve(
+                cuda_config("ct_w4a16", 128, 128, bits=4, g=64),
+                quant=QuantSpec(
+                    "ct_w4a16",
+                    num_bits=4,
+                    group_size=64,
+                    kernel="marlin",
+                    options=(("marlin_input_dtype", "fp8"),),
+                ),
+            ),
+            H200,
+            "fp8 activations",
+        ),
+        (
+            cuda_config("gptq", 128, 128, bits=4, g=64, kernel="marlin"),
+            Target("cuda", (9, 0), env=(("VLLM_MARLIN_INPUT_DTYPE", "fp8"),)),
+            "fp8 activations",
+        ),
+        (
+            cuda_config("fp8_per_tensor", 64, 64, kernel="cutlass"),
+            Target("cuda", (8, 0)),
+            "compute capability >= 8.9",
+        ),
+        (cuda_config("modelopt_fp4", 64, 64, bits=4, g=16, kernel="cutlass"), H200, "Blackwell"),
+        (cuda_config("gptq", 128, 128, bits=4, g=64, kernel="marlin"), CPU, "CUDA kernel"),
+        (
+            cuda_config(
+                "gptq", 128, 128, bits=4, g=64, zp=True, kernel="machete", extra=MACHETE_EXTRA
+            ),
+            H200,
+            "asymmetric GPTQ",
+        ),
+        (
+            cuda_config("ct_w8a8_int8", 64, 64, bits=8, strategy="group", kernel="cutlass_int8"),
+            H200,
+            "tensor/channel",
+        ),
+    ],
+)
 def test_refused_cases_raise_noplan_with_reason(cfg, target, reason):
     """Unsupported combinations raise NoPlan whose message names the reason."""
     with pytest.raises(NoPlan, match=reason):
         plan_for(cfg, target=target).plan
 
 
-@pytest.mark.parametrize("dims", [5, (0,), (0, 1, 2), "01", (0.7, 1.2), (0, 0), (True, False)],
-                         ids=repr)
+@pytest.mark.parametrize(
+    "dims", [5, (0,), (0, 1, 2), "01", (0.7, 1.2), (0, 0), (True, False)], ids=repr
+)
 def test_malformed_processed_weight_dims_is_refused_by_plan_and_stage(dims):
     """A processed_weight_dims that is not a pair of the dims 0 and 1 selects no plan (the
     reason names it) and the stage raises Fp8LayoutError, never a bare TypeError or a coercion."""
     from wcache.stages import fp8 as F8
 
-    cfg = cuda_config("ct_w8a8_fp8", 64, 64, strategy="channel", kernel="cutlass",
-                      extra=(("processed_weight_dims", dims),))
+    cfg = cuda_config(
+        "ct_w8a8_fp8",
+        64,
+        64,
+        strategy="channel",
+        kernel="cutlass",
+        extra=(("processed_weight_dims", dims),),
+    )
     with pytest.raises(NoPlan, match="processed_weight_dims"):
         plan_for(cfg, target=H200).plan
     with pytest.raises(F8.Fp8LayoutError, match="pair of ints"):

@@ -20,13 +20,12 @@ import pytest
 import torch
 from attrs import evolve
 
+from tests.helpers import vllm_layers as VL
 from wcache.core import NoPlan, Target
 from wcache.plans import all_plans
 from wcache.plans.fused_moe import MOE_METHODS
 from wcache.plans.registry import plan_for
 from wcache.shell import load_, prepare_, restore_, snapshot
-
-from tests.helpers import vllm_layers as VL
 
 pytest.importorskip("vllm")
 
@@ -44,10 +43,15 @@ def _moe_layer(hidden: int, inter: int, quant_config=None, meta: bool = False, e
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 
     with VL.vllm_context("meta" if meta else "cpu", torch.bfloat16):
-        moe = FusedMoEFactory(num_experts=experts, top_k=2, hidden_size=hidden,
-                              intermediate_size=inter, params_dtype=torch.bfloat16,
-                              quant_config=quant_config,
-                              prefix=f"model.layers.{next(_IDS)}.mlp.experts")
+        moe = FusedMoEFactory(
+            num_experts=experts,
+            top_k=2,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            params_dtype=torch.bfloat16,
+            quant_config=quant_config,
+            prefix=f"model.layers.{next(_IDS)}.mlp.experts",
+        )
     return moe.routed_experts
 
 
@@ -55,13 +59,16 @@ def _fill(layer, seed: int) -> None:
     """Random checkpoint values of each tensor's dtype (FP8 weights from bf16 values,
     positive scales)."""
     with torch.no_grad():
-        for i, (name, p) in enumerate(sorted(layer.named_parameters())):
+        for i, (_name, p) in enumerate(sorted(layer.named_parameters())):
             g = torch.Generator().manual_seed(seed + i)
             if p.dtype == torch.float32:
                 value = torch.rand(tuple(p.shape), generator=g, dtype=torch.float32) * 0.019 + 1e-3
             else:
-                value = (torch.randn(tuple(p.shape), generator=g, dtype=torch.float32) * 0.05 * (
-                    100 if p.dtype == torch.float8_e4m3fn else 1)).to(p.dtype)
+                value = (
+                    torch.randn(tuple(p.shape), generator=g, dtype=torch.float32)
+                    * 0.05
+                    * (100 if p.dtype == torch.float8_e4m3fn else 1)
+                ).to(p.dtype)
             p.data.copy_(value)
 
 
@@ -135,7 +142,10 @@ def test_unquantized_moe_on_vllm_cpu(own_forward_context, hidden, inter):
     kid = moe_kernel_id(qm.unquantized_backend.name, qm.experts_cls.__name__)
     config, vllm_layer, restored = _contract(
         lambda meta=False: _moe_layer(hidden, inter, meta=meta),
-        lambda layer: _fill(layer, inter), CPU_HOST, f"unquantized_moe/{kid}@1")
+        lambda layer: _fill(layer, inter),
+        CPU_HOST,
+        f"unquantized_moe/{kid}@1",
+    )
     assert config.moe.backend == "CPU"
     assert config.moe.experts == type(vllm_layer.quant_method.moe_kernel.fused_experts).__name__
     assert vllm_layer.quant_method.moe_kernel.fused_experts._use_zentorch is False
@@ -174,8 +184,9 @@ def simulated_cuda(monkeypatch, own_forward_context):
     monkeypatch.setattr(current_platform, "supports_fp8", lambda: True)
     # vLLM 0.33's FP8 MoE oracle asks the model type whether to drop DeepGEMM
     model_config = VL._STATE["cfg"].model_config
-    monkeypatch.setattr(model_config, "hf_text_config",
-                        types.SimpleNamespace(model_type="qwen3_moe"), raising=False)
+    monkeypatch.setattr(
+        model_config, "hf_text_config", types.SimpleNamespace(model_type="qwen3_moe"), raising=False
+    )
 
 
 @pytest.mark.parametrize("hidden,inter", [(128, 96), (256, 128)])
@@ -185,22 +196,30 @@ def test_unquantized_moe_triton_sm90(simulated_cuda, hidden, inter):
     kernel objects."""
     config, vllm_layer, restored = _contract(
         lambda meta=False: _moe_layer(hidden, inter, meta=meta),
-        lambda layer: _fill(layer, hidden), H200, "unquantized_moe/triton@1")
+        lambda layer: _fill(layer, hidden),
+        H200,
+        "unquantized_moe/triton@1",
+    )
     assert (config.moe.backend, config.moe.experts) == ("TRITON", "TritonExperts")
 
 
 def _fp8_config(block: bool, static: bool = False):
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 
-    return Fp8Config(is_checkpoint_fp8_serialized=True,
-                     activation_scheme="static" if static else "dynamic",
-                     weight_block_size=[128, 128] if block else None)
+    return Fp8Config(
+        is_checkpoint_fp8_serialized=True,
+        activation_scheme="static" if static else "dynamic",
+        weight_block_size=[128, 128] if block else None,
+    )
 
 
-@pytest.mark.parametrize("block,static,plan", [
-    (True, False, "fp8_moe_block/triton@1"),
-    (False, False, "fp8_moe_tensor/triton@1"),
-])
+@pytest.mark.parametrize(
+    "block,static,plan",
+    [
+        (True, False, "fp8_moe_block/triton@1"),
+        (False, False, "fp8_moe_tensor/triton@1"),
+    ],
+)
 def test_serialized_fp8_moe_triton_sm90(simulated_cuda, block, static, plan):
     """Fp8MoEMethod on sm90 without FlashInfer resolves TRITON: block 128x128 (no
     post-load bytes) and per tensor (w1/w3 requantized to the max scale, in place in
@@ -208,7 +227,10 @@ def test_serialized_fp8_moe_triton_sm90(simulated_cuda, block, static, plan):
     hidden, inter = 256, 128
     config, vllm_layer, restored = _contract(
         lambda meta=False: _moe_layer(hidden, inter, _fp8_config(block, static), meta=meta),
-        lambda layer: _fill(layer, 7), H200, plan)
+        lambda layer: _fill(layer, 7),
+        H200,
+        plan,
+    )
     assert (config.moe.backend, config.moe.experts) == ("TRITON", "TritonExperts")
     if not block:
         assert tuple(restored.w13_weight_scale.shape) == (4,)
@@ -219,10 +241,17 @@ def test_other_backends_are_refused_by_name():
     is refused by plan_for before any tensor is read, naming the backend and why."""
     from tests.helpers import moe_cases as mc
 
-    for backend, why in (("FLASHINFER_CUTLASS", "swaps w13 to w31"),
-                         ("DEEPGEMM", "UE8M0")):
-        cfg = mc.moe_config("fp8_moe_block", backend.lower(), experts=2, hidden=128,
-                            inter=128, backend=backend, experts_cls="X", strategy="block")
+    for backend, why in (("FLASHINFER_CUTLASS", "swaps w13 to w31"), ("DEEPGEMM", "UE8M0")):
+        cfg = mc.moe_config(
+            "fp8_moe_block",
+            backend.lower(),
+            experts=2,
+            hidden=128,
+            inter=128,
+            backend=backend,
+            experts_cls="X",
+            strategy="block",
+        )
         with pytest.raises(NoPlan, match=backend.lower()) as err:
             plan_for(cfg, target=H200)
         assert backend in str(err.value) and why in str(err.value)
@@ -233,8 +262,11 @@ def test_every_moe_plan_has_one_kernel_row_and_back():
     a restore needs) and names no plan that does not exist."""
     from wcache.vllm.moe import KERNELS
 
-    moe_plans = {f"{p.method}/{p.kernel}" for p in all_plans()
-                 if p.method in MOE_METHODS or p.kernel == "cutlass_moe"}
+    moe_plans = {
+        f"{p.method}/{p.kernel}"
+        for p in all_plans()
+        if p.method in MOE_METHODS or p.kernel == "cutlass_moe"
+    }
     rows = [plan for row in KERNELS for plan in row.plans]
     assert sorted(rows) == sorted(set(rows))
     assert set(rows) == moe_plans
@@ -245,8 +277,18 @@ def test_changed_backend_changes_the_plan_id():
     layer under another resolved CPU experts class resolves another plan."""
     from tests.helpers import moe_cases as mc
 
-    cfg = mc.moe_config("unquantized_moe", "cpu_vec", experts=2, hidden=128, inter=64,
-                        backend="CPU", experts_cls="CPUUnquantizedExperts")
-    amx = evolve(cfg, quant=evolve(cfg.quant, kernel="cpu_amx"),
-                 moe=evolve(cfg.moe, experts="X86CPUUnquantizedExperts"))
+    cfg = mc.moe_config(
+        "unquantized_moe",
+        "cpu_vec",
+        experts=2,
+        hidden=128,
+        inter=64,
+        backend="CPU",
+        experts_cls="CPUUnquantizedExperts",
+    )
+    amx = evolve(
+        cfg,
+        quant=evolve(cfg.quant, kernel="cpu_amx"),
+        moe=evolve(cfg.moe, experts="X86CPUUnquantizedExperts"),
+    )
     assert plan_for(cfg, target=mc.CPU).id != plan_for(amx, target=mc.CPU).id

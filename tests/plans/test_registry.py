@@ -47,8 +47,11 @@ AMX = cpu.AMX
 
 def _wcache_stages() -> dict[str, object]:
     """Registered stages defined by wcache's own stage modules (tests register toys)."""
-    return {name: value for name, value in registered_stages().items()
-            if value.fn.__module__.startswith("wcache.stages.")}
+    return {
+        name: value
+        for name, value in registered_stages().items()
+        if value.fn.__module__.startswith("wcache.stages.")
+    }
 
 
 # --------------------------------------------------------------------------- strategies
@@ -70,10 +73,15 @@ def _scalar(value: float) -> torch.Tensor:
 @st.composite
 def _attention(draw) -> tuple:
     """An attention layer without a KV-cache method: the four 0-d scale buffers."""
-    tensors = {n: _scalar(draw(st.floats(0.0625, 4.0, width=32)))
-               for n in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")}
-    return (LayerConfig(QuantSpec("attention", layer_kind="attention"), 0, 0, name="attn"),
-            tensors, cpu.AVX512)
+    tensors = {
+        n: _scalar(draw(st.floats(0.0625, 4.0, width=32)))
+        for n in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
+    }
+    return (
+        LayerConfig(QuantSpec("attention", layer_kind="attention"), 0, 0, name="attn"),
+        tensors,
+        cpu.AVX512,
+    )
 
 
 @st.composite
@@ -82,13 +90,27 @@ def _ct_kv_cache(draw) -> tuple:
     unused zero points and the three 0-d buffers."""
     heads = draw(st.sampled_from([1, 2, 4]))
     scale = st.lists(st.floats(0.0625, 4.0, width=32), min_size=heads, max_size=heads)
-    tensors = {n: torch.tensor(draw(scale), dtype=torch.float32)
-               for n in ("k_scale", "v_scale", "q_scale")}
-    tensors.update({n: torch.zeros(heads, dtype=torch.int8)
-                    for n in ("k_zero_point", "v_zero_point", "q_zero_point")})
+    tensors = {
+        n: torch.tensor(draw(scale), dtype=torch.float32) for n in ("k_scale", "v_scale", "q_scale")
+    }
+    tensors.update(
+        {
+            n: torch.zeros(heads, dtype=torch.int8)
+            for n in ("k_zero_point", "v_zero_point", "q_zero_point")
+        }
+    )
     tensors.update({n: _scalar(1.0) for n in ("_k_scale", "_v_scale", "_q_scale")})
-    return (LayerConfig(QuantSpec("ct_kv_cache", layer_kind="attention"), 0, 0, name="attn",
-                        extra={"kv_cache_dtype": "fp8"}), tensors, cpu.AVX512)
+    return (
+        LayerConfig(
+            QuantSpec("ct_kv_cache", layer_kind="attention"),
+            0,
+            0,
+            name="attn",
+            extra={"kv_cache_dtype": "fp8"},
+        ),
+        tensors,
+        cpu.AVX512,
+    )
 
 
 def _cuda(strategy: st.SearchStrategy, target: Target) -> st.SearchStrategy:
@@ -100,16 +122,20 @@ def _nvfp4_linear(draw) -> tuple:
     n, k = draw(st.sampled_from([32, 100, 128])), draw(st.sampled_from([64, 128]))
     bias = draw(st.booleans())
     cfg = cuda.cuda_config("modelopt_fp4", k, n, bits=4, g=16, kernel="cutlass", bias=bias)
-    return cfg, cuda.nvfp4_linear_checkpoint(n, k, draw(st.integers(0, 2 ** 16)), bias), B200
+    return cfg, cuda.nvfp4_linear_checkpoint(n, k, draw(st.integers(0, 2**16)), bias), B200
 
 
 @st.composite
 def _nvfp4_moe(draw) -> tuple:
-    e, hidden, inter = (draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([64, 128])),
-                        draw(st.sampled_from([64, 128])))
-    cfg = cuda.cuda_config("modelopt_fp4", hidden, inter, bits=4, g=16, kind="moe",
-                       kernel="cutlass_moe")
-    return cfg, cuda.nvfp4_moe_checkpoint(e, hidden, inter, draw(st.integers(0, 2 ** 16))), B200
+    e, hidden, inter = (
+        draw(st.sampled_from([1, 2, 3])),
+        draw(st.sampled_from([64, 128])),
+        draw(st.sampled_from([64, 128])),
+    )
+    cfg = cuda.cuda_config(
+        "modelopt_fp4", hidden, inter, bits=4, g=16, kind="moe", kernel="cutlass_moe"
+    )
+    return cfg, cuda.nvfp4_moe_checkpoint(e, hidden, inter, draw(st.integers(0, 2**16))), B200
 
 
 #: plan id -> a strategy of ``(config, checkpoint tensors, target)`` drawing that plan's
@@ -130,16 +156,30 @@ PLAN_STRATEGIES: dict[str, st.SearchStrategy] = {
     "kv_cache/scales@1": _from_vllm("kv_cache", cpu.AVX512),
     "ct_kv_cache/scales@1": _ct_kv_cache(),
     "attention/default@1": _attention(),
-    **{plan_id: _cuda(cuda.marlin_int_cases(), H200)
-       for plan_id in ("awq/marlin@1", "gptq/marlin@1", "ct_w4a16/marlin@1")},
-    **{plan_id: _cuda(cuda.fp8_cases(), H200)
-       for plan_id in ("fp8_per_tensor/cutlass@1", "fp8_per_channel/cutlass@1",
-                       "fp8_per_block/cutlass_block@1", "ct_w8a8_fp8/cutlass@1",
-                       "fp8/cutlass@1", "fp8/cutlass_block@1", "ct_w8a8_fp8/fp8_marlin@1",
-                       "ct_w8a8_fp8/cutlass@2", "ct_w8a8_fp8/fp8_marlin@2",
-                       "fp8/fp8_marlin@1", "mxfp8/marlin@1")},
-    **{plan_id: _cuda(cuda.machete_int_cases(), H200)
-       for plan_id in ("awq/machete@1", "gptq/machete@1", "ct_w4a16/machete@1")},
+    **{
+        plan_id: _cuda(cuda.marlin_int_cases(), H200)
+        for plan_id in ("awq/marlin@1", "gptq/marlin@1", "ct_w4a16/marlin@1")
+    },
+    **{
+        plan_id: _cuda(cuda.fp8_cases(), H200)
+        for plan_id in (
+            "fp8_per_tensor/cutlass@1",
+            "fp8_per_channel/cutlass@1",
+            "fp8_per_block/cutlass_block@1",
+            "ct_w8a8_fp8/cutlass@1",
+            "fp8/cutlass@1",
+            "fp8/cutlass_block@1",
+            "ct_w8a8_fp8/fp8_marlin@1",
+            "ct_w8a8_fp8/cutlass@2",
+            "ct_w8a8_fp8/fp8_marlin@2",
+            "fp8/fp8_marlin@1",
+            "mxfp8/marlin@1",
+        )
+    },
+    **{
+        plan_id: _cuda(cuda.machete_int_cases(), H200)
+        for plan_id in ("awq/machete@1", "gptq/machete@1", "ct_w4a16/machete@1")
+    },
     "ct_w8a8_int8/cutlass_int8@1": _cuda(cuda.cutlass_int8_cases(), H200),
     "modelopt_fp4/cutlass@1": _nvfp4_linear(),
     "modelopt_fp4/cutlass_moe@1": _nvfp4_moe(),
@@ -154,6 +194,7 @@ def _resolves_to(plan_id: str):
             return plan_for(config, target=target).id == plan_id
         except Exception:  # noqa: BLE001  (a draw of the family another plan takes)
             return False
+
     return check
 
 
@@ -194,8 +235,11 @@ def test_every_stage_is_in_plans_md():
 
 
 @pytest.mark.parametrize("plan_id", sorted(PLAN_STRATEGIES))
-@settings(max_examples=6, deadline=None,
-          suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+@settings(
+    max_examples=6,
+    deadline=None,
+    suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
+)
 @given(data=st.data())
 def test_strategy_draws_inputs_every_stage_runs_on_meta(plan_id, data):
     """A draw resolves to its plan, and the plan's whole load fold runs on meta copies
@@ -218,8 +262,10 @@ def test_every_plan_module_is_imported():
     registering = set()
     for path in (ROOT / "wcache" / "plans").glob("*.py"):
         tree = ast.parse(path.read_text())
-        if any(isinstance(n, ast.Call) and getattr(n.func, "id", None) == "register"
-               for n in ast.walk(tree)):
+        if any(
+            isinstance(n, ast.Call) and getattr(n.func, "id", None) == "register"
+            for n in ast.walk(tree)
+        ):
             registering.add(path.stem)
     assert registering == set(PLAN_MODULES)
 

@@ -27,8 +27,9 @@ def _round_trip(value):
 
 
 def _wcache_registered() -> dict:
-    return {n: v for n, v in registered_stages().items()
-            if v.fn.__module__.startswith("wcache.stages.")}
+    return {
+        n: v for n, v in registered_stages().items() if v.fn.__module__.startswith("wcache.stages.")
+    }
 
 
 @pytest.mark.parametrize("name", sorted(_wcache_registered()))
@@ -42,9 +43,11 @@ def test_every_registered_stage_pickles_and_round_trips_equal(name):
         assert back is value
 
 
-@pytest.mark.parametrize("stage_", sorted({s for p in all_plans() for s in p.stages},
-                                          key=lambda s: (s.name, repr(s.params))),
-                         ids=lambda s: f"{s.name}{dict(s.params) or ''}")
+@pytest.mark.parametrize(
+    "stage_",
+    sorted({s for p in all_plans() for s in p.stages}, key=lambda s: (s.name, repr(s.params))),
+    ids=lambda s: f"{s.name}{dict(s.params) or ''}",
+)
 def test_every_stage_a_plan_runs_pickles_and_round_trips_equal(stage_):
     """Every stage value in a registered plan (parameterized ones included) pickles by
     reference to its registered definition and comes back equal, with an equal hash."""
@@ -87,8 +90,10 @@ def test_a_parameterized_stage_is_one_definition_whose_parameters_are_its_value(
     assert (("w_q", "qweight"), ("n_major", False)) == a.params
     assert "params=(('w_q', 'qweight'), ('n_major', False))" in repr(a)
     assert ("qweight",) == a.reads == a.writes
-    assert frozenset({"weight_zero_point"}) == cpu_wna16.transpose_zero_points(
-        "weight_zero_point", asymmetric_only=True).optional
+    assert (
+        frozenset({"weight_zero_point"})
+        == cpu_wna16.transpose_zero_points("weight_zero_point", asymmetric_only=True).optional
+    )
     assert frozenset() == cpu_wna16.transpose_zero_points("qzeros").optional
     with pytest.raises(TypeError):
         marlin.repack_stage("qweight", bogus=True)

@@ -58,8 +58,7 @@ def _gen(seed: int) -> torch.Generator:
 
 
 def _int32(seed: int, shape) -> torch.Tensor:
-    return torch.randint(-2**31, 2**31 - 1, tuple(shape), dtype=torch.int32,
-                         generator=_gen(seed))
+    return torch.randint(-(2**31), 2**31 - 1, tuple(shape), dtype=torch.int32, generator=_gen(seed))
 
 
 def _module(**tensors: torch.Tensor) -> torch.nn.Module:
@@ -70,8 +69,12 @@ def _module(**tensors: torch.Tensor) -> torch.nn.Module:
 
 
 def _run(st_: Stage, tensors, config, target=NON_AMX, recorded=None) -> StageOut:
-    return st_(types.MappingProxyType(dict(tensors)), config, target,
-                  types.MappingProxyType(dict(recorded or {})))
+    return st_(
+        types.MappingProxyType(dict(tensors)),
+        config,
+        target,
+        types.MappingProxyType(dict(recorded or {})),
+    )
 
 
 def _cfg(method="awq", k=128, n=64, g=32, dtype="bfloat16", **kw) -> LayerConfig:
@@ -79,9 +82,12 @@ def _cfg(method="awq", k=128, n=64, g=32, dtype="bfloat16", **kw) -> LayerConfig
 
 
 # sizes: size_k and size_n multiples of 32 (CPUWNA16), groups dividing size_k
-shapes = st.tuples(st.integers(1, 6).map(lambda i: 32 * i),
-                   st.integers(1, 4).map(lambda i: 32 * i),
-                   st.sampled_from([-1, 32]), st.integers(0, 2**16))
+shapes = st.tuples(
+    st.integers(1, 6).map(lambda i: 32 * i),
+    st.integers(1, 4).map(lambda i: 32 * i),
+    st.sampled_from([-1, 32]),
+    st.integers(0, 2**16),
+)
 
 
 # --------------------------------------------------------------------------- common
@@ -121,8 +127,9 @@ def test_awq_convert_to_standard_gives_gptq_pack(shape):
     _, q_w, _, _ = qu.quantize_weights(w, scalar_types.uint4, g, zero_points=True)
     awq_packed = qu.awq_pack(q_w, 4, k, n)
     qzeros = torch.zeros(1 if g == -1 else k // g, n // 8, dtype=torch.int32)
-    out = _run(awq.convert_to_standard, {"qweight": awq_packed, "qzeros": qzeros},
-               _cfg(k=k, n=n, g=g))
+    out = _run(
+        awq.convert_to_standard, {"qweight": awq_packed, "qzeros": qzeros}, _cfg(k=k, n=n, g=g)
+    )
     assert torch.equal(qu.gptq_pack(q_w, 4, k, n), out.tensors["qweight"])
 
 
@@ -133,12 +140,17 @@ def _vllm_cpu_kernel(k, n, g, zero_points, act=BF16):
     from vllm.model_executor.kernels.linear import MPLinearLayerConfig
     from vllm.model_executor.kernels.linear.mixed_precision.cpu import CPUWNA16LinearKernel
 
-    cfg = MPLinearLayerConfig(full_weight_shape=(k, n), partition_weight_shape=(k, n),
-                              weight_type=scalar_types.uint4 if zero_points
-                              else scalar_types.uint4b8,
-                              act_type=act, group_size=g, zero_points=zero_points)
-    return CPUWNA16LinearKernel(cfg, w_q_param_name="qweight", w_s_param_name="scales",
-                                w_zp_param_name="qzeros")
+    cfg = MPLinearLayerConfig(
+        full_weight_shape=(k, n),
+        partition_weight_shape=(k, n),
+        weight_type=scalar_types.uint4 if zero_points else scalar_types.uint4b8,
+        act_type=act,
+        group_size=g,
+        zero_points=zero_points,
+    )
+    return CPUWNA16LinearKernel(
+        cfg, w_q_param_name="qweight", w_s_param_name="scales", w_zp_param_name="qzeros"
+    )
 
 
 @given(shapes)
@@ -158,10 +170,14 @@ def test_cpu_wna16_repack_matches_vllm(shape):
 
 
 #: shapes the w4a8 layout's op can block (size_k a multiple of min(group, 128)).
-w4a8_shapes = st.tuples(st.sampled_from([32, 64, 128, 256, 384]),
-                        st.integers(1, 4).map(lambda i: 32 * i),
-                        st.sampled_from([-1, 32]), st.integers(0, 2**16), st.booleans(),
-                        st.booleans())
+w4a8_shapes = st.tuples(
+    st.sampled_from([32, 64, 128, 256, 384]),
+    st.integers(1, 4).map(lambda i: 32 * i),
+    st.sampled_from([-1, 32]),
+    st.integers(0, 2**16),
+    st.booleans(),
+    st.booleans(),
+)
 
 
 @pytest.mark.skipif(not HAS_W4A8_OPS, reason="vLLM's kernel library here lacks the w4a8 ops")
@@ -190,19 +206,21 @@ def test_cpu_wna16_repack_w4a8_matches_vllm(shape):
         assert torch.equal(getattr(ref, name).data, out[name]), name
         assert getattr(ref, name).dtype == out[name].dtype, name
     cast = _run(cpu_wna16.cast_bias_to_float32, {"bias": b} if bias else {}, cfg, AMX).tensors
-    assert (torch.equal(ref.bias.data, cast["bias"]) if bias else {} == dict(cast))
+    assert torch.equal(ref.bias.data, cast["bias"]) if bias else {} == dict(cast)
     meta = _run(stage_, {k_: v.to("meta") for k_, v in tensors.items()}, cfg, AMX).tensors
-    assert {k_: (v.shape, v.dtype) for k_, v in out.items()} == \
-        {k_: (v.shape, v.dtype) for k_, v in meta.items()}
+    assert {k_: (v.shape, v.dtype) for k_, v in out.items()} == {
+        k_: (v.shape, v.dtype) for k_, v in meta.items()
+    }
 
 
 def test_repack_w4a8_refuses_w4a16_target():
     """repack_w4a8 refuses a target that selects the w4a16 layout (no AMX/RISC-V)."""
-    tensors = {"qweight": torch.zeros(16, 64, dtype=torch.int32),
-               "scales": torch.ones(4, 64, dtype=BF16)}
+    tensors = {
+        "qweight": torch.zeros(16, 64, dtype=torch.int32),
+        "scales": torch.ones(4, 64, dtype=BF16),
+    }
     with pytest.raises(common.StageInputError, match="w4a16"):
-        _run(cpu_wna16.repack_w4a8("qweight", "scales", "qzeros"), tensors, _cfg("gptq"),
-             NON_AMX)
+        _run(cpu_wna16.repack_w4a8("qweight", "scales", "qzeros"), tensors, _cfg("gptq"), NON_AMX)
 
 
 @pytest.mark.skipif(not HAS_W4A8_OPS, reason="vLLM's kernel library here lacks the w4a8 ops")
@@ -211,31 +229,47 @@ def test_w4a8_op_fails_where_the_plan_refuses():
     multiple of the op's 128-row block), vLLM's own op fails too: the refusal is
     vLLM's limit, not wcache's."""
     k, n = 192, 32
-    cfg = LayerConfig(QuantSpec("awq", num_bits=4, group_size=-1, zero_point=True), k, n,
-                      "bfloat16")
+    cfg = LayerConfig(
+        QuantSpec("awq", num_bits=4, group_size=-1, zero_point=True), k, n, "bfloat16"
+    )
     assert "cannot block size_k 192" in cpu_wna16.can_implement_w4a8(cfg, AMX)
     with pytest.raises(RuntimeError, match="invalid"):
         torch.ops._C.convert_weight_packed_scale_zp(
-            torch.zeros(k, n // 8, dtype=torch.int32), torch.zeros(1, n // 8, dtype=torch.int32),
-            torch.ones(1, n, dtype=BF16), 0)
+            torch.zeros(k, n // 8, dtype=torch.int32),
+            torch.zeros(1, n // 8, dtype=torch.int32),
+            torch.ones(1, n, dtype=BF16),
+            0,
+        )
 
 
-@pytest.mark.parametrize("isa,dtype,expected", [
-    ((), BF16, "vec"), (("avx512", "avx512_bf16"), BF16, "vec"), (("amx",), BF16, "amx"),
-    (("amx",), torch.float16, "vec"), (("riscv",), torch.float16, "rvv"),
-    (("power",), BF16, "vsx"), (("power",), torch.float32, "vec"),
-])
+@pytest.mark.parametrize(
+    "isa,dtype,expected",
+    [
+        ((), BF16, "vec"),
+        (("avx512", "avx512_bf16"), BF16, "vec"),
+        (("amx",), BF16, "amx"),
+        (("amx",), torch.float16, "vec"),
+        (("riscv",), torch.float16, "rvv"),
+        (("power",), BF16, "vsx"),
+        (("power",), torch.float32, "vec"),
+    ],
+)
 def test_isa_hint_table(isa, dtype, expected):
     """isa_hint follows vLLM's _get_isa_hint, from the Target only."""
     assert expected == cpu_wna16.isa_hint_for(dtype, Target("cpu", isa=frozenset(isa)))
 
 
-@pytest.mark.parametrize("isa,env,dtype,expected", [
-    ((), (), BF16, False), (("amx",), (), BF16, True), (("amx",), (("VLLM_CPU_INT4_W4A8", "0"),),
-                                                       BF16, False),
-    (("amx",), (), torch.float16, False), (("riscv",), (), BF16, True),
-    (("avx512_bf16",), (("VLLM_CPU_INT4_W4A8", "1"),), BF16, False),
-])
+@pytest.mark.parametrize(
+    "isa,env,dtype,expected",
+    [
+        ((), (), BF16, False),
+        (("amx",), (), BF16, True),
+        (("amx",), (("VLLM_CPU_INT4_W4A8", "0"),), BF16, False),
+        (("amx",), (), torch.float16, False),
+        (("riscv",), (), BF16, True),
+        (("avx512_bf16",), (("VLLM_CPU_INT4_W4A8", "1"),), BF16, False),
+    ],
+)
 def test_use_w4a8_table(isa, env, dtype, expected):
     """use_w4a8 follows vLLM's expression with the env value taken from the Target."""
     assert expected == cpu_wna16.use_w4a8_for(dtype, Target("cpu", isa=frozenset(isa), env=env))
@@ -243,9 +277,11 @@ def test_use_w4a8_table(isa, env, dtype, expected):
 
 def test_use_w4a8_matches_vllm_on_this_host():
     """On this host (env pinned to vLLM's default) the Target gives vLLM's own value."""
-    ref = _module(qweight=torch.zeros(16, 64, dtype=torch.int32),
-                  scales=torch.ones(4, 64, dtype=BF16),
-                  qzeros=torch.zeros(4, 8, dtype=torch.int32))
+    ref = _module(
+        qweight=torch.zeros(16, 64, dtype=torch.int32),
+        scales=torch.ones(4, 64, dtype=BF16),
+        qzeros=torch.zeros(4, 8, dtype=torch.int32),
+    )
     ref.qweight.input_dim = ref.qweight.packed_dim = 0
     ref.scales.output_dim = 1
     ref.bias = None
@@ -260,8 +296,12 @@ def test_use_w4a8_matches_vllm_on_this_host():
 def test_repack_refuses_w4a8_target():
     """The repack stage refuses a target that selects the w4a8 layout."""
     with pytest.raises(common.StageInputError, match="w4a8"):
-        _run(cpu_wna16.repack("qweight"), {"qweight": torch.zeros(16, 64, dtype=torch.int32)},
-             _cfg("gptq"), Target("cpu", isa={"amx"}))
+        _run(
+            cpu_wna16.repack("qweight"),
+            {"qweight": torch.zeros(16, 64, dtype=torch.int32)},
+            _cfg("gptq"),
+            Target("cpu", isa={"amx"}),
+        )
 
 
 def test_gptq_and_ct_zero_point_stages():
@@ -306,15 +346,21 @@ def test_ct_transposes_match_vllm(shape):
 # --------------------------------------------------------------------------- oneDNN
 
 
-@given(widths=st.lists(st.integers(1, 4).map(lambda i: 16 * i), min_size=2, max_size=3),
-       seed=st.integers(0, 2**16))
+@given(
+    widths=st.lists(st.integers(1, 4).map(lambda i: 16 * i), min_size=2, max_size=3),
+    seed=st.integers(0, 2**16),
+)
 def test_convert_scale_to_channelwise_matches_vllm(widths, seed):
     """onednn.convert_scale_to_channelwise equals vLLM's convert_to_channelwise."""
     from vllm.model_executor.layers.quantization.utils.w8a8_utils import convert_to_channelwise
 
     scale = torch.rand(len(widths), generator=_gen(seed))
-    cfg = LayerConfig(QuantSpec("ct_w8a8_int8", strategy="tensor"), 64, sum(widths),
-                      extra={"logical_widths": tuple(widths)})
+    cfg = LayerConfig(
+        QuantSpec("ct_w8a8_int8", strategy="tensor"),
+        64,
+        sum(widths),
+        extra={"logical_widths": tuple(widths)},
+    )
     out = _run(onednn.convert_scale_to_channelwise, {"weight_scale": scale}, cfg)
     assert torch.equal(convert_to_channelwise(scale, widths), out.tensors["weight_scale"])
 
@@ -339,20 +385,36 @@ def test_onednn_prepack_weight_matches_vllm_dispatch():
     assert meta.attrs["cpu_linear"] is torch.nn.functional.linear and meta.release == ()
 
 
-@pytest.mark.parametrize("n,k,dtype,isa,expected", [
-    (96, 64, BF16, (), False), (96, 64, BF16, ("amx",), True), (4096, 4096, BF16, ("amx",), False),
-    (8, 40, BF16, ("amx",), True), (96, 40, BF16, ("amx",), False),
-    (4096, 4096, torch.int8, ("amx",), True), (4096, 4096, torch.float32, ("amx",), False),
-])
+@pytest.mark.parametrize(
+    "n,k,dtype,isa,expected",
+    [
+        (96, 64, BF16, (), False),
+        (96, 64, BF16, ("amx",), True),
+        (4096, 4096, BF16, ("amx",), False),
+        (8, 40, BF16, ("amx",), True),
+        (96, 40, BF16, ("amx",), False),
+        (4096, 4096, torch.int8, ("amx",), True),
+        (4096, 4096, torch.float32, ("amx",), False),
+    ],
+)
 def test_sgl_selected_table(n, k, dtype, isa, expected):
     """sgl_selected applies vLLM's check_cpu_sgl_kernel shape rule to the Target's
     probed SGL decision (made by vLLM on AMX hosts only)."""
     assert expected == onednn.sgl_selected(n, k, dtype, vllm_layers.synthetic_target(isa))
 
 
-@pytest.mark.parametrize("n,k,dtype", [(96, 64, BF16), (8, 40, BF16), (96, 40, BF16),
-                                       (4096, 4096, BF16), (96, 64, torch.float16),
-                                       (4096, 4096, torch.int8), (96, 40, torch.int8)])
+@pytest.mark.parametrize(
+    "n,k,dtype",
+    [
+        (96, 64, BF16),
+        (8, 40, BF16),
+        (96, 40, BF16),
+        (4096, 4096, BF16),
+        (96, 64, torch.float16),
+        (4096, 4096, torch.int8),
+        (96, 40, torch.int8),
+    ],
+)
 def test_sgl_shape_rule_equals_vllms_check_on_amx(n, k, dtype, monkeypatch):
     """cpu_gemm.sgl_shape is vLLM's check_cpu_sgl_kernel when the host has AMX."""
     from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
@@ -410,8 +472,19 @@ def test_probe_decisions_are_what_vllm_does_here():
 # --------------------------------------------------------------------------- KV cache
 
 
-@pytest.mark.parametrize("dtype", ["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "nvfp4",
-                                   "int8_per_token_head", "fp8_per_token_head", "bfloat16"])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        "auto",
+        "fp8",
+        "fp8_e4m3",
+        "fp8_e5m2",
+        "nvfp4",
+        "int8_per_token_head",
+        "fp8_per_token_head",
+        "bfloat16",
+    ],
+)
 def test_kv_cache_dtype_predicates_match_vllm(dtype):
     """is_quantized_kv_cache / uses_per_token_head_scales equal vLLM's functions."""
     from vllm.utils.torch_utils import is_quantized_kv_cache
@@ -430,70 +503,123 @@ def _inputs(name: str, k: int, n: int, g: int, seed: int):
     gen = _gen(seed)
     scales = torch.rand(groups, n, generator=gen).to(BF16)
     w8 = torch.randint(-128, 128, (n, k), generator=gen).to(torch.int8)
-    dyn_asym = LayerConfig(QuantSpec("ct_w8a8_int8", strategy="channel", static_input=False,
-                                     input_symmetric=False), k, n, "bfloat16")
-    static_asym = LayerConfig(QuantSpec("ct_w8a8_int8", strategy="tensor", static_input=True,
-                                        input_symmetric=False), k, n, "bfloat16",
-                              extra={"logical_widths": (n // 2, n - n // 2)})
+    dyn_asym = LayerConfig(
+        QuantSpec("ct_w8a8_int8", strategy="channel", static_input=False, input_symmetric=False),
+        k,
+        n,
+        "bfloat16",
+    )
+    static_asym = LayerConfig(
+        QuantSpec("ct_w8a8_int8", strategy="tensor", static_input=True, input_symmetric=False),
+        k,
+        n,
+        "bfloat16",
+        extra={"logical_widths": (n // 2, n - n // 2)},
+    )
     kv_cfg = LayerConfig(QuantSpec("kv_cache"), 0, 0, extra={"kv_cache_dtype": "fp8"})
-    kv_tensors = {**{p: torch.tensor(float(i + 1) / 4) for i, p in
-                     enumerate(kv_cache.SCALE_PARAMS)},
-                  **{b: torch.tensor(1.0) for b in kv_cache.SCALE_BUFFERS}}
+    kv_tensors = {
+        **{p: torch.tensor(float(i + 1) / 4) for i, p in enumerate(kv_cache.SCALE_PARAMS)},
+        **{b: torch.tensor(1.0) for b in kv_cache.SCALE_BUFFERS},
+    }
     table = {
-        "awq.convert_to_standard": (awq.convert_to_standard,
-                                    {"qweight": _int32(seed, (k, n // 8)),
-                                     "qzeros": _int32(seed + 1, (groups, n // 8))},
-                                    _cfg(k=k, n=n, g=g)),
-        "gptq.drop_zero_points": (gptq.drop_zero_points,
-                                  {"qzeros": _int32(seed, (groups, n // 8))}, _cfg("gptq")),
-        "compressed_tensors.transpose_weight": (compressed_tensors.transpose_weight,
-                                                {"weight_packed": _int32(seed, (n, k // 8))},
-                                                _cfg("ct_w4a16")),
-        "compressed_tensors.transpose_scales": (compressed_tensors.transpose_scales,
-                                                {"weight_scale": scales.t().contiguous()},
-                                                _cfg("ct_w4a16")),
-        "compressed_tensors.clear_zero_point": (compressed_tensors.clear_zero_point, {},
-                                                _cfg("ct_w4a16")),
-        "cpu_wna16.transpose_zero_points": (cpu_wna16.transpose_zero_points("qzeros"),
-                                            {"qzeros": _int32(seed, (n // 8, groups))}, _cfg()),
+        "awq.convert_to_standard": (
+            awq.convert_to_standard,
+            {"qweight": _int32(seed, (k, n // 8)), "qzeros": _int32(seed + 1, (groups, n // 8))},
+            _cfg(k=k, n=n, g=g),
+        ),
+        "gptq.drop_zero_points": (
+            gptq.drop_zero_points,
+            {"qzeros": _int32(seed, (groups, n // 8))},
+            _cfg("gptq"),
+        ),
+        "compressed_tensors.transpose_weight": (
+            compressed_tensors.transpose_weight,
+            {"weight_packed": _int32(seed, (n, k // 8))},
+            _cfg("ct_w4a16"),
+        ),
+        "compressed_tensors.transpose_scales": (
+            compressed_tensors.transpose_scales,
+            {"weight_scale": scales.t().contiguous()},
+            _cfg("ct_w4a16"),
+        ),
+        "compressed_tensors.clear_zero_point": (
+            compressed_tensors.clear_zero_point,
+            {},
+            _cfg("ct_w4a16"),
+        ),
+        "cpu_wna16.transpose_zero_points": (
+            cpu_wna16.transpose_zero_points("qzeros"),
+            {"qzeros": _int32(seed, (n // 8, groups))},
+            _cfg(),
+        ),
         "cpu_wna16.set_isa_hint": (cpu_wna16.set_isa_hint("scales"), {"scales": scales}, _cfg()),
         "cpu_wna16.set_use_w4a8": (cpu_wna16.set_use_w4a8, {}, _cfg()),
-        "cpu_wna16.repack": (cpu_wna16.repack("qweight"), {"qweight": _int32(seed, (k // 8, n))},
-                             _cfg()),
-        "cpu_wna16.repack_w4a8": (cpu_wna16.repack_w4a8("qweight", "scales", "qzeros"),
-                                  {"qweight": _int32(seed, (k // 8, n)), "scales": scales,
-                                   "qzeros": _int32(seed + 1, (groups, n // 8))},
-                                  _cfg(k=k, n=n, g=g, zero_point=True)),
-        "cpu_wna16.cast_bias_to_float32": (cpu_wna16.cast_bias_to_float32,
-                                           {"bias": torch.randn(n, generator=gen).to(BF16)},
-                                           _cfg()),
-        "onednn.prepack_weight": (onednn.prepack_weight,
-                                  {"weight": torch.randn(n, k, generator=gen).to(ONEDNN_DTYPE)},
-                                  _cfg("unquantized")),
-        "onednn.convert_scale_to_channelwise": (onednn.convert_scale_to_channelwise,
-                                                {"weight_scale": torch.rand(2, generator=gen)},
-                                                static_asym),
-        "onednn.fold_input_scale": (onednn.fold_input_scale,
-                                    {"input_scale": torch.rand(1, generator=gen) + 0.01,
-                                     "input_zero_point": torch.tensor([3], dtype=torch.int8)},
-                                    static_asym),
-        "onednn.compute_azp_adj": (onednn.compute_azp_adj,
-                                   {"weight": w8, "weight_scale": torch.rand(n, 1, generator=gen)},
-                                   dyn_asym),
-        "onednn.prepack_scaled_weight": (onednn.prepack_scaled_weight,
-                                         {"weight": w8,
-                                          "weight_scale": torch.rand(n, 1, generator=gen)},
-                                         dyn_asym),
+        "cpu_wna16.repack": (
+            cpu_wna16.repack("qweight"),
+            {"qweight": _int32(seed, (k // 8, n))},
+            _cfg(),
+        ),
+        "cpu_wna16.repack_w4a8": (
+            cpu_wna16.repack_w4a8("qweight", "scales", "qzeros"),
+            {
+                "qweight": _int32(seed, (k // 8, n)),
+                "scales": scales,
+                "qzeros": _int32(seed + 1, (groups, n // 8)),
+            },
+            _cfg(k=k, n=n, g=g, zero_point=True),
+        ),
+        "cpu_wna16.cast_bias_to_float32": (
+            cpu_wna16.cast_bias_to_float32,
+            {"bias": torch.randn(n, generator=gen).to(BF16)},
+            _cfg(),
+        ),
+        "onednn.prepack_weight": (
+            onednn.prepack_weight,
+            {"weight": torch.randn(n, k, generator=gen).to(ONEDNN_DTYPE)},
+            _cfg("unquantized"),
+        ),
+        "onednn.convert_scale_to_channelwise": (
+            onednn.convert_scale_to_channelwise,
+            {"weight_scale": torch.rand(2, generator=gen)},
+            static_asym,
+        ),
+        "onednn.fold_input_scale": (
+            onednn.fold_input_scale,
+            {
+                "input_scale": torch.rand(1, generator=gen) + 0.01,
+                "input_zero_point": torch.tensor([3], dtype=torch.int8),
+            },
+            static_asym,
+        ),
+        "onednn.compute_azp_adj": (
+            onednn.compute_azp_adj,
+            {"weight": w8, "weight_scale": torch.rand(n, 1, generator=gen)},
+            dyn_asym,
+        ),
+        "onednn.prepack_scaled_weight": (
+            onednn.prepack_scaled_weight,
+            {"weight": w8, "weight_scale": torch.rand(n, 1, generator=gen)},
+            dyn_asym,
+        ),
         "cpu_gemm.pack_sgl_int8_weight": (
             cpu_gemm.pack_sgl_int8_weight,
-            {"weight": torch.randint(-128, 128, (32 * max(n // 32, 1), k),
-                                     generator=gen).to(torch.int8)}, static_asym),
+            {
+                "weight": torch.randint(-128, 128, (32 * max(n // 32, 1), k), generator=gen).to(
+                    torch.int8
+                )
+            },
+            static_asym,
+        ),
         "cpu_gemm.convert_int8_scale_to_channelwise": (
             cpu_gemm.convert_int8_scale_to_channelwise,
-            {"weight_scale": torch.rand(2, generator=gen)}, static_asym),
-        "cpu_gemm.copy_bias_to_float32": (cpu_gemm.copy_bias_to_float32,
-                                          {"bias": torch.randn(n, generator=gen).to(BF16)},
-                                          static_asym),
+            {"weight_scale": torch.rand(2, generator=gen)},
+            static_asym,
+        ),
+        "cpu_gemm.copy_bias_to_float32": (
+            cpu_gemm.copy_bias_to_float32,
+            {"bias": torch.randn(n, generator=gen).to(BF16)},
+            static_asym,
+        ),
         "cpu_gemm.set_int8_sgl_method": (cpu_gemm.set_int8_sgl_method, {}, static_asym),
         "kv_cache.select_scales": (kv_cache.select_scales, kv_tensors, kv_cfg),
         "kv_cache.set_scale_floats": (kv_cache.set_scale_floats, kv_tensors, kv_cfg),
@@ -501,27 +627,44 @@ def _inputs(name: str, k: int, n: int, g: int, seed: int):
     return table[name]
 
 
-ALL_STAGES = ("awq.convert_to_standard", "gptq.drop_zero_points",
-              "compressed_tensors.transpose_weight", "compressed_tensors.transpose_scales",
-              "compressed_tensors.clear_zero_point", "cpu_wna16.transpose_zero_points",
-              "cpu_wna16.set_isa_hint", "cpu_wna16.set_use_w4a8", "cpu_wna16.repack",
-              *(("cpu_wna16.repack_w4a8",) if HAS_W4A8_OPS else ()),
-              "cpu_wna16.cast_bias_to_float32",
-              "onednn.prepack_weight", "onednn.convert_scale_to_channelwise",
-              "onednn.fold_input_scale", "onednn.compute_azp_adj",
-              "onednn.prepack_scaled_weight",
-              *(("cpu_gemm.pack_sgl_int8_weight",)
-                if HOST.kernel("op.convert_weight_packed") == "present" else ()),
-              "cpu_gemm.convert_int8_scale_to_channelwise", "cpu_gemm.copy_bias_to_float32",
-              "cpu_gemm.set_int8_sgl_method", "kv_cache.select_scales",
-              "kv_cache.set_scale_floats")
+ALL_STAGES = (
+    "awq.convert_to_standard",
+    "gptq.drop_zero_points",
+    "compressed_tensors.transpose_weight",
+    "compressed_tensors.transpose_scales",
+    "compressed_tensors.clear_zero_point",
+    "cpu_wna16.transpose_zero_points",
+    "cpu_wna16.set_isa_hint",
+    "cpu_wna16.set_use_w4a8",
+    "cpu_wna16.repack",
+    *(("cpu_wna16.repack_w4a8",) if HAS_W4A8_OPS else ()),
+    "cpu_wna16.cast_bias_to_float32",
+    "onednn.prepack_weight",
+    "onednn.convert_scale_to_channelwise",
+    "onednn.fold_input_scale",
+    "onednn.compute_azp_adj",
+    "onednn.prepack_scaled_weight",
+    *(
+        ("cpu_gemm.pack_sgl_int8_weight",)
+        if HOST.kernel("op.convert_weight_packed") == "present"
+        else ()
+    ),
+    "cpu_gemm.convert_int8_scale_to_channelwise",
+    "cpu_gemm.copy_bias_to_float32",
+    "cpu_gemm.set_int8_sgl_method",
+    "kv_cache.select_scales",
+    "kv_cache.set_scale_floats",
+)
 
 #: stages that run only on a target other than NON_AMX (the w4a8 layout's).
 STAGE_TARGETS = {"cpu_wna16.repack_w4a8": AMX}
 
-small_shapes = st.tuples(st.integers(1, 3).map(lambda i: 32 * i),
-                         st.integers(1, 3).map(lambda i: 32 * i),
-                         st.sampled_from([-1, 32]), st.integers(0, 2**16))
+small_shapes = st.tuples(
+    st.integers(1, 3).map(lambda i: 32 * i),
+    st.integers(1, 3).map(lambda i: 32 * i),
+    st.sampled_from([-1, 32]),
+    st.integers(0, 2**16),
+)
 
 
 @pytest.mark.parametrize("name", ALL_STAGES)
@@ -574,16 +717,20 @@ def test_transform_on_meta_gives_real_shapes(name):
     target = STAGE_TARGETS.get(name, NON_AMX)
     real = _run(stage_, tensors, cfg, target)
     meta = _run(stage_, {k: v.to("meta") for k, v in tensors.items()}, cfg, target)
-    assert {k: (tuple(v.shape), v.dtype) for k, v in real.tensors.items()} == \
-        {k: (tuple(v.shape), v.dtype) for k, v in meta.tensors.items()}
+    assert {k: (tuple(v.shape), v.dtype) for k, v in real.tensors.items()} == {
+        k: (tuple(v.shape), v.dtype) for k, v in meta.tensors.items()
+    }
     assert real.drop == meta.drop
 
 
-@pytest.mark.skipif(HOST.kernel("op.convert_weight_packed") != "present",
-                    reason="vLLM's kernel library here lacks convert_weight_packed")
-@pytest.mark.parametrize("strategy,widths,bias", [("tensor", (32, 64), True),
-                                                  ("channel", (64,), False),
-                                                  ("tensor", (96,), False)])
+@pytest.mark.skipif(
+    HOST.kernel("op.convert_weight_packed") != "present",
+    reason="vLLM's kernel library here lacks convert_weight_packed",
+)
+@pytest.mark.parametrize(
+    "strategy,widths,bias",
+    [("tensor", (32, 64), True), ("channel", (64,), False), ("tensor", (96,), False)],
+)
 def test_sgl_int8_stages_match_vllm(strategy, widths, bias, monkeypatch):
     """The SGL W8A8 INT8 stages (packed weight, per-channel scales, bias_fp32) equal
     CPUInt8ScaledMMLinearKernel.process_weights_for_sgl bit for bit (AMX reported
@@ -597,12 +744,16 @@ def test_sgl_int8_stages_match_vllm(strategy, widths, bias, monkeypatch):
     cfg = case.config
     w = _run(cpu_gemm.pack_sgl_int8_weight, {"weight": raw.weight.data}, cfg).tensors["weight"]
     assert torch.equal(ref.weight.data, w) and ref.weight.dtype == w.dtype
-    s_out = _run(cpu_gemm.convert_int8_scale_to_channelwise,
-                 {"weight_scale": raw.weight_scale.data}, cfg).tensors
+    s_out = _run(
+        cpu_gemm.convert_int8_scale_to_channelwise, {"weight_scale": raw.weight_scale.data}, cfg
+    ).tensors
     assert torch.equal(ref.weight_scale.data, s_out.get("weight_scale", raw.weight_scale.data))
     b = _run(cpu_gemm.copy_bias_to_float32, {"bias": raw.bias.data} if bias else {}, cfg).tensors
-    assert (torch.equal(ref.bias_fp32.data, b["bias_fp32"]) if bias
-            else not hasattr(ref, "bias_fp32") and {} == dict(b))
+    assert (
+        torch.equal(ref.bias_fp32.data, b["bias_fp32"])
+        if bias
+        else not hasattr(ref, "bias_fp32") and {} == dict(b)
+    )
 
 
 def test_sgl_int8_n_not_multiple_of_32_fails_in_vllm_too(monkeypatch):
@@ -615,5 +766,4 @@ def test_sgl_int8_n_not_multiple_of_32_fails_in_vllm_too(monkeypatch):
     with pytest.raises(RuntimeError, match="BLOCK_N"):
         case.vllm_process(case.new_layer())
     with pytest.raises(common.StageInputError, match="multiple of 32"):
-        _run(cpu_gemm.pack_sgl_int8_weight, {"weight": case.new_layer().weight.data},
-             case.config)
+        _run(cpu_gemm.pack_sgl_int8_weight, {"weight": case.new_layer().weight.data}, case.config)

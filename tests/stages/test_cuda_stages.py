@@ -49,18 +49,23 @@ def u8(t: torch.Tensor) -> torch.Tensor:
 
 
 def cfg(method="gptq", k=128, n=128, bits=4, g=-1, zp=False, dtype="bfloat16", extra=()):
-    return LayerConfig(QuantSpec(method, num_bits=bits, group_size=g, zero_point=zp),
-                       size_k=k, size_n=n, params_dtype=dtype, extra=extra)
+    return LayerConfig(
+        QuantSpec(method, num_bits=bits, group_size=g, zero_point=zp),
+        size_k=k,
+        size_n=n,
+        params_dtype=dtype,
+        extra=extra,
+    )
 
 
 # --------------------------------------------------------------------------- Marlin
 
 
-@given(st.sampled_from([4, 8]), st.integers(1, 12), st.integers(1, 4), st.integers(0, 2 ** 16))
+@given(st.sampled_from([4, 8]), st.integers(1, 12), st.integers(1, 4), st.integers(0, 2**16))
 def test_repack_equals_marlin_weights(bits, k_tiles, n_blocks, seed):
     """marlin_repack(gptq_pack(q)) == marlin_weights(q, K, N, bits, get_weight_perm(bits))."""
     k, n = 16 * k_tiles, 64 * n_blocks
-    q = torch.randint(0, 2 ** bits, (k, n), generator=_gen(seed), dtype=torch.int32)
+    q = torch.randint(0, 2**bits, (k, n), generator=_gen(seed), dtype=torch.int32)
     packed = P.pack_int32(q.t().contiguous(), bits, -1).t().contiguous()
     expected = mut.marlin_weights(q, k, n, bits, mut.get_weight_perm(bits))
     assert torch.equal(expected, M.marlin_repack(packed, k, n, bits))
@@ -72,8 +77,12 @@ def test_weight_perm_equals_vllm(bits):
     assert torch.equal(mut.get_weight_perm(bits), M.marlin_weight_perm(bits))
 
 
-@given(st.sampled_from([-1, 32, 64, 128]), st.sampled_from([128, 256]),
-       st.sampled_from([64, 128, 192]), st.integers(0, 2 ** 16))
+@given(
+    st.sampled_from([-1, 32, 64, 128]),
+    st.sampled_from([128, 256]),
+    st.sampled_from([64, 128, 192]),
+    st.integers(0, 2**16),
+)
 def test_permute_scales_equals_vllm(g, k, n, seed):
     """marlin_permute_scales matches vLLM for grouped and channelwise scales."""
     rows = k // g if g > 0 else 1
@@ -81,18 +90,27 @@ def test_permute_scales_equals_vllm(g, k, n, seed):
     assert torch.equal(mu.marlin_permute_scales(s, k, n, g), M.marlin_permute_scales(s, k, n, g))
 
 
-@given(st.sampled_from([4, 8]), st.sampled_from([1, 2, 4]), st.sampled_from([64, 128, 256]),
-       st.integers(0, 2 ** 16))
+@given(
+    st.sampled_from([4, 8]),
+    st.sampled_from([1, 2, 4]),
+    st.sampled_from([64, 128, 256]),
+    st.integers(0, 2**16),
+)
 def test_zero_points_and_pack_equal_vllm(bits, groups, n, seed):
     """marlin_zero_points and pack_int32 match vLLM's marlin_zero_points / pack_cols."""
-    zp = torch.randint(0, 2 ** bits, (groups, n), generator=_gen(seed), dtype=torch.int32)
-    assert torch.equal(mu.marlin_zero_points(zp, groups, n, bits),
-                       M.marlin_zero_points(zp, groups, n, bits))
+    zp = torch.randint(0, 2**bits, (groups, n), generator=_gen(seed), dtype=torch.int32)
+    assert torch.equal(
+        mu.marlin_zero_points(zp, groups, n, bits), M.marlin_zero_points(zp, groups, n, bits)
+    )
     assert torch.equal(pack_cols(zp, bits, groups, n), P.pack_int32(zp, bits, -1))
 
 
-@given(st.sampled_from([32, 64, 128]), st.sampled_from([128, 256]),
-       st.sampled_from([64, 128, 256]), st.integers(0, 2 ** 16))
+@given(
+    st.sampled_from([32, 64, 128]),
+    st.sampled_from([128, 256]),
+    st.sampled_from([64, 128, 256]),
+    st.integers(0, 2**16),
+)
 def test_awq_zero_point_pipeline_equals_awq_to_marlin_zero_points(g, k, n, seed):
     """AWQ -> standard -> marlin.permute_zero_points stage == vLLM's awq_to_marlin_zero_points."""
     gen = _gen(seed)
@@ -105,7 +123,7 @@ def test_awq_zero_point_pipeline_equals_awq_to_marlin_zero_points(g, k, n, seed)
     assert torch.equal(mu.awq_to_marlin_zero_points(awq, k // g, n, 4), out.tensors["qzeros"])
 
 
-@given(st.sampled_from([64, 128, 256]), st.integers(0, 2 ** 16))
+@given(st.sampled_from([64, 128, 256]), st.integers(0, 2**16))
 def test_permute_bias_equals_vllm(n, seed):
     """marlin_permute_bias matches vLLM."""
     b = torch.randn(n, generator=_gen(seed)).to(torch.bfloat16)
@@ -118,17 +136,22 @@ def test_padded_nk_equals_vllm(n, k, g):
     assert mu.marlin_padded_nk(n, k, g) == M.marlin_padded_nk(n, k, g)
 
 
-@pytest.mark.parametrize("method,bits,g,k,n,zp", [
-    ("gptq", 4, 64, 256, 96, False), ("gptq", 8, -1, 192, 96, False),
-    ("awq", 4, 128, 256, 96, True), ("ct_w4a16", 4, 32, 128, 64, True),
-])
+@pytest.mark.parametrize(
+    "method,bits,g,k,n,zp",
+    [
+        ("gptq", 4, 64, 256, 96, False),
+        ("gptq", 8, -1, 192, 96, False),
+        ("awq", 4, 128, 256, 96, True),
+        ("ct_w4a16", 4, 32, 128, 64, True),
+    ],
+)
 def test_marlin_stages_equal_vllm_kernel_composition(method, bits, g, k, n, zp):
     """repack/permute_scales/zero_points/bias stages == MarlinLinearKernel's composition of
     vLLM helpers (marlin_pad_*, marlin_weights as the repack, marlin_permute_*), with padding."""
     gen = _gen(11)
     groups = k // g if g > 0 else 1
     pn, pk = mu.marlin_padded_nk(n, k, g)
-    q = torch.randint(0, 2 ** bits, (k, n), generator=gen, dtype=torch.int32)
+    q = torch.randint(0, 2**bits, (k, n), generator=gen, dtype=torch.int32)
     packed = P.pack_int32(q.t().contiguous(), bits, -1).t().contiguous()
     s = torch.rand(groups, n, generator=gen).to(torch.bfloat16)
     c = cfg(method, k, n, bits, g, zp)
@@ -142,10 +165,11 @@ def test_marlin_stages_equal_vllm_kernel_composition(method, bits, g, k, n, zp):
     got_b = M.permute_bias({"bias": bias}, c, H200, {}).tensors["bias"]
     assert torch.equal(mu.marlin_permute_bias(mu.marlin_pad_dim(bias, n, pn)), got_b)
     if zp:
-        z = torch.randint(0, 2 ** bits, (groups, n), generator=gen, dtype=torch.int32)
+        z = torch.randint(0, 2**bits, (groups, n), generator=gen, dtype=torch.int32)
         std = P.pack_int32(z, bits, -1).t().contiguous()
-        got_z = M.permute_zero_points_stage("qzeros")({"qzeros": std}, c, H200,
-                                                         {}).tensors["qzeros"]
+        got_z = M.permute_zero_points_stage("qzeros")({"qzeros": std}, c, H200, {}).tensors[
+            "qzeros"
+        ]
         pg = pk // g if g > 0 else 1
         exp_z = mu.marlin_zero_points(mu.marlin_pad_scales(z, n, k, pn, pk, g), pg, pn, bits)
         assert torch.equal(exp_z, got_z)
@@ -154,14 +178,20 @@ def test_marlin_stages_equal_vllm_kernel_composition(method, bits, g, k, n, zp):
 # --------------------------------------------------------------------------- FP8 / MXFP8 Marlin
 
 
-@given(st.sampled_from([64, 100, 128]), st.sampled_from([64, 128, 96]), st.integers(0, 2 ** 16),
-       st.sampled_from(["bfloat16", "float16"]))
+@given(
+    st.sampled_from([64, 100, 128]),
+    st.sampled_from([64, 128, 96]),
+    st.integers(0, 2**16),
+    st.sampled_from(["bfloat16", "float16"]),
+)
 def test_fp8_marlin_stages_equal_vllm(n, k, seed, dtype):
     """FP8 weight-only Marlin: pack_fp8_to_int32 + repack, and the scale cast/expand/pad/
     permute/exponent-bias, equal vLLM's prepare_fp8_layer_for_marlin pieces."""
     gen = _gen(seed)
     w = fp8_from_bits(torch.randint(0, 256, (n, k), generator=gen))
-    c = cfg("ct_w8a8_fp8", k, n, 8, -1, dtype=dtype, extra=(("logical_widths", (n // 2, n - n // 2)),))
+    c = cfg(
+        "ct_w8a8_fp8", k, n, 8, -1, dtype=dtype, extra=(("logical_widths", (n // 2, n - n // 2)),)
+    )
     pn, pk = mu.marlin_padded_nk(n, k, -1)
     packed = mfp8.pack_fp8_to_int32(w, size_k_first=False).T.contiguous()
     assert torch.equal(packed, M.pack_fp8_to_int32(w))
@@ -172,15 +202,14 @@ def test_fp8_marlin_stages_equal_vllm(n, k, seed, dtype):
     assert torch.equal(expected, got_w)
     scale = torch.rand(2, generator=gen) * 0.01 + 1e-4
     sd = getattr(torch, dtype)
-    exp = scale.to(sd).view(1, -1).repeat_interleave(
-        torch.tensor(c.get("logical_widths")), dim=1)
+    exp = scale.to(sd).view(1, -1).repeat_interleave(torch.tensor(c.get("logical_widths")), dim=1)
     exp = mu.marlin_permute_scales(mu.marlin_pad_scales(exp, n, k, pn, pk, -1), pk, pn, -1)
     exp = mfp8.fp8_fused_exponent_bias_into_scales(exp)
     got = M.permute_fp8_scales({"weight_scale": scale}, c, H200, {}).tensors["weight_scale"]
     assert got.dtype == sd and torch.equal(exp, got)
 
 
-@given(st.sampled_from([64, 100, 128]), st.sampled_from([64, 96, 256]), st.integers(0, 2 ** 16))
+@given(st.sampled_from([64, 100, 128]), st.sampled_from([64, 96, 256]), st.integers(0, 2**16))
 def test_mxfp8_marlin_scales_equal_vllm(n, k, seed):
     """MXFP8 Marlin scales == vLLM's cast/transpose/pad/permute + mxfp8_marlin_process_scales."""
     q, s = mxfp8_utils._mxfp8_e4m3_quantize_torch(torch.randn(n, k, generator=_gen(seed)))
@@ -196,8 +225,11 @@ def test_mxfp8_marlin_scales_equal_vllm(n, k, seed):
 # --------------------------------------------------------------------------- FP8 quantization
 
 
-@given(st.sampled_from([(16, 32), (100, 64), (130, 200)]), st.integers(0, 2 ** 16),
-       st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+@given(
+    st.sampled_from([(16, 32), (100, 64), (130, 200)]),
+    st.integers(0, 2**16),
+    st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+)
 def test_quantize_per_tensor_equals_vllm_torch_fallback(shape, seed, dtype):
     """Per-tensor FP8 == vLLM's _fp8_scale + QuantFP8.forward_native (the static op's fallback)."""
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -215,7 +247,7 @@ def test_quantize_per_tensor_equals_vllm_torch_fallback(shape, seed, dtype):
     assert torch.equal(u8(expected), u8(q))
 
 
-@given(st.sampled_from([(16, 32), (100, 64)]), st.integers(0, 2 ** 16), st.booleans())
+@given(st.sampled_from([(16, 32), (100, 64)]), st.integers(0, 2**16), st.booleans())
 def test_quantize_per_channel_equals_vllm(shape, seed, zero_row):
     """Per-channel FP8 == vLLM's _fp8_channel_scale + _fp8_quant_per_channel (incl. zero rows)."""
     from vllm.model_executor.layers.quantization.online import fp8 as online
@@ -230,7 +262,7 @@ def test_quantize_per_channel_equals_vllm(shape, seed, zero_row):
     assert torch.equal(scale, s) and torch.equal(u8(expected), u8(q))
 
 
-@given(st.sampled_from([(128, 128), (100, 300), (257, 64)]), st.integers(0, 2 ** 16))
+@given(st.sampled_from([(128, 128), (100, 300), (257, 64)]), st.integers(0, 2**16))
 def test_per_block_cast_equals_vllm(shape, seed):
     """per_block_cast_to_fp8 == vLLM's (eager body of the torch.compile'd function) with
     the exact division it gets on CUDA: on CPU, torch turns ``tensor / 448.0`` into a
@@ -250,7 +282,7 @@ def test_per_block_cast_equals_vllm(shape, seed):
     assert torch.equal(u8(eq), u8(q)) and torch.equal(es, s)
 
 
-@given(st.sampled_from([(4, 32), (100, 64), (3, 256)]), st.integers(0, 2 ** 16), st.booleans())
+@given(st.sampled_from([(4, 32), (100, 64), (3, 256)]), st.integers(0, 2**16), st.booleans())
 def test_mxfp8_quantize_equals_vllm(shape, seed, with_zero_block):
     """mxfp8_e4m3_quantize == vLLM's _mxfp8_e4m3_quantize_torch (values and E8M0 codes)."""
     w = (torch.randn(*shape, generator=_gen(seed)) * 3).to(torch.bfloat16)
@@ -264,13 +296,13 @@ def test_mxfp8_quantize_equals_vllm(shape, seed, with_zero_block):
 def _vllm_cutlass_kernel():
     from vllm.model_executor.kernels.linear.scaled_mm.cutlass import CutlassFP8ScaledMMLinearKernel
 
-    k = object.__new__(CutlassFP8ScaledMMLinearKernel)   # __init__ needs a CUDA build
+    k = object.__new__(CutlassFP8ScaledMMLinearKernel)  # __init__ needs a CUDA build
     k.layer_param_names = ("weight", "weight_scale", "input_scale", "input_zero_point")
     k.logical_output_size = None
     return k
 
 
-@given(st.sampled_from([(64, 100), (60, 128), (64, 64), (40, 33)]), st.integers(0, 2 ** 16))
+@given(st.sampled_from([(64, 100), (60, 128), (64, 64), (40, 33)]), st.integers(0, 2**16))
 def test_cutlass_pad_per_tensor_equals_vllm(kn, seed):
     """Per-tensor CUTLASS K/N padding == vLLM's kernel post-load (weight, strides, width)."""
     k, n = kn
@@ -307,8 +339,9 @@ def test_vllm_per_channel_cutlass_pad_crashes_and_ours_pads_scale_with_one():
         assert torch.equal(u8(pw), u8(mod.weight)) and pw.stride() == mod.weight.stride()
         assert torch.equal(ps, mod.weight_scale)
     assert tuple(pw.shape) == (64, 112) and pw.stride() == (1, 64)
-    assert torch.equal(u8(pw[:, :100]), u8(w)) and torch.equal(u8(pw[:, 100:]),
-                                                               torch.zeros(64, 12, dtype=torch.uint8))
+    assert torch.equal(u8(pw[:, :100]), u8(w)) and torch.equal(
+        u8(pw[:, 100:]), torch.zeros(64, 12, dtype=torch.uint8)
+    )
     assert tuple(ps.shape) == (112, 1)
     assert torch.equal(ps[:100], s) and torch.equal(ps[100:], torch.ones(12, 1))
 
@@ -340,12 +373,19 @@ def test_requantize_with_max_scale_matches_vllm_with_torch_quant():
 
 
 def _e4m3_scales(gen, shape):
-    return torch.randint(1, 0x58, shape, generator=gen, dtype=torch.int32).to(torch.uint8) \
+    return (
+        torch.randint(1, 0x58, shape, generator=gen, dtype=torch.int32)
+        .to(torch.uint8)
         .view(torch.float8_e4m3fn)
+    )
 
 
-@given(st.sampled_from([1, 100, 128, 300]), st.sampled_from([4, 6, 8, 12, 3]),
-       st.integers(0, 2 ** 16), st.booleans())
+@given(
+    st.sampled_from([1, 100, 128, 300]),
+    st.sampled_from([4, 6, 8, 12, 3]),
+    st.integers(0, 2**16),
+    st.booleans(),
+)
 def test_swizzle_equals_vllm_and_inverts(m, kg, seed, batched):
     """swizzle_blockscale == vLLM's (its .cuda() patched to a no-op on CPU), for 2-D and 3-D
     scales; unswizzle_blockscale inverts it for every K/16, including K/16 % 4 != 0."""
@@ -358,7 +398,7 @@ def test_swizzle_equals_vllm_and_inverts(m, kg, seed, batched):
     assert torch.equal(u8(F4.unswizzle_blockscale(got, m, kg)), u8(s))
 
 
-@given(st.sampled_from([1, 100, 128]), st.sampled_from([4, 8, 12]), st.integers(0, 2 ** 16))
+@given(st.sampled_from([1, 100, 128]), st.sampled_from([4, 8, 12]), st.integers(0, 2**16))
 def test_unswizzle_equals_vllm_convert_when_k_groups_multiple_of_4(m, kg, seed):
     """Where vLLM's convert_swizzled_to_linear is right (K/16 % 4 == 0), ours equals it."""
     s = _e4m3_scales(_gen(seed), (m, kg))
@@ -379,7 +419,7 @@ def test_vllm_convert_swizzled_to_linear_bug_when_k_groups_not_multiple_of_4(kg)
     assert F4.unswizzle_blockscale(sw, m, kg).shape == (m, kg)
 
 
-@given(st.sampled_from([32, 100, 128]), st.sampled_from([64, 128]), st.integers(0, 2 ** 16))
+@given(st.sampled_from([32, 100, 128]), st.sampled_from([64, 128]), st.integers(0, 2**16))
 def test_nvfp4_dequant_equals_vllm_dequantize_to_dtype(n, k, seed):
     """The NVFP4 reference dequantization (swizzled scales) == vLLM's dequantize_to_dtype
     and break_fp4_bytes (K/16 % 4 == 0, where vLLM's helper is correct)."""
@@ -403,8 +443,12 @@ def test_pad_nvfp4_weight_equals_vllm(n, kb, seed):
 
 def test_fuse_activation_scale_returns_new_tensors():
     """The MoE activation-scale fuse returns products as new tensors, inputs untouched."""
-    t = {"w13_weight_scale_2": torch.tensor([0.5, 0.25]), "w13_input_scale": torch.tensor([2.0, 4.0]),
-         "w2_weight_scale_2": torch.tensor([1.0, 3.0]), "w2_input_scale": torch.tensor([0.5, 0.5])}
+    t = {
+        "w13_weight_scale_2": torch.tensor([0.5, 0.25]),
+        "w13_input_scale": torch.tensor([2.0, 4.0]),
+        "w2_weight_scale_2": torch.tensor([1.0, 3.0]),
+        "w2_input_scale": torch.tensor([0.5, 0.5]),
+    }
     before = {k: (v.clone(), v._version) for k, v in t.items()}
     out = F4.fuse_moe_activation_scale(t, cfg("modelopt_fp4"), Target("cuda", (10, 0)), {})
     assert torch.equal(out.tensors["w13_weight_scale_2"], torch.tensor([1.0, 1.0]))
@@ -430,25 +474,53 @@ def test_stages_accept_meta_tensors():
 
 
 BAD_INPUTS = [
-    (lambda: M.marlin_repack(torch.zeros(8, 64, dtype=torch.int32), 128, 64, 4), M.MarlinLayoutError,
-     "pad with marlin_padded_nk"),
+    (
+        lambda: M.marlin_repack(torch.zeros(8, 64, dtype=torch.int32), 128, 64, 4),
+        M.MarlinLayoutError,
+        "pad with marlin_padded_nk",
+    ),
     (lambda: M.marlin_weight_perm(3), M.MarlinLayoutError, "4- or 8-bit"),
     (lambda: M.fp8_exponent_bias(torch.float32), M.MarlinLayoutError, "float16 or bfloat16"),
-    (lambda: M.repack_stage("qweight")({"qweight": torch.zeros(16, 128, dtype=torch.int32)},
-                                          cfg("gptq", 128, 128, 4, 48), H200, {}),
-     M.MarlinLayoutError, "group sizes"),
+    (
+        lambda: M.repack_stage("qweight")(
+            {"qweight": torch.zeros(16, 128, dtype=torch.int32)},
+            cfg("gptq", 128, 128, 4, 48),
+            H200,
+            {},
+        ),
+        M.MarlinLayoutError,
+        "group sizes",
+    ),
     (lambda: MX.mxfp8_e4m3_quantize(torch.zeros(4, 48)), MX.Mxfp8LayoutError, "divisible by 32"),
     (lambda: F8.per_block_cast_to_fp8(torch.zeros(2, 2, 2)), F8.Fp8LayoutError, "2-D"),
-    (lambda: F8.process_weight_strategy(
-        {"weight": torch.zeros(4, 4).to(torch.float8_e4m3fn), "weight_scale": torch.ones(1)},
-        LayerConfig(QuantSpec("fp8", strategy="block"), 4, 4), H200, {}),
-     F8.Fp8LayoutError, "cutlass_block"),
-    (lambda: F8.reduce_input_scale({}, LayerConfig(QuantSpec("fp8", static_input=True), 4, 4),
-                                      H200, {}), F8.Fp8LayoutError, "no input_scale"),
+    (
+        lambda: F8.process_weight_strategy(
+            {"weight": torch.zeros(4, 4).to(torch.float8_e4m3fn), "weight_scale": torch.ones(1)},
+            LayerConfig(QuantSpec("fp8", strategy="block"), 4, 4),
+            H200,
+            {},
+        ),
+        F8.Fp8LayoutError,
+        "cutlass_block",
+    ),
+    (
+        lambda: F8.reduce_input_scale(
+            {}, LayerConfig(QuantSpec("fp8", static_input=True), 4, 4), H200, {}
+        ),
+        F8.Fp8LayoutError,
+        "no input_scale",
+    ),
     (lambda: F4.swizzle_blockscale(torch.zeros(4, 4)), F4.Nvfp4LayoutError, "float8_e4m3fn"),
-    (lambda: F4.validate_loaded({"weight_scale": torch.full((4, 4), float("nan"))
-                                    .to(torch.float8_e4m3fn)}, cfg("modelopt_fp4"), H200, {}),
-     F4.Nvfp4LayoutError, "NaN"),
+    (
+        lambda: F4.validate_loaded(
+            {"weight_scale": torch.full((4, 4), float("nan")).to(torch.float8_e4m3fn)},
+            cfg("modelopt_fp4"),
+            H200,
+            {},
+        ),
+        F4.Nvfp4LayoutError,
+        "NaN",
+    ),
 ]
 
 

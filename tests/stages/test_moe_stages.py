@@ -9,11 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import moe_cases as mc
 from wcache.core import RESTORE_TAGS, RecordedMismatch, Tag
 from wcache.plans.fused_moe import UNQUANTIZED_CPU_VEC
 from wcache.stages import moe, moe_cpu
-
-from tests.helpers import moe_cases as mc
 
 pytest.importorskip("vllm")
 
@@ -33,7 +32,7 @@ def _experts(draw):
     e = draw(st.sampled_from([1, 2, 4]))
     rows = draw(st.sampled_from([32, 64, 128]))
     cols = draw(st.sampled_from([32, 64, 256]))
-    seed = draw(st.integers(0, 2 ** 16))
+    seed = draw(st.integers(0, 2**16))
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(e, rows, cols, generator=g) * mc.WEIGHT_STD).to(torch.bfloat16)
 
@@ -64,7 +63,9 @@ def test_cpu_plan_tags_forbid_replaying_the_prepack():
     assert tags["cpu_moe.pad_intermediate"] is Tag.TRANSFORM
     assert Tag.TRANSFORM not in RESTORE_TAGS
     assert [s.name for s in UNQUANTIZED_CPU_VEC.stages if s.tag in RESTORE_TAGS] == [
-        "moe.validate_expert_shapes", "moe.set_experts_kernel"]
+        "moe.validate_expert_shapes",
+        "moe.set_experts_kernel",
+    ]
 
 
 @settings(max_examples=8, deadline=None)
@@ -80,8 +81,9 @@ def test_cpu_restore_of_prepacked_experts_keeps_the_daemons_bytes(case):
 
     prepared = bound.run(LayerState(tensors=tensors), PREPARE_TAGS)
     exported = {k: v.clone() for k, v in prepared.tensors.items()}
-    restored = bound.restore_run(LayerState(tensors=exported),
-                                 {k: dict(v) for k, v in prepared.recorded.items()})
+    restored = bound.restore_run(
+        LayerState(tensors=exported), {k: dict(v) for k, v in prepared.recorded.items()}
+    )
     assert all(torch.equal(restored.tensors[k], prepared.tensors[k]) for k in exported)
     replayed = bound.run(LayerState(tensors=exported), LOAD_TAGS)
     if exported["w13_weight"].shape == tensors["w13_weight"].shape:  # nothing to pad
@@ -95,8 +97,16 @@ def test_cpu_padding_equals_vllms(inter, expected):
     _pad_moe_intermediate does."""
     e, h = 2, 64
     t = mc.bf16_experts(e, h, inter, seed=inter, bias=True)
-    cfg = mc.moe_config("unquantized_moe", "cpu_vec", experts=e, hidden=h, inter=inter,
-                        backend="CPU", experts_cls="CPUUnquantizedExperts", bias=True)
+    cfg = mc.moe_config(
+        "unquantized_moe",
+        "cpu_vec",
+        experts=e,
+        hidden=h,
+        inter=inter,
+        backend="CPU",
+        experts_cls="CPUUnquantizedExperts",
+        bias=True,
+    )
     out = moe_cpu.pad_intermediate(t, cfg, mc.CPU, {}).tensors
     if expected == inter:
         assert dict(out) == {}
@@ -104,15 +114,14 @@ def test_cpu_padding_equals_vllms(inter, expected):
     w13, w2, b13 = out["w13_weight"], out["w2_weight"], out["w13_bias"]
     assert tuple(w13.shape) == (e, 2 * expected, h) and tuple(w2.shape) == (e, h, expected)
     assert torch.equal(w13[:, :inter], t["w13_weight"][:, :inter])
-    assert torch.equal(w13[:, expected:expected + inter], t["w13_weight"][:, inter:])
-    assert not w13[:, inter:expected].any() and not w13[:, expected + inter:].any()
+    assert torch.equal(w13[:, expected : expected + inter], t["w13_weight"][:, inter:])
+    assert not w13[:, inter:expected].any() and not w13[:, expected + inter :].any()
     assert torch.equal(w2[:, :, :inter], t["w2_weight"]) and not w2[:, :, inter:].any()
-    assert torch.equal(b13[:, expected:expected + inter], t["w13_bias"][:, inter:])
+    assert torch.equal(b13[:, expected : expected + inter], t["w13_bias"][:, inter:])
 
 
 @settings(max_examples=10, deadline=None)
-@given(e=st.sampled_from([1, 3]), inter=st.sampled_from([64, 96]),
-       seed=st.integers(0, 2 ** 16))
+@given(e=st.sampled_from([1, 3]), inter=st.sampled_from([64, 96]), seed=st.integers(0, 2**16))
 def test_fp8_requantization_equals_vllms_in_place_function(e, inter, seed):
     """fp8_moe.process_weight_tensor_strategy gives the bytes and max scales of vLLM's
     process_fp8_weight_tensor_strategy_moe (run on a copy, with vLLM's pure-torch
@@ -124,8 +133,16 @@ def test_fp8_requantization_equals_vllms_in_place_function(e, inter, seed):
     h = 128
     t = mc.fp8_tensor_experts(e, h, inter, seed)
     before = t["w13_weight"].clone()
-    cfg = mc.moe_config("fp8_moe_tensor", "triton", experts=e, hidden=h, inter=inter,
-                        backend="TRITON", experts_cls="TritonExperts", strategy="tensor")
+    cfg = mc.moe_config(
+        "fp8_moe_tensor",
+        "triton",
+        experts=e,
+        hidden=h,
+        inter=inter,
+        backend="TRITON",
+        experts_cls="TritonExperts",
+        strategy="tensor",
+    )
     out = moe.process_weight_tensor_strategy(t, cfg, mc.H200, {}).tensors
 
     from tests.helpers import vllm_layers as VL
@@ -136,7 +153,8 @@ def test_fp8_requantization_equals_vllms_in_place_function(e, inter, seed):
     fp8_utils.ops.scaled_fp8_quant = lambda x, scale: quant.forward_native(x, scale)
     try:
         w_ref, s_ref = fp8_utils.process_fp8_weight_tensor_strategy_moe(
-            t["w13_weight"].clone(), t["w13_weight_scale"], inter, e)
+            t["w13_weight"].clone(), t["w13_weight_scale"], inter, e
+        )
     finally:
         fp8_utils.ops.scaled_fp8_quant = orig
     assert torch.equal(out["w13_weight"].view(torch.uint8), w_ref.view(torch.uint8))
@@ -151,23 +169,38 @@ def test_recorded_backend_must_match_the_engines():
 
     config, tensors, target = mc.unquantized_cpu().example()
     bound = UNQUANTIZED_CPU_VEC.bind(config, target)
-    recorded = {"moe.set_experts_kernel": {"backend": "CPU",
-                                           "experts": "X86CPUUnquantizedExperts"}}
+    recorded = {"moe.set_experts_kernel": {"backend": "CPU", "experts": "X86CPUUnquantizedExperts"}}
     with pytest.raises(RecordedMismatch, match="X86CPUUnquantizedExperts"):
         bound.restore_run(LayerState(tensors=tensors), recorded)
 
 
-@pytest.mark.parametrize("tensors, match", [
-    ({"w13_weight": torch.zeros(2, 64, 32), "w2_weight": torch.zeros(2, 32, 32)},
-     "experts of hidden size"),
-    ({"w13_weight": torch.zeros(2, 60, 64), "w2_weight": torch.zeros(2, 64, 32)},
-     "rows for 2 shard"),
-    ({"w13_weight": torch.zeros(3, 64, 64), "w2_weight": torch.zeros(3, 64, 32)},
-     "holds 3 experts"),
-])
+@pytest.mark.parametrize(
+    "tensors, match",
+    [
+        (
+            {"w13_weight": torch.zeros(2, 64, 32), "w2_weight": torch.zeros(2, 32, 32)},
+            "experts of hidden size",
+        ),
+        (
+            {"w13_weight": torch.zeros(2, 60, 64), "w2_weight": torch.zeros(2, 64, 32)},
+            "rows for 2 shard",
+        ),
+        (
+            {"w13_weight": torch.zeros(3, 64, 64), "w2_weight": torch.zeros(3, 64, 32)},
+            "holds 3 experts",
+        ),
+    ],
+)
 def test_shape_check_refuses_experts_of_another_layer(tensors, match):
     """moe.validate_expert_shapes names what does not fit the layer's MoeShape."""
-    cfg = mc.moe_config("unquantized_moe", "triton", experts=2, hidden=64, inter=32,
-                        backend="TRITON", experts_cls="TritonExperts")
+    cfg = mc.moe_config(
+        "unquantized_moe",
+        "triton",
+        experts=2,
+        hidden=64,
+        inter=32,
+        backend="TRITON",
+        experts_cls="TritonExperts",
+    )
     with pytest.raises(moe.MoeLayoutError, match=match):
         moe.validate_expert_shapes(tensors, cfg, mc.H200, {})

@@ -33,17 +33,23 @@ def _gen(seed: int) -> torch.Generator:
 
 def _words(seed: int, shape) -> torch.Tensor:
     """Arbitrary int32 words, every bit pattern drawable."""
-    return torch.randint(-2**31, 2**31 - 1, tuple(shape), dtype=torch.int32, generator=_gen(seed))
+    return torch.randint(-(2**31), 2**31 - 1, tuple(shape), dtype=torch.int32, generator=_gen(seed))
 
 
 def _values(seed: int, shape, bits: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.randint(0, 2**bits, tuple(shape), dtype=torch.int32,
-                         generator=_gen(seed)).to(dtype)
+    return torch.randint(0, 2**bits, tuple(shape), dtype=torch.int32, generator=_gen(seed)).to(
+        dtype
+    )
 
 
-packs = st.tuples(st.integers(1, 5), st.integers(1, 5), st.sampled_from([4, 8]),
-                  st.sampled_from([0, 1]), st.sampled_from(PACK_DTYPES),
-                  st.integers(0, 2**16))
+packs = st.tuples(
+    st.integers(1, 5),
+    st.integers(1, 5),
+    st.sampled_from([4, 8]),
+    st.sampled_from([0, 1]),
+    st.sampled_from(PACK_DTYPES),
+    st.integers(0, 2**16),
+)
 
 
 # --------------------------------------------------------------------------- pack / unpack
@@ -67,10 +73,11 @@ def test_pack_int32_equals_vllm(case):
 def test_pack_int32_casts_uint8_before_shifting():
     """A uint8 input keeps its high slots (vLLM's function, shifting in uint8, drops them)."""
     values = torch.full((1, 8), 15, dtype=torch.uint8)
-    expected = torch.tensor([[-1]], dtype=torch.int32)          # 0xFFFFFFFF
+    expected = torch.tensor([[-1]], dtype=torch.int32)  # 0xFFFFFFFF
     assert torch.equal(expected, P.pack_int32(values, 4, 1))
-    assert not torch.equal(expected, qu.pack_quantized_values_into_int32(
-        values, scalar_types.uint4, 1))
+    assert not torch.equal(
+        expected, qu.pack_quantized_values_into_int32(values, scalar_types.uint4, 1)
+    )
 
 
 @given(packs)
@@ -89,14 +96,18 @@ def test_pack_unpack_round_trip(case):
     shape = [rows, cols]
     shape[dim] *= 32 // bits
     values = _values(seed, shape, bits, dtype)
-    assert torch.equal(values.to(torch.int32),
-                       P.unpack_int32(P.pack_int32(values, bits, dim), bits, dim))
+    assert torch.equal(
+        values.to(torch.int32), P.unpack_int32(P.pack_int32(values, bits, dim), bits, dim)
+    )
     words = _words(seed, (rows, cols))
     assert torch.equal(words, P.pack_int32(P.unpack_int32(words, bits, dim), bits, dim))
 
 
-@given(k=st.integers(1, 4).map(lambda i: 8 * i), n=st.integers(1, 4).map(lambda i: 8 * i),
-       seed=st.integers(0, 2**16))
+@given(
+    k=st.integers(1, 4).map(lambda i: 8 * i),
+    n=st.integers(1, 4).map(lambda i: 8 * i),
+    seed=st.integers(0, 2**16),
+)
 def test_pack_layouts_equal_vllm_numpy_references(k, n, seed):
     """Packed dim 0 == gptq_pack/pack_rows, dim 1 == pack_cols (unpack == unpack_cols),
     pack_awq == awq_pack and unpack_awq inverts it."""
@@ -122,15 +133,22 @@ def _vllm_awq(qweight: torch.Tensor, qzeros: torch.Tensor | None):
     layer.qweight = torch.nn.Parameter(qweight.clone(), requires_grad=False)
     if qzeros is not None:
         layer.qzeros = torch.nn.Parameter(qzeros.clone(), requires_grad=False)
-    with mock.patch.object(vparam, "get_tensor_model_parallel_rank", lambda: 0), \
-            mock.patch.object(vparam, "get_tensor_model_parallel_world_size", lambda: 1):
-        _convert_awq_to_standard_format(layer, "qweight", None if qzeros is None else "qzeros",
-                                        P.AWQ_NUM_BITS)
+    with (
+        mock.patch.object(vparam, "get_tensor_model_parallel_rank", lambda: 0),
+        mock.patch.object(vparam, "get_tensor_model_parallel_world_size", lambda: 1),
+    ):
+        _convert_awq_to_standard_format(
+            layer, "qweight", None if qzeros is None else "qzeros", P.AWQ_NUM_BITS
+        )
     return layer.qweight.data, (None if qzeros is None else layer.qzeros.data)
 
 
-@given(k=st.integers(1, 4).map(lambda i: 8 * i), n=st.integers(1, 4).map(lambda i: 8 * i),
-       groups=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**16))
+@given(
+    k=st.integers(1, 4).map(lambda i: 8 * i),
+    n=st.integers(1, 4).map(lambda i: 8 * i),
+    groups=st.sampled_from([1, 2, 4]),
+    seed=st.integers(0, 2**16),
+)
 def test_awq_to_standard_equals_vllm(k, n, groups, seed):
     """awq_to_standard == vLLM's _convert_awq_to_standard_format on a layer (weight and
     zero points, and the weight alone; values and strides), arbitrary int32 words."""
@@ -176,17 +194,26 @@ def test_meta_shapes():
 # --------------------------------------------------------------------------- bad inputs
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda: P.pack_factor(3), "does not divide"),
-    (lambda: P.pack_int32(torch.zeros(7, 2, dtype=torch.int32), 4, 0), "multiple of 8"),
-    (lambda: P.awq_to_standard(torch.zeros(8, 1, dtype=torch.int64), None), "2-D int32"),
-    (lambda: P.awq_to_standard(torch.zeros(8, 1, dtype=torch.int32),
-                               torch.zeros(1, dtype=torch.int32)), "qzeros must be 2-D"),
-    (lambda: P.awq_to_standard(torch.zeros(12, 1, dtype=torch.int32), None),
-     r"qweight \(size_k\) of size 12 by 8"),
-    (lambda: P.pad_to(torch.ones(4), (2,)), "cannot pad"),
-    (lambda: P.pad_to(torch.ones(2, 2), (2,)), "cannot pad"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: P.pack_factor(3), "does not divide"),
+        (lambda: P.pack_int32(torch.zeros(7, 2, dtype=torch.int32), 4, 0), "multiple of 8"),
+        (lambda: P.awq_to_standard(torch.zeros(8, 1, dtype=torch.int64), None), "2-D int32"),
+        (
+            lambda: P.awq_to_standard(
+                torch.zeros(8, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+            ),
+            "qzeros must be 2-D",
+        ),
+        (
+            lambda: P.awq_to_standard(torch.zeros(12, 1, dtype=torch.int32), None),
+            r"qweight \(size_k\) of size 12 by 8",
+        ),
+        (lambda: P.pad_to(torch.ones(4), (2,)), "cannot pad"),
+        (lambda: P.pad_to(torch.ones(2, 2), (2,)), "cannot pad"),
+    ],
+)
 def test_bad_inputs_raise(call, match):
     """Each bad input raises StageInputError with its message."""
     with pytest.raises(StageInputError, match=match):
@@ -199,8 +226,12 @@ def test_pad_to_and_round_up():
     expected = torch.full((4, 5), 7.0)
     expected[:2, :3] = 1.0
     assert torch.equal(expected, padded)
-    assert (64, 64, 0, 32) == (P.round_up(33, 32), P.round_up(64, 32), P.round_up(0, 32),
-                               P.round_up(1, 32))
+    assert (64, 64, 0, 32) == (
+        P.round_up(33, 32),
+        P.round_up(64, 32),
+        P.round_up(0, 32),
+        P.round_up(1, 32),
+    )
 
 
 # --------------------------------------------------------------------------- one packing module
@@ -224,8 +255,9 @@ def _variable_shifts(tree: ast.AST) -> list[int]:
             left, right = node.left, node.right
         elif isinstance(node, ast.AugAssign) and isinstance(node.op, (ast.LShift, ast.RShift)):
             left, right = node.target, node.value
-        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(
-                node.func, "id", None)) in ("bitwise_left_shift", "bitwise_right_shift"):
+        elif isinstance(node, ast.Call) and getattr(
+            node.func, "attr", getattr(node.func, "id", None)
+        ) in ("bitwise_left_shift", "bitwise_right_shift"):
             lines.append(node.lineno)
             continue
         else:
@@ -237,16 +269,23 @@ def _variable_shifts(tree: ast.AST) -> list[int]:
 
 def _shared_sources() -> list[Path]:
     """The package and the shared test helpers (tests/helpers, the conftests)."""
-    return sorted([*(ROOT / "wcache").rglob("*.py"), *(ROOT / "tests" / "helpers").glob("*.py"),
-                   *(ROOT / "tests").rglob("conftest.py")])
+    return sorted(
+        [
+            *(ROOT / "wcache").rglob("*.py"),
+            *(ROOT / "tests" / "helpers").glob("*.py"),
+            *(ROOT / "tests").rglob("conftest.py"),
+        ]
+    )
 
 
 def test_detector_finds_pack_loops():
     """The detector flags the shapes of a pack and an unpack loop and passes masks and
     literal shifts (so the check below can fail)."""
-    flagged = ("res |= (v[..., i::pf] & mask) << (num_bits * i)\n"
-               "vals = (packed.unsqueeze(-1) >> shifts) & mask\n"
-               "w = torch.bitwise_left_shift(v, s)\n")
+    flagged = (
+        "res |= (v[..., i::pf] & mask) << (num_bits * i)\n"
+        "vals = (packed.unsqueeze(-1) >> shifts) & mask\n"
+        "w = torch.bitwise_left_shift(v, s)\n"
+    )
     passed = "mask = (1 << num_bits) - 1\nhi = packed >> 4\nn = 64 << 20\n"
     assert [1, 2, 3] == _variable_shifts(ast.parse(flagged))
     assert [] == _variable_shifts(ast.parse(passed))
@@ -255,7 +294,11 @@ def test_detector_finds_pack_loops():
 def test_no_pack_loop_outside_packing_module():
     """No module of the package or the shared test helpers, other than
     wcache/stages/packing.py, shifts values by a computed amount (its own pack loop)."""
-    found = {str(p.relative_to(ROOT)): lines for p in _shared_sources() if p != PACKING_MODULE
-             if (lines := _variable_shifts(ast.parse(p.read_text(), str(p))))}
+    found = {
+        str(p.relative_to(ROOT)): lines
+        for p in _shared_sources()
+        if p != PACKING_MODULE
+        if (lines := _variable_shifts(ast.parse(p.read_text(), str(p))))
+    }
     assert {} == found
     assert _variable_shifts(ast.parse(PACKING_MODULE.read_text()))  # the loops are here

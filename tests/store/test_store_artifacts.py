@@ -18,8 +18,16 @@ from wcache.store.errors import ArtifactsCorrupt, ArtifactsMissing, ProtocolErro
 from wcache.store.protocol import recv_frame, send_frame
 from wcache.testing.store import start_daemon, stop_daemon
 
-FACTORS = {"vllm": "0.32.0", "torch": "2.13", "triton": None, "device": "cpu:x86_64",
-           "capability": None, "env_hash": "e" * 64, "config_hash": "c" * 10, "aot_hash": "a" * 64}
+FACTORS = {
+    "vllm": "0.32.0",
+    "torch": "2.13",
+    "triton": None,
+    "device": "cpu:x86_64",
+    "capability": None,
+    "env_hash": "e" * 64,
+    "config_hash": "c" * 10,
+    "aot_hash": "a" * 64,
+}
 AOT = "torch_compile_cache/torch_aot_compile/" + "a" * 64
 
 
@@ -40,21 +48,28 @@ def _cache_tree(root):
 @pytest.fixture
 def bundle(tmp_path):
     dirs = _cache_tree(tmp_path / "src")
-    b = art.pack_bundle(dirs, [("vllm", AOT), ("vllm", "modelinfos/llama.json"), ("triton", "abc")],
-                        FACTORS)
+    b = art.pack_bundle(
+        dirs, [("vllm", AOT), ("vllm", "modelinfos/llama.json"), ("triton", "abc")], FACTORS
+    )
     yield b
     b.close()
 
 
 def _tree(root):
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
 
 
 def test_pack_records_every_file_with_its_digest_and_seals_the_memfd(bundle):
     """The manifest lists each file with bytes and blake3; the memfd is sealed against writes and holds the tar."""
     files = {f["path"]: f["nbytes"] for f in bundle.manifest["files"]}
-    assert files == {f"vllm/{AOT}/rank_0_0/model": 1100, f"vllm/{AOT}/inductor_cache/fx/k.py": 11,
-                     "vllm/modelinfos/llama.json": 2, "triton/abc/k.so": 64}
+    assert files == {
+        f"vllm/{AOT}/rank_0_0/model": 1100,
+        f"vllm/{AOT}/inductor_cache/fx/k.py": 11,
+        "vllm/modelinfos/llama.json": 2,
+        "triton/abc/k.so": 64,
+    }
     assert bundle.nbytes == 1177
     assert fcntl.fcntl(bundle.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE
     assert os.fstat(bundle.fd).st_size == bundle.tar_nbytes
@@ -88,8 +103,9 @@ def test_install_never_overwrites_an_existing_entry(bundle, tmp_path):
 def test_install_refuses_a_member_whose_digest_differs(bundle, tmp_path):
     """A file whose bytes differ from the manifest's blake3 fails with artifacts-corrupt and leaves nothing of that entry."""
     manifest = dict(bundle.manifest)
-    manifest["files"] = [dict(f, blake3="0" * 64) if f["path"].endswith("k.so") else f
-                         for f in manifest["files"]]
+    manifest["files"] = [
+        dict(f, blake3="0" * 64) if f["path"].endswith("k.so") else f for f in manifest["files"]
+    ]
     bad = art.Bundle(os.dup(bundle.fd), manifest)
     dests = {"triton": tmp_path / "dst" / "triton"}
     with pytest.raises(ArtifactsCorrupt, match="k.so: blake3"):
@@ -98,11 +114,14 @@ def test_install_refuses_a_member_whose_digest_differs(bundle, tmp_path):
     bad.close()
 
 
-@pytest.mark.parametrize("root, rel, match", [
-    ("vllm", "../etc", "not a plain relative path"),
-    ("vllm", "/abs", "not a plain relative path"),
-    ("home", "x", "unknown cache root"),
-])
+@pytest.mark.parametrize(
+    "root, rel, match",
+    [
+        ("vllm", "../etc", "not a plain relative path"),
+        ("vllm", "/abs", "not a plain relative path"),
+        ("home", "x", "unknown cache root"),
+    ],
+)
 def test_pack_refuses_entries_outside_their_root(tmp_path, root, rel, match):
     """Entry paths that escape their root, or an unknown root, are refused with artifacts-corrupt."""
     with pytest.raises(ArtifactsCorrupt, match=match):
@@ -138,8 +157,13 @@ def test_artifacts_command_passes_a_sealed_memfd(daemon, bundle, tmp_path):
     finally:
         got.close()
     st = daemon_status(daemon.socket_path)["artifacts"]
-    assert (st["present"], st["bytes"], st["files"], st["compile_dirs"], st["state"]) == \
-        (True, 1177, 4, [AOT.rsplit("/", 1)[-1]], "primed")
+    assert (st["present"], st["bytes"], st["files"], st["compile_dirs"], st["state"]) == (
+        True,
+        1177,
+        4,
+        [AOT.rsplit("/", 1)[-1]],
+        "primed",
+    )
     daemon.artifacts = None  # the fixture's bundle closes its own fd
 
 
@@ -148,15 +172,21 @@ def test_artifacts_command_without_a_bundle_is_artifacts_missing(daemon):
     daemon.artifacts_state, daemon.artifacts_error = "failed", "[priming-failed] boom"
     with pytest.raises(ArtifactsMissing, match=r"state failed: \[priming-failed\] boom"):
         fetch_artifacts(daemon.socket_path)
-    assert daemon_status(daemon.socket_path)["artifacts"] == \
-        {"present": False, "state": "failed", "error": "[priming-failed] boom"}
+    assert daemon_status(daemon.socket_path)["artifacts"] == {
+        "present": False,
+        "state": "failed",
+        "error": "[priming-failed] boom",
+    }
     assert daemon.refusals["artifacts-missing"] == 1
 
 
-@pytest.mark.parametrize("frame, match", [
-    ({"op": "artifacts", "key": {}}, "artifacts takes no field 'key'"),
-    ({"op": "artifacts", "fd": 3}, "artifacts takes no field 'fd'"),
-])
+@pytest.mark.parametrize(
+    "frame, match",
+    [
+        ({"op": "artifacts", "key": {}}, "artifacts takes no field 'key'"),
+        ({"op": "artifacts", "fd": 3}, "artifacts takes no field 'fd'"),
+    ],
+)
 def test_artifacts_command_refuses_bad_frames(daemon, frame, match):
     """An artifacts frame with fields it does not take is a protocol-error naming the field."""
     conn = Connection(daemon.socket_path)
@@ -202,11 +232,13 @@ def test_lean_daemon_keeps_serving_the_bundle(sock_dir, bundle, tmp_path):
             assert time.monotonic() < deadline, "no lean hand-off"
             time.sleep(0.1)
         st = daemon_status(sock)
-        assert (st["torch_loaded"], st["artifacts"]["present"], st["artifacts"]["bytes"]) == \
-            (False, True, 1177)
+        assert (st["torch_loaded"], st["artifacts"]["present"], st["artifacts"]["bytes"]) == (
+            False,
+            True,
+            1177,
+        )
         got = fetch_artifacts(sock)
         assert os.pread(got.fd, got.tar_nbytes, 0) == os.pread(bundle.fd, bundle.tar_nbytes, 0)
         got.close()
     finally:
         stop_daemon(proc)
-

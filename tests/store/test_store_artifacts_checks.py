@@ -18,8 +18,15 @@ from wcache.store import artifacts as art
 from wcache.store import daemon_status
 from wcache.store.errors import ArtifactsCorrupt, StoreError
 
-FACTORS = {"vllm": "0.32.0", "torch": "2.13", "triton": None, "device": "cpu:x86_64",
-           "capability": None, "env_hash": "e" * 64, "config_hash": "c" * 10}
+FACTORS = {
+    "vllm": "0.32.0",
+    "torch": "2.13",
+    "triton": None,
+    "device": "cpu:x86_64",
+    "capability": None,
+    "env_hash": "e" * 64,
+    "config_hash": "c" * 10,
+}
 AOT = "torch_compile_cache/torch_aot_compile/" + "a" * 64
 
 
@@ -37,18 +44,30 @@ def _tar(members):
 
 
 def _manifest(raw, entries, files):
-    return {"format": 1, "factors": FACTORS, "entries": entries, "files": files,
-            "nbytes": sum(f.get("nbytes", 0) for f in files if isinstance(f, dict)
-                          and isinstance(f.get("nbytes"), int)),
-            "tar_nbytes": len(raw), "tar_blake3": blake3.blake3(raw).hexdigest()}
+    return {
+        "format": 1,
+        "factors": FACTORS,
+        "entries": entries,
+        "files": files,
+        "nbytes": sum(
+            f.get("nbytes", 0)
+            for f in files
+            if isinstance(f, dict) and isinstance(f.get("nbytes"), int)
+        ),
+        "tar_nbytes": len(raw),
+        "tar_blake3": blake3.blake3(raw).hexdigest(),
+    }
 
 
 def _crafted(members, entries, files=None):
     """A bundle from hand-made tar members [(TarInfo, bytes|None)] with a matching tar_blake3."""
     raw = _tar(members)
     if files is None:
-        files = [{"path": i.name, "nbytes": len(d), "blake3": blake3.blake3(d).hexdigest()}
-                 for i, d in members if d is not None]
+        files = [
+            {"path": i.name, "nbytes": len(d), "blake3": blake3.blake3(d).hexdigest()}
+            for i, d in members
+            if d is not None
+        ]
     return art.bundle_from_bytes(raw, _manifest(raw, entries, files))
 
 
@@ -60,14 +79,21 @@ def _info(name, kind=tarfile.REGTYPE, linkname=""):
 
 def _file_bundle():
     """A bundle of one file entry, vllm/modelinfos/llama.json."""
-    return _crafted([(_info("vllm/modelinfos/llama.json"), b"bundle's")],
-                    [{"root": "vllm", "path": "modelinfos/llama.json"}])
+    return _crafted(
+        [(_info("vllm/modelinfos/llama.json"), b"bundle's")],
+        [{"root": "vllm", "path": "modelinfos/llama.json"}],
+    )
 
 
 def _dir_bundle():
     """A bundle of one AOT hash-dir entry with one file."""
-    return _crafted([(_info("vllm/" + AOT, tarfile.DIRTYPE), None),
-                     (_info(f"vllm/{AOT}/rank_0_0/model"), b"fn")], [{"root": "vllm", "path": AOT}])
+    return _crafted(
+        [
+            (_info("vllm/" + AOT, tarfile.DIRTYPE), None),
+            (_info(f"vllm/{AOT}/rank_0_0/model"), b"fn"),
+        ],
+        [{"root": "vllm", "path": AOT}],
+    )
 
 
 def _race(monkeypatch, make):
@@ -85,17 +111,26 @@ def _race(monkeypatch, make):
 
 # --- hostile members ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind, linkname", [
-    (tarfile.SYMTYPE, "/etc/passwd"),
-    (tarfile.LNKTYPE, "vllm/x/a"),
-    (tarfile.CHRTYPE, ""),
-    (tarfile.FIFOTYPE, ""),
-])
+
+@pytest.mark.parametrize(
+    "kind, linkname",
+    [
+        (tarfile.SYMTYPE, "/etc/passwd"),
+        (tarfile.LNKTYPE, "vllm/x/a"),
+        (tarfile.CHRTYPE, ""),
+        (tarfile.FIFOTYPE, ""),
+    ],
+)
 def test_links_and_special_members_are_refused_and_nothing_is_left(tmp_path, kind, linkname):
     """A symlink, hardlink, device or fifo member inside an entry is artifacts-corrupt; the entry is not installed."""
-    b = _crafted([(_info("vllm/x", tarfile.DIRTYPE), None), (_info("vllm/x/a"), b"ok"),
-                  (_info("vllm/x/evil", kind, linkname), None)],
-                 [{"root": "vllm", "path": "x"}])
+    b = _crafted(
+        [
+            (_info("vllm/x", tarfile.DIRTYPE), None),
+            (_info("vllm/x/a"), b"ok"),
+            (_info("vllm/x/evil", kind, linkname), None),
+        ],
+        [{"root": "vllm", "path": "x"}],
+    )
     try:
         with pytest.raises(ArtifactsCorrupt, match="not a plain file or directory"):
             art.install_bundle(b, {"vllm": tmp_path / "v"})
@@ -117,8 +152,11 @@ def test_traversal_member_is_refused(tmp_path):
 
 def test_a_sparse_member_is_refused(tmp_path):
     """A GNU sparse member (what it writes is not its header's size) is artifacts-corrupt, nothing installed."""
-    b = _crafted([(_info("vllm/x", tarfile.GNUTYPE_SPARSE), b"ab")], [{"root": "vllm", "path": "x"}],
-                 files=[{"path": "vllm/x", "nbytes": 2, "blake3": blake3.blake3(b"ab").hexdigest()}])
+    b = _crafted(
+        [(_info("vllm/x", tarfile.GNUTYPE_SPARSE), b"ab")],
+        [{"root": "vllm", "path": "x"}],
+        files=[{"path": "vllm/x", "nbytes": 2, "blake3": blake3.blake3(b"ab").hexdigest()}],
+    )
     try:
         with pytest.raises(ArtifactsCorrupt, match="'vllm/x' is a sparse file"):
             art.install_bundle(b, {"vllm": tmp_path / "v"})
@@ -127,15 +165,23 @@ def test_a_sparse_member_is_refused(tmp_path):
         b.close()
 
 
-def test_a_member_of_another_size_than_the_manifest_is_refused_before_writing(tmp_path, monkeypatch):
+def test_a_member_of_another_size_than_the_manifest_is_refused_before_writing(
+    tmp_path, monkeypatch
+):
     """A member whose tar size differs from the manifest's nbytes is artifacts-corrupt before a byte is written."""
     opened = []
-    monkeypatch.setattr(art.tarfile.TarFile, "extractfile",
-                        lambda self, m: opened.append(m.name) or None)
-    b = _crafted([(_info("vllm/x"), b"12345")], [{"root": "vllm", "path": "x"}],
-                 files=[{"path": "vllm/x", "nbytes": 2, "blake3": blake3.blake3(b"12345").hexdigest()}])
+    monkeypatch.setattr(
+        art.tarfile.TarFile, "extractfile", lambda self, m: opened.append(m.name) or None
+    )
+    b = _crafted(
+        [(_info("vllm/x"), b"12345")],
+        [{"root": "vllm", "path": "x"}],
+        files=[{"path": "vllm/x", "nbytes": 2, "blake3": blake3.blake3(b"12345").hexdigest()}],
+    )
     try:
-        with pytest.raises(ArtifactsCorrupt, match="'vllm/x' is 5 bytes, the bundle manifest says 2"):
+        with pytest.raises(
+            ArtifactsCorrupt, match="'vllm/x' is 5 bytes, the bundle manifest says 2"
+        ):
             art.install_bundle(b, {"vllm": tmp_path / "v"})
         assert (opened, os.listdir(tmp_path / "v")) == ([], [])
     finally:
@@ -144,15 +190,19 @@ def test_a_member_of_another_size_than_the_manifest_is_refused_before_writing(tm
 
 # --- entries without members -------------------------------------------------------------
 
+
 def test_a_listed_entry_without_members_is_skipped_with_its_reason_and_the_rest_installed(tmp_path):
     """An entry the tar carries nothing of (an older packer's symlinked entry) is skipped as not-in-tar; the next entry is installed."""
-    b = _crafted([(_info("vllm/b"), b"b")],
-                 [{"root": "vllm", "path": "a"}, {"root": "vllm", "path": "b"}])
+    b = _crafted(
+        [(_info("vllm/b"), b"b")], [{"root": "vllm", "path": "a"}, {"root": "vllm", "path": "b"}]
+    )
     try:
         result = art.install_bundle(b, {"vllm": tmp_path / "v"})
     finally:
         b.close()
-    assert result == art.InstallResult(("vllm/b",), ("vllm/a",), 1, (("vllm/a", art.SKIP_NOT_IN_TAR),))
+    assert result == art.InstallResult(
+        ("vllm/b",), ("vllm/a",), 1, (("vllm/a", art.SKIP_NOT_IN_TAR),)
+    )
     assert sorted(os.listdir(tmp_path / "v")) == ["b"]
 
 
@@ -172,8 +222,10 @@ def test_pack_leaves_out_an_entry_that_carries_nothing(tmp_path):
 
 def test_skips_name_their_reasons(tmp_path):
     """A present entry is skipped as present, an entry of a root without destination as no-root."""
-    b = _crafted([(_info("vllm/a"), b"a"), (_info("triton/k"), b"k")],
-                 [{"root": "vllm", "path": "a"}, {"root": "triton", "path": "k"}])
+    b = _crafted(
+        [(_info("vllm/a"), b"a"), (_info("triton/k"), b"k")],
+        [{"root": "vllm", "path": "a"}, {"root": "triton", "path": "k"}],
+    )
     (tmp_path / "v").mkdir()
     (tmp_path / "v" / "a").write_bytes(b"mine")
     try:
@@ -187,6 +239,7 @@ def test_skips_name_their_reasons(tmp_path):
 
 # --- the no-overwrite guarantee under a race ----------------------------------------------
 
+
 def test_a_file_entry_that_appears_during_install_is_kept(tmp_path, monkeypatch):
     """A file another process writes between the existence check and the move is kept (RENAME_NOREPLACE) and the entry reported skipped."""
     dest = tmp_path / "v" / "modelinfos" / "llama.json"
@@ -197,8 +250,9 @@ def test_a_file_entry_that_appears_during_install_is_kept(tmp_path, monkeypatch)
     finally:
         b.close()
     assert dest.read_bytes() == b"theirs"
-    assert result == art.InstallResult((), ("vllm/modelinfos/llama.json",), 0,
-                                       (("vllm/modelinfos/llama.json", art.SKIP_PRESENT),))
+    assert result == art.InstallResult(
+        (), ("vllm/modelinfos/llama.json",), 0, (("vllm/modelinfos/llama.json", art.SKIP_PRESENT),)
+    )
     assert os.listdir(dest.parent) == ["llama.json"]  # no temp dir left
 
 
@@ -233,15 +287,22 @@ def test_without_renameat2_a_file_is_linked_and_a_racing_file_kept(tmp_path, mon
     finally:
         b.close()
     installed = tmp_path / "a" / "modelinfos" / "llama.json"
-    assert (installed.read_bytes(), installed.stat().st_nlink, first.installed) == \
-        (b"bundle's", 1, ("vllm/modelinfos/llama.json",))
-    assert (dest.read_bytes(), second.installed, second.skipped) == \
-        (b"theirs", (), ("vllm/modelinfos/llama.json",))
+    assert (installed.read_bytes(), installed.stat().st_nlink, first.installed) == (
+        b"bundle's",
+        1,
+        ("vllm/modelinfos/llama.json",),
+    )
+    assert (dest.read_bytes(), second.installed, second.skipped) == (
+        b"theirs",
+        (),
+        ("vllm/modelinfos/llama.json",),
+    )
     assert sorted(os.listdir(tmp_path / "a" / "modelinfos")) == ["llama.json"]
 
 
 def test_without_renameat2_a_dir_is_renamed_after_the_existence_check(tmp_path, monkeypatch):
     """Where renameat2 is unsupported (EINVAL from the file system), a dir entry is renamed into place when absent."""
+
     def refuse(src, dst):
         raise OSError(errno.EINVAL, "flag not supported", str(dst))
 
@@ -255,10 +316,10 @@ def test_without_renameat2_a_dir_is_renamed_after_the_existence_check(tmp_path, 
     assert (tmp_path / "v" / AOT / "rank_0_0" / "model").read_bytes() == b"fn"
 
 
-@pytest.mark.parametrize("err", [errno.EACCES, errno.EXDEV, errno.ENOSPC],
-                         ids=errno.errorcode.get)
+@pytest.mark.parametrize("err", [errno.EACCES, errno.EXDEV, errno.ENOSPC], ids=errno.errorcode.get)
 def test_a_move_that_fails_otherwise_is_install_failed_not_skipped(tmp_path, monkeypatch, err):
     """A move failing with EACCES, EXDEV or ENOSPC raises StoreError artifacts-install-failed naming the errno, and leaves no temp dir."""
+
     def fail(src, dst):
         raise OSError(err, os.strerror(err), str(dst))
 
@@ -278,19 +339,22 @@ def test_a_move_that_fails_otherwise_is_install_failed_not_skipped(tmp_path, mon
 GOOD_FILE = {"path": "vllm/x", "nbytes": 1, "blake3": blake3.blake3(b"x").hexdigest()}
 
 
-@pytest.mark.parametrize("entries, files, match", [
-    ([{"root": "vllm"}], [GOOD_FILE], "lacks a string root and path"),
-    ([{"root": "vllm", "path": 7}], [GOOD_FILE], "lacks a string root and path"),
-    ([{"path": "x"}], [GOOD_FILE], "lacks a string root and path"),
-    ([{"root": "vllm", "path": "x/../y"}], [GOOD_FILE], "not a plain relative path"),
-    (["x"], [GOOD_FILE], "bundle entry 'x' is not a map"),
-    ([{"root": "vllm", "path": "x"}], ["junk"], "bundle files item 'junk' is not a map"),
-    ([{"root": "vllm", "path": "x"}], [{"path": "vllm/x", "nbytes": 1}], "needs a string path"),
-    ([{"root": "vllm", "path": "x"}], [dict(GOOD_FILE, path=None)], "needs a string path"),
-    ([{"root": "vllm", "path": "x"}], [dict(GOOD_FILE, nbytes=-1)], "int nbytes >= 0"),
-    ([{"root": "vllm", "path": "x"}], [dict(GOOD_FILE, nbytes="1")], "int nbytes >= 0"),
-    ([{"root": "vllm", "path": "x"}], [dict(GOOD_FILE, nbytes=True)], "int nbytes >= 0"),
-])
+@pytest.mark.parametrize(
+    "entries, files, match",
+    [
+        ([{"root": "vllm"}], [GOOD_FILE], "lacks a string root and path"),
+        ([{"root": "vllm", "path": 7}], [GOOD_FILE], "lacks a string root and path"),
+        ([{"path": "x"}], [GOOD_FILE], "lacks a string root and path"),
+        ([{"root": "vllm", "path": "x/../y"}], [GOOD_FILE], "not a plain relative path"),
+        (["x"], [GOOD_FILE], "bundle entry 'x' is not a map"),
+        ([{"root": "vllm", "path": "x"}], ["junk"], "bundle files item 'junk' is not a map"),
+        ([{"root": "vllm", "path": "x"}], [{"path": "vllm/x", "nbytes": 1}], "needs a string path"),
+        ([{"root": "vllm", "path": "x"}], [dict(GOOD_FILE, path=None)], "needs a string path"),
+        ([{"root": "vllm", "path": "x"}], [dict(GOOD_FILE, nbytes=-1)], "int nbytes >= 0"),
+        ([{"root": "vllm", "path": "x"}], [dict(GOOD_FILE, nbytes="1")], "int nbytes >= 0"),
+        ([{"root": "vllm", "path": "x"}], [dict(GOOD_FILE, nbytes=True)], "int nbytes >= 0"),
+    ],
+)
 def test_malformed_manifest_entries_and_files_are_refused(entries, files, match):
     """Each malformed entry or files item is refused by bundle_from_bytes with artifacts-corrupt naming it."""
     raw = _tar([(_info("vllm/x"), b"x")])
@@ -303,19 +367,31 @@ def test_status_shows_a_bundle_whatever_its_manifest_holds(daemon, tmp_path):
     raw = _tar([(_info("vllm/x"), b"x")])
     fd = os.memfd_create("t")
     os.write(fd, raw)
-    b = art.Bundle(fd, {"format": 1, "factors": FACTORS,
-                        "entries": [{"root": "vllm"}, {"root": "vllm", "path": AOT}]})
+    b = art.Bundle(
+        fd,
+        {
+            "format": 1,
+            "factors": FACTORS,
+            "entries": [{"root": "vllm"}, {"root": "vllm", "path": AOT}],
+        },
+    )
     daemon.artifacts, daemon.artifacts_state = b, "snapshot"
     try:
         st = daemon_status(daemon.socket_path)["artifacts"]
     finally:
         daemon.artifacts = None
         b.close()
-    assert (st["present"], st["entries"], st["files"], st["compile_dirs"], st["bytes"]) == \
-        (True, 2, 0, ["a" * 64], None)
+    assert (st["present"], st["entries"], st["files"], st["compile_dirs"], st["bytes"]) == (
+        True,
+        2,
+        0,
+        ["a" * 64],
+        None,
+    )
 
 
 # --- snapshot files ---------------------------------------------------------------------------
+
 
 def test_an_unreadable_tar_is_artifacts_corrupt_naming_path_and_errno(tmp_path, monkeypatch):
     """read_bundle turns a startup.tar that is a directory (EISDIR), unreadable (EACCES) or failing (EIO) into artifacts-corrupt."""
@@ -342,6 +418,7 @@ def test_an_unreadable_tar_is_artifacts_corrupt_naming_path_and_errno(tmp_path, 
 
 def test_a_read_error_of_the_tar_is_artifacts_corrupt():
     """An EIO while bundle_from_bytes reads the tar is artifacts-corrupt naming EIO, not a memfd StoreError."""
+
     class Failing(io.RawIOBase):
         def readable(self):
             return True
@@ -351,10 +428,13 @@ def test_a_read_error_of_the_tar_is_artifacts_corrupt():
 
     raw = _tar([(_info("vllm/x"), b"x")])
     with pytest.raises(ArtifactsCorrupt, match=r"cannot read the bundle tar: \[EIO\]"):
-        art.bundle_from_bytes(Failing(), _manifest(raw, [{"root": "vllm", "path": "x"}], [GOOD_FILE]))
+        art.bundle_from_bytes(
+            Failing(), _manifest(raw, [{"root": "vllm", "path": "x"}], [GOOD_FILE])
+        )
 
 
 # --- Inductor entries -------------------------------------------------------------------------
+
 
 def test_inductor_files_merge_into_a_cache_that_has_other_compiles(tmp_path):
     """Inductor entries are leaf files, so an engine whose Inductor cache has other fxgraph entries gets the bundle's, and keeps its own."""
@@ -396,4 +476,6 @@ def test_inductor_entries_are_regular_files_without_hidden_names_or_symlinks(tmp
     (ind / "fxgraph" / "link").symlink_to(ind / "aotautograd" / "a")
     (ind / "linkdir").symlink_to(ind / "fxgraph")
     assert startup.collect_entries({"inductor": ind}) == [
-        ("inductor", "aotautograd/a"), ("inductor", "fxgraph/ab/k")]
+        ("inductor", "aotautograd/a"),
+        ("inductor", "fxgraph/ab/k"),
+    ]

@@ -12,13 +12,35 @@ from wcache.bench import main
 def test_cold_start_bench_smoke(tmp_path, capsys):
     """The tiny bf16 row: all three ready paths give the same arena digest; ratios are computed."""
     out = tmp_path / "cold.json"
-    assert 0 == main(["--cold-start", "--device", "cpu", "--sizes", "tiny", "--formats", "bf16",
-                      "--bench-dir", str(tmp_path / "bench"), "--snapshot-dir", str(tmp_path),
-                      "--out", str(out)])
+    assert 0 == main(
+        [
+            "--cold-start",
+            "--device",
+            "cpu",
+            "--sizes",
+            "tiny",
+            "--formats",
+            "bf16",
+            "--bench-dir",
+            str(tmp_path / "bench"),
+            "--snapshot-dir",
+            str(tmp_path),
+            "--out",
+            str(out),
+        ]
+    )
     (row,) = json.loads(out.read_text())["rows"]
     assert row["snapshot_warm_equal"] and row["snapshot_cold_equal"] and row["peer_equal"]
-    for k in ("checkpoint_s", "checkpoint_cold_s", "snapshot_warm_s", "snapshot_cold_s", "peer_s",
-              "raw_read_s", "raw_read_cold_s", "raw_memcpy_s"):
+    for k in (
+        "checkpoint_s",
+        "checkpoint_cold_s",
+        "snapshot_warm_s",
+        "snapshot_cold_s",
+        "peer_s",
+        "raw_read_s",
+        "raw_read_cold_s",
+        "raw_memcpy_s",
+    ):
         assert row[k] > 0, k
     assert row["ckpt_over_snapshot_warm"] == row["checkpoint_s"] / row["snapshot_warm_s"]
     table = capsys.readouterr().out

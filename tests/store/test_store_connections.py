@@ -184,8 +184,9 @@ def test_one_client_cannot_take_every_connection(daemon, sock_dir):
             with attach(CacheKey(BASE_KEY), socket_dir={sock_dir!r}) as att:
                 print(torch.equal(synthetic_export().tensors["w0"], att.tensors["w0"]))
         """)
-        child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                               timeout=120)
+        child = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+        )
         assert "True" == child.stdout.strip(), child.stderr[-2000:]
     finally:
         for s in mine:
@@ -203,7 +204,9 @@ def stalled_daemon(sock_dir):
 
 
 @pytest.mark.parametrize("call", ["attach", "status"])
-def test_stalled_daemon_holds_a_client_no_longer_than_connect_timeout(stalled_daemon, sock_dir, call):
+def test_stalled_daemon_holds_a_client_no_longer_than_connect_timeout(
+    stalled_daemon, sock_dir, call
+):
     """A daemon that answers hello and then stalls: the client gives up with daemon-missing
     within connect_timeout_s (not the 60 s reply timeout)."""
     t0 = time.monotonic()

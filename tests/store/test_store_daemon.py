@@ -125,13 +125,17 @@ def test_release_ranges_drops_resident_pages(daemon, key, sock_dir):
     with attach(key, socket_dir=sock_dir) as att:
         lo, _ = att.arena_range
         names = [n for n in att.tensors if n.startswith("layer")]
-        total = sum(float(att.tensors[n].float().sum()) for n in att.tensors if att.tensors[n].numel())
+        total = sum(
+            float(att.tensors[n].float().sum()) for n in att.tensors if att.tensors[n].numel()
+        )
         resident = rss_of_mapping(lo)
         released = att.release_ranges_(names)
         assert released > 0 and rss_of_mapping(lo) <= resident - released
         for n in names:
             assert torch.equal(export.tensors[n], att.tensors[n])
-        assert total == sum(float(att.tensors[n].float().sum()) for n in att.tensors if att.tensors[n].numel())
+        assert total == sum(
+            float(att.tensors[n].float().sum()) for n in att.tensors if att.tensors[n].numel()
+        )
 
 
 def test_second_daemon_fails_fast_and_first_stays_reachable(daemon, key, sock_dir):
@@ -146,7 +150,9 @@ def test_second_daemon_fails_fast_and_first_stays_reachable(daemon, key, sock_di
 
 def test_other_device_id_gets_its_own_daemon(daemon, key, sock_dir):
     """A daemon for another device id coexists, on its own socket."""
-    with DaemonServer(synthetic_export(seed=1), key, socket_dir=sock_dir, device_id="cpu-rank1-x") as other:
+    with DaemonServer(
+        synthetic_export(seed=1), key, socket_dir=sock_dir, device_id="cpu-rank1-x"
+    ) as other:
         assert socket_path(sock_dir, "cpu-rank1-x") == other.socket_path
         with attach(key, socket_dir=sock_dir, device_id="cpu-rank1-x") as att:
             assert torch.equal(synthetic_export(seed=1).tensors["w0"], att.tensors["w0"])
@@ -297,7 +303,9 @@ def test_commands_before_hello_and_unknown_ops_are_errors(daemon):
         assert daemon.nbytes == recv_frame(s)[0]["bytes_held"]
 
 
-def test_handler_exception_answers_error_and_daemon_keeps_serving(daemon, key, sock_dir, monkeypatch):
+def test_handler_exception_answers_error_and_daemon_keeps_serving(
+    daemon, key, sock_dir, monkeypatch
+):
     """A bug in a handler becomes an internal-error frame; the daemon still serves attach afterwards."""
     monkeypatch.setattr(daemon, "status", lambda: 1 / 0)
     conn = Connection(daemon.socket_path)
@@ -314,7 +322,11 @@ def test_status_reports_memory_clients_uptime_and_key(daemon, key, sock_dir):
     with attach(key, socket_dir=sock_dir):
         st = daemon_status(daemon.socket_path)
     assert (daemon.nbytes, os.getpid(), key.digest, key.fields) == (
-        st["bytes_held"], st["pid"], st["key_digest"], st["key_fields"])
+        st["bytes_held"],
+        st["pid"],
+        st["key_digest"],
+        st["key_fields"],
+    )
     assert 1 == st["clients_connected"]  # the attachment (the asking connection is left out)
     assert 1 == st["attachments_active"] and st["uptime_s"] >= 0
 

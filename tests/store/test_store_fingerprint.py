@@ -17,8 +17,10 @@ def _write_checkpoint(d, value: float) -> None:
     os.makedirs(d, exist_ok=True)
     w = torch.zeros(16, 16)
     w[3, 5] = value
-    save_file({"model.layers.0.weight": w, "model.norm.weight": torch.ones(16)},
-              os.path.join(d, "model.safetensors"))
+    save_file(
+        {"model.layers.0.weight": w, "model.norm.weight": torch.ones(16)},
+        os.path.join(d, "model.safetensors"),
+    )
     with open(os.path.join(d, "config.json"), "w") as f:
         f.write('{"architectures": ["LlamaForCausalLM"]}')
 
@@ -79,7 +81,9 @@ def test_streaming_digest_equals_file_digest_and_fills_cache(tmp_path, monkeypat
     with open(path, "rb") as f:
         assert f.read() == data
     cache.save()
-    monkeypatch.setattr(fp, "_hash_fd", lambda fd, size, p: (_ for _ in ()).throw(AssertionError("rehashed")))
+    monkeypatch.setattr(
+        fp, "_hash_fd", lambda fd, size, p: (_ for _ in ()).throw(AssertionError("rehashed"))
+    )
     assert digest == fp.digest_file(path, fp.DigestCache(str(tmp_path / "cache.json")))
 
 

@@ -60,17 +60,32 @@ def _assert_still_serving(server):
 
 frame_bytes = st.one_of(
     st.binary(max_size=64),  # garbage, often a truncated header or body
-    st.builds(lambda n, body: HEADER.pack(n) + body, st.integers(0, 2**32 - 1), st.binary(max_size=32)),
-    st.builds(lambda obj: (lambda p: HEADER.pack(len(p)) + p)(msgpack.packb(obj)),  # valid msgpack, odd content
-              st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**63 - 1) | st.text(max_size=8)
-                           | st.binary(max_size=8),
-                           lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
-                           max_leaves=8)),
-    st.builds(lambda op, extra: (lambda p: HEADER.pack(len(p)) + p)(msgpack.packb({"op": op, **extra})),
-              st.sampled_from(["get", "release", "status", "hello", "nope", ""]),
-              st.dictionaries(st.sampled_from(["key", "mode", "protocol", "transport"]),
-                              st.none() | st.integers(-2**63, 2**63 - 1) | st.text(max_size=4) | st.just({"x": 1}),
-                              max_size=3)),
+    st.builds(
+        lambda n, body: HEADER.pack(n) + body, st.integers(0, 2**32 - 1), st.binary(max_size=32)
+    ),
+    st.builds(
+        lambda obj: (lambda p: HEADER.pack(len(p)) + p)(
+            msgpack.packb(obj)
+        ),  # valid msgpack, odd content
+        st.recursive(
+            st.none()
+            | st.booleans()
+            | st.integers(-(2**63), 2**63 - 1)
+            | st.text(max_size=8)
+            | st.binary(max_size=8),
+            lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
+            max_leaves=8,
+        ),
+    ),
+    st.builds(
+        lambda op, extra: (lambda p: HEADER.pack(len(p)) + p)(msgpack.packb({"op": op, **extra})),
+        st.sampled_from(["get", "release", "status", "hello", "nope", ""]),
+        st.dictionaries(
+            st.sampled_from(["key", "mode", "protocol", "transport"]),
+            st.none() | st.integers(-(2**63), 2**63 - 1) | st.text(max_size=4) | st.just({"x": 1}),
+            max_size=3,
+        ),
+    ),
 )
 
 

@@ -39,8 +39,9 @@ EXIT_MARGIN_S = 20.0
 
 
 def _child(script: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
-                          timeout=180)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=180
+    )
 
 
 def test_view_outlives_close_in_child(sock_dir):
@@ -87,18 +88,23 @@ WRITE_FORMS = {
     "data_add": lambda t: t.data.add_(1),
     "data_setitem": lambda t: t.data.__setitem__((0,), 7),
     "numpy_setitem": lambda t: t.numpy().__setitem__((0,), 7),
-    "storage_view": lambda t: torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())[
-        t.storage_offset() * t.element_size()].fill_(0x55),
+    "storage_view": lambda t: (
+        torch.empty(0, dtype=torch.uint8)
+        .set_(t.untyped_storage())[t.storage_offset() * t.element_size()]
+        .fill_(0x55)
+    ),
 }
 
 
 def _writer(form: str, victim: list):
     """A METADATA stage (mis-tagged: it writes) that writes ``victim[0]`` in one form
     (unregistered: tests/gpu/test_gpu_guard.py has its own under the same name)."""
+
     @unregistered_stage("toy.set_sneaky_write", Tag.METADATA, reads=("weight",))
     def sneaky(tensors, config, target, recorded):
         WRITE_FORMS[form](victim[0] if victim else tensors["weight"])
         return StageOut()
+
     return sneaky
 
 
@@ -127,13 +133,16 @@ def test_default_guard_catches_every_write_form_in_copy_mode(sock_dir, form):
             plan = UncheckedPlan("toy", "bad", (_writer(form, []),), frozenset({"weight"}))
             with pytest.raises(RestoreWroteSharedTensor, match="layer 'l1'.*weight"):
                 restore_(_module(w), plan.bind(_config("l1"), CPU), {})
-            assert not torch.equal(before, w)  # the write landed (in the private copy) and was caught
+            assert not torch.equal(
+                before, w
+            )  # the write landed (in the private copy) and was caught
     finally:
         stop_daemon(proc)
 
 
 def test_untouched_restore_passes_default_guard():
     """A restore whose stages write nothing passes the default content check (no false alarm)."""
+
     @stage("toy.set_weight_width", Tag.METADATA, reads=("weight",), attrs=("width",))
     def width(tensors, config, target, recorded):
         return StageOut(attrs={"width": tensors["weight"].shape[1]})
@@ -166,9 +175,12 @@ def test_deferred_guard_blames_own_layer_and_later_write():
     a = arena[:1024].view(torch.float16)
     b = arena[2048:3072].view(torch.float16)
     guard = RestoreGuard({"A": {"weight": a}, "B": {"weight": b}}, defer=True)
-    restore_(_module(a), _bad_plan("data_add", []).bind(_config("A"), CPU), {},
-             guard=guard)  # no raise yet
-    with pytest.raises(RestoreWroteSharedTensor, match="while their own layer was restored: layer 'A'"):
+    restore_(
+        _module(a), _bad_plan("data_add", []).bind(_config("A"), CPU), {}, guard=guard
+    )  # no raise yet
+    with pytest.raises(
+        RestoreWroteSharedTensor, match="while their own layer was restored: layer 'A'"
+    ):
         guard.check_all()
     guard = RestoreGuard({"A": {"weight": a}, "B": {"weight": b}}, defer=True)
     guard.check_layer("A", ())
@@ -192,6 +204,7 @@ def test_inplace_cross_layer_write_names_stage_and_victim():
 
 def test_data_swap_is_caught_by_pointer():
     """A stage that swaps a shared tensor's .data (same shape and values) fails purity by data pointer."""
+
     @stage("toy.set_swapped_data", Tag.METADATA, reads=("weight",))
     def swap(tensors, config, target, recorded):
         tensors["weight"].data = tensors["weight"].data.clone()
@@ -221,7 +234,10 @@ def test_invalidate_refuses_attaches_shows_status_and_exits(sock_dir):
     try:
         assert invalidate_daemon(sock, CacheKey(BASE_KEY), "guard-failed", "layer l1 rewritten")
         st = daemon_status(sock)
-        assert ("guard-failed", "layer l1 rewritten") == (st["invalidated"]["code"], st["invalidated"]["message"])
+        assert ("guard-failed", "layer l1 rewritten") == (
+            st["invalidated"]["code"],
+            st["invalidated"]["message"],
+        )
         with pytest.raises(ArenaInvalidated) as err:
             attach(CacheKey(BASE_KEY), socket_dir=sock_dir)
         assert "arena-invalidated" == err.value.code
@@ -235,7 +251,9 @@ def test_invalidate_of_another_key_is_refused(sock_dir):
     proc = start_daemon(sock_dir)
     sock = socket_path(sock_dir, "cpu")
     try:
-        assert not invalidate_daemon(sock, CacheKey({**BASE_KEY, "dtype": "float16"}), "guard-failed", "x")
+        assert not invalidate_daemon(
+            sock, CacheKey({**BASE_KEY, "dtype": "float16"}), "guard-failed", "x"
+        )
         assert daemon_status(sock)["invalidated"] is None
         with attach(CacheKey(BASE_KEY), socket_dir=sock_dir) as att:
             assert torch.equal(synthetic_export().tensors["q"], att.tensors["q"])

@@ -74,17 +74,23 @@ def _maps(pid: int) -> str:
 
 def test_dtype_itemsizes_match_torch():
     """The manifest's torch-free itemsize table equals torch's for every non-complex dtype."""
-    theirs = {name: obj.itemsize for name in dir(torch)
-              if isinstance(obj := getattr(torch, name), torch.dtype)
-              and not obj.is_complex and str(obj) == f"torch.{name}"}
+    theirs = {
+        name: obj.itemsize
+        for name in dir(torch)
+        if isinstance(obj := getattr(torch, name), torch.dtype)
+        and not obj.is_complex
+        and str(obj) == f"torch.{name}"
+    }
     assert theirs == dict(DTYPE_ITEMSIZES)
 
 
 def test_serving_modules_import_without_torch():
     """The store modules the lean server imports load no torch (nor vLLM)."""
-    code = ("import sys, wcache.store.server, wcache.store.http, wcache.store.client, "
-            "wcache.store.lean, wcache.store.transport_shm, wcache.store.manifest\n"
-            "print(sorted(m for m in ('torch', 'vllm', 'numpy') if m in sys.modules))")
+    code = (
+        "import sys, wcache.store.server, wcache.store.http, wcache.store.client, "
+        "wcache.store.lean, wcache.store.transport_shm, wcache.store.manifest\n"
+        "print(sorted(m for m in ('torch', 'vllm', 'numpy') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "[]" == out.stdout.strip(), out.stderr
 
@@ -124,13 +130,20 @@ def test_lean_environ_holds_malloc_to_one_arena_unless_set():
     assert {"MALLOC_ARENA_MAX": "4"} == lean.lean_environ({"MALLOC_ARENA_MAX": "4"})
 
 
-@pytest.mark.parametrize("operator,expected", [
-    (None, {"A": "b"}), ("4", {"A": "b", "MALLOC_ARENA_MAX": "4"}), ("1", {"A": "b", "MALLOC_ARENA_MAX": "1"}),
-])
+@pytest.mark.parametrize(
+    "operator,expected",
+    [
+        (None, {"A": "b"}),
+        ("4", {"A": "b", "MALLOC_ARENA_MAX": "4"}),
+        ("1", {"A": "b", "MALLOC_ARENA_MAX": "1"}),
+    ],
+)
 def test_helper_environ_restores_the_operators_malloc_arena_max(operator, expected):
     """A seeding helper gets the operator's MALLOC_ARENA_MAX (none when unset), not the lean server's 1."""
-    assert expected == lean.helper_environ(lean.lean_environ({"A": "b", **(
-        {"MALLOC_ARENA_MAX": operator} if operator else {})}), operator)
+    assert expected == lean.helper_environ(
+        lean.lean_environ({"A": "b", **({"MALLOC_ARENA_MAX": operator} if operator else {})}),
+        operator,
+    )
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -216,8 +229,11 @@ def test_a_seed_beyond_the_cap_is_refused_seed_unavailable(server, sock_dir, key
         seed_arena(server.socket_path, key)  # replies taken, nobody joins
     helpers = server.seed_source.helpers
     assert lean.MAX_CONCURRENT_SEEDS == len(helpers)
-    with pytest.raises(SeedFailed, match=r"refused to seed \[seed-unavailable\].*at most "
-                                         rf"{lean.MAX_CONCURRENT_SEEDS} at once") as ei:
+    with pytest.raises(
+        SeedFailed,
+        match=r"refused to seed \[seed-unavailable\].*at most "
+        rf"{lean.MAX_CONCURRENT_SEEDS} at once",
+    ) as ei:
         seed_arena(server.socket_path, key)
     assert "seed-unavailable" == ei.value.__cause__.code
     assert 1 == daemon_status(server.socket_path)["refusals"]["seed-unavailable"]
@@ -231,7 +247,9 @@ def test_a_seed_beyond_the_cap_is_refused_seed_unavailable(server, sock_dir, key
 
 
 @pytest.mark.parametrize("ignore_term,signal_seen", [("0", signal.SIGTERM), ("1", signal.SIGKILL)])
-def test_server_stop_ends_every_helper(server, key, fake_helper, monkeypatch, ignore_term, signal_seen):
+def test_server_stop_ends_every_helper(
+    server, key, fake_helper, monkeypatch, ignore_term, signal_seen
+):
     """DaemonServer.stop ends the lean seed source's helpers: SIGTERM, or SIGKILL after the grace for one that ignores it; later seeds are refused."""
     monkeypatch.setattr(lean, "HELPER_STOP_GRACE_S", 0.5)
     monkeypatch.setenv("FAKE_HELPER_IGNORE_TERM", ignore_term)
@@ -247,7 +265,9 @@ def test_server_stop_ends_every_helper(server, key, fake_helper, monkeypatch, ig
 
 
 @pytest.mark.parametrize("operator", [None, "4"])
-def test_the_helper_runs_under_the_operators_malloc_arena_max(server, key, fake_helper, monkeypatch, operator):
+def test_the_helper_runs_under_the_operators_malloc_arena_max(
+    server, key, fake_helper, monkeypatch, operator
+):
     """In the lean server's environment (MALLOC_ARENA_MAX=1), a helper gets the operator's value, or none when the operator set none."""
     monkeypatch.setenv("MALLOC_ARENA_MAX", "1")  # as lean_environ left it in the lean server
     source = server.seed_source = lean.LeanSeedSource(server, 0, operator)
@@ -270,12 +290,18 @@ def test_a_peer_seeds_from_the_lean_daemon(sock_dir):
         finally:
             receiver.stop()
         deadline = time.monotonic() + LEAN_WAIT_S
-        while (st := daemon_status(socket_path(sock_dir, "cpu")))["seeds_served"] != 1 \
-                and time.monotonic() < deadline:
+        while (st := daemon_status(socket_path(sock_dir, "cpu")))[
+            "seeds_served"
+        ] != 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert ("lean", False, pid, 1, 0, {"release": 1}) == (
-            st["serving"], st["torch_loaded"], st["pid"], st["seeds_served"], st["attachments_active"],
-            st["releases"])
+            st["serving"],
+            st["torch_loaded"],
+            st["pid"],
+            st["seeds_served"],
+            st["attachments_active"],
+            st["releases"],
+        )
         assert "libtorch" not in _maps(pid)
     finally:
         stop_daemon(proc)
@@ -327,6 +353,7 @@ def test_handoff_with_an_attached_client_stays_full(server, sock_dir, monkeypatc
 
 def test_execv_error_restores_descriptors_and_serving(server, sock_dir, monkeypatch):
     """execve raising: the fds are close-on-exec again, no state file is left, and the socket answers."""
+
     def fail(*_):
         raise PermissionError(13, "Permission denied")
 
@@ -340,10 +367,13 @@ def test_execv_error_restores_descriptors_and_serving(server, sock_dir, monkeypa
     assert_serves_export(CacheKey(BASE_KEY), sock_dir, "cpu")
 
 
-@pytest.mark.parametrize("enabled, transport, reason", [
-    (False, "shm", "--no-lean"),
-    (True, "cuda_vmm", "cuda_vmm transport: its handles live in this process"),
-])
+@pytest.mark.parametrize(
+    "enabled, transport, reason",
+    [
+        (False, "shm", "--no-lean"),
+        (True, "cuda_vmm", "cuda_vmm transport: its handles live in this process"),
+    ],
+)
 def test_lean_refusal_reasons(server, monkeypatch, enabled, transport, reason):
     """--no-lean and a CUDA transport keep the full process, each with its reason."""
     monkeypatch.setattr(server, "transport", transport)
@@ -378,7 +408,9 @@ def test_a_stop_or_invalidation_during_the_handoff_calls_it_off(server, monkeypa
 
     monkeypatch.setattr(lean.tempfile, "mkstemp", mkstemp_then_event)
     reason = lean.handoff(server)
-    assert {"sigterm": "stopping", "invalidated": "arena invalidated [guard-failed]"}[event] == reason
+    assert {"sigterm": "stopping", "invalidated": "arena invalidated [guard-failed]"}[
+        event
+    ] == reason
     assert [] == [n for n in os.listdir(server.socket_dir) if n.startswith(lean.STATE_PREFIX)]
     if event == "sigterm":
         server.serve_forever()  # returns: the stop asked is honoured
@@ -392,8 +424,11 @@ def test_no_lean_env_is_read_as_a_flag(server, monkeypatch, value, enabled):
     """WCACHE_NO_LEAN=1 (what --no-lean sets) keeps the full process; 0 or empty does not."""
     monkeypatch.setenv(lean.NO_LEAN_ENV, value)
     seen = {}
-    monkeypatch.setattr(lean, "lean_refusal",
-                        lambda server, enabled: seen.setdefault("enabled", enabled) and "stop here")
+    monkeypatch.setattr(
+        lean,
+        "lean_refusal",
+        lambda server, enabled: seen.setdefault("enabled", enabled) and "stop here",
+    )
     lean.handoff(server)
     assert enabled == seen["enabled"]
 
@@ -403,11 +438,18 @@ def test_lean_server_closes_descriptors_it_was_not_handed(tmp_path):
     stray = os.open(tmp_path / "stray", os.O_CREAT | os.O_RDWR)  # inheritable: no O_CLOEXEC here
     kept = os.open(tmp_path / "kept", os.O_CREAT | os.O_RDWR)
     os.set_inheritable(stray, True)
-    code = (f"import os; from wcache.store import lean; "
-            f"lean._close_inherited_fds({{'memfd': {kept}, 'listener': {kept}, 'lock_fd': {kept}, "
-            f"'http': []}}); print(sorted(int(n) for n in os.listdir('/proc/self/fd')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         pass_fds=(stray, kept), check=True).stdout
+    code = (
+        f"import os; from wcache.store import lean; "
+        f"lean._close_inherited_fds({{'memfd': {kept}, 'listener': {kept}, 'lock_fd': {kept}, "
+        f"'http': []}}); print(sorted(int(n) for n in os.listdir('/proc/self/fd')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        pass_fds=(stray, kept),
+        check=True,
+    ).stdout
     left = eval(out)  # noqa: S307  (our own child's list of ints)
     assert kept in left and stray not in left
     os.close(stray)

@@ -17,6 +17,7 @@ from wcache.testing.store import synthetic_export, synthetic_tensors
 def _arena_from(export, key):
     """Lay out and fill a private (non-shm) arena the way the builders do."""
     from wcache.store.arena import _fill
+
     blocks, placed, nbytes = plan_layout(export.tensors, CPU_ALIGNMENT)
     manifest = make_manifest(export, key, "cpu", CPU_ALIGNMENT, placed, nbytes)
     base = torch.zeros(nbytes, dtype=torch.uint8)
@@ -41,7 +42,9 @@ def test_cache_key_diff_names_changed_added_and_removed_fields():
     assert [] == a.diff(CacheKey(a.fields))
 
 
-@pytest.mark.parametrize("fields", [{"x": float("nan")}, {"x": object()}, {1: "a"}, ["not", "a", "map"]])
+@pytest.mark.parametrize(
+    "fields", [{"x": float("nan")}, {"x": object()}, {1: "a"}, ["not", "a", "map"]]
+)
 def test_cache_key_rejects_non_json(fields):
     """Non-JSON values, NaN and non-str keys are refused with a StoreError."""
     with pytest.raises(StoreError):
@@ -59,9 +62,15 @@ def test_cache_key_fields_copy_does_not_change_key():
 def test_store_errors_have_reason_codes_and_roots():
     """Every store error subclasses WcacheError and carries its documented reason code."""
     from wcache.store import errors as e
-    expected = {e.DaemonMissing: "daemon-missing", e.KeyMismatch: "key-mismatch",
-                e.TransportFailed: "transport-failed", e.ProtocolError: "protocol-error",
-                e.DaemonBusy: "daemon-busy", e.Released: "released"}
+
+    expected = {
+        e.DaemonMissing: "daemon-missing",
+        e.KeyMismatch: "key-mismatch",
+        e.TransportFailed: "transport-failed",
+        e.ProtocolError: "protocol-error",
+        e.DaemonBusy: "daemon-busy",
+        e.Released: "released",
+    }
     for cls, code in expected.items():
         assert issubclass(cls, WcacheError) and issubclass(cls, RuntimeError)
         assert code == cls("x").code
@@ -69,14 +78,31 @@ def test_store_errors_have_reason_codes_and_roots():
     assert ["a", "b"] == KeyMismatch("x", fields=["b", "a"]).fields
 
 
-@pytest.mark.parametrize("kw, needle", [
-    (dict(tensors={"a": torch.zeros(2)}, kinds={"a": "weight"}), "kind"),
-    (dict(tensors={"a": torch.zeros(2)}, kinds={"a": "param"}, aliases={"b": "missing"}), "target"),
-    (dict(tensors={"a": torch.zeros(2)}, kinds={"a": "param"}, aliases={"a": "a"}), "also a canonical"),
-    (dict(tensors={"a": torch.zeros(2, device="meta")}, kinds={"a": "param"}), "meta"),
-    (dict(tensors={"a": torch.zeros(2)}, kinds={"a": "param"}, nonpersistent={"a"}), "non-persistent"),
-    (dict(tensors={"a": torch.zeros(2)}, kinds={"a": "param"}, layers={"l": {"x": object()}}), "layers"),
-])
+@pytest.mark.parametrize(
+    "kw, needle",
+    [
+        (dict(tensors={"a": torch.zeros(2)}, kinds={"a": "weight"}), "kind"),
+        (
+            dict(tensors={"a": torch.zeros(2)}, kinds={"a": "param"}, aliases={"b": "missing"}),
+            "target",
+        ),
+        (
+            dict(tensors={"a": torch.zeros(2)}, kinds={"a": "param"}, aliases={"a": "a"}),
+            "also a canonical",
+        ),
+        (dict(tensors={"a": torch.zeros(2, device="meta")}, kinds={"a": "param"}), "meta"),
+        (
+            dict(tensors={"a": torch.zeros(2)}, kinds={"a": "param"}, nonpersistent={"a"}),
+            "non-persistent",
+        ),
+        (
+            dict(
+                tensors={"a": torch.zeros(2)}, kinds={"a": "param"}, layers={"l": {"x": object()}}
+            ),
+            "layers",
+        ),
+    ],
+)
 def test_export_rejects_bad_inputs(kw, needle):
     """Each bad export raises a StoreError naming the problem."""
     with pytest.raises(StoreError, match=needle):
@@ -108,22 +134,40 @@ def test_views_rebuild_every_tensor_bit_exact_with_strides():
     assert views["lm_head.weight"] is views["w0"]
 
 
-@given(shape=st.lists(st.integers(0, 5), min_size=0, max_size=4), perm_seed=st.integers(0, 100),
-       step=st.integers(1, 3), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int8, torch.int64,
-                                                      torch.float8_e4m3fn, torch.bool, torch.uint8]))
+@given(
+    shape=st.lists(st.integers(0, 5), min_size=0, max_size=4),
+    perm_seed=st.integers(0, 100),
+    step=st.integers(1, 3),
+    dtype=st.sampled_from(
+        [
+            torch.float32,
+            torch.bfloat16,
+            torch.int8,
+            torch.int64,
+            torch.float8_e4m3fn,
+            torch.bool,
+            torch.uint8,
+        ]
+    ),
+)
 def test_views_roundtrip_any_strided_tensor(shape, perm_seed, step, dtype):
     """Any permuted, sliced view of any dtype survives layout + fill + views bit-exactly with its strides."""
     full = torch.randint(0, 255, [s * step for s in shape] or [], dtype=torch.uint8)
     t = full.view(dtype) if dtype.itemsize == 1 else full.to(torch.float32).to(dtype)
     if shape:
         t = t[tuple(slice(None, None, step) for _ in shape)]
-        perm = torch.randperm(len(shape), generator=torch.Generator().manual_seed(perm_seed)).tolist()
+        perm = torch.randperm(
+            len(shape), generator=torch.Generator().manual_seed(perm_seed)
+        ).tolist()
         t = t.permute(perm)
     export = Export({"t": t, "pad": torch.ones(3)}, {"t": "param", "pad": "buffer"})
     base, manifest = _arena_from(export, CacheKey({"k": 1}))
     v = tensor_views(base, manifest)["t"]
     assert (t.shape, t.stride(), t.dtype) == (v.shape, v.stride(), v.dtype)
-    assert torch.equal(t.view(torch.uint8) if dtype.itemsize == 1 else t, v.view(torch.uint8) if dtype.itemsize == 1 else v)
+    assert torch.equal(
+        t.view(torch.uint8) if dtype.itemsize == 1 else t,
+        v.view(torch.uint8) if dtype.itemsize == 1 else v,
+    )
 
 
 def test_manifest_json_roundtrip_and_version_check():
@@ -136,15 +180,18 @@ def test_manifest_json_roundtrip_and_version_check():
         Manifest.from_dict(d)
 
 
-@pytest.mark.parametrize("mutate, needle", [
-    (lambda d: d["tensors"][0].__setitem__(1, d["arena_nbytes"]), "outside the arena"),
-    (lambda d: d["tensors"][0].__setitem__(3, "float99"), "unknown dtype"),
-    (lambda d: d["tensors"][0].__setitem__(2, 1), "span"),
-    (lambda d: d["aliases"][0].__setitem__(1, "nope"), "unknown target"),
-    (lambda d: d.pop("tensors"), "malformed"),
-    (lambda d: d["tensors"][0].__setitem__(4, "notalist"), "do not fit"),
-    (lambda d: d["tensors"][0].__setitem__(4, 7), "malformed"),
-])
+@pytest.mark.parametrize(
+    "mutate, needle",
+    [
+        (lambda d: d["tensors"][0].__setitem__(1, d["arena_nbytes"]), "outside the arena"),
+        (lambda d: d["tensors"][0].__setitem__(3, "float99"), "unknown dtype"),
+        (lambda d: d["tensors"][0].__setitem__(2, 1), "span"),
+        (lambda d: d["aliases"][0].__setitem__(1, "nope"), "unknown target"),
+        (lambda d: d.pop("tensors"), "malformed"),
+        (lambda d: d["tensors"][0].__setitem__(4, "notalist"), "do not fit"),
+        (lambda d: d["tensors"][0].__setitem__(4, 7), "malformed"),
+    ],
+)
 def test_manifest_rejects_inconsistent_entries(mutate, needle):
     """A manifest whose entries leave the arena, use unknown dtypes or targets, or miss fields is refused."""
     _, m = _arena_from(synthetic_export(), CacheKey({"k": 1}))

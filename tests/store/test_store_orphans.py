@@ -35,8 +35,9 @@ def test_deleted_socket_is_rebound_and_listed(sock_dir, key, capsys, what):
             os.unlink(sock)
         else:
             shutil.rmtree(sock_dir)
-        assert _wait_for(lambda: os.path.exists(sock) and paths.socket_accepts(sock),
-                         REBIND_WAIT_S), "the daemon did not re-bind its vanished socket"
+        assert _wait_for(
+            lambda: os.path.exists(sock) and paths.socket_accepts(sock), REBIND_WAIT_S
+        ), "the daemon did not re-bind its vanished socket"
         assert 0o700 == os.stat(sock_dir).st_mode & 0o777
         with attach(key, socket_dir=sock_dir) as att:
             assert att.tensors

@@ -13,7 +13,8 @@ def test_socket_path_per_device_id():
     """Each device id gets its own socket name in the dir."""
     assert "/d/wcache-cpu-rank0-ab12.sock" == socket_path("/d", "cpu-rank0-ab12")
     assert "/d/wcache-GPU-8a1e2f3c-0000-1111-2222-333344445555.sock" == socket_path(
-        "/d", "GPU-8a1e2f3c-0000-1111-2222-333344445555")
+        "/d", "GPU-8a1e2f3c-0000-1111-2222-333344445555"
+    )
 
 
 @pytest.mark.parametrize("bad", ["", "../x", "a/b", "a b", "-lead", "x" * 65, None])
@@ -70,6 +71,8 @@ def test_device_lock_is_exclusive_and_freed_by_close(tmp_path):
 
 def test_parse_device():
     """cpu, cuda and cuda:<i> parse; anything else is refused."""
-    assert [("cpu", None), ("cuda", None), ("cuda", 3)] == [paths.parse_device(d) for d in ("cpu", "cuda", "cuda:3")]
+    assert [("cpu", None), ("cuda", None), ("cuda", 3)] == [
+        paths.parse_device(d) for d in ("cpu", "cuda", "cuda:3")
+    ]
     with pytest.raises(StoreError):
         paths.parse_device("cuda:x")

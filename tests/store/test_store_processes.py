@@ -52,13 +52,24 @@ def test_write_to_mapping_faults_and_daemon_bytes_stay(sock_dir):
     """A client writing into an attached tensor dies with SIGSEGV/SIGBUS; the daemon's bytes are unchanged."""
     proc = start_daemon(sock_dir)
     try:
-        child = subprocess.run(_client_script(sock_dir, """
+        child = subprocess.run(
+            _client_script(
+                sock_dir,
+                """
             print("attached", flush=True)
             att.tensors["w0"].fill_(7)
             print("wrote", flush=True)
-        """), capture_output=True, text=True, timeout=120)
+        """,
+            ),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert "attached" in child.stdout and "wrote" not in child.stdout, child.stderr
-        assert child.returncode in (-signal.SIGSEGV, -signal.SIGBUS), (child.returncode, child.stderr[-2000:])
+        assert child.returncode in (-signal.SIGSEGV, -signal.SIGBUS), (
+            child.returncode,
+            child.stderr[-2000:],
+        )
         with attach(CacheKey(BASE_KEY), socket_dir=sock_dir) as att:
             assert torch.equal(synthetic_export().tensors["w0"], att.tensors["w0"])
     finally:
@@ -78,7 +89,9 @@ def test_client_survives_daemon_sigkill_and_new_daemon_starts_clean(sock_dir):
         att.close()  # the release to a dead daemon is skipped quietly
         sock = socket_path(sock_dir, "cpu")
         assert os.path.exists(sock)  # the dead daemon's socket is left behind ...
-        with DaemonServer(synthetic_export(seed=5), CacheKey(BASE_KEY), socket_dir=sock_dir) as server:
+        with DaemonServer(
+            synthetic_export(seed=5), CacheKey(BASE_KEY), socket_dir=sock_dir
+        ) as server:
             assert sock == server.socket_path  # ... and replaced, its owner being dead
             with attach(CacheKey(BASE_KEY), socket_dir=sock_dir) as again:
                 assert torch.equal(synthetic_export(seed=5).tensors["w0"], again.tensors["w0"])
@@ -93,8 +106,10 @@ def test_second_daemon_process_fails_fast_then_sigterm_stops_cleanly(sock_dir):
     sock = socket_path(sock_dir, "cpu")
     try:
         st = daemon_status(sock)
-        assert (f"wcache-store ready key={CacheKey(BASE_KEY).digest} bytes={st['bytes_held']} socket={sock} "
-                f"pid={proc.pid} transport=shm") == proc.ready_line
+        assert (
+            f"wcache-store ready key={CacheKey(BASE_KEY).digest} bytes={st['bytes_held']} socket={sock} "
+            f"pid={proc.pid} transport=shm"
+        ) == proc.ready_line
         with pytest.raises(RuntimeError, match="DaemonBusy"):
             start_daemon(sock_dir, seed=1)
         assert proc.pid == daemon_status(sock)["pid"]
@@ -123,18 +138,33 @@ def test_attach_detach_cycles_leave_memory_and_fds_flat(sock_dir):
         for i in range(WARMUP_CYCLES):
             _cycle(key, sock_dir, "copy" if i % 2 else "zero_copy")
         gc.collect()
-        before = (rss_bytes(), fd_count(), rss_bytes(proc.pid), fd_count(proc.pid), count_arena_mappings())
+        before = (
+            rss_bytes(),
+            fd_count(),
+            rss_bytes(proc.pid),
+            fd_count(proc.pid),
+            count_arena_mappings(),
+        )
         for i in range(CYCLES):
             assert expected == _cycle(key, sock_dir, "copy" if i % 2 else "zero_copy")
         gc.collect()
-        after = (rss_bytes(), fd_count(), rss_bytes(proc.pid), fd_count(proc.pid), count_arena_mappings())
+        after = (
+            rss_bytes(),
+            fd_count(),
+            rss_bytes(proc.pid),
+            fd_count(proc.pid),
+            count_arena_mappings(),
+        )
         assert after[0] - before[0] < RSS_TOLERANCE_BYTES, ("client rss", before, after)
         assert abs(after[1] - before[1]) <= FD_TOLERANCE, ("client fds", before, after)
         assert after[2] - before[2] < RSS_TOLERANCE_BYTES, ("daemon rss", before, after)
         assert abs(after[3] - before[3]) <= FD_TOLERANCE, ("daemon fds", before, after)
         assert mapped_before_test == after[4] == before[4]
         st = daemon_status(socket_path(sock_dir, "cpu"))
-        assert (0, 1 + WARMUP_CYCLES + CYCLES) == (st["attachments_active"], st["attachments_total"])
+        assert (0, 1 + WARMUP_CYCLES + CYCLES) == (
+            st["attachments_active"],
+            st["attachments_total"],
+        )
     finally:
         stop_daemon(proc)
 
@@ -143,20 +173,33 @@ def test_sigkilled_client_frees_its_attachment(sock_dir):
     """A client SIGKILLed while it holds an attachment: the daemon counts a disconnect release, has none active, and serves the next client."""
     proc = start_daemon(sock_dir)
     try:
-        child = subprocess.Popen(_client_script(sock_dir, """
+        child = subprocess.Popen(
+            _client_script(
+                sock_dir,
+                """
             print("attached", flush=True)
             sys.stdin.read()
-        """), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        """,
+            ),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert "attached" == child.stdout.readline().strip()
         st = daemon_status(socket_path(sock_dir, "cpu"))
         assert (1, 1) == (st["attachments_active"], st["clients_connected"])
         child.send_signal(signal.SIGKILL)
         assert -signal.SIGKILL == child.wait(30)
         deadline = time.monotonic() + RELEASE_WAIT_S
-        while (st := daemon_status(socket_path(sock_dir, "cpu")))["attachments_active"] and \
-                time.monotonic() < deadline:
+        while (st := daemon_status(socket_path(sock_dir, "cpu")))[
+            "attachments_active"
+        ] and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert (0, 0, {"disconnect": 1}) == (st["attachments_active"], st["clients_connected"], st["releases"])
+        assert (0, 0, {"disconnect": 1}) == (
+            st["attachments_active"],
+            st["clients_connected"],
+            st["releases"],
+        )
         with attach(CacheKey(BASE_KEY), socket_dir=sock_dir) as att:
             assert torch.equal(synthetic_export().tensors["w0"], att.tensors["w0"])
     finally:

@@ -43,7 +43,9 @@ def _wait_for_line(proc: subprocess.Popen, text: str, timeout_s: float) -> None:
                 return
 
     threading.Thread(target=read, daemon=True).start()
-    assert found.wait(timeout_s), f"no {text!r} from pid {proc.pid} in {timeout_s} s (rc {proc.poll()})"
+    assert found.wait(timeout_s), (
+        f"no {text!r} from pid {proc.pid} in {timeout_s} s (rc {proc.poll()})"
+    )
 
 
 def _log(proc: subprocess.Popen) -> str:
@@ -51,7 +53,9 @@ def _log(proc: subprocess.Popen) -> str:
     return proc.log.read()
 
 
-def _receive_in_thread(arena, key, sock_dir: str, device_id: str) -> tuple[threading.Thread, list, list]:
+def _receive_in_thread(
+    arena, key, sock_dir: str, device_id: str
+) -> tuple[threading.Thread, list, list]:
     """Build a receiving DaemonServer from ``arena`` on a thread; its error, its end time."""
     errors, ended = [], []
 
@@ -67,11 +71,16 @@ def _receive_in_thread(arena, key, sock_dir: str, device_id: str) -> tuple[threa
     return t, errors, ended
 
 
-def _stalled_seeding(sock_dir: str, key) -> tuple[subprocess.Popen, tuple[threading.Thread, list, list]]:
+def _stalled_seeding(
+    sock_dir: str, key
+) -> tuple[subprocess.Popen, tuple[threading.Thread, list, list]]:
     """A source daemon that stalls after its first chunk, and a receiver (on a thread,
     :func:`_receive_in_thread`) seeding from it; returns once the source has stalled."""
-    src = start_daemon(sock_dir, "cpu-src", extra_args=("--seed-source", "--seed-chunk-bytes", str(CHUNK),
-                                                        "--seed-stall-after", "1"))
+    src = start_daemon(
+        sock_dir,
+        "cpu-src",
+        extra_args=("--seed-source", "--seed-chunk-bytes", str(CHUNK), "--seed-stall-after", "1"),
+    )
     try:
         arena = seed_arena(socket_path(sock_dir, "cpu-src"), key)
         receiving = _receive_in_thread(arena, key, sock_dir, "cpu-dst")
@@ -82,19 +91,39 @@ def _stalled_seeding(sock_dir: str, key) -> tuple[subprocess.Popen, tuple[thread
     return src, receiving
 
 
-def test_a_receiver_killed_after_its_first_chunk_leaves_the_source_serving(sock_dir, key, monkeypatch):
+def test_a_receiver_killed_after_its_first_chunk_leaves_the_source_serving(
+    sock_dir, key, monkeypatch
+):
     """SIGKILL a receiving daemon after its first chunk: the source logs the failed seeding, answers status with its engine still attached, serves a new engine, and seeds another daemon."""
     monkeypatch.setenv(SEED_TIMEOUT_ENV, "30")
-    src = start_daemon(sock_dir, "cpu-src", extra_args=("--seed-source", "--seed-chunk-bytes", str(CHUNK)))
+    src = start_daemon(
+        sock_dir, "cpu-src", extra_args=("--seed-source", "--seed-chunk-bytes", str(CHUNK))
+    )
     src_sock = socket_path(sock_dir, "cpu-src")
     receiver = None
     try:
         with attach(key, socket_dir=sock_dir, device_id="cpu-src"):  # an engine holds the source
             receiver = subprocess.Popen(
-                [sys.executable, "-m", "wcache.testing.store", "seed-receive", "--socket-dir", sock_dir,
-                 "--device-id", "cpu-dst", "--seed-from", src_sock, "--key", json.dumps(BASE_KEY),
-                 "--seed-stall-after", "1"],
-                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "wcache.testing.store",
+                    "seed-receive",
+                    "--socket-dir",
+                    sock_dir,
+                    "--device-id",
+                    "cpu-dst",
+                    "--seed-from",
+                    src_sock,
+                    "--key",
+                    json.dumps(BASE_KEY),
+                    "--seed-stall-after",
+                    "1",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
             _wait_for_line(receiver, SEED_STALLED_LINE, STALL_WAIT_S)
             killed = time.monotonic()
             receiver.kill()
@@ -108,20 +137,25 @@ def test_a_receiver_killed_after_its_first_chunk_leaves_the_source_serving(sock_
             assert 1 == st["attachments_active"] and st["invalidated"] is None, st
         assert src.poll() is None, _log(src)[-3000:]
         assert_serves_export(key, sock_dir, "cpu-src")  # engines still attach
-        again = DaemonServer(seed_arena(src_sock, key), key, socket_dir=sock_dir,
-                             device_id="cpu-dst2").start()
+        again = DaemonServer(
+            seed_arena(src_sock, key), key, socket_dir=sock_dir, device_id="cpu-dst2"
+        ).start()
         try:
             assert_serves_export(key, sock_dir, "cpu-dst2")  # it seeds again, whole
         finally:
             again.stop()
-        print(f"source noticed the dead receiver in {noticed_s:.2f} s (timeout {seed_timeout_s():g} s)")
+        print(
+            f"source noticed the dead receiver in {noticed_s:.2f} s (timeout {seed_timeout_s():g} s)"
+        )
     finally:
         if receiver is not None and receiver.poll() is None:
             receiver.kill()
         stop_daemon(src)
 
 
-def test_a_source_killed_mid_broadcast_fails_the_receiver_with_seed_failed(sock_dir, key, monkeypatch):
+def test_a_source_killed_mid_broadcast_fails_the_receiver_with_seed_failed(
+    sock_dir, key, monkeypatch
+):
     """SIGKILL the source after its first chunk: the receiver raises SeedFailed (no abort, no hang) well before the seeding timeout, and serves nothing."""
     monkeypatch.setenv(SEED_TIMEOUT_ENV, "60")
     src, (t, errors, ended) = _stalled_seeding(sock_dir, key)
@@ -135,7 +169,9 @@ def test_a_source_killed_mid_broadcast_fails_the_receiver_with_seed_failed(sock_
     assert 1 == len(errors) and isinstance(errors[0], SeedFailed), errors
     assert "broke off" in str(errors[0]) and "seed-failed" == errors[0].code
     waited_s = ended[0] - killed
-    assert waited_s < seed_timeout_s() / 2, f"{waited_s:.1f} s: the dead source was waited out, not seen"
+    assert waited_s < seed_timeout_s() / 2, (
+        f"{waited_s:.1f} s: the dead source was waited out, not seen"
+    )
     assert not os.path.exists(socket_path(sock_dir, "cpu-dst"))  # nothing is served
 
 
@@ -179,7 +215,9 @@ def test_serve_seed_timeout_reaches_the_seeding_code(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("before", [None, "3"])
-def test_a_seeding_nccl_group_is_built_to_abort_its_communicator_not_the_process(monkeypatch, before):
+def test_a_seeding_nccl_group_is_built_to_abort_its_communicator_not_the_process(
+    monkeypatch, before
+):
     """The seeding NCCL group is constructed with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (CleanUpOnly: the watchdog aborts the communicator, never the serving daemon), and the process's own value is back right after. A fake ProcessGroupNCCL records what its constructor saw; the real one needs two GPUs."""
     import torch
     import torch.distributed as dist
@@ -193,7 +231,9 @@ def test_a_seeding_nccl_group_is_built_to_abort_its_communicator_not_the_process
             _timeout = None
 
         def __init__(self, store, rank, size, opts):
-            seen.append((os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), rank, size, opts._timeout))
+            seen.append(
+                (os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), rank, size, opts._timeout)
+            )
 
     if before is None:
         monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
@@ -202,8 +242,17 @@ def test_a_seeding_nccl_group_is_built_to_abort_its_communicator_not_the_process
     monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     store = dist.HashStore()
-    pg, _ = seed._group("nccl", "127.0.0.1", 0, 1, torch.device("cuda", 0), "tok", is_master=False,
-                        timeout_s=42.0, store=store)
+    pg, _ = seed._group(
+        "nccl",
+        "127.0.0.1",
+        0,
+        1,
+        torch.device("cuda", 0),
+        "tok",
+        is_master=False,
+        timeout_s=42.0,
+        store=store,
+    )
     assert isinstance(pg, FakeNCCL)
     assert [("2", 1, 2, datetime.timedelta(seconds=42))] == seen
     assert before == os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")

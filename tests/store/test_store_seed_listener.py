@@ -87,5 +87,6 @@ def test_an_empty_secret_or_a_taken_address_is_refused():
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         with pytest.raises(StoreError, match="cannot listen for seeding"):
-            SeedListener(FakeOwner(), "127.0.0.1", taken.getsockname()[1], SECRET, backlog=4,
-                         poll_s=0.05)
+            SeedListener(
+                FakeOwner(), "127.0.0.1", taken.getsockname()[1], SECRET, backlog=4, poll_s=0.05
+            )

@@ -46,9 +46,12 @@ def _non_loopback_ipv4() -> str:
     except OSError:
         pass
     try:
-        out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True, timeout=5,
-                             check=False).stdout
-        candidates += [line.split()[3].split("/")[0] for line in out.splitlines() if " inet " in line]
+        out = subprocess.run(
+            ["ip", "-4", "-o", "addr"], capture_output=True, text=True, timeout=5, check=False
+        ).stdout
+        candidates += [
+            line.split()[3].split("/")[0] for line in out.splitlines() if " inet " in line
+        ]
     except (OSError, subprocess.SubprocessError, IndexError):
         pass
     for addr in candidates:
@@ -115,8 +118,17 @@ def _signed(challenge, frame, secret=SECRET):
 
 def test_tcp_seeding_between_two_daemons(sock_dir, key, host, secret_file, tmp_path, monkeypatch):
     """A daemon seeded over TCP from a daemon subprocess listening on a non-loopback address serves identical bytes; store, gloo and the control connection all use that address; the source keeps serving."""
-    src = start_daemon(sock_dir, "cpu-src", extra_args=("--seed-source", "--seed-listen", f"{host}:0",
-                                                        "--seed-secret-file", secret_file))
+    src = start_daemon(
+        sock_dir,
+        "cpu-src",
+        extra_args=(
+            "--seed-source",
+            "--seed-listen",
+            f"{host}:0",
+            "--seed-secret-file",
+            secret_file,
+        ),
+    )
     try:
         listen = src.ready_line.split("seed_listen=")[1]
         assert listen.startswith(f"{host}:") and int(listen.rsplit(":", 1)[1]) > 0
@@ -136,7 +148,11 @@ def test_tcp_seeding_between_two_daemons(sock_dir, key, host, secret_file, tmp_p
             finally:
                 receiver.stop()
             st = daemon_status(os.path.join(sock_dir, "wcache-cpu-src.sock"))
-            assert (1, 1, listen) == (st["attachments_active"], st["seeds_served"], st["seed_listen"])
+            assert (1, 1, listen) == (
+                st["attachments_active"],
+                st["seeds_served"],
+                st["seed_listen"],
+            )
         # the receiver reached the source's store at `host` and bound gloo to the address it left from
         assert [(host, host)] == groups
         _assert_serves_export(key, sock_dir, "cpu-src")  # still serving after it seeded
@@ -160,8 +176,12 @@ def test_wrong_or_missing_secret_is_refused_and_nothing_is_sent(tcp_source, capl
         assert (False, "peer-refused") == (reply["ok"], reply["code"])
         assert not {"manifest", "token", "port", "digest", "mac"} & set(reply)
     assert [] == server.seed_source.threads and 0 == server.seed_source.seeds_done
-    refusals = [r.getMessage() for r in caplog.records if "refused a seed request" in r.getMessage()]
-    assert 3 == len(refusals) and {"bad", "missing"} == {m.split(": ")[-1].split()[0] for m in refusals}
+    refusals = [
+        r.getMessage() for r in caplog.records if "refused a seed request" in r.getMessage()
+    ]
+    assert 3 == len(refusals) and {"bad", "missing"} == {
+        m.split(": ")[-1].split()[0] for m in refusals
+    }
     with pytest.raises(SeedFailed, match="needs the source's shared secret"):
         seed_arena(source, CacheKey(BASE_KEY))
 
@@ -181,8 +201,11 @@ def test_secret_file_bad_kinds_are_refused(tmp_path):
     short = tmp_path / "short"
     short.write_bytes(b"abc\n")
     short.chmod(0o600)
-    cases = {str(tmp_path / "nope"): "No such file", str(tmp_path): "not a regular file",
-             str(short): "holds 3 bytes"}
+    cases = {
+        str(tmp_path / "nope"): "No such file",
+        str(tmp_path): "not a regular file",
+        str(short): "holds 3 bytes",
+    }
     for path, reason in cases.items():
         with pytest.raises(SeedSecretUnsafe, match=f"{reason}.*(urandom|16)"):
             read_secret(path)
@@ -202,14 +225,17 @@ def test_serve_refuses_unsafe_or_missing_seeding_arguments(tmp_path, capsys):
     loose.write_bytes(SECRET)
     loose.chmod(0o644)
     base = ["serve", "--model", str(tmp_path)]
-    assert 1 == cli.main([*base, "--seed-listen", "127.0.0.1:29600", "--seed-secret-file", str(loose)])
+    assert 1 == cli.main(
+        [*base, "--seed-listen", "127.0.0.1:29600", "--seed-secret-file", str(loose)]
+    )
     assert "[seed-secret-unsafe]" in capsys.readouterr().err
     loose.chmod(0o600)
-    for extra, says in ((["--seed-listen", "127.0.0.1:29600"], "need --seed-secret-file"),
-                        (["--seed-from", "tcp://10.0.0.5:29600"], "need --seed-secret-file"),
-                        (["--seed-listen", "0.0.0.0:29600", "--seed-secret-file", str(loose)],
-                         "--seed-advertise"),
-                        (["--seed-listen", "nohost", "--seed-secret-file", str(loose)], "HOST:PORT")):
+    for extra, says in (
+        (["--seed-listen", "127.0.0.1:29600"], "need --seed-secret-file"),
+        (["--seed-from", "tcp://10.0.0.5:29600"], "need --seed-secret-file"),
+        (["--seed-listen", "0.0.0.0:29600", "--seed-secret-file", str(loose)], "--seed-advertise"),
+        (["--seed-listen", "nohost", "--seed-secret-file", str(loose)], "HOST:PORT"),
+    ):
         assert 2 == cli.main([*base, *extra])
         assert says in capsys.readouterr().err
 
@@ -218,9 +244,15 @@ def test_serve_refuses_unsafe_or_missing_seeding_arguments(tmp_path, capsys):
 def test_non_seed_ops_over_tcp_are_refused(tcp_source, key, sock_dir, op):
     """Every command but seed, even correctly signed, is refused over TCP; the daemon keeps serving and is not invalidated."""
     server, source = tcp_source
-    reply = _exchange(source, lambda ch: _signed(ch, {"op": op, "key": key.fields, "code": "x",
-                                                      "protocol": PROTOCOL_VERSION}))
-    assert (False, "peer-refused") == (reply["ok"], reply["code"]) and "only seed" in reply["message"]
+    reply = _exchange(
+        source,
+        lambda ch: _signed(
+            ch, {"op": op, "key": key.fields, "code": "x", "protocol": PROTOCOL_VERSION}
+        ),
+    )
+    assert (False, "peer-refused") == (reply["ok"], reply["code"]) and "only seed" in reply[
+        "message"
+    ]
     assert server.invalidated is None and not server._shutdown_requested.is_set()
     _assert_serves_export(key, sock_dir, "cpu-src")
 
@@ -228,29 +260,40 @@ def test_non_seed_ops_over_tcp_are_refused(tcp_source, key, sock_dir, op):
 def test_malformed_frames_over_tcp_leave_the_source_serving(tcp_source, key, monkeypatch):
     """An oversized length, bytes that are not msgpack, a list frame, a half frame and a silent peer are each dropped (the silent one within the timeout); then a real TCP seeding succeeds."""
     server, source = tcp_source
-    bad = {"oversized": struct.pack(">I", MAX_FRAME_BYTES + 1),
-           "not msgpack": struct.pack(">I", 3) + b"\xc1\xc1\xc1",
-           "a list": struct.pack(">I", 2) + msgpack.packb([1]),
-           "signed bad nonce": None}
+    bad = {
+        "oversized": struct.pack(">I", MAX_FRAME_BYTES + 1),
+        "not msgpack": struct.pack(">I", 3) + b"\xc1\xc1\xc1",
+        "a list": struct.pack(">I", 2) + msgpack.packb([1]),
+        "signed bad nonce": None,
+    }
     for name, data in bad.items():
         if data is None:
-            reply = _exchange(source, lambda ch: {**_signed(ch, {"op": "seed", "key": key.fields}),
-                                                  "nonce": "zz"})
-            assert (False, "peer-refused") == (reply["ok"], reply["code"]), name  # mac covers the nonce
+            reply = _exchange(
+                source, lambda ch: {**_signed(ch, {"op": "seed", "key": key.fields}), "nonce": "zz"}
+            )
+            assert (False, "peer-refused") == (reply["ok"], reply["code"]), (
+                name
+            )  # mac covers the nonce
             continue
         reply = _exchange(source, lambda ch, data=data: data)
         assert reply is not None and (False, "protocol-error") == (reply["ok"], reply["code"]), name
     monkeypatch.setattr(server_mod, "SEED_TCP_TIMEOUT_S", 0.5)
     host, port = seed_mod.parse_host_port(source)
-    reply = _exchange(source, lambda ch: struct.pack(">I", 100) + b"\x81")  # a half frame, then silence
+    reply = _exchange(
+        source, lambda ch: struct.pack(">I", 100) + b"\x81"
+    )  # a half frame, then silence
     assert "protocol-error" == reply["code"] and "not completed within 0.5 s" in reply["message"]
     with socket.create_connection((host, port), timeout=10) as s:  # silence after the challenge
         recv_frame(s)
         s.settimeout(5)
         assert b"" == s.recv(1 << 16)  # closed by the daemon, not by our timeout
     assert [] == server.seed_source.threads
-    receiver = DaemonServer(seed_arena(source, key, secret=SECRET), key, socket_dir=server.socket_dir,
-                            device_id="cpu-dst").start()
+    receiver = DaemonServer(
+        seed_arena(source, key, secret=SECRET),
+        key,
+        socket_dir=server.socket_dir,
+        device_id="cpu-dst",
+    ).start()
     try:
         _assert_serves_export(key, server.socket_dir, "cpu-dst")
     finally:
@@ -277,9 +320,18 @@ def test_an_unsigned_answer_is_not_received(host, key):
         with conn:
             send_frame(conn, {"op": "challenge", "nonce": "11" * 32, "protocol": PROTOCOL_VERSION})
             req, _ = recv_frame(conn)
-            reply = {"ok": True, "manifest": {}, "backend": "gloo", "host": host, "port": 1,
-                     "token": "t", "digest": ["blake3", "00"]}
-            reply["mac"] = seed_mac(b"not the shared secret!", SEED_REPLY_LABEL, req["nonce"], reply)
+            reply = {
+                "ok": True,
+                "manifest": {},
+                "backend": "gloo",
+                "host": host,
+                "port": 1,
+                "token": "t",
+                "digest": ["blake3", "00"],
+            }
+            reply["mac"] = seed_mac(
+                b"not the shared secret!", SEED_REPLY_LABEL, req["nonce"], reply
+            )
             send_frame(conn, reply)
 
     t = threading.Thread(target=impostor, daemon=True)
@@ -329,12 +381,28 @@ def test_cuda_seeding_over_tcp(sock_dir, host, secret_file):
     two = torch.cuda.device_count() >= 2
     device, backend = ("cuda:1", None) if two else ("cuda:0", "gloo")
     key = CacheKey(BASE_KEY)
-    src = start_daemon(sock_dir, "gpu0", extra_args=("--device", "cuda:0", "--seed-source", "--seed-listen",
-                                                     f"{host}:0", "--seed-secret-file", secret_file))
+    src = start_daemon(
+        sock_dir,
+        "gpu0",
+        extra_args=(
+            "--device",
+            "cuda:0",
+            "--seed-source",
+            "--seed-listen",
+            f"{host}:0",
+            "--seed-secret-file",
+            secret_file,
+        ),
+    )
     try:
         listen = src.ready_line.split("seed_listen=")[1]
-        dst = DaemonServer(seed_arena(f"tcp://{listen}", key, secret=SECRET, backend=backend), key,
-                           socket_dir=sock_dir, device=device, device_id="gpu-dst")
+        dst = DaemonServer(
+            seed_arena(f"tcp://{listen}", key, secret=SECRET, backend=backend),
+            key,
+            socket_dir=sock_dir,
+            device=device,
+            device_id="gpu-dst",
+        )
         try:
             view = served_arena(dst)
             try:

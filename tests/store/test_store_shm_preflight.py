@@ -17,7 +17,9 @@ from wcache.testing.store import BASE_KEY
 
 MIB = 1 << 20
 #: Docker's default /dev/shm (64 MiB), nearly empty.
-DOCKER_DEFAULT = SimpleNamespace(f_bavail=64 * MIB // 4096, f_frsize=4096, f_blocks=64 * MIB // 4096)
+DOCKER_DEFAULT = SimpleNamespace(
+    f_bavail=64 * MIB // 4096, f_frsize=4096, f_blocks=64 * MIB // 4096
+)
 
 
 @pytest.fixture
@@ -48,14 +50,17 @@ def test_missing_dev_shm_is_refused(tmp_path):
         paths.check_dev_shm(1, "x", path=str(tmp_path / "nope"))
 
 
-@pytest.mark.parametrize("device,world,seeding,expected", [
-    ("cpu", 1, False, []),
-    ("cpu", 1, True, []),  # gloo over TCP
-    ("cpu", 2, False, [paths.DEV_SHM_COLLECTIVES_BYTES]),
-    ("cuda", 1, False, [paths.DEV_SHM_REFCOUNT_BYTES]),
-    ("cuda", 1, True, [paths.DEV_SHM_COLLECTIVES_BYTES, paths.DEV_SHM_REFCOUNT_BYTES]),
-    ("cuda", 4, False, [paths.DEV_SHM_COLLECTIVES_BYTES, paths.DEV_SHM_REFCOUNT_BYTES]),
-])
+@pytest.mark.parametrize(
+    "device,world,seeding,expected",
+    [
+        ("cpu", 1, False, []),
+        ("cpu", 1, True, []),  # gloo over TCP
+        ("cpu", 2, False, [paths.DEV_SHM_COLLECTIVES_BYTES]),
+        ("cuda", 1, False, [paths.DEV_SHM_REFCOUNT_BYTES]),
+        ("cuda", 1, True, [paths.DEV_SHM_COLLECTIVES_BYTES, paths.DEV_SHM_REFCOUNT_BYTES]),
+        ("cuda", 4, False, [paths.DEV_SHM_COLLECTIVES_BYTES, paths.DEV_SHM_REFCOUNT_BYTES]),
+    ],
+)
 def test_serve_asks_for_dev_shm_where_its_backends_need_it(device, world, seeding, expected):
     """shm_needs: CPU TP/PP and NCCL (ranks, seeding) need the collectives' size; CUDA the ref counters'."""
     from wcache.daemon.serve import shm_needs
@@ -64,8 +69,9 @@ def test_serve_asks_for_dev_shm_where_its_backends_need_it(device, world, seedin
 
 
 @pytest.mark.slow
-def test_serve_with_two_cpu_ranks_refuses_a_small_dev_shm_before_any_work(small_shm, monkeypatch,
-                                                                          capsys):
+def test_serve_with_two_cpu_ranks_refuses_a_small_dev_shm_before_any_work(
+    small_shm, monkeypatch, capsys
+):
     """`wcache serve -tp 2` on CPU with a 64 MiB /dev/shm: one [shm-too-small] line; no rank starts."""
     import wcache.daemon.serve as serve
     from wcache.testing.fixtures import build
@@ -83,8 +89,9 @@ def test_serve_with_two_cpu_ranks_refuses_a_small_dev_shm_before_any_work(small_
 
 def test_attach_over_cuda_ipc_checks_dev_shm_before_get(small_shm, monkeypatch, sock_dir):
     """A daemon announcing cuda_ipc with /dev/shm full: attach raises shm-too-small before asking get."""
-    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=0, f_frsize=4096,
-                                                                    f_blocks=16))
+    monkeypatch.setattr(
+        os, "statvfs", lambda path: SimpleNamespace(f_bavail=0, f_frsize=4096, f_blocks=16)
+    )
     path = paths.socket_path(sock_dir, "gpu-test")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -96,9 +103,19 @@ def test_attach_over_cuda_ipc_checks_dev_shm_before_get(small_shm, monkeypatch, 
         conn, _ = listener.accept()
         with conn:
             recv_frame(conn)
-            send_frame(conn, {"ok": True, "protocol": PROTOCOL_VERSION, "wcache": "t",
-                              "pid": os.getpid(), "device": "cuda", "device_id": "gpu-test",
-                              "device_uuid": "GPU-x", "transport": "cuda_ipc"})
+            send_frame(
+                conn,
+                {
+                    "ok": True,
+                    "protocol": PROTOCOL_VERSION,
+                    "wcache": "t",
+                    "pid": os.getpid(),
+                    "device": "cuda",
+                    "device_id": "gpu-test",
+                    "device_uuid": "GPU-x",
+                    "transport": "cuda_ipc",
+                },
+            )
             conn.settimeout(2.0)
             try:
                 asked.append(recv_frame(conn)[0].get("op"))

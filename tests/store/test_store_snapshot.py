@@ -50,7 +50,9 @@ def snap_root(tmp_path):
 def test_snapshot_restart_serves_the_same_bytes(daemon, key, sock_dir, snap_root):
     """A daemon started from a snapshot serves the exported tensors bit for bit, same manifest."""
     path = _write(daemon, snap_root)
-    assert sorted(os.listdir(path)) == sorted([ARENA_FILE, MANIFEST_FILE, "key.json", "digests.json"])
+    assert sorted(os.listdir(path)) == sorted(
+        [ARENA_FILE, MANIFEST_FILE, "key.json", "digests.json"]
+    )
     assert [NAME] == list_snapshots(snap_root)
     snap = open_snapshot(snap_root, NAME)
     check_key(snap, key)
@@ -141,7 +143,9 @@ def test_failed_overwrite_keeps_the_old_snapshot(daemon, key, sock_dir, snap_roo
     """A write that dies mid-file leaves the previous snapshot intact and no temp dir; a good write replaces it."""
     _write(daemon, snap_root)
     other_key = CacheKey({**BASE_KEY, "checkpoint": "beef"})
-    other = DaemonServer(synthetic_export(seed=1), other_key, socket_dir=sock_dir, device_id="cpu-o")
+    other = DaemonServer(
+        synthetic_export(seed=1), other_key, socket_dir=sock_dir, device_id="cpu-o"
+    )
     try:
         import safetensors.torch as st
 
@@ -172,8 +176,9 @@ def test_gloo_seeding_between_two_daemons(sock_dir, key):
     try:
         src_sock = socket_path(sock_dir, "cpu-src")
         with attach(key, socket_dir=sock_dir, device_id="cpu-src"):  # an engine holds the source
-            receiver = DaemonServer(seed_arena(src_sock, key), key, socket_dir=sock_dir,
-                                    device_id="cpu-dst").start()
+            receiver = DaemonServer(
+                seed_arena(src_sock, key), key, socket_dir=sock_dir, device_id="cpu-dst"
+            ).start()
             try:
                 assert_serves_export(key, sock_dir, "cpu-dst")
                 st = daemon_status(src_sock)
@@ -191,15 +196,18 @@ def test_gloo_seeding_between_two_daemons(sock_dir, key):
 
 @pytest.mark.parametrize("source_class", ["full", "lean"])
 @pytest.mark.parametrize("receiver_vllm,source_vllm", [("0.32.0", "0.33.0"), ("0.33.0", "0.32.0")])
-def test_seeding_between_vllm_releases_is_refused_naming_both(sock_dir, source_class, receiver_vllm,
-                                                             source_vllm):
+def test_seeding_between_vllm_releases_is_refused_naming_both(
+    sock_dir, source_class, receiver_vllm, source_vllm
+):
     """A seed between daemons of different vLLM releases (keys equal but for versions.vllm) is a key-mismatch led by both versions, from the full and the lean seed source alike."""
     from wcache.store.lean import LeanSeedSource
 
     versions = {"wcache": "0.1.0", "torch": "2.13.0+cpu"}
     source_key = CacheKey({**BASE_KEY, "versions": {**versions, "vllm": source_vllm}})
     receiver_key = CacheKey({**BASE_KEY, "versions": {**versions, "vllm": receiver_vllm}})
-    server = DaemonServer(synthetic_export(), source_key, socket_dir=sock_dir, device_id="cpu-s").start()
+    server = DaemonServer(
+        synthetic_export(), source_key, socket_dir=sock_dir, device_id="cpu-s"
+    ).start()
     server.seed_source = SeedSource(server) if source_class == "full" else LeanSeedSource(server, 0)
     try:
         with pytest.raises(KeyMismatch) as ei:
@@ -209,8 +217,10 @@ def test_seeding_between_vllm_releases_is_refused_naming_both(sock_dir, source_c
     assert ["versions"] == ei.value.fields
     message = str(ei.value)
     lead = message.split(f"daemon on {server.socket_path}: ", 1)[-1]  # the source's own message
-    assert lead.startswith(f"the receiver and the source run different releases (vLLM "
-                           f"{receiver_vllm} (receiver) vs {source_vllm} (source)): "), message
+    assert lead.startswith(
+        f"the receiver and the source run different releases (vLLM "
+        f"{receiver_vllm} (receiver) vs {source_vllm} (source)): "
+    ), message
     assert f'versions.vllm: receiver="{receiver_vllm}" source="{source_vllm}"' in message
 
 
@@ -224,8 +234,9 @@ def test_seeding_refuses_a_digest_mismatch(sock_dir, key, monkeypatch):
         server.seed_source.digest(served_arena(server).tensor)  # the source's digest, cached
         monkeypatch.setattr(seed_mod, "arena_digest", lambda t: ("blake3", "00" * 32))
         with pytest.raises(SeedFailed, match="does not match the source's digest"):
-            DaemonServer(seed_arena(server.socket_path, key), key, socket_dir=sock_dir,
-                         device_id="cpu-r")
+            DaemonServer(
+                seed_arena(server.socket_path, key), key, socket_dir=sock_dir, device_id="cpu-r"
+            )
     finally:
         for t in server.seed_source.threads:
             t.join(30)
@@ -237,7 +248,9 @@ def test_a_full_file_system_is_an_oserror_with_a_reason_code(daemon, snap_root):
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # Python ignores SIGXFSZ: writes get EFBIG
+    resource.setrlimit(
+        resource.RLIMIT_FSIZE, (4096, hard)
+    )  # Python ignores SIGXFSZ: writes get EFBIG
     caught = None
     try:
         _write(daemon, snap_root)
@@ -251,7 +264,8 @@ def test_a_full_file_system_is_an_oserror_with_a_reason_code(daemon, snap_root):
 
 
 def test_seeding_from_a_source_that_died_before_the_transfer_fails_in_bounded_time(
-        sock_dir, key, monkeypatch):
+    sock_dir, key, monkeypatch
+):
     """When the source is gone before the receiver joins, fill raises SeedFailed within the connect timeout, not the transfer timeout."""
     import threading
 
@@ -285,8 +299,17 @@ def test_snapshot_and_from_snapshot_together_are_refused(tmp_path, capsys):
     """`--snapshot` with `--from-snapshot` is a usage error (exit 2) naming both, not a silently ignored flag."""
     from wcache import cli
 
-    assert 2 == cli.main(["serve", "--model", str(tmp_path), "--from-snapshot", str(tmp_path / "a"),
-                          "--snapshot", str(tmp_path / "b")])
+    assert 2 == cli.main(
+        [
+            "serve",
+            "--model",
+            str(tmp_path),
+            "--from-snapshot",
+            str(tmp_path / "a"),
+            "--snapshot",
+            str(tmp_path / "b"),
+        ]
+    )
     err = capsys.readouterr().err
     assert "--snapshot" in err and "--from-snapshot" in err
 
@@ -307,7 +330,9 @@ def test_a_crashed_writers_leftovers_are_removed_by_the_next_write(daemon, key, 
     assert key == open_snapshot(snap_root, NAME).key
 
 
-def test_two_writers_of_one_snapshot_at_once_leave_one_intact_snapshot(sock_dir, snap_root, monkeypatch):
+def test_two_writers_of_one_snapshot_at_once_leave_one_intact_snapshot(
+    sock_dir, snap_root, monkeypatch
+):
     """Two daemons writing the same rank's snapshot at once both succeed, one after the other; one intact snapshot and nothing else remains."""
     import threading
     import time
@@ -320,8 +345,15 @@ def test_two_writers_of_one_snapshot_at_once_leave_one_intact_snapshot(sock_dir,
 
     monkeypatch.setattr(os, "rename", slow_rename)
 
-    servers = [DaemonServer(synthetic_export(seed=i), CacheKey({**BASE_KEY, "checkpoint": f"c{i}"}),
-                            socket_dir=sock_dir, device_id=f"cpu-w{i}") for i in range(2)]
+    servers = [
+        DaemonServer(
+            synthetic_export(seed=i),
+            CacheKey({**BASE_KEY, "checkpoint": f"c{i}"}),
+            socket_dir=sock_dir,
+            device_id=f"cpu-w{i}",
+        )
+        for i in range(2)
+    ]
     try:
         for _ in range(5):
             errors = []

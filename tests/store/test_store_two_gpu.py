@@ -17,8 +17,10 @@ import torch
 from wcache.store.paths import cuda_device_uuid
 from wcache.testing.store import BASE_KEY, start_daemon, stop_daemon
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
+]
 
 #: One client rank: attach to this GPU's daemon, check shard, device and zero-copy.
 RANK_SCRIPT = """
@@ -44,9 +46,15 @@ def two_daemons(sock_dir):
     procs = []
     try:
         for rank in (0, 1):
-            procs.append(start_daemon(sock_dir, cuda_device_uuid(rank), seed=rank,
-                                      key=dict(BASE_KEY, tp=[2, rank]),
-                                      extra_args=("--device", f"cuda:{rank}")))
+            procs.append(
+                start_daemon(
+                    sock_dir,
+                    cuda_device_uuid(rank),
+                    seed=rank,
+                    key=dict(BASE_KEY, tp=[2, rank]),
+                    extra_args=("--device", f"cuda:{rank}"),
+                )
+            )
         yield sock_dir
     finally:
         for p in procs:
@@ -55,9 +63,15 @@ def two_daemons(sock_dir):
 
 def test_each_rank_attaches_to_its_own_gpu_daemon(two_daemons):
     """Rank r (on cuda:r) gets shard r, on cuda:r, as a view of that daemon's arena."""
-    children = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT.format(
-        rank=rank, sock=two_daemons)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True) for rank in (0, 1)]
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT.format(rank=rank, sock=two_daemons)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     outs = [c.communicate(timeout=300) for c in children]
     results = [o[0].strip().splitlines()[-1] if o[0].strip() else o[1][-2000:] for o in outs]
     assert results == ['{"rank": 0, "ok": true}', '{"rank": 1, "ok": true}']
@@ -77,7 +91,8 @@ def test_client_on_the_wrong_gpu_is_refused(two_daemons):
         except TransportFailed as e:
             print("refused", e.code, str(e))
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
     assert out.stdout.startswith("refused transport-failed"), out.stdout + out.stderr[-2000:]
     assert "asked for cuda:0" in out.stdout

@@ -12,8 +12,7 @@ import types
 
 import pytest
 
-from wcache.store import StoreError, TransportFailed, attach
-from wcache.store import transport_vmm
+from wcache.store import StoreError, TransportFailed, attach, transport_vmm
 from wcache.store.transport_vmm import VmmMapping, _remap_private
 
 #: Size of the fake mapping (bytes): any multiple of a granularity works for the fake.
@@ -44,8 +43,9 @@ class FakeDriver:
         self.released: list[int] = []
         self.next_handle = 2
         ns = types.SimpleNamespace
-        self.CUmemAccess_flags = ns(CU_MEM_ACCESS_FLAGS_PROT_READ="r",
-                                    CU_MEM_ACCESS_FLAGS_PROT_READWRITE="rw")
+        self.CUmemAccess_flags = ns(
+            CU_MEM_ACCESS_FLAGS_PROT_READ="r", CU_MEM_ACCESS_FLAGS_PROT_READWRITE="rw"
+        )
         self.CUmemAllocationType = ns(CU_MEM_ALLOCATION_TYPE_PINNED=0)
         self.CUmemLocationType = ns(CU_MEM_LOCATION_TYPE_DEVICE=0)
         self.CUmemAllocationHandleType = ns(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR=1)
@@ -145,9 +145,18 @@ def test_privatize_maps_a_private_copy_at_the_same_address_once():
     mapping._cu = None  # the fake has no device to synchronize at release
 
 
-FAILING = ("cuCtxSynchronize#1", "cuMemCreate", "cuMemAddressReserve", "cuMemMap#1",
-           "cuMemSetAccess#1", "cuMemcpyDtoD", "cuCtxSynchronize#2", "cuMemUnmap#1",
-           "cuMemMap#2", "cuMemSetAccess#2")
+FAILING = (
+    "cuCtxSynchronize#1",
+    "cuMemCreate",
+    "cuMemAddressReserve",
+    "cuMemMap#1",
+    "cuMemSetAccess#1",
+    "cuMemcpyDtoD",
+    "cuCtxSynchronize#2",
+    "cuMemUnmap#1",
+    "cuMemMap#2",
+    "cuMemSetAccess#2",
+)
 
 
 @pytest.mark.parametrize("fail", FAILING)

@@ -18,15 +18,33 @@ MAX_TOKENS = 8
 
 
 def main() -> int:
-    llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=512, max_num_seqs=1,
-              enforce_eager=True, gpu_memory_utilization=0.2, seed=0)
-    first = llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0),
-                         use_tqdm=False)[0].outputs[0]
+    llm = LLM(
+        model=sys.argv[1],
+        dtype="bfloat16",
+        max_model_len=512,
+        max_num_seqs=1,
+        enforce_eager=True,
+        gpu_memory_utilization=0.2,
+        seed=0,
+    )
+    first = llm.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)[
+        0
+    ].outputs[0]
     t_first = time.time()
-    out = llm.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
-                       use_tqdm=False)[0].outputs[0]
-    print(json.dumps({"first_text": first.text, "text": out.text,
-                      "token_ids": list(out.token_ids), "first_token": t_first}), flush=True)
+    out = llm.generate(
+        [PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False
+    )[0].outputs[0]
+    print(
+        json.dumps(
+            {
+                "first_text": first.text,
+                "text": out.text,
+                "token_ids": list(out.token_ids),
+                "first_token": t_first,
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

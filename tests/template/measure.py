@@ -32,10 +32,15 @@ def run(cmd: list[str], env: dict[str, str]) -> dict:
     t_end = time.time()
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{cmd} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{cmd} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     out = json.loads(lines[-1])
-    return {"ttft_s": round(out["first_token"] - t0, 2), "total_s": round(t_end - t0, 2),
-            "text": out["text"]}
+    return {
+        "ttft_s": round(out["first_token"] - t0, 2),
+        "total_s": round(t_end - t0, 2),
+        "text": out["text"],
+    }
 
 
 def main() -> int:
@@ -53,12 +58,30 @@ def main() -> int:
     os.chmod(sock_dir, 0o700)
     t0 = time.time()
     st = start_template(sock_dir)
-    print(json.dumps({"template_ready_s": round(time.time() - t0, 2), "import_s": st["import_s"],
-                      "modules": st["modules"], "rss_mib": st["rss_kib"] // 1024}), flush=True)
-    wrun = [sys.executable, "-m", "wcache.launcher", "run", "--no-fallback", "--socket-dir", sock_dir, "--"]
+    print(
+        json.dumps(
+            {
+                "template_ready_s": round(time.time() - t0, 2),
+                "import_s": st["import_s"],
+                "modules": st["modules"],
+                "rss_mib": st["rss_kib"] // 1024,
+            }
+        ),
+        flush=True,
+    )
+    wrun = [
+        sys.executable,
+        "-m",
+        "wcache.launcher",
+        "run",
+        "--no-fallback",
+        "--socket-dir",
+        sock_dir,
+        "--",
+    ]
     rows = {}
     try:
-        for mp in (("0", "1") if args.mp == "both" else (args.mp,)):
+        for mp in ("0", "1") if args.mp == "both" else (args.mp,):
             e = {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": mp}
             for i in range(args.repeats):
                 for how, prefix in (("direct", []), ("template", wrun)):
@@ -75,8 +98,10 @@ def main() -> int:
         t = [r["ttft_s"] for r in rs]
         x = [r["total_s"] for r in rs]
         core = "own process (MP=1)" if mp == "1" else "in-process (MP=0)"
-        print(f"| {core} | {how} | {statistics.median(t):.2f} [{min(t):.2f}, {max(t):.2f}] | "
-              f"{statistics.median(x):.2f} | {rs[0]['text']!r} |")
+        print(
+            f"| {core} | {how} | {statistics.median(t):.2f} [{min(t):.2f}, {max(t):.2f}] | "
+            f"{statistics.median(x):.2f} | {rs[0]['text']!r} |"
+        )
     return 0
 
 

@@ -21,7 +21,10 @@ import pytest
 
 import wcache
 from wcache.template.client import (
-    REFUSED_EXIT, start_template, stop_template, template_status,
+    REFUSED_EXIT,
+    start_template,
+    stop_template,
+    template_status,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -33,7 +36,7 @@ ENGINE_TIMEOUT_S = 600.0
 #: The settings every e2e test runs engines with (wcache.daemon.process._env).
 ENGINE_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
-SCRIPT = r'''
+SCRIPT = r"""
 import os, sys
 print("argv", sys.argv)
 print("name", __name__, "file", __file__, "path0", sys.path[0])
@@ -41,7 +44,7 @@ print("cwd", os.getcwd(), "env", os.environ.get("WCT_VALUE"))
 print("stdin", sys.stdin.read().strip())
 print("to stderr", file=sys.stderr)
 sys.exit(int(sys.argv[1]))
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +78,20 @@ def work(tmp_path):
 def _run(cmd, cwd, env, template=None, stdin="", fallback=False, timeout=RUN_TIMEOUT_S):
     """Run ``cmd`` directly, or through ``wcache run`` on ``template``."""
     if template is not None:
-        cmd = [sys.executable, "-m", "wcache.launcher", "run", "--socket-dir", template,
-               *(() if fallback else ("--no-fallback",)), "--", *cmd]
-    return subprocess.run(cmd, cwd=cwd, env=env, input=stdin, capture_output=True, text=True,
-                          timeout=timeout)
+        cmd = [
+            sys.executable,
+            "-m",
+            "wcache.launcher",
+            "run",
+            "--socket-dir",
+            template,
+            *(() if fallback else ("--no-fallback",)),
+            "--",
+            *cmd,
+        ]
+    return subprocess.run(
+        cmd, cwd=cwd, env=env, input=stdin, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _same(a: subprocess.CompletedProcess, b: subprocess.CompletedProcess) -> None:
@@ -92,8 +105,11 @@ def test_template_is_fork_safe(template):
     assert st["cuda_initialized"] is False
     assert st["threads"]["python"] == 1
     assert st["threads"]["os"] <= st["threads"]["baseline"]
-    for mod in ("vllm.entrypoints.llm", "vllm.entrypoints.openai.api_server",
-                "vllm.v1.engine.core"):
+    for mod in (
+        "vllm.entrypoints.llm",
+        "vllm.entrypoints.openai.api_server",
+        "vllm.v1.engine.core",
+    ):
         assert mod in st["imported"]
     assert {"vllm.v1.worker.cpu_worker", "vllm.v1.worker.gpu_worker"} & set(st["imported"])
     assert set(st["fingerprint"]["packages"]) == {"wcache", "vllm", "torch"}
@@ -111,16 +127,27 @@ def test_script_same_as_direct(template, work, env):
     _same(direct, forked)
 
 
-@pytest.mark.parametrize("code", [
-    "import sys; sys.exit(3)",
-    "raise ValueError('the message')",
-    "raise SystemExit('to stderr, exit 1')",
-    "import sys; print(sys.argv, repr(sys.path[0]), __name__)",
-    "raise KeyboardInterrupt",
-    "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
-    "import logging; logging.warning('careful')",
-], ids=["exit-3", "uncaught", "systemexit-str", "argv", "keyboardinterrupt", "sigkill",
-        "root-logger"])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import sys; sys.exit(3)",
+        "raise ValueError('the message')",
+        "raise SystemExit('to stderr, exit 1')",
+        "import sys; print(sys.argv, repr(sys.path[0]), __name__)",
+        "raise KeyboardInterrupt",
+        "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+        "import logging; logging.warning('careful')",
+    ],
+    ids=[
+        "exit-3",
+        "uncaught",
+        "systemexit-str",
+        "argv",
+        "keyboardinterrupt",
+        "sigkill",
+        "root-logger",
+    ],
+)
 def test_exit_codes_same_as_direct(template, work, env, code):
     """`python -c CODE ARG`: exit code (a signal as -N, as a shell shows 128+N), stdout
     and stderr (tracebacks included) equal a direct start's."""
@@ -144,32 +171,51 @@ def _wait_line(proc: subprocess.Popen, prefix: str) -> str:
             return line.strip()
         if not line and proc.poll() is not None:
             break
-    raise AssertionError(f"no line starting {prefix!r}; exit {proc.poll()}, "
-                         f"stderr {proc.stderr.read()}")
+    raise AssertionError(
+        f"no line starting {prefix!r}; exit {proc.poll()}, stderr {proc.stderr.read()}"
+    )
 
 
-WAITER = r'''
+WAITER = r"""
 import os, signal, sys, time
 if sys.argv[1] == "handle":
     signal.signal(signal.SIGTERM, lambda s, f: (print("got", s, flush=True), sys.exit(42)))
 print("pid", os.getpid(), flush=True)
 time.sleep(120)
-'''
+"""
 
 
 def _start_waiter(template, work, env, mode):
     (work / "waiter.py").write_text(WAITER)
-    cmd = [sys.executable, "-m", "wcache.launcher", "run", "--no-fallback", "--socket-dir", template,
-           "--", sys.executable, "waiter.py", mode]
-    proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "wcache.launcher",
+        "run",
+        "--no-fallback",
+        "--socket-dir",
+        template,
+        "--",
+        sys.executable,
+        "waiter.py",
+        mode,
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     child = int(_wait_line(proc, "pid ").split()[1])
     return proc, child
 
 
-@pytest.mark.parametrize("sig, mode, expected", [
-    (signal.SIGTERM, "handle", 42), (signal.SIGINT, "default", -signal.SIGINT),
-    (signal.SIGTERM, "default", -signal.SIGTERM)], ids=["term-handled", "int", "term"])
+@pytest.mark.parametrize(
+    "sig, mode, expected",
+    [
+        (signal.SIGTERM, "handle", 42),
+        (signal.SIGINT, "default", -signal.SIGINT),
+        (signal.SIGTERM, "default", -signal.SIGTERM),
+    ],
+    ids=["term-handled", "int", "term"],
+)
 def test_signals_forwarded(template, work, env, sig, mode, expected):
     """A signal sent to `wcache run` reaches the forked child; the client ends with the
     child's exit code, or by the child's signal."""
@@ -205,13 +251,17 @@ def test_killed_client_kills_its_child(template, work, env):
     while template_status(template)["children"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert template_status(template)["children"] == []
-    assert not os.path.exists(f"/proc/{child}") or \
-        open(f"/proc/{child}/stat").read().split()[2] == "Z"
+    assert (
+        not os.path.exists(f"/proc/{child}")
+        or Path(f"/proc/{child}/stat").read_text().split()[2] == "Z"
+    )
 
 
-RNG = ("import random, numpy, torch, multiprocessing as mp; "
-       "print(random.random(), numpy.random.rand(), torch.rand(1).item(), "
-       "mp.current_process().authkey.hex())")
+RNG = (
+    "import random, numpy, torch, multiprocessing as mp; "
+    "print(random.random(), numpy.random.rand(), torch.rand(1).item(), "
+    "mp.current_process().authkey.hex())"
+)
 
 
 def test_children_do_not_share_rng_state(template, work, env):

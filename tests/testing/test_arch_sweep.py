@@ -23,15 +23,40 @@ def test_cuda_mla_case_uses_the_mla_backend():
 def test_render_counts_outcomes_and_lists_rows_in_registry_order(tmp_path):
     """The last row per (device, case) wins; the table lists it with plans and reason."""
     rows = [
-        {"case": "qwen3_moe/bf16", "arch": "qwen3_moe", "family": "moe", "backend": "native",
-         "vllm_arch": "Qwen3MoeForCausalLM", "format": "bf16", "device": "cpu",
-         "outcome": "refused", "reason": "[plan-missing] layer x | UnquantizedFusedMoEMethod"},
-        {"case": "llama/bf16", "arch": "llama", "family": "dense", "backend": "native",
-         "vllm_arch": "LlamaForCausalLM", "format": "bf16", "device": "cpu", "outcome": "failed"},
-        {"case": "llama/bf16", "arch": "llama", "family": "dense", "backend": "native",
-         "vllm_arch": "LlamaForCausalLM", "format": "bf16", "device": "cpu",
-         "outcome": "restored", "reason": "identical greedy tokens", "plans": ["a@1"],
-         "verify": {"exit": 0}},
+        {
+            "case": "qwen3_moe/bf16",
+            "arch": "qwen3_moe",
+            "family": "moe",
+            "backend": "native",
+            "vllm_arch": "Qwen3MoeForCausalLM",
+            "format": "bf16",
+            "device": "cpu",
+            "outcome": "refused",
+            "reason": "[plan-missing] layer x | UnquantizedFusedMoEMethod",
+        },
+        {
+            "case": "llama/bf16",
+            "arch": "llama",
+            "family": "dense",
+            "backend": "native",
+            "vllm_arch": "LlamaForCausalLM",
+            "format": "bf16",
+            "device": "cpu",
+            "outcome": "failed",
+        },
+        {
+            "case": "llama/bf16",
+            "arch": "llama",
+            "family": "dense",
+            "backend": "native",
+            "vllm_arch": "LlamaForCausalLM",
+            "format": "bf16",
+            "device": "cpu",
+            "outcome": "restored",
+            "reason": "identical greedy tokens",
+            "plans": ["a@1"],
+            "verify": {"exit": 0},
+        },
     ]
     path = tmp_path / "r.jsonl"
     path.write_text("\n".join(__import__("json").dumps(r) for r in rows) + "\n")
@@ -41,5 +66,6 @@ def test_render_counts_outcomes_and_lists_rows_in_registry_order(tmp_path):
         "| llama | dense | LlamaForCausalLM (native) | bf16 | restored | `a@1` | "
         "identical greedy tokens; verify exit 0 |",
         "| qwen3_moe | moe | Qwen3MoeForCausalLM (native) | bf16 | refused |  | "
-        "[plan-missing] layer x \\| UnquantizedFusedMoEMethod |"]
+        "[plan-missing] layer x \\| UnquantizedFusedMoEMethod |",
+    ]
     assert "restored: 1, refused: 1" in text

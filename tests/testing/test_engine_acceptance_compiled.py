@@ -44,24 +44,33 @@ def _fake_engines(monkeypatch, graph_of=lambda load_format: GRAPH, can_load=True
         if root is not None:
             art = artifact_path(Path(root))
             if art.exists() and can_load:
-                log.append(f"INFO [decorators.py:320] Directly load AOT compilation from "
-                           f"path {art}")
+                log.append(
+                    f"INFO [decorators.py:320] Directly load AOT compilation from path {art}"
+                )
             else:
                 if art.exists():
-                    log.append(f"WARNING Compiling model again due to a load failure from "
-                               f"{art}, reason: boom")
+                    log.append(
+                        f"WARNING Compiling model again due to a load failure from "
+                        f"{art}, reason: boom"
+                    )
                 write_artifact(art, graph_of(load_format), f"# {root}/k.so")
                 log.append(f"INFO saved AOT compiled function to {art}")
             log.append("INFO torch.compile took 2.50 s in total")
-        phase = ([{"phase": "fallback", "reason": "daemon-missing"}] if extra.get("fallback")
-                 else [{"phase": "restore", "seconds": 0.1}] if load_format == "wcache" else [])
+        phase = (
+            [{"phase": "fallback", "reason": "daemon-missing"}]
+            if extra.get("fallback")
+            else [{"phase": "restore", "seconds": 0.1}]
+            if load_format == "wcache"
+            else []
+        )
         return {"texts": ["x"], "token_ids": [[1, 2, 3]], "load": phase, "log": "\n".join(log)}
 
     monkeypatch.setattr(ea, "run_engine", run_engine)
     monkeypatch.setattr(ea, "DaemonProcess", _FakeDaemon)
-    monkeypatch.setattr("wcache.store.daemon_status",
-                        lambda sock: {"key_fields": {"plans": ["unquantized:1"]},
-                                      "transport": "shm"})
+    monkeypatch.setattr(
+        "wcache.store.daemon_status",
+        lambda sock: {"key_fields": {"plans": ["unquantized:1"]}, "transport": "shm"},
+    )
     monkeypatch.setattr("wcache.store.paths.list_sockets", lambda d: [f"{d}/s.sock"])
     return calls
 
@@ -78,12 +87,27 @@ def test_compiled_case_runs_five_loads_over_two_roots(monkeypatch):
     assert row["outcome"] == "restored", row["reason"]
     roots = [Path(c[2]).parent.name for c in calls]
     assert [(c[0], r) for c, r in zip(calls, roots)] == [
-        ("auto", "A"), ("wcache", "A"), ("wcache", "A"), ("wcache", "B"), ("auto", "B")]
+        ("auto", "A"),
+        ("wcache", "A"),
+        ("wcache", "A"),
+        ("wcache", "B"),
+        ("auto", "B"),
+    ]
     assert all("--compile" in c[3] for c in calls)
-    assert row["compile_hits"] == {"disk": False, "fallback": True, "daemon": True,
-                                   "second": False, "disk_b": True}
+    assert row["compile_hits"] == {
+        "disk": False,
+        "fallback": True,
+        "daemon": True,
+        "second": False,
+        "disk_b": True,
+    }
     assert row["graphs_equal"] is True and list(row["loads"]) == [
-        "disk", "fallback", "daemon", "second", "disk_b"]
+        "disk",
+        "fallback",
+        "daemon",
+        "second",
+        "disk_b",
+    ]
     assert row["loads"]["disk"]["compile"]["compile_s"] == (2.5,)
 
 
@@ -121,8 +145,10 @@ def test_progress_of_a_case_that_ends_early_and_a_missing_folder(monkeypatch, tm
 
 def test_compiled_case_fails_on_differing_graphs(monkeypatch):
     """A wcache engine that traces another graph fails the row, with the diff in it."""
-    _fake_engines(monkeypatch, graph_of=lambda lf: GRAPH if lf == "auto"
-                  else GRAPH.replace("torch.mm", "torch.addmm"))
+    _fake_engines(
+        monkeypatch,
+        graph_of=lambda lf: GRAPH if lf == "auto" else GRAPH.replace("torch.mm", "torch.addmm"),
+    )
     row = _run(ea.EngineCase("bf16-compiled", "bf16", compile=True))
     assert row["outcome"] == "failed" and row["graphs_equal"] is False
     assert "differ" in row["reason"]
@@ -135,8 +161,11 @@ def test_compiled_case_fails_on_a_missed_hit(monkeypatch):
     _fake_engines(monkeypatch, can_load=False)
     row = _run(ea.EngineCase("bf16-compiled", "bf16", compile=True))
     assert row["outcome"] == "failed"
-    missed = [n for n in ("fallback", "daemon", "disk_b")
-              if f"{n}: expected a compile-cache hit" in row["reason"]]
+    missed = [
+        n
+        for n in ("fallback", "daemon", "disk_b")
+        if f"{n}: expected a compile-cache hit" in row["reason"]
+    ]
     assert missed == ["fallback", "daemon", "disk_b"]
 
 
@@ -148,7 +177,11 @@ def test_eager_case_keeps_four_loads_and_no_cache_roots(monkeypatch):
     assert [c[0] for c in calls] == ["auto", "wcache", "wcache", "wcache"]
     assert all(c[2] is None and "--compile" not in c[3] for c in calls)
     assert "compile_hits" not in row and list(row["loads"]) == [
-        "disk", "fallback", "daemon", "second"]
+        "disk",
+        "fallback",
+        "daemon",
+        "second",
+    ]
 
 
 def test_gpu_tier_selects_the_compiled_cases_by_id():
@@ -156,8 +189,22 @@ def test_gpu_tier_selects_the_compiled_cases_by_id():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
-                          "-p", "no:cacheprovider", "tests/gpu_engine", "-k", "compiled"],
-                         capture_output=True, text=True, timeout=COLLECT_TIMEOUT_S).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/gpu_engine",
+            "-k",
+            "compiled",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=COLLECT_TIMEOUT_S,
+    ).stdout
     ids = sorted(ln.split("[")[1].rstrip("]") for ln in out.splitlines() if "::" in ln)
     assert ids == ["awq-marlin-compiled", "bf16-compiled", "fp8-compiled"]

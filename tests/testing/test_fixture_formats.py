@@ -28,8 +28,9 @@ def _nvfp4_dequant(out):
     grid = torch.tensor(fx.FP4_E2M1_VALUES)
     values = grid[(codes & 7).long()] * torch.where(codes >= 8, -1.0, 1.0)
     scale = out["weight_scale"].float() * out["weight_scale_2"]
-    return (values.reshape(values.shape[0], -1, fx.NVFP4_BLOCK) * scale.unsqueeze(-1)) \
-        .reshape(values.shape)
+    return (values.reshape(values.shape[0], -1, fx.NVFP4_BLOCK) * scale.unsqueeze(-1)).reshape(
+        values.shape
+    )
 
 
 def test_nvfp4_round_trip_layout_and_scales():
@@ -38,8 +39,10 @@ def test_nvfp4_round_trip_layout_and_scales():
     w = _weight()
     out = fx.nvfp4_quantize(w, input_amax=3.0)
     assert (out["weight"].dtype, tuple(out["weight"].shape)) == (torch.uint8, (32, 64))
-    assert (out["weight_scale"].dtype, tuple(out["weight_scale"].shape)) == \
-        (torch.float8_e4m3fn, (32, 8))
+    assert (out["weight_scale"].dtype, tuple(out["weight_scale"].shape)) == (
+        torch.float8_e4m3fn,
+        (32, 8),
+    )
     assert out["weight_scale_2"].shape == () and out["input_scale"].shape == ()
     assert float(out["weight_scale_2"]) == pytest.approx(float(w.abs().max()) / (6 * 448))
     assert _rel(_nvfp4_dequant(out), w) < NVFP4_MAX_REL_ERR
@@ -49,11 +52,15 @@ def test_nvfp4_fused_linears_share_one_global_scale():
     """vLLM's KNvfp4Static requires q/k/v (and gate/up) to carry one weight_scale_2:
     convert_state_dict gives them the group's amax."""
     p = "model.layers.0"
-    sd = {f"{p}.self_attn.{m}.weight": _weight(seed=i) * (i + 1)
-          for i, m in enumerate(("q_proj", "k_proj", "v_proj"))}
+    sd = {
+        f"{p}.self_attn.{m}.weight": _weight(seed=i) * (i + 1)
+        for i, m in enumerate(("q_proj", "k_proj", "v_proj"))
+    }
     amax = {k[: -len(".weight")]: 1.0 for k in sd}
     out = fx.convert_state_dict(sd, "nvfp4", amax)
-    scales = {float(out[f"{p}.self_attn.{m}.weight_scale_2"]) for m in ("q_proj", "k_proj", "v_proj")}
+    scales = {
+        float(out[f"{p}.self_attn.{m}.weight_scale_2"]) for m in ("q_proj", "k_proj", "v_proj")
+    }
     assert len(scales) == 1
 
 
@@ -76,17 +83,41 @@ def test_fp8_per_tensor_round_trip():
     assert _rel(out["weight"].float() * out["weight_scale"], w) < FP8_MAX_REL_ERR
 
 
-@pytest.mark.parametrize("fmt,names", [
-    ("ct_w8a8_fp8", {"weight": (torch.float8_e4m3fn, (32, 128)), "weight_scale": (None, (32, 1))}),
-    ("ct_w8a8_fp8_static", {"weight": (torch.float8_e4m3fn, (32, 128)),
-                            "weight_scale": (None, (1,)), "input_scale": (torch.float32, (1,))}),
-    ("ct_w8a8_int8_asym", {"weight": (torch.int8, (32, 128)), "weight_scale": (None, (32, 1))}),
-    ("ct_w8a8_int8_static", {"weight": (torch.int8, (32, 128)), "weight_scale": (None, (32, 1)),
-                             "input_scale": (torch.float32, (1,)),
-                             "input_zero_point": (torch.int8, (1,))}),
-    ("ct_w4a16_channel", {"weight_packed": (torch.int32, (32, 16)),
-                          "weight_scale": (None, (32, 1)), "weight_shape": (torch.int64, (2,))}),
-])
+@pytest.mark.parametrize(
+    "fmt,names",
+    [
+        (
+            "ct_w8a8_fp8",
+            {"weight": (torch.float8_e4m3fn, (32, 128)), "weight_scale": (None, (32, 1))},
+        ),
+        (
+            "ct_w8a8_fp8_static",
+            {
+                "weight": (torch.float8_e4m3fn, (32, 128)),
+                "weight_scale": (None, (1,)),
+                "input_scale": (torch.float32, (1,)),
+            },
+        ),
+        ("ct_w8a8_int8_asym", {"weight": (torch.int8, (32, 128)), "weight_scale": (None, (32, 1))}),
+        (
+            "ct_w8a8_int8_static",
+            {
+                "weight": (torch.int8, (32, 128)),
+                "weight_scale": (None, (32, 1)),
+                "input_scale": (torch.float32, (1,)),
+                "input_zero_point": (torch.int8, (1,)),
+            },
+        ),
+        (
+            "ct_w4a16_channel",
+            {
+                "weight_packed": (torch.int32, (32, 16)),
+                "weight_scale": (None, (32, 1)),
+                "weight_shape": (torch.int64, (2,)),
+            },
+        ),
+    ],
+)
 def test_ct_gpu_formats_layout(fmt, names):
     """Each compressed-tensors GPU format has exactly the tensors (dtype, shape) of its
     scheme, made by compressed-tensors' own compressor."""
@@ -101,8 +132,9 @@ def test_ct_gpu_formats_layout(fmt, names):
 def test_static_formats_need_calibration():
     """A static-activation format without calibrated input amax is refused by name."""
     with pytest.raises(fx.FixtureError, match="input_amax"):
-        fx.convert_state_dict({"model.layers.0.mlp.up_proj.weight": _weight()},
-                              "ct_w8a8_fp8_static")
+        fx.convert_state_dict(
+            {"model.layers.0.mlp.up_proj.weight": _weight()}, "ct_w8a8_fp8_static"
+        )
 
 
 def test_modelopt_configs_parse_in_vllm_and_exclude_the_lm_head():

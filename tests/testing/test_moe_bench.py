@@ -8,15 +8,22 @@ import torch
 
 from wcache.testing import moe_bench as mb
 
-SMALL = {**mb.QWEN3_30B_A3B, "hidden_size": 256, "moe_intermediate_size": 128,
-         "num_experts": 3, "num_attention_heads": 2, "num_key_value_heads": 1}
+SMALL = {
+    **mb.QWEN3_30B_A3B,
+    "hidden_size": 256,
+    "moe_intermediate_size": 128,
+    "num_experts": 3,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+}
 
 
 def test_layer_tensors_have_block_fp8_names_shapes_and_dtypes():
     """Experts and attention are FP8 with [N/128, K/128] scales; the router stays bf16."""
     g = torch.Generator().manual_seed(0)
-    got = {n: (t.dtype, tuple(t.shape)) for n, t in
-           mb.layer_tensors(0, SMALL, g, torch.device("cpu"))}
+    got = {
+        n: (t.dtype, tuple(t.shape)) for n, t in mb.layer_tensors(0, SMALL, g, torch.device("cpu"))
+    }
     p = "model.layers.0"
     assert got[f"{p}.mlp.experts.2.down_proj.weight"] == (torch.float8_e4m3fn, (256, 128))
     assert got[f"{p}.mlp.experts.2.down_proj.weight_scale_inv"] == (torch.float32, (2, 1))
@@ -29,8 +36,9 @@ def test_layer_tensors_have_block_fp8_names_shapes_and_dtypes():
 def test_layer_bytes_equals_the_bytes_generated():
     """layer_bytes (the disk estimate) equals the generated tensors' bytes."""
     g = torch.Generator().manual_seed(0)
-    size = sum(t.numel() * t.element_size()
-               for _, t in mb.layer_tensors(0, SMALL, g, torch.device("cpu")))
+    size = sum(
+        t.numel() * t.element_size() for _, t in mb.layer_tensors(0, SMALL, g, torch.device("cpu"))
+    )
     assert mb.layer_bytes(SMALL) == size
 
 
@@ -43,8 +51,10 @@ def test_full_geometry_layer_is_about_0_62_gb():
 def test_layer_bytes_equals_generated_bytes_per_format(fmt):
     """layer_bytes(fmt) equals the bytes layer_tensors generates in that format."""
     g = torch.Generator().manual_seed(0)
-    size = sum(t.numel() * t.element_size()
-               for _, t in mb.layer_tensors(0, SMALL, g, torch.device("cpu"), fmt))
+    size = sum(
+        t.numel() * t.element_size()
+        for _, t in mb.layer_tensors(0, SMALL, g, torch.device("cpu"), fmt)
+    )
     assert mb.layer_bytes(SMALL, fmt) == size
 
 
@@ -54,14 +64,18 @@ def test_nvfp4_and_awq_layers_have_the_packed_layouts():
     the router stays bf16 in both."""
     g = torch.Generator().manual_seed(0)
     p = "model.layers.0.mlp.experts.1.down_proj"
-    nv = {n: (t.dtype, tuple(t.shape)) for n, t in
-          mb.layer_tensors(0, SMALL, g, torch.device("cpu"), "nvfp4")}
+    nv = {
+        n: (t.dtype, tuple(t.shape))
+        for n, t in mb.layer_tensors(0, SMALL, g, torch.device("cpu"), "nvfp4")
+    }
     assert nv[f"{p}.weight"] == (torch.uint8, (256, 64))
     assert nv[f"{p}.weight_scale"] == (torch.float8_e4m3fn, (256, 8))
     assert nv[f"{p}.weight_scale_2"] == nv[f"{p}.input_scale"] == (torch.float32, ())
     assert nv["model.layers.0.mlp.gate.weight"] == (torch.bfloat16, (3, 256))
-    awq = {n: (t.dtype, tuple(t.shape)) for n, t in
-           mb.layer_tensors(0, SMALL, g, torch.device("cpu"), "awq")}
+    awq = {
+        n: (t.dtype, tuple(t.shape))
+        for n, t in mb.layer_tensors(0, SMALL, g, torch.device("cpu"), "awq")
+    }
     assert awq[f"{p}.qweight"] == (torch.int32, (128, 32))
     assert awq[f"{p}.qzeros"] == (torch.int32, (1, 32))
     assert awq[f"{p}.scales"] == (torch.float16, (1, 256))
@@ -84,7 +98,9 @@ def test_bench_configs_parse_in_vllm():
     assert extra == {}
     awq = AutoAWQConfig.from_config(qc)
     assert (awq.group_size, awq.modules_to_not_convert) == (
-        128, ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"])
+        128,
+        ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"],
+    )
     qc, extra = mb._quantization("nvfp4", 2)
     assert qc is None
     nv = ModelOptNvFp4Config.from_config(extra["hf_quant_config.json"])

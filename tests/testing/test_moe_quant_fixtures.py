@@ -48,21 +48,23 @@ def _method(fmt: str, qc: dict, *, has_bias: bool = False):
     (which needs a CUDA platform); only what ``create_weights`` reads is set."""
     moe = SimpleNamespace(w13_num_shards=2, is_act_and_mul=True, has_bias=has_bias)
     if fmt == "awq":
-        from vllm.model_executor.layers.quantization.auto_awq import (
-            AutoAWQConfig, AutoAWQMoEMethod)
+        from vllm.model_executor.layers.quantization.auto_awq import AutoAWQConfig, AutoAWQMoEMethod
 
         m = object.__new__(AutoAWQMoEMethod)
         m.quant_config, m.input_dtype = AutoAWQConfig.from_config(qc), None
     elif fmt.startswith("gptq"):
         from vllm.model_executor.layers.quantization.auto_gptq import (
-            AutoGPTQConfig, AutoGPTQMoEMethod)
+            AutoGPTQConfig,
+            AutoGPTQMoEMethod,
+        )
 
         m = object.__new__(AutoGPTQMoEMethod)
         m.quant_config, m.input_dtype = AutoGPTQConfig.from_config(qc), None
     elif fmt.startswith("ct_w4a16"):
         from compressed_tensors.quantization import QuantizationArgs
-        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_wna16 import (  # noqa: E501
-            CompressedTensorsWNA16MoEMethod)
+        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_wna16 import (
+            CompressedTensorsWNA16MoEMethod,
+        )
 
         args = QuantizationArgs.model_validate(qc["config_groups"]["group_0"]["weights"])
         m = object.__new__(CompressedTensorsWNA16MoEMethod)
@@ -71,13 +73,17 @@ def _method(fmt: str, qc: dict, *, has_bias: bool = False):
         m.group_size = -1 if args.group_size is None else args.group_size
     elif fmt == "nvfp4":
         from vllm.model_executor.layers.quantization.modelopt import (
-            ModelOptNvFp4Config, ModelOptNvFp4FusedMoE)
+            ModelOptNvFp4Config,
+            ModelOptNvFp4FusedMoE,
+        )
 
         m = object.__new__(ModelOptNvFp4FusedMoE)
         m.quant_config, m.use_global_sf = ModelOptNvFp4Config.from_config(qc), False
     elif fmt == "mxfp8":
         from vllm.model_executor.layers.quantization.modelopt import (
-            ModelOptMxFp8Config, ModelOptMxFp8FusedMoE)
+            ModelOptMxFp8Config,
+            ModelOptMxFp8FusedMoE,
+        )
 
         m = object.__new__(ModelOptMxFp8FusedMoE)
         m.quant_config = ModelOptMxFp8Config.from_config(qc)
@@ -94,10 +100,15 @@ def _method(fmt: str, qc: dict, *, has_bias: bool = False):
 def _registered(fmt: str, qc: dict, e: int, h: int, n: int) -> dict[str, torch.nn.Parameter]:
     layer = torch.nn.Module()
     layer.hidden_size, layer.intermediate_size_per_partition = h, n
-    _method(fmt, qc).create_weights(layer, num_experts=e, hidden_size=h,
-                                    intermediate_size_per_partition=n,
-                                    params_dtype=torch.bfloat16, weight_loader=_noop_loader,
-                                    global_num_experts=e)
+    _method(fmt, qc).create_weights(
+        layer,
+        num_experts=e,
+        hidden_size=h,
+        intermediate_size_per_partition=n,
+        params_dtype=torch.bfloat16,
+        weight_loader=_noop_loader,
+        global_num_experts=e,
+    )
     return dict(layer.named_parameters())
 
 
@@ -108,11 +119,11 @@ def _shard_shape(pname: str, param: torch.nn.Parameter) -> tuple[int, ...]:
     rest = tuple(param.shape[1:])
     if pname.endswith("weight_shape"):
         return (2,)
-    if len(rest) <= 1:                       # per-tensor: [E] or [E, 2] (one per shard)
+    if len(rest) <= 1:  # per-tensor: [E] or [E, 2] (one per shard)
         return ()
     if pname.startswith("w13_"):
         dim = len(rest) - 1 if getattr(param, "is_transposed", False) else 0
-        rest = rest[:dim] + (rest[dim] // 2,) + rest[dim + 1:]
+        rest = rest[:dim] + (rest[dim] // 2,) + rest[dim + 1 :]
     return rest
 
 
@@ -121,8 +132,11 @@ def _dtype_ok(pname: str, ckpt: torch.dtype, param: torch.dtype) -> bool:
     cast by ``copy_`` (fp16 AWQ/GPTQ scales into bf16 parameters), as is
     compressed-tensors' int64 ``weight_shape`` (into a float32 parameter vLLM ignores)."""
     plain = (torch.float16, torch.bfloat16, torch.float32)
-    return ckpt == param or (ckpt in plain and param in plain) or \
-        (pname.endswith("weight_shape") and not ckpt.is_floating_point)
+    return (
+        ckpt == param
+        or (ckpt in plain and param in plain)
+        or (pname.endswith("weight_shape") and not ckpt.is_floating_point)
+    )
 
 
 def _load(path):
@@ -148,8 +162,7 @@ def test_built_experts_map_onto_vllm_create_weights(base, fmt):
 
     path = mf.build_moe(base, fmt)
     config = json.loads((path / fx.CONFIG_FILE).read_text())
-    e, n, h = (config["num_local_experts"], config["moe_intermediate_size"],
-               config["hidden_size"])
+    e, n, h = (config["num_local_experts"], config["moe_intermediate_size"], config["hidden_size"])
     qc = _quant_config(path)
     if fmt in mf.VLLM_REFUSED:  # same tensors as gptq: check them against gptq's method
         qc = {**qc, "sym": True, "desc_act": False}
@@ -182,17 +195,27 @@ def test_gpt_oss_mxfp4_matches_vllm_gpt_oss_params():
 
     path = mf.build_moe("gpt_oss", "mxfp4")
     config = json.loads((path / fx.CONFIG_FILE).read_text())
-    e, n, h = (config["num_local_experts"], config["intermediate_size"],
-               config["hidden_size"])
+    e, n, h = (config["num_local_experts"], config["intermediate_size"], config["hidden_size"])
     m = object.__new__(GptOssMxfp4MoEMethod)
     m.moe = SimpleNamespace(w13_num_shards=2, is_act_and_mul=True, has_bias=True)
     layer = torch.nn.Module()
-    m.create_weights(layer, num_experts=e, hidden_size=h, intermediate_size_per_partition=n,
-                     params_dtype=torch.bfloat16, weight_loader=_noop_loader)
+    m.create_weights(
+        layer,
+        num_experts=e,
+        hidden_size=h,
+        intermediate_size_per_partition=n,
+        params_dtype=torch.bfloat16,
+        weight_loader=_noop_loader,
+    )
     params = dict(layer.named_parameters())
-    names = {".gate_up_proj_blocks": "w13_weight", ".down_proj_blocks": "w2_weight",
-             ".gate_up_proj_scales": "w13_weight_scale", ".down_proj_scales": "w2_weight_scale",
-             ".gate_up_proj_bias": "w13_bias", ".down_proj_bias": "w2_bias"}
+    names = {
+        ".gate_up_proj_blocks": "w13_weight",
+        ".down_proj_blocks": "w2_weight",
+        ".gate_up_proj_scales": "w13_weight_scale",
+        ".down_proj_scales": "w2_weight_scale",
+        ".gate_up_proj_bias": "w13_bias",
+        ".down_proj_bias": "w2_bias",
+    }
     seen = set()
     for name, t in _load(path).items():
         if ".mlp.experts." not in name:
@@ -205,8 +228,10 @@ def test_gpt_oss_mxfp4_matches_vllm_gpt_oss_params():
         assert t.dtype == p.dtype, name
         seen.add(pname)
     assert seen == set(params)
-    assert _quant_config(path) == {"quant_method": "mxfp4",
-                                   "modules_to_not_convert": list(mf.GPT_OSS_NOT_CONVERTED)}
+    assert _quant_config(path) == {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": list(mf.GPT_OSS_NOT_CONVERTED),
+    }
 
 
 # --------------------------------------------------------------------------- configs
@@ -228,19 +253,18 @@ def test_nvfp4_config_is_modelopt_hf_quant_config_only():
     normalizer reads its hf_quant_config.json as modelopt_fp4, W4A4, group 16, routers
     and lm_head excluded."""
     from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
-    from vllm.transformers_utils.model_arch_config_convertor import (
-        ModelArchConfigConvertorBase)
+    from vllm.transformers_utils.model_arch_config_convertor import ModelArchConfigConvertorBase
 
     path = mf.build_moe("qwen3_moe_128", "nvfp4")
     assert "quantization_config" not in json.loads((path / fx.CONFIG_FILE).read_text())
     hf = json.loads((path / mf.HF_QUANT_CONFIG).read_text())
     norm = ModelArchConfigConvertorBase._normalize_quantization_config(
-        None, SimpleNamespace(quantization_config=dict(hf)))
+        None, SimpleNamespace(quantization_config=dict(hf))
+    )
     assert norm["quant_method"] == "modelopt_fp4"
     cfg = ModelOptNvFp4Config.from_config(hf)
     assert (cfg.quant_method, cfg.group_size, cfg.kv_cache_quant_algo) == ("NVFP4", 16, None)
-    assert cfg.exclude_modules == ["lm_head", "model.layers.0.mlp.gate",
-                                   "model.layers.1.mlp.gate"]
+    assert cfg.exclude_modules == ["lm_head", "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
     assert not cfg.is_layer_excluded("model.layers.0.mlp.experts")
     assert cfg.is_layer_excluded("model.layers.1.mlp.gate")
 
@@ -249,8 +273,9 @@ def test_int4_configs_parse_in_vllm():
     """AWQ (Marlin MoE group sizes, routers not converted), CT W4A16 (pack-quantized,
     group and channel) and ModelOpt MXFP8 configs parse in vLLM."""
     from vllm.model_executor.layers.quantization.auto_awq import AutoAWQConfig
-    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (  # noqa: E501
-        CompressedTensorsConfig)
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
     from vllm.model_executor.layers.quantization.modelopt import ModelOptMxFp8Config
 
     awq = AutoAWQConfig.from_config(mf.moe_quantization_config("awq", ["m.gate"], 32))
@@ -259,7 +284,10 @@ def test_int4_configs_parse_in_vllm():
         ct = CompressedTensorsConfig.from_config(mf.moe_quantization_config(fmt, [], 128))
         weights = ct.target_scheme_map["Linear"]["weights"]
         assert (weights.num_bits, weights.strategy, ct.quant_format) == (
-            4, strategy, "pack-quantized")
+            4,
+            strategy,
+            "pack-quantized",
+        )
     mx = ModelOptMxFp8Config.from_config(mf.moe_quantization_config("mxfp8", ["m.gate"]))
     assert mx.exclude_modules == ["lm_head", "m.gate"]
 
@@ -319,13 +347,15 @@ def test_nvfp4_matches_vllm_reference_dequant_and_bound():
     """Our NVFP4 dequant equals vLLM's dequantize_to_dtype (linear scales) bit for bit,
     and is within E2M1's half step plus the FP8 block-scale rounding of the weight."""
     from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import (
-        dequantize_to_dtype)
+        dequantize_to_dtype,
+    )
 
     w = _w()
     out = fx.nvfp4_quantize(w, input_amax=1.0)
     ours = mq.dequantize_expert(out, "nvfp4")
-    ref = dequantize_to_dtype(out["weight"], out["weight_scale"], out["weight_scale_2"],
-                              torch.float32, 16, swizzle=False)
+    ref = dequantize_to_dtype(
+        out["weight"], out["weight_scale"], out["weight_scale_2"], torch.float32, 16, swizzle=False
+    )
     # the same products, associated differently: float32 rounding apart
     assert torch.allclose(ours, ref, rtol=2**-20, atol=0)
     amax = w.float().reshape(64, -1, 16).abs().amax(-1).repeat_interleave(16, 1)
@@ -345,11 +375,12 @@ def test_mxfp4_matches_transformers_and_gpt_oss_layout():
     ours = mq.dequantize_expert(out, "mxfp4")
     scale = torch.exp2(out["weight_scale"].float() - 127).repeat_interleave(32, 1)
     assert torch.all((ours - w.float()).abs() <= 2 * scale)
-    stacked = torch.stack([w, _w(seed=1)])                      # [E, N, K]
+    stacked = torch.stack([w, _w(seed=1)])  # [E, N, K]
     packed = mq.gpt_oss_mxfp4_pack(stacked)
     assert packed["blocks"].shape == (2, 64, 8, 16) and packed["scales"].shape == (2, 64, 8)
-    theirs = convert_moe_packed_tensors(packed["blocks"], packed["scales"],
-                                        dtype=torch.float32)            # [E, K, N]
+    theirs = convert_moe_packed_tensors(
+        packed["blocks"], packed["scales"], dtype=torch.float32
+    )  # [E, K, N]
     assert torch.equal(theirs[0].t(), ours)
 
 
@@ -372,7 +403,7 @@ def test_built_experts_dequantize_close_to_bf16(fmt):
     bf16 = fx.load_state_dict(mf.tm.build_arch("qwen3_moe_128"))
     got = _load(mf.build_moe("qwen3_moe_128", fmt))
     p = "model.layers.1.mlp.experts.5.down_proj"
-    tensors = {k[len(p) + 1:]: v for k, v in got.items() if k.startswith(p + ".")}
+    tensors = {k[len(p) + 1 :]: v for k, v in got.items() if k.startswith(p + ".")}
     ref = bf16[p + ".weight"].float()
     err = (mq.dequantize_expert(tensors, fmt) - ref).abs().max()
     bound = ref.abs().max() * (1 / 8 if fmt == "mxfp8" else 1 / 4)
@@ -391,13 +422,22 @@ def test_canonical_mxfp4_keeps_attention_bf16():
     assert got["model.layers.0.mlp.experts.0.up_proj.weight"].dtype == torch.uint8
 
 
-@pytest.mark.parametrize("bad, fmt, match", [
-    ({"model.layers.0.mlp.experts.0.up_proj.weight": torch.ones(128, 128)}, "awq",
-     "pass group_size"),
-    ({"model.layers.0.mlp.experts.0.up_proj.weight": torch.ones(128, 128)}, "nvfp4",
-     "static activation scales"),
-    ({"x": torch.ones(2)}, "int3", "unknown MoE fixture format"),
-])
+@pytest.mark.parametrize(
+    "bad, fmt, match",
+    [
+        (
+            {"model.layers.0.mlp.experts.0.up_proj.weight": torch.ones(128, 128)},
+            "awq",
+            "pass group_size",
+        ),
+        (
+            {"model.layers.0.mlp.experts.0.up_proj.weight": torch.ones(128, 128)},
+            "nvfp4",
+            "static activation scales",
+        ),
+        ({"x": torch.ones(2)}, "int3", "unknown MoE fixture format"),
+    ],
+)
 def test_bad_inputs_raise_fixture_error(bad, fmt, match):
     """A grouped format without group_size, NVFP4 without amax, an unknown format."""
     with pytest.raises(FixtureError, match=match):

@@ -63,8 +63,11 @@ def test_moe_shapes_exercise_padding():
     shared expert are all in the registry."""
     from transformers import AutoConfig
 
-    configs = {n: AutoConfig.for_model(a.model_type, **a.overrides)
-               for n, a in tm.ARCHS.items() if a.family == "moe"}
+    configs = {
+        n: AutoConfig.for_model(a.model_type, **a.overrides)
+        for n, a in tm.ARCHS.items()
+        if a.family == "moe"
+    }
     widths = {getattr(c, "moe_intermediate_size", c.intermediate_size) for c in configs.values()}
     counts = {getattr(c, "num_experts", None) or c.num_local_experts for c in configs.values()}
     assert any(w % 128 for w in widths)
@@ -90,9 +93,11 @@ def _moe_state(experts: int = 2, hidden: int = 256, inter: int = 128) -> dict[st
     g = torch.Generator().manual_seed(0)
     w = lambda *s: (torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16)  # noqa: E731
     p = "model.layers.0"
-    state = {f"{p}.mlp.gate.weight": w(experts, hidden),
-             f"{p}.self_attn.q_proj.weight": w(hidden, hidden),
-             f"{p}.input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    state = {
+        f"{p}.mlp.gate.weight": w(experts, hidden),
+        f"{p}.self_attn.q_proj.weight": w(hidden, hidden),
+        f"{p}.input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+    }
     for e in range(experts):
         state[f"{p}.mlp.experts.{e}.gate_proj.weight"] = w(inter, hidden)
         state[f"{p}.mlp.experts.{e}.up_proj.weight"] = w(inter, hidden)
@@ -107,15 +112,24 @@ def _amax(state):
 #: format -> (suffix -> (dtype, per-tensor shape of gate_proj [128, 256])).
 EXPECTED = {
     "fp8": {"weight": (torch.float8_e4m3fn, (128, 256)), "weight_scale": (torch.float32, ())},
-    "fp8_static": {"weight": (torch.float8_e4m3fn, (128, 256)),
-                   "weight_scale": (torch.float32, ()), "input_scale": (torch.float32, ())},
-    "fp8_block": {"weight": (torch.float8_e4m3fn, (128, 256)),
-                  "weight_scale_inv": (torch.float32, (1, 2))},
-    "ct_w8a8_fp8": {"weight": (torch.float8_e4m3fn, (128, 256)),
-                    "weight_scale": (torch.bfloat16, (128, 1))},
-    "ct_w8a8_fp8_static": {"weight": (torch.float8_e4m3fn, (128, 256)),
-                           "weight_scale": (torch.bfloat16, (1,)),
-                           "input_scale": (torch.float32, (1,))},
+    "fp8_static": {
+        "weight": (torch.float8_e4m3fn, (128, 256)),
+        "weight_scale": (torch.float32, ()),
+        "input_scale": (torch.float32, ()),
+    },
+    "fp8_block": {
+        "weight": (torch.float8_e4m3fn, (128, 256)),
+        "weight_scale_inv": (torch.float32, (1, 2)),
+    },
+    "ct_w8a8_fp8": {
+        "weight": (torch.float8_e4m3fn, (128, 256)),
+        "weight_scale": (torch.bfloat16, (128, 1)),
+    },
+    "ct_w8a8_fp8_static": {
+        "weight": (torch.float8_e4m3fn, (128, 256)),
+        "weight_scale": (torch.bfloat16, (1,)),
+        "input_scale": (torch.float32, (1,)),
+    },
 }
 
 
@@ -126,10 +140,15 @@ def test_expert_tensors_have_vllm_names_dtypes_and_scale_shapes(fmt):
     state = _moe_state()
     out = mf.convert_moe_state_dict(state, fmt, _amax(state))
     prefix = "model.layers.0.mlp.experts.1.gate_proj"
-    got = {n[len(prefix) + 1:]: (t.dtype, tuple(t.shape)) for n, t in out.items()
-           if n.startswith(prefix + ".")}
+    got = {
+        n[len(prefix) + 1 :]: (t.dtype, tuple(t.shape))
+        for n, t in out.items()
+        if n.startswith(prefix + ".")
+    }
     assert got == EXPECTED[fmt]
-    assert torch.equal(out["model.layers.0.mlp.gate.weight"], state["model.layers.0.mlp.gate.weight"])
+    assert torch.equal(
+        out["model.layers.0.mlp.gate.weight"], state["model.layers.0.mlp.gate.weight"]
+    )
     assert "model.layers.0.mlp.gate.weight_scale" not in out
 
 
@@ -150,13 +169,22 @@ def test_dequantized_experts_are_close_to_bf16(fmt):
     assert torch.allclose(w * s, ref, rtol=2**-4, atol=float(ref.abs().max()) * 2**-6)
 
 
-@pytest.mark.parametrize("bad, fmt, match", [
-    ({"model.layers.0.mlp.experts.0.up_proj.weight": torch.ones(96, 128)}, "fp8_block",
-     "multiples of 128"),
-    ({"x": torch.ones(2)}, "int3", "unknown MoE fixture format"),
-    ({"model.layers.0.mlp.experts.0.up_proj.weight": torch.ones(128, 128)}, "fp8_static",
-     "static activation scales"),
-])
+@pytest.mark.parametrize(
+    "bad, fmt, match",
+    [
+        (
+            {"model.layers.0.mlp.experts.0.up_proj.weight": torch.ones(96, 128)},
+            "fp8_block",
+            "multiples of 128",
+        ),
+        ({"x": torch.ones(2)}, "int3", "unknown MoE fixture format"),
+        (
+            {"model.layers.0.mlp.experts.0.up_proj.weight": torch.ones(128, 128)},
+            "fp8_static",
+            "static activation scales",
+        ),
+    ],
+)
 def test_bad_inputs_raise_fixture_error(bad, fmt, match):
     """Block dims that do not tile, an unknown format, a static format without amax."""
     with pytest.raises(FixtureError, match=match):
@@ -166,9 +194,12 @@ def test_bad_inputs_raise_fixture_error(bad, fmt, match):
 def test_fp8_config_ignores_every_router():
     """vLLM's FP8 config names each layer's router (they stay bf16)."""
     config = mf.moe_quantization_config("fp8_block", mf.ignored_modules(list(_moe_state())))
-    assert config == {"quant_method": "fp8", "activation_scheme": "dynamic",
-                      "ignored_layers": ["model.layers.0.mlp.gate"],
-                      "weight_block_size": [128, 128]}
+    assert config == {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "ignored_layers": ["model.layers.0.mlp.gate"],
+        "weight_block_size": [128, 128],
+    }
 
 
 # --------------------------------------------------------------------------- vs vLLM's loader
@@ -179,10 +210,13 @@ def test_fp8_config_ignores_every_router():
 #: shard must have to be copied into its slice, from (E, N = moe_intermediate, K = hidden).
 def _vllm_params(fmt: str, n: int, k: int) -> dict[str, dict[str, tuple[int, ...]]]:
     b = mf.FP8_BLOCK
-    shard = {"fp8": {"weight_scale": ()}, "fp8_static": {"weight_scale": (), "input_scale": ()},
-             "fp8_block": {"weight_scale_inv": None},
-             "ct_w8a8_fp8": {"weight_scale": None},
-             "ct_w8a8_fp8_static": {"weight_scale": (1,), "input_scale": (1,)}}[fmt]
+    shard = {
+        "fp8": {"weight_scale": ()},
+        "fp8_static": {"weight_scale": (), "input_scale": ()},
+        "fp8_block": {"weight_scale_inv": None},
+        "ct_w8a8_fp8": {"weight_scale": None},
+        "ct_w8a8_fp8_static": {"weight_scale": (1,), "input_scale": (1,)},
+    }[fmt]
     w13 = {"weight": (n, k), **shard}
     w2 = {"weight": (k, n), **shard}
     if fmt == "fp8_block":
@@ -192,9 +226,16 @@ def _vllm_params(fmt: str, n: int, k: int) -> dict[str, dict[str, tuple[int, ...
     return {"w13_": w13, "w2_": w2}
 
 
-@pytest.mark.parametrize("base, fmt", [(b, f) for b, fs in mf.MOE_BASES.items()
-                                       if b.startswith("qwen3") for f in fs
-                                       if f in mf.FP8_FORMATS])
+@pytest.mark.parametrize(
+    "base, fmt",
+    [
+        (b, f)
+        for b, fs in mf.MOE_BASES.items()
+        if b.startswith("qwen3")
+        for f in fs
+        if f in mf.FP8_FORMATS
+    ],
+)
 def test_built_checkpoint_maps_onto_vllm_expert_params(base, fmt):
     """Every expert tensor of the built checkpoint maps, through vLLM's own
     build_expert_params_mapping, onto a parameter the format's MoE method registers,
@@ -224,6 +265,7 @@ def test_built_checkpoint_maps_onto_vllm_expert_params(base, fmt):
     assert len(seen) == 3 * e
     assert all(s == set(want["w2_" if sh == "w2" else "w13_"]) for (_, sh), s in seen.items())
     qc = config["quantization_config"]
-    assert (qc.get("activation_scheme") == "static") == (fmt == "fp8_static") or \
-        qc["quant_method"] == "compressed-tensors"
+    assert (qc.get("activation_scheme") == "static") == (fmt == "fp8_static") or qc[
+        "quant_method"
+    ] == "compressed-tensors"
     assert re.fullmatch(r"tiny-qwen3-moe(-128)?-[a-z0-9-]+", path.name)

@@ -24,8 +24,9 @@ UTILIZATION = 0.9
 def _loader(cfg, **extra):
     from wcache.vllm.loader import WcacheModelLoader
 
-    return WcacheModelLoader(dataclasses.replace(cfg.load_config, load_format="wcache",
-                                                 model_loader_extra_config=extra))
+    return WcacheModelLoader(
+        dataclasses.replace(cfg.load_config, load_format="wcache", model_loader_extra_config=extra)
+    )
 
 
 def _daemon_key(cfg, plans=("attention:x@1",), **override):
@@ -33,7 +34,9 @@ def _daemon_key(cfg, plans=("attention:x@1",), **override):
     from wcache.vllm.key import build_key, parallel_layout
     from wcache.vllm.probe import host_target
 
-    key = build_key(cfg.model_config, parallel_layout(), list(plans), host_target(torch.device("cpu")))
+    key = build_key(
+        cfg.model_config, parallel_layout(), list(plans), host_target(torch.device("cpu"))
+    )
     return CacheKey({**key.fields, **override}) if override else key
 
 
@@ -48,7 +51,9 @@ def _serve(cfg, key, sock_dir):
 
 def test_no_daemon_counts_zero(vllm_cfg, tmp_path):
     """Without a daemon the load falls back to disk: 0 external bytes."""
-    assert 0 == _loader(vllm_cfg, socket_dir=str(tmp_path / "s")).get_external_weight_memory(vllm_cfg)
+    assert 0 == _loader(vllm_cfg, socket_dir=str(tmp_path / "s")).get_external_weight_memory(
+        vllm_cfg
+    )
 
 
 def test_matching_daemon_counts_its_arena(vllm_cfg, tmp_path):
@@ -59,8 +64,9 @@ def test_matching_daemon_counts_its_arena(vllm_cfg, tmp_path):
         assert server.nbytes >= 3 * 1000 * 4
         got = _loader(vllm_cfg, socket_dir=sock_dir).get_external_weight_memory(vllm_cfg)
         assert server.nbytes == got
-        assert 0 == _loader(vllm_cfg, socket_dir=sock_dir,
-                            mode="copy").get_external_weight_memory(vllm_cfg)
+        assert 0 == _loader(vllm_cfg, socket_dir=sock_dir, mode="copy").get_external_weight_memory(
+            vllm_cfg
+        )
 
 
 def test_daemon_of_another_configuration_counts_zero(vllm_cfg, tmp_path):
@@ -83,13 +89,15 @@ def test_vllm_request_memory_admits_the_engine_with_the_daemons_bytes(vllm_cfg, 
     with _serve(vllm_cfg, _daemon_key(vllm_cfg), sock_dir) as server:
         external = _loader(vllm_cfg, socket_dir=sock_dir).get_external_weight_memory(vllm_cfg)
     total = int(server.nbytes / ARENA_FRACTION_OF_CARD)
-    snapshot = MemorySnapshot(total_memory=total, free_memory=total - server.nbytes,
-                              device="cpu", auto_measure=False)
+    snapshot = MemorySnapshot(
+        total_memory=total, free_memory=total - server.nbytes, device="cpu", auto_measure=False
+    )
     cache_config = CacheConfig(gpu_memory_utilization=UTILIZATION)
     with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
         request_memory(snapshot, cache_config, 0)
-    assert math.ceil(total * UTILIZATION) - server.nbytes == request_memory(snapshot, cache_config,
-                                                                           external)
+    assert math.ceil(total * UTILIZATION) - server.nbytes == request_memory(
+        snapshot, cache_config, external
+    )
 
 
 @pytest.mark.parametrize("freeze", [True, False])

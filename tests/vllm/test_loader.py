@@ -51,8 +51,11 @@ def test_unplanned_layer_without_fallback_raises_plan_missing(vllm_cfg, monkeypa
     """With fallback=false an unplanned layer raises RestoreFailed [plan-missing] naming it."""
     from wcache.vllm.loader import RestoreFailed
 
-    with pytest.raises(RestoreFailed, match=r"\[plan-missing\].*model\.layers\.3\.mlp"
-                                            r"\.down_proj.*MysteryMethod") as info:
+    with pytest.raises(
+        RestoreFailed,
+        match=r"\[plan-missing\].*model\.layers\.3\.mlp"
+        r"\.down_proj.*MysteryMethod",
+    ) as info:
         _load_with_mystery_layer(vllm_cfg, monkeypatch, fallback=False)
     assert "plan-missing" == info.value.code
 
@@ -79,10 +82,13 @@ def test_unplanned_layers_are_all_named_in_one_refusal(vllm_cfg):
         model.model.layers[i].mlp.gate_up_proj.quant_method = OddMethod()
     with pytest.raises(UnplannedLayers) as info:
         planned_layers(model, host_target("cpu", env={}))
-    assert [n for n, _ in info.value.layers] == ["model.layers.1.mlp.gate_up_proj",
-                                                  "model.layers.7.mlp.gate_up_proj"]
-    assert "2 layer(s) [model.layers.1.mlp.gate_up_proj, model.layers.7.mlp.gate_up_proj]" in \
-        str(info.value)
+    assert [n for n, _ in info.value.layers] == [
+        "model.layers.1.mlp.gate_up_proj",
+        "model.layers.7.mlp.gate_up_proj",
+    ]
+    assert "2 layer(s) [model.layers.1.mlp.gate_up_proj, model.layers.7.mlp.gate_up_proj]" in str(
+        info.value
+    )
     assert isinstance(info.value, NoPlan) and "plan-missing" == info.value.code
 
 
@@ -116,8 +122,9 @@ def test_extra_tensor_from_daemon_is_refused(vllm_cfg):
         model = meta_model(vllm_cfg)
     extra = {"model.layers.0.mlp.down_proj.surprise": torch.zeros(2)}
     with pytest.raises(ModelMismatch, match="surprise"):
-        install_tensors_(model, extra, {"model.layers.0.mlp.down_proj.surprise": "param"}, {},
-                         {}, [])
+        install_tensors_(
+            model, extra, {"model.layers.0.mlp.down_proj.surprise": "param"}, {}, {}, []
+        )
 
 
 def test_meta_leftovers_include_module_attributes(vllm_cfg):
@@ -133,10 +140,13 @@ def test_meta_leftovers_include_module_attributes(vllm_cfg):
     assert "model.embed_tokens.weight" in left
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"sokcet_dir": "/tmp"}, "unknown model_loader_extra_config keys"),
-    ({"mode": "mmap"}, "mode must be 'zero_copy' or 'copy'"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"sokcet_dir": "/tmp"}, "unknown model_loader_extra_config keys"),
+        ({"mode": "mmap"}, "mode must be 'zero_copy' or 'copy'"),
+    ],
+)
 def test_bad_loader_options_are_refused(extra, message):
     """Typos and bad values in model_loader_extra_config fail with the list of valid keys."""
     from wcache.vllm.loader import LoaderOptions
@@ -153,16 +163,19 @@ def test_loader_options_parse_cli_strings():
     assert (opts.fallback, opts.strict, opts.connect_timeout_s) == (False, True, 2.0)
 
 
-@pytest.mark.parametrize("extra, message", [
-    ({"fallback": "ture"}, "fallback must be true or false"),
-    ({"fallback": None}, "fallback must be true or false"),
-    ({"strict": "yes please"}, "strict must be true or false"),
-    ({"connect_timeout_s": "abc"}, "connect_timeout_s must be a positive number"),
-    ({"connect_timeout_s": -1}, "connect_timeout_s must be a positive number"),
-    ({"connect_timeout_s": "nan"}, "connect_timeout_s must be a positive number"),
-    ({"socket_dir": 123}, "socket_dir must be a string"),
-    ({"profile_file": 1}, "profile_file must be a string"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"fallback": "ture"}, "fallback must be true or false"),
+        ({"fallback": None}, "fallback must be true or false"),
+        ({"strict": "yes please"}, "strict must be true or false"),
+        ({"connect_timeout_s": "abc"}, "connect_timeout_s must be a positive number"),
+        ({"connect_timeout_s": -1}, "connect_timeout_s must be a positive number"),
+        ({"connect_timeout_s": "nan"}, "connect_timeout_s must be a positive number"),
+        ({"socket_dir": 123}, "socket_dir must be a string"),
+        ({"profile_file": 1}, "profile_file must be a string"),
+    ],
+)
 def test_bad_option_values_name_the_key(extra, message):
     """A typo in a value never silently changes behaviour: the key is named."""
     from wcache.vllm.loader import LoaderOptions
@@ -182,10 +195,11 @@ def test_profile_file_holds_the_whole_load_phase(vllm_cfg, tmp_path):
     from wcache.vllm.loader import WcacheModelLoader
 
     prof = tmp_path / "load.prof"
-    load_config = dataclasses.replace(vllm_cfg.load_config, load_format="wcache",
-                                      model_loader_extra_config={
-                                          "socket_dir": str(tmp_path / "none"),
-                                          "profile_file": str(prof)})
+    load_config = dataclasses.replace(
+        vllm_cfg.load_config,
+        load_format="wcache",
+        model_loader_extra_config={"socket_dir": str(tmp_path / "none"), "profile_file": str(prof)},
+    )
     vllm_cfg.compilation_config.static_forward_context.clear()
     with set_current_vllm_config(vllm_cfg):
         WcacheModelLoader(load_config).load_model(vllm_cfg, vllm_cfg.model_config)
@@ -205,11 +219,16 @@ def _reload_records(model) -> dict:
             continue
         params, buffers = info.restore_metadata
         out[name] = (
-            {k: (type(t), tuple(t.shape), t.dtype, t.device.type, sorted(t.__dict__))
-             for k, t in params.items()},
-            {k: (type(t), tuple(t.shape), t.dtype, t.device.type, sorted(t.__dict__))
-             for k, t in buffers.items()},
-            str(info.restore_device))
+            {
+                k: (type(t), tuple(t.shape), t.dtype, t.device.type, sorted(t.__dict__))
+                for k, t in params.items()
+            },
+            {
+                k: (type(t), tuple(t.shape), t.dtype, t.device.type, sorted(t.__dict__))
+                for k, t in buffers.items()
+            },
+            str(info.restore_device),
+        )
     return out
 
 
@@ -246,15 +265,22 @@ def test_gptq_configs_are_copied_shallow_only_without_dynamic_rules():
     from wcache.vllm import compat
 
     def config(dynamic):
-        return AutoGPTQConfig(weight_bits=4, group_size=128, desc_act=False, is_sym=True,
-                              lm_head_quantized=False, dynamic=dynamic,
-                              full_config={"bits": 4, "group_size": 128, "nested": [[1]]})
+        return AutoGPTQConfig(
+            weight_bits=4,
+            group_size=128,
+            desc_act=False,
+            is_sym=True,
+            lm_head_quantized=False,
+            dynamic=dynamic,
+            full_config={"bits": 4, "group_size": 128, "nested": [[1]]},
+        )
 
     def method_config(cfg, prefix):
         with torch.device("meta"):
             layer = ReplicatedLinear(256, 256, bias=False, params_dtype=torch.bfloat16)
-        return gptq_utils.get_linear_quant_method(cfg, layer, prefix,
-                                                  lambda c: types.SimpleNamespace(cfg=c)).cfg
+        return gptq_utils.get_linear_quant_method(
+            cfg, layer, prefix, lambda c: types.SimpleNamespace(cfg=c)
+        ).cfg
 
     base = config({})
     deep = method_config(base, "model.layers.0.mlp.down_proj")

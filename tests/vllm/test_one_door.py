@@ -25,10 +25,13 @@ COMPAT = VLLM_PKG / "compat"
 #: (module, function, written expression) -> why the write stays outside compat.
 #: Only what cannot move: each entry is checked to still exist (a stale entry fails).
 ALLOWED_WRITES = {
-    ("wcache/vllm/loader.py", "_clone_privatize_", "t.data"):
-        "torch's own API (Tensor.data) swapping a parameter's storage for a private "
-        "copy, keeping the Parameter object vLLM's layers reference; a torch tensor, "
-        "not a vLLM attribute",
+    (
+        "wcache/vllm/loader.py",
+        "_clone_privatize_",
+        "t.data",
+    ): "torch's own API (Tensor.data) swapping a parameter's storage for a private "
+    "copy, keeping the Parameter object vLLM's layers reference; a torch tensor, "
+    "not a vLLM attribute",
 }
 
 #: torch.nn.Module / Tensor internals wcache may use by name (torch's, not vLLM's).
@@ -64,10 +67,13 @@ def vllm_imports(tree: ast.AST) -> list[str]:
             found += [a.name for a in node.names if _is_vllm(a.name)]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and _is_vllm(node.module):
             found.append(node.module)
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(
-                node.func, "id", None)) == "import_module" and node.args
-              and isinstance(node.args[0], ast.Constant)
-              and _is_vllm(str(node.args[0].value))):
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and _is_vllm(str(node.args[0].value))
+        ):
             found.append(str(node.args[0].value))
     return found
 
@@ -120,11 +126,16 @@ def private_reaches(tree: ast.AST, wcache_names: frozenset[str]) -> list[str]:
                 found.append(text)
             elif node.attr not in wcache_names and node.attr not in _TORCH_NAMES:
                 found.append(text)
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-              and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
-              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
-              and isinstance(node.args[1].value, str) and _private(node.args[1].value)
-              and node.args[1].value not in wcache_names):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value)
+            and node.args[1].value not in wcache_names
+        ):
             found.append(ast.unparse(node))
     return found
 
@@ -142,9 +153,12 @@ def _locally_built(func: ast.AST, module_names: set[str], wcache_imports: set[st
             callee = callee.value
         if not isinstance(callee, ast.Name):
             continue
-        if not (callee.id in module_names or callee.id in wcache_imports
-                or callee.id == "torch"
-                or isinstance(getattr(builtins, callee.id, None), type)):
+        if not (
+            callee.id in module_names
+            or callee.id in wcache_imports
+            or callee.id == "torch"
+            or isinstance(getattr(builtins, callee.id, None), type)
+        ):
             continue
         for target in node.targets:
             for sub in ast.walk(target):
@@ -160,16 +174,25 @@ def object_writes(tree: ast.AST, path: str) -> list[tuple[str, str, str]]:
     same function (:func:`_locally_built`; a name is judged by the call that binds
     it, so an object reached through a helper of the same module counts as built).
     Returns ``(path, function, expression)``."""
-    module_names = {n.name for n in tree.body
-                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    module_names = {
+        n.name
+        for n in tree.body
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    }
     wcache_imports = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and \
-                node.module.split(".")[0] == "wcache":
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] == "wcache"
+        ):
             wcache_imports.update(a.asname or a.name for a in node.names)
         elif isinstance(node, ast.Import):
-            wcache_imports.update((a.asname or a.name).split(".")[0] for a in node.names
-                                  if a.name.split(".")[0] == "wcache")
+            wcache_imports.update(
+                (a.asname or a.name).split(".")[0]
+                for a in node.names
+                if a.name.split(".")[0] == "wcache"
+            )
     found = []
 
     def visit(node: ast.AST, func: ast.AST | None, func_name: str) -> None:
@@ -178,12 +201,20 @@ def object_writes(tree: ast.AST, path: str) -> list[tuple[str, str, str]]:
         exprs = []
         if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            exprs = [sub for t in targets for sub in ast.walk(t)
-                     if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store)]
+            exprs = [
+                sub
+                for t in targets
+                for sub in ast.walk(t)
+                if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store)
+            ]
         elif isinstance(node, ast.Delete):
             exprs = [t for t in node.targets if isinstance(t, ast.Attribute)]
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
-                node.func.id in ("setattr", "delattr") and node.args:
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("setattr", "delattr")
+            and node.args
+        ):
             exprs = [node]
         for expr in exprs:
             base = expr.value if isinstance(expr, ast.Attribute) else expr.args[0]
@@ -211,16 +242,22 @@ def object_writes(tree: ast.AST, path: str) -> list[tuple[str, str, str]]:
 
 def test_no_vllm_import_outside_wcache_vllm():
     """No module of wcache outside wcache/vllm/ imports vLLM (not even lazily)."""
-    offenders = {_rel(p): vllm_imports(ast.parse(p.read_text()))
-                 for p in _py_files(WCACHE) if VLLM_PKG not in p.parents}
+    offenders = {
+        _rel(p): vllm_imports(ast.parse(p.read_text()))
+        for p in _py_files(WCACHE)
+        if VLLM_PKG not in p.parents
+    }
     assert {} == {k: v for k, v in offenders.items() if v}
 
 
 def test_vllm_private_names_only_in_compat():
     """Inside wcache/vllm/, only compat/ imports or names a vLLM private name."""
     names = _wcache_names()
-    offenders = {_rel(p): private_reaches(ast.parse(p.read_text()), names)
-                 for p in _py_files(VLLM_PKG) if not _in_compat(p)}
+    offenders = {
+        _rel(p): private_reaches(ast.parse(p.read_text()), names)
+        for p in _py_files(VLLM_PKG)
+        if not _in_compat(p)
+    }
     assert {} == {k: v for k, v in offenders.items() if v}
 
 
@@ -250,34 +287,52 @@ def test_compat_holds_what_the_scans_forbid_elsewhere():
     assert {"model.load_weights", "engine_args.load_format", "delattr(module, ...)"} <= writes
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("from vllm.model_executor.layers import rotary_embedding\n"
-     "rotary_embedding._ROPE_DICT.clear()\n", ["rotary_embedding._ROPE_DICT"]),
-    ("from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop\n",
-     ["from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop"]),
-    ("import vllm._custom_ops\n", ["import vllm._custom_ops"]),
-    ("def f(m):\n    return m._expert_routing_tables()\n", ["m._expert_routing_tables"]),
-    ("import torch\nok = hasattr(torch.ops._C, 'x')\n", ["torch.ops._C"]),
-    ("def f(k):\n    return getattr(k, '_apply_weights_onednn')\n",
-     ["getattr(k, '_apply_weights_onednn')"]),
-    ("def f(m):\n    return m._parameters\n", []),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        (
+            "from vllm.model_executor.layers import rotary_embedding\n"
+            "rotary_embedding._ROPE_DICT.clear()\n",
+            ["rotary_embedding._ROPE_DICT"],
+        ),
+        (
+            "from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop\n",
+            ["from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop"],
+        ),
+        ("import vllm._custom_ops\n", ["import vllm._custom_ops"]),
+        ("def f(m):\n    return m._expert_routing_tables()\n", ["m._expert_routing_tables"]),
+        ("import torch\nok = hasattr(torch.ops._C, 'x')\n", ["torch.ops._C"]),
+        (
+            "def f(k):\n    return getattr(k, '_apply_weights_onednn')\n",
+            ["getattr(k, '_apply_weights_onednn')"],
+        ),
+        ("def f(m):\n    return m._parameters\n", []),
+    ],
+)
 def test_private_name_rule_finds_each_kind(source, expected):
     """The private-name rule flags each way of reaching a vLLM private name, and not
     torch's own module internals."""
     assert expected == private_reaches(ast.parse(source), frozenset({"f", "m", "k", "ok"}))
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("def f(model):\n    model.load_weights = None\n", [("x.py", "f", "model.load_weights")]),
-    ("def f(kernel):\n    setattr(kernel, 'a', 1)\n", [("x.py", "f", "setattr(kernel, ...)")]),
-    ("def f(layer):\n    del layer.width\n", [("x.py", "f", "layer.width")]),
-    ("from vllm.config import utils\nutils.hash_factors = None\n",
-     [("x.py", "<module>", "utils.hash_factors")]),
-    ("def f():\n    err = RuntimeError('x')\n    err.output = 1\n", []),
-    ("def f(q):\n    k = getattr(q, 'fp8_linear')\n    k.width = 1\n", [("x.py", "f", "k.width")]),
-    ("class A:\n    def f(self):\n        self.x = 1\n", []),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("def f(model):\n    model.load_weights = None\n", [("x.py", "f", "model.load_weights")]),
+        ("def f(kernel):\n    setattr(kernel, 'a', 1)\n", [("x.py", "f", "setattr(kernel, ...)")]),
+        ("def f(layer):\n    del layer.width\n", [("x.py", "f", "layer.width")]),
+        (
+            "from vllm.config import utils\nutils.hash_factors = None\n",
+            [("x.py", "<module>", "utils.hash_factors")],
+        ),
+        ("def f():\n    err = RuntimeError('x')\n    err.output = 1\n", []),
+        (
+            "def f(q):\n    k = getattr(q, 'fp8_linear')\n    k.width = 1\n",
+            [("x.py", "f", "k.width")],
+        ),
+        ("class A:\n    def f(self):\n        self.x = 1\n", []),
+    ],
+)
 def test_write_rule_finds_each_kind(source, expected):
     """The write rule flags assignments, setattr and del on objects from elsewhere,
     and not on ``self`` or on an object the function built."""
@@ -292,7 +347,9 @@ def _compat_method_classes() -> set[str]:
     compressed-tensors scheme (imported here, so every module is loaded)."""
     from wcache.vllm import compat
 
-    base = importlib.import_module(compat.release().class_modules["QuantizeMethodBase"]).QuantizeMethodBase
+    base = importlib.import_module(
+        compat.release().class_modules["QuantizeMethodBase"]
+    ).QuantizeMethodBase
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
         CompressedTensorsScheme,
     )
@@ -401,7 +458,8 @@ def test_kernel_bindings_move_layer_state_onto_the_kernel():
     compat.sync_kernel_state_(bare)
     assert 96 == bare.logical_output_size
     assert "scheme.fp8_linear.logical_output_size" == compat.bound_attr_path(
-        layer, "logical_output_size")
+        layer, "logical_output_size"
+    )
     assert "logical_output_size" == compat.bound_attr_path(bare, "logical_output_size")
 
 
@@ -413,8 +471,11 @@ def test_no_stage_declares_an_attr_through_another_object():
 
     stages = registered_stages()
     assert "onednn.prepack_scaled_weight" in stages
-    assert {} == {name: [a for a in getattr(st, "attrs", ()) if "." in a]
-                  for name, st in stages.items() if any("." in a for a in getattr(st, "attrs", ()))}
+    assert {} == {
+        name: [a for a in getattr(st, "attrs", ()) if "." in a]
+        for name, st in stages.items()
+        if any("." in a for a in getattr(st, "attrs", ()))
+    }
 
 
 def test_onednn_state_is_bound_onto_vllms_int8_kernel():

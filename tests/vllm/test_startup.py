@@ -23,20 +23,32 @@ def bf16_model() -> Path:
 
     return Path(build("bf16"))
 
-FACTORS = {"vllm": "0.32.0", "torch": "2.13.0", "triton": None, "device": "cpu:x86_64",
-           "capability": None, "env_hash": "e" * 64, "config_hash": "c" * 10,
-           "aot_enabled": True, "compile_mode": "VLLM_COMPILE"}
+
+FACTORS = {
+    "vllm": "0.32.0",
+    "torch": "2.13.0",
+    "triton": None,
+    "device": "cpu:x86_64",
+    "capability": None,
+    "env_hash": "e" * 64,
+    "config_hash": "c" * 10,
+    "aot_enabled": True,
+    "compile_mode": "VLLM_COMPILE",
+}
 
 
-@pytest.mark.parametrize("field, value, reason", [
-    ("vllm", "0.33.0", "vllm: bundle='0.32.0' engine='0.33.0'"),
-    ("torch", "2.11.0", "torch: bundle='2.13.0' engine='2.11.0'"),
-    ("triton", "3.5.0", "triton: bundle=None engine='3.5.0'"),
-    ("device", "NVIDIA H200", "device: bundle='cpu:x86_64' engine='NVIDIA H200'"),
-    ("capability", "9.0", "capability: bundle=None engine='9.0'"),
-    ("env_hash", "f" * 64, f"env_hash: bundle='{'e' * 64}' engine='{'f' * 64}'"),
-    ("config_hash", "d" * 10, f"config_hash: bundle='{'c' * 10}' engine='{'d' * 10}'"),
-])
+@pytest.mark.parametrize(
+    "field, value, reason",
+    [
+        ("vllm", "0.33.0", "vllm: bundle='0.32.0' engine='0.33.0'"),
+        ("torch", "2.11.0", "torch: bundle='2.13.0' engine='2.11.0'"),
+        ("triton", "3.5.0", "triton: bundle=None engine='3.5.0'"),
+        ("device", "NVIDIA H200", "device: bundle='cpu:x86_64' engine='NVIDIA H200'"),
+        ("capability", "9.0", "capability: bundle=None engine='9.0'"),
+        ("env_hash", "f" * 64, f"env_hash: bundle='{'e' * 64}' engine='{'f' * 64}'"),
+        ("config_hash", "d" * 10, f"config_hash: bundle='{'c' * 10}' engine='{'d' * 10}'"),
+    ],
+)
 def test_stale_reason_names_the_first_differing_factor(field, value, reason):
     """A bundle differing in one factor is stale with exactly that factor and both values named."""
     assert startup.stale_reason(FACTORS, {**FACTORS, field: value}) == reason
@@ -44,18 +56,26 @@ def test_stale_reason_names_the_first_differing_factor(field, value, reason):
 
 def test_informational_fields_do_not_make_a_bundle_stale():
     """Only FACTOR_ORDER decides: a differing AOT switch or compile mode is for the record."""
-    assert startup.stale_reason(FACTORS, {**FACTORS, "aot_enabled": False,
-                                          "compile_mode": "NONE"}) is None
+    assert (
+        startup.stale_reason(FACTORS, {**FACTORS, "aot_enabled": False, "compile_mode": "NONE"})
+        is None
+    )
 
 
 def test_compile_dirs_names_what_vllm_wrote():
     """compile_dirs(): the bundle's vllm entries under torch_compile_cache, nothing else."""
-    manifest = {"entries": [{"root": "vllm", "path": "torch_compile_cache/torch_aot_compile/ab"},
-                            {"root": "vllm", "path": "torch_compile_cache/0123456789"},
-                            {"root": "vllm", "path": "modelinfos/llama.json"},
-                            {"root": "triton", "path": "XYZ"}]}
-    assert startup.compile_dirs(manifest) == ["torch_compile_cache/torch_aot_compile/ab",
-                                              "torch_compile_cache/0123456789"]
+    manifest = {
+        "entries": [
+            {"root": "vllm", "path": "torch_compile_cache/torch_aot_compile/ab"},
+            {"root": "vllm", "path": "torch_compile_cache/0123456789"},
+            {"root": "vllm", "path": "modelinfos/llama.json"},
+            {"root": "triton", "path": "XYZ"},
+        ]
+    }
+    assert startup.compile_dirs(manifest) == [
+        "torch_compile_cache/torch_aot_compile/ab",
+        "torch_compile_cache/0123456789",
+    ]
 
 
 def test_versions_are_named_before_hashes():
@@ -77,17 +97,26 @@ def test_collect_entries_finds_hash_dirs_model_infos_and_kernel_caches(tmp_path)
     (tmp_path / "triton" / "k1").mkdir(parents=True)
     dirs = {"vllm": v, "triton": tmp_path / "triton", "inductor": tmp_path / "none"}
     assert startup.collect_entries(dirs) == [
-        ("vllm", f"{startup.AOT_DIR}/h1"), ("vllm", f"{startup.COMPILE_DIR}/abcdef0123"),
+        ("vllm", f"{startup.AOT_DIR}/h1"),
+        ("vllm", f"{startup.COMPILE_DIR}/abcdef0123"),
         ("vllm", "modelinfos/m.json"),
-        ("vllm", f"{startup.STARTUP_PLAN_DIR}/startup_plan_0123456789abcdef.json"),  # not its temp file
-        ("triton", "k1")]
+        (
+            "vllm",
+            f"{startup.STARTUP_PLAN_DIR}/startup_plan_0123456789abcdef.json",
+        ),  # not its temp file
+        ("triton", "k1"),
+    ]
 
 
 def test_startup_plans_names_the_plans_a_bundle_carries():
     """Only the vllm root's startup_plan/ entries are plans."""
-    manifest = {"entries": [{"root": "vllm", "path": f"{startup.AOT_DIR}/h1"},
-                            {"root": "vllm", "path": "startup_plan/startup_plan_ab.json"},
-                            {"root": "triton", "path": "startup_plan/x.json"}]}
+    manifest = {
+        "entries": [
+            {"root": "vllm", "path": f"{startup.AOT_DIR}/h1"},
+            {"root": "vllm", "path": "startup_plan/startup_plan_ab.json"},
+            {"root": "triton", "path": "startup_plan/x.json"},
+        ]
+    }
     assert startup.startup_plans(manifest) == ["startup_plan/startup_plan_ab.json"]
 
 
@@ -96,17 +125,24 @@ def test_the_priming_engine_environment_points_at_its_roots_and_turns_the_plan_o
     turns vLLM's startup plan on (not a compile factor in vLLM 0.33: the key stays)."""
     dirs = {name: tmp_path / name for name in prime.ROOT_ENV}
     env = prime.priming_env(dirs, {"PATH": "/bin", "VLLM_CACHE_ROOT": "/elsewhere"})
-    assert env == {"PATH": "/bin", "VLLM_CACHE_ROOT": str(tmp_path / "vllm"),
-                   "TRITON_CACHE_DIR": str(tmp_path / "triton"),
-                   "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
-                   startup.STARTUP_PLAN_ENV: "1"}
+    assert env == {
+        "PATH": "/bin",
+        "VLLM_CACHE_ROOT": str(tmp_path / "vllm"),
+        "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+        startup.STARTUP_PLAN_ENV: "1",
+    }
 
 
 def _vllm_0_33_tree() -> Path:
     """vLLM 0.33.0's Python tree (``make vllm-trees``); skips (fails under
     WCACHE_REQUIRE_VLLM_TREES=1) without it."""
-    tree = Path(os.environ.get("WCACHE_VLLM_TREES", Path(__file__).resolve().parents[2]
-                               / ".vllm-trees")) / "0.33.0"
+    tree = (
+        Path(
+            os.environ.get("WCACHE_VLLM_TREES", Path(__file__).resolve().parents[2] / ".vllm-trees")
+        )
+        / "0.33.0"
+    )
     if not (tree / ".complete").exists():
         why = f"vLLM 0.33.0's Python tree is not at {tree} (`make vllm-trees`)"
         if os.environ.get("WCACHE_REQUIRE_VLLM_TREES") == "1":
@@ -120,11 +156,14 @@ def test_vllm_0_33_knows_the_startup_plan_and_leaves_it_out_of_the_compile_key()
     ``compile_factors`` ignores it, and the plans live under VLLM_CACHE_ROOT/startup_plan."""
     tree = _vllm_0_33_tree()
     text = (tree / "vllm" / "envs.py").read_text()
-    ignored = text[text.index("def compile_factors"):]
-    assert f'"{startup.STARTUP_PLAN_ENV}"' in ignored[:ignored.index("}")]
+    ignored = text[text.index("def compile_factors") :]
+    assert f'"{startup.STARTUP_PLAN_ENV}"' in ignored[: ignored.index("}")]
     assert f'"{startup.STARTUP_PLAN_ENV}": lambda' in text
     plan = (tree / "vllm" / "v1" / "worker" / "startup_plan.py").read_text()
-    assert f'envs.VLLM_CACHE_ROOT, "{startup.STARTUP_PLAN_DIR}", f"startup_plan_{{fingerprint}}.json"' in plan
+    assert (
+        f'envs.VLLM_CACHE_ROOT, "{startup.STARTUP_PLAN_DIR}", f"startup_plan_{{fingerprint}}.json"'
+        in plan
+    )
 
 
 def test_an_installed_bundle_with_a_startup_plan_says_how_to_apply_it(caplog, monkeypatch):
@@ -149,8 +188,11 @@ def test_an_installed_bundle_with_a_startup_plan_says_how_to_apply_it(caplog, mo
     assert caplog.text == "" and info == {}
     # skipped for another memory share: said so, whatever the switch
     with caplog.at_level("INFO", logger="vllm.wcache"):
-        loader._startup_plan_hint(manifest, (("vllm/startup_plan/startup_plan_ab.json",
-                                              startup.SKIP_PLAN_BUDGET),), info := {})
+        loader._startup_plan_hint(
+            manifest,
+            (("vllm/startup_plan/startup_plan_ab.json", startup.SKIP_PLAN_BUDGET),),
+            info := {},
+        )
     assert info == {"startup_plans": 1, "startup_plans_skipped": 1}
     assert "gpu_memory_utilization differs" in caplog.text
 
@@ -180,22 +222,61 @@ def test_install_for_engine_installs_fresh_and_refuses_stale(tmp_path):
 
 def test_cache_dirs_follow_the_engine_environment(tmp_path):
     """The install targets are the engine's own VLLM_CACHE_ROOT / TRITON_CACHE_DIR / TORCHINDUCTOR_CACHE_DIR."""
-    env = {"VLLM_CACHE_ROOT": str(tmp_path / "v"), "TRITON_CACHE_DIR": str(tmp_path / "t"),
-           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "i")}
-    assert startup.cache_dirs(env) == {"vllm": tmp_path / "v", "triton": tmp_path / "t",
-                                       "inductor": tmp_path / "i"}
+    env = {
+        "VLLM_CACHE_ROOT": str(tmp_path / "v"),
+        "TRITON_CACHE_DIR": str(tmp_path / "t"),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "i"),
+    }
+    assert startup.cache_dirs(env) == {
+        "vllm": tmp_path / "v",
+        "triton": tmp_path / "t",
+        "inductor": tmp_path / "i",
+    }
 
 
 def test_priming_command_runs_one_compiled_wcache_engine_without_fallback():
     """The priming engine is prime_engine against this daemon (fallback off, factors recorded) with the serve's vLLM arguments verbatim, less --enforce-eager."""
     cmd = prime.priming_command(
-        "/m", ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512",
-               "--max-num-seqs", "8", "--seed", "3"], socket_dir="/s", job="j", record="/r")
-    assert cmd[1:7] == ["-m", "wcache.vllm.prime_engine", "--model", "/m", "--usage-context", "serve"]
-    assert json.loads(cmd[cmd.index("--extra") + 1]) == \
-        {"fallback": False, "socket_dir": "/s", "job": "j", "artifacts_record": "/r"}
-    assert cmd[cmd.index("--") + 1:] == ["--dtype", "bfloat16", "--max-model-len", "512",
-                                         "--max-num-seqs", "8", "--seed", "3"]
+        "/m",
+        [
+            "--dtype",
+            "bfloat16",
+            "--enforce-eager",
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            "8",
+            "--seed",
+            "3",
+        ],
+        socket_dir="/s",
+        job="j",
+        record="/r",
+    )
+    assert cmd[1:7] == [
+        "-m",
+        "wcache.vllm.prime_engine",
+        "--model",
+        "/m",
+        "--usage-context",
+        "serve",
+    ]
+    assert json.loads(cmd[cmd.index("--extra") + 1]) == {
+        "fallback": False,
+        "socket_dir": "/s",
+        "job": "j",
+        "artifacts_record": "/r",
+    }
+    assert cmd[cmd.index("--") + 1 :] == [
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "8",
+        "--seed",
+        "3",
+    ]
 
 
 def test_prime_engine_kwargs_are_the_serve_arguments_vllm_parses(tmp_path, monkeypatch):
@@ -207,16 +288,18 @@ def test_prime_engine_kwargs_are_the_serve_arguments_vllm_parses(tmp_path, monke
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model = str(tmp_path)
-    got = engine_kwargs(model, ["--dtype", "bfloat16", "--max-model-len", "512",
-                                "--max-num-seqs", "8"])
+    got = engine_kwargs(
+        model, ["--dtype", "bfloat16", "--max-model-len", "512", "--max-num-seqs", "8"]
+    )
     assert got == {"model": model, "dtype": "bfloat16", "max_model_len": 512, "max_num_seqs": 8}
 
 
 def test_priming_refuses_more_than_one_rank():
     """Priming runs one rank's engine; TP=2 is refused with priming-failed's reason."""
     with pytest.raises(prime.PrimingFailed, match="TP=2 x PP=1"):
-        prime.priming_command("/m", ["--tensor-parallel-size", "2"], socket_dir=None, job="",
-                              record="/r")
+        prime.priming_command(
+            "/m", ["--tensor-parallel-size", "2"], socket_dir=None, job="", record="/r"
+        )
 
 
 def test_priming_command_passes_the_usage_context_and_refuses_an_unknown_one():
@@ -236,7 +319,8 @@ def _api_server_config(vllm_args):
 
     args = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(vllm_args)
     return AsyncEngineArgs.from_cli_args(args).create_engine_config(
-        usage_context=UsageContext.OPENAI_API_SERVER)
+        usage_context=UsageContext.OPENAI_API_SERVER
+    )
 
 
 def test_priming_config_has_the_compile_hash_of_the_engines_primed_for(bf16_model):
@@ -248,11 +332,25 @@ def test_priming_config_has_the_compile_hash_of_the_engines_primed_for(bf16_mode
     from wcache.vllm import prime_engine
 
     args = ["--dtype", "bfloat16", "--max-model-len", "512"]
-    priming = prime_engine.priming_engine_args(str(bf16_model), args, {"fallback": False, "artifacts_record": "/r"})
-    engine_kw = {**prime_engine.engine_kwargs(str(bf16_model), args), "load_format": "wcache",
-                 "model_loader_extra_config": {"socket_dir": "/s"}}
-    srv = _api_server_config(["--model", str(bf16_model), *args, "--load-format", "wcache",
-                              "--model-loader-extra-config", '{"socket_dir": "/s"}'])
+    priming = prime_engine.priming_engine_args(
+        str(bf16_model), args, {"fallback": False, "artifacts_record": "/r"}
+    )
+    engine_kw = {
+        **prime_engine.engine_kwargs(str(bf16_model), args),
+        "load_format": "wcache",
+        "model_loader_extra_config": {"socket_dir": "/s"},
+    }
+    srv = _api_server_config(
+        [
+            "--model",
+            str(bf16_model),
+            *args,
+            "--load-format",
+            "wcache",
+            "--model-loader-extra-config",
+            '{"socket_dir": "/s"}',
+        ]
+    )
     llm = EngineArgs(**engine_kw).create_engine_config(usage_context=UsageContext.LLM_CLASS)
     assert srv.compute_hash() != llm.compute_hash()  # else this test proves nothing
     assert prime_engine.engine_config(priming, "serve").compute_hash() == srv.compute_hash()
@@ -268,7 +366,9 @@ def test_an_eager_engine_has_another_compile_hash(bf16_model):
     from wcache.vllm.loader import _compiles
 
     kw = {"model": str(bf16_model), "dtype": "bfloat16", "max_model_len": 512}
-    eager = EngineArgs(**kw, enforce_eager=True).create_engine_config(usage_context=UsageContext.LLM_CLASS)
+    eager = EngineArgs(**kw, enforce_eager=True).create_engine_config(
+        usage_context=UsageContext.LLM_CLASS
+    )
     comp = EngineArgs(**kw).create_engine_config(usage_context=UsageContext.LLM_CLASS)
     assert eager.compute_hash() != comp.compute_hash()
     assert (_compiles(eager), _compiles(comp)) == (False, True)
@@ -277,12 +377,18 @@ def test_an_eager_engine_has_another_compile_hash(bf16_model):
 def _fake_vllm_config(enforce_eager, mode):
     from vllm.config.compilation import CompilationMode
 
-    return types.SimpleNamespace(model_config=types.SimpleNamespace(enforce_eager=enforce_eager),
-                                 compilation_config=types.SimpleNamespace(mode=CompilationMode[mode]))
+    return types.SimpleNamespace(
+        model_config=types.SimpleNamespace(enforce_eager=enforce_eager),
+        compilation_config=types.SimpleNamespace(mode=CompilationMode[mode]),
+    )
 
 
-@pytest.mark.parametrize("enforce_eager, mode", [(True, "VLLM_COMPILE"), (False, "NONE"), (True, "NONE")])
-def test_an_engine_that_does_not_compile_fetches_no_bundle(enforce_eager, mode, monkeypatch, tmp_path):
+@pytest.mark.parametrize(
+    "enforce_eager, mode", [(True, "VLLM_COMPILE"), (False, "NONE"), (True, "NONE")]
+)
+def test_an_engine_that_does_not_compile_fetches_no_bundle(
+    enforce_eager, mode, monkeypatch, tmp_path
+):
     """An eager engine (enforce_eager or mode NONE) is outcome off, reason "not compiling":
     no fetch, no artifacts-stale warning; its factors are still recorded when asked."""
     from wcache.store import client
@@ -304,10 +410,14 @@ def test_a_compiling_engine_fetches_the_bundle(monkeypatch):
 
     fetched = []
     monkeypatch.setattr(startup, "engine_factors", lambda cfg: FACTORS)
-    monkeypatch.setattr(client, "fetch_artifacts",
-                        lambda *a: fetched.append(a) or (_ for _ in ()).throw(OSError("no daemon")))
-    got = loader._startup_artifacts(loader.LoaderOptions(), _fake_vllm_config(False, "VLLM_COMPILE"),
-                                    "cpu")
+    monkeypatch.setattr(
+        client,
+        "fetch_artifacts",
+        lambda *a: fetched.append(a) or (_ for _ in ()).throw(OSError("no daemon")),
+    )
+    got = loader._startup_artifacts(
+        loader.LoaderOptions(), _fake_vllm_config(False, "VLLM_COMPILE"), "cpu"
+    )
     assert (len(fetched), got["outcome"]) == (1, "error")
 
 
@@ -317,8 +427,10 @@ def _triton_entry(monkeypatch, root: Path, key: str) -> dict:
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(root))
     mgr = FileCacheManager(key)
-    group = {name: mgr.put(data, name) for name, data in
-             (("k.cubin", b"\x7fELF" + bytes(28)), ("k.json", '{"name": "k"}'))}
+    group = {
+        name: mgr.put(data, name)
+        for name, data in (("k.cubin", b"\x7fELF" + bytes(28)), ("k.json", '{"name": "k"}'))
+    }
     mgr.put_group("k.json", group)
     return group
 
@@ -343,6 +455,7 @@ def test_an_installed_triton_entry_is_a_cache_hit_at_its_new_place(tmp_path, mon
     finally:
         bundle.close()
     import shutil
+
     shutil.rmtree(tmp_path / "prime")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(dst))
     found = FileCacheManager("KERNELKEY").get_group("k.json")
@@ -372,7 +485,8 @@ def test_a_triton_group_file_that_is_not_triton_json_is_installed_as_it_is(tmp_p
 
 @pytest.mark.parametrize("engine_share, installed", [(0.3, True), (0.5, False), (None, False)])
 def test_a_startup_plan_is_installed_only_for_the_priming_engines_memory_share(
-        tmp_path, engine_share, installed):
+    tmp_path, engine_share, installed
+):
     """vLLM's plan fingerprint leaves gpu_memory_utilization out and an applied plan
     overrides it: an engine asking for another share (or none known) gets every entry
     but the plan, which is skipped with its reason."""
@@ -384,15 +498,18 @@ def test_a_startup_plan_is_installed_only_for_the_priming_engines_memory_share(
     primed = {**FACTORS, "gpu_memory_utilization": 0.3}
     bundle = art.pack_bundle({"vllm": src}, startup.collect_entries({"vllm": src}), primed)
     try:
-        result, _ = startup.install_for_engine(bundle, {**FACTORS, "gpu_memory_utilization":
-                                                        engine_share}, {"vllm": tmp_path / "dst"})
+        result, _ = startup.install_for_engine(
+            bundle, {**FACTORS, "gpu_memory_utilization": engine_share}, {"vllm": tmp_path / "dst"}
+        )
     finally:
         bundle.close()
     plan = f"vllm/{startup.STARTUP_PLAN_DIR}/startup_plan_ab.json"
     assert f"vllm/{startup.AOT_DIR}/h1" in result.installed
     assert (plan in result.installed) is installed
     assert ((plan, startup.SKIP_PLAN_BUDGET) in result.reasons) is not installed
-    assert (tmp_path / "dst" / startup.STARTUP_PLAN_DIR / "startup_plan_ab.json").exists() is installed
+    assert (
+        tmp_path / "dst" / startup.STARTUP_PLAN_DIR / "startup_plan_ab.json"
+    ).exists() is installed
 
 
 GIB = 1 << 30
@@ -403,8 +520,9 @@ MIB = 1 << 20
 H200_RECORDED, H200_FRESH = int(117.06 * GIB), int(116.99 * GIB)
 
 
-def _bundle_with_plan(tmp_path: Path, plan_text: str, factors: dict,
-                      extra: dict[str, str] | None = None) -> art.Bundle:
+def _bundle_with_plan(
+    tmp_path: Path, plan_text: str, factors: dict, extra: dict[str, str] | None = None
+) -> art.Bundle:
     """A bundle of a vllm root with a compile entry, the plan ``plan_text`` and the
     ``extra`` files (path under the root -> text)."""
     src = tmp_path / "src" / "vllm"
@@ -435,33 +553,44 @@ def _install_plan(tmp_path: Path, plan_text: str, extra: dict[str, str] | None =
 
 
 def _plan(baseline) -> dict:
-    return {"schema": 1, "fingerprint": "ab", "kv_cache_memory_bytes": 20 * GIB,
-            "free_memory_baseline": baseline}
+    return {
+        "schema": 1,
+        "fingerprint": "ab",
+        "kv_cache_memory_bytes": 20 * GIB,
+        "free_memory_baseline": baseline,
+    }
 
 
-@pytest.mark.parametrize("recorded, installed", [
-    (H200_RECORDED, H200_RECORDED - 512 * MIB),
-    (512 * MIB, 0),
-    (100 * MIB, 0),  # never below 0
-])
+@pytest.mark.parametrize(
+    "recorded, installed",
+    [
+        (H200_RECORDED, H200_RECORDED - 512 * MIB),
+        (512 * MIB, 0),
+        (100 * MIB, 0),  # never below 0
+    ],
+)
 def test_an_installed_startup_plans_baseline_is_lowered_by_the_tolerance(
-        tmp_path, recorded, installed):
+    tmp_path, recorded, installed
+):
     """The priming node's free memory counted the priming daemon; the installed plan
     asks for PLAN_FREE_MEMORY_TOLERANCE (512 MiB) less, and keeps every other field."""
     assert startup.PLAN_FREE_MEMORY_TOLERANCE == 512 * MIB
     assert json.loads(_install_plan(tmp_path, json.dumps(_plan(recorded)))) == _plan(installed)
 
 
-@pytest.mark.parametrize("text", [
-    json.dumps(_plan(-1)),
-    json.dumps(_plan("117 GiB")),
-    json.dumps(_plan(True)),
-    json.dumps(_plan(1.5 * GIB)),
-    '{"kv_cache_memory_bytes": 1}',
-    "[1]",
-    '"a string"',
-    "not json",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        json.dumps(_plan(-1)),
+        json.dumps(_plan("117 GiB")),
+        json.dumps(_plan(True)),
+        json.dumps(_plan(1.5 * GIB)),
+        '{"kv_cache_memory_bytes": 1}',
+        "[1]",
+        '"a string"',
+        "not json",
+    ],
+)
 def test_a_plan_the_rebase_does_not_apply_to_is_installed_as_it_is(tmp_path, text):
     """A file that is not a JSON object with a positive integer free_memory_baseline
     (JSON true is not one) is installed byte for byte."""
@@ -477,7 +606,7 @@ def test_a_plan_that_cannot_be_rewritten_is_installed_as_recorded(tmp_path, monk
 
     def failing(self, data, *args, **kwargs):
         if (tmp_path / "dst") in self.parents:  # the install's rewrite, not the bundle's source
-            real(self, data[:len(data) // 2], *args, **kwargs)
+            real(self, data[: len(data) // 2], *args, **kwargs)
             raise OSError(28, "No space left on device")
         return real(self, data, *args, **kwargs)
 
@@ -486,7 +615,8 @@ def test_a_plan_that_cannot_be_rewritten_is_installed_as_recorded(tmp_path, monk
         assert _install_plan(tmp_path, text) == text
     assert "No space left on device" in caplog.text and "left as recorded" in caplog.text
     assert sorted(p.name for p in (tmp_path / "dst" / startup.STARTUP_PLAN_DIR).iterdir()) == [
-        "startup_plan_ab.json"]
+        "startup_plan_ab.json"
+    ]
 
 
 def test_only_startup_plans_are_rebased(tmp_path):
@@ -531,14 +661,21 @@ def test_the_restore_record_counts_what_was_installed_per_cache_root(tmp_path, m
         (src / "triton" / key).mkdir(parents=True)
         (src / "triton" / key / "k.cubin").write_bytes(b"\x7fELF")
     dirs = {"vllm": src / "vllm", "triton": src / "triton"}
-    for var, sub in (("VLLM_CACHE_ROOT", "vllm"), ("TRITON_CACHE_DIR", "triton"),
-                     ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
+    for var, sub in (
+        ("VLLM_CACHE_ROOT", "vllm"),
+        ("TRITON_CACHE_DIR", "triton"),
+        ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+    ):
         monkeypatch.setenv(var, str(tmp_path / "engine" / sub))
     monkeypatch.setattr(startup, "engine_factors", lambda cfg: FACTORS)
-    monkeypatch.setattr(client, "fetch_artifacts",
-                        lambda *a: art.pack_bundle(dirs, startup.collect_entries(dirs), FACTORS))
-    got = loader._startup_artifacts(loader.LoaderOptions(), _fake_vllm_config(False, "VLLM_COMPILE"),
-                                    "cpu")
+    monkeypatch.setattr(
+        client,
+        "fetch_artifacts",
+        lambda *a: art.pack_bundle(dirs, startup.collect_entries(dirs), FACTORS),
+    )
+    got = loader._startup_artifacts(
+        loader.LoaderOptions(), _fake_vllm_config(False, "VLLM_COMPILE"), "cpu"
+    )
     assert (got["outcome"], got["installed"]) == ("installed", 3)
     assert got["installed_by_root"] == {"vllm": 1, "triton": 2}
     assert (tmp_path / "engine" / "triton" / "K2" / "k.cubin").is_file()

@@ -71,8 +71,7 @@ class _FakeIpc:
 
 def _range(model: torch.nn.Module) -> tuple[int, int]:
     """An "arena" covering every parameter of the model."""
-    ptrs = [(p.data_ptr(), p.data_ptr() + p.numel() * p.element_size())
-            for p in model.parameters()]
+    ptrs = [(p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in model.parameters()]
     return min(lo for lo, _ in ptrs), max(hi for _, hi in ptrs)
 
 
@@ -80,7 +79,9 @@ def _config():
     """What vLLM's in-place ``reload_weights`` reads of the engine's config."""
     return types.SimpleNamespace(
         model_config=types.SimpleNamespace(quantization=None, dtype=torch.float32),
-        load_config=None, lora_config=None)
+        load_config=None,
+        lora_config=None,
+    )
 
 
 def _model() -> _Model:
@@ -98,13 +99,16 @@ def _reload(model, weights, checkpoint_format: bool) -> None:
 
 
 def _picture(model) -> dict[str, tuple]:
-    return {n: (id(p), p.device.type, p.data_ptr(), p.detach().clone())
-            for n, p in model.named_parameters()}
+    return {
+        n: (id(p), p.device.type, p.data_ptr(), p.detach().clone())
+        for n, p in model.named_parameters()
+    }
 
 
 def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(
-        x[:3] == y[:3] and torch.equal(x[3], y[3]) for x, y in zip(a.values(), b.values()))
+        x[:3] == y[:3] and torch.equal(x[3], y[3]) for x, y in zip(a.values(), b.values())
+    )
 
 
 # ----------------------------------------------------------------- the decision
@@ -120,9 +124,15 @@ def test_hooks_are_invisible_to_verify():
     assert module_state(model) == before
 
 
-@pytest.mark.parametrize(("attachment", "address_bound", "policy"), [
-    (_FakeVmm, True, "in_place"), (_FakeVmm, False, "in_place"),
-    (_FakeIpc, True, "refuse"), (_FakeIpc, False, "clone")])
+@pytest.mark.parametrize(
+    ("attachment", "address_bound", "policy"),
+    [
+        (_FakeVmm, True, "in_place"),
+        (_FakeVmm, False, "in_place"),
+        (_FakeIpc, True, "refuse"),
+        (_FakeIpc, False, "clone"),
+    ],
+)
 def test_policy_per_transport_and_graphs(attachment, address_bound, policy):
     """cuda_vmm always privatizes in place; cuda_ipc refuses with graphs/compile and
     clones when eager."""
@@ -136,16 +146,22 @@ def _vllm_config(enforce_eager: bool, mode: str, cudagraph: str):
 
     return types.SimpleNamespace(
         model_config=types.SimpleNamespace(enforce_eager=enforce_eager),
-        compilation_config=types.SimpleNamespace(mode=CompilationMode[mode],
-                                                 cudagraph_mode=CUDAGraphMode[cudagraph]))
+        compilation_config=types.SimpleNamespace(
+            mode=CompilationMode[mode], cudagraph_mode=CUDAGraphMode[cudagraph]
+        ),
+    )
 
 
-@pytest.mark.parametrize(("eager", "mode", "cudagraph", "bound"), [
-    (True, "NONE", "NONE", False),
-    (False, "VLLM_COMPILE", "FULL_AND_PIECEWISE", True),   # vLLM's CUDA default
-    (False, "VLLM_COMPILE", "NONE", True),                 # compiled, no graphs
-    (False, "NONE", "FULL", True),                         # graphs, no compile
-    (False, "NONE", "NONE", False)])
+@pytest.mark.parametrize(
+    ("eager", "mode", "cudagraph", "bound"),
+    [
+        (True, "NONE", "NONE", False),
+        (False, "VLLM_COMPILE", "FULL_AND_PIECEWISE", True),  # vLLM's CUDA default
+        (False, "VLLM_COMPILE", "NONE", True),  # compiled, no graphs
+        (False, "NONE", "FULL", True),  # graphs, no compile
+        (False, "NONE", "NONE", False),
+    ],
+)
 def test_address_bound_follows_compile_and_cudagraph_mode(eager, mode, cudagraph, bound):
     """An engine holds weight addresses when it compiles or captures CUDA graphs."""
     assert _address_bound(_vllm_config(eager, mode, cudagraph)) is bound
@@ -226,8 +242,10 @@ def test_ipc_with_graphs_refuses_before_any_tensor_is_touched(path):
     assert "_original_do_torchao_reload" not in vars(model)
     # and the model still reloads normally once the hook is gone (nothing half-done)
     from vllm.model_executor.model_loader.reload import layerwise
-    assert all(i.kernel_tensors is None for i in
-               (layerwise.LAYERWISE_INFO[m] for m in model.modules()))
+
+    assert all(
+        i.kernel_tensors is None for i in (layerwise.LAYERWISE_INFO[m] for m in model.modules())
+    )
 
 
 # ----------------------------------------------------------------- cuda_ipc eager: clone
@@ -245,7 +263,6 @@ def test_ipc_eager_clones_what_an_update_writes():
     assert torch.equal(arena, snapshot)  # the "arena" bytes are untouched
     assert torch.equal(model.proj.weight, torch.ones(4, 4))
     assert model.proj.weight.data_ptr() != lo
-
 
     model = _model()
     proj_ptr, norm = model.proj.weight.data_ptr(), model.norm.weight.data

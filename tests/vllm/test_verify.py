@@ -63,8 +63,9 @@ def test_verify_passes_on_every_servable_fixture(fmt, host_kernels):
     assert "in-process" == report.mode
 
 
-@unregistered_stage("test.convert_weight_off_by_one", Tag.TRANSFORM, reads=("weight",),
-                    writes=("weight",))
+@unregistered_stage(
+    "test.convert_weight_off_by_one", Tag.TRANSFORM, reads=("weight",), writes=("weight",)
+)
 def _perturb_weight(tensors, config, target, recorded):
     """A wrong TRANSFORM: adds 1 to the first weight element."""
     weight = tensors["weight"].clone()
@@ -81,8 +82,9 @@ def _plant(monkeypatch, change):
 
     def plan_for(config, *, target, **kwargs):
         bound = real(config, target=target, **kwargs)
-        return attrs.evolve(bound, plan=change(bound.plan)) if config.name == PLANTED_LAYER \
-            else bound
+        return (
+            attrs.evolve(bound, plan=change(bound.plan)) if config.name == PLANTED_LAYER else bound
+        )
 
     monkeypatch.setattr(model_mod, "plan_for", plan_for)
 
@@ -104,8 +106,12 @@ def test_planted_wrong_transform_fails_naming_the_layer(monkeypatch, capsys, hos
     assert f"first differing output: {PLANTED_LAYER} (checksum" in out
     branch = host_kernels["unquantized_gemm[bfloat16]"]
     why = "weight checksum" if branch == "torch_linear" else "forward output differs"
-    assert re.search(rf"^{re.escape(PLANTED_LAYER)}\s+unquantized/{branch}@1\s+\w+\s+DIFFERS: "
-                     rf"{why}", out, re.MULTILINE)
+    assert re.search(
+        rf"^{re.escape(PLANTED_LAYER)}\s+unquantized/{branch}@1\s+\w+\s+DIFFERS: "
+        rf"{why}",
+        out,
+        re.MULTILINE,
+    )
     assert "wcache verify: FAILED (in-process): 3 of" in out
 
 
@@ -116,8 +122,12 @@ def test_planted_missing_metadata_stage_names_the_attribute(monkeypatch, host_ke
     from wcache.vllm.verify import verify
 
     path = _fixture("awq", host_kernels)
-    _plant(monkeypatch, lambda plan: attrs.evolve(plan, stages=tuple(
-        s for s in plan.stages if s.name != "cpu_wna16.set_isa_hint")))
+    _plant(
+        monkeypatch,
+        lambda plan: attrs.evolve(
+            plan, stages=tuple(s for s in plan.stages if s.name != "cpu_wna16.set_isa_hint")
+        ),
+    )
     report = verify(path, ENGINE_ARGS, progress=False)
     rows = {r.layer: r for r in report.failures}
     assert [PLANTED_LAYER, "(forward)", "(logits)"] == list(rows)
@@ -170,25 +180,38 @@ def test_too_little_memory_is_refused_before_loading(monkeypatch, host_kernels):
 
     path = _fixture("bf16", host_kernels)
     monkeypatch.setattr(verify_mod, "available_bytes", lambda device: 2**20)
-    monkeypatch.setattr(DefaultModelLoader, "load_model",
-                        lambda *a, **k: pytest.fail("weights loaded despite the refusal"))
-    with pytest.raises(verify_mod.VerifyRefused, match=r"holds two copies.*0\.00 GiB available.*"
-                                                       r"not enough memory") as err:
+    monkeypatch.setattr(
+        DefaultModelLoader,
+        "load_model",
+        lambda *a, **k: pytest.fail("weights loaded despite the refusal"),
+    )
+    with pytest.raises(
+        verify_mod.VerifyRefused,
+        match=r"holds two copies.*0\.00 GiB available.*"
+        r"not enough memory",
+    ) as err:
         verify_mod.verify(path, ENGINE_ARGS, progress=False, out=sys.stderr)
     assert "insufficient-memory" == err.value.code
 
 
-@pytest.mark.parametrize("loaded, restored, expected", [
-    ({"weight": ("param", (2, 3), "torch.bfloat16", (3, 1), "aa")},
-     {"weight": ("param", (2, 3), "torch.bfloat16", (1, 2), "aa")},
-     "weight stride: (3, 1) != (1, 2)"),
-    ({"weight": ("param", (2, 3), "torch.bfloat16", (3, 1), "aa"), "@isa_hint": "vec"},
-     {"weight": ("param", (2, 3), "torch.bfloat16", (3, 1), "bb"), "@isa_hint": "amx"},
-     "weight checksum: 'aa' != 'bb'"),
-    ({"@use_w4a8": True, "~x": 1}, {"@use_w4a8": True, "~x": 2}, "~x: 1 != 2"),
-    ({"bias": ("param", None)}, {}, "bias: ('param', None) != '<absent>'"),
-    ({"~a": 1}, {"~a": 1}, None),
-])
+@pytest.mark.parametrize(
+    "loaded, restored, expected",
+    [
+        (
+            {"weight": ("param", (2, 3), "torch.bfloat16", (3, 1), "aa")},
+            {"weight": ("param", (2, 3), "torch.bfloat16", (1, 2), "aa")},
+            "weight stride: (3, 1) != (1, 2)",
+        ),
+        (
+            {"weight": ("param", (2, 3), "torch.bfloat16", (3, 1), "aa"), "@isa_hint": "vec"},
+            {"weight": ("param", (2, 3), "torch.bfloat16", (3, 1), "bb"), "@isa_hint": "amx"},
+            "weight checksum: 'aa' != 'bb'",
+        ),
+        ({"@use_w4a8": True, "~x": 1}, {"@use_w4a8": True, "~x": 2}, "~x: 1 != 2"),
+        ({"bias": ("param", None)}, {}, "bias: ('param', None) != '<absent>'"),
+        ({"~a": 1}, {"~a": 1}, None),
+    ],
+)
 def test_first_difference_names_the_field_and_both_values(loaded, restored, expected):
     """Tensors are compared before attributes, and a tensor's differing part is named."""
     from wcache.vllm.verify import first_difference
@@ -202,10 +225,12 @@ def test_verify_forward_gives_the_process_vllms_workspace_manager():
     import subprocess
     import sys
 
-    code = ("import torch; from vllm.v1.worker import workspace; from wcache.vllm import compat; "
-            "d = torch.device('cpu'); print(workspace.is_workspace_manager_initialized(), "
-            "compat.init_workspace_manager_(d), compat.init_workspace_manager_(d), "
-            "workspace.is_workspace_manager_initialized())")
+    code = (
+        "import torch; from vllm.v1.worker import workspace; from wcache.vllm import compat; "
+        "d = torch.device('cpu'); print(workspace.is_workspace_manager_initialized(), "
+        "compat.init_workspace_manager_(d), compat.init_workspace_manager_(d), "
+        "workspace.is_workspace_manager_initialized())"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.split()[-4:] == ["False", "True", "False", "True"], out.stderr[-2000:]
 

@@ -35,14 +35,18 @@ def test_foreign_private_flag_on_one_side_is_not_a_difference():
 
 def test_foreign_public_attribute_is_still_compared():
     """A public attribute of a foreign module that differs is reported."""
-    assert first_difference(*_pair(_ForeignModule, rope_type="yarn")) == \
-        "~rope_type: 'yarn' != '<absent>'"
+    assert (
+        first_difference(*_pair(_ForeignModule, rope_type="yarn"))
+        == "~rope_type: 'yarn' != '<absent>'"
+    )
 
 
 def test_private_attribute_of_vllm_module_is_still_compared():
     """vLLM's own modules keep every attribute compared, private ones included."""
-    assert first_difference(*_pair(_VllmModule, _already_processed=True)) == \
-        "~_already_processed: True != '<absent>'"
+    assert (
+        first_difference(*_pair(_VllmModule, _already_processed=True))
+        == "~_already_processed: True != '<absent>'"
+    )
 
 
 def test_foreign_private_attrs_names_only_underscored_names():
@@ -61,18 +65,28 @@ def test_transformers_meta_build_differs_from_device_build_only_by_private_state
     attributes do differ (the flag), so the rule is what makes them equal."""
     transformers = pytest.importorskip("transformers")
     config = transformers.AutoConfig.for_model(
-        "olmo2", hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=2, vocab_size=256)
+        "olmo2",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=256,
+    )
     on_cpu = transformers.AutoModel.from_config(config)
     with torch.device("meta"):
         on_meta = transformers.AutoModel.from_config(config)
-    raw = [n for n, m in on_cpu.named_modules()
-           if getattr(m, "_is_hf_initialized", None) != getattr(
-               on_meta.get_submodule(n), "_is_hf_initialized", None)]
+    raw = [
+        n
+        for n, m in on_cpu.named_modules()
+        if getattr(m, "_is_hf_initialized", None)
+        != getattr(on_meta.get_submodule(n), "_is_hf_initialized", None)
+    ]
     assert raw, "transformers no longer skips init_weights on meta: revisit the rule"
 
     def attrs_only(module: torch.nn.Module) -> dict:
         return {k: v for k, v in module_state(module).items() if k.startswith("~")}
 
-    assert {n: attrs_only(m) for n, m in on_cpu.named_modules()} == \
-        {n: attrs_only(m) for n, m in on_meta.named_modules()}
+    assert {n: attrs_only(m) for n, m in on_cpu.named_modules()} == {
+        n: attrs_only(m) for n, m in on_meta.named_modules()
+    }

@@ -52,7 +52,9 @@ def make_tensors(n: int, kib: int, device: str) -> dict[str, torch.Tensor]:
     out = {}
     for i in range(n):
         numel = max(1, (kib * 1024 // 2) * (1 + i % 4) // 2)  # 0.5x .. 2x of --tensor-kib, fp16
-        out[f"model.layers.{i // 10}.t{i % 10}"] = torch.randn(numel, generator=g).to(torch.float16).to(device)
+        out[f"model.layers.{i // 10}.t{i % 10}"] = (
+            torch.randn(numel, generator=g).to(torch.float16).to(device)
+        )
     return out
 
 
@@ -65,14 +67,18 @@ class PerTensorServer:
     def __init__(self, tensors: dict[str, torch.Tensor], path: str, device: str):
         self.device = device
         self.tensors = tensors
-        self.entries = [[n, dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size()]
-                        for n, t in tensors.items()]
+        self.entries = [
+            [n, dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size()]
+            for n, t in tensors.items()
+        ]
         self.fds = []
         if device == "cpu":
             for t in tensors.values():
                 fd = os.memfd_create("wcache-bench", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
                 nbytes = t.numel() * t.element_size()
-                os.write(fd, ctypes.string_at(t.data_ptr(), nbytes))  # one memcpy, like the arena's fill
+                os.write(
+                    fd, ctypes.string_at(t.data_ptr(), nbytes)
+                )  # one memcpy, like the arena's fill
                 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
                 self.fds.append(fd)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -95,9 +101,12 @@ class PerTensorServer:
                     except Exception:  # noqa: BLE001 (any failure ends this client's loop)
                         break
                     if self.device == "cpu":
-                        send_frame(conn, {"entries": self.entries, "batches": -(-len(self.fds) // SCM_MAX_FD)})
+                        send_frame(
+                            conn,
+                            {"entries": self.entries, "batches": -(-len(self.fds) // SCM_MAX_FD)},
+                        )
                         for i in range(0, len(self.fds), SCM_MAX_FD):
-                            send_frame(conn, {"batch": i}, tuple(self.fds[i:i + SCM_MAX_FD]))
+                            send_frame(conn, {"batch": i}, tuple(self.fds[i : i + SCM_MAX_FD]))
                     else:
                         handles = [encode_reduce_args(t) for t in self.tensors.values()]
                         send_frame(conn, {"entries": self.entries, "handles": handles})
@@ -159,7 +168,6 @@ def per_tensor_attach(path: str, device: str):
                 maps.append(mm)
                 views[name] = frombuffer_readonly(mm).view(dtype_from_name(dtype)).view(shape)
         else:
-
             for (name, _dtype, _shape, _nbytes), h in zip(head["entries"], head["handles"]):
                 views[name] = rebuild_cuda_tensor(*decode_reduce_args_any(h))
         return views, maps
@@ -193,7 +201,6 @@ def main() -> None:
     if args.client:
         return client_main(args)
 
-
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4 * args.ntensors)), hard))
     dev = "cuda:0" if args.device == "cuda" else "cpu"
@@ -202,16 +209,33 @@ def main() -> None:
     d = tempfile.mkdtemp(prefix="wcb-")
     os.chmod(d, 0o700)
     t0 = time.perf_counter()
-    server = DaemonServer(Export(tensors, {k: "param" for k in tensors}), KEY, socket_dir=d, device=dev,
-                          device_id="bench").start()
+    server = DaemonServer(
+        Export(tensors, {k: "param" for k in tensors}),
+        KEY,
+        socket_dir=d,
+        device=dev,
+        device_id="bench",
+    ).start()
     t_arena = time.perf_counter() - t0
     t0 = time.perf_counter()
     baseline = PerTensorServer(tensors, os.path.join(d, "per-tensor.sock"), args.device)
     t_per = time.perf_counter() - t0
     try:
-        cmd = [sys.executable, os.path.abspath(__file__), "--client", "--device", args.device,
-               "--ntensors", str(args.ntensors), "--reps", str(args.reps), "--socket-dir", d,
-               "--per-tensor-socket", baseline.path]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--client",
+            "--device",
+            args.device,
+            "--ntensors",
+            str(args.ntensors),
+            "--reps",
+            str(args.reps),
+            "--socket-dir",
+            d,
+            "--per-tensor-socket",
+            baseline.path,
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if out.returncode:
             sys.exit(f"client failed:\n{out.stderr[-4000:]}")
@@ -222,13 +246,21 @@ def main() -> None:
         shutil.rmtree(d, ignore_errors=True)
     arena_ms = statistics.median(res["arena"]) * 1e3
     per_ms = statistics.median(res["per_tensor"]) * 1e3
-    print(f"device={args.device} tensors={args.ntensors} bytes={total} ({total / 2**20:.1f} MiB) reps={args.reps}")
-    print(f"build: arena {t_arena * 1e3:.1f} ms (one {'memfd' if args.device == 'cpu' else 'allocation'}), "
-          f"per-tensor {t_per * 1e3:.1f} ms ({args.ntensors} {'memfds' if args.device == 'cpu' else 'tensors'})")
+    print(
+        f"device={args.device} tensors={args.ntensors} bytes={total} ({total / 2**20:.1f} MiB) reps={args.reps}"
+    )
+    print(
+        f"build: arena {t_arena * 1e3:.1f} ms (one {'memfd' if args.device == 'cpu' else 'allocation'}), "
+        f"per-tensor {t_per * 1e3:.1f} ms ({args.ntensors} {'memfds' if args.device == 'cpu' else 'tensors'})"
+    )
     arena_min, per_min = min(res["arena"]) * 1e3, min(res["per_tensor"]) * 1e3
     print(f"attach arena      (1 handle):       median {arena_ms:8.2f} ms  min {arena_min:8.2f} ms")
-    print(f"attach per-tensor ({args.ntensors} handles): median {per_ms:8.2f} ms  min {per_min:8.2f} ms")
-    print(f"ratio per-tensor / arena: median {per_ms / arena_ms:.1f}x  min {per_min / arena_min:.1f}x")
+    print(
+        f"attach per-tensor ({args.ntensors} handles): median {per_ms:8.2f} ms  min {per_min:8.2f} ms"
+    )
+    print(
+        f"ratio per-tensor / arena: median {per_ms / arena_ms:.1f}x  min {per_min / arena_min:.1f}x"
+    )
 
 
 if __name__ == "__main__":

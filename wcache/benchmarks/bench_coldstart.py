@@ -103,7 +103,7 @@ def _raw(path: str, offset: int, nbytes: int, device: torch.device, peer: bool) 
         t0 = time.perf_counter()
         for off in range(0, nbytes, chunk):
             n = min(chunk, nbytes - off)
-            dst[off:off + n].copy_(pinned[:n], non_blocking=True)
+            dst[off : off + n].copy_(pinned[:n], non_blocking=True)
         _sync(device)
         out["raw_h2d_s"] = time.perf_counter() - t0
         if peer:
@@ -128,9 +128,18 @@ def _raw(path: str, offset: int, nbytes: int, device: torch.device, peer: bool) 
     return out
 
 
-def run_synthetic(device: torch.device, sizes: tuple[str, ...], formats: tuple[str, ...], *,
-                  bench_dir: str | None, snap_dir: str | None, seed: int, layers: int | None,
-                  socket_dir: str, log: Callable[[str], None]) -> list[dict[str, Any]]:
+def run_synthetic(
+    device: torch.device,
+    sizes: tuple[str, ...],
+    formats: tuple[str, ...],
+    *,
+    bench_dir: str | None,
+    snap_dir: str | None,
+    seed: int,
+    layers: int | None,
+    socket_dir: str,
+    log: Callable[[str], None],
+) -> list[dict[str, Any]]:
     """One row per (format, size); see the module docstring for what is timed."""
     from wcache.store.prebuilt import served_arena  # noqa: PLC0415 (imported at call time: tests patch served_arena)
     from wcache.store.snapshot import ARENA_FILE, open_snapshot, snapshot_arena, write_snapshot  # noqa: PLC0415 (imported at call time: tests patch write_snapshot)
@@ -143,8 +152,12 @@ def run_synthetic(device: torch.device, sizes: tuple[str, ...], formats: tuple[s
     for size in sizes:
         for fmt in formats:
             shape = syn.SHAPES[size].with_layers(layers)
-            row: dict[str, Any] = {"format": fmt, "size": size, "layers": shape.num_layers,
-                                   "device": dev}
+            row: dict[str, Any] = {
+                "format": fmt,
+                "size": size,
+                "layers": shape.num_layers,
+                "device": dev,
+            }
             try:
                 planned = planned_linears(shape, fmt, target)
             except NoPlan as e:
@@ -152,8 +165,9 @@ def run_synthetic(device: torch.device, sizes: tuple[str, ...], formats: tuple[s
                 log(f"[cold {fmt}/{size}] skipped: {e}")
                 rows.append(row)
                 continue
-            path, _ = syn.ensure_checkpoint(syn.bench_dir(bench_dir), shape,
-                                            syn.CHECKPOINT_KIND[fmt], seed, device)
+            path, _ = syn.ensure_checkpoint(
+                syn.bench_dir(bench_dir), shape, syn.CHECKPOINT_KIND[fmt], seed, device
+            )
             _warm_page_cache(path)
             key = CacheKey(_key_fields(shape, fmt, planned, target, uuid.uuid4().hex[:12]))
             servers: list[Any] = []
@@ -162,9 +176,16 @@ def run_synthetic(device: torch.device, sizes: tuple[str, ...], formats: tuple[s
                 _drop_page_cache(str(path))  # from the disk first, then from the page cache
                 _sync(device)
                 t0 = time.perf_counter()
-                tensors, kinds, layers_data, _, _ = prepare_from_checkpoint(path, planned, device, target)
-                cold = DaemonServer(Export(tensors=tensors, kinds=kinds, layers=layers_data), key,
-                                    socket_dir=socket_dir, device=dev, device_id=f"cold-ck-{fmt}")
+                tensors, kinds, layers_data, _, _ = prepare_from_checkpoint(
+                    path, planned, device, target
+                )
+                cold = DaemonServer(
+                    Export(tensors=tensors, kinds=kinds, layers=layers_data),
+                    key,
+                    socket_dir=socket_dir,
+                    device=dev,
+                    device_id=f"cold-ck-{fmt}",
+                )
                 _sync(device)
                 row["checkpoint_cold_s"] = time.perf_counter() - t0
                 del tensors
@@ -172,15 +193,23 @@ def run_synthetic(device: torch.device, sizes: tuple[str, ...], formats: tuple[s
                 del cold
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-                log(f"[cold {fmt}/{size}] checkpoint (cold page cache) -> ready "
-                    f"{row['checkpoint_cold_s']:.3f} s")
+                log(
+                    f"[cold {fmt}/{size}] checkpoint (cold page cache) -> ready "
+                    f"{row['checkpoint_cold_s']:.3f} s"
+                )
                 _warm_page_cache(path)
                 _sync(device)
                 t0 = time.perf_counter()
                 tensors, kinds, layers_data, read_s, prep_s = prepare_from_checkpoint(
-                    path, planned, device, target)
-                src = DaemonServer(Export(tensors=tensors, kinds=kinds, layers=layers_data), key,
-                                   socket_dir=socket_dir, device=dev, device_id=f"cold-src-{fmt}")
+                    path, planned, device, target
+                )
+                src = DaemonServer(
+                    Export(tensors=tensors, kinds=kinds, layers=layers_data),
+                    key,
+                    socket_dir=socket_dir,
+                    device=dev,
+                    device_id=f"cold-src-{fmt}",
+                )
                 _sync(device)
                 row["checkpoint_s"] = time.perf_counter() - t0
                 row["checkpoint_read_s"], row["prepare_s"] = read_s, prep_s
@@ -190,8 +219,10 @@ def run_synthetic(device: torch.device, sizes: tuple[str, ...], formats: tuple[s
                     torch.cuda.empty_cache()
                 nbytes = row["arena_bytes"] = src.nbytes
                 ref = _digest(src)
-                log(f"[cold {fmt}/{size}] checkpoint -> ready {row['checkpoint_s']:.3f} s "
-                    f"(read {read_s:.3f}, prepare {prep_s:.3f}; {nbytes / 2**30:.2f} GiB arena)")
+                log(
+                    f"[cold {fmt}/{size}] checkpoint -> ready {row['checkpoint_s']:.3f} s "
+                    f"(read {read_s:.3f}, prepare {prep_s:.3f}; {nbytes / 2**30:.2f} GiB arena)"
+                )
                 view = served_arena(src)
                 t0 = time.perf_counter()
                 rank_dir = write_snapshot(snap_root, "rank0", view.tensor, src.manifest, key)
@@ -207,17 +238,23 @@ def run_synthetic(device: torch.device, sizes: tuple[str, ...], formats: tuple[s
                         _warm_page_cache(apath)
                     _sync(device)
                     t0 = time.perf_counter()
-                    s = DaemonServer(snapshot_arena(open_snapshot(snap_root, "rank0")), key,
-                                     socket_dir=socket_dir, device=dev,
-                                     device_id=f"cold-snap-{fmt}-{mode}")
+                    s = DaemonServer(
+                        snapshot_arena(open_snapshot(snap_root, "rank0")),
+                        key,
+                        socket_dir=socket_dir,
+                        device=dev,
+                        device_id=f"cold-snap-{fmt}-{mode}",
+                    )
                     _sync(device)
                     row[f"snapshot_{mode}_s"] = time.perf_counter() - t0
                     row[f"snapshot_{mode}_equal"] = _digest(s) == ref
                     s.stop()
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
-                    log(f"[cold {fmt}/{size}] snapshot ({mode} page cache) -> ready "
-                        f"{row[f'snapshot_{mode}_s']:.3f} s")
+                    log(
+                        f"[cold {fmt}/{size}] snapshot ({mode} page cache) -> ready "
+                        f"{row[f'snapshot_{mode}_s']:.3f} s"
+                    )
                 if peer:
                     src.seed_source = SeedSource(src)
                     recv_dev = "cuda:1" if device.type == "cuda" else "cpu"
@@ -225,8 +262,13 @@ def run_synthetic(device: torch.device, sizes: tuple[str, ...], formats: tuple[s
                     src.seed_source.digest(view.tensor)  # once per daemon, before any receiver
                     view.close()
                     t0 = time.perf_counter()
-                    r = DaemonServer(seed_arena(src.socket_path, key), key, socket_dir=socket_dir,
-                                     device=recv_dev, device_id=f"cold-peer-{fmt}")
+                    r = DaemonServer(
+                        seed_arena(src.socket_path, key),
+                        key,
+                        socket_dir=socket_dir,
+                        device=recv_dev,
+                        device_id=f"cold-peer-{fmt}",
+                    )
                     if recv_dev != "cpu":
                         torch.cuda.synchronize(1)
                     row["peer_s"] = time.perf_counter() - t0
@@ -267,27 +309,33 @@ def _fmt(v: Any, spec: str = ".3f", suffix: str = "") -> str:
 
 
 def synthetic_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| format | size | arena GiB | page cache | checkpoint s | snapshot s | peer s | "
-             "raw read s | raw h2d / copy s | checkpoint/snapshot | checkpoint/peer | "
-             "snapshot/raw | peer/raw | bytes equal |",
-             "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| format | size | arena GiB | page cache | checkpoint s | snapshot s | peer s | "
+        "raw read s | raw h2d / copy s | checkpoint/snapshot | checkpoint/peer | "
+        "snapshot/raw | peer/raw | bytes equal |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         if r.get("skipped"):
             lines.append(f"| {r['format']} | {r['size']} | skipped: {r['skipped']} |")
             continue
         copy = r.get("raw_h2d_s") or r.get("raw_memcpy_s")
-        equal = all(r.get(k, True) for k in ("snapshot_warm_equal", "snapshot_cold_equal", "peer_equal"))
+        equal = all(
+            r.get(k, True) for k in ("snapshot_warm_equal", "snapshot_cold_equal", "peer_equal")
+        )
         head = f"| {r['format']} | {r['size']} | {r['arena_bytes'] / 2**30:.2f} "
         lines.append(
             f"{head}| warm | {r['checkpoint_s']:.3f} | {r['snapshot_warm_s']:.3f} | "
             f"{_fmt(r.get('peer_s'))} | {r['raw_read_s']:.3f} | {_fmt(copy)} | "
             f"{_fmt(r['ckpt_over_snapshot_warm'], '.1f', 'x')} | {_fmt(r['ckpt_over_peer'], '.1f', 'x')} | "
             f"{_fmt(r['snapshot_warm_over_raw'], '.2f', 'x')} | {_fmt(r['peer_over_raw'], '.2f', 'x')} | "
-            f"{'yes' if equal else 'NO'} |")
+            f"{'yes' if equal else 'NO'} |"
+        )
         lines.append(
             f"{head}| cold | {r['checkpoint_cold_s']:.3f} | {r['snapshot_cold_s']:.3f} | - | "
             f"{r['raw_read_cold_s']:.3f} | - | {_fmt(r['ckpt_over_snapshot_cold'], '.1f', 'x')} | - | "
-            f"{_fmt(r['snapshot_cold_over_raw'], '.2f', 'x')} | - | {'yes' if equal else 'NO'} |")
+            f"{_fmt(r['snapshot_cold_over_raw'], '.2f', 'x')} | - | {'yes' if equal else 'NO'} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -296,7 +344,9 @@ def synthetic_table(rows: list[dict[str, Any]]) -> str:
 _READY = re.compile(r"from=(\w+) ready_s=([0-9.]+)")
 
 
-def run_engine_daemons(formats: tuple[str, ...], log: Callable[[str], None]) -> list[dict[str, Any]]:
+def run_engine_daemons(
+    formats: tuple[str, ...], log: Callable[[str], None]
+) -> list[dict[str, Any]]:
     """Per SmolLM2 fixture format: ``wcache serve`` from the checkpoint with
     ``--snapshot`` (writes it), stopped; restarted with the same flags (from the
     snapshot); a second daemon ``--seed-from`` the first (another ``--job``).
@@ -309,11 +359,15 @@ def run_engine_daemons(formats: tuple[str, ...], log: Callable[[str], None]) -> 
     for fmt in formats:
         model = build(fmt)
         row: dict[str, Any] = {"format": fmt, "fixture": str(model)}
-        with tempfile.TemporaryDirectory(prefix="wcb-cold-") as tmp, \
-                tempfile.TemporaryDirectory(prefix="wcb-cs-") as sock_dir:
+        with (
+            tempfile.TemporaryDirectory(prefix="wcb-cold-") as tmp,
+            tempfile.TemporaryDirectory(prefix="wcb-cs-") as sock_dir,
+        ):
             snap = os.path.join(tmp, "snap")
-            for label, extra in (("checkpoint", ["--snapshot", snap]),
-                                 ("snapshot", ["--snapshot", snap])):
+            for label, extra in (
+                ("checkpoint", ["--snapshot", snap]),
+                ("snapshot", ["--snapshot", snap]),
+            ):
                 with DaemonProcess(model, sock_dir, extra) as d:
                     origin, ready_s = _READY.search(d.ready_lines[0]).groups()
                     if origin != label:
@@ -321,29 +375,37 @@ def run_engine_daemons(formats: tuple[str, ...], log: Callable[[str], None]) -> 
                     row[f"{label}_ready_s"] = float(ready_s)
                     row[f"{label}_wall_s"] = d.ready_s
                     if label == "snapshot":
-                        with DaemonProcess(model, sock_dir, ["--seed-from", sock_dir,
-                                                             "--job", "peer"]) as p:
+                        with DaemonProcess(
+                            model, sock_dir, ["--seed-from", sock_dir, "--job", "peer"]
+                        ) as p:
                             origin, ready_s = _READY.search(p.ready_lines[0]).groups()
                             if origin != "peer":
-                                raise RuntimeError(f"{fmt}: expected a start from a peer, got {origin}")
+                                raise RuntimeError(
+                                    f"{fmt}: expected a start from a peer, got {origin}"
+                                )
                             row["peer_ready_s"] = float(ready_s)
                             row["peer_wall_s"] = p.ready_s
                     fills = [ln for ln in d.lines if "filled from" in ln or "arena (shm):" in ln]
                     row[f"{label}_arena_line"] = fills[-1] if fills else None
-        log(f"[cold engine {fmt}] ready_s checkpoint {row['checkpoint_ready_s']:.2f}, snapshot "
-            f"{row['snapshot_ready_s']:.2f}, peer {row['peer_ready_s']:.2f}")
+        log(
+            f"[cold engine {fmt}] ready_s checkpoint {row['checkpoint_ready_s']:.2f}, snapshot "
+            f"{row['snapshot_ready_s']:.2f}, peer {row['peer_ready_s']:.2f}"
+        )
         rows.append(row)
     return rows
 
 
 def engine_table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| format | checkpoint ready_s | snapshot ready_s | peer ready_s | ckpt/snapshot | "
-             "ckpt/peer | wall to ready line (ckpt / snapshot / peer) |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| format | checkpoint ready_s | snapshot ready_s | peer ready_s | ckpt/snapshot | "
+        "ckpt/peer | wall to ready line (ckpt / snapshot / peer) |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         c, s, p = r["checkpoint_ready_s"], r["snapshot_ready_s"], r["peer_ready_s"]
-        lines.append(f"| {r['format']} | {c:.2f} | {s:.2f} | {p:.2f} | {c / s:.2f}x | {c / p:.2f}x | "
-                     f"{r['checkpoint_wall_s']:.1f} / {r['snapshot_wall_s']:.1f} / "
-                     f"{r['peer_wall_s']:.1f} s |")
+        lines.append(
+            f"| {r['format']} | {c:.2f} | {s:.2f} | {p:.2f} | {c / s:.2f}x | {c / p:.2f}x | "
+            f"{r['checkpoint_wall_s']:.1f} / {r['snapshot_wall_s']:.1f} / "
+            f"{r['peer_wall_s']:.1f} s |"
+        )
     return "\n".join(lines) + "\n"
-

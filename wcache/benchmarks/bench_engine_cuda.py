@@ -40,9 +40,17 @@ from wcache.testing.fixtures import build
 __all__ = ["LLAMA_8B", "write_llama_checkpoint", "run", "table", "FORMATS"]
 
 #: Llama-3-8B's shapes (config.json of meta-llama/Meta-Llama-3-8B).
-LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-            "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-            "rope_theta": 500000.0, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5}
+LLAMA_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+}
 #: Standard deviation of the random bf16 weights (typical of trained Llama linears).
 WEIGHT_STD = 0.02
 #: Weight scales of the random quantized formats: small and positive, so the
@@ -56,11 +64,22 @@ FP8_BLOCK = 128
 SHARD_BYTES = 5 * 10**9
 #: Benchmark format -> (checkpoint kind written, vLLM --quantization).
 FORMATS: dict[str, tuple[str, str | None]] = {
-    "bf16": ("bf16", None), "online-fp8": ("bf16", "fp8"), "fp8": ("fp8", None),
-    "fp8-block": ("fp8_block", None), "awq": ("awq", None), "gptq": ("gptq", None),
+    "bf16": ("bf16", None),
+    "online-fp8": ("bf16", "fp8"),
+    "fp8": ("fp8", None),
+    "fp8-block": ("fp8_block", None),
+    "awq": ("awq", None),
+    "gptq": ("gptq", None),
 }
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
 #: Share of the H200 an 8B engine may claim at start: the 16 GB of bf16 weights plus
@@ -74,73 +93,121 @@ def _shapes(cfg: dict[str, int]) -> dict[str, tuple[int, int]]:
     """(N, K) of each decoder linear."""
     h, i = cfg["hidden_size"], cfg["intermediate_size"]
     kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
-    return {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h),
-            "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, h),
-            "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+    return {
+        "self_attn.q_proj": (h, h),
+        "self_attn.k_proj": (kv, h),
+        "self_attn.v_proj": (kv, h),
+        "self_attn.o_proj": (h, h),
+        "mlp.gate_proj": (i, h),
+        "mlp.up_proj": (i, h),
+        "mlp.down_proj": (h, i),
+    }
 
 
-def _linear_tensors(kind: str, n: int, k: int, g: torch.Generator,
-                    device: torch.device) -> dict[str, torch.Tensor]:
+def _linear_tensors(
+    kind: str, n: int, k: int, g: torch.Generator, device: torch.device
+) -> dict[str, torch.Tensor]:
     """One linear's checkpoint tensors in ``kind`` (random values, real layout)."""
     if kind == "bf16":
-        return {"weight": (torch.randn(n, k, generator=g, device=device) * WEIGHT_STD)
-                .to(torch.bfloat16)}
+        return {
+            "weight": (torch.randn(n, k, generator=g, device=device) * WEIGHT_STD).to(
+                torch.bfloat16
+            )
+        }
     if kind in ("fp8", "fp8_block"):
         w = (torch.randn(n, k, generator=g, device=device) * 64).clamp(-448, 448)
         out = {"weight": w.to(torch.float8_e4m3fn)}
         if kind == "fp8":
             out["weight_scale"] = torch.tensor(SCALE / 64, dtype=torch.float32)
         else:
-            out["weight_scale_inv"] = torch.full((-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)),
-                                                 SCALE / 64, dtype=torch.float32)
+            out["weight_scale_inv"] = torch.full(
+                (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)), SCALE / 64, dtype=torch.float32
+            )
         return out
-    words = lambda *shape: torch.randint(-2**31, 2**31 - 1, shape, generator=g,  # noqa: E731 (a one-line local function)
-                                         device=device, dtype=torch.int32)
-    scales = (torch.rand(k // GROUP_SIZE, n, generator=g, device=device) * SCALE + SCALE / 4)
+
+    def words(*shape: int) -> torch.Tensor:
+        return torch.randint(
+            -(2**31), 2**31 - 1, shape, generator=g, device=device, dtype=torch.int32
+        )
+
+    scales = torch.rand(k // GROUP_SIZE, n, generator=g, device=device) * SCALE + SCALE / 4
     if kind == "awq":
-        return {"qweight": words(k, n // 8), "qzeros": words(k // GROUP_SIZE, n // 8),
-                "scales": scales.to(torch.float16)}
+        return {
+            "qweight": words(k, n // 8),
+            "qzeros": words(k // GROUP_SIZE, n // 8),
+            "scales": scales.to(torch.float16),
+        }
     if kind == "gptq":
-        return {"qweight": words(k // 8, n),
-                "qzeros": torch.full((k // GROUP_SIZE, n // 8), 0x77777777, dtype=torch.int32),
-                "scales": scales.to(torch.float16),
-                "g_idx": torch.arange(k, dtype=torch.int32) // GROUP_SIZE}
+        return {
+            "qweight": words(k // 8, n),
+            "qzeros": torch.full((k // GROUP_SIZE, n // 8), 0x77777777, dtype=torch.int32),
+            "scales": scales.to(torch.float16),
+            "g_idx": torch.arange(k, dtype=torch.int32) // GROUP_SIZE,
+        }
     raise ValueError(f"unknown checkpoint kind {kind!r}")
 
 
 def _quantization_config(kind: str) -> dict[str, Any] | None:
-    return {"bf16": None,
-            "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic"},
-            "fp8_block": {"quant_method": "fp8", "activation_scheme": "dynamic",
-                          "weight_block_size": [FP8_BLOCK, FP8_BLOCK]},
-            "awq": {"quant_method": "awq", "bits": 4, "group_size": GROUP_SIZE,
-                    "zero_point": True, "version": "gemm"},
-            "gptq": {"quant_method": "gptq", "bits": 4, "group_size": GROUP_SIZE,
-                     "desc_act": False, "sym": True, "checkpoint_format": "gptq"},
-            }[kind]
+    return {
+        "bf16": None,
+        "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic"},
+        "fp8_block": {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+        },
+        "awq": {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": GROUP_SIZE,
+            "zero_point": True,
+            "version": "gemm",
+        },
+        "gptq": {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": GROUP_SIZE,
+            "desc_act": False,
+            "sym": True,
+            "checkpoint_format": "gptq",
+        },
+    }[kind]
 
 
-def _tensors(kind: str, cfg: dict[str, int], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(
+    kind: str, cfg: dict[str, int], device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
     g = torch.Generator(device=device).manual_seed(0)
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
     rest = torch.float16 if kind in ("awq", "gptq") else torch.bfloat16
-    yield "model.embed_tokens.weight", (torch.randn(vocab, h, generator=g, device=device)
-                                        * WEIGHT_STD).to(rest)
+    yield (
+        "model.embed_tokens.weight",
+        (torch.randn(vocab, h, generator=g, device=device) * WEIGHT_STD).to(rest),
+    )
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}"
         yield f"{p}.input_layernorm.weight", torch.ones(h, dtype=rest, device=device)
         yield f"{p}.post_attention_layernorm.weight", torch.ones(h, dtype=rest, device=device)
         for name, (n, k) in _shapes(cfg).items():
             for leaf, t in _linear_tensors(kind, n, k, g, device).items():
-                yield f"{p}.{name}.{leaf}", t.to(rest) if t.is_floating_point() and \
-                    t.dtype == torch.bfloat16 and rest != torch.bfloat16 else t
+                yield (
+                    f"{p}.{name}.{leaf}",
+                    t.to(rest)
+                    if t.is_floating_point()
+                    and t.dtype == torch.bfloat16
+                    and rest != torch.bfloat16
+                    else t,
+                )
     yield "model.norm.weight", torch.ones(h, dtype=rest, device=device)
-    yield "lm_head.weight", (torch.randn(vocab, h, generator=g, device=device)
-                             * WEIGHT_STD).to(rest)
+    yield (
+        "lm_head.weight",
+        (torch.randn(vocab, h, generator=g, device=device) * WEIGHT_STD).to(rest),
+    )
 
 
-def write_llama_checkpoint(out: Path, kind: str, tokenizer_dir: Path,
-                           cfg: dict[str, int] = LLAMA_8B) -> Path:
+def write_llama_checkpoint(
+    out: Path, kind: str, tokenizer_dir: Path, cfg: dict[str, int] = LLAMA_8B
+) -> Path:
     """Write an 8B-shaped Llama checkpoint of ``kind`` to ``out`` (skipped when its
     stamp says it is complete), generating the values on the GPU when there is one.
 
@@ -173,13 +240,20 @@ def write_llama_checkpoint(out: Path, kind: str, tokenizer_dir: Path,
         if size >= SHARD_BYTES:
             flush()
     flush()
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": weight_map}, indent=1))
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-              "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype":
-              "float16" if kind in ("awq", "gptq") else "bfloat16", "bos_token_id": 1,
-              "eos_token_id": 2, "head_dim": cfg["hidden_size"] // cfg["num_attention_heads"],
-              **cfg}
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1)
+    )
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16" if kind in ("awq", "gptq") else "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "head_dim": cfg["hidden_size"] // cfg["num_attention_heads"],
+        **cfg,
+    }
     qc = _quantization_config(kind)
     if qc:
         config["quantization_config"] = qc
@@ -210,9 +284,13 @@ def _phase(result: dict, phase: str) -> float | None:
     return None if rec is None else float(rec["seconds"])
 
 
-def run(formats: Sequence[str], root: Path, log: Callable[[str], None],
-        on_row: Callable[[list[dict[str, Any]]], None] = lambda rows: None,
-        profile_dir: Path | None = None) -> list[dict[str, Any]]:
+def run(
+    formats: Sequence[str],
+    root: Path,
+    log: Callable[[str], None],
+    on_row: Callable[[list[dict[str, Any]]], None] = lambda rows: None,
+    profile_dir: Path | None = None,
+) -> list[dict[str, Any]]:
     """Disk vs daemon for each format; one row per format (see the module doc).
     ``on_row`` gets the rows so far after each format (results survive a timeout);
     with ``profile_dir``, the daemon-backed load's ``cProfile`` stats are written to
@@ -231,13 +309,15 @@ def run(formats: Sequence[str], root: Path, log: Callable[[str], None],
         case = EngineCase(fmt, kind, quantization=quant)
         engine_args = list(case.engine_args)
         if "--logprobs" in engine_args:  # tokens are compared; logprobs are not needed
-            del engine_args[engine_args.index("--logprobs"):engine_args.index("--logprobs") + 2]
-        engine_args[engine_args.index("--gpu-memory-utilization") + 1] = str(
-            GPU_MEMORY_UTILIZATION)
-        common = dict(prompts=[PROMPT], max_tokens=MAX_TOKENS, timeout_s=ENGINE_TIMEOUT_S,
-                      engine_args=engine_args)
-        row: dict[str, Any] = {"format": fmt, "checkpoint_gb": nbytes / 1e9,
-                               "write_s": write_s}
+            del engine_args[engine_args.index("--logprobs") : engine_args.index("--logprobs") + 2]
+        engine_args[engine_args.index("--gpu-memory-utilization") + 1] = str(GPU_MEMORY_UTILIZATION)
+        common = dict(
+            prompts=[PROMPT],
+            max_tokens=MAX_TOKENS,
+            timeout_s=ENGINE_TIMEOUT_S,
+            engine_args=engine_args,
+        )
+        row: dict[str, Any] = {"format": fmt, "checkpoint_gb": nbytes / 1e9, "write_s": write_s}
         try:
             disk = run_engine(ckpt, "auto", {}, **common)
             with tempfile.TemporaryDirectory(prefix="wcb-") as sock:
@@ -253,19 +333,26 @@ def run(formats: Sequence[str], root: Path, log: Callable[[str], None],
             rows.append(row)
             on_row(rows)
             continue
-        row.update({
-            "disk_model_loading_s": disk.get("model_loading_s"),
-            "daemon_model_loading_s": wc.get("model_loading_s"),
-            "restore_s": _phase(wc, "restore"),
-            "restore_steps_s": (_phase_record(wc, "restore") or {}).get("steps"),
-            "disk_llm_start_s": disk.get("llm_start_s"), "daemon_llm_start_s": wc.get("llm_start_s"),
-            "disk_gib": disk.get("model_loading_gib"), "daemon_gib": wc.get("model_loading_gib"),
-            "identical": disk["token_ids"] == wc["token_ids"]})
+        row.update(
+            {
+                "disk_model_loading_s": disk.get("model_loading_s"),
+                "daemon_model_loading_s": wc.get("model_loading_s"),
+                "restore_s": _phase(wc, "restore"),
+                "restore_steps_s": (_phase_record(wc, "restore") or {}).get("steps"),
+                "disk_llm_start_s": disk.get("llm_start_s"),
+                "daemon_llm_start_s": wc.get("llm_start_s"),
+                "disk_gib": disk.get("model_loading_gib"),
+                "daemon_gib": wc.get("model_loading_gib"),
+                "identical": disk["token_ids"] == wc["token_ids"],
+            }
+        )
         if row["disk_model_loading_s"] and row["daemon_model_loading_s"]:
             row["speedup"] = row["disk_model_loading_s"] / row["daemon_model_loading_s"]
-        log(f"{fmt}: disk {row['disk_model_loading_s']} s, daemon "
+        log(
+            f"{fmt}: disk {row['disk_model_loading_s']} s, daemon "
             f"{row['daemon_model_loading_s']} s, restore {row['restore_s']}, "
-            f"identical={row['identical']}")
+            f"identical={row['identical']}"
+        )
         rows.append(row)
         on_row(rows)
     return rows
@@ -273,45 +360,65 @@ def run(formats: Sequence[str], root: Path, log: Callable[[str], None],
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown table of :func:`run`'s rows."""
+
     def f(v: Any, spec: str = ".3f") -> str:
         return "-" if v is None else format(v, spec)
 
-    out = ["| format | checkpoint GB | disk: Model loading took (s) | daemon: same (s) | "
-           "speed-up | wcache restore phase (s) | LLM() start disk / daemon (s) | "
-           "daemon ready (s) | same tokens |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    out = [
+        "| format | checkpoint GB | disk: Model loading took (s) | daemon: same (s) | "
+        "speed-up | wcache restore phase (s) | LLM() start disk / daemon (s) | "
+        "daemon ready (s) | same tokens |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['format']} | {f(r['checkpoint_gb'], '.1f')} | failed: "
-                       f"{' '.join(r['error'])[:200]} | | | | | | |")
+            out.append(
+                f"| {r['format']} | {f(r['checkpoint_gb'], '.1f')} | failed: "
+                f"{' '.join(r['error'])[:200]} | | | | | | |"
+            )
             continue
-        out.append(f"| {r['format']} | {f(r['checkpoint_gb'], '.1f')} | "
-                   f"{f(r['disk_model_loading_s'])} | {f(r['daemon_model_loading_s'])} | "
-                   f"{f(r.get('speedup'), '.1f')}x | {f(r['restore_s'])} | "
-                   f"{f(r['disk_llm_start_s'], '.1f')} / {f(r['daemon_llm_start_s'], '.1f')} | "
-                   f"{f(r['daemon_ready_s'], '.1f')} | {'yes' if r['identical'] else 'NO'} |")
+        out.append(
+            f"| {r['format']} | {f(r['checkpoint_gb'], '.1f')} | "
+            f"{f(r['disk_model_loading_s'])} | {f(r['daemon_model_loading_s'])} | "
+            f"{f(r.get('speedup'), '.1f')}x | {f(r['restore_s'])} | "
+            f"{f(r['disk_llm_start_s'], '.1f')} / {f(r['daemon_llm_start_s'], '.1f')} | "
+            f"{f(r['daemon_ready_s'], '.1f')} | {'yes' if r['identical'] else 'NO'} |"
+        )
     return "\n".join(out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m wcache.benchmarks.bench_engine_cuda",
-                                 description=__doc__.split("\n")[0])
-    ap.add_argument("--formats", default="bf16,online-fp8,fp8,fp8-block,awq,gptq",
-                    help=f"comma-separated subset of {','.join(FORMATS)}")
-    ap.add_argument("--root", default=os.environ.get("WCACHE_BENCH_DIR", "/tmp/wcache-8b"),
-                    help="where the 8B-shaped checkpoints are written (~45 GB for all)")
+    ap = argparse.ArgumentParser(
+        prog="python -m wcache.benchmarks.bench_engine_cuda", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument(
+        "--formats",
+        default="bf16,online-fp8,fp8,fp8-block,awq,gptq",
+        help=f"comma-separated subset of {','.join(FORMATS)}",
+    )
+    ap.add_argument(
+        "--root",
+        default=os.environ.get("WCACHE_BENCH_DIR", "/tmp/wcache-8b"),
+        help="where the 8B-shaped checkpoints are written (~45 GB for all)",
+    )
     ap.add_argument("--out", help="write the rows as JSON here")
-    ap.add_argument("--profile-dir", type=Path,
-                    help="write cProfile stats of each daemon-backed load here "
-                         "(<format>.prof; adds profiler overhead to those loads)")
+    ap.add_argument(
+        "--profile-dir",
+        type=Path,
+        help="write cProfile stats of each daemon-backed load here "
+        "(<format>.prof; adds profiler overhead to those loads)",
+    )
     args = ap.parse_args(argv)
     formats = [f for f in args.formats.split(",") if f]
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown:
         ap.error(f"unknown formats {unknown}; choose from {','.join(FORMATS)}")
-    meta = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__, "shape": LLAMA_8B,
-            "date": time.strftime("%Y-%m-%d", time.gmtime())}
+    meta = {
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "shape": LLAMA_8B,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
     try:
         from wcache.vllm.compat import vllm_version  # noqa: PLC0415 (optional dependency, checked where it is used)
 
@@ -323,8 +430,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.out:
             Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
-    rows = run(formats, Path(args.root), lambda m: print(f"[bench-engine-cuda] {m}", flush=True),
-               on_row=save, profile_dir=args.profile_dir)
+    rows = run(
+        formats,
+        Path(args.root),
+        lambda m: print(f"[bench-engine-cuda] {m}", flush=True),
+        on_row=save,
+        profile_dir=args.profile_dir,
+    )
     print(table(rows))
     return 0 if all("error" not in r and r.get("identical") for r in rows) else 1
 

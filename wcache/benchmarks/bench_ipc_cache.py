@@ -57,17 +57,27 @@ __all__ = ["CASES", "run", "run_swap", "table", "write_swapped_checkpoint"]
 #: SmolLM2 fixtures (wcache.testing.fixtures). Block FP8 128x128 exists only at 8B:
 #: vLLM itself refuses it on SmolLM2 (576 % 128 != 0).
 CASES: dict[str, tuple[str, str, str | None]] = {
-    "8b-bf16": ("8b", "bf16", None), "8b-fp8": ("8b", "fp8", None),
+    "8b-bf16": ("8b", "bf16", None),
+    "8b-fp8": ("8b", "fp8", None),
     "8b-fp8-block": ("8b", "fp8_block", None),
-    "smol-bf16": ("smol", "bf16", None), "smol-fp8": ("smol", "fp8", None),
-    "smol-awq": ("smol", "awq", None), "smol-ct-w8a8-int8": ("smol", "ct_w8a8_int8", None),
+    "smol-bf16": ("smol", "bf16", None),
+    "smol-fp8": ("smol", "fp8", None),
+    "smol-awq": ("smol", "awq", None),
+    "smol-ct-w8a8-int8": ("smol", "ct_w8a8_int8", None),
     "smol-online-fp8": ("smol", "bf16", "fp8"),
 }
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
 #: Engine and daemon options both systems get, so each daemon's key matches its engines.
-COMMON_ARGS = ("--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512",
-               "--attention-backend", "TRITON_ATTN")
+COMMON_ARGS = (
+    "--dtype",
+    "bfloat16",
+    "--enforce-eager",
+    "--max-model-len",
+    "512",
+    "--attention-backend",
+    "TRITON_ATTN",
+)
 #: Share of the H200 one engine may claim (an 8B model's weights plus its KV cache,
 #: with a daemon's copy beside it).
 GPU_MEMORY_UTILIZATION = 0.3
@@ -87,8 +97,12 @@ SWAP_VALUE = 8.0
 def gpu_used_mib() -> float | None:
     """GPU 0's used memory per ``nvidia-smi`` (MiB), or None without nvidia-smi."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,"
-                              "nounits", "-i", "0"], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     try:
@@ -106,15 +120,27 @@ class PreloadProcess:
             message holds its output tail.
     """
 
-    def __init__(self, model: str | Path, socket_dir: str | Path, quantization: str | None,
-                 log_path: Path):
+    def __init__(
+        self, model: str | Path, socket_dir: str | Path, quantization: str | None, log_path: Path
+    ):
 
         self.port = free_port()
-        self.args = [sys.executable, "-m", "vllm.entrypoints.cli.main", "preload",
-                     "--model", str(model), "--weight-cache-socket-dir", str(socket_dir),
-                     "--weight-cache-health-port", str(self.port),
-                     "--weight-cache-health-host", "127.0.0.1",
-                     "--no-enable-flashinfer-autotune", *COMMON_ARGS]
+        self.args = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.cli.main",
+            "preload",
+            "--model",
+            str(model),
+            "--weight-cache-socket-dir",
+            str(socket_dir),
+            "--weight-cache-health-port",
+            str(self.port),
+            "--weight-cache-health-host",
+            "127.0.0.1",
+            "--no-enable-flashinfer-autotune",
+            *COMMON_ARGS,
+        ]
         if quantization:
             self.args += ["--quantization", quantization]
         self.log_path = log_path
@@ -124,8 +150,9 @@ class PreloadProcess:
     def start(self) -> PreloadProcess:
         log = open(self.log_path, "w")  # noqa: SIM115  (closed with the process)
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         url = f"http://127.0.0.1:{self.port}/health"
         while time.monotonic() - t0 < DAEMON_READY_TIMEOUT_S:
             if self.proc.poll() is not None:
@@ -140,8 +167,9 @@ class PreloadProcess:
             time.sleep(HEALTH_POLL_S)
         tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-40:])
         self.stop()
-        raise RuntimeError(f"vllm preload did not become healthy (exit "
-                           f"{self.proc.returncode}):\n{tail}")
+        raise RuntimeError(
+            f"vllm preload did not become healthy (exit {self.proc.returncode}):\n{tail}"
+        )
 
     def stop(self) -> None:
 
@@ -169,24 +197,42 @@ def _engine_args(quantization: str | None, model: str) -> list[str]:
     would); SmolLM2 engines get the tier's fixed KV cache, which skips the profiling
     that fails when other processes on the GPU free memory meanwhile."""
 
-    args = (list(CUDA_ENGINE_ARGS) if model == "smol" else
-            ["--attention-backend", "TRITON_ATTN",
-             "--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION)])
+    args = (
+        list(CUDA_ENGINE_ARGS)
+        if model == "smol"
+        else [
+            "--attention-backend",
+            "TRITON_ATTN",
+            "--gpu-memory-utilization",
+            str(GPU_MEMORY_UTILIZATION),
+        ]
+    )
     return args + (["--quantization", quantization] if quantization else [])
 
 
-def _engine(ckpt: Path, load_format: str, extra: dict, quantization: str | None,
-            model: str) -> dict:
+def _engine(
+    ckpt: Path, load_format: str, extra: dict, quantization: str | None, model: str
+) -> dict:
     from wcache.daemon.process import run_engine  # noqa: PLC0415 (imported at call time: tests patch run_engine)
 
-    return run_engine(ckpt, load_format, extra, prompts=[PROMPT], max_tokens=MAX_TOKENS,
-                      timeout_s=ENGINE_TIMEOUT_S, engine_args=_engine_args(quantization, model))
+    return run_engine(
+        ckpt,
+        load_format,
+        extra,
+        prompts=[PROMPT],
+        max_tokens=MAX_TOKENS,
+        timeout_s=ENGINE_TIMEOUT_S,
+        engine_args=_engine_args(quantization, model),
+    )
 
 
 def _summary(res: dict) -> dict[str, Any]:
-    return {"model_loading_s": res.get("model_loading_s"),
-            "model_loading_gib": res.get("model_loading_gib"),
-            "llm_start_s": res.get("llm_start_s"), "token_ids": res["token_ids"]}
+    return {
+        "model_loading_s": res.get("model_loading_s"),
+        "model_loading_gib": res.get("model_loading_gib"),
+        "llm_start_s": res.get("llm_start_s"),
+        "token_ids": res["token_ids"],
+    }
 
 
 def _error(exc: Exception) -> list[str]:
@@ -200,12 +246,18 @@ def _error(exc: Exception) -> list[str]:
     # where it was raised: the innermost frame and its source line (a bare
     # ``AssertionError`` says nothing without them)
     frames = [i for i, ln in enumerate(lines) if ln.startswith('File "')]
-    where = lines[frames[-1]:frames[-1] + 2] if frames else []
+    where = lines[frames[-1] : frames[-1] + 2] if frames else []
     return where + [ln for ln in (keep or lines)[-4:] if ln not in where]
 
 
-def _system(name: str, ckpt: Path, quantization: str | None, model: str, log_dir: Path,
-            serve_ckpt: Path | None = None) -> dict[str, Any]:
+def _system(
+    name: str,
+    ckpt: Path,
+    quantization: str | None,
+    model: str,
+    log_dir: Path,
+    serve_ckpt: Path | None = None,
+) -> dict[str, Any]:
     """One system's daemon (on ``serve_ckpt``, default ``ckpt``) and one engine on ``ckpt``."""
     from wcache.daemon.process import DaemonProcess  # noqa: PLC0415 (imported at call time: tests patch DaemonProcess)
 
@@ -216,13 +268,15 @@ def _system(name: str, ckpt: Path, quantization: str | None, model: str, log_dir
         try:
             if name == "wcache":
                 serve = ("--attention-backend", "TRITON_ATTN") + (
-                    ("--quantization", quantization) if quantization else ())
+                    ("--quantization", quantization) if quantization else ()
+                )
                 daemon: Any = DaemonProcess(serve_ckpt, sock, extra_args=serve).start()
                 extra = {"fallback": False, "socket_dir": sock}
                 fmt = "wcache"
             else:
-                daemon = PreloadProcess(serve_ckpt, sock, quantization,
-                                        log_dir / f"preload-{serve_ckpt.name}.log").start()
+                daemon = PreloadProcess(
+                    serve_ckpt, sock, quantization, log_dir / f"preload-{serve_ckpt.name}.log"
+                ).start()
                 extra = {"fallback": False, "socket_dir": sock, "mode": "zero_copy"}
                 fmt = "ipc_cache"
         except RuntimeError as exc:
@@ -241,8 +295,12 @@ def _system(name: str, ckpt: Path, quantization: str | None, model: str, log_dir
     return out
 
 
-def run(cases: Sequence[str], root: Path, log: Callable[[str], None],
-        on_row: Callable[[list[dict[str, Any]]], None] = lambda rows: None) -> list[dict]:
+def run(
+    cases: Sequence[str],
+    root: Path,
+    log: Callable[[str], None],
+    on_row: Callable[[list[dict[str, Any]]], None] = lambda rows: None,
+) -> list[dict]:
     """One row per case: ``disk``, ``wcache`` and ``ipc_cache`` (see the module doc)."""
     rows: list[dict[str, Any]] = []
     log_dir = root / "logs"
@@ -263,15 +321,15 @@ def run(cases: Sequence[str], root: Path, log: Callable[[str], None],
             if "token_ids" in res:
                 res["identical"] = res["token_ids"] == row["disk"]["token_ids"]
             row[name] = res
-            log(f"{case} {name}: " + json.dumps({k: v for k, v in res.items()
-                                                 if k != "token_ids"}))
+            log(f"{case} {name}: " + json.dumps({k: v for k, v in res.items() if k != "token_ids"}))
         rows.append(row)
         on_row(rows)
     return rows
 
 
-def write_swapped_checkpoint(src: Path, dst: Path, token_id: int,
-                             value: float = SWAP_VALUE) -> dict[str, Any]:
+def write_swapped_checkpoint(
+    src: Path, dst: Path, token_id: int, value: float = SWAP_VALUE
+) -> dict[str, Any]:
     """Copy checkpoint ``src`` to ``dst`` with one bf16 value changed in place:
     ``model.embed_tokens.weight[token_id, 0]`` := ``value``. The safetensors headers
     (names, dtypes, shapes, offsets) stay byte-identical.
@@ -301,10 +359,16 @@ def write_swapped_checkpoint(src: Path, dst: Path, token_id: int,
             fh.seek(at)
             old = torch.frombuffer(bytearray(fh.read(2)), dtype=torch.bfloat16).item()
             fh.seek(at)
-            fh.write(torch.tensor([value], dtype=torch.bfloat16).view(torch.int16).numpy()
-                     .tobytes())
-            return {"file": f.name, "tensor": name, "index": [token_id, 0], "old": old,
-                    "new": value}
+            fh.write(
+                torch.tensor([value], dtype=torch.bfloat16).view(torch.int16).numpy().tobytes()
+            )
+            return {
+                "file": f.name,
+                "tensor": name,
+                "index": [token_id, 0],
+                "old": old,
+                "new": value,
+            }
     raise ValueError(f"no {name} in {src}")
 
 
@@ -335,9 +399,13 @@ def run_swap(root: Path, log: Callable[[str], None]) -> dict[str, Any]:
     for name in ("wcache", "ipc_cache"):
         res = _system(name, b, None, "smol", root / "logs", serve_ckpt=a)
         if "token_ids" in res:
-            res["served"] = ("B (right)" if res["token_ids"] == out["disk_b"]["token_ids"]
-                             else "A (another checkpoint's weights)"
-                             if res["token_ids"] == out["disk_a"]["token_ids"] else "neither")
+            res["served"] = (
+                "B (right)"
+                if res["token_ids"] == out["disk_b"]["token_ids"]
+                else "A (another checkpoint's weights)"
+                if res["token_ids"] == out["disk_a"]["token_ids"]
+                else "neither"
+            )
         elif is_key_mismatch(" ".join(res.get("engine_error", []))):
             res["served"] = "nothing: refused (key-mismatch, the checkpoint content differs)"
         out[name] = res
@@ -351,14 +419,18 @@ def _fmt(v: Any, spec: str = ".3f") -> str:
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown table of :func:`run`'s rows: one line per case and system."""
-    out = ["| case | system | daemon ready (s) | daemon GPU memory (MiB) | Model loading "
-           "took (s) | engine GiB | LLM() start (s) | same tokens as disk |",
-           "|---|---|---:|---:|---:|---:|---:|---|"]
+    out = [
+        "| case | system | daemon ready (s) | daemon GPU memory (MiB) | Model loading "
+        "took (s) | engine GiB | LLM() start (s) | same tokens as disk |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         d = r["disk"]
-        out.append(f"| {r['case']} | disk | - | - | {_fmt(d.get('model_loading_s'))} | "
-                   f"{_fmt(d.get('model_loading_gib'), '.2f')} | "
-                   f"{_fmt(d.get('llm_start_s'), '.1f')} | (reference) |")
+        out.append(
+            f"| {r['case']} | disk | - | - | {_fmt(d.get('model_loading_s'))} | "
+            f"{_fmt(d.get('model_loading_gib'), '.2f')} | "
+            f"{_fmt(d.get('llm_start_s'), '.1f')} | (reference) |"
+        )
         for name in ("wcache", "ipc_cache"):
             s = r.get(name)
             if s is None:
@@ -367,28 +439,37 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             if err:
                 where = "daemon" if "daemon_error" in s else "engine"
                 msg = " ".join(err).replace("|", "\\|")[:240]
-                out.append(f"| {r['case']} | {name} | refused/failed ({where}): {msg} "
-                           f"| | | | | |")
+                out.append(f"| {r['case']} | {name} | refused/failed ({where}): {msg} | | | | | |")
                 continue
-            out.append(f"| {r['case']} | {name} | {_fmt(s.get('daemon_ready_s'), '.1f')} | "
-                       f"{_fmt(s.get('daemon_gpu_mib'), '.0f')} | "
-                       f"{_fmt(s.get('model_loading_s'))} | "
-                       f"{_fmt(s.get('model_loading_gib'), '.2f')} | "
-                       f"{_fmt(s.get('llm_start_s'), '.1f')} | "
-                       f"{'yes' if s.get('identical') else 'NO'} |")
+            out.append(
+                f"| {r['case']} | {name} | {_fmt(s.get('daemon_ready_s'), '.1f')} | "
+                f"{_fmt(s.get('daemon_gpu_mib'), '.0f')} | "
+                f"{_fmt(s.get('model_loading_s'))} | "
+                f"{_fmt(s.get('model_loading_gib'), '.2f')} | "
+                f"{_fmt(s.get('llm_start_s'), '.1f')} | "
+                f"{'yes' if s.get('identical') else 'NO'} |"
+            )
     return "\n".join(out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m wcache.benchmarks.bench_ipc_cache",
-                                 description=__doc__.split("\n")[0])
-    ap.add_argument("--cases", default="8b-bf16,8b-fp8,8b-fp8-block",
-                    help=f"comma-separated subset of {','.join(CASES)} (may be empty)")
-    ap.add_argument("--swap", action="store_true",
-                    help="also run the checkpoint-swap case (SmolLM2 bf16)")
-    ap.add_argument("--root", type=Path,
-                    default=Path(os.environ.get("WCACHE_BENCH_DIR", "/tmp/wcache-8b")),
-                    help="where checkpoints and daemon logs are written")
+    ap = argparse.ArgumentParser(
+        prog="python -m wcache.benchmarks.bench_ipc_cache", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument(
+        "--cases",
+        default="8b-bf16,8b-fp8,8b-fp8-block",
+        help=f"comma-separated subset of {','.join(CASES)} (may be empty)",
+    )
+    ap.add_argument(
+        "--swap", action="store_true", help="also run the checkpoint-swap case (SmolLM2 bf16)"
+    )
+    ap.add_argument(
+        "--root",
+        type=Path,
+        default=Path(os.environ.get("WCACHE_BENCH_DIR", "/tmp/wcache-8b")),
+        help="where checkpoints and daemon logs are written",
+    )
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args(argv)
     cases = [c for c in args.cases.split(",") if c]
@@ -399,9 +480,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from wcache.vllm.compat import vllm_version  # noqa: PLC0415 (torch import ~2 s: only when called)
 
-    meta = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__, "vllm": vllm_version(),
-            "date": time.strftime("%Y-%m-%d", time.gmtime())}
+    meta = {
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "vllm": vllm_version(),
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
     result: dict[str, Any] = {"meta": meta, "rows": []}
 
     def save(rows: list[dict[str, Any]]) -> None:
@@ -419,8 +503,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["swap"] = run_swap(args.root, log)
         save(rows)
         print(json.dumps({k: v for k, v in result["swap"].items()}, default=str)[:4000])
-    ok = all("token_ids" in r.get("wcache", {}) and r["wcache"].get("identical")
-             for r in rows)
+    ok = all("token_ids" in r.get("wcache", {}) and r["wcache"].get("identical") for r in rows)
     return 0 if ok else 1
 
 

@@ -75,8 +75,16 @@ from wcache.testing.caches import (
 )
 from wcache.vllm.run_engine import vllm_engine_args
 
-__all__ = ["ROWS", "Row", "run", "table", "plot_phases", "main", "merge_results",
-           "prime_compile_supported"]
+__all__ = [
+    "ROWS",
+    "Row",
+    "run",
+    "table",
+    "plot_phases",
+    "main",
+    "merge_results",
+    "prime_compile_supported",
+]
 
 HELP_EPILOG = """\
 target (issue 24; docs/benchmarks.md records what was reached):
@@ -115,15 +123,18 @@ class Row:
         return f"{self.source}-{'compiled' if self.compiled else 'eager'}"
 
 
-ROWS: dict[str, Row] = {r.name: r for r in (
-    Row("disk-eager", "disk", False, "cold"),
-    Row("daemon-eager", "daemon", False, "cold"),
-    Row("disk-compiled-cold", "disk", True, "cold"),
-    Row("disk-compiled-warm", "disk", True, "warm"),
-    Row("daemon-compiled-cold", "daemon", True, "cold"),
-    Row("daemon-compiled-warm", "daemon", True, "warm"),
-    Row("fresh-node", "snapshot", True, "cold"),
-)}
+ROWS: dict[str, Row] = {
+    r.name: r
+    for r in (
+        Row("disk-eager", "disk", False, "cold"),
+        Row("daemon-eager", "daemon", False, "cold"),
+        Row("disk-compiled-cold", "disk", True, "cold"),
+        Row("disk-compiled-warm", "disk", True, "warm"),
+        Row("daemon-compiled-cold", "daemon", True, "cold"),
+        Row("daemon-compiled-warm", "daemon", True, "warm"),
+        Row("fresh-node", "snapshot", True, "cold"),
+    )
+}
 #: The target's two rows and its ratio (issue 24).
 TARGET_DISK_ROW, TARGET_ROW, TARGET_RATIO = "disk-compiled-cold", "fresh-node", 3.0
 #: The closest measured row when the fresh node cannot run (said so in the table).
@@ -153,8 +164,16 @@ MODEL_KINDS = ("8b", "smol", "tiny")
 FIGSIZE_IN = (8.0, 4.2)
 DPI = 150
 #: The meta fields two runs' JSON must share to be merged into one table.
-COMPARABLE_META = ("device_name", "vllm", "torch", "model_kind", "engine_args", "serve_args",
-                   "engine_env", "stack_samples_s")
+COMPARABLE_META = (
+    "device_name",
+    "vllm",
+    "torch",
+    "model_kind",
+    "engine_args",
+    "serve_args",
+    "engine_env",
+    "stack_samples_s",
+)
 #: The directory --stack-samples puts first on the engines' PYTHONPATH (its sitecustomize).
 STACK_SAMPLER_DIR = str(Path(__file__).resolve().parent / "_stack_sampler")
 
@@ -173,17 +192,24 @@ def prime_compile_supported() -> tuple[bool, str]:
     Returns:
         ``(supported, reason)``; ``reason`` says why not.
     """
-    proc = subprocess.run([sys.executable, "-m", "wcache.cli", "serve", "--help"],
-                          capture_output=True, text=True, timeout=HELP_TIMEOUT_S)
+    proc = subprocess.run(
+        [sys.executable, "-m", "wcache.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=HELP_TIMEOUT_S,
+    )
     if PRIME_COMPILE_FLAG in proc.stdout:
         return True, ""
-    return False, (f"`wcache serve` has no {PRIME_COMPILE_FLAG} option on this checkout (the "
-                   f"prime-compile branch is not merged): the fresh-node row needs a snapshot "
-                   f"that carries vLLM's compile artifacts")
+    return False, (
+        f"`wcache serve` has no {PRIME_COMPILE_FLAG} option on this checkout (the "
+        f"prime-compile branch is not merged): the fresh-node row needs a snapshot "
+        f"that carries vLLM's compile artifacts"
+    )
 
 
-def model_setup(kind: str, device: str, root: Path, model: str | None = None
-                ) -> tuple[Path, list[str], list[str]]:
+def model_setup(
+    kind: str, device: str, root: Path, model: str | None = None
+) -> tuple[Path, list[str], list[str]]:
     """The checkpoint, the run_engine options and the `wcache serve` options of a kind.
 
     Returns:
@@ -207,9 +233,16 @@ def model_setup(kind: str, device: str, root: Path, model: str | None = None
     if device == "cuda":
         cfg = json.loads((path / "config.json").read_text())
         max_len = str(cfg["max_position_embeddings"])  # vLLM's default for the model
-        engine = ["--attention-backend", CUDA_ATTENTION_BACKEND, "--gpu-memory-utilization",
-                  str(CUDA_GPU_MEMORY_UTILIZATION), "--max-model-len", max_len,
-                  "--max-num-seqs", str(VLLM_DEFAULT)]
+        engine = [
+            "--attention-backend",
+            CUDA_ATTENTION_BACKEND,
+            "--gpu-memory-utilization",
+            str(CUDA_GPU_MEMORY_UTILIZATION),
+            "--max-model-len",
+            max_len,
+            "--max-num-seqs",
+            str(VLLM_DEFAULT),
+        ]
         serve = ["--attention-backend", CUDA_ATTENTION_BACKEND, "--max-model-len", max_len]
     else:
         engine = ["--max-model-len", str(CPU_MAX_MODEL_LEN)]
@@ -226,10 +259,18 @@ def _error_lines(exc: BaseException) -> list[str]:
 class _Runner:
     """Runs the rows: owns the cache roots, the daemons and the engine calls."""
 
-    def __init__(self, ckpt: Path, engine_args: Sequence[str], serve_args: Sequence[str],
-                 device: str, work: Path, log: Callable[[str], None],
-                 log_dir: Path | None = None, stack_samples_s: float = 0.0,
-                 engine_env: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        ckpt: Path,
+        engine_args: Sequence[str],
+        serve_args: Sequence[str],
+        device: str,
+        work: Path,
+        log: Callable[[str], None],
+        log_dir: Path | None = None,
+        stack_samples_s: float = 0.0,
+        engine_env: Mapping[str, str] | None = None,
+    ):
         self.ckpt, self.device, self.work, self.log = ckpt, device, work, log
         self.log_dir, self.stack_samples_s = log_dir, stack_samples_s
         self.engine_env = dict(engine_env or {})
@@ -251,36 +292,49 @@ class _Runner:
             self.nodes[name] = root
         return self.nodes[name]
 
-    def engine(self, load_format: str, extra: dict, compiled: bool, root: Path,
-               name: str) -> dict:
+    def engine(self, load_format: str, extra: dict, compiled: bool, root: Path, name: str) -> dict:
         """One engine of row ``name``; its whole log goes to ``log_dir/name.log``, what
         it wrote into each cache (its node's and the host's) to ``res["cache_writes"]``."""
         from wcache.daemon.process import run_engine  # noqa: PLC0415 (imported at call time: tests patch run_engine)
 
         args = self.engine_args + (["--compile"] if compiled else [])
-        watched = {**{f"node/{sub}": root / sub for sub in CACHE_ENV_DIRS.values()},
-                   **host_cache_dirs()}
+        watched = {
+            **{f"node/{sub}": root / sub for sub in CACHE_ENV_DIRS.values()},
+            **host_cache_dirs(),
+        }
         before = cache_states(watched)
         t0 = time.time()
         try:
-            res = run_engine(self.ckpt, load_format, extra, prompts=[PROMPT],
-                             max_tokens=MAX_TOKENS,
-                             env={**cache_env(root), **LOG_ENV, **self.engine_env,
-                                  **self._sampler_env(name)},
-                             timeout_s=ENGINE_TIMEOUT_S, engine_args=args)
+            res = run_engine(
+                self.ckpt,
+                load_format,
+                extra,
+                prompts=[PROMPT],
+                max_tokens=MAX_TOKENS,
+                env={**cache_env(root), **LOG_ENV, **self.engine_env, **self._sampler_env(name)},
+                timeout_s=ENGINE_TIMEOUT_S,
+                engine_args=args,
+            )
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             out = getattr(exc, "output", None)
-            self._keep_log(name, (out.decode(errors="replace") if isinstance(out, bytes)
-                                  else out) or str(exc))
+            self._keep_log(
+                name, (out.decode(errors="replace") if isinstance(out, bytes) else out) or str(exc)
+            )
             raise
         self._keep_log(name, res.get("output") or res.get("log") or "")
         res["wall_s"] = time.time() - t0
         res["cache_writes"] = cache_writes(before, cache_states(watched))
         res["spawn_time"] = t0
-        res["command"] = {"module": "wcache.vllm.run_engine", "model": str(self.ckpt),
-                          "load_format": load_format, "extra": extra, "engine_args": args,
-                          "prompt": PROMPT, "max_tokens": MAX_TOKENS,
-                          "env": {**cache_env(root), **self.engine_env}}
+        res["command"] = {
+            "module": "wcache.vllm.run_engine",
+            "model": str(self.ckpt),
+            "load_format": load_format,
+            "extra": extra,
+            "engine_args": args,
+            "prompt": PROMPT,
+            "max_tokens": MAX_TOKENS,
+            "env": {**cache_env(root), **self.engine_env},
+        }
         return res
 
     def _sampler_env(self, name: str) -> dict[str, str]:
@@ -291,9 +345,11 @@ class _Runner:
             return {}
         self.log_dir.mkdir(parents=True, exist_ok=True)
         path = os.environ.get("PYTHONPATH")
-        return {"PYTHONPATH": STACK_SAMPLER_DIR + (os.pathsep + path if path else ""),
-                "WCACHE_STACK_SAMPLES": str(self.log_dir / f"{name}.stacks"),
-                "WCACHE_STACK_SAMPLE_S": str(self.stack_samples_s)}
+        return {
+            "PYTHONPATH": STACK_SAMPLER_DIR + (os.pathsep + path if path else ""),
+            "WCACHE_STACK_SAMPLES": str(self.log_dir / f"{name}.stacks"),
+            "WCACHE_STACK_SAMPLE_S": str(self.stack_samples_s),
+        }
 
     def _keep_log(self, name: str, text: str) -> None:
         """The engine's whole output (stdout and stderr) in ``log_dir/name.log``."""
@@ -311,11 +367,18 @@ class _Runner:
 
         if self.daemon is None:
             sock = tempfile.mkdtemp(prefix="wcb-phases-")
-            self.daemon = DaemonProcess(self.ckpt, sock, extra_args=self.serve_args,
-                                        env=cache_env(self.node("daemon", fresh=True)))
+            self.daemon = DaemonProcess(
+                self.ckpt,
+                sock,
+                extra_args=self.serve_args,
+                env=cache_env(self.node("daemon", fresh=True)),
+            )
             self.daemon.start()
-            self.daemon_info = {"ready_s": self.daemon.ready_s, "command": self.daemon.args,
-                                "ready_line": self.daemon.ready_lines[-1:]}
+            self.daemon_info = {
+                "ready_s": self.daemon.ready_s,
+                "command": self.daemon.args,
+                "ready_line": self.daemon.ready_lines[-1:],
+            }
             self.log(f"daemon ready in {self.daemon.ready_s:.1f} s")
         return self.daemon.socket_dir
 
@@ -329,7 +392,6 @@ class _Runner:
         """The fresh-node row: prime, snapshot, a daemon --from-snapshot, an engine."""
         from wcache.daemon.process import DaemonProcess  # noqa: PLC0415 (imported at call time: tests patch DaemonProcess)
 
-
         ok, reason = prime_compile_supported()
         if not ok:
             return {"not_run": reason}
@@ -340,30 +402,54 @@ class _Runner:
             # the priming engine is built from the serve's arguments: give it the
             # engines' (vLLM's compile key covers max_model_len and max_num_seqs; the
             # memory share lets it start beside the daemon)
-            prime = DaemonProcess(self.ckpt, sock, env=cache_env(self.node("prime", True)),
-                                  extra_args=[*self.serve_args,
-                                              *vllm_engine_args(list(self.engine_args)),
-                                              # its engines are run_engine's LLM()
-                                              PRIME_COMPILE_FLAG, "llm", "--snapshot", str(snap)])
+            prime = DaemonProcess(
+                self.ckpt,
+                sock,
+                env=cache_env(self.node("prime", True)),
+                extra_args=[
+                    *self.serve_args,
+                    *vllm_engine_args(list(self.engine_args)),
+                    # its engines are run_engine's LLM()
+                    PRIME_COMPILE_FLAG,
+                    "llm",
+                    "--snapshot",
+                    str(snap),
+                ],
+            )
             with prime:
                 t0 = time.time()
-                info["prime_daemon"] = {"ready_s": prime.ready_s, "command": prime.args,
-                                        "primed": prime.wait_primed(),
-                                        "priming_s": time.time() - t0}
+                info["prime_daemon"] = {
+                    "ready_s": prime.ready_s,
+                    "command": prime.args,
+                    "primed": prime.wait_primed(),
+                    "priming_s": time.time() - t0,
+                }
         root = self.node(row.node, fresh=True)
         with tempfile.TemporaryDirectory(prefix="wcb-fresh-") as sock:
-            served = DaemonProcess(self.ckpt, sock, env=cache_env(root),
-                                   extra_args=[*self.serve_args, "--from-snapshot", str(snap)])
+            served = DaemonProcess(
+                self.ckpt,
+                sock,
+                env=cache_env(root),
+                extra_args=[*self.serve_args, "--from-snapshot", str(snap)],
+            )
             with served:
-                info["snapshot_daemon"] = {"ready_s": served.ready_s, "command": served.args,
-                                           "ready_line": served.ready_lines[-1:]}
-                res = self.engine("wcache", {"socket_dir": sock, "fallback": False}, True, root,
-                                  row.name)
+                info["snapshot_daemon"] = {
+                    "ready_s": served.ready_s,
+                    "command": served.args,
+                    "ready_line": served.ready_lines[-1:],
+                }
+                res = self.engine(
+                    "wcache", {"socket_dir": sock, "fallback": False}, True, root, row.name
+                )
         return {**info, "result": res, "cache_root": str(root)}
 
     def row(self, row: Row) -> dict[str, Any]:
-        out: dict[str, Any] = {"row": row.name, "source": row.source, "compiled": row.compiled,
-                               "caches": row.caches}
+        out: dict[str, Any] = {
+            "row": row.name,
+            "source": row.source,
+            "compiled": row.compiled,
+            "caches": row.caches,
+        }
         try:
             if row.source == "snapshot":
                 got = self.fresh_node(row)
@@ -374,13 +460,17 @@ class _Runner:
             else:
                 warm = row.caches == "warm"
                 root = self.node(row.node, fresh=not warm)
-                extra = ({"socket_dir": self.daemon_socket(), "fallback": False}
-                         if row.source == "daemon" else {})
+                extra = (
+                    {"socket_dir": self.daemon_socket(), "fallback": False}
+                    if row.source == "daemon"
+                    else {}
+                )
                 fmt = "wcache" if row.source == "daemon" else self.disk_format()
                 if warm and row.node not in self.warmed:
                     self.log(f"{row.name}: warming its caches with one unrecorded start")
-                    out["warmup_wall_s"] = self.engine(fmt, extra, row.compiled, root,
-                                                      f"{row.name}-warmup")["wall_s"]
+                    out["warmup_wall_s"] = self.engine(
+                        fmt, extra, row.compiled, root, f"{row.name}-warmup"
+                    )["wall_s"]
                 res = self.engine(fmt, extra, row.compiled, root, row.name)
                 out["cache_root"] = str(root)
                 if row.compiled:
@@ -392,23 +482,39 @@ class _Runner:
         if row.source != "disk" and not any(r.get("phase") == "restore" for r in loads):
             out["error"] = [f"the engine did not restore from the daemon (load records: {loads})"]
             return out
-        out.update({**_phase_fields(res["phases"]["marks"], res["log"], loads, row.compiled,
-                                    self.device),
-                    "wall_s": res["wall_s"],
-                    "marks": res["phases"]["marks"], "log_lines": phase_lines(res["log"]),
-                    "process_start_source": res["phases"]["process_start_source"],
-                    "load": loads, "token_ids": res["token_ids"], "command": res["command"],
-                    "cache_writes": res.get("cache_writes")})
+        out.update(
+            {
+                **_phase_fields(
+                    res["phases"]["marks"], res["log"], loads, row.compiled, self.device
+                ),
+                "wall_s": res["wall_s"],
+                "marks": res["phases"]["marks"],
+                "log_lines": phase_lines(res["log"]),
+                "process_start_source": res["phases"]["process_start_source"],
+                "load": loads,
+                "token_ids": res["token_ids"],
+                "command": res["command"],
+                "cache_writes": res.get("cache_writes"),
+            }
+        )
         return out
 
 
-def _phase_fields(marks: Mapping[str, float], log: str, loads: Sequence[Mapping[str, Any]],
-                  compiled: bool, device: str) -> dict[str, Any]:
+def _phase_fields(
+    marks: Mapping[str, float],
+    log: str,
+    loads: Sequence[Mapping[str, Any]],
+    compiled: bool,
+    device: str,
+) -> dict[str, Any]:
     """A row's ``phases``, ``total_s`` and ``figures`` from its evidence (run_engine's
     marks, vLLM's log or its phase lines, the loader's records)."""
     phases = breakdown(marks, log, loads, compiled=compiled, device=device)
-    return {"phases": [p.to_json() for p in phases], "total_s": total_s(phases),
-            "figures": parse_log(log)}
+    return {
+        "phases": [p.to_json() for p in phases],
+        "total_s": total_s(phases),
+        "figures": parse_log(log),
+    }
 
 
 def _same_tokens(row: Mapping[str, Any], earlier: Sequence[Mapping[str, Any]]) -> bool | None:
@@ -418,13 +524,19 @@ def _same_tokens(row: Mapping[str, Any], earlier: Sequence[Mapping[str, Any]]) -
     return None if first is None else first["token_ids"] == row["token_ids"]
 
 
-def run(rows: Sequence[str], ckpt: Path, engine_args: Sequence[str], serve_args: Sequence[str],
-        device: str, work: Path, log: Callable[[str], None] = _log,
-        on_row: Callable[[list[dict[str, Any]], Mapping[str, Any]], None] =
-        lambda rows, daemon: None,
-        log_dir: Path | None = None, stack_samples_s: float = 0.0,
-        engine_env: Mapping[str, str] | None = None
-        ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def run(
+    rows: Sequence[str],
+    ckpt: Path,
+    engine_args: Sequence[str],
+    serve_args: Sequence[str],
+    device: str,
+    work: Path,
+    log: Callable[[str], None] = _log,
+    on_row: Callable[[list[dict[str, Any]], Mapping[str, Any]], None] = lambda rows, daemon: None,
+    log_dir: Path | None = None,
+    stack_samples_s: float = 0.0,
+    engine_env: Mapping[str, str] | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run ``rows`` (names of :data:`ROWS`) in :data:`ROWS` order. After each row
     ``on_row`` gets the rows so far and the shared daemon's info (results survive a
     timeout); with ``log_dir`` every engine's whole output is kept there, and with
@@ -439,8 +551,9 @@ def run(rows: Sequence[str], ckpt: Path, engine_args: Sequence[str], serve_args:
     unknown = sorted(set(rows) - set(ROWS))
     if unknown:
         raise ValueError(f"unknown rows {unknown}; choose from {','.join(ROWS)}")
-    runner = _Runner(ckpt, engine_args, serve_args, device, work, log, log_dir,
-                     stack_samples_s, engine_env)
+    runner = _Runner(
+        ckpt, engine_args, serve_args, device, work, log, log_dir, stack_samples_s, engine_env
+    )
     results: list[dict[str, Any]] = []
     try:
         for name in (n for n in ROWS if n in rows):
@@ -448,8 +561,11 @@ def run(rows: Sequence[str], ckpt: Path, engine_args: Sequence[str], serve_args:
             res = runner.row(ROWS[name])
             if "total_s" in res:
                 res["same_tokens_as_first_row"] = _same_tokens(res, results)
-                log(f"{name}: first token at {res['total_s']:.2f} s ("
-                    + ", ".join(f"{p['name']} {p['seconds']:.2f}" for p in res["phases"]) + ")")
+                log(
+                    f"{name}: first token at {res['total_s']:.2f} s ("
+                    + ", ".join(f"{p['name']} {p['seconds']:.2f}" for p in res["phases"])
+                    + ")"
+                )
             else:
                 log(f"{name}: {res.get('error') or res.get('not_run')}")
             results.append(res)
@@ -487,11 +603,15 @@ def merge_results(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
     runs = [json.loads(Path(p).read_text()) for p in paths]
     if not runs:
         raise ValueError("merge_results: no results file given")
-    seen = {json.dumps({k: _meta_value(r["meta"], k) for k in COMPARABLE_META}, sort_keys=True)
-            for r in runs}
+    seen = {
+        json.dumps({k: _meta_value(r["meta"], k) for k in COMPARABLE_META}, sort_keys=True)
+        for r in runs
+    }
     if len(seen) > 1:
-        raise ValueError(f"merge_results: the files differ in {', '.join(COMPARABLE_META)} "
-                         f"({sorted(seen)}): rows of different setups do not compare")
+        raise ValueError(
+            f"merge_results: the files differ in {', '.join(COMPARABLE_META)} "
+            f"({sorted(seen)}): rows of different setups do not compare"
+        )
     device = runs[0]["meta"]["device"]
     rows: dict[str, dict[str, Any]] = {}
     daemon_of: dict[str, Mapping[str, Any]] = {}  # row -> its file's shared daemon
@@ -499,14 +619,30 @@ def merge_results(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
     for path, run_ in zip(paths, runs):
         offset = len(leaves)
         own = run_["meta"].get("runs")
-        leaves += own if own else [{"path": str(path), **{
-            k: run_["meta"].get(k) for k in ("date", "git", "git_dirty", "command")}}]
+        leaves += (
+            own
+            if own
+            else [
+                {
+                    "path": str(path),
+                    **{k: run_["meta"].get(k) for k in ("date", "git", "git_dirty", "command")},
+                }
+            ]
+        )
         for r in run_["rows"]:
             if "marks" not in r and "marks" in rows.get(r["row"], {}):
                 continue  # a later failed or skipped try does not hide a row that ran
             if "marks" in r:
-                r = {**r, **_phase_fields(r["marks"], "\n".join(r["log_lines"]),
-                                          r.get("load") or [], r["compiled"], device)}
+                r = {
+                    **r,
+                    **_phase_fields(
+                        r["marks"],
+                        "\n".join(r["log_lines"]),
+                        r.get("load") or [],
+                        r["compiled"],
+                        device,
+                    ),
+                }
             known = r.get("run") if own else 0
             rows[r["row"]] = {**r, "run": None if known is None else offset + known}
             daemon_of[r["row"]] = run_.get("daemon") or {}
@@ -515,11 +651,19 @@ def merge_results(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
         if "token_ids" in r:
             r["same_tokens_as_first_row"] = _same_tokens(r, ordered[:i])
     meta = {**runs[0]["meta"], "runs": leaves, "measured": _measured(runs[0]["meta"])}
-    meta["provenance"] = (f"merged from {len(leaves)} runs of wcache.benchmarks.bench_phases "
-                          f"(meta.runs); each row measured in one of them (its run); "
-                          f"{meta['measured']}")
-    daemon = next((daemon_of[r["row"]] for r in ordered
-                   if r.get("source") == "daemon" and daemon_of[r["row"]]), {})
+    meta["provenance"] = (
+        f"merged from {len(leaves)} runs of wcache.benchmarks.bench_phases "
+        f"(meta.runs); each row measured in one of them (its run); "
+        f"{meta['measured']}"
+    )
+    daemon = next(
+        (
+            daemon_of[r["row"]]
+            for r in ordered
+            if r.get("source") == "daemon" and daemon_of[r["row"]]
+        ),
+        {},
+    )
     return {"meta": meta, "daemon": daemon, "rows": ordered, "target": target_summary(ordered)}
 
 
@@ -563,8 +707,13 @@ def target_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     (``substitute_ratio``; not the target's row)."""
     by = _by_row(rows)
     disk = by.get(TARGET_DISK_ROW, {}).get("total_s")
-    out: dict[str, Any] = {"disk_row": TARGET_DISK_ROW, "row": TARGET_ROW,
-                           "target_ratio": TARGET_RATIO, "ratio": None, "reached": None}
+    out: dict[str, Any] = {
+        "disk_row": TARGET_DISK_ROW,
+        "row": TARGET_ROW,
+        "target_ratio": TARGET_RATIO,
+        "ratio": None,
+        "reached": None,
+    }
     fresh = by.get(TARGET_ROW, {})
     if fresh.get("total_s") and disk:
         out["ratio"] = disk / fresh["total_s"]
@@ -572,21 +721,27 @@ def target_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         runs_ = (by[TARGET_DISK_ROW].get("run", 0), fresh.get("run", 0))
         out["one_run"] = None not in runs_ and runs_[0] == runs_[1]
         out["reached"] = out["ratio"] >= TARGET_RATIO and out["one_run"]
-        out["remaining"] = [[p["name"], p["seconds"]] for p in
-                            sorted(fresh["phases"], key=lambda p: -p["seconds"])
-                            if p["seconds"] > NEGLIGIBLE_S]
+        out["remaining"] = [
+            [p["name"], p["seconds"]]
+            for p in sorted(fresh["phases"], key=lambda p: -p["seconds"])
+            if p["seconds"] > NEGLIGIBLE_S
+        ]
     else:
-        out["why_not"] = (fresh.get("not_run") or (fresh.get("error") and
-                          "fresh-node failed: " + " ".join(fresh["error"]))
-                          or ("not requested" if not fresh else "")
-                          or f"{TARGET_DISK_ROW} did not run")
+        out["why_not"] = (
+            fresh.get("not_run")
+            or (fresh.get("error") and "fresh-node failed: " + " ".join(fresh["error"]))
+            or ("not requested" if not fresh else "")
+            or f"{TARGET_DISK_ROW} did not run"
+        )
         sub = by.get(SUBSTITUTE_ROW, {})
         if sub.get("total_s") and disk:
             out["substitute_row"] = SUBSTITUTE_ROW
             out["substitute_ratio"] = disk / sub["total_s"]
-            out["substitute_remaining"] = [[p["name"], p["seconds"]] for p in
-                                           sorted(sub["phases"], key=lambda p: -p["seconds"])
-                                           if p["seconds"] > NEGLIGIBLE_S]
+            out["substitute_remaining"] = [
+                [p["name"], p["seconds"]]
+                for p in sorted(sub["phases"], key=lambda p: -p["seconds"])
+                if p["seconds"] > NEGLIGIBLE_S
+            ]
     return out
 
 
@@ -604,25 +759,38 @@ def table(rows: Sequence[Mapping[str, Any]]) -> str:
         cells = [f"{secs[n]:.2f}" for n in PHASES]
         cache = r["figures"].get("compile_cache", "none") if r["compiled"] else "-"
         cache = "not logged" if cache == "none" else cache  # vLLM CPU logs no compile lines
-        out.append(f"| {r['row']} | " + " | ".join(cells) + f" | **{r['total_s']:.2f}** | "
-                   f"{cache} |")
+        out.append(
+            f"| {r['row']} | " + " | ".join(cells) + f" | **{r['total_s']:.2f}** | {cache} |"
+        )
     s = target_summary(rows)
     out.append("")
     if s["ratio"] is not None:
-        out.append(f"Target: {TARGET_DISK_ROW} / {TARGET_ROW} = **{s['ratio']:.2f}x** (target "
-                   f">= {TARGET_RATIO:.0f}x: {'reached' if s['reached'] else 'NOT reached'}"
-                   + ("" if s["one_run"] else "; the two rows were measured in different "
-                      "runs (meta.runs), and the target is one run's ratio") + "). "
-                   "Phases that remain on the fresh node: "
-                   + ", ".join(f"{n} {v:.2f} s" for n, v in s["remaining"]) + ".")
+        out.append(
+            f"Target: {TARGET_DISK_ROW} / {TARGET_ROW} = **{s['ratio']:.2f}x** (target "
+            f">= {TARGET_RATIO:.0f}x: {'reached' if s['reached'] else 'NOT reached'}"
+            + (
+                ""
+                if s["one_run"]
+                else "; the two rows were measured in different "
+                "runs (meta.runs), and the target is one run's ratio"
+            )
+            + "). "
+            "Phases that remain on the fresh node: "
+            + ", ".join(f"{n} {v:.2f} s" for n, v in s["remaining"])
+            + "."
+        )
     else:
-        out.append(f"Target ({TARGET_DISK_ROW} / {TARGET_ROW} >= {TARGET_RATIO:.0f}x): not "
-                   f"measured: {s['why_not']}.")
+        out.append(
+            f"Target ({TARGET_DISK_ROW} / {TARGET_ROW} >= {TARGET_RATIO:.0f}x): not "
+            f"measured: {s['why_not']}."
+        )
         if "substitute_ratio" in s:
-            out.append(f"For scale only (not the target's row): {TARGET_DISK_ROW} / "
-                       f"{SUBSTITUTE_ROW} = {s['substitute_ratio']:.2f}x; its phases: "
-                       + ", ".join(f"{n} {v:.2f} s" for n, v in s["substitute_remaining"])
-                       + ".")
+            out.append(
+                f"For scale only (not the target's row): {TARGET_DISK_ROW} / "
+                f"{SUBSTITUTE_ROW} = {s['substitute_ratio']:.2f}x; its phases: "
+                + ", ".join(f"{n} {v:.2f} s" for n, v in s["substitute_remaining"])
+                + "."
+            )
     return "\n".join(out) + "\n"
 
 
@@ -644,17 +812,22 @@ def plot_phases(results: Mapping[str, Any], png: str | Path) -> Path:
     left = [0.0] * len(ran)
     for i, name in enumerate(PHASES):
         widths = [next(p["seconds"] for p in r["phases"] if p["name"] == name) for r in ran]
-        ax.barh([r["row"] for r in ran], widths, left=left, color=colors[i % len(colors)],
-                label=name)
+        ax.barh(
+            [r["row"] for r in ran], widths, left=left, color=colors[i % len(colors)], label=name
+        )
         left = [a + b for a, b in zip(left, widths)]
     for y, (r, x) in enumerate(zip(ran, left)):
-        ax.annotate(f"{r['total_s']:.1f} s", (x, y), textcoords="offset points", xytext=(3, -3),
-                    fontsize=7)
+        ax.annotate(
+            f"{r['total_s']:.1f} s", (x, y), textcoords="offset points", xytext=(3, -3), fontsize=7
+        )
     meta = results.get("meta", {})
     ax.set_xlabel("seconds from process start to the first token")
-    ax.set_title(f"engine start by phase: {meta.get('model_kind', '')} on "
-                 f"{meta.get('device_name', meta.get('device', ''))}, vLLM "
-                 f"{meta.get('vllm', '?')}", fontsize=9)
+    ax.set_title(
+        f"engine start by phase: {meta.get('model_kind', '')} on "
+        f"{meta.get('device_name', meta.get('device', ''))}, vLLM "
+        f"{meta.get('vllm', '?')}",
+        fontsize=9,
+    )
     ax.set_xlim(0, max(left, default=1.0) * 1.12)
     ax.grid(True, axis="x", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars
@@ -668,40 +841,72 @@ def plot_phases(results: Mapping[str, Any], png: str | Path) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="wcache bench --phases", description=__doc__,
-                                epilog=HELP_EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                   help="cuda (the engines' vLLM CUDA build) or cpu (vLLM-CPU). Default: cuda "
-                        "when torch sees a GPU, else cpu.")
-    p.add_argument("--rows", type=_csv, default=tuple(ROWS),
-                   help=f"comma-separated subset of {','.join(ROWS)} (default: all; always "
-                        "run in that order).")
-    p.add_argument("--model-kind", choices=MODEL_KINDS, default=None,
-                   help="8b (bench_engine_cuda's 8B-shaped bf16 Llama, written under --root; "
-                        "default on cuda), smol (the SmolLM2-135M bf16 fixture; default on "
-                        "cpu) or tiny (wcache.testing.tiny's 2-layer bf16 Llama; tests).")
-    p.add_argument("--model", default=None,
-                   help="a bf16 checkpoint directory instead of --model-kind's")
-    p.add_argument("--root", default=os.environ.get("WCACHE_BENCH_DIR", "/tmp/wcache-phases"),
-                   help="work dir: the 8B checkpoint (~16 GB), cache roots, the snapshot "
-                        "(default $WCACHE_BENCH_DIR or /tmp/wcache-phases)")
+    p = argparse.ArgumentParser(
+        prog="wcache bench --phases",
+        description=__doc__,
+        epilog=HELP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default=None,
+        help="cuda (the engines' vLLM CUDA build) or cpu (vLLM-CPU). Default: cuda "
+        "when torch sees a GPU, else cpu.",
+    )
+    p.add_argument(
+        "--rows",
+        type=_csv,
+        default=tuple(ROWS),
+        help=f"comma-separated subset of {','.join(ROWS)} (default: all; always "
+        "run in that order).",
+    )
+    p.add_argument(
+        "--model-kind",
+        choices=MODEL_KINDS,
+        default=None,
+        help="8b (bench_engine_cuda's 8B-shaped bf16 Llama, written under --root; "
+        "default on cuda), smol (the SmolLM2-135M bf16 fixture; default on "
+        "cpu) or tiny (wcache.testing.tiny's 2-layer bf16 Llama; tests).",
+    )
+    p.add_argument(
+        "--model", default=None, help="a bf16 checkpoint directory instead of --model-kind's"
+    )
+    p.add_argument(
+        "--root",
+        default=os.environ.get("WCACHE_BENCH_DIR", "/tmp/wcache-phases"),
+        help="work dir: the 8B checkpoint (~16 GB), cache roots, the snapshot "
+        "(default $WCACHE_BENCH_DIR or /tmp/wcache-phases)",
+    )
     p.add_argument("--out", default=None, help="JSON results (rewritten after every row)")
     p.add_argument("--markdown", default=None, help="also write the table here")
     p.add_argument("--plot", default=None, help="PNG of the stacked phases (matplotlib)")
-    p.add_argument("--startup-plan", action="store_true",
-                   help="set VLLM_ENABLE_STARTUP_PLAN=1 on every engine (vLLM 0.33+, off by "
-                        "default): a warm cache root or a fresh node's start-up artifacts then "
-                        "give the KV-cache memory its profiling arrived at, and the engine "
-                        "skips that profiling. Recorded in the JSON (meta.engine_env)")
-    p.add_argument("--stack-samples", type=float, default=0.0, metavar="SECONDS",
-                   help="a diagnostic: every SECONDS, sample the Python stacks of every "
-                        "engine process into {--out}.logs/ROW.stacks.PID (needs --out; read "
-                        "them with python -m wcache.benchmarks.stacks). Default 0: off")
-    p.add_argument("--from-json", nargs="+", default=None, metavar="JSON",
-                   help="run nothing: merge these --out files (rows split over device "
-                        "calls; the last file's row wins unless it failed), recompute each row's phases "
-                        "from its saved evidence, and write --out/--markdown/--plot")
+    p.add_argument(
+        "--startup-plan",
+        action="store_true",
+        help="set VLLM_ENABLE_STARTUP_PLAN=1 on every engine (vLLM 0.33+, off by "
+        "default): a warm cache root or a fresh node's start-up artifacts then "
+        "give the KV-cache memory its profiling arrived at, and the engine "
+        "skips that profiling. Recorded in the JSON (meta.engine_env)",
+    )
+    p.add_argument(
+        "--stack-samples",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="a diagnostic: every SECONDS, sample the Python stacks of every "
+        "engine process into {--out}.logs/ROW.stacks.PID (needs --out; read "
+        "them with python -m wcache.benchmarks.stacks). Default 0: off",
+    )
+    p.add_argument(
+        "--from-json",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="run nothing: merge these --out files (rows split over device "
+        "calls; the last file's row wins unless it failed), recompute each row's phases "
+        "from its saved evidence, and write --out/--markdown/--plot",
+    )
     return p
 
 
@@ -711,26 +916,44 @@ def _meta(device: str, kind: str, ckpt: Path, argv: Sequence[str]) -> dict[str, 
 
     from wcache.vllm.compat import vllm_version  # noqa: PLC0415 (torch import ~2 s: only when called)
 
-    meta = {"device": device, "model_kind": kind, "checkpoint": str(ckpt),
-            "torch": torch.__version__, "vllm": vllm_version(), "python": platform.python_version(),
-            "host": platform.node(), "cpu_count": os.cpu_count(),
-            "command": ["wcache", "bench", "--phases", *argv],
-            "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-            "provenance": ("measured by wcache.benchmarks.bench_phases in one run; "
-                           f"{'a CUDA GPU' if device == 'cuda' else 'CPU only, no GPU'}")}
+    meta = {
+        "device": device,
+        "model_kind": kind,
+        "checkpoint": str(ckpt),
+        "torch": torch.__version__,
+        "vllm": vllm_version(),
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "command": ["wcache", "bench", "--phases", *argv],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "provenance": (
+            "measured by wcache.benchmarks.bench_phases in one run; "
+            f"{'a CUDA GPU' if device == 'cuda' else 'CPU only, no GPU'}"
+        ),
+    }
     if device == "cuda":
         meta["device_name"] = torch.cuda.get_device_name(0)
     else:
         meta["device_name"] = f"CPU ({os.cpu_count()} cores)"
     try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=HELP_TIMEOUT_S)
+        rev = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+            timeout=HELP_TIMEOUT_S,
+        )
         meta["git"] = rev.stdout.strip() or None
         # a copied checkout (the device machine's) can carry stale git metadata: say
         # whether the files differ from the commit named
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=HELP_TIMEOUT_S,
-                               cwd=Path(__file__).resolve().parent)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=HELP_TIMEOUT_S,
+            cwd=Path(__file__).resolve().parent,
+        )
         meta["git_dirty"] = bool(dirty.stdout.strip()) if dirty.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired):
         meta["git"] = meta["git_dirty"] = None
@@ -744,8 +967,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.from_json:
         return _write_merged(args)
     if args.stack_samples < 0 or (args.stack_samples and not args.out):
-        raise SystemExit("--stack-samples: give a positive interval in seconds, and --out "
-                         "(the samples go to {--out}.logs/)")
+        raise SystemExit(
+            "--stack-samples: give a positive interval in seconds, and --out "
+            "(the samples go to {--out}.logs/)"
+        )
     import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -757,18 +982,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     ckpt, engine_args, serve_args = model_setup(kind, device, root, args.model)
     meta = _meta(device, kind if args.model is None else "custom", ckpt, argv)
     engine_env = startup_plan_env() if args.startup_plan else {}
-    meta.update(engine_args=engine_args, serve_args=serve_args, engine_env=engine_env,
-                stack_samples_s=args.stack_samples)
+    meta.update(
+        engine_args=engine_args,
+        serve_args=serve_args,
+        engine_env=engine_env,
+        stack_samples_s=args.stack_samples,
+    )
 
     def results(rows: list[dict[str, Any]], daemon: Mapping[str, Any]) -> dict[str, Any]:
-        return {"meta": meta, "daemon": dict(daemon), "rows": rows,
-                "target": target_summary(rows)}
+        return {"meta": meta, "daemon": dict(daemon), "rows": rows, "target": target_summary(rows)}
 
     with tempfile.TemporaryDirectory(prefix="nodes-", dir=root) as work:
-        rows, daemon = run(args.rows, ckpt, engine_args, serve_args, device, Path(work),
-                           on_row=lambda rows, daemon: _save(args.out, results(rows, daemon)),
-                           log_dir=_log_dir(args.out), stack_samples_s=args.stack_samples,
-                           engine_env=engine_env)
+        rows, daemon = run(
+            args.rows,
+            ckpt,
+            engine_args,
+            serve_args,
+            device,
+            Path(work),
+            on_row=lambda rows, daemon: _save(args.out, results(rows, daemon)),
+            log_dir=_log_dir(args.out),
+            stack_samples_s=args.stack_samples,
+            engine_env=engine_env,
+        )
     return _write_outputs(args, results(rows, daemon))
 
 

@@ -68,8 +68,13 @@ from wcache.store import CacheKey, DaemonServer, Export
 from wcache.vllm import compat
 
 __all__ = [
-    "BenchOptions", "run_suite", "markdown_table", "handles_table", "curve_points",
-    "state_digest", "WorkerFailed",
+    "BenchOptions",
+    "run_suite",
+    "markdown_table",
+    "handles_table",
+    "curve_points",
+    "state_digest",
+    "WorkerFailed",
 ]
 
 #: Comparison runs only: ``WCACHE_BENCH_GUARD=off`` replays with the guard off (what
@@ -203,16 +208,24 @@ def planned_linears(shape: Any, fmt: str, target: Target) -> tuple[Layer, ...]:
     cache: dict[LayerConfig, Plan] = {}
     for spec in syn.linears(shape):
         cfg = syn.layer_config(spec, fmt, target)
-        key = LayerConfig(quant=cfg.quant, size_k=cfg.size_k, size_n=cfg.size_n,
-                          params_dtype=cfg.params_dtype, extra=cfg.extra)
+        key = LayerConfig(
+            quant=cfg.quant,
+            size_k=cfg.size_k,
+            size_n=cfg.size_n,
+            params_dtype=cfg.params_dtype,
+            extra=cfg.extra,
+        )
         if key not in cache:
             cache[key] = plan_for(cfg, target=target).plan
         out.append(Layer(spec.name, cfg, cache[key]))
     return tuple(out)
 
 
-def _install_(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
-              buffers: frozenset[str] = frozenset()) -> None:
+def _install_(
+    module: torch.nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    buffers: frozenset[str] = frozenset(),
+) -> None:
     apply_state_(module, LayerState(tensors=dict(tensors), buffers=buffers))
 
 
@@ -240,9 +253,10 @@ def state_digest(modules: Mapping[str, torch.nn.Module]) -> str:
             flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
             s1 = s2 = 0
             for lo in range(0, flat.numel(), DIGEST_CHUNK):
-                chunk = flat[lo:lo + DIGEST_CHUNK].to(torch.int64)
-                pos = (torch.arange(lo, lo + chunk.numel(), device=chunk.device)
-                       % DIGEST_MODULUS) + 1
+                chunk = flat[lo : lo + DIGEST_CHUNK].to(torch.int64)
+                pos = (
+                    torch.arange(lo, lo + chunk.numel(), device=chunk.device) % DIGEST_MODULUS
+                ) + 1
                 s1 += int(chunk.sum())
                 s2 += int((chunk * pos).sum())
             h.update(f"{mname}.{tname}:{tuple(t.shape)}:{t.dtype}:{s1}:{s2};".encode())
@@ -259,7 +273,6 @@ def state_digest(modules: Mapping[str, torch.nn.Module]) -> str:
 def _worker_main(conn: Any, task: str, payload: dict) -> None:
     """Entry point of a spawned worker: initialise, report ready, wait for go, run."""
     try:
-
         sys.path[:0] = [p for p in payload.get("sys_path", ()) if p not in sys.path]
         device = torch.device(payload["device"])
         if not payload["simulate_cuda_target"]:
@@ -295,8 +308,13 @@ def _skeleton(payload: dict) -> dict:
     target = _target(device, payload["simulate_cuda_target"])
     shape = syn.ModelShape(**payload["shape"])
     layers = planned_linears(shape, payload["fmt"], target)
-    return {"device": device, "target": target, "shape": shape, "layers": layers,
-            "modules": {ly.name: torch.nn.Module() for ly in layers}}
+    return {
+        "device": device,
+        "target": target,
+        "shape": shape,
+        "layers": layers,
+        "modules": {ly.name: torch.nn.Module() for ly in layers},
+    }
 
 
 def _load_prepare(payload: dict) -> dict:
@@ -313,8 +331,7 @@ def _load_run(conn: Any, payload: dict, sk: dict) -> dict:
         modules = {ly.name: torch.nn.Module() for ly in sk["layers"]}
         _sync(device)
         t0 = time.perf_counter()
-        with torch.no_grad(), safe_open(payload["path"], framework="pt",
-                                        device=str(device)) as f:
+        with torch.no_grad(), safe_open(payload["path"], framework="pt", device=str(device)) as f:
             names = list(f.keys())
             by_layer = _group_by_layer(names, sk["layers"])
             for ly in sk["layers"]:
@@ -331,8 +348,13 @@ def _load_run(conn: Any, payload: dict, sk: dict) -> dict:
     return {"seconds": seconds, "digest": digest}
 
 
-def _replay(sk: dict, layers_data: Mapping[str, dict], views: Mapping[str, torch.Tensor],
-            kinds: Mapping[str, str], content: bool = True) -> None:
+def _replay(
+    sk: dict,
+    layers_data: Mapping[str, dict],
+    views: Mapping[str, torch.Tensor],
+    kinds: Mapping[str, str],
+    content: bool = True,
+) -> None:
     """Install every layer's views, then restore every layer under one guard, as
     the engine does (``wcache.vllm.model.restore_layers_``)."""
 
@@ -344,19 +366,37 @@ def _replay(sk: dict, layers_data: Mapping[str, dict], views: Mapping[str, torch
     if os.environ.get(GUARD_ENV) == "off":  # the comparison run: what the guard costs
         for ly in sk["layers"]:
             data = layers_data[ly.name]
-            restore_(sk["modules"][ly.name], ly.plan.bind(ly.config, sk["target"]),
-                     data["recorded"],
-                     guard=False, drops=data["drops"])
+            restore_(
+                sk["modules"][ly.name],
+                ly.plan.bind(ly.config, sk["target"]),
+                data["recorded"],
+                guard=False,
+                drops=data["drops"],
+            )
         return
-    guard = RestoreGuard({ly.config.name: {n.rpartition(".")[2]: views[n] for n in by_layer[ly.name]
-                                           if views[n].device.type != "meta"}
-                          for ly in sk["layers"]}, content=content, defer=True)
+    guard = RestoreGuard(
+        {
+            ly.config.name: {
+                n.rpartition(".")[2]: views[n]
+                for n in by_layer[ly.name]
+                if views[n].device.type != "meta"
+            }
+            for ly in sk["layers"]
+        },
+        content=content,
+        defer=True,
+    )
     for ly in sk["layers"]:
         data = layers_data[ly.name]
         if data["plan"] != ly.plan.id:
             raise WorkerFailed(f"{ly.name}: daemon ran plan {data['plan']}, worker {ly.plan.id}")
-        restore_(sk["modules"][ly.name], ly.plan.bind(ly.config, sk["target"]), data["recorded"],
-                 guard=guard, drops=data["drops"])
+        restore_(
+            sk["modules"][ly.name],
+            ly.plan.bind(ly.config, sk["target"]),
+            data["recorded"],
+            guard=guard,
+            drops=data["drops"],
+        )
     guard.check_all()
 
 
@@ -369,8 +409,12 @@ def _restore_run(conn: Any, payload: dict, sk: dict) -> dict:
     with torch.no_grad():
         _sync(device)
         t0 = time.perf_counter()
-        att = attach(key, socket_dir=payload["socket_dir"], device=str(device),
-                     device_id=payload["device_id"])
+        att = attach(
+            key,
+            socket_dir=payload["socket_dir"],
+            device=str(device),
+            device_id=payload["device_id"],
+        )
         t_attach = time.perf_counter()
         if os.environ.get(PROFILE_ENV):  # where replay time goes (a profiling run only)
             prof = cProfile.Profile()
@@ -383,9 +427,14 @@ def _restore_run(conn: Any, payload: dict, sk: dict) -> dict:
             _replay(sk, att.layers, att.tensors, att.kinds, content=att.writable)
         _sync(device)
         t1 = time.perf_counter()
-    out = {"seconds": t1 - t0, "attach_s": t_attach - t0, "tensors": len(att.tensors),
-           "transport": att.transport, "content_check": att.writable,
-           "digest": state_digest(sk["modules"]) if payload.get("digest") else None}
+    out = {
+        "seconds": t1 - t0,
+        "attach_s": t_attach - t0,
+        "tensors": len(att.tensors),
+        "transport": att.transport,
+        "content_check": att.writable,
+        "digest": state_digest(sk["modules"]) if payload.get("digest") else None,
+    }
     sk["modules"].clear()
     att.close()
     return out
@@ -418,8 +467,12 @@ def _per_tensor_run(conn: Any, payload: dict, sk: dict) -> dict:
             _replay(sk, payload["layers_data"], views, kinds)
         _sync(device)
         t1 = time.perf_counter()
-    out = {"seconds": t1 - t0, "attach_s": t_attach - t0, "tensors": len(views),
-           "digest": state_digest(sk["modules"]) if payload.get("digest") else None}
+    out = {
+        "seconds": t1 - t0,
+        "attach_s": t_attach - t0,
+        "tensors": len(views),
+        "digest": state_digest(sk["modules"]) if payload.get("digest") else None,
+    }
     sk["modules"].clear()
     del views
     return out
@@ -436,8 +489,12 @@ def _attach_only_run(conn: Any, payload: dict, sk: dict) -> dict:
     device = sk["device"]
     _sync(device)
     t0 = time.perf_counter()
-    att = attach(CacheKey(payload["key"]), socket_dir=payload["socket_dir"], device=str(device),
-                 device_id=payload["device_id"])
+    att = attach(
+        CacheKey(payload["key"]),
+        socket_dir=payload["socket_dir"],
+        device=str(device),
+        device_id=payload["device_id"],
+    )
     n = len(att.tensors)
     _sync(device)
     t1 = time.perf_counter()
@@ -470,8 +527,15 @@ _TASKS: dict[str, tuple[Callable, Callable]] = {
 
 
 #: Modules the forkserver imports once, so forked workers start without importing.
-FORKSERVER_PRELOAD = ("torch", "safetensors", "wcache.core", "wcache.plans", "wcache.store",
-                      "wcache.benchmarks.synthetic", "wcache.benchmarks.bench_restore")
+FORKSERVER_PRELOAD = (
+    "torch",
+    "safetensors",
+    "wcache.core",
+    "wcache.plans",
+    "wcache.store",
+    "wcache.benchmarks.synthetic",
+    "wcache.benchmarks.bench_restore",
+)
 START_METHODS = ("spawn", "forkserver")
 
 
@@ -491,8 +555,12 @@ class Worker:
         ctx = _context(payload.get("start_method", "spawn"))
         self.conn, child = ctx.Pipe()
         self.task = task
-        self.proc = ctx.Process(target=_worker_main, args=(child, task, payload), daemon=True,
-                                name=f"wcache-bench-{task}")
+        self.proc = ctx.Process(
+            target=_worker_main,
+            args=(child, task, payload),
+            daemon=True,
+            name=f"wcache-bench-{task}",
+        )
         self.proc.start()
         child.close()
 
@@ -506,8 +574,9 @@ class Worker:
             self.proc.join(1)
             raise WorkerFailed(f"{self.task} worker died (exit {self.proc.exitcode})") from None
 
-    def run(self, extra: dict | None = None,
-            serve_handles: Callable[[], bytes] | None = None) -> dict:
+    def run(
+        self, extra: dict | None = None, serve_handles: Callable[[], bytes] | None = None
+    ) -> dict:
         """Wait until ready, send ``extra`` (merged into the worker's payload), say
         go, answer handle requests, return the result."""
         msg = self._recv()
@@ -572,13 +641,20 @@ def _median(xs: Sequence[float]) -> float | None:
 
 
 def _layer_entries(layers: Sequence[Layer], prepared: Mapping[str, Any]) -> dict[str, dict]:
-    return {ly.name: {"plan": ly.plan.id, "kernel": ly.plan.kernel,
-                      "recorded": {k: dict(v) for k, v in prepared[ly.name].recorded.items()},
-                      "drops": list(prepared[ly.name].drops)} for ly in layers}
+    return {
+        ly.name: {
+            "plan": ly.plan.id,
+            "kernel": ly.plan.kernel,
+            "recorded": {k: dict(v) for k, v in prepared[ly.name].recorded.items()},
+            "drops": list(prepared[ly.name].drops),
+        }
+        for ly in layers
+    }
 
 
-def prepare_from_checkpoint(path: Path, layers: Sequence[Layer], device: torch.device,
-                            target: Target) -> tuple[dict, dict, dict, float, float]:
+def prepare_from_checkpoint(
+    path: Path, layers: Sequence[Layer], device: torch.device, target: Target
+) -> tuple[dict, dict, dict, float, float]:
     """Read the checkpoint and run ``plan.prepare`` per layer.
 
     Returns:
@@ -610,8 +686,9 @@ def prepare_from_checkpoint(path: Path, layers: Sequence[Layer], device: torch.d
     return tensors, kinds, _layer_entries(layers, prepared), read_s, prep_s
 
 
-def prepare_synthesized(shape: Any, fmt: str, layers: Sequence[Layer], device: torch.device,
-                        target: Target, seed: int) -> tuple[dict, dict, dict, float]:
+def prepare_synthesized(
+    shape: Any, fmt: str, layers: Sequence[Layer], device: torch.device, target: Target, seed: int
+) -> tuple[dict, dict, dict, float]:
     """A no-disk export: one real ``plan.prepare`` per distinct linear shape, then
     every layer gets uninitialised host tensors of the prepared shapes, strides
     and dtypes (restore cost depends on those, not on the values).
@@ -640,8 +717,13 @@ def prepare_synthesized(shape: Any, fmt: str, layers: Sequence[Layer], device: t
                 prep = prepare_(module, ly.plan.bind(ly.config, target))
                 _sync(device)
                 prep_s += time.perf_counter() - t0
-                samples[dims] = {k: (tuple(v.shape), tuple(v.stride()), v.dtype)
-                                 for k, v in prep.tensors.items()}, prep
+                samples[dims] = (
+                    {
+                        k: (tuple(v.shape), tuple(v.stride()), v.dtype)
+                        for k, v in prep.tensors.items()
+                    },
+                    prep,
+                )
             layout, prep = samples[dims]
             prepared[ly.name] = prep
             for local, (shp, stride, dtype) in layout.items():
@@ -655,17 +737,32 @@ def prepare_synthesized(shape: Any, fmt: str, layers: Sequence[Layer], device: t
 class Daemon:
     """An in-process ``DaemonServer`` for one unit, with a private socket dir."""
 
-    def __init__(self, tensors: dict, kinds: dict, layers_data: dict, key_fields: dict,
-                 device: torch.device, socket_dir: str, device_id: str):
+    def __init__(
+        self,
+        tensors: dict,
+        kinds: dict,
+        layers_data: dict,
+        key_fields: dict,
+        device: torch.device,
+        socket_dir: str,
+        device_id: str,
+    ):
 
         self.key = CacheKey(key_fields)
         export = Export(tensors=tensors, kinds=kinds, layers=layers_data)
         _sync(device)
         t0 = time.perf_counter()
-        transport = {"transport": os.environ[TRANSPORT_ENV]} if os.environ.get(TRANSPORT_ENV) else {}
-        self.server = DaemonServer(export, self.key, socket_dir=socket_dir, **transport,
-                                   device=str(device) if device.type == "cuda" else "cpu",
-                                   device_id=device_id)
+        transport = (
+            {"transport": os.environ[TRANSPORT_ENV]} if os.environ.get(TRANSPORT_ENV) else {}
+        )
+        self.server = DaemonServer(
+            export,
+            self.key,
+            socket_dir=socket_dir,
+            **transport,
+            device=str(device) if device.type == "cuda" else "cpu",
+            device_id=device_id,
+        )
         _sync(device)
         self.arena_s = time.perf_counter() - t0
         self.server.start()
@@ -680,9 +777,15 @@ class Daemon:
 
 
 def _key_fields(shape: Any, fmt: str, layers: Sequence[Layer], target: Target, nonce: str) -> dict:
-    return {"bench": "wcache-bench", "shape": shape.name, "layers": shape.num_layers,
-            "format": fmt, "plans": sorted({ly.plan.id for ly in layers}),
-            "target": target.to_json(), "run": nonce}
+    return {
+        "bench": "wcache-bench",
+        "shape": shape.name,
+        "layers": shape.num_layers,
+        "format": fmt,
+        "plans": sorted({ly.plan.id for ly in layers}),
+        "target": target.to_json(),
+        "run": nonce,
+    }
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -693,20 +796,30 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def _base_payload(opts: BenchOptions, device: torch.device) -> dict:
 
-    return {"device": str(device), "simulate_cuda_target": opts.simulate_cuda_target,
-            "sys_path": list(sys.path), "start_method": opts.start_method}
+    return {
+        "device": str(device),
+        "simulate_cuda_target": opts.simulate_cuda_target,
+        "sys_path": list(sys.path),
+        "start_method": opts.start_method,
+    }
 
 
-def run_unit(opts: BenchOptions, fmt: str, size: str, socket_dir: str,
-             log: Callable[[str], None]) -> dict:
+def run_unit(
+    opts: BenchOptions, fmt: str, size: str, socket_dir: str, log: Callable[[str], None]
+) -> dict:
     """Measure one (format, size). Returns a JSON-able result row."""
 
     syn = _synthetic()
     device = _device(opts.device)
     target = _target(device, opts.simulate_cuda_target)
     shape = syn.SHAPES[size].with_layers(opts.layers)
-    row: dict[str, Any] = {"format": fmt, "size": size, "layers": shape.num_layers,
-                           "params": shape.params, "no_disk": size in opts.no_disk}
+    row: dict[str, Any] = {
+        "format": fmt,
+        "size": size,
+        "layers": shape.num_layers,
+        "params": shape.params,
+        "no_disk": size in opts.no_disk,
+    }
     try:
         layers = planned_linears(shape, fmt, target)
     except NoPlan as e:
@@ -722,12 +835,20 @@ def run_unit(opts: BenchOptions, fmt: str, size: str, socket_dir: str,
     root = syn.bench_dir(opts.bench_dir)
     # every worker starts now, importing and initialising the device while this
     # process writes/reads the checkpoint and prepares
-    load_worker = (Worker("load", {**payload, "reps": opts.load_reps,
-                                   "path": str(syn.checkpoint_path(root, shape, kind))})
-                   if disk else None)
+    load_worker = (
+        Worker(
+            "load",
+            {
+                **payload,
+                "reps": opts.load_reps,
+                "path": str(syn.checkpoint_path(root, shape, kind)),
+            },
+        )
+        if disk
+        else None
+    )
     restore_workers = [Worker("restore", payload) for _ in range(opts.reps)]
-    per_tensor_workers = ([Worker("per_tensor", payload) for _ in range(opts.reps)]
-                          if disk else [])
+    per_tensor_workers = [Worker("per_tensor", payload) for _ in range(opts.reps)] if disk else []
     daemon = None
     try:
         if disk:
@@ -735,8 +856,10 @@ def run_unit(opts: BenchOptions, fmt: str, size: str, socket_dir: str,
             path, written = syn.ensure_checkpoint(root, shape, kind, opts.seed, device)
             row["checkpoint"] = str(path)
             row["checkpoint_bytes"] = path.stat().st_size
-            log(f"[{fmt}/{size}] checkpoint {path} ({'written' if written else 'cached'}, "
-                f"{path.stat().st_size / 2**30:.2f} GiB, {time.perf_counter() - t0:.1f} s)")
+            log(
+                f"[{fmt}/{size}] checkpoint {path} ({'written' if written else 'cached'}, "
+                f"{path.stat().st_size / 2**30:.2f} GiB, {time.perf_counter() - t0:.1f} s)"
+            )
             _warm_page_cache(path)
             res = load_worker.run()
             load_worker = None
@@ -745,21 +868,32 @@ def run_unit(opts: BenchOptions, fmt: str, size: str, socket_dir: str,
             load_digest = res["digest"]
             log(f"[{fmt}/{size}] ordinary load {row['load_s']:.3f} s")
             tensors, kinds, layers_data, read_s, prep_s = prepare_from_checkpoint(
-                path, layers, device, target)
+                path, layers, device, target
+            )
             row["daemon_read_s"] = read_s
         else:
             load_digest = None
             tensors, kinds, layers_data, prep_s = prepare_synthesized(
-                shape, fmt, layers, device, target, opts.seed)
-        daemon = Daemon(tensors, kinds, layers_data, _key_fields(shape, fmt, layers, target, nonce),
-                        device, socket_dir, device_id)
+                shape, fmt, layers, device, target, opts.seed
+            )
+        daemon = Daemon(
+            tensors,
+            kinds,
+            layers_data,
+            _key_fields(shape, fmt, layers, target, nonce),
+            device,
+            socket_dir,
+            device_id,
+        )
         row["prepare_stages_s"] = prep_s
         row["arena_s"] = daemon.arena_s
         row["prepare_s"] = prep_s + daemon.arena_s if disk else None
         row["arena_bytes"] = daemon.nbytes
         row["tensors"] = len(tensors)
-        log(f"[{fmt}/{size}] prepare {prep_s:.3f} s + arena {daemon.arena_s:.3f} s "
-            f"({daemon.nbytes / 2**30:.2f} GiB, {len(tensors)} tensors)")
+        log(
+            f"[{fmt}/{size}] prepare {prep_s:.3f} s + arena {daemon.arena_s:.3f} s "
+            f"({daemon.nbytes / 2**30:.2f} GiB, {len(tensors)} tensors)"
+        )
         rp = {"key": daemon.key.fields, "socket_dir": socket_dir, "device_id": device_id}
         restores, attaches, digests = [], [], []
         for i, w in enumerate(restore_workers):
@@ -776,10 +910,14 @@ def run_unit(opts: BenchOptions, fmt: str, size: str, socket_dir: str,
         if load_digest is not None and digests:
             row["restore_matches_load"] = digests[0] == load_digest
             if not row["restore_matches_load"]:
-                log(f"[{fmt}/{size}] WARNING: the restored layers' bytes differ from the "
-                    f"ordinary load's")
-        log(f"[{fmt}/{size}] restore {row['restore_s'] * 1e3:.2f} ms "
-            f"(attach {row['restore_attach_s'] * 1e3:.2f} ms)")
+                log(
+                    f"[{fmt}/{size}] WARNING: the restored layers' bytes differ from the "
+                    f"ordinary load's"
+                )
+        log(
+            f"[{fmt}/{size}] restore {row['restore_s'] * 1e3:.2f} ms "
+            f"(attach {row['restore_attach_s'] * 1e3:.2f} ms)"
+        )
         if per_tensor_workers:
             pts = []
             serve = lambda: per_tensor_entries(tensors, kinds)  # noqa: E731 (a one-line local function)
@@ -823,14 +961,24 @@ def run_handles(opts: BenchOptions, socket_dir: str, log: Callable[[str], None])
     daemon = None
     tensors: dict[str, torch.Tensor] = {}
     try:
-        tensors = {f"h.{i}": torch.empty(numel, dtype=torch.bfloat16, device=device)
-                   for i in range(n)}
+        tensors = {
+            f"h.{i}": torch.empty(numel, dtype=torch.bfloat16, device=device) for i in range(n)
+        }
         kinds = {k: "param" for k in tensors}
-        daemon = Daemon(tensors, kinds, {}, {"bench": "wcache-bench-handles", "n": n,
-                                             "run": uuid.uuid4().hex[:12]},
-                        device, socket_dir, f"bench-{os.getpid()}-handles")
-        rp = {"key": daemon.key.fields, "socket_dir": socket_dir,
-              "device_id": f"bench-{os.getpid()}-handles"}
+        daemon = Daemon(
+            tensors,
+            kinds,
+            {},
+            {"bench": "wcache-bench-handles", "n": n, "run": uuid.uuid4().hex[:12]},
+            device,
+            socket_dir,
+            f"bench-{os.getpid()}-handles",
+        )
+        rp = {
+            "key": daemon.key.fields,
+            "socket_dir": socket_dir,
+            "device_id": f"bench-{os.getpid()}-handles",
+        }
         arena = [w.run(rp)["seconds"] for w in arena_workers]
         arena_workers = []
         serve = lambda: per_tensor_entries(tensors, kinds)  # noqa: E731 (a one-line local function)
@@ -845,19 +993,30 @@ def run_handles(opts: BenchOptions, socket_dir: str, log: Callable[[str], None])
         if device.type == "cuda":
             torch.cuda.ipc_collect()
             torch.cuda.empty_cache()
-    row = {"tensors": n, "tensor_mib": opts.handle_mib, "arena_s_all": arena,
-           "per_tensor_s_all": pt, "arena_s": _median(arena), "per_tensor_s": _median(pt)}
+    row = {
+        "tensors": n,
+        "tensor_mib": opts.handle_mib,
+        "arena_s_all": arena,
+        "per_tensor_s_all": pt,
+        "arena_s": _median(arena),
+        "per_tensor_s": _median(pt),
+    }
     row["ratio_per_tensor_arena"] = _ratio(row["per_tensor_s"], row["arena_s"])
-    log(f"[handles] {n} tensors: arena {row['arena_s'] * 1e3:.2f} ms, per-tensor "
-        f"{row['per_tensor_s'] * 1e3:.2f} ms")
+    log(
+        f"[handles] {n} tensors: arena {row['arena_s'] * 1e3:.2f} ms, per-tensor "
+        f"{row['per_tensor_s'] * 1e3:.2f} ms"
+    )
     return row
 
 
 def run_suite(opts: BenchOptions, log: Callable[[str], None] = print) -> dict:
     """Every unit, the handles measurement and the curve; a JSON-able dict."""
     device = _device(opts.device)
-    info: dict[str, Any] = {"device": opts.device, "torch": torch.__version__,
-                            "options": asdict(opts)}
+    info: dict[str, Any] = {
+        "device": opts.device,
+        "torch": torch.__version__,
+        "options": asdict(opts),
+    }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     if not opts.simulate_cuda_target:
@@ -881,14 +1040,24 @@ def run_suite(opts: BenchOptions, log: Callable[[str], None] = print) -> dict:
 
 def curve_points(rows: Sequence[dict]) -> list[dict]:
     """Restore seconds vs model size: one point per (format, size) measured."""
-    return [{"format": r["format"], "size": r["size"], "params": r["params"],
-             "restore_s": r["restore_s"]} for r in rows if r.get("restore_s") is not None]
+    return [
+        {
+            "format": r["format"],
+            "size": r["size"],
+            "params": r["params"],
+            "restore_s": r["restore_s"],
+        }
+        for r in rows
+        if r.get("restore_s") is not None
+    ]
 
 
 # --------------------------------------------------------------------------- report
 
-TABLE_HEADER = ("| format | size | ordinary load s | prepare s | restore s | per-tensor IPC "
-                "restore s | load/restore | per-tensor/arena |")
+TABLE_HEADER = (
+    "| format | size | ordinary load s | prepare s | restore s | per-tensor IPC "
+    "restore s | load/restore | per-tensor/arena |"
+)
 
 
 def _fmt_s(x: float | None) -> str:
@@ -908,13 +1077,16 @@ def markdown_table(rows: Sequence[dict]) -> str:
     lines = [TABLE_HEADER, "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r.get("skipped"):
-            lines.append(f"| {r['format']} | {r['size']} | skipped: {r['skipped'][:80]} "
-                         f"| | | | | |")
+            lines.append(
+                f"| {r['format']} | {r['size']} | skipped: {r['skipped'][:80]} | | | | | |"
+            )
             continue
-        lines.append(f"| {r['format']} | {r['size']} | {_fmt_s(r.get('load_s'))} | "
-                     f"{_fmt_s(r.get('prepare_s'))} | {_fmt_s(r.get('restore_s'))} | "
-                     f"{_fmt_s(r.get('per_tensor_s'))} | {_fmt_ratio(r.get('ratio_load_restore'))} | "
-                     f"{_fmt_ratio(r.get('ratio_per_tensor_arena'))} |")
+        lines.append(
+            f"| {r['format']} | {r['size']} | {_fmt_s(r.get('load_s'))} | "
+            f"{_fmt_s(r.get('prepare_s'))} | {_fmt_s(r.get('restore_s'))} | "
+            f"{_fmt_s(r.get('per_tensor_s'))} | {_fmt_ratio(r.get('ratio_load_restore'))} | "
+            f"{_fmt_ratio(r.get('ratio_per_tensor_arena'))} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -922,7 +1094,9 @@ def handles_table(h: dict | None) -> str:
     """The handles measurement as a one-row markdown table."""
     if not h:
         return ""
-    return ("| tensors | MiB each | arena attach s | per-tensor handles s | per-tensor/arena |\n"
-            "|---:|---:|---:|---:|---:|\n"
-            f"| {h['tensors']} | {h['tensor_mib']:g} | {_fmt_s(h['arena_s'])} | "
-            f"{_fmt_s(h['per_tensor_s'])} | {_fmt_ratio(h['ratio_per_tensor_arena'])} |\n")
+    return (
+        "| tensors | MiB each | arena attach s | per-tensor handles s | per-tensor/arena |\n"
+        "|---:|---:|---:|---:|---:|\n"
+        f"| {h['tensors']} | {h['tensor_mib']:g} | {_fmt_s(h['arena_s'])} | "
+        f"{_fmt_s(h['per_tensor_s'])} | {_fmt_ratio(h['ratio_per_tensor_arena'])} |\n"
+    )

@@ -54,45 +54,77 @@ def run_format(fmt: str, reps: int, log=_log) -> dict[str, Any]:
         with DaemonProcess(model, Path(runtime) / "wcache", env=env) as daemon:
             log(f"{fmt}: daemon ready in {daemon.ready_s:.1f} s")
             for rep in range(reps):
-                for side, load_format, extra in (("disk", "auto", None),
-                                                 ("daemon", "wcache", {"fallback": False})):
+                for side, load_format, extra in (
+                    ("disk", "auto", None),
+                    ("daemon", "wcache", {"fallback": False}),
+                ):
                     with ServerProcess(model, load_format, extra, env=env) as server:
                         texts = server.complete(PROMPTS, MAX_TOKENS)
                     if side == "daemon" and RESTORE_LINE not in server.log:
-                        raise RuntimeError(f"{fmt}: the daemon-backed server did not log "
-                                           f"{RESTORE_LINE!r}")
-                    runs[side].append({"first_completion_s": server.first_completion_s,
-                                       "health_s": server.ready_s, "texts": texts})
-                    log(f"{fmt} {side} #{rep + 1}: /health {server.ready_s:.1f} s, first "
-                        f"completion {server.first_completion_s:.1f} s, {texts[0]!r}")
+                        raise RuntimeError(
+                            f"{fmt}: the daemon-backed server did not log {RESTORE_LINE!r}"
+                        )
+                    runs[side].append(
+                        {
+                            "first_completion_s": server.first_completion_s,
+                            "health_s": server.ready_s,
+                            "texts": texts,
+                        }
+                    )
+                    log(
+                        f"{fmt} {side} #{rep + 1}: /health {server.ready_s:.1f} s, first "
+                        f"completion {server.first_completion_s:.1f} s, {texts[0]!r}"
+                    )
     texts = {json.dumps(r["texts"]) for side in runs.values() for r in side}
     if len(texts) != 1:
         raise RuntimeError(f"{fmt}: starts answered differently: {sorted(texts)}")
-    med = {side: statistics.median(r["first_completion_s"] for r in rs) for side, rs in runs.items()}
+    med = {
+        side: statistics.median(r["first_completion_s"] for r in rs) for side, rs in runs.items()
+    }
     health = {side: statistics.median(r["health_s"] for r in rs) for side, rs in runs.items()}
-    return {"format": fmt, "reps": reps, "disk_s": med["disk"], "daemon_s": med["daemon"],
-            "disk_health_s": health["disk"], "daemon_health_s": health["daemon"],
-            "ratio": med["disk"] / med["daemon"], "texts": runs["disk"][0]["texts"], "runs": runs}
+    return {
+        "format": fmt,
+        "reps": reps,
+        "disk_s": med["disk"],
+        "daemon_s": med["daemon"],
+        "disk_health_s": health["disk"],
+        "daemon_health_s": health["daemon"],
+        "ratio": med["disk"] / med["daemon"],
+        "texts": runs["disk"][0]["texts"],
+        "runs": runs,
+    }
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: per format the medians (seconds) of both sides and disk/daemon."""
-    out = ["| format | starts per side | disk: first completion s | daemon: first completion s "
-           "| disk: /health s | daemon: /health s | disk/daemon |",
-           "|---|---:|---:|---:|---:|---:|---:|"]
+    out = [
+        "| format | starts per side | disk: first completion s | daemon: first completion s "
+        "| disk: /health s | daemon: /health s | disk/daemon |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        out.append(f"| {r['format']} | {r['reps']} | {r['disk_s']:.1f} | {r['daemon_s']:.1f} | "
-                   f"{r['disk_health_s']:.1f} | {r['daemon_health_s']:.1f} | {r['ratio']:.2f}x |")
+        out.append(
+            f"| {r['format']} | {r['reps']} | {r['disk_s']:.1f} | {r['daemon_s']:.1f} | "
+            f"{r['disk_health_s']:.1f} | {r['daemon_health_s']:.1f} | {r['ratio']:.2f}x |"
+        )
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="wcache bench --server", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--formats", default="bf16",
-                    help="comma-separated SmolLM2 fixture formats (default bf16)")
-    ap.add_argument("--reps", type=int, default=DEFAULT_REPS,
-                    help=f"server starts per side and format (default {DEFAULT_REPS})")
+    ap = argparse.ArgumentParser(
+        prog="wcache bench --server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--formats", default="bf16", help="comma-separated SmolLM2 fixture formats (default bf16)"
+    )
+    ap.add_argument(
+        "--reps",
+        type=int,
+        default=DEFAULT_REPS,
+        help=f"server starts per side and format (default {DEFAULT_REPS})",
+    )
     ap.add_argument("--out", help="also write the results as JSON here")
     args = ap.parse_args(argv)
     if args.reps < 1:
@@ -100,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [run_format(fmt, args.reps) for fmt in args.formats.split(",") if fmt]
     print(table(rows))
     for r in rows:
-        print(f"{r['format']}: time to first completion {r['disk_s']:.1f} s from disk, "
-              f"{r['daemon_s']:.1f} s from the daemon: {r['ratio']:.2f}x")
+        print(
+            f"{r['format']}: time to first completion {r['disk_s']:.1f} s from disk, "
+            f"{r['daemon_s']:.1f} s from the daemon: {r['ratio']:.2f}x"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps({"server": rows}, indent=1) + "\n")
     return 0

@@ -151,8 +151,17 @@ def _wait_socket(sock_dir: str, deadline: float) -> tuple[str, dict[str, Any]]:
     raise TimeoutError(f"no daemon served in {sock_dir}")
 
 
-def _client(index: int, clients: int, cycles: int, sock_dir: str, done: Any, results: Any,
-            paused: Any, resume: Any, warmup_cycles: int = WARMUP_CYCLES) -> None:
+def _client(
+    index: int,
+    clients: int,
+    cycles: int,
+    sock_dir: str,
+    done: Any,
+    results: Any,
+    paused: Any,
+    resume: Any,
+    warmup_cycles: int = WARMUP_CYCLES,
+) -> None:
     """One soak client: ``cycles`` attach/read/release cycles; puts its result dict."""
 
     warnings.filterwarnings("ignore")  # torch.frombuffer on a read-only mapping warns once
@@ -174,7 +183,9 @@ def _client(index: int, clients: int, cycles: int, sock_dir: str, done: Any, res
             resume.wait()
         t0 = time.perf_counter()
         try:
-            att = attach(key, socket_dir=sock_dir, device_id=dev, connect_timeout_s=CONNECT_TIMEOUT_S)
+            att = attach(
+                key, socket_dir=sock_dir, device_id=dev, connect_timeout_s=CONNECT_TIMEOUT_S
+            )
         except StoreError as e:
             errors[e.code] = errors.get(e.code, 0) + 1
             continue
@@ -185,8 +196,16 @@ def _client(index: int, clients: int, cycles: int, sock_dir: str, done: Any, res
         att.close()
         with done.get_lock():
             done.value += 1
-    results.put({"client": index, "latencies": latencies, "seen": list(seen.items()), "errors": errors,
-                 "seconds": time.perf_counter() - start, "tensors": len(names)})
+    results.put(
+        {
+            "client": index,
+            "latencies": latencies,
+            "seen": list(seen.items()),
+            "errors": errors,
+            "seconds": time.perf_counter() - start,
+            "tensors": len(names),
+        }
+    )
 
 
 def _reference(sock_dir: str, st: dict[str, Any]) -> dict[str, str]:
@@ -205,19 +224,31 @@ def _metrics(url: str) -> dict[str, float]:
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
-                              if k not in ("tp_rank", "pp_rank"))
+            labels = ",".join(
+                f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("tp_rank", "pp_rank")
+            )
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
 
 
-def _killer(key_fields: dict, sock_dir: str, dev: str, every_s: float, stop: threading.Event,
-            kills: list[float], env: dict[str, str]) -> None:
+def _killer(
+    key_fields: dict,
+    sock_dir: str,
+    dev: str,
+    every_s: float,
+    stop: threading.Event,
+    kills: list[float],
+    env: dict[str, str],
+) -> None:
     rng = random.Random(0)
     while not stop.wait(every_s):
-        proc = subprocess.Popen([sys.executable, "-c", _KILLED_CLIENT, json.dumps(key_fields),
-                                 sock_dir, dev], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                env=env, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _KILLED_CLIENT, json.dumps(key_fields), sock_dir, dev],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            text=True,
+        )
         if proc.stdout.readline().strip() != "go":
             proc.kill()
             proc.wait()
@@ -229,18 +260,28 @@ def _killer(key_fields: dict, sock_dir: str, dev: str, every_s: float, stop: thr
         kills.append(delay)
 
 
-def _live_snapshot(key_fields: dict, sock_dir: str, dev: str, root: str, env: dict[str, str],
-                   out: dict[str, Any]) -> None:
+def _live_snapshot(
+    key_fields: dict, sock_dir: str, dev: str, root: str, env: dict[str, str], out: dict[str, Any]
+) -> None:
     """Write a snapshot of the served arena from a client process, read it back."""
-    done = subprocess.run([sys.executable, "-c", _LIVE_SNAPSHOT, json.dumps(key_fields), sock_dir, dev, root],
-                          capture_output=True, text=True, env=env, timeout=SERVE_TIMEOUT_S)
-    out.update(json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else
-               {"error": done.stderr.strip()[-500:]})
+    done = subprocess.run(
+        [sys.executable, "-c", _LIVE_SNAPSHOT, json.dumps(key_fields), sock_dir, dev, root],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=SERVE_TIMEOUT_S,
+    )
+    out.update(
+        json.loads(done.stdout.strip().splitlines()[-1])
+        if done.returncode == 0
+        else {"error": done.stderr.strip()[-500:]}
+    )
     out["ok"] = done.returncode == 0
 
 
-def _peer(model: str, sock: str, peer_dir: str, st: dict[str, Any], done: Any,
-          out: dict[str, Any]) -> None:
+def _peer(
+    model: str, sock: str, peer_dir: str, st: dict[str, Any], done: Any, out: dict[str, Any]
+) -> None:
     """``wcache serve --seed-from sock``: its origin, how long it took, the cycles
     done meanwhile, and whether it serves the soak daemon's bytes."""
     from wcache.daemon.process import DaemonProcess  # noqa: PLC0415 (imported at call time: tests patch DaemonProcess)
@@ -264,8 +305,9 @@ def _peer(model: str, sock: str, peer_dir: str, st: dict[str, Any], done: Any,
         peer.stop()
 
 
-def _engines(model: str, sock_dir: str, n: int, lean: threading.Event, done: Any,
-             out: dict[str, Any]) -> None:
+def _engines(
+    model: str, sock_dir: str, n: int, lean: threading.Event, done: Any, out: dict[str, Any]
+) -> None:
     """Once the daemon serves lean, ``n`` engines restoring from it side by side (each
     its own process, while the clients attach); then a disk engine, the reference their
     greedy tokens are compared with (it needs no daemon, so it may run after the soak)."""
@@ -280,8 +322,9 @@ def _engines(model: str, sock_dir: str, n: int, lean: threading.Event, done: Any
         try:
             res = run_engine(model, "wcache", {"fallback": False, "socket_dir": sock_dir})
             row["token_ids"] = res["token_ids"]
-            row["restore_s"] = next((r["seconds"] for r in res.get("load", [])
-                                     if r.get("phase") == "restore"), None)
+            row["restore_s"] = next(
+                (r["seconds"] for r in res.get("load", []) if r.get("phase") == "restore"), None
+            )
         except RuntimeError as e:  # reported, the soak goes on
             row["error"] = str(e).splitlines()[-1]
         row["process_s"] = time.monotonic() - t0
@@ -303,9 +346,15 @@ def _engines(model: str, sock_dir: str, n: int, lean: threading.Event, done: Any
             row["identical"] = row.pop("token_ids") == disk
 
 
-def run(clients: int, cycles: int, kill_every_s: float,
-        warmup_cycles: int = WARMUP_CYCLES, peer: bool = True,
-        live_snapshot: bool = True, engines: int = 0) -> dict[str, Any]:
+def run(
+    clients: int,
+    cycles: int,
+    kill_every_s: float,
+    warmup_cycles: int = WARMUP_CYCLES,
+    peer: bool = True,
+    live_snapshot: bool = True,
+    engines: int = 0,
+) -> dict[str, Any]:
     """One soak run; returns its figures (see the module docstring). The warm-up
     sample is taken after ``warmup_cycles`` cycles over all clients; ``peer`` and
     ``live_snapshot`` add the seeding peer and the snapshot written mid-run;
@@ -324,9 +373,13 @@ def run(clients: int, cycles: int, kill_every_s: float,
     ctx = mp.get_context("spawn")
     done, results, paused, resume = ctx.Value("l", 0), ctx.Queue(), ctx.Value("l", 0), ctx.Event()
     per = [cycles // clients + (1 if i < cycles % clients else 0) for i in range(clients)]
-    workers = [ctx.Process(target=_client, args=(i, clients, per[i], sock_dir, done, results, paused, resume,
-                                             warmup_cycles))
-               for i in range(clients)]
+    workers = [
+        ctx.Process(
+            target=_client,
+            args=(i, clients, per[i], sock_dir, done, results, paused, resume, warmup_cycles),
+        )
+        for i in range(clients)
+    ]
     for w in workers:
         w.start()  # they import torch meanwhile and wait for the socket
     daemon = DaemonProcess(model, sock_dir, ["--snapshot", snap, "--http", f"127.0.0.1:{port}"])
@@ -335,14 +388,23 @@ def run(clients: int, cycles: int, kill_every_s: float,
     while daemon.proc is None and time.monotonic() < deadline:
         time.sleep(0.05)
     sock, st = _wait_socket(sock_dir, deadline)
-    samples = [{"t": 0.0, "cycles": 0, **_proc_status(daemon.pid),
-                "snapshot": (st.get("snapshot") or {}).get("state"), "connections": 0}]
+    samples = [
+        {
+            "t": 0.0,
+            "cycles": 0,
+            **_proc_status(daemon.pid),
+            "snapshot": (st.get("snapshot") or {}).get("state"),
+            "connections": 0,
+        }
+    ]
     snapshot_states = [samples[0]["snapshot"]]
     stop = threading.Event()
     kills: list[float] = []
-    killer = threading.Thread(target=_killer, args=(st["key_fields"], sock_dir, st["device_id"],
-                                                     kill_every_s, stop, kills, daemon.env),
-                              daemon=True)
+    killer = threading.Thread(
+        target=_killer,
+        args=(st["key_fields"], sock_dir, st["device_id"], kill_every_s, stop, kills, daemon.env),
+        daemon=True,
+    )
     killer.start()
     t0 = time.monotonic()
     warm: dict[str, Any] | None = None
@@ -355,8 +417,13 @@ def run(clients: int, cycles: int, kill_every_s: float,
     engines_out: dict[str, Any] = {} if engines else {"skipped": True}
     lean = threading.Event()
     if engines:
-        side.append(threading.Thread(target=_engines, args=(model, sock_dir, engines, lean, done,
-                                                            engines_out), daemon=True))
+        side.append(
+            threading.Thread(
+                target=_engines,
+                args=(model, sock_dir, engines, lean, done, engines_out),
+                daemon=True,
+            )
+        )
         side[-1].start()
     while any(w.is_alive() for w in workers):
         time.sleep(SAMPLE_S)
@@ -373,23 +440,49 @@ def run(clients: int, cycles: int, kill_every_s: float,
             lean.set()
         if peer and not peer_out and now.get("serving") == "lean":  # seed from the lean process
             peer_out["started"] = True
-            side.append(threading.Thread(target=_peer, args=(model, sock, os.path.join(tmp, "peer"), st,
-                                                             done, peer_out), daemon=True))
+            side.append(
+                threading.Thread(
+                    target=_peer,
+                    args=(model, sock, os.path.join(tmp, "peer"), st, done, peer_out),
+                    daemon=True,
+                )
+            )
             os.mkdir(os.path.join(tmp, "peer"), 0o700)
             side[-1].start()
         if live_snapshot and not snap_out and done.value >= cycles * LIVE_SNAPSHOT_AT:
             snap_out["at_cycle"] = done.value
-            side.append(threading.Thread(target=_live_snapshot, args=(
-                st["key_fields"], sock_dir, st["device_id"], os.path.join(tmp, "live-snap"), daemon.env,
-                snap_out), daemon=True))
+            side.append(
+                threading.Thread(
+                    target=_live_snapshot,
+                    args=(
+                        st["key_fields"],
+                        sock_dir,
+                        st["device_id"],
+                        os.path.join(tmp, "live-snap"),
+                        daemon.env,
+                        snap_out,
+                    ),
+                    daemon=True,
+                )
+            )
             side[-1].start()
-        samples.append({"t": time.monotonic() - t0, "cycles": done.value,
-                        **_proc_status(daemon.pid), "snapshot": state,
-                        "connections": now.get("clients_connected", 0) + 1})  # + this status
+        samples.append(
+            {
+                "t": time.monotonic() - t0,
+                "cycles": done.value,
+                **_proc_status(daemon.pid),
+                "snapshot": state,
+                "connections": now.get("clients_connected", 0) + 1,
+            }
+        )  # + this status
         if warm is None and paused.value == clients:  # every client between two cycles
             time.sleep(SETTLE_S)
-            warm = {"t": time.monotonic() - t0, "cycles": done.value, **_proc_status(daemon.pid),
-                    "connections": 0}
+            warm = {
+                "t": time.monotonic() - t0,
+                "cycles": done.value,
+                **_proc_status(daemon.pid),
+                "connections": 0,
+            }
             resume.set()
         if done.value >= cycles:
             break
@@ -411,37 +504,73 @@ def run(clients: int, cycles: int, kill_every_s: float,
         raise RuntimeError("the clients ended before the warm-up sample")
     lat = sorted(x for g in got for x in g["latencies"])
     after = [x for x in samples if warm is not None and x["t"] > warm["t"]]
-    checkpoints = [min(after, key=lambda x, c=c: abs(x["cycles"] - c))
-                   for c in (warm["cycles"] + (cycles - warm["cycles"]) * (i + 1) // CHECKPOINTS
-                             for i in range(CHECKPOINTS))] if after else []
+    checkpoints = (
+        [
+            min(after, key=lambda x, c=c: abs(x["cycles"] - c))
+            for c in (
+                warm["cycles"] + (cycles - warm["cycles"]) * (i + 1) // CHECKPOINTS
+                for i in range(CHECKPOINTS)
+            )
+        ]
+        if after
+        else []
+    )
     if "digests" in peer_out:
-        peer_out["wrong_tensors"] = sum(1 for k, v in reference.items() if peer_out["digests"].get(k) != v)
+        peer_out["wrong_tensors"] = sum(
+            1 for k, v in reference.items() if peer_out["digests"].get(k) != v
+        )
         peer_out["tensors"] = len(peer_out.pop("digests"))
     client_s = max(g["seconds"] for g in got)
     return {
-        "clients": clients, "cycles": len(lat), "cycles_asked": cycles, "kills": len(kills),
-        "wall_s": wall, "attaches_per_s": len(lat) / client_s,
-        "p50_ms": statistics.median(lat) * 1e3, "p99_ms": lat[int(len(lat) * 0.99) - 1] * 1e3,
+        "clients": clients,
+        "cycles": len(lat),
+        "cycles_asked": cycles,
+        "kills": len(kills),
+        "wall_s": wall,
+        "attaches_per_s": len(lat) / client_s,
+        "p50_ms": statistics.median(lat) * 1e3,
+        "p99_ms": lat[int(len(lat) * 0.99) - 1] * 1e3,
         "reads_checked": sum(n for g in got for _, n in g["seen"]),
-        "wrong_reads": sum(n for g in got for (name, digest), n in g["seen"]
-                           if reference[name] != digest),
+        "wrong_reads": sum(
+            n for g in got for (name, digest), n in g["seen"] if reference[name] != digest
+        ),
         "client_errors": {k: v for g in got for k, v in g["errors"].items()},
-        "tensors": got[0]["tensors"], "ready": samples[0], "warm": warm, "end": end,
-        "rss_ratio": end["VmRSS"] / warm["VmRSS"], "fds_ratio": end["fds"] / warm["fds"],
+        "tensors": got[0]["tensors"],
+        "ready": samples[0],
+        "warm": warm,
+        "end": end,
+        "rss_ratio": end["VmRSS"] / warm["VmRSS"],
+        "fds_ratio": end["fds"] / warm["fds"],
         # the daemon's fds that are not client connections (each connection is one fd)
         "idle_fds_ratio": (end["fds"] - end["connections"]) / (warm["fds"] - warm["connections"]),
         "snapshot_states": snapshot_states,
-        "snapshot_written_at_cycle": next((s["cycles"] for s in samples
-                                           if s["snapshot"] == "written"), None),
-        "metrics": {k: v for k, v in metrics.items()
-                    if k.startswith(("wcache_attaches", "wcache_releases", "wcache_refusals",
-                                     "wcache_attachments_active", "wcache_clients",
-                                     "wcache_snapshot_state{state=written", "wcache_seeds_served"))},
+        "snapshot_written_at_cycle": next(
+            (s["cycles"] for s in samples if s["snapshot"] == "written"), None
+        ),
+        "metrics": {
+            k: v
+            for k, v in metrics.items()
+            if k.startswith(
+                (
+                    "wcache_attaches",
+                    "wcache_releases",
+                    "wcache_refusals",
+                    "wcache_attachments_active",
+                    "wcache_clients",
+                    "wcache_snapshot_state{state=written",
+                    "wcache_seeds_served",
+                )
+            )
+        },
         "sockets_left": len(list_sockets(sock_dir)),
-        "serving_states": serving_states[1:], "peer": peer_out, "live_snapshot": snap_out,
+        "serving_states": serving_states[1:],
+        "peer": peer_out,
+        "live_snapshot": snap_out,
         "engines": engines_out,
-        "checkpoints": [{k: c[k] for k in ("t", "cycles", "VmRSS", "RssAnon", "fds", "connections")}
-                        for c in checkpoints],
+        "checkpoints": [
+            {k: c[k] for k in ("t", "cycles", "VmRSS", "RssAnon", "fds", "connections")}
+            for c in checkpoints
+        ],
         "rss_anon_max_after_warmup": max((x["RssAnon"] for x in after), default=None),
         "seeds_served": metrics.get("wcache_seeds_served_total"),
     }
@@ -468,16 +597,26 @@ def report(r: dict[str, Any]) -> str:
     ]
     for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
         ratio = r["end"][k] / r["warm"][k] if r["warm"][k] else float("nan")
-        lines.append(f"    {k:<21} {_mib(r['ready'][k]):<13} {_mib(r['warm'][k]):<14} "
-                     f"{_mib(r['end'][k]):<13} {ratio:.4f}")
-    lines.append(f"    {'open fds':<21} {r['ready']['fds']:<13} {r['warm']['fds']:<14} "
-                 f"{r['end']['fds']:<13} {r['fds_ratio']:.4f}")
+        lines.append(
+            f"    {k:<21} {_mib(r['ready'][k]):<13} {_mib(r['warm'][k]):<14} "
+            f"{_mib(r['end'][k]):<13} {ratio:.4f}"
+        )
+    lines.append(
+        f"    {'open fds':<21} {r['ready']['fds']:<13} {r['warm']['fds']:<14} "
+        f"{r['end']['fds']:<13} {r['fds_ratio']:.4f}"
+    )
     idle = [r[k]["fds"] - r[k]["connections"] for k in ("ready", "warm", "end")]
-    lines.append(f"    {'fds - connections':<21} {idle[0]:<13} {idle[1]:<14} {idle[2]:<13} "
-                 f"{r['idle_fds_ratio']:.4f}")
+    lines.append(
+        f"    {'fds - connections':<21} {idle[0]:<13} {idle[1]:<14} {idle[2]:<13} "
+        f"{r['idle_fds_ratio']:.4f}"
+    )
     if r["checkpoints"]:
-        lines.append("  after warm-up (clients running)  " + "  ".join(
-            f"cycle {c['cycles']}: {_mib(c['VmRSS'])}, {c['fds']} fds" for c in r["checkpoints"]))
+        lines.append(
+            "  after warm-up (clients running)  "
+            + "  ".join(
+                f"cycle {c['cycles']}: {_mib(c['VmRSS'])}, {c['fds']} fds" for c in r["checkpoints"]
+            )
+        )
         lines.append(f"    RssAnon max after warm-up {_mib(r['rss_anon_max_after_warmup'])}")
     lines.append(f"  serving                 {' -> '.join(r['serving_states']) or '?'}")
     p = r["peer"]
@@ -486,18 +625,22 @@ def report(r: dict[str, Any]) -> str:
     elif "error" in p or "wrong_tensors" not in p:
         lines.append(f"  peer seeding            FAILED: {p.get('error', 'did not start')}")
     else:
-        lines.append(f"  peer seeding            `wcache serve --seed-from` started at cycle {p['at_cycle']}, "
-                     f"ready (origin={p['origin']}) at cycle {p['ready_at_cycle']} after {p['ready_s']:.1f} s; "
-                     f"{p['wrong_tensors']} of {p['tensors']} tensors differ from the soak daemon's; "
-                     f"seeds served {r['seeds_served']:g}")
+        lines.append(
+            f"  peer seeding            `wcache serve --seed-from` started at cycle {p['at_cycle']}, "
+            f"ready (origin={p['origin']}) at cycle {p['ready_at_cycle']} after {p['ready_s']:.1f} s; "
+            f"{p['wrong_tensors']} of {p['tensors']} tensors differ from the soak daemon's; "
+            f"seeds served {r['seeds_served']:g}"
+        )
     q = r["live_snapshot"]
     if q.get("skipped"):
         lines.append("  live snapshot           not run (--no-live-snapshot)")
     elif not q.get("ok"):
         lines.append(f"  live snapshot           FAILED: {q.get('error', 'did not run')}")
     else:
-        lines.append(f"  live snapshot           written by a client at cycle {q['at_cycle']} in {q['write_s']:.1f} s, "
-                     f"read back (digests checked) in {q['read_s']:.1f} s")
+        lines.append(
+            f"  live snapshot           written by a client at cycle {q['at_cycle']} in {q['write_s']:.1f} s, "
+            f"read back (digests checked) in {q['read_s']:.1f} s"
+        )
     e = r.get("engines", {"skipped": True})
     if e.get("skipped"):
         lines.append("  vLLM engines            not run (--engines 0)")
@@ -505,61 +648,115 @@ def report(r: dict[str, Any]) -> str:
         lines.append(f"  vLLM engines            FAILED: {e['error']}")
     else:
         for i, x in enumerate(e["runs"], 1):
-            what = (f"FAILED: {x['error']}" if "error" in x else
-                    f"restore {x['restore_s']:.3f} s, "
-                    f"{'same tokens as the disk engine' if x['identical'] else 'TOKENS DIFFER'}")
-            lines.append(f"  vLLM engine {i:<11} cycles {x['at_cycle']}-{x['end_cycle']}, "
-                         f"process {x['process_s']:.1f} s: {what}")
-    lines.append(f"  warm-up and end samples: every client paused (no connection open), "
-                 f"{SETTLE_S:.0f} s after; warm-up at cycle {r['warm']['cycles']} (t={r['warm']['t']:.1f} s)")
-    lines.append("  daemon /metrics at the end: " + ", ".join(f"{k}={v:g}" for k, v in sorted(r["metrics"].items())))
+            what = (
+                f"FAILED: {x['error']}"
+                if "error" in x
+                else f"restore {x['restore_s']:.3f} s, "
+                f"{'same tokens as the disk engine' if x['identical'] else 'TOKENS DIFFER'}"
+            )
+            lines.append(
+                f"  vLLM engine {i:<11} cycles {x['at_cycle']}-{x['end_cycle']}, "
+                f"process {x['process_s']:.1f} s: {what}"
+            )
+    lines.append(
+        f"  warm-up and end samples: every client paused (no connection open), "
+        f"{SETTLE_S:.0f} s after; warm-up at cycle {r['warm']['cycles']} (t={r['warm']['t']:.1f} s)"
+    )
+    lines.append(
+        "  daemon /metrics at the end: "
+        + ", ".join(f"{k}={v:g}" for k, v in sorted(r["metrics"].items()))
+    )
     return "\n".join(lines) + "\n"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="wcache bench --soak", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--clients", type=int, default=DEFAULT_CLIENTS,
-                   help=f"raw client processes attaching in parallel (default {DEFAULT_CLIENTS})")
-    p.add_argument("--cycles", type=int, default=DEFAULT_CYCLES,
-                   help=f"attach/read/release cycles over all clients (default {DEFAULT_CYCLES}, "
-                        "the issue's minimum; ~1-2 min here)")
-    p.add_argument("--kill-every-s", type=float, default=DEFAULT_KILL_EVERY_S,
-                   help="a further client, attaching in a loop, is SIGKILLed at a random moment "
-                        f"this often (seconds, default {DEFAULT_KILL_EVERY_S:g})")
-    p.add_argument("--warmup-cycles", type=int, default=WARMUP_CYCLES,
-                   help="cycles (over all clients) before the warm-up sample of RSS and fds "
-                        f"(default {WARMUP_CYCLES}); a CPU daemon hands off to its lean "
-                        "serving process after the snapshot is written, a few hundred cycles "
-                        "in, so the serving process's own warm-up starts there")
-    p.add_argument("--no-peer", action="store_true",
-                   help="leave out the peer daemon (`wcache serve --seed-from SOCKET`, a full "
-                        "process with vLLM's imports: ~1 GB and ~30-60 s here) that seeds from "
-                        "the soak daemon once it serves lean")
-    p.add_argument("--no-live-snapshot", action="store_true",
-                   help="leave out the snapshot of the served arena that a client process "
-                        f"writes and reads back once {LIVE_SNAPSHOT_AT:.0%} of the cycles are done")
-    p.add_argument("--engines", type=int, default=0,
-                   help="vLLM CPU engines that restore from the daemon side by side during "
-                        "the soak, each compared with a disk engine's greedy tokens (default "
-                        "0; each costs ~1-3 min and ~3-4 GB here: use --cycles 30000)")
+    p = argparse.ArgumentParser(
+        prog="wcache bench --soak",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--clients",
+        type=int,
+        default=DEFAULT_CLIENTS,
+        help=f"raw client processes attaching in parallel (default {DEFAULT_CLIENTS})",
+    )
+    p.add_argument(
+        "--cycles",
+        type=int,
+        default=DEFAULT_CYCLES,
+        help=f"attach/read/release cycles over all clients (default {DEFAULT_CYCLES}, "
+        "the issue's minimum; ~1-2 min here)",
+    )
+    p.add_argument(
+        "--kill-every-s",
+        type=float,
+        default=DEFAULT_KILL_EVERY_S,
+        help="a further client, attaching in a loop, is SIGKILLed at a random moment "
+        f"this often (seconds, default {DEFAULT_KILL_EVERY_S:g})",
+    )
+    p.add_argument(
+        "--warmup-cycles",
+        type=int,
+        default=WARMUP_CYCLES,
+        help="cycles (over all clients) before the warm-up sample of RSS and fds "
+        f"(default {WARMUP_CYCLES}); a CPU daemon hands off to its lean "
+        "serving process after the snapshot is written, a few hundred cycles "
+        "in, so the serving process's own warm-up starts there",
+    )
+    p.add_argument(
+        "--no-peer",
+        action="store_true",
+        help="leave out the peer daemon (`wcache serve --seed-from SOCKET`, a full "
+        "process with vLLM's imports: ~1 GB and ~30-60 s here) that seeds from "
+        "the soak daemon once it serves lean",
+    )
+    p.add_argument(
+        "--no-live-snapshot",
+        action="store_true",
+        help="leave out the snapshot of the served arena that a client process "
+        f"writes and reads back once {LIVE_SNAPSHOT_AT:.0%} of the cycles are done",
+    )
+    p.add_argument(
+        "--engines",
+        type=int,
+        default=0,
+        help="vLLM CPU engines that restore from the daemon side by side during "
+        "the soak, each compared with a disk engine's greedy tokens (default "
+        "0; each costs ~1-3 min and ~3-4 GB here: use --cycles 30000)",
+    )
     p.add_argument("--json", help="also write the figures here")
     return p
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    r = run(args.clients, args.cycles, args.kill_every_s, args.warmup_cycles, peer=not args.no_peer,
-            live_snapshot=not args.no_live_snapshot, engines=args.engines)
+    r = run(
+        args.clients,
+        args.cycles,
+        args.kill_every_s,
+        args.warmup_cycles,
+        peer=not args.no_peer,
+        live_snapshot=not args.no_live_snapshot,
+        engines=args.engines,
+    )
     sys.stdout.write(report(r))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=1, default=str)
-    ok = (r["wrong_reads"] == 0 and r["cycles"] >= args.cycles
-          and (args.no_peer or r["peer"].get("wrong_tensors") == 0)
-          and (args.no_live_snapshot or r["live_snapshot"].get("ok"))
-          and (not args.engines or (len(r["engines"].get("runs", [])) == args.engines
-                                    and all(x.get("identical") for x in r["engines"]["runs"]))))
+    ok = (
+        r["wrong_reads"] == 0
+        and r["cycles"] >= args.cycles
+        and (args.no_peer or r["peer"].get("wrong_tensors") == 0)
+        and (args.no_live_snapshot or r["live_snapshot"].get("ok"))
+        and (
+            not args.engines
+            or (
+                len(r["engines"].get("runs", [])) == args.engines
+                and all(x.get("identical") for x in r["engines"]["runs"])
+            )
+        )
+    )
     return 0 if ok else 1
 
 

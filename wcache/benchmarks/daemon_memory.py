@@ -50,7 +50,7 @@ from wcache.store import CacheKey, DaemonServer, Export
 GPU_MEMORY_UTILIZATION = 0.9
 #: Issue 12 item 2's target: daemon reserved memory within 1% of the arena.
 RESERVED_TOLERANCE = 0.01
-GIB = 2 ** 30
+GIB = 2**30
 #: Seconds the parent waits for the daemon's ready file (8B of bf16 is generated
 #: and copied on the GPU in seconds; the margin covers a cold CUDA context).
 READY_TIMEOUT_S = 240
@@ -63,23 +63,38 @@ def request_memory_copy(total: int, free: int, utilization: float, external: int
     if external > 0:
         engine = requested - external
         if engine <= 0:
-            return {"ok": False, "requested": requested, "engine_budget": engine,
-                    "error": "externally held weights exceed the utilization budget"}
+            return {
+                "ok": False,
+                "requested": requested,
+                "engine_budget": engine,
+                "error": "externally held weights exceed the utilization budget",
+            }
         if free < engine:
-            return {"ok": False, "requested": requested, "engine_budget": engine,
-                    "error": "free memory is less than the engine's budget"}
+            return {
+                "ok": False,
+                "requested": requested,
+                "engine_budget": engine,
+                "error": "free memory is less than the engine's budget",
+            }
         return {"ok": True, "requested": requested, "engine_budget": engine}
     if free < requested:
-        return {"ok": False, "requested": requested, "engine_budget": requested,
-                "error": "free memory is less than desired GPU memory utilization"}
+        return {
+            "ok": False,
+            "requested": requested,
+            "engine_budget": requested,
+            "error": "free memory is less than desired GPU memory utilization",
+        }
     return {"ok": True, "requested": requested, "engine_budget": requested}
 
 
 def _smi_used_mib(pid: int) -> int | None:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                              "--format=csv,noheader,nounits"], capture_output=True,
-                             text=True, timeout=30).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     for line in out.splitlines():
@@ -106,14 +121,21 @@ def daemon_main(ready_path: str, socket_dir: str, transport: str) -> None:
     model_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     reserved_loaded = torch.cuda.memory_reserved()
     key = CacheKey({"bench": "issue12-memory", "shape": "8b", "format": "bf16"})
-    server = DaemonServer(Export(tensors=tensors, kinds=kinds), key, socket_dir=socket_dir,
-                          device="cuda:0", transport=transport)
+    server = DaemonServer(
+        Export(tensors=tensors, kinds=kinds),
+        key,
+        socket_dir=socket_dir,
+        device="cuda:0",
+        transport=transport,
+    )
     del tensors, local, t  # the model's tensors: the arena holds its own copy now
     torch.cuda.synchronize()
     reserved_before_free = torch.cuda.memory_reserved()
     compat.free_device_memory("cuda")  # what daemon.build_server calls
     report = {
-        "transport": server.transport, "model_bytes": model_bytes, "arena_bytes": server.nbytes,
+        "transport": server.transport,
+        "model_bytes": model_bytes,
+        "arena_bytes": server.nbytes,
         "reserved_with_model": reserved_loaded,
         "reserved_before_free": reserved_before_free,
         "reserved_after_free": torch.cuda.memory_reserved(),
@@ -140,8 +162,9 @@ def measure(transport: str, out_dir: str) -> dict:
     tmp = tempfile.mkdtemp(prefix="wcache-i12-")
     ready = os.path.join(tmp, "ready.json")
     free0, total = torch.cuda.mem_get_info()
-    proc = subprocess.Popen([sys.executable, "-m", "wcache.benchmarks.daemon_memory", "--daemon", ready, tmp,
-                             transport])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "wcache.benchmarks.daemon_memory", "--daemon", ready, tmp, transport]
+    )
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not os.path.exists(ready):
@@ -157,16 +180,21 @@ def measure(transport: str, out_dir: str) -> dict:
         # the arena's share of the daemon's device memory: cuda_vmm maps it outside
         # torch's allocator, so reserved excludes it there; cuda_ipc allocates it
         # through torch, so reserved includes it
-        d.update({
-            "engine_free_before_daemon": free0, "engine_free": free, "total": total,
-            "daemon_device_bytes": free0 - free,
-            "external_weight_memory": external,
-            "check_with_loader_answer": request_memory_copy(total, free,
-                                                            GPU_MEMORY_UTILIZATION, external),
-            "check_with_zero": request_memory_copy(total, free, GPU_MEMORY_UTILIZATION, 0),
-            "reserved_over_arena": d["reserved_after_free"] / arena,
-            "device_over_arena": (free0 - free) / arena,
-        })
+        d.update(
+            {
+                "engine_free_before_daemon": free0,
+                "engine_free": free,
+                "total": total,
+                "daemon_device_bytes": free0 - free,
+                "external_weight_memory": external,
+                "check_with_loader_answer": request_memory_copy(
+                    total, free, GPU_MEMORY_UTILIZATION, external
+                ),
+                "check_with_zero": request_memory_copy(total, free, GPU_MEMORY_UTILIZATION, 0),
+                "reserved_over_arena": d["reserved_after_free"] / arena,
+                "device_over_arena": (free0 - free) / arena,
+            }
+        )
         return d
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -177,13 +205,13 @@ def measure(transport: str, out_dir: str) -> dict:
 
 
 #: Issue 28's target: a ready CPU daemon's resident memory beyond its arena (bytes).
-CPU_TARGET_BEYOND_BYTES = 150 * 2 ** 20
+CPU_TARGET_BEYOND_BYTES = 150 * 2**20
 #: After the daemon reports its serving mode, wait this long before sampling
 #: (seconds): the lean process's first accept and log lines settle.
 CPU_SETTLE_S = 2.0
 #: The hand-off (an interpreter start, the store imports) takes well under this (seconds).
 CPU_SERVING_TIMEOUT_S = 60.0
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def measure_cpu_mode(model: str, lean: bool) -> dict:
@@ -200,8 +228,10 @@ def measure_cpu_mode(model: str, lean: bool) -> dict:
         st: dict = {}
         while st.get("serving") != mode:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"daemon did not report serving={mode} (last: {st.get('serving')}); "
-                                   f"log tail: {list(daemon.lines)[-5:]}")
+                raise RuntimeError(
+                    f"daemon did not report serving={mode} (last: {st.get('serving')}); "
+                    f"log tail: {list(daemon.lines)[-5:]}"
+                )
             try:
                 st = daemon_status(list_sockets(sock_dir)[0])
             except (StoreError, IndexError):
@@ -211,11 +241,19 @@ def measure_cpu_mode(model: str, lean: bool) -> dict:
         rss = rss_parts(daemon.pid)
         with open(f"/proc/{daemon.pid}/maps") as f:
             libtorch = "libtorch" in f.read()
-        return {"mode": mode, "pid": daemon.pid, "same_pid": st["pid"] == daemon.pid,
-                "torch_loaded": st["torch_loaded"], "libtorch_mapped": libtorch,
-                "arena_bytes": st["bytes_held"], **rss,
-                "beyond_arena": rss["VmRSS"] - rss["RssShmem"],
-                "serving_line": next((ln for ln in daemon.lines if ln.startswith("wcache: serving:")), None)}
+        return {
+            "mode": mode,
+            "pid": daemon.pid,
+            "same_pid": st["pid"] == daemon.pid,
+            "torch_loaded": st["torch_loaded"],
+            "libtorch_mapped": libtorch,
+            "arena_bytes": st["bytes_held"],
+            **rss,
+            "beyond_arena": rss["VmRSS"] - rss["RssShmem"],
+            "serving_line": next(
+                (ln for ln in daemon.lines if ln.startswith("wcache: serving:")), None
+            ),
+        }
 
 
 def cpu_main(out: str | None) -> int:
@@ -226,15 +264,19 @@ def cpu_main(out: str | None) -> int:
     runs = [measure_cpu_mode(model, lean) for lean in (False, True)]
     full, lean = runs
     ratio = lean["beyond_arena"] / full["beyond_arena"]
-    print(f"CPU daemon memory, SmolLM2 bf16 fixture ({full['arena_bytes'] / MIB:.1f} MiB arena), TP=1")
+    print(
+        f"CPU daemon memory, SmolLM2 bf16 fixture ({full['arena_bytes'] / MIB:.1f} MiB arena), TP=1"
+    )
     print(f"{'':24s} {'full':>10s} {'lean':>10s}")
     for k in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "beyond_arena"):
         print(f"{k + ' (MiB)':24s} {full[k] / MIB:10.1f} {lean[k] / MIB:10.1f}")
     for k in ("torch_loaded", "libtorch_mapped", "same_pid"):
         print(f"{k:24s} {full[k]!s:>10s} {lean[k]!s:>10s}")
     met = lean["beyond_arena"] <= CPU_TARGET_BEYOND_BYTES
-    print(f"lean / full beyond the arena: {ratio:.3f} ({full['beyond_arena'] / lean['beyond_arena']:.1f}x "
-          f"less); target <= {CPU_TARGET_BEYOND_BYTES / MIB:.0f} MiB: {'met' if met else 'NOT met'}")
+    print(
+        f"lean / full beyond the arena: {ratio:.3f} ({full['beyond_arena'] / lean['beyond_arena']:.1f}x "
+        f"less); target <= {CPU_TARGET_BEYOND_BYTES / MIB:.0f} MiB: {'met' if met else 'NOT met'}"
+    )
     if out:
         with open(out, "w") as f:
             json.dump({"runs": runs, "ratio": ratio, "target_met": met}, f, indent=1)
@@ -255,8 +297,11 @@ def main() -> int:
     out_dir = sys.argv[1]
     os.makedirs(out_dir, exist_ok=True)
     torch.cuda.init()
-    results = {"device": torch.cuda.get_device_name(0), "utilization": GPU_MEMORY_UTILIZATION,
-               "runs": []}
+    results = {
+        "device": torch.cuda.get_device_name(0),
+        "utilization": GPU_MEMORY_UTILIZATION,
+        "runs": [],
+    }
     for transport in sys.argv[2:] or ["cuda_vmm", "cuda_ipc"]:
         try:
             r = measure(transport, out_dir)

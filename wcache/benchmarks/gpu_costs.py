@@ -63,15 +63,17 @@ def checksum(gib: float) -> None:
     n = int(gib * 2**30) // 4096 * 4096
     arena = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda:0")
     per = n // CHECKSUM_LAYERS // 8 * 8
-    views = [arena[i * per:(i + 1) * per] for i in range(CHECKSUM_LAYERS)]
+    views = [arena[i * per : (i + 1) * per] for i in range(CHECKSUM_LAYERS)]
     ranges = [ByteRange(v, (f"l{i}",), 0, per) for i, v in enumerate(views)]
     res = {
         "range_sums int64": _timed_ms(lambda: range_sums(ranges)),
         "int64 sum, no sync": _timed_ms(lambda: [v.view(torch.int64).sum() for v in views]),
         "int32 sum(dtype=int64)": _timed_ms(
-            lambda: [v.view(torch.int32).sum(dtype=torch.int64) for v in views]),
+            lambda: [v.view(torch.int32).sum(dtype=torch.int64) for v in views]
+        ),
         "int64 2-D rows sum then sum": _timed_ms(
-            lambda: [v.view(torch.int64).view(-1, 512).sum(1).sum() for v in views]),
+            lambda: [v.view(torch.int64).view(-1, 512).sum(1).sum() for v in views]
+        ),
         "float32 view nansum": _timed_ms(lambda: [v.view(torch.float32).nansum() for v in views]),
         "copy (read+write) d2d": _timed_ms(lambda: arena.clone()),
     }
@@ -87,12 +89,21 @@ def checksum(gib: float) -> None:
     t2 = time.perf_counter()
     guard.check_all()
     t3 = time.perf_counter()
-    print(f"RestoreGuard: init {1e3 * (t1 - t0):.2f} ms, {CHECKSUM_LAYERS} check_layer "
-          f"{1e3 * (t2 - t1):.2f} ms, check_all {1e3 * (t3 - t2):.2f} ms")
-    r = subprocess.run([sys.executable, "-c", "import time, torch; torch.empty(1, device='cuda'); "
-                        "t0 = time.perf_counter(); import cuda.bindings.driver; "
-                        "print(f'import cuda.bindings.driver {1e3*(time.perf_counter()-t0):.1f} ms')"],
-                       capture_output=True, text=True)
+    print(
+        f"RestoreGuard: init {1e3 * (t1 - t0):.2f} ms, {CHECKSUM_LAYERS} check_layer "
+        f"{1e3 * (t2 - t1):.2f} ms, check_all {1e3 * (t3 - t2):.2f} ms"
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import time, torch; torch.empty(1, device='cuda'); "
+            "t0 = time.perf_counter(); import cuda.bindings.driver; "
+            "print(f'import cuda.bindings.driver {1e3*(time.perf_counter()-t0):.1f} ms')",
+        ],
+        capture_output=True,
+        text=True,
+    )
     print(r.stdout.strip() or r.stderr[-500:])
 
 
@@ -111,12 +122,16 @@ def guard_cold() -> None:
     t1 = time.perf_counter()
     range_sums(layer_ranges({"w": small}))
     t2 = time.perf_counter()
-    print(f"first range_sums (cold kernels) {1e3 * (t1 - t0):.2f} ms, second {1e3 * (t2 - t1):.2f} ms")
+    print(
+        f"first range_sums (cold kernels) {1e3 * (t1 - t0):.2f} ms, second {1e3 * (t2 - t1):.2f} ms"
+    )
     n = int(DEFAULT_GIB) * 2**30
     arena = torch.empty(n, dtype=torch.uint8, device="cuda:0")
     per = n // GUARD_LAYERS // 256 * 256
-    layers = {f"l{i}": {"weight": arena[i * per:(i + 1) * per].view(torch.bfloat16)}
-              for i in range(GUARD_LAYERS)}
+    layers = {
+        f"l{i}": {"weight": arena[i * per : (i + 1) * per].view(torch.bfloat16)}
+        for i in range(GUARD_LAYERS)
+    }
     for rep in range(3):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -128,8 +143,10 @@ def guard_cold() -> None:
         t2 = time.perf_counter()
         guard.check_all()
         t3 = time.perf_counter()
-        print(f"rep {rep}: init {1e3 * (t1 - t0):.2f} ms, {GUARD_LAYERS}x(check_stage+check_layer) "
-              f"{1e3 * (t2 - t1):.2f} ms, check_all {1e3 * (t3 - t2):.2f} ms")
+        print(
+            f"rep {rep}: init {1e3 * (t1 - t0):.2f} ms, {GUARD_LAYERS}x(check_stage+check_layer) "
+            f"{1e3 * (t2 - t1):.2f} ms, check_all {1e3 * (t3 - t2):.2f} ms"
+        )
 
 
 #: The child of :func:`vmm_steps`: three attaches, each with its steps' times.
@@ -157,29 +174,38 @@ def vmm_steps(gib: float) -> None:
     """Each step of an attach of a ``gib`` GiB bf16 arena, per CUDA transport."""
     import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
-
     n = int(gib * 2**30) // 2
     key = CacheKey({"bench": "vmm-steps", "gib": gib})
     for transport in ("cuda_vmm", "cuda_ipc"):
         sock = tempfile.mkdtemp(prefix="wvs-")
         os.chmod(sock, 0o700)
-        export = Export({"w": torch.zeros(n, dtype=torch.bfloat16, device="cuda:0")}, {"w": "param"},
-                        {}, {}, {})
-        server = DaemonServer(export, key, socket_dir=sock, device="cuda:0", transport=transport).start()
+        export = Export(
+            {"w": torch.zeros(n, dtype=torch.bfloat16, device="cuda:0")}, {"w": "param"}, {}, {}, {}
+        )
+        server = DaemonServer(
+            export, key, socket_dir=sock, device="cuda:0", transport=transport
+        ).start()
         del export
         torch.cuda.empty_cache()
-        child = subprocess.run([sys.executable, "-c", _ATTACH_CHILD.format(fields=key.fields, sock=sock)],
-                               capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+        child = subprocess.run(
+            [sys.executable, "-c", _ATTACH_CHILD.format(fields=key.fields, sock=sock)],
+            capture_output=True,
+            text=True,
+            timeout=CHILD_TIMEOUT_S,
+        )
         print(transport, child.stdout.strip() or child.stderr[-2000:], flush=True)
         server.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m wcache.benchmarks.gpu_costs",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m wcache.benchmarks.gpu_costs", description=__doc__.split("\n\n")[0]
+    )
     sub = p.add_subparsers(dest="what", required=True)
-    for name, help_ in (("checksum", "one content-check pass per reduction variant"),
-                        ("vmm-steps", "each step of a cuda_vmm / cuda_ipc attach")):
+    for name, help_ in (
+        ("checksum", "one content-check pass per reduction variant"),
+        ("vmm-steps", "each step of a cuda_vmm / cuda_ipc attach"),
+    ):
         sp = sub.add_parser(name, help=help_)
         sp.add_argument("gib", nargs="?", type=float, default=DEFAULT_GIB, help="arena size (GiB)")
     sub.add_parser("guard-cold", help="the guard's kernels cold, then the whole guard")

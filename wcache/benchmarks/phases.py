@@ -59,8 +59,17 @@ import attrs
 __all__ = ["PHASES", "Phase", "parse_log", "breakdown", "total_s", "phase_lines", "LINES"]
 
 #: The phases of one engine start, in order (the table's columns, the bars' stack).
-PHASES = ("process start", "vLLM import", "model build", "weights", "compile",
-          "graph capture", "KV-cache/other init", "other", "first token")
+PHASES = (
+    "process start",
+    "vLLM import",
+    "model build",
+    "weights",
+    "compile",
+    "graph capture",
+    "KV-cache/other init",
+    "other",
+    "first token",
+)
 
 _NUM = r"([0-9]+(?:\.[0-9]+)?)"
 #: vLLM's (and wcache's) phase lines -> the regex that reads their seconds.
@@ -68,16 +77,22 @@ LINES: dict[str, re.Pattern[str]] = {
     "initializing_model": re.compile(rf"Initializing model took {_NUM} seconds"),
     "model_loading": re.compile(rf"Model loading took {_NUM} GiB memory and {_NUM} seconds"),
     "loading_weights": re.compile(rf"Loading weights took {_NUM} seconds"),
-    "compile_total": re.compile(r"torch\.compile (?:and initial profiling/warmup run together )?"
-                                rf"took {_NUM} s in total"),
+    "compile_total": re.compile(
+        r"torch\.compile (?:and initial profiling/warmup run together )?"
+        rf"took {_NUM} s in total"
+    ),
     "compile_graph": re.compile(rf"Compiling a graph for compile range (.+?) takes {_NUM} s"),
-    "compile_loaded": re.compile(r"Directly load the compiled graph\(s\) for compile range (.+?) "
-                                 rf"from the cache, took {_NUM} s"),
+    "compile_loaded": re.compile(
+        r"Directly load the compiled graph\(s\) for compile range (.+?) "
+        rf"from the cache, took {_NUM} s"
+    ),
     "aot_loaded": re.compile(r"Directly load AOT compilation from path (\S+)"),
     "dynamo": re.compile(rf"Dynamo bytecode transform time: {_NUM} s"),
     "graph_capture": re.compile(rf"Graph capturing finished in {_NUM} secs, took {_NUM} GiB"),
-    "init_engine": re.compile(r"init engine \(profile, create kv cache, warmup model\) took "
-                              rf"{_NUM} s(?: \(compilation: {_NUM} s)?"),
+    "init_engine": re.compile(
+        r"init engine \(profile, create kv cache, warmup model\) took "
+        rf"{_NUM} s(?: \(compilation: {_NUM} s)?"
+    ),
 }
 #: vLLM's CPU model runner around its warm-up (``warming_up_model``): on CPU a compiled
 #: engine runs Dynamo once with Inductor (``DYNAMO_TRACE_ONCE``), which logs no compile
@@ -91,8 +106,9 @@ SECONDS_PER_DAY = 86400.0
 #: vLLM 0.33's startup plan (vllm/v1/worker/startup_plan.py): applied, or refused with
 #: its reason (``VLLM_ENABLE_STARTUP_PLAN=1`` only).
 STARTUP_PLAN_APPLIED = re.compile(r"Applying persisted startup plan \(fingerprint (\w+)\)")
-STARTUP_PLAN_REFUSED = re.compile(r"Startup plan not applied: (.+?)(?:; falling back.*)?$",
-                                  re.MULTILINE)
+STARTUP_PLAN_REFUSED = re.compile(
+    r"Startup plan not applied: (.+?)(?:; falling back.*)?$", re.MULTILINE
+)
 #: The wcache loader's own line (wcache/vllm/loader.py ``_record_timing``).
 WCACHE_LOAD_LINE = re.compile(rf"wcache: weight-load phase \((\w+)\) took {_NUM} s")
 #: A phase shorter than this counts as "does not remain" in the fresh-node summary (s):
@@ -162,8 +178,9 @@ def parse_log(log: str) -> dict[str, Any]:
     dynamo = [float(m.group(1)) for m in LINES["dynamo"].finditer(log)]
     if dynamo:
         out["dynamo_s"] = sum(dynamo)
-    captures = [(float(m.group(1)), float(m.group(2)))
-                for m in LINES["graph_capture"].finditer(log)]
+    captures = [
+        (float(m.group(1)), float(m.group(2))) for m in LINES["graph_capture"].finditer(log)
+    ]
     if captures:
         out["graph_captures"] = [list(c) for c in captures]
         out["graph_capture_s"] = sum(c[0] for c in captures)
@@ -179,9 +196,15 @@ def parse_log(log: str) -> dict[str, Any]:
         out["startup_plan"] = "applied"
     elif m := STARTUP_PLAN_REFUSED.search(log):
         out["startup_plan"] = f"not applied: {m.group(1)}"
-    out["compile_cache"] = ("aot-loaded" if "aot_loaded_from" in out else
-                            "graphs-loaded" if loaded and not graphs else
-                            "compiled" if graphs or totals else "none")
+    out["compile_cache"] = (
+        "aot-loaded"
+        if "aot_loaded_from" in out
+        else "graphs-loaded"
+        if loaded and not graphs
+        else "compiled"
+        if graphs or totals
+        else "none"
+    )
     return out
 
 
@@ -189,16 +212,24 @@ def _stamp_diff(a: str, b: str) -> float:
     """Seconds from vLLM log timestamp ``a`` to ``b`` (``%m-%d %H:%M:%S``; a run that
     crosses midnight counts the day)."""
 
-    d = (datetime.datetime.strptime(b, LOG_DATE_FORMAT)
-         - datetime.datetime.strptime(a, LOG_DATE_FORMAT)).total_seconds()
+    d = (
+        datetime.datetime.strptime(b, LOG_DATE_FORMAT)
+        - datetime.datetime.strptime(a, LOG_DATE_FORMAT)
+    ).total_seconds()
     return d + SECONDS_PER_DAY if d < 0 else d
 
 
 def phase_lines(log: str) -> list[str]:
     """The lines of ``log`` that one of :data:`LINES` (or the wcache loader's timing
     line) matches, in order: the evidence a breakdown was computed from."""
-    wanted = (*LINES.values(), WCACHE_LOAD_LINE, CPU_WARMUP_START, CPU_WARMUP_DONE,
-              STARTUP_PLAN_APPLIED, STARTUP_PLAN_REFUSED)
+    wanted = (
+        *LINES.values(),
+        WCACHE_LOAD_LINE,
+        CPU_WARMUP_START,
+        CPU_WARMUP_DONE,
+        STARTUP_PLAN_APPLIED,
+        STARTUP_PLAN_REFUSED,
+    )
     return [ln.strip() for ln in log.splitlines() if any(p.search(ln) for p in wanted)]
 
 
@@ -212,8 +243,13 @@ def _span(marks: Mapping[str, float], a: str, b: str) -> float | None:
     return marks[b] - marks[a] if a in marks and b in marks else None
 
 
-def breakdown(marks: Mapping[str, float], log: str, load: Sequence[Mapping[str, Any]] = (),
-              compiled: bool = False, device: str = "cpu") -> list[Phase]:
+def breakdown(
+    marks: Mapping[str, float],
+    log: str,
+    load: Sequence[Mapping[str, Any]] = (),
+    compiled: bool = False,
+    device: str = "cpu",
+) -> list[Phase]:
     """The phases of :data:`PHASES` for one engine start.
 
     Args:
@@ -237,8 +273,10 @@ def breakdown(marks: Mapping[str, float], log: str, load: Sequence[Mapping[str, 
     need = ("process_start", "module_start", "vllm_imported", "llm_ready", "first_token")
     missing = [k for k in need if k not in marks]
     if missing:
-        raise ValueError(f"phase marks missing: {missing} (run_engine without the first-token "
-                         f"request, or an older run_engine)")
+        raise ValueError(
+            f"phase marks missing: {missing} (run_engine without the first-token "
+            f"request, or an older run_engine)"
+        )
     figs = parse_log(log)
     rec = _load_record(load)
     steps = (rec or {}).get("steps") or {}
@@ -247,24 +285,35 @@ def breakdown(marks: Mapping[str, float], log: str, load: Sequence[Mapping[str, 
 
     # model build
     if "meta_init" in steps and rec and rec.get("phase") == "restore":
-        build = Phase("model build", float(steps["meta_init"]),
-                      "wcache loader: the model built on the meta device (steps.meta_init)")
+        build = Phase(
+            "model build",
+            float(steps["meta_init"]),
+            "wcache loader: the model built on the meta device (steps.meta_init)",
+        )
     elif "initializing_model_s" in figs:
-        build = Phase("model build", figs["initializing_model_s"],
-                      "vLLM: Initializing model took")
+        build = Phase("model build", figs["initializing_model_s"], "vLLM: Initializing model took")
     else:
         build = Phase("model build", 0.0, "not logged; inside 'weights'/'other'")
 
     # weights
     if "model_loading_s" in figs:
-        weights = Phase("weights", max(figs["model_loading_s"] - build.seconds, 0.0),
-                        "vLLM: Model loading took, minus the model build")
+        weights = Phase(
+            "weights",
+            max(figs["model_loading_s"] - build.seconds, 0.0),
+            "vLLM: Model loading took, minus the model build",
+        )
     elif rec is not None:
-        weights = Phase("weights", max(float(rec["seconds"]) - build.seconds, 0.0),
-                        f"wcache timing record ({rec['phase']}), minus the model build")
+        weights = Phase(
+            "weights",
+            max(float(rec["seconds"]) - build.seconds, 0.0),
+            f"wcache timing record ({rec['phase']}), minus the model build",
+        )
     elif "loading_weights_s" in figs:
-        weights = Phase("weights", figs["loading_weights_s"],
-                        "vLLM: Loading weights took (post-processing not included)")
+        weights = Phase(
+            "weights",
+            figs["loading_weights_s"],
+            "vLLM: Loading weights took (post-processing not included)",
+        )
     else:
         weights = Phase("weights", 0.0, "no weight-load line in the log; inside 'other'")
 
@@ -272,26 +321,39 @@ def breakdown(marks: Mapping[str, float], log: str, load: Sequence[Mapping[str, 
     if not compiled:
         compile_ = Phase("compile", 0.0, "eager (enforce_eager): no torch.compile")
     elif "init_engine_compile_s" in figs:
-        compile_ = Phase("compile", figs["init_engine_compile_s"],
-                         f"vLLM: init engine ... (compilation: s); cache: {figs['compile_cache']}")
+        compile_ = Phase(
+            "compile",
+            figs["init_engine_compile_s"],
+            f"vLLM: init engine ... (compilation: s); cache: {figs['compile_cache']}",
+        )
     elif "compile_total_s" in figs:
-        compile_ = Phase("compile", figs["compile_total_s"],
-                         f"vLLM: torch.compile ... s in total; cache: {figs['compile_cache']}")
+        compile_ = Phase(
+            "compile",
+            figs["compile_total_s"],
+            f"vLLM: torch.compile ... s in total; cache: {figs['compile_cache']}",
+        )
     elif "cpu_warmup_s" in figs:
-        compile_ = Phase("compile", figs["cpu_warmup_s"],
-                         "vLLM CPU: Warming up model for the compilation... -> Warming up done. "
-                         "(log timestamps, whole seconds; Dynamo + Inductor and the warm-up run)")
+        compile_ = Phase(
+            "compile",
+            figs["cpu_warmup_s"],
+            "vLLM CPU: Warming up model for the compilation... -> Warming up done. "
+            "(log timestamps, whole seconds; Dynamo + Inductor and the warm-up run)",
+        )
     else:
         compile_ = Phase("compile", 0.0, "compiled engine, but no compile line in the log")
 
     # graph capture
     if "graph_capture_s" in figs:
         n = len(figs.get("graph_captures", ())) or 1
-        graphs = Phase("graph capture", figs["graph_capture_s"],
-                       "vLLM: Graph capturing finished in (whole seconds)" if n == 1 else
-                       f"vLLM: the sum of its {n} Graph capturing finished lines (whole "
-                       "seconds; in 0.33 the first is the memory-profiling capture, "
-                       "profile_cudagraph_memory, which kv_cache_memory_bytes skips)")
+        graphs = Phase(
+            "graph capture",
+            figs["graph_capture_s"],
+            "vLLM: Graph capturing finished in (whole seconds)"
+            if n == 1
+            else f"vLLM: the sum of its {n} Graph capturing finished lines (whole "
+            "seconds; in 0.33 the first is the memory-profiling capture, "
+            "profile_cudagraph_memory, which kv_cache_memory_bytes skips)",
+        )
     elif not compiled:
         graphs = Phase("graph capture", 0.0, "eager (enforce_eager): no CUDA graphs")
     elif device != "cuda":
@@ -302,25 +364,45 @@ def breakdown(marks: Mapping[str, float], log: str, load: Sequence[Mapping[str, 
     # KV-cache profiling and the rest of vLLM's engine init
     if "init_engine_s" in figs:
         kv_s = figs["init_engine_s"] - compile_.seconds - graphs.seconds
-        kv = Phase("KV-cache/other init", max(kv_s, 0.0),
-                   "vLLM: init engine (profile, create kv cache, warmup model) took, minus "
-                   "compile and graph capture")
+        kv = Phase(
+            "KV-cache/other init",
+            max(kv_s, 0.0),
+            "vLLM: init engine (profile, create kv cache, warmup model) took, minus "
+            "compile and graph capture",
+        )
         init_s = figs["init_engine_s"]
     else:
         kv = Phase("KV-cache/other init", 0.0, "no init engine line in the log; inside 'other'")
         init_s = compile_.seconds + graphs.seconds
     rest = llm_s - build.seconds - weights.seconds - init_s
-    other = Phase("other", max(rest, 0.0),
-                  "rest of LLM(): engine-core start, config, tokenizer, worker init"
-                  + (f" (log figures exceed LLM() by {-rest:.3f} s; clamped)" if rest < 0 else ""))
+    other = Phase(
+        "other",
+        max(rest, 0.0),
+        "rest of LLM(): engine-core start, config, tokenizer, worker init"
+        + (f" (log figures exceed LLM() by {-rest:.3f} s; clamped)" if rest < 0 else ""),
+    )
     return [
-        Phase("process start", _span(marks, "process_start", "module_start") or 0.0,
-              "process start -> run_engine module top"),
-        Phase("vLLM import", _span(marks, "module_start", "vllm_imported") or 0.0,
-              "module top -> from vllm import LLM"),
-        build, weights, compile_, graphs, kv, other,
-        Phase("first token", _span(marks, "llm_ready", "first_token") or 0.0,
-              "LLM() returned -> first token of a 1-token request"),
+        Phase(
+            "process start",
+            _span(marks, "process_start", "module_start") or 0.0,
+            "process start -> run_engine module top",
+        ),
+        Phase(
+            "vLLM import",
+            _span(marks, "module_start", "vllm_imported") or 0.0,
+            "module top -> from vllm import LLM",
+        ),
+        build,
+        weights,
+        compile_,
+        graphs,
+        kv,
+        other,
+        Phase(
+            "first token",
+            _span(marks, "llm_ready", "first_token") or 0.0,
+            "LLM() returned -> first token of a 1-token request",
+        ),
     ]
 
 

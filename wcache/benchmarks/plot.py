@@ -1,6 +1,6 @@
 """Draw the restore-cost curve (restore time vs model size) as a PNG.
 
-    python -m wcache.benchmarks.plot benchmarks/results/cuda.json docs/restore_cost.png
+python -m wcache.benchmarks.plot benchmarks/results/cuda.json docs/restore_cost.png
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def plot_restore_cost(results: Mapping, png: str | Path) -> Path:
     by_fmt: dict[str, list[tuple[float, float, str]]] = {}
     for p in results.get("curve", []):
         by_fmt.setdefault(p["format"], []).append(
-            (p["params"] / PARAMS_PER_BILLION, p["restore_s"] * MS_PER_S, p["size"]))
+            (p["params"] / PARAMS_PER_BILLION, p["restore_s"] * MS_PER_S, p["size"])
+        )
     fig, ax = plt.subplots(figsize=FIGSIZE_IN)
     for fmt, pts in sorted(by_fmt.items()):
         pts.sort()
@@ -66,8 +67,10 @@ def plot_restore_cost(results: Mapping, png: str | Path) -> Path:
     ax.set_xlabel("linear-layer parameters (billions)")
     ax.set_ylabel("restore time (ms): attach + install + replay")
     ax.set_title(f"wcache restore cost vs model size ({device})", fontsize=9)
-    ax.set_ylim(bottom=0, top=max((y for pts in by_fmt.values() for _, y, _ in pts),
-                                  default=1.0) * LABEL_HEADROOM)
+    ax.set_ylim(
+        bottom=0,
+        top=max((y for pts in by_fmt.values() for _, y, _ in pts), default=1.0) * LABEL_HEADROOM,
+    )
     ax.grid(True, alpha=0.3)
     if by_fmt:
         ax.legend(fontsize=8)

@@ -71,8 +71,9 @@ def read_samples(prefix: str) -> list[Process]:
                 if current is None or len(parts) != 3:
                     continue
                 try:
-                    current.samples.append((float(parts[0]), parts[1],
-                                            [_frame(t) for t in parts[2].split(";") if t]))
+                    current.samples.append(
+                        (float(parts[0]), parts[1], [_frame(t) for t in parts[2].split(";") if t])
+                    )
                 except ValueError:
                     continue
     return sorted(procs, key=lambda p: p.start)
@@ -86,16 +87,24 @@ def _key(frames: Sequence[tuple[str, int, str]], package: str, depth: int) -> st
     """The innermost ``depth`` frames of ``package`` (else of the whole stack), shortened
     to ``package/...file:function``."""
     mine = [f for f in frames if _in_package(f[0], package)] or list(frames)
+
     def short(f: tuple[str, int, str]) -> str:
         path = f[0]
         i = path.rfind(f"{os.sep}{package}{os.sep}")
-        return f"{path[i + 1:] if i >= 0 else os.path.basename(path)}:{f[2]}"
+        return f"{path[i + 1 :] if i >= 0 else os.path.basename(path)}:{f[2]}"
+
     return " < ".join(short(f) for f in reversed(mine[-depth:]))
 
 
-def hot_frames(proc: Process, *, thread: str = "MainThread", package: str = "vllm",
-               depth: int = 1, since: float | None = None, until: float | None = None
-               ) -> list[tuple[str, float]]:
+def hot_frames(
+    proc: Process,
+    *,
+    thread: str = "MainThread",
+    package: str = "vllm",
+    depth: int = 1,
+    since: float | None = None,
+    until: float | None = None,
+) -> list[tuple[str, float]]:
     """Seconds (samples x interval) per innermost ``package`` frame of ``thread``,
     most first, optionally only for samples in ``[since, until]``."""
     counts: collections.Counter[str] = collections.Counter()
@@ -105,8 +114,9 @@ def hot_frames(proc: Process, *, thread: str = "MainThread", package: str = "vll
     return [(k, n * proc.interval) for k, n in counts.most_common()]
 
 
-def timeline(proc: Process, *, thread: str = "MainThread", package: str = "vllm",
-             depth: int = 2) -> list[tuple[float, float, str]]:
+def timeline(
+    proc: Process, *, thread: str = "MainThread", package: str = "vllm", depth: int = 2
+) -> list[tuple[float, float, str]]:
     """``(first s, last s, key)`` for each stretch of consecutive samples of ``thread``
     with the same :func:`_key`, seconds from the process's start."""
     out: list[tuple[float, float, str]] = []
@@ -124,12 +134,18 @@ def timeline(proc: Process, *, thread: str = "MainThread", package: str = "vllm"
 def main(argv: Sequence[str] | None = None) -> int:
     """Print, per sampled process, seconds per innermost frame of ``--package``
     (and with ``--timeline`` each stretch); 1 when no sample file is found."""
-    p = argparse.ArgumentParser(prog="python -m wcache.benchmarks.stacks", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m wcache.benchmarks.stacks",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("prefix", help="the samples' prefix: {--out}.logs/{row}.stacks")
     p.add_argument("--thread", default="MainThread")
-    p.add_argument("--package", default="vllm",
-                   help="attribute each sample to this package's innermost frame (default vllm)")
+    p.add_argument(
+        "--package",
+        default="vllm",
+        help="attribute each sample to this package's innermost frame (default vllm)",
+    )
     p.add_argument("--depth", type=int, default=1, help="frames of the package per key")
     p.add_argument("--top", type=int, default=TOP_DEFAULT)
     p.add_argument("--timeline", action="store_true", help="also print each stretch in order")
@@ -142,15 +158,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         own = [s for s in proc.samples if s[1] == args.thread]
         if not own:
             continue
-        print(f"pid {proc.pid} (ppid {proc.ppid}) {proc.argv[:120]}: {len(own)} samples "
-              f"x {proc.interval} s, {own[0][0] - proc.start:.1f}-{own[-1][0] - proc.start:.1f} s "
-              f"after its start")
-        for key, sec in hot_frames(proc, thread=args.thread, package=args.package,
-                                   depth=args.depth)[:args.top]:
+        print(
+            f"pid {proc.pid} (ppid {proc.ppid}) {proc.argv[:120]}: {len(own)} samples "
+            f"x {proc.interval} s, {own[0][0] - proc.start:.1f}-{own[-1][0] - proc.start:.1f} s "
+            f"after its start"
+        )
+        for key, sec in hot_frames(
+            proc, thread=args.thread, package=args.package, depth=args.depth
+        )[: args.top]:
             print(f"  {sec:7.1f} s  {key}")
         if args.timeline:
-            for a, b, key in timeline(proc, thread=args.thread, package=args.package,
-                                      depth=max(args.depth, 2)):
+            for a, b, key in timeline(
+                proc, thread=args.thread, package=args.package, depth=max(args.depth, 2)
+            ):
                 if b - a >= proc.interval:
                     print(f"    {a:7.1f}-{b:7.1f} s  {key}")
     return 0

@@ -31,9 +31,21 @@ from wcache.core import LayerConfig, QuantSpec, Target
 from wcache.errors import DiskFull  # re-exported: its old home
 
 __all__ = [
-    "ModelShape", "LinearSpec", "SHAPES", "FORMATS", "CHECKPOINT_KIND", "AWQ_GROUP_SIZE",
-    "linears", "layer_config", "quant_spec", "bench_dir", "checkpoint_path",
-    "make_linear_tensors", "write_checkpoint", "ensure_checkpoint", "checkpoint_nbytes",
+    "ModelShape",
+    "LinearSpec",
+    "SHAPES",
+    "FORMATS",
+    "CHECKPOINT_KIND",
+    "AWQ_GROUP_SIZE",
+    "linears",
+    "layer_config",
+    "quant_spec",
+    "bench_dir",
+    "checkpoint_path",
+    "make_linear_tensors",
+    "write_checkpoint",
+    "ensure_checkpoint",
+    "checkpoint_nbytes",
     "DiskFull",
 ]
 
@@ -80,8 +92,15 @@ class ModelShape:
     def with_layers(self, num_layers: int | None) -> ModelShape:
         if num_layers is None:
             return self
-        return ModelShape(self.name, num_layers, self.hidden, self.intermediate,
-                          self.num_heads, self.num_kv_heads, self.head_dim)
+        return ModelShape(
+            self.name,
+            num_layers,
+            self.hidden,
+            self.intermediate,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+        )
 
     @property
     def params(self) -> int:
@@ -123,10 +142,12 @@ def linears(shape: ModelShape) -> tuple[LinearSpec, ...]:
     out = []
     for n in range(shape.num_layers):
         p = f"model.layers.{n}"
-        out += [LinearSpec(f"{p}.self_attn.qkv_proj", q + 2 * kv, h, (q, kv, kv)),
-                LinearSpec(f"{p}.self_attn.o_proj", h, q, (h,)),
-                LinearSpec(f"{p}.mlp.gate_up_proj", 2 * i, h, (i, i)),
-                LinearSpec(f"{p}.mlp.down_proj", h, i, (h,))]
+        out += [
+            LinearSpec(f"{p}.self_attn.qkv_proj", q + 2 * kv, h, (q, kv, kv)),
+            LinearSpec(f"{p}.self_attn.o_proj", h, q, (h,)),
+            LinearSpec(f"{p}.mlp.gate_up_proj", 2 * i, h, (i, i)),
+            LinearSpec(f"{p}.mlp.down_proj", h, i, (h,)),
+        ]
     return tuple(out)
 
 
@@ -141,11 +162,21 @@ def quant_spec(fmt: str, target: Target) -> QuantSpec:
     if fmt == "bf16":
         return QuantSpec("unquantized", kernel="none" if cuda else None)
     if fmt == "awq":
-        return QuantSpec("awq", num_bits=4, group_size=AWQ_GROUP_SIZE, zero_point=True,
-                         kernel="marlin" if cuda else None)
+        return QuantSpec(
+            "awq",
+            num_bits=4,
+            group_size=AWQ_GROUP_SIZE,
+            zero_point=True,
+            kernel="marlin" if cuda else None,
+        )
     if fmt == "fp8":
-        return QuantSpec("fp8_per_tensor", num_bits=8, act_bits=8, strategy="tensor",
-                         kernel="cutlass" if cuda else None)
+        return QuantSpec(
+            "fp8_per_tensor",
+            num_bits=8,
+            act_bits=8,
+            strategy="tensor",
+            kernel="cutlass" if cuda else None,
+        )
     raise ValueError(f"unknown benchmark format {fmt!r}; known: {FORMATS}")
 
 
@@ -156,13 +187,19 @@ def params_dtype(fmt: str) -> str:
 
 def layer_config(spec: LinearSpec, fmt: str, target: Target) -> LayerConfig:
     """The frozen config of one linear for a format."""
-    return LayerConfig(quant=quant_spec(fmt, target), size_k=spec.size_k, size_n=spec.size_n,
-                       params_dtype=params_dtype(fmt), name=spec.name,
-                       extra=(("logical_widths", spec.logical_widths),))
+    return LayerConfig(
+        quant=quant_spec(fmt, target),
+        size_k=spec.size_k,
+        size_n=spec.size_n,
+        params_dtype=params_dtype(fmt),
+        name=spec.name,
+        extra=(("logical_widths", spec.logical_widths),),
+    )
 
 
-def make_linear_tensors(spec: LinearSpec, kind: str, generator: torch.Generator,
-                        device: torch.device | str) -> dict[str, torch.Tensor]:
+def make_linear_tensors(
+    spec: LinearSpec, kind: str, generator: torch.Generator, device: torch.device | str
+) -> dict[str, torch.Tensor]:
     """Random checkpoint tensors of one linear (local names).
 
     Args:
@@ -180,15 +217,19 @@ def make_linear_tensors(spec: LinearSpec, kind: str, generator: torch.Generator,
         return {"weight": w.mul_(WEIGHT_STD)}
     if kind == "awq":
         if n % INT4_PER_WORD or k % AWQ_GROUP_SIZE:
-            raise ValueError(f"{spec.name}: AWQ needs N % 8 == 0 and K % 128 == 0, got "
-                             f"N={n}, K={k}")
+            raise ValueError(
+                f"{spec.name}: AWQ needs N % 8 == 0 and K % 128 == 0, got N={n}, K={k}"
+            )
         g = k // AWQ_GROUP_SIZE
         bits = dict(dtype=torch.int32, generator=generator, device=device)
         return {
-            "qweight": torch.randint(-2**31, 2**31 - 1, (k, n // INT4_PER_WORD), **bits),
-            "qzeros": torch.randint(-2**31, 2**31 - 1, (g, n // INT4_PER_WORD), **bits),
-            "scales": (torch.rand((g, n), generator=generator, device=device,
-                                  dtype=torch.float32) * SCALE_SPAN + SCALE_MIN).half(),
+            "qweight": torch.randint(-(2**31), 2**31 - 1, (k, n // INT4_PER_WORD), **bits),
+            "qzeros": torch.randint(-(2**31), 2**31 - 1, (g, n // INT4_PER_WORD), **bits),
+            "scales": (
+                torch.rand((g, n), generator=generator, device=device, dtype=torch.float32)
+                * SCALE_SPAN
+                + SCALE_MIN
+            ).half(),
         }
     raise ValueError(f"unknown checkpoint kind {kind!r}; known: bf16, awq")
 
@@ -204,13 +245,20 @@ def checkpoint_path(root: Path, shape: ModelShape, kind: str) -> Path:
 
 
 def _stamp(shape: ModelShape, kind: str, seed: int) -> dict:
-    return {"writer_version": WRITER_VERSION, "shape": shape.name, "layers": shape.num_layers,
-            "hidden": shape.hidden, "intermediate": shape.intermediate, "kind": kind,
-            "seed": seed}
+    return {
+        "writer_version": WRITER_VERSION,
+        "shape": shape.name,
+        "layers": shape.num_layers,
+        "hidden": shape.hidden,
+        "intermediate": shape.intermediate,
+        "kind": kind,
+        "seed": seed,
+    }
 
 
-def iter_layers(shape: ModelShape, kind: str, seed: int, device: torch.device | str
-                ) -> Iterator[tuple[LinearSpec, dict[str, torch.Tensor]]]:
+def iter_layers(
+    shape: ModelShape, kind: str, seed: int, device: torch.device | str
+) -> Iterator[tuple[LinearSpec, dict[str, torch.Tensor]]]:
     """(spec, local tensors) for every linear, deterministic in ``seed``."""
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
@@ -218,8 +266,9 @@ def iter_layers(shape: ModelShape, kind: str, seed: int, device: torch.device | 
         yield spec, make_linear_tensors(spec, kind, gen, device)
 
 
-def write_checkpoint(path: Path, shape: ModelShape, kind: str, seed: int = 0,
-                     gen_device: torch.device | str = "cpu") -> Path:
+def write_checkpoint(
+    path: Path, shape: ModelShape, kind: str, seed: int = 0, gen_device: torch.device | str = "cpu"
+) -> Path:
     """Write one safetensors file with every linear of ``shape`` (full names,
     ``<linear>.<tensor>``), then a stamp next to it. Values are generated on
     ``gen_device`` (a GPU generates 8B of bf16 in well under a second) and
@@ -239,8 +288,9 @@ def write_checkpoint(path: Path, shape: ModelShape, kind: str, seed: int = 0,
     return path
 
 
-def ensure_checkpoint(root: Path, shape: ModelShape, kind: str, seed: int = 0,
-                      gen_device: torch.device | str = "cpu") -> tuple[Path, bool]:
+def ensure_checkpoint(
+    root: Path, shape: ModelShape, kind: str, seed: int = 0, gen_device: torch.device | str = "cpu"
+) -> tuple[Path, bool]:
     """The checkpoint file for (shape, kind), written unless an identical one
     exists. Returns (path, written)."""
     path = checkpoint_path(root, shape, kind)
@@ -255,10 +305,12 @@ def ensure_checkpoint(root: Path, shape: ModelShape, kind: str, seed: int = 0,
     need = int(checkpoint_nbytes(shape, kind) * DISK_HEADROOM)
     free = shutil.disk_usage(root).free
     if free < need:
-        raise DiskFull(f"writing the {shape.name} {kind} checkpoint needs {need / 2**30:.1f} GiB in "
-                       f"{root}, only {free / 2**30:.1f} GiB are free; free space, point "
-                       f"--bench-dir/${BENCH_DIR_ENV} elsewhere, or measure this size with "
-                       f"--no-disk {shape.name}")
+        raise DiskFull(
+            f"writing the {shape.name} {kind} checkpoint needs {need / 2**30:.1f} GiB in "
+            f"{root}, only {free / 2**30:.1f} GiB are free; free space, point "
+            f"--bench-dir/${BENCH_DIR_ENV} elsewhere, or measure this size with "
+            f"--no-disk {shape.name}"
+        )
     return write_checkpoint(path, shape, kind, seed, gen_device), True
 
 

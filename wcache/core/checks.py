@@ -32,12 +32,26 @@ from wcache.errors import (
     WcacheError,
 )
 
-__all__ = ["plan_problems", "Step", "STEP_CHECKS", "check_reads", "check_returns_stage_out",
-           "check_shared_untouched", "check_inputs_untouched", "check_declared_writes",
-           "check_declared_attrs", "check_no_tensors_from_readonly_tags",
-           "check_shared_not_replaced", "check_derive_drops_nothing", "check_declared_drops",
-           "check_no_tensor_slots_in_attrs", "check_release", "check_memo",
-           "check_recorded", "touched_inputs"]
+__all__ = [
+    "plan_problems",
+    "Step",
+    "STEP_CHECKS",
+    "check_reads",
+    "check_returns_stage_out",
+    "check_shared_untouched",
+    "check_inputs_untouched",
+    "check_declared_writes",
+    "check_declared_attrs",
+    "check_no_tensors_from_readonly_tags",
+    "check_shared_not_replaced",
+    "check_derive_drops_nothing",
+    "check_declared_drops",
+    "check_no_tensor_slots_in_attrs",
+    "check_release",
+    "check_memo",
+    "check_recorded",
+    "touched_inputs",
+]
 
 
 # --------------------------------------------------------------------------- build time
@@ -68,8 +82,10 @@ def plan_problems(stages: tuple[Stage, ...], checkpoint: frozenset[str]) -> list
         return [f"{b!r} is not a Stage (use the @stage decorator)" for b in bad]
     for st in stages:
         if not isinstance(st.tag, Tag):
-            errors.append(f"stage {st.name!r} has tag {st.tag!r} ({type(st.tag).__name__}), "
-                          f"not a Tag: it would run in no mode; use Tag.{str(st.tag).upper()}")
+            errors.append(
+                f"stage {st.name!r} has tag {st.tag!r} ({type(st.tag).__name__}), "
+                f"not a Tag: it would run in no mode; use Tag.{str(st.tag).upper()}"
+            )
         problem = stage_name_problem(st.name)
         if problem:
             errors.append(problem)
@@ -83,28 +99,34 @@ def plan_problems(stages: tuple[Stage, ...], checkpoint: frozenset[str]) -> list
     for st in stages:
         for r in st.reads:
             if r not in available and r not in st.optional:
-                errors.append(f"stage {st.name!r} reads {r!r}, which no earlier stage "
-                              f"produces and the checkpoint does not hold")
+                errors.append(
+                    f"stage {st.name!r} reads {r!r}, which no earlier stage "
+                    f"produces and the checkpoint does not hold"
+                )
             src = producer.get(r)
-            if src is not None and src.tag in (Tag.ALLOCATE, Tag.DERIVE) and \
-                    st.tag in PREPARE_TAGS:
-                errors.append(f"{st.tag.name} stage {st.name!r} depends on {src.tag.name} "
-                              f"output {r!r} of {src.name!r}, which the daemon never has")
+            if src is not None and src.tag in (Tag.ALLOCATE, Tag.DERIVE) and st.tag in PREPARE_TAGS:
+                errors.append(
+                    f"{st.tag.name} stage {st.name!r} depends on {src.tag.name} "
+                    f"output {r!r} of {src.name!r}, which the daemon never has"
+                )
         if st.tag in (Tag.METADATA, Tag.VALIDATE, Tag.DERIVE):
             if st.writes or st.drops:
-                errors.append(f"{st.tag.name} stage {st.name!r} declares tensor writes "
-                              f"{list(dict.fromkeys(st.writes + st.drops))}; only "
-                              f"TRANSFORM/ALLOCATE write tensors")
+                errors.append(
+                    f"{st.tag.name} stage {st.name!r} declares tensor writes "
+                    f"{list(dict.fromkeys(st.writes + st.drops))}; only "
+                    f"TRANSFORM/ALLOCATE write tensors"
+                )
             allowed = set(st.optional) | (set(st.reads) if st.tag is Tag.DERIVE else set())
             slots = sorted((set(st.attrs) & available) - allowed)
             if slots:
-                errors.append(f"{st.tag.name} stage {st.name!r} sets tensors {slots} through "
-                              f"attrs (a write that replaces or empties the slot); only "
-                              f"TRANSFORM/ALLOCATE write tensors")
+                errors.append(
+                    f"{st.tag.name} stage {st.name!r} sets tensors {slots} through "
+                    f"attrs (a write that replaces or empties the slot); only "
+                    f"TRANSFORM/ALLOCATE write tensors"
+                )
         undeclared = sorted(set(st.drops) - set(st.writes))
         if undeclared:
-            errors.append(f"stage {st.name!r} drops {undeclared} without declaring them in "
-                          f"writes")
+            errors.append(f"stage {st.name!r} drops {undeclared} without declaring them in writes")
         for w in st.writes:
             available.add(w)
             producer[w] = st
@@ -120,14 +142,18 @@ def plan_problems(stages: tuple[Stage, ...], checkpoint: frozenset[str]) -> list
         if st.tag is Tag.ALLOCATE:
             clash = sorted(set(st.writes) & exported)
             if clash:
-                errors.append(f"ALLOCATE stage {st.name!r} writes exported tensors {clash}; "
-                              f"restore would rewrite shared bytes")
+                errors.append(
+                    f"ALLOCATE stage {st.name!r} writes exported tensors {clash}; "
+                    f"restore would rewrite shared bytes"
+                )
         if st.tag in RESTORE_TAGS:
             lost = sorted(r for r in st.reads if r not in restorable and r not in st.optional)
             if lost:
-                errors.append(f"{st.tag.name} stage {st.name!r} replays at restore and reads "
-                              f"{lost}, which the export does not hold (a TRANSFORM drops or "
-                              f"never writes it); read the final tensors or record the value")
+                errors.append(
+                    f"{st.tag.name} stage {st.name!r} replays at restore and reads "
+                    f"{lost}, which the export does not hold (a TRANSFORM drops or "
+                    f"never writes it); read the final tensors or record the value"
+                )
         if st.tag is Tag.ALLOCATE:
             restorable.update(st.writes)
     return errors
@@ -164,15 +190,20 @@ def touched_inputs(before: Mapping[str, tuple[int, int]], state: LayerState) -> 
     """Names whose version counter moved or whose data pointer changed (``t.data =
     other`` swaps the bytes without a version bump) since ``before``
     (name -> ``(version, data_ptr)``)."""
-    return tuple(k for k, (ver, ptr) in before.items()
-                 if state.tensors[k]._version != ver or
-                 (state.tensors[k].device.type != "meta" and state.tensors[k].data_ptr() != ptr))
+    return tuple(
+        k
+        for k, (ver, ptr) in before.items()
+        if state.tensors[k]._version != ver
+        or (state.tensors[k].device.type != "meta" and state.tensors[k].data_ptr() != ptr)
+    )
 
 
 def input_versions(state: LayerState) -> dict[str, tuple[int, int]]:
     """name -> ``(version counter, data pointer)`` of every input (meta: pointer 0)."""
-    return {k: (v._version, v.data_ptr() if v.device.type != "meta" else 0)
-            for k, v in state.tensors.items()}
+    return {
+        k: (v._version, v.data_ptr() if v.device.type != "meta" else 0)
+        for k, v in state.tensors.items()
+    }
 
 
 def check_reads(s: Step) -> list[str]:
@@ -180,8 +211,10 @@ def check_reads(s: Step) -> list[str]:
     missing = [r for r in s.stage.reads if r not in s.state.tensors and r not in s.stage.optional]
     if not missing:
         return []
-    return [f"layer {s.config.name!r}: stage {s.stage.name!r} reads {missing} but the layer "
-            f"has only {sorted(s.state.tensors)}; the checkpoint or the export lacks them."]
+    return [
+        f"layer {s.config.name!r}: stage {s.stage.name!r} reads {missing} but the layer "
+        f"has only {sorted(s.state.tensors)}; the checkpoint or the export lacks them."
+    ]
 
 
 def check_returns_stage_out(s: Step) -> list[str]:
@@ -196,18 +229,22 @@ def check_shared_untouched(s: Step) -> list[str]:
     hit = sorted(set(s.touched) & s.shared)
     if not hit:
         return []
-    return [f"restore of layer {s.config.name!r}: stage {s.stage.name!r} wrote in place into "
-            f"shared tensors {hit} (version counter bumped or data pointer swapped). Restore "
-            f"stages must never write the daemon's bytes; return new tensors or tag it "
-            f"TRANSFORM."]
+    return [
+        f"restore of layer {s.config.name!r}: stage {s.stage.name!r} wrote in place into "
+        f"shared tensors {hit} (version counter bumped or data pointer swapped). Restore "
+        f"stages must never write the daemon's bytes; return new tensors or tag it "
+        f"TRANSFORM."
+    ]
 
 
 def check_inputs_untouched(s: Step) -> list[str]:
     """No input was written in place during the call (stages are pure)."""
     if not s.touched:
         return []
-    return [f"stage {s.stage.name!r} mutated its input tensors {list(s.touched)} in place; "
-            f"stages are pure: return new tensors instead."]
+    return [
+        f"stage {s.stage.name!r} mutated its input tensors {list(s.touched)} in place; "
+        f"stages are pure: return new tensors instead."
+    ]
 
 
 def check_declared_writes(s: Step) -> list[str]:
@@ -233,8 +270,10 @@ def check_no_tensors_from_readonly_tags(s: Step) -> list[str]:
     st, out = s.stage, s.out
     if st.tag not in (Tag.METADATA, Tag.VALIDATE, Tag.DERIVE) or not out.tensors:
         return []
-    return [f"{st.tag.name} stage {st.name!r} returned tensors {sorted(out.tensors)}; "
-            f"only TRANSFORM and ALLOCATE stages produce tensors"]
+    return [
+        f"{st.tag.name} stage {st.name!r} returned tensors {sorted(out.tensors)}; "
+        f"only TRANSFORM and ALLOCATE stages produce tensors"
+    ]
 
 
 def check_shared_not_replaced(s: Step) -> list[str]:
@@ -247,8 +286,10 @@ def check_shared_not_replaced(s: Step) -> list[str]:
     hit = sorted((set(out.tensors) | set(out.drop) | (set(out.attrs) - none_slots)) & s.shared)
     if not hit:
         return []
-    return [f"restore of layer {s.config.name!r}: stage {st.name!r} replaces or drops "
-            f"shared tensors {hit}"]
+    return [
+        f"restore of layer {s.config.name!r}: stage {st.name!r} replaces or drops "
+        f"shared tensors {hit}"
+    ]
 
 
 def check_derive_drops_nothing(s: Step) -> list[str]:
@@ -276,9 +317,11 @@ def check_no_tensor_slots_in_attrs(s: Step) -> list[str]:
     slots = sorted(set(out.attrs) & set(s.state.tensors))
     if not slots:
         return []
-    return [f"{st.tag.name} stage {st.name!r} set tensors {slots} through attrs; only "
-            f"TRANSFORM/ALLOCATE write tensors (a name in optional is set only when the "
-            f"layer has no such tensor)"]
+    return [
+        f"{st.tag.name} stage {st.name!r} set tensors {slots} through attrs; only "
+        f"TRANSFORM/ALLOCATE write tensors (a name in optional is set only when the "
+        f"layer has no such tensor)"
+    ]
 
 
 def check_release(s: Step) -> list[str]:
@@ -286,8 +329,10 @@ def check_release(s: Step) -> list[str]:
     st, out = s.stage, s.out
     if not out.release or (st.tag is Tag.DERIVE and set(out.release) <= set(st.reads)):
         return []
-    return [f"stage {st.name!r} releases {list(out.release)}; only DERIVE stages may release, "
-            f"and only tensors they read"]
+    return [
+        f"stage {st.name!r} releases {list(out.release)}; only DERIVE stages may release, "
+        f"and only tensors they read"
+    ]
 
 
 def check_memo(s: Step) -> list[str]:
@@ -304,9 +349,11 @@ def check_recorded(s: Step) -> list[str]:
     if not new or not old or dict(old) == dict(new):
         return []
     diff = {k: (old.get(k), new.get(k)) for k in set(old) | set(new) if old.get(k) != new.get(k)}
-    return [f"layer {s.config.name!r}, stage {s.stage.name!r}: values recomputed here differ "
-            f"from the daemon's (recorded, here): {diff}. The daemon ran on a different "
-            f"target; restart it on this host's settings."]
+    return [
+        f"layer {s.config.name!r}, stage {s.stage.name!r}: values recomputed here differ "
+        f"from the daemon's (recorded, here): {diff}. The daemon ran on a different "
+        f"target; restart it on this host's settings."
+    ]
 
 
 Check = Callable[[Step], list[str]]

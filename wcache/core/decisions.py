@@ -11,9 +11,20 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KERNEL_LIBRARY", "KERNEL_LIBRARIES", "OP_PRESENT", "OP_ABSENT", "op_decision",
-           "gemm_decision", "W8A8_INT8_SGL", "GEMM_ONEDNN", "GEMM_TORCH_LINEAR", "GEMM_SGL",
-           "GEMM_ZENTORCH", "GEMM_OUTCOMES"]
+__all__ = [
+    "KERNEL_LIBRARY",
+    "KERNEL_LIBRARIES",
+    "OP_PRESENT",
+    "OP_ABSENT",
+    "op_decision",
+    "gemm_decision",
+    "W8A8_INT8_SGL",
+    "GEMM_ONEDNN",
+    "GEMM_TORCH_LINEAR",
+    "GEMM_SGL",
+    "GEMM_ZENTORCH",
+    "GEMM_OUTCOMES",
+]
 
 #: Which of vLLM-CPU's kernel libraries the engine loaded (outcome: one of
 #: :data:`KERNEL_LIBRARIES`).

@@ -17,8 +17,17 @@ from attrs import field, fields, frozen
 
 from wcache.errors import RestoreWroteSharedTensor
 
-__all__ = ["CHECKSUM_WORD_BYTES", "TensorFingerprint", "tensor_checksum", "fingerprint",
-           "guard_snapshot", "ByteRange", "layer_ranges", "range_sums", "RestoreGuard"]
+__all__ = [
+    "CHECKSUM_WORD_BYTES",
+    "TensorFingerprint",
+    "tensor_checksum",
+    "fingerprint",
+    "guard_snapshot",
+    "ByteRange",
+    "layer_ranges",
+    "range_sums",
+    "RestoreGuard",
+]
 
 #: The content check sums a range's bytes as wrapping 64-bit words (one reduction
 #: kernel per range on the range's own device). Integer addition is associative,
@@ -44,8 +53,11 @@ class TensorFingerprint:
     checksum: str | None
 
     def diff(self, other: TensorFingerprint) -> list[str]:
-        return [f.name for f in fields(TensorFingerprint)
-                if getattr(self, f.name) != getattr(other, f.name)]
+        return [
+            f.name
+            for f in fields(TensorFingerprint)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
 
 
 def tensor_checksum(t: torch.Tensor) -> str:
@@ -56,26 +68,38 @@ def tensor_checksum(t: torch.Tensor) -> str:
     if flat.device.type != "cpu":
         flat = flat.cpu()
     raw = flat.view(torch.uint8) if flat.numel() else flat  # 1-D, so any element size views
-    return hashlib.blake2b(raw.numpy().tobytes() if raw.numel() else b"",
-                           digest_size=16).hexdigest()
+    return hashlib.blake2b(
+        raw.numpy().tobytes() if raw.numel() else b"", digest_size=16
+    ).hexdigest()
 
 
 def fingerprint(t: torch.Tensor, strict: bool) -> TensorFingerprint:
     return TensorFingerprint(
         data_ptr=t.data_ptr() if t.device.type != "meta" else 0,
-        shape=tuple(t.shape), stride=tuple(t.stride()), dtype=str(t.dtype),
-        version=t._version, checksum=tensor_checksum(t) if strict else None)
+        shape=tuple(t.shape),
+        stride=tuple(t.stride()),
+        dtype=str(t.dtype),
+        version=t._version,
+        checksum=tensor_checksum(t) if strict else None,
+    )
 
 
-def guard_snapshot(tensors: Mapping[str, torch.Tensor], strict: bool) -> dict[str, TensorFingerprint]:
+def guard_snapshot(
+    tensors: Mapping[str, torch.Tensor], strict: bool
+) -> dict[str, TensorFingerprint]:
     return {name: fingerprint(t, strict) for name, t in tensors.items()}
 
 
 def _quick_fp(t: torch.Tensor) -> tuple:
     """(data_ptr, shape, stride, dtype, version): what :class:`TensorFingerprint`
     holds without the checksum, as a plain tuple for the per-stage check."""
-    return (t.data_ptr() if t.device.type != "meta" else 0, t.shape, t.stride(), t.dtype,
-            t._version)
+    return (
+        t.data_ptr() if t.device.type != "meta" else 0,
+        t.shape,
+        t.stride(),
+        t.dtype,
+        t._version,
+    )
 
 
 @frozen
@@ -124,9 +148,13 @@ def layer_ranges(tensors: Mapping[str, torch.Tensor]) -> tuple[ByteRange, ...]:
     for sid, members in groups.items():
         st = storages[sid]
         lo = min(s for _, s, _ in members) // CHECKSUM_WORD_BYTES * CHECKSUM_WORD_BYTES
-        hi = min(-(-max(e for _, _, e in members) // CHECKSUM_WORD_BYTES) * CHECKSUM_WORD_BYTES,
-                 st.nbytes())
-        whole = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, 0, (st.nbytes(),), (1,))
+        hi = min(
+            -(-max(e for _, _, e in members) // CHECKSUM_WORD_BYTES) * CHECKSUM_WORD_BYTES,
+            st.nbytes(),
+        )
+        whole = torch.empty(0, dtype=torch.uint8, device=st.device).set_(
+            st, 0, (st.nbytes(),), (1,)
+        )
         out.append(ByteRange(whole[lo:hi], tuple(sorted(n for n, _, _ in members)), lo, hi))
     return tuple(out)
 
@@ -200,22 +228,31 @@ class RestoreGuard:
             sets it must call :meth:`check_all`.
     """
 
-    def __init__(self, layers: Mapping[str, Mapping[str, torch.Tensor]], *,
-                 content: bool = True, strict: bool = False, defer: bool = False):
+    def __init__(
+        self,
+        layers: Mapping[str, Mapping[str, torch.Tensor]],
+        *,
+        content: bool = True,
+        strict: bool = False,
+        defer: bool = False,
+    ):
         self.content = content
         self.strict = strict
         self.defer = defer
         self._fp = {layer: guard_snapshot(ts, strict) for layer, ts in layers.items()}
         # The hot path compares plain tuples; the fingerprint diff names fields on a mismatch.
-        self._quick = {layer: {name: _quick_fp(t) for name, t in ts.items()}
-                       for layer, ts in layers.items()}
+        self._quick = {
+            layer: {name: _quick_fp(t) for name, t in ts.items()} for layer, ts in layers.items()
+        }
         self._ranges = {layer: layer_ranges(ts) for layer, ts in layers.items()} if content else {}
         self._dev_before = self._layer_device_sums(self._ranges) if content else {}
         self._dev_after: dict[str, list[torch.Tensor]] = {}
         self._host_before: dict[str, list[int]] | None = None
 
     @staticmethod
-    def _layer_device_sums(ranges: Mapping[str, tuple[ByteRange, ...]]) -> dict[str, list[torch.Tensor]]:
+    def _layer_device_sums(
+        ranges: Mapping[str, tuple[ByteRange, ...]],
+    ) -> dict[str, list[torch.Tensor]]:
         flat = [(layer, r) for layer, rs in ranges.items() for r in rs]
         sums = _device_sums(r for _, r in flat)
         out: dict[str, list[torch.Tensor]] = {layer: [] for layer in ranges}
@@ -245,15 +282,20 @@ class RestoreGuard:
         now = self._host(self._layer_device_sums({layer: self._ranges[layer] for layer in layers}))
         out = {}
         for layer in layers:
-            hit = [r.names for r, a, b in zip(self._ranges[layer], self._sums[layer], now[layer])
-                   if a != b]
+            hit = [
+                r.names
+                for r, a, b in zip(self._ranges[layer], self._sums[layer], now[layer])
+                if a != b
+            ]
             if hit:
                 out[layer] = tuple(n for names in hit for n in names)
         return out
 
     @staticmethod
     def _describe(changed: Mapping[str, tuple[str, ...]]) -> str:
-        return "; ".join(f"layer {layer!r} tensors {list(names)}" for layer, names in changed.items())
+        return "; ".join(
+            f"layer {layer!r} tensors {list(names)}" for layer, names in changed.items()
+        )
 
     def blame_write(self, layer: str, stage_name: str, names: Iterable[str]) -> None:
         """A stage of ``layer`` bumped the version counter of shared ``names``:
@@ -263,12 +305,16 @@ class RestoreGuard:
         where = ""
         if self.content:
             changed = self._changed(self._ranges)
-            where = (f"; the bytes changed in {self._describe(changed)}" if changed else
-                     "; no layer's bytes changed (the write kept the values)")
+            where = (
+                f"; the bytes changed in {self._describe(changed)}"
+                if changed
+                else "; no layer's bytes changed (the write kept the values)"
+            )
         raise RestoreWroteSharedTensor(
             f"restore of layer {layer!r}: stage {stage_name!r} wrote in place into shared "
             f"memory (version counter of {names} bumped{where}). Restore stages must never "
-            f"write the daemon's bytes; return new tensors or tag it TRANSFORM.")
+            f"write the daemon's bytes; return new tensors or tag it TRANSFORM."
+        )
 
     def check_stage(self, layer: str, stage_name: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """Pointer, shape, stride, dtype and version of ``layer``'s shared tensors.
@@ -287,7 +333,8 @@ class RestoreGuard:
                 raise RestoreWroteSharedTensor(
                     f"restore of layer {layer!r}: stage {stage_name!r} removed shared tensor "
                     f"{name!r}; replayable stages must never drop or replace exported tensors. "
-                    f"Fix the plan: tag the stage TRANSFORM so only the daemon runs it.")
+                    f"Fix the plan: tag the stage TRANSFORM so only the daemon runs it."
+                )
             changed = fp.diff(fingerprint(now, self.strict))
             if changed == ["version"]:
                 bumped.append(name)
@@ -296,7 +343,8 @@ class RestoreGuard:
                     f"restore of layer {layer!r}: stage {stage_name!r} changed shared tensor "
                     f"{name!r} ({', '.join(changed)}). A restore stage wrote into the daemon's "
                     f"bytes or swapped them; fix the stage (return new tensors, never write in "
-                    f"place) or tag it TRANSFORM.")
+                    f"place) or tag it TRANSFORM."
+                )
         if bumped:
             self.blame_write(layer, stage_name, bumped)
 
@@ -318,7 +366,8 @@ class RestoreGuard:
                 f"bytes ({self._describe(changed)}; content checksum differs, a write that "
                 f"bypassed the version counter: .data, .numpy(), untyped_storage() or a raw "
                 f"pointer). Restore stages must never write the daemon's bytes; tag the "
-                f"writing stage TRANSFORM.")
+                f"writing stage TRANSFORM."
+            )
 
     def check_all(self, during: str = "the restore") -> None:
         """The content of every layer's ranges.
@@ -330,18 +379,22 @@ class RestoreGuard:
             return
         after = self._host(self._dev_after) if self._dev_after else {}
         changed = self._changed(self._ranges)
-        own = {layer: names for layer, names in changed.items()
-               if layer in after and after[layer] != self._sums[layer]}
+        own = {
+            layer: names
+            for layer, names in changed.items()
+            if layer in after and after[layer] != self._sums[layer]
+        }
         if own:
             raise RestoreWroteSharedTensor(
                 f"shared bytes were rewritten while their own layer was restored: "
                 f"{self._describe(own)} (content checksum differs; a write that bypassed the "
                 f"version counter: .data, .numpy(), untyped_storage() or a raw pointer). "
                 f"Restore stages must never write the daemon's bytes; tag the writing stage "
-                f"TRANSFORM.")
+                f"TRANSFORM."
+            )
         if changed:
             raise RestoreWroteSharedTensor(
                 f"shared bytes were rewritten during {during}: {self._describe(changed)} "
                 f"(content checksum differs after every layer restored; a stage of a later "
-                f"layer wrote them). Restore stages must never write the daemon's bytes.")
-
+                f"layer wrote them). Restore stages must never write the daemon's bytes."
+            )

@@ -35,8 +35,7 @@ def _cpuinfo_flags(path: str = CPUINFO) -> set[str]:
     """The ``flags`` line of ``path`` as a set (empty when it cannot be read)."""
     try:
         with open(path) as f:
-            flags = next((ln.split(":", 1)[1].split() for ln in f
-                          if ln.startswith("flags")), [])
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
     except OSError:
         flags = []
     return set(flags)
@@ -59,11 +58,16 @@ def cpu_isa() -> frozenset[str]:
         isa.add("power")
     fset = _cpuinfo_flags()
     cpu = torch.cpu
-    queries = {"avx512": getattr(cpu, "_is_avx512_supported", None),
-               "avx512_bf16": getattr(cpu, "_is_avx512_bf16_supported", None),
-               "amx": getattr(cpu, "_is_amx_tile_supported", None)}
-    cpuinfo = {"avx512": "avx512f" in fset, "avx512_bf16": "avx512_bf16" in fset,
-               "amx": {"amx_bf16", "amx_tile"} <= fset}
+    queries = {
+        "avx512": getattr(cpu, "_is_avx512_supported", None),
+        "avx512_bf16": getattr(cpu, "_is_avx512_bf16_supported", None),
+        "amx": getattr(cpu, "_is_amx_tile_supported", None),
+    }
+    cpuinfo = {
+        "avx512": "avx512f" in fset,
+        "avx512_bf16": "avx512_bf16" in fset,
+        "amx": {"amx_bf16", "amx_tile"} <= fset,
+    }
     for flag, query in queries.items():
         if query() if query is not None else cpuinfo[flag]:
             isa.add(flag)

@@ -22,8 +22,16 @@ from attrs import field, frozen
 from wcache.core.values import Stage, StageFn, Tag, as_tuple
 from wcache.errors import PlanInvalid
 
-__all__ = ["STAGE_NAME", "STAGE_VERBS", "StageDef", "stage", "stage_name_problem",
-           "registered_stages", "registered_stage", "is_registered"]
+__all__ = [
+    "STAGE_NAME",
+    "STAGE_VERBS",
+    "StageDef",
+    "stage",
+    "stage_name_problem",
+    "registered_stages",
+    "registered_stage",
+    "is_registered",
+]
 
 
 #: A stage name's shape: lower snake ``family.verb[_object]``, e.g.
@@ -37,34 +45,36 @@ STAGE_NAME = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*\.[a-z][a-z0-9]*(_[a-z0-9]
 #: ``family.<verb>_<object>``, the object in the field's terms (a tensor or
 #: attribute name: ``marlin.permute_zero_points``, ``nvfp4.reduce_weight_scale_2``).
 #: A new stage that fits no verb here adds one, with its meaning, in the same change.
-STAGE_VERBS: Mapping[str, str] = types.MappingProxyType({
-    "alloc": "create a process-local tensor that depends on no checkpoint bytes",
-    "bind": "attach a callable over the final tensors to the layer (layer.cpu_linear)",
-    "cast": "convert a tensor to another dtype",
-    "clear": "set a layer attribute to None (vLLM: layer.x = None)",
-    "compute": "compute a new tensor or value from existing ones (alpha, azp_adj)",
-    "convert": "re-encode a tensor in another format's convention (AWQ -> standard, "
-               "per-tensor -> channelwise)",
-    "copy": "copy values into another tensor or onto the host",
-    "drop": "delete a tensor (vLLM: del layer.x)",
-    "empty": "replace a tensor by an empty [0] one (vLLM: marlin_make_empty)",
-    "fold": "fold one scale into another tensor",
-    "fuse": "multiply scales into one (vLLM: the fused activation scale)",
-    "pack": "pack a weight into a kernel's packed layout",
-    "pad": "zero-pad tensors to a kernel's tile sizes",
-    "permute": "reorder values into a kernel's order (scales, zero points, bias)",
-    "prepack": "build a kernel's prepacked weight handle (oneDNN)",
-    "process": "run the vLLM process_* helper of the same name (several steps in one)",
-    "quantize": "quantize a high-precision weight",
-    "reduce": "reduce over shards or a dimension (the max of per-shard scales)",
-    "register": "register a tensor as a layer parameter or buffer",
-    "repack": "re-pack a packed weight into a kernel's layout",
-    "select": "keep a slice or subset of a tensor",
-    "set": "set layer attributes from config, shapes, recorded values or the Target",
-    "swizzle": "swizzle block scales into a kernel's tiled layout",
-    "transpose": "transpose a tensor",
-    "validate": "check tensors without writing anything",
-})
+STAGE_VERBS: Mapping[str, str] = types.MappingProxyType(
+    {
+        "alloc": "create a process-local tensor that depends on no checkpoint bytes",
+        "bind": "attach a callable over the final tensors to the layer (layer.cpu_linear)",
+        "cast": "convert a tensor to another dtype",
+        "clear": "set a layer attribute to None (vLLM: layer.x = None)",
+        "compute": "compute a new tensor or value from existing ones (alpha, azp_adj)",
+        "convert": "re-encode a tensor in another format's convention (AWQ -> standard, "
+        "per-tensor -> channelwise)",
+        "copy": "copy values into another tensor or onto the host",
+        "drop": "delete a tensor (vLLM: del layer.x)",
+        "empty": "replace a tensor by an empty [0] one (vLLM: marlin_make_empty)",
+        "fold": "fold one scale into another tensor",
+        "fuse": "multiply scales into one (vLLM: the fused activation scale)",
+        "pack": "pack a weight into a kernel's packed layout",
+        "pad": "zero-pad tensors to a kernel's tile sizes",
+        "permute": "reorder values into a kernel's order (scales, zero points, bias)",
+        "prepack": "build a kernel's prepacked weight handle (oneDNN)",
+        "process": "run the vLLM process_* helper of the same name (several steps in one)",
+        "quantize": "quantize a high-precision weight",
+        "reduce": "reduce over shards or a dimension (the max of per-shard scales)",
+        "register": "register a tensor as a layer parameter or buffer",
+        "repack": "re-pack a packed weight into a kernel's layout",
+        "select": "keep a slice or subset of a tensor",
+        "set": "set layer attributes from config, shapes, recorded values or the Target",
+        "swizzle": "swizzle block scales into a kernel's tiled layout",
+        "transpose": "transpose a tensor",
+        "validate": "check tensors without writing anything",
+    }
+)
 
 
 def stage_name_problem(name: str) -> str | None:
@@ -75,14 +85,18 @@ def stage_name_problem(name: str) -> str | None:
     verbs and the fix; :func:`stage` raises it and plan validation lists it.
     """
     if not isinstance(name, str) or not STAGE_NAME.match(name):
-        return (f"stage name {name!r} is not family.verb_object in lower snake case "
-                f"(e.g. 'awq.convert_to_standard', 'cpu_wna16.repack')")
+        return (
+            f"stage name {name!r} is not family.verb_object in lower snake case "
+            f"(e.g. 'awq.convert_to_standard', 'cpu_wna16.repack')"
+        )
     verb = name.partition(".")[2].split("_", 1)[0]
     if verb not in STAGE_VERBS:
-        return (f"stage name {name!r} is not family.verb_object: {verb!r} is not a stage "
-                f"verb; start the part after the dot with one of {', '.join(STAGE_VERBS)} "
-                f"(wcache.core.STAGE_VERBS), e.g. 'nvfp4.compute_alpha', or add the verb "
-                f"there with its meaning")
+        return (
+            f"stage name {name!r} is not family.verb_object: {verb!r} is not a stage "
+            f"verb; start the part after the dot with one of {', '.join(STAGE_VERBS)} "
+            f"(wcache.core.STAGE_VERBS), e.g. 'nvfp4.compute_alpha', or add the verb "
+            f"there with its meaning"
+        )
     return None
 
 
@@ -137,20 +151,36 @@ class StageDef:
         declared = dict(self.declare(**dict(params)))
         unknown = sorted(set(declared) - _DECLARED)
         if unknown:
-            raise PlanInvalid(f"stage {self.name!r}: its params function declares {unknown}; "
-                              f"it may declare only {sorted(_DECLARED)}")
-        return Stage(name=self.name, tag=self.tag, fn=self.fn,
-                     **{**dict(self.base), **declared}, params=params)
+            raise PlanInvalid(
+                f"stage {self.name!r}: its params function declares {unknown}; "
+                f"it may declare only {sorted(_DECLARED)}"
+            )
+        return Stage(
+            name=self.name,
+            tag=self.tag,
+            fn=self.fn,
+            **{**dict(self.base), **declared},
+            params=params,
+        )
 
     def __reduce__(self) -> tuple:
         return registered_stage, (getattr(self.fn, "__module__", ""), self.name, None)
 
 
-def stage(name: str, tag: Tag, *, reads: Iterable[str] = (), writes: Iterable[str] = (),
-          attrs: Iterable[str] = (), optional: Iterable[str] = (), version: int = 1,
-          source: str = "", memoized: bool = False, drops: Iterable[str] = (),
-          params: Callable[..., Mapping[str, Any]] | None = None
-          ) -> Callable[[StageFn], Stage | StageDef]:
+def stage(
+    name: str,
+    tag: Tag,
+    *,
+    reads: Iterable[str] = (),
+    writes: Iterable[str] = (),
+    attrs: Iterable[str] = (),
+    optional: Iterable[str] = (),
+    version: int = 1,
+    source: str = "",
+    memoized: bool = False,
+    drops: Iterable[str] = (),
+    params: Callable[..., Mapping[str, Any]] | None = None,
+) -> Callable[[StageFn], Stage | StageDef]:
     """Decorator: turn a pure module-level function into a :class:`Stage` value (or,
     with ``params``, a :class:`StageDef`) and register it under ``name``.
 
@@ -173,14 +203,23 @@ def stage(name: str, tag: Tag, *, reads: Iterable[str] = (), writes: Iterable[st
             stage, or a parameter of the one definition).
     """
     if not isinstance(tag, Tag):
-        raise PlanInvalid(f"stage {name!r}: tag {tag!r} is a {type(tag).__name__}, not a Tag; "
-                          f"use Tag.TRANSFORM/METADATA/ALLOCATE/DERIVE/VALIDATE")
+        raise PlanInvalid(
+            f"stage {name!r}: tag {tag!r} is a {type(tag).__name__}, not a Tag; "
+            f"use Tag.TRANSFORM/METADATA/ALLOCATE/DERIVE/VALIDATE"
+        )
     problem = stage_name_problem(name)
     if problem:
         raise PlanInvalid(problem)
-    base = dict(reads=tuple(reads), writes=tuple(writes), attrs=tuple(attrs),
-                optional=frozenset(optional), version=version, source=source,
-                memoized=memoized, drops=tuple(drops))
+    base = dict(
+        reads=tuple(reads),
+        writes=tuple(writes),
+        attrs=tuple(attrs),
+        optional=frozenset(optional),
+        version=version,
+        source=source,
+        memoized=memoized,
+        drops=tuple(drops),
+    )
 
     def wrap(fn: StageFn) -> Stage | StageDef:
         held = _REGISTRY.get(name)
@@ -190,10 +229,13 @@ def stage(name: str, tag: Tag, *, reads: Iterable[str] = (), writes: Iterable[st
                 f"stage {name!r} is already bound to another function "
                 f"({getattr(code, 'co_filename', '?')}:{getattr(code, 'co_firstlineno', '?')}); "
                 f"give the new function its own name, or make it a parameter of the stage "
-                f"that defines {name!r}")
+                f"that defines {name!r}"
+            )
         value: Stage | StageDef = (
-            Stage(name=name, tag=tag, fn=fn, **base) if params is None else
-            StageDef(name=name, tag=tag, fn=fn, declare=params, base=tuple(base.items())))
+            Stage(name=name, tag=tag, fn=fn, **base)
+            if params is None
+            else StageDef(name=name, tag=tag, fn=fn, declare=params, base=tuple(base.items()))
+        )
         if held is None:
             _REGISTRY[name] = value
         return _REGISTRY[name]
@@ -216,8 +258,9 @@ def is_registered(st: Stage) -> bool:
     return held is not None and held == st
 
 
-def registered_stage(module: str, name: str,
-                     params: tuple[tuple[str, Any], ...] | None = ()) -> Stage | StageDef:
+def registered_stage(
+    module: str, name: str, params: tuple[tuple[str, Any], ...] | None = ()
+) -> Stage | StageDef:
     """The registered value ``name`` (importing ``module``, which registers it):
     the :class:`Stage`, a value of its :class:`StageDef` for ``params``, or
     (``params=None``) the :class:`StageDef` itself. What pickles resolve.
@@ -229,8 +272,10 @@ def registered_stage(module: str, name: str,
         importlib.import_module(module)
     held = _REGISTRY.get(name)
     if held is None:
-        raise PlanInvalid(f"no stage {name!r} is registered (module {module!r}); the pickle "
-                          f"was written by a wcache with other stages")
+        raise PlanInvalid(
+            f"no stage {name!r} is registered (module {module!r}); the pickle "
+            f"was written by a wcache with other stages"
+        )
     if params is None or isinstance(held, Stage):
         return held
     return held(**dict(params))

@@ -37,8 +37,19 @@ from wcache.core.values import (
 )
 from wcache.errors import PlanInvalid, RecordedMismatch
 
-__all__ = ["DEVICE_TYPES", "Plan", "BoundPlan", "StepGuard", "applies_always", "step", "apply_out",
-           "prepared_of", "restore_start", "shared_names", "restore_run"]
+__all__ = [
+    "DEVICE_TYPES",
+    "Plan",
+    "BoundPlan",
+    "StepGuard",
+    "applies_always",
+    "step",
+    "apply_out",
+    "prepared_of",
+    "restore_start",
+    "shared_names",
+    "restore_run",
+]
 
 
 def applies_always(config: LayerConfig, target: Target) -> str | None:
@@ -49,8 +60,7 @@ def applies_always(config: LayerConfig, target: Target) -> str | None:
 class StepGuard(Protocol):
     """The restore fold's per-step hook (:class:`~wcache.core.RestoreGuard` is one)."""
 
-    def check_stage(self, layer: str, stage_name: str,
-                    tensors: Mapping[str, torch.Tensor]) -> None:
+    def check_stage(self, layer: str, stage_name: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """After each replayed stage: raise if a shared tensor changed."""
 
     def blame_write(self, layer: str, stage_name: str, names: Iterable[str]) -> None:
@@ -60,8 +70,9 @@ class StepGuard(Protocol):
 # --------------------------------------------------------------------------- the step
 
 
-def _memo_view(memo: Mapping[str, Mapping[Any, Any]] | None, state: LayerState,
-               name: str) -> Mapping[Any, Any] | None:
+def _memo_view(
+    memo: Mapping[str, Mapping[Any, Any]] | None, state: LayerState, name: str
+) -> Mapping[Any, Any] | None:
     """What a ``memoized`` stage sees: the caller's entries for it, plus those it
     returned earlier in this run; ``None`` when the caller keeps no memo."""
     if memo is None:
@@ -69,15 +80,22 @@ def _memo_view(memo: Mapping[str, Mapping[Any, Any]] | None, state: LayerState,
     return _ro({**memo.get(name, {}), **state.memo.get(name, {})})
 
 
-def _call(st: Stage, state: LayerState, config: LayerConfig, target: Target,
-          recorded: Mapping[str, Any], memo: Mapping[str, Mapping[Any, Any]] | None) -> Any:
+def _call(
+    st: Stage,
+    state: LayerState,
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+    memo: Mapping[str, Mapping[Any, Any]] | None,
+) -> Any:
     """``st.fn`` on read-only views, with its parameters (and memo) as keywords."""
     kwargs = {"memo": _memo_view(memo, state, st.name)} if st.memoized else {}
     return st(_ro(state.tensors), config, target, _ro(recorded), **kwargs)
 
 
-def apply_out(st: Stage, state: LayerState, out: StageOut, config: LayerConfig,
-              *, keep_memo: bool = False) -> LayerState:
+def apply_out(
+    st: Stage, state: LayerState, out: StageOut, config: LayerConfig, *, keep_memo: bool = False
+) -> LayerState:
     """The next accumulator: ``state`` with a checked :class:`StageOut` merged in.
 
     Drops, then new tensors; a released tensor becomes vLLM's empty placeholder
@@ -90,7 +108,7 @@ def apply_out(st: Stage, state: LayerState, out: StageOut, config: LayerConfig,
         src = tensors[name]
         released.setdefault(name, src)
         if name in out.attrs and out.attrs[name] is None:
-            del tensors[name]          # the slot becomes None through attrs
+            del tensors[name]  # the slot becomes None through attrs
         else:  # vLLM's empty Parameter in the layer's params dtype (the packed SGL weight
             # of an N < 16 layer is fp32, but vLLM's placeholder keeps the weight's dtype)
             dtype = config.dtype if src.is_floating_point() else src.dtype
@@ -99,16 +117,29 @@ def apply_out(st: Stage, state: LayerState, out: StageOut, config: LayerConfig,
     memo = state.memo
     if keep_memo and out.memo:
         memo = assoc(memo, st.name, {**memo.get(st.name, {}), **out.memo})
-    return LayerState(tensors=tensors, buffers=(state.buffers - set(out.drop)) | out.buffers,
-                      attrs=merge(state.attrs, out.attrs),
-                      drops=tuple(dict.fromkeys(state.drops + tuple(out.drop))),
-                      recorded=rec, released=released, memo=memo)
+    return LayerState(
+        tensors=tensors,
+        buffers=(state.buffers - set(out.drop)) | out.buffers,
+        attrs=merge(state.attrs, out.attrs),
+        drops=tuple(dict.fromkeys(state.drops + tuple(out.drop))),
+        recorded=rec,
+        released=released,
+        memo=memo,
+    )
 
 
-def step(st: Stage, state: LayerState, config: LayerConfig, target: Target,
-         recorded: Mapping[str, Any], *, shared: frozenset[str] = frozenset(),
-         check_purity: bool = False, guard: StepGuard | None = None,
-         memo: Mapping[str, Mapping[Any, Any]] | None = None) -> LayerState:
+def step(
+    st: Stage,
+    state: LayerState,
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+    *,
+    shared: frozenset[str] = frozenset(),
+    check_purity: bool = False,
+    guard: StepGuard | None = None,
+    memo: Mapping[str, Mapping[Any, Any]] | None = None,
+) -> LayerState:
     """One step of the fold: check the reads, call the stage, run
     :data:`~wcache.core.checks.STEP_CHECKS` on its result, merge it (:func:`apply_out`).
 
@@ -123,10 +154,11 @@ def step(st: Stage, state: LayerState, config: LayerConfig, target: Target,
     hit_shared = sorted(set(touched) & shared)
     if hit_shared and guard is not None:
         guard.blame_write(config.name, st.name, hit_shared)
-    checks.raise_first(checks.STEP_CHECKS, checks.Step(
-        st, state, config, recorded=recorded, shared=shared, out=out, touched=touched))
+    checks.raise_first(
+        checks.STEP_CHECKS,
+        checks.Step(st, state, config, recorded=recorded, shared=shared, out=out, touched=touched),
+    )
     return apply_out(st, state, out, config, keep_memo=memo is not None)
-
 
 
 # --------------------------------------------------------------------------- plans
@@ -176,7 +208,8 @@ class Plan:
     stages: tuple[Stage, ...] = field(converter=as_tuple)
     checkpoint: frozenset[str] = field(converter=as_frozenset)
     match: Callable[[LayerConfig, Target], str | None] = field(
-        default=applies_always, eq=False, repr=False)
+        default=applies_always, eq=False, repr=False
+    )
     version: int = 1
     description: str = ""
     devices: tuple[str, ...] = field(default=DEVICE_TYPES, converter=_device_tuple)
@@ -185,11 +218,13 @@ class Plan:
         errors = plan_problems(self.stages, self.checkpoint)
         unknown = sorted(set(self.devices) - set(DEVICE_TYPES))
         if unknown or not self.devices:
-            errors.append(f"devices {self.devices!r}: each must be one of {DEVICE_TYPES}, "
-                          f"and at least one")
+            errors.append(
+                f"devices {self.devices!r}: each must be one of {DEVICE_TYPES}, and at least one"
+            )
         if errors:
-            raise PlanInvalid(f"plan {self.method}/{self.kernel} is invalid:\n  - " +
-                              "\n  - ".join(errors))
+            raise PlanInvalid(
+                f"plan {self.method}/{self.kernel} is invalid:\n  - " + "\n  - ".join(errors)
+            )
 
     @property
     def id(self) -> str:
@@ -201,11 +236,19 @@ class Plan:
 
     # -- the fold -----------------------------------------------------------
 
-    def run(self, state: LayerState, config: LayerConfig, target: Target, tags: frozenset[Tag],
-            recorded: Mapping[str, Mapping[str, Any]] | None = None, *,
-            shared: frozenset[str] = frozenset(), check_purity: bool = False,
-            guard: StepGuard | None = None,
-            memo: Mapping[str, Mapping[Any, Any]] | None = None) -> LayerState:
+    def run(
+        self,
+        state: LayerState,
+        config: LayerConfig,
+        target: Target,
+        tags: frozenset[Tag],
+        recorded: Mapping[str, Mapping[str, Any]] | None = None,
+        *,
+        shared: frozenset[str] = frozenset(),
+        check_purity: bool = False,
+        guard: StepGuard | None = None,
+        memo: Mapping[str, Mapping[Any, Any]] | None = None,
+    ) -> LayerState:
         """Fold the stages whose tag is in ``tags`` over ``state``: load, prepare and
         restore are this one fold.
 
@@ -223,8 +266,17 @@ class Plan:
         recorded = recorded or {}
 
         def fold(acc: LayerState, st: Stage) -> LayerState:
-            nxt = step(st, acc, config, target, recorded.get(st.name, {}), shared=shared,
-                       check_purity=check_purity, guard=guard, memo=memo)
+            nxt = step(
+                st,
+                acc,
+                config,
+                target,
+                recorded.get(st.name, {}),
+                shared=shared,
+                check_purity=check_purity,
+                guard=guard,
+                memo=memo,
+            )
             if guard is not None:
                 guard.check_stage(config.name, st.name, {**nxt.tensors, **nxt.released})
             return nxt
@@ -237,14 +289,22 @@ class Plan:
 
     def describe(self) -> str:
         """A markdown table: stage, tag, reads, writes, attrs, source."""
-        rows = [f"### `{self.id}`", "", self.description, "",
-                f"Runs on: {', '.join(self.devices)}.", "",
-                "| # | stage | tag | reads | writes | attrs | source |",
-                "|---|---|---|---|---|---|---|"]
+        rows = [
+            f"### `{self.id}`",
+            "",
+            self.description,
+            "",
+            f"Runs on: {', '.join(self.devices)}.",
+            "",
+            "| # | stage | tag | reads | writes | attrs | source |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for i, s in enumerate(self.stages, 1):
-            rows.append(f"| {i} | `{s.name}` | {s.tag.name} | {', '.join(s.reads) or '-'} | "
-                        f"{', '.join(s.writes) or '-'} | {', '.join(s.attrs) or '-'} | "
-                        f"{s.source or '-'} |")
+            rows.append(
+                f"| {i} | `{s.name}` | {s.tag.name} | {', '.join(s.reads) or '-'} | "
+                f"{', '.join(s.writes) or '-'} | {', '.join(s.attrs) or '-'} | "
+                f"{s.source or '-'} |"
+            )
         return "\n".join(rows) + "\n"
 
 
@@ -306,17 +366,27 @@ class BoundPlan:
         """What the daemon keeps of ``state``, the result of a PREPARE run."""
         return prepared_of(self.plan, state)
 
-    def restore_start(self, state: LayerState, recorded: Mapping[str, Mapping[str, Any]],
-                      drops: Iterable[str] = ()) -> LayerState:
+    def restore_start(
+        self,
+        state: LayerState,
+        recorded: Mapping[str, Mapping[str, Any]],
+        drops: Iterable[str] = (),
+    ) -> LayerState:
         """:func:`restore_start` with this binding's config."""
         return restore_start(self.plan, state, self.config, recorded, drops)
 
-    def restore_run(self, state: LayerState, recorded: Mapping[str, Mapping[str, Any]], *,
-                    guard: StepGuard | None = None,
-                    memo: Mapping[str, Mapping[Any, Any]] | None = None) -> LayerState:
+    def restore_run(
+        self,
+        state: LayerState,
+        recorded: Mapping[str, Mapping[str, Any]],
+        *,
+        guard: StepGuard | None = None,
+        memo: Mapping[str, Mapping[Any, Any]] | None = None,
+    ) -> LayerState:
         """The restore fold: :func:`restore_run` with this binding's config and target."""
-        return restore_run(self.plan, state, self.config, self.target, recorded,
-                           guard=guard, memo=memo)
+        return restore_run(
+            self.plan, state, self.config, self.target, recorded, guard=guard, memo=memo
+        )
 
     def describe(self) -> str:
         return self.plan.describe()
@@ -331,13 +401,23 @@ class BoundPlan:
 def prepared_of(plan: Plan, state: LayerState) -> Prepared:
     """What the daemon keeps of ``state`` after a PREPARE run of ``plan``: the
     tensors to export, their buffer kinds, recorded values, drops and attrs."""
-    return Prepared(plan_id=plan.id, tensors=state.tensors, buffers=state.buffers,
-                    recorded=state.recorded, drops=state.drops, attrs=state.attrs)
+    return Prepared(
+        plan_id=plan.id,
+        tensors=state.tensors,
+        buffers=state.buffers,
+        recorded=state.recorded,
+        drops=state.drops,
+        attrs=state.attrs,
+    )
 
 
-def restore_start(plan: Plan, state: LayerState, config: LayerConfig,
-                  recorded: Mapping[str, Mapping[str, Any]],
-                  drops: Iterable[str] = ()) -> LayerState:
+def restore_start(
+    plan: Plan,
+    state: LayerState,
+    config: LayerConfig,
+    recorded: Mapping[str, Mapping[str, Any]],
+    drops: Iterable[str] = (),
+) -> LayerState:
     """The state a restore folds from: ``state`` (the layer holding the mapped
     tensors) without the placeholders of names the daemon's prepare deleted.
 
@@ -352,11 +432,14 @@ def restore_start(plan: Plan, state: LayerState, config: LayerConfig,
     if unknown:
         raise RecordedMismatch(
             f"layer {config.name!r}: the daemon recorded values for stages {unknown} "
-            f"that plan {plan.id} does not have; daemon and engine run different plans.")
-    drops = tuple(d for d in drops if d not in state.tensors or
-                  state.tensors[d].device.type == "meta")
-    return evolve(state, tensors={k: v for k, v in state.tensors.items() if k not in drops},
-                  drops=drops)
+            f"that plan {plan.id} does not have; daemon and engine run different plans."
+        )
+    drops = tuple(
+        d for d in drops if d not in state.tensors or state.tensors[d].device.type == "meta"
+    )
+    return evolve(
+        state, tensors={k: v for k, v in state.tensors.items() if k not in drops}, drops=drops
+    )
 
 
 def shared_names(state: LayerState) -> frozenset[str]:
@@ -364,9 +447,16 @@ def shared_names(state: LayerState) -> frozenset[str]:
     return frozenset(k for k, v in state.tensors.items() if v.device.type != "meta")
 
 
-def restore_run(plan: Plan, state: LayerState, config: LayerConfig, target: Target,
-                recorded: Mapping[str, Mapping[str, Any]], *, guard: StepGuard | None = None,
-                memo: Mapping[str, Mapping[Any, Any]] | None = None) -> LayerState:
+def restore_run(
+    plan: Plan,
+    state: LayerState,
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Mapping[str, Any]],
+    *,
+    guard: StepGuard | None = None,
+    memo: Mapping[str, Mapping[Any, Any]] | None = None,
+) -> LayerState:
     """The restore fold: :meth:`Plan.run` over ``RESTORE_TAGS`` from ``state`` (a
     :func:`restore_start` result), every non-meta tensor shared; with a ``guard``,
     purity is checked and ``guard.check_stage`` runs after every replayed stage.
@@ -376,5 +466,14 @@ def restore_run(plan: Plan, state: LayerState, config: LayerConfig, target: Targ
         RecordedMismatch: a recomputed value differs from the recorded one.
         RestoreIncomplete: a needed tensor is missing.
     """
-    return plan.run(state, config, target, RESTORE_TAGS, recorded, shared=shared_names(state),
-                    check_purity=guard is not None, guard=guard, memo=memo)
+    return plan.run(
+        state,
+        config,
+        target,
+        RESTORE_TAGS,
+        recorded,
+        shared=shared_names(state),
+        check_purity=guard is not None,
+        guard=guard,
+        memo=memo,
+    )

@@ -19,9 +19,21 @@ from attrs import field, frozen
 from wcache.core import host
 
 __all__ = [
-    "Tag", "LOAD_TAGS", "PREPARE_TAGS", "RESTORE_TAGS", "Target", "TARGET_ENV_VARS",
-    "TARGET_ENV_DEFAULTS", "QuantSpec", "MoeShape", "LayerConfig", "StageOut", "StageFn", "Stage",
-    "LayerState", "Prepared",
+    "Tag",
+    "LOAD_TAGS",
+    "PREPARE_TAGS",
+    "RESTORE_TAGS",
+    "Target",
+    "TARGET_ENV_VARS",
+    "TARGET_ENV_DEFAULTS",
+    "QuantSpec",
+    "MoeShape",
+    "LayerConfig",
+    "StageOut",
+    "StageFn",
+    "Stage",
+    "LayerState",
+    "Prepared",
 ]
 
 
@@ -126,23 +138,29 @@ class Target:
         return dict(self.kernels).get(decision)
 
     def to_json(self) -> dict:
-        return {"device_type": self.device_type,
-                "capability": list(self.capability) if self.capability else None,
-                "isa": sorted(self.isa), "env": [list(p) for p in self.env],
-                "kernels": dict(self.kernels)}
+        return {
+            "device_type": self.device_type,
+            "capability": list(self.capability) if self.capability else None,
+            "isa": sorted(self.isa),
+            "env": [list(p) for p in self.env],
+            "kernels": dict(self.kernels),
+        }
 
     @classmethod
     def from_json(cls, data: Mapping) -> Target:
         cap = data.get("capability")
-        return cls(device_type=data["device_type"],
-                   capability=tuple(cap) if cap else None,
-                   isa=frozenset(data.get("isa", ())),
-                   env=tuple(tuple(p) for p in data.get("env", ())),
-                   kernels=dict(data.get("kernels", {})))
+        return cls(
+            device_type=data["device_type"],
+            capability=tuple(cap) if cap else None,
+            isa=frozenset(data.get("isa", ())),
+            env=tuple(tuple(p) for p in data.get("env", ())),
+            kernels=dict(data.get("kernels", {})),
+        )
 
     @classmethod
-    def detect(cls, device: str | torch.device = "cpu",
-               env: Mapping[str, str] | None = None) -> Target:
+    def detect(
+        cls, device: str | torch.device = "cpu", env: Mapping[str, str] | None = None
+    ) -> Target:
         """The Target of this host for ``device``. The only place that queries the
         host (through :mod:`wcache.core.host`: ``/proc/cpuinfo``, CUDA properties,
         the environment); stages never do.
@@ -160,8 +178,12 @@ class Target:
 
 
 #: Environment variables that change which kernel (and so which layout) vLLM picks.
-TARGET_ENV_VARS = ("VLLM_CPU_INT4_W4A8", "VLLM_MARLIN_INPUT_DTYPE",
-                   "VLLM_DISABLED_KERNELS", "VLLM_BATCH_INVARIANT")
+TARGET_ENV_VARS = (
+    "VLLM_CPU_INT4_W4A8",
+    "VLLM_MARLIN_INPUT_DTYPE",
+    "VLLM_DISABLED_KERNELS",
+    "VLLM_BATCH_INVARIANT",
+)
 #: vLLM 0.32's defaults (vllm/envs.py) for the integer flags among them: a variable
 #: set to its default is the same Target as one left unset.
 TARGET_ENV_DEFAULTS = {"VLLM_CPU_INT4_W4A8": "1", "VLLM_BATCH_INVARIANT": "0"}
@@ -278,20 +300,28 @@ class MoeShape:
 
     def w13_shape(self) -> tuple[int, int, int]:
         """``w13_weight``'s shape as allocated: ``[E, shards * I, H]``."""
-        return (self.num_experts, self.w13_num_shards * self.intermediate_size_per_partition,
-                self.hidden_size)
+        return (
+            self.num_experts,
+            self.w13_num_shards * self.intermediate_size_per_partition,
+            self.hidden_size,
+        )
 
     def w2_shape(self) -> tuple[int, int, int]:
         """``w2_weight``'s shape as allocated: ``[E, H, I]``."""
         return (self.num_experts, self.hidden_size, self.intermediate_size_per_partition)
 
     def to_json(self) -> dict:
-        return {"num_experts": self.num_experts, "global_num_experts": self.global_num_experts,
-                "hidden_size": self.hidden_size,
-                "intermediate_size_per_partition": self.intermediate_size_per_partition,
-                "backend": self.backend, "experts": self.experts,
-                "is_act_and_mul": self.is_act_and_mul, "has_bias": self.has_bias,
-                "activation": self.activation}
+        return {
+            "num_experts": self.num_experts,
+            "global_num_experts": self.global_num_experts,
+            "hidden_size": self.hidden_size,
+            "intermediate_size_per_partition": self.intermediate_size_per_partition,
+            "backend": self.backend,
+            "experts": self.experts,
+            "is_act_and_mul": self.is_act_and_mul,
+            "has_bias": self.has_bias,
+            "activation": self.activation,
+        }
 
 
 @frozen
@@ -430,8 +460,14 @@ class Stage:
     def replayable(self) -> bool:
         return self.tag in RESTORE_TAGS
 
-    def __call__(self, tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                 target: Target, recorded: Mapping[str, Any], **kwargs: Any) -> StageOut:
+    def __call__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        config: LayerConfig,
+        target: Target,
+        recorded: Mapping[str, Any],
+        **kwargs: Any,
+    ) -> StageOut:
         """``fn(tensors, config, target, recorded, **params, **kwargs)``: the stage's
         function with its parameters (``kwargs``: ``memo=`` for memoized stages)."""
         return self.fn(tensors, config, target, recorded, **dict(self.params), **kwargs)

@@ -34,8 +34,16 @@ from typing import Any
 
 from wcache.errors import PrimingFailed
 
-__all__ = ["PRIME_TIMEOUT_S", "ROOT_ENV", "USAGE_CONTEXTS", "priming_args", "priming_command",
-           "priming_env", "prime_compile", "PrimingFailed"]
+__all__ = [
+    "PRIME_TIMEOUT_S",
+    "ROOT_ENV",
+    "USAGE_CONTEXTS",
+    "priming_args",
+    "priming_command",
+    "priming_env",
+    "prime_compile",
+    "PrimingFailed",
+]
 
 logger = logging.getLogger("wcache.daemon")
 
@@ -45,8 +53,11 @@ logger = logging.getLogger("wcache.daemon")
 PRIME_TIMEOUT_S = 1800.0
 #: Bundle root name -> the environment variable pointing that cache of the
 #: priming engine at its private directory.
-ROOT_ENV = {"vllm": "VLLM_CACHE_ROOT", "triton": "TRITON_CACHE_DIR",
-            "inductor": "TORCHINDUCTOR_CACHE_DIR"}
+ROOT_ENV = {
+    "vllm": "VLLM_CACHE_ROOT",
+    "triton": "TRITON_CACHE_DIR",
+    "inductor": "TORCHINDUCTOR_CACHE_DIR",
+}
 #: The start of the line a primed daemon prints (``wcache.daemon.process.DaemonProcess
 #: .wait_primed`` and scripts wait for it).
 PRIMED_PREFIX = "wcache: primed:"
@@ -78,13 +89,22 @@ def priming_args(rest: list[str]) -> list[str]:
     ap.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     known, _ = ap.parse_known_args(rest)
     if known.tensor_parallel_size * known.pipeline_parallel_size != 1:
-        raise PrimingFailed("priming runs one engine of one rank; this daemon serves "
-                            f"TP={known.tensor_parallel_size} x PP={known.pipeline_parallel_size}")
+        raise PrimingFailed(
+            "priming runs one engine of one rank; this daemon serves "
+            f"TP={known.tensor_parallel_size} x PP={known.pipeline_parallel_size}"
+        )
     return [a for a in rest if a != "--enforce-eager"]
 
 
-def priming_command(model: str, rest: list[str], *, socket_dir: str | None, job: str,
-                    record: str, usage: str = "serve") -> list[str]:
+def priming_command(
+    model: str,
+    rest: list[str],
+    *,
+    socket_dir: str | None,
+    job: str,
+    record: str,
+    usage: str = "serve",
+) -> list[str]:
     """The priming engine's command line: :mod:`wcache.vllm.prime_engine` for the
     ``usage`` context (one of :data:`USAGE_CONTEXTS`) with the serve's vLLM engine
     arguments ``rest`` verbatim (the compile-cache key covers them), restored from
@@ -96,8 +116,19 @@ def priming_command(model: str, rest: list[str], *, socket_dir: str | None, job:
     if usage not in USAGE_CONTEXTS:
         raise PrimingFailed(f"unknown priming usage {usage!r}; use one of {USAGE_CONTEXTS}")
     extra = {"fallback": False, "socket_dir": socket_dir, "job": job, "artifacts_record": record}
-    return [sys.executable, "-m", "wcache.vllm.prime_engine", "--model", model,
-            "--usage-context", usage, "--extra", json.dumps(extra), "--", *priming_args(rest)]
+    return [
+        sys.executable,
+        "-m",
+        "wcache.vllm.prime_engine",
+        "--model",
+        model,
+        "--usage-context",
+        usage,
+        "--extra",
+        json.dumps(extra),
+        "--",
+        *priming_args(rest),
+    ]
 
 
 def _die_with_parent_fn() -> Callable[[], None] | None:
@@ -119,6 +150,7 @@ def _die_with_parent_fn() -> Callable[[], None] | None:
         prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
         if os.getppid() != parent:  # the rank died before prctl took effect
             os._exit(1)
+
     return die_with_parent
 
 
@@ -152,8 +184,13 @@ def priming_env(dirs: dict[str, Path], environ: dict[str, str] | None = None) ->
     return {**base, **{ROOT_ENV[n]: str(d) for n, d in dirs.items()}, STARTUP_PLAN_ENV: "1"}
 
 
-def _run_until_stopped(cmd: list[str], env: dict[str, str], timeout_s: float,
-                       stop_requested: Callable[[], bool], out_dir: str) -> tuple[int, str]:
+def _run_until_stopped(
+    cmd: list[str],
+    env: dict[str, str],
+    timeout_s: float,
+    stop_requested: Callable[[], bool],
+    out_dir: str,
+) -> tuple[int, str]:
     """Run ``cmd`` in its own session, dying with this process, until it exits; kill its
     group when ``stop_requested()`` turns true or ``timeout_s`` passes.
 
@@ -166,8 +203,14 @@ def _run_until_stopped(cmd: list[str], env: dict[str, str], timeout_s: float,
     """
     log_path = os.path.join(out_dir, "prime-engine.log")
     with open(log_path, "w+b") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=_die_with_parent_fn())
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent_fn(),
+        )
         deadline = time.monotonic() + timeout_s
         try:
             while True:
@@ -179,7 +222,9 @@ def _run_until_stopped(cmd: list[str], env: dict[str, str], timeout_s: float,
                 if stop_requested():
                     raise PrimingFailed("stopped")
                 if time.monotonic() > deadline:
-                    raise PrimingFailed(f"the priming engine did not finish within {timeout_s:.0f} s")
+                    raise PrimingFailed(
+                        f"the priming engine did not finish within {timeout_s:.0f} s"
+                    )
         finally:
             if proc.returncode is None:
                 _kill_group(proc)
@@ -189,9 +234,16 @@ def _run_until_stopped(cmd: list[str], env: dict[str, str], timeout_s: float,
     return rc, tail
 
 
-def prime_compile(model: str, rest: list[str], *, socket_dir: str | None, job: str = "",
-                  usage: str = "serve", timeout_s: float = PRIME_TIMEOUT_S,
-                  stop_requested: Callable[[], bool] = lambda: False) -> Any:
+def prime_compile(
+    model: str,
+    rest: list[str],
+    *,
+    socket_dir: str | None,
+    job: str = "",
+    usage: str = "serve",
+    timeout_s: float = PRIME_TIMEOUT_S,
+    stop_requested: Callable[[], bool] = lambda: False,
+) -> Any:
     """Run the priming engine and return the bundle of what it wrote.
 
     Args:
@@ -215,11 +267,15 @@ def prime_compile(model: str, rest: list[str], *, socket_dir: str | None, job: s
         for d in dirs.values():
             d.mkdir()
         record = os.path.join(root, "factors.json")
-        cmd = priming_command(model, rest, socket_dir=socket_dir, job=job, record=record,
-                              usage=usage)
+        cmd = priming_command(
+            model, rest, socket_dir=socket_dir, job=job, record=record, usage=usage
+        )
         env = priming_env(dirs)
-        logger.info("wcache: priming the start-up caches: one engine against this daemon "
-                    "(torch.compile, private cache root %s)", root)
+        logger.info(
+            "wcache: priming the start-up caches: one engine against this daemon "
+            "(torch.compile, private cache root %s)",
+            root,
+        )
         print("wcache: priming: compiling once (one engine against this daemon)", flush=True)
         rc, tail = _run_until_stopped(cmd, env, timeout_s, stop_requested, root)
         if rc != 0:
@@ -228,15 +284,20 @@ def prime_compile(model: str, rest: list[str], *, socket_dir: str | None, job: s
             with open(record) as f:
                 factors = json.load(f)
         except (OSError, ValueError) as e:
-            raise PrimingFailed(f"the priming engine recorded no compile factors ({e}); did it "
-                                f"restore from this daemon?") from None
+            raise PrimingFailed(
+                f"the priming engine recorded no compile factors ({e}); did it "
+                f"restore from this daemon?"
+            ) from None
         bundle = pack_primed(dirs, factors)
     seconds = time.perf_counter() - t0
     try:
-        print(f"{PRIMED_PREFIX} {len(bundle.manifest['entries'])} entries for {usage}, "
-              f"{bundle.nbytes / 2**20:.1f} MiB, compile dirs "
-              f"{[p.rsplit('/', 1)[-1][:16] for p in compile_dirs(bundle.manifest)]} "
-              f"in {seconds:.1f} s", flush=True)
+        print(
+            f"{PRIMED_PREFIX} {len(bundle.manifest['entries'])} entries for {usage}, "
+            f"{bundle.nbytes / 2**20:.1f} MiB, compile dirs "
+            f"{[p.rsplit('/', 1)[-1][:16] for p in compile_dirs(bundle.manifest)]} "
+            f"in {seconds:.1f} s",
+            flush=True,
+        )
     except BaseException:
         bundle.close()
         raise

@@ -73,15 +73,31 @@ class DaemonProcess:
         extra_args: more ``wcache serve`` / vLLM engine arguments.
     """
 
-    def __init__(self, model: str | Path, socket_dir: str | Path,
-                 extra_args: Sequence[str] = (), tensor_parallel_size: int = 1,
-                 env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        model: str | Path,
+        socket_dir: str | Path,
+        extra_args: Sequence[str] = (),
+        tensor_parallel_size: int = 1,
+        env: dict[str, str] | None = None,
+    ):
         self.model = str(model)
         self.socket_dir = str(socket_dir)
-        self.args = [sys.executable, "-m", "wcache.cli", "serve", "--model", self.model,
-                     "--socket-dir", self.socket_dir, "--no-progress",
-                     "--tensor-parallel-size", str(tensor_parallel_size),
-                     *ENGINE_ARGS, *extra_args]
+        self.args = [
+            sys.executable,
+            "-m",
+            "wcache.cli",
+            "serve",
+            "--model",
+            self.model,
+            "--socket-dir",
+            self.socket_dir,
+            "--no-progress",
+            "--tensor-parallel-size",
+            str(tensor_parallel_size),
+            *ENGINE_ARGS,
+            *extra_args,
+        ]
         self.env = {**_env(), **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.lines: deque[str] = deque(maxlen=400)
@@ -110,12 +126,19 @@ class DaemonProcess:
             if any("priming failed" in ln for ln in lines) or self.proc.poll() is not None:
                 break
             time.sleep(PRIMED_POLL_S)
-        raise RuntimeError("the --prime-compile daemon did not prime:\n"
-                           + "\n".join(list(self.lines)[-30:]))
+        raise RuntimeError(
+            "the --prime-compile daemon did not prime:\n" + "\n".join(list(self.lines)[-30:])
+        )
 
     def start(self, timeout_s: float = DAEMON_READY_TIMEOUT_S) -> DaemonProcess:
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=self.env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self.env,
+            start_new_session=True,
+        )
         ready = threading.Event()
         need = 1 if self.tensor_parallel_size == 1 else None
 
@@ -137,8 +160,10 @@ class DaemonProcess:
         if self.proc.poll() is not None or not ready.is_set() or not self.ready_lines:
             tail = "\n".join(list(self.lines)[-40:])
             self.stop()
-            raise RuntimeError(f"wcache serve did not become ready within "
-                               f"{time.monotonic() - t0:.0f} s (exit {self.proc.returncode}):\n{tail}")
+            raise RuntimeError(
+                f"wcache serve did not become ready within "
+                f"{time.monotonic() - t0:.0f} s (exit {self.proc.returncode}):\n{tail}"
+            )
         self.ready_s = time.monotonic() - t0
         return self
 
@@ -176,12 +201,14 @@ def first_traceback(output: str) -> str | None:
     root cause there; the client's later ``EngineDeadError`` only says it died),
     with vLLM's per-process line prefixes removed; ``None`` if there is none."""
     lines = [_PROCESS_PREFIX.sub("", ln) for ln in output.splitlines()]
-    start = next((i for i, ln in enumerate(lines)
-                  if ln.startswith("Traceback (most recent call last):")), None)
+    start = next(
+        (i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call last):")),
+        None,
+    )
     if start is None:
         return None
     out = [lines[start]]
-    for ln in lines[start + 1:start + MAX_TRACEBACK_LINES]:
+    for ln in lines[start + 1 : start + MAX_TRACEBACK_LINES]:
         out.append(ln)
         if not ln.startswith(" ") and _EXCEPTION_LINE.match(ln) and len(out) > 2:
             break
@@ -198,11 +225,19 @@ def engine_failure_cause(exc: BaseException) -> str:
     return str(exc).split(OUTPUT_TAIL)[0]
 
 
-def run_engine(model: str | Path, load_format: str = "auto", extra: dict | None = None,
-               prompts: Sequence[str] | None = None, max_tokens: int = 16,
-               dump_state: bool = False, tensor_parallel_size: int = 1,
-               env: dict[str, str] | None = None, dtype: str = "bfloat16",
-               timeout_s: float = ENGINE_TIMEOUT_S, engine_args: Sequence[str] = ()) -> dict:
+def run_engine(
+    model: str | Path,
+    load_format: str = "auto",
+    extra: dict | None = None,
+    prompts: Sequence[str] | None = None,
+    max_tokens: int = 16,
+    dump_state: bool = False,
+    tensor_parallel_size: int = 1,
+    env: dict[str, str] | None = None,
+    dtype: str = "bfloat16",
+    timeout_s: float = ENGINE_TIMEOUT_S,
+    engine_args: Sequence[str] = (),
+) -> dict:
     """Run one engine in a child process and return its JSON result.
 
     ``engine_args`` are more :mod:`wcache.vllm.run_engine` options (``--quantization``,
@@ -214,25 +249,46 @@ def run_engine(model: str | Path, load_format: str = "auto", extra: dict | None 
         RuntimeError: the engine failed; the message holds its output tail and
             ``.output`` the whole output.
     """
-    cmd = [sys.executable, "-m", "wcache.vllm.run_engine", "--model", str(model),
-           "--load-format", load_format, "--extra", json.dumps(extra or {}),
-           "--max-tokens", str(max_tokens), "--tensor-parallel-size", str(tensor_parallel_size),
-           "--dtype", dtype]
+    cmd = [
+        sys.executable,
+        "-m",
+        "wcache.vllm.run_engine",
+        "--model",
+        str(model),
+        "--load-format",
+        load_format,
+        "--extra",
+        json.dumps(extra or {}),
+        "--max-tokens",
+        str(max_tokens),
+        "--tensor-parallel-size",
+        str(tensor_parallel_size),
+        "--dtype",
+        dtype,
+    ]
     for p in prompts or ():
         cmd += ["--prompt", p]
     if dump_state:
         cmd.append("--dump-state")
     cmd += list(engine_args)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**_env(), **(env or {})},
-                          timeout=timeout_s)
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env={**_env(), **(env or {})}, timeout=timeout_s
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         output = proc.stdout + proc.stderr
         root = first_traceback(output)
-        err = RuntimeError(f"engine ({load_format}) failed with exit {proc.returncode}.\n"
-                           + (f"First traceback (the root cause, often in vLLM's worker):\n"
-                              f"{root}\n" if root else "")
-                           + OUTPUT_TAIL + "\n" + "\n".join(output.splitlines()[-30:]))
+        err = RuntimeError(
+            f"engine ({load_format}) failed with exit {proc.returncode}.\n"
+            + (
+                f"First traceback (the root cause, often in vLLM's worker):\n{root}\n"
+                if root
+                else ""
+            )
+            + OUTPUT_TAIL
+            + "\n"
+            + "\n".join(output.splitlines()[-30:])
+        )
         err.output = output  # type: ignore[attr-defined]
         raise err
     result = json.loads(lines[-1])
@@ -278,16 +334,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(model: str | Path, load_format: str = "auto", extra: dict | None = None,
-                   port: int = 0, host: str = "127.0.0.1") -> list[str]:
+def server_command(
+    model: str | Path,
+    load_format: str = "auto",
+    extra: dict | None = None,
+    port: int = 0,
+    host: str = "127.0.0.1",
+) -> list[str]:
     """The ``python -m vllm.entrypoints.openai.api_server`` command line the tests and
     the server benchmark run: the engine arguments of :data:`ENGINE_ARGS` and of
     ``wcache.vllm.run_engine`` (KV share, one sequence at a time, seed 0)."""
 
-    cmd = [sys.executable, "-m", SERVER_MODULE, "--model", str(model), "--host", host,
-           "--port", str(port), "--served-model-name", SERVED_MODEL_NAME, *ENGINE_ARGS,
-           "--gpu-memory-utilization", str(DEFAULT_GPU_MEMORY_UTILIZATION),
-           "--max-num-seqs", "1", "--seed", "0", "--load-format", load_format]
+    cmd = [
+        sys.executable,
+        "-m",
+        SERVER_MODULE,
+        "--model",
+        str(model),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        *ENGINE_ARGS,
+        "--gpu-memory-utilization",
+        str(DEFAULT_GPU_MEMORY_UTILIZATION),
+        "--max-num-seqs",
+        "1",
+        "--seed",
+        "0",
+        "--load-format",
+        load_format,
+    ]
     if extra:
         cmd += ["--model-loader-extra-config", json.dumps(extra)]
     return cmd
@@ -307,8 +386,14 @@ class ServerProcess:
         extra: ``--model-loader-extra-config`` (JSON-serialisable).
     """
 
-    def __init__(self, model: str | Path, load_format: str = "auto", extra: dict | None = None,
-                 env: dict[str, str] | None = None, port: int | None = None):
+    def __init__(
+        self,
+        model: str | Path,
+        load_format: str = "auto",
+        extra: dict | None = None,
+        env: dict[str, str] | None = None,
+        port: int | None = None,
+    ):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = server_command(model, load_format, extra, self.port)
@@ -326,8 +411,14 @@ class ServerProcess:
     def start(self, timeout_s: float = SERVER_READY_TIMEOUT_S) -> ServerProcess:
 
         self.t_spawn = time.monotonic()
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=self.env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self.env,
+            start_new_session=True,
+        )
 
         def pump() -> None:
             assert self.proc and self.proc.stdout
@@ -347,16 +438,24 @@ class ServerProcess:
                 time.sleep(HEALTH_POLL_S)
         tail = "\n".join(self.lines[-40:])
         self.stop()
-        raise RuntimeError(f"vLLM API server did not answer /health within "
-                           f"{time.monotonic() - self.t_spawn:.0f} s (exit "
-                           f"{self.proc.returncode}):\n{tail}")
+        raise RuntimeError(
+            f"vLLM API server did not answer /health within "
+            f"{time.monotonic() - self.t_spawn:.0f} s (exit "
+            f"{self.proc.returncode}):\n{tail}"
+        )
 
     def complete(self, prompts: Sequence[str], max_tokens: int = 16) -> list[str]:
         """POST /v1/completions (greedy, ``max_tokens`` tokens each, EOS ignored so
         every answer has exactly ``max_tokens`` tokens); the texts in prompt order."""
 
-        body = {"model": SERVED_MODEL_NAME, "prompt": list(prompts), "max_tokens": max_tokens,
-                "temperature": 0.0, "seed": 0, "ignore_eos": True}
+        body = {
+            "model": SERVED_MODEL_NAME,
+            "prompt": list(prompts),
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "seed": 0,
+            "ignore_eos": True,
+        }
         resp = httpx.post(f"{self.url}/v1/completions", json=body, timeout=COMPLETION_TIMEOUT_S)
         resp.raise_for_status()
         if self.first_completion_s is None:

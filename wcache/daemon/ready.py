@@ -69,9 +69,16 @@ def rank_name(rank: tuple[int, int]) -> str:
     return f"tp_rank={rank[0]} pp_rank={rank[1]}"
 
 
-def engine_ready_spec(model: str, rest: list[str], *, tensor_parallel_size: int = 1,
-                      pipeline_parallel_size: int = 1, nnodes: int = 1, node_rank: int = 0,
-                      job: str = "") -> ReadySpec:
+def engine_ready_spec(
+    model: str,
+    rest: list[str],
+    *,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    job: str = "",
+) -> ReadySpec:
     """The ranks and digest a ``wcache serve`` with these arguments serves on this node.
 
     Args:
@@ -85,23 +92,33 @@ def engine_ready_spec(model: str, rest: list[str], *, tensor_parallel_size: int 
     from wcache.vllm.key import job_digest  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     tp, pp = tensor_parallel_size, pipeline_parallel_size
-    model_config = engine_model_config(model, [*rest, "--tensor-parallel-size", str(tp),
-                                               "--pipeline-parallel-size", str(pp)],
-                                       prog="wcache status --wait-ready")
+    model_config = engine_model_config(
+        model,
+        [*rest, "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)],
+        prog="wcache status --wait-ready",
+    )
     layout = {"tp_size": tp, "pp_size": pp, "dp_size": 1}
     # vLLM numbers ranks with TP fastest: rank = pp_rank * tp_size + tp_rank.
     ranks = [(r % tp, r // tp) for r in local_ranks(tp * pp, nnodes, node_rank)]
-    fields = (("model_arch", list(getattr(model_config.hf_config, "architectures", None) or [])),
-              ("dtype", str(model_config.dtype)), ("quantization", model_config.quantization),
-              ("tp_size", tp), ("pp_size", pp))
+    fields = (
+        ("model_arch", list(getattr(model_config.hf_config, "architectures", None) or [])),
+        ("dtype", str(model_config.dtype)),
+        ("quantization", model_config.quantization),
+        ("tp_size", tp),
+        ("pp_size", pp),
+    )
     return ReadySpec(job_digest(model_config, layout, job), ranks, fields)
 
 
 def _other_fields(key_fields: dict) -> dict[str, Any]:
     par = key_fields.get("parallel") or {}
-    return {"model_arch": key_fields.get("model_arch"), "dtype": key_fields.get("dtype"),
-            "quantization": key_fields.get("quantization"), "tp_size": par.get("tp_size"),
-            "pp_size": par.get("pp_size")}
+    return {
+        "model_arch": key_fields.get("model_arch"),
+        "dtype": key_fields.get("dtype"),
+        "quantization": key_fields.get("quantization"),
+        "tp_size": par.get("tp_size"),
+        "pp_size": par.get("pp_size"),
+    }
 
 
 def check_ready(socket_dir: str | None, spec: ReadySpec) -> Readiness:
@@ -113,8 +130,9 @@ def check_ready(socket_dir: str | None, spec: ReadySpec) -> Readiness:
     return survey(socket_dir, spec)[0]
 
 
-def survey(socket_dir: str | None, spec: ReadySpec
-           ) -> tuple[Readiness, dict[tuple[int, int], dict[str, Any]]]:
+def survey(
+    socket_dir: str | None, spec: ReadySpec
+) -> tuple[Readiness, dict[tuple[int, int], dict[str, Any]]]:
     """:func:`check_ready`, and the ``status`` reply of each rank of ``spec`` that
     answered (by (tp_rank, pp_rank)), for ``wcache serve --http``'s ``/metrics``.
 
@@ -129,8 +147,11 @@ def survey(socket_dir: str | None, spec: ReadySpec
     try:
         paths.ensure_socket_dir(d, create=False)
     except FileNotFoundError:
-        return Readiness(False, "daemon-missing", f"{d} does not exist: no daemon was started "
-                                                  f"with this socket dir"), {}
+        return Readiness(
+            False,
+            "daemon-missing",
+            f"{d} does not exist: no daemon was started with this socket dir",
+        ), {}
     serving: set[tuple[int, int]] = set()
     statuses: dict[tuple[int, int], dict[str, Any]] = {}
     others: dict[str, dict[str, Any]] = {}
@@ -152,39 +173,68 @@ def survey(socket_dir: str | None, spec: ReadySpec
     return _readiness(d, spec, serving, statuses, others), statuses
 
 
-def _readiness(d: str, spec: ReadySpec, serving: set[tuple[int, int]],
-               statuses: dict[tuple[int, int], dict[str, Any]],
-               others: dict[str, dict[str, Any]]) -> Readiness:
-    invalidated = [(r, statuses[r]["invalidated"]) for r in spec.ranks
-                   if (statuses.get(r) or {}).get("invalidated")]
+def _readiness(
+    d: str,
+    spec: ReadySpec,
+    serving: set[tuple[int, int]],
+    statuses: dict[tuple[int, int], dict[str, Any]],
+    others: dict[str, dict[str, Any]],
+) -> Readiness:
+    invalidated = [
+        (r, statuses[r]["invalidated"])
+        for r in spec.ranks
+        if (statuses.get(r) or {}).get("invalidated")
+    ]
     if invalidated:
         rank, inv = invalidated[0]
-        return Readiness(False, "arena-invalidated",
-                         f"the arena of {rank_name(rank)} was invalidated by pid {inv.get('pid')} "
-                         f"[{inv.get('code')}]: {inv.get('message')}; that daemon exits and a "
-                         f"fresh one rebuilds it", tuple(sorted(serving)))
+        return Readiness(
+            False,
+            "arena-invalidated",
+            f"the arena of {rank_name(rank)} was invalidated by pid {inv.get('pid')} "
+            f"[{inv.get('code')}]: {inv.get('message')}; that daemon exits and a "
+            f"fresh one rebuilds it",
+            tuple(sorted(serving)),
+        )
     missing = [r for r in spec.ranks if r not in serving]
     if not missing:
-        return Readiness(True, None, f"all {len(spec.ranks)} rank(s) of {spec.digest} serve in {d}",
-                         tuple(sorted(serving)))
+        return Readiness(
+            True,
+            None,
+            f"all {len(spec.ranks)} rank(s) of {spec.digest} serve in {d}",
+            tuple(sorted(serving)),
+        )
     missing_s = ", ".join(rank_name(r) for r in missing)
     if others:
         mine = dict(spec.fields)
-        diffs = sorted({f"{k}={v!r}" for o in others.values() for k, v in o.items()
-                        if k in mine and v != mine[k]})
-        return Readiness(False, "key-mismatch",
-                         f"no daemon of these engine arguments serves {missing_s} in {d}; "
-                         f"daemons of another configuration answer ({', '.join(sorted(others))}"
-                         f"{': ' + ', '.join(diffs) if diffs else ': another job'}). Start "
-                         f"`wcache serve` with the engine's arguments.",
-                         tuple(sorted(serving)))
-    return Readiness(False, "daemon-missing",
-                     f"no daemon serves {missing_s} of {spec.digest} in {d}"
-                     f" ({len(serving)}/{len(spec.ranks)} ranks serve)", tuple(sorted(serving)))
+        diffs = sorted(
+            {
+                f"{k}={v!r}"
+                for o in others.values()
+                for k, v in o.items()
+                if k in mine and v != mine[k]
+            }
+        )
+        return Readiness(
+            False,
+            "key-mismatch",
+            f"no daemon of these engine arguments serves {missing_s} in {d}; "
+            f"daemons of another configuration answer ({', '.join(sorted(others))}"
+            f"{': ' + ', '.join(diffs) if diffs else ': another job'}). Start "
+            f"`wcache serve` with the engine's arguments.",
+            tuple(sorted(serving)),
+        )
+    return Readiness(
+        False,
+        "daemon-missing",
+        f"no daemon serves {missing_s} of {spec.digest} in {d}"
+        f" ({len(serving)}/{len(spec.ranks)} ranks serve)",
+        tuple(sorted(serving)),
+    )
 
 
-def wait_ready(socket_dir: str | None, spec: ReadySpec, timeout_s: float,
-               poll_s: float = POLL_S) -> Readiness:
+def wait_ready(
+    socket_dir: str | None, spec: ReadySpec, timeout_s: float, poll_s: float = POLL_S
+) -> Readiness:
     """:func:`check_ready` until every rank serves or ``timeout_s`` seconds passed
     (``0``: one check). Returns the last check's outcome."""
     deadline = time.monotonic() + timeout_s
@@ -204,5 +254,10 @@ def probe(socket_dir: str | None, spec: ReadySpec) -> Any:
     """
 
     result, statuses = survey(socket_dir, spec)
-    return Probe(result.ok, result.code, result.message, spec.ranks,
-                 tuple(sorted((r, st) for r, st in statuses.items() if r in spec.ranks)))
+    return Probe(
+        result.ok,
+        result.code,
+        result.message,
+        spec.ranks,
+        tuple(sorted((r, st) for r, st in statuses.items() if r in spec.ranks)),
+    )

@@ -85,20 +85,28 @@ def _preflight(vllm_config: Any, socket_dir: str | None, job: str) -> str:
     """
     from wcache.vllm.key import device_id  # noqa: PLC0415 (imported at call time: tests patch device_id)
 
-    dev_id = device_id(torch.device(vllm_config.device_config.device),
-                       vllm_config.model_config, parallel_layout(), job)
+    dev_id = device_id(
+        torch.device(vllm_config.device_config.device),
+        vllm_config.model_config,
+        parallel_layout(),
+        job,
+    )
     sock = paths.socket_path(paths.ensure_socket_dir(socket_dir), dev_id)
     if paths.socket_accepts(sock):
-        raise DaemonBusy(f"a daemon already serves {sock}; stop it first with "
-                         f"`wcache stop --device {dev_id}` or use another --socket-dir/--job")
+        raise DaemonBusy(
+            f"a daemon already serves {sock}; stop it first with "
+            f"`wcache stop --device {dev_id}` or use another --socket-dir/--job"
+        )
     return dev_id
 
 
 def snapshot_name(layout: dict[str, int]) -> str:
     """A rank's sub-directory in a snapshot directory: ``tp0of2-pp0of1-dp0of1``
     (the parallel layout, not the GPU, so a snapshot moves to another GPU or node)."""
-    return (f"tp{layout['tp_rank']}of{layout['tp_size']}-pp{layout['pp_rank']}of{layout['pp_size']}"
-            f"-dp{layout['dp_rank']}of{layout['dp_size']}")
+    return (
+        f"tp{layout['tp_rank']}of{layout['tp_size']}-pp{layout['pp_rank']}of{layout['pp_size']}"
+        f"-dp{layout['dp_rank']}of{layout['dp_size']}"
+    )
 
 
 def find_seed_source(seed_from: str, key: Any) -> str:
@@ -116,12 +124,16 @@ def find_seed_source(seed_from: str, key: Any) -> str:
         if stat_mod.S_ISSOCK(os.stat(seed_from).st_mode):
             return seed_from
     except FileNotFoundError:
-        raise DaemonMissing(f"--seed-from {seed_from}: no such socket or directory; give the "
-                            f"source daemon's socket or --socket-dir (`wcache status` lists them)") from None
+        raise DaemonMissing(
+            f"--seed-from {seed_from}: no such socket or directory; give the "
+            f"source daemon's socket or --socket-dir (`wcache status` lists them)"
+        ) from None
     if not os.path.isdir(seed_from):
-        raise DaemonMissing(f"--seed-from {seed_from} is neither a daemon socket nor a socket "
-                            f"directory; give the source daemon's socket or --socket-dir "
-                            f"(`wcache status` lists them)")
+        raise DaemonMissing(
+            f"--seed-from {seed_from} is neither a daemon socket nor a socket "
+            f"directory; give the source daemon's socket or --socket-dir "
+            f"(`wcache status` lists them)"
+        )
     from wcache.store.paths import list_sockets  # noqa: PLC0415 (imported at call time: tests patch list_sockets)
 
     seen = []
@@ -134,9 +146,11 @@ def find_seed_source(seed_from: str, key: Any) -> str:
         if digest == key.digest:
             return sock
         seen.append(f"{entry} ({str(digest)[:12]})")
-    raise DaemonMissing(f"no daemon in {seed_from} serves key {key.digest[:12]} (seen: "
-                        f"{', '.join(seen) or 'none'}); start the source with the same engine "
-                        f"arguments, or start this daemon from the checkpoint")
+    raise DaemonMissing(
+        f"no daemon in {seed_from} serves key {key.digest[:12]} (seen: "
+        f"{', '.join(seen) or 'none'}); start the source with the same engine "
+        f"arguments, or start this daemon from the checkpoint"
+    )
 
 
 def rank_seed_address(spec: str, local_rank: int) -> tuple[str, int]:
@@ -149,15 +163,24 @@ def rank_seed_address(spec: str, local_rank: int) -> tuple[str, int]:
 
     host, port = parse_host_port(spec, "--seed-listen/--seed-from")
     if port and port + local_rank > 65535:
-        raise ValueError(f"{spec}: rank {local_rank} would use port {port + local_rank} > 65535; "
-                         f"pick a lower port")
+        raise ValueError(
+            f"{spec}: rank {local_rank} would use port {port + local_rank} > 65535; "
+            f"pick a lower port"
+        )
     return host, (port + local_rank if port else 0)
 
 
-def build_ready_server(vllm_config: Any, *, socket_dir: str | None, device_id: str,
-                       progress: bool = True, snapshot: str | None = None,
-                       from_snapshot: str | None = None, seed_from: str | None = None,
-                       seed_secret: bytes | None = None) -> tuple[Any, str]:
+def build_ready_server(
+    vllm_config: Any,
+    *,
+    socket_dir: str | None,
+    device_id: str,
+    progress: bool = True,
+    snapshot: str | None = None,
+    from_snapshot: str | None = None,
+    seed_from: str | None = None,
+    seed_secret: bytes | None = None,
+) -> tuple[Any, str]:
     """The rank's server, from a snapshot, a peer or the checkpoint.
 
     ``from_snapshot``: only from that snapshot. ``seed_from``: only from that
@@ -180,8 +203,11 @@ def build_ready_server(vllm_config: Any, *, socket_dir: str | None, device_id: s
     if from_snapshot or seed_from or snapshot:
         t0 = time.perf_counter()
         key = build.expected_key(vllm_config)
-        logger.info("wcache: key %s computed in %.2f s (meta build, plans, checkpoint digests)",
-                    key.digest[:16], time.perf_counter() - t0)
+        logger.info(
+            "wcache: key %s computed in %.2f s (meta build, plans, checkpoint digests)",
+            key.digest[:16],
+            time.perf_counter() - t0,
+        )
         name = snapshot_name(parallel_layout())
     if seed_from:
         if seed_from.startswith(TCP_SCHEME):
@@ -190,23 +216,34 @@ def build_ready_server(vllm_config: Any, *, socket_dir: str | None, device_id: s
         else:
             source = find_seed_source(seed_from, key)
         arena = seed_arena(source, key, secret=seed_secret)
-        server = DaemonServer(arena, key, socket_dir=socket_dir, device=device_type,
-                              device_id=device_id)
+        server = DaemonServer(
+            arena, key, socket_dir=socket_dir, device=device_type, device_id=device_id
+        )
         _bring_peer_artifacts(server, source)
         return server, "peer"
     if from_snapshot or snapshot:
         try:
             snap = open_snapshot(from_snapshot or snapshot, name)
             check_key(snap, key)
-            return DaemonServer(snapshot_arena(snap), key, socket_dir=socket_dir, device=device_type,
-                                device_id=device_id), "snapshot"
+            return DaemonServer(
+                snapshot_arena(snap),
+                key,
+                socket_dir=socket_dir,
+                device=device_type,
+                device_id=device_id,
+            ), "snapshot"
         except (SnapshotMissing, SnapshotStale, SnapshotCorrupt) as exc:
             if from_snapshot:
                 raise
-            logger.warning("wcache: not starting from the snapshot [%s]: %s; loading the checkpoint "
-                           "and writing a new snapshot", exc.code, exc)
-    return build.build_server(vllm_config, socket_dir=socket_dir, device_id=device_id,
-                              progress=progress), "checkpoint"
+            logger.warning(
+                "wcache: not starting from the snapshot [%s]: %s; loading the checkpoint "
+                "and writing a new snapshot",
+                exc.code,
+                exc,
+            )
+    return build.build_server(
+        vllm_config, socket_dir=socket_dir, device_id=device_id, progress=progress
+    ), "checkpoint"
 
 
 #: Where a snapshot directory keeps each rank's start-up artifact bundle:
@@ -227,8 +264,11 @@ def _bring_peer_artifacts(server: Any, source: str) -> None:
     try:
         server.artifacts = fetch_artifacts(source)
         server.artifacts_state = "peer"
-        logger.info("wcache: start-up artifacts from the peer: %.1f MiB in %d files",
-                    server.artifacts.nbytes / 2**20, len(server.artifacts.manifest["files"]))
+        logger.info(
+            "wcache: start-up artifacts from the peer: %.1f MiB in %d files",
+            server.artifacts.nbytes / 2**20,
+            len(server.artifacts.manifest["files"]),
+        )
     except (StoreError, OSError) as exc:
         code = getattr(exc, "code", type(exc).__name__)
         server.artifacts_state, server.artifacts_error = None, f"[{code}] {exc}"
@@ -245,8 +285,7 @@ def _snapshot_artifacts(server: Any, snap_dir: str, name: str) -> None:
     except (StoreError, OSError) as exc:  # read_bundle wraps OSErrors; an OSError is a bug there
         code = getattr(exc, "code", type(exc).__name__)
         server.artifacts_error = f"[{code}] {exc}"
-        logger.warning("wcache: the snapshot's start-up artifacts are not used [%s]: %s",
-                       code, exc)
+        logger.warning("wcache: the snapshot's start-up artifacts are not used [%s]: %s", code, exc)
         return
     if bundle is not None:
         server.artifacts, server.artifacts_state = bundle, "snapshot"
@@ -274,13 +313,18 @@ def release_device_cache() -> int:
     before = torch.cuda.memory_reserved()
     torch.cuda.empty_cache()
     after = torch.cuda.memory_reserved()
-    logger.info("wcache: released %.1f MiB the CUDA caching allocator held unused "
-                "(%.1f MiB still reserved)", (before - after) / 2**20, after / 2**20)
+    logger.info(
+        "wcache: released %.1f MiB the CUDA caching allocator held unused "
+        "(%.1f MiB still reserved)",
+        (before - after) / 2**20,
+        after / 2**20,
+    )
     return before - after
 
 
-def _prime(server: Any, prime: tuple[str, list[str], str, str], snapshot: str | None,
-           name: str) -> None:
+def _prime(
+    server: Any, prime: tuple[str, list[str], str, str], snapshot: str | None, name: str
+) -> None:
     """``--prime-compile``: run the priming engine (:mod:`wcache.daemon.prime`) for the
     usage context ``prime[3]`` (``serve`` or ``llm``), keep its bundle, write it into
     the snapshot. Never stops the daemon serving: a failure is logged with its reason
@@ -291,18 +335,28 @@ def _prime(server: Any, prime: tuple[str, list[str], str, str], snapshot: str | 
     server.artifacts_state = "priming"
 
     def stop_requested() -> bool:
-        return server._shutdown_requested.is_set() or \
-            bool(getattr(server, "stopping", None) and server.stopping.is_set())
+        return server._shutdown_requested.is_set() or bool(
+            getattr(server, "stopping", None) and server.stopping.is_set()
+        )
 
     try:
-        bundle = prime_compile(model, rest, socket_dir=server.socket_dir, job=job, usage=usage,
-                               stop_requested=stop_requested)
+        bundle = prime_compile(
+            model,
+            rest,
+            socket_dir=server.socket_dir,
+            job=job,
+            usage=usage,
+            stop_requested=stop_requested,
+        )
     except Exception as exc:  # noqa: BLE001  (priming only saves a later compile)
         code = getattr(exc, "code", type(exc).__name__)
         server.artifacts_state, server.artifacts_error = "failed", f"[{code}] {exc}"[:2000]
         log = logger.info if stop_requested() else logger.error
-        log("wcache: priming failed [%s]: %s; still serving (engines compile as usual)",
-            code, str(exc)[-1000:])
+        log(
+            "wcache: priming failed [%s]: %s; still serving (engines compile as usual)",
+            code,
+            str(exc)[-1000:],
+        )
         return
     server.artifacts, server.artifacts_state = bundle, "primed"
     if snapshot:
@@ -338,12 +392,25 @@ def _write_rank_snapshot(server: Any, root: str, layout: dict[str, int]) -> None
         view.close()
 
 
-def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_method: str,
-               socket_dir: str | None, progress: bool, job: str, ready: Any = None,
-               snapshot: str | None = None, from_snapshot: str | None = None,
-               seed_from: str | None = None, seed_listen: str | None = None,
-               seed_advertise: str | None = None, seed_secret_file: str | None = None,
-               prime_compile: str | None = None) -> int:
+def serve_rank(
+    model: str,
+    rest: list[str],
+    *,
+    rank: int,
+    world: int,
+    init_method: str,
+    socket_dir: str | None,
+    progress: bool,
+    job: str,
+    ready: Any = None,
+    snapshot: str | None = None,
+    from_snapshot: str | None = None,
+    seed_from: str | None = None,
+    seed_listen: str | None = None,
+    seed_advertise: str | None = None,
+    seed_secret_file: str | None = None,
+    prime_compile: str | None = None,
+) -> int:
     """Make one rank ready (checkpoint, snapshot or peer: :func:`build_ready_server`),
     write its snapshot when ``snapshot`` is given and it did not come from it, and
     serve (answering ``seed`` too, over TCP on ``seed_listen`` with this node's
@@ -362,45 +429,85 @@ def serve_rank(model: str, rest: list[str], *, rank: int, world: int, init_metho
     listen = rank_seed_address(seed_listen, local_rank) if seed_listen else None
     vllm_config = build.checked_engine_config(model, rest)
     with build.prepare_platform(vllm_config):
-        return _serve_prepared_rank(vllm_config, rank=rank, world=world,
-                                    init_method=init_method, socket_dir=socket_dir,
-                                    progress=progress, job=job, ready=ready, snapshot=snapshot,
-                                    from_snapshot=from_snapshot, seed_from=seed_from,
-                                    listen=listen, seed_advertise=seed_advertise,
-                                    secret=secret, t_start=t_start,
-                                    prime=(model, rest, job, prime_compile) if prime_compile else None)
+        return _serve_prepared_rank(
+            vllm_config,
+            rank=rank,
+            world=world,
+            init_method=init_method,
+            socket_dir=socket_dir,
+            progress=progress,
+            job=job,
+            ready=ready,
+            snapshot=snapshot,
+            from_snapshot=from_snapshot,
+            seed_from=seed_from,
+            listen=listen,
+            seed_advertise=seed_advertise,
+            secret=secret,
+            t_start=t_start,
+            prime=(model, rest, job, prime_compile) if prime_compile else None,
+        )
 
 
-def _serve_prepared_rank(vllm_config: Any, *, rank: int, world: int, init_method: str,
-                         socket_dir: str | None, progress: bool, job: str, ready: Any,
-                         snapshot: str | None, from_snapshot: str | None,
-                         seed_from: str | None, listen: tuple[str, int] | None,
-                         seed_advertise: str | None, secret: bytes | None,
-                         t_start: float, prime: tuple[str, list[str], str, str] | None = None) -> int:
+def _serve_prepared_rank(
+    vllm_config: Any,
+    *,
+    rank: int,
+    world: int,
+    init_method: str,
+    socket_dir: str | None,
+    progress: bool,
+    job: str,
+    ready: Any,
+    snapshot: str | None,
+    from_snapshot: str | None,
+    seed_from: str | None,
+    listen: tuple[str, int] | None,
+    seed_advertise: str | None,
+    secret: bytes | None,
+    t_start: float,
+    prime: tuple[str, list[str], str, str] | None = None,
+) -> int:
     """:func:`serve_rank` once the rank's platform is prepared."""
 
     with build.current_config(vllm_config):
         build.init_distributed(vllm_config, rank, world, init_method)
         dev_id = _preflight(vllm_config, socket_dir, job)
         layout = parallel_layout()
-        server, origin = build_ready_server(vllm_config, socket_dir=socket_dir, device_id=dev_id,
-                                            progress=progress, snapshot=snapshot,
-                                            from_snapshot=from_snapshot, seed_from=seed_from,
-                                            seed_secret=secret)
+        server, origin = build_ready_server(
+            vllm_config,
+            socket_dir=socket_dir,
+            device_id=dev_id,
+            progress=progress,
+            snapshot=snapshot,
+            from_snapshot=from_snapshot,
+            seed_from=seed_from,
+            seed_secret=secret,
+        )
     key = server.key
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.request_shutdown())
     try:
-        server.seed_source = SeedSource(server) if listen is None else \
-            SeedSource(server, host=listen[0], advertise=seed_advertise)
+        server.seed_source = (
+            SeedSource(server)
+            if listen is None
+            else SeedSource(server, host=listen[0], advertise=seed_advertise)
+        )
     except StoreError:
         server.stop()
         raise
     server.origin = origin  # for `wcache status`
     snap_dir = from_snapshot or snapshot
-    server.snapshot_state = None if not snap_dir else \
-        {"dir": snap_dir, "state": "read" if origin == "snapshot" else "writing", "error": None}
+    server.snapshot_state = (
+        None
+        if not snap_dir
+        else {
+            "dir": snap_dir,
+            "state": "read" if origin == "snapshot" else "writing",
+            "error": None,
+        }
+    )
     if origin == "snapshot":
         _snapshot_artifacts(server, snap_dir, snapshot_name(layout))
     server.start()
@@ -417,14 +524,24 @@ def _serve_prepared_rank(vllm_config: Any, *, rank: int, world: int, init_method
             server.snapshot_state = {**server.snapshot_state, "state": "written"}
         except (OSError, StoreError) as exc:  # serving stays correct; only the next start is slower
             code = getattr(exc, "code", type(exc).__name__)
-            server.snapshot_state = {**server.snapshot_state, "state": "failed",
-                                     "error": f"[{code}] {exc}"}
-            logger.error("wcache: could not write the snapshot to %s [%s]: %s; still serving, and "
-                         "the next start loads the checkpoint again", snapshot, code, exc)
+            server.snapshot_state = {
+                **server.snapshot_state,
+                "state": "failed",
+                "error": f"[{code}] {exc}",
+            }
+            logger.error(
+                "wcache: could not write the snapshot to %s [%s]: %s; still serving, and "
+                "the next start loads the checkpoint again",
+                snapshot,
+                code,
+                exc,
+            )
     release_device_cache()
-    line = (f"wcache: ready rank={rank}/{world} key={key.digest[:16]} "
-            f"held={server.nbytes / 2**20:.1f} MiB socket={server.socket_path} "
-            f"from={origin} ready_s={t_ready:.2f}")
+    line = (
+        f"wcache: ready rank={rank}/{world} key={key.digest[:16]} "
+        f"held={server.nbytes / 2**20:.1f} MiB socket={server.socket_path} "
+        f"from={origin} ready_s={t_ready:.2f}"
+    )
     if listen is not None:
         line += f" seed_listen={listen[0]}:{listen[1]}"
     print(line, flush=True)
@@ -444,14 +561,33 @@ def _serve_prepared_rank(vllm_config: Any, *, rank: int, world: int, init_method
     return server.exit_code  # INVALIDATED_EXIT (75) after a client's guard fired: restart me
 
 
-def _rank_main(rank: int, local_rank: int, world: int, model: str, rest: list[str],
-               init_method: str, socket_dir: str | None, progress: bool, job: str,
-               ready: Any, sources: dict[str, str | None]) -> None:
+def _rank_main(
+    rank: int,
+    local_rank: int,
+    world: int,
+    model: str,
+    rest: list[str],
+    init_method: str,
+    socket_dir: str | None,
+    progress: bool,
+    job: str,
+    ready: Any,
+    sources: dict[str, str | None],
+) -> None:
     os.environ["LOCAL_RANK"] = str(local_rank)
     try:
-        serve_rank(model, rest, rank=rank, world=world, init_method=init_method,
-                   socket_dir=socket_dir, progress=progress and rank == 0, job=job, ready=ready,
-                   **sources)
+        serve_rank(
+            model,
+            rest,
+            rank=rank,
+            world=world,
+            init_method=init_method,
+            socket_dir=socket_dir,
+            progress=progress and rank == 0,
+            job=job,
+            ready=ready,
+            **sources,
+        )
     except BaseException as exc:  # report to the parent, which stops the other ranks
         try:
             ready.put((rank, f"error: {type(exc).__name__}: {exc}"))
@@ -472,8 +608,12 @@ def shm_needs(device_type: str, world: int, seeding: bool) -> list[tuple[int, st
 
     needs = []
     if world > 1:
-        needs.append((DEV_SHM_COLLECTIVES_BYTES,
-                      f"{world} ranks ({'vLLM CPU shared-memory all-reduce' if device_type == 'cpu' else 'NCCL'})"))
+        needs.append(
+            (
+                DEV_SHM_COLLECTIVES_BYTES,
+                f"{world} ranks ({'vLLM CPU shared-memory all-reduce' if device_type == 'cpu' else 'NCCL'})",
+            )
+        )
     if seeding and device_type == "cuda":
         needs.append((DEV_SHM_COLLECTIVES_BYTES, "seeding over NCCL"))
     if device_type == "cuda":
@@ -490,14 +630,18 @@ def main(args: argparse.Namespace, rest: list[str]) -> int:
     """
 
     check_vllm_version()
-    logging.basicConfig(level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
-                        format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if getattr(args, "verbose", False) else logging.INFO,
+        format="%(asctime)s %(name)s %(message)s",
+    )
     world = args.tensor_parallel_size * args.pipeline_parallel_size
     nnodes = getattr(args, "nnodes", 1)
     ranks = local_ranks(world, nnodes, getattr(args, "node_rank", 0))
     if nnodes > 1 and not args.master_port:
-        raise SystemExit("wcache serve: --master-port is required with --nnodes > 1 (the same "
-                         "value on every node, different from vLLM's own port)")
+        raise SystemExit(
+            "wcache serve: --master-port is required with --nnodes > 1 (the same "
+            "value on every node, different from vLLM's own port)"
+        )
     ops = _start_http(args, rest) if getattr(args, "http", None) else None
     try:
         return _serve_node(args, rest, world, ranks)
@@ -516,49 +660,101 @@ def _start_http(args: argparse.Namespace, rest: list[str]) -> Any:
     """
 
     host, port = parse_http_address(args.http)
-    spec = ready.engine_ready_spec(args.model, rest, tensor_parallel_size=args.tensor_parallel_size,
-                                   pipeline_parallel_size=args.pipeline_parallel_size,
-                                   nnodes=getattr(args, "nnodes", 1),
-                                   node_rank=getattr(args, "node_rank", 0),
-                                   job=getattr(args, "job", "") or "")
+    spec = ready.engine_ready_spec(
+        args.model,
+        rest,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        nnodes=getattr(args, "nnodes", 1),
+        node_rank=getattr(args, "node_rank", 0),
+        job=getattr(args, "job", "") or "",
+    )
 
     # a partial, not a lambda: the lean hand-off (wcache.store.lean) pickles it across execve
     ops = OpsServer(host, port, functools.partial(ready.probe, args.socket_dir, spec)).start()
-    print(f"wcache: http health=http://{ops.address[0]}:{ops.address[1]}/health "
-          f"metrics=http://{ops.address[0]}:{ops.address[1]}/metrics", flush=True)
+    print(
+        f"wcache: http health=http://{ops.address[0]}:{ops.address[1]}/health "
+        f"metrics=http://{ops.address[0]}:{ops.address[1]}/metrics",
+        flush=True,
+    )
     return ops
 
 
 def _serve_node(args: argparse.Namespace, rest: list[str], world: int, ranks: range) -> int:
     """Serve this node's ranks: in this process when there is one, else one process each."""
-    rest = [*rest, "--tensor-parallel-size", str(args.tensor_parallel_size),
-            "--pipeline-parallel-size", str(args.pipeline_parallel_size)]
+    rest = [
+        *rest,
+        "--tensor-parallel-size",
+        str(args.tensor_parallel_size),
+        "--pipeline-parallel-size",
+        str(args.pipeline_parallel_size),
+    ]
     port = getattr(args, "master_port", 0) or _free_port()
     init_method = f"tcp://{getattr(args, 'master_addr', '127.0.0.1')}:{port}"
     job = getattr(args, "job", "") or ""
-    sources = {k: getattr(args, k, None) for k in ("snapshot", "from_snapshot", "seed_from", "seed_listen",
-                                                   "seed_advertise", "seed_secret_file")}
+    sources = {
+        k: getattr(args, k, None)
+        for k in (
+            "snapshot",
+            "from_snapshot",
+            "seed_from",
+            "seed_listen",
+            "seed_advertise",
+            "seed_secret_file",
+        )
+    }
     sources["prime_compile"] = getattr(args, "prime_compile", None) or None
 
     seeding = bool(sources.get("seed_from") or sources.get("seed_listen"))
     for need, purpose in shm_needs(build.platform_device_type(), world, seeding):
         check_dev_shm(need, f"wcache serve: {purpose}")  # before any rank starts or loads
     if world == 1:
-        return serve_rank(args.model, rest, rank=0, world=1, init_method=init_method,
-                          socket_dir=args.socket_dir, progress=not args.no_progress, job=job,
-                          **sources)
+        return serve_rank(
+            args.model,
+            rest,
+            rank=0,
+            world=1,
+            init_method=init_method,
+            socket_dir=args.socket_dir,
+            progress=not args.no_progress,
+            job=job,
+            **sources,
+        )
     return _serve_ranks(args, rest, world, ranks, init_method, job, sources)
 
 
-def _serve_ranks(args: argparse.Namespace, rest: list[str], world: int, ranks: range,
-                 init_method: str, job: str, sources: dict[str, str | None]) -> int:
+def _serve_ranks(
+    args: argparse.Namespace,
+    rest: list[str],
+    world: int,
+    ranks: range,
+    init_method: str,
+    job: str,
+    sources: dict[str, str | None],
+) -> int:
 
     ctx = mp.get_context("spawn")
     ready = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, name=f"wcache-rank{r}",
-                         args=(r, r - ranks.start, world, args.model, rest, init_method,
-                               args.socket_dir, not args.no_progress, job, ready, sources))
-             for r in ranks]
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            name=f"wcache-rank{r}",
+            args=(
+                r,
+                r - ranks.start,
+                world,
+                args.model,
+                rest,
+                init_method,
+                args.socket_dir,
+                not args.no_progress,
+                job,
+                ready,
+                sources,
+            ),
+        )
+        for r in ranks
+    ]
     for p in procs:
         p.start()
     up: set[int] = set()
@@ -570,14 +766,19 @@ def _serve_ranks(args: argparse.Namespace, rest: list[str], world: int, ranks: r
             except queue.Empty:
                 dead = [p for p in procs if not p.is_alive()]
                 if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"wcache serve: rank(s) {[p.name for p in dead]} died "
-                                       f"during start-up; stopping the others") from None
+                    raise RuntimeError(
+                        f"wcache serve: rank(s) {[p.name for p in dead]} died "
+                        f"during start-up; stopping the others"
+                    ) from None
                 continue
             if line.startswith("error"):
                 raise RuntimeError(f"wcache serve: rank {rank} failed during start-up: {line}")
             up.add(rank)
-        print(f"wcache: all {len(ranks)} ranks ready (ranks {ranks.start}..{ranks.stop - 1} "
-              f"of {world})", flush=True)
+        print(
+            f"wcache: all {len(ranks)} ranks ready (ranks {ranks.start}..{ranks.stop - 1} "
+            f"of {world})",
+            flush=True,
+        )
         for p in procs:
             p.join()
         return max((p.exitcode or 0) for p in procs)

@@ -20,10 +20,19 @@ from wcache.plans.registry import (  # noqa: F401 (re-exported)
 #: tests/plans/test_registry.py checks that this names every module under
 #: wcache/plans/ that registers a plan.
 PLAN_MODULES = (
-    "unquantized", "awq", "gptq", "compressed_tensors", "kv_cache", "attention",  # CPU (issue 2)
-    "marlin", "fp8", "mxfp8", "nvfp4",                                  # CUDA layouts (issue 3)
-    "machete", "cutlass_int8",                          # the kernels vLLM picks on Hopper
-    "fused_moe",                                        # fused MoE, CUDA and CPU (issue 42)
+    "unquantized",
+    "awq",
+    "gptq",
+    "compressed_tensors",
+    "kv_cache",
+    "attention",  # CPU (issue 2)
+    "marlin",
+    "fp8",
+    "mxfp8",
+    "nvfp4",  # CUDA layouts (issue 3)
+    "machete",
+    "cutlass_int8",  # the kernels vLLM picks on Hopper
+    "fused_moe",  # fused MoE, CUDA and CPU (issue 42)
 )
 
 

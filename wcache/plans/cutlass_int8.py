@@ -18,8 +18,7 @@ def _match(config: LayerConfig, target: Target) -> str | None:
     if target.device_type != "cuda":
         return f"CUTLASS INT8 is a CUDA kernel; the target is {target.device_type}"
     if target.capability is not None and tuple(target.capability) < CUTLASS_INT8_MIN_CAPABILITY:
-        return (f"CUTLASS INT8 needs compute capability >= 7.5, the target has "
-                f"{target.capability}")
+        return f"CUTLASS INT8 needs compute capability >= 7.5, the target has {target.capability}"
     if config.quant.strategy not in (None, "tensor", "channel"):
         return f"CUTLASS W8A8 INT8 takes tensor/channel scales, got {config.quant.strategy!r}"
     if config.quant.layer_kind != "linear":
@@ -27,12 +26,21 @@ def _match(config: LayerConfig, target: Target) -> str | None:
     return None
 
 
-W8A8_INT8 = register(Plan(
-    method="ct_w8a8_int8", kernel="cutlass_int8", devices="cuda",
-    stages=(cutlass_int8.transpose_weight, onednn.convert_scale_to_channelwise,
-            cutlass_int8.fold_input_scale, cutlass_int8.compute_azp_adj),
-    checkpoint={"weight", "weight_scale", "input_scale", "input_zero_point", "bias"},
-    match=_match,
-    description="compressed-tensors W8A8 INT8 on CUTLASS: weight transposed to (K, N) "
-                "column-major, fused per-tensor scales to per-channel, static input "
-                "scale/zero point folded, azp_adj (int32, asymmetric activations)."))
+W8A8_INT8 = register(
+    Plan(
+        method="ct_w8a8_int8",
+        kernel="cutlass_int8",
+        devices="cuda",
+        stages=(
+            cutlass_int8.transpose_weight,
+            onednn.convert_scale_to_channelwise,
+            cutlass_int8.fold_input_scale,
+            cutlass_int8.compute_azp_adj,
+        ),
+        checkpoint={"weight", "weight_scale", "input_scale", "input_zero_point", "bias"},
+        match=_match,
+        description="compressed-tensors W8A8 INT8 on CUTLASS: weight transposed to (K, N) "
+        "column-major, fused per-tensor scales to per-channel, static input "
+        "scale/zero point folded, azp_adj (int32, asymmetric activations).",
+    )
+)

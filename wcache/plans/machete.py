@@ -18,8 +18,9 @@ from wcache.stages import awq, machete
 #: ``is_device_capability(90)``).
 MACHETE_CAPABILITY = (9, 0)
 _CHECKPOINT_GPTQ = frozenset({"qweight", "qzeros", "scales", "bias"})
-_CHECKPOINT_CT = frozenset({"weight_packed", "weight_scale", "weight_zero_point",
-                            "weight_shape", "bias"})
+_CHECKPOINT_CT = frozenset(
+    {"weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "bias"}
+)
 
 
 def _match(config: LayerConfig, target: Target) -> str | None:
@@ -30,11 +31,15 @@ def _match(config: LayerConfig, target: Target) -> str | None:
     if config.quant.layer_kind != "linear":
         return f"Machete plans cover linear layers, not {config.quant.layer_kind}"
     if config.quant.kernel != "machete":
-        return ("Machete is vLLM's choice per layer on Hopper; wcache takes it from the "
-                "layer (kernel='machete'), it does not guess it")
+        return (
+            "Machete is vLLM's choice per layer on Hopper; wcache takes it from the "
+            "layer (kernel='machete'), it does not guess it"
+        )
     if config.get(machete.B_TYPE_ID_KEY) is None:
-        return (f"the layer config lacks {machete.B_TYPE_ID_KEY} (vLLM's weight type id, "
-                "recorded by the adapter from the MacheteLinearKernel)")
+        return (
+            f"the layer config lacks {machete.B_TYPE_ID_KEY} (vLLM's weight type id, "
+            "recorded by the adapter from the MacheteLinearKernel)"
+        )
     return None
 
 
@@ -44,27 +49,50 @@ def _match_gptq(config: LayerConfig, target: Target) -> str | None:
     return _match(config, target)
 
 
-AWQ = register(Plan(
-    method="awq", kernel="machete", devices="cuda",
-    stages=(awq.convert_to_standard, machete.prepack_stage("qweight"),
-            machete.fold_zero_points_stage("qzeros", "scales")),
-    checkpoint=_CHECKPOINT_GPTQ, match=_match,
-    description="AWQ int4 on Machete (sm90): AWQ packing -> standard, weight prepacked "
-                "(machete_prepack_B), zero points folded into -scale * zp [K/G, N]."))
+AWQ = register(
+    Plan(
+        method="awq",
+        kernel="machete",
+        devices="cuda",
+        stages=(
+            awq.convert_to_standard,
+            machete.prepack_stage("qweight"),
+            machete.fold_zero_points_stage("qzeros", "scales"),
+        ),
+        checkpoint=_CHECKPOINT_GPTQ,
+        match=_match,
+        description="AWQ int4 on Machete (sm90): AWQ packing -> standard, weight prepacked "
+        "(machete_prepack_B), zero points folded into -scale * zp [K/G, N].",
+    )
+)
 
-GPTQ = register(Plan(
-    method="gptq", kernel="machete", devices="cuda",
-    stages=(machete.prepack_stage("qweight"),),
-    checkpoint=_CHECKPOINT_GPTQ, match=_match_gptq,
-    description="GPTQ symmetric int4/int8 on Machete (sm90): weight prepacked "
-                "(machete_prepack_B); scales and qzeros kept as loaded."))
+GPTQ = register(
+    Plan(
+        method="gptq",
+        kernel="machete",
+        devices="cuda",
+        stages=(machete.prepack_stage("qweight"),),
+        checkpoint=_CHECKPOINT_GPTQ,
+        match=_match_gptq,
+        description="GPTQ symmetric int4/int8 on Machete (sm90): weight prepacked "
+        "(machete_prepack_B); scales and qzeros kept as loaded.",
+    )
+)
 
-CT_W4A16 = register(Plan(
-    method="ct_w4a16", kernel="machete", devices="cuda",
-    stages=(machete.prepack_stage("weight_packed", n_major=True),
+CT_W4A16 = register(
+    Plan(
+        method="ct_w4a16",
+        kernel="machete",
+        devices="cuda",
+        stages=(
+            machete.prepack_stage("weight_packed", n_major=True),
             machete.permute_scales_stage("weight_scale"),
-            machete.fold_zero_points_stage("weight_zero_point", "weight_scale")),
-    checkpoint=_CHECKPOINT_CT, match=_match,
-    description="compressed-tensors W4A16 (sym/asym) on Machete (sm90): (N, K/8) weight "
-                "transposed and prepacked, (N, K/G) scales transposed, zero points (asym) "
-                "folded into -scale * zp."))
+            machete.fold_zero_points_stage("weight_zero_point", "weight_scale"),
+        ),
+        checkpoint=_CHECKPOINT_CT,
+        match=_match,
+        description="compressed-tensors W4A16 (sym/asym) on Machete (sm90): (N, K/8) weight "
+        "transposed and prepacked, (N, K/G) scales transposed, zero points (asym) "
+        "folded into -scale * zp.",
+    )
+)

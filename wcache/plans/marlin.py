@@ -22,8 +22,9 @@ MARLIN_MIN_CAPABILITY = (7, 5)
 #: Activation dtypes that switch Marlin to its 8-bit-activation layout.
 REFUSED_INPUT_DTYPES = frozenset({"int8", "fp8"})
 _CHECKPOINT_GPTQ = frozenset({"qweight", "qzeros", "scales", "bias"})
-_CHECKPOINT_CT = frozenset({"weight_packed", "weight_scale", "weight_zero_point",
-                            "weight_shape", "bias"})
+_CHECKPOINT_CT = frozenset(
+    {"weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "bias"}
+)
 
 
 def marlin_target_reason(config: LayerConfig, target: Target) -> str | None:
@@ -34,13 +35,18 @@ def marlin_target_reason(config: LayerConfig, target: Target) -> str | None:
     if target.capability is not None and tuple(target.capability) < MARLIN_MIN_CAPABILITY:
         return f"Marlin needs compute capability >= 7.5, the target has {target.capability}"
     if config.quant.layer_kind == "moe":
-        return (f"{config.quant.method} fused-MoE layers on Marlin are not supported by "
-                f"wcache (no MoE Marlin plan); load this model without wcache")
-    act = config.quant.option("marlin_input_dtype") or \
-        target.env_value("VLLM_MARLIN_INPUT_DTYPE", "")
+        return (
+            f"{config.quant.method} fused-MoE layers on Marlin are not supported by "
+            f"wcache (no MoE Marlin plan); load this model without wcache"
+        )
+    act = config.quant.option("marlin_input_dtype") or target.env_value(
+        "VLLM_MARLIN_INPUT_DTYPE", ""
+    )
     if act in REFUSED_INPUT_DTYPES:
-        return (f"Marlin with {act} activations (marlin_input_dtype={act!r}) uses a "
-                f"different layout that wcache does not build; unset the override")
+        return (
+            f"Marlin with {act} activations (marlin_input_dtype={act!r}) uses a "
+            f"different layout that wcache does not build; unset the override"
+        )
     if config.quant.layer_kind != "linear":
         return f"Marlin plans cover linear layers, not {config.quant.layer_kind}"
     return None
@@ -54,8 +60,9 @@ def _int_reason(config: LayerConfig, target: Target, bits: tuple[int, ...]) -> s
     if q.num_bits not in bits:
         return f"{q.method} on Marlin supports {bits}-bit weights, not {q.num_bits}"
     if q.group_size not in marlin.MARLIN_SUPPORTED_GROUP_SIZES:
-        return (f"Marlin supports group sizes {marlin.MARLIN_SUPPORTED_GROUP_SIZES}, "
-                f"not {q.group_size}")
+        return (
+            f"Marlin supports group sizes {marlin.MARLIN_SUPPORTED_GROUP_SIZES}, not {q.group_size}"
+        )
     if q.group_size > 0 and config.size_k % q.group_size:
         return f"size_k={config.size_k} is not a multiple of group_size={q.group_size}"
     return None
@@ -77,32 +84,62 @@ def _match_ct(config: LayerConfig, target: Target) -> str | None:
     return _int_reason(config, target, (4, 8))
 
 
-AWQ = register(Plan(
-    method="awq", kernel="marlin", devices="cuda",
-    stages=(awq.convert_to_standard, marlin.permute_zero_points_stage("qzeros"),
-            marlin.repack_stage("qweight"), marlin.permute_scales_stage("scales"),
-            marlin.clear_input_global_scale, marlin.permute_bias),
-    checkpoint=_CHECKPOINT_GPTQ, match=_match_awq,
-    description="AWQ int4 on Marlin: AWQ packing -> standard, zero points permuted and "
-                "packed (Kp/G, Np/8), weight repacked (Kp/16, 2Np), scales padded and "
-                "permuted, bias padded and permuted."))
+AWQ = register(
+    Plan(
+        method="awq",
+        kernel="marlin",
+        devices="cuda",
+        stages=(
+            awq.convert_to_standard,
+            marlin.permute_zero_points_stage("qzeros"),
+            marlin.repack_stage("qweight"),
+            marlin.permute_scales_stage("scales"),
+            marlin.clear_input_global_scale,
+            marlin.permute_bias,
+        ),
+        checkpoint=_CHECKPOINT_GPTQ,
+        match=_match_awq,
+        description="AWQ int4 on Marlin: AWQ packing -> standard, zero points permuted and "
+        "packed (Kp/G, Np/8), weight repacked (Kp/16, 2Np), scales padded and "
+        "permuted, bias padded and permuted.",
+    )
+)
 
-GPTQ = register(Plan(
-    method="gptq", kernel="marlin", devices="cuda",
-    stages=(marlin.empty_zero_points_stage("qzeros"), marlin.repack_stage("qweight"),
-            marlin.permute_scales_stage("scales"), marlin.clear_input_global_scale,
-            marlin.permute_bias),
-    checkpoint=_CHECKPOINT_GPTQ, match=_match_gptq,
-    description="GPTQ symmetric int4/int8 on Marlin: qzeros emptied, weight repacked "
-                "(Kp/16, Np*bits/2), scales padded and permuted, bias padded and permuted."))
+GPTQ = register(
+    Plan(
+        method="gptq",
+        kernel="marlin",
+        devices="cuda",
+        stages=(
+            marlin.empty_zero_points_stage("qzeros"),
+            marlin.repack_stage("qweight"),
+            marlin.permute_scales_stage("scales"),
+            marlin.clear_input_global_scale,
+            marlin.permute_bias,
+        ),
+        checkpoint=_CHECKPOINT_GPTQ,
+        match=_match_gptq,
+        description="GPTQ symmetric int4/int8 on Marlin: qzeros emptied, weight repacked "
+        "(Kp/16, Np*bits/2), scales padded and permuted, bias padded and permuted.",
+    )
+)
 
-CT_W4A16 = register(Plan(
-    method="ct_w4a16", kernel="marlin", devices="cuda",
-    stages=(marlin.permute_zero_points_stage("weight_zero_point", empty_if_symmetric=True),
+CT_W4A16 = register(
+    Plan(
+        method="ct_w4a16",
+        kernel="marlin",
+        devices="cuda",
+        stages=(
+            marlin.permute_zero_points_stage("weight_zero_point", empty_if_symmetric=True),
             marlin.repack_stage("weight_packed", n_major=True),
             marlin.permute_scales_stage("weight_scale", n_major=True),
-            marlin.clear_input_global_scale, marlin.permute_bias),
-    checkpoint=_CHECKPOINT_CT, match=_match_ct,
-    description="compressed-tensors W4A16 (sym/asym) on Marlin: (N, K/8) weight "
-                "transposed and repacked, (N, K/G) scales transposed, padded, permuted; "
-                "zero points permuted and packed (asym) or emptied (sym)."))
+            marlin.clear_input_global_scale,
+            marlin.permute_bias,
+        ),
+        checkpoint=_CHECKPOINT_CT,
+        match=_match_ct,
+        description="compressed-tensors W4A16 (sym/asym) on Marlin: (N, K/8) weight "
+        "transposed and repacked, (N, K/G) scales transposed, padded, permuted; "
+        "zero points permuted and packed (asym) or emptied (sym).",
+    )
+)

@@ -17,11 +17,22 @@ def _match(config: LayerConfig, target: Target) -> str | None:
     return None
 
 
-MARLIN = register(Plan(
-    method="mxfp8", kernel="marlin", devices="cuda",
-    stages=(mxfp8.quantize, fp8.clear_input_scale, marlin.repack_mxfp8_weight,
-            marlin.permute_mxfp8_scales, marlin.permute_bias),
-    checkpoint=frozenset({"weight", "bias"}), match=_match,
-    description="online MXFP8 on Marlin: quantize (fp8 values, E8M0 scale per 32), weight "
-                "repacked (Kp/16, 4Np), scales (Kp/32, Np) e8m0 permuted and reordered, "
-                "bias padded and permuted."))
+MARLIN = register(
+    Plan(
+        method="mxfp8",
+        kernel="marlin",
+        devices="cuda",
+        stages=(
+            mxfp8.quantize,
+            fp8.clear_input_scale,
+            marlin.repack_mxfp8_weight,
+            marlin.permute_mxfp8_scales,
+            marlin.permute_bias,
+        ),
+        checkpoint=frozenset({"weight", "bias"}),
+        match=_match,
+        description="online MXFP8 on Marlin: quantize (fp8 values, E8M0 scale per 32), weight "
+        "repacked (Kp/16, 4Np), scales (Kp/32, Np) e8m0 permuted and reordered, "
+        "bias padded and permuted.",
+    )
+)

@@ -27,34 +27,68 @@ def _reason(config: LayerConfig, target: Target, kind: str) -> str | None:
     if target.device_type != "cuda":
         return f"CUTLASS NVFP4 is a CUDA kernel; the target is {target.device_type}"
     if target.capability is None or tuple(target.capability) < CUTLASS_FP4_MIN_CAPABILITY:
-        return (f"CUTLASS NVFP4 needs compute capability >= 10.0 (Blackwell), the target has "
-                f"{target.capability}; vLLM uses Marlin NVFP4 there, which has no plan")
+        return (
+            f"CUTLASS NVFP4 needs compute capability >= 10.0 (Blackwell), the target has "
+            f"{target.capability}; vLLM uses Marlin NVFP4 there, which has no plan"
+        )
     if config.quant.layer_kind != kind:
         return f"this plan covers {kind} layers, not {config.quant.layer_kind}"
     if config.moe is not None and config.moe.backend != CUTLASS_MOE_BACKEND:
-        return (f"vLLM's NVFP4 MoE oracle resolved backend {config.moe.backend} here; this plan "
-                f"covers {CUTLASS_MOE_BACKEND} (CutlassExpertsFp4) only")
+        return (
+            f"vLLM's NVFP4 MoE oracle resolved backend {config.moe.backend} here; this plan "
+            f"covers {CUTLASS_MOE_BACKEND} (CutlassExpertsFp4) only"
+        )
     return None
 
 
-LINEAR = register(Plan(
-    method="modelopt_fp4", kernel="cutlass", devices="cuda",
-    stages=(nvfp4.validate_loaded, nvfp4.reduce_weight_scale_2, nvfp4.reduce_input_scale,
-            nvfp4.compute_alpha, nvfp4.set_is_w4a16_nvfp4, nvfp4.swizzle_scales,
-            nvfp4.pad_weight),
-    checkpoint=frozenset({"weight", "weight_scale", "weight_scale_2", "input_scale", "bias"}),
-    match=functools.partial(_reason, kind="linear"),
-    description="ModelOpt NVFP4 linear on CUTLASS: global scales and alpha as new tensors, "
-                "block scales swizzled (no .cuda()), weight padded to 32."))
+LINEAR = register(
+    Plan(
+        method="modelopt_fp4",
+        kernel="cutlass",
+        devices="cuda",
+        stages=(
+            nvfp4.validate_loaded,
+            nvfp4.reduce_weight_scale_2,
+            nvfp4.reduce_input_scale,
+            nvfp4.compute_alpha,
+            nvfp4.set_is_w4a16_nvfp4,
+            nvfp4.swizzle_scales,
+            nvfp4.pad_weight,
+        ),
+        checkpoint=frozenset({"weight", "weight_scale", "weight_scale_2", "input_scale", "bias"}),
+        match=functools.partial(_reason, kind="linear"),
+        description="ModelOpt NVFP4 linear on CUTLASS: global scales and alpha as new tensors, "
+        "block scales swizzled (no .cuda()), weight padded to 32.",
+    )
+)
 
-MOE = register(Plan(
-    method="modelopt_fp4", kernel="cutlass_moe", devices="cuda",
-    stages=(nvfp4.select_w13_weight_scale_2, nvfp4.reduce_w13_input_scale,
-            nvfp4.swizzle_moe_scales, nvfp4.fuse_moe_activation_scale, nvfp4.set_moe_dims),
-    checkpoint=frozenset({"w13_weight", "w13_weight_scale", "w13_weight_scale_2",
-                          "w13_input_scale", "w2_weight", "w2_weight_scale",
-                          "w2_weight_scale_2", "w2_input_scale"}),
-    match=functools.partial(_reason, kind="moe"),
-    description="ModelOpt NVFP4 fused MoE on CUTLASS experts: w13 global scale, a13 max, "
-                "scales swizzled, activation scales fused into w*_weight_scale_2 as new "
-                "tensors (vLLM: in place); restore replays only the dims."))
+MOE = register(
+    Plan(
+        method="modelopt_fp4",
+        kernel="cutlass_moe",
+        devices="cuda",
+        stages=(
+            nvfp4.select_w13_weight_scale_2,
+            nvfp4.reduce_w13_input_scale,
+            nvfp4.swizzle_moe_scales,
+            nvfp4.fuse_moe_activation_scale,
+            nvfp4.set_moe_dims,
+        ),
+        checkpoint=frozenset(
+            {
+                "w13_weight",
+                "w13_weight_scale",
+                "w13_weight_scale_2",
+                "w13_input_scale",
+                "w2_weight",
+                "w2_weight_scale",
+                "w2_weight_scale_2",
+                "w2_input_scale",
+            }
+        ),
+        match=functools.partial(_reason, kind="moe"),
+        description="ModelOpt NVFP4 fused MoE on CUTLASS experts: w13 global scale, a13 max, "
+        "scales swizzled, activation scales fused into w*_weight_scale_2 as new "
+        "tensors (vLLM: in place); restore replays only the dims.",
+    )
+)

@@ -57,23 +57,28 @@ def _layer_config(method: Any, layer: Any) -> LayerConfig:
     """The :class:`LayerConfig` to resolve for ``(method, layer)``."""
     if isinstance(method, LayerConfig):
         if layer is not None:
-            raise PlanArgumentError("plan_for(LayerConfig, ...) takes no layer: the config "
-                                    "already holds the layer's sizes")
+            raise PlanArgumentError(
+                "plan_for(LayerConfig, ...) takes no layer: the config "
+                "already holds the layer's sizes"
+            )
         return method
     if isinstance(method, QuantSpec):
         if not isinstance(layer, LayerConfig):
             raise PlanArgumentError(
                 f"plan_for({method.method!r} QuantSpec) needs the layer's sizes: pass "
                 f"plan_for(LayerConfig(spec, size_k=..., size_n=...), target=...) or "
-                f"plan_for(spec, layer_config, target=...); got layer={layer!r}")
+                f"plan_for(spec, layer_config, target=...); got layer={layer!r}"
+            )
         return evolve(layer, quant=method)
     raise PlanArgumentError(
         f"plan_for takes a QuantSpec or LayerConfig, got {type(method).__name__}; a vLLM quant "
-        f"method resolves through wcache.vllm.plan_for(quant_method, layer, target=...)")
+        f"method resolves through wcache.vllm.plan_for(quant_method, layer, target=...)"
+    )
 
 
-def plan_for(method: QuantSpec | LayerConfig, layer: LayerConfig | None = None, *,
-             target: Target) -> BoundPlan:
+def plan_for(
+    method: QuantSpec | LayerConfig, layer: LayerConfig | None = None, *, target: Target
+) -> BoundPlan:
     """Resolve exactly one plan and bind it to the layer's config and target.
 
     Args:
@@ -109,9 +114,11 @@ def _known_method(spec: QuantSpec, name: str) -> None:
     if not any(p.method == spec.method for p in _PLANS):
         known = sorted({p.method for p in _PLANS})
         kernel = f", which vLLM runs with {spec.kernel} here" if spec.kernel else ""
-        raise NoPlan(f"no plan for method {spec.method!r}{kernel} (layer {name or '?'}); "
-                     f"wcache has plans for {known}. Load this model without wcache "
-                     f"(load_format='auto') or add a plan.")
+        raise NoPlan(
+            f"no plan for method {spec.method!r}{kernel} (layer {name or '?'}); "
+            f"wcache has plans for {known}. Load this model without wcache "
+            f"(load_format='auto') or add a plan."
+        )
 
 
 def _resolve(config: LayerConfig, target: Target) -> Plan:
@@ -123,10 +130,11 @@ def _resolve(config: LayerConfig, target: Target) -> Plan:
         kernel_plans = [p for p in candidates if p.kernel == spec.kernel]
         if not kernel_plans:
             why = [r for r in (p.match(config, target) for p in candidates) if r]
-            raise NoPlan(f"{spec.method} (layer {config.name or '?'}): vLLM picks kernel "
-                         f"{spec.kernel!r} here and wcache has no plan for it (plans exist for "
-                         f"{sorted({p.kernel for p in candidates})})"
-                         + (f": {why[0]}" if why else ""))
+            raise NoPlan(
+                f"{spec.method} (layer {config.name or '?'}): vLLM picks kernel "
+                f"{spec.kernel!r} here and wcache has no plan for it (plans exist for "
+                f"{sorted({p.kernel for p in candidates})})" + (f": {why[0]}" if why else "")
+            )
         candidates = kernel_plans
     reasons = []
     for plan in candidates:
@@ -134,5 +142,7 @@ def _resolve(config: LayerConfig, target: Target) -> Plan:
         if reason is None:
             return plan
         reasons.append(f"{plan.kernel}: {reason}")
-    raise NoPlan(f"no plan for {spec.method} on {target.device_type} "
-                 f"(layer {config.name or '?'}): " + "; ".join(reasons))
+    raise NoPlan(
+        f"no plan for {spec.method} on {target.device_type} "
+        f"(layer {config.name or '?'}): " + "; ".join(reasons)
+    )

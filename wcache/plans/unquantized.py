@@ -37,7 +37,7 @@ _LAYER_KINDS = ("linear", "embedding")
 #: Branches vLLM can take that wcache has no plan for, and why (SGL has one: :data:`SGL`).
 _UNPLANNED = {
     GEMM_ZENTORCH: "vLLM picks zentorch_linear_unary (zentorch's own weight prepack) for "
-                "this weight; wcache has no plan for it yet",
+    "this weight; wcache has no plan for it yet",
 }
 
 
@@ -60,8 +60,10 @@ def _cpu_branch_reason(branch: str, config: LayerConfig, target: Target) -> str 
         return "POWER CPUs: vLLM's dispatch there is not covered by a wcache plan"
     chosen = cpu_gemm.gemm_branch(config, target)
     if chosen is None:
-        return (f"the Target records no unquantized GEMM decision for {config.params_dtype} "
-                f"(build it with wcache.vllm.probe.host_target, which asks vLLM)")
+        return (
+            f"the Target records no unquantized GEMM decision for {config.params_dtype} "
+            f"(build it with wcache.vllm.probe.host_target, which asks vLLM)"
+        )
     if chosen != branch:
         return _UNPLANNED.get(chosen, f"vLLM's dispatch takes the {chosen!r} branch here")
     return None
@@ -75,7 +77,8 @@ def _match_branch(branch: str, config: LayerConfig, target: Target) -> str | Non
         if config.dtype not in (torch.bfloat16, torch.float16):
             return f"the SGL plan takes bf16/fp16 weights, got {config.params_dtype}"
         return cpu_gemm.missing_op_reason(
-            target, ("convert_weight_packed", "weight_packed_linear"), "the SGL kernel")
+            target, ("convert_weight_packed", "weight_packed_linear"), "the SGL kernel"
+        )
     return reason
 
 
@@ -85,41 +88,65 @@ def _match_cpu_branch(branch: str) -> functools.partial:
     return functools.partial(_match_branch, branch)
 
 
-NONE_CUDA = register(Plan(
-    method="unquantized", kernel="none", devices="cuda", stages=(),
-    checkpoint={"weight", "bias"},
-    match=_match_cuda,
-    description="Unquantized linear/embedding on CUDA: vLLM does no post-load work; "
-                "the loaded weight is exported and restore replays nothing."))
+NONE_CUDA = register(
+    Plan(
+        method="unquantized",
+        kernel="none",
+        devices="cuda",
+        stages=(),
+        checkpoint={"weight", "bias"},
+        match=_match_cuda,
+        description="Unquantized linear/embedding on CUDA: vLLM does no post-load work; "
+        "the loaded weight is exported and restore replays nothing.",
+    )
+)
 
-ONEDNN = register(Plan(
-    method="unquantized", kernel="onednn", devices="cpu",
-    stages=(onednn.prepack_weight,),
-    checkpoint={"weight", "bias"}, match=_match_cpu_branch(GEMM_ONEDNN),
-    description="Unquantized linear/embedding on CPU where vLLM's dispatch builds a oneDNN "
-                "handle: the loaded weight is exported; restore rebuilds the private "
-                "oneDNN handle (layer.cpu_linear) from it. Linear layers then release the "
-                "weight like vLLM (remove_weight=True); embeddings keep it. Saves load "
-                "time, not RAM (oneDNN holds a copy)."))
+ONEDNN = register(
+    Plan(
+        method="unquantized",
+        kernel="onednn",
+        devices="cpu",
+        stages=(onednn.prepack_weight,),
+        checkpoint={"weight", "bias"},
+        match=_match_cpu_branch(GEMM_ONEDNN),
+        description="Unquantized linear/embedding on CPU where vLLM's dispatch builds a oneDNN "
+        "handle: the loaded weight is exported; restore rebuilds the private "
+        "oneDNN handle (layer.cpu_linear) from it. Linear layers then release the "
+        "weight like vLLM (remove_weight=True); embeddings keep it. Saves load "
+        "time, not RAM (oneDNN holds a copy).",
+    )
+)
 
-TORCH_LINEAR = register(Plan(
-    method="unquantized", kernel="torch_linear", devices="cpu",
-    stages=(cpu_gemm.bind_torch_linear,),
-    checkpoint={"weight", "bias"}, match=_match_cpu_branch(GEMM_TORCH_LINEAR),
-    description="Unquantized linear/embedding on CPU where oneDNN refuses the dtype and "
-                "vLLM's dispatch falls back to F.linear (bf16/fp16 on AVX2 hosts, fp16 on "
-                "AVX512 ones): the loaded weight is exported and used in place; restore "
-                "binds layer.cpu_linear and rebuilds nothing (truly zero-copy)."))
+TORCH_LINEAR = register(
+    Plan(
+        method="unquantized",
+        kernel="torch_linear",
+        devices="cpu",
+        stages=(cpu_gemm.bind_torch_linear,),
+        checkpoint={"weight", "bias"},
+        match=_match_cpu_branch(GEMM_TORCH_LINEAR),
+        description="Unquantized linear/embedding on CPU where oneDNN refuses the dtype and "
+        "vLLM's dispatch falls back to F.linear (bf16/fp16 on AVX2 hosts, fp16 on "
+        "AVX512 ones): the loaded weight is exported and used in place; restore "
+        "binds layer.cpu_linear and rebuilds nothing (truly zero-copy).",
+    )
+)
 
-SGL = register(Plan(
-    method="unquantized", kernel="sgl", devices="cpu",
-    stages=(cpu_gemm.pack_sgl_weight, cpu_gemm.cast_bias_to_float32, cpu_gemm.bind_sgl_linear),
-    checkpoint={"weight", "bias"}, match=_match_cpu_branch(GEMM_SGL),
-    description="Unquantized linear/embedding on CPU where vLLM picks the AMX SGL kernel "
-                "(small tile-aligned bf16/fp16 weights on AMX hosts). Linear: the daemon "
-                "packs the weight (convert_weight_packed) and casts the bias to fp32, both "
-                "exported; restore binds layer.cpu_linear over the mapped packed weight and "
-                "releases the weight slot like vLLM (remove_weight=True); zero-copy. "
-                "Embedding / lm_head: vLLM keeps the unpacked weight for the lookup, so it "
-                "is exported as loaded and restore packs a private copy (at most 1 MiB, one "
-                "for a tied pair) for layer.cpu_linear."))
+SGL = register(
+    Plan(
+        method="unquantized",
+        kernel="sgl",
+        devices="cpu",
+        stages=(cpu_gemm.pack_sgl_weight, cpu_gemm.cast_bias_to_float32, cpu_gemm.bind_sgl_linear),
+        checkpoint={"weight", "bias"},
+        match=_match_cpu_branch(GEMM_SGL),
+        description="Unquantized linear/embedding on CPU where vLLM picks the AMX SGL kernel "
+        "(small tile-aligned bf16/fp16 weights on AMX hosts). Linear: the daemon "
+        "packs the weight (convert_weight_packed) and casts the bias to fp32, both "
+        "exported; restore binds layer.cpu_linear over the mapped packed weight and "
+        "releases the weight slot like vLLM (remove_weight=True); zero-copy. "
+        "Embedding / lm_head: vLLM keeps the unpacked weight for the lookup, so it "
+        "is exported as loaded and restore packs a private copy (at most 1 MiB, one "
+        "for a tied pair) for layer.cpu_linear.",
+    )
+)

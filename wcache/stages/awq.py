@@ -29,10 +29,19 @@ def _num_bits(config: LayerConfig) -> int:
     return config.quant.num_bits if config.quant.num_bits != 16 else AWQ_NUM_BITS
 
 
-@stage("awq.convert_to_standard", Tag.TRANSFORM, reads=("qweight", "qzeros"),
-       writes=("qweight", "qzeros"), source=_SOURCE)
-def convert_to_standard(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                        target: Target, recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "awq.convert_to_standard",
+    Tag.TRANSFORM,
+    reads=("qweight", "qzeros"),
+    writes=("qweight", "qzeros"),
+    source=_SOURCE,
+)
+def convert_to_standard(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM AWQ packing -> standard packing.
 
     ``qweight`` int32 ``[K, N // 8]`` (AWQ order, packed along N) -> ``[K // 8, N]``

@@ -10,8 +10,13 @@ import torch
 
 from wcache.core import WcacheError
 
-__all__ = ["StageInputError", "OpUnavailable", "require_op", "fold_int8_static_input",
-           "high_precision_weight"]
+__all__ = [
+    "StageInputError",
+    "OpUnavailable",
+    "require_op",
+    "fold_int8_static_input",
+    "high_precision_weight",
+]
 
 
 class StageInputError(WcacheError, ValueError):
@@ -41,7 +46,8 @@ def require_op(namespace: str, name: str):
         raise OpUnavailable(
             f"torch.ops.{namespace}.{name} is not registered: vLLM's {namespace} "
             f"extension is not loaded in this process. Import vllm._custom_ops first "
-            f"(wcache.vllm does) or use a plan that does not need this op.") from e
+            f"(wcache.vllm does) or use a plan that does not need this op."
+        ) from e
 
 
 _INT8 = torch.iinfo(torch.int8)
@@ -71,8 +77,9 @@ def fold_int8_static_input(tensors, config, *, round_zero_point: bool) -> dict[s
     if config.quant.input_symmetric:
         return {"input_scale": input_scale.max()}
     if "input_zero_point" not in tensors:
-        raise StageInputError(f"layer {config.name!r}: asymmetric static W8A8 INT8 without "
-                              "input_zero_point")
+        raise StageInputError(
+            f"layer {config.name!r}: asymmetric static W8A8 INT8 without input_zero_point"
+        )
     azps = tensors["input_zero_point"].to(dtype=torch.int32)
     range_max = (input_scale * (_INT8.max - azps)).max()
     range_min = (input_scale * (_INT8.min - azps)).min()
@@ -102,5 +109,6 @@ def high_precision_weight(tensors, config, what: str) -> torch.Tensor:
             f"layer {config.name!r}: {what} expects the checkpoint's bf16/fp16/fp32 weight, "
             f"got {str(weight.dtype).removeprefix('torch.')} {list(weight.shape)}: the weight "
             f"is already quantized (vLLM quantized it while loading). Report this as a "
-            f"wcache bug with the vLLM version, or serve the model without wcache.")
+            f"wcache bug with the vLLM version, or serve the model without wcache."
+        )
     return weight

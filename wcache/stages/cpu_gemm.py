@@ -23,12 +23,29 @@ from wcache.core import LayerConfig, StageOut, Tag, Target, stage
 from wcache.core.decisions import KERNEL_LIBRARY, OP_PRESENT, gemm_decision, op_decision
 from wcache.stages.common import StageInputError, require_op
 
-__all__ = ["SGL_TILE_K", "SGL_TILE_N", "SGL_MAX_WEIGHT_BYTES", "gemm_decision", "sgl_shape",
-           "gemm_branch", "missing_op_reason", "TorchLinear", "bind_torch_linear",
-           "sgl_packed_shape", "pack_sgl_weight", "cast_bias_to_float32", "SGLLinear",
-           "bind_sgl_linear", "SGL_INT8_BLOCK_N", "SGL_INT8_LINEAR_METHOD",
-           "sgl_int8_packed_shape", "pack_sgl_int8_weight", "convert_int8_scale_to_channelwise",
-           "copy_bias_to_float32", "set_int8_sgl_method"]
+__all__ = [
+    "SGL_TILE_K",
+    "SGL_TILE_N",
+    "SGL_MAX_WEIGHT_BYTES",
+    "gemm_decision",
+    "sgl_shape",
+    "gemm_branch",
+    "missing_op_reason",
+    "TorchLinear",
+    "bind_torch_linear",
+    "sgl_packed_shape",
+    "pack_sgl_weight",
+    "cast_bias_to_float32",
+    "SGLLinear",
+    "bind_sgl_linear",
+    "SGL_INT8_BLOCK_N",
+    "SGL_INT8_LINEAR_METHOD",
+    "sgl_int8_packed_shape",
+    "pack_sgl_int8_weight",
+    "convert_int8_scale_to_channelwise",
+    "copy_bias_to_float32",
+    "set_int8_sgl_method",
+]
 
 _UTILS = "vllm/model_executor/layers/utils.py::dispatch_cpu_unquantized_gemm"
 #: AMX SGL kernel limit for unquantized weights (vLLM's _CPU_SGL_GEMM_MAX_WEIGHT_BYTES).
@@ -62,8 +79,9 @@ def gemm_branch(config: LayerConfig, target: Target) -> str | None:
     """
     if config.quant.kernel is not None:
         return config.quant.kernel
-    shaped = bool(config.size_n and config.size_k and
-                  sgl_shape(config.size_n, config.size_k, config.dtype))
+    shaped = bool(
+        config.size_n and config.size_k and sgl_shape(config.size_n, config.size_k, config.dtype)
+    )
     return target.kernel(gemm_decision(config.dtype, shaped))
 
 
@@ -72,8 +90,9 @@ class TorchLinear:
     on the weight as loaded (``[N, K]``, not released). A named callable instead of
     vLLM's lambda, so it has a readable repr; same arguments, same result."""
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
     def __eq__(self, other: object) -> bool:
@@ -86,10 +105,19 @@ class TorchLinear:
         return "TorchLinear()"
 
 
-@stage("cpu_gemm.bind_torch_linear", Tag.METADATA, reads=("weight",), attrs=("cpu_linear",),
-       source=f"{_UTILS} (fallback branch: oneDNN refused the dtype on this ISA)")
-def bind_torch_linear(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                      recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "cpu_gemm.bind_torch_linear",
+    Tag.METADATA,
+    reads=("weight",),
+    attrs=("cpu_linear",),
+    source=f"{_UTILS} (fallback branch: oneDNN refused the dtype on this ISA)",
+)
+def bind_torch_linear(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """Set ``layer.cpu_linear`` to :class:`TorchLinear` and keep ``weight``
     (``[N, K]``, the params dtype) as it is: vLLM's fallback neither prepacks nor
     releases it, so a restore maps the daemon's bytes and has nothing to rebuild.
@@ -99,21 +127,26 @@ def bind_torch_linear(tensors: Mapping[str, torch.Tensor], config: LayerConfig, 
     return StageOut(attrs={"cpu_linear": TorchLinear()})
 
 
-def missing_op_reason(target: Target, ops: tuple[str, ...], kernel: str,
-                      subject: str = "this layer") -> str | None:
+def missing_op_reason(
+    target: Target, ops: tuple[str, ...], kernel: str, subject: str = "this layer"
+) -> str | None:
     """``None`` when vLLM's loaded CPU kernel library has every op in ``ops``, else
     why ``kernel`` cannot run on ``target`` (names the library and the missing op, and
     says vLLM itself cannot run ``subject`` here). Reads the probed decisions only
     (``op.<name>`` in ``target.kernels``)."""
     library = target.kernel(KERNEL_LIBRARY)
     if library is None:
-        return ("the Target records no vLLM kernel decisions (build it with "
-                "wcache.vllm.probe.host_target, which asks vLLM)")
+        return (
+            "the Target records no vLLM kernel decisions (build it with "
+            "wcache.vllm.probe.host_target, which asks vLLM)"
+        )
     missing = [op for op in ops if target.kernel(op_decision(op)) != OP_PRESENT]
     if missing:
         names = ", ".join(f"torch.ops._C.{op}" for op in missing)
-        return (f"vLLM's CPU kernel library {library} on this host has no {names} "
-                f"({kernel} needs it), so vLLM itself cannot run {subject} here")
+        return (
+            f"vLLM's CPU kernel library {library} on this host has no {names} "
+            f"({kernel} needs it), so vLLM itself cannot run {subject} here"
+        )
     return None
 
 
@@ -122,8 +155,9 @@ def missing_op_reason(target: Target, ops: tuple[str, ...], kernel: str,
 _SGL = f"{_UTILS} (SGL branch, taken when check_cpu_sgl_kernel accepts: AMX hosts)"
 
 
-def sgl_packed_shape(size_n: int, size_k: int, dtype: torch.dtype) -> tuple[tuple[int, int],
-                                                                             torch.dtype]:
+def sgl_packed_shape(
+    size_n: int, size_k: int, dtype: torch.dtype
+) -> tuple[tuple[int, int], torch.dtype]:
     """Shape and dtype ``convert_weight_packed`` returns for an ``[N, K]`` weight:
     the VNNI-packed weight keeps ``[N, K]`` and the dtype; for ``N < 16`` it is the
     transposed fp32 weight ``[K, N]`` (csrc/cpu/sgl-kernels/gemm.cpp)."""
@@ -132,10 +166,19 @@ def sgl_packed_shape(size_n: int, size_k: int, dtype: torch.dtype) -> tuple[tupl
     return (size_n, size_k), dtype
 
 
-@stage("cpu_gemm.pack_sgl_weight", Tag.TRANSFORM, reads=("weight",), writes=("weight",),
-       source=f"{_SGL}: torch.ops._C.convert_weight_packed")
-def pack_sgl_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                    recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "cpu_gemm.pack_sgl_weight",
+    Tag.TRANSFORM,
+    reads=("weight",),
+    writes=("weight",),
+    source=f"{_SGL}: torch.ops._C.convert_weight_packed",
+)
+def pack_sgl_weight(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """A linear layer's ``weight`` ``[N, K]`` (bf16/fp16) -> the SGL kernel's packed
     weight (VNNI blocks, same shape and dtype; fp32 ``[K, N]`` when ``N < 16``), a new
     tensor. vLLM keeps it in the ``cpu_linear`` closure; wcache exports it under
@@ -156,10 +199,20 @@ def pack_sgl_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, ta
     return StageOut(tensors={"weight": require_op("_C", "convert_weight_packed")(weight)})
 
 
-@stage("cpu_gemm.cast_bias_to_float32", Tag.TRANSFORM, reads=("bias",), writes=("bias",),
-       optional=("bias",), source=f"{_SGL}: layer.bias.data = layer.bias.to(torch.float32)")
-def cast_bias_to_float32(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                         target: Target, recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "cpu_gemm.cast_bias_to_float32",
+    Tag.TRANSFORM,
+    reads=("bias",),
+    writes=("bias",),
+    optional=("bias",),
+    source=f"{_SGL}: layer.bias.data = layer.bias.to(torch.float32)",
+)
+def cast_bias_to_float32(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """``bias`` ``[N]`` -> a new fp32 copy (the SGL kernel adds an fp32 bias); no bias,
     no change."""
     if "bias" not in tensors:
@@ -178,11 +231,13 @@ class SGLLinear:
     def __init__(self, packed_weight: torch.Tensor, size_n: int):
         self.packed_weight, self.n = packed_weight, size_n
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None,
-                 bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         output = torch.empty((*x.shape[:-1], self.n), dtype=x.dtype)
-        torch.ops._C.weight_packed_linear(output.reshape(-1, self.n), x.reshape(-1, x.size(-1)),
-                                          self.packed_weight, bias, True)
+        torch.ops._C.weight_packed_linear(
+            output.reshape(-1, self.n), x.reshape(-1, x.size(-1)), self.packed_weight, bias, True
+        )
         return output
 
     def __repr__(self) -> str:
@@ -206,12 +261,23 @@ def _sgl_pack(weight: torch.Tensor, memo: Mapping | None) -> tuple[torch.Tensor,
     return packed, {ident: packed}
 
 
-@stage("cpu_gemm.bind_sgl_linear", Tag.DERIVE, reads=("weight",), attrs=("cpu_linear",),
-       source=f"{_SGL}: the cpu_linear closure over the packed weight, then remove_weight "
-              f"(linear) or keep the weight (embedding: remove_weight=False)",
-       memoized=True)
-def bind_sgl_linear(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                    recorded: Mapping[str, Any], *, memo: Mapping | None = None) -> StageOut:
+@stage(
+    "cpu_gemm.bind_sgl_linear",
+    Tag.DERIVE,
+    reads=("weight",),
+    attrs=("cpu_linear",),
+    source=f"{_SGL}: the cpu_linear closure over the packed weight, then remove_weight "
+    f"(linear) or keep the weight (embedding: remove_weight=False)",
+    memoized=True,
+)
+def bind_sgl_linear(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+    *,
+    memo: Mapping | None = None,
+) -> StageOut:
     """Set ``layer.cpu_linear`` to :class:`SGLLinear`.
 
     Linear layers: over the packed ``weight`` (:data:`pack_sgl_weight`'s output) and,
@@ -238,8 +304,10 @@ def bind_sgl_linear(tensors: Mapping[str, torch.Tensor], config: LayerConfig, ta
 
 # --------------------------------------------------------------------------- SGL W8A8 INT8
 
-_SGL_INT8 = ("vllm/model_executor/kernels/linear/scaled_mm/cpu.py::"
-             "CPUInt8ScaledMMLinearKernel.process_weights_for_sgl")
+_SGL_INT8 = (
+    "vllm/model_executor/kernels/linear/scaled_mm/cpu.py::"
+    "CPUInt8ScaledMMLinearKernel.process_weights_for_sgl"
+)
 #: convert_weight_packed packs int8 weights in blocks of 32 output channels: N must
 #: be a multiple (vLLM's check_cpu_sgl_kernel asks N % 16 only, and vLLM itself then
 #: fails with "Expected N == BLOCK_N"; measured on vLLM 0.32's _C).
@@ -257,10 +325,19 @@ def sgl_int8_packed_shape(size_n: int, size_k: int) -> tuple[int, int]:
     return size_n, size_k + SGL_INT8_COMP_BYTES
 
 
-@stage("cpu_gemm.pack_sgl_int8_weight", Tag.TRANSFORM, reads=("weight",), writes=("weight",),
-       source=f"{_SGL_INT8}: torch.ops._C.convert_weight_packed")
-def pack_sgl_int8_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                         target: Target, recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "cpu_gemm.pack_sgl_int8_weight",
+    Tag.TRANSFORM,
+    reads=("weight",),
+    writes=("weight",),
+    source=f"{_SGL_INT8}: torch.ops._C.convert_weight_packed",
+)
+def pack_sgl_int8_weight(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """int8 ``weight`` ``[N, K]`` -> the SGL kernel's packed int8 ``[N, K + 4]`` (a new
     tensor, exported; vLLM replaces the parameter by it).
 
@@ -272,20 +349,33 @@ def pack_sgl_int8_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfi
     weight = tensors["weight"]
     n, k = weight.shape
     if n % SGL_INT8_BLOCK_N:
-        raise StageInputError(f"layer {config.name!r}: convert_weight_packed needs an int8 "
-                              f"N that is a multiple of {SGL_INT8_BLOCK_N}, got {n}")
+        raise StageInputError(
+            f"layer {config.name!r}: convert_weight_packed needs an int8 "
+            f"N that is a multiple of {SGL_INT8_BLOCK_N}, got {n}"
+        )
     if weight.device.type == "meta":
-        return StageOut(tensors={"weight": torch.empty(sgl_int8_packed_shape(n, k),
-                                                       dtype=torch.int8, device="meta")})
+        return StageOut(
+            tensors={
+                "weight": torch.empty(sgl_int8_packed_shape(n, k), dtype=torch.int8, device="meta")
+            }
+        )
     return StageOut(tensors={"weight": require_op("_C", "convert_weight_packed")(weight)})
 
 
-@stage("cpu_gemm.convert_int8_scale_to_channelwise", Tag.TRANSFORM, reads=("weight_scale",),
-       writes=("weight_scale",),
-       source=f"{_SGL_INT8} (convert_to_channelwise unless channelwise; "
-              f"w8a8_utils.py::convert_to_channelwise)")
-def convert_int8_scale_to_channelwise(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                                      target: Target, recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "cpu_gemm.convert_int8_scale_to_channelwise",
+    Tag.TRANSFORM,
+    reads=("weight_scale",),
+    writes=("weight_scale",),
+    source=f"{_SGL_INT8} (convert_to_channelwise unless channelwise; "
+    f"w8a8_utils.py::convert_to_channelwise)",
+)
+def convert_int8_scale_to_channelwise(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """Per-tensor ``weight_scale`` ``[#shards]`` (or ``[1]``) -> fp32 ``[N, 1]``, each
     shard's scale over its ``logical_widths`` rows (the SGL kernel takes per-channel
     scales only, fused or not); channelwise scales unchanged.
@@ -298,21 +388,33 @@ def convert_int8_scale_to_channelwise(tensors: Mapping[str, torch.Tensor], confi
     scale = tensors["weight_scale"]
     widths = tuple(config.get("logical_widths", ())) or (config.size_n,)
     if scale.numel() != len(widths):
-        raise StageInputError(f"layer {config.name!r}: {scale.numel()} per-tensor scales "
-                              f"for {len(widths)} logical widths {widths}")
+        raise StageInputError(
+            f"layer {config.name!r}: {scale.numel()} per-tensor scales "
+            f"for {len(widths)} logical widths {widths}"
+        )
     out = torch.empty((sum(widths), 1), dtype=torch.float32, device=scale.device)
     if scale.device.type != "meta":
         start = 0
         for idx, width in enumerate(widths):
-            out[start:start + width, :] = scale[idx]
+            out[start : start + width, :] = scale[idx]
             start += width
     return StageOut(tensors={"weight_scale": out})
 
 
-@stage("cpu_gemm.copy_bias_to_float32", Tag.TRANSFORM, reads=("bias",), writes=("bias_fp32",),
-       optional=("bias",), source=f"{_SGL_INT8} (register_parameter('bias_fp32', ...))")
-def copy_bias_to_float32(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                  recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "cpu_gemm.copy_bias_to_float32",
+    Tag.TRANSFORM,
+    reads=("bias",),
+    writes=("bias_fp32",),
+    optional=("bias",),
+    source=f"{_SGL_INT8} (register_parameter('bias_fp32', ...))",
+)
+def copy_bias_to_float32(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """A new ``bias_fp32`` ``[N]`` fp32 copy of ``bias`` (kept as is: vLLM's apply passes
     the fp32 one to the SGL kernel); no bias, nothing."""
     if "bias" not in tensors:
@@ -320,10 +422,18 @@ def copy_bias_to_float32(tensors: Mapping[str, torch.Tensor], config: LayerConfi
     return StageOut(tensors={"bias_fp32": tensors["bias"].float()})
 
 
-@stage("cpu_gemm.set_int8_sgl_method", Tag.METADATA, attrs=("linear_method",),
-       source=f"{_SGL_INT8} (self.linear_method = self._apply_weights_sgl)")
-def set_int8_sgl_method(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                        target: Target, recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "cpu_gemm.set_int8_sgl_method",
+    Tag.METADATA,
+    attrs=("linear_method",),
+    source=f"{_SGL_INT8} (self.linear_method = self._apply_weights_sgl)",
+)
+def set_int8_sgl_method(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """``linear_method`` = :data:`SGL_INT8_LINEAR_METHOD` (vLLM's SGL int8 apply, which
     reads the packed ``weight``, ``weight_scale`` and ``bias_fp32``); layer-local, moved
     onto vLLM's kernel object by ``wcache.vllm.compat.sync_kernel_state_``."""

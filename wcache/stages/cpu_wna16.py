@@ -27,11 +27,30 @@ from wcache.stages import cpu_gemm
 from wcache.stages.common import StageInputError, require_op
 from wcache.stages.packing import pack_factor, pack_int32, unpack_int32
 
-__all__ = ["W4A8_ENV", "W4A8_ENV_DEFAULT", "CPUWNA16_NUM_BITS", "BLOCK_N", "W4A8_BLOCK_N",
-           "W4A8_MAX_BLOCK_K", "W4A8_SYMMETRIC_ZP_WORD", "isa_hint_for", "use_w4a8_for",
-           "repack_w4a16", "w4a8_block_k", "w4a8_shapes", "repack_w4a8_tensors",
-           "set_isa_hint", "set_use_w4a8", "repack", "repack_w4a8", "cast_bias_to_float32",
-           "transpose_zero_points", "can_implement", "can_implement_w4a8", "W4A8_OPS"]
+__all__ = [
+    "W4A8_ENV",
+    "W4A8_ENV_DEFAULT",
+    "CPUWNA16_NUM_BITS",
+    "BLOCK_N",
+    "W4A8_BLOCK_N",
+    "W4A8_MAX_BLOCK_K",
+    "W4A8_SYMMETRIC_ZP_WORD",
+    "isa_hint_for",
+    "use_w4a8_for",
+    "repack_w4a16",
+    "w4a8_block_k",
+    "w4a8_shapes",
+    "repack_w4a8_tensors",
+    "set_isa_hint",
+    "set_use_w4a8",
+    "repack",
+    "repack_w4a8",
+    "cast_bias_to_float32",
+    "transpose_zero_points",
+    "can_implement",
+    "can_implement_w4a8",
+    "W4A8_OPS",
+]
 
 _KERNEL = "vllm/model_executor/kernels/linear/mixed_precision/cpu.py"
 
@@ -90,8 +109,9 @@ def use_w4a8_for(act_dtype: torch.dtype, target: Target) -> bool:
     (``VLLM_CPU_INT4_W4A8 and act_type == bfloat16 and (AMX or RISC-V)``).
     """
     env_on = bool(int(target.env_value(W4A8_ENV, W4A8_ENV_DEFAULT)))
-    return bool(env_on and act_dtype == torch.bfloat16
-                and (target.has("amx") or target.has("riscv")))
+    return bool(
+        env_on and act_dtype == torch.bfloat16 and (target.has("amx") or target.has("riscv"))
+    )
 
 
 def repack_w4a16(qweight: torch.Tensor, num_bits: int = CPUWNA16_NUM_BITS) -> torch.Tensor:
@@ -112,16 +132,21 @@ def repack_w4a16(qweight: torch.Tensor, num_bits: int = CPUWNA16_NUM_BITS) -> to
     Source: cpu.py::CPUWNA16LinearKernel._process_gptq_weights_w4a16.
     """
     if qweight.dim() != 2 or qweight.dtype != torch.int32:
-        raise StageInputError(f"CPUWNA16 weight must be 2-D int32, got "
-                              f"{tuple(qweight.shape)} {qweight.dtype}")
+        raise StageInputError(
+            f"CPUWNA16 weight must be 2-D int32, got {tuple(qweight.shape)} {qweight.dtype}"
+        )
     pf = pack_factor(num_bits)
     size_k = qweight.shape[0] * pf
     if qweight.shape[1] % BLOCK_N:
         raise StageInputError(f"CPUWNA16 needs size_n % {BLOCK_N} == 0, got {qweight.shape[1]}")
     w = unpack_int32(qweight, num_bits, 0)
     w = pack_int32(w, num_bits, 1)
-    return (w.view(size_k, -1, BLOCK_N // pf).permute(1, 0, 2)
-            .reshape(-1, size_k * BLOCK_N // pf).contiguous())
+    return (
+        w.view(size_k, -1, BLOCK_N // pf)
+        .permute(1, 0, 2)
+        .reshape(-1, size_k * BLOCK_N // pf)
+        .contiguous()
+    )
 
 
 def w4a8_block_k(size_k: int, group_size: int) -> int:
@@ -131,8 +156,9 @@ def w4a8_block_k(size_k: int, group_size: int) -> int:
     return min(group, W4A8_MAX_BLOCK_K)
 
 
-def w4a8_shapes(size_k: int, size_n: int, group_size: int
-                ) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+def w4a8_shapes(
+    size_k: int, size_n: int, group_size: int
+) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """Shapes ``convert_weight_packed_scale_zp`` returns: the weight (uint8) and the
     zero points (int8) / scales (fp32), which share a shape.
 
@@ -143,8 +169,10 @@ def w4a8_shapes(size_k: int, size_n: int, group_size: int
     groups = 1 if group_size == -1 else size_k // group_size
     block_k = w4a8_block_k(size_k, group_size)
     row = W4A8_BLOCK_N * block_k // 2 + W4A8_BLOCK_N * W4A8_COMP_BYTES
-    return ((size_n // W4A8_BLOCK_N, size_k // block_k, row),
-            (size_n // W4A8_BLOCK_N, groups, W4A8_BLOCK_N))
+    return (
+        (size_n // W4A8_BLOCK_N, size_k // block_k, row),
+        (size_n // W4A8_BLOCK_N, groups, W4A8_BLOCK_N),
+    )
 
 
 def _awq_order(values: torch.Tensor) -> torch.Tensor:
@@ -154,9 +182,12 @@ def _awq_order(values: torch.Tensor) -> torch.Tensor:
     return values.view(rows, cols // len(order), len(order))[:, :, order].reshape(rows, cols)
 
 
-def repack_w4a8_tensors(qweight: torch.Tensor, scales: torch.Tensor,
-                        zeros: torch.Tensor | None, num_bits: int = CPUWNA16_NUM_BITS
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def repack_w4a8_tensors(
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    num_bits: int = CPUWNA16_NUM_BITS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GPTQ-packed weight, scales and zero points to the CPUWNA16 w4a8 blocked layout.
 
     Args:
@@ -176,8 +207,9 @@ def repack_w4a8_tensors(qweight: torch.Tensor, scales: torch.Tensor,
     """
     groups, size_n = scales.shape
     if zeros is None:
-        zeros = torch.full((groups, size_n // pack_factor(num_bits)), W4A8_SYMMETRIC_ZP_WORD,
-                           dtype=torch.int32)
+        zeros = torch.full(
+            (groups, size_n // pack_factor(num_bits)), W4A8_SYMMETRIC_ZP_WORD, dtype=torch.int32
+        )
     weight = _awq_order(unpack_int32(qweight, num_bits, 0))
     weight = pack_int32(weight, num_bits, 1).contiguous()
     zp = _awq_order(unpack_int32(zeros, num_bits, 1))
@@ -187,30 +219,58 @@ def repack_w4a8_tensors(qweight: torch.Tensor, scales: torch.Tensor,
     return blocked_w, blocked_zp, blocked_s
 
 
-@stage("cpu_wna16.set_isa_hint", Tag.METADATA, attrs=("isa_hint",),
-       source=f"{_KERNEL}::_get_isa_hint", params=lambda w_s: {"reads": (w_s,)})
-def set_isa_hint(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                 recorded: Mapping[str, Any], *, w_s: str) -> StageOut:
+@stage(
+    "cpu_wna16.set_isa_hint",
+    Tag.METADATA,
+    attrs=("isa_hint",),
+    source=f"{_KERNEL}::_get_isa_hint",
+    params=lambda w_s: {"reads": (w_s,)},
+)
+def set_isa_hint(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+    *,
+    w_s: str,
+) -> StageOut:
     """METADATA: ``layer.isa_hint`` from the dtype of the scales named ``w_s`` and the
     Target; recorded."""
     hint = isa_hint_for(tensors[w_s].dtype, target)
     return StageOut(attrs={"isa_hint": hint}, record={"isa_hint": hint})
 
 
-@stage("cpu_wna16.set_use_w4a8", Tag.METADATA, attrs=("use_w4a8",),
-       source=f"{_KERNEL}::CPUWNA16LinearKernel.process_weights_after_loading (layer.use_w4a8)")
-def set_use_w4a8(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                 recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "cpu_wna16.set_use_w4a8",
+    Tag.METADATA,
+    attrs=("use_w4a8",),
+    source=f"{_KERNEL}::CPUWNA16LinearKernel.process_weights_after_loading (layer.use_w4a8)",
+)
+def set_use_w4a8(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """``layer.use_w4a8`` from the activation dtype and the Target; recorded."""
     value = use_w4a8_for(config.dtype, target)
     return StageOut(attrs={"use_w4a8": value}, record={"use_w4a8": value})
 
 
-@stage("cpu_wna16.repack", Tag.TRANSFORM,
-       source=f"{_KERNEL}::CPUWNA16LinearKernel._process_gptq_weights_w4a16",
-       params=lambda w_q: {"reads": (w_q,), "writes": (w_q,)})
-def repack(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-           recorded: Mapping[str, Any], *, w_q: str) -> StageOut:
+@stage(
+    "cpu_wna16.repack",
+    Tag.TRANSFORM,
+    source=f"{_KERNEL}::CPUWNA16LinearKernel._process_gptq_weights_w4a16",
+    params=lambda w_q: {"reads": (w_q,), "writes": (w_q,)},
+)
+def repack(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+    *,
+    w_q: str,
+) -> StageOut:
     """TRANSFORM: the weight named ``w_q`` ``[K // 8, N]`` -> ``[N // 16, 2K]`` (w4a16
     layout).
 
@@ -222,7 +282,8 @@ def repack(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Tar
         raise StageInputError(
             f"layer {config.name!r}: the target selects CPUWNA16's w4a8 layout "
             f"(AMX/RISC-V, bf16, {W4A8_ENV}!=0); wcache only builds w4a16. Set "
-            f"{W4A8_ENV}=0 or load without wcache.")
+            f"{W4A8_ENV}=0 or load without wcache."
+        )
     return StageOut(tensors={w_q: repack_w4a16(tensors[w_q], CPUWNA16_NUM_BITS)})
 
 
@@ -230,11 +291,22 @@ def _w4a8_params(w_q: str, w_s: str, w_zp: str) -> dict[str, tuple[str, ...]]:
     return {"reads": (w_q, w_s, w_zp), "writes": (w_q, w_s, w_zp), "optional": (w_zp,)}
 
 
-@stage("cpu_wna16.repack_w4a8", Tag.TRANSFORM,
-       source=f"{_KERNEL}::CPUWNA16LinearKernel._process_gptq_weights_w4a8",
-       params=_w4a8_params)
-def repack_w4a8(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                recorded: Mapping[str, Any], *, w_q: str, w_s: str, w_zp: str) -> StageOut:
+@stage(
+    "cpu_wna16.repack_w4a8",
+    Tag.TRANSFORM,
+    source=f"{_KERNEL}::CPUWNA16LinearKernel._process_gptq_weights_w4a8",
+    params=_w4a8_params,
+)
+def repack_w4a8(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+    *,
+    w_q: str,
+    w_s: str,
+    w_zp: str,
+) -> StageOut:
     """TRANSFORM: weight ``w_q`` int32 ``[K // 8, N]``, scales ``w_s`` ``[K // G, N]`` and
     zero points ``w_zp`` int32 ``[K // G, N // 8]`` (absent for a symmetric layer:
     vLLM's fake all-8 zero points are created) -> the w4a8 blocked layout of
@@ -247,27 +319,43 @@ def repack_w4a8(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target
     if not use_w4a8_for(config.dtype, target):
         raise StageInputError(
             f"layer {config.name!r}: the target selects CPUWNA16's w4a16 layout; "
-            f"cpu_wna16.repack_w4a8 builds w4a8 only (use the w4a16 plan)")
+            f"cpu_wna16.repack_w4a8 builds w4a8 only (use the w4a16 plan)"
+        )
     qweight, scales = tensors[w_q], tensors[w_s]
     # symmetric: vLLM ignores a checkpoint's zero points and makes fake ones
     zeros = tensors.get(w_zp) if config.quant.zero_point else None
     if qweight.device.type == "meta":
-        w_shape, g_shape = w4a8_shapes(qweight.shape[0] * pack_factor(CPUWNA16_NUM_BITS),
-                                       qweight.shape[1], config.quant.group_size)
-        return StageOut(tensors={
-            w_q: torch.empty(w_shape, dtype=torch.uint8, device="meta"),
-            w_zp: torch.empty(g_shape, dtype=torch.int8, device="meta"),
-            w_s: torch.empty(g_shape, dtype=torch.float32, device="meta")})
+        w_shape, g_shape = w4a8_shapes(
+            qweight.shape[0] * pack_factor(CPUWNA16_NUM_BITS),
+            qweight.shape[1],
+            config.quant.group_size,
+        )
+        return StageOut(
+            tensors={
+                w_q: torch.empty(w_shape, dtype=torch.uint8, device="meta"),
+                w_zp: torch.empty(g_shape, dtype=torch.int8, device="meta"),
+                w_s: torch.empty(g_shape, dtype=torch.float32, device="meta"),
+            }
+        )
     blocked_w, blocked_zp, blocked_s = repack_w4a8_tensors(qweight, scales, zeros)
     return StageOut(tensors={w_q: blocked_w, w_zp: blocked_zp, w_s: blocked_s})
 
 
-@stage("cpu_wna16.cast_bias_to_float32", Tag.TRANSFORM, reads=("bias",), writes=("bias",),
-       optional=("bias",),
-       source=f"{_KERNEL}::CPUWNA16LinearKernel._process_gptq_weights_w4a8 "
-              f"(layer.bias.data = layer.bias.float())")
-def cast_bias_to_float32(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                         target: Target, recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "cpu_wna16.cast_bias_to_float32",
+    Tag.TRANSFORM,
+    reads=("bias",),
+    writes=("bias",),
+    optional=("bias",),
+    source=f"{_KERNEL}::CPUWNA16LinearKernel._process_gptq_weights_w4a8 "
+    f"(layer.bias.data = layer.bias.float())",
+)
+def cast_bias_to_float32(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM (w4a8 layout): ``bias`` ``[N]`` -> a new fp32 copy (the w4a8 kernel
     adds an fp32 bias); no bias, no change."""
     if "bias" not in tensors:
@@ -275,15 +363,26 @@ def cast_bias_to_float32(tensors: Mapping[str, torch.Tensor], config: LayerConfi
     return StageOut(tensors={"bias": tensors["bias"].to(torch.float32)})
 
 
-@stage("cpu_wna16.transpose_zero_points", Tag.TRANSFORM,
-       source=f"{_KERNEL}::CPUWNA16LinearKernel.process_weights_after_loading "
-              f"(zp.output_dim == 0 branch)",
-       params=lambda w_zp, asymmetric_only=False: {
-           "reads": (w_zp,), "writes": (w_zp,),
-           "optional": (w_zp,) if asymmetric_only else ()})
-def transpose_zero_points(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                          target: Target, recorded: Mapping[str, Any], *, w_zp: str,
-                          asymmetric_only: bool) -> StageOut:
+@stage(
+    "cpu_wna16.transpose_zero_points",
+    Tag.TRANSFORM,
+    source=f"{_KERNEL}::CPUWNA16LinearKernel.process_weights_after_loading "
+    f"(zp.output_dim == 0 branch)",
+    params=lambda w_zp, asymmetric_only=False: {
+        "reads": (w_zp,),
+        "writes": (w_zp,),
+        "optional": (w_zp,) if asymmetric_only else (),
+    },
+)
+def transpose_zero_points(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+    *,
+    w_zp: str,
+    asymmetric_only: bool,
+) -> StageOut:
     """TRANSFORM: the zero points ``w_zp`` int32 ``[N // 8, K // G]`` -> ``[K // G, N // 8]``
     contiguous.
 
@@ -327,8 +426,10 @@ def can_implement(config: LayerConfig, target: Target) -> str | None:
     """
     reason = _can_implement_common(config, target)
     if reason is None and use_w4a8_for(config.dtype, target):
-        return ("the target selects CPUWNA16's w4a8 layout (AMX or RISC-V, bf16 "
-                f"activations, {W4A8_ENV}!=0): the w4a8 plan covers it")
+        return (
+            "the target selects CPUWNA16's w4a8 layout (AMX or RISC-V, bf16 "
+            f"activations, {W4A8_ENV}!=0): the w4a8 plan covers it"
+        )
     return reason
 
 
@@ -343,15 +444,19 @@ def can_implement_w4a8(config: LayerConfig, target: Target) -> str | None:
     if reason is not None:
         return reason
     if not use_w4a8_for(config.dtype, target):
-        return ("the target selects CPUWNA16's w4a16 layout (w4a8 needs AMX or RISC-V, "
-                f"bf16 activations and {W4A8_ENV}!=0): the w4a16 plan covers it")
+        return (
+            "the target selects CPUWNA16's w4a16 layout (w4a8 needs AMX or RISC-V, "
+            f"bf16 activations and {W4A8_ENV}!=0): the w4a16 plan covers it"
+        )
     missing = cpu_gemm.missing_op_reason(target, W4A8_OPS, "CPUWNA16LinearKernel (w4a8)")
     if missing:
         return missing
     if config.size_k:
         block_k = w4a8_block_k(config.size_k, config.quant.group_size)
         if config.size_k % block_k:
-            return (f"vLLM's convert_weight_packed_scale_zp cannot block size_k "
-                    f"{config.size_k} by {block_k} (group {config.quant.group_size}), so "
-                    f"vLLM itself cannot load this layer with {W4A8_ENV}!=0; set {W4A8_ENV}=0")
+            return (
+                f"vLLM's convert_weight_packed_scale_zp cannot block size_k "
+                f"{config.size_k} by {block_k} (group {config.quant.group_size}), so "
+                f"vLLM itself cannot load this layer with {W4A8_ENV}!=0; set {W4A8_ENV}=0"
+            )
     return None

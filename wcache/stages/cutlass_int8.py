@@ -31,23 +31,43 @@ from wcache.stages.common import StageInputError, fold_int8_static_input
 
 __all__ = ["transpose_weight", "fold_input_scale", "compute_azp_adj"]
 
-_SOURCE = "vllm.model_executor.kernels.linear.scaled_mm.cutlass." \
-          "CutlassInt8ScaledMMLinearKernel.process_weights_after_loading"
+_SOURCE = (
+    "vllm.model_executor.kernels.linear.scaled_mm.cutlass."
+    "CutlassInt8ScaledMMLinearKernel.process_weights_after_loading"
+)
 
 
-@stage("cutlass_int8.transpose_weight", Tag.TRANSFORM, reads=("weight",), writes=("weight",),
-       source=f"{_SOURCE} (WEIGHT: weight.t())")
-def transpose_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                     recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "cutlass_int8.transpose_weight",
+    Tag.TRANSFORM,
+    reads=("weight",),
+    writes=("weight",),
+    source=f"{_SOURCE} (WEIGHT: weight.t())",
+)
+def transpose_weight(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """int8 ``weight`` ``[N, K]`` -> its ``[K, N]`` transpose (a view, strides ``(1, K)``)."""
     return StageOut(tensors={"weight": tensors["weight"].t()})
 
 
-@stage("cutlass_int8.fold_input_scale", Tag.TRANSFORM, reads=("input_scale", "input_zero_point"),
-       writes=("input_scale", "input_zero_point"), optional=("input_scale", "input_zero_point"),
-       source=f"{_SOURCE} (INPUT SCALE)")
-def fold_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                     recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "cutlass_int8.fold_input_scale",
+    Tag.TRANSFORM,
+    reads=("input_scale", "input_zero_point"),
+    writes=("input_scale", "input_zero_point"),
+    optional=("input_scale", "input_zero_point"),
+    source=f"{_SOURCE} (INPUT SCALE)",
+)
+def fold_input_scale(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """Static activations only (dynamic: no change).
 
     Symmetric: ``input_scale`` fp32 ``[1]`` -> its max (0-d). Asymmetric: from
@@ -63,11 +83,20 @@ def fold_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, t
     return StageOut(tensors=fold_int8_static_input(tensors, config, round_zero_point=False))
 
 
-@stage("cutlass_int8.compute_azp_adj", Tag.TRANSFORM, reads=("weight", "input_zero_point"),
-       writes=("azp_adj",), optional=("input_zero_point",),
-       source=f"{_SOURCE} (azp_adj; csrc/quantization/w8a8/cutlass/Epilogues.md)")
-def compute_azp_adj(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                    recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "cutlass_int8.compute_azp_adj",
+    Tag.TRANSFORM,
+    reads=("weight", "input_zero_point"),
+    writes=("azp_adj",),
+    optional=("input_zero_point",),
+    source=f"{_SOURCE} (azp_adj; csrc/quantization/w8a8/cutlass/Epilogues.md)",
+)
+def compute_azp_adj(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """Asymmetric activations only: ``azp_adj`` int32 ``[1, N]`` = ``sum_k W[k, n]`` of
     the transposed ``[K, N]`` weight; static: times the folded 0-d zero point.
 
@@ -79,7 +108,8 @@ def compute_azp_adj(tensors: Mapping[str, torch.Tensor], config: LayerConfig, ta
     azp_adj = tensors["weight"].sum(dim=0, keepdim=True, dtype=torch.int32)
     if config.quant.static_input:
         if "input_zero_point" not in tensors:
-            raise StageInputError(f"layer {config.name!r}: asymmetric static W8A8 INT8 "
-                                  "without input_zero_point")
+            raise StageInputError(
+                f"layer {config.name!r}: asymmetric static W8A8 INT8 without input_zero_point"
+            )
         azp_adj = tensors["input_zero_point"] * azp_adj
     return StageOut(tensors={"azp_adj": azp_adj})

@@ -38,13 +38,30 @@ from wcache.stages.common import high_precision_weight
 from wcache.stages.packing import round_up
 
 __all__ = [
-    "FP8_DTYPE", "FP8_MAX", "FP8_MIN_CHANNEL_SCALE_DIVISOR", "CUTLASS_ALIGNMENT",
-    "BLOCK_SIZE", "LOGICAL_OUTPUT_ATTR", "Fp8LayoutError",
-    "weight_amax", "quantize_per_tensor", "quantize_per_channel", "channel_scale",
-    "per_block_cast_to_fp8", "requantize_with_max_scale", "cutlass_pad",
-    "quantize_per_tensor_stage", "quantize_per_channel_stage", "quantize_per_block",
-    "clear_input_scale", "drop_input_scale", "reduce_input_scale",
-    "process_weight_strategy", "set_logical_output_size", "set_processed_weight_dims", "pad_kn",
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "FP8_MIN_CHANNEL_SCALE_DIVISOR",
+    "CUTLASS_ALIGNMENT",
+    "BLOCK_SIZE",
+    "LOGICAL_OUTPUT_ATTR",
+    "Fp8LayoutError",
+    "weight_amax",
+    "quantize_per_tensor",
+    "quantize_per_channel",
+    "channel_scale",
+    "per_block_cast_to_fp8",
+    "requantize_with_max_scale",
+    "cutlass_pad",
+    "quantize_per_tensor_stage",
+    "quantize_per_channel_stage",
+    "quantize_per_block",
+    "clear_input_scale",
+    "drop_input_scale",
+    "reduce_input_scale",
+    "process_weight_strategy",
+    "set_logical_output_size",
+    "set_processed_weight_dims",
+    "pad_kn",
     "is_dims_pair",
     "PROCESSED_WEIGHT_DIMS_ATTR",
 ]
@@ -80,8 +97,9 @@ class Fp8LayoutError(WcacheError, ValueError):
 # --------------------------------------------------------------------------- pure helpers
 
 
-def weight_amax(weight: torch.Tensor, *, dim: int | None = None,
-                keepdim: bool = False) -> torch.Tensor:
+def weight_amax(
+    weight: torch.Tensor, *, dim: int | None = None, keepdim: bool = False
+) -> torch.Tensor:
     """``max(|weight|)`` via ``aminmax``. Source: ``quant_utils.weight_amax``."""
     lo, hi = weight.aminmax(dim=dim, keepdim=keepdim) if dim is not None else weight.aminmax()
     return torch.maximum(lo.abs(), hi.abs())
@@ -114,7 +132,9 @@ def quantize_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def channel_scale(amax: torch.Tensor) -> torch.Tensor:
     """``max(amax / 448, 1 / (448 * 512))`` fp32. Source: ``online.fp8._fp8_channel_scale``."""
     fp8_max = _fp8_max(amax.device)
-    return (amax.to(torch.float32) / fp8_max).clamp_min(1.0 / (fp8_max * FP8_MIN_CHANNEL_SCALE_DIVISOR))
+    return (amax.to(torch.float32) / fp8_max).clamp_min(
+        1.0 / (fp8_max * FP8_MIN_CHANNEL_SCALE_DIVISOR)
+    )
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,8 +154,9 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, scale
 
 
-def per_block_cast_to_fp8(x: torch.Tensor, block_size: tuple[int, int] = BLOCK_SIZE
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+def per_block_cast_to_fp8(
+    x: torch.Tensor, block_size: tuple[int, int] = BLOCK_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-block FP8 (``use_ue8m0=False``).
 
     Args:
@@ -159,12 +180,15 @@ def per_block_cast_to_fp8(x: torch.Tensor, block_size: tuple[int, int] = BLOCK_S
     # into a multiply by its reciprocal (1 ulp off); CUDA divides exactly.
     sf = x_amax / _fp8_max(x.device)
     x_scaled = (x_view * (1.0 / sf)).to(FP8_DTYPE)
-    return (x_scaled.view_as(x_padded)[:m, :n].contiguous(),
-            sf.view(x_view.size(0), x_view.size(2)))
+    return (
+        x_scaled.view_as(x_padded)[:m, :n].contiguous(),
+        sf.view(x_view.size(0), x_view.size(2)),
+    )
 
 
-def requantize_with_max_scale(weight: torch.Tensor, weight_scale: torch.Tensor,
-                              logical_widths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def requantize_with_max_scale(
+    weight: torch.Tensor, weight_scale: torch.Tensor, logical_widths: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused shards with one scale each -> one weight with the max scale.
 
     Args:
@@ -190,18 +214,24 @@ def requantize_with_max_scale(weight: torch.Tensor, weight_scale: torch.Tensor,
     for idx, width in enumerate(logical_widths):
         if width == 0:
             continue
-        dq = weight[start:start + width].to(torch.float16) * weight_scale[idx]
-        parts.append((dq.to(torch.float32) * max_s.to(torch.float32).reciprocal())
-                     .clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))
+        dq = weight[start : start + width].to(torch.float16) * weight_scale[idx]
+        parts.append(
+            (dq.to(torch.float32) * max_s.to(torch.float32).reciprocal())
+            .clamp(-FP8_MAX, FP8_MAX)
+            .to(FP8_DTYPE)
+        )
         start += width
     if start != weight.shape[0]:
-        raise Fp8LayoutError(f"logical_widths {logical_widths} cover {start} rows of "
-                             f"{weight.shape[0]}; pass the layer's shard widths")
+        raise Fp8LayoutError(
+            f"logical_widths {logical_widths} cover {start} rows of "
+            f"{weight.shape[0]}; pass the layer's shard widths"
+        )
     return torch.cat(parts, dim=0), max_s
 
 
-def cutlass_pad(weight_kn: torch.Tensor, weight_scale: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def cutlass_pad(
+    weight_kn: torch.Tensor, weight_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Pad a column-major ``[K, N]`` FP8 weight to multiples of 16 for CUTLASS.
 
     Args:
@@ -224,8 +254,9 @@ def cutlass_pad(weight_kn: torch.Tensor, weight_scale: torch.Tensor | None
     padded = torch.nn.functional.pad(weight_kn.t().contiguous(), (0, pad_k, 0, pad_n)).t()
     if weight_scale is not None and pad_n > 0 and weight_scale.numel() > 1:
         flat = weight_scale.reshape(-1)
-        flat = torch.nn.functional.pad(flat, (0, (-flat.numel()) % CUTLASS_ALIGNMENT),
-                                       value=CUTLASS_SCALE_PAD_VALUE)
+        flat = torch.nn.functional.pad(
+            flat, (0, (-flat.numel()) % CUTLASS_ALIGNMENT), value=CUTLASS_SCALE_PAD_VALUE
+        )
         weight_scale = flat.view(-1, *weight_scale.shape[1:])
     return padded, weight_scale
 
@@ -235,11 +266,19 @@ def cutlass_pad(weight_kn: torch.Tensor, weight_scale: torch.Tensor | None
 _ONLINE = "vllm.model_executor.layers.quantization.online.fp8"
 
 
-@stage("fp8.quantize_per_tensor", Tag.TRANSFORM, reads=("weight",),
-       writes=("weight", "weight_scale"),
-       source=f"{_ONLINE}.Fp8PerTensorOnlineLinearMethod.process_weights_after_loading")
-def quantize_per_tensor_stage(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                              target: Target, recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "fp8.quantize_per_tensor",
+    Tag.TRANSFORM,
+    reads=("weight",),
+    writes=("weight", "weight_scale"),
+    source=f"{_ONLINE}.Fp8PerTensorOnlineLinearMethod.process_weights_after_loading",
+)
+def quantize_per_tensor_stage(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM ``weight [N, K]`` -> ``weight [K, N]`` float8_e4m3fn (column-major view of
     the ``[N, K]`` quantized tensor) and ``weight_scale [1]`` fp32.
 
@@ -250,27 +289,42 @@ def quantize_per_tensor_stage(tensors: Mapping[str, torch.Tensor], config: Layer
     return StageOut(tensors={"weight": q.t(), "weight_scale": s})
 
 
-@stage("fp8.quantize_per_channel", Tag.TRANSFORM, reads=("weight",),
-       writes=("weight", "weight_scale"),
-       source=f"{_ONLINE}.Fp8PtpcOnlineLinearMethod.process_weights_after_loading")
-def quantize_per_channel_stage(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                               target: Target, recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "fp8.quantize_per_channel",
+    Tag.TRANSFORM,
+    reads=("weight",),
+    writes=("weight", "weight_scale"),
+    source=f"{_ONLINE}.Fp8PtpcOnlineLinearMethod.process_weights_after_loading",
+)
+def quantize_per_channel_stage(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM ``weight [N, K]`` -> ``weight [K, N]`` float8_e4m3fn (column-major) and
     ``weight_scale [N, 1]`` fp32.
 
     Source:
         vllm.model_executor.layers.quantization.online.fp8.Fp8PtpcOnlineLinearMethod.process_weights_after_loading
     """
-    q, s = quantize_per_channel(high_precision_weight(tensors, config,
-                                                      "online FP8 (per channel)"))
+    q, s = quantize_per_channel(high_precision_weight(tensors, config, "online FP8 (per channel)"))
     return StageOut(tensors={"weight": q.t(), "weight_scale": s})
 
 
-@stage("fp8.quantize_per_block", Tag.TRANSFORM, reads=("weight",),
-       writes=("weight", "weight_scale_inv"),
-       source=f"{_ONLINE}.Fp8PerBlockOnlineLinearMethod.process_weights_after_loading")
-def quantize_per_block(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                       recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "fp8.quantize_per_block",
+    Tag.TRANSFORM,
+    reads=("weight",),
+    writes=("weight", "weight_scale_inv"),
+    source=f"{_ONLINE}.Fp8PerBlockOnlineLinearMethod.process_weights_after_loading",
+)
+def quantize_per_block(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM ``weight [N, K]`` -> ``weight [N, K]`` float8_e4m3fn (not transposed) and
     ``weight_scale_inv [ceil(N/128), ceil(K/128)]`` fp32.
 
@@ -278,15 +332,25 @@ def quantize_per_block(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
         vllm.model_executor.layers.quantization.online.fp8.Fp8PerBlockOnlineLinearMethod.process_weights_after_loading
     """
     block = tuple(config.get("weight_block_size", BLOCK_SIZE))
-    q, s = per_block_cast_to_fp8(high_precision_weight(tensors, config, "online FP8 (per block)"),
-                                 block)
+    q, s = per_block_cast_to_fp8(
+        high_precision_weight(tensors, config, "online FP8 (per block)"), block
+    )
     return StageOut(tensors={"weight": q, "weight_scale_inv": s})
 
 
-@stage("fp8.clear_input_scale", Tag.METADATA, attrs=("input_scale",), optional=("input_scale",),
-       source="process_weights_after_loading: layer.input_scale = None (dynamic activations)")
-def clear_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                      recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "fp8.clear_input_scale",
+    Tag.METADATA,
+    attrs=("input_scale",),
+    optional=("input_scale",),
+    source="process_weights_after_loading: layer.input_scale = None (dynamic activations)",
+)
+def clear_input_scale(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """METADATA: ``layer.input_scale = None`` for dynamic activation scales (no-op for
     static ones, whose ``input_scale`` tensor is exported).
 
@@ -297,11 +361,21 @@ def clear_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, 
     return StageOut(attrs={"input_scale": None})
 
 
-@stage("fp8.drop_input_scale", Tag.TRANSFORM, reads=(), writes=("input_scale",),
-       optional=("input_scale",), drops=("input_scale",),
-       source="marlin_utils_fp8 W8A16 scheme: layer.input_scale = None; del layer.input_scale")
-def drop_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                     recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "fp8.drop_input_scale",
+    Tag.TRANSFORM,
+    reads=(),
+    writes=("input_scale",),
+    optional=("input_scale",),
+    drops=("input_scale",),
+    source="marlin_utils_fp8 W8A16 scheme: layer.input_scale = None; del layer.input_scale",
+)
+def drop_input_scale(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM: delete a checkpoint ``input_scale`` (weight-only Marlin ignores it).
 
     Source: marlin_utils_fp8 W8A16 scheme: layer.input_scale = None; del layer.input_scale
@@ -309,11 +383,20 @@ def drop_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, t
     return StageOut(drop=("input_scale",) if "input_scale" in tensors else ())
 
 
-@stage("fp8.reduce_input_scale", Tag.TRANSFORM, reads=("input_scale",), writes=("input_scale",),
-       optional=("input_scale",),
-       source="CompressedTensorsW8A8Fp8 / Fp8LinearMethod: input_scale = input_scale.max()")
-def reduce_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                       recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "fp8.reduce_input_scale",
+    Tag.TRANSFORM,
+    reads=("input_scale",),
+    writes=("input_scale",),
+    optional=("input_scale",),
+    source="CompressedTensorsW8A8Fp8 / Fp8LinearMethod: input_scale = input_scale.max()",
+)
+def reduce_input_scale(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM static ``input_scale [#shards]`` fp32 -> its max, 0-d fp32 (no-op for
     dynamic activations).
 
@@ -325,17 +408,26 @@ def reduce_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
     if not config.quant.static_input:
         return StageOut()
     if "input_scale" not in tensors:
-        raise Fp8LayoutError(f"layer {config.name!r}: static activation quantization but the "
-                             f"checkpoint has no input_scale")
+        raise Fp8LayoutError(
+            f"layer {config.name!r}: static activation quantization but the "
+            f"checkpoint has no input_scale"
+        )
     return StageOut(tensors={"input_scale": tensors["input_scale"].max()})
 
 
-@stage("fp8.process_weight_strategy", Tag.TRANSFORM, reads=("weight", "weight_scale"),
-       writes=("weight", "weight_scale"),
-       source="fp8_utils.process_fp8_weight_tensor_strategy / "
-              "process_fp8_weight_channel_strategy")
-def process_weight_strategy(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                            target: Target, recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "fp8.process_weight_strategy",
+    Tag.TRANSFORM,
+    reads=("weight", "weight_scale"),
+    writes=("weight", "weight_scale"),
+    source="fp8_utils.process_fp8_weight_tensor_strategy / process_fp8_weight_channel_strategy",
+)
+def process_weight_strategy(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM a serialized ``weight [N, K]`` float8_e4m3fn to a ``[K, N]`` column-major view.
 
     Per-tensor (``strategy`` None or ``"tensor"``): ``weight_scale [#shards]`` -> the 0-d
@@ -352,33 +444,52 @@ def process_weight_strategy(tensors: Mapping[str, torch.Tensor], config: LayerCo
     if strategy == "channel":
         return StageOut(tensors={"weight": tensors["weight"].t()})
     if strategy != "tensor":
-        raise Fp8LayoutError(f"layer {config.name!r}: strategy {strategy!r} is not a "
-                             f"tensor/channel FP8 layout; use the cutlass_block plan")
+        raise Fp8LayoutError(
+            f"layer {config.name!r}: strategy {strategy!r} is not a "
+            f"tensor/channel FP8 layout; use the cutlass_block plan"
+        )
     widths = tuple(config.get("logical_widths", ()) or (config.size_n,))
     w, s = requantize_with_max_scale(tensors["weight"], tensors["weight_scale"], widths)
     return StageOut(tensors={"weight": w.t(), "weight_scale": s})
 
 
-@stage("cutlass.set_logical_output_size", Tag.METADATA, attrs=(LOGICAL_OUTPUT_ATTR,),
-       source="CutlassFP8ScaledMMLinearKernel.process_weights_after_loading: "
-              "kernel.logical_output_size = weight.shape[1] (before padding)")
-def set_logical_output_size(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                            target: Target, recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "cutlass.set_logical_output_size",
+    Tag.METADATA,
+    attrs=(LOGICAL_OUTPUT_ATTR,),
+    source="CutlassFP8ScaledMMLinearKernel.process_weights_after_loading: "
+    "kernel.logical_output_size = weight.shape[1] (before padding)",
+)
+def set_logical_output_size(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """METADATA: ``layer.logical_output_size = config.size_n`` (the unpadded N), recorded
     at prepare and checked on restore (a mismatch raises RecordedMismatch).
 
     Source: CutlassFP8ScaledMMLinearKernel.process_weights_after_loading:
         kernel.logical_output_size = weight.shape[1] (before padding)
     """
-    return StageOut(attrs={LOGICAL_OUTPUT_ATTR: config.size_n},
-                    record={LOGICAL_OUTPUT_ATTR: config.size_n})
+    return StageOut(
+        attrs={LOGICAL_OUTPUT_ATTR: config.size_n}, record={LOGICAL_OUTPUT_ATTR: config.size_n}
+    )
 
 
-@stage("fp8.set_processed_weight_dims", Tag.METADATA, attrs=(PROCESSED_WEIGHT_DIMS_ATTR,),
-       source="CompressedTensorsW8A8Fp8 / CompressedTensorsW8A16Fp8."
-              "process_weights_after_loading (vLLM 0.33): layer.processed_weight_dims = (0, 1)")
-def set_processed_weight_dims(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                              target: Target, recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "fp8.set_processed_weight_dims",
+    Tag.METADATA,
+    attrs=(PROCESSED_WEIGHT_DIMS_ATTR,),
+    source="CompressedTensorsW8A8Fp8 / CompressedTensorsW8A16Fp8."
+    "process_weights_after_loading (vLLM 0.33): layer.processed_weight_dims = (0, 1)",
+)
+def set_processed_weight_dims(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """METADATA: ``layer.processed_weight_dims = config.get("processed_weight_dims")``, a
     tuple of two ints (``(0, 1)``: the processed weight is ``[K, N]``), which the vLLM
     adapter passes where the installed vLLM's post-load sets it.
@@ -391,23 +502,37 @@ def set_processed_weight_dims(tensors: Mapping[str, torch.Tensor], config: Layer
     """
     dims = config.get(PROCESSED_WEIGHT_DIMS_ATTR)
     if not is_dims_pair(dims):
-        raise Fp8LayoutError(f"layer {config.name!r}: {PROCESSED_WEIGHT_DIMS_ATTR} must be an "
-                             f"(input_dim, output_dim) pair of ints in the layer config, got "
-                             f"{dims!r}")
+        raise Fp8LayoutError(
+            f"layer {config.name!r}: {PROCESSED_WEIGHT_DIMS_ATTR} must be an "
+            f"(input_dim, output_dim) pair of ints in the layer config, got "
+            f"{dims!r}"
+        )
     return StageOut(attrs={PROCESSED_WEIGHT_DIMS_ATTR: tuple(dims)})
 
 
 def is_dims_pair(dims: Any) -> bool:
     """``dims`` is a pair of distinct dims of a 2-D weight: ``(0, 1)`` or ``(1, 0)``."""
-    return (isinstance(dims, (tuple, list)) and len(dims) == 2
-            and all(type(d) is int for d in dims) and sorted(dims) == [0, 1])
+    return (
+        isinstance(dims, (tuple, list))
+        and len(dims) == 2
+        and all(type(d) is int for d in dims)
+        and sorted(dims) == [0, 1]
+    )
 
 
-@stage("cutlass.pad_kn", Tag.TRANSFORM, reads=("weight", "weight_scale"),
-       writes=("weight", "weight_scale"),
-       source="CutlassFP8ScaledMMLinearKernel.process_weights_after_loading (pad K/N to 16)")
-def pad_kn(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-           recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "cutlass.pad_kn",
+    Tag.TRANSFORM,
+    reads=("weight", "weight_scale"),
+    writes=("weight", "weight_scale"),
+    source="CutlassFP8ScaledMMLinearKernel.process_weights_after_loading (pad K/N to 16)",
+)
+def pad_kn(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM ``weight [K, N]`` column-major -> ``[K16, N16]`` column-major; a
     per-channel ``weight_scale [N, 1]`` -> ``[N16, 1]`` padded with 1.0.
 

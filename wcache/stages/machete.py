@@ -37,21 +37,28 @@ from wcache.core import LayerConfig, StageOut, Tag, Target, stage
 from wcache.stages.common import StageInputError, require_op
 from wcache.stages.packing import unpack_int32
 
-__all__ = ["machete_prepack", "prepack_stage", "permute_scales_stage",
-           "fold_zero_points_stage", "B_TYPE_ID_KEY", "ACT_TYPE_KEY"]
+__all__ = [
+    "machete_prepack",
+    "prepack_stage",
+    "permute_scales_stage",
+    "fold_zero_points_stage",
+    "B_TYPE_ID_KEY",
+    "ACT_TYPE_KEY",
+]
 
 #: LayerConfig extra keys the adapter fills from vLLM's MPLinearLayerConfig.
 B_TYPE_ID_KEY = "machete_b_type_id"
 ACT_TYPE_KEY = "machete_act_type"
-_SOURCE = "vllm.model_executor.kernels.linear.mixed_precision.machete." \
-          "MacheteLinearKernel.process_weights_after_loading"
+_SOURCE = (
+    "vllm.model_executor.kernels.linear.mixed_precision.machete."
+    "MacheteLinearKernel.process_weights_after_loading"
+)
 
 
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, str(name).removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
-        raise StageInputError(f"machete: unknown activation dtype {name!r} in the layer "
-                              "config")
+        raise StageInputError(f"machete: unknown activation dtype {name!r} in the layer config")
     return dtype
 
 
@@ -74,19 +81,31 @@ def machete_prepack(w_kn: torch.Tensor, config: LayerConfig) -> torch.Tensor:
         return torch.empty_like(w_kn, memory_format=torch.contiguous_format)
     b_type_id, act = config.get(B_TYPE_ID_KEY), config.get(ACT_TYPE_KEY)
     if b_type_id is None or act is None:
-        raise StageInputError(f"layer {config.name!r}: the layer config has no "
-                              f"{B_TYPE_ID_KEY}/{ACT_TYPE_KEY} (recorded by the vLLM "
-                              "adapter from the layer's MacheteLinearKernel)")
+        raise StageInputError(
+            f"layer {config.name!r}: the layer config has no "
+            f"{B_TYPE_ID_KEY}/{ACT_TYPE_KEY} (recorded by the vLLM "
+            "adapter from the layer's MacheteLinearKernel)"
+        )
     op = require_op("_C", "machete_prepack_B")  # vLLM's CUDA build (the daemon, sm90)
     act_dtype = _dtype(act)
     return op(w_kn.t().contiguous().t(), act_dtype, int(b_type_id), act_dtype)
 
 
-@stage("machete.prepack", Tag.TRANSFORM,
-       source=f"{_SOURCE} (permute_param_layout_ + ops.machete_prepack_B)",
-       params=lambda w_q, n_major=False: {"reads": (w_q,), "writes": (w_q,)})
-def prepack_stage(t: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                  recorded: Mapping[str, Any], *, w_q: str, n_major: bool) -> StageOut:
+@stage(
+    "machete.prepack",
+    Tag.TRANSFORM,
+    source=f"{_SOURCE} (permute_param_layout_ + ops.machete_prepack_B)",
+    params=lambda w_q, n_major=False: {"reads": (w_q,), "writes": (w_q,)},
+)
+def prepack_stage(
+    t: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+    *,
+    w_q: str,
+    n_major: bool,
+) -> StageOut:
     """TRANSFORM ``w_q`` -> Machete's prepacked ``[K / pf, N]`` int32.
 
     Args:
@@ -98,22 +117,40 @@ def prepack_stage(t: Mapping[str, torch.Tensor], config: LayerConfig, target: Ta
     return StageOut(tensors={w_q: machete_prepack(q, config)})
 
 
-@stage("machete.permute_scales", Tag.TRANSFORM,
-       source=f"{_SOURCE} (transform_w_s: permute_param_layout_ + contiguous)",
-       params=lambda w_s: {"reads": (w_s,), "writes": (w_s,)})
-def permute_scales_stage(t: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                         recorded: Mapping[str, Any], *, w_s: str) -> StageOut:
+@stage(
+    "machete.permute_scales",
+    Tag.TRANSFORM,
+    source=f"{_SOURCE} (transform_w_s: permute_param_layout_ + contiguous)",
+    params=lambda w_s: {"reads": (w_s,), "writes": (w_s,)},
+)
+def permute_scales_stage(
+    t: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+    *,
+    w_s: str,
+) -> StageOut:
     """TRANSFORM ``w_s`` ``[N, K / G]`` -> ``[K / G, N]`` contiguous (same dtype)."""
     return StageOut(tensors={w_s: t[w_s].t().contiguous()})
 
 
-@stage("machete.fold_zero_points", Tag.TRANSFORM,
-       source=f"{_SOURCE} (transform_w_zp: permute_param_layout_, "
-              f"unpack_quantized_values_into_int32, then -w_s * zp)",
-       params=lambda w_zp, w_s: {"reads": (w_zp, w_s), "writes": (w_zp,),
-                                 "optional": (w_zp,)})
-def fold_zero_points_stage(t: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                           recorded: Mapping[str, Any], *, w_zp: str, w_s: str) -> StageOut:
+@stage(
+    "machete.fold_zero_points",
+    Tag.TRANSFORM,
+    source=f"{_SOURCE} (transform_w_zp: permute_param_layout_, "
+    f"unpack_quantized_values_into_int32, then -w_s * zp)",
+    params=lambda w_zp, w_s: {"reads": (w_zp, w_s), "writes": (w_zp,), "optional": (w_zp,)},
+)
+def fold_zero_points_stage(
+    t: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+    *,
+    w_zp: str,
+    w_s: str,
+) -> StageOut:
     """TRANSFORM standard zero points ``[N / pf, K / G]`` (packed along N, the layout
     AWQ's conversion and compressed-tensors both give) -> ``-scale * zp``
     ``[K / G, N]`` in the scales' dtype.
@@ -123,10 +160,11 @@ def fold_zero_points_stage(t: Mapping[str, torch.Tensor], config: LayerConfig, t
     """
     if not config.quant.zero_point or w_zp not in t:  # symmetric: no zero points
         return StageOut()
-    zp = t[w_zp].t()                                    # [K/G, N/pf]
+    zp = t[w_zp].t()  # [K/G, N/pf]
     scales = t[w_s]
     if zp.device.type == "meta":
-        return StageOut(tensors={w_zp: torch.empty(scales.shape, dtype=scales.dtype,
-                                                   device="meta")})
-    unpacked = unpack_int32(zp, config.quant.num_bits, 1)       # [K/G, N]
+        return StageOut(
+            tensors={w_zp: torch.empty(scales.shape, dtype=scales.dtype, device="meta")}
+        )
+    unpacked = unpack_int32(zp, config.quant.num_bits, 1)  # [K/G, N]
     return StageOut(tensors={w_zp: (-1.0 * scales * unpacked.to(scales.dtype)).contiguous()})

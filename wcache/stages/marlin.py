@@ -31,13 +31,28 @@ from wcache.core import LayerConfig, StageOut, Tag, Target, WcacheError, stage
 from wcache.stages.packing import pack_factor, pack_int32, round_up, unpack_int32
 
 __all__ = [
-    "MARLIN_TILE", "MARLIN_SUPPORTED_GROUP_SIZES", "MarlinLayoutError",
-    "marlin_padded_nk", "marlin_weight_perm", "marlin_scale_perms",
-    "marlin_repack", "marlin_permute_scales", "marlin_zero_points", "marlin_permute_bias",
-    "pack_fp8_to_int32", "fp8_exponent_bias", "fp8_fused_exponent_bias_into_scales",
-    "repack_stage", "permute_scales_stage",
-    "permute_zero_points_stage", "empty_zero_points_stage", "clear_input_global_scale",
-    "permute_bias", "repack_fp8_weight", "permute_fp8_scales", "repack_mxfp8_weight",
+    "MARLIN_TILE",
+    "MARLIN_SUPPORTED_GROUP_SIZES",
+    "MarlinLayoutError",
+    "marlin_padded_nk",
+    "marlin_weight_perm",
+    "marlin_scale_perms",
+    "marlin_repack",
+    "marlin_permute_scales",
+    "marlin_zero_points",
+    "marlin_permute_bias",
+    "pack_fp8_to_int32",
+    "fp8_exponent_bias",
+    "fp8_fused_exponent_bias_into_scales",
+    "repack_stage",
+    "permute_scales_stage",
+    "permute_zero_points_stage",
+    "empty_zero_points_stage",
+    "clear_input_global_scale",
+    "permute_bias",
+    "repack_fp8_weight",
+    "permute_fp8_scales",
+    "repack_mxfp8_weight",
     "permute_mxfp8_scales",
 ]
 
@@ -78,15 +93,19 @@ def marlin_padded_nk(size_n: int, size_k: int, group_size: int = -1) -> tuple[in
     Source: ``vllm.model_executor.layers.quantization.utils.marlin_utils.marlin_padded_nk``.
     """
     group = group_size if group_size > 0 else 1
-    candidates = tuple((round_up(size_n, n_mult), round_up(size_k, math.lcm(k_mult, group)))
-                       for n_mult, k_mult in MARLIN_TILE_FAMILIES)
+    candidates = tuple(
+        (round_up(size_n, n_mult), round_up(size_k, math.lcm(k_mult, group)))
+        for n_mult, k_mult in MARLIN_TILE_FAMILIES
+    )
     return min(candidates, key=lambda nk: (nk[0] * nk[1], nk[0] + nk[1]))
 
 
 def _check_bits(num_bits: int) -> None:
     if num_bits not in _INTERLEAVE:
-        raise MarlinLayoutError(f"Marlin packs 4- or 8-bit values, got num_bits={num_bits}; "
-                                f"use a plan for another kernel")
+        raise MarlinLayoutError(
+            f"Marlin packs 4- or 8-bit values, got num_bits={num_bits}; "
+            f"use a plan for another kernel"
+        )
 
 
 def marlin_weight_perm(num_bits: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -101,9 +120,11 @@ def marlin_weight_perm(num_bits: int, device: torch.device | str = "cpu") -> tor
     perm: list[int] = []
     for i in range(32):
         col = i // 4
-        perm1 = [16 * row + col + 8 * block
-                 for block in (0, 1)
-                 for row in (2 * (i % 4), 2 * (i % 4) + 1, 2 * (i % 4 + 4), 2 * (i % 4 + 4) + 1)]
+        perm1 = [
+            16 * row + col + 8 * block
+            for block in (0, 1)
+            for row in (2 * (i % 4), 2 * (i % 4) + 1, 2 * (i % 4 + 4), 2 * (i % 4 + 4) + 1)
+        ]
         for j in range(4):
             perm.extend(p + 256 * j for p in perm1)
     interleave = _INTERLEAVE[num_bits]
@@ -142,13 +163,13 @@ def marlin_repack(q_packed: torch.Tensor, size_k: int, size_n: int, num_bits: in
     _check_bits(num_bits)
     pf = pack_factor(num_bits)
     min_n = min(n_mult for n_mult, _ in MARLIN_TILE_FAMILIES)
-    if tuple(q_packed.shape) != (size_k // pf, size_n) or size_k % MARLIN_TILE or \
-            size_n % min_n:
+    if tuple(q_packed.shape) != (size_k // pf, size_n) or size_k % MARLIN_TILE or size_n % min_n:
         raise MarlinLayoutError(
             f"marlin_repack expects [{size_k // pf}, {size_n}] with K a multiple of "
             f"{MARLIN_TILE} and N of {min_n}, got {tuple(q_packed.shape)}; pad with "
-            f"marlin_padded_nk first")
-    q_w = unpack_int32(q_packed, num_bits, 0)                  # [K, N]
+            f"marlin_padded_nk first"
+        )
+    q_w = unpack_int32(q_packed, num_bits, 0)  # [K, N]
     tile = MARLIN_TILE
     q_w = q_w.reshape(size_k // tile, tile, size_n // tile, tile).permute(0, 2, 1, 3)
     q_w = q_w.reshape(size_k // tile, size_n * tile)
@@ -157,8 +178,9 @@ def marlin_repack(q_packed: torch.Tensor, size_k: int, size_n: int, num_bits: in
     return pack_int32(q_w, num_bits, -1)
 
 
-def marlin_permute_scales(s: torch.Tensor, size_k: int, size_n: int,
-                          group_size: int) -> torch.Tensor:
+def marlin_permute_scales(
+    s: torch.Tensor, size_k: int, size_n: int, group_size: int
+) -> torch.Tensor:
     """Permute scales (or a bias-like row) into Marlin order.
 
     Args:
@@ -243,8 +265,10 @@ def _pad2(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 def _geometry(config: LayerConfig, group_size: int | None = None) -> tuple[int, int, int, int, int]:
     g = config.quant.group_size if group_size is None else group_size
     if g not in MARLIN_SUPPORTED_GROUP_SIZES:
-        raise MarlinLayoutError(f"layer {config.name!r}: Marlin supports group sizes "
-                                f"{MARLIN_SUPPORTED_GROUP_SIZES}, got {g}")
+        raise MarlinLayoutError(
+            f"layer {config.name!r}: Marlin supports group sizes "
+            f"{MARLIN_SUPPORTED_GROUP_SIZES}, got {g}"
+        )
     size_k, size_n = config.size_k, config.size_n
     padded_n, padded_k = marlin_padded_nk(size_n, size_k, g)
     return size_k, size_n, padded_k, padded_n, g
@@ -253,12 +277,22 @@ def _geometry(config: LayerConfig, group_size: int | None = None) -> tuple[int, 
 # --------------------------------------------------------------------------- stages
 
 
-@stage("marlin.repack", Tag.TRANSFORM,
-       source="MarlinLinearKernel.process_weights_after_loading: marlin_pad_qweight + "
-              "ops.gptq_marlin_repack (reference marlin_utils_test.marlin_weights)",
-       params=lambda w_q, n_major=False: {"reads": (w_q,), "writes": (w_q,)})
-def repack_stage(t: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                 recorded: Mapping[str, Any], *, w_q: str, n_major: bool) -> StageOut:
+@stage(
+    "marlin.repack",
+    Tag.TRANSFORM,
+    source="MarlinLinearKernel.process_weights_after_loading: marlin_pad_qweight + "
+    "ops.gptq_marlin_repack (reference marlin_utils_test.marlin_weights)",
+    params=lambda w_q, n_major=False: {"reads": (w_q,), "writes": (w_q,)},
+)
+def repack_stage(
+    t: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+    *,
+    w_q: str,
+    n_major: bool,
+) -> StageOut:
     """TRANSFORM ``w_q`` -> Marlin layout ``[Kp / 16, Np * bits / 2]`` int32.
 
     Args:
@@ -274,11 +308,21 @@ def repack_stage(t: Mapping[str, torch.Tensor], config: LayerConfig, target: Tar
     return StageOut(tensors={w_q: marlin_repack(q, padded_k, padded_n, bits)})
 
 
-@stage("marlin.permute_scales", Tag.TRANSFORM,
-       source="marlin_utils.marlin_pad_scales + marlin_permute_scales",
-       params=lambda w_s, n_major=False: {"reads": (w_s,), "writes": (w_s,)})
-def permute_scales_stage(t: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                         recorded: Mapping[str, Any], *, w_s: str, n_major: bool) -> StageOut:
+@stage(
+    "marlin.permute_scales",
+    Tag.TRANSFORM,
+    source="marlin_utils.marlin_pad_scales + marlin_permute_scales",
+    params=lambda w_s, n_major=False: {"reads": (w_s,), "writes": (w_s,)},
+)
+def permute_scales_stage(
+    t: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+    *,
+    w_s: str,
+    n_major: bool,
+) -> StageOut:
     """TRANSFORM ``w_s [K/G, N]`` -> padded, permuted ``[Kp/G, Np]`` (same dtype)."""
     size_k, size_n, padded_k, padded_n, g = _geometry(config)
     s = t[w_s].t() if n_major else t[w_s]
@@ -287,15 +331,26 @@ def permute_scales_stage(t: Mapping[str, torch.Tensor], config: LayerConfig, tar
     return StageOut(tensors={w_s: marlin_permute_scales(s, padded_k, padded_n, g)})
 
 
-@stage("marlin.permute_zero_points", Tag.TRANSFORM,
-       source="MarlinLinearKernel.process_weights_after_loading: unpack_cols + "
-              "marlin_pad_scales + marlin_zero_points (or marlin_make_empty)",
-       params=lambda w_zp, empty_if_symmetric=False: {
-           "reads": (w_zp,), "writes": (w_zp,),
-           "optional": (w_zp,) if empty_if_symmetric else ()})
-def permute_zero_points_stage(t: Mapping[str, torch.Tensor], config: LayerConfig,
-                              target: Target, recorded: Mapping[str, Any], *, w_zp: str,
-                              empty_if_symmetric: bool) -> StageOut:
+@stage(
+    "marlin.permute_zero_points",
+    Tag.TRANSFORM,
+    source="MarlinLinearKernel.process_weights_after_loading: unpack_cols + "
+    "marlin_pad_scales + marlin_zero_points (or marlin_make_empty)",
+    params=lambda w_zp, empty_if_symmetric=False: {
+        "reads": (w_zp,),
+        "writes": (w_zp,),
+        "optional": (w_zp,) if empty_if_symmetric else (),
+    },
+)
+def permute_zero_points_stage(
+    t: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+    *,
+    w_zp: str,
+    empty_if_symmetric: bool,
+) -> StageOut:
     """TRANSFORM standard zero points ``[N/pf, K/G]`` -> Marlin ``[Kp/G, Np/pf]`` int32.
 
     Args:
@@ -309,16 +364,26 @@ def permute_zero_points_stage(t: Mapping[str, torch.Tensor], config: LayerConfig
         return StageOut(tensors={w_zp: torch.empty(0, dtype=torch.int32, device=device)})
     size_k, size_n, padded_k, padded_n, g = _geometry(config)
     bits = config.quant.num_bits
-    zp = unpack_int32(t[w_zp], bits, 0).t()                     # [K/G, N]
+    zp = unpack_int32(t[w_zp], bits, 0).t()  # [K/G, N]
     rows = padded_k // g if g > 0 else 1
     zp = _pad2(zp, rows, padded_n)
     return StageOut(tensors={w_zp: marlin_zero_points(zp, rows, padded_n, bits)})
 
 
-@stage("marlin.empty_zero_points", Tag.TRANSFORM, source="marlin_utils.marlin_make_empty",
-       params=lambda w_zp: {"reads": (), "writes": (w_zp,), "optional": (w_zp,)})
-def empty_zero_points_stage(t: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                            recorded: Mapping[str, Any], *, w_zp: str) -> StageOut:
+@stage(
+    "marlin.empty_zero_points",
+    Tag.TRANSFORM,
+    source="marlin_utils.marlin_make_empty",
+    params=lambda w_zp: {"reads": (), "writes": (w_zp,), "optional": (w_zp,)},
+)
+def empty_zero_points_stage(
+    t: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+    *,
+    w_zp: str,
+) -> StageOut:
     """TRANSFORM: ``w_zp`` becomes an empty ``[0]`` int32 tensor (symmetric weights).
 
     vLLM's ``marlin_make_empty`` is an allocation, but it replaces a checkpoint
@@ -329,10 +394,18 @@ def empty_zero_points_stage(t: Mapping[str, torch.Tensor], config: LayerConfig, 
     return StageOut(tensors={w_zp: torch.empty(0, dtype=torch.int32, device=device)})
 
 
-@stage("marlin.clear_input_global_scale", Tag.METADATA, attrs=("input_global_scale",),
-       source="MarlinLinearKernel.process_weights_after_loading: layer.input_global_scale = None")
-def clear_input_global_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                             target: Target, recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "marlin.clear_input_global_scale",
+    Tag.METADATA,
+    attrs=("input_global_scale",),
+    source="MarlinLinearKernel.process_weights_after_loading: layer.input_global_scale = None",
+)
+def clear_input_global_scale(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """METADATA: ``layer.input_global_scale = None`` (16-bit activations).
 
     Source: MarlinLinearKernel.process_weights_after_loading: layer.input_global_scale =
@@ -341,10 +414,20 @@ def clear_input_global_scale(tensors: Mapping[str, torch.Tensor], config: LayerC
     return StageOut(attrs={"input_global_scale": None})
 
 
-@stage("marlin.permute_bias", Tag.TRANSFORM, reads=("bias",), writes=("bias",),
-       optional=("bias",), source="marlin_utils.marlin_pad_dim + marlin_permute_bias")
-def permute_bias(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                 recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "marlin.permute_bias",
+    Tag.TRANSFORM,
+    reads=("bias",),
+    writes=("bias",),
+    optional=("bias",),
+    source="marlin_utils.marlin_pad_dim + marlin_permute_bias",
+)
+def permute_bias(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM ``bias [N]`` -> zero-padded to ``[Np]`` and permuted (no-op without bias).
 
     Source: marlin_utils.marlin_pad_dim + marlin_permute_bias
@@ -370,11 +453,20 @@ def _fp8_marlin_repack(weight_nk: torch.Tensor, config: LayerConfig, g: int) -> 
     return marlin_repack(q, padded_k, padded_n, 8)
 
 
-@stage("marlin.repack_fp8_weight", Tag.TRANSFORM, reads=("weight",), writes=("weight",),
-       source="marlin_utils_fp8.prepare_fp8_layer_for_marlin: pack_fp8_to_int32 + "
-              "marlin_pad_qweight + ops.gptq_marlin_repack(num_bits=8)")
-def repack_fp8_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                      recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "marlin.repack_fp8_weight",
+    Tag.TRANSFORM,
+    reads=("weight",),
+    writes=("weight",),
+    source="marlin_utils_fp8.prepare_fp8_layer_for_marlin: pack_fp8_to_int32 + "
+    "marlin_pad_qweight + ops.gptq_marlin_repack(num_bits=8)",
+)
+def repack_fp8_weight(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM ``weight [N, K]`` float8_e4m3fn -> ``[Kp/16, 4 * Np]`` int32 (Marlin).
 
     Source: marlin_utils_fp8.prepare_fp8_layer_for_marlin: pack_fp8_to_int32 +
@@ -393,8 +485,9 @@ def _channel_scales(s: torch.Tensor, config: LayerConfig) -> torch.Tensor:
         return s.reshape(1, 1).repeat_interleave(n, 1)
     if widths and s.numel() == len(widths):
         if sum(widths) != n:
-            raise MarlinLayoutError(f"layer {config.name!r}: logical_widths {widths} do not "
-                                    f"sum to size_n={n}")
+            raise MarlinLayoutError(
+                f"layer {config.name!r}: logical_widths {widths} do not sum to size_n={n}"
+            )
         lw = torch.tensor(widths, dtype=torch.int64, device=s.device)
         return s.reshape(1, -1).repeat_interleave(lw, dim=1)
     if s.numel() != n:
@@ -404,13 +497,21 @@ def _channel_scales(s: torch.Tensor, config: LayerConfig) -> torch.Tensor:
     return s.reshape(1, n)
 
 
-@stage("marlin.permute_fp8_scales", Tag.TRANSFORM, reads=("weight_scale",),
-       writes=("weight_scale",),
-       source="marlin_utils_fp8.prepare_fp8_layer_for_marlin (scales): cast to orig dtype, "
-              "expand to channel, marlin_pad_scales, marlin_permute_scales, "
-              "fp8_fused_exponent_bias_into_scales")
-def permute_fp8_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                       recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "marlin.permute_fp8_scales",
+    Tag.TRANSFORM,
+    reads=("weight_scale",),
+    writes=("weight_scale",),
+    source="marlin_utils_fp8.prepare_fp8_layer_for_marlin (scales): cast to orig dtype, "
+    "expand to channel, marlin_pad_scales, marlin_permute_scales, "
+    "fp8_fused_exponent_bias_into_scales",
+)
+def permute_fp8_scales(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM ``weight_scale`` (0-d, ``[#shards]``, ``[N, 1]``) fp32 -> ``[1, Np]`` in
     ``params_dtype`` with the FP8 exponent bias fused (x 2**8 fp16, x 2**120 bf16).
 
@@ -425,10 +526,19 @@ def permute_fp8_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
     return StageOut(tensors={"weight_scale": fp8_fused_exponent_bias_into_scales(s)})
 
 
-@stage("marlin.repack_mxfp8_weight", Tag.TRANSFORM, reads=("weight",), writes=("weight",),
-       source="marlin_utils_fp8.prepare_mxfp8_layer_for_marlin (weight)")
-def repack_mxfp8_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                        recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "marlin.repack_mxfp8_weight",
+    Tag.TRANSFORM,
+    reads=("weight",),
+    writes=("weight",),
+    source="marlin_utils_fp8.prepare_mxfp8_layer_for_marlin (weight)",
+)
+def repack_mxfp8_weight(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM ``weight [N, K]`` float8_e4m3fn -> ``[Kp/16, 4 * Np]`` int32 (Marlin, G=32).
 
     Source: marlin_utils_fp8.prepare_mxfp8_layer_for_marlin (weight)
@@ -437,12 +547,19 @@ def repack_mxfp8_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig
     return StageOut(tensors={"weight": value})
 
 
-@stage("marlin.permute_mxfp8_scales", Tag.TRANSFORM, reads=("weight_scale",),
-       writes=("weight_scale",),
-       source="marlin_utils_fp8.prepare_mxfp8_layer_for_marlin (scales) + "
-              "mxfp8_marlin_process_scales")
-def permute_mxfp8_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                         recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "marlin.permute_mxfp8_scales",
+    Tag.TRANSFORM,
+    reads=("weight_scale",),
+    writes=("weight_scale",),
+    source="marlin_utils_fp8.prepare_mxfp8_layer_for_marlin (scales) + mxfp8_marlin_process_scales",
+)
+def permute_mxfp8_scales(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM ``weight_scale [N, K/32]`` uint8 (E8M0 codes) -> ``[Kp/32, Np]``
     float8_e8m0fnu, padded, permuted, reordered ``[0, 2, 1, 3]`` within groups of 4.
 
@@ -450,7 +567,7 @@ def permute_mxfp8_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfi
         mxfp8_marlin_process_scales
     """
     size_k, size_n, padded_k, padded_n, g = _geometry(config, MXFP8_GROUP_SIZE)
-    s = tensors["weight_scale"][:size_n, :size_k // g].contiguous()
+    s = tensors["weight_scale"][:size_n, : size_k // g].contiguous()
     s = s.view(torch.float8_e8m0fnu).to(config.dtype).t().contiguous()
     s = _pad2(s, padded_k // g, padded_n)
     s = marlin_permute_scales(s, padded_k, padded_n, g)

@@ -37,10 +37,18 @@ import torch
 from wcache.core import LayerConfig, MoeShape, StageOut, Tag, Target, WcacheError, stage
 from wcache.stages.fp8 import FP8_DTYPE, FP8_MAX, weight_amax
 
-__all__ = ["MoeLayoutError", "moe_shape", "validate_expert_shapes", "set_experts_kernel",
-           "requantize_w13_to_max_scale", "process_weight_tensor_strategy",
-           "reduce_input_scales", "quantize_experts_per_tensor", "quantize_per_tensor",
-           "W13_W2"]
+__all__ = [
+    "MoeLayoutError",
+    "moe_shape",
+    "validate_expert_shapes",
+    "set_experts_kernel",
+    "requantize_w13_to_max_scale",
+    "process_weight_tensor_strategy",
+    "reduce_input_scales",
+    "quantize_experts_per_tensor",
+    "quantize_per_tensor",
+    "W13_W2",
+]
 
 #: The two expert weight tensors of every fused-MoE layer.
 W13_W2 = ("w13_weight", "w2_weight")
@@ -63,18 +71,28 @@ def moe_shape(config: LayerConfig) -> MoeShape:
         MoeLayoutError: the config has no MoE shape (a MoE plan bound to another layer).
     """
     if config.moe is None:
-        raise MoeLayoutError(f"layer {config.name!r}: a fused-MoE stage needs LayerConfig.moe "
-                             f"(the adapter sets it for vLLM's RoutedExperts); got none")
+        raise MoeLayoutError(
+            f"layer {config.name!r}: a fused-MoE stage needs LayerConfig.moe "
+            f"(the adapter sets it for vLLM's RoutedExperts); got none"
+        )
     return config.moe
 
 
 # --------------------------------------------------------------------------- every MoE plan
 
 
-@stage("moe.validate_expert_shapes", Tag.VALIDATE, reads=W13_W2,
-       source="vllm/model_executor/layers/fused_moe/*: create_weights (w13/w2 shapes)")
-def validate_expert_shapes(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                           target: Target, recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "moe.validate_expert_shapes",
+    Tag.VALIDATE,
+    reads=W13_W2,
+    source="vllm/model_executor/layers/fused_moe/*: create_weights (w13/w2 shapes)",
+)
+def validate_expert_shapes(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """VALIDATE: ``w13_weight [E, shards * I', H]`` and ``w2_weight [E, H, I']`` agree with
     each other and with ``config.moe`` (E and H exactly; ``I' >= I``: a CPU plan pads
     the intermediate dim).
@@ -94,25 +112,36 @@ def validate_expert_shapes(tensors: Mapping[str, torch.Tensor], config: LayerCon
         if tuple(w2.shape[:2]) != (moe.num_experts, moe.hidden_size):
             problems.append(f"w2_weight is {list(w2.shape)}")
         if rows != moe.w13_num_shards * w2.shape[2]:
-            problems.append(f"w13_weight has {rows} rows for {moe.w13_num_shards} shard(s) of "
-                            f"w2's intermediate size {w2.shape[2]}")
+            problems.append(
+                f"w13_weight has {rows} rows for {moe.w13_num_shards} shard(s) of "
+                f"w2's intermediate size {w2.shape[2]}"
+            )
         if w2.shape[2] < moe.intermediate_size_per_partition:
-            problems.append(f"intermediate size {w2.shape[2]} < "
-                            f"{moe.intermediate_size_per_partition}")
+            problems.append(
+                f"intermediate size {w2.shape[2]} < {moe.intermediate_size_per_partition}"
+            )
     if problems:
         raise MoeLayoutError(
             f"layer {config.name!r}: {'; '.join(problems)} (w13 {list(w13.shape)}, w2 "
             f"{list(w2.shape)}; expected E={moe.num_experts}, H={moe.hidden_size}, "
             f"I={moe.intermediate_size_per_partition}): the exported experts do not fit "
-            f"this engine's layer; restart the daemon with the engine's arguments")
+            f"this engine's layer; restart the daemon with the engine's arguments"
+        )
     return StageOut()
 
 
-@stage("moe.set_experts_kernel", Tag.METADATA,
-       source="vllm FusedMoEMethodBase subclasses: _init_moe_kernel / _setup_kernel "
-              "(moe_quant_config + FusedMoEKernel), built by wcache.vllm.moe's table")
-def set_experts_kernel(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                       target: Target, recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "moe.set_experts_kernel",
+    Tag.METADATA,
+    source="vllm FusedMoEMethodBase subclasses: _init_moe_kernel / _setup_kernel "
+    "(moe_quant_config + FusedMoEKernel), built by wcache.vllm.moe's table",
+)
+def set_experts_kernel(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """METADATA: record the backend and experts class vLLM's MoE oracle resolved for
     the layer (``config.moe.backend``, ``config.moe.experts``); on restore the engine's
     resolution must equal the daemon's (else :class:`~wcache.core.RecordedMismatch`:
@@ -130,8 +159,9 @@ def set_experts_kernel(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
 # --------------------------------------------------------------------------- FP8
 
 
-def requantize_w13_to_max_scale(w13: torch.Tensor, w13_scale: torch.Tensor,
-                                intermediate_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def requantize_w13_to_max_scale(
+    w13: torch.Tensor, w13_scale: torch.Tensor, intermediate_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per expert, requantize the w1 and w3 shards of ``w13`` to the larger of their
     two scales.
 
@@ -159,16 +189,23 @@ def requantize_w13_to_max_scale(w13: torch.Tensor, w13_scale: torch.Tensor,
             rows = slice(shard * intermediate_size, (shard + 1) * intermediate_size)
             # a 0-d fp32 scale keeps the product fp16, as per_tensor_dequantize's does
             dq = w13[expert, rows].to(torch.float16) * w13_scale[expert, shard]
-            out[expert, rows] = (dq.to(torch.float32) * inv).clamp(-FP8_MAX, FP8_MAX).to(
-                w13.dtype)
+            out[expert, rows] = (dq.to(torch.float32) * inv).clamp(-FP8_MAX, FP8_MAX).to(w13.dtype)
     return out, max_scales
 
 
-@stage("fp8_moe.process_weight_tensor_strategy", Tag.TRANSFORM,
-       reads=("w13_weight", "w13_weight_scale"), writes=("w13_weight", "w13_weight_scale"),
-       source=f"{_FP8_UTILS}::process_fp8_weight_tensor_strategy_moe (vLLM: in place)")
-def process_weight_tensor_strategy(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                                   target: Target, recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "fp8_moe.process_weight_tensor_strategy",
+    Tag.TRANSFORM,
+    reads=("w13_weight", "w13_weight_scale"),
+    writes=("w13_weight", "w13_weight_scale"),
+    source=f"{_FP8_UTILS}::process_fp8_weight_tensor_strategy_moe (vLLM: in place)",
+)
+def process_weight_tensor_strategy(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM ``w13_weight [E, 2I, H]`` fp8 with ``w13_weight_scale [E, 2]`` -> the
     same weight requantized to ``w13_weight_scale [E]`` = the max of each expert's two
     scales (:func:`requantize_w13_to_max_scale`); non-gated experts keep their weight
@@ -185,30 +222,45 @@ def process_weight_tensor_strategy(tensors: Mapping[str, torch.Tensor], config: 
     moe = moe_shape(config)
     w13, scale = tensors["w13_weight"], tensors["w13_weight_scale"]
     if tuple(scale.shape) != (moe.num_experts, moe.w13_num_shards):
-        raise MoeLayoutError(f"layer {config.name!r}: w13_weight_scale is {list(scale.shape)}, "
-                             f"expected [{moe.num_experts}, {moe.w13_num_shards}] (one scale per "
-                             f"expert and shard, vLLM's per-tensor FP8 MoE checkpoint)")
+        raise MoeLayoutError(
+            f"layer {config.name!r}: w13_weight_scale is {list(scale.shape)}, "
+            f"expected [{moe.num_experts}, {moe.w13_num_shards}] (one scale per "
+            f"expert and shard, vLLM's per-tensor FP8 MoE checkpoint)"
+        )
     if not moe.is_act_and_mul:
         return StageOut(tensors={"w13_weight_scale": scale.max(dim=1).values})
     w13, max_scales = requantize_w13_to_max_scale(w13, scale, moe.intermediate_size_per_partition)
     return StageOut(tensors={"w13_weight": w13, "w13_weight_scale": max_scales})
 
 
-@stage("fp8_moe.reduce_input_scales", Tag.TRANSFORM,
-       reads=("w13_input_scale", "w2_input_scale"), writes=("w13_input_scale", "w2_input_scale"),
-       optional=("w13_input_scale", "w2_input_scale"),
-       source=f"{_FP8_UTILS}::process_fp8_input_tensor_strategy_moe "
-              "(amax_for_moe_activation_quant, no EPLB)")
-def reduce_input_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                        target: Target, recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "fp8_moe.reduce_input_scales",
+    Tag.TRANSFORM,
+    reads=("w13_input_scale", "w2_input_scale"),
+    writes=("w13_input_scale", "w2_input_scale"),
+    optional=("w13_input_scale", "w2_input_scale"),
+    source=f"{_FP8_UTILS}::process_fp8_input_tensor_strategy_moe "
+    "(amax_for_moe_activation_quant, no EPLB)",
+)
+def reduce_input_scales(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM static activation scales ``w13_input_scale [E]`` and ``w2_input_scale
     [E]`` fp32 -> their max over experts, 0-d fp32 each; nothing for dynamic
     activations (vLLM keeps ``None`` attributes there, no tensors).
 
     Source: fp8_utils.process_fp8_input_tensor_strategy_moe (amax_for_moe_activation_quant)
     """
-    return StageOut(tensors={n: tensors[n].max().to(torch.float32)
-                             for n in ("w13_input_scale", "w2_input_scale") if n in tensors})
+    return StageOut(
+        tensors={
+            n: tensors[n].max().to(torch.float32)
+            for n in ("w13_input_scale", "w2_input_scale")
+            if n in tensors
+        }
+    )
 
 
 def quantize_experts_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,11 +285,19 @@ def quantize_experts_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, tor
     return q, scale
 
 
-@stage("fp8_moe.quantize_per_tensor", Tag.TRANSFORM, reads=W13_W2,
-       writes=("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"),
-       source=f"{_ONLINE_MOE}.process_weights_after_loading")
-def quantize_per_tensor(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                        target: Target, recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "fp8_moe.quantize_per_tensor",
+    Tag.TRANSFORM,
+    reads=W13_W2,
+    writes=("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"),
+    source=f"{_ONLINE_MOE}.process_weights_after_loading",
+)
+def quantize_per_tensor(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM the checkpoint's bf16 ``w13_weight [E, 2I, H]`` and ``w2_weight [E, H, I]``
     -> float8_e4m3fn, with new ``w13_weight_scale [E]`` and ``w2_weight_scale [E]`` fp32
     (:func:`quantize_experts_per_tensor`).
@@ -256,7 +316,8 @@ def quantize_per_tensor(tensors: Mapping[str, torch.Tensor], config: LayerConfig
             raise MoeLayoutError(
                 f"layer {config.name!r}: online FP8 MoE expects the checkpoint's bf16/fp16 "
                 f"{name}, got {str(w.dtype).removeprefix('torch.')}: it is already "
-                f"quantized; report this as a wcache bug, or serve without wcache")
+                f"quantized; report this as a wcache bug, or serve without wcache"
+            )
         q, s = quantize_experts_per_tensor(w)
         out[name] = q
         out[name.replace("_weight", "_weight_scale")] = s

@@ -30,12 +30,20 @@ import torch
 
 from wcache.core import LayerConfig, StageOut, Tag, Target, stage
 from wcache.stages.common import require_op
-from wcache.stages.moe import MoeLayoutError, W13_W2, moe_shape
+from wcache.stages.moe import W13_W2, MoeLayoutError, moe_shape
 from wcache.stages.packing import round_up
 
-__all__ = ["CpuExperts", "CPU_EXPERTS", "ZENTORCH_EXPERTS", "cpu_experts",
-           "padded_intermediate_size", "pad_intermediate_weights", "prepack_moe_weight",
-           "pad_intermediate", "pack_weights"]
+__all__ = [
+    "CpuExperts",
+    "CPU_EXPERTS",
+    "ZENTORCH_EXPERTS",
+    "cpu_experts",
+    "padded_intermediate_size",
+    "pad_intermediate_weights",
+    "prepack_moe_weight",
+    "pad_intermediate",
+    "pack_weights",
+]
 
 _CPU_MOE = "vllm/model_executor/layers/fused_moe/experts/cpu_moe.py"
 #: Activation whose experts vLLM-CPU never pads (``_padded_intermediate_size``).
@@ -82,13 +90,14 @@ def cpu_experts(config: LayerConfig) -> CpuExperts:
     """
     experts = moe_shape(config).experts
     if experts not in CPU_EXPERTS:
-        raise MoeLayoutError(f"layer {config.name!r}: vLLM-CPU experts {experts!r} have no "
-                             f"wcache layout (known: {sorted(CPU_EXPERTS)})")
+        raise MoeLayoutError(
+            f"layer {config.name!r}: vLLM-CPU experts {experts!r} have no "
+            f"wcache layout (known: {sorted(CPU_EXPERTS)})"
+        )
     return CPU_EXPERTS[experts]
 
 
-def padded_intermediate_size(intermediate_size: int, experts: CpuExperts,
-                             activation: str) -> int:
+def padded_intermediate_size(intermediate_size: int, experts: CpuExperts, activation: str) -> int:
     """``round_up(I, lcm(output, reduction alignment))``; ``I`` for SwiGLU-OAI.
 
     Source: ``cpu_moe.CPUUnquantizedExperts._padded_intermediate_size``."""
@@ -97,8 +106,9 @@ def padded_intermediate_size(intermediate_size: int, experts: CpuExperts,
     return round_up(intermediate_size, experts.intermediate_alignment)
 
 
-def pad_intermediate_weights(tensors: Mapping[str, torch.Tensor], intermediate_size: int,
-                             padded_size: int) -> dict[str, torch.Tensor]:
+def pad_intermediate_weights(
+    tensors: Mapping[str, torch.Tensor], intermediate_size: int, padded_size: int
+) -> dict[str, torch.Tensor]:
     """Zero-pad the intermediate dim of gated experts (new tensors; ``{}`` when aligned).
 
     Args:
@@ -120,7 +130,7 @@ def pad_intermediate_weights(tensors: Mapping[str, torch.Tensor], intermediate_s
     i, p = intermediate_size, padded_size
     new_w13 = w13.new_zeros(e, 2 * p, h)
     new_w13[:, :i] = w13[:, :i]
-    new_w13[:, p:p + i] = w13[:, i:]
+    new_w13[:, p : p + i] = w13[:, i:]
     new_w2 = w2.new_zeros(e, h, p)
     new_w2[:, :, :i] = w2
     out = {"w13_weight": new_w13, "w2_weight": new_w2}
@@ -128,7 +138,7 @@ def pad_intermediate_weights(tensors: Mapping[str, torch.Tensor], intermediate_s
         bias = tensors["w13_bias"]
         new_bias = bias.new_zeros(e, 2 * p)
         new_bias[:, :i] = bias[:, :i]
-        new_bias[:, p:p + i] = bias[:, i:]
+        new_bias[:, p : p + i] = bias[:, i:]
         out["w13_bias"] = new_bias
     return out
 
@@ -157,11 +167,20 @@ def prepack_moe_weight(weight: torch.Tensor, isa: str) -> torch.Tensor:
     return output
 
 
-@stage("cpu_moe.pad_intermediate", Tag.TRANSFORM, reads=W13_W2,
-       writes=("w13_weight", "w2_weight", "w13_bias"), optional=("w13_bias",),
-       source=f"{_CPU_MOE}::CPUUnquantizedExperts._pad_moe_intermediate")
-def pad_intermediate(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                     recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "cpu_moe.pad_intermediate",
+    Tag.TRANSFORM,
+    reads=W13_W2,
+    writes=("w13_weight", "w2_weight", "w13_bias"),
+    optional=("w13_bias",),
+    source=f"{_CPU_MOE}::CPUUnquantizedExperts._pad_moe_intermediate",
+)
+def pad_intermediate(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM: :func:`pad_intermediate_weights` to the experts class's alignment
     (``I = config.moe.intermediate_size_per_partition``); nothing when aligned.
 
@@ -173,11 +192,20 @@ def pad_intermediate(tensors: Mapping[str, torch.Tensor], config: LayerConfig, t
     return StageOut(tensors=pad_intermediate_weights(tensors, size, padded))
 
 
-@stage("cpu_moe.pack_weights", Tag.TRANSFORM, reads=W13_W2, writes=W13_W2,
-       source=f"{_CPU_MOE}::CPUUnquantizedExperts.process_weights_after_loading "
-              "(cpu_prepack_moe_weight)")
-def pack_weights(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                 recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "cpu_moe.pack_weights",
+    Tag.TRANSFORM,
+    reads=W13_W2,
+    writes=W13_W2,
+    source=f"{_CPU_MOE}::CPUUnquantizedExperts.process_weights_after_loading "
+    "(cpu_prepack_moe_weight)",
+)
+def pack_weights(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM ``w13_weight`` and ``w2_weight`` -> :func:`prepack_moe_weight` for the
     experts class's isa (same shapes, dtype and strides; other bytes). Not idempotent:
     never replayed on restore.

@@ -14,8 +14,7 @@ import torch
 from wcache.core import LayerConfig, StageOut, Tag, Target, WcacheError, stage
 from wcache.stages.common import high_precision_weight
 
-__all__ = ["MXFP8_BLOCK_SIZE", "E8M0_BIAS", "Mxfp8LayoutError", "mxfp8_e4m3_quantize",
-           "quantize"]
+__all__ = ["MXFP8_BLOCK_SIZE", "E8M0_BIAS", "Mxfp8LayoutError", "mxfp8_e4m3_quantize", "quantize"]
 
 #: Values per E8M0 scale along K (``MXFP8_BLOCK_SIZE``).
 MXFP8_BLOCK_SIZE = 32
@@ -48,8 +47,10 @@ def mxfp8_e4m3_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Source: ``mxfp8_utils._mxfp8_e4m3_quantize_torch`` (``is_sf_swizzled_layout=False``).
     """
     if x.shape[-1] % MXFP8_BLOCK_SIZE:
-        raise Mxfp8LayoutError(f"MXFP8 needs K divisible by {MXFP8_BLOCK_SIZE}, got "
-                               f"K={x.shape[-1]}; this layer cannot use MXFP8")
+        raise Mxfp8LayoutError(
+            f"MXFP8 needs K divisible by {MXFP8_BLOCK_SIZE}, got "
+            f"K={x.shape[-1]}; this layer cannot use MXFP8"
+        )
     shape = x.shape
     blocks = x.to(torch.float32).view(*shape[:-1], shape[-1] // MXFP8_BLOCK_SIZE, MXFP8_BLOCK_SIZE)
     amax = blocks.abs().amax(dim=-1).clamp(min=torch.finfo(torch.float32).tiny)
@@ -60,10 +61,19 @@ def mxfp8_e4m3_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, biased.to(torch.uint8).view(*shape[:-1], -1)
 
 
-@stage("mxfp8.quantize", Tag.TRANSFORM, reads=("weight",), writes=("weight", "weight_scale"),
-       source="Mxfp8OnlineLinearMethod.process_weights_after_loading: mxfp8_e4m3_quantize")
-def quantize(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-             recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "mxfp8.quantize",
+    Tag.TRANSFORM,
+    reads=("weight",),
+    writes=("weight", "weight_scale"),
+    source="Mxfp8OnlineLinearMethod.process_weights_after_loading: mxfp8_e4m3_quantize",
+)
+def quantize(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM ``weight [N, K]`` -> ``weight [N, K]`` float8_e4m3fn and
     ``weight_scale [N, K/32]`` uint8 (E8M0).
 

@@ -28,13 +28,26 @@ from wcache.core import LayerConfig, StageOut, Tag, Target, WcacheError, stage
 from wcache.stages.packing import round_up
 
 __all__ = [
-    "NVFP4_GROUP_SIZE", "SWIZZLE_ROW_TILE", "SWIZZLE_COL_TILE", "CUTLASS_FP4_ALIGNMENT",
-    "Nvfp4LayoutError", "swizzle_blockscale", "unswizzle_blockscale",
+    "NVFP4_GROUP_SIZE",
+    "SWIZZLE_ROW_TILE",
+    "SWIZZLE_COL_TILE",
+    "CUTLASS_FP4_ALIGNMENT",
+    "Nvfp4LayoutError",
+    "swizzle_blockscale",
+    "unswizzle_blockscale",
     "pad_nvfp4_weight_for_cutlass",
-    "validate_loaded", "reduce_weight_scale_2", "reduce_input_scale", "compute_alpha",
-    "set_is_w4a16_nvfp4", "swizzle_scales", "pad_weight",
-    "select_w13_weight_scale_2", "reduce_w13_input_scale", "swizzle_moe_scales",
-    "fuse_moe_activation_scale", "set_moe_dims",
+    "validate_loaded",
+    "reduce_weight_scale_2",
+    "reduce_input_scale",
+    "compute_alpha",
+    "set_is_w4a16_nvfp4",
+    "swizzle_scales",
+    "pad_weight",
+    "select_w13_weight_scale_2",
+    "reduce_w13_input_scale",
+    "swizzle_moe_scales",
+    "fuse_moe_activation_scale",
+    "set_moe_dims",
 ]
 
 #: Values per block scale along K.
@@ -79,10 +92,16 @@ def swizzle_blockscale(scale: torch.Tensor) -> torch.Tensor:
     s = scale.unsqueeze(0) if scale.ndim == 2 else scale
     b, m, k = s.shape
     mp, kp = round_up(m, SWIZZLE_ROW_TILE), round_up(k, SWIZZLE_COL_TILE)
-    padded = torch.nn.functional.pad(s.view(torch.uint8), (0, kp - k, 0, mp - m)) \
-        .view(torch.float8_e4m3fn)
-    out = padded.reshape(b, mp // SWIZZLE_ROW_TILE, *_SWIZZLE_ROW_SPLIT, kp // SWIZZLE_COL_TILE,
-                         SWIZZLE_COL_TILE).permute(0, 1, 4, 3, 2, 5).contiguous()
+    padded = torch.nn.functional.pad(s.view(torch.uint8), (0, kp - k, 0, mp - m)).view(
+        torch.float8_e4m3fn
+    )
+    out = (
+        padded.reshape(
+            b, mp // SWIZZLE_ROW_TILE, *_SWIZZLE_ROW_SPLIT, kp // SWIZZLE_COL_TILE, SWIZZLE_COL_TILE
+        )
+        .permute(0, 1, 4, 3, 2, 5)
+        .contiguous()
+    )
     return out.reshape(mp, kp) if scale.ndim == 2 else out.reshape(b, mp, kp)
 
 
@@ -99,8 +118,14 @@ def unswizzle_blockscale(swizzled: torch.Tensor, m: int, k_groups: int) -> torch
     """
     s = swizzled.unsqueeze(0) if swizzled.ndim == 2 else swizzled
     b, mp, kp = s.shape
-    tiles = s.reshape(b, mp // SWIZZLE_ROW_TILE, kp // SWIZZLE_COL_TILE, _SWIZZLE_ROW_SPLIT[1],
-                      _SWIZZLE_ROW_SPLIT[0], SWIZZLE_COL_TILE)
+    tiles = s.reshape(
+        b,
+        mp // SWIZZLE_ROW_TILE,
+        kp // SWIZZLE_COL_TILE,
+        _SWIZZLE_ROW_SPLIT[1],
+        _SWIZZLE_ROW_SPLIT[0],
+        SWIZZLE_COL_TILE,
+    )
     lin = tiles.permute(0, 1, 4, 3, 2, 5).reshape(b, mp, kp)[:, :m, :k_groups].contiguous()
     return lin[0] if swizzled.ndim == 2 else lin
 
@@ -115,8 +140,9 @@ def pad_nvfp4_weight_for_cutlass(weight: torch.Tensor) -> torch.Tensor:
     """
     n, kb = weight.shape
     pad_rows = round_up(n, CUTLASS_FP4_ALIGNMENT) - n
-    pad_bytes = (round_up(kb * FP4_PER_BYTE, CUTLASS_FP4_ALIGNMENT) - kb * FP4_PER_BYTE) \
-        // FP4_PER_BYTE
+    pad_bytes = (
+        round_up(kb * FP4_PER_BYTE, CUTLASS_FP4_ALIGNMENT) - kb * FP4_PER_BYTE
+    ) // FP4_PER_BYTE
     if pad_rows == 0 and pad_bytes == 0:
         return weight
     return torch.nn.functional.pad(weight, (0, pad_bytes, 0, pad_rows)).contiguous()
@@ -127,10 +153,18 @@ def pad_nvfp4_weight_for_cutlass(weight: torch.Tensor) -> torch.Tensor:
 _MODELOPT = "vllm.model_executor.layers.quantization.modelopt.ModelOptLinearMethod"
 
 
-@stage("nvfp4.validate_loaded", Tag.VALIDATE, reads=("weight_scale",),
-       source=f"{_MODELOPT}.process_weights_after_loading (NaN check)")
-def validate_loaded(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                    recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "nvfp4.validate_loaded",
+    Tag.VALIDATE,
+    reads=("weight_scale",),
+    source=f"{_MODELOPT}.process_weights_after_loading (NaN check)",
+)
+def validate_loaded(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """VALIDATE: ``weight_scale`` holds no NaN (an unloaded placeholder is NaN-filled).
 
     Raises:
@@ -142,16 +176,27 @@ def validate_loaded(tensors: Mapping[str, torch.Tensor], config: LayerConfig, ta
     """
     s = tensors["weight_scale"]
     if s.device.type != "meta" and torch.isnan(s.float()).any():
-        raise Nvfp4LayoutError(f"layer {config.name!r}: weight_scale contains NaN; the "
-                               f"checkpoint did not provide this layer's block scales")
+        raise Nvfp4LayoutError(
+            f"layer {config.name!r}: weight_scale contains NaN; the "
+            f"checkpoint did not provide this layer's block scales"
+        )
     return StageOut()
 
 
-@stage("nvfp4.reduce_weight_scale_2", Tag.TRANSFORM, reads=("weight_scale_2",),
-       writes=("weight_global_scale", "weight_scale_2"), drops=("weight_scale_2",),
-       source=f"{_MODELOPT}: weight_global_scale = weight_scale_2.max(); del weight_scale_2")
-def reduce_weight_scale_2(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                          recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "nvfp4.reduce_weight_scale_2",
+    Tag.TRANSFORM,
+    reads=("weight_scale_2",),
+    writes=("weight_global_scale", "weight_scale_2"),
+    drops=("weight_scale_2",),
+    source=f"{_MODELOPT}: weight_global_scale = weight_scale_2.max(); del weight_scale_2",
+)
+def reduce_weight_scale_2(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM ``weight_scale_2 [#shards]`` fp32 -> ``weight_global_scale`` 0-d fp32 (max);
     drops ``weight_scale_2``.
 
@@ -159,17 +204,23 @@ def reduce_weight_scale_2(tensors: Mapping[str, torch.Tensor], config: LayerConf
         weight_global_scale = weight_scale_2.max(); del weight_scale_2
     """
     value = tensors["weight_scale_2"].max().to(torch.float32)
-    return StageOut(tensors={"weight_global_scale": value},
-                    drop=("weight_scale_2",))
+    return StageOut(tensors={"weight_global_scale": value}, drop=("weight_scale_2",))
 
 
-@stage("nvfp4.reduce_input_scale", Tag.TRANSFORM, reads=("input_scale",),
-       writes=("input_global_scale", "input_global_scale_inv", "input_scale"),
-       drops=("input_scale",),
-       source=f"{_MODELOPT}: input_global_scale = input_scale.max(); inv = 1 / it; "
-              f"del input_scale")
-def reduce_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                       recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "nvfp4.reduce_input_scale",
+    Tag.TRANSFORM,
+    reads=("input_scale",),
+    writes=("input_global_scale", "input_global_scale_inv", "input_scale"),
+    drops=("input_scale",),
+    source=f"{_MODELOPT}: input_global_scale = input_scale.max(); inv = 1 / it; del input_scale",
+)
+def reduce_input_scale(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM ``input_scale [#shards]`` -> ``input_global_scale`` and
     ``input_global_scale_inv`` (0-d fp32); drops ``input_scale``.
 
@@ -177,16 +228,25 @@ def reduce_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
         input_global_scale = input_scale.max(); inv = 1 / it; del input_scale
     """
     g = tensors["input_scale"].max().to(torch.float32)
-    return StageOut(tensors={"input_global_scale": g,
-                             "input_global_scale_inv": (1.0 / g).to(torch.float32)},
-                    drop=("input_scale",))
+    return StageOut(
+        tensors={"input_global_scale": g, "input_global_scale_inv": (1.0 / g).to(torch.float32)},
+        drop=("input_scale",),
+    )
 
 
-@stage("nvfp4.compute_alpha", Tag.TRANSFORM, reads=("input_global_scale", "weight_global_scale"),
-       writes=("alpha",),
-       source="modelopt.maybe_fuse_global_scales: alpha = input_global_scale * weight_global_scale")
-def compute_alpha(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                  recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "nvfp4.compute_alpha",
+    Tag.TRANSFORM,
+    reads=("input_global_scale", "weight_global_scale"),
+    writes=("alpha",),
+    source="modelopt.maybe_fuse_global_scales: alpha = input_global_scale * weight_global_scale",
+)
+def compute_alpha(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM: ``alpha = input_global_scale * weight_global_scale`` (new 0-d fp32 tensor).
 
     Source: modelopt.maybe_fuse_global_scales: alpha = input_global_scale *
@@ -196,10 +256,18 @@ def compute_alpha(tensors: Mapping[str, torch.Tensor], config: LayerConfig, targ
     return StageOut(tensors={"alpha": value})
 
 
-@stage("nvfp4.set_is_w4a16_nvfp4", Tag.METADATA, attrs=("is_w4a16_nvfp4",),
-       source=f"{_MODELOPT}: layer.is_w4a16_nvfp4")
-def set_is_w4a16_nvfp4(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                       recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "nvfp4.set_is_w4a16_nvfp4",
+    Tag.METADATA,
+    attrs=("is_w4a16_nvfp4",),
+    source=f"{_MODELOPT}: layer.is_w4a16_nvfp4",
+)
+def set_is_w4a16_nvfp4(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """METADATA: ``layer.is_w4a16_nvfp4 = False`` (W4A4 with an activation scale).
 
     Source: vllm.model_executor.layers.quantization.modelopt.ModelOptLinearMethod:
@@ -208,10 +276,19 @@ def set_is_w4a16_nvfp4(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
     return StageOut(attrs={"is_w4a16_nvfp4": False})
 
 
-@stage("nvfp4.swizzle_scales", Tag.TRANSFORM, reads=("weight_scale",), writes=("weight_scale",),
-       source="CutlassNvFp4LinearKernel.process_weights_after_loading: swizzle_blockscale")
-def swizzle_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                   recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "nvfp4.swizzle_scales",
+    Tag.TRANSFORM,
+    reads=("weight_scale",),
+    writes=("weight_scale",),
+    source="CutlassNvFp4LinearKernel.process_weights_after_loading: swizzle_blockscale",
+)
+def swizzle_scales(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM ``weight_scale [N, K/16]`` -> swizzled ``[round_up(N,128), round_up(K/16,4)]``.
 
     Source: CutlassNvFp4LinearKernel.process_weights_after_loading: swizzle_blockscale
@@ -219,11 +296,19 @@ def swizzle_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig, tar
     return StageOut(tensors={"weight_scale": swizzle_blockscale(tensors["weight_scale"])})
 
 
-@stage("nvfp4.pad_weight", Tag.TRANSFORM, reads=("weight",), writes=("weight",),
-       source="CutlassNvFp4LinearKernel.process_weights_after_loading: "
-              "pad_nvfp4_weight_for_cutlass")
-def pad_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-               recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "nvfp4.pad_weight",
+    Tag.TRANSFORM,
+    reads=("weight",),
+    writes=("weight",),
+    source="CutlassNvFp4LinearKernel.process_weights_after_loading: pad_nvfp4_weight_for_cutlass",
+)
+def pad_weight(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM ``weight [N, K/2]`` uint8 -> ``[round_up(N,32), round_up(K,32)/2]`` (zeros).
 
     The K padding is derived at run time from shapes
@@ -242,11 +327,19 @@ def pad_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target:
 _MOE = "vllm.model_executor.layers.quantization.modelopt.ModelOptNvFp4FusedMoE"
 
 
-@stage("nvfp4.select_w13_weight_scale_2", Tag.TRANSFORM, reads=("w13_weight_scale_2",),
-       writes=("w13_weight_scale_2",),
-       source=f"{_MOE}.process_weights_after_loading: w13_weight_scale_2[:, 0]")
-def select_w13_weight_scale_2(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                              target: Target, recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "nvfp4.select_w13_weight_scale_2",
+    Tag.TRANSFORM,
+    reads=("w13_weight_scale_2",),
+    writes=("w13_weight_scale_2",),
+    source=f"{_MOE}.process_weights_after_loading: w13_weight_scale_2[:, 0]",
+)
+def select_w13_weight_scale_2(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM ``w13_weight_scale_2 [E, 2]`` -> ``[E]`` (the w1 column; w1 and w3 share it).
 
     Source:
@@ -257,28 +350,44 @@ def select_w13_weight_scale_2(tensors: Mapping[str, torch.Tensor], config: Layer
     return StageOut(tensors={"w13_weight_scale_2": value})
 
 
-@stage("nvfp4.reduce_w13_input_scale", Tag.TRANSFORM, reads=("w13_input_scale",),
-       writes=("w13_input_scale",),
-       source="flashinfer_fp4_moe.prepare_nvfp4_moe_layer_for_fi_or_cutlass: "
-              "a13_scale.max(dim=1) (VLLM_CUTLASS, no global sf)")
-def reduce_w13_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                           recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "nvfp4.reduce_w13_input_scale",
+    Tag.TRANSFORM,
+    reads=("w13_input_scale",),
+    writes=("w13_input_scale",),
+    source="flashinfer_fp4_moe.prepare_nvfp4_moe_layer_for_fi_or_cutlass: "
+    "a13_scale.max(dim=1) (VLLM_CUTLASS, no global sf)",
+)
+def reduce_w13_input_scale(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM ``w13_input_scale [E, 2]`` -> ``[E]`` fp32 (max over w1/w3).
 
     Source: flashinfer_fp4_moe.prepare_nvfp4_moe_layer_for_fi_or_cutlass:
         a13_scale.max(dim=1) (VLLM_CUTLASS, no global sf)
     """
-    return StageOut(tensors={"w13_input_scale":
-                             tensors["w13_input_scale"].max(dim=1).values.to(torch.float32)})
+    return StageOut(
+        tensors={"w13_input_scale": tensors["w13_input_scale"].max(dim=1).values.to(torch.float32)}
+    )
 
 
-@stage("nvfp4.swizzle_moe_scales", Tag.TRANSFORM,
-       reads=("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"),
-       writes=("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"),
-       source="flashinfer_fp4_moe.prepare_nvfp4_moe_layer_for_fi_or_cutlass "
-              "(swizzle_blockscale, non-gated padding)")
-def swizzle_moe_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                       recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "nvfp4.swizzle_moe_scales",
+    Tag.TRANSFORM,
+    reads=("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"),
+    writes=("w13_weight", "w13_weight_scale", "w2_weight", "w2_weight_scale"),
+    source="flashinfer_fp4_moe.prepare_nvfp4_moe_layer_for_fi_or_cutlass "
+    "(swizzle_blockscale, non-gated padding)",
+)
+def swizzle_moe_scales(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM expert block scales ``[E, R, C/16]`` -> swizzled ``[E, round_up(R,128),
     round_up(C/16,4)]``; for non-gated experts whose w13 rows were padded by the
     swizzle, ``w13_weight``, ``w2_weight`` and the w2 scales are zero-padded to match.
@@ -300,22 +409,31 @@ def swizzle_moe_scales(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
             raise Nvfp4LayoutError(
                 f"layer {config.name!r}: gated NVFP4 MoE with 2*I={w13.shape[1]} not a "
                 f"multiple of {SWIZZLE_ROW_TILE} needs intermediate padding, which the "
-                f"CUTLASS experts do not support; use another MoE backend")
+                f"CUTLASS experts do not support; use another MoE backend"
+            )
         out["w13_weight"] = torch.nn.functional.pad(w13, (0, 0, 0, pad))
         out["w2_weight"] = torch.nn.functional.pad(w2, (0, pad // FP4_PER_BYTE, 0, 0))
-        w2_scale = torch.nn.functional.pad(w2_scale.view(torch.uint8),
-                                           (0, pad // NVFP4_GROUP_SIZE)).view(w2_scale.dtype)
+        w2_scale = torch.nn.functional.pad(
+            w2_scale.view(torch.uint8), (0, pad // NVFP4_GROUP_SIZE)
+        ).view(w2_scale.dtype)
     out["w2_weight_scale"] = swizzle_blockscale(w2_scale)
     return StageOut(tensors=out)
 
 
-@stage("nvfp4.fuse_moe_activation_scale", Tag.TRANSFORM,
-       reads=("w13_weight_scale_2", "w13_input_scale", "w2_weight_scale_2", "w2_input_scale"),
-       writes=("w13_weight_scale_2", "w2_weight_scale_2"),
-       source="fused_moe.experts.cutlass_moe.CutlassExpertsFp4.process_weights_after_loading "
-              "(vLLM: in-place mul_)")
-def fuse_moe_activation_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                              target: Target, recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "nvfp4.fuse_moe_activation_scale",
+    Tag.TRANSFORM,
+    reads=("w13_weight_scale_2", "w13_input_scale", "w2_weight_scale_2", "w2_input_scale"),
+    writes=("w13_weight_scale_2", "w2_weight_scale_2"),
+    source="fused_moe.experts.cutlass_moe.CutlassExpertsFp4.process_weights_after_loading "
+    "(vLLM: in-place mul_)",
+)
+def fuse_moe_activation_scale(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """TRANSFORM: ``w13_weight_scale_2 * w13_input_scale`` and ``w2_weight_scale_2 *
     w2_input_scale`` as *new* ``[E]`` fp32 tensors (the inputs are untouched).
 
@@ -325,16 +443,27 @@ def fuse_moe_activation_scale(tensors: Mapping[str, torch.Tensor], config: Layer
     Source: fused_moe.experts.cutlass_moe.CutlassExpertsFp4.process_weights_after_loading
         (vLLM: in-place mul_)
     """
-    return StageOut(tensors={
-        "w13_weight_scale_2": tensors["w13_weight_scale_2"] * tensors["w13_input_scale"],
-        "w2_weight_scale_2": tensors["w2_weight_scale_2"] * tensors["w2_input_scale"]})
+    return StageOut(
+        tensors={
+            "w13_weight_scale_2": tensors["w13_weight_scale_2"] * tensors["w13_input_scale"],
+            "w2_weight_scale_2": tensors["w2_weight_scale_2"] * tensors["w2_input_scale"],
+        }
+    )
 
 
-@stage("nvfp4.set_moe_dims", Tag.METADATA, reads=("w13_weight", "w2_weight"),
-       attrs=("moe_num_experts", "moe_hidden_dim", "moe_intermediate_size_per_partition"),
-       source=f"{_MOE}._restore_padded_moe_dims (dims recovered from exported shapes)")
-def set_moe_dims(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                 recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "nvfp4.set_moe_dims",
+    Tag.METADATA,
+    reads=("w13_weight", "w2_weight"),
+    attrs=("moe_num_experts", "moe_hidden_dim", "moe_intermediate_size_per_partition"),
+    source=f"{_MOE}._restore_padded_moe_dims (dims recovered from exported shapes)",
+)
+def set_moe_dims(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """METADATA: expert count, (padded) hidden dim and intermediate size from the final
     ``w2_weight [E, H, I/2]`` shape, as vLLM's pre-processed TRTLLM branch does.
 
@@ -343,6 +472,10 @@ def set_moe_dims(tensors: Mapping[str, torch.Tensor], config: LayerConfig, targe
         (dims recovered from exported shapes)
     """
     w2 = tensors["w2_weight"]
-    return StageOut(attrs={"moe_num_experts": int(w2.shape[0]),
-                           "moe_hidden_dim": int(w2.shape[1]),
-                           "moe_intermediate_size_per_partition": int(w2.shape[2]) * FP4_PER_BYTE})
+    return StageOut(
+        attrs={
+            "moe_num_experts": int(w2.shape[0]),
+            "moe_hidden_dim": int(w2.shape[1]),
+            "moe_intermediate_size_per_partition": int(w2.shape[2]) * FP4_PER_BYTE,
+        }
+    )

@@ -29,14 +29,27 @@ from wcache.stages.common import (  # noqa: F401 (re-exported)
     require_op,
 )
 
-__all__ = ["PRIMITIVE_CACHE_SIZE", "CPUDNNLGEMMHandler", "OneDNNLinear",
-           "create_onednn_mm", "create_onednn_scaled_mm", "onednn_mm",
-           "prepack_weight", "convert_scale_to_channelwise", "fold_input_scale",
-           "compute_azp_adj", "prepack_scaled_weight", "sgl_selected", "ONEDNN_LINEAR_METHOD"]
+__all__ = [
+    "PRIMITIVE_CACHE_SIZE",
+    "CPUDNNLGEMMHandler",
+    "OneDNNLinear",
+    "create_onednn_mm",
+    "create_onednn_scaled_mm",
+    "onednn_mm",
+    "prepack_weight",
+    "convert_scale_to_channelwise",
+    "fold_input_scale",
+    "compute_azp_adj",
+    "prepack_scaled_weight",
+    "sgl_selected",
+    "ONEDNN_LINEAR_METHOD",
+]
 
 _UTILS = "vllm/model_executor/layers/utils.py::dispatch_cpu_unquantized_gemm"
-_SCALED = ("vllm/model_executor/kernels/linear/scaled_mm/cpu.py::"
-           "CPUInt8ScaledMMLinearKernel.process_weights_for_onednn")
+_SCALED = (
+    "vllm/model_executor/kernels/linear/scaled_mm/cpu.py::"
+    "CPUInt8ScaledMMLinearKernel.process_weights_for_onednn"
+)
 
 #: oneDNN primitive cache entries per handle; vLLM passes 32 in both dispatches.
 PRIMITIVE_CACHE_SIZE = 32
@@ -70,8 +83,9 @@ class CPUDNNLGEMMHandler:
             self.handler_tensor = None
 
 
-def create_onednn_mm(weight_kn: torch.Tensor,
-                     primitive_cache_size: int = PRIMITIVE_CACHE_SIZE) -> CPUDNNLGEMMHandler:
+def create_onednn_mm(
+    weight_kn: torch.Tensor, primitive_cache_size: int = PRIMITIVE_CACHE_SIZE
+) -> CPUDNNLGEMMHandler:
     """Prepack an unquantized weight.
 
     Args:
@@ -110,7 +124,9 @@ def _prepack(weight: torch.Tensor, memo: Mapping | None) -> tuple[CPUDNNLGEMMHan
     return handle, {ident: handle}
 
 
-def onednn_mm(handle: CPUDNNLGEMMHandler, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def onednn_mm(
+    handle: CPUDNNLGEMMHandler, x: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """``x [..., K] @ W [K, N] + bias`` through the handle.
 
     Source: vllm/_custom_ops.py::onednn_mm.
@@ -130,17 +146,23 @@ class OneDNNLinear:
     def __init__(self, handle: CPUDNNLGEMMHandler):
         self.handle = handle
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None,
-                 bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
+    ) -> torch.Tensor:
         return onednn_mm(self.handle, x, bias)
 
     def __repr__(self) -> str:
         return f"OneDNNLinear(k={self.handle.k}, n={self.handle.n})"
 
 
-def create_onednn_scaled_mm(weight_kn: torch.Tensor, weight_scales: torch.Tensor,
-                            output_type: torch.dtype, dynamic_quant: bool, use_azp: bool,
-                            primitive_cache_size: int = PRIMITIVE_CACHE_SIZE) -> CPUDNNLGEMMHandler:
+def create_onednn_scaled_mm(
+    weight_kn: torch.Tensor,
+    weight_scales: torch.Tensor,
+    output_type: torch.dtype,
+    dynamic_quant: bool,
+    use_azp: bool,
+    primitive_cache_size: int = PRIMITIVE_CACHE_SIZE,
+) -> CPUDNNLGEMMHandler:
     """Prepack an int8 weight for ``onednn_scaled_mm``.
 
     Args:
@@ -154,8 +176,7 @@ def create_onednn_scaled_mm(weight_kn: torch.Tensor, weight_scales: torch.Tensor
     """
     op = require_op("_C", "create_onednn_scaled_mm_handler")
     k, n = weight_kn.size()
-    ptr = op(weight_kn, weight_scales, output_type, dynamic_quant, use_azp,
-             primitive_cache_size)
+    ptr = op(weight_kn, weight_scales, output_type, dynamic_quant, use_azp, primitive_cache_size)
     return CPUDNNLGEMMHandler(ptr, k, n, keepalive=(weight_kn, weight_scales))
 
 
@@ -178,10 +199,22 @@ def sgl_selected(size_n: int, size_k: int, dtype: torch.dtype, target: Target) -
 # --------------------------------------------------------------------------- unquantized
 
 
-@stage("onednn.prepack_weight", Tag.DERIVE, reads=("weight",), attrs=("cpu_linear",),
-       source=f"{_UTILS} (oneDNN branch)", memoized=True)
-def prepack_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                   recorded: Mapping[str, Any], *, memo: Mapping | None = None) -> StageOut:
+@stage(
+    "onednn.prepack_weight",
+    Tag.DERIVE,
+    reads=("weight",),
+    attrs=("cpu_linear",),
+    source=f"{_UTILS} (oneDNN branch)",
+    memoized=True,
+)
+def prepack_weight(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+    *,
+    memo: Mapping | None = None,
+) -> StageOut:
     """Build ``layer.cpu_linear`` over a private oneDNN copy of ``weight`` ``[N, K]``.
 
     Linear layers then release the weight (vLLM's ``remove_weight=True``: an empty
@@ -200,13 +233,16 @@ def prepack_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, tar
     if weight.device.type == "meta":
         return StageOut(attrs={"cpu_linear": F.linear})
     if weight.dim() != 2:
-        raise StageInputError(f"layer {config.name!r}: oneDNN prepack needs a 2-D weight, "
-                              f"got {tuple(weight.shape)}")
+        raise StageInputError(
+            f"layer {config.name!r}: oneDNN prepack needs a 2-D weight, got {tuple(weight.shape)}"
+        )
     branch = cpu_gemm.gemm_branch(config, target)
     if branch != GEMM_ONEDNN or target.has("power"):
-        raise StageInputError(f"layer {config.name!r}: vLLM does not use oneDNN for this "
-                              f"weight on the target (its decision: {branch}); this stage "
-                              f"does not apply")
+        raise StageInputError(
+            f"layer {config.name!r}: vLLM does not use oneDNN for this "
+            f"weight on the target (its decision: {branch}); this stage "
+            f"does not apply"
+        )
     handle, new = _prepack(weight, memo)
     release = ("weight",) if config.quant.layer_kind != "embedding" else ()
     return StageOut(attrs={"cpu_linear": OneDNNLinear(handle)}, release=release, memo=new)
@@ -215,17 +251,24 @@ def prepack_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig, tar
 # --------------------------------------------------------------------------- W8A8 INT8
 
 
-
 def _is_fused(config: LayerConfig) -> bool:
     return len(tuple(config.get("logical_widths", ()))) > 1
 
 
-@stage("onednn.convert_scale_to_channelwise", Tag.TRANSFORM, reads=("weight_scale",),
-       writes=("weight_scale",),
-       source=f"{_SCALED} (convert_to_channelwise for fused per-tensor scales; "
-              f"w8a8_utils.py::convert_to_channelwise)")
-def convert_scale_to_channelwise(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                                 target: Target, recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "onednn.convert_scale_to_channelwise",
+    Tag.TRANSFORM,
+    reads=("weight_scale",),
+    writes=("weight_scale",),
+    source=f"{_SCALED} (convert_to_channelwise for fused per-tensor scales; "
+    f"w8a8_utils.py::convert_to_channelwise)",
+)
+def convert_scale_to_channelwise(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """Fused layers with per-tensor scales: ``weight_scale`` ``[#shards]`` -> fp32
     ``[N, 1]`` (each shard's scale repeated over its ``logical_widths`` rows);
     otherwise unchanged (returned as is). ``logical_widths`` comes from
@@ -235,23 +278,33 @@ def convert_scale_to_channelwise(tensors: Mapping[str, torch.Tensor], config: La
         return StageOut()
     widths = tuple(config.get("logical_widths"))
     if scale.numel() != len(widths):
-        raise StageInputError(f"layer {config.name!r}: {scale.numel()} per-tensor scales "
-                              f"for {len(widths)} logical widths {widths}")
+        raise StageInputError(
+            f"layer {config.name!r}: {scale.numel()} per-tensor scales "
+            f"for {len(widths)} logical widths {widths}"
+        )
     out = torch.empty((sum(widths), 1), dtype=torch.float32, device=scale.device)
     if scale.device.type != "meta":
         start = 0
         for idx, width in enumerate(widths):
-            out[start:start + width, :] = scale[idx]
+            out[start : start + width, :] = scale[idx]
             start += width
     return StageOut(tensors={"weight_scale": out})
 
 
-@stage("onednn.fold_input_scale", Tag.TRANSFORM, reads=("input_scale", "input_zero_point"),
-       writes=("input_scale", "input_zero_point"),
-       optional=("input_scale", "input_zero_point"),
-       source=f"{_SCALED} (INPUT SCALE block)")
-def fold_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                     recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "onednn.fold_input_scale",
+    Tag.TRANSFORM,
+    reads=("input_scale", "input_zero_point"),
+    writes=("input_scale", "input_zero_point"),
+    optional=("input_scale", "input_zero_point"),
+    source=f"{_SCALED} (INPUT SCALE block)",
+)
+def fold_input_scale(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """Static activations only (dynamic: no change).
 
     Symmetric: ``input_scale`` fp32 ``[1]`` -> its max, 0-d. Asymmetric: rebuild the
@@ -261,10 +314,19 @@ def fold_input_scale(tensors: Mapping[str, torch.Tensor], config: LayerConfig, t
     return StageOut(tensors=fold_int8_static_input(tensors, config, round_zero_point=True))
 
 
-@stage("onednn.compute_azp_adj", Tag.TRANSFORM, reads=("weight", "weight_scale"),
-       writes=("azp_adj",), source=f"{_SCALED} (azp_adj term)")
-def compute_azp_adj(tensors: Mapping[str, torch.Tensor], config: LayerConfig, target: Target,
-                    recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "onednn.compute_azp_adj",
+    Tag.TRANSFORM,
+    reads=("weight", "weight_scale"),
+    writes=("azp_adj",),
+    source=f"{_SCALED} (azp_adj term)",
+)
+def compute_azp_adj(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """Unless symmetric and static: ``azp_adj`` fp32 ``[1, N]`` =
     ``sum_k W[k, n] * weight_scale[n]`` (computed on the ``[K, N]`` view as vLLM does)."""
     if config.quant.input_symmetric and config.quant.static_input:
@@ -275,12 +337,20 @@ def compute_azp_adj(tensors: Mapping[str, torch.Tensor], config: LayerConfig, ta
     return StageOut(tensors={"azp_adj": azp_adj})
 
 
-@stage("onednn.prepack_scaled_weight", Tag.DERIVE,
-       reads=("weight", "weight_scale", "input_scale"), optional=("input_scale",),
-       attrs=("weight", "dnnl_handler", "linear_method"),
-       source=f"{_SCALED} (create_onednn_scaled_mm, then setattr(layer, 'weight', None))")
-def prepack_scaled_weight(tensors: Mapping[str, torch.Tensor], config: LayerConfig,
-                          target: Target, recorded: Mapping[str, Any]) -> StageOut:
+@stage(
+    "onednn.prepack_scaled_weight",
+    Tag.DERIVE,
+    reads=("weight", "weight_scale", "input_scale"),
+    optional=("input_scale",),
+    attrs=("weight", "dnnl_handler", "linear_method"),
+    source=f"{_SCALED} (create_onednn_scaled_mm, then setattr(layer, 'weight', None))",
+)
+def prepack_scaled_weight(
+    tensors: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+) -> StageOut:
     """Build ``dnnl_handler`` from int8 ``weight`` ``[N, K]`` (passed as the
     ``[K, N]`` view) and ``weight_scale``; set ``linear_method`` to
     :data:`ONEDNN_LINEAR_METHOD` (the kernel's oneDNN apply); release ``weight``
@@ -298,15 +368,24 @@ def prepack_scaled_weight(tensors: Mapping[str, torch.Tensor], config: LayerConf
     weight = tensors["weight"]
     n, k = weight.size()
     if config.quant.input_symmetric and sgl_selected(n, k, torch.int8, target):
-        raise StageInputError(f"layer {config.name!r}: the target selects the AMX SGL int8 "
-                              f"kernel (a byte transform); no wcache plan for it")
+        raise StageInputError(
+            f"layer {config.name!r}: the target selects the AMX SGL int8 "
+            f"kernel (a byte transform); no wcache plan for it"
+        )
     if weight.device.type == "meta":  # shapes only: no handle can be built without bytes
-        return StageOut(attrs={"weight": None, "dnnl_handler": None,
-                               "linear_method": ONEDNN_LINEAR_METHOD}, release=("weight",))
+        return StageOut(
+            attrs={"weight": None, "dnnl_handler": None, "linear_method": ONEDNN_LINEAR_METHOD},
+            release=("weight",),
+        )
     handle = create_onednn_scaled_mm(
-        weight.t(), tensors["weight_scale"], config.dtype,
-        "input_scale" not in tensors, not config.quant.input_symmetric, PRIMITIVE_CACHE_SIZE)
+        weight.t(),
+        tensors["weight_scale"],
+        config.dtype,
+        "input_scale" not in tensors,
+        not config.quant.input_symmetric,
+        PRIMITIVE_CACHE_SIZE,
+    )
     return StageOut(
         attrs={"weight": None, "dnnl_handler": handle, "linear_method": ONEDNN_LINEAR_METHOD},
-        release=("weight",))
-
+        release=("weight",),
+    )

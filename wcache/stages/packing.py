@@ -23,9 +23,18 @@ import torch
 from wcache.stages.common import StageInputError
 
 __all__ = [
-    "BITS_PER_INT32", "AWQ_NUM_BITS", "AWQ_PACK_ORDER", "AWQ_REVERSE_PACK_ORDER",
-    "pack_factor", "pack_int32", "unpack_int32", "pack_awq", "unpack_awq",
-    "awq_to_standard", "round_up", "pad_to",
+    "BITS_PER_INT32",
+    "AWQ_NUM_BITS",
+    "AWQ_PACK_ORDER",
+    "AWQ_REVERSE_PACK_ORDER",
+    "pack_factor",
+    "pack_int32",
+    "unpack_int32",
+    "pack_awq",
+    "unpack_awq",
+    "awq_to_standard",
+    "round_up",
+    "pad_to",
 ]
 
 #: int32 words hold the packed values.
@@ -47,8 +56,10 @@ def pack_factor(num_bits: int) -> int:
         StageInputError: ``num_bits`` does not divide 32.
     """
     if num_bits <= 0 or BITS_PER_INT32 % num_bits:
-        raise StageInputError(f"num_bits={num_bits} does not divide {BITS_PER_INT32}; "
-                              f"only 1, 2, 4, 8, 16-bit values pack into int32 words")
+        raise StageInputError(
+            f"num_bits={num_bits} does not divide {BITS_PER_INT32}; "
+            f"only 1, 2, 4, 8, 16-bit values pack into int32 words"
+        )
     return BITS_PER_INT32 // num_bits
 
 
@@ -85,9 +96,11 @@ def pack_int32(values: torch.Tensor, num_bits: int, packed_dim: int) -> torch.Te
     ndim = values.dim()
     packed_dim = packed_dim % ndim
     if values.shape[packed_dim] % pf:
-        raise StageInputError(f"cannot pack dim {packed_dim} of size "
-                              f"{values.shape[packed_dim]} by {pf}; it must be a multiple "
-                              f"of {pf}")
+        raise StageInputError(
+            f"cannot pack dim {packed_dim} of size "
+            f"{values.shape[packed_dim]} by {pf}; it must be a multiple "
+            f"of {pf}"
+        )
     perm, inv_perm = _to_end(ndim, packed_dim)
     v = values.permute(perm).to(torch.int32)
     mask = (1 << num_bits) - 1
@@ -132,8 +145,9 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, packed_dim: int) -> torch.
 
 def _check_awq(packed: torch.Tensor, what: str) -> None:
     if packed.dim() != 2 or packed.dtype != torch.int32:
-        raise StageInputError(f"AWQ {what} must be 2-D int32, got {tuple(packed.shape)} "
-                              f"{packed.dtype}")
+        raise StageInputError(
+            f"AWQ {what} must be 2-D int32, got {tuple(packed.shape)} {packed.dtype}"
+        )
 
 
 def _awq_orders(num_bits: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -178,8 +192,9 @@ def unpack_awq(packed: torch.Tensor, num_bits: int = AWQ_NUM_BITS) -> torch.Tens
     return slots[:, :, order].reshape(rows, words * pf)
 
 
-def awq_to_standard(qweight: torch.Tensor, qzeros: torch.Tensor | None,
-                    num_bits: int = AWQ_NUM_BITS) -> tuple[torch.Tensor, torch.Tensor | None]:
+def awq_to_standard(
+    qweight: torch.Tensor, qzeros: torch.Tensor | None, num_bits: int = AWQ_NUM_BITS
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """AWQ packing -> the standard (GPTQ / compressed-tensors) packing.
 
     Args:
@@ -232,11 +247,15 @@ def _pack_rows_by_sum(values: torch.Tensor, num_bits: int, what: str) -> torch.T
     pf = pack_factor(num_bits)
     rows, cols = values.shape
     if rows % pf:
-        raise StageInputError(f"cannot pack AWQ {what} of size {rows} by {pf}; "
-                              f"it must be a multiple of {pf}")
+        raise StageInputError(
+            f"cannot pack AWQ {what} of size {rows} by {pf}; it must be a multiple of {pf}"
+        )
     shifts = torch.arange(0, 32, num_bits, dtype=torch.int32, device=values.device)
-    return (values.reshape(rows // pf, pf, cols).to(torch.int32)
-            << shifts[None, :, None]).sum(dim=1, dtype=torch.int32).contiguous()
+    return (
+        (values.reshape(rows // pf, pf, cols).to(torch.int32) << shifts[None, :, None])
+        .sum(dim=1, dtype=torch.int32)
+        .contiguous()
+    )
 
 
 def round_up(x: int, multiple: int) -> int:

@@ -13,20 +13,45 @@ Engine side::
     with attach(key, device="cpu", device_id="cpu-rank0-<job>") as att:
         att.tensors["model.embed_tokens.weight"]   # a read-only zero-copy view
 """
+
 import importlib
 
 # Imported on first use (PEP 562), so that ``import wcache.store.<module>`` loads only
 # that module's imports: the lean serving process (wcache.store.lean) must not import
 # torch, which the client and the arena builders need.
 _EXPORTS = {
-    "wcache.store.client": ("Attachment", "attach", "cli_status", "cli_stop", "daemon_status",
-                            "invalidate_daemon", "shutdown_daemon"),
-    "wcache.store.errors": ("ArenaInvalidated", "CheckpointChanged", "DaemonBusy", "DaemonMissing",
-                            "KeyMismatch", "PeerRefused", "ProtocolError", "Released", "StoreError",
-                            "TransportFailed", "UnsafePath"),
-    "wcache.store.fingerprint": ("DigestCache", "DigestingReader", "checkpoint_digest",
-                                 "checkpoint_key_fields", "checkpoint_stats", "digest_file",
-                                 "read_file_digest", "verify_checkpoint_unchanged"),
+    "wcache.store.client": (
+        "Attachment",
+        "attach",
+        "cli_status",
+        "cli_stop",
+        "daemon_status",
+        "invalidate_daemon",
+        "shutdown_daemon",
+    ),
+    "wcache.store.errors": (
+        "ArenaInvalidated",
+        "CheckpointChanged",
+        "DaemonBusy",
+        "DaemonMissing",
+        "KeyMismatch",
+        "PeerRefused",
+        "ProtocolError",
+        "Released",
+        "StoreError",
+        "TransportFailed",
+        "UnsafePath",
+    ),
+    "wcache.store.fingerprint": (
+        "DigestCache",
+        "DigestingReader",
+        "checkpoint_digest",
+        "checkpoint_key_fields",
+        "checkpoint_stats",
+        "digest_file",
+        "read_file_digest",
+        "verify_checkpoint_unchanged",
+    ),
     "wcache.store.manifest": ("CacheKey", "Export", "Manifest"),
     "wcache.store.paths": ("default_socket_dir", "socket_path"),
     "wcache.store.server": ("DaemonServer", "serve"),
@@ -45,11 +70,37 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "Export", "CacheKey", "Manifest", "DaemonServer", "serve", "attach", "Attachment",
-    "checkpoint_digest", "checkpoint_key_fields", "checkpoint_stats", "verify_checkpoint_unchanged",
-    "digest_file", "read_file_digest", "DigestCache",
-    "DigestingReader", "default_socket_dir", "socket_path", "daemon_status", "shutdown_daemon",
-    "cli_status", "cli_stop", "invalidate_daemon", "ArenaInvalidated",
-    "StoreError", "DaemonMissing", "KeyMismatch", "TransportFailed", "ProtocolError", "DaemonBusy",
-    "Released", "UnsafePath", "PeerRefused", "CheckpointChanged",
+    "Export",
+    "CacheKey",
+    "Manifest",
+    "DaemonServer",
+    "serve",
+    "attach",
+    "Attachment",
+    "checkpoint_digest",
+    "checkpoint_key_fields",
+    "checkpoint_stats",
+    "verify_checkpoint_unchanged",
+    "digest_file",
+    "read_file_digest",
+    "DigestCache",
+    "DigestingReader",
+    "default_socket_dir",
+    "socket_path",
+    "daemon_status",
+    "shutdown_daemon",
+    "cli_status",
+    "cli_stop",
+    "invalidate_daemon",
+    "ArenaInvalidated",
+    "StoreError",
+    "DaemonMissing",
+    "KeyMismatch",
+    "TransportFailed",
+    "ProtocolError",
+    "DaemonBusy",
+    "Released",
+    "UnsafePath",
+    "PeerRefused",
+    "CheckpointChanged",
 ]

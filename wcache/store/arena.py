@@ -41,8 +41,18 @@ from wcache.store.manifest import (
 from wcache.store.transport_cuda import drain_before_free
 
 __all__ = [
-    "CPU_ALIGNMENT", "CUDA_ALIGNMENT", "SEALS", "Block", "plan_layout", "make_manifest",
-    "build_shm_arena", "build_cuda_arena", "sealed_memfd", "tensor_views", "map_shm_readonly", "frombuffer_readonly",
+    "CPU_ALIGNMENT",
+    "CUDA_ALIGNMENT",
+    "SEALS",
+    "Block",
+    "plan_layout",
+    "make_manifest",
+    "build_shm_arena",
+    "build_cuda_arena",
+    "sealed_memfd",
+    "tensor_views",
+    "map_shm_readonly",
+    "frombuffer_readonly",
     "allow_private_writes_",
 ]
 
@@ -82,8 +92,9 @@ class Block:
     source_start: int
 
 
-def plan_layout(tensors: Mapping[str, torch.Tensor], alignment: int
-                ) -> tuple[tuple[Block, ...], dict[str, tuple[int, int]], int]:
+def plan_layout(
+    tensors: Mapping[str, torch.Tensor], alignment: int
+) -> tuple[tuple[Block, ...], dict[str, tuple[int, int]], int]:
     """Place the storage spans of ``tensors`` in one arena.
 
     Args:
@@ -123,22 +134,49 @@ def plan_layout(tensors: Mapping[str, torch.Tensor], alignment: int
     return tuple(blocks), placed, max(_align_up(cursor, alignment), alignment)
 
 
-def make_manifest(export: Export, key: CacheKey, device: str, alignment: int,
-                  placed: Mapping[str, tuple[int, int]], arena_nbytes: int) -> Manifest:
+def make_manifest(
+    export: Export,
+    key: CacheKey,
+    device: str,
+    alignment: int,
+    placed: Mapping[str, tuple[int, int]],
+    arena_nbytes: int,
+) -> Manifest:
     """The manifest of an export laid out by :func:`plan_layout`."""
+
     def persistent(name: str) -> bool:
         return name not in export.nonpersistent
 
-    entries = [TensorEntry(name, placed[name][0], placed[name][1], dtype_name(t.dtype),
-                           tuple(t.shape), tuple(t.stride()), export.kinds[name],
-                           persistent(name) if export.kinds[name] == KIND_BUFFER else True)
-               for name, t in export.tensors.items()]
+    entries = [
+        TensorEntry(
+            name,
+            placed[name][0],
+            placed[name][1],
+            dtype_name(t.dtype),
+            tuple(t.shape),
+            tuple(t.stride()),
+            export.kinds[name],
+            persistent(name) if export.kinds[name] == KIND_BUFFER else True,
+        )
+        for name, t in export.tensors.items()
+    ]
     aliases = []
     for alias, target in export.aliases.items():
         kind = export.kinds.get(alias, export.kinds[target])
-        aliases.append(AliasEntry(alias, target, kind, persistent(alias) if kind == KIND_BUFFER else True))
-    return Manifest(MANIFEST_FORMAT_VERSION, key.fields, device, alignment, arena_nbytes,
-                    entries, aliases, dict(export.layers), dict(export.extra))
+        aliases.append(
+            AliasEntry(alias, target, kind, persistent(alias) if kind == KIND_BUFFER else True)
+        )
+    return Manifest(
+        MANIFEST_FORMAT_VERSION,
+        key.fields,
+        device,
+        alignment,
+        arena_nbytes,
+        entries,
+        aliases,
+        dict(export.layers),
+        dict(export.extra),
+    )
 
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -162,12 +200,14 @@ def _fill(dst, export: Export, blocks: tuple[Block, ...]) -> None:
     try:
         base_addr = ctypes.addressof(anchor) if anchor is not None else 0
         for b in blocks:
-            src = _storage_bytes(export.tensors[b.source].detach())[b.source_start:b.source_start + b.nbytes]
+            src = _storage_bytes(export.tensors[b.source].detach())[
+                b.source_start : b.source_start + b.nbytes
+            ]
             if anchor is not None:
                 src = src.cpu()  # no-op for CPU tensors; keeps a device tensor's copy alive
                 ctypes.memmove(base_addr + b.offset, src.data_ptr(), b.nbytes)
             else:
-                dst[b.offset:b.offset + b.nbytes].copy_(src)
+                dst[b.offset : b.offset + b.nbytes].copy_(src)
             done += b.nbytes
             if done >= next_log + PROGRESS_EVERY_BYTES:
                 next_log = done
@@ -240,12 +280,19 @@ def build_shm_arena(export: Export, key: CacheKey) -> tuple[int, Manifest]:
     blocks, placed, nbytes = plan_layout(export.tensors, CPU_ALIGNMENT)
     manifest = make_manifest(export, key, "cpu", CPU_ALIGNMENT, placed, nbytes)
     fd = sealed_memfd(nbytes, lambda mm: _fill(mm, export, blocks), "the shm arena")
-    log.info("arena (shm): %d tensors, %d aliases, %.1f MiB in %.3f s", len(manifest.tensors),
-             len(manifest.aliases), nbytes / 2**20, time.perf_counter() - t0)
+    log.info(
+        "arena (shm): %d tensors, %d aliases, %.1f MiB in %.3f s",
+        len(manifest.tensors),
+        len(manifest.aliases),
+        nbytes / 2**20,
+        time.perf_counter() - t0,
+    )
     return fd, manifest
 
 
-def build_cuda_arena(export: Export, key: CacheKey, device_index: int) -> tuple[torch.Tensor, Manifest]:
+def build_cuda_arena(
+    export: Export, key: CacheKey, device_index: int
+) -> tuple[torch.Tensor, Manifest]:
     """Copy the export into one uint8 allocation on ``cuda:<device_index>``.
 
     Returns:
@@ -259,11 +306,15 @@ def build_cuda_arena(export: Export, key: CacheKey, device_index: int) -> tuple[
         _fill(arena, export, blocks)
         torch.cuda.synchronize(device_index)
     except BaseException:
-
         drain_before_free(device_index, "a cuda_ipc arena whose copy failed", arena)
         raise
-    log.info("arena (cuda:%d): %d tensors, %.1f MiB in %.3f s", device_index, len(manifest.tensors),
-             nbytes / 2**20, time.perf_counter() - t0)
+    log.info(
+        "arena (cuda:%d): %d tensors, %.1f MiB in %.3f s",
+        device_index,
+        len(manifest.tensors),
+        nbytes / 2**20,
+        time.perf_counter() - t0,
+    )
     return arena, manifest
 
 
@@ -276,21 +327,26 @@ def tensor_views(base: torch.Tensor, manifest: Manifest) -> dict[str, torch.Tens
         TransportFailed: the base is smaller than the manifest's arena.
     """
     if base.dtype != torch.uint8 or base.dim() != 1 or base.numel() < manifest.arena_nbytes:
-        raise TransportFailed(f"arena base has {base.numel()} bytes, the manifest needs "
-                              f"{manifest.arena_nbytes}")
+        raise TransportFailed(
+            f"arena base has {base.numel()} bytes, the manifest needs {manifest.arena_nbytes}"
+        )
     out: dict[str, torch.Tensor] = {}
     # One typed view of the whole arena per dtype, then one as_strided per
     # tensor (offsets are multiples of the itemsize, arena_nbytes of the alignment).
     if base.storage_offset() % manifest.alignment:
-        raise TransportFailed(f"arena base starts {base.storage_offset()} bytes into its storage, "
-                              f"not on a {manifest.alignment}-byte boundary")
+        raise TransportFailed(
+            f"arena base starts {base.storage_offset()} bytes into its storage, "
+            f"not on a {manifest.alignment}-byte boundary"
+        )
     typed: dict[str, torch.Tensor] = {}
     for e in manifest.tensors:
         if e.dtype not in typed:
-            typed[e.dtype] = base[:manifest.arena_nbytes].view(dtype_from_name(e.dtype))
+            typed[e.dtype] = base[: manifest.arena_nbytes].view(dtype_from_name(e.dtype))
         flat = typed[e.dtype]
         # as_strided's offset counts elements from the start of the storage.
-        out[e.name] = flat.as_strided(e.shape, e.stride, (base.storage_offset() + e.offset) // flat.element_size())
+        out[e.name] = flat.as_strided(
+            e.shape, e.stride, (base.storage_offset() + e.offset) // flat.element_size()
+        )
     for a in manifest.aliases:
         out[a.name] = out[a.target]
     return out
@@ -314,7 +370,9 @@ def map_shm_readonly(fd: int, nbytes: int, *, private: bool = False) -> mmap.mma
         raise TransportFailed(f"the arena fd cannot be sealed (not a memfd?): {e}") from e
     need = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
     if seals & need != need:
-        raise TransportFailed(f"the arena memfd is not sealed (seals {seals:#x}); refusing a writable arena")
+        raise TransportFailed(
+            f"the arena memfd is not sealed (seals {seals:#x}); refusing a writable arena"
+        )
     size = os.fstat(fd).st_size
     if size != nbytes:
         raise TransportFailed(f"the arena memfd has {size} bytes, the manifest says {nbytes}")

@@ -31,7 +31,11 @@ CUDA_ALGORITHM = "sum64-blake3"
 
 def _cpu_view(t: torch.Tensor) -> memoryview:
     n = t.numel()
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else memoryview(b"")
+    return (
+        memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+        if n
+        else memoryview(b"")
+    )
 
 
 def arena_digest(arena: torch.Tensor) -> tuple[str, str]:
@@ -50,7 +54,7 @@ def arena_digest(arena: torch.Tensor) -> tuple[str, str]:
     words = arena.view(torch.int64)
     sums = []
     for start in range(0, words.numel(), DIGEST_BLOCK_WORDS):
-        w = words[start:start + DIGEST_BLOCK_WORDS]
+        w = words[start : start + DIGEST_BLOCK_WORDS]
         idx = torch.arange(start, start + w.numel(), device=w.device, dtype=torch.int64) * 2 + 1
         sums.append(torch.stack([(w * idx).sum(), w.sum()]))
     host = torch.stack(sums).cpu() if sums else torch.zeros(0, dtype=torch.int64)

@@ -51,9 +51,22 @@ import blake3
 from wcache.errors import ArtifactsCorrupt, ArtifactsMissing, StoreError
 
 __all__ = [
-    "BUNDLE_FORMAT", "BUNDLE_ROOTS", "MAX_BUNDLE_BYTES", "TAR_FILE", "MANIFEST_FILE", "Bundle",
-    "ArtifactsMissing", "ArtifactsCorrupt", "pack_bundle", "bundle_from_bytes", "write_bundle",
-    "read_bundle", "open_bundle_fd", "install_bundle", "InstallResult", "bundle_summary",
+    "BUNDLE_FORMAT",
+    "BUNDLE_ROOTS",
+    "MAX_BUNDLE_BYTES",
+    "TAR_FILE",
+    "MANIFEST_FILE",
+    "Bundle",
+    "ArtifactsMissing",
+    "ArtifactsCorrupt",
+    "pack_bundle",
+    "bundle_from_bytes",
+    "write_bundle",
+    "read_bundle",
+    "open_bundle_fd",
+    "install_bundle",
+    "InstallResult",
+    "bundle_summary",
     "INSTALL_FAILED",
 ]
 
@@ -92,8 +105,8 @@ _NOREPLACE_UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
 #: errnos saying the destination exists (a file, a directory, or a non-empty one).
 _EXISTS = (errno.EEXIST, errno.ENOTEMPTY)
 #: Reasons :class:`InstallResult` gives for a skipped entry.
-SKIP_PRESENT = "present"        # the engine's cache had it (or it appeared meanwhile)
-SKIP_NO_ROOT = "no-root"        # the caller gave no directory for its root
+SKIP_PRESENT = "present"  # the engine's cache had it (or it appeared meanwhile)
+SKIP_NO_ROOT = "no-root"  # the caller gave no directory for its root
 SKIP_NOT_IN_TAR = "not-in-tar"  # listed, but the tar has no member of it (see install_bundle)
 
 
@@ -142,7 +155,9 @@ def _sealed_from(write: Any, what: str) -> tuple[int, int, str]:
             f.flush()
             nbytes = f.tell()
         if nbytes > MAX_BUNDLE_BYTES:
-            raise ArtifactsCorrupt(f"{what} is {nbytes} bytes, over the {MAX_BUNDLE_BYTES}-byte limit")
+            raise ArtifactsCorrupt(
+                f"{what} is {nbytes} bytes, over the {MAX_BUNDLE_BYTES}-byte limit"
+            )
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         return fd, nbytes, _digest_fd(fd, nbytes)
     except BaseException as e:
@@ -160,8 +175,11 @@ def _digest_fd(fd: int, nbytes: int) -> str:
     return h.hexdigest()
 
 
-def pack_bundle(roots: Mapping[str, str | os.PathLike], entries: list[tuple[str, str]],
-                factors: Mapping[str, Any]) -> Bundle:
+def pack_bundle(
+    roots: Mapping[str, str | os.PathLike],
+    entries: list[tuple[str, str]],
+    factors: Mapping[str, Any],
+) -> Bundle:
     """Pack ``entries`` (``(root name, path relative to that root)``, each a
     directory or a file) of the cache directories ``roots`` into a sealed bundle.
 
@@ -213,9 +231,15 @@ def pack_bundle(roots: Mapping[str, str | os.PathLike], entries: list[tuple[str,
                     files.append({"path": name, "nbytes": st.st_size, "blake3": _digest_file(path)})
 
     fd, tar_nbytes, tar_digest = _sealed_from(write, "the start-up artifact bundle")
-    manifest = {"format": BUNDLE_FORMAT, "factors": dict(factors), "entries": carried,
-                "files": files, "nbytes": sum(f["nbytes"] for f in files),
-                "tar_nbytes": tar_nbytes, "tar_blake3": tar_digest}
+    manifest = {
+        "format": BUNDLE_FORMAT,
+        "factors": dict(factors),
+        "entries": carried,
+        "files": files,
+        "nbytes": sum(f["nbytes"] for f in files),
+        "tar_nbytes": tar_nbytes,
+        "tar_blake3": tar_digest,
+    }
     return Bundle(fd, manifest)
 
 
@@ -272,9 +296,11 @@ def bundle_from_bytes(data: bytes | io.BufferedIOBase | Any, manifest: Mapping[s
     fd, nbytes, digest = _sealed_from(write, "the start-up artifact bundle")
     if nbytes != manifest["tar_nbytes"] or digest != manifest["tar_blake3"]:
         os.close(fd)
-        raise ArtifactsCorrupt(f"bundle tar is {nbytes} bytes with blake3 {digest[:16]}, its "
-                               f"manifest says {manifest['tar_nbytes']} bytes, "
-                               f"{str(manifest['tar_blake3'])[:16]}")
+        raise ArtifactsCorrupt(
+            f"bundle tar is {nbytes} bytes with blake3 {digest[:16]}, its "
+            f"manifest says {manifest['tar_nbytes']} bytes, "
+            f"{str(manifest['tar_blake3'])[:16]}"
+        )
     return Bundle(fd, dict(manifest))
 
 
@@ -290,30 +316,49 @@ def _check_manifest(manifest: Any) -> None:
     if not isinstance(manifest, Mapping):
         raise ArtifactsCorrupt(f"bundle manifest is a {type(manifest).__name__}, not a map")
     if manifest.get("format") != BUNDLE_FORMAT:
-        raise ArtifactsCorrupt(f"bundle format {manifest.get('format')!r}, this wcache reads "
-                               f"{BUNDLE_FORMAT}")
-    for name, kind in (("factors", Mapping), ("entries", list), ("files", list), ("nbytes", int),
-                       ("tar_nbytes", int), ("tar_blake3", str)):
+        raise ArtifactsCorrupt(
+            f"bundle format {manifest.get('format')!r}, this wcache reads {BUNDLE_FORMAT}"
+        )
+    for name, kind in (
+        ("factors", Mapping),
+        ("entries", list),
+        ("files", list),
+        ("nbytes", int),
+        ("tar_nbytes", int),
+        ("tar_blake3", str),
+    ):
         if not isinstance(manifest.get(name), kind):
-            raise ArtifactsCorrupt(f"bundle manifest field {name!r} is missing or not a {kind.__name__}")
+            raise ArtifactsCorrupt(
+                f"bundle manifest field {name!r} is missing or not a {kind.__name__}"
+            )
     if not 0 <= manifest["tar_nbytes"] <= MAX_BUNDLE_BYTES:
-        raise ArtifactsCorrupt(f"bundle of {manifest['tar_nbytes']} bytes is over the "
-                               f"{MAX_BUNDLE_BYTES}-byte limit")
+        raise ArtifactsCorrupt(
+            f"bundle of {manifest['tar_nbytes']} bytes is over the {MAX_BUNDLE_BYTES}-byte limit"
+        )
     for entry in manifest["entries"]:
         if not isinstance(entry, Mapping):
             raise ArtifactsCorrupt(f"bundle entry {entry!r:.80} is not a map")
         root, rel = entry.get("root"), entry.get("path")
         if not isinstance(root, str) or not isinstance(rel, str):
-            raise ArtifactsCorrupt(f"bundle entry {dict(entry)!r:.120} lacks a string root and path")
+            raise ArtifactsCorrupt(
+                f"bundle entry {dict(entry)!r:.120} lacks a string root and path"
+            )
         _check_entry(root, rel)
     for item in manifest["files"]:
         if not isinstance(item, Mapping):
             raise ArtifactsCorrupt(f"bundle files item {item!r:.80} is not a map")
         path, digest, nbytes = item.get("path"), item.get("blake3"), item.get("nbytes")
-        if not (isinstance(path, str) and isinstance(digest, str) and isinstance(nbytes, int)
-                and not isinstance(nbytes, bool) and nbytes >= 0):
-            raise ArtifactsCorrupt(f"bundle files item {dict(item)!r:.120} needs a string path and "
-                                   f"blake3 and an int nbytes >= 0")
+        if not (
+            isinstance(path, str)
+            and isinstance(digest, str)
+            and isinstance(nbytes, int)
+            and not isinstance(nbytes, bool)
+            and nbytes >= 0
+        ):
+            raise ArtifactsCorrupt(
+                f"bundle files item {dict(item)!r:.120} needs a string path and "
+                f"blake3 and an int nbytes >= 0"
+            )
 
 
 def open_bundle_fd(manifest: Any, fds: list[int]) -> Bundle:
@@ -333,8 +378,9 @@ def open_bundle_fd(manifest: Any, fds: list[int]) -> Bundle:
             raise ArtifactsCorrupt("the bundle memfd is not sealed against writes")
         size = os.fstat(fd).st_size
         if size != manifest["tar_nbytes"]:
-            raise ArtifactsCorrupt(f"the bundle memfd holds {size} bytes, its manifest says "
-                                   f"{manifest['tar_nbytes']}")
+            raise ArtifactsCorrupt(
+                f"the bundle memfd holds {size} bytes, its manifest says {manifest['tar_nbytes']}"
+            )
     except BaseException:
         for fd in fds:
             try:
@@ -355,9 +401,13 @@ def write_bundle(directory: str | os.PathLike, bundle: Bundle) -> None:
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    for name, write in ((TAR_FILE, lambda f: _copy_fd(bundle, f)),
-                        (MANIFEST_FILE, lambda f: f.write(json.dumps(dict(bundle.manifest),
-                                                                     sort_keys=True).encode()))):
+    for name, write in (
+        (TAR_FILE, lambda f: _copy_fd(bundle, f)),
+        (
+            MANIFEST_FILE,
+            lambda f: f.write(json.dumps(dict(bundle.manifest), sort_keys=True).encode()),
+        ),
+    ):
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=directory)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -401,8 +451,9 @@ def read_bundle(directory: str | os.PathLike) -> Bundle | None:
         with open(directory / TAR_FILE, "rb") as f:
             return bundle_from_bytes(f, manifest)
     except FileNotFoundError:
-        raise ArtifactsCorrupt(f"{directory / MANIFEST_FILE} names a bundle but "
-                               f"{directory / TAR_FILE} is missing") from None
+        raise ArtifactsCorrupt(
+            f"{directory / MANIFEST_FILE} names a bundle but {directory / TAR_FILE} is missing"
+        ) from None
     except OSError as e:
         raise ArtifactsCorrupt(f"{directory / TAR_FILE} is unreadable: {_oserror(e)}") from e
 
@@ -495,12 +546,14 @@ def _place(src: Path, dst: Path) -> bool:
     except OSError as e:
         if e.errno in _EXISTS:
             return False
-        raise StoreError(f"cannot install the start-up artifact {dst}: {_oserror(e)}",
-                         code=INSTALL_FAILED) from e
+        raise StoreError(
+            f"cannot install the start-up artifact {dst}: {_oserror(e)}", code=INSTALL_FAILED
+        ) from e
 
 
-def _members_by_entry(members: list[tarfile.TarInfo],
-                      names: set[str]) -> dict[str, list[tarfile.TarInfo]]:
+def _members_by_entry(
+    members: list[tarfile.TarInfo], names: set[str]
+) -> dict[str, list[tarfile.TarInfo]]:
     """Each entry name of ``names`` -> its tar members (the member named so, and
     those under it), in tar order; one pass over the members, so a bundle of many
     small entries (Inductor's files) is not entries x members."""
@@ -515,9 +568,12 @@ def _members_by_entry(members: list[tarfile.TarInfo],
     return out
 
 
-def install_bundle(bundle: Bundle, dests: Mapping[str, str | os.PathLike],
-                   fixups: Mapping[str, Callable[[Path, Path], None]] | None = None,
-                   skip: Mapping[str, str] | None = None) -> InstallResult:
+def install_bundle(
+    bundle: Bundle,
+    dests: Mapping[str, str | os.PathLike],
+    fixups: Mapping[str, Callable[[Path, Path], None]] | None = None,
+    skip: Mapping[str, str] | None = None,
+) -> InstallResult:
     """Install each entry of ``bundle`` whose destination does not exist yet.
 
     Per entry: its tar members are written into a fresh temp dir beside the
@@ -595,8 +651,13 @@ def install_bundle(bundle: Bundle, dests: Mapping[str, str | os.PathLike],
     return InstallResult(tuple(installed), tuple(n for n, _ in reasons), written, tuple(reasons))
 
 
-def _extract_entry(tar: tarfile.TarFile, members: list[tarfile.TarInfo], name: str, out: Path,
-                   digests: Mapping[str, tuple[str, int]]) -> int:
+def _extract_entry(
+    tar: tarfile.TarFile,
+    members: list[tarfile.TarInfo],
+    name: str,
+    out: Path,
+    digests: Mapping[str, tuple[str, int]],
+) -> int:
     """Write ``members`` (entry ``name``, at least one) under ``out``, checking each
     file's size before and its blake3 after writing it; bytes written.
 
@@ -615,16 +676,18 @@ def _extract_entry(tar: tarfile.TarFile, members: list[tarfile.TarInfo], name: s
             target.mkdir(parents=True, exist_ok=True)
             continue
         if m.issparse():  # a GNU sparse member's size is not what it writes
-            raise ArtifactsCorrupt(f"tar member {m.name!r} is a sparse file; a bundle holds "
-                                   f"plain files")
+            raise ArtifactsCorrupt(
+                f"tar member {m.name!r} is a sparse file; a bundle holds plain files"
+            )
         if not m.isfile():
             raise ArtifactsCorrupt(f"tar member {m.name!r} is not a plain file or directory")
         want = digests.get(m.name)
         if want is None:
             raise ArtifactsCorrupt(f"tar member {m.name!r} is not in the bundle's manifest")
         if m.size != want[1]:
-            raise ArtifactsCorrupt(f"tar member {m.name!r} is {m.size} bytes, the bundle "
-                                   f"manifest says {want[1]}")
+            raise ArtifactsCorrupt(
+                f"tar member {m.name!r} is {m.size} bytes, the bundle manifest says {want[1]}"
+            )
         target.parent.mkdir(parents=True, exist_ok=True)
         h = blake3.blake3()
         src = tar.extractfile(m)
@@ -634,14 +697,17 @@ def _extract_entry(tar: tarfile.TarFile, members: list[tarfile.TarInfo], name: s
                 f.write(chunk)
         os.chmod(target, (m.mode & 0o777) | 0o600)
         if h.hexdigest() != want[0]:
-            raise ArtifactsCorrupt(f"{m.name}: blake3 {h.hexdigest()[:16]} differs from the "
-                                   f"bundle manifest's {want[0][:16]}")
+            raise ArtifactsCorrupt(
+                f"{m.name}: blake3 {h.hexdigest()[:16]} differs from the "
+                f"bundle manifest's {want[0][:16]}"
+            )
         written += m.size
     return written
 
 
-def bundle_summary(bundle: Bundle | None, state: str | None = None,
-                   error: str | None = None) -> dict[str, Any]:
+def bundle_summary(
+    bundle: Bundle | None, state: str | None = None, error: str | None = None
+) -> dict[str, Any]:
     """What ``status`` shows of a daemon's bundle: present, bytes, files, the
     vLLM hashes it was made under, and the priming state (``priming``,
     ``primed``, ``failed``, ``snapshot``, ``peer``) with its error. Never raises:
@@ -652,11 +718,19 @@ def bundle_summary(bundle: Bundle | None, state: str | None = None,
     manifest = bundle.manifest
     factors = manifest.get("factors") or {}
     entries = [e for e in manifest.get("entries") or () if isinstance(e, Mapping)]
-    return {"present": True, "state": state, "error": error, "bytes": manifest.get("nbytes"),
-            "tar_bytes": manifest.get("tar_nbytes"), "files": len(manifest.get("files") or ()),
-            "entries": len(entries),
-            "compile_dirs": [str(e.get("path")).rsplit("/", 1)[-1] for e in entries
-                             if e.get("root") == "vllm"
-                             and str(e.get("path")).startswith("torch_compile_cache/")],
-            "config_hash": factors.get("config_hash"),
-            "vllm": factors.get("vllm")}
+    return {
+        "present": True,
+        "state": state,
+        "error": error,
+        "bytes": manifest.get("nbytes"),
+        "tar_bytes": manifest.get("tar_nbytes"),
+        "files": len(manifest.get("files") or ()),
+        "entries": len(entries),
+        "compile_dirs": [
+            str(e.get("path")).rsplit("/", 1)[-1]
+            for e in entries
+            if e.get("root") == "vllm" and str(e.get("path")).startswith("torch_compile_cache/")
+        ],
+        "config_hash": factors.get("config_hash"),
+        "vllm": factors.get("vllm"),
+    }

@@ -61,8 +61,18 @@ from wcache.store.transport_shm import open_shm
 if TYPE_CHECKING:  # torch only where an arena is attached: status, stop and probes need none
     import torch
 
-__all__ = ["attach", "Attachment", "Connection", "daemon_status", "fetch_artifacts", "shutdown_daemon", "invalidate_daemon",
-           "cli_status", "cli_stop", "MODES"]
+__all__ = [
+    "attach",
+    "Attachment",
+    "Connection",
+    "daemon_status",
+    "fetch_artifacts",
+    "shutdown_daemon",
+    "invalidate_daemon",
+    "cli_status",
+    "cli_stop",
+    "MODES",
+]
 
 log = logging.getLogger("wcache.store")
 
@@ -82,9 +92,24 @@ STOP_WAIT_S = 10.0
 STOP_POLL_S = 0.05
 # The guard's message travels to the daemon's log and status; a few lines suffice.
 INVALIDATE_MESSAGE_CHARS = 2000
-_ERRORS = {c.code: c for c in (DaemonMissing, KeyMismatch, TransportFailed, ProtocolError, DaemonBusy,
-                               Released, UnsafePath, PeerRefused, ArenaInvalidated, IdleTimeout,
-                               SeedUnavailable, ArtifactsMissing, ArtifactsCorrupt)}
+_ERRORS = {
+    c.code: c
+    for c in (
+        DaemonMissing,
+        KeyMismatch,
+        TransportFailed,
+        ProtocolError,
+        DaemonBusy,
+        Released,
+        UnsafePath,
+        PeerRefused,
+        ArenaInvalidated,
+        IdleTimeout,
+        SeedUnavailable,
+        ArtifactsMissing,
+        ArtifactsCorrupt,
+    )
+}
 
 
 class Connection:
@@ -104,15 +129,21 @@ class Connection:
         ProtocolError: another protocol version.
     """
 
-    def __init__(self, sock_path: str, connect_timeout_s: float = 5.0,
-                 reply_timeout_s: float = REPLY_TIMEOUT_S):
+    def __init__(
+        self,
+        sock_path: str,
+        connect_timeout_s: float = 5.0,
+        reply_timeout_s: float = REPLY_TIMEOUT_S,
+    ):
         self.path = sock_path
         self.sock: socket.socket | None = None
         try:
             paths.ensure_socket_dir(os.path.dirname(sock_path), create=False)
             paths.check_socket_file(sock_path)
         except FileNotFoundError:
-            raise DaemonMissing(f"no daemon socket at {sock_path}; start one with `wcache serve`") from None
+            raise DaemonMissing(
+                f"no daemon socket at {sock_path}; start one with `wcache serve`"
+            ) from None
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(connect_timeout_s)
         try:
@@ -120,28 +151,38 @@ class Connection:
         except OSError as e:
             s.close()
             if e.errno in (errno.EACCES, errno.EPERM):
-                raise PeerRefused(f"permission denied connecting to {sock_path}: the daemon there "
-                                  f"runs as another user; run as that user or start a daemon of "
-                                  f"your own (`wcache serve`)") from None
+                raise PeerRefused(
+                    f"permission denied connecting to {sock_path}: the daemon there "
+                    f"runs as another user; run as that user or start a daemon of "
+                    f"your own (`wcache serve`)"
+                ) from None
             if isinstance(e, socket.timeout) or e.errno in (errno.ECONNREFUSED, errno.ENOENT):
-                raise DaemonMissing(f"no daemon answers on {sock_path} ({e}); the socket is stale or "
-                                    "the daemon is not running: start one with `wcache serve`") from None
+                raise DaemonMissing(
+                    f"no daemon answers on {sock_path} ({e}); the socket is stale or "
+                    "the daemon is not running: start one with `wcache serve`"
+                ) from None
             raise DaemonMissing(f"cannot connect to {sock_path}: {e}") from e
         self.sock = s
         try:
-
             pid, uid, _ = peer_credentials(s)
             if uid != os.getuid():
-                raise PeerRefused(f"the process on {sock_path} (pid {pid}) runs as uid {uid}, not as you "
-                                  f"(uid {os.getuid()}); refusing it")
-            self.hello = self.request({"op": "hello", "protocol": PROTOCOL_VERSION,
-                                       "wcache": wcache.__version__})
+                raise PeerRefused(
+                    f"the process on {sock_path} (pid {pid}) runs as uid {uid}, not as you "
+                    f"(uid {os.getuid()}); refusing it"
+                )
+            self.hello = self.request(
+                {"op": "hello", "protocol": PROTOCOL_VERSION, "wcache": wcache.__version__}
+            )
             if self.hello.get("protocol") != PROTOCOL_VERSION:
-                raise ProtocolError(f"daemon speaks protocol {self.hello.get('protocol')!r}, we speak "
-                                    f"{PROTOCOL_VERSION}")
+                raise ProtocolError(
+                    f"daemon speaks protocol {self.hello.get('protocol')!r}, we speak "
+                    f"{PROTOCOL_VERSION}"
+                )
         except TimeoutError:
             self.close()
-            raise DaemonMissing(f"daemon on {sock_path} did not answer hello within {connect_timeout_s} s") from None
+            raise DaemonMissing(
+                f"daemon on {sock_path} did not answer hello within {connect_timeout_s} s"
+            ) from None
         except BaseException:
             self.close()
             raise
@@ -159,22 +200,28 @@ class Connection:
         except (BrokenPipeError, ConnectionResetError):
             pass  # the daemon may have refused us and closed: its error frame is still readable
         except TimeoutError:
-            raise DaemonMissing(f"daemon on {self.path} took no {frame.get('op')!r} request "
-                                f"within {self.sock.gettimeout()} s") from None
+            raise DaemonMissing(
+                f"daemon on {self.path} took no {frame.get('op')!r} request "
+                f"within {self.sock.gettimeout()} s"
+            ) from None
         try:
             reply, fds = recv_frame(self.sock, max_fds)
         except (BrokenPipeError, ConnectionResetError, ConnectionClosed) as e:
             raise DaemonMissing(f"daemon on {self.path} closed the connection: {e}") from e
         except TimeoutError:
-            raise DaemonMissing(f"daemon on {self.path} did not answer {frame.get('op')!r} within "
-                                f"{self.sock.gettimeout()} s; it is stalled or overloaded") from None
+            raise DaemonMissing(
+                f"daemon on {self.path} did not answer {frame.get('op')!r} within "
+                f"{self.sock.gettimeout()} s; it is stalled or overloaded"
+            ) from None
         if fds:
             reply["_fds"] = fds
         try:
             if reply.get("ok") is False and reply.get("code") == KeyMismatch.code:
-                raise KeyMismatch(f"daemon on {self.path}: {reply.get('message')}",
-                                  fields=[str(f) for f in reply.get("fields") or ()],
-                                  theirs=reply.get("theirs") if isinstance(reply.get("theirs"), dict) else {})
+                raise KeyMismatch(
+                    f"daemon on {self.path}: {reply.get('message')}",
+                    fields=[str(f) for f in reply.get("fields") or ()],
+                    theirs=reply.get("theirs") if isinstance(reply.get("theirs"), dict) else {},
+                )
             return raise_for_error(reply, _ERRORS)
         except BaseException:
             for fd in fds:
@@ -223,9 +270,18 @@ class Attachment:
     dies, never under a live one.
     """
 
-    def __init__(self, manifest: Manifest, base: "torch.Tensor", mm: mmap.mmap | None, conn: Connection | None,
-                 mode: str, transport: str = "shm", sock_path: str | None = None,
-                 key: CacheKey | None = None, vmm: Any = None):
+    def __init__(
+        self,
+        manifest: Manifest,
+        base: "torch.Tensor",
+        mm: mmap.mmap | None,
+        conn: Connection | None,
+        mode: str,
+        transport: str = "shm",
+        sock_path: str | None = None,
+        key: CacheKey | None = None,
+        vmm: Any = None,
+    ):
         self.manifest = manifest
         self.mode = mode
         self.transport = transport
@@ -240,9 +296,12 @@ class Attachment:
         from wcache.store.arena import tensor_views  # noqa: PLC0415
 
         self._tensors = tensor_views(base, manifest)
-        self.kinds = {e.name: e.kind for e in manifest.tensors} | {a.name: a.kind for a in manifest.aliases}
-        self.persistent = ({e.name: e.persistent for e in manifest.tensors if e.kind == KIND_BUFFER}
-                           | {a.name: a.persistent for a in manifest.aliases if a.kind == KIND_BUFFER})
+        self.kinds = {e.name: e.kind for e in manifest.tensors} | {
+            a.name: a.kind for a in manifest.aliases
+        }
+        self.persistent = {
+            e.name: e.persistent for e in manifest.tensors if e.kind == KIND_BUFFER
+        } | {a.name: a.persistent for a in manifest.aliases if a.kind == KIND_BUFFER}
         self.aliases = {a.name: a.target for a in manifest.aliases}
         self.layers = dict(manifest.layers)
         self.extra = dict(manifest.extra)
@@ -303,9 +362,11 @@ class Attachment:
         if self._mm is None:
             return 0
         if self.copy_on_write:
-            raise StoreError("release_ranges_ after allow_private_writes_ would discard this "
-                             "process's written pages; release ranges before arming copy-on-write",
-                             code="cow-armed")
+            raise StoreError(
+                "release_ranges_ after allow_private_writes_ would discard this "
+                "process's written pages; release ranges before arming copy-on-write",
+                code="cow-armed",
+            )
         page = mmap.PAGESIZE
         total = 0
         for name in names:
@@ -375,8 +436,10 @@ class Attachment:
         if self._base is None:
             raise Released("this attachment was closed")
         if self._vmm is None:
-            raise TransportFailed(f"privatize_in_place_ needs a cuda_vmm zero_copy attachment, "
-                                  f"this one is {self.transport} {self.mode}")
+            raise TransportFailed(
+                f"privatize_in_place_ needs a cuda_vmm zero_copy attachment, "
+                f"this one is {self.transport} {self.mode}"
+            )
         copied = self._vmm.privatize_()
         if copied:
             self.writable = True
@@ -421,7 +484,11 @@ class Attachment:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else f"{len(self.manifest.tensors)} tensors, {self.nbytes} bytes"
+        state = (
+            "closed"
+            if self.closed
+            else f"{len(self.manifest.tensors)} tensors, {self.nbytes} bytes"
+        )
         return f"Attachment({self.mode}, {self.device}, {state})"
 
 
@@ -431,14 +498,22 @@ def _local_cuda_index(device_uuid: str | None, wanted: int | None) -> int:
     for i in range(torch.cuda.device_count()):
         if paths.cuda_device_uuid(i) == device_uuid:
             if wanted is not None and wanted != i:
-                raise TransportFailed(f"the daemon serves {device_uuid} (local cuda:{i}), the client asked "
-                                      f"for cuda:{wanted}")
+                raise TransportFailed(
+                    f"the daemon serves {device_uuid} (local cuda:{i}), the client asked "
+                    f"for cuda:{wanted}"
+                )
             return i
     raise TransportFailed(f"the daemon's GPU {device_uuid} is not visible to this process")
 
 
-def attach(key: CacheKey, socket_dir: str | None = None, device: str = "cpu", device_id: str | None = None,
-           mode: str = "zero_copy", connect_timeout_s: float = 5.0) -> Attachment:
+def attach(
+    key: CacheKey,
+    socket_dir: str | None = None,
+    device: str = "cpu",
+    device_id: str | None = None,
+    mode: str = "zero_copy",
+    connect_timeout_s: float = 5.0,
+) -> Attachment:
     """Attach to the daemon serving ``key`` on one device.
 
     Args:
@@ -476,11 +551,20 @@ def attach(key: CacheKey, socket_dir: str | None = None, device: str = "cpu", de
     try:
         daemon_device = conn.hello.get("device")
         if daemon_device != kind:
-            raise TransportFailed(f"daemon on {sock_path} serves {daemon_device!r}, asked for {kind!r}")
+            raise TransportFailed(
+                f"daemon on {sock_path} serves {daemon_device!r}, asked for {kind!r}"
+            )
         if conn.hello.get("transport") == "cuda_ipc":  # torch's IPC ref counters live there
             paths.check_dev_shm(paths.DEV_SHM_REFCOUNT_BYTES, "attaching over cuda_ipc")
-        reply = conn.request({"op": "get", "key": key.fields, "mode": mode, "transport": conn.hello.get("transport")},
-                             max_fds=1)
+        reply = conn.request(
+            {
+                "op": "get",
+                "key": key.fields,
+                "mode": mode,
+                "transport": conn.hello.get("transport"),
+            },
+            max_fds=1,
+        )
         fds = reply.pop("_fds", [])
         try:
             manifest = Manifest.from_dict(reply.get("manifest"))
@@ -491,12 +575,13 @@ def attach(key: CacheKey, socket_dir: str | None = None, device: str = "cpu", de
         if CacheKey(manifest.key) != key:
             for fd in fds:
                 os.close(fd)
-            raise KeyMismatch("daemon answered with a manifest of another key",
-                              fields=key.diff(CacheKey(manifest.key)))
+            raise KeyMismatch(
+                "daemon answered with a manifest of another key",
+                fields=key.diff(CacheKey(manifest.key)),
+            )
         handle = reply.get("handle") if isinstance(reply.get("handle"), dict) else {}
         transport = handle.get("kind")
         if kind == "cpu":
-
             mm, base = open_shm(handle, fds, manifest.arena_nbytes)
         elif transport == "cuda_vmm":
             from wcache.store.transport_vmm import open_vmm  # noqa: PLC0415 (torch import ~2 s: only when called)
@@ -522,15 +607,31 @@ def attach(key: CacheKey, socket_dir: str | None = None, device: str = "cpu", de
                 conn.request({"op": "release"})
             conn.close()
             conn = None
-        att = Attachment(manifest, base, mm, conn, mode, transport=str(transport), sock_path=sock_path,
-                         key=key, vmm=vmm)
+        att = Attachment(
+            manifest,
+            base,
+            mm,
+            conn,
+            mode,
+            transport=str(transport),
+            sock_path=sock_path,
+            key=key,
+            vmm=vmm,
+        )
     except BaseException:
         base = mm = vmm = None  # unmapped once no view is left (none escaped this function)
         if conn is not None:
             conn.close()
         raise
-    log.info("attached %s (%s, %s, %d tensors, %.1f MiB) in %.1f ms", sock_path, mode, transport,
-             len(manifest.tensors), manifest.arena_nbytes / 2**20, (time.perf_counter() - t0) * 1e3)
+    log.info(
+        "attached %s (%s, %s, %d tensors, %.1f MiB) in %.1f ms",
+        sock_path,
+        mode,
+        transport,
+        len(manifest.tensors),
+        manifest.arena_nbytes / 2**20,
+        (time.perf_counter() - t0) * 1e3,
+    )
     return att
 
 
@@ -565,8 +666,9 @@ def fetch_artifacts(sock_path: str, connect_timeout_s: float = 5.0) -> Any:
     return open_bundle_fd(reply.get("manifest"), list(reply.pop("_fds", [])))
 
 
-def invalidate_daemon(sock_path: str, key: CacheKey, code: str, message: str,
-                      connect_timeout_s: float = 5.0) -> bool:
+def invalidate_daemon(
+    sock_path: str, key: CacheKey, code: str, message: str, connect_timeout_s: float = 5.0
+) -> bool:
     """Tell the daemon on ``sock_path`` that a restore guard fired on the arena of
     ``key``: it stops serving that arena (new ``get`` answered ``arena-invalidated``,
     ``wcache status`` shows the reason) and exits so a supervisor restarts it.
@@ -581,8 +683,14 @@ def invalidate_daemon(sock_path: str, key: CacheKey, code: str, message: str,
         log.warning("cannot tell the daemon on %s to invalidate its arena: %s", sock_path, e)
         return False
     try:
-        conn.request({"op": "invalidate", "key": key.fields, "code": str(code),
-                      "message": str(message)[:INVALIDATE_MESSAGE_CHARS]})
+        conn.request(
+            {
+                "op": "invalidate",
+                "key": key.fields,
+                "code": str(code),
+                "message": str(message)[:INVALIDATE_MESSAGE_CHARS],
+            }
+        )
         return True
     except StoreError as e:
         log.warning("the daemon on %s refused to invalidate: %s", sock_path, e)
@@ -654,35 +762,51 @@ def cli_status(socket_dir: str | None) -> int:
 
 
 def _print_status(sock: str, st: dict[str, Any]) -> None:
-    print(f"{sock}\n  pid {st['pid']}  device {st['device_id']} ({st['transport']})  up {st['uptime_s']:.0f} s\n"
-          f"  holds {_fmt_bytes(st['bytes_held'])} in {st['tensors']} tensors (+{st['aliases']} aliases)\n"
-          f"  clients {st['clients_connected']}  attachments {st['attachments_active']} active, "
-          f"{st['attachments_total']} served\n  key {st['key_digest'][:16]}  fields "
-          f"{', '.join(sorted(st['key_fields']))}")
+    print(
+        f"{sock}\n  pid {st['pid']}  device {st['device_id']} ({st['transport']})  up {st['uptime_s']:.0f} s\n"
+        f"  holds {_fmt_bytes(st['bytes_held'])} in {st['tensors']} tensors (+{st['aliases']} aliases)\n"
+        f"  clients {st['clients_connected']}  attachments {st['attachments_active']} active, "
+        f"{st['attachments_total']} served\n  key {st['key_digest'][:16]}  fields "
+        f"{', '.join(sorted(st['key_fields']))}"
+    )
     if st.get("origin"):
         snap = st.get("snapshot")
-        print(f"  from {st['origin']}"
-              + (f"  snapshot {snap['dir']}: {snap['state']}" if snap else "")
-              + (f" {snap['error']}" if snap and snap.get("error") else "")
-              + f"  seeded {st.get('seeds_served') or 0} peer(s)")
+        print(
+            f"  from {st['origin']}"
+            + (f"  snapshot {snap['dir']}: {snap['state']}" if snap else "")
+            + (f" {snap['error']}" if snap and snap.get("error") else "")
+            + f"  seeded {st.get('seeds_served') or 0} peer(s)"
+        )
     if st.get("serving"):  # a daemon older than the lean hand-off (issue 28) has none
-        print(f"  serving {st['serving']}"
-              + (" (torch-free)" if st["serving"] == "lean" else
-                 f" (torch {'loaded' if st.get('torch_loaded') else 'not loaded'})"))
+        print(
+            f"  serving {st['serving']}"
+            + (
+                " (torch-free)"
+                if st["serving"] == "lean"
+                else f" (torch {'loaded' if st.get('torch_loaded') else 'not loaded'})"
+            )
+        )
     art = st.get("artifacts")
     if art is not None:  # a daemon older than start-up bundles has none
         if art.get("present"):
-            print(f"  artifacts present  {_fmt_bytes(art['bytes'])} in {art['files']} files  "
-                  f"vLLM {art.get('vllm')} compile dirs "
-                  f"{', '.join(d[:16] for d in art.get('compile_dirs') or []) or '-'}  "
-                  f"from {art.get('state')}")
+            print(
+                f"  artifacts present  {_fmt_bytes(art['bytes'])} in {art['files']} files  "
+                f"vLLM {art.get('vllm')} compile dirs "
+                f"{', '.join(d[:16] for d in art.get('compile_dirs') or []) or '-'}  "
+                f"from {art.get('state')}"
+            )
         else:
-            print("  artifacts absent" + (f" ({art['state']})" if art.get("state") else "")
-                  + (f": {art['error']}" if art.get("error") else ""))
+            print(
+                "  artifacts absent"
+                + (f" ({art['state']})" if art.get("state") else "")
+                + (f": {art['error']}" if art.get("error") else "")
+            )
     inv = st.get("invalidated")
     if inv:
-        print(f"  INVALIDATED [{inv.get('code')}] by pid {inv.get('pid')}: {inv.get('message')}\n"
-              f"  refuses new attaches ({ArenaInvalidated.code}) and exits; a supervisor restarts it")
+        print(
+            f"  INVALIDATED [{inv.get('code')}] by pid {inv.get('pid')}: {inv.get('message')}\n"
+            f"  refuses new attaches ({ArenaInvalidated.code}) and exits; a supervisor restarts it"
+        )
 
 
 def _print_other_daemons(listed: set[str]) -> None:
@@ -697,9 +821,11 @@ def _print_other_daemons(listed: set[str]) -> None:
         try:
             st = daemon_status(rec["socket"], connect_timeout_s=STATUS_PROBE_S)
         except StoreError as e:
-            print(f"{rec['socket']}\n  pid {rec['pid']}  device {rec['device_id']}  UNREACHABLE "
-                  f"[{e.code}]: its socket is gone or not answering; stop it with "
-                  f"`kill {rec['pid']}`")
+            print(
+                f"{rec['socket']}\n  pid {rec['pid']}  device {rec['device_id']}  UNREACHABLE "
+                f"[{e.code}]: its socket is gone or not answering; stop it with "
+                f"`kill {rec['pid']}`"
+            )
             continue
         _print_status(rec["socket"], st)
 
@@ -738,4 +864,3 @@ def cli_stop(socket_dir: str | None, device: str | None) -> int:
                 print(f"sockets there: {', '.join(others)} (see `wcache status`)")
         return 3
     return 1 if failed else 0
-

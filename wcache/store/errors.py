@@ -24,7 +24,20 @@ from wcache.errors import (  # re-exported: the store's errors' old home
 )
 
 __all__ = [
-    "StoreError", "DaemonMissing", "KeyMismatch", "TransportFailed", "ProtocolError",
-    "DaemonBusy", "IdleTimeout", "ShmTooSmall", "Released", "UnsafePath", "PeerRefused", "CheckpointChanged", "ArenaInvalidated",
-    "SeedUnavailable", "ArtifactsMissing", "ArtifactsCorrupt",
+    "StoreError",
+    "DaemonMissing",
+    "KeyMismatch",
+    "TransportFailed",
+    "ProtocolError",
+    "DaemonBusy",
+    "IdleTimeout",
+    "ShmTooSmall",
+    "Released",
+    "UnsafePath",
+    "PeerRefused",
+    "CheckpointChanged",
+    "ArenaInvalidated",
+    "SeedUnavailable",
+    "ArtifactsMissing",
+    "ArtifactsCorrupt",
 ]

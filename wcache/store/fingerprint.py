@@ -32,9 +32,18 @@ from wcache.store.errors import CheckpointChanged, StoreError
 from wcache.store.manifest import canonical_json
 
 __all__ = [
-    "WEIGHT_SUFFIXES", "CONFIG_SUFFIXES", "checkpoint_digest", "checkpoint_files", "digest_file",
-    "DigestCache", "DigestingReader", "read_file_digest", "default_digest_cache_path",
-    "checkpoint_key_fields", "checkpoint_stats", "verify_checkpoint_unchanged",
+    "WEIGHT_SUFFIXES",
+    "CONFIG_SUFFIXES",
+    "checkpoint_digest",
+    "checkpoint_files",
+    "digest_file",
+    "DigestCache",
+    "DigestingReader",
+    "read_file_digest",
+    "default_digest_cache_path",
+    "checkpoint_key_fields",
+    "checkpoint_stats",
+    "verify_checkpoint_unchanged",
 ]
 
 log = logging.getLogger("wcache.store")
@@ -109,7 +118,9 @@ class DigestCache:
             return
         d = os.path.dirname(self.path)
         os.makedirs(d, mode=0o700, exist_ok=True)
-        lock_fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        lock_fd = os.open(
+            self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
         try:
             fcntl.flock(lock_fd, fcntl.LOCK_EX)
             merged = self._load()
@@ -141,10 +152,12 @@ def _hash_fd(fd: int, size: int, path: str) -> str:
     buf = memoryview(bytearray(min(CHUNK_BYTES, max(size, 1))))
     offset = 0
     while offset < size:
-        n = _read_chunk(fd, buf[:min(len(buf), size - offset)], offset)
+        n = _read_chunk(fd, buf[: min(len(buf), size - offset)], offset)
         if n <= 0:
-            raise CheckpointChanged(f"{path} shrank from {size} to {offset} bytes while it was "
-                                    f"hashed; retry once it is fully written")
+            raise CheckpointChanged(
+                f"{path} shrank from {size} to {offset} bytes while it was "
+                f"hashed; retry once it is fully written"
+            )
         h.update(buf[:n])
         offset += n
     return h.hexdigest()
@@ -186,8 +199,9 @@ def digest_file(path: str, cache: DigestCache | None = None) -> str:
         except FileNotFoundError as e:
             raise CheckpointChanged(f"{path} vanished while it was hashed") from e
         if _stat_key(after) != _stat_key(st) or _stat_key(os.fstat(fd)) != _stat_key(st):
-            raise CheckpointChanged(f"{path} changed while it was hashed; retry once it is "
-                                    f"fully written")
+            raise CheckpointChanged(
+                f"{path} changed while it was hashed; retry once it is fully written"
+            )
     finally:
         os.close(fd)
     if cache is not None:
@@ -216,8 +230,9 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return sorted(out)
 
 
-def checkpoint_digest(model_dir: str, cache_path: str | None = None, *, use_cache: bool = True
-                      ) -> dict[str, str]:
+def checkpoint_digest(
+    model_dir: str, cache_path: str | None = None, *, use_cache: bool = True
+) -> dict[str, str]:
     """Per-file blake3 digest of a checkpoint.
 
     Args:
@@ -233,13 +248,17 @@ def checkpoint_digest(model_dir: str, cache_path: str | None = None, *, use_cach
     """
     t0 = time.perf_counter()
     cache = DigestCache(cache_path) if use_cache else None
-    out = {rel: digest_file(os.path.join(model_dir, rel), cache) for rel in checkpoint_files(model_dir)}
+    out = {
+        rel: digest_file(os.path.join(model_dir, rel), cache) for rel in checkpoint_files(model_dir)
+    }
     if cache is not None:
         try:
             cache.save()
         except OSError as e:  # a read-only home must not stop a load; the digests are still right
             log.warning("could not save the digest cache %s: %s", cache.path, e)
-    log.info("checkpoint digest of %s: %d files in %.3f s", model_dir, len(out), time.perf_counter() - t0)
+    log.info(
+        "checkpoint digest of %s: %d files in %.3f s", model_dir, len(out), time.perf_counter() - t0
+    )
     return out
 
 
@@ -262,8 +281,9 @@ def checkpoint_stats(model_dir: str) -> dict[str, list[int]]:
         try:
             out[rel] = _stat_key(os.stat(os.path.join(model_dir, rel)))
         except FileNotFoundError as e:
-            raise CheckpointChanged(f"{os.path.join(model_dir, rel)} vanished while the "
-                                    f"checkpoint was listed") from e
+            raise CheckpointChanged(
+                f"{os.path.join(model_dir, rel)} vanished while the checkpoint was listed"
+            ) from e
     return out
 
 
@@ -286,7 +306,8 @@ def verify_checkpoint_unchanged(model_dir: str, before: dict[str, list[int]]) ->
             f"checkpoint {model_dir} changed while it was loaded (files {changed[:5]}"
             f"{' ...' if len(changed) > 5 else ''}): the loaded weights may not be the bytes "
             f"the key describes, so they are not served. Start again once the checkpoint is "
-            f"fully written.")
+            f"fully written."
+        )
 
 
 class DigestingReader(io.RawIOBase):
@@ -364,4 +385,3 @@ def read_file_digest(path: str, cache: DigestCache | None = None) -> tuple[bytes
     if f.digest is None:
         raise StoreError(f"{path} changed while it was read; retry once it is fully written")
     return b"".join(chunks), f.digest
-

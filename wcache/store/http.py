@@ -40,8 +40,17 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from wcache.errors import HttpListenFailed  # re-exported: its old home
 
-__all__ = ["HttpListenFailed", "Probe", "OpsServer", "DaemonCollector", "parse_http_address",
-           "LOOPBACK", "SNAPSHOT_STATES", "HEALTH_PATH", "METRICS_PATH"]
+__all__ = [
+    "HttpListenFailed",
+    "Probe",
+    "OpsServer",
+    "DaemonCollector",
+    "parse_http_address",
+    "LOOPBACK",
+    "SNAPSHOT_STATES",
+    "HEALTH_PATH",
+    "METRICS_PATH",
+]
 
 log = logging.getLogger("wcache.store")
 
@@ -92,8 +101,10 @@ def parse_http_address(spec: str) -> tuple[str, int]:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     if not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"--http {spec!r} is not [HOST:]PORT (e.g. 9400 for loopback, "
-                         f"0.0.0.0:9400 for every interface)")
+        raise ValueError(
+            f"--http {spec!r} is not [HOST:]PORT (e.g. 9400 for loopback, "
+            f"0.0.0.0:9400 for every interface)"
+        )
     return host or LOOPBACK, int(port)
 
 
@@ -114,12 +125,16 @@ class DaemonCollector:
         """The metric families of one probe (see the module docstring)."""
         p = self._probe()
         statuses = dict(p.statuses)
-        ready = GaugeMetricFamily("wcache_ready", "1 when every rank of this node serves "
-                                                  "(GET /health answers 200)")
+        ready = GaugeMetricFamily(
+            "wcache_ready", "1 when every rank of this node serves (GET /health answers 200)"
+        )
         ready.add_metric([], 1.0 if p.ready else 0.0)
         yield ready
-        serving = GaugeMetricFamily("wcache_rank_serving", "1 when this rank answers and "
-                                    "serves its arena (not loading, not invalidated)", labels=list(self.RANK))
+        serving = GaugeMetricFamily(
+            "wcache_rank_serving",
+            "1 when this rank answers and serves its arena (not loading, not invalidated)",
+            labels=list(self.RANK),
+        )
         for rank in p.ranks:
             st = statuses.get(rank)
             serving.add_metric(_labels(rank), 1.0 if st and not st.get("invalidated") else 0.0)
@@ -129,8 +144,10 @@ class DaemonCollector:
     def _rank_families(self, statuses: dict[tuple[int, int], Mapping[str, Any]]) -> Iterator[Any]:
         rank_l = list(self.RANK)
         gauges = {
-            "clients_connected": ("wcache_clients_connected", "open client connections (the "
-                                  "scrape's own status connection left out)"),
+            "clients_connected": (
+                "wcache_clients_connected",
+                "open client connections (the scrape's own status connection left out)",
+            ),
             "attachments_active": ("wcache_attachments_active", "attachments held now"),
             "bytes_held": ("wcache_bytes_held", "bytes of the arena this rank serves"),
             "tensors": ("wcache_tensors", "tensors in the arena's manifest"),
@@ -141,25 +158,42 @@ class DaemonCollector:
             for rank, st in statuses.items():
                 fam.add_metric(_labels(rank), float(st.get(key) or 0))
             yield fam
-        attaches = CounterMetricFamily("wcache_attaches", "attachments served (get answered "
-                                       "with the arena)", labels=rank_l)
-        releases = CounterMetricFamily("wcache_releases", "attachments ended, by how: release "
-                                       "(asked) or disconnect (the client closed or died)",
-                                       labels=[*rank_l, "how"])
-        refusals = CounterMetricFamily("wcache_refusals", "error replies by reason code "
-                                       "(key-mismatch and arena-invalidated make engines fall "
-                                       "back to disk)", labels=[*rank_l, "code"])
-        invalidations = CounterMetricFamily("wcache_invalidations", "arena invalidations (a "
-                                            "client's restore guard fired; the rank exits)",
-                                            labels=rank_l)
-        seeds = CounterMetricFamily("wcache_seeds_served", "peers seeded from this rank",
-                                    labels=rank_l)
-        snapshot = GaugeMetricFamily("wcache_snapshot_state", "1 for the snapshot's current "
-                                     "state (none: no --snapshot)", labels=[*rank_l, "state"])
-        seed_listening = GaugeMetricFamily("wcache_seed_listening", "1 when the rank accepts "
-                                           "seed requests over TCP (--seed-listen)", labels=rank_l)
-        info = InfoMetricFamily("wcache_rank", "where the rank's arena came from and how it "
-                                "is served", labels=rank_l)
+        attaches = CounterMetricFamily(
+            "wcache_attaches", "attachments served (get answered with the arena)", labels=rank_l
+        )
+        releases = CounterMetricFamily(
+            "wcache_releases",
+            "attachments ended, by how: release (asked) or disconnect (the client closed or died)",
+            labels=[*rank_l, "how"],
+        )
+        refusals = CounterMetricFamily(
+            "wcache_refusals",
+            "error replies by reason code "
+            "(key-mismatch and arena-invalidated make engines fall "
+            "back to disk)",
+            labels=[*rank_l, "code"],
+        )
+        invalidations = CounterMetricFamily(
+            "wcache_invalidations",
+            "arena invalidations (a client's restore guard fired; the rank exits)",
+            labels=rank_l,
+        )
+        seeds = CounterMetricFamily(
+            "wcache_seeds_served", "peers seeded from this rank", labels=rank_l
+        )
+        snapshot = GaugeMetricFamily(
+            "wcache_snapshot_state",
+            "1 for the snapshot's current state (none: no --snapshot)",
+            labels=[*rank_l, "state"],
+        )
+        seed_listening = GaugeMetricFamily(
+            "wcache_seed_listening",
+            "1 when the rank accepts seed requests over TCP (--seed-listen)",
+            labels=rank_l,
+        )
+        info = InfoMetricFamily(
+            "wcache_rank", "where the rank's arena came from and how it is served", labels=rank_l
+        )
         for rank, st in statuses.items():
             labels = _labels(rank)
             attaches.add_metric(labels, float(st.get("attachments_total") or 0))
@@ -174,13 +208,27 @@ class DaemonCollector:
             for state in sorted({*SNAPSHOT_STATES, current}):
                 snapshot.add_metric([*labels, state], 1.0 if state == current else 0.0)
             seed_listening.add_metric(labels, 1.0 if st.get("seed_listen") else 0.0)
-            info.add_metric(labels, {"origin": str(st.get("origin") or "unknown"),
-                                     "transport": str(st.get("transport")),
-                                     "device_id": str(st.get("device_id")),
-                                     "key_digest": str(st.get("key_digest", ""))[:16],
-                                     "pid": str(st.get("pid")),
-                                     "serving": str(st.get("serving") or "full")})
-        yield from (attaches, releases, refusals, invalidations, seeds, snapshot, seed_listening, info)
+            info.add_metric(
+                labels,
+                {
+                    "origin": str(st.get("origin") or "unknown"),
+                    "transport": str(st.get("transport")),
+                    "device_id": str(st.get("device_id")),
+                    "key_digest": str(st.get("key_digest", ""))[:16],
+                    "pid": str(st.get("pid")),
+                    "serving": str(st.get("serving") or "full"),
+                },
+            )
+        yield from (
+            attaches,
+            releases,
+            refusals,
+            invalidations,
+            seeds,
+            snapshot,
+            seed_listening,
+            info,
+        )
 
 
 class OpsServer:
@@ -201,15 +249,18 @@ class OpsServer:
     #: Started and not stopped, in this process (what the lean hand-off carries over).
     running: ClassVar[set[OpsServer]] = set()
 
-    def __init__(self, host: str, port: int, probe: Callable[[], Probe], *, listen_fd: int | None = None):
+    def __init__(
+        self, host: str, port: int, probe: Callable[[], Probe], *, listen_fd: int | None = None
+    ):
         self.probe = probe
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(DaemonCollector(probe))
         handler = _handler_class(self)
         server_cls = ThreadingHTTPServer
         if ":" in host:
-            server_cls = type("ThreadingHTTPServer6", (ThreadingHTTPServer,),
-                              {"address_family": socket.AF_INET6})
+            server_cls = type(
+                "ThreadingHTTPServer6", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6}
+            )
         try:
             if listen_fd is None:
                 self._httpd = server_cls((host, port), handler)
@@ -219,19 +270,22 @@ class OpsServer:
                 self._httpd.socket = socket.socket(fileno=listen_fd)
                 self._httpd.server_address = self._httpd.socket.getsockname()[:2]
         except OSError as e:
-            raise HttpListenFailed(f"cannot serve --http on {host}:{port}: {e}; pick another "
-                                   f"address or port") from e
+            raise HttpListenFailed(
+                f"cannot serve --http on {host}:{port}: {e}; pick another address or port"
+            ) from e
         self._httpd.daemon_threads = True
         self.address: tuple[str, int] = (host, self._httpd.server_address[1])
         self._thread: threading.Thread | None = None
 
     def start(self) -> OpsServer:
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="wcache-http",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, name="wcache-http", daemon=True
+        )
         self._thread.start()
         OpsServer.running.add(self)
-        log.info("health and metrics on http://%s:%d%s and %s", *self.address, HEALTH_PATH,
-                 METRICS_PATH)
+        log.info(
+            "health and metrics on http://%s:%d%s and %s", *self.address, HEALTH_PATH, METRICS_PATH
+        )
         return self
 
     def stop(self) -> None:
@@ -254,10 +308,19 @@ class OpsServer:
     def health(self) -> tuple[int, dict[str, Any]]:
         """``(HTTP status, JSON body)`` of ``GET /health``."""
         p = self.probe()
-        body = {"ready": p.ready, "code": p.code, "message": p.message,
-                "ranks": [{"tp_rank": r[0], "pp_rank": r[1],
-                           "serving": r in dict(p.statuses) and
-                           not dict(p.statuses)[r].get("invalidated")} for r in p.ranks]}
+        body = {
+            "ready": p.ready,
+            "code": p.code,
+            "message": p.message,
+            "ranks": [
+                {
+                    "tp_rank": r[0],
+                    "pp_rank": r[1],
+                    "serving": r in dict(p.statuses) and not dict(p.statuses)[r].get("invalidated"),
+                }
+                for r in p.ranks
+            ],
+        }
         return (200 if p.ready else 503), body
 
     def __enter__(self) -> OpsServer:
@@ -280,13 +343,24 @@ def _handler_class(ops: OpsServer) -> type[BaseHTTPRequestHandler]:
                 elif path == METRICS_PATH:
                     self._send(200, CONTENT_TYPE_LATEST, generate_latest(ops.registry))
                 else:
-                    self._send(404, "text/plain", f"{path}: not found; try {HEALTH_PATH} or "
-                                                  f"{METRICS_PATH}\n".encode())
+                    self._send(
+                        404,
+                        "text/plain",
+                        f"{path}: not found; try {HEALTH_PATH} or {METRICS_PATH}\n".encode(),
+                    )
             except Exception as e:  # a probe's failure is an answer, not a dead endpoint
                 log.exception("wcache --http: %s failed", path)
-                self._send(503 if path == HEALTH_PATH else 500, "application/json",
-                           json.dumps({"ready": False, "code": getattr(e, "code", "internal-error"),
-                                       "message": f"{type(e).__name__}: {e}"}).encode())
+                self._send(
+                    503 if path == HEALTH_PATH else 500,
+                    "application/json",
+                    json.dumps(
+                        {
+                            "ready": False,
+                            "code": getattr(e, "code", "internal-error"),
+                            "message": f"{type(e).__name__}: {e}",
+                        }
+                    ).encode(),
+                )
 
         def _send(self, status: int, ctype: str, data: bytes) -> None:
             self.send_response(status)

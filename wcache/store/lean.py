@@ -57,8 +57,20 @@ from wcache.store.protocol import SEED_CHUNK_BYTES, check_seed_request
 from wcache.store.server import DaemonServer
 from wcache.store.transport_shm import ShmServing
 
-__all__ = ["handoff", "lean_refusal", "main", "HANDOFF_DRAIN_S", "LeanSeedSource", "lean_environ", "helper_environ",
-           "LEAN_EXEC_ENV", "LEAN_LINE", "NO_LEAN_ENV", "MAX_CONCURRENT_SEEDS", "HELPER_STOP_GRACE_S"]
+__all__ = [
+    "handoff",
+    "lean_refusal",
+    "main",
+    "HANDOFF_DRAIN_S",
+    "LeanSeedSource",
+    "lean_environ",
+    "helper_environ",
+    "LEAN_EXEC_ENV",
+    "LEAN_LINE",
+    "NO_LEAN_ENV",
+    "MAX_CONCURRENT_SEEDS",
+    "HELPER_STOP_GRACE_S",
+]
 
 log = logging.getLogger("wcache.store")
 
@@ -163,29 +175,50 @@ class LeanSeedSource:
             return mismatch
         server = self.server
         exe = os.environ.get(LEAN_EXEC_ENV) or sys.executable
-        with self._lock:  # the check and the start together: two requests cannot both take the last slot
+        with (
+            self._lock
+        ):  # the check and the start together: two requests cannot both take the last slot
             if self._closed:
-                raise SeedUnavailable("this daemon is stopping; seed from another daemon of this key, "
-                                      "or start from the checkpoint or a snapshot")
+                raise SeedUnavailable(
+                    "this daemon is stopping; seed from another daemon of this key, "
+                    "or start from the checkpoint or a snapshot"
+                )
             if len(self._helpers) >= MAX_CONCURRENT_SEEDS:
                 raise SeedUnavailable(
                     f"this lean daemon already sends {len(self._helpers)} seeding(s), at most "
                     f"{MAX_CONCURRENT_SEEDS} at once (each through a helper process with torch); "
-                    f"start the receiver again once one is done, or from the checkpoint or a snapshot")
+                    f"start the receiver again once one is done, or from the checkpoint or a snapshot"
+                )
             try:
-                proc = subprocess.Popen([exe, "-m", "wcache.store.seed_helper"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True,
-                                        env=helper_environ(os.environ, self.malloc_arena_max))
+                proc = subprocess.Popen(
+                    [exe, "-m", "wcache.store.seed_helper"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env=helper_environ(os.environ, self.malloc_arena_max),
+                )
             except OSError as e:
-                raise SeedFailed(f"this lean daemon cannot start its seeding helper ({e}); start the "
-                                 f"source daemon with --no-lean to seed from it") from None
+                raise SeedFailed(
+                    f"this lean daemon cannot start its seeding helper ({e}); start the "
+                    f"source daemon with --no-lean to seed from it"
+                ) from None
             self._helpers.add(proc)
         ready = started = None
         try:
-            proc.stdin.write(json.dumps({
-                "socket_dir": server.socket_dir, "device_id": server.device_id,
-                "key": server.key.canonical, "backend": backend, "host": SEED_HOST,
-                "pid": state.get("pid"), "log_level": logging.getLogger().getEffectiveLevel()}) + "\n")
+            proc.stdin.write(
+                json.dumps(
+                    {
+                        "socket_dir": server.socket_dir,
+                        "device_id": server.device_id,
+                        "key": server.key.canonical,
+                        "backend": backend,
+                        "host": SEED_HOST,
+                        "pid": state.get("pid"),
+                        "log_level": logging.getLogger().getEffectiveLevel(),
+                    }
+                )
+                + "\n"
+            )
             proc.stdin.close()
             ready, _, _ = select.select([proc.stdout], [], [], SEED_HELPER_START_S)
             started = json.loads(proc.stdout.readline()) if ready else None
@@ -194,15 +227,28 @@ class LeanSeedSource:
             proc.kill()
             proc.wait()
             self._forget(proc)
-            why = f"{type(e).__name__}: {e}" if started is not None or ready else \
-                f"no answer in {SEED_HELPER_START_S:.0f} s"
-            raise SeedFailed(f"this lean daemon's seeding helper did not start ({why}; its log is "
-                             f"in this daemon's stderr); start the source daemon with --no-lean "
-                             f"to seed from it") from None
-        threading.Thread(target=self._reap, args=(proc, state.get("pid")), name="wcache-seed-helper",
-                         daemon=True).start()
-        return {"ok": True, "manifest": server._manifest_dict, "backend": backend, "host": SEED_HOST,
-                "port": port, "token": token, "chunk_bytes": SEED_CHUNK_BYTES}
+            why = (
+                f"{type(e).__name__}: {e}"
+                if started is not None or ready
+                else f"no answer in {SEED_HELPER_START_S:.0f} s"
+            )
+            raise SeedFailed(
+                f"this lean daemon's seeding helper did not start ({why}; its log is "
+                f"in this daemon's stderr); start the source daemon with --no-lean "
+                f"to seed from it"
+            ) from None
+        threading.Thread(
+            target=self._reap, args=(proc, state.get("pid")), name="wcache-seed-helper", daemon=True
+        ).start()
+        return {
+            "ok": True,
+            "manifest": server._manifest_dict,
+            "backend": backend,
+            "host": SEED_HOST,
+            "port": port,
+            "token": token,
+            "chunk_bytes": SEED_CHUNK_BYTES,
+        }
 
     def close_(self) -> None:
         """Refuse every later ``seed`` and end the running helpers: SIGTERM, then
@@ -213,16 +259,21 @@ class LeanSeedSource:
             procs = tuple(self._helpers)
         for proc in procs:
             if proc.poll() is None:
-                log.warning("stopping: ending seeding helper pid %d (its receiver does not get the arena)",
-                            proc.pid)
+                log.warning(
+                    "stopping: ending seeding helper pid %d (its receiver does not get the arena)",
+                    proc.pid,
+                )
                 proc.terminate()
         deadline = time.monotonic() + HELPER_STOP_GRACE_S
         for proc in procs:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("seeding helper pid %d still runs %.1f s after SIGTERM; killing it",
-                            proc.pid, HELPER_STOP_GRACE_S)
+                log.warning(
+                    "seeding helper pid %d still runs %.1f s after SIGTERM; killing it",
+                    proc.pid,
+                    HELPER_STOP_GRACE_S,
+                )
                 proc.kill()
                 proc.wait()
             self._forget(proc)
@@ -241,7 +292,11 @@ class LeanSeedSource:
         if rc != 0 and closed:
             log.info("seeding pid %s from this lean daemon called off: the daemon stops", pid)
         elif rc != 0:
-            log.error("seeding pid %s from this lean daemon failed (helper exit %s); still serving", pid, rc)
+            log.error(
+                "seeding pid %s from this lean daemon failed (helper exit %s); still serving",
+                pid,
+                rc,
+            )
 
 
 def lean_refusal(server: Any, *, enabled: bool = True) -> str | None:
@@ -249,8 +304,11 @@ def lean_refusal(server: Any, *, enabled: bool = True) -> str | None:
 
     if not enabled:
         return "--no-lean"
-    if (server.device_type != "cpu" or server.transport != "shm"
-            or not isinstance(getattr(server._serving, "fd", None), int)):
+    if (
+        server.device_type != "cpu"
+        or server.transport != "shm"
+        or not isinstance(getattr(server._serving, "fd", None), int)
+    ):
         return f"{server.transport} transport: its handles live in this process"
     if getattr(server, "_seed_listener", None) is not None:
         return "--seed-listen: seeding needs torch.distributed"
@@ -266,8 +324,12 @@ def _preflight(exe: str) -> str | None:
     """None when ``exe -m wcache.store.lean --check`` imports the lean server
     without torch, else why not."""
     try:
-        done = subprocess.run([exe, "-m", "wcache.store.lean", "--check"], capture_output=True,
-                              text=True, timeout=PREFLIGHT_TIMEOUT_S)
+        done = subprocess.run(
+            [exe, "-m", "wcache.store.lean", "--check"],
+            capture_output=True,
+            text=True,
+            timeout=PREFLIGHT_TIMEOUT_S,
+        )
     except (OSError, subprocess.SubprocessError) as e:
         return f"the lean server cannot start: {type(e).__name__}: {e}"
     if done.returncode != 0:
@@ -317,29 +379,51 @@ def _exec_lean(server: Any, exe: str, ready_queue: Any) -> str:
     for ops in ops_list:
         ops.pause()
     bundle = getattr(server, "artifacts", None)  # the start-up artifact bundle's sealed memfd
-    fds = [server._serving.fd, server._listener.fileno(), server._lock_fd, *(o.fileno() for o in ops_list),
-           *([bundle.fd] if bundle is not None else [])]
+    fds = [
+        server._serving.fd,
+        server._listener.fileno(),
+        server._lock_fd,
+        *(o.fileno() for o in ops_list),
+        *([bundle.fd] if bundle is not None else []),
+    ]
     state_path = None
     old_mask = None
     try:
         state = {
-            "key": server.key.canonical, "manifest": server._manifest_dict, "transport": server.transport,
-            "device_id": server.device_id, "socket_dir": server.socket_dir, "socket_ino": server._socket_ino,
-            "registry_path": server._registry_path, "allowed_uid": server.allowed_uid,
-            "memfd": fds[0], "nbytes": server.nbytes, "listener": fds[1], "lock_fd": fds[2],
+            "key": server.key.canonical,
+            "manifest": server._manifest_dict,
+            "transport": server.transport,
+            "device_id": server.device_id,
+            "socket_dir": server.socket_dir,
+            "socket_ino": server._socket_ino,
+            "registry_path": server._registry_path,
+            "allowed_uid": server.allowed_uid,
+            "memfd": fds[0],
+            "nbytes": server.nbytes,
+            "listener": fds[1],
+            "lock_fd": fds[2],
             "http": [(o.fileno(), *o.address, o.probe) for o in ops_list],
-            "origin": getattr(server, "origin", None), "snapshot": getattr(server, "snapshot_state", None),
+            "origin": getattr(server, "origin", None),
+            "snapshot": getattr(server, "snapshot_state", None),
             "seeds_done": getattr(getattr(server, "seed_source", None), "seeds_done", None),
             "uptime_s": time.monotonic() - server._started_at,
-            "attachments_total": server.attachments_total, "releases": dict(server.releases),
-            "refusals": dict(server.refusals), "log_level": logging.getLogger().getEffectiveLevel(),
-            "malloc_arena_max": os.environ.get(MALLOC_ARENA_ENV),  # the operator's, for the seeding helpers
-            "artifacts": {"fd": bundle.fd if bundle is not None else None,
-                          "manifest": dict(bundle.manifest) if bundle is not None else None,
-                          "state": getattr(server, "artifacts_state", None),
-                          "error": getattr(server, "artifacts_error", None)},
+            "attachments_total": server.attachments_total,
+            "releases": dict(server.releases),
+            "refusals": dict(server.refusals),
+            "log_level": logging.getLogger().getEffectiveLevel(),
+            "malloc_arena_max": os.environ.get(
+                MALLOC_ARENA_ENV
+            ),  # the operator's, for the seeding helpers
+            "artifacts": {
+                "fd": bundle.fd if bundle is not None else None,
+                "manifest": dict(bundle.manifest) if bundle is not None else None,
+                "state": getattr(server, "artifacts_state", None),
+                "error": getattr(server, "artifacts_error", None),
+            },
         }
-        fd, state_path = tempfile.mkstemp(prefix=STATE_PREFIX, suffix=".pickle", dir=server.socket_dir)
+        fd, state_path = tempfile.mkstemp(
+            prefix=STATE_PREFIX, suffix=".pickle", dir=server.socket_dir
+        )
         with os.fdopen(fd, "wb") as f:
             pickle.dump(state, f)
         # SIGTERM/SIGINT stay pending across exec until the lean server's handlers are in
@@ -359,8 +443,11 @@ def _exec_lean(server: Any, exe: str, ready_queue: Any) -> str:
             os.execve(exe, [exe, "-m", "wcache.store.lean", state_path], lean_environ(os.environ))
         reason = stopping or "execve returned"  # execve does not return
     except Exception as e:  # noqa: BLE001  (whatever failed, the full process serves on)
-        reason = f"exec {exe} failed: {e}" if isinstance(e, OSError) and old_mask is not None else \
-            f"the hand-off failed: {type(e).__name__}: {e}"
+        reason = (
+            f"exec {exe} failed: {e}"
+            if isinstance(e, OSError) and old_mask is not None
+            else f"the hand-off failed: {type(e).__name__}: {e}"
+        )
     for each in fds:
         os.set_inheritable(each, False)
     if old_mask is not None:
@@ -423,13 +510,19 @@ def _cleanup_failed(state: dict) -> None:
 
 def _serve(state: dict) -> int:
 
-
     server = DaemonServer.adopt(
-        key=CacheKey.from_json(state["key"]), manifest=Manifest.from_dict(state["manifest"]),
-        serving=ShmServing(state["memfd"], state["nbytes"]), transport=state["transport"],
-        device_id=state["device_id"], socket_dir=state["socket_dir"], lock_fd=state["lock_fd"],
-        listener=socket.socket(fileno=state["listener"]), socket_ino=state["socket_ino"],
-        registry_path=state["registry_path"], allowed_uid=state["allowed_uid"])
+        key=CacheKey.from_json(state["key"]),
+        manifest=Manifest.from_dict(state["manifest"]),
+        serving=ShmServing(state["memfd"], state["nbytes"]),
+        transport=state["transport"],
+        device_id=state["device_id"],
+        socket_dir=state["socket_dir"],
+        lock_fd=state["lock_fd"],
+        listener=socket.socket(fileno=state["listener"]),
+        socket_ino=state["socket_ino"],
+        registry_path=state["registry_path"],
+        allowed_uid=state["allowed_uid"],
+    )
     server.serving_mode = "lean"
     server.origin, server.snapshot_state = state["origin"], state["snapshot"]
     server.seed_source = LeanSeedSource(server, state["seeds_done"], state.get("malloc_arena_max"))
@@ -439,13 +532,15 @@ def _serve(state: dict) -> int:
     server._started_at = time.monotonic() - state["uptime_s"]
     art = state.get("artifacts") or {}
     if art.get("fd") is not None:
-
         server.artifacts = Bundle(art["fd"], art["manifest"])
     server.artifacts_state, server.artifacts_error = art.get("state"), art.get("error")
     for sig in _SIGNALS:
         signal.signal(sig, lambda *_: server.request_shutdown())
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
-    ops_list = [OpsServer(host, port, probe, listen_fd=fd).start() for fd, host, port, probe in state["http"]]
+    ops_list = [
+        OpsServer(host, port, probe, listen_fd=fd).start()
+        for fd, host, port, probe in state["http"]
+    ]
     server.start()
     print(f"{LEAN_LINE} pid={os.getpid()} socket={server.socket_path}", flush=True)
     try:
@@ -477,8 +572,12 @@ def main(argv: list[str]) -> int:
         return _serve(state)
     except Exception as e:  # noqa: BLE001  (exec'd: no full process to go back to)
         logging.basicConfig()
-        log.error("the lean server could not start (%s: %s); this daemon exits and a restart "
-                  "builds it again", type(e).__name__, e)
+        log.error(
+            "the lean server could not start (%s: %s); this daemon exits and a restart "
+            "builds it again",
+            type(e).__name__,
+            e,
+        )
         if state is not None:
             _cleanup_failed(state)
         return 1
@@ -489,8 +588,15 @@ def _close_inherited_fds(state: dict) -> None:
     process's C++ libraries opened without ``O_CLOEXEC`` (gloo or TCPStore sockets,
     shared-memory segments) would otherwise stay open, keeping its port or segment
     alive, for as long as this daemon serves."""
-    keep = {0, 1, 2, state["memfd"], state["listener"], state["lock_fd"],
-            *(fd for fd, *_ in state["http"])}
+    keep = {
+        0,
+        1,
+        2,
+        state["memfd"],
+        state["listener"],
+        state["lock_fd"],
+        *(fd for fd, *_ in state["http"]),
+    }
     if (state.get("artifacts") or {}).get("fd") is not None:
         keep.add(state["artifacts"]["fd"])
     try:

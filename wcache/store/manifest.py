@@ -22,8 +22,18 @@ if TYPE_CHECKING:  # torch is imported where tensors are built or viewed, not to
     import torch
 
 __all__ = [
-    "MANIFEST_FORMAT_VERSION", "KIND_PARAM", "KIND_BUFFER", "KINDS", "Export", "CacheKey",
-    "TensorEntry", "AliasEntry", "Manifest", "dtype_from_name", "dtype_name", "span_elements",
+    "MANIFEST_FORMAT_VERSION",
+    "KIND_PARAM",
+    "KIND_BUFFER",
+    "KINDS",
+    "Export",
+    "CacheKey",
+    "TensorEntry",
+    "AliasEntry",
+    "Manifest",
+    "dtype_from_name",
+    "dtype_name",
+    "span_elements",
     "canonical_json",
 ]
 
@@ -38,17 +48,53 @@ KINDS = frozenset({KIND_PARAM, KIND_BUFFER})
 #: tensor (the lean server, :mod:`wcache.store.lean`) needs no torch. It equals
 #: torch's own table (every non-complex ``torch.dtype``; tests/store/test_store_lean.py
 #: compares them); a dtype a newer torch adds is refused until it is listed here.
-DTYPE_ITEMSIZES: types.MappingProxyType = types.MappingProxyType({
-    "bfloat16": 2, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bits8": 1, "bool": 1,
-    "float16": 2, "float32": 4, "float4_e2m1fn_x2": 1, "float64": 8, "float8_e4m3fn": 1,
-    "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
-    "int1": 1, "int16": 2, "int2": 1, "int3": 1, "int32": 4, "int4": 1, "int5": 1, "int6": 1,
-    "int64": 8, "int7": 1, "int8": 1, "qint32": 4, "qint8": 1, "quint2x4": 1, "quint4x2": 1,
-    "quint8": 1, "uint1": 1, "uint16": 2, "uint2": 1, "uint3": 1, "uint32": 4, "uint4": 1,
-    "uint5": 1, "uint6": 1, "uint64": 8, "uint7": 1, "uint8": 1,
-})
-
-
+DTYPE_ITEMSIZES: types.MappingProxyType = types.MappingProxyType(
+    {
+        "bfloat16": 2,
+        "bits16": 2,
+        "bits1x8": 1,
+        "bits2x4": 1,
+        "bits4x2": 1,
+        "bits8": 1,
+        "bool": 1,
+        "float16": 2,
+        "float32": 4,
+        "float4_e2m1fn_x2": 1,
+        "float64": 8,
+        "float8_e4m3fn": 1,
+        "float8_e4m3fnuz": 1,
+        "float8_e5m2": 1,
+        "float8_e5m2fnuz": 1,
+        "float8_e8m0fnu": 1,
+        "int1": 1,
+        "int16": 2,
+        "int2": 1,
+        "int3": 1,
+        "int32": 4,
+        "int4": 1,
+        "int5": 1,
+        "int6": 1,
+        "int64": 8,
+        "int7": 1,
+        "int8": 1,
+        "qint32": 4,
+        "qint8": 1,
+        "quint2x4": 1,
+        "quint4x2": 1,
+        "quint8": 1,
+        "uint1": 1,
+        "uint16": 2,
+        "uint2": 1,
+        "uint3": 1,
+        "uint32": 4,
+        "uint4": 1,
+        "uint5": 1,
+        "uint6": 1,
+        "uint64": 8,
+        "uint7": 1,
+        "uint8": 1,
+    }
+)
 
 
 def _as_tuple(items: Iterable[Any]) -> tuple[Any, ...]:
@@ -61,16 +107,21 @@ def _as_frozenset(items: Iterable[Any]) -> frozenset[Any]:
     """``frozenset(items)``, typed for attrs converters."""
     return frozenset(items)
 
+
 @cache
 def torch_dtypes() -> dict[str, torch.dtype]:
     """Every torch dtype that can be a view of raw bytes, by its short name
     (``"float16"``), limited to :data:`DTYPE_ITEMSIZES`. Imports torch."""
     import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
-    return {name: obj for name in dir(torch)
-            if isinstance(obj := getattr(torch, name), torch.dtype)
-            and not obj.is_complex  # complex views of uint8 need conj-bit care; none are exported today
-            and str(obj) == f"torch.{name}" and name in DTYPE_ITEMSIZES}
+    return {
+        name: obj
+        for name in dir(torch)
+        if isinstance(obj := getattr(torch, name), torch.dtype)
+        and not obj.is_complex  # complex views of uint8 need conj-bit care; none are exported today
+        and str(obj) == f"torch.{name}"
+        and name in DTYPE_ITEMSIZES
+    }
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -120,8 +171,9 @@ def canonical_json(value: Any) -> str:
         StoreError: a value that is not JSON (object, NaN, non-str key).
     """
     try:
-        return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False,
-                          ensure_ascii=False)
+        return json.dumps(
+            value, sort_keys=True, separators=(",", ":"), allow_nan=False, ensure_ascii=False
+        )
     except (TypeError, ValueError) as e:
         raise StoreError(f"value is not canonical JSON: {e}") from e
 
@@ -214,8 +266,12 @@ def _leaf_diffs(path: str, a: Any, b: Any) -> list[tuple[str, Any, Any]]:
     ``target.kernels.unquantized_gemm[bfloat16]`` rather than as ``target``. A side
     that lacks the key shows ``null``."""
     if isinstance(a, dict) and isinstance(b, dict):
-        return [d for k in sorted(a.keys() | b.keys()) if a.get(k, ...) != b.get(k, ...)
-                for d in _leaf_diffs(f"{path}.{k}", a.get(k, ...), b.get(k, ...))]
+        return [
+            d
+            for k in sorted(a.keys() | b.keys())
+            if a.get(k, ...) != b.get(k, ...)
+            for d in _leaf_diffs(f"{path}.{k}", a.get(k, ...), b.get(k, ...))
+        ]
     return [(path, None if a is ... else a, None if b is ... else b)]
 
 
@@ -256,32 +312,44 @@ class CacheKey:
         """Sorted names of the fields that differ or exist on one side only."""
         mine = self.fields
         theirs = other.fields if isinstance(other, CacheKey) else CacheKey(other).fields
-        return sorted(k for k in mine.keys() | theirs.keys() if mine.get(k, ...) != theirs.get(k, ...))
+        return sorted(
+            k for k in mine.keys() | theirs.keys() if mine.get(k, ...) != theirs.get(k, ...)
+        )
 
     def describe_diff(self, other: CacheKey, mine: str = "engine", theirs: str = "daemon") -> str:
         """``field: engine=<value> daemon=<value>`` for each differing field (values
         cut to :data:`MISMATCH_VALUE_CHARS`), for error messages."""
+
         def short(v: Any) -> str:
             text = json.dumps(v, sort_keys=True, default=str)
-            return text if len(text) <= MISMATCH_VALUE_CHARS else text[:MISMATCH_VALUE_CHARS] + "..."
-        a, b = self.fields, other.fields
-        return "; ".join(f"{path}: {mine}={short(x)} {theirs}={short(y)}"
-                         for f in self.diff(other)
-                         for path, x, y in _leaf_diffs(f, a.get(f, ...), b.get(f, ...)))
+            return (
+                text if len(text) <= MISMATCH_VALUE_CHARS else text[:MISMATCH_VALUE_CHARS] + "..."
+            )
 
-    def versions_note(self, other: CacheKey, mine: str = "engine",
-                      theirs: str = "daemon") -> str:
+        a, b = self.fields, other.fields
+        return "; ".join(
+            f"{path}: {mine}={short(x)} {theirs}={short(y)}"
+            for f in self.diff(other)
+            for path, x, y in _leaf_diffs(f, a.get(f, ...), b.get(f, ...))
+        )
+
+    def versions_note(self, other: CacheKey, mine: str = "engine", theirs: str = "daemon") -> str:
         """A lead sentence for a refusal when the keys' ``versions`` differ (an engine
         and a daemon of different vLLM, torch or wcache releases), naming both sides'
         versions; ``""`` when they agree."""
         a, b = self.fields.get("versions") or {}, other.fields.get("versions") or {}
         if not isinstance(a, dict) or not isinstance(b, dict) or a == b:
             return ""
-        parts = [f"{VERSION_NAMES.get(n, n)} {a.get(n)} ({mine}) vs {b.get(n)} ({theirs})"
-                 for n in sorted(a.keys() | b.keys()) if a.get(n) != b.get(n)]
-        return (f"the {mine} and the {theirs} run different releases ({', '.join(parts)}): "
-                f"a daemon's bytes come from its own vLLM's post-load, so it serves only "
-                f"engines of the same versions; run `wcache serve` under the {mine}'s. ")
+        parts = [
+            f"{VERSION_NAMES.get(n, n)} {a.get(n)} ({mine}) vs {b.get(n)} ({theirs})"
+            for n in sorted(a.keys() | b.keys())
+            if a.get(n) != b.get(n)
+        ]
+        return (
+            f"the {mine} and the {theirs} run different releases ({', '.join(parts)}): "
+            f"a daemon's bytes come from its own vLLM's post-load, so it serves only "
+            f"engines of the same versions; run `wcache serve` under the {mine}'s. "
+        )
 
     def to_json(self) -> str:
         return self.canonical
@@ -337,8 +405,14 @@ def _check_manifest(m: Manifest) -> None:
     arena = m.arena_nbytes
     for e in m.tensors:
         name, shape, stride = e.name, e.shape, e.stride
-        if not (type(name) is str and type(e.offset) is int and type(e.nbytes) is int
-                and type(e.dtype) is str and type(e.kind) is str and type(e.persistent) is bool):
+        if not (
+            type(name) is str
+            and type(e.offset) is int
+            and type(e.nbytes) is int
+            and type(e.dtype) is str
+            and type(e.kind) is str
+            and type(e.persistent) is bool
+        ):
             errors.append(f"{name!r}: a field has the wrong type")
             continue
         if name in names:
@@ -353,19 +427,30 @@ def _check_manifest(m: Manifest) -> None:
             except ProtocolError as err:
                 errors.append(f"{name}: {err}")
                 continue
-        if (len(shape) != len(stride) or not all(type(v) is int and v >= 0 for v in shape)
-                or not all(type(v) is int and v >= 0 for v in stride)):
+        if (
+            len(shape) != len(stride)
+            or not all(type(v) is int and v >= 0 for v in shape)
+            or not all(type(v) is int and v >= 0 for v in stride)
+        ):
             errors.append(f"{name}: shape {shape} / stride {stride} do not fit")
             continue
         if span_elements(shape, stride) * itemsize != e.nbytes:
-            errors.append(f"{name}: nbytes {e.nbytes} is not the span of shape {shape} stride {stride}")
+            errors.append(
+                f"{name}: nbytes {e.nbytes} is not the span of shape {shape} stride {stride}"
+            )
         if e.offset < 0 or e.offset % itemsize or e.offset + e.nbytes > arena:
-            errors.append(f"{name}: offset {e.offset} (+{e.nbytes}) misaligned or outside the arena "
-                          f"({arena} bytes)")
+            errors.append(
+                f"{name}: offset {e.offset} (+{e.nbytes}) misaligned or outside the arena "
+                f"({arena} bytes)"
+            )
     canonical = frozenset(names)
     for a in m.aliases:
-        if not (type(a.name) is str and type(a.target) is str and type(a.kind) is str
-                and type(a.persistent) is bool):
+        if not (
+            type(a.name) is str
+            and type(a.target) is str
+            and type(a.kind) is str
+            and type(a.persistent) is bool
+        ):
             errors.append(f"alias {a.name!r}: a field has the wrong type")
             continue
         if a.name in names:
@@ -416,8 +501,19 @@ class Manifest:
             "device": self.device,
             "alignment": self.alignment,
             "arena_nbytes": self.arena_nbytes,
-            "tensors": [[e.name, e.offset, e.nbytes, e.dtype, list(e.shape), list(e.stride), e.kind,
-                         e.persistent] for e in self.tensors],
+            "tensors": [
+                [
+                    e.name,
+                    e.offset,
+                    e.nbytes,
+                    e.dtype,
+                    list(e.shape),
+                    list(e.stride),
+                    e.kind,
+                    e.persistent,
+                ]
+                for e in self.tensors
+            ],
             "aliases": [[a.name, a.target, a.kind, a.persistent] for a in self.aliases],
             "layers": dict(self.layers),
             "extra": dict(self.extra),
@@ -437,15 +533,25 @@ class Manifest:
         if not isinstance(d, dict):
             raise ProtocolError("manifest is not a mapping")
         if d.get("format_version") != MANIFEST_FORMAT_VERSION:
-            raise ProtocolError(f"manifest format {d.get('format_version')!r} is not "
-                                f"{MANIFEST_FORMAT_VERSION}; upgrade the older side (daemon or engine).")
+            raise ProtocolError(
+                f"manifest format {d.get('format_version')!r} is not "
+                f"{MANIFEST_FORMAT_VERSION}; upgrade the older side (daemon or engine)."
+            )
         try:
             return cls(
-                format_version=d["format_version"], key=d["key"], device=str(d["device"]),
-                alignment=int(d["alignment"]), arena_nbytes=int(d["arena_nbytes"]),
-                tensors=[TensorEntry(n, o, b, dt, sh, st, k, p) for n, o, b, dt, sh, st, k, p in d["tensors"]],
+                format_version=d["format_version"],
+                key=d["key"],
+                device=str(d["device"]),
+                alignment=int(d["alignment"]),
+                arena_nbytes=int(d["arena_nbytes"]),
+                tensors=[
+                    TensorEntry(n, o, b, dt, sh, st, k, p)
+                    for n, o, b, dt, sh, st, k, p in d["tensors"]
+                ],
                 aliases=[AliasEntry(n, t, k, p) for n, t, k, p in d["aliases"]],
-                layers=d["layers"], extra=d["extra"])
+                layers=d["layers"],
+                extra=d["extra"],
+            )
         except ProtocolError:
             raise
         except (KeyError, TypeError, ValueError) as e:
@@ -459,4 +565,3 @@ class Manifest:
             if isinstance(e, ProtocolError):
                 raise
             raise ProtocolError(f"manifest JSON does not parse: {e}") from e
-

@@ -26,12 +26,33 @@ import stat
 from wcache.store.errors import DaemonBusy, ShmTooSmall, StoreError, UnsafePath
 
 __all__ = [
-    "default_socket_dir", "ensure_socket_dir", "socket_path", "lock_path", "pid_path",
-    "check_socket_file", "process_start_time", "read_pid_file", "claim_socket_path",
-    "write_pid_file", "owner_alive", "acquire_device_lock", "socket_accepts",
-    "default_device_id", "list_sockets", "registry_dir", "register_daemon", "unregister_daemon",
-    "registered_daemons", "parse_device", "cuda_device_uuid", "SOCKET_PREFIX", "SOCKET_SUFFIX",
-    "check_dev_shm", "DEV_SHM", "DEV_SHM_COLLECTIVES_BYTES", "DEV_SHM_REFCOUNT_BYTES",
+    "default_socket_dir",
+    "ensure_socket_dir",
+    "socket_path",
+    "lock_path",
+    "pid_path",
+    "check_socket_file",
+    "process_start_time",
+    "read_pid_file",
+    "claim_socket_path",
+    "write_pid_file",
+    "owner_alive",
+    "acquire_device_lock",
+    "socket_accepts",
+    "default_device_id",
+    "list_sockets",
+    "registry_dir",
+    "register_daemon",
+    "unregister_daemon",
+    "registered_daemons",
+    "parse_device",
+    "cuda_device_uuid",
+    "SOCKET_PREFIX",
+    "SOCKET_SUFFIX",
+    "check_dev_shm",
+    "DEV_SHM",
+    "DEV_SHM_COLLECTIVES_BYTES",
+    "DEV_SHM_REFCOUNT_BYTES",
 ]
 
 # A sun_path holds 108 bytes including the terminating NUL (Linux <sys/un.h>).
@@ -66,8 +87,9 @@ def _usable_runtime_dir(path: str | None) -> bool:
         st = os.stat(path)
     except OSError:
         return False
-    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
-            and os.access(path, os.W_OK | os.X_OK))
+    return (
+        stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and os.access(path, os.W_OK | os.X_OK)
+    )
 
 
 def default_socket_dir() -> str:
@@ -93,8 +115,9 @@ def registry_dir() -> str:
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if _usable_runtime_dir(runtime):
         return os.path.join(runtime, "wcache-daemons")
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
-                                                            "state")
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "state"
+    )
     return os.path.join(base, "wcache", "daemons")
 
 
@@ -107,8 +130,12 @@ def register_daemon(sock: str, device_id: str) -> str:
     returns the record's path (remove it with :func:`unregister_daemon`)."""
     ensure_socket_dir(registry_dir())
     path = _registry_file(os.getpid(), device_id)
-    rec = {"pid": os.getpid(), "start_time": process_start_time(os.getpid()),
-           "socket": sock, "device_id": device_id}
+    rec = {
+        "pid": os.getpid(),
+        "start_time": process_start_time(os.getpid()),
+        "socket": sock,
+        "device_id": device_id,
+    }
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
     with os.fdopen(fd, "w") as f:
@@ -160,15 +187,19 @@ def default_device_id(device: str = "cpu", index: int | None = None) -> str:
 
 def _unreadable(path: str, what: str, exc: OSError) -> UnsafePath:
     """The refusal of a path this user may not even inspect (another user's)."""
-    return UnsafePath(f"{what} {path} cannot be inspected ({exc.strerror}): it belongs to another "
-                      f"user. Use a socket dir of your own (socket_dir=... / --socket-dir), or "
-                      f"run as the daemon's user.")
+    return UnsafePath(
+        f"{what} {path} cannot be inspected ({exc.strerror}): it belongs to another "
+        f"user. Use a socket dir of your own (socket_dir=... / --socket-dir), or "
+        f"run as the daemon's user."
+    )
 
 
 def _check_owned(st: os.stat_result, path: str, what: str) -> None:
     if st.st_uid != os.getuid():
-        raise UnsafePath(f"{what} {path} is owned by uid {st.st_uid}, not by you (uid {os.getuid()}); "
-                         "refusing it. Use a socket dir of your own (socket_dir=...).")
+        raise UnsafePath(
+            f"{what} {path} is owned by uid {st.st_uid}, not by you (uid {os.getuid()}); "
+            "refusing it. Use a socket dir of your own (socket_dir=...)."
+        )
 
 
 def ensure_socket_dir(path: str | None = None, *, create: bool = True) -> str:
@@ -197,13 +228,17 @@ def ensure_socket_dir(path: str | None = None, *, create: bool = True) -> str:
             pass
         st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
-        raise UnsafePath(f"socket dir {path} is a symlink; refusing it. Remove it or pass a real directory.")
+        raise UnsafePath(
+            f"socket dir {path} is a symlink; refusing it. Remove it or pass a real directory."
+        )
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafePath(f"socket dir {path} is not a directory.")
     _check_owned(st, path, "socket dir")
     if st.st_mode & _FOREIGN_BITS:
-        raise UnsafePath(f"socket dir {path} has mode {stat.S_IMODE(st.st_mode):o}; it must be 0700 "
-                         f"(chmod 700 {path}).")
+        raise UnsafePath(
+            f"socket dir {path} has mode {stat.S_IMODE(st.st_mode):o}; it must be 0700 "
+            f"(chmod 700 {path})."
+        )
     return path
 
 
@@ -220,11 +255,14 @@ def socket_path(socket_dir: str | None, device_id: str) -> str:
     """
     if not isinstance(device_id, str) or not _DEVICE_ID_RE.match(device_id):
         raise StoreError(f"device id {device_id!r} must match {_DEVICE_ID_RE.pattern}")
-    path = os.path.join(resolve_socket_dir(socket_dir),
-                        f"{SOCKET_PREFIX}{device_id}{SOCKET_SUFFIX}")
+    path = os.path.join(
+        resolve_socket_dir(socket_dir), f"{SOCKET_PREFIX}{device_id}{SOCKET_SUFFIX}"
+    )
     if len(os.fsencode(path)) > MAX_SOCKET_PATH_BYTES:
-        raise StoreError(f"socket path {path} exceeds {MAX_SOCKET_PATH_BYTES} bytes; "
-                         "use a shorter socket_dir or device id.")
+        raise StoreError(
+            f"socket path {path} exceeds {MAX_SOCKET_PATH_BYTES} bytes; "
+            "use a shorter socket_dir or device id."
+        )
     return path
 
 
@@ -244,8 +282,11 @@ def list_sockets(socket_dir: str) -> list[str]:
         return []
     except PermissionError as e:
         raise _unreadable(socket_dir, "socket dir", e) from None
-    return sorted(os.path.join(socket_dir, n) for n in names
-                  if n.startswith(SOCKET_PREFIX) and n.endswith(SOCKET_SUFFIX))
+    return sorted(
+        os.path.join(socket_dir, n)
+        for n in names
+        if n.startswith(SOCKET_PREFIX) and n.endswith(SOCKET_SUFFIX)
+    )
 
 
 def check_socket_file(path: str) -> None:
@@ -275,7 +316,7 @@ def process_start_time(pid: int) -> int | None:
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
     # comm (field 2) may hold spaces and parentheses; the fields after it follow the last ')'.
-    rest = data[data.rindex(b")") + 2:].split()
+    rest = data[data.rindex(b")") + 2 :].split()
     if rest[0] == b"Z":  # field 3: state; a zombie is dead for our purposes
         return None
     return int(rest[22 - 3])
@@ -310,8 +351,11 @@ def read_pid_file(path: str) -> dict | None:
     finally:
         if fd >= 0:
             os.close(fd)
-    if not (isinstance(rec, dict) and isinstance(rec.get("pid"), int)
-            and isinstance(rec.get("start_time"), (int, type(None)))):
+    if not (
+        isinstance(rec, dict)
+        and isinstance(rec.get("pid"), int)
+        and isinstance(rec.get("start_time"), (int, type(None)))
+    ):
         return None
     return rec
 
@@ -368,8 +412,10 @@ def acquire_device_lock(sock: str) -> int:
         except BlockingIOError:
             rec = read_pid_file(pid_path(sock))
             who = f"pid {rec['pid']}" if rec else "another process"
-            raise DaemonBusy(f"a daemon ({who}) already serves {sock}; stop it with "
-                             "`wcache stop` before starting another.") from None
+            raise DaemonBusy(
+                f"a daemon ({who}) already serves {sock}; stop it with "
+                "`wcache stop` before starting another."
+            ) from None
     except BaseException:
         os.close(fd)
         raise
@@ -396,7 +442,9 @@ def claim_socket_path(sock: str) -> None:
         if owner_alive(rec):
             raise DaemonBusy(f"socket {sock} belongs to live pid {rec['pid']}; stop it first.")
     elif socket_accepts(sock):
-        raise DaemonBusy(f"socket {sock} has no pid file but accepts connections; stop its owner first.")
+        raise DaemonBusy(
+            f"socket {sock} has no pid file but accepts connections; stop its owner first."
+        )
     os.unlink(sock)
 
 
@@ -438,16 +486,21 @@ def check_dev_shm(need_bytes: int, purpose: str, path: str = DEV_SHM) -> int:
             the fix (``docker run --shm-size=1g`` / ``--ipc=host``, a Kubernetes
             ``emptyDir: {medium: Memory}`` on /dev/shm).
     """
-    fix = (f"give the container a larger {path} (docker run --shm-size=1g or --ipc=host; "
-           f"Kubernetes: an emptyDir with medium: Memory mounted on {path})")
+    fix = (
+        f"give the container a larger {path} (docker run --shm-size=1g or --ipc=host; "
+        f"Kubernetes: an emptyDir with medium: Memory mounted on {path})"
+    )
     try:
         st = os.statvfs(path)
     except OSError as e:
-        raise ShmTooSmall(f"{purpose} needs {path}, which cannot be used ({e.strerror}); "
-                          f"{fix}") from None
+        raise ShmTooSmall(
+            f"{purpose} needs {path}, which cannot be used ({e.strerror}); {fix}"
+        ) from None
     free = st.f_bavail * st.f_frsize
     if free < need_bytes:
-        raise ShmTooSmall(f"{purpose} needs {need_bytes / 2**20:.0f} MiB free in {path}, which "
-                          f"has {free / 2**20:.1f} MiB free of {st.f_blocks * st.f_frsize / 2**20:.1f}"
-                          f" MiB; {fix}")
+        raise ShmTooSmall(
+            f"{purpose} needs {need_bytes / 2**20:.0f} MiB free in {path}, which "
+            f"has {free / 2**20:.1f} MiB free of {st.f_blocks * st.f_frsize / 2**20:.1f}"
+            f" MiB; {fix}"
+        )
     return free

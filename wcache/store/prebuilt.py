@@ -60,8 +60,9 @@ class PrebuiltArena:
     fill: Fill
     origin: str
 
-    def build(self, device_type: str, index: int | None, transport: str | None
-              ) -> tuple[Any, Manifest, str, str | None]:
+    def build(
+        self, device_type: str, index: int | None, transport: str | None
+    ) -> tuple[Any, Manifest, str, str | None]:
         """Allocate the arena for ``device_type``, fill it, and return
         ``(serving, manifest, transport name, why cuda_vmm was not used or None)``
         for :class:`DaemonServer` (CUDA: its policy,
@@ -73,20 +74,27 @@ class PrebuiltArena:
             TransportFailed: ``transport="cuda_vmm"`` was asked for and is unavailable.
         """
         if self.manifest.device != device_type:
-            raise StoreError(f"{self.origin} holds a {self.manifest.device} arena; this daemon serves "
-                             f"{device_type}. Start it with the device the arena was made on.")
+            raise StoreError(
+                f"{self.origin} holds a {self.manifest.device} arena; this daemon serves "
+                f"{device_type}. Start it with the device the arena was made on."
+            )
         t0 = time.perf_counter()
         if device_type == "cpu":
-
             out = (*self._build_shm(), TRANSPORT, None)
         else:
-
-            out = build_cuda_serving(transport, lambda: self._build_vmm(index),
-                                     lambda: self._build_ipc(index))
+            out = build_cuda_serving(
+                transport, lambda: self._build_vmm(index), lambda: self._build_ipc(index)
+            )
         nbytes = self.manifest.arena_nbytes
         dt = time.perf_counter() - t0
-        log.info("arena (%s) filled from %s: %.1f MiB in %.3f s (%.2f GiB/s)", out[2], self.origin,
-                 nbytes / 2**20, dt, nbytes / 2**30 / max(dt, 1e-9))
+        log.info(
+            "arena (%s) filled from %s: %.1f MiB in %.3f s (%.2f GiB/s)",
+            out[2],
+            self.origin,
+            nbytes / 2**20,
+            dt,
+            nbytes / 2**30 / max(dt, 1e-9),
+        )
         return out
 
     def _build_shm(self) -> tuple[Any, Manifest]:
@@ -100,8 +108,10 @@ class PrebuiltArena:
             # fill() keeps no reference to ``dst`` past its return.
             anchor = ctypes.c_char.from_buffer(mm)
             try:
-                dst = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ctypes.addressof(anchor)),
-                                       dtype=torch.uint8)
+                dst = torch.frombuffer(
+                    (ctypes.c_uint8 * nbytes).from_address(ctypes.addressof(anchor)),
+                    dtype=torch.uint8,
+                )
                 try:
                     self.fill(dst)
                 finally:
@@ -113,7 +123,6 @@ class PrebuiltArena:
         return ShmServing(fd, nbytes), self.manifest
 
     def _build_ipc(self, index: int) -> tuple[Any, Manifest]:
-
 
         arena = torch.empty(self.manifest.arena_nbytes, dtype=torch.uint8, device=f"cuda:{index}")
         try:
@@ -175,5 +184,7 @@ def served_arena(server: Any) -> _ShmView | _DeviceView:
         return _ShmView(fd, nbytes)
     arena = getattr(serving, "arena", None)
     if arena is None:
-        raise StoreError(f"cannot read the arena of a stopped daemon or of transport {server.transport!r}")
+        raise StoreError(
+            f"cannot read the arena of a stopped daemon or of transport {server.transport!r}"
+        )
     return _DeviceView(arena[:nbytes])

@@ -53,10 +53,26 @@ from wcache.store.errors import KeyMismatch, ProtocolError, StoreError
 from wcache.store.manifest import CacheKey, canonical_json
 
 __all__ = [
-    "PROTOCOL_VERSION", "MAX_FRAME_BYTES", "HEADER", "OPS", "REQUEST_FIELDS", "REQUIRED_FIELDS",
-    "check_request", "send_frame", "recv_frame",
-    "error_frame", "raise_for_error", "ConnectionClosed", "seed_mac", "SEED_NONCE_BYTES",
-    "SEED_REQUEST_LABEL", "SEED_REPLY_LABEL", "SEED_BACKENDS", "SEED_CHUNK_BYTES", "check_seed_request", "pin_map_keys",
+    "PROTOCOL_VERSION",
+    "MAX_FRAME_BYTES",
+    "HEADER",
+    "OPS",
+    "REQUEST_FIELDS",
+    "REQUIRED_FIELDS",
+    "check_request",
+    "send_frame",
+    "recv_frame",
+    "error_frame",
+    "raise_for_error",
+    "ConnectionClosed",
+    "seed_mac",
+    "SEED_NONCE_BYTES",
+    "SEED_REQUEST_LABEL",
+    "SEED_REPLY_LABEL",
+    "SEED_BACKENDS",
+    "SEED_CHUNK_BYTES",
+    "check_seed_request",
+    "pin_map_keys",
 ]
 
 PROTOCOL_VERSION = 1
@@ -82,8 +98,10 @@ REQUEST_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 }
 #: Fields a command cannot do without.
 REQUIRED_FIELDS: dict[str, frozenset[str]] = {
-    "hello": frozenset({"protocol"}), "get": frozenset({"key"}),
-    "invalidate": frozenset({"key"}), "seed": frozenset({"key"}),
+    "hello": frozenset({"protocol"}),
+    "get": frozenset({"key"}),
+    "invalidate": frozenset({"key"}),
+    "seed": frozenset({"key"}),
 }
 OPS = frozenset(REQUEST_FIELDS)
 #: Random bytes per challenge nonce (256 bits: never repeats, cannot be guessed).
@@ -140,19 +158,25 @@ def check_seed_request(req: dict[str, Any], server: Any) -> tuple[dict[str, Any]
     theirs = CacheKey(fields)
     if theirs != server.key:
         diff = server.key.diff(theirs)
-        return {"ok": False, "code": KeyMismatch.code, "fields": diff,
-                "theirs": {k: server.key.fields.get(k) for k in diff},
-                "message": f"{theirs.versions_note(server.key, 'receiver', 'source')}seeding "
-                           f"source's key differs in {', '.join(diff)}: "
-                           f"{theirs.describe_diff(server.key, 'receiver', 'source')}; start "
-                           f"the receiver with the source's engine arguments, or from the "
-                           f"checkpoint"}, ""
+        return {
+            "ok": False,
+            "code": KeyMismatch.code,
+            "fields": diff,
+            "theirs": {k: server.key.fields.get(k) for k in diff},
+            "message": f"{theirs.versions_note(server.key, 'receiver', 'source')}seeding "
+            f"source's key differs in {', '.join(diff)}: "
+            f"{theirs.describe_diff(server.key, 'receiver', 'source')}; start "
+            f"the receiver with the source's engine arguments, or from the "
+            f"checkpoint",
+        }, ""
     device_type = server.device_type
     backend = req.get("backend") or SEED_BACKENDS[device_type]
     allowed = {SEED_BACKENDS[device_type]} | ({"gloo"} if device_type == "cuda" else set())
     if backend not in allowed:
-        raise ProtocolError(f"receiver asks for backend {backend!r}; a {device_type} "
-                            f"daemon seeds over {' or '.join(sorted(allowed))}")
+        raise ProtocolError(
+            f"receiver asks for backend {backend!r}; a {device_type} "
+            f"daemon seeds over {' or '.join(sorted(allowed))}"
+        )
     if server.invalidated:
         raise StoreError("this daemon's arena was invalidated; it seeds no one")
     return None, backend
@@ -196,7 +220,9 @@ def send_frame(sock: socket.socket, obj: dict[str, Any], fds: tuple[int, ...] = 
     except (TypeError, ValueError, OverflowError) as e:
         raise ProtocolError(f"frame cannot be encoded: {e}") from e
     if len(payload) > MAX_FRAME_BYTES:
-        raise ProtocolError(f"frame of {len(payload)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+        raise ProtocolError(
+            f"frame of {len(payload)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit"
+        )
     data = HEADER.pack(len(payload)) + payload
     if fds:
         sent = socket.send_fds(sock, [data], list(fds))
@@ -217,7 +243,7 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int], want_fds: int) -> b
             for level, kind, cdata in anc:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     arr = array.array("i")
-                    arr.frombytes(cdata[:len(cdata) - len(cdata) % arr.itemsize])
+                    arr.frombytes(cdata[: len(cdata) - len(cdata) % arr.itemsize])
                     fds.extend(arr)
             if flags & socket.MSG_CTRUNC:
                 raise ProtocolError("peer sent more descriptors than expected")
@@ -231,8 +257,9 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int], want_fds: int) -> b
     return bytes(buf)
 
 
-def recv_frame(sock: socket.socket, max_fds: int = 0, frame_timeout_s: float | None = None
-               ) -> tuple[dict[str, Any], list[int]]:
+def recv_frame(
+    sock: socket.socket, max_fds: int = 0, frame_timeout_s: float | None = None
+) -> tuple[dict[str, Any], list[int]]:
     """Receive one frame and the descriptors attached to it.
 
     Waiting for a frame to start uses the socket's own timeout (the daemon
@@ -261,7 +288,9 @@ def recv_frame(sock: socket.socket, max_fds: int = 0, frame_timeout_s: float | N
                 raise ProtocolError("connection closed inside a frame header")
             (length,) = HEADER.unpack(header)
             if length > MAX_FRAME_BYTES:
-                raise ProtocolError(f"frame length {length} exceeds the {MAX_FRAME_BYTES}-byte limit")
+                raise ProtocolError(
+                    f"frame length {length} exceeds the {MAX_FRAME_BYTES}-byte limit"
+                )
             payload = _recv_exact(sock, length, fds, max_fds) if length else b""
             if payload is None:
                 raise ProtocolError("connection closed after a frame header")
@@ -310,7 +339,9 @@ def seed_mac(secret: bytes, label: bytes, nonce_hex: str, frame: dict[str, Any])
         body = canonical_json({k: v for k, v in frame.items() if k != "mac"}).encode()
     except (TypeError, ValueError, StoreError) as e:
         raise ProtocolError(f"seed frame cannot be authenticated: {e}") from None
-    return hmac.new(secret, label + nonce + hashlib.sha256(body).digest(), hashlib.sha256).hexdigest()
+    return hmac.new(
+        secret, label + nonce + hashlib.sha256(body).digest(), hashlib.sha256
+    ).hexdigest()
 
 
 def _type_names(types: tuple[type, ...]) -> str:
@@ -330,8 +361,10 @@ def check_request(req: dict[str, Any]) -> str:
     """
     op = req.get("op")
     if not isinstance(op, str):
-        raise ProtocolError(f"'op' must be a string naming a command, not "
-                            f"{type(op).__name__}; commands: {sorted(OPS)}")
+        raise ProtocolError(
+            f"'op' must be a string naming a command, not "
+            f"{type(op).__name__}; commands: {sorted(OPS)}"
+        )
     if op not in REQUEST_FIELDS:
         raise ProtocolError(f"unknown command {op[:40]!r}; expected one of {sorted(OPS)}")
     fields = REQUEST_FIELDS[op]
@@ -339,12 +372,14 @@ def check_request(req: dict[str, Any]) -> str:
         if name == "op":
             continue
         if name not in fields:
-            raise ProtocolError(f"{op} takes no field {str(name)[:40]!r}; its fields: "
-                                f"{sorted(fields) or 'none'}")
+            raise ProtocolError(
+                f"{op} takes no field {str(name)[:40]!r}; its fields: {sorted(fields) or 'none'}"
+            )
         allowed = fields[name]
         if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
-            raise ProtocolError(f"{op}: field {name!r} must be {_type_names(allowed)}, not "
-                                f"{type(value).__name__}")
+            raise ProtocolError(
+                f"{op}: field {name!r} must be {_type_names(allowed)}, not {type(value).__name__}"
+            )
     missing = sorted(REQUIRED_FIELDS.get(op, frozenset()) - set(req))
     if missing:
         raise ProtocolError(f"{op} needs the field(s) {missing}")

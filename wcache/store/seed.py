@@ -73,8 +73,21 @@ from wcache.store.protocol import (
     send_frame,
 )
 
-__all__ = ["SeedFailed", "SeedSecretUnsafe", "SeedSource", "seed_arena", "send_arena", "arena_digest", "read_secret",
-           "parse_host_port", "seed_timeout_s", "BACKENDS", "SEED_CHUNK_BYTES", "SEED_TIMEOUT_ENV", "TCP_SCHEME"]
+__all__ = [
+    "SeedFailed",
+    "SeedSecretUnsafe",
+    "SeedSource",
+    "seed_arena",
+    "send_arena",
+    "arena_digest",
+    "read_secret",
+    "parse_host_port",
+    "seed_timeout_s",
+    "BACKENDS",
+    "SEED_CHUNK_BYTES",
+    "SEED_TIMEOUT_ENV",
+    "TCP_SCHEME",
+]
 
 log = logging.getLogger("wcache.store")
 
@@ -120,8 +133,10 @@ SECRET_MAX_BYTES = 4096
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 #: listen() backlog of a seeding TCPStore: one receiver per seeding.
 STORE_BACKLOG = 8
-SECRET_FIX = ("create it with `head -c 32 /dev/urandom | base64 > FILE && chmod 600 FILE` and give "
-              "the same file to the source and the receiver")
+SECRET_FIX = (
+    "create it with `head -c 32 /dev/urandom | base64 > FILE && chmod 600 FILE` and give "
+    "the same file to the source and the receiver"
+)
 
 
 def read_secret(path: str) -> bytes:
@@ -144,15 +159,19 @@ def read_secret(path: str) -> bytes:
         if not stat.S_ISREG(st.st_mode):
             raise SeedSecretUnsafe(f"seed secret file {path} is not a regular file; {SECRET_FIX}")
         if st.st_mode & 0o077:
-            raise SeedSecretUnsafe(f"seed secret file {path} has mode {stat.S_IMODE(st.st_mode):o}: "
-                                   f"group or others may read it; run `chmod 600 {path}`")
+            raise SeedSecretUnsafe(
+                f"seed secret file {path} has mode {stat.S_IMODE(st.st_mode):o}: "
+                f"group or others may read it; run `chmod 600 {path}`"
+            )
         data = os.read(fd, SECRET_MAX_BYTES + 1)
     finally:
         os.close(fd)
     secret = data.rstrip(b"\r\n")
     if not SECRET_MIN_BYTES <= len(secret) <= SECRET_MAX_BYTES:
-        raise SeedSecretUnsafe(f"seed secret file {path} holds {len(secret)} bytes; a secret needs "
-                               f"{SECRET_MIN_BYTES} to {SECRET_MAX_BYTES}; {SECRET_FIX}")
+        raise SeedSecretUnsafe(
+            f"seed secret file {path} holds {len(secret)} bytes; a secret needs "
+            f"{SECRET_MIN_BYTES} to {SECRET_MAX_BYTES}; {SECRET_FIX}"
+        )
     return secret
 
 
@@ -167,8 +186,7 @@ def parse_host_port(spec: str, what: str = "--seed-listen") -> tuple[str, int]:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"{what} {spec!r} is not HOST:PORT (e.g. 10.0.0.5:29600, "
-                         f"[fd00::5]:29600)")
+        raise ValueError(f"{what} {spec!r} is not HOST:PORT (e.g. 10.0.0.5:29600, [fd00::5]:29600)")
     return host, int(port)
 
 
@@ -185,8 +203,10 @@ def seed_timeout_s() -> float:
     try:
         return parse_seconds(raw)
     except ValueError as e:
-        raise SeedFailed(f"{SEED_TIMEOUT_ENV}: {e}; unset it (default {SEED_TIMEOUT_S:g} s) or "
-                         f"pass `wcache serve --seed-timeout SECONDS`") from None
+        raise SeedFailed(
+            f"{SEED_TIMEOUT_ENV}: {e}; unset it (default {SEED_TIMEOUT_S:g} s) or "
+            f"pass `wcache serve --seed-timeout SECONDS`"
+        ) from None
 
 
 _env_lock = threading.Lock()
@@ -224,20 +244,38 @@ def _listening_store(host: str, timeout: datetime.timedelta) -> Any:
         listener.close()
         raise StoreError(f"cannot open the seeding store on {host}: {e}") from e
     fd = listener.detach()
-    return dist.TCPStore(host, port, 2, True, timeout=timeout, wait_for_workers=False,
-                         master_listen_fd=fd)
+    return dist.TCPStore(
+        host, port, 2, True, timeout=timeout, wait_for_workers=False, master_listen_fd=fd
+    )
 
 
-def _group(backend: str, host: str, port: int, rank: int, device: torch.device, token: str, *,
-           is_master: bool, timeout_s: float, store: Any = None, gloo_host: str | None = None) -> Any:
+def _group(
+    backend: str,
+    host: str,
+    port: int,
+    rank: int,
+    device: torch.device,
+    token: str,
+    *,
+    is_master: bool,
+    timeout_s: float,
+    store: Any = None,
+    gloo_host: str | None = None,
+) -> Any:
     """The two-rank group; ``gloo_host``: the local address gloo binds and
     advertises (across hosts), None for c10d's default (``GLOO_SOCKET_IFNAME``
     or this host's name)."""
 
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
-        store = dist.TCPStore(host, port, 2, is_master, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=SEED_CONNECT_TIMEOUT_S))
+        store = dist.TCPStore(
+            host,
+            port,
+            2,
+            is_master,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=SEED_CONNECT_TIMEOUT_S),
+        )
         store.set_timeout(timeout)  # connected: the rendezvous and transfer may take long
     prefixed = dist.PrefixStore(f"{STORE_PREFIX}{token}/", store)
     if backend == "gloo":
@@ -310,8 +348,10 @@ class SeedSource:
 
     def __init__(self, server: Any, host: str = "127.0.0.1", advertise: str | None = None):
         if host in WILDCARD_HOSTS and not advertise:
-            raise StoreError(f"seeding listens on every interface ({host!r}); give the address "
-                             f"receivers reach it at (--seed-advertise), or listen on that address")
+            raise StoreError(
+                f"seeding listens on every interface ({host!r}); give the address "
+                f"receivers reach it at (--seed-advertise), or listen on that address"
+            )
         self.server = server
         self.host = host
         self.advertise = advertise or host
@@ -353,26 +393,50 @@ class SeedSource:
         # receive the weights.
         token = secrets.token_hex(TOKEN_BYTES)
         gloo_host = self.advertise if tcp else None
-        thread = threading.Thread(target=self._send, args=(store, backend, token, state.get("pid"), gloo_host),
-                                  name="wcache-seed", daemon=True)
+        thread = threading.Thread(
+            target=self._send,
+            args=(store, backend, token, state.get("pid"), gloo_host),
+            name="wcache-seed",
+            daemon=True,
+        )
         thread.start()
         self.threads.append(thread)
-        reply = {"ok": True, "manifest": server._manifest_dict, "backend": backend,
-                 "host": self.advertise, "port": store.port, "token": token,
-                 "chunk_bytes": SEED_CHUNK_BYTES}
+        reply = {
+            "ok": True,
+            "manifest": server._manifest_dict,
+            "backend": backend,
+            "host": self.advertise,
+            "port": store.port,
+            "token": token,
+            "chunk_bytes": SEED_CHUNK_BYTES,
+        }
         if digest is not None:
             reply["digest"] = digest
         return reply
 
-    def _send(self, store: Any, backend: str, token: str, pid: Any, gloo_host: str | None = None) -> None:
+    def _send(
+        self, store: Any, backend: str, token: str, pid: Any, gloo_host: str | None = None
+    ) -> None:
         server = self.server
         view = None
         try:
-            device = torch.device("cpu") if server.device_type == "cpu" else \
-                torch.device("cuda", server.device_index)
+            device = (
+                torch.device("cpu")
+                if server.device_type == "cpu"
+                else torch.device("cuda", server.device_index)
+            )
             view = served_arena(server)
-            send_arena(store, backend, self.host, token, view.tensor, device,
-                       lambda: self.digest(view.tensor), pid, gloo_host)
+            send_arena(
+                store,
+                backend,
+                self.host,
+                token,
+                view.tensor,
+                device,
+                lambda: self.digest(view.tensor),
+                pid,
+                gloo_host,
+            )
             self.seeds_done += 1
         except Exception:  # the receiver sees its own error; the source keeps serving
             log.exception("seeding pid %s failed; still serving", pid)
@@ -381,8 +445,17 @@ class SeedSource:
                 view.close()
 
 
-def send_arena(store: Any, backend: str, host: str, token: str, arena: torch.Tensor, device: torch.device,
-               digest: Any, pid: Any = None, gloo_host: str | None = None) -> None:
+def send_arena(
+    store: Any,
+    backend: str,
+    host: str,
+    token: str,
+    arena: torch.Tensor,
+    device: torch.device,
+    digest: Any,
+    pid: Any = None,
+    gloo_host: str | None = None,
+) -> None:
     """The source's side of one seeding: join the two-rank group (rank 0) over
     ``store``, broadcast ``arena`` in :data:`SEED_CHUNK_BYTES` chunks, then its digest.
 
@@ -400,24 +473,42 @@ def send_arena(store: Any, backend: str, host: str, token: str, arena: torch.Ten
     timeout_s = seed_timeout_s()
     pg = None
     try:
-        pg, _ = _group(backend, host, store.port, 0, device, token, is_master=True, timeout_s=timeout_s,
-                       store=store, gloo_host=gloo_host)
+        pg, _ = _group(
+            backend,
+            host,
+            store.port,
+            0,
+            device,
+            token,
+            is_master=True,
+            timeout_s=timeout_s,
+            store=store,
+            gloo_host=gloo_host,
+        )
         for off, length in _ranges(arena.numel(), SEED_CHUNK_BYTES):
-            _broadcast(pg, arena[off:off + length], timeout_s)
+            _broadcast(pg, arena[off : off + length], timeout_s)
         algo, hexd = digest()
         d = torch.frombuffer(bytearray(bytes.fromhex(hexd)), dtype=torch.uint8).to(device)
         _broadcast(pg, d, timeout_s)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        log.info("seeded pid %s: %.1f MiB over %s in %.3f s (%s %s)", pid, arena.numel() / 2**20,
-                 backend, time.perf_counter() - t0, algo, hexd[:16])
+        log.info(
+            "seeded pid %s: %.1f MiB over %s in %.3f s (%s %s)",
+            pid,
+            arena.numel() / 2**20,
+            backend,
+            time.perf_counter() - t0,
+            algo,
+            hexd[:16],
+        )
     finally:
         if pg is not None:
             _close_group(pg)
 
 
-def _tcp_seed_request(source: str, secret: bytes, request: dict[str, Any],
-                      connect_timeout_s: float) -> tuple[dict[str, Any], str]:
+def _tcp_seed_request(
+    source: str, secret: bytes, request: dict[str, Any], connect_timeout_s: float
+) -> tuple[dict[str, Any], str]:
     """One authenticated ``seed`` exchange with the TCP listener ``source``
     (``tcp://HOST:PORT``); returns the verified reply and the local address the
     connection left from (gloo binds it: the interface that routes to the source).
@@ -432,19 +523,25 @@ def _tcp_seed_request(source: str, secret: bytes, request: dict[str, Any],
     try:
         sock = socket.create_connection((host, port), timeout=connect_timeout_s)
     except OSError as e:
-        raise DaemonMissing(f"nothing answers seeding requests on {source} ({e}); start the source "
-                            f"with `wcache serve ... --seed-listen {host}:{port} --seed-secret-file "
-                            f"FILE`, and check the address and the firewall between the hosts") from None
+        raise DaemonMissing(
+            f"nothing answers seeding requests on {source} ({e}); start the source "
+            f"with `wcache serve ... --seed-listen {host}:{port} --seed-secret-file "
+            f"FILE`, and check the address and the firewall between the hosts"
+        ) from None
     try:
         sock.settimeout(TCP_REPLY_TIMEOUT_S)
         challenge, _ = recv_frame(sock, frame_timeout_s=TCP_REPLY_TIMEOUT_S)
         if challenge.get("op") != "challenge" or not isinstance(challenge.get("nonce"), str):
-            raise SeedFailed(f"{source} did not send a seeding challenge "
-                             f"({str(challenge.get('message') or sorted(challenge))[:300]})")
+            raise SeedFailed(
+                f"{source} did not send a seeding challenge "
+                f"({str(challenge.get('message') or sorted(challenge))[:300]})"
+            )
         if challenge.get("protocol") != PROTOCOL_VERSION:
-            raise SeedFailed(f"{source} speaks protocol {challenge.get('protocol')!r} (wcache "
-                             f"{challenge.get('wcache')!r}), we speak {PROTOCOL_VERSION}; run the "
-                             f"same wcache version on both hosts")
+            raise SeedFailed(
+                f"{source} speaks protocol {challenge.get('protocol')!r} (wcache "
+                f"{challenge.get('wcache')!r}), we speak {PROTOCOL_VERSION}; run the "
+                f"same wcache version on both hosts"
+            )
         req = {**request, "nonce": secrets.token_hex(SEED_NONCE_BYTES)}
         # MAC what the source will decode: msgpack turns tuples into lists
         req = msgpack.unpackb(msgpack.packb(req, use_bin_type=True), raw=False)
@@ -453,21 +550,29 @@ def _tcp_seed_request(source: str, secret: bytes, request: dict[str, Any],
         reply, _ = recv_frame(sock, frame_timeout_s=TCP_REPLY_TIMEOUT_S)
         local_host = sock.getsockname()[0]
     except (OSError, ProtocolError) as e:  # socket.timeout is an OSError
-        raise SeedFailed(f"the seeding exchange with {source} broke off: {e}; check that the "
-                         f"source daemon still runs and that --seed-from names its --seed-listen "
-                         f"address") from e
+        raise SeedFailed(
+            f"the seeding exchange with {source} broke off: {e}; check that the "
+            f"source daemon still runs and that --seed-from names its --seed-listen "
+            f"address"
+        ) from e
     finally:
         sock.close()
     mac = reply.get("mac")
     if reply.get("ok") is False and reply.get("code") != KeyMismatch.code:
         raise SeedFailed(f"{source} refused to seed [{reply.get('code')}]: {reply.get('message')}")
-    if not isinstance(mac, str) or not _compare(mac, seed_mac(secret, SEED_REPLY_LABEL, req["nonce"], reply)):
-        raise SeedFailed(f"the answer from {source} is not signed with our secret: it is not a "
-                         f"wcache daemon holding the same --seed-secret-file; nothing is received")
+    if not isinstance(mac, str) or not _compare(
+        mac, seed_mac(secret, SEED_REPLY_LABEL, req["nonce"], reply)
+    ):
+        raise SeedFailed(
+            f"the answer from {source} is not signed with our secret: it is not a "
+            f"wcache daemon holding the same --seed-secret-file; nothing is received"
+        )
     if reply.get("ok") is False:
-        raise KeyMismatch(f"daemon on {source}: {reply.get('message')}",
-                          fields=[str(f) for f in reply.get("fields") or ()],
-                          theirs=reply.get("theirs") if isinstance(reply.get("theirs"), dict) else {})
+        raise KeyMismatch(
+            f"daemon on {source}: {reply.get('message')}",
+            fields=[str(f) for f in reply.get("fields") or ()],
+            theirs=reply.get("theirs") if isinstance(reply.get("theirs"), dict) else {},
+        )
     return reply, local_host
 
 
@@ -475,8 +580,14 @@ def _compare(a: str, b: str) -> bool:
     return hmac.compare_digest(a.encode(), b.encode())
 
 
-def seed_arena(source: str, key: CacheKey, *, connect_timeout_s: float = 5.0,
-               backend: str | None = None, secret: bytes | None = None) -> PrebuiltArena:
+def seed_arena(
+    source: str,
+    key: CacheKey,
+    *,
+    connect_timeout_s: float = 5.0,
+    backend: str | None = None,
+    secret: bytes | None = None,
+) -> PrebuiltArena:
     """Ask the daemon at ``source`` to seed us; return the arena to build.
 
     ``source``: a daemon's Unix socket path (this host, uid-checked), or
@@ -504,8 +615,10 @@ def seed_arena(source: str, key: CacheKey, *, connect_timeout_s: float = 5.0,
     gloo_host = None
     if source.startswith(TCP_SCHEME):
         if not secret:
-            raise SeedFailed(f"--seed-from {source} needs the source's shared secret: give "
-                             f"--seed-secret-file FILE (the same file as the source's)")
+            raise SeedFailed(
+                f"--seed-from {source} needs the source's shared secret: give "
+                f"--seed-secret-file FILE (the same file as the source's)"
+            )
         timeout = max(connect_timeout_s, TCP_CONNECT_TIMEOUT_S)
         reply, gloo_host = _tcp_seed_request(source, secret, request, timeout)
     else:
@@ -525,46 +638,73 @@ def seed_arena(source: str, key: CacheKey, *, connect_timeout_s: float = 5.0,
         token = str(reply["token"])
         chunk = int(reply.get("chunk_bytes") or SEED_CHUNK_BYTES)
     except (KeyError, TypeError, ValueError) as e:
-        raise SeedFailed(f"the daemon at {source} sent an incomplete seeding answer ({e}); run the "
-                         f"same wcache version on both sides") from e
+        raise SeedFailed(
+            f"the daemon at {source} sent an incomplete seeding answer ({e}); run the "
+            f"same wcache version on both sides"
+        ) from e
     if CacheKey(manifest.key) != key:
-        raise SeedFailed(f"the daemon at {source} sent a manifest of key "
-                         f"{CacheKey(manifest.key).digest[:16]}, we asked for {key.digest[:16]}")
+        raise SeedFailed(
+            f"the daemon at {source} sent a manifest of key "
+            f"{CacheKey(manifest.key).digest[:16]}, we asked for {key.digest[:16]}"
+        )
     signed = reply.get("digest")  # over TCP: the source's digest, authenticated with the reply
     if gloo_host is not None and not (isinstance(signed, list) and len(signed) == 2):
-        raise SeedFailed(f"the daemon at {source} sent no arena digest; run the same wcache "
-                         f"version on both sides")
+        raise SeedFailed(
+            f"the daemon at {source} sent no arena digest; run the same wcache "
+            f"version on both sides"
+        )
 
     def fill(dst: torch.Tensor) -> None:
         t0 = time.perf_counter()
         pg = None
         try:
             timeout_s = seed_timeout_s()
-            pg, _store = _group(backend, host, port, 1, dst.device, token, is_master=False,
-                                timeout_s=timeout_s, gloo_host=gloo_host)
+            pg, _store = _group(
+                backend,
+                host,
+                port,
+                1,
+                dst.device,
+                token,
+                is_master=False,
+                timeout_s=timeout_s,
+                gloo_host=gloo_host,
+            )
             for off, length in _ranges(manifest.arena_nbytes, chunk):
-                _broadcast(pg, dst[off:off + length], timeout_s)
+                _broadcast(pg, dst[off : off + length], timeout_s)
             theirs = torch.zeros(DIGEST_BYTES, dtype=torch.uint8, device=dst.device)
             _broadcast(pg, theirs, timeout_s)
             if dst.device.type == "cuda":
                 torch.cuda.synchronize(dst.device)  # NCCL work is async: done before shutdown
         except RuntimeError as e:  # c10d reports timeouts and broken connections so
-            raise SeedFailed(f"seeding from {source} broke off: {e}; check that the source "
-                             f"daemon still runs (`wcache status`), or start this one from the "
-                             f"checkpoint or a snapshot") from e
+            raise SeedFailed(
+                f"seeding from {source} broke off: {e}; check that the source "
+                f"daemon still runs (`wcache status`), or start this one from the "
+                f"checkpoint or a snapshot"
+            ) from e
         finally:
             if pg is not None:
                 _close_group(pg)
-        algo, mine = arena_digest(dst[:manifest.arena_nbytes])
+        algo, mine = arena_digest(dst[: manifest.arena_nbytes])
         theirs_hex = bytes(theirs.cpu().tolist()).hex()
         if mine != theirs_hex:
-            raise SeedFailed(f"what arrived from {source} does not match the source's digest "
-                             f"({algo}: got {mine[:16]}, source {theirs_hex[:16]}); nothing is served")
+            raise SeedFailed(
+                f"what arrived from {source} does not match the source's digest "
+                f"({algo}: got {mine[:16]}, source {theirs_hex[:16]}); nothing is served"
+            )
         if signed is not None and [algo, mine] != list(signed):
-            raise SeedFailed(f"what arrived from {source} does not match the digest in the source's "
-                             f"signed answer ({algo}: got {mine[:16]}, signed {str(signed[1])[:16]}): "
-                             f"the bytes were changed on the way; nothing is served")
-        log.info("seeded from %s over %s: %.1f MiB in %.3f s, %s verified", source, backend,
-                 manifest.arena_nbytes / 2**20, time.perf_counter() - t0, algo)
+            raise SeedFailed(
+                f"what arrived from {source} does not match the digest in the source's "
+                f"signed answer ({algo}: got {mine[:16]}, signed {str(signed[1])[:16]}): "
+                f"the bytes were changed on the way; nothing is served"
+            )
+        log.info(
+            "seeded from %s over %s: %.1f MiB in %.3f s, %s verified",
+            source,
+            backend,
+            manifest.arena_nbytes / 2**20,
+            time.perf_counter() - t0,
+            algo,
+        )
 
     return PrebuiltArena(manifest, fill, f"peer {source}")

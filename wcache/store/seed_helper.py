@@ -39,16 +39,27 @@ def main() -> int:
     from wcache.store.seed import TOKEN_BYTES, _listening_store, seed_timeout_s, send_arena  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     req = json.loads(sys.stdin.readline())
-    logging.basicConfig(level=req.get("log_level", logging.INFO),
-                        format="%(asctime)s %(name)s seed-helper %(message)s")
-    with attach(CacheKey.from_json(req["key"]), socket_dir=req["socket_dir"],
-                device_id=req["device_id"]) as att:
+    logging.basicConfig(
+        level=req.get("log_level", logging.INFO),
+        format="%(asctime)s %(name)s seed-helper %(message)s",
+    )
+    with attach(
+        CacheKey.from_json(req["key"]), socket_dir=req["socket_dir"], device_id=req["device_id"]
+    ) as att:
         arena = att.arena
         store = _listening_store(req["host"], datetime.timedelta(seconds=seed_timeout_s()))
         token = secrets.token_hex(TOKEN_BYTES)
         print(json.dumps({"port": store.port, "token": token}), flush=True)
-        send_arena(store, req["backend"], req["host"], token, arena, torch.device("cpu"),
-                   lambda: arena_digest(arena), req.get("pid"))
+        send_arena(
+            store,
+            req["backend"],
+            req["host"],
+            token,
+            arena,
+            torch.device("cpu"),
+            lambda: arena_digest(arena),
+            req.get("pid"),
+        )
     return 0
 
 

@@ -90,8 +90,9 @@ class SeedListener:
         StoreError: an empty secret, or the address cannot be bound.
     """
 
-    def __init__(self, owner: SeedOwner, host: str, port: int, secret: bytes, *, backlog: int,
-                 poll_s: float):
+    def __init__(
+        self, owner: SeedOwner, host: str, port: int, secret: bytes, *, backlog: int, poll_s: float
+    ):
         if not secret:
             raise StoreError("a TCP seeding listener needs a non-empty secret")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -103,15 +104,19 @@ class SeedListener:
             listener.settimeout(poll_s)
         except OSError as e:
             listener.close()
-            raise StoreError(f"cannot listen for seeding on {host}:{port}: {e}; pick another "
-                             f"--seed-listen address or port") from e
+            raise StoreError(
+                f"cannot listen for seeding on {host}:{port}: {e}; pick another "
+                f"--seed-listen address or port"
+            ) from e
         self._owner = owner
         self._secret = bytes(secret)
         self._socket = listener
         self._poll_s = poll_s
         #: ``(host, port)`` the listener is bound to.
         self.address: tuple[str, int] = (host, listener.getsockname()[1])
-        self._thread = threading.Thread(target=self._accept_loop, name="wcache-seed-tcp", daemon=True)
+        self._thread = threading.Thread(
+            target=self._accept_loop, name="wcache-seed-tcp", daemon=True
+        )
 
     def start(self) -> SeedListener:
         """Start the accept thread."""
@@ -139,8 +144,9 @@ class SeedListener:
                 time.sleep(self._poll_s)
                 continue
             conn.settimeout(self._owner.seed_tcp_timeout_s)
-            thread = threading.Thread(target=self._handle, args=(conn, addr),
-                                      name="wcache-seed-conn", daemon=True)
+            thread = threading.Thread(
+                target=self._handle, args=(conn, addr), name="wcache-seed-conn", daemon=True
+            )
             if not self._owner.admit_(conn, thread):
                 self._owner.refuse_full_(conn, addr[0])
                 continue
@@ -152,22 +158,36 @@ class SeedListener:
         refuse = self._owner.refuse_
         try:
             nonce = secrets.token_hex(SEED_NONCE_BYTES)
-            send_frame(conn, {"op": "challenge", "nonce": nonce, "protocol": PROTOCOL_VERSION,
-                              "wcache": wcache.__version__})
+            send_frame(
+                conn,
+                {
+                    "op": "challenge",
+                    "nonce": nonce,
+                    "protocol": PROTOCOL_VERSION,
+                    "wcache": wcache.__version__,
+                },
+            )
             try:
                 request, _ = recv_frame(conn, frame_timeout_s=self._owner.seed_tcp_timeout_s)
             except ConnectionClosed:
                 return
             except ProtocolError as e:
-                log.warning("seeding peer %s sent a bad frame (%s); closing its connection", peer, e)
+                log.warning(
+                    "seeding peer %s sent a bad frame (%s); closing its connection", peer, e
+                )
                 refuse(conn, e)
                 return
             op = request.get("op")
             if op != "seed":
                 log.warning("refused %r from %s: the TCP listener answers only seed", op, peer)
-                refuse(conn, PeerRefused(f"{op!r} is not accepted over TCP; this listener "
-                                         f"answers only seed (other commands: the local "
-                                         f"Unix socket)"))
+                refuse(
+                    conn,
+                    PeerRefused(
+                        f"{op!r} is not accepted over TCP; this listener "
+                        f"answers only seed (other commands: the local "
+                        f"Unix socket)"
+                    ),
+                )
                 return
             mac = request.get("mac")
             try:
@@ -176,11 +196,19 @@ class SeedListener:
             except ProtocolError:
                 ok = False
             if not ok:
-                log.warning("refused a seed request from %s: %s authentication", peer,
-                            "missing" if mac is None else "bad")
-                refuse(conn, PeerRefused("authentication failed: the request is not signed "
-                                         "with this daemon's seeding secret; give the "
-                                         "receiver the source's --seed-secret-file"))
+                log.warning(
+                    "refused a seed request from %s: %s authentication",
+                    peer,
+                    "missing" if mac is None else "bad",
+                )
+                refuse(
+                    conn,
+                    PeerRefused(
+                        "authentication failed: the request is not signed "
+                        "with this daemon's seeding secret; give the "
+                        "receiver the source's --seed-secret-file"
+                    ),
+                )
                 return
             if not isinstance(request.get("nonce"), str):
                 refuse(conn, ProtocolError("seed over TCP needs the client's nonce"))

@@ -63,9 +63,20 @@ from wcache.store.seed_listener import SeedListener
 from wcache.store.transport_shm import TRANSPORT as SHM_TRANSPORT
 from wcache.store.transport_shm import ShmServing
 
-__all__ = ["DaemonServer", "serve", "peer_credentials", "client_key", "MAX_CONNECTIONS",
-           "MAX_CONNECTIONS_PER_CLIENT", "HELLO_TIMEOUT_S", "IDLE_TIMEOUT_S", "INVALIDATED_EXIT",
-           "INVALIDATED_LINGER_S", "CUDA_TRANSPORTS", "build_cuda_serving"]
+__all__ = [
+    "DaemonServer",
+    "serve",
+    "peer_credentials",
+    "client_key",
+    "MAX_CONNECTIONS",
+    "MAX_CONNECTIONS_PER_CLIENT",
+    "HELLO_TIMEOUT_S",
+    "IDLE_TIMEOUT_S",
+    "INVALIDATED_EXIT",
+    "INVALIDATED_LINGER_S",
+    "CUDA_TRANSPORTS",
+    "build_cuda_serving",
+]
 
 log = logging.getLogger("wcache.store")
 
@@ -110,9 +121,11 @@ SEED_TCP_TIMEOUT_S = 10.0
 _PEERCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
 
 
-def build_cuda_serving(transport: str | None, build_vmm: Callable[[], tuple[Any, Manifest]],
-                       build_ipc: Callable[[], tuple[Any, Manifest]]
-                       ) -> tuple[Any, Manifest, str, str | None]:
+def build_cuda_serving(
+    transport: str | None,
+    build_vmm: Callable[[], tuple[Any, Manifest]],
+    build_ipc: Callable[[], tuple[Any, Manifest]],
+) -> tuple[Any, Manifest, str, str | None]:
     """The CUDA transport policy, for an export and for a prebuilt arena alike:
     ``cuda_vmm`` when asked for or by default, else (or when the default's
     driver support is missing) ``cuda_ipc``.
@@ -190,9 +203,17 @@ class DaemonServer:
         StoreError: the arena cannot be built.
     """
 
-    def __init__(self, export: Export, key: CacheKey, socket_dir: str | None = None, device: str = "cpu",
-                 device_id: str | None = None, *, allowed_uid: int | None = None,
-                 transport: str | None = None):
+    def __init__(
+        self,
+        export: Export,
+        key: CacheKey,
+        socket_dir: str | None = None,
+        device: str = "cpu",
+        device_id: str | None = None,
+        *,
+        allowed_uid: int | None = None,
+        transport: str | None = None,
+    ):
         if not isinstance(key, CacheKey):
             raise StoreError("key must be a CacheKey")
         self.key = key
@@ -212,9 +233,12 @@ class DaemonServer:
             paths.claim_socket_path(self.socket_path)  # fail fast, before the costly arena build
             #: why cuda_vmm was not used (None: it was, or the device is a CPU)
             self.transport_fallback_reason: str | None = None
-            if not isinstance(export, Export):  # a filled arena (snapshot, peer): wcache.store.prebuilt
-                self._serving, self.manifest, TRANSPORT, self.transport_fallback_reason = \
+            if not isinstance(
+                export, Export
+            ):  # a filled arena (snapshot, peer): wcache.store.prebuilt
+                self._serving, self.manifest, TRANSPORT, self.transport_fallback_reason = (
                     export.build(self.device_type, index, transport)
+                )
             elif self.device_type == "cpu":
                 from wcache.store.arena import build_shm_arena  # noqa: PLC0415 (torch import ~2 s: only when called)
 
@@ -231,10 +255,13 @@ class DaemonServer:
                     arena, manifest = build_cuda_arena(export, key, index)
                     return CudaServing(arena), manifest
 
-                self._serving, self.manifest, TRANSPORT, self.transport_fallback_reason = \
-                    build_cuda_serving(transport,
-                                       lambda: transport_vmm.build_vmm_arena(export, key, index),
-                                       build_ipc)
+                self._serving, self.manifest, TRANSPORT, self.transport_fallback_reason = (
+                    build_cuda_serving(
+                        transport,
+                        lambda: transport_vmm.build_vmm_arena(export, key, index),
+                        build_ipc,
+                    )
+                )
             self.transport = TRANSPORT
         except BaseException:
             os.close(self._lock_fd)
@@ -242,9 +269,21 @@ class DaemonServer:
         self._init_runtime()
 
     @classmethod
-    def adopt(cls, *, key: CacheKey, manifest: Manifest, serving: Any, transport: str, device_id: str,
-              socket_dir: str, lock_fd: int, listener: socket.socket, socket_ino: int,
-              registry_path: str | None, allowed_uid: int) -> DaemonServer:
+    def adopt(
+        cls,
+        *,
+        key: CacheKey,
+        manifest: Manifest,
+        serving: Any,
+        transport: str,
+        device_id: str,
+        socket_dir: str,
+        lock_fd: int,
+        listener: socket.socket,
+        socket_ino: int,
+        registry_path: str | None,
+        allowed_uid: int,
+    ) -> DaemonServer:
         """A server over what another process image of this pid built and bound
         (the lean hand-off, :mod:`wcache.store.lean`): the filled arena's
         ``serving``, the device lock fd and the bound, listening socket. Nothing is
@@ -334,13 +373,23 @@ class DaemonServer:
             self._listener = self._bind()
             try:
                 self._registry_path = paths.register_daemon(self.socket_path, self.device_id)
-            except OSError as e:  # the daemon still serves; only `wcache status` elsewhere misses it
+            except (
+                OSError
+            ) as e:  # the daemon still serves; only `wcache status` elsewhere misses it
                 log.warning("could not record this daemon in %s: %s", paths.registry_dir(), e)
             self._started_at = time.monotonic()
-        self._accept_thread = threading.Thread(target=self._accept_loop, name="wcache-accept", daemon=True)
+        self._accept_thread = threading.Thread(
+            target=self._accept_loop, name="wcache-accept", daemon=True
+        )
         self._accept_thread.start()
-        log.info("daemon pid %d serving %s (%s, %.1f MiB, key %s)", os.getpid(), self.socket_path,
-                 self.transport, self.nbytes / 2**20, self.key.digest[:16])
+        log.info(
+            "daemon pid %d serving %s (%s, %.1f MiB, key %s)",
+            os.getpid(),
+            self.socket_path,
+            self.transport,
+            self.nbytes / 2**20,
+            self.key.digest[:16],
+        )
         return self
 
     def _bind(self) -> socket.socket:
@@ -389,8 +438,11 @@ class DaemonServer:
             paths.claim_socket_path(self.socket_path)
             listener = self._bind()
         except (StoreError, OSError) as e:
-            log.error("cannot re-bind %s (%s); stopping this daemon so that it is not left "
-                      "unreachable", self.socket_path, e)
+            log.error(
+                "cannot re-bind %s (%s); stopping this daemon so that it is not left unreachable",
+                self.socket_path,
+                e,
+            )
             self._shutdown_requested.set()
             self.stop()  # from the accept thread: stop() does not join it
             return
@@ -448,7 +500,10 @@ class DaemonServer:
             close_seeds = getattr(self.seed_source, "close_", None)
             if close_seeds is not None:  # the lean server's seeding helpers end with it
                 close_seeds()
-            if self._accept_thread is not None and self._accept_thread is not threading.current_thread():
+            if (
+                self._accept_thread is not None
+                and self._accept_thread is not threading.current_thread()
+            ):
                 self._accept_thread.join(JOIN_TIMEOUT_S)
             if self._seed_listener is not None:
                 self._seed_listener.close(JOIN_TIMEOUT_S)
@@ -524,13 +579,16 @@ class DaemonServer:
             StoreError: no seed source, an empty secret, or the address cannot be bound.
         """
         if self.seed_source is None:
-            raise StoreError("set seed_source (wcache.store.seed.SeedSource) before listening for seeding")
+            raise StoreError(
+                "set seed_source (wcache.store.seed.SeedSource) before listening for seeding"
+            )
         if not secret:
             raise StoreError("a TCP seeding listener needs a non-empty secret")
         if self._seed_listener is not None:
             raise StoreError(f"already listening for seeding on {self.seed_tcp_address}")
-        self._seed_listener = SeedListener(self, host, port, secret, backlog=LISTEN_BACKLOG,
-                                           poll_s=ACCEPT_POLL_S).start()
+        self._seed_listener = SeedListener(
+            self, host, port, secret, backlog=LISTEN_BACKLOG, poll_s=ACCEPT_POLL_S
+        ).start()
         self.seed_tcp_address = self._seed_listener.address
         return self.seed_tcp_address
 
@@ -566,8 +624,9 @@ class DaemonServer:
 
     def refuse_full_(self, conn: socket.socket, peer: str) -> None:
         """Refuse a TCP seeding connection from ``peer`` when every slot is taken."""
-        log.warning("refused a seeding connection from %s: %d connections open", peer,
-                    MAX_CONNECTIONS)
+        log.warning(
+            "refused a seeding connection from %s: %d connections open", peer, MAX_CONNECTIONS
+        )
         self._refuse(conn, DaemonBusy(f"daemon has {MAX_CONNECTIONS} connections; try again later"))
 
     # ------------------------------------------------------------------ serving
@@ -597,14 +656,19 @@ class DaemonServer:
                 mine = sum(1 for st in self._conn_states.values() if st["pid"] == pid)
                 busy = None
                 if mine >= self.max_connections_per_client:
-                    busy = (f"pid {pid} already holds {mine} connections to this daemon (at most "
-                            f"{self.max_connections_per_client} per client); close some first")
+                    busy = (
+                        f"pid {pid} already holds {mine} connections to this daemon (at most "
+                        f"{self.max_connections_per_client} per client); close some first"
+                    )
                 elif len(self._conns) >= MAX_CONNECTIONS and not self._evict_idle_locked():
-                    busy = (f"daemon has {MAX_CONNECTIONS} connections, each holding an "
-                            f"attachment; try again later")
+                    busy = (
+                        f"daemon has {MAX_CONNECTIONS} connections, each holding an "
+                        f"attachment; try again later"
+                    )
                 else:
-                    thread = threading.Thread(target=self._handle, args=(conn, state),
-                                              name="wcache-conn", daemon=True)
+                    thread = threading.Thread(
+                        target=self._handle, args=(conn, state), name="wcache-conn", daemon=True
+                    )
                     self._conns[conn] = thread
                     self._conn_states[conn] = state
             if busy:
@@ -632,14 +696,21 @@ class DaemonServer:
         attachment (a silent or idle client), so that a new client (an engine) gets
         its slot. Called with ``_conns_lock`` held. False when every connection
         holds an attachment."""
-        idle = [(st["opened"], conn) for conn, st in self._conn_states.items()
-                if not st["attached"] and not st.get("evicted")]
+        idle = [
+            (st["opened"], conn)
+            for conn, st in self._conn_states.items()
+            if not st["attached"] and not st.get("evicted")
+        ]
         if not idle:
             return False
         _, victim = min(idle, key=lambda item: item[0])
         self._conn_states[victim]["evicted"] = True
-        log.warning("at %d connections: closing pid %d's oldest connection, which holds no "
-                    "attachment, for a new client", MAX_CONNECTIONS, self._conn_states[victim]["pid"])
+        log.warning(
+            "at %d connections: closing pid %d's oldest connection, which holds no "
+            "attachment, for a new client",
+            MAX_CONNECTIONS,
+            self._conn_states[victim]["pid"],
+        )
         try:
             victim.shutdown(socket.SHUT_RDWR)  # its handler sees the close and ends
         except OSError:
@@ -650,14 +721,28 @@ class DaemonServer:
         try:
             pid, uid, _ = peer_credentials(conn)
             if uid != self.allowed_uid:
-                log.warning("refused a connection from pid %d uid %d (allowed uid %d)", pid, uid, self.allowed_uid)
-                self._refuse(conn, PeerRefused(f"uid {uid} may not use this daemon (owner uid "
-                                               f"{self.allowed_uid})"))
+                log.warning(
+                    "refused a connection from pid %d uid %d (allowed uid %d)",
+                    pid,
+                    uid,
+                    self.allowed_uid,
+                )
+                self._refuse(
+                    conn,
+                    PeerRefused(
+                        f"uid {uid} may not use this daemon (owner uid {self.allowed_uid})"
+                    ),
+                )
                 return
             while not self._stopping.is_set():
                 # Until hello, then while holding no attachment, silence is bounded.
-                wait = None if state["attached"] else \
-                    self.idle_timeout_s if state["hello"] else self.hello_timeout_s
+                wait = (
+                    None
+                    if state["attached"]
+                    else self.idle_timeout_s
+                    if state["hello"]
+                    else self.hello_timeout_s
+                )
                 conn.settimeout(wait)
                 try:
                     request, _ = recv_frame(conn, frame_timeout_s=self.frame_timeout_s)
@@ -666,8 +751,12 @@ class DaemonServer:
                 except TimeoutError:  # socket.timeout: nothing arrived within `wait`
                     what = "idle, holding no attachment" if state["hello"] else "no hello"
                     log.info("closing pid %d's connection: %s for %.1f s", pid, what, wait)
-                    self._refuse(conn, IdleTimeout(f"connection closed after {wait:.1f} s "
-                                                   f"without a request ({what})"))
+                    self._refuse(
+                        conn,
+                        IdleTimeout(
+                            f"connection closed after {wait:.1f} s without a request ({what})"
+                        ),
+                    )
                     return
                 except ProtocolError as e:
                     log.warning("pid %d sent a bad frame (%s); closing its connection", pid, e)
@@ -719,13 +808,22 @@ class DaemonServer:
         op = check_request(req)
         if op == "hello":
             if req.get("protocol") != PROTOCOL_VERSION:
-                raise ProtocolError(f"client speaks protocol {req.get('protocol')!r}, this daemon "
-                                    f"{PROTOCOL_VERSION} (wcache {wcache.__version__}, client "
-                                    f"{req.get('wcache')!r}); run the same wcache version on both sides")
+                raise ProtocolError(
+                    f"client speaks protocol {req.get('protocol')!r}, this daemon "
+                    f"{PROTOCOL_VERSION} (wcache {wcache.__version__}, client "
+                    f"{req.get('wcache')!r}); run the same wcache version on both sides"
+                )
             state["hello"] = True
-            return {"ok": True, "protocol": PROTOCOL_VERSION, "wcache": wcache.__version__, "pid": os.getpid(),
-                    "device": self.device_type, "device_id": self.device_id,
-                    "device_uuid": self.device_uuid, "transport": self.transport}, ()
+            return {
+                "ok": True,
+                "protocol": PROTOCOL_VERSION,
+                "wcache": wcache.__version__,
+                "pid": os.getpid(),
+                "device": self.device_type,
+                "device_id": self.device_id,
+                "device_uuid": self.device_uuid,
+                "transport": self.transport,
+            }, ()
         if not state["hello"]:
             raise ProtocolError(f"{op!r} before hello; send hello first")
         if op == "get":
@@ -747,12 +845,15 @@ class DaemonServer:
                     f"this daemon holds no start-up artifact bundle (state "
                     f"{self.artifacts_state or 'not primed'}"
                     + (f": {self.artifacts_error}" if self.artifacts_error else "")
-                    + "); start it with --prime-compile, or from a snapshot or peer that has one")
+                    + "); start it with --prime-compile, or from a snapshot or peer that has one"
+                )
             return {"ok": True, "manifest": dict(bundle.manifest)}, (bundle.fd,)
         if op == "seed":
             if self.seed_source is None:
-                raise ProtocolError("this daemon does not offer seeding; start it with `wcache serve` "
-                                    "(wcache.store.seed.SeedSource)")
+                raise ProtocolError(
+                    "this daemon does not offer seeding; start it with `wcache serve` "
+                    "(wcache.store.seed.SeedSource)"
+                )
             return self.seed_source.handle(req, state), ()
         log.info("shutdown requested by pid %s", state["pid"])
         return {"ok": True}, ()
@@ -763,33 +864,53 @@ class DaemonServer:
         if not isinstance(fields, dict):
             raise ProtocolError("get needs a key map")
         if req.get("transport") not in (None, self.transport):
-            raise ProtocolError(f"client wants transport {req.get('transport')!r}, daemon serves {self.transport}")
+            raise ProtocolError(
+                f"client wants transport {req.get('transport')!r}, daemon serves {self.transport}"
+            )
         if state["attached"]:
             raise ProtocolError("this connection already holds an attachment; release it first")
         if self.invalidated:
             inv = self.invalidated
-            raise ArenaInvalidated(f"this daemon's arena was invalidated by pid {inv['pid']} "
-                                   f"[{inv['code']}]: {inv['message']}; it exits and a fresh "
-                                   f"daemon rebuilds it (load from disk meanwhile)")
+            raise ArenaInvalidated(
+                f"this daemon's arena was invalidated by pid {inv['pid']} "
+                f"[{inv['code']}]: {inv['message']}; it exits and a fresh "
+                f"daemon rebuilds it (load from disk meanwhile)"
+            )
         theirs = client_key(fields)
         if theirs != self.key:
             diff = self.key.diff(theirs)
             mine = self.key.fields
-            log.warning("pid %s asked for key %s; differing fields %s", state["pid"], theirs.digest[:16], diff)
-            return {"ok": False, "code": KeyMismatch.code, "fields": diff,
-                    "theirs": {k: mine.get(k) for k in diff},
-                    "message": f"{theirs.versions_note(self.key)}daemon key differs in "
-                               f"{', '.join(diff)}: {theirs.describe_diff(self.key)}"}, ()
+            log.warning(
+                "pid %s asked for key %s; differing fields %s",
+                state["pid"],
+                theirs.digest[:16],
+                diff,
+            )
+            return {
+                "ok": False,
+                "code": KeyMismatch.code,
+                "fields": diff,
+                "theirs": {k: mine.get(k) for k in diff},
+                "message": f"{theirs.versions_note(self.key)}daemon key differs in "
+                f"{', '.join(diff)}: {theirs.describe_diff(self.key)}",
+            }, ()
         handle, fds = self._serving.export()
         with self._conns_lock:
             self.attachments_active += 1
             self.attachments_total += 1
             state["attached"] = True  # under the lock: eviction never picks an attached client
-        log.info("pid %s attached (%s, %s) in %.1f ms", state["pid"], req.get("mode"), self.transport,
-                 (time.perf_counter() - t0) * 1e3)
+        log.info(
+            "pid %s attached (%s, %s) in %.1f ms",
+            state["pid"],
+            req.get("mode"),
+            self.transport,
+            (time.perf_counter() - t0) * 1e3,
+        )
         return {"ok": True, "manifest": self._manifest_dict, "handle": handle}, fds
 
-    def _invalidate(self, req: dict[str, Any], state: dict) -> tuple[dict[str, Any], tuple[int, ...]]:
+    def _invalidate(
+        self, req: dict[str, Any], state: dict
+    ) -> tuple[dict[str, Any], tuple[int, ...]]:
         """A client's guard fired on this arena: stop serving it, exit after
         :data:`INVALIDATED_LINGER_S` with :data:`INVALIDATED_EXIT`."""
         fields = req.get("key")
@@ -798,14 +919,22 @@ class DaemonServer:
         with self._conns_lock:
             first = self.invalidated is None
             if first:
-                self.invalidated = {"pid": state["pid"], "code": str(req.get("code", "guard-failed")),
-                                    "message": str(req.get("message", ""))[:2000],
-                                    "at": time.time()}
+                self.invalidated = {
+                    "pid": state["pid"],
+                    "code": str(req.get("code", "guard-failed")),
+                    "message": str(req.get("message", ""))[:2000],
+                    "at": time.time(),
+                }
         if first:
-            log.error("arena INVALIDATED by pid %s [%s]: %s; refusing new attaches, exiting in %.1f s "
-                      "with status %d so a supervisor restarts this daemon", state["pid"],
-                      self.invalidated["code"], self.invalidated["message"], INVALIDATED_LINGER_S,
-                      INVALIDATED_EXIT)
+            log.error(
+                "arena INVALIDATED by pid %s [%s]: %s; refusing new attaches, exiting in %.1f s "
+                "with status %d so a supervisor restarts this daemon",
+                state["pid"],
+                self.invalidated["code"],
+                self.invalidated["message"],
+                INVALIDATED_LINGER_S,
+                INVALIDATED_EXIT,
+            )
             timer = threading.Timer(INVALIDATED_LINGER_S, self.request_shutdown)
             timer.daemon = True
             timer.start()
@@ -825,25 +954,39 @@ class DaemonServer:
             releases = dict(self.releases)
             refusals = dict(self.refusals)
         return {
-            "pid": os.getpid(), "wcache": wcache.__version__, "protocol": PROTOCOL_VERSION,
-            "device": self.device_type, "device_id": self.device_id, "device_uuid": self.device_uuid,
-            "transport": self.transport, "socket": self.socket_path, "bytes_held": self.nbytes,
-            "tensors": len(self.manifest.tensors), "aliases": len(self.manifest.aliases),
-            "clients_connected": clients, "attachments_active": active,
+            "pid": os.getpid(),
+            "wcache": wcache.__version__,
+            "protocol": PROTOCOL_VERSION,
+            "device": self.device_type,
+            "device_id": self.device_id,
+            "device_uuid": self.device_uuid,
+            "transport": self.transport,
+            "socket": self.socket_path,
+            "bytes_held": self.nbytes,
+            "tensors": len(self.manifest.tensors),
+            "aliases": len(self.manifest.aliases),
+            "clients_connected": clients,
+            "attachments_active": active,
             "attachments_total": self.attachments_total,
-            "releases": releases, "refusals": refusals,
+            "releases": releases,
+            "refusals": refusals,
             "uptime_s": round(time.monotonic() - self._started_at, 3),
-            "key_digest": self.key.digest, "key_fields": self.key.fields,
+            "key_digest": self.key.digest,
+            "key_fields": self.key.fields,
             "invalidated": self.invalidated,
             "transport_fallback_reason": self.transport_fallback_reason,
             # "lean": the torch-free process that serves after the hand-off (wcache.store.lean)
-            "serving": self.serving_mode, "torch_loaded": "torch" in sys.modules,
+            "serving": self.serving_mode,
+            "torch_loaded": "torch" in sys.modules,
             # set by `wcache serve` (wcache.daemon.serve.serve_rank); None for other servers
             "origin": getattr(self, "origin", None),
             "snapshot": getattr(self, "snapshot_state", None),
             "seeds_served": getattr(getattr(self, "seed_source", None), "seeds_done", None),
-            "seed_listen": (f"{self.seed_tcp_address[0]}:{self.seed_tcp_address[1]}"
-                            if self.seed_tcp_address else None),
+            "seed_listen": (
+                f"{self.seed_tcp_address[0]}:{self.seed_tcp_address[1]}"
+                if self.seed_tcp_address
+                else None
+            ),
             "artifacts": bundle_summary(self.artifacts, self.artifacts_state, self.artifacts_error),
         }
 
@@ -861,7 +1004,10 @@ def serve(export: Export, key: CacheKey, **kw) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: server.request_shutdown())
     server.start()
-    print(f"wcache-store ready key={key.digest} bytes={server.nbytes} socket={server.socket_path} "
-          f"pid={os.getpid()} transport={server.transport}", flush=True)
+    print(
+        f"wcache-store ready key={key.digest} bytes={server.nbytes} socket={server.socket_path} "
+        f"pid={os.getpid()} transport={server.transport}",
+        flush=True,
+    )
     server.serve_forever()
     return server.exit_code

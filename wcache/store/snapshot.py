@@ -62,9 +62,23 @@ from wcache.store.manifest import CacheKey, Manifest, canonical_json
 from wcache.store.prebuilt import PrebuiltArena
 
 __all__ = [
-    "SNAPSHOT_FORMAT_VERSION", "ARENA_FILE", "MANIFEST_FILE", "KEY_FILE", "DIGESTS_FILE",
-    "SnapshotMissing", "SnapshotCorrupt", "SnapshotStale", "SnapshotWriteFailed", "Snapshot",
-    "write_snapshot", "open_snapshot", "check_key", "snapshot_arena", "read_bytes_into", "list_snapshots", "TEMP_PREFIX",
+    "SNAPSHOT_FORMAT_VERSION",
+    "ARENA_FILE",
+    "MANIFEST_FILE",
+    "KEY_FILE",
+    "DIGESTS_FILE",
+    "SnapshotMissing",
+    "SnapshotCorrupt",
+    "SnapshotStale",
+    "SnapshotWriteFailed",
+    "Snapshot",
+    "write_snapshot",
+    "open_snapshot",
+    "check_key",
+    "snapshot_arena",
+    "read_bytes_into",
+    "list_snapshots",
+    "TEMP_PREFIX",
 ]
 
 log = logging.getLogger("wcache.store")
@@ -140,7 +154,11 @@ def _write_file(path: str, data: bytes) -> str:
 def _memview(t: torch.Tensor) -> memoryview:
     """A writable memoryview of a contiguous CPU uint8 tensor's bytes (no copy)."""
     n = t.numel()
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else memoryview(b"")
+    return (
+        memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+        if n
+        else memoryview(b"")
+    )
 
 
 def _check_name(name: str) -> None:
@@ -148,7 +166,9 @@ def _check_name(name: str) -> None:
         raise StoreError(f"snapshot name {name!r} must be a plain, non-hidden directory name")
 
 
-def write_snapshot(root: str, name: str, arena: torch.Tensor, manifest: Manifest, key: CacheKey) -> str:
+def write_snapshot(
+    root: str, name: str, arena: torch.Tensor, manifest: Manifest, key: CacheKey
+) -> str:
     """Write one rank's arena atomically as ``root/name``.
 
     Args:
@@ -176,8 +196,10 @@ def write_snapshot(root: str, name: str, arena: torch.Tensor, manifest: Manifest
 
     _check_name(name)
     if CacheKey(manifest.key) != key:
-        raise StoreError("the manifest's key is not the key given; refusing to write a snapshot "
-                         "that would be served under another key")
+        raise StoreError(
+            "the manifest's key is not the key given; refusing to write a snapshot "
+            "that would be served under another key"
+        )
     n = manifest.arena_nbytes
     if arena.dtype != torch.uint8 or arena.dim() != 1 or arena.numel() < n:
         raise StoreError(f"arena must be [>= {n}] uint8, got {arena.dtype} {tuple(arena.shape)}")
@@ -186,14 +208,23 @@ def write_snapshot(root: str, name: str, arena: torch.Tensor, manifest: Manifest
         final = _write_snapshot(root, name, arena, manifest, key, save_file)
     except StoreError:
         raise
-    except Exception as e:  # OSError, and safetensors' SafetensorError (not an OSError) on EFBIG/ENOSPC
-        raise SnapshotWriteFailed(f"cannot write the snapshot {os.path.join(root, name)}: "
-                                  f"{type(e).__name__}: {e}; nothing was left behind (an older "
-                                  f"snapshot stays). Free space or fix the permissions of {root}, or "
-                                  f"give --snapshot another directory") from e
+    except (
+        Exception
+    ) as e:  # OSError, and safetensors' SafetensorError (not an OSError) on EFBIG/ENOSPC
+        raise SnapshotWriteFailed(
+            f"cannot write the snapshot {os.path.join(root, name)}: "
+            f"{type(e).__name__}: {e}; nothing was left behind (an older "
+            f"snapshot stays). Free space or fix the permissions of {root}, or "
+            f"give --snapshot another directory"
+        ) from e
     dt = time.perf_counter() - t0
-    log.info("snapshot %s written: %.1f MiB in %.2f s (%.2f GiB/s)", final, n / 2**20, dt,
-             n / 2**30 / max(dt, 1e-9))
+    log.info(
+        "snapshot %s written: %.1f MiB in %.2f s (%.2f GiB/s)",
+        final,
+        n / 2**20,
+        dt,
+        n / 2**30 / max(dt, 1e-9),
+    )
     return final
 
 
@@ -203,13 +234,16 @@ def _remove_leftovers(root: str, name: str) -> None:
     writer of ``name`` owns them; other ranks' dirs are left alone."""
     for entry in os.listdir(root):
         if entry.startswith((f"{TEMP_PREFIX}{name}-", f"{OLD_PREFIX}{name}-")):
-            log.warning("removing %s, left by a snapshot write that did not finish",
-                        os.path.join(root, entry))
+            log.warning(
+                "removing %s, left by a snapshot write that did not finish",
+                os.path.join(root, entry),
+            )
             shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
 
 
-def _write_snapshot(root: str, name: str, arena: torch.Tensor, manifest: Manifest, key: CacheKey,
-                    save_file) -> str:
+def _write_snapshot(
+    root: str, name: str, arena: torch.Tensor, manifest: Manifest, key: CacheKey, save_file
+) -> str:
     os.makedirs(root, mode=0o700, exist_ok=True)
     # One writer per directory at a time (two daemons of one rank, e.g. under two
     # --socket-dir or --job): flock(2) on the directory itself, released when the
@@ -223,8 +257,9 @@ def _write_snapshot(root: str, name: str, arena: torch.Tensor, manifest: Manifes
         os.close(lock_fd)
 
 
-def _write_locked(root: str, name: str, arena: torch.Tensor, manifest: Manifest, key: CacheKey,
-                  save_file) -> str:
+def _write_locked(
+    root: str, name: str, arena: torch.Tensor, manifest: Manifest, key: CacheKey, save_file
+) -> str:
     n = manifest.arena_nbytes
     final = os.path.join(root, name)
     tmp = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{name}-", dir=root)
@@ -236,9 +271,16 @@ def _write_locked(root: str, name: str, arena: torch.Tensor, manifest: Manifest,
             device_digest = {"algorithm": algo, "digest": hexd}
             data = data.cpu()
         apath = os.path.join(tmp, ARENA_FILE)
-        save_file({ARENA_TENSOR: data}, apath,
-                  metadata={"format": "wcache-arena", "snapshot_format": str(SNAPSHOT_FORMAT_VERSION),
-                            "key_digest": key.digest, "arena_nbytes": str(n)})
+        save_file(
+            {ARENA_TENSOR: data},
+            apath,
+            metadata={
+                "format": "wcache-arena",
+                "snapshot_format": str(SNAPSHOT_FORMAT_VERSION),
+                "key_digest": key.digest,
+                "arena_nbytes": str(n),
+            },
+        )
         with open(apath, "rb+") as f:
             header_len = int.from_bytes(f.read(8), "little")
             f.seek(0)
@@ -246,16 +288,32 @@ def _write_locked(root: str, name: str, arena: torch.Tensor, manifest: Manifest,
             os.fsync(f.fileno())
             size = os.fstat(f.fileno()).st_size
         if size != len(header) + n:
-            raise SnapshotWriteFailed(f"safetensors wrote {size} bytes to {apath}, expected "
-                                      f"{len(header) + n}; check the file system of {root}")
+            raise SnapshotWriteFailed(
+                f"safetensors wrote {size} bytes to {apath}, expected "
+                f"{len(header) + n}; check the file system of {root}"
+            )
         h = blake3.blake3(header, max_threads=blake3.blake3.AUTO)
         h.update(_memview(data.contiguous()))
-        digests = {ARENA_FILE: h.hexdigest(),
-                   MANIFEST_FILE: _write_file(os.path.join(tmp, MANIFEST_FILE), manifest.to_json().encode()),
-                   KEY_FILE: _write_file(os.path.join(tmp, KEY_FILE), key.to_json().encode())}
-        _write_file(os.path.join(tmp, DIGESTS_FILE), canonical_json({
-            "snapshot_format": SNAPSHOT_FORMAT_VERSION, "algorithm": "blake3", "files": digests,
-            "key_digest": key.digest, "arena_nbytes": n, "device_digest": device_digest}).encode())
+        digests = {
+            ARENA_FILE: h.hexdigest(),
+            MANIFEST_FILE: _write_file(
+                os.path.join(tmp, MANIFEST_FILE), manifest.to_json().encode()
+            ),
+            KEY_FILE: _write_file(os.path.join(tmp, KEY_FILE), key.to_json().encode()),
+        }
+        _write_file(
+            os.path.join(tmp, DIGESTS_FILE),
+            canonical_json(
+                {
+                    "snapshot_format": SNAPSHOT_FORMAT_VERSION,
+                    "algorithm": "blake3",
+                    "files": digests,
+                    "key_digest": key.digest,
+                    "arena_nbytes": n,
+                    "device_digest": device_digest,
+                }
+            ).encode(),
+        )
         _fsync_dir(tmp)
         old = None
         if os.path.lexists(final):
@@ -282,11 +340,14 @@ def _read_small(path: str, digests: dict, fname: str) -> bytes:
         with open(os.path.join(path, fname), "rb") as f:
             data = f.read()
     except OSError as e:
-        raise SnapshotCorrupt(f"snapshot {path}: cannot read {fname}: {e}; delete {path} and write "
-                              f"the snapshot again") from e
+        raise SnapshotCorrupt(
+            f"snapshot {path}: cannot read {fname}: {e}; delete {path} and write the snapshot again"
+        ) from e
     if blake3.blake3(data).hexdigest() != digests.get(fname):
-        raise SnapshotCorrupt(f"snapshot {path}: {fname} does not match its digest; delete {path} "
-                              f"and write the snapshot again")
+        raise SnapshotCorrupt(
+            f"snapshot {path}: {fname} does not match its digest; delete {path} "
+            f"and write the snapshot again"
+        )
     return data
 
 
@@ -302,9 +363,15 @@ def open_snapshot(root: str, name: str) -> Snapshot:
     path = os.path.join(root, name)
     dpath = os.path.join(path, DIGESTS_FILE)
     if not os.path.isdir(path) or not os.path.exists(dpath):
-        what = "no directory" if not os.path.isdir(path) else f"no {DIGESTS_FILE} (an unfinished write?)"
-        raise SnapshotMissing(f"no snapshot at {path} ({what}); start the daemon from the checkpoint "
-                              f"with `--snapshot {root}` to write one")
+        what = (
+            "no directory"
+            if not os.path.isdir(path)
+            else f"no {DIGESTS_FILE} (an unfinished write?)"
+        )
+        raise SnapshotMissing(
+            f"no snapshot at {path} ({what}); start the daemon from the checkpoint "
+            f"with `--snapshot {root}` to write one"
+        )
     try:
         with open(dpath, "rb") as f:
             index = json.loads(f.read())
@@ -312,11 +379,14 @@ def open_snapshot(root: str, name: str) -> Snapshot:
         fmt = index["snapshot_format"]
         device_digest = index.get("device_digest")
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SnapshotCorrupt(f"snapshot {path}: {DIGESTS_FILE} is unreadable ({e}); delete {path} "
-                              f"and write it again") from e
+        raise SnapshotCorrupt(
+            f"snapshot {path}: {DIGESTS_FILE} is unreadable ({e}); delete {path} and write it again"
+        ) from e
     if fmt != SNAPSHOT_FORMAT_VERSION:
-        raise SnapshotCorrupt(f"snapshot {path} has format {fmt!r}, this wcache reads "
-                              f"{SNAPSHOT_FORMAT_VERSION}; write it again with this wcache")
+        raise SnapshotCorrupt(
+            f"snapshot {path} has format {fmt!r}, this wcache reads "
+            f"{SNAPSHOT_FORMAT_VERSION}; write it again with this wcache"
+        )
     try:
         key = CacheKey.from_json(_read_small(path, digests, KEY_FILE).decode())
         manifest = Manifest.from_json(_read_small(path, digests, MANIFEST_FILE).decode())
@@ -329,7 +399,6 @@ def open_snapshot(root: str, name: str) -> Snapshot:
     apath = os.path.join(path, ARENA_FILE)
     n = manifest.arena_nbytes
     try:
-
         with safe_open(apath, framework="pt") as f:
             names = list(f.keys())
             meta = f.metadata() or {}
@@ -341,15 +410,25 @@ def open_snapshot(root: str, name: str) -> Snapshot:
             header = f.read(8 + header_len)
             size = os.fstat(f.fileno()).st_size
     except Exception as e:  # safetensors raises its own SafetensorError on a bad header
-        raise SnapshotCorrupt(f"snapshot {path}: {ARENA_FILE} is not a readable safetensors file "
-                              f"({type(e).__name__}: {e}); delete {path} and write it again") from e
-    if names != [ARENA_TENSOR] or list(shape) != [n] or dtype != "U8" or size != len(header) + n \
-            or meta.get("key_digest") != key.digest:
-        raise SnapshotCorrupt(f"snapshot {path}: {ARENA_FILE} holds {names} {shape} {dtype} in "
-                              f"{size} bytes, expected one U8 [{n}] tensor of key {key.digest[:16]}; "
-                              f"delete {path} and write it again")
-    if device_digest is not None and not (isinstance(device_digest, dict)
-                                          and {"algorithm", "digest"} <= device_digest.keys()):
+        raise SnapshotCorrupt(
+            f"snapshot {path}: {ARENA_FILE} is not a readable safetensors file "
+            f"({type(e).__name__}: {e}); delete {path} and write it again"
+        ) from e
+    if (
+        names != [ARENA_TENSOR]
+        or list(shape) != [n]
+        or dtype != "U8"
+        or size != len(header) + n
+        or meta.get("key_digest") != key.digest
+    ):
+        raise SnapshotCorrupt(
+            f"snapshot {path}: {ARENA_FILE} holds {names} {shape} {dtype} in "
+            f"{size} bytes, expected one U8 [{n}] tensor of key {key.digest[:16]}; "
+            f"delete {path} and write it again"
+        )
+    if device_digest is not None and not (
+        isinstance(device_digest, dict) and {"algorithm", "digest"} <= device_digest.keys()
+    ):
         raise SnapshotCorrupt(f"snapshot {path}: {DIGESTS_FILE} has a malformed device_digest")
     return Snapshot(path, manifest, key, digests, len(header), header, device_digest)
 
@@ -363,10 +442,13 @@ def check_key(snap: Snapshot, key: CacheKey) -> None:
     if snap.key == key:
         return
     diff = key.diff(snap.key)
-    raise SnapshotStale(f"snapshot {snap.path} was prepared for another key; differing fields: "
-                        f"{key.describe_diff(snap.key, 'now', 'snapshot')}. Start from the "
-                        f"checkpoint with `--snapshot DIR` to replace it.",
-                        fields=diff, theirs={k: snap.key.fields.get(k) for k in diff})
+    raise SnapshotStale(
+        f"snapshot {snap.path} was prepared for another key; differing fields: "
+        f"{key.describe_diff(snap.key, 'now', 'snapshot')}. Start from the "
+        f"checkpoint with `--snapshot DIR` to replace it.",
+        fields=diff,
+        theirs={k: snap.key.fields.get(k) for k in diff},
+    )
 
 
 def _ranges(n: int, chunk: int) -> list[tuple[int, int]]:
@@ -379,7 +461,9 @@ def _read_range(fd: int, path: str, dst: memoryview, file_offset: int) -> None:
     while got < length:
         r = os.preadv(fd, [dst[got:]], file_offset + got)
         if r <= 0:
-            raise SnapshotCorrupt(f"{path} ends {length - got} bytes early at offset {file_offset + got}")
+            raise SnapshotCorrupt(
+                f"{path} ends {length - got} bytes early at offset {file_offset + got}"
+            )
         got += r
 
 
@@ -389,12 +473,20 @@ def _open_arena(path: str) -> int:
     try:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
-        raise SnapshotCorrupt(f"cannot open {path}: {e}; delete {os.path.dirname(path)} and write "
-                              f"the snapshot again") from e
+        raise SnapshotCorrupt(
+            f"cannot open {path}: {e}; delete {os.path.dirname(path)} and write the snapshot again"
+        ) from e
 
 
-def read_bytes_into(path: str, file_offset: int, dst: memoryview, *, threads: int | None = None,
-                    chunk: int = READ_CHUNK_BYTES, hasher=None) -> None:
+def read_bytes_into(
+    path: str,
+    file_offset: int,
+    dst: memoryview,
+    *,
+    threads: int | None = None,
+    chunk: int = READ_CHUNK_BYTES,
+    hasher=None,
+) -> None:
     """Read ``len(dst)`` bytes of ``path`` from ``file_offset`` into ``dst`` with
     ``preadv`` from several threads (large sequential requests, no staging).
     With ``hasher`` (a blake3 object), each chunk is hashed in file order as
@@ -409,28 +501,41 @@ def read_bytes_into(path: str, file_offset: int, dst: memoryview, *, threads: in
     try:
         os.posix_fadvise(fd, file_offset, n, os.POSIX_FADV_SEQUENTIAL)
         with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="wcache-read") as ex:
-            futures = [(off, length, ex.submit(_read_range, fd, path, dst[off:off + length],
-                                               file_offset + off))
-                       for off, length in _ranges(n, chunk)]
+            futures = [
+                (
+                    off,
+                    length,
+                    ex.submit(_read_range, fd, path, dst[off : off + length], file_offset + off),
+                )
+                for off, length in _ranges(n, chunk)
+            ]
             for off, length, fut in futures:
                 fut.result()
                 if hasher is not None:
-                    hasher.update(dst[off:off + length])
+                    hasher.update(dst[off : off + length])
     except OSError as e:
-        raise SnapshotCorrupt(f"cannot read {path}: {e}; delete {os.path.dirname(path)} and write "
-                              f"the snapshot again") from e
+        raise SnapshotCorrupt(
+            f"cannot read {path}: {e}; delete {os.path.dirname(path)} and write the snapshot again"
+        ) from e
     finally:
         os.close(fd)
 
 
 def _fill_cpu(snap: Snapshot, dst: torch.Tensor, threads: int | None) -> str:
     h = blake3.blake3(snap.header, max_threads=blake3.blake3.AUTO)
-    read_bytes_into(os.path.join(snap.path, ARENA_FILE), snap.data_offset, _memview(dst),
-                    threads=threads, hasher=h)
+    read_bytes_into(
+        os.path.join(snap.path, ARENA_FILE),
+        snap.data_offset,
+        _memview(dst),
+        threads=threads,
+        hasher=h,
+    )
     return h.hexdigest()
 
 
-def _fill_cuda(snap: Snapshot, dst: torch.Tensor, threads: int | None, hash_file: bool) -> str | None:
+def _fill_cuda(
+    snap: Snapshot, dst: torch.Tensor, threads: int | None, hash_file: bool
+) -> str | None:
     """Stage through pinned host buffers in two halves: while one wave of
     chunks is copied to the device asynchronously (and, with ``hash_file``,
     hashed in file order on the host), the next wave is read into the other
@@ -439,7 +544,7 @@ def _fill_cuda(snap: Snapshot, dst: torch.Tensor, threads: int | None, hash_file
     threads = threads or min(MAX_READ_THREADS, os.cpu_count() or 1)
     chunk, depth = READ_CHUNK_BYTES, CUDA_STAGING_CHUNKS
     ranges = _ranges(n, chunk)
-    waves = [ranges[i:i + depth] for i in range(0, len(ranges), depth)]
+    waves = [ranges[i : i + depth] for i in range(0, len(ranges), depth)]
     nbuf = 2 * depth if len(waves) > 1 else max(1, len(ranges))
     bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(nbuf)]
     views = [_memview(b) for b in bufs]
@@ -450,13 +555,18 @@ def _fill_cuda(snap: Snapshot, dst: torch.Tensor, threads: int | None, hash_file
     events: list = [None, None]
     try:
         os.posix_fadvise(fd, snap.data_offset, n, os.POSIX_FADV_SEQUENTIAL)
-        with concurrent.futures.ThreadPoolExecutor(min(threads, depth),
-                                                   thread_name_prefix="wcache-read") as ex:
+        with concurrent.futures.ThreadPoolExecutor(
+            min(threads, depth), thread_name_prefix="wcache-read"
+        ) as ex:
+
             def submit(w: int) -> list:
                 base = (w % 2) * depth
-                return [ex.submit(_read_range, fd, apath, views[base + i][:length],
-                                  snap.data_offset + off)
-                        for i, (off, length) in enumerate(waves[w])]
+                return [
+                    ex.submit(
+                        _read_range, fd, apath, views[base + i][:length], snap.data_offset + off
+                    )
+                    for i, (off, length) in enumerate(waves[w])
+                ]
 
             pending = submit(0)
             for w, wave in enumerate(waves):
@@ -472,7 +582,7 @@ def _fill_cuda(snap: Snapshot, dst: torch.Tensor, threads: int | None, hash_file
                     for i, (off, length) in enumerate(wave):
                         if hash_file:
                             h.update(views[base + i][:length])
-                        dst[off:off + length].copy_(bufs[base + i][:length], non_blocking=True)
+                        dst[off : off + length].copy_(bufs[base + i][:length], non_blocking=True)
                     ev = torch.cuda.Event()
                     ev.record(stream)
                     events[w % 2] = ev
@@ -505,6 +615,7 @@ def snapshot_arena(snap: Snapshot, *, threads: int | None = None) -> PrebuiltAre
         SnapshotCorrupt: a short or failed read, or a digest that differs (the
             arena is then dropped and nothing is served).
     """
+
     def fill(dst: torch.Tensor) -> None:
         t0 = time.perf_counter()
         if dst.device.type == "cpu":
@@ -513,17 +624,21 @@ def snapshot_arena(snap: Snapshot, *, threads: int | None = None) -> PrebuiltAre
             on_device = (snap.device_digest or {}).get("algorithm") == CUDA_ALGORITHM
             got = _fill_cuda(snap, dst, threads, hash_file=not on_device)
             if on_device:
-                algo, hexd = arena_digest(dst[:snap.manifest.arena_nbytes])
+                algo, hexd = arena_digest(dst[: snap.manifest.arena_nbytes])
                 if hexd != snap.device_digest["digest"]:
-                    raise SnapshotCorrupt(f"snapshot {snap.path}: the arena read from {ARENA_FILE} "
-                                          f"does not match its digest ({algo} on the device: read "
-                                          f"{hexd[:16]}, recorded {snap.device_digest['digest'][:16]}); "
-                                          f"delete {snap.path} and write it again")
+                    raise SnapshotCorrupt(
+                        f"snapshot {snap.path}: the arena read from {ARENA_FILE} "
+                        f"does not match its digest ({algo} on the device: read "
+                        f"{hexd[:16]}, recorded {snap.device_digest['digest'][:16]}); "
+                        f"delete {snap.path} and write it again"
+                    )
                 got = snap.digests.get(ARENA_FILE)
         if got != snap.digests.get(ARENA_FILE):
-            raise SnapshotCorrupt(f"snapshot {snap.path}: {ARENA_FILE} does not match its digest "
-                                  f"(read {got[:16]}, recorded {str(snap.digests.get(ARENA_FILE))[:16]}); "
-                                  f"delete {snap.path} and write it again")
+            raise SnapshotCorrupt(
+                f"snapshot {snap.path}: {ARENA_FILE} does not match its digest "
+                f"(read {got[:16]}, recorded {str(snap.digests.get(ARENA_FILE))[:16]}); "
+                f"delete {snap.path} and write it again"
+            )
         log.info("snapshot %s read and verified in %.3f s", snap.path, time.perf_counter() - t0)
 
     return PrebuiltArena(snap.manifest, fill, f"snapshot {snap.path}")

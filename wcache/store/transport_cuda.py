@@ -23,8 +23,14 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from wcache.store.errors import TransportFailed
 
-__all__ = ["TRANSPORT", "CudaServing", "open_cuda", "encode_reduce_args", "decode_reduce_args",
-           "drain_before_free"]
+__all__ = [
+    "TRANSPORT",
+    "CudaServing",
+    "open_cuda",
+    "encode_reduce_args",
+    "decode_reduce_args",
+    "drain_before_free",
+]
 
 log = logging.getLogger("wcache.store")
 #: Device memory an error path could not drain: kept referenced for the life of
@@ -32,13 +38,29 @@ log = logging.getLogger("wcache.store")
 _QUARANTINED: list[Any] = []
 
 TRANSPORT = "cuda_ipc"
-_ARG_NAMES = ("tensor_cls", "tensor_size", "tensor_stride", "tensor_offset", "storage_cls", "dtype",
-              "storage_device", "storage_handle", "storage_size_bytes", "storage_offset_bytes",
-              "requires_grad", "ref_counter_handle", "ref_counter_offset", "event_handle",
-              "event_sync_required")
+_ARG_NAMES = (
+    "tensor_cls",
+    "tensor_size",
+    "tensor_stride",
+    "tensor_offset",
+    "storage_cls",
+    "dtype",
+    "storage_device",
+    "storage_handle",
+    "storage_size_bytes",
+    "storage_offset_bytes",
+    "requires_grad",
+    "ref_counter_handle",
+    "ref_counter_offset",
+    "event_handle",
+    "event_sync_required",
+)
 # reduce_tensor passes the class of tensor._typed_storage() (TypedStorage); both
 # classes are accepted by rebuild_cuda_tensor. Sent by name, never pickled.
-_STORAGE_CLASSES = {"TypedStorage": torch.storage.TypedStorage, "UntypedStorage": torch.UntypedStorage}
+_STORAGE_CLASSES = {
+    "TypedStorage": torch.storage.TypedStorage,
+    "UntypedStorage": torch.UntypedStorage,
+}
 
 
 def drain_before_free(device_index: int, what: str, *keep: Any) -> bool:
@@ -61,8 +83,12 @@ def drain_before_free(device_index: int, what: str, *keep: Any) -> bool:
         torch.cuda.synchronize(device_index)
     except Exception:  # the original error is the caller's; this one is logged
         _QUARANTINED.extend(keep)
-        log.exception("cannot drain cuda:%d before freeing %s; keeping it allocated rather than "
-                      "freeing memory a queued copy may still write", device_index, what)
+        log.exception(
+            "cannot drain cuda:%d before freeing %s; keeping it allocated rather than "
+            "freeing memory a queued copy may still write",
+            device_index,
+            what,
+        )
         return False
     return True
 
@@ -78,7 +104,9 @@ def encode_reduce_args(tensor: torch.Tensor) -> dict[str, Any]:
         raise TransportFailed("cuda_ipc exports plain CUDA tensors only")
     fn, args = reduce_tensor(tensor)
     if fn is not rebuild_cuda_tensor:
-        raise TransportFailed(f"reduce_tensor chose {getattr(fn, '__name__', fn)}, not rebuild_cuda_tensor")
+        raise TransportFailed(
+            f"reduce_tensor chose {getattr(fn, '__name__', fn)}, not rebuild_cuda_tensor"
+        )
     d = dict(zip(_ARG_NAMES, args))
     storage_names = {cls: name for name, cls in _STORAGE_CLASSES.items()}
     if d["storage_cls"] not in storage_names:
@@ -98,15 +126,28 @@ def decode_reduce_args(d: dict[str, Any]) -> tuple:
         TransportFailed: a missing field or a value of the wrong type.
     """
     types_ok = {
-        "tensor_size": list, "tensor_stride": list, "tensor_offset": int, "storage_device": int,
-        "storage_handle": bytes, "storage_size_bytes": int, "storage_offset_bytes": int,
-        "requires_grad": bool, "ref_counter_handle": bytes, "ref_counter_offset": int,
-        "event_handle": (bytes, type(None)), "event_sync_required": bool,
+        "tensor_size": list,
+        "tensor_stride": list,
+        "tensor_offset": int,
+        "storage_device": int,
+        "storage_handle": bytes,
+        "storage_size_bytes": int,
+        "storage_offset_bytes": int,
+        "requires_grad": bool,
+        "ref_counter_handle": bytes,
+        "ref_counter_offset": int,
+        "event_handle": (bytes, type(None)),
+        "event_sync_required": bool,
     }
     if not isinstance(d, dict) or set(d) != set(_ARG_NAMES):
         raise TransportFailed("cuda_ipc handle does not carry the reduce_tensor fields")
     bad = [k for k, t in types_ok.items() if not isinstance(d[k], t)]
-    if bad or d["tensor_cls"] != "Tensor" or d["storage_cls"] not in _STORAGE_CLASSES or d["dtype"] != "uint8":
+    if (
+        bad
+        or d["tensor_cls"] != "Tensor"
+        or d["storage_cls"] not in _STORAGE_CLASSES
+        or d["dtype"] != "uint8"
+    ):
         raise TransportFailed(f"cuda_ipc handle has bad fields: {bad or ['class/dtype']}")
     out = dict(d)
     out["tensor_cls"] = torch.Tensor
@@ -125,7 +166,11 @@ class CudaServing:
         self.nbytes = arena.numel()
 
     def export(self) -> tuple[dict[str, Any], tuple[int, ...]]:
-        return {"kind": TRANSPORT, "nbytes": self.nbytes, "args": encode_reduce_args(self.arena)}, ()
+        return {
+            "kind": TRANSPORT,
+            "nbytes": self.nbytes,
+            "args": encode_reduce_args(self.arena),
+        }, ()
 
     def collect(self) -> None:
         """Free producer-side IPC bookkeeping of clients that have gone."""

@@ -40,7 +40,9 @@ class ShmServing:
             self.fd = -1
 
 
-def open_shm(handle: dict[str, Any], fds: list[int], arena_nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+def open_shm(
+    handle: dict[str, Any], fds: list[int], arena_nbytes: int
+) -> tuple[mmap.mmap, torch.Tensor]:
     """Client side: map the received memfd read-only and wrap it without a copy.
 
     The fd is closed once mapped (the mapping keeps the memfd alive).
@@ -56,10 +58,14 @@ def open_shm(handle: dict[str, Any], fds: list[int], arena_nbytes: int) -> tuple
 
     try:
         if handle.get("kind") != TRANSPORT or len(fds) != 1:
-            raise TransportFailed(f"expected one memfd with an shm handle, got {len(fds)} fds "
-                                  f"and handle kind {handle.get('kind')!r}")
+            raise TransportFailed(
+                f"expected one memfd with an shm handle, got {len(fds)} fds "
+                f"and handle kind {handle.get('kind')!r}"
+            )
         if handle.get("nbytes") != arena_nbytes:
-            raise TransportFailed(f"handle says {handle.get('nbytes')} bytes, manifest {arena_nbytes}")
+            raise TransportFailed(
+                f"handle says {handle.get('nbytes')} bytes, manifest {arena_nbytes}"
+            )
         mm = map_shm_readonly(fds[0], arena_nbytes, private=True)
     finally:
         for fd in fds:

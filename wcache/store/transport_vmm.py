@@ -53,7 +53,15 @@ import torch
 
 from wcache.store.errors import TransportFailed
 
-__all__ = ["TRANSPORT", "VmmMapping", "VmmServing", "build_vmm_arena", "allocate_vmm_arena", "open_vmm", "available"]
+__all__ = [
+    "TRANSPORT",
+    "VmmMapping",
+    "VmmServing",
+    "build_vmm_arena",
+    "allocate_vmm_arena",
+    "open_vmm",
+    "available",
+]
 
 log = logging.getLogger("wcache.store")
 
@@ -67,8 +75,9 @@ def _driver():
     try:
         from cuda.bindings import driver as cu
     except ImportError as e:  # the optional dependency (wcache[cuda])
-        raise TransportFailed(f"cuda_vmm needs NVIDIA's cuda-python bindings "
-                              f"(pip install 'wcache[cuda]'): {e}") from e
+        raise TransportFailed(
+            f"cuda_vmm needs NVIDIA's cuda-python bindings (pip install 'wcache[cuda]'): {e}"
+        ) from e
     return cu
 
 
@@ -77,7 +86,9 @@ def _check(cu, result: tuple, what: str) -> Any:
     err, *values = result
     if err != cu.CUresult.CUDA_SUCCESS:
         name = cu.cuGetErrorName(err)[1]
-        raise TransportFailed(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+        raise TransportFailed(
+            f"{what} failed: {name.decode() if isinstance(name, bytes) else name}"
+        )
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
@@ -106,7 +117,9 @@ def _prop(cu, device_index: int):
     prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     prop.location.id = device_index
-    prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    prop.requestedHandleTypes = (
+        cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    )
     return prop
 
 
@@ -114,8 +127,11 @@ def _access(cu, device_index: int, read_only: bool):
     desc = cu.CUmemAccessDesc()
     desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     desc.location.id = device_index
-    desc.flags = (cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ if read_only
-                  else cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+    desc.flags = (
+        cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+        if read_only
+        else cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    )
     return desc
 
 
@@ -126,10 +142,20 @@ def available(device_index: int) -> tuple[bool, str]:
         _check(cu, cu.cuInit(0), "cuInit")
         dev = _check(cu, cu.cuDeviceGet(device_index), "cuDeviceGet")
         attr = cu.CUdevice_attribute
-        vmm = _check(cu, cu.cuDeviceGetAttribute(
-            attr.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev), "cuDeviceGetAttribute")
-        fd = _check(cu, cu.cuDeviceGetAttribute(
-            attr.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev), "cuDeviceGetAttribute")
+        vmm = _check(
+            cu,
+            cu.cuDeviceGetAttribute(
+                attr.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev
+            ),
+            "cuDeviceGetAttribute",
+        )
+        fd = _check(
+            cu,
+            cu.cuDeviceGetAttribute(
+                attr.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev
+            ),
+            "cuDeviceGetAttribute",
+        )
     except TransportFailed as e:
         return False, str(e)
     if not vmm:
@@ -158,8 +184,13 @@ class VmmMapping:
         self.size = size
         self.device_index = device_index
         self.read_only = read_only
-        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "strides": None,
-                                         "data": (self.ptr, False), "version": 3}
+        self.__cuda_array_interface__ = {
+            "shape": (size,),
+            "typestr": "|u1",
+            "strides": None,
+            "data": (self.ptr, False),
+            "version": 3,
+        }
 
     def tensor(self) -> torch.Tensor:
         """The whole mapping as a ``[size]`` uint8 tensor (no copy; holds ``self``)."""
@@ -202,12 +233,15 @@ class VmmMapping:
             raise TransportFailed("this cuda_vmm mapping was released; attach again")
         t0 = time.perf_counter()
         with _lock, _in_context(cu, self.device_index):
-            self._handle = _remap_private(cu, self._handle, self.ptr, self.size,
-                                          self.device_index)
+            self._handle = _remap_private(cu, self._handle, self.ptr, self.size, self.device_index)
         self.read_only = False
-        log.info("cuda_vmm: privatized the mapping at 0x%x in place: %.1f MiB copied into "
-                 "this process's own device memory in %.3f s (the address is unchanged)",
-                 self.ptr, self.size / 2**20, time.perf_counter() - t0)
+        log.info(
+            "cuda_vmm: privatized the mapping at 0x%x in place: %.1f MiB copied into "
+            "this process's own device memory in %.3f s (the address is unchanged)",
+            self.ptr,
+            self.size / 2**20,
+            time.perf_counter() - t0,
+        )
         return self.size
 
     def release(self) -> None:
@@ -234,8 +268,11 @@ def _map(cu, handle, size: int, device_index: int, read_only: bool) -> VmmMappin
     try:
         _check(cu, cu.cuMemMap(ptr, size, 0, handle, 0), "cuMemMap")
         try:
-            _check(cu, cu.cuMemSetAccess(ptr, size, [_access(cu, device_index, read_only)], 1),
-                   "cuMemSetAccess")
+            _check(
+                cu,
+                cu.cuMemSetAccess(ptr, size, [_access(cu, device_index, read_only)], 1),
+                "cuMemSetAccess",
+            )
         except TransportFailed:
             cu.cuMemUnmap(ptr, size)
             raise
@@ -274,16 +311,22 @@ def _remap_private(cu, imported, ptr: int, size: int, device_index: int):
         tmp = _check(cu, cu.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve")
         _check(cu, cu.cuMemMap(tmp, size, 0, private, 0), "cuMemMap (temporary range)")
         tmp_mapped = True
-        _check(cu, cu.cuMemSetAccess(tmp, size, [_access(cu, device_index, read_only=False)], 1),
-               "cuMemSetAccess (temporary range)")
+        _check(
+            cu,
+            cu.cuMemSetAccess(tmp, size, [_access(cu, device_index, read_only=False)], 1),
+            "cuMemSetAccess (temporary range)",
+        )
         _check(cu, cu.cuMemcpyDtoD(tmp, ptr, size), "cuMemcpyDtoD")
         _check(cu, cu.cuCtxSynchronize(), "cuCtxSynchronize")
         _check(cu, cu.cuMemUnmap(ptr, size), "cuMemUnmap (the read-only import)")
         try:
             _check(cu, cu.cuMemMap(ptr, size, 0, private, 0), "cuMemMap (the private copy)")
             try:
-                _check(cu, cu.cuMemSetAccess(ptr, size, [_access(cu, device_index, False)], 1),
-                       "cuMemSetAccess (the private copy)")
+                _check(
+                    cu,
+                    cu.cuMemSetAccess(ptr, size, [_access(cu, device_index, False)], 1),
+                    "cuMemSetAccess (the private copy)",
+                )
             except TransportFailed:
                 cu.cuMemUnmap(ptr, size)
                 raise
@@ -302,8 +345,9 @@ def _remap_private(cu, imported, ptr: int, size: int, device_index: int):
     return private
 
 
-def _restore_import(cu, imported, ptr: int, size: int, device_index: int,
-                    cause: TransportFailed) -> None:
+def _restore_import(
+    cu, imported, ptr: int, size: int, device_index: int, cause: TransportFailed
+) -> None:
     """Map ``imported`` back read-only at ``ptr`` after a failed swap.
 
     Raises:
@@ -312,12 +356,17 @@ def _restore_import(cu, imported, ptr: int, size: int, device_index: int,
     """
     try:
         _check(cu, cu.cuMemMap(ptr, size, 0, imported, 0), "cuMemMap (restoring the import)")
-        _check(cu, cu.cuMemSetAccess(ptr, size, [_access(cu, device_index, True)], 1),
-               "cuMemSetAccess (restoring the import)")
+        _check(
+            cu,
+            cu.cuMemSetAccess(ptr, size, [_access(cu, device_index, True)], 1),
+            "cuMemSetAccess (restoring the import)",
+        )
     except TransportFailed as e:
-        raise TransportFailed(f"privatizing the cuda_vmm mapping failed ({cause}) and mapping "
-                              f"the daemon's memory back failed too ({e}): the weights at "
-                              f"0x{ptr:x} are unmapped; restart this engine") from cause
+        raise TransportFailed(
+            f"privatizing the cuda_vmm mapping failed ({cause}) and mapping "
+            f"the daemon's memory back failed too ({e}): the weights at "
+            f"0x{ptr:x} are unmapped; restart this engine"
+        ) from cause
 
 
 class VmmServing:
@@ -344,8 +393,9 @@ class VmmServing:
             mapping.release()
 
 
-def allocate_vmm_arena(nbytes: int, device_index: int,
-                       fill: Callable[[torch.Tensor], None]) -> tuple[VmmServing, int]:
+def allocate_vmm_arena(
+    nbytes: int, device_index: int, fill: Callable[[torch.Tensor], None]
+) -> tuple[VmmServing, int]:
     """One VMM allocation of at least ``nbytes`` on ``cuda:<device_index>``, exportable
     as a POSIX fd, filled by ``fill(arena[:nbytes])`` (a writable uint8 view).
 
@@ -366,9 +416,13 @@ def allocate_vmm_arena(nbytes: int, device_index: int,
     cu = _driver()
     with _lock, _in_context(cu, device_index):
         prop = _prop(cu, device_index)
-        gran = _check(cu, cu.cuMemGetAllocationGranularity(
-            prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
-            "cuMemGetAllocationGranularity")
+        gran = _check(
+            cu,
+            cu.cuMemGetAllocationGranularity(
+                prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+            ),
+            "cuMemGetAllocationGranularity",
+        )
         size = -(-nbytes // gran) * gran
         handle = _check(cu, cu.cuMemCreate(size, prop, 0), "cuMemCreate")
         try:
@@ -376,9 +430,13 @@ def allocate_vmm_arena(nbytes: int, device_index: int,
         except TransportFailed:
             cu.cuMemRelease(handle)
             raise
-        fd = _check(cu, cu.cuMemExportToShareableHandle(
-            handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-            "cuMemExportToShareableHandle")
+        fd = _check(
+            cu,
+            cu.cuMemExportToShareableHandle(
+                handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
+            ),
+            "cuMemExportToShareableHandle",
+        )
     arena = mapping.tensor()
     try:
         fill(arena[:nbytes])
@@ -410,13 +468,20 @@ def build_vmm_arena(export, key, device_index: int):
     blocks, placed, nbytes = plan_layout(export.tensors, CUDA_ALIGNMENT)
     manifest = make_manifest(export, key, "cuda", CUDA_ALIGNMENT, placed, nbytes)
     serving, size = allocate_vmm_arena(nbytes, device_index, lambda dst: _fill(dst, export, blocks))
-    log.info("arena (cuda_vmm, cuda:%d): %d tensors, %.1f MiB (%.1f MiB mapped) in %.3f s", device_index,
-             len(manifest.tensors), nbytes / 2**20, size / 2**20, time.perf_counter() - t0)
+    log.info(
+        "arena (cuda_vmm, cuda:%d): %d tensors, %.1f MiB (%.1f MiB mapped) in %.3f s",
+        device_index,
+        len(manifest.tensors),
+        nbytes / 2**20,
+        size / 2**20,
+        time.perf_counter() - t0,
+    )
     return serving, manifest
 
 
-def open_vmm(handle: dict[str, Any], fds: list[int], arena_nbytes: int, device_index: int
-             ) -> tuple[torch.Tensor, VmmMapping]:
+def open_vmm(
+    handle: dict[str, Any], fds: list[int], arena_nbytes: int, device_index: int
+) -> tuple[torch.Tensor, VmmMapping]:
     """Client side: import the daemon's fd and map it read-only.
 
     The fd is closed once imported (the imported handle keeps the memory).
@@ -436,14 +501,20 @@ def open_vmm(handle: dict[str, Any], fds: list[int], arena_nbytes: int, device_i
             raise TransportFailed(f"expected one fd with a cuda_vmm handle, got {len(fds)} fds")
         size = handle.get("nbytes")
         if not isinstance(size, int) or size < arena_nbytes:
-            raise TransportFailed(f"cuda_vmm handle of {size!r} bytes, the manifest needs {arena_nbytes}")
+            raise TransportFailed(
+                f"cuda_vmm handle of {size!r} bytes, the manifest needs {arena_nbytes}"
+            )
         cu = _driver()
         marks.append(("import", time.perf_counter()))
         with _lock, _in_context(cu, device_index):
             marks.append(("context", time.perf_counter()))
-            mem = _check(cu, cu.cuMemImportFromShareableHandle(
-                fds[0], cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
-                "cuMemImportFromShareableHandle")
+            mem = _check(
+                cu,
+                cu.cuMemImportFromShareableHandle(
+                    fds[0], cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                ),
+                "cuMemImportFromShareableHandle",
+            )
             marks.append(("import_handle", time.perf_counter()))
             try:
                 mapping = _map(cu, mem, size, device_index, read_only=True)
@@ -457,7 +528,8 @@ def open_vmm(handle: dict[str, Any], fds: list[int], arena_nbytes: int, device_i
     base = mapping.tensor()
     marks.append(("tensor", time.perf_counter()))
     last_open_ms.clear()
-    last_open_ms.update({name: round((t - prev) * 1e3, 3)
-                         for (_, prev), (name, t) in zip(marks, marks[1:])})
+    last_open_ms.update(
+        {name: round((t - prev) * 1e3, 3) for (_, prev), (name, t) in zip(marks, marks[1:])}
+    )
     log.debug("open_vmm steps (ms): %s", last_open_ms)
     return base, mapping

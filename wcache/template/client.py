@@ -32,15 +32,30 @@ from wcache.store.server import peer_credentials
 from wcache.template import versions
 from wcache.template.entry import resolve_entry
 from wcache.template.errors import (
-    TemplateError, TemplateMissing, TemplateStale, TemplateStartFailed, TemplateUnsafe,
+    TemplateError,
+    TemplateMissing,
+    TemplateStale,
+    TemplateStartFailed,
+    TemplateUnsafe,
     TemplateUnsupported,
 )
 from wcache.template.server import (
-    FORWARDED_SIGNALS, LOG_NAME, TEMPLATE_PROTOCOL, socket_file,
+    FORWARDED_SIGNALS,
+    LOG_NAME,
+    TEMPLATE_PROTOCOL,
+    socket_file,
 )
 
-__all__ = ["run_command", "start_template", "template_status", "stop_template",
-           "REFUSED_EXIT", "NOT_RUNNING_EXIT", "DEFAULT_START_TIMEOUT_S", "LOST_EXIT"]
+__all__ = [
+    "run_command",
+    "start_template",
+    "template_status",
+    "stop_template",
+    "REFUSED_EXIT",
+    "NOT_RUNNING_EXIT",
+    "DEFAULT_START_TIMEOUT_S",
+    "LOST_EXIT",
+]
 
 #: ``wcache run --no-fallback`` when the template cannot run the command (the
 #: "not running" code of ``wcache status``).
@@ -64,8 +79,18 @@ POLL_S = 0.1
 #: The descriptors a command gets from ``wcache run``: stdin, stdout, stderr.
 STDIO = (0, 1, 2)
 #: Signals that would make the dying client write a core file of its own.
-_CORE_SIGNALS = frozenset({signal.SIGQUIT, signal.SIGILL, signal.SIGABRT, signal.SIGFPE,
-                           signal.SIGSEGV, signal.SIGBUS, signal.SIGSYS, signal.SIGTRAP})
+_CORE_SIGNALS = frozenset(
+    {
+        signal.SIGQUIT,
+        signal.SIGILL,
+        signal.SIGABRT,
+        signal.SIGFPE,
+        signal.SIGSEGV,
+        signal.SIGBUS,
+        signal.SIGSYS,
+        signal.SIGTRAP,
+    }
+)
 
 
 def _connect(socket_dir: str | None) -> socket.socket:
@@ -81,8 +106,9 @@ def _connect(socket_dir: str | None) -> socket.socket:
         paths.ensure_socket_dir(os.path.dirname(path), create=False)
         paths.check_socket_file(path)
     except FileNotFoundError:
-        raise TemplateMissing(f"no template socket at {path}; start one with "
-                              f"`wcache template start`") from None
+        raise TemplateMissing(
+            f"no template socket at {path}; start one with `wcache template start`"
+        ) from None
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(CONNECT_TIMEOUT_S)
     try:
@@ -90,14 +116,17 @@ def _connect(socket_dir: str | None) -> socket.socket:
     except OSError as e:
         s.close()
         if e.errno in (errno.ECONNREFUSED, errno.ENOENT) or isinstance(e, socket.timeout):
-            raise TemplateMissing(f"no template answers on {path} ({e}); start one with "
-                                  f"`wcache template start`") from None
+            raise TemplateMissing(
+                f"no template answers on {path} ({e}); start one with `wcache template start`"
+            ) from None
         raise
     pid, uid, _ = peer_credentials(s)
     if uid != os.getuid():
         s.close()
-        raise PeerRefused(f"the process on {path} (pid {pid}) runs as uid {uid}, not as you "
-                          f"(uid {os.getuid()}); refusing it")
+        raise PeerRefused(
+            f"the process on {path} (pid {pid}) runs as uid {uid}, not as you "
+            f"(uid {os.getuid()}); refusing it"
+        )
     return s
 
 
@@ -138,8 +167,15 @@ def _request(argv: list[str], socket_dir: str | None) -> tuple[socket.socket, in
     env = dict(os.environ)
     cwd = os.getcwd()
     entry = resolve_entry(argv, env, cwd)
-    frame = {"op": "run", "protocol": TEMPLATE_PROTOCOL, "argv": list(argv), "env": env,
-             "cwd": cwd, "entry": entry, "wcache": versions.own_wcache_stamp()}
+    frame = {
+        "op": "run",
+        "protocol": TEMPLATE_PROTOCOL,
+        "argv": list(argv),
+        "env": env,
+        "cwd": cwd,
+        "entry": entry,
+        "wcache": versions.own_wcache_stamp(),
+    }
     s = _connect(socket_dir)
     fds, opened = _stdio_fds()
     try:
@@ -155,7 +191,8 @@ def _request(argv: list[str], socket_dir: str | None) -> tuple[socket.socket, in
         s.close()
         code, message = reply.get("code"), str(reply.get("message", ""))
         cls = {c.code: c for c in (TemplateStale, TemplateUnsafe, TemplateUnsupported)}.get(
-            code, TemplateError)
+            code, TemplateError
+        )
         if cls is TemplateStale:
             raise TemplateStale(message, tuple(reply.get("fields") or ()))
         raise cls(message)
@@ -181,6 +218,7 @@ def _die_like(exitcode: int) -> int:
 
 def _relay(s: socket.socket, child: int) -> int:
     """Forward signals to the child until the template reports its end; its exit code."""
+
     def forward(signum: int, frame: Any) -> None:
         try:
             send_frame(s, {"op": "signal", "signum": int(signum)})
@@ -194,16 +232,19 @@ def _relay(s: socket.socket, child: int) -> int:
         try:
             frame, _ = recv_frame(s)
         except (ConnectionClosed, ProtocolError, OSError) as e:
-            print(f"wcache run: the template stopped before reporting child {child}'s end ({e})",
-                  file=sys.stderr)
+            print(
+                f"wcache run: the template stopped before reporting child {child}'s end ({e})",
+                file=sys.stderr,
+            )
             return LOST_EXIT
         if frame.get("op") == "exit" and isinstance(frame.get("exitcode"), int):
             s.close()
             return frame["exitcode"]
 
 
-def run_command(argv: list[str], socket_dir: str | None = None, *, fallback: bool = True,
-                verbose: bool = False) -> int:
+def run_command(
+    argv: list[str], socket_dir: str | None = None, *, fallback: bool = True, verbose: bool = False
+) -> int:
     """``wcache run -- argv``: run ``argv`` in a child of the template, else directly.
 
     Returns:
@@ -211,8 +252,10 @@ def run_command(argv: list[str], socket_dir: str | None = None, *, fallback: boo
         the command was. With a fallback this process execs ``argv`` (never returns).
     """
     if not argv:
-        print("wcache run: give the command after --, e.g. `wcache run -- python script.py`",
-              file=sys.stderr)
+        print(
+            "wcache run: give the command after --, e.g. `wcache run -- python script.py`",
+            file=sys.stderr,
+        )
         return 2
     try:
         s, child = _request(argv, socket_dir)
@@ -243,9 +286,13 @@ def template_status(socket_dir: str | None = None) -> dict[str, Any]:
     return _ask(socket_dir, {"op": "status"})
 
 
-def start_template(socket_dir: str | None = None, preload: list[str] | None = None,
-                   platform_preload: bool = True, timeout_s: float = DEFAULT_START_TIMEOUT_S,
-                   foreground: bool = False) -> dict[str, Any]:
+def start_template(
+    socket_dir: str | None = None,
+    preload: list[str] | None = None,
+    platform_preload: bool = True,
+    timeout_s: float = DEFAULT_START_TIMEOUT_S,
+    foreground: bool = False,
+) -> dict[str, Any]:
     """Start the template in the background (its own session, output in
     ``template.log`` beside its socket) and return its ready record once it listens.
     With ``foreground`` this process becomes the template (never returns).
@@ -256,8 +303,7 @@ def start_template(socket_dir: str | None = None, preload: list[str] | None = No
     """
     d = paths.ensure_socket_dir(socket_dir)
     cmd = [sys.executable]
-    if sys.version_info >= (3, 11):
-        cmd.append("-P")  # no cwd / script dir on sys.path: the child sets its own
+    cmd.append("-P")  # no cwd / script dir on sys.path: the child sets its own
     cmd += ["-m", "wcache.template", "--socket-dir", d]
     for mod in preload or ():
         cmd += ["--preload", mod]
@@ -269,8 +315,15 @@ def start_template(socket_dir: str | None = None, preload: list[str] | None = No
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, paths.FILE_MODE)
     with os.fdopen(fd, "ab") as logf:
         offset = logf.tell()
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                                start_new_session=True, cwd="/", close_fds=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=logf,
+            stderr=logf,
+            start_new_session=True,
+            cwd="/",
+            close_fds=True,
+        )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         rc = proc.poll()
@@ -293,9 +346,15 @@ def start_template(socket_dir: str | None = None, preload: list[str] | None = No
     reason = json.loads(ready[-1]).get("message") if ready else None
     raise TemplateStartFailed(
         f"the template (pid {proc.pid}) "
-        + (f"exited with {proc.returncode}" if proc.returncode is not None
-           else f"did not listen within {timeout_s:.0f} s")
-        + (f": {reason}" if reason else "") + f"; its log {log_path} ends:\n" + "\n".join(tail))
+        + (
+            f"exited with {proc.returncode}"
+            if proc.returncode is not None
+            else f"did not listen within {timeout_s:.0f} s"
+        )
+        + (f": {reason}" if reason else "")
+        + f"; its log {log_path} ends:\n"
+        + "\n".join(tail)
+    )
 
 
 def stop_template(socket_dir: str | None = None, wait_s: float = STOP_WAIT_S) -> dict[str, Any]:
@@ -318,16 +377,20 @@ def format_status(st: dict[str, Any]) -> str:
     """``wcache template status``'s text."""
     fp = st.get("fingerprint", {})
     pk = fp.get("packages", {})
-    lines = [f"template pid {st['pid']} on {st['socket']}: up {st['uptime_s']} s, imported "
-             f"{st['modules']} modules in {st['import_s']} s, RSS {st['rss_kib'] / 1024:.0f} MiB, "
-             f"threads {st['threads']['os']} (after imports {st['threads']['baseline']}), "
-             f"CUDA initialised: {st['cuda_initialized']}"
-             + (" [stopping]" if st.get("stopping") else ""),
-             "  versions: " + ", ".join(f"{n} {p.get('version')}" for n, p in pk.items())
-             + f", python {fp.get('python', {}).get('version', '').split()[0]}"]
+    lines = [
+        f"template pid {st['pid']} on {st['socket']}: up {st['uptime_s']} s, imported "
+        f"{st['modules']} modules in {st['import_s']} s, RSS {st['rss_kib'] / 1024:.0f} MiB, "
+        f"threads {st['threads']['os']} (after imports {st['threads']['baseline']}), "
+        f"CUDA initialised: {st['cuda_initialized']}"
+        + (" [stopping]" if st.get("stopping") else ""),
+        "  versions: "
+        + ", ".join(f"{n} {p.get('version')}" for n, p in pk.items())
+        + f", python {fp.get('python', {}).get('version', '').split()[0]}",
+    ]
     if st.get("skipped"):
-        lines.append("  preloads skipped: " + "; ".join(f"{k} ({v})" for k, v in
-                                                        st["skipped"].items()))
+        lines.append(
+            "  preloads skipped: " + "; ".join(f"{k} ({v})" for k, v in st["skipped"].items())
+        )
     for c in st.get("children", []):
         lines.append(f"  child {c['pid']} running {c['running_s']} s: {' '.join(c['argv'])}")
     return "\n".join(lines)

@@ -77,24 +77,41 @@ def _python_args(interpreter: str, args: Sequence[str], argv0: str) -> dict[str,
             if i + 1 >= len(args):
                 raise TemplateUnsupported(f"python {a} needs an argument")
             kind = "module" if a == "-m" else "code"
-            return {"interpreter": interpreter, "kind": kind, "target": args[i + 1],
-                    "args": list(args[i + 2:]), "unbuffered": unbuffered}
+            return {
+                "interpreter": interpreter,
+                "kind": kind,
+                "target": args[i + 1],
+                "args": list(args[i + 2 :]),
+                "unbuffered": unbuffered,
+            }
         if a.startswith(("-m", "-c")) and len(a) > 2:
             kind = "module" if a[1] == "m" else "code"
-            return {"interpreter": interpreter, "kind": kind, "target": a[2:],
-                    "args": list(args[i + 1:]), "unbuffered": unbuffered}
+            return {
+                "interpreter": interpreter,
+                "kind": kind,
+                "target": a[2:],
+                "args": list(args[i + 1 :]),
+                "unbuffered": unbuffered,
+            }
         if a == "-" or a == "--":
             raise TemplateUnsupported("python reading its program from stdin runs directly")
         if a.startswith("-"):
             letters = a[1:]
             if not letters or set(letters) - REPLAYED_OPTIONS:
-                raise TemplateUnsupported(f"python option {a} is not replayed in a template child "
-                                          f"(only -u is)")
+                raise TemplateUnsupported(
+                    f"python option {a} is not replayed in a template child (only -u is)"
+                )
             unbuffered = True
             i += 1
             continue
-        return {"interpreter": interpreter, "kind": "script", "target": a, "argv0": a,
-                "args": list(args[i + 1:]), "unbuffered": unbuffered}
+        return {
+            "interpreter": interpreter,
+            "kind": "script",
+            "target": a,
+            "argv0": a,
+            "args": list(args[i + 1 :]),
+            "unbuffered": unbuffered,
+        }
     raise TemplateUnsupported("an interactive python (no script, -m or -c) runs directly")
 
 
@@ -124,5 +141,11 @@ def resolve_entry(argv: Sequence[str], env: Mapping[str, str], cwd: str) -> dict
     if extra:
         raise TemplateUnsupported(f"{argv[0]}'s #! line passes options ({' '.join(extra)})")
     # the kernel runs INTERP SCRIPT ARGS with SCRIPT the path it found: sys.argv[0]
-    return {"interpreter": os.path.abspath(interp), "kind": "script", "target": exe,
-            "argv0": exe, "args": list(argv[1:]), "unbuffered": False}
+    return {
+        "interpreter": os.path.abspath(interp),
+        "kind": "script",
+        "target": exe,
+        "argv0": exe,
+        "args": list(argv[1:]),
+        "unbuffered": False,
+    }

@@ -6,8 +6,14 @@ from __future__ import annotations
 
 from wcache.errors import WcacheError
 
-__all__ = ["TemplateError", "TemplateMissing", "TemplateStale", "TemplateUnsafe",
-           "TemplateUnsupported", "TemplateStartFailed"]
+__all__ = [
+    "TemplateError",
+    "TemplateMissing",
+    "TemplateStale",
+    "TemplateUnsafe",
+    "TemplateUnsupported",
+    "TemplateStartFailed",
+]
 
 
 class TemplateError(WcacheError, RuntimeError):

@@ -9,18 +9,23 @@ import argparse
 
 from wcache.template import client as template_client
 
-DESCRIPTION = ("wcache run -- CMD ARGS...: run CMD (python SCRIPT | python -m MOD | "
-               "python -c CODE | a console script such as vllm) in a child forked from the "
-               "running template, with this process's argv, environment, cwd and stdio; "
-               "signals are forwarded and the exit code (or the signal) is the command's. "
-               "Without a usable template it says why on stderr and runs CMD directly.")
+DESCRIPTION = (
+    "wcache run -- CMD ARGS...: run CMD (python SCRIPT | python -m MOD | "
+    "python -c CODE | a console script such as vllm) in a child forked from the "
+    "running template, with this process's argv, environment, cwd and stdio; "
+    "signals are forwarded and the exit code (or the signal) is the command's. "
+    "Without a usable template it says why on stderr and runs CMD directly."
+)
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``wcache run`` (shared by :mod:`wcache.cli`'s subparser)."""
     p.add_argument("--socket-dir", help="socket directory of the template (default: the daemons')")
-    p.add_argument("--no-fallback", action="store_true",
-                   help="exit 3 naming the reason instead of running the command directly")
+    p.add_argument(
+        "--no-fallback",
+        action="store_true",
+        help="exit 3 naming the reason instead of running the command directly",
+    )
     p.add_argument("--verbose", action="store_true", help="say which child runs the command")
     p.add_argument("command_argv", nargs=argparse.REMAINDER, metavar="-- CMD ARGS")
 
@@ -30,8 +35,9 @@ def run(args: argparse.Namespace, rest: list[str]) -> int:
     command = list(args.command_argv or []) + list(rest)
     if command[:1] == ["--"]:
         command = command[1:]
-    return template_client.run_command(command, args.socket_dir,
-                                       fallback=not args.no_fallback, verbose=args.verbose)
+    return template_client.run_command(
+        command, args.socket_dir, fallback=not args.no_fallback, verbose=args.verbose
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -60,8 +60,18 @@ from wcache.store.server import peer_credentials
 from wcache.template import versions
 from wcache.template.errors import TemplateError, TemplateStale, TemplateUnsafe, TemplateUnsupported
 
-__all__ = ["Template", "main", "SOCKET_NAME", "LOG_NAME", "TEMPLATE_PROTOCOL", "COMMON_PRELOAD",
-           "CPU_PRELOAD", "CUDA_PRELOAD", "socket_file", "os_thread_count"]
+__all__ = [
+    "Template",
+    "main",
+    "SOCKET_NAME",
+    "LOG_NAME",
+    "TEMPLATE_PROTOCOL",
+    "COMMON_PRELOAD",
+    "CPU_PRELOAD",
+    "CUDA_PRELOAD",
+    "socket_file",
+    "os_thread_count",
+]
 
 log = logging.getLogger("wcache.template")
 
@@ -78,20 +88,37 @@ LOG_NAME = "template.log"
 #: its clients, the scheduler, the sampler, the model loader, Llama (the benchmark's
 #: model family) and wcache's own load format.
 COMMON_PRELOAD = (
-    "torch", "numpy", "vllm", "vllm.entrypoints.llm", "vllm.entrypoints.openai.api_server",
-    "vllm.entrypoints.cli.main", "vllm.v1.engine.core", "vllm.v1.engine.core_client",
-    "vllm.v1.engine.llm_engine", "vllm.v1.engine.async_llm", "vllm.v1.core.sched.scheduler",
-    "vllm.v1.sample.sampler", "vllm.model_executor.model_loader",
-    "vllm.model_executor.models.llama", "wcache.vllm.plugin", "wcache.vllm.loader",
+    "torch",
+    "numpy",
+    "vllm",
+    "vllm.entrypoints.llm",
+    "vllm.entrypoints.openai.api_server",
+    "vllm.entrypoints.cli.main",
+    "vllm.v1.engine.core",
+    "vllm.v1.engine.core_client",
+    "vllm.v1.engine.llm_engine",
+    "vllm.v1.engine.async_llm",
+    "vllm.v1.core.sched.scheduler",
+    "vllm.v1.sample.sampler",
+    "vllm.model_executor.model_loader",
+    "vllm.model_executor.models.llama",
+    "wcache.vllm.plugin",
+    "wcache.vllm.loader",
 )
 #: The CPU platform's worker, model runner and attention backend.
-CPU_PRELOAD = ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
-               "vllm.v1.attention.backends.cpu_attn")
+CPU_PRELOAD = (
+    "vllm.v1.worker.cpu_worker",
+    "vllm.v1.worker.cpu_model_runner",
+    "vllm.v1.attention.backends.cpu_attn",
+)
 #: The CUDA platform's worker, model runner and the attention backend the H200 runs
 #: (TRITON_ATTN). Each is imported under the CUDA tripwire: one that initialises
 #: CUDA at import stops the template naming it (``--no-platform-preload`` skips these).
-CUDA_PRELOAD = ("vllm.v1.worker.gpu_worker", "vllm.v1.worker.gpu_model_runner",
-                "vllm.v1.attention.backends.triton_attn")
+CUDA_PRELOAD = (
+    "vllm.v1.worker.gpu_worker",
+    "vllm.v1.worker.gpu_model_runner",
+    "vllm.v1.attention.backends.triton_attn",
+)
 #: Seconds a client has to send its request once connected (a local process sends
 #: it at once; the limit keeps a stuck peer from holding the single-threaded loop).
 REQUEST_TIMEOUT_S = 10.0
@@ -105,12 +132,25 @@ LISTEN_BACKLOG = 64
 #: children have exited).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: Signals whose handlers a child resets to what a fresh interpreter has.
-RESET_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-                 signal.SIGUSR2, signal.SIGCHLD, signal.SIGALRM)
+RESET_SIGNALS = (
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGCHLD,
+    signal.SIGALRM,
+)
 #: Signals ``wcache run`` forwards to the child (a shell would deliver them to the
 #: direct process).
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
-                     signal.SIGUSR1, signal.SIGUSR2)
+FORWARDED_SIGNALS = (
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
 #: Exit status of a child whose Python entry raised (CPython's own).
 UNCAUGHT_EXIT = 1
 #: vLLM's start-method switch; set to ``fork`` in a child unless the command sets it.
@@ -150,8 +190,12 @@ class Template:
         platform_preload: also import :data:`CPU_PRELOAD` or :data:`CUDA_PRELOAD`.
     """
 
-    def __init__(self, socket_dir: str | None = None, preload: tuple[str, ...] | None = None,
-                 platform_preload: bool = True):
+    def __init__(
+        self,
+        socket_dir: str | None = None,
+        preload: tuple[str, ...] | None = None,
+        platform_preload: bool = True,
+    ):
         self.socket_dir = paths.ensure_socket_dir(socket_dir)
         self.socket_path = socket_file(self.socket_dir)
         self.preload = tuple(preload) if preload is not None else COMMON_PRELOAD
@@ -185,14 +229,16 @@ class Template:
     def _import(self, name: str) -> None:
         try:
             importlib.import_module(name)
-        except Exception as exc:  # an optional module (another platform's, a missing extra)
+        except Exception as exc:  # noqa: BLE001 (an optional module: another platform's, a missing extra)
             self.skipped[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
             log.warning("template: preload %s skipped: %s", name, self.skipped[name])
             return
         if _cuda_initialized():
-            raise TemplateUnsafe(f"importing {name} initialised CUDA; a template must not (its "
-                                 f"children could not use CUDA). Leave it out with --preload, or "
-                                 f"--no-platform-preload")
+            raise TemplateUnsafe(
+                f"importing {name} initialised CUDA; a template must not (its "
+                f"children could not use CUDA). Leave it out with --preload, or "
+                f"--no-platform-preload"
+            )
         self.imported.append(name)
 
     def prepare(self) -> None:
@@ -215,8 +261,11 @@ class Template:
                 self._import(name)
         self.import_s = time.monotonic() - t0
         now = dict(os.environ)
-        self.import_env_delta = {k: now.get(k) for k in sorted(set(now) | set(self.start_env))
-                                 if now.get(k) != self.start_env.get(k)}
+        self.import_env_delta = {
+            k: now.get(k)
+            for k in sorted(set(now) | set(self.start_env))
+            if now.get(k) != self.start_env.get(k)
+        }
         self.fingerprint = self._fingerprint()
         gc.collect()
         gc.freeze()
@@ -231,10 +280,14 @@ class Template:
                 continue
             stamp = versions.package_stamp(os.path.dirname(os.path.abspath(mod.__file__)), name)
             packages[name] = {**stamp, "version": str(getattr(mod, "__version__", ""))}
-        return {"python": {**versions.interpreter_identity(sys.executable),
-                           "version": versions.python_version()},
-                "packages": packages,
-                "env": versions.import_time_env(self.start_env)}
+        return {
+            "python": {
+                **versions.interpreter_identity(sys.executable),
+                "version": versions.python_version(),
+            },
+            "packages": packages,
+            "env": versions.import_time_env(self.start_env),
+        }
 
     def bind(self) -> None:
         """Listen on the socket (0600, dir 0700, stale socket replaced only when
@@ -319,8 +372,9 @@ class Template:
                 self._run(conn, req, fds)
                 return  # the connection stays open until the child exits
             else:
-                send_frame(conn, {"ok": False, "code": "protocol-error",
-                                  "message": f"unknown op {op!r}"})
+                send_frame(
+                    conn, {"ok": False, "code": "protocol-error", "message": f"unknown op {op!r}"}
+                )
         except (ProtocolError, OSError) as exc:
             log.warning("template: a request failed: %s", exc)
         finally:
@@ -331,8 +385,11 @@ class Template:
     def _refusal(self, req: dict[str, Any]) -> TemplateError | None:
         """Why this template cannot run ``req`` now, or None."""
         if req.get("protocol") != TEMPLATE_PROTOCOL:
-            return TemplateStale(f"the client speaks template protocol {req.get('protocol')!r}, "
-                                 f"this template {TEMPLATE_PROTOCOL}", ("protocol",))
+            return TemplateStale(
+                f"the client speaks template protocol {req.get('protocol')!r}, "
+                f"this template {TEMPLATE_PROTOCOL}",
+                ("protocol",),
+            )
         entry = req.get("entry")
         if not isinstance(entry, dict) or entry.get("kind") not in ("script", "module", "code"):
             return TemplateUnsupported("the request names no Python entry")
@@ -343,22 +400,29 @@ class Template:
         mine = {k: v for k, v in self.fingerprint["python"].items() if k != "version"}
         fields = [f"python.{f}" for f in versions.differences(mine, interp)]
         env = req.get("env") if isinstance(req.get("env"), dict) else {}
-        fields += [f"env.{f}" for f in versions.differences(self.fingerprint["env"],
-                                                            versions.import_time_env(env))]
+        fields += [
+            f"env.{f}"
+            for f in versions.differences(self.fingerprint["env"], versions.import_time_env(env))
+        ]
         for name, rec in self.fingerprint["packages"].items():  # changed on disk since import?
             now = versions.package_stamp(rec["path"], name)
             if now["stamp"] != rec["stamp"]:
                 fields.append(f"packages.{name}")
         client_wcache = req.get("wcache")
         own = self.fingerprint["packages"].get("wcache", {})
-        if isinstance(client_wcache, dict) and (client_wcache.get("path"), client_wcache.get(
-                "stamp")) != (own.get("path"), own.get("stamp")):
+        if isinstance(client_wcache, dict) and (
+            client_wcache.get("path"),
+            client_wcache.get("stamp"),
+        ) != (own.get("path"), own.get("stamp")):
             fields.append("packages.wcache(client)")
         if fields:
-            return TemplateStale(f"this command's environment differs from the template's in "
-                                 f"{', '.join(sorted(set(fields)))}; restart the template "
-                                 f"(`wcache template stop; wcache template start`) from this "
-                                 f"environment", tuple(sorted(set(fields))))
+            return TemplateStale(
+                f"this command's environment differs from the template's in "
+                f"{', '.join(sorted(set(fields)))}; restart the template "
+                f"(`wcache template stop; wcache template start`) from this "
+                f"environment",
+                tuple(sorted(set(fields))),
+            )
         if self.stopping:
             return TemplateStale("the template is stopping", ("stopping",))
         return self.fork_problem()
@@ -366,27 +430,42 @@ class Template:
     def fork_problem(self) -> TemplateUnsafe | None:
         """Why forking now is unsafe (CUDA initialised, more threads), or None."""
         if _cuda_initialized():
-            return TemplateUnsafe("CUDA is initialised in the template; a forked child could not "
-                                  "use it. Restart the template")
+            return TemplateUnsafe(
+                "CUDA is initialised in the template; a forked child could not "
+                "use it. Restart the template"
+            )
         if threading.active_count() != 1:
-            return TemplateUnsafe(f"the template runs {threading.active_count()} Python threads "
-                                  f"(names: {[t.name for t in threading.enumerate()]}); a fork "
-                                  f"copies their locks")
+            return TemplateUnsafe(
+                f"the template runs {threading.active_count()} Python threads "
+                f"(names: {[t.name for t in threading.enumerate()]}); a fork "
+                f"copies their locks"
+            )
         n = os_thread_count()
         if n > self.thread_baseline:
-            return TemplateUnsafe(f"the template runs {n} OS threads, {self.thread_baseline} after "
-                                  f"its imports (an OpenMP pool or a library thread started); "
-                                  f"restart the template")
+            return TemplateUnsafe(
+                f"the template runs {n} OS threads, {self.thread_baseline} after "
+                f"its imports (an OpenMP pool or a library thread started); "
+                f"restart the template"
+            )
         return None
 
     def _run(self, conn: socket.socket, req: dict[str, Any], fds: list[int]) -> None:
         problem = self._refusal(req)
         if problem is None and len(fds) != STDIO_FDS:
-            problem = TemplateUnsupported(f"a run carries {STDIO_FDS} descriptors (stdin, stdout, "
-                                          f"stderr), this one {len(fds)}")
+            problem = TemplateUnsupported(
+                f"a run carries {STDIO_FDS} descriptors (stdin, stdout, "
+                f"stderr), this one {len(fds)}"
+            )
         if problem is not None:
-            send_frame(conn, {"ok": False, "code": problem.code, "message": str(problem),
-                              "fields": list(getattr(problem, "fields", ()))})
+            send_frame(
+                conn,
+                {
+                    "ok": False,
+                    "code": problem.code,
+                    "message": str(problem),
+                    "fields": list(getattr(problem, "fields", ())),
+                },
+            )
             for fd in fds:
                 os.close(fd)
             fds.clear()
@@ -405,8 +484,13 @@ class Template:
             pidfd = os.pidfd_open(pid)
         except (AttributeError, OSError):
             pidfd = None  # polled every LOOP_TICK_S
-        self.children[pid] = {"pid": pid, "conn": conn, "pidfd": pidfd, "started": time.time(),
-                              "argv": [str(a) for a in req.get("argv", [])][:64]}
+        self.children[pid] = {
+            "pid": pid,
+            "conn": conn,
+            "pidfd": pidfd,
+            "started": time.time(),
+            "argv": [str(a) for a in req.get("argv", [])][:64],
+        }
         assert self._sel is not None
         self._sel.register(conn, selectors.EVENT_READ, ("conn", pid))
         if pidfd is not None:
@@ -451,8 +535,11 @@ class Template:
             child["conn"] = None
             return
         signum = frame.get("signum")
-        if frame.get("op") == "signal" and isinstance(signum, int) and \
-                signum in {int(s) for s in FORWARDED_SIGNALS}:
+        if (
+            frame.get("op") == "signal"
+            and isinstance(signum, int)
+            and signum in {int(s) for s in FORWARDED_SIGNALS}
+        ):
             self._kill(pid, signum)
 
     @staticmethod
@@ -487,18 +574,30 @@ class Template:
     def status(self) -> dict[str, Any]:
         """What ``wcache template status`` shows."""
         now = time.time()
-        return {"pid": os.getpid(), "protocol": TEMPLATE_PROTOCOL, "socket": self.socket_path,
-                "uptime_s": round(now - self.started, 1), "import_s": round(self.import_s, 2),
-                "modules": len(sys.modules), "imported": self.imported, "skipped": self.skipped,
-                "fingerprint": self.fingerprint, "import_env_delta": self.import_env_delta,
-                "threads": {
-                    "python": threading.active_count(), "os": os_thread_count(),
-                    "baseline": self.thread_baseline},
-                "cuda_initialized": _cuda_initialized(), "rss_kib": _rss_kib(),
-                "stopping": self.stopping,
-                "children": [{"pid": c["pid"], "argv": c["argv"],
-                              "running_s": round(now - c["started"], 1)}
-                             for c in self.children.values()]}
+        return {
+            "pid": os.getpid(),
+            "protocol": TEMPLATE_PROTOCOL,
+            "socket": self.socket_path,
+            "uptime_s": round(now - self.started, 1),
+            "import_s": round(self.import_s, 2),
+            "modules": len(sys.modules),
+            "imported": self.imported,
+            "skipped": self.skipped,
+            "fingerprint": self.fingerprint,
+            "import_env_delta": self.import_env_delta,
+            "threads": {
+                "python": threading.active_count(),
+                "os": os_thread_count(),
+                "baseline": self.thread_baseline,
+            },
+            "cuda_initialized": _cuda_initialized(),
+            "rss_kib": _rss_kib(),
+            "stopping": self.stopping,
+            "children": [
+                {"pid": c["pid"], "argv": c["argv"], "running_s": round(now - c["started"], 1)}
+                for c in self.children.values()
+            ],
+        }
 
 
 # ---------------------------------------------------------------------- the child
@@ -574,9 +673,14 @@ def _run_entry(entry: dict[str, Any]) -> None:
             return
         with tokenize.open(path) as f:  # the file's declared encoding, as CPython reads it
             source = f.read()
-        main.__dict__.update(__file__=path, __cached__=None, __spec__=None, __package__=None,
-                             __loader__=SourceFileLoader("__main__", path))
-        exec(compile(source, path, "exec"), main.__dict__)  # noqa: S102  (`python SCRIPT`)
+        main.__dict__.update(
+            __file__=path,
+            __cached__=None,
+            __spec__=None,
+            __package__=None,
+            __loader__=SourceFileLoader("__main__", path),
+        )
+        exec(compile(source, path, "exec"), main.__dict__)  # `python SCRIPT`
     elif kind == "module":
         sys.argv = ["-m", *args]
         sys.path.insert(0, os.getcwd())
@@ -584,11 +688,12 @@ def _run_entry(entry: dict[str, Any]) -> None:
     else:
         sys.argv = ["-c", *args]
         sys.path.insert(0, "")
-        exec(compile(target, "<string>", "exec"), main.__dict__)  # noqa: S102  (`python -c`)
+        exec(compile(target, "<string>", "exec"), main.__dict__)  # `python -c`
 
 
-def _child_main(req: dict[str, Any], fds: list[int], own: list[int],
-                env_delta: dict[str, str | None]) -> None:
+def _child_main(
+    req: dict[str, Any], fds: list[int], own: list[int], env_delta: dict[str, str | None]
+) -> None:
     """The forked child: become the command, run it, exit as CPython would. Never returns."""
     code = UNCAUGHT_EXIT
     try:
@@ -620,7 +725,7 @@ def _child_main(req: dict[str, Any], fds: list[int], own: list[int],
         _stdio(bool(entry.get("unbuffered")) or bool(env.get("PYTHONUNBUFFERED")))
         _reseed()
         log.handlers.clear()  # the template's own log handler (main() adds it; root is untouched)
-    except BaseException:  # the child could not become the command: say so on its stderr
+    except BaseException:  # noqa: BLE001 (the child could not become the command: say so on its stderr)
         traceback.print_exc()
         os._exit(UNCAUGHT_EXIT)
     interrupted = False
@@ -632,7 +737,7 @@ def _child_main(req: dict[str, Any], fds: list[int], own: list[int],
     except KeyboardInterrupt as exc:
         _print_uncaught(exc)
         interrupted = True
-    except BaseException as exc:  # CPython prints the traceback and exits 1
+    except BaseException as exc:  # noqa: BLE001 (as CPython: print the traceback, exit 1)
         _print_uncaught(exc)
         code = UNCAUGHT_EXIT
     code = _finalize(code)
@@ -671,10 +776,14 @@ def main(argv: list[str] | None = None) -> int:
     listen, print one ready line (JSON) on stdout, serve until stopped."""
     p = argparse.ArgumentParser(prog="python -m wcache.template")
     p.add_argument("--socket-dir")
-    p.add_argument("--preload", action="append",
-                   help="a module to import (repeat; replaces the default list)")
-    p.add_argument("--no-platform-preload", action="store_true",
-                   help="do not import the platform's worker, model runner and attention backend")
+    p.add_argument(
+        "--preload", action="append", help="a module to import (repeat; replaces the default list)"
+    )
+    p.add_argument(
+        "--no-platform-preload",
+        action="store_true",
+        help="do not import the platform's worker, model runner and attention backend",
+    )
     args = p.parse_args(argv)
     # the template's own log on its stdout (template.log); the root logger is left as a
     # fresh interpreter has it, since children inherit it
@@ -683,8 +792,11 @@ def main(argv: list[str] | None = None) -> int:
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
-    tpl = Template(args.socket_dir, tuple(args.preload) if args.preload else None,
-                   platform_preload=not args.no_platform_preload)
+    tpl = Template(
+        args.socket_dir,
+        tuple(args.preload) if args.preload else None,
+        platform_preload=not args.no_platform_preload,
+    )
     try:
         tpl.lock()
         tpl.prepare()
@@ -696,14 +808,25 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"ok": False, "code": exc.code, "message": str(exc)}), flush=True)
         return 1
     st = tpl.status()
-    print(json.dumps({"ok": True, "ready": True, "pid": st["pid"], "socket": st["socket"],
-                      "import_s": st["import_s"], "modules": st["modules"],
-                      "threads": st["threads"], "rss_kib": st["rss_kib"],
-                      "skipped": st["skipped"]}), flush=True)
+    print(
+        json.dumps(
+            {
+                "ok": True,
+                "ready": True,
+                "pid": st["pid"],
+                "socket": st["socket"],
+                "import_s": st["import_s"],
+                "modules": st["modules"],
+                "threads": st["threads"],
+                "rss_kib": st["rss_kib"],
+                "skipped": st["skipped"],
+            }
+        ),
+        flush=True,
+    )
     try:
         tpl.serve_forever()
     finally:
         if tpl._listener is not None:
             tpl._close_listener()
     return 0
-

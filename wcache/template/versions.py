@@ -33,9 +33,16 @@ from typing import Any
 
 import wcache
 
-__all__ = ["IMPORT_TIME_ENV_PREFIXES", "IMPORT_TIME_ENV_NAMES", "KEYED_PACKAGES",
-           "import_time_env", "interpreter_identity", "package_stamp", "differences",
-           "is_import_time_var"]
+__all__ = [
+    "IMPORT_TIME_ENV_PREFIXES",
+    "IMPORT_TIME_ENV_NAMES",
+    "KEYED_PACKAGES",
+    "import_time_env",
+    "interpreter_identity",
+    "package_stamp",
+    "differences",
+    "is_import_time_var",
+]
 
 #: Packages whose install a template is keyed on: the versions the weight cache key
 #: names (wcache, vLLM, torch).
@@ -49,16 +56,37 @@ KEYED_PACKAGES = ("wcache", "vllm", "torch")
 #: modules), Hugging Face (``huggingface_hub.constants`` and transformers read
 #: offline flags and cache paths at import) and vLLM's logging (configured when
 #: ``vllm.logger`` is imported; vLLM's other ``VLLM_*`` variables are read lazily).
-IMPORT_TIME_ENV_PREFIXES = ("PYTHON", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO",
-                            "TORCH_", "TORCHINDUCTOR_", "PYTORCH_", "HF_", "HUGGINGFACE_",
-                            "TRANSFORMERS_", "VLLM_LOGGING_", "LD_")
+IMPORT_TIME_ENV_PREFIXES = (
+    "PYTHON",
+    "OMP_",
+    "GOMP_",
+    "KMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "GOTO",
+    "TORCH_",
+    "TORCHINDUCTOR_",
+    "PYTORCH_",
+    "HF_",
+    "HUGGINGFACE_",
+    "TRANSFORMERS_",
+    "VLLM_LOGGING_",
+    "LD_",
+)
 #: Single variables of the same kind: vLLM's logging switch, the locale (stdio and
 #: file-system encodings are fixed at interpreter start), the cache roots
 #: huggingface_hub derives its paths from at import, and the visible GPUs (vLLM
 #: caches device counts per value of this variable; keying on it keeps a template
 #: from answering for another device set).
-IMPORT_TIME_ENV_NAMES = ("VLLM_CONFIGURE_LOGGING", "LANG", "LC_ALL", "LC_CTYPE", "HOME",
-                         "XDG_CACHE_HOME", "CUDA_VISIBLE_DEVICES")
+IMPORT_TIME_ENV_NAMES = (
+    "VLLM_CONFIGURE_LOGGING",
+    "LANG",
+    "LC_ALL",
+    "LC_CTYPE",
+    "HOME",
+    "XDG_CACHE_HOME",
+    "CUDA_VISIBLE_DEVICES",
+)
 #: ``PYTHONUNBUFFERED`` is replayed in the child (its stdio is rebuilt), so it is
 #: not a reason to refuse a template.
 REPLAYED_ENV = frozenset({"PYTHONUNBUFFERED"})
@@ -89,8 +117,12 @@ def interpreter_identity(executable: str) -> dict[str, Any]:
     path = os.path.abspath(executable)
     binary = os.path.realpath(path)
     st = os.stat(binary)
-    return {"bin_dir": os.path.dirname(path), "binary": binary, "size": st.st_size,
-            "mtime_ns": st.st_mtime_ns}
+    return {
+        "bin_dir": os.path.dirname(path),
+        "binary": binary,
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+    }
 
 
 def _digest_record(path: str) -> str:
@@ -150,8 +182,9 @@ def own_wcache_stamp() -> dict[str, Any]:
     return package_stamp(os.path.dirname(os.path.abspath(wcache.__file__)), "wcache")
 
 
-def differences(recorded: Mapping[str, Any], current: Mapping[str, Any],
-                prefix: str = "") -> list[str]:
+def differences(
+    recorded: Mapping[str, Any], current: Mapping[str, Any], prefix: str = ""
+) -> list[str]:
     """Dotted names of the fields that differ between two nested mappings, sorted."""
     out = []
     for k in sorted(set(recorded) | set(current)):

@@ -29,8 +29,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CACHE_ENV_DIRS", "cache_env", "host_cache_dirs", "tree_state", "cache_states",
-           "cache_writes"]
+__all__ = [
+    "CACHE_ENV_DIRS",
+    "cache_env",
+    "host_cache_dirs",
+    "tree_state",
+    "cache_states",
+    "cache_writes",
+]
 
 #: Environment variable -> sub-directory of the root it is pointed at.
 CACHE_ENV_DIRS = {
@@ -72,10 +78,13 @@ def host_cache_dirs(environ: Mapping[str, str] | None = None) -> dict[str, Path]
         user = getpass.getuser()
     except (KeyError, OSError):
         user = "unknown"
-    return {"xdg_cache": Path(env.get("XDG_CACHE_HOME") or home / ".cache"),
-            "nv_default": home / ".nv", "triton_default": home / ".triton",
-            "inductor_default": Path(tempfile.gettempdir()) / f"torchinductor_{user}",
-            "vllm_config": home / ".config" / "vllm"}
+    return {
+        "xdg_cache": Path(env.get("XDG_CACHE_HOME") or home / ".cache"),
+        "nv_default": home / ".nv",
+        "triton_default": home / ".triton",
+        "inductor_default": Path(tempfile.gettempdir()) / f"torchinductor_{user}",
+        "vllm_config": home / ".config" / "vllm",
+    }
 
 
 def tree_state(base: Path) -> dict[str, int]:
@@ -103,8 +112,11 @@ def cache_states(dirs: Mapping[str, Path]) -> dict[str, dict[str, int]]:
 LARGEST_LISTED = 5
 
 
-def cache_writes(before: Mapping[str, Mapping[str, int]], after: Mapping[str, Mapping[str, int]],
-                 largest: int = LARGEST_LISTED) -> dict[str, dict[str, Any]]:
+def cache_writes(
+    before: Mapping[str, Mapping[str, int]],
+    after: Mapping[str, Mapping[str, int]],
+    largest: int = LARGEST_LISTED,
+) -> dict[str, dict[str, Any]]:
     """What appeared in each cache during a run, from :func:`cache_states` before and
     after: ``{name: {"files": new files, "bytes": their bytes, "changed": files whose
     size changed, "largest": [[path, bytes], ...]}}``, only for caches that changed.
@@ -117,7 +129,10 @@ def cache_writes(before: Mapping[str, Mapping[str, int]], after: Mapping[str, Ma
         new = {p: s for p, s in now.items() if p not in was}
         changed = sum(1 for p, s in now.items() if p in was and was[p] != s)
         if new or changed:
-            out[name] = {"files": len(new), "bytes": sum(new.values()), "changed": changed,
-                         "largest": [[p, s] for p, s in sorted(new.items(), key=lambda x: -x[1])
-                                     [:largest]]}
+            out[name] = {
+                "files": len(new),
+                "bytes": sum(new.values()),
+                "changed": changed,
+                "largest": [[p, s] for p, s in sorted(new.items(), key=lambda x: -x[1])[:largest]],
+            }
     return out

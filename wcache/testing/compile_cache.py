@@ -37,9 +37,20 @@ import attrs
 from wcache.errors import UnreadableArtifact
 from wcache.testing.caches import CACHE_ENV_DIRS
 
-__all__ = ["AOT_CACHE_DIR", "ARTIFACT_NAME", "CompileCacheEvents", "UnreadableArtifact",
-           "VLLM_OP_MODULES", "aot_artifacts", "compile_cache_events", "compiled_graphs",
-           "backend_cache_dirs", "graph_diff", "register_vllm_ops", "BACKEND_DIR_PLACEHOLDER"]
+__all__ = [
+    "AOT_CACHE_DIR",
+    "ARTIFACT_NAME",
+    "CompileCacheEvents",
+    "UnreadableArtifact",
+    "VLLM_OP_MODULES",
+    "aot_artifacts",
+    "compile_cache_events",
+    "compiled_graphs",
+    "backend_cache_dirs",
+    "graph_diff",
+    "register_vllm_ops",
+    "BACKEND_DIR_PLACEHOLDER",
+]
 
 #: Where vLLM keeps AOT-compiled functions under ``VLLM_CACHE_ROOT``.
 AOT_CACHE_DIR = ("torch_compile_cache", "torch_aot_compile")
@@ -76,10 +87,10 @@ _COMPILED_FN_NAME = re.compile(r"__compiled_fn_(\d+)_[0-9a-f_]{36}")
 #: has imported them all before it loads an artifact; a reader must do the same.
 #: Modules a release lacks are skipped (``vllm.ir`` is new in 0.33).
 VLLM_OP_MODULES = (
-    "vllm._custom_ops",                                   # torch.ops._C.* (CUDA kernels)
-    "vllm.ir",                                            # torch.ops.vllm_ir.* (0.33)
-    "vllm.kernels",                                       # the vllm_ir ops' implementations
-    "vllm.model_executor.models.llama",                   # linear, norm, rotary, attention ops
+    "vllm._custom_ops",  # torch.ops._C.* (CUDA kernels)
+    "vllm.ir",  # torch.ops.vllm_ir.* (0.33)
+    "vllm.kernels",  # the vllm_ir ops' implementations
+    "vllm.model_executor.models.llama",  # linear, norm, rotary, attention ops
     "vllm.model_executor.layers.quantization.utils.marlin_utils",
     "vllm.model_executor.layers.quantization.utils.w8a8_utils",
 )
@@ -113,8 +124,7 @@ class CompileCacheEvents:
     @property
     def hit(self) -> bool:
         """The engine took its compiled model from the cache and compiled nothing."""
-        return bool(self.loaded or self.graphs_loaded) and not self.saved \
-            and not self.load_failures
+        return bool(self.loaded or self.graphs_loaded) and not self.saved and not self.load_failures
 
     @property
     def compiled(self) -> bool:
@@ -124,8 +134,10 @@ class CompileCacheEvents:
 
 _LOADED = re.compile(r"Directly load AOT compilation from path (\S+)")
 _SAVED = re.compile(r"saved AOT compiled function to (\S+)")
-_LOAD_FAILURE = re.compile(r"Compiling model again due to a load failure from (\S+), "
-                           r"reason: (.*)$")
+_LOAD_FAILURE = re.compile(
+    r"Compiling model again due to a load failure from (\S+), "
+    r"reason: (.*)$"
+)
 _GRAPHS_LOADED = re.compile(r"Directly load the compiled graph\(s\) .*$")
 _COMPILE_S = re.compile(r"torch\.compile (?:took|takes) ([\d.]+) s in total")
 _CAPTURE_S = re.compile(r"Graph capturing finished in ([\d.]+) secs")
@@ -160,8 +172,14 @@ def compile_cache_events(log: str) -> CompileCacheEvents:
             compile_s.append(float(m.group(1)))
         if m := _CAPTURE_S.search(line):
             capture_s.append(float(m.group(1)))
-    return CompileCacheEvents(tuple(loaded), tuple(saved), tuple(failures), tuple(graphs),
-                              tuple(compile_s), tuple(capture_s))
+    return CompileCacheEvents(
+        tuple(loaded),
+        tuple(saved),
+        tuple(failures),
+        tuple(graphs),
+        tuple(compile_s),
+        tuple(capture_s),
+    )
 
 
 def _vllm_cache_root(cache_root: str | Path) -> Path:
@@ -221,19 +239,23 @@ def _graph_texts(compiled_fn_state: tuple[Any, bytes]) -> list[tuple[str, str]]:
         register_vllm_ops()
         state = pickle.loads(data)  # noqa: S301  (an artifact our engine wrote)
         try:
-            gm = owner.deserialize_graph_module(state["graph_module"],
-                                                FakeTensorMode(shape_env=ShapeEnv()))
+            gm = owner.deserialize_graph_module(
+                state["graph_module"], FakeTensorMode(shape_env=ShapeEnv())
+            )
         except AttributeError as exc:
             if "_OpNamespace" not in str(exc):  # not an unregistered op: a real error
                 raise
             raise UnreadableArtifact(
                 f"the split graph names a torch op no imported module registers ({exc}): "
                 "add the vLLM module that registers it to "
-                "wcache.testing.compile_cache.VLLM_OP_MODULES") from exc
+                "wcache.testing.compile_cache.VLLM_OP_MODULES"
+            ) from exc
         return [("graph module", gm.print_readable(print_output=False))]
-    raise UnreadableArtifact(f"AOT artifact with a compiled function of kind {kind!r}: "
-                             "compiled_graphs reads torch's bundled Inductor callable and "
-                             "vLLM's VllmSerializableFunction only")
+    raise UnreadableArtifact(
+        f"AOT artifact with a compiled function of kind {kind!r}: "
+        "compiled_graphs reads torch's bundled Inductor callable and "
+        "vLLM's VllmSerializableFunction only"
+    )
 
 
 def register_vllm_ops() -> tuple[str, ...]:
@@ -299,14 +321,20 @@ def compiled_graphs(cache_root: str | Path, *, provenance: bool = False) -> dict
     vllm/compilation/caching.py::VllmSerializableFunction.serialize_compile_artifacts.
     """
     vllm_root = _vllm_cache_root(cache_root)
-    roots = tuple(sorted({str(Path(cache_root).resolve()), str(Path(cache_root)),
-                          str(vllm_root)}, key=len, reverse=True))
+    roots = tuple(
+        sorted(
+            {str(Path(cache_root).resolve()), str(Path(cache_root)), str(vllm_root)},
+            key=len,
+            reverse=True,
+        )
+    )
     out = {}
     for key, path in aot_artifacts(cache_root).items():
         state = _StateUnpickler(io.BytesIO(path.read_bytes())).load()
         parts = _graph_texts(state["compiled_fn"])
-        out[key] = "\n".join(f"# ---- {title}\n{_normalize(text, roots, provenance)}"
-                             for title, text in parts)
+        out[key] = "\n".join(
+            f"# ---- {title}\n{_normalize(text, roots, provenance)}" for title, text in parts
+        )
     base = vllm_root / AOT_CACHE_DIR[0]
     graphs = sorted(base.glob(f"*/rank_*/*/{COMPUTATION_GRAPH}")) if base.is_dir() else []
     one_dir = len({p.relative_to(base).parts[0] for p in graphs}) == 1
@@ -334,8 +362,13 @@ def backend_cache_dirs(cache_root: str | Path) -> list[str]:
     return sorted(p.name for p in base.iterdir() if p.is_dir() and p.name != AOT_CACHE_DIR[1])
 
 
-def graph_diff(a: dict[str, str], b: dict[str, str], names: tuple[str, str] = ("a", "b"),
-               context: int = 3, max_lines: int = 200) -> str:
+def graph_diff(
+    a: dict[str, str],
+    b: dict[str, str],
+    names: tuple[str, str] = ("a", "b"),
+    context: int = 3,
+    max_lines: int = 200,
+) -> str:
     """A unified diff of two :func:`compiled_graphs` results ("" when equal).
 
     Args:
@@ -351,7 +384,12 @@ def graph_diff(a: dict[str, str], b: dict[str, str], names: tuple[str, str] = ("
     if sorted(a) != sorted(b):
         lines.append(f"artifacts differ: {names[0]}={sorted(a)} {names[1]}={sorted(b)}")
     for key in sorted(set(a) & set(b)):
-        lines += difflib.unified_diff(a[key].splitlines(), b[key].splitlines(),
-                                      f"{names[0]}/{key}", f"{names[1]}/{key}",
-                                      n=context, lineterm="")
+        lines += difflib.unified_diff(
+            a[key].splitlines(),
+            b[key].splitlines(),
+            f"{names[0]}/{key}",
+            f"{names[1]}/{key}",
+            n=context,
+            lineterm="",
+        )
     return "\n".join(lines[:max_lines])

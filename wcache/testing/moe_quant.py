@@ -34,9 +34,19 @@ from wcache.errors import FixtureError
 from wcache.stages.packing import pack_int32, unpack_int32
 from wcache.testing import fixtures as fx
 
-__all__ = ["GPTQ_V1_ZERO_OFFSET", "MXFP4_BLOCK", "E2M1_EMAX", "gptq_quantize",
-           "ct_w4a16_scheme", "ct_w4a16_compress", "mxfp4_quantize", "gpt_oss_mxfp4_pack",
-           "e2m1_decode", "dequantize_expert", "act_order_permutation"]
+__all__ = [
+    "GPTQ_V1_ZERO_OFFSET",
+    "MXFP4_BLOCK",
+    "E2M1_EMAX",
+    "gptq_quantize",
+    "ct_w4a16_scheme",
+    "ct_w4a16_compress",
+    "mxfp4_quantize",
+    "gpt_oss_mxfp4_pack",
+    "e2m1_decode",
+    "dequantize_expert",
+    "act_order_permutation",
+]
 
 INT4_BITS = fx.INT4_BITS
 #: GPTQ v1 stores ``zero - 1`` in ``qzeros`` (AutoGPTQ's historical off-by-one); vLLM's
@@ -56,13 +66,17 @@ GPT_OSS_BLOCK_BYTES = MXFP4_BLOCK // 2
 
 def _check(weight: torch.Tensor, multiple: int, what: str) -> tuple[int, int]:
     if weight.ndim != 2 or not weight.is_floating_point():
-        raise FixtureError(f"{what}: expected a 2-D float [size_n, size_k] weight, got "
-                           f"{tuple(weight.shape)} {weight.dtype}; pass one expert projection")
+        raise FixtureError(
+            f"{what}: expected a 2-D float [size_n, size_k] weight, got "
+            f"{tuple(weight.shape)} {weight.dtype}; pass one expert projection"
+        )
     size_n, size_k = weight.shape
     if size_k % multiple or size_n % fx.INT4_PACK_FACTOR:
-        raise FixtureError(f"{what}: weight {tuple(weight.shape)} needs size_k a multiple of "
-                           f"{multiple} and size_n of {fx.INT4_PACK_FACTOR}; choose a group "
-                           "size that divides both the hidden and the expert width")
+        raise FixtureError(
+            f"{what}: weight {tuple(weight.shape)} needs size_k a multiple of "
+            f"{multiple} and size_n of {fx.INT4_PACK_FACTOR}; choose a group "
+            "size that divides both the hidden and the expert width"
+        )
     return size_n, size_k
 
 
@@ -81,8 +95,9 @@ def act_order_permutation(weight: torch.Tensor) -> torch.Tensor:
     return torch.sort(-energy, stable=True).indices
 
 
-def gptq_quantize(weight: torch.Tensor, group_size: int, *, sym: bool = True,
-                  act_order: bool = False) -> dict[str, torch.Tensor]:
+def gptq_quantize(
+    weight: torch.Tensor, group_size: int, *, sym: bool = True, act_order: bool = False
+) -> dict[str, torch.Tensor]:
     """GPTQ v1 int4 tensors for one projection: round-to-nearest, min-max.
 
     Groups: without act order, input ``k`` is in group ``k // G``; with act order the
@@ -121,17 +136,16 @@ def gptq_quantize(weight: torch.Tensor, group_size: int, *, sym: bool = True,
     g_idx = torch.empty(size_k, dtype=torch.int64)
     g_idx[perm] = torch.arange(size_k) // group_size
     grouped = w[:, perm].reshape(size_n, size_k // group_size, group_size)
-    w_min, w_max = grouped.amin(dim=-1).t(), grouped.amax(dim=-1).t()     # [K/G, N]
+    w_min, w_max = grouped.amin(dim=-1).t(), grouped.amax(dim=-1).t()  # [K/G, N]
     if sym:
         scales = torch.maximum(w_max / fx.UINT4B8_MAX, w_min / fx.UINT4B8_MIN)
         scales = torch.where(scales == 0, torch.ones_like(scales), scales)
         zeros = torch.full_like(scales, fx.UINT4B8_BIAS, dtype=torch.int32)
     else:
         scales = (w_max - w_min).clamp(min=fx.AWQ_SCALE_MIN) / fx.UINT4_MAX
-        zeros = torch.round(-w_min / scales).clamp(GPTQ_ASYM_ZERO_MIN, fx.UINT4_MAX) \
-            .to(torch.int32)
+        zeros = torch.round(-w_min / scales).clamp(GPTQ_ASYM_ZERO_MIN, fx.UINT4_MAX).to(torch.int32)
     scales = scales.to(torch.float16).to(torch.float32)  # quantize against what is stored
-    s_k, z_k = scales[g_idx], zeros[g_idx]                               # [K, N]
+    s_k, z_k = scales[g_idx], zeros[g_idx]  # [K, N]
     q = (torch.round(w.t() / s_k).to(torch.int32) + z_k).clamp(0, fx.UINT4_MAX)
     return {
         "qweight": pack_int32(q, INT4_BITS, 0).contiguous(),
@@ -148,13 +162,21 @@ def ct_w4a16_scheme(group_size: int) -> object:
     Source: compressed-tensors ``quant_scheme.W4A16`` preset.
     """
     from compressed_tensors.quantization import (  # noqa: PLC0415
-        QuantizationArgs, QuantizationScheme, QuantizationStrategy, QuantizationType)
+        QuantizationArgs,
+        QuantizationScheme,
+        QuantizationStrategy,
+        QuantizationType,
+    )
 
     grouped = group_size > 0
-    args = QuantizationArgs(num_bits=INT4_BITS, type=QuantizationType.INT, symmetric=True,
-                            strategy=QuantizationStrategy.GROUP if grouped
-                            else QuantizationStrategy.CHANNEL,
-                            group_size=group_size if grouped else None, dynamic=False)
+    args = QuantizationArgs(
+        num_bits=INT4_BITS,
+        type=QuantizationType.INT,
+        symmetric=True,
+        strategy=QuantizationStrategy.GROUP if grouped else QuantizationStrategy.CHANNEL,
+        group_size=group_size if grouped else None,
+        dynamic=False,
+    )
     return QuantizationScheme(targets=["Linear"], weights=args)
 
 
@@ -187,14 +209,17 @@ def ct_w4a16_compress(weight: torch.Tensor, group_size: int) -> dict[str, torch.
     scheme = ct_w4a16_scheme(group_size)
     if group_size > 0:
         grouped = weight.unflatten(-1, (weight.shape[-1] // group_size, group_size))
-        scale, zp = calculate_qparams(grouped.amin(dim=-1), grouped.amax(dim=-1),
-                                      scheme.weights)
+        scale, zp = calculate_qparams(grouped.amin(dim=-1), grouped.amax(dim=-1), scheme.weights)
     else:
-        scale, zp = calculate_qparams(weight.amin(dim=-1, keepdim=True),
-                                      weight.amax(dim=-1, keepdim=True), scheme.weights)
-    return dict(PackedQuantizationCompressor.compress(
-        {"weight": weight.to(torch.float32), "weight_scale": scale,
-         "weight_zero_point": zp}, scheme))
+        scale, zp = calculate_qparams(
+            weight.amin(dim=-1, keepdim=True), weight.amax(dim=-1, keepdim=True), scheme.weights
+        )
+    return dict(
+        PackedQuantizationCompressor.compress(
+            {"weight": weight.to(torch.float32), "weight_scale": scale, "weight_zero_point": zp},
+            scheme,
+        )
+    )
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
@@ -237,11 +262,12 @@ def mxfp4_quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     blocks = w.reshape(w.shape[0], -1, MXFP4_BLOCK)
     amax = blocks.abs().amax(dim=-1).clamp(min=torch.finfo(torch.float32).tiny)
     exponent = (torch.floor(torch.log2(amax)) - E2M1_EMAX).clamp(-fx.E8M0_BIAS, fx.E8M0_BIAS)
-    scaled = (blocks / torch.exp2(exponent).unsqueeze(-1)).clamp(-fx.FP4_E2M1_MAX,
-                                                                 fx.FP4_E2M1_MAX)
+    scaled = (blocks / torch.exp2(exponent).unsqueeze(-1)).clamp(-fx.FP4_E2M1_MAX, fx.FP4_E2M1_MAX)
     codes = fx._fp4_codes(scaled).reshape(w.shape[0], -1)
-    return {"weight": (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(),
-            "weight_scale": (exponent + fx.E8M0_BIAS).to(torch.uint8)}
+    return {
+        "weight": (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(),
+        "weight_scale": (exponent + fx.E8M0_BIAS).to(torch.uint8),
+    }
 
 
 def gpt_oss_mxfp4_pack(weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -264,13 +290,18 @@ def gpt_oss_mxfp4_pack(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     ``GptOssModel._load_weights_mxfp4`` (views blocks as ``[E, N, K / 2]``).
     """
     if weight.ndim != 3:
-        raise FixtureError(f"gpt_oss_mxfp4_pack: expected [E, N, K], got "
-                           f"{tuple(weight.shape)}; pass the stacked experts")
+        raise FixtureError(
+            f"gpt_oss_mxfp4_pack: expected [E, N, K], got "
+            f"{tuple(weight.shape)}; pass the stacked experts"
+        )
     parts = [mxfp4_quantize(w) for w in weight.unbind(0)]
     e, n, k = weight.shape
-    return {"blocks": torch.stack([p["weight"] for p in parts]).reshape(
-                e, n, k // MXFP4_BLOCK, GPT_OSS_BLOCK_BYTES),
-            "scales": torch.stack([p["weight_scale"] for p in parts])}
+    return {
+        "blocks": torch.stack([p["weight"] for p in parts]).reshape(
+            e, n, k // MXFP4_BLOCK, GPT_OSS_BLOCK_BYTES
+        ),
+        "scales": torch.stack([p["weight_scale"] for p in parts]),
+    }
 
 
 def dequantize_expert(tensors: Mapping[str, torch.Tensor], fmt: str) -> torch.Tensor:
@@ -291,7 +322,7 @@ def dequantize_expert(tensors: Mapping[str, torch.Tensor], fmt: str) -> torch.Te
     if fmt == "awq":
         return fx.dequantize_linear(tensors, "awq")
     if fmt == "gptq":
-        q = unpack_int32(tensors["qweight"], INT4_BITS, 0)                   # [K, N]
+        q = unpack_int32(tensors["qweight"], INT4_BITS, 0)  # [K, N]
         z = unpack_int32(tensors["qzeros"], INT4_BITS, 1) + GPTQ_V1_ZERO_OFFSET
         g = tensors["g_idx"].long()
         return ((q - z[g]) * tensors["scales"].to(torch.float32)[g]).t().contiguous()
@@ -301,16 +332,19 @@ def dequantize_expert(tensors: Mapping[str, torch.Tensor], fmt: str) -> torch.Te
         n, k = (int(v) for v in tensors["weight_shape"])
         group = k // tensors["weight_scale"].shape[1]
         scheme = ct_w4a16_scheme(group if tensors["weight_scale"].shape[1] > 1 else -1)
-        return PackedQuantizationCompressor.decompress(dict(tensors), scheme)["weight"] \
-            .to(torch.float32)
+        return PackedQuantizationCompressor.decompress(dict(tensors), scheme)["weight"].to(
+            torch.float32
+        )
     if fmt == "nvfp4":
         values = _unpack_fp4(tensors["weight"])
         scale = tensors["weight_scale"].to(torch.float32).repeat_interleave(fx.NVFP4_BLOCK, 1)
         return values * scale * tensors["weight_scale_2"].to(torch.float32)
     if fmt in ("mxfp4", "mxfp8"):
-        values = (_unpack_fp4(tensors["weight"]) if fmt == "mxfp4"
-                  else tensors["weight"].to(torch.float32))
+        values = (
+            _unpack_fp4(tensors["weight"])
+            if fmt == "mxfp4"
+            else tensors["weight"].to(torch.float32)
+        )
         exponent = tensors["weight_scale"].to(torch.float32) - fx.E8M0_BIAS
         return values * torch.exp2(exponent).repeat_interleave(MXFP4_BLOCK, 1)
-    raise FixtureError(f"cannot dequantize {fmt!r}; use awq, gptq, ct_w4a16, nvfp4, mxfp4 "
-                       "or mxfp8")
+    raise FixtureError(f"cannot dequantize {fmt!r}; use awq, gptq, ct_w4a16, nvfp4, mxfp4 or mxfp8")

@@ -26,18 +26,34 @@ class UncheckedPlan(Plan):
         """Skip :func:`wcache.core.checks.plan_problems` (tests of the run-time checks only)."""
 
 
-def unregistered_stage(name: str, tag: Tag, *, reads: Iterable[str] = (),
-                       writes: Iterable[str] = (), attrs: Iterable[str] = (),
-                       optional: Iterable[str] = (), drops: Iterable[str] = (),
-                       version: int = 1, source: str = "test"
-                       ) -> Callable[[StageFn], Stage]:
+def unregistered_stage(
+    name: str,
+    tag: Tag,
+    *,
+    reads: Iterable[str] = (),
+    writes: Iterable[str] = (),
+    attrs: Iterable[str] = (),
+    optional: Iterable[str] = (),
+    drops: Iterable[str] = (),
+    version: int = 1,
+    source: str = "test",
+) -> Callable[[StageFn], Stage]:
     """Like :func:`wcache.core.stage`, without the registry and the name/tag checks:
     a test may rebind a real stage's name to a broken function, or give a stage a
     bad tag or name to prove the plan rules reject it."""
 
     def wrap(fn: StageFn) -> Stage:
-        return Stage(name=name, tag=tag, fn=fn, reads=tuple(reads), writes=tuple(writes),
-                     attrs=tuple(attrs), optional=frozenset(optional), drops=tuple(drops),
-                     version=version, source=source)
+        return Stage(
+            name=name,
+            tag=tag,
+            fn=fn,
+            reads=tuple(reads),
+            writes=tuple(writes),
+            attrs=tuple(attrs),
+            optional=frozenset(optional),
+            drops=tuple(drops),
+            version=version,
+            source=source,
+        )
 
     return wrap

@@ -40,7 +40,7 @@ def synthetic_tensors(seed: int = 0, n: int = 6, numel: int = 4096) -> dict[str,
     out = {
         "w0": base.to(torch.bfloat16),
         "w0_t": base.t(),  # non-contiguous view of `base`'s storage
-        "q": torch.randint(-2**31, 2**31 - 1, (numel // 8,), generator=g, dtype=torch.int32),
+        "q": torch.randint(-(2**31), 2**31 - 1, (numel // 8,), generator=g, dtype=torch.int32),
         "q_slice": torch.arange(1000, dtype=torch.int16)[3::7],
         "scale": torch.tensor(0.125, dtype=torch.float32),
         "empty": torch.empty(0, 3, dtype=torch.float16),
@@ -54,13 +54,19 @@ def synthetic_tensors(seed: int = 0, n: int = 6, numel: int = 4096) -> dict[str,
 def synthetic_export(seed: int = 0, n: int = 6, numel: int = 4096) -> Export:
     tensors = synthetic_tensors(seed, n, numel)
     kinds = {k: ("buffer" if k in ("scale", "q_slice") else "param") for k in tensors}
-    return Export(tensors, kinds, aliases={"lm_head.weight": "w0", "rope.cache": "scale"},
-                  layers={"layer0": {"plan_id": "unquantized", "plan_version": 1, "recorded": {"x": 1}}},
-                  extra={"seed": seed}, nonpersistent={"q_slice"})
+    return Export(
+        tensors,
+        kinds,
+        aliases={"lm_head.weight": "w0", "rope.cache": "scale"},
+        layers={"layer0": {"plan_id": "unquantized", "plan_version": 1, "recorded": {"x": 1}}},
+        extra={"seed": seed},
+        nonpersistent={"q_slice"},
+    )
 
 
-def assert_serves_export(key: CacheKey, sock_dir: str, device_id: str,
-                         export: Export | None = None) -> None:
+def assert_serves_export(
+    key: CacheKey, sock_dir: str, device_id: str, export: Export | None = None
+) -> None:
     """Attach to the daemon of ``device_id`` and assert it serves ``export`` (default:
     :func:`synthetic_export`) bit for bit: values, strides, dtypes, the alias, the
     extra and the recorded values."""
@@ -73,12 +79,36 @@ def assert_serves_export(key: CacheKey, sock_dir: str, device_id: str,
         assert {"seed": 0} == att.extra and {"x": 1} == att.layers["layer0"]["recorded"]
 
 
-def start_daemon(socket_dir: str, device_id: str = "cpu", *, seed: int = 0, n: int = 6, numel: int = 4096,
-                 key: dict | None = None, extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
+def start_daemon(
+    socket_dir: str,
+    device_id: str = "cpu",
+    *,
+    seed: int = 0,
+    n: int = 6,
+    numel: int = 4096,
+    key: dict | None = None,
+    extra_args: tuple[str, ...] = (),
+) -> subprocess.Popen:
     """Start a daemon subprocess and wait for its ready line."""
-    cmd = [sys.executable, "-m", "wcache.testing.store", "serve", "--socket-dir", socket_dir,
-           "--device-id", device_id, "--seed", str(seed), "--n", str(n), "--numel", str(numel),
-           "--key", json.dumps(key or BASE_KEY), *extra_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "wcache.testing.store",
+        "serve",
+        "--socket-dir",
+        socket_dir,
+        "--device-id",
+        device_id,
+        "--seed",
+        str(seed),
+        "--n",
+        str(n),
+        "--numel",
+        str(numel),
+        "--key",
+        json.dumps(key or BASE_KEY),
+        *extra_args,
+    ]
     log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (kept on proc: a pipe could fill up and block a chatty daemon)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
     proc.log = log
@@ -166,14 +196,15 @@ def fault_seeding(chunk_bytes: int | None = None, stall_after: int | None = None
 
 def _ready_line(server: Any) -> str:
     """The line a daemon of this module prints once it serves (:func:`start_daemon` waits for it)."""
-    return (f"wcache-store ready key={server.key.digest} bytes={server.nbytes} "
-            f"socket={server.socket_path} pid={os.getpid()} transport={server.transport}")
+    return (
+        f"wcache-store ready key={server.key.digest} bytes={server.nbytes} "
+        f"socket={server.socket_path} pid={os.getpid()} transport={server.transport}"
+    )
 
 
 def _receive_main(argv: list[str]) -> None:
     """``seed-receive``: a daemon filled from ``--seed-from`` (wcache.store.seed), with
     the seeding faults of :func:`fault_seeding`; prints the ready line and serves."""
-
 
     p = argparse.ArgumentParser()
     p.add_argument("--socket-dir", required=True)
@@ -185,8 +216,9 @@ def _receive_main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     fault_seeding(stall_after=a.seed_stall_after)
     key = CacheKey(json.loads(a.key))
-    server = DaemonServer(seed_arena(a.seed_from, key), key, socket_dir=a.socket_dir,
-                          device_id=a.device_id)
+    server = DaemonServer(
+        seed_arena(a.seed_from, key), key, socket_dir=a.socket_dir, device_id=a.device_id
+    )
     signal.signal(signal.SIGTERM, lambda *_: server.request_shutdown())
     server.start()
     print(_ready_line(server), flush=True)
@@ -195,7 +227,6 @@ def _receive_main(argv: list[str]) -> None:
 
 
 def _serve_main(argv: list[str]) -> None:
-
 
     p = argparse.ArgumentParser()
     p.add_argument("--socket-dir", required=True)
@@ -207,33 +238,58 @@ def _serve_main(argv: list[str]) -> None:
     p.add_argument("--key", default=json.dumps(BASE_KEY))
     p.add_argument("--transport", default=None, help="CUDA: cuda_vmm or cuda_ipc (default: best)")
     p.add_argument("--seed-source", action="store_true", help="answer `seed` (wcache.store.seed)")
-    p.add_argument("--seed-listen", help="HOST:PORT: also answer `seed` over TCP (needs --seed-source)")
+    p.add_argument(
+        "--seed-listen", help="HOST:PORT: also answer `seed` over TCP (needs --seed-source)"
+    )
     p.add_argument("--seed-secret-file", help="the shared secret for --seed-listen")
-    p.add_argument("--seed-chunk-bytes", type=int, default=None,
-                   help="with --seed-source: seed in chunks of this many bytes (fault_seeding)")
-    p.add_argument("--seed-stall-after", type=int, default=None,
-                   help="with --seed-source: stall each seeding after this many broadcasts")
-    p.add_argument("--lean", action="store_true",
-                   help="after the ready line, hand off to the torch-free server (wcache.store.lean)")
-    p.add_argument("--artifacts", help="with --lean: serve the start-up artifact bundle in this "
-                                       "directory (wcache.store.artifacts.write_bundle's files)")
+    p.add_argument(
+        "--seed-chunk-bytes",
+        type=int,
+        default=None,
+        help="with --seed-source: seed in chunks of this many bytes (fault_seeding)",
+    )
+    p.add_argument(
+        "--seed-stall-after",
+        type=int,
+        default=None,
+        help="with --seed-source: stall each seeding after this many broadcasts",
+    )
+    p.add_argument(
+        "--lean",
+        action="store_true",
+        help="after the ready line, hand off to the torch-free server (wcache.store.lean)",
+    )
+    p.add_argument(
+        "--artifacts",
+        help="with --lean: serve the start-up artifact bundle in this "
+        "directory (wcache.store.artifacts.write_bundle's files)",
+    )
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     if a.seed_chunk_bytes or a.seed_stall_after is not None:
         fault_seeding(a.seed_chunk_bytes, a.seed_stall_after)
     export = synthetic_export(a.seed, a.n, a.numel)
     if a.device != "cpu":
-        export = Export({k: v.to(a.device) for k, v in export.tensors.items()}, export.kinds, export.aliases,
-                        export.layers, export.extra, export.nonpersistent)
+        export = Export(
+            {k: v.to(a.device) for k, v in export.tensors.items()},
+            export.kinds,
+            export.aliases,
+            export.layers,
+            export.extra,
+            export.nonpersistent,
+        )
     kw = {"transport": a.transport} if a.transport else {}
     if a.lean:  # as `wcache serve` does on CPU once ready
-
-
-        server = DaemonServer(export, CacheKey(json.loads(a.key)), socket_dir=a.socket_dir,
-                              device=a.device, device_id=a.device_id, **kw)
+        server = DaemonServer(
+            export,
+            CacheKey(json.loads(a.key)),
+            socket_dir=a.socket_dir,
+            device=a.device,
+            device_id=a.device_id,
+            **kw,
+        )
         signal.signal(signal.SIGTERM, lambda *_: server.request_shutdown())
         if a.artifacts:
-
             server.artifacts, server.artifacts_state = read_bundle(a.artifacts), "snapshot"
         server.start()
         print(_ready_line(server), flush=True)
@@ -241,13 +297,18 @@ def _serve_main(argv: list[str]) -> None:
         server.serve_forever()
         raise SystemExit(server.exit_code)
     if a.seed_source:  # also answer `seed` (wcache.store.seed), as `wcache serve` does
-
-
-
-        server = DaemonServer(export, CacheKey(json.loads(a.key)), socket_dir=a.socket_dir,
-                              device=a.device, device_id=a.device_id, **kw)
+        server = DaemonServer(
+            export,
+            CacheKey(json.loads(a.key)),
+            socket_dir=a.socket_dir,
+            device=a.device,
+            device_id=a.device_id,
+            **kw,
+        )
         listen = parse_host_port(a.seed_listen) if a.seed_listen else None
-        server.seed_source = SeedSource(server) if listen is None else SeedSource(server, host=listen[0])
+        server.seed_source = (
+            SeedSource(server) if listen is None else SeedSource(server, host=listen[0])
+        )
         signal.signal(signal.SIGTERM, lambda *_: server.request_shutdown())
         server.start()
         tail = ""
@@ -257,8 +318,16 @@ def _serve_main(argv: list[str]) -> None:
         print(_ready_line(server) + tail, flush=True)
         server.serve_forever()
         raise SystemExit(server.exit_code)
-    raise SystemExit(serve(export, CacheKey(json.loads(a.key)), socket_dir=a.socket_dir, device=a.device,
-                           device_id=a.device_id, **kw))
+    raise SystemExit(
+        serve(
+            export,
+            CacheKey(json.loads(a.key)),
+            socket_dir=a.socket_dir,
+            device=a.device,
+            device_id=a.device_id,
+            **kw,
+        )
+    )
 
 
 if __name__ == "__main__":
@@ -267,4 +336,6 @@ if __name__ == "__main__":
     elif sys.argv[1:2] == ["seed-receive"]:
         _receive_main(sys.argv[2:])
     else:
-        raise SystemExit("usage: python -m wcache.testing.store serve|seed-receive --socket-dir DIR [...]")
+        raise SystemExit(
+            "usage: python -m wcache.testing.store serve|seed-receive --socket-dir DIR [...]"
+        )

@@ -24,9 +24,15 @@ from wcache.testing import fixtures as fx
 
 TINY_VERSION = 1
 TINY_CONFIG = {
-    "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
-    "tie_word_embeddings": True, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": True,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
 }
 #: Standard deviation of the random weights: small enough that 2 layers keep
 #: activations in bf16's comfortable range, large enough to make logits differ.
@@ -53,8 +59,12 @@ def _write_bf16(tmp: Path, smollm: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM  # noqa: PLC0415 (transformers import ~1 s: only when called)
 
     base = json.loads((smollm / fx.CONFIG_FILE).read_text())
-    config = LlamaConfig(vocab_size=base["vocab_size"], bos_token_id=base.get("bos_token_id"),
-                         eos_token_id=base.get("eos_token_id"), **TINY_CONFIG)
+    config = LlamaConfig(
+        vocab_size=base["vocab_size"],
+        bos_token_id=base.get("bos_token_id"),
+        eos_token_id=base.get("eos_token_id"),
+        **TINY_CONFIG,
+    )
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config)
     with torch.no_grad():

@@ -48,8 +48,17 @@ import torch
 from wcache.errors import FixtureError
 from wcache.testing import fixtures as fx
 
-__all__ = ["Arch", "ARCHS", "FAMILIES", "TINY_MODELS_VERSION", "arch", "config_kwargs",
-           "build_arch", "arch_path", "tokenizer_dir"]
+__all__ = [
+    "Arch",
+    "ARCHS",
+    "FAMILIES",
+    "TINY_MODELS_VERSION",
+    "arch",
+    "config_kwargs",
+    "build_arch",
+    "arch_path",
+    "tokenizer_dir",
+]
 
 #: Bump whenever any architecture's bytes change; stale builds are rebuilt.
 TINY_MODELS_VERSION = 1
@@ -111,129 +120,374 @@ class Arch:
         return {k: v for k, v in self.config}
 
 
-def _arch(name: str, model_type: str, vllm_arch: str, family: str, config: Mapping[str, Any],
-          backend: str = "native", note: str = "") -> Arch:
+def _arch(
+    name: str,
+    model_type: str,
+    vllm_arch: str,
+    family: str,
+    config: Mapping[str, Any],
+    backend: str = "native",
+    note: str = "",
+) -> Arch:
     return Arch(name, model_type, vllm_arch, family, tuple(sorted(config.items())), backend, note)
 
 
 def _dense(heads: int = 2, kv_heads: int = 1, **extra: Any) -> dict[str, Any]:
     """Llama-style shape keys: 2 layers, hidden 128 (heads x 64), GQA 2:1."""
-    return {"hidden_size": heads * HEAD_DIM, "intermediate_size": INTERMEDIATE,
-            "num_hidden_layers": NUM_LAYERS, "num_attention_heads": heads,
-            "num_key_value_heads": kv_heads, "max_position_embeddings": MAX_POSITIONS,
-            **extra}
+    return {
+        "hidden_size": heads * HEAD_DIM,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": MAX_POSITIONS,
+        **extra,
+    }
 
 
 def _mha(**extra: Any) -> dict[str, Any]:
     """GPT-2-style shape keys (no GQA, no separate intermediate key)."""
-    return {"hidden_size": HIDDEN, "num_hidden_layers": NUM_LAYERS,
-            "num_attention_heads": HIDDEN // HEAD_DIM, **extra}
+    return {
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": HIDDEN // HEAD_DIM,
+        **extra,
+    }
 
 
-_MOE_QWEN = {"moe_intermediate_size": MOE_INTERMEDIATE_PADDED, "num_experts": 6,
-             "num_experts_per_tok": 2, "norm_topk_prob": True}
-_MLA = {"kv_lora_rank": 128, "q_lora_rank": None, "qk_nope_head_dim": HEAD_DIM,
-        "qk_rope_head_dim": HEAD_DIM, "v_head_dim": HEAD_DIM, "n_routed_experts": 6,
-        "n_shared_experts": 1, "num_experts_per_tok": 2,
-        "moe_intermediate_size": MOE_INTERMEDIATE_PADDED, "first_k_dense_replace": 1,
-        "n_group": 1, "topk_group": 1, "rope_scaling": None}
+_MOE_QWEN = {
+    "moe_intermediate_size": MOE_INTERMEDIATE_PADDED,
+    "num_experts": 6,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+}
+_MLA = {
+    "kv_lora_rank": 128,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": HEAD_DIM,
+    "qk_rope_head_dim": HEAD_DIM,
+    "v_head_dim": HEAD_DIM,
+    "n_routed_experts": 6,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": MOE_INTERMEDIATE_PADDED,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "rope_scaling": None,
+}
 
 _ENTRIES = (
     # ---- dense, vLLM-native
     _arch("llama", "llama", "LlamaForCausalLM", "dense", _dense(tie_word_embeddings=True)),
     _arch("mistral", "mistral", "MistralForCausalLM", "dense", _dense(sliding_window=None)),
     _arch("qwen2", "qwen2", "Qwen2ForCausalLM", "dense", _dense(), note="q/k/v bias"),
-    _arch("qwen3", "qwen3", "Qwen3ForCausalLM", "dense", _dense(head_dim=HEAD_DIM),
-          note="q/k norms"),
-    _arch("gemma", "gemma", "GemmaForCausalLM", "dense", _dense(head_dim=HEAD_DIM),
-          note="(1 + w) RMSNorm, scaled embedding"),
-    _arch("gemma2", "gemma2", "Gemma2ForCausalLM", "dense",
-          _dense(head_dim=HEAD_DIM, sliding_window=256, query_pre_attn_scalar=HEAD_DIM),
-          note="logit soft-capping, sliding window, 4 norms a layer"),
-    _arch("gemma3_text", "gemma3_text", "Gemma3ForCausalLM", "dense",
-          _dense(head_dim=HEAD_DIM, sliding_window=256, query_pre_attn_scalar=HEAD_DIM),
-          note="q/k norms, local/global rope"),
-    _arch("phi3", "phi3", "Phi3ForCausalLM", "dense", _dense(heads=2, kv_heads=2),
-          note="fused qkv_proj and gate_up_proj in the checkpoint"),
-    _arch("granite", "granite", "GraniteForCausalLM", "dense", _dense(),
-          note="residual/embedding/logit multipliers"),
-    _arch("cohere", "cohere", "CohereForCausalLM", "dense", _dense(),
-          note="LayerNorm without bias, parallel attention+MLP, logit scale"),
-    _arch("cohere2", "cohere2", "Cohere2ForCausalLM", "dense",
-          _dense(head_dim=HEAD_DIM, sliding_window=256), note="sliding window layers"),
-    _arch("glm4", "glm4", "Glm4ForCausalLM", "dense", _dense(head_dim=HEAD_DIM),
-          note="4 norms a layer, partial rotary"),
-    _arch("stablelm", "stablelm", "StableLmForCausalLM", "dense", _dense(heads=2, kv_heads=2),
-          note="LayerNorm, partial rotary"),
-    _arch("gpt2", "gpt2", "GPT2LMHeadModel", "dense",
-          _mha(n_positions=MAX_POSITIONS, n_inner=INTERMEDIATE),
-          note="Conv1D weights (transposed), learned positions"),
-    _arch("gptj", "gptj", "GPTJForCausalLM", "dense",
-          _mha(n_positions=MAX_POSITIONS, n_inner=INTERMEDIATE, rotary_dim=32,
-               tie_word_embeddings=False), note="parallel block, lm_head bias"),
-    _arch("bloom", "bloom", "BloomForCausalLM", "dense", {
-        "hidden_size": HIDDEN, "n_layer": NUM_LAYERS, "n_head": HIDDEN // HEAD_DIM},
-          note="ALiBi, embedding LayerNorm"),
-    _arch("opt", "opt", "OPTForCausalLM", "dense", {
-        "hidden_size": HIDDEN, "ffn_dim": INTERMEDIATE, "num_hidden_layers": NUM_LAYERS,
-        "num_attention_heads": HIDDEN // HEAD_DIM, "word_embed_proj_dim": HIDDEN,
-        "max_position_embeddings": MAX_POSITIONS}, note="learned positions (offset 2)"),
-    _arch("falcon", "falcon", "FalconForCausalLM", "dense", {
-        "hidden_size": HIDDEN, "num_hidden_layers": NUM_LAYERS,
-        "num_attention_heads": HIDDEN // HEAD_DIM, "new_decoder_architecture": True,
-        "num_kv_heads": 1, "parallel_attn": True, "bias": False},
-          note="new decoder architecture (fused query_key_value)"),
+    _arch(
+        "qwen3", "qwen3", "Qwen3ForCausalLM", "dense", _dense(head_dim=HEAD_DIM), note="q/k norms"
+    ),
+    _arch(
+        "gemma",
+        "gemma",
+        "GemmaForCausalLM",
+        "dense",
+        _dense(head_dim=HEAD_DIM),
+        note="(1 + w) RMSNorm, scaled embedding",
+    ),
+    _arch(
+        "gemma2",
+        "gemma2",
+        "Gemma2ForCausalLM",
+        "dense",
+        _dense(head_dim=HEAD_DIM, sliding_window=256, query_pre_attn_scalar=HEAD_DIM),
+        note="logit soft-capping, sliding window, 4 norms a layer",
+    ),
+    _arch(
+        "gemma3_text",
+        "gemma3_text",
+        "Gemma3ForCausalLM",
+        "dense",
+        _dense(head_dim=HEAD_DIM, sliding_window=256, query_pre_attn_scalar=HEAD_DIM),
+        note="q/k norms, local/global rope",
+    ),
+    _arch(
+        "phi3",
+        "phi3",
+        "Phi3ForCausalLM",
+        "dense",
+        _dense(heads=2, kv_heads=2),
+        note="fused qkv_proj and gate_up_proj in the checkpoint",
+    ),
+    _arch(
+        "granite",
+        "granite",
+        "GraniteForCausalLM",
+        "dense",
+        _dense(),
+        note="residual/embedding/logit multipliers",
+    ),
+    _arch(
+        "cohere",
+        "cohere",
+        "CohereForCausalLM",
+        "dense",
+        _dense(),
+        note="LayerNorm without bias, parallel attention+MLP, logit scale",
+    ),
+    _arch(
+        "cohere2",
+        "cohere2",
+        "Cohere2ForCausalLM",
+        "dense",
+        _dense(head_dim=HEAD_DIM, sliding_window=256),
+        note="sliding window layers",
+    ),
+    _arch(
+        "glm4",
+        "glm4",
+        "Glm4ForCausalLM",
+        "dense",
+        _dense(head_dim=HEAD_DIM),
+        note="4 norms a layer, partial rotary",
+    ),
+    _arch(
+        "stablelm",
+        "stablelm",
+        "StableLmForCausalLM",
+        "dense",
+        _dense(heads=2, kv_heads=2),
+        note="LayerNorm, partial rotary",
+    ),
+    _arch(
+        "gpt2",
+        "gpt2",
+        "GPT2LMHeadModel",
+        "dense",
+        _mha(n_positions=MAX_POSITIONS, n_inner=INTERMEDIATE),
+        note="Conv1D weights (transposed), learned positions",
+    ),
+    _arch(
+        "gptj",
+        "gptj",
+        "GPTJForCausalLM",
+        "dense",
+        _mha(
+            n_positions=MAX_POSITIONS,
+            n_inner=INTERMEDIATE,
+            rotary_dim=32,
+            tie_word_embeddings=False,
+        ),
+        note="parallel block, lm_head bias",
+    ),
+    _arch(
+        "bloom",
+        "bloom",
+        "BloomForCausalLM",
+        "dense",
+        {"hidden_size": HIDDEN, "n_layer": NUM_LAYERS, "n_head": HIDDEN // HEAD_DIM},
+        note="ALiBi, embedding LayerNorm",
+    ),
+    _arch(
+        "opt",
+        "opt",
+        "OPTForCausalLM",
+        "dense",
+        {
+            "hidden_size": HIDDEN,
+            "ffn_dim": INTERMEDIATE,
+            "num_hidden_layers": NUM_LAYERS,
+            "num_attention_heads": HIDDEN // HEAD_DIM,
+            "word_embed_proj_dim": HIDDEN,
+            "max_position_embeddings": MAX_POSITIONS,
+        },
+        note="learned positions (offset 2)",
+    ),
+    _arch(
+        "falcon",
+        "falcon",
+        "FalconForCausalLM",
+        "dense",
+        {
+            "hidden_size": HIDDEN,
+            "num_hidden_layers": NUM_LAYERS,
+            "num_attention_heads": HIDDEN // HEAD_DIM,
+            "new_decoder_architecture": True,
+            "num_kv_heads": 1,
+            "parallel_attn": True,
+            "bias": False,
+        },
+        note="new decoder architecture (fused query_key_value)",
+    ),
     _arch("exaone4", "exaone4", "Exaone4ForCausalLM", "dense", _dense(head_dim=HEAD_DIM)),
     _arch("ernie4_5", "ernie4_5", "Ernie4_5ForCausalLM", "dense", _dense(head_dim=HEAD_DIM)),
     # ---- dense, vLLM's Transformers modeling backend (no native class in 0.32/0.33)
-    _arch("olmo", "olmo", "OlmoForCausalLM", "dense", _dense(heads=2, kv_heads=2),
-          backend="transformers", note="non-parametric LayerNorm"),
-    _arch("olmo2", "olmo2", "Olmo2ForCausalLM", "dense", _dense(heads=2, kv_heads=2),
-          backend="transformers", note="q/k norms over all heads, post-norms"),
-    _arch("starcoder2", "starcoder2", "Starcoder2ForCausalLM", "dense",
-          _dense(sliding_window=None), backend="transformers",
-          note="LayerNorm with bias, c_fc/c_proj MLP"),
-    _arch("gpt_neox", "gpt_neox", "GPTNeoXForCausalLM", "dense", _mha(
-        intermediate_size=INTERMEDIATE, max_position_embeddings=MAX_POSITIONS,
-        rotary_pct=0.5), backend="transformers", note="fused query_key_value, partial rotary"),
-    _arch("glm", "glm", "GlmForCausalLM", "dense", _dense(head_dim=HEAD_DIM),
-          backend="transformers", note="fused gate_up_proj"),
-    _arch("phi", "phi", "PhiForCausalLM", "dense", _mha(
-        intermediate_size=INTERMEDIATE, max_position_embeddings=MAX_POSITIONS,
-        partial_rotary_factor=0.5), backend="transformers", note="dense (Linear) with bias"),
+    _arch(
+        "olmo",
+        "olmo",
+        "OlmoForCausalLM",
+        "dense",
+        _dense(heads=2, kv_heads=2),
+        backend="transformers",
+        note="non-parametric LayerNorm",
+    ),
+    _arch(
+        "olmo2",
+        "olmo2",
+        "Olmo2ForCausalLM",
+        "dense",
+        _dense(heads=2, kv_heads=2),
+        backend="transformers",
+        note="q/k norms over all heads, post-norms",
+    ),
+    _arch(
+        "starcoder2",
+        "starcoder2",
+        "Starcoder2ForCausalLM",
+        "dense",
+        _dense(sliding_window=None),
+        backend="transformers",
+        note="LayerNorm with bias, c_fc/c_proj MLP",
+    ),
+    _arch(
+        "gpt_neox",
+        "gpt_neox",
+        "GPTNeoXForCausalLM",
+        "dense",
+        _mha(intermediate_size=INTERMEDIATE, max_position_embeddings=MAX_POSITIONS, rotary_pct=0.5),
+        backend="transformers",
+        note="fused query_key_value, partial rotary",
+    ),
+    _arch(
+        "glm",
+        "glm",
+        "GlmForCausalLM",
+        "dense",
+        _dense(head_dim=HEAD_DIM),
+        backend="transformers",
+        note="fused gate_up_proj",
+    ),
+    _arch(
+        "phi",
+        "phi",
+        "PhiForCausalLM",
+        "dense",
+        _mha(
+            intermediate_size=INTERMEDIATE,
+            max_position_embeddings=MAX_POSITIONS,
+            partial_rotary_factor=0.5,
+        ),
+        backend="transformers",
+        note="dense (Linear) with bias",
+    ),
     # ---- MoE
-    _arch("mixtral", "mixtral", "MixtralForCausalLM", "moe", _dense(
-        intermediate_size=MOE_INTERMEDIATE_PADDED, num_local_experts=8, num_experts_per_tok=2,
-        head_dim=HEAD_DIM, sliding_window=None), note="8 experts of 96 (padded)"),
-    _arch("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", "moe",
-          _dense(head_dim=HEAD_DIM, **_MOE_QWEN), note="6 experts (not a power of two) of 96"),
-    _arch("qwen3_moe_128", "qwen3_moe", "Qwen3MoeForCausalLM", "moe", _dense(
-        heads=4, kv_heads=2, head_dim=HEAD_DIM, **{**_MOE_QWEN, "num_experts": 8,
-                                                   "moe_intermediate_size": FP8_BLOCK}),
-          note="hidden 256, 8 experts of 128: every dim a multiple of the FP8 block"),
-    _arch("qwen2_moe", "qwen2_moe", "Qwen2MoeForCausalLM", "moe", _dense(
-        moe_intermediate_size=MOE_INTERMEDIATE_PADDED, num_experts=12, num_experts_per_tok=2,
-        shared_expert_intermediate_size=2 * MOE_INTERMEDIATE_PADDED, norm_topk_prob=False),
-          note="12 experts of 96 and a gated shared expert"),
-    _arch("olmoe", "olmoe", "OlmoeForCausalLM", "moe", _dense(
-        heads=2, kv_heads=2, intermediate_size=MOE_INTERMEDIATE_PADDED, num_experts=6,
-        num_experts_per_tok=2), note="6 experts of 96, q/k norms"),
-    _arch("granitemoe", "granitemoe", "GraniteMoeForCausalLM", "moe", _dense(
-        intermediate_size=MOE_INTERMEDIATE_PADDED, num_local_experts=6, num_experts_per_tok=2),
-          note="fused input_linear/output_linear experts in the checkpoint"),
-    _arch("gpt_oss", "gpt_oss", "GptOssForCausalLM", "moe", _dense(
-        heads=2, kv_heads=1, head_dim=HEAD_DIM, intermediate_size=HIDDEN, num_local_experts=4,
-        num_experts_per_tok=2, sliding_window=128,
-        layer_types=["sliding_attention", "full_attention"],
-        # GPT-OSS's YaRN rope (factor 32 over 4096) implies 131072 positions
-        max_position_embeddings=GPT_OSS_POSITIONS),
-          note="bf16 experts with biases, attention sinks (random weights, not MXFP4)"),
+    _arch(
+        "mixtral",
+        "mixtral",
+        "MixtralForCausalLM",
+        "moe",
+        _dense(
+            intermediate_size=MOE_INTERMEDIATE_PADDED,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            head_dim=HEAD_DIM,
+            sliding_window=None,
+        ),
+        note="8 experts of 96 (padded)",
+    ),
+    _arch(
+        "qwen3_moe",
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        "moe",
+        _dense(head_dim=HEAD_DIM, **_MOE_QWEN),
+        note="6 experts (not a power of two) of 96",
+    ),
+    _arch(
+        "qwen3_moe_128",
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        "moe",
+        _dense(
+            heads=4,
+            kv_heads=2,
+            head_dim=HEAD_DIM,
+            **{**_MOE_QWEN, "num_experts": 8, "moe_intermediate_size": FP8_BLOCK},
+        ),
+        note="hidden 256, 8 experts of 128: every dim a multiple of the FP8 block",
+    ),
+    _arch(
+        "qwen2_moe",
+        "qwen2_moe",
+        "Qwen2MoeForCausalLM",
+        "moe",
+        _dense(
+            moe_intermediate_size=MOE_INTERMEDIATE_PADDED,
+            num_experts=12,
+            num_experts_per_tok=2,
+            shared_expert_intermediate_size=2 * MOE_INTERMEDIATE_PADDED,
+            norm_topk_prob=False,
+        ),
+        note="12 experts of 96 and a gated shared expert",
+    ),
+    _arch(
+        "olmoe",
+        "olmoe",
+        "OlmoeForCausalLM",
+        "moe",
+        _dense(
+            heads=2,
+            kv_heads=2,
+            intermediate_size=MOE_INTERMEDIATE_PADDED,
+            num_experts=6,
+            num_experts_per_tok=2,
+        ),
+        note="6 experts of 96, q/k norms",
+    ),
+    _arch(
+        "granitemoe",
+        "granitemoe",
+        "GraniteMoeForCausalLM",
+        "moe",
+        _dense(
+            intermediate_size=MOE_INTERMEDIATE_PADDED, num_local_experts=6, num_experts_per_tok=2
+        ),
+        note="fused input_linear/output_linear experts in the checkpoint",
+    ),
+    _arch(
+        "gpt_oss",
+        "gpt_oss",
+        "GptOssForCausalLM",
+        "moe",
+        _dense(
+            heads=2,
+            kv_heads=1,
+            head_dim=HEAD_DIM,
+            intermediate_size=HIDDEN,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=128,
+            layer_types=["sliding_attention", "full_attention"],
+            # GPT-OSS's YaRN rope (factor 32 over 4096) implies 131072 positions
+            max_position_embeddings=GPT_OSS_POSITIONS,
+        ),
+        note="bf16 experts with biases, attention sinks (random weights, not MXFP4)",
+    ),
     # ---- MLA
-    _arch("deepseek_v2", "deepseek_v2", "DeepseekV2ForCausalLM", "mla",
-          _dense(heads=2, kv_heads=2, **_MLA), note="MLA (kv_b_proj absorbed), MoE from layer 1"),
-    _arch("deepseek_v3", "deepseek_v3", "DeepseekV3ForCausalLM", "mla", _dense(
-        heads=2, kv_heads=2, **{**_MLA, "q_lora_rank": 2 * HIDDEN}),
-          note="MLA with q_lora, sigmoid router with e_score_correction_bias"),
+    _arch(
+        "deepseek_v2",
+        "deepseek_v2",
+        "DeepseekV2ForCausalLM",
+        "mla",
+        _dense(heads=2, kv_heads=2, **_MLA),
+        note="MLA (kv_b_proj absorbed), MoE from layer 1",
+    ),
+    _arch(
+        "deepseek_v3",
+        "deepseek_v3",
+        "DeepseekV3ForCausalLM",
+        "mla",
+        _dense(heads=2, kv_heads=2, **{**_MLA, "q_lora_rank": 2 * HIDDEN}),
+        note="MLA with q_lora, sigmoid router with e_score_correction_bias",
+    ),
 )
 
 #: name -> :class:`Arch`.
@@ -259,8 +513,11 @@ def tokenizer_dir(out: str | os.PathLike | None = None) -> Path:
 
 def _special_ids(tok_dir: Path) -> dict[str, Any]:
     base = json.loads((tok_dir / fx.CONFIG_FILE).read_text())
-    return {k: base[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
-            if base.get(k) is not None}
+    return {
+        k: base[k]
+        for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
+        if base.get(k) is not None
+    }
 
 
 def config_kwargs(a: Arch, special: Mapping[str, Any]) -> dict[str, Any]:
@@ -275,15 +532,18 @@ def arch_path(name: str, out: str | os.PathLike | None = None, fmt: str = "bf16"
 
 
 def _stamp(a: Arch, fmt: str) -> dict[str, Any]:
-    return {"tiny_models_version": TINY_MODELS_VERSION, "arch": attrs.asdict(a), "format": fmt,
-            "builder_version": fx.BUILDER_VERSION}
+    return {
+        "tiny_models_version": TINY_MODELS_VERSION,
+        "arch": attrs.asdict(a),
+        "format": fmt,
+        "builder_version": fx.BUILDER_VERSION,
+    }
 
 
 def is_built(path: Path, a: Arch, fmt: str) -> bool:
     """``path`` holds a complete build of ``a`` in ``fmt`` by this builder version."""
     try:
-        return json.loads((path / STAMP_FILE).read_text()) == json.loads(
-            json.dumps(_stamp(a, fmt)))
+        return json.loads((path / STAMP_FILE).read_text()) == json.loads(json.dumps(_stamp(a, fmt)))
     except (OSError, ValueError):
         return False
 
@@ -291,8 +551,9 @@ def is_built(path: Path, a: Arch, fmt: str) -> bool:
 def copy_tokenizer(src: Path, dst: Path) -> None:
     """Copy the tokenizer files (not weights, config or stamp) of ``src`` into ``dst``."""
     for f in src.iterdir():
-        if f.is_file() and (f.name.startswith(("tokenizer", "special_tokens", "vocab",
-                                                "merges", "chat_template"))):
+        if f.is_file() and (
+            f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template"))
+        ):
             shutil.copy2(f, dst / f.name)
 
 
@@ -311,14 +572,15 @@ def _write_text_model(a: Arch, tmp: Path, tok_dir: Path) -> None:
     model.save_pretrained(tmp, safe_serialization=True)
     config = json.loads((tmp / fx.CONFIG_FILE).read_text())
     if config.get("architectures") != [a.vllm_arch]:
-        raise FixtureError(f"{a.name}: transformers saved architectures "
-                           f"{config.get('architectures')}, the registry says {a.vllm_arch}; "
-                           "fix the registry entry")
+        raise FixtureError(
+            f"{a.name}: transformers saved architectures "
+            f"{config.get('architectures')}, the registry says {a.vllm_arch}; "
+            "fix the registry entry"
+        )
     copy_tokenizer(tok_dir, tmp)
 
 
-def build_arch(name: str, out: str | os.PathLike | None = None, *,
-               force: bool = False) -> Path:
+def build_arch(name: str, out: str | os.PathLike | None = None, *, force: bool = False) -> Path:
     """Build (or reuse) the bf16 tiny checkpoint of architecture ``name``.
 
     Returns:
@@ -340,8 +602,9 @@ def build_arch(name: str, out: str | os.PathLike | None = None, *,
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: build the named architectures (default: all) and print their folders."""
-    ap = argparse.ArgumentParser(prog="python -m wcache.testing.tiny_models",
-                                 description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m wcache.testing.tiny_models", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--archs", default="", help="comma-separated registry names (default all)")
     ap.add_argument("--out", help=f"fixture root (default ${fx.FIXTURES_ENV} or {fx.DEFAULT_ROOT})")
     ap.add_argument("--force", action="store_true")

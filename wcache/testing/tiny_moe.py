@@ -22,11 +22,22 @@ from wcache.testing import fixtures as fx
 
 MOE_VERSION = 1
 QWEN3_MOE = {
-    "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 96,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
-    "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 2048,
-    "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
 }
 #: Standard deviation of the random weights (as wcache.testing.tiny): activations stay
 #: in bf16's comfortable range over 2 layers, logits still differ between tokens.
@@ -50,13 +61,17 @@ def build(out=None) -> Path:
             return final
     except (OSError, ValueError):
         pass
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415 (transformers ~3 s: only on a cache miss)
 
     smollm = fx.build("bf16", out)
     base = json.loads((smollm / fx.CONFIG_FILE).read_text())
-    config = AutoConfig.for_model("qwen3_moe", vocab_size=base["vocab_size"],
-                                  bos_token_id=base.get("bos_token_id"),
-                                  eos_token_id=base.get("eos_token_id"), **QWEN3_MOE)
+    config = AutoConfig.for_model(
+        "qwen3_moe",
+        vocab_size=base["vocab_size"],
+        bos_token_id=base.get("bos_token_id"),
+        eos_token_id=base.get("eos_token_id"),
+        **QWEN3_MOE,
+    )
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():

@@ -47,6 +47,8 @@ def plan_for(method: Any, layer: Any = None, *, target: Target, name: str = "") 
 
     config = layer_config(method, layer, target, name=name)
     if config is None:
-        raise NoPlan(f"layer {name or type(layer).__name__!r} ({type(method).__name__}) has no "
-                     f"post-load work for wcache to plan")
+        raise NoPlan(
+            f"layer {name or type(layer).__name__!r} ({type(method).__name__}) has no "
+            f"post-load work for wcache to plan"
+        )
     return resolve(config, target=target)

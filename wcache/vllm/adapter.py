@@ -60,8 +60,10 @@ def _mp_kernel_extra(owner: Any) -> dict[str, Any]:
     if kernel is None or compat.kernel_id(kernel) != "machete":
         return {}
     cfg = kernel.config
-    return {"machete_b_type_id": int(cfg.weight_type.id),
-            "machete_act_type": _dtype_name(cfg.act_type)}
+    return {
+        "machete_b_type_id": int(cfg.weight_type.id),
+        "machete_act_type": _dtype_name(cfg.act_type),
+    }
 
 
 def _wna16_layout(config: LayerConfig, target: Target | None) -> LayerConfig:
@@ -70,8 +72,11 @@ def _wna16_layout(config: LayerConfig, target: Target | None) -> LayerConfig:
     the plan of that layout is the one that resolves. The choice is
     :func:`wcache.stages.cpu_wna16.use_w4a8_for` on the Target (vLLM's expression),
     and both plans record it, so a restore on a host that chooses otherwise raises."""
-    if (config.quant.kernel != "cpu_wna16" or target is None
-            or not cpu_wna16.use_w4a8_for(config.dtype, target)):
+    if (
+        config.quant.kernel != "cpu_wna16"
+        or target is None
+        or not cpu_wna16.use_w4a8_for(config.dtype, target)
+    ):
         return config
     return evolve(config, quant=evolve(config.quant, kernel="cpu_wna16_w4a8"))
 
@@ -84,25 +89,40 @@ def _release_layer_attrs(obj: Any) -> dict[str, Any]:
     return dict(compat.postload_layer_attrs(obj))
 
 
-def _fp8_config(quant_method: Any, module: torch.nn.Module, method: str, name: str,
-                static_input: bool = False, strategy: str | None = None) -> LayerConfig:
+def _fp8_config(
+    quant_method: Any,
+    module: torch.nn.Module,
+    method: str,
+    name: str,
+    static_input: bool = False,
+    strategy: str | None = None,
+) -> LayerConfig:
     """Online or serialized FP8 on vLLM's scaled-mm kernel (``quant_method.fp8_linear``).
 
     ``quant_method`` is the object holding ``fp8_linear`` (a compressed-tensors
     scheme for ``ct_w8a8_fp8``); ``strategy`` the checkpoint's weight strategy
     (``"tensor"``, ``"channel"``, ``"block"``) where the method has one."""
     block = getattr(module, "weight_block_size", None) or getattr(
-        quant_method, "weight_block_size", None)
+        quant_method, "weight_block_size", None
+    )
     if strategy is None:
         strategy = "block" if block else ("channel" if method == "fp8_per_channel" else "tensor")
-    extra = {"logical_widths": tuple(int(w) for w in module.logical_widths),
-             "tp_size": int(getattr(module, "tp_size", 1) or 1)}
+    extra = {
+        "logical_widths": tuple(int(w) for w in module.logical_widths),
+        "tp_size": int(getattr(module, "tp_size", 1) or 1),
+    }
     if block:
         extra["weight_block_size"] = tuple(int(b) for b in block)
     else:
         extra.update(_release_layer_attrs(quant_method))
-    spec = QuantSpec(method, num_bits=8, act_bits=8, strategy=strategy,
-                     static_input=static_input, kernel=_kernel_id(quant_method, "fp8_linear"))
+    spec = QuantSpec(
+        method,
+        num_bits=8,
+        act_bits=8,
+        strategy=strategy,
+        static_input=static_input,
+        kernel=_kernel_id(quant_method, "fp8_linear"),
+    )
     return _linear_config(module, spec, name, extra)
 
 
@@ -113,22 +133,34 @@ def _modelopt_config(quant_method: Any, module: torch.nn.Module, name: str) -> L
     keep their weight scheme's class name (no plan)."""
     wkey = quant_method.wkey
     if not compat.is_type(wkey, "KNvfp4Static"):
-        return _linear_config(module, QuantSpec(f"modelopt:{type(wkey).__name__}",
-                                                kernel=_kernel_id(quant_method)), name)
+        return _linear_config(
+            module,
+            QuantSpec(f"modelopt:{type(wkey).__name__}", kernel=_kernel_id(quant_method)),
+            name,
+        )
     if quant_method.akey is None:
-        return _linear_config(module, QuantSpec("modelopt_fp4_w4a16", num_bits=4,
-                                                group_size=quant_method.ctx.group_size), name)
+        return _linear_config(
+            module,
+            QuantSpec("modelopt_fp4_w4a16", num_bits=4, group_size=quant_method.ctx.group_size),
+            name,
+        )
     kernel = quant_method.kernel
-    kid = "cutlass" if compat.is_type(kernel, "CutlassNvFp4LinearKernel") \
-        else type(kernel).__name__
-    spec = QuantSpec("modelopt_fp4", num_bits=4, act_bits=4,
-                     group_size=quant_method.ctx.group_size, kernel=kid)
-    return _linear_config(module, spec, name,
-                          {"logical_widths": tuple(int(w) for w in module.logical_widths)})
+    kid = "cutlass" if compat.is_type(kernel, "CutlassNvFp4LinearKernel") else type(kernel).__name__
+    spec = QuantSpec(
+        "modelopt_fp4", num_bits=4, act_bits=4, group_size=quant_method.ctx.group_size, kernel=kid
+    )
+    return _linear_config(
+        module, spec, name, {"logical_widths": tuple(int(w) for w in module.logical_widths)}
+    )
 
 
-def _moe_config(quant_method: Any, module: torch.nn.Module, spec: QuantSpec, name: str,
-                extra: dict | None = None) -> LayerConfig:
+def _moe_config(
+    quant_method: Any,
+    module: torch.nn.Module,
+    spec: QuantSpec,
+    name: str,
+    extra: dict | None = None,
+) -> LayerConfig:
     """A fused-MoE layer (vLLM's ``RoutedExperts``): its :class:`~wcache.core.MoeShape`
     with the backend and experts class vLLM's oracle resolved for ``quant_method``
     (:func:`wcache.vllm.moe.resolved_backend`), and ``spec.kernel`` the plan kernel id
@@ -145,25 +177,33 @@ def _moe_config(quant_method: Any, module: torch.nn.Module, spec: QuantSpec, nam
 
         if is_zentorch_moe_supported(module):  # vLLM's own post-load check (zentorch op)
             experts = ZENTORCH_EXPERTS
-    shape = MoeShape(num_experts=int(module.local_num_experts),
-                     global_num_experts=int(module.global_num_experts),
-                     hidden_size=int(module.hidden_size),
-                     intermediate_size_per_partition=int(module.intermediate_size_per_partition),
-                     backend=backend, experts=experts,
-                     is_act_and_mul=bool(moe_config.is_act_and_mul),
-                     has_bias=bool(getattr(moe_config, "has_bias", False)),
-                     activation=str(activation).lower())
+    shape = MoeShape(
+        num_experts=int(module.local_num_experts),
+        global_num_experts=int(module.global_num_experts),
+        hidden_size=int(module.hidden_size),
+        intermediate_size_per_partition=int(module.intermediate_size_per_partition),
+        backend=backend,
+        experts=experts,
+        is_act_and_mul=bool(moe_config.is_act_and_mul),
+        has_bias=bool(getattr(moe_config, "has_bias", False)),
+        activation=str(activation).lower(),
+    )
     if spec.kernel is None:
         spec = evolve(spec, kernel=moe_kernel_id(backend, experts))
     extra = {"moe_tp_size": int(getattr(moe_config, "tp_size", 1) or 1), **(extra or {})}
-    return LayerConfig(quant=evolve(spec, layer_kind="moe"), size_k=0, size_n=0,
-                       params_dtype=_dtype_name(getattr(module, "params_dtype", None)),
-                       has_bias=shape.has_bias, name=name, moe=shape,
-                       extra=tuple(sorted(extra.items())))
+    return LayerConfig(
+        quant=evolve(spec, layer_kind="moe"),
+        size_k=0,
+        size_n=0,
+        params_dtype=_dtype_name(getattr(module, "params_dtype", None)),
+        has_bias=shape.has_bias,
+        name=name,
+        moe=shape,
+        extra=tuple(sorted(extra.items())),
+    )
 
 
-def _modelopt_fp4_moe_config(quant_method: Any, module: torch.nn.Module,
-                             name: str) -> LayerConfig:
+def _modelopt_fp4_moe_config(quant_method: Any, module: torch.nn.Module, name: str) -> LayerConfig:
     """ModelOpt NVFP4 fused MoE: kernel ``cutlass_moe`` for vLLM's ``VLLM_CUTLASS`` backend
     (CutlassExpertsFp4, W4A4); any other backend, W4A16 or per-token activations keep
     the backend's name (no plan)."""
@@ -171,35 +211,45 @@ def _modelopt_fp4_moe_config(quant_method: Any, module: torch.nn.Module,
     kid = "cutlass_moe" if backend == "VLLM_CUTLASS" else f"nvfp4_moe:{backend}"
     if quant_method.use_a16 or quant_method.per_token_activation:
         kid = f"{kid}+{'w4a16' if quant_method.use_a16 else 'per_token_activation'}"
-    spec = QuantSpec("modelopt_fp4", num_bits=4, act_bits=4,
-                     group_size=quant_method.quant_config.group_size, layer_kind="moe",
-                     kernel=kid)
-    return _moe_config(quant_method, module, spec, name,
-                       {"is_act_and_mul": bool(quant_method.moe.is_act_and_mul)})
+    spec = QuantSpec(
+        "modelopt_fp4",
+        num_bits=4,
+        act_bits=4,
+        group_size=quant_method.quant_config.group_size,
+        layer_kind="moe",
+        kernel=kid,
+    )
+    return _moe_config(
+        quant_method, module, spec, name, {"is_act_and_mul": bool(quant_method.moe.is_act_and_mul)}
+    )
 
 
-def _unquantized_moe(quant_method: Any, module: torch.nn.Module, target: Target | None,
-                     name: str) -> LayerConfig:
+def _unquantized_moe(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
     """``UnquantizedFusedMoEMethod``: the resolved backend decides the plan (TRITON on
     CUDA sm90, CPU on vLLM-CPU; any other is refused naming it)."""
     return _moe_config(quant_method, module, QuantSpec("unquantized_moe"), name)
 
 
-def _fp8_moe(quant_method: Any, module: torch.nn.Module, target: Target | None,
-             name: str) -> LayerConfig:
+def _fp8_moe(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
     """Serialized FP8 fused MoE (``Fp8MoEMethod``): block (``weight_block_size``) or per
     tensor, with static or dynamic activation scales."""
     static = getattr(quant_method.quant_config, "activation_scheme", "dynamic") == "static"
     block = getattr(quant_method, "weight_block_size", None)
     method = "fp8_moe_block" if block else "fp8_moe_tensor"
-    spec = QuantSpec(method, num_bits=8, act_bits=8, strategy="block" if block else "tensor",
-                     static_input=static)
+    spec = QuantSpec(
+        method, num_bits=8, act_bits=8, strategy="block" if block else "tensor", static_input=static
+    )
     extra = {"weight_block_size": tuple(int(b) for b in block)} if block else {}
     return _moe_config(quant_method, module, spec, name, extra)
 
 
-def _online_fp8_moe(quant_method: Any, module: torch.nn.Module, target: Target | None,
-                    name: str) -> LayerConfig:
+def _online_fp8_moe(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
     """``Fp8PerTensorOnlineMoEMethod`` (``quantization="fp8"`` on a bf16 checkpoint)."""
     if getattr(quant_method, "requantization_source", None) is not None:
         spec = QuantSpec(f"vllm:{type(quant_method).__name__}+requantization")
@@ -208,8 +258,9 @@ def _online_fp8_moe(quant_method: Any, module: torch.nn.Module, target: Target |
     return _moe_config(quant_method, module, spec, name)
 
 
-def _linear_config(module: torch.nn.Module, spec: QuantSpec, name: str,
-                   extra: dict | None = None) -> LayerConfig:
+def _linear_config(
+    module: torch.nn.Module, spec: QuantSpec, name: str, extra: dict | None = None
+) -> LayerConfig:
     size_k = getattr(module, "input_size_per_partition", None)
     size_n = getattr(module, "output_size_per_partition", None)
     if size_k is None and getattr(module, "input_size", None) is not None:
@@ -219,10 +270,14 @@ def _linear_config(module: torch.nn.Module, spec: QuantSpec, name: str,
         size_k = getattr(module, "embedding_dim", 0)
         size_n = getattr(module, "num_embeddings_per_partition", 0)
     return LayerConfig(
-        quant=spec, size_k=int(size_k), size_n=int(size_n),
+        quant=spec,
+        size_k=int(size_k),
+        size_n=int(size_n),
         params_dtype=_dtype_name(getattr(module, "params_dtype", None)),
-        has_bias=getattr(module, "bias", None) is not None, name=name,
-        extra=tuple(sorted((extra or {}).items())))
+        has_bias=getattr(module, "bias", None) is not None,
+        name=name,
+        extra=tuple(sorted((extra or {}).items())),
+    )
 
 
 #: ``(quant_method, module, target, name) -> LayerConfig``: one vLLM class's mapping.
@@ -230,8 +285,9 @@ Adapter = Callable[[Any, torch.nn.Module, "Target | None", str], LayerConfig]
 
 
 def _unquantized(kind: str) -> Adapter:
-    def adapt(quant_method: Any, module: torch.nn.Module, target: Target | None,
-              name: str) -> LayerConfig:
+    def adapt(
+        quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+    ) -> LayerConfig:
         """Unquantized linear / embedding; on CPU the branch vLLM's dispatch takes for
         this weight on this host, asked of vLLM (:mod:`wcache.vllm.probe`)."""
         config = _linear_config(module, QuantSpec("unquantized", layer_kind=kind), name)
@@ -239,46 +295,62 @@ def _unquantized(kind: str) -> Adapter:
             kernel = probe.unquantized_gemm_kernel(config.size_n, config.size_k, config.dtype)
             config = evolve(config, quant=evolve(config.quant, kernel=kernel))
         return config
+
     return adapt
 
 
-def _awq(quant_method: Any, module: torch.nn.Module, target: Target | None,
-         name: str) -> LayerConfig:
+def _awq(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
     qc = quant_method.quant_config
-    spec = QuantSpec("awq", num_bits=qc.weight_bits, group_size=qc.group_size,
-                     zero_point=bool(qc.zero_point), kernel=_kernel_id(quant_method))
-    return _wna16_layout(_linear_config(module, spec, name, _mp_kernel_extra(quant_method)),
-                         target)
+    spec = QuantSpec(
+        "awq",
+        num_bits=qc.weight_bits,
+        group_size=qc.group_size,
+        zero_point=bool(qc.zero_point),
+        kernel=_kernel_id(quant_method),
+    )
+    return _wna16_layout(_linear_config(module, spec, name, _mp_kernel_extra(quant_method)), target)
 
 
-def _gptq(quant_method: Any, module: torch.nn.Module, target: Target | None,
-          name: str) -> LayerConfig:
+def _gptq(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
     qc = quant_method.quant_config
-    spec = QuantSpec("gptq", num_bits=qc.weight_bits, group_size=qc.group_size,
-                     zero_point=not getattr(qc, "is_sym", True), kernel=_kernel_id(quant_method))
-    return _wna16_layout(_linear_config(module, spec, name, _mp_kernel_extra(quant_method)),
-                         target)
+    spec = QuantSpec(
+        "gptq",
+        num_bits=qc.weight_bits,
+        group_size=qc.group_size,
+        zero_point=not getattr(qc, "is_sym", True),
+        kernel=_kernel_id(quant_method),
+    )
+    return _wna16_layout(_linear_config(module, spec, name, _mp_kernel_extra(quant_method)), target)
 
 
 def _requantization(quant_method: Any, module: torch.nn.Module, name: str) -> LayerConfig | None:
     """An online method requantizing a serialized checkpoint: another post-load; no plan."""
     if getattr(quant_method, "requantization_source", None) is None:
         return None
-    return _linear_config(module, QuantSpec(f"vllm:{type(quant_method).__name__}"
-                                            f"+requantization"), name)
+    return _linear_config(
+        module, QuantSpec(f"vllm:{type(quant_method).__name__}+requantization"), name
+    )
 
 
 def _online_fp8(method: str) -> Adapter:
-    def adapt(quant_method: Any, module: torch.nn.Module, target: Target | None,
-              name: str) -> LayerConfig:
+    def adapt(
+        quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+    ) -> LayerConfig:
         """vLLM's online FP8 linear methods (``quantization/online/fp8.py``)."""
-        return (_requantization(quant_method, module, name)
-                or _fp8_config(quant_method, module, method, name))
+        return _requantization(quant_method, module, name) or _fp8_config(
+            quant_method, module, method, name
+        )
+
     return adapt
 
 
-def _online_mxfp8(quant_method: Any, module: torch.nn.Module, target: Target | None,
-                  name: str) -> LayerConfig:
+def _online_mxfp8(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
     requantized = _requantization(quant_method, module, name)
     if requantized is not None:
         return requantized
@@ -289,69 +361,99 @@ def _online_mxfp8(quant_method: Any, module: torch.nn.Module, target: Target | N
     return _linear_config(module, QuantSpec("mxfp8", num_bits=8, group_size=32, kernel=kid), name)
 
 
-def _modelopt_fp4_moe(quant_method: Any, module: torch.nn.Module, target: Target | None,
-                      name: str) -> LayerConfig:
+def _modelopt_fp4_moe(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
     return _modelopt_fp4_moe_config(quant_method, module, name)
 
 
-def _modelopt_linear(quant_method: Any, module: torch.nn.Module, target: Target | None,
-                     name: str) -> LayerConfig:
+def _modelopt_linear(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
     return _modelopt_config(quant_method, module, name)
 
 
-def _fp8(quant_method: Any, module: torch.nn.Module, target: Target | None,
-         name: str) -> LayerConfig:
+def _fp8(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
     static = getattr(quant_method.quant_config, "activation_scheme", "dynamic") == "static"
     return _fp8_config(quant_method, module, "fp8", name, static_input=static)
 
 
-def _compressed_tensors(quant_method: Any, module: torch.nn.Module, target: Target | None,
-                        name: str) -> LayerConfig:
+def _compressed_tensors(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
     """compressed-tensors: the layer's scheme decides (:data:`SCHEMES`)."""
     scheme = getattr(module, "scheme", None)
     adapt = _lookup(SCHEMES, scheme)
     if adapt is None:
-        return _linear_config(module, QuantSpec(f"compressed-tensors:{type(scheme).__name__}"),
-                              name)
+        return _linear_config(
+            module, QuantSpec(f"compressed-tensors:{type(scheme).__name__}"), name
+        )
     return adapt(scheme, module, target, name)
 
 
-def _ct_kv_cache(quant_method: Any, module: torch.nn.Module, target: Target | None,
-                 name: str) -> LayerConfig:
-    return LayerConfig(quant=QuantSpec("ct_kv_cache", layer_kind="attention"), size_k=0,
-                       size_n=0, name=name)
+def _ct_kv_cache(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
+    return LayerConfig(
+        quant=QuantSpec("ct_kv_cache", layer_kind="attention"), size_k=0, size_n=0, name=name
+    )
 
 
-def _kv_cache(quant_method: Any, module: torch.nn.Module, target: Target | None,
-              name: str) -> LayerConfig:
+def _kv_cache(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
     """KV-cache methods whose post-load work is BaseKVCacheMethod's (``kv_cache`` plan)."""
-    return LayerConfig(quant=QuantSpec("kv_cache", layer_kind="attention"), size_k=0, size_n=0,
-                       name=name,
-                       extra=(("kv_cache_dtype", str(getattr(module, "kv_cache_dtype", "auto"))),))
+    return LayerConfig(
+        quant=QuantSpec("kv_cache", layer_kind="attention"),
+        size_k=0,
+        size_n=0,
+        name=name,
+        extra=(("kv_cache_dtype", str(getattr(module, "kv_cache_dtype", "auto"))),),
+    )
 
 
-def _ct_wna16(scheme: Any, module: torch.nn.Module, target: Target | None,
-              name: str) -> LayerConfig:
-    spec = QuantSpec("ct_w4a16", num_bits=scheme.num_bits, group_size=scheme.group_size,
-                     zero_point=not scheme.symmetric, strategy=_enum_value(scheme.strategy),
-                     kernel=_kernel_id(scheme))
+def _ct_wna16(
+    scheme: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
+    spec = QuantSpec(
+        "ct_w4a16",
+        num_bits=scheme.num_bits,
+        group_size=scheme.group_size,
+        zero_point=not scheme.symmetric,
+        strategy=_enum_value(scheme.strategy),
+        kernel=_kernel_id(scheme),
+    )
     return _wna16_layout(_linear_config(module, spec, name, _mp_kernel_extra(scheme)), target)
 
 
-def _ct_w8a8_fp8(scheme: Any, module: torch.nn.Module, target: Target | None,
-                 name: str) -> LayerConfig:
-    return _fp8_config(scheme, module, "ct_w8a8_fp8", name,
-                       static_input=bool(scheme.is_static_input_scheme),
-                       strategy=_enum_value(scheme.strategy))
+def _ct_w8a8_fp8(
+    scheme: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
+    return _fp8_config(
+        scheme,
+        module,
+        "ct_w8a8_fp8",
+        name,
+        static_input=bool(scheme.is_static_input_scheme),
+        strategy=_enum_value(scheme.strategy),
+    )
 
 
-def _ct_w8a16_fp8(scheme: Any, module: torch.nn.Module, target: Target | None,
-                  name: str) -> LayerConfig:
+def _ct_w8a16_fp8(
+    scheme: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
     """What vLLM builds for an FP8 W8A8 checkpoint below sm89: weight-only FP8 on
     ``scheme.linear_kernel`` (Marlin); the checkpoint format is ct_w8a8_fp8's."""
-    spec = QuantSpec("ct_w8a8_fp8", num_bits=8, act_bits=16, strategy=_enum_value(scheme.strategy),
-                     static_input=bool(scheme.is_static_input_scheme),
-                     kernel=_kernel_id(scheme, "linear_kernel"))
+    spec = QuantSpec(
+        "ct_w8a8_fp8",
+        num_bits=8,
+        act_bits=16,
+        strategy=_enum_value(scheme.strategy),
+        static_input=bool(scheme.is_static_input_scheme),
+        kernel=_kernel_id(scheme, "linear_kernel"),
+    )
     extra = {"logical_widths": tuple(int(w) for w in module.logical_widths)}
     if scheme.weight_block_size:
         extra["weight_block_size"] = tuple(int(b) for b in scheme.weight_block_size)
@@ -360,18 +462,28 @@ def _ct_w8a16_fp8(scheme: Any, module: torch.nn.Module, target: Target | None,
     return _linear_config(module, spec, name, extra)
 
 
-def _ct_w8a8_int8(scheme: Any, module: torch.nn.Module, target: Target | None,
-                  name: str) -> LayerConfig:
+def _ct_w8a8_int8(
+    scheme: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
     kernel = _kernel_id(scheme)
     if kernel == "onednn":  # CPUInt8ScaledMMLinearKernel: SGL or oneDNN, vLLM's check
         kernel = probe.w8a8_int8_kernel(
-            int(module.output_size_per_partition), int(module.input_size_per_partition),
-            bool(scheme.input_symmetric))
-    spec = QuantSpec("ct_w8a8_int8", num_bits=8, act_bits=8, strategy=_enum_value(scheme.strategy),
-                     static_input=bool(scheme.is_static_input_scheme),
-                     input_symmetric=bool(scheme.input_symmetric), kernel=kernel)
-    return _linear_config(module, spec, name,
-                          {"logical_widths": tuple(int(w) for w in module.logical_widths)})
+            int(module.output_size_per_partition),
+            int(module.input_size_per_partition),
+            bool(scheme.input_symmetric),
+        )
+    spec = QuantSpec(
+        "ct_w8a8_int8",
+        num_bits=8,
+        act_bits=8,
+        strategy=_enum_value(scheme.strategy),
+        static_input=bool(scheme.is_static_input_scheme),
+        input_symmetric=bool(scheme.input_symmetric),
+        kernel=kernel,
+    )
+    return _linear_config(
+        module, spec, name, {"logical_widths": tuple(int(w) for w in module.logical_widths)}
+    )
 
 
 #: vLLM quant-method class (a name in compat's class table) -> its adapter.
@@ -418,8 +530,9 @@ def _lookup(registry: dict[str, Adapter], obj: Any) -> Adapter | None:
     return adapt if adapt is not None and compat.is_type(obj, cls_name) else None
 
 
-def layer_config(quant_method: Any, module: torch.nn.Module, target: Target | None = None,
-                 name: str = "") -> LayerConfig | None:
+def layer_config(
+    quant_method: Any, module: torch.nn.Module, target: Target | None = None, name: str = ""
+) -> LayerConfig | None:
     """The LayerConfig of a vLLM module, or ``None`` when it has no post-load work.
 
     Args:
@@ -429,20 +542,28 @@ def layer_config(quant_method: Any, module: torch.nn.Module, target: Target | No
             branch is asked of vLLM for this layer (:mod:`wcache.vllm.probe`).
         name: the module's qualified name, for messages.
     """
-    is_kv_method = _lookup(METHODS, quant_method) is not None and \
-        type(quant_method).__name__ in _KV_CACHE_METHODS
+    is_kv_method = (
+        _lookup(METHODS, quant_method) is not None
+        and type(quant_method).__name__ in _KV_CACHE_METHODS
+    )
     postload = compat.attention_postload(module)
     if postload in _ATTENTION_REFUSALS or postload == "other":
         # vLLM's deferred attention post-load that no plan replays: refused by plan_for
         # (before any weight is read), whatever the layer's KV-cache method.
         method = _ATTENTION_REFUSALS.get(postload, f"vllm-attention:{type(module).__name__}")
-        return LayerConfig(quant=QuantSpec(method, layer_kind="attention"), size_k=0, size_n=0,
-                           name=name)
+        return LayerConfig(
+            quant=QuantSpec(method, layer_kind="attention"), size_k=0, size_n=0, name=name
+        )
     if postload == "attention" and not is_kv_method:
         spec = QuantSpec("attention", layer_kind="attention")
-        return LayerConfig(quant=spec, size_k=0, size_n=0, name=name,
-                           params_dtype=_dtype_name(torch.get_default_dtype()),
-                           extra=(("impl_postload_noop", compat.impl_postload_is_noop(module)),))
+        return LayerConfig(
+            quant=spec,
+            size_k=0,
+            size_n=0,
+            name=name,
+            params_dtype=_dtype_name(torch.get_default_dtype()),
+            extra=(("impl_postload_noop", compat.impl_postload_is_noop(module)),),
+        )
     if not isinstance(quant_method, compat.classes().QuantizeMethodBase):
         return None
     adapt = _lookup(METHODS, quant_method)

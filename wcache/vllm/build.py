@@ -80,9 +80,11 @@ def checked_engine_config(model: str, rest: list[str]) -> Any:
     except Exception as exc:  # vLLM and transformers raise many kinds
         logger.debug("wcache serve: vLLM refused the config", exc_info=True)
         last = (str(exc).strip().splitlines() or [""])[-1].strip()
-        raise ConfigInvalid(f"{os.path.join(model, 'config.json')} (with the engine arguments "
-                            f"{' '.join(rest) or 'none'}): vLLM refused it: {type(exc).__name__}: "
-                            f"{last}; fix the config or the arguments") from exc
+        raise ConfigInvalid(
+            f"{os.path.join(model, 'config.json')} (with the engine arguments "
+            f"{' '.join(rest) or 'none'}): vLLM refused it: {type(exc).__name__}: "
+            f"{last}; fix the config or the arguments"
+        ) from exc
 
 
 def build_export(vllm_config: Any, *, progress: bool = True):
@@ -109,8 +111,12 @@ def build_export(vllm_config: Any, *, progress: bool = True):
         model = loader.create_model(vllm_config=vllm_config, model_config=model_config)
     planned = planned_layers(model, target)  # also refuses a model-level post-load hook
     layout = parallel_layout()
-    logger.info("wcache: loading weights of %s (rank tp%d/pp%d)", model_config.model,
-                layout["tp_rank"], layout["pp_rank"])
+    logger.info(
+        "wcache: loading weights of %s (rank tp%d/pp%d)",
+        model_config.model,
+        layout["tp_rank"],
+        layout["pp_rank"],
+    )
     # The key must describe the bytes loaded: digest and stat every file before the
     # load, and refuse after prepare if any file changed meanwhile (vLLM's loader
     # opens the files itself, so they cannot be hashed as it reads them).
@@ -125,12 +131,27 @@ def build_export(vllm_config: Any, *, progress: bool = True):
     layers = layer_entries(planned, prepared)
     verify_checkpoint_unchanged(model_config.model, checkpoint_before)
     key = build_key(model_config, layout, plan_ids(planned), target, checkpoint=checkpoint)
-    export = Export(tensors=tensors, kinds=kinds, aliases=aliases, layers=layers,
-                    nonpersistent=nonpersistent,
-                    extra={"model": str(model_config.model), "layout": layout,
-                           "load_s": t_load - t0, "prepare_s": t_prep - t_load})
-    logger.info("wcache: load %.2f s, prepare %.2f s (%d layers), %d tensors, %d aliases",
-                t_load - t0, t_prep - t_load, len(planned), len(tensors), len(aliases))
+    export = Export(
+        tensors=tensors,
+        kinds=kinds,
+        aliases=aliases,
+        layers=layers,
+        nonpersistent=nonpersistent,
+        extra={
+            "model": str(model_config.model),
+            "layout": layout,
+            "load_s": t_load - t0,
+            "prepare_s": t_prep - t_load,
+        },
+    )
+    logger.info(
+        "wcache: load %.2f s, prepare %.2f s (%d layers), %d tensors, %d aliases",
+        t_load - t0,
+        t_prep - t_load,
+        len(planned),
+        len(tensors),
+        len(aliases),
+    )
     return export, key
 
 
@@ -140,9 +161,10 @@ MAX_NAMED_TENSORS = 8
 
 def _layer_state(module: torch.nn.Module) -> str:
     """``name dtype [shape]`` of a layer's own tensors, as vLLM's loader left them."""
-    items = [f"{n} {str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
-             for n, t in [*module.named_parameters(recurse=False),
-                          *module.named_buffers(recurse=False)]]
+    items = [
+        f"{n} {str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+        for n, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+    ]
     more = f" and {len(items) - MAX_NAMED_TENSORS} more" if len(items) > MAX_NAMED_TENSORS else ""
     return ", ".join(items[:MAX_NAMED_TENSORS]) + more or "no tensors"
 
@@ -162,7 +184,6 @@ def prepare_layers_(planned: list, target: Any, *, progress: bool = False) -> di
     prepared = {}
     iterator = planned
     if progress:
-
         iterator = tqdm(planned, desc="wcache prepare", unit="layer", file=sys.stderr)
     with torch.no_grad():
         for p in iterator:
@@ -173,7 +194,8 @@ def prepare_layers_(planned: list, target: Any, *, progress: bool = False) -> di
                     f"layer {p.name!r}, plan {p.plan.id}: {type(exc).__name__}: {exc} "
                     f"(vLLM's loader left: {_layer_state(p.module)}). Nothing was served; "
                     f"serve this model without wcache (load_format='auto') and report it.",
-                    code="prepare-failed") from exc
+                    code="prepare-failed",
+                ) from exc
     return prepared
 
 
@@ -228,10 +250,16 @@ def init_distributed(vllm_config: Any, rank: int, world: int, init_method: str) 
         # CPUWorker.init_device the same way); unique per init method, so per job.
         os.environ["VLLM_DIST_IDENT"] = (
             os.path.basename(init_method.removeprefix("file://"))
-            if init_method.startswith("file://") else init_method.split(":")[-1])
-    init_distributed_environment(world_size=world, rank=rank,
-                                 local_rank=int(os.environ.get("LOCAL_RANK", rank)),
-                                 distributed_init_method=init_method, backend=backend)
+            if init_method.startswith("file://")
+            else init_method.split(":")[-1]
+        )
+    init_distributed_environment(
+        world_size=world,
+        rank=rank,
+        local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+        distributed_init_method=init_method,
+        backend=backend,
+    )
     initialize_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size)
 
 
@@ -250,8 +278,9 @@ def prepare_platform(vllm_config: Any) -> Iterator[None]:
         yield
 
 
-def build_server(vllm_config: Any, *, socket_dir: str | None, device_id: str,
-                 progress: bool = True) -> Any:
+def build_server(
+    vllm_config: Any, *, socket_dir: str | None, device_id: str, progress: bool = True
+) -> Any:
     """Build the export, copy it into the daemon's arena, and free everything else:
     the loaded model, vLLM's process-wide registrations of its layers (forward
     context, rotary cache), and on CUDA the caching allocator's unused blocks, so
@@ -270,8 +299,9 @@ def build_server(vllm_config: Any, *, socket_dir: str | None, device_id: str,
     try:
         export, key = build_export(vllm_config, progress=progress)
         try:
-            return DaemonServer(export, key, socket_dir=socket_dir, device=device_type,
-                                device_id=device_id)
+            return DaemonServer(
+                export, key, socket_dir=socket_dir, device=device_type, device_id=device_id
+            )
         finally:
             del export  # the model's tensors: the arena holds its own copy now
     finally:
@@ -299,8 +329,11 @@ def expected_key(vllm_config: Any) -> Any:
     before = compat.registrations(vllm_config)
     model = None
     try:
-        with set_default_torch_dtype(model_config.dtype), torch.device("meta"), \
-                compat.without_reload_metadata():
+        with (
+            set_default_torch_dtype(model_config.dtype),
+            torch.device("meta"),
+            compat.without_reload_metadata(),
+        ):
             model = initialize_model(vllm_config=vllm_config, model_config=model_config)
         planned = planned_layers(model, target)
         return build_key(model_config, parallel_layout(), plan_ids(planned), target)

@@ -21,8 +21,12 @@ def parallel_layout() -> dict[str, int]:
 
     tp = ps.get_tp_group()
     pp = ps.get_pp_group()
-    out = {"tp_size": tp.world_size, "tp_rank": tp.rank_in_group,
-           "pp_size": pp.world_size, "pp_rank": pp.rank_in_group}
+    out = {
+        "tp_size": tp.world_size,
+        "tp_rank": tp.rank_in_group,
+        "pp_size": pp.world_size,
+        "pp_rank": pp.rank_in_group,
+    }
     try:
         dp = ps.get_dp_group()
         out.update(dp_size=dp.world_size, dp_rank=dp.rank_in_group)
@@ -80,8 +84,7 @@ def model_config_factors(model_config: Any) -> dict[str, Any]:
                 value = json.loads(value)
             except ValueError:
                 pass
-        out[MODEL_FACTOR_PREFIX + name] = json.loads(json.dumps(value, sort_keys=True,
-                                                                default=str))
+        out[MODEL_FACTOR_PREFIX + name] = json.loads(json.dumps(value, sort_keys=True, default=str))
     return out
 
 
@@ -89,26 +92,41 @@ def job_digest(model_config: Any, layout: dict[str, int], job: str = "") -> str:
     """What separates two jobs on one host: architecture, dtype, quantization and
     parallel sizes (not the path, so a changed copy of a checkpoint reaches the
     daemon and is refused with ``key-mismatch`` naming ``checkpoint``)."""
-    parts = {"arch": list(getattr(model_config.hf_config, "architectures", None) or []),
-             "dtype": str(model_config.dtype), "quantization": model_config.quantization,
-             "tp": layout["tp_size"], "pp": layout["pp_size"], "dp": layout["dp_size"],
-             "job": job}
+    parts = {
+        "arch": list(getattr(model_config.hf_config, "architectures", None) or []),
+        "dtype": str(model_config.dtype),
+        "quantization": model_config.quantization,
+        "tp": layout["tp_size"],
+        "pp": layout["pp_size"],
+        "dp": layout["dp_size"],
+        "job": job,
+    }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def device_id(device: torch.device, model_config: Any, layout: dict[str, int], job: str = "") -> str:
+def device_id(
+    device: torch.device, model_config: Any, layout: dict[str, int], job: str = ""
+) -> str:
     """The socket's device id: the GPU UUID on CUDA; on CPU the rank and the job digest."""
     digest = job_digest(model_config, layout, job)
     if device.type == "cuda":
         idx = device.index if device.index is not None else torch.cuda.current_device()
         uuid = str(torch.cuda.get_device_properties(idx).uuid)
         return f"cuda-{uuid}-{digest}"
-    return (f"cpu-tp{layout['tp_rank']}of{layout['tp_size']}-"
-            f"pp{layout['pp_rank']}of{layout['pp_size']}-{digest}")
+    return (
+        f"cpu-tp{layout['tp_rank']}of{layout['tp_size']}-"
+        f"pp{layout['pp_rank']}of{layout['pp_size']}-{digest}"
+    )
 
 
-def build_key(model_config: Any, layout: dict[str, int], plans: Iterable[str],
-              target: Target, *, checkpoint: dict[str, str] | None = None) -> CacheKey:
+def build_key(
+    model_config: Any,
+    layout: dict[str, int],
+    plans: Iterable[str],
+    target: Target,
+    *,
+    checkpoint: dict[str, str] | None = None,
+) -> CacheKey:
     """Everything that decides the exported bytes and their meaning.
 
     Fields: checkpoint content digests (per file, blake3; cached by stat so the
@@ -124,7 +142,9 @@ def build_key(model_config: Any, layout: dict[str, int], plans: Iterable[str],
     """
     fields = {
         **model_config_factors(model_config),
-        "checkpoint": checkpoint if checkpoint is not None else checkpoint_digest(model_config.model),
+        "checkpoint": checkpoint
+        if checkpoint is not None
+        else checkpoint_digest(model_config.model),
         "model_arch": list(getattr(model_config.hf_config, "architectures", None) or []),
         "dtype": str(model_config.dtype),
         "quantization": model_config.quantization,
@@ -133,7 +153,10 @@ def build_key(model_config: Any, layout: dict[str, int], plans: Iterable[str],
         "parallel": dict(layout),
         "plans": list(plans),
         "target": target.to_json(),
-        "versions": {"wcache": wcache.__version__, "vllm": compat.vllm_version(),
-                     "torch": torch.__version__},
+        "versions": {
+            "wcache": wcache.__version__,
+            "vllm": compat.vllm_version(),
+            "torch": torch.__version__,
+        },
     }
     return CacheKey(fields)

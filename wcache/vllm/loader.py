@@ -74,7 +74,12 @@ from wcache.vllm import compat
 from wcache.vllm.key import build_key, device_id, parallel_layout
 from wcache.vllm.probe import host_target
 from wcache.vllm.model import (
-    ModelMismatch, install_tensors_, meta_leftovers, plan_ids, planned_layers, restore_layers_,
+    ModelMismatch,
+    install_tensors_,
+    meta_leftovers,
+    plan_ids,
+    planned_layers,
+    restore_layers_,
 )
 
 #: Under vLLM's "vllm" logger so its handler prints our lines in engine logs.
@@ -115,8 +120,9 @@ class LoaderOptions:
         known = {f.name for f in attrs.fields(cls)}
         unknown = sorted(set(extra) - known)
         if unknown:
-            raise ValueError(f"wcache: unknown model_loader_extra_config keys {unknown}; "
-                             f"known: {sorted(known)}")
+            raise ValueError(
+                f"wcache: unknown model_loader_extra_config keys {unknown}; known: {sorted(known)}"
+            )
         if extra.get("mode", "zero_copy") not in ("zero_copy", "copy"):
             raise ValueError(f"wcache: mode must be 'zero_copy' or 'copy', not {extra['mode']!r}")
         for flag in ("fallback", "strict", "share_prepacks", "freeze_gc", "artifacts"):
@@ -129,8 +135,9 @@ class LoaderOptions:
             except (TypeError, ValueError):
                 seconds = math.nan
             if not (math.isfinite(seconds) and seconds > 0) or isinstance(value, bool):
-                raise ValueError(f"wcache: connect_timeout_s must be a positive number of "
-                                 f"seconds, not {value!r}")
+                raise ValueError(
+                    f"wcache: connect_timeout_s must be a positive number of seconds, not {value!r}"
+                )
             extra["connect_timeout_s"] = seconds
         for name in ("socket_dir", "job", "timing_file", "profile_file", "artifacts_record"):
             if name in extra and extra[name] is not None and not isinstance(extra[name], str):
@@ -147,8 +154,10 @@ def _parse_bool(name: str, value: Any) -> bool:
         return value
     if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
         return value.lower() in _TRUE
-    raise ValueError(f"wcache: {name} must be true or false (or one of "
-                     f"{'/'.join(_TRUE + _FALSE)}), not {value!r}")
+    raise ValueError(
+        f"wcache: {name} must be true or false (or one of "
+        f"{'/'.join(_TRUE + _FALSE)}), not {value!r}"
+    )
 
 
 def _diagnose_missing(exc: Exception, key: Any, socket_dir: str | None) -> Exception:
@@ -177,10 +186,13 @@ def _diagnose_missing(exc: Exception, key: Any, socket_dir: str | None) -> Excep
     if best is None:
         return exc
     sock, other = best
-    err = KeyMismatch(f"no daemon serves this engine's configuration ({exc}); the daemon at "
-                      f"{sock} serves another: {key.versions_note(other)}key differs in "
-                      f"{key.describe_diff(other)}. Start "
-                      f"`wcache serve` with the engine's arguments.", fields=key.diff(other))
+    err = KeyMismatch(
+        f"no daemon serves this engine's configuration ({exc}); the daemon at "
+        f"{sock} serves another: {key.versions_note(other)}key differs in "
+        f"{key.describe_diff(other)}. Start "
+        f"`wcache serve` with the engine's arguments.",
+        fields=key.diff(other),
+    )
     return err
 
 
@@ -202,7 +214,9 @@ class EngineCounters:
     def record(self, phase: str, seconds: float, code: str | None = None) -> "EngineCounters":
         """These counters after one load (``phase`` ``restore`` or ``fallback``)."""
         if phase == "restore":
-            return attrs.evolve(self, restores=self.restores + 1, restore_s=self.restore_s + seconds)
+            return attrs.evolve(
+                self, restores=self.restores + 1, restore_s=self.restore_s + seconds
+            )
         counts = dict(self.fallbacks)
         counts[str(code)] = counts.get(str(code), 0) + 1
         return attrs.evolve(self, fallbacks=tuple(sorted(counts.items())))
@@ -211,8 +225,9 @@ class EngineCounters:
         """The INFO line: ``restores=N restore_s=S fallbacks=M (code=n ...)``."""
         total = sum(n for _, n in self.fallbacks)
         codes = " ".join(f"{c}={n}" for c, n in self.fallbacks)
-        return (f"restores={self.restores} restore_s={self.restore_s:.3f} fallbacks={total}"
-                + (f" ({codes})" if codes else ""))
+        return f"restores={self.restores} restore_s={self.restore_s:.3f} fallbacks={total}" + (
+            f" ({codes})" if codes else ""
+        )
 
 
 _counters = EngineCounters()
@@ -234,8 +249,9 @@ def _record_timing(opts: LoaderOptions, phase: str, seconds: float, **info: Any)
             f.write(json.dumps({"phase": phase, "seconds": seconds, **info}) + "\n")
 
 
-def _update_refusal(vllm_config: VllmConfig, device: torch.device, opts: LoaderOptions
-                    ) -> str | None:
+def _update_refusal(
+    vllm_config: VllmConfig, device: torch.device, opts: LoaderOptions
+) -> str | None:
     """Why a weight-mutation path this engine enables cannot run on a restored
     model, or None (see docs/quickstart.md, "Mapped weights and weight updates").
 
@@ -249,13 +265,17 @@ def _update_refusal(vllm_config: VllmConfig, device: torch.device, opts: LoaderO
     if device.type == "cpu" or opts.mode == "copy":
         return None
     if getattr(vllm_config.parallel_config, "enable_eplb", False):
-        return ("expert rebalancing (enable_eplb) rewrites expert weights in place, and the "
-                "daemon's zero_copy device memory cannot take private writes; set "
-                "model_loader_extra_config mode='copy' (or load from disk)")
+        return (
+            "expert rebalancing (enable_eplb) rewrites expert weights in place, and the "
+            "daemon's zero_copy device memory cannot take private writes; set "
+            "model_loader_extra_config mode='copy' (or load from disk)"
+        )
     if getattr(vllm_config.model_config, "enable_sleep_mode", False):
-        return ("sleep mode cannot offload or free the daemon's zero_copy device memory, and "
-                "level 2 reloads weights into it; set model_loader_extra_config mode='copy' "
-                "(or load from disk)")
+        return (
+            "sleep mode cannot offload or free the daemon's zero_copy device memory, and "
+            "level 2 reloads weights into it; set model_loader_extra_config mode='copy' "
+            "(or load from disk)"
+        )
     return None
 
 
@@ -328,11 +348,13 @@ def _ipc_refusal() -> UpdateUnsupported:
         "(the graphs would keep computing with the old weights). The engine keeps serving "
         "the weights it has. Fix: serve over cuda_vmm (the daemon's default where the "
         "driver supports it; `wcache status` shows the transport), or set "
-        "model_loader_extra_config mode='copy', or run the engine with enforce_eager=True.")
+        "model_loader_extra_config mode='copy', or run the engine with enforce_eager=True."
+    )
 
 
-def _install_update_hooks_(model: torch.nn.Module, attachment: Any,
-                           address_bound: bool = False) -> str:
+def _install_update_hooks_(
+    model: torch.nn.Module, attachment: Any, address_bound: bool = False
+) -> str:
     """Private writes for a CUDA ``zero_copy`` model, whose mapping cannot be made
     copy-on-write: before vLLM first writes weights, the daemon's memory is replaced
     by this engine's own; the daemon's memory is never written.
@@ -372,9 +394,12 @@ def _install_update_hooks_(model: torch.nn.Module, attachment: Any,
         def before_write() -> None:
             copied = attachment.privatize_in_place_()
             if copied:
-                logger.info("wcache: weight update: the mapped arena (%.1f MiB) copied into this "
-                            "engine's own device memory at the same addresses (cuda_vmm; "
-                            "outside vLLM's memory budget)", copied / 2**20)
+                logger.info(
+                    "wcache: weight update: the mapped arena (%.1f MiB) copied into this "
+                    "engine's own device memory at the same addresses (cuda_vmm; "
+                    "outside vLLM's memory budget)",
+                    copied / 2**20,
+                )
 
         def before_load_weights() -> None:
             before_write()
@@ -401,20 +426,32 @@ def _install_update_hooks_(model: torch.nn.Module, attachment: Any,
             pass  # the tensors are known only once vLLM set them aside (load_weights)
 
         def before_load_weights() -> None:
-            copied = _clone_privatize_(list(model.parameters()) + list(model.buffers())
-                                       + compat.reload_kernel_tensors(model), lo, hi)
+            copied = _clone_privatize_(
+                list(model.parameters())
+                + list(model.buffers())
+                + compat.reload_kernel_tensors(model),
+                lo,
+                hi,
+            )
             if copied:
-                logger.info("wcache: weight update: %.1f MiB of mapped weights copied into the "
-                            "engine (cuda_ipc, eager: new addresses)", copied / 2**20)
+                logger.info(
+                    "wcache: weight update: %.1f MiB of mapped weights copied into the "
+                    "engine (cuda_ipc, eager: new addresses)",
+                    copied / 2**20,
+                )
 
         def before_module_write(module: torch.nn.Module) -> None:
             if _called_from_reload():
-                _clone_privatize_(list(module.parameters(recurse=False))
-                                  + list(module.buffers(recurse=False)), lo, hi)
+                _clone_privatize_(
+                    list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)),
+                    lo,
+                    hi,
+                )
 
     compat.hook_reload_start_(model, before_write)
-    compat.wrap_weight_writers_(model, before_load_weights=before_load_weights,
-                                before_module_write=before_module_write)
+    compat.wrap_weight_writers_(
+        model, before_load_weights=before_load_weights, before_module_write=before_module_write
+    )
     return policy
 
 
@@ -428,12 +465,15 @@ def _compiles(vllm_config: VllmConfig) -> bool:
     """
     from vllm.config.compilation import CompilationMode  # noqa: PLC0415
 
-    return not vllm_config.model_config.enforce_eager and \
-        vllm_config.compilation_config.mode != CompilationMode.NONE
+    return (
+        not vllm_config.model_config.enforce_eager
+        and vllm_config.compilation_config.mode != CompilationMode.NONE
+    )
 
 
-def _startup_plan_hint(manifest: dict[str, Any], reasons: tuple[tuple[str, str], ...],
-                       info: dict[str, Any]) -> None:
+def _startup_plan_hint(
+    manifest: dict[str, Any], reasons: tuple[tuple[str, str], ...], info: dict[str, Any]
+) -> None:
     """Note in ``info`` (``startup_plans``, ``startup_plans_skipped``) the vLLM startup
     plans a bundle carries and how many were not installed (``reasons``: the install's),
     and say in the log when this engine does not apply them: a plan skipped for another
@@ -451,18 +491,22 @@ def _startup_plan_hint(manifest: dict[str, Any], reasons: tuple[tuple[str, str],
     skipped = [n for n, why in reasons if why == startup.SKIP_PLAN_BUDGET]
     if skipped:
         info["startup_plans_skipped"] = len(skipped)
-        logger.info("wcache: vLLM's startup plan not installed: this engine's "
-                    "gpu_memory_utilization differs from the priming engine's, and a plan "
-                    "would set the KV cache's size regardless (start the daemon with the "
-                    "engines' --gpu-memory-utilization to carry a plan that fits)")
+        logger.info(
+            "wcache: vLLM's startup plan not installed: this engine's "
+            "gpu_memory_utilization differs from the priming engine's, and a plan "
+            "would set the KV cache's size regardless (start the daemon with the "
+            "engines' --gpu-memory-utilization to carry a plan that fits)"
+        )
     elif not getattr(envs, startup.STARTUP_PLAN_ENV, False):
-        logger.info("wcache: the start-up artifacts carry vLLM's startup plan (the KV-cache "
-                    "memory the priming engine profiled); set %s=1 on the engine to apply it "
-                    "and skip memory profiling", startup.STARTUP_PLAN_ENV)
+        logger.info(
+            "wcache: the start-up artifacts carry vLLM's startup plan (the KV-cache "
+            "memory the priming engine profiled); set %s=1 on the engine to apply it "
+            "and skip memory profiling",
+            startup.STARTUP_PLAN_ENV,
+        )
 
 
-def _startup_artifacts(opts: LoaderOptions, vllm_config: VllmConfig,
-                       dev_id: str) -> dict[str, Any]:
+def _startup_artifacts(opts: LoaderOptions, vllm_config: VllmConfig, dev_id: str) -> dict[str, Any]:
     """After a restore: record this engine's compile factors (``artifacts_record``),
     then, when the engine compiles, fetch the daemon's start-up artifact bundle,
     check it against this engine's vLLM and install it into this engine's caches
@@ -502,28 +546,43 @@ def _startup_artifacts(opts: LoaderOptions, vllm_config: VllmConfig,
             if reason is not None:
                 outcome = "stale"
                 info["reason"] = reason
-                logger.warning("wcache: start-up artifacts not used [artifacts-stale]: %s; this "
-                               "engine compiles as usual", reason)
+                logger.warning(
+                    "wcache: start-up artifacts not used [artifacts-stale]: %s; this "
+                    "engine compiles as usual",
+                    reason,
+                )
             else:
                 outcome = "installed" if result.installed else "present"
-                info.update(installed=len(result.installed), skipped=len(result.skipped),
-                            installed_by_root=dict(collections.Counter(
-                                n.split("/", 1)[0] for n in result.installed)),
-                            nbytes=result.nbytes,
-                            compile_dirs=startup.compile_dirs(bundle.manifest))
-                logger.info("wcache: start-up artifacts %s: %d entries installed (%.1f MiB), %d "
-                            "skipped (already in this engine's caches, or a startup plan that "
-                            "does not fit) (compile dirs %s)", outcome,
-                            len(result.installed), result.nbytes / 2**20, len(result.skipped),
-                            info["compile_dirs"])
+                info.update(
+                    installed=len(result.installed),
+                    skipped=len(result.skipped),
+                    installed_by_root=dict(
+                        collections.Counter(n.split("/", 1)[0] for n in result.installed)
+                    ),
+                    nbytes=result.nbytes,
+                    compile_dirs=startup.compile_dirs(bundle.manifest),
+                )
+                logger.info(
+                    "wcache: start-up artifacts %s: %d entries installed (%.1f MiB), %d "
+                    "skipped (already in this engine's caches, or a startup plan that "
+                    "does not fit) (compile dirs %s)",
+                    outcome,
+                    len(result.installed),
+                    result.nbytes / 2**20,
+                    len(result.skipped),
+                    info["compile_dirs"],
+                )
                 _startup_plan_hint(bundle.manifest, result.reasons, info)
     except Exception as exc:  # noqa: BLE001  (artifacts only save a compile; never fail the load)
         code = getattr(exc, "code", None) or type(exc).__name__
         outcome = "missing" if code == "artifacts-missing" else "error"
         info["reason"] = f"[{code}] {exc}"
         log = logger.info if outcome == "missing" else logger.warning
-        log("wcache: no start-up artifacts installed [%s]: %s; this engine compiles as usual",
-            code, exc)
+        log(
+            "wcache: no start-up artifacts installed [%s]: %s; this engine compiles as usual",
+            code,
+            exc,
+        )
     seconds = time.perf_counter() - t0
     logger.info("wcache: start-up artifacts phase took %.3f s (%s)", seconds, outcome)
     return {"seconds": round(seconds, 4), "outcome": outcome, **info}
@@ -567,8 +626,11 @@ class WcacheModelLoader(BaseModelLoader):
         opts = self.options
         if opts.freeze_gc:
             # vLLM calls this right before the load phase (CUDA workers only)
-            logger.info("wcache: froze the worker's gc heap before the load (%.3f s; "
-                        "freeze_gc=false turns this off)", compat.freeze_gc_heap())
+            logger.info(
+                "wcache: froze the worker's gc heap before the load (%.3f s; "
+                "freeze_gc=false turns this off)",
+                compat.freeze_gc_heap(),
+            )
         if opts.mode != "zero_copy":
             return 0
         model_config = vllm_config.model_config
@@ -578,23 +640,39 @@ class WcacheModelLoader(BaseModelLoader):
             sock = socket_path(opts.socket_dir, device_id(device, model_config, layout, opts.job))
             status = daemon_status(sock, connect_timeout_s=opts.connect_timeout_s)
         except (StoreError, OSError) as exc:
-            logger.warning("wcache: no daemon answers for this rank (%s); counting 0 bytes of "
-                           "external weights (the load will fall back to disk)", exc)
+            logger.warning(
+                "wcache: no daemon answers for this rank (%s); counting 0 bytes of "
+                "external weights (the load will fall back to disk)",
+                exc,
+            )
             return 0
         if status.get("device") != device.type:
-            logger.warning("wcache: the daemon on %s serves %r, the engine runs on %r; counting "
-                           "0 bytes of external weights", sock, status.get("device"), device.type)
+            logger.warning(
+                "wcache: the daemon on %s serves %r, the engine runs on %r; counting "
+                "0 bytes of external weights",
+                sock,
+                status.get("device"),
+                device.type,
+            )
             return 0
         try:
             mine = build_key(model_config, layout, [], host_target(device))
             differ = [f for f in mine.diff(CacheKey(status["key_fields"])) if f != "plans"]
         except (StoreError, WcacheError, OSError, KeyError, TypeError) as exc:
-            logger.warning("wcache: cannot compare keys with the daemon on %s (%s); counting 0 "
-                           "bytes of external weights", sock, exc)
+            logger.warning(
+                "wcache: cannot compare keys with the daemon on %s (%s); counting 0 "
+                "bytes of external weights",
+                sock,
+                exc,
+            )
             return 0
         if differ:
-            logger.warning("wcache: the daemon on %s serves another configuration (key differs "
-                           "in %s); counting 0 bytes of external weights", sock, differ)
+            logger.warning(
+                "wcache: the daemon on %s serves another configuration (key differs "
+                "in %s); counting 0 bytes of external weights",
+                sock,
+                differ,
+            )
             return 0
         return int(status["bytes_held"])
 
@@ -612,11 +690,13 @@ class WcacheModelLoader(BaseModelLoader):
         self._disk_loader().load_weights(model, model_config)
 
     def _disk_loader(self) -> DefaultModelLoader:
-        return DefaultModelLoader(dataclasses.replace(self.load_config, load_format="auto",
-                                                      model_loader_extra_config={}))
+        return DefaultModelLoader(
+            dataclasses.replace(self.load_config, load_format="auto", model_loader_extra_config={})
+        )
 
-    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig,
-                   prefix: str = "") -> torch.nn.Module:
+    def load_model(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
+    ) -> torch.nn.Module:
         """The model, restored from the daemon (or loaded from disk by the fallback
         rule); with ``profile_file`` set, the whole call under ``cProfile``, its stats
         written there (``pstats`` format; ``python -m pstats FILE`` reads them; with
@@ -638,18 +718,24 @@ class WcacheModelLoader(BaseModelLoader):
             except OSError as exc:
                 logger.warning("wcache: could not write the load profile to %s: %s", path, exc)
 
-    def _load_model(self, vllm_config: VllmConfig, model_config: ModelConfig,
-                    prefix: str) -> torch.nn.Module:
+    def _load_model(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str
+    ) -> torch.nn.Module:
         opts = self.options
         t0 = time.perf_counter()
         device = torch.device(vllm_config.device_config.device)
         target = host_target(device)
         before = compat.registrations(vllm_config)
         marks = {}
-        with (compat.without_reload_metadata(), compat.gptq_config_copied_shallow(),
-              set_default_torch_dtype(model_config.dtype), torch.device("meta")):
-            model = initialize_model(vllm_config=vllm_config, model_config=model_config,
-                                     prefix=prefix)
+        with (
+            compat.without_reload_metadata(),
+            compat.gptq_config_copied_shallow(),
+            set_default_torch_dtype(model_config.dtype),
+            torch.device("meta"),
+        ):
+            model = initialize_model(
+                vllm_config=vllm_config, model_config=model_config, prefix=prefix
+            )
         # each layer's model-format metadata, which an in-place reload_weights needs
         # (vLLM records it inside initialize_model; outside the meta context it costs
         # half), with our device as the one a reload materializes layers on
@@ -669,24 +755,43 @@ class WcacheModelLoader(BaseModelLoader):
             key = build_key(model_config, layout, plan_ids(planned), target)
             marks["key"] = time.perf_counter()
             try:
-                attachment = attach(key, socket_dir=opts.socket_dir, device=device.type,
-                                    device_id=dev_id, mode=opts.mode,
-                                    connect_timeout_s=opts.connect_timeout_s)
+                attachment = attach(
+                    key,
+                    socket_dir=opts.socket_dir,
+                    device=device.type,
+                    device_id=dev_id,
+                    mode=opts.mode,
+                    connect_timeout_s=opts.connect_timeout_s,
+                )
             except DaemonMissing as exc:
                 raise _diagnose_missing(exc, key, opts.socket_dir) from exc
             marks["attach"] = time.perf_counter()
-            install_tensors_(model, attachment.tensors, attachment.kinds, attachment.persistent,
-                             attachment.aliases, planned)
+            install_tensors_(
+                model,
+                attachment.tensors,
+                attachment.kinds,
+                attachment.persistent,
+                attachment.aliases,
+                planned,
+            )
             marks["install"] = time.perf_counter()
-            released = restore_layers_(planned, attachment.layers, target, strict=opts.strict,
-                                       share_prepacks=opts.share_prepacks,
-                                       content=attachment.writable)
+            released = restore_layers_(
+                planned,
+                attachment.layers,
+                target,
+                strict=opts.strict,
+                share_prepacks=opts.share_prepacks,
+                content=attachment.writable,
+            )
             marks["replay"] = time.perf_counter()
             left = meta_leftovers(model)
             if left:
-                raise ModelMismatch(f"after restore {len(left)} tensors are still on meta "
-                                    f"(first: {left[:5]}); the daemon's export or a plan misses "
-                                    f"them.", code="restore-incomplete")
+                raise ModelMismatch(
+                    f"after restore {len(left)} tensors are still on meta "
+                    f"(first: {left[:5]}); the daemon's export or a plan misses "
+                    f"them.",
+                    code="restore-incomplete",
+                )
             if opts.mode == "zero_copy" and released:
                 attachment.release_ranges_(released)
             # Weight updates (load_weights, reload_weights, ...) write into these
@@ -694,16 +799,20 @@ class WcacheModelLoader(BaseModelLoader):
             # the tensors they touch are copied first (CUDA).
             if not attachment.allow_private_writes_():
                 policy = _install_update_hooks_(model, attachment, _address_bound(vllm_config))
-                logger.info("wcache: weight updates on this %s engine: %s", attachment.transport,
-                            _POLICY_NOTE[policy])
+                logger.info(
+                    "wcache: weight updates on this %s engine: %s",
+                    attachment.transport,
+                    _POLICY_NOTE[policy],
+                )
         except Exception as exc:  # noqa: BLE001  (every failure takes the fallback rule)
             if attachment is not None:
                 if getattr(exc, "code", None) == "guard-failed":
                     # The daemon's bytes may be rewritten: it stops serving and exits.
                     attachment.invalidate("guard-failed", str(exc))
                 attachment.close()
-            code = getattr(exc, "code", None) if isinstance(exc, (StoreError, WcacheError)) \
-                else None
+            code = (
+                getattr(exc, "code", None) if isinstance(exc, (StoreError, WcacheError)) else None
+            )
             if code is None:  # not one of ours: a bug or an unexpected vLLM state
                 code = "restore-error"
                 logger.exception("wcache: unexpected error during restore")
@@ -711,15 +820,25 @@ class WcacheModelLoader(BaseModelLoader):
             del model  # the meta build: neither a raise nor the disk load keeps it
             compat.forget_registrations_(vllm_config, before)
             if not opts.fallback:
-                raise RestoreFailed(f"wcache restore failed on {rank} [{code}]: {exc} "
-                                    f"(fallback=false, so no disk load).", code=code) from exc
+                raise RestoreFailed(
+                    f"wcache restore failed on {rank} [{code}]: {exc} "
+                    f"(fallback=false, so no disk load).",
+                    code=code,
+                ) from exc
             logger.warning("wcache: falling back to disk on %s [%s]: %s", rank, code, exc)
             t1 = time.perf_counter()
             model = self._disk_loader().load_model(vllm_config, model_config, prefix)
             t2 = time.perf_counter()
             # the whole load phase: the meta build and every wait on the daemon too
-            _record_timing(opts, "fallback", t2 - t0, reason=code, tp_rank=layout["tp_rank"],
-                           before_fallback_s=round(t1 - t0, 4), disk_s=round(t2 - t1, 4))
+            _record_timing(
+                opts,
+                "fallback",
+                t2 - t0,
+                reason=code,
+                tp_rank=layout["tp_rank"],
+                before_fallback_s=round(t1 - t0, 4),
+                disk_s=round(t2 - t1, 4),
+            )
             count_load("fallback", t2 - t0, code)
             return model
         compat.keep_attachment_(model, attachment)  # the mapping lives as long as the model
@@ -730,13 +849,26 @@ class WcacheModelLoader(BaseModelLoader):
             prev = t
         restore_s = time.perf_counter() - t0
         artifacts = _startup_artifacts(opts, vllm_config, dev_id)
-        _record_timing(opts, "restore", restore_s, layers=len(planned), artifacts=artifacts,
-                       tp_rank=layout["tp_rank"], nbytes=attachment.nbytes, steps=steps,
-                       transport=attachment.transport, mode=opts.mode,
-                       guard="content" if attachment.writable else "read-only-mapping")
-        logger.info("wcache: restored %d layers via %s (%s; guard: %s)", len(planned),
-                    attachment.transport, opts.mode,
-                    "content checksums" if attachment.writable else "read-only mapping + metadata")
+        _record_timing(
+            opts,
+            "restore",
+            restore_s,
+            layers=len(planned),
+            artifacts=artifacts,
+            tp_rank=layout["tp_rank"],
+            nbytes=attachment.nbytes,
+            steps=steps,
+            transport=attachment.transport,
+            mode=opts.mode,
+            guard="content" if attachment.writable else "read-only-mapping",
+        )
+        logger.info(
+            "wcache: restored %d layers via %s (%s; guard: %s)",
+            len(planned),
+            attachment.transport,
+            opts.mode,
+            "content checksums" if attachment.writable else "read-only mapping + metadata",
+        )
         count_load("restore", restore_s)
         return model.eval()
 
@@ -748,11 +880,13 @@ class TimedDiskLoader(DefaultModelLoader):
 
     def __init__(self, load_config: LoadConfig):
         self.options = LoaderOptions.from_extra(load_config.model_loader_extra_config)
-        super().__init__(dataclasses.replace(load_config, load_format="auto",
-                                             model_loader_extra_config={}))
+        super().__init__(
+            dataclasses.replace(load_config, load_format="auto", model_loader_extra_config={})
+        )
 
-    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig,
-                   prefix: str = "") -> torch.nn.Module:
+    def load_model(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
+    ) -> torch.nn.Module:
         t0 = time.perf_counter()
         model = super().load_model(vllm_config, model_config, prefix)
         _record_timing(self.options, "disk", time.perf_counter() - t0)

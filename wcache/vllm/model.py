@@ -52,14 +52,20 @@ def unplanned_postload(module: torch.nn.Module, *, root: bool = False) -> str | 
     """
     quant_method = getattr(module, "quant_method", None)
     if quant_method is not None and not compat.quant_method_postload_is_noop(quant_method):
-        return (f"its quant method {type(quant_method).__name__} runs "
-                f"process_weights_after_loading, which no wcache plan covers")
+        return (
+            f"its quant method {type(quant_method).__name__} runs "
+            f"process_weights_after_loading, which no wcache plan covers"
+        )
     if compat.attention_postload(module) != "none":
-        return (f"{type(module).__name__} runs deferred attention post-load work "
-                f"(process_weights_after_loading), which no wcache plan covers")
+        return (
+            f"{type(module).__name__} runs deferred attention post-load work "
+            f"(process_weights_after_loading), which no wcache plan covers"
+        )
     if root and callable(getattr(module, "process_weights_after_loading", None)):
-        return (f"{type(module).__name__} has a model-level process_weights_after_loading "
-                f"hook, which no wcache plan covers")
+        return (
+            f"{type(module).__name__} has a model-level process_weights_after_loading "
+            f"hook, which no wcache plan covers"
+        )
     return None
 
 
@@ -86,8 +92,15 @@ def planned_layers(model: torch.nn.Module, target: Target) -> list[PlannedLayer]
             out.append(PlannedLayer(name, module, config, plan_for(config, target=target).plan))
         except NoPlan as exc:
             # the reason without the layer's own name, so equal reasons group together
-            missing.append((name, str(exc).replace(f" (layer {name})", "")
-                            .replace(f"(layer {name})", "").rstrip(".")))
+            missing.append(
+                (
+                    name,
+                    str(exc)
+                    .replace(f" (layer {name})", "")
+                    .replace(f"(layer {name})", "")
+                    .rstrip("."),
+                )
+            )
     if missing:
         raise UnplannedLayers(missing)
     return out
@@ -95,8 +108,9 @@ def planned_layers(model: torch.nn.Module, target: Target) -> list[PlannedLayer]
 
 def plan_ids(layers: Iterable[PlannedLayer]) -> list[str]:
     """Sorted unique plan ids with stage versions (part of the cache key)."""
-    return sorted({f"{p.plan.id}:" + ",".join(f"{n}@{v}" for n, v in p.plan.stage_versions)
-                   for p in layers})
+    return sorted(
+        {f"{p.plan.id}:" + ",".join(f"{n}@{v}" for n, v in p.plan.stage_versions) for p in layers}
+    )
 
 
 def _split(name: str) -> tuple[str, str]:
@@ -104,8 +118,9 @@ def _split(name: str) -> tuple[str, str]:
     return mod, leaf
 
 
-def export_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str],
-                                                    dict[str, str], set[str]]:
+def export_tensors(
+    model: torch.nn.Module,
+) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, str], set[str]]:
     """Every unique parameter and buffer (non-persistent included) of ``model``.
 
     Returns:
@@ -128,8 +143,13 @@ def export_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dic
         entries.append((name, b, "buffer"))
     for name, t, kind in entries:
         if t.numel() and t.device.type != "meta":
-            ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-                     tuple(t.stride()), t.dtype)
+            ident = (
+                t.untyped_storage().data_ptr(),
+                t.storage_offset(),
+                tuple(t.shape),
+                tuple(t.stride()),
+                t.dtype,
+            )
         else:
             ident = ("id", id(t))
         mod, leaf = _split(name)
@@ -144,9 +164,14 @@ def export_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dic
     return tensors, kinds, aliases, nonpersistent
 
 
-def install_tensors_(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
-                     kinds: Mapping[str, str], persistent: Mapping[str, bool],
-                     aliases: Mapping[str, str], planned: Iterable[PlannedLayer]) -> None:
+def install_tensors_(
+    model: torch.nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    kinds: Mapping[str, str],
+    persistent: Mapping[str, bool],
+    aliases: Mapping[str, str],
+    planned: Iterable[PlannedLayer],
+) -> None:
     """:func:`wcache.shell.install_tensors_` with each layer's writes taken from its plan.
 
     Raises:
@@ -155,15 +180,28 @@ def install_tensors_(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
     """
     planned = list(planned)
     shell.install_tensors_(  # a layer under several names: shell._by_every_name
-        model, tensors, kinds, persistent, aliases,
+        model,
+        tensors,
+        kinds,
+        persistent,
+        aliases,
         writes={p.name: {w for s in p.plan.stages for w in s.writes} for p in planned},
-        transformed={p.name: {w for s in p.plan.stages if s.tag is Tag.TRANSFORM
-                              for w in s.writes} for p in planned})
+        transformed={
+            p.name: {w for s in p.plan.stages if s.tag is Tag.TRANSFORM for w in s.writes}
+            for p in planned
+        },
+    )
 
 
-def restore_layers_(planned: Iterable[PlannedLayer], layers: Mapping[str, Mapping],
-                    target: Target, *, strict: bool, share_prepacks: bool = True,
-                    content: bool = True) -> list[str]:
+def restore_layers_(
+    planned: Iterable[PlannedLayer],
+    layers: Mapping[str, Mapping],
+    target: Target,
+    *,
+    strict: bool,
+    share_prepacks: bool = True,
+    content: bool = True,
+) -> list[str]:
     """Replay every plan's restore stages on its (already installed) layer, under
     one :class:`~wcache.core.RestoreGuard` over every layer: with ``content`` on
     (the mapping is writable: cuda_ipc, copy mode) each layer's byte range is
@@ -181,10 +219,19 @@ def restore_layers_(planned: Iterable[PlannedLayer], layers: Mapping[str, Mappin
     """
 
     planned = list(planned)
-    guard = RestoreGuard({p.config.name: {k: v for k, v in
-                                          shell.state_from_module(p.module).tensors.items()
-                                          if v.device.type != "meta"} for p in planned},
-                         content=content, strict=strict, defer=True)
+    guard = RestoreGuard(
+        {
+            p.config.name: {
+                k: v
+                for k, v in shell.state_from_module(p.module).tensors.items()
+                if v.device.type != "meta"
+            }
+            for p in planned
+        },
+        content=content,
+        strict=strict,
+        defer=True,
+    )
     released: list[str] = []
     # one memo for the whole model: layers whose weight is the same tensor (a tied
     # embedding and lm_head) share one oneDNN prepack (see Stage.memoized); the memo
@@ -196,17 +243,33 @@ def restore_layers_(planned: Iterable[PlannedLayer], layers: Mapping[str, Mappin
     return released
 
 
-def _restore_one(p: PlannedLayer, layers: Mapping[str, Mapping], target: Target, guard: Any,
-                 released: list[str], memo: dict[str, dict] | None) -> None:
+def _restore_one(
+    p: PlannedLayer,
+    layers: Mapping[str, Mapping],
+    target: Target,
+    guard: Any,
+    released: list[str],
+    memo: dict[str, dict] | None,
+) -> None:
     entry = layers.get(p.name)
     if entry is None:
-        raise RestoreIncomplete(f"the daemon's export has no entry for layer {p.name!r}; "
-                                f"restart the daemon with the engine's arguments.")
+        raise RestoreIncomplete(
+            f"the daemon's export has no entry for layer {p.name!r}; "
+            f"restart the daemon with the engine's arguments."
+        )
     if entry["plan"] != p.plan.id:
-        raise RestoreIncomplete(f"layer {p.name!r}: the daemon prepared it with plan "
-                                f"{entry['plan']} but this engine resolves {p.plan.id}.")
-    state = shell.restore_(p.module, p.plan.bind(p.config, target), entry.get("recorded", {}),
-                           guard=guard, drops=entry.get("drops", ()), memo=memo)
+        raise RestoreIncomplete(
+            f"layer {p.name!r}: the daemon prepared it with plan "
+            f"{entry['plan']} but this engine resolves {p.plan.id}."
+        )
+    state = shell.restore_(
+        p.module,
+        p.plan.bind(p.config, target),
+        entry.get("recorded", {}),
+        guard=guard,
+        drops=entry.get("drops", ()),
+        memo=memo,
+    )
     sync_kernel_state_(p.module)
     released.extend(f"{p.name}.{n}" if p.name else n for n in state.released)
 
@@ -231,8 +294,11 @@ def layer_entries(planned: Iterable[PlannedLayer], prepared: Mapping[str, Any]) 
     out = {}
     for p in planned:
         prep = prepared[p.name]
-        out[p.name] = {"plan": p.plan.id, "kernel": p.plan.kernel,
-                       "method": p.plan.method,
-                       "recorded": {k: dict(v) for k, v in prep.recorded.items()},
-                       "drops": list(prep.drops)}
+        out[p.name] = {
+            "plan": p.plan.id,
+            "kernel": p.plan.kernel,
+            "method": p.plan.method,
+            "recorded": {k: dict(v) for k, v in prep.recorded.items()},
+            "drops": list(prep.drops),
+        }
     return out

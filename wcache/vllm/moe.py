@@ -37,8 +37,15 @@ import torch
 from wcache.errors import NoPlan
 from wcache.vllm import compat
 
-__all__ = ["MoeKernelRow", "KERNELS", "resolved_backend", "kernel_row", "rebuild_moe_kernel_",
-           "vllm_preprocessed_branch", "BACKEND_ATTRS"]
+__all__ = [
+    "MoeKernelRow",
+    "KERNELS",
+    "resolved_backend",
+    "kernel_row",
+    "rebuild_moe_kernel_",
+    "vllm_preprocessed_branch",
+    "BACKEND_ATTRS",
+]
 
 #: The attribute each vLLM MoE method keeps its resolved backend enum in (0.32, 0.33).
 BACKEND_ATTRS = ("unquantized_backend", "fp8_backend", "nvfp4_backend")
@@ -54,8 +61,10 @@ def resolved_backend(quant_method: Any) -> tuple[str, str]:
         backend = getattr(quant_method, attr, None)
         if backend is not None:
             experts = getattr(quant_method, "experts_cls", None)
-            return (getattr(backend, "name", str(backend)),
-                    getattr(experts, "__name__", "") if experts is not None else "")
+            return (
+                getattr(backend, "name", str(backend)),
+                getattr(experts, "__name__", "") if experts is not None else "",
+            )
     return "", ""
 
 
@@ -87,9 +96,12 @@ def fp8_online_kernel(module: torch.nn.Module, quant_method: Any) -> None:
 
     quant_config = quant_method.get_fused_moe_quant_config(module)
     kernel = make_fp8_moe_kernel(
-        moe_quant_config=quant_config, moe_config=quant_method.moe,
-        fp8_backend=quant_method.fp8_backend, experts_cls=quant_method.experts_cls,
-        routing_tables=compat.moe_routing_tables(module))
+        moe_quant_config=quant_config,
+        moe_config=quant_method.moe,
+        fp8_backend=quant_method.fp8_backend,
+        experts_cls=quant_method.experts_cls,
+        routing_tables=compat.moe_routing_tables(module),
+    )
     compat.set_moe_kernel_(quant_method, quant_config, kernel)
 
 
@@ -108,10 +120,13 @@ def nvfp4_kernel(module: torch.nn.Module, quant_method: Any) -> None:
 
     quant_config = quant_method.get_fused_moe_quant_config(module)
     kernel = make_nvfp4_moe_kernel(
-        moe_quant_config=quant_config, moe_config=quant_method.moe,
-        experts_cls=quant_method.experts_cls, backend=quant_method.nvfp4_backend,
+        moe_quant_config=quant_config,
+        moe_config=quant_method.moe,
+        experts_cls=quant_method.experts_cls,
+        backend=quant_method.nvfp4_backend,
         routing_tables=compat.moe_routing_tables(module),
-        per_token_activation=quant_method.per_token_activation)
+        per_token_activation=quant_method.per_token_activation,
+    )
     compat.set_moe_kernel_(quant_method, quant_config, kernel)
 
 
@@ -136,17 +151,27 @@ class MoeKernelRow:
 
 #: The one table: every MoE (method, backend) a wcache plan restores.
 KERNELS = (
-    MoeKernelRow("UnquantizedFusedMoEMethod", "TRITON", ("unquantized_moe/triton",),
-                 vllm_preprocessed_branch),
-    MoeKernelRow("UnquantizedFusedMoEMethod", "CPU",
-                 ("unquantized_moe/cpu_vec", "unquantized_moe/cpu_amx"),
-                 vllm_preprocessed_branch),
-    MoeKernelRow("Fp8MoEMethod", "TRITON", ("fp8_moe_block/triton", "fp8_moe_tensor/triton"),
-                 vllm_preprocessed_branch),
-    MoeKernelRow("Fp8PerTensorOnlineMoEMethod", "TRITON", ("fp8_per_tensor_moe/triton",),
-                 fp8_online_kernel),
-    MoeKernelRow("ModelOptNvFp4FusedMoE", "VLLM_CUTLASS", ("modelopt_fp4/cutlass_moe",),
-                 nvfp4_kernel),
+    MoeKernelRow(
+        "UnquantizedFusedMoEMethod", "TRITON", ("unquantized_moe/triton",), vllm_preprocessed_branch
+    ),
+    MoeKernelRow(
+        "UnquantizedFusedMoEMethod",
+        "CPU",
+        ("unquantized_moe/cpu_vec", "unquantized_moe/cpu_amx"),
+        vllm_preprocessed_branch,
+    ),
+    MoeKernelRow(
+        "Fp8MoEMethod",
+        "TRITON",
+        ("fp8_moe_block/triton", "fp8_moe_tensor/triton"),
+        vllm_preprocessed_branch,
+    ),
+    MoeKernelRow(
+        "Fp8PerTensorOnlineMoEMethod", "TRITON", ("fp8_per_tensor_moe/triton",), fp8_online_kernel
+    ),
+    MoeKernelRow(
+        "ModelOptNvFp4FusedMoE", "VLLM_CUTLASS", ("modelopt_fp4/cutlass_moe",), nvfp4_kernel
+    ),
 )
 
 
@@ -168,14 +193,19 @@ def rebuild_moe_kernel_(module: torch.nn.Module) -> bool:
             (method, backend) has no row (a plan without its row: a wcache bug).
     """
     quant_method = getattr(module, "quant_method", None)
-    if quant_method is None or not hasattr(quant_method, "moe_kernel") \
-            or quant_method.moe_kernel is not None:
+    if (
+        quant_method is None
+        or not hasattr(quant_method, "moe_kernel")
+        or quant_method.moe_kernel is not None
+    ):
         return False
     row = kernel_row(quant_method)
     if row is None:
         backend, _ = resolved_backend(quant_method)
-        raise NoPlan(f"{type(quant_method).__name__} on backend {backend or '?'}: wcache has no "
-                     f"row in wcache.vllm.moe.KERNELS to rebuild its MoE kernel after a "
-                     f"restore; add the row with the plan, or load without wcache")
+        raise NoPlan(
+            f"{type(quant_method).__name__} on backend {backend or '?'}: wcache has no "
+            f"row in wcache.vllm.moe.KERNELS to rebuild its MoE kernel after a "
+            f"restore; add the row with the plan, or load without wcache"
+        )
     row.rebuild(module, quant_method)
     return True

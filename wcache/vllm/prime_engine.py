@@ -58,8 +58,11 @@ def engine_kwargs(model: str, vllm_args: list[str]) -> dict[str, Any]:
 
     parsed = _engine_args("wcache-prime", ["--model", model, *vllm_args])
     default = _engine_args("wcache-prime", ["--model", model])
-    return {f.name: getattr(parsed, f.name) for f in dataclasses.fields(EngineArgs)
-            if f.name == "model" or getattr(parsed, f.name) != getattr(default, f.name)}
+    return {
+        f.name: getattr(parsed, f.name)
+        for f in dataclasses.fields(EngineArgs)
+        if f.name == "model" or getattr(parsed, f.name) != getattr(default, f.name)
+    }
 
 
 def priming_engine_args(model: str, vllm_args: list[str], extra: dict[str, Any]) -> Any:
@@ -67,8 +70,14 @@ def priming_engine_args(model: str, vllm_args: list[str], extra: dict[str, Any])
     wcache with the loader config ``extra``, compiled (``enforce_eager=False``)."""
     from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
-    return EngineArgs(**{**engine_kwargs(model, vllm_args), "load_format": "wcache",
-                         "model_loader_extra_config": extra, "enforce_eager": False})
+    return EngineArgs(
+        **{
+            **engine_kwargs(model, vllm_args),
+            "load_format": "wcache",
+            "model_loader_extra_config": extra,
+            "enforce_eager": False,
+        }
+    )
 
 
 def usage_context(usage: str) -> Any:
@@ -104,14 +113,22 @@ def _generate_one(engine: Any) -> list[list[int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m wcache.vllm.prime_engine",
-                                 description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m wcache.vllm.prime_engine", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--model", required=True)
-    ap.add_argument("--usage-context", choices=tuple(USAGE_CONTEXTS), default="serve",
-                    help="the engines primed for: serve (vllm serve) or llm (LLM())")
+    ap.add_argument(
+        "--usage-context",
+        choices=tuple(USAGE_CONTEXTS),
+        default="serve",
+        help="the engines primed for: serve (vllm serve) or llm (LLM())",
+    )
     ap.add_argument("--extra", default="{}", help="model_loader_extra_config as JSON")
-    ap.add_argument("vllm_args", nargs=argparse.REMAINDER,
-                    help="after --: the serve's vLLM engine arguments, verbatim")
+    ap.add_argument(
+        "vllm_args",
+        nargs=argparse.REMAINDER,
+        help="after --: the serve's vLLM engine arguments, verbatim",
+    )
     args = ap.parse_args(argv)
     rest = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -119,9 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.v1.engine.llm_engine import LLMEngine  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     t0 = time.perf_counter()
-    engine = LLMEngine.from_vllm_config(engine_config(engine_args, args.usage_context),
-                                        usage_context=usage_context(args.usage_context),
-                                        disable_log_stats=engine_args.disable_log_stats)
+    engine = LLMEngine.from_vllm_config(
+        engine_config(engine_args, args.usage_context),
+        usage_context=usage_context(args.usage_context),
+        disable_log_stats=engine_args.disable_log_stats,
+    )
     start_s = time.perf_counter() - t0
     print(json.dumps({"token_ids": _generate_one(engine), "llm_start_s": start_s}), flush=True)
     return 0

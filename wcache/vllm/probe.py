@@ -40,18 +40,31 @@ from wcache.core.decisions import (
 )
 from wcache.vllm import compat
 
-__all__ = ["PROBED_DTYPES", "PROBED_OPS", "KERNEL_LIBRARIES", "cpu_kernel_decisions",
-           "host_target", "unquantized_gemm_kernel", "w8a8_int8_kernel"]
+__all__ = [
+    "PROBED_DTYPES",
+    "PROBED_OPS",
+    "KERNEL_LIBRARIES",
+    "cpu_kernel_decisions",
+    "host_target",
+    "unquantized_gemm_kernel",
+    "w8a8_int8_kernel",
+]
 
 #: Activation/weight dtypes vLLM-CPU serves unquantized linears in.
 PROBED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: Ops whose presence decides whether a vLLM CPU kernel can run at all
 #: (``_C_AVX2`` lacks the first five; ``_C_AVX512`` all but ``cpu_gemm_wna16``
 #: and the oneDNN ones: the SGL and the w4a8 ops are ``_C``'s only).
-PROBED_OPS = ("cpu_gemm_wna16", "convert_weight_packed", "int8_scaled_mm_with_quant",
-              "convert_weight_packed_scale_zp", "int4_scaled_mm_cpu",
-              "weight_packed_linear", "create_onednn_mm_handler",
-              "create_onednn_scaled_mm_handler")
+PROBED_OPS = (
+    "cpu_gemm_wna16",
+    "convert_weight_packed",
+    "int8_scaled_mm_with_quant",
+    "convert_weight_packed_scale_zp",
+    "int4_scaled_mm_cpu",
+    "weight_packed_linear",
+    "create_onednn_mm_handler",
+    "create_onednn_scaled_mm_handler",
+)
 #: A probe shape outside vLLM's SGL rule (K not a multiple of its 32-wide tile)
 #: and tiny, so dispatch reaches the oneDNN / F.linear branches: ``(N, K)``.
 PROBE_SHAPE_GENERAL = (16, 48)
@@ -60,10 +73,12 @@ PROBE_SHAPE_GENERAL = (16, 48)
 PROBE_SHAPE_SGL = (16, 32)
 
 #: Names a ``cpu_linear`` closure references -> the branch vLLM took.
-_BRANCH_MARKERS = (("zentorch_linear_unary", "zentorch"),
-                   ("weight_packed_linear_cpu", "sgl"),
-                   ("onednn_mm", "onednn"),
-                   ("linear", "torch_linear"))
+_BRANCH_MARKERS = (
+    ("zentorch_linear_unary", "zentorch"),
+    ("weight_packed_linear_cpu", "sgl"),
+    ("onednn_mm", "onednn"),
+    ("linear", "torch_linear"),
+)
 
 
 def _loaded_library() -> str:
@@ -145,8 +160,7 @@ def cpu_kernel_decisions() -> tuple[tuple[str, str], ...]:
     return tuple(sorted(out.items()))
 
 
-def host_target(device: str | torch.device = "cpu",
-                env: Mapping[str, str] | None = None) -> Target:
+def host_target(device: str | torch.device = "cpu", env: Mapping[str, str] | None = None) -> Target:
     """:meth:`Target.detect` plus, on CPU, vLLM's own kernel decisions.
 
     Args:
@@ -184,12 +198,14 @@ def w8a8_int8_kernel(size_n: int, size_k: int, input_symmetric: bool) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Print this host's decisions as one JSON object."""
 
-    ap = argparse.ArgumentParser(prog="python -m wcache.vllm.probe", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m wcache.vllm.probe",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.parse_args(argv)
     target = host_target("cpu")
-    print(json.dumps({"isa": sorted(target.isa), "kernels": dict(target.kernels)},
-                     sort_keys=True))
+    print(json.dumps({"isa": sorted(target.isa), "kernels": dict(target.kernels)}, sort_keys=True))
     return 0
 
 

@@ -48,8 +48,7 @@ PROC_STAT_STARTTIME_FIELD = 22
 #: Fields of /proc/PID/stat before the ones after the ``comm`` field's closing ")".
 PROC_STAT_FIELDS_BEFORE_STATE = 2
 #: The order of the marks in ``phases["marks"]``.
-PHASE_MARKS = ("process_start", "module_start", "vllm_imported", "llm_ready", "first_token",
-               "end")
+PHASE_MARKS = ("process_start", "module_start", "vllm_imported", "llm_ready", "first_token", "end")
 
 
 def _state_digest(model) -> dict:
@@ -65,8 +64,9 @@ def _state_digest(model) -> dict:
         # kv_cache is the load-time placeholder that the model runner rebinds to the
         # real (uninitialized, engine-sized) KV cache after loading: not load state.
         # Kernel state is read where vLLM keeps it (on its kernel object).
-        paths = sorted({bound_attr_path(p.module, a) for s in p.plan.stages for a in s.attrs}
-                       - {"kv_cache"})
+        paths = sorted(
+            {bound_attr_path(p.module, a) for s in p.plan.stages for a in s.attrs} - {"kv_cache"}
+        )
         snap = snapshot(p.module, paths)
         out[p.name] = {k: list(v) if isinstance(v, tuple) else v for k, v in snap.items()}
     groups: dict[int, list[str]] = {}
@@ -96,10 +96,13 @@ def _report_broken_optional_modules() -> None:
         try:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001  (a report, whatever breaks the import)
-            print(f"wcache: {name!r} is found (origin={spec.origin}, "
-                  f"locations={list(spec.submodule_search_locations or [])}, "
-                  f"loader={type(spec.loader).__name__}) but does not import: {exc!r}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"wcache: {name!r} is found (origin={spec.origin}, "
+                f"locations={list(spec.submodule_search_locations or [])}, "
+                f"loader={type(spec.loader).__name__}) but does not import: {exc!r}",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def process_start_time() -> tuple[float, str]:
@@ -120,7 +123,7 @@ def process_start_time() -> tuple[float, str]:
         with open("/proc/self/stat") as f:
             stat = f.read()
         # comm (field 2) may hold spaces and ")": split after its last ")"
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         ticks = int(fields[PROC_STAT_STARTTIME_FIELD - PROC_STAT_FIELDS_BEFORE_STATE - 1])
         age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
         return time.time() - age, "proc-stat"
@@ -133,9 +136,12 @@ def phase_marks(marks: dict[str, float], source: str, first_token_s: float | Non
     taken (wall-clock seconds since the epoch, ``time.time()``), where the process-start
     mark came from (:func:`process_start_time`), and the first request's time to its
     first token (seconds)."""
-    return {"clock": "time.time", "process_start_source": source,
-            "marks": {k: marks[k] for k in PHASE_MARKS if k in marks},
-            "first_token_s": first_token_s}
+    return {
+        "clock": "time.time",
+        "process_start_source": source,
+        "marks": {k: marks[k] for k in PHASE_MARKS if k in marks},
+        "first_token_s": first_token_s,
+    }
 
 
 def start_llm(**kwargs: Any) -> Any:
@@ -156,9 +162,16 @@ def greedy_texts(llm: Any, prompts: list[str], max_tokens: int) -> list[str]:
 
 #: run_engine options that are vLLM engine arguments of the same name and meaning
 #: (``--max-model-len`` / ``--max-num-seqs`` with :data:`VLLM_DEFAULT` aside).
-VLLM_OPTIONS = ("--dtype", "--tensor-parallel-size", "--gpu-memory-utilization",
-                "--max-model-len", "--max-num-seqs", "--quantization", "--attention-backend",
-                "--kv-cache-memory-bytes")
+VLLM_OPTIONS = (
+    "--dtype",
+    "--tensor-parallel-size",
+    "--gpu-memory-utilization",
+    "--max-model-len",
+    "--max-num-seqs",
+    "--quantization",
+    "--attention-backend",
+    "--kv-cache-memory-bytes",
+)
 
 
 def vllm_engine_args(argv: list[str]) -> list[str]:
@@ -172,8 +185,9 @@ def vllm_engine_args(argv: list[str]) -> list[str]:
     out: list[str] = []
     for opt in VLLM_OPTIONS:
         value = getattr(args, opt[2:].replace("-", "_"))
-        if value is None or (opt in ("--max-model-len", "--max-num-seqs")
-                             and value == VLLM_DEFAULT):
+        if value is None or (
+            opt in ("--max-model-len", "--max-num-seqs") and value == VLLM_DEFAULT
+        ):
             continue
         out += [opt, str(value)]
     return out
@@ -185,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", required=True)
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--extra", default="{}", help="model_loader_extra_config as JSON")
@@ -195,28 +210,58 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION)
-    ap.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
-                    help=f"default {DEFAULT_MAX_MODEL_LEN}; {VLLM_DEFAULT}: vLLM's default "
-                         "for the model (its max_position_embeddings)")
-    ap.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
-                    help=f"default {DEFAULT_MAX_NUM_SEQS}; {VLLM_DEFAULT}: vLLM's default for "
-                         "the device (production; it also decides the CUDA graph sizes)")
-    ap.add_argument("--no-first-token", action="store_true",
-                    help="skip the separate 1-token request that times the first token "
-                         "(phases.first_token_s is then null)")
-    ap.add_argument("--dump-state", action="store_true",
-                    help="also report a digest of every planned layer's state")
-    ap.add_argument("--quantization", default=None,
-                    help="vLLM's --quantization (e.g. fp8 for online FP8 on CUDA)")
-    ap.add_argument("--attention-backend", default=None,
-                    help="vLLM's attention backend (TRITON_ATTN on the H200 bundle)")
-    ap.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                    help="fixed KV-cache size (skips vLLM's memory profiling; engines that "
-                         "share one GPU)")
-    ap.add_argument("--logprobs", type=int, default=0,
-                    help="also report the top-N logprobs of every generated token")
-    ap.add_argument("--compile", action="store_true",
-                    help="torch.compile and CUDA graphs (default: enforce_eager)")
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        default=DEFAULT_MAX_MODEL_LEN,
+        help=f"default {DEFAULT_MAX_MODEL_LEN}; {VLLM_DEFAULT}: vLLM's default "
+        "for the model (its max_position_embeddings)",
+    )
+    ap.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=DEFAULT_MAX_NUM_SEQS,
+        help=f"default {DEFAULT_MAX_NUM_SEQS}; {VLLM_DEFAULT}: vLLM's default for "
+        "the device (production; it also decides the CUDA graph sizes)",
+    )
+    ap.add_argument(
+        "--no-first-token",
+        action="store_true",
+        help="skip the separate 1-token request that times the first token "
+        "(phases.first_token_s is then null)",
+    )
+    ap.add_argument(
+        "--dump-state",
+        action="store_true",
+        help="also report a digest of every planned layer's state",
+    )
+    ap.add_argument(
+        "--quantization",
+        default=None,
+        help="vLLM's --quantization (e.g. fp8 for online FP8 on CUDA)",
+    )
+    ap.add_argument(
+        "--attention-backend",
+        default=None,
+        help="vLLM's attention backend (TRITON_ATTN on the H200 bundle)",
+    )
+    ap.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="fixed KV-cache size (skips vLLM's memory profiling; engines that share one GPU)",
+    )
+    ap.add_argument(
+        "--logprobs",
+        type=int,
+        default=0,
+        help="also report the top-N logprobs of every generated token",
+    )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile and CUDA graphs (default: enforce_eager)",
+    )
     return ap
 
 
@@ -233,21 +278,34 @@ def _run(args: argparse.Namespace) -> int:
     marks["vllm_imported"] = time.time()
     extra = json.loads(args.extra)
     timing = tempfile.NamedTemporaryFile(  # noqa: SIM115 (only its name is used: closed at once)
-        prefix="wcache-timing-", suffix=".jsonl", delete=False)
+        prefix="wcache-timing-", suffix=".jsonl", delete=False
+    )
     timing.close()
     if args.load_format in ("wcache", "wcache_timed_auto"):
         extra.setdefault("timing_file", timing.name)
-    optional = {k: v for k, v in (("quantization", args.quantization),
-                                  ("attention_backend", args.attention_backend),
-                                  ("kv_cache_memory_bytes", args.kv_cache_memory_bytes),
-                                  ("max_model_len", args.max_model_len or None),
-                                  ("max_num_seqs", args.max_num_seqs or None))
-                if v is not None}
+    optional = {
+        k: v
+        for k, v in (
+            ("quantization", args.quantization),
+            ("attention_backend", args.attention_backend),
+            ("kv_cache_memory_bytes", args.kv_cache_memory_bytes),
+            ("max_model_len", args.max_model_len or None),
+            ("max_num_seqs", args.max_num_seqs or None),
+        )
+        if v is not None
+    }
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, load_format=args.load_format,
-              model_loader_extra_config=extra, enforce_eager=not args.compile,
-              gpu_memory_utilization=args.gpu_memory_utilization,
-              tensor_parallel_size=args.tensor_parallel_size, seed=0, **optional)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        model_loader_extra_config=extra,
+        enforce_eager=not args.compile,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
+        seed=0,
+        **optional,
+    )
     start_s = time.perf_counter() - t0
     marks["llm_ready"] = time.time()
     prompts = args.prompt or list(DEFAULT_PROMPTS)
@@ -256,28 +314,34 @@ def _run(args: argparse.Namespace) -> int:
         # the first request's time to its first token: the first prompt, one token;
         # then the prefix cache is emptied, so the outputs below see the engine as if
         # this request had not run
-        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=1),
-                     use_tqdm=False)
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
         marks["first_token"] = time.time()
         first_token_s = marks["first_token"] - marks["llm_ready"]
         llm.reset_prefix_cache()
     # ignore_eos: always max_tokens tokens, so runs compare token for token
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
-                            logprobs=args.logprobs or None)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=args.logprobs or None
+    )
     outs = llm.generate(prompts, params, use_tqdm=False)
-    result = {"texts": [o.outputs[0].text for o in outs],
-              "token_ids": [list(o.outputs[0].token_ids) for o in outs],
-              "llm_start_s": start_s}
+    result = {
+        "texts": [o.outputs[0].text for o in outs],
+        "token_ids": [list(o.outputs[0].token_ids) for o in outs],
+        "llm_start_s": start_s,
+    }
     if args.logprobs:
         # per prompt, per generated token: {token id: logprob} of the top N
-        result["logprobs"] = [[{str(t): float(lp.logprob) for t, lp in step.items()}
-                               for step in (o.outputs[0].logprobs or [])] for o in outs]
+        result["logprobs"] = [
+            [
+                {str(t): float(lp.logprob) for t, lp in step.items()}
+                for step in (o.outputs[0].logprobs or [])
+            ]
+            for o in outs
+        ]
     with open(timing.name) as f:
         result["load"] = [json.loads(line) for line in f if line.strip()]
     os.unlink(timing.name)
     if args.dump_state:
-        result.update(llm.collective_rpc(
-            lambda self: _state_digest(self.model_runner.model))[0])
+        result.update(llm.collective_rpc(lambda self: _state_digest(self.model_runner.model))[0])
     marks["end"] = time.time()
     result["phases"] = phase_marks(marks, start_source, first_token_s)
     print(json.dumps(result), flush=True)

@@ -69,11 +69,25 @@ from wcache.store.artifacts import (
     pack_bundle,
 )
 
-__all__ = ["FACTOR_ORDER", "engine_factors", "stale_reason", "cache_dirs", "collect_entries",
-           "pack_primed", "install_for_engine", "relocate_triton_entry_", "compile_dirs",
-           "startup_plans", "rebase_startup_plan_", "AOT_DIR", "COMPILE_DIR",
-           "STARTUP_PLAN_DIR", "STARTUP_PLAN_ENV", "SKIP_PLAN_BUDGET",
-           "PLAN_FREE_MEMORY_TOLERANCE"]
+__all__ = [
+    "FACTOR_ORDER",
+    "engine_factors",
+    "stale_reason",
+    "cache_dirs",
+    "collect_entries",
+    "pack_primed",
+    "install_for_engine",
+    "relocate_triton_entry_",
+    "compile_dirs",
+    "startup_plans",
+    "rebase_startup_plan_",
+    "AOT_DIR",
+    "COMPILE_DIR",
+    "STARTUP_PLAN_DIR",
+    "STARTUP_PLAN_ENV",
+    "SKIP_PLAN_BUDGET",
+    "PLAN_FREE_MEMORY_TOLERANCE",
+]
 
 logger = logging.getLogger("vllm.wcache")
 _GIB = 1 << 30  # bytes, for log lines
@@ -131,8 +145,6 @@ def _device_facts(device: torch.device) -> tuple[str, str | None]:
     return f"cpu:{platform.machine()}", None
 
 
-
-
 def engine_factors(vllm_config: Any) -> dict[str, Any]:
     """What this engine's vLLM keys its start-up artifacts by: versions, device,
     ``hash_factors(envs.compile_factors())`` and ``vllm_config.compute_hash()``.
@@ -150,14 +162,16 @@ def engine_factors(vllm_config: Any) -> dict[str, Any]:
     device = torch.device(vllm_config.device_config.device)
     name, capability = _device_facts(device)
     return {
-        "vllm": vllm.__version__, "torch": torch.__version__, "triton": _triton_version(),
-        "device": name, "capability": capability,
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "device": name,
+        "capability": capability,
         "env_hash": hash_factors(envs.compile_factors()),
         "config_hash": vllm_config.compute_hash(),
         "aot_enabled": bool(envs.VLLM_USE_AOT_COMPILE),
         "compile_mode": str(getattr(vllm_config.compilation_config, "mode", None)),
-        "gpu_memory_utilization": getattr(vllm_config.cache_config, "gpu_memory_utilization",
-                                          None),
+        "gpu_memory_utilization": getattr(vllm_config.cache_config, "gpu_memory_utilization", None),
     }
 
 
@@ -183,7 +197,8 @@ def cache_dirs(environ: Mapping[str, str] | None = None) -> dict[str, Path]:
     env = os.environ if environ is None else environ
 
     vllm_root = env.get("VLLM_CACHE_ROOT") or os.path.join(
-        env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm")
+        env.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm"
+    )
     return {
         "vllm": Path(os.path.expanduser(vllm_root)),
         "triton": Path(env.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")),
@@ -215,18 +230,29 @@ def collect_entries(dirs: Mapping[str, Path]) -> list[tuple[str, str]]:
             out += [("vllm", f"{AOT_DIR}/{p.name}") for p in sorted(aot.iterdir()) if p.is_dir()]
         comp = vroot / COMPILE_DIR
         if comp.is_dir():
-            out += [("vllm", f"{COMPILE_DIR}/{p.name}") for p in sorted(comp.iterdir())
-                    if p.is_dir() and p.name != "torch_aot_compile"]
+            out += [
+                ("vllm", f"{COMPILE_DIR}/{p.name}")
+                for p in sorted(comp.iterdir())
+                if p.is_dir() and p.name != "torch_aot_compile"
+            ]
         for sub in (MODELINFO_DIR, STARTUP_PLAN_DIR):
             d = vroot / sub
             if d.is_dir():
-                out += [("vllm", f"{sub}/{p.name}") for p in sorted(d.iterdir())
-                        if p.is_file() and not p.is_symlink() and not p.name.startswith(".")
-                        and p.suffix == ".json"]
+                out += [
+                    ("vllm", f"{sub}/{p.name}")
+                    for p in sorted(d.iterdir())
+                    if p.is_file()
+                    and not p.is_symlink()
+                    and not p.name.startswith(".")
+                    and p.suffix == ".json"
+                ]
     triton = dirs.get("triton")
     if triton is not None and triton.is_dir():
-        out += [("triton", p.name) for p in sorted(triton.iterdir())
-                if (p.is_dir() or p.is_file()) and not p.name.startswith(".")]
+        out += [
+            ("triton", p.name)
+            for p in sorted(triton.iterdir())
+            if (p.is_dir() or p.is_file()) and not p.name.startswith(".")
+        ]
     inductor = dirs.get("inductor")
     if inductor is not None and inductor.is_dir():
         out += [("inductor", rel) for rel in _leaf_files(inductor)]
@@ -257,14 +283,17 @@ def pack_primed(dirs: Mapping[str, Path], factors: Mapping[str, Any]) -> Bundle:
 
     entries = collect_entries(dirs)
     if not any(r == "vllm" and p.startswith(COMPILE_DIR) for r, p in entries):
-        raise ArtifactsMissing(f"the priming run wrote no torch.compile artifact under "
-                               f"{dirs.get('vllm')}/{COMPILE_DIR} (entries: "
-                               f"{[f'{r}/{p}' for r, p in entries][:6]})")
+        raise ArtifactsMissing(
+            f"the priming run wrote no torch.compile artifact under "
+            f"{dirs.get('vllm')}/{COMPILE_DIR} (entries: "
+            f"{[f'{r}/{p}' for r, p in entries][:6]})"
+        )
     return pack_bundle({k: v for k, v in dirs.items() if k in BUNDLE_ROOTS}, entries, factors)
 
 
-def install_for_engine(bundle: Bundle, mine: Mapping[str, Any],
-                       dirs: Mapping[str, Path] | None = None) -> tuple[InstallResult | None, str | None]:
+def install_for_engine(
+    bundle: Bundle, mine: Mapping[str, Any], dirs: Mapping[str, Path] | None = None
+) -> tuple[InstallResult | None, str | None]:
     """Check ``bundle`` against this engine's factors ``mine`` and install it.
 
     Each Triton entry's group files are pointed at its new place
@@ -294,14 +323,16 @@ def install_for_engine(bundle: Bundle, mine: Mapping[str, Any],
         return None, reason
     share = mine.get("gpu_memory_utilization")
     plan_fits = share is not None and theirs.get("gpu_memory_utilization") == share
-    skip = {} if plan_fits else {f"vllm/{p}": SKIP_PLAN_BUDGET
-                                 for p in startup_plans(bundle.manifest)}
+    skip = (
+        {} if plan_fits else {f"vllm/{p}": SKIP_PLAN_BUDGET for p in startup_plans(bundle.manifest)}
+    )
     fixups = {"triton": relocate_triton_entry_, "vllm": rebase_startup_plan_}
     return install_bundle(bundle, dirs or cache_dirs(), fixups, skip), None
 
 
-def rebase_startup_plan_(extracted: Path, final: Path,
-                         tolerance_bytes: int = PLAN_FREE_MEMORY_TOLERANCE) -> None:
+def rebase_startup_plan_(
+    extracted: Path, final: Path, tolerance_bytes: int = PLAN_FREE_MEMORY_TOLERANCE
+) -> None:
     """Lower a carried startup plan's ``free_memory_baseline`` by ``tolerance_bytes``
     (not below 0), in place (an ``install_bundle`` fixup of the ``vllm`` root; other
     entries of that root are left alone).
@@ -362,12 +393,23 @@ def rebase_startup_plan_(extracted: Path, final: Path,
         os.replace(new, extracted)
     except OSError as exc:
         new.unlink(missing_ok=True)
-        logger.warning("wcache: vLLM's startup plan %s left as recorded (free-memory baseline "
-                       "%.2f GiB): cannot rewrite it (%s)", final.name, baseline / _GIB, exc)
+        logger.warning(
+            "wcache: vLLM's startup plan %s left as recorded (free-memory baseline "
+            "%.2f GiB): cannot rewrite it (%s)",
+            final.name,
+            baseline / _GIB,
+            exc,
+        )
         return
-    logger.info("wcache: vLLM's startup plan %s: free-memory baseline %.2f GiB (the priming "
-                "node's free memory, %.2f GiB, less a %d MiB tolerance for the daemon's "
-                "footprint)", final.name, rebased / _GIB, baseline / _GIB, tolerance_bytes >> 20)
+    logger.info(
+        "wcache: vLLM's startup plan %s: free-memory baseline %.2f GiB (the priming "
+        "node's free memory, %.2f GiB, less a %d MiB tolerance for the daemon's "
+        "footprint)",
+        final.name,
+        rebased / _GIB,
+        baseline / _GIB,
+        tolerance_bytes >> 20,
+    )
 
 
 def relocate_triton_entry_(extracted: Path, final: Path) -> None:
@@ -390,14 +432,23 @@ def relocate_triton_entry_(extracted: Path, final: Path) -> None:
             data = json.loads(grp.read_text())
             children = data["child_paths"]
         except (OSError, ValueError, KeyError, TypeError):
-            logger.info("wcache: Triton group file %s of %s is not Triton's JSON; left as it is "
-                        "(Triton compiles that kernel again)", grp.name, final.name)
+            logger.info(
+                "wcache: Triton group file %s of %s is not Triton's JSON; left as it is "
+                "(Triton compiles that kernel again)",
+                grp.name,
+                final.name,
+            )
             continue
         if not isinstance(children, dict):
             continue
-        moved = {c: (str(final / os.path.basename(p)) if isinstance(p, str) and
-                     (extracted / os.path.basename(p)).is_file() else p)
-                 for c, p in children.items()}
+        moved = {
+            c: (
+                str(final / os.path.basename(p))
+                if isinstance(p, str) and (extracted / os.path.basename(p)).is_file()
+                else p
+            )
+            for c, p in children.items()
+        }
         grp.write_text(json.dumps({**data, "child_paths": moved}))
 
 
@@ -411,13 +462,19 @@ def write_factors(path: str, factors: Mapping[str, Any]) -> None:
 
 def startup_plans(manifest: Mapping[str, Any]) -> list[str]:
     """The vLLM startup-plan files a bundle carries (``startup_plan/startup_plan_{fp}.json``)."""
-    return [e["path"] for e in manifest.get("entries", ())
-            if e.get("root") == "vllm" and e.get("path", "").startswith(STARTUP_PLAN_DIR + "/")]
+    return [
+        e["path"]
+        for e in manifest.get("entries", ())
+        if e.get("root") == "vllm" and e.get("path", "").startswith(STARTUP_PLAN_DIR + "/")
+    ]
 
 
 def compile_dirs(manifest: Mapping[str, Any]) -> list[str]:
     """The vLLM compile-cache directories a bundle carries, as vLLM named them
     (``torch_compile_cache/torch_aot_compile/{hash}``, or the non-AOT path's
     ``torch_compile_cache/{hash10}``): what an engine of the same key opens."""
-    return [e["path"] for e in manifest.get("entries", ())
-            if e.get("root") == "vllm" and e.get("path", "").startswith(COMPILE_DIR + "/")]
+    return [
+        e["path"]
+        for e in manifest.get("entries", ())
+        if e.get("root") == "vllm" and e.get("path", "").startswith(COMPILE_DIR + "/")
+    ]

@@ -150,22 +150,29 @@ class VerifyReport:
         """The per-layer table as aligned text."""
         rows = [r for r in self.rows if not (only_failures and r.ok)]
         head = ("layer", "plan", "kernel", "result")
-        body = [(r.layer, r.plan, r.kernel, "OK" if r.ok else f"DIFFERS: {r.difference}")
-                for r in rows]
+        body = [
+            (r.layer, r.plan, r.kernel, "OK" if r.ok else f"DIFFERS: {r.difference}") for r in rows
+        ]
         widths = [max([len(head[i])] + [len(b[i]) for b in body]) for i in range(3)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(line[:3], widths)) + "  " + line[3]
-                 for line in [head, *body]]
+        lines = [
+            "  ".join(c.ljust(w) for c, w in zip(line[:3], widths)) + "  " + line[3]
+            for line in [head, *body]
+        ]
         return "\n".join(lines) + "\n"
 
     def summary(self) -> str:
         planned = [r for r in self.rows if r.plan != "-"]
         if self.ok:
-            return (f"wcache verify: OK ({self.mode}): {len(planned)} planned layers and "
-                    f"{len(self.rows) - len(planned)} other checks equal vLLM's load; "
-                    f"logits bit-identical.")
+            return (
+                f"wcache verify: OK ({self.mode}): {len(planned)} planned layers and "
+                f"{len(self.rows) - len(planned)} other checks equal vLLM's load; "
+                f"logits bit-identical."
+            )
         first = self.failures[0]
-        return (f"wcache verify: FAILED ({self.mode}): {len(self.failures)} of "
-                f"{len(self.rows)} checks differ; first: {first.layer}: {first.difference}")
+        return (
+            f"wcache verify: FAILED ({self.mode}): {len(self.failures)} of "
+            f"{len(self.rows)} checks differ; first: {first.layer}: {first.difference}"
+        )
 
 
 def default_token_ids(vocab_size: int, n: int = DEFAULT_NUM_TOKENS) -> list[int]:
@@ -202,10 +209,12 @@ def memory_note(model_dir: str, device: torch.device) -> tuple[str, bool]:
     one = checkpoint_weight_bytes(model_dir)
     need = COPIES_HELD * one + MEMORY_HEADROOM_BYTES
     have = available_bytes(device)
-    note = (f"wcache verify: holds two copies of the model's weights at once (vLLM's load "
-            f"is dropped before the wcache build; about {COPIES_HELD} x {one / 2**30:.2f} GiB "
-            f"+ {MEMORY_HEADROOM_BYTES / 2**30:.0f} GiB headroom = {need / 2**30:.2f} GiB on "
-            f"{device.type}; {have / 2**30:.2f} GiB available)")
+    note = (
+        f"wcache verify: holds two copies of the model's weights at once (vLLM's load "
+        f"is dropped before the wcache build; about {COPIES_HELD} x {one / 2**30:.2f} GiB "
+        f"+ {MEMORY_HEADROOM_BYTES / 2**30:.0f} GiB headroom = {need / 2**30:.2f} GiB on "
+        f"{device.type}; {have / 2**30:.2f} GiB available)"
+    )
     return note, have >= need
 
 
@@ -220,7 +229,8 @@ def _plain(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return f"{type(value).__name__}.{value.name}"
     if isinstance(value, (tuple, list)) and all(
-            v is None or isinstance(v, (bool, int, float, str)) for v in value):
+        v is None or isinstance(v, (bool, int, float, str)) for v in value
+    ):
         return tuple(value)
     if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
         return tuple(sorted((k, _plain(v)) for k, v in value.items()))
@@ -234,21 +244,31 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
-def _attributes(prefix: str, obj: Any, depth: int, seen: set[int], out: dict[str, Any],
-                skip: Iterable[str] = ()) -> None:
+def _attributes(
+    prefix: str, obj: Any, depth: int, seen: set[int], out: dict[str, Any], skip: Iterable[str] = ()
+) -> None:
     """Every attribute of ``obj`` as ``~prefix.name``, normalized by :func:`_plain`;
     objects that hold attributes themselves (an attention ``impl``, a quant method
     and its kernel) are opened up to :data:`MAX_ATTR_DEPTH` levels, each once."""
     for name, value in vars(obj).items():
-        if (name in skip or name in IGNORED_ATTRS or isinstance(value, torch.nn.Module)
-                or getattr(value, compat.COPY_ON_WRITE_HOOK, False)):
+        if (
+            name in skip
+            or name in IGNORED_ATTRS
+            or isinstance(value, torch.nn.Module)
+            or getattr(value, compat.COPY_ON_WRITE_HOOK, False)
+        ):
             continue
         key = f"{prefix}{name}"
         out[key] = _plain(value)
-        if (depth < MAX_ATTR_DEPTH and isinstance(out[key], str) and out[key].startswith("<")
-                and hasattr(value, "__dict__") and id(value) not in seen
-                and type(value).__module__.startswith(OPENED_MODULES)
-                and not type(value).__module__.startswith(CLOSED_MODULES)):
+        if (
+            depth < MAX_ATTR_DEPTH
+            and isinstance(out[key], str)
+            and out[key].startswith("<")
+            and hasattr(value, "__dict__")
+            and id(value) not in seen
+            and type(value).__module__.startswith(OPENED_MODULES)
+            and not type(value).__module__.startswith(CLOSED_MODULES)
+        ):
             seen.add(id(value))
             _attributes(f"{key}.", value, depth + 1, seen, out)
 
@@ -288,30 +308,38 @@ def module_state(module: torch.nn.Module, attr_paths: Iterable[str] = ()) -> dic
     without :data:`IGNORED_ATTRS` and :func:`foreign_private_attrs`."""
     paths = sorted(set(attr_paths) - IGNORED_ATTRS)
     out = snapshot(module, paths)
-    _attributes("~", module, 1, {id(module)}, out,
-                skip=_MODULE_INTERNALS | set(paths) | foreign_private_attrs(module))
+    _attributes(
+        "~",
+        module,
+        1,
+        {id(module)},
+        out,
+        skip=_MODULE_INTERNALS | set(paths) | foreign_private_attrs(module),
+    )
     return out
 
 
-def model_state(model: torch.nn.Module, attr_paths: Mapping[str, Iterable[str]]
-                ) -> dict[str, dict[str, Any]]:
+def model_state(
+    model: torch.nn.Module, attr_paths: Mapping[str, Iterable[str]]
+) -> dict[str, dict[str, Any]]:
     """:func:`module_state` of every module, by qualified name."""
-    return {name: module_state(m, attr_paths.get(name, ()))
-            for name, m in model.named_modules()}
+    return {name: module_state(m, attr_paths.get(name, ())) for name, m in model.named_modules()}
 
 
 def ties(model: torch.nn.Module) -> list[tuple[str, ...]]:
     """Groups of parameter/buffer names that are one tensor object (tied weights)."""
     groups: dict[int, list[str]] = {}
-    for name, t in [*model.named_parameters(remove_duplicate=False),
-                    *model.named_buffers(remove_duplicate=False)]:
+    for name, t in [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]:
         groups.setdefault(id(t), []).append(name)
     return sorted(tuple(sorted(g)) for g in groups.values() if len(g) > 1)
 
 
 def _short(value: Any) -> str:
     text = repr(value)
-    return text if len(text) <= MAX_VALUE_CHARS else text[:MAX_VALUE_CHARS - 3] + "..."
+    return text if len(text) <= MAX_VALUE_CHARS else text[: MAX_VALUE_CHARS - 3] + "..."
 
 
 _TENSOR_FIELDS = ("kind", "shape", "dtype", "stride", "checksum")
@@ -319,8 +347,12 @@ _TENSOR_FIELDS = ("kind", "shape", "dtype", "stride", "checksum")
 
 def _field_difference(field: str, a: Any, b: Any) -> str:
     """``field: <what> a != b``; a tensor's tuple names the part that differs."""
-    if (isinstance(a, tuple) and isinstance(b, tuple) and len(a) == len(b) == 5
-            and a[0] in ("param", "buffer")):
+    if (
+        isinstance(a, tuple)
+        and isinstance(b, tuple)
+        and len(a) == len(b) == 5
+        and a[0] in ("param", "buffer")
+    ):
         for part, x, y in zip(_TENSOR_FIELDS, a, b):
             if x != y:
                 return f"{field} {part}: {_short(x)} != {_short(y)}"
@@ -341,9 +373,14 @@ def first_difference(loaded: Mapping[str, Any], restored: Mapping[str, Any]) -> 
 # --------------------------------------------------------------------------- forward
 
 
-def _reference_attention_forward(self, query: torch.Tensor, key: torch.Tensor,
-                                 value: torch.Tensor, output_shape: Any = None,
-                                 output_dtype: torch.dtype | None = None) -> torch.Tensor:
+def _reference_attention_forward(
+    self,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    output_shape: Any = None,
+    output_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """Causal attention of one prefill in pure torch, for ``Attention.forward``.
 
     Args:
@@ -368,8 +405,9 @@ def _reference_attention_forward(self, query: torch.Tensor, key: torch.Tensor,
     return out.transpose(0, 1).reshape(n, heads * head_v).to(output_dtype or query.dtype)
 
 
-def run_forward(model: torch.nn.Module, vllm_config: Any, token_ids: Sequence[int]
-                ) -> tuple[torch.Tensor, list[tuple[str, str]]]:
+def run_forward(
+    model: torch.nn.Module, vllm_config: Any, token_ids: Sequence[int]
+) -> tuple[torch.Tensor, list[tuple[str, str]]]:
     """The fixed forward: logits of ``token_ids`` as one causal prefill.
 
     Returns:
@@ -385,6 +423,7 @@ def run_forward(model: torch.nn.Module, vllm_config: Any, token_ids: Sequence[in
             t = output[0] if isinstance(output, (tuple, list)) else output
             if isinstance(t, torch.Tensor):
                 outputs.append((name, tensor_checksum(t)))
+
         return record
 
     handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
@@ -393,9 +432,11 @@ def run_forward(model: torch.nn.Module, vllm_config: Any, token_ids: Sequence[in
     ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)
     positions = torch.arange(len(token_ids), dtype=torch.long, device=device)
     try:
-        with torch.inference_mode(), \
-                compat.attention_forward_replaced(_reference_attention_forward), \
-                set_forward_context(None, vllm_config, num_tokens=len(token_ids)):
+        with (
+            torch.inference_mode(),
+            compat.attention_forward_replaced(_reference_attention_forward),
+            set_forward_context(None, vllm_config, num_tokens=len(token_ids)),
+        ):
             hidden = model(ids, positions)
             logits = model.compute_logits(hidden)
     finally:
@@ -420,20 +461,22 @@ def _logits_difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
         return f"logits: {list(a.shape)} {a.dtype} != {list(b.shape)} {b.dtype}"
     diff = (a.float() - b.float()).abs()
     pos = int((diff.reshape(a.shape[0], -1) > 0).any(dim=1).nonzero()[0])
-    return (f"logits: not bit-identical (first at token {pos}; max |diff| "
-            f"{float(diff.nan_to_num(float('inf')).max()):.6g})")
+    return (
+        f"logits: not bit-identical (first at token {pos}; max |diff| "
+        f"{float(diff.nan_to_num(float('inf')).max()):.6g})"
+    )
 
 
-def _forward_difference(a: list[tuple[str, str]], b: list[tuple[str, str]]
-                        ) -> tuple[str | None, str | None]:
+def _forward_difference(
+    a: list[tuple[str, str]], b: list[tuple[str, str]]
+) -> tuple[str | None, str | None]:
     """(the first module, in call order, whose output differs or ``None``; the
     difference or ``None``)."""
     for (name_a, sum_a), (name_b, sum_b) in zip(a, b):
         if name_a != name_b:
             return None, f"call order: {name_a} != {name_b}"
         if sum_a != sum_b:
-            return name_a, (f"first differing output: {name_a} (checksum {sum_a} != "
-                            f"{sum_b})")
+            return name_a, (f"first differing output: {name_a} (checksum {sum_a} != {sum_b})")
     if len(a) != len(b):
         return None, f"module calls: {len(a)} != {len(b)}"
     return None, None
@@ -457,7 +500,6 @@ def _forgetting_registrations(vllm_config: Any) -> Iterator[None]:
 def _ensure_world(vllm_config: Any) -> None:
     from vllm.distributed import model_parallel_is_initialized  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
-
     if not model_parallel_is_initialized():
         tmp = tempfile.mkdtemp(prefix="wcache-verify-dist-")
         init_distributed(vllm_config, 0, 1, f"file://{tmp}/init")
@@ -472,8 +514,14 @@ class _Side:
     error: str | None = None  # the forward raised (``Type: message``)
 
 
-def _observe(model: torch.nn.Module, vllm_config: Any, attr_paths: Mapping[str, Iterable[str]],
-             token_ids: Sequence[int], seconds: dict[str, float], label: str) -> _Side:
+def _observe(
+    model: torch.nn.Module,
+    vllm_config: Any,
+    attr_paths: Mapping[str, Iterable[str]],
+    token_ids: Sequence[int],
+    seconds: dict[str, float],
+    label: str,
+) -> _Side:
     t0 = time.perf_counter()
     state = model_state(model, attr_paths)
     tied = ties(model)
@@ -489,8 +537,9 @@ def _observe(model: torch.nn.Module, vllm_config: Any, attr_paths: Mapping[str, 
     return _Side(state, tied, logits, outputs, error)
 
 
-def _plan_rows(model: torch.nn.Module, target: Any) -> tuple[dict[str, tuple[str, str]],
-                                                            dict[str, list[str]]]:
+def _plan_rows(
+    model: torch.nn.Module, target: Any
+) -> tuple[dict[str, tuple[str, str]], dict[str, list[str]]]:
     """Per planned layer of vLLM's loaded model: (plan id, kernel) and the
     attribute paths its plan's stages declare, each where vLLM keeps it (a kernel
     binding's path on vLLM's kernel object: :func:`wcache.vllm.compat.bound_attr_path`)."""
@@ -498,13 +547,15 @@ def _plan_rows(model: torch.nn.Module, target: Any) -> tuple[dict[str, tuple[str
     info, paths = {}, {}
     for p in planned_layers(model, target):
         info[p.name] = (p.plan.id, p.config.quant.kernel or p.plan.kernel)
-        paths[p.name] = sorted({compat.bound_attr_path(p.module, a)
-                                for s in p.plan.stages for a in s.attrs})
+        paths[p.name] = sorted(
+            {compat.bound_attr_path(p.module, a) for s in p.plan.stages for a in s.attrs}
+        )
     return info, paths
 
 
-def _compare(loaded: _Side, restored: _Side, plans: Mapping[str, tuple[str, str]]
-             ) -> tuple[list[Row], bool]:
+def _compare(
+    loaded: _Side, restored: _Side, plans: Mapping[str, tuple[str, str]]
+) -> tuple[list[Row], bool]:
     rows = []
     names = list(loaded.state) + [n for n in restored.state if n not in loaded.state]
     planned = [n for n in names if n in plans]
@@ -513,17 +564,22 @@ def _compare(loaded: _Side, restored: _Side, plans: Mapping[str, tuple[str, str]
         plan, kernel = plans.get(name, ("-", "-"))
         a, b = loaded.state.get(name), restored.state.get(name)
         if a is None or b is None:
-            diff = (f"module: present in {'vLLM load' if b is None else 'restore'} only")
+            diff = f"module: present in {'vLLM load' if b is None else 'restore'} only"
         else:
             diff = first_difference(a, b)
         if name in plans or diff is not None or any(k[0] not in "@~" for k in a or {}):
             rows.append(Row(name or "(model)", plan, kernel, diff))
-    tie_diff = None if loaded.ties == restored.ties else \
-        f"tied names: {_short(loaded.ties)} != {_short(restored.ties)}"
+    tie_diff = (
+        None
+        if loaded.ties == restored.ties
+        else f"tied names: {_short(loaded.ties)} != {_short(restored.ties)}"
+    )
     rows.append(Row("(ties)", "-", "-", tie_diff))
     if loaded.error is not None or restored.error is not None:
-        forward_diff = (f"the forward raised: vLLM load: {loaded.error or 'no error'}; "
-                        f"restore: {restored.error or 'no error'}")
+        forward_diff = (
+            f"the forward raised: vLLM load: {loaded.error or 'no error'}; "
+            f"restore: {restored.error or 'no error'}"
+        )
         logits_diff = "logits: no logits to compare (the forward raised)"
     else:
         culprit, forward_diff = _forward_difference(loaded.outputs, restored.outputs)
@@ -532,9 +588,13 @@ def _compare(loaded: _Side, restored: _Side, plans: Mapping[str, tuple[str, str]
             # state that the snapshot cannot see (a private oneDNN handle, a released
             # weight) shows in the output of the first module that computes differently
             if row.layer == culprit and row.ok:
-                rows[i] = attrs.evolve(row, difference=(
-                    "forward output differs (the first module in call order that does; "
-                    "its state compares equal)"))
+                rows[i] = attrs.evolve(
+                    row,
+                    difference=(
+                        "forward output differs (the first module in call order that does; "
+                        "its state compares equal)"
+                    ),
+                )
     rows.append(Row("(forward)", "-", "-", forward_diff))
     rows.append(Row("(logits)", "-", "-", logits_diff))
     return rows, logits_diff is None
@@ -544,8 +604,13 @@ def _steps(progress: bool, total: int):
     if not progress:
         return None
 
-    return tqdm(total=total, desc="wcache verify", unit="step", file=sys.stderr,
-                bar_format="{desc}: {n}/{total} steps [{elapsed}]")
+    return tqdm(
+        total=total,
+        desc="wcache verify",
+        unit="step",
+        file=sys.stderr,
+        bar_format="{desc}: {n}/{total} steps [{elapsed}]",
+    )
 
 
 def _advance(bar: Any, desc: str) -> None:
@@ -554,9 +619,17 @@ def _advance(bar: Any, desc: str) -> None:
         bar.update(0)
 
 
-def verify(model: str, engine_args: Sequence[str] = (), *, socket_dir: str | None = None,
-           job: str = "", progress: bool = True, check_memory: bool = True,
-           token_ids: Sequence[int] | None = None, out: Any = None) -> VerifyReport:
+def verify(
+    model: str,
+    engine_args: Sequence[str] = (),
+    *,
+    socket_dir: str | None = None,
+    job: str = "",
+    progress: bool = True,
+    check_memory: bool = True,
+    token_ids: Sequence[int] | None = None,
+    out: Any = None,
+) -> VerifyReport:
     """Build ``model`` with vLLM's loader and the wcache way; compare every module
     and the logits of a fixed forward.
 
@@ -583,7 +656,6 @@ def verify(model: str, engine_args: Sequence[str] = (), *, socket_dir: str | Non
     from vllm.config import set_current_vllm_config  # noqa: PLC0415 (vLLM import ~6 s: only when called)
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
-
     out = out if out is not None else sys.stderr
     # vLLM's torch.compile wrapper would trace the forward hooks; eager mode changes
     # neither the weights nor the cache key (vLLM's ModelConfig hash leaves it out)
@@ -591,16 +663,20 @@ def verify(model: str, engine_args: Sequence[str] = (), *, socket_dir: str | Non
     vllm_config = engine_config(model, [*engine_args, *eager])
     pc = vllm_config.parallel_config
     if pc.tensor_parallel_size * pc.pipeline_parallel_size != 1:
-        raise VerifyRefused("wcache verify checks one rank; run it without "
-                            "--tensor-parallel-size/--pipeline-parallel-size (the plans and "
-                            "kernels per layer are the same on every rank).")
+        raise VerifyRefused(
+            "wcache verify checks one rank; run it without "
+            "--tensor-parallel-size/--pipeline-parallel-size (the plans and "
+            "kernels per layer are the same on every rank)."
+        )
     device = torch.device(vllm_config.device_config.device)
     note, enough = memory_note(vllm_config.model_config.model, device)
     print(note, file=out, flush=True)
     if check_memory and not enough:
-        raise VerifyRefused(f"{note}: not enough memory for two copies; free memory or run "
-                            f"verify on a larger host of the same class.",
-                            code="insufficient-memory")
+        raise VerifyRefused(
+            f"{note}: not enough memory for two copies; free memory or run "
+            f"verify on a larger host of the same class.",
+            code="insufficient-memory",
+        )
     model_config = vllm_config.model_config
     seconds: dict[str, float] = {}
     mode = "in-process" if socket_dir is None else f"daemon {socket_dir}"
@@ -612,8 +688,10 @@ def verify(model: str, engine_args: Sequence[str] = (), *, socket_dir: str | Non
             _advance(bar, "vLLM load")
             t0 = time.perf_counter()
             with _forgetting_registrations(vllm_config):
-                loaded_model = DefaultModelLoader(dataclasses.replace(
-                    vllm_config.load_config, load_format="auto", model_loader_extra_config={})
+                loaded_model = DefaultModelLoader(
+                    dataclasses.replace(
+                        vllm_config.load_config, load_format="auto", model_loader_extra_config={}
+                    )
                 ).load_model(vllm_config, model_config)
                 seconds["load (vLLM)"] = time.perf_counter() - t0
                 plans, attr_paths = _plan_rows(loaded_model, target)
@@ -622,14 +700,23 @@ def verify(model: str, engine_args: Sequence[str] = (), *, socket_dir: str | Non
                 _advance(bar, "forward (vLLM load)")
                 if token_ids is None:
                     token_ids = default_token_ids(model_config.get_vocab_size())
-                loaded = _observe(loaded_model, vllm_config, attr_paths, token_ids, seconds,
-                                  "vLLM")
+                loaded = _observe(loaded_model, vllm_config, attr_paths, token_ids, seconds, "vLLM")
                 del loaded_model
             gc.collect()
             if bar is not None:
                 bar.update(1)
-            restored = _wcache_side(vllm_config, model_config, device, socket_dir, job, attr_paths,
-                                    token_ids, seconds, bar, progress)
+            restored = _wcache_side(
+                vllm_config,
+                model_config,
+                device,
+                socket_dir,
+                job,
+                attr_paths,
+                token_ids,
+                seconds,
+                bar,
+                progress,
+            )
             _advance(bar, "compare")
             rows, logits_equal = _compare(loaded, restored, plans)
             if bar is not None:
@@ -640,10 +727,18 @@ def verify(model: str, engine_args: Sequence[str] = (), *, socket_dir: str | Non
     return VerifyReport(tuple(rows), mode, dict(seconds), logits_equal)
 
 
-def _wcache_side(vllm_config: Any, model_config: Any, device: torch.device,
-                 socket_dir: str | None, job: str, attr_paths: Mapping[str, Iterable[str]],
-                 token_ids: Sequence[int], seconds: dict[str, float], bar: Any,
-                 progress: bool) -> _Side:
+def _wcache_side(
+    vllm_config: Any,
+    model_config: Any,
+    device: torch.device,
+    socket_dir: str | None,
+    job: str,
+    attr_paths: Mapping[str, Iterable[str]],
+    token_ids: Sequence[int],
+    seconds: dict[str, float],
+    bar: Any,
+    progress: bool,
+) -> _Side:
     """Prepare and serve in-process (unless ``socket_dir``), restore with the
     engine's loader, observe, and drop everything."""
     from wcache.vllm.key import device_id, parallel_layout  # noqa: PLC0415 (imported at call time: tests patch device_id)
@@ -657,8 +752,9 @@ def _wcache_side(vllm_config: Any, model_config: Any, device: torch.device,
             dev_id = device_id(device, model_config, parallel_layout(), job)
             # wcache serve's own build: load, prepare, export into the arena, then the
             # model and its registrations are dropped
-            stack.enter_context(build_server(vllm_config, socket_dir=sockets, device_id=dev_id,
-                                             progress=progress))
+            stack.enter_context(
+                build_server(vllm_config, socket_dir=sockets, device_id=dev_id, progress=progress)
+            )
             seconds["load + prepare + export (wcache)"] = time.perf_counter() - t0
             if bar is not None:
                 bar.update(1)
@@ -667,20 +763,26 @@ def _wcache_side(vllm_config: Any, model_config: Any, device: torch.device,
             serving = socket_dir
         _advance(bar, "restore (wcache)")
         load_config = dataclasses.replace(
-            vllm_config.load_config, load_format="wcache",
-            model_loader_extra_config={"socket_dir": serving, "fallback": False,
-                                       "strict": True, "job": job})
+            vllm_config.load_config,
+            load_format="wcache",
+            model_loader_extra_config={
+                "socket_dir": serving,
+                "fallback": False,
+                "strict": True,
+                "job": job,
+            },
+        )
         t0 = time.perf_counter()
         with _forgetting_registrations(vllm_config):
-            restored_model = WcacheModelLoader(load_config).load_model(vllm_config,
-                                                                       model_config)
+            restored_model = WcacheModelLoader(load_config).load_model(vllm_config, model_config)
             seconds["restore (wcache)"] = time.perf_counter() - t0
             if bar is not None:
                 bar.update(1)
             _advance(bar, "forward (restore)")
             try:
-                side = _observe(restored_model, vllm_config, attr_paths, token_ids, seconds,
-                                "restore")
+                side = _observe(
+                    restored_model, vllm_config, attr_paths, token_ids, seconds, "restore"
+                )
             finally:
                 attachment = compat.attachment_of(restored_model)
                 del restored_model
@@ -704,10 +806,15 @@ def main(args: Any, rest: list[str]) -> int:
     check_vllm_version()  # as wcache serve and the load format do
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     t0 = time.perf_counter()
-    report = verify(args.model, rest, socket_dir=args.socket_dir, job=args.job,
-                    progress=not args.no_progress, check_memory=not args.ignore_memory_check)
+    report = verify(
+        args.model,
+        rest,
+        socket_dir=args.socket_dir,
+        job=args.job,
+        progress=not args.no_progress,
+        check_memory=not args.ignore_memory_check,
+    )
     sys.stdout.write(report.table(only_failures=args.only_failures))
     steps = ", ".join(f"{k} {v:.1f} s" for k, v in report.seconds.items())
-    print(f"{report.summary()}\ntimes: {steps}; total {time.perf_counter() - t0:.1f} s",
-          flush=True)
+    print(f"{report.summary()}\ntimes: {steps}; total {time.perf_counter() - t0:.1f} s", flush=True)
     return 0 if report.ok else 1

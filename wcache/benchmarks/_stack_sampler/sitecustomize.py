@@ -40,8 +40,10 @@ def _start() -> None:
     except (OSError, ValueError):
         return
     argv = getattr(sys, "orig_argv", None) or getattr(sys, "argv", None)  # argv is not set yet
-    out.write(f"# pid={os.getpid()} ppid={os.getppid()} start={time.time():.3f} "
-              f"interval={interval} argv={argv!r}\n")
+    out.write(
+        f"# pid={os.getpid()} ppid={os.getppid()} start={time.time():.3f} "
+        f"interval={interval} argv={argv!r}\n"
+    )
 
     def frame_text(frame) -> str:
         parts = []
@@ -58,8 +60,13 @@ def _start() -> None:
             try:
                 names = {t.ident: t.name.replace(" ", "_") for t in threading.enumerate()}
                 now = time.time()
-                out.write("".join(f"{now:.2f} {names.get(tid, tid)} {frame_text(f)}\n"
-                                  for tid, f in sys._current_frames().items() if tid != me))
+                out.write(
+                    "".join(
+                        f"{now:.2f} {names.get(tid, tid)} {frame_text(f)}\n"
+                        for tid, f in sys._current_frames().items()
+                        if tid != me
+                    )
+                )
             except Exception:  # noqa: BLE001  (interpreter shutting down: stop sampling)
                 return
 

@@ -30,8 +30,12 @@ def attachment_of(model: torch.nn.Module) -> Any:
     return getattr(model, ATTACHMENT_ATTR, None)
 
 
-def wrap_weight_writers_(model: torch.nn.Module, *, before_load_weights: Callable[[], None],
-                         before_module_write: Callable[[torch.nn.Module], None]) -> None:
+def wrap_weight_writers_(
+    model: torch.nn.Module,
+    *,
+    before_load_weights: Callable[[], None],
+    before_module_write: Callable[[torch.nn.Module], None],
+) -> None:
     """Run a callback before each of vLLM's two ways of writing a model's weights
     (wcache's copy on write for a CUDA ``zero_copy`` model):
 

@@ -54,8 +54,9 @@ def classes() -> _Classes:
 
 def kernel_classes() -> tuple[tuple[type, str], ...]:
     """``(vLLM kernel class, wcache kernel id)`` pairs of the imported kernel modules."""
-    return tuple((_imported_class(mod, cls), kid)
-                 for kid, (mod, cls) in release().kernel_classes.items())
+    return tuple(
+        (_imported_class(mod, cls), kid) for kid, (mod, cls) in release().kernel_classes.items()
+    )
 
 
 def kernel_id(kernel: Any) -> str:
@@ -92,8 +93,9 @@ def _overrides(obj: Any, method: str, base: type) -> bool:
 def quant_method_postload_is_noop(quant_method: Any) -> bool:
     """The method's ``process_weights_after_loading`` is missing or the
     ``QuantizeMethodBase`` no-op."""
-    return not _overrides(quant_method, "process_weights_after_loading",
-                          classes().QuantizeMethodBase)
+    return not _overrides(
+        quant_method, "process_weights_after_loading", classes().QuantizeMethodBase
+    )
 
 
 def impl_postload_is_noop(module: torch.nn.Module) -> bool:
@@ -132,7 +134,8 @@ def attention_postload(module: torch.nn.Module) -> str:
     if not is_deferred_attention_layer(module):
         return "none"
     if isinstance(module, c.Attention) and not _overrides(
-            module, "process_weights_after_loading", c.Attention):
+        module, "process_weights_after_loading", c.Attention
+    ):
         return "attention"
     if isinstance(module, c.MLAAttention):
         return "mla"

@@ -11,8 +11,6 @@ from typing import Any
 import attrs
 import torch
 
-from wcache.vllm.compat.class_table import is_type
-
 #: The layer flag some of vLLM's ``process_weights_after_loading`` set on entry so a
 #: second call returns at once (the online FP8/MXFP8/NVFP4/MXFP4/INT8 methods,
 #: ModelOpt MXFP8 MoE); vLLM's reload deletes it before processing again.
@@ -84,8 +82,7 @@ class KernelBinding:
     owners: tuple[str, ...]
     kernel_attr: str
     only_existing: bool = False
-    convert: Callable[[Any, Any], Any] = attrs.field(default=lambda kernel, value: value,
-                                                     eq=False)
+    convert: Callable[[Any, Any], Any] = attrs.field(default=lambda kernel, value: value, eq=False)
 
 
 #: Layer-local stage attrs -> vLLM's kernel objects (0.32). A binding whose kernel is
@@ -97,15 +94,23 @@ KERNEL_BINDINGS = (
     # asserts it is not None on the first forward); Fp8LinearMethod / online FP8 keep
     # the kernel as quant_method.fp8_linear, compressed-tensors W8A8 FP8 as
     # scheme.fp8_linear (wcache.stages.fp8.LOGICAL_OUTPUT_ATTR)
-    KernelBinding("logical_output_size", ("quant_method.fp8_linear", "scheme.fp8_linear"),
-                  "logical_output_size", only_existing=True,
-                  convert=lambda kernel, value: int(value)),
+    KernelBinding(
+        "logical_output_size",
+        ("quant_method.fp8_linear", "scheme.fp8_linear"),
+        "logical_output_size",
+        only_existing=True,
+        convert=lambda kernel, value: int(value),
+    ),
     # oneDNN W8A8 INT8 on CPU (wcache.stages.onednn.prepack_scaled_weight):
     # CPUInt8ScaledMMLinearKernel, the compressed-tensors scheme's kernel, keeps the
     # handle and the apply its process_weights_after_loading chose
     KernelBinding("dnnl_handler", ("scheme.kernel",), "dnnl_handler"),
-    KernelBinding("linear_method", ("scheme.kernel",), "linear_method",
-                  convert=lambda kernel, value: _int8_linear_method(kernel, value)),
+    KernelBinding(
+        "linear_method",
+        ("scheme.kernel",),
+        "linear_method",
+        convert=lambda kernel, value: _int8_linear_method(kernel, value),
+    ),
 )
 
 #: ``linear_method`` as the W8A8 INT8 stages name it (oneDNN, AMX SGL) -> the method of vLLM's
@@ -140,8 +145,9 @@ def bound_attr_path(module: torch.nn.Module, layer_attr: str) -> str:
             continue
         for owner in binding.owners:
             kernel = _resolve(module, owner)
-            if kernel is not None and (not binding.only_existing
-                                       or hasattr(kernel, binding.kernel_attr)):
+            if kernel is not None and (
+                not binding.only_existing or hasattr(kernel, binding.kernel_attr)
+            ):
                 return f"{owner}.{binding.kernel_attr}"
     return layer_attr
 
@@ -165,8 +171,9 @@ def sync_kernel_state_(module: torch.nn.Module) -> None:
         moved = False
         for owner in binding.owners:
             kernel = _resolve(module, owner)
-            if kernel is None or (binding.only_existing
-                                  and not hasattr(kernel, binding.kernel_attr)):
+            if kernel is None or (
+                binding.only_existing and not hasattr(kernel, binding.kernel_attr)
+            ):
                 continue
             setattr(kernel, binding.kernel_attr, binding.convert(kernel, value))
             moved = True

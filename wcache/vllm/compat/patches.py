@@ -34,7 +34,8 @@ def registrations(vllm_config: Any) -> Registrations:
     return Registrations(
         forward_context=frozenset(vllm_config.compilation_config.static_forward_context),
         ropes=frozenset(rotary_embedding._ROPE_DICT),
-        moe_layers=len(getattr(vllm_config.compilation_config, "static_all_moe_layers", ())))
+        moe_layers=len(getattr(vllm_config.compilation_config, "static_all_moe_layers", ())),
+    )
 
 
 def forget_registrations_(vllm_config: Any, before: Registrations) -> None:
@@ -51,7 +52,7 @@ def forget_registrations_(vllm_config: Any, before: Registrations) -> None:
     # fallback engine's compiled graph then differed from a disk engine's: a cache miss)
     moe_layers = getattr(vllm_config.compilation_config, "static_all_moe_layers", None)
     if moe_layers is not None:
-        del moe_layers[before.moe_layers:]
+        del moe_layers[before.moe_layers :]
 
 
 @contextlib.contextmanager

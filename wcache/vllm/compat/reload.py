@@ -92,8 +92,7 @@ def record_reload_metadata_(model: torch.nn.Module, device: torch.device) -> int
     from vllm.model_executor.model_loader.reload import layerwise, meta  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     real = meta._parameter_storage_ptrs
-    with _patched(meta, "_parameter_storage_ptrs",
-                  lambda layer: _StoragePtrsOnDemand(real, layer)):
+    with _patched(meta, "_parameter_storage_ptrs", lambda layer: _StoragePtrsOnDemand(real, layer)):
         layerwise.record_metadata_for_reloading(model)
     return set_reload_device_(model, device)
 
