@@ -16,6 +16,7 @@ __all__ = [
     "require_op",
     "fold_int8_static_input",
     "high_precision_weight",
+    "per_channel_from_per_tensor",
 ]
 
 
@@ -112,3 +113,35 @@ def high_precision_weight(tensors, config, what: str) -> torch.Tensor:
             f"wcache bug with the vLLM version, or serve the model without wcache."
         )
     return weight
+
+
+def per_channel_from_per_tensor(
+    scale: torch.Tensor, widths: tuple[int, ...], layer: str
+) -> torch.Tensor:
+    """One per-tensor scale per fused shard, repeated over that shard's output channels.
+
+    Args:
+        scale: ``[len(widths)]`` (any trailing 1-sized dims), one scale per shard.
+        widths: each shard's logical output width (``logical_widths``).
+        layer: the layer's name, for the error.
+
+    Returns:
+        ``[sum(widths), 1]`` float32 (meta when ``scale`` is meta).
+
+    Raises:
+        StageInputError: ``scale`` does not hold one value per width.
+
+    Source: vllm/model_executor/layers/quantization/utils/w8a8_utils.py::convert_to_channelwise.
+    """
+    if scale.numel() != len(widths):
+        raise StageInputError(
+            f"layer {layer!r}: {scale.numel()} per-tensor scales for {len(widths)} logical "
+            f"widths {widths}"
+        )
+    out = torch.empty((sum(widths), 1), dtype=torch.float32, device=scale.device)
+    if scale.device.type != "meta":
+        start = 0
+        for idx, width in enumerate(widths):
+            out[start : start + width, :] = scale[idx]
+            start += width
+    return out

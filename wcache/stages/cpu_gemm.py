@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from wcache.core import LayerConfig, StageOut, Tag, Target, stage
 from wcache.core.decisions import KERNEL_LIBRARY, OP_PRESENT, gemm_decision, op_decision
-from wcache.stages.common import StageInputError, require_op
+from wcache.stages.common import StageInputError, per_channel_from_per_tensor, require_op
 
 __all__ = [
     "SGL_TILE_K",
@@ -387,18 +387,9 @@ def convert_int8_scale_to_channelwise(
         return StageOut()
     scale = tensors["weight_scale"]
     widths = tuple(config.get("logical_widths", ())) or (config.size_n,)
-    if scale.numel() != len(widths):
-        raise StageInputError(
-            f"layer {config.name!r}: {scale.numel()} per-tensor scales "
-            f"for {len(widths)} logical widths {widths}"
-        )
-    out = torch.empty((sum(widths), 1), dtype=torch.float32, device=scale.device)
-    if scale.device.type != "meta":
-        start = 0
-        for idx, width in enumerate(widths):
-            out[start : start + width, :] = scale[idx]
-            start += width
-    return StageOut(tensors={"weight_scale": out})
+    return StageOut(
+        tensors={"weight_scale": per_channel_from_per_tensor(scale, widths, config.name)}
+    )
 
 
 @stage(

@@ -26,6 +26,7 @@ from wcache.stages.common import (  # noqa: F401 (re-exported)
     OpUnavailable,
     StageInputError,
     fold_int8_static_input,
+    per_channel_from_per_tensor,
     require_op,
 )
 
@@ -277,18 +278,9 @@ def convert_scale_to_channelwise(
     if not _is_fused(config) or config.quant.strategy == "channel":
         return StageOut()
     widths = tuple(config.get("logical_widths"))
-    if scale.numel() != len(widths):
-        raise StageInputError(
-            f"layer {config.name!r}: {scale.numel()} per-tensor scales "
-            f"for {len(widths)} logical widths {widths}"
-        )
-    out = torch.empty((sum(widths), 1), dtype=torch.float32, device=scale.device)
-    if scale.device.type != "meta":
-        start = 0
-        for idx, width in enumerate(widths):
-            out[start : start + width, :] = scale[idx]
-            start += width
-    return StageOut(tensors={"weight_scale": out})
+    return StageOut(
+        tensors={"weight_scale": per_channel_from_per_tensor(scale, widths, config.name)}
+    )
 
 
 @stage(
