@@ -185,7 +185,8 @@ def test_eager_case_keeps_four_loads_and_no_cache_roots(monkeypatch):
 
 
 def test_gpu_tier_selects_the_compiled_cases_by_id():
-    """pytest -k compiled on the GPU tier collects exactly the three compiled cases."""
+    """pytest -k compiled on the GPU tier collects exactly the compiled cases: three dense
+    formats, two fused-MoE ones and the compiled weight-update engine."""
     import subprocess
     import sys
 
@@ -207,4 +208,11 @@ def test_gpu_tier_selects_the_compiled_cases_by_id():
         timeout=COLLECT_TIMEOUT_S,
     ).stdout
     ids = sorted(ln.split("[")[1].rstrip("]") for ln in out.splitlines() if "::" in ln)
-    assert ids == ["awq-marlin-compiled", "bf16-compiled", "fp8-compiled"]
+    assert ids == [
+        "awq-marlin-compiled",
+        "bf16-compiled",
+        "compiled",
+        "fp8-compiled",
+        "moe-qwen3_moe-bf16-compiled",
+        "moe-qwen3_moe_128-fp8_block-compiled",
+    ]
