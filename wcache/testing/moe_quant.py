@@ -27,12 +27,16 @@ here (:func:`dequantize_expert`).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from wcache.errors import FixtureError
 from wcache.stages.packing import pack_int32, unpack_int32
 from wcache.testing import fixtures as fx
+
+if TYPE_CHECKING:  # compressed-tensors is an optional extra, imported where used
+    from compressed_tensors.quantization import QuantizationScheme
 
 __all__ = [
     "GPTQ_V1_ZERO_OFFSET",
@@ -155,7 +159,7 @@ def gptq_quantize(
     }
 
 
-def ct_w4a16_scheme(group_size: int) -> object:
+def ct_w4a16_scheme(group_size: int) -> QuantizationScheme:
     """compressed-tensors W4A16 scheme: int4 symmetric static weights, GROUP of
     ``group_size`` (CHANNEL when ``group_size`` is -1), no activation quantization.
 
