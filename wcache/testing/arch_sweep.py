@@ -191,7 +191,8 @@ def render(rows: Sequence[Mapping[str, Any]], sources: Sequence[str] = ()) -> st
     then one table per device (architecture x format: outcome, plans, reason)."""
     from wcache.testing.tiny_models import ARCHS  # noqa: PLC0415
 
-    order = {name: i for i, name in enumerate(ARCHS)}
+    # keyed by object: a row's "arch" is read back from JSON (or missing)
+    order: dict[object, int] = {name: i for i, name in enumerate(ARCHS)}
     lines = [
         "# Architectures",
         "",
