@@ -945,7 +945,7 @@ def run_unit(
     return row
 
 
-def _warm_page_cache(path: Path, chunk: int = 64 << 20) -> None:
+def _warm_page_cache(path: str | Path, chunk: int = 64 << 20) -> None:
     """Read the file once so the ordinary load reads from the page cache."""
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(chunk)
