@@ -370,7 +370,9 @@ def run_engine_daemons(
             ):
                 with DaemonProcess(model, sock_dir, extra) as d:
                     found = _READY.search(d.ready_lines[0])
-                    assert found is not None, d.ready_lines[0]  # a ready line names from= and ready_s=
+                    assert found is not None, d.ready_lines[
+                        0
+                    ]  # a ready line names from= and ready_s=
                     origin, ready_s = found.groups()
                     if origin != label:
                         raise RuntimeError(f"{fmt}: expected a start from {label}, got {origin}")

@@ -39,6 +39,7 @@ from wcache.testing.fixtures import build
 
 __all__ = ["LLAMA_8B", "write_llama_checkpoint", "run", "table", "FORMATS"]
 
+
 #: Llama-3-8B's shapes (config.json of meta-llama/Meta-Llama-3-8B).
 class LlamaConfig(TypedDict):
     """The ``config.json`` entries of the benchmark's Llama (sizes ints, the rest floats)."""

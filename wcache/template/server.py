@@ -763,7 +763,7 @@ def _finalize(code: int) -> int:
         pass
     try:
         atexit._run_exitfuncs()
-    except BaseException:  # noqa: BLE001
+    except BaseException:  # noqa: BLE001 (an atexit handler's failure is ignored, as in CPython)
         pass
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -75,6 +75,7 @@ import argparse
 import json
 import re
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -408,11 +409,9 @@ def convert_gpt_oss_mxfp4(state_dict: Mapping[str, torch.Tensor]) -> dict[str, t
 
 def _ct_w4a16_config(group_size: int) -> dict[str, Any]:
     """compressed-tensors' own ``quantization_config`` for W4A16 pack-quantized."""
-    import tempfile  # noqa: PLC0415
-
-    from compressed_tensors.compressors import ModelCompressor  # noqa: PLC0415
-    from compressed_tensors.config import CompressionFormat  # noqa: PLC0415
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus  # noqa: PLC0415
+    from compressed_tensors.compressors import ModelCompressor  # noqa: PLC0415 (optional dependency (the fixtures extra))
+    from compressed_tensors.config import CompressionFormat  # noqa: PLC0415 (optional dependency (the fixtures extra))
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus  # noqa: PLC0415 (optional dependency (the fixtures extra))
 
     qconfig = QuantizationConfig(
         config_groups={"group_0": mq.ct_w4a16_scheme(group_size)},
@@ -545,7 +544,7 @@ def calibrate_moe_input_amax(
 
     Source: llm-compressor's static activation calibration (min-max observer).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 (transformers import ~1 s: only when called)
 
     model = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(bf16_dir)
