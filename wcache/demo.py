@@ -64,7 +64,7 @@ MOE_ROW = "qwen3-moe (tiny, random weights)"
 
 def run_moe(max_tokens: int) -> dict:
     """Disk vs daemon for the tiny random-weight Qwen3-MoE (:mod:`wcache.testing.tiny_moe`)."""
-    from wcache.testing.tiny_moe import build  # noqa: PLC0415
+    from wcache.testing.tiny_moe import build  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     print(
         f"[{MOE_ROW}] building the tiny Qwen3-MoE checkpoint (cached after the first run)",

@@ -53,10 +53,10 @@ class FakeDriver:
     def CUmemAllocationProp(self):  # noqa: N802  (the driver's names)
         return types.SimpleNamespace(location=types.SimpleNamespace())
 
-    def CUmemAccessDesc(self):  # noqa: N802
+    def CUmemAccessDesc(self):  # noqa: N802 (the CUDA driver binding's own name)
         return types.SimpleNamespace(location=types.SimpleNamespace())
 
-    def cuGetErrorName(self, err):  # noqa: N802
+    def cuGetErrorName(self, err):  # noqa: N802 (the CUDA driver binding's own name)
         return _Result.CUDA_SUCCESS, err.name
 
     def _call(self, name: str, value=None):
@@ -66,10 +66,10 @@ class FakeDriver:
             return (_Result.CUDA_ERROR_OUT_OF_MEMORY,) + ((None,) if value is not None else ())
         return (_Result.CUDA_SUCCESS,) + ((value,) if value is not None else ())
 
-    def cuCtxSynchronize(self):  # noqa: N802
+    def cuCtxSynchronize(self):  # noqa: N802 (the CUDA driver binding's own name)
         return self._call("cuCtxSynchronize")
 
-    def cuMemCreate(self, size, prop, flags):  # noqa: N802
+    def cuMemCreate(self, size, prop, flags):  # noqa: N802 (the CUDA driver binding's own name)
         handle = self.next_handle
         result = self._call("cuMemCreate", handle)
         if result[0] is _Result.CUDA_SUCCESS:
@@ -77,43 +77,43 @@ class FakeDriver:
             self.phys[handle] = bytearray(size)
         return result
 
-    def cuMemAddressReserve(self, size, align, addr, flags):  # noqa: N802
+    def cuMemAddressReserve(self, size, align, addr, flags):  # noqa: N802 (the CUDA driver binding's own name)
         result = self._call("cuMemAddressReserve", TMP_VA)
         if result[0] is _Result.CUDA_SUCCESS:
             self.reserved.add(TMP_VA)
         return result
 
-    def cuMemAddressFree(self, ptr, size):  # noqa: N802
+    def cuMemAddressFree(self, ptr, size):  # noqa: N802 (the CUDA driver binding's own name)
         self.reserved.discard(ptr)
         return self._call("cuMemAddressFree")
 
-    def cuMemMap(self, ptr, size, offset, handle, flags):  # noqa: N802
+    def cuMemMap(self, ptr, size, offset, handle, flags):  # noqa: N802 (the CUDA driver binding's own name)
         assert offset == 0 and ptr not in self.maps
         result = self._call("cuMemMap")
         if result[0] is _Result.CUDA_SUCCESS:
             self.maps[ptr] = [handle, None]
         return result
 
-    def cuMemSetAccess(self, ptr, size, descs, count):  # noqa: N802
+    def cuMemSetAccess(self, ptr, size, descs, count):  # noqa: N802 (the CUDA driver binding's own name)
         result = self._call("cuMemSetAccess")
         if result[0] is _Result.CUDA_SUCCESS:
             self.maps[ptr][1] = descs[0].flags
         return result
 
-    def cuMemcpyDtoD(self, dst, src, size):  # noqa: N802
+    def cuMemcpyDtoD(self, dst, src, size):  # noqa: N802 (the CUDA driver binding's own name)
         result = self._call("cuMemcpyDtoD")
         if result[0] is _Result.CUDA_SUCCESS:
             assert self.maps[dst][1] == "rw"
             self.phys[self.maps[dst][0]][:] = self.phys[self.maps[src][0]][:size]
         return result
 
-    def cuMemUnmap(self, ptr, size):  # noqa: N802
+    def cuMemUnmap(self, ptr, size):  # noqa: N802 (the CUDA driver binding's own name)
         result = self._call("cuMemUnmap")
         if result[0] is _Result.CUDA_SUCCESS:
             del self.maps[ptr]
         return result
 
-    def cuMemRelease(self, handle):  # noqa: N802
+    def cuMemRelease(self, handle):  # noqa: N802 (the CUDA driver binding's own name)
         self.released.append(handle)
         return self._call("cuMemRelease")
 

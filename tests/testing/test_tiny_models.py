@@ -91,7 +91,7 @@ def test_build_writes_the_declared_architecture():
 
 def _moe_state(experts: int = 2, hidden: int = 256, inter: int = 128) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    w = lambda *s: (torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16)  # noqa: E731
+    w = lambda *s: (torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16)  # noqa: E731 (a one-line local function)
     p = "model.layers.0"
     state = {
         f"{p}.mlp.gate.weight": w(experts, hidden),

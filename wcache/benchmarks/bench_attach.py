@@ -127,7 +127,7 @@ def client_main(args) -> None:
     dev = "cuda:0" if args.device == "cuda" else "cpu"
     if args.device == "cuda":
         torch.cuda.init()
-    results = {"arena": [], "per_tensor": []}
+    results: dict[str, list[float]] = {"arena": [], "per_tensor": []}
     for _ in range(args.reps):
         t0 = time.perf_counter()
         att = attach(KEY, socket_dir=args.socket_dir, device=dev, device_id="bench")

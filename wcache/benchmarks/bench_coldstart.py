@@ -369,7 +369,11 @@ def run_engine_daemons(
                 ("snapshot", ["--snapshot", snap]),
             ):
                 with DaemonProcess(model, sock_dir, extra) as d:
-                    origin, ready_s = _READY.search(d.ready_lines[0]).groups()
+                    found = _READY.search(d.ready_lines[0])
+                    assert found is not None, d.ready_lines[
+                        0
+                    ]  # a ready line names from= and ready_s=
+                    origin, ready_s = found.groups()
                     if origin != label:
                         raise RuntimeError(f"{fmt}: expected a start from {label}, got {origin}")
                     row[f"{label}_ready_s"] = float(ready_s)
@@ -378,7 +382,9 @@ def run_engine_daemons(
                         with DaemonProcess(
                             model, sock_dir, ["--seed-from", sock_dir, "--job", "peer"]
                         ) as p:
-                            origin, ready_s = _READY.search(p.ready_lines[0]).groups()
+                            found = _READY.search(p.ready_lines[0])
+                            assert found is not None, p.ready_lines[0]
+                            origin, ready_s = found.groups()
                             if origin != "peer":
                                 raise RuntimeError(
                                     f"{fmt}: expected a start from a peer, got {origin}"

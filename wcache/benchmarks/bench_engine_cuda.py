@@ -30,7 +30,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -39,8 +39,23 @@ from wcache.testing.fixtures import build
 
 __all__ = ["LLAMA_8B", "write_llama_checkpoint", "run", "table", "FORMATS"]
 
+
 #: Llama-3-8B's shapes (config.json of meta-llama/Meta-Llama-3-8B).
-LLAMA_8B = {
+class LlamaConfig(TypedDict):
+    """The ``config.json`` entries of the benchmark's Llama (sizes ints, the rest floats)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    rope_theta: float
+    max_position_embeddings: int
+    rms_norm_eps: float
+
+
+LLAMA_8B: LlamaConfig = {
     "hidden_size": 4096,
     "intermediate_size": 14336,
     "num_hidden_layers": 32,
@@ -89,7 +104,7 @@ GPU_MEMORY_UTILIZATION = 0.3
 ENGINE_TIMEOUT_S = 300.0
 
 
-def _shapes(cfg: dict[str, int]) -> dict[str, tuple[int, int]]:
+def _shapes(cfg: LlamaConfig) -> dict[str, tuple[int, int]]:
     """(N, K) of each decoder linear."""
     h, i = cfg["hidden_size"], cfg["intermediate_size"]
     kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
@@ -175,7 +190,7 @@ def _quantization_config(kind: str) -> dict[str, Any] | None:
 
 
 def _tensors(
-    kind: str, cfg: dict[str, int], device: torch.device
+    kind: str, cfg: LlamaConfig, device: torch.device
 ) -> Iterator[tuple[str, torch.Tensor]]:
     g = torch.Generator(device=device).manual_seed(0)
     h, vocab = cfg["hidden_size"], cfg["vocab_size"]
@@ -206,7 +221,7 @@ def _tensors(
 
 
 def write_llama_checkpoint(
-    out: Path, kind: str, tokenizer_dir: Path, cfg: dict[str, int] = LLAMA_8B
+    out: Path, kind: str, tokenizer_dir: Path, cfg: LlamaConfig = LLAMA_8B
 ) -> Path:
     """Write an 8B-shaped Llama checkpoint of ``kind`` to ``out`` (skipped when its
     stamp says it is complete), generating the values on the GPU when there is one.
@@ -243,7 +258,7 @@ def write_llama_checkpoint(
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1)
     )
-    config = {
+    config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_act": "silu",
@@ -311,7 +326,7 @@ def run(
         if "--logprobs" in engine_args:  # tokens are compared; logprobs are not needed
             del engine_args[engine_args.index("--logprobs") : engine_args.index("--logprobs") + 2]
         engine_args[engine_args.index("--gpu-memory-utilization") + 1] = str(GPU_MEMORY_UTILIZATION)
-        common = dict(
+        common: dict[str, Any] = dict(  # run_engine's keywords, shared by both runs
             prompts=[PROMPT],
             max_tokens=MAX_TOKENS,
             timeout_s=ENGINE_TIMEOUT_S,

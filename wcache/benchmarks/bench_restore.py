@@ -619,7 +619,8 @@ def per_tensor_entries(tensors: Mapping[str, torch.Tensor], kinds: Mapping[str, 
     """vLLM's ``TensorEntry.from_tensor`` for every tensor, pickled as vLLM's
     ``send_msg`` does: CUDA tensors as ``reduce_tensor`` args, others by value."""
 
-    out = {}
+    # name -> (kind, reduce_tensor args or None, (bytes view, dtype name) or None)
+    out: dict[str, tuple[str, Any, tuple[torch.Tensor, str] | None]] = {}
     for name, t in tensors.items():
         t = t.detach()
         if t.is_cuda:
@@ -849,6 +850,7 @@ def run_unit(
     )
     restore_workers = [Worker("restore", payload) for _ in range(opts.reps)]
     per_tensor_workers = [Worker("per_tensor", payload) for _ in range(opts.reps)] if disk else []
+    tensors: dict[str, torch.Tensor] | None  # None in `finally`: the references dropped
     daemon = None
     try:
         if disk:
@@ -861,6 +863,7 @@ def run_unit(
                 f"{path.stat().st_size / 2**30:.2f} GiB, {time.perf_counter() - t0:.1f} s)"
             )
             _warm_page_cache(path)
+            assert load_worker is not None  # made when disk
             res = load_worker.run()
             load_worker = None
             row["load_s_all"] = res["seconds"]
@@ -942,7 +945,7 @@ def run_unit(
     return row
 
 
-def _warm_page_cache(path: Path, chunk: int = 64 << 20) -> None:
+def _warm_page_cache(path: str | Path, chunk: int = 64 << 20) -> None:
     """Read the file once so the ordinary load reads from the page cache."""
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(chunk)
@@ -993,7 +996,7 @@ def run_handles(opts: BenchOptions, socket_dir: str, log: Callable[[str], None])
         if device.type == "cuda":
             torch.cuda.ipc_collect()
             torch.cuda.empty_cache()
-    row = {
+    row: dict[str, Any] = {
         "tensors": n,
         "tensor_mib": opts.handle_mib,
         "arena_s_all": arena,

@@ -75,9 +75,9 @@ def run_format(fmt: str, reps: int, log=_log) -> dict[str, Any]:
                         f"{fmt} {side} #{rep + 1}: /health {server.ready_s:.1f} s, first "
                         f"completion {server.first_completion_s:.1f} s, {texts[0]!r}"
                     )
-    texts = {json.dumps(r["texts"]) for side in runs.values() for r in side}
-    if len(texts) != 1:
-        raise RuntimeError(f"{fmt}: starts answered differently: {sorted(texts)}")
+    answers = {json.dumps(r["texts"]) for side in runs.values() for r in side}
+    if len(answers) != 1:
+        raise RuntimeError(f"{fmt}: starts answered differently: {sorted(answers)}")
     med = {
         side: statistics.median(r["first_completion_s"] for r in rs) for side, rs in runs.items()
     }

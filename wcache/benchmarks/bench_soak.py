@@ -172,7 +172,8 @@ def _client(
     first = attach(key, socket_dir=sock_dir, device_id=dev, connect_timeout_s=CONNECT_TIMEOUT_S)
     names = sorted(first.tensors)
     first.close()
-    latencies, errors = [], {}
+    latencies: list[float] = []
+    errors: dict[str, int] = {}  # StoreError reason code -> count
     seen: dict[tuple[str, str], int] = {}  # (tensor, digest read) -> reads
     start = time.perf_counter()
     warmup = warmup_cycles // clients
@@ -249,6 +250,7 @@ def _killer(
             env=env,
             text=True,
         )
+        assert proc.stdout is not None  # stdout=PIPE
         if proc.stdout.readline().strip() != "go":
             proc.kill()
             proc.wait()
@@ -388,7 +390,8 @@ def run(
     while daemon.proc is None and time.monotonic() < deadline:
         time.sleep(0.05)
     sock, st = _wait_socket(sock_dir, deadline)
-    samples = [
+    # one row per sample: time, cycles, memory and fd counts, snapshot state
+    samples: list[dict[str, Any]] = [
         {
             "t": 0.0,
             "cycles": 0,
@@ -504,9 +507,14 @@ def run(
         raise RuntimeError("the clients ended before the warm-up sample")
     lat = sorted(x for g in got for x in g["latencies"])
     after = [x for x in samples if warm is not None and x["t"] > warm["t"]]
+
+    def nearest(c: int) -> dict[str, Any]:
+        """The sample after the warm-up whose cycle count is nearest ``c``."""
+        return min(after, key=lambda x: abs(x["cycles"] - c))
+
     checkpoints = (
         [
-            min(after, key=lambda x, c=c: abs(x["cycles"] - c))
+            nearest(c)
             for c in (
                 warm["cycles"] + (cycles - warm["cycles"]) * (i + 1) // CHECKPOINTS
                 for i in range(CHECKPOINTS)

@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 from wcache.benchmarks.bench_soak import rss_parts
 from wcache.store import CacheKey, DaemonServer, Export
@@ -297,7 +298,7 @@ def main() -> int:
     out_dir = sys.argv[1]
     os.makedirs(out_dir, exist_ok=True)
     torch.cuda.init()
-    results = {
+    results: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0),
         "utilization": GPU_MEMORY_UTILIZATION,
         "runs": [],

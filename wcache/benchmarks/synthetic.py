@@ -23,6 +23,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from attrs import frozen
@@ -221,7 +222,7 @@ def make_linear_tensors(
                 f"{spec.name}: AWQ needs N % 8 == 0 and K % 128 == 0, got N={n}, K={k}"
             )
         g = k // AWQ_GROUP_SIZE
-        bits = dict(dtype=torch.int32, generator=generator, device=device)
+        bits: dict[str, Any] = dict(dtype=torch.int32, generator=generator, device=device)
         return {
             "qweight": torch.randint(-(2**31), 2**31 - 1, (k, n // INT4_PER_WORD), **bits),
             "qzeros": torch.randint(-(2**31), 2**31 - 1, (g, n // INT4_PER_WORD), **bits),

@@ -15,11 +15,11 @@ import inspect
 import re
 import types
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, overload
 
 from attrs import field, frozen
 
-from wcache.core.values import Stage, StageFn, Tag, as_tuple
+from wcache.core.values import Stage, StageFn, StageOut, Tag, as_tuple
 from wcache.errors import PlanInvalid
 
 __all__ = [
@@ -167,6 +167,49 @@ class StageDef:
         return registered_stage, (getattr(self.fn, "__module__", ""), self.name, None)
 
 
+#: The function a parameterized stage wraps: ``(tensors, config, target, recorded,
+#: **params) -> StageOut``; its parameters follow the four positional ones as keywords,
+#: so it is not a plain :data:`StageFn`.
+ParamStageFn = Callable[..., StageOut]
+
+
+# The overloads say what the decorator gives: without ``params`` a plain Stage (called
+# on tensors), with it a StageDef (called with parameter values), so a type checker
+# sees ``marlin.repack_stage("qweight")`` as a StageDef call, not a Stage call.
+@overload
+def stage(
+    name: str,
+    tag: Tag,
+    *,
+    reads: Iterable[str] = (),
+    writes: Iterable[str] = (),
+    attrs: Iterable[str] = (),
+    optional: Iterable[str] = (),
+    version: int = 1,
+    source: str = "",
+    memoized: bool = False,
+    drops: Iterable[str] = (),
+    params: None = None,
+) -> Callable[[StageFn], Stage]: ...
+
+
+@overload
+def stage(
+    name: str,
+    tag: Tag,
+    *,
+    reads: Iterable[str] = (),
+    writes: Iterable[str] = (),
+    attrs: Iterable[str] = (),
+    optional: Iterable[str] = (),
+    version: int = 1,
+    source: str = "",
+    memoized: bool = False,
+    drops: Iterable[str] = (),
+    params: Callable[..., Mapping[str, Any]],
+) -> Callable[[ParamStageFn], StageDef]: ...
+
+
 def stage(
     name: str,
     tag: Tag,
@@ -180,7 +223,7 @@ def stage(
     memoized: bool = False,
     drops: Iterable[str] = (),
     params: Callable[..., Mapping[str, Any]] | None = None,
-) -> Callable[[StageFn], Stage | StageDef]:
+) -> Callable[[ParamStageFn], Stage | StageDef]:
     """Decorator: turn a pure module-level function into a :class:`Stage` value (or,
     with ``params``, a :class:`StageDef`) and register it under ``name``.
 
@@ -210,7 +253,9 @@ def stage(
     problem = stage_name_problem(name)
     if problem:
         raise PlanInvalid(problem)
-    base = dict(
+    # Stage's declaration fields by name; the values differ in type (tuples, a
+    # frozenset, an int, a str, a bool), checked by Stage's own field types.
+    base: dict[str, Any] = dict(
         reads=tuple(reads),
         writes=tuple(writes),
         attrs=tuple(attrs),
@@ -221,7 +266,7 @@ def stage(
         drops=tuple(drops),
     )
 
-    def wrap(fn: StageFn) -> Stage | StageDef:
+    def wrap(fn: ParamStageFn) -> Stage | StageDef:
         held = _REGISTRY.get(name)
         if held is not None and _definition(held.fn) is not _definition(fn):
             code = _definition(held.fn)

@@ -193,7 +193,8 @@ def pack_sgl_weight(
         return StageOut()
     weight = tensors["weight"]
     if weight.device.type == "meta":
-        shape, dtype = sgl_packed_shape(*weight.shape, weight.dtype)
+        size_n, size_k = weight.shape
+        shape, dtype = sgl_packed_shape(size_n, size_k, weight.dtype)
         return StageOut(tensors={"weight": torch.empty(shape, dtype=dtype, device="meta")})
 
     return StageOut(tensors={"weight": require_op("_C", "convert_weight_packed")(weight)})

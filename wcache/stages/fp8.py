@@ -542,6 +542,6 @@ def pad_kn(
     out = {}
     if w is not tensors["weight"]:
         out["weight"] = w
-    if s is not tensors["weight_scale"]:
+    if s is not None and s is not tensors["weight_scale"]:  # None only for a None scale
         out["weight_scale"] = s
     return StageOut(tensors=out)

@@ -87,6 +87,9 @@ def final_scale_values(
     out: dict[str, Any] = {"_k_scale": None, "_v_scale": None}
     k, v, q, p = (params[n] for n in SCALE_PARAMS)
     if is_quantized_kv_cache(kv_cache_dtype):
+        # tolist() of a 0-d scale is a float, of a [n] one a list (refused below)
+        k_scale: float | list[Any]
+        v_scale: float | list[Any]
         if k > 0.0 and v > 0.0:
             k_scale, v_scale = k.to("cpu").tolist(), v.to("cpu").tolist()
         elif k < 0.0 and v < 0.0:

@@ -73,7 +73,9 @@ class CPUDNNLGEMMHandler:
     def __init__(self, pointer: int, k: int, n: int, keepalive: tuple[torch.Tensor, ...] = ()):
         self.k, self.n = k, n
         # vLLM stores the pointer in a tensor so it is not inlined by compilation
-        self.handler_tensor = torch.tensor(pointer, dtype=torch.int64, device="cpu")
+        self.handler_tensor: torch.Tensor | None = torch.tensor(
+            pointer, dtype=torch.int64, device="cpu"
+        )
         self._keepalive = keepalive
         self._dtor = require_op("_C", "release_dnnl_matmul_handler")
 

@@ -293,7 +293,7 @@ class Attachment:
         self._base: "torch.Tensor | None" = base
         self._mm = mm
         self._conn = conn
-        from wcache.store.arena import tensor_views  # noqa: PLC0415
+        from wcache.store.arena import tensor_views  # noqa: PLC0415 (torch import ~2 s: only when called)
 
         self._tensors = tensor_views(base, manifest)
         self.kinds = {e.name: e.kind for e in manifest.tensors} | {
@@ -408,7 +408,7 @@ class Attachment:
         if self._mm is None:
             return False
         if not self.copy_on_write:
-            from wcache.store.arena import allow_private_writes_  # noqa: PLC0415
+            from wcache.store.arena import allow_private_writes_  # noqa: PLC0415 (torch import ~2 s: only when called)
 
             allow_private_writes_(self._base, self.nbytes)
             self.copy_on_write = True

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from wcache.store.errors import TransportFailed
+from wcache.store.transport_cuda import drain_before_free
 
 __all__ = [
     "TRANSPORT",
@@ -443,8 +444,6 @@ def allocate_vmm_arena(
         torch.cuda.synchronize(device_index)
     except BaseException:
         os.close(int(fd))
-        from wcache.store.transport_cuda import drain_before_free  # noqa: PLC0415
-
         del arena
         if drain_before_free(device_index, "a cuda_vmm arena whose fill failed", mapping):
             mapping.release()  # only once no queued copy can still write it

@@ -190,9 +190,11 @@ def _request(argv: list[str], socket_dir: str | None) -> tuple[socket.socket, in
     if not reply.get("ok"):
         s.close()
         code, message = reply.get("code"), str(reply.get("message", ""))
-        cls = {c.code: c for c in (TemplateStale, TemplateUnsafe, TemplateUnsupported)}.get(
-            code, TemplateError
-        )
+        # keyed by object: the reply's code is whatever the template sent (or None)
+        by_code: dict[object, type[TemplateError]] = {
+            c.code: c for c in (TemplateStale, TemplateUnsafe, TemplateUnsupported)
+        }
+        cls = by_code.get(code, TemplateError)
         if cls is TemplateStale:
             raise TemplateStale(message, tuple(reply.get("fields") or ()))
         raise cls(message)

@@ -276,9 +276,10 @@ class Template:
         packages = {}
         for name in versions.KEYED_PACKAGES:
             mod = sys.modules.get(name)
-            if mod is None or getattr(mod, "__file__", None) is None:
+            mod_file = getattr(mod, "__file__", None)
+            if mod is None or mod_file is None:
                 continue
-            stamp = versions.package_stamp(os.path.dirname(os.path.abspath(mod.__file__)), name)
+            stamp = versions.package_stamp(os.path.dirname(os.path.abspath(mod_file)), name)
             packages[name] = {**stamp, "version": str(getattr(mod, "__version__", ""))}
         return {
             "python": {
@@ -305,6 +306,7 @@ class Template:
 
     def serve_forever(self) -> None:
         """Accept requests and reap children until stopped and every child exited."""
+        assert self._listener is not None, "bind() before serve_forever()"
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, ("accept", None))
         for sig in STOP_SIGNALS:
@@ -399,7 +401,8 @@ class Template:
             return TemplateUnsupported(f"interpreter {entry.get('interpreter')!r}: {exc}")
         mine = {k: v for k, v in self.fingerprint["python"].items() if k != "version"}
         fields = [f"python.{f}" for f in versions.differences(mine, interp)]
-        env = req.get("env") if isinstance(req.get("env"), dict) else {}
+        req_env = req.get("env")
+        env: dict[str, str] = req_env if isinstance(req_env, dict) else {}
         fields += [
             f"env.{f}"
             for f in versions.differences(self.fingerprint["env"], versions.import_time_env(env))
@@ -530,6 +533,7 @@ class Template:
             # command it ran directly would be dead too
             log.warning("template: the client of child %d left; killing the child", pid)
             self._kill(pid, signal.SIGKILL)
+            # _sel is set by serve_forever(), whose loop is the only caller
             self._sel.unregister(child["conn"])  # type: ignore[union-attr]
             child["conn"].close()
             child["conn"] = None
@@ -684,7 +688,8 @@ def _run_entry(entry: dict[str, Any]) -> None:
     elif kind == "module":
         sys.argv = ["-m", *args]
         sys.path.insert(0, os.getcwd())
-        runpy._run_module_as_main(target, alter_argv=True)  # what `python -m` runs
+        # what `python -m` runs; private, so typeshed does not declare it
+        runpy._run_module_as_main(target, alter_argv=True)  # type: ignore[attr-defined]
     else:
         sys.argv = ["-c", *args]
         sys.path.insert(0, "")
@@ -752,12 +757,13 @@ def _finalize(code: int) -> int:
     atexit handlers, flush stdio. A SystemExit raised by an atexit handler is
     ignored, as in CPython."""
     try:
-        threading._shutdown()  # type: ignore[attr-defined]  (what Py_FinalizeEx calls)
+        # what Py_FinalizeEx calls; private, so typeshed does not declare it
+        threading._shutdown()  # type: ignore[attr-defined]
     except BaseException:  # noqa: BLE001  (a thread's failure is printed by threading)
         pass
     try:
         atexit._run_exitfuncs()
-    except BaseException:  # noqa: BLE001
+    except BaseException:  # noqa: BLE001 (an atexit handler's failure is ignored, as in CPython)
         pass
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -107,7 +107,7 @@ def sweep_case(arch_name: str, fmt: str, device: str) -> SweepCase:
     Raises:
         ValueError: unknown format or device.
     """
-    from wcache.testing.tiny_models import arch  # noqa: PLC0415
+    from wcache.testing.tiny_models import arch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     if fmt not in FORMATS or device not in DEVICES:
         raise ValueError(f"format {fmt!r} / device {device!r}: choose from {FORMATS} / {DEVICES}")
@@ -127,10 +127,10 @@ def sweep_case(arch_name: str, fmt: str, device: str) -> SweepCase:
 def checkpoint(arch_name: str, fmt: str, root: str | None) -> Path:
     """The checkpoint folder a case runs on (built on first use)."""
     if fmt in ONLINE:
-        from wcache.testing.tiny_models import build_arch  # noqa: PLC0415
+        from wcache.testing.tiny_models import build_arch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
         return build_arch(arch_name, root)
-    from wcache.testing.moe_fixtures import build_moe  # noqa: PLC0415
+    from wcache.testing.moe_fixtures import build_moe  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     return build_moe(arch_name, fmt, root)
 
@@ -138,7 +138,7 @@ def checkpoint(arch_name: str, fmt: str, root: str | None) -> Path:
 def run_arch(arch_name: str, fmt: str, device: str, root: str | None = None) -> dict[str, Any]:
     """One sweep row: the acceptance of ``arch_name`` in ``fmt`` on ``device``, with the
     architecture's registry facts; never raises for a build, engine or daemon failure."""
-    from wcache.testing.tiny_models import arch  # noqa: PLC0415
+    from wcache.testing.tiny_models import arch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     a = arch(arch_name)
     facts = {
@@ -189,9 +189,10 @@ def _reason(row: Mapping[str, Any]) -> str:
 def render(rows: Sequence[Mapping[str, Any]], sources: Sequence[str] = ()) -> str:
     """docs/architectures.md from sweep rows: a summary count per device and outcome,
     then one table per device (architecture x format: outcome, plans, reason)."""
-    from wcache.testing.tiny_models import ARCHS  # noqa: PLC0415
+    from wcache.testing.tiny_models import ARCHS  # noqa: PLC0415 (torch import ~2 s: only when called)
 
-    order = {name: i for i, name in enumerate(ARCHS)}
+    # keyed by object: a row's "arch" is read back from JSON (or missing)
+    order: dict[object, int] = {name: i for i, name in enumerate(ARCHS)}
     lines = [
         "# Architectures",
         "",
@@ -238,7 +239,7 @@ def render(rows: Sequence[Mapping[str, Any]], sources: Sequence[str] = ()) -> st
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run sweep cases (appending rows to ``--out``) or render result files."""
-    from wcache.testing.tiny_models import ARCHS  # noqa: PLC0415
+    from wcache.testing.tiny_models import ARCHS  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     ap = argparse.ArgumentParser(
         prog="python -m wcache.testing.arch_sweep", description=__doc__.split("\n")[0]
@@ -264,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     names = list(ARCHS) if args.archs == "all" else [n for n in args.archs.split(",") if n]
     formats = [f for f in args.formats.split(",") if f]
-    from wcache.testing.moe_fixtures import MOE_BASES  # noqa: PLC0415
+    from wcache.testing.moe_fixtures import MOE_BASES  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     bad = 0
     for name in names:

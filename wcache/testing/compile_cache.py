@@ -238,6 +238,7 @@ def _graph_texts(compiled_fn_state: tuple[Any, bytes]) -> list[tuple[str, str]]:
 
         register_vllm_ops()
         state = pickle.loads(data)  # noqa: S301  (an artifact our engine wrote)
+        assert owner is not None  # kind is its __name__
         try:
             gm = owner.deserialize_graph_module(
                 state["graph_module"], FakeTensorMode(shape_env=ShapeEnv())

@@ -19,6 +19,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from wcache.errors import KeyMismatch
 from wcache.testing.engine_acceptance import ATTENTION_BACKEND, CUDA_ENGINE_ARGS
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", required=True, help="vLLM version the engines run")
     args = ap.parse_args(argv)
     d_env, e_env = env_for(args.daemon), env_for(args.engine)
-    common = dict(
+    common: dict[str, Any] = dict(  # run_engine's keywords, shared by every run
         prompts=[PROMPT], max_tokens=MAX_TOKENS, env=e_env, engine_args=list(CUDA_ENGINE_ARGS)
     )
     out: dict = {"daemon_vllm": args.daemon, "engine_vllm": args.engine}

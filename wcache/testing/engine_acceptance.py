@@ -545,6 +545,7 @@ def _compiled_checks(
     if unreadable:
         row["graphs_equal"] = False
         return problems + [f"compiled graphs unreadable: {u}" for u in unreadable]
+    assert not isinstance(graphs_a, str) and not isinstance(graphs_b, str)  # none unreadable
     row["graphs_equal"] = bool(graphs_a) and dict(graphs_a) == dict(graphs_b)
     row["graph_artifacts"] = sorted(graphs_a)
     if not graphs_a:

@@ -780,8 +780,10 @@ def convert_state_dict(
             return {name: tensor.to(rest_dtype) if tensor.is_floating_point() else tensor}
         prefix = name[: -len(".weight")]
         if fmt == "nvfp4":
+            assert input_amax is not None  # refused above (NVFP4 is static)
             out = quantize(tensor, input_amax[prefix], group_amax[prefix])
         elif fmt in STATIC_INPUT_FORMATS:
+            assert input_amax is not None  # refused above
             out = quantize(tensor, input_amax[prefix])
         else:
             out = quantize(tensor)
@@ -837,7 +839,7 @@ def quantization_config(fmt: str) -> dict[str, Any] | None:
         # the flat form (quant_method + quant_algo at the top) names its excluded modules
         # "ignore" (vLLM ModelOptQuantConfigBase.from_config); "exclude_modules" is the
         # key of the nested hf_quant_config.json form only
-        config = {
+        config: dict[str, Any] = {
             "quant_method": "modelopt",
             "quant_algo": algo,
             "kv_cache_quant_algo": None,
@@ -1205,7 +1207,9 @@ def _layer_methods(model: torch.nn.Module) -> dict[str, str]:
     """``method[/scheme][/kernel]`` class names of layer 0's linears, e.g.
     ``"AutoGPTQLinearMethod/CPUWNA16LinearKernel"``. Runs inside a vLLM worker
     through ``LLM.apply_model``."""
-    layer = model.model.layers[0]
+    # vLLM's decoder; nn.Module's __getattr__ types a submodule as Tensor | Module
+    decoder: Any = model.model
+    layer = decoder.layers[0]
     found = {}
     for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
         module = layer.get_submodule(name)

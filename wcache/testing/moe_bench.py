@@ -42,8 +42,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from wcache.benchmarks.bench_engine_cuda import WEIGHT_STD, _linear_tensors
+from wcache.testing import fixtures as fx
+from wcache.testing.moe_fixtures import side_files
 
 __all__ = [
     "QWEN3_30B_A3B",
@@ -151,7 +154,7 @@ def layer_tensors(
     ``mlp.gate.weight`` bf16 ``[num_experts, hidden]``, the norms bf16."""
     p = f"model.layers.{layer}"
     h, n, d = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["head_dim"]
-    ones = lambda size: torch.ones(size, dtype=torch.bfloat16, device=device)  # noqa: E731
+    ones = lambda size: torch.ones(size, dtype=torch.bfloat16, device=device)  # noqa: E731 (a one-line local function)
     yield f"{p}.input_layernorm.weight", ones(h)
     yield f"{p}.post_attention_layernorm.weight", ones(h)
     yield f"{p}.self_attn.q_norm.weight", ones(d)
@@ -217,8 +220,6 @@ def _quantization(fmt: str, layers: int) -> tuple[dict[str, Any] | None, dict[st
             "version": "gemm",
             "modules_to_not_convert": routers,
         }, {}
-    from wcache.testing.moe_fixtures import side_files  # noqa: PLC0415
-
     return None, side_files("nvfp4", routers)
 
 
@@ -247,8 +248,6 @@ def write_qwen3_moe(
     """
     if fmt not in BENCH_FORMATS:
         raise ValueError(f"unknown benchmark format {fmt!r}; use one of {BENCH_FORMATS}")
-    from safetensors.torch import save_file  # noqa: PLC0415
-
     cfg = {**QWEN3_30B_A3B, "num_hidden_layers": layers, "vocab_size": vocab_size}
     for key in ("hidden_size", "moe_intermediate_size"):
         assert cfg[key] % FP8_BLOCK == 0, key  # the geometry is Qwen's: a fixed fact
@@ -313,8 +312,6 @@ def write_qwen3_moe(
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: write the checkpoint; print its folder and size."""
-    from wcache.testing import fixtures as fx  # noqa: PLC0415
-
     ap = argparse.ArgumentParser(
         prog="python -m wcache.testing.moe_bench", description=__doc__.split("\n")[0]
     )

@@ -75,6 +75,7 @@ import argparse
 import json
 import re
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -250,9 +251,12 @@ def _quantize(
     group_size: int | None = None,
     weight_amax: float | None = None,
 ) -> dict[str, torch.Tensor]:
+    # The caller (moe_quantized_state_dict) has refused a static or NVFP4 format
+    # without its amax and a grouped int4 format without its group size.
     if fmt in ("fp8", "fp8_static"):
         out = fx.fp8_quantize(weight)
         if fmt == "fp8_static":
+            assert amax is not None
             out["input_scale"] = torch.tensor(
                 float(amax) * fx.CALIBRATION_HEADROOM / fx.FP8_E4M3_MAX, dtype=torch.float32
             )
@@ -260,14 +264,19 @@ def _quantize(
     if fmt == "fp8_block":
         return fp8_block_quantize(weight)
     if fmt == "awq":
+        assert group_size is not None
         return fx.awq_quantize(weight, group_size)
     if fmt.startswith("gptq"):
+        assert group_size is not None
         return mq.gptq_quantize(
             weight, group_size, sym=fmt != "gptq_asym", act_order=fmt == "gptq_act_order"
         )
     if fmt in ("ct_w4a16", "ct_w4a16_channel"):
-        return mq.ct_w4a16_compress(weight, group_size if fmt == "ct_w4a16" else -1)
+        group = group_size if fmt == "ct_w4a16" else -1
+        assert group is not None
+        return mq.ct_w4a16_compress(weight, group)
     if fmt == "nvfp4":
+        assert amax is not None
         return fx.nvfp4_quantize(weight, amax, weight_amax)
     if fmt == "mxfp4":
         return mq.mxfp4_quantize(weight)
@@ -345,7 +354,7 @@ def convert_moe_state_dict(
             continue
         prefix = name[: -len(".weight")]
         amax = None
-        if fmt in AMAX_FORMATS:
+        if fmt in AMAX_FORMATS and input_amax is not None:  # not None: refused above
             if prefix not in input_amax:
                 raise FixtureError(
                     f"no calibrated input amax for {prefix}; calibrate on the same bf16 checkpoint"
@@ -400,11 +409,9 @@ def convert_gpt_oss_mxfp4(state_dict: Mapping[str, torch.Tensor]) -> dict[str, t
 
 def _ct_w4a16_config(group_size: int) -> dict[str, Any]:
     """compressed-tensors' own ``quantization_config`` for W4A16 pack-quantized."""
-    import tempfile  # noqa: PLC0415
-
-    from compressed_tensors.compressors import ModelCompressor  # noqa: PLC0415
-    from compressed_tensors.config import CompressionFormat  # noqa: PLC0415
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus  # noqa: PLC0415
+    from compressed_tensors.compressors import ModelCompressor  # noqa: PLC0415 (optional dependency (the fixtures extra))
+    from compressed_tensors.config import CompressionFormat  # noqa: PLC0415 (optional dependency (the fixtures extra))
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus  # noqa: PLC0415 (optional dependency (the fixtures extra))
 
     qconfig = QuantizationConfig(
         config_groups={"group_0": mq.ct_w4a16_scheme(group_size)},
@@ -429,6 +436,7 @@ def moe_quantization_config(
     ``from_config``; AutoAWQ / AutoGPTQ ``quantize_config``; Qwen's Qwen3-30B-A3B-FP8;
     openai/gpt-oss's config.
     """
+    config: dict[str, Any]
     if fmt in ("fp8", "fp8_static", "fp8_block"):
         config = {
             "quant_method": "fp8",
@@ -439,7 +447,9 @@ def moe_quantization_config(
             config["weight_block_size"] = [FP8_BLOCK, FP8_BLOCK]
         return config
     if fmt in ("ct_w8a8_fp8", "ct_w8a8_fp8_static"):
-        return {**fx.quantization_config(fmt), "ignore": list(CT_IGNORE)}
+        ct_config = fx.quantization_config(fmt)
+        assert ct_config is not None  # None only for bf16
+        return {**ct_config, "ignore": list(CT_IGNORE)}
     if fmt == "awq":
         return {
             "quant_method": "awq",
@@ -462,11 +472,13 @@ def moe_quantization_config(
             "checkpoint_format": "gptq",
         }
     if fmt in ("ct_w4a16", "ct_w4a16_channel"):
-        return _ct_w4a16_config(group_size if fmt == "ct_w4a16" else -1)
+        group = group_size if fmt == "ct_w4a16" else -1
+        assert group is not None, "ct_w4a16 is grouped: pass group_size"
+        return _ct_w4a16_config(group)
     if fmt == "nvfp4":
         return None
     if fmt == "mxfp4":
-        config: dict[str, Any] = {"quant_method": "mxfp4"}
+        config = {"quant_method": "mxfp4"}
         if base == "gpt_oss":
             config["modules_to_not_convert"] = list(GPT_OSS_NOT_CONVERTED)
         return config
@@ -532,7 +544,7 @@ def calibrate_moe_input_amax(
 
     Source: llm-compressor's static activation calibration (min-max observer).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415 (transformers import ~1 s: only when called)
 
     model = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(bf16_dir)

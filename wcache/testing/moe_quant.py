@@ -27,12 +27,16 @@ here (:func:`dequantize_expert`).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from wcache.errors import FixtureError
 from wcache.stages.packing import pack_int32, unpack_int32
 from wcache.testing import fixtures as fx
+
+if TYPE_CHECKING:  # compressed-tensors is an optional extra, imported where used
+    from compressed_tensors.quantization import QuantizationScheme
 
 __all__ = [
     "GPTQ_V1_ZERO_OFFSET",
@@ -155,13 +159,13 @@ def gptq_quantize(
     }
 
 
-def ct_w4a16_scheme(group_size: int) -> object:
+def ct_w4a16_scheme(group_size: int) -> QuantizationScheme:
     """compressed-tensors W4A16 scheme: int4 symmetric static weights, GROUP of
     ``group_size`` (CHANNEL when ``group_size`` is -1), no activation quantization.
 
     Source: compressed-tensors ``quant_scheme.W4A16`` preset.
     """
-    from compressed_tensors.quantization import (  # noqa: PLC0415
+    from compressed_tensors.quantization import (  # noqa: PLC0415 (optional dependency (the fixtures extra))
         QuantizationArgs,
         QuantizationScheme,
         QuantizationStrategy,
@@ -202,8 +206,8 @@ def ct_w4a16_compress(weight: torch.Tensor, group_size: int) -> dict[str, torch.
     Source: compressed-tensors ``calculate_qparams`` and
     ``PackedQuantizationCompressor.compress``.
     """
-    from compressed_tensors.compressors import PackedQuantizationCompressor  # noqa: PLC0415
-    from compressed_tensors.quantization.utils import calculate_qparams  # noqa: PLC0415
+    from compressed_tensors.compressors import PackedQuantizationCompressor  # noqa: PLC0415 (optional dependency (the fixtures extra))
+    from compressed_tensors.quantization.utils import calculate_qparams  # noqa: PLC0415 (optional dependency (the fixtures extra))
 
     _check(weight, group_size if group_size > 0 else 1, "ct_w4a16")
     scheme = ct_w4a16_scheme(group_size)
@@ -327,7 +331,7 @@ def dequantize_expert(tensors: Mapping[str, torch.Tensor], fmt: str) -> torch.Te
         g = tensors["g_idx"].long()
         return ((q - z[g]) * tensors["scales"].to(torch.float32)[g]).t().contiguous()
     if fmt == "ct_w4a16":
-        from compressed_tensors.compressors import PackedQuantizationCompressor  # noqa: PLC0415
+        from compressed_tensors.compressors import PackedQuantizationCompressor  # noqa: PLC0415 (optional dependency (the fixtures extra))
 
         n, k = (int(v) for v in tensors["weight_shape"])
         group = k // tensors["weight_scale"].shape[1]

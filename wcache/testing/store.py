@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -79,6 +79,15 @@ def assert_serves_export(
         assert {"seed": 0} == att.extra and {"x": 1} == att.layers["layer0"]["recorded"]
 
 
+class DaemonPopen(subprocess.Popen):
+    """A daemon subprocess (:func:`start_daemon`) with its stderr file and ready line."""
+
+    #: the daemon's stderr (a temporary file, closed by :func:`stop_daemon`)
+    log: IO[str]
+    #: the ``wcache-store ready ...`` line it printed
+    ready_line: str
+
+
 def start_daemon(
     socket_dir: str,
     device_id: str = "cpu",
@@ -88,7 +97,7 @@ def start_daemon(
     numel: int = 4096,
     key: dict | None = None,
     extra_args: tuple[str, ...] = (),
-) -> subprocess.Popen:
+) -> DaemonPopen:
     """Start a daemon subprocess and wait for its ready line."""
     cmd = [
         sys.executable,
@@ -110,11 +119,13 @@ def start_daemon(
         *extra_args,
     ]
     log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (kept on proc: a pipe could fill up and block a chatty daemon)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+    proc = DaemonPopen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
     proc.log = log
+    stdout = proc.stdout
+    assert stdout is not None  # stdout=PIPE
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
-        line = proc.stdout.readline()
+        line = stdout.readline()
         if line.startswith("wcache-store ready"):
             proc.ready_line = line.strip()
             return proc
@@ -125,7 +136,7 @@ def start_daemon(
     raise RuntimeError("daemon did not become ready")
 
 
-def stop_daemon(proc: subprocess.Popen) -> None:
+def stop_daemon(proc: DaemonPopen) -> None:
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -133,7 +144,8 @@ def stop_daemon(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    proc.stdout.close()
+    if proc.stdout is not None:  # start_daemon's stdout=PIPE: always set
+        proc.stdout.close()
     proc.log.close()
 
 

@@ -40,13 +40,16 @@ import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
 from wcache.errors import FixtureError
 from wcache.testing import fixtures as fx
+
+if TYPE_CHECKING:  # transformers is imported where used (its import takes seconds)
+    from transformers import PreTrainedModel
 
 __all__ = [
     "Arch",
@@ -557,10 +560,10 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
             shutil.copy2(f, dst / f.name)
 
 
-def random_model(a: Arch, special: Mapping[str, Any]) -> torch.nn.Module:
+def random_model(a: Arch, special: Mapping[str, Any]) -> PreTrainedModel:
     """``a``'s transformers model with transformers' own random initialization under
     :data:`SEED`, in bf16 (not saved)."""
-    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415 (transformers import ~1 s: only when called)
 
     config = AutoConfig.for_model(a.model_type, **config_kwargs(a, special))
     torch.manual_seed(SEED)

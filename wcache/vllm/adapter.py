@@ -29,6 +29,7 @@ import torch
 from attrs import evolve
 
 from wcache.core import LayerConfig, MoeShape, QuantSpec, Target
+from wcache.plans.fused_moe import moe_kernel_id
 from wcache.stages import cpu_wna16
 from wcache.stages.moe_cpu import ZENTORCH_EXPERTS
 from wcache.vllm import compat, moe, probe
@@ -165,13 +166,11 @@ def _moe_config(
     with the backend and experts class vLLM's oracle resolved for ``quant_method``
     (:func:`wcache.vllm.moe.resolved_backend`), and ``spec.kernel`` the plan kernel id
     for them (:func:`wcache.plans.fused_moe.moe_kernel_id`) unless ``spec`` names one."""
-    from wcache.plans.fused_moe import moe_kernel_id  # noqa: PLC0415
-
     backend, experts = moe.resolved_backend(quant_method)
     moe_config = quant_method.moe
     activation = _enum_value(getattr(moe_config, "activation", "silu"))
     if backend == "CPU":
-        from vllm.model_executor.kernels.linear.zentorch_utils import (  # noqa: PLC0415
+        from vllm.model_executor.kernels.linear.zentorch_utils import (  # noqa: PLC0415 (vLLM import ~6 s: only when called)
             is_zentorch_moe_supported,
         )
 

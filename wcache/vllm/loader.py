@@ -60,7 +60,9 @@ from typing import Any
 
 import attrs
 import torch
+from vllm import envs
 from vllm.config import LoadConfig, ModelConfig, VllmConfig
+from vllm.config.compilation import CompilationMode
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
@@ -70,7 +72,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from wcache.core import WcacheError
 from wcache.errors import RestoreFailed, UpdateUnsupported
 from wcache.store import CacheKey, DaemonMissing, StoreError, attach
-from wcache.vllm import compat
+from wcache.vllm import compat, startup
 from wcache.vllm.key import build_key, device_id, parallel_layout
 from wcache.vllm.probe import host_target
 from wcache.vllm.model import (
@@ -164,8 +166,8 @@ def _diagnose_missing(exc: Exception, key: Any, socket_dir: str | None) -> Excep
     """A daemon for *another* configuration (dtype, quantization, parallel sizes,
     job) listens on a different socket; name the differing key fields instead of
     reporting no daemon at all. Returns ``exc`` when no other daemon answers."""
-    from wcache.store import KeyMismatch, daemon_status  # noqa: PLC0415
-    from wcache.store.paths import default_socket_dir, list_sockets  # noqa: PLC0415
+    from wcache.store import KeyMismatch, daemon_status  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
+    from wcache.store.paths import default_socket_dir, list_sockets  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
 
     try:
         socks = list_sockets(os.path.abspath(socket_dir or default_socket_dir()))
@@ -463,8 +465,6 @@ def _compiles(vllm_config: VllmConfig) -> bool:
     Source: vllm/config/compilation.py (``CompilationMode``), vllm/config/model.py
     (``ModelConfig.enforce_eager``); the same fields in vLLM 0.32 and 0.33.
     """
-    from vllm.config.compilation import CompilationMode  # noqa: PLC0415
-
     return (
         not vllm_config.model_config.enforce_eager
         and vllm_config.compilation_config.mode != CompilationMode.NONE
@@ -480,9 +480,6 @@ def _startup_plan_hint(
     ``gpu_memory_utilization``, or vLLM's switch ``VLLM_ENABLE_STARTUP_PLAN=1`` off
     (vllm/v1/worker/startup_plan.py, 0.33+; an operator's switch this loader leaves
     alone)."""
-    from vllm import envs  # noqa: PLC0415
-
-    from wcache.vllm import startup  # noqa: PLC0415
 
     plans = startup.startup_plans(manifest)
     if not plans:
@@ -522,9 +519,8 @@ def _startup_artifacts(opts: LoaderOptions, vllm_config: VllmConfig, dev_id: str
         (+ ``reason``). Its seconds are not part of the restore's (the
         restore record's ``seconds`` stays the weight-load phase of before).
     """
-    from wcache.store import socket_path  # noqa: PLC0415
-    from wcache.store.client import fetch_artifacts  # noqa: PLC0415
-    from wcache.vllm import startup  # noqa: PLC0415
+    from wcache.store import socket_path  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
+    from wcache.store.client import fetch_artifacts  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
 
     t0 = time.perf_counter()
     info: dict[str, Any] = {}
@@ -621,7 +617,7 @@ class WcacheModelLoader(BaseModelLoader):
         Source: vllm/model_executor/model_loader/weight_cache/ipc_loader.py::
             IpcModelLoader.get_external_weight_memory
         """
-        from wcache.store import daemon_status, socket_path  # noqa: PLC0415
+        from wcache.store import daemon_status, socket_path  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
 
         opts = self.options
         if opts.freeze_gc:

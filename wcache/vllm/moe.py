@@ -77,7 +77,7 @@ def vllm_preprocessed_branch(module: torch.nn.Module, quant_method: Any) -> None
     ``Fp8MoEMethod.process_weights_after_loading`` (the ``is_weights_pre_processed()``
     early return).
     """
-    from vllm.model_executor.utils import weights_already_processed  # noqa: PLC0415
+    from vllm.model_executor.utils import weights_already_processed  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     with weights_already_processed():
         quant_method.process_weights_after_loading(module)
@@ -90,7 +90,7 @@ def fp8_online_kernel(module: torch.nn.Module, quant_method: Any) -> None:
 
     Source: ``online.fp8._Fp8OnlineMoEBase._setup_kernel``.
     """
-    from vllm.model_executor.layers.fused_moe.oracle.fp8 import (  # noqa: PLC0415
+    from vllm.model_executor.layers.fused_moe.oracle.fp8 import (  # noqa: PLC0415 (vLLM import ~6 s: only when called)
         make_fp8_moe_kernel,
     )
 
@@ -114,7 +114,7 @@ def nvfp4_kernel(module: torch.nn.Module, quant_method: Any) -> None:
 
     Source: ``ModelOptNvFp4FusedMoE._build_moe_kernel`` (0.32).
     """
-    from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import (  # noqa: PLC0415
+    from vllm.model_executor.layers.fused_moe.oracle.nvfp4 import (  # noqa: PLC0415 (vLLM import ~6 s: only when called)
         make_nvfp4_moe_kernel,
     )
 
