@@ -252,4 +252,4 @@ def test_the_daemon_gives_its_unused_cuda_cache_back_before_it_is_ready(monkeypa
     assert serve.release_device_cache() == 0
     # it runs right before the ready line
     src = inspect.getsource(serve._serve_prepared_rank)
-    assert src.index("release_device_cache()") < src.index('line = (f"wcache: ready rank=')
+    assert src.index("release_device_cache()") < src.index('f"wcache: ready rank=')
