@@ -122,6 +122,8 @@ def test_planted_missing_metadata_stage_names_the_attribute(monkeypatch, host_ke
     from wcache.vllm.verify import verify
 
     path = _fixture("awq", host_kernels)
+    # the w4a16 layout (the one with isa_hint) on every host: AMX with bf16 takes w4a8
+    monkeypatch.setenv("VLLM_CPU_INT4_W4A8", "0")
     _plant(
         monkeypatch,
         lambda plan: attrs.evolve(
