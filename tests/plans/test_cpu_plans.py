@@ -466,7 +466,7 @@ def test_restore_recorded_mismatch(target, stage_name, key, value):
     """A daemon record of use_w4a8/isa_hint that differs from the target's raises
     (both CPUWNA16 layouts; the w4a8 prepare needs vLLM's ``_C`` op)."""
     if target is AMX and HOST.kernel("op.convert_weight_packed_scale_zp") != "present":
-        pytest.skip(f"vLLM's {HOST_LIBRARY} has no convert_weight_packed_scale_zp")
+        pytest.skip(f"vLLM's {HOST_LIBRARY} has no torch.ops._C.convert_weight_packed_scale_zp")
     case = vl.awq_linear(128, 64, 32)
     plan = plan_for(case.config, target=target).plan
     engine, prepared = _exported_layer(case, plan, target=target)

@@ -47,6 +47,12 @@ NON_AMX = vllm_layers.synthetic_target()
 AMX = vllm_layers.synthetic_target(("amx", "avx512", "avx512_bf16"))
 #: Whether vLLM's loaded kernel library has the w4a8 layout's ops (its ``_C`` only).
 HAS_W4A8_OPS = all(HOST.kernel(f"op.{op}") == "present" for op in cpu_wna16.W4A8_OPS)
+#: Skip reasons name the kernel library and the op it lacks (tests/test_cpu_builds.py)
+LIBRARY = HOST.kernel("cpu.kernel_library")
+NO_W4A8_OPS = f"vLLM's {LIBRARY} has no torch.ops._C." + next(
+    (op for op in cpu_wna16.W4A8_OPS if HOST.kernel(f"op.{op}") != "present"), ""
+)
+NO_CONVERT_WEIGHT_PACKED = f"vLLM's {LIBRARY} has no torch.ops._C.convert_weight_packed"
 BF16 = torch.bfloat16
 #: A dtype vLLM's dispatch gives to oneDNN on this host (bf16 unless oneDNN refuses
 #: it here, as on AVX2-only hosts; fp32 is oneDNN everywhere vLLM-CPU runs on x86).
@@ -180,7 +186,7 @@ w4a8_shapes = st.tuples(
 )
 
 
-@pytest.mark.skipif(not HAS_W4A8_OPS, reason="vLLM's kernel library here lacks the w4a8 ops")
+@pytest.mark.skipif(not HAS_W4A8_OPS, reason=NO_W4A8_OPS)
 @settings(max_examples=20)
 @given(w4a8_shapes)
 def test_cpu_wna16_repack_w4a8_matches_vllm(shape):
@@ -223,7 +229,7 @@ def test_repack_w4a8_refuses_w4a16_target():
         _run(cpu_wna16.repack_w4a8("qweight", "scales", "qzeros"), tensors, _cfg("gptq"), NON_AMX)
 
 
-@pytest.mark.skipif(not HAS_W4A8_OPS, reason="vLLM's kernel library here lacks the w4a8 ops")
+@pytest.mark.skipif(not HAS_W4A8_OPS, reason=NO_W4A8_OPS)
 def test_w4a8_op_fails_where_the_plan_refuses():
     """Where can_implement_w4a8 refuses a shape (size_k 192, channelwise: not a
     multiple of the op's 128-row block), vLLM's own op fails too: the refusal is
@@ -725,7 +731,7 @@ def test_transform_on_meta_gives_real_shapes(name):
 
 @pytest.mark.skipif(
     HOST.kernel("op.convert_weight_packed") != "present",
-    reason="vLLM's kernel library here lacks convert_weight_packed",
+    reason=NO_CONVERT_WEIGHT_PACKED,
 )
 @pytest.mark.parametrize(
     "strategy,widths,bias",
@@ -760,7 +766,7 @@ def test_sgl_int8_n_not_multiple_of_32_fails_in_vllm_too(monkeypatch):
     """An int8 weight with N % 32 != 0 (vLLM's check_cpu_sgl_kernel accepts N % 16):
     vLLM's own SGL post-load fails, and so does the wcache stage, naming the rule."""
     if HOST.kernel("op.convert_weight_packed") != "present":
-        pytest.skip("vLLM's kernel library here lacks convert_weight_packed")
+        pytest.skip(NO_CONVERT_WEIGHT_PACKED)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     case = vllm_layers.ct_w8a8_int8_linear(64, (48,), "tensor", True, True, BF16)
     with pytest.raises(RuntimeError, match="BLOCK_N"):
