@@ -63,14 +63,15 @@ MOE_ROW = "qwen3-moe (tiny, random weights)"
 
 
 def run_moe(max_tokens: int) -> dict:
-    """Disk vs daemon for the tiny random-weight Qwen3-MoE (:mod:`wcache.testing.tiny_moe`)."""
-    from wcache.testing.tiny_moe import build  # noqa: PLC0415 (torch import ~2 s: only when called)
+    """Disk vs daemon for the tiny random-weight Qwen3-MoE (``qwen3_moe`` of
+    :mod:`wcache.testing.tiny_models`: 6 experts of 96, the H200 tier's checkpoint)."""
+    from wcache.testing.tiny_models import build_arch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     print(
         f"[{MOE_ROW}] building the tiny Qwen3-MoE checkpoint (cached after the first run)",
         flush=True,
     )
-    model = build()
+    model = build_arch("qwen3_moe")
     with tempfile.TemporaryDirectory(prefix="wcache-demo-") as sock_dir:
         with DaemonProcess(model, sock_dir) as daemon:
             print(f"[{MOE_ROW}] {daemon.ready_lines[-1]}  ({daemon.ready_s:.1f} s)", flush=True)

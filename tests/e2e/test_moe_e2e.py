@@ -37,9 +37,9 @@ def shared_checksums(socket_dir: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def moe_runs():
-    from wcache.testing.tiny_moe import build
+    from wcache.testing.tiny_models import build_arch
 
-    model = build()
+    model = build_arch("qwen3_moe")
     runs = {}
     with (
         tempfile.TemporaryDirectory(prefix="wc-moe-") as sock_dir,
