@@ -199,3 +199,27 @@ def test_engine_error_keeps_where_a_bare_assertion_was_raised():
         "assert output_size is not None",
         "AssertionError",
     ]
+
+
+def test_plot_draws_the_recorded_moe_run_and_a_case_with_a_refusal(tmp_path):
+    """plot_ipc_cache writes a PNG of its declared size from the recorded H200 MoE run,
+    also when a case has a system without figures (a refusal: no bar, no crash)."""
+    import json
+    import struct
+    from pathlib import Path
+
+    from wcache.benchmarks import plot
+
+    recorded = Path(__file__).parents[2] / "benchmarks/results-h200-ipc-cache-moe-vllm-0.33.0.json"
+    result = json.loads(recorded.read_text())
+    result["rows"].append(
+        {"case": "moe30b-awq", "disk": result["rows"][0]["disk"], "ipc_cache": {"daemon_error": []}}
+    )
+    png = plot.plot_ipc_cache(result, tmp_path / "sub" / "moe.png")
+    head = png.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", head[16:24])
+    assert (width, height) == (
+        round(plot.FIGSIZE_IN[0] * 1.6 * plot.DPI),
+        round(plot.FIGSIZE_IN[1] * plot.DPI),
+    )
