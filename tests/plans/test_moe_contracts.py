@@ -236,6 +236,159 @@ def test_serialized_fp8_moe_triton_sm90(simulated_cuda, block, static, plan):
         assert tuple(restored.w13_weight_scale.shape) == (4,)
 
 
+def _ct_fp8_config(fmt: str):
+    """vLLM's CompressedTensorsConfig of the fixture format ``fmt`` (the tiny MoE
+    checkpoints' config.json ``quantization_config``)."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
+
+    from wcache.testing.moe_fixtures import moe_quantization_config
+
+    return CompressedTensorsConfig.from_config(moe_quantization_config(fmt, []))
+
+
+@pytest.fixture
+def vllm_cutlass_grouped_gemm(monkeypatch):
+    """The CUTLASS grouped GEMM reported present for sm90, as vLLM's CUDA build
+    reports it (``torch.ops._C.cutlass_group_gemm_supported``; the CPU build has none),
+    so the FP8 MoE oracle can resolve VLLM_CUTLASS."""
+    from vllm.model_executor.layers.fused_moe.experts import cutlass_moe
+
+    monkeypatch.setattr(cutlass_moe, "cutlass_group_gemm_supported", lambda: True)
+
+
+#: (fixture format, CUTLASS grouped GEMM in vLLM's build, plan, backend, experts class)
+CT_FP8_CASES = [
+    ("ct_w8a8_fp8", True, "ct_w8a8_fp8_moe_channel/vllm_cutlass@1", "VLLM_CUTLASS",
+     "TritonOrCutlassExperts"),
+    ("ct_w8a8_fp8_static", True, "ct_w8a8_fp8_moe_tensor/vllm_cutlass@1", "VLLM_CUTLASS",
+     "TritonOrCutlassExperts"),
+    ("ct_w8a8_fp8", False, "ct_w8a8_fp8_moe_channel/triton@1", "TRITON", "TritonExperts"),
+    ("ct_w8a8_fp8_static", False, "ct_w8a8_fp8_moe_tensor/triton@1", "TRITON", "TritonExperts"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt,cutlass,plan,backend,experts", CT_FP8_CASES)
+def test_ct_w8a8_fp8_moe_sm90(simulated_cuda, request, fmt, cutlass, plan, backend, experts):
+    """CompressedTensorsW8A8Fp8MoEMethod on sm90 without FlashInfer resolves VLLM_CUTLASS
+    (TritonOrCutlassExperts) where vLLM's build has the CUTLASS grouped GEMM, else TRITON;
+    channel scales (no post-load bytes) and per tensor (w1/w3 requantized to the max
+    scale and static input scales reduced, in place in vLLM, once by the daemon here):
+    load and restore equal vLLM's processed layer, kernel objects included."""
+    if cutlass:
+        request.getfixturevalue("vllm_cutlass_grouped_gemm")
+    hidden, inter = 256, 128
+    config, vllm_layer, restored = _contract(
+        lambda meta=False: _moe_layer(hidden, inter, _ct_fp8_config(fmt), meta=meta),
+        lambda layer: _fill(layer, 11),
+        H200,
+        plan,
+    )
+    assert type(vllm_layer.quant_method).__name__ == "CompressedTensorsW8A8Fp8MoEMethod"
+    assert (config.moe.backend, config.moe.experts) == (backend, experts)
+    assert type(restored.quant_method.moe_kernel.fused_experts).__name__ == experts
+    if fmt == "ct_w8a8_fp8_static":
+        assert tuple(restored.w13_weight_scale.shape) == (4,)
+        assert tuple(restored.w13_input_scale.shape) == ()
+    else:
+        assert tuple(restored.w13_weight_scale.shape) == (4, 2 * inter, 1)
+
+
+def test_ct_w8a8_fp8_moe_restore_never_requantizes(simulated_cuda):
+    """The per-tensor plan's w1/w3 requantization is a TRANSFORM (daemon only): restore
+    replays no stage that writes a tensor, so requantized bytes are never requantized
+    again (vLLM's post-load on already requantized weights would change them)."""
+    from wcache.core import Tag
+
+    bound = plan_for(
+        _ct_layer_config("ct_w8a8_fp8_static", "TRITON", "TritonExperts"), target=H200
+    )
+    writers = {s.name: s.tag for s in bound.plan.stages if s.writes}
+    assert writers == {
+        "fp8_moe.reduce_input_scales": Tag.TRANSFORM,
+        "fp8_moe.process_weight_tensor_strategy": Tag.TRANSFORM,
+    }
+    assert all(tag is Tag.TRANSFORM for tag in writers.values())
+
+
+def _ct_layer_config(fmt: str, backend: str, experts: str):
+    from tests.helpers import moe_cases as mc
+
+    strategy = "tensor" if fmt == "ct_w8a8_fp8_static" else "channel"
+    return mc.moe_config(
+        f"ct_w8a8_fp8_moe_{strategy}",
+        backend.lower(),
+        experts=4,
+        hidden=256,
+        inter=128,
+        backend=backend,
+        experts_cls=experts,
+        strategy=strategy,
+        static=fmt == "ct_w8a8_fp8_static",
+    )
+
+
+#: Backends vLLM's FP8 MoE oracle can resolve on CUDA for CompressedTensorsW8A8Fp8MoEMethod
+#: that no plan covers, with the words of why each one's reason must carry.
+CT_UNPLANNED = [
+    ("FLASHINFER_CUTLASS", "FlashInferExperts", "swaps w13 to w31"),
+    ("FLASHINFER_TRTLLM", "TrtLlmFp8ExpertsMonolithic", "block-major"),
+    ("DEEPGEMM", "TritonOrDeepGemmExperts", "UE8M0"),
+    ("MARLIN", "MarlinExperts", "gptq_marlin_repack"),
+    ("HUMMING", "HummingGroupedExperts", "Humming"),
+    ("AITER", "AiterFp8TensorExperts", "AITER"),
+    ("BATCHED_VLLM_CUTLASS", "CutlassBatchedExpertsFp8", "batched"),
+    ("BATCHED_TRITON", "BatchedTritonExperts", "batched"),
+]
+
+
+@pytest.mark.parametrize("fmt", ["ct_w8a8_fp8", "ct_w8a8_fp8_static"])
+@pytest.mark.parametrize("backend,experts,why", CT_UNPLANNED)
+def test_ct_w8a8_fp8_moe_other_backends_refused_before_weights(
+    simulated_cuda, monkeypatch, fmt, backend, experts, why
+):
+    """A vLLM CompressedTensorsW8A8Fp8MoEMethod layer whose oracle resolved a backend no
+    plan covers (faked on the method, as vLLM's oracle would set it) is refused by
+    plan_for from the meta-built layer, before any tensor holds data, naming the
+    backend and what its post-load does."""
+    from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
+
+    from wcache.vllm.adapter import layer_config
+
+    layer = _moe_layer(256, 128, _ct_fp8_config(fmt), meta=True)
+    qm = layer.quant_method
+    monkeypatch.setattr(qm, "fp8_backend", Fp8MoeBackend[backend])
+    monkeypatch.setattr(qm, "experts_cls", type(experts, (), {}))
+    config = layer_config(qm, layer, H200, name="experts")
+    assert (config.moe.backend, config.quant.kernel) == (backend, backend.lower())
+    with pytest.raises(NoPlan) as err:
+        plan_for(config, target=H200)
+    assert backend in str(err.value) and why in str(err.value)
+    assert "CompressedTensorsW8A8Fp8MoEMethod" in str(err.value)
+    assert all(p.device.type == "meta" for p in layer.parameters())
+
+
+def test_ct_w8a8_fp8_moe_block_is_refused_by_method(simulated_cuda):
+    """compressed-tensors block FP8 MoE reaches plan_for as ct_w8a8_fp8_moe_block, which
+    has no plan: refused by name (no TRITON block plan was checked for this method)."""
+    from wcache.vllm.adapter import layer_config
+
+    ct = _ct_fp8_config("ct_w8a8_fp8")
+    for scheme in ct.target_scheme_map.values():
+        scheme["weights"] = scheme["weights"].model_copy(
+            update={"strategy": "block", "block_structure": [128, 128]}
+        )
+        scheme["input_activations"] = scheme["input_activations"].model_copy(
+            update={"strategy": "group", "group_size": 128}
+        )
+    layer = _moe_layer(256, 128, ct, meta=True)
+    config = layer_config(layer.quant_method, layer, H200, name="experts")
+    assert config.quant.method == "ct_w8a8_fp8_moe_block"
+    with pytest.raises(NoPlan, match="ct_w8a8_fp8_moe_block"):
+        plan_for(config, target=H200)
+
+
 def test_other_backends_are_refused_by_name():
     """A backend the oracle may resolve that no plan covers (FlashInfer CUTLASS, DeepGEMM)
     is refused by plan_for before any tensor is read, naming the backend and why."""
