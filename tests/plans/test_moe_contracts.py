@@ -301,9 +301,7 @@ def test_ct_w8a8_fp8_moe_restore_never_requantizes(simulated_cuda):
     again (vLLM's post-load on already requantized weights would change them)."""
     from wcache.core import Tag
 
-    bound = plan_for(
-        _ct_layer_config("ct_w8a8_fp8_static", "TRITON", "TritonExperts"), target=H200
-    )
+    bound = plan_for(_ct_layer_config("ct_w8a8_fp8_static", "TRITON", "TritonExperts"), target=H200)
     writers = {s.name: s.tag for s in bound.plan.stages if s.writes}
     assert writers == {
         "fp8_moe.reduce_input_scales": Tag.TRANSFORM,

@@ -171,7 +171,9 @@ KERNELS = (
         ("fp8_moe_block/triton", "fp8_moe_tensor/triton"),
         vllm_preprocessed_branch,
     ),
-    MoeKernelRow("Fp8PerTensorOnlineMoEMethod", "TRITON", ("fp8_per_tensor_moe/triton",), fp8_kernel),
+    MoeKernelRow(
+        "Fp8PerTensorOnlineMoEMethod", "TRITON", ("fp8_per_tensor_moe/triton",), fp8_kernel
+    ),
     MoeKernelRow(
         "CompressedTensorsW8A8Fp8MoEMethod",
         "VLLM_CUTLASS",
