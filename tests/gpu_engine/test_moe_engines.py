@@ -42,7 +42,7 @@ MOE_CASES = (
     ("qwen3_moe", "ct_w8a8_fp8", None, False, "restored", "compressed-tensors, channel"),
     ("qwen3_moe", "ct_w8a8_fp8_static", None, False, "restored", "compressed-tensors, tensor"),
     ("granitemoe", "bf16", None, False, "result", ""),
-    ("gpt_oss", "bf16", None, False, "result", "bf16 random GPT-OSS"),
+    ("gpt_oss", "bf16", None, False, "restored", "bf16 GPT-OSS: expert biases, swigluoai, sinks"),
 )
 
 
