@@ -38,8 +38,16 @@ MOE_ATTRS = ("quant_method.moe_kernel", "quant_method.moe_kernel.fused_experts")
 _NAMES = ("~layer_name",)
 
 
-def _moe_layer(hidden: int, inter: int, quant_config=None, meta: bool = False, experts: int = 4):
-    """vLLM's RoutedExperts (FusedMoEFactory, TP 1)."""
+def _moe_layer(
+    hidden: int,
+    inter: int,
+    quant_config=None,
+    meta: bool = False,
+    experts: int = 4,
+    **gpt_oss,
+):
+    """vLLM's RoutedExperts (FusedMoEFactory, TP 1); ``gpt_oss``: GPT-OSS's extra
+    arguments (``has_bias``, ``activation``)."""
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 
     with VL.vllm_context("meta" if meta else "cpu", torch.bfloat16):
@@ -51,6 +59,7 @@ def _moe_layer(hidden: int, inter: int, quant_config=None, meta: bool = False, e
             params_dtype=torch.bfloat16,
             quant_config=quant_config,
             prefix=f"model.layers.{next(_IDS)}.mlp.experts",
+            **gpt_oss,
         )
     return moe.routed_experts
 
@@ -203,6 +212,29 @@ def test_unquantized_moe_triton_sm90(simulated_cuda, hidden, inter):
     assert (config.moe.backend, config.moe.experts) == ("TRITON", "TritonExperts")
 
 
+def test_gpt_oss_biased_swigluoai_moe_triton_sm90(simulated_cuda):
+    """GPT-OSS's experts (w13_bias/w2_bias, swigluoai) resolve TRITON on sm90; vLLM's
+    post-load writes no bytes, the biases are exported as checkpoint tensors, and the
+    restored kernel's quant config holds the installed biases (the disk load's)."""
+    hidden, inter = 256, 128
+    config, vllm_layer, restored = _contract(
+        lambda meta=False: _moe_layer(
+            hidden, inter, meta=meta, has_bias=True, activation="swigluoai"
+        ),
+        lambda layer: _fill(layer, 5),
+        H200,
+        "unquantized_moe/triton@1",
+    )
+    assert (config.moe.backend, config.moe.has_bias, config.moe.activation) == (
+        "TRITON",
+        True,
+        "swigluoai",
+    )
+    quant = restored.quant_method.moe_quant_config
+    assert quant.w1_bias is restored.w13_bias and quant.w2_bias is restored.w2_bias
+    assert torch.equal(restored.w13_bias, vllm_layer.w13_bias)
+
+
 def _fp8_config(block: bool, static: bool = False):
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 
@@ -341,20 +373,30 @@ CT_UNPLANNED = [
 ]
 
 
-@pytest.mark.parametrize("fmt", ["ct_w8a8_fp8", "ct_w8a8_fp8_static"])
+#: The FP8 MoE methods' quant configs (name for ids, factory) whose other backends must be
+#: refused: compressed-tensors channel and tensor, Fp8MoEMethod block and tensor.
+FP8_MOE_QUANT_CONFIGS = {
+    "ct_w8a8_fp8": lambda: _ct_fp8_config("ct_w8a8_fp8"),
+    "ct_w8a8_fp8_static": lambda: _ct_fp8_config("ct_w8a8_fp8_static"),
+    "fp8_block": lambda: _fp8_config(block=True),
+    "fp8_static": lambda: _fp8_config(block=False, static=True),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(FP8_MOE_QUANT_CONFIGS))
 @pytest.mark.parametrize("backend,experts,why", CT_UNPLANNED)
-def test_ct_w8a8_fp8_moe_other_backends_refused_before_weights(
+def test_fp8_moe_other_backends_refused_before_weights(
     simulated_cuda, monkeypatch, fmt, backend, experts, why
 ):
-    """A vLLM CompressedTensorsW8A8Fp8MoEMethod layer whose oracle resolved a backend no
-    plan covers (faked on the method, as vLLM's oracle would set it) is refused by
-    plan_for from the meta-built layer, before any tensor holds data, naming the
-    backend and what its post-load does."""
+    """A vLLM FP8 MoE layer (CompressedTensorsW8A8Fp8MoEMethod, Fp8MoEMethod) whose
+    oracle resolved a backend no plan covers (faked on the method, as vLLM's oracle
+    would set it) is refused by plan_for from the meta-built layer, before any tensor
+    holds data, naming the backend, the method and what its post-load does."""
     from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
 
     from wcache.vllm.adapter import layer_config
 
-    layer = _moe_layer(256, 128, _ct_fp8_config(fmt), meta=True)
+    layer = _moe_layer(256, 128, FP8_MOE_QUANT_CONFIGS[fmt](), meta=True)
     qm = layer.quant_method
     monkeypatch.setattr(qm, "fp8_backend", Fp8MoeBackend[backend])
     monkeypatch.setattr(qm, "experts_cls", type(experts, (), {}))
@@ -363,7 +405,39 @@ def test_ct_w8a8_fp8_moe_other_backends_refused_before_weights(
     with pytest.raises(NoPlan) as err:
         plan_for(config, target=H200)
     assert backend in str(err.value) and why in str(err.value)
-    assert "CompressedTensorsW8A8Fp8MoEMethod" in str(err.value)
+    assert type(qm).__name__ in str(err.value)
+    assert all(p.device.type == "meta" for p in layer.parameters())
+
+
+@pytest.mark.parametrize(
+    "backend,why",
+    [
+        ("FLASHINFER_CUTLASS", "swaps w13 to w31"),
+        ("FLASHINFER_TRTLLM", "block-major"),
+        ("AITER", "AITER"),
+        ("BATCHED_TRITON", "batched"),
+        ("MOONEP", "MoonEP"),
+        ("XPU", "XPU"),
+        ("OOT", "out-of-tree"),
+    ],
+)
+def test_unquantized_moe_other_backends_refused_before_weights(
+    simulated_cuda, monkeypatch, backend, why
+):
+    """An UnquantizedFusedMoEMethod layer whose oracle resolved a backend other than
+    TRITON on CUDA is refused from the meta-built layer, naming the backend and why."""
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+
+    from wcache.vllm.adapter import layer_config
+
+    layer = _moe_layer(256, 128, meta=True, has_bias=True, activation="swigluoai")
+    qm = layer.quant_method
+    monkeypatch.setattr(qm, "unquantized_backend", UnquantizedMoeBackend[backend])
+    config = layer_config(qm, layer, H200, name="experts")
+    with pytest.raises(NoPlan) as err:
+        plan_for(config, target=H200)
+    assert backend in str(err.value) and why in str(err.value)
+    assert "UnquantizedFusedMoEMethod" in str(err.value)
     assert all(p.device.type == "meta" for p in layer.parameters())
 
 

@@ -98,6 +98,8 @@ UNPLANNED_BACKENDS = {
     "XPU": "lays the experts out for Intel XPU kernels",
     "HPC": "runs an out-of-tree HPC kernel wcache has no layout for",
     "NONE": "resolved no kernel (vLLM's oracle found no backend)",
+    "TPU": "hands the weights to the TPU plugin, whose layout wcache does not know",
+    "OOT": "hands the weights to an out-of-tree plugin, whose layout wcache does not know",
     "BATCHED_TRITON": "runs with batched (EP all-to-all) activations, which wcache does "
     "not plan yet",
     "MOONEP": "moves the weights into MoonEP's [E+B] gate/down split",
