@@ -100,3 +100,19 @@ def test_meta_leftovers_names_an_impl_tensor_still_on_meta():
     model = _sink_model()
     model.attn._parameters["sinks"] = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
     assert meta_leftovers(model) == ["attn.attn.impl.sinks"]
+
+
+def test_rebind_touches_only_references_to_replaced_tensors():
+    """rebind_captured_ repoints exactly the references to a replaced tensor and names
+    them; an unrelated tensor attribute of the same object is left alone."""
+    from wcache.shell import rebind_captured_
+
+    model = _sink_model()
+    impl = model.attn.attn.impl
+    impl.other = torch.zeros(2)
+    other = impl.other
+    old = model.attn.sinks
+    new = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16), requires_grad=False)
+    rebound = rebind_captured_(model.modules(), {id(old): (old, new)})
+    assert rebound == ["_Impl.sinks"]
+    assert impl.sinks is new and impl.other is other

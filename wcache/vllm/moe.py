@@ -17,9 +17,9 @@ A row's ``rebuild`` is one of:
   ``_init_moe_kernel`` and nothing else), for methods whose branch is exactly that
   (``supports_pre_processed_weights``);
 * a function here that calls vLLM's public kernel factory (``make_fp8_moe_kernel``:
-  :func:`fp8_kernel`; ``make_nvfp4_moe_kernel``) without the experts' own post-load (which would replay
-  an in-place transform on shared bytes), binding the result through
-  :func:`wcache.vllm.compat.set_moe_kernel_`.
+  :func:`fp8_kernel`; ``make_nvfp4_moe_kernel``) without the method's or the experts'
+  own post-load (which would replay an in-place transform on shared bytes), binding
+  the result through :func:`wcache.vllm.compat.set_moe_kernel_`.
 
 What vLLM keeps about the resolution (its backend enum and experts class) is read by
 :func:`resolved_backend`, which the adapter puts into each MoE layer's
