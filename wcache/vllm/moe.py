@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 #: The attribute each vLLM MoE method keeps its resolved backend enum in (0.32, 0.33).
-BACKEND_ATTRS = ("unquantized_backend", "fp8_backend", "nvfp4_backend")
+BACKEND_ATTRS = ("unquantized_backend", "fp8_backend", "nvfp4_backend", "mxfp4_backend")
 
 
 def resolved_backend(quant_method: Any) -> tuple[str, str]:
@@ -130,6 +130,30 @@ def nvfp4_kernel(module: torch.nn.Module, quant_method: Any) -> None:
     compat.set_moe_kernel_(quant_method, quant_config, kernel)
 
 
+def mxfp4_kernel(module: torch.nn.Module, quant_method: Any) -> None:
+    """Canonical MXFP4 MoE's kernel objects: ``_build_moe_kernel`` without its last line,
+    the experts' ``process_weights_after_loading`` (``MarlinExperts``: the base no-op
+    today; left out so a future in-place step there never runs on shared bytes). vLLM's
+    own pre-processed branch cannot serve: it raises for every backend but
+    FLASHINFER_TRTLLM_MXFP4_MXFP8.
+
+    Source: ``Mxfp4MoEMethod._build_moe_kernel`` (0.33).
+    """
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import (  # noqa: PLC0415 (vLLM import ~6 s: only when called)
+        make_mxfp4_moe_kernel,
+    )
+
+    quant_config = quant_method.get_fused_moe_quant_config(module)
+    kernel = make_mxfp4_moe_kernel(
+        moe_quant_config=quant_config,
+        moe_config=quant_method.moe,
+        mxfp4_backend=quant_method.mxfp4_backend,
+        experts_cls=quant_method.experts_cls,
+        routing_tables=compat.moe_routing_tables(module),
+    )
+    compat.set_moe_kernel_(quant_method, quant_config, kernel)
+
+
 @attrs.frozen
 class MoeKernelRow:
     """One (vLLM method class, resolved backend) whose kernel objects wcache rebuilds.
@@ -167,8 +191,15 @@ KERNELS = (
         vllm_preprocessed_branch,
     ),
     MoeKernelRow(
+        "Fp8MoEMethod",
+        "MARLIN",
+        ("fp8_moe_tensor/marlin", "fp8_moe_block/marlin"),
+        vllm_preprocessed_branch,
+    ),
+    MoeKernelRow(
         "Fp8PerTensorOnlineMoEMethod", "TRITON", ("fp8_per_tensor_moe/triton",), fp8_online_kernel
     ),
+    MoeKernelRow("Mxfp4MoEMethod", "MARLIN", ("mxfp4_moe/marlin",), mxfp4_kernel),
     MoeKernelRow(
         "ModelOptNvFp4FusedMoE", "VLLM_CUTLASS", ("modelopt_fp4/cutlass_moe",), nvfp4_kernel
     ),
