@@ -15,7 +15,7 @@ from __future__ import annotations
 from wcache.core import LayerConfig, Plan, Target
 from wcache.plans.marlin import marlin_target_reason
 from wcache.plans.registry import register
-from wcache.stages import fp8, marlin, marlin_mx, mxfp8, nvfp4
+from wcache.stages import fp8, marlin, mxfp8, nvfp4
 
 
 def _match(config: LayerConfig, target: Target) -> str | None:
@@ -53,7 +53,6 @@ MODELOPT_MARLIN = register(
         kernel="marlin",
         devices="cuda",
         stages=(
-            marlin_mx.validate_mxfp8_checkpoint,
             nvfp4.set_is_w4a16_nvfp4,
             marlin.repack_mxfp8_weight,
             marlin.permute_mxfp8_scales,

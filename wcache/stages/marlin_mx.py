@@ -1,5 +1,6 @@
 """Marlin fused-MoE layouts for FP8 (per tensor, per channel, 128x128 block) and
-canonical MXFP4 experts, and the serialized MXFP8 linear checkpoint check.
+canonical MXFP4 experts (the serialized MXFP8 linear plan reuses the dense
+:mod:`wcache.stages.marlin` stages).
 
 Every Marlin MoE layout is the dense Marlin layout (:mod:`wcache.stages.marlin`)
 applied per expert: ``gptq_marlin_repack`` on each expert's packed weight and
@@ -47,7 +48,6 @@ __all__ = [
     "repack_experts",
     "fp8_block_group_size",
     "fp8_expert_channel_scales",
-    "validate_mxfp8_checkpoint",
     "repack_fp8_experts",
     "permute_fp8_expert_scales",
     "repack_mxfp4_experts",
@@ -120,48 +120,6 @@ def _permute_experts(scales: torch.Tensor, size_k: int, size_n: int, group_size:
     return torch.stack(
         [marlin.marlin_permute_scales(s, size_k, size_n, group_size) for s in scales.unbind(0)]
     )
-
-
-# --------------------------------------------------------------------------- MXFP8 linear
-
-
-@stage(
-    "marlin_mx.validate_mxfp8_checkpoint",
-    Tag.VALIDATE,
-    reads=("weight", "weight_scale"),
-    source="vllm.model_executor.layers.quantization.modelopt.KMxfp8Static.process",
-)
-def validate_mxfp8_checkpoint(
-    tensors: Mapping[str, torch.Tensor],
-    config: LayerConfig,
-    target: Target,
-    recorded: Mapping[str, Any],
-) -> StageOut:
-    """VALIDATE the serialized MXFP8 weight ``[N, K]`` float8_e4m3fn and its E8M0 scales
-    ``[N, K / 32]`` uint8 (vLLM asserts the same before its Marlin repack).
-
-    Raises:
-        MarlinLayoutError: another dtype or shape (an already repacked or a wrong
-            checkpoint).
-
-    Source: vllm.model_executor.layers.quantization.modelopt.KMxfp8Static.process
-    """
-    w, s = tensors["weight"], tensors["weight_scale"]
-    n, k = config.size_n, config.size_k
-    ok = (
-        w.dtype == torch.float8_e4m3fn
-        and tuple(w.shape) == (n, k)
-        and s.dtype == torch.uint8
-        and tuple(s.shape) == (n, k // MX_GROUP_SIZE)
-    )
-    if not ok:
-        raise marlin.MarlinLayoutError(
-            f"layer {config.name!r}: a serialized MXFP8 layer holds weight [{n}, {k}] "
-            f"float8_e4m3fn and weight_scale [{n}, {k // MX_GROUP_SIZE}] uint8; got weight "
-            f"{list(w.shape)} {w.dtype}, weight_scale {list(s.shape)} {s.dtype}. The "
-            f"daemon must be handed the checkpoint's tensors (report this as a wcache bug)"
-        )
-    return StageOut()
 
 
 # --------------------------------------------------------------------------- FP8 MoE
