@@ -273,6 +273,7 @@ def real_engine_results(version: str = "0.32.0", root=None) -> list[dict]:
 
 def _case_label(row: dict) -> str:
     extra = [f"--quantization {row['quantization']}"] if row.get("quantization") else []
+    extra += [f"--moe-backend {row['moe_backend']}"] if row.get("moe_backend") else []
     extra += [f"{k}={v}" for k, v in sorted(row.get("env", {}).items())]
     label = f"{row['case']} (`{row['fmt']}`" + (f"; {'; '.join(extra)}" if extra else "") + ")"
     return label if len(label) < 160 else label[:157] + "..."
