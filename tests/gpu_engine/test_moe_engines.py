@@ -49,7 +49,8 @@ MOE_CASES = (
     ("qwen3_moe", "fp8", None, False, "restored", "per-tensor FP8 on Marlin, I 96->128", "marlin"),
     ("qwen3_moe", "fp8", None, True, "restored", "per-tensor FP8 on Marlin, compiled", "marlin"),
     ("qwen3_moe_128", "fp8_block", None, False, "restored", "block FP8 on Marlin", "marlin"),
-    ("gpt_oss", "mxfp4", None, False, "result", "GPT-OSS MXFP4: refused by name"),
+    ("gpt_oss", "mxfp4", None, False, "result", "GPT-OSS MXFP4 on triton_kernels: refused"),
+    ("gpt_oss", "mxfp4", None, False, "result", "GPT-OSS MXFP4 on Marlin", "marlin"),
     ("qwen3_moe_128", "mxfp8", None, False, "result", "ModelOpt MXFP8 MoE: no MoE plan"),
 )
 

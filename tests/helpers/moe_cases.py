@@ -279,14 +279,14 @@ def mxfp4_experts(
 
 
 @st.composite
-def mxfp4_marlin(draw):
+def mxfp4_marlin(draw, method: str = "mxfp4_moe"):
     """Canonical MXFP4 MoE on vLLM's MARLIN backend (vLLM rounds H to 256 and I to 128
     at creation, so the allocated sizes are those multiples)."""
     e = draw(_SIZES["e"])
     h, i = draw(st.sampled_from([256, 512])), draw(st.sampled_from([128, 256]))
     bias = draw(st.booleans())
     cfg = moe_config(
-        "mxfp4_moe",
+        method,
         "marlin",
         experts=e,
         hidden=h,
@@ -310,4 +310,5 @@ PLAN_STRATEGIES = {
     "fp8_moe_tensor/marlin@1": fp8_tensor_marlin(),
     "fp8_moe_block/marlin@1": fp8_block_marlin(),
     "mxfp4_moe/marlin@1": mxfp4_marlin(),
+    "gpt_oss_mxfp4/marlin@1": mxfp4_marlin("gpt_oss_mxfp4"),
 }

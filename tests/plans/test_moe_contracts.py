@@ -38,7 +38,14 @@ MOE_ATTRS = ("quant_method.moe_kernel", "quant_method.moe_kernel.fused_experts")
 _NAMES = ("~layer_name",)
 
 
-def _moe_layer(hidden: int, inter: int, quant_config=None, meta: bool = False, experts: int = 4):
+def _moe_layer(
+    hidden: int,
+    inter: int,
+    quant_config=None,
+    meta: bool = False,
+    experts: int = 4,
+    has_bias: bool = False,
+):
     """vLLM's RoutedExperts (FusedMoEFactory, TP 1)."""
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 
@@ -51,6 +58,7 @@ def _moe_layer(hidden: int, inter: int, quant_config=None, meta: bool = False, e
             params_dtype=torch.bfloat16,
             quant_config=quant_config,
             prefix=f"model.layers.{next(_IDS)}.mlp.experts",
+            has_bias=has_bias,
         )
     return moe.routed_experts
 
@@ -326,23 +334,48 @@ def test_mxfp4_moe_marlin_with_int8_activations_is_refused():
         plan_for(cfg, target=int8)
 
 
-def test_gpt_oss_mxfp4_moe_is_refused_by_name(simulated_cuda, monkeypatch):
-    """GptOssMxfp4MoEMethod is refused by plan_for before any weight is read, naming
-    GPT-OSS, its triton_kernels swizzle into non-Parameter objects and what to do."""
-    from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config
+def test_gpt_oss_mxfp4_on_triton_kernels_is_refused_by_name():
+    """GPT-OSS MXFP4 on vLLM's triton_kernels backend (its sm90 default) is refused by
+    plan_for before any weight is read, naming the swizzle into non-Parameter objects
+    and the two ways out (--moe-backend marlin, or no wcache)."""
+    from tests.helpers import moe_cases as mc
 
-    from wcache.vllm.adapter import layer_config
+    for backend in ("TRITON", "TRITON_UNFUSED"):
+        cfg = mc.moe_config(
+            "gpt_oss_mxfp4",
+            backend.lower(),
+            experts=2,
+            hidden=256,
+            inter=128,
+            backend=backend,
+            experts_cls="OAITritonExperts",
+            num_bits=4,
+        )
+        with pytest.raises(NoPlan, match="GPT-OSS MXFP4") as err:
+            plan_for(cfg, target=H200)
+        for words in ("PrecisionConfig", "--moe-backend marlin", "load_format='auto'"):
+            assert words in str(err.value)
+
+
+def test_gpt_oss_mxfp4_moe_marlin_sm90(marlin_moe_backend, monkeypatch):
+    """GptOssMxfp4MoEMethod with ``moe_backend="marlin"`` resolves MARLIN, whose post-load
+    is the canonical prepare_moe_mxfp4_layer_for_marlin (biases included): vLLM's vs
+    wcache's ``gpt_oss_mxfp4/marlin`` load and restore, and the restored layer's MoE
+    kernel objects (GPT-OSS's SwiGLU quant config) equal vLLM's."""
+    from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config
 
     # the GPT-OSS oracle reads the user's MoE activation override from the model config
     model_config = VL._STATE["cfg"].model_config
     monkeypatch.setattr(model_config, "quantization_config", None, raising=False)
-
-    layer = _moe_layer(256, 128, GptOssMxfp4Config())
-    config = layer_config(layer.quant_method, layer, H200, name="experts")
-    assert config.quant.method == "gpt_oss_mxfp4"
-    with pytest.raises(NoPlan, match="GPT-OSS MXFP4") as err:
-        plan_for(config, target=H200)
-    assert "PrecisionConfig" in str(err.value) and "load_format='auto'" in str(err.value)
+    hidden, inter = 256, 128
+    config, vllm_layer, restored = _contract(
+        lambda meta=False: _moe_layer(hidden, inter, GptOssMxfp4Config(), meta, has_bias=True),
+        lambda layer: _fill_mxfp4(layer, 9),
+        H200,
+        "gpt_oss_mxfp4/marlin@1",
+    )
+    assert (config.moe.backend, config.moe.experts) == ("MARLIN", "MarlinExperts")
+    assert config.moe.has_bias and restored.w13_bias.dtype == torch.bfloat16
 
 
 def test_other_backends_are_refused_by_name():

@@ -98,7 +98,7 @@ def test_fp8_marlin_moe_restore_and_decode(case):
 
 
 @_SETTINGS
-@given(mc.mxfp4_marlin())
+@given(st.one_of(mc.mxfp4_marlin(), mc.mxfp4_marlin("gpt_oss_mxfp4")))
 def test_mxfp4_marlin_moe_restore_and_decode(case):
     """Canonical MXFP4 MoE on Marlin: restore == load, each expert's Marlin weight decodes
     to the checkpoint's E2M1 nibbles, the E8M0 scales to the checkpoint's codes, the

@@ -120,6 +120,10 @@ CUDA_CONTRACTS = {
     "Humming: prepare_moe_mxfp4_layer_for_marlin with the reference 4-bit repack); the "
     "kernel objects are rebuilt by wcache.vllm.moe.KERNELS' Mxfp4MoEMethod row (vLLM's "
     "own pre-processed branch raises on this backend); plus the decode property tests",
+    "gpt_oss_mxfp4/marlin@1": f"{_MOE_MARLIN_CONTRACT} with moe_backend='marlin' "
+    "(GptOssMxfp4MoEMethod with biases on MARLIN/MarlinExperts: GPT-OSS's post-load calls "
+    "the canonical prepare_moe_mxfp4_layer_for_marlin); the triton_kernels backend (vLLM's "
+    "sm90 default) is refused by name (test); plus the decode property tests",
     "modelopt_mxfp8/marlin@1": f"{_CONTRACT} (ModelOptLinearMethod with KMxfp8Static, a "
     "serialized ModelOpt MXFP8 checkpoint, on MarlinMxfp8LinearKernel: "
     "prepare_mxfp8_layer_for_marlin with the reference repack; N, K off Marlin's tiles and "

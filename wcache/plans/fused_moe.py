@@ -69,6 +69,7 @@ MOE_METHODS = (
     "fp8_moe_tensor",
     "fp8_per_tensor_moe",
     "mxfp4_moe",
+    "gpt_oss_mxfp4",
 )
 
 #: Backends vLLM's oracles can resolve for these methods that no plan covers, and

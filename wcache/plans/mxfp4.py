@@ -19,8 +19,13 @@ which the bundle keeps (tools/gpu/build-bundle.sh removes only DeepGEMM and FMHA
 sm100). That backend swizzles the experts into ``triton_kernels`` wrapper tensors
 held as plain attributes and keeps the swizzled scales inside Python
 ``PrecisionConfig`` objects (``w13_weight_scale``/``w2_weight_scale`` deleted): not
-named Parameters an arena can export. wcache refuses the method by name
-(``gpt_oss_mxfp4``) before any weight is read, whatever backend it resolved.
+named Parameters an arena can export, so it is refused by name before any weight is
+read (:data:`GPT_OSS_TRITON_REASON`). On **MARLIN** (``--moe-backend marlin``, or
+wherever vLLM falls back to it) GPT-OSS's post-load is the canonical one
+(``convert_gpt_oss_weight_to_mxfp4_moe_kernel_format`` calls the same
+``prepare_moe_mxfp4_layer_for_marlin``; its biases are permuted too): the
+``gpt_oss_mxfp4/marlin`` plan, the same stages under GPT-OSS's own method id (its own
+kernel row: vLLM's GPT-OSS quant config carries the SwiGLU alpha/limit).
 """
 
 from __future__ import annotations
@@ -28,15 +33,35 @@ from __future__ import annotations
 from wcache.core import LayerConfig, Plan, Target
 from wcache.plans.fused_moe import MARLIN_EXPERTS, UNPLANNED_BACKENDS
 from wcache.plans.marlin import REFUSED_INPUT_DTYPES
-from wcache.plans.registry import refuse, register
+from wcache.plans.registry import register
 from wcache.stages import marlin_mx, moe
 
-__all__ = ["MARLIN", "MARLIN_BACKEND", "GPT_OSS_METHOD", "marlin_moe_reason"]
+__all__ = [
+    "MARLIN",
+    "GPT_OSS_MARLIN",
+    "MARLIN_BACKEND",
+    "GPT_OSS_METHOD",
+    "GPT_OSS_TRITON_REASON",
+    "marlin_moe_reason",
+]
 
 #: The MXFP4 MoE backend (``Mxfp4MoeBackend``) the plan covers.
 MARLIN_BACKEND = "MARLIN"
-#: wcache's method id for vLLM's ``GptOssMxfp4MoEMethod`` (refused).
+#: wcache's method id for vLLM's ``GptOssMxfp4MoEMethod``.
 GPT_OSS_METHOD = "gpt_oss_mxfp4"
+#: vLLM's GPT-OSS MXFP4 backends that hand the experts to OpenAI's triton_kernels.
+GPT_OSS_TRITON_BACKENDS = frozenset({"TRITON", "TRITON_UNFUSED"})
+#: Why the triton_kernels backends have no plan (plan_for's message).
+GPT_OSS_TRITON_REASON = (
+    "GPT-OSS MXFP4 experts (GptOssMxfp4MoEMethod) on vLLM's triton_kernels backend: "
+    "vLLM 0.33 resolves TRITON on sm90 (OpenAI triton_kernels ships in vLLM's wheel as "
+    "vllm.third_party.triton_kernels), whose post-load swizzles the experts into "
+    "triton_kernels wrapper tensors held as plain attributes and moves the scales into "
+    "Python PrecisionConfig objects (deleting w13/w2_weight_scale): nothing a weight "
+    "arena can export as named tensors (vLLM's own ipc_cache refuses the method too). "
+    "wcache plans GPT-OSS MXFP4 on Marlin only: serve with --moe-backend marlin (on the "
+    "daemon and every engine), or load this model without wcache (load_format='auto')"
+)
 
 _CHECKPOINT = frozenset(
     {"w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale", "w13_bias", "w2_bias"}
@@ -93,14 +118,26 @@ MARLIN = register(
     )
 )
 
-refuse(
-    GPT_OSS_METHOD,
-    "GPT-OSS MXFP4 experts (GptOssMxfp4MoEMethod): on sm90 vLLM 0.33 resolves its "
-    "TRITON backend (OpenAI triton_kernels, shipped in vLLM's wheel as "
-    "vllm.third_party.triton_kernels), whose post-load swizzles the experts into "
-    "triton_kernels wrapper tensors held as plain attributes and moves the scales into "
-    "Python PrecisionConfig objects (deleting w13/w2_weight_scale): nothing a weight "
-    "arena can export as named tensors, and vLLM's own ipc_cache refuses the method too. "
-    "wcache has no GPT-OSS MXFP4 plan; load this model without wcache "
-    "(load_format='auto')",
+
+
+def _gpt_oss_reason(config: LayerConfig, target: Target) -> str | None:
+    """:func:`marlin_moe_reason`, naming the triton_kernels swizzle for its backends."""
+    if config.moe is not None and config.moe.backend in GPT_OSS_TRITON_BACKENDS:
+        return GPT_OSS_TRITON_REASON
+    return marlin_moe_reason(config, target)
+
+
+GPT_OSS_MARLIN = register(
+    Plan(
+        method=GPT_OSS_METHOD,
+        kernel="marlin",
+        devices="cuda",
+        stages=MARLIN.stages,
+        checkpoint=_CHECKPOINT,
+        match=_gpt_oss_reason,
+        description="GPT-OSS MXFP4 fused MoE (GptOssMxfp4MoEMethod) on vLLM's MARLIN backend "
+        "(--moe-backend marlin; vLLM's sm90 default is triton_kernels, refused by name): "
+        "the canonical MXFP4 Marlin stages (every expert repacked, E8M0 scales permuted, "
+        "biases permuted), once; restore rebuilds vLLM's MoE kernel objects (METADATA).",
+    )
 )

@@ -265,10 +265,10 @@ def _mxfp4_moe(
 def _gpt_oss_mxfp4_moe(
     quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
 ) -> LayerConfig:
-    """GPT-OSS MXFP4 fused MoE (``GptOssMxfp4MoEMethod``): refused by name
-    (:mod:`wcache.plans.mxfp4` gives why) whatever backend vLLM resolved; the resolved
-    one is the spec's kernel, so the message names it."""
-    return _moe_config(quant_method, module, QuantSpec("gpt_oss_mxfp4"), name)
+    """GPT-OSS MXFP4 fused MoE (``GptOssMxfp4MoEMethod``): planned on MARLIN, refused by
+    name on vLLM's triton_kernels backends (:mod:`wcache.plans.mxfp4` gives why)."""
+    spec = QuantSpec("gpt_oss_mxfp4", num_bits=4, group_size=32)
+    return _moe_config(quant_method, module, spec, name)
 
 
 def _online_fp8_moe(

@@ -131,13 +131,16 @@ def nvfp4_kernel(module: torch.nn.Module, quant_method: Any) -> None:
 
 
 def mxfp4_kernel(module: torch.nn.Module, quant_method: Any) -> None:
-    """Canonical MXFP4 MoE's kernel objects: ``_build_moe_kernel`` without its last line,
+    """MXFP4 MoE's kernel objects (canonical ``Mxfp4MoEMethod`` and GPT-OSS's
+    ``GptOssMxfp4MoEMethod``, each through its own ``get_fused_moe_quant_config``):
+    ``_build_moe_kernel`` / the end of ``_setup_kernel`` without its last line,
     the experts' ``process_weights_after_loading`` (``MarlinExperts``: the base no-op
     today; left out so a future in-place step there never runs on shared bytes). vLLM's
     own pre-processed branch cannot serve: it raises for every backend but
     FLASHINFER_TRTLLM_MXFP4_MXFP8.
 
-    Source: ``Mxfp4MoEMethod._build_moe_kernel`` (0.33).
+    Source: ``Mxfp4MoEMethod._build_moe_kernel``, ``GptOssMxfp4MoEMethod._setup_kernel``
+    (0.33).
     """
     from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import (  # noqa: PLC0415 (vLLM import ~6 s: only when called)
         make_mxfp4_moe_kernel,
@@ -200,6 +203,7 @@ KERNELS = (
         "Fp8PerTensorOnlineMoEMethod", "TRITON", ("fp8_per_tensor_moe/triton",), fp8_online_kernel
     ),
     MoeKernelRow("Mxfp4MoEMethod", "MARLIN", ("mxfp4_moe/marlin",), mxfp4_kernel),
+    MoeKernelRow("GptOssMxfp4MoEMethod", "MARLIN", ("gpt_oss_mxfp4/marlin",), mxfp4_kernel),
     MoeKernelRow(
         "ModelOptNvFp4FusedMoE", "VLLM_CUTLASS", ("modelopt_fp4/cutlass_moe",), nvfp4_kernel
     ),
