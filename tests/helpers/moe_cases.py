@@ -268,9 +268,13 @@ def mxfp4_experts(
 
     out = {
         "w13_weight": u8(e, 2 * inter, hidden // 2),
-        "w13_weight_scale": u8(e, 2 * inter, hidden // 32, lo=MXFP4_SCALE_CODES[0], hi=MXFP4_SCALE_CODES[1]),
+        "w13_weight_scale": u8(
+            e, 2 * inter, hidden // 32, lo=MXFP4_SCALE_CODES[0], hi=MXFP4_SCALE_CODES[1]
+        ),
         "w2_weight": u8(e, hidden, inter // 2),
-        "w2_weight_scale": u8(e, hidden, inter // 32, lo=MXFP4_SCALE_CODES[0], hi=MXFP4_SCALE_CODES[1]),
+        "w2_weight_scale": u8(
+            e, hidden, inter // 32, lo=MXFP4_SCALE_CODES[0], hi=MXFP4_SCALE_CODES[1]
+        ),
     }
     if bias:
         out["w13_bias"] = torch.randn(e, 2 * inter, generator=g).to(torch.bfloat16)

@@ -68,7 +68,9 @@ _CHECKPOINT = frozenset(
 )
 
 
-def marlin_moe_reason(config: LayerConfig, target: Target, experts: str = MARLIN_EXPERTS) -> str | None:
+def marlin_moe_reason(
+    config: LayerConfig, target: Target, experts: str = MARLIN_EXPERTS
+) -> str | None:
     """Why a Marlin MoE plan does not fit: not CUDA, not a MoE layer, another resolved
     backend or experts class, or an 8-bit Marlin activation override
     (``VLLM_MARLIN_INPUT_DTYPE``, read from the Target's environment as the dense
@@ -117,7 +119,6 @@ MARLIN = register(
         "bias, once; restore rebuilds vLLM's MoE kernel objects (METADATA).",
     )
 )
-
 
 
 def _gpt_oss_reason(config: LayerConfig, target: Target) -> str | None:

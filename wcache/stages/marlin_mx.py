@@ -109,7 +109,10 @@ def repack_experts(q_packed: torch.Tensor, size_k: int, size_n: int, num_bits: i
         rows, cols = size_k // marlin.MARLIN_TILE, size_n * num_bits // 2
         return q_packed.new_empty((q_packed.shape[0], rows, cols))
     return torch.stack(
-        [marlin.marlin_repack(q_packed[i], size_k, size_n, num_bits) for i in range(q_packed.shape[0])]
+        [
+            marlin.marlin_repack(q_packed[i], size_k, size_n, num_bits)
+            for i in range(q_packed.shape[0])
+        ]
     )
 
 

@@ -259,7 +259,9 @@ def _mxfp4_moe(
 ) -> LayerConfig:
     """Canonical MXFP4 fused MoE (``Mxfp4MoEMethod``): the resolved backend decides the
     plan (MARLIN on sm90 without FlashInfer or Humming; any other is refused naming it)."""
-    return _moe_config(quant_method, module, QuantSpec("mxfp4_moe", num_bits=4, group_size=32), name)
+    return _moe_config(
+        quant_method, module, QuantSpec("mxfp4_moe", num_bits=4, group_size=32), name
+    )
 
 
 def _gpt_oss_mxfp4_moe(
