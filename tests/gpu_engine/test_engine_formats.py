@@ -59,7 +59,7 @@ CASES = (  # most important first: a tier cut short by its timeout still has the
     EngineCase("online-mxfp8", "bf16", quantization="mxfp8", expect="result"),
     # NVFP4 and MXFP8 on sm90: whatever vLLM runs them with here, restored or refused by name
     EngineCase("nvfp4", "nvfp4", expect="result", note="ModelOpt NVFP4 W4A4 checkpoint"),
-    EngineCase("mxfp8", "mxfp8", expect="result", note="ModelOpt MXFP8 checkpoint"),
+    EngineCase("mxfp8", "mxfp8", note="ModelOpt MXFP8 checkpoint on MXFP8 Marlin (issue 46)"),
     EngineCase("online-nvfp4", "bf16", quantization="nvfp4_per_token", expect="result"),
     # compiled mode: torch.compile + CUDA graphs, five loads over two cache roots
     # (disk writes A, fallback and daemon read it; second writes B, disk_b reads it)
@@ -76,6 +76,12 @@ CASES = (  # most important first: a tier cut short by its timeout still has the
         env=NO_MACHETE,
         compile=True,
         note="int4 on Marlin, torch.compile + CUDA graphs",
+    ),
+    EngineCase(
+        "mxfp8-compiled",
+        "mxfp8",
+        compile=True,
+        note="ModelOpt MXFP8 on Marlin, torch.compile + CUDA graphs",
     ),
 )
 PROMPTS = ("The capital of France is", "Water boils at a temperature of")

@@ -27,7 +27,7 @@ PROMPTS = ("The capital of France is", "Water boils at a temperature of")
 MAX_TOKENS = 8
 
 #: (architecture of wcache.testing.tiny_models, checkpoint format, vLLM --quantization,
-#: torch.compile + CUDA graphs, expect, note)
+#: torch.compile + CUDA graphs, expect, note[, vLLM --moe-backend])
 MOE_CASES = (
     ("qwen3_moe", "bf16", None, False, "restored", "6 experts of 96: padding shapes"),
     ("mixtral", "bf16", None, False, "restored", "8 experts"),
@@ -43,31 +43,49 @@ MOE_CASES = (
     ("qwen3_moe", "ct_w8a8_fp8_static", None, False, "restored", "compressed-tensors, tensor"),
     ("granitemoe", "bf16", None, False, "result", ""),
     ("gpt_oss", "bf16", None, False, "restored", "bf16 GPT-OSS: expert biases, swigluoai, sinks"),
+    # issue 46: Marlin MoE as vLLM 0.33 picks it on sm90 (canonical MXFP4 by default,
+    # FP8 with --moe-backend marlin), and GPT-OSS MXFP4 refused by name
+    ("qwen3_moe_128", "mxfp4", None, False, "restored", "canonical MXFP4 on Marlin"),
+    ("qwen3_moe_128", "mxfp4", None, True, "restored", "MXFP4 Marlin, compiled"),
+    ("qwen3_moe", "fp8", None, False, "restored", "per-tensor FP8 on Marlin, I 96->128", "marlin"),
+    ("qwen3_moe", "fp8", None, True, "restored", "per-tensor FP8 on Marlin, compiled", "marlin"),
+    ("qwen3_moe_128", "fp8_block", None, False, "restored", "block FP8 on Marlin", "marlin"),
+    ("gpt_oss", "mxfp4", None, False, "result", "GPT-OSS MXFP4 on triton_kernels: refused"),
+    ("gpt_oss", "mxfp4", None, False, "result", "GPT-OSS MXFP4 on Marlin", "marlin"),
+    ("qwen3_moe_128", "mxfp8", None, False, "result", "ModelOpt MXFP8 MoE: no MoE plan"),
 )
 
 
-def _case_id(arch: str, fmt: str, quantization: str | None, compiled: bool) -> str:
+def _case_id(
+    arch: str, fmt: str, quantization: str | None, compiled: bool, moe_backend: str | None = None
+) -> str:
     parts = ["moe", arch, fmt] + ([f"q-{quantization}"] if quantization else [])
+    parts += [f"b-{moe_backend}"] if moe_backend else []
     return "-".join(parts + (["compiled"] if compiled else []))
 
 
+#: Every case as 7 fields (``moe_backend`` None where the row leaves it out).
+_ROWS = tuple((*c, None)[:7] for c in MOE_CASES)
+
+
 @pytest.mark.parametrize(
-    "arch, fmt, quantization, compiled, expect, note",
-    MOE_CASES,
-    ids=[_case_id(*c[:4]) for c in MOE_CASES],
+    "arch, fmt, quantization, compiled, expect, note, moe_backend",
+    _ROWS,
+    ids=[_case_id(*c[:4], c[6]) for c in _ROWS],
 )
-def test_moe_four_loads(arch, fmt, quantization, compiled, expect, note):
+def test_moe_four_loads(arch, fmt, quantization, compiled, expect, note, moe_backend):
     """The MoE case's four loads on the real engine give the disk load's tokens (and
     verify passes), or, for an exploratory case, an honest refusal/not-runnable."""
     from wcache.testing.arch_sweep import checkpoint
 
     case = EngineCase(
-        _case_id(arch, fmt, quantization, compiled),
+        _case_id(arch, fmt, quantization, compiled, moe_backend),
         fmt,
         quantization=quantization,
         expect=expect,
         note=note,
         compile=compiled,
+        moe_backend=moe_backend,
     )
     row = run_case(case, checkpoint(arch, fmt, None), prompts=PROMPTS, max_tokens=MAX_TOKENS)
     record_result({**row, "arch": arch})

@@ -243,13 +243,14 @@ def fp8_cases(draw):
                 "ct_marlin",
                 "fp8_marlin",
                 "mxfp8",
+                "modelopt_mxfp8",
             ]
         )
     )
     n = draw(st.sampled_from([48, 100, 130, 256]))
     k = (
         draw(st.sampled_from([64, 96, 200]))
-        if which != "mxfp8"
+        if which not in ("mxfp8", "modelopt_mxfp8")
         else draw(st.sampled_from([64, 96, 256]))
     )
     seed = draw(st.integers(0, 2**16))
@@ -265,6 +266,12 @@ def fp8_cases(draw):
         cfg, t = cuda_config("fp8_per_block", k, n, kernel="cutlass_block", strategy="block"), dense
     elif which == "mxfp8":
         cfg, t = cuda_config("mxfp8", k, n, kernel="marlin"), dense
+    elif which == "modelopt_mxfp8":
+        t = {
+            "weight": fp8_bits(g, (n, k)),
+            "weight_scale": torch.randint(120, 134, (n, k // 32), generator=g).to(torch.uint8),
+        }
+        cfg = cuda_config("modelopt_mxfp8", k, n, bits=8, g=32, kernel="marlin")
     elif which == "fp8_block_serialized":
         t = {
             "weight": fp8_bits(g, (n, k)),

@@ -36,8 +36,11 @@ def moe_config(
     static: bool = False,
     bias: bool = False,
     tp: int = 1,
+    num_bits: int | None = None,
+    extra: dict | None = None,
 ) -> LayerConfig:
-    """A fused-MoE LayerConfig as the adapter builds it for vLLM's RoutedExperts."""
+    """A fused-MoE LayerConfig as the adapter builds it for vLLM's RoutedExperts
+    (``extra``: the adapter's extras, e.g. ``weight_block_size``)."""
     shape = MoeShape(
         num_experts=experts,
         global_num_experts=experts,
@@ -49,14 +52,20 @@ def moe_config(
     )
     spec = QuantSpec(
         method,
-        num_bits=16 if method == "unquantized_moe" else 8,
+        num_bits=num_bits or (16 if method == "unquantized_moe" else 8),
         strategy=strategy,
         static_input=static,
         layer_kind="moe",
         kernel=kernel,
     )
     return LayerConfig(
-        spec, 0, 0, has_bias=bias, name=f"{method}.experts", moe=shape, extra={"moe_tp_size": tp}
+        spec,
+        0,
+        0,
+        has_bias=bias,
+        name=f"{method}.experts",
+        moe=shape,
+        extra={"moe_tp_size": tp, **(extra or {})},
     )
 
 
@@ -259,6 +268,92 @@ def ct_fp8_tensor(draw, backend: str):
     return cfg, fp8_tensor_experts(e, h, i, draw(st.integers(0, 2**16)), static), H200
 
 
+@st.composite
+def fp8_tensor_marlin(draw):
+    """Per-tensor FP8 MoE on vLLM's MARLIN backend (I = 96 exercises the tile padding)."""
+    e, h, i = (draw(_SIZES[k]) for k in ("e", "hidden", "inter"))
+    cfg = moe_config(
+        "fp8_moe_tensor",
+        "marlin",
+        experts=e,
+        hidden=h,
+        inter=i,
+        backend="MARLIN",
+        experts_cls="MarlinExperts",
+        strategy="tensor",
+    )
+    return cfg, fp8_tensor_experts(e, h, i, draw(st.integers(0, 2**16))), H200
+
+
+@st.composite
+def fp8_block_marlin(draw):
+    """Block FP8 (128x128) MoE on vLLM's MARLIN backend."""
+    e, h = draw(_SIZES["e"]), draw(_SIZES["hidden"])
+    i = draw(st.sampled_from([128, 256]))
+    cfg = moe_config(
+        "fp8_moe_block",
+        "marlin",
+        experts=e,
+        hidden=h,
+        inter=i,
+        backend="MARLIN",
+        experts_cls="MarlinExperts",
+        strategy="block",
+        extra={"weight_block_size": (BLOCK, BLOCK)},
+    )
+    return cfg, fp8_block_experts(e, h, i, draw(st.integers(0, 2**16))), H200
+
+
+#: E8M0 codes drawn for MXFP4 scales: 2**-7 .. 2**6 around 1 (code 127).
+MXFP4_SCALE_CODES = (120, 134)
+
+
+def mxfp4_experts(
+    e: int, hidden: int, inter: int, seed: int, bias: bool = False
+) -> dict[str, torch.Tensor]:
+    """A canonical MXFP4 MoE checkpoint: E2M1 byte pairs, E8M0 codes per 32 values."""
+    g = torch.Generator().manual_seed(seed)
+
+    def u8(*shape, lo=0, hi=256):
+        return torch.randint(lo, hi, shape, generator=g, dtype=torch.int32).to(torch.uint8)
+
+    out = {
+        "w13_weight": u8(e, 2 * inter, hidden // 2),
+        "w13_weight_scale": u8(
+            e, 2 * inter, hidden // 32, lo=MXFP4_SCALE_CODES[0], hi=MXFP4_SCALE_CODES[1]
+        ),
+        "w2_weight": u8(e, hidden, inter // 2),
+        "w2_weight_scale": u8(
+            e, hidden, inter // 32, lo=MXFP4_SCALE_CODES[0], hi=MXFP4_SCALE_CODES[1]
+        ),
+    }
+    if bias:
+        out["w13_bias"] = torch.randn(e, 2 * inter, generator=g).to(torch.bfloat16)
+        out["w2_bias"] = torch.randn(e, hidden, generator=g).to(torch.bfloat16)
+    return out
+
+
+@st.composite
+def mxfp4_marlin(draw, method: str = "mxfp4_moe"):
+    """Canonical MXFP4 MoE on vLLM's MARLIN backend (vLLM rounds H to 256 and I to 128
+    at creation, so the allocated sizes are those multiples)."""
+    e = draw(_SIZES["e"])
+    h, i = draw(st.sampled_from([256, 512])), draw(st.sampled_from([128, 256]))
+    bias = draw(st.booleans())
+    cfg = moe_config(
+        method,
+        "marlin",
+        experts=e,
+        hidden=h,
+        inter=i,
+        backend="MARLIN",
+        experts_cls="MarlinExperts",
+        bias=bias,
+        num_bits=4,
+    )
+    return cfg, mxfp4_experts(e, h, i, draw(st.integers(0, 2**16)), bias), H200
+
+
 #: plan id -> strategy of ``(config, checkpoint, target)`` (tests/plans/test_registry.py).
 PLAN_STRATEGIES = {
     "unquantized_moe/triton@1": unquantized_triton(),
@@ -272,4 +367,8 @@ PLAN_STRATEGIES = {
         for backend in CT_FP8_BACKENDS
         for kind, strategy in (("channel", ct_fp8_channel), ("tensor", ct_fp8_tensor))
     },
+    "fp8_moe_tensor/marlin@1": fp8_tensor_marlin(),
+    "fp8_moe_block/marlin@1": fp8_block_marlin(),
+    "mxfp4_moe/marlin@1": mxfp4_marlin(),
+    "gpt_oss_mxfp4/marlin@1": mxfp4_marlin("gpt_oss_mxfp4"),
 }

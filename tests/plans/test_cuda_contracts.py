@@ -1070,6 +1070,73 @@ def test_mxfp8_online_marlin(simulated_cuda, size_k, size_n, bias):
     _assert_equal(loaded, restored, attrs)
 
 
+def _modelopt_mxfp8_layer(widths: tuple[int, ...], size_k: int, bias: bool, meta: bool = False):
+    """A MergedColumnParallelLinear (TP 1) with ModelOpt MXFP8 (ModelOptLinearMethod,
+    weight scheme KMxfp8Static)."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptMxFp8Config
+
+    qc = ModelOptMxFp8Config(True, None, [])
+    with VL.vllm_context("meta" if meta else "cpu", torch.bfloat16):
+        return MergedColumnParallelLinear(
+            size_k,
+            list(widths),
+            bias=bias,
+            params_dtype=torch.bfloat16,
+            quant_config=qc,
+            prefix="model.layers.0.mlp.gate_up_proj",
+        )
+
+
+def _fill_modelopt_mxfp8(layer, seed: int) -> None:
+    """Checkpoint tensors: fp8 values, E8M0 codes around 2**0 (uint8), a bf16 bias."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        layer.weight.data.copy_(_rand_fp8(gen, tuple(layer.weight.shape)))
+        codes = torch.randint(120, 134, tuple(layer.weight_scale.shape), generator=gen)
+        layer.weight_scale.data.copy_(codes.to(torch.uint8))
+        if getattr(layer, "bias", None) is not None:
+            layer.bias.data.copy_(torch.randn(tuple(layer.bias.shape), generator=gen))
+
+
+#: What vLLM's Marlin MXFP8 ``apply`` reads besides the tensors, and the flag ModelOpt's
+#: linear method sets for every format.
+MODELOPT_MXFP8_ATTRS = ("output_size_per_partition", "input_size_per_partition", "is_w4a16_nvfp4")
+
+
+@pytest.mark.parametrize(
+    "widths,size_k,bias",
+    [
+        ((128, 128), 256, False),
+        ((64, 72), 96, True),  # N, K off Marlin's tiles: vLLM pads weight, scales and bias
+    ],
+)
+def test_modelopt_mxfp8_marlin_sm90(simulated_cuda, widths, size_k, bias):
+    """Serialized ModelOpt MXFP8 (ModelOptLinearMethod, KMxfp8Static) on sm90: vLLM picks
+    MarlinMxfp8LinearKernel; its post-load (validate, prepare_mxfp8_layer_for_marlin
+    with the reference repack) vs wcache's ``modelopt_mxfp8/marlin`` load and restore."""
+    from vllm.model_executor.kernels.linear.mxfp8.marlin import MarlinMxfp8LinearKernel
+
+    def build(meta=False):
+        return _modelopt_mxfp8_layer(widths, size_k, bias, meta)
+
+    def fill(layer):
+        _fill_modelopt_mxfp8(layer, seed=size_k + sum(widths))
+
+    vllm_layer = build()
+    assert type(vllm_layer.quant_method.kernel) is MarlinMxfp8LinearKernel
+    config, plan = _adapter_plan(vllm_layer, "modelopt_mxfp8/marlin@1")
+    fill(vllm_layer)
+    with VL.vllm_context("cpu", torch.bfloat16):
+        vllm_layer.quant_method.process_weights_after_loading(vllm_layer)
+
+    loaded, restored = _load_restore(plan, config, build, fill)
+    _assert_equal(vllm_layer, loaded, MODELOPT_MXFP8_ATTRS)
+    _assert_equal(loaded, restored, MODELOPT_MXFP8_ATTRS)
+    _assert_module_attrs_equal(vllm_layer, restored)
+    assert restored.weight_scale.dtype == torch.float8_e8m0fnu
+
+
 # --------------------------------------------------------------------------- NVFP4
 
 

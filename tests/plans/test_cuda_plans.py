@@ -68,7 +68,7 @@ _FORWARD = {
 
 
 def forward_for(plan: Plan, cfg: LayerConfig):
-    if plan.method == "mxfp8":
+    if plan.method in ("mxfp8", "modelopt_mxfp8"):
         return R.mxfp8_marlin_forward
     if plan.method == "modelopt_fp4":
         return R.nvfp4_linear_forward if plan.kernel == "cutlass" else R.nvfp4_moe_forward
@@ -479,6 +479,11 @@ REGISTRY_CASES = [
         H200,
     ),
     (cuda_config("mxfp8", 64, 64, kernel="marlin"), mxfp8_plans.MARLIN, H200),
+    (
+        cuda_config("modelopt_mxfp8", 64, 64, bits=8, g=32, kernel="marlin"),
+        mxfp8_plans.MODELOPT_MARLIN,
+        H200,
+    ),
     (cuda_config("modelopt_fp4", 64, 64, bits=4, g=16, kernel="cutlass"), nvfp4_plans.LINEAR, B200),
     (
         cuda_config("modelopt_fp4", 64, 64, bits=4, g=16, kind="moe", kernel="cutlass_moe"),

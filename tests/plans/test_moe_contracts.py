@@ -383,8 +383,20 @@ FP8_MOE_QUANT_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("fmt", sorted(FP8_MOE_QUANT_CONFIGS))
-@pytest.mark.parametrize("backend,experts,why", CT_UNPLANNED)
+#: (format, backend) pairs a plan covers (Fp8MoEMethod on MARLIN: ``fp8_moe_*/marlin``),
+#: so not refused.
+FP8_MOE_PLANNED = {("fp8_block", "MARLIN"), ("fp8_static", "MARLIN")}
+
+
+@pytest.mark.parametrize(
+    "fmt,backend,experts,why",
+    [
+        (fmt, *row)
+        for row in CT_UNPLANNED
+        for fmt in sorted(FP8_MOE_QUANT_CONFIGS)
+        if (fmt, row[0]) not in FP8_MOE_PLANNED
+    ],
+)
 def test_fp8_moe_other_backends_refused_before_weights(
     simulated_cuda, monkeypatch, fmt, backend, experts, why
 ):
@@ -517,3 +529,137 @@ def test_changed_backend_changes_the_plan_id():
         moe=evolve(cfg.moe, experts="X86CPUUnquantizedExperts"),
     )
     assert plan_for(cfg, target=mc.CPU).id != plan_for(amx, target=mc.CPU).id
+
+
+@pytest.fixture
+def marlin_moe_backend(monkeypatch, simulated_cuda):
+    """vLLM's ``moe_backend="marlin"`` (``kernel_config.moe_backend``) for the layers
+    this test builds."""
+    monkeypatch.setattr(VL._STATE["cfg"].kernel_config, "moe_backend", "marlin")
+
+
+@pytest.mark.parametrize(
+    "block,inter,plan",
+    [
+        (False, 128, "fp8_moe_tensor/marlin@1"),
+        (False, 96, "fp8_moe_tensor/marlin@1"),  # I % 64 != 0: vLLM pads it to 128
+        (True, 128, "fp8_moe_block/marlin@1"),
+    ],
+)
+def test_serialized_fp8_moe_marlin_sm90(marlin_moe_backend, block, inter, plan):
+    """Fp8MoEMethod with ``moe_backend="marlin"`` resolves MARLIN (MarlinExperts): vLLM's
+    post-load (per tensor: w1/w3 requantized to the max; then
+    prepare_fp8_moe_layer_for_marlin with the reference repack: pad, per-expert 8-bit
+    repack, scales expanded, permuted, exponent bias fused) vs wcache's
+    ``fp8_moe_*/marlin`` load and restore; the restored layer's MoE kernel objects
+    equal vLLM's."""
+    hidden = 256
+    config, vllm_layer, restored = _contract(
+        lambda meta=False: _moe_layer(hidden, inter, _fp8_config(block), meta=meta),
+        lambda layer: _fill(layer, 11),
+        H200,
+        plan,
+    )
+    assert (config.moe.backend, config.moe.experts) == ("MARLIN", "MarlinExperts")
+    padded = -(-inter // 64) * 64
+    # Marlin 8-bit: [E, K / 16, 4 * N] int32 per projection
+    assert tuple(restored.w13_weight.shape) == (4, hidden // 16, 4 * 2 * padded)
+    assert tuple(restored.w2_weight.shape) == (4, padded // 16, 4 * hidden)
+    assert restored.w13_weight.dtype == torch.int32
+
+
+def _fill_mxfp4(layer, seed: int) -> None:
+    """Canonical MXFP4 checkpoint values: random E2M1 byte pairs, E8M0 codes near 2**0."""
+    with torch.no_grad():
+        for i, (name, p) in enumerate(sorted(layer.named_parameters())):
+            g = torch.Generator().manual_seed(seed + i)
+            if name.endswith("weight_scale"):
+                value = torch.randint(120, 134, tuple(p.shape), generator=g).to(p.dtype)
+            elif p.dtype == torch.uint8:
+                value = torch.randint(0, 256, tuple(p.shape), generator=g, dtype=torch.uint8)
+            else:
+                value = torch.randn(tuple(p.shape), generator=g).to(p.dtype)
+            p.data.copy_(value)
+
+
+@pytest.mark.parametrize("hidden,inter", [(256, 128), (512, 256)])
+def test_mxfp4_moe_marlin_sm90(simulated_cuda, hidden, inter):
+    """Mxfp4MoEMethod (canonical ``quant_method: mxfp4``) on sm90 without FlashInfer or
+    Humming resolves MARLIN: vLLM's prepare_moe_mxfp4_layer_for_marlin (reference
+    4-bit repack per expert, E8M0 scales permuted and reordered) vs wcache's
+    ``mxfp4_moe/marlin`` load and restore, MoE kernel objects included."""
+    from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4Config
+
+    config, vllm_layer, restored = _contract(
+        lambda meta=False: _moe_layer(hidden, inter, Mxfp4Config(), meta=meta),
+        lambda layer: _fill_mxfp4(layer, 5),
+        H200,
+        "mxfp4_moe/marlin@1",
+    )
+    assert (config.moe.backend, config.moe.experts) == ("MARLIN", "MarlinExperts")
+    assert restored.w13_weight_scale.dtype == torch.float8_e8m0fnu
+    assert tuple(restored.w2_weight.shape) == (4, inter // 16, 2 * hidden)
+
+
+def test_mxfp4_moe_marlin_with_int8_activations_is_refused():
+    """``VLLM_MARLIN_INPUT_DTYPE=int8`` (8-bit Marlin activations, another layout) is
+    refused by the MXFP4 Marlin plan before any weight is read, naming the variable."""
+    from tests.helpers import moe_cases as mc
+
+    cfg = mc.moe_config(
+        "mxfp4_moe",
+        "marlin",
+        experts=2,
+        hidden=256,
+        inter=128,
+        backend="MARLIN",
+        experts_cls="MarlinExperts",
+    )
+    assert plan_for(cfg, target=H200).id == "mxfp4_moe/marlin@1"
+    int8 = Target("cuda", (9, 0), env=(("VLLM_MARLIN_INPUT_DTYPE", "int8"),))
+    with pytest.raises(NoPlan, match="VLLM_MARLIN_INPUT_DTYPE=int8"):
+        plan_for(cfg, target=int8)
+
+
+def test_gpt_oss_mxfp4_on_triton_kernels_is_refused_by_name():
+    """GPT-OSS MXFP4 on vLLM's triton_kernels backend (its sm90 default) is refused by
+    plan_for before any weight is read, naming the swizzle into non-Parameter objects
+    and the two ways out (--moe-backend marlin, or no wcache)."""
+    from tests.helpers import moe_cases as mc
+
+    for backend in ("TRITON", "TRITON_UNFUSED"):
+        cfg = mc.moe_config(
+            "gpt_oss_mxfp4",
+            backend.lower(),
+            experts=2,
+            hidden=256,
+            inter=128,
+            backend=backend,
+            experts_cls="OAITritonExperts",
+            num_bits=4,
+        )
+        with pytest.raises(NoPlan, match="GPT-OSS MXFP4") as err:
+            plan_for(cfg, target=H200)
+        for words in ("PrecisionConfig", "--moe-backend marlin", "load_format='auto'"):
+            assert words in str(err.value)
+
+
+def test_gpt_oss_mxfp4_moe_marlin_sm90(marlin_moe_backend, monkeypatch):
+    """GptOssMxfp4MoEMethod with ``moe_backend="marlin"`` resolves MARLIN, whose post-load
+    is the canonical prepare_moe_mxfp4_layer_for_marlin (biases included): vLLM's vs
+    wcache's ``gpt_oss_mxfp4/marlin`` load and restore, and the restored layer's MoE
+    kernel objects (GPT-OSS's SwiGLU quant config) equal vLLM's."""
+    from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config
+
+    # the GPT-OSS oracle reads the user's MoE activation override from the model config
+    model_config = VL._STATE["cfg"].model_config
+    monkeypatch.setattr(model_config, "quantization_config", None, raising=False)
+    hidden, inter = 256, 128
+    config, vllm_layer, restored = _contract(
+        lambda meta=False: _moe_layer(hidden, inter, GptOssMxfp4Config(), meta, has_bias=True),
+        lambda layer: _fill_mxfp4(layer, 9),
+        H200,
+        "gpt_oss_mxfp4/marlin@1",
+    )
+    assert (config.moe.backend, config.moe.experts) == ("MARLIN", "MarlinExperts")
+    assert config.moe.has_bias and restored.w13_bias.dtype == torch.bfloat16

@@ -174,6 +174,7 @@ PLAN_STRATEGIES: dict[str, st.SearchStrategy] = {
             "ct_w8a8_fp8/fp8_marlin@2",
             "fp8/fp8_marlin@1",
             "mxfp8/marlin@1",
+            "modelopt_mxfp8/marlin@1",
         )
     },
     **{

@@ -84,6 +84,8 @@ _MOE_CONTRACT = (
     "its experts class), restore == load"
 )
 
+_MOE_MARLIN_CONTRACT = _MOE_CONTRACT.replace("(TRITON, TritonExperts)", "(MARLIN, MarlinExperts)")
+
 #: Which contract each CUDA plan (``"cuda" in plan.devices``) passed (issue 12 item 6).
 #: The real-engine evidence is not here: it is the gpu_engine tier's committed rows
 #: (:data:`REAL_ENGINE_RESULTS`, docs/gpu.md), rendered next to this table. Kept by
@@ -127,6 +129,30 @@ CUDA_CONTRACTS = {
             ),
         )
     },
+    "fp8_moe_tensor/marlin@1": f"{_MOE_MARLIN_CONTRACT} with moe_backend='marlin' (Fp8MoEMethod per "
+    "tensor on MARLIN/MarlinExperts: the in-place w1/w3 requantization, then "
+    "prepare_fp8_moe_layer_for_marlin with the reference 8-bit repack; I = 96 padded to "
+    "128 included); plus tests/stages/test_marlin_mx_stages.py (the layout decodes to the "
+    "checkpoint's bytes and scales)",
+    "fp8_moe_block/marlin@1": f"{_MOE_MARLIN_CONTRACT} with moe_backend='marlin' (Fp8MoEMethod, block "
+    "128x128, on MARLIN/MarlinExperts: block scales to permuted K-group scales); plus the "
+    "decode property tests",
+    "mxfp4_moe/marlin@1": f"{_MOE_MARLIN_CONTRACT} (Mxfp4MoEMethod, canonical quant_method mxfp4, "
+    "on MARLIN/MarlinExperts as vLLM 0.33 resolves it on sm90 without FlashInfer or "
+    "Humming: prepare_moe_mxfp4_layer_for_marlin with the reference 4-bit repack); the "
+    "kernel objects are rebuilt by wcache.vllm.moe.KERNELS' Mxfp4MoEMethod row (vLLM's "
+    "own pre-processed branch raises on this backend); plus the decode property tests",
+    "gpt_oss_mxfp4/marlin@1": f"{_MOE_MARLIN_CONTRACT} with moe_backend='marlin' "
+    "(GptOssMxfp4MoEMethod with biases on MARLIN/MarlinExperts: GPT-OSS's post-load calls "
+    "the canonical prepare_moe_mxfp4_layer_for_marlin); the triton_kernels backend (vLLM's "
+    "sm90 default) is refused by name (test); plus the decode property tests",
+    "modelopt_mxfp8/marlin@1": f"{_CONTRACT} (ModelOptLinearMethod with KMxfp8Static, a "
+    "serialized ModelOpt MXFP8 checkpoint, on MarlinMxfp8LinearKernel: "
+    "prepare_mxfp8_layer_for_marlin with the reference repack; N, K off Marlin's tiles and "
+    "bias included): "
+    + _CHECKED.format(attrs="the partition sizes apply reads, is_w4a16_nvfp4")
+    + "; the reference Marlin GEMM equals the checkpoint's dequantized GEMM bit for bit "
+    "(tests/stages/test_marlin_mx_stages.py)",
     "fp8_per_tensor_moe/triton@1": "stage tests only (tests/stages/test_moe_stages.py "
     "strategies; no vLLM-layer contract: vLLM's online MoE "
     "loads layerwise on meta); the H200 tier is its proof",
@@ -273,6 +299,7 @@ def real_engine_results(version: str = "0.32.0", root=None) -> list[dict]:
 
 def _case_label(row: dict) -> str:
     extra = [f"--quantization {row['quantization']}"] if row.get("quantization") else []
+    extra += [f"--moe-backend {row['moe_backend']}"] if row.get("moe_backend") else []
     extra += [f"{k}={v}" for k, v in sorted(row.get("env", {}).items())]
     label = f"{row['case']} (`{row['fmt']}`" + (f"; {'; '.join(extra)}" if extra else "") + ")"
     return label if len(label) < 160 else label[:157] + "..."

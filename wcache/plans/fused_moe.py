@@ -25,6 +25,12 @@ What vLLM 0.32/0.33 does after load, per plan (read from their source):
   the input scales: TRANSFORMs the daemon runs once.
 * ``fp8_per_tensor_moe/triton``: ``Fp8PerTensorOnlineMoEMethod`` (``quantization="fp8"``
   on a bf16 checkpoint), backend ``TRITON``: per-expert per-tensor quantization.
+* ``fp8_moe_tensor/marlin`` and ``fp8_moe_block/marlin``: ``Fp8MoEMethod`` on vLLM's
+  ``MARLIN`` backend (``MarlinExperts``: ``moe_backend="marlin"``, or any GPU below
+  sm89): after the per-tensor steps above, ``prepare_fp8_moe_layer_for_marlin`` pads
+  the intermediate to Marlin's MoE tiles, repacks every expert (``gptq_marlin_repack``,
+  8 bits) and permutes the scales with the FP8 exponent bias fused
+  (:mod:`wcache.stages.marlin_mx`): TRANSFORMs the daemon runs once.
 * ``unquantized_moe/cpu_vec`` and ``cpu_amx``: vLLM-CPU pads the intermediate and
   prepacks (:mod:`wcache.stages.moe_cpu`).
 * ``ct_w8a8_fp8_moe_channel/<backend>`` and ``ct_w8a8_fp8_moe_tensor/<backend>``:
@@ -51,7 +57,7 @@ import functools
 
 from wcache.core import LayerConfig, Plan, Target
 from wcache.plans.registry import register
-from wcache.stages import moe, moe_cpu
+from wcache.stages import marlin_mx, moe, moe_cpu
 
 __all__ = [
     "MOE_METHODS",
@@ -65,6 +71,9 @@ __all__ = [
     "FP8_ONLINE_TRITON",
     "CT_FP8_CHANNEL_PLANS",
     "CT_FP8_TENSOR_PLANS",
+    "FP8_TENSOR_MARLIN",
+    "FP8_BLOCK_MARLIN",
+    "MARLIN_EXPERTS",
 ]
 
 #: wcache's MoE method ids (``QuantSpec.method``), one per vLLM MoE method family.
@@ -75,6 +84,8 @@ MOE_METHODS = (
     "fp8_per_tensor_moe",
     "ct_w8a8_fp8_moe_channel",
     "ct_w8a8_fp8_moe_tensor",
+    "mxfp4_moe",
+    "gpt_oss_mxfp4",
 )
 
 #: Backends vLLM's oracles can resolve for these methods that no plan covers, and
@@ -85,7 +96,8 @@ UNPLANNED_BACKENDS = {
     "FLASHINFER_TRTLLM": "re-lays the weights out in FlashInfer's block-major layout",
     "DEEPGEMM": "requantizes the block scales to UE8M0 in place and transforms their layout",
     "BATCHED_DEEPGEMM": "requantizes the block scales to UE8M0 in place",
-    "MARLIN": "repacks the experts for Marlin (gptq_marlin_repack per expert)",
+    "MARLIN": "repacks the experts for Marlin (gptq_marlin_repack per expert; wcache "
+    "plans it for FP8 and canonical MXFP4 MoE only)",
     "HUMMING": "repacks the experts for Humming",
     "AITER": "shuffles the weights for ROCm AITER",
     "VLLM_CUTLASS": "keeps the checkpoint layout for CUTLASS grouped GEMMs, which wcache "
@@ -119,6 +131,8 @@ TRITON_EXPERTS = "TritonExperts"
 #: vLLM's experts class for backend VLLM_CUTLASS (CUTLASS grouped GEMM, Triton fallback
 #: for small batches on sm100).
 CUTLASS_EXPERTS = "TritonOrCutlassExperts"
+#: The experts class of vLLM's (non-batched) MARLIN MoE backend.
+MARLIN_EXPERTS = "MarlinExperts"
 
 
 def moe_kernel_id(backend: str, experts: str) -> str:
@@ -356,4 +370,47 @@ CT_FP8_TENSOR_PLANS = tuple(
         )
     )
     for backend, experts in _CT_FP8_BACKENDS
+)
+
+
+FP8_TENSOR_MARLIN = register(
+    Plan(
+        method="fp8_moe_tensor",
+        kernel="marlin",
+        devices="cuda",
+        stages=(
+            moe.reduce_input_scales,
+            moe.process_weight_tensor_strategy,
+            marlin_mx.repack_fp8_experts,
+            marlin_mx.permute_fp8_expert_scales("weight_scale"),
+            moe.set_experts_kernel,
+        ),
+        checkpoint=_FP8_CHECKPOINT,
+        match=_cuda("MARLIN", MARLIN_EXPERTS),
+        description="Serialized per-tensor FP8 fused MoE (Fp8MoEMethod) on vLLM's MARLIN backend "
+        "(MarlinExperts, moe_backend='marlin'): the daemon requantizes w1/w3 to their max "
+        "scale, pads the intermediate to Marlin's MoE tiles, repacks every expert "
+        "(8-bit gptq_marlin_repack) and permutes the channelwise scales with the FP8 "
+        "exponent bias fused, once; restore rebuilds vLLM's MoE kernel objects (METADATA).",
+    )
+)
+
+FP8_BLOCK_MARLIN = register(
+    Plan(
+        method="fp8_moe_block",
+        kernel="marlin",
+        devices="cuda",
+        stages=(
+            marlin_mx.repack_fp8_experts,
+            marlin_mx.permute_fp8_expert_scales("weight_scale_inv"),
+            moe.set_experts_kernel,
+        ),
+        checkpoint=_FP8_CHECKPOINT,
+        match=_cuda("MARLIN", MARLIN_EXPERTS),
+        description="Serialized block FP8 (128x128) fused MoE (Fp8MoEMethod) on vLLM's MARLIN "
+        "backend (MarlinExperts, moe_backend='marlin'): the daemon pads, repacks every "
+        "expert and turns the block scales into permuted group scales (group = the "
+        "block's K edge) with the FP8 exponent bias fused, once; restore rebuilds "
+        "vLLM's MoE kernel objects (METADATA).",
+    )
 )

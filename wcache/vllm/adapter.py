@@ -130,9 +130,17 @@ def _fp8_config(
 def _modelopt_config(quant_method: Any, module: torch.nn.Module, name: str) -> LayerConfig:
     """ModelOpt's generic linear method (``ModelOptLinearMethod``): NVFP4 W4A4 ->
     ``modelopt_fp4`` with vLLM's NVFP4 kernel (``quant_method.kernel``; only CUTLASS has
-    a plan); NVFP4 W4A16 -> ``modelopt_fp4_w4a16`` (no plan); other ModelOpt formats
-    keep their weight scheme's class name (no plan)."""
+    a plan); NVFP4 W4A16 -> ``modelopt_fp4_w4a16`` (no plan); MXFP8 ->
+    ``modelopt_mxfp8`` with vLLM's MXFP8 kernel (Marlin has a plan); other ModelOpt
+    formats keep their weight scheme's class name (no plan)."""
     wkey = quant_method.wkey
+    if compat.is_type(wkey, "KMxfp8Static"):
+        kernel = quant_method.kernel
+        kid = (
+            "marlin" if compat.is_type(kernel, "MarlinMxfp8LinearKernel") else type(kernel).__name__
+        )
+        spec = QuantSpec("modelopt_mxfp8", num_bits=8, group_size=32, kernel=kid)
+        return _linear_config(module, spec, name)
     if not compat.is_type(wkey, "KNvfp4Static"):
         return _linear_config(
             module,
@@ -244,6 +252,25 @@ def _fp8_moe(
     )
     extra = {"weight_block_size": tuple(int(b) for b in block)} if block else {}
     return _moe_config(quant_method, module, spec, name, extra)
+
+
+def _mxfp4_moe(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
+    """Canonical MXFP4 fused MoE (``Mxfp4MoEMethod``): the resolved backend decides the
+    plan (MARLIN on sm90 without FlashInfer or Humming; any other is refused naming it)."""
+    return _moe_config(
+        quant_method, module, QuantSpec("mxfp4_moe", num_bits=4, group_size=32), name
+    )
+
+
+def _gpt_oss_mxfp4_moe(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
+    """GPT-OSS MXFP4 fused MoE (``GptOssMxfp4MoEMethod``): planned on MARLIN, refused by
+    name on vLLM's triton_kernels backends (:mod:`wcache.plans.mxfp4` gives why)."""
+    spec = QuantSpec("gpt_oss_mxfp4", num_bits=4, group_size=32)
+    return _moe_config(quant_method, module, spec, name)
 
 
 def _online_fp8_moe(
@@ -520,6 +547,8 @@ METHODS: dict[str, Adapter] = {
     "Fp8MoEMethod": _fp8_moe,
     "Fp8PerTensorOnlineMoEMethod": _online_fp8_moe,
     "CompressedTensorsW8A8Fp8MoEMethod": _ct_w8a8_fp8_moe,
+    "Mxfp4MoEMethod": _mxfp4_moe,
+    "GptOssMxfp4MoEMethod": _gpt_oss_mxfp4_moe,
     "ModelOptLinearMethod": _modelopt_linear,
     "Fp8LinearMethod": _fp8,
     "CompressedTensorsLinearMethod": _compressed_tensors,

@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 #: The attribute each vLLM MoE method keeps its resolved backend enum in (0.32, 0.33).
-BACKEND_ATTRS = ("unquantized_backend", "fp8_backend", "nvfp4_backend")
+BACKEND_ATTRS = ("unquantized_backend", "fp8_backend", "nvfp4_backend", "mxfp4_backend")
 
 
 def resolved_backend(quant_method: Any) -> tuple[str, str]:
@@ -135,6 +135,33 @@ def nvfp4_kernel(module: torch.nn.Module, quant_method: Any) -> None:
     compat.set_moe_kernel_(quant_method, quant_config, kernel)
 
 
+def mxfp4_kernel(module: torch.nn.Module, quant_method: Any) -> None:
+    """MXFP4 MoE's kernel objects (canonical ``Mxfp4MoEMethod`` and GPT-OSS's
+    ``GptOssMxfp4MoEMethod``, each through its own ``get_fused_moe_quant_config``):
+    ``_build_moe_kernel`` / the end of ``_setup_kernel`` without its last line,
+    the experts' ``process_weights_after_loading`` (``MarlinExperts``: the base no-op
+    today; left out so a future in-place step there never runs on shared bytes). vLLM's
+    own pre-processed branch cannot serve: it raises for every backend but
+    FLASHINFER_TRTLLM_MXFP4_MXFP8.
+
+    Source: ``Mxfp4MoEMethod._build_moe_kernel``, ``GptOssMxfp4MoEMethod._setup_kernel``
+    (0.33).
+    """
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import (  # noqa: PLC0415 (vLLM import ~6 s: only when called)
+        make_mxfp4_moe_kernel,
+    )
+
+    quant_config = quant_method.get_fused_moe_quant_config(module)
+    kernel = make_mxfp4_moe_kernel(
+        moe_quant_config=quant_config,
+        moe_config=quant_method.moe,
+        mxfp4_backend=quant_method.mxfp4_backend,
+        experts_cls=quant_method.experts_cls,
+        routing_tables=compat.moe_routing_tables(module),
+    )
+    compat.set_moe_kernel_(quant_method, quant_config, kernel)
+
+
 @attrs.frozen
 class MoeKernelRow:
     """One (vLLM method class, resolved backend) whose kernel objects wcache rebuilds.
@@ -172,6 +199,12 @@ KERNELS = (
         vllm_preprocessed_branch,
     ),
     MoeKernelRow(
+        "Fp8MoEMethod",
+        "MARLIN",
+        ("fp8_moe_tensor/marlin", "fp8_moe_block/marlin"),
+        vllm_preprocessed_branch,
+    ),
+    MoeKernelRow(
         "Fp8PerTensorOnlineMoEMethod", "TRITON", ("fp8_per_tensor_moe/triton",), fp8_kernel
     ),
     MoeKernelRow(
@@ -186,6 +219,8 @@ KERNELS = (
         ("ct_w8a8_fp8_moe_channel/triton", "ct_w8a8_fp8_moe_tensor/triton"),
         fp8_kernel,
     ),
+    MoeKernelRow("Mxfp4MoEMethod", "MARLIN", ("mxfp4_moe/marlin",), mxfp4_kernel),
+    MoeKernelRow("GptOssMxfp4MoEMethod", "MARLIN", ("gpt_oss_mxfp4/marlin",), mxfp4_kernel),
     MoeKernelRow(
         "ModelOptNvFp4FusedMoE", "VLLM_CUTLASS", ("modelopt_fp4/cutlass_moe",), nvfp4_kernel
     ),
