@@ -215,4 +215,6 @@ def test_gpu_tier_selects_the_compiled_cases_by_id():
         "fp8-compiled",
         "moe-qwen3_moe-bf16-compiled",
         "moe-qwen3_moe_128-fp8_block-compiled",
+        "moe-qwen3_moe_128-nvfp4-compiled",
+        "nvfp4-compiled",
     ]
