@@ -8,7 +8,8 @@ built offline by :mod:`wcache.testing.tiny_models` (bf16) and
 ``restored`` cases are what vLLM 0.33 resolves on sm90 by default and wcache plans
 (``wcache plans``: ``unquantized_moe/triton``, ``fp8_moe_block/triton``,
 ``fp8_moe_tensor/triton``, ``fp8_per_tensor_moe/triton``, ``ct_w8a8_fp8_moe_channel`` and
-``ct_w8a8_fp8_moe_tensor`` on ``vllm_cutlass`` or ``triton``); ``result`` cases pass on any
+``ct_w8a8_fp8_moe_tensor`` on ``vllm_cutlass`` or ``triton``, ``modelopt_fp4/marlin_moe``);
+``result`` cases pass on any
 honest outcome (restored, refused by name before serving, not runnable in vLLM) and fail
 on a mismatch or a crash. Every row is recorded (``record_result``) with the plans each
 load used.
@@ -39,6 +40,11 @@ MOE_CASES = (
     ("qwen3_moe", "fp8_static", None, False, "restored", "serialized per-tensor, static"),
     ("qwen3_moe", "bf16", None, True, "restored", "torch.compile + CUDA graphs"),
     ("qwen3_moe_128", "fp8_block", None, True, "restored", "torch.compile + CUDA graphs"),
+    # ModelOpt NVFP4 in nvidia/Qwen3-30B-A3B-NVFP4's layout (2 layers): vLLM 0.33 on sm90
+    # runs the experts on MARLIN (modelopt_fp4/marlin_moe) and the attention
+    # projections on MarlinNvFp4LinearKernel (modelopt_fp4/marlin)
+    ("qwen3_moe_128", "nvfp4", None, False, "restored", "ModelOpt NVFP4 on Marlin (MoE+linear)"),
+    ("qwen3_moe_128", "nvfp4", None, True, "restored", "NVFP4 Marlin, torch.compile + graphs"),
     ("qwen3_moe", "ct_w8a8_fp8", None, False, "restored", "compressed-tensors, channel"),
     ("qwen3_moe", "ct_w8a8_fp8_static", None, False, "restored", "compressed-tensors, tensor"),
     ("granitemoe", "bf16", None, False, "result", ""),

@@ -325,6 +325,29 @@ def nvfp4_linear_checkpoint(n, k, seed, bias=False):
     return t
 
 
+def nvfp4_marlin_moe_config(e, hidden, inter):
+    """A ModelOpt NVFP4 fused-MoE LayerConfig as the adapter builds it on sm90 (vLLM's
+    oracle resolved MARLIN / MarlinExperts)."""
+    from wcache.core import MoeShape
+
+    shape = MoeShape(
+        num_experts=e,
+        global_num_experts=e,
+        hidden_size=hidden,
+        intermediate_size_per_partition=inter,
+        backend="MARLIN",
+        experts="MarlinExperts",
+    )
+    return LayerConfig(
+        QuantSpec("modelopt_fp4", num_bits=4, group_size=16, layer_kind="moe", kernel="marlin_moe"),
+        0,
+        0,
+        params_dtype="bfloat16",
+        name="modelopt_fp4.experts",
+        moe=shape,
+    )
+
+
 def nvfp4_moe_checkpoint(e, hidden, inter, seed):
     g = seeded_generator(seed)
     u8 = lambda *s: torch.randint(0, 256, s, generator=g, dtype=torch.int32).to(torch.uint8)  # noqa: E731 (a one-line local function)

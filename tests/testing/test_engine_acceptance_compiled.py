@@ -252,4 +252,6 @@ def test_gpu_tier_selects_the_compiled_cases_by_id():
         "moe-qwen3_moe_128-fp8_block-compiled",
         "moe-qwen3_moe_128-mxfp4-compiled",
         "mxfp8-compiled",
+        "moe-qwen3_moe_128-nvfp4-compiled",
+        "nvfp4-compiled",
     ]

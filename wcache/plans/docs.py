@@ -223,14 +223,17 @@ CUDA_CONTRACTS = {
     "loader, MarlinMxfp8LinearKernel: vLLM's pure-torch mxfp8 quantize "
     "below sm100, the reference repack; bias, N and K off Marlin's tiles "
     "included): " + _CHECKED.format(attrs="input_scale, the partition sizes apply reads"),
-    "modelopt_fp4/cutlass@1": f"{_CONTRACT_SM100} (ModelOptLinearMethod NVFP4 W4A4 on "
+    "modelopt_fp4/cutlass@1": "**Contract-only** (CUTLASS NVFP4 needs sm100; on the H200 "
+    "vLLM picks MarlinNvFp4LinearKernel: `modelopt_fp4/marlin@1`). "
+    f"{_CONTRACT_SM100} (ModelOptLinearMethod NVFP4 W4A4 on "
     "CutlassNvFp4LinearKernel, its post-load pure torch; "
     "swizzle_blockscale's trailing .cuda() made the no-op it is on a "
     "GPU; N, K and K/16 off the swizzle and padding tiles included): "
     + _CHECKED.format(attrs="the partition sizes apply reads, is_w4a16_nvfp4")
-    + ". On sm90 vLLM picks MarlinNvFp4LinearKernel, which has no "
-    "plan: refused (test)",
-    "modelopt_fp4/cutlass_moe@1": f"{_CONTRACT_SM100} (ModelOptNvFp4FusedMoE, RoutedExperts "
+    + ". No sm100 GPU has run it",
+    "modelopt_fp4/cutlass_moe@1": "**Contract-only** (CutlassExpertsFp4 needs sm100; on the "
+    "H200 vLLM resolves MARLIN: `modelopt_fp4/marlin_moe@1`). "
+    f"{_CONTRACT_SM100} (ModelOptNvFp4FusedMoE, RoutedExperts "
     "built by FusedMoEFactory, vLLM's VLLM_CUTLASS backend with "
     "CutlassExpertsFp4, whose post-load fuses the activation "
     "scales in place): "
@@ -242,9 +245,28 @@ CUDA_CONTRACTS = {
     + "; the restored fused scale is the checkpoint scale "
     "times the input scale once. wcache rebuilds vLLM's "
     "modular kernel after restore without the experts' "
-    "in-place fuse (wcache.vllm.moe.KERNELS' NVFP4 row; "
+    "in-place fuse (wcache.vllm.moe.KERNELS' VLLM_CUTLASS row; "
     "before this, a restored layer had no moe_kernel and "
     "vLLM's apply would assert)",
+    "modelopt_fp4/marlin@1": f"{_CONTRACT} (ModelOptLinearMethod NVFP4 W4A4 checkpoint, where "
+    "vLLM picks MarlinNvFp4LinearKernel, weight-only: prepare_fp4_layer_for_marlin "
+    "with the reference repack; aligned, N and K off Marlin's tiles, and a bias): "
+    + _CHECKED.format(attrs="the partition sizes apply reads, is_w4a16_nvfp4")
+    + ", and every layer attribute wcache verify reads. The stages equal vLLM's "
+    "nvfp4_marlin_process_scales / _global_scale bit for bit, rescaled scales and "
+    "fp16 included (tests/stages/test_cuda_stages.py). A W4A16 NVFP4 checkpoint has "
+    "no plan: refused (test)",
+    "modelopt_fp4/marlin_moe@1": f"{_CONTRACT} (ModelOptNvFp4FusedMoE, RoutedExperts built "
+    "by FusedMoEFactory; vLLM's NVFP4 MoE oracle resolves MARLIN with "
+    "MarlinExperts: prepare_nvfp4_moe_layer_for_marlin with the reference repack, "
+    "intermediate sizes padded to Marlin's tile included): "
+    + _CHECKED.format(
+        attrs="the modular kernel and experts classes, the moe_quant_config "
+        "tensors it reads, and the input scales' empty slots"
+    )
+    + ". wcache rebuilds vLLM's modular kernel after restore "
+    "(wcache.vllm.moe.KERNELS' MARLIN row; vLLM's own pre-processed branch "
+    "raises for every backend but FLASHINFER_TRTLLM)",
     "awq/machete@1": f"{_CONTRACT} (AutoAWQMarlinLinearMethod where vLLM picks "
     "MacheteLinearKernel: K % 64 == 0, N % 128 == 0, g64/g128; "
     "ops.machete_prepack_B swapped for a stand-in reorder that depends on "

@@ -127,10 +127,16 @@ def _fp8_config(
     return _linear_config(module, spec, name, extra)
 
 
+#: wcache kernel id -> vLLM NVFP4 linear kernel class (a name in compat's class table).
+_NVFP4_LINEAR_KERNELS = {"cutlass": "CutlassNvFp4LinearKernel", "marlin": "MarlinNvFp4LinearKernel"}
+#: vLLM NVFP4 MoE backend (``NvFp4MoeBackend`` member name) -> wcache kernel id.
+_NVFP4_MOE_KERNELS = {"VLLM_CUTLASS": "cutlass_moe", "MARLIN": "marlin_moe"}
+
+
 def _modelopt_config(quant_method: Any, module: torch.nn.Module, name: str) -> LayerConfig:
     """ModelOpt's generic linear method (``ModelOptLinearMethod``): NVFP4 W4A4 ->
-    ``modelopt_fp4`` with vLLM's NVFP4 kernel (``quant_method.kernel``; only CUTLASS has
-    a plan); NVFP4 W4A16 -> ``modelopt_fp4_w4a16`` (no plan); MXFP8 ->
+    ``modelopt_fp4`` with vLLM's NVFP4 kernel (``quant_method.kernel``; CUTLASS and
+    Marlin have plans); NVFP4 W4A16 -> ``modelopt_fp4_w4a16`` (no plan); MXFP8 ->
     ``modelopt_mxfp8`` with vLLM's MXFP8 kernel (Marlin has a plan); other ModelOpt
     formats keep their weight scheme's class name (no plan)."""
     wkey = quant_method.wkey
@@ -154,7 +160,10 @@ def _modelopt_config(quant_method: Any, module: torch.nn.Module, name: str) -> L
             name,
         )
     kernel = quant_method.kernel
-    kid = "cutlass" if compat.is_type(kernel, "CutlassNvFp4LinearKernel") else type(kernel).__name__
+    kid = next(
+        (k for k, cls in _NVFP4_LINEAR_KERNELS.items() if compat.is_type(kernel, cls)),
+        type(kernel).__name__,
+    )
     spec = QuantSpec(
         "modelopt_fp4", num_bits=4, act_bits=4, group_size=quant_method.ctx.group_size, kernel=kid
     )
@@ -212,10 +221,11 @@ def _moe_config(
 
 def _modelopt_fp4_moe_config(quant_method: Any, module: torch.nn.Module, name: str) -> LayerConfig:
     """ModelOpt NVFP4 fused MoE: kernel ``cutlass_moe`` for vLLM's ``VLLM_CUTLASS`` backend
-    (CutlassExpertsFp4, W4A4); any other backend, W4A16 or per-token activations keep
-    the backend's name (no plan)."""
+    (CutlassExpertsFp4, W4A4), ``marlin_moe`` for ``MARLIN`` (MarlinExperts, weight-only,
+    the sm90 choice); any other backend, W4A16 checkpoints or per-token activations
+    keep the backend's name (no plan)."""
     backend = getattr(quant_method.nvfp4_backend, "name", str(quant_method.nvfp4_backend))
-    kid = "cutlass_moe" if backend == "VLLM_CUTLASS" else f"nvfp4_moe:{backend}"
+    kid = _NVFP4_MOE_KERNELS.get(backend, f"nvfp4_moe:{backend}")
     if quant_method.use_a16 or quant_method.per_token_activation:
         kid = f"{kid}+{'w4a16' if quant_method.use_a16 else 'per_token_activation'}"
     spec = QuantSpec(

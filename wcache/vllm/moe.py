@@ -115,7 +115,9 @@ def nvfp4_kernel(module: torch.nn.Module, quant_method: Any) -> None:
     the experts' ``process_weights_after_loading``: for ``CutlassExpertsFp4`` that line
     multiplies the activation scales into ``w*_weight_scale_2`` in place, which the
     plan's TRANSFORM (``nvfp4.fuse_moe_activation_scale``) already did; run again it
-    would write into shared bytes and square the scales.
+    would write into shared bytes and square the scales. For ``MarlinExperts`` (backend
+    ``MARLIN``) that line is the base class's no-op, and vLLM's own pre-processed
+    branch refuses every backend but FLASHINFER_TRTLLM, so both rows use this.
 
     Source: ``ModelOptNvFp4FusedMoE._build_moe_kernel`` (0.32).
     """
@@ -224,6 +226,7 @@ KERNELS = (
     MoeKernelRow(
         "ModelOptNvFp4FusedMoE", "VLLM_CUTLASS", ("modelopt_fp4/cutlass_moe",), nvfp4_kernel
     ),
+    MoeKernelRow("ModelOptNvFp4FusedMoE", "MARLIN", ("modelopt_fp4/marlin_moe",), nvfp4_kernel),
 )
 
 

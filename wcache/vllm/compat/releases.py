@@ -229,6 +229,7 @@ _CLASS_MODULES = {
     "Mxfp4MoEMethod": "vllm.model_executor.layers.quantization.mxfp4",
     "GptOssMxfp4MoEMethod": "vllm.model_executor.layers.quantization.mxfp4",
     "CutlassNvFp4LinearKernel": "vllm.model_executor.kernels.linear.nvfp4.cutlass",
+    "MarlinNvFp4LinearKernel": "vllm.model_executor.kernels.linear.nvfp4.marlin",
     "ModelOptNvFp4FusedMoE": "vllm.model_executor.layers.quantization.modelopt",
     "UnquantizedFusedMoEMethod": "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",
     "Fp8MoEMethod": "vllm.model_executor.layers.quantization.fp8",
