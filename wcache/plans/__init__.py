@@ -33,6 +33,7 @@ PLAN_MODULES = (
     "machete",
     "cutlass_int8",  # the kernels vLLM picks on Hopper
     "fused_moe",  # fused MoE, CUDA and CPU (issue 42)
+    "marlin_moe",  # int4/int8 fused MoE on Marlin (issue 46)
 )
 
 
