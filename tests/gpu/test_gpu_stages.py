@@ -255,3 +255,38 @@ def test_reference_kernel_restored_equals_loaded(plan, n, k, checkpoints, cuda):
     assert (TOKENS, n) == tuple(y_restored.shape)
     assert torch.isfinite(y_restored.float()).all()
     assert torch.equal(y_loaded, y_restored)
+
+
+#: (E, K, N, bits) of the Marlin MoE repack comparison: N = 2 * 128 (a padded gate/up
+#: pair of experts of 96, G = 32) and K = 128 (the tier's hidden size); 8-bit GPTQ too.
+MARLIN_MOE_REPACKS = ((3, 128, 256, 4), (2, 256, 128, 8))
+
+
+@pytest.mark.parametrize("e,k,n,bits", MARLIN_MOE_REPACKS, ids=lambda v: str(v))
+@pytest.mark.parametrize("awq", (False, True), ids=("gptq", "awq"))
+def test_marlin_moe_repack_equals_vllms_cuda_op(awq, e, k, n, bits, cuda):
+    """wcache's Marlin MoE repacks (pure torch, on the GPU) give exactly the bytes of
+    vLLM's CUDA ops ``gptq_marlin_moe_repack`` / ``awq_marlin_moe_repack``."""
+    from wcache.stages import marlin_moe as mm
+
+    if awq and bits != 4:
+        pytest.skip("AWQ is 4-bit only")
+    ops = pytest.importorskip("vllm._custom_ops")
+    if cuda.type != "cuda" or not hasattr(torch.ops._C, "gptq_marlin_repack"):
+        pytest.skip("vLLM's CUDA kernels are not loaded (torch.ops._C.gptq_marlin_repack)")
+    pf = 32 // bits
+    shape = (e, k, n // pf) if awq else (e, k // pf, n)
+    g = torch.Generator().manual_seed(e + k + n)
+    q = torch.randint(-(2**31), 2**31 - 1, shape, generator=g, dtype=torch.int64)
+    q = q.to(torch.int32).to(cuda)
+    with torch.no_grad():
+        if awq:
+            mine, vllms = mm.moe_awq_marlin_repack(q, k, n, bits), ops.awq_marlin_moe_repack(
+                q, k, n, bits
+            )
+        else:
+            mine, vllms = mm.moe_marlin_repack(q, k, n, bits), ops.gptq_marlin_moe_repack(
+                q, k, n, bits
+            )
+    assert (tuple(vllms.shape), vllms.dtype) == (tuple(mine.shape), mine.dtype)
+    assert torch.equal(mine, vllms)
