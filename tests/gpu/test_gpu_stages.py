@@ -281,12 +281,14 @@ def test_marlin_moe_repack_equals_vllms_cuda_op(awq, e, k, n, bits, cuda):
     q = q.to(torch.int32).to(cuda)
     with torch.no_grad():
         if awq:
-            mine, vllms = mm.moe_awq_marlin_repack(q, k, n, bits), ops.awq_marlin_moe_repack(
-                q, k, n, bits
+            mine, vllms = (
+                mm.moe_awq_marlin_repack(q, k, n, bits),
+                ops.awq_marlin_moe_repack(q, k, n, bits),
             )
         else:
-            mine, vllms = mm.moe_marlin_repack(q, k, n, bits), ops.gptq_marlin_moe_repack(
-                q, k, n, bits
+            mine, vllms = (
+                mm.moe_marlin_repack(q, k, n, bits),
+                ops.gptq_marlin_moe_repack(q, k, n, bits),
             )
     assert (tuple(vllms.shape), vllms.dtype) == (tuple(mine.shape), mine.dtype)
     assert torch.equal(mine, vllms)

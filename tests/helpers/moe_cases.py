@@ -214,8 +214,16 @@ def _rand_int32(g: torch.Generator, *shape: int) -> torch.Tensor:
 
 
 def marlin_int_experts(
-    layout: str, e: int, hidden: int, inter: int, group: int, bits: int, seed: int, *,
-    zero_points: bool = True, bias: str = "none",
+    layout: str,
+    e: int,
+    hidden: int,
+    inter: int,
+    group: int,
+    bits: int,
+    seed: int,
+    *,
+    zero_points: bool = True,
+    bias: str = "none",
 ) -> dict[str, torch.Tensor]:
     """A packed int MoE checkpoint as vLLM's loader leaves it (issue 46): ``gptq``
     (``w13_qweight [E, H/pf, 2I]``, ...), ``awq`` (``[E, H, 2I/8]``, AWQ order) or ``ct``
@@ -271,7 +279,13 @@ def marlin_int_moe(draw, method: str, layout: str):
     asym = layout == "awq" or (layout == "ct" and draw(st.booleans()))
     bias = draw(st.sampled_from(["zero", "random"])) if layout == "gptq" else "none"
     cfg = moe_config(
-        method, "marlin", experts=e, hidden=h, inter=i, backend="MARLIN", experts_cls="MarlinExperts"
+        method,
+        "marlin",
+        experts=e,
+        hidden=h,
+        inter=i,
+        backend="MARLIN",
+        experts_cls="MarlinExperts",
     )
     spec = QuantSpec(
         method, num_bits=bits, group_size=group, zero_point=asym, layer_kind="moe", kernel="marlin"

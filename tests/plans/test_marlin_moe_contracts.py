@@ -177,7 +177,8 @@ def test_gptq_moe_marlin_loaded_biases(marlin_moe):
 
 @pytest.mark.parametrize(
     "fmt,hidden,inter,group",
-    [("ct_w4a16", *s) for s in SHAPES] + [("ct_w4a16_channel", 256, 128, -1), ("ct_w4a16_channel", 128, 96, -1)],
+    [("ct_w4a16", *s) for s in SHAPES]
+    + [("ct_w4a16_channel", 256, 128, -1), ("ct_w4a16_channel", 128, 96, -1)],
 )
 def test_ct_w4a16_moe_marlin_sm90(marlin_moe, fmt, hidden, inter, group):
     """CompressedTensorsWNA16MoEMethod (group and channel) on sm90 resolves MARLIN; vLLM's
@@ -202,7 +203,9 @@ def test_marlin_moe_plans_replay_only_metadata(plan):
         ["marlin_moe.clear_unloaded_bias"] if plan is GPTQ_MOE else []
     )
     assert sorted(expected) == replayed
-    assert "marlin_moe.repack_weights" in tags and tags["marlin_moe.repack_weights"] is Tag.TRANSFORM
+    assert (
+        "marlin_moe.repack_weights" in tags and tags["marlin_moe.repack_weights"] is Tag.TRANSFORM
+    )
 
 
 def _moe_cfg(method: str, **quant):
@@ -211,7 +214,13 @@ def _moe_cfg(method: str, **quant):
     from tests.helpers import moe_cases as mc
 
     cfg = mc.moe_config(
-        method, "marlin", experts=2, hidden=128, inter=96, backend="MARLIN", experts_cls="MarlinExperts"
+        method,
+        "marlin",
+        experts=2,
+        hidden=128,
+        inter=96,
+        backend="MARLIN",
+        experts_cls="MarlinExperts",
     )
     return evolve(cfg, quant=evolve(cfg.quant, **quant))
 

@@ -166,7 +166,9 @@ def test_built_experts_map_onto_vllm_create_weights(base, fmt):
     n = config.get("moe_intermediate_size") or config["intermediate_size"]
     e, h = config.get("num_local_experts") or config["num_experts"], config["hidden_size"]
     projections = (
-        ("w1", "w2", "w3") if config["model_type"] == "mixtral" else ("gate_proj", "down_proj", "up_proj")
+        ("w1", "w2", "w3")
+        if config["model_type"] == "mixtral"
+        else ("gate_proj", "down_proj", "up_proj")
     )
     qc = _quant_config(path)
     if fmt in mf.VLLM_REFUSED:  # same tensors as gptq: check them against gptq's method

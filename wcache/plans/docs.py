@@ -84,6 +84,15 @@ _MOE_CONTRACT = (
     "its experts class), restore == load"
 )
 
+#: The Marlin MoE plans' contract (issue 46; tests/plans/test_marlin_moe_contracts.py).
+_MARLIN_MOE_CONTRACT = (
+    "tests/plans/test_marlin_moe_contracts.py: vLLM's RoutedExperts ({method}) post-loaded "
+    "under a simulated CUDA sm90 platform, where vLLM's oracle resolves MARLIN "
+    "(MarlinExperts), with ops.{op} swapped for vLLM's marlin_weights reference per expert; "
+    "load == vLLM's processed layer (bytes, None slots, aliases, the FusedMoEKernel), "
+    "restore == load; tests/gpu/test_gpu_stages.py compares the repack with vLLM's CUDA op"
+)
+
 #: Which contract each CUDA plan (``"cuda" in plan.devices``) passed (issue 12 item 6).
 #: The real-engine evidence is not here: it is the gpu_engine tier's committed rows
 #: (:data:`REAL_ENGINE_RESULTS`, docs/gpu.md), rendered next to this table. Kept by
@@ -105,6 +114,17 @@ CUDA_CONTRACTS = {
     "fp8_moe_tensor/triton@1": f"{_MOE_CONTRACT} (Fp8MoEMethod per tensor; vLLM's in-place "
     "w1/w3 requantization with its pure-torch static quantizer "
     "equals the daemon's TRANSFORM bit for bit)",
+    "awq_moe/marlin@1": _MARLIN_MOE_CONTRACT.format(
+        method="AutoAWQMoEMethod, G 32/64/128", op="awq_marlin_moe_repack"
+    ),
+    "gptq_moe/marlin@1": _MARLIN_MOE_CONTRACT.format(
+        method="AutoGPTQMoEMethod, symmetric int4 G 32/64/128, unloaded and loaded expert biases",
+        op="gptq_marlin_moe_repack",
+    ),
+    "ct_w4a16_moe/marlin@1": _MARLIN_MOE_CONTRACT.format(
+        method="CompressedTensorsWNA16MoEMethod, group 32/64/128 and channel",
+        op="gptq_marlin_moe_repack",
+    ),
     "fp8_per_tensor_moe/triton@1": "stage tests only (tests/stages/test_moe_stages.py "
     "strategies; no vLLM-layer contract: vLLM's online MoE "
     "loads layerwise on meta); the H200 tier is its proof",

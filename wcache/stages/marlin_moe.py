@@ -258,7 +258,9 @@ def _k_first(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 def _check_layout(layout: str) -> None:
     if layout not in LAYOUTS:
-        raise MarlinLayoutError(f"unknown Marlin MoE checkpoint layout {layout!r}; one of {LAYOUTS}")
+        raise MarlinLayoutError(
+            f"unknown Marlin MoE checkpoint layout {layout!r}; one of {LAYOUTS}"
+        )
 
 
 # --------------------------------------------------------------------------- stages
