@@ -374,7 +374,7 @@ REFUSAL_PROBES: tuple[tuple[str, LayerConfig, Target], ...] = (
         _H200,
     ),
     (
-        "GPTQ fused MoE",
+        "a linear method's spec on a fused-MoE layer",
         LayerConfig(QuantSpec("gptq", 4, 128, layer_kind="moe"), 4096, 4096, "bfloat16"),
         _H200,
     ),
