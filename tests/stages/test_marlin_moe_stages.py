@@ -112,8 +112,8 @@ def test_repack_is_pure_and_replaying_it_corrupts_the_weights():
 def test_unloaded_bias_becomes_a_none_slot_and_a_loaded_one_is_kept():
     """An all-zero expert bias (vLLM: not loaded) is dropped and its slot set to None; a
     loaded bias is padded per shard and permuted."""
-    from wcache.plans.marlin_moe import GPTQ_MOE
     from wcache.core import LOAD_TAGS
+    from wcache.plans.marlin_moe import GPTQ_MOE
 
     for bias, kept in (("zero", False), ("random", True)):
         cfg, t = _gptq_layer(bias)
