@@ -14,6 +14,8 @@ same tensors (bytes, shapes, strides, None slots) and kernel objects. No CUDA ke
 
 from __future__ import annotations
 
+import copy
+
 import numpy
 import pytest
 import torch
@@ -77,7 +79,12 @@ def marlin_moe(simulated_cuda, monkeypatch):  # noqa: F811 (the imported fixture
 
 def _quant_config(fmt: str, group: int):
     """vLLM's config object for the fixture format's ``quantization_config``."""
-    qc = mf.moe_quantization_config(fmt, [], group, "qwen3_moe")
+    asym = fmt.endswith("_asym")  # compressed-tensors with zero points (no fixture of its own)
+    qc = mf.moe_quantization_config(fmt.removesuffix("_asym"), [], group, "qwen3_moe")
+    if asym:
+        qc = copy.deepcopy(qc)
+        for scheme in qc["config_groups"].values():
+            scheme["weights"]["symmetric"] = False
     if fmt == "awq":
         from vllm.model_executor.layers.quantization.auto_awq import AutoAWQConfig
 
@@ -178,15 +185,18 @@ def test_gptq_moe_marlin_loaded_biases(marlin_moe):
 @pytest.mark.parametrize(
     "fmt,hidden,inter,group",
     [("ct_w4a16", *s) for s in SHAPES]
-    + [("ct_w4a16_channel", 256, 128, -1), ("ct_w4a16_channel", 128, 96, -1)],
+    + [("ct_w4a16_channel", 256, 128, -1), ("ct_w4a16_channel", 128, 96, -1)]
+    + [("ct_w4a16_asym", 128, 96, 32), ("ct_w4a16_asym", 256, 128, 128)],
 )
 def test_ct_w4a16_moe_marlin_sm90(marlin_moe, fmt, hidden, inter, group):
-    """CompressedTensorsWNA16MoEMethod (group and channel) on sm90 resolves MARLIN; vLLM's
-    post-load (N-first -> K-first, pad, repack, scales, aliases) equals wcache's
-    ``ct_w4a16_moe/marlin`` load and restore."""
+    """CompressedTensorsWNA16MoEMethod (group, channel, asymmetric) on sm90 resolves MARLIN;
+    vLLM's post-load (N-first -> K-first, pad, repack, scales, zero points, aliases) equals
+    wcache's ``ct_w4a16_moe/marlin`` load and restore."""
     config, vllm_layer, restored = _case(fmt, hidden, inter, group, "ct_w4a16_moe/marlin@1")
     assert config.quant.group_size == group
     assert config.quant.strategy == ("channel" if group == -1 else "group")
+    assert config.quant.zero_point == fmt.endswith("_asym")
+    assert ("w13_weight_zero_point" in restored._parameters) == fmt.endswith("_asym")
 
 
 # --------------------------------------------------------------------------- plan rules

@@ -122,7 +122,7 @@ CUDA_CONTRACTS = {
         op="gptq_marlin_moe_repack",
     ),
     "ct_w4a16_moe/marlin@1": _MARLIN_MOE_CONTRACT.format(
-        method="CompressedTensorsWNA16MoEMethod, group 32/64/128 and channel",
+        method="CompressedTensorsWNA16MoEMethod, group 32/64/128, channel, asymmetric",
         op="gptq_marlin_moe_repack",
     ),
     "fp8_per_tensor_moe/triton@1": "stage tests only (tests/stages/test_moe_stages.py "
