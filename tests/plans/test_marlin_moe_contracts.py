@@ -205,11 +205,12 @@ def test_ct_w4a16_moe_marlin_sm90(marlin_moe, fmt, hidden, inter, group):
 @pytest.mark.parametrize("plan", [AWQ_MOE, GPTQ_MOE, CT_W4A16_MOE], ids=lambda p: p.id)
 def test_marlin_moe_plans_replay_only_metadata(plan):
     """Every byte-writing step is a TRANSFORM the daemon runs once; restore replays only
-    METADATA (the resolved backend check, GPTQ's None bias slots); nothing is allocated."""
+    METADATA and VALIDATE (shapes, the resolved backend, GPTQ's None bias slots); nothing
+    is allocated."""
     tags = {s.name: s.tag for s in plan.stages}
     replayed = sorted(n for n, t in tags.items() if t is not Tag.TRANSFORM)
-    assert {tags[n] for n in replayed} == {Tag.METADATA}
-    expected = ["moe.set_experts_kernel"] + (
+    assert {tags[n] for n in replayed} == {Tag.METADATA, Tag.VALIDATE}
+    expected = ["marlin_moe.validate_repacked_shapes", "moe.set_experts_kernel"] + (
         ["marlin_moe.clear_unloaded_bias"] if plan is GPTQ_MOE else []
     )
     assert sorted(expected) == replayed

@@ -145,3 +145,19 @@ def test_unknown_layout_raises():
     cfg, t = _gptq_layer()
     with pytest.raises(MarlinLayoutError, match="gptq"):
         mm.repack_weights("exl2", "w13_qweight", "w2_qweight")(t, cfg, mc.H200, {})
+
+
+def test_repacked_shapes_of_another_layer_are_refused():
+    """Experts repacked for another intermediate size fail the replayed shape check,
+    naming the tensor and both shapes."""
+    from wcache.core import LOAD_TAGS
+    from wcache.plans.marlin_moe import GPTQ_MOE
+    from wcache.stages.moe import MoeLayoutError
+
+    cfg, t = _gptq_layer()
+    state = GPTQ_MOE.bind(cfg, mc.H200).run(LayerState(tensors=t), LOAD_TAGS)
+    other = evolve(cfg, moe=evolve(cfg.moe, intermediate_size_per_partition=192))
+    check = mm.validate_repacked_shapes("w13_qweight", "w2_qweight", "w13_scales", "w2_scales")
+    assert check(state.tensors, cfg, mc.H200, {}).tensors == {}
+    with pytest.raises(MoeLayoutError, match="w13_qweight is \\[2, 8, 512\\], expected"):
+        check(state.tensors, other, mc.H200, {})

@@ -10,9 +10,9 @@ backend and experts class again, so another resolution (BATCHED_MARLIN under EP
 all-to-all, Humming, Triton, FlashInfer) is refused by name before a weight is read.
 
 The daemon runs every repack once (:mod:`wcache.stages.marlin_moe`, all TRANSFORM);
-restore replays only METADATA: the resolved backend checked against the daemon's
-(``moe.set_experts_kernel``) and, for GPTQ, the ``None`` slots of the expert biases the
-checkpoint did not hold. vLLM's kernel objects (``moe_quant_config``, ``moe_kernel``)
+restore replays only METADATA and VALIDATE: the repacked shapes checked against the
+engine's layer, the resolved backend against the daemon's (``moe.set_experts_kernel``)
+and, for GPTQ, the ``None`` slots of the expert biases the checkpoint did not hold. vLLM's kernel objects (``moe_quant_config``, ``moe_kernel``)
 are rebuilt from the restored tensors by ``wcache.vllm.moe.KERNELS``. Nothing is
 allocated after load (the Marlin workspace is per stream, at ``apply``).
 
@@ -105,6 +105,7 @@ def _int_stages(layout: str, weights: tuple[str, str], scales: tuple[str, str], 
         mm.permute_zero_points(layout, *zeros, optional=optional_zp),
         mm.permute_bias,
         mm.register_weight_aliases(*weights),
+        mm.validate_repacked_shapes(*weights, *scales),
     )
 
 

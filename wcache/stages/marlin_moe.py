@@ -47,13 +47,14 @@ import torch
 from wcache.core import LayerConfig, StageOut, Tag, Target, stage
 from wcache.stages.marlin import (
     MARLIN_SUPPORTED_GROUP_SIZES,
+    MARLIN_TILE,
     MarlinLayoutError,
     marlin_permute_bias,
     marlin_permute_scales,
     marlin_repack,
     marlin_zero_points,
 )
-from wcache.stages.moe import moe_shape
+from wcache.stages.moe import MoeLayoutError, moe_shape
 from wcache.stages.packing import awq_to_standard, pack_factor, round_up, unpack_awq, unpack_int32
 
 __all__ = [
@@ -73,6 +74,7 @@ __all__ = [
     "permute_scales",
     "permute_zero_points",
     "permute_bias",
+    "validate_repacked_shapes",
     "drop_unloaded_bias",
     "clear_unloaded_bias",
 ]
@@ -436,6 +438,59 @@ def permute_bias(
     if "w2_bias" in t:
         out["w2_bias"] = marlin_permute_bias(t["w2_bias"])
     return StageOut(tensors=out)
+
+
+@stage(
+    "marlin_moe.validate_repacked_shapes",
+    Tag.VALIDATE,
+    source="vllm/model_executor/layers/fused_moe/experts/marlin_moe.py: the shapes "
+    "fused_marlin_moe reads (marlin_moe_intermediate_size: w2.size(1) * 16)",
+    params=lambda w13, w2, w13_s, w2_s: {"reads": (w13, w2, w13_s, w2_s)},
+)
+def validate_repacked_shapes(
+    t: Mapping[str, torch.Tensor],
+    config: LayerConfig,
+    target: Target,
+    recorded: Mapping[str, Any],
+    *,
+    w13: str,
+    w2: str,
+    w13_s: str,
+    w2_s: str,
+) -> StageOut:
+    """VALIDATE (replayed at restore): the Marlin experts and scales have the shapes this
+    engine's layer needs: ``w13 [E, H/16, 2Ip * bits/2]``, ``w2 [E, Ip/16, H * bits/2]``
+    int32, ``w13_s [E, H/G, 2Ip]``, ``w2_s [E, Ip/G, H]`` (one group row channelwise). The
+    engine checks exported shapes against its own model except those a TRANSFORM wrote;
+    these are such, so a daemon started with other arguments is caught here.
+
+    Raises:
+        MoeLayoutError: names the tensors, their shapes and the expected ones.
+    """
+    moe = moe_shape(config)
+    bits, _, g, _, padded = _geometry(config)
+    e, h = moe.num_experts, moe.hidden_size
+    shards = moe.w13_num_shards
+    expected = {
+        w13: (e, h // MARLIN_TILE, shards * padded * bits // 2),
+        w2: (e, padded // MARLIN_TILE, h * bits // 2),
+        w13_s: (e, h // g if g > 0 else 1, shards * padded),
+        w2_s: (e, padded // g if g > 0 else 1, h),
+    }
+    bad = {
+        n: (tuple(t[n].shape), shape) for n, shape in expected.items() if tuple(t[n].shape) != shape
+    }
+    if bad:
+        raise MoeLayoutError(
+            f"layer {config.name!r}: Marlin MoE tensors "
+            + "; ".join(
+                f"{n} is {list(got)}, expected {list(want)}" for n, (got, want) in bad.items()
+            )
+            + f" (E={e}, H={h}, I={moe.intermediate_size_per_partition} padded to {padded}, "
+            f"{bits}-bit, group {g}): the exported experts do not fit this engine's layer; "
+            f"restart the daemon with the engine's arguments"
+        )
+    return StageOut()
 
 
 def _is_unloaded(bias: torch.Tensor) -> bool:
