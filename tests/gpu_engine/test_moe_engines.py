@@ -7,7 +7,8 @@ built offline by :mod:`wcache.testing.tiny_models` (bf16) and
 :mod:`wcache.testing.moe_fixtures` (serialized FP8 made by wcache's own quantizers).
 ``restored`` cases are what vLLM 0.33 resolves on sm90 by default and wcache plans
 (``wcache plans``: ``unquantized_moe/triton``, ``fp8_moe_block/triton``,
-``fp8_moe_tensor/triton``, ``fp8_per_tensor_moe/triton``; issue 46: ``awq_moe/marlin``,
+``fp8_moe_tensor/triton``, ``fp8_per_tensor_moe/triton``, ``ct_w8a8_fp8_moe_channel`` and
+``ct_w8a8_fp8_moe_tensor`` on ``vllm_cutlass`` or ``triton``; issue 46: ``awq_moe/marlin``,
 ``gptq_moe/marlin``, ``ct_w4a16_moe/marlin``); ``result`` cases pass on any
 honest outcome (restored, refused by name before serving, not runnable in vLLM) and fail
 on a mismatch or a crash. Every row is recorded (``record_result``) with the plans each
@@ -52,10 +53,10 @@ MOE_CASES = (
     ("qwen3_moe", "gptq", None, True, "restored", "Marlin MoE, torch.compile + CUDA graphs"),
     ("qwen3_moe_128", "gptq_asym", None, False, "result", "vLLM refuses sym=False: not-runnable"),
     ("qwen3_moe_128", "gptq_act_order", None, False, "result", "vLLM refuses desc_act"),
-    ("qwen3_moe", "ct_w8a8_fp8", None, False, "result", "compressed-tensors, channel"),
-    ("qwen3_moe", "ct_w8a8_fp8_static", None, False, "result", "compressed-tensors, tensor"),
+    ("qwen3_moe", "ct_w8a8_fp8", None, False, "restored", "compressed-tensors, channel"),
+    ("qwen3_moe", "ct_w8a8_fp8_static", None, False, "restored", "compressed-tensors, tensor"),
     ("granitemoe", "bf16", None, False, "result", ""),
-    ("gpt_oss", "bf16", None, False, "result", "bf16 random GPT-OSS"),
+    ("gpt_oss", "bf16", None, False, "restored", "bf16 GPT-OSS: expert biases, swigluoai, sinks"),
 )
 
 

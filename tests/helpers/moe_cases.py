@@ -296,6 +296,57 @@ def marlin_int_moe(draw, method: str, layout: str):
     return LayerConfig(spec, 0, 0, name=cfg.name, moe=cfg.moe, extra=cfg.extra), tensors, H200
 
 
+def fp8_channel_experts(e: int, hidden: int, inter: int, seed: int) -> dict[str, torch.Tensor]:
+    """A compressed-tensors channel-wise FP8 MoE checkpoint: one scale per expert and
+    output row (``w13_weight_scale [E, 2I, 1]``, ``w2_weight_scale [E, H, 1]`` fp32)."""
+    w = bf16_experts(e, hidden, inter, seed)
+    out = {}
+    for name in ("w13", "w2"):
+        x = w[f"{name}_weight"].float()
+        scale = (x.abs().amax(dim=2, keepdim=True) / FP8_MAX).clamp_min(1e-8)
+        out[f"{name}_weight"] = _fp8(x, scale)
+        out[f"{name}_weight_scale"] = scale
+    return out
+
+
+#: vLLM's resolved backend -> experts class for compressed-tensors W8A8 FP8 MoE on sm90.
+CT_FP8_BACKENDS = {"VLLM_CUTLASS": "TritonOrCutlassExperts", "TRITON": "TritonExperts"}
+
+
+@st.composite
+def ct_fp8_channel(draw, backend: str):
+    e, h, i = (draw(_SIZES[k]) for k in ("e", "hidden", "inter"))
+    cfg = moe_config(
+        "ct_w8a8_fp8_moe_channel",
+        backend.lower(),
+        experts=e,
+        hidden=h,
+        inter=i,
+        backend=backend,
+        experts_cls=CT_FP8_BACKENDS[backend],
+        strategy="channel",
+    )
+    return cfg, fp8_channel_experts(e, h, i, draw(st.integers(0, 2**16))), H200
+
+
+@st.composite
+def ct_fp8_tensor(draw, backend: str):
+    e, h, i = (draw(_SIZES[k]) for k in ("e", "hidden", "inter"))
+    static = draw(st.booleans())
+    cfg = moe_config(
+        "ct_w8a8_fp8_moe_tensor",
+        backend.lower(),
+        experts=e,
+        hidden=h,
+        inter=i,
+        backend=backend,
+        experts_cls=CT_FP8_BACKENDS[backend],
+        strategy="tensor",
+        static=static,
+    )
+    return cfg, fp8_tensor_experts(e, h, i, draw(st.integers(0, 2**16)), static), H200
+
+
 #: plan id -> strategy of ``(config, checkpoint, target)`` (tests/plans/test_registry.py).
 PLAN_STRATEGIES = {
     "awq_moe/marlin@1": marlin_int_moe("awq_moe", "awq"),
@@ -307,4 +358,9 @@ PLAN_STRATEGIES = {
     "fp8_moe_tensor/triton@1": fp8_tensor_triton(),
     "fp8_moe_block/triton@1": fp8_block_triton(),
     "fp8_per_tensor_moe/triton@1": fp8_online_triton(),
+    **{
+        f"ct_w8a8_fp8_moe_{kind}/{backend.lower()}@1": strategy(backend)
+        for backend in CT_FP8_BACKENDS
+        for kind, strategy in (("channel", ct_fp8_channel), ("tensor", ct_fp8_tensor))
+    },
 }

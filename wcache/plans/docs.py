@@ -125,6 +125,28 @@ CUDA_CONTRACTS = {
         method="CompressedTensorsWNA16MoEMethod, group 32/64/128, channel, asymmetric",
         op="gptq_marlin_moe_repack",
     ),
+    **{
+        f"ct_w8a8_fp8_moe_{kind}/{backend}@1": _MOE_CONTRACT.replace(
+            "(TRITON, TritonExperts)", resolved
+        )
+        + f" (CompressedTensorsW8A8Fp8MoEMethod, {what})"
+        for backend, resolved in (
+            (
+                "vllm_cutlass",
+                "(VLLM_CUTLASS, TritonOrCutlassExperts, with the CUTLASS grouped GEMM "
+                "reported present as vLLM's CUDA build does)",
+            ),
+            ("triton", "(TRITON, TritonExperts, where vLLM's build lacks the grouped GEMM)"),
+        )
+        for kind, what in (
+            ("channel", "channel scales, dynamic per-token activations; no post-load bytes"),
+            (
+                "tensor",
+                "per-tensor scales, static activations; vLLM's in-place w1/w3 "
+                "requantization equals the daemon's TRANSFORM bit for bit",
+            ),
+        )
+    },
     "fp8_per_tensor_moe/triton@1": "stage tests only (tests/stages/test_moe_stages.py "
     "strategies; no vLLM-layer contract: vLLM's online MoE "
     "loads layerwise on meta); the H200 tier is its proof",

@@ -313,6 +313,26 @@ def _ct_wna16_moe(
     return _moe_config(quant_method, module, spec, name)
 
 
+def _ct_w8a8_fp8_moe(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
+    """compressed-tensors W8A8 FP8 fused MoE (``CompressedTensorsW8A8Fp8MoEMethod``):
+    method ``ct_w8a8_fp8_moe_<weight strategy>`` (``channel``: dynamic per-token
+    activations; ``tensor``: one scale per expert and shard, static or dynamic
+    activations; ``block``: no plan, refused by ``plan_for`` naming the method)."""
+    strategy = str(_enum_value(quant_method.weight_quant.strategy)).lower()
+    spec = QuantSpec(
+        f"ct_w8a8_fp8_moe_{strategy}",
+        num_bits=8,
+        act_bits=8,
+        strategy=strategy,
+        static_input=bool(quant_method.static_input_scales),
+    )
+    block = getattr(quant_method, "weight_block_size", None)
+    extra = {"weight_block_size": tuple(int(b) for b in block)} if block else {}
+    return _moe_config(quant_method, module, spec, name, extra)
+
+
 def _linear_config(
     module: torch.nn.Module, spec: QuantSpec, name: str, extra: dict | None = None
 ) -> LayerConfig:
@@ -558,6 +578,7 @@ METHODS: dict[str, Adapter] = {
     "AutoAWQMoEMethod": _awq_moe,
     "AutoGPTQMoEMethod": _gptq_moe,
     "CompressedTensorsWNA16MoEMethod": _ct_wna16_moe,
+    "CompressedTensorsW8A8Fp8MoEMethod": _ct_w8a8_fp8_moe,
     "ModelOptLinearMethod": _modelopt_linear,
     "Fp8LinearMethod": _fp8,
     "CompressedTensorsLinearMethod": _compressed_tensors,

@@ -16,10 +16,10 @@ A row's ``rebuild`` is one of:
   ``process_weights_after_loading`` under vLLM's ``weights_already_processed()``:
   ``_init_moe_kernel`` and nothing else), for methods whose branch is exactly that
   (``supports_pre_processed_weights``);
-* a function here that calls vLLM's public kernel factory (``make_fp8_moe_kernel``,
-  ``make_nvfp4_moe_kernel``, ``make_wna16_moe_kernel``) without the experts' own
-  post-load (which would replay an in-place transform on shared bytes), binding the
-  result through
+* a function here that calls vLLM's public kernel factory (``make_fp8_moe_kernel``:
+  :func:`fp8_kernel`; ``make_nvfp4_moe_kernel``; ``make_wna16_moe_kernel``:
+  :func:`wna16_kernel`) without the method's or the experts' own post-load (which
+  would replay an in-place transform on shared bytes), binding the result through
   :func:`wcache.vllm.compat.set_moe_kernel_`.
 
 What vLLM keeps about the resolution (its backend enum and experts class) is read by
@@ -91,12 +91,17 @@ def vllm_preprocessed_branch(module: torch.nn.Module, quant_method: Any) -> None
         quant_method.process_weights_after_loading(module)
 
 
-def fp8_online_kernel(module: torch.nn.Module, quant_method: Any) -> None:
-    """The kernel objects of vLLM's online FP8 MoE methods: ``_setup_kernel``'s last
-    lines (quant config, then ``make_fp8_moe_kernel``) on the restored tensors. The
-    method's post-load would quantize the (already FP8) weights again.
+def fp8_kernel(module: torch.nn.Module, quant_method: Any) -> None:
+    """The kernel objects of an FP8 MoE method without a pre-processed branch: the
+    last lines of its post-load (``get_fused_moe_quant_config``, then vLLM's
+    ``make_fp8_moe_kernel`` with the backend and experts class its oracle resolved) on
+    the restored tensors. The rest of those methods' post-load would quantize the
+    (already FP8) weights again (online FP8) or requantize the w1/w3 shards in place
+    (compressed-tensors per tensor), writing into shared bytes.
 
-    Source: ``online.fp8._Fp8OnlineMoEBase._setup_kernel``.
+    Source: ``online.fp8._Fp8OnlineMoEBase._setup_kernel``;
+    ``CompressedTensorsW8A8Fp8MoEMethod.process_weights_after_loading`` (its last
+    statement).
     """
     from vllm.model_executor.layers.fused_moe.oracle.fp8 import (  # noqa: PLC0415 (vLLM import ~6 s: only when called)
         make_fp8_moe_kernel,
@@ -202,7 +207,19 @@ KERNELS = (
         vllm_preprocessed_branch,
     ),
     MoeKernelRow(
-        "Fp8PerTensorOnlineMoEMethod", "TRITON", ("fp8_per_tensor_moe/triton",), fp8_online_kernel
+        "Fp8PerTensorOnlineMoEMethod", "TRITON", ("fp8_per_tensor_moe/triton",), fp8_kernel
+    ),
+    MoeKernelRow(
+        "CompressedTensorsW8A8Fp8MoEMethod",
+        "VLLM_CUTLASS",
+        ("ct_w8a8_fp8_moe_channel/vllm_cutlass", "ct_w8a8_fp8_moe_tensor/vllm_cutlass"),
+        fp8_kernel,
+    ),
+    MoeKernelRow(
+        "CompressedTensorsW8A8Fp8MoEMethod",
+        "TRITON",
+        ("ct_w8a8_fp8_moe_channel/triton", "ct_w8a8_fp8_moe_tensor/triton"),
+        fp8_kernel,
     ),
     MoeKernelRow(
         "ModelOptNvFp4FusedMoE", "VLLM_CUTLASS", ("modelopt_fp4/cutlass_moe",), nvfp4_kernel

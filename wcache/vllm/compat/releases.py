@@ -234,6 +234,8 @@ _CLASS_MODULES = {
     "AutoGPTQMoEMethod": "vllm.model_executor.layers.quantization.auto_gptq",
     "CompressedTensorsWNA16MoEMethod": "vllm.model_executor.layers.quantization."
     "compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_wna16",
+    "CompressedTensorsW8A8Fp8MoEMethod": "vllm.model_executor.layers.quantization."
+    "compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w8a8_fp8",
     "BaseKVCacheMethod": "vllm.model_executor.layers.quantization.kv_cache",
     "Fp8KVCacheMethod": "vllm.model_executor.layers.quantization.fp8",
     "ModelOptKVCacheMethod": "vllm.model_executor.layers.quantization.modelopt",
