@@ -8,13 +8,15 @@ built offline by :mod:`wcache.testing.tiny_models` (bf16) and
 ``restored`` cases are what vLLM 0.33 resolves on sm90 by default and wcache plans
 (``wcache plans``: ``unquantized_moe/triton``, ``fp8_moe_block/triton``,
 ``fp8_moe_tensor/triton``, ``fp8_per_tensor_moe/triton``, ``ct_w8a8_fp8_moe_channel`` and
-``ct_w8a8_fp8_moe_tensor`` on ``vllm_cutlass`` or ``triton``, ``modelopt_fp4/marlin_moe``);
-``result`` cases pass on any
+``ct_w8a8_fp8_moe_tensor`` on ``vllm_cutlass`` or ``triton``, ``modelopt_fp4/marlin_moe``;
+issue 46: ``awq_moe/marlin``, ``gptq_moe/marlin``, ``ct_w4a16_moe/marlin``); ``result``
+cases pass on any
 honest outcome (restored, refused by name before serving, not runnable in vLLM) and fail
 on a mismatch or a crash. Every row is recorded (``record_result``) with the plans each
 load used.
 
-Run on the H200: ``bash tools/gpu/run-tier.sh -k moe`` (docs/gpu.md).
+Run on the H200: ``bash tools/gpu/run-tier.sh -k moe`` (docs/gpu.md); the Marlin MoE rows
+alone: ``-k "moe and (awq or gptq or w4a16)"``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,18 @@ MOE_CASES = (
     # projections on MarlinNvFp4LinearKernel (modelopt_fp4/marlin)
     ("qwen3_moe_128", "nvfp4", None, False, "restored", "ModelOpt NVFP4 on Marlin (MoE+linear)"),
     ("qwen3_moe_128", "nvfp4", None, True, "restored", "NVFP4 Marlin, torch.compile + graphs"),
+    # int4 on Marlin MoE (issue 46): vLLM resolves MARLIN / MarlinExperts on sm90; G = 32
+    # on qwen3_moe and mixtral (experts of 96: Marlin pads the intermediate to 128), G = -1
+    # (channel) on qwen3_moe_128 (hidden 256, experts of 128, no padding)
+    ("qwen3_moe", "awq", None, False, "restored", "AWQ int4 G32 on Marlin MoE, padded"),
+    ("mixtral", "awq", None, False, "restored", "AWQ int4 G32 on Marlin MoE, 8 experts"),
+    ("qwen3_moe", "gptq", None, False, "restored", "GPTQ sym int4 G32 on Marlin MoE"),
+    ("qwen3_moe", "ct_w4a16", None, False, "restored", "CT W4A16 group 32 on Marlin MoE"),
+    ("qwen3_moe_128", "ct_w4a16_channel", None, False, "restored", "CT W4A16 channel"),
+    ("qwen3_moe", "awq", None, True, "restored", "Marlin MoE, torch.compile + CUDA graphs"),
+    ("qwen3_moe", "gptq", None, True, "restored", "Marlin MoE, torch.compile + CUDA graphs"),
+    ("qwen3_moe_128", "gptq_asym", None, False, "result", "vLLM refuses sym=False: not-runnable"),
+    ("qwen3_moe_128", "gptq_act_order", None, False, "result", "vLLM refuses desc_act"),
     ("qwen3_moe", "ct_w8a8_fp8", None, False, "restored", "compressed-tensors, channel"),
     ("qwen3_moe", "ct_w8a8_fp8_static", None, False, "restored", "compressed-tensors, tensor"),
     ("granitemoe", "bf16", None, False, "result", ""),

@@ -217,6 +217,94 @@ def fp8_online_triton(draw):
     return cfg, bf16_experts(e, h, i, draw(st.integers(0, 2**16))), H200
 
 
+def _rand_int32(g: torch.Generator, *shape: int) -> torch.Tensor:
+    """Random int32 words (every packed nibble random)."""
+    return torch.randint(-(2**31), 2**31 - 1, shape, generator=g, dtype=torch.int64).to(torch.int32)
+
+
+def marlin_int_experts(
+    layout: str,
+    e: int,
+    hidden: int,
+    inter: int,
+    group: int,
+    bits: int,
+    seed: int,
+    *,
+    zero_points: bool = True,
+    bias: str = "none",
+) -> dict[str, torch.Tensor]:
+    """A packed int MoE checkpoint as vLLM's loader leaves it (issue 46): ``gptq``
+    (``w13_qweight [E, H/pf, 2I]``, ...), ``awq`` (``[E, H, 2I/8]``, AWQ order) or ``ct``
+    (N-first ``w13_weight_packed [E, 2I, H/pf]``, ...); bf16 scales, random words;
+    expert biases ``"none"`` (absent), ``"zero"`` (vLLM's unloaded zeros) or ``"random"``."""
+    g = torch.Generator().manual_seed(seed)
+    pf = 32 // bits
+    ng13, ng2 = (hidden // group, inter // group) if group > 0 else (1, 1)
+
+    def scales(*shape: int) -> torch.Tensor:
+        return (torch.rand(shape, generator=g) * 0.01 + 1e-3).to(torch.bfloat16)
+
+    if layout == "ct":
+        out = {
+            "w13_weight_packed": _rand_int32(g, e, 2 * inter, hidden // pf),
+            "w2_weight_packed": _rand_int32(g, e, hidden, inter // pf),
+            "w13_weight_scale": scales(e, 2 * inter, ng13),
+            "w2_weight_scale": scales(e, hidden, ng2),
+            "w13_weight_shape": torch.tensor([[2 * inter, hidden]] * e, dtype=torch.float32),
+            "w2_weight_shape": torch.tensor([[hidden, inter]] * e, dtype=torch.float32),
+        }
+        if zero_points:
+            out["w13_weight_zero_point"] = _rand_int32(g, e, 2 * inter // pf, ng13)
+            out["w2_weight_zero_point"] = _rand_int32(g, e, hidden // pf, ng2)
+    else:
+        awq = layout == "awq"
+        out = {
+            "w13_qweight": _rand_int32(g, e, hidden, 2 * inter // pf)
+            if awq
+            else _rand_int32(g, e, hidden // pf, 2 * inter),
+            "w2_qweight": _rand_int32(g, e, inter, hidden // pf)
+            if awq
+            else _rand_int32(g, e, inter // pf, hidden),
+            "w13_scales": scales(e, ng13, 2 * inter),
+            "w2_scales": scales(e, ng2, hidden),
+            "w13_qzeros": _rand_int32(g, e, ng13, 2 * inter // pf),
+            "w2_qzeros": _rand_int32(g, e, ng2, hidden // pf),
+        }
+    if bias != "none":
+        make = torch.zeros if bias == "zero" else (lambda *s: torch.randn(s, generator=g))
+        out["w13_bias"] = make(e, 2 * inter).to(torch.bfloat16)
+        out["w2_bias"] = make(e, hidden).to(torch.bfloat16)
+    return out
+
+
+@st.composite
+def marlin_int_moe(draw, method: str, layout: str):
+    """``(config, checkpoint, H200)`` of an int Marlin MoE layer (backend MARLIN)."""
+    e, h, i = draw(st.sampled_from([1, 3])), draw(_SIZES["hidden"]), draw(_SIZES["inter"])
+    groups = [gs for gs in (32, 64, 128) if h % gs == 0 and i % gs == 0]
+    group = draw(st.sampled_from(groups + ([] if layout == "awq" else [-1])))
+    bits = 4 if layout == "awq" else draw(st.sampled_from([4, 8]))
+    asym = layout == "awq" or (layout == "ct" and draw(st.booleans()))
+    bias = draw(st.sampled_from(["zero", "random"])) if layout == "gptq" else "none"
+    cfg = moe_config(
+        method,
+        "marlin",
+        experts=e,
+        hidden=h,
+        inter=i,
+        backend="MARLIN",
+        experts_cls="MarlinExperts",
+    )
+    spec = QuantSpec(
+        method, num_bits=bits, group_size=group, zero_point=asym, layer_kind="moe", kernel="marlin"
+    )
+    tensors = marlin_int_experts(
+        layout, e, h, i, group, bits, draw(st.integers(0, 2**16)), zero_points=asym, bias=bias
+    )
+    return LayerConfig(spec, 0, 0, name=cfg.name, moe=cfg.moe, extra=cfg.extra), tensors, H200
+
+
 def fp8_channel_experts(e: int, hidden: int, inter: int, seed: int) -> dict[str, torch.Tensor]:
     """A compressed-tensors channel-wise FP8 MoE checkpoint: one scale per expert and
     output row (``w13_weight_scale [E, 2I, 1]``, ``w2_weight_scale [E, H, 1]`` fp32)."""
@@ -356,6 +444,9 @@ def mxfp4_marlin(draw, method: str = "mxfp4_moe"):
 
 #: plan id -> strategy of ``(config, checkpoint, target)`` (tests/plans/test_registry.py).
 PLAN_STRATEGIES = {
+    "awq_moe/marlin@1": marlin_int_moe("awq_moe", "awq"),
+    "gptq_moe/marlin@1": marlin_int_moe("gptq_moe", "gptq"),
+    "ct_w4a16_moe/marlin@1": marlin_int_moe("ct_w4a16_moe", "ct"),
     "unquantized_moe/triton@1": unquantized_triton(),
     "unquantized_moe/cpu_vec@1": unquantized_cpu("CPUUnquantizedExperts"),
     "unquantized_moe/cpu_amx@1": unquantized_cpu("X86CPUUnquantizedExperts"),

@@ -85,6 +85,14 @@ _MOE_CONTRACT = (
 )
 
 _MOE_MARLIN_CONTRACT = _MOE_CONTRACT.replace("(TRITON, TritonExperts)", "(MARLIN, MarlinExperts)")
+#: The Marlin MoE plans' contract (issue 46; tests/plans/test_marlin_moe_contracts.py).
+_MARLIN_MOE_CONTRACT = (
+    "tests/plans/test_marlin_moe_contracts.py: vLLM's RoutedExperts ({method}) post-loaded "
+    "under a simulated CUDA sm90 platform, where vLLM's oracle resolves MARLIN "
+    "(MarlinExperts), with ops.{op} swapped for vLLM's marlin_weights reference per expert; "
+    "load == vLLM's processed layer (bytes, None slots, aliases, the FusedMoEKernel), "
+    "restore == load; tests/gpu/test_gpu_stages.py compares the repack with vLLM's CUDA op"
+)
 
 #: Which contract each CUDA plan (``"cuda" in plan.devices``) passed (issue 12 item 6).
 #: The real-engine evidence is not here: it is the gpu_engine tier's committed rows
@@ -107,6 +115,17 @@ CUDA_CONTRACTS = {
     "fp8_moe_tensor/triton@1": f"{_MOE_CONTRACT} (Fp8MoEMethod per tensor; vLLM's in-place "
     "w1/w3 requantization with its pure-torch static quantizer "
     "equals the daemon's TRANSFORM bit for bit)",
+    "awq_moe/marlin@1": _MARLIN_MOE_CONTRACT.format(
+        method="AutoAWQMoEMethod, G 32/64/128", op="awq_marlin_moe_repack"
+    ),
+    "gptq_moe/marlin@1": _MARLIN_MOE_CONTRACT.format(
+        method="AutoGPTQMoEMethod, symmetric int4 G 32/64/128, unloaded and loaded expert biases",
+        op="gptq_marlin_moe_repack",
+    ),
+    "ct_w4a16_moe/marlin@1": _MARLIN_MOE_CONTRACT.format(
+        method="CompressedTensorsWNA16MoEMethod, group 32/64/128, channel, asymmetric",
+        op="gptq_marlin_moe_repack",
+    ),
     **{
         f"ct_w8a8_fp8_moe_{kind}/{backend}@1": _MOE_CONTRACT.replace(
             "(TRITON, TritonExperts)", resolved
@@ -425,7 +444,7 @@ REFUSAL_PROBES: tuple[tuple[str, LayerConfig, Target], ...] = (
         _H200,
     ),
     (
-        "GPTQ fused MoE",
+        "a linear method's spec on a fused-MoE layer",
         LayerConfig(QuantSpec("gptq", 4, 128, layer_kind="moe"), 4096, 4096, "bfloat16"),
         _H200,
     ),

@@ -294,6 +294,62 @@ def _online_fp8_moe(
     return _moe_config(quant_method, module, spec, name)
 
 
+def _marlin_input_option(quant_method: Any) -> tuple[tuple[str, str], ...]:
+    """``(("marlin_input_dtype", "int8"|"fp8"...),)`` where vLLM set 8-bit Marlin
+    activations on the MoE method (``get_marlin_input_dtype``), else ``()``: the Marlin
+    MoE plans refuse that layout by name."""
+    dtype = getattr(quant_method, "input_dtype", None)
+    if dtype is None or dtype.itemsize != 1:
+        return ()
+    return (("marlin_input_dtype", "fp8" if dtype.is_floating_point else "int8"),)
+
+
+def _awq_moe(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
+    """``AutoAWQMoEMethod``: AWQ int4 experts (Marlin on sm90)."""
+    qc = quant_method.quant_config
+    spec = QuantSpec(
+        "awq_moe",
+        num_bits=qc.weight_bits,
+        group_size=qc.group_size,
+        zero_point=bool(qc.zero_point),
+        options=_marlin_input_option(quant_method),
+    )
+    return _moe_config(quant_method, module, spec, name)
+
+
+def _gptq_moe(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
+    """``AutoGPTQMoEMethod``: GPTQ int4/int8 experts (Marlin on sm90)."""
+    qc = quant_method.quant_config
+    spec = QuantSpec(
+        "gptq_moe",
+        num_bits=qc.weight_bits,
+        group_size=qc.group_size,
+        zero_point=not qc.is_sym,
+        options=_marlin_input_option(quant_method),
+    )
+    return _moe_config(quant_method, module, spec, name)
+
+
+def _ct_wna16_moe(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
+    """``CompressedTensorsWNA16MoEMethod``: pack-quantized int4/int8 experts, group or
+    channel (Marlin on sm90)."""
+    spec = QuantSpec(
+        "ct_w4a16_moe",
+        num_bits=quant_method.num_bits,
+        group_size=quant_method.group_size,
+        zero_point=not quant_method.symmetric,
+        strategy=_enum_value(quant_method.strategy),
+        options=_marlin_input_option(quant_method),
+    )
+    return _moe_config(quant_method, module, spec, name)
+
+
 def _ct_w8a8_fp8_moe(
     quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
 ) -> LayerConfig:
@@ -556,6 +612,9 @@ METHODS: dict[str, Adapter] = {
     "UnquantizedFusedMoEMethod": _unquantized_moe,
     "Fp8MoEMethod": _fp8_moe,
     "Fp8PerTensorOnlineMoEMethod": _online_fp8_moe,
+    "AutoAWQMoEMethod": _awq_moe,
+    "AutoGPTQMoEMethod": _gptq_moe,
+    "CompressedTensorsWNA16MoEMethod": _ct_wna16_moe,
     "CompressedTensorsW8A8Fp8MoEMethod": _ct_w8a8_fp8_moe,
     "Mxfp4MoEMethod": _mxfp4_moe,
     "GptOssMxfp4MoEMethod": _gpt_oss_mxfp4_moe,

@@ -17,9 +17,10 @@ A row's ``rebuild`` is one of:
   ``_init_moe_kernel`` and nothing else), for methods whose branch is exactly that
   (``supports_pre_processed_weights``);
 * a function here that calls vLLM's public kernel factory (``make_fp8_moe_kernel``:
-  :func:`fp8_kernel`; ``make_nvfp4_moe_kernel``) without the method's or the experts'
-  own post-load (which would replay an in-place transform on shared bytes), binding
-  the result through :func:`wcache.vllm.compat.set_moe_kernel_`.
+  :func:`fp8_kernel`; ``make_nvfp4_moe_kernel``; ``make_mxfp4_moe_kernel``;
+  ``make_wna16_moe_kernel``: :func:`wna16_kernel`) without the method's or the
+  experts' own post-load (which would replay an in-place transform on shared bytes),
+  binding the result through :func:`wcache.vllm.compat.set_moe_kernel_`.
 
 What vLLM keeps about the resolution (its backend enum and experts class) is read by
 :func:`resolved_backend`, which the adapter puts into each MoE layer's
@@ -44,11 +45,19 @@ __all__ = [
     "kernel_row",
     "rebuild_moe_kernel_",
     "vllm_preprocessed_branch",
+    "wna16_kernel",
     "BACKEND_ATTRS",
 ]
 
 #: The attribute each vLLM MoE method keeps its resolved backend enum in (0.32, 0.33).
-BACKEND_ATTRS = ("unquantized_backend", "fp8_backend", "nvfp4_backend", "mxfp4_backend")
+BACKEND_ATTRS = (
+    "unquantized_backend",
+    "fp8_backend",
+    "nvfp4_backend",
+    "mxfp4_backend",
+    "wna16_moe_backend",  # AutoAWQMoEMethod, AutoGPTQMoEMethod
+    "wna16_backend",  # CompressedTensorsWNA16MoEMethod
+)
 
 
 def resolved_backend(quant_method: Any) -> tuple[str, str]:
@@ -183,6 +192,33 @@ class MoeKernelRow:
     rebuild: Callable[[torch.nn.Module, Any], None] = attrs.field(eq=False)
 
 
+def wna16_kernel(module: torch.nn.Module, quant_method: Any) -> None:
+    """The kernel objects of vLLM's int4/int8 weight-only MoE methods (AWQ, GPTQ,
+    compressed-tensors WNA16): ``_setup_kernel`` (quant config from the final tensors,
+    then ``make_wna16_moe_kernel``), without the post-load's repacks, which the plan's
+    TRANSFORMs already did (run again they would scramble the shared bytes). These
+    methods do not support vLLM's pre-processed branch.
+
+    Source: ``AutoAWQMoEMethod._setup_kernel``, ``AutoGPTQMoEMethod._setup_kernel``,
+    ``CompressedTensorsWNA16MoEMethod._setup_kernel`` (0.32, 0.33; the last one's
+    ZEN_CPU post-load line is CPU only).
+    """
+    from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import (  # noqa: PLC0415 (vLLM import ~6 s: only when called)
+        make_wna16_moe_kernel,
+    )
+
+    backend = getattr(quant_method, "wna16_moe_backend", None) or quant_method.wna16_backend
+    quant_config = quant_method.get_fused_moe_quant_config(module)
+    kernel = make_wna16_moe_kernel(
+        moe_quant_config=quant_config,
+        moe_config=quant_method.moe,
+        experts_cls=quant_method.experts_cls,
+        backend=backend,
+        routing_tables=compat.moe_routing_tables(module),
+    )
+    compat.set_moe_kernel_(quant_method, quant_config, kernel)
+
+
 #: The one table: every MoE (method, backend) a wcache plan restores.
 KERNELS = (
     MoeKernelRow(
@@ -227,6 +263,11 @@ KERNELS = (
         "ModelOptNvFp4FusedMoE", "VLLM_CUTLASS", ("modelopt_fp4/cutlass_moe",), nvfp4_kernel
     ),
     MoeKernelRow("ModelOptNvFp4FusedMoE", "MARLIN", ("modelopt_fp4/marlin_moe",), nvfp4_kernel),
+    MoeKernelRow("AutoAWQMoEMethod", "MARLIN", ("awq_moe/marlin",), wna16_kernel),
+    MoeKernelRow("AutoGPTQMoEMethod", "MARLIN", ("gptq_moe/marlin",), wna16_kernel),
+    MoeKernelRow(
+        "CompressedTensorsWNA16MoEMethod", "MARLIN", ("ct_w4a16_moe/marlin",), wna16_kernel
+    ),
 )
 
 

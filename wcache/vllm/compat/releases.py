@@ -234,6 +234,10 @@ _CLASS_MODULES = {
     "UnquantizedFusedMoEMethod": "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method",
     "Fp8MoEMethod": "vllm.model_executor.layers.quantization.fp8",
     "Fp8PerTensorOnlineMoEMethod": "vllm.model_executor.layers.quantization.online.fp8",
+    "AutoAWQMoEMethod": "vllm.model_executor.layers.quantization.auto_awq",
+    "AutoGPTQMoEMethod": "vllm.model_executor.layers.quantization.auto_gptq",
+    "CompressedTensorsWNA16MoEMethod": "vllm.model_executor.layers.quantization."
+    "compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_wna16",
     "CompressedTensorsW8A8Fp8MoEMethod": "vllm.model_executor.layers.quantization."
     "compressed_tensors.compressed_tensors_moe.compressed_tensors_moe_w8a8_fp8",
     "BaseKVCacheMethod": "vllm.model_executor.layers.quantization.kv_cache",
