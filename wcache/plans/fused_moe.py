@@ -314,19 +314,21 @@ FP8_ONLINE_TRITON = register(
 _CT_FP8_BACKENDS = (("VLLM_CUTLASS", CUTLASS_EXPERTS), ("TRITON", TRITON_EXPERTS))
 
 
+def _match_ct_channel(
+    config: LayerConfig, target: Target, *, backend: str, experts: str
+) -> str | None:
+    reason = _match_cuda(config, target, backend=backend, experts=experts, tp_one=False)
+    if reason is None and config.quant.static_input:
+        return (
+            "channel-wise FP8 MoE weights need dynamic per-token activations "
+            "(vLLM raises for static ones); this layer has static input scales"
+        )
+    return reason
+
+
 def _ct_channel_match(backend: str, experts: str):
-    cuda = _cuda(backend, experts)
-
-    def match(config: LayerConfig, target: Target) -> str | None:
-        reason = cuda(config, target)
-        if reason is None and config.quant.static_input:
-            return (
-                "channel-wise FP8 MoE weights need dynamic per-token activations "
-                "(vLLM raises for static ones); this layer has static input scales"
-            )
-        return reason
-
-    return match
+    # a partial of a module-level function, as _cuda: plans pickle (the daemon's key)
+    return functools.partial(_match_ct_channel, backend=backend, experts=experts)
 
 
 CT_FP8_CHANNEL_PLANS = tuple(
