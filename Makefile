@@ -21,9 +21,15 @@ demo: bootstrap
 
 ## Run the whole test suite (what CI runs); the contract tests also run against every
 ## other supported vLLM release's Python (tests/test_vllm_releases.py; a missing tree,
-## which `make vllm-trees` makes, fails here instead of skipping).
+## which `make vllm-trees` makes, fails here instead of skipping). Two pytest-xdist
+## workers, one module per worker at a time (--dist loadfile: a module's shared engines
+## and daemons start once; tests/conftest.py hands out the slowest modules first): a
+## vLLM-CPU engine start keeps about one core busy, so two run side by side on CI's
+## 2 cores. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: vllm-trees
-	WCACHE_REQUIRE_VLLM_TREES=1 $(PY) -m pytest tests -q -p no:cacheprovider
+	WCACHE_REQUIRE_VLLM_TREES=1 $(PY) -m pytest tests -q -p no:cacheprovider \
+		-n $(TEST_WORKERS) --dist loadfile
 
 ## The core, stages and plans only (seconds).
 test-fast: bootstrap
