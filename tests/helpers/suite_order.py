@@ -1,6 +1,8 @@
 """The order in which pytest-xdist hands out test modules (`make test`: ``-n 2 --dist
-loadfile``, tests/conftest.py): longest first, so no worker starts a module of minutes
-while the other runs out of work. xdist hands out modules in collection order."""
+loadfile --no-loadscope-reorder``, tests/conftest.py): longest first, so no worker
+starts a module of minutes while the other runs out of work. With that flag xdist
+hands out modules in collection order (without it, the modules with the most tests
+first: the one-test compiled-engine modules would go last)."""
 
 from __future__ import annotations
 
