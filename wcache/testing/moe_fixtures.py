@@ -606,6 +606,16 @@ def build_moe(base: str, fmt: str, out: str | None = None, *, force: bool = Fals
     final = tm.arch_path(base, out, fmt)
     if tm.is_built(final, a, fmt) and not force:
         return final
+    with fx.build_lock(final):
+        if tm.is_built(final, a, fmt) and not force:  # another process built it meanwhile
+            return final
+        _write_moe(a, base, fmt, final, out)
+    return final
+
+
+def _write_moe(a: tm.Arch, base: str, fmt: str, final: Path, out: str | None) -> None:
+    """Convert ``base``'s bf16 fixture to ``fmt`` and publish it at ``final``
+    (:func:`build_moe` holds ``final``'s build lock)."""
     bf16_dir = tm.build_arch(base, out)
     state = fx.load_state_dict(bf16_dir)
     config = json.loads((bf16_dir / fx.CONFIG_FILE).read_text())
@@ -631,7 +641,6 @@ def build_moe(base: str, fmt: str, out: str | None = None, *, force: bool = Fals
         for fname, body in side_files(fmt, ignored).items():
             (tmp / fname).write_text(json.dumps(body, indent=2) + "\n")
         (tmp / tm.STAMP_FILE).write_text(json.dumps(tm._stamp(a, fmt), sort_keys=True) + "\n")
-    return final
 
 
 def main(argv: list[str] | None = None) -> int:
