@@ -375,9 +375,10 @@ class VmmServing:
     exported fd, duplicated to each client with SCM_RIGHTS."""
 
     def __init__(self, mapping: VmmMapping, fd: int, arena: torch.Tensor):
-        self.mapping = mapping
+        #: the allocation and the daemon's view of it; None once closed
+        self.mapping: VmmMapping | None = mapping
         self.fd = fd
-        self.arena = arena
+        self.arena: torch.Tensor | None = arena
         self.nbytes = mapping.size
 
     def export(self) -> tuple[dict[str, Any], tuple[int, ...]]:
