@@ -310,7 +310,7 @@ def _called_from_reload() -> bool:
     copy or a refusal."""
     frame = inspect.currentframe()
     for _ in range(RELOAD_CALLER_DEPTH):
-        frame = frame.f_back
+        frame = None if frame is None else frame.f_back
         if frame is None:
             return False
         if (frame.f_globals.get("__name__"), frame.f_code.co_name) == RELOAD_CALLER:
@@ -539,7 +539,7 @@ def _startup_artifacts(opts: LoaderOptions, vllm_config: VllmConfig, dev_id: str
                 result, reason = startup.install_for_engine(bundle, mine)
             finally:
                 bundle.close()
-            if reason is not None:
+            if result is None:  # stale: ``reason`` says why
                 outcome = "stale"
                 info["reason"] = reason
                 logger.warning(
