@@ -291,6 +291,7 @@ def run_engine(
             + "\n"
             + "\n".join(output.splitlines()[-30:])
         )
+        # an attribute of this one RuntimeError (Raises: above), which typeshed does not declare
         err.output = output  # type: ignore[attr-defined]
         raise err
     result = json.loads(lines[-1])
