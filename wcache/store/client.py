@@ -277,7 +277,7 @@ class Attachment:
     def __init__(
         self,
         manifest: Manifest,
-        base: "torch.Tensor",
+        base: torch.Tensor,
         mm: mmap.mmap | None,
         conn: Connection | None,
         mode: str,
@@ -294,7 +294,7 @@ class Attachment:
         self.key = key
         self.nbytes = manifest.arena_nbytes
         self.device = str(base.device)
-        self._base: "torch.Tensor | None" = base
+        self._base: torch.Tensor | None = base
         self._mm = mm
         self._conn = conn
         from wcache.store.arena import tensor_views  # noqa: PLC0415 (torch import ~2 s: only when called)
@@ -321,14 +321,14 @@ class Attachment:
         return self._base is None
 
     @property
-    def arena(self) -> "torch.Tensor":
+    def arena(self) -> torch.Tensor:
         """The whole arena, ``[nbytes]`` uint8 (read-only unless :attr:`writable`)."""
         if self._base is None:
             raise Released("this attachment was closed; attach again")
         return self._base
 
     @property
-    def tensors(self) -> "dict[str, torch.Tensor]":
+    def tensors(self) -> dict[str, torch.Tensor]:
         if self._base is None:
             raise Released("this attachment was closed; attach again")
         return self._tensors
@@ -481,7 +481,7 @@ class Attachment:
             return False
         return invalidate_daemon(self.sock_path, self.key, code, message)
 
-    def __enter__(self) -> "Attachment":
+    def __enter__(self) -> Attachment:
         return self
 
     def __exit__(self, *exc) -> None:
