@@ -112,8 +112,9 @@ def restore_(
     """
     name = bound.config.name
     initial = bound.restore_start(state_from_module(layer), recorded, drops)
+    step_guard: RestoreGuard | None
     if guard is True:
-        guard = RestoreGuard(
+        step_guard = RestoreGuard(
             {
                 name: {
                     k: initial.tensors[k]
@@ -125,15 +126,19 @@ def restore_(
             strict=strict,
         )
     elif guard is False:
-        guard = None
-    state = bound.restore_run(initial, recorded, guard=guard, memo=memo)
+        step_guard = None
+    else:
+        step_guard = guard
+    state = bound.restore_run(initial, recorded, guard=step_guard, memo=memo)
     if memo is not None:
         for stage_name, entries in state.memo.items():
             memo.setdefault(stage_name, {}).update(entries)
     apply_state_(layer, state)
-    if guard is not None:
-        guard.check_stage(name, "(install)", {**state_from_module(layer).tensors, **state.released})
-        guard.check_layer(name, [s.name for s in bound.stages if s.replayable])
+    if step_guard is not None:
+        step_guard.check_stage(
+            name, "(install)", {**state_from_module(layer).tensors, **state.released}
+        )
+        step_guard.check_layer(name, [s.name for s in bound.stages if s.replayable])
     return state
 
 
@@ -301,7 +306,7 @@ def _check_shapes(
         module = modules.get(mod_name)
         if module is None or leaf in transformed.get(mod_name, ()):
             continue
-        mine = module._parameters.get(leaf)
+        mine: torch.Tensor | None = module._parameters.get(leaf)
         if mine is None:
             mine = module._buffers.get(leaf)
         if mine is None:
@@ -353,7 +358,8 @@ def install_tensors_(
     modules = dict(model.named_modules(remove_duplicate=False))
     plan_writes = _by_every_name(modules, writes)
     _check_shapes(modules, tensors, _by_every_name(modules, transformed))
-    objects: dict[str, torch.Tensor] = {}
+    #: canonical name -> its Parameter, the same object for every alias
+    params: dict[str, torch.nn.Parameter] = {}
     replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for name in tensors:
         canonical = aliases.get(name, name)
@@ -365,21 +371,22 @@ def install_tensors_(
                 f"the daemon exports {name!r}, which the engine's model does not have and no "
                 f"plan of layer {mod_name!r} produces; the daemon serves a different model."
             )
-        kind = kinds[name]
-        obj = objects.get((canonical, kind))
-        if obj is None:
-            t = tensors[canonical]
-            obj = torch.nn.Parameter(t, requires_grad=False) if kind == "param" else t
-            objects[(canonical, kind)] = obj
+        t = tensors[canonical]
+        param = None
+        if kinds[name] == "param":
+            param = params.get(canonical)
+            if param is None:
+                param = params[canonical] = torch.nn.Parameter(t, requires_grad=False)
+        obj = t if param is None else param
         old = module._parameters.pop(leaf, None)
         old_buffer = module._buffers.pop(leaf, None)
         for stale in (old, old_buffer):
             if stale is not None and stale is not obj:
                 replaced[id(stale)] = (stale, obj)
-        if kind == "param":
-            module._parameters[leaf] = obj
+        if param is not None:
+            module._parameters[leaf] = param
         else:
-            module.register_buffer(leaf, obj, persistent=persistent.get(name, True))
+            module.register_buffer(leaf, t, persistent=persistent.get(name, True))
     rebind_captured_(modules.values(), replaced)
 
 

@@ -22,8 +22,8 @@ and the plan kernel id for it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, cast
 
 import torch
 from attrs import evolve
@@ -37,6 +37,39 @@ from wcache.vllm import compat, moe, probe
 #: Deferred attention post-load work wcache refuses -> the QuantSpec method that
 #: ``plan_for`` refuses with its reason (registered in :mod:`wcache.plans.attention`).
 _ATTENTION_REFUSALS = {"mla": "mla_attention", "mm_encoder_fp8": "mm_encoder_attention_fp8"}
+
+
+class _LinearLayer(Protocol):
+    """The sizes vLLM's linear layers set in ``__init__`` and the adapters read
+    (``vllm/model_executor/layers/linear.py::LinearBase`` and its subclasses;
+    ``ReplicatedLinear`` has only ``input_size``/``output_size``)."""
+
+    logical_widths: Sequence[int]
+    input_size_per_partition: int
+    output_size_per_partition: int
+    input_size: int
+    output_size: int
+
+
+class _MoeLayer(Protocol):
+    """The sizes vLLM's fused-MoE layer sets in ``__init__``
+    (``vllm/model_executor/layers/fused_moe/layer.py::FusedMoE``)."""
+
+    local_num_experts: int
+    global_num_experts: int
+    hidden_size: int
+    intermediate_size_per_partition: int
+
+
+def _linear(module: torch.nn.Module) -> _LinearLayer:
+    """``module`` read as the vLLM linear layer it is: torch types a Module's unknown
+    attributes ``Tensor | Module``, vLLM (not type-checked here) sets these as ints."""
+    return cast(_LinearLayer, module)
+
+
+def _logical_widths(module: torch.nn.Module) -> tuple[int, ...]:
+    """vLLM's ``logical_widths``: the output width of each fused projection."""
+    return tuple(int(w) for w in _linear(module).logical_widths)
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
@@ -109,7 +142,7 @@ def _fp8_config(
     if strategy is None:
         strategy = "block" if block else ("channel" if method == "fp8_per_channel" else "tensor")
     extra = {
-        "logical_widths": tuple(int(w) for w in module.logical_widths),
+        "logical_widths": _logical_widths(module),
         "tp_size": int(getattr(module, "tp_size", 1) or 1),
     }
     if block:
@@ -167,9 +200,7 @@ def _modelopt_config(quant_method: Any, module: torch.nn.Module, name: str) -> L
     spec = QuantSpec(
         "modelopt_fp4", num_bits=4, act_bits=4, group_size=quant_method.ctx.group_size, kernel=kid
     )
-    return _linear_config(
-        module, spec, name, {"logical_widths": tuple(int(w) for w in module.logical_widths)}
-    )
+    return _linear_config(module, spec, name, {"logical_widths": _logical_widths(module)})
 
 
 def _moe_config(
@@ -193,11 +224,12 @@ def _moe_config(
 
         if is_zentorch_moe_supported(module):  # vLLM's own post-load check (zentorch op)
             experts = ZENTORCH_EXPERTS
+    layer = cast(_MoeLayer, module)  # torch types it Module; vLLM sets these sizes (ints)
     shape = MoeShape(
-        num_experts=int(module.local_num_experts),
-        global_num_experts=int(module.global_num_experts),
-        hidden_size=int(module.hidden_size),
-        intermediate_size_per_partition=int(module.intermediate_size_per_partition),
+        num_experts=int(layer.local_num_experts),
+        global_num_experts=int(layer.global_num_experts),
+        hidden_size=int(layer.hidden_size),
+        intermediate_size_per_partition=int(layer.intermediate_size_per_partition),
         backend=backend,
         experts=experts,
         is_act_and_mul=bool(moe_config.is_act_and_mul),
@@ -373,12 +405,13 @@ def _ct_w8a8_fp8_moe(
 def _linear_config(
     module: torch.nn.Module, spec: QuantSpec, name: str, extra: dict | None = None
 ) -> LayerConfig:
-    size_k = getattr(module, "input_size_per_partition", None)
-    size_n = getattr(module, "output_size_per_partition", None)
-    if size_k is None and getattr(module, "input_size", None) is not None:
+    layer = _linear(module)
+    if getattr(module, "input_size_per_partition", None) is not None:
+        size_k, size_n = layer.input_size_per_partition, layer.output_size_per_partition
+    elif getattr(module, "input_size", None) is not None:
         # ReplicatedLinear sets no per-partition sizes (its weight is unsharded)
-        size_k, size_n = module.input_size, module.output_size
-    if size_k is None:  # embeddings / lm_head
+        size_k, size_n = layer.input_size, layer.output_size
+    else:  # embeddings / lm_head
         size_k = getattr(module, "embedding_dim", 0)
         size_n = getattr(module, "num_embeddings_per_partition", 0)
     return LayerConfig(
@@ -566,7 +599,7 @@ def _ct_w8a16_fp8(
         static_input=bool(scheme.is_static_input_scheme),
         kernel=_kernel_id(scheme, "linear_kernel"),
     )
-    extra = {"logical_widths": tuple(int(w) for w in module.logical_widths)}
+    extra = {"logical_widths": _logical_widths(module)}
     if scheme.weight_block_size:
         extra["weight_block_size"] = tuple(int(b) for b in scheme.weight_block_size)
     else:
@@ -580,8 +613,8 @@ def _ct_w8a8_int8(
     kernel = _kernel_id(scheme)
     if kernel == "onednn":  # CPUInt8ScaledMMLinearKernel: SGL or oneDNN, vLLM's check
         kernel = probe.w8a8_int8_kernel(
-            int(module.output_size_per_partition),
-            int(module.input_size_per_partition),
+            int(_linear(module).output_size_per_partition),
+            int(_linear(module).input_size_per_partition),
             bool(scheme.input_symmetric),
         )
     spec = QuantSpec(
@@ -593,9 +626,7 @@ def _ct_w8a8_int8(
         input_symmetric=bool(scheme.input_symmetric),
         kernel=kernel,
     )
-    return _linear_config(
-        module, spec, name, {"logical_widths": tuple(int(w) for w in module.logical_widths)}
-    )
+    return _linear_config(module, spec, name, {"logical_widths": _logical_widths(module)})
 
 
 #: vLLM quant-method class (a name in compat's class table) -> its adapter.

@@ -142,6 +142,7 @@ def export_tensors(
     for name, b in model.named_buffers(remove_duplicate=False):
         entries.append((name, b, "buffer"))
     for name, t, kind in entries:
+        ident: tuple[Any, ...]  # storage, offset, shape, stride, dtype; or the object's id
         if t.numel() and t.device.type != "meta":
             ident = (
                 t.untyped_storage().data_ptr(),

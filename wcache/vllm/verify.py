@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 import attrs
 import psutil
@@ -491,6 +491,12 @@ def _reference_attention_forward(
     return out.transpose(0, 1).reshape(n, heads * head_v).to(output_dtype or query.dtype)
 
 
+class _CausalLM(Protocol):
+    """The vLLM model method :func:`run_forward` calls besides ``forward``."""
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
+
+
 def run_forward(
     model: torch.nn.Module, vllm_config: Any, token_ids: Sequence[int]
 ) -> tuple[torch.Tensor, list[tuple[str, str]]]:
@@ -524,7 +530,8 @@ def run_forward(
             set_forward_context(None, vllm_config, num_tokens=len(token_ids)),
         ):
             hidden = model(ids, positions)
-            logits = model.compute_logits(hidden)
+            # cast: vLLM's model method, which torch's Module types Tensor | Module
+            logits = cast(_CausalLM, model).compute_logits(hidden)
     finally:
         for h in handles:
             h.remove()
@@ -612,7 +619,9 @@ def _observe(
     state = model_state(model, attr_paths)
     tied = ties(model)
     t1 = time.perf_counter()
-    logits, outputs, error = None, [], None
+    logits: torch.Tensor | None = None
+    outputs: list[tuple[str, str]] = []
+    error: str | None = None
     try:
         logits, outputs = run_forward(model, vllm_config, token_ids)
     except Exception as exc:  # a broken restore is a finding, not a crash
@@ -649,6 +658,7 @@ def _compare(
     for name in planned + others:
         plan, kernel = plans.get(name, ("-", "-"))
         a, b = loaded.state.get(name), restored.state.get(name)
+        diff: str | None
         if a is None or b is None:
             diff = f"module: present in {'vLLM load' if b is None else 'restore'} only"
         else:
@@ -661,7 +671,9 @@ def _compare(
         else f"tied names: {_short(loaded.ties)} != {_short(restored.ties)}"
     )
     rows.append(Row("(ties)", "-", "-", tie_diff))
-    if loaded.error is not None or restored.error is not None:
+    forward_diff: str | None
+    logits_diff: str | None
+    if loaded.logits is None or restored.logits is None:  # no logits: that forward raised
         forward_diff = (
             f"the forward raised: vLLM load: {loaded.error or 'no error'}; "
             f"restore: {restored.error or 'no error'}"
