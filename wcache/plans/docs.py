@@ -319,7 +319,11 @@ REAL_ENGINE_RESULTS: dict[str, tuple[str, str]] = {
         "(config/quantization.py: `moe=QuantSpec(weight=kNvfp4Static)`), so "
         "SmolLM2's dense linears stay `unquantized/none`. The `moe-*` rows (tiny "
         "random MoE checkpoints, tests/gpu_engine/test_moe_engines.py) at commit "
-        "608a393 (2026-12-04), the two compiled ones at 3dcad3c",
+        "608a393 (2026-12-04), the two compiled ones at 3dcad3c; the Marlin rows (issue "
+        "46: NVFP4, MXFP8, MXFP4, AWQ/GPTQ/CT W4A16 and FP8 MoE on Marlin, dense NVFP4 "
+        "and MXFP8), the CT W8A8 FP8 MoE, GPT-OSS and GraniteMoE rows, and bf16, "
+        "awq-marlin and moe-qwen3_moe-bf16 again, at commit 26d8f6c (2026-12-04T17:13Z, "
+        "8 workers)",
     ),
 }
 
