@@ -213,6 +213,13 @@ def first_traceback(output: str) -> str | None:
     for ln in lines[start + 1 : start + MAX_TRACEBACK_LINES]:
         out.append(ln)
         if not ln.startswith(" ") and _EXCEPTION_LINE.match(ln) and len(out) > 2:
+            return "\n".join(out)
+    # a stack deeper than MAX_TRACEBACK_LINES (torch.compile's wrappers double vLLM's
+    # frames): keep its exception line, the root cause, after a count of what was cut
+    rest = lines[start + MAX_TRACEBACK_LINES :]
+    for i, ln in enumerate(rest):
+        if not ln.startswith(" ") and _EXCEPTION_LINE.match(ln):
+            out += [f"  ... ({i} more lines)", ln]
             break
     return "\n".join(out)
 

@@ -323,7 +323,10 @@ REAL_ENGINE_RESULTS: dict[str, tuple[str, str]] = {
         "46: NVFP4, MXFP8, MXFP4, AWQ/GPTQ/CT W4A16 and FP8 MoE on Marlin, dense NVFP4 "
         "and MXFP8), the CT W8A8 FP8 MoE, GPT-OSS and GraniteMoE rows, and bf16, "
         "awq-marlin and moe-qwen3_moe-bf16 again, at commit 26d8f6c (2026-12-04T17:13Z, "
-        "8 workers)",
+        "8 workers). moe-gpt_oss-mxfp4's reason is a caret line: vLLM's own disk engine "
+        "failed inside its triton_kernels MoE forward during the profile run, in a stack "
+        "deeper than the traceback lines then kept (first_traceback now keeps the "
+        "exception line)",
     ),
 }
 
