@@ -22,8 +22,6 @@ import pytest
 
 from wcache.testing.engine_acceptance import EngineCase, record_result, run_case
 
-pytestmark = [pytest.mark.gpu_engine]
-
 CASES = (
     EngineCase("gemma3-bf16", "bf16", note="Gemma 3 270M, dequantized Q4_K_M GGUF"),
     EngineCase("gemma3-online-fp8", "bf16", quantization="fp8", note="--quantization fp8"),
