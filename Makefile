@@ -21,20 +21,28 @@ demo: bootstrap
 
 ## Run the whole test suite (what CI runs); the contract tests also run against every
 ## other supported vLLM release's Python (tests/test_vllm_releases.py; a missing tree,
-## which `make vllm-trees` makes, fails here instead of skipping).
+## which `make vllm-trees` makes, fails here instead of skipping). Two pytest-xdist
+## workers, one module per worker at a time (--dist loadfile: a module's shared engines
+## and daemons start once), handed out in the order tests/conftest.py sorts them, the
+## slowest first (--no-loadscope-reorder: xdist would otherwise hand out the modules with
+## the most tests first, and the one-test compiled-engine modules last): a vLLM-CPU
+## engine start keeps about one core busy, so two run side by side on CI's 2 cores.
+## TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: vllm-trees
-	WCACHE_REQUIRE_VLLM_TREES=1 $(PY) -m pytest tests -q -p no:cacheprovider
+	WCACHE_REQUIRE_VLLM_TREES=1 $(PY) -m pytest tests -q -p no:cacheprovider \
+		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 ## The core, stages and plans only (seconds).
 test-fast: bootstrap
 	$(PY) -m pytest tests/core tests/stages tests/plans -q -p no:cacheprovider
 
-## Lint (ruff: pyproject.toml's [tool.ruff]), formatting and types (mypy, checked against
-## the baseline in tools/mypy-baseline.txt, which only goes down); CI runs it before the tests.
+## Lint (ruff: pyproject.toml's [tool.ruff]), formatting and types (mypy: [tool.mypy]),
+## each at zero findings; CI runs it before the tests.
 lint: bootstrap
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) tools/mypy_ratchet.py
+	$(PY) -m mypy
 
 ## Regenerate docs/plans.md from the plan registry.
 docs: bootstrap

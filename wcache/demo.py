@@ -145,14 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     ok = not failed
     print()
     print(f"prompt: {PROMPT!r}")
-    for fmt, r in results.items():
-        t_disk = r["disk"]["load"][-1]["seconds"]
-        t_rest = r["restored"]["load"][-1]["seconds"]
-        same = r["disk"]["token_ids"] == r["restored"]["token_ids"]
+    for fmt, row in results.items():
+        t_disk = row["disk"]["load"][-1]["seconds"]
+        t_rest = row["restored"]["load"][-1]["seconds"]
+        same = row["disk"]["token_ids"] == row["restored"]["token_ids"]
         ok &= same
         print(f"\n[{fmt}]")
-        print(f"  from disk:          {r['disk']['texts'][0]!r}")
-        print(f"  from the daemon:    {r['restored']['texts'][0]!r}")
+        print(f"  from disk:          {row['disk']['texts'][0]!r}")
+        print(f"  from the daemon:    {row['restored']['texts'][0]!r}")
         print(f"  outputs:            {'identical' if same else 'DIFFERENT'}")
         print(
             f"  weight-load phase:  disk {t_disk:.3f} s, daemon {t_rest:.3f} s, "

@@ -40,6 +40,7 @@ __all__ = [
     "restore_",
     "apply_state_",
     "install_tensors_",
+    "rebind_captured_",
     "resolve_parent",
     "state_from_module",
     "snapshot",
@@ -111,8 +112,9 @@ def restore_(
     """
     name = bound.config.name
     initial = bound.restore_start(state_from_module(layer), recorded, drops)
+    step_guard: RestoreGuard | None
     if guard is True:
-        guard = RestoreGuard(
+        step_guard = RestoreGuard(
             {
                 name: {
                     k: initial.tensors[k]
@@ -124,15 +126,19 @@ def restore_(
             strict=strict,
         )
     elif guard is False:
-        guard = None
-    state = bound.restore_run(initial, recorded, guard=guard, memo=memo)
+        step_guard = None
+    else:
+        step_guard = guard
+    state = bound.restore_run(initial, recorded, guard=step_guard, memo=memo)
     if memo is not None:
         for stage_name, entries in state.memo.items():
             memo.setdefault(stage_name, {}).update(entries)
     apply_state_(layer, state)
-    if guard is not None:
-        guard.check_stage(name, "(install)", {**state_from_module(layer).tensors, **state.released})
-        guard.check_layer(name, [s.name for s in bound.stages if s.replayable])
+    if step_guard is not None:
+        step_guard.check_stage(
+            name, "(install)", {**state_from_module(layer).tensors, **state.released}
+        )
+        step_guard.check_layer(name, [s.name for s in bound.stages if s.replayable])
     return state
 
 
@@ -300,7 +306,7 @@ def _check_shapes(
         module = modules.get(mod_name)
         if module is None or leaf in transformed.get(mod_name, ()):
             continue
-        mine = module._parameters.get(leaf)
+        mine: torch.Tensor | None = module._parameters.get(leaf)
         if mine is None:
             mine = module._buffers.get(leaf)
         if mine is None:
@@ -328,7 +334,9 @@ def install_tensors_(
 
     Canonical tensors become plain ``nn.Parameter(requires_grad=False)`` or
     buffers (with their persistence); aliases are registered as the *same*
-    object. A tensor the model has no slot for is accepted only when the plan
+    object; references the model's objects took to a replaced tensor are pointed
+    at the installed one (:func:`rebind_captured_`). A tensor the model has no
+    slot for is accepted only when the plan
     of its layer declares it as a write. Every tensor whose slot the meta model
     already has, and which no TRANSFORM stage of its layer's plan writes (so the
     daemon could not have reshaped it), must have the meta tensor's shape and
@@ -350,7 +358,9 @@ def install_tensors_(
     modules = dict(model.named_modules(remove_duplicate=False))
     plan_writes = _by_every_name(modules, writes)
     _check_shapes(modules, tensors, _by_every_name(modules, transformed))
-    objects: dict[str, torch.Tensor] = {}
+    #: canonical name -> its Parameter, the same object for every alias
+    params: dict[str, torch.nn.Parameter] = {}
+    replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for name in tensors:
         canonical = aliases.get(name, name)
         module, leaf = _module_of(model, modules, name)
@@ -361,15 +371,73 @@ def install_tensors_(
                 f"the daemon exports {name!r}, which the engine's model does not have and no "
                 f"plan of layer {mod_name!r} produces; the daemon serves a different model."
             )
-        kind = kinds[name]
-        obj = objects.get((canonical, kind))
-        if obj is None:
-            t = tensors[canonical]
-            obj = torch.nn.Parameter(t, requires_grad=False) if kind == "param" else t
-            objects[(canonical, kind)] = obj
-        module._parameters.pop(leaf, None)
-        module._buffers.pop(leaf, None)
-        if kind == "param":
-            module._parameters[leaf] = obj
+        t = tensors[canonical]
+        param = None
+        if kinds[name] == "param":
+            param = params.get(canonical)
+            if param is None:
+                param = params[canonical] = torch.nn.Parameter(t, requires_grad=False)
+        obj = t if param is None else param
+        old = module._parameters.pop(leaf, None)
+        old_buffer = module._buffers.pop(leaf, None)
+        for stale in (old, old_buffer):
+            if stale is not None and stale is not obj:
+                replaced[id(stale)] = (stale, obj)
+        if param is not None:
+            module._parameters[leaf] = param
         else:
-            module.register_buffer(leaf, obj, persistent=persistent.get(name, True))
+            module.register_buffer(leaf, t, persistent=persistent.get(name, True))
+    rebind_captured_(modules.values(), replaced)
+
+
+def rebind_captured_(
+    modules: Iterable[torch.nn.Module],
+    replaced: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
+) -> list[str]:
+    """Point references that a module's own plain attributes, or the plain objects it
+    holds, took to a tensor before it was replaced (the meta-built one) at the
+    installed tensor.
+
+    vLLM objects built with the model keep a reference to a layer's parameter: an
+    attention backend impl keeps the attention sinks it was given
+    (``TritonAttentionImpl.sinks = sinks``, GPT-OSS's ``OAIAttention.sinks``
+    parameter). On an ordinary load the weight loader copies into that parameter,
+    so the reference sees the bytes; installing a mapped tensor registers a new
+    object, and the impl would keep the meta tensor (a kernel reading it kills the
+    engine). Looks one level deep: a module's ``__dict__`` entries and the
+    ``__dict__`` of the plain (non-module, non-tensor) objects among them.
+
+    Args:
+        modules: every module of the model.
+        replaced: ``id(old tensor)`` -> ``(old tensor, installed tensor)``.
+
+    Returns:
+        The rebound references, ``"<ClassName>.<attr>"`` each (for tests and logs).
+    """
+    rebound: list[str] = []
+
+    def rebind(owner: Any, namespace: dict[str, Any]) -> None:
+        for attr, value in list(namespace.items()):
+            if isinstance(value, torch.Tensor):
+                hit = replaced.get(id(value))
+                if hit is not None and hit[0] is value:
+                    namespace[attr] = hit[1]  # not setattr: a Module would register it
+                    rebound.append(f"{type(owner).__name__}.{attr}")
+
+    for module in modules:
+        namespace = vars(module)
+        rebind(module, namespace)
+        for value in list(namespace.values()):
+            if _is_plain_object(value):
+                rebind(value, vars(value))
+    return rebound
+
+
+def _is_plain_object(value: Any) -> bool:
+    """An object whose attributes :func:`rebind_captured_` may hold tensor references:
+    not a module, tensor, class, or builtin value, and with a ``__dict__``."""
+    return (
+        not isinstance(value, (torch.nn.Module, torch.Tensor, type, str, bytes, int, float))
+        and not isinstance(value, (list, tuple, dict, set, frozenset))
+        and hasattr(value, "__dict__")
+    )

@@ -284,7 +284,7 @@ def test_compat_holds_what_the_scans_forbid_elsewhere():
         writes |= {w[2] for w in object_writes(tree, _rel(p))}
     assert "rotary_embedding._ROPE_DICT" in privates
     assert any("_set_torch_accelerator_to_noop" in p for p in privates)
-    assert {"model.load_weights", "engine_args.load_format", "delattr(module, ...)"} <= writes
+    assert {"hooked.load_weights", "engine_args.load_format", "delattr(module, ...)"} <= writes
 
 
 @pytest.mark.parametrize(

@@ -123,10 +123,10 @@ class ByteRange:
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     """[start, end) bytes of the storage that ``t`` can address."""
     itemsize = t.element_size()
-    start = t.storage_offset() * itemsize
+    start = int(t.storage_offset()) * itemsize  # int(): torch types sizes int | SymInt
     if t.numel() == 0:
         return start, start
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    last = sum((int(n) - 1) * s for n, s in zip(t.shape, t.stride()))
     return start, start + (last + 1) * itemsize
 
 

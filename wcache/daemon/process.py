@@ -114,16 +114,18 @@ class DaemonProcess:
 
         Raises:
             RuntimeError: priming failed, the daemon exited, or ``timeout_s`` passed
-                (the daemon's last lines in the message).
+                (the daemon's last lines in the message), or it was never started.
         """
-
+        proc = self.proc
+        if proc is None:
+            raise RuntimeError("this daemon was not started: call start() first")
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             lines = list(self.lines)
             done = [ln for ln in lines if ln.startswith(prime.PRIMED_PREFIX)]
             if done:
                 return done[-1]
-            if any("priming failed" in ln for ln in lines) or self.proc.poll() is not None:
+            if any("priming failed" in ln for ln in lines) or proc.poll() is not None:
                 break
             time.sleep(PRIMED_POLL_S)
         raise RuntimeError(
@@ -289,6 +291,7 @@ def run_engine(
             + "\n"
             + "\n".join(output.splitlines()[-30:])
         )
+        # an attribute of this one RuntimeError (Raises: above), which typeshed does not declare
         err.output = output  # type: ignore[attr-defined]
         raise err
     result = json.loads(lines[-1])

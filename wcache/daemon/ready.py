@@ -164,7 +164,10 @@ def survey(
         fields = st.get("key_fields") or {}
         if sock.endswith(suffix):
             par = fields.get("parallel") or {}
-            rank = (par.get("tp_rank"), par.get("pp_rank"))
+            tp_rank, pp_rank = par.get("tp_rank"), par.get("pp_rank")
+            if not isinstance(tp_rank, int) or not isinstance(pp_rank, int):
+                continue  # a key without its rank names no rank it serves
+            rank = (tp_rank, pp_rank)
             statuses[rank] = st
             if not st.get("invalidated"):
                 serving.add(rank)

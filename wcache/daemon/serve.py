@@ -221,9 +221,9 @@ def build_ready_server(
         )
         _bring_peer_artifacts(server, source)
         return server, "peer"
-    if from_snapshot or snapshot:
+    if snap_dir := from_snapshot or snapshot:
         try:
-            snap = open_snapshot(from_snapshot or snapshot, name)
+            snap = open_snapshot(snap_dir, name)
             check_key(snap, key)
             return DaemonServer(
                 snapshot_arena(snap),
@@ -508,7 +508,7 @@ def _serve_prepared_rank(
             "error": None,
         }
     )
-    if origin == "snapshot":
+    if origin == "snapshot" and snap_dir:  # a snapshot origin always has its dir
         _snapshot_artifacts(server, snap_dir, snapshot_name(layout))
     server.start()
     if listen is not None:

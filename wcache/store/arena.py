@@ -116,7 +116,7 @@ def plan_layout(
         if span == 0:
             placed[name] = (0, 0)
             continue
-        start = t.storage_offset() * itemsize
+        start = int(t.storage_offset()) * itemsize  # int: torch types it int | SymInt
         # Storage identity: a live storage has a unique data pointer per device
         # (meta storages have none, so each meta tensor is its own storage).
         sid = (t.device, t.untyped_storage().data_ptr()) if t.device.type != "meta" else (name,)

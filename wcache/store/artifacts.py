@@ -620,7 +620,7 @@ def install_bundle(
             by_entry = _members_by_entry(tar.getmembers(), set(names))
             for name, entry in names.items():
                 root, rel = entry["root"], entry["path"]
-                if name in (skip or {}):
+                if skip and name in skip:
                     reasons.append((name, skip[name]))
                     continue
                 if root not in dests:
@@ -691,6 +691,8 @@ def _extract_entry(
         target.parent.mkdir(parents=True, exist_ok=True)
         h = blake3.blake3()
         src = tar.extractfile(m)
+        if src is None:  # narrowing: a plain file (checked above) always has its data
+            raise ArtifactsCorrupt(f"tar member {m.name!r} has no data to extract")
         with open(target, "wb") as f:
             while chunk := src.read(_CHUNK):
                 h.update(chunk)

@@ -92,7 +92,7 @@ STOP_WAIT_S = 10.0
 STOP_POLL_S = 0.05
 # The guard's message travels to the daemon's log and status; a few lines suffice.
 INVALIDATE_MESSAGE_CHARS = 2000
-_ERRORS = {
+_ERRORS: dict[str, type[StoreError]] = {
     c.code: c
     for c in (
         DaemonMissing,
@@ -194,24 +194,28 @@ class Connection:
         Raises:
             DaemonMissing: the daemon closed the connection or gave no reply within
                 the connection's timeout.
+            Released: this connection was closed.
         """
+        sock = self.sock
+        if sock is None:
+            raise Released(f"the connection to {self.path} was closed; connect again")
         try:
-            send_frame(self.sock, frame)
+            send_frame(sock, frame)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the daemon may have refused us and closed: its error frame is still readable
         except TimeoutError:
             raise DaemonMissing(
                 f"daemon on {self.path} took no {frame.get('op')!r} request "
-                f"within {self.sock.gettimeout()} s"
+                f"within {sock.gettimeout()} s"
             ) from None
         try:
-            reply, fds = recv_frame(self.sock, max_fds)
+            reply, fds = recv_frame(sock, max_fds)
         except (BrokenPipeError, ConnectionResetError, ConnectionClosed) as e:
             raise DaemonMissing(f"daemon on {self.path} closed the connection: {e}") from e
         except TimeoutError:
             raise DaemonMissing(
                 f"daemon on {self.path} did not answer {frame.get('op')!r} within "
-                f"{self.sock.gettimeout()} s; it is stalled or overloaded"
+                f"{sock.gettimeout()} s; it is stalled or overloaded"
             ) from None
         if fds:
             reply["_fds"] = fds
@@ -273,7 +277,7 @@ class Attachment:
     def __init__(
         self,
         manifest: Manifest,
-        base: "torch.Tensor",
+        base: torch.Tensor,
         mm: mmap.mmap | None,
         conn: Connection | None,
         mode: str,
@@ -290,7 +294,7 @@ class Attachment:
         self.key = key
         self.nbytes = manifest.arena_nbytes
         self.device = str(base.device)
-        self._base: "torch.Tensor | None" = base
+        self._base: torch.Tensor | None = base
         self._mm = mm
         self._conn = conn
         from wcache.store.arena import tensor_views  # noqa: PLC0415 (torch import ~2 s: only when called)
@@ -317,14 +321,14 @@ class Attachment:
         return self._base is None
 
     @property
-    def arena(self) -> "torch.Tensor":
+    def arena(self) -> torch.Tensor:
         """The whole arena, ``[nbytes]`` uint8 (read-only unless :attr:`writable`)."""
         if self._base is None:
             raise Released("this attachment was closed; attach again")
         return self._base
 
     @property
-    def tensors(self) -> "dict[str, torch.Tensor]":
+    def tensors(self) -> dict[str, torch.Tensor]:
         if self._base is None:
             raise Released("this attachment was closed; attach again")
         return self._tensors
@@ -477,7 +481,7 @@ class Attachment:
             return False
         return invalidate_daemon(self.sock_path, self.key, code, message)
 
-    def __enter__(self) -> "Attachment":
+    def __enter__(self) -> Attachment:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -579,7 +583,9 @@ def attach(
                 "daemon answered with a manifest of another key",
                 fields=key.diff(CacheKey(manifest.key)),
             )
-        handle = reply.get("handle") if isinstance(reply.get("handle"), dict) else {}
+        handle = reply.get("handle")
+        if not isinstance(handle, dict):
+            handle = {}
         transport = handle.get("kind")
         if kind == "cpu":
             mm, base = open_shm(handle, fds, manifest.arena_nbytes)
@@ -595,6 +601,7 @@ def attach(
                 os.close(fd)
             local = _local_cuda_index(conn.hello.get("device_uuid"), index)
             base = open_cuda(handle, manifest.arena_nbytes, local)
+        held: Connection | None = conn  # the attachment's connection; copy mode keeps none
         if mode == "copy":
             import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
@@ -606,12 +613,12 @@ def attach(
             with contextlib.suppress(StoreError, OSError):
                 conn.request({"op": "release"})
             conn.close()
-            conn = None
+            held = None
         att = Attachment(
             manifest,
             base,
             mm,
-            conn,
+            held,
             mode,
             transport=str(transport),
             sock_path=sock_path,
@@ -620,8 +627,7 @@ def attach(
         )
     except BaseException:
         base = mm = vmm = None  # unmapped once no view is left (none escaped this function)
-        if conn is not None:
-            conn.close()
+        conn.close()  # idempotent: copy mode may have closed it
         raise
     log.info(
         "attached %s (%s, %s, %d tensors, %.1f MiB) in %.1f ms",

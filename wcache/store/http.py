@@ -231,6 +231,12 @@ class DaemonCollector:
         )
 
 
+class _ThreadingHTTPServer6(ThreadingHTTPServer):
+    """:class:`ThreadingHTTPServer` on an IPv6 address."""
+
+    address_family = socket.AF_INET6
+
+
 class OpsServer:
     """``/health`` and ``/metrics`` on ``host:port`` in a background thread.
 
@@ -256,11 +262,7 @@ class OpsServer:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(DaemonCollector(probe))
         handler = _handler_class(self)
-        server_cls = ThreadingHTTPServer
-        if ":" in host:
-            server_cls = type(
-                "ThreadingHTTPServer6", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6}
-            )
+        server_cls = _ThreadingHTTPServer6 if ":" in host else ThreadingHTTPServer
         try:
             if listen_fd is None:
                 self._httpd = server_cls((host, port), handler)

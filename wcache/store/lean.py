@@ -46,7 +46,8 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import IO, Any
 
 from wcache.errors import SeedFailed, SeedUnavailable
 from wcache.store import paths
@@ -203,7 +204,10 @@ class LeanSeedSource:
                     f"source daemon with --no-lean to seed from it"
                 ) from None
             self._helpers.add(proc)
-        ready = started = None
+        # narrowing: both are pipes (Popen(stdin=PIPE, stdout=PIPE) above)
+        assert proc.stdin is not None and proc.stdout is not None
+        ready: list[IO[str]] = []
+        started = None
         try:
             proc.stdin.write(
                 json.dumps(
@@ -221,7 +225,9 @@ class LeanSeedSource:
             )
             proc.stdin.close()
             ready, _, _ = select.select([proc.stdout], [], [], SEED_HELPER_START_S)
-            started = json.loads(proc.stdout.readline()) if ready else None
+            if not ready:
+                raise TimeoutError(f"no answer in {SEED_HELPER_START_S:.0f} s")
+            started = json.loads(proc.stdout.readline())
             port, token = int(started["port"]), str(started["token"])
         except (OSError, ValueError, TypeError, KeyError) as e:
             proc.kill()
@@ -461,13 +467,13 @@ def _exec_lean(server: Any, exe: str, ready_queue: Any) -> str:
     return reason
 
 
-def lean_environ(environ: dict[str, str]) -> dict[str, str]:
+def lean_environ(environ: Mapping[str, str]) -> dict[str, str]:
     """The lean server's environment: ``environ`` with glibc's malloc held to one
     arena (:data:`MALLOC_ARENAS`; a ``MALLOC_ARENA_MAX`` already set is kept)."""
     return {MALLOC_ARENA_ENV: str(MALLOC_ARENAS), **environ}
 
 
-def helper_environ(environ: dict[str, str], malloc_arena_max: str | None) -> dict[str, str]:
+def helper_environ(environ: Mapping[str, str], malloc_arena_max: str | None) -> dict[str, str]:
     """A seeding helper's environment: the lean server's ``environ`` with
     ``MALLOC_ARENA_MAX`` back to the operator's ``malloc_arena_max`` (removed when
     None). One arena suits the lean server's GIL-bound handler threads

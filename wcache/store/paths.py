@@ -22,6 +22,7 @@ import os
 import re
 import socket
 import stat
+from typing import TypeGuard
 
 from wcache.store.errors import DaemonBusy, ShmTooSmall, StoreError, UnsafePath
 
@@ -78,7 +79,7 @@ DEV_SHM_COLLECTIVES_BYTES = 128 << 20
 DEV_SHM_REFCOUNT_BYTES = 1 << 20
 
 
-def _usable_runtime_dir(path: str | None) -> bool:
+def _usable_runtime_dir(path: str | None) -> TypeGuard[str]:
     """An ``$XDG_RUNTIME_DIR`` we may use: an existing directory of ours that we
     can write to (tmp cleaners do not age it; the session owns it)."""
     if not path or not os.path.isabs(path):
@@ -180,9 +181,16 @@ def default_device_id(device: str = "cpu", index: int | None = None) -> str:
     (``"GPU-<uuid>"``) for CUDA, so two GPUs never share a socket."""
     if device == "cpu":
         return "cpu"
+    return cuda_device_uuid(cuda_index(index))
+
+
+def cuda_index(index: int | None) -> int:
+    """``index``, or the current CUDA device's index when it is None (``"cuda"``)."""
+    if index is not None:
+        return index
     import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
-    return cuda_device_uuid(index if index is not None else torch.cuda.current_device())
+    return torch.cuda.current_device()
 
 
 def _unreadable(path: str, what: str, exc: OSError) -> UnsafePath:

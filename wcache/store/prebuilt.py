@@ -29,11 +29,11 @@ from typing import Any
 import torch
 from attrs import frozen
 
-from wcache.store import transport_vmm
+from wcache.store import paths, transport_vmm
 from wcache.store.arena import frombuffer_readonly, map_shm_readonly, sealed_memfd
 from wcache.store.errors import StoreError
 from wcache.store.manifest import Manifest
-from wcache.store.server import build_cuda_serving
+from wcache.store.server import Serving, build_cuda_serving
 from wcache.store.transport_cuda import CudaServing, drain_before_free
 from wcache.store.transport_shm import TRANSPORT, ShmServing
 
@@ -62,7 +62,7 @@ class PrebuiltArena:
 
     def build(
         self, device_type: str, index: int | None, transport: str | None
-    ) -> tuple[Any, Manifest, str, str | None]:
+    ) -> tuple[Serving, Manifest, str, str | None]:
         """Allocate the arena for ``device_type``, fill it, and return
         ``(serving, manifest, transport name, why cuda_vmm was not used or None)``
         for :class:`DaemonServer` (CUDA: its policy,
@@ -79,11 +79,13 @@ class PrebuiltArena:
                 f"{device_type}. Start it with the device the arena was made on."
             )
         t0 = time.perf_counter()
+        out: tuple[Serving, Manifest, str, str | None]
         if device_type == "cpu":
             out = (*self._build_shm(), TRANSPORT, None)
         else:
+            cuda_index = paths.cuda_index(index)
             out = build_cuda_serving(
-                transport, lambda: self._build_vmm(index), lambda: self._build_ipc(index)
+                transport, lambda: self._build_vmm(cuda_index), lambda: self._build_ipc(cuda_index)
             )
         nbytes = self.manifest.arena_nbytes
         dt = time.perf_counter() - t0
@@ -97,7 +99,7 @@ class PrebuiltArena:
         )
         return out
 
-    def _build_shm(self) -> tuple[Any, Manifest]:
+    def _build_shm(self) -> tuple[Serving, Manifest]:
 
         nbytes = self.manifest.arena_nbytes
 
@@ -122,7 +124,7 @@ class PrebuiltArena:
         fd = sealed_memfd(nbytes, fill_mapping, f"the shm arena from {self.origin}")
         return ShmServing(fd, nbytes), self.manifest
 
-    def _build_ipc(self, index: int) -> tuple[Any, Manifest]:
+    def _build_ipc(self, index: int) -> tuple[Serving, Manifest]:
 
         arena = torch.empty(self.manifest.arena_nbytes, dtype=torch.uint8, device=f"cuda:{index}")
         try:
@@ -135,33 +137,46 @@ class PrebuiltArena:
             raise
         return CudaServing(arena), self.manifest
 
-    def _build_vmm(self, index: int) -> tuple[Any, Manifest]:
+    def _build_vmm(self, index: int) -> tuple[Serving, Manifest]:
 
         serving, _ = transport_vmm.allocate_vmm_arena(self.manifest.arena_nbytes, index, self.fill)
         return serving, self.manifest
 
 
-class _ShmView:
+class _DeviceView:
+    """The arena's bytes as one tensor (:func:`served_arena`); released on close()."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._tensor: torch.Tensor | None = tensor
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """``[arena_nbytes]`` uint8.
+
+        Raises:
+            StoreError: the view was closed.
+        """
+        if self._tensor is None:
+            raise StoreError("this arena view was closed; take a new one (served_arena)")
+        return self._tensor
+
+    def close(self) -> None:
+        self._tensor = None
+
+
+class _ShmView(_DeviceView):
     """A read-only mapping of a server's memfd, as a tensor; unmapped on close()."""
 
     def __init__(self, fd: int, nbytes: int):
         self._mm = map_shm_readonly(fd, nbytes)
-        self.tensor = frombuffer_readonly(self._mm)
+        super().__init__(frombuffer_readonly(self._mm))
 
     def close(self) -> None:
-        self.tensor = None
+        super().close()
         try:
             self._mm.close()
         except BufferError:  # a caller still holds a view; the mapping goes with it
             pass
-
-
-class _DeviceView:
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-    def close(self) -> None:
-        self.tensor = None
 
 
 def served_arena(server: Any) -> _ShmView | _DeviceView:

@@ -281,7 +281,9 @@ def _group(
     if backend == "gloo":
         if gloo_host is None or os.environ.get("GLOO_SOCKET_IFNAME"):
             return dist.ProcessGroupGloo(prefixed, rank, 2, timeout), store
-        opts = dist.ProcessGroupGloo._Options()
+        # torch's stubs lack _Options (their Options is Backend.Options at run time), the
+        # options type gloo's devices are set on
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=gloo_host)]
         return dist.ProcessGroupGloo(prefixed, rank, 2, opts), store

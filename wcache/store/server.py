@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import wcache
 from wcache.store import paths
@@ -62,6 +62,9 @@ from wcache.store.protocol import (
 from wcache.store.seed_listener import SeedListener
 from wcache.store.transport_shm import TRANSPORT as SHM_TRANSPORT
 from wcache.store.transport_shm import ShmServing
+
+if TYPE_CHECKING:  # circle: prebuilt imports this module (build_cuda_serving)
+    from wcache.store.prebuilt import PrebuiltArena
 
 __all__ = [
     "DaemonServer",
@@ -121,11 +124,25 @@ SEED_TCP_TIMEOUT_S = 10.0
 _PEERCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
 
 
+class Serving(Protocol):
+    """The daemon side of a transport, as :class:`DaemonServer` uses it
+    (:class:`~wcache.store.transport_shm.ShmServing`,
+    :class:`~wcache.store.transport_cuda.CudaServing`,
+    :class:`~wcache.store.transport_vmm.VmmServing`)."""
+
+    def export(self) -> tuple[dict[str, Any], tuple[int, ...]]:
+        """``(handle, fds)`` for one client: the handle goes in the reply, the fds
+        travel as SCM_RIGHTS data."""
+
+    def close(self) -> None:
+        """Drop the daemon's hold on the arena; clients that mapped it keep it."""
+
+
 def build_cuda_serving(
     transport: str | None,
-    build_vmm: Callable[[], tuple[Any, Manifest]],
-    build_ipc: Callable[[], tuple[Any, Manifest]],
-) -> tuple[Any, Manifest, str, str | None]:
+    build_vmm: Callable[[], tuple[Serving, Manifest]],
+    build_ipc: Callable[[], tuple[Serving, Manifest]],
+) -> tuple[Serving, Manifest, str, str | None]:
     """The CUDA transport policy, for an export and for a prebuilt arena alike:
     ``cuda_vmm`` when asked for or by default, else (or when the default's
     driver support is missing) ``cuda_ipc``.
@@ -203,9 +220,18 @@ class DaemonServer:
         StoreError: the arena cannot be built.
     """
 
+    #: the arena's layout, and the transport's daemon side that serves it
+    manifest: Manifest
+    _serving: Serving
+    #: set by ``wcache serve`` (:func:`wcache.daemon.serve.serve_rank`) for ``status``:
+    #: where the arena came from (``checkpoint``, ``snapshot``, ``peer``) and the
+    #: snapshot's ``{"dir", "state", "error"}``; None for other servers
+    origin: str | None
+    snapshot_state: dict[str, Any] | None
+
     def __init__(
         self,
-        export: Export,
+        export: Export | PrebuiltArena,
         key: CacheKey,
         socket_dir: str | None = None,
         device: str = "cpu",
@@ -218,13 +244,12 @@ class DaemonServer:
             raise StoreError("key must be a CacheKey")
         self.key = key
         self.device_type, index = paths.parse_device(device)
-        if self.device_type == "cuda" and index is None:
-            import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
-
-            index = torch.cuda.current_device()
+        self.device_uuid: str | None = None
+        if self.device_type == "cuda":
+            index = paths.cuda_index(index)
+            self.device_uuid = paths.cuda_device_uuid(index)
         self.device_index = index
         self.device_id = device_id or paths.default_device_id(self.device_type, index)
-        self.device_uuid = paths.cuda_device_uuid(index) if self.device_type == "cuda" else None
         self.socket_dir = paths.ensure_socket_dir(socket_dir)
         self.socket_path = paths.socket_path(self.socket_dir, self.device_id)
         self.allowed_uid = os.getuid() if allowed_uid is None else allowed_uid
@@ -249,16 +274,18 @@ class DaemonServer:
                 from wcache.store import transport_vmm  # noqa: PLC0415 (torch import ~2 s: only when called)
                 from wcache.store.transport_cuda import CudaServing  # noqa: PLC0415 (torch import ~2 s: only when called)
 
-                def build_ipc() -> tuple[Any, Manifest]:
+                cuda_index = paths.cuda_index(index)  # resolved above: no torch call
+
+                def build_ipc() -> tuple[Serving, Manifest]:
                     from wcache.store.arena import build_cuda_arena  # noqa: PLC0415 (torch import ~2 s: only when called)
 
-                    arena, manifest = build_cuda_arena(export, key, index)
+                    arena, manifest = build_cuda_arena(export, key, cuda_index)
                     return CudaServing(arena), manifest
 
                 self._serving, self.manifest, TRANSPORT, self.transport_fallback_reason = (
                     build_cuda_serving(
                         transport,
-                        lambda: transport_vmm.build_vmm_arena(export, key, index),
+                        lambda: transport_vmm.build_vmm_arena(export, key, cuda_index),
                         build_ipc,
                     )
                 )
@@ -316,6 +343,8 @@ class DaemonServer:
         self._key_names = pin_map_keys(self.key.fields)
         #: ``"full"`` (the process that built the arena) or ``"lean"`` (wcache.store.lean)
         self.serving_mode = "full"
+        self.origin = None
+        self.snapshot_state = None
         self._listener: socket.socket | None = None
         self._socket_ino: int | None = None
         self._registry_path: str | None = None
@@ -447,7 +476,8 @@ class DaemonServer:
             self.stop()  # from the accept thread: stop() does not join it
             return
         old, self._listener = self._listener, listener
-        old.close()
+        if old is not None:  # always bound here: the accept thread runs after start()
+            old.close()
         log.warning("re-bound %s", self.socket_path)
 
     def pause_accepting_(self) -> None:
@@ -634,10 +664,11 @@ class DaemonServer:
     def _accept_loop(self) -> None:
         while not self._stopping.is_set() and not self._accept_paused.is_set():
             self._watch_socket()
-            if self._stopping.is_set():
+            listener = self._listener  # re-read: _watch_socket may have re-bound it
+            if self._stopping.is_set() or listener is None:  # None: never, start() binds first
                 return
             try:
-                conn, _ = self._listener.accept()
+                conn, _ = listener.accept()
             except TimeoutError:
                 continue
             except OSError:
@@ -917,9 +948,10 @@ class DaemonServer:
         if not isinstance(fields, dict) or client_key(fields) != self.key:
             raise ProtocolError("invalidate names another key than this daemon serves; ignored")
         with self._conns_lock:
-            first = self.invalidated is None
-            if first:
-                self.invalidated = {
+            invalidated = self.invalidated
+            first = invalidated is None
+            if invalidated is None:
+                invalidated = self.invalidated = {
                     "pid": state["pid"],
                     "code": str(req.get("code", "guard-failed")),
                     "message": str(req.get("message", ""))[:2000],
@@ -930,8 +962,8 @@ class DaemonServer:
                 "arena INVALIDATED by pid %s [%s]: %s; refusing new attaches, exiting in %.1f s "
                 "with status %d so a supervisor restarts this daemon",
                 state["pid"],
-                self.invalidated["code"],
-                self.invalidated["message"],
+                invalidated["code"],
+                invalidated["message"],
                 INVALIDATED_LINGER_S,
                 INVALIDATED_EXIT,
             )
@@ -979,8 +1011,8 @@ class DaemonServer:
             "serving": self.serving_mode,
             "torch_loaded": "torch" in sys.modules,
             # set by `wcache serve` (wcache.daemon.serve.serve_rank); None for other servers
-            "origin": getattr(self, "origin", None),
-            "snapshot": getattr(self, "snapshot_state", None),
+            "origin": self.origin,
+            "snapshot": self.snapshot_state,
             "seeds_served": getattr(getattr(self, "seed_source", None), "seeds_done", None),
             "seed_listen": (
                 f"{self.seed_tcp_address[0]}:{self.seed_tcp_address[1]}"

@@ -416,6 +416,7 @@ def open_snapshot(root: str, name: str) -> Snapshot:
         ) from e
     if (
         names != [ARENA_TENSOR]
+        or shape is None
         or list(shape) != [n]
         or dtype != "U8"
         or size != len(header) + n
@@ -570,7 +571,7 @@ def _fill_cuda(
 
             pending = submit(0)
             for w, wave in enumerate(waves):
-                nxt = None
+                nxt: list[concurrent.futures.Future[None]] = []  # none after the last wave
                 if w + 1 < len(waves):
                     if events[(w + 1) % 2] is not None:
                         events[(w + 1) % 2].synchronize()  # that half's copies are done
@@ -618,25 +619,27 @@ def snapshot_arena(snap: Snapshot, *, threads: int | None = None) -> PrebuiltAre
 
     def fill(dst: torch.Tensor) -> None:
         t0 = time.perf_counter()
+        got: str | None
         if dst.device.type == "cpu":
             got = _fill_cpu(snap, dst, threads)
         else:
-            on_device = (snap.device_digest or {}).get("algorithm") == CUDA_ALGORITHM
+            device_digest = snap.device_digest or {}
+            on_device = device_digest.get("algorithm") == CUDA_ALGORITHM
             got = _fill_cuda(snap, dst, threads, hash_file=not on_device)
             if on_device:
                 algo, hexd = arena_digest(dst[: snap.manifest.arena_nbytes])
-                if hexd != snap.device_digest["digest"]:
+                if hexd != device_digest["digest"]:
                     raise SnapshotCorrupt(
                         f"snapshot {snap.path}: the arena read from {ARENA_FILE} "
                         f"does not match its digest ({algo} on the device: read "
-                        f"{hexd[:16]}, recorded {snap.device_digest['digest'][:16]}); "
+                        f"{hexd[:16]}, recorded {device_digest['digest'][:16]}); "
                         f"delete {snap.path} and write it again"
                     )
                 got = snap.digests.get(ARENA_FILE)
         if got != snap.digests.get(ARENA_FILE):
             raise SnapshotCorrupt(
                 f"snapshot {snap.path}: {ARENA_FILE} does not match its digest "
-                f"(read {got[:16]}, recorded {str(snap.digests.get(ARENA_FILE))[:16]}); "
+                f"(read {str(got)[:16]}, recorded {str(snap.digests.get(ARENA_FILE))[:16]}); "
                 f"delete {snap.path} and write it again"
             )
         log.info("snapshot %s read and verified in %.3f s", snap.path, time.perf_counter() - t0)

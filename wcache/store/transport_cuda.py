@@ -119,13 +119,13 @@ def encode_reduce_args(tensor: torch.Tensor) -> dict[str, Any]:
     return d
 
 
-def decode_reduce_args(d: dict[str, Any]) -> tuple:
+def decode_reduce_args(d: object) -> tuple:
     """Inverse of :func:`encode_reduce_args`, with every field type checked.
 
     Raises:
         TransportFailed: a missing field or a value of the wrong type.
     """
-    types_ok = {
+    types_ok: dict[str, type | tuple[type, ...]] = {
         "tensor_size": list,
         "tensor_stride": list,
         "tensor_offset": int,
@@ -162,10 +162,13 @@ class CudaServing:
     """Daemon side: owns the arena tensor; exports it afresh per client."""
 
     def __init__(self, arena: torch.Tensor):
-        self.arena = arena
+        #: the arena; None once closed
+        self.arena: torch.Tensor | None = arena
         self.nbytes = arena.numel()
 
     def export(self) -> tuple[dict[str, Any], tuple[int, ...]]:
+        if self.arena is None:
+            raise TransportFailed("this cuda_ipc arena was closed; its daemon stopped")
         return {
             "kind": TRANSPORT,
             "nbytes": self.nbytes,

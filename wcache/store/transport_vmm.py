@@ -42,6 +42,7 @@ NVIDIA cuda-samples ``memMapIPCDrv``.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -51,6 +52,7 @@ from typing import Any
 
 import torch
 
+from wcache.store.arena import CUDA_ALIGNMENT, _fill, make_manifest, plan_layout
 from wcache.store.errors import TransportFailed
 from wcache.store.transport_cuda import drain_before_free
 
@@ -74,7 +76,7 @@ last_open_ms: dict[str, float] = {}
 
 def _driver():
     try:
-        from cuda.bindings import driver as cu
+        from cuda.bindings import driver as cu  # noqa: PLC0415 (the optional cuda extra: its absence is reported below)
     except ImportError as e:  # the optional dependency (wcache[cuda])
         raise TransportFailed(
             f"cuda_vmm needs NVIDIA's cuda-python bindings (pip install 'wcache[cuda]'): {e}"
@@ -257,7 +259,7 @@ class VmmMapping:
             cu.cuMemUnmap(self.ptr, self.size)
             cu.cuMemAddressFree(self.ptr, self.size)
             cu.cuMemRelease(self._handle)
-        except Exception:  # interpreter shutdown: the driver frees everything at exit anyway
+        except Exception:  # noqa: BLE001 (interpreter shutdown: the driver frees everything at exit anyway)
             pass
 
     def __del__(self) -> None:
@@ -375,9 +377,10 @@ class VmmServing:
     exported fd, duplicated to each client with SCM_RIGHTS."""
 
     def __init__(self, mapping: VmmMapping, fd: int, arena: torch.Tensor):
-        self.mapping = mapping
+        #: the allocation and the daemon's view of it; None once closed
+        self.mapping: VmmMapping | None = mapping
         self.fd = fd
-        self.arena = arena
+        self.arena: torch.Tensor | None = arena
         self.nbytes = mapping.size
 
     def export(self) -> tuple[dict[str, Any], tuple[int, ...]]:
@@ -461,8 +464,6 @@ def build_vmm_arena(export, key, device_index: int):
     Raises:
         TransportFailed: as :func:`allocate_vmm_arena`.
     """
-    from wcache.store.arena import CUDA_ALIGNMENT, _fill, make_manifest, plan_layout
-
     t0 = time.perf_counter()
     blocks, placed, nbytes = plan_layout(export.tensors, CUDA_ALIGNMENT)
     manifest = make_manifest(export, key, "cuda", CUDA_ALIGNMENT, placed, nbytes)
@@ -528,7 +529,7 @@ def open_vmm(
     marks.append(("tensor", time.perf_counter()))
     last_open_ms.clear()
     last_open_ms.update(
-        {name: round((t - prev) * 1e3, 3) for (_, prev), (name, t) in zip(marks, marks[1:])}
+        {name: round((t - prev) * 1e3, 3) for (_, prev), (name, t) in itertools.pairwise(marks)}
     )
     log.debug("open_vmm steps (ms): %s", last_open_ms)
     return base, mapping

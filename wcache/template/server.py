@@ -533,8 +533,8 @@ class Template:
             # command it ran directly would be dead too
             log.warning("template: the client of child %d left; killing the child", pid)
             self._kill(pid, signal.SIGKILL)
-            # _sel is set by serve_forever(), whose loop is the only caller
-            self._sel.unregister(child["conn"])  # type: ignore[union-attr]
+            if self._sel is not None:  # set by serve_forever(), whose loop is the only caller
+                self._sel.unregister(child["conn"])
             child["conn"].close()
             child["conn"] = None
             return

@@ -29,7 +29,9 @@ Builds are cached under ``$WCACHE_FIXTURES_DIR`` (default
 ``~/.cache/wcache/fixtures``), one folder per model and format (the model's
 prefix, e.g. ``gemma-3-270m-bf16``), and skipped when the
 folder's stamp file names this builder's version. A build writes into a
-temporary folder next to the target and renames it into place.
+temporary folder next to the target and renames it into place, holding the
+target's :func:`build_lock` (processes that share the cache, such as pytest-xdist
+workers, build each fixture once and never see one replaced under them).
 
 Command line::
 
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import importlib.util
 import json
 import os
@@ -1220,18 +1223,20 @@ def build(
     final = fixture_path(fmt, out, model=model)
     if _is_built(final, fmt, src) and not force:
         return final
-    bf16_dir = None if fmt == "bf16" else build("bf16", out, model=model)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        if bf16_dir is None:
-            _build_bf16(tmp, src)
-        else:
-            _build_quantized(fmt, tmp, bf16_dir)
-        return _publish(tmp, final, fmt, force, src)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+    with build_lock(final):
+        if _is_built(final, fmt, src) and not force:  # another process built it meanwhile
+            return final
+        bf16_dir = None if fmt == "bf16" else build("bf16", out, model=model)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+        try:
+            if bf16_dir is None:
+                _build_bf16(tmp, src)
+            else:
+                _build_quantized(fmt, tmp, bf16_dir)
+            return _publish(tmp, final, fmt, force, src)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
 
 
 def build_all(
@@ -1341,6 +1346,25 @@ def build_with_lm_head(base_dir: str | os.PathLike, out_dir: str | os.PathLike) 
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
         save_file(tensors, tmp / WEIGHTS_FILE, metadata=metadata)
     return final
+
+
+@contextlib.contextmanager
+def build_lock(final: Path) -> Iterator[None]:
+    """Hold the exclusive ``flock`` on ``.<final name>.lock`` beside ``final`` (the
+    parent folder is created): one builder of ``final`` at a time across processes.
+
+    A builder checks its stamp again once it holds the lock: another process may have
+    built the folder while it waited. Locks are taken from a derived checkpoint to its
+    base (quantized -> bf16, MoE format -> its bf16 architecture), never back, so two
+    builders cannot wait on each other. The lock file stays (empty, reused).
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(final.parent / f".{final.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the flock
 
 
 @contextlib.contextmanager

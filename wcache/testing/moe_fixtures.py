@@ -136,7 +136,9 @@ FP8_BLOCK = tm.FP8_BLOCK
 #: whose dims are multiples of the block; the others exercise padding (96-wide
 #: experts, 6 and 12 experts, a shared expert) in the per-tensor and channel formats.
 #: ``qwen3_moe`` (experts of 96) takes the int4 formats with G = 32, so vLLM's Marlin
-#: MoE pads the expert width; ``gpt_oss`` is the GPT-OSS MXFP4 layout.
+#: MoE pads the expert width; ``mixtral`` takes ``awq`` too (Marlin MoE on a second
+#: architecture, ``block_sparse_moe.experts.E.w1/w2/w3``); ``gpt_oss`` is the GPT-OSS
+#: MXFP4 layout.
 MOE_BASES: dict[str, tuple[str, ...]] = {
     "qwen3_moe": (
         "fp8",
@@ -149,7 +151,7 @@ MOE_BASES: dict[str, tuple[str, ...]] = {
     ),
     "qwen3_moe_128": MOE_FORMATS,
     "qwen2_moe": ("fp8", "ct_w8a8_fp8"),
-    "mixtral": ("fp8",),
+    "mixtral": ("fp8", "awq"),
     "gpt_oss": ("mxfp4",),
 }
 #: Formats with static activation scales (a calibration forward sets them).
@@ -604,6 +606,16 @@ def build_moe(base: str, fmt: str, out: str | None = None, *, force: bool = Fals
     final = tm.arch_path(base, out, fmt)
     if tm.is_built(final, a, fmt) and not force:
         return final
+    with fx.build_lock(final):
+        if tm.is_built(final, a, fmt) and not force:  # another process built it meanwhile
+            return final
+        _write_moe(a, base, fmt, final, out)
+    return final
+
+
+def _write_moe(a: tm.Arch, base: str, fmt: str, final: Path, out: str | None) -> None:
+    """Convert ``base``'s bf16 fixture to ``fmt`` and publish it at ``final``
+    (:func:`build_moe` holds ``final``'s build lock)."""
     bf16_dir = tm.build_arch(base, out)
     state = fx.load_state_dict(bf16_dir)
     config = json.loads((bf16_dir / fx.CONFIG_FILE).read_text())
@@ -629,7 +641,6 @@ def build_moe(base: str, fmt: str, out: str | None = None, *, force: bool = Fals
         for fname, body in side_files(fmt, ignored).items():
             (tmp / fname).write_text(json.dumps(body, indent=2) + "\n")
         (tmp / tm.STAMP_FILE).write_text(json.dumps(tm._stamp(a, fmt), sort_keys=True) + "\n")
-    return final
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,13 +82,16 @@ def build_tiny(fmt: str = "awq", out: str | os.PathLike | None = None) -> Path:
     final = tiny_path(fmt, out)
     if _built(final, fmt):
         return final
-    bf16_dir = None if fmt == "bf16" else build_tiny("bf16", out)
-    with fx.atomic_folder(final) as tmp:
-        if bf16_dir is None:
-            _write_bf16(tmp, fx.build("bf16", out))
-        else:
-            fx._build_quantized(fmt, tmp, bf16_dir)
-        (tmp / fx.STAMP_FILE).write_text(json.dumps(_stamp(fmt)) + "\n")
+    with fx.build_lock(final):
+        if _built(final, fmt):  # another process built it meanwhile
+            return final
+        bf16_dir = None if fmt == "bf16" else build_tiny("bf16", out)
+        with fx.atomic_folder(final) as tmp:
+            if bf16_dir is None:
+                _write_bf16(tmp, fx.build("bf16", out))
+            else:
+                fx._build_quantized(fmt, tmp, bf16_dir)
+            (tmp / fx.STAMP_FILE).write_text(json.dumps(_stamp(fmt)) + "\n")
     return final
 
 

@@ -596,10 +596,13 @@ def build_arch(name: str, out: str | os.PathLike | None = None, *, force: bool =
     final = arch_path(name, out)
     if is_built(final, a, "bf16") and not force:
         return final
-    tok_dir = tokenizer_dir(out)
-    with fx.atomic_folder(final) as tmp:
-        _write_text_model(a, tmp, tok_dir)
-        (tmp / STAMP_FILE).write_text(json.dumps(_stamp(a, "bf16"), sort_keys=True) + "\n")
+    with fx.build_lock(final):
+        if is_built(final, a, "bf16") and not force:  # another process built it meanwhile
+            return final
+        tok_dir = tokenizer_dir(out)
+        with fx.atomic_folder(final) as tmp:
+            _write_text_model(a, tmp, tok_dir)
+            (tmp / STAMP_FILE).write_text(json.dumps(_stamp(a, "bf16"), sort_keys=True) + "\n")
     return final
 
 

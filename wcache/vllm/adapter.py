@@ -22,8 +22,8 @@ and the plan kernel id for it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, cast
 
 import torch
 from attrs import evolve
@@ -37,6 +37,39 @@ from wcache.vllm import compat, moe, probe
 #: Deferred attention post-load work wcache refuses -> the QuantSpec method that
 #: ``plan_for`` refuses with its reason (registered in :mod:`wcache.plans.attention`).
 _ATTENTION_REFUSALS = {"mla": "mla_attention", "mm_encoder_fp8": "mm_encoder_attention_fp8"}
+
+
+class _LinearLayer(Protocol):
+    """The sizes vLLM's linear layers set in ``__init__`` and the adapters read
+    (``vllm/model_executor/layers/linear.py::LinearBase`` and its subclasses;
+    ``ReplicatedLinear`` has only ``input_size``/``output_size``)."""
+
+    logical_widths: Sequence[int]
+    input_size_per_partition: int
+    output_size_per_partition: int
+    input_size: int
+    output_size: int
+
+
+class _MoeLayer(Protocol):
+    """The sizes vLLM's fused-MoE layer sets in ``__init__``
+    (``vllm/model_executor/layers/fused_moe/layer.py::FusedMoE``)."""
+
+    local_num_experts: int
+    global_num_experts: int
+    hidden_size: int
+    intermediate_size_per_partition: int
+
+
+def _linear(module: torch.nn.Module) -> _LinearLayer:
+    """``module`` read as the vLLM linear layer it is: torch types a Module's unknown
+    attributes ``Tensor | Module``, vLLM (not type-checked here) sets these as ints."""
+    return cast(_LinearLayer, module)
+
+
+def _logical_widths(module: torch.nn.Module) -> tuple[int, ...]:
+    """vLLM's ``logical_widths``: the output width of each fused projection."""
+    return tuple(int(w) for w in _linear(module).logical_widths)
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
@@ -109,7 +142,7 @@ def _fp8_config(
     if strategy is None:
         strategy = "block" if block else ("channel" if method == "fp8_per_channel" else "tensor")
     extra = {
-        "logical_widths": tuple(int(w) for w in module.logical_widths),
+        "logical_widths": _logical_widths(module),
         "tp_size": int(getattr(module, "tp_size", 1) or 1),
     }
     if block:
@@ -127,12 +160,26 @@ def _fp8_config(
     return _linear_config(module, spec, name, extra)
 
 
+#: wcache kernel id -> vLLM NVFP4 linear kernel class (a name in compat's class table).
+_NVFP4_LINEAR_KERNELS = {"cutlass": "CutlassNvFp4LinearKernel", "marlin": "MarlinNvFp4LinearKernel"}
+#: vLLM NVFP4 MoE backend (``NvFp4MoeBackend`` member name) -> wcache kernel id.
+_NVFP4_MOE_KERNELS = {"VLLM_CUTLASS": "cutlass_moe", "MARLIN": "marlin_moe"}
+
+
 def _modelopt_config(quant_method: Any, module: torch.nn.Module, name: str) -> LayerConfig:
     """ModelOpt's generic linear method (``ModelOptLinearMethod``): NVFP4 W4A4 ->
-    ``modelopt_fp4`` with vLLM's NVFP4 kernel (``quant_method.kernel``; only CUTLASS has
-    a plan); NVFP4 W4A16 -> ``modelopt_fp4_w4a16`` (no plan); other ModelOpt formats
-    keep their weight scheme's class name (no plan)."""
+    ``modelopt_fp4`` with vLLM's NVFP4 kernel (``quant_method.kernel``; CUTLASS and
+    Marlin have plans); NVFP4 W4A16 -> ``modelopt_fp4_w4a16`` (no plan); MXFP8 ->
+    ``modelopt_mxfp8`` with vLLM's MXFP8 kernel (Marlin has a plan); other ModelOpt
+    formats keep their weight scheme's class name (no plan)."""
     wkey = quant_method.wkey
+    if compat.is_type(wkey, "KMxfp8Static"):
+        kernel = quant_method.kernel
+        kid = (
+            "marlin" if compat.is_type(kernel, "MarlinMxfp8LinearKernel") else type(kernel).__name__
+        )
+        spec = QuantSpec("modelopt_mxfp8", num_bits=8, group_size=32, kernel=kid)
+        return _linear_config(module, spec, name)
     if not compat.is_type(wkey, "KNvfp4Static"):
         return _linear_config(
             module,
@@ -146,13 +193,14 @@ def _modelopt_config(quant_method: Any, module: torch.nn.Module, name: str) -> L
             name,
         )
     kernel = quant_method.kernel
-    kid = "cutlass" if compat.is_type(kernel, "CutlassNvFp4LinearKernel") else type(kernel).__name__
+    kid = next(
+        (k for k, cls in _NVFP4_LINEAR_KERNELS.items() if compat.is_type(kernel, cls)),
+        type(kernel).__name__,
+    )
     spec = QuantSpec(
         "modelopt_fp4", num_bits=4, act_bits=4, group_size=quant_method.ctx.group_size, kernel=kid
     )
-    return _linear_config(
-        module, spec, name, {"logical_widths": tuple(int(w) for w in module.logical_widths)}
-    )
+    return _linear_config(module, spec, name, {"logical_widths": _logical_widths(module)})
 
 
 def _moe_config(
@@ -176,11 +224,12 @@ def _moe_config(
 
         if is_zentorch_moe_supported(module):  # vLLM's own post-load check (zentorch op)
             experts = ZENTORCH_EXPERTS
+    layer = cast(_MoeLayer, module)  # torch types it Module; vLLM sets these sizes (ints)
     shape = MoeShape(
-        num_experts=int(module.local_num_experts),
-        global_num_experts=int(module.global_num_experts),
-        hidden_size=int(module.hidden_size),
-        intermediate_size_per_partition=int(module.intermediate_size_per_partition),
+        num_experts=int(layer.local_num_experts),
+        global_num_experts=int(layer.global_num_experts),
+        hidden_size=int(layer.hidden_size),
+        intermediate_size_per_partition=int(layer.intermediate_size_per_partition),
         backend=backend,
         experts=experts,
         is_act_and_mul=bool(moe_config.is_act_and_mul),
@@ -204,10 +253,11 @@ def _moe_config(
 
 def _modelopt_fp4_moe_config(quant_method: Any, module: torch.nn.Module, name: str) -> LayerConfig:
     """ModelOpt NVFP4 fused MoE: kernel ``cutlass_moe`` for vLLM's ``VLLM_CUTLASS`` backend
-    (CutlassExpertsFp4, W4A4); any other backend, W4A16 or per-token activations keep
-    the backend's name (no plan)."""
+    (CutlassExpertsFp4, W4A4), ``marlin_moe`` for ``MARLIN`` (MarlinExperts, weight-only,
+    the sm90 choice); any other backend, W4A16 checkpoints or per-token activations
+    keep the backend's name (no plan)."""
     backend = getattr(quant_method.nvfp4_backend, "name", str(quant_method.nvfp4_backend))
-    kid = "cutlass_moe" if backend == "VLLM_CUTLASS" else f"nvfp4_moe:{backend}"
+    kid = _NVFP4_MOE_KERNELS.get(backend, f"nvfp4_moe:{backend}")
     if quant_method.use_a16 or quant_method.per_token_activation:
         kid = f"{kid}+{'w4a16' if quant_method.use_a16 else 'per_token_activation'}"
     spec = QuantSpec(
@@ -246,6 +296,25 @@ def _fp8_moe(
     return _moe_config(quant_method, module, spec, name, extra)
 
 
+def _mxfp4_moe(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
+    """Canonical MXFP4 fused MoE (``Mxfp4MoEMethod``): the resolved backend decides the
+    plan (MARLIN on sm90 without FlashInfer or Humming; any other is refused naming it)."""
+    return _moe_config(
+        quant_method, module, QuantSpec("mxfp4_moe", num_bits=4, group_size=32), name
+    )
+
+
+def _gpt_oss_mxfp4_moe(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
+    """GPT-OSS MXFP4 fused MoE (``GptOssMxfp4MoEMethod``): planned on MARLIN, refused by
+    name on vLLM's triton_kernels backends (:mod:`wcache.plans.mxfp4` gives why)."""
+    spec = QuantSpec("gpt_oss_mxfp4", num_bits=4, group_size=32)
+    return _moe_config(quant_method, module, spec, name)
+
+
 def _online_fp8_moe(
     quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
 ) -> LayerConfig:
@@ -257,15 +326,92 @@ def _online_fp8_moe(
     return _moe_config(quant_method, module, spec, name)
 
 
+def _marlin_input_option(quant_method: Any) -> tuple[tuple[str, str], ...]:
+    """``(("marlin_input_dtype", "int8"|"fp8"...),)`` where vLLM set 8-bit Marlin
+    activations on the MoE method (``get_marlin_input_dtype``), else ``()``: the Marlin
+    MoE plans refuse that layout by name."""
+    dtype = getattr(quant_method, "input_dtype", None)
+    if dtype is None or dtype.itemsize != 1:
+        return ()
+    return (("marlin_input_dtype", "fp8" if dtype.is_floating_point else "int8"),)
+
+
+def _awq_moe(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
+    """``AutoAWQMoEMethod``: AWQ int4 experts (Marlin on sm90)."""
+    qc = quant_method.quant_config
+    spec = QuantSpec(
+        "awq_moe",
+        num_bits=qc.weight_bits,
+        group_size=qc.group_size,
+        zero_point=bool(qc.zero_point),
+        options=_marlin_input_option(quant_method),
+    )
+    return _moe_config(quant_method, module, spec, name)
+
+
+def _gptq_moe(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
+    """``AutoGPTQMoEMethod``: GPTQ int4/int8 experts (Marlin on sm90)."""
+    qc = quant_method.quant_config
+    spec = QuantSpec(
+        "gptq_moe",
+        num_bits=qc.weight_bits,
+        group_size=qc.group_size,
+        zero_point=not qc.is_sym,
+        options=_marlin_input_option(quant_method),
+    )
+    return _moe_config(quant_method, module, spec, name)
+
+
+def _ct_wna16_moe(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
+    """``CompressedTensorsWNA16MoEMethod``: pack-quantized int4/int8 experts, group or
+    channel (Marlin on sm90)."""
+    spec = QuantSpec(
+        "ct_w4a16_moe",
+        num_bits=quant_method.num_bits,
+        group_size=quant_method.group_size,
+        zero_point=not quant_method.symmetric,
+        strategy=_enum_value(quant_method.strategy),
+        options=_marlin_input_option(quant_method),
+    )
+    return _moe_config(quant_method, module, spec, name)
+
+
+def _ct_w8a8_fp8_moe(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
+    """compressed-tensors W8A8 FP8 fused MoE (``CompressedTensorsW8A8Fp8MoEMethod``):
+    method ``ct_w8a8_fp8_moe_<weight strategy>`` (``channel``: dynamic per-token
+    activations; ``tensor``: one scale per expert and shard, static or dynamic
+    activations; ``block``: no plan, refused by ``plan_for`` naming the method)."""
+    strategy = str(_enum_value(quant_method.weight_quant.strategy)).lower()
+    spec = QuantSpec(
+        f"ct_w8a8_fp8_moe_{strategy}",
+        num_bits=8,
+        act_bits=8,
+        strategy=strategy,
+        static_input=bool(quant_method.static_input_scales),
+    )
+    block = getattr(quant_method, "weight_block_size", None)
+    extra = {"weight_block_size": tuple(int(b) for b in block)} if block else {}
+    return _moe_config(quant_method, module, spec, name, extra)
+
+
 def _linear_config(
     module: torch.nn.Module, spec: QuantSpec, name: str, extra: dict | None = None
 ) -> LayerConfig:
-    size_k = getattr(module, "input_size_per_partition", None)
-    size_n = getattr(module, "output_size_per_partition", None)
-    if size_k is None and getattr(module, "input_size", None) is not None:
+    layer = _linear(module)
+    if getattr(module, "input_size_per_partition", None) is not None:
+        size_k, size_n = layer.input_size_per_partition, layer.output_size_per_partition
+    elif getattr(module, "input_size", None) is not None:
         # ReplicatedLinear sets no per-partition sizes (its weight is unsharded)
-        size_k, size_n = module.input_size, module.output_size
-    if size_k is None:  # embeddings / lm_head
+        size_k, size_n = layer.input_size, layer.output_size
+    else:  # embeddings / lm_head
         size_k = getattr(module, "embedding_dim", 0)
         size_n = getattr(module, "num_embeddings_per_partition", 0)
     return LayerConfig(
@@ -453,7 +599,7 @@ def _ct_w8a16_fp8(
         static_input=bool(scheme.is_static_input_scheme),
         kernel=_kernel_id(scheme, "linear_kernel"),
     )
-    extra = {"logical_widths": tuple(int(w) for w in module.logical_widths)}
+    extra = {"logical_widths": _logical_widths(module)}
     if scheme.weight_block_size:
         extra["weight_block_size"] = tuple(int(b) for b in scheme.weight_block_size)
     else:
@@ -467,8 +613,8 @@ def _ct_w8a8_int8(
     kernel = _kernel_id(scheme)
     if kernel == "onednn":  # CPUInt8ScaledMMLinearKernel: SGL or oneDNN, vLLM's check
         kernel = probe.w8a8_int8_kernel(
-            int(module.output_size_per_partition),
-            int(module.input_size_per_partition),
+            int(_linear(module).output_size_per_partition),
+            int(_linear(module).input_size_per_partition),
             bool(scheme.input_symmetric),
         )
     spec = QuantSpec(
@@ -480,9 +626,7 @@ def _ct_w8a8_int8(
         input_symmetric=bool(scheme.input_symmetric),
         kernel=kernel,
     )
-    return _linear_config(
-        module, spec, name, {"logical_widths": tuple(int(w) for w in module.logical_widths)}
-    )
+    return _linear_config(module, spec, name, {"logical_widths": _logical_widths(module)})
 
 
 #: vLLM quant-method class (a name in compat's class table) -> its adapter.
@@ -499,6 +643,12 @@ METHODS: dict[str, Adapter] = {
     "UnquantizedFusedMoEMethod": _unquantized_moe,
     "Fp8MoEMethod": _fp8_moe,
     "Fp8PerTensorOnlineMoEMethod": _online_fp8_moe,
+    "AutoAWQMoEMethod": _awq_moe,
+    "AutoGPTQMoEMethod": _gptq_moe,
+    "CompressedTensorsWNA16MoEMethod": _ct_wna16_moe,
+    "CompressedTensorsW8A8Fp8MoEMethod": _ct_w8a8_fp8_moe,
+    "Mxfp4MoEMethod": _mxfp4_moe,
+    "GptOssMxfp4MoEMethod": _gpt_oss_mxfp4_moe,
     "ModelOptLinearMethod": _modelopt_linear,
     "Fp8LinearMethod": _fp8,
     "CompressedTensorsLinearMethod": _compressed_tensors,

@@ -47,8 +47,8 @@ this. Sleep mode and expert rebalancing on CUDA ``zero_copy`` are refused at loa
 
 from __future__ import annotations
 
-import cProfile
 import collections
+import cProfile
 import dataclasses
 import inspect
 import json
@@ -74,7 +74,6 @@ from wcache.errors import RestoreFailed, UpdateUnsupported
 from wcache.store import CacheKey, DaemonMissing, StoreError, attach
 from wcache.vllm import compat, startup
 from wcache.vllm.key import build_key, device_id, parallel_layout
-from wcache.vllm.probe import host_target
 from wcache.vllm.model import (
     ModelMismatch,
     install_tensors_,
@@ -83,6 +82,7 @@ from wcache.vllm.model import (
     planned_layers,
     restore_layers_,
 )
+from wcache.vllm.probe import host_target
 
 #: Under vLLM's "vllm" logger so its handler prints our lines in engine logs.
 logger = logging.getLogger("vllm.wcache")
@@ -111,7 +111,7 @@ class LoaderOptions:
     artifacts_record: str | None = None
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any] | None) -> "LoaderOptions":
+    def from_extra(cls, extra: dict[str, Any] | None) -> LoaderOptions:
         """Parse ``model_loader_extra_config``; strings (from ``vllm serve``'s command
         line) are converted.
 
@@ -213,7 +213,7 @@ class EngineCounters:
     fallbacks: tuple[tuple[str, int], ...] = ()
     restore_s: float = 0.0
 
-    def record(self, phase: str, seconds: float, code: str | None = None) -> "EngineCounters":
+    def record(self, phase: str, seconds: float, code: str | None = None) -> EngineCounters:
         """These counters after one load (``phase`` ``restore`` or ``fallback``)."""
         if phase == "restore":
             return attrs.evolve(
@@ -310,7 +310,7 @@ def _called_from_reload() -> bool:
     copy or a refusal."""
     frame = inspect.currentframe()
     for _ in range(RELOAD_CALLER_DEPTH):
-        frame = frame.f_back
+        frame = None if frame is None else frame.f_back
         if frame is None:
             return False
         if (frame.f_globals.get("__name__"), frame.f_code.co_name) == RELOAD_CALLER:
@@ -539,7 +539,7 @@ def _startup_artifacts(opts: LoaderOptions, vllm_config: VllmConfig, dev_id: str
                 result, reason = startup.install_for_engine(bundle, mine)
             finally:
                 bundle.close()
-            if reason is not None:
+            if result is None:  # stale: ``reason`` says why
                 outcome = "stale"
                 info["reason"] = reason
                 logger.warning(
@@ -800,7 +800,7 @@ class WcacheModelLoader(BaseModelLoader):
                     attachment.transport,
                     _POLICY_NOTE[policy],
                 )
-        except Exception as exc:  # noqa: BLE001  (every failure takes the fallback rule)
+        except Exception as exc:  # every failure takes the fallback rule
             if attachment is not None:
                 if getattr(exc, "code", None) == "guard-failed":
                     # The daemon's bytes may be rewritten: it stops serving and exits.

@@ -114,7 +114,9 @@ def _dispatch_outcome(dtype: torch.dtype, shape: tuple[int, int]) -> str:
 
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
-    layer.bias = None
+    # torch types Module.__setattr__'s value Tensor | Module; vLLM's layers carry a
+    # plain None bias attribute, as here
+    layer.bias = None  # type: ignore[assignment]
     vllm_logger = logging.getLogger("vllm")
     level = vllm_logger.level
     vllm_logger.setLevel(logging.ERROR)  # its "fallback to torch linear" warning is our probe

@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 import attrs
 import psutil
@@ -93,6 +93,13 @@ OPENED_MODULES = ("vllm.", "wcache.")
 CLOSED_MODULES = ("vllm.config",)
 #: Longest rendering of one value in a message (characters).
 MAX_VALUE_CHARS = 120
+#: How deep the kernel-object audit (:func:`kernel_tensor_owners`) follows objects for
+#: tensors: a fused-MoE layer's ``quant_method.moe_kernel.fused_experts.quant_config
+#: ._w1.scale`` is 5 levels below the layer; one more for a container on the way.
+MAX_AUDIT_DEPTH = 6
+#: The audit's owner of a tensor that lies in none of its layer's own parameters and
+#: buffers (a workspace, a converted copy; or a stale tensor the restore replaced).
+PRIVATE = "<private>"
 
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 
@@ -264,10 +271,8 @@ def _attributes(
             depth < MAX_ATTR_DEPTH
             and isinstance(out[key], str)
             and out[key].startswith("<")
-            and hasattr(value, "__dict__")
             and id(value) not in seen
-            and type(value).__module__.startswith(OPENED_MODULES)
-            and not type(value).__module__.startswith(CLOSED_MODULES)
+            and _opened(value)
         ):
             seen.add(id(value))
             _attributes(f"{key}.", value, depth + 1, seen, out)
@@ -300,12 +305,90 @@ def foreign_private_attrs(module: torch.nn.Module) -> frozenset[str]:
     return frozenset(name for name in vars(module) if name.startswith("_"))
 
 
+def _opened(value: Any) -> bool:
+    """Whether the audit and the attribute walk look inside ``value``: an object of
+    vLLM or wcache (:data:`OPENED_MODULES`), not an engine-wide config."""
+    mod = type(value).__module__
+    return (
+        hasattr(value, "__dict__")
+        and mod.startswith(OPENED_MODULES)
+        and not mod.startswith(CLOSED_MODULES)
+    )
+
+
+def kernel_tensor_owners(module: torch.nn.Module, skip: Iterable[str] = ()) -> dict[str, str]:
+    """Issue 44 item 5, the audit by data pointer: every tensor that ``module``'s
+    plain attributes and the vLLM/wcache objects below them hold (quant method, MoE
+    kernel and quant config, Marlin workspaces, scale structs; up to
+    :data:`MAX_AUDIT_DEPTH` levels, through lists, tuples and dicts), as ``&path``
+    -> the name of the module's own parameter or buffer whose bytes it lies in
+    (``data_ptr`` within that tensor's byte range: the tensor itself or a view of
+    it), else :data:`PRIVATE`; ``"<empty>"`` for a tensor of no elements.
+
+    Compared between vLLM's load and the restore, a kernel object that kept a tensor
+    the restore replaced shows as ``&path: 'w13_weight_scale' != '<private>'``, which
+    the checksums cannot see when the stale copy holds the same bytes. Submodules are
+    not followed (each module is audited on its own), nor the attribute paths in
+    ``skip``: the plan's declared attributes, which the snapshot compares (vLLM binds
+    closures there where wcache binds equivalent callable objects, as :func:`_plain`
+    says).
+    """
+    skipped = set(skip)
+    ranges = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
+        for name, t in [*module.named_parameters(), *module.named_buffers()]
+        if t.numel() and t.device.type != "meta"
+    )
+
+    def owner(t: torch.Tensor) -> str:
+        if t.numel() == 0:
+            return "<empty>"
+        ptr = t.data_ptr()
+        for start, end, name in ranges:
+            if start <= ptr < end:
+                return name
+        return PRIVATE
+
+    out: dict[str, str] = {}
+    seen = {id(module)}
+
+    def walk(key: str, value: Any, depth: int) -> None:
+        if key[1:] in skipped:
+            return
+        if isinstance(value, torch.Tensor):
+            out[key] = owner(value)
+            return
+        if depth >= MAX_AUDIT_DEPTH or isinstance(value, torch.nn.Module) or id(value) in seen:
+            return
+        if isinstance(value, (list, tuple)):
+            seen.add(id(value))
+            for i, v in enumerate(value):
+                walk(f"{key}[{i}]", v, depth + 1)
+        elif isinstance(value, Mapping):
+            seen.add(id(value))
+            for k, v in value.items():
+                walk(f"{key}[{k!r}]", v, depth + 1)
+        elif _opened(value):
+            seen.add(id(value))
+            for name, v in vars(value).items():
+                walk(f"{key}.{name}", v, depth + 1)
+
+    for name, value in vars(module).items():
+        if name in _MODULE_INTERNALS or name in IGNORED_ATTRS:
+            continue
+        if getattr(value, compat.COPY_ON_WRITE_HOOK, False):
+            continue
+        walk(f"&{name}", value, 1)
+    return out
+
+
 def module_state(module: torch.nn.Module, attr_paths: Iterable[str] = ()) -> dict[str, Any]:
     """One module's comparable state: :func:`wcache.shell.snapshot` (its own
     parameters and buffers: kind, shape, dtype, stride, checksum; and the values at
     ``attr_paths``) plus every other attribute it holds (``~name``, and
     ``~impl.scale`` inside vLLM/wcache objects), normalized by :func:`_plain`;
-    without :data:`IGNORED_ATTRS` and :func:`foreign_private_attrs`."""
+    without :data:`IGNORED_ATTRS` and :func:`foreign_private_attrs`; plus the
+    kernel-object audit (``&path``: :func:`kernel_tensor_owners`)."""
     paths = sorted(set(attr_paths) - IGNORED_ATTRS)
     out = snapshot(module, paths)
     _attributes(
@@ -316,6 +399,7 @@ def module_state(module: torch.nn.Module, attr_paths: Iterable[str] = ()) -> dic
         out,
         skip=_MODULE_INTERNALS | set(paths) | foreign_private_attrs(module),
     )
+    out.update(kernel_tensor_owners(module, paths))
     return out
 
 
@@ -361,9 +445,11 @@ def _field_difference(field: str, a: Any, b: Any) -> str:
 
 def first_difference(loaded: Mapping[str, Any], restored: Mapping[str, Any]) -> str | None:
     """The first field (sorted: tensors, then ``@``declared attributes, then other
-    ``~``attributes) whose value differs, with vLLM's value first; ``None`` when equal."""
+    ``~``attributes, then the ``&``kernel-object audit) whose value differs, with
+    vLLM's value first; ``None`` when equal."""
     missing = "<absent>"
-    for field in sorted(set(loaded) | set(restored), key=lambda k: (k[0] in "@~", k[0] == "~", k)):
+    order = {"@": 1, "~": 2, "&": 3}
+    for field in sorted(set(loaded) | set(restored), key=lambda k: (order.get(k[0], 0), k)):
         a, b = loaded.get(field, missing), restored.get(field, missing)
         if a != b:
             return _field_difference(field, a, b)
@@ -405,6 +491,12 @@ def _reference_attention_forward(
     return out.transpose(0, 1).reshape(n, heads * head_v).to(output_dtype or query.dtype)
 
 
+class _CausalLM(Protocol):
+    """The vLLM model method :func:`run_forward` calls besides ``forward``."""
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor: ...
+
+
 def run_forward(
     model: torch.nn.Module, vllm_config: Any, token_ids: Sequence[int]
 ) -> tuple[torch.Tensor, list[tuple[str, str]]]:
@@ -438,7 +530,8 @@ def run_forward(
             set_forward_context(None, vllm_config, num_tokens=len(token_ids)),
         ):
             hidden = model(ids, positions)
-            logits = model.compute_logits(hidden)
+            # cast: vLLM's model method, which torch's Module types Tensor | Module
+            logits = cast(_CausalLM, model).compute_logits(hidden)
     finally:
         for h in handles:
             h.remove()
@@ -526,7 +619,9 @@ def _observe(
     state = model_state(model, attr_paths)
     tied = ties(model)
     t1 = time.perf_counter()
-    logits, outputs, error = None, [], None
+    logits: torch.Tensor | None = None
+    outputs: list[tuple[str, str]] = []
+    error: str | None = None
     try:
         logits, outputs = run_forward(model, vllm_config, token_ids)
     except Exception as exc:  # a broken restore is a finding, not a crash
@@ -563,11 +658,12 @@ def _compare(
     for name in planned + others:
         plan, kernel = plans.get(name, ("-", "-"))
         a, b = loaded.state.get(name), restored.state.get(name)
+        diff: str | None
         if a is None or b is None:
             diff = f"module: present in {'vLLM load' if b is None else 'restore'} only"
         else:
             diff = first_difference(a, b)
-        if name in plans or diff is not None or any(k[0] not in "@~" for k in a or {}):
+        if name in plans or diff is not None or any(k[0] not in "@~&" for k in a or {}):
             rows.append(Row(name or "(model)", plan, kernel, diff))
     tie_diff = (
         None
@@ -575,7 +671,9 @@ def _compare(
         else f"tied names: {_short(loaded.ties)} != {_short(restored.ties)}"
     )
     rows.append(Row("(ties)", "-", "-", tie_diff))
-    if loaded.error is not None or restored.error is not None:
+    forward_diff: str | None
+    logits_diff: str | None
+    if loaded.logits is None or restored.logits is None:  # no logits: that forward raised
         forward_diff = (
             f"the forward raised: vLLM load: {loaded.error or 'no error'}; "
             f"restore: {restored.error or 'no error'}"

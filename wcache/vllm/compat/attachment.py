@@ -4,7 +4,7 @@ its weight writers, and the daemon's ``EngineArgs`` pointed at vLLM's disk loade
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -30,6 +30,14 @@ def attachment_of(model: torch.nn.Module) -> Any:
     return getattr(model, ATTACHMENT_ATTR, None)
 
 
+class _HookedModel(Protocol):
+    """The two methods of a vLLM model that :func:`wrap_weight_writers_` wraps
+    (attributes here: the wrappers are set on the instance)."""
+
+    load_weights: Callable[..., Any]
+    get_submodule: Callable[[str], torch.nn.Module]
+
+
 def wrap_weight_writers_(
     model: torch.nn.Module,
     *,
@@ -50,7 +58,10 @@ def wrap_weight_writers_(
     Source: vllm/v1/worker/gpu_model_runner.py::reload_weights,
     vllm/model_executor/model_loader/reload/inplace.py
     """
-    load_weights, get_submodule = model.load_weights, model.get_submodule
+    # cast: vLLM's model classes add load_weights, which torch's Module types
+    # Tensor | Module; both are replaced by instance attributes here
+    hooked = cast(_HookedModel, model)
+    load_weights, get_submodule = hooked.load_weights, hooked.get_submodule
 
     def privatizing_load_weights(weights: Any, *args: Any, **kwargs: Any) -> Any:
         before_load_weights()
@@ -63,8 +74,8 @@ def wrap_weight_writers_(
 
     for hook in (privatizing_load_weights, privatizing_get_submodule):
         setattr(hook, COPY_ON_WRITE_HOOK, True)
-    model.load_weights = privatizing_load_weights
-    model.get_submodule = privatizing_get_submodule
+    hooked.load_weights = privatizing_load_weights
+    hooked.get_submodule = privatizing_get_submodule
 
 
 def disk_load_engine_args_(engine_args: Any) -> Any:
@@ -103,6 +114,7 @@ def hook_reload_start_(model: torch.nn.Module, before: Callable[[], None]) -> bo
         return False
     base = type(info)
 
+    # base is type(info), vLLM's LayerReloadingInfo: a class known only at run time
     class _ReloadStartHook(base):  # type: ignore[misc, valid-type]
         def can_load(self) -> bool:
             if self.kernel_tensors is None and not base.can_load(self):

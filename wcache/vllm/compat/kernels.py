@@ -6,7 +6,7 @@ flag, ModelOpt NVFP4 MoE's rebuilt kernel, and vLLM's kernel library (``torch.op
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, cast
 
 import attrs
 import torch
@@ -49,10 +49,17 @@ def has_custom_op(name: str) -> bool:
     return hasattr(torch.ops._C, name)
 
 
+class _RoutedExperts(Protocol):
+    """What :func:`moe_routing_tables` calls on vLLM's fused-MoE layer."""
+
+    def _expert_routing_tables(self) -> Any: ...
+
+
 def moe_routing_tables(module: torch.nn.Module) -> Any:
     """A fused-MoE layer's expert routing tables (``RoutedExperts._expert_routing_tables()``),
     the argument vLLM's MoE kernel factories take (:mod:`wcache.vllm.moe`)."""
-    return module._expert_routing_tables()
+    # cast: vLLM's method on its layer class, which torch's Module types Tensor | Module
+    return cast(_RoutedExperts, module)._expert_routing_tables()
 
 
 def set_moe_kernel_(quant_method: Any, moe_quant_config: Any, moe_kernel: Any) -> None:

@@ -204,7 +204,7 @@ def online_quantization_deferred() -> Iterator[None]:
 
     def load_without_quantizing(layer: torch.nn.Module, info: Any) -> None:
         quant_method = getattr(layer, "quant_method", None)
-        if not uses_online_quantization(quant_method):
+        if quant_method is None or not uses_online_quantization(quant_method):
             real(layer, info)
             return
         # an instance attribute shadows the class's method for this one call

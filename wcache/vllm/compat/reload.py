@@ -64,10 +64,12 @@ class _StoragePtrsOnDemand:
     __slots__ = ("_compute", "_layer", "_ptrs")
 
     def __init__(self, compute: Callable[[torch.nn.Module], set[int]], layer: torch.nn.Module):
-        self._compute, self._layer, self._ptrs = compute, layer, None
+        self._compute = compute
+        self._layer: torch.nn.Module | None = layer  # None once the set is computed
+        self._ptrs: set[int] = set()
 
     def __contains__(self, ptr: object) -> bool:
-        if self._ptrs is None:
+        if self._layer is not None:
             self._ptrs, self._layer = self._compute(self._layer), None
         return ptr in self._ptrs
 
