@@ -192,6 +192,13 @@ class Plan:
             (``attention/default``, the KV-cache scales). Every registered plan names
             it (a string is one device); the default, both, is for test plans. The
             docs' CPU and CUDA evidence tables are split by it.
+        kept_params: checkpoint parameters that vLLM's post-load rewrites through
+            ``param.data = ...``, so on a disk engine they stay the objects the build
+            created (class such as ``PackedvLLMParameter``, attributes such as
+            ``weight_loader``, ``packed_dim``); a restored engine gives them the
+            same (:func:`wcache.shell.param_flags`). Every other parameter a stage
+            writes is re-registered by vLLM as a plain ``nn.Parameter``
+            (``replace_parameter``). Not part of the plan's id: it changes no byte.
 
     A plan is a value: equal plans have equal fields (``match`` aside); it pickles
     when ``match`` is a module-level function (or a ``functools.partial`` of one),
@@ -213,9 +220,15 @@ class Plan:
     version: int = 1
     description: str = ""
     devices: tuple[str, ...] = field(default=DEVICE_TYPES, converter=_device_tuple)
+    kept_params: frozenset[str] = field(default=frozenset(), converter=as_frozenset)
 
     def __attrs_post_init__(self) -> None:
         errors = plan_problems(self.stages, self.checkpoint)
+        if not self.kept_params <= self.checkpoint:
+            errors.append(
+                f"kept_params {sorted(self.kept_params - self.checkpoint)} are not "
+                f"checkpoint tensors of the plan"
+            )
         unknown = sorted(set(self.devices) - set(DEVICE_TYPES))
         if unknown or not self.devices:
             errors.append(

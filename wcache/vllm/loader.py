@@ -70,6 +70,7 @@ from vllm.model_executor.model_loader.utils import initialize_model
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 from wcache.core import WcacheError
+from wcache.shell import PARAM_FLAGS_EXTRA
 from wcache.errors import RestoreFailed, UpdateUnsupported
 from wcache.store import CacheKey, DaemonMissing, StoreError, attach
 from wcache.vllm import compat, startup
@@ -769,6 +770,7 @@ class WcacheModelLoader(BaseModelLoader):
                 attachment.persistent,
                 attachment.aliases,
                 planned,
+                attachment.extra.get(PARAM_FLAGS_EXTRA),
             )
             marks["install"] = time.perf_counter()
             released = restore_layers_(

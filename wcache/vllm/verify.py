@@ -300,14 +300,43 @@ def foreign_private_attrs(module: torch.nn.Module) -> frozenset[str]:
     return frozenset(name for name in vars(module) if name.startswith("_"))
 
 
+def parameter_flags(module: torch.nn.Module) -> dict[str, Any]:
+    """Per own parameter of ``module``, as ``%name``: its class, ``requires_grad``
+    and the attributes set on the parameter object (vLLM's ``weight_loader``,
+    ``output_dim``, ``input_dim``, ``packed_dim``, ``tp_rank``, ...; normalized by
+    :func:`_plain`, so a loader compares as ``"<callable>"``). What vLLM's weight
+    updates read: ``reload_weights`` in kernel format copies into a parameter that
+    requires grad only under ``torch.no_grad``, ``load_weights`` calls each
+    parameter's ``weight_loader`` with its ``output_dim``.
+
+    Source: vllm/model_executor/parameter.py::BasevLLMParameter;
+    vllm/model_executor/utils.py::set_weight_attrs.
+    """
+    out: dict[str, Any] = {}
+    for name, p in module._parameters.items():
+        if p is None:
+            continue
+        attrs_ = tuple(
+            sorted(
+                (k, _plain(v))
+                for k, v in vars(p).items()
+                if not getattr(v, compat.COPY_ON_WRITE_HOOK, False)
+            )
+        )
+        out[f"%{name}"] = (f"{type(p).__module__}.{type(p).__qualname__}", p.requires_grad, attrs_)
+    return out
+
+
 def module_state(module: torch.nn.Module, attr_paths: Iterable[str] = ()) -> dict[str, Any]:
     """One module's comparable state: :func:`wcache.shell.snapshot` (its own
     parameters and buffers: kind, shape, dtype, stride, checksum; and the values at
     ``attr_paths``) plus every other attribute it holds (``~name``, and
     ``~impl.scale`` inside vLLM/wcache objects), normalized by :func:`_plain`;
-    without :data:`IGNORED_ATTRS` and :func:`foreign_private_attrs`."""
+    and its parameters' flags (:func:`parameter_flags`); without
+    :data:`IGNORED_ATTRS` and :func:`foreign_private_attrs`."""
     paths = sorted(set(attr_paths) - IGNORED_ATTRS)
     out = snapshot(module, paths)
+    out.update(parameter_flags(module))
     _attributes(
         "~",
         module,
