@@ -325,7 +325,7 @@ def param_flags(
     model: torch.nn.Module,
     built: Mapping[str, Any],
     writes: Mapping[str, Iterable[str]],
-    kept: Mapping[str, Iterable[str]] = {},  # noqa: B006  (read only)
+    kept: Mapping[str, Iterable[str]] | None = None,
 ) -> dict[str, list[bool]]:
     """Per parameter of ``model`` (every name, tied ones included): ``[kept,
     requires_grad]``, as vLLM's disk load leaves them.
@@ -348,7 +348,7 @@ def param_flags(
     """
     modules = dict(model.named_modules(remove_duplicate=False))
     written = _by_every_name(modules, writes)
-    declared = _by_every_name(modules, kept)
+    declared = _by_every_name(modules, kept or {})
     out = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         ref = built.get(name)

@@ -28,8 +28,18 @@ import json
 import os
 import sys
 
-from _update_engine import MAX_TOKENS, PROMPTS, _engine_kwargs, _model  # noqa: E402  (the script's folder is on sys.path)
+from _update_engine import PROMPTS, _engine_kwargs, _model  # the script's folder is on sys.path
 
+#: Greedy tokens per generation: LoRA on vLLM's CPU backend is slow (about 10x a
+#: plain engine per token on a busy 2-core host), and a few tokens already show
+#: whether an adapter took effect.
+LORA_MAX_TOKENS = 6
+#: One prompt: each engine generates three times.
+LORA_PROMPTS = PROMPTS[:1]
+#: Context length and batch budget (tokens): the prompt and LORA_MAX_TOKENS fit;
+#: small, so the LoRA engine's warm-up (a dummy adapter over a full batch, gathered
+#: per token by vLLM's CPU LoRA ops) stays short.
+LORA_MAX_MODEL_LEN = 128
 #: The adapter's rank (wcache.testing.lora.RANK): vLLM's max_lora_rank for the engine.
 MAX_LORA_RANK = 8
 #: The base layer's partition sizes LoRA reads (vllm/lora/layers/*.py).
@@ -108,22 +118,27 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
 
-    lora = {} if args.no_lora else {"enable_lora": True, "max_lora_rank": MAX_LORA_RANK, "max_loras": 1}
+    lora = (
+        {}
+        if args.no_lora
+        else {"enable_lora": True, "max_lora_rank": MAX_LORA_RANK, "max_loras": 1}
+    )
     llm = LLM(
         model=args.model,
         dtype="bfloat16",
         load_format=args.load_format,
         model_loader_extra_config=json.loads(args.extra),
-        max_model_len=512,
+        max_model_len=LORA_MAX_MODEL_LEN,
+        max_num_batched_tokens=LORA_MAX_MODEL_LEN,
         max_num_seqs=1,
         seed=0,
         **lora,
         **_engine_kwargs(args.device, args.mode),
     )
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=LORA_MAX_TOKENS, ignore_eos=True)
 
     def generate(request=None) -> list[list[int]]:
-        outs = llm.generate(list(PROMPTS), params, lora_request=request, use_tqdm=False)
+        outs = llm.generate(list(LORA_PROMPTS), params, lora_request=request, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
     out: dict = {"base": generate()}

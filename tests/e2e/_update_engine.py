@@ -213,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         "reload_kernel_format_grad": lambda: llm.collective_rpc(
             "reload_weights",
             kwargs={
-                "weights_iterator": [("model.norm.weight", torch.zeros(HIDDEN, dtype=torch.bfloat16))],
+                "weights_iterator": [
+                    ("model.norm.weight", torch.zeros(HIDDEN, dtype=torch.bfloat16))
+                ],
                 "is_checkpoint_format": False,
             },
         ),

@@ -332,11 +332,9 @@ def module_state(module: torch.nn.Module, attr_paths: Iterable[str] = ()) -> dic
     parameters and buffers: kind, shape, dtype, stride, checksum; and the values at
     ``attr_paths``) plus every other attribute it holds (``~name``, and
     ``~impl.scale`` inside vLLM/wcache objects), normalized by :func:`_plain`;
-    and its parameters' flags (:func:`parameter_flags`); without
-    :data:`IGNORED_ATTRS` and :func:`foreign_private_attrs`."""
+    without :data:`IGNORED_ATTRS` and :func:`foreign_private_attrs`."""
     paths = sorted(set(attr_paths) - IGNORED_ATTRS)
     out = snapshot(module, paths)
-    out.update(parameter_flags(module))
     _attributes(
         "~",
         module,
@@ -351,8 +349,13 @@ def module_state(module: torch.nn.Module, attr_paths: Iterable[str] = ()) -> dic
 def model_state(
     model: torch.nn.Module, attr_paths: Mapping[str, Iterable[str]]
 ) -> dict[str, dict[str, Any]]:
-    """:func:`module_state` of every module, by qualified name."""
-    return {name: module_state(m, attr_paths.get(name, ())) for name, m in model.named_modules()}
+    """:func:`module_state` of every module with its parameters' flags
+    (:func:`parameter_flags`: what a disk and a restored engine must share for vLLM's
+    weight updates), by qualified name."""
+    return {
+        name: {**module_state(m, attr_paths.get(name, ())), **parameter_flags(m)}
+        for name, m in model.named_modules()
+    }
 
 
 def ties(model: torch.nn.Module) -> list[tuple[str, ...]]:
