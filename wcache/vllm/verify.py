@@ -10,7 +10,8 @@ Steps, in one process (one rank):
    and runs vLLM's own ``process_weights_after_loading``. Every module is
    snapshotted (tensor names, kinds, shapes, dtypes, strides, content checksums;
    the attributes the plan's stages declare and every plain attribute the module
-   holds; which names are one tensor) and a fixed forward runs. The model is then
+   holds; each parameter's class, ``requires_grad`` and attributes; which names
+   are one tensor) and a fixed forward runs. The model is then
    dropped, so at most two copies of the weights are alive at any time.
 2. **The wcache way**: a second real load runs every plan's ``prepare`` and is
    exported into an arena served by an in-process daemon on a private socket
