@@ -386,6 +386,7 @@ def install_tensors_(
     writes: Mapping[str, Iterable[str]],
     transformed: Mapping[str, Iterable[str]],
     param_flags: Mapping[str, Any] | None = None,
+    param_attrs: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> None:
     """Register mapped tensors on a meta-built model (the engine side).
 
@@ -414,6 +415,8 @@ def install_tensors_(
             recorded them (:data:`PARAM_FLAGS_EXTRA` of the export); ``kept``: after
             load and prepare the daemon's model still held the object its build
             created.
+        param_attrs: parameter name -> attributes set on a kept parameter over the
+            build's (``Plan.param_attrs``, under the layer's name).
 
     Raises:
         ModelMismatch: an exported tensor that the model cannot hold, or of
@@ -441,11 +444,11 @@ def install_tensors_(
             if kind == "param":
                 kept, requires_grad = param_flags.get(canonical, (False, False))
                 built = module._parameters.get(leaf)
-                obj = (
-                    parameter_like(built, t, requires_grad=requires_grad)
-                    if kept and isinstance(built, torch.nn.Parameter)
-                    else torch.nn.Parameter(t, requires_grad=requires_grad)
-                )
+                if kept and isinstance(built, torch.nn.Parameter):
+                    obj = parameter_like(built, t, requires_grad=requires_grad)
+                    obj.__dict__.update((param_attrs or {}).get(canonical, {}))
+                else:
+                    obj = torch.nn.Parameter(t, requires_grad=requires_grad)
             else:
                 obj = t
             objects[(canonical, kind)] = obj

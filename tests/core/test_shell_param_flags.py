@@ -102,3 +102,22 @@ def test_install_without_flags_gives_plain_parameters():
     install_tensors_(model, tensors, {"norm.weight": "param"}, {}, {}, writes={}, transformed={})
     assert type(model.norm.weight) is torch.nn.Parameter
     assert model.norm.weight.requires_grad is False
+
+
+def test_install_sets_a_plans_attribute_overrides_on_kept_parameters():
+    """A kept parameter gets the attributes vLLM's post-load changes (Plan.param_attrs) over the build's."""
+    model = _model("meta")
+    tensors = {"lin.qweight": torch.ones(4, 8, dtype=torch.int32)}
+    install_tensors_(
+        model,
+        tensors,
+        {"lin.qweight": "param"},
+        {},
+        {},
+        writes={},
+        transformed={},
+        param_flags={"lin.qweight": [True, False]},
+        param_attrs={"lin.qweight": {"packed_dim": 1}},
+    )
+    assert (model.lin.qweight.packed_dim, model.lin.qweight.output_dim) == (1, 1)
+    assert model.lin.qweight.weight_loader is _loader

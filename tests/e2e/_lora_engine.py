@@ -78,11 +78,12 @@ def _lora_layers(worker) -> dict:
         if not isinstance(module, BaseLayerWithLoRA):
             continue
         base = module.base_layer
-        rec = {
-            "class": type(module).__name__,
-            "base_class": type(base).__name__,
-            "lora_device": str(_get_lora_device(base)),
-        }
+        try:
+            device = str(_get_lora_device(base))
+        except ValueError:  # vLLM's answer for a base layer without weights (LogitsProcessor)
+            device = None
+        rec = {"class": type(module).__name__, "base_class": type(base).__name__}
+        rec["lora_device"] = device
         slots = {**vars(base), **base._parameters, **base._buffers}
         for key, value in sorted(slots.items()):
             if value is None or isinstance(value, torch.Tensor):

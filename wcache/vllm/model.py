@@ -193,6 +193,11 @@ def install_tensors_(
             for p in planned
         },
         param_flags=param_flags,
+        param_attrs={
+            f"{p.name}.{name}" if p.name else name: dict(attrs)
+            for p in planned
+            for name, attrs in p.plan.param_attrs
+        },
     )
 
 
