@@ -36,10 +36,11 @@ from _update_engine import PROMPTS, _engine_kwargs, _model  # the script's folde
 LORA_MAX_TOKENS = 6
 #: One prompt: each engine generates three times.
 LORA_PROMPTS = PROMPTS[:1]
-#: Context length and batch budget (tokens): the prompt and LORA_MAX_TOKENS fit;
-#: small, so the LoRA engine's warm-up (a dummy adapter over a full batch, gathered
-#: per token by vLLM's CPU LoRA ops) stays short.
-LORA_MAX_MODEL_LEN = 128
+#: Context length and batch budget (tokens): the daemon's max_model_len (the key holds
+#: it: wcache.daemon.process's shared engine arguments), and a batch budget no larger,
+#: so the LoRA engine's warm-up (a dummy adapter over a full batch, gathered per token
+#: by vLLM's CPU LoRA ops) stays short.
+LORA_MAX_MODEL_LEN = 512
 #: The adapter's rank (wcache.testing.lora.RANK): vLLM's max_lora_rank for the engine.
 MAX_LORA_RANK = 8
 #: The base layer's partition sizes LoRA reads (vllm/lora/layers/*.py).
