@@ -88,7 +88,8 @@ def test_lora_outputs_equal_disk_engine(runs):
 def test_adapter_takes_effect_and_leaves_base(runs):
     """The adapter changes the tokens, and requests without it get the base tokens back."""
     restored = runs["restored"]
-    assert restored["lora"] != restored["base"]
+    stacked = {n: r.get("lora_b_stacked") for n, r in restored["layers"].items()}
+    assert restored["lora"] != restored["base"], list(stacked.items())[:2]
     assert restored["base_after"] == restored["base"]
 
 
