@@ -46,3 +46,38 @@ def test_prime_compile_refuses_another_usage_context(capsys):
     with pytest.raises(SystemExit):
         cli.build_parser().parse_known_args(["serve", "--model", "/m", "--prime-compile", "batch"])
     assert "invalid choice: 'batch'" in capsys.readouterr().err
+
+
+def test_python_dash_m_wcache_is_the_console_script():
+    """`python -m wcache` dispatches like the `wcache` script (the H200 bundle has no
+    installed script): its --help lists the commands, and `run` reaches the launcher's
+    run path (an unknown template dir is reported, exit 3 with --no-fallback)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    out = subprocess.run(
+        [sys.executable, "-m", "wcache", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "serve" in out.stdout and "template" in out.stdout
+    with tempfile.TemporaryDirectory(prefix="wcs-") as d:
+        os.chmod(d, 0o700)
+        run = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "wcache",
+                "run",
+                "--socket-dir",
+                d,
+                "--no-fallback",
+                "--",
+                "true",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert run.returncode == 3, run.stderr
+    assert "template" in run.stderr

@@ -42,6 +42,7 @@ __all__ = [
     "install_tensors_",
     "param_flags",
     "parameter_like",
+    "rebind_captured_",
     "resolve_parent",
     "state_from_module",
     "snapshot",
@@ -397,7 +398,9 @@ def install_tensors_(
     (one a TRANSFORM replaced, or no record: an older daemon) a plain
     ``nn.Parameter`` with the recorded ``requires_grad`` (default False).
     Buffers keep their persistence; aliases are registered as the *same*
-    object. A tensor the model has no slot for is accepted only when the plan
+    object; references the model's objects took to a replaced tensor are pointed
+    at the installed one (:func:`rebind_captured_`). A tensor the model has no
+    slot for is accepted only when the plan
     of its layer declares it as a write. Every tensor whose slot the meta model
     already has, and which no TRANSFORM stage of its layer's plan writes (so the
     daemon could not have reshaped it), must have the meta tensor's shape and
@@ -427,6 +430,7 @@ def install_tensors_(
     plan_writes = _by_every_name(modules, writes)
     _check_shapes(modules, tensors, _by_every_name(modules, transformed))
     objects: dict[str, torch.Tensor] = {}
+    replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for name in tensors:
         canonical = aliases.get(name, name)
         module, leaf = _module_of(model, modules, name)
@@ -452,9 +456,66 @@ def install_tensors_(
             else:
                 obj = t
             objects[(canonical, kind)] = obj
-        module._parameters.pop(leaf, None)
-        module._buffers.pop(leaf, None)
+        old = module._parameters.pop(leaf, None)
+        old_buffer = module._buffers.pop(leaf, None)
+        for stale in (old, old_buffer):
+            if stale is not None and stale is not obj:
+                replaced[id(stale)] = (stale, obj)
         if kind == "param":
             module._parameters[leaf] = obj
         else:
             module.register_buffer(leaf, obj, persistent=persistent.get(name, True))
+    rebind_captured_(modules.values(), replaced)
+
+
+def rebind_captured_(
+    modules: Iterable[torch.nn.Module],
+    replaced: Mapping[int, tuple[torch.Tensor, torch.Tensor]],
+) -> list[str]:
+    """Point references that a module's own plain attributes, or the plain objects it
+    holds, took to a tensor before it was replaced (the meta-built one) at the
+    installed tensor.
+
+    vLLM objects built with the model keep a reference to a layer's parameter: an
+    attention backend impl keeps the attention sinks it was given
+    (``TritonAttentionImpl.sinks = sinks``, GPT-OSS's ``OAIAttention.sinks``
+    parameter). On an ordinary load the weight loader copies into that parameter,
+    so the reference sees the bytes; installing a mapped tensor registers a new
+    object, and the impl would keep the meta tensor (a kernel reading it kills the
+    engine). Looks one level deep: a module's ``__dict__`` entries and the
+    ``__dict__`` of the plain (non-module, non-tensor) objects among them.
+
+    Args:
+        modules: every module of the model.
+        replaced: ``id(old tensor)`` -> ``(old tensor, installed tensor)``.
+
+    Returns:
+        The rebound references, ``"<ClassName>.<attr>"`` each (for tests and logs).
+    """
+    rebound: list[str] = []
+
+    def rebind(owner: Any, namespace: dict[str, Any]) -> None:
+        for attr, value in list(namespace.items()):
+            if isinstance(value, torch.Tensor):
+                hit = replaced.get(id(value))
+                if hit is not None and hit[0] is value:
+                    namespace[attr] = hit[1]  # not setattr: a Module would register it
+                    rebound.append(f"{type(owner).__name__}.{attr}")
+
+    for module in modules:
+        namespace = vars(module)
+        rebind(module, namespace)
+        for value in list(namespace.values()):
+            if _is_plain_object(value):
+                rebind(value, vars(value))
+    return rebound
+
+
+def _is_plain_object(value: Any) -> bool:
+    """An object whose attributes :func:`rebind_captured_` may hold tensor references:
+    not a module, tensor, class, or builtin value, and with a ``__dict__``."""
+    return (
+        not isinstance(value, (torch.nn.Module, torch.Tensor, type, str, bytes, int, float))
+        and not isinstance(value, (list, tuple, dict, set, frozenset))
+        and hasattr(value, "__dict__")
+    )

@@ -54,21 +54,27 @@ def test_table_lists_each_system_and_refusals():
     rows = [
         {
             "case": "smol-awq",
-            "disk": {"model_loading_s": 1.0, "model_loading_gib": 0.1, "llm_start_s": 5.0},
+            "disk": {
+                "model_loading_s": 1.0,
+                "model_loading_gib": 0.1,
+                "llm_start_s": 5.0,
+                "ttft_s": 9.5,
+            },
             "wcache": {
                 "daemon_ready_s": 20.0,
                 "daemon_gpu_mib": 300.0,
                 "model_loading_s": 0.2,
                 "model_loading_gib": 0.0,
                 "llm_start_s": 3.0,
+                "ttft_s": 7.25,
                 "identical": True,
             },
             "ipc_cache": {"daemon_error": ["RuntimeError: AWQMarlinLinearMethod | refused"]},
         }
     ]
     lines = B.table(rows).splitlines()
-    assert lines[2] == "| smol-awq | disk | - | - | 1.000 | 0.10 | 5.0 | (reference) |"
-    assert lines[3] == "| smol-awq | wcache | 20.0 | 300 | 0.200 | 0.00 | 3.0 | yes |"
+    assert lines[2] == "| smol-awq | disk | - | - | 1.000 | 0.10 | 5.0 | 9.5 | (reference) |"
+    assert lines[3] == "| smol-awq | wcache | 20.0 | 300 | 0.200 | 0.00 | 3.0 | 7.2 | yes |"
     assert lines[4].startswith(
         "| smol-awq | ipc_cache | refused/failed (daemon): "
         "RuntimeError: AWQMarlinLinearMethod \\| refused"
@@ -76,13 +82,36 @@ def test_table_lists_each_system_and_refusals():
 
 
 def test_cases_name_known_checkpoint_kinds():
-    """Every case's SmolLM2 kind is a fixture the builder makes; 8B kinds are the bench's."""
+    """Every case's SmolLM2 kind is a fixture the builder makes; 8B and 30B-A3B kinds
+    are their writers'."""
     from wcache.benchmarks.bench_engine_cuda import FORMATS
     from wcache.testing.fixtures import ALL_FORMATS
+    from wcache.testing.moe_bench import BENCH_FORMATS
 
-    kinds_8b = {kind for kind, _ in FORMATS.values()}
+    known = {
+        "smol": set(ALL_FORMATS),
+        "8b": {kind for kind, _ in FORMATS.values()},
+        "moe30b": set(BENCH_FORMATS),
+    }
     for case, (model, kind, _) in B.CASES.items():
-        assert kind in (ALL_FORMATS if model == "smol" else kinds_8b), case
+        assert kind in known[model], case
+    assert {k for k, (m, _, _) in B.CASES.items() if m == "moe30b"} == {
+        "moe30b-fp8-block",
+        "moe30b-nvfp4",
+        "moe30b-awq",
+    }
+
+
+def test_summary_measures_first_token_from_the_engine_process_start():
+    """ttft_s is run_engine's first_token mark minus its process_start mark (None
+    when the engine skipped the first-token request)."""
+    res = {
+        "token_ids": [[1, 2]],
+        "llm_start_s": 3.0,
+        "phases": {"marks": {"process_start": 100.0, "llm_ready": 104.0, "first_token": 104.5}},
+    }
+    assert B._summary(res)["ttft_s"] == pytest.approx(4.5)
+    assert B._summary({"token_ids": [[1]], "phases": {"marks": {}}})["ttft_s"] is None
 
 
 def test_cross_version_env_swaps_only_the_vllm_tree(tmp_path):
@@ -170,3 +199,27 @@ def test_engine_error_keeps_where_a_bare_assertion_was_raised():
         "assert output_size is not None",
         "AssertionError",
     ]
+
+
+def test_plot_draws_the_recorded_moe_run_and_a_case_with_a_refusal(tmp_path):
+    """plot_ipc_cache writes a PNG of its declared size from the recorded H200 MoE run,
+    also when a case has a system without figures (a refusal: no bar, no crash)."""
+    import json
+    import struct
+    from pathlib import Path
+
+    from wcache.benchmarks import plot
+
+    recorded = Path(__file__).parents[2] / "benchmarks/results-h200-ipc-cache-moe-vllm-0.33.0.json"
+    result = json.loads(recorded.read_text())
+    result["rows"].append(
+        {"case": "moe30b-awq", "disk": result["rows"][0]["disk"], "ipc_cache": {"daemon_error": []}}
+    )
+    png = plot.plot_ipc_cache(result, tmp_path / "sub" / "moe.png")
+    head = png.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", head[16:24])
+    assert (width, height) == (
+        round(plot.FIGSIZE_IN[0] * 1.6 * plot.DPI),
+        round(plot.FIGSIZE_IN[1] * plot.DPI),
+    )

@@ -255,3 +255,83 @@ def test_reference_kernel_restored_equals_loaded(plan, n, k, checkpoints, cuda):
     assert (TOKENS, n) == tuple(y_restored.shape)
     assert torch.isfinite(y_restored.float()).all()
     assert torch.equal(y_loaded, y_restored)
+
+
+#: (E, K, N, bits) of the Marlin MoE repack comparison: N = 2 * 128 (a padded gate/up
+#: pair of experts of 96, G = 32) and K = 128 (the tier's hidden size); 8-bit GPTQ too.
+MARLIN_MOE_REPACKS = ((3, 128, 256, 4), (2, 256, 128, 8))
+
+
+@pytest.mark.parametrize("e,k,n,bits", MARLIN_MOE_REPACKS, ids=lambda v: str(v))
+@pytest.mark.parametrize("awq", (False, True), ids=("gptq", "awq"))
+def test_marlin_moe_repack_equals_vllms_cuda_op(awq, e, k, n, bits, cuda):
+    """wcache's Marlin MoE repacks (pure torch, on the GPU) give exactly the bytes of
+    vLLM's CUDA ops ``gptq_marlin_moe_repack`` / ``awq_marlin_moe_repack``."""
+    from wcache.stages import marlin_moe as mm
+
+    if awq and bits != 4:
+        pytest.skip("AWQ is 4-bit only")
+    ops = pytest.importorskip("vllm._custom_ops")
+    if cuda.type != "cuda" or not hasattr(torch.ops._C, "gptq_marlin_repack"):
+        pytest.skip("vLLM's CUDA kernels are not loaded (torch.ops._C.gptq_marlin_repack)")
+    pf = 32 // bits
+    shape = (e, k, n // pf) if awq else (e, k // pf, n)
+    g = torch.Generator().manual_seed(e + k + n)
+    q = torch.randint(-(2**31), 2**31 - 1, shape, generator=g, dtype=torch.int64)
+    q = q.to(torch.int32).to(cuda)
+    with torch.no_grad():
+        if awq:
+            mine, vllms = (
+                mm.moe_awq_marlin_repack(q, k, n, bits),
+                ops.awq_marlin_moe_repack(q, k, n, bits),
+            )
+        else:
+            mine, vllms = (
+                mm.moe_marlin_repack(q, k, n, bits),
+                ops.gptq_marlin_moe_repack(q, k, n, bits),
+            )
+    assert (tuple(vllms.shape), vllms.dtype) == (tuple(mine.shape), mine.dtype)
+    assert torch.equal(mine, vllms)
+
+
+#: (plan id, checkpoint layout, group, bits, zero points) of the Marlin MoE CPU/CUDA runs:
+#: the tier's qwen3_moe geometry (hidden 128, experts of 96, padded to 128).
+MARLIN_MOE_CASES = (
+    ("awq_moe/marlin@1", "awq", 32, 4, True),
+    ("gptq_moe/marlin@1", "gptq", 32, 4, True),
+    ("gptq_moe/marlin@1", "gptq", -1, 8, True),
+    ("ct_w4a16_moe/marlin@1", "ct", 32, 4, False),
+    ("ct_w4a16_moe/marlin@1", "ct", -1, 4, True),
+)
+
+
+@pytest.mark.parametrize("plan_id,layout,group,bits,zp", MARLIN_MOE_CASES, ids=str)
+def test_marlin_moe_load_on_cuda_gives_the_cpu_bytes(plan_id, layout, group, bits, zp, cuda):
+    """A Marlin MoE plan's whole load on CUDA tensors gives the CPU run's tensors (bytes,
+    shapes, strides), attributes and records."""
+    from tests.helpers import moe_cases as mc
+
+    method = plan_id.split("/")[0]
+    cfg = mc.moe_config(
+        method,
+        "marlin",
+        experts=3,
+        hidden=128,
+        inter=96,
+        backend="MARLIN",
+        experts_cls="MarlinExperts",
+    )
+    cfg = evolve(cfg, quant=evolve(cfg.quant, num_bits=bits, group_size=group, zero_point=zp))
+    if layout == "gptq":  # symmetric GPTQ still carries (unused) zero points
+        cfg = evolve(cfg, quant=evolve(cfg.quant, zero_point=False))
+    bias = "random" if layout == "gptq" else "none"
+    tensors = mc.marlin_int_experts(layout, 3, 128, 96, group, bits, 11, zero_points=zp, bias=bias)
+    target = H200_DRY_RUN_TARGET
+    bound = plan_for(cfg, target=target)
+    assert plan_id == bound.id
+    with torch.no_grad():
+        on_cpu = bound.run(LayerState(tensors=tensors), LOAD_TAGS)
+        on_gpu = bound.run(
+            LayerState(tensors={k: v.to(cuda) for k, v in tensors.items()}), LOAD_TAGS
+        )
+    _assert_states_equal(plan_id, on_cpu, on_gpu, cuda)

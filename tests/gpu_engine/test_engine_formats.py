@@ -57,9 +57,10 @@ CASES = (  # most important first: a tier cut short by its timeout still has the
         note="128x128 blocks on K=576",
     ),
     EngineCase("online-mxfp8", "bf16", quantization="mxfp8", expect="result"),
-    # NVFP4 and MXFP8 on sm90: whatever vLLM runs them with here, restored or refused by name
-    EngineCase("nvfp4", "nvfp4", expect="result", note="ModelOpt NVFP4 W4A4 checkpoint"),
-    EngineCase("mxfp8", "mxfp8", expect="result", note="ModelOpt MXFP8 checkpoint"),
+    # ModelOpt NVFP4 on sm90: vLLM runs it weight-only on MarlinNvFp4LinearKernel
+    # (modelopt_fp4/marlin); MXFP8 on MXFP8 Marlin (modelopt_mxfp8/marlin) (issue 46)
+    EngineCase("nvfp4", "nvfp4", note="ModelOpt NVFP4 W4A4 checkpoint, Marlin NVFP4 on sm90"),
+    EngineCase("mxfp8", "mxfp8", note="ModelOpt MXFP8 checkpoint on MXFP8 Marlin (issue 46)"),
     EngineCase("online-nvfp4", "bf16", quantization="nvfp4_per_token", expect="result"),
     # compiled mode: torch.compile + CUDA graphs, five loads over two cache roots
     # (disk writes A, fallback and daemon read it; second writes B, disk_b reads it)
@@ -71,11 +72,23 @@ CASES = (  # most important first: a tier cut short by its timeout still has the
         note="serialized per-tensor, torch.compile + CUDA graphs",
     ),
     EngineCase(
+        "nvfp4-compiled",
+        "nvfp4",
+        compile=True,
+        note="ModelOpt NVFP4 on Marlin, torch.compile + CUDA graphs",
+    ),
+    EngineCase(
         "awq-marlin-compiled",
         "awq",
         env=NO_MACHETE,
         compile=True,
         note="int4 on Marlin, torch.compile + CUDA graphs",
+    ),
+    EngineCase(
+        "mxfp8-compiled",
+        "mxfp8",
+        compile=True,
+        note="ModelOpt MXFP8 on Marlin, torch.compile + CUDA graphs",
     ),
 )
 PROMPTS = ("The capital of France is", "Water boils at a temperature of")

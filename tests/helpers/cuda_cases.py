@@ -243,13 +243,14 @@ def fp8_cases(draw):
                 "ct_marlin",
                 "fp8_marlin",
                 "mxfp8",
+                "modelopt_mxfp8",
             ]
         )
     )
     n = draw(st.sampled_from([48, 100, 130, 256]))
     k = (
         draw(st.sampled_from([64, 96, 200]))
-        if which != "mxfp8"
+        if which not in ("mxfp8", "modelopt_mxfp8")
         else draw(st.sampled_from([64, 96, 256]))
     )
     seed = draw(st.integers(0, 2**16))
@@ -265,6 +266,12 @@ def fp8_cases(draw):
         cfg, t = cuda_config("fp8_per_block", k, n, kernel="cutlass_block", strategy="block"), dense
     elif which == "mxfp8":
         cfg, t = cuda_config("mxfp8", k, n, kernel="marlin"), dense
+    elif which == "modelopt_mxfp8":
+        t = {
+            "weight": fp8_bits(g, (n, k)),
+            "weight_scale": torch.randint(120, 134, (n, k // 32), generator=g).to(torch.uint8),
+        }
+        cfg = cuda_config("modelopt_mxfp8", k, n, bits=8, g=32, kernel="marlin")
     elif which == "fp8_block_serialized":
         t = {
             "weight": fp8_bits(g, (n, k)),
@@ -316,6 +323,29 @@ def nvfp4_linear_checkpoint(n, k, seed, bias=False):
     if bias:
         t["bias"] = torch.randn(n, generator=g).to(torch.bfloat16)
     return t
+
+
+def nvfp4_marlin_moe_config(e, hidden, inter):
+    """A ModelOpt NVFP4 fused-MoE LayerConfig as the adapter builds it on sm90 (vLLM's
+    oracle resolved MARLIN / MarlinExperts)."""
+    from wcache.core import MoeShape
+
+    shape = MoeShape(
+        num_experts=e,
+        global_num_experts=e,
+        hidden_size=hidden,
+        intermediate_size_per_partition=inter,
+        backend="MARLIN",
+        experts="MarlinExperts",
+    )
+    return LayerConfig(
+        QuantSpec("modelopt_fp4", num_bits=4, group_size=16, layer_kind="moe", kernel="marlin_moe"),
+        0,
+        0,
+        params_dtype="bfloat16",
+        name="modelopt_fp4.experts",
+        moe=shape,
+    )
 
 
 def nvfp4_moe_checkpoint(e, hidden, inter, seed):

@@ -1070,10 +1070,79 @@ def test_mxfp8_online_marlin(simulated_cuda, size_k, size_n, bias):
     _assert_equal(loaded, restored, attrs)
 
 
+def _modelopt_mxfp8_layer(widths: tuple[int, ...], size_k: int, bias: bool, meta: bool = False):
+    """A MergedColumnParallelLinear (TP 1) with ModelOpt MXFP8 (ModelOptLinearMethod,
+    weight scheme KMxfp8Static)."""
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+    from vllm.model_executor.layers.quantization.modelopt import ModelOptMxFp8Config
+
+    qc = ModelOptMxFp8Config(True, None, [])
+    with VL.vllm_context("meta" if meta else "cpu", torch.bfloat16):
+        return MergedColumnParallelLinear(
+            size_k,
+            list(widths),
+            bias=bias,
+            params_dtype=torch.bfloat16,
+            quant_config=qc,
+            prefix="model.layers.0.mlp.gate_up_proj",
+        )
+
+
+def _fill_modelopt_mxfp8(layer, seed: int) -> None:
+    """Checkpoint tensors: fp8 values, E8M0 codes around 2**0 (uint8), a bf16 bias."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        layer.weight.data.copy_(_rand_fp8(gen, tuple(layer.weight.shape)))
+        codes = torch.randint(120, 134, tuple(layer.weight_scale.shape), generator=gen)
+        layer.weight_scale.data.copy_(codes.to(torch.uint8))
+        if getattr(layer, "bias", None) is not None:
+            layer.bias.data.copy_(torch.randn(tuple(layer.bias.shape), generator=gen))
+
+
+#: What vLLM's Marlin MXFP8 ``apply`` reads besides the tensors, and the flag ModelOpt's
+#: linear method sets for every format.
+MODELOPT_MXFP8_ATTRS = ("output_size_per_partition", "input_size_per_partition", "is_w4a16_nvfp4")
+
+
+@pytest.mark.parametrize(
+    "widths,size_k,bias",
+    [
+        ((128, 128), 256, False),
+        ((64, 72), 96, True),  # N, K off Marlin's tiles: vLLM pads weight, scales and bias
+    ],
+)
+def test_modelopt_mxfp8_marlin_sm90(simulated_cuda, widths, size_k, bias):
+    """Serialized ModelOpt MXFP8 (ModelOptLinearMethod, KMxfp8Static) on sm90: vLLM picks
+    MarlinMxfp8LinearKernel; its post-load (validate, prepare_mxfp8_layer_for_marlin
+    with the reference repack) vs wcache's ``modelopt_mxfp8/marlin`` load and restore."""
+    from vllm.model_executor.kernels.linear.mxfp8.marlin import MarlinMxfp8LinearKernel
+
+    def build(meta=False):
+        return _modelopt_mxfp8_layer(widths, size_k, bias, meta)
+
+    def fill(layer):
+        _fill_modelopt_mxfp8(layer, seed=size_k + sum(widths))
+
+    vllm_layer = build()
+    assert type(vllm_layer.quant_method.kernel) is MarlinMxfp8LinearKernel
+    config, plan = _adapter_plan(vllm_layer, "modelopt_mxfp8/marlin@1")
+    fill(vllm_layer)
+    with VL.vllm_context("cpu", torch.bfloat16):
+        vllm_layer.quant_method.process_weights_after_loading(vllm_layer)
+
+    loaded, restored = _load_restore(plan, config, build, fill)
+    _assert_equal(vllm_layer, loaded, MODELOPT_MXFP8_ATTRS)
+    _assert_equal(loaded, restored, MODELOPT_MXFP8_ATTRS)
+    _assert_module_attrs_equal(vllm_layer, restored)
+    assert restored.weight_scale.dtype == torch.float8_e8m0fnu
+
+
 # --------------------------------------------------------------------------- NVFP4
 
 
-def _nvfp4_layer(widths: tuple[int, ...], size_k: int, meta: bool = False, w4a16=False):
+def _nvfp4_layer(
+    widths: tuple[int, ...], size_k: int, meta: bool = False, w4a16=False, bias: bool = False
+):
     """A MergedColumnParallelLinear (TP 1) with ModelOpt NVFP4 (ModelOptLinearMethod)."""
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear
     from vllm.model_executor.layers.quantization.modelopt import ModelOptNvFp4Config
@@ -1083,7 +1152,7 @@ def _nvfp4_layer(widths: tuple[int, ...], size_k: int, meta: bool = False, w4a16
         return MergedColumnParallelLinear(
             size_k,
             list(widths),
-            bias=False,
+            bias=bias,
             params_dtype=torch.bfloat16,
             quant_config=qc,
             prefix="model.layers.0.mlp.gate_up_proj",
@@ -1106,6 +1175,8 @@ def _fill_nvfp4(layer, seed: int) -> None:
             VL.rand_scale(gen, layer.weight_scale_2.shape, torch.float32)
         )
         layer.input_scale.data.copy_(VL.rand_scale(gen, layer.input_scale.shape, torch.float32))
+        if getattr(layer, "bias", None) is not None:
+            layer.bias.data.copy_(torch.randn(tuple(layer.bias.shape), generator=gen))
 
 
 #: Attributes vLLM's CUTLASS NVFP4 ``apply`` reads besides the layer's tensors
@@ -1156,23 +1227,56 @@ def test_nvfp4_linear_cutlass_sm100(simulated_sm100, monkeypatch, widths, size_k
     _assert_equal(loaded, restored, NVFP4_ATTRS)
 
 
+#: Attributes vLLM's Marlin NVFP4 ``apply`` reads besides the layer's tensors (the
+#: logical N and K; the padded extents come from the repacked weight's shape).
+NVFP4_MARLIN_ATTRS = ("output_size_per_partition", "input_size_per_partition", "is_w4a16_nvfp4")
+
+
 @pytest.mark.parametrize(
-    "w4a16,expected",
+    "widths,size_k,bias",
     [
-        (False, "vLLM picks kernel 'MarlinNvFp4LinearKernel' here"),
-        (True, "no plan for method 'modelopt_fp4_w4a16'"),
+        ((128, 128), 256, False),  # aligned: no padding
+        ((64, 40), 80, False),  # N = 104, K = 80 fit no Marlin tile: weight and scales padded
+        ((96,), 128, True),  # a bias, padded and permuted
     ],
 )
-def test_nvfp4_linear_on_sm90_is_refused(simulated_cuda, w4a16, expected):
-    """On sm90 vLLM runs ModelOpt NVFP4 on MarlinNvFp4LinearKernel, whose layout has no
-    wcache plan, and W4A16 NVFP4 has none anywhere: the adapter's config is refused
-    by plan_for naming why (before any weight is read)."""
+def test_nvfp4_linear_marlin_sm90(simulated_cuda, widths, size_k, bias):
+    """ModelOpt NVFP4 (W4A4 checkpoint) linear on sm90, where vLLM runs
+    MarlinNvFp4LinearKernel (weight-only): vLLM's post-load (global scales, alpha,
+    prepare_fp4_layer_for_marlin with gptq_marlin_repack's pure reference) vs wcache's
+    ``modelopt_fp4/marlin`` load and restore."""
+    from vllm.model_executor.kernels.linear.nvfp4.marlin import MarlinNvFp4LinearKernel
+
+    def build(meta=False):
+        return _nvfp4_layer(widths, size_k, meta, bias=bias)
+
+    def fill(layer):
+        _fill_nvfp4(layer, seed=size_k + sum(widths))
+
+    vllm_layer = build()
+    assert type(vllm_layer.quant_method.kernel) is MarlinNvFp4LinearKernel
+    config, plan = _adapter_plan(vllm_layer, "modelopt_fp4/marlin@1")
+    fill(vllm_layer)
+    with VL.vllm_context("cpu", torch.bfloat16):
+        vllm_layer.quant_method.process_weights_after_loading(vllm_layer)
+
+    loaded, restored = _load_restore(plan, config, build, fill)
+    _assert_equal(vllm_layer, loaded, NVFP4_MARLIN_ATTRS)
+    _assert_equal(loaded, restored, NVFP4_MARLIN_ATTRS)
+    from wcache.vllm.verify import module_state
+
+    assert {} == _diff(module_state(vllm_layer), module_state(restored))
+
+
+def test_nvfp4_w4a16_linear_on_sm90_is_refused(simulated_cuda):
+    """A W4A16 NVFP4 checkpoint (``modelopt_fp4_w4a16``) has no plan anywhere: the
+    adapter's config is refused by plan_for naming why (before any weight is read)."""
     from wcache.core import NoPlan
     from wcache.vllm.adapter import layer_config
 
-    layer = _nvfp4_layer((64, 64), 128, w4a16=w4a16)
+    layer = _nvfp4_layer((64, 64), 128, w4a16=True)
     config = layer_config(layer.quant_method, layer, H200, name="layer")
-    with pytest.raises(NoPlan, match=expected):
+    with pytest.raises(NoPlan, match="no plan for method 'modelopt_fp4_w4a16'"):
         plan_for(config, target=H200)
 
 
@@ -1264,6 +1368,55 @@ def test_nvfp4_moe_cutlass_sm100(simulated_sm100, monkeypatch, num_experts, hidd
     fill(fresh)
     expected = fresh.w2_weight_scale_2 * fresh.w2_input_scale
     assert torch.equal(restored.w2_weight_scale_2, expected)
+
+
+@pytest.mark.parametrize(
+    "num_experts,hidden,intermediate",
+    [(4, 128, 128), (2, 256, 96), (2, 192, 64)],  # the last two pad the intermediate
+)
+def test_nvfp4_moe_marlin_sm90(simulated_cuda, monkeypatch, num_experts, hidden, intermediate):
+    """ModelOptNvFp4FusedMoE on sm90, where vLLM's NVFP4 MoE oracle resolves MARLIN
+    (MarlinExperts, weight-only): vLLM's post-load (w13 global scale,
+    prepare_nvfp4_moe_layer_for_marlin with gptq_marlin_repack's pure reference, input
+    scales set to None) vs wcache's ``modelopt_fp4/marlin_moe`` load and restore; the
+    modular kernel and its quant config are rebuilt from the restored tensors."""
+    from vllm.model_executor.layers.fused_moe.experts.marlin_moe import MarlinExperts
+
+    from wcache.vllm.adapter import layer_config
+
+    # the layers this test builds register in a forward context of their own
+    monkeypatch.setattr(VL._STATE["cfg"].compilation_config, "static_forward_context", {})
+
+    def build(meta=False):
+        return _nvfp4_moe_layer(num_experts, hidden, intermediate, meta)
+
+    def fill(layer):
+        _fill_nvfp4_moe(layer, seed=hidden + intermediate)
+
+    vllm_layer = build()
+    assert vllm_layer.quant_method.experts_cls is MarlinExperts
+    config = layer_config(vllm_layer.quant_method, vllm_layer, H200, name="experts")
+    assert (config.moe.backend, config.moe.experts) == ("MARLIN", "MarlinExperts")
+    plan = plan_for(config, target=H200).plan
+    assert plan.id == "modelopt_fp4/marlin_moe@1"
+    fill(vllm_layer)
+    with VL.vllm_context("cpu", torch.bfloat16):
+        vllm_layer.quant_method.process_weights_after_loading(vllm_layer)
+    assert vllm_layer.w13_input_scale is None and vllm_layer.w2_input_scale is None
+
+    loaded, restored = _load_restore(plan, config, build, fill)
+    attrs = NVFP4_MOE_ATTRS + ("w13_input_scale", "w2_input_scale")
+    _assert_equal(vllm_layer, loaded, attrs)
+    _assert_equal(loaded, restored, attrs)
+    # everything ``wcache verify`` reads (kernel objects opened up, their tensors traced
+    # to the layer's parameters) reads the same as on vLLM's own load; the layer name
+    # differs between the layers a test builds (vLLM registers each MoE layer by name)
+    from wcache.vllm.verify import module_state
+
+    def state(layer):
+        return {k: v for k, v in module_state(layer).items() if k != "~layer_name"}
+
+    assert {} == _diff(state(vllm_layer), state(restored))
 
 
 @pytest.mark.parametrize(

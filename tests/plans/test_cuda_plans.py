@@ -31,6 +31,7 @@ from tests.helpers.cuda_cases import (
     make_module,
     marlin_int_cases,
     nvfp4_linear_checkpoint,
+    nvfp4_marlin_moe_config,
     nvfp4_moe_checkpoint,
     roundtrip,
     seeded_generator,
@@ -68,7 +69,7 @@ _FORWARD = {
 
 
 def forward_for(plan: Plan, cfg: LayerConfig):
-    if plan.method == "mxfp8":
+    if plan.method in ("mxfp8", "modelopt_mxfp8"):
         return R.mxfp8_marlin_forward
     if plan.method == "modelopt_fp4":
         return R.nvfp4_linear_forward if plan.kernel == "cutlass" else R.nvfp4_moe_forward
@@ -108,6 +109,61 @@ def assert_restore_invariant(cfg: LayerConfig, tensors: dict, seed: int = 0):
 
 
 # --------------------------------------------------------------------------- invariant
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    st.sampled_from([(100, 80), (128, 256), (64, 64)]),
+    st.booleans(),
+    st.integers(0, 2**16),
+)
+def test_nvfp4_marlin_linear_restore_invariant(nk, bias, seed):
+    """NVFP4 linear on Marlin: restore(export(prepare)) == load (every tensor's bytes,
+    ``is_w4a16_nvfp4``), the checkpoint untouched, every stage pure, a second restore
+    a no-op; only ``is_w4a16_nvfp4`` is replayed (everything else is exported)."""
+    n, k = nk
+    cfg = cuda_config("modelopt_fp4", k, n, bits=4, g=16, kernel="marlin", bias=bias)
+    tensors = nvfp4_linear_checkpoint(n, k, seed, bias)
+    plan = plan_for(cfg, target=H200).plan
+    assert plan is nvfp4_plans.MARLIN_LINEAR
+    loaded, restored, prepared = roundtrip(plan, tensors, cfg, H200)
+    assert snapshot(loaded, attr_paths(plan)) == snapshot(restored, attr_paths(plan))
+    assert_stages_pure(plan, tensors, cfg, H200)
+    assert set(prepared.tensors) == {
+        "weight",
+        "weight_scale",
+        "weight_global_scale",
+        "input_global_scale",
+        "input_global_scale_inv",
+        "alpha",
+    } | ({"bias"} if bias else set())
+    assert [s.name for s in plan.stages if s.replayable] == [
+        "nvfp4.validate_loaded",
+        "nvfp4.set_is_w4a16_nvfp4",
+    ]
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.sampled_from([(2, 128, 96), (1, 192, 64), (3, 64, 32)]), st.integers(0, 2**16))
+def test_nvfp4_marlin_moe_restore_invariant(dims, seed):
+    """NVFP4 fused MoE on Marlin: restore == load (incl. the input scales' empty slots
+    and the recorded backend), every stage pure; the input scales are not exported."""
+    e, hidden, inter = dims
+    cfg = nvfp4_marlin_moe_config(e, hidden, inter)
+    tensors = nvfp4_moe_checkpoint(e, hidden, inter, seed)
+    plan = plan_for(cfg, target=H200).plan
+    assert plan is nvfp4_plans.MARLIN_MOE
+    loaded, restored, prepared = roundtrip(plan, tensors, cfg, H200)
+    # the synthetic restored module has no placeholder parameters, so its empty slots
+    # are plain attributes (a vLLM-built layer keeps them as parameter slots: the
+    # contract test tests/plans/test_cuda_contracts.py::test_nvfp4_moe_marlin_sm90)
+    slots = {"w13_input_scale": ("param", None), "w2_input_scale": ("param", None)}
+    paths = attr_paths(plan)
+    assert snapshot(loaded, paths) == {**snapshot(restored, paths), **slots}
+    assert restored.w13_input_scale is None and restored.w2_input_scale is None
+    assert "w13_input_scale" not in prepared.tensors
+    assert prepared.recorded  # the backend and experts class vLLM resolved
+    assert_stages_pure(plan, tensors, cfg, H200)
 
 
 @settings(max_examples=20)
@@ -253,14 +309,26 @@ def _plan_cases():
             nvfp4_moe_checkpoint(2, 64, 64, 5),
         )
     )
+    cases.append(
+        (
+            cuda_config("modelopt_fp4", 80, 100, bits=4, g=16, kernel="marlin", bias=True),
+            nvfp4_linear_checkpoint(100, 80, 6, bias=True),
+        )
+    )
+    cases.append((nvfp4_marlin_moe_config(2, 128, 96), nvfp4_moe_checkpoint(2, 128, 96, 7)))
     return cases
 
 
 PLAN_CASES = _plan_cases()
 
 
+#: The NVFP4 kernels vLLM picks only on Blackwell (their plans resolve on sm100 only).
+_SM100_KERNELS = ("cutlass", "cutlass_moe")
+
+
 def _target(cfg):
-    return B200 if cfg.quant.method == "modelopt_fp4" else H200
+    sm100 = cfg.quant.method == "modelopt_fp4" and cfg.quant.kernel in _SM100_KERNELS
+    return B200 if sm100 else H200
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -479,12 +547,23 @@ REGISTRY_CASES = [
         H200,
     ),
     (cuda_config("mxfp8", 64, 64, kernel="marlin"), mxfp8_plans.MARLIN, H200),
+    (
+        cuda_config("modelopt_mxfp8", 64, 64, bits=8, g=32, kernel="marlin"),
+        mxfp8_plans.MODELOPT_MARLIN,
+        H200,
+    ),
     (cuda_config("modelopt_fp4", 64, 64, bits=4, g=16, kernel="cutlass"), nvfp4_plans.LINEAR, B200),
     (
         cuda_config("modelopt_fp4", 64, 64, bits=4, g=16, kind="moe", kernel="cutlass_moe"),
         nvfp4_plans.MOE,
         B200,
     ),
+    (
+        cuda_config("modelopt_fp4", 64, 64, bits=4, g=16, kernel="marlin"),
+        nvfp4_plans.MARLIN_LINEAR,
+        H200,
+    ),
+    (nvfp4_marlin_moe_config(2, 128, 64), nvfp4_plans.MARLIN_MOE, H200),
     (
         cuda_config("awq", 128, 128, bits=4, g=64, zp=True, kernel="machete", extra=MACHETE_EXTRA),
         machete_plans.AWQ,
@@ -672,6 +751,20 @@ def test_all_cuda_plans_covered():
             "compute capability >= 8.9",
         ),
         (cuda_config("modelopt_fp4", 64, 64, bits=4, g=16, kernel="cutlass"), H200, "Blackwell"),
+        (
+            cuda_config("modelopt_fp4", 64, 64, bits=4, g=16, kernel="marlin"),
+            Target("cuda", (7, 0)),
+            "compute capability >= 7.5",
+        ),
+        (
+            evolve(
+                nvfp4_marlin_moe_config(2, 128, 64),
+                moe=evolve(nvfp4_marlin_moe_config(2, 128, 64).moe, backend="HUMMING"),
+            ),
+            H200,
+            "resolved backend HUMMING",
+        ),
+        (nvfp4_marlin_moe_config(2, 96, 64), H200, "hidden_size = 96 unsupported"),
         (cuda_config("gptq", 128, 128, bits=4, g=64, kernel="marlin"), CPU, "CUDA kernel"),
         (
             cuda_config(

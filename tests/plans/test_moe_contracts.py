@@ -38,8 +38,16 @@ MOE_ATTRS = ("quant_method.moe_kernel", "quant_method.moe_kernel.fused_experts")
 _NAMES = ("~layer_name",)
 
 
-def _moe_layer(hidden: int, inter: int, quant_config=None, meta: bool = False, experts: int = 4):
-    """vLLM's RoutedExperts (FusedMoEFactory, TP 1)."""
+def _moe_layer(
+    hidden: int,
+    inter: int,
+    quant_config=None,
+    meta: bool = False,
+    experts: int = 4,
+    **gpt_oss,
+):
+    """vLLM's RoutedExperts (FusedMoEFactory, TP 1); ``gpt_oss``: GPT-OSS's extra
+    arguments (``has_bias``, ``activation``)."""
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
 
     with VL.vllm_context("meta" if meta else "cpu", torch.bfloat16):
@@ -51,6 +59,7 @@ def _moe_layer(hidden: int, inter: int, quant_config=None, meta: bool = False, e
             params_dtype=torch.bfloat16,
             quant_config=quant_config,
             prefix=f"model.layers.{next(_IDS)}.mlp.experts",
+            **gpt_oss,
         )
     return moe.routed_experts
 
@@ -203,6 +212,29 @@ def test_unquantized_moe_triton_sm90(simulated_cuda, hidden, inter):
     assert (config.moe.backend, config.moe.experts) == ("TRITON", "TritonExperts")
 
 
+def test_gpt_oss_biased_swigluoai_moe_triton_sm90(simulated_cuda):
+    """GPT-OSS's experts (w13_bias/w2_bias, swigluoai) resolve TRITON on sm90; vLLM's
+    post-load writes no bytes, the biases are exported as checkpoint tensors, and the
+    restored kernel's quant config holds the installed biases (the disk load's)."""
+    hidden, inter = 256, 128
+    config, vllm_layer, restored = _contract(
+        lambda meta=False: _moe_layer(
+            hidden, inter, meta=meta, has_bias=True, activation="swigluoai"
+        ),
+        lambda layer: _fill(layer, 5),
+        H200,
+        "unquantized_moe/triton@1",
+    )
+    assert (config.moe.backend, config.moe.has_bias, config.moe.activation) == (
+        "TRITON",
+        True,
+        "swigluoai",
+    )
+    quant = restored.quant_method.moe_quant_config
+    assert quant.w1_bias is restored.w13_bias and quant.w2_bias is restored.w2_bias
+    assert torch.equal(restored.w13_bias, vllm_layer.w13_bias)
+
+
 def _fp8_config(block: bool, static: bool = False):
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 
@@ -236,6 +268,211 @@ def test_serialized_fp8_moe_triton_sm90(simulated_cuda, block, static, plan):
         assert tuple(restored.w13_weight_scale.shape) == (4,)
 
 
+def _ct_fp8_config(fmt: str):
+    """vLLM's CompressedTensorsConfig of the fixture format ``fmt`` (the tiny MoE
+    checkpoints' config.json ``quantization_config``)."""
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig,
+    )
+
+    from wcache.testing.moe_fixtures import moe_quantization_config
+
+    return CompressedTensorsConfig.from_config(moe_quantization_config(fmt, []))
+
+
+@pytest.fixture
+def vllm_cutlass_grouped_gemm(monkeypatch):
+    """The CUTLASS grouped GEMM reported present for sm90, as vLLM's CUDA build
+    reports it (``torch.ops._C.cutlass_group_gemm_supported``; the CPU build has none),
+    so the FP8 MoE oracle can resolve VLLM_CUTLASS."""
+    from vllm.model_executor.layers.fused_moe.experts import cutlass_moe
+
+    monkeypatch.setattr(cutlass_moe, "cutlass_group_gemm_supported", lambda: True)
+
+
+#: (fixture format, CUTLASS grouped GEMM in vLLM's build, plan, backend, experts class)
+CT_FP8_CASES = [
+    ("ct_w8a8_fp8", True, "ct_w8a8_fp8_moe_channel/vllm_cutlass@1", "VLLM_CUTLASS",
+     "TritonOrCutlassExperts"),
+    ("ct_w8a8_fp8_static", True, "ct_w8a8_fp8_moe_tensor/vllm_cutlass@1", "VLLM_CUTLASS",
+     "TritonOrCutlassExperts"),
+    ("ct_w8a8_fp8", False, "ct_w8a8_fp8_moe_channel/triton@1", "TRITON", "TritonExperts"),
+    ("ct_w8a8_fp8_static", False, "ct_w8a8_fp8_moe_tensor/triton@1", "TRITON", "TritonExperts"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt,cutlass,plan,backend,experts", CT_FP8_CASES)
+def test_ct_w8a8_fp8_moe_sm90(simulated_cuda, request, fmt, cutlass, plan, backend, experts):
+    """CompressedTensorsW8A8Fp8MoEMethod on sm90 without FlashInfer resolves VLLM_CUTLASS
+    (TritonOrCutlassExperts) where vLLM's build has the CUTLASS grouped GEMM, else TRITON;
+    channel scales (no post-load bytes) and per tensor (w1/w3 requantized to the max
+    scale and static input scales reduced, in place in vLLM, once by the daemon here):
+    load and restore equal vLLM's processed layer, kernel objects included."""
+    if cutlass:
+        request.getfixturevalue("vllm_cutlass_grouped_gemm")
+    hidden, inter = 256, 128
+    config, vllm_layer, restored = _contract(
+        lambda meta=False: _moe_layer(hidden, inter, _ct_fp8_config(fmt), meta=meta),
+        lambda layer: _fill(layer, 11),
+        H200,
+        plan,
+    )
+    assert type(vllm_layer.quant_method).__name__ == "CompressedTensorsW8A8Fp8MoEMethod"
+    assert (config.moe.backend, config.moe.experts) == (backend, experts)
+    assert type(restored.quant_method.moe_kernel.fused_experts).__name__ == experts
+    if fmt == "ct_w8a8_fp8_static":
+        assert tuple(restored.w13_weight_scale.shape) == (4,)
+        assert tuple(restored.w13_input_scale.shape) == ()
+    else:
+        assert tuple(restored.w13_weight_scale.shape) == (4, 2 * inter, 1)
+
+
+def test_ct_w8a8_fp8_moe_restore_never_requantizes(simulated_cuda):
+    """The per-tensor plan's w1/w3 requantization is a TRANSFORM (daemon only): restore
+    replays no stage that writes a tensor, so requantized bytes are never requantized
+    again (vLLM's post-load on already requantized weights would change them)."""
+    from wcache.core import Tag
+
+    bound = plan_for(_ct_layer_config("ct_w8a8_fp8_static", "TRITON", "TritonExperts"), target=H200)
+    writers = {s.name: s.tag for s in bound.plan.stages if s.writes}
+    assert writers == {
+        "fp8_moe.reduce_input_scales": Tag.TRANSFORM,
+        "fp8_moe.process_weight_tensor_strategy": Tag.TRANSFORM,
+    }
+    assert all(tag is Tag.TRANSFORM for tag in writers.values())
+
+
+def _ct_layer_config(fmt: str, backend: str, experts: str):
+    from tests.helpers import moe_cases as mc
+
+    strategy = "tensor" if fmt == "ct_w8a8_fp8_static" else "channel"
+    return mc.moe_config(
+        f"ct_w8a8_fp8_moe_{strategy}",
+        backend.lower(),
+        experts=4,
+        hidden=256,
+        inter=128,
+        backend=backend,
+        experts_cls=experts,
+        strategy=strategy,
+        static=fmt == "ct_w8a8_fp8_static",
+    )
+
+
+#: Backends vLLM's FP8 MoE oracle can resolve on CUDA for CompressedTensorsW8A8Fp8MoEMethod
+#: that no plan covers, with the words of why each one's reason must carry.
+CT_UNPLANNED = [
+    ("FLASHINFER_CUTLASS", "FlashInferExperts", "swaps w13 to w31"),
+    ("FLASHINFER_TRTLLM", "TrtLlmFp8ExpertsMonolithic", "block-major"),
+    ("DEEPGEMM", "TritonOrDeepGemmExperts", "UE8M0"),
+    ("MARLIN", "MarlinExperts", "gptq_marlin_repack"),
+    ("HUMMING", "HummingGroupedExperts", "Humming"),
+    ("AITER", "AiterFp8TensorExperts", "AITER"),
+    ("BATCHED_VLLM_CUTLASS", "CutlassBatchedExpertsFp8", "batched"),
+    ("BATCHED_TRITON", "BatchedTritonExperts", "batched"),
+]
+
+
+#: The FP8 MoE methods' quant configs (name for ids, factory) whose other backends must be
+#: refused: compressed-tensors channel and tensor, Fp8MoEMethod block and tensor.
+FP8_MOE_QUANT_CONFIGS = {
+    "ct_w8a8_fp8": lambda: _ct_fp8_config("ct_w8a8_fp8"),
+    "ct_w8a8_fp8_static": lambda: _ct_fp8_config("ct_w8a8_fp8_static"),
+    "fp8_block": lambda: _fp8_config(block=True),
+    "fp8_static": lambda: _fp8_config(block=False, static=True),
+}
+
+
+#: (format, backend) pairs a plan covers (Fp8MoEMethod on MARLIN: ``fp8_moe_*/marlin``),
+#: so not refused.
+FP8_MOE_PLANNED = {("fp8_block", "MARLIN"), ("fp8_static", "MARLIN")}
+
+
+@pytest.mark.parametrize(
+    "fmt,backend,experts,why",
+    [
+        (fmt, *row)
+        for row in CT_UNPLANNED
+        for fmt in sorted(FP8_MOE_QUANT_CONFIGS)
+        if (fmt, row[0]) not in FP8_MOE_PLANNED
+    ],
+)
+def test_fp8_moe_other_backends_refused_before_weights(
+    simulated_cuda, monkeypatch, fmt, backend, experts, why
+):
+    """A vLLM FP8 MoE layer (CompressedTensorsW8A8Fp8MoEMethod, Fp8MoEMethod) whose
+    oracle resolved a backend no plan covers (faked on the method, as vLLM's oracle
+    would set it) is refused by plan_for from the meta-built layer, before any tensor
+    holds data, naming the backend, the method and what its post-load does."""
+    from vllm.model_executor.layers.fused_moe.oracle.fp8 import Fp8MoeBackend
+
+    from wcache.vllm.adapter import layer_config
+
+    layer = _moe_layer(256, 128, FP8_MOE_QUANT_CONFIGS[fmt](), meta=True)
+    qm = layer.quant_method
+    monkeypatch.setattr(qm, "fp8_backend", Fp8MoeBackend[backend])
+    monkeypatch.setattr(qm, "experts_cls", type(experts, (), {}))
+    config = layer_config(qm, layer, H200, name="experts")
+    assert (config.moe.backend, config.quant.kernel) == (backend, backend.lower())
+    with pytest.raises(NoPlan) as err:
+        plan_for(config, target=H200)
+    assert backend in str(err.value) and why in str(err.value)
+    assert type(qm).__name__ in str(err.value)
+    assert all(p.device.type == "meta" for p in layer.parameters())
+
+
+@pytest.mark.parametrize(
+    "backend,why",
+    [
+        ("FLASHINFER_CUTLASS", "swaps w13 to w31"),
+        ("FLASHINFER_TRTLLM", "block-major"),
+        ("AITER", "AITER"),
+        ("BATCHED_TRITON", "batched"),
+        ("MOONEP", "MoonEP"),
+        ("XPU", "XPU"),
+        ("OOT", "out-of-tree"),
+    ],
+)
+def test_unquantized_moe_other_backends_refused_before_weights(
+    simulated_cuda, monkeypatch, backend, why
+):
+    """An UnquantizedFusedMoEMethod layer whose oracle resolved a backend other than
+    TRITON on CUDA is refused from the meta-built layer, naming the backend and why."""
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+
+    from wcache.vllm.adapter import layer_config
+
+    layer = _moe_layer(256, 128, meta=True, has_bias=True, activation="swigluoai")
+    qm = layer.quant_method
+    monkeypatch.setattr(qm, "unquantized_backend", UnquantizedMoeBackend[backend])
+    config = layer_config(qm, layer, H200, name="experts")
+    with pytest.raises(NoPlan) as err:
+        plan_for(config, target=H200)
+    assert backend in str(err.value) and why in str(err.value)
+    assert "UnquantizedFusedMoEMethod" in str(err.value)
+    assert all(p.device.type == "meta" for p in layer.parameters())
+
+
+def test_ct_w8a8_fp8_moe_block_is_refused_by_method(simulated_cuda):
+    """compressed-tensors block FP8 MoE reaches plan_for as ct_w8a8_fp8_moe_block, which
+    has no plan: refused by name (no TRITON block plan was checked for this method)."""
+    from wcache.vllm.adapter import layer_config
+
+    ct = _ct_fp8_config("ct_w8a8_fp8")
+    for scheme in ct.target_scheme_map.values():
+        scheme["weights"] = scheme["weights"].model_copy(
+            update={"strategy": "block", "block_structure": [128, 128]}
+        )
+        scheme["input_activations"] = scheme["input_activations"].model_copy(
+            update={"strategy": "group", "group_size": 128}
+        )
+    layer = _moe_layer(256, 128, ct, meta=True)
+    config = layer_config(layer.quant_method, layer, H200, name="experts")
+    assert config.quant.method == "ct_w8a8_fp8_moe_block"
+    with pytest.raises(NoPlan, match="ct_w8a8_fp8_moe_block"):
+        plan_for(config, target=H200)
+
+
 def test_other_backends_are_refused_by_name():
     """A backend the oracle may resolve that no plan covers (FlashInfer CUTLASS, DeepGEMM)
     is refused by plan_for before any tensor is read, naming the backend and why."""
@@ -265,7 +502,7 @@ def test_every_moe_plan_has_one_kernel_row_and_back():
     moe_plans = {
         f"{p.method}/{p.kernel}"
         for p in all_plans()
-        if p.method in MOE_METHODS or p.kernel == "cutlass_moe"
+        if p.method in MOE_METHODS or "moe" in p.method or p.kernel in ("cutlass_moe", "marlin_moe")
     }
     rows = [plan for row in KERNELS for plan in row.plans]
     assert sorted(rows) == sorted(set(rows))
@@ -292,3 +529,137 @@ def test_changed_backend_changes_the_plan_id():
         moe=evolve(cfg.moe, experts="X86CPUUnquantizedExperts"),
     )
     assert plan_for(cfg, target=mc.CPU).id != plan_for(amx, target=mc.CPU).id
+
+
+@pytest.fixture
+def marlin_moe_backend(monkeypatch, simulated_cuda):
+    """vLLM's ``moe_backend="marlin"`` (``kernel_config.moe_backend``) for the layers
+    this test builds."""
+    monkeypatch.setattr(VL._STATE["cfg"].kernel_config, "moe_backend", "marlin")
+
+
+@pytest.mark.parametrize(
+    "block,inter,plan",
+    [
+        (False, 128, "fp8_moe_tensor/marlin@1"),
+        (False, 96, "fp8_moe_tensor/marlin@1"),  # I % 64 != 0: vLLM pads it to 128
+        (True, 128, "fp8_moe_block/marlin@1"),
+    ],
+)
+def test_serialized_fp8_moe_marlin_sm90(marlin_moe_backend, block, inter, plan):
+    """Fp8MoEMethod with ``moe_backend="marlin"`` resolves MARLIN (MarlinExperts): vLLM's
+    post-load (per tensor: w1/w3 requantized to the max; then
+    prepare_fp8_moe_layer_for_marlin with the reference repack: pad, per-expert 8-bit
+    repack, scales expanded, permuted, exponent bias fused) vs wcache's
+    ``fp8_moe_*/marlin`` load and restore; the restored layer's MoE kernel objects
+    equal vLLM's."""
+    hidden = 256
+    config, vllm_layer, restored = _contract(
+        lambda meta=False: _moe_layer(hidden, inter, _fp8_config(block), meta=meta),
+        lambda layer: _fill(layer, 11),
+        H200,
+        plan,
+    )
+    assert (config.moe.backend, config.moe.experts) == ("MARLIN", "MarlinExperts")
+    padded = -(-inter // 64) * 64
+    # Marlin 8-bit: [E, K / 16, 4 * N] int32 per projection
+    assert tuple(restored.w13_weight.shape) == (4, hidden // 16, 4 * 2 * padded)
+    assert tuple(restored.w2_weight.shape) == (4, padded // 16, 4 * hidden)
+    assert restored.w13_weight.dtype == torch.int32
+
+
+def _fill_mxfp4(layer, seed: int) -> None:
+    """Canonical MXFP4 checkpoint values: random E2M1 byte pairs, E8M0 codes near 2**0."""
+    with torch.no_grad():
+        for i, (name, p) in enumerate(sorted(layer.named_parameters())):
+            g = torch.Generator().manual_seed(seed + i)
+            if name.endswith("weight_scale"):
+                value = torch.randint(120, 134, tuple(p.shape), generator=g).to(p.dtype)
+            elif p.dtype == torch.uint8:
+                value = torch.randint(0, 256, tuple(p.shape), generator=g, dtype=torch.uint8)
+            else:
+                value = torch.randn(tuple(p.shape), generator=g).to(p.dtype)
+            p.data.copy_(value)
+
+
+@pytest.mark.parametrize("hidden,inter", [(256, 128), (512, 256)])
+def test_mxfp4_moe_marlin_sm90(simulated_cuda, hidden, inter):
+    """Mxfp4MoEMethod (canonical ``quant_method: mxfp4``) on sm90 without FlashInfer or
+    Humming resolves MARLIN: vLLM's prepare_moe_mxfp4_layer_for_marlin (reference
+    4-bit repack per expert, E8M0 scales permuted and reordered) vs wcache's
+    ``mxfp4_moe/marlin`` load and restore, MoE kernel objects included."""
+    from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4Config
+
+    config, vllm_layer, restored = _contract(
+        lambda meta=False: _moe_layer(hidden, inter, Mxfp4Config(), meta=meta),
+        lambda layer: _fill_mxfp4(layer, 5),
+        H200,
+        "mxfp4_moe/marlin@1",
+    )
+    assert (config.moe.backend, config.moe.experts) == ("MARLIN", "MarlinExperts")
+    assert restored.w13_weight_scale.dtype == torch.float8_e8m0fnu
+    assert tuple(restored.w2_weight.shape) == (4, inter // 16, 2 * hidden)
+
+
+def test_mxfp4_moe_marlin_with_int8_activations_is_refused():
+    """``VLLM_MARLIN_INPUT_DTYPE=int8`` (8-bit Marlin activations, another layout) is
+    refused by the MXFP4 Marlin plan before any weight is read, naming the variable."""
+    from tests.helpers import moe_cases as mc
+
+    cfg = mc.moe_config(
+        "mxfp4_moe",
+        "marlin",
+        experts=2,
+        hidden=256,
+        inter=128,
+        backend="MARLIN",
+        experts_cls="MarlinExperts",
+    )
+    assert plan_for(cfg, target=H200).id == "mxfp4_moe/marlin@1"
+    int8 = Target("cuda", (9, 0), env=(("VLLM_MARLIN_INPUT_DTYPE", "int8"),))
+    with pytest.raises(NoPlan, match="VLLM_MARLIN_INPUT_DTYPE=int8"):
+        plan_for(cfg, target=int8)
+
+
+def test_gpt_oss_mxfp4_on_triton_kernels_is_refused_by_name():
+    """GPT-OSS MXFP4 on vLLM's triton_kernels backend (its sm90 default) is refused by
+    plan_for before any weight is read, naming the swizzle into non-Parameter objects
+    and the two ways out (--moe-backend marlin, or no wcache)."""
+    from tests.helpers import moe_cases as mc
+
+    for backend in ("TRITON", "TRITON_UNFUSED"):
+        cfg = mc.moe_config(
+            "gpt_oss_mxfp4",
+            backend.lower(),
+            experts=2,
+            hidden=256,
+            inter=128,
+            backend=backend,
+            experts_cls="OAITritonExperts",
+            num_bits=4,
+        )
+        with pytest.raises(NoPlan, match="GPT-OSS MXFP4") as err:
+            plan_for(cfg, target=H200)
+        for words in ("PrecisionConfig", "--moe-backend marlin", "load_format='auto'"):
+            assert words in str(err.value)
+
+
+def test_gpt_oss_mxfp4_moe_marlin_sm90(marlin_moe_backend, monkeypatch):
+    """GptOssMxfp4MoEMethod with ``moe_backend="marlin"`` resolves MARLIN, whose post-load
+    is the canonical prepare_moe_mxfp4_layer_for_marlin (biases included): vLLM's vs
+    wcache's ``gpt_oss_mxfp4/marlin`` load and restore, and the restored layer's MoE
+    kernel objects (GPT-OSS's SwiGLU quant config) equal vLLM's."""
+    from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config
+
+    # the GPT-OSS oracle reads the user's MoE activation override from the model config
+    model_config = VL._STATE["cfg"].model_config
+    monkeypatch.setattr(model_config, "quantization_config", None, raising=False)
+    hidden, inter = 256, 128
+    config, vllm_layer, restored = _contract(
+        lambda meta=False: _moe_layer(hidden, inter, GptOssMxfp4Config(), meta, has_bias=True),
+        lambda layer: _fill_mxfp4(layer, 9),
+        H200,
+        "gpt_oss_mxfp4/marlin@1",
+    )
+    assert (config.moe.backend, config.moe.experts) == ("MARLIN", "MarlinExperts")
+    assert config.moe.has_bias and restored.w13_bias.dtype == torch.bfloat16

@@ -138,6 +138,25 @@ def _nvfp4_moe(draw) -> tuple:
     return cfg, cuda.nvfp4_moe_checkpoint(e, hidden, inter, draw(st.integers(0, 2**16))), B200
 
 
+@st.composite
+def _nvfp4_marlin_linear(draw) -> tuple:
+    n, k = draw(st.sampled_from([32, 100, 128])), draw(st.sampled_from([64, 80, 128]))
+    bias = draw(st.booleans())
+    cfg = cuda.cuda_config("modelopt_fp4", k, n, bits=4, g=16, kernel="marlin", bias=bias)
+    return cfg, cuda.nvfp4_linear_checkpoint(n, k, draw(st.integers(0, 2**16)), bias), H200
+
+
+@st.composite
+def _nvfp4_marlin_moe(draw) -> tuple:
+    e, hidden, inter = (
+        draw(st.sampled_from([1, 2, 3])),
+        draw(st.sampled_from([64, 128, 192])),
+        draw(st.sampled_from([32, 64, 96])),
+    )
+    cfg = cuda.nvfp4_marlin_moe_config(e, hidden, inter)
+    return cfg, cuda.nvfp4_moe_checkpoint(e, hidden, inter, draw(st.integers(0, 2**16))), H200
+
+
 #: plan id -> a strategy of ``(config, checkpoint tensors, target)`` drawing that plan's
 #: inputs (filtered to the draws that resolve to it; the families mix kernels).
 PLAN_STRATEGIES: dict[str, st.SearchStrategy] = {
@@ -174,6 +193,7 @@ PLAN_STRATEGIES: dict[str, st.SearchStrategy] = {
             "ct_w8a8_fp8/fp8_marlin@2",
             "fp8/fp8_marlin@1",
             "mxfp8/marlin@1",
+            "modelopt_mxfp8/marlin@1",
         )
     },
     **{
@@ -183,6 +203,8 @@ PLAN_STRATEGIES: dict[str, st.SearchStrategy] = {
     "ct_w8a8_int8/cutlass_int8@1": _cuda(cuda.cutlass_int8_cases(), H200),
     "modelopt_fp4/cutlass@1": _nvfp4_linear(),
     "modelopt_fp4/cutlass_moe@1": _nvfp4_moe(),
+    "modelopt_fp4/marlin@1": _nvfp4_marlin_linear(),
+    "modelopt_fp4/marlin_moe@1": _nvfp4_marlin_moe(),
     **moe_cases.PLAN_STRATEGIES,
 }
 

@@ -184,9 +184,43 @@ def test_eager_case_keeps_four_loads_and_no_cache_roots(monkeypatch):
     ]
 
 
+def test_moe_backend_reaches_the_daemon_every_engine_and_the_row(monkeypatch):
+    """EngineCase(moe_backend="marlin"): ``--moe-backend marlin`` is in the daemon's vLLM
+    arguments (``wcache serve``, hence its layout and key) and in every engine's, and the
+    row records it; a case without it passes neither."""
+    calls = _fake_engines(monkeypatch)
+    daemons = []
+    real_init = _FakeDaemon.__init__
+
+    def init(self, model, socket_dir, extra_args=(), env=None):
+        daemons.append(tuple(extra_args))
+        real_init(self, model, socket_dir, extra_args, env)
+
+    monkeypatch.setattr(_FakeDaemon, "__init__", init)
+    row = _run(ea.EngineCase("moe-fp8-b-marlin", "fp8", moe_backend="marlin"))
+    assert row["outcome"] == "restored", row["reason"]
+    assert row["moe_backend"] == "marlin"
+    assert len(calls) == 4 and daemons
+    for args in [c[3] for c in calls] + daemons:
+        i = args.index("--moe-backend")
+        assert args[i + 1] == "marlin"
+    plain = ea.EngineCase("fp8", "fp8")
+    assert "--moe-backend" not in plain.serve_args + plain.engine_args
+
+
+def test_run_engine_passes_moe_backend_to_vllm():
+    """run_engine's ``--moe-backend`` is a vLLM engine argument of the same name (what a
+    priming ``wcache serve`` is given too)."""
+    from wcache.vllm.run_engine import vllm_engine_args
+
+    got = vllm_engine_args(["--moe-backend", "marlin"])
+    i = got.index("--moe-backend")
+    assert got[i + 1] == "marlin"
+
+
 def test_gpu_tier_selects_the_compiled_cases_by_id():
-    """pytest -k compiled on the GPU tier collects exactly the compiled cases: three dense
-    formats, two fused-MoE ones and the compiled weight-update engine."""
+    """pytest -k compiled on the GPU tier collects exactly the compiled cases: the dense
+    formats', the fused-MoE ones and the compiled weight-update engine."""
     import subprocess
     import sys
 
@@ -208,11 +242,20 @@ def test_gpu_tier_selects_the_compiled_cases_by_id():
         timeout=COLLECT_TIMEOUT_S,
     ).stdout
     ids = sorted(ln.split("[")[1].rstrip("]") for ln in out.splitlines() if "::" in ln)
-    assert ids == [
-        "awq-marlin-compiled",
-        "bf16-compiled",
-        "compiled",
-        "fp8-compiled",
-        "moe-qwen3_moe-bf16-compiled",
-        "moe-qwen3_moe_128-fp8_block-compiled",
-    ]
+    assert ids == sorted(
+        [
+            "awq-marlin-compiled",
+            "bf16-compiled",
+            "compiled",
+            "fp8-compiled",
+            "moe-qwen3_moe-awq-compiled",
+            "moe-qwen3_moe-bf16-compiled",
+            "moe-qwen3_moe-fp8-b-marlin-compiled",
+            "moe-qwen3_moe-gptq-compiled",
+            "moe-qwen3_moe_128-fp8_block-compiled",
+            "moe-qwen3_moe_128-mxfp4-compiled",
+            "moe-qwen3_moe_128-nvfp4-compiled",
+            "mxfp8-compiled",
+            "nvfp4-compiled",
+        ]
+    )

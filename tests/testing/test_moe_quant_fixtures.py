@@ -162,12 +162,19 @@ def test_built_experts_map_onto_vllm_create_weights(base, fmt):
 
     path = mf.build_moe(base, fmt)
     config = json.loads((path / fx.CONFIG_FILE).read_text())
-    e, n, h = (config["num_local_experts"], config["moe_intermediate_size"], config["hidden_size"])
+    # Mixtral: experts of ``intermediate_size``, projections w1 (gate), w2 (down), w3 (up)
+    n = config.get("moe_intermediate_size") or config["intermediate_size"]
+    e, h = config.get("num_local_experts") or config["num_experts"], config["hidden_size"]
+    projections = (
+        ("w1", "w2", "w3")
+        if config["model_type"] == "mixtral"
+        else ("gate_proj", "down_proj", "up_proj")
+    )
     qc = _quant_config(path)
     if fmt in mf.VLLM_REFUSED:  # same tensors as gptq: check them against gptq's method
         qc = {**qc, "sym": True, "desc_act": False}
     params = _registered(fmt, qc, e, h, n)
-    mapping = RoutedExperts.build_expert_params_mapping("gate_proj", "down_proj", "up_proj", e)
+    mapping = RoutedExperts.build_expert_params_mapping(*projections, e)
     drop = QuantizationConfig.get_checkpoint_weight_mapper()
     seen: dict[str, set[tuple[int, str]]] = {}
     for name, t in _load(path).items():

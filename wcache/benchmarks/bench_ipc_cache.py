@@ -1,6 +1,7 @@
 """wcache beside vLLM's own weight cache (``vllm preload`` + ``load_format="ipc_cache"``).
 
-``python -m wcache.benchmarks.bench_ipc_cache --cases 8b-bf16,8b-fp8,8b-fp8-block``
+``python -m wcache.benchmarks.bench_ipc_cache --cases 8b-bf16,8b-fp8,8b-fp8-block`` (or
+``--cases moe30b-fp8-block,moe30b-nvfp4,moe30b-awq``: Qwen3-30B-A3B-shaped MoE)
 (on the H200 under vLLM 0.33, after tools/gpu/device-setup.sh: ``export
 WCACHE_GPU_VLLM=0.33.0; source tools/gpu/env.sh``). vLLM 0.32 has ``ipc_cache`` too; the issue's comparison is 0.33's.
 
@@ -53,13 +54,18 @@ from wcache.testing.engine_acceptance import CUDA_ENGINE_ARGS
 __all__ = ["CASES", "run", "run_swap", "table", "write_swapped_checkpoint"]
 
 #: Case -> (model, checkpoint kind, vLLM --quantization). "8b" models are written by
-#: bench_engine_cuda.write_llama_checkpoint (Llama-3-8B shapes); "smol" ones are the
-#: SmolLM2 fixtures (wcache.testing.fixtures). Block FP8 128x128 exists only at 8B:
-#: vLLM itself refuses it on SmolLM2 (576 % 128 != 0).
+#: bench_engine_cuda.write_llama_checkpoint (Llama-3-8B shapes); "moe30b" ones by
+#: wcache.testing.moe_bench.write_qwen3_moe (Qwen3-30B-A3B's geometry, ``--moe-layers``
+#: of its 48 layers); "smol" ones are the SmolLM2 fixtures (wcache.testing.fixtures).
+#: Block FP8 128x128 exists only at 8B and 30B-A3B: vLLM itself refuses it on SmolLM2
+#: (576 % 128 != 0).
 CASES: dict[str, tuple[str, str, str | None]] = {
     "8b-bf16": ("8b", "bf16", None),
     "8b-fp8": ("8b", "fp8", None),
     "8b-fp8-block": ("8b", "fp8_block", None),
+    "moe30b-fp8-block": ("moe30b", "fp8_block", None),
+    "moe30b-nvfp4": ("moe30b", "nvfp4", None),
+    "moe30b-awq": ("moe30b", "awq", None),
     "smol-bf16": ("smol", "bf16", None),
     "smol-fp8": ("smol", "fp8", None),
     "smol-awq": ("smol", "awq", None),
@@ -81,6 +87,10 @@ COMMON_ARGS = (
 #: Share of the H200 one engine may claim (an 8B model's weights plus its KV cache,
 #: with a daemon's copy beside it).
 GPU_MEMORY_UTILIZATION = 0.3
+#: Decoder layers of the 30B-A3B-shaped MoE checkpoints (of Qwen3-30B-A3B's 48): 12 in
+#: block FP8 are ~7.6 GB, which the H200 machine writes and three systems load within
+#: one 10-minute device call.
+MOE_LAYERS = 12
 #: An 8B daemon loads and prepares in ~30 s on the H200; room for a cold cache.
 DAEMON_READY_TIMEOUT_S = 300.0
 #: Engine start, load and 8 tokens (~10 s for 8B), with room.
@@ -182,11 +192,16 @@ class PreloadProcess:
         self.stop()
 
 
-def _checkpoint(model: str, kind: str, root: Path) -> Path:
+def _checkpoint(model: str, kind: str, root: Path, moe_layers: int = MOE_LAYERS) -> Path:
     from wcache.testing.fixtures import build  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     if model == "smol":
         return Path(build(kind))
+    if model == "moe30b":
+        from wcache.testing.moe_bench import write_qwen3_moe  # noqa: PLC0415 (torch import ~2 s: only when called)
+
+        out = root / f"qwen3-30b-a3b-{kind.replace('_', '-')}-{moe_layers}l"
+        return write_qwen3_moe(out, Path(build("bf16")), layers=moe_layers, fmt=kind)
     from wcache.benchmarks.bench_engine_cuda import write_llama_checkpoint  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     return write_llama_checkpoint(root / f"llama-8b-{kind}", kind, Path(build("bf16")))
@@ -227,10 +242,19 @@ def _engine(
 
 
 def _summary(res: dict) -> dict[str, Any]:
+    marks = (res.get("phases") or {}).get("marks") or {}
+    ttft = (
+        marks["first_token"] - marks["process_start"]
+        if "first_token" in marks and "process_start" in marks
+        else None
+    )
     return {
         "model_loading_s": res.get("model_loading_s"),
         "model_loading_gib": res.get("model_loading_gib"),
         "llm_start_s": res.get("llm_start_s"),
+        # the engine process's start to its first request's first token (run_engine's
+        # phase marks): what a restart waits for
+        "ttft_s": ttft,
         "token_ids": res["token_ids"],
     }
 
@@ -300,6 +324,7 @@ def run(
     root: Path,
     log: Callable[[str], None],
     on_row: Callable[[list[dict[str, Any]]], None] = lambda rows: None,
+    moe_layers: int = MOE_LAYERS,
 ) -> list[dict]:
     """One row per case: ``disk``, ``wcache`` and ``ipc_cache`` (see the module doc)."""
     rows: list[dict[str, Any]] = []
@@ -309,7 +334,7 @@ def run(
         model, kind, quant = CASES[case]
         row: dict[str, Any] = {"case": case, "quantization": quant}
         try:
-            ckpt = _checkpoint(model, kind, root)
+            ckpt = _checkpoint(model, kind, root, moe_layers)
             row["disk"] = _summary(_engine(ckpt, "auto", {}, quant, model))
         except RuntimeError as exc:
             row["disk"] = {"engine_error": _error(exc)}
@@ -421,15 +446,16 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown table of :func:`run`'s rows: one line per case and system."""
     out = [
         "| case | system | daemon ready (s) | daemon GPU memory (MiB) | Model loading "
-        "took (s) | engine GiB | LLM() start (s) | same tokens as disk |",
-        "|---|---|---:|---:|---:|---:|---:|---|",
+        "took (s) | engine GiB | LLM() start (s) | first token (s) | same tokens as disk |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         d = r["disk"]
         out.append(
             f"| {r['case']} | disk | - | - | {_fmt(d.get('model_loading_s'))} | "
             f"{_fmt(d.get('model_loading_gib'), '.2f')} | "
-            f"{_fmt(d.get('llm_start_s'), '.1f')} | (reference) |"
+            f"{_fmt(d.get('llm_start_s'), '.1f')} | {_fmt(d.get('ttft_s'), '.1f')} | "
+            "(reference) |"
         )
         for name in ("wcache", "ipc_cache"):
             s = r.get(name)
@@ -439,7 +465,9 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
             if err:
                 where = "daemon" if "daemon_error" in s else "engine"
                 msg = " ".join(err).replace("|", "\\|")[:240]
-                out.append(f"| {r['case']} | {name} | refused/failed ({where}): {msg} | | | | | |")
+                out.append(
+                    f"| {r['case']} | {name} | refused/failed ({where}): {msg} | | | | | | |"
+                )
                 continue
             out.append(
                 f"| {r['case']} | {name} | {_fmt(s.get('daemon_ready_s'), '.1f')} | "
@@ -447,6 +475,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
                 f"{_fmt(s.get('model_loading_s'))} | "
                 f"{_fmt(s.get('model_loading_gib'), '.2f')} | "
                 f"{_fmt(s.get('llm_start_s'), '.1f')} | "
+                f"{_fmt(s.get('ttft_s'), '.1f')} | "
                 f"{'yes' if s.get('identical') else 'NO'} |"
             )
     return "\n".join(out)
@@ -469,6 +498,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=Path,
         default=Path(os.environ.get("WCACHE_BENCH_DIR", "/tmp/wcache-8b")),
         help="where checkpoints and daemon logs are written",
+    )
+    ap.add_argument(
+        "--moe-layers",
+        type=int,
+        default=MOE_LAYERS,
+        help=f"decoder layers of the moe30b checkpoints (of 48; default {MOE_LAYERS})",
     )
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args(argv)
@@ -497,7 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[bench-ipc-cache] {m}", flush=True)
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # daemons stop on the way out
-    rows = run(cases, args.root, log, on_row=save)
+    rows = run(cases, args.root, log, on_row=save, moe_layers=args.moe_layers)
     print(table(rows))
     if args.swap:
         result["swap"] = run_swap(args.root, log)

@@ -1,6 +1,8 @@
-"""Draw the restore-cost curve (restore time vs model size) as a PNG.
+"""Draw benchmark results as PNGs: the restore-cost curve (restore time vs model size),
+or a ``bench_ipc_cache`` run (model loading and first token per case and system).
 
 python -m wcache.benchmarks.plot benchmarks/results/cuda.json docs/restore_cost.png
+python -m wcache.benchmarks.plot --ipc-cache benchmarks/results-h200-ipc-cache-moe.json docs/x.png
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_restore_cost", "pyplot_for", "main"]
+__all__ = ["plot_restore_cost", "plot_ipc_cache", "pyplot_for", "main"]
 
 #: Figure size in inches and resolution: readable in docs at GitHub's page width.
 FIGSIZE_IN = (6.4, 4.0)
@@ -80,12 +82,66 @@ def plot_restore_cost(results: Mapping, png: str | Path) -> Path:
     return png
 
 
+#: The systems of a ``bench_ipc_cache`` row, in the order they are drawn.
+IPC_CACHE_SYSTEMS = ("disk", "wcache", "ipc_cache")
+
+
+def plot_ipc_cache(result: Mapping, png: str | Path) -> Path:
+    """Two bar panels of a ``bench_ipc_cache`` result (``{"meta", "rows"}``): vLLM's
+    "Model loading took" (seconds, log scale) and the engine process's start to its
+    first token (seconds), one group per case, one bar per system; a system that
+    refused or failed has no bar and is named under its group.
+
+    Args:
+        result: the JSON ``bench_ipc_cache --out`` writes.
+        png: output path; parent dirs are created.
+
+    Returns:
+        ``png`` as a Path.
+    """
+    plt, png = pyplot_for(png)
+    rows = result["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(FIGSIZE_IN[0] * 1.6, FIGSIZE_IN[1]))
+    width = 0.8 / len(IPC_CACHE_SYSTEMS)
+    for ax, key, title in (
+        (axes[0], "model_loading_s", "vLLM's model loading (s, log)"),
+        (axes[1], "ttft_s", "process start to first token (s)"),
+    ):
+        for i, system in enumerate(IPC_CACHE_SYSTEMS):
+            xs, ys = [], []
+            for j, row in enumerate(rows):
+                v = (row.get(system) or {}).get(key)
+                if v is not None:
+                    xs.append(j + (i - 1) * width)
+                    ys.append(v)
+            bars = ax.bar(xs, ys, width, label=system)
+            ax.bar_label(bars, fmt="%.2g", fontsize=7)
+        labels = []
+        for row in rows:
+            failed = [s for s in IPC_CACHE_SYSTEMS if (row.get(s) or {}).get(key) is None]
+            labels.append(row["case"] + ("".join(f"\n{s}: failed" for s in failed)))
+        ax.set_xticks(range(len(rows)), labels, fontsize=8)
+        ax.set_title(title, fontsize=9)
+        if key == "model_loading_s":
+            ax.set_yscale("log")
+    axes[0].legend(fontsize=8)
+    meta = result.get("meta", {})
+    fig.suptitle(f"{meta.get('device', '')}, vLLM {meta.get('vllm', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=DPI)
+    plt.close(fig)
+    return png
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    ipc = bool(args) and args[0] == "--ipc-cache"
+    args = args[1:] if ipc else args
     if len(args) != 2:
         print(__doc__)
         return 2
-    plot_restore_cost(json.loads(Path(args[0]).read_text()), args[1])
+    draw = plot_ipc_cache if ipc else plot_restore_cost
+    draw(json.loads(Path(args[0]).read_text()), args[1])
     return 0
 
 

@@ -33,6 +33,8 @@ PLAN_MODULES = (
     "machete",
     "cutlass_int8",  # the kernels vLLM picks on Hopper
     "fused_moe",  # fused MoE, CUDA and CPU (issue 42)
+    "mxfp4",  # canonical MXFP4 MoE on Marlin, GPT-OSS MXFP4 refused (issue 46)
+    "marlin_moe",  # int4/int8 fused MoE on Marlin (issue 46)
 )
 
 

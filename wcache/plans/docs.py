@@ -84,6 +84,16 @@ _MOE_CONTRACT = (
     "its experts class), restore == load"
 )
 
+_MOE_MARLIN_CONTRACT = _MOE_CONTRACT.replace("(TRITON, TritonExperts)", "(MARLIN, MarlinExperts)")
+#: The Marlin MoE plans' contract (issue 46; tests/plans/test_marlin_moe_contracts.py).
+_MARLIN_MOE_CONTRACT = (
+    "tests/plans/test_marlin_moe_contracts.py: vLLM's RoutedExperts ({method}) post-loaded "
+    "under a simulated CUDA sm90 platform, where vLLM's oracle resolves MARLIN "
+    "(MarlinExperts), with ops.{op} swapped for vLLM's marlin_weights reference per expert; "
+    "load == vLLM's processed layer (bytes, None slots, aliases, the FusedMoEKernel), "
+    "restore == load; tests/gpu/test_gpu_stages.py compares the repack with vLLM's CUDA op"
+)
+
 #: Which contract each CUDA plan (``"cuda" in plan.devices``) passed (issue 12 item 6).
 #: The real-engine evidence is not here: it is the gpu_engine tier's committed rows
 #: (:data:`REAL_ENGINE_RESULTS`, docs/gpu.md), rendered next to this table. Kept by
@@ -105,6 +115,63 @@ CUDA_CONTRACTS = {
     "fp8_moe_tensor/triton@1": f"{_MOE_CONTRACT} (Fp8MoEMethod per tensor; vLLM's in-place "
     "w1/w3 requantization with its pure-torch static quantizer "
     "equals the daemon's TRANSFORM bit for bit)",
+    "awq_moe/marlin@1": _MARLIN_MOE_CONTRACT.format(
+        method="AutoAWQMoEMethod, G 32/64/128", op="awq_marlin_moe_repack"
+    ),
+    "gptq_moe/marlin@1": _MARLIN_MOE_CONTRACT.format(
+        method="AutoGPTQMoEMethod, symmetric int4 G 32/64/128, unloaded and loaded expert biases",
+        op="gptq_marlin_moe_repack",
+    ),
+    "ct_w4a16_moe/marlin@1": _MARLIN_MOE_CONTRACT.format(
+        method="CompressedTensorsWNA16MoEMethod, group 32/64/128, channel, asymmetric",
+        op="gptq_marlin_moe_repack",
+    ),
+    **{
+        f"ct_w8a8_fp8_moe_{kind}/{backend}@1": _MOE_CONTRACT.replace(
+            "(TRITON, TritonExperts)", resolved
+        )
+        + f" (CompressedTensorsW8A8Fp8MoEMethod, {what})"
+        for backend, resolved in (
+            (
+                "vllm_cutlass",
+                "(VLLM_CUTLASS, TritonOrCutlassExperts, with the CUTLASS grouped GEMM "
+                "reported present as vLLM's CUDA build does)",
+            ),
+            ("triton", "(TRITON, TritonExperts, where vLLM's build lacks the grouped GEMM)"),
+        )
+        for kind, what in (
+            ("channel", "channel scales, dynamic per-token activations; no post-load bytes"),
+            (
+                "tensor",
+                "per-tensor scales, static activations; vLLM's in-place w1/w3 "
+                "requantization equals the daemon's TRANSFORM bit for bit",
+            ),
+        )
+    },
+    "fp8_moe_tensor/marlin@1": f"{_MOE_MARLIN_CONTRACT} with moe_backend='marlin' (Fp8MoEMethod per "
+    "tensor on MARLIN/MarlinExperts: the in-place w1/w3 requantization, then "
+    "prepare_fp8_moe_layer_for_marlin with the reference 8-bit repack; I = 96 padded to "
+    "128 included); plus tests/stages/test_marlin_mx_stages.py (the layout decodes to the "
+    "checkpoint's bytes and scales)",
+    "fp8_moe_block/marlin@1": f"{_MOE_MARLIN_CONTRACT} with moe_backend='marlin' (Fp8MoEMethod, block "
+    "128x128, on MARLIN/MarlinExperts: block scales to permuted K-group scales); plus the "
+    "decode property tests",
+    "mxfp4_moe/marlin@1": f"{_MOE_MARLIN_CONTRACT} (Mxfp4MoEMethod, canonical quant_method mxfp4, "
+    "on MARLIN/MarlinExperts as vLLM 0.33 resolves it on sm90 without FlashInfer or "
+    "Humming: prepare_moe_mxfp4_layer_for_marlin with the reference 4-bit repack); the "
+    "kernel objects are rebuilt by wcache.vllm.moe.KERNELS' Mxfp4MoEMethod row (vLLM's "
+    "own pre-processed branch raises on this backend); plus the decode property tests",
+    "gpt_oss_mxfp4/marlin@1": f"{_MOE_MARLIN_CONTRACT} with moe_backend='marlin' "
+    "(GptOssMxfp4MoEMethod with biases on MARLIN/MarlinExperts: GPT-OSS's post-load calls "
+    "the canonical prepare_moe_mxfp4_layer_for_marlin); the triton_kernels backend (vLLM's "
+    "sm90 default) is refused by name (test); plus the decode property tests",
+    "modelopt_mxfp8/marlin@1": f"{_CONTRACT} (ModelOptLinearMethod with KMxfp8Static, a "
+    "serialized ModelOpt MXFP8 checkpoint, on MarlinMxfp8LinearKernel: "
+    "prepare_mxfp8_layer_for_marlin with the reference repack; N, K off Marlin's tiles and "
+    "bias included): "
+    + _CHECKED.format(attrs="the partition sizes apply reads, is_w4a16_nvfp4")
+    + "; the reference Marlin GEMM equals the checkpoint's dequantized GEMM bit for bit "
+    "(tests/stages/test_marlin_mx_stages.py)",
     "fp8_per_tensor_moe/triton@1": "stage tests only (tests/stages/test_moe_stages.py "
     "strategies; no vLLM-layer contract: vLLM's online MoE "
     "loads layerwise on meta); the H200 tier is its proof",
@@ -175,14 +242,17 @@ CUDA_CONTRACTS = {
     "loader, MarlinMxfp8LinearKernel: vLLM's pure-torch mxfp8 quantize "
     "below sm100, the reference repack; bias, N and K off Marlin's tiles "
     "included): " + _CHECKED.format(attrs="input_scale, the partition sizes apply reads"),
-    "modelopt_fp4/cutlass@1": f"{_CONTRACT_SM100} (ModelOptLinearMethod NVFP4 W4A4 on "
+    "modelopt_fp4/cutlass@1": "**Contract-only** (CUTLASS NVFP4 needs sm100; on the H200 "
+    "vLLM picks MarlinNvFp4LinearKernel: `modelopt_fp4/marlin@1`). "
+    f"{_CONTRACT_SM100} (ModelOptLinearMethod NVFP4 W4A4 on "
     "CutlassNvFp4LinearKernel, its post-load pure torch; "
     "swizzle_blockscale's trailing .cuda() made the no-op it is on a "
     "GPU; N, K and K/16 off the swizzle and padding tiles included): "
     + _CHECKED.format(attrs="the partition sizes apply reads, is_w4a16_nvfp4")
-    + ". On sm90 vLLM picks MarlinNvFp4LinearKernel, which has no "
-    "plan: refused (test)",
-    "modelopt_fp4/cutlass_moe@1": f"{_CONTRACT_SM100} (ModelOptNvFp4FusedMoE, RoutedExperts "
+    + ". No sm100 GPU has run it",
+    "modelopt_fp4/cutlass_moe@1": "**Contract-only** (CutlassExpertsFp4 needs sm100; on the "
+    "H200 vLLM resolves MARLIN: `modelopt_fp4/marlin_moe@1`). "
+    f"{_CONTRACT_SM100} (ModelOptNvFp4FusedMoE, RoutedExperts "
     "built by FusedMoEFactory, vLLM's VLLM_CUTLASS backend with "
     "CutlassExpertsFp4, whose post-load fuses the activation "
     "scales in place): "
@@ -194,9 +264,28 @@ CUDA_CONTRACTS = {
     + "; the restored fused scale is the checkpoint scale "
     "times the input scale once. wcache rebuilds vLLM's "
     "modular kernel after restore without the experts' "
-    "in-place fuse (wcache.vllm.moe.KERNELS' NVFP4 row; "
+    "in-place fuse (wcache.vllm.moe.KERNELS' VLLM_CUTLASS row; "
     "before this, a restored layer had no moe_kernel and "
     "vLLM's apply would assert)",
+    "modelopt_fp4/marlin@1": f"{_CONTRACT} (ModelOptLinearMethod NVFP4 W4A4 checkpoint, where "
+    "vLLM picks MarlinNvFp4LinearKernel, weight-only: prepare_fp4_layer_for_marlin "
+    "with the reference repack; aligned, N and K off Marlin's tiles, and a bias): "
+    + _CHECKED.format(attrs="the partition sizes apply reads, is_w4a16_nvfp4")
+    + ", and every layer attribute wcache verify reads. The stages equal vLLM's "
+    "nvfp4_marlin_process_scales / _global_scale bit for bit, rescaled scales and "
+    "fp16 included (tests/stages/test_cuda_stages.py). A W4A16 NVFP4 checkpoint has "
+    "no plan: refused (test)",
+    "modelopt_fp4/marlin_moe@1": f"{_CONTRACT} (ModelOptNvFp4FusedMoE, RoutedExperts built "
+    "by FusedMoEFactory; vLLM's NVFP4 MoE oracle resolves MARLIN with "
+    "MarlinExperts: prepare_nvfp4_moe_layer_for_marlin with the reference repack, "
+    "intermediate sizes padded to Marlin's tile included): "
+    + _CHECKED.format(
+        attrs="the modular kernel and experts classes, the moe_quant_config "
+        "tensors it reads, and the input scales' empty slots"
+    )
+    + ". wcache rebuilds vLLM's modular kernel after restore "
+    "(wcache.vllm.moe.KERNELS' MARLIN row; vLLM's own pre-processed branch "
+    "raises for every backend but FLASHINFER_TRTLLM)",
     "awq/machete@1": f"{_CONTRACT} (AutoAWQMarlinLinearMethod where vLLM picks "
     "MacheteLinearKernel: K % 64 == 0, N % 128 == 0, g64/g128; "
     "ops.machete_prepack_B swapped for a stand-in reorder that depends on "
@@ -251,6 +340,7 @@ def real_engine_results(version: str = "0.32.0", root=None) -> list[dict]:
 
 def _case_label(row: dict) -> str:
     extra = [f"--quantization {row['quantization']}"] if row.get("quantization") else []
+    extra += [f"--moe-backend {row['moe_backend']}"] if row.get("moe_backend") else []
     extra += [f"{k}={v}" for k, v in sorted(row.get("env", {}).items())]
     label = f"{row['case']} (`{row['fmt']}`" + (f"; {'; '.join(extra)}" if extra else "") + ")"
     return label if len(label) < 160 else label[:157] + "..."
@@ -354,7 +444,7 @@ REFUSAL_PROBES: tuple[tuple[str, LayerConfig, Target], ...] = (
         _H200,
     ),
     (
-        "GPTQ fused MoE",
+        "a linear method's spec on a fused-MoE layer",
         LayerConfig(QuantSpec("gptq", 4, 128, layer_kind="moe"), 4096, 4096, "bfloat16"),
         _H200,
     ),

@@ -25,8 +25,26 @@ What vLLM 0.32/0.33 does after load, per plan (read from their source):
   the input scales: TRANSFORMs the daemon runs once.
 * ``fp8_per_tensor_moe/triton``: ``Fp8PerTensorOnlineMoEMethod`` (``quantization="fp8"``
   on a bf16 checkpoint), backend ``TRITON``: per-expert per-tensor quantization.
+* ``fp8_moe_tensor/marlin`` and ``fp8_moe_block/marlin``: ``Fp8MoEMethod`` on vLLM's
+  ``MARLIN`` backend (``MarlinExperts``: ``moe_backend="marlin"``, or any GPU below
+  sm89): after the per-tensor steps above, ``prepare_fp8_moe_layer_for_marlin`` pads
+  the intermediate to Marlin's MoE tiles, repacks every expert (``gptq_marlin_repack``,
+  8 bits) and permutes the scales with the FP8 exponent bias fused
+  (:mod:`wcache.stages.marlin_mx`): TRANSFORMs the daemon runs once.
 * ``unquantized_moe/cpu_vec`` and ``cpu_amx``: vLLM-CPU pads the intermediate and
   prepacks (:mod:`wcache.stages.moe_cpu`).
+* ``ct_w8a8_fp8_moe_channel/<backend>`` and ``ct_w8a8_fp8_moe_tensor/<backend>``:
+  ``CompressedTensorsW8A8Fp8MoEMethod`` (channel weight scales with dynamic per-token
+  activations; per-tensor weight scales, static activations). Its oracle call allows
+  vLLM's CUTLASS experts (``allow_vllm_cutlass=True``), so on sm90 without FlashInfer
+  it resolves ``VLLM_CUTLASS`` (``TritonOrCutlassExperts``) where vLLM's build has the
+  CUTLASS grouped GEMM for the device, else ``TRITON`` (``TritonExperts``); both
+  consume the checkpoint layout (``convert_to_fp8_moe_kernel_format`` passes them
+  through), so channel is METADATA only and tensor runs the same two TRANSFORMs as
+  ``fp8_moe_tensor/triton`` (w1/w3 requantized to the max scale, input scales
+  reduced), once, in the daemon. The method has no pre-processed branch: restore
+  rebuilds the kernel objects with vLLM's ``make_fp8_moe_kernel``
+  (``wcache.vllm.moe``), never its post-load.
 
 Every other backend vLLM can resolve for these methods (FlashInfer CUTLASS / TRTLLM,
 DeepGEMM, Marlin, AITER, batched and EP variants, ...) is refused by name before
@@ -39,7 +57,7 @@ import functools
 
 from wcache.core import LayerConfig, Plan, Target
 from wcache.plans.registry import register
-from wcache.stages import moe, moe_cpu
+from wcache.stages import marlin_mx, moe, moe_cpu
 
 __all__ = [
     "MOE_METHODS",
@@ -51,10 +69,24 @@ __all__ = [
     "FP8_BLOCK_TRITON",
     "FP8_TENSOR_TRITON",
     "FP8_ONLINE_TRITON",
+    "CT_FP8_CHANNEL_PLANS",
+    "CT_FP8_TENSOR_PLANS",
+    "FP8_TENSOR_MARLIN",
+    "FP8_BLOCK_MARLIN",
+    "MARLIN_EXPERTS",
 ]
 
 #: wcache's MoE method ids (``QuantSpec.method``), one per vLLM MoE method family.
-MOE_METHODS = ("unquantized_moe", "fp8_moe_block", "fp8_moe_tensor", "fp8_per_tensor_moe")
+MOE_METHODS = (
+    "unquantized_moe",
+    "fp8_moe_block",
+    "fp8_moe_tensor",
+    "fp8_per_tensor_moe",
+    "ct_w8a8_fp8_moe_channel",
+    "ct_w8a8_fp8_moe_tensor",
+    "mxfp4_moe",
+    "gpt_oss_mxfp4",
+)
 
 #: Backends vLLM's oracles can resolve for these methods that no plan covers, and
 #: what their post-load does to the bytes (why a restore would need its own plan).
@@ -64,10 +96,22 @@ UNPLANNED_BACKENDS = {
     "FLASHINFER_TRTLLM": "re-lays the weights out in FlashInfer's block-major layout",
     "DEEPGEMM": "requantizes the block scales to UE8M0 in place and transforms their layout",
     "BATCHED_DEEPGEMM": "requantizes the block scales to UE8M0 in place",
-    "MARLIN": "repacks the experts for Marlin (gptq_marlin_repack per expert)",
+    "MARLIN": "repacks the experts for Marlin (gptq_marlin_repack per expert; wcache "
+    "plans it for FP8 and canonical MXFP4 MoE only)",
     "HUMMING": "repacks the experts for Humming",
     "AITER": "shuffles the weights for ROCm AITER",
-    "VLLM_CUTLASS": "has no wcache plan for these experts yet",
+    "VLLM_CUTLASS": "keeps the checkpoint layout for CUTLASS grouped GEMMs, which wcache "
+    "plans for compressed-tensors W8A8 FP8 MoE only",
+    "BATCHED_VLLM_CUTLASS": "runs CUTLASS grouped GEMMs on batched (EP all-to-all) "
+    "activations, which wcache does not plan yet",
+    "FLASHINFER_CUTLASS_MXFP4_BF16": "de-interleaves and swaps w13 and interleaves the "
+    "MXFP4 scales for FlashInfer's sm90 mixed GEMM",
+    "CPU_W8A8": "packs the experts for vLLM-CPU's AMX-FP8 kernel",
+    "XPU": "lays the experts out for Intel XPU kernels",
+    "HPC": "runs an out-of-tree HPC kernel wcache has no layout for",
+    "NONE": "resolved no kernel (vLLM's oracle found no backend)",
+    "TPU": "hands the weights to the TPU plugin, whose layout wcache does not know",
+    "OOT": "hands the weights to an out-of-tree plugin, whose layout wcache does not know",
     "BATCHED_TRITON": "runs with batched (EP all-to-all) activations, which wcache does "
     "not plan yet",
     "MOONEP": "moves the weights into MoonEP's [E+B] gate/down split",
@@ -79,9 +123,16 @@ _VLLM_CLASSES = {
     "fp8_moe_block": "Fp8MoEMethod",
     "fp8_moe_tensor": "Fp8MoEMethod",
     "fp8_per_tensor_moe": "Fp8PerTensorOnlineMoEMethod",
+    "ct_w8a8_fp8_moe_channel": "CompressedTensorsW8A8Fp8MoEMethod",
+    "ct_w8a8_fp8_moe_tensor": "CompressedTensorsW8A8Fp8MoEMethod",
 }
 #: The vLLM experts class each CUDA plan was checked against.
 TRITON_EXPERTS = "TritonExperts"
+#: vLLM's experts class for backend VLLM_CUTLASS (CUTLASS grouped GEMM, Triton fallback
+#: for small batches on sm100).
+CUTLASS_EXPERTS = "TritonOrCutlassExperts"
+#: The experts class of vLLM's (non-batched) MARLIN MoE backend.
+MARLIN_EXPERTS = "MarlinExperts"
 
 
 def moe_kernel_id(backend: str, experts: str) -> str:
@@ -253,6 +304,115 @@ FP8_ONLINE_TRITON = register(
         description="Online per-tensor FP8 fused MoE (quantization='fp8' on a bf16 checkpoint, "
         "Fp8PerTensorOnlineMoEMethod) on vLLM's TRITON backend: the daemon quantizes "
         "each expert once (one scale per expert and projection); restore rebuilds "
+        "vLLM's MoE kernel objects (METADATA).",
+    )
+)
+
+
+#: compressed-tensors W8A8 FP8 MoE: the backends vLLM 0.32/0.33 resolves for it on sm90
+#: without FlashInfer, each with its experts class. Both keep the checkpoint layout.
+_CT_FP8_BACKENDS = (("VLLM_CUTLASS", CUTLASS_EXPERTS), ("TRITON", TRITON_EXPERTS))
+
+
+def _match_ct_channel(
+    config: LayerConfig, target: Target, *, backend: str, experts: str
+) -> str | None:
+    reason = _match_cuda(config, target, backend=backend, experts=experts, tp_one=False)
+    if reason is None and config.quant.static_input:
+        return (
+            "channel-wise FP8 MoE weights need dynamic per-token activations "
+            "(vLLM raises for static ones); this layer has static input scales"
+        )
+    return reason
+
+
+def _ct_channel_match(backend: str, experts: str):
+    # a partial of a module-level function, as _cuda: plans pickle (the daemon's key)
+    return functools.partial(_match_ct_channel, backend=backend, experts=experts)
+
+
+CT_FP8_CHANNEL_PLANS = tuple(
+    register(
+        Plan(
+            method="ct_w8a8_fp8_moe_channel",
+            kernel=backend.lower(),
+            devices="cuda",
+            stages=(moe.validate_expert_shapes, moe.set_experts_kernel),
+            checkpoint=_FP8_CHECKPOINT,
+            match=_ct_channel_match(backend, experts),
+            description=f"compressed-tensors W8A8 FP8 fused MoE, channel-wise weight scales "
+            f"and dynamic per-token activations (CompressedTensorsW8A8Fp8MoEMethod) on "
+            f"vLLM's {backend} backend ({experts}): no post-load bytes; restore "
+            f"rebuilds vLLM's MoE kernel objects with make_fp8_moe_kernel (METADATA).",
+        )
+    )
+    for backend, experts in _CT_FP8_BACKENDS
+)
+
+CT_FP8_TENSOR_PLANS = tuple(
+    register(
+        Plan(
+            method="ct_w8a8_fp8_moe_tensor",
+            kernel=backend.lower(),
+            devices="cuda",
+            stages=(
+                moe.reduce_input_scales,
+                moe.process_weight_tensor_strategy,
+                moe.validate_expert_shapes,
+                moe.set_experts_kernel,
+            ),
+            checkpoint=_FP8_CHECKPOINT,
+            match=_cuda(backend, experts),
+            description=f"compressed-tensors W8A8 FP8 fused MoE, per-tensor weight scales "
+            f"(CompressedTensorsW8A8Fp8MoEMethod) on vLLM's {backend} backend ({experts}): "
+            f"the daemon requantizes each expert's w1/w3 shards to their max scale once "
+            f"(vLLM does it in place; never replayed) and reduces static input scales to "
+            f"their max; restore rebuilds vLLM's MoE kernel objects with "
+            f"make_fp8_moe_kernel (METADATA).",
+        )
+    )
+    for backend, experts in _CT_FP8_BACKENDS
+)
+
+
+FP8_TENSOR_MARLIN = register(
+    Plan(
+        method="fp8_moe_tensor",
+        kernel="marlin",
+        devices="cuda",
+        stages=(
+            moe.reduce_input_scales,
+            moe.process_weight_tensor_strategy,
+            marlin_mx.repack_fp8_experts,
+            marlin_mx.permute_fp8_expert_scales("weight_scale"),
+            moe.set_experts_kernel,
+        ),
+        checkpoint=_FP8_CHECKPOINT,
+        match=_cuda("MARLIN", MARLIN_EXPERTS),
+        description="Serialized per-tensor FP8 fused MoE (Fp8MoEMethod) on vLLM's MARLIN backend "
+        "(MarlinExperts, moe_backend='marlin'): the daemon requantizes w1/w3 to their max "
+        "scale, pads the intermediate to Marlin's MoE tiles, repacks every expert "
+        "(8-bit gptq_marlin_repack) and permutes the channelwise scales with the FP8 "
+        "exponent bias fused, once; restore rebuilds vLLM's MoE kernel objects (METADATA).",
+    )
+)
+
+FP8_BLOCK_MARLIN = register(
+    Plan(
+        method="fp8_moe_block",
+        kernel="marlin",
+        devices="cuda",
+        stages=(
+            marlin_mx.repack_fp8_experts,
+            marlin_mx.permute_fp8_expert_scales("weight_scale_inv"),
+            moe.set_experts_kernel,
+        ),
+        checkpoint=_FP8_CHECKPOINT,
+        match=_cuda("MARLIN", MARLIN_EXPERTS),
+        description="Serialized block FP8 (128x128) fused MoE (Fp8MoEMethod) on vLLM's MARLIN "
+        "backend (MarlinExperts, moe_backend='marlin'): the daemon pads, repacks every "
+        "expert and turns the block scales into permuted group scales (group = the "
+        "block's K edge) with the FP8 exponent bias fused, once; restore rebuilds "
         "vLLM's MoE kernel objects (METADATA).",
     )
 )

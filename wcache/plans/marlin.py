@@ -2,8 +2,8 @@
 
 Kernel id ``"marlin"``. The layout is the 16-bit-activation Marlin layout;
 activation overrides (``marlin_input_dtype`` int8/fp8, from the QuantSpec option or
-``VLLM_MARLIN_INPUT_DTYPE`` in the Target) change the layout and are refused, as
-are AWQ/GPTQ fused-MoE layers (the MoE Marlin layout has no plan yet).
+``VLLM_MARLIN_INPUT_DTYPE`` in the Target) change the layout and are refused.
+Fused-MoE layers have their own plans (:mod:`wcache.plans.marlin_moe`).
 
 Nothing but ``layer.input_global_scale = None`` is replayed on restore: vLLM's
 ``apply`` derives the padded extents from the repacked weight's shape and the
@@ -36,8 +36,10 @@ def marlin_target_reason(config: LayerConfig, target: Target) -> str | None:
         return f"Marlin needs compute capability >= 7.5, the target has {target.capability}"
     if config.quant.layer_kind == "moe":
         return (
-            f"{config.quant.method} fused-MoE layers on Marlin are not supported by "
-            f"wcache (no MoE Marlin plan); load this model without wcache"
+            f"{config.quant.method} is a linear-layer method; fused-MoE layers on Marlin "
+            f"have their own plans (awq_moe, gptq_moe, ct_w4a16_moe: "
+            f"wcache.plans.marlin_moe), which wcache's vLLM adapter picks for vLLM's MoE "
+            f"methods; give a QuantSpec with the MoE method"
         )
     act = config.quant.option("marlin_input_dtype") or target.env_value(
         "VLLM_MARLIN_INPUT_DTYPE", ""

@@ -147,6 +147,9 @@ class EngineCase:
         note: why the case exists (shown in the docs' table).
         compile: every engine with torch.compile and CUDA graphs (vLLM's defaults) and
             the compile-cache loads and checks of the module docstring.
+        moe_backend: vLLM's ``--moe-backend`` (``"marlin"``), or None for vLLM's
+            ``auto``: passed to the daemon (``wcache serve``, hence the layout it
+            prepares and its key's plan ids), ``wcache verify`` and every engine.
     """
 
     id: str
@@ -156,21 +159,27 @@ class EngineCase:
     expect: str = "restored"
     note: str = ""
     compile: bool = False
+    moe_backend: str | None = None
+
+    @property
+    def _weight_args(self) -> tuple[str, ...]:
+        """The vLLM engine arguments of the case that shape the weights, in the form both
+        ``wcache serve`` and :mod:`wcache.vllm.run_engine` take."""
+        q = ("--quantization", self.quantization) if self.quantization else ()
+        return q + (("--moe-backend", self.moe_backend) if self.moe_backend else ())
 
     @property
     def serve_args(self) -> tuple[str, ...]:
         """vLLM engine arguments for ``wcache serve`` and ``wcache verify``: the ones that
         shape the weights, and the attention backend (the daemon builds the model's
         attention layers too; FlashAttention is not in the H200 bundle)."""
-        q = ("--quantization", self.quantization) if self.quantization else ()
-        return ("--attention-backend", ATTENTION_BACKEND) + q
+        return ("--attention-backend", ATTENTION_BACKEND) + self._weight_args
 
     @property
     def engine_args(self) -> tuple[str, ...]:
         """:mod:`wcache.vllm.run_engine` options for every engine of the case."""
-        q = ("--quantization", self.quantization) if self.quantization else ()
         lp = () if os.environ.get(LOGPROBS_ENV) == "0" else ("--logprobs", str(TOP_LOGPROBS))
-        return CUDA_ENGINE_ARGS + q + lp + (("--compile",) if self.compile else ())
+        return CUDA_ENGINE_ARGS + self._weight_args + lp + (("--compile",) if self.compile else ())
 
 
 def logprobs_close(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[bool, str]:
@@ -384,6 +393,7 @@ def _run_case(
         "case": case.id,
         "fmt": case.fmt,
         "quantization": case.quantization,
+        **({"moe_backend": case.moe_backend} if case.moe_backend else {}),
         "env": dict(case.env),
         "expect": case.expect,
         "note": case.note,

@@ -136,7 +136,9 @@ FP8_BLOCK = tm.FP8_BLOCK
 #: whose dims are multiples of the block; the others exercise padding (96-wide
 #: experts, 6 and 12 experts, a shared expert) in the per-tensor and channel formats.
 #: ``qwen3_moe`` (experts of 96) takes the int4 formats with G = 32, so vLLM's Marlin
-#: MoE pads the expert width; ``gpt_oss`` is the GPT-OSS MXFP4 layout.
+#: MoE pads the expert width; ``mixtral`` takes ``awq`` too (Marlin MoE on a second
+#: architecture, ``block_sparse_moe.experts.E.w1/w2/w3``); ``gpt_oss`` is the GPT-OSS
+#: MXFP4 layout.
 MOE_BASES: dict[str, tuple[str, ...]] = {
     "qwen3_moe": (
         "fp8",
@@ -149,7 +151,7 @@ MOE_BASES: dict[str, tuple[str, ...]] = {
     ),
     "qwen3_moe_128": MOE_FORMATS,
     "qwen2_moe": ("fp8", "ct_w8a8_fp8"),
-    "mixtral": ("fp8",),
+    "mixtral": ("fp8", "awq"),
     "gpt_oss": ("mxfp4",),
 }
 #: Formats with static activation scales (a calibration forward sets them).

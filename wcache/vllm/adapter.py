@@ -127,12 +127,26 @@ def _fp8_config(
     return _linear_config(module, spec, name, extra)
 
 
+#: wcache kernel id -> vLLM NVFP4 linear kernel class (a name in compat's class table).
+_NVFP4_LINEAR_KERNELS = {"cutlass": "CutlassNvFp4LinearKernel", "marlin": "MarlinNvFp4LinearKernel"}
+#: vLLM NVFP4 MoE backend (``NvFp4MoeBackend`` member name) -> wcache kernel id.
+_NVFP4_MOE_KERNELS = {"VLLM_CUTLASS": "cutlass_moe", "MARLIN": "marlin_moe"}
+
+
 def _modelopt_config(quant_method: Any, module: torch.nn.Module, name: str) -> LayerConfig:
     """ModelOpt's generic linear method (``ModelOptLinearMethod``): NVFP4 W4A4 ->
-    ``modelopt_fp4`` with vLLM's NVFP4 kernel (``quant_method.kernel``; only CUTLASS has
-    a plan); NVFP4 W4A16 -> ``modelopt_fp4_w4a16`` (no plan); other ModelOpt formats
-    keep their weight scheme's class name (no plan)."""
+    ``modelopt_fp4`` with vLLM's NVFP4 kernel (``quant_method.kernel``; CUTLASS and
+    Marlin have plans); NVFP4 W4A16 -> ``modelopt_fp4_w4a16`` (no plan); MXFP8 ->
+    ``modelopt_mxfp8`` with vLLM's MXFP8 kernel (Marlin has a plan); other ModelOpt
+    formats keep their weight scheme's class name (no plan)."""
     wkey = quant_method.wkey
+    if compat.is_type(wkey, "KMxfp8Static"):
+        kernel = quant_method.kernel
+        kid = (
+            "marlin" if compat.is_type(kernel, "MarlinMxfp8LinearKernel") else type(kernel).__name__
+        )
+        spec = QuantSpec("modelopt_mxfp8", num_bits=8, group_size=32, kernel=kid)
+        return _linear_config(module, spec, name)
     if not compat.is_type(wkey, "KNvfp4Static"):
         return _linear_config(
             module,
@@ -146,7 +160,10 @@ def _modelopt_config(quant_method: Any, module: torch.nn.Module, name: str) -> L
             name,
         )
     kernel = quant_method.kernel
-    kid = "cutlass" if compat.is_type(kernel, "CutlassNvFp4LinearKernel") else type(kernel).__name__
+    kid = next(
+        (k for k, cls in _NVFP4_LINEAR_KERNELS.items() if compat.is_type(kernel, cls)),
+        type(kernel).__name__,
+    )
     spec = QuantSpec(
         "modelopt_fp4", num_bits=4, act_bits=4, group_size=quant_method.ctx.group_size, kernel=kid
     )
@@ -204,10 +221,11 @@ def _moe_config(
 
 def _modelopt_fp4_moe_config(quant_method: Any, module: torch.nn.Module, name: str) -> LayerConfig:
     """ModelOpt NVFP4 fused MoE: kernel ``cutlass_moe`` for vLLM's ``VLLM_CUTLASS`` backend
-    (CutlassExpertsFp4, W4A4); any other backend, W4A16 or per-token activations keep
-    the backend's name (no plan)."""
+    (CutlassExpertsFp4, W4A4), ``marlin_moe`` for ``MARLIN`` (MarlinExperts, weight-only,
+    the sm90 choice); any other backend, W4A16 checkpoints or per-token activations
+    keep the backend's name (no plan)."""
     backend = getattr(quant_method.nvfp4_backend, "name", str(quant_method.nvfp4_backend))
-    kid = "cutlass_moe" if backend == "VLLM_CUTLASS" else f"nvfp4_moe:{backend}"
+    kid = _NVFP4_MOE_KERNELS.get(backend, f"nvfp4_moe:{backend}")
     if quant_method.use_a16 or quant_method.per_token_activation:
         kid = f"{kid}+{'w4a16' if quant_method.use_a16 else 'per_token_activation'}"
     spec = QuantSpec(
@@ -246,6 +264,25 @@ def _fp8_moe(
     return _moe_config(quant_method, module, spec, name, extra)
 
 
+def _mxfp4_moe(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
+    """Canonical MXFP4 fused MoE (``Mxfp4MoEMethod``): the resolved backend decides the
+    plan (MARLIN on sm90 without FlashInfer or Humming; any other is refused naming it)."""
+    return _moe_config(
+        quant_method, module, QuantSpec("mxfp4_moe", num_bits=4, group_size=32), name
+    )
+
+
+def _gpt_oss_mxfp4_moe(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
+    """GPT-OSS MXFP4 fused MoE (``GptOssMxfp4MoEMethod``): planned on MARLIN, refused by
+    name on vLLM's triton_kernels backends (:mod:`wcache.plans.mxfp4` gives why)."""
+    spec = QuantSpec("gpt_oss_mxfp4", num_bits=4, group_size=32)
+    return _moe_config(quant_method, module, spec, name)
+
+
 def _online_fp8_moe(
     quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
 ) -> LayerConfig:
@@ -255,6 +292,82 @@ def _online_fp8_moe(
     else:
         spec = QuantSpec("fp8_per_tensor_moe", num_bits=8, act_bits=8, strategy="tensor")
     return _moe_config(quant_method, module, spec, name)
+
+
+def _marlin_input_option(quant_method: Any) -> tuple[tuple[str, str], ...]:
+    """``(("marlin_input_dtype", "int8"|"fp8"...),)`` where vLLM set 8-bit Marlin
+    activations on the MoE method (``get_marlin_input_dtype``), else ``()``: the Marlin
+    MoE plans refuse that layout by name."""
+    dtype = getattr(quant_method, "input_dtype", None)
+    if dtype is None or dtype.itemsize != 1:
+        return ()
+    return (("marlin_input_dtype", "fp8" if dtype.is_floating_point else "int8"),)
+
+
+def _awq_moe(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
+    """``AutoAWQMoEMethod``: AWQ int4 experts (Marlin on sm90)."""
+    qc = quant_method.quant_config
+    spec = QuantSpec(
+        "awq_moe",
+        num_bits=qc.weight_bits,
+        group_size=qc.group_size,
+        zero_point=bool(qc.zero_point),
+        options=_marlin_input_option(quant_method),
+    )
+    return _moe_config(quant_method, module, spec, name)
+
+
+def _gptq_moe(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
+    """``AutoGPTQMoEMethod``: GPTQ int4/int8 experts (Marlin on sm90)."""
+    qc = quant_method.quant_config
+    spec = QuantSpec(
+        "gptq_moe",
+        num_bits=qc.weight_bits,
+        group_size=qc.group_size,
+        zero_point=not qc.is_sym,
+        options=_marlin_input_option(quant_method),
+    )
+    return _moe_config(quant_method, module, spec, name)
+
+
+def _ct_wna16_moe(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
+    """``CompressedTensorsWNA16MoEMethod``: pack-quantized int4/int8 experts, group or
+    channel (Marlin on sm90)."""
+    spec = QuantSpec(
+        "ct_w4a16_moe",
+        num_bits=quant_method.num_bits,
+        group_size=quant_method.group_size,
+        zero_point=not quant_method.symmetric,
+        strategy=_enum_value(quant_method.strategy),
+        options=_marlin_input_option(quant_method),
+    )
+    return _moe_config(quant_method, module, spec, name)
+
+
+def _ct_w8a8_fp8_moe(
+    quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
+) -> LayerConfig:
+    """compressed-tensors W8A8 FP8 fused MoE (``CompressedTensorsW8A8Fp8MoEMethod``):
+    method ``ct_w8a8_fp8_moe_<weight strategy>`` (``channel``: dynamic per-token
+    activations; ``tensor``: one scale per expert and shard, static or dynamic
+    activations; ``block``: no plan, refused by ``plan_for`` naming the method)."""
+    strategy = str(_enum_value(quant_method.weight_quant.strategy)).lower()
+    spec = QuantSpec(
+        f"ct_w8a8_fp8_moe_{strategy}",
+        num_bits=8,
+        act_bits=8,
+        strategy=strategy,
+        static_input=bool(quant_method.static_input_scales),
+    )
+    block = getattr(quant_method, "weight_block_size", None)
+    extra = {"weight_block_size": tuple(int(b) for b in block)} if block else {}
+    return _moe_config(quant_method, module, spec, name, extra)
 
 
 def _linear_config(
@@ -499,6 +612,12 @@ METHODS: dict[str, Adapter] = {
     "UnquantizedFusedMoEMethod": _unquantized_moe,
     "Fp8MoEMethod": _fp8_moe,
     "Fp8PerTensorOnlineMoEMethod": _online_fp8_moe,
+    "AutoAWQMoEMethod": _awq_moe,
+    "AutoGPTQMoEMethod": _gptq_moe,
+    "CompressedTensorsWNA16MoEMethod": _ct_wna16_moe,
+    "CompressedTensorsW8A8Fp8MoEMethod": _ct_w8a8_fp8_moe,
+    "Mxfp4MoEMethod": _mxfp4_moe,
+    "GptOssMxfp4MoEMethod": _gpt_oss_mxfp4_moe,
     "ModelOptLinearMethod": _modelopt_linear,
     "Fp8LinearMethod": _fp8,
     "CompressedTensorsLinearMethod": _compressed_tensors,

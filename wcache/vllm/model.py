@@ -283,7 +283,10 @@ def _restore_one(
 
 
 def meta_leftovers(model: torch.nn.Module) -> list[str]:
-    """Every parameter, buffer or tensor attribute still on the meta device."""
+    """Every parameter, buffer or tensor attribute still on the meta device, and every
+    tensor attribute of an attention layer's backend ``impl`` still on it (an impl keeps
+    tensors it was given or built with the meta model: GPT-OSS's attention sinks,
+    ALiBi slopes; a kernel reading one kills the engine)."""
     left = []
     for mod_name, module in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
@@ -293,6 +296,11 @@ def meta_leftovers(model: torch.nn.Module) -> list[str]:
         for name, value in vars(module).items():
             if isinstance(value, torch.Tensor) and value.device.type == "meta":
                 left.append(prefix + name)
+        impl = vars(module).get("impl")
+        if impl is not None and not isinstance(impl, torch.nn.Module) and hasattr(impl, "__dict__"):
+            for name, value in vars(impl).items():
+                if isinstance(value, torch.Tensor) and value.device.type == "meta":
+                    left.append(f"{prefix}impl.{name}")
     return left
 
 

@@ -16,10 +16,11 @@ A row's ``rebuild`` is one of:
   ``process_weights_after_loading`` under vLLM's ``weights_already_processed()``:
   ``_init_moe_kernel`` and nothing else), for methods whose branch is exactly that
   (``supports_pre_processed_weights``);
-* a function here that calls vLLM's public kernel factory (``make_fp8_moe_kernel``,
-  ``make_nvfp4_moe_kernel``) without the experts' own post-load (which would replay
-  an in-place transform on shared bytes), binding the result through
-  :func:`wcache.vllm.compat.set_moe_kernel_`.
+* a function here that calls vLLM's public kernel factory (``make_fp8_moe_kernel``:
+  :func:`fp8_kernel`; ``make_nvfp4_moe_kernel``; ``make_mxfp4_moe_kernel``;
+  ``make_wna16_moe_kernel``: :func:`wna16_kernel`) without the method's or the
+  experts' own post-load (which would replay an in-place transform on shared bytes),
+  binding the result through :func:`wcache.vllm.compat.set_moe_kernel_`.
 
 What vLLM keeps about the resolution (its backend enum and experts class) is read by
 :func:`resolved_backend`, which the adapter puts into each MoE layer's
@@ -44,11 +45,19 @@ __all__ = [
     "kernel_row",
     "rebuild_moe_kernel_",
     "vllm_preprocessed_branch",
+    "wna16_kernel",
     "BACKEND_ATTRS",
 ]
 
 #: The attribute each vLLM MoE method keeps its resolved backend enum in (0.32, 0.33).
-BACKEND_ATTRS = ("unquantized_backend", "fp8_backend", "nvfp4_backend")
+BACKEND_ATTRS = (
+    "unquantized_backend",
+    "fp8_backend",
+    "nvfp4_backend",
+    "mxfp4_backend",
+    "wna16_moe_backend",  # AutoAWQMoEMethod, AutoGPTQMoEMethod
+    "wna16_backend",  # CompressedTensorsWNA16MoEMethod
+)
 
 
 def resolved_backend(quant_method: Any) -> tuple[str, str]:
@@ -83,12 +92,17 @@ def vllm_preprocessed_branch(module: torch.nn.Module, quant_method: Any) -> None
         quant_method.process_weights_after_loading(module)
 
 
-def fp8_online_kernel(module: torch.nn.Module, quant_method: Any) -> None:
-    """The kernel objects of vLLM's online FP8 MoE methods: ``_setup_kernel``'s last
-    lines (quant config, then ``make_fp8_moe_kernel``) on the restored tensors. The
-    method's post-load would quantize the (already FP8) weights again.
+def fp8_kernel(module: torch.nn.Module, quant_method: Any) -> None:
+    """The kernel objects of an FP8 MoE method without a pre-processed branch: the
+    last lines of its post-load (``get_fused_moe_quant_config``, then vLLM's
+    ``make_fp8_moe_kernel`` with the backend and experts class its oracle resolved) on
+    the restored tensors. The rest of those methods' post-load would quantize the
+    (already FP8) weights again (online FP8) or requantize the w1/w3 shards in place
+    (compressed-tensors per tensor), writing into shared bytes.
 
-    Source: ``online.fp8._Fp8OnlineMoEBase._setup_kernel``.
+    Source: ``online.fp8._Fp8OnlineMoEBase._setup_kernel``;
+    ``CompressedTensorsW8A8Fp8MoEMethod.process_weights_after_loading`` (its last
+    statement).
     """
     from vllm.model_executor.layers.fused_moe.oracle.fp8 import (  # noqa: PLC0415 (vLLM import ~6 s: only when called)
         make_fp8_moe_kernel,
@@ -110,7 +124,9 @@ def nvfp4_kernel(module: torch.nn.Module, quant_method: Any) -> None:
     the experts' ``process_weights_after_loading``: for ``CutlassExpertsFp4`` that line
     multiplies the activation scales into ``w*_weight_scale_2`` in place, which the
     plan's TRANSFORM (``nvfp4.fuse_moe_activation_scale``) already did; run again it
-    would write into shared bytes and square the scales.
+    would write into shared bytes and square the scales. For ``MarlinExperts`` (backend
+    ``MARLIN``) that line is the base class's no-op, and vLLM's own pre-processed
+    branch refuses every backend but FLASHINFER_TRTLLM, so both rows use this.
 
     Source: ``ModelOptNvFp4FusedMoE._build_moe_kernel`` (0.32).
     """
@@ -126,6 +142,33 @@ def nvfp4_kernel(module: torch.nn.Module, quant_method: Any) -> None:
         backend=quant_method.nvfp4_backend,
         routing_tables=compat.moe_routing_tables(module),
         per_token_activation=quant_method.per_token_activation,
+    )
+    compat.set_moe_kernel_(quant_method, quant_config, kernel)
+
+
+def mxfp4_kernel(module: torch.nn.Module, quant_method: Any) -> None:
+    """MXFP4 MoE's kernel objects (canonical ``Mxfp4MoEMethod`` and GPT-OSS's
+    ``GptOssMxfp4MoEMethod``, each through its own ``get_fused_moe_quant_config``):
+    ``_build_moe_kernel`` / the end of ``_setup_kernel`` without its last line,
+    the experts' ``process_weights_after_loading`` (``MarlinExperts``: the base no-op
+    today; left out so a future in-place step there never runs on shared bytes). vLLM's
+    own pre-processed branch cannot serve: it raises for every backend but
+    FLASHINFER_TRTLLM_MXFP4_MXFP8.
+
+    Source: ``Mxfp4MoEMethod._build_moe_kernel``, ``GptOssMxfp4MoEMethod._setup_kernel``
+    (0.33).
+    """
+    from vllm.model_executor.layers.fused_moe.oracle.mxfp4 import (  # noqa: PLC0415 (vLLM import ~6 s: only when called)
+        make_mxfp4_moe_kernel,
+    )
+
+    quant_config = quant_method.get_fused_moe_quant_config(module)
+    kernel = make_mxfp4_moe_kernel(
+        moe_quant_config=quant_config,
+        moe_config=quant_method.moe,
+        mxfp4_backend=quant_method.mxfp4_backend,
+        experts_cls=quant_method.experts_cls,
+        routing_tables=compat.moe_routing_tables(module),
     )
     compat.set_moe_kernel_(quant_method, quant_config, kernel)
 
@@ -149,6 +192,33 @@ class MoeKernelRow:
     rebuild: Callable[[torch.nn.Module, Any], None] = attrs.field(eq=False)
 
 
+def wna16_kernel(module: torch.nn.Module, quant_method: Any) -> None:
+    """The kernel objects of vLLM's int4/int8 weight-only MoE methods (AWQ, GPTQ,
+    compressed-tensors WNA16): ``_setup_kernel`` (quant config from the final tensors,
+    then ``make_wna16_moe_kernel``), without the post-load's repacks, which the plan's
+    TRANSFORMs already did (run again they would scramble the shared bytes). These
+    methods do not support vLLM's pre-processed branch.
+
+    Source: ``AutoAWQMoEMethod._setup_kernel``, ``AutoGPTQMoEMethod._setup_kernel``,
+    ``CompressedTensorsWNA16MoEMethod._setup_kernel`` (0.32, 0.33; the last one's
+    ZEN_CPU post-load line is CPU only).
+    """
+    from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import (  # noqa: PLC0415 (vLLM import ~6 s: only when called)
+        make_wna16_moe_kernel,
+    )
+
+    backend = getattr(quant_method, "wna16_moe_backend", None) or quant_method.wna16_backend
+    quant_config = quant_method.get_fused_moe_quant_config(module)
+    kernel = make_wna16_moe_kernel(
+        moe_quant_config=quant_config,
+        moe_config=quant_method.moe,
+        experts_cls=quant_method.experts_cls,
+        backend=backend,
+        routing_tables=compat.moe_routing_tables(module),
+    )
+    compat.set_moe_kernel_(quant_method, quant_config, kernel)
+
+
 #: The one table: every MoE (method, backend) a wcache plan restores.
 KERNELS = (
     MoeKernelRow(
@@ -167,10 +237,36 @@ KERNELS = (
         vllm_preprocessed_branch,
     ),
     MoeKernelRow(
-        "Fp8PerTensorOnlineMoEMethod", "TRITON", ("fp8_per_tensor_moe/triton",), fp8_online_kernel
+        "Fp8MoEMethod",
+        "MARLIN",
+        ("fp8_moe_tensor/marlin", "fp8_moe_block/marlin"),
+        vllm_preprocessed_branch,
     ),
     MoeKernelRow(
+        "Fp8PerTensorOnlineMoEMethod", "TRITON", ("fp8_per_tensor_moe/triton",), fp8_kernel
+    ),
+    MoeKernelRow(
+        "CompressedTensorsW8A8Fp8MoEMethod",
+        "VLLM_CUTLASS",
+        ("ct_w8a8_fp8_moe_channel/vllm_cutlass", "ct_w8a8_fp8_moe_tensor/vllm_cutlass"),
+        fp8_kernel,
+    ),
+    MoeKernelRow(
+        "CompressedTensorsW8A8Fp8MoEMethod",
+        "TRITON",
+        ("ct_w8a8_fp8_moe_channel/triton", "ct_w8a8_fp8_moe_tensor/triton"),
+        fp8_kernel,
+    ),
+    MoeKernelRow("Mxfp4MoEMethod", "MARLIN", ("mxfp4_moe/marlin",), mxfp4_kernel),
+    MoeKernelRow("GptOssMxfp4MoEMethod", "MARLIN", ("gpt_oss_mxfp4/marlin",), mxfp4_kernel),
+    MoeKernelRow(
         "ModelOptNvFp4FusedMoE", "VLLM_CUTLASS", ("modelopt_fp4/cutlass_moe",), nvfp4_kernel
+    ),
+    MoeKernelRow("ModelOptNvFp4FusedMoE", "MARLIN", ("modelopt_fp4/marlin_moe",), nvfp4_kernel),
+    MoeKernelRow("AutoAWQMoEMethod", "MARLIN", ("awq_moe/marlin",), wna16_kernel),
+    MoeKernelRow("AutoGPTQMoEMethod", "MARLIN", ("gptq_moe/marlin",), wna16_kernel),
+    MoeKernelRow(
+        "CompressedTensorsWNA16MoEMethod", "MARLIN", ("ct_w4a16_moe/marlin",), wna16_kernel
     ),
 )
 

@@ -169,6 +169,7 @@ VLLM_OPTIONS = (
     "--max-model-len",
     "--max-num-seqs",
     "--quantization",
+    "--moe-backend",
     "--attention-backend",
     "--kv-cache-memory-bytes",
 )
@@ -241,6 +242,11 @@ def _parser() -> argparse.ArgumentParser:
         help="vLLM's --quantization (e.g. fp8 for online FP8 on CUDA)",
     )
     ap.add_argument(
+        "--moe-backend",
+        default=None,
+        help="vLLM's --moe-backend (e.g. marlin); default vLLM's auto",
+    )
+    ap.add_argument(
         "--attention-backend",
         default=None,
         help="vLLM's attention backend (TRITON_ATTN on the H200 bundle)",
@@ -287,6 +293,7 @@ def _run(args: argparse.Namespace) -> int:
         k: v
         for k, v in (
             ("quantization", args.quantization),
+            ("moe_backend", args.moe_backend),
             ("attention_backend", args.attention_backend),
             ("kv_cache_memory_bytes", args.kv_cache_memory_bytes),
             ("max_model_len", args.max_model_len or None),

@@ -94,6 +94,13 @@ OPENED_MODULES = ("vllm.", "wcache.")
 CLOSED_MODULES = ("vllm.config",)
 #: Longest rendering of one value in a message (characters).
 MAX_VALUE_CHARS = 120
+#: How deep the kernel-object audit (:func:`kernel_tensor_owners`) follows objects for
+#: tensors: a fused-MoE layer's ``quant_method.moe_kernel.fused_experts.quant_config
+#: ._w1.scale`` is 5 levels below the layer; one more for a container on the way.
+MAX_AUDIT_DEPTH = 6
+#: The audit's owner of a tensor that lies in none of its layer's own parameters and
+#: buffers (a workspace, a converted copy; or a stale tensor the restore replaced).
+PRIVATE = "<private>"
 
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 
@@ -265,10 +272,8 @@ def _attributes(
             depth < MAX_ATTR_DEPTH
             and isinstance(out[key], str)
             and out[key].startswith("<")
-            and hasattr(value, "__dict__")
             and id(value) not in seen
-            and type(value).__module__.startswith(OPENED_MODULES)
-            and not type(value).__module__.startswith(CLOSED_MODULES)
+            and _opened(value)
         ):
             seen.add(id(value))
             _attributes(f"{key}.", value, depth + 1, seen, out)
@@ -328,12 +333,90 @@ def parameter_flags(module: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
+def _opened(value: Any) -> bool:
+    """Whether the audit and the attribute walk look inside ``value``: an object of
+    vLLM or wcache (:data:`OPENED_MODULES`), not an engine-wide config."""
+    mod = type(value).__module__
+    return (
+        hasattr(value, "__dict__")
+        and mod.startswith(OPENED_MODULES)
+        and not mod.startswith(CLOSED_MODULES)
+    )
+
+
+def kernel_tensor_owners(module: torch.nn.Module, skip: Iterable[str] = ()) -> dict[str, str]:
+    """Issue 44 item 5, the audit by data pointer: every tensor that ``module``'s
+    plain attributes and the vLLM/wcache objects below them hold (quant method, MoE
+    kernel and quant config, Marlin workspaces, scale structs; up to
+    :data:`MAX_AUDIT_DEPTH` levels, through lists, tuples and dicts), as ``&path``
+    -> the name of the module's own parameter or buffer whose bytes it lies in
+    (``data_ptr`` within that tensor's byte range: the tensor itself or a view of
+    it), else :data:`PRIVATE`; ``"<empty>"`` for a tensor of no elements.
+
+    Compared between vLLM's load and the restore, a kernel object that kept a tensor
+    the restore replaced shows as ``&path: 'w13_weight_scale' != '<private>'``, which
+    the checksums cannot see when the stale copy holds the same bytes. Submodules are
+    not followed (each module is audited on its own), nor the attribute paths in
+    ``skip``: the plan's declared attributes, which the snapshot compares (vLLM binds
+    closures there where wcache binds equivalent callable objects, as :func:`_plain`
+    says).
+    """
+    skipped = set(skip)
+    ranges = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
+        for name, t in [*module.named_parameters(), *module.named_buffers()]
+        if t.numel() and t.device.type != "meta"
+    )
+
+    def owner(t: torch.Tensor) -> str:
+        if t.numel() == 0:
+            return "<empty>"
+        ptr = t.data_ptr()
+        for start, end, name in ranges:
+            if start <= ptr < end:
+                return name
+        return PRIVATE
+
+    out: dict[str, str] = {}
+    seen = {id(module)}
+
+    def walk(key: str, value: Any, depth: int) -> None:
+        if key[1:] in skipped:
+            return
+        if isinstance(value, torch.Tensor):
+            out[key] = owner(value)
+            return
+        if depth >= MAX_AUDIT_DEPTH or isinstance(value, torch.nn.Module) or id(value) in seen:
+            return
+        if isinstance(value, (list, tuple)):
+            seen.add(id(value))
+            for i, v in enumerate(value):
+                walk(f"{key}[{i}]", v, depth + 1)
+        elif isinstance(value, Mapping):
+            seen.add(id(value))
+            for k, v in value.items():
+                walk(f"{key}[{k!r}]", v, depth + 1)
+        elif _opened(value):
+            seen.add(id(value))
+            for name, v in vars(value).items():
+                walk(f"{key}.{name}", v, depth + 1)
+
+    for name, value in vars(module).items():
+        if name in _MODULE_INTERNALS or name in IGNORED_ATTRS:
+            continue
+        if getattr(value, compat.COPY_ON_WRITE_HOOK, False):
+            continue
+        walk(f"&{name}", value, 1)
+    return out
+
+
 def module_state(module: torch.nn.Module, attr_paths: Iterable[str] = ()) -> dict[str, Any]:
     """One module's comparable state: :func:`wcache.shell.snapshot` (its own
     parameters and buffers: kind, shape, dtype, stride, checksum; and the values at
     ``attr_paths``) plus every other attribute it holds (``~name``, and
     ``~impl.scale`` inside vLLM/wcache objects), normalized by :func:`_plain`;
-    without :data:`IGNORED_ATTRS` and :func:`foreign_private_attrs`."""
+    without :data:`IGNORED_ATTRS` and :func:`foreign_private_attrs`; plus the
+    kernel-object audit (``&path``: :func:`kernel_tensor_owners`)."""
     paths = sorted(set(attr_paths) - IGNORED_ATTRS)
     out = snapshot(module, paths)
     _attributes(
@@ -344,6 +427,7 @@ def module_state(module: torch.nn.Module, attr_paths: Iterable[str] = ()) -> dic
         out,
         skip=_MODULE_INTERNALS | set(paths) | foreign_private_attrs(module),
     )
+    out.update(kernel_tensor_owners(module, paths))
     return out
 
 
@@ -394,9 +478,11 @@ def _field_difference(field: str, a: Any, b: Any) -> str:
 
 def first_difference(loaded: Mapping[str, Any], restored: Mapping[str, Any]) -> str | None:
     """The first field (sorted: tensors, then ``@``declared attributes, then other
-    ``~``attributes) whose value differs, with vLLM's value first; ``None`` when equal."""
+    ``~``attributes, then the ``&``kernel-object audit) whose value differs, with
+    vLLM's value first; ``None`` when equal."""
     missing = "<absent>"
-    for field in sorted(set(loaded) | set(restored), key=lambda k: (k[0] in "@~", k[0] == "~", k)):
+    order = {"@": 1, "~": 2, "&": 3}
+    for field in sorted(set(loaded) | set(restored), key=lambda k: (order.get(k[0], 0), k)):
         a, b = loaded.get(field, missing), restored.get(field, missing)
         if a != b:
             return _field_difference(field, a, b)
@@ -600,7 +686,7 @@ def _compare(
             diff = f"module: present in {'vLLM load' if b is None else 'restore'} only"
         else:
             diff = first_difference(a, b)
-        if name in plans or diff is not None or any(k[0] not in "@~" for k in a or {}):
+        if name in plans or diff is not None or any(k[0] not in "@~&" for k in a or {}):
             rows.append(Row(name or "(model)", plan, kernel, diff))
     tie_diff = (
         None
