@@ -596,8 +596,8 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint, layer by layer and bit for bit",
         description="Build the model with vLLM's ordinary loader and the wcache way (prepare, "
         "export, restore under the guard) in one process, compare every module "
-        "(tensors, strides, checksums, attributes, tying) and the logits of a fixed "
-        "forward; print a per-layer table and exit 1 naming each layer that "
+        "(tensors, strides, checksums, attributes, parameter classes and flags, "
+        "tying) and the logits of a fixed forward; print a per-layer table and exit 1 naming each layer that "
         "differs. Holds two copies of the weights. Run it once per new host class "
         "and model before turning --load-format wcache on in production. Any "
         "argument wcache does not know is passed to vLLM's EngineArgs; give the "

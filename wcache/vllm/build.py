@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +25,7 @@ from tqdm import tqdm
 
 from wcache.core import WcacheError
 from wcache.errors import ConfigInvalid, PrepareFailed
-from wcache.shell import prepare_
+from wcache.shell import PARAM_FLAGS_EXTRA, param_flags, prepare_
 from wcache.store import DaemonServer, Export
 from wcache.store.fingerprint import (
     checkpoint_digest,
@@ -109,6 +110,9 @@ def build_export(vllm_config: Any, *, progress: bool = True):
     t0 = time.perf_counter()
     with set_default_torch_dtype(model_config.dtype), device:
         model = loader.create_model(vllm_config=vllm_config, model_config=model_config)
+    # which parameters load and prepare keep (the engine then gives its restored
+    # ones the build's class, attributes and requires_grad, as vLLM's load leaves them)
+    built = {n: weakref.ref(p) for n, p in model.named_parameters(remove_duplicate=False)}
     planned = planned_layers(model, target)  # also refuses a model-level post-load hook
     layout = parallel_layout()
     logger.info(
@@ -128,6 +132,12 @@ def build_export(vllm_config: Any, *, progress: bool = True):
     prepared = prepare_layers_(planned, target, progress=progress)
     t_prep = time.perf_counter()
     tensors, kinds, aliases, nonpersistent = export_tensors(model)
+    flags = param_flags(
+        model,
+        built,
+        {p.name: {w for s in p.plan.stages for w in s.writes} for p in planned},
+        {p.name: p.plan.kept_params for p in planned},
+    )
     layers = layer_entries(planned, prepared)
     verify_checkpoint_unchanged(model_config.model, checkpoint_before)
     key = build_key(model_config, layout, plan_ids(planned), target, checkpoint=checkpoint)
@@ -142,6 +152,7 @@ def build_export(vllm_config: Any, *, progress: bool = True):
             "layout": layout,
             "load_s": t_load - t0,
             "prepare_s": t_prep - t_load,
+            PARAM_FLAGS_EXTRA: flags,
         },
     )
     logger.info(

@@ -71,6 +71,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from wcache.core import WcacheError
 from wcache.errors import RestoreFailed, UpdateUnsupported
+from wcache.shell import PARAM_FLAGS_EXTRA
 from wcache.store import CacheKey, DaemonMissing, StoreError, attach
 from wcache.vllm import compat, startup
 from wcache.vllm.key import build_key, device_id, parallel_layout
@@ -769,6 +770,7 @@ class WcacheModelLoader(BaseModelLoader):
                 attachment.persistent,
                 attachment.aliases,
                 planned,
+                attachment.extra.get(PARAM_FLAGS_EXTRA),
             )
             marks["install"] = time.perf_counter()
             released = restore_layers_(

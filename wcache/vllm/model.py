@@ -172,8 +172,10 @@ def install_tensors_(
     persistent: Mapping[str, bool],
     aliases: Mapping[str, str],
     planned: Iterable[PlannedLayer],
+    param_flags: Mapping[str, Any] | None = None,
 ) -> None:
-    """:func:`wcache.shell.install_tensors_` with each layer's writes taken from its plan.
+    """:func:`wcache.shell.install_tensors_` with each layer's writes taken from its plan
+    (``param_flags``: the daemon's per-parameter record, see there).
 
     Raises:
         ModelMismatch: an exported tensor that the model cannot hold, or of
@@ -190,6 +192,12 @@ def install_tensors_(
         transformed={
             p.name: {w for s in p.plan.stages if s.tag is Tag.TRANSFORM for w in s.writes}
             for p in planned
+        },
+        param_flags=param_flags,
+        param_attrs={
+            f"{p.name}.{name}" if p.name else name: dict(attrs)
+            for p in planned
+            for name, attrs in p.plan.param_attrs
         },
     )
 

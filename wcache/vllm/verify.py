@@ -10,7 +10,8 @@ Steps, in one process (one rank):
    and runs vLLM's own ``process_weights_after_loading``. Every module is
    snapshotted (tensor names, kinds, shapes, dtypes, strides, content checksums;
    the attributes the plan's stages declare and every plain attribute the module
-   holds; which names are one tensor) and a fixed forward runs. The model is then
+   holds; each parameter's class, ``requires_grad`` and attributes; which names
+   are one tensor) and a fixed forward runs. The model is then
    dropped, so at most two copies of the weights are alive at any time.
 2. **The wcache way**: a second real load runs every plan's ``prepare`` and is
    exported into an arena served by an in-process daemon on a private socket
@@ -305,6 +306,33 @@ def foreign_private_attrs(module: torch.nn.Module) -> frozenset[str]:
     return frozenset(name for name in vars(module) if name.startswith("_"))
 
 
+def parameter_flags(module: torch.nn.Module) -> dict[str, Any]:
+    """Per own parameter of ``module``, as ``%name``: its class, ``requires_grad``
+    and the attributes set on the parameter object (vLLM's ``weight_loader``,
+    ``output_dim``, ``input_dim``, ``packed_dim``, ``tp_rank``, ...; normalized by
+    :func:`_plain`, so a loader compares as ``"<callable>"``). What vLLM's weight
+    updates read: ``reload_weights`` in kernel format copies into a parameter that
+    requires grad only under ``torch.no_grad``, ``load_weights`` calls each
+    parameter's ``weight_loader`` with its ``output_dim``.
+
+    Source: vllm/model_executor/parameter.py::BasevLLMParameter;
+    vllm/model_executor/utils.py::set_weight_attrs.
+    """
+    out: dict[str, Any] = {}
+    for name, p in module._parameters.items():
+        if p is None:
+            continue
+        attrs_ = tuple(
+            sorted(
+                (k, _plain(v))
+                for k, v in vars(p).items()
+                if not getattr(v, compat.COPY_ON_WRITE_HOOK, False)
+            )
+        )
+        out[f"%{name}"] = (f"{type(p).__module__}.{type(p).__qualname__}", p.requires_grad, attrs_)
+    return out
+
+
 def _opened(value: Any) -> bool:
     """Whether the audit and the attribute walk look inside ``value``: an object of
     vLLM or wcache (:data:`OPENED_MODULES`), not an engine-wide config."""
@@ -406,8 +434,13 @@ def module_state(module: torch.nn.Module, attr_paths: Iterable[str] = ()) -> dic
 def model_state(
     model: torch.nn.Module, attr_paths: Mapping[str, Iterable[str]]
 ) -> dict[str, dict[str, Any]]:
-    """:func:`module_state` of every module, by qualified name."""
-    return {name: module_state(m, attr_paths.get(name, ())) for name, m in model.named_modules()}
+    """:func:`module_state` of every module with its parameters' flags
+    (:func:`parameter_flags`: what a disk and a restored engine must share for vLLM's
+    weight updates), by qualified name."""
+    return {
+        name: {**module_state(m, attr_paths.get(name, ())), **parameter_flags(m)}
+        for name, m in model.named_modules()
+    }
 
 
 def ties(model: torch.nn.Module) -> list[tuple[str, ...]]:

@@ -1,0 +1,100 @@
+"""One vLLM CUDA engine with sleep mode that sleeps and wakes ``--cycles`` times at
+``--level`` and prints one JSON line: the greedy tokens after the load and after each
+wake, the device memory in use and the process's host RSS after each wake (bytes),
+or the refusal's reason code when the load refuses sleep mode.
+
+Run by tests/gpu_engine/test_sleep_engines.py:
+
+    python tests/gpu_engine/_sleep_engine.py --model DIR --load-format wcache \
+        --extra '{...}' --level 1|2 --cycles 20
+
+Level 1: ``sleep(level=1)`` (weights offloaded to pinned host memory, KV cache
+discarded), ``wake_up()``. Level 2: ``sleep(level=2)`` (weights discarded),
+``wake_up(tags=["weights"])``, ``reload_weights()`` (the loader's
+``get_all_weights``: the checkpoint read back from disk), ``wake_up(tags=["kv_cache"])``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "e2e"))
+
+from _update_engine import MAX_TOKENS, PROMPTS, _engine_kwargs  # found through the path above
+
+
+def _error_code(exc: BaseException) -> str:
+    code = getattr(exc, "code", None)
+    if code:
+        return str(code)
+    text = str(exc)
+    for known in ("update-unsupported", "restore-error"):
+        if known in text:
+            return known
+    return type(exc).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--extra", default="{}")
+    ap.add_argument("--level", type=int, choices=(1, 2), default=1)
+    ap.add_argument("--cycles", type=int, default=20)
+    ap.add_argument("--mode", choices=("eager", "graphs", "compiled"), default="graphs")
+    args = ap.parse_args(argv)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import psutil
+    import torch
+    from vllm import LLM, SamplingParams
+
+    try:
+        llm = LLM(
+            model=args.model,
+            dtype="bfloat16",
+            load_format=args.load_format,
+            model_loader_extra_config=json.loads(args.extra),
+            max_model_len=512,
+            max_num_seqs=1,
+            seed=0,
+            enable_sleep_mode=True,
+            **_engine_kwargs("cuda", args.mode),
+        )
+    except Exception as exc:  # noqa: BLE001  (a refused load: its code is the result)
+        print(f"load refused: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        print(json.dumps({"refused": _error_code(exc), "message": str(exc)[:400]}), flush=True)
+        return 0
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    proc = psutil.Process()
+
+    def generate() -> list[list[int]]:
+        outs = llm.generate(list(PROMPTS), params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    def measure() -> dict:
+        free, total = torch.cuda.mem_get_info()
+        return {"device_used": total - free, "host_rss": proc.memory_info().rss}
+
+    out: dict = {"first": generate(), "cycles": []}
+    out["loaded"] = measure()
+    for _ in range(args.cycles):
+        llm.sleep(level=args.level)
+        asleep = measure()
+        if args.level == 1:
+            llm.wake_up()
+        else:
+            llm.wake_up(tags=["weights"])
+            llm.collective_rpc("reload_weights")
+            llm.wake_up(tags=["kv_cache"])
+        llm.reset_prefix_cache()
+        out["cycles"].append({"tokens": generate(), "asleep": asleep, "awake": measure()})
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""LoRA on restored CUDA engines (H200, vLLM 0.33.0): issue 44, item 2.
+
+Per checkpoint (SmolLM2 bf16, vLLM's serialized FP8, AWQ int4 on Marlin) one daemon,
+started without LoRA arguments, serves a LoRA engine (``enable_lora=True``, CUDA graphs
+on: cudagraph_mode FULL, no compile) restored with fallback off; a disk-loaded LoRA
+engine with the same graphs mode gets the same random rank-8 adapter on
+q/v/down_proj (:mod:`wcache.testing.lora`). Both run tests/e2e/_lora_engine.py:
+greedy tokens without an adapter, with a ``LoRARequest`` and without again, and what
+LoRA reads from each base layer it wraps (``_get_lora_device``, the base layer's
+tensors or None, partition sizes, the stacked LoRA buffers). For bf16 a plain engine
+restores from the same daemon too (the key holds no LoRA setting).
+
+Run on the H200: ``bash tools/gpu/run-tier.sh -k lora_engines`` or, after
+``source tools/gpu/env.sh``, ``python -m pytest tests/gpu_engine/test_lora_engines.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from wcache.daemon.process import ENGINE_TIMEOUT_S, DaemonProcess, first_traceback
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tests" / "e2e" / "_lora_engine.py"
+#: The daemon builds the model's attention layers too (wcache.testing.engine_acceptance).
+SERVE_ARGS = ("--attention-backend", "TRITON_ATTN")
+#: bf16; vLLM's serialized FP8 (CUTLASS on sm90); AWQ int4 (vLLM picks awq_marlin).
+FORMATS = ("bf16", "fp8", "awq")
+MODE = "graphs"
+#: SmolLM2-135M's decoder layers; LoRA wraps qkv_proj (q/v slices) and down_proj in each.
+NUM_LAYERS = 30
+WRAPPED = ("qkv_proj", "down_proj")
+
+
+def _engine(model: str, adapter: str, load_format: str, extra: dict, *flags: str) -> dict:
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
+    }
+    cmd = [sys.executable, str(SCRIPT), "--model", model, "--adapter", adapter]
+    cmd += ["--load-format", load_format, "--extra", json.dumps(extra)]
+    cmd += ["--device", "cuda", "--mode", MODE, *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=ENGINE_TIMEOUT_S)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        out = proc.stdout + proc.stderr
+        raise AssertionError(
+            f"{load_format} engine exited {proc.returncode}\n"
+            f"{first_traceback(out) or ''}\n" + "\n".join(out.splitlines()[-25:])
+        )
+    return json.loads(lines[-1])
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory) -> str:
+    from wcache.testing.fixtures import build
+    from wcache.testing.lora import write_random_adapter
+
+    return write_random_adapter(str(build("bf16")), str(tmp_path_factory.mktemp("lora")))
+
+
+@pytest.fixture(scope="module", params=FORMATS)
+def runs(request, adapter) -> dict:
+    from wcache.testing.fixtures import build
+
+    model = str(build(request.param))
+    out = {"format": request.param}
+    with tempfile.TemporaryDirectory(prefix="wc-lora-gpu-") as sock:
+        with DaemonProcess(model, sock, extra_args=SERVE_ARGS):
+            extra = {"socket_dir": sock, "fallback": False}
+            out["disk"] = _engine(model, adapter, "auto", {})
+            out["restored"] = _engine(model, adapter, "wcache", extra)
+            if request.param == "bf16":
+                out["plain"] = _engine(model, adapter, "wcache", extra, "--no-lora")
+    return out
+
+
+def test_lora_outputs_equal_disk_engine(runs):
+    """With and without the LoRARequest, the restored LoRA engine's tokens equal the disk engine's (graphs on)."""
+    for key in ("base", "lora", "base_after"):
+        assert runs["restored"][key] == runs["disk"][key], key
+
+
+def test_adapter_takes_effect_and_leaves_base(runs):
+    """The adapter changes the tokens, and requests without it get the base tokens back."""
+    restored = runs["restored"]
+    assert restored["lora"] != restored["base"]
+    assert restored["base_after"] == restored["base"]
+
+
+def test_lora_reads_disk_engine_base_layers(runs):
+    """Every LoRA-wrapped layer's base state (tensors or None, sizes, device, stacked buffers) equals the disk engine's."""
+    disk, restored = runs["disk"]["layers"], runs["restored"]["layers"]
+    assert len([n for n in disk if n.endswith(WRAPPED)]) == NUM_LAYERS * len(WRAPPED)
+    assert sorted(disk) == sorted(restored)
+    assert {n: r for n, r in restored.items() if r != disk[n]} == {}
+    assert {r["lora_device"] for n, r in restored.items() if n.endswith(WRAPPED)} == {"cuda:0"}
+
+
+def test_one_daemon_serves_lora_and_plain_engines(runs):
+    """The daemon that serves the LoRA engine restores a plain engine too, with the same base tokens."""
+    if runs["format"] != "bf16":
+        pytest.skip("the plain engine runs for bf16 only (one engine start less)")
+    assert runs["plain"]["base"] == runs["disk"]["base"]
