@@ -12,8 +12,10 @@ from wcache.plans import plan_for
 from wcache.shell import load_, prepare_, restore_, snapshot
 from wcache.stages import mla
 
+from tests.helpers import vllm_layers as vl
+
 #: DeepSeek-V2 per-rank shapes, tiny: N heads, P = qk_nope, V = v_head, L = kv_lora_rank.
-N, P, V, L = 2, 64, 64, 512
+N, P, V, L = vl.MLA_HEADS, vl.MLA_NOPE, vl.MLA_V, vl.MLA_LORA
 #: Attributes vLLM's post-load sets besides the tensors (host floats and copies).
 HOST_ATTRS = (
     "_q_scale_float",
@@ -23,50 +25,6 @@ HOST_ATTRS = (
     "_k_scale_cpu",
     "_v_scale_cpu",
 )
-#: A scale value the checkpoint never holds: vLLM's default (1.0) must replace it.
-STALE_SCALE = 3.5
-
-
-def _noop_impl():
-    """An MLA backend impl whose post-load is vLLM's base no-op (TRITON_MLA, FLASHMLA,
-    CPU_MLA do not override it)."""
-    from vllm.v1.attention.backend import AttentionImplBase
-
-    return AttentionImplBase.__new__(AttentionImplBase)
-
-
-def _backend(name: str):
-    return type(f"{name}Backend", (), {"get_name": staticmethod(lambda: name)})
-
-
-def _mla_layer(weight: torch.Tensor, backend: str = "TRITON_MLA"):
-    """vLLM's ``MLAAttention`` (its class, built without its constructor) holding what
-    its constructor and the checkpoint give: ``kv_b_proj`` (an unquantized linear), the
-    MLA dimensions, the four scale buffers (stale values) and the branch flags."""
-    from vllm.model_executor.layers.attention import MLAAttention
-    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-
-    layer = MLAAttention.__new__(MLAAttention)
-    torch.nn.Module.__init__(layer)
-    kv_b_proj = torch.nn.Module()
-    kv_b_proj.weight = torch.nn.Parameter(weight, requires_grad=False)
-    kv_b_proj.quant_method = UnquantizedLinearMethod()
-    layer.kv_b_proj = kv_b_proj
-    layer.kv_lora_rank, layer.num_heads = L, N
-    layer.qk_nope_head_dim, layer.v_head_dim = P, V
-    layer.impl = _noop_impl()
-    layer.attn_backend = _backend(backend)
-    layer.is_amx_bmm_enabled = False
-    layer.is_aiter_triton_fp8_bmm_enabled = False
-    layer.is_aiter_triton_fp4_bmm_enabled = False
-    layer.dcp_q_replicate = False
-    layer.quant_config = None
-    layer.quant_method = None
-    layer.layer_name = "model.layers.0.self_attn.mla_attn.mla_attn"
-    for name in attn_plans.a.SCALE_BUFFERS:
-        layer.register_buffer(name, torch.tensor(STALE_SCALE, dtype=torch.float32))
-    layer.kv_cache = torch.tensor([])
-    return layer
 
 
 def _weight(seed: int = 0) -> torch.Tensor:
@@ -92,15 +50,13 @@ def _bound(layer, target_device: str = "cpu"):
 def _vllm_loaded(weight: torch.Tensor):
     from vllm.model_executor.layers.attention import MLAAttention
 
-    layer = _mla_layer(weight)
+    layer = vl.mla_layer(weight)
     MLAAttention.process_weights_after_loading(layer, torch.bfloat16)
     return layer
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _vllm_world():
-    from tests.helpers import vllm_layers as vl
-
     vl.ensure_vllm()
 
 
@@ -118,7 +74,7 @@ def test_load_equals_vllms_postload():
     """The plan's load gives vLLM's W_UV [N, L, V] / W_UK_T [N, P, L]: equal values,
     shapes, strides and offsets, Parameters aliasing kv_b_proj.weight as vLLM's do;
     default scales, host floats and copies equal."""
-    ours = _mla_layer(_weight())
+    ours = vl.mla_layer(_weight())
     bound = _bound(ours)
     assert "mla_attention/absorb@1" == bound.plan.id
     load_(ours, bound)
@@ -141,13 +97,13 @@ def test_restore_of_export_equals_load_and_views_the_mapped_weight():
     """The daemon's prepare exports no W_UV / W_UK_T (DERIVE: no bytes); a restore over
     the exported kv_b_proj.weight and scales builds them as views of the mapped weight,
     equal to vLLM's load, and writes nothing shared."""
-    daemon = _mla_layer(_weight(1))
+    daemon = vl.mla_layer(_weight(1))
     bound = _bound(daemon)
     prepared = prepare_(daemon, bound)
     assert not hasattr(daemon, "W_UV") and "W_UV" not in prepared.tensors
     assert set(attn_plans.a.SCALE_BUFFERS) == set(prepared.tensors)
     # the engine: a fresh layer holding copies of what the daemon exported (the "mapping")
-    engine = _mla_layer(daemon.kv_b_proj.weight.detach().clone())
+    engine = vl.mla_layer(daemon.kv_b_proj.weight.detach().clone())
     for name in attn_plans.a.SCALE_BUFFERS:
         engine.register_buffer(name, getattr(daemon, name).clone())
     mapped = engine.kv_b_proj.weight
@@ -194,7 +150,7 @@ def _refusal(layer, device="cuda") -> str:
 def test_amx_backend_is_refused_by_name():
     """vLLM-CPU's AMX_MLA (packs private W_UK/W_UV, empties kv_b_proj.weight) is refused
     naming the backend and the fix (CPU_MLA)."""
-    layer = _mla_layer(_weight(), backend="AMX_MLA")
+    layer = vl.mla_layer(_weight(), backend="AMX_MLA")
     layer.is_amx_bmm_enabled = True
     reason = _refusal(layer, "cpu")
     assert "AMX_MLA" in reason and "--attention-backend CPU_MLA" in reason
@@ -202,7 +158,7 @@ def test_amx_backend_is_refused_by_name():
 
 def test_cpu_mla_backend_gets_the_plan():
     """vLLM-CPU's reference CPU_MLA backend (no impl post-load) gets the absorb plan."""
-    assert "mla_attention/absorb@1" == _bound(_mla_layer(_weight(), "CPU_MLA"), "cpu").plan.id
+    assert "mla_attention/absorb@1" == _bound(vl.mla_layer(_weight(), "CPU_MLA"), "cpu").plan.id
 
 
 @pytest.mark.parametrize(
@@ -225,6 +181,6 @@ def test_cpu_mla_backend_gets_the_plan():
 def test_unplanned_branches_are_refused_by_name(change, needle):
     """Each branch of vLLM's MLA post-load the plan does not reproduce is refused,
     naming it."""
-    layer = _mla_layer(_weight())
+    layer = vl.mla_layer(_weight())
     change(layer)
     assert needle in _refusal(layer)

@@ -20,6 +20,14 @@ def test_cuda_mla_case_uses_the_mla_backend():
     assert dense[dense.index("--attention-backend") + 1] == "TRITON_ATTN"
 
 
+def test_cpu_mla_case_asks_for_the_reference_cpu_backend():
+    """An MLA model on CPU runs vLLM-CPU's CPU_MLA backend (AMX_MLA, vLLM's choice on AMX
+    hosts, has no plan); a dense model on CPU gets no attention option."""
+    case = sw.sweep_case("deepseek_v2", "bf16", "cpu")
+    assert ("--attention-backend", "CPU_MLA") == case.serve_args == case.engine_args
+    assert () == sw.sweep_case("llama", "bf16", "cpu").engine_args
+
+
 def test_render_counts_outcomes_and_lists_rows_in_registry_order(tmp_path):
     """The last row per (device, case) wins; the table lists it with plans and reason."""
     rows = [

@@ -60,6 +60,10 @@ PROMPTS = ("The capital of France is", "Water boils at a temperature of")
 MAX_TOKENS = 8
 #: CUDA attention backend of MLA models (the acceptance's TRITON_ATTN serves no MLA).
 MLA_ATTENTION_BACKEND = "TRITON_MLA"
+#: CPU attention backend of MLA models: vLLM-CPU's reference CPU_MLA (no post-load of
+#: its own; wcache's ``mla_attention/absorb`` plan). On AMX hosts vLLM prefers AMX_MLA,
+#: whose impl packs private W_UK/W_UV copies: refused by name (no plan).
+MLA_CPU_ATTENTION_BACKEND = "CPU_MLA"
 #: Outcomes in the order the table sorts them.
 OUTCOMES = ("restored", "refused", "not-runnable", "not-built", "failed")
 #: Longest reason a table cell shows (characters): a plan-missing refusal names its
@@ -75,7 +79,8 @@ class SweepCase(EngineCase):
 
     Attributes:
         device: ``"cpu"`` or ``"cuda"``.
-        attention_backend: the CUDA attention backend (``None``: the acceptance's).
+        attention_backend: the attention backend (``None``: the acceptance's on CUDA,
+            vLLM's choice on CPU).
     """
 
     device: str = "cuda"
@@ -88,16 +93,22 @@ class SweepCase(EngineCase):
         out[out.index("--attention-backend") + 1] = self.attention_backend
         return tuple(out)
 
+    def _cpu_args(self) -> tuple[str, ...]:
+        args = ("--quantization", self.quantization) if self.quantization else ()
+        if self.attention_backend is not None:
+            args += ("--attention-backend", self.attention_backend)
+        return args
+
     @property
     def serve_args(self) -> tuple[str, ...]:
         if self.device == "cpu":
-            return ("--quantization", self.quantization) if self.quantization else ()
+            return self._cpu_args()
         return self._cuda_args(super().serve_args)
 
     @property
     def engine_args(self) -> tuple[str, ...]:
         if self.device == "cpu":
-            return ("--quantization", self.quantization) if self.quantization else ()
+            return self._cpu_args()
         return self._cuda_args(super().engine_args)
 
 
@@ -112,7 +123,9 @@ def sweep_case(arch_name: str, fmt: str, device: str) -> SweepCase:
     if fmt not in FORMATS or device not in DEVICES:
         raise ValueError(f"format {fmt!r} / device {device!r}: choose from {FORMATS} / {DEVICES}")
     a = arch(arch_name)
-    backend = MLA_ATTENTION_BACKEND if (a.family == "mla" and device == "cuda") else None
+    backend = None
+    if a.family == "mla":
+        backend = MLA_ATTENTION_BACKEND if device == "cuda" else MLA_CPU_ATTENTION_BACKEND
     return SweepCase(
         id=f"{arch_name}/{fmt}",
         fmt=fmt,

