@@ -640,6 +640,7 @@ def mla_layer(weight: torch.Tensor | None = None, backend: str = "TRITON_MLA"):
     kv_b_proj = torch.nn.Module()
     kv_b_proj.weight = torch.nn.Parameter(weight, requires_grad=False)
     kv_b_proj.quant_method = UnquantizedLinearMethod()
+    kv_b_proj.params_dtype = torch.bfloat16  # the model dtype it was built under
     kv_b_proj._cpu_skip_gemm_dispatch = True  # as MLAAttention.__init__ marks it
     layer.kv_b_proj = kv_b_proj
     layer.kv_lora_rank, layer.num_heads = MLA_LORA, MLA_HEADS

@@ -36,13 +36,10 @@ def _bound(layer, target_device: str = "cpu"):
     from wcache.core import Target
     from wcache.vllm.adapter import layer_config
 
-    with torch.device("cpu"):
-        old = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)  # vLLM builds the model under its dtype
-        try:
-            config = layer_config(layer.quant_method, layer, None, name="mla_attn")
-        finally:
-            torch.set_default_dtype(old)
+    # the adapter runs outside the model's default dtype (float32 here): the model dtype
+    # comes from kv_b_proj.params_dtype
+    config = layer_config(layer.quant_method, layer, None, name="mla_attn")
+    assert "bfloat16" == config.params_dtype
     target = Target(device_type=target_device)
     return plan_for(config, target=target).plan.bind(config, target)
 

@@ -309,7 +309,8 @@ def _mla_config(module: torch.nn.Module, name: str) -> LayerConfig:
     """vLLM's ``MLAAttention``: the dimensions ``split_kv_b_proj`` uses, the backend
     vLLM selected and the branch flags of its ``process_weights_after_loading`` (AMX
     BMM, ROCm aiter BMM, DCP query replication), ``kv_b_proj``'s quant method and
-    dtype, and the layer's KV-cache method (``None`` without one).
+    weight dtype, the layer's KV-cache method (``None`` without one); ``params_dtype``
+    is the model dtype (``kv_b_proj.params_dtype``, what vLLM passes as ``act_dtype``).
 
     Source: vllm/model_executor/layers/attention/mla_attention.py::MLAAttention."""
     kv_b_proj = module.kv_b_proj
@@ -332,12 +333,15 @@ def _mla_config(module: torch.nn.Module, name: str) -> LayerConfig:
         "kv_b_proj_dtype": _dtype_name(None if weight is None else weight.dtype),
         "kv_cache_method": None if kv_method is None else type(kv_method).__name__,
     }
+    # the model dtype vLLM passes as act_dtype (model_config.dtype): kv_b_proj was built
+    # under it (params_dtype), whatever the default dtype is when the adapter runs
+    act_dtype = getattr(kv_b_proj, "params_dtype", None)
     return LayerConfig(
         quant=QuantSpec("mla_attention", layer_kind="attention"),
         size_k=0,
         size_n=0,
         name=name,
-        params_dtype=_dtype_name(torch.get_default_dtype()),
+        params_dtype=_dtype_name(act_dtype),
         extra=tuple(sorted(extra.items())),
     )
 
