@@ -195,6 +195,28 @@ def test_mm_encoder_attention_without_fp8_has_no_postload_work(vllm_cfg):
         assert [] == _planned(_Holder(attn=_mm_encoder(False)))
 
 
+@pytest.mark.parametrize("cls_name", ["Conv2dLayer", "Conv3dLayer"])
+def test_vision_conv_layers_need_no_plan_unless_they_gain_postload_work(vllm_cfg, cls_name):
+    """vLLM's vision-tower convolutions (CLIP/SigLIP patch embeddings, Qwen2.5-VL's
+    Conv3d) have no quant method and no post-load work: no plan, no refusal, their
+    weight is exported and installed as loaded; the same layer given a post-loading
+    quant method is refused by name."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers import conv
+
+    from wcache.vllm.model import UnplannedLayers
+
+    with set_current_vllm_config(vllm_cfg):
+        layer = getattr(conv, cls_name)(3, 8, kernel_size=2, stride=2, bias=False)
+        assert [] == _planned(_Holder(patch_embedding=layer))
+        layer.quant_method = _WorkingMethod()
+        with pytest.raises(UnplannedLayers) as err:
+            _planned(_Holder(patch_embedding=layer))
+    assert [("patch_embedding", "its quant method _WorkingMethod runs")] == [
+        (n, r[: len("its quant method _WorkingMethod runs")]) for n, r in err.value.layers
+    ]
+
+
 def test_safety_net_refuses_any_module_with_postload_work(vllm_cfg):
     """A quant method that is no QuantizeMethodBase but does post-load work, and a
     model-level hook, are refused by the safety net; a method whose post-load is the
