@@ -77,3 +77,22 @@ def test_render_counts_outcomes_and_lists_rows_in_registry_order(tmp_path):
         "[plan-missing] layer x \\| UnquantizedFusedMoEMethod |",
     ]
     assert "restored: 1, refused: 1" in text
+
+
+def test_render_shows_verifys_first_difference_on_a_failed_row():
+    """A row that failed on `wcache verify` shows verify's own summary (the first
+    differing check), not only its exit code."""
+    row = {
+        "case": "deepseek_v2/bf16",
+        "arch": "deepseek_v2",
+        "format": "bf16",
+        "device": "cpu",
+        "outcome": "failed",
+        "reason": "wcache verify exited 1",
+        "verify": {
+            "exit": 1,
+            "table": ["layer  plan", "wcache verify: FAILED (daemon d): 1 of 30 checks differ; first: m: x"],
+        },
+    }
+    text = sw.render([row])
+    assert "wcache verify exited 1: FAILED (daemon d): 1 of 30 checks differ; first: m: x" in text

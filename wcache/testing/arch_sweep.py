@@ -192,11 +192,21 @@ def read_rows(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
     return list(rows.values())
 
 
+def _verify_summary(verify: Mapping[str, Any]) -> str:
+    """``wcache verify``'s own summary line (``FAILED ...: n of m checks differ; first:
+    ...``) from its table, or ``""``."""
+    lines = [ln for ln in verify.get("table") or () if ln.startswith("wcache verify:")]
+    return lines[-1].removeprefix("wcache verify: ") if lines else ""
+
+
 def _reason(row: Mapping[str, Any]) -> str:
+    verify = row.get("verify") or {}
     if row["outcome"] == "restored":
-        verify = row.get("verify") or {}
         return f"{row.get('reason', '')}; verify exit {verify.get('exit')}"
-    return str(row.get("reason", "")).replace("|", "\\|").replace("\n", " ")[:MAX_REASON_CHARS]
+    reason = str(row.get("reason", ""))
+    if verify.get("exit") not in (None, 0):
+        reason = f"{reason}: {_verify_summary(verify)}"
+    return reason.replace("|", "\\|").replace("\n", " ")[:MAX_REASON_CHARS]
 
 
 def render(rows: Sequence[Mapping[str, Any]], sources: Sequence[str] = ()) -> str:
