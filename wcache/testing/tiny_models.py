@@ -502,7 +502,14 @@ _ENTRIES = (
         "deepseek_v3",
         "DeepseekV3ForCausalLM",
         "mla",
-        _dense(heads=2, kv_heads=2, **{**_MLA, "q_lora_rank": 2 * HIDDEN}),
+        _dense(
+            heads=2,
+            kv_heads=2,
+            # what DeepSeek-V3's own config.json says and transformers' config lacks:
+            # vLLM creates the router's e_score_correction_bias only for noaux_tc
+            **{**_MLA, "q_lora_rank": 2 * HIDDEN, "topk_method": "noaux_tc"},
+            scoring_func="sigmoid",
+        ),
         note="MLA with q_lora, sigmoid router with e_score_correction_bias",
     ),
     # ---- multimodal (text config under text_config; vocabulary set by the builder)
