@@ -21,6 +21,7 @@ import enum
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any, cast
 
+import attrs
 import torch
 
 from wcache.core import (
@@ -45,15 +46,45 @@ __all__ = [
     "rebind_captured_",
     "resolve_parent",
     "state_from_module",
+    "child_reads",
+    "own_state",
     "snapshot",
 ]
 
 
-def state_from_module(module: torch.nn.Module) -> LayerState:
-    """Read a module's own (non-recursive) parameters and buffers into a state."""
+def state_from_module(module: torch.nn.Module, children: Iterable[str] = ()) -> LayerState:
+    """Read a module's own (non-recursive) parameters and buffers into a state.
+
+    Args:
+        children: dotted names (``"kv_b_proj.weight"``) of submodules' tensors a plan
+            reads (:func:`child_reads`); added under those names when present. They
+            are read-only inputs: :func:`own_state` strips them before anything is
+            installed or exported (the child's own plan owns them).
+    """
     params = {k: v for k, v in module._parameters.items() if v is not None}
     bufs = {k: v for k, v in module._buffers.items() if v is not None}
-    return LayerState(tensors={**params, **bufs}, buffers=frozenset(bufs))
+    tensors = {**params, **bufs}
+    for dotted in children:
+        child, _, leaf = dotted.rpartition(".")
+        sub = module.get_submodule(child)
+        t = sub._parameters.get(leaf, sub._buffers.get(leaf))
+        if t is not None:
+            tensors[dotted] = t
+    return LayerState(tensors=tensors, buffers=frozenset(bufs))
+
+
+def child_reads(bound: BoundPlan) -> tuple[str, ...]:
+    """The dotted reads (a submodule's tensor, ``"kv_b_proj.weight"``) of ``bound``'s
+    stages: MLA's post-load reads its ``kv_b_proj`` child's weight."""
+    return tuple(sorted({r for st in bound.plan.stages for r in st.reads if "." in r}))
+
+
+def own_state(state: LayerState) -> LayerState:
+    """``state`` without the submodule tensors :func:`state_from_module` read in
+    (dotted names): what the layer itself holds, installs and exports."""
+    if not any("." in k for k in state.tensors):
+        return state
+    return attrs.evolve(state, tensors={k: v for k, v in state.tensors.items() if "." not in k})
 
 
 # --------------------------------------------------------------------------- entry points
@@ -61,7 +92,7 @@ def state_from_module(module: torch.nn.Module) -> LayerState:
 
 def load_(layer: torch.nn.Module, bound: BoundPlan) -> LayerState:
     """Ordinary load: run every stage of ``bound`` and install the result on ``layer``."""
-    state = bound.run(state_from_module(layer), LOAD_TAGS)
+    state = own_state(bound.run(state_from_module(layer, child_reads(bound)), LOAD_TAGS))
     apply_state_(layer, state)
     return state
 
@@ -70,7 +101,7 @@ def prepare_(layer: torch.nn.Module, bound: BoundPlan) -> Prepared:
     """Daemon side: run TRANSFORM/METADATA/VALIDATE stages, install the result on
     ``layer`` (so the daemon can keep serving a consistent module) and return
     the tensors to export with the recorded values."""
-    state = bound.run(state_from_module(layer), PREPARE_TAGS)
+    state = own_state(bound.run(state_from_module(layer, child_reads(bound)), PREPARE_TAGS))
     apply_state_(layer, state)
     return bound.prepared(state)
 
@@ -113,7 +144,7 @@ def restore_(
         RestoreIncomplete: a needed tensor is missing.
     """
     name = bound.config.name
-    initial = bound.restore_start(state_from_module(layer), recorded, drops)
+    initial = bound.restore_start(state_from_module(layer, child_reads(bound)), recorded, drops)
     step_guard: RestoreGuard | None
     if guard is True:
         step_guard = RestoreGuard(
@@ -131,15 +162,14 @@ def restore_(
         step_guard = None
     else:
         step_guard = guard
-    state = bound.restore_run(initial, recorded, guard=step_guard, memo=memo)
+    state = own_state(bound.restore_run(initial, recorded, guard=step_guard, memo=memo))
     if memo is not None:
         for stage_name, entries in state.memo.items():
             memo.setdefault(stage_name, {}).update(entries)
     apply_state_(layer, state)
     if step_guard is not None:
-        step_guard.check_stage(
-            name, "(install)", {**state_from_module(layer).tensors, **state.released}
-        )
+        installed = state_from_module(layer, child_reads(bound)).tensors
+        step_guard.check_stage(name, "(install)", {**installed, **state.released})
         step_guard.check_layer(name, [s.name for s in bound.stages if s.replayable])
     return state
 

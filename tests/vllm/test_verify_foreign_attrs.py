@@ -90,3 +90,24 @@ def test_transformers_meta_build_differs_from_device_build_only_by_private_state
     assert {n: attrs_only(m) for n, m in on_cpu.named_modules()} == {
         n: attrs_only(m) for n, m in on_meta.named_modules()
     }
+
+
+def test_empty_private_scratch_is_no_state_but_a_filled_one_is():
+    """On a vLLM module, an empty private container (a weight reader's drained
+    scratch, as DeepSeek's _pending_indexer_wk_fp8) equals its absence; a non-empty
+    one, or a public empty container, is still a difference."""
+
+    class DeepseekV2Model(torch.nn.Module):
+        pass
+
+    DeepseekV2Model.__module__ = "vllm.model_executor.models.deepseek_v2"
+    loaded, restored = DeepseekV2Model(), DeepseekV2Model()
+    loaded._pending_indexer_wk_fp8 = {}
+    assert first_difference(module_state(loaded), module_state(restored)) is None
+    loaded._pending_indexer_wk_fp8 = {"wk": 1}
+    assert "_pending_indexer_wk_fp8" in first_difference(
+        module_state(loaded), module_state(restored)
+    )
+    loaded = DeepseekV2Model()
+    loaded.pending = {}
+    assert "pending" in first_difference(module_state(loaded), module_state(restored))

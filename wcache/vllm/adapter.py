@@ -8,8 +8,9 @@ quant methods and :data:`SCHEMES` for compressed-tensors schemes
 (``tests/vllm/test_one_door.py`` checks that they cover every quant method and
 scheme class of compat's table). Unknown methods map to a QuantSpec whose method
 is the class name, so ``plan_for`` refuses them with a reason instead of
-guessing; so do attention layers whose deferred post-load work has no plan (MLA,
-FP8 multimodal-encoder attention, an overriding subclass).
+guessing; so do attention layers whose deferred post-load work has no plan (FP8
+multimodal-encoder attention, an overriding subclass). MLA layers get the facts of
+vLLM's MLA post-load (:func:`_mla_config`); the plan's match decides.
 
 The adapter reads vLLM objects and writes none; what a plan leaves for vLLM's
 kernel objects is bound by :func:`sync_kernel_state_` (compat's bindings, then a
@@ -29,6 +30,7 @@ import torch
 from attrs import evolve
 
 from wcache.core import LayerConfig, MoeShape, QuantSpec, Target
+from wcache.core.decisions import GEMM_TORCH_LINEAR
 from wcache.plans.fused_moe import moe_kernel_id
 from wcache.stages import cpu_wna16
 from wcache.stages.moe_cpu import ZENTORCH_EXPERTS
@@ -36,7 +38,7 @@ from wcache.vllm import compat, moe, probe
 
 #: Deferred attention post-load work wcache refuses -> the QuantSpec method that
 #: ``plan_for`` refuses with its reason (registered in :mod:`wcache.plans.attention`).
-_ATTENTION_REFUSALS = {"mla": "mla_attention", "mm_encoder_fp8": "mm_encoder_attention_fp8"}
+_ATTENTION_REFUSALS = {"mm_encoder_fp8": "mm_encoder_attention_fp8"}
 
 
 class _LinearLayer(Protocol):
@@ -59,6 +61,18 @@ class _MoeLayer(Protocol):
     global_num_experts: int
     hidden_size: int
     intermediate_size_per_partition: int
+
+
+class _MlaLayer(Protocol):
+    """What vLLM's ``MLAAttention`` sets in ``__init__`` and :func:`_mla_config` reads
+    (``vllm/model_executor/layers/attention/mla_attention.py``)."""
+
+    kv_b_proj: torch.nn.Module
+    kv_lora_rank: int
+    num_heads: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    attn_backend: Any
 
 
 def _linear(module: torch.nn.Module) -> _LinearLayer:
@@ -429,6 +443,56 @@ def _linear_config(
 Adapter = Callable[[Any, torch.nn.Module, "Target | None", str], LayerConfig]
 
 
+def _mla_config(module: torch.nn.Module, name: str) -> LayerConfig:
+    """vLLM's ``MLAAttention``: the dimensions ``split_kv_b_proj`` uses, the backend
+    vLLM selected and the branch flags of its ``process_weights_after_loading`` (AMX
+    BMM, ROCm aiter BMM, DCP query replication), ``kv_b_proj``'s quant method and
+    weight dtype, the layer's KV-cache method (``None`` without one); ``params_dtype``
+    is the model dtype (``kv_b_proj.params_dtype``, what vLLM passes as ``act_dtype``).
+
+    Source: vllm/model_executor/layers/attention/mla_attention.py::MLAAttention."""
+    # torch types a Module's unknown attributes Tensor | Module; vLLM sets these
+    mla = cast(_MlaLayer, module)
+    kv_b_proj = mla.kv_b_proj
+    kv_method = getattr(module, "quant_method", None)
+    weight = getattr(kv_b_proj, "weight", None)
+    extra = {
+        "kv_lora_rank": int(mla.kv_lora_rank),
+        "num_heads": int(mla.num_heads),
+        "qk_nope_head_dim": int(mla.qk_nope_head_dim),
+        "v_head_dim": int(mla.v_head_dim),
+        "backend": str(mla.attn_backend.get_name()),
+        "impl_postload_noop": compat.impl_postload_is_noop(module),
+        "amx_bmm": bool(getattr(module, "is_amx_bmm_enabled", False)),
+        "aiter_bmm": bool(
+            getattr(module, "is_aiter_triton_fp8_bmm_enabled", False)
+            or getattr(module, "is_aiter_triton_fp4_bmm_enabled", False)
+        ),
+        "dcp_q_replicate": bool(getattr(module, "dcp_q_replicate", False)),
+        "kv_b_proj_method": type(getattr(kv_b_proj, "quant_method", None)).__name__,
+        "kv_b_proj_dtype": _dtype_name(None if weight is None else weight.dtype),
+        "kv_cache_method": None if kv_method is None else type(kv_method).__name__,
+    }
+    # the model dtype vLLM passes as act_dtype (model_config.dtype): kv_b_proj was built
+    # under it (params_dtype), whatever the default dtype is when the adapter runs
+    act_dtype = getattr(kv_b_proj, "params_dtype", None)
+    return LayerConfig(
+        quant=QuantSpec("mla_attention", layer_kind="attention"),
+        size_k=0,
+        size_n=0,
+        name=name,
+        params_dtype=_dtype_name(act_dtype),
+        extra=tuple(sorted(extra.items())),
+    )
+
+
+#: vLLM-CPU's unquantized post-load leaves a layer carrying this flag (MLA's
+#: ``kv_b_proj``, set by ``MLAAttention.__init__``) on ``F.linear`` over the weight as
+#: loaded, whatever its dispatch would pick (vllm/model_executor/layers/linear.py::
+#: UnquantizedLinearMethod.process_weights_after_loading).
+CPU_SKIP_GEMM_DISPATCH = "_cpu_skip_gemm_dispatch"
+
+
 def _unquantized(kind: str) -> Adapter:
     def adapt(
         quant_method: Any, module: torch.nn.Module, target: Target | None, name: str
@@ -437,7 +501,10 @@ def _unquantized(kind: str) -> Adapter:
         this weight on this host, asked of vLLM (:mod:`wcache.vllm.probe`)."""
         config = _linear_config(module, QuantSpec("unquantized", layer_kind=kind), name)
         if target is not None and target.device_type == "cpu":
-            kernel = probe.unquantized_gemm_kernel(config.size_n, config.size_k, config.dtype)
+            if getattr(module, CPU_SKIP_GEMM_DISPATCH, False):
+                kernel = GEMM_TORCH_LINEAR
+            else:
+                kernel = probe.unquantized_gemm_kernel(config.size_n, config.size_k, config.dtype)
             config = evolve(config, quant=evolve(config.quant, kernel=kernel))
         return config
 
@@ -703,6 +770,8 @@ def layer_config(
         return LayerConfig(
             quant=QuantSpec(method, layer_kind="attention"), size_k=0, size_n=0, name=name
         )
+    if postload == "mla":
+        return _mla_config(module, name)
     if postload == "attention" and not is_kv_method:
         spec = QuantSpec("attention", layer_kind="attention")
         return LayerConfig(
