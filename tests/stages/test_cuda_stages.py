@@ -707,7 +707,7 @@ BAD_INPUTS = [
         r"\[64, 32\] uint8",
     ),
     (
-        lambda: MF4.marlin_moe_padded_intermediate(96, 64),
+        lambda: MF4.nvfp4_moe_padded_intermediate(96, 64),
         MF4.MarlinFp4LayoutError,
         "hidden_size = 96 unsupported",
     ),

@@ -129,7 +129,7 @@ def _marlin_reason(config: LayerConfig, target: Target, kind: str) -> str | None
                 f"this plan covers {MARLIN_MOE_EXPERTS!r}"
             )
         try:
-            marlin_fp4.marlin_moe_padded_intermediate(
+            marlin_fp4.nvfp4_moe_padded_intermediate(
                 moe_cfg.hidden_size, moe_cfg.intermediate_size_per_partition
             )
         except marlin_fp4.MarlinFp4LayoutError as exc:

@@ -44,7 +44,7 @@ __all__ = [
     "nvfp4_marlin_process_scales",
     "nvfp4_marlin_process_global_scale",
     "fp4_marlin_repack",
-    "marlin_moe_padded_intermediate",
+    "nvfp4_moe_padded_intermediate",
     "repack_weight",
     "process_scales",
     "repack_moe_weights",
@@ -198,8 +198,10 @@ def fp4_marlin_repack(
     return marlin.marlin_repack(q, padded_k, padded_n, FP4_BITS)
 
 
-def marlin_moe_padded_intermediate(hidden_size: int, intermediate: int) -> int:
-    """The intermediate size per gate/up shard Marlin MoE pads to.
+def nvfp4_moe_padded_intermediate(hidden_size: int, intermediate: int) -> int:
+    """The intermediate size per gate/up shard NVFP4 Marlin MoE pads to (vLLM's
+    ``padded_N``; not ``marlin_utils.marlin_moe_padded_intermediate``, which the int4,
+    FP8 and MXFP4 Marlin MoE use: :mod:`wcache.stages.marlin_moe`).
 
     Raises:
         MarlinFp4LayoutError: the hidden size divides by neither 128 nor 64.
@@ -308,7 +310,7 @@ def _moe_dims(config: LayerConfig) -> tuple[int, int, int, int, int]:
     """``(E, K = hidden, N = intermediate, padded N, shards)``."""
     moe = moe_shape(config)
     k, n = moe.hidden_size, moe.intermediate_size_per_partition
-    return moe.num_experts, k, n, marlin_moe_padded_intermediate(k, n), moe.w13_num_shards
+    return moe.num_experts, k, n, nvfp4_moe_padded_intermediate(k, n), moe.w13_num_shards
 
 
 def _pad_w13(x: torch.Tensor, shards: int, n: int, padded_n: int) -> torch.Tensor:

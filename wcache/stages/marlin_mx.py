@@ -30,7 +30,6 @@ stored as float8_e8m0fnu.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,12 +37,11 @@ import torch
 
 from wcache.core import LayerConfig, StageOut, Tag, Target, stage
 from wcache.stages import marlin
+from wcache.stages.marlin_moe import marlin_moe_padded_intermediate
 from wcache.stages.moe import MoeLayoutError, moe_shape
-from wcache.stages.packing import round_up
 
 __all__ = [
     "MX_GROUP_SIZE",
-    "MARLIN_MOE_N_MULTIPLE",
     "marlin_moe_padded_intermediate",
     "repack_experts",
     "fp8_block_group_size",
@@ -57,23 +55,10 @@ __all__ = [
 
 #: OCP MX block size: one E8M0 scale per 32 values along K (MXFP4 and MXFP8).
 MX_GROUP_SIZE = 32
-#: Marlin MoE thread tiles: gate-up ``2 * I % 128 == 0`` and down ``I % 64 == 0``,
-#: i.e. ``I % 64 == 0`` (``marlin_moe_padded_intermediate``).
-MARLIN_MOE_N_MULTIPLE = 64
 #: MXFP4 values per byte (two E2M1 nibbles).
 _FP4_PER_BYTE = 2
 _MARLIN_FP8 = "vllm/model_executor/layers/quantization/utils/marlin_utils_fp8.py"
 _MARLIN_FP4 = "vllm/model_executor/layers/quantization/utils/marlin_utils_fp4.py"
-
-
-def marlin_moe_padded_intermediate(intermediate_size: int, group_size: int = -1) -> int:
-    """The smallest ``Ip >= I`` that fits Marlin's MoE thread tiles and stays a multiple
-    of ``group_size`` (``-1``: channelwise).
-
-    Source: ``marlin_utils.marlin_moe_padded_intermediate`` (vLLM 0.33).
-    """
-    group = group_size if group_size > 0 else 1
-    return round_up(intermediate_size, math.lcm(MARLIN_MOE_N_MULTIPLE, group))
 
 
 def _pad_shard_rows(x: torch.Tensor, n: int, padded_n: int) -> torch.Tensor:
