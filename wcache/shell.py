@@ -369,10 +369,12 @@ def param_flags(
     ``kept``: on a disk engine the parameter is the object the model's build
     created, with the build's class and attributes. True for a parameter that is
     still that object here (``built``: name -> a ``weakref.ref`` to it, taken right
-    after the build) and that no stage of its layer's plan writes (where vLLM's
-    post-load writes a parameter it re-registers a plain
-    ``nn.Parameter(requires_grad=False)`` through ``replace_parameter``, even when
-    the mirroring stage returns the tensor unchanged); and for the parameters the
+    after the build) and that no stage of its layer's plan writes (where vLLM 0.32's
+    post-load writes a parameter, ``replace_parameter`` re-registers a plain
+    ``nn.Parameter(requires_grad=False)`` carrying only ``weight_loader``; 0.33's
+    keeps the object: which one applies is not recorded per plan yet, and
+    ``wcache.vllm.verify.REWRITTEN`` compares such parameters by ``requires_grad``
+    only); and for the parameters the
     layer's plan declares kept (``Plan.kept_params``: vLLM rewrites them through
     ``.data``).
 
