@@ -49,17 +49,14 @@ def _serve(cfg, key, sock_dir):
     return DaemonServer(export, key, socket_dir=sock_dir, device_id=dev)
 
 
-def test_no_daemon_counts_zero(vllm_cfg, tmp_path):
+def test_no_daemon_counts_zero(vllm_cfg, tmp_path, sock_dir):
     """Without a daemon the load falls back to disk: 0 external bytes."""
-    assert 0 == _loader(vllm_cfg, socket_dir=str(tmp_path / "s")).get_external_weight_memory(
-        vllm_cfg
-    )
+    assert 0 == _loader(vllm_cfg, socket_dir=sock_dir).get_external_weight_memory(vllm_cfg)
 
 
-def test_matching_daemon_counts_its_arena(vllm_cfg, tmp_path):
+def test_matching_daemon_counts_its_arena(vllm_cfg, tmp_path, sock_dir):
     """A daemon whose key matches (plans aside, which need the model) counts its arena
     in zero_copy mode and nothing in copy mode."""
-    sock_dir = str(tmp_path / "s")
     with _serve(vllm_cfg, _daemon_key(vllm_cfg), sock_dir) as server:
         assert server.nbytes >= 3 * 1000 * 4
         got = _loader(vllm_cfg, socket_dir=sock_dir).get_external_weight_memory(vllm_cfg)
@@ -69,15 +66,14 @@ def test_matching_daemon_counts_its_arena(vllm_cfg, tmp_path):
         )
 
 
-def test_daemon_of_another_configuration_counts_zero(vllm_cfg, tmp_path):
+def test_daemon_of_another_configuration_counts_zero(vllm_cfg, tmp_path, sock_dir):
     """A daemon on this rank's socket whose key differs (another dtype) will be refused
     at load, so nothing is external."""
-    sock_dir = str(tmp_path / "s")
     with _serve(vllm_cfg, _daemon_key(vllm_cfg, dtype="torch.float16"), sock_dir):
         assert 0 == _loader(vllm_cfg, socket_dir=sock_dir).get_external_weight_memory(vllm_cfg)
 
 
-def test_vllm_request_memory_admits_the_engine_with_the_daemons_bytes(vllm_cfg, tmp_path):
+def test_vllm_request_memory_admits_the_engine_with_the_daemons_bytes(vllm_cfg, tmp_path, sock_dir):
     """vLLM's own request_memory on a card where the daemon holds 20%: without the hook
     (0 bytes) it refuses at utilization 0.9; with the hook's answer it grants the
     budget minus the arena."""
@@ -85,7 +81,6 @@ def test_vllm_request_memory_admits_the_engine_with_the_daemons_bytes(vllm_cfg, 
     from vllm.utils.mem_utils import MemorySnapshot
     from vllm.v1.worker.utils import request_memory
 
-    sock_dir = str(tmp_path / "s")
     with _serve(vllm_cfg, _daemon_key(vllm_cfg), sock_dir) as server:
         external = _loader(vllm_cfg, socket_dir=sock_dir).get_external_weight_memory(vllm_cfg)
     total = int(server.nbytes / ARENA_FRACTION_OF_CARD)
@@ -101,7 +96,7 @@ def test_vllm_request_memory_admits_the_engine_with_the_daemons_bytes(vllm_cfg, 
 
 
 @pytest.mark.parametrize("freeze", [True, False])
-def test_gc_heap_frozen_before_the_load_unless_turned_off(vllm_cfg, tmp_path, freeze):
+def test_gc_heap_frozen_before_the_load_unless_turned_off(vllm_cfg, tmp_path, freeze, sock_dir):
     """vLLM calls get_external_weight_memory right before its timed load phase: with
     ``freeze_gc`` (the default) the worker's gc heap is frozen there (the phase's
     three full collections then skip it); ``freeze_gc=false`` leaves gc alone."""
@@ -110,7 +105,7 @@ def test_gc_heap_frozen_before_the_load_unless_turned_off(vllm_cfg, tmp_path, fr
     gc.unfreeze()
     assert gc.get_freeze_count() == 0
     try:
-        extra = {"socket_dir": str(tmp_path / "s")}
+        extra = {"socket_dir": sock_dir}
         if not freeze:
             extra["freeze_gc"] = "false"  # as vllm serve's command line passes it
         assert 0 == _loader(vllm_cfg, **extra).get_external_weight_memory(vllm_cfg)

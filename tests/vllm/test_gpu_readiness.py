@@ -25,7 +25,7 @@ WCACHE_VLLM = pathlib.Path(__file__).resolve().parents[2] / "wcache" / "vllm"
 # ------------------------------------------------------------------ item 2
 
 
-def test_build_server_keeps_no_model_reference(vllm_cfg, tmp_path, monkeypatch):
+def test_build_server_keeps_no_model_reference(vllm_cfg, tmp_path, monkeypatch, sock_dir):
     """After build_server the loaded model, every one of its parameters and buffers,
     and its forward-context/rope registrations are gone: only the arena remains."""
     from vllm.config import set_current_vllm_config
@@ -73,7 +73,7 @@ def test_build_server_keeps_no_model_reference(vllm_cfg, tmp_path, monkeypatch):
     )
     with set_current_vllm_config(cfg):
         before = compat.registrations(cfg)
-        server = build_server(cfg, socket_dir=str(tmp_path / "s"), device_id=dev, progress=False)
+        server = build_server(cfg, socket_dir=sock_dir, device_id=dev, progress=False)
     try:
         gc.collect()
         assert server.nbytes > 0

@@ -58,7 +58,7 @@ def _copy_checkpoint(tmp_path, name="ckpt"):
     return shutil.copytree(build("bf16"), tmp_path / name)
 
 
-def test_rope_override_is_a_key_mismatch_naming_hf_overrides(vllm_cfg, tmp_path):
+def test_rope_override_is_a_key_mismatch_naming_hf_overrides(vllm_cfg, tmp_path, sock_dir):
     """A daemon without hf_overrides and an engine with the yarn rope override share a
     socket, and the daemon refuses the engine naming model_config.hf_overrides."""
     from wcache.store import DaemonServer, Export, KeyMismatch, attach
@@ -73,7 +73,6 @@ def test_rope_override_is_a_key_mismatch_naming_hf_overrides(vllm_cfg, tmp_path)
     dev = device_id(torch.device("cpu"), vllm_cfg.model_config, ONE_RANK)
     assert dev == device_id(torch.device("cpu"), with_override.model_config, ONE_RANK)
     export = Export(tensors={"w": torch.zeros(4)}, kinds={"w": "param"})
-    sock_dir = str(tmp_path / "s")
     with (
         DaemonServer(export, daemon_key, socket_dir=sock_dir, device_id=dev),
         pytest.raises(KeyMismatch, match="hf_overrides") as err,
@@ -159,7 +158,7 @@ def test_checkpoint_swapped_during_load_is_refused(vllm_cfg, tmp_path, private_c
 
 @pytest.mark.parametrize("fallback", [True, False])
 def test_shard_truncated_while_hashed_follows_the_fallback_rule(
-    vllm_cfg, tmp_path, private_caches, fallback
+    vllm_cfg, tmp_path, private_caches, fallback, sock_dir
 ):
     """A shard that shrinks while the engine hashes it: fallback=true loads from disk
     logging reason checkpoint-changed; fallback=false raises RestoreFailed with it."""
@@ -186,7 +185,7 @@ def test_shard_truncated_while_hashed_follows_the_fallback_rule(
         load_format="wcache",
         model_loader_extra_config={
             "fallback": fallback,
-            "socket_dir": str(tmp_path / "s"),
+            "socket_dir": sock_dir,
             "timing_file": str(timing),
         },
     )
@@ -211,7 +210,7 @@ def test_shard_truncated_while_hashed_follows_the_fallback_rule(
                 assert "checkpoint-changed" == err.value.code
 
 
-def test_duplicated_lm_head_is_restored_tied(vllm_cfg, tmp_path, private_caches):
+def test_duplicated_lm_head_is_restored_tied(vllm_cfg, tmp_path, private_caches, sock_dir):
     """A checkpoint that stores lm_head.weight beside the embedding with
     tie_word_embeddings=true: vLLM's disk load ties them, and so does the daemon's
     export and the engine's restore (one tensor object, one storage)."""
@@ -236,7 +235,6 @@ def test_duplicated_lm_head_is_restored_tied(vllm_cfg, tmp_path, private_caches)
         export, key = build_export(cfg, progress=False)
     assert "model.embed_tokens.weight" == export.aliases.get("lm_head.weight")
     dev = device_id(torch.device("cpu"), cfg.model_config, parallel_layout())
-    sock_dir = str(tmp_path / "s")
     load_config = dataclasses.replace(
         cfg.load_config,
         load_format="wcache",
@@ -278,7 +276,7 @@ def _engine_key_and_device(cfg, load_config, loader_mod):
 @pytest.mark.parametrize("daemon_vllm", ["0.33.0", "0.31.0"])
 @pytest.mark.parametrize("fallback", [True, False])
 def test_engine_and_daemon_of_other_vllm_releases_refuse_each_other(
-    vllm_cfg, tmp_path, private_caches, fallback, daemon_vllm
+    vllm_cfg, tmp_path, private_caches, fallback, daemon_vllm, sock_dir
 ):
     """A daemon whose key was built under another vLLM release (everything else equal)
     refuses this engine with key-mismatch naming both vLLM versions; the engine
@@ -294,7 +292,6 @@ def test_engine_and_daemon_of_other_vllm_releases_refuse_each_other(
     ckpt = _copy_checkpoint(tmp_path)
     cfg = _config(ckpt)
     timing = tmp_path / "timing.jsonl"
-    sock_dir = str(tmp_path / "s")
     load_config = dataclasses.replace(
         cfg.load_config,
         load_format="wcache",
