@@ -57,6 +57,7 @@ MOE_CASES = (
     ("qwen3_moe_128", "ct_w4a16_channel", None, False, "restored", "CT W4A16 channel"),
     ("qwen3_moe", "awq", None, True, "restored", "Marlin MoE, torch.compile + CUDA graphs"),
     ("qwen3_moe", "gptq", None, True, "restored", "Marlin MoE, torch.compile + CUDA graphs"),
+    ("qwen3_moe", "ct_w4a16", None, True, "restored", "CT W4A16 Marlin MoE, compiled"),
     ("qwen3_moe_128", "gptq_asym", None, False, "result", "vLLM refuses sym=False: not-runnable"),
     ("qwen3_moe_128", "gptq_act_order", None, False, "result", "vLLM refuses desc_act"),
     ("qwen3_moe", "ct_w8a8_fp8", None, False, "restored", "compressed-tensors, channel"),
@@ -70,8 +71,10 @@ MOE_CASES = (
     ("qwen3_moe", "fp8", None, False, "restored", "per-tensor FP8 on Marlin, I 96->128", "marlin"),
     ("qwen3_moe", "fp8", None, True, "restored", "per-tensor FP8 on Marlin, compiled", "marlin"),
     ("qwen3_moe_128", "fp8_block", None, False, "restored", "block FP8 on Marlin", "marlin"),
+    ("qwen3_moe_128", "fp8_block", None, True, "restored", "block FP8 Marlin, compiled", "marlin"),
     ("gpt_oss", "mxfp4", None, False, "result", "triton_kernels: disk fails on H200; refused"),
     ("gpt_oss", "mxfp4", None, False, "restored", "GPT-OSS MXFP4 on Marlin", "marlin"),
+    ("gpt_oss", "mxfp4", None, True, "restored", "GPT-OSS MXFP4 Marlin, compiled", "marlin"),
     ("qwen3_moe_128", "mxfp8", None, False, "result", "ModelOpt MXFP8 MoE: no MoE plan"),
 )
 
