@@ -107,3 +107,32 @@ def test_render_shows_verifys_first_difference_on_a_failed_row():
     }
     text = sw.render([row])
     assert "wcache verify exited 1: FAILED (daemon d): 1 of 30 checks differ; first: m: x" in text
+
+
+def test_multimodal_cases_generate_with_an_image_on_every_engine():
+    """A multimodal case gives every engine (not the daemon or verify) an image request
+    whose text holds the entry's placeholder; a text model gets none."""
+    for device in sw.DEVICES:
+        case = sw.sweep_case("gemma3", "bf16", device)
+        assert case.engine_args[-2:] == ("--image-prompt", "<start_of_image> The picture shows")
+        assert "--image-prompt" not in case.serve_args
+    assert sw.sweep_case("llava", "online-fp8", "cuda").engine_args[-1].startswith("<image> ")
+    assert "--image-prompt" not in sw.sweep_case("llama", "bf16", "cuda").engine_args
+
+
+def test_image_request_is_the_same_fixed_image_every_time():
+    """run_engine's image request follows the text prompts and carries the same 32x32
+    RGB pixels in every process (its tokens are compared across engines)."""
+    import numpy as np
+
+    from wcache.vllm import run_engine as re_
+
+    a = re_.requests(["x"], "<image> y", 32)
+    b = re_.requests(["x"], "<image> y", 32)
+    assert a[0] == "x" and a[1]["prompt"] == "<image> y"
+    img = a[1]["multi_modal_data"]["image"]
+    assert (img.size, img.mode) == ((32, 32), "RGB")
+    assert np.array_equal(np.asarray(img), np.asarray(b[1]["multi_modal_data"]["image"]))
+    assert len(np.unique(np.asarray(img))) > 1  # not a blank picture
+    assert re_.requests(["x"], None, 32) == ["x"]
+    assert "--image-prompt" not in re_.vllm_engine_args(["--image-prompt", "<image> y"])

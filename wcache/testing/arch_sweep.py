@@ -62,6 +62,9 @@ DEVICES = ("cpu", "cuda")
 #: one on vLLM's Transformers modeling backend.
 CPU_DEFAULT_ARCHS = ("llama", "olmo2")
 PROMPTS = ("The capital of France is", "Water boils at a temperature of")
+#: The multimodal entries' extra request (with a fixed random image): ``{image}`` is
+#: the entry's placeholder (``wcache.testing.tiny_models.IMAGE_PLACEHOLDERS``).
+IMAGE_PROMPT = "{image} The picture shows"
 #: Greedy tokens per prompt: enough to expose a wrong weight through random logits.
 MAX_TOKENS = 8
 #: CUDA attention backend of MLA models (the acceptance's TRITON_ATTN serves no MLA).
@@ -123,7 +126,7 @@ class SweepCase(EngineCase):
     @property
     def engine_args(self) -> tuple[str, ...]:
         if self.device == "cpu":
-            return self._cpu_args()
+            return self._cpu_args() + self._image_args
         return self._cuda_args(super().engine_args)
 
 
@@ -135,10 +138,13 @@ def sweep_case(arch_name: str, fmt: str, device: str) -> SweepCase:
     """
     if fmt not in FORMATS or device not in DEVICES:
         raise ValueError(f"format {fmt!r} / device {device!r}: choose from {FORMATS} / {DEVICES}")
+    from wcache.testing.tiny_models import IMAGE_PLACEHOLDERS  # noqa: PLC0415 (torch import ~2 s: only when called)
+
     a = _arch(arch_name)
     backend = None
     if a.family == "mla":
         backend = MLA_ATTENTION_BACKEND if device == "cuda" else MLA_CPU_ATTENTION_BACKEND
+    placeholder = IMAGE_PLACEHOLDERS.get(arch_name)
     return SweepCase(
         id=f"{arch_name}/{fmt}",
         fmt=fmt,
@@ -147,6 +153,7 @@ def sweep_case(arch_name: str, fmt: str, device: str) -> SweepCase:
         note=a.note,
         device=device,
         attention_backend=backend,
+        image_prompt=None if placeholder is None else IMAGE_PROMPT.format(image=placeholder),
     )
 
 
