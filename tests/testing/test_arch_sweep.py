@@ -116,10 +116,22 @@ def test_multimodal_cases_generate_with_an_image_on_every_engine():
     whose text holds the entry's placeholder; a text model gets none."""
     for device in sw.DEVICES:
         case = sw.sweep_case("gemma3", "bf16", device)
-        assert case.engine_args[-2:] == ("--image-prompt", "<start_of_image> The picture shows")
+        args = case.engine_args
+        assert args[args.index("--image-prompt") + 1] == "<start_of_image> The picture shows"
         assert "--image-prompt" not in case.serve_args
-    assert sw.sweep_case("llava", "online-fp8", "cuda").engine_args[-1].startswith("<image> ")
+    llava = sw.sweep_case("llava", "online-fp8", "cuda").engine_args
+    assert llava[llava.index("--image-prompt") + 1].startswith("<image> ")
     assert "--image-prompt" not in sw.sweep_case("llama", "bf16", "cuda").engine_args
+
+
+def test_cuda_multimodal_cases_run_their_vision_encoder_on_triton():
+    """On CUDA a multimodal case's daemon, verify and engines all name the ViT backend
+    (the bundle has no FlashAttention); text models and the CPU name none."""
+    case = sw.sweep_case("gemma3", "bf16", "cuda")
+    for args in (case.serve_args, case.engine_args):
+        assert args[args.index("--mm-encoder-attn-backend") + 1] == sw.MM_ENCODER_ATTENTION_BACKEND
+    assert "--mm-encoder-attn-backend" not in sw.sweep_case("llama", "bf16", "cuda").serve_args
+    assert "--mm-encoder-attn-backend" not in sw.sweep_case("llava", "bf16", "cpu").serve_args
 
 
 def test_image_request_is_the_same_fixed_image_every_time():

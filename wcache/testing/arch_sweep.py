@@ -83,6 +83,10 @@ PROMPTS = ("The capital of France is", "Water boils at a temperature of")
 IMAGE_PROMPT = "{image} The picture shows"
 #: Greedy tokens per prompt: enough to expose a wrong weight through random logits.
 MAX_TOKENS = 8
+#: CUDA attention backend of the multimodal models' vision encoders: on sm90 vLLM picks
+#: FLASH_ATTN for a ViT whenever its backend class imports, and the H200 bundle has no
+#: FlashAttention kernels (docs/gpu.md); Triton is on vLLM's ViT list for sm80+.
+MM_ENCODER_ATTENTION_BACKEND = "TRITON_ATTN"
 #: CUDA attention backend of MLA models (the acceptance's TRITON_ATTN serves no MLA).
 MLA_ATTENTION_BACKEND = "TRITON_MLA"
 #: Real models the sweep runs beside the tiny ones: sweep name -> (the
@@ -121,16 +125,20 @@ class SweepCase(EngineCase):
         device: ``"cpu"`` or ``"cuda"``.
         attention_backend: the attention backend (``None``: the acceptance's on CUDA,
             vLLM's choice on CPU).
+        mm_encoder_attn_backend: the vision encoder's attention backend on CUDA
+            (``None``: vLLM's choice), for the daemon, verify and every engine.
     """
 
     device: str = "cuda"
     attention_backend: str | None = None
+    mm_encoder_attn_backend: str | None = None
 
     def _cuda_args(self, args: tuple[str, ...]) -> tuple[str, ...]:
-        if self.attention_backend is None:
-            return args
         out = list(args)
-        out[out.index("--attention-backend") + 1] = self.attention_backend
+        if self.attention_backend is not None:
+            out[out.index("--attention-backend") + 1] = self.attention_backend
+        if self.mm_encoder_attn_backend is not None:
+            out += ["--mm-encoder-attn-backend", self.mm_encoder_attn_backend]
         return tuple(out)
 
     def _cpu_args(self) -> tuple[str, ...]:
@@ -176,6 +184,9 @@ def sweep_case(arch_name: str, fmt: str, device: str) -> SweepCase:
         device=device,
         attention_backend=backend,
         image_prompt=None if placeholder is None else IMAGE_PROMPT.format(image=placeholder),
+        mm_encoder_attn_backend=(
+            MM_ENCODER_ATTENTION_BACKEND if a.family == "multimodal" and device == "cuda" else None
+        ),
     )
 
 

@@ -199,6 +199,7 @@ VLLM_OPTIONS = (
     "--quantization",
     "--moe-backend",
     "--attention-backend",
+    "--mm-encoder-attn-backend",
     "--kv-cache-memory-bytes",
 )
 
@@ -280,6 +281,11 @@ def _parser() -> argparse.ArgumentParser:
         help="vLLM's attention backend (TRITON_ATTN on the H200 bundle)",
     )
     ap.add_argument(
+        "--mm-encoder-attn-backend",
+        default=None,
+        help="vLLM's multimodal encoder (ViT) attention backend (TRITON_ATTN on the H200 bundle)",
+    )
+    ap.add_argument(
         "--kv-cache-memory-bytes",
         type=int,
         default=None,
@@ -335,6 +341,7 @@ def _run(args: argparse.Namespace) -> int:
             ("quantization", args.quantization),
             ("moe_backend", args.moe_backend),
             ("attention_backend", args.attention_backend),
+            ("mm_encoder_attn_backend", args.mm_encoder_attn_backend),
             ("kv_cache_memory_bytes", args.kv_cache_memory_bytes),
             ("max_model_len", args.max_model_len or None),
             ("max_num_seqs", args.max_num_seqs or None),
