@@ -3,6 +3,8 @@ rows into the docs table."""
 
 from __future__ import annotations
 
+import json
+
 from wcache.testing import arch_sweep as sw
 
 
@@ -107,3 +109,102 @@ def test_render_shows_verifys_first_difference_on_a_failed_row():
     }
     text = sw.render([row])
     assert "wcache verify exited 1: FAILED (daemon d): 1 of 30 checks differ; first: m: x" in text
+
+
+def test_multimodal_cases_generate_with_an_image_on_every_engine():
+    """A multimodal case gives every engine (not the daemon or verify) an image request
+    whose text holds the entry's placeholder; a text model gets none."""
+    for device in sw.DEVICES:
+        case = sw.sweep_case("gemma3", "bf16", device)
+        args = case.engine_args
+        assert args[args.index("--image-prompt") + 1] == "<start_of_image> The picture shows"
+        assert "--image-prompt" not in case.serve_args
+    llava = sw.sweep_case("llava", "online-fp8", "cuda").engine_args
+    assert llava[llava.index("--image-prompt") + 1].startswith("<image> ")
+    assert "--image-prompt" not in sw.sweep_case("llama", "bf16", "cuda").engine_args
+
+
+def test_cuda_multimodal_cases_run_their_vision_encoder_on_triton():
+    """On CUDA a multimodal case's daemon, verify and engines all name the ViT backend
+    (the bundle has no FlashAttention); text models and the CPU name none."""
+    case = sw.sweep_case("gemma3", "bf16", "cuda")
+    for args in (case.serve_args, case.engine_args):
+        assert args[args.index("--mm-encoder-attn-backend") + 1] == sw.MM_ENCODER_ATTENTION_BACKEND
+    assert "--mm-encoder-attn-backend" not in sw.sweep_case("llama", "bf16", "cuda").serve_args
+    assert "--mm-encoder-attn-backend" not in sw.sweep_case("llava", "bf16", "cpu").serve_args
+
+
+def test_image_request_is_the_same_fixed_image_every_time():
+    """run_engine's image request follows the text prompts and carries the same 32x32
+    RGB pixels in every process (its tokens are compared across engines)."""
+    import numpy as np
+
+    from wcache.vllm import run_engine as re_
+
+    a = re_.requests(["x"], "<image> y", 32)
+    b = re_.requests(["x"], "<image> y", 32)
+    assert a[0] == "x" and a[1]["prompt"] == "<image> y"
+    img = a[1]["multi_modal_data"]["image"]
+    assert (img.size, img.mode) == ((32, 32), "RGB")
+    assert np.array_equal(np.asarray(img), np.asarray(b[1]["multi_modal_data"]["image"]))
+    assert len(np.unique(np.asarray(img))) > 1  # not a blank picture
+    assert re_.requests(["x"], None, 32) == ["x"]
+    assert "--image-prompt" not in re_.vllm_engine_args(["--image-prompt", "<image> y"])
+
+
+def test_plan_cases_keeps_serialized_formats_to_the_models_that_have_them():
+    """A serialized MoE format is a case of an MoE base only; bf16 of every model."""
+    cases = sw.plan_cases(["llama", "qwen3_moe"], ["bf16", "fp8"])
+    assert cases == [("llama", "bf16"), ("qwen3_moe", "bf16"), ("qwen3_moe", "fp8")]
+
+
+def test_slowest_families_start_first():
+    """A parallel run starts multimodal, then MLA, then MoE, then dense cases."""
+    cases = [("llama", "bf16"), ("mixtral", "bf16"), ("deepseek_v2", "bf16"), ("llava", "bf16")]
+    assert [c[0] for c in sw.slowest_first(cases)] == ["llava", "deepseek_v2", "mixtral", "llama"]
+
+
+def test_parallel_cases_run_in_fresh_overlapping_processes_spread_over_gpus():
+    """Two workers: every case yields one row, each in its own process (one case a
+    process), two at a time, on GPU index % 2."""
+    from tests.helpers.sweep_runner import fake_case
+
+    cases = [("a", "bf16"), ("b", "bf16"), ("c", "bf16"), ("d", "bf16")]
+    rows = list(sw.run_cases(cases, "cuda", None, workers=2, gpus=2, runner=fake_case))
+    by_case = {r["case"]: r for r in rows}
+    assert sorted(by_case) == ["a/bf16", "b/bf16", "c/bf16", "d/bf16"]
+    assert [by_case[f"{n}/bf16"]["gpu"] for n in "abcd"] == [0, 1, 0, 1]
+    assert len({r["pid"] for r in rows}) == len(cases)
+    first, second = by_case["a/bf16"], by_case["b/bf16"]
+    assert max(first["start"], second["start"]) < min(first["end"], second["end"])
+
+
+def test_stop_after_starts_no_case_once_the_time_is_over():
+    """With the time to start cases over, a run starts none (serial or parallel)."""
+    from tests.helpers.sweep_runner import fake_case
+
+    for workers in (1, 2):
+        assert [] == list(
+            sw.run_cases(
+                [("a", "bf16")], "cpu", None, workers=workers, stop_after_s=0, runner=fake_case
+            )
+        )
+
+
+def test_worker_turns_an_error_into_a_failed_row():
+    """A case whose setup raises still gives the parent its row: failed, with the error."""
+    row = sw._run_in_worker("no_such_arch", "bf16", "cpu", None, None)
+    assert (row["case"], row["outcome"]) == ("no_such_arch/bf16", "failed")
+    assert "FixtureError" in row["reason"] and "no_such_arch" in row["reason"]
+
+
+def test_resume_skips_the_cases_the_results_file_holds_on_that_device(tmp_path):
+    """done_cases reads the case ids of one device's rows; a missing file holds none."""
+    path = tmp_path / "r.jsonl"
+    assert sw.done_cases(path, "cuda") == set()
+    rows = [
+        {"case": "llama/bf16", "device": "cuda", "outcome": "restored"},
+        {"case": "qwen3/bf16", "device": "cpu", "outcome": "restored"},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert sw.done_cases(path, "cuda") == {"llama/bf16"}

@@ -58,6 +58,43 @@ def test_llava_builds_offline_with_its_processor(monkeypatch):
     assert tm.IMAGE_TOKENS == sum(int(i == image_id) for i in ids)
 
 
+def test_gemma3_builds_offline_with_what_vllms_processor_reads(monkeypatch):
+    """The Gemma 3 fixture's processor loads offline; the config's boi/image/eoi indices
+    are the tokenizer's named tokens; a <start_of_image> becomes 4 soft tokens between
+    boi and eoi; the newline runs vLLM's processor looks up are single tokens; and the
+    pan-and-scan values vLLM reads at its dummy profile are set."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    path = tm.build_arch("gemma3")
+    config = json.loads((path / "config.json").read_text())
+    processor = AutoProcessor.from_pretrained(path)
+    tok = processor.tokenizer
+    assert (config["boi_token_index"], config["image_token_index"], config["eoi_token_index"]) == (
+        tok.boi_token_id,
+        tok.image_token_id,
+        tok.eoi_token_id,
+    )
+    assert len(tok) == config["text_config"]["vocab_size"]
+    vocab = tok.get_vocab()
+    runs = [vocab["\n" * n] for n in range(1, tm.GEMMA3_NEWLINE_RUNS + 1)]
+    assert len(set(runs)) == tm.GEMMA3_NEWLINE_RUNS
+    placeholder = tm.IMAGE_PLACEHOLDERS["gemma3"]
+    ids = list(processor(text=placeholder, images=Image.new("RGB", (32, 32)))["input_ids"][0])
+    soft = [i for i, t in enumerate(ids) if t == tok.image_token_id]
+    assert len(soft) == tm.GEMMA3_TOKENS_PER_IMAGE == config["mm_tokens_per_image"]
+    assert (ids[soft[0] - 1], ids[soft[-1] + 1]) == (tok.boi_token_id, tok.eoi_token_id)
+    assert processor.image_processor.pan_and_scan_max_num_crops == 4
+    assert processor.image_processor.do_pan_and_scan is False
+
+
+def test_every_multimodal_entry_has_an_image_placeholder():
+    """The sweep's image prompt needs each multimodal entry's placeholder text."""
+    names = {n for n, a in tm.ARCHS.items() if a.family == "multimodal"}
+    assert names == set(tm.IMAGE_PLACEHOLDERS) and len(names) >= 2
+
+
 def test_backend_matches_vllm_registry():
     """'native' entries are in vLLM's text registry; 'transformers' ones are not (vLLM
     runs them on its Transformers modeling backend)."""

