@@ -748,10 +748,14 @@ class WcacheModelLoader(BaseModelLoader):
             and opts.draft == DRAFT_RESTORE
             and spec.draft_model_config is not None
         ):
-            nbytes += self._daemon_bytes(vllm_config, spec.draft_model_config, opts.draft_job)
+            nbytes += self._daemon_bytes(
+                vllm_config, spec.draft_model_config, opts.draft_job, draft=True
+            )
         return nbytes
 
-    def _daemon_bytes(self, vllm_config: VllmConfig, model_config: ModelConfig, job: str) -> int:
+    def _daemon_bytes(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, job: str, draft: bool = False
+    ) -> int:
         """The arena bytes of the daemon serving ``model_config`` under ``job`` on this
         rank, or 0 when the load will not map it (see :meth:`get_external_weight_memory`)."""
         from wcache.store import daemon_status, socket_path  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
@@ -779,7 +783,7 @@ class WcacheModelLoader(BaseModelLoader):
             )
             return 0
         try:
-            mine = build_key(model_config, layout, [], host_target(device))
+            mine = build_key(model_config, layout, [], host_target(device), draft=draft)
             differ = [f for f in mine.diff(CacheKey(status["key_fields"])) if f != "plans"]
         except (StoreError, WcacheError, OSError, KeyError, TypeError) as exc:
             logger.warning(
@@ -882,7 +886,9 @@ class WcacheModelLoader(BaseModelLoader):
                 raise SpecDecodeUnsupported(f"wcache: {spec_refusal}")
             planned = planned_layers(model, target)
             marks["plans"] = time.perf_counter()
-            key = build_key(model_config, layout, plan_ids(planned), target)
+            key = build_key(
+                model_config, layout, plan_ids(planned), target, draft=role == ROLE_DRAFT
+            )
             marks["key"] = time.perf_counter()
             try:
                 attachment = attach(
