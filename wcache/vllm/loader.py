@@ -1025,7 +1025,6 @@ class WcacheModelLoader(BaseModelLoader):
         count_load("restore", restore_s)
         return model.eval()
 
-
     def _load_drafter_from_disk(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, role: str
     ) -> torch.nn.Module:
