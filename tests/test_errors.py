@@ -38,6 +38,7 @@ USER_VISIBLE = {
     "arena-invalidated": "ArenaInvalidated",
     "recorded-mismatch": "RecordedMismatch",
     "update-unsupported": "UpdateUnsupported",
+    "spec-unsupported": "SpecDecodeUnsupported",
 }
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "ModelMismatch",
     "PlanArgumentError",
     "UpdateUnsupported",
+    "SpecDecodeUnsupported",
     # checkpoint and the daemon's load
     "CheckpointCorrupt",
     "ConfigInvalid",
@@ -153,6 +154,19 @@ class UpdateUnsupported(WcacheError, RuntimeError):
     work (``cuda_vmm``, ``mode=copy``, ``enforce_eager=True``)."""
 
     code = "update-unsupported"
+
+
+class SpecDecodeUnsupported(WcacheError, ValueError):
+    """The engine's speculative-decoding method is not one a restored engine supports;
+    refused at the target's load, before the daemon is contacted (so, like every
+    reason code, it follows ``fallback``: with ``fallback=true`` the engine loads
+    from disk). Supported: methods without draft weights (``ngram``, ``ngram_gpu``,
+    ``suffix``), ``draft_model`` (the draft restored from its own daemon or loaded
+    from disk) and EAGLE heads (``eagle``, ``eagle3``: loaded from disk, sharing
+    the target's restored embedding and lm_head). The message names the method and
+    the fix."""
+
+    code = "spec-unsupported"
 
 
 # --------------------------------------------------------------------------- checkpoint, the daemon's load

@@ -61,18 +61,39 @@ WEIGHT_FACTORS_VLLM_IGNORES = ("hf_overrides",)
 MODEL_FACTOR_PREFIX = "model_config."
 
 
-def model_config_factors(model_config: Any) -> dict[str, Any]:
+#: A speculative draft's ModelConfig, as vLLM builds it, differs from the one a
+#: ``wcache serve`` of the draft's checkpoint builds in two factors that do not shape
+#: its weights: ``runner`` is ``"draft"`` (the daemon's: vLLM's default ``"auto"``),
+#: and ``hf_overrides`` is vLLM's draft composition (``SpeculativeConfig.
+#: hf_config_override``, a no-op for a plain model), whose effect is in ``hf_config``
+#: anyway. A draft's key takes the served values (Source: vllm/config/speculative.py::
+#: SpeculativeConfig.__post_init__, ``compose_draft_hf_overrides``; 0.32 and 0.33).
+DRAFT_RUNNER, SERVED_RUNNER = "draft", "auto"
+DRAFT_HF_OVERRIDE = "SpeculativeConfig.hf_config_override"
+
+
+def _is_draft_hf_override(raw: Any) -> bool:
+    return callable(raw) and getattr(raw, "__qualname__", None) == DRAFT_HF_OVERRIDE
+
+
+def model_config_factors(model_config: Any, *, draft: bool = False) -> dict[str, Any]:
     """vLLM's ModelConfig hash factors that shape the weights, as JSON values, one
     key field per factor (``model_config.<factor>``) so a mismatch names it.
 
     ``hf_config`` / ``hf_text_config`` (vLLM hashes their JSON text) are parsed back
-    into objects so key diffs stay readable.
+    into objects so key diffs stay readable. With ``draft`` (a speculative draft's
+    ModelConfig), the factors a daemon serving the draft's checkpoint has
+    (:data:`DRAFT_RUNNER`, :data:`DRAFT_HF_OVERRIDE`).
     """
     from vllm.config.utils import normalize_value  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     factors = compat.model_config_hash_factors(model_config)
+    if draft and factors.get("runner") == DRAFT_RUNNER:
+        factors["runner"] = SERVED_RUNNER
     for name in WEIGHT_FACTORS_VLLM_IGNORES:
         raw = getattr(model_config, name, None)
+        if draft and _is_draft_hf_override(raw):
+            raw = {}  # ModelConfig.hf_overrides' default (a daemon's, 0.32 and 0.33)
         factors[name] = raw if isinstance(raw, (dict, type(None))) else normalize_value(raw)
     out = {}
     skip = non_weight_factors()
@@ -126,6 +147,7 @@ def build_key(
     target: Target,
     *,
     checkpoint: dict[str, str] | None = None,
+    draft: bool = False,
 ) -> CacheKey:
     """Everything that decides the exported bytes and their meaning.
 
@@ -139,9 +161,11 @@ def build_key(
     Args:
         checkpoint: per-file digests already taken (the daemon takes them before
             it loads); None computes them now.
+        draft: ``model_config`` is a speculative draft's: the key a daemon serving
+            its checkpoint has (:func:`model_config_factors`).
     """
     fields = {
-        **model_config_factors(model_config),
+        **model_config_factors(model_config, draft=draft),
         "checkpoint": checkpoint
         if checkpoint is not None
         else checkpoint_digest(model_config.model),

@@ -22,6 +22,14 @@ artifacts           true       after a restore, install the daemon's start-up
                                caches when they fit its vLLM (wcache.vllm.startup)
 artifacts_record    none       write this engine's compile factors there (JSON;
                                ``wcache serve --prime-compile``'s priming run)
+draft               restore    speculative decoding, ``draft_model``: ``restore``
+                               the draft from its own daemon (``wcache serve
+                               --model DRAFT --job draft``; by the ``fallback``
+                               rule) or load it from ``disk`` (only the target
+                               restored)
+draft_job           "draft"    the ``--job`` of the draft's daemon (a socket of its
+                               own: a draft of the target's architecture and dtype
+                               would otherwise share the target's socket name)
 ==================  =========  ====================================================
 
 Order of work: build the model on the meta device with vLLM's own
@@ -43,6 +51,18 @@ engine copies the tensors an update writes, and an engine with CUDA graphs or
 torch.compile refuses the update (``update-unsupported``) before any write. vLLM's reload metadata is kept for
 this. Sleep mode and expert rebalancing on CUDA ``zero_copy`` are refused at load
 (``update-unsupported``). See docs/quickstart.md, "Mapped weights and weight updates".
+
+Speculative decoding (:func:`spec_role`): vLLM loads the drafter through this
+loader too, after the target. A ``draft_model`` draft is a plain model of its own
+checkpoint: it has its own key and its own daemon's socket, and is restored from
+there (option ``draft``; a missing daemon takes the ``fallback`` rule, the log
+saying "draft"). An EAGLE head (``eagle``, ``eagle3``) is built from the target's
+speculative config, which no daemon builds on its own: it loads from disk (a few
+MB) and vLLM then points its ``embed_tokens``/``lm_head`` at the target's restored
+modules, so each shared tensor is mapped once, by the target's attachment, and
+closed once with it. Methods with no draft weights (``ngram``, ``suffix``) never
+reach the loader. Any other method is refused at the target's load
+(``spec-unsupported``, by the ``fallback`` rule).
 """
 
 from __future__ import annotations
@@ -70,7 +90,7 @@ from vllm.model_executor.model_loader.utils import initialize_model
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 from wcache.core import WcacheError
-from wcache.errors import RestoreFailed, UpdateUnsupported
+from wcache.errors import RestoreFailed, SpecDecodeUnsupported, UpdateUnsupported
 from wcache.shell import PARAM_FLAGS_EXTRA
 from wcache.store import CacheKey, DaemonMissing, StoreError, attach
 from wcache.vllm import compat, startup
@@ -95,6 +115,33 @@ DEFAULT_CONNECT_TIMEOUT_S = 5.0  # a local daemon answers in milliseconds; 5 s c
 #: daemon answers in milliseconds; this only bounds the diagnosis.
 STATUS_PROBE_S = 1.0
 
+#: Option ``draft``: restore a ``draft_model`` draft from its own daemon, or load it
+#: from disk (only the target restored).
+DRAFT_RESTORE, DRAFT_DISK = "restore", "disk"
+DRAFT_SOURCES = (DRAFT_RESTORE, DRAFT_DISK)
+#: Option ``draft_job``'s default: the socket name holds the architecture, dtype,
+#: quantization, parallel sizes and job (wcache.vllm.key.job_digest), not the model,
+#: so a draft like its target (two bf16 LlamaForCausalLM) needs a job of its own.
+DEFAULT_DRAFT_JOB = "draft"
+#: vLLM's speculative method with a separate draft model: a plain model of its own
+#: checkpoint, which a ``wcache serve`` of that checkpoint serves.
+#: Source: vllm/v1/spec_decode/draft_model.py::DraftModelProposer (0.32 and 0.33).
+SPEC_DRAFT_MODEL = "draft_model"
+#: Speculative methods whose drafter has no weights: vLLM never calls a loader for it.
+#: Source: vllm/v1/spec_decode/ngram_proposer.py, ngram_proposer_gpu.py, suffix_decoding.py.
+SPEC_NO_DRAFT_WEIGHTS = ("ngram", "ngram_gpu", "suffix")
+#: EAGLE heads: built from the target's speculative config
+#: (``EagleLlamaForCausalLM``, ``Eagle3LlamaForCausalLM``, ...), so they load from
+#: disk, and vLLM then shares the target's embed_tokens/lm_head with them.
+#: Source: vllm/v1/spec_decode/llm_base_proposer.py::SpecDecodeBaseProposer.load_model
+#: (``_maybe_share_embeddings``, ``_maybe_share_lm_head``).
+SPEC_HEADS = ("eagle", "eagle3")
+#: Every speculative method a restored engine supports (tests/vllm/test_spec_decode_loader.py;
+#: engines: tests/e2e/test_spec_decode_e2e.py, tests/gpu_engine/test_spec_decode_engines.py).
+SPEC_SUPPORTED = (*SPEC_NO_DRAFT_WEIGHTS, SPEC_DRAFT_MODEL, *SPEC_HEADS)
+#: What :func:`spec_role` answers.
+ROLE_TARGET, ROLE_DRAFT, ROLE_HEAD = "target", "draft", "head"
+
 
 @attrs.frozen
 class LoaderOptions:
@@ -110,6 +157,8 @@ class LoaderOptions:
     profile_file: str | None = None
     artifacts: bool = True
     artifacts_record: str | None = None
+    draft: str = DRAFT_RESTORE
+    draft_job: str = DEFAULT_DRAFT_JOB
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> LoaderOptions:
@@ -125,6 +174,10 @@ class LoaderOptions:
         if unknown:
             raise ValueError(
                 f"wcache: unknown model_loader_extra_config keys {unknown}; known: {sorted(known)}"
+            )
+        if extra.get("draft", DRAFT_RESTORE) not in DRAFT_SOURCES:
+            raise ValueError(
+                f"wcache: draft must be one of {list(DRAFT_SOURCES)}, not {extra['draft']!r}"
             )
         if extra.get("mode", "zero_copy") not in ("zero_copy", "copy"):
             raise ValueError(f"wcache: mode must be 'zero_copy' or 'copy', not {extra['mode']!r}")
@@ -142,7 +195,14 @@ class LoaderOptions:
                     f"wcache: connect_timeout_s must be a positive number of seconds, not {value!r}"
                 )
             extra["connect_timeout_s"] = seconds
-        for name in ("socket_dir", "job", "timing_file", "profile_file", "artifacts_record"):
+        for name in (
+            "socket_dir",
+            "job",
+            "draft_job",
+            "timing_file",
+            "profile_file",
+            "artifacts_record",
+        ):
             if name in extra and extra[name] is not None and not isinstance(extra[name], str):
                 raise ValueError(f"wcache: {name} must be a string, not {extra[name]!r}")
         return cls(**extra)
@@ -280,6 +340,56 @@ def _update_refusal(
             "(or load from disk)"
         )
     return None
+
+
+def spec_method(vllm_config: VllmConfig) -> str | None:
+    """The engine's speculative-decoding method (``speculative_config.method``), or
+    None without speculative decoding.
+
+    Source: vllm/config/speculative.py::SpeculativeConfig.method (0.32 and 0.33).
+    """
+    spec = getattr(vllm_config, "speculative_config", None)
+    return None if spec is None else str(getattr(spec, "method", None))
+
+
+def spec_role(vllm_config: VllmConfig, model_config: ModelConfig) -> str:
+    """Which model of a speculative-decoding engine this load builds.
+
+    vLLM loads the drafter through the engine's loader after the target:
+    ``DraftModelProposer`` with ``vllm_config.model_config`` set to the draft's
+    config, EAGLE-style proposers with ``model_config=speculative_config.
+    draft_model_config`` (and the target's ``vllm_config.model_config``). Both pass
+    the very ``draft_model_config`` object, which is how a draft load is told apart
+    (an MTP draft even has the target's model path).
+
+    Returns:
+        ``"target"`` (no speculative decoding, or the target's load); ``"draft"``
+        (the ``draft_model`` method's draft: restorable from its own daemon);
+        ``"head"`` (any other method's drafter: loads from disk).
+
+    Source: vllm/v1/spec_decode/draft_model.py::DraftModelProposer._get_model,
+        vllm/v1/spec_decode/llm_base_proposer.py::SpecDecodeBaseProposer._get_model.
+    """
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = None if spec is None else getattr(spec, "draft_model_config", None)
+    if draft is None or model_config is not draft:
+        return ROLE_TARGET
+    return ROLE_DRAFT if spec_method(vllm_config) == SPEC_DRAFT_MODEL else ROLE_HEAD
+
+
+def _spec_refusal(vllm_config: VllmConfig) -> str | None:
+    """Why a restored engine does not run this engine's speculative method, or None
+    (no speculative decoding, or a method in :data:`SPEC_SUPPORTED`)."""
+    method = spec_method(vllm_config)
+    if method is None or method in SPEC_SUPPORTED:
+        return None
+    return (
+        f"speculative decoding method {method!r} is not supported on a restored engine "
+        f"(supported: {', '.join(SPEC_SUPPORTED)}): its drafter's weights and what it "
+        f"shares with the target are untested with mapped weights. Fix: load this engine "
+        f"from disk (load_format='auto'), or use method 'draft_model' (draft restored from "
+        f"`wcache serve DRAFT`) or an EAGLE head ('eagle', 'eagle3')"
+    )
 
 
 def _clone_privatize_(tensors: list[torch.Tensor], lo: int, hi: int) -> int:
@@ -613,13 +723,13 @@ class WcacheModelLoader(BaseModelLoader):
             model is built (all but ``plans``). 0 in ``copy`` mode (the bytes are
             cloned into the engine's own allocations) and whenever the load will
             fall back to disk (no daemon, another configuration); with
-            ``fallback=false`` such a load raises anyway.
+            ``fallback=false`` such a load raises anyway. With speculative decoding
+            by ``draft_model`` and ``draft='restore'``, plus the draft's daemon's
+            arena on the same terms (the draft loads in the same phase).
 
         Source: vllm/model_executor/model_loader/weight_cache/ipc_loader.py::
             IpcModelLoader.get_external_weight_memory
         """
-        from wcache.store import daemon_status, socket_path  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
-
         opts = self.options
         if opts.freeze_gc:
             # vLLM calls this right before the load phase (CUDA workers only)
@@ -628,13 +738,33 @@ class WcacheModelLoader(BaseModelLoader):
                 "freeze_gc=false turns this off)",
                 compat.freeze_gc_heap(),
             )
-        if opts.mode != "zero_copy":
-            return 0
-        model_config = vllm_config.model_config
+        if opts.mode != "zero_copy" or _spec_refusal(vllm_config):
+            return 0  # copy mode; a refused speculative method loads from disk
+        nbytes = self._daemon_bytes(vllm_config, vllm_config.model_config, opts.job)
+        spec = vllm_config.speculative_config
+        if (
+            spec is not None
+            and spec_method(vllm_config) == SPEC_DRAFT_MODEL
+            and opts.draft == DRAFT_RESTORE
+            and spec.draft_model_config is not None
+        ):
+            nbytes += self._daemon_bytes(
+                vllm_config, spec.draft_model_config, opts.draft_job, draft=True
+            )
+        return nbytes
+
+    def _daemon_bytes(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, job: str, draft: bool = False
+    ) -> int:
+        """The arena bytes of the daemon serving ``model_config`` under ``job`` on this
+        rank, or 0 when the load will not map it (see :meth:`get_external_weight_memory`)."""
+        from wcache.store import daemon_status, socket_path  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
+
+        opts = self.options
         device = torch.device(vllm_config.device_config.device)
         try:
             layout = parallel_layout()
-            sock = socket_path(opts.socket_dir, device_id(device, model_config, layout, opts.job))
+            sock = socket_path(opts.socket_dir, device_id(device, model_config, layout, job))
             status = daemon_status(sock, connect_timeout_s=opts.connect_timeout_s)
         except (StoreError, OSError) as exc:
             logger.warning(
@@ -653,7 +783,7 @@ class WcacheModelLoader(BaseModelLoader):
             )
             return 0
         try:
-            mine = build_key(model_config, layout, [], host_target(device))
+            mine = build_key(model_config, layout, [], host_target(device), draft=draft)
             differ = [f for f in mine.diff(CacheKey(status["key_fields"])) if f != "plans"]
         except (StoreError, WcacheError, OSError, KeyError, TypeError) as exc:
             logger.warning(
@@ -719,6 +849,9 @@ class WcacheModelLoader(BaseModelLoader):
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str
     ) -> torch.nn.Module:
         opts = self.options
+        role = spec_role(vllm_config, model_config)
+        if role == ROLE_HEAD or (role == ROLE_DRAFT and opts.draft == DRAFT_DISK):
+            return self._load_drafter_from_disk(vllm_config, model_config, prefix, role)
         t0 = time.perf_counter()
         device = torch.device(vllm_config.device_config.device)
         target = host_target(device)
@@ -739,7 +872,8 @@ class WcacheModelLoader(BaseModelLoader):
         compat.record_reload_metadata_(model, device)
         marks["meta_init"] = time.perf_counter()
         layout = parallel_layout()
-        dev_id = device_id(device, model_config, layout, opts.job)
+        job = opts.draft_job if role == ROLE_DRAFT else opts.job
+        dev_id = device_id(device, model_config, layout, job)
         attachment = None
         try:
             # Unplanned layers are found here, before any weight or socket is touched;
@@ -747,9 +881,14 @@ class WcacheModelLoader(BaseModelLoader):
             refusal = _update_refusal(vllm_config, device, opts)
             if refusal:
                 raise UpdateUnsupported(f"wcache: {refusal}")
+            spec_refusal = _spec_refusal(vllm_config) if role == ROLE_TARGET else None
+            if spec_refusal:
+                raise SpecDecodeUnsupported(f"wcache: {spec_refusal}")
             planned = planned_layers(model, target)
             marks["plans"] = time.perf_counter()
-            key = build_key(model_config, layout, plan_ids(planned), target)
+            key = build_key(
+                model_config, layout, plan_ids(planned), target, draft=role == ROLE_DRAFT
+            )
             marks["key"] = time.perf_counter()
             try:
                 attachment = attach(
@@ -761,6 +900,14 @@ class WcacheModelLoader(BaseModelLoader):
                     connect_timeout_s=opts.connect_timeout_s,
                 )
             except DaemonMissing as exc:
+                if role == ROLE_DRAFT:
+                    raise DaemonMissing(
+                        f"{exc}; no daemon serves the speculative draft model "
+                        f"{model_config.model} under job {job!r}. Start `wcache serve "
+                        f"--model {model_config.model} --job {job}` with the engine's "
+                        f"arguments, or set model_loader_extra_config draft='disk' to "
+                        f"load the draft from disk"
+                    ) from exc
                 raise _diagnose_missing(exc, key, opts.socket_dir) from exc
             marks["attach"] = time.perf_counter()
             install_tensors_(
@@ -815,6 +962,8 @@ class WcacheModelLoader(BaseModelLoader):
                 code = "restore-error"
                 logger.exception("wcache: unexpected error during restore")
             rank = f"tp_rank={layout['tp_rank']} pp_rank={layout['pp_rank']}"
+            if role == ROLE_DRAFT:
+                rank += f" for the speculative draft model {model_config.model}"
             del model  # the meta build: neither a raise nor the disk load keeps it
             compat.forget_registrations_(vllm_config, before)
             if not opts.fallback:
@@ -860,6 +1009,12 @@ class WcacheModelLoader(BaseModelLoader):
             mode=opts.mode,
             guard="content" if attachment.writable else "read-only-mapping",
         )
+        if role == ROLE_DRAFT:
+            logger.info(
+                "wcache: speculative draft model %s restored from its own daemon (%s)",
+                model_config.model,
+                dev_id,
+            )
         logger.info(
             "wcache: restored %d layers via %s (%s; guard: %s)",
             len(planned),
@@ -869,6 +1024,34 @@ class WcacheModelLoader(BaseModelLoader):
         )
         count_load("restore", restore_s)
         return model.eval()
+
+    def _load_drafter_from_disk(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str, role: str
+    ) -> torch.nn.Module:
+        """A speculative drafter that loads from disk by design (not a fallback: no
+        daemon is asked): an EAGLE-style head (``role="head"``), which vLLM then
+        points at the target's restored embed_tokens/lm_head, or a ``draft_model``
+        draft with option ``draft='disk'``."""
+        t0 = time.perf_counter()
+        model = self._disk_loader().load_model(vllm_config, model_config, prefix)
+        seconds = time.perf_counter() - t0
+        if role == ROLE_HEAD:
+            logger.info(
+                "wcache: speculative %s drafter %s loaded from disk in %.3f s (no daemon "
+                "builds it outside the target's engine); vLLM shares the target's "
+                "restored embed_tokens/lm_head with it where it has none of its own",
+                spec_method(vllm_config),
+                model_config.model,
+                seconds,
+            )
+        else:
+            logger.info(
+                "wcache: speculative draft model %s loaded from disk in %.3f s (draft='disk')",
+                model_config.model,
+                seconds,
+            )
+        _record_timing(self.options, "disk", seconds, spec_role=role)
+        return model
 
 
 @register_model_loader(TIMED_DISK_FORMAT)
