@@ -61,7 +61,11 @@ def _sharing(worker) -> dict:
     """The drafter's embed_tokens and lm_head against the target's (module
     identity, ``data_ptr()``, inside the target's arena)."""
     target = _model(worker)
-    drafter = _unwrap(worker.model_runner.drafter.model)
+    runner = worker.model_runner
+    # vLLM's V1 runner keeps the proposer as ``drafter``; the GPU runner of 0.33
+    # (vllm/v1/worker/gpu/model_runner.py) as ``speculator``
+    proposer = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
+    drafter = _unwrap(proposer.model)
     tatt, datt = _attachment(target), _attachment(drafter)
     out: dict = {"drafter": type(drafter).__name__, "target": tatt, "draft": datt, "shared": {}}
     pairs = {
@@ -112,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=SPEC_MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(list(PROMPTS), params, use_tqdm=False)
     out = {"tokens": [list(o.outputs[0].token_ids) for o in outs]}
-    out |= llm.collective_rpc(_sharing)[0]
+    try:
+        out |= llm.collective_rpc(_sharing)[0]
+    except Exception as exc:  # the probe's own failure is reported, not taken for vLLM's
+        out["sharing_error"] = f"{type(exc).__name__}: {exc}"[-2000:]
     print(json.dumps(out), flush=True)
     return 0
 

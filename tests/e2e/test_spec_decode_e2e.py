@@ -118,6 +118,7 @@ def test_eagle_head_shares_target_mapped_tensors(runs):
     """The EAGLE engine gives the disk tokens; its head's embed_tokens and lm_head are the target's restored modules, in the target's arena."""
     eagle = runs["eagle"]
     assert eagle["tokens"] == runs["disk"]["tokens"]
+    assert "sharing_error" not in eagle, eagle["sharing_error"]  # the engine script's probe
     assert eagle["drafter"] == "EagleLlamaForCausalLM"
     assert eagle["draft"] is None  # the head holds no mapping of its own
     for name in ("embed_tokens", "lm_head"):

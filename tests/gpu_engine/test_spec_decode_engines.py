@@ -200,6 +200,7 @@ def test_eagle_head_shares_target_mapped_tensors(runs):
     )
     assert "error" not in got, got.get("error")
     assert got["tokens"] == disk["tokens"]
+    assert "sharing_error" not in got, got["sharing_error"]  # the engine script's probe
     assert got["drafter"] == "EagleLlamaForCausalLM" and got["draft"] is None
     for name in ("embed_tokens", "lm_head"):
         assert shared[name]["same_module"] is True, name

@@ -169,3 +169,30 @@ def test_draft_key_equals_its_daemons_key():
     assert "draft" == draft_cfg.runner  # what draft=True maps to the served runner
     with pytest.raises(TypeError, match="normalize_value"):  # vLLM's draft hf_overrides
         build_key(draft_cfg, layout, [], cpu)
+
+
+class SpeculativeConfig:
+    """Stands in for vLLM's class: only its static method's ``__qualname__`` matters."""
+
+    @staticmethod
+    def hf_config_override(hf_config, transformers_mtp_overrides=None):
+        return hf_config
+
+    @staticmethod
+    def _apply_composed_hf_override(target, hf_config, transformers_mtp_overrides=None):
+        return target(hf_config)
+
+
+def test_draft_hf_override_is_recognised_in_both_release_shapes():
+    """vLLM's no-op draft override is recognised bare (0.32) and as a partial (0.33); a composed or MTP one is not."""
+    import functools
+
+    from wcache.vllm.key import _is_draft_hf_override
+
+    bare = SpeculativeConfig.hf_config_override
+    assert _is_draft_hf_override(bare)
+    assert _is_draft_hf_override(functools.partial(bare, transformers_mtp_overrides=None))
+    assert not _is_draft_hf_override(functools.partial(bare, transformers_mtp_overrides={"a": 1}))
+    composed = functools.partial(SpeculativeConfig._apply_composed_hf_override, lambda c: c)
+    assert not _is_draft_hf_override(composed)
+    assert not _is_draft_hf_override({"num_hidden_layers": 1})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterable
@@ -73,6 +74,14 @@ DRAFT_HF_OVERRIDE = "SpeculativeConfig.hf_config_override"
 
 
 def _is_draft_hf_override(raw: Any) -> bool:
+    """``raw`` is vLLM's no-op draft composition: the bare static method (0.32) or
+    ``functools.partial(SpeculativeConfig.hf_config_override,
+    transformers_mtp_overrides=None)`` (0.33, picklable for spawned engine cores).
+    A partial that composes a target's own callable override or MTP overrides is not."""
+    if isinstance(raw, functools.partial):
+        if raw.args or any(v is not None for v in raw.keywords.values()):
+            return False
+        raw = raw.func
     return callable(raw) and getattr(raw, "__qualname__", None) == DRAFT_HF_OVERRIDE
 
 
