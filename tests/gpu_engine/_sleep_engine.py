@@ -1,6 +1,7 @@
 """One vLLM CUDA engine with sleep mode that sleeps and wakes ``--cycles`` times at
 ``--level`` and prints one JSON line: the greedy tokens after the load and after each
-wake, the device memory in use and the process's host RSS after each wake (bytes),
+wake, the device memory this process uses (NVML; device-wide where NVML does not
+list it) and the process's host RSS after each wake (bytes),
 or the refusal's reason code when the load refuses sleep mode.
 
 Run by tests/gpu_engine/test_sleep_engines.py:
@@ -35,6 +36,24 @@ def _error_code(exc: BaseException) -> str:
         if known in text:
             return known
     return type(exc).__name__
+
+
+def _process_device_bytes(pid: int) -> int | None:
+    """Device memory NVML charges to process ``pid`` on GPU 0 (bytes), or None where
+    NVML is missing or does not list it (a PID namespace)."""
+    try:
+        import pynvml  # nvidia-ml-py (the H200 image has it; vLLM depends on it)
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if p.pid == pid and p.usedGpuMemory is not None:
+                return int(p.usedGpuMemory)
+    except pynvml.NVMLError:
+        return None
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +96,15 @@ def main(argv: list[str] | None = None) -> int:
 
     def measure() -> dict:
         free, total = torch.cuda.mem_get_info()
-        return {"device_used": total - free, "host_rss": proc.memory_info().rss}
+        mine = _process_device_bytes(os.getpid())
+        return {
+            # this process's device memory (NVML), so other work on the GPU cannot move it;
+            # the device-wide figure where NVML does not list the process
+            "device_used": total - free if mine is None else mine,
+            "device_scope": "device" if mine is None else "process",
+            "device_total_used": total - free,
+            "host_rss": proc.memory_info().rss,
+        }
 
     out: dict = {"first": generate(), "cycles": []}
     out["loaded"] = measure()
