@@ -55,3 +55,14 @@ def sock_dir():
     os.chmod(d, 0o700)
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def lora_adapter(tmp_path_factory) -> str:
+    """A random LoRA adapter for SmolLM2 (the bf16 fixture's architecture, so one
+    adapter fits every format), written once per module that asks for it
+    (tests/e2e/test_lora_e2e.py, tests/gpu_engine/test_lora_engines.py)."""
+    from wcache.testing.fixtures import build
+    from wcache.testing.lora import write_random_adapter
+
+    return write_random_adapter(str(build("bf16")), str(tmp_path_factory.mktemp("lora")))
