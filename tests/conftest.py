@@ -66,3 +66,13 @@ def lora_adapter(tmp_path_factory) -> str:
     from wcache.testing.lora import write_random_adapter
 
     return write_random_adapter(str(build("bf16")), str(tmp_path_factory.mktemp("lora")))
+
+
+@pytest.fixture(scope="module")
+def vllm_world():
+    """vLLM's parameters need a tensor-parallel group: a 1-rank world, set up once per
+    session (``tests.helpers.vllm_layers``); modules that build vLLM layers use it
+    through ``pytestmark = pytest.mark.usefixtures("vllm_world")``."""
+    from tests.helpers import vllm_layers  # vLLM import: ~6 s, only where a module asks
+
+    vllm_layers.ensure_vllm()
