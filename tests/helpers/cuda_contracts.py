@@ -367,38 +367,6 @@ def marlin_case(method: str, size_k: int, size_n: int, group_size: int, bits: in
     return case
 
 
-def int_contract(
-    kernel_cls: type,
-    kernel: str,
-    method: str,
-    size_k: int,
-    size_n: int,
-    group_size: int,
-    bits: int,
-    attrs: tuple[str, ...],
-):
-    """AutoAWQMarlinLinearMethod / AutoGPTQLinearMethod on the kernel vLLM picks
-    (``kernel_cls``): vLLM's post-load vs wcache's ``<method>/<kernel>`` plan, load and
-    restore, tensors and ``attrs``. Returns ``(vLLM's layer, its LayerConfig)``."""
-    case = marlin_case(method, size_k, size_n, group_size, bits)
-    vllm_layer = case.new_layer("cpu", seed=0)
-    assert type(vllm_layer.quant_method.kernel) is kernel_cls
-    config, plan = adapter_plan(vllm_layer, f"{method}/{kernel}@1")
-    case.vllm_process(vllm_layer)
-
-    def build(meta=False):
-        return case.new_layer("meta" if meta else "cpu", seed=None)
-
-    def fill(layer):
-        with torch.no_grad():
-            case.fill(layer, torch.Generator().manual_seed(0))
-
-    loaded, restored = load_restore(plan, config, build, fill)
-    assert_equal(vllm_layer, loaded, attrs)
-    assert_equal(loaded, restored, attrs)
-    return vllm_layer, config
-
-
 class SchemeQuantConfig(QuantConfig):
     """What ``CompressedTensorsConfig.get_quant_method`` does for a linear layer: put
     the scheme on ``layer.scheme`` and return ``CompressedTensorsLinearMethod``."""
@@ -427,49 +395,6 @@ def ct_layer(scheme_factory, widths: tuple[int, ...], size_k: int, bias: bool, m
             params_dtype=torch.bfloat16,
             quant_config=SchemeQuantConfig(scheme_factory),
         )
-
-
-def ct_w4a16_contract(
-    kernel_cls: type,
-    plan_id: str,
-    size_k: int,
-    size_n: int,
-    group_size: int,
-    symmetric: bool,
-    attrs: tuple[str, ...],
-) -> None:
-    """CompressedTensorsWNA16 on the kernel vLLM picks (``kernel_cls``): vLLM's post-load
-    vs wcache's ``plan_id`` load and restore, tensors and ``attrs``."""
-    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
-        CompressedTensorsWNA16,
-    )
-
-    def scheme():
-        return CompressedTensorsWNA16(
-            strategy="group" if group_size != -1 else "channel",
-            num_bits=4,
-            group_size=group_size,
-            symmetric=symmetric,
-        )
-
-    case = VL.ct_w4a16_linear(size_k, size_n, group_size, symmetric, bias=True)
-
-    def build(meta=False):
-        return ct_layer(scheme, (size_n,), size_k, bias=True, meta=meta)
-
-    def fill(layer):
-        with torch.no_grad():
-            case.fill(layer, torch.Generator().manual_seed(size_k + size_n))
-
-    vllm_layer = build()
-    assert type(vllm_layer.scheme.kernel) is kernel_cls
-    config, plan = adapter_plan(vllm_layer, plan_id)
-    fill(vllm_layer)
-    with VL.vllm_context("cpu", torch.bfloat16):
-        vllm_layer.quant_method.process_weights_after_loading(vllm_layer)
-    loaded, restored = load_restore(plan, config, build, fill)
-    assert_equal(vllm_layer, loaded, attrs)
-    assert_equal(loaded, restored, attrs)
 
 
 def ct_fp8_scheme(strategy: str, static: bool, block=None):
