@@ -55,3 +55,24 @@ def sock_dir():
     os.chmod(d, 0o700)
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def lora_adapter(tmp_path_factory) -> str:
+    """A random LoRA adapter for SmolLM2 (the bf16 fixture's architecture, so one
+    adapter fits every format), written once per module that asks for it
+    (tests/e2e/test_lora_e2e.py, tests/gpu_engine/test_lora_engines.py)."""
+    from wcache.testing.fixtures import build
+    from wcache.testing.lora import write_random_adapter
+
+    return write_random_adapter(str(build("bf16")), str(tmp_path_factory.mktemp("lora")))
+
+
+@pytest.fixture(scope="module")
+def vllm_world():
+    """vLLM's parameters need a tensor-parallel group: a 1-rank world, set up once per
+    session (``tests.helpers.vllm_layers``); modules that build vLLM layers use it
+    through ``pytestmark = pytest.mark.usefixtures("vllm_world")``."""
+    from tests.helpers import vllm_layers  # vLLM import: ~6 s, only where a module asks
+
+    vllm_layers.ensure_vllm()

@@ -22,7 +22,24 @@ from wcache.testing.isa import build_env, probe
 pytest.importorskip("vllm")
 
 ROOT = Path(__file__).resolve().parents[1]
-CPU_TESTS = ("tests/stages/test_cpu_stages.py", "tests/plans/test_cpu_plans.py")
+#: The CPU stage families' modules and the CPU plans' properties.
+CPU_TESTS = (
+    *(
+        f"tests/stages/test_{family}.py"
+        for family in (
+            "common",
+            "awq",
+            "gptq",
+            "compressed_tensors",
+            "cpu_wna16",
+            "onednn",
+            "cpu_gemm",
+            "kv_cache",
+            "cpu_stage_properties",
+        )
+    ),
+    "tests/plans/test_cpu_plans.py",
+)
 #: The child runs ~300 hypothesis-driven tests; ~20 s here, 600 s leaves room on a busy host.
 CHILD_TIMEOUT_S = 600
 

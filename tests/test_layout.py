@@ -85,3 +85,52 @@ def test_the_parser_reads_entries_and_their_continuations():
     assert {"wcache/store/": "daemon (server.py), client", "tests/": ""} == layout_entries(
         text, "## L"
     )
+
+
+#: Code directories whose modules each have a test module ``tests/<dir>/test_<module>.py``.
+MIRRORED = ("wcache/stages", "wcache/plans")
+#: Modules of a mirrored directory without a mirror test module, and where they are tested.
+NOT_MIRRORED = {
+    "wcache/stages/attention.py": "through its plan: tests/plans/test_attention.py",
+    "wcache/stages/mla.py": "through its plan: tests/plans/test_attention.py",
+    "wcache/stages/machete.py": "rows of tests/plans/test_cuda_contracts.py, test_cuda_plans.py",
+    "wcache/stages/cutlass_int8.py": "rows of tests/plans/test_cuda_contracts.py, test_cuda_plans.py",
+    "wcache/plans/awq.py": "tests/plans/test_cpu_plans.py (every CPU plan), test_cuda_contracts.py",
+    "wcache/plans/gptq.py": "tests/plans/test_cpu_plans.py (every CPU plan), test_cuda_contracts.py",
+    "wcache/plans/marlin.py": "tests/plans/test_cuda_plans.py (every CUDA plan), test_cuda_contracts.py",
+    "wcache/plans/cutlass_int8.py": "tests/plans/test_cuda_plans.py, test_cuda_contracts.py",
+    "wcache/plans/mxfp8.py": "tests/plans/test_cuda_plans.py, test_cuda_contracts.py",
+    "wcache/plans/kv_cache.py": "tests/plans/test_cpu_plans.py (every CPU plan)",
+    "wcache/plans/unquantized.py": "tests/plans/test_cpu_plans.py (every CPU plan)",
+    "wcache/plans/docs.py": "tests/test_docs.py (docs/plans.md is generated from it)",
+    "wcache/plans/hosts.py": "tests/plans/test_cpu_plans.py (plan_for follows vLLM's host decisions)",
+}
+
+
+def unmirrored(root: Path) -> list[str]:
+    """Modules of the MIRRORED directories under ``root`` without ``test_<module>.py``."""
+    return sorted(
+        str(p.relative_to(root))
+        for d in MIRRORED
+        for p in (root / d).glob("*.py")
+        if p.name != "__init__.py"
+        and not (root / "tests" / Path(d).name / f"test_{p.name}").is_file()
+    )
+
+
+def test_every_stage_family_and_plan_module_has_its_test_module():
+    """wcache/stages/<family>.py has tests/stages/test_<family>.py, and wcache/plans/<m>.py
+    has tests/plans/test_<m>.py, or is in NOT_MIRRORED with where it is tested; no
+    NOT_MIRRORED entry is stale (its mirror exists or its module is gone)."""
+    assert sorted(NOT_MIRRORED) == unmirrored(ROOT)
+
+
+def test_the_mirror_check_finds_a_module_without_tests(tmp_path):
+    """A module without a test module is listed; one with its test module is not."""
+    (tmp_path / "wcache" / "stages").mkdir(parents=True)
+    (tmp_path / "wcache" / "plans").mkdir(parents=True)
+    (tmp_path / "tests" / "stages").mkdir(parents=True)
+    for name in ("__init__.py", "fp8.py", "marlin.py"):
+        (tmp_path / "wcache" / "stages" / name).write_text("")
+    (tmp_path / "tests" / "stages" / "test_fp8.py").write_text("")
+    assert ["wcache/stages/marlin.py"] == unmirrored(tmp_path)

@@ -38,10 +38,23 @@ REQUIRE_ENV = "WCACHE_REQUIRE_VLLM_TREES"
 #: The test files that run vLLM's own classes (quant methods, schemes, kernels, pure
 #: helpers) or compat's class tables; each runs under every release.
 CONTRACT_FILES = (
+    # the CUDA contracts: the table, and each plan module's own simulated-CUDA tests
     "tests/plans/test_cuda_contracts.py",
-    "tests/plans/test_moe_contracts.py",
-    "tests/stages/test_moe_stages.py",
-    "tests/stages/test_cuda_stages.py",
+    "tests/plans/test_fp8.py",
+    "tests/plans/test_machete.py",
+    "tests/plans/test_compressed_tensors.py",
+    "tests/plans/test_nvfp4.py",
+    "tests/plans/test_fused_moe.py",
+    "tests/plans/test_mxfp4.py",
+    # the stage families checked against vLLM's pure helpers (the CUDA and MoE ones)
+    "tests/stages/test_moe.py",
+    "tests/stages/test_moe_cpu.py",
+    "tests/stages/test_marlin.py",
+    "tests/stages/test_fp8.py",
+    "tests/stages/test_mxfp8.py",
+    "tests/stages/test_nvfp4.py",
+    "tests/stages/test_marlin_fp4.py",
+    "tests/stages/test_cuda_stage_properties.py",
     "tests/vllm/test_one_door.py",
     "tests/vllm/test_gpu_readiness.py",
 )

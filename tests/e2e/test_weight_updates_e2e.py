@@ -13,16 +13,14 @@ on both the same way (issue 44, item 6).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.engine_script import output_tail, run_engine_script
 from wcache.core import tensor_checksum
-from wcache.daemon.process import ENGINE_TIMEOUT_S, DaemonProcess, first_traceback
+from wcache.daemon.process import DaemonProcess
 from wcache.store import CacheKey, attach, daemon_status
 from wcache.store.paths import list_sockets
 
@@ -47,43 +45,14 @@ def _shared_checksums(socket_dir: str) -> dict[str, str]:
 
 
 def _run(model: Path, load_format: str, extra: dict) -> dict:
-    repo = str(Path(__file__).resolve().parents[2])
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": os.pathsep.join(filter(None, (repo, os.environ.get("PYTHONPATH")))),
-    }
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--model",
-            str(model),
-            "--load-format",
-            load_format,
-            "--extra",
-            json.dumps(extra),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=ENGINE_TIMEOUT_S,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        out = proc.stdout + proc.stderr
+    args = ["--model", str(model), "--load-format", load_format, "--extra", json.dumps(extra)]
+    run = run_engine_script(SCRIPT, args, load_format)
+    if set(run.result["errors"]) - {GRAD_STEP}:  # the script records a failed update and goes on
         raise AssertionError(
-            f"{load_format} engine exited {proc.returncode}\n"
-            f"{first_traceback(out) or ''}\n" + "\n".join(out.splitlines()[-25:])
+            f"{load_format} engine: updates failed: {run.result['errors']}\n"
+            + output_tail(run.stderr)
         )
-    result = json.loads(lines[-1])
-    if set(result["errors"]) - {GRAD_STEP}:  # the script records a failed update and goes on
-        raise AssertionError(
-            f"{load_format} engine: updates failed: {result['errors']}\n"
-            + "\n".join(proc.stderr.splitlines()[-25:])
-        )
-    return result
+    return run.result
 
 
 @pytest.fixture(scope="module")

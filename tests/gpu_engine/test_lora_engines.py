@@ -17,15 +17,13 @@ Run on the H200: ``bash tools/gpu/run-tier.sh -k lora_engines`` or, after
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from wcache.daemon.process import ENGINE_TIMEOUT_S, DaemonProcess, first_traceback
+from tests.helpers.engine_script import run_engine_script
+from wcache.daemon.process import DaemonProcess
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "e2e" / "_lora_engine.py"
@@ -40,36 +38,13 @@ WRAPPED = ("qkv_proj", "down_proj")
 
 
 def _engine(model: str, adapter: str, load_format: str, extra: dict, *flags: str) -> dict:
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
-    }
-    cmd = [sys.executable, str(SCRIPT), "--model", model, "--adapter", adapter]
-    cmd += ["--load-format", load_format, "--extra", json.dumps(extra)]
-    cmd += ["--device", "cuda", "--mode", MODE, *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=ENGINE_TIMEOUT_S)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        out = proc.stdout + proc.stderr
-        raise AssertionError(
-            f"{load_format} engine exited {proc.returncode}\n"
-            f"{first_traceback(out) or ''}\n" + "\n".join(out.splitlines()[-25:])
-        )
-    return json.loads(lines[-1])
-
-
-@pytest.fixture(scope="module")
-def adapter(tmp_path_factory) -> str:
-    from wcache.testing.fixtures import build
-    from wcache.testing.lora import write_random_adapter
-
-    return write_random_adapter(str(build("bf16")), str(tmp_path_factory.mktemp("lora")))
+    args = ["--model", model, "--adapter", adapter, "--load-format", load_format]
+    args += ["--extra", json.dumps(extra), "--device", "cuda", "--mode", MODE, *flags]
+    return run_engine_script(SCRIPT, args, load_format).result
 
 
 @pytest.fixture(scope="module", params=FORMATS)
-def runs(request, adapter) -> dict:
+def runs(request, lora_adapter) -> dict:
     from wcache.testing.fixtures import build
 
     model = str(build(request.param))
@@ -77,10 +52,10 @@ def runs(request, adapter) -> dict:
     with tempfile.TemporaryDirectory(prefix="wc-lora-gpu-") as sock:
         with DaemonProcess(model, sock, extra_args=SERVE_ARGS):
             extra = {"socket_dir": sock, "fallback": False}
-            out["disk"] = _engine(model, adapter, "auto", {})
-            out["restored"] = _engine(model, adapter, "wcache", extra)
+            out["disk"] = _engine(model, lora_adapter, "auto", {})
+            out["restored"] = _engine(model, lora_adapter, "wcache", extra)
             if request.param == "bf16":
-                out["plain"] = _engine(model, adapter, "wcache", extra, "--no-lora")
+                out["plain"] = _engine(model, lora_adapter, "wcache", extra, "--no-lora")
     return out
 
 

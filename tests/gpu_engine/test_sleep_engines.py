@@ -17,17 +17,14 @@ Run on the H200: ``bash tools/gpu/run-tier.sh -k sleep_engines`` or, after
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from wcache.daemon.process import ENGINE_TIMEOUT_S, DaemonProcess, first_traceback
+from tests.helpers.engine_script import run_engine_script
+from wcache.daemon.process import DaemonProcess
 
-REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("_sleep_engine.py")
 SERVE_ARGS = ("--attention-backend", "TRITON_ATTN")
 CYCLES = 20
@@ -42,23 +39,9 @@ HOST_SLACK_BYTES = 512 << 20
 
 
 def _engine(model: str, load_format: str, extra: dict, level: int, cycles: int) -> dict:
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
-    }
-    cmd = [sys.executable, str(SCRIPT), "--model", model, "--load-format", load_format]
-    cmd += ["--extra", json.dumps(extra), "--level", str(level), "--cycles", str(cycles)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=ENGINE_TIMEOUT_S)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        out = proc.stdout + proc.stderr
-        raise AssertionError(
-            f"{load_format} engine exited {proc.returncode}\n"
-            f"{first_traceback(out) or ''}\n" + "\n".join(out.splitlines()[-25:])
-        )
-    return json.loads(lines[-1])
+    args = ["--model", model, "--load-format", load_format, "--extra", json.dumps(extra)]
+    args += ["--level", str(level), "--cycles", str(cycles)]
+    return run_engine_script(SCRIPT, args, load_format).result
 
 
 @pytest.fixture(scope="module")

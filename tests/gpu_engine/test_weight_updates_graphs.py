@@ -30,16 +30,14 @@ Run on the H200: ``bash tools/gpu/run-tier.sh -k weight_updates_graphs`` or, aft
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.engine_script import run_engine_script
 from wcache.core import tensor_checksum
-from wcache.daemon.process import ENGINE_TIMEOUT_S, DaemonProcess, first_traceback
+from wcache.daemon.process import DaemonProcess
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "e2e" / "_update_engine.py"
@@ -59,42 +57,9 @@ def _engine(
     mode: str,
     steps: tuple[str, ...] = ("baseline", *UPDATES),
 ) -> dict:
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
-    }
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--model",
-            str(model),
-            "--load-format",
-            load_format,
-            "--extra",
-            json.dumps(extra),
-            "--device",
-            "cuda",
-            "--mode",
-            mode,
-            "--steps",
-            ",".join(steps),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=ENGINE_TIMEOUT_S,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        out = proc.stdout + proc.stderr
-        raise AssertionError(
-            f"{load_format} {mode} engine exited {proc.returncode}\n"
-            f"{first_traceback(out) or ''}\n" + "\n".join(out.splitlines()[-25:])
-        )
-    return json.loads(lines[-1])
+    args = ["--model", str(model), "--load-format", load_format, "--extra", json.dumps(extra)]
+    args += ["--device", "cuda", "--mode", mode, "--steps", ",".join(steps)]
+    return run_engine_script(SCRIPT, args, f"{load_format} {mode}").result
 
 
 def _daemon_checksums(socket_dir: str) -> tuple[str, dict[str, str]]:

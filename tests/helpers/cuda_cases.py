@@ -1,6 +1,6 @@
 """Checkpoint-format tensors, layer configs and hypothesis strategies for the
 CUDA-layout plans (Marlin, Machete, CUTLASS INT8/FP8, NVFP4), shared by
-tests/plans/test_cuda_plans.py and tests/plans/test_registry.py. CPU only, no vLLM."""
+tests/plans/test_cuda_plans.py and tests/plans/test_registry.py. CPU only, no vLLM; and the restore invariant and purity checks over them."""
 
 from __future__ import annotations
 
@@ -8,13 +8,15 @@ import torch
 from attrs import evolve
 from hypothesis import strategies as st
 
-from wcache.core import LayerConfig, Plan, QuantSpec, Target
-from wcache.shell import load_, prepare_, restore_
+from tests.helpers import reference_kernels as R
+from wcache.core import LayerConfig, Plan, QuantSpec, StageOut, Target
+from wcache.plans.registry import plan_for
+from wcache.shell import load_, prepare_, restore_, snapshot, state_from_module
 from wcache.stages import packing as P
+from wcache.testing.plans import UncheckedPlan
 
 #: What the adapter records of a MacheteLinearKernel (here vLLM 0.32's uint4b8 id).
 MACHETE_EXTRA = (("machete_act_type", "bfloat16"), ("machete_b_type_id", 1125899907892224))
-
 H200 = Target("cuda", (9, 0))
 B200 = Target("cuda", (10, 0))
 CPU = Target("cpu", None, frozenset({"avx512"}))
@@ -361,3 +363,82 @@ def nvfp4_moe_checkpoint(e, hidden, inter, seed):
         "w2_weight_scale_2": torch.rand(e, generator=g) * 0.01 + 1e-3,
         "w2_input_scale": torch.rand(e, generator=g) + 0.5,
     }
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype.itemsize == 1 and a.dtype not in (torch.uint8, torch.int8):
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return a.shape == b.shape and torch.equal(a, b)
+
+
+def assert_stages_pure(plan: Plan, tensors: dict, cfg: LayerConfig, target: Target) -> None:
+    """Run ``plan`` stage by stage; no stage changes its inputs' values or version counters."""
+    state = state_from_module(make_module({k: v.clone() for k, v in tensors.items()}))
+    for st_ in plan.stages:
+        before = {k: (v.clone(), v._version) for k, v in state.tensors.items()}
+        out = st_(dict(state.tensors), cfg, target, {})
+        assert isinstance(out, StageOut)
+        for k, (val, ver) in before.items():
+            assert state.tensors[k]._version == ver, (st_.name, k)
+            assert same_bytes(state.tensors[k], val), (st_.name, k)
+        one = UncheckedPlan(plan.method, plan.kernel, (st_,), checkpoint=frozenset(state.tensors))
+        state = one.run(state, cfg, target, frozenset({st_.tag}), check_purity=True)
+
+
+#: The NVFP4 kernels vLLM picks only on Blackwell (their plans resolve on sm100 only).
+_SM100_KERNELS = ("cutlass", "cutlass_moe")
+
+
+def target_for(cfg: LayerConfig) -> Target:
+    """The target a CUDA case's plan resolves on: sm100 for the Blackwell-only NVFP4 kernels."""
+    sm100 = cfg.quant.method == "modelopt_fp4" and cfg.quant.kernel in _SM100_KERNELS
+    return B200 if sm100 else H200
+
+
+_FORWARD = {
+    "marlin": lambda cfg: R.marlin_int_forward,
+    "cutlass": lambda cfg: R.cutlass_fp8_forward,
+    "cutlass_block": lambda cfg: R.block_fp8_forward,
+    "fp8_marlin": lambda cfg: R.fp8_marlin_forward,
+}
+
+
+def forward_for(plan: Plan, cfg: LayerConfig):
+    """The reference forward of ``plan``'s kernel (tests.helpers.reference_kernels)."""
+    if plan.method in ("mxfp8", "modelopt_mxfp8"):
+        return R.mxfp8_marlin_forward
+    if plan.method == "modelopt_fp4":
+        return R.nvfp4_linear_forward if plan.kernel == "cutlass" else R.nvfp4_moe_forward
+    return _FORWARD[plan.kernel](cfg)
+
+
+def assert_restore_invariant(cfg: LayerConfig, tensors: dict, seed: int = 0):
+    """restore(export(prepare(x))) == load(x): snapshot and reference forward, bit for bit;
+    the checkpoint tensors are untouched by all three runs; every stage is pure on this
+    draw; replaying restore a second time changes nothing."""
+    target = target_for(cfg)
+    plan = plan_for(cfg, target=target).plan
+    before = {k: v.clone() for k, v in tensors.items()}
+    loaded, restored, prepared = roundtrip(plan, tensors, cfg, target)
+    paths = attr_paths(plan)
+    assert snapshot(loaded, paths) == snapshot(restored, paths)
+    for k, v in tensors.items():
+        assert torch.equal(
+            before[k].view(torch.uint8) if v.dtype.itemsize == 1 else before[k],
+            v.view(torch.uint8) if v.dtype.itemsize == 1 else v,
+        )
+    assert_stages_pure(plan, tensors, cfg, target)
+    restore_(
+        restored, plan.bind(cfg, target), prepared.recorded, strict=True
+    )  # replay twice == once
+    assert snapshot(loaded, paths) == snapshot(restored, paths)
+    fwd = forward_for(plan, cfg)
+    if plan.method == "modelopt_fp4" and plan.kernel == "cutlass_moe":
+        x = torch.randn(3, tensors["w2_weight"].shape[1], generator=seeded_generator(seed)).to(
+            torch.bfloat16
+        )
+    else:
+        x = torch.randn(3, cfg.size_k, generator=seeded_generator(seed)).to(torch.bfloat16)
+    out_loaded, out_restored = fwd(loaded, cfg, x), fwd(restored, cfg, x)
+    assert torch.equal(out_loaded, out_restored)
+    return plan, loaded, restored, x, out_loaded

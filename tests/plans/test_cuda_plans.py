@@ -22,6 +22,8 @@ from tests.helpers.cuda_cases import (
     CPU,
     H200,
     MACHETE_EXTRA,
+    assert_restore_invariant,
+    assert_stages_pure,
     attr_paths,
     cuda_config,
     export,
@@ -35,6 +37,7 @@ from tests.helpers.cuda_cases import (
     nvfp4_moe_checkpoint,
     roundtrip,
     seeded_generator,
+    target_for,
 )
 from wcache.core import (
     LayerConfig,
@@ -56,57 +59,9 @@ from wcache.plans import mxfp8 as mxfp8_plans
 from wcache.plans import nvfp4 as nvfp4_plans
 from wcache.plans import unquantized as unquantized_plans
 from wcache.plans.registry import all_plans, plan_for
-from wcache.shell import load_, prepare_, restore_, snapshot, state_from_module
+from wcache.shell import load_, prepare_, restore_, snapshot
 from wcache.stages import nvfp4 as F4
 from wcache.testing.plans import UncheckedPlan, unregistered_stage
-
-_FORWARD = {
-    "marlin": lambda cfg: R.marlin_int_forward,
-    "cutlass": lambda cfg: R.cutlass_fp8_forward,
-    "cutlass_block": lambda cfg: R.block_fp8_forward,
-    "fp8_marlin": lambda cfg: R.fp8_marlin_forward,
-}
-
-
-def forward_for(plan: Plan, cfg: LayerConfig):
-    if plan.method in ("mxfp8", "modelopt_mxfp8"):
-        return R.mxfp8_marlin_forward
-    if plan.method == "modelopt_fp4":
-        return R.nvfp4_linear_forward if plan.kernel == "cutlass" else R.nvfp4_moe_forward
-    return _FORWARD[plan.kernel](cfg)
-
-
-def assert_restore_invariant(cfg: LayerConfig, tensors: dict, seed: int = 0):
-    """restore(export(prepare(x))) == load(x): snapshot and reference forward, bit for bit;
-    the checkpoint tensors are untouched by all three runs; every stage is pure on this
-    draw; replaying restore a second time changes nothing."""
-    target = _target(cfg)
-    plan = plan_for(cfg, target=target).plan
-    before = {k: v.clone() for k, v in tensors.items()}
-    loaded, restored, prepared = roundtrip(plan, tensors, cfg, target)
-    paths = attr_paths(plan)
-    assert snapshot(loaded, paths) == snapshot(restored, paths)
-    for k, v in tensors.items():
-        assert torch.equal(
-            before[k].view(torch.uint8) if v.dtype.itemsize == 1 else before[k],
-            v.view(torch.uint8) if v.dtype.itemsize == 1 else v,
-        )
-    assert_stages_pure(plan, tensors, cfg, target)
-    restore_(
-        restored, plan.bind(cfg, target), prepared.recorded, strict=True
-    )  # replay twice == once
-    assert snapshot(loaded, paths) == snapshot(restored, paths)
-    fwd = forward_for(plan, cfg)
-    if plan.method == "modelopt_fp4" and plan.kernel == "cutlass_moe":
-        x = torch.randn(3, tensors["w2_weight"].shape[1], generator=seeded_generator(seed)).to(
-            torch.bfloat16
-        )
-    else:
-        x = torch.randn(3, cfg.size_k, generator=seeded_generator(seed)).to(torch.bfloat16)
-    out_loaded, out_restored = fwd(loaded, cfg, x), fwd(restored, cfg, x)
-    assert torch.equal(out_loaded, out_restored)
-    return plan, loaded, restored, x, out_loaded
-
 
 # --------------------------------------------------------------------------- invariant
 
@@ -156,7 +111,7 @@ def test_nvfp4_marlin_moe_restore_invariant(dims, seed):
     loaded, restored, prepared = roundtrip(plan, tensors, cfg, H200)
     # the synthetic restored module has no placeholder parameters, so its empty slots
     # are plain attributes (a vLLM-built layer keeps them as parameter slots: the
-    # contract test tests/plans/test_cuda_contracts.py::test_nvfp4_moe_marlin_sm90)
+    # contract test tests/plans/test_cuda_contracts.py, row modelopt_fp4/marlin_moe)
     slots = {"w13_input_scale": ("param", None), "w2_input_scale": ("param", None)}
     paths = attr_paths(plan)
     assert snapshot(loaded, paths) == {**snapshot(restored, paths), **slots}
@@ -322,59 +277,30 @@ def _plan_cases():
 PLAN_CASES = _plan_cases()
 
 
-#: The NVFP4 kernels vLLM picks only on Blackwell (their plans resolve on sm100 only).
-_SM100_KERNELS = ("cutlass", "cutlass_moe")
-
-
-def _target(cfg):
-    sm100 = cfg.quant.method == "modelopt_fp4" and cfg.quant.kernel in _SM100_KERNELS
-    return B200 if sm100 else H200
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype.itemsize == 1 and a.dtype not in (torch.uint8, torch.int8):
-        a, b = a.view(torch.uint8), b.view(torch.uint8)
-    return a.shape == b.shape and torch.equal(a, b)
-
-
-def assert_stages_pure(plan: Plan, tensors: dict, cfg: LayerConfig, target: Target) -> None:
-    """Run ``plan`` stage by stage; no stage changes its inputs' values or version counters."""
-    state = state_from_module(make_module({k: v.clone() for k, v in tensors.items()}))
-    for st_ in plan.stages:
-        before = {k: (v.clone(), v._version) for k, v in state.tensors.items()}
-        out = st_(dict(state.tensors), cfg, target, {})
-        assert isinstance(out, StageOut)
-        for k, (val, ver) in before.items():
-            assert state.tensors[k]._version == ver, (st_.name, k)
-            assert _same(state.tensors[k], val), (st_.name, k)
-        one = UncheckedPlan(plan.method, plan.kernel, (st_,), checkpoint=frozenset(state.tensors))
-        state = one.run(state, cfg, target, frozenset({st_.tag}), check_purity=True)
-
-
 @pytest.mark.parametrize("cfg,tensors", PLAN_CASES, ids=lambda v: getattr(v, "name", None))
 def test_every_stage_is_pure(cfg, tensors):
     """Every stage of every CUDA plan leaves its input tensors' values and version
     counters unchanged (run stage by stage through a full load)."""
-    assert_stages_pure(plan_for(cfg, target=_target(cfg)).plan, tensors, cfg, _target(cfg))
+    assert_stages_pure(plan_for(cfg, target=target_for(cfg)).plan, tensors, cfg, target_for(cfg))
 
 
 @pytest.mark.parametrize("cfg,tensors", PLAN_CASES, ids=lambda v: getattr(v, "name", None))
 def test_replayable_stages_twice_equals_once(cfg, tensors):
     """Replaying a plan's METADATA/ALLOCATE/DERIVE/VALIDATE stages twice on a restored
     layer gives the same snapshot as once, and the same recorded values."""
-    plan = plan_for(cfg, target=_target(cfg)).plan
+    plan = plan_for(cfg, target=target_for(cfg)).plan
     prepared = prepare_(
-        make_module({k: v.clone() for k, v in tensors.items()}), plan.bind(cfg, _target(cfg))
+        make_module({k: v.clone() for k, v in tensors.items()}), plan.bind(cfg, target_for(cfg))
     )
     once = export(prepared)
     restore_(
-        once, plan.bind(cfg, _target(cfg)), prepared.recorded, strict=True, drops=prepared.drops
+        once, plan.bind(cfg, target_for(cfg)), prepared.recorded, strict=True, drops=prepared.drops
     )
     twice = export(prepared)
     restore_(
-        twice, plan.bind(cfg, _target(cfg)), prepared.recorded, strict=True, drops=prepared.drops
+        twice, plan.bind(cfg, target_for(cfg)), prepared.recorded, strict=True, drops=prepared.drops
     )
-    state2 = restore_(twice, plan.bind(cfg, _target(cfg)), prepared.recorded, strict=True)
+    state2 = restore_(twice, plan.bind(cfg, target_for(cfg)), prepared.recorded, strict=True)
     paths = attr_paths(plan)
     assert snapshot(once, paths) == snapshot(twice, paths)
     assert {k: dict(v) for k, v in state2.recorded.items()} == prepared.recorded

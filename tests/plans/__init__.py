@@ -1,0 +1,1 @@
+"""Tests of wcache/plans/: one module per plan module (tests/README.md)."""

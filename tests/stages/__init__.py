@@ -1,0 +1,1 @@
+"""Tests of wcache/stages/: one module per stage family (tests/README.md)."""
