@@ -59,6 +59,7 @@ from wcache.store.protocol import recv_frame, send_frame
 from wcache.store.server import peer_credentials
 from wcache.template import versions
 from wcache.template.errors import TemplateError, TemplateStale, TemplateUnsafe, TemplateUnsupported
+from wcache.template.started import RUN_STARTED_ENV, run_started_value
 
 __all__ = [
     "Template",
@@ -71,6 +72,7 @@ __all__ = [
     "CUDA_PRELOAD",
     "socket_file",
     "os_thread_count",
+    "default_preload",
 ]
 
 log = logging.getLogger("wcache.template")
@@ -157,6 +159,12 @@ UNCAUGHT_EXIT = 1
 MP_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 
 
+def default_preload(cpu: bool) -> tuple[str, ...]:
+    """What a template imports by default, in order: :data:`COMMON_PRELOAD` then the
+    platform's (:data:`CPU_PRELOAD` when ``cpu``, else :data:`CUDA_PRELOAD`)."""
+    return COMMON_PRELOAD + (CPU_PRELOAD if cpu else CUDA_PRELOAD)
+
+
 def socket_file(socket_dir: str | None) -> str:
     """The template's socket path in ``socket_dir`` (default: the daemons' socket dir)."""
     return os.path.join(os.path.abspath(socket_dir or paths.default_socket_dir()), SOCKET_NAME)
@@ -201,6 +209,8 @@ class Template:
         self.preload = tuple(preload) if preload is not None else COMMON_PRELOAD
         self.platform_preload = platform_preload
         self.imported: list[str] = []
+        #: seconds each preload took to import (what it added beyond the ones before)
+        self.import_times: dict[str, float] = {}
         self.skipped: dict[str, str] = {}
         self.import_s = 0.0
         self.started = time.time()
@@ -227,6 +237,7 @@ class Template:
         self._lock_fd = paths.acquire_device_lock(self.socket_path)
 
     def _import(self, name: str) -> None:
+        t0 = time.monotonic()
         try:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 (an optional module: another platform's, a missing extra)
@@ -240,6 +251,7 @@ class Template:
                 f"--no-platform-preload"
             )
         self.imported.append(name)
+        self.import_times[name] = round(time.monotonic() - t0, 3)
 
     def prepare(self) -> None:
         """Import the preloads (gc off meanwhile), record the fingerprint and the
@@ -586,6 +598,7 @@ class Template:
             "import_s": round(self.import_s, 2),
             "modules": len(sys.modules),
             "imported": self.imported,
+            "import_times_s": self.import_times,
             "skipped": self.skipped,
             "fingerprint": self.fingerprint,
             "import_env_delta": self.import_env_delta,
@@ -718,6 +731,9 @@ def _child_main(
         os.chdir(req["cwd"])
         env = {str(k): str(v) for k, v in req["env"].items()}
         env.setdefault(MP_METHOD_ENV, "fork")
+        client_start = req.get("client_start")
+        if isinstance(client_start, (int, float)):
+            env[RUN_STARTED_ENV] = run_started_value(os.getpid(), float(client_start))
         for k, v in env_delta.items():  # what the template's imports set
             if v is None:
                 env.pop(k, None)
