@@ -59,7 +59,7 @@ from wcache.store.protocol import recv_frame, send_frame
 from wcache.store.server import peer_credentials
 from wcache.template import versions
 from wcache.template.errors import TemplateError, TemplateStale, TemplateUnsafe, TemplateUnsupported
-from wcache.template.started import RUN_STARTED_ENV, run_started_value
+from wcache.template.started import set_run_started
 
 __all__ = [
     "Template",
@@ -779,9 +779,6 @@ def _child_main(
         os.chdir(req["cwd"])
         env = {str(k): str(v) for k, v in req["env"].items()}
         env.setdefault(MP_METHOD_ENV, "fork")
-        client_start = req.get("client_start")
-        if isinstance(client_start, (int, float)):
-            env[RUN_STARTED_ENV] = run_started_value(os.getpid(), float(client_start))
         for k, v in env_delta.items():  # what the template's imports set
             if v is None:
                 env.pop(k, None)
@@ -793,6 +790,9 @@ def _child_main(
         sys.orig_argv = [str(a) for a in req.get("argv", [])]
         _stdio(bool(entry.get("unbuffered")) or bool(env.get("PYTHONUNBUFFERED")))
         _reseed()
+        client_start = req.get("client_start")
+        if isinstance(client_start, (int, float)):  # where a direct start's timer starts
+            set_run_started(float(client_start))
         log.handlers.clear()  # the template's own log handler (main() adds it; root is untouched)
     except BaseException:  # noqa: BLE001 (the child could not become the command: say so on its stderr)
         traceback.print_exc()

@@ -5,24 +5,24 @@ A template child is forked when the request arrives, so its own process start
 A timer of "process start to first token" (``wcache.vllm.run_engine``'s marks, the
 phases benchmark) must start where a direct start's does: at the launch of the
 command the user typed, here ``wcache run``. The client sends its own process start
-in the request; the child puts it in its environment as ``PID:SECONDS`` under
-:data:`RUN_STARTED_ENV`, naming its own pid, so a process that inherits the variable
-(the engine core vLLM forks, a subprocess) does not take it for its own start.
+in the request; the child records it here with its own pid (:func:`set_run_started`),
+in this module rather than the environment, so the command's environment stays the
+client's, and a process forked from the child (vLLM's engine core) that reads it sees
+another pid and does not take it for its own start.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
 
 from wcache.store import paths
 
-__all__ = ["RUN_STARTED_ENV", "process_start_epoch", "run_started", "run_started_value"]
+__all__ = ["process_start_epoch", "run_started", "set_run_started"]
 
-#: ``PID:SECONDS``: the ``wcache run`` client's process start (seconds since the
-#: epoch) for the template child PID.
-RUN_STARTED_ENV = "WCACHE_RUN_STARTED"
+#: ``(pid, seconds since the epoch)``: the ``wcache run`` client's start, for the
+#: template child ``pid`` (set in the child only).
+_RUN_STARTED: tuple[int, float] | None = None
 
 
 def process_start_epoch(pid: int | None = None) -> float | None:
@@ -39,22 +39,15 @@ def process_start_epoch(pid: int | None = None) -> float | None:
     return time.time() - age
 
 
-def run_started_value(pid: int, client_start: float) -> str:
-    """The :data:`RUN_STARTED_ENV` value for child ``pid`` of a client started at
-    ``client_start`` (seconds since the epoch)."""
-    return f"{pid}:{client_start:.6f}"
+def set_run_started(client_start: float) -> None:
+    """Record, in a template child, its client's start (seconds since the epoch)."""
+    global _RUN_STARTED
+    _RUN_STARTED = (os.getpid(), float(client_start))
 
 
-def run_started(environ: Mapping[str, str] | None = None, pid: int | None = None) -> float | None:
-    """The ``wcache run`` client's start when this process (``pid``, default this
-    one) is the template child it ran, else None (no variable, another pid's, or
-    unreadable)."""
-    env = os.environ if environ is None else environ
-    value = env.get(RUN_STARTED_ENV, "")
-    owner, _, seconds = value.partition(":")
-    try:
-        if int(owner) != (os.getpid() if pid is None else pid):
-            return None
-        return float(seconds)
-    except ValueError:
+def run_started() -> float | None:
+    """The ``wcache run`` client's start when this process is the template child it
+    ran, else None (not a template child, or a process forked from one)."""
+    if _RUN_STARTED is None or _RUN_STARTED[0] != os.getpid():
         return None
+    return _RUN_STARTED[1]
