@@ -15,6 +15,7 @@ import os
 import re
 import struct
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -847,7 +848,7 @@ def test_merge_counts_every_pair_of_every_call_once(tmp_path):
 class _FakeDaemon:
     """DaemonProcess for the fresh-node rows: writes the --snapshot dir when priming."""
 
-    started: list[list[str]] = []
+    started: ClassVar[list[list[str]]] = []
 
     def __init__(self, ckpt, sock, env=None, extra_args=()):
         self.socket_dir, self.args = sock, list(extra_args)
