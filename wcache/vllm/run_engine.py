@@ -122,11 +122,19 @@ def process_start_time() -> tuple[float, str]:
     ``CLK_TCK`` of 100) and no truncated boot time (``/proc/stat``'s ``btime`` is
     whole seconds). Where that cannot be read (not Linux), the time this module
     started to run (``time.time()`` at its top: after interpreter start-up and the
-    imports ``python -m`` makes first).
+    imports ``python -m`` makes first). In a child forked by the engine template
+    (``wcache run``), the client's process start instead
+    (:func:`wcache.template.started.run_started`): the launch of the command typed,
+    where a direct start's timer starts.
 
     Returns:
-        ``(seconds since the epoch, "proc-stat" | "module-top")``.
+        ``(seconds since the epoch, "proc-stat" | "module-top" | "wcache-run-client")``.
     """
+    from wcache.template.started import run_started  # noqa: PLC0415 (after the module-start mark)
+
+    client = run_started()
+    if client is not None:  # a template child: its timer starts at `wcache run`'s launch
+        return client, "wcache-run-client"
     try:
         with open("/proc/self/stat") as f:
             stat = f.read()
