@@ -336,7 +336,14 @@ REAL_ENGINE_RESULTS: dict[str, tuple[str, str]] = {
         "8 workers). moe-gpt_oss-mxfp4's reason is a caret line: vLLM's own disk engine "
         "failed inside its triton_kernels MoE forward during the profile run, in a stack "
         "deeper than the traceback lines then kept (first_traceback now keeps the "
-        "exception line)",
+        "exception line). At commit 3721da8 (2026-12-04T20:21Z-20:28Z, 6 workers, beside the "
+        "LoRA and sleep tests and an architecture sweep; the merge b590373, new engine-script "
+        "options only, reached the machine mid-run): the compiled FP8 per-tensor and block on "
+        "Marlin, CT W4A16 MoE and GPT-OSS MXFP4 on Marlin rows, and bf16, fp8, awq-marlin and "
+        "nvfp4 eager again (verify now compares parameter flags). "
+        "moe-gpt_oss-mxfp4-b-marlin-compiled's four loads gave identical tokens; its verify "
+        "could not import wcache, because a later device call replaced the working tree "
+        "while it ran: not a property of the plan, and its rerun is pending",
     ),
 }
 
