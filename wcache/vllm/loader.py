@@ -368,7 +368,10 @@ def spec_role(vllm_config: VllmConfig, model_config: ModelConfig) -> str:
         ``"head"`` (any other method's drafter: loads from disk).
 
     Source: vllm/v1/spec_decode/draft_model.py::DraftModelProposer._get_model,
-        vllm/v1/spec_decode/llm_base_proposer.py::SpecDecodeBaseProposer._get_model.
+        vllm/v1/spec_decode/llm_base_proposer.py::SpecDecodeBaseProposer._get_model;
+        0.33's GPU model runner: vllm/v1/worker/gpu/spec_decode/standalone_ar/
+        speculator.py::load_draft_model, eagle/utils.py::load_eagle_model (the same
+        ``draft_model_config`` object; seen on the H200).
     """
     spec = getattr(vllm_config, "speculative_config", None)
     draft = None if spec is None else getattr(spec, "draft_model_config", None)
