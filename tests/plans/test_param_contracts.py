@@ -19,9 +19,8 @@ from tests.helpers import param_contracts as PC
 from tests.helpers import vllm_layers as VL
 from tests.helpers.cpu_cases import FAMILIES, HOST, HOST_LIBRARY
 from tests.plans.test_cuda_contracts import CASES
-from wcache.core import NoPlan
+from wcache.core import NoPlan, Target
 from wcache.plans import plan_for
-from wcache.core import Target
 from wcache.vllm import compat
 
 #: (plan, case) whose re-registration depends on the layer's shape in vLLM 0.32: its
@@ -65,7 +64,6 @@ def test_cuda_restored_parameters_equal_vllms(monkeypatch, row, case):
     spec.vllm_load(vllm_layer)
     restored = PC.engine_restore(plan, config, spec.build, spec.fill, target)
     assert {} == PC.parameter_diff(vllm_layer, restored)
-
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -102,7 +102,9 @@ class ParamOutcome:
 
     kept: bool
     carried: tuple[str, ...] = field(default=(), converter=tuple)
-    attrs: tuple[tuple[str, Any], ...] = field(default=(), converter=lambda v: tuple(sorted(dict(v).items())))
+    attrs: tuple[tuple[str, Any], ...] = field(
+        default=(), converter=lambda v: tuple(sorted(dict(v).items()))
+    )
 
 
 LOAD_TAGS = frozenset(Tag)

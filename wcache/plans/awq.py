@@ -5,7 +5,7 @@ layer on a Target; both record ``use_w4a8``."""
 
 from __future__ import annotations
 
-from wcache.core import LayerConfig, Plan, Reregistration, Target
+from wcache.core import LayerConfig, Plan, Target
 from wcache.plans.registry import register
 from wcache.stages import awq, cpu_wna16
 
