@@ -29,6 +29,7 @@ from wcache.core import (
     PREPARE_TAGS,
     BoundPlan,
     LayerState,
+    ParamOutcome,
     Prepared,
     RestoreGuard,
     tensor_checksum,
@@ -353,46 +354,92 @@ def _check_shapes(
 
 
 #: Key of the export's ``extra`` under which the daemon records, per parameter name,
-#: ``[kept, requires_grad]`` (:func:`param_flags`; read by :func:`install_tensors_`).
+#: ``[kept, requires_grad, carried, attrs]`` (:func:`param_flags`; read by
+#: :func:`install_tensors_`).
 PARAM_FLAGS_EXTRA = "param_flags"
+#: :attr:`ParamOutcome.carried` entry: every attribute of the built parameter.
+CARRY_ALL = "*"
+#: ``BasevLLMParameter``'s backing field of its ``weight_loader`` property, which
+#: vLLM's ``replace_parameter`` never carries (it sets ``weight_loader`` itself).
+LOADER_BACKING_FIELD = "_weight_loader"
+
+
+def _outcomes_by_every_name(
+    modules: Mapping[str, torch.nn.Module], outcomes: Mapping[str, Mapping[str, ParamOutcome]]
+) -> dict[str, dict[str, ParamOutcome]]:
+    """``outcomes`` (layer name -> parameter name -> outcome) under every name of each
+    layer's module (:func:`_by_every_name` says why)."""
+    by_module = {id(modules[n]): dict(o) for n, o in outcomes.items() if n in modules}
+    out = {n: dict(o) for n, o in outcomes.items()}
+    for name, module in modules.items():
+        if id(module) in by_module:
+            out.setdefault(name, {}).update(by_module[id(module)])
+    return out
 
 
 def param_flags(
     model: torch.nn.Module,
     built: Mapping[str, Any],
-    writes: Mapping[str, Iterable[str]],
-    kept: Mapping[str, Iterable[str]] | None = None,
-) -> dict[str, list[bool]]:
+    outcomes: Mapping[str, Mapping[str, ParamOutcome]],
+    built_grad: Mapping[str, bool] | None = None,
+) -> dict[str, list[Any]]:
     """Per parameter of ``model`` (every name, tied ones included): ``[kept,
-    requires_grad]``, as vLLM's disk load leaves them.
+    requires_grad, carried, attrs]``, as vLLM's disk load leaves it.
 
-    ``kept``: on a disk engine the parameter is the object the model's build
-    created, with the build's class and attributes. True for a parameter that is
-    still that object here (``built``: name -> a ``weakref.ref`` to it, taken right
-    after the build) and that no stage of its layer's plan writes (where vLLM 0.32's
-    post-load writes a parameter, ``replace_parameter`` re-registers a plain
-    ``nn.Parameter(requires_grad=False)`` carrying only ``weight_loader``; 0.33's
-    keeps the object: which one applies is not recorded per plan yet, and
-    ``wcache.vllm.verify.REWRITTEN`` compares such parameters by ``requires_grad``
-    only); and for the parameters the
-    layer's plan declares kept (``Plan.kept_params``: vLLM rewrites them through
-    ``.data``).
+    A parameter no stage of its layer's plan writes is kept when it is still the
+    object the build created (``built``: name -> a ``weakref.ref`` to it, taken right
+    after the build), with its own ``requires_grad``. A parameter a stage writes is
+    what its :class:`~wcache.core.ParamOutcome` says (how the plan's post-load
+    re-registers it, in this vLLM release: ``wcache.vllm.compat.param_outcomes``):
+    kept (the build's class and attributes, the build's ``requires_grad``), or a
+    plain ``nn.Parameter(requires_grad=False)`` carrying the build's attributes named
+    in ``carried``; ``attrs`` are set over either.
 
     Args:
-        writes: layer name -> tensor names its plan's stages write.
-        kept: layer name -> its plan's ``kept_params``.
+        outcomes: layer name -> parameter name -> outcome, for each parameter its
+            plan writes.
+        built_grad: parameter name -> ``requires_grad`` right after the build
+            (default: the parameter's now).
 
-    Source: vllm/model_executor/layers/quantization/utils/layer_utils.py::replace_parameter
+    Source: vllm/model_executor/utils.py::replace_parameter;
+    vllm/model_executor/layers/quantization/utils/layer_utils.py::replace_parameter
     """
     modules = dict(model.named_modules(remove_duplicate=False))
-    written = _by_every_name(modules, writes)
-    declared = _by_every_name(modules, kept or {})
-    out = {}
+    by_name = _outcomes_by_every_name(modules, outcomes)
+    grads = built_grad or {}
+    out: dict[str, list[Any]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         ref = built.get(name)
         mod_name, leaf = _split(name)
-        same = ref is not None and ref() is p and leaf not in written.get(mod_name, ())
-        out[name] = [same or leaf in declared.get(mod_name, ()), bool(p.requires_grad)]
+        outcome = by_name.get(mod_name, {}).get(leaf)
+        if outcome is None:
+            out[name] = [ref is not None and ref() is p, bool(p.requires_grad), [], {}]
+        elif outcome.kept and ref is not None:
+            grad = grads.get(name, bool(p.requires_grad))
+            out[name] = [True, bool(grad), [], dict(outcome.attrs)]
+        else:
+            out[name] = [False, False, list(outcome.carried), dict(outcome.attrs)]
+    return out
+
+
+def carried_attrs(built: torch.nn.Parameter, carried: Iterable[str]) -> dict[str, Any]:
+    """The attributes of ``built`` that a re-registered plain parameter carries
+    (:attr:`ParamOutcome.carried`; :data:`CARRY_ALL`: all but the loader's backing
+    field, the loader under ``weight_loader``).
+
+    Source: vllm/model_executor/utils.py::replace_parameter (0.32: ``new_tensor``'s
+    attributes but ``weight_loader``/``_weight_loader``, then the old parameter's
+    ``weight_loader``).
+    """
+    names = set(carried)
+    out: dict[str, Any] = {}
+    if CARRY_ALL in names:
+        out.update((k, v) for k, v in vars(built).items() if k != LOADER_BACKING_FIELD)
+        names.discard(CARRY_ALL)
+        names.add("weight_loader")
+    for attr in sorted(names):
+        if hasattr(built, attr):
+            out[attr] = getattr(built, attr)
     return out
 
 
@@ -432,8 +479,10 @@ def install_tensors_(
     model built becomes a parameter of the meta one's class with its attributes
     (``weight_loader``, ``output_dim``, ...) and the recorded ``requires_grad``
     (:func:`parameter_like`), as on a disk-loaded engine; any other parameter
-    (one a TRANSFORM replaced, or no record: an older daemon) a plain
-    ``nn.Parameter`` with the recorded ``requires_grad`` (default False).
+    (one vLLM's post-load re-registers, or no record: an older daemon) a plain
+    ``nn.Parameter`` with the recorded ``requires_grad`` (default False) carrying
+    the meta one's attributes the record names (:func:`carried_attrs`). The
+    record's attributes are set over either.
     Buffers keep their persistence; aliases are registered as the *same*
     object; references the model's objects took to a replaced tensor are pointed
     at the installed one (:func:`rebind_captured_`). A tensor the model has no
@@ -451,10 +500,9 @@ def install_tensors_(
         aliases: alias name -> canonical name.
         writes: layer name -> tensor names its plan's stages may write.
         transformed: layer name -> tensor names its plan's TRANSFORM stages write.
-        param_flags: parameter name -> ``[kept, requires_grad]`` as the daemon
-            recorded them (:data:`PARAM_FLAGS_EXTRA` of the export); ``kept``: after
-            load and prepare the daemon's model still held the object its build
-            created.
+        param_flags: parameter name -> ``[kept, requires_grad, carried, attrs]`` as
+            the daemon recorded them (:data:`PARAM_FLAGS_EXTRA` of the export,
+            :func:`param_flags`); a two-item record is ``[kept, requires_grad]``.
         param_attrs: parameter name -> attributes set on a kept parameter over the
             build's (``Plan.param_attrs``, under the layer's name).
 
@@ -484,13 +532,17 @@ def install_tensors_(
         if obj is None:
             t = tensors[canonical]
             if kind == "param":
-                kept, requires_grad = param_flags.get(canonical, (False, False))
+                record = list(param_flags.get(canonical, (False, False)))
+                kept, requires_grad, carried, set_attrs = (record + [[], {}])[:4]
                 built = module._parameters.get(leaf)
                 if kept and isinstance(built, torch.nn.Parameter):
                     obj = parameter_like(built, t, requires_grad=requires_grad)
                     obj.__dict__.update((param_attrs or {}).get(canonical, {}))
                 else:
                     obj = torch.nn.Parameter(t, requires_grad=requires_grad)
+                    if isinstance(built, torch.nn.Parameter):
+                        obj.__dict__.update(carried_attrs(built, carried))
+                obj.__dict__.update(set_attrs)
             else:
                 obj = t
             objects[(canonical, kind)] = obj

@@ -11,7 +11,8 @@ import weakref
 
 import torch
 
-from wcache.shell import install_tensors_, param_flags, parameter_like
+from wcache.core import ParamOutcome
+from wcache.shell import carried_attrs, install_tensors_, param_flags, parameter_like
 
 
 class PackedParam(torch.nn.Parameter):
@@ -48,20 +49,53 @@ def test_parameter_like_keeps_class_attributes_and_data():
     assert out.data_ptr() == data.data_ptr()
 
 
-def test_param_flags_kept_replaced_written_and_declared():
-    """Kept: same object and unwritten, or declared by the plan; a replaced or written one is not."""
+def test_param_flags_follow_each_written_parameters_outcome():
+    """Unwritten: kept while it is the built object; written: what its outcome says
+    (kept with the build's requires_grad, or plain carrying the named attributes)."""
     model = _model("cpu")
     built = {n: weakref.ref(p) for n, p in model.named_parameters()}
+    grads = {n: p.requires_grad for n, p in model.named_parameters()}
     model.lin.qweight = torch.nn.Parameter(
         torch.zeros(2, 16, dtype=torch.int32), requires_grad=False
     )
-    flags = param_flags(model, built, {"lin": {"qweight", "scales"}}, {"lin": {"qweight"}})
-    assert flags == {
-        "lin.qweight": [True, False],  # replaced, but the plan declares vLLM keeps it
-        "lin.scales": [False, False],  # the same object, but a stage writes it
-        "norm.weight": [True, True],  # untouched: the built parameter, requires grad
+    outcomes = {
+        "lin": {
+            "qweight": ParamOutcome(kept=True),
+            "scales": ParamOutcome(kept=False, carried=("weight_loader",), attrs={"a": 1}),
+        }
     }
-    assert param_flags(model, built, {}, {})["lin.qweight"] == [False, False]
+    flags = param_flags(model, built, outcomes, grads)
+    assert flags == {
+        "lin.qweight": [True, False, [], {}],  # replaced, but vLLM keeps the built one
+        "lin.scales": [False, False, ["weight_loader"], {"a": 1}],  # re-registered plain
+        "norm.weight": [True, True, [], {}],  # untouched: the built parameter, requires grad
+    }
+    assert param_flags(model, built, {})["lin.qweight"] == [False, False, [], {}]
+
+
+def test_install_gives_a_reregistered_parameter_the_carried_attributes():
+    """A plain re-registered parameter carries the build's attributes the record names
+    (``*``: all but the loader's backing field) and the record's attributes."""
+    model = _model("meta")
+    tensors = {"lin.qweight": torch.ones(4, 8, dtype=torch.int32)}
+    install_tensors_(
+        model,
+        tensors,
+        {"lin.qweight": "param"},
+        {},
+        {},
+        writes={},
+        transformed={},
+        param_flags={"lin.qweight": [False, False, ["weight_loader"], {"input_dim": 0}]},
+    )
+    q = model.lin.qweight
+    assert type(q) is torch.nn.Parameter
+    assert vars(q) == {"weight_loader": _loader, "input_dim": 0}
+    assert carried_attrs(_model("meta").lin.qweight, ["*"]) == {
+        "packed_dim": 0,
+        "output_dim": 1,
+        "weight_loader": _loader,
+    }
 
 
 def test_install_gives_kept_parameters_the_build_and_others_plain():

@@ -8,7 +8,11 @@ q/v/down_proj (:mod:`wcache.testing.lora`). Both run tests/e2e/_lora_engine.py:
 greedy tokens without an adapter, with a ``LoRARequest`` and without again, and what
 LoRA reads from each base layer it wraps (``_get_lora_device``, the base layer's
 tensors or None, partition sizes, the stacked LoRA buffers). For bf16 a plain engine
-restores from the same daemon too (the key holds no LoRA setting).
+restores from the same daemon too (the key holds no LoRA setting), and, one engine
+each, a LoRA engine restored with ``mode=copy`` from that daemon and one restored from
+a second daemon forced onto the ``cuda_ipc`` transport
+(tests/gpu_engine/_serve_cuda_ipc.py): the quickstart table's ``copy`` and
+``cuda_ipc`` cells.
 
 Run on the H200: ``bash tools/gpu/run-tier.sh -k lora_engines`` or, after
 ``source tools/gpu/env.sh``, ``python -m pytest tests/gpu_engine/test_lora_engines.py``.
@@ -32,6 +36,10 @@ SERVE_ARGS = ("--attention-backend", "TRITON_ATTN")
 #: bf16; vLLM's serialized FP8 (CUTLASS on sm90); AWQ int4 (vLLM picks awq_marlin).
 FORMATS = ("bf16", "fp8", "awq")
 MODE = "graphs"
+#: ``wcache serve`` with cuda_vmm reported missing: the daemon serves over cuda_ipc.
+IPC_SERVE = Path(__file__).with_name("_serve_cuda_ipc.py")
+#: The restored variants beyond the default (cuda_vmm, zero_copy), bf16 only.
+VARIANTS = ("copy", "cuda_ipc")
 #: SmolLM2-135M's decoder layers; LoRA wraps qkv_proj (q/v slices) and down_proj in each.
 NUM_LAYERS = 30
 WRAPPED = ("qkv_proj", "down_proj")
@@ -56,6 +64,14 @@ def runs(request, lora_adapter) -> dict:
             out["restored"] = _engine(model, lora_adapter, "wcache", extra)
             if request.param == "bf16":
                 out["plain"] = _engine(model, lora_adapter, "wcache", extra, "--no-lora")
+                out["copy"] = _engine(model, lora_adapter, "wcache", {**extra, "mode": "copy"})
+    if request.param == "bf16":
+        with tempfile.TemporaryDirectory(prefix="wc-lora-ipc-") as sock:
+            daemon = DaemonProcess(model, sock, extra_args=SERVE_ARGS)
+            daemon.args[1:3] = [str(IPC_SERVE)]  # [python, -m, wcache.cli, ...] -> the wrapper
+            with daemon:
+                extra = {"socket_dir": sock, "fallback": False}
+                out["cuda_ipc"] = _engine(model, lora_adapter, "wcache", extra)
     return out
 
 
@@ -86,3 +102,17 @@ def test_one_daemon_serves_lora_and_plain_engines(runs):
     if runs["format"] != "bf16":
         pytest.skip("the plain engine runs for bf16 only (one engine start less)")
     assert runs["plain"]["base"] == runs["disk"]["base"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_lora_on_copy_and_cuda_ipc_equals_disk_engine(runs, variant):
+    """A LoRA engine restored with mode=copy, and one from a cuda_ipc daemon, give the
+    disk engine's tokens with and without the adapter and its base layers' state."""
+    if runs["format"] != "bf16":
+        pytest.skip("copy and cuda_ipc run for bf16 only (one engine each)")
+    disk, restored = runs["disk"], runs[variant]
+    for key in ("base", "lora", "base_after"):
+        assert restored[key] == disk[key], key
+    assert restored["lora"] != restored["base"]
+    assert {n: r for n, r in restored["layers"].items() if r != disk["layers"].get(n)} == {}
+    assert sorted(restored["layers"]) == sorted(disk["layers"])

@@ -10,6 +10,11 @@ vocabulary and tokenizer) from a second daemon (``--job draft``, the loader's
   (wcache.testing.spec_decode) without embed_tokens and lm_head, restored target vs
   a disk engine.
 
+For ``eagle``, one engine each beyond the default (``cuda_vmm``, zero-copy): the target
+restored with ``mode=copy`` from the same daemon, and from a second target daemon
+forced onto the ``cuda_ipc`` transport (tests/gpu_engine/_serve_cuda_ipc.py): the
+quickstart table's ``copy`` and ``cuda_ipc`` cells.
+
 Greedy speculative decoding gives the target's greedy tokens, so each restored
 engine's tokens equal the disk engine's. The EAGLE head's embed_tokens and lm_head
 are the target's modules, their weights inside the target's mapped arena (mapped once);
@@ -50,6 +55,8 @@ NUM_SPEC_TOKENS = 3
 DRAFT_JOB = "draft"
 #: Per method: the graph mode of its engines (eager for draft_model, graphs on for eagle).
 MODES = {"draft_model": "eager", "eagle": "graphs"}
+#: ``wcache serve`` with cuda_vmm reported missing: the daemon serves over cuda_ipc.
+IPC_SERVE = Path(__file__).with_name("_serve_cuda_ipc.py")
 
 
 class EngineFailed(Exception):
@@ -134,10 +141,22 @@ def runs(tmp_path_factory) -> dict:
                 if method == "draft_model":
                     only_target = {**extra, "draft": "disk"}
                     _try(out, f"{method}.target_only", target, spec, "wcache", only_target, mode)
+                if method == "eagle":
+                    copy = {**extra, "mode": "copy"}
+                    _try(out, f"{method}.copy", target, spec, "wcache", copy, mode)
             out["status"] = {
                 name: daemon_status(_socket(d))
                 for name, d in (("target", tgt_daemon), ("draft", dd))
             }
+    if "error" not in out.get("eagle.disk", {"error": ""}):
+        with tempfile.TemporaryDirectory(prefix="wc-spec-ipc-") as sock:
+            ipc_daemon = DaemonProcess(target, sock, extra_args=SERVE_ARGS)
+            ipc_daemon.args[1:3] = [str(IPC_SERVE)]  # [python, -m, wcache.cli, ...] -> wrapper
+            with ipc_daemon:
+                extra = {"socket_dir": sock, "fallback": False}
+                ipc: dict = {}
+                _try(ipc, "eagle.cuda_ipc", target, specs["eagle"], "wcache", extra, "graphs")
+                out["ipc"] = ipc
     return out
 
 
@@ -212,7 +231,12 @@ def test_every_attachment_released_once(runs):
     """After the engines exit each daemon has no attachment left, and released each one once."""
     attached = {"target": 0, "draft": 0}
     for name, res in runs.items():
-        if name == "status" or "error" in res or res.get("target") is None:
+        if name in ("status", "ipc") or "error" in res:
+            continue
+        if name == "eagle.copy":  # attached, copied, released: the attachment may be gone
+            attached["target"] += 1
+            continue
+        if res.get("target") is None:
             continue
         attached["target"] += 1
         attached["draft"] += res.get("draft") is not None
@@ -220,3 +244,27 @@ def test_every_attachment_released_once(runs):
         assert status["attachments_active"] == 0, name
         assert status["attachments_total"] == attached[name], name
         assert sum(status["releases"].values()) == attached[name], name
+
+
+@pytest.mark.parametrize("variant", ["copy", "cuda_ipc"])
+def test_eagle_on_copy_and_cuda_ipc_equals_disk(runs, variant):
+    """EAGLE (graphs on) with the target restored by mode=copy, or from a cuda_ipc
+    daemon, gives the disk engine's tokens; the head's embed_tokens/lm_head are the
+    target's modules (cuda_ipc: inside its mapped arena)."""
+    disk = _disk(runs, "eagle")
+    got = runs["ipc"]["eagle.cuda_ipc"] if variant == "cuda_ipc" else runs["eagle.copy"]
+    _record(
+        f"eagle.{variant}",
+        "pass" if "error" not in got and got["tokens"] == disk["tokens"] else "fail",
+        mode=MODES["eagle"],
+        error=got.get("error", "")[-2000:],
+    )
+    assert "error" not in got, got.get("error")
+    assert got["tokens"] == disk["tokens"]
+    assert "sharing_error" not in got, got["sharing_error"]
+    for name in ("embed_tokens", "lm_head"):
+        assert got["shared"][name]["same_module"] is True, name
+        assert got["shared"][name]["draft_ptr"] == got["shared"][name]["target_ptr"], name
+    if variant == "cuda_ipc":
+        assert got["target"]["transport"] == "cuda_ipc"
+        assert all(got["shared"][n]["in_target_arena"] for n in ("embed_tokens", "lm_head"))

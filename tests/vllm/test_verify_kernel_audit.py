@@ -96,15 +96,16 @@ def test_declared_attribute_paths_are_left_to_the_snapshot():
     assert "&quant_method.moe_kernel.fused_experts['experts']._w1.scale" in owners
 
 
-def test_a_rewritten_parameter_is_compared_by_requires_grad_only():
-    """A parameter a TRANSFORM rewrote (vLLM re-registers it by version-specific rules)
-    compares by requires_grad alone; an untouched one by class and attributes too."""
+def test_every_parameter_is_compared_by_class_attributes_and_requires_grad():
+    """Every parameter, one a post-load re-registered included, compares by class,
+    attributes and requires_grad (issue 44 item 6: no exception for rewritten ones)."""
     built = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
     built.weight_loader = print
     layer_a, layer_b = torch.nn.Module(), torch.nn.Module()
     layer_a.w = built
     layer_b.w = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
     assert V.parameter_flags(layer_a) != V.parameter_flags(layer_b)
-    assert V.parameter_flags(layer_a, ["w"]) == V.parameter_flags(layer_b, ["w"])
+    layer_b.w.weight_loader = print
+    assert V.parameter_flags(layer_a) == V.parameter_flags(layer_b)
     layer_b.w.requires_grad_(True)
-    assert V.parameter_flags(layer_a, ["w"]) != V.parameter_flags(layer_b, ["w"])
+    assert V.parameter_flags(layer_a) != V.parameter_flags(layer_b)

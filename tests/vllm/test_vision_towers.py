@@ -84,9 +84,9 @@ def test_tower_restores_from_the_export_with_nothing_on_meta(vllm_cfg, name):
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm.model_executor.models.utils import AutoWeightsLoader
 
-    from wcache.shell import param_flags
     from wcache.vllm.build import prepare_layers_
     from wcache.vllm.model import (
+        daemon_param_flags,
         export_tensors,
         install_tensors_,
         layer_entries,
@@ -107,12 +107,7 @@ def test_tower_restores_from_the_export_with_nothing_on_meta(vllm_cfg, name):
     assert with_method and {p.name for p in planned} == with_method
     prepared = prepare_layers_(planned, target)
     tensors, kinds, aliases, nonpersistent = export_tensors(daemon)
-    flags = param_flags(
-        daemon,
-        built,
-        {p.name: {w for s in p.plan.stages for w in s.writes} for p in planned},
-        {p.name: p.plan.kept_params for p in planned},
-    )
+    flags = daemon_param_flags(daemon, built, planned)
     engine = _tower(name, "meta")
     engine_planned = planned_layers(engine, target)
     persistent = {n: n not in nonpersistent for n, k in kinds.items() if k == "buffer"}

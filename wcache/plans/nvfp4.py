@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 
-from wcache.core import LayerConfig, Plan, Target
+from wcache.core import LayerConfig, Plan, Reregistration, Target
 from wcache.plans.marlin import MARLIN_MIN_CAPABILITY
 from wcache.plans.registry import register
 from wcache.stages import marlin, marlin_fp4, moe, nvfp4
@@ -102,6 +102,14 @@ MOE = register(
             }
         ),
         match=functools.partial(_reason, kind="moe"),
+        # vLLM passes the loaded parameters themselves (or views keeping their
+        # attributes) to replace_parameter.
+        # Source: vllm/model_executor/layers/quantization/modelopt.py::
+        # ModelOptNvFp4FusedMoE.process_weights_after_loading
+        reregistered=dict.fromkeys(
+            ("w13_weight", "w2_weight", "w2_input_scale", "w2_weight_scale_2"),
+            Reregistration.REPLACE_OWN,
+        ),
         description="ModelOpt NVFP4 fused MoE on CUTLASS experts: w13 global scale, a13 max, "
         "scales swizzled, activation scales fused into w*_weight_scale_2 as new "
         "tensors (vLLM: in place); restore replays only the dims.",

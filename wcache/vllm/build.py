@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from wcache.core import WcacheError
 from wcache.errors import ConfigInvalid, PrepareFailed
-from wcache.shell import PARAM_FLAGS_EXTRA, param_flags, prepare_
+from wcache.shell import PARAM_FLAGS_EXTRA, prepare_
 from wcache.store import DaemonServer, Export
 from wcache.store.fingerprint import (
     checkpoint_digest,
@@ -101,7 +101,7 @@ def build_export(vllm_config: Any, *, progress: bool = True):
     from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     from wcache.vllm.key import build_key, parallel_layout  # noqa: PLC0415 (imported at call time: tests patch build_key)
-    from wcache.vllm.model import export_tensors, layer_entries  # noqa: PLC0415 (imported at call time: tests patch export_tensors)
+    from wcache.vllm.model import daemon_param_flags, export_tensors, layer_entries  # noqa: PLC0415 (imported at call time: tests patch export_tensors)
 
     model_config = vllm_config.model_config
     device = torch.device(vllm_config.device_config.device)
@@ -113,6 +113,7 @@ def build_export(vllm_config: Any, *, progress: bool = True):
     # which parameters load and prepare keep (the engine then gives its restored
     # ones the build's class, attributes and requires_grad, as vLLM's load leaves them)
     built = {n: weakref.ref(p) for n, p in model.named_parameters(remove_duplicate=False)}
+    built_grad = {n: p.requires_grad for n, p in model.named_parameters(remove_duplicate=False)}
     planned = planned_layers(model, target)  # also refuses a model-level post-load hook
     layout = parallel_layout()
     logger.info(
@@ -132,12 +133,7 @@ def build_export(vllm_config: Any, *, progress: bool = True):
     prepared = prepare_layers_(planned, target, progress=progress)
     t_prep = time.perf_counter()
     tensors, kinds, aliases, nonpersistent = export_tensors(model)
-    flags = param_flags(
-        model,
-        built,
-        {p.name: {w for s in p.plan.stages for w in s.writes} for p in planned},
-        {p.name: p.plan.kept_params for p in planned},
-    )
+    flags = daemon_param_flags(model, built, planned, built_grad)
     layers = layer_entries(planned, prepared)
     verify_checkpoint_unchanged(model_config.model, checkpoint_before)
     key = build_key(model_config, layout, plan_ids(planned), target, checkpoint=checkpoint)

@@ -165,6 +165,29 @@ def export_tensors(
     return tensors, kinds, aliases, nonpersistent
 
 
+def daemon_param_flags(
+    model: torch.nn.Module,
+    built: Mapping[str, Any],
+    planned: Iterable[PlannedLayer],
+    built_grad: Mapping[str, bool] | None = None,
+) -> dict[str, list[Any]]:
+    """The daemon's per-parameter record (:func:`wcache.shell.param_flags`) with each
+    planned layer's outcomes for the installed vLLM release
+    (:func:`wcache.vllm.compat.param_outcomes`): what the engine gives its restored
+    parameters so they equal a disk engine's (class, ``requires_grad``, attributes).
+
+    Args:
+        built: parameter name -> ``weakref.ref`` to it, taken right after the build.
+        built_grad: parameter name -> its ``requires_grad`` right after the build.
+    """
+    return shell.param_flags(
+        model,
+        built,
+        {p.name: compat.param_outcomes(p.plan) for p in planned},
+        built_grad,
+    )
+
+
 def install_tensors_(
     model: torch.nn.Module,
     tensors: Mapping[str, torch.Tensor],

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from wcache.core import Tag, tensor_checksum
+from wcache.core import tensor_checksum
 from wcache.errors import VerifyRefused  # re-exported: its old home
 from wcache.shell import snapshot
 from wcache.vllm import compat
@@ -327,16 +327,7 @@ def foreign_private_attrs(module: torch.nn.Module) -> frozenset[str]:
     return frozenset(name for name in vars(module) if name.startswith("_"))
 
 
-#: How a parameter that a TRANSFORM rewrote is compared (its ``%name`` class and
-#: attributes): vLLM's ``replace_parameter`` keeps the old object (class and
-#: attributes) in 0.33 and registers a plain ``Parameter`` carrying only
-#: ``weight_loader`` in 0.32, and some post-loads assign a plain ``Parameter``
-#: directly; the plans do not record yet which of these re-registers each rewritten
-#: parameter (issue 44 item 6), so only its ``requires_grad`` is compared.
-REWRITTEN = "<rewritten by post-load>"
-
-
-def parameter_flags(module: torch.nn.Module, rewritten: Iterable[str] = ()) -> dict[str, Any]:
+def parameter_flags(module: torch.nn.Module) -> dict[str, Any]:
     """Per own parameter of ``module``, as ``%name``: its class, ``requires_grad``
     and the attributes set on the parameter object (vLLM's ``weight_loader``,
     ``output_dim``, ``input_dim``, ``packed_dim``, ``tp_rank``, ...; normalized by
@@ -345,19 +336,16 @@ def parameter_flags(module: torch.nn.Module, rewritten: Iterable[str] = ()) -> d
     requires grad only under ``torch.no_grad``, ``load_weights`` calls each
     parameter's ``weight_loader`` with its ``output_dim``.
 
-    A parameter in ``rewritten`` (its layer's plan rewrites it with a TRANSFORM) is
-    compared by ``requires_grad`` only (:data:`REWRITTEN` says why).
+    Every parameter is compared, the ones vLLM's post-load re-registers included: the
+    restore gives each the class and attributes of vLLM's own load in this release
+    (``wcache.vllm.compat.param_outcomes``; issue 44 item 6).
 
     Source: vllm/model_executor/parameter.py::BasevLLMParameter;
     vllm/model_executor/utils.py::set_weight_attrs, replace_parameter.
     """
     out: dict[str, Any] = {}
-    skipped = set(rewritten)
     for name, p in module._parameters.items():
         if p is None:
-            continue
-        if name in skipped:
-            out[f"%{name}"] = (REWRITTEN, p.requires_grad, ())
             continue
         attrs_ = tuple(
             sorted(
@@ -471,7 +459,6 @@ def module_state(module: torch.nn.Module, attr_paths: Iterable[str] = ()) -> dic
 def model_state(
     model: torch.nn.Module,
     attr_paths: Mapping[str, Iterable[str]],
-    rewritten: Mapping[str, Iterable[str]] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """:func:`module_state` of every module with its parameters' flags
     (:func:`parameter_flags`: what a disk and a restored engine must share for vLLM's
@@ -479,7 +466,7 @@ def model_state(
     return {
         name: {
             **module_state(m, attr_paths.get(name, ())),
-            **parameter_flags(m, (rewritten or {}).get(name, ())),
+            **parameter_flags(m),
         }
         for name, m in model.named_modules()
     }
@@ -689,10 +676,9 @@ def _observe(
     token_ids: Sequence[int],
     seconds: dict[str, float],
     label: str,
-    rewritten: Mapping[str, Iterable[str]] | None = None,
 ) -> _Side:
     t0 = time.perf_counter()
-    state = model_state(model, attr_paths, rewritten)
+    state = model_state(model, attr_paths)
     tied = ties(model)
     t1 = time.perf_counter()
     logits: torch.Tensor | None = None
@@ -710,22 +696,18 @@ def _observe(
 
 def _plan_rows(
     model: torch.nn.Module, target: Any
-) -> tuple[dict[str, tuple[str, str]], dict[str, list[str]], dict[str, frozenset[str]]]:
-    """Per planned layer of vLLM's loaded model: (plan id, kernel), the attribute
+) -> tuple[dict[str, tuple[str, str]], dict[str, list[str]]]:
+    """Per planned layer of vLLM's loaded model: (plan id, kernel), and the attribute
     paths its plan's stages declare, each where vLLM keeps it (a kernel binding's
-    path on vLLM's kernel object: :func:`wcache.vllm.compat.bound_attr_path`), and
-    the tensors its TRANSFORM stages rewrite (:data:`REWRITTEN`)."""
+    path on vLLM's kernel object: :func:`wcache.vllm.compat.bound_attr_path`)."""
 
-    info, paths, rewritten = {}, {}, {}
+    info, paths = {}, {}
     for p in planned_layers(model, target):
         info[p.name] = (p.plan.id, p.config.quant.kernel or p.plan.kernel)
         paths[p.name] = sorted(
             {compat.bound_attr_path(p.module, a) for s in p.plan.stages for a in s.attrs}
         )
-        rewritten[p.name] = frozenset(
-            w for s in p.plan.stages if s.tag is Tag.TRANSFORM for w in s.writes
-        )
-    return info, paths, rewritten
+    return info, paths
 
 
 def _compare(
@@ -872,15 +854,13 @@ def verify(
                     )
                 ).load_model(vllm_config, model_config)
                 seconds["load (vLLM)"] = time.perf_counter() - t0
-                plans, attr_paths, rewritten = _plan_rows(loaded_model, target)
+                plans, attr_paths = _plan_rows(loaded_model, target)
                 if bar is not None:
                     bar.update(1)
                 _advance(bar, "forward (vLLM load)")
                 if token_ids is None:
                     token_ids = default_token_ids(model_config.get_vocab_size())
-                loaded = _observe(
-                    loaded_model, vllm_config, attr_paths, token_ids, seconds, "vLLM", rewritten
-                )
+                loaded = _observe(loaded_model, vllm_config, attr_paths, token_ids, seconds, "vLLM")
                 del loaded_model
             gc.collect()
             if bar is not None:
@@ -896,7 +876,6 @@ def verify(
                 seconds,
                 bar,
                 progress,
-                rewritten,
             )
             _advance(bar, "compare")
             rows, logits_equal = _compare(loaded, restored, plans)
@@ -919,7 +898,6 @@ def _wcache_side(
     seconds: dict[str, float],
     bar: Any,
     progress: bool,
-    rewritten: Mapping[str, Iterable[str]] | None = None,
 ) -> _Side:
     """Prepare and serve in-process (unless ``socket_dir``), restore with the
     engine's loader, observe, and drop everything."""
@@ -969,7 +947,6 @@ def _wcache_side(
                     token_ids,
                     seconds,
                     "restore",
-                    rewritten,
                 )
             finally:
                 attachment = compat.attachment_of(restored_model)

