@@ -89,6 +89,19 @@ MAX_TOKENS = 8
 MM_ENCODER_ATTENTION_BACKEND = "TRITON_ATTN"
 #: CUDA attention backend of MLA models (the acceptance's TRITON_ATTN serves no MLA).
 MLA_ATTENTION_BACKEND = "TRITON_MLA"
+#: CUDA MLA prefill backend (vLLM's ``attention_config.mla_prefill_backend``). On sm90
+#: vLLM 0.33 auto-selects only FLASH_ATTN for MLA prefill, whose kernels the default
+#: H200 bundle leaves out (tools/gpu/build-bundle.sh); vLLM's ``CPU`` prefill backend
+#: (``CPUSDPAMLAPrefillBackend``: dense PyTorch attention on the tensors' own device,
+#: any head dimensions) runs on CUDA tensors too. A prefill backend has no post-load of
+#: its own, so the weights the daemon prepares are the same under either. Source:
+#: vllm/v1/attention/backends/mla/prefill/{selector,cpu_sdpa}.py.
+MLA_PREFILL_BACKEND = "CPU"
+#: Overrides :data:`MLA_PREFILL_BACKEND` on CUDA: ``FLASH_ATTN`` on a bundle built with
+#: ``WCACHE_GPU_FA=1`` (FA3 kept), ``auto`` for vLLM's own choice (no option passed).
+MLA_PREFILL_ENV = "WCACHE_GPU_MLA_PREFILL"
+#: :data:`MLA_PREFILL_ENV` value that passes no prefill backend (vLLM selects).
+MLA_PREFILL_AUTO = "auto"
 #: Real models the sweep runs beside the tiny ones: sweep name -> (the
 #: :data:`wcache.testing.fixtures.SOURCES` name, the row's facts: model_type,
 #: vLLM class, family, note).
@@ -127,11 +140,14 @@ class SweepCase(EngineCase):
             vLLM's choice on CPU).
         mm_encoder_attn_backend: the vision encoder's attention backend on CUDA
             (``None``: vLLM's choice), for the daemon, verify and every engine.
+        mla_prefill_backend: vLLM's MLA prefill backend on CUDA (``None``: vLLM's
+            choice), for the daemon, verify and every engine.
     """
 
     device: str = "cuda"
     attention_backend: str | None = None
     mm_encoder_attn_backend: str | None = None
+    mla_prefill_backend: str | None = None
 
     def _cuda_args(self, args: tuple[str, ...]) -> tuple[str, ...]:
         out = list(args)
@@ -139,6 +155,9 @@ class SweepCase(EngineCase):
             out[out.index("--attention-backend") + 1] = self.attention_backend
         if self.mm_encoder_attn_backend is not None:
             out += ["--mm-encoder-attn-backend", self.mm_encoder_attn_backend]
+        if self.mla_prefill_backend is not None:
+            config = {"mla_prefill_backend": self.mla_prefill_backend}
+            out += ["--attention-config", json.dumps(config)]
         return tuple(out)
 
     def _cpu_args(self) -> tuple[str, ...]:
@@ -187,7 +206,17 @@ def sweep_case(arch_name: str, fmt: str, device: str) -> SweepCase:
         mm_encoder_attn_backend=(
             MM_ENCODER_ATTENTION_BACKEND if a.family == "multimodal" and device == "cuda" else None
         ),
+        mla_prefill_backend=(
+            mla_prefill_backend() if a.family == "mla" and device == "cuda" else None
+        ),
     )
+
+
+def mla_prefill_backend() -> str | None:
+    """The MLA prefill backend CUDA cases name: ``$WCACHE_GPU_MLA_PREFILL`` if set
+    (``auto``: none, vLLM's choice), else :data:`MLA_PREFILL_BACKEND`."""
+    chosen = os.environ.get(MLA_PREFILL_ENV, MLA_PREFILL_BACKEND)
+    return None if chosen == MLA_PREFILL_AUTO else chosen
 
 
 def _arch(name: str) -> Any:
@@ -230,6 +259,8 @@ def run_arch(arch_name: str, fmt: str, device: str, root: str | None = None) -> 
         "device": device,
     }
     case = sweep_case(arch_name, fmt, device)
+    if case.mla_prefill_backend is not None:
+        facts["mla_prefill_backend"] = case.mla_prefill_backend
     try:
         path = checkpoint(arch_name, fmt, root)
     except Exception as exc:  # noqa: BLE001  (a row records it)
