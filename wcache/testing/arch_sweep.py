@@ -102,6 +102,10 @@ MLA_PREFILL_BACKEND = "CPU"
 MLA_PREFILL_ENV = "WCACHE_GPU_MLA_PREFILL"
 #: :data:`MLA_PREFILL_ENV` value that passes no prefill backend (vLLM selects).
 MLA_PREFILL_AUTO = "auto"
+#: vLLM's FlashAttention MLA prefill backend (its auto choice on sm90) and the kernel
+#: library it needs there (FA3; vllm/vllm_flash_attn/flash_attn_interface.py).
+FA_PREFILL_BACKEND = "FLASH_ATTN"
+FA3_KERNELS = "_vllm_fa3_C"
 #: Real models the sweep runs beside the tiny ones: sweep name -> (the
 #: :data:`wcache.testing.fixtures.SOURCES` name, the row's facts: model_type,
 #: vLLM class, family, note).
@@ -212,6 +216,31 @@ def sweep_case(arch_name: str, fmt: str, device: str) -> SweepCase:
     )
 
 
+def missing_fa_kernels(case: SweepCase) -> str | None:
+    """Why a CUDA MLA case cannot run here, if its prefill backend is FlashAttention
+    (named, or vLLM's choice: FLASH_ATTN on sm90) and the installed vLLM has no
+    FlashAttention 3 kernels (the H200 bundle leaves them out unless built with
+    ``WCACHE_GPU_FA=1``); None where they are present or not needed. vLLM itself would
+    report only a dimension or an op-lookup error.
+    """
+    if case.device != "cuda" or case.mla_prefill_backend not in (None, FA_PREFILL_BACKEND):
+        return None
+    import importlib.util  # noqa: PLC0415 (only for this check)
+
+    spec = importlib.util.find_spec("vllm")  # finds the package without importing it
+    if spec is None or spec.origin is None:
+        return None
+    fa_dir = Path(spec.origin).parent / "vllm_flash_attn"
+    if any(fa_dir.glob(f"{FA3_KERNELS}*.so")):
+        return None
+    return (
+        f"MLA prefill on {case.mla_prefill_backend or 'vLLM auto (FLASH_ATTN on sm90)'} "
+        f"needs vLLM's FlashAttention 3 kernels ({fa_dir}/{FA3_KERNELS}.abi3.so), absent "
+        "from this vLLM (the H200 bundle leaves them out): rebuild the bundle with "
+        f"WCACHE_GPU_FA=1, or set {MLA_PREFILL_ENV}={MLA_PREFILL_BACKEND}"
+    )
+
+
 def mla_prefill_backend() -> str | None:
     """The MLA prefill backend CUDA cases name: ``$WCACHE_GPU_MLA_PREFILL`` if set
     (``auto``: none, vLLM's choice), else :data:`MLA_PREFILL_BACKEND`."""
@@ -261,6 +290,9 @@ def run_arch(arch_name: str, fmt: str, device: str, root: str | None = None) -> 
     case = sweep_case(arch_name, fmt, device)
     if case.mla_prefill_backend is not None:
         facts["mla_prefill_backend"] = case.mla_prefill_backend
+    missing = missing_fa_kernels(case) if a.family == "mla" else None
+    if missing is not None:
+        return {"case": case.id, **facts, "outcome": "not-runnable", "reason": missing}
     try:
         path = checkpoint(arch_name, fmt, root)
     except Exception as exc:  # noqa: BLE001  (a row records it)

@@ -297,8 +297,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--attention-config",
         default=None,
-        help="vLLM's attention config as JSON, e.g. '{\"mla_prefill_backend\": \"CPU\"}' "
-        "(MLA prefill without FlashAttention on the H200 bundle)",
+        help="vLLM's attention config as JSON (vLLM's --attention-config), e.g. to name "
+        "the MLA prefill backend (CPU: PyTorch, no FlashAttention on the H200 bundle)",
     )
     ap.add_argument(
         "--kv-cache-memory-bytes",
