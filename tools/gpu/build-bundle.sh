@@ -17,9 +17,10 @@
 # Left out of vLLM's wheel: the FlashAttention 2/3 kernels (too large to carry, ~460 MB in 0.33;
 # engines use attention_backend="TRITON_ATTN", MLA prefill vLLM's PyTorch "CPU" backend), DeepGEMM,
 # FlashMLA/fmha_sm100, the Rust router and the swagger UI. WCACHE_GPU_FA=1 keeps FlashAttention 3
-# (_vllm_fa3_C, 173 MB: sm90's FA kernels, the ones vLLM 0.33 picks on an H200, MLA prefill
-# included): in 0.33 it links only the stable libtorch ABI (aoti_torch_*/torch_* C symbols of
-# torch >= 2.10, no c10/at C++ symbol), like _C_stable_libtorch. vLLM's _C_stable_libtorch and _moe_C_stable_libtorch (stable libtorch ABI, torch
+# (_vllm_fa3_C, 173 MB, ~12 MB xz: one chunk more for 0.33.0; sm90's FA kernels, the ones vLLM
+# picks on an H200, MLA prefill included): in 0.32 and 0.33 it links only the stable libtorch ABI
+# (aoti_torch_*/torch_* C symbols, all defined by torch 2.11.0+cu130; no c10/at C++ symbol), like
+# _C_stable_libtorch. tools/gpu/check-fa.py checks it on the machine. vLLM's _C_stable_libtorch and _moe_C_stable_libtorch (stable libtorch ABI, torch
 # >= 2.11: CUTLASS, Marlin, Machete, MoE) are kept; that ABI is why 0.32 (built for torch 2.13)
 # and 0.33 (torch 2.14) run next to the machine's torch 2.11.
 # Cost: about 3 minutes a version (downloads ~350 MB each, xz of vLLM's tree); about 100 MB of
