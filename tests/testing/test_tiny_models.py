@@ -4,8 +4,11 @@ shapes against vLLM's own expert mapping."""
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,8 +110,8 @@ def test_backend_matches_vllm_registry():
 
 @pytest.mark.parametrize("name", [n for n, a in tm.ARCHS.items() if a.family != "multimodal"])
 def test_config_is_valid_and_tiny(name):
-    """Each entry's transformers config builds, has 2 layers and 64-wide heads, and takes
-    SmolLM2's vocabulary."""
+    """Each entry's transformers config builds, has 2 layers and 64-wide heads (MLA:
+    DeepSeek's own 128/64/128 head dimensions), and takes SmolLM2's vocabulary."""
     from transformers import AutoConfig
 
     a = tm.ARCHS[name]
@@ -116,9 +119,42 @@ def test_config_is_valid_and_tiny(name):
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     if a.family == "mla":
-        head_dim = config.qk_nope_head_dim
+        dims = (config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim)
+        assert dims == (128, 64, 128)
+        head_dim = config.hidden_size // heads
     assert (config.num_hidden_layers, head_dim, config.vocab_size) == (2, tm.HEAD_DIM, 49152)
     assert config.hidden_size <= 256
+
+
+def _fa_mla_prefill_dimensions() -> set[tuple[int, int, int]]:
+    """The (qk_nope, qk_rope, v) head dimensions vLLM's FlashAttention MLA prefill
+    lists, read from the installed vLLM's source (the module imports CUDA-only names,
+    so it is parsed, not imported)."""
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.origin is not None
+    src = Path(spec.origin).parent / "v1/attention/backends/mla/prefill/flash_attn.py"
+    fn = next(
+        n
+        for n in ast.walk(ast.parse(src.read_text()))
+        if isinstance(n, ast.FunctionDef) and n.name == "supports_mla_dimensions"
+    )
+    keys = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    return {
+        tuple(next(k.value.value for k in call.keywords if k.arg == key) for key in keys)
+        for call in ast.walk(fn)
+        if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "MLADimensions"
+    }
+
+
+def test_mla_head_dimensions_are_ones_vllm_cuda_prefill_takes():
+    """Every MLA entry's head dimensions are on vLLM's FlashAttention MLA prefill list
+    (on sm90 vLLM's only CUDA MLA prefill; 64/64/64 was refused on the H200)."""
+    supported = _fa_mla_prefill_dimensions()
+    assert (128, 64, 128) in supported and (64, 64, 64) not in supported
+    for a in tm.ARCHS.values():
+        if a.family == "mla":
+            c = a.overrides
+            assert (c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]) in supported
 
 
 def test_moe_shapes_exercise_padding():

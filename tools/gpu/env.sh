@@ -19,7 +19,9 @@ export PYTHONPATH=$PWD:$(dirname "$_wc_site")/vllm-$WCACHE_GPU_VLLM:$_wc_site:/t
 unset _wc_site
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # FlashInfer is not in the bundle (vLLM imports it for its sampler unless told not to);
-# FlashAttention's kernels were left out (engines use TRITON_ATTN).
+# FlashAttention's kernels were left out unless the bundle was built with WCACHE_GPU_FA=1 (engines
+# use TRITON_ATTN; MLA cases prefill on vLLM's PyTorch "CPU" MLA prefill backend, see
+# wcache.testing.arch_sweep.MLA_PREFILL_BACKEND).
 export VLLM_USE_FLASHINFER_SAMPLER=0
 # vLLM's usage reporting and its version check would try the network, which the machine lacks.
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1

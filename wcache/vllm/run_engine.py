@@ -208,6 +208,7 @@ VLLM_OPTIONS = (
     "--moe-backend",
     "--attention-backend",
     "--mm-encoder-attn-backend",
+    "--attention-config",
     "--kv-cache-memory-bytes",
 )
 
@@ -294,6 +295,12 @@ def _parser() -> argparse.ArgumentParser:
         help="vLLM's multimodal encoder (ViT) attention backend (TRITON_ATTN on the H200 bundle)",
     )
     ap.add_argument(
+        "--attention-config",
+        default=None,
+        help="vLLM's attention config as JSON (vLLM's --attention-config), e.g. to name "
+        "the MLA prefill backend (CPU: PyTorch, no FlashAttention on the H200 bundle)",
+    )
+    ap.add_argument(
         "--kv-cache-memory-bytes",
         type=int,
         default=None,
@@ -350,6 +357,10 @@ def _run(args: argparse.Namespace) -> int:
             ("moe_backend", args.moe_backend),
             ("attention_backend", args.attention_backend),
             ("mm_encoder_attn_backend", args.mm_encoder_attn_backend),
+            (
+                "attention_config",
+                json.loads(args.attention_config) if args.attention_config else None,
+            ),
             ("kv_cache_memory_bytes", args.kv_cache_memory_bytes),
             ("max_model_len", args.max_model_len or None),
             ("max_num_seqs", args.max_num_seqs or None),
