@@ -84,6 +84,10 @@ class Reregistration(enum.Enum):
     REPLACE_OWN = "replace_own"
 
 
+def _names(names: Iterable[str]) -> tuple[str, ...]:
+    return tuple(names)
+
+
 @frozen
 class ParamOutcome:
     """What one parameter is on a disk-loaded engine after post-load, relative to the
@@ -101,7 +105,7 @@ class ParamOutcome:
     """
 
     kept: bool
-    carried: tuple[str, ...] = field(default=(), converter=tuple)
+    carried: tuple[str, ...] = field(default=(), converter=_names)
     attrs: tuple[tuple[str, Any], ...] = field(
         default=(), converter=lambda v: tuple(sorted(dict(v).items()))
     )
