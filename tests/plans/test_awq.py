@@ -171,7 +171,9 @@ def test_w4a16_bytes_on_a_w4a8_host_raise_recorded_mismatch():
     amx_plan = plan_for(case.config, target=AMX).plan
     assert "awq/cpu_wna16_w4a8@1" == amx_plan.id
     with pytest.raises(RecordedMismatch, match="cpu_wna16.set_isa_hint"):
-        restore_synced_(engine, amx_plan.bind(case.config, AMX), prepared.recorded, drops=prepared.drops)
+        restore_synced_(
+            engine, amx_plan.bind(case.config, AMX), prepared.recorded, drops=prepared.drops
+        )
 
 
 def _awq_plan(*stages_, unchecked=False) -> Plan:
@@ -287,5 +289,3 @@ def test_metadata_folded_into_transform_fails_invariant():
     )
     diff = dict_diff(snapshot(loaded, case.attr_paths), snapshot(engine, case.attr_paths))
     assert {"@isa_hint": (loaded.isa_hint, "<missing>")} == diff
-
-

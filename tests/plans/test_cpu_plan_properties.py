@@ -172,5 +172,3 @@ def test_cpu_plans_registered_with_descriptions_and_sources():
         assert len(plan.description) > 40, plan_id
         assert all(s.source for s in plan.stages), plan_id
         assert f"`{plan_id}`" in plan.describe()
-
-

@@ -147,7 +147,6 @@ def test_replayable_stages_twice_equals_once(cfg, tensors):
     assert {k: dict(v) for k, v in state2.recorded.items()} == prepared.recorded
 
 
-
 REGISTRY_CASES = [
     (cuda_config("awq", 128, 128, bits=4, g=64, zp=True, kernel="marlin"), marlin_plans.AWQ, H200),
     (cuda_config("gptq", 128, 128, bits=4, g=64, kernel="marlin"), marlin_plans.GPTQ, H200),
@@ -275,5 +274,3 @@ def test_all_cuda_plans_covered():
     assert mine == {plan.id for _, plan, _ in REGISTRY_CASES} | (
         mine & set(moe_cases.PLAN_STRATEGIES)
     )
-
-

@@ -70,7 +70,13 @@ def test_restore_invariant_and_layout(case):
         ),
         (
             cuda_config(
-                "ct_w8a8_int8", 64, 64, bits=8, strategy="channel", kind="moe", kernel="cutlass_int8"
+                "ct_w8a8_int8",
+                64,
+                64,
+                bits=8,
+                strategy="channel",
+                kind="moe",
+                kernel="cutlass_int8",
             ),
             H200,
             "linear layers, not moe",

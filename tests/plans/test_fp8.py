@@ -128,7 +128,6 @@ def test_cutlass_restore_without_logical_width_fails_invariant(method, n):
         restore_(export(prepared_full), lacking.bind(cfg, H200), prepared_full.recorded)
 
 
-
 @pytest.mark.parametrize(
     "v1,v2",
     [

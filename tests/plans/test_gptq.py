@@ -81,5 +81,3 @@ def test_recorded_values_for_unknown_stage_raise():
     recorded = {**prepared.recorded, "marlin.repack": {"x": 1}}
     with pytest.raises(RecordedMismatch, match="marlin.repack"):
         restore_synced_(engine, plan.bind(case.config, HOST), recorded, drops=prepared.drops)
-
-

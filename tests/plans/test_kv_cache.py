@@ -54,5 +54,3 @@ def test_kv_cache_only_v_scale_raises():
     plan = host_plan(case)
     with pytest.raises(StageInputError, match="k_scale"):
         load_synced_(case.new_layer(), plan.bind(case.config, HOST))
-
-

@@ -50,7 +50,6 @@ def test_plain_spec_without_kernel_gets_marlin_and_machete_only_when_named():
         plan_for(named, target=Target("cuda", (10, 0))).plan
 
 
-
 @pytest.mark.parametrize(
     "cfg,target,reason",
     [

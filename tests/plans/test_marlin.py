@@ -42,7 +42,6 @@ def test_marlin_int_restore_invariant_and_checkpoint_forward(case):
     assert torch.equal(tail, torch.zeros_like(tail))  # padded tails are zero
 
 
-
 @pytest.mark.parametrize(
     "cfg,target,reason",
     [

@@ -208,7 +208,6 @@ def test_vllm_style_in_place_fuse_on_restore_is_caught():
         restore_(export(prepared), plan.bind(cfg, B200), prepared.recorded, strict=True)
 
 
-
 # --------------------------------------------------------------------------- refusals
 
 

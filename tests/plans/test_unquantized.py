@@ -163,5 +163,3 @@ def test_cuda_unquantized_plan_is_a_noop():
     load_synced_(layer, plan.bind(case.config, Target("cuda", (9, 0))))
     assert ("none", ()) == (plan.kernel, plan.stages)
     assert before == snapshot(layer)
-
-
