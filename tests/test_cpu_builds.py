@@ -22,7 +22,7 @@ from wcache.testing.isa import build_env, probe
 pytest.importorskip("vllm")
 
 ROOT = Path(__file__).resolve().parents[1]
-#: The CPU stage families' modules and the CPU plans' properties.
+#: The CPU stage families' modules, the CPU plans' properties and the CPU plan modules' tests.
 CPU_TESTS = (
     *(
         f"tests/stages/test_{family}.py"
@@ -38,7 +38,10 @@ CPU_TESTS = (
             "cpu_stage_properties",
         )
     ),
-    "tests/plans/test_cpu_plans.py",
+    *(
+        f"tests/plans/test_{module}.py"
+        for module in ("cpu_plan_properties", "unquantized", "awq", "gptq", "kv_cache")
+    ),
 )
 #: The child runs ~300 hypothesis-driven tests; ~20 s here, 600 s leaves room on a busy host.
 CHILD_TIMEOUT_S = 600

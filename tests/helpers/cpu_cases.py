@@ -1,5 +1,6 @@
 """Targets and hypothesis strategies of real vLLM 0.32 CPU layers, shared by
-tests/plans/test_cpu_plans.py and tests/plans/test_registry.py. Needs vLLM: importing
+the CPU plan tests (tests/plans/test_cpu_plan_properties.py, the plan modules'
+tests) and tests/plans/test_registry.py. Needs vLLM: importing
 this module skips the importing test module without it."""
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ from wcache.testing.plans import UncheckedPlan
 
 #: What the adapter records of a MacheteLinearKernel (here vLLM 0.32's uint4b8 id).
 MACHETE_EXTRA = (("machete_act_type", "bfloat16"), ("machete_b_type_id", 1125899907892224))
+#: The LayerConfig extra the adapter passes where vLLM 0.33's compressed-tensors FP8
+#: post-load sets ``layer.processed_weight_dims``.
+PROCESSED_WEIGHT_DIMS = (("processed_weight_dims", (0, 1)),)
 H200 = Target("cuda", (9, 0))
 B200 = Target("cuda", (10, 0))
 CPU = Target("cpu", None, frozenset({"avx512"}))
@@ -229,26 +232,27 @@ def cutlass_int8_cases(draw):
     return cfg, t
 
 
+#: The checkpoint kinds :func:`fp8_cases` draws for the FP8 plans (wcache/plans/fp8.py).
+FP8_KINDS = (
+    "fp8_per_tensor",
+    "fp8_per_channel",
+    "fp8_per_block",
+    "ct_tensor",
+    "ct_channel",
+    "fp8_serialized",
+    "fp8_block_serialized",
+    "ct_marlin",
+    "fp8_marlin",
+)
+#: ... and for the MXFP8 plans (wcache/plans/mxfp8.py).
+MXFP8_KINDS = ("mxfp8", "modelopt_mxfp8")
+
+
 @st.composite
-def fp8_cases(draw):
-    """Every FP8/MXFP8 plan with a checkpoint drawn for it (N, K not multiples of 16)."""
-    which = draw(
-        st.sampled_from(
-            [
-                "fp8_per_tensor",
-                "fp8_per_channel",
-                "fp8_per_block",
-                "ct_tensor",
-                "ct_channel",
-                "fp8_serialized",
-                "fp8_block_serialized",
-                "ct_marlin",
-                "fp8_marlin",
-                "mxfp8",
-                "modelopt_mxfp8",
-            ]
-        )
-    )
+def fp8_cases(draw, kinds: tuple[str, ...] = FP8_KINDS + MXFP8_KINDS):
+    """An FP8/MXFP8 plan of ``kinds`` (default: every one) with a checkpoint drawn for
+    it (N, K not multiples of 16)."""
+    which = draw(st.sampled_from(kinds))
     n = draw(st.sampled_from([48, 100, 130, 256]))
     k = (
         draw(st.sampled_from([64, 96, 200]))

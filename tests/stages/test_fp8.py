@@ -10,6 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from wcache.core import LayerConfig, QuantSpec
 from wcache.stages import fp8 as F8
 
 mu = pytest.importorskip("vllm.model_executor.layers.quantization.utils.marlin_utils")
@@ -150,3 +151,34 @@ def test_requantize_with_max_scale_matches_vllm_with_torch_quant():
     got_w, got_s = F8.requantize_with_max_scale(w, s, widths)
     assert torch.equal(exp_s, got_s) and torch.equal(u8(exp_w), u8(got_w))
     assert torch.equal(u8(before), u8(w))
+
+
+#: Bad inputs of the fp8 stages and the exact error each raises.
+BAD_INPUTS = [
+    (lambda: F8.per_block_cast_to_fp8(torch.zeros(2, 2, 2)), F8.Fp8LayoutError, "2-D"),
+    (
+        lambda: F8.process_weight_strategy(
+            {"weight": torch.zeros(4, 4).to(torch.float8_e4m3fn), "weight_scale": torch.ones(1)},
+            LayerConfig(QuantSpec("fp8", strategy="block"), 4, 4),
+            H200,
+            {},
+        ),
+        F8.Fp8LayoutError,
+        "cutlass_block",
+    ),
+    (
+        lambda: F8.reduce_input_scale(
+            {}, LayerConfig(QuantSpec("fp8", static_input=True), 4, 4), H200, {}
+        ),
+        F8.Fp8LayoutError,
+        "no input_scale",
+    ),
+]
+
+
+@pytest.mark.parametrize("call,error,message", BAD_INPUTS)
+def test_bad_inputs_raise_exact_errors(call, error, message):
+    """Each bad input raises its wcache error class (a ValueError) with an actionable message."""
+    with pytest.raises(error, match=message) as info:
+        call()
+    assert isinstance(info.value, ValueError) and info.value.code

@@ -179,3 +179,33 @@ def test_mxfp8_marlin_scales_equal_vllm(n, k, seed):
     exp = mfp8.mxfp8_marlin_process_scales(exp)
     got = M.permute_mxfp8_scales({"weight_scale": s}, c, H200, {}).tensors["weight_scale"]
     assert torch.equal(u8(exp), u8(got))
+
+
+#: Bad inputs of the marlin stages and the exact error each raises.
+BAD_INPUTS = [
+    (
+        lambda: M.marlin_repack(torch.zeros(8, 64, dtype=torch.int32), 128, 64, 4),
+        M.MarlinLayoutError,
+        "pad with marlin_padded_nk",
+    ),
+    (lambda: M.marlin_weight_perm(3), M.MarlinLayoutError, "4- or 8-bit"),
+    (lambda: M.fp8_exponent_bias(torch.float32), M.MarlinLayoutError, "float16 or bfloat16"),
+    (
+        lambda: M.repack_stage("qweight")(
+            {"qweight": torch.zeros(16, 128, dtype=torch.int32)},
+            cfg("gptq", 128, 128, 4, 48),
+            H200,
+            {},
+        ),
+        M.MarlinLayoutError,
+        "group sizes",
+    ),
+]
+
+
+@pytest.mark.parametrize("call,error,message", BAD_INPUTS)
+def test_bad_inputs_raise_exact_errors(call, error, message):
+    """Each bad input raises its wcache error class (a ValueError) with an actionable message."""
+    with pytest.raises(error, match=message) as info:
+        call()
+    assert isinstance(info.value, ValueError) and info.value.code

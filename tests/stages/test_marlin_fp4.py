@@ -200,3 +200,31 @@ def test_nvfp4_marlin_stages_accept_meta_tensors():
         "w13_weight_scale_2": (2,),
         "w2_weight_scale_2": (2,),
     }
+
+
+#: Bad inputs of the marlin_fp4 stages and the exact error each raises.
+BAD_INPUTS = [
+    (
+        lambda: MF4.fp4_marlin_repack(torch.zeros(64, 64, dtype=torch.uint8), 64, 64, 64, 128),
+        MF4.MarlinFp4LayoutError,
+        r"\[64, 32\] uint8",
+    ),
+    (
+        lambda: MF4.nvfp4_moe_padded_intermediate(96, 64),
+        MF4.MarlinFp4LayoutError,
+        "hidden_size = 96 unsupported",
+    ),
+    (
+        lambda: MF4.nvfp4_marlin_process_global_scale(torch.ones(()), torch.float32),
+        MF4.MarlinFp4LayoutError,
+        "float16 or bfloat16",
+    ),
+]
+
+
+@pytest.mark.parametrize("call,error,message", BAD_INPUTS)
+def test_bad_inputs_raise_exact_errors(call, error, message):
+    """Each bad input raises its wcache error class (a ValueError) with an actionable message."""
+    with pytest.raises(error, match=message) as info:
+        call()
+    assert isinstance(info.value, ValueError) and info.value.code

@@ -28,3 +28,17 @@ def test_mxfp8_quantize_equals_vllm(shape, seed, with_zero_block):
     eq, es = mxfp8_utils._mxfp8_e4m3_quantize_torch(w)
     q, s = MX.mxfp8_e4m3_quantize(w)
     assert torch.equal(u8(eq), u8(q)) and torch.equal(es, s)
+
+
+#: Bad inputs of the mxfp8 stages and the exact error each raises.
+BAD_INPUTS = [
+    (lambda: MX.mxfp8_e4m3_quantize(torch.zeros(4, 48)), MX.Mxfp8LayoutError, "divisible by 32"),
+]
+
+
+@pytest.mark.parametrize("call,error,message", BAD_INPUTS)
+def test_bad_inputs_raise_exact_errors(call, error, message):
+    """Each bad input raises its wcache error class (a ValueError) with an actionable message."""
+    with pytest.raises(error, match=message) as info:
+        call()
+    assert isinstance(info.value, ValueError) and info.value.code

