@@ -34,6 +34,7 @@ __all__ = [
     "PlanArgumentError",
     "UpdateUnsupported",
     "SpecDecodeUnsupported",
+    "MetaBuildUnsupported",
     # checkpoint and the daemon's load
     "CheckpointCorrupt",
     "ConfigInvalid",
@@ -167,6 +168,16 @@ class SpecDecodeUnsupported(WcacheError, ValueError):
     the fix."""
 
     code = "spec-unsupported"
+
+
+class MetaBuildUnsupported(WcacheError, RuntimeError):
+    """The engine's model reads tensor values while vLLM builds it (e.g. BLOOM's ALiBi
+    slopes, ``.tolist()`` in ``BloomAttention.__init__``); a restore builds the model
+    on the meta device, where no value exists. Raised at the engine's load before the
+    daemon is contacted; it follows ``fallback`` (with ``fallback=true`` the engine
+    loads from disk). The message names the architecture and the fix."""
+
+    code = "meta-build"
 
 
 # --------------------------------------------------------------------------- checkpoint, the daemon's load

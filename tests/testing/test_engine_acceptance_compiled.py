@@ -248,10 +248,13 @@ def test_gpu_tier_selects_the_compiled_cases_by_id():
             "bf16-compiled",
             "compiled",
             "fp8-compiled",
+            "moe-gpt_oss-mxfp4-b-marlin-compiled",
             "moe-qwen3_moe-awq-compiled",
             "moe-qwen3_moe-bf16-compiled",
+            "moe-qwen3_moe-ct_w4a16-compiled",
             "moe-qwen3_moe-fp8-b-marlin-compiled",
             "moe-qwen3_moe-gptq-compiled",
+            "moe-qwen3_moe_128-fp8_block-b-marlin-compiled",
             "moe-qwen3_moe_128-fp8_block-compiled",
             "moe-qwen3_moe_128-mxfp4-compiled",
             "moe-qwen3_moe_128-nvfp4-compiled",
@@ -259,3 +262,22 @@ def test_gpu_tier_selects_the_compiled_cases_by_id():
             "nvfp4-compiled",
         ]
     )
+
+
+def test_an_engine_side_refusal_is_refused_without_a_daemon(monkeypatch):
+    """A fallback load taken for an engine-side refusal (meta-build), not a missing daemon, makes the case refused: no daemon starts."""
+    calls = _fake_engines(monkeypatch)
+    plain = ea.run_engine
+
+    def refusing(model, load_format, extra, *rest, **kw):
+        out = plain(model, load_format, extra, *rest, **kw)
+        if extra.get("fallback"):
+            out["load"] = [{"phase": "fallback", "reason": "meta-build"}]
+        return out
+
+    monkeypatch.setattr(ea, "run_engine", refusing)
+    monkeypatch.setattr(ea, "DaemonProcess", None)  # starting one fails the test
+    row = _run(ea.EngineCase("bf16", "bf16"))
+    assert row["outcome"] == "refused", row
+    assert "[meta-build]" in row["reason"] and "meta device" in row["reason"]
+    assert [c[0] for c in calls] == ["auto", "wcache"]

@@ -116,6 +116,13 @@ VERIFY_TIMEOUT_S = 600.0
 TAIL_LINES = 25
 #: What a refusing ``wcache serve`` prints (its one-line error, or the NoPlan text).
 REFUSAL_MARKERS = ("wcache serve: error", "no wcache plan", "NoPlan", "plan-missing")
+#: Reason codes with which the engine's own load refuses a model before it looks for a
+#: daemon (its no-daemon fallback load shows them instead of ``daemon-missing``): the
+#: case is ``refused`` without starting one. Code -> what the refusal means.
+ENGINE_REFUSALS = {
+    "meta-build": "vLLM's model reads tensor values while it is built, and a restore "
+    "builds it on the meta device (wcache.errors.MetaBuildUnsupported)",
+}
 #: Lines of a root-cause traceback kept in a result row.
 MAX_DETAIL_LINES = 60
 #: vLLM logs to stdout; run_engine's ``log`` is the engine's stderr, where the
@@ -442,6 +449,16 @@ def _run_case(
             row["fallback_reason"] = fb.get("reason") if fb else None
         except RuntimeError as exc:
             return {**row, "outcome": "failed", **_failure(exc, "fallback load failed: ")}
+        if row["fallback_reason"] in ENGINE_REFUSALS:
+            # the engine refused before looking for a daemon: no daemon could serve it
+            same = _tokens(fallback) == _tokens(disk)
+            return {
+                **row,
+                "outcome": "refused" if same else "failed",
+                "reason": f"the engine's load refuses it [{row['fallback_reason']}] "
+                f"before contacting a daemon: {ENGINE_REFUSALS[row['fallback_reason']]}",
+                "fallback_identical": same,
+            }
         daemon = DaemonProcess(model, sock, extra_args=case.serve_args, env=dict(case.env))
         progress(case.id, "daemon", "wcache serve starting")
         try:

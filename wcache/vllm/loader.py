@@ -90,7 +90,12 @@ from vllm.model_executor.model_loader.utils import initialize_model
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 from wcache.core import WcacheError
-from wcache.errors import RestoreFailed, SpecDecodeUnsupported, UpdateUnsupported
+from wcache.errors import (
+    MetaBuildUnsupported,
+    RestoreFailed,
+    SpecDecodeUnsupported,
+    UpdateUnsupported,
+)
 from wcache.shell import PARAM_FLAGS_EXTRA
 from wcache.store import CacheKey, DaemonMissing, StoreError, attach
 from wcache.vllm import compat, startup
@@ -392,6 +397,19 @@ def _spec_refusal(vllm_config: VllmConfig) -> str | None:
         f"shares with the target are untested with mapped weights. Fix: load this engine "
         f"from disk (load_format='auto'), or use method 'draft_model' (draft restored from "
         f"`wcache serve DRAFT`) or an EAGLE head ('eagle', 'eagle3')"
+    )
+
+
+def _meta_build_error(model_config: ModelConfig, exc: BaseException) -> MetaBuildUnsupported:
+    """The refusal of a model whose constructor reads tensor values (a restore builds
+    it on the meta device, where no value exists): e.g. vLLM's ``BloomAttention``
+    turns its ALiBi slopes into a list (``.tolist()``) while it is built."""
+    archs = list(getattr(model_config.hf_config, "architectures", None) or [])
+    return MetaBuildUnsupported(
+        f"wcache: vLLM's {', '.join(archs) or 'model'} reads tensor values while it is "
+        f"built ({type(exc).__name__}: {str(exc)[:160]}); a restore builds the model on "
+        f"the meta device, where no value exists, so this architecture is not restored. "
+        f"Fix: load this model from disk (load_format='auto'), or keep fallback=true"
     )
 
 
@@ -860,25 +878,36 @@ class WcacheModelLoader(BaseModelLoader):
         target = host_target(device)
         before = compat.registrations(vllm_config)
         marks = {}
-        with (
-            compat.without_reload_metadata(),
-            compat.gptq_config_copied_shallow(),
-            set_default_torch_dtype(model_config.dtype),
-            torch.device("meta"),
-        ):
-            model = initialize_model(
-                vllm_config=vllm_config, model_config=model_config, prefix=prefix
-            )
-        # each layer's model-format metadata, which an in-place reload_weights needs
-        # (vLLM records it inside initialize_model; outside the meta context it costs
-        # half), with our device as the one a reload materializes layers on
-        compat.record_reload_metadata_(model, device)
+        model: torch.nn.Module | None = None
+        build_error: MetaBuildUnsupported | None = None
+        try:
+            with (
+                compat.without_reload_metadata(),
+                compat.gptq_config_copied_shallow(),
+                set_default_torch_dtype(model_config.dtype),
+                torch.device("meta"),
+            ):
+                model = initialize_model(
+                    vllm_config=vllm_config, model_config=model_config, prefix=prefix
+                )
+        except (NotImplementedError, RuntimeError) as exc:
+            if "meta" not in str(exc):
+                raise
+            build_error = _meta_build_error(model_config, exc)
+        if model is not None:
+            # each layer's model-format metadata, which an in-place reload_weights
+            # needs (vLLM records it inside initialize_model; outside the meta context
+            # it costs half), with our device as the one a reload materializes layers on
+            compat.record_reload_metadata_(model, device)
         marks["meta_init"] = time.perf_counter()
         layout = parallel_layout()
         job = opts.draft_job if role == ROLE_DRAFT else opts.job
         dev_id = device_id(device, model_config, layout, job)
         attachment = None
         try:
+            if build_error is not None:
+                raise build_error
+            assert model is not None  # built, or build_error was raised
             # Unplanned layers are found here, before any weight or socket is touched;
             # like every other reason code, plan-missing follows the fallback rule.
             refusal = _update_refusal(vllm_config, device, opts)
