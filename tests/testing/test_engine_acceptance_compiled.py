@@ -281,3 +281,20 @@ def test_an_engine_side_refusal_is_refused_without_a_daemon(monkeypatch):
     assert row["outcome"] == "refused", row
     assert "[meta-build]" in row["reason"] and "meta device" in row["reason"]
     assert [c[0] for c in calls] == ["auto", "wcache"]
+
+
+def test_a_failure_names_the_missing_module_behind_an_inspection_error():
+    """A load that fails with vLLM's "failed to be inspected" names the module its class could not import."""
+    out = "\n".join(
+        [
+            "ERROR inspecting",
+            '  File "x.py", line 20, in <module>',
+            "ModuleNotFoundError: No module named 'torchvision'",
+            "Traceback (most recent call last):",
+            '  File "a.py", line 1, in f',
+            "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig",
+        ]
+    )
+    row = ea._failure(RuntimeError(out))
+    assert row["reason"].startswith("pydantic_core._pydantic_core.ValidationError")
+    assert "No module named 'torchvision'" in row["reason"]

@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -239,10 +240,16 @@ def _failure(exc: BaseException, prefix: str = "") -> dict[str, Any]:
     output = getattr(exc, "output", "") or str(exc)
     root = first_traceback(output) or output
     lines = [ln for ln in root.splitlines() if ln.strip()]
-    return {
-        "reason": prefix + (lines[-1].strip() if lines else str(exc)[:300]),
-        "detail": lines[-MAX_DETAIL_LINES:],
-    }
+    reason = lines[-1].strip() if lines else str(exc)[:300]
+    # vLLM inspects a model's class in a child and logs its import error as text; the
+    # first traceback is then only "failed to be inspected": name the missing module
+    missing = _MISSING_MODULE.search(output)
+    if missing and missing.group(0) not in reason:
+        reason += f" (the model's vLLM code failed to import: {missing.group(0)})"
+    return {"reason": prefix + reason, "detail": lines[-MAX_DETAIL_LINES:]}
+
+
+_MISSING_MODULE = re.compile(r"ModuleNotFoundError: No module named '[\w.]+'")
 
 
 def _tokens(result: Mapping[str, Any]) -> list[list[int]]:
