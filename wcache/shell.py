@@ -43,6 +43,7 @@ __all__ = [
     "apply_state_",
     "install_tensors_",
     "param_flags",
+    "likeness",
     "parameter_like",
     "rebind_captured_",
     "resolve_parent",
@@ -377,11 +378,17 @@ def _outcomes_by_every_name(
     return out
 
 
+def likeness(p: torch.nn.Parameter) -> tuple[str, tuple[str, ...]]:
+    """A parameter's class and attribute names (what a kept parameter carries)."""
+    return (f"{type(p).__module__}.{type(p).__qualname__}", tuple(sorted(vars(p))))
+
+
 def param_flags(
     model: torch.nn.Module,
     built: Mapping[str, Any],
     outcomes: Mapping[str, Mapping[str, ParamOutcome]],
     built_grad: Mapping[str, bool] | None = None,
+    built_like: Mapping[str, tuple[str, tuple[str, ...]]] | None = None,
 ) -> dict[str, list[Any]]:
     """Per parameter of ``model`` (every name, tied ones included): ``[kept,
     requires_grad, carried, attrs]``, as vLLM's disk load leaves it.
@@ -400,6 +407,9 @@ def param_flags(
             plan writes.
         built_grad: parameter name -> ``requires_grad`` right after the build
             (default: the parameter's now).
+        built_like: parameter name -> :func:`likeness` right after the build: a
+            parameter no stage writes that vLLM's load replaced by one of the same
+            class and attribute names is kept too.
 
     Source: vllm/model_executor/utils.py::replace_parameter;
     vllm/model_executor/layers/quantization/utils/layer_utils.py::replace_parameter
@@ -413,7 +423,11 @@ def param_flags(
         mod_name, leaf = _split(name)
         outcome = by_name.get(mod_name, {}).get(leaf)
         if outcome is None:
-            out[name] = [ref is not None and ref() is p, bool(p.requires_grad), [], {}]
+            # vLLM's own load may swap a parameter for a like one (phi's lm_head bias):
+            # the same class and attribute names as the build's count as kept
+            like = built_like is not None and built_like.get(name) == likeness(p)
+            kept = (ref is not None and ref() is p) or like
+            out[name] = [kept, bool(p.requires_grad), [], {}]
         elif outcome.kept and ref is not None:
             grad = grads.get(name, bool(p.requires_grad))
             out[name] = [True, bool(grad), [], dict(outcome.attrs)]

@@ -28,7 +28,7 @@ import functools
 
 import torch
 
-from wcache.core import LayerConfig, Plan, Target
+from wcache.core import LayerConfig, Plan, Reregistration, Target
 from wcache.core.decisions import GEMM_ONEDNN, GEMM_SGL, GEMM_TORCH_LINEAR, GEMM_ZENTORCH
 from wcache.plans.registry import register
 from wcache.stages import cpu_gemm, onednn
@@ -139,6 +139,9 @@ SGL = register(
         devices="cpu",
         stages=(cpu_gemm.pack_sgl_weight, cpu_gemm.cast_bias_to_float32, cpu_gemm.bind_sgl_linear),
         checkpoint={"weight", "bias"},
+        # vLLM: ``layer.bias.data = layer.bias.to(torch.float32)`` (the object stays)
+        # Source: vllm/model_executor/layers/utils.py::dispatch_cpu_unquantized_gemm
+        reregistered={"bias": Reregistration.DATA},
         match=_match_cpu_branch(GEMM_SGL),
         description="Unquantized linear/embedding on CPU where vLLM picks the AMX SGL kernel "
         "(small tile-aligned bf16/fp16 weights on AMX hosts). Linear: the daemon "

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from wcache.core import WcacheError
 from wcache.errors import ConfigInvalid, PrepareFailed
-from wcache.shell import PARAM_FLAGS_EXTRA, prepare_
+from wcache.shell import PARAM_FLAGS_EXTRA, likeness, prepare_
 from wcache.store import DaemonServer, Export
 from wcache.store.fingerprint import (
     checkpoint_digest,
@@ -114,6 +114,7 @@ def build_export(vllm_config: Any, *, progress: bool = True):
     # ones the build's class, attributes and requires_grad, as vLLM's load leaves them)
     built = {n: weakref.ref(p) for n, p in model.named_parameters(remove_duplicate=False)}
     built_grad = {n: p.requires_grad for n, p in model.named_parameters(remove_duplicate=False)}
+    built_like = {n: likeness(p) for n, p in model.named_parameters(remove_duplicate=False)}
     planned = planned_layers(model, target)  # also refuses a model-level post-load hook
     layout = parallel_layout()
     logger.info(
@@ -133,7 +134,7 @@ def build_export(vllm_config: Any, *, progress: bool = True):
     prepared = prepare_layers_(planned, target, progress=progress)
     t_prep = time.perf_counter()
     tensors, kinds, aliases, nonpersistent = export_tensors(model)
-    flags = daemon_param_flags(model, built, planned, built_grad)
+    flags = daemon_param_flags(model, built, planned, built_grad, built_like)
     layers = layer_entries(planned, prepared)
     verify_checkpoint_unchanged(model_config.model, checkpoint_before)
     key = build_key(model_config, layout, plan_ids(planned), target, checkpoint=checkpoint)

@@ -170,6 +170,7 @@ def daemon_param_flags(
     built: Mapping[str, Any],
     planned: Iterable[PlannedLayer],
     built_grad: Mapping[str, bool] | None = None,
+    built_like: Mapping[str, tuple[str, tuple[str, ...]]] | None = None,
 ) -> dict[str, list[Any]]:
     """The daemon's per-parameter record (:func:`wcache.shell.param_flags`) with each
     planned layer's outcomes for the installed vLLM release
@@ -185,6 +186,7 @@ def daemon_param_flags(
         built,
         {p.name: compat.param_outcomes(p.plan) for p in planned},
         built_grad,
+        built_like,
     )
 
 
