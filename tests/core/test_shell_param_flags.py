@@ -73,20 +73,22 @@ def test_param_flags_follow_each_written_parameters_outcome():
     assert param_flags(model, built, {})["lin.qweight"] == [False, False, [], {}]
 
 
-def test_install_gives_a_reregistered_parameter_the_carried_attributes():
-    """A plain re-registered parameter carries the build's attributes the record names
-    (``*``: all but the loader's backing field) and the record's attributes."""
+def _install_qweight(**record) -> torch.nn.Module:
+    """A meta-built model whose ``lin.qweight`` install_tensors_ fills from a daemon
+    tensor with ``record`` (its param_flags / param_attrs)."""
     model = _model("meta")
     tensors = {"lin.qweight": torch.ones(4, 8, dtype=torch.int32)}
     install_tensors_(
-        model,
-        tensors,
-        {"lin.qweight": "param"},
-        {},
-        {},
-        writes={},
-        transformed={},
-        param_flags={"lin.qweight": [False, False, ["weight_loader"], {"input_dim": 0}]},
+        model, tensors, {"lin.qweight": "param"}, {}, {}, writes={}, transformed={}, **record
+    )
+    return model
+
+
+def test_install_gives_a_reregistered_parameter_the_carried_attributes():
+    """A plain re-registered parameter carries the build's attributes the record names
+    (``*``: all but the loader's backing field) and the record's attributes."""
+    model = _install_qweight(
+        param_flags={"lin.qweight": [False, False, ["weight_loader"], {"input_dim": 0}]}
     )
     q = model.lin.qweight
     assert type(q) is torch.nn.Parameter
@@ -140,16 +142,7 @@ def test_install_without_flags_gives_plain_parameters():
 
 def test_install_sets_a_plans_attribute_overrides_on_kept_parameters():
     """A kept parameter gets the attributes vLLM's post-load changes (Plan.param_attrs) over the build's."""
-    model = _model("meta")
-    tensors = {"lin.qweight": torch.ones(4, 8, dtype=torch.int32)}
-    install_tensors_(
-        model,
-        tensors,
-        {"lin.qweight": "param"},
-        {},
-        {},
-        writes={},
-        transformed={},
+    model = _install_qweight(
         param_flags={"lin.qweight": [True, False]},
         param_attrs={"lin.qweight": {"packed_dim": 1}},
     )

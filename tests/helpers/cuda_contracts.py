@@ -397,37 +397,35 @@ def ct_layer(scheme_factory, widths: tuple[int, ...], size_k: int, bias: bool, m
         )
 
 
-def ct_fp8_scheme(strategy: str, static: bool, block=None):
+def _fp8_weight_args(strategy: str, block=None):
+    """compressed-tensors' symmetric FP8 weight QuantizationArgs of ``strategy``."""
     from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(
+        num_bits=8,
+        type="float",
+        strategy=strategy,
+        symmetric=True,
+        dynamic=False,
+        block_structure=list(block) if block else None,
+    )
+
+
+def ct_fp8_scheme(strategy: str, static: bool, block=None):
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
         CompressedTensorsW8A8Fp8,
     )
 
-    args = QuantizationArgs(
-        num_bits=8,
-        type="float",
-        strategy=strategy,
-        symmetric=True,
-        dynamic=False,
-        block_structure=list(block) if block else None,
-    )
+    args = _fp8_weight_args(strategy, block)
     return lambda: CompressedTensorsW8A8Fp8(weight_quant=args, is_static_input_scheme=static)
 
 
 def ct_w8a16_fp8_scheme(strategy: str, static: bool, block=None):
-    from compressed_tensors.quantization import QuantizationArgs
     from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
         CompressedTensorsW8A16Fp8,
     )
 
-    args = QuantizationArgs(
-        num_bits=8,
-        type="float",
-        strategy=strategy,
-        symmetric=True,
-        dynamic=False,
-        block_structure=list(block) if block else None,
-    )
+    args = _fp8_weight_args(strategy, block)
     return lambda: CompressedTensorsW8A16Fp8(weight_quant=args, is_static_input_scheme=static)
 
 
