@@ -46,6 +46,7 @@ CONTRACT_FILES = (
     "tests/plans/test_nvfp4.py",
     "tests/plans/test_fused_moe.py",
     "tests/plans/test_mxfp4.py",
+    "tests/plans/test_marlin_moe.py",
     # issue 44 item 6: restored parameters' class and attributes equal each release's load
     "tests/plans/test_param_contracts.py",
     # the stage families checked against vLLM's pure helpers (the CUDA and MoE ones)

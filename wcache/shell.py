@@ -44,6 +44,7 @@ __all__ = [
     "install_tensors_",
     "param_flags",
     "likeness",
+    "created_attrs",
     "parameter_like",
     "rebind_captured_",
     "resolve_parent",
@@ -400,7 +401,10 @@ def param_flags(
     re-registers it, in this vLLM release: ``wcache.vllm.compat.param_outcomes``):
     kept (the build's class and attributes, the build's ``requires_grad``), or a
     plain ``nn.Parameter(requires_grad=False)`` carrying the build's attributes named
-    in ``carried``; ``attrs`` are set over either.
+    in ``carried``; ``attrs`` are set over either. A parameter the build did not have
+    (vLLM's load created it) is ``[False, requires_grad, [], attrs, bound]``, the
+    attributes the load gave it (:func:`created_attrs`); a second name for a built
+    parameter (an alias a stage registers) has the original's record.
 
     Args:
         outcomes: layer name -> parameter name -> outcome, for each parameter its
@@ -418,13 +422,25 @@ def param_flags(
     by_name = _outcomes_by_every_name(modules, outcomes)
     grads = built_grad or {}
     out: dict[str, list[Any]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
+    params = list(model.named_parameters(remove_duplicate=False))
+    # a second name a stage gave a built parameter (vLLM's ``layer.w13_weight =
+    # layer.w13_qweight``): one object, so the built name's record
+    original = {id(p): n for n, p in params if n in built}
+    for name, p in params:
         ref = built.get(name)
         mod_name, leaf = _split(name)
         outcome = by_name.get(mod_name, {}).get(leaf)
-        if outcome is None:
-            # vLLM's own load may swap a parameter for a like one (phi's lm_head bias):
-            # the same class and attribute names as the build's count as kept
+        if name not in built and id(p) in original:
+            continue  # filled in below, from the original's record
+        if outcome is None and name not in built:
+            # created by vLLM's load (the transformers backend registers lm_head.bias
+            # when the checkpoint has one): the meta build has no such parameter, so
+            # the record carries the attributes the load gave it
+            attrs, bound = created_attrs(p, modules)
+            out[name] = [False, bool(p.requires_grad), [], attrs, bound]
+        elif outcome is None:
+            # vLLM's own load may swap a parameter for a like one: the same class and
+            # attribute names as the build's count as kept
             like = built_like is not None and built_like.get(name) == likeness(p)
             kept = (ref is not None and ref() is p) or like
             out[name] = [kept, bool(p.requires_grad), [], {}]
@@ -433,7 +449,48 @@ def param_flags(
             out[name] = [True, bool(grad), [], dict(outcome.attrs)]
         else:
             out[name] = [False, False, list(outcome.carried), dict(outcome.attrs)]
+    for name, p in params:
+        if name not in out:
+            out[name] = out[original[id(p)]]
     return out
+
+
+def _is_record_value(value: Any) -> bool:
+    """A value the daemon's record carries as it is (msgpack: no dtype, no enum)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    return isinstance(value, (tuple, list)) and all(_is_record_value(v) for v in value)
+
+
+def created_attrs(
+    p: torch.nn.Parameter, modules: Mapping[str, torch.nn.Module]
+) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """The attributes of a parameter vLLM's load created (one the build did not
+    have), as the daemon's record carries them: plain values (``output_dim``) by
+    value, and methods bound to a module of the model (``weight_loader``, vLLM's
+    ``set_weight_attrs(bias, {"weight_loader": self.weight_loader})``) as ``[module
+    name, method name]``, which :func:`install_tensors_` binds again on the engine's
+    module. Any other attribute (a process-local object) is left out: ``wcache
+    verify`` then reports it.
+
+    Returns:
+        ``(attrs, bound)``: attribute -> value, attribute -> ``[module, method]``.
+
+    Source: vllm/model_executor/layers/vocab_parallel_embedding.py::
+    ParallelLMHead._register_bias, called by
+    vllm/model_executor/models/transformers/causal.py::load_weights.
+    """
+    names = {id(m): n for n, m in modules.items()}
+    attrs: dict[str, Any] = {}
+    bound: dict[str, list[str]] = {}
+    for attr, value in vars(p).items():
+        owner = getattr(value, "__self__", None)
+        func = getattr(value, "__func__", None)
+        if _is_record_value(value):
+            attrs[attr] = list(value) if isinstance(value, tuple) else value
+        elif func is not None and id(owner) in names:
+            bound[attr] = [names[id(owner)], func.__name__]
+    return attrs, bound
 
 
 def carried_attrs(built: torch.nn.Parameter, carried: Iterable[str]) -> dict[str, Any]:
@@ -514,15 +571,18 @@ def install_tensors_(
         aliases: alias name -> canonical name.
         writes: layer name -> tensor names its plan's stages may write.
         transformed: layer name -> tensor names its plan's TRANSFORM stages write.
-        param_flags: parameter name -> ``[kept, requires_grad, carried, attrs]`` as
-            the daemon recorded them (:data:`PARAM_FLAGS_EXTRA` of the export,
-            :func:`param_flags`); a two-item record is ``[kept, requires_grad]``.
+        param_flags: parameter name -> ``[kept, requires_grad, carried, attrs,
+            bound]`` as the daemon recorded them (:data:`PARAM_FLAGS_EXTRA` of the
+            export, :func:`param_flags`); ``bound`` (attribute -> ``[module,
+            method]``) is bound to the engine's module; a two-item record is
+            ``[kept, requires_grad]``, a four-item one has no ``bound``.
         param_attrs: parameter name -> attributes set on a kept parameter over the
             build's (``Plan.param_attrs``, under the layer's name).
 
     Raises:
         ModelMismatch: an exported tensor that the model cannot hold, or of
-            another shape or dtype than the engine's (code ``model-mismatch``).
+            another shape or dtype than the engine's, or a recorded method its
+            module lacks (code ``model-mismatch``).
     """
     param_flags = param_flags or {}
     modules = dict(model.named_modules(remove_duplicate=False))
@@ -546,8 +606,10 @@ def install_tensors_(
         if obj is None:
             t = tensors[canonical]
             if kind == "param":
-                record = list(param_flags.get(canonical, (False, False)))
-                kept, requires_grad, carried, set_attrs = (record + [[], {}])[:4]
+                record = list(param_flags.get(canonical, ()))
+                kept, requires_grad, carried, set_attrs, bound = (
+                    record + _RECORD_DEFAULTS[len(record) :]
+                )
                 built = module._parameters.get(leaf)
                 if kept and isinstance(built, torch.nn.Parameter):
                     obj = parameter_like(built, t, requires_grad=requires_grad)
@@ -557,6 +619,7 @@ def install_tensors_(
                     if isinstance(built, torch.nn.Parameter):
                         obj.__dict__.update(carried_attrs(built, carried))
                 obj.__dict__.update(set_attrs)
+                obj.__dict__.update(_bind_methods(modules, name, bound))
             else:
                 obj = t
             objects[(canonical, kind)] = obj
@@ -571,6 +634,34 @@ def install_tensors_(
         else:
             module.register_buffer(leaf, obj, persistent=persistent.get(name, True))
     rebind_captured_(modules.values(), replaced)
+
+
+#: A parameter record's defaults (``[kept, requires_grad, carried, attrs, bound]``):
+#: an older daemon's record has two or four items, none a plain parameter without grad.
+_RECORD_DEFAULTS: list[Any] = [False, False, [], {}, {}]
+
+
+def _bind_methods(
+    modules: Mapping[str, torch.nn.Module], name: str, bound: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``bound`` (attribute -> ``[module name, method name]``, :func:`created_attrs`)
+    as methods of the engine's modules.
+
+    Raises:
+        ModelMismatch: a named module or method the engine's model does not have.
+    """
+    out: dict[str, Any] = {}
+    for attr, (mod_name, method) in bound.items():
+        module = modules.get(mod_name)
+        if module is None or not callable(getattr(module, method, None)):
+            raise ModelMismatch(
+                f"the daemon's record gives {name!r} the method {method!r} of module "
+                f"{mod_name!r} as {attr!r}, which the engine's model does not have: "
+                "daemon and engine were started on different models or vLLM versions; "
+                "restart the daemon with the engine's vLLM"
+            )
+        out[attr] = getattr(module, method)
+    return out
 
 
 def rebind_captured_(

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import weakref
 
+import pytest
 import torch
 
 from wcache.core import ParamOutcome
+from wcache.errors import ModelMismatch
 from wcache.shell import carried_attrs, install_tensors_, param_flags, parameter_like
 
 
@@ -148,3 +150,84 @@ def test_install_sets_a_plans_attribute_overrides_on_kept_parameters():
     )
     assert (model.lin.qweight.packed_dim, model.lin.qweight.output_dim) == (1, 1)
     assert model.lin.qweight.weight_loader is _loader
+
+
+class _Head(torch.nn.Module):
+    """Stands for vLLM's ParallelLMHead: a ``bias`` slot left ``None`` at build, which
+    the transformers backend's load registers (``_register_bias``) with vLLM's
+    attributes, one of them a method of the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_parameter("bias", None)
+
+    def weight_loader(self, param, loaded):
+        param.data.copy_(loaded)
+
+    def register_bias_(self) -> None:
+        self.bias = torch.nn.Parameter(torch.zeros(8), requires_grad=False)
+        self.bias.output_dim, self.bias.weight_loader = 0, self.weight_loader
+        self.bias.handle = object()  # a process-local object: not carried
+
+
+def _head_model() -> torch.nn.Module:
+    model = torch.nn.Module()
+    model.lm_head = _Head()
+    return model
+
+
+def test_param_flags_record_a_parameter_the_load_created_with_its_attributes():
+    """A parameter the build lacked records its plain attributes by value and its
+    module-bound methods by module and method name; other objects are left out."""
+    model = _head_model()
+    built = {n: weakref.ref(p) for n, p in model.named_parameters()}
+    model.lm_head.register_bias_()
+    flags = param_flags(model, built, {})
+    assert flags == {
+        "lm_head.bias": [
+            False,
+            False,
+            [],
+            {"output_dim": 0},
+            {"weight_loader": ["lm_head", "weight_loader"]},
+        ]
+    }
+
+
+def test_install_binds_a_created_parameters_method_to_the_engines_module():
+    """The engine's parameter gets the recorded values and the method bound to its own module (not the daemon's)."""
+    model = _head_model()
+    record = [False, False, [], {"output_dim": 0}, {"weight_loader": ["lm_head", "weight_loader"]}]
+    tensors = {"lm_head.bias": torch.ones(8)}
+    install_tensors_(
+        model,
+        tensors,
+        {"lm_head.bias": "param"},
+        {},
+        {},
+        writes={},
+        transformed={},
+        param_flags={"lm_head.bias": record},
+    )
+    bias = model.lm_head.bias
+    assert bias.output_dim == 0
+    assert bias.weight_loader == model.lm_head.weight_loader  # bound to this model's head
+    assert bias.weight_loader.__self__ is model.lm_head
+
+
+def test_install_refuses_a_recorded_method_the_engines_module_lacks():
+    """A record naming a method the engine's module does not have is a ModelMismatch, before anything is bound."""
+    model = _head_model()
+    record = [False, False, [], {}, {"weight_loader": ["lm_head", "no_such_loader"]}]
+    with pytest.raises(ModelMismatch) as err:
+        install_tensors_(
+            model,
+            {"lm_head.bias": torch.ones(8)},
+            {"lm_head.bias": "param"},
+            {},
+            {},
+            writes={},
+            transformed={},
+            param_flags={"lm_head.bias": record},
+        )
+    assert err.value.code == "model-mismatch" and "no_such_loader" in str(err.value)

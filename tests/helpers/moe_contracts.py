@@ -10,10 +10,11 @@ import itertools
 import pytest
 import torch
 
+from tests.helpers import param_contracts as PC
 from tests.helpers import vllm_layers as VL
 from wcache.core import Target
 from wcache.plans.registry import plan_for
-from wcache.shell import load_, prepare_, restore_, snapshot
+from wcache.shell import load_, snapshot
 
 H200 = Target("cuda", (9, 0))
 IDS = itertools.count(1000)
@@ -72,17 +73,15 @@ def moe_contract(build, fill, target: Target, expected_plan: str):
         fill(loaded)
         load_(loaded, bound)
         sync_kernel_state_(loaded)
-        daemon = build()
-        fill(daemon)
-        prepared = prepare_(daemon, bound)
-        restored = build(meta=True)
-        VL.install_exported_(restored, VL.export_clone(prepared), prepared.buffers)
-        restore_(restored, bound, prepared.recorded, strict=True, drops=prepared.drops)
-        sync_kernel_state_(restored)
+        # the daemon's record and the engine's install, as a restored engine does them
+        restored = PC.engine_restore(bound.plan, config, build, fill, target)
     for label, side in (("load", loaded), ("restore", restored)):
         changed = diff(snapshot(vllm_layer, MOE_ATTRS), snapshot(side, MOE_ATTRS))
         assert {} == {k: (label, *v) for k, v in changed.items()}
         assert {} == diff(moe_state(vllm_layer), moe_state(side))
+    # issue 44 item 6: the parameters' class, requires_grad and attributes
+    params = PC.parameter_diff(vllm_layer, restored)
+    assert {} == params, params  # a helper: pytest does not rewrite its asserts
     return config, vllm_layer, restored
 
 

@@ -17,7 +17,6 @@ from collections.abc import Callable
 
 import torch
 
-from tests.helpers import vllm_layers as VL
 from wcache.core import LayerConfig, Plan, Target
 from wcache.shell import prepare_, restore_
 
@@ -41,7 +40,12 @@ def engine_restore(
         fill: writes the checkpoint's tensors into a built layer.
     """
     from wcache.vllm.adapter import sync_kernel_state_
-    from wcache.vllm.model import PlannedLayer, daemon_param_flags, install_tensors_
+    from wcache.vllm.model import (
+        PlannedLayer,
+        daemon_param_flags,
+        export_tensors,
+        install_tensors_,
+    )
 
     daemon = build()
     built = {n: weakref.ref(p) for n, p in daemon.named_parameters(remove_duplicate=False)}
@@ -52,9 +56,12 @@ def engine_restore(
     planned = [PlannedLayer(ROOT, daemon, config, plan)]
     flags = daemon_param_flags(daemon, built, planned, grads)
     engine = build(meta=True)
-    tensors = VL.export_clone(prepared)
-    kinds = {n: "buffer" if n in prepared.buffers else "param" for n in tensors}
-    install_tensors_(engine, tensors, kinds, {}, {}, planned, param_flags=flags)
+    # the daemon's export (aliases: a stage's second name for a tensor, as vLLM's
+    # ``layer.w13_weight = layer.w13_qweight``), as fresh tensors with the same bytes
+    tensors, kinds, aliases, _ = export_tensors(daemon)
+    tensors = {n: t.clone() for n, t in tensors.items()}
+    tensors.update((a, tensors[c]) for a, c in aliases.items())
+    install_tensors_(engine, tensors, kinds, {}, aliases, planned, param_flags=flags)
     restore_(engine, bound, prepared.recorded, strict=True, drops=prepared.drops)
     sync_kernel_state_(engine)
     return engine

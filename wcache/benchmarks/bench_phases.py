@@ -89,6 +89,7 @@ from wcache.testing.caches import (
     cache_writes,
     host_cache_dirs,
 )
+from wcache.testing.engine_acceptance import source_revision
 from wcache.vllm.run_engine import vllm_engine_args
 
 __all__ = [
@@ -1251,27 +1252,7 @@ def _meta(device: str, kind: str, ckpt: Path, argv: Sequence[str]) -> dict[str, 
         meta["device_name"] = torch.cuda.get_device_name(0)
     else:
         meta["device_name"] = f"CPU ({os.cpu_count()} cores)"
-    try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parent,
-            timeout=HELP_TIMEOUT_S,
-        )
-        meta["git"] = rev.stdout.strip() or None
-        # a copied checkout (the device machine's) can carry stale git metadata: say
-        # whether the files differ from the commit named
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=HELP_TIMEOUT_S,
-            cwd=Path(__file__).resolve().parent,
-        )
-        meta["git_dirty"] = bool(dirty.stdout.strip()) if dirty.returncode == 0 else None
-    except (OSError, subprocess.TimeoutExpired):
-        meta["git"] = meta["git_dirty"] = None
+    meta.update(source_revision())
     return meta
 
 

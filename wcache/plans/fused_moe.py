@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import functools
 
-from wcache.core import LayerConfig, Plan, Target
+from wcache.core import LayerConfig, Plan, Reregistration, Target
 from wcache.plans.registry import register
 from wcache.stages import marlin_mx, moe, moe_cpu
 
@@ -258,6 +258,14 @@ _FP8_CHECKPOINT = frozenset(
 )
 
 
+#: Per-tensor FP8 MoE post-load requantizes w13 in place and hands ``replace_parameter``
+#: the parameter itself, whose attributes the new one carries.
+#: Source: vllm/model_executor/layers/quantization/fp8.py::Fp8MoEMethod
+#: ._setup_kernel, compressed_tensors_moe_w8a8_fp8.py (replace_parameter(layer,
+#: "w13_weight", w13)); vllm/model_executor/utils.py::replace_parameter
+_W13_REQUANTIZED = {"w13_weight": Reregistration.REPLACE_OWN}
+
+
 FP8_BLOCK_TRITON = register(
     Plan(
         method="fp8_moe_block",
@@ -283,6 +291,7 @@ FP8_TENSOR_TRITON = register(
             moe.validate_expert_shapes,
             moe.set_experts_kernel,
         ),
+        reregistered=_W13_REQUANTIZED,
         checkpoint=_FP8_CHECKPOINT,
         match=_cuda("TRITON"),
         description="Serialized per-tensor FP8 fused MoE (Fp8MoEMethod) on vLLM's TRITON backend "
@@ -361,6 +370,7 @@ CT_FP8_TENSOR_PLANS = tuple(
                 moe.validate_expert_shapes,
                 moe.set_experts_kernel,
             ),
+            reregistered=_W13_REQUANTIZED,
             checkpoint=_FP8_CHECKPOINT,
             match=_cuda(backend, experts),
             description=f"compressed-tensors W8A8 FP8 fused MoE, per-tensor weight scales "

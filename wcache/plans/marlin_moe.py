@@ -23,7 +23,7 @@ act-order and asymmetric GPTQ when parsing the config (no plan is needed for the
 
 from __future__ import annotations
 
-from wcache.core import LayerConfig, Plan, Target
+from wcache.core import LayerConfig, Plan, Reregistration, Target
 from wcache.plans.fused_moe import _match_cuda
 from wcache.plans.marlin import MARLIN_MIN_CAPABILITY, REFUSED_INPUT_DTYPES
 from wcache.plans.registry import register
@@ -98,6 +98,16 @@ _CHECKPOINT_CT = frozenset(
 )
 
 
+#: AutoAWQ/AutoGPTQ MoE post-load re-registers every tensor it converts through the
+#: layer_utils ``replace_parameter`` (and ``_replace_or_register_parameter``).
+#: Source: vllm/model_executor/layers/quantization/auto_awq.py,
+#: auto_gptq.py::process_weights_after_loading
+_AUTO_REREGISTERED = dict.fromkeys(
+    (f"{w}_{t}" for w in ("w13", "w2") for t in ("qweight", "scales", "qzeros", "bias")),
+    Reregistration.REPLACE_LAYER,
+)
+
+
 def _int_stages(layout: str, weights: tuple[str, str], scales: tuple[str, str], zeros, optional_zp):
     return (
         mm.repack_weights(layout, *weights),
@@ -124,6 +134,7 @@ AWQ_MOE = register(
             ),
             moe.set_experts_kernel,
         ),
+        reregistered=_AUTO_REREGISTERED,
         checkpoint=_CHECKPOINT_GPTQ,
         match=_match_awq,
         description="AWQ int4 fused MoE (AutoAWQMoEMethod) on vLLM's MARLIN backend "
@@ -150,6 +161,7 @@ GPTQ_MOE = register(
             mm.clear_unloaded_bias,
             moe.set_experts_kernel,
         ),
+        reregistered=_AUTO_REREGISTERED,
         checkpoint=_CHECKPOINT_GPTQ,
         match=_match_gptq,
         description="GPTQ symmetric int4/int8 fused MoE (AutoGPTQMoEMethod) on vLLM's MARLIN "

@@ -609,9 +609,38 @@ def _compiled_checks(
     return problems
 
 
+#: ``git`` answers in milliseconds; a hung one (a locked index on a network disk) must
+#: not hold a results row back longer than this (seconds).
+GIT_TIMEOUT_S = 30.0
+
+
+def source_revision() -> dict[str, Any]:
+    """The wcache checkout that produced a result: ``{"git": commit, "git_dirty": bool}``
+    (whether tracked files differ from that commit: a copied checkout, such as the
+    device machine's, can carry stale metadata); ``None`` each outside a git
+    checkout or without ``git``."""
+    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, cwd=here, timeout=GIT_TIMEOUT_S
+        )
+
+    try:
+        rev = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.TimeoutExpired):
+        return {"git": None, "git_dirty": None}
+    return {
+        "git": rev.stdout.strip() or None,
+        "git_dirty": bool(dirty.stdout.strip()) if dirty.returncode == 0 else None,
+    }
+
+
 def record_result(row: Mapping[str, Any], path: str | os.PathLike | None = None) -> Path:
-    """Append one case's row to ``path`` (default ``$WCACHE_GPU_ENGINE_RESULTS``), one
-    ``write`` of one line on an ``O_APPEND`` file, so parallel test workers can share it.
+    """Append one case's row to ``path`` (default ``$WCACHE_GPU_ENGINE_RESULTS``), with
+    the time and the checkout (:func:`source_revision`), one ``write`` of one line on
+    an ``O_APPEND`` file, so parallel test workers can share it.
 
     Returns:
         The results file.
@@ -620,7 +649,11 @@ def record_result(row: Mapping[str, Any], path: str | os.PathLike | None = None)
     _append_line(
         out,
         json.dumps(
-            {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **row},
+            {
+                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                **source_revision(),
+                **row,
+            },
             sort_keys=True,
             default=str,
         )
