@@ -34,3 +34,25 @@ def test_a_deep_traceback_keeps_its_exception_line_after_a_count():
     cut = len(frames) - (MAX_TRACEBACK_LINES - 1)
     assert got[-2] == f"  ... ({cut} more lines)"
     assert len(got) == MAX_TRACEBACK_LINES + 2
+
+
+def test_a_workers_logged_traceback_is_the_root_cause():
+    """A worker's start failure logged through vLLM's logger (process and log prefixes on
+    every line) comes before the engine core's generic one: its exception is returned."""
+    worker = "(Worker pid=27897) ERROR 12-04 23:23:12 [multiproc_executor.py:953] "
+    core = "(EngineCore pid=27812) ERROR 12-04 23:23:14 [core.py:1510] "
+    text = "\n".join(
+        [
+            worker + "WorkerProc failed to start.",
+            worker + "Traceback (most recent call last):",
+            *(worker + f for f in _frames(2)),
+            worker + "RuntimeError: _C::static_scaled_fp8_quant() expected at most 0 argument(s)",
+            core + "Traceback (most recent call last):",
+            *(core + f for f in _frames(2)),
+            core + "Exception: WorkerProc initialization failed due to an exception",
+        ]
+    )
+    got = first_traceback(text).splitlines()
+    assert got[0] == "Traceback (most recent call last):"
+    assert got[1] == '  File "/x/m0.py", line 0, in f0'
+    assert got[-1] == "RuntimeError: _C::static_scaled_fp8_quant() expected at most 0 argument(s)"

