@@ -44,9 +44,12 @@ def _process_device_bytes(pid: int) -> int | None:
     a PID namespace (a container, the gVisor sandbox of the one-GPU H200 kind) is
     never found by its own PID (NVIDIA/nvidia-docker#1483)."""
     try:
-        import pynvml  # nvidia-ml-py: the H200 image has it (vLLM 0.33 vendors its own copy)
+        import pynvml  # nvidia-ml-py: the H200 image has it; the bundle does not carry it
     except ImportError:
-        return None
+        try:
+            from vllm.third_party import pynvml  # vLLM 0.33's own copy of nvidia-ml-py
+        except ImportError:
+            return None
     try:
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByIndex(0)
