@@ -1,7 +1,7 @@
 """One vLLM CUDA engine with sleep mode that sleeps and wakes ``--cycles`` times at
 ``--level`` and prints one JSON line: the greedy tokens after the load and after each
-wake, the device memory this process uses (NVML; device-wide where NVML does not
-list it) and the process's host RSS after each wake (bytes),
+wake, the device memory this process uses (NVML where it lists this process; else
+what the process's allocators hold) and the process's host RSS after each wake (bytes),
 or the refusal's reason code when the load refuses sleep mode.
 
 Run by tests/gpu_engine/test_sleep_engines.py:
@@ -40,11 +40,16 @@ def _error_code(exc: BaseException) -> str:
 
 def _process_device_bytes(pid: int) -> int | None:
     """Device memory NVML charges to process ``pid`` on GPU 0 (bytes), or None where
-    NVML is missing or does not list it (a PID namespace)."""
+    NVML is missing or does not list it: the driver reports host PIDs, so a process in
+    a PID namespace (a container, the gVisor sandbox of the one-GPU H200 kind) is
+    never found by its own PID (NVIDIA/nvidia-docker#1483)."""
     try:
-        import pynvml  # nvidia-ml-py (the H200 image has it; vLLM depends on it)
+        import pynvml  # nvidia-ml-py: the H200 image has it; the bundle does not carry it
     except ImportError:
-        return None
+        try:
+            from vllm.third_party import pynvml  # vLLM 0.33's own copy of nvidia-ml-py
+        except ImportError:
+            return None
     try:
         pynvml.nvmlInit()
         handle = pynvml.nvmlDeviceGetHandleByIndex(0)
@@ -54,6 +59,24 @@ def _process_device_bytes(pid: int) -> int | None:
     except pynvml.NVMLError:
         return None
     return None
+
+
+def _allocator_device_bytes() -> int:
+    """Device memory this process's allocators hold (bytes): torch's reserved segments
+    (vLLM's sleep-mode CuMem pools are torch MemPools, so counted there) less the CuMem
+    allocations asleep (unmapped by ``sleep``, which torch's allocator does not see).
+    Leaves out the CUDA context and memory no torch allocator made (constant per process).
+
+    Source: vllm/device_allocator/cumem.py::CuMemAllocator.sleep, ``pointer_to_data``
+        (``AllocationData.handle[1]``: the mapped size, ``is_asleep``), 0.33.0.
+    """
+    import torch
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    asleep = sum(
+        d.handle[1] for d in CuMemAllocator.get_instance().pointer_to_data.values() if d.is_asleep
+    )
+    return torch.cuda.memory_reserved() - asleep
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,11 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     def measure() -> dict:
         free, total = torch.cuda.mem_get_info()
         mine = _process_device_bytes(os.getpid())
+        held = _allocator_device_bytes()
         return {
-            # this process's device memory (NVML), so other work on the GPU cannot move it;
-            # the device-wide figure where NVML does not list the process
-            "device_used": total - free if mine is None else mine,
-            "device_scope": "device" if mine is None else "process",
+            # this process's device memory, so other work on the GPU cannot move it:
+            # NVML's figure where it lists the process, else the allocators' own
+            "device_used": held if mine is None else mine,
+            "device_scope": "allocator" if mine is None else "process",
+            "device_allocator": held,
             "device_total_used": total - free,
             "host_rss": proc.memory_info().rss,
         }

@@ -6,8 +6,9 @@ daemon's memory is outside vLLM's CuMem pool, so sleep could neither offload nor
 free it. A ``mode='copy'`` engine restored from the same daemon sleeps and wakes 20
 times at level 1 and 20 times at level 2 (tests/gpu_engine/_sleep_engine.py, CUDA
 graphs on): after every wake its greedy tokens equal its first ones, which equal a
-disk engine's; the device memory the engine process uses after each wake (NVML, so other
-work on the GPU does not move it) and the host RSS stay within
+disk engine's; the device memory the engine process uses after each wake (NVML where it
+lists the process, else what its allocators hold: either way other work on the GPU does
+not move it; the gVisor one-GPU kind hides the process from NVML) and the host RSS stay within
 :data:`DEVICE_SLACK_BYTES` / :data:`HOST_SLACK_BYTES` of the first wake's.
 
 Run on the H200: ``bash tools/gpu/run-tier.sh -k sleep_engines`` or, after
