@@ -58,15 +58,21 @@ def moe_state(module) -> dict:
     return {k: v for k, v in module_state(module).items() if k not in NAMES}
 
 
-def moe_contract(build, fill, target: Target, expected_plan: str):
-    """vLLM's post-load vs wcache load and restore on fresh vLLM-built layers."""
+def moe_contract(build, fill, target: Target, expected_plan: str, vllm_fill=None):
+    """vLLM's post-load vs wcache load and restore on fresh vLLM-built layers.
+
+    Args:
+        fill: writes the checkpoint into a built layer, as the daemon's load does.
+        vllm_fill: the same for vLLM's own layer where its load differs (online
+            quantization runs vLLM's post-load while loading); default ``fill``.
+    """
     from wcache.vllm.adapter import layer_config, sync_kernel_state_
 
     vllm_layer = build()
     config = layer_config(vllm_layer.quant_method, vllm_layer, target, name="experts")
     bound = plan_for(config, target=target)
     assert bound.id == expected_plan
-    fill(vllm_layer)
+    (vllm_fill or fill)(vllm_layer)
     with VL.vllm_context("cpu", torch.bfloat16):
         vllm_layer.quant_method.process_weights_after_loading(vllm_layer)
         loaded = build()

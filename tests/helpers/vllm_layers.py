@@ -127,9 +127,17 @@ def vllm_context(device: str = "cpu", dtype: torch.dtype | None = None):
     """vLLM's current config, the default device and (optionally) default dtype."""
     from vllm.config import set_current_vllm_config
 
+    from wcache.vllm.model import imports_on_device
+
     ensure_vllm()
     old_dtype = torch.get_default_dtype()
-    with set_current_vllm_config(_STATE["cfg"]), torch.device(device):
+    # a vLLM module first imported while a layer is built on meta keeps its import-time
+    # tensors on the CPU, as in the engine's meta build (imports_on_device)
+    with (
+        set_current_vllm_config(_STATE["cfg"]),
+        torch.device(device),
+        imports_on_device("cpu"),
+    ):
         if dtype is not None:
             torch.set_default_dtype(dtype)
         try:

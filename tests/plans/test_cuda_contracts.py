@@ -669,7 +669,7 @@ MOE_CONTRACTS = {
     "unquantized_moe/triton": ("test_fused_moe.py", "test_unquantized_moe_triton_sm90"),
     "fp8_moe_block/triton": ("test_fused_moe.py", "test_serialized_fp8_moe_triton_sm90"),
     "fp8_moe_tensor/triton": ("test_fused_moe.py", "test_serialized_fp8_moe_triton_sm90"),
-    "fp8_per_tensor_moe/triton": ("test_fused_moe.py", "test_serialized_fp8_moe_triton_sm90"),
+    "fp8_per_tensor_moe/triton": ("test_fused_moe.py", "test_online_fp8_moe_triton_sm90"),
     "ct_w8a8_fp8_moe_channel/vllm_cutlass": ("test_fused_moe.py", "test_ct_w8a8_fp8_moe_sm90"),
     "ct_w8a8_fp8_moe_channel/triton": ("test_fused_moe.py", "test_ct_w8a8_fp8_moe_sm90"),
     "ct_w8a8_fp8_moe_tensor/vllm_cutlass": ("test_fused_moe.py", "test_ct_w8a8_fp8_moe_sm90"),

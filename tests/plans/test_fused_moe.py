@@ -13,6 +13,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import pytest
 import torch
 from attrs import evolve
@@ -24,6 +27,7 @@ from wcache.plans.registry import plan_for
 
 pytest.importorskip("vllm")
 
+from tests.helpers import vllm_layers as VL
 from tests.helpers.moe_contracts import H200, moe_contract, moe_layer, require_cpu_moe_ops
 
 CPU_HOST = Target("cpu")
@@ -154,6 +158,57 @@ def test_serialized_fp8_moe_triton_sm90(simulated_cuda_moe, block, static, plan)
     assert (config.moe.backend, config.moe.experts) == ("TRITON", "TritonExperts")
     if not block:
         assert tuple(restored.w13_weight_scale.shape) == (4,)
+
+
+def _online_fill(layer, deferred: bool) -> None:
+    """The bf16 checkpoint through the experts' own (online) weight loaders, one call per
+    expert and shard as vLLM's loader makes them: vLLM's layerwise loading materializes
+    the layer and quantizes it once the last shard arrives; ``deferred``: as the
+    daemon loads it (``compat.online_quantization_deferred``), materialized unquantized."""
+    from wcache.vllm import compat
+
+    g = torch.Generator().manual_seed(3)
+    experts, hidden, inter = (
+        layer.w2_weight.shape[0],
+        layer.w2_weight.shape[1],
+        layer.w2_weight.shape[2],
+    )
+    shards = {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter)}
+    with (
+        VL.vllm_context("cpu", torch.bfloat16),
+        compat.online_quantization_deferred() if deferred else contextlib.nullcontext(),
+    ):
+        for expert in range(experts):
+            for shard, shape in shards.items():
+                name = "w2_weight" if shard == "w2" else "w13_weight"
+                w = (torch.randn(shape, generator=g) * 0.05).to(torch.bfloat16)
+                param = getattr(layer, name)
+                param.weight_loader(param, w, name, shard_id=shard, expert_id=expert)
+
+
+def test_online_fp8_moe_triton_sm90(simulated_cuda_moe):
+    """Online per-tensor FP8 on bf16 experts (Fp8PerTensorOnlineMoEMethod, vLLM's
+    ``fp8_per_tensor`` online quantization) resolves TRITON on sm90: vLLM quantizes each
+    expert once while loading (one scale per expert and projection); the daemon loads
+    the bf16 checkpoint unquantized and its plan quantizes; load and restore equal
+    vLLM's processed layer, parameters included."""
+    from vllm.model_executor.layers.quantization.online.base import (
+        OnlineQuantizationConfig,
+        QuantizationConfigArgs,
+    )
+
+    online = OnlineQuantizationConfig(QuantizationConfigArgs(moe="fp8_per_tensor"))
+    config, vllm_layer, restored = moe_contract(
+        lambda meta=False: moe_layer(256, 128, online, meta=meta),
+        functools.partial(_online_fill, deferred=True),
+        H200,
+        "fp8_per_tensor_moe/triton@1",
+        vllm_fill=functools.partial(_online_fill, deferred=False),
+    )
+    assert vllm_layer._already_called_process_weights_after_loading
+    assert (config.moe.backend, config.moe.experts) == ("TRITON", "TritonExperts")
+    assert restored.w13_weight.dtype == torch.float8_e4m3fn
+    assert tuple(restored.w13_weight_scale.shape) == (4,)
 
 
 def _ct_fp8_config(fmt: str):

