@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import os
 
@@ -117,3 +118,11 @@ def test_bench_help_names_the_modes_it_dispatches(capsys):
         cli.main(["bench", "--help"])
     out = capsys.readouterr().out
     assert all(f"wcache bench {m}" in out for m in ("--server", "--soak", "--phases"))
+
+
+def test_every_command_describes_itself():
+    """Each subcommand's --help opens with a description of what it does (bench's is its
+    own parser's, `wcache bench --help`)."""
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    undescribed = [n for n, p in sub.choices.items() if n != "bench" and not p.description]
+    assert [] == undescribed
