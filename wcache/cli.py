@@ -455,7 +455,11 @@ def build_parser() -> argparse.ArgumentParser:
         "parallel sizes are part of the cache key.",
     )
     p.add_argument("--model", required=True, help="checkpoint directory (local safetensors)")
-    p.add_argument("--socket-dir", help="socket directory (default: per-user runtime dir)")
+    p.add_argument(
+        "--socket-dir",
+        help="socket directory (default: $XDG_RUNTIME_DIR/wcache or /tmp/wcache-<uid>; "
+        "engines find it by default, else pass it as model_loader_extra_config socket_dir)",
+    )
     p.add_argument(
         "--tensor-parallel-size",
         "-tp",
