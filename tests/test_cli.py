@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import os
 
@@ -81,3 +82,47 @@ def test_python_dash_m_wcache_is_the_console_script():
         )
     assert run.returncode == 3, run.stderr
     assert "template" in run.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["plans"],
+        ["status"],
+        ["stop"],
+        ["serve"],
+        ["verify"],
+        ["template"],
+        ["run"],
+        ["bench"],
+        ["bench", "--server"],
+        ["bench", "--soak"],
+        ["bench", "--phases"],
+    ],
+    ids=lambda a: " ".join(a) or "wcache",
+)
+def test_every_help_renders(argv, capsys):
+    """`wcache ... --help` prints its usage and exits 0 for every command and bench mode
+    (a bare `%` in a help string made `wcache bench --soak --help` raise TypeError)."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*argv, "--help"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: wcache")
+
+
+def test_bench_help_names_the_modes_it_dispatches(capsys):
+    """`wcache bench --help` names --server, --soak and --phases, which `wcache bench`
+    hands to their own parsers before its own."""
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert all(f"wcache bench {m}" in out for m in ("--server", "--soak", "--phases"))
+
+
+def test_every_command_describes_itself():
+    """Each subcommand's --help opens with a description of what it does (bench's is its
+    own parser's, `wcache bench --help`)."""
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    undescribed = [n for n, p in sub.choices.items() if n != "bench" and not p.description]
+    assert [] == undescribed

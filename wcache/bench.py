@@ -58,6 +58,11 @@ targets (docs/benchmarks.md records what was reached):
   faster than per-tensor IPC for 2000 tensors; restore time roughly flat from
   1B to 30B; CPU vLLM weight-load phase >= 20x faster from the daemon.
 
+other modes (each has its own --help, e.g. `wcache bench --phases --help`):
+  wcache bench --server    time to first completion of vLLM's API server, disk vs daemon
+  wcache bench --soak      attach/release soak against a real daemon: attaches/s, latency, RSS, fds
+  wcache bench --phases    a whole engine start phase by phase (disk vs daemon, fresh node)
+
 examples:
   wcache bench --device cpu --sizes tiny --layers 2 --formats bf16,awq --reps 1
   wcache bench --device cuda --sizes 1b,8b,30b --out results/gpu.json --plot docs/restore_cost.png

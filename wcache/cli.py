@@ -352,7 +352,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser(
-        "plans", help="list every plan with its stages, tags, reads, writes and upstream source"
+        "plans",
+        help="list every plan with its stages, tags, reads, writes and upstream source",
+        description="List every registered plan (method, kernel, devices) with its stages "
+        "in order: tag, reads, writes and the upstream function each follows, then the "
+        "cases wcache refuses with the reason plan_for gives. Imports no vLLM unless "
+        "--host. Examples: `wcache plans --method awq`; `wcache plans --markdown > "
+        "docs/plans.md` (what `make docs` runs); `wcache plans --host`.",
     )
     p.add_argument(
         "--markdown",
@@ -384,7 +390,16 @@ def build_parser() -> argparse.ArgumentParser:
             help="socket directory (default: $XDG_RUNTIME_DIR/wcache or /tmp/wcache-<uid>)",
         )
         if name == "stop":
-            p.add_argument("--device", help="only the daemon of this device id")
+            p.description = (
+                "Ask every daemon in the socket directory (or the one of --device) to shut "
+                "down and wait for its socket to go. Exit 0 when all stopped, 1 when one did "
+                "not, 3 when none ran (`wcache status` lists what runs)."
+            )
+            p.add_argument(
+                "--device",
+                help="only the daemon of this device id (the `device` `wcache status` "
+                "shows, e.g. cpu-rank0-<digest> or a GPU UUID)",
+            )
     p = sub.choices["status"]
     p.description = (
         "Show every daemon in the socket directory. With --wait-ready --model DIR "
@@ -440,7 +455,11 @@ def build_parser() -> argparse.ArgumentParser:
         "parallel sizes are part of the cache key.",
     )
     p.add_argument("--model", required=True, help="checkpoint directory (local safetensors)")
-    p.add_argument("--socket-dir", help="socket directory (default: per-user runtime dir)")
+    p.add_argument(
+        "--socket-dir",
+        help="socket directory (default: $XDG_RUNTIME_DIR/wcache or /tmp/wcache-<uid>; "
+        "engines find it by default, else pass it as model_loader_extra_config socket_dir)",
+    )
     p.add_argument(
         "--tensor-parallel-size",
         "-tp",

@@ -723,7 +723,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-live-snapshot",
         action="store_true",
         help="leave out the snapshot of the served arena that a client process "
-        f"writes and reads back once {LIVE_SNAPSHOT_AT:.0%} of the cycles are done",
+        # %% : argparse %-formats help strings (a bare "50% of" raised TypeError on --help)
+        f"writes and reads back once {LIVE_SNAPSHOT_AT:.0%}% of the cycles are done",
     )
     p.add_argument(
         "--engines",
