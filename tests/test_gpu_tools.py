@@ -98,3 +98,12 @@ def test_env_picks_the_asked_version_and_refuses_one_not_in_the_bundle(tmp_path)
     assert "vLLM 0.34.0 is not in the bundle (it holds: 0.32.0 0.33.0 )" in other.stderr
     missing = _source_env(tmp_path / "nothing")
     assert missing.returncode == 2 and "no vLLM bundle installed" in missing.stderr
+
+
+def test_run_features_refuses_an_unknown_module_before_setup():
+    """run-features.sh names the modules it knows and exits 2 on another one, before it
+    needs the bundle."""
+    out = subprocess.run(
+        ["bash", str(TOOLS / "run-features.sh"), "spec", "eplb"], capture_output=True, text=True
+    )
+    assert out.returncode == 2 and "unknown module eplb (spec, sleep, lora)" in out.stderr
