@@ -398,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--device",
                 help="only the daemon of this device id (the `device` `wcache status` "
-                "shows, e.g. cpu-rank0-<digest> or a GPU UUID)",
+                "shows, e.g. cpu-tp0of1-pp0of1-<digest> or cuda-<GPU UUID>-<digest>)",
             )
     p = sub.choices["status"]
     p.description = (
