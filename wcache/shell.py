@@ -439,8 +439,9 @@ def param_flags(
             attrs, bound = created_attrs(p, modules)
             out[name] = [False, bool(p.requires_grad), [], attrs, bound]
         elif outcome is None:
-            # vLLM's own load may swap a parameter for a like one: the same class and
-            # attribute names as the build's count as kept
+            # vLLM's own load may swap a parameter for a like one (its layerwise loader
+            # materializes an online-quantized layer's meta tensors as new objects):
+            # the same class and attribute names as the build's count as kept
             like = built_like is not None and built_like.get(name) == likeness(p)
             kept = (ref is not None and ref() is p) or like
             out[name] = [kept, bool(p.requires_grad), [], {}]

@@ -127,16 +127,15 @@ def vllm_context(device: str = "cpu", dtype: torch.dtype | None = None):
     """vLLM's current config, the default device and (optionally) default dtype."""
     from vllm.config import set_current_vllm_config
 
-    from wcache.vllm.model import imports_on_device
+    from wcache.vllm.model import meta_build
 
     ensure_vllm()
     old_dtype = torch.get_default_dtype()
-    # a vLLM module first imported while a layer is built on meta keeps its import-time
-    # tensors on the CPU, as in the engine's meta build (imports_on_device)
+    # on meta as the engine's meta build: a vLLM module first imported while a layer is
+    # built keeps its import-time tensors on the CPU
     with (
         set_current_vllm_config(_STATE["cfg"]),
-        torch.device(device),
-        imports_on_device("cpu"),
+        meta_build("cpu") if device == "meta" else torch.device(device),
     ):
         if dtype is not None:
             torch.set_default_dtype(dtype)

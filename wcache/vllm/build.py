@@ -33,7 +33,7 @@ from wcache.store.fingerprint import (
     verify_checkpoint_unchanged,
 )
 from wcache.vllm import compat
-from wcache.vllm.model import imports_on_device, plan_ids, planned_layers
+from wcache.vllm.model import meta_build, plan_ids, planned_layers
 from wcache.vllm.probe import host_target
 
 logger = logging.getLogger("wcache.vllm")
@@ -339,8 +339,7 @@ def expected_key(vllm_config: Any) -> Any:
     try:
         with (
             set_default_torch_dtype(model_config.dtype),
-            torch.device("meta"),
-            imports_on_device(vllm_config.device_config.device),
+            meta_build(vllm_config.device_config.device),
             compat.without_reload_metadata(),
         ):
             model = initialize_model(vllm_config=vllm_config, model_config=model_config)

@@ -102,8 +102,8 @@ from wcache.vllm import compat, startup
 from wcache.vllm.key import build_key, device_id, parallel_layout
 from wcache.vllm.model import (
     ModelMismatch,
-    imports_on_device,
     install_tensors_,
+    meta_build,
     meta_leftovers,
     plan_ids,
     planned_layers,
@@ -886,8 +886,7 @@ class WcacheModelLoader(BaseModelLoader):
                 compat.without_reload_metadata(),
                 compat.gptq_config_copied_shallow(),
                 set_default_torch_dtype(model_config.dtype),
-                torch.device("meta"),
-                imports_on_device(device),
+                meta_build(device),
             ):
                 model = initialize_model(
                     vllm_config=vllm_config, model_config=model_config, prefix=prefix

@@ -379,6 +379,16 @@ def imports_on_device(device: torch.device | str) -> Iterator[None]:
         sys.meta_path.remove(finder)
 
 
+@contextlib.contextmanager
+def meta_build(device: torch.device | str) -> Iterator[None]:
+    """Build a model on the meta device for an engine on ``device``: tensors made inside
+    the block are meta (``torch.device("meta")``), except those of a module first
+    imported inside it, whose body runs on ``device`` (:func:`imports_on_device`), as a
+    disk engine's build under ``torch.device(device)`` gives them."""
+    with torch.device("meta"), imports_on_device(device):
+        yield
+
+
 def meta_leftovers(model: torch.nn.Module) -> list[str]:
     """Every parameter, buffer or tensor attribute still on the meta device, and every
     tensor attribute of an attention layer's backend ``impl`` still on it (an impl keeps
