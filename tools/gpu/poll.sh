@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One poll of a long H200 run started in the background (docs/gpu.md, "Long runs"): wait, print
+# where the run is, and pack its folder into $OUT, so every poll brings the results so far back.
+# The machine can be taken back for other work in the middle of a call; what a poll packed
+# before that is all that survives of /tmp.
+#
+#   bash tools/gpu/poll.sh [SECONDS]     (default 150; keep each call under the 600 s limit)
+#   environment: RUN_DIR (the background run's output folder, default /tmp/gout)
+#
+# Prints the run's pipe.log, the tier's and feature modules' latest pytest lines, the row
+# counts of results.jsonl and arch-sweep-cuda.jsonl and every row that is not `restored`
+# (case, outcome, reason), then GPU memory and load; writes $OUT/run.tgz (model weights left out).
+set -uo pipefail
+sleep "${1:-150}"
+G=${RUN_DIR:-/tmp/gout}
+OUT=${OUT:-/tmp/wcache-gpu-out}
+mkdir -p "$OUT"
+cat "$G/pipe.log" 2>/dev/null
+grep -hE "passed|failed|error" "$G/tier.log" 2>/dev/null | tail -3
+grep -E "^\[run-features\]" "$G/features.log" 2>/dev/null | tail -4
+python3 - "$G" <<'PY'
+import json, sys
+from pathlib import Path
+
+for name in ("results.jsonl", "arch-sweep-cuda.jsonl"):
+    f = Path(sys.argv[1]) / name
+    rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()] if f.exists() else []
+    print(f"{name}: {len(rows)} row(s)")
+    for r in rows:
+        if r.get("outcome") != "restored":
+            print(" ", r.get("case"), r.get("outcome"), str(r.get("reason") or "")[:300])
+PY
+nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null; uptime
+tar czf "$OUT/run.tgz" --exclude='*.safetensors' --exclude='*.gguf' -C "$(dirname "$G")" "$(basename "$G")" 2>/dev/null
+ls -la "$OUT"
