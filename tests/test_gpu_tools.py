@@ -3,7 +3,9 @@ on any machine (the GPU steps themselves run on the H200: docs/gpu.md)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -107,3 +109,27 @@ def test_run_features_refuses_an_unknown_module_before_setup():
         ["bash", str(TOOLS / "run-features.sh"), "spec", "eplb"], capture_output=True, text=True
     )
     assert out.returncode == 2 and "unknown module eplb (spec, sleep, lora)" in out.stderr
+
+
+def test_poll_names_rows_not_restored_and_packs_the_run(tmp_path):
+    """poll.sh lists each results row that is not `restored` with its reason and packs the
+    run's folder (weights left out) into $OUT/run.tgz, so a poll brings the results back."""
+    run = tmp_path / "gout"
+    run.mkdir()
+    rows = [
+        {"case": "moe-a", "outcome": "restored"},
+        {"case": "moe-b", "outcome": "failed", "reason": "verify exit 1"},
+    ]
+    (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "model.safetensors").write_bytes(b"\0" * 64)
+    out = tmp_path / "out"
+    env = {"PATH": "/usr/bin:/bin", "RUN_DIR": str(run), "OUT": str(out)}
+    res = subprocess.run(
+        ["bash", str(TOOLS / "poll.sh"), "0"], capture_output=True, text=True, env=env
+    )
+    assert res.returncode == 0, res.stderr
+    assert "results.jsonl: 2 row(s)" in res.stdout
+    assert "moe-b failed verify exit 1" in res.stdout and "moe-a" not in res.stdout
+    with tarfile.open(out / "run.tgz") as tar:
+        names = tar.getnames()
+    assert "gout/results.jsonl" in names and "gout/model.safetensors" not in names
