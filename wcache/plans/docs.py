@@ -343,7 +343,16 @@ REAL_ENGINE_RESULTS: dict[str, tuple[str, str]] = {
         "nvfp4 eager again (verify now compares parameter flags). "
         "moe-gpt_oss-mxfp4-b-marlin-compiled's four loads gave identical tokens; its verify "
         "could not import wcache, because a later device call replaced the working tree "
-        "while it ran: not a property of the plan, and its rerun is pending",
+        "while it ran: not a property of the plan, and its rerun is pending. At commit "
+        "37e5e54 (2026-12-05T04:33Z-04:38Z, 15 workers; `git_dirty` true: the checkout "
+        "added tools/gpu/poll.sh, docs and a test, no wcache module), under verify's full "
+        "parameter comparison (class, requires_grad, attributes): twelve eager MoE rows, "
+        "every one `restored` with verify exit 0: the AWQ (Qwen3-MoE, Mixtral), GPTQ and CT "
+        "W4A16 (group, channel) MoE on Marlin and the FP8 MoE (serialized, static, CT "
+        "channel and tensor, online), whose parameter records changed at b1a6381, and "
+        "GPT-OSS MXFP4 and NVFP4 MoE on Marlin; the two GPTQ rows vLLM refuses "
+        "(sym=False) again not-runnable. The call's device time ran out before "
+        "moe-gpt_oss-mxfp4-b-marlin-compiled ended: its rerun is still pending",
     ),
 }
 
