@@ -111,6 +111,9 @@ def _cmd_plans(args: argparse.Namespace) -> int:
 #: Exit code of ``wcache status`` when no daemon answers, and of ``--wait-ready``
 #: when a rank is not served (the same "not running" code as plain status).
 NOT_READY_EXIT = 3
+#: Exit code of ``wcache verify`` when the comparison could not run (a daemon missing
+#: or of another key, not enough memory): 1 means a layer differs.
+VERIFY_ERROR_EXIT = 2
 #: ``--wait-ready`` waits this long by default (seconds): a SmolLM2-sized daemon is
 #: ready in under a minute on 2 cores, a 70B one takes minutes; probes pass --timeout 0.
 DEFAULT_WAIT_READY_TIMEOUT_S = 600.0
@@ -286,7 +289,11 @@ def _cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:
         return 2
     from wcache.vllm.verify import main as verify_main  # noqa: PLC0415 (imported at call time: tests patch main)
 
-    return verify_main(args, rest)
+    try:
+        return verify_main(args, rest)
+    except WcacheError as exc:  # it could not compare: not "a layer differs" (exit 1)
+        print(f"wcache verify: error [{exc.code}]: {exc}", file=sys.stderr)
+        return VERIFY_ERROR_EXIT
 
 
 def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
@@ -402,10 +409,14 @@ def build_parser() -> argparse.ArgumentParser:
             )
     p = sub.choices["status"]
     p.description = (
-        "Show every daemon in the socket directory. With --wait-ready --model DIR "
+        "Show every daemon in the socket directory (exit 0; 3 when none answers). "
+        "With --wait-ready --model DIR "
         "[engine args] instead: exit 0 once every rank of the daemon started with "
         "those engine arguments serves, 3 (printing the reason code) when one does "
-        "not within --timeout; for init containers and readiness probes."
+        "not within --timeout; for init containers and readiness probes. A daemon "
+        "whose key differs in a field the engine arguments decide (max_model_len, "
+        "the quantization config, ...) does not count: the engine would refuse it "
+        "(key-mismatch)."
     )
     p.add_argument(
         "--wait-ready",
@@ -617,7 +628,9 @@ def build_parser() -> argparse.ArgumentParser:
         "export, restore under the guard) in one process, compare every module "
         "(tensors, strides, checksums, attributes, parameter classes and flags, "
         "tying) and the logits of a fixed forward; print a per-layer table and exit 1 naming each layer that "
-        "differs. Holds two copies of the weights. Run it once per new host class "
+        "differs, 0 when all are equal, 2 when the comparison could not run (the "
+        "reason code on stderr: daemon-missing, key-mismatch, verify-refused, ...). "
+        "Holds two copies of the weights. Run it once per new host class "
         "and model before turning --load-format wcache on in production. Any "
         "argument wcache does not know is passed to vLLM's EngineArgs; give the "
         "engine's.",

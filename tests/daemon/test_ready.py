@@ -36,9 +36,11 @@ def daemons():
         digest: str = DIGEST,
         dtype: str = "torch.bfloat16",
         tp_size: int = 2,
+        extra: dict | None = None,
     ) -> DaemonServer:
         key = CacheKey(
             {
+                **(extra or {}),
                 "model_arch": ["LlamaForCausalLM"],
                 "dtype": dtype,
                 "quantization": None,
@@ -88,6 +90,24 @@ def test_another_configuration_is_key_mismatch_naming_the_field(sock_dir, daemon
     assert (result.ok, result.code) == (False, "key-mismatch")
     assert "dtype='torch.float16'" in result.message
     assert "model_arch" not in result.message
+
+
+def test_daemon_of_other_engine_arguments_on_the_socket_is_key_mismatch(sock_dir, daemons):
+    """A daemon on the digest's socket whose key differs in a field the engine arguments
+    decide (here max_model_len, outside the socket's digest) is not ready: the engine
+    would be refused with key-mismatch, so the probe says key-mismatch naming the
+    field and both values; with the same value it is ready."""
+    spec = ReadySpec(
+        DIGEST, [(0, 0)], FIELDS, (("model_config.max_model_len", "8192"), ("revision", "null"))
+    )
+    server = daemons(sock_dir, 0, extra={"model_config.max_model_len": 512, "revision": None})
+    result = check_ready(sock_dir, spec)
+    assert (result.ok, result.code, result.serving) == (False, "key-mismatch", ())
+    assert "model_config.max_model_len: engine=8192 daemon=512" in result.message
+    assert "tp_rank=0 pp_rank=0" in result.message and "revision" not in result.message
+    server.stop()
+    daemons(sock_dir, 0, extra={"model_config.max_model_len": 8192, "revision": None})
+    assert check_ready(sock_dir, spec).ok
 
 
 def test_stopped_daemon_is_not_ready(sock_dir, daemons):
@@ -214,6 +234,10 @@ def test_engine_spec_ranks_of_one_node():
         "pp_size": 2,
     }
     assert len(spec.digest) == 12
+    config = dict(spec.config)
+    # the fields the engine arguments decide, as the key holds them (canonical JSON)
+    assert config["model_config.max_model_len"] == "8192"
+    assert config["quant_config"] == "null" and "checkpoint" not in config
 
 
 def test_invalidated_rank_is_not_ready(sock_dir, daemons):

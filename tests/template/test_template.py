@@ -22,10 +22,12 @@ import pytest
 import wcache
 from wcache.template.client import (
     REFUSED_EXIT,
+    format_status,
     start_template,
     stop_template,
     template_status,
 )
+from wcache.template.errors import TemplateStartFailed
 
 HERE = Path(__file__).resolve().parent
 #: One trivial run (client start + fork + a torch-free script) takes well under a
@@ -136,6 +138,15 @@ def test_script_same_as_direct(template, work, env):
         "raise ValueError('the message')",
         "raise SystemExit('to stderr, exit 1')",
         "import sys; print(sys.argv, repr(sys.path[0]), __name__)",
+        # after an uncaught KeyboardInterrupt CPython exits by SIGINT unless exit-time
+        # code evaluates text (the template's _UnhandledInterrupt); with torch._dynamo
+        # loaded (an engine, and every template child) its atexit compile-times dump
+        # imports tabulate, whose namedtuple does: exit 1 ...
+        "import torch._dynamo; raise KeyboardInterrupt",
+        # ... by SIGINT when tabulate was imported before ...
+        "import tabulate, torch._dynamo; raise KeyboardInterrupt",
+        # ... and 1 again when another atexit handler evaluates text
+        "import atexit, tabulate, torch._dynamo; atexit.register(lambda: exec('pass')); "
         "raise KeyboardInterrupt",
         "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
         "import logging; logging.warning('careful')",
@@ -145,7 +156,9 @@ def test_script_same_as_direct(template, work, env):
         "uncaught",
         "systemexit-str",
         "argv",
-        "keyboardinterrupt",
+        "keyboardinterrupt-exit-1",
+        "keyboardinterrupt-sigint",
+        "keyboardinterrupt-atexit-text",
         "sigkill",
         "root-logger",
     ],
@@ -155,6 +168,42 @@ def test_exit_codes_same_as_direct(template, work, env, code):
     and stderr (tracebacks included) equal a direct start's."""
     cmd = [sys.executable, "-c", code, "an-arg"]
     _same(_run(cmd, work, env), _run(cmd, work, env, template))
+
+
+def _main_dir(work: Path, with_main: bool) -> str:
+    d = work / ("pkg" if with_main else "nomain")
+    d.mkdir(exist_ok=True)
+    if with_main:
+        (d / "__main__.py").write_text("import sys; print('main of', sys.path[0]); sys.exit(4)\n")
+    return str(d)
+
+
+def _main_zip(work: Path) -> str:
+    import zipfile
+
+    z = work / "app.zip"
+    with zipfile.ZipFile(z, "w") as f:
+        f.writestr("__main__.py", "import sys; print('zip main', sys.argv[1:]); sys.exit(5)\n")
+    return str(z)
+
+
+@pytest.mark.parametrize("target", ["missing", "missing-abs", "dir-main", "dir-no-main", "zip"])
+def test_script_paths_same_as_direct(template, work, env, target):
+    """`python PATH` for a missing file (one line naming the absolute path, exit 2), a
+    directory with and without __main__.py and a zip: output and exit code of a direct
+    start (CPython's Modules/main.c, not runpy.run_path's traceback)."""
+    path = {
+        "missing": "nosuchfile.py",
+        "missing-abs": str(work / "sub" / "nosuchfile.py"),
+        "dir-main": lambda: _main_dir(work, True),
+        "dir-no-main": lambda: _main_dir(work, False),
+        "zip": lambda: _main_zip(work),
+    }[target]
+    path = path() if callable(path) else path
+    cmd = [sys.executable, path, "an-arg"]
+    direct = _run(cmd, work, env)
+    assert direct.returncode in (1, 2, 4, 5)
+    _same(direct, _run(cmd, work, env, template))
 
 
 def test_module_entry_same_as_direct(template, work, env):
@@ -213,7 +262,9 @@ def _start_waiter(template, work, env, mode):
     "sig, mode, expected",
     [
         (signal.SIGTERM, "handle", 42),
-        (signal.SIGINT, "default", -signal.SIGINT),
+        # an uncaught KeyboardInterrupt in a child: exit 1, as a direct start with
+        # torch._dynamo loaded (test_exit_codes_same_as_direct[keyboardinterrupt-exit-1])
+        (signal.SIGINT, "default", 1),
         (signal.SIGTERM, "default", -signal.SIGTERM),
     ],
     ids=["term-handled", "int", "term"],
@@ -330,9 +381,27 @@ def test_changed_install_refused(template, work, env):
         refused = _run(cmd, work, env, template)
         assert refused.returncode == REFUSED_EXIT
         assert "packages.wcache" in refused.stderr
+        # `wcache template status` says so too, with the fix
+        shown = format_status(template_status(template))
+        assert "STALE [template-stale]: packages.wcache," in shown
+        assert "wcache template stop; wcache template start" in shown
     finally:
         os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert _run(cmd, work, env, template).returncode == 0
+    assert "STALE" not in format_status(template_status(template))
+
+
+def test_second_template_refused_naming_the_template(template):
+    """A second `wcache template start` on a socket dir whose template runs fails at
+    once, naming the running template and `wcache template stop` (not a daemon and
+    `wcache stop`); the first keeps serving."""
+    first = template_status(template)["pid"]
+    with pytest.raises(TemplateStartFailed) as info:
+        start_template(template, preload=["json"], platform_preload=False, timeout_s=RUN_TIMEOUT_S)
+    msg = str(info.value)
+    assert f"a template (pid {first}) already serves" in msg
+    assert "`wcache template stop` before starting another;" in msg and ".;" not in msg
+    assert template_status(template)["pid"] == first
 
 
 def test_not_python_runs_directly(template, work, env):

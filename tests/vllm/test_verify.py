@@ -171,14 +171,19 @@ def test_socket_dir_mode_checks_a_running_daemon(host_kernels):
     assert [] == [(r.layer, r.difference) for r in report.failures]
     assert f"daemon {sockets}" == report.mode
     assert "daemon-missing" == err.value.code
+    # verify's own wording, not the engine's ("fallback=false, so no disk load")
+    assert str(err.value).startswith(f"the restored side could not be built from {sockets}")
+    assert "fallback" not in str(err.value)
 
 
-def test_too_little_memory_is_refused_before_loading(monkeypatch, host_kernels):
+def test_too_little_memory_is_refused_before_loading(monkeypatch, capsys, host_kernels):
     """A host without memory for two copies is refused (insufficient-memory) with the
-    memory note, before any weight is read."""
+    memory note, before any weight is read; `wcache verify` then exits 2 (could not
+    compare), not 1 (a layer differs)."""
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     import wcache.vllm.verify as verify_mod
+    from wcache.cli import main
 
     path = _fixture("bf16", host_kernels)
     monkeypatch.setattr(verify_mod, "available_bytes", lambda device: 2**20)
@@ -194,6 +199,9 @@ def test_too_little_memory_is_refused_before_loading(monkeypatch, host_kernels):
     ) as err:
         verify_mod.verify(path, ENGINE_ARGS, progress=False, out=sys.stderr)
     assert "insufficient-memory" == err.value.code
+    capsys.readouterr()
+    assert 2 == main(["verify", "--model", path, *ENGINE_ARGS, "--no-progress"])
+    assert "wcache verify: error [insufficient-memory]: " in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

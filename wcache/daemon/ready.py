@@ -7,7 +7,13 @@ giving the job digest that every rank's socket name ends with
 (:func:`wcache.vllm.key.device_id`); each such socket is asked for its status and
 its ``parallel`` key field says which (tp_rank, pp_rank) it serves. Sockets are
 matched by digest, not by full device id, so the probe needs no GPU of its own
-(a CUDA device id also names the GPU's UUID).
+(a CUDA device id also names the GPU's UUID). A daemon on the right socket whose key
+differs in a field the engine arguments decide (``max_model_len``, vLLM's other
+weight-shaping ModelConfig factors, the quantization config, the revision:
+:func:`wcache.vllm.key.config_key_fields`) does not count: the engine would refuse
+it (``key-mismatch``), so the probe does too, naming the field. What only the
+engine knows (the checkpoint's content digests, the plans, the versions) is checked
+by the engine's own key comparison.
 
 :func:`engine_ready_spec` asks vLLM (through :mod:`wcache.vllm.build` and
 :mod:`wcache.vllm.key`); :func:`check_ready` and :func:`wait_ready` only talk to
@@ -16,6 +22,7 @@ sockets.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -47,11 +54,16 @@ class ReadySpec:
         ranks: (tp_rank, pp_rank) of each rank this node's daemon hosts, sorted.
         fields: (name, value) pairs of the key fields the digest covers
             (``_COMPARED``), to name what differs when another configuration runs.
+        config: (name, canonical JSON text) pairs of the key fields the engine
+            arguments decide (:func:`wcache.vllm.key.config_key_fields`); a daemon
+            on the digest's socket whose key differs in one does not serve these
+            engine arguments. Empty: not compared.
     """
 
     digest: str
     ranks: tuple[tuple[int, int], ...] = attrs.field(converter=lambda r: tuple(sorted(r)))
     fields: tuple[tuple[str, Any], ...] = ()
+    config: tuple[tuple[str, str], ...] = ()
 
 
 @attrs.frozen
@@ -89,7 +101,7 @@ def engine_ready_spec(
         ValueError: the ranks do not split over ``nnodes`` (as ``wcache serve``).
     """
     from wcache.vllm.build import engine_model_config  # noqa: PLC0415 (torch import ~2 s: only when called)
-    from wcache.vllm.key import job_digest  # noqa: PLC0415 (torch import ~2 s: only when called)
+    from wcache.vllm.key import config_key_fields, job_digest  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     model_config = engine_model_config(
@@ -107,7 +119,31 @@ def engine_ready_spec(
         ("tp_size", tp),
         ("pp_size", pp),
     )
-    return ReadySpec(job_digest(model_config, layout, job), ranks, fields)
+    config = tuple(sorted((k, _canonical(v)) for k, v in config_key_fields(model_config).items()))
+    return ReadySpec(job_digest(model_config, layout, job), ranks, fields, config)
+
+
+#: Characters of a value shown in a key-mismatch message (the rest cut with "...").
+VALUE_CHARS = 80
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= VALUE_CHARS else text[:VALUE_CHARS] + "..."
+
+
+def config_differences(spec: ReadySpec, key_fields: dict[str, Any]) -> list[str]:
+    """``field: engine=<value> daemon=<value>`` for each of ``spec.config`` that a
+    daemon's key (its ``status`` reply's ``key_fields``) holds with another value."""
+    out = []
+    for name, want in spec.config:
+        have = _canonical(key_fields.get(name))
+        if have != want:
+            out.append(f"{name}: engine={_short(want)} daemon={_short(have)}")
+    return out
 
 
 def _other_fields(key_fields: dict) -> dict[str, Any]:
@@ -155,6 +191,7 @@ def survey(
     serving: set[tuple[int, int]] = set()
     statuses: dict[tuple[int, int], dict[str, Any]] = {}
     others: dict[str, dict[str, Any]] = {}
+    mismatched: dict[tuple[int, int], list[str]] = {}
     suffix = f"-{spec.digest}{paths.SOCKET_SUFFIX}"
     for sock in paths.list_sockets(d):
         try:
@@ -169,11 +206,14 @@ def survey(
                 continue  # a key without its rank names no rank it serves
             rank = (tp_rank, pp_rank)
             statuses[rank] = st
-            if not st.get("invalidated"):
+            diffs = config_differences(spec, fields)
+            if diffs:
+                mismatched[rank] = diffs
+            elif not st.get("invalidated"):
                 serving.add(rank)
         else:
             others[os.path.basename(sock)] = _other_fields(fields)
-    return _readiness(d, spec, serving, statuses, others), statuses
+    return _readiness(d, spec, serving, statuses, others, mismatched), statuses
 
 
 def _readiness(
@@ -182,6 +222,7 @@ def _readiness(
     serving: set[tuple[int, int]],
     statuses: dict[tuple[int, int], dict[str, Any]],
     others: dict[str, dict[str, Any]],
+    mismatched: dict[tuple[int, int], list[str]] | None = None,
 ) -> Readiness:
     invalidated = [
         (r, statuses[r]["invalidated"])
@@ -196,6 +237,18 @@ def _readiness(
             f"the arena of {rank_name(rank)} was invalidated by pid {inv.get('pid')} "
             f"[{inv.get('code')}]: {inv.get('message')}; that daemon exits and a "
             f"fresh one rebuilds it",
+            tuple(sorted(serving)),
+        )
+    wrong = [(r, (mismatched or {})[r]) for r in spec.ranks if (mismatched or {}).get(r)]
+    if wrong:
+        rank, diffs = wrong[0]
+        return Readiness(
+            False,
+            "key-mismatch",
+            f"the daemon of {rank_name(rank)} in {d} serves other engine arguments "
+            f"(an engine with these would be refused): {'; '.join(diffs)}. Restart "
+            f"`wcache serve` with the engine's arguments, or give the probe the "
+            f"arguments the engine runs with.",
             tuple(sorted(serving)),
         )
     missing = [r for r in spec.ranks if r not in serving]

@@ -393,11 +393,17 @@ def socket_accepts(path: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
         s.close()
 
 
-def acquire_device_lock(sock: str) -> int:
+def acquire_device_lock(
+    sock: str, *, holder: str = "a daemon", stop_with: str = "wcache stop"
+) -> int:
     """Take the exclusive, non-blocking flock on ``<sock>.lock``; return its fd.
 
     The kernel drops the lock when the holder dies, so a dead daemon never
     blocks a new one. The caller keeps the fd open for its lifetime.
+
+    Args:
+        holder: what holds such a lock (``"a daemon"``, ``"a template"``), and
+        stop_with: the command that stops it, both for the DaemonBusy message.
 
     Raises:
         DaemonBusy: another process holds the lock (names its pid when known).
@@ -421,8 +427,8 @@ def acquire_device_lock(sock: str) -> int:
             rec = read_pid_file(pid_path(sock))
             who = f"pid {rec['pid']}" if rec else "another process"
             raise DaemonBusy(
-                f"a daemon ({who}) already serves {sock}; stop it with "
-                "`wcache stop` before starting another."
+                f"{holder} ({who}) already serves {sock}; stop it with "
+                f"`{stop_with}` before starting another"
             ) from None
     except BaseException:
         os.close(fd)

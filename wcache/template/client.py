@@ -238,7 +238,9 @@ def _relay(s: socket.socket, child: int) -> int:
             frame, _ = recv_frame(s)
         except (ConnectionClosed, ProtocolError, OSError) as e:
             print(
-                f"wcache run: the template stopped before reporting child {child}'s end ({e})",
+                f"wcache run: the template stopped before reporting child {child}'s end "
+                f"({e}); the child may still run, unsupervised (it is in its own session: "
+                f"`kill -- -{child}` stops it and what it started)",
                 file=sys.stderr,
             )
             return LOST_EXIT
@@ -362,7 +364,7 @@ def start_template(
             if proc.returncode is not None
             else f"did not listen within {timeout_s:.0f} s"
         )
-        + (f": {reason}" if reason else "")
+        + (f": {reason.rstrip('.')}" if reason else "")
         + f"; its log {log_path} ends:\n"
         + "\n".join(tail)
     )
@@ -401,6 +403,17 @@ def format_status(st: dict[str, Any]) -> str:
     if st.get("skipped"):
         lines.append(
             "  preloads skipped: " + "; ".join(f"{k} ({v})" for k, v in st["skipped"].items())
+        )
+    stale = [f"packages.{n}" for n in st.get("changed_packages") or []]
+    own = pk.get("wcache") or {}
+    mine = versions.own_wcache_stamp()
+    if own and (own.get("path"), own.get("stamp")) != (mine["path"], mine["stamp"]):
+        stale.append("packages.wcache(this client)")
+    if stale:
+        lines.append(
+            f"  STALE [template-stale]: {', '.join(stale)} changed since the template "
+            f"imported them; every `wcache run` from here runs directly. Restart it: "
+            f"`wcache template stop; wcache template start`"
         )
     for c in st.get("children", []):
         lines.append(f"  child {c['pid']} running {c['running_s']} s: {' '.join(c['argv'])}")

@@ -14,7 +14,11 @@ DESCRIPTION = (
     "python -c CODE | a console script such as vllm) in a child forked from the "
     "running template, with this process's argv, environment, cwd and stdio; "
     "signals are forwarded and the exit code (or the signal) is the command's. "
-    "Without a usable template it says why on stderr and runs CMD directly."
+    "Without a usable template it says why on stderr and runs CMD directly. "
+    "Exit status: the command's own (a command ended by signal N ends this process "
+    "by N, as a shell shows 128+N); 3 with --no-fallback when the template cannot "
+    "run it (the reason code on stderr); 70 when the template died before reporting "
+    "the child's end (the child may still run: its pid is named)."
 )
 
 

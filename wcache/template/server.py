@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import gc
 import importlib
 import io
 import json
 import logging
 import os
+import pkgutil
 import random
 import runpy
 import selectors
@@ -126,7 +128,11 @@ COMMON_PRELOAD = (
         "torch.export._trace",
         "torch.distributed.tensor.experimental._func_map",
         "sympy.physics.units",
-        "tabulate",
+        # not "tabulate" (the compile path's; a few ms): torch._dynamo's atexit
+        # compile-times dump imports it, and that import's namedtuple evaluates text,
+        # which decides a Ctrl-C'd process's exit status (_UnhandledInterrupt): a
+        # pre-imported tabulate would give the child SIGINT where an eager engine
+        # started directly exits 1
         "vllm.compilation.backends",
         "vllm.compilation.caching",
         "vllm.compilation.decorators",
@@ -197,6 +203,8 @@ FORWARDED_SIGNALS = (
 )
 #: Exit status of a child whose Python entry raised (CPython's own).
 UNCAUGHT_EXIT = 1
+#: Exit status of ``python FILE`` when FILE cannot be opened (CPython's own).
+SCRIPT_UNREADABLE_EXIT = 2
 #: vLLM's start-method switch; set to ``fork`` in a child unless the command sets it.
 MP_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 
@@ -276,7 +284,9 @@ class Template:
     def lock(self) -> None:
         """Take the socket's exclusive lock before the (long) imports, so a second
         template fails at once (DaemonBusy) instead of after them."""
-        self._lock_fd = paths.acquire_device_lock(self.socket_path)
+        self._lock_fd = paths.acquire_device_lock(
+            self.socket_path, holder="a template", stop_with="wcache template stop"
+        )
 
     def _import(self, name: str) -> None:
         t0 = time.monotonic()
@@ -467,10 +477,7 @@ class Template:
             f"env.{f}"
             for f in versions.differences(self.fingerprint["env"], versions.import_time_env(env))
         ]
-        for name, rec in self.fingerprint["packages"].items():  # changed on disk since import?
-            now = versions.package_stamp(rec["path"], name)
-            if now["stamp"] != rec["stamp"]:
-                fields.append(f"packages.{name}")
+        fields += [f"packages.{name}" for name in self.changed_packages()]
         client_wcache = req.get("wcache")
         own = self.fingerprint["packages"].get("wcache", {})
         if isinstance(client_wcache, dict) and (
@@ -489,6 +496,15 @@ class Template:
         if self.stopping:
             return TemplateStale("the template is stopping", ("stopping",))
         return self.fork_problem()
+
+    def changed_packages(self) -> list[str]:
+        """The keyed packages whose install changed on disk since the template
+        imported them (every ``wcache run`` is then refused ``template-stale``)."""
+        return [
+            name
+            for name, rec in self.fingerprint.get("packages", {}).items()
+            if versions.package_stamp(rec["path"], name)["stamp"] != rec["stamp"]
+        ]
 
     def fork_problem(self) -> TemplateUnsafe | None:
         """Why forking now is unsafe (CUDA initialised, more threads), or None."""
@@ -658,6 +674,7 @@ class Template:
             "cuda_initialized": _cuda_initialized(),
             "rss_kib": _rss_kib(),
             "stopping": self.stopping,
+            "changed_packages": self.changed_packages(),
             "children": [
                 {"pid": c["pid"], "argv": c["argv"], "running_s": round(now - c["started"], 1)}
                 for c in self.children.values()
@@ -731,13 +748,25 @@ def _run_entry(entry: dict[str, Any]) -> None:
     kind, target, args = entry["kind"], entry["target"], list(entry.get("args", []))
     if kind == "script":
         sys.argv = [entry.get("argv0", target), *args]
-        sys.path.insert(0, os.path.dirname(os.path.realpath(target)))
-        path = os.path.abspath(target)
-        if not os.path.isfile(path):  # a directory or zip with __main__.py
-            runpy.run_path(target, run_name="__main__")
+        path = os.path.abspath(target)  # CPython makes the script's path absolute (3.9+)
+        if pkgutil.get_importer(path) is not None:
+            # a directory or zip: CPython puts it first on sys.path and runs its
+            # __main__ module (Modules/main.c pymain_get_importer, pymain_run_module),
+            # so a missing __main__.py is runpy's one-line error, exit 1
+            sys.path.insert(0, path)
+            runpy._run_module_as_main("__main__", alter_argv=False)  # type: ignore[attr-defined]
             return
-        with tokenize.open(path) as f:  # the file's declared encoding, as CPython reads it
-            source = f.read()
+        sys.path.insert(0, os.path.dirname(os.path.realpath(target)))
+        try:
+            with tokenize.open(path) as f:  # the file's declared encoding, as CPython reads it
+                source = f.read()
+        except OSError as exc:  # Modules/main.c pymain_run_file: one line, exit 2
+            program = sys.orig_argv[0] if sys.orig_argv else sys.executable
+            print(
+                f"{program}: can't open file {path!r}: [Errno {exc.errno}] {exc.strerror}",
+                file=sys.stderr,
+            )
+            raise SystemExit(SCRIPT_UNREADABLE_EXIT) from None
         main.__dict__.update(
             __file__=path,
             __cached__=None,
@@ -809,11 +838,65 @@ def _child_main(
     except BaseException as exc:  # noqa: BLE001 (as CPython: print the traceback, exit 1)
         _print_uncaught(exc)
         code = UNCAUGHT_EXIT
-    code = _finalize(code)
-    if interrupted:  # CPython >= 3.8 exits by SIGINT after an uncaught KeyboardInterrupt
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
+    if interrupted:
+        flag = _UnhandledInterrupt()
+        with flag.tracking():
+            code = _finalize(code)
+        if flag.set:  # CPython >= 3.8 exits by SIGINT after an uncaught KeyboardInterrupt
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+    else:
+        code = _finalize(code)
     os._exit(code)
+
+
+class _UnhandledInterrupt:
+    """CPython's "unhandled KeyboardInterrupt" flag through the exit sequence, which
+    decides between exiting by SIGINT and exiting 1 after an uncaught Ctrl-C.
+
+    CPython sets the flag when the main program ends by KeyboardInterrupt, and every
+    evaluation of *source text* resets it (Python/pythonrun.c ``run_eval_code_obj``:
+    ``exec``/``eval`` of a ``str`` or ``bytes``, not of a code object) and sets it again
+    if that code raises KeyboardInterrupt; after Py_FinalizeEx, Py_RunMain exits by
+    SIGINT only if it is still set. So a direct start whose exit-time code evaluates
+    text (an atexit handler's ``collections.namedtuple``, e.g. torch._dynamo's
+    compile-times dump importing ``tabulate``) exits 1, not by SIGINT. The child runs
+    the same exit sequence (:func:`_finalize`) with ``exec`` and ``eval`` wrapped to
+    follow the flag the same way. Text evaluated from C (``PyRun_String``) is not
+    seen.
+    """
+
+    def __init__(self) -> None:
+        self.set = True
+
+    def _wrap(self, fn: Any) -> Any:
+        def evaluate(source: Any, globals: Any = None, locals: Any = None, /, **kw: Any) -> Any:
+            if globals is None:  # the caller's namespaces, as the builtin takes them
+                caller = sys._getframe(1)
+                globals = caller.f_globals
+                if locals is None:
+                    locals = caller.f_locals
+            if not isinstance(source, (str, bytes)):  # a code object: flag untouched
+                return fn(source, globals, locals, **kw)
+            self.set = False
+            try:
+                return fn(source, globals, locals, **kw)
+            except KeyboardInterrupt:
+                self.set = True
+                raise
+
+        return evaluate
+
+    @contextlib.contextmanager
+    def tracking(self) -> Any:
+        import builtins  # noqa: PLC0415 (only an interrupted child patches it)
+
+        saved = builtins.exec, builtins.eval
+        builtins.exec, builtins.eval = self._wrap(saved[0]), self._wrap(saved[1])
+        try:
+            yield self
+        finally:
+            builtins.exec, builtins.eval = saved
 
 
 def _finalize(code: int) -> int:

@@ -118,6 +118,19 @@ def model_config_factors(model_config: Any, *, draft: bool = False) -> dict[str,
     return out
 
 
+def config_key_fields(model_config: Any, *, draft: bool = False) -> dict[str, Any]:
+    """The key fields the engine arguments alone decide (no weight read, no model
+    built): vLLM's weight-shaping ModelConfig factors (:func:`model_config_factors`,
+    ``max_model_len`` among them), ``quant_config`` (the checkpoint's quantization
+    config as JSON text, or None) and ``revision``. :func:`build_key` holds them;
+    ``wcache status --wait-ready`` compares them with a serving daemon's key."""
+    return {
+        **model_config_factors(model_config, draft=draft),
+        "quant_config": _quant_config_json(model_config),
+        "revision": model_config.revision,
+    }
+
+
 def job_digest(model_config: Any, layout: dict[str, int], job: str = "") -> str:
     """What separates two jobs on one host: architecture, dtype, quantization and
     parallel sizes (not the path, so a changed copy of a checkpoint reaches the
@@ -174,15 +187,13 @@ def build_key(
             its checkpoint has (:func:`model_config_factors`).
     """
     fields = {
-        **model_config_factors(model_config, draft=draft),
+        **config_key_fields(model_config, draft=draft),
         "checkpoint": checkpoint
         if checkpoint is not None
         else checkpoint_digest(model_config.model),
         "model_arch": list(getattr(model_config.hf_config, "architectures", None) or []),
         "dtype": str(model_config.dtype),
         "quantization": model_config.quantization,
-        "quant_config": _quant_config_json(model_config),
-        "revision": model_config.revision,
         "parallel": dict(layout),
         "plans": list(plans),
         "target": target.to_json(),

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from wcache.core import tensor_checksum
-from wcache.errors import VerifyRefused  # re-exported: its old home
+from wcache.errors import RestoreFailed, VerifyRefused  # VerifyRefused re-exported: its old home
 from wcache.shell import snapshot
 from wcache.vllm import compat
 from wcache.vllm.build import build_server, engine_config, init_distributed, prepare_platform
@@ -934,7 +934,16 @@ def _wcache_side(
         )
         t0 = time.perf_counter()
         with _forgetting_registrations(vllm_config):
-            restored_model = WcacheModelLoader(load_config).load_model(vllm_config, model_config)
+            try:
+                restored_model = WcacheModelLoader(load_config).load_model(
+                    vllm_config, model_config
+                )
+            except RestoreFailed as exc:  # the engine's wording names its fallback: say ours
+                raise RestoreFailed(
+                    f"the restored side could not be built from {serving} [{exc.code}]: "
+                    f"{exc.__cause__ or exc}",
+                    code=exc.code,
+                ) from exc.__cause__
             seconds["restore (wcache)"] = time.perf_counter() - t0
             if bar is not None:
                 bar.update(1)
