@@ -133,3 +133,61 @@ def test_poll_names_rows_not_restored_and_packs_the_run(tmp_path):
     with tarfile.open(out / "run.tgz") as tar:
         names = tar.getnames()
     assert "gout/results.jsonl" in names and "gout/model.safetensors" not in names
+
+
+def test_pipeline_runs_its_stages_in_order_from_a_private_copy(tmp_path):
+    """pipeline.sh copies the checkout, returns at once and runs the stages in the
+    background in the order given (a side stage beside the next tier stage, the pairs
+    alone after it), logging each stage's start and exit to pipe.log. python3,
+    nvidia-smi and pkill are stubs here: the stages' commands are checked, not run."""
+    import os
+    import time
+
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    calls = tmp_path / "calls.log"
+    for name in ("python3", "nvidia-smi", "pkill"):
+        (stub / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\nexit 0\n')
+        (stub / name).chmod(0o755)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / ".wcache-gpu-ready").write_text("0.33.0\n")
+    wc, run = tmp_path / "wc", tmp_path / "gout"
+    env = {
+        "PATH": f"{stub}:/usr/bin:/bin",
+        "WCACHE_GPU_SITE": str(site),
+        "WCACHE_PIPELINE_DIR": str(wc),
+        "RUN_DIR": str(run),
+        "HOME": str(tmp_path),
+    }
+    res = subprocess.run(
+        ["bash", str(TOOLS / "pipeline.sh"), "features,moe-compiled,pairs=2,bogus"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "started in the background" in res.stdout
+    log = run / "pipe.log"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "done" not in (log.read_text() if log.exists() else ""):
+        time.sleep(0.2)
+    lines = [line.split("] ", 1)[1] for line in log.read_text().splitlines()]
+    assert (wc / "tools" / "gpu" / "pipeline.sh").is_file() and not (wc / ".vx").exists()
+    # the stubbed tier can end before the features script: then it is stopped, as designed
+    steps = [
+        s
+        for s in lines
+        if not s.startswith(("fixtures", "8b checkpoint", "features still running"))
+    ]
+    assert steps[0] == "stages: features,moe-compiled,pairs=2,bogus (vLLM 0.33.0)"
+    assert steps[1].startswith("features: started (session ")
+    assert steps[2:5] == ["moe-compiled: start", "moe-compiled: exit 0", "pairs: start (2 pairs)"]
+    assert steps[-3:] == ["pairs: exit 0", "unknown stage bogus: skipped", "done"]
+    assert "8b checkpoint exit 0" in lines  # written beside the first stage
+    text = calls.read_text()
+    assert "-n 10 --dist load -k moe and compiled" in text
+    assert "--rows disk-compiled-cold,fresh-node" in text and "--pairs 2" in text
+    assert "--startup-plan" in text
+    assert os.path.isfile(run / "features-run.log")

@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# A long H200 session in the background (docs/gpu.md, "Long runs"): stages run in the order given,
+# from a private copy of the checkout ($WCACHE_PIPELINE_DIR, default /tmp/wc), so the tree the
+# device tool re-sends on every later call never changes code under a running stage; output in
+# $RUN_DIR (default /tmp/gout), which
+# `bash tools/gpu/poll.sh SECONDS` (one call each, back to back) reports and packs into $OUT.
+#
+#   bash tools/gpu/pipeline.sh STAGE[,STAGE...]    (after tools/gpu/device.sh setup; returns at once)
+#
+# Stages (WCACHE_GPU_VLLM=0.33.0 unless set):
+#   moe-compiled    the compiled MoE tier rows (run-tier.sh -k "moe and compiled", 10 workers;
+#                   ~6 min for the ten rows on one H200, 2026-12-05)
+#   dense           the dense tier rows (not moe, no feature module; 12 workers)
+#   features        run-features.sh sleep spec lora, started beside the next tier stage and
+#                   stopped when that stage ends (sleep ~2.5 min, then spec, then LoRA)
+#   arch=A,B,...    (use ':' between names: arch=deepseek_v2:llava) the architecture sweep of those
+#                   architectures, bf16 and online-fp8, 4 workers, beside the next tier stage
+#   arch-all        the whole architecture sweep (--resume over arch-sweep-cuda.jsonl), 16 workers
+#   pairs=N         the fresh-node pairs of issue 48 (bench-phases.sh disk-compiled-cold,fresh-node,
+#                   PAIRS=N, startup plan on), alone on the GPU: the 8B checkpoint (~30 s when
+#                   written beside a tier stage), the primed snapshot (~170 s), ~3 min a pair
+# Side stages (features, arch=) start with the next tier stage; the 8B checkpoint of a later
+# pairs stage is written beside the first stage. Each stage's start and exit go to pipe.log.
+# Example (2026-12-05's plan): bash tools/gpu/pipeline.sh features,arch=deepseek_v2:deepseek_v3:llava:gemma3,moe-compiled,pairs=4
+set -uo pipefail
+STAGES=${1:?stages, e.g. moe-compiled,pairs=3}
+WC=${WCACHE_PIPELINE_DIR:-/tmp/wc}
+G=${RUN_DIR:-/tmp/gout}
+HERE=$(cd "$(dirname "$0")/../.." && pwd)
+if [ "$HERE" != "$WC" ]; then  # copy the checkout (bytecode and mtimes kept), run from there
+  rm -rf "$WC" "$G" && mkdir -p "$WC" "$G"
+  tar -C "$HERE" --exclude=./.vx --exclude=./.venv -cf - . | tar -C "$WC" -xf -
+  setsid nohup bash "$WC/tools/gpu/pipeline.sh" "$STAGES" > "$G/pipe-run.log" 2>&1 < /dev/null &
+  echo "[pipeline] started in the background from $WC (pid $!): $STAGES; poll with tools/gpu/poll.sh"
+  exit 0
+fi
+cd "$WC"
+export WCACHE_GPU_VLLM=${WCACHE_GPU_VLLM:-0.33.0}
+source tools/gpu/env.sh || exit 2
+export OUT=$G
+mkdir -p "$OUT"
+L=$OUT/pipe.log
+log() { echo "[pipe $(date -u +%T)] $*" >> "$L"; }
+log "stages: $STAGES (vLLM $WCACHE_GPU_VLLM)"
+log "fixtures bf16,fp8,awq"
+WCACHE_FIXTURES_DEVICE=cuda python3 -m wcache.testing.fixtures --formats bf16,fp8,awq >> "$OUT/fixtures.log" 2>&1
+log "fixtures exit $?"
+SIDE=()       # pids of side stages waiting for a tier stage to end
+FEATURES=""   # the features stage's session id (stopped when its tier stage ends)
+if [[ ",$STAGES," == *",pairs="* ]]; then
+  ( python3 -c "from pathlib import Path; from wcache.benchmarks.bench_phases import model_setup; model_setup('8b', 'cuda', Path('${WCACHE_BENCH_DIR:-/tmp/wcache-phases}'))" > "$OUT/ckpt8b.log" 2>&1
+    log "8b checkpoint exit $?" ) &
+  SIDE+=($!)
+fi
+end_side() {  # after a tier stage: wait for the side stages, stop the features
+  for p in "${SIDE[@]}"; do wait "$p"; done
+  SIDE=()
+  if [ -n "$FEATURES" ] && kill -0 "$FEATURES" 2>/dev/null; then
+    log "features still running: stopped"; kill -- -"$FEATURES" 2>/dev/null; sleep 5
+    kill -9 -- -"$FEATURES" 2>/dev/null
+  fi
+  FEATURES=""
+  pkill -f "wcache serve" 2>/dev/null; sleep 2
+}
+tier() {  # name, run-tier.sh arguments...
+  local name=$1; shift
+  log "$name: start"
+  FIXTURE_FORMATS=bf16 TIER_TIMEOUT=${TIER_TIMEOUT:-900} bash tools/gpu/run-tier.sh --no-preflight "$@" > "$OUT/tier-$name.log" 2>&1
+  log "$name: exit $?"
+  end_side
+}
+IFS=, read -r -a LIST <<< "$STAGES"
+for st in "${LIST[@]}"; do
+  case "$st" in
+    features)
+      setsid bash tools/gpu/run-features.sh sleep spec lora > "$OUT/features-run.log" 2>&1 &
+      FEATURES=$!; log "features: started (session $FEATURES)" ;;
+    arch=*)
+      archs=${st#arch=}; archs=${archs//:/,}
+      ( python3 -m wcache.testing.arch_sweep --device cuda --archs "$archs" --formats bf16,online-fp8 \
+          --workers 4 --stop-after "${ARCH_STOP_AFTER:-420}" --resume --out "$OUT/arch-sweep-cuda.jsonl" > "$OUT/arch-run.log" 2>&1
+        log "arch $archs: exit $?" ) &
+      SIDE+=($!); log "arch $archs: started" ;;
+    arch-all)
+      log "arch-all: start"
+      python3 -m wcache.testing.arch_sweep --device cuda --archs all --formats bf16,online-fp8 \
+        --workers 16 --resume --out "$OUT/arch-sweep-cuda.jsonl" > "$OUT/arch-all.log" 2>&1
+      log "arch-all: exit $?" ;;
+    moe-compiled) tier moe-compiled --workers 10 -k "moe and compiled" ;;
+    dense) tier dense --workers 12 -k "not moe and not lora and not sleep and not spec_decode" ;;
+    pairs=*)
+      end_side
+      nvidia-smi --query-gpu=memory.used --format=csv,noheader >> "$L"
+      log "pairs: start (${st#pairs=} pairs)"
+      OUT_NAME=pairs PAIRS=${st#pairs=} STARTUP_PLAN=1 BENCH_TIMEOUT=${BENCH_TIMEOUT:-1500} \
+        bash tools/gpu/bench-phases.sh disk-compiled-cold,fresh-node > "$OUT/bench-run.log" 2>&1
+      log "pairs: exit $?" ;;
+    *) log "unknown stage $st: skipped" ;;
+  esac
+done
+end_side
+log "done"
