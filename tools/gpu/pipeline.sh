@@ -15,6 +15,8 @@
 #                   stopped when that stage ends (sleep ~2.5 min, then spec, then LoRA)
 #   arch=A,B,...    (use ':' between names: arch=deepseek_v2:llava) the architecture sweep of those
 #                   architectures, bf16 and online-fp8, 4 workers, beside the next tier stage
+#   gemma3-270m     the real Gemma 3 270M: its tier cases (-k gemma3) and its sweep rows (bf16,
+#                   online-fp8, fp8, ct_w8a8_fp8); needs a WCACHE_GPU_GEMMA3=1 bundle
 #   arch-all        the whole architecture sweep (--resume over arch-sweep-cuda.jsonl), 16 workers
 #   pairs=N         the fresh-node pairs of issue 48 (bench-phases.sh disk-compiled-cold,fresh-node,
 #                   PAIRS=N, startup plan on), alone on the GPU: the 8B checkpoint (~30 s when
@@ -87,6 +89,13 @@ for st in "${LIST[@]}"; do
         --workers 16 --resume --out "$OUT/arch-sweep-cuda.jsonl" > "$OUT/arch-all.log" 2>&1
       log "arch-all: exit $?" ;;
     moe-compiled) tier moe-compiled --workers 10 -k "moe and compiled" ;;
+    gemma3-270m)  # needs a WCACHE_GPU_GEMMA3=1 bundle (the real Gemma 3 270M; docs/gpu.md)
+      tier gemma3-270m --workers 3 -k gemma3
+      log "gemma3-270m sweep: start"
+      python3 -m wcache.testing.arch_sweep --device cuda --archs gemma3-270m \
+        --formats bf16,online-fp8,fp8,ct_w8a8_fp8 --resume --out "$OUT/arch-sweep-cuda.jsonl" \
+        > "$OUT/arch-gemma3-270m.log" 2>&1
+      log "gemma3-270m sweep: exit $?" ;;
     dense) tier dense --workers 12 -k "not moe and not lora and not sleep and not spec_decode" ;;
     pairs=*)
       end_side
