@@ -281,6 +281,20 @@ def test_signals_forwarded(template, work, env, sig, mode, expected):
         assert out == f"got {int(sig)}\n"
 
 
+def test_child_shows_the_commands_line(template, work, env):
+    """ps / pgrep -f see the command's line in a child's /proc/PID/cmdline, not the
+    template's (setproctitle, vLLM's own optional dependency)."""
+    pytest.importorskip("setproctitle")
+    proc, child = _start_waiter(template, work, env, "default")
+    try:
+        cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").strip()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=RUN_TIMEOUT_S)
+    assert cmdline == f"{sys.executable} waiter.py default".encode()  # one string, as ps shows it
+    assert b"wcache.template" not in cmdline
+
+
 def test_killed_child_leaves_template_serving(template, work, env):
     """kill -9 of the forked child: the client ends by SIGKILL (-9; a shell shows 137),
     the template reaps it and serves the next command."""

@@ -330,6 +330,7 @@ class Template:
             for name in extra:
                 self._import(name)
         self.import_s = time.monotonic() - t0
+        _prepare_titles()
         now = dict(os.environ)
         self.import_env_delta = {
             k: now.get(k)
@@ -685,6 +686,28 @@ class Template:
 # ---------------------------------------------------------------------- the child
 
 
+def _prepare_titles() -> None:
+    """Set ``setproctitle`` up in the template, before any fork: its first use moves
+    the environment out of the argv area it will write, and in a child that has
+    already replaced its environment it silently does nothing. The template's own
+    line then reads as one string (``python -P -m wcache.template ...``)."""
+    try:
+        import setproctitle  # noqa: PLC0415 (an optional dependency)
+    except ImportError:
+        return
+    setproctitle.getproctitle()
+
+
+def _set_title(argv: list[str]) -> None:
+    """Show the command's line as this process's (``ps``, ``pgrep -f``, ``pkill -f``
+    read ``/proc/PID/cmdline``), not the template's: through ``setproctitle``, which
+    vLLM uses for its own process names and treats as optional; without it the
+    template's line stays."""
+    setproctitle = sys.modules.get("setproctitle")  # set up by _prepare_titles
+    if setproctitle is not None and argv:
+        setproctitle.setproctitle(" ".join(argv))
+
+
 def _reseed() -> None:
     """Reseed what a fresh interpreter seeds from entropy and a fork copies:
     ``random`` (CPython also does at fork), numpy's global ``RandomState``, torch's
@@ -819,6 +842,7 @@ def _child_main(
         sys.orig_argv = [str(a) for a in req.get("argv", [])]
         _stdio(bool(entry.get("unbuffered")) or bool(env.get("PYTHONUNBUFFERED")))
         _reseed()
+        _set_title([str(a) for a in req.get("argv", [])])
         client_start = req.get("client_start")
         if isinstance(client_start, (int, float)):  # where a direct start's timer starts
             set_run_started(float(client_start))
