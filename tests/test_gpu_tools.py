@@ -122,6 +122,10 @@ def test_poll_names_rows_not_restored_and_packs_the_run(tmp_path):
     ]
     (run / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run / "model.safetensors").write_bytes(b"\0" * 64)
+    (run / "phases.log").write_text(
+        "wcache bench --phases: fresh-node (pair 1/3): starting\n"
+        "wcache bench --phases: pair 1: disk-compiled-cold / fresh-node = 8.12x\n"
+    )
     out = tmp_path / "out"
     env = {"PATH": "/usr/bin:/bin", "RUN_DIR": str(run), "OUT": str(out)}
     res = subprocess.run(
@@ -130,6 +134,7 @@ def test_poll_names_rows_not_restored_and_packs_the_run(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "results.jsonl: 2 row(s)" in res.stdout
     assert "moe-b failed verify exit 1" in res.stdout and "moe-a" not in res.stdout
+    assert "pair 1: disk-compiled-cold / fresh-node = 8.12x" in res.stdout
     with tarfile.open(out / "run.tgz") as tar:
         names = tar.getnames()
     assert "gout/results.jsonl" in names and "gout/model.safetensors" not in names

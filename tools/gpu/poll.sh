@@ -7,7 +7,8 @@
 #   bash tools/gpu/poll.sh [SECONDS]     (default 150; keep each call under the 600 s limit)
 #   environment: RUN_DIR (the background run's output folder, default /tmp/gout)
 #
-# Prints the run's pipe.log, the tier's and feature modules' latest pytest lines, the row
+# Prints the run's pipe.log, the tier's and feature modules' latest pytest lines, the fresh-node
+# pairs' ratios so far (pipeline.sh's pairs stage), the row
 # counts of results.jsonl and arch-sweep-cuda.jsonl and every row that is not `restored`
 # (case, outcome, reason), then GPU memory and load; writes $OUT/run.tgz (model weights left out).
 set -uo pipefail
@@ -18,6 +19,7 @@ mkdir -p "$OUT"
 cat "$G/pipe.log" 2>/dev/null
 grep -hE "passed|failed|error" "$G/tier.log" 2>/dev/null | tail -3
 grep -E "^\[run-features\]" "$G/features.log" 2>/dev/null | tail -4
+grep -hE "phases: pair [0-9]+:|^Target:|primed snapshot|: starting" "$G/bench-run.log" "$G/phases.log" 2>/dev/null | tail -6
 python3 - "$G" <<'PY'
 import json, sys
 from pathlib import Path
