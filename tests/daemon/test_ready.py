@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,10 +235,48 @@ def test_engine_spec_ranks_of_one_node():
         "pp_size": 2,
     }
     assert len(spec.digest) == 12
-    config = dict(spec.config)
+    # vLLM builds no engine config for a layout this host cannot run (4 ranks here):
+    # the probe then compares only the digest's fields
+    assert spec.config == ()
+    config = dict(ready.engine_ready_spec(str(build("bf16")), ["--dtype", "bfloat16"]).config)
     # the fields the engine arguments decide, as the key holds them (canonical JSON)
     assert config["model_config.max_model_len"] == "8192"
     assert config["quant_config"] == "null" and "checkpoint" not in config
+
+
+@pytest.mark.slow
+def test_engine_spec_compares_the_daemons_post_init_config(tmp_path):
+    """A checkpoint whose config ties the word embeddings but that ships an lm_head:
+    vLLM's VllmConfig post-init unties them (ModelConfig.maybe_untie_word_embeddings),
+    rewriting hf_config and word_embeddings_untied_by_checkpoint, so the model config
+    alone differs from the daemon's. The probe builds the whole engine config as the
+    daemon does and finds no difference (a daemon of these very arguments is ready)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from wcache.testing.fixtures import build
+    from wcache.vllm.build import engine_config, engine_model_config
+    from wcache.vllm.key import config_key_fields
+
+    src = Path(build("bf16"))
+    ckpt = tmp_path / "tied-with-lm-head"
+    shutil.copytree(src, ckpt)
+    weights = load_file(str(ckpt / "model.safetensors"))
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    args = ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512"]
+    spec = ready.engine_ready_spec(str(ckpt), args)
+    daemon = config_key_fields(engine_config(str(ckpt), args).model_config)
+    assert ready.config_differences(spec, daemon) == []
+    # what the model config alone would have compared (the false key-mismatch)
+    alone = config_key_fields(engine_model_config(str(ckpt), args, prog="t"))
+    assert alone["model_config.word_embeddings_untied_by_checkpoint"] is False
+    assert daemon["model_config.word_embeddings_untied_by_checkpoint"] is True
+    # a difference inside a mapping names the entry, not a cut prefix of the whole
+    other = {**daemon, "model_config.hf_config": {**daemon["model_config.hf_config"], "x": 1}}
+    diffs = ready.config_differences(spec, other)
+    assert diffs == ["model_config.hf_config.x: engine=null daemon=1"]
 
 
 def test_invalidated_rank_is_not_ready(sock_dir, daemons):

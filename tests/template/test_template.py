@@ -187,22 +187,29 @@ def _main_zip(work: Path) -> str:
     return str(z)
 
 
-@pytest.mark.parametrize("target", ["missing", "missing-abs", "dir-main", "dir-no-main", "zip"])
+@pytest.mark.parametrize(
+    "target",
+    ["missing", "missing-abs", "dot-script", "dir-main", "dir-main-slash", "dir-no-main", "zip"],
+)
 def test_script_paths_same_as_direct(template, work, env, target):
     """`python PATH` for a missing file (one line naming the absolute path, exit 2), a
-    directory with and without __main__.py and a zip: output and exit code of a direct
-    start (CPython's Modules/main.c, not runpy.run_path's traceback)."""
+    script given as ./script.py (its traceback names /cwd/./script.py), a directory
+    with and without __main__.py (and a trailing slash) and a zip: output and exit
+    code of a direct start (CPython's Modules/main.c, not runpy.run_path's traceback)."""
     path = {
         "missing": "nosuchfile.py",
         "missing-abs": str(work / "sub" / "nosuchfile.py"),
+        # CPython keeps the path as typed inside the absolute one (__file__, tracebacks)
+        "dot-script": "./script.py",
         "dir-main": lambda: _main_dir(work, True),
+        "dir-main-slash": lambda: _main_dir(work, True) + "/",
         "dir-no-main": lambda: _main_dir(work, False),
         "zip": lambda: _main_zip(work),
     }[target]
     path = path() if callable(path) else path
     cmd = [sys.executable, path, "an-arg"]
     direct = _run(cmd, work, env)
-    assert direct.returncode in (1, 2, 4, 5)
+    assert direct.returncode in (1, 2, 4, 5)  # script.py's int('an-arg') raises: 1
     _same(direct, _run(cmd, work, env, template))
 
 

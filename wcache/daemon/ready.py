@@ -11,9 +11,12 @@ matched by digest, not by full device id, so the probe needs no GPU of its own
 differs in a field the engine arguments decide (``max_model_len``, vLLM's other
 weight-shaping ModelConfig factors, the quantization config, the revision:
 :func:`wcache.vllm.key.config_key_fields`) does not count: the engine would refuse
-it (``key-mismatch``), so the probe does too, naming the field. What only the
-engine knows (the checkpoint's content digests, the plans, the versions) is checked
-by the engine's own key comparison.
+it (``key-mismatch``), so the probe does too, naming the field. Those fields come
+from the whole engine config, built as the daemon builds it (vLLM's VllmConfig
+post-init rewrites some); where vLLM builds none here (no device, ranks of other
+nodes) only the socket's fields are compared. What only the engine knows (the
+checkpoint's content digests, the plans, the versions) is checked by the engine's
+own key comparison.
 
 :func:`engine_ready_spec` asks vLLM (through :mod:`wcache.vllm.build` and
 :mod:`wcache.vllm.key`); :func:`check_ready` and :func:`wait_ready` only talk to
@@ -23,6 +26,7 @@ sockets.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from typing import Any
@@ -32,6 +36,8 @@ import attrs
 from wcache.daemon.ranks import local_ranks
 from wcache.store import StoreError, daemon_status, paths
 from wcache.store.http import Probe
+
+log = logging.getLogger(__name__)
 
 #: Seconds to wait for one daemon's status reply; a serving daemon answers in
 #: milliseconds, and a probe must not hang on a wedged one.
@@ -100,15 +106,21 @@ def engine_ready_spec(
     Raises:
         ValueError: the ranks do not split over ``nnodes`` (as ``wcache serve``).
     """
-    from wcache.vllm.build import engine_model_config  # noqa: PLC0415 (torch import ~2 s: only when called)
+    from wcache.vllm.build import engine_config, engine_model_config  # noqa: PLC0415 (torch import ~2 s: only when called)
     from wcache.vllm.key import config_key_fields, job_digest  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     tp, pp = tensor_parallel_size, pipeline_parallel_size
-    model_config = engine_model_config(
-        model,
-        [*rest, "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)],
-        prog="wcache status --wait-ready",
-    )
+    args = [*rest, "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)]
+    try:
+        # the whole engine config, as the daemon builds it: vLLM's VllmConfig post-init
+        # rewrites key fields (untied word embeddings when the checkpoint ships an
+        # lm_head, per-architecture hf_config and max_model_len updates)
+        model_config = engine_config(model, args).model_config
+        comparable = True
+    except Exception:  # no device here, ranks of other nodes: the model config alone
+        log.debug("wcache status --wait-ready: no engine config here", exc_info=True)
+        model_config = engine_model_config(model, args, prog="wcache status --wait-ready")
+        comparable = False
     layout = {"tp_size": tp, "pp_size": pp, "dp_size": 1}
     # vLLM numbers ranks with TP fastest: rank = pp_rank * tp_size + tp_rank.
     ranks = [(r % tp, r // tp) for r in local_ranks(tp * pp, nnodes, node_rank)]
@@ -119,7 +131,11 @@ def engine_ready_spec(
         ("tp_size", tp),
         ("pp_size", pp),
     )
-    config = tuple(sorted((k, _canonical(v)) for k, v in config_key_fields(model_config).items()))
+    config = (
+        tuple(sorted((k, _canonical(v)) for k, v in config_key_fields(model_config).items()))
+        if comparable
+        else ()
+    )
     return ReadySpec(job_digest(model_config, layout, job), ranks, fields, config)
 
 
@@ -135,14 +151,34 @@ def _short(text: str) -> str:
     return text if len(text) <= VALUE_CHARS else text[:VALUE_CHARS] + "..."
 
 
+#: Differing entries named per field when a field's value is a mapping (hf_config).
+MAX_ENTRIES = 3
+
+
+def _entries(name: str, mine: Any, theirs: Any) -> list[str]:
+    """``name[.key...]: engine=<value> daemon=<value>`` for each difference, descending
+    into mappings so a large config names the entry that differs."""
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        out = []
+        for k in sorted(set(mine) | set(theirs), key=str):
+            if mine.get(k, ...) != theirs.get(k, ...):
+                out += _entries(f"{name}.{k}", mine.get(k), theirs.get(k))
+        return out
+    return [f"{name}: engine={_short(_canonical(mine))} daemon={_short(_canonical(theirs))}"]
+
+
 def config_differences(spec: ReadySpec, key_fields: dict[str, Any]) -> list[str]:
     """``field: engine=<value> daemon=<value>`` for each of ``spec.config`` that a
-    daemon's key (its ``status`` reply's ``key_fields``) holds with another value."""
+    daemon's key (its ``status`` reply's ``key_fields``) holds with another value (for
+    a mapping, its first :data:`MAX_ENTRIES` differing entries)."""
     out = []
     for name, want in spec.config:
-        have = _canonical(key_fields.get(name))
-        if have != want:
-            out.append(f"{name}: engine={_short(want)} daemon={_short(have)}")
+        have = key_fields.get(name)
+        if _canonical(have) != want:
+            entries = _entries(name, json.loads(want), have)
+            out += entries[:MAX_ENTRIES] + (
+                [f"{name}: {len(entries) - MAX_ENTRIES} more"] if len(entries) > MAX_ENTRIES else []
+            )
     return out
 
 

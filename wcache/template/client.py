@@ -408,7 +408,7 @@ def format_status(st: dict[str, Any]) -> str:
     own = pk.get("wcache") or {}
     mine = versions.own_wcache_stamp()
     if own and (own.get("path"), own.get("stamp")) != (mine["path"], mine["stamp"]):
-        stale.append("packages.wcache(this client)")
+        stale.append("packages.wcache(client)")
     if stale:
         lines.append(
             f"  STALE [template-stale]: {', '.join(stale)} changed since the template "

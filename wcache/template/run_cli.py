@@ -16,7 +16,9 @@ DESCRIPTION = (
     "signals are forwarded and the exit code (or the signal) is the command's. "
     "Without a usable template it says why on stderr and runs CMD directly. "
     "Exit status: the command's own (a command ended by signal N ends this process "
-    "by N, as a shell shows 128+N); 3 with --no-fallback when the template cannot "
+    "by N, as a shell shows 128+N; after an uncaught Ctrl-C, 1 or SIGINT by CPython's "
+    "rule over the child's exit sequence, which runs the handlers of the template's "
+    "pre-imports: docs/template.md); 3 with --no-fallback when the template cannot "
     "run it (the reason code on stderr); 70 when the template died before reporting "
     "the child's end (the child may still run: its pid is named)."
 )

@@ -771,7 +771,9 @@ def _run_entry(entry: dict[str, Any]) -> None:
     kind, target, args = entry["kind"], entry["target"], list(entry.get("args", []))
     if kind == "script":
         sys.argv = [entry.get("argv0", target), *args]
-        path = os.path.abspath(target)  # CPython makes the script's path absolute (3.9+)
+        # CPython makes the script's path absolute without normalizing it (3.9+,
+        # Python/fileutils.c _Py_abspath: cwd + "/" + path): "./x.py", "dir/" kept
+        path = target if os.path.isabs(target) else os.path.join(os.getcwd(), target)
         if pkgutil.get_importer(path) is not None:
             # a directory or zip: CPython puts it first on sys.path and runs its
             # __main__ module (Modules/main.c pymain_get_importer, pymain_run_module),

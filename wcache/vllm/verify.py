@@ -940,8 +940,7 @@ def _wcache_side(
                 )
             except RestoreFailed as exc:  # the engine's wording names its fallback: say ours
                 raise RestoreFailed(
-                    f"the restored side could not be built from {serving} [{exc.code}]: "
-                    f"{exc.__cause__ or exc}",
+                    f"the restored side could not be built from {serving}: {exc.__cause__ or exc}",
                     code=exc.code,
                 ) from exc.__cause__
             seconds["restore (wcache)"] = time.perf_counter() - t0
