@@ -30,8 +30,9 @@ VERS=${1:?vLLM versions, comma-separated, e.g. 0.32.0,0.33.0}
 OUT=${2:-.vx}
 HERE=$(cd "$(dirname "$0")" && pwd)
 IFS=, read -r -a VERSIONS <<< "$VERS"
-# One transfer carries at most 64 MiB including the working tree (~2 MB): 60 MB chunks leave room.
-CHUNK=${WCACHE_GPU_CHUNK:-60m}
+# One transfer carries at most 64 MiB including the working tree (6 MB on 2026-12-05, and
+# growing with the results files): 50 MiB chunks leave room (60 MiB ones no longer did).
+CHUNK=${WCACHE_GPU_CHUNK:-50m}
 for v in "${VERSIONS[@]}"; do
   [ -f "$HERE/deps-vllm-$v.txt" ] || { echo "build-bundle: no $HERE/deps-vllm-$v.txt: copy deps-vllm-0.33.0.txt and adjust the pins to vLLM $v's requirements (unzip -p vllm-$v-*.whl '*/METADATA' | grep ^Requires-Dist)" >&2; exit 2; }
 done
