@@ -36,6 +36,7 @@ import attrs
 from wcache.daemon.ranks import local_ranks
 from wcache.store import StoreError, daemon_status, paths
 from wcache.store.http import Probe
+from wcache.store.manifest import canonical_json, leaf_diffs, mismatch_value
 
 log = logging.getLogger(__name__)
 
@@ -132,39 +133,15 @@ def engine_ready_spec(
         ("pp_size", pp),
     )
     config = (
-        tuple(sorted((k, _canonical(v)) for k, v in config_key_fields(model_config).items()))
+        tuple(sorted((k, canonical_json(v)) for k, v in config_key_fields(model_config).items()))
         if comparable
         else ()
     )
     return ReadySpec(job_digest(model_config, layout, job), ranks, fields, config)
 
 
-#: Characters of a value shown in a key-mismatch message (the rest cut with "...").
-VALUE_CHARS = 80
-
-
-def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, default=str)
-
-
-def _short(text: str) -> str:
-    return text if len(text) <= VALUE_CHARS else text[:VALUE_CHARS] + "..."
-
-
 #: Differing entries named per field when a field's value is a mapping (hf_config).
 MAX_ENTRIES = 3
-
-
-def _entries(name: str, mine: Any, theirs: Any) -> list[str]:
-    """``name[.key...]: engine=<value> daemon=<value>`` for each difference, descending
-    into mappings so a large config names the entry that differs."""
-    if isinstance(mine, dict) and isinstance(theirs, dict):
-        out = []
-        for k in sorted(set(mine) | set(theirs), key=str):
-            if mine.get(k, ...) != theirs.get(k, ...):
-                out += _entries(f"{name}.{k}", mine.get(k), theirs.get(k))
-        return out
-    return [f"{name}: engine={_short(_canonical(mine))} daemon={_short(_canonical(theirs))}"]
 
 
 def config_differences(spec: ReadySpec, key_fields: dict[str, Any]) -> list[str]:
@@ -174,11 +151,14 @@ def config_differences(spec: ReadySpec, key_fields: dict[str, Any]) -> list[str]
     out = []
     for name, want in spec.config:
         have = key_fields.get(name)
-        if _canonical(have) != want:
-            entries = _entries(name, json.loads(want), have)
-            out += entries[:MAX_ENTRIES] + (
-                [f"{name}: {len(entries) - MAX_ENTRIES} more"] if len(entries) > MAX_ENTRIES else []
-            )
+        if canonical_json(have) != want:
+            leaves = leaf_diffs(name, json.loads(want), have)
+            out += [
+                f"{path}: engine={mismatch_value(x)} daemon={mismatch_value(y)}"
+                for path, x, y in leaves[:MAX_ENTRIES]
+            ]
+            if len(leaves) > MAX_ENTRIES:
+                out.append(f"{name}: {len(leaves) - MAX_ENTRIES} more")
     return out
 
 

@@ -260,7 +260,7 @@ def _normalize_json(value: Any) -> Any:
 MISMATCH_VALUE_CHARS = 120
 
 
-def _leaf_diffs(path: str, a: Any, b: Any) -> list[tuple[str, Any, Any]]:
+def leaf_diffs(path: str, a: Any, b: Any) -> list[tuple[str, Any, Any]]:
     """``(dotted path, a, b)`` for each differing leaf of two JSON values: nested
     objects are walked, so a differing kernel decision is named as
     ``target.kernels.unquantized_gemm[bfloat16]`` rather than as ``target``. A side
@@ -270,9 +270,16 @@ def _leaf_diffs(path: str, a: Any, b: Any) -> list[tuple[str, Any, Any]]:
             d
             for k in sorted(a.keys() | b.keys())
             if a.get(k, ...) != b.get(k, ...)
-            for d in _leaf_diffs(f"{path}.{k}", a.get(k, ...), b.get(k, ...))
+            for d in leaf_diffs(f"{path}.{k}", a.get(k, ...), b.get(k, ...))
         ]
     return [(path, None if a is ... else a, None if b is ... else b)]
+
+
+def mismatch_value(value: Any) -> str:
+    """One key field's value as a mismatch message shows it: JSON, cut to
+    :data:`MISMATCH_VALUE_CHARS` characters (then ``...``)."""
+    text = json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= MISMATCH_VALUE_CHARS else text[:MISMATCH_VALUE_CHARS] + "..."
 
 
 #: Display names of the key's ``versions`` entries.
@@ -320,17 +327,11 @@ class CacheKey:
         """``field: engine=<value> daemon=<value>`` for each differing field (values
         cut to :data:`MISMATCH_VALUE_CHARS`), for error messages."""
 
-        def short(v: Any) -> str:
-            text = json.dumps(v, sort_keys=True, default=str)
-            return (
-                text if len(text) <= MISMATCH_VALUE_CHARS else text[:MISMATCH_VALUE_CHARS] + "..."
-            )
-
         a, b = self.fields, other.fields
         return "; ".join(
-            f"{path}: {mine}={short(x)} {theirs}={short(y)}"
+            f"{path}: {mine}={mismatch_value(x)} {theirs}={mismatch_value(y)}"
             for f in self.diff(other)
-            for path, x, y in _leaf_diffs(f, a.get(f, ...), b.get(f, ...))
+            for path, x, y in leaf_diffs(f, a.get(f, ...), b.get(f, ...))
         )
 
     def versions_note(self, other: CacheKey, mine: str = "engine", theirs: str = "daemon") -> str:
