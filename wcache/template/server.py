@@ -844,7 +844,7 @@ def _child_main(
         sys.orig_argv = [str(a) for a in req.get("argv", [])]
         _stdio(bool(entry.get("unbuffered")) or bool(env.get("PYTHONUNBUFFERED")))
         _reseed()
-        _set_title([str(a) for a in req.get("argv", [])])
+        _set_title(sys.orig_argv)
         client_start = req.get("client_start")
         if isinstance(client_start, (int, float)):  # where a direct start's timer starts
             set_run_started(float(client_start))
