@@ -14,6 +14,8 @@ import json
 import os
 import re
 import struct
+import subprocess
+import sys
 from pathlib import Path
 from typing import ClassVar
 
@@ -971,3 +973,52 @@ def test_a_template_row_whose_engine_ran_elsewhere_is_an_error(tmp_path, monkeyp
     )
     assert "did not run in a template child" in rows[0]["error"][0]
     assert bp.target_summary(rows)["ratio"] is None
+
+
+def test_stack_sampler_leaves_the_template_threadless_and_samples_its_children(tmp_path):
+    """With the sampler's environment, an engine template still starts (it starts no
+    thread of its own, which its tripwire would refuse) and the child it forks samples
+    itself into PREFIX.{child pid} (the fresh-node row with --stack-samples)."""
+    from wcache.template.client import start_template, stop_template
+
+    sock = tmp_path / "sock"
+    sock.mkdir(mode=0o700)
+    prefix = tmp_path / "logs" / "fresh-node.stacks"
+    prefix.parent.mkdir()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([bp.STACK_SAMPLER_DIR, str(Path(bp.__file__).parents[2])]),
+        "WCACHE_STACK_SAMPLES": str(prefix),
+        "WCACHE_STACK_SAMPLE_S": "0.05",
+    }
+    st = start_template(str(sock), preload=["json"], platform_preload=False, env=env, timeout_s=60)
+    try:
+        script = "import os, time; print(os.getpid()); time.sleep(0.5)"
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "wcache.launcher",
+                "run",
+                "--socket-dir",
+                str(sock),
+                "--no-fallback",
+                "--",
+                sys.executable,
+                "-c",
+                script,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        stop_template(str(sock))
+    assert done.returncode == 0, done.stderr
+    child = int(done.stdout.split()[0])
+    assert child != st["pid"]
+    samples = Path(f"{prefix}.{child}").read_text().splitlines()
+    assert samples[0].startswith(f"# pid={child} ppid={st['pid']} ")
+    assert any(" MainThread " in line and "<module>" in line for line in samples[1:])
+    assert not Path(f"{prefix}.{st['pid']}").exists()

@@ -14,8 +14,11 @@ each frame ``path:line:function`` (the collapsed-stack format flame-graph tools
 read). A thread that holds the GIL in C for longer than the interval shows as a gap
 in the samples. A child forked to exec another program (``subprocess`` with
 ``preexec_fn``) writes a header before it execs, and a Python program it execs one
-more: such a file holds more than one header. Then the ``sitecustomize`` this module
-shadows, if any, runs.
+more: such a file holds more than one header. The engine template (``python -m
+wcache.template``, docs/template.md) starts no thread of its own (its tripwire would
+refuse to fork it): there the module only arms the fork hook, so each child the
+template forks samples itself. Then the ``sitecustomize`` this module shadows, if
+any, runs.
 """
 
 import importlib.machinery
@@ -73,8 +76,19 @@ def _start() -> None:
     threading.Thread(target=loop, name="wcache-stack-sampler", daemon=True).start()
 
 
+def _in_engine_template() -> bool:
+    """True in the engine template's process (``python -m wcache.template``): a
+    process that forks engines must not start a thread before it does."""
+    argv = list(getattr(sys, "orig_argv", None) or ())
+    return any(
+        a == "-mwcache.template" or (a == "-m" and argv[i + 1 : i + 2] == ["wcache.template"])
+        for i, a in enumerate(argv)
+    )
+
+
 if os.environ.get("WCACHE_STACK_SAMPLES"):
-    _start()
+    if not _in_engine_template():
+        _start()
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=_start)
 
