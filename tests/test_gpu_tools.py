@@ -166,7 +166,7 @@ def test_pipeline_runs_its_stages_in_order_from_a_private_copy(tmp_path):
         "HOME": str(tmp_path),
     }
     res = subprocess.run(
-        ["bash", str(TOOLS / "pipeline.sh"), "features,moe-compiled,pairs=2,bogus"],
+        ["bash", str(TOOLS / "pipeline.sh"), "features,moe-compiled,pairs=2,fresh-stacks,bogus"],
         capture_output=True,
         text=True,
         env=env,
@@ -186,13 +186,20 @@ def test_pipeline_runs_its_stages_in_order_from_a_private_copy(tmp_path):
         for s in lines
         if not s.startswith(("fixtures", "8b checkpoint", "features still running"))
     ]
-    assert steps[0] == "stages: features,moe-compiled,pairs=2,bogus (vLLM 0.33.0)"
+    assert steps[0] == "stages: features,moe-compiled,pairs=2,fresh-stacks,bogus (vLLM 0.33.0)"
     assert steps[1].startswith("features: started (session ")
     assert steps[2:5] == ["moe-compiled: start", "moe-compiled: exit 0", "pairs: start (2 pairs)"]
-    assert steps[-3:] == ["pairs: exit 0", "unknown stage bogus: skipped", "done"]
+    assert steps[-5:] == [
+        "pairs: exit 0",
+        "fresh-stacks: start",
+        "fresh-stacks: exit 0",
+        "unknown stage bogus: skipped",
+        "done",
+    ]
     assert "8b checkpoint exit 0" in lines  # written beside the first stage
     text = calls.read_text()
     assert "-n 10 --dist load -k moe and compiled" in text
     assert "--rows disk-compiled-cold,fresh-node" in text and "--pairs 2" in text
     assert "--startup-plan" in text
+    assert "--rows fresh-node --root" in text and "--stack-samples 0.1" in text
     assert os.path.isfile(run / "features-run.log")

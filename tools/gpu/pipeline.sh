@@ -21,6 +21,10 @@
 #   pairs=N         the fresh-node pairs of issue 48 (bench-phases.sh disk-compiled-cold,fresh-node,
 #                   PAIRS=N, startup plan on), alone on the GPU: the 8B checkpoint (~30 s when
 #                   written beside a tier stage), the primed snapshot (~170 s), ~3 min a pair
+#   fresh-stacks    one fresh-node row (the primed snapshot reused, or made) with every engine
+#                   process's Python stacks sampled every $STACK_SAMPLES s (default 0.1): where
+#                   the fresh node's "other" (~4 s: engine-core start, worker init) goes; read with
+#                   python -m wcache.benchmarks.stacks fresh-stacks.logs/fresh-node.stacks --timeline
 # Side stages (features, arch=) start with the next tier stage; the 8B checkpoint of a later
 # pairs stage is written beside the first stage. Each stage's start and exit go to pipe.log.
 # Example (2026-12-05's plan): bash tools/gpu/pipeline.sh features,arch=deepseek_v2:deepseek_v3:llava:gemma3,moe-compiled,pairs=4
@@ -49,7 +53,7 @@ WCACHE_FIXTURES_DEVICE=cuda python3 -m wcache.testing.fixtures --formats bf16,fp
 log "fixtures exit $?"
 SIDE=()       # pids of side stages waiting for a tier stage to end
 FEATURES=""   # the features stage's session id (stopped when its tier stage ends)
-if [[ ",$STAGES," == *",pairs="* ]]; then
+if [[ ",$STAGES," == *",pairs="* || ",$STAGES," == *",fresh-stacks,"* ]]; then
   ( python3 -c "from pathlib import Path; from wcache.benchmarks.bench_phases import model_setup; model_setup('8b', 'cuda', Path('${WCACHE_BENCH_DIR:-/tmp/wcache-phases}'))" > "$OUT/ckpt8b.log" 2>&1
     log "8b checkpoint exit $?" ) &
   SIDE+=($!)
@@ -104,6 +108,12 @@ for st in "${LIST[@]}"; do
       OUT_NAME=pairs PAIRS=${st#pairs=} STARTUP_PLAN=1 BENCH_TIMEOUT=${BENCH_TIMEOUT:-1500} \
         bash tools/gpu/bench-phases.sh disk-compiled-cold,fresh-node > "$OUT/bench-run.log" 2>&1
       log "pairs: exit $?" ;;
+    fresh-stacks)
+      end_side
+      log "fresh-stacks: start"
+      OUT_NAME=fresh-stacks STACK_SAMPLES=${STACK_SAMPLES:-0.1} STARTUP_PLAN=1 BENCH_TIMEOUT=${BENCH_TIMEOUT:-900} \
+        bash tools/gpu/bench-phases.sh fresh-node > "$OUT/stacks-run.log" 2>&1
+      log "fresh-stacks: exit $?" ;;
     *) log "unknown stage $st: skipped" ;;
   esac
 done
