@@ -147,13 +147,11 @@ def _wait_ready(args: argparse.Namespace, rest: list[str]) -> int:
         print("wcache status: --timeout must be >= 0 and parallel sizes >= 1", file=sys.stderr)
         return 2
     from wcache.daemon.ready import engine_ready_spec, wait_ready  # noqa: PLC0415 (imported at call time: tests patch engine_ready_spec)
+    from wcache.vllm import vllm_logs_quiet  # noqa: PLC0415 (imports no vLLM; as above)
 
     # stdout carries the verdict only: vLLM's own log lines (the engine config it
     # builds) go to stderr, at WARNING and above, unless the environment says otherwise
-    quiet = {"VLLM_LOGGING_STREAM": "ext://sys.stderr", "VLLM_LOGGING_LEVEL": "WARNING"}
-    saved = {k: os.environ.get(k) for k in quiet}
-    os.environ.update({k: v for k, v in quiet.items() if saved[k] is None})
-    try:
+    with vllm_logs_quiet():
         spec = engine_ready_spec(
             args.model,
             rest,
@@ -163,10 +161,6 @@ def _wait_ready(args: argparse.Namespace, rest: list[str]) -> int:
             node_rank=args.node_rank,
             job=args.job,
         )
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
     result = wait_ready(args.socket_dir, spec, args.timeout)
     if result.ok:
         print(f"wcache: ready: {result.message}", flush=True)

