@@ -406,8 +406,7 @@ def format_status(st: dict[str, Any]) -> str:
         )
     stale = [f"packages.{n}" for n in st.get("changed_packages") or []]
     own = pk.get("wcache") or {}
-    mine = versions.own_wcache_stamp()
-    if own and (own.get("path"), own.get("stamp")) != (mine["path"], mine["stamp"]):
+    if own and not versions.same_install(own, versions.own_wcache_stamp()):
         stale.append("packages.wcache(client)")
     if stale:
         lines.append(

@@ -481,10 +481,7 @@ class Template:
         fields += [f"packages.{name}" for name in self.changed_packages()]
         client_wcache = req.get("wcache")
         own = self.fingerprint["packages"].get("wcache", {})
-        if isinstance(client_wcache, dict) and (
-            client_wcache.get("path"),
-            client_wcache.get("stamp"),
-        ) != (own.get("path"), own.get("stamp")):
+        if isinstance(client_wcache, dict) and not versions.same_install(client_wcache, own):
             fields.append("packages.wcache(client)")
         if fields:
             return TemplateStale(

@@ -40,6 +40,7 @@ __all__ = [
     "import_time_env",
     "interpreter_identity",
     "package_stamp",
+    "same_install",
     "differences",
     "is_import_time_var",
 ]
@@ -180,6 +181,12 @@ def package_stamp(pkg_dir: str, name: str) -> dict[str, Any]:
 def own_wcache_stamp() -> dict[str, Any]:
     """The stamp of the wcache package this process runs."""
     return package_stamp(os.path.dirname(os.path.abspath(wcache.__file__)), "wcache")
+
+
+def same_install(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two :func:`package_stamp` records name one install: the same
+    directory and stamp (the ``record`` path follows from the directory)."""
+    return (a.get("path"), a.get("stamp")) == (b.get("path"), b.get("stamp"))
 
 
 def differences(
