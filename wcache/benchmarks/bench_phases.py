@@ -448,9 +448,13 @@ class _Runner:
 
     def snapshot_key(self) -> str:
         """What the primed snapshot depends on, hashed: the checkpoint (path, config
-        mtime), the serve and engine arguments, the engines' environment switches and
-        the wcache, vLLM and torch installs (the template's stamps: a changed file of
-        any of them makes a new snapshot, never a reused stale one)."""
+        mtime), the serve and engine arguments, the engines' environment switches (the
+        benchmark's own and the ``VLLM_*``, ``TORCH*`` and ``PYTORCH_*`` variables this
+        process passes on, e.g. ``VLLM_USE_AOT_COMPILE``, a vLLM compile factor: a
+        bundle primed under another value is stale to the engine, which then compiles
+        in full) and the wcache, vLLM and torch installs (the template's stamps: a
+        changed file of any of them makes a new snapshot, never a reused stale one).
+        The cache roots (:data:`CACHE_ENV_DIRS`) are left out: every node sets its own."""
         import importlib.util  # noqa: PLC0415 (only the fresh-node rows need it)
 
         from wcache.template import versions  # noqa: PLC0415 (only the fresh-node rows need it)
@@ -467,6 +471,11 @@ class _Runner:
             "serve_args": self.serve_args,
             "engine_args": self.engine_args,
             "engine_env": self.engine_env,
+            "inherited_env": {
+                k: v
+                for k, v in sorted(os.environ.items())
+                if k.startswith(("VLLM_", "TORCH", "PYTORCH_")) and k not in CACHE_ENV_DIRS
+            },
             "packages": stamps,
         }
         return hashlib.sha256(json.dumps(basis, sort_keys=True).encode()).hexdigest()[
