@@ -1,16 +1,22 @@
-"""`wcache serve` refuses a snapshot directory inside the checkpoint directory before any
-load: the snapshot's files would join the checkpoint's fingerprint (found by a new user
-serving a tiny Qwen3-MoE from /tmp)."""
+"""`wcache serve`'s refusals before any load give a fix that works as written: a snapshot
+directory inside the checkpoint directory is refused (its files would join the
+checkpoint's fingerprint), and the daemon-busy hint names the socket dir the serve was
+given (found by a new user serving a tiny Qwen3-MoE from /tmp)."""
 
 from __future__ import annotations
 
+import shlex
 import types
 from pathlib import Path
 
 import pytest
 
 from wcache import cli
+from wcache.daemon import serve
+from wcache.errors import DaemonBusy
+from wcache.store import paths
 from wcache.store.fingerprint import checkpoint_files
+from wcache.vllm import key
 
 
 def _checkpoint(root: Path) -> Path:
@@ -67,3 +73,23 @@ def test_serve_refuses_a_snapshot_inside_the_checkpoint_before_loading(tmp_path,
     model = _checkpoint(tmp_path)
     assert 2 == cli.main(["serve", "--model", str(model), "--snapshot", str(model / "snap")])
     assert "is inside the checkpoint directory" in capsys.readouterr().err
+
+
+def test_daemon_busy_names_the_socket_dir_it_was_given(tmp_path, monkeypatch):
+    sock_dir = tmp_path / "my socks"
+    monkeypatch.setattr(key, "device_id", lambda *a, **k: "cpu-tp0of1-pp0of1-abc")
+    monkeypatch.setattr(serve, "parallel_layout", lambda: {})
+    monkeypatch.setattr(paths, "socket_accepts", lambda sock, *a, **k: True)
+    config = types.SimpleNamespace(
+        device_config=types.SimpleNamespace(device="cpu"), model_config=None
+    )
+    with pytest.raises(DaemonBusy) as exc:
+        serve._preflight(config, str(sock_dir), "")
+    fix = f"`wcache stop --socket-dir {shlex.quote(str(sock_dir))} --device cpu-tp0of1-pp0of1-abc`"
+    assert fix in str(exc.value)
+
+    default = tmp_path / "default"
+    monkeypatch.setattr(paths, "ensure_socket_dir", lambda d=None, **k: str(d or default))
+    with pytest.raises(DaemonBusy) as exc:
+        serve._preflight(config, None, "")
+    assert "`wcache stop --device cpu-tp0of1-pp0of1-abc`" in str(exc.value)
