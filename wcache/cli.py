@@ -572,8 +572,9 @@ def build_parser() -> argparse.ArgumentParser:
         "CPU, once a rank is ready (and its --snapshot written) it execs a "
         "torch-free server with the same pid that holds only the arena, the "
         "manifest and the socket (SmolLM2: ~30 MiB instead of ~825 MiB resident beyond the arena); that "
-        "server cannot seed a peer, so give --no-lean to a daemon that others "
-        "--seed-from over its socket (--seed-listen keeps the full process too)",
+        "server still seeds peers that --seed-from its socket (a helper process with "
+        "torch per seeding, at most 2 at once; a third gets seed-unavailable); "
+        "--seed-listen keeps the full process",
     )
     p.add_argument(
         "--http",
