@@ -126,3 +126,14 @@ def test_every_command_describes_itself():
     sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     undescribed = [n for n, p in sub.choices.items() if n != "bench" and not p.description]
     assert [] == undescribed
+
+
+def test_no_lean_help_says_a_lean_daemon_still_seeds_over_its_socket():
+    """The lean server seeds a local `--seed-from` peer through a helper process
+    (docs/quickstart.md); `--no-lean`'s help said it could not, telling operators to
+    give --no-lean to every seeding source (a new user seeded a Qwen3-MoE daemon from a
+    lean one: `from=peer`, blake3 verified)."""
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    flag = next(a for a in sub.choices["serve"]._actions if "--no-lean" in a.option_strings)
+    assert "cannot seed" not in flag.help
+    assert "still seeds peers that --seed-from its socket" in flag.help

@@ -186,7 +186,14 @@ PRODUCTION = (
 #: What production must never load: the benchmark suite, test fixtures and the demo.
 NOT_PRODUCTION = ("wcache.benchmarks", "wcache.testing", "wcache.demo", "wcache.bench")
 #: ``wcache serve``'s functions in cli.py: their lazy imports are part of the serve path.
-CLI_SERVE_PATH = ("main", "build_parser", "_cmd_serve", "_check_seed_args", "_check_http_arg")
+CLI_SERVE_PATH = (
+    "main",
+    "build_parser",
+    "_cmd_serve",
+    "_check_snapshot_arg",
+    "_check_seed_args",
+    "_check_http_arg",
+)
 
 
 def _is(module: str, names: tuple[str, ...]) -> bool:

@@ -190,7 +190,7 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    problem = _check_seed_args(args) or _check_http_arg(args)
+    problem = _check_snapshot_arg(args) or _check_seed_args(args) or _check_http_arg(args)
     if problem:
         print(f"wcache serve: {problem}", file=sys.stderr)
         return 2
@@ -248,6 +248,33 @@ def _check_http_arg(args: argparse.Namespace) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+def _check_snapshot_arg(args: argparse.Namespace) -> str | None:
+    """The reason --snapshot/--from-snapshot cannot work, or None: a snapshot directory
+    inside the checkpoint directory (not under a hidden folder) puts the snapshot's own
+    files (arena.safetensors, *.json) into the checkpoint's content digest, so every
+    snapshot write changes the key: engines are refused (key-mismatch) and the next
+    start finds the snapshot stale, forever."""
+
+    flag, snap = (
+        ("--snapshot", args.snapshot) if args.snapshot else ("--from-snapshot", args.from_snapshot)
+    )
+    if not snap or not os.path.isdir(args.model):
+        return None
+    rel = os.path.relpath(os.path.realpath(snap), os.path.realpath(args.model))
+    parts = [] if rel == os.curdir else rel.split(os.sep)
+    # Outside the checkpoint, or under a hidden folder (the fingerprint skips those).
+    if (parts and parts[0] == os.pardir) or any(p.startswith(".") for p in parts):
+        return None
+    return (
+        f"{flag} {snap} is inside the checkpoint directory {args.model}: wcache "
+        f"fingerprints every weight and *.json file under --model, so the snapshot's own "
+        f"files would change the checkpoint's key on every write (engines refused with "
+        f"key-mismatch, the snapshot always stale). Give a directory outside {args.model}, "
+        f"or a hidden one inside it (e.g. {os.path.join(args.model, '.wcache-snapshot')}), "
+        f"which the fingerprint skips"
+    )
 
 
 def _check_seed_args(args: argparse.Namespace) -> str | None:
@@ -545,8 +572,9 @@ def build_parser() -> argparse.ArgumentParser:
         "CPU, once a rank is ready (and its --snapshot written) it execs a "
         "torch-free server with the same pid that holds only the arena, the "
         "manifest and the socket (SmolLM2: ~30 MiB instead of ~825 MiB resident beyond the arena); that "
-        "server cannot seed a peer, so give --no-lean to a daemon that others "
-        "--seed-from over its socket (--seed-listen keeps the full process too)",
+        "server still seeds peers that --seed-from its socket (a helper process with "
+        "torch per seeding, at most 2 at once; a third gets seed-unavailable); "
+        "--seed-listen keeps the full process",
     )
     p.add_argument(
         "--http",

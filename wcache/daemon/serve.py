@@ -32,6 +32,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import shlex
 import shutil
 import signal
 import socket
@@ -93,9 +94,12 @@ def _preflight(vllm_config: Any, socket_dir: str | None, job: str) -> str:
     )
     sock = paths.socket_path(paths.ensure_socket_dir(socket_dir), dev_id)
     if paths.socket_accepts(sock):
+        # The stop command must name the socket dir this serve was given: `wcache stop`
+        # without it looks in the default dir and finds nothing there.
+        where = f" --socket-dir {shlex.quote(socket_dir)}" if socket_dir else ""
         raise DaemonBusy(
             f"a daemon already serves {sock}; stop it first with "
-            f"`wcache stop --device {dev_id}` or use another --socket-dir/--job"
+            f"`wcache stop{where} --device {dev_id}` or use another --socket-dir/--job"
         )
     return dev_id
 

@@ -1,0 +1,95 @@
+"""`wcache serve`'s refusals before any load give a fix that works as written: a snapshot
+directory inside the checkpoint directory is refused (its files would join the
+checkpoint's fingerprint), and the daemon-busy hint names the socket dir the serve was
+given (found by a new user serving a tiny Qwen3-MoE from /tmp)."""
+
+from __future__ import annotations
+
+import shlex
+import types
+from pathlib import Path
+
+import pytest
+
+from wcache import cli
+from wcache.daemon import serve
+from wcache.errors import DaemonBusy
+from wcache.store import paths
+from wcache.store.fingerprint import checkpoint_files
+from wcache.vllm import key
+
+
+def _checkpoint(root: Path) -> Path:
+    model = root / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"x")
+    return model
+
+
+def _args(model: Path, **snap: str) -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        model=str(model), snapshot=snap.get("snapshot"), from_snapshot=snap.get("from_snapshot")
+    )
+
+
+@pytest.mark.parametrize("flag", ["snapshot", "from_snapshot"])
+@pytest.mark.parametrize("where", [".", "snap", "sub/snap"])
+def test_snapshot_inside_the_checkpoint_is_refused(tmp_path, flag, where):
+    model = _checkpoint(tmp_path)
+    snap = model / where
+    problem = cli._check_snapshot_arg(_args(model, **{flag: str(snap)}))
+    assert problem is not None
+    assert f"--{flag.replace('_', '-')} {snap} is inside the checkpoint directory" in problem
+    assert ".wcache-snapshot" in problem  # the fix
+
+
+@pytest.mark.parametrize("where", ["../snap", ".wcache-snapshot", ".hidden/snap"])
+def test_snapshot_outside_or_hidden_is_allowed(tmp_path, where):
+    model = _checkpoint(tmp_path)
+    assert cli._check_snapshot_arg(_args(model, snapshot=str(model / where))) is None
+    assert cli._check_snapshot_arg(_args(model)) is None
+
+
+def test_hidden_snapshot_stays_out_of_the_fingerprint(tmp_path):
+    """What the refusal's fix relies on: the snapshot's files under a hidden folder are
+    not checkpoint files, those under a plain one are."""
+
+    model = _checkpoint(tmp_path)
+    for sub in (".wcache-snapshot", "snap"):
+        rank = model / sub / "tp0of1-pp0of1-dp0of1"
+        rank.mkdir(parents=True)
+        (rank / "arena.safetensors").write_bytes(b"a")
+        (rank / "key.json").write_text("{}")
+    assert checkpoint_files(str(model)) == [
+        "config.json",
+        "model.safetensors",
+        "snap/tp0of1-pp0of1-dp0of1/arena.safetensors",
+        "snap/tp0of1-pp0of1-dp0of1/key.json",
+    ]
+
+
+def test_serve_refuses_a_snapshot_inside_the_checkpoint_before_loading(tmp_path, capsys):
+    model = _checkpoint(tmp_path)
+    assert 2 == cli.main(["serve", "--model", str(model), "--snapshot", str(model / "snap")])
+    assert "is inside the checkpoint directory" in capsys.readouterr().err
+
+
+def test_daemon_busy_names_the_socket_dir_it_was_given(tmp_path, monkeypatch):
+    sock_dir = tmp_path / "my socks"
+    monkeypatch.setattr(key, "device_id", lambda *a, **k: "cpu-tp0of1-pp0of1-abc")
+    monkeypatch.setattr(serve, "parallel_layout", lambda: {})
+    monkeypatch.setattr(paths, "socket_accepts", lambda sock, *a, **k: True)
+    config = types.SimpleNamespace(
+        device_config=types.SimpleNamespace(device="cpu"), model_config=None
+    )
+    with pytest.raises(DaemonBusy) as exc:
+        serve._preflight(config, str(sock_dir), "")
+    fix = f"`wcache stop --socket-dir {shlex.quote(str(sock_dir))} --device cpu-tp0of1-pp0of1-abc`"
+    assert fix in str(exc.value)
+
+    default = tmp_path / "default"
+    monkeypatch.setattr(paths, "ensure_socket_dir", lambda d=None, **k: str(d or default))
+    with pytest.raises(DaemonBusy) as exc:
+        serve._preflight(config, None, "")
+    assert "`wcache stop --device cpu-tp0of1-pp0of1-abc`" in str(exc.value)
