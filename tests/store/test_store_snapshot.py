@@ -139,6 +139,20 @@ def test_unfinished_write_is_ignored(daemon, snap_root):
         open_snapshot(snap_root, NAME)
 
 
+def test_a_rank_folder_or_a_file_given_as_the_snapshot_names_what_to_give(daemon, snap_root):
+    """--from-snapshot given one rank's folder (it holds digests.json) or a file of it
+    is refused naming the directory to give, never suggesting a --snapshot there."""
+    path = _write(daemon, snap_root)
+    with pytest.raises(SnapshotMissing) as ei:
+        open_snapshot(path, NAME)
+    assert f"`--from-snapshot {os.path.normpath(snap_root)}`" in str(ei.value)
+    assert "--snapshot " not in str(ei.value)
+    with pytest.raises(SnapshotMissing) as ei:
+        open_snapshot(os.path.join(path, ARENA_FILE), NAME)
+    assert "is a file: give the snapshot directory" in str(ei.value)
+    assert "--snapshot " not in str(ei.value).replace("`--snapshot` wrote", "")
+
+
 def test_failed_overwrite_keeps_the_old_snapshot(daemon, key, sock_dir, snap_root, monkeypatch):
     """A write that dies mid-file leaves the previous snapshot intact and no temp dir; a good write replaces it."""
     _write(daemon, snap_root)

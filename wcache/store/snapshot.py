@@ -368,10 +368,16 @@ def open_snapshot(root: str, name: str) -> Snapshot:
             if not os.path.isdir(path)
             else f"no {DIGESTS_FILE} (an unfinished write?)"
         )
-        raise SnapshotMissing(
-            f"no snapshot at {path} ({what}); start the daemon from the checkpoint "
-            f"with `--snapshot {root}` to write one"
-        )
+        if os.path.exists(os.path.join(root, DIGESTS_FILE)):
+            hint = (
+                f"{root} is itself one rank's folder of a snapshot: give the directory "
+                f"that holds it, `--from-snapshot {os.path.dirname(os.path.normpath(root))}`"
+            )
+        elif os.path.isfile(root):
+            hint = f"{root} is a file: give the snapshot directory, the one `--snapshot` wrote into"
+        else:
+            hint = f"start the daemon from the checkpoint with `--snapshot {root}` to write one"
+        raise SnapshotMissing(f"no snapshot at {path} ({what}); {hint}")
     try:
         with open(dpath, "rb") as f:
             index = json.loads(f.read())
