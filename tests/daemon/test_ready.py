@@ -85,11 +85,12 @@ def test_ready_only_when_every_rank_serves(sock_dir, daemons):
 
 
 def test_another_configuration_is_key_mismatch_naming_the_field(sock_dir, daemons):
-    """Only a float16 daemon (another digest) answers: key-mismatch naming dtype and its value."""
+    """Only a float16 daemon (another digest) answers: key-mismatch naming dtype with
+    the engine's value and the daemon's."""
     daemons(sock_dir, 0, digest="ba9876543210", dtype="torch.float16")
     result = check_ready(sock_dir, SPEC)
     assert (result.ok, result.code) == (False, "key-mismatch")
-    assert "dtype='torch.float16'" in result.message
+    assert f"dtype: engine={dict(FIELDS)['dtype']!r} daemon='torch.float16'" in result.message
     assert "model_arch" not in result.message
 
 

@@ -280,7 +280,7 @@ def _readiness(
         mine = dict(spec.fields)
         diffs = sorted(
             {
-                f"{k}={v!r}"
+                f"{k}: engine={mine[k]!r} daemon={v!r}"
                 for o in others.values()
                 for k, v in o.items()
                 if k in mine and v != mine[k]
