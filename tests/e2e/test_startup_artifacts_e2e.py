@@ -13,39 +13,51 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 import pytest
 
 from wcache.daemon.process import DaemonProcess, run_engine
 from wcache.store import daemon_status, paths
+from wcache.store.client import fetch_artifacts
 from wcache.testing.caches import cache_env
 from wcache.testing.tiny import build_tiny
 from wcache.vllm.run_engine import DEFAULT_GPU_MEMORY_UTILIZATION
+from wcache.vllm.startup import compile_dirs as startup_compile_dirs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 #: A fixed KV cache for the priming engine and the engine (vLLM-CPU's default sizing
 #: takes ~3 GiB and a minute to allocate here; the tiny model needs ~4 MiB).
 KV_CACHE_ARGS = ("--kv-cache-memory-bytes", str(64 << 20))
+#: The serve gets the engine's arguments (run_engine's): the priming engine is built
+#: from them, and vLLM's compile key covers max_num_seqs and the memory share.
+SAME_AS_ENGINE = (
+    "--max-num-seqs",
+    "1",
+    "--gpu-memory-utilization",
+    str(DEFAULT_GPU_MEMORY_UTILIZATION),
+    *KV_CACHE_ARGS,
+)
 
 
-def test_fresh_engine_gets_the_primed_compile_and_the_disk_tokens(sock_dir, tmp_path):
+@pytest.fixture(scope="module")
+def disk_tokens(tmp_path_factory):
+    """An eager disk engine's greedy tokens: on this model they equal a compiled disk
+    engine's (measured: both [[40432, 14817, 38082, ...], [19119, 25659, ...]]), at a
+    fifth of the cost."""
+    root = tmp_path_factory.mktemp("disk-node")
+    return run_engine(build_tiny("bf16"), "auto", max_tokens=8, env=cache_env(root))["token_ids"]
+
+
+def test_fresh_engine_gets_the_primed_compile_and_the_disk_tokens(sock_dir, tmp_path, disk_tokens):
     """A daemon primed once hands an engine with empty caches vLLM's compiled hash dir (vLLM opens it, nothing compiles from zero) and the disk engine's greedy tokens."""
     model = build_tiny("bf16")
-    # the serve gets the engine's arguments (run_engine's): the priming engine is built
-    # from them, and vLLM's compile key covers max_num_seqs and the memory share
-    same_as_engine = (
-        "--max-num-seqs",
-        "1",
-        "--gpu-memory-utilization",
-        str(DEFAULT_GPU_MEMORY_UTILIZATION),
-        *KV_CACHE_ARGS,
-    )
     # primed for LLM() (run_engine's engine), not `vllm serve`: their batch defaults differ
     with DaemonProcess(
         model,
         sock_dir,
-        extra_args=("--prime-compile", "llm", *same_as_engine),
+        extra_args=("--prime-compile", "llm", *SAME_AS_ENGINE),
         env=cache_env(tmp_path / "daemon-node"),
     ) as daemon:
         daemon.wait_primed()
@@ -78,7 +90,44 @@ def test_fresh_engine_gets_the_primed_compile_and_the_disk_tokens(sock_dir, tmp_
         got["output"],
     )
     assert used, got["output"][-3000:]
-    # an eager disk engine: on this model its tokens equal a compiled disk engine's
-    # (measured: both [[40432, 14817, 38082, ...], [19119, 25659, ...]]), at a fifth of the cost
-    disk = run_engine(model, "auto", max_tokens=8, env=cache_env(tmp_path / "disk-node"))
-    assert got["token_ids"] == disk["token_ids"]
+    assert got["token_ids"] == disk_tokens
+
+
+def test_without_aot_compile_the_inductor_cache_is_carried(sock_dir, tmp_path, disk_tokens):
+    """vLLM-CPU with VLLM_USE_AOT_COMPILE=0 (what docs/quickstart.md asks for on CPU)
+    compiles through stock torch.compile and writes no vLLM compile dir: the primed
+    bundle is Inductor's cache, the fresh engine installs it, and Inductor compiles no
+    graph of its own (an FX-graph cache miss would write a new entry under
+    ``fxgraph/``: every one there is one the bundle carried); the disk tokens."""
+    model = build_tiny("bf16")
+    no_aot = {"VLLM_USE_AOT_COMPILE": "0"}
+    with DaemonProcess(
+        model,
+        sock_dir,
+        extra_args=("--prime-compile", "llm", *SAME_AS_ENGINE),
+        env={**cache_env(tmp_path / "daemon-node"), **no_aot},
+    ) as daemon:
+        daemon.wait_primed()
+        sock = paths.list_sockets(sock_dir)[0]
+        bundle = fetch_artifacts(sock)
+        try:
+            carried = {e["path"] for e in bundle.manifest["entries"] if e["root"] == "inductor"}
+            assert startup_compile_dirs(bundle.manifest) == []
+        finally:
+            bundle.close()
+        assert any(p.startswith("fxgraph/") for p in carried), sorted(carried)[:10]
+        fresh = cache_env(tmp_path / "fresh-node")
+        got = run_engine(
+            model,
+            "wcache",
+            {"fallback": False, "socket_dir": sock_dir},
+            env={**fresh, **no_aot},
+            max_tokens=8,
+            engine_args=("--compile", *KV_CACHE_ARGS),
+        )
+    outcome = got["load"][-1]["artifacts"]
+    assert outcome["outcome"] == "installed" and outcome["compile_dirs"] == []
+    ind = Path(fresh["TORCHINDUCTOR_CACHE_DIR"])
+    graphs = {p.relative_to(ind).as_posix() for p in (ind / "fxgraph").rglob("*") if p.is_file()}
+    assert graphs and graphs <= carried, sorted(graphs - carried)
+    assert got["token_ids"] == disk_tokens
