@@ -6,6 +6,8 @@ given (found by a new user serving a tiny Qwen3-MoE from /tmp)."""
 from __future__ import annotations
 
 import shlex
+import shutil
+import tempfile
 import types
 from pathlib import Path
 
@@ -75,21 +77,28 @@ def test_serve_refuses_a_snapshot_inside_the_checkpoint_before_loading(tmp_path,
     assert "is inside the checkpoint directory" in capsys.readouterr().err
 
 
-def test_daemon_busy_names_the_socket_dir_it_was_given(tmp_path, monkeypatch):
-    sock_dir = tmp_path / "my socks"
+def test_daemon_busy_names_the_socket_dir_it_was_given(monkeypatch):
+    """The daemon-busy fix names the --socket-dir this serve was given (quoted for the
+    shell), and none when it was given none."""
+    # short, with a space to quote: a socket path must fit sun_path (107 bytes), and
+    # xdist's tmp_path is long
+    sock_dir = Path(tempfile.mkdtemp(prefix="wc s-", dir="/tmp"))
     monkeypatch.setattr(key, "device_id", lambda *a, **k: "cpu-tp0of1-pp0of1-abc")
     monkeypatch.setattr(serve, "parallel_layout", lambda: {})
     monkeypatch.setattr(paths, "socket_accepts", lambda sock, *a, **k: True)
     config = types.SimpleNamespace(
         device_config=types.SimpleNamespace(device="cpu"), model_config=None
     )
-    with pytest.raises(DaemonBusy) as exc:
-        serve._preflight(config, str(sock_dir), "")
-    fix = f"`wcache stop --socket-dir {shlex.quote(str(sock_dir))} --device cpu-tp0of1-pp0of1-abc`"
-    assert fix in str(exc.value)
+    try:
+        with pytest.raises(DaemonBusy) as exc:
+            serve._preflight(config, str(sock_dir), "")
+        fix = f"`wcache stop --socket-dir {shlex.quote(str(sock_dir))} --device cpu-tp0of1-pp0of1-abc`"
+        assert fix in str(exc.value)
 
-    default = tmp_path / "default"
-    monkeypatch.setattr(paths, "ensure_socket_dir", lambda d=None, **k: str(d or default))
-    with pytest.raises(DaemonBusy) as exc:
-        serve._preflight(config, None, "")
-    assert "`wcache stop --device cpu-tp0of1-pp0of1-abc`" in str(exc.value)
+        # no --socket-dir: the default dir, and no --socket-dir in the fix
+        monkeypatch.setattr(paths, "ensure_socket_dir", lambda d=None, **k: str(d or sock_dir))
+        with pytest.raises(DaemonBusy) as exc:
+            serve._preflight(config, None, "")
+        assert "`wcache stop --device cpu-tp0of1-pp0of1-abc`" in str(exc.value)
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
