@@ -288,6 +288,69 @@ def test_signals_forwarded(template, work, env, sig, mode, expected):
         assert out == f"got {int(sig)}\n"
 
 
+IGNORING = r"""
+import os, signal, sys, time
+ignored = [signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGHUP, signal.SIGINT)]
+print("ignored", ignored, flush=True)
+print("pid", os.getpid(), flush=True)
+time.sleep(float(sys.argv[1]))
+print("survived", flush=True)
+"""
+
+
+def _ignore_hup_and_int() -> None:
+    """What `nohup` (SIGHUP) and a non-interactive shell's background job (SIGINT)
+    do to the command they start: an ignored disposition, which exec keeps."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def test_ignored_signals_stay_ignored(template, work, env):
+    """Signals ignored by whoever starts `wcache run` are ignored in the child, as in a
+    direct start (exec keeps SIG_IGN): `nohup wcache run -- ENGINE` survives the
+    hangup of its terminal, as `nohup ENGINE` does, instead of the child getting the
+    forwarded SIGHUP (found by hand: the child died by SIGHUP, exit 129)."""
+    (work / "ignoring.py").write_text(IGNORING)
+    direct = subprocess.run(
+        [sys.executable, "ignoring.py", "0"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        preexec_fn=_ignore_hup_and_int,
+    )
+    assert direct.stdout.startswith("ignored [True, True]\n"), direct.stderr
+    cmd = [
+        sys.executable,
+        "-m",
+        "wcache.launcher",
+        "run",
+        "--no-fallback",
+        "--socket-dir",
+        template,
+        "--",
+        sys.executable,
+        "ignoring.py",
+        "3",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_ignore_hup_and_int,
+    )
+    assert _wait_line(proc, "ignored ") == "ignored [True, True]"
+    _wait_line(proc, "pid ")
+    proc.send_signal(signal.SIGHUP)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    assert (proc.returncode, out) == (0, "survived\n"), err
+
+
 def test_child_shows_the_commands_line(template, work, env):
     """ps / pgrep -f see the command's line in a child's /proc/PID/cmdline, not the
     template's (setproctitle, vLLM's own optional dependency)."""

@@ -808,6 +808,17 @@ def _run_entry(entry: dict[str, Any]) -> None:
         exec(compile(target, "<string>", "exec"), main.__dict__)  # `python -c`
 
 
+def _ignored_signals(req: dict[str, Any]) -> list[int]:
+    """The request's ``ignored_signals`` that are forwarded signals (anything else is
+    left alone)."""
+    forwarded = {int(sig) for sig in FORWARDED_SIGNALS}
+    return [
+        int(sig)
+        for sig in req.get("ignored_signals") or ()
+        if isinstance(sig, int) and not isinstance(sig, bool) and int(sig) in forwarded
+    ]
+
+
 def _child_main(
     req: dict[str, Any], fds: list[int], own: list[int], env_delta: dict[str, str | None]
 ) -> None:
@@ -826,6 +837,8 @@ def _child_main(
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for sig in RESET_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
+        for sig in _ignored_signals(req):  # what the client ignores, as exec keeps SIG_IGN
+            signal.signal(sig, signal.SIG_IGN)
         entry = req["entry"]
         os.chdir(req["cwd"])
         env = {str(k): str(v) for k, v in req["env"].items()}
