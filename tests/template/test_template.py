@@ -351,6 +351,35 @@ def test_ignored_signals_stay_ignored(template, work, env):
     assert (proc.returncode, out) == (0, "survived\n"), err
 
 
+def _exited(pid: int) -> bool:
+    """Whether ``pid`` is gone or a zombie (a template started here is our child)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_template_stops_when_its_socket_dir_is_removed(env):
+    """A template whose socket dir was deleted (a tmp cleaner, `rm -rf`) stops instead
+    of running on unreachable: `wcache template status` says "not running" there and a
+    new `wcache template start` starts beside it, so it would hold its ~650 MiB unseen
+    and no `wcache template stop` could reach it (found by hand: it ran on)."""
+    d = tempfile.mkdtemp(prefix="wct-gone-")
+    os.chmod(d, 0o700)
+    try:
+        start_template(d, preload=["json"], platform_preload=False)
+        pid = template_status(d)["pid"]
+        shutil.rmtree(d)
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not _exited(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _exited(pid)
+    finally:
+        if os.path.isdir(d):
+            stop_template(d)
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def test_child_shows_the_commands_line(template, work, env):
     """ps / pgrep -f see the command's line in a child's /proc/PID/cmdline, not the
     template's (setproctitle, vLLM's own optional dependency)."""

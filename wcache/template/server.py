@@ -177,6 +177,10 @@ STDIO_FDS = 3
 #: How often the loop wakes without events (seconds): to notice a stop request
 #: set by a signal handler and children without a pidfd.
 LOOP_TICK_S = 0.5
+#: How often the template checks that its socket file is still the one it bound
+#: (seconds). A removed socket (a tmp cleaner, a deleted socket dir) or one replaced
+#: by another template stops this one: nothing could reach it any more.
+SOCKET_WATCH_S = 1.0
 LISTEN_BACKLOG = 64
 #: The template's own signals: a stop (drain: no new runs, exit when the running
 #: children have exited).
@@ -278,6 +282,8 @@ class Template:
         self._lock_fd: int | None = None
         self._listener: socket.socket | None = None
         self._sel: selectors.BaseSelector | None = None
+        self._socket_ino: int | None = None
+        self._next_watch = 0.0
 
     # ------------------------------------------------------------------ start
 
@@ -370,6 +376,7 @@ class Template:
         os.chmod(self.socket_path, paths.FILE_MODE)
         listener.listen(LISTEN_BACKLOG)
         listener.setblocking(False)
+        self._socket_ino = os.lstat(self.socket_path).st_ino
         paths.write_pid_file(paths.pid_path(self.socket_path))
         self._listener = listener
 
@@ -391,11 +398,34 @@ class Template:
                     self._on_client(obj)
                 elif kind == "pidfd":
                     self._reap(obj)
+            if not self.stopping and self._listener is not None:
+                self._watch_socket()
             if self.stopping and self._listener is not None:
                 self._close_listener()
             for pid in [p for p, c in self.children.items() if c["pidfd"] is None]:
                 self._reap(pid)
         self._sel.close()
+
+    def _watch_socket(self) -> None:
+        """Stop (drain) when the socket file is no longer the one this template bound:
+        no ``wcache run`` or ``wcache template status|stop`` could reach it, and it
+        would hold its memory unseen while a new template starts beside it."""
+        now = time.monotonic()
+        if now < self._next_watch:
+            return
+        self._next_watch = now + SOCKET_WATCH_S
+        try:
+            ours = os.lstat(self.socket_path).st_ino == self._socket_ino
+        except FileNotFoundError:
+            ours = False
+        if not ours:
+            log.warning(
+                "template: socket %s vanished or was replaced (a tmp cleaner, a removed "
+                "socket dir); stopping, since no `wcache run` can reach this template; "
+                "start a new one with `wcache template start`",
+                self.socket_path,
+            )
+            self.stopping = True
 
     def _on_stop_signal(self, signum: int, frame: Any) -> None:
         self.stopping = True
