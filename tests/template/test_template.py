@@ -292,6 +292,8 @@ IGNORING = r"""
 import os, signal, sys, time
 ignored = [signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGHUP, signal.SIGINT)]
 print("ignored", ignored, flush=True)
+if sys.argv[2:] == ["own-handler"]:  # as uvicorn: a handler over the inherited SIG_IGN
+    signal.signal(signal.SIGINT, lambda s, f: (print("got", s, flush=True), os._exit(5)))
 print("pid", os.getpid(), flush=True)
 time.sleep(float(sys.argv[1]))
 print("survived", flush=True)
@@ -349,6 +351,39 @@ def test_ignored_signals_stay_ignored(template, work, env):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
     assert (proc.returncode, out) == (0, "survived\n"), err
+
+
+def test_ignored_signal_reaches_a_handler_the_command_installs(template, work, env):
+    """A command that installs its own handler over an inherited SIG_IGN (uvicorn does
+    for SIGINT) still gets the signal through `wcache run`, as a direct start would."""
+    (work / "ignoring.py").write_text(IGNORING)
+    cmd = [
+        sys.executable,
+        "-m",
+        "wcache.launcher",
+        "run",
+        "--no-fallback",
+        "--socket-dir",
+        template,
+        "--",
+        sys.executable,
+        "ignoring.py",
+        "30",
+        "own-handler",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_ignore_hup_and_int,
+    )
+    _wait_line(proc, "pid ")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    assert (proc.returncode, out) == (5, f"got {int(signal.SIGINT)}\n"), err
 
 
 def _exited(pid: int) -> bool:

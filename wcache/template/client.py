@@ -239,9 +239,11 @@ def _relay(s: socket.socket, child: int) -> int:
         except OSError:
             pass
 
+    # every one, ignored ones too: the child starts with them ignored (as exec keeps
+    # SIG_IGN), but the command may install a handler of its own (uvicorn does for
+    # SIGINT and SIGTERM), which a direct start would then run
     for sig in FORWARDED_SIGNALS:
-        if signal.getsignal(sig) != signal.SIG_IGN:  # ignored: the child ignores it too
-            signal.signal(sig, forward)
+        signal.signal(sig, forward)
     s.settimeout(None)
     while True:
         try:
