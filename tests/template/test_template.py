@@ -517,6 +517,44 @@ def test_stale_env_refused(template, work, env):
     assert fell_back.stderr.startswith("wcache run: running directly [template-stale]")
 
 
+def test_an_upgraded_library_the_template_imported_is_stale(tmp_path, work, env):
+    """A distribution other than wcache/vLLM/torch that the template imported (here a
+    fake one, preloaded) and that pip then reinstalls (its RECORD rewritten) makes the
+    template stale, naming it: a child would otherwise run the library's old code."""
+    site = tmp_path / "site"
+    (site / "fakelib").mkdir(parents=True)
+    (site / "fakelib" / "__init__.py").write_text("VERSION = 1\n")
+    info = site / "fakelib-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fakelib\nVersion: 1.0\n")
+    (info / "top_level.txt").write_text("fakelib\n")
+    record = info / "RECORD"
+    record.write_text(
+        "fakelib/__init__.py,,\nfakelib-1.0.dist-info/METADATA,,\n"
+        "fakelib-1.0.dist-info/top_level.txt,,\nfakelib-1.0.dist-info/RECORD,,\n"
+    )
+    e = {**env, "PYTHONPATH": os.pathsep.join([env["PYTHONPATH"], str(site)])}
+    d = tempfile.mkdtemp(prefix="wct-")
+    os.chmod(d, 0o700)
+    saved = dict(os.environ)
+    os.environ.update(e)
+    try:
+        start_template(d, preload=["fakelib"], platform_preload=False, timeout_s=RUN_TIMEOUT_S)
+        cmd = [sys.executable, "script.py", "0"]
+        assert _run(cmd, work, e, d, stdin="x\n").returncode == 0
+        st = record.stat()
+        os.utime(record, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # pip's rewrite
+        refused = _run(cmd, work, e, d)
+        assert refused.returncode == REFUSED_EXIT
+        assert "error [template-stale]" in refused.stderr and "packages.fakelib" in refused.stderr
+        assert "STALE [template-stale]: packages.fakelib" in format_status(template_status(d))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        stop_template(d)
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def test_changed_install_refused(template, work, env):
     """A wcache install changed since the template imported it (a file's mtime moved,
     as an upgrade or an edit does) is template-stale (packages.wcache); restored, the

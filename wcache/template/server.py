@@ -364,6 +364,7 @@ class Template:
                 "version": versions.python_version(),
             },
             "packages": packages,
+            "distributions": versions.imported_distributions(list(sys.modules)),
             "env": versions.import_time_env(self.start_env),
         }
 
@@ -526,13 +527,14 @@ class Template:
         return self.fork_problem()
 
     def changed_packages(self) -> list[str]:
-        """The keyed packages whose install changed on disk since the template
-        imported them (every ``wcache run`` is then refused ``template-stale``)."""
+        """The keyed packages and the other imported distributions whose install
+        changed on disk since the template imported them (every ``wcache run`` is
+        then refused ``template-stale``)."""
         return [
             name
             for name, rec in self.fingerprint.get("packages", {}).items()
             if versions.package_stamp(rec["path"], name)["stamp"] != rec["stamp"]
-        ]
+        ] + versions.changed_distributions(self.fingerprint.get("distributions", {}))
 
     def fork_problem(self) -> TemplateUnsafe | None:
         """Why forking now is unsafe (CUDA initialised, more threads), or None."""
