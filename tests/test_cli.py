@@ -120,6 +120,17 @@ def test_bench_help_names_the_modes_it_dispatches(capsys):
     assert all(f"wcache bench {m}" in out for m in ("--server", "--soak", "--phases"))
 
 
+def test_template_help_describes_each_action_and_its_exit_codes(capsys):
+    """`wcache template --help` says what start, status and stop each do and exit with."""
+    with pytest.raises(SystemExit):
+        cli.main(["template", "--help"])
+    out = capsys.readouterr().out
+    actions = out.split("actions:", 1)[1]
+    for action in ("start", "status", "stop"):
+        assert f"\n  {action} " in actions
+    assert "[template-start-failed]" in actions and "3 when none runs" in actions
+
+
 def test_every_command_describes_itself():
     """Each subcommand's --help opens with a description of what it does (bench's is its
     own parser's, `wcache bench --help`)."""
