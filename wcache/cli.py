@@ -19,7 +19,7 @@ from wcache.daemon.prime import USAGE_CONTEXTS
 from wcache.errors import LoadFailed
 from wcache.plans.docs import render_plans
 from wcache.plans.registry import all_plans
-from wcache.store import cli_status, cli_stop
+from wcache.store import cli_status, cli_stop, paths
 from wcache.store.http import parse_http_address
 from wcache.store.lean import NO_LEAN_ENV
 from wcache.store.protocol import SEED_TIMEOUT_ENV, parse_seconds
@@ -206,6 +206,9 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
         return 2
 
     check_checkpoint_dir(args.model)  # a damaged file: one line naming it, before vLLM starts
+    # an unsafe socket dir (group/other bits, a symlink, another owner): refused now,
+    # not after vLLM's import (~8 s); the daemon checks it again when it binds
+    paths.ensure_socket_dir(args.socket_dir)
     if args.no_lean:  # read by every rank process's hand-off (wcache.store.lean)
         os.environ[NO_LEAN_ENV] = "1"
     from wcache.daemon.serve import main as serve_main  # noqa: PLC0415 (imported at call time: tests patch main)
