@@ -120,6 +120,33 @@ def test_bench_help_names_the_modes_it_dispatches(capsys):
     assert all(f"wcache bench {m}" in out for m in ("--server", "--soak", "--phases"))
 
 
+def test_serve_refuses_an_unsafe_socket_dir_before_importing_vllm(tmp_path, monkeypatch, capsys):
+    """`wcache serve --socket-dir D` with D open to group/other is refused with
+    [unsafe-path] and its fix before the daemon (vLLM's import, ~8 s) starts."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("{}")
+    d = tmp_path / "socks"
+    d.mkdir(mode=0o755)
+    d.chmod(0o755)
+    started = []
+    monkeypatch.setattr("wcache.daemon.serve.main", lambda *a, **k: started.append(a) or 0)
+    rc = cli.main(["serve", "--model", str(tmp_path / "ckpt"), "--socket-dir", str(d)])
+    err = capsys.readouterr().err
+    assert rc == 1 and started == []
+    assert "error [unsafe-path]" in err and "chmod 700" in err
+
+
+def test_template_help_describes_each_action_and_its_exit_codes(capsys):
+    """`wcache template --help` says what start, status and stop each do and exit with."""
+    with pytest.raises(SystemExit):
+        cli.main(["template", "--help"])
+    out = capsys.readouterr().out
+    actions = out.split("actions:", 1)[1]
+    for action in ("start", "status", "stop"):
+        assert f"\n  {action} " in actions
+    assert "[template-start-failed]" in actions and "3 when none runs" in actions
+
+
 def test_every_command_describes_itself():
     """Each subcommand's --help opens with a description of what it does (bench's is its
     own parser's, `wcache bench --help`)."""

@@ -19,7 +19,7 @@ from wcache.daemon.prime import USAGE_CONTEXTS
 from wcache.errors import LoadFailed
 from wcache.plans.docs import render_plans
 from wcache.plans.registry import all_plans
-from wcache.store import cli_status, cli_stop
+from wcache.store import cli_status, cli_stop, paths
 from wcache.store.http import parse_http_address
 from wcache.store.lean import NO_LEAN_ENV
 from wcache.store.protocol import SEED_TIMEOUT_ENV, parse_seconds
@@ -206,6 +206,9 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
         return 2
 
     check_checkpoint_dir(args.model)  # a damaged file: one line naming it, before vLLM starts
+    # an unsafe socket dir (group/other bits, a symlink, another owner): refused now,
+    # not after vLLM's import (~8 s); the daemon checks it again when it binds
+    paths.ensure_socket_dir(args.socket_dir)
     if args.no_lean:  # read by every rank process's hand-off (wcache.store.lean)
         os.environ[NO_LEAN_ENV] = "1"
     from wcache.daemon.serve import main as serve_main  # noqa: PLC0415 (imported at call time: tests patch main)
@@ -691,6 +694,25 @@ def build_parser() -> argparse.ArgumentParser:
         "from the environment the engines run in: a command whose interpreter, "
         "installs (wcache, vLLM, torch) or import-time variables differ is refused "
         "(template-stale) and runs directly.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="""actions:
+  start    import torch, vLLM and the preloads in a new process (its own session,
+           output in template.log beside its socket), return once it listens and
+           print its record (pid, import time, modules, RSS, threads, CUDA state);
+           --foreground makes this process the template. A preload that is not
+           installed is skipped and listed. Exit 0; 1 with [template-start-failed]
+           (a template already serves this socket dir, a preload initialised CUDA or
+           started a thread, the timeout passed)
+  status   print the running template's record, its children and whether it is
+           STALE (an install it imported changed since); exit 0, or 3 when none runs
+  stop     stop accepting; the template exits once its running children have.
+           Exit 0, or 3 when none runs
+
+examples:
+  wcache template start                 # beside `wcache serve`, before the restart
+  wcache run -- vllm serve /models/x --load-format wcache
+  wcache template status
+  wcache template stop; wcache template start   # after upgrading vLLM, torch, ...""",
     )
     p.add_argument("action", choices=("start", "status", "stop"))
     p.add_argument("--socket-dir", help="socket directory (default: the daemons')")

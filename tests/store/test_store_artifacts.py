@@ -142,6 +142,10 @@ def test_snapshot_files_round_trip_and_a_changed_tar_is_refused(bundle, tmp_path
         f.write(b"X")
     with pytest.raises(ArtifactsCorrupt, match="blake3"):
         art.read_bundle(d)
+    # the manifest gone, the tar left (an unfinished write): said, not a silent "absent"
+    os.unlink(d / art.MANIFEST_FILE)
+    with pytest.raises(ArtifactsCorrupt, match="has no .* beside it"):
+        art.read_bundle(d)
 
 
 def test_artifacts_command_passes_a_sealed_memfd(daemon, bundle, tmp_path):

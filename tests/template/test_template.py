@@ -288,6 +288,133 @@ def test_signals_forwarded(template, work, env, sig, mode, expected):
         assert out == f"got {int(sig)}\n"
 
 
+IGNORING = r"""
+import os, signal, sys, time
+ignored = [signal.getsignal(s) == signal.SIG_IGN for s in (signal.SIGHUP, signal.SIGINT)]
+print("ignored", ignored, flush=True)
+if sys.argv[2:] == ["own-handler"]:  # as uvicorn: a handler over the inherited SIG_IGN
+    signal.signal(signal.SIGINT, lambda s, f: (print("got", s, flush=True), os._exit(5)))
+print("pid", os.getpid(), flush=True)
+time.sleep(float(sys.argv[1]))
+print("survived", flush=True)
+"""
+
+
+def _ignore_hup_and_int() -> None:
+    """What `nohup` (SIGHUP) and a non-interactive shell's background job (SIGINT)
+    do to the command they start: an ignored disposition, which exec keeps."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def test_ignored_signals_stay_ignored(template, work, env):
+    """Signals ignored by whoever starts `wcache run` are ignored in the child, as in a
+    direct start (exec keeps SIG_IGN): `nohup wcache run -- ENGINE` survives the
+    hangup of its terminal, as `nohup ENGINE` does, instead of the child getting the
+    forwarded SIGHUP (found by hand: the child died by SIGHUP, exit 129)."""
+    (work / "ignoring.py").write_text(IGNORING)
+    direct = subprocess.run(
+        [sys.executable, "ignoring.py", "0"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        preexec_fn=_ignore_hup_and_int,
+    )
+    assert direct.stdout.startswith("ignored [True, True]\n"), direct.stderr
+    cmd = [
+        sys.executable,
+        "-m",
+        "wcache.launcher",
+        "run",
+        "--no-fallback",
+        "--socket-dir",
+        template,
+        "--",
+        sys.executable,
+        "ignoring.py",
+        "3",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_ignore_hup_and_int,
+    )
+    assert _wait_line(proc, "ignored ") == "ignored [True, True]"
+    _wait_line(proc, "pid ")
+    proc.send_signal(signal.SIGHUP)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    assert (proc.returncode, out) == (0, "survived\n"), err
+
+
+def test_ignored_signal_reaches_a_handler_the_command_installs(template, work, env):
+    """A command that installs its own handler over an inherited SIG_IGN (uvicorn does
+    for SIGINT) still gets the signal through `wcache run`, as a direct start would."""
+    (work / "ignoring.py").write_text(IGNORING)
+    cmd = [
+        sys.executable,
+        "-m",
+        "wcache.launcher",
+        "run",
+        "--no-fallback",
+        "--socket-dir",
+        template,
+        "--",
+        sys.executable,
+        "ignoring.py",
+        "30",
+        "own-handler",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_ignore_hup_and_int,
+    )
+    _wait_line(proc, "pid ")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    assert (proc.returncode, out) == (5, f"got {int(signal.SIGINT)}\n"), err
+
+
+def _exited(pid: int) -> bool:
+    """Whether ``pid`` is gone or a zombie (a template started here is our child)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_template_stops_when_its_socket_dir_is_removed(env):
+    """A template whose socket dir was deleted (a tmp cleaner, `rm -rf`) stops instead
+    of running on unreachable: `wcache template status` says "not running" there and a
+    new `wcache template start` starts beside it, so it would hold its ~650 MiB unseen
+    and no `wcache template stop` could reach it (found by hand: it ran on)."""
+    d = tempfile.mkdtemp(prefix="wct-gone-")
+    os.chmod(d, 0o700)
+    try:
+        start_template(d, preload=["json"], platform_preload=False)
+        pid = template_status(d)["pid"]
+        shutil.rmtree(d)
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not _exited(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _exited(pid)
+    finally:
+        if os.path.isdir(d):
+            stop_template(d)
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def test_child_shows_the_commands_line(template, work, env):
     """ps / pgrep -f see the command's line in a child's /proc/PID/cmdline, not the
     template's (setproctitle, vLLM's own optional dependency)."""
@@ -388,6 +515,44 @@ def test_stale_env_refused(template, work, env):
     fell_back = _run(cmd, work, e, template, stdin="x\n", fallback=True)
     assert fell_back.returncode == 5 and fell_back.stdout == direct.stdout
     assert fell_back.stderr.startswith("wcache run: running directly [template-stale]")
+
+
+def test_an_upgraded_library_the_template_imported_is_stale(tmp_path, work, env):
+    """A distribution other than wcache/vLLM/torch that the template imported (here a
+    fake one, preloaded) and that pip then reinstalls (its RECORD rewritten) makes the
+    template stale, naming it: a child would otherwise run the library's old code."""
+    site = tmp_path / "site"
+    (site / "fakelib").mkdir(parents=True)
+    (site / "fakelib" / "__init__.py").write_text("VERSION = 1\n")
+    info = site / "fakelib-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fakelib\nVersion: 1.0\n")
+    (info / "top_level.txt").write_text("fakelib\n")
+    record = info / "RECORD"
+    record.write_text(
+        "fakelib/__init__.py,,\nfakelib-1.0.dist-info/METADATA,,\n"
+        "fakelib-1.0.dist-info/top_level.txt,,\nfakelib-1.0.dist-info/RECORD,,\n"
+    )
+    e = {**env, "PYTHONPATH": os.pathsep.join([env["PYTHONPATH"], str(site)])}
+    d = tempfile.mkdtemp(prefix="wct-")
+    os.chmod(d, 0o700)
+    saved = dict(os.environ)
+    os.environ.update(e)
+    try:
+        start_template(d, preload=["fakelib"], platform_preload=False, timeout_s=RUN_TIMEOUT_S)
+        cmd = [sys.executable, "script.py", "0"]
+        assert _run(cmd, work, e, d, stdin="x\n").returncode == 0
+        st = record.stat()
+        os.utime(record, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # pip's rewrite
+        refused = _run(cmd, work, e, d)
+        assert refused.returncode == REFUSED_EXIT
+        assert "error [template-stale]" in refused.stderr and "packages.fakelib" in refused.stderr
+        assert "STALE [template-stale]: packages.fakelib" in format_status(template_status(d))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        stop_template(d)
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_changed_install_refused(template, work, env):

@@ -433,7 +433,8 @@ def read_bundle(directory: str | os.PathLike) -> Bundle | None:
     """The bundle :func:`write_bundle` left in ``directory``, or None when there is none.
 
     Raises:
-        ArtifactsCorrupt: the manifest is unreadable or malformed, the tar is missing,
+        ArtifactsCorrupt: the manifest is unreadable, malformed or missing beside a
+            tar, the tar is missing,
             unreadable (any OSError: a directory, EACCES, EIO; the message names the
             path and errno) or differs from the manifest.
         StoreError: the memfd cannot be made.
@@ -442,6 +443,11 @@ def read_bundle(directory: str | os.PathLike) -> Bundle | None:
     try:
         manifest = json.loads((directory / MANIFEST_FILE).read_text())
     except FileNotFoundError:
+        if (directory / TAR_FILE).exists():  # write_bundle writes the manifest last
+            raise ArtifactsCorrupt(
+                f"{directory / TAR_FILE} has no {MANIFEST_FILE} beside it (an unfinished "
+                f"write, or a removed file); write the snapshot again"
+            ) from None
         return None
     except OSError as e:
         raise ArtifactsCorrupt(f"{directory / MANIFEST_FILE} is unreadable: {_oserror(e)}") from e

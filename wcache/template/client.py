@@ -159,6 +159,13 @@ def _stdio_fds() -> tuple[list[int], list[int]]:
     return out, opened
 
 
+def _ignored_signals() -> list[int]:
+    """The forwarded signals this process ignores: a SIG_IGN it inherited (``nohup``
+    ignores SIGHUP, a non-interactive shell's background job SIGINT and SIGQUIT),
+    which exec keeps, so a direct start of the command would ignore them too."""
+    return [int(sig) for sig in FORWARDED_SIGNALS if signal.getsignal(sig) == signal.SIG_IGN]
+
+
 def _request(argv: list[str], socket_dir: str | None) -> tuple[socket.socket, int]:
     """Ask the template to run ``argv``; the connection and the child's pid.
 
@@ -176,6 +183,8 @@ def _request(argv: list[str], socket_dir: str | None) -> tuple[socket.socket, in
         "cwd": cwd,
         "entry": entry,
         "wcache": versions.own_wcache_stamp(),
+        # dispositions exec would keep: the child ignores what this process ignores
+        "ignored_signals": _ignored_signals(),
         # where a direct start's timer would start: this client's launch
         "client_start": process_start_epoch(),
     }
@@ -230,6 +239,9 @@ def _relay(s: socket.socket, child: int) -> int:
         except OSError:
             pass
 
+    # every one, ignored ones too: the child starts with them ignored (as exec keeps
+    # SIG_IGN), but the command may install a handler of its own (uvicorn does for
+    # SIGINT and SIGTERM), which a direct start would then run
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, forward)
     s.settimeout(None)

@@ -177,6 +177,10 @@ STDIO_FDS = 3
 #: How often the loop wakes without events (seconds): to notice a stop request
 #: set by a signal handler and children without a pidfd.
 LOOP_TICK_S = 0.5
+#: How often the template checks that its socket file is still the one it bound
+#: (seconds). A removed socket (a tmp cleaner, a deleted socket dir) or one replaced
+#: by another template stops this one: nothing could reach it any more.
+SOCKET_WATCH_S = 1.0
 LISTEN_BACKLOG = 64
 #: The template's own signals: a stop (drain: no new runs, exit when the running
 #: children have exited).
@@ -278,6 +282,8 @@ class Template:
         self._lock_fd: int | None = None
         self._listener: socket.socket | None = None
         self._sel: selectors.BaseSelector | None = None
+        self._socket_ino: int | None = None
+        self._next_watch = 0.0
 
     # ------------------------------------------------------------------ start
 
@@ -358,6 +364,7 @@ class Template:
                 "version": versions.python_version(),
             },
             "packages": packages,
+            "distributions": versions.imported_distributions(list(sys.modules)),
             "env": versions.import_time_env(self.start_env),
         }
 
@@ -370,6 +377,7 @@ class Template:
         os.chmod(self.socket_path, paths.FILE_MODE)
         listener.listen(LISTEN_BACKLOG)
         listener.setblocking(False)
+        self._socket_ino = os.lstat(self.socket_path).st_ino
         paths.write_pid_file(paths.pid_path(self.socket_path))
         self._listener = listener
 
@@ -391,11 +399,34 @@ class Template:
                     self._on_client(obj)
                 elif kind == "pidfd":
                     self._reap(obj)
+            if not self.stopping and self._listener is not None:
+                self._watch_socket()
             if self.stopping and self._listener is not None:
                 self._close_listener()
             for pid in [p for p, c in self.children.items() if c["pidfd"] is None]:
                 self._reap(pid)
         self._sel.close()
+
+    def _watch_socket(self) -> None:
+        """Stop (drain) when the socket file is no longer the one this template bound:
+        no ``wcache run`` or ``wcache template status|stop`` could reach it, and it
+        would hold its memory unseen while a new template starts beside it."""
+        now = time.monotonic()
+        if now < self._next_watch:
+            return
+        self._next_watch = now + SOCKET_WATCH_S
+        try:
+            ours = os.lstat(self.socket_path).st_ino == self._socket_ino
+        except FileNotFoundError:
+            ours = False
+        if not ours:
+            log.warning(
+                "template: socket %s vanished or was replaced (a tmp cleaner, a removed "
+                "socket dir); stopping, since no `wcache run` can reach this template; "
+                "start a new one with `wcache template start`",
+                self.socket_path,
+            )
+            self.stopping = True
 
     def _on_stop_signal(self, signum: int, frame: Any) -> None:
         self.stopping = True
@@ -496,13 +527,14 @@ class Template:
         return self.fork_problem()
 
     def changed_packages(self) -> list[str]:
-        """The keyed packages whose install changed on disk since the template
-        imported them (every ``wcache run`` is then refused ``template-stale``)."""
+        """The keyed packages and the other imported distributions whose install
+        changed on disk since the template imported them (every ``wcache run`` is
+        then refused ``template-stale``)."""
         return [
             name
             for name, rec in self.fingerprint.get("packages", {}).items()
             if versions.package_stamp(rec["path"], name)["stamp"] != rec["stamp"]
-        ]
+        ] + versions.changed_distributions(self.fingerprint.get("distributions", {}))
 
     def fork_problem(self) -> TemplateUnsafe | None:
         """Why forking now is unsafe (CUDA initialised, more threads), or None."""
@@ -808,6 +840,17 @@ def _run_entry(entry: dict[str, Any]) -> None:
         exec(compile(target, "<string>", "exec"), main.__dict__)  # `python -c`
 
 
+def _ignored_signals(req: dict[str, Any]) -> list[int]:
+    """The request's ``ignored_signals`` that are forwarded signals (anything else is
+    left alone)."""
+    forwarded = {int(sig) for sig in FORWARDED_SIGNALS}
+    return [
+        int(sig)
+        for sig in req.get("ignored_signals") or ()
+        if isinstance(sig, int) and not isinstance(sig, bool) and int(sig) in forwarded
+    ]
+
+
 def _child_main(
     req: dict[str, Any], fds: list[int], own: list[int], env_delta: dict[str, str | None]
 ) -> None:
@@ -826,6 +869,8 @@ def _child_main(
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for sig in RESET_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
+        for sig in _ignored_signals(req):  # what the client ignores, as exec keeps SIG_IGN
+            signal.signal(sig, signal.SIG_IGN)
         entry = req["entry"]
         os.chdir(req["cwd"])
         env = {str(k): str(v) for k, v in req["env"].items()}

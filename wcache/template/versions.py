@@ -13,6 +13,12 @@ interpreter. The template records, when it starts:
   that lists its ``__init__.py`` (pip rewrites it on every install), or, for a
   source tree without one (a checkout on ``PYTHONPATH``, the H200 bundle), the
   digest of every ``*.py`` file's (path, size, mtime);
+* ``distributions``: every other installed distribution that owns a top-level
+  module the template imported (transformers, tokenizers, numpy, ...), stamped by
+  its ``RECORD`` file's (path, size, mtime): pip rewrites that file when it
+  installs, upgrades or reinstalls the distribution and removes it on uninstall,
+  so a child never runs a library older than what is on disk
+  (:func:`imported_distributions`, :func:`changed_distributions`);
 * ``env``: the environment variables that take effect at import or interpreter
   start (:func:`import_time_env`).
 
@@ -26,9 +32,10 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import importlib.metadata
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import wcache
@@ -41,6 +48,8 @@ __all__ = [
     "interpreter_identity",
     "package_stamp",
     "same_install",
+    "imported_distributions",
+    "changed_distributions",
     "differences",
     "is_import_time_var",
 ]
@@ -187,6 +196,53 @@ def same_install(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     """Whether two :func:`package_stamp` records name one install: the same
     directory and stamp (the ``record`` path follows from the directory)."""
     return (a.get("path"), a.get("stamp")) == (b.get("path"), b.get("stamp"))
+
+
+def _record_stat(record: str) -> dict[str, Any] | None:
+    try:
+        st = os.stat(record)
+    except OSError:
+        return None
+    return {"record": record, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def imported_distributions(
+    modules: Iterable[str], exclude: Iterable[str] = KEYED_PACKAGES
+) -> dict[str, dict[str, Any]]:
+    """The installed distributions that own the top-level modules of ``modules``
+    (names as in ``sys.modules``), but those owning ``exclude`` (stamped by
+    :func:`package_stamp`): distribution name -> its ``RECORD``'s path, size and
+    mtime (ns). A distribution without a ``RECORD`` on disk (an egg, an editable
+    checkout's ``egg-link``) is left out.
+
+    Source: ``importlib.metadata.packages_distributions`` (top-level module ->
+    distribution names), ``Distribution.locate_file``.
+    """
+    owners = importlib.metadata.packages_distributions()
+    tops = {m.partition(".")[0] for m in modules}
+    skip = {d for name in exclude for d in owners.get(name, ())}
+    out: dict[str, dict[str, Any]] = {}
+    for name in sorted({d for top in tops for d in owners.get(top, ())} - skip):
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        record = next((f for f in dist.files or () if f.name == _RECORD), None)
+        stat = _record_stat(str(dist.locate_file(record))) if record is not None else None
+        if stat is not None:
+            out[name] = stat
+    return out
+
+
+def changed_distributions(recorded: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The distributions of ``recorded`` (:func:`imported_distributions`) whose
+    ``RECORD`` is gone or has another size or mtime now."""
+    changed = []
+    for name, rec in recorded.items():
+        now = _record_stat(str(rec.get("record")))
+        if now is None or (now["size"], now["mtime_ns"]) != (rec.get("size"), rec.get("mtime_ns")):
+            changed.append(name)
+    return changed
 
 
 def differences(
