@@ -79,20 +79,25 @@ def work(tmp_path):
     return tmp_path
 
 
+def _through(template, cmd, fallback=False):
+    """``cmd`` as ``wcache run`` on ``template`` runs it."""
+    return [
+        sys.executable,
+        "-m",
+        "wcache.launcher",
+        "run",
+        "--socket-dir",
+        template,
+        *(() if fallback else ("--no-fallback",)),
+        "--",
+        *cmd,
+    ]
+
+
 def _run(cmd, cwd, env, template=None, stdin="", fallback=False, timeout=RUN_TIMEOUT_S):
     """Run ``cmd`` directly, or through ``wcache run`` on ``template``."""
     if template is not None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "wcache.launcher",
-            "run",
-            "--socket-dir",
-            template,
-            *(() if fallback else ("--no-fallback",)),
-            "--",
-            *cmd,
-        ]
+        cmd = _through(template, cmd, fallback)
     return subprocess.run(
         cmd, cwd=cwd, env=env, input=stdin, capture_output=True, text=True, timeout=timeout
     )
@@ -245,19 +250,7 @@ time.sleep(120)
 
 def _start_waiter(template, work, env, mode):
     (work / "waiter.py").write_text(WAITER)
-    cmd = [
-        sys.executable,
-        "-m",
-        "wcache.launcher",
-        "run",
-        "--no-fallback",
-        "--socket-dir",
-        template,
-        "--",
-        sys.executable,
-        "waiter.py",
-        mode,
-    ]
+    cmd = _through(template, [sys.executable, "waiter.py", mode])
     proc = subprocess.Popen(
         cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -323,19 +316,7 @@ def test_ignored_signals_stay_ignored(template, work, env):
         preexec_fn=_ignore_hup_and_int,
     )
     assert direct.stdout.startswith("ignored [True, True]\n"), direct.stderr
-    cmd = [
-        sys.executable,
-        "-m",
-        "wcache.launcher",
-        "run",
-        "--no-fallback",
-        "--socket-dir",
-        template,
-        "--",
-        sys.executable,
-        "ignoring.py",
-        "3",
-    ]
+    cmd = _through(template, [sys.executable, "ignoring.py", "3"])
     proc = subprocess.Popen(
         cmd,
         cwd=work,
@@ -357,20 +338,7 @@ def test_ignored_signal_reaches_a_handler_the_command_installs(template, work, e
     """A command that installs its own handler over an inherited SIG_IGN (uvicorn does
     for SIGINT) still gets the signal through `wcache run`, as a direct start would."""
     (work / "ignoring.py").write_text(IGNORING)
-    cmd = [
-        sys.executable,
-        "-m",
-        "wcache.launcher",
-        "run",
-        "--no-fallback",
-        "--socket-dir",
-        template,
-        "--",
-        sys.executable,
-        "ignoring.py",
-        "30",
-        "own-handler",
-    ]
+    cmd = _through(template, [sys.executable, "ignoring.py", "30", "own-handler"])
     proc = subprocess.Popen(
         cmd,
         cwd=work,

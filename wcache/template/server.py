@@ -869,8 +869,8 @@ def _child_main(
         signal.signal(signal.SIGINT, signal.default_int_handler)
         for sig in RESET_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
-        for sig in _ignored_signals(req):  # what the client ignores, as exec keeps SIG_IGN
-            signal.signal(sig, signal.SIG_IGN)
+        for ignored in _ignored_signals(req):  # what the client ignores, as exec keeps SIG_IGN
+            signal.signal(ignored, signal.SIG_IGN)
         entry = req["entry"]
         os.chdir(req["cwd"])
         env = {str(k): str(v) for k, v in req["env"].items()}
