@@ -212,8 +212,8 @@ def imported_distributions(
     """The installed distributions that own the top-level modules of ``modules``
     (names as in ``sys.modules``), but those owning ``exclude`` (stamped by
     :func:`package_stamp`): distribution name -> its ``RECORD``'s path, size and
-    mtime (ns). A distribution without a ``RECORD`` on disk (an egg, an editable
-    checkout's ``egg-link``) is left out.
+    mtime (ns). A distribution without a readable ``RECORD`` on disk (an egg, an
+    editable checkout's ``egg-link``) is left out.
 
     Source: ``importlib.metadata.packages_distributions`` (top-level module ->
     distribution names), ``Distribution.locate_file``.
@@ -225,9 +225,9 @@ def imported_distributions(
     for name in sorted({d for top in tops for d in owners.get(top, ())} - skip):
         try:
             dist = importlib.metadata.distribution(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        record = next((f for f in dist.files or () if f.name == _RECORD), None)
+            record = next((f for f in dist.files or () if f.name == _RECORD), None)
+        except (importlib.metadata.PackageNotFoundError, OSError, ValueError):
+            continue  # gone meanwhile, or a RECORD its own reader cannot parse: unstamped
         stat = _record_stat(str(dist.locate_file(record))) if record is not None else None
         if stat is not None:
             out[name] = stat
