@@ -300,6 +300,19 @@ def _ignore_hup_and_int() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _start_ignoring(cmd, work, env) -> subprocess.Popen:
+    """``cmd`` started with SIGHUP and SIGINT ignored, its output piped."""
+    return subprocess.Popen(
+        cmd,
+        cwd=work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_ignore_hup_and_int,
+    )
+
+
 def test_ignored_signals_stay_ignored(template, work, env):
     """Signals ignored by whoever starts `wcache run` are ignored in the child, as in a
     direct start (exec keeps SIG_IGN): `nohup wcache run -- ENGINE` survives the
@@ -317,15 +330,7 @@ def test_ignored_signals_stay_ignored(template, work, env):
     )
     assert direct.stdout.startswith("ignored [True, True]\n"), direct.stderr
     cmd = _through(template, [sys.executable, "ignoring.py", "3"])
-    proc = subprocess.Popen(
-        cmd,
-        cwd=work,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=_ignore_hup_and_int,
-    )
+    proc = _start_ignoring(cmd, work, env)
     assert _wait_line(proc, "ignored ") == "ignored [True, True]"
     _wait_line(proc, "pid ")
     proc.send_signal(signal.SIGHUP)
@@ -339,15 +344,7 @@ def test_ignored_signal_reaches_a_handler_the_command_installs(template, work, e
     for SIGINT) still gets the signal through `wcache run`, as a direct start would."""
     (work / "ignoring.py").write_text(IGNORING)
     cmd = _through(template, [sys.executable, "ignoring.py", "30", "own-handler"])
-    proc = subprocess.Popen(
-        cmd,
-        cwd=work,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=_ignore_hup_and_int,
-    )
+    proc = _start_ignoring(cmd, work, env)
     _wait_line(proc, "pid ")
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
