@@ -145,6 +145,8 @@ def test_template_help_describes_each_action_and_its_exit_codes(capsys):
     for action in ("start", "status", "stop"):
         assert f"\n  {action} " in actions
     assert "[template-start-failed]" in actions and "3 when none runs" in actions
+    # the raw formatter keeps lines as written: none runs past a terminal's width
+    assert max(len(line) for line in out.splitlines()) <= 80
 
 
 def test_every_command_describes_itself():

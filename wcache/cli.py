@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+import textwrap
 import traceback
 
 import wcache
@@ -688,31 +689,37 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "template",
         help="a pre-imported engine template: start | status | stop",
-        description="A long-lived process beside the daemon that imported torch, vLLM and what "
-        "an engine imports, with CUDA uninitialised; `wcache run -- CMD` forks an "
-        "engine from it, so a restart pays no import (docs/template.md). Start it "
-        "from the environment the engines run in: a command whose interpreter, "
-        "installs (wcache, vLLM, torch) or import-time variables differ is refused "
-        "(template-stale) and runs directly.",
+        # wrapped here: the raw formatter (for the epilog's columns) keeps lines as given
+        description=textwrap.fill(
+            "A long-lived process beside the daemon that imported torch, vLLM and what "
+            "an engine imports, with CUDA uninitialised; `wcache run -- CMD` forks an "
+            "engine from it, so a restart pays no import (docs/template.md). Start it "
+            "from the environment the engines run in: a command whose interpreter, "
+            "installs (wcache, vLLM, torch, any library it imported) or import-time "
+            "variables differ is refused (template-stale) and runs directly.",
+            79,
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="""actions:
-  start    import torch, vLLM and the preloads in a new process (its own session,
-           output in template.log beside its socket), return once it listens and
-           print its record (pid, import time, modules, RSS, threads, CUDA state);
-           --foreground makes this process the template. A preload that is not
-           installed is skipped and listed. Exit 0; 1 with [template-start-failed]
-           (a template already serves this socket dir, a preload initialised CUDA or
-           started a thread, the timeout passed)
-  status   print the running template's record, its children and whether it is
-           STALE (an install it imported changed since); exit 0, or 3 when none runs
+  start    import torch, vLLM and the preloads in a new process (its own
+           session, output in template.log beside its socket), return once it
+           listens and print its record (pid, import time, modules, RSS,
+           threads, CUDA state); --foreground makes this process the template.
+           A preload that is not installed is skipped and listed. Exit 0; 1
+           with [template-start-failed] (a template already serves this socket
+           dir, a preload initialised CUDA or started a thread, the timeout
+           passed)
+  status   print the running template's record, its children and whether it
+           is STALE (an install it imported changed since); exit 0, or 3 when
+           none runs
   stop     stop accepting; the template exits once its running children have.
            Exit 0, or 3 when none runs
 
 examples:
-  wcache template start                 # beside `wcache serve`, before the restart
+  wcache template start          # beside `wcache serve`, before the restart
   wcache run -- vllm serve /models/x --load-format wcache
   wcache template status
-  wcache template stop; wcache template start   # after upgrading vLLM, torch, ...""",
+  wcache template stop; wcache template start    # after an upgrade""",
     )
     p.add_argument("action", choices=("start", "status", "stop"))
     p.add_argument("--socket-dir", help="socket directory (default: the daemons')")
