@@ -520,26 +520,45 @@ def test_an_upgraded_library_the_template_imported_is_stale(tmp_path, work, env)
         shutil.rmtree(d, ignore_errors=True)
 
 
-def test_changed_install_refused(template, work, env):
+def test_changed_install_refused(tmp_path, work, env):
     """A wcache install changed since the template imported it (a file's mtime moved,
-    as an upgrade or an edit does) is template-stale (packages.wcache); restored, the
-    template serves again."""
-    victim = Path(wcache.__file__).resolve().parent / "template" / "__init__.py"
-    st = victim.stat()
+    as an upgrade or an edit does) is template-stale (packages.wcache), and `wcache
+    template status` says so with the fix; restored, the template serves again. On a
+    private copy of the wcache package, with its own template: moving the shared
+    tree's mtime would make every template other tests start meanwhile stale."""
+    site = tmp_path / "site"
+    shutil.copytree(
+        Path(wcache.__file__).resolve().parent,
+        site / "wcache",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    e = {**env, "PYTHONPATH": str(site)}
+    victim = site / "wcache" / "template" / "__init__.py"
     cmd = [sys.executable, "script.py", "0"]
+    status = [sys.executable, "-m", "wcache", "template", "status", "--socket-dir"]
+    d = tempfile.mkdtemp(prefix="wct-")
+    os.chmod(d, 0o700)
+    saved = dict(os.environ)
+    os.environ.update(e)
     try:
+        start_template(d, preload=["json"], platform_preload=False, timeout_s=RUN_TIMEOUT_S)
+        assert _run(cmd, work, e, d, stdin="x\n").returncode == 0
+        st = victim.stat()
         os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
-        refused = _run(cmd, work, env, template)
+        refused = _run(cmd, work, e, d)
         assert refused.returncode == REFUSED_EXIT
         assert "packages.wcache" in refused.stderr
-        # `wcache template status` says so too, with the fix
-        shown = format_status(template_status(template))
+        shown = _run([*status, d], work, e).stdout
         assert "STALE [template-stale]: packages.wcache," in shown
         assert "wcache template stop; wcache template start" in shown
-    finally:
         os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert _run(cmd, work, env, template).returncode == 0
-    assert "STALE" not in format_status(template_status(template))
+        assert _run(cmd, work, e, d, stdin="x\n").returncode == 0
+        assert "STALE" not in _run([*status, d], work, e).stdout
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        stop_template(d)
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_second_template_refused_naming_the_template(template):
