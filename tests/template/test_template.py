@@ -7,6 +7,7 @@ the engine's modules) serves every test of the module.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -71,6 +72,25 @@ def template(env):
     yield d
     stop_template(d)
     shutil.rmtree(d, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _own_template(environ, preload):
+    """A template of the test's own, importing only ``preload``, started under
+    ``environ`` (which stays this process's environment until the block ends, as
+    the clients' calls here read it); its socket dir."""
+    d = tempfile.mkdtemp(prefix="wct-")
+    os.chmod(d, 0o700)
+    saved = dict(os.environ)
+    os.environ.update(environ)
+    try:
+        start_template(d, preload=list(preload), platform_preload=False, timeout_s=RUN_TIMEOUT_S)
+        yield d
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        stop_template(d)
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture
@@ -499,12 +519,7 @@ def test_an_upgraded_library_the_template_imported_is_stale(tmp_path, work, env)
         "fakelib-1.0.dist-info/top_level.txt,,\nfakelib-1.0.dist-info/RECORD,,\n"
     )
     e = {**env, "PYTHONPATH": os.pathsep.join([env["PYTHONPATH"], str(site)])}
-    d = tempfile.mkdtemp(prefix="wct-")
-    os.chmod(d, 0o700)
-    saved = dict(os.environ)
-    os.environ.update(e)
-    try:
-        start_template(d, preload=["fakelib"], platform_preload=False, timeout_s=RUN_TIMEOUT_S)
+    with _own_template(e, ["fakelib"]) as d:
         cmd = [sys.executable, "script.py", "0"]
         assert _run(cmd, work, e, d, stdin="x\n").returncode == 0
         st = record.stat()
@@ -513,11 +528,6 @@ def test_an_upgraded_library_the_template_imported_is_stale(tmp_path, work, env)
         assert refused.returncode == REFUSED_EXIT
         assert "error [template-stale]" in refused.stderr and "packages.fakelib" in refused.stderr
         assert "STALE [template-stale]: packages.fakelib" in format_status(template_status(d))
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-        stop_template(d)
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_changed_install_refused(tmp_path, work, env):
@@ -536,12 +546,7 @@ def test_changed_install_refused(tmp_path, work, env):
     victim = site / "wcache" / "template" / "__init__.py"
     cmd = [sys.executable, "script.py", "0"]
     status = [sys.executable, "-m", "wcache", "template", "status", "--socket-dir"]
-    d = tempfile.mkdtemp(prefix="wct-")
-    os.chmod(d, 0o700)
-    saved = dict(os.environ)
-    os.environ.update(e)
-    try:
-        start_template(d, preload=["json"], platform_preload=False, timeout_s=RUN_TIMEOUT_S)
+    with _own_template(e, ["json"]) as d:
         assert _run(cmd, work, e, d, stdin="x\n").returncode == 0
         st = victim.stat()
         os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
@@ -554,11 +559,6 @@ def test_changed_install_refused(tmp_path, work, env):
         os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
         assert _run(cmd, work, e, d, stdin="x\n").returncode == 0
         assert "STALE" not in _run([*status, d], work, e).stdout
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-        stop_template(d)
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_second_template_refused_naming_the_template(template):
