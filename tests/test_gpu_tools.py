@@ -166,7 +166,7 @@ def test_pipeline_runs_its_stages_in_order_from_a_private_copy(tmp_path):
         "HOME": str(tmp_path),
     }
     res = subprocess.run(
-        ["bash", str(TOOLS / "pipeline.sh"), "features,moe-compiled,pairs=2,fresh-stacks,bogus"],
+        ["bash", str(TOOLS / "pipeline.sh"), "features=spec:lora,moe-compiled,pairs=2,fresh-stacks,bogus"],
         capture_output=True,
         text=True,
         env=env,
@@ -186,8 +186,10 @@ def test_pipeline_runs_its_stages_in_order_from_a_private_copy(tmp_path):
         for s in lines
         if not s.startswith(("fixtures", "8b checkpoint", "features still running"))
     ]
-    assert steps[0] == "stages: features,moe-compiled,pairs=2,fresh-stacks,bogus (vLLM 0.33.0)"
-    assert steps[1].startswith("features: started (session ")
+    assert steps[0] == (
+        "stages: features=spec:lora,moe-compiled,pairs=2,fresh-stacks,bogus (vLLM 0.33.0)"
+    )
+    assert steps[1].startswith("features: started (session ") and steps[1].endswith(": spec lora")
     assert steps[2:5] == ["moe-compiled: start", "moe-compiled: exit 0", "pairs: start (2 pairs)"]
     assert steps[-5:] == [
         "pairs: exit 0",

@@ -11,8 +11,9 @@
 #   moe-compiled    the compiled MoE tier rows (run-tier.sh -k "moe and compiled", 10 workers;
 #                   ~6 min for the ten rows on one H200, 2026-12-05)
 #   dense           the dense tier rows (not moe, no feature module; 12 workers)
-#   features        run-features.sh sleep spec lora, started beside the next tier stage and
-#                   stopped when that stage ends (sleep ~2.5 min, then spec, then LoRA)
+#   features[=M:M]  run-features.sh with those modules (default sleep:spec:lora), started beside
+#                   the next tier stage and stopped when that stage ends (sleep ~2.5 min, then
+#                   spec, then LoRA); features=spec:lora runs only those two, in that order
 #   arch=A,B,...    (use ':' between names: arch=deepseek_v2:llava) the architecture sweep of those
 #                   architectures, bf16 and online-fp8, 4 workers, beside the next tier stage
 #   gemma3-270m     the real Gemma 3 270M: its tier cases (-k gemma3) and its sweep rows (bf16,
@@ -78,9 +79,11 @@ tier() {  # name, run-tier.sh arguments...
 IFS=, read -r -a LIST <<< "$STAGES"
 for st in "${LIST[@]}"; do
   case "$st" in
-    features)
-      setsid bash tools/gpu/run-features.sh sleep spec lora > "$OUT/features-run.log" 2>&1 &
-      FEATURES=$!; log "features: started (session $FEATURES)" ;;
+    features|features=*)
+      mods=sleep:spec:lora; [[ $st == features=* ]] && mods=${st#features=}
+      IFS=: read -r -a MODS <<< "$mods"
+      setsid bash tools/gpu/run-features.sh "${MODS[@]}" > "$OUT/features-run.log" 2>&1 &
+      FEATURES=$!; log "features: started (session $FEATURES): ${MODS[*]}" ;;
     arch=*)
       archs=${st#arch=}; archs=${archs//:/,}
       ( python3 -m wcache.testing.arch_sweep --device cuda --archs "$archs" --formats bf16,online-fp8 \
