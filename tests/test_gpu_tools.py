@@ -166,7 +166,11 @@ def test_pipeline_runs_its_stages_in_order_from_a_private_copy(tmp_path):
         "HOME": str(tmp_path),
     }
     res = subprocess.run(
-        ["bash", str(TOOLS / "pipeline.sh"), "features=spec:lora,moe-compiled,pairs=2,fresh-stacks,bogus"],
+        [
+            "bash",
+            str(TOOLS / "pipeline.sh"),
+            "features=spec:lora,moe-compiled,pairs=2,fresh-stacks,bogus",
+        ],
         capture_output=True,
         text=True,
         env=env,
