@@ -188,7 +188,9 @@ def test_pipeline_runs_its_stages_in_order_from_a_private_copy(tmp_path):
     steps = [
         s
         for s in lines
-        if not s.startswith(("fixtures", "8b checkpoint", "features still running"))
+        if not s.startswith(
+            ("fixtures", "8b checkpoint", "primed snapshot", "features still running")
+        )
     ]
     assert steps[0] == (
         "stages: features=spec:lora,moe-compiled,pairs=2,fresh-stacks,bogus (vLLM 0.33.0)"
@@ -203,9 +205,11 @@ def test_pipeline_runs_its_stages_in_order_from_a_private_copy(tmp_path):
         "done",
     ]
     assert "8b checkpoint exit 0" in lines  # written beside the first stage
+    assert "primed snapshot exit 0" in lines  # then primed there, untimed
     text = calls.read_text()
     assert "-n 10 --dist load -k moe and compiled" in text
     assert "--rows disk-compiled-cold,fresh-node" in text and "--pairs 2" in text
     assert "--startup-plan" in text
+    assert "--startup-plan --prime-only" in text
     assert "--rows fresh-node --root" in text and "--stack-samples 0.1" in text
     assert os.path.isfile(run / "features-run.log")

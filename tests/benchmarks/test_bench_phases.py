@@ -964,6 +964,36 @@ def test_a_kept_snapshot_of_the_same_key_is_reused_and_a_changed_key_reprimes(
     assert len(first) == len(after) == 2 and first != after  # the dir and its record
 
 
+def test_prime_only_makes_the_snapshot_a_later_run_of_the_same_arguments_reuses(
+    tmp_path, monkeypatch, capsys
+):
+    """--prime-only starts the priming daemon once, runs no engine and prints the
+    snapshot's record; the timed run after it, same arguments and root, primes nothing."""
+    calls: list[dict] = []
+    _fake_fresh_node(monkeypatch, calls)
+    root, env = tmp_path / "root", {"VLLM_ENABLE_STARTUP_PLAN": "1"}
+    root.mkdir()
+    rc = bp.prime_only(tmp_path / "ckpt", [], ["--x"], "cuda", root, env, log=lambda m: None)
+    assert rc == 0 and calls == []
+    assert [("--prime-compile" in a) for a in _FakeDaemon.started] == [True]
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["reused"] is False and Path(record["snapshot"]).is_dir()
+    _FakeDaemon.started = []
+    rows, _ = bp.run(
+        ["fresh-node"], tmp_path / "ckpt", [], ["--x"], "cuda", tmp_path / "w",
+        log=lambda m: None, engine_env=env, snapshot_root=root,
+    )  # fmt: skip
+    assert rows[0]["prime"]["reused"] is True and rows[0]["prime"]["snapshot"] == record["snapshot"]
+    assert not any("--prime-compile" in a for a in _FakeDaemon.started)
+
+
+def test_prime_only_without_prime_compile_says_why(tmp_path, monkeypatch):
+    monkeypatch.setattr(bp, "prime_compile_supported", lambda: (False, "no --prime-compile"))
+    logged: list[str] = []
+    rc = bp.prime_only(tmp_path / "ckpt", [], [], "cuda", tmp_path, {}, log=logged.append)
+    assert rc == 2 and logged == ["--prime-only: no --prime-compile"]
+
+
 def test_a_template_row_whose_engine_ran_elsewhere_is_an_error(tmp_path, monkeypatch):
     """A fresh-node engine whose start mark is not the `wcache run` client's did not run
     in a template child: the row is an error, not a direct start counted as one."""

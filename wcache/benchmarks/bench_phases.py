@@ -1227,6 +1227,14 @@ def build_parser() -> argparse.ArgumentParser:
         "kept under --root for later runs of the same key",
     )
     p.add_argument(
+        "--prime-only",
+        action="store_true",
+        help="run no row: make (or find) the fresh-node rows' primed snapshot under "
+        "--root for these arguments, print its record and exit, so it can be made "
+        "beside other GPU work before the timed pairs (a later run of the same "
+        "arguments and --root reuses it: 'reusing the primed snapshot')",
+    )
+    p.add_argument(
         "--from-json",
         nargs="+",
         default=None,
@@ -1300,6 +1308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         pairs=args.pairs,
     )
 
+    if args.prime_only:
+        return prime_only(ckpt, engine_args, serve_args, device, root, engine_env)
+
     def results(rows: list[dict[str, Any]], daemon: Mapping[str, Any]) -> dict[str, Any]:
         return {"meta": meta, "daemon": dict(daemon), "rows": rows, "target": target_summary(rows)}
 
@@ -1319,6 +1330,45 @@ def main(argv: Sequence[str] | None = None) -> int:
             snapshot_root=root,
         )
     return _write_outputs(args, results(rows, daemon))
+
+
+def prime_only(
+    ckpt: Path,
+    engine_args: Sequence[str],
+    serve_args: Sequence[str],
+    device: str,
+    root: Path,
+    engine_env: Mapping[str, str],
+    log: Callable[[str], None] = _log,
+) -> int:
+    """``--prime-only``: the primed snapshot the fresh-node rows of a run with these
+    arguments would use, made under ``root`` (or found there, complete, with the same
+    key: :meth:`_Runner.primed_snapshot`), its record printed as JSON on stdout.
+    Timing nothing, it may share the GPU with other work.
+
+    Returns:
+        0 with the snapshot made or reused; 2 (the reason logged) where `wcache serve`
+        has no ``--prime-compile``.
+    """
+    ok, reason = prime_compile_supported()
+    if not ok:
+        log(f"--prime-only: {reason}")
+        return 2
+    with tempfile.TemporaryDirectory(prefix="nodes-", dir=root) as work:
+        runner = _Runner(
+            ckpt,
+            engine_args,
+            serve_args,
+            device,
+            Path(work),
+            log,
+            engine_env=engine_env,
+            snapshot_root=root,
+        )
+        snap, info = runner.primed_snapshot()
+    log(f"--prime-only: the primed snapshot is {snap}")
+    print(json.dumps(info, default=str))
+    return 0
 
 
 def _save(out: str | None, results: Mapping[str, Any]) -> None:
