@@ -13,6 +13,7 @@ import types
 import pytest
 
 from wcache.daemon import prime, serve
+from wcache.errors import PrimingFailed
 
 
 def _stub_server():
@@ -111,3 +112,25 @@ def test_wait_primed_returns_the_primed_line_and_refuses_a_failure():
     with pytest.raises(RuntimeError, match="did not prime"):
         d.wait_primed(timeout_s=60)
     assert time.monotonic() - t0 < 5
+
+
+def test_a_failed_priming_engine_names_its_root_cause(monkeypatch):
+    """vLLM's engine core prints the root cause (here vLLM's memory check) long before
+    the generic "Engine core initialization failed" that ends the log: the PrimingFailed
+    message carries that first traceback, not only the output tail."""
+    child = (
+        "import sys\n"
+        "try:\n"
+        "    raise ValueError('Free memory on device cuda:0 (20.1/79.2 GiB) on startup is less "
+        "than desired GPU memory utilization (0.3, 23.8 GiB)')\n"
+        "except ValueError:\n"
+        "    import traceback; traceback.print_exc()\n"
+        "print('noise ' * 2000)\n"
+        "sys.exit('RuntimeError: Engine core initialization failed. See root cause above.')\n"
+    )
+    monkeypatch.setattr(prime, "priming_command", lambda *a, **k: [sys.executable, "-c", child])
+    with pytest.raises(PrimingFailed) as e:
+        prime.prime_compile("m", [], socket_dir=None, timeout_s=60)
+    msg = str(e.value)
+    assert "ValueError: Free memory on device cuda:0" in msg
+    assert msg.rstrip().endswith("Engine core initialization failed. See root cause above.")

@@ -234,6 +234,31 @@ def _run_until_stopped(
     return rc, tail
 
 
+#: How much of the priming engine's log is searched for its first traceback (the root
+#: cause: vLLM's engine core prints it long before the generic error that ends the log).
+ROOT_CAUSE_SCAN_BYTES = 16 * 2**20
+
+
+def _engine_failure(rc: int, tail: str, out_dir: str) -> str:
+    """Why the priming engine failed: its exit status, the first traceback of its log
+    under ``out_dir`` (the root cause, e.g. vLLM's "Free memory on device ... is less
+    than desired GPU memory utilization"; its client's last lines only say "Engine
+    core initialization failed. See root cause above") and the log's tail."""
+    from wcache.daemon.process import first_traceback  # noqa: PLC0415 (process imports this module)
+
+    try:
+        with open(os.path.join(out_dir, "prime-engine.log"), "rb") as f:
+            cause = first_traceback(f.read(ROOT_CAUSE_SCAN_BYTES).decode(errors="replace"))
+    except OSError:
+        cause = None
+    if cause and cause not in tail:
+        return (
+            f"the priming engine exited {rc}; its first traceback:\n{cause}\n"
+            f"... its output tail: ...{tail}"
+        )
+    return f"the priming engine exited {rc}: ...{tail}"
+
+
 def prime_compile(
     model: str,
     rest: list[str],
@@ -279,7 +304,7 @@ def prime_compile(
         print("wcache: priming: compiling once (one engine against this daemon)", flush=True)
         rc, tail = _run_until_stopped(cmd, env, timeout_s, stop_requested, root)
         if rc != 0:
-            raise PrimingFailed(f"the priming engine exited {rc}: ...{tail}")
+            raise PrimingFailed(_engine_failure(rc, tail, root))
         try:
             with open(record) as f:
                 factors = json.load(f)
