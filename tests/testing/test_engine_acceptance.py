@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -37,12 +38,29 @@ def test_source_revision_without_git_is_none(monkeypatch):
 def test_record_result_appends_the_row_with_time_and_revision(tmp_path, monkeypatch):
     """One line per row: the row's fields, the time and the checkout's revision."""
     monkeypatch.setattr(ea, "source_revision", lambda: {"git": "abc", "git_dirty": False})
+    monkeypatch.setattr(ea, "gpu_name", lambda: "NVIDIA H200")
     out = tmp_path / "r.jsonl"
     ea.record_result({"case": "a", "outcome": "restored"}, out)
     ea.record_result({"case": "b", "outcome": "failed"}, out)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["case"], r["outcome"], r["git"], r["git_dirty"]) for r in rows] == [
-        ("a", "restored", "abc", False),
-        ("b", "failed", "abc", False),
+    assert [(r["case"], r["outcome"], r["git"], r["git_dirty"], r["device"]) for r in rows] == [
+        ("a", "restored", "abc", False, "NVIDIA H200"),
+        ("b", "failed", "abc", False, "NVIDIA H200"),
     ]
     assert all(r["time"].endswith("Z") for r in rows)
+
+
+def test_gpu_name_asks_nvidia_smi_for_the_first_visible_device(tmp_path, monkeypatch):
+    """The GPU of the first CUDA_VISIBLE_DEVICES entry, from nvidia-smi; None without it."""
+    stub = tmp_path / "nvidia-smi"
+    stub.write_text('#!/bin/sh\necho "$*" > "$(dirname "$0")/args"; echo "NVIDIA H100 80GB HBM3"\n')
+    stub.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    ea.gpu_name.cache_clear()
+    assert ea.gpu_name() == "NVIDIA H100 80GB HBM3"
+    assert (tmp_path / "args").read_text().split()[-2:] == ["-i", "3"]
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    ea.gpu_name.cache_clear()
+    assert ea.gpu_name() is None
+    ea.gpu_name.cache_clear()

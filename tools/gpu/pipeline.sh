@@ -22,7 +22,8 @@
 #   pairs=N         the fresh-node pairs of issue 48 (bench-phases.sh disk-compiled-cold,fresh-node,
 #                   PAIRS=N, startup plan on), alone on the GPU, ~3 min a pair: the 8B checkpoint
 #                   (~30 s) and the primed snapshot (~170 s, `bench --phases --prime-only`) are
-#                   made beside the first stage, untimed
+#                   made beside the first stage, untimed (on an H100, 2026-12-05, that priming
+#                   failed beside the 10-worker MoE tier; then the pairs stage primes alone)
 #   fresh-stacks    one fresh-node row (the primed snapshot reused, or made) with every engine
 #                   process's Python stacks sampled every $STACK_SAMPLES s (default 0.1): where
 #                   the fresh node's "other" (~4 s: engine-core start, worker init) goes; read with

@@ -352,7 +352,17 @@ REAL_ENGINE_RESULTS: dict[str, tuple[str, str]] = {
         "channel and tensor, online), whose parameter records changed at b1a6381, and "
         "GPT-OSS MXFP4 and NVFP4 MoE on Marlin; the two GPTQ rows vLLM refuses "
         "(sym=False) again not-runnable. The call's device time ran out before "
-        "moe-gpt_oss-mxfp4-b-marlin-compiled ended: its rerun is still pending",
+        "moe-gpt_oss-mxfp4-b-marlin-compiled ended: its rerun is still pending. With the "
+        "checkout of commit cb25101 (2026-12-05T12:12Z-12:23Z; the rows say f26e98e with "
+        "`git_dirty` true: the device machine's copy kept the session's first commit, and "
+        "the two commits between touched only tools/gpu and the bench), **on an H100 80GB HBM3** "
+        "(no H200 could be started that session; `device` added to the rows from the "
+        "tier's own log line, `torch 2.11.0+cu130 vllm 0.33.0 NVIDIA H100 80GB HBM3`), "
+        "under the full verify, 10 workers: the ten compiled MoE rows, every one "
+        "`restored` with verify exit 0, moe-gpt_oss-mxfp4-b-marlin-compiled included. The "
+        "table shows each case's last row: the other nine had restored on the H200 before, "
+        "under the earlier verify, and GPT-OSS's four loads gave identical tokens there "
+        "(those rows stay in the file)",
     ),
 }
 
@@ -409,7 +419,9 @@ def _real_engine_section(version: str, rows: list[dict]) -> list[str]:
         "`restored` (disk, no-daemon fallback, daemon and a second engine give the disk "
         "load's greedy tokens, or top-5 logprobs close, and `wcache verify` passes); "
         "`refused` (`wcache serve` refused before serving; the fallback load equals "
-        "disk); `not-runnable` (vLLM's own disk load fails on sm90); `failed`.",
+        "disk); `not-runnable` (vLLM's own disk load fails on sm90); `failed`. An "
+        "outcome that names a GPU ran on that one (the `device` its row records: an H100 "
+        "when no H200 was lent); every other row ran on the H200.",
         "",
         "Cases of tests/gpu_engine that have no row here were not run on the H200 for "
         "this record. vLLM's own \"Model loading took\" seconds are SmolLM2's, with 10 "
@@ -443,8 +455,10 @@ def _real_engine_section(version: str, rows: list[dict]) -> list[str]:
             None,
         )
         timing = "-" if disk is None or daemon is None else f"{disk:.2f} / {daemon:.2f}"
+        device = row.get("device") or ""
+        outcome = row["outcome"] + (f" ({device})" if device and "H200" not in device else "")
         lines.append(
-            f"| {_case_label(row)} | {row['outcome']} | {plans or '-'} | {reason} | "
+            f"| {_case_label(row)} | {outcome} | {plans or '-'} | {reason} | "
             f"{row.get('transport') or '-'} | {timing} | "
             f"{'-' if restore is None else f'{restore:.3f}'} |"
         )

@@ -49,6 +49,7 @@ benchmark (:mod:`wcache.benchmarks.bench_engine_cuda`).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -635,10 +636,31 @@ def source_revision() -> dict[str, Any]:
     }
 
 
+@functools.cache
+def gpu_name() -> str | None:
+    """The name of the GPU the engines run on (``nvidia-smi``'s, of the first device
+    ``CUDA_VISIBLE_DEVICES`` names, else device 0), e.g. ``NVIDIA H200``; ``None``
+    without ``nvidia-smi`` (a CPU host). Asked of ``nvidia-smi``, not torch, so the
+    test process creates no CUDA context of its own."""
+    index = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip() or "0"
+    try:
+        proc = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", index],
+            capture_output=True,
+            text=True,
+            timeout=GIT_TIMEOUT_S,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    name = proc.stdout.strip().splitlines()
+    return name[0].strip() if proc.returncode == 0 and name else None
+
+
 def record_result(row: Mapping[str, Any], path: str | os.PathLike | None = None) -> Path:
     """Append one case's row to ``path`` (default ``$WCACHE_GPU_ENGINE_RESULTS``), with
-    the time and the checkout (:func:`source_revision`), one ``write`` of one line on
-    an ``O_APPEND`` file, so parallel test workers can share it.
+    the time, the checkout (:func:`source_revision`) and the GPU (``device``:
+    :func:`gpu_name`), one ``write`` of one line on an ``O_APPEND`` file, so parallel
+    test workers can share it.
 
     Returns:
         The results file.
@@ -650,6 +672,7 @@ def record_result(row: Mapping[str, Any], path: str | os.PathLike | None = None)
             {
                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 **source_revision(),
+                "device": gpu_name(),
                 **row,
             },
             sort_keys=True,
