@@ -188,9 +188,7 @@ def test_pipeline_runs_its_stages_in_order_from_a_private_copy(tmp_path):
     steps = [
         s
         for s in lines
-        if not s.startswith(
-            ("fixtures", "8b checkpoint", "primed snapshot", "features still running")
-        )
+        if not s.startswith(("fixtures", "8b checkpoint", "features still running"))
     ]
     assert steps[0] == (
         "stages: features=spec:lora,moe-compiled,pairs=2,fresh-stacks,bogus (vLLM 0.33.0)"
@@ -205,11 +203,49 @@ def test_pipeline_runs_its_stages_in_order_from_a_private_copy(tmp_path):
         "done",
     ]
     assert "8b checkpoint exit 0" in lines  # written beside the first stage
-    assert "primed snapshot exit 0" in lines  # then primed there, untimed
+    assert "--prime-only" not in calls.read_text()  # primed alone, by the pairs stage
     text = calls.read_text()
     assert "-n 10 --dist load -k moe and compiled" in text
     assert "--rows disk-compiled-cold,fresh-node" in text and "--pairs 2" in text
     assert "--startup-plan" in text
-    assert "--startup-plan --prime-only" in text
     assert "--rows fresh-node --root" in text and "--stack-samples 0.1" in text
     assert os.path.isfile(run / "features-run.log")
+
+
+def test_bench_phases_passes_prime_only_and_the_startup_plan(tmp_path):
+    """bench-phases.sh: PRIME_ONLY=1 adds --prime-only (the primed snapshot only, for a
+    later call's pairs), STARTUP_PLAN=1 --startup-plan; neither is passed unasked.
+    python3 and nvidia-smi are stubs: the command is checked, not run."""
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    calls = tmp_path / "calls.log"
+    for name in ("python3", "nvidia-smi"):
+        (stub / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\nexit 0\n')
+        (stub / name).chmod(0o755)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / ".wcache-gpu-ready").write_text("0.33.0\n")
+    env = {
+        "PATH": f"{stub}:/usr/bin:/bin",
+        "WCACHE_GPU_SITE": str(site),
+        "OUT": str(tmp_path / "out"),
+        "HOME": str(tmp_path),
+    }
+
+    def bench_call(extra: dict[str, str]) -> str:
+        calls.write_text("")
+        res = subprocess.run(
+            ["bash", str(TOOLS / "bench-phases.sh"), "fresh-node"],
+            capture_output=True,
+            text=True,
+            env={**env, **extra},
+            timeout=60,
+        )
+        assert res.returncode == 0, res.stderr
+        return next(ln for ln in calls.read_text().splitlines() if "bench --phases" in ln)
+
+    primed = bench_call({"PRIME_ONLY": "1", "STARTUP_PLAN": "1"})
+    assert "--prime-only" in primed and "--startup-plan" in primed
+    plain = bench_call({})
+    assert "--prime-only" not in plain and "--startup-plan" not in plain
+    assert "--rows fresh-node" in plain

@@ -10,7 +10,8 @@
 #   (seconds, default 580), OUT_NAME (output files' name, default
 #   phases-h200; the engines' whole logs go to $OUT/$OUT_NAME.logs/), STACK_SAMPLES (seconds:
 #   also sample every engine process's Python stacks there; python -m wcache.benchmarks.stacks),
-#   STARTUP_PLAN=1 (--startup-plan: VLLM_ENABLE_STARTUP_PLAN=1 on every engine). The logs
+#   STARTUP_PLAN=1 (--startup-plan: VLLM_ENABLE_STARTUP_PLAN=1 on every engine), PRIME_ONLY=1
+#   (--prime-only: only make the fresh-node rows' primed snapshot, for a later call). The logs
 #   folder is packed into $OUT/$OUT_NAME.logs.tgz (the device tool brings back 8 files at most).
 #
 # Cost on one H200 (measured 2026-12-02, vLLM 0.33.0): the 8B checkpoint, disk-eager,
@@ -29,6 +30,8 @@
 # ~3 min (disk-compiled-cold ~120 s; the fresh node's daemon and template start side by side,
 # ~30 s, then its engine). On a fresh machine:
 #   call 1: OUT_NAME=pairs-a PAIRS=1 STARTUP_PLAN=1 BENCH_TIMEOUT=575 bash tools/gpu/bench-phases.sh disk-compiled-cold,fresh-node
+#           (or PRIME_ONLY=1 STARTUP_PLAN=1 bash tools/gpu/bench-phases.sh: the checkpoint and the
+#           primed snapshot only, ~270 s, then every later call runs pairs)
 #   call 2: OUT_NAME=pairs-b PAIRS=3 STARTUP_PLAN=1 BENCH_TIMEOUT=575 bash tools/gpu/bench-phases.sh disk-compiled-cold,fresh-node
 #   then (anywhere): wcache bench --phases --from-json pairs-a.json pairs-b.json --out pairs.json \
 #     --markdown pairs.md --plot pairs.png      (every pair of every call counts once)
@@ -46,7 +49,7 @@ timeout "${BENCH_TIMEOUT:-580}" python3 -m wcache.cli bench --phases --device cu
     --root "${WCACHE_BENCH_DIR:-/tmp/wcache-phases}" --out "$OUT/${OUT_NAME:-phases-h200}.json" \
     --markdown "$OUT/${OUT_NAME:-phases-h200}.md" --plot "$OUT/${OUT_NAME:-phases-h200}.png" \
     ${STACK_SAMPLES:+--stack-samples "$STACK_SAMPLES"} $([ "${STARTUP_PLAN:-0}" = 1 ] && echo --startup-plan) \
-    --pairs "${PAIRS:-1}" \
+    --pairs "${PAIRS:-1}" $([ "${PRIME_ONLY:-0}" = 1 ] && echo --prime-only) \
     2>&1 | tee "$OUT/phases.log" | tail -60
 logs=${OUT_NAME:-phases-h200}.logs
 if [ -d "$OUT/$logs" ]; then

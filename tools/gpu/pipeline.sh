@@ -20,17 +20,15 @@
 #                   online-fp8, fp8, ct_w8a8_fp8); needs a WCACHE_GPU_GEMMA3=1 bundle
 #   arch-all        the whole architecture sweep (--resume over arch-sweep-cuda.jsonl), 16 workers
 #   pairs=N         the fresh-node pairs of issue 48 (bench-phases.sh disk-compiled-cold,fresh-node,
-#                   PAIRS=N, startup plan on), alone on the GPU, ~3 min a pair: the 8B checkpoint
-#                   (~30 s) and the primed snapshot (~170 s, `bench --phases --prime-only`) are
-#                   made beside the first stage, untimed (on an H100, 2026-12-05, that priming
-#                   failed beside the 10-worker MoE tier; then the pairs stage primes alone)
+#                   PAIRS=N, startup plan on), alone on the GPU: the 8B checkpoint (~30 s when
+#                   written beside a tier stage), the primed snapshot (~170 s, alone: see below),
+#                   ~3 min a pair (on an H100 80GB, 2026-12-05: the disk row 146 s)
 #   fresh-stacks    one fresh-node row (the primed snapshot reused, or made) with every engine
 #                   process's Python stacks sampled every $STACK_SAMPLES s (default 0.1): where
 #                   the fresh node's "other" (~4 s: engine-core start, worker init) goes; read with
 #                   python -m wcache.benchmarks.stacks fresh-stacks.logs/fresh-node.stacks --timeline
-# Side stages (features, arch=) start with the next tier stage; the 8B checkpoint and primed
-# snapshot of a later pairs or fresh-stacks stage are made beside the first stage. Each
-# stage's start and exit go to pipe.log.
+# Side stages (features, arch=) start with the next tier stage; the 8B checkpoint of a later
+# pairs stage is written beside the first stage. Each stage's start and exit go to pipe.log.
 # Example (2026-12-05's plan): bash tools/gpu/pipeline.sh features,arch=deepseek_v2:deepseek_v3:llava:gemma3,moe-compiled,pairs=4
 set -uo pipefail
 STAGES=${1:?stages, e.g. moe-compiled,pairs=3}
@@ -58,13 +56,11 @@ log "fixtures exit $?"
 SIDE=()       # pids of side stages waiting for a tier stage to end
 FEATURES=""   # the features stage's session id (stopped when its tier stage ends)
 if [[ ",$STAGES," == *",pairs="* || ",$STAGES," == *",fresh-stacks,"* ]]; then
+  # the primed snapshot is not made here: beside the tier its priming engine finds the GPU
+  # shared (on an H100, 2026-12-05, it failed to start) and vLLM's startup plan would
+  # record that busy GPU's free memory for the fresh nodes; the pairs stage primes alone
   ( python3 -c "from pathlib import Path; from wcache.benchmarks.bench_phases import model_setup; model_setup('8b', 'cuda', Path('${WCACHE_BENCH_DIR:-/tmp/wcache-phases}'))" > "$OUT/ckpt8b.log" 2>&1
-    log "8b checkpoint exit $?"
-    # the pairs' primed snapshot, untimed, beside the tier (bench-phases.sh's later run of
-    # the same arguments reuses it; where this one fails, that run primes its own)
-    python3 -m wcache.cli bench --phases --device cuda --root "${WCACHE_BENCH_DIR:-/tmp/wcache-phases}" \
-      --startup-plan --prime-only > "$OUT/prime.log" 2>&1
-    log "primed snapshot exit $?" ) &
+    log "8b checkpoint exit $?" ) &
   SIDE+=($!)
 fi
 end_side() {  # after a tier stage: wait for the side stages, stop the features

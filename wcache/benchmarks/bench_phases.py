@@ -1230,9 +1230,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--prime-only",
         action="store_true",
         help="run no row: make (or find) the fresh-node rows' primed snapshot under "
-        "--root for these arguments, print its record and exit, so it can be made "
-        "beside other GPU work before the timed pairs (a later run of the same "
-        "arguments and --root reuses it: 'reusing the primed snapshot')",
+        "--root for these arguments, print its record and exit, so the priming can be "
+        "a device call of its own before the timed pairs (a later run of the same "
+        "arguments and --root reuses it: 'reusing the primed snapshot'). Give the "
+        "priming the GPU alone: with --startup-plan its engine records the free "
+        "memory the fresh nodes' plan starts from",
     )
     p.add_argument(
         "--from-json",
@@ -1344,7 +1346,8 @@ def prime_only(
     """``--prime-only``: the primed snapshot the fresh-node rows of a run with these
     arguments would use, made under ``root`` (or found there, complete, with the same
     key: :meth:`_Runner.primed_snapshot`), its record printed as JSON on stdout.
-    Timing nothing, it may share the GPU with other work.
+    It times nothing, but should have the GPU alone: its engine's startup plan (with
+    ``VLLM_ENABLE_STARTUP_PLAN``) records the free memory the fresh nodes start from.
 
     Returns:
         0 with the snapshot made or reused; 2 (the reason logged) where `wcache serve`
