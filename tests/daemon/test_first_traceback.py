@@ -3,7 +3,7 @@ than the lines it keeps (the H200's GPT-OSS MXFP4 failure ended at a caret line)
 
 from __future__ import annotations
 
-from wcache.daemon.process import MAX_TRACEBACK_LINES, first_traceback
+from wcache.daemon.tracebacks import MAX_TRACEBACK_LINES, first_traceback
 
 
 def _frames(n: int) -> list[str]:

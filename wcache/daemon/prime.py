@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from wcache.daemon.tracebacks import first_traceback
 from wcache.errors import PrimingFailed
 
 __all__ = [
@@ -244,8 +245,6 @@ def _engine_failure(rc: int, tail: str, out_dir: str) -> str:
     under ``out_dir`` (the root cause, e.g. vLLM's "Free memory on device ... is less
     than desired GPU memory utilization"; its client's last lines only say "Engine
     core initialization failed. See root cause above") and the log's tail."""
-    from wcache.daemon.process import first_traceback  # noqa: PLC0415 (process imports this module)
-
     try:
         with open(os.path.join(out_dir, "prime-engine.log"), "rb") as f:
             cause = first_traceback(f.read(ROOT_CAUSE_SCAN_BYTES).decode(errors="replace"))

