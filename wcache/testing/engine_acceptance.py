@@ -636,6 +636,11 @@ def source_revision() -> dict[str, Any]:
     }
 
 
+#: ``nvidia-smi`` answers in well under a second; a hung driver query must not hold a
+#: results row back longer than this (seconds).
+NVIDIA_SMI_TIMEOUT_S = 30.0
+
+
 @functools.cache
 def gpu_name() -> str | None:
     """The name of the GPU the engines run on (``nvidia-smi``'s, of the first device
@@ -648,7 +653,7 @@ def gpu_name() -> str | None:
             ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", index],
             capture_output=True,
             text=True,
-            timeout=GIT_TIMEOUT_S,
+            timeout=NVIDIA_SMI_TIMEOUT_S,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
