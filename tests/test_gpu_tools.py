@@ -214,7 +214,8 @@ def test_pipeline_runs_its_stages_in_order_from_a_private_copy(tmp_path):
 
 def test_bench_phases_passes_prime_only_and_the_startup_plan(tmp_path):
     """bench-phases.sh: PRIME_ONLY=1 adds --prime-only (the primed snapshot only, for a
-    later call's pairs), STARTUP_PLAN=1 --startup-plan; neither is passed unasked.
+    later call's pairs), STARTUP_PLAN=1 --startup-plan, MEGA_AOT=1 --mega-aot-artifact;
+    none is passed unasked.
     python3 and nvidia-smi are stubs: the command is checked, not run."""
     stub = tmp_path / "bin"
     stub.mkdir()
@@ -244,8 +245,10 @@ def test_bench_phases_passes_prime_only_and_the_startup_plan(tmp_path):
         assert res.returncode == 0, res.stderr
         return next(ln for ln in calls.read_text().splitlines() if "bench --phases" in ln)
 
-    primed = bench_call({"PRIME_ONLY": "1", "STARTUP_PLAN": "1"})
+    primed = bench_call({"PRIME_ONLY": "1", "STARTUP_PLAN": "1", "MEGA_AOT": "1"})
     assert "--prime-only" in primed and "--startup-plan" in primed
+    assert "--mega-aot-artifact" in primed
     plain = bench_call({})
     assert "--prime-only" not in plain and "--startup-plan" not in plain
+    assert "--mega-aot-artifact" not in plain
     assert "--rows fresh-node" in plain

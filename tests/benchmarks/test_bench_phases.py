@@ -851,13 +851,15 @@ class _FakeDaemon:
     """DaemonProcess for the fresh-node rows: writes the --snapshot dir when priming."""
 
     started: ClassVar[list[list[str]]] = []
+    envs: ClassVar[list[dict[str, str]]] = []
 
     def __init__(self, ckpt, sock, env=None, extra_args=()):
-        self.socket_dir, self.args = sock, list(extra_args)
+        self.socket_dir, self.args, self.env = sock, list(extra_args), dict(env or {})
         self.ready_s, self.ready_lines = 1.5, ["ready"]
 
     def __enter__(self):
         _FakeDaemon.started.append(self.args)
+        _FakeDaemon.envs.append(self.env)
         if "--snapshot" in self.args:
             Path(self.args[self.args.index("--snapshot") + 1]).mkdir(parents=True)
         return self
@@ -871,7 +873,7 @@ class _FakeDaemon:
 
 def _fake_fresh_node(monkeypatch, calls: list[dict], source: str = "wcache-run-client"):
     """Fake daemons, template and engines; each engine call's kwargs go to ``calls``."""
-    _FakeDaemon.started = []
+    _FakeDaemon.started, _FakeDaemon.envs = [], []
     monkeypatch.setattr("wcache.daemon.process.DaemonProcess", _FakeDaemon)
     monkeypatch.setattr(bp, "prime_compile_supported", lambda: (True, ""))
     templates: list[dict] = []
@@ -985,6 +987,32 @@ def test_prime_only_makes_the_snapshot_a_later_run_of_the_same_arguments_reuses(
     )  # fmt: skip
     assert rows[0]["prime"]["reused"] is True and rows[0]["prime"]["snapshot"] == record["snapshot"]
     assert not any("--prime-compile" in a for a in _FakeDaemon.started)
+
+
+def test_mega_aot_artifact_goes_to_every_engine_and_the_priming_engine(tmp_path, monkeypatch):
+    """--mega-aot-artifact sets vLLM's VLLM_USE_MEGA_AOT_ARTIFACT=1 on the engines and on
+    the priming daemon (its engine compiles what the fresh node loads: the switch is in
+    vLLM's compile key), and a snapshot primed without it is not reused with it."""
+    from wcache.vllm.startup import MEGA_AOT_ENV
+
+    calls: list[dict] = []
+    _fake_fresh_node(monkeypatch, calls)
+    env = {**bp.startup_plan_env(), **bp.mega_aot_env()}
+    assert bp.mega_aot_env() == {MEGA_AOT_ENV: "1"} == {"VLLM_USE_MEGA_AOT_ARTIFACT": "1"}
+    common = dict(log=lambda m: None, snapshot_root=tmp_path / "root")
+    bp.run(["fresh-node"], tmp_path / "ckpt", [], [], "cuda", tmp_path / "w1", **common)
+    rows, _ = bp.run(
+        ["disk-compiled-cold", "fresh-node"], tmp_path / "ckpt", [], [], "cuda", tmp_path / "w2",
+        engine_env=env, **common,
+    )  # fmt: skip
+    assert all("error" not in r for r in rows)
+    assert rows[1]["prime"]["reused"] is False  # primed without the switch: primed again
+    primes = [e for a, e in zip(_FakeDaemon.started, _FakeDaemon.envs) if "--prime-compile" in a]
+    assert [e.get(MEGA_AOT_ENV) for e in primes] == [None, "1"]
+    assert [c["env"].get(MEGA_AOT_ENV) for c in calls] == [None, "1", "1"]
+    args = bp.build_parser().parse_args(["--mega-aot-artifact", "--startup-plan"])
+    assert args.mega_aot_artifact and args.startup_plan
+    assert "VLLM_USE_MEGA_AOT_ARTIFACT=1" in bp.build_parser().format_help()
 
 
 def test_prime_only_without_prime_compile_says_why(tmp_path, monkeypatch):

@@ -10,7 +10,8 @@
 #   (seconds, default 580), OUT_NAME (output files' name, default
 #   phases-h200; the engines' whole logs go to $OUT/$OUT_NAME.logs/), STACK_SAMPLES (seconds:
 #   also sample every engine process's Python stacks there; python -m wcache.benchmarks.stacks),
-#   STARTUP_PLAN=1 (--startup-plan: VLLM_ENABLE_STARTUP_PLAN=1 on every engine), PRIME_ONLY=1
+#   STARTUP_PLAN=1 (--startup-plan: VLLM_ENABLE_STARTUP_PLAN=1 on every engine), MEGA_AOT=1
+#   (--mega-aot-artifact: VLLM_USE_MEGA_AOT_ARTIFACT=1 on every engine and the priming one), PRIME_ONLY=1
 #   (--prime-only: only make the fresh-node rows' primed snapshot, for a later call). The logs
 #   folder is packed into $OUT/$OUT_NAME.logs.tgz (the device tool brings back 8 files at most).
 #
@@ -50,6 +51,7 @@ timeout "${BENCH_TIMEOUT:-580}" python3 -m wcache.cli bench --phases --device cu
     --markdown "$OUT/${OUT_NAME:-phases-h200}.md" --plot "$OUT/${OUT_NAME:-phases-h200}.png" \
     ${STACK_SAMPLES:+--stack-samples "$STACK_SAMPLES"} $([ "${STARTUP_PLAN:-0}" = 1 ] && echo --startup-plan) \
     --pairs "${PAIRS:-1}" $([ "${PRIME_ONLY:-0}" = 1 ] && echo --prime-only) \
+    $([ "${MEGA_AOT:-0}" = 1 ] && echo --mega-aot-artifact) \
     2>&1 | tee "$OUT/phases.log" | tail -60
 logs=${OUT_NAME:-phases-h200}.logs
 if [ -d "$OUT/$logs" ]; then

@@ -22,7 +22,9 @@
 #   pairs=N         the fresh-node pairs of issue 48 (bench-phases.sh disk-compiled-cold,fresh-node,
 #                   PAIRS=N, startup plan on), alone on the GPU: the 8B checkpoint (~30 s when
 #                   written beside a tier stage), the primed snapshot (~170 s, alone: see below),
-#                   ~3 min a pair (on an H100 80GB, 2026-12-05: the disk row 146 s)
+#                   ~3 min a pair (on an H100 80GB, 2026-12-05: the disk row 131-146 s, the
+#                   fresh node 23-24 s); MEGA_AOT=1 in the environment: vLLM's mega AOT
+#                   artifact on every engine (bench-phases.sh)
 #   fresh-stacks    one fresh-node row (the primed snapshot reused, or made) with every engine
 #                   process's Python stacks sampled every $STACK_SAMPLES s (default 0.1): where
 #                   the fresh node's "other" (~4 s: engine-core start, worker init) goes; read with

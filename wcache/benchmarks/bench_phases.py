@@ -513,7 +513,9 @@ class _Runner:
             prime = DaemonProcess(
                 self.ckpt,
                 sock,
-                env=cache_env(self.node("prime", True)),
+                # the engines' switches too: the priming engine compiles what they load
+                # (vLLM's compile key covers VLLM_USE_MEGA_AOT_ARTIFACT)
+                env={**cache_env(self.node("prime", True)), **self.engine_env},
                 extra_args=[
                     *self.serve_args,
                     *vllm_engine_args(list(self.engine_args)),
@@ -729,7 +731,8 @@ def run(
     (results survive a timeout); with ``log_dir`` every engine's whole output is kept
     there (``ROW.log``, ``ROW.pN.log`` from the second pair on), and with
     ``stack_samples_s`` > 0 its processes' stack samples (every that many seconds).
-    ``engine_env`` goes into every engine's environment (``--startup-plan``). The
+    ``engine_env`` goes into every engine's environment and the priming daemon's
+    (``--startup-plan``, ``--mega-aot-artifact``). The
     fresh-node rows' primed snapshot is made once, kept under ``snapshot_root``
     (default ``work``) and reused there by a later run of the same key.
 
@@ -902,6 +905,15 @@ def startup_plan_env() -> dict[str, str]:
     from wcache.vllm.startup import STARTUP_PLAN_ENV  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     return {STARTUP_PLAN_ENV: "1"}
+
+
+def mega_aot_env() -> dict[str, str]:
+    """The engines' environment of --mega-aot-artifact: vLLM's mega AOT artifact
+    (:data:`wcache.vllm.startup.MEGA_AOT_ENV`) on, as vLLM's default has it from
+    torch 2.12."""
+    from wcache.vllm.startup import MEGA_AOT_ENV  # noqa: PLC0415 (torch import ~2 s: only when called)
+
+    return {MEGA_AOT_ENV: "1"}
 
 
 def _meta_value(meta: Mapping[str, Any], key: str) -> Any:
@@ -1208,6 +1220,15 @@ def build_parser() -> argparse.ArgumentParser:
         "skips that profiling. Recorded in the JSON (meta.engine_env)",
     )
     p.add_argument(
+        "--mega-aot-artifact",
+        action="store_true",
+        help="set VLLM_USE_MEGA_AOT_ARTIFACT=1 on every engine and the priming engine "
+        "(vLLM's default from torch 2.12; off with torch 2.11): the AOT artifact then "
+        "holds Inductor's compiled pieces, and its load rebuilds the compiled model from "
+        "them without re-running vLLM's backend over the graph. A compile-cache factor: "
+        "the primed snapshot is made with it. Recorded in the JSON (meta.engine_env)",
+    )
+    p.add_argument(
         "--stack-samples",
         type=float,
         default=0.0,
@@ -1301,7 +1322,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     ckpt, engine_args, serve_args = model_setup(kind, device, root, args.model)
     meta = _meta(device, kind if args.model is None else "custom", ckpt, argv)
-    engine_env = startup_plan_env() if args.startup_plan else {}
+    engine_env = {
+        **(startup_plan_env() if args.startup_plan else {}),
+        **(mega_aot_env() if args.mega_aot_artifact else {}),
+    }
     meta.update(
         engine_args=engine_args,
         serve_args=serve_args,

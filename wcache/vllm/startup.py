@@ -85,6 +85,7 @@ __all__ = [
     "COMPILE_DIR",
     "STARTUP_PLAN_DIR",
     "STARTUP_PLAN_ENV",
+    "MEGA_AOT_ENV",
     "SKIP_PLAN_BUDGET",
     "PLAN_FREE_MEMORY_TOLERANCE",
 ]
@@ -114,6 +115,15 @@ SKIP_PLAN_BUDGET = "startup-plan-other-gpu-memory-utilization"
 TRITON_GROUP_PREFIX = "__grp__"
 #: The variable that turns vLLM's startup plan on (vllm/envs.py; ignored by older vLLM).
 STARTUP_PLAN_ENV = "VLLM_ENABLE_STARTUP_PLAN"
+#: vLLM's switch for the "mega" AOT artifact (vllm/envs.py ``use_mega_aot_artifact``:
+#: on by default only with torch >= 2.12 and AOT compile on; vLLM 0.33 + torch 2.11, the
+#: CUDA machine's, leave it off). With it the AOT artifact holds Inductor's
+#: standalone-compile artifacts of every piece, and its load rebuilds the compiled model
+#: from them (vllm/compilation/caching.py ``reconstruct_serializable_fn_from_mega_artifact``)
+#: instead of re-running vLLM's backend over the deserialized graph. It is a compile
+#: factor (``envs.compile_factors``): a bundle primed without it is stale for an engine
+#: with it, and the other way round.
+MEGA_AOT_ENV = "VLLM_USE_MEGA_AOT_ARTIFACT"
 #: The factors a bundle must share with the engine, in the order a stale bundle's
 #: first difference is named: versions first (they change everything), then the
 #: device, then the two hashes vLLM's compile-cache key is made of
