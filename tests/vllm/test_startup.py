@@ -54,6 +54,35 @@ def test_stale_reason_names_the_first_differing_factor(field, value, reason):
     assert startup.stale_reason(FACTORS, {**FACTORS, field: value}) == reason
 
 
+def test_a_stale_env_hash_names_the_variables_that_differ_and_the_fix():
+    """Both records carry env_factors: the reason names each differing compile-time
+    variable with both values (absent on one side too) and how to fix it; a record
+    without them (primed before they were recorded) gives the hashes alone."""
+    theirs = {
+        **FACTORS,
+        "env_factors": startup.env_factors({"VLLM_USE_MEGA_AOT_ARTIFACT": True, "VLLM_X": "a"}),
+    }
+    mine = {
+        **FACTORS,
+        "env_hash": "f" * 64,
+        "env_factors": startup.env_factors({"VLLM_USE_MEGA_AOT_ARTIFACT": False, "VLLM_Y": 1}),
+    }
+    reason = startup.stale_reason(theirs, mine)
+    assert reason.startswith(f"env_hash: bundle='{'e' * 64}' engine='{'f' * 64}' (")
+    assert "VLLM_USE_MEGA_AOT_ARTIFACT bundle=True engine=False" in reason
+    assert (
+        "VLLM_X bundle='a' engine=<absent>" in reason
+        and "VLLM_Y bundle=<absent> engine=1" in reason
+    )
+    assert "prime again" in reason
+    old = {k: v for k, v in theirs.items() if k != "env_factors"}
+    assert startup.stale_reason(old, mine) == f"env_hash: bundle='{'e' * 64}' engine='{'f' * 64}'"
+    many = {**mine, "env_factors": startup.env_factors({f"VLLM_{i}": i for i in range(8)})}
+    assert "and 5 more" in startup.stale_reason(theirs, many)  # 10 differ, 5 named
+    # what JSON gives back compares equal to the live record: the bundle's is read from disk
+    assert json.loads(json.dumps(theirs["env_factors"])) == theirs["env_factors"]
+
+
 def test_informational_fields_do_not_make_a_bundle_stale():
     """Only FACTOR_ORDER decides: a differing AOT switch or compile mode is for the record."""
     assert (

