@@ -363,7 +363,14 @@ REAL_ENGINE_RESULTS: dict[str, tuple[str, str]] = {
         "`restored` with verify exit 0, moe-gpt_oss-mxfp4-b-marlin-compiled included. The "
         "table shows each case's last row: the other nine had restored on the H200 before, "
         "under the earlier verify, and GPT-OSS's four loads gave identical tokens there "
-        "(those rows stay in the file)",
+        "(those rows stay in the file). At commit 6a6fe35 (2026-12-05T17:03Z-17:16Z, clean), "
+        "**on an H100 80GB HBM3** again (a call naming `nvidia-h200` got one), 12 workers "
+        "beside the speculative-decoding tests, under the full verify (parameter flags and "
+        "the kernel-object audit): the 25 dense eager cases that ended before the device "
+        "time ran out, 24 `restored` with verify exit 0 and online-fp8-per-block "
+        "not-runnable as on the H200 (vLLM's own disk load asserts on SmolLM2's hidden "
+        "size 576, not a multiple of its 128 group); the compiled dense cases were still "
+        "running",
     ),
 }
 
