@@ -25,6 +25,19 @@ from wcache.benchmarks import bench_phases as bp
 from wcache.benchmarks.phases import PHASES, Phase, breakdown, parse_log, phase_lines, total_s
 from wcache.vllm.run_engine import PHASE_MARKS, phase_marks, process_start_time
 
+
+@pytest.fixture(autouse=True)
+def _no_host_wait(monkeypatch):
+    """The runner's quiet start (os.sync, then a wait for the writeback) is not this
+    module's subject (tests/benchmarks/test_host.py is): a record of a quiet host,
+    so a busy CI disk never stalls the fake engines here."""
+    monkeypatch.setattr(
+        bp,
+        "quiet_host",
+        lambda timeout_s: {"before": {}, "after": {}, "settle_s": 0.0, "quiet": True},
+    )
+
+
 REPO = Path(__file__).resolve().parents[2]
 TREES = Path(os.environ.get("WCACHE_VLLM_TREES", REPO / ".vllm-trees"))
 #: vLLM's phase lines: (file under vllm/, the format string as in the source, args).
@@ -1096,3 +1109,50 @@ def test_primed_snapshot_key_follows_the_inherited_compile_switches(tmp_path, mo
     assert runner.snapshot_key() == base
     monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "0")
     assert runner.snapshot_key() != base
+
+
+def test_every_timed_start_waits_for_a_quiet_host_first_and_records_it(tmp_path, monkeypatch):
+    """Before each engine's start (never after it) the runner flushes the host's writes
+    (quiet_host, with --quiet-host-timeout's value), each row keeps that record as
+    ``host``, and the table says it in one line; a host that stayed busy is logged."""
+    events: list[str] = []
+    records = iter(
+        [
+            {"before": {}, "after": {"load_1m": 1.0}, "settle_s": 0.5, "quiet": True},
+            {"before": {}, "after": {"load_1m": 9.0}, "settle_s": 7.0, "quiet": False},
+        ]
+    )
+
+    def fake_quiet_host(timeout_s):
+        events.append(f"quiet {timeout_s}")
+        return next(records)
+
+    def fake_run_engine(ckpt, load_format, extra, **kw):
+        events.append("engine")
+        return {
+            "log": CUDA_LOG,
+            "token_ids": [[1]],
+            "load": [],
+            "phases": {"marks": MARKS, "process_start_source": "test"},
+        }
+
+    monkeypatch.setattr(bp, "quiet_host", fake_quiet_host)
+    monkeypatch.setattr("wcache.daemon.process.run_engine", fake_run_engine)
+    logged: list[str] = []
+    rows, _ = bp.run(
+        ["disk-eager"],
+        tmp_path / "ckpt",
+        [],
+        [],
+        "cuda",
+        tmp_path / "w",
+        log=logged.append,
+        pairs=2,
+        quiet_timeout_s=12.0,
+    )
+    assert events == ["quiet 12.0", "engine", "quiet 12.0", "engine"]
+    assert [r["host"]["quiet"] for r in rows] == [True, False]
+    assert any("not quiet" in m and "NOT quiet" in m for m in logged)
+    md = bp.table(rows)
+    assert "The host before each timed start" in md
+    assert "disk-eager #2: load 9.0, settled in 7.0 s, NOT quiet" in md

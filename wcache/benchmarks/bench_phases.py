@@ -72,6 +72,7 @@ from typing import Any
 
 import attrs
 
+from wcache.benchmarks.host import QUIET_TIMEOUT_S, describe, quiet_host
 from wcache.benchmarks.phases import (
     NEGLIGIBLE_S,
     PHASES,
@@ -303,8 +304,11 @@ class _Runner:
         stack_samples_s: float = 0.0,
         engine_env: Mapping[str, str] | None = None,
         snapshot_root: Path | None = None,
+        quiet_timeout_s: float = QUIET_TIMEOUT_S,
     ):
         self.ckpt, self.device, self.work, self.log = ckpt, device, work, log
+        #: the longest wait for the host's writeback before each timed engine start
+        self.quiet_timeout_s = quiet_timeout_s
         #: where the primed snapshot is kept for later runs (default: ``work``, gone
         #: with it)
         self.snapshot_root = snapshot_root or work
@@ -358,6 +362,11 @@ class _Runner:
             **{f"node/{sub}": root / sub for sub in CACHE_ENV_DIRS.values()},
             **host_cache_dirs(),
         }
+        # the previous row's writes (a checkpoint, a snapshot, cache roots) flushed
+        # before this row's clock starts, and the host's state recorded (wcache.benchmarks.host)
+        host = quiet_host(timeout_s=self.quiet_timeout_s)
+        if host.get("quiet") is False:
+            self.log(f"{name}: the host is not quiet before the start: {describe(host)}")
         before = cache_states(watched)
         t0 = time.time()
         try:
@@ -382,6 +391,7 @@ class _Runner:
         res["wall_s"] = time.time() - t0
         res["cache_writes"] = cache_writes(before, cache_states(watched))
         res["spawn_time"] = t0
+        res["host"] = host
         res["command"] = {
             "launcher": list(launcher),
             "module": "wcache.vllm.run_engine",
@@ -681,6 +691,7 @@ class _Runner:
                 "token_ids": res["token_ids"],
                 "command": res["command"],
                 "cache_writes": res.get("cache_writes"),
+                "host": res.get("host"),
             }
         )
         return out
@@ -724,6 +735,7 @@ def run(
     engine_env: Mapping[str, str] | None = None,
     pairs: int = 1,
     snapshot_root: Path | None = None,
+    quiet_timeout_s: float = QUIET_TIMEOUT_S,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run ``rows`` (names of :data:`ROWS`) in :data:`ROWS` order, ``pairs`` times in
     turn (each time on new cache roots; each result names its ``pair``, 0-based).
@@ -734,7 +746,10 @@ def run(
     ``engine_env`` goes into every engine's environment and the priming daemon's
     (``--startup-plan``, ``--mega-aot-artifact``). The
     fresh-node rows' primed snapshot is made once, kept under ``snapshot_root``
-    (default ``work``) and reused there by a later run of the same key.
+    (default ``work``) and reused there by a later run of the same key. Before each
+    timed engine start the host's dirty pages are flushed and its writeback awaited
+    (up to ``quiet_timeout_s``; :func:`wcache.benchmarks.host.quiet_host`), and each
+    row records the host's state then (``host``).
 
     Returns:
         ``(results, daemon)``: one dict per row and pair (``phases``, ``total_s``,
@@ -761,6 +776,7 @@ def run(
         stack_samples_s,
         engine_env,
         snapshot_root,
+        quiet_timeout_s,
     )
     results: list[dict[str, Any]] = []
     order = [(k, n) for k in range(pairs) for n in ROWS if n in rows]
@@ -1052,8 +1068,8 @@ def _fmt_remaining(remaining: Sequence[Sequence[Any]]) -> str:
 def table(rows: Sequence[Mapping[str, Any]]) -> str:
     """Markdown: one line per row, one column per phase (seconds), the total to the first
     token and the compile cache; then the target's ratio (the median over the pairs,
-    with each pair's), the phases that remain, and each template's start (paid before
-    the restart, so in no row's time)."""
+    with each pair's), the phases that remain, each template's start (paid before
+    the restart, so in no row's time) and the host's state before each timed start."""
     head = ["row", *PHASES, "to first token", "compile cache"]
     out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(PHASES) + 1) + "---|"]
     labels = _labels(rows)
@@ -1122,6 +1138,16 @@ def table(rows: Sequence[Mapping[str, Any]]) -> str:
                 + (f" (ready in {sd:.1f} s)" if isinstance(sd, (int, float)) else "")
                 + ": before the restart, so in no row's time."
             )
+    hosts = [
+        f"{label}: {describe(r['host'])}"
+        for r, label in zip(rows, labels)
+        if isinstance(r.get("host"), Mapping)
+    ]
+    if hosts:
+        out.append(
+            "- The host before each timed start (its writes flushed, outside the row's "
+            "time): " + "; ".join(hosts) + "."
+        )
     return "\n".join(out) + "\n"
 
 
@@ -1236,6 +1262,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="a diagnostic: every SECONDS, sample the Python stacks of every "
         "engine process into {--out}.logs/ROW.stacks.PID (needs --out; read "
         "them with python -m wcache.benchmarks.stacks). Default 0: off",
+    )
+    p.add_argument(
+        "--quiet-host-timeout",
+        type=float,
+        default=QUIET_TIMEOUT_S,
+        metavar="S",
+        help="before each timed engine start, flush the host's dirty pages (os.sync) and "
+        "wait up to S seconds (default %(default)s; 0: flush only) until its Dirty + "
+        "Writeback fall under 64 MiB, so a row does not inherit the previous row's "
+        "writeback (a checkpoint, a snapshot); each row records the host's load and "
+        "pending writes then (rows[].host, a line under the table)",
     )
     p.add_argument(
         "--pairs",
@@ -1354,6 +1391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine_env=engine_env,
             pairs=args.pairs,
             snapshot_root=root,
+            quiet_timeout_s=args.quiet_host_timeout,
         )
     return _write_outputs(args, results(rows, daemon))
 
