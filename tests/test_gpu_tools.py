@@ -140,37 +140,31 @@ def test_poll_names_rows_not_restored_and_packs_the_run(tmp_path):
     assert "gout/results.jsonl" in names and "gout/model.safetensors" not in names
 
 
-def test_pipeline_runs_its_stages_in_order_from_a_private_copy(tmp_path):
-    """pipeline.sh copies the checkout, returns at once and runs the stages in the
-    background in the order given (a side stage beside the next tier stage, the pairs
-    alone after it), logging each stage's start and exit to pipe.log. python3,
-    nvidia-smi and pkill are stubs here: the stages' commands are checked, not run."""
-    import os
+def _run_pipeline(tmp_path, stages: str, gpu_name: str = "") -> tuple[list[str], str]:
+    """pipeline.sh STAGES with python3, nvidia-smi and pkill stubbed (nvidia-smi's
+    `--query-gpu=name` answers ``gpu_name``), waited for until pipe.log says "done":
+    pipe.log's messages and the stubs' calls."""
     import time
 
     stub = tmp_path / "bin"
     stub.mkdir()
     calls = tmp_path / "calls.log"
     for name in ("python3", "nvidia-smi", "pkill"):
-        (stub / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\nexit 0\n')
+        answer = f'case "$*" in *query-gpu=name*) echo "{gpu_name}";; esac\n' if gpu_name else ""
+        (stub / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n{answer}exit 0\n')
         (stub / name).chmod(0o755)
     site = tmp_path / "site"
     site.mkdir()
     (site / ".wcache-gpu-ready").write_text("0.33.0\n")
-    wc, run = tmp_path / "wc", tmp_path / "gout"
     env = {
         "PATH": f"{stub}:/usr/bin:/bin",
         "WCACHE_GPU_SITE": str(site),
-        "WCACHE_PIPELINE_DIR": str(wc),
-        "RUN_DIR": str(run),
+        "WCACHE_PIPELINE_DIR": str(tmp_path / "wc"),
+        "RUN_DIR": str(tmp_path / "gout"),
         "HOME": str(tmp_path),
     }
     res = subprocess.run(
-        [
-            "bash",
-            str(TOOLS / "pipeline.sh"),
-            "features=spec:lora,moe-compiled,pairs=2,fresh-stacks,bogus",
-        ],
+        ["bash", str(TOOLS / "pipeline.sh"), stages],
         capture_output=True,
         text=True,
         env=env,
@@ -178,11 +172,25 @@ def test_pipeline_runs_its_stages_in_order_from_a_private_copy(tmp_path):
     )
     assert res.returncode == 0, res.stderr
     assert "started in the background" in res.stdout
-    log = run / "pipe.log"
+    log = tmp_path / "gout" / "pipe.log"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and "done" not in (log.read_text() if log.exists() else ""):
         time.sleep(0.2)
     lines = [line.split("] ", 1)[1] for line in log.read_text().splitlines()]
+    return lines, calls.read_text()
+
+
+def test_pipeline_runs_its_stages_in_order_from_a_private_copy(tmp_path):
+    """pipeline.sh copies the checkout, returns at once and runs the stages in the
+    background in the order given (a side stage beside the next tier stage, the pairs
+    alone after it), logging each stage's start and exit to pipe.log. python3,
+    nvidia-smi and pkill are stubs here: the stages' commands are checked, not run."""
+    import os
+
+    lines, text = _run_pipeline(
+        tmp_path, "features=spec:lora,moe-compiled,pairs=2,fresh-stacks,bogus"
+    )
+    wc, run = tmp_path / "wc", tmp_path / "gout"
     assert (wc / "tools" / "gpu" / "pipeline.sh").is_file() and not (wc / ".vx").exists()
     # the stubbed tier can end before the features script: then it is stopped, as designed
     steps = [
@@ -203,13 +211,26 @@ def test_pipeline_runs_its_stages_in_order_from_a_private_copy(tmp_path):
         "done",
     ]
     assert "8b checkpoint exit 0" in lines  # written beside the first stage
-    assert "--prime-only" not in calls.read_text()  # primed alone, by the pairs stage
-    text = calls.read_text()
+    assert "--prime-only" not in text  # primed alone, by the pairs stage
     assert "-n 10 --dist load -k moe and compiled" in text
     assert "--rows disk-compiled-cold,fresh-node" in text and "--pairs 2" in text
     assert "--startup-plan" in text
     assert "--rows fresh-node --root" in text and "--stack-samples 0.1" in text
     assert os.path.isfile(run / "features-run.log")
+
+
+def test_pipeline_pairs_at_a_gpu_run_only_on_that_gpu(tmp_path):
+    """pairs=N@GPU runs only where nvidia-smi's GPU name contains GPU (any case), and is
+    logged as skipped, naming the GPU, elsewhere: one plan for a call that may land on
+    an H100 or an H200."""
+    lines, text = _run_pipeline(tmp_path, "pairs=2@H200,pairs=1@h100", "NVIDIA H100 80GB HBM3")
+    steps = [s for s in lines if s.startswith("pairs")]
+    assert steps == [
+        "pairs: skipped (the GPU is NVIDIA H100 80GB HBM3, not an H200)",
+        "pairs: start (1 pairs)",
+        "pairs: exit 0",
+    ]
+    assert "--pairs 1" in text and "--pairs 2" not in text
 
 
 def test_bench_phases_passes_prime_only_and_the_startup_plan(tmp_path):

@@ -19,12 +19,14 @@
 #   gemma3-270m     the real Gemma 3 270M: its tier cases (-k gemma3) and its sweep rows (bf16,
 #                   online-fp8, fp8, ct_w8a8_fp8); needs a WCACHE_GPU_GEMMA3=1 bundle
 #   arch-all        the whole architecture sweep (--resume over arch-sweep-cuda.jsonl), 16 workers
-#   pairs=N         the fresh-node pairs of issue 48 (bench-phases.sh disk-compiled-cold,fresh-node,
+#   pairs=N[@GPU]   the fresh-node pairs of issue 48 (bench-phases.sh disk-compiled-cold,fresh-node,
 #                   PAIRS=N, startup plan on), alone on the GPU: the 8B checkpoint (~30 s when
 #                   written beside a tier stage), the primed snapshot (~170 s, alone: see below),
-#                   ~3 min a pair (on an H100 80GB, 2026-12-05: the disk row 131-146 s, the
-#                   fresh node 23-24 s); MEGA_AOT=1 in the environment: vLLM's mega AOT
-#                   artifact on every engine (bench-phases.sh)
+#                   ~3-4 min a pair (on an H100 80GB, 2026-12-05: the disk row 103-158 s, the
+#                   fresh node 23-24 s, 13-19 s with MEGA_AOT=1); MEGA_AOT=1 in the environment: vLLM's mega AOT
+#                   artifact on every engine (bench-phases.sh); with @GPU (e.g. pairs=3@H200) only
+#                   when nvidia-smi's GPU name contains GPU (case-insensitive), else logged as
+#                   skipped: one plan for a call that may get an H100 or an H200
 #   fresh-stacks    one fresh-node row (the primed snapshot reused, or made) with every engine
 #                   process's Python stacks sampled every $STACK_SAMPLES s (default 0.1): where
 #                   the fresh node's "other" (~4 s: engine-core start, worker init) goes; read with
@@ -112,9 +114,15 @@ for st in "${LIST[@]}"; do
     dense) tier dense --workers 12 -k "not moe and not lora and not sleep and not spec_decode" ;;
     pairs=*)
       end_side
+      n=${st#pairs=}; only=""
+      [[ $n == *@* ]] && { only=${n#*@}; n=${n%%@*}; }
+      gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+      if [ -n "$only" ] && [[ ${gpu,,} != *"${only,,}"* ]]; then
+        log "pairs: skipped (the GPU is ${gpu:-unknown}, not an $only)"; continue
+      fi
       nvidia-smi --query-gpu=memory.used --format=csv,noheader >> "$L"
-      log "pairs: start (${st#pairs=} pairs)"
-      OUT_NAME=pairs PAIRS=${st#pairs=} STARTUP_PLAN=1 BENCH_TIMEOUT=${BENCH_TIMEOUT:-1500} \
+      log "pairs: start ($n pairs)"
+      OUT_NAME=pairs PAIRS=$n STARTUP_PLAN=1 BENCH_TIMEOUT=${BENCH_TIMEOUT:-1500} \
         bash tools/gpu/bench-phases.sh disk-compiled-cold,fresh-node > "$OUT/bench-run.log" 2>&1
       log "pairs: exit $?" ;;
     fresh-stacks)
