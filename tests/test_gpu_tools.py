@@ -194,9 +194,7 @@ def test_pipeline_runs_its_stages_in_order_from_a_private_copy(tmp_path):
     assert (wc / "tools" / "gpu" / "pipeline.sh").is_file() and not (wc / ".vx").exists()
     # the stubbed tier can end before the features script: then it is stopped, as designed
     steps = [
-        s
-        for s in lines
-        if not s.startswith(("fixtures", "8b checkpoint", "features still running"))
+        s for s in lines if not s.startswith(("fixtures", "checkpoint ", "features still running"))
     ]
     assert steps[0] == (
         "stages: features=spec:lora,moe-compiled,pairs=2,fresh-stacks,bogus (vLLM 0.33.0)"
@@ -210,7 +208,7 @@ def test_pipeline_runs_its_stages_in_order_from_a_private_copy(tmp_path):
         "unknown stage bogus: skipped",
         "done",
     ]
-    assert "8b checkpoint exit 0" in lines  # written beside the first stage
+    assert "checkpoint 8b exit 0" in lines  # written beside the first stage
     assert "--prime-only" not in text  # primed alone, by the pairs stage
     assert "-n 10 --dist load -k moe and compiled" in text
     assert "--rows disk-compiled-cold,fresh-node" in text and "--pairs 2" in text
@@ -235,8 +233,8 @@ def test_pipeline_pairs_at_a_gpu_run_only_on_that_gpu(tmp_path):
 
 def test_bench_phases_passes_prime_only_and_the_startup_plan(tmp_path):
     """bench-phases.sh: PRIME_ONLY=1 adds --prime-only (the primed snapshot only, for a
-    later call's pairs), STARTUP_PLAN=1 --startup-plan, MEGA_AOT=1 --mega-aot-artifact;
-    none is passed unasked.
+    later call's pairs), STARTUP_PLAN=1 --startup-plan, MEGA_AOT=1 --mega-aot-artifact,
+    MODEL_KIND / MOE_LAYERS --model-kind / --moe-layers; none is passed unasked.
     python3 and nvidia-smi are stubs: the command is checked, not run."""
     stub = tmp_path / "bin"
     stub.mkdir()
@@ -273,3 +271,6 @@ def test_bench_phases_passes_prime_only_and_the_startup_plan(tmp_path):
     assert "--prime-only" not in plain and "--startup-plan" not in plain
     assert "--mega-aot-artifact" not in plain
     assert "--rows fresh-node" in plain
+    assert "--model-kind" not in plain and "--moe-layers" not in plain
+    moe = bench_call({"MODEL_KIND": "moe30b-fp8", "MOE_LAYERS": "24"})
+    assert "--model-kind moe30b-fp8 --moe-layers 24" in moe

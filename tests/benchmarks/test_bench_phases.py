@@ -1156,3 +1156,33 @@ def test_every_timed_start_waits_for_a_quiet_host_first_and_records_it(tmp_path,
     md = bp.table(rows)
     assert "The host before each timed start" in md
     assert "disk-eager #2: load 9.0, settled in 7.0 s, NOT quiet" in md
+
+
+def test_moe30b_fp8_kind_writes_the_qwen3_moe_checkpoint_and_sizes_its_engines(
+    tmp_path, monkeypatch
+):
+    """--model-kind moe30b-fp8: the Qwen3-30B-A3B-shaped checkpoint in block FP8 with
+    --moe-layers layers, under --root, its engines' max_model_len its config's (both
+    argument lists: the cache key covers it); --moe-layers below 1 is refused."""
+    import json as _json
+
+    written = {}
+
+    def fake_write(out, tokenizer_dir, layers, vocab_size=0, fmt=""):
+        written.update(out=out, layers=layers, fmt=fmt, tokenizer=tokenizer_dir)
+        out.mkdir(parents=True)
+        (out / "config.json").write_text(_json.dumps({"max_position_embeddings": 40960}))
+        return out
+
+    monkeypatch.setattr("wcache.testing.moe_bench.write_qwen3_moe", fake_write)
+    monkeypatch.setattr("wcache.testing.fixtures.build", lambda fmt: str(tmp_path / "smol"))
+    ckpt, engine, serve = bp.model_setup("moe30b-fp8", "cuda", tmp_path, moe_layers=3)
+    assert ckpt == tmp_path / "qwen3-30b-a3b-fp8-block-3l"
+    assert written["layers"] == 3 and written["fmt"] == "fp8_block"
+    assert written["tokenizer"] == tmp_path / "smol"  # SmolLM2's tokenizer
+    assert engine[engine.index("--max-model-len") + 1] == "40960"
+    assert serve[serve.index("--max-model-len") + 1] == "40960"
+    args = bp.build_parser().parse_args(["--model-kind", "moe30b-fp8", "--moe-layers", "24"])
+    assert (args.model_kind, args.moe_layers) == ("moe30b-fp8", 24)
+    with pytest.raises(SystemExit, match="--moe-layers: give at least 1"):
+        bp.main(["--model-kind", "moe30b-fp8", "--moe-layers", "0"])

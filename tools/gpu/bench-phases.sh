@@ -12,7 +12,9 @@
 #   also sample every engine process's Python stacks there; python -m wcache.benchmarks.stacks),
 #   STARTUP_PLAN=1 (--startup-plan: VLLM_ENABLE_STARTUP_PLAN=1 on every engine), MEGA_AOT=1
 #   (--mega-aot-artifact: VLLM_USE_MEGA_AOT_ARTIFACT=1 on every engine and the priming one), PRIME_ONLY=1
-#   (--prime-only: only make the fresh-node rows' primed snapshot, for a later call). The logs
+#   (--prime-only: only make the fresh-node rows' primed snapshot, for a later call), MODEL_KIND
+#   (--model-kind: 8b by default on CUDA; moe30b-fp8, the Qwen3-30B-A3B-shaped block-FP8 MoE,
+#   with MOE_LAYERS of its 48 layers, --moe-layers, default 12). The logs
 #   folder is packed into $OUT/$OUT_NAME.logs.tgz (the device tool brings back 8 files at most).
 #
 # Cost on one H200 (measured 2026-12-02, vLLM 0.33.0): the 8B checkpoint, disk-eager,
@@ -52,6 +54,7 @@ timeout "${BENCH_TIMEOUT:-580}" python3 -m wcache.cli bench --phases --device cu
     ${STACK_SAMPLES:+--stack-samples "$STACK_SAMPLES"} $([ "${STARTUP_PLAN:-0}" = 1 ] && echo --startup-plan) \
     --pairs "${PAIRS:-1}" $([ "${PRIME_ONLY:-0}" = 1 ] && echo --prime-only) \
     $([ "${MEGA_AOT:-0}" = 1 ] && echo --mega-aot-artifact) \
+    ${MODEL_KIND:+--model-kind "$MODEL_KIND"} ${MOE_LAYERS:+--moe-layers "$MOE_LAYERS"} \
     2>&1 | tee "$OUT/phases.log" | tail -60
 logs=${OUT_NAME:-phases-h200}.logs
 if [ -d "$OUT/$logs" ]; then

@@ -26,7 +26,9 @@
 #                   fresh node 23-24 s, 13-19 s with MEGA_AOT=1); MEGA_AOT=1 in the environment: vLLM's mega AOT
 #                   artifact on every engine (bench-phases.sh); with @GPU (e.g. pairs=3@H200) only
 #                   when nvidia-smi's GPU name contains GPU (case-insensitive), else logged as
-#                   skipped: one plan for a call that may get an H100 or an H200
+#                   skipped: one plan for a call that may get an H100 or an H200; MODEL_KIND=moe30b-fp8
+#                   (MOE_LAYERS, default 12) in the environment: the Qwen3-30B-A3B-shaped FP8 MoE
+#                   instead of the 8B Llama (the checkpoint written beside the first stage too)
 #   fresh-stacks    one fresh-node row (the primed snapshot reused, or made) with every engine
 #                   process's Python stacks sampled every $STACK_SAMPLES s (default 0.1): where
 #                   the fresh node's "other" (~4 s: engine-core start, worker init) goes; read with
@@ -63,8 +65,8 @@ if [[ ",$STAGES," == *",pairs="* || ",$STAGES," == *",fresh-stacks,"* ]]; then
   # the primed snapshot is not made here: beside the tier its priming engine finds the GPU
   # shared (on an H100, 2026-12-05, it failed to start) and vLLM's startup plan would
   # record that busy GPU's free memory for the fresh nodes; the pairs stage primes alone
-  ( python3 -c "from pathlib import Path; from wcache.benchmarks.bench_phases import model_setup; model_setup('8b', 'cuda', Path('${WCACHE_BENCH_DIR:-/tmp/wcache-phases}'))" > "$OUT/ckpt8b.log" 2>&1
-    log "8b checkpoint exit $?" ) &
+  ( python3 -c "from pathlib import Path; from wcache.benchmarks.bench_phases import model_setup; model_setup('${MODEL_KIND:-8b}', 'cuda', Path('${WCACHE_BENCH_DIR:-/tmp/wcache-phases}'), moe_layers=${MOE_LAYERS:-12})" > "$OUT/checkpoint.log" 2>&1
+    log "checkpoint ${MODEL_KIND:-8b} exit $?" ) &
   SIDE+=($!)
 fi
 end_side() {  # after a tier stage: wait for the side stages, stop the features

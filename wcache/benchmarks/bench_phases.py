@@ -117,6 +117,7 @@ examples:
   wcache bench --phases --rows disk-eager,daemon-eager --model-kind tiny
   wcache bench --phases --device cuda --out $OUT/phases.json --plot $OUT/phases.png
   wcache bench --phases --rows disk-compiled-cold,fresh-node --pairs 3 --out p.json
+  wcache bench --phases --rows disk-compiled-cold,fresh-node --pairs 3 --model-kind moe30b-fp8
   wcache bench --phases --from-json a.json b.json --out all.json --markdown all.md
 """
 
@@ -188,7 +189,11 @@ CUDA_ATTENTION_BACKEND = "TRITON_ATTN"
 CPU_MAX_MODEL_LEN = 512
 #: run_engine's value for "vLLM's default" (max_num_seqs).
 VLLM_DEFAULT = 0
-MODEL_KINDS = ("8b", "smol", "tiny")
+MODEL_KINDS = ("8b", "moe30b-fp8", "smol", "tiny")
+#: Decoder layers of the moe30b-fp8 checkpoint (of Qwen3-30B-A3B's 48), as the MoE
+#: benchmarks write it (wcache.testing.moe_bench.DEFAULT_LAYERS: ~0.6 GB of experts a
+#: layer; the checkpoint, its snapshot and the cache roots share the GPU machine's disk).
+MOE_LAYERS = 12
 #: Figure size (inches) and resolution of the PNG: readable at GitHub's page width.
 FIGSIZE_IN = (8.0, 4.2)
 DPI = 150
@@ -241,9 +246,15 @@ def prime_compile_supported() -> tuple[bool, str]:
 
 
 def model_setup(
-    kind: str, device: str, root: Path, model: str | None = None
+    kind: str, device: str, root: Path, model: str | None = None, moe_layers: int = MOE_LAYERS
 ) -> tuple[Path, list[str], list[str]]:
     """The checkpoint, the run_engine options and the `wcache serve` options of a kind.
+
+    Kinds (:data:`MODEL_KINDS`): ``8b`` (bench_engine_cuda's Llama-3-8B-shaped bf16
+    Llama), ``moe30b-fp8`` (wcache.testing.moe_bench's Qwen3-30B-A3B-shaped MoE in block
+    FP8 128x128, as Qwen/Qwen3-30B-A3B-FP8 ships it, with ``moe_layers`` of its 48
+    decoder layers), ``smol`` (the SmolLM2-135M bf16 fixture), ``tiny`` (a 2-layer bf16
+    Llama); each written under ``root`` once (a complete one is reused).
 
     Returns:
         ``(checkpoint, engine_args, serve_args)``; both argument lists set the same
@@ -257,6 +268,11 @@ def model_setup(
         from wcache.benchmarks.bench_engine_cuda import write_llama_checkpoint  # noqa: PLC0415 (torch import ~2 s: only when called)
 
         path = write_llama_checkpoint(root / "llama-8b-bf16", "bf16", Path(build("bf16")))
+    elif kind == "moe30b-fp8":
+        from wcache.testing.moe_bench import write_qwen3_moe  # noqa: PLC0415 (torch import ~2 s: only when called)
+
+        out = root / f"qwen3-30b-a3b-fp8-block-{moe_layers}l"
+        path = write_qwen3_moe(out, Path(build("bf16")), layers=moe_layers, fmt="fp8_block")
     elif kind == "tiny":
         from wcache.testing.tiny import build_tiny  # noqa: PLC0415 (torch import ~2 s: only when called)
 
@@ -1222,8 +1238,19 @@ def build_parser() -> argparse.ArgumentParser:
         choices=MODEL_KINDS,
         default=None,
         help="8b (bench_engine_cuda's 8B-shaped bf16 Llama, written under --root; "
-        "default on cuda), smol (the SmolLM2-135M bf16 fixture; default on "
-        "cpu) or tiny (wcache.testing.tiny's 2-layer bf16 Llama; tests).",
+        "default on cuda), moe30b-fp8 (a Qwen3-30B-A3B-shaped MoE in block FP8 128x128, "
+        "--moe-layers of its 48 layers, written under --root), smol (the SmolLM2-135M "
+        "bf16 fixture; default on cpu) or tiny (wcache.testing.tiny's 2-layer bf16 Llama; "
+        "tests).",
+    )
+    p.add_argument(
+        "--moe-layers",
+        type=int,
+        default=MOE_LAYERS,
+        metavar="N",
+        help=f"decoder layers of the moe30b-fp8 checkpoint (of 48; default {MOE_LAYERS}: "
+        "~0.6 GB of FP8 experts a layer, and the checkpoint, its snapshot and the cache "
+        "roots share the disk)",
     )
     p.add_argument(
         "--model", default=None, help="a bf16 checkpoint directory instead of --model-kind's"
@@ -1344,6 +1371,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _write_merged(args)
     if args.pairs < 1:
         raise SystemExit("--pairs: give at least 1")
+    if args.moe_layers < 1:
+        raise SystemExit("--moe-layers: give at least 1")
     if args.stack_samples < 0 or (args.stack_samples and not args.out):
         raise SystemExit(
             "--stack-samples: give a positive interval in seconds, and --out "
@@ -1357,8 +1386,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     kind = args.model_kind or ("8b" if device == "cuda" else "smol")
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
-    ckpt, engine_args, serve_args = model_setup(kind, device, root, args.model)
-    meta = _meta(device, kind if args.model is None else "custom", ckpt, argv)
+    ckpt, engine_args, serve_args = model_setup(kind, device, root, args.model, args.moe_layers)
+    shown = f"{kind} ({args.moe_layers} layers)" if kind == "moe30b-fp8" else kind
+    meta = _meta(device, shown if args.model is None else "custom", ckpt, argv)
     engine_env = {
         **(startup_plan_env() if args.startup_plan else {}),
         **(mega_aot_env() if args.mega_aot_artifact else {}),
