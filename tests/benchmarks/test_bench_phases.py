@@ -1152,6 +1152,10 @@ def test_every_timed_start_waits_for_a_quiet_host_first_and_records_it(tmp_path,
     )
     assert events == ["quiet 12.0", "engine", "quiet 12.0", "engine"]
     assert [r["host"]["quiet"] for r in rows] == [True, False]
+    # what the host's CPUs did during each start, from /proc/stat (None off Linux)
+    assert all("during" in r["host"] for r in rows)
+    if Path("/proc/stat").is_file():
+        assert set(rows[0]["host"]["during"] or {}) <= {"busy", "iowait", "steal"}
     assert any("not quiet" in m and "NOT quiet" in m for m in logged)
     md = bp.table(rows)
     assert "The host before each timed start" in md

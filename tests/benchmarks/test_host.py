@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from wcache.benchmarks.host import QUIET_PENDING_MIB, describe, host_state, pending_mib, quiet_host
+from wcache.benchmarks.host import (
+    QUIET_PENDING_MIB,
+    cpu_shares,
+    cpu_times,
+    describe,
+    host_state,
+    pending_mib,
+    quiet_host,
+)
 
 MEMINFO = """MemTotal:       131072000 kB
 MemAvailable:   104857600 kB
@@ -99,3 +107,36 @@ def test_host_state_on_this_linux_host_reads_real_figures():
     st = host_state()
     assert st["available_mib"] is not None and st["available_mib"] > 0
     assert pending_mib(st) is not None
+
+
+def test_cpu_shares_between_two_proc_stat_records(tmp_path):
+    """cpu_times reads /proc/stat's first line; cpu_shares gives what the CPUs did in
+    between as shares of all CPU time: busy (user+nice+system+irq+softirq), iowait,
+    steal; describe says it."""
+    f = tmp_path / "stat"
+    f.write_text("cpu  100 0 50 800 10 0 0 40 0 0\ncpu0 1 2 3\n")
+    before = cpu_times(f)
+    assert before == {
+        "user": 100,
+        "nice": 0,
+        "system": 50,
+        "idle": 800,
+        "iowait": 10,
+        "irq": 0,
+        "softirq": 0,
+        "steal": 40,
+    }
+    f.write_text("cpu  300 0 100 1400 60 0 0 140 0 0\n")
+    shares = cpu_shares(before, cpu_times(f))
+    # deltas: user 200, system 50, idle 600, iowait 50, steal 100; total 1000
+    assert shares == {"busy": 0.25, "iowait": 0.05, "steal": 0.1}
+    rec = {
+        "before": {},
+        "after": {"load_1m": 2.0},
+        "settle_s": 0.1,
+        "quiet": True,
+        "during": shares,
+    }
+    assert describe(rec).endswith("during the start: CPUs busy 25%, iowait 5%, steal 10%")
+    assert cpu_times(tmp_path / "absent") is None
+    assert cpu_shares(None, before) is None and cpu_shares(before, before) is None

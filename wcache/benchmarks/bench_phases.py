@@ -72,7 +72,7 @@ from typing import Any
 
 import attrs
 
-from wcache.benchmarks.host import QUIET_TIMEOUT_S, describe, quiet_host
+from wcache.benchmarks.host import QUIET_TIMEOUT_S, cpu_shares, cpu_times, describe, quiet_host
 from wcache.benchmarks.phases import (
     NEGLIGIBLE_S,
     PHASES,
@@ -384,6 +384,7 @@ class _Runner:
         if host.get("quiet") is False:
             self.log(f"{name}: the host is not quiet before the start: {describe(host)}")
         before = cache_states(watched)
+        cpu0 = cpu_times()
         t0 = time.time()
         try:
             res = run_engine(
@@ -407,7 +408,7 @@ class _Runner:
         res["wall_s"] = time.time() - t0
         res["cache_writes"] = cache_writes(before, cache_states(watched))
         res["spawn_time"] = t0
-        res["host"] = host
+        res["host"] = {**host, "during": cpu_shares(cpu0, cpu_times())}
         res["command"] = {
             "launcher": list(launcher),
             "module": "wcache.vllm.run_engine",
@@ -1299,7 +1300,8 @@ def build_parser() -> argparse.ArgumentParser:
         "wait up to S seconds (default %(default)s; 0: flush only) until its Dirty + "
         "Writeback fall under 64 MiB, so a row does not inherit the previous row's "
         "writeback (a checkpoint, a snapshot); each row records the host's load and "
-        "pending writes then (rows[].host, a line under the table)",
+        "pending writes then, and its CPUs' busy/iowait/steal shares during the start "
+        "(rows[].host, a line under the table)",
     )
     p.add_argument(
         "--pairs",

@@ -55,6 +55,44 @@ def host_state(meminfo: Path = Path("/proc/meminfo")) -> dict[str, float | None]
     return out
 
 
+#: /proc/stat's first line, in order (USER_HZ ticks summed over every CPU).
+CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def cpu_times(stat: Path = Path("/proc/stat")) -> dict[str, int] | None:
+    """The host's cumulative CPU time by kind (:data:`CPU_FIELDS`, ticks over all
+    CPUs), or None where ``/proc/stat`` is not there."""
+    try:
+        first = stat.read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    if not first or first[0] != "cpu":
+        return None
+    values = [int(v) for v in first[1 : 1 + len(CPU_FIELDS)]]
+    return dict(zip(CPU_FIELDS, values))
+
+
+def cpu_shares(
+    before: Mapping[str, int] | None, after: Mapping[str, int] | None
+) -> dict[str, float] | None:
+    """What the host's CPUs did between two :func:`cpu_times` records, as shares of all
+    CPU time (0..1): ``busy`` (user, nice, system, irq, softirq), ``iowait`` (idle
+    waiting on I/O) and ``steal`` (taken by the hypervisor: a VM's noisy neighbours).
+    None when a record is missing or no time passed."""
+    if not before or not after:
+        return None
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in CPU_FIELDS}
+    total = sum(d.values())
+    if total <= 0:
+        return None
+    busy = d["user"] + d["nice"] + d["system"] + d["irq"] + d["softirq"]
+    return {
+        "busy": round(busy / total, 3),
+        "iowait": round(d["iowait"] / total, 3),
+        "steal": round(d["steal"] / total, 3),
+    }
+
+
 def pending_mib(state: Mapping[str, Any]) -> float | None:
     """Dirty + Writeback of a :func:`host_state` record, or None where not given."""
     dirty, writeback = state.get("dirty_mib"), state.get("writeback_mib")
@@ -105,8 +143,9 @@ def quiet_host(
 
 
 def describe(record: Mapping[str, Any]) -> str:
-    """One :func:`quiet_host` record in words, e.g. ``"load 1.2, pending 3 MiB (was 850
-    MiB, settled in 4.1 s)"``."""
+    """One :func:`quiet_host` record in words, e.g. ``"load 1.2, pending writes 3 MiB
+    (was 850 MiB), settled in 4.1 s, during the start: CPUs busy 12%, iowait 1%, steal
+    0%"`` (``during``: :func:`cpu_shares` over the timed start, where recorded)."""
     after = record.get("after") or {}
     before = record.get("before") or {}
     parts = [f"load {after['load_1m']}" if after.get("load_1m") is not None else "load ?"]
@@ -119,4 +158,11 @@ def describe(record: Mapping[str, Any]) -> str:
     parts.append(f"settled in {record.get('settle_s', 0):.1f} s")
     if record.get("quiet") is False:
         parts.append("NOT quiet")
+    during = record.get("during")
+    if isinstance(during, Mapping):
+        parts.append(
+            "during the start: CPUs busy {:.0%}, iowait {:.0%}, steal {:.0%}".format(
+                during["busy"], during["iowait"], during["steal"]
+            )
+        )
     return ", ".join(parts)
