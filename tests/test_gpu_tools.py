@@ -217,18 +217,33 @@ def test_pipeline_runs_its_stages_in_order_from_a_private_copy(tmp_path):
     assert os.path.isfile(run / "features-run.log")
 
 
-def test_pipeline_pairs_at_a_gpu_run_only_on_that_gpu(tmp_path):
-    """pairs=N@GPU runs only where nvidia-smi's GPU name contains GPU (any case), and is
+def test_pipeline_stage_at_a_gpu_runs_only_on_that_gpu(tmp_path):
+    """STAGE@GPU runs only where nvidia-smi's GPU name contains GPU (any case), and is
     logged as skipped, naming the GPU, elsewhere: one plan for a call that may land on
     an H100 or an H200."""
-    lines, text = _run_pipeline(tmp_path, "pairs=2@H200,pairs=1@h100", "NVIDIA H100 80GB HBM3")
-    steps = [s for s in lines if s.startswith("pairs")]
+    lines, text = _run_pipeline(
+        tmp_path, "pairs=2@H200,dense@H200,pairs=1@h100,arch-all", "NVIDIA H100 80GB HBM3"
+    )
+    steps = [s for s in lines if s.startswith(("pairs", "dense", "arch-all"))]
     assert steps == [
-        "pairs: skipped (the GPU is NVIDIA H100 80GB HBM3, not an H200)",
+        "pairs=2: skipped (the GPU is NVIDIA H100 80GB HBM3, not an H200)",
+        "dense: skipped (the GPU is NVIDIA H100 80GB HBM3, not an H200)",
         "pairs: start (1 pairs)",
         "pairs: exit 0",
+        "arch-all: start",
+        "arch-all: exit 0",
     ]
     assert "--pairs 1" in text and "--pairs 2" not in text
+    assert "not moe and not lora" not in text  # the dense tier never started
+    assert "checkpoint 8b exit 0" in lines  # the pairs that run here need it
+
+
+def test_pipeline_writes_no_checkpoint_for_pairs_skipped_on_this_gpu(tmp_path):
+    """The bench checkpoint (16 GB for the 8B) is written beside the first stage only
+    when a pairs or fresh-stacks stage will run on this GPU."""
+    lines, text = _run_pipeline(tmp_path, "pairs=3@H200,arch-all", "NVIDIA H100 80GB HBM3")
+    assert not any(s.startswith("checkpoint ") for s in lines)
+    assert "model_setup" not in text and "arch-all: exit 0" in lines
 
 
 def test_bench_phases_passes_prime_only_and_the_startup_plan(tmp_path):

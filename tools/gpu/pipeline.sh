@@ -19,20 +19,21 @@
 #   gemma3-270m     the real Gemma 3 270M: its tier cases (-k gemma3) and its sweep rows (bf16,
 #                   online-fp8, fp8, ct_w8a8_fp8); needs a WCACHE_GPU_GEMMA3=1 bundle
 #   arch-all        the whole architecture sweep (--resume over arch-sweep-cuda.jsonl), 16 workers
-#   pairs=N[@GPU]   the fresh-node pairs of issue 48 (bench-phases.sh disk-compiled-cold,fresh-node,
+#   pairs=N         the fresh-node pairs of issue 48 (bench-phases.sh disk-compiled-cold,fresh-node,
 #                   PAIRS=N, startup plan on), alone on the GPU: the 8B checkpoint (~30 s when
 #                   written beside a tier stage), the primed snapshot (~170 s, alone: see below),
 #                   ~3-4 min a pair (on an H100 80GB, 2026-12-05: the disk row 103-158 s, the
 #                   fresh node 23-24 s, 13-19 s with MEGA_AOT=1); MEGA_AOT=1 in the environment: vLLM's mega AOT
-#                   artifact on every engine (bench-phases.sh); with @GPU (e.g. pairs=3@H200) only
-#                   when nvidia-smi's GPU name contains GPU (case-insensitive), else logged as
-#                   skipped: one plan for a call that may get an H100 or an H200; MODEL_KIND=moe30b-fp8
+#                   artifact on every engine (bench-phases.sh); MODEL_KIND=moe30b-fp8
 #                   (MOE_LAYERS, default 12) in the environment: the Qwen3-30B-A3B-shaped FP8 MoE
 #                   instead of the 8B Llama (the checkpoint written beside the first stage too)
 #   fresh-stacks    one fresh-node row (the primed snapshot reused, or made) with every engine
 #                   process's Python stacks sampled every $STACK_SAMPLES s (default 0.1): where
 #                   the fresh node's "other" (~4 s: engine-core start, worker init) goes; read with
 #                   python -m wcache.benchmarks.stacks fresh-stacks.logs/fresh-node.stacks --timeline
+# STAGE@GPU (any stage, e.g. pairs=3@H200, arch-all@H100) runs only when nvidia-smi's GPU name
+# contains GPU (any case) and is logged as skipped, naming the GPU, otherwise: one plan for a
+# call that may land on an H100 or an H200 (a call naming nvidia-h200 can get an H100).
 # Side stages (features, arch=) start with the next tier stage; the 8B checkpoint of a later
 # pairs stage is written beside the first stage. Each stage's start and exit go to pipe.log.
 # Example (2026-12-05's plan): bash tools/gpu/pipeline.sh features,arch=deepseek_v2:deepseek_v3:llava:gemma3,moe-compiled,pairs=4
@@ -61,7 +62,18 @@ WCACHE_FIXTURES_DEVICE=cuda python3 -m wcache.testing.fixtures --formats bf16,fp
 log "fixtures exit $?"
 SIDE=()       # pids of side stages waiting for a tier stage to end
 FEATURES=""   # the features stage's session id (stopped when its tier stage ends)
-if [[ ",$STAGES," == *",pairs="* || ",$STAGES," == *",fresh-stacks,"* ]]; then
+IFS=, read -r -a LIST <<< "$STAGES"
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+on_this_gpu() {  # STAGE[@GPU]: true unless it names a GPU this is not
+  [[ $1 != *@* ]] && return 0
+  local only=${1##*@}
+  [[ ${GPU,,} == *"${only,,}"* ]]
+}
+BENCH_STAGES=""  # the stages that run the phases bench on this GPU (they need the checkpoint)
+for st in "${LIST[@]}"; do
+  on_this_gpu "$st" && [[ ${st%@*} == pairs=* || ${st%@*} == fresh-stacks ]] && BENCH_STAGES+="$st "
+done
+if [ -n "$BENCH_STAGES" ]; then
   # the primed snapshot is not made here: beside the tier its priming engine finds the GPU
   # shared (on an H100, 2026-12-05, it failed to start) and vLLM's startup plan would
   # record that busy GPU's free memory for the fresh nodes; the pairs stage primes alone
@@ -86,8 +98,11 @@ tier() {  # name, run-tier.sh arguments...
   log "$name: exit $?"
   end_side
 }
-IFS=, read -r -a LIST <<< "$STAGES"
 for st in "${LIST[@]}"; do
+  if ! on_this_gpu "$st"; then
+    log "${st%@*}: skipped (the GPU is ${GPU:-unknown}, not an ${st##*@})"; continue
+  fi
+  st=${st%@*}
   case "$st" in
     features|features=*)
       mods=sleep:spec:lora; [[ $st == features=* ]] && mods=${st#features=}
@@ -116,12 +131,7 @@ for st in "${LIST[@]}"; do
     dense) tier dense --workers 12 -k "not moe and not lora and not sleep and not spec_decode" ;;
     pairs=*)
       end_side
-      n=${st#pairs=}; only=""
-      [[ $n == *@* ]] && { only=${n#*@}; n=${n%%@*}; }
-      gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
-      if [ -n "$only" ] && [[ ${gpu,,} != *"${only,,}"* ]]; then
-        log "pairs: skipped (the GPU is ${gpu:-unknown}, not an $only)"; continue
-      fi
+      n=${st#pairs=}
       nvidia-smi --query-gpu=memory.used --format=csv,noheader >> "$L"
       log "pairs: start ($n pairs)"
       OUT_NAME=pairs PAIRS=$n STARTUP_PLAN=1 BENCH_TIMEOUT=${BENCH_TIMEOUT:-1500} \
