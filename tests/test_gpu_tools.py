@@ -140,10 +140,12 @@ def test_poll_names_rows_not_restored_and_packs_the_run(tmp_path):
     assert "gout/results.jsonl" in names and "gout/model.safetensors" not in names
 
 
-def _run_pipeline(tmp_path, stages: str, gpu_name: str = "") -> tuple[list[str], str]:
+def _run_pipeline(
+    tmp_path, stages: str, gpu_name: str = "", env: dict[str, str] | None = None
+) -> tuple[list[str], str]:
     """pipeline.sh STAGES with python3, nvidia-smi and pkill stubbed (nvidia-smi's
-    `--query-gpu=name` answers ``gpu_name``), waited for until pipe.log says "done":
-    pipe.log's messages and the stubs' calls."""
+    `--query-gpu=name` answers ``gpu_name``) and ``env`` added, waited for until
+    pipe.log says "done": pipe.log's messages and the stubs' calls."""
     import time
 
     stub = tmp_path / "bin"
@@ -162,6 +164,7 @@ def _run_pipeline(tmp_path, stages: str, gpu_name: str = "") -> tuple[list[str],
         "WCACHE_PIPELINE_DIR": str(tmp_path / "wc"),
         "RUN_DIR": str(tmp_path / "gout"),
         "HOME": str(tmp_path),
+        **(env or {}),
     }
     res = subprocess.run(
         ["bash", str(TOOLS / "pipeline.sh"), stages],
@@ -226,8 +229,8 @@ def test_pipeline_stage_at_a_gpu_runs_only_on_that_gpu(tmp_path):
     )
     steps = [s for s in lines if s.startswith(("pairs", "dense", "arch-all"))]
     assert steps == [
-        "pairs=2: skipped (the GPU is NVIDIA H100 80GB HBM3, not an H200)",
-        "dense: skipped (the GPU is NVIDIA H100 80GB HBM3, not an H200)",
+        "pairs=2: skipped (the GPU is NVIDIA H100 80GB HBM3, not 'H200')",
+        "dense: skipped (the GPU is NVIDIA H100 80GB HBM3, not 'H200')",
         "pairs: start (1 pairs)",
         "pairs: exit 0",
         "arch-all: start",
@@ -236,6 +239,27 @@ def test_pipeline_stage_at_a_gpu_runs_only_on_that_gpu(tmp_path):
     assert "--pairs 1" in text and "--pairs 2" not in text
     assert "not moe and not lora" not in text  # the dense tier never started
     assert "checkpoint 8b exit 0" in lines  # the pairs that run here need it
+
+
+def test_pipeline_gpu_names_match_whole_words_and_need_a_name(tmp_path):
+    """@H20 is not an H200, and an empty or doubled @ matches no GPU."""
+    lines, _ = _run_pipeline(tmp_path, "dense@H20,moe-compiled@,arch-all@H200@x", "NVIDIA H200")
+    assert [s for s in lines if "skipped" in s] == [
+        "dense: skipped (the GPU is NVIDIA H200, not 'H20')",
+        "moe-compiled: skipped (the GPU is NVIDIA H200, not '')",
+        "arch-all: skipped (the GPU is NVIDIA H200, not 'H200@x')",
+    ]
+
+
+def test_pipeline_writes_the_model_kinds_checkpoint(tmp_path):
+    """MODEL_KIND / MOE_LAYERS reach the checkpoint written beside the first stage (the
+    one the pairs' bench then reuses); without MOE_LAYERS the bench's default holds."""
+    lines, text = _run_pipeline(
+        tmp_path, "pairs=1", env={"MODEL_KIND": "moe30b-fp8", "MOE_LAYERS": "24"}
+    )
+    assert "checkpoint moe30b-fp8 exit 0" in lines
+    assert "model_setup('moe30b-fp8', 'cuda'" in text and "moe_layers=24)" in text
+    assert "--model-kind moe30b-fp8 --moe-layers 24" in text
 
 
 def test_pipeline_writes_no_checkpoint_for_pairs_skipped_on_this_gpu(tmp_path):

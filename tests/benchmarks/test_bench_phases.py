@@ -1136,7 +1136,15 @@ def test_every_timed_start_waits_for_a_quiet_host_first_and_records_it(tmp_path,
             "phases": {"marks": MARKS, "process_start_source": "test"},
         }
 
+    ticks = iter(
+        [
+            {"user": 0, "system": 0, "idle": 0, "iowait": 0, "steal": 0},
+            {"user": 60, "system": 20, "idle": 100, "iowait": 10, "steal": 10},
+        ]
+        * 2
+    )
     monkeypatch.setattr(bp, "quiet_host", fake_quiet_host)
+    monkeypatch.setattr(bp, "cpu_times", lambda: next(ticks))
     monkeypatch.setattr("wcache.daemon.process.run_engine", fake_run_engine)
     logged: list[str] = []
     rows, _ = bp.run(
@@ -1152,14 +1160,15 @@ def test_every_timed_start_waits_for_a_quiet_host_first_and_records_it(tmp_path,
     )
     assert events == ["quiet 12.0", "engine", "quiet 12.0", "engine"]
     assert [r["host"]["quiet"] for r in rows] == [True, False]
-    # what the host's CPUs did during each start, from /proc/stat (None off Linux)
-    assert all("during" in r["host"] for r in rows)
-    if Path("/proc/stat").is_file():
-        assert set(rows[0]["host"]["during"] or {}) <= {"busy", "iowait", "steal"}
+    # what the host's CPUs did during each start: the /proc/stat records around run_engine
+    assert [r["host"]["during"] for r in rows] == [{"busy": 0.4, "iowait": 0.05, "steal": 0.05}] * 2
     assert any("not quiet" in m and "NOT quiet" in m for m in logged)
     md = bp.table(rows)
     assert "The host before each timed start" in md
-    assert "disk-eager #2: load 9.0, settled in 7.0 s, NOT quiet" in md
+    assert (
+        "disk-eager #2: load 9.0, settled in 7.0 s, NOT quiet, during the start: CPUs busy 40%"
+        in md
+    )
 
 
 def test_moe30b_fp8_kind_writes_the_qwen3_moe_checkpoint_and_sizes_its_engines(
@@ -1186,7 +1195,61 @@ def test_moe30b_fp8_kind_writes_the_qwen3_moe_checkpoint_and_sizes_its_engines(
     assert written["tokenizer"] == tmp_path / "smol"  # SmolLM2's tokenizer
     assert engine[engine.index("--max-model-len") + 1] == "40960"
     assert serve[serve.index("--max-model-len") + 1] == "40960"
-    args = bp.build_parser().parse_args(["--model-kind", "moe30b-fp8", "--moe-layers", "24"])
-    assert (args.model_kind, args.moe_layers) == ("moe30b-fp8", 24)
-    with pytest.raises(SystemExit, match="--moe-layers: give at least 1"):
-        bp.main(["--model-kind", "moe30b-fp8", "--moe-layers", "0"])
+    with pytest.raises(ValueError, match="unknown model kind 'nope'"):
+        bp.model_setup("nope", "cuda", tmp_path)
+    assert bp.MOE_LAYERS == moe_bench_default_layers()  # one default, as the MoE benchmarks
+
+
+def moe_bench_default_layers() -> int:
+    from wcache.testing.moe_bench import DEFAULT_LAYERS
+
+    return DEFAULT_LAYERS
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model-kind", "moe30b-fp8", "--moe-layers", "0"], "--moe-layers: give 1 to 48"),
+        (["--model-kind", "moe30b-fp8", "--moe-layers", "49"], "--moe-layers: give 1 to 48"),
+        (["--model-kind", "tiny", "--moe-layers", "4"], "only for --model-kind moe30b-fp8"),
+        (["--quiet-host-timeout", "-1"], "--quiet-host-timeout: give 0"),
+        (["--model-kind", "moe30b-fp8", "--device", "cpu"], "needs --device cuda"),
+    ],
+)
+def test_bench_phases_refuses_bad_arguments_before_any_work(argv, message, monkeypatch):
+    monkeypatch.setattr(bp, "model_setup", lambda *a, **k: pytest.fail("no work expected"))
+    with pytest.raises(SystemExit, match=message):
+        bp.main(argv)
+
+
+def test_main_passes_its_options_to_the_model_the_meta_and_the_runner(tmp_path, monkeypatch):
+    """main() wires --model-kind/--moe-layers into model_setup and meta.model_kind, and
+    --quiet-host-timeout into the runner (run and _meta stubbed: nothing is started)."""
+    import torch
+
+    got: dict = {}
+
+    def fake_setup(kind, device, root, model=None, moe_layers=bp.MOE_LAYERS):
+        got["setup"] = (kind, device, moe_layers)
+        return tmp_path / "ckpt", ["--max-model-len", "64"], []
+
+    def fake_meta(device, kind, ckpt, argv):
+        got["kind"] = kind
+        return {"device": device, "model_kind": kind}
+
+    def fake_run(rows, ckpt, engine_args, serve_args, device, work, **kw):
+        got["quiet"] = kw["quiet_timeout_s"]
+        return [], {}
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bp, "model_setup", fake_setup)
+    monkeypatch.setattr(bp, "_meta", fake_meta)
+    monkeypatch.setattr(bp, "run", fake_run)
+    argv = ["--device", "cuda", "--model-kind", "moe30b-fp8", "--moe-layers", "24"]
+    argv += ["--quiet-host-timeout", "7", "--root", str(tmp_path), "--rows", "disk-eager"]
+    bp.main(argv)
+    assert got == {
+        "setup": ("moe30b-fp8", "cuda", 24),
+        "kind": "moe30b-fp8 (24 layers)",
+        "quiet": 7.0,
+    }

@@ -32,7 +32,7 @@ def test_host_state_reads_meminfo_in_mib_and_the_load(tmp_path):
     assert st["dirty_mib"] == 20.0
     assert st["writeback_mib"] == 1.0  # WritebackTmp is not Writeback
     assert st["available_mib"] == 102400.0
-    assert isinstance(st["load_1m"], float)
+    assert st["load_1m"] is None or isinstance(st["load_1m"], float)  # None: no getloadavg
     assert pending_mib(st) == 21.0
 
 
@@ -140,3 +140,37 @@ def test_cpu_shares_between_two_proc_stat_records(tmp_path):
     assert describe(rec).endswith("during the start: CPUs busy 25%, iowait 5%, steal 10%")
     assert cpu_times(tmp_path / "absent") is None
     assert cpu_shares(None, before) is None and cpu_shares(before, before) is None
+
+
+def test_quiet_host_bounds_a_flush_that_does_not_end():
+    """os.sync can outlast any wait worth paying (a 16 GB checkpoint just written): the
+    flush runs in a thread joined with the timeout, and the record says it had not ended."""
+    import threading
+    import time
+
+    never = threading.Event()
+    t0 = time.monotonic()
+    rec = quiet_host(
+        timeout_s=0.3,
+        sync=never.wait,
+        state=lambda: {"load_1m": 1.0, "dirty_mib": 5000.0, "writeback_mib": 0.0},
+    )
+    assert time.monotonic() - t0 < 5.0
+    assert rec["flushed"] is False and rec["quiet"] is False
+    assert "flush still running" in describe(rec)
+    never.set()
+
+
+def test_quiet_host_with_no_time_neither_flushes_nor_waits():
+    """--quiet-host-timeout 0: only the record; quiet None (not tried), never "NOT quiet"."""
+    h = FakeHost(pending=5000.0, drain=0.0)
+    rec = _quiet(h, timeout_s=0)
+    assert h.synced == 0 and h.polls == 0
+    assert rec["quiet"] is None and rec["flushed"] is False
+    assert "NOT quiet" not in describe(rec) and "flush still running" not in describe(rec)
+
+
+def test_cpu_times_of_an_odd_proc_stat_is_none(tmp_path):
+    f = tmp_path / "stat"
+    f.write_text("cpu  12 x 3\n")
+    assert cpu_times(f) is None

@@ -31,11 +31,12 @@
 #                   process's Python stacks sampled every $STACK_SAMPLES s (default 0.1): where
 #                   the fresh node's "other" (~4 s: engine-core start, worker init) goes; read with
 #                   python -m wcache.benchmarks.stacks fresh-stacks.logs/fresh-node.stacks --timeline
-# STAGE@GPU (any stage, e.g. pairs=3@H200, arch-all@H100) runs only when nvidia-smi's GPU name
-# contains GPU (any case) and is logged as skipped, naming the GPU, otherwise: one plan for a
-# call that may land on an H100 or an H200 (a call naming nvidia-h200 can get an H100).
-# Side stages (features, arch=) start with the next tier stage; the 8B checkpoint of a later
-# pairs stage is written beside the first stage. Each stage's start and exit go to pipe.log.
+# STAGE@GPU (any stage, e.g. pairs=3@H200, arch-all@H100) runs only when GPU is a word of
+# nvidia-smi's GPU name (any case) and is logged as skipped, naming the GPU, otherwise: one
+# plan for a call that may land on an H100 or an H200 (a call naming nvidia-h200 can get an
+# H100). Side stages (features, arch=) start with the next tier stage; the bench checkpoint
+# (MODEL_KIND's, default the 8B) is written beside the first stage when a pairs or
+# fresh-stacks stage runs on this GPU. Each stage's start and exit go to pipe.log.
 # Example (2026-12-05's plan): bash tools/gpu/pipeline.sh features,arch=deepseek_v2:deepseek_v3:llava:gemma3,moe-compiled,pairs=4
 set -uo pipefail
 STAGES=${1:?stages, e.g. moe-compiled,pairs=3}
@@ -64,20 +65,20 @@ SIDE=()       # pids of side stages waiting for a tier stage to end
 FEATURES=""   # the features stage's session id (stopped when its tier stage ends)
 IFS=, read -r -a LIST <<< "$STAGES"
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
-on_this_gpu() {  # STAGE[@GPU]: true unless it names a GPU this is not
+on_this_gpu() {  # STAGE[@GPU]: true unless it names a GPU (one word of nvidia-smi's name) this is not
   [[ $1 != *@* ]] && return 0
-  local only=${1##*@}
-  [[ ${GPU,,} == *"${only,,}"* ]]
+  local only=${1#*@}
+  [[ -n $only && $only != *@* && " ${GPU,,} " == *" ${only,,} "* ]]
 }
 BENCH_STAGES=""  # the stages that run the phases bench on this GPU (they need the checkpoint)
 for st in "${LIST[@]}"; do
-  on_this_gpu "$st" && [[ ${st%@*} == pairs=* || ${st%@*} == fresh-stacks ]] && BENCH_STAGES+="$st "
+  on_this_gpu "$st" && [[ ${st%%@*} == pairs=* || ${st%%@*} == fresh-stacks ]] && BENCH_STAGES+="$st "
 done
 if [ -n "$BENCH_STAGES" ]; then
   # the primed snapshot is not made here: beside the tier its priming engine finds the GPU
   # shared (on an H100, 2026-12-05, it failed to start) and vLLM's startup plan would
   # record that busy GPU's free memory for the fresh nodes; the pairs stage primes alone
-  ( python3 -c "from pathlib import Path; from wcache.benchmarks.bench_phases import model_setup; model_setup('${MODEL_KIND:-8b}', 'cuda', Path('${WCACHE_BENCH_DIR:-/tmp/wcache-phases}'), moe_layers=${MOE_LAYERS:-12})" > "$OUT/checkpoint.log" 2>&1
+  ( python3 -c "from pathlib import Path; from wcache.benchmarks.bench_phases import model_setup; model_setup('${MODEL_KIND:-8b}', 'cuda', Path('${WCACHE_BENCH_DIR:-/tmp/wcache-phases}')${MOE_LAYERS:+, moe_layers=$MOE_LAYERS})" > "$OUT/checkpoint.log" 2>&1
     log "checkpoint ${MODEL_KIND:-8b} exit $?" ) &
   SIDE+=($!)
 fi
@@ -100,9 +101,9 @@ tier() {  # name, run-tier.sh arguments...
 }
 for st in "${LIST[@]}"; do
   if ! on_this_gpu "$st"; then
-    log "${st%@*}: skipped (the GPU is ${GPU:-unknown}, not an ${st##*@})"; continue
+    log "${st%%@*}: skipped (the GPU is ${GPU:-unknown}, not '${st#*@}')"; continue
   fi
-  st=${st%@*}
+  st=${st%%@*}
   case "$st" in
     features|features=*)
       mods=sleep:spec:lora; [[ $st == features=* ]] && mods=${st#features=}

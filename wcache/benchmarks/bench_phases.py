@@ -194,6 +194,8 @@ MODEL_KINDS = ("8b", "moe30b-fp8", "smol", "tiny")
 #: benchmarks write it (wcache.testing.moe_bench.DEFAULT_LAYERS: ~0.6 GB of experts a
 #: layer; the checkpoint, its snapshot and the cache roots share the GPU machine's disk).
 MOE_LAYERS = 12
+#: Qwen3-30B-A3B's depth: the most layers --moe-layers takes.
+MOE_MAX_LAYERS = 48
 #: Figure size (inches) and resolution of the PNG: readable at GitHub's page width.
 FIGSIZE_IN = (8.0, 4.2)
 DPI = 150
@@ -259,6 +261,9 @@ def model_setup(
     Returns:
         ``(checkpoint, engine_args, serve_args)``; both argument lists set the same
         max_model_len (it is part of the cache key).
+
+    Raises:
+        ValueError: an unknown ``kind`` (without ``model``).
     """
     from wcache.testing.fixtures import build  # noqa: PLC0415 (torch import ~2 s: only when called)
 
@@ -277,8 +282,10 @@ def model_setup(
         from wcache.testing.tiny import build_tiny  # noqa: PLC0415 (torch import ~2 s: only when called)
 
         path = Path(build_tiny("bf16"))
-    else:
+    elif kind == "smol":
         path = Path(build("bf16"))
+    else:
+        raise ValueError(f"unknown model kind {kind!r}; choose from {', '.join(MODEL_KINDS)}")
     if device == "cuda":
         cfg = json.loads((path / "config.json").read_text())
         max_len = str(cfg["max_position_embeddings"])  # vLLM's default for the model
@@ -404,11 +411,12 @@ class _Runner:
                 name, (out.decode(errors="replace") if isinstance(out, bytes) else out) or str(exc)
             )
             raise
+        cpu1 = cpu_times()  # the start's window ends here, before this process's own work
         self._keep_log(name, res.get("output") or res.get("log") or "")
         res["wall_s"] = time.time() - t0
         res["cache_writes"] = cache_writes(before, cache_states(watched))
         res["spawn_time"] = t0
-        res["host"] = {**host, "during": cpu_shares(cpu0, cpu_times())}
+        res["host"] = {**host, "during": cpu_shares(cpu0, cpu1)}
         res["command"] = {
             "launcher": list(launcher),
             "module": "wcache.vllm.run_engine",
@@ -1247,9 +1255,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--moe-layers",
         type=int,
-        default=MOE_LAYERS,
+        default=None,
         metavar="N",
-        help=f"decoder layers of the moe30b-fp8 checkpoint (of 48; default {MOE_LAYERS}: "
+        help=f"decoder layers of the moe30b-fp8 checkpoint (1-{MOE_MAX_LAYERS}; default {MOE_LAYERS}: "
         "~0.6 GB of FP8 experts a layer, and the checkpoint, its snapshot and the cache "
         "roots share the disk)",
     )
@@ -1297,8 +1305,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=QUIET_TIMEOUT_S,
         metavar="S",
         help="before each timed engine start, flush the host's dirty pages (os.sync) and "
-        "wait up to S seconds (default %(default)s; 0: flush only) until its Dirty + "
-        "Writeback fall under 64 MiB, so a row does not inherit the previous row's "
+        "wait until its Dirty + Writeback fall under 64 MiB, for at most S seconds in all "
+        "(default %(default)s; 0: neither, only the record), so a row does not inherit the "
+        "previous row's "
         "writeback (a checkpoint, a snapshot); each row records the host's load and "
         "pending writes then, and its CPUs' busy/iowait/steal shares during the start "
         "(rows[].host, a line under the table)",
@@ -1373,8 +1382,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _write_merged(args)
     if args.pairs < 1:
         raise SystemExit("--pairs: give at least 1")
-    if args.moe_layers < 1:
-        raise SystemExit("--moe-layers: give at least 1")
+    if args.quiet_host_timeout < 0:
+        raise SystemExit("--quiet-host-timeout: give 0 (no flush, no wait) or more seconds")
+    if args.moe_layers is not None and args.model_kind != "moe30b-fp8":
+        raise SystemExit("--moe-layers: only for --model-kind moe30b-fp8")
+    moe_layers = MOE_LAYERS if args.moe_layers is None else args.moe_layers
+    if not 1 <= moe_layers <= MOE_MAX_LAYERS:
+        raise SystemExit(f"--moe-layers: give 1 to {MOE_MAX_LAYERS} (Qwen3-30B-A3B's depth)")
     if args.stack_samples < 0 or (args.stack_samples and not args.out):
         raise SystemExit(
             "--stack-samples: give a positive interval in seconds, and --out "
@@ -1385,11 +1399,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
+    if args.model_kind == "moe30b-fp8" and device != "cuda":
+        raise SystemExit(
+            "--model-kind moe30b-fp8 needs --device cuda: block-FP8 MoE has no kernels in "
+            "vLLM's CPU build; on CPU use smol or tiny"
+        )
     kind = args.model_kind or ("8b" if device == "cuda" else "smol")
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
-    ckpt, engine_args, serve_args = model_setup(kind, device, root, args.model, args.moe_layers)
-    shown = f"{kind} ({args.moe_layers} layers)" if kind == "moe30b-fp8" else kind
+    ckpt, engine_args, serve_args = model_setup(kind, device, root, args.model, moe_layers)
+    shown = f"{kind} ({moe_layers} layers)" if kind == "moe30b-fp8" else kind
     meta = _meta(device, shown if args.model is None else "custom", ckpt, argv)
     engine_env = {
         **(startup_plan_env() if args.startup_plan else {}),

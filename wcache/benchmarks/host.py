@@ -16,6 +16,7 @@ None and :func:`quiet_host` only syncs.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -68,7 +69,10 @@ def cpu_times(stat: Path = Path("/proc/stat")) -> dict[str, int] | None:
         return None
     if not first or first[0] != "cpu":
         return None
-    values = [int(v) for v in first[1 : 1 + len(CPU_FIELDS)]]
+    try:
+        values = [int(v) for v in first[1 : 1 + len(CPU_FIELDS)]]
+    except ValueError:  # not the format documented in proc(5): no figures
+        return None
     return dict(zip(CPU_FIELDS, values))
 
 
@@ -111,22 +115,35 @@ def quiet_host(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> dict[str, Any]:
-    """Flush the host's dirty pages and wait for its writeback to settle.
+    """Flush the host's dirty pages and wait for its writeback to settle, for at most
+    ``timeout_s`` in all.
+
+    The flush (``sync``) runs in a daemon thread joined with the timeout: ``os.sync``
+    returns only when everything is written, which after a 16 GB checkpoint can take
+    longer than any wait worth paying; a flush still running at the timeout is left to
+    finish on its own (``flushed`` False).
 
     Args:
         max_pending_mib: Dirty + Writeback (MiB) at or under which the host is quiet.
-        timeout_s: the longest wait (seconds); a host still busy then is recorded as
-            such (``quiet`` False) and the row runs anyway.
+        timeout_s: the longest flush and wait (seconds); a host still busy then is
+            recorded as such (``quiet`` False) and the row runs anyway; 0 or less:
+            neither flush nor wait, only the record (``quiet`` None).
         poll_s, sync, state, clock, sleep: the probe's parts (tests replace them).
 
     Returns:
         ``{"before", "after"}`` (:func:`host_state` records), ``settle_s`` (seconds
-        spent: the sync and the wait) and ``quiet`` (True, False, or None where the host
-        gives no Dirty/Writeback figures).
+        spent: the flush and the wait), ``flushed`` (the flush ended in time) and
+        ``quiet`` (True, False, or None where not tried or the host gives no
+        Dirty/Writeback figures).
     """
     before = state()
+    if timeout_s <= 0:
+        return {"before": before, "after": before, "settle_s": 0.0, "flushed": False, "quiet": None}
     t0 = clock()
-    sync()
+    flusher = threading.Thread(target=sync, name="wcache-host-sync", daemon=True)
+    flusher.start()
+    flusher.join(timeout_s)
+    flushed = not flusher.is_alive()
     after = before if pending_mib(before) is None else state()
     while (p := pending_mib(after)) is not None and p > max_pending_mib:
         if clock() - t0 >= timeout_s:
@@ -138,6 +155,7 @@ def quiet_host(
         "before": before,
         "after": after,
         "settle_s": round(clock() - t0, 3),
+        "flushed": flushed,
         "quiet": None if pending is None else pending <= max_pending_mib,
     }
 
@@ -156,6 +174,8 @@ def describe(record: Mapping[str, Any]) -> str:
             text += f" (was {was:.0f} MiB)"
         parts.append(text)
     parts.append(f"settled in {record.get('settle_s', 0):.1f} s")
+    if record.get("flushed") is False and record.get("quiet") is not None:
+        parts.append("flush still running")
     if record.get("quiet") is False:
         parts.append("NOT quiet")
     during = record.get("during")
