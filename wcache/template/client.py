@@ -230,8 +230,14 @@ def _die_like(exitcode: int) -> int:
     return 128 + sig  # a signal whose default is to continue (not forwarded from a child)
 
 
-def _relay(s: socket.socket, child: int) -> int:
-    """Forward signals to the child until the template reports its end; its exit code."""
+def _relay(s: socket.socket, child: int, mask: set[int | signal.Signals]) -> int:
+    """Forward signals to the child until the template reports its end; its exit code.
+
+    ``mask`` is this process's signal mask from before :func:`run_command` blocked the
+    forwarded signals for the request: it is restored once the forwarding handlers
+    are in place, so a signal that came while the child was being forked (the child can
+    run, and print, before the template's reply arrives) is forwarded now, not lost and
+    not fatal to this process."""
 
     def forward(signum: int, frame: Any) -> None:
         try:
@@ -244,6 +250,7 @@ def _relay(s: socket.socket, child: int) -> int:
     # SIGINT and SIGTERM), which a direct start would then run
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, forward)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a pending signal is forwarded here
     s.settimeout(None)
     while True:
         try:
@@ -276,8 +283,15 @@ def run_command(
             file=sys.stderr,
         )
         return 2
+    # blocked from the request on: the child may run before the reply names it, and a
+    # signal then must wait for the forwarding handlers (_relay), not kill this process
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED_SIGNALS)
     try:
-        s, child = _request(argv, socket_dir)
+        try:
+            s, child = _request(argv, socket_dir)
+        except BaseException:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a direct run gets the mask it had
+            raise
     except TemplateError as exc:
         if not fallback:
             print(f"wcache run: error [{exc.code}]: {exc}", file=sys.stderr)
@@ -290,7 +304,7 @@ def run_command(
             return 127 if e.errno == errno.ENOENT else 126
     if verbose:
         print(f"wcache run: template child {child} runs {argv[0]}", file=sys.stderr, flush=True)
-    return _die_like(_relay(s, child))
+    return _die_like(_relay(s, child, mask))
 
 
 # ---------------------------------------------------------------------- template lifecycle
