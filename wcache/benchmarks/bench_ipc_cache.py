@@ -198,10 +198,9 @@ def _checkpoint(model: str, kind: str, root: Path, moe_layers: int = MOE_LAYERS)
     if model == "smol":
         return Path(build(kind))
     if model == "moe30b":
-        from wcache.testing.moe_bench import write_qwen3_moe  # noqa: PLC0415 (torch import ~2 s: only when called)
+        from wcache.testing.moe_bench import write_under  # noqa: PLC0415 (torch import ~2 s: only when called)
 
-        out = root / f"qwen3-30b-a3b-{kind.replace('_', '-')}-{moe_layers}l"
-        return write_qwen3_moe(out, Path(build("bf16")), layers=moe_layers, fmt=kind)
+        return write_under(root, kind, moe_layers)
     from wcache.benchmarks.bench_engine_cuda import write_llama_checkpoint  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     return write_llama_checkpoint(root / f"llama-8b-{kind}", kind, Path(build("bf16")))

@@ -72,7 +72,14 @@ from typing import Any
 
 import attrs
 
-from wcache.benchmarks.host import QUIET_TIMEOUT_S, cpu_shares, cpu_times, describe, quiet_host
+from wcache.benchmarks.host import (
+    QUIET_PENDING_MIB,
+    QUIET_TIMEOUT_S,
+    cpu_shares,
+    cpu_times,
+    describe,
+    quiet_host,
+)
 from wcache.benchmarks.phases import (
     NEGLIGIBLE_S,
     PHASES,
@@ -274,10 +281,9 @@ def model_setup(
 
         path = write_llama_checkpoint(root / "llama-8b-bf16", "bf16", Path(build("bf16")))
     elif kind == "moe30b-fp8":
-        from wcache.testing.moe_bench import write_qwen3_moe  # noqa: PLC0415 (torch import ~2 s: only when called)
+        from wcache.testing.moe_bench import write_under  # noqa: PLC0415 (torch import ~2 s: only when called)
 
-        out = root / f"qwen3-30b-a3b-fp8-block-{moe_layers}l"
-        path = write_qwen3_moe(out, Path(build("bf16")), layers=moe_layers, fmt="fp8_block")
+        path = write_under(root, "fp8_block", moe_layers)
     elif kind == "tiny":
         from wcache.testing.tiny import build_tiny  # noqa: PLC0415 (torch import ~2 s: only when called)
 
@@ -1305,7 +1311,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=QUIET_TIMEOUT_S,
         metavar="S",
         help="before each timed engine start, flush the host's dirty pages (os.sync) and "
-        "wait until its Dirty + Writeback fall under 64 MiB, for at most S seconds in all "
+        f"wait until its Dirty + Writeback fall under {QUIET_PENDING_MIB:.0f} MiB, for at "
+        "most S seconds in all "
         "(default %(default)s; 0: neither, only the record), so a row does not inherit the "
         "previous row's "
         "writeback (a checkpoint, a snapshot); each row records the host's load and "

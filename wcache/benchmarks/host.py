@@ -30,7 +30,7 @@ MEMINFO_FIELDS = {
 }
 #: Dirty + Writeback (MiB) under which the host counts as quiet.
 QUIET_PENDING_MIB = 64.0
-#: How long :func:`quiet_host` waits for the pending writes to fall (seconds).
+#: The longest :func:`quiet_host` spends on the flush and the wait together (seconds).
 QUIET_TIMEOUT_S = 60.0
 
 

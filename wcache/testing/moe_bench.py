@@ -54,6 +54,7 @@ __all__ = [
     "BENCH_FORMATS",
     "write_qwen3_moe",
     "write_qwen3_moe_fp8_block",
+    "write_under",
     "layer_tensors",
     "layer_bytes",
     "linear_tensors",
@@ -221,6 +222,19 @@ def _quantization(fmt: str, layers: int) -> tuple[dict[str, Any] | None, dict[st
             "modules_to_not_convert": routers,
         }, {}
     return None, side_files("nvfp4", routers)
+
+
+def write_under(root: Path, fmt: str = "fp8_block", layers: int = DEFAULT_LAYERS) -> Path:
+    """The benchmarks' Qwen3-30B-A3B-shaped checkpoint in ``fmt`` with ``layers`` layers
+    and SmolLM2's tokenizer, as ``root/qwen3-30b-a3b-{fmt}-{layers}l`` (``_`` as ``-``):
+    one name, so the benchmarks that share a root share the checkpoint
+    (:func:`write_qwen3_moe`, skipped when complete).
+
+    Raises:
+        ValueError: unknown format.
+    """
+    out = root / f"qwen3-30b-a3b-{fmt.replace('_', '-')}-{layers}l"
+    return write_qwen3_moe(out, Path(fx.build("bf16")), layers=layers, fmt=fmt)
 
 
 def write_qwen3_moe_fp8_block(
