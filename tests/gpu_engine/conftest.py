@@ -43,3 +43,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
             if SKIP_REASON:
                 item.add_marker(skip)
+
+
+#: A module that defines this (e.g. ``RESULT_PREFIX = "lora"``) gets one results row per
+#: test (:func:`tests.helpers.result_rows.row_for_test`) on the tier's results file, beside
+#: the rows its tests record themselves.
+RESULT_PREFIX_ATTR = "RESULT_PREFIX"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    prefix = getattr(getattr(item, "module", None), RESULT_PREFIX_ATTR, None)
+    if prefix is None or SKIP_REASON:
+        return
+    from tests.helpers.result_rows import row_for_test
+    from wcache.testing.engine_acceptance import record_result
+
+    row = row_for_test(prefix, item.name, item.nodeid, outcome.get_result())
+    if row is not None:
+        record_result(row)

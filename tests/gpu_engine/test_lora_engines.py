@@ -38,6 +38,8 @@ FORMATS = ("bf16", "fp8", "awq")
 MODE = "graphs"
 #: ``wcache serve`` with cuda_vmm reported missing: the daemon serves over cuda_ipc.
 IPC_SERVE = Path(__file__).with_name("_serve_cuda_ipc.py")
+#: One results row per test (tests/gpu_engine/conftest.py), as lora/<test name>.
+RESULT_PREFIX = "lora"
 #: The restored variants beyond the default (cuda_vmm, zero_copy), bf16 only.
 VARIANTS = ("copy", "cuda_ipc")
 #: SmolLM2-135M's decoder layers; LoRA wraps qkv_proj (q/v slices) and down_proj in each.

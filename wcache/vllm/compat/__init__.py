@@ -26,7 +26,8 @@ checked in one package. Three kinds of reach, and nothing of them outside it
 * **patches**, each a context manager undone on exit (:func:`without_reload_metadata`,
   :func:`online_quantization_deferred`, :func:`captured_hash_factors`,
   :func:`attention_forward_replaced`, :func:`torch_accelerator_noops`,
-  :func:`gptq_config_copied_shallow`; and the one inside
+  :func:`gptq_config_copied_shallow`, :func:`transformers_parameters_as_disk`; and the
+  one inside
   :func:`record_reload_metadata_`);
 * **writes onto vLLM objects**: kernel state a plan leaves on the layer, bound onto
   vLLM's kernel objects by the table :data:`KERNEL_BINDINGS`
@@ -109,6 +110,7 @@ from wcache.vllm.compat.patches import (
     online_quantization_deferred,
     registrations,
     torch_accelerator_noops,
+    transformers_parameters_as_disk,
     uses_online_quantization,
 )
 from wcache.vllm.compat.releases import (
@@ -195,6 +197,7 @@ __all__ = [
     "moe_routing_tables",
     "set_moe_kernel_",
     "torch_accelerator_noops",
+    "transformers_parameters_as_disk",
     "uses_online_quantization",
     "vllm_distribution",
     "vllm_version",

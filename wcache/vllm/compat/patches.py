@@ -96,6 +96,76 @@ def gptq_config_copied_shallow() -> Iterator[None]:
         yield
 
 
+#: Where vLLM's own modules are defined: the Transformers backend builds them on the
+#: engine's device, so its ``init_parameters`` never meets their parameters on meta.
+_VLLM_MODULES = "vllm."
+
+
+def _is_vllm_module(module: torch.nn.Module) -> bool:
+    return type(module).__module__.startswith(_VLLM_MODULES)
+
+
+@contextlib.contextmanager
+def transformers_parameters_as_disk() -> Iterator[None]:
+    """Inside the block, vLLM's Transformers modeling backend re-creates only the
+    parameters a disk build has on meta: those of transformers' own modules, not those
+    of the vLLM modules it swapped in (``RMSNorm``, ``LayerNorm``, ...), which keep
+    their object, class and attributes.
+
+    A disk engine builds the transformers tree with its parameters on meta
+    (``init_on_device_without_buffers("meta")``) and vLLM's replacement modules on the
+    engine's device; ``Base.init_parameters`` then gives every parameter still on meta
+    and without a ``weight_loader`` a fresh, attribute-less ``nn.Parameter`` on the
+    device, which touches transformers' parameters only. A restore builds the whole
+    model on meta (:func:`wcache.vllm.model.meta_build`), so that pass would replace
+    vLLM's norm parameters too and drop what their constructor set on them: vLLM
+    0.33's ``dummy_weight_value`` (``RMSNorm`` 1.0, ``LayerNorm`` bias 0.0), which
+    ``wcache verify`` then reports (OLMo2, Starcoder2, GPT-NeoX, GLM, Phi on the H100,
+    2026-12-05). Here those parameters are hidden from the pass (taken out of their
+    module and put back in their order after it), so they stay on meta with their
+    attributes, as in the disk build, and the restore fills them like any other.
+    Nothing else of the pass changes (the upstream method runs).
+
+    Source: vllm/model_executor/models/transformers/base.py::Base.__init__,
+    Base.init_parameters (0.32, 0.33); vllm/model_executor/layers/layernorm.py (0.33:
+    ``set_weight_attrs(self.weight, {"dummy_weight_value": 1.0})``).
+    """
+    try:
+        from vllm.model_executor.models.transformers import base  # noqa: PLC0415 (vLLM import ~6 s: only when called)
+    except ImportError:  # a vLLM without the backend: nothing to patch
+        yield
+        return
+    real = base.Base.init_parameters
+
+    def init_parameters(self: Any, module: torch.nn.Module, dtype: Any = None) -> None:
+        hidden: list[tuple[torch.nn.Module, list[str], dict[str, Any]]] = []
+        for mod in module.modules():
+            if not _is_vllm_module(mod):
+                continue
+            kept = {
+                n: p
+                for n, p in mod._parameters.items()
+                if p is not None and p.device.type == "meta" and not hasattr(p, "weight_loader")
+            }
+            if kept:
+                hidden.append((mod, list(mod._parameters), kept))
+                for n in kept:
+                    del mod._parameters[n]
+        try:
+            real(self, module, dtype)
+        finally:
+            for mod, order, kept in hidden:
+                now = dict(mod._parameters)
+                mod._parameters.clear()
+                for n in order:
+                    mod._parameters[n] = kept[n] if n in kept else now.get(n)
+                for n, p in now.items():  # none expected: the pass only replaces
+                    mod._parameters.setdefault(n, p)
+
+    with _patched(base.Base, "init_parameters", init_parameters):
+        yield
+
+
 @contextlib.contextmanager
 def captured_hash_factors() -> Iterator[list[dict]]:
     """Inside the block every ``hash_factors(items)`` vLLM's configs call (from
