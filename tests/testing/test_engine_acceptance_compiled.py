@@ -298,3 +298,45 @@ def test_a_failure_names_the_missing_module_behind_an_inspection_error():
     row = ea._failure(RuntimeError(out))
     assert row["reason"].startswith("pydantic_core._pydantic_core.ValidationError")
     assert "No module named 'torchvision'" in row["reason"]
+
+
+def _verify_says(monkeypatch, table):
+    monkeypatch.setattr(ea, "_verify", lambda model, case, sock: {"exit": 1, "table": table})
+
+
+def test_nonfinite_vllm_logits_make_the_case_not_runnable(monkeypatch):
+    """verify's (logits) row saying vLLM's own load gave non-finite logits (GPT-OSS in
+    online FP8 on vLLM 0.33, the H100 sweep of 2026-12-05) is vLLM's failure, not the
+    restore's: not-runnable, the reason naming it and verify's own summary."""
+    from wcache.vllm.verify import NONFINITE_LOGITS
+
+    assert ea.NONFINITE_LOGITS == NONFINITE_LOGITS
+    _fake_engines(monkeypatch)
+    _verify_says(
+        monkeypatch,
+        [
+            "m.experts  fp8/triton@1  triton  DIFFERS: w13_bias checksum: 'a' != 'b'",
+            f"(logits)   -  -  DIFFERS: {NONFINITE_LOGITS}",
+            "wcache verify: FAILED (daemon d): 2 of 20 checks differ; first: m.experts: w13_bias",
+        ],
+    )
+    row = ea.run_case(ea.EngineCase("bf16", "bf16"), Path("/model"), prompts=("p",))
+    assert row["outcome"] == "not-runnable"
+    assert row["reason"].startswith("vLLM's own load gives non-finite logits")
+    assert "FAILED (daemon d): 2 of 20 checks differ" in row["reason"]
+
+
+def test_verify_differing_with_finite_logits_still_fails(monkeypatch):
+    """Any other verify difference (the logits finite) stays a failure."""
+    _fake_engines(monkeypatch)
+    _verify_says(
+        monkeypatch,
+        [
+            "m.norm  -  -  DIFFERS: %weight: a != b",
+            "(logits)   -  -  OK",
+            "wcache verify: FAILED (daemon d): 1 of 20 checks differ; first: m.norm",
+        ],
+    )
+    row = ea.run_case(ea.EngineCase("bf16", "bf16"), Path("/model"), prompts=("p",))
+    assert row["outcome"] == "failed"
+    assert row["reason"] == "wcache verify exited 1"

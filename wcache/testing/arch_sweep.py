@@ -23,8 +23,9 @@ dequantized from its GGUF by :mod:`wcache.testing.fixtures`) run the same way, i
 
 Outcomes are run_case's: ``restored``, ``refused`` (``wcache serve`` refused before
 serving: its reason, e.g. ``plan-missing`` with the layer and method, is recorded),
-``not-runnable`` (vLLM's own disk load fails on this device: nothing to restore; its
-root cause is recorded) or ``failed``. A fixture that cannot be built is a
+``not-runnable`` (vLLM's own disk load fails on this device, or gives non-finite
+logits on ``wcache verify``'s fixed forward: nothing to restore or to judge a restore
+against; its root cause is recorded) or ``failed``. A fixture that cannot be built is a
 ``not-built`` row with the builder's error.
 
 **Parallel runs** (``--workers N``): each case runs in a fresh process of a pool of
@@ -52,7 +53,13 @@ from typing import Any
 
 import attrs
 
-from wcache.testing.engine_acceptance import EngineCase, gpu_name, record_result, run_case
+from wcache.testing.engine_acceptance import (
+    EngineCase,
+    gpu_name,
+    record_result,
+    run_case,
+    verify_summary,
+)
 
 __all__ = [
     "SweepCase",
@@ -438,20 +445,14 @@ def read_rows(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
     return list(rows.values())
 
 
-def _verify_summary(verify: Mapping[str, Any]) -> str:
-    """``wcache verify``'s own summary line (``FAILED ...: n of m checks differ; first:
-    ...``) from its table, or ``""``."""
-    lines = [ln for ln in verify.get("table") or () if ln.startswith("wcache verify:")]
-    return lines[-1].removeprefix("wcache verify: ") if lines else ""
-
-
 def _reason(row: Mapping[str, Any]) -> str:
     verify = row.get("verify") or {}
     if row["outcome"] == "restored":
         return f"{row.get('reason', '')}; verify exit {verify.get('exit')}"
     reason = str(row.get("reason", ""))
-    if verify.get("exit") not in (None, 0):
-        reason = f"{reason}: {_verify_summary(verify)}"
+    summary = verify_summary(verify)
+    if verify.get("exit") not in (None, 0) and summary not in reason:
+        reason = f"{reason}: {summary}"
     return reason.replace("|", "\\|").replace("\n", " ")[:MAX_REASON_CHARS]
 
 
@@ -477,7 +478,8 @@ def render(rows: Sequence[Mapping[str, Any]], sources: Sequence[str] = ()) -> st
         "(`wcache.testing.engine_acceptance.run_case`: disk, fallback, daemon, second "
         "engine, `wcache verify`). `restored`: identical greedy tokens on all four "
         "loads and `wcache verify` exit 0; `refused`: `wcache serve` refused before "
-        "serving (reason shown); `not-runnable`: vLLM's own disk load fails there. "
+        "serving (reason shown); `not-runnable`: vLLM's own disk load fails there, or "
+        "gives non-finite logits on `wcache verify`'s fixed forward. "
         "Rows named after a real model (`"
         + "`, `".join(REAL_MODELS)
         + "`) are that model's real weights (`wcache.testing.fixtures`), "

@@ -39,7 +39,9 @@ The outcome of a case is one of:
 * ``refused``: ``wcache serve`` refused the model before serving (exit non-zero,
   its one-line reason recorded), the fallback load still equal to disk;
 * ``not-runnable``: vLLM's own disk load fails on this machine (the reason is its
-  first traceback line), so there is nothing to restore;
+  first traceback line), or gives non-finite logits on ``wcache verify``'s fixed
+  forward (:data:`NONFINITE_LOGITS`), so there is nothing to restore or to judge a
+  restore against;
 * ``failed``: anything else (a mismatch, a crash, verify differing), with details.
 
 Used by the ``gpu_engine`` test tier (tests/gpu_engine) and the CUDA engine
@@ -380,6 +382,26 @@ def _verify(model: Path, case: EngineCase, socket_dir: str) -> dict:
     }
 
 
+#: :data:`wcache.vllm.verify.NONFINITE_LOGITS` (not imported: this module stays light;
+#: a test ties the two).
+NONFINITE_LOGITS = "logits: bit-identical but not finite, so the forward proves nothing"
+
+
+def vllm_logits_nonfinite(verify: Mapping[str, Any]) -> bool:
+    """Whether ``wcache verify``'s result (``{"exit", "table"}``) says vLLM's own load
+    gave non-finite logits (the restore's bit-identical): its ``(logits)`` row."""
+    return any(
+        line.startswith("(logits)") and NONFINITE_LOGITS in line
+        for line in verify.get("table") or ()
+    )
+
+
+def verify_summary(verify: Mapping[str, Any]) -> str:
+    """``wcache verify``'s own summary line (``FAILED ...``) from its table, or ``""``."""
+    lines = [ln for ln in verify.get("table") or () if ln.startswith("wcache verify:")]
+    return lines[-1].removeprefix("wcache verify: ") if lines else ""
+
+
 def run_case(
     case: EngineCase,
     model: Path,
@@ -550,6 +572,16 @@ def _run_case(
             problems.append(f"{name}: the loader recorded no restore phase")
     if verify and row["verify"]["exit"] != 0:
         problems.append(f"wcache verify exited {row['verify']['exit']}")
+        if vllm_logits_nonfinite(row["verify"]):
+            # vLLM's own load is broken here (GPT-OSS in online FP8 on vLLM 0.33: every
+            # load's greedy tokens one repeated id): nothing to judge a restore against
+            row["outcome"] = "not-runnable"
+            row["reason"] = (
+                "vLLM's own load gives non-finite logits on wcache verify's fixed forward: "
+                f"no restore can be judged against it ({'; '.join(problems)}: "
+                f"{verify_summary(row['verify'])})"
+            )
+            return row
     row["outcome"] = "failed" if problems else "restored"
     row["reason"] = (
         "; ".join(problems)

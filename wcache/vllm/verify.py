@@ -606,11 +606,17 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+#: The (logits) check's difference when vLLM's own load gives non-finite logits (and the
+#: restore the same bits): the fixed forward proves nothing. The architecture sweep
+#: reads it (``wcache.testing.engine_acceptance.NONFINITE_LOGITS``).
+NONFINITE_LOGITS = "logits: bit-identical but not finite, so the forward proves nothing"
+
+
 def _logits_difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
     if _bits_equal(a, b):
         if not bool(torch.isfinite(a).all()):
             # equal NaNs prove nothing: the fixed forward must be a meaningful one
-            return "logits: bit-identical but not finite, so the forward proves nothing"
+            return NONFINITE_LOGITS
         return None
     if a.shape != b.shape or a.dtype != b.dtype:
         return f"logits: {list(a.shape)} {a.dtype} != {list(b.shape)} {b.dtype}"
