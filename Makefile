@@ -27,11 +27,12 @@ demo: bootstrap
 ## slowest first (--no-loadscope-reorder: xdist would otherwise hand out the modules with
 ## the most tests first, and the one-test compiled-engine modules last): a vLLM-CPU
 ## engine start keeps about one core busy, so two run side by side on CI's 2 cores.
-## TEST_WORKERS=0 runs it in one process.
+## TEST_WORKERS=0 runs it in one process. The 25 slowest tests' times close the report
+## (where to trim when the suite nears its 30 minutes).
 TEST_WORKERS ?= 2
 test: vllm-trees
 	WCACHE_REQUIRE_VLLM_TREES=1 $(PY) -m pytest tests -q -p no:cacheprovider \
-		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+		-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 ## The core, stages and plans only (seconds).
 test-fast: bootstrap

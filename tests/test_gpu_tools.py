@@ -140,6 +140,28 @@ def test_poll_names_rows_not_restored_and_packs_the_run(tmp_path):
     assert "gout/results.jsonl" in names and "gout/model.safetensors" not in names
 
 
+def test_poll_reports_at_once_when_the_pipeline_is_done(tmp_path):
+    """A poll asked to wait 10 minutes returns as soon as pipe.log's last line says the
+    pipeline is done (no device time held idle); a running pipeline is waited for."""
+    run = tmp_path / "gout"
+    run.mkdir()
+    env = {"PATH": "/usr/bin:/bin", "RUN_DIR": str(run), "OUT": str(tmp_path / "out")}
+    (run / "pipe.log").write_text("[pipe 20:03:13] stages: pairs=1\n[pipe 20:08:22] done\n")
+    res = subprocess.run(
+        ["bash", str(TOOLS / "poll.sh"), "600"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert res.returncode == 0 and "[pipe 20:08:22] done" in res.stdout
+    (run / "pipe.log").write_text("[pipe 20:03:13] stages: pairs=1\n[pipe 20:03:26] pairs: start\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run(
+            ["bash", str(TOOLS / "poll.sh"), "600"], env=env, timeout=5, capture_output=True
+        )
+
+
 def _run_pipeline(
     tmp_path, stages: str, gpu_name: str = "", env: dict[str, str] | None = None
 ) -> tuple[list[str], str]:

@@ -307,3 +307,21 @@ def test_cuda_rows_record_the_gpu_name(monkeypatch):
     )
     assert sw.run_arch("llama", "bf16", "cuda")["gpu"] == "NVIDIA H200"
     assert "gpu" not in sw.run_arch("llama", "bf16", "cpu")
+
+
+def test_a_case_run_on_two_cards_keeps_a_row_of_each(tmp_path):
+    """read_rows keeps the last row per device, card and case: an H100 rerun does not hide
+    the H200 row of the same case (and a rerun on the same card replaces it)."""
+    base = {"case": "llava/bf16", "device": "cuda"}
+    rows = [
+        {**base, "gpu": "NVIDIA H200", "outcome": "failed"},
+        {**base, "gpu": "NVIDIA H200", "outcome": "restored"},
+        {**base, "gpu": "NVIDIA H100 80GB HBM3", "outcome": "restored"},
+    ]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))
+    kept = sw.read_rows([path])
+    assert sorted((r["gpu"], r["outcome"]) for r in kept) == [
+        ("NVIDIA H100 80GB HBM3", "restored"),
+        ("NVIDIA H200", "restored"),
+    ]

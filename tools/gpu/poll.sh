@@ -7,13 +7,21 @@
 #   bash tools/gpu/poll.sh [SECONDS]     (default 150; keep each call under the 600 s limit)
 #   environment: RUN_DIR (the background run's output folder, default /tmp/gout)
 #
+# Waits SECONDS at most: it reports at once when the run's pipe.log says the pipeline is
+# done (pipeline.sh's last line), so a poll never holds the GPU idle after the run ended
+# (on 2026-12-05 a fixed 285 s wait held an H100 4.5 minutes past the end of its run).
+#
 # Prints the run's pipe.log, the tier's and feature modules' latest pytest lines, the fresh-node
 # pairs' ratios so far (pipeline.sh's pairs stage), the row
 # counts of results.jsonl and arch-sweep-cuda.jsonl and every row that is not `restored`
 # (case, outcome, reason), then GPU memory and load; writes $OUT/run.tgz (model weights left out).
 set -uo pipefail
-sleep "${1:-150}"
 G=${RUN_DIR:-/tmp/gout}
+end=$((SECONDS + ${1:-150}))
+while [ "$SECONDS" -lt "$end" ]; do
+  tail -n 1 "$G/pipe.log" 2>/dev/null | grep -qE '^\[pipe [0-9:]+\] done$' && break
+  sleep 2
+done
 OUT=${OUT:-/tmp/wcache-gpu-out}
 mkdir -p "$OUT"
 cat "$G/pipe.log" 2>/dev/null

@@ -435,13 +435,14 @@ def run_cases(
 
 
 def read_rows(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
-    """The rows of sweep result files; the last row of each (device, case) wins."""
-    rows: dict[tuple[str, str], dict[str, Any]] = {}
+    """The rows of sweep result files; the last row of each (device, card, case) wins,
+    so a case run on an H100 and on an H200 keeps a row of each."""
+    rows: dict[tuple[str, str, str], dict[str, Any]] = {}
     for path in paths:
         for line in Path(path).read_text().splitlines():
             if line.strip():
                 row = json.loads(line)
-                rows[(row.get("device", "?"), row["case"])] = row
+                rows[(row.get("device", "?"), str(row.get("gpu")), row["case"])] = row
     return list(rows.values())
 
 
