@@ -41,6 +41,7 @@ the results file already holds, so the next call runs the rest.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import multiprocessing
 import os
@@ -495,9 +496,7 @@ def render(rows: Sequence[Mapping[str, Any]], sources: Sequence[str] = ()) -> st
         counts = {o: sum(r["outcome"] == o for r in mine) for o in OUTCOMES}
         lines += [f"## {DEVICE_TITLES[device]}", ""]
         if device == "cuda":
-            gpus: dict[str, int] = {}
-            for r in mine:
-                gpus[_gpu(r)] = gpus.get(_gpu(r), 0) + 1
+            gpus = collections.Counter(_gpu(r) for r in mine)
             lines += [
                 "GPUs (the card each row ran on, also beside its outcome): "
                 + ", ".join(f"{g}: {n} rows" for g, n in sorted(gpus.items())),
