@@ -163,18 +163,25 @@ def test_poll_reports_at_once_when_the_pipeline_is_done(tmp_path):
 
 
 def _run_pipeline(
-    tmp_path, stages: str, gpu_name: str = "", env: dict[str, str] | None = None
+    tmp_path,
+    stages: str,
+    gpu_name: str = "",
+    env: dict[str, str] | None = None,
+    slow_spec: bool = False,
 ) -> tuple[list[str], str]:
     """pipeline.sh STAGES with python3, nvidia-smi and pkill stubbed (nvidia-smi's
-    `--query-gpu=name` answers ``gpu_name``) and ``env`` added, waited for until
+    `--query-gpu=name` answers ``gpu_name``; with ``slow_spec`` the stub takes 4 s over
+    the speculative-decoding feature module) and ``env`` added, waited for until
     pipe.log says "done": pipe.log's messages and the stubs' calls."""
     import time
 
     stub = tmp_path / "bin"
-    stub.mkdir()
+    stub.mkdir(parents=True)
     calls = tmp_path / "calls.log"
     for name in ("python3", "nvidia-smi", "pkill"):
         answer = f'case "$*" in *query-gpu=name*) echo "{gpu_name}";; esac\n' if gpu_name else ""
+        if slow_spec and name == "python3":
+            answer += 'case "$*" in *test_spec_decode*) sleep 4;; esac\n'
         (stub / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n{answer}exit 0\n')
         (stub / name).chmod(0o755)
     site = tmp_path / "site"
@@ -240,6 +247,25 @@ def test_pipeline_runs_its_stages_in_order_from_a_private_copy(tmp_path):
     assert "--startup-plan" in text
     assert "--rows fresh-node --root" in text and "--stack-samples 0.1" in text
     assert os.path.isfile(run / "features-run.log")
+
+
+def test_pipeline_wait_lets_the_features_outlive_the_tier_stages(tmp_path):
+    """With `wait` in the list, a tier stage that ends before the feature modules no
+    longer stops them: `wait` waits for them to end on their own. Without it the
+    tier's end stops them (the default: no GPU held by features past their tier)."""
+    lines, text = _run_pipeline(tmp_path / "a", "features=spec,dense,wait", slow_spec=True)
+    steps = [s for s in lines if not s.startswith(("fixtures", "stages"))]
+    assert steps[0].startswith("features: started (session ")
+    assert steps[1:] == [
+        "dense: start",
+        "dense: exit 0",
+        "wait: the side stages and features",
+        "features: exit 0",
+        "done",
+    ]
+    assert "test_spec_decode_engines.py" in text
+    lines, _ = _run_pipeline(tmp_path / "b", "features=spec,dense", slow_spec=True)
+    assert "features still running: stopped" in lines
 
 
 def test_pipeline_stage_at_a_gpu_runs_only_on_that_gpu(tmp_path):

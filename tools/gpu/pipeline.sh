@@ -27,6 +27,9 @@
 #                   artifact on every engine (bench-phases.sh); MODEL_KIND=moe30b-fp8
 #                   (MOE_LAYERS, default 12) in the environment: the Qwen3-30B-A3B-shaped FP8 MoE
 #                   instead of the 8B Llama (the checkpoint written beside the first stage too)
+#   wait            let the side stages (features included) run to their own end; with `wait` in
+#                   the list, the tier stages before it no longer stop the features (run the
+#                   feature modules beside several short stages: features=spec:lora,gemma3-270m,wait)
 #   fresh-stacks    one fresh-node row (the primed snapshot reused, or made) with every engine
 #                   process's Python stacks sampled every $STACK_SAMPLES s (default 0.1): where
 #                   the fresh node's "other" (~4 s: engine-core start, worker init) goes; read with
@@ -82,9 +85,12 @@ if [ -n "$BENCH_STAGES" ]; then
     log "checkpoint ${MODEL_KIND:-8b} exit $?" ) &
   SIDE+=($!)
 fi
+KEEP_FEATURES=0  # a `wait` stage in the list: the features run until it, not stopped by a tier
+[[ ",$STAGES," == *,wait,* ]] && KEEP_FEATURES=1
 end_side() {  # after a tier stage: wait for the side stages, stop the features
   for p in "${SIDE[@]}"; do wait "$p"; done
   SIDE=()
+  [ "$KEEP_FEATURES" = 1 ] && return 0
   if [ -n "$FEATURES" ] && kill -0 "$FEATURES" 2>/dev/null; then
     log "features still running: stopped"; kill -- -"$FEATURES" 2>/dev/null; sleep 5
     kill -9 -- -"$FEATURES" 2>/dev/null
@@ -144,6 +150,11 @@ for st in "${LIST[@]}"; do
       OUT_NAME=fresh-stacks STACK_SAMPLES=${STACK_SAMPLES:-0.1} STARTUP_PLAN=1 BENCH_TIMEOUT=${BENCH_TIMEOUT:-900} \
         bash tools/gpu/bench-phases.sh fresh-node > "$OUT/stacks-run.log" 2>&1
       log "fresh-stacks: exit $?" ;;
+    wait)
+      log "wait: the side stages and features"
+      KEEP_FEATURES=0
+      if [ -n "$FEATURES" ]; then wait "$FEATURES"; log "features: exit $?"; FEATURES=""; fi
+      end_side ;;
     *) log "unknown stage $st: skipped" ;;
   esac
 done
