@@ -182,7 +182,8 @@ def _run_pipeline(
         answer = f'case "$*" in *query-gpu=name*) echo "{gpu_name}";; esac\n' if gpu_name else ""
         if slow_spec and name == "python3":
             answer += 'case "$*" in *test_spec_decode*) sleep 4;; esac\n'
-        (stub / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\n{answer}exit 0\n')
+        where = " [PYTHONPATH=$PYTHONPATH]" if name == "python3" else ""
+        (stub / name).write_text(f'#!/bin/sh\necho "{name} $*{where}" >> {calls}\n{answer}exit 0\n')
         (stub / name).chmod(0o755)
     site = tmp_path / "site"
     site.mkdir()
@@ -266,6 +267,28 @@ def test_pipeline_wait_lets_the_features_outlive_the_tier_stages(tmp_path):
     assert "test_spec_decode_engines.py" in text
     lines, _ = _run_pipeline(tmp_path / "b", "features=spec,dense", slow_spec=True)
     assert "features still running: stopped" in lines
+
+
+def test_pipeline_builds_gemma3s_fixture_with_the_bundles_transformers(tmp_path):
+    """The gemma3-270m stage builds the bf16 fixture first, with the bundle's own
+    transformers first on PYTHONPATH (the image's 5.17 breaks Gemma 3's GGUF tokenizer),
+    then its tier cases and its sweep rows."""
+    lines, text = _run_pipeline(tmp_path, "gemma3-270m")
+    steps = [s for s in lines if s.startswith("gemma3-270m")]
+    assert steps == [
+        "gemma3-270m fixture: start",
+        "gemma3-270m fixture: exit 0",
+        "gemma3-270m: start",
+        "gemma3-270m: exit 0",
+        "gemma3-270m sweep: start",
+        "gemma3-270m sweep: exit 0",
+    ]
+    calls = text.splitlines()
+    build = next(i for i, c in enumerate(calls) if "--model gemma3 --formats bf16" in c)
+    tier = next(i for i, c in enumerate(calls) if "-k gemma3" in c)
+    assert build < tier
+    assert "[PYTHONPATH=" + str(tmp_path / "site-gguf-tokenizer") + ":" in calls[build]
+    assert "site-gguf-tokenizer" not in calls[tier]  # the engines keep the image's
 
 
 def test_pipeline_stage_at_a_gpu_runs_only_on_that_gpu(tmp_path):

