@@ -13,6 +13,7 @@ import tempfile
 
 import pytest
 
+from tests.helpers.engines import ONE_PROCESS
 from wcache.core import tensor_checksum
 from wcache.daemon.process import DaemonProcess, run_engine
 from wcache.store import CacheKey, attach, daemon_status
@@ -57,6 +58,7 @@ def moe_runs():
                 {"socket_dir": empty_dir, "fallback": True},
                 prompts=PROMPTS,
                 max_tokens=MAX_TOKENS,
+                env=ONE_PROCESS,  # the second attachment keeps vLLM's default layout
             )
             runs["first"] = run_engine(
                 model,

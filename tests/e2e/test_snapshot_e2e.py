@@ -19,6 +19,7 @@ import tempfile
 import attrs
 import pytest
 
+from tests.helpers.engines import ONE_PROCESS
 from wcache.core import tensor_checksum
 from wcache.daemon.process import ENGINE_ARGS, DaemonProcess, run_engine
 from wcache.store import CacheKey, attach, daemon_status
@@ -94,6 +95,7 @@ def ready():
                 {"socket_dir": sock_dir, "fallback": False},
                 prompts=PROMPTS,
                 max_tokens=MAX_TOKENS,
+                env=ONE_PROCESS,
             )
         yield r
 
