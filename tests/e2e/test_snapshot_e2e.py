@@ -19,7 +19,6 @@ import tempfile
 import attrs
 import pytest
 
-from tests.helpers.engines import ONE_PROCESS
 from wcache.core import tensor_checksum
 from wcache.daemon.process import ENGINE_ARGS, DaemonProcess, run_engine
 from wcache.store import CacheKey, attach, daemon_status
@@ -95,7 +94,6 @@ def ready():
                 {"socket_dir": sock_dir, "fallback": False},
                 prompts=PROMPTS,
                 max_tokens=MAX_TOKENS,
-                env=ONE_PROCESS,
             )
         yield r
 
