@@ -1087,9 +1087,9 @@ def check_tokenizer(tokenizer: Any, what: str, *, add_bos: bool = False) -> None
     (:data:`TOKENIZER_PROBE_WORDS`) whole, and BOS first when ``add_bos``.
 
     transformers 5.17 converts Gemma 3's GGUF tokenizer without its merges: the
-    tokenizer it saves splits every word into pieces (" capital" into ``▁c``,
-    ``ap``, ...), and the model, fed pieces it never saw, generates noise (" a 2014
-    2015 2016" for "The capital of France is", on the H200 machine's image,
+    tokenizer it saves splits every word into pieces (" capital" into ``▁``, ``c``,
+    ``a``, ...), and the model, fed pieces it never saw, generates noise (" a 2014
+    2015 2016" for "The capital of France is": the GPU machines' image, on an H100,
     2026-12-05). transformers 5.18 rebuilt the conversion (``gemma_tokenizer``).
     The check runs on the saved tokenizer, reloaded: the one vLLM reads.
 
