@@ -319,7 +319,7 @@ def test_a_case_run_on_two_cards_keeps_a_row_of_each(tmp_path):
         {**base, "gpu": "NVIDIA H100 80GB HBM3", "outcome": "restored"},
     ]
     path = tmp_path / "r.jsonl"
-    path.write_text("".join(__import__("json").dumps(r) + "\n" for r in rows))
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     kept = sw.read_rows([path])
     assert sorted((r["gpu"], r["outcome"]) for r in kept) == [
         ("NVIDIA H100 80GB HBM3", "restored"),

@@ -1051,8 +1051,14 @@ def _gguf_add_bos(gguf: Path) -> bool:
     return bool(field.contents()) if field is not None else False
 
 
-def _fix_bos_(tokenizer: Any, gguf: Path) -> None:
-    """Make ``tokenizer`` prepend BOS when the GGUF says its model needs it.
+def _prepends_bos(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` puts BOS first in what it encodes."""
+    return tokenizer("BOS probe")["input_ids"][:1] == [tokenizer.bos_token_id]
+
+
+def _fix_bos_(tokenizer: Any, gguf: Path, add_bos: bool) -> None:
+    """Make ``tokenizer`` prepend BOS when the GGUF says its model needs it
+    (``add_bos``: :func:`_gguf_add_bos`).
 
     transformers' GGUF tokenizer converter drops ``tokenizer.ggml.add_bos_token``;
     Gemma without BOS generates noise ("France of France of ..."). Setting
@@ -1062,12 +1068,11 @@ def _fix_bos_(tokenizer: Any, gguf: Path) -> None:
     Raises:
         FixtureError: the tokenizer still does not prepend BOS.
     """
-    if not _gguf_add_bos(gguf):
+    if not add_bos:
         return
-    probe = "BOS probe"
-    if tokenizer(probe)["input_ids"][:1] != [tokenizer.bos_token_id]:
+    if not _prepends_bos(tokenizer):
         tokenizer.add_bos_token = True
-    if tokenizer(probe)["input_ids"][:1] != [tokenizer.bos_token_id]:
+    if not _prepends_bos(tokenizer):
         raise FixtureError(
             f"{gguf.name} says {GGUF_ADD_BOS_KEY}=true but the converted tokenizer "
             "does not prepend BOS; check the transformers version"
@@ -1128,7 +1133,7 @@ def check_tokenizer(tokenizer: Any, what: str, *, add_bos: bool = False) -> None
             "the tokenizer cannot be checked; add a word the model's vocabulary holds "
             "to wcache.testing.fixtures.TOKENIZER_PROBE_WORDS"
         )
-    if add_bos and tokenizer("BOS probe")["input_ids"][:1] != [tokenizer.bos_token_id]:
+    if add_bos and not _prepends_bos(tokenizer):
         raise FixtureError(f"{what}: the saved tokenizer does not prepend BOS: {fix}")
 
 
@@ -1160,7 +1165,8 @@ def _build_bf16_from(tmp: Path, gguf: Path) -> None:
         quantization_config=GgufConfig(gguf_file=gguf.name, dequantize=True),
     )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    _fix_bos_(tokenizer, gguf)
+    add_bos = _gguf_add_bos(gguf)
+    _fix_bos_(tokenizer, gguf, add_bos)
     if not model.config.tie_word_embeddings:
         raise FixtureError(
             f"{gguf.name} did not load with tie_word_embeddings; the "
@@ -1183,9 +1189,7 @@ def _build_bf16_from(tmp: Path, gguf: Path) -> None:
         quantizer.remove_quantization_config(model)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    check_tokenizer(
-        AutoTokenizer.from_pretrained(tmp), f"{gguf.name} (converted)", add_bos=_gguf_add_bos(gguf)
-    )
+    check_tokenizer(AutoTokenizer.from_pretrained(tmp), f"{gguf.name} (converted)", add_bos=add_bos)
     names = load_state_dict(tmp).keys()
     if "lm_head.weight" in names:
         raise FixtureError(
