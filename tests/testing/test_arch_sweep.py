@@ -14,6 +14,14 @@ def test_cpu_case_has_no_cuda_options():
     assert case.engine_args == ("--quantization", "fp8") == case.serve_args
 
 
+def test_cpu_cases_keep_one_load_in_vllms_default_layout():
+    """On the CPU every load but the daemon's first engine runs vLLM in one process (the
+    sweep's time on 2 cores); on CUDA every load keeps vLLM's default layout."""
+    cpu = sw.sweep_case("olmo2", "bf16", "cpu").one_process_loads
+    assert set(cpu) == {"disk", "fallback", "second"}
+    assert sw.sweep_case("olmo2", "bf16", "cuda").one_process_loads == ()
+
+
 def test_cuda_mla_case_uses_the_mla_backend():
     """An MLA model on CUDA swaps the acceptance's attention backend for Triton MLA."""
     args = sw.sweep_case("deepseek_v2", "bf16", "cuda").serve_args

@@ -340,3 +340,26 @@ def test_verify_differing_with_finite_logits_still_fails(monkeypatch):
     row = ea.run_case(ea.EngineCase("bf16", "bf16"), Path("/model"), prompts=("p",))
     assert row["outcome"] == "failed"
     assert row["reason"] == "wcache verify exited 1"
+
+
+def test_one_process_loads_run_vllm_in_the_engine_process_and_no_other(monkeypatch):
+    """The loads a case names in ``one_process_loads`` get
+    VLLM_ENABLE_V1_MULTIPROCESSING=0; the others keep vLLM's default layout (no such
+    variable), and the row says which were which."""
+    envs = {}
+    _fake_engines(monkeypatch)
+    fake = ea.run_engine
+
+    def recording(model, load_format, extra, prompts, max_tokens, env, engine_args):
+        name = "fallback" if extra.get("fallback") else load_format
+        envs.setdefault(name, []).append(env.get("VLLM_ENABLE_V1_MULTIPROCESSING"))
+        return fake(model, load_format, extra, prompts, max_tokens, env, engine_args)
+
+    monkeypatch.setattr(ea, "run_engine", recording)
+    case = ea.EngineCase("bf16", "bf16", one_process_loads=("disk", "fallback", "second"))
+    row = _run(case)
+    assert row["outcome"] == "restored", row["reason"]
+    # the two daemon loads in order: "daemon" (default layout), then "second"
+    assert envs == {"auto": ["0"], "fallback": ["0"], "wcache": [None, "0"]}
+    assert row["one_process_loads"] == ["disk", "fallback", "second"]
+    assert "one_process_loads" not in _run(ea.EngineCase("bf16", "bf16"))

@@ -87,6 +87,10 @@ DEVICES = ("cpu", "cuda")
 #: the sweep's tiny Llama (~130 s) is left to the slow tier to keep `make test` under
 #: 30 minutes.
 CPU_DEFAULT_ARCHS = ("olmo2",)
+#: The CPU loads started in one process (EngineCase.one_process_loads): the daemon's
+#: first engine keeps vLLM's default layout, so wcache's loader still runs in a spawned
+#: worker on every row; the others check tokens, not the process layout.
+CPU_ONE_PROCESS_LOADS = ("disk", "fallback", "second")
 PROMPTS = ("The capital of France is", "Water boils at a temperature of")
 #: The multimodal entries' extra request (with a fixed random image): ``{image}`` is
 #: the entry's placeholder (``wcache.testing.tiny_models.IMAGE_PLACEHOLDERS``).
@@ -225,6 +229,7 @@ def sweep_case(arch_name: str, fmt: str, device: str) -> SweepCase:
         mla_prefill_backend=(
             mla_prefill_backend() if a.family == "mla" and device == "cuda" else None
         ),
+        one_process_loads=CPU_ONE_PROCESS_LOADS if device == "cpu" else (),
     )
 
 

