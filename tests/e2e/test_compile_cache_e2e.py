@@ -20,8 +20,9 @@ Inductor's kernel cache under ``{hash}/inductor_cache`` is reused (no new C++ ke
 is built). The test asserts what happens: same hash directory, the artifact found,
 either loaded or that known failure, no new kernel.
 
-Cost: 100-160 s per compiled engine on 2 cores shared with other work (eager: ~30 s),
-7-11 min in all (measured: 8.6 min at load average ~5, 10.7 min at ~10). It runs in
+Cost: the four engines in one process (vLLM's engine core and worker in the engine's
+process) took 217 s alone on 2 cores (340 s in vLLM's default layout, 2026-12-06);
+under the suite's load about twice that. It runs in
 every ``make test`` (the CPU path CI has for torch.compile): tests/conftest.py hands
 it out first under xdist, so the other worker runs the rest of the suite meanwhile.
 The cache roots stay in pytest's ``tmp_path`` for inspection.
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.engines import ONE_PROCESS
 from wcache.daemon.process import DaemonProcess, run_engine
 from wcache.testing.caches import cache_env
 from wcache.testing.compile_cache import (
@@ -63,13 +65,18 @@ def _kernels(root: Path) -> set[str]:
 
 
 def _engine(model, load_format, extra, root):
+    """A compiled engine on cache root ``root``, vLLM in one process
+    (tests/helpers/engines.py). All four engines share that layout: vLLM's compile-cache
+    hash covers ``VLLM_ENABLE_V1_MULTIPROCESSING`` (an engine in the default layout
+    compiled into another hash directory than one-process engines on the same root,
+    2026-12-06), and the test compares engines that differ only by load format."""
     return run_engine(
         model,
         load_format,
         extra,
         prompts=PROMPTS,
         max_tokens=MAX_TOKENS,
-        env={**cache_env(root), **VLLM_LOG_TO_STDERR},
+        env={**cache_env(root), **VLLM_LOG_TO_STDERR, **ONE_PROCESS},
         engine_args=COMPILE_ARGS,
     )
 
