@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from wcache.testing import arch_sweep as sw
 
 
@@ -333,3 +335,108 @@ def test_a_case_run_on_two_cards_keeps_a_row_of_each(tmp_path):
         ("NVIDIA H100 80GB HBM3", "restored"),
         ("NVIDIA H200", "restored"),
     ]
+
+
+def _main_error(capsys, argv) -> str:
+    """``main(argv)`` stops with argparse's exit 2; its message."""
+    with pytest.raises(SystemExit) as exc:
+        sw.main(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_cuda_sweep_without_a_gpu_is_refused_before_any_case(monkeypatch, capsys, tmp_path):
+    """On a host where nvidia-smi names no GPU, --device cuda would run vLLM's CPU build
+    and record CPU rows as CUDA ones: refused, no results file written."""
+    monkeypatch.setattr(sw, "gpu_name", lambda: None)
+    out = tmp_path / "r.jsonl"
+    err = _main_error(capsys, ["--device", "cuda", "--archs", "olmo2", "--out", str(out)])
+    assert "nvidia-smi names no GPU" in err and "--device cpu" in err
+    assert not out.exists()
+
+
+def test_unknown_names_are_refused_listing_the_choices(capsys, tmp_path):
+    """A typo in --archs or --formats is an argument error naming it and the registry
+    (real models included), not a 'failed' row in the results file."""
+    out = tmp_path / "r.jsonl"
+    err = _main_error(capsys, ["--archs", "olmo2,nosucharch", "--out", str(out)])
+    assert "nosucharch" in err and "gemma3-270m" in err and "online-fp8" in err
+    assert "bogus" in _main_error(capsys, ["--formats", "bf16,bogus", "--out", str(out)])
+    assert "none given" in _main_error(capsys, ["--archs", ",", "--out", str(out)])
+    assert "--workers 0" in _main_error(capsys, ["--workers", "0", "--out", str(out)])
+    assert "is a directory" in _main_error(capsys, ["--out", str(tmp_path)])
+    assert "--doc is where --render writes" in _main_error(capsys, ["--doc", str(out)])
+    assert not out.exists()
+    assert sw._listed("olmo2, olmo2,,llama") == ["olmo2", "llama"]
+
+
+def test_a_torn_results_line_is_named_with_its_file_and_line(tmp_path, capsys):
+    """A results file a killed run left with a torn last line (or a line that is no row)
+    gives one error naming file:line and the fix, for --render and --resume alike."""
+    good = json.dumps({"case": "olmo2/bf16", "outcome": "restored", "device": "cpu"})
+    for bad in ('{"case": "olmo2/online-fp8", "outc', "[1, 2]", '{"case": "x"}'):
+        path = tmp_path / "r.jsonl"
+        path.write_text(f"{good}\n{bad}\n")
+        with pytest.raises(sw.ResultsFileError, match=r"r\.jsonl:2: .*remove or fix that line"):
+            sw.read_rows([path])
+        assert sw.main(["--render", str(path)]) == 2
+        assert f"{path}:2:" in capsys.readouterr().err
+        assert sw.main(["--resume", "--out", str(path), "--archs", "olmo2"]) == 2
+
+
+def test_render_writes_only_over_a_rendered_table_and_never_an_empty_one(tmp_path, capsys):
+    """--render --doc overwrites a table it rendered; a hand-written file and a render of
+    no rows are refused (exit 2) and the file is left as it was."""
+    rows = tmp_path / "r.jsonl"
+    rows.write_text(
+        json.dumps(
+            {
+                "case": "olmo2/bf16",
+                "arch": "olmo2",
+                "format": "bf16",
+                "device": "cpu",
+                "outcome": "restored",
+                "verify": {"exit": 0},
+            }
+        )
+        + "\n"
+    )
+    doc = tmp_path / "arch.md"
+    doc.write_text("# my notes\n")
+    assert sw.main(["--render", str(rows), "--doc", str(doc)]) == 2
+    assert doc.read_text() == "# my notes\n"
+    assert "is not a table this command rendered" in capsys.readouterr().err
+    doc.unlink()
+    assert sw.main(["--render", str(rows), "--doc", str(doc)]) == 0
+    assert sw.GENERATED_MARK in doc.read_text() and "olmo2" in doc.read_text()
+    assert sw.main(["--render", str(rows), "--doc", str(doc)]) == 0  # its own table: rewritten
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    before = doc.read_text()
+    assert sw.main(["--render", str(empty), "--doc", str(doc)]) == 2
+    assert doc.read_text() == before and "nothing to render" in capsys.readouterr().err
+
+
+def test_sigterm_runs_the_cases_finally_blocks(tmp_path):
+    """exit_on_sigterm: a sweep process stopped by SIGTERM (kill, timeout) exits 143
+    through its finally blocks, where a case stops its daemon and engine."""
+    import signal
+    import subprocess
+    import sys
+
+    marker = tmp_path / "cleaned"
+    code = (
+        "import sys, time\n"
+        "from wcache.testing.arch_sweep import exit_on_sigterm\n"
+        "exit_on_sigterm()\n"
+        "try:\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(60)\n"
+        "finally:\n"
+        f"    open({str(marker)!r}, 'w').write('stopped')\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    assert marker.read_text() == "stopped"

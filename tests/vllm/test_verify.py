@@ -205,6 +205,23 @@ def test_too_little_memory_is_refused_before_loading(monkeypatch, capsys, host_k
     assert "wcache verify: error [insufficient-memory]: " in capsys.readouterr().err
 
 
+def test_engine_arguments_vllm_refuses_exit_2_naming_verify(capsys, host_kernels):
+    """Engine arguments vLLM's config refuses (AWQ on a bf16 checkpoint; a flag vLLM
+    does not know) mean verify could not compare: exit 2 with the reason, never 1
+    ("a layer differs"), and the messages name ``wcache verify``, not another command."""
+    from wcache.cli import main
+
+    path = _fixture("bf16", host_kernels)
+    assert 2 == main(["verify", "--model", path, *ENGINE_ARGS, "--quantization", "awq"])
+    err = capsys.readouterr().err
+    assert "wcache verify: error [config-invalid]: " in err and "vLLM refused it" in err
+    with pytest.raises(SystemExit) as exc:
+        main(["verify", "--model", path, *ENGINE_ARGS, "--no-such-flag"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "wcache verify: error:" in err and "wcache serve" not in err
+
+
 @pytest.mark.parametrize(
     "loaded, restored, expected",
     [

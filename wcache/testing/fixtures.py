@@ -1087,6 +1087,11 @@ TOKENIZER_PROBE_WORDS = ("capital", "France", "Water", "temperature")
 WORD_START_MARKS = ("\u2581", "\u0120")
 
 
+#: The first transformers release whose GGUF tokenizer conversion keeps Gemma 3's
+#: merges (5.17 splits every word into characters; the fixtures extra requires it).
+TOKENIZER_TRANSFORMERS_MIN = "5.18"
+
+
 def check_tokenizer(tokenizer: Any, what: str, *, add_bos: bool = False) -> None:
     """Check that ``tokenizer`` tokenizes as its vocabulary says: the probe words
     (:data:`TOKENIZER_PROBE_WORDS`) whole, and BOS first when ``add_bos``.
@@ -1108,11 +1113,21 @@ def check_tokenizer(tokenizer: Any, what: str, *, add_bos: bool = False) -> None
             no probe word is in the vocabulary (nothing to check), or BOS is missing.
     """
     import transformers  # noqa: PLC0415 (transformers import ~1 s: only when called)
+    from packaging.version import Version  # noqa: PLC0415 (only when called, as transformers)
 
-    fix = (
-        f"transformers {transformers.__version__}'s GGUF tokenizer conversion is wrong "
-        "for this model; install transformers>=5.18 (the fixtures extra) and rebuild"
-    )
+    installed = transformers.__version__
+    if Version(installed) < Version(TOKENIZER_TRANSFORMERS_MIN):
+        fix = (
+            f"transformers {installed}'s GGUF tokenizer conversion is wrong for this "
+            f"model; install transformers>={TOKENIZER_TRANSFORMERS_MIN} (the fixtures "
+            "extra) and rebuild"
+        )
+    else:  # a newer release broke it again, or the GGUF is unusual: no version to name
+        fix = (
+            f"transformers {installed} converted this GGUF's tokenizer wrongly (its "
+            f"conversion was right in {TOKENIZER_TRANSFORMERS_MIN}-5.19); report it "
+            "with the GGUF's name, or pin a transformers release that builds it"
+        )
     vocab = tokenizer.get_vocab()
     checked = 0
     for word in TOKENIZER_PROBE_WORDS:

@@ -50,10 +50,11 @@ def _engine_args(prog: str, argv: list[str]) -> Any:
     return EngineArgs.from_cli_args(parser.parse_args(argv))
 
 
-def engine_config(model: str, rest: list[str]) -> Any:
+def engine_config(model: str, rest: list[str], *, prog: str = "wcache serve") -> Any:
     """A VllmConfig from vLLM's own engine-argument parser (the same flags as
-    ``vllm serve``), with load_format forced to ``auto`` for the daemon's load."""
-    engine_args = _engine_args("wcache serve", ["--model", model, *rest])
+    ``vllm serve``), with load_format forced to ``auto`` for the daemon's load;
+    ``prog`` names the command in the parser's errors."""
+    engine_args = _engine_args(prog, ["--model", model, *rest])
     return compat.disk_load_engine_args_(engine_args).create_engine_config()
 
 
@@ -64,7 +65,7 @@ def engine_model_config(model: str, rest: list[str], *, prog: str) -> Any:
     return _engine_args(prog, ["--model", model, *rest]).create_model_config()
 
 
-def checked_engine_config(model: str, rest: list[str]) -> Any:
+def checked_engine_config(model: str, rest: list[str], *, prog: str = "wcache serve") -> Any:
     """:func:`engine_config`, with what vLLM and transformers raise about the
     checkpoint's config (or the engine arguments) turned into one
     :class:`~wcache.errors.ConfigInvalid` naming the file; the traceback is logged
@@ -75,11 +76,11 @@ def checked_engine_config(model: str, rest: list[str]) -> Any:
     """
 
     try:
-        return engine_config(model, rest)
+        return engine_config(model, rest, prog=prog)
     except WcacheError:
         raise
     except Exception as exc:  # vLLM and transformers raise many kinds
-        logger.debug("wcache serve: vLLM refused the config", exc_info=True)
+        logger.debug("%s: vLLM refused the config", prog, exc_info=True)
         last = (str(exc).strip().splitlines() or [""])[-1].strip()
         raise ConfigInvalid(
             f"{os.path.join(model, 'config.json')} (with the engine arguments "

@@ -57,7 +57,12 @@ from wcache.core import tensor_checksum
 from wcache.errors import RestoreFailed, VerifyRefused  # VerifyRefused re-exported: its old home
 from wcache.shell import snapshot
 from wcache.vllm import VLLM_QUIET, compat
-from wcache.vllm.build import build_server, engine_config, init_distributed, prepare_platform
+from wcache.vllm.build import (
+    build_server,
+    checked_engine_config,
+    init_distributed,
+    prepare_platform,
+)
 from wcache.vllm.compat import check_vllm_version
 from wcache.vllm.model import planned_layers
 from wcache.vllm.probe import host_target
@@ -826,7 +831,9 @@ def verify(
     # vLLM's torch.compile wrapper would trace the forward hooks; eager mode changes
     # neither the weights nor the cache key (vLLM's ModelConfig hash leaves it out)
     eager = [] if EAGER_FLAG in engine_args else [EAGER_FLAG]
-    vllm_config = engine_config(model, [*engine_args, *eager])
+    # vLLM's refusal of the arguments (a pydantic ValidationError, ...) is ConfigInvalid:
+    # verify could not compare (exit 2), not "a layer differs" (exit 1)
+    vllm_config = checked_engine_config(model, [*engine_args, *eager], prog="wcache verify")
     pc = vllm_config.parallel_config
     if pc.tensor_parallel_size * pc.pipeline_parallel_size != 1:
         raise VerifyRefused(
