@@ -75,6 +75,7 @@ __all__ = [
     "DiskFull",
     "WorkerFailed",
     "FixtureError",
+    "SweepResultsInvalid",
     "UnreadableArtifact",
 ]
 
@@ -484,6 +485,14 @@ class FixtureError(WcacheError, RuntimeError):
     """A test fixture cannot be built or checked; the message says what to do."""
 
     code = "fixture-build"
+
+
+class SweepResultsInvalid(WcacheError, ValueError):
+    """An architecture-sweep results file (:mod:`wcache.testing.arch_sweep`) that is
+    not one JSON row object per line, each with its ``case`` and ``outcome``; the
+    message names the file, the line and the fix."""
+
+    code = "sweep-results-invalid"
 
 
 class UnreadableArtifact(WcacheError, ValueError):

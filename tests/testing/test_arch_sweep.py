@@ -377,7 +377,7 @@ def test_a_torn_results_line_is_named_with_its_file_and_line(tmp_path, capsys):
     for bad in ('{"case": "olmo2/online-fp8", "outc', "[1, 2]", '{"case": "x"}'):
         path = tmp_path / "r.jsonl"
         path.write_text(f"{good}\n{bad}\n")
-        with pytest.raises(sw.ResultsFileError, match=r"r\.jsonl:2: .*remove or fix that line"):
+        with pytest.raises(sw.SweepResultsInvalid, match=r"r\.jsonl:2: .*remove or fix that line"):
             sw.read_rows([path])
         assert sw.main(["--render", str(path)]) == 2
         assert f"{path}:2:" in capsys.readouterr().err

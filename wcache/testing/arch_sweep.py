@@ -55,6 +55,7 @@ from typing import Any
 
 import attrs
 
+from wcache.errors import SweepResultsInvalid
 from wcache.testing.engine_acceptance import (
     EngineCase,
     gpu_name,
@@ -460,17 +461,12 @@ def run_cases(
 # --------------------------------------------------------------------------- render
 
 
-class ResultsFileError(ValueError):
-    """A sweep results file that is not one JSON row object per line (each with its
-    ``case`` and ``outcome``); the message names the file, the line and the fix."""
-
-
 def read_rows(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
     """The rows of sweep result files; the last row of each (device, card, case) wins,
     so a case run on an H100 and on an H200 keeps a row of each.
 
     Raises:
-        ResultsFileError: a line is not a JSON object with ``case`` and ``outcome``
+        SweepResultsInvalid: a line is not a JSON object with ``case`` and ``outcome``
             (a run killed while writing leaves a torn last line), naming file and line.
         OSError: a file cannot be read.
     """
@@ -485,7 +481,7 @@ def read_rows(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
                 row = exc
             if not isinstance(row, dict) or not {"case", "outcome"} <= row.keys():
                 what = f"not JSON ({row})" if isinstance(row, Exception) else "not a row object"
-                raise ResultsFileError(
+                raise SweepResultsInvalid(
                     f"{path}:{n}: {what}: a sweep row is one JSON object with 'case' and "
                     "'outcome' per line; remove or fix that line (a run stopped while "
                     "writing leaves a torn last line) and run again"
@@ -606,7 +602,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--resume", action="store_true", help="skip the cases --out already holds a row of"
     )
     ap.add_argument("--render", nargs="+", metavar="RESULTS", help="render these files")
-    ap.add_argument("--doc", help="with --render: write the markdown here (else stdout)")
+    ap.add_argument(
+        "--doc",
+        help="with --render: write the markdown here (else stdout); only a new file or a "
+        "table this command rendered is overwritten",
+    )
     args = ap.parse_args(argv)
     if args.doc and not args.render:
         ap.error("--doc is where --render writes: give --render RESULTS too")
@@ -640,7 +640,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flush=True,
             )
         return _run(args, cases)
-    except (ResultsFileError, OSError) as exc:
+    except (SweepResultsInvalid, OSError) as exc:
         print(f"arch_sweep: error: {exc}", file=sys.stderr)
         return 2
 

@@ -820,6 +820,7 @@ def verify(
         A :class:`VerifyReport`; ``report.ok`` is the verdict.
 
     Raises:
+        ConfigInvalid: vLLM refused the checkpoint's config or the engine arguments.
         VerifyRefused: too little memory, or more than one rank.
         RestoreFailed: the wcache side could not be built (a key mismatch with
             the running daemon, a guard violation, ...), with its reason code.
