@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from wcache.vllm import VLLM_ONE_PROCESS
+
 #: vLLM's engine core and its worker in the engine's own process
 #: (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which ``run_engine(dump_state=True)`` sets
 #: already). vLLM's default layout spawns an engine-core process and a worker process,
@@ -10,4 +12,4 @@ from __future__ import annotations
 #: in one process the loads whose process layout is not what they check, and keep at
 #: least one load per module in vLLM's default layout (wcache's loader then runs in
 #: the spawned worker, registered through its ``vllm.general_plugins`` entry point).
-ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+ONE_PROCESS = VLLM_ONE_PROCESS

@@ -73,7 +73,7 @@ from wcache.testing.compile_cache import (
     compiled_graphs,
     graph_diff,
 )
-from wcache.vllm import VLLM_LOG_TO_STDERR
+from wcache.vllm import VLLM_LOG_TO_STDERR, VLLM_ONE_PROCESS
 
 __all__ = [
     "EngineCase",
@@ -304,7 +304,7 @@ def _engine(
     its log."""
     env = dict(case.env)
     if name in case.one_process_loads:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        env.update(VLLM_ONE_PROCESS)
     if cache_root is not None:
         env.update({**cache_env(cache_root), **VLLM_LOG_TO_STDERR})
     progress(case.id, name, f"engine starting ({load_format})")

@@ -19,12 +19,21 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from wcache.core import BoundPlan, Target
 
-__all__ = ["VLLM_LOG_TO_STDERR", "VLLM_QUIET", "plan_for", "vllm_logs_quiet"]
+__all__ = [
+    "VLLM_LOG_TO_STDERR",
+    "VLLM_ONE_PROCESS",
+    "VLLM_QUIET",
+    "plan_for",
+    "vllm_logs_quiet",
+]
 
 #: vLLM logs to stdout by default; a process whose stdout carries a result
 #: (:mod:`wcache.vllm.run_engine`'s JSON line, whose caller reads vLLM's lines from
 #: its stderr) sends them to stderr. Source: vllm/envs.py ``VLLM_LOGGING_STREAM``.
 VLLM_LOG_TO_STDERR = {"VLLM_LOGGING_STREAM": "ext://sys.stderr"}
+#: vLLM's engine core and its worker in the engine's own process (an ``LLM`` engine;
+#: vllm/envs.py ``VLLM_ENABLE_V1_MULTIPROCESSING``): no second and third import of vLLM.
+VLLM_ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 #: The same at WARNING and above: commands that build vLLM's engine config in their
 #: own process and print a verdict (`wcache status --wait-ready`, `wcache verify`).
 VLLM_QUIET = {**VLLM_LOG_TO_STDERR, "VLLM_LOGGING_LEVEL": "WARNING"}

@@ -338,7 +338,9 @@ def _run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.dump_state:
         # collective_rpc with a callable needs in-process execution to be simple
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from wcache.vllm import VLLM_ONE_PROCESS  # noqa: PLC0415 (light; only here)
+
+        os.environ.update(VLLM_ONE_PROCESS)
     _report_broken_optional_modules()
     from vllm import LLM, SamplingParams  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
