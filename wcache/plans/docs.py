@@ -370,7 +370,12 @@ REAL_ENGINE_RESULTS: dict[str, tuple[str, str]] = {
         "time ran out, 24 `restored` with verify exit 0 and online-fp8-per-block "
         "not-runnable as on the H200 (vLLM's own disk load asserts on SmolLM2's hidden "
         "size 576, not a multiple of its 128 group); the compiled dense cases were still "
-        "running",
+        "running. At commit 51bc4b0 (2026-12-06T04:47Z-04:57Z, clean), **on an H100 80GB "
+        "HBM3** (a call naming `nvidia-h200` got one), 3 workers: the six `gemma3-*` cases "
+        "(tests/gpu_engine/test_gemma3_engine.py, the real Gemma 3 270M, its bf16 fixture "
+        "built with transformers 5.18), every one `restored` with identical greedy text on "
+        "all four loads (\" the capital of the country of France.\" from vLLM's own disk "
+        "load)",
     ),
 }
 
