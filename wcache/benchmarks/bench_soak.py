@@ -416,7 +416,9 @@ def run(
     side: list[threading.Thread] = []
     peer_out: dict[str, Any] = {} if peer else {"skipped": True}
     snap_out: dict[str, Any] = {} if live_snapshot else {"skipped": True}
-    serving_states = [None]
+    # the serving state from the first status on: on a quick host the hand-off to the
+    # lean process can come before the loop's first sample (SAMPLE_S)
+    serving_states = [None, *([st["serving"]] if st.get("serving") else [])]
     engines_out: dict[str, Any] = {} if engines else {"skipped": True}
     lean = threading.Event()
     if engines:
