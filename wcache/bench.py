@@ -431,9 +431,34 @@ def _cold_start(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before any work, a repetition count under 1 and an ``--engine-formats``
+    that names no format or one that is not a fixture format (exit status 2 through
+    ``parser.error``, with the reason and the values it takes)."""
+    for flag, value in (
+        ("--reps", args.reps),
+        ("--load-reps", args.load_reps),
+        ("--engine-reps", args.engine_reps),
+    ):
+        if value < 1:
+            parser.error(f"{flag} {value}: give 1 or more repetitions")
+    if args.engine_formats is not None:
+        from wcache.testing.fixtures import FORMATS as FIXTURE_FORMATS  # noqa: PLC0415 (torch import ~2 s: only when called)
+
+        unknown = [f for f in args.engine_formats if f not in FIXTURE_FORMATS]
+        if unknown or not args.engine_formats:
+            parser.error(
+                f"unknown or missing in --engine-formats: {', '.join(unknown) or 'none given'}; "
+                f"fixture formats: {', '.join(FIXTURE_FORMATS)}"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
-    """`wcache bench` entry point; returns the exit status."""
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    """`wcache bench` entry point; returns the exit status (2, before any work, for an
+    argument it refuses)."""
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    _check_args(parser, args)
     if args.cold_start:
         return _cold_start(args)
     if args.cpu_engine:
@@ -470,9 +495,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--device cuda: torch sees no CUDA device")
     sizes = args.sizes or _csv(DEFAULT_GPU_SIZES if device == "cuda" else DEFAULT_CPU_SIZES)
     bad = [s for s in sizes if s not in SHAPES] + [f for f in args.formats if f not in FORMATS]
-    if bad:
-        raise SystemExit(
-            f"unknown sizes/formats {bad}; sizes: {sorted(SHAPES)}, formats: {list(FORMATS)}"
+    if bad or not args.formats:
+        parser.error(
+            f"unknown or missing in --sizes/--formats: {', '.join(bad) or 'none given'}; "
+            f"sizes: {', '.join(SHAPES)}, formats: {', '.join(FORMATS)}"
         )
     cuda = device == "cuda"
     opts = BenchOptions(

@@ -557,14 +557,58 @@ def test_merge_results_keeps_a_row_that_ran_and_orders_rows(tmp_path):
     assert merged["meta"]["provenance"].startswith("merged from 2 runs")
 
 
-def test_merge_results_refuses_other_devices(tmp_path):
-    """Rows measured on different devices do not go in one table."""
+def test_merge_results_refuses_other_devices(tmp_path, capsys):
+    """Rows measured on different devices do not go in one table (exit status 2)."""
     a = _results(tmp_path, "a.json", [_saved_row("disk-eager", CUDA_LOG, compiled=False)])
     b = _results(tmp_path, "b.json", [], device_name="NVIDIA A100")
     with pytest.raises(ValueError, match="device_name"):
         bp.merge_results([a, b])
-    with pytest.raises(SystemExit, match="--from-json"):
+    with pytest.raises(SystemExit) as info:
         bp.main(["--from-json", str(a), str(b)])
+    assert 2 == info.value.code
+    assert "error: --from-json: merge_results: the files differ" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"meta": {"device": "cuda"}, "rows": [', "is not JSON (Expecting value: line 1"),
+        ("[1, 2]", "is not the --out file of a `wcache bench --phases` run"),
+        ('{"rows": []}', "is not the --out file"),
+        ('{"meta": {"device": "cuda"}, "rows": [{"phases": []}]}', "is not the --out file"),
+    ],
+    ids=["truncated", "a-list", "no-meta", "a-row-without-its-name"],
+)
+def test_from_json_refuses_a_malformed_file_naming_it(tmp_path, capsys, text, message):
+    """A --from-json file cut short or of another shape is an argument error (exit
+    status 2) that names the file and what is wrong, not a traceback."""
+    good = _results(tmp_path, "a.json", [_saved_row("disk-eager", CUDA_LOG, compiled=False)])
+    bad = tmp_path / "b.json"
+    bad.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(f"{bad} {message}")):
+        bp.merge_results([good, bad])
+    with pytest.raises(SystemExit) as info:
+        bp.main(["--from-json", str(good), str(bad)])
+    assert 2 == info.value.code
+    assert f"error: --from-json: {bad} {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [(",", "none given"), ("disk-eager,bogus", "bogus")],
+    ids=["empty", "unknown"],
+)
+def test_rows_naming_no_row_or_an_unknown_one_are_refused_before_any_work(
+    rows, message, capsys, monkeypatch
+):
+    """`--rows ,` (nothing after splitting) or an unknown row is an argument error (exit
+    status 2) naming the rows, before any model is set up."""
+    monkeypatch.setattr(bp, "model_setup", lambda *a, **k: pytest.fail("no work expected"))
+    with pytest.raises(SystemExit) as info:
+        bp.main(["--rows", rows])
+    assert 2 == info.value.code
+    err = capsys.readouterr().err
+    assert f"unknown or missing in --rows: {message}; rows: {', '.join(bp.ROWS)}" in err
 
 
 def test_each_engine_log_is_kept_whole_beside_the_json(tmp_path, monkeypatch):

@@ -3,7 +3,8 @@
 It runs the real harness end to end (checkpoint writer, ordinary-load worker,
 in-process daemon, fresh restore and per-tensor workers, handles measurement,
 table, JSON, plot) with the CUDA plans resolved for a simulated sm90 target, so
-the code path the H200 run takes is exercised without vLLM's CPU ops.
+the code path the H200 run takes is exercised without vLLM's CPU ops. The
+arguments it refuses are refused before any work, with exit status 2.
 """
 
 from __future__ import annotations
@@ -113,3 +114,38 @@ def test_bench_json_has_curve_handles_and_plot(bench_run):
         assert b"\x89PNG\r\n\x1a\n" == png.read_bytes()[:8]
     else:
         assert not png.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--reps", "0"], "--reps 0: give 1 or more repetitions"),
+        (["--load-reps", "0"], "--load-reps 0: give 1 or more repetitions"),
+        (["--cpu-engine", "--engine-reps", "0"], "--engine-reps 0: give 1 or more"),
+        (
+            ["--cpu-engine", "--engine-formats", "bf16,bogus"],
+            "unknown or missing in --engine-formats: bogus; fixture formats: "
+            "bf16, awq, gptq, ct_w4a16, ct_w8a8_int8",
+        ),
+        (["--cpu-engine", "--engine-formats", ","], "--engine-formats: none given"),
+        (["--cold-start", "--cpu-engine", "--engine-formats", "int3"], "--engine-formats: int3"),
+        (["--device", "cpu", "--formats", ","], "--sizes/--formats: none given"),
+        (["--device", "cpu", "--formats", "bf16,int3"], "--sizes/--formats: int3; sizes:"),
+    ],
+)
+def test_bench_refuses_bad_arguments_before_any_work(argv, message, capsys, monkeypatch):
+    """A repetition count under 1, --engine-formats naming no fixture format or an
+    unknown one, and --formats naming none are argument errors (exit status 2, the
+    reason and the values taken), not a KeyError, a TypeError or a silent exit 0."""
+
+    def no_work(*a, **k):
+        pytest.fail("no work expected")
+
+    monkeypatch.setattr("wcache.bench.run_cpu_engine", no_work)
+    monkeypatch.setattr("wcache.benchmarks.bench_restore.run_suite", no_work)
+    monkeypatch.setattr("wcache.benchmarks.bench_coldstart.run_engine_daemons", no_work)
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert 2 == info.value.code
+    err = capsys.readouterr().err
+    assert "wcache bench: error: " in err and message in err

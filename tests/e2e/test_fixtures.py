@@ -166,9 +166,18 @@ def test_bf16_tensors_have_no_lm_head_and_are_bf16(states):
 
 @pytest.mark.parametrize("fmt", fx.FORMATS)
 def test_stamp_names_builder_version(paths, fmt):
-    """Each fixture carries a stamp with this builder's version and its format."""
+    """Each fixture carries a stamp with this builder's version, its format and the
+    size of each of its files."""
     stamp = json.loads((paths[fmt] / fx.STAMP_FILE).read_text())
+    files = stamp.pop("files")
     assert {"builder_version": fx.BUILDER_VERSION, "format": fmt, "source": fx.GGUF_FILE} == stamp
+    folder = paths[fmt]
+    sizes = {
+        f.relative_to(folder).as_posix(): f.stat().st_size
+        for f in folder.rglob("*")
+        if f.is_file() and f.name != fx.STAMP_FILE
+    }
+    assert fx.WEIGHTS_FILE in sizes and sizes == files
 
 
 @pytest.mark.parametrize("fmt", fx.FORMATS)
@@ -430,7 +439,7 @@ def test_stale_stamp_is_not_built(tmp_path):
     stale = dict(fx._stamp("awq"), builder_version=fx.BUILDER_VERSION - 1)
     (folder / fx.STAMP_FILE).write_text(json.dumps(stale))
     assert not fx._is_built(folder, "awq")
-    (folder / fx.STAMP_FILE).write_text(json.dumps(fx._stamp("awq")))
+    fx._write_stamp(folder, "awq")
     assert fx._is_built(folder, "awq")
 
 

@@ -1,9 +1,15 @@
 """The fixture builder's real-model registry: each model has its own folders and stamp,
-and an unknown model is refused by name (no build, no GGUF read)."""
+and an unknown model is refused by name (no build, no GGUF read). Its cache on fake
+folders (the GGUF conversion stubbed): a file cut short since the build is rebuilt,
+published folders are readable by all, a killed builder's leftovers are removed; and
+its command line's argument errors."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import stat
 
 import pytest
 
@@ -22,10 +28,86 @@ def test_stamp_names_the_models_gguf(tmp_path):
     """A folder stamped for SmolLM2 is not a built Gemma 3 fixture (and the reverse)."""
     path = tmp_path / "x"
     path.mkdir()
-    (path / fx.STAMP_FILE).write_text(json.dumps(fx._stamp("bf16", fx.SMOLLM2)))
+    fx._write_stamp(path, "bf16", fx.SMOLLM2)
     assert fx._is_built(path, "bf16", fx.SMOLLM2)
     assert not fx._is_built(path, "bf16", fx.GEMMA3)
     assert fx._stamp("bf16", fx.GEMMA3)["source"] == "gemma-3-270m-q4_k_m.gguf"
+
+
+#: A fake fixture's files (name: bytes), as the stubbed GGUF conversion writes them.
+FAKE_FILES = {fx.WEIGHTS_FILE: b"\x00" * 64, fx.CONFIG_FILE: b"{}", "tokenizer/vocab.json": b"{}"}
+
+
+def _fake_folder(path):
+    """``path`` holding :data:`FAKE_FILES`; returns it."""
+    for name, body in FAKE_FILES.items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_bytes(body)
+    return path
+
+
+def test_a_file_cut_short_or_deleted_since_the_build_fails_the_stamp_check(tmp_path):
+    """The stamp records each file's size: a weights file cut short, a file deleted (in a
+    subfolder too) or a stamp without sizes (an older builder's) is not built, and the
+    reason names the file and both sizes."""
+    path = _fake_folder(tmp_path / "x")
+    fx._write_stamp(path, "bf16")
+    assert fx._unbuilt_reason(path, "bf16") is None
+    os.truncate(path / fx.WEIGHTS_FILE, 10)
+    assert fx._unbuilt_reason(path, "bf16") == f"{fx.WEIGHTS_FILE} is 10 bytes, 64 when built"
+    os.truncate(path / fx.WEIGHTS_FILE, 64)
+    (path / "tokenizer/vocab.json").unlink()
+    assert fx._unbuilt_reason(path, "bf16") == "tokenizer/vocab.json is missing, 2 when built"
+    (path / fx.STAMP_FILE).write_text(json.dumps(fx._stamp("bf16")))
+    assert "records no file sizes" in fx._unbuilt_reason(path, "bf16")
+
+
+def test_build_rebuilds_a_fixture_whose_weights_were_cut_short(tmp_path, monkeypatch, caplog):
+    """build() reuses an intact fixture, and rebuilds one whose model.safetensors was
+    truncated afterwards, logging why (the GGUF conversion stubbed: no real build)."""
+    builds = []
+    monkeypatch.setattr(fx, "_build_bf16", lambda tmp, src: builds.append(_fake_folder(tmp)))
+    final = fx.build("bf16", tmp_path)
+    assert (1, fx.build("bf16", tmp_path)) == (len(builds), final)
+    os.truncate(final / fx.WEIGHTS_FILE, 10)
+    with caplog.at_level(logging.WARNING, logger=fx.__name__):
+        assert final == fx.build("bf16", tmp_path)
+    assert 2 == len(builds)
+    assert 64 == (final / fx.WEIGHTS_FILE).stat().st_size
+    assert f"{fx.WEIGHTS_FILE} is 10 bytes, 64 when built" in caplog.text
+
+
+def test_published_fixture_folders_are_readable_by_all(tmp_path, monkeypatch):
+    """build() and atomic_folder() publish 0755 folders, not mkdtemp's owner-only 0700."""
+    monkeypatch.setattr(fx, "_build_bf16", lambda tmp, src: _fake_folder(tmp))
+    built = fx.build("bf16", tmp_path)
+    with fx.atomic_folder(tmp_path / "other") as tmp:
+        _fake_folder(tmp)
+    modes = [stat.S_IMODE(p.stat().st_mode) for p in (built, tmp_path / "other")]
+    assert [fx.FOLDER_MODE, fx.FOLDER_MODE] == modes == [0o755, 0o755]
+
+
+def test_the_lock_holder_removes_what_killed_builders_left(tmp_path, caplog):
+    """Holding build_lock(final), the .<name>.tmp-* and .stale-* folders beside final (a
+    builder killed with SIGKILL) are removed; other fixtures' folders are kept."""
+    final = tmp_path / "smollm2-135m-instruct-awq"
+    left = [tmp_path / f".{final.name}.tmp-k1", tmp_path / f".{final.name}.stale-42"]
+    kept = [tmp_path / f".{final.name}-x.tmp-k2", tmp_path / ".smollm2-135m-instruct-bf16.tmp-k3"]
+    for folder in left + kept:
+        folder.mkdir()
+        _fake_folder(folder)
+    with caplog.at_level(logging.WARNING, logger=fx.__name__), fx.build_lock(final):
+        remaining = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert sorted(p.name for p in kept) == remaining
+    assert all(f"removing {p}" in caplog.text for p in left)
+
+
+def test_cli_refuses_an_empty_format_list(capsys):
+    """`--formats ,` names no format: an argument error (exit status 2), not a silent 0."""
+    with pytest.raises(SystemExit) as info:
+        fx.main(["--formats", ","])
+    assert 2 == info.value.code
+    assert "--formats ',' names no format; choose from bf16," in capsys.readouterr().err
 
 
 def test_unknown_model_is_refused_by_name(tmp_path):

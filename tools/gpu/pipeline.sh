@@ -17,8 +17,10 @@
 #   arch=A,B,...    (use ':' between names: arch=deepseek_v2:llava) the architecture sweep of those
 #                   architectures, bf16 and online-fp8, 4 workers, beside the next tier stage
 #   gemma3-270m     the real Gemma 3 270M: its bf16 fixture (with the bundle's transformers for
-#                   its GGUF tokenizer), its tier cases (-k gemma3) and its sweep rows (bf16,
-#                   online-fp8, fp8, ct_w8a8_fp8); needs a WCACHE_GPU_GEMMA3=1 bundle
+#                   its GGUF tokenizer), its six tier cases (-k gemma3, 6 workers) and its four
+#                   sweep rows (bf16, online-fp8, fp8, ct_w8a8_fp8; 4 workers); needs a
+#                   WCACHE_GPU_GEMMA3=1 bundle. On an H100 (2026-12-06) with 3 tier workers and
+#                   one sweep worker: fixture 1.5 min, tier 10 min, ~4.7 min a sweep row
 #   arch-all        the whole architecture sweep (--resume over arch-sweep-cuda.jsonl), 16 workers
 #   pairs=N         the fresh-node pairs of issue 48 (bench-phases.sh disk-compiled-cold,fresh-node,
 #                   PAIRS=N, startup plan on), alone on the GPU: the 8B checkpoint (~30 s when
@@ -136,10 +138,10 @@ for st in "${LIST[@]}"; do
       PYTHONPATH=$(dirname "${WCACHE_GPU_SITE:-/tmp/site}")/site-gguf-tokenizer:$PYTHONPATH \
         python3 -m wcache.testing.fixtures --model gemma3 --formats bf16 > "$OUT/fixtures-gemma3.log" 2>&1
       log "gemma3-270m fixture: exit $?"
-      tier gemma3-270m --workers 3 -k gemma3
+      tier gemma3-270m --workers 6 -k gemma3
       log "gemma3-270m sweep: start"
       python3 -m wcache.testing.arch_sweep --device cuda --archs gemma3-270m \
-        --formats bf16,online-fp8,fp8,ct_w8a8_fp8 --resume --out "$OUT/arch-sweep-cuda.jsonl" \
+        --formats bf16,online-fp8,fp8,ct_w8a8_fp8 --workers 4 --resume --out "$OUT/arch-sweep-cuda.jsonl" \
         > "$OUT/arch-gemma3-270m.log" 2>&1
       log "gemma3-270m sweep: exit $?" ;;
     dense) tier dense --workers 12 -k "not moe and not lora and not sleep and not spec_decode" ;;

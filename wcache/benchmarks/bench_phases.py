@@ -837,6 +837,37 @@ def run(
 # --------------------------------------------------------------------------- rendering
 
 
+def _read_results(path: str | os.PathLike) -> dict[str, Any]:
+    """One ``--out`` file, checked for what :func:`merge_results` reads of it: a JSON
+    object with ``meta.device`` and a ``rows`` list whose every row names its ``row``.
+
+    Raises:
+        ValueError: naming ``path``: not JSON (where it breaks off: a copy cut short),
+            or JSON of another shape.
+        OSError: ``path`` cannot be read.
+    """
+    try:
+        data = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(
+            f"{path} is not JSON ({exc}): a copy cut short or another file; give the "
+            f"whole --out file of a `wcache bench --phases` run"
+        ) from exc
+    rows = data.get("rows") if isinstance(data, dict) else None
+    meta = data.get("meta") if isinstance(data, dict) else None
+    if not (
+        isinstance(meta, dict)
+        and "device" in meta
+        and isinstance(rows, list)
+        and all(isinstance(r, dict) and "row" in r for r in rows)
+    ):
+        raise ValueError(
+            f"{path} is not the --out file of a `wcache bench --phases` run (it needs "
+            f"meta.device and a rows list whose every row names its row)"
+        )
+    return data
+
+
 def merge_results(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
     """Several runs' JSON (``--out`` of one device call each) as one result.
 
@@ -856,10 +887,13 @@ def merge_results(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
         ``measured`` (how one run was measured: its device and that it is one run).
 
     Raises:
-        ValueError: no file given, or the files differ in one of
+        ValueError: no file given, a file that is not a finished run's ``--out``
+            (not JSON, e.g. cut short, or without ``meta.device`` and its ``rows``;
+            the message names the file), or the files differ in one of
             :data:`COMPARABLE_META` (their rows do not compare).
+        OSError: a file cannot be read.
     """
-    runs = [json.loads(Path(p).read_text()) for p in paths]
+    runs = [_read_results(p) for p in paths]
     if not runs:
         raise ValueError("merge_results: no results file given")
     seen = {
@@ -1382,11 +1416,20 @@ def _meta(device: str, kind: str, ckpt: Path, argv: Sequence[str]) -> dict[str, 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point (`wcache bench --phases ...`); returns 0 unless a row failed."""
+    """Entry point (`wcache bench --phases ...`); returns 0 unless a row failed (exit
+    status 2 for ``--rows`` naming no row or an unknown one, and for ``--from-json``
+    files that cannot be merged)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.from_json:
-        return _write_merged(args)
+        return _write_merged(args, parser)
+    unknown = [r for r in args.rows if r not in ROWS]
+    if unknown or not args.rows:
+        parser.error(
+            f"unknown or missing in --rows: {', '.join(unknown) or 'none given'}; "
+            f"rows: {', '.join(ROWS)}"
+        )
     if args.pairs < 1:
         raise SystemExit("--pairs: give at least 1")
     if args.quiet_host_timeout < 0:
@@ -1521,11 +1564,14 @@ def _log_dir(out: str | None) -> Path | None:
     return None if not out else Path(out).with_name(Path(out).stem + ".logs")
 
 
-def _write_merged(args: argparse.Namespace) -> int:
+def _write_merged(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``--from-json``: merge the files and write the outputs; a file that cannot be
+    read or merged ends the command through ``parser.error`` (exit status 2) with
+    the reason, naming the file."""
     try:
         merged = merge_results(args.from_json)
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
-        raise SystemExit(f"wcache bench --phases --from-json: {exc}") from exc
+    except (OSError, ValueError, KeyError) as exc:
+        parser.error(f"--from-json: {exc}")
     return _write_outputs(args, merged)
 
 

@@ -28,10 +28,13 @@ embedding (tied to the LM head) and the norms are not.
 Builds are cached under ``$WCACHE_FIXTURES_DIR`` (default
 ``~/.cache/wcache/fixtures``), one folder per model and format (the model's
 prefix, e.g. ``gemma-3-270m-bf16``), and skipped when the
-folder's stamp file names this builder's version. A build writes into a
-temporary folder next to the target and renames it into place, holding the
-target's :func:`build_lock` (processes that share the cache, such as pytest-xdist
-workers, build each fixture once and never see one replaced under them).
+folder's stamp file names this builder's version and its files still have the
+sizes the stamp recorded (a file cut short or deleted since is rebuilt, the reason
+logged). A build writes into a temporary folder next to the target and renames it
+into place, readable by all (0755), holding the target's :func:`build_lock`
+(processes that share the cache, such as pytest-xdist workers, build each fixture
+once and never see one replaced under them); the lock's holder first removes the
+temporary folders a killed builder left.
 
 Command line::
 
@@ -50,8 +53,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import glob
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -245,6 +250,11 @@ DEFAULT_ROOT = Path("~/.cache/wcache/fixtures")
 STAMP_FILE = "wcache-fixture.json"
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
+#: Mode of a published fixture folder: ``tempfile.mkdtemp`` makes its folder 0700
+#: (owner only), and a fixture cache is read by other users' engines and tests too.
+FOLDER_MODE = 0o755
+
+log = logging.getLogger(__name__)
 
 CHECK_PROMPT = "The capital of France is"
 CHECK_MAX_TOKENS = 8
@@ -1013,15 +1023,56 @@ def _packaged_gguf(src: GgufSource) -> Path:
 
 
 def _stamp(fmt: str, src: GgufSource = SMOLLM2) -> dict[str, Any]:
+    """What a fixture's stamp names besides its files' sizes: the builder version,
+    the format and the model's GGUF."""
     return {"builder_version": BUILDER_VERSION, "format": fmt, "source": src.gguf_file}
 
 
-def _is_built(path: Path, fmt: str, src: GgufSource = SMOLLM2) -> bool:
-    stamp = path / STAMP_FILE
+def _file_sizes(folder: Path) -> dict[str, int]:
+    """Size in bytes of every file under ``folder`` but the stamp, by its path
+    relative to ``folder`` (sizes only: reading GBs to hash them would cost more
+    than the check is worth; a file cut short or gone changes its size)."""
+    return {
+        f.relative_to(folder).as_posix(): f.stat().st_size
+        for f in sorted(folder.rglob("*"))
+        if f.is_file() and f.relative_to(folder).as_posix() != STAMP_FILE
+    }
+
+
+def _write_stamp(folder: Path, fmt: str, src: GgufSource = SMOLLM2) -> None:
+    """Stamp a finished ``folder``: :func:`_stamp` and ``files``, its files' sizes."""
+    stamp = {**_stamp(fmt, src), "files": _file_sizes(folder)}
+    (folder / STAMP_FILE).write_text(json.dumps(stamp, sort_keys=True) + "\n")
+
+
+def _unbuilt_reason(path: Path, fmt: str, src: GgufSource = SMOLLM2) -> str | None:
+    """Why ``path`` is not a reusable build of ``fmt`` from ``src``, or ``None`` when
+    it is: its stamp names this builder version, format and GGUF, and every file the
+    stamp records has the size it had when built (none missing, none cut short)."""
     try:
-        return json.loads(stamp.read_text()) == _stamp(fmt, src)
-    except (OSError, ValueError):
-        return False
+        stamp = json.loads((path / STAMP_FILE).read_text())
+    except OSError:
+        return f"no readable stamp file {STAMP_FILE}"
+    except ValueError:
+        return f"its stamp file {STAMP_FILE} is not JSON"
+    if not isinstance(stamp, dict):
+        return f"its stamp file {STAMP_FILE} is not a JSON object"
+    files = stamp.pop("files", None)
+    if stamp != _stamp(fmt, src):
+        return f"its stamp names {stamp}, this builder {_stamp(fmt, src)}"
+    if not isinstance(files, dict):
+        return "its stamp records no file sizes (an older builder's stamp)"
+    now = _file_sizes(path)
+    changed = [
+        f"{name} is {'missing' if name not in now else f'{now[name]} bytes'}, {size} when built"
+        for name, size in files.items()
+        if now.get(name) != size
+    ]
+    return "; ".join(changed) or None
+
+
+def _is_built(path: Path, fmt: str, src: GgufSource = SMOLLM2) -> bool:
+    return _unbuilt_reason(path, fmt, src) is None
 
 
 def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -1269,9 +1320,10 @@ def _build_quantized(fmt: str, tmp: Path, bf16_dir: Path) -> None:
 def _publish(
     tmp: Path, final: Path, fmt: str, force: bool = False, src: GgufSource = SMOLLM2
 ) -> Path:
-    """Stamp ``tmp`` and rename it to ``final`` (replacing a stale build, or any
+    """Stamp ``tmp`` (with its files' sizes), make it readable by all
+    (:data:`FOLDER_MODE`) and rename it to ``final`` (replacing a stale build, or any
     build when ``force``)."""
-    (tmp / STAMP_FILE).write_text(json.dumps(_stamp(fmt, src), sort_keys=True) + "\n")
+    _write_stamp(tmp, fmt, src)
     if final.exists():
         if _is_built(final, fmt, src) and not force:  # another process won the race
             shutil.rmtree(tmp)
@@ -1279,6 +1331,7 @@ def _publish(
         stale = final.with_name(f".{final.name}.stale-{os.getpid()}")
         final.rename(stale)
         shutil.rmtree(stale)
+    tmp.chmod(FOLDER_MODE)  # before the rename: the folder never shows 0700 under its name
     tmp.rename(final)
     return final
 
@@ -1294,7 +1347,9 @@ def build(
     and return its folder.
 
     A quantized format builds the bf16 fixture first. A folder whose stamp
-    names this :data:`BUILDER_VERSION` and the model's GGUF is reused unless ``force``.
+    names this :data:`BUILDER_VERSION` and the model's GGUF, and whose files still
+    have the sizes the stamp recorded, is reused unless ``force``; a folder that
+    fails the check is rebuilt, the reason logged (a file cut short or missing).
 
     Raises:
         FixtureError: unknown format or model, or the GGUF source is missing.
@@ -1304,8 +1359,11 @@ def build(
     if _is_built(final, fmt, src) and not force:
         return final
     with build_lock(final):
-        if _is_built(final, fmt, src) and not force:  # another process built it meanwhile
+        reason = "force" if force else _unbuilt_reason(final, fmt, src)
+        if reason is None:  # another process built it meanwhile
             return final
+        if final.exists():
+            log.warning("rebuilding the fixture %s: %s", final, reason)
         bf16_dir = None if fmt == "bf16" else build("bf16", out, model=model)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         try:
@@ -1437,26 +1495,45 @@ def build_lock(final: Path) -> Iterator[None]:
     built the folder while it waited. Locks are taken from a derived checkpoint to its
     base (quantized -> bf16, MoE format -> its bf16 architecture), never back, so two
     builders cannot wait on each other. The lock file stays (empty, reused).
+
+    Once the lock is held, the ``.<final name>.tmp-*`` and ``.stale-*`` folders beside
+    ``final`` are removed: only a holder of this lock writes them (:func:`build`, and
+    the builders of :mod:`wcache.testing.tiny`, ``tiny_models`` and ``moe_fixtures``
+    around :func:`atomic_folder`), and a holder removes its own before it lets go, so
+    any left are a killed builder's.
     """
     final.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(final.parent / f".{final.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
+        _remove_killed_builds(final)
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the flock
 
 
+def _remove_killed_builds(final: Path) -> None:
+    """Remove the ``.<final name>.tmp-*`` and ``.stale-*`` folders a killed builder of
+    ``final`` left beside it (:func:`build_lock` holds the lock: no builder is live)."""
+    for kind in ("tmp", "stale"):
+        for left in sorted(final.parent.glob(f".{glob.escape(final.name)}.{kind}-*")):
+            log.warning("removing %s, left by a killed build of %s", left, final.name)
+            shutil.rmtree(left)
+
+
 @contextlib.contextmanager
 def atomic_folder(final: Path) -> Iterator[Path]:
     """A temporary folder beside ``final`` that replaces ``final`` when the block
-    succeeds and is removed when it fails (a half-built checkpoint is never seen)."""
+    succeeds, readable by all (:data:`FOLDER_MODE`), and is removed when it fails (a
+    half-built checkpoint is never seen). A writer of a folder that other processes
+    build too holds its :func:`build_lock` around this block."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         yield tmp
         if final.exists():
             shutil.rmtree(final)
+        tmp.chmod(FOLDER_MODE)  # before the rename: the folder never shows 0700 under its name
         tmp.rename(final)
     finally:
         if tmp.exists():
@@ -1583,6 +1660,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    if not formats:
+        parser.error(
+            f"--formats {args.formats!r} names no format; choose from {','.join(ALL_FORMATS)}"
+        )
     unknown = [f for f in formats if f not in ALL_FORMATS]
     if unknown:
         parser.error(f"unknown formats {unknown}; choose from {','.join(ALL_FORMATS)}")
