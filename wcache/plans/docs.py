@@ -374,7 +374,7 @@ REAL_ENGINE_RESULTS: dict[str, tuple[str, str]] = {
         "HBM3** (a call naming `nvidia-h200` got one), 3 workers: the six `gemma3-*` cases "
         "(tests/gpu_engine/test_gemma3_engine.py, the real Gemma 3 270M, its bf16 fixture "
         "built with transformers 5.18), every one `restored` with identical greedy text on "
-        "all four loads (\" the capital of the country of France.\" from vLLM's own disk "
+        'all four loads (" the capital of the country of France." from vLLM\'s own disk '
         "load)",
     ),
 }
