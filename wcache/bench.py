@@ -432,9 +432,11 @@ def _cold_start(args: argparse.Namespace) -> int:
 
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse, before any work, a repetition count under 1 and an ``--engine-formats``
-    that names no format or one that is not a fixture format (exit status 2 through
-    ``parser.error``, with the reason and the values it takes)."""
+    """Refuse, before any work (exit status 2 through ``parser.error``, with the reason
+    and the values it takes): a repetition or layer count under 1; for the synthetic
+    suites (the plain one and ``--cold-start``), ``--sizes`` or ``--formats`` naming no
+    value or an unknown one; for ``--cpu-engine``, such a ``--cpu-build``; and such an
+    ``--engine-formats`` (the fixture formats)."""
     for flag, value in (
         ("--reps", args.reps),
         ("--load-reps", args.load_reps),
@@ -442,6 +444,27 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     ):
         if value < 1:
             parser.error(f"{flag} {value}: give 1 or more repetitions")
+    if args.layers is not None and args.layers < 1:
+        parser.error(f"--layers {args.layers}: give 1 or more layers")
+    if not args.cpu_engine:  # the synthetic suites: the plain one and --cold-start
+        from wcache.benchmarks.synthetic import FORMATS, SHAPES  # noqa: PLC0415 (torch import ~2 s: only when called)
+
+        sizes = () if args.sizes is None else args.sizes
+        bad = [s for s in sizes if s not in SHAPES] + [f for f in args.formats if f not in FORMATS]
+        if bad or not args.formats or args.sizes == ():
+            parser.error(
+                f"unknown or missing in --sizes/--formats: {', '.join(bad) or 'none given'}; "
+                f"sizes: {', '.join(SHAPES)}, formats: {', '.join(FORMATS)}"
+            )
+    if args.cpu_engine:
+        from wcache.testing.isa import BUILDS as CPU_BUILDS  # noqa: PLC0415 (imported at call time, as the fixtures below)
+
+        unknown = [b for b in args.cpu_build if b not in CPU_BUILDS]
+        if unknown or not args.cpu_build:
+            parser.error(
+                f"unknown or missing in --cpu-build: {', '.join(unknown) or 'none given'}; "
+                f"CPU builds: {', '.join(CPU_BUILDS)}"
+            )
     if args.engine_formats is not None:
         from wcache.testing.fixtures import FORMATS as FIXTURE_FORMATS  # noqa: PLC0415 (torch import ~2 s: only when called)
 
@@ -488,18 +511,11 @@ def main(argv: list[str] | None = None) -> int:
         markdown_table,
         run_suite,
     )
-    from wcache.benchmarks.synthetic import FORMATS, SHAPES  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
     sizes = args.sizes or _csv(DEFAULT_GPU_SIZES if device == "cuda" else DEFAULT_CPU_SIZES)
-    bad = [s for s in sizes if s not in SHAPES] + [f for f in args.formats if f not in FORMATS]
-    if bad or not args.formats:
-        parser.error(
-            f"unknown or missing in --sizes/--formats: {', '.join(bad) or 'none given'}; "
-            f"sizes: {', '.join(SHAPES)}, formats: {', '.join(FORMATS)}"
-        )
     cuda = device == "cuda"
     opts = BenchOptions(
         device=device,

@@ -569,6 +569,25 @@ def test_merge_results_refuses_other_devices(tmp_path, capsys):
     assert "error: --from-json: merge_results: the files differ" in capsys.readouterr().err
 
 
+def test_merge_refuses_a_device_call_given_twice(tmp_path, capsys):
+    """One call's file twice, or its file beside a merged file that holds it, would count
+    its pairs twice towards the median and the pair count: refused (exit status 2)."""
+    a = _results(tmp_path, "a.json", [_saved_row("disk-eager", CUDA_LOG, compiled=False)])
+    b = _results(tmp_path, "b.json", [_saved_row("disk-eager", CUDA_LOG, compiled=False)])
+    merged = tmp_path / "ab.json"
+    merged.write_text(json.dumps(bp.merge_results([a, b])))
+    for paths in ([a, a], [merged, b]):
+        with pytest.raises(ValueError, match=r"the run of (a|b)\.json is given 2 times"):
+            bp.merge_results(paths)
+    with pytest.raises(SystemExit) as info:
+        bp.main(["--from-json", str(merged), str(a), "--markdown", str(tmp_path / "x.md")])
+    assert 2 == info.value.code
+    err = capsys.readouterr().err
+    assert (
+        "the run of a.json is given 2 times" in err and "give each device call's --out once" in err
+    )
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -758,10 +777,10 @@ def test_merge_refuses_runs_of_other_engine_env_and_takes_a_missing_one_as_none(
     data["meta"].pop("engine_env", None)
     Path(a).write_text(json.dumps(data))
     b = _results(tmp_path, "b.json", [])
-    data["meta"]["engine_env"] = {}
+    data["meta"].update(engine_env={}, date="b.json")  # another call (not a's twice)
     Path(b).write_text(json.dumps(data))
     bp.merge_results([a, b])
-    data["meta"]["engine_env"] = bp.startup_plan_env()
+    data["meta"].update(engine_env=bp.startup_plan_env(), date="c.json")
     c = tmp_path / "c.json"
     c.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="engine_env"):

@@ -131,12 +131,19 @@ def test_bench_json_has_curve_handles_and_plot(bench_run):
         (["--cold-start", "--cpu-engine", "--engine-formats", "int3"], "--engine-formats: int3"),
         (["--device", "cpu", "--formats", ","], "--sizes/--formats: none given"),
         (["--device", "cpu", "--formats", "bf16,int3"], "--sizes/--formats: int3; sizes:"),
+        (["--device", "cpu", "--sizes", ","], "--sizes/--formats: none given"),
+        (["--cold-start", "--sizes", "bogus"], "--sizes/--formats: bogus; sizes:"),
+        (["--cold-start", "--formats", ","], "--sizes/--formats: none given"),
+        (["--layers", "0"], "--layers 0: give 1 or more layers"),
+        (["--cpu-engine", "--cpu-build", ","], "--cpu-build: none given; CPU builds: native"),
+        (["--cpu-engine", "--cpu-build", "avx3"], "--cpu-build: avx3; CPU builds: native"),
     ],
 )
 def test_bench_refuses_bad_arguments_before_any_work(argv, message, capsys, monkeypatch):
-    """A repetition count under 1, --engine-formats naming no fixture format or an
-    unknown one, and --formats naming none are argument errors (exit status 2, the
-    reason and the values taken), not a KeyError, a TypeError or a silent exit 0."""
+    """A repetition or layer count under 1, and --engine-formats, --sizes, --formats
+    (the plain suite's and --cold-start's) or --cpu-build naming no value or an
+    unknown one are argument errors (exit status 2, the reason and the values taken),
+    not a KeyError, a TypeError, a silent default or a silent exit 0."""
 
     def no_work(*a, **k):
         pytest.fail("no work expected")
@@ -144,6 +151,7 @@ def test_bench_refuses_bad_arguments_before_any_work(argv, message, capsys, monk
     monkeypatch.setattr("wcache.bench.run_cpu_engine", no_work)
     monkeypatch.setattr("wcache.benchmarks.bench_restore.run_suite", no_work)
     monkeypatch.setattr("wcache.benchmarks.bench_coldstart.run_engine_daemons", no_work)
+    monkeypatch.setattr("wcache.benchmarks.bench_coldstart.run_synthetic", no_work)
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert 2 == info.value.code

@@ -78,13 +78,27 @@ def test_build_rebuilds_a_fixture_whose_weights_were_cut_short(tmp_path, monkeyp
 
 
 def test_published_fixture_folders_are_readable_by_all(tmp_path, monkeypatch):
-    """build() and atomic_folder() publish 0755 folders, not mkdtemp's owner-only 0700."""
-    monkeypatch.setattr(fx, "_build_bf16", lambda tmp, src: _fake_folder(tmp))
+    """build() and atomic_folder() publish 0755 folders and 0644 files, not mkdtemp's
+    owner-only 0700 folder and safetensors' owner-only 0600 weights."""
+
+    def as_safetensors_writes(tmp):
+        _fake_folder(tmp)
+        (tmp / fx.WEIGHTS_FILE).chmod(0o600)  # safetensors' save_file: owner only
+        (tmp / "tokenizer").chmod(0o700)
+
+    monkeypatch.setattr(fx, "_build_bf16", lambda tmp, src: as_safetensors_writes(tmp))
     built = fx.build("bf16", tmp_path)
     with fx.atomic_folder(tmp_path / "other") as tmp:
-        _fake_folder(tmp)
+        as_safetensors_writes(tmp)
     modes = [stat.S_IMODE(p.stat().st_mode) for p in (built, tmp_path / "other")]
     assert [fx.FOLDER_MODE, fx.FOLDER_MODE] == modes == [0o755, 0o755]
+    for folder in (built, tmp_path / "other"):  # files too: safetensors writes 0600
+        inside = {
+            p.relative_to(folder).as_posix(): stat.S_IMODE(p.stat().st_mode)
+            for p in folder.rglob("*")
+        }
+        assert inside[fx.WEIGHTS_FILE] == 0o644
+        assert set(inside.values()) == {0o644, 0o755}, inside
 
 
 def test_the_lock_holder_removes_what_killed_builders_left(tmp_path, caplog):
@@ -100,6 +114,30 @@ def test_the_lock_holder_removes_what_killed_builders_left(tmp_path, caplog):
         remaining = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
     assert sorted(p.name for p in kept) == remaining
     assert all(f"removing {p}" in caplog.text for p in left)
+
+
+def test_leftovers_that_are_not_folders_are_removed_too(tmp_path):
+    """A file or a link named like a killed build's folder does not stop the build."""
+    final = tmp_path / "smollm2-135m-instruct-awq"
+    (tmp_path / f".{final.name}.tmp-file").write_text("x")
+    (tmp_path / f".{final.name}.stale-link").symlink_to(tmp_path / "elsewhere")
+    with fx.build_lock(final):
+        left = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock"))
+    assert [] == left
+
+
+def test_a_folder_replaced_while_checked_is_not_built(tmp_path, monkeypatch):
+    """A file gone between listing and stat (another builder swapping the folder in)
+    makes the check say not built, so build() waits on the lock; it never raises."""
+    path = _fake_folder(tmp_path / "x")
+    fx._write_stamp(path, "bf16")
+
+    def swapped(folder):
+        raise FileNotFoundError(2, "No such file or directory", str(folder / fx.WEIGHTS_FILE))
+
+    monkeypatch.setattr(fx, "_file_sizes", swapped)
+    assert "changed while checked" in fx._unbuilt_reason(path, "bf16")
+    assert not fx._is_built(path, "bf16")
 
 
 def test_cli_refuses_an_empty_format_list(capsys):

@@ -868,6 +868,30 @@ def _read_results(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
+def _refuse_repeated_runs(leaves: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse a device call given twice (its file twice, or its file and a merged file
+    that holds it): its pairs would count twice towards the median and the pair count.
+    A call is known by its ``date``, ``git`` and ``command``; one without a date (an
+    older file) is not compared.
+
+    Raises:
+        ValueError: naming the call and where it was given.
+    """
+    where: dict[str, list[str]] = {}
+    for leaf in leaves:
+        if leaf.get("date"):
+            ident = json.dumps([leaf.get(k) for k in ("date", "git", "command")])
+            where.setdefault(ident, []).append(str(leaf.get("path")))
+    for ident, paths in where.items():
+        if len(paths) > 1:
+            date = json.loads(ident)[0]
+            raise ValueError(
+                f"merge_results: the run of {date} is given {len(paths)} times "
+                f"({', '.join(paths)}): give each device call's --out once (a merged "
+                f"file already holds its runs)"
+            )
+
+
 def merge_results(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
     """Several runs' JSON (``--out`` of one device call each) as one result.
 
@@ -889,8 +913,9 @@ def merge_results(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
     Raises:
         ValueError: no file given, a file that is not a finished run's ``--out``
             (not JSON, e.g. cut short, or without ``meta.device`` and its ``rows``;
-            the message names the file), or the files differ in one of
-            :data:`COMPARABLE_META` (their rows do not compare).
+            the message names the file), one device call given twice (its file
+            twice, or its file and a merged file holding it), or the files differ in
+            one of :data:`COMPARABLE_META` (their rows do not compare).
         OSError: a file cannot be read.
     """
     runs = [_read_results(p) for p in paths]
@@ -945,6 +970,7 @@ def merge_results(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
             key = (r["row"], run_index, r["pair"]) if paired else (r["row"],)
             rows[key] = {**r, "run": run_index}
             daemon_of[key] = run_.get("daemon") or {}
+    _refuse_repeated_runs(leaves)
     rank = {n: i for i, n in enumerate(ROWS)}
     keys = sorted(
         (k for k in rows if k[0] in rank),

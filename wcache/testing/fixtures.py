@@ -250,9 +250,22 @@ DEFAULT_ROOT = Path("~/.cache/wcache/fixtures")
 STAMP_FILE = "wcache-fixture.json"
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-#: Mode of a published fixture folder: ``tempfile.mkdtemp`` makes its folder 0700
-#: (owner only), and a fixture cache is read by other users' engines and tests too.
+#: Mode of a published fixture folder and of every folder in it: ``tempfile.mkdtemp``
+#: makes its folder 0700 (owner only), and a fixture cache is read by other users'
+#: engines and tests too.
 FOLDER_MODE = 0o755
+#: Mode of every file in a published fixture: safetensors' ``save_file`` writes 0600.
+FILE_MODE = 0o644
+
+
+def _make_readable(folder: Path) -> None:
+    """Give ``folder``, its folders :data:`FOLDER_MODE` and its files :data:`FILE_MODE`
+    (links left alone), before it is renamed into place."""
+    for p in folder.rglob("*"):
+        if not p.is_symlink():
+            p.chmod(FOLDER_MODE if p.is_dir() else FILE_MODE)
+    folder.chmod(FOLDER_MODE)
+
 
 log = logging.getLogger(__name__)
 
@@ -1062,7 +1075,10 @@ def _unbuilt_reason(path: Path, fmt: str, src: GgufSource = SMOLLM2) -> str | No
         return f"its stamp names {stamp}, this builder {_stamp(fmt, src)}"
     if not isinstance(files, dict):
         return "its stamp records no file sizes (an older builder's stamp)"
-    now = _file_sizes(path)
+    try:
+        now = _file_sizes(path)
+    except OSError as exc:  # a builder is replacing the folder: build() waits on its lock
+        return f"its files changed while checked ({exc})"
     changed = [
         f"{name} is {'missing' if name not in now else f'{now[name]} bytes'}, {size} when built"
         for name, size in files.items()
@@ -1331,7 +1347,7 @@ def _publish(
         stale = final.with_name(f".{final.name}.stale-{os.getpid()}")
         final.rename(stale)
         shutil.rmtree(stale)
-    tmp.chmod(FOLDER_MODE)  # before the rename: the folder never shows 0700 under its name
+    _make_readable(tmp)  # before the rename: the folder never shows 0700 under its name
     tmp.rename(final)
     return final
 
@@ -1518,7 +1534,10 @@ def _remove_killed_builds(final: Path) -> None:
     for kind in ("tmp", "stale"):
         for left in sorted(final.parent.glob(f".{glob.escape(final.name)}.{kind}-*")):
             log.warning("removing %s, left by a killed build of %s", left, final.name)
-            shutil.rmtree(left)
+            if left.is_dir() and not left.is_symlink():
+                shutil.rmtree(left)
+            else:  # not a builder's (they make folders), but in the way all the same
+                left.unlink()
 
 
 @contextlib.contextmanager
@@ -1533,7 +1552,7 @@ def atomic_folder(final: Path) -> Iterator[Path]:
         yield tmp
         if final.exists():
             shutil.rmtree(final)
-        tmp.chmod(FOLDER_MODE)  # before the rename: the folder never shows 0700 under its name
+        _make_readable(tmp)  # before the rename: the folder never shows 0700 under its name
         tmp.rename(final)
     finally:
         if tmp.exists():
