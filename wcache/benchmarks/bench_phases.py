@@ -1457,16 +1457,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"rows: {', '.join(ROWS)}"
         )
     if args.pairs < 1:
-        raise SystemExit("--pairs: give at least 1")
+        parser.error("--pairs: give at least 1")
     if args.quiet_host_timeout < 0:
-        raise SystemExit("--quiet-host-timeout: give 0 (no flush, no wait) or more seconds")
+        parser.error("--quiet-host-timeout: give 0 (no flush, no wait) or more seconds")
     if args.moe_layers is not None and args.model_kind != "moe30b-fp8":
-        raise SystemExit("--moe-layers: only for --model-kind moe30b-fp8")
+        parser.error("--moe-layers: only for --model-kind moe30b-fp8")
     moe_layers = MOE_LAYERS if args.moe_layers is None else args.moe_layers
     if not 1 <= moe_layers <= MOE_MAX_LAYERS:
-        raise SystemExit(f"--moe-layers: give 1 to {MOE_MAX_LAYERS} (Qwen3-30B-A3B's depth)")
+        parser.error(f"--moe-layers: give 1 to {MOE_MAX_LAYERS} (Qwen3-30B-A3B's depth)")
     if args.stack_samples < 0 or (args.stack_samples and not args.out):
-        raise SystemExit(
+        parser.error(
             "--stack-samples: give a positive interval in seconds, and --out "
             "(the samples go to {--out}.logs/)"
         )
@@ -1476,7 +1476,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
     if args.model_kind == "moe30b-fp8" and device != "cuda":
-        raise SystemExit(
+        parser.error(
             "--model-kind moe30b-fp8 needs --device cuda: block-FP8 MoE has no kernels in "
             "vLLM's CPU build; on CPU use smol or tiny"
         )
