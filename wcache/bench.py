@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from wcache.benchmarks.plot import plot_restore_cost
+from wcache.cli_args import csv_values, refuse_unknown_or_missing
 from wcache.testing.isa import build_env, probe, unservable_reason
 
 __all__ = ["main", "build_parser", "run_cpu_engine", "engine_table"]
@@ -90,10 +91,6 @@ def _check_store_deps() -> None:
         )
 
 
-def _csv(value: str) -> tuple[str, ...]:
-    return tuple(v.strip() for v in value.split(",") if v.strip())
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="wcache bench",
@@ -110,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--sizes",
-        type=_csv,
+        type=csv_values,
         default=None,
         help="comma-separated model shapes: tiny (smoke tests), 1b, 8b (Llama-3.1-8B: "
         "32 layers, hidden 4096, intermediate 14336, 32 heads, 8 KV heads), 30b "
@@ -120,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--formats",
-        type=_csv,
+        type=csv_values,
         default=("bf16", "awq", "fp8"),
         help="comma-separated formats: bf16 (unquantized), awq (AutoAWQ int4, group "
         "128; Marlin plan on cuda, CPUWNA16 on cpu), fp8 (bf16 checkpoint + "
@@ -128,8 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--no-disk",
-        type=_csv,
-        default=_csv(DEFAULT_NO_DISK),
+        type=csv_values,
+        default=csv_values(DEFAULT_NO_DISK),
         help="sizes measured without a checkpoint on disk: the export is synthesized "
         "in memory (one prepared layer per distinct shape, replicated) and only "
         "the restore is measured (no ordinary load, no per-tensor IPC). "
@@ -218,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--engine-formats",
-        type=_csv,
+        type=csv_values,
         default=None,
         help="fixture formats for --cpu-engine (default: every fixture format: "
         "bf16, awq, gptq, ct_w4a16, ct_w8a8_int8).",
@@ -233,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--cpu-build",
-        type=_csv,
+        type=csv_values,
         default=("native",),
         help="vLLM CPU kernel libraries for --cpu-engine, comma-separated: native "
         "(what vLLM loads on this host) and/or avx2 (vLLM's AVX2 build, "
@@ -402,7 +399,7 @@ def _cold_start(args: argparse.Namespace) -> int:
         if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
         else "cpu"
     )
-    sizes = args.sizes or _csv(DEFAULT_CPU_SIZES if device.type == "cpu" else "8b")
+    sizes = args.sizes or csv_values(DEFAULT_CPU_SIZES if device.type == "cpu" else "8b")
     with tempfile.TemporaryDirectory(prefix="wcb-cold-") as socket_dir:
         rows = cold.run_synthetic(
             device,
@@ -446,34 +443,37 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             parser.error(f"{flag} {value}: give 1 or more repetitions")
     if args.layers is not None and args.layers < 1:
         parser.error(f"--layers {args.layers}: give 1 or more layers")
-    if not args.cpu_engine:  # the synthetic suites: the plain one and --cold-start
-        from wcache.benchmarks.synthetic import FORMATS, SHAPES  # noqa: PLC0415 (torch import ~2 s: only when called)
-
-        sizes = () if args.sizes is None else args.sizes
-        bad = [s for s in sizes if s not in SHAPES] + [f for f in args.formats if f not in FORMATS]
-        if bad or not args.formats or args.sizes == ():
-            parser.error(
-                f"unknown or missing in --sizes/--formats: {', '.join(bad) or 'none given'}; "
-                f"sizes: {', '.join(SHAPES)}, formats: {', '.join(FORMATS)}"
-            )
     if args.cpu_engine:
         from wcache.testing.isa import BUILDS as CPU_BUILDS  # noqa: PLC0415 (imported at call time, as the fixtures below)
 
-        unknown = [b for b in args.cpu_build if b not in CPU_BUILDS]
-        if unknown or not args.cpu_build:
-            parser.error(
-                f"unknown or missing in --cpu-build: {', '.join(unknown) or 'none given'}; "
-                f"CPU builds: {', '.join(CPU_BUILDS)}"
-            )
+        refuse_unknown_or_missing(
+            parser,
+            "--cpu-build",
+            [b for b in args.cpu_build if b not in CPU_BUILDS],
+            not args.cpu_build,
+            f"CPU builds: {', '.join(CPU_BUILDS)}",
+        )
+    else:  # the synthetic suites: the plain one and --cold-start
+        from wcache.benchmarks.synthetic import FORMATS, SHAPES  # noqa: PLC0415 (torch import ~2 s: only when called)
+
+        sizes = () if args.sizes is None else args.sizes
+        refuse_unknown_or_missing(
+            parser,
+            "--sizes/--formats",
+            [s for s in sizes if s not in SHAPES] + [f for f in args.formats if f not in FORMATS],
+            not args.formats or args.sizes == (),
+            f"sizes: {', '.join(SHAPES)}, formats: {', '.join(FORMATS)}",
+        )
     if args.engine_formats is not None:
         from wcache.testing.fixtures import FORMATS as FIXTURE_FORMATS  # noqa: PLC0415 (torch import ~2 s: only when called)
 
-        unknown = [f for f in args.engine_formats if f not in FIXTURE_FORMATS]
-        if unknown or not args.engine_formats:
-            parser.error(
-                f"unknown or missing in --engine-formats: {', '.join(unknown) or 'none given'}; "
-                f"fixture formats: {', '.join(FIXTURE_FORMATS)}"
-            )
+        refuse_unknown_or_missing(
+            parser,
+            "--engine-formats",
+            [f for f in args.engine_formats if f not in FIXTURE_FORMATS],
+            not args.engine_formats,
+            f"fixture formats: {', '.join(FIXTURE_FORMATS)}",
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
-    sizes = args.sizes or _csv(DEFAULT_GPU_SIZES if device == "cuda" else DEFAULT_CPU_SIZES)
+    sizes = args.sizes or csv_values(DEFAULT_GPU_SIZES if device == "cuda" else DEFAULT_CPU_SIZES)
     cuda = device == "cuda"
     opts = BenchOptions(
         device=device,

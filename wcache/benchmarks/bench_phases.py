@@ -89,6 +89,7 @@ from wcache.benchmarks.phases import (
     total_s,
 )
 from wcache.benchmarks.plot import pyplot_for
+from wcache.cli_args import csv_values, refuse_unknown_or_missing
 from wcache.daemon.process import engine_failure_cause
 from wcache.testing.caches import (
     CACHE_ENV_DIRS,
@@ -227,10 +228,6 @@ STACK_SAMPLER_DIR = str(Path(__file__).resolve().parent / "_stack_sampler")
 
 def _log(msg: str) -> None:
     print(f"wcache bench --phases: {msg}", file=sys.stderr, flush=True)
-
-
-def _csv(value: str) -> tuple[str, ...]:
-    return tuple(v.strip() for v in value.split(",") if v.strip())
 
 
 def prime_compile_supported() -> tuple[bool, str]:
@@ -877,14 +874,13 @@ def _refuse_repeated_runs(leaves: Sequence[Mapping[str, Any]]) -> None:
     Raises:
         ValueError: naming the call and where it was given.
     """
-    where: dict[str, list[str]] = {}
+    where: dict[tuple[str, str, str], list[str]] = {}
     for leaf in leaves:
         if leaf.get("date"):
-            ident = json.dumps([leaf.get(k) for k in ("date", "git", "command")])
+            ident = (leaf["date"], str(leaf.get("git")), json.dumps(leaf.get("command")))
             where.setdefault(ident, []).append(str(leaf.get("path")))
-    for ident, paths in where.items():
+    for (date, _, _), paths in where.items():
         if len(paths) > 1:
-            date = json.loads(ident)[0]
             raise ValueError(
                 f"merge_results: the run of {date} is given {len(paths)} times "
                 f"({', '.join(paths)}): give each device call's --out once (a merged "
@@ -1303,7 +1299,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--rows",
-        type=_csv,
+        type=csv_values,
         default=tuple(ROWS),
         help=f"comma-separated subset of {','.join(ROWS)} (default: all; always "
         "run in that order).",
@@ -1450,12 +1446,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.from_json:
         return _write_merged(args, parser)
-    unknown = [r for r in args.rows if r not in ROWS]
-    if unknown or not args.rows:
-        parser.error(
-            f"unknown or missing in --rows: {', '.join(unknown) or 'none given'}; "
-            f"rows: {', '.join(ROWS)}"
-        )
+    refuse_unknown_or_missing(
+        parser,
+        "--rows",
+        [r for r in args.rows if r not in ROWS],
+        not args.rows,
+        f"rows: {', '.join(ROWS)}",
+    )
     if args.pairs < 1:
         parser.error("--pairs: give at least 1")
     if args.quiet_host_timeout < 0:

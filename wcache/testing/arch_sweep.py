@@ -55,6 +55,7 @@ from typing import Any
 
 import attrs
 
+from wcache.cli_args import refuse_unknown_or_missing
 from wcache.errors import SweepResultsInvalid
 from wcache.testing.engine_acceptance import (
     EngineCase,
@@ -620,12 +621,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         known = [*ARCHS, *REAL_MODELS]
         names = known if args.archs == "all" else _listed(args.archs)
         formats = _listed(args.formats)
-        unknown = [n for n in names if n not in known] + [f for f in formats if f not in FORMATS]
-        if unknown or not names or not formats:
-            ap.error(
-                f"unknown or missing in --archs/--formats: {', '.join(unknown) or 'none given'}; "
-                f"architectures: all, {', '.join(known)}; formats: {', '.join(FORMATS)}"
-            )
+        refuse_unknown_or_missing(
+            ap,
+            "--archs/--formats",
+            [n for n in names if n not in known] + [f for f in formats if f not in FORMATS],
+            not names or not formats,
+            f"architectures: all, {', '.join(known)}; formats: {', '.join(FORMATS)}",
+        )
         if args.device == "cuda" and gpu_name() is None:
             ap.error(
                 "--device cuda: nvidia-smi names no GPU on this host, and vLLM's CPU build "

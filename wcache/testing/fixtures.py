@@ -257,6 +257,8 @@ FOLDER_MODE = 0o755
 #: Mode of every file in a published fixture: safetensors' ``save_file`` writes 0600.
 FILE_MODE = 0o644
 
+log = logging.getLogger(__name__)
+
 
 def _make_readable(folder: Path) -> None:
     """Give ``folder``, its folders :data:`FOLDER_MODE` and its files :data:`FILE_MODE`
@@ -266,8 +268,6 @@ def _make_readable(folder: Path) -> None:
             p.chmod(FOLDER_MODE if p.is_dir() else FILE_MODE)
     folder.chmod(FOLDER_MODE)
 
-
-log = logging.getLogger(__name__)
 
 CHECK_PROMPT = "The capital of France is"
 CHECK_MAX_TOKENS = 8
