@@ -595,8 +595,16 @@ def test_merge_refuses_a_device_call_given_twice(tmp_path, capsys):
         ("[1, 2]", "is not the --out file of a `wcache bench --phases` run"),
         ('{"rows": []}', "is not the --out file"),
         ('{"meta": {"device": "cuda"}, "rows": [{"phases": []}]}', "is not the --out file"),
+        (
+            '{"meta": {"device": "cuda"}, "rows": [{"row": ["disk-eager"]}]}',
+            "has rows this bench does not know (['disk-eager']; its rows: disk-eager,",
+        ),
+        (
+            '{"meta": {"device": "cuda"}, "rows": [{"row": "disk-eagr"}]}',
+            "has rows this bench does not know (disk-eagr; its rows: disk-eager,",
+        ),
     ],
-    ids=["truncated", "a-list", "no-meta", "a-row-without-its-name"],
+    ids=["truncated", "a-list", "no-meta", "a-row-without-its-name", "a-list-row", "a-typo"],
 )
 def test_from_json_refuses_a_malformed_file_naming_it(tmp_path, capsys, text, message):
     """A --from-json file cut short or of another shape is an argument error (exit

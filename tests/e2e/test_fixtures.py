@@ -439,6 +439,7 @@ def test_stale_stamp_is_not_built(tmp_path):
     stale = dict(fx._stamp("awq"), builder_version=fx.BUILDER_VERSION - 1)
     (folder / fx.STAMP_FILE).write_text(json.dumps(stale))
     assert not fx._is_built(folder, "awq")
+    (folder / fx.WEIGHTS_FILE).write_bytes(b"\x00" * 8)
     fx._write_stamp(folder, "awq")
     assert fx._is_built(folder, "awq")
 

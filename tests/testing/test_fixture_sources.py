@@ -26,8 +26,7 @@ def test_gemma3_folders_have_their_own_prefix(tmp_path):
 
 def test_stamp_names_the_models_gguf(tmp_path):
     """A folder stamped for SmolLM2 is not a built Gemma 3 fixture (and the reverse)."""
-    path = tmp_path / "x"
-    path.mkdir()
+    path = _fake_folder(tmp_path / "x")
     fx._write_stamp(path, "bf16", fx.SMOLLM2)
     assert fx._is_built(path, "bf16", fx.SMOLLM2)
     assert not fx._is_built(path, "bf16", fx.GEMMA3)
@@ -60,6 +59,19 @@ def test_a_file_cut_short_or_deleted_since_the_build_fails_the_stamp_check(tmp_p
     assert fx._unbuilt_reason(path, "bf16") == "tokenizer/vocab.json is missing, 2 when built"
     (path / fx.STAMP_FILE).write_text(json.dumps(fx._stamp("bf16")))
     assert "records no file sizes" in fx._unbuilt_reason(path, "bf16")
+
+
+def test_a_stamp_recording_no_weights_file_is_not_built(tmp_path):
+    """A stamp whose ``files`` names no safetensors file (``{}``: a hand-edited stamp, or
+    one written over an emptied folder) is not a build, even though nothing it names
+    changed."""
+    path = tmp_path / "x"
+    path.mkdir()
+    fx._write_stamp(path, "bf16")
+    assert "records no weights file" in fx._unbuilt_reason(path, "bf16")
+    _fake_folder(path)
+    (path / fx.STAMP_FILE).write_text(json.dumps({**fx._stamp("bf16"), "files": {}}))
+    assert "records no weights file" in fx._unbuilt_reason(path, "bf16")
 
 
 def test_build_rebuilds_a_fixture_whose_weights_were_cut_short(tmp_path, monkeypatch, caplog):

@@ -7,13 +7,16 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from wcache.errors import FixtureError
+from wcache.testing import fixtures as fx
 from wcache.testing import moe_fixtures as mf
 from wcache.testing import tiny_models as tm
 
@@ -183,6 +186,18 @@ def test_build_writes_the_declared_architecture():
     assert config["vocab_size"] == 49152
     assert (path / "tokenizer.json").is_file()
     assert tm.is_built(path, tm.ARCHS["qwen3"], "bf16")
+
+
+def test_a_tiny_build_cut_short_is_not_built(tmp_path):
+    """The tiny builders stamp their files' sizes as the SmolLM2 fixtures do: a copy of
+    a built folder whose weights were cut short afterwards is not built, and says why."""
+    copy = tmp_path / "qwen3"
+    shutil.copytree(tm.build_arch("qwen3"), copy)
+    assert tm.is_built(copy, tm.ARCHS["qwen3"], "bf16")
+    weights = copy / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    assert not tm.is_built(copy, tm.ARCHS["qwen3"], "bf16")
+    assert "model.safetensors is" in fx.unbuilt_reason(copy, tm._stamp(tm.ARCHS["qwen3"], "bf16"))
 
 
 # --------------------------------------------------------------------------- FP8 MoE (pure)

@@ -836,11 +836,12 @@ def run(
 
 def _read_results(path: str | os.PathLike) -> dict[str, Any]:
     """One ``--out`` file, checked for what :func:`merge_results` reads of it: a JSON
-    object with ``meta.device`` and a ``rows`` list whose every row names its ``row``.
+    object with ``meta.device`` and a ``rows`` list whose every row names its ``row``,
+    one of :data:`ROWS`.
 
     Raises:
         ValueError: naming ``path``: not JSON (where it breaks off: a copy cut short),
-            or JSON of another shape.
+            JSON of another shape, or a row this bench does not know (named).
         OSError: ``path`` cannot be read.
     """
     try:
@@ -861,6 +862,14 @@ def _read_results(path: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(
             f"{path} is not the --out file of a `wcache bench --phases` run (it needs "
             f"meta.device and a rows list whose every row names its row)"
+        )
+    unknown = sorted(
+        {str(r["row"]) for r in rows if not (isinstance(r["row"], str) and r["row"] in ROWS)}
+    )
+    if unknown:
+        raise ValueError(
+            f"{path} has rows this bench does not know ({', '.join(unknown)}; its rows: "
+            f"{', '.join(ROWS)}): a hand-edited file, or one of another benchmark"
         )
     return data
 

@@ -1052,29 +1052,37 @@ def _file_sizes(folder: Path) -> dict[str, int]:
     }
 
 
-def _write_stamp(folder: Path, fmt: str, src: GgufSource = SMOLLM2) -> None:
-    """Stamp a finished ``folder``: :func:`_stamp` and ``files``, its files' sizes."""
-    stamp = {**_stamp(fmt, src), "files": _file_sizes(folder)}
-    (folder / STAMP_FILE).write_text(json.dumps(stamp, sort_keys=True) + "\n")
+def write_stamp(folder: Path, stamp: Mapping[str, Any]) -> None:
+    """Stamp a finished build ``folder``: ``stamp`` (what names the build: builder
+    version, format, source) and ``files``, its files' sizes (:func:`unbuilt_reason`
+    checks both). Every fixture builder (this module, :mod:`wcache.testing.tiny`,
+    :mod:`~wcache.testing.tiny_models`, :mod:`~wcache.testing.moe_fixtures`) stamps so."""
+    body = {**stamp, "files": _file_sizes(folder)}
+    (folder / STAMP_FILE).write_text(json.dumps(body, sort_keys=True) + "\n")
 
 
-def _unbuilt_reason(path: Path, fmt: str, src: GgufSource = SMOLLM2) -> str | None:
-    """Why ``path`` is not a reusable build of ``fmt`` from ``src``, or ``None`` when
-    it is: its stamp names this builder version, format and GGUF, and every file the
-    stamp records has the size it had when built (none missing, none cut short)."""
+def unbuilt_reason(path: Path, stamp: Mapping[str, Any]) -> str | None:
+    """Why ``path`` is not a reusable build named by ``stamp``, or ``None`` when it is:
+    its stamp file (:func:`write_stamp`) holds ``stamp`` and records a weights file, and
+    every file it records has the size it had when built (none missing, none cut short).
+    Never raises: an unreadable or odd stamp, or a folder changing while checked (a
+    builder swapping it in: callers then wait on its :func:`build_lock`), is a reason."""
     try:
-        stamp = json.loads((path / STAMP_FILE).read_text())
+        found = json.loads((path / STAMP_FILE).read_text())
     except OSError:
         return f"no readable stamp file {STAMP_FILE}"
     except ValueError:
         return f"its stamp file {STAMP_FILE} is not JSON"
-    if not isinstance(stamp, dict):
+    if not isinstance(found, dict):
         return f"its stamp file {STAMP_FILE} is not a JSON object"
-    files = stamp.pop("files", None)
-    if stamp != _stamp(fmt, src):
-        return f"its stamp names {stamp}, this builder {_stamp(fmt, src)}"
+    files = found.pop("files", None)
+    expected = json.loads(json.dumps(stamp))  # tuples as the JSON file holds them: lists
+    if found != expected:
+        return f"its stamp names {found}, this builder {expected}"
     if not isinstance(files, dict):
         return "its stamp records no file sizes (an older builder's stamp)"
+    if not any(name.endswith(".safetensors") for name in files):
+        return "its stamp records no weights file (a hand-edited or broken stamp)"
     try:
         now = _file_sizes(path)
     except OSError as exc:  # a builder is replacing the folder: build() waits on its lock
@@ -1085,6 +1093,16 @@ def _unbuilt_reason(path: Path, fmt: str, src: GgufSource = SMOLLM2) -> str | No
         if now.get(name) != size
     ]
     return "; ".join(changed) or None
+
+
+def _write_stamp(folder: Path, fmt: str, src: GgufSource = SMOLLM2) -> None:
+    """Stamp a finished SmolLM2 / Gemma 3 ``folder`` (:func:`write_stamp`)."""
+    write_stamp(folder, _stamp(fmt, src))
+
+
+def _unbuilt_reason(path: Path, fmt: str, src: GgufSource = SMOLLM2) -> str | None:
+    """Why ``path`` is not a reusable build of ``fmt`` from ``src`` (:func:`unbuilt_reason`)."""
+    return unbuilt_reason(path, _stamp(fmt, src))
 
 
 def _is_built(path: Path, fmt: str, src: GgufSource = SMOLLM2) -> bool:

@@ -640,7 +640,7 @@ def _write_moe(a: tm.Arch, base: str, fmt: str, final: Path, out: str | None) ->
         (tmp / fx.CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         for fname, body in side_files(fmt, ignored).items():
             (tmp / fname).write_text(json.dumps(body, indent=2) + "\n")
-        (tmp / tm.STAMP_FILE).write_text(json.dumps(tm._stamp(a, fmt), sort_keys=True) + "\n")
+        fx.write_stamp(tmp, tm._stamp(a, fmt))
 
 
 def main(argv: list[str] | None = None) -> int:

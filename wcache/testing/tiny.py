@@ -49,10 +49,7 @@ def tiny_path(fmt: str, out: str | os.PathLike | None = None) -> Path:
 
 
 def _built(path: Path, fmt: str) -> bool:
-    try:
-        return json.loads((path / fx.STAMP_FILE).read_text()) == _stamp(fmt)
-    except (OSError, ValueError):
-        return False
+    return fx.unbuilt_reason(path, _stamp(fmt)) is None
 
 
 def _write_bf16(tmp: Path, smollm: Path) -> None:
@@ -91,7 +88,7 @@ def build_tiny(fmt: str = "awq", out: str | os.PathLike | None = None) -> Path:
                 _write_bf16(tmp, fx.build("bf16", out))
             else:
                 fx._build_quantized(fmt, tmp, bf16_dir)
-            (tmp / fx.STAMP_FILE).write_text(json.dumps(_stamp(fmt)) + "\n")
+            fx.write_stamp(tmp, _stamp(fmt))
     return final
 
 

@@ -668,11 +668,9 @@ def _stamp(a: Arch, fmt: str) -> dict[str, Any]:
 
 
 def is_built(path: Path, a: Arch, fmt: str) -> bool:
-    """``path`` holds a complete build of ``a`` in ``fmt`` by this builder version."""
-    try:
-        return json.loads((path / STAMP_FILE).read_text()) == json.loads(json.dumps(_stamp(a, fmt)))
-    except (OSError, ValueError):
-        return False
+    """``path`` holds a complete build of ``a`` in ``fmt`` by this builder version, its
+    files as built (:func:`wcache.testing.fixtures.unbuilt_reason`)."""
+    return fx.unbuilt_reason(path, _stamp(a, fmt)) is None
 
 
 def copy_tokenizer(src: Path, dst: Path) -> None:
@@ -857,7 +855,7 @@ def build_arch(name: str, out: str | os.PathLike | None = None, *, force: bool =
                 _check_architecture(a, tmp)
             else:
                 _write_text_model(a, tmp, tok_dir)
-            (tmp / STAMP_FILE).write_text(json.dumps(_stamp(a, "bf16"), sort_keys=True) + "\n")
+            fx.write_stamp(tmp, _stamp(a, "bf16"))
     return final
 
 
