@@ -557,6 +557,27 @@ def test_merge_results_keeps_a_row_that_ran_and_orders_rows(tmp_path):
     assert merged["meta"]["provenance"].startswith("merged from 2 runs")
 
 
+def test_merge_reads_a_file_of_several_runs_as_those_runs(tmp_path):
+    """A file of the older ``{"meta", "runs": [...]}`` layout (results-cpu-phases.json)
+    merges as its runs given one by one, each named ``PATH#runs[i]``; a broken run in
+    it is refused by that name."""
+    a = _results(tmp_path, "a.json", [_saved_row("disk-eager", CUDA_LOG, compiled=False)])
+    b = _results(tmp_path, "b.json", [_saved_row("fresh-node", H200_INIT)])
+    runs = [json.loads(a.read_text()), json.loads(b.read_text())]
+    several = tmp_path / "several.json"
+    several.write_text(json.dumps({"meta": runs[0]["meta"], "runs": runs}))
+    merged, apart = bp.merge_results([several]), bp.merge_results([a, b])
+    assert [r["row"] for r in merged["rows"]] == [r["row"] for r in apart["rows"]]
+    assert [r["total_s"] for r in merged["rows"]] == [r["total_s"] for r in apart["rows"]]
+    assert [run_["path"] for run_ in merged["meta"]["runs"]] == [
+        f"{several}#runs[0]",
+        f"{several}#runs[1]",
+    ]
+    several.write_text(json.dumps({"meta": runs[0]["meta"], "runs": [runs[0], {"rows": []}]}))
+    with pytest.raises(ValueError, match=re.escape(f"{several}#runs[1] is not the --out file")):
+        bp.merge_results([several])
+
+
 def test_merge_results_refuses_other_devices(tmp_path, capsys):
     """Rows measured on different devices do not go in one table (exit status 2)."""
     a = _results(tmp_path, "a.json", [_saved_row("disk-eager", CUDA_LOG, compiled=False)])

@@ -834,14 +834,20 @@ def run(
 # --------------------------------------------------------------------------- rendering
 
 
-def _read_results(path: str | os.PathLike) -> dict[str, Any]:
-    """One ``--out`` file, checked for what :func:`merge_results` reads of it: a JSON
-    object with ``meta.device`` and a ``rows`` list whose every row names its ``row``,
-    one of :data:`ROWS`.
+def _read_results(path: str | os.PathLike) -> list[tuple[str, dict[str, Any]]]:
+    """One ``--out`` file's runs, each checked for what :func:`merge_results` reads of it:
+    a JSON object with ``meta.device`` and a ``rows`` list whose every row names its
+    ``row``, one of :data:`ROWS`. An ``--out`` file holds one run; a file of the older
+    layout ``{"meta", "runs": [run, ...]}`` (benchmarks/results-cpu-phases.json,
+    2026-12-01) holds several, named ``PATH#runs[i]``.
+
+    Returns:
+        ``[(name, run), ...]``: ``path`` itself, or each of its ``runs``.
 
     Raises:
-        ValueError: naming ``path``: not JSON (where it breaks off: a copy cut short),
-            JSON of another shape, or a row this bench does not know (named).
+        ValueError: naming ``path`` (or the run in it): not JSON (where it breaks off:
+            a copy cut short), JSON of another shape, or a row this bench does not
+            know (named).
         OSError: ``path`` cannot be read.
     """
     try:
@@ -851,6 +857,18 @@ def _read_results(path: str | os.PathLike) -> dict[str, Any]:
             f"{path} is not JSON ({exc}): a copy cut short or another file; give the "
             f"whole --out file of a `wcache bench --phases` run"
         ) from exc
+    if isinstance(data, dict) and "rows" not in data and isinstance(data.get("runs"), list):
+        parts = [(f"{path}#runs[{i}]", run_) for i, run_ in enumerate(data["runs"])]
+    else:
+        parts = [(str(path), data)]
+    for name, run_ in parts:
+        _check_run(name, run_)
+    return parts
+
+
+def _check_run(name: str, data: Any) -> None:
+    """Raise ValueError naming ``name`` unless ``data`` is one run's results
+    (:func:`_read_results`)."""
     rows = data.get("rows") if isinstance(data, dict) else None
     meta = data.get("meta") if isinstance(data, dict) else None
     if not (
@@ -860,7 +878,7 @@ def _read_results(path: str | os.PathLike) -> dict[str, Any]:
         and all(isinstance(r, dict) and "row" in r for r in rows)
     ):
         raise ValueError(
-            f"{path} is not the --out file of a `wcache bench --phases` run (it needs "
+            f"{name} is not the --out file of a `wcache bench --phases` run (it needs "
             f"meta.device and a rows list whose every row names its row)"
         )
     unknown = sorted(
@@ -868,10 +886,9 @@ def _read_results(path: str | os.PathLike) -> dict[str, Any]:
     )
     if unknown:
         raise ValueError(
-            f"{path} has rows this bench does not know ({', '.join(unknown)}; its rows: "
+            f"{name} has rows this bench does not know ({', '.join(unknown)}; its rows: "
             f"{', '.join(ROWS)}): a hand-edited file, or one of another benchmark"
         )
-    return data
 
 
 def _refuse_repeated_runs(leaves: Sequence[Mapping[str, Any]]) -> None:
@@ -906,7 +923,8 @@ def merge_results(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
     not run (an error, not run) and an earlier one did; rows come in :data:`ROWS`
     order.
 
-    A file that is itself a merge contributes its own runs, so merges nest: ``meta.runs``
+    A file of the older several-runs layout contributes each of its runs
+    (:func:`_read_results`). A file that is itself a merge contributes its own runs, so merges nest: ``meta.runs``
     lists every device call once, and each row's ``run`` is the index in it of the call
     that measured the row (None for a row of a merge written before rows recorded it).
 
@@ -923,7 +941,8 @@ def merge_results(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
             one of :data:`COMPARABLE_META` (their rows do not compare).
         OSError: a file cannot be read.
     """
-    runs = [_read_results(p) for p in paths]
+    named = [part for p in paths for part in _read_results(p)]
+    runs = [run_ for _, run_ in named]
     if not runs:
         raise ValueError("merge_results: no results file given")
     seen = {
@@ -940,7 +959,7 @@ def merge_results(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
     rows: dict[tuple[Any, ...], dict[str, Any]] = {}
     daemon_of: dict[tuple[Any, ...], Mapping[str, Any]] = {}  # row -> its file's shared daemon
     leaves: list[dict[str, Any]] = []  # every device call, once (a merged file's own runs)
-    for path, run_ in zip(paths, runs):
+    for path, run_ in named:
         offset = len(leaves)
         own = run_["meta"].get("runs")
         leaves += (
@@ -1410,8 +1429,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="JSON",
         help="run nothing: merge these --out files (rows split over device "
-        "calls; the last file's row wins unless it failed), recompute each row's phases "
-        "from its saved evidence, and write --out/--markdown/--plot",
+        "calls; the last file's row wins unless it failed; a file holding several runs, "
+        "as benchmarks/results-cpu-phases.json does, gives each), recompute each row's "
+        "phases from its saved evidence, and write --out/--markdown/--plot",
     )
     return p
 
