@@ -32,7 +32,17 @@ XDIST_WORKER_ENV = "PYTEST_XDIST_WORKER"
 #: do not oversubscribe the cores. A test that sets its own binding (the 2-rank e2e:
 #: "0|1") passes it in the engine's environment, which wins over these. A CUDA host
 #: (the H200 tier, which runs tests/gpu_engine under xdist too) keeps its environment.
-XDIST_ENGINE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+#: And a 1 GiB KV cache (``VLLM_CPU_KVCACHE_SPACE``, whole GiB; it overrides an
+#: engine's ``kv_cache_memory_bytes`` too, vllm/platforms/cpu.py): vLLM-CPU's own
+#: sizing takes its memory share less what the process holds, ~4 GiB an engine here,
+#: allocated and touched at every start (init 2.9 s against 0.6 s with 1 GiB, SmolLM2
+#: eager, 2026-12-06); the suite's engines need a few MiB (512 tokens, one sequence;
+#: `vllm serve` at SmolLM2's 8192 tokens ~190 MiB).
+XDIST_ENGINE_ENV = {
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
 #: NVIDIA's device nodes: present on a CUDA host (checked without initializing CUDA).
 NVIDIA_DEVICES = "/dev/nvidia[0-9]*"
 if os.environ.get(XDIST_WORKER_ENV) and not glob.glob(NVIDIA_DEVICES):

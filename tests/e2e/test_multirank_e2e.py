@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from tests.helpers.engines import ONE_PROCESS
 from wcache.daemon.process import DaemonProcess, run_engine
 from wcache.store import daemon_status
 from wcache.store.paths import list_sockets
@@ -21,8 +22,11 @@ from wcache.store.paths import list_sockets
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 TP = 2
-#: vLLM's CPU workers refuse to start on 2 cores without an explicit binding.
-ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+#: vLLM's CPU workers refuse to start on 2 cores without an explicit binding. The
+#: engine core runs in the engine's process (ONE_PROCESS: one import of vLLM fewer,
+#: ~8 s an engine here); the two TP workers are vLLM's own spawned processes still,
+#: each attaching to its rank's daemon, which is what this module checks.
+ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", **ONE_PROCESS}
 MAX_TOKENS = 8
 #: How long to wait for a SIGKILLed rank daemon to be reaped (seconds).
 KILL_WAIT_S = 10.0
