@@ -594,6 +594,34 @@ def test_no_template_runs_directly(work, env, tmp_path):
     shutil.rmtree(empty, ignore_errors=True)
 
 
+def test_unsafe_socket_dir_runs_directly(work, env):
+    """A socket dir the template client refuses (group/world access, a symlink, a
+    non-socket named template.sock: unsafe-path) is a template that cannot be used:
+    the command runs directly, or with --no-fallback exits 3 naming the code; never
+    a traceback."""
+    root = tempfile.mkdtemp(prefix="wcu-")
+    open_dir = os.path.join(root, "open")
+    os.mkdir(open_dir)
+    os.chmod(open_dir, 0o777)
+    not_socket = os.path.join(root, "file")
+    os.mkdir(not_socket, 0o700)
+    open(os.path.join(not_socket, "template.sock"), "w").close()
+    link = os.path.join(root, "link")
+    os.symlink(not_socket, link)
+    cmd = [sys.executable, "script.py", "4"]
+    try:
+        for d in (open_dir, not_socket, link):
+            r = _run(cmd, work, env, d, stdin="y\n", fallback=True)
+            assert r.returncode == 4 and "stdin y" in r.stdout, r.stderr
+            assert r.stderr.startswith("wcache run: running directly [unsafe-path]"), r.stderr
+            assert "Traceback" not in r.stderr
+            refused = _run(cmd, work, env, d)
+            assert refused.returncode == REFUSED_EXIT
+            assert refused.stderr.startswith("wcache run: error [unsafe-path]"), refused.stderr
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_engine_same_as_direct(template, env, tmp_path):

@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any
 
-from wcache.errors import ConnectionClosed, PeerRefused, ProtocolError
+from wcache.errors import ConnectionClosed, PeerRefused, ProtocolError, StoreError
 from wcache.store import paths
 from wcache.store.protocol import recv_frame, send_frame
 from wcache.store.server import peer_credentials
@@ -292,7 +292,10 @@ def run_command(
         except BaseException:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a direct run gets the mask it had
             raise
-    except TemplateError as exc:
+    # StoreError: the socket dir or socket is unsafe (a symlink, group/world access, not
+    # a socket: UnsafePath) or the peer is another user's (PeerRefused); the template
+    # is as unusable as a missing one, so the command runs directly all the same.
+    except (TemplateError, StoreError) as exc:
         if not fallback:
             print(f"wcache run: error [{exc.code}]: {exc}", file=sys.stderr)
             return REFUSED_EXIT
