@@ -759,6 +759,10 @@ def _serve_ranks(
         )
         for r in ranks
     ]
+    # SIGTERM (a supervisor, `kill`) must stop the ranks as Ctrl-C does: by default it
+    # ended only this process and left every rank serving, orphaned (a restart then
+    # failed with daemon-busy). Set before the ranks start: spawn resets it in them.
+    previous = signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
     for p in procs:
         p.start()
     up: set[int] = set()
@@ -794,3 +798,11 @@ def _serve_ranks(
         for p in procs:
             p.join(timeout=10)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt_on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM in the parent of the rank processes: unwind as Ctrl-C does, so that
+    :func:`_serve_ranks` stops every rank."""
+    raise KeyboardInterrupt("wcache serve: SIGTERM; stopping the ranks")
