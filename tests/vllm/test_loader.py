@@ -179,6 +179,9 @@ def test_loader_options_parse_cli_strings():
         ({"connect_timeout_s": "nan"}, "connect_timeout_s must be a positive number"),
         ({"socket_dir": 123}, "socket_dir must be a string"),
         ({"profile_file": 1}, "profile_file must be a string"),
+        # null would name another socket than the daemon's (job digest of None, not "")
+        ({"job": None}, "job must be a string"),
+        ({"draft_job": None}, "draft_job must be a string"),
     ],
 )
 def test_bad_option_values_name_the_key(extra, message):

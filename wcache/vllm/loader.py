@@ -209,8 +209,12 @@ class LoaderOptions:
             "profile_file",
             "artifacts_record",
         ):
-            if name in extra and extra[name] is not None and not isinstance(extra[name], str):
-                raise ValueError(f"wcache: {name} must be a string, not {extra[name]!r}")
+            # job and draft_job are part of the socket's name: None (JSON null) would
+            # name another socket than the daemon's default job and miss it
+            nullable = name not in ("job", "draft_job")
+            value = extra.get(name)
+            if name in extra and not (nullable and value is None) and not isinstance(value, str):
+                raise ValueError(f"wcache: {name} must be a string, not {value!r}")
         return cls(**extra)
 
 
