@@ -574,6 +574,19 @@ def test_second_template_refused_naming_the_template(template):
     assert template_status(template)["pid"] == first
 
 
+def test_start_timeout_says_so(tmp_path):
+    """A template that does not listen within --timeout is killed, and the refusal
+    says the timeout passed (it said "exited with -9", the kill of the timeout)."""
+    d = tempfile.mkdtemp(prefix="wct-")
+    try:
+        with pytest.raises(TemplateStartFailed) as info:
+            start_template(d, preload=["json"], platform_preload=False, timeout_s=0.01)
+        assert "did not listen within 0.01 s (--timeout) and was killed" in str(info.value)
+        assert "exited with" not in str(info.value)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def test_not_python_runs_directly(template, work, env):
     """A command that is not a Python entry (a binary) runs directly, saying why."""
     r = _run(["/bin/echo", "hi"], work, env, template, fallback=True)

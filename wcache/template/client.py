@@ -367,6 +367,7 @@ def start_template(
             env=env,
         )
     deadline = time.monotonic() + timeout_s
+    timed_out = False
     while time.monotonic() < deadline:
         rc = proc.poll()
         try:
@@ -379,6 +380,7 @@ def start_template(
             break
         time.sleep(POLL_S)
     else:
+        timed_out = True  # killed below: its -9 is ours, not the reason
         proc.kill()
         proc.wait()
     with open(log_path, "rb") as f:
@@ -389,9 +391,9 @@ def start_template(
     raise TemplateStartFailed(
         f"the template (pid {proc.pid}) "
         + (
-            f"exited with {proc.returncode}"
-            if proc.returncode is not None
-            else f"did not listen within {timeout_s:.0f} s"
+            f"did not listen within {timeout_s:g} s (--timeout) and was killed"
+            if timed_out
+            else f"exited with {proc.returncode}"
         )
         + (f": {reason.rstrip('.')}" if reason else "")
         + f"; its log {log_path} ends:\n"
