@@ -168,6 +168,21 @@ def test_loader_options_parse_cli_strings():
     assert (opts.fallback, opts.strict, opts.connect_timeout_s) == (False, True, 2.0)
 
 
+def test_loader_options_from_json_text():
+    """``LLM(model_loader_extra_config='{"fallback": false}')``: vLLM keeps the string
+    as given; it is read as the JSON it is (it failed with "dictionary update sequence
+    element #0 has length 1"), and text that is not a JSON object is refused by name."""
+    from wcache.vllm.loader import LoaderOptions
+
+    opts = LoaderOptions.from_extra('{"fallback": false, "job": "j"}')
+    assert (opts.fallback, opts.job) == (False, "j")
+    assert LoaderOptions.from_extra("") == LoaderOptions()
+    with pytest.raises(ValueError, match="model_loader_extra_config is not valid JSON"):
+        LoaderOptions.from_extra("{fallback: false}")
+    with pytest.raises(ValueError, match="model_loader_extra_config must be a dict"):
+        LoaderOptions.from_extra("[1, 2]")
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

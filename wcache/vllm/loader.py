@@ -167,13 +167,25 @@ class LoaderOptions:
     draft_job: str = DEFAULT_DRAFT_JOB
 
     @classmethod
-    def from_extra(cls, extra: dict[str, Any] | None) -> LoaderOptions:
+    def from_extra(cls, extra: dict[str, Any] | str | None) -> LoaderOptions:
         """Parse ``model_loader_extra_config``; strings (from ``vllm serve``'s command
         line) are converted.
 
         Raises:
             ValueError: an unknown key or a value of the wrong type, naming the key.
         """
+        if isinstance(extra, str):  # vLLM's LoadConfig keeps a JSON string as given
+            try:
+                extra = json.loads(extra) if extra.strip() else {}
+            except ValueError as exc:
+                raise ValueError(
+                    f"wcache: model_loader_extra_config is not valid JSON ({exc}): {extra!r}"
+                ) from None
+        if extra is not None and not isinstance(extra, dict):
+            raise ValueError(
+                "wcache: model_loader_extra_config must be a dict (or its JSON text), "
+                f"not {extra!r}"
+            )
         extra = dict(extra or {})
         known = {f.name for f in attrs.fields(cls)}
         unknown = sorted(set(extra) - known)
