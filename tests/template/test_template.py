@@ -587,6 +587,34 @@ def test_start_timeout_says_so(tmp_path):
         shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.mark.parametrize("closed", [0, 1])
+def test_closed_stdio_as_direct(template, work, env, closed):
+    """A closed stdin or stdout (``<&-``, ``>&-``) ends like a direct start: the child
+    reads nothing and its prints go nowhere (it gets /dev/null there). The template
+    connection took the free fd and was sent as that stream: a read of stdin hung, a
+    print went into the template's connection and `wcache run` exited 70."""
+    code = (
+        "import sys; print('x' * 100, flush=True); "
+        "d = sys.stdin.read() if sys.stdin else ''; sys.stderr.write(f'done {d!r}\\n')"
+    )
+    cmd = [sys.executable, "-c", code]
+    outs = []
+    for tpl in (None, template):
+        r = subprocess.run(
+            _through(tpl, cmd, False) if tpl else cmd,
+            cwd=work,
+            env=env,
+            stdout=None if closed == 1 else subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+            preexec_fn=lambda: os.close(closed),
+        )
+        outs.append((r.returncode, r.stderr.splitlines()[-1:]))
+    assert outs[0] == (0, ["done ''"])
+    assert outs[1] == outs[0], outs
+
+
 def test_not_python_runs_directly(template, work, env):
     """A command that is not a Python entry (a binary) runs directly, saying why."""
     r = _run(["/bin/echo", "hi"], work, env, template, fallback=True)

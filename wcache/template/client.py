@@ -188,14 +188,18 @@ def _request(argv: list[str], socket_dir: str | None) -> tuple[socket.socket, in
         # where a direct start's timer would start: this client's launch
         "client_start": process_start_epoch(),
     }
-    s = _connect(socket_dir)
+    # stdio first: with fd 0, 1 or 2 closed the connection would take that number and
+    # be sent as the child's stdin/stdout/stderr (a read hung, a print went into the
+    # template's connection); /dev/null holds a closed one's place meanwhile
     fds, opened = _stdio_fds()
     try:
-        send_frame(s, frame, tuple(fds))
-        reply, _ = recv_frame(s, frame_timeout_s=CONNECT_TIMEOUT_S)
-    except (ConnectionClosed, ProtocolError, OSError) as e:
-        s.close()
-        raise TemplateMissing(f"the template did not answer the run request: {e}") from None
+        s = _connect(socket_dir)
+        try:
+            send_frame(s, frame, tuple(fds))
+            reply, _ = recv_frame(s, frame_timeout_s=CONNECT_TIMEOUT_S)
+        except (ConnectionClosed, ProtocolError, OSError) as e:
+            s.close()
+            raise TemplateMissing(f"the template did not answer the run request: {e}") from None
     finally:
         for fd in opened:
             os.close(fd)
