@@ -1,5 +1,8 @@
-"""SIGTERM to `wcache serve` with several ranks stops every rank process (it ended only
-the parent, leaving the ranks serving, orphaned). Stand-in ranks: no vLLM load."""
+"""`wcache serve` with several ranks ends as one job: SIGTERM to the serve stops every
+rank (it ended only the parent, leaving the ranks serving, orphaned), a SIGKILLed serve
+takes its ranks with it (``PR_SET_PDEATHSIG``), and a rank that ends stops the others
+with its status (75 asks for a restart). Real rank processes (``_rank_main``) with a
+stand-in ``serve_rank``: no vLLM load."""
 
 from __future__ import annotations
 
@@ -10,27 +13,43 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 #: A parent with two spawned stand-in ranks starts in a few seconds; room for a busy host.
 START_TIMEOUT_S = 120.0
 #: The ranks get SIGTERM and the parent joins them (10 s each at most).
 STOP_TIMEOUT_S = 30.0
 
+#: The ranks: the real ``_rank_main`` around a ``serve_rank`` that reports ready, ends
+#: with status 0 on SIGTERM (as a real rank's stop does), and rank 1 returns the status
+#: in the file ``rank1.exit`` once that file appears.
 RANK = """
-import os, time
+import os, signal, sys, time
 
-def fake_rank_main(rank, local_rank, world, model, rest, init_method, socket_dir,
-                   progress, job, ready, sources):
+def serve_rank(model, rest, *, rank, ready, socket_dir, **_):
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with open(os.path.join(socket_dir, f"rank{rank}.pid"), "w") as f:
         f.write(str(os.getpid()))
     ready.put((rank, "ready"))
-    time.sleep(600)
+    exit_file = os.path.join(socket_dir, f"rank{rank}.exit")
+    for _ in range(6000):
+        if os.path.exists(exit_file):
+            with open(exit_file) as f:
+                return int(f.read())
+        time.sleep(0.1)
+    return 0
+
+def rank_main(*args):
+    from wcache.daemon import serve
+    serve.serve_rank = serve_rank
+    serve._rank_main(*args)
 """
 
 PARENT = """
 import argparse, sys
 import fake_rank
 from wcache.daemon import serve
-serve._rank_main = fake_rank.fake_rank_main
+serve._rank_main = fake_rank.rank_main
 args = argparse.Namespace(model="m", socket_dir=sys.argv[1], no_progress=True)
 sys.exit(serve._serve_ranks(args, [], 2, range(2), "tcp://127.0.0.1:1", "", {}))
 """
@@ -44,7 +63,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_sigterm_stops_every_rank(tmp_path):
+@pytest.fixture
+def serve_two_ranks(tmp_path):
+    """Start the two-rank serve; yields ``(proc, rank pids, folder)`` once both are ready."""
     (tmp_path / "fake_rank.py").write_text(textwrap.dedent(RANK))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.getcwd()])}
     proc = subprocess.Popen(
@@ -54,6 +75,7 @@ def test_sigterm_stops_every_rank(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
+    pids: list[int] = []
     try:
         line = ""
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -62,18 +84,47 @@ def test_sigterm_stops_every_rank(tmp_path):
             assert line or proc.poll() is None, proc.stderr.read()
         assert "all 2 ranks ready" in line
         pids = [int((tmp_path / f"rank{r}.pid").read_text()) for r in range(2)]
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=STOP_TIMEOUT_S)
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [p for p in pids if _alive(p)], "ranks still running after SIGTERM"
-        assert proc.returncode != 0
+        yield proc, pids, tmp_path
     finally:
         if proc.poll() is None:
             proc.kill()
-        for f in tmp_path.glob("rank*.pid"):
+        for pid in pids:
             try:
-                os.kill(int(f.read_text()), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
                 pass
+
+
+def _ranks_end(pids: list[int]) -> list[int]:
+    """The pids still running after :data:`STOP_TIMEOUT_S`."""
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def test_sigterm_stops_every_rank_and_exits_0(serve_two_ranks):
+    """SIGTERM to the serve stops both ranks as Ctrl-C does; a stop asked once every
+    rank served, each rank stopping cleanly, exits 0 (a one-rank serve's status)."""
+    proc, pids, _ = serve_two_ranks
+    proc.send_signal(signal.SIGTERM)
+    assert 0 == proc.wait(timeout=STOP_TIMEOUT_S), proc.stderr.read()
+    assert [] == _ranks_end(pids), "ranks still running after SIGTERM"
+
+
+def test_a_sigkilled_serve_takes_its_ranks_with_it(serve_two_ranks):
+    """SIGKILL (no handler runs) of the serve: each rank gets SIGTERM from the kernel
+    (PR_SET_PDEATHSIG) and stops, instead of serving on, orphaned."""
+    proc, pids, _ = serve_two_ranks
+    proc.kill()
+    proc.wait(timeout=STOP_TIMEOUT_S)
+    assert [] == _ranks_end(pids), "ranks still running after their serve was SIGKILLed"
+
+
+def test_a_rank_that_ends_stops_the_others_with_its_status(serve_two_ranks):
+    """Rank 1 ends with 75 (a client's guard fired: restart me): rank 0 is stopped and
+    the serve exits 75, for its supervisor (it waited on rank 0 for ever)."""
+    proc, pids, folder = serve_two_ranks
+    (folder / "rank1.exit").write_text("75")
+    assert 75 == proc.wait(timeout=STOP_TIMEOUT_S), proc.stderr.read()
+    assert [] == _ranks_end(pids)

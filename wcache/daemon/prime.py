@@ -18,8 +18,7 @@ is packed by :mod:`wcache.vllm.startup`.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
+import functools
 import json
 import logging
 import os
@@ -32,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from wcache.daemon.parent_death import die_with_parent, prctl_function
 from wcache.daemon.tracebacks import first_traceback
 from wcache.errors import PrimingFailed
 
@@ -71,8 +71,6 @@ STOP_POLL_S = 0.2
 #: SIGKILL (seconds): vLLM's engine core shuts down its workers on SIGTERM in well
 #: under this; a wedged compile does not, and its GPU memory must come back.
 STOP_GRACE_S = 10.0
-#: ``prctl`` option: the signal the child gets when its parent (the rank) dies.
-_PR_SET_PDEATHSIG = 1
 
 from wcache.vllm.prime_engine import USAGE_CONTEXTS  # noqa: E402  (no vLLM import)
 
@@ -142,17 +140,11 @@ def _die_with_parent_fn() -> Callable[[], None] | None:
     The signal follows the forking thread: the rank's main thread, which lives as
     long as the rank.
     """
-    if not sys.platform.startswith("linux"):
+    prctl = prctl_function()
+    if prctl is None:
         return None
-    prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
     parent = os.getpid()
-
-    def die_with_parent() -> None:
-        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        if os.getppid() != parent:  # the rank died before prctl took effect
-            os._exit(1)
-
-    return die_with_parent
+    return functools.partial(die_with_parent, signal.SIGKILL, parent, prctl)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -30,6 +30,7 @@ import argparse
 import functools
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import queue
 import shlex
@@ -44,6 +45,7 @@ from typing import Any
 import torch
 
 from wcache.daemon import ready
+from wcache.daemon.parent_death import die_with_parent
 from wcache.daemon.prime import prime_compile
 from wcache.daemon.ranks import local_ranks
 from wcache.store import DaemonBusy, DaemonServer, StoreError, lean, paths
@@ -579,8 +581,11 @@ def _rank_main(
     sources: dict[str, str | None],
 ) -> None:
     os.environ["LOCAL_RANK"] = str(local_rank)
+    # the serve process killed outright (SIGKILL, the OOM killer) stops this rank as
+    # `wcache stop` would, instead of leaving it serving, orphaned, on its socket
+    die_with_parent(signal.SIGTERM, mp.parent_process().pid)
     try:
-        serve_rank(
+        code = serve_rank(
             model,
             rest,
             rank=rank,
@@ -598,6 +603,9 @@ def _rank_main(
         except (ValueError, OSError):  # the queue was closed for a lean hand-off that failed
             pass
         raise
+    # the rank's exit status is the parent's (the largest): 75 (INVALIDATED_EXIT) after
+    # a client's guard fired asks the supervisor for a restart, as a one-rank serve does
+    sys.exit(code)
 
 
 def shm_needs(device_type: str, world: int, seeding: bool) -> list[tuple[int, str]]:
@@ -787,17 +795,27 @@ def _serve_ranks(
             f"of {world})",
             flush=True,
         )
-        for p in procs:
-            p.join()
-        return max((p.exitcode or 0) for p in procs)
-    except (RuntimeError, KeyboardInterrupt) as exc:
-        print(str(exc), file=sys.stderr, flush=True)
+        # the ranks serve one job: once one ends (`wcache stop`, 75 after a client's
+        # guard fired, a crash), the others stop too, and the largest status is ours
+        mp.connection.wait([p.sentinel for p in procs])
         for p in procs:
             if p.is_alive():
                 p.terminate()
         for p in procs:
+            p.join()
+        # a rank killed by a signal counts as the shell writes it (128 + the signal)
+        return max(128 - p.exitcode if p.exitcode < 0 else p.exitcode for p in procs)
+    except (RuntimeError, KeyboardInterrupt) as exc:
+        print(str(exc), file=sys.stderr, flush=True)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()  # SIGTERM: each rank stops as for `wcache stop`
+        for p in procs:
             p.join(timeout=10)
-        return 1
+        # a stop asked once every rank served (SIGTERM, Ctrl-C) ends as a one-rank
+        # serve's does: 0 when every rank stopped cleanly
+        asked = isinstance(exc, KeyboardInterrupt) and len(up) == len(ranks)
+        return 0 if asked and all(p.exitcode == 0 for p in procs) else 1
     finally:
         signal.signal(signal.SIGTERM, previous)
 
