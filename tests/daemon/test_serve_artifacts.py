@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 import types
 
+import pytest
+
 from wcache.daemon import serve
 from wcache.store import artifacts as art
 
@@ -66,3 +68,17 @@ def test_rewriting_a_rank_snapshot_removes_its_old_startup_bundle(tmp_path, monk
     assert (mine.exists(), (other / art.MANIFEST_FILE).exists()) == (False, True)
     serve._write_rank_snapshot(server, str(snap), LAYOUT)  # nothing to remove now
     assert len(calls) == 4
+
+
+def test_a_snapshot_dir_that_is_a_file_fails_as_snapshot_write_failed(tmp_path):
+    """``--snapshot`` naming a regular file: the old-bundle removal fails with
+    NotADirectoryError, which is the documented [snapshot-write-failed] (it was logged
+    as [NotADirectoryError]), and nothing is written."""
+    from wcache.errors import SnapshotWriteFailed
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(SnapshotWriteFailed, match="cannot be removed .NotADirectoryError") as info:
+        serve._write_rank_snapshot(types.SimpleNamespace(), str(afile), LAYOUT)
+    assert info.value.code == "snapshot-write-failed"
+    assert afile.read_text() == ""

@@ -57,6 +57,7 @@ from wcache.store.snapshot import (
     SnapshotCorrupt,
     SnapshotMissing,
     SnapshotStale,
+    SnapshotWriteFailed,
     check_key,
     open_snapshot,
     snapshot_arena,
@@ -379,18 +380,27 @@ def _write_rank_snapshot(server: Any, root: str, layout: dict[str, int]) -> None
     being replaced, and priming (which runs after this) writes the new one.
 
     Raises:
-        OSError, StoreError: as :func:`wcache.store.snapshot.write_snapshot`, or the
-            old bundle cannot be removed.
+        SnapshotWriteFailed: the old bundle cannot be removed (``root`` a file, no
+            permission), or as :func:`wcache.store.snapshot.write_snapshot`.
+        StoreError: as :func:`wcache.store.snapshot.write_snapshot`.
     """
 
     from wcache.store.prebuilt import served_arena  # noqa: PLC0415 (imported at call time: tests patch served_arena)
     from wcache.store.snapshot import write_snapshot  # noqa: PLC0415 (imported at call time: tests patch write_snapshot)
 
     name = snapshot_name(layout)
+    old_bundle = os.path.join(root, SNAPSHOT_STARTUP_DIR, name)
     try:
-        shutil.rmtree(os.path.join(root, SNAPSHOT_STARTUP_DIR, name))
+        shutil.rmtree(old_bundle)
     except FileNotFoundError:
         pass
+    except OSError as exc:
+        raise SnapshotWriteFailed(
+            f"cannot write the snapshot {os.path.join(root, name)}: its old start-up "
+            f"bundle {old_bundle} cannot be removed ({type(exc).__name__}: {exc}); "
+            f"nothing was written. Fix {root} (a directory you can write), or give "
+            f"--snapshot another directory"
+        ) from exc
     view = served_arena(server)
     try:
         write_snapshot(root, name, view.tensor, server.manifest, server.key)
