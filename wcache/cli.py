@@ -543,8 +543,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--job",
         default="",
-        help="separates two jobs of the same model on one host; pass the same "
-        "value to the engine as model_loader_extra_config job",
+        help="separates two daemons on one host and socket dir that the socket's name "
+        "does not: two jobs of the same model, or two models of one architecture, dtype, "
+        "quantization and parallel sizes (the name does not carry the checkpoint); pass "
+        "the same value to the engine as model_loader_extra_config job",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(

@@ -280,6 +280,22 @@ def test_engine_spec_compares_the_daemons_post_init_config(tmp_path):
     assert diffs == ["model_config.hf_config.x: engine=null daemon=1"]
 
 
+def test_a_daemon_of_another_checkpoint_is_named_so_with_the_job_fix(sock_dir, daemons):
+    """Two models of one architecture, dtype and layout share a socket name: a daemon
+    whose key differs in the checkpoint's own config (hf_config) serves another
+    checkpoint, and the message says so and gives the fix (a job per model), not
+    "restart wcache serve with the engine's arguments" (which are right)."""
+    spec = ReadySpec(DIGEST, [(0, 0)], FIELDS, (("model_config.hf_config", '{"hidden_size":576}'),))
+    server = daemons(sock_dir, 0, extra={"model_config.hf_config": {"hidden_size": 64}})
+    result = check_ready(sock_dir, spec)
+    assert (result.ok, result.code) == (False, "key-mismatch")
+    assert "serves another checkpoint (its config differs: " in result.message
+    assert "model_config.hf_config.hidden_size: engine=576 daemon=64" in result.message
+    assert "`wcache serve --job NAME`" in result.message
+    assert "Restart `wcache serve`" not in result.message
+    server.stop()
+
+
 def test_invalidated_rank_is_not_ready(sock_dir, daemons):
     """A rank whose arena was invalidated (still answering) is not ready: arena-invalidated
     with the client's reason, as `wcache serve --http`'s /health reports it."""

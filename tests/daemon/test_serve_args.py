@@ -102,3 +102,37 @@ def test_daemon_busy_names_the_socket_dir_it_was_given(monkeypatch):
         assert "`wcache stop --device cpu-tp0of1-pp0of1-abc`" in str(exc.value)
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def test_daemon_busy_with_another_checkpoint_says_so_and_gives_the_job_fix(monkeypatch):
+    """A daemon of another model of the same architecture, dtype and layout on this
+    serve's socket (its key's hf_config differs): daemon-busy says another checkpoint
+    serves there and how to run both (a job each), then how to replace it."""
+    sock_dir = Path(tempfile.mkdtemp(prefix="wcs-", dir="/tmp"))
+    monkeypatch.setattr(key, "device_id", lambda *a, **k: "cpu-tp0of1-pp0of1-abc")
+    monkeypatch.setattr(key, "config_key_fields", lambda mc: {"model_config.hf_config": {"h": 576}})
+    monkeypatch.setattr(serve, "parallel_layout", lambda: {})
+    monkeypatch.setattr(paths, "socket_accepts", lambda sock, *a, **k: True)
+    theirs = {"key_fields": {"model_config.hf_config": {"h": 64}}}
+    monkeypatch.setattr(serve, "daemon_status", lambda sock: theirs)
+    config = types.SimpleNamespace(
+        device_config=types.SimpleNamespace(device="cpu"), model_config=None
+    )
+    try:
+        with pytest.raises(DaemonBusy) as exc:
+            serve._preflight(config, str(sock_dir), "")
+        msg = str(exc.value)
+        assert "a daemon of another checkpoint already serves" in msg
+        assert "model_config.hf_config.h: engine=576 daemon=64" in msg
+        assert "`wcache serve --job NAME`" in msg and "To replace it instead" in msg
+        # the same config (another job or the same model): the plain message
+        theirs["key_fields"] = {"model_config.hf_config": {"h": 576}}
+        with pytest.raises(DaemonBusy) as exc:
+            serve._preflight(config, str(sock_dir), "")
+        assert "another checkpoint" not in str(exc.value)
+        # a daemon that does not answer status: the plain message, no error of its own
+        monkeypatch.setattr(serve, "daemon_status", lambda sock: 1 / 0)
+        with pytest.raises(DaemonBusy, match="a daemon already serves"):
+            serve._preflight(config, str(sock_dir), "")
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)

@@ -148,9 +148,15 @@ def config_differences(spec: ReadySpec, key_fields: dict[str, Any]) -> list[str]
     """``field: engine=<value> daemon=<value>`` for each of ``spec.config`` that a
     daemon's key (its ``status`` reply's ``key_fields``) holds with another value (for
     a mapping, its first :data:`MAX_ENTRIES` differing entries)."""
+    return field_differences({name: json.loads(want) for name, want in spec.config}, key_fields)
+
+
+def field_differences(engine: dict[str, Any], key_fields: dict[str, Any]) -> list[str]:
+    """:func:`config_differences` of the engine's own key fields ``engine`` (JSON
+    values: :func:`wcache.vllm.key.config_key_fields`) against a daemon's."""
     out = []
-    for name, want in spec.config:
-        have = key_fields.get(name)
+    for name, want_value in sorted(engine.items()):
+        have, want = key_fields.get(name), canonical_json(want_value)
         if canonical_json(have) != want:
             leaves = leaf_diffs(name, json.loads(want), have)
             out += [
@@ -160,6 +166,25 @@ def config_differences(spec: ReadySpec, key_fields: dict[str, Any]) -> list[str]
             if len(leaves) > MAX_ENTRIES:
                 out.append(f"{name}: {len(leaves) - MAX_ENTRIES} more")
     return out
+
+
+#: Key fields that come from the checkpoint's own config (config.json): a daemon whose
+#: key differs in one serves another checkpoint, not other engine arguments.
+CHECKPOINT_CONFIG_FIELDS = ("model_config.hf_config", "model_config.hf_text_config")
+#: What to do when two checkpoints meet on one socket name (its name carries the
+#: device, architecture, dtype, quantization, parallel sizes and job, not the path).
+TWO_CHECKPOINTS_FIX = (
+    "a socket's name carries the architecture, dtype, quantization, parallel sizes and "
+    "job, not the checkpoint: give each model its own job (`wcache serve --job NAME`, "
+    'its engines\' model_loader_extra_config {"job": "NAME"}, `wcache status --job NAME`) '
+    "or socket dir"
+)
+
+
+def another_checkpoint(differences: list[str]) -> bool:
+    """Whether :func:`config_differences` name a field of the checkpoint's own config
+    (:data:`CHECKPOINT_CONFIG_FIELDS`): the daemon serves another model."""
+    return any(d.startswith(CHECKPOINT_CONFIG_FIELDS) for d in differences)
 
 
 def _other_fields(key_fields: dict) -> dict[str, Any]:
@@ -258,15 +283,16 @@ def _readiness(
     wrong = [(r, (mismatched or {})[r]) for r in spec.ranks if (mismatched or {}).get(r)]
     if wrong:
         rank, diffs = wrong[0]
-        return Readiness(
-            False,
-            "key-mismatch",
-            f"the daemon of {rank_name(rank)} in {d} serves other engine arguments "
+        message = (
+            f"the daemon of {rank_name(rank)} in {d} serves another checkpoint (its "
+            f"config differs: {'; '.join(diffs)}); {TWO_CHECKPOINTS_FIX}."
+            if another_checkpoint(diffs)
+            else f"the daemon of {rank_name(rank)} in {d} serves other engine arguments "
             f"(an engine with these would be refused): {'; '.join(diffs)}. Restart "
             f"`wcache serve` with the engine's arguments, or give the probe the "
-            f"arguments the engine runs with.",
-            tuple(sorted(serving)),
+            f"arguments the engine runs with."
         )
+        return Readiness(False, "key-mismatch", message, tuple(sorted(serving)))
     missing = [r for r in spec.ranks if r not in serving]
     if not missing:
         return Readiness(

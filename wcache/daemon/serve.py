@@ -48,7 +48,7 @@ from wcache.daemon import ready
 from wcache.daemon.parent_death import die_with_parent
 from wcache.daemon.prime import prime_compile
 from wcache.daemon.ranks import local_ranks
-from wcache.store import DaemonBusy, DaemonServer, StoreError, lean, paths
+from wcache.store import DaemonBusy, DaemonServer, StoreError, daemon_status, lean, paths
 from wcache.store.artifacts import read_bundle, write_bundle
 from wcache.store.http import OpsServer, parse_http_address
 from wcache.store.paths import DEV_SHM_COLLECTIVES_BYTES, DEV_SHM_REFCOUNT_BYTES, check_dev_shm
@@ -100,11 +100,35 @@ def _preflight(vllm_config: Any, socket_dir: str | None, job: str) -> str:
         # The stop command must name the socket dir this serve was given: `wcache stop`
         # without it looks in the default dir and finds nothing there.
         where = f" --socket-dir {shlex.quote(socket_dir)}" if socket_dir else ""
+        stop = f"`wcache stop{where} --device {dev_id}`"
+        diffs = _checkpoint_differences(sock, vllm_config.model_config)
+        if diffs:
+            raise DaemonBusy(
+                f"a daemon of another checkpoint already serves {sock} (its config "
+                f"differs: {'; '.join(diffs)}); {ready.TWO_CHECKPOINTS_FIX}. To replace "
+                f"it instead, stop it first with {stop}"
+            )
         raise DaemonBusy(
-            f"a daemon already serves {sock}; stop it first with "
-            f"`wcache stop{where} --device {dev_id}` or use another --socket-dir/--job"
+            f"a daemon already serves {sock}; stop it first with {stop} or use another "
+            f"--socket-dir/--job"
         )
     return dev_id
+
+
+def _checkpoint_differences(sock: str, model_config: Any) -> list[str]:
+    """The differences (:func:`wcache.daemon.ready.config_differences`) between this
+    serve's key fields and the daemon's on ``sock`` when they name the checkpoint's own
+    config (another model on this socket name), else none; none too when the daemon
+    does not answer its ``status`` or the fields cannot be computed here."""
+    from wcache.vllm.key import config_key_fields  # noqa: PLC0415 (torch import ~2 s: only when called)
+
+    try:
+        theirs = daemon_status(sock).get("key_fields") or {}
+        diffs = ready.field_differences(config_key_fields(model_config), theirs)
+    except Exception:  # a best-effort hint: the plain daemon-busy message stands
+        logger.debug("wcache serve: no key comparison with %s", sock, exc_info=True)
+        return []
+    return diffs if ready.another_checkpoint(diffs) else []
 
 
 def snapshot_name(layout: dict[str, int]) -> str:
