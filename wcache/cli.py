@@ -120,8 +120,34 @@ VERIFY_ERROR_EXIT = 2
 DEFAULT_WAIT_READY_TIMEOUT_S = 600.0
 
 
+#: The ``wcache status`` options read with ``--wait-ready`` only (dest -> flag), and
+#: what each is when ``--wait-ready`` leaves it out: the parser's defaults are None, so
+#: an option given without ``--wait-ready`` (even at its default value) is refused.
+WAIT_READY_OPTIONS: dict[str, tuple[str, object]] = {
+    "model": ("--model", None),
+    "timeout": ("--timeout", DEFAULT_WAIT_READY_TIMEOUT_S),
+    "tensor_parallel_size": ("--tensor-parallel-size", 1),
+    "pipeline_parallel_size": ("--pipeline-parallel-size", 1),
+    "nnodes": ("--nnodes", 1),
+    "node_rank": ("--node-rank", 0),
+    "job": ("--job", ""),
+}
+
+
 def _cmd_status(args: argparse.Namespace, rest: list[str]) -> int:
     if not args.wait_ready:
+        given = [
+            flag
+            for dest, (flag, _) in WAIT_READY_OPTIONS.items()
+            if getattr(args, dest) is not None
+        ]
+        if given:
+            print(
+                f"wcache status: {', '.join(given)} {'is' if len(given) == 1 else 'are'} read "
+                f"with --wait-ready only (without it, status lists every daemon)",
+                file=sys.stderr,
+            )
+            return 2
         if rest:
             print(
                 f"wcache status: unrecognized arguments: {' '.join(rest)} (engine arguments "
@@ -131,7 +157,22 @@ def _cmd_status(args: argparse.Namespace, rest: list[str]) -> int:
             return 2
 
         return cli_status(args.socket_dir)
+    for dest, (_, default) in WAIT_READY_OPTIONS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
     return _wait_ready(args, rest)
+
+
+def _model_dir_problem(model: str) -> str | None:
+    """Why ``--model`` cannot be a checkpoint wcache serves, or None: it must name a
+    local directory (``wcache serve`` and ``wcache status --wait-ready``)."""
+    if os.path.isdir(model):
+        return None
+    return (
+        f"--model {model!r} is not a local checkpoint directory; wcache fingerprints "
+        f"checkpoint files by content, so download the model first (e.g. "
+        f"`huggingface-cli download REPO --local-dir DIR`) and pass DIR"
+    )
 
 
 def _wait_ready(args: argparse.Namespace, rest: list[str]) -> int:
@@ -146,6 +187,10 @@ def _wait_ready(args: argparse.Namespace, rest: list[str]) -> int:
         return 2
     if args.timeout < 0 or args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
         print("wcache status: --timeout must be >= 0 and parallel sizes >= 1", file=sys.stderr)
+        return 2
+    problem = _model_dir_problem(args.model)
+    if problem:  # as wcache serve: one line, not vLLM's HF-repo-id errors
+        print(f"wcache status: {problem}", file=sys.stderr)
         return 2
     from wcache.daemon.ready import engine_ready_spec, wait_ready  # noqa: PLC0415 (imported at call time: tests patch engine_ready_spec)
     from wcache.vllm import vllm_logs_quiet  # noqa: PLC0415 (imports no vLLM; as above)
@@ -197,13 +242,9 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
         return 2
     if args.seed_timeout is not None:  # read by every rank process and seeding helper
         os.environ[SEED_TIMEOUT_ENV] = repr(args.seed_timeout)
-    if not os.path.isdir(args.model):
-        print(
-            f"wcache serve: --model {args.model!r} is not a local checkpoint directory; wcache "
-            f"fingerprints checkpoint files by content, so download the model first (e.g. "
-            f"`huggingface-cli download REPO --local-dir DIR`) and pass DIR",
-            file=sys.stderr,
-        )
+    problem = _model_dir_problem(args.model)
+    if problem:
+        print(f"wcache serve: {problem}", file=sys.stderr)
         return 2
 
     check_checkpoint_dir(args.model)  # a damaged file: one line naming it, before vLLM starts
@@ -451,7 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
         "not within --timeout; for init containers and readiness probes. A daemon "
         "whose key differs in a field the engine arguments decide (max_model_len, "
         "the quantization config, ...) does not count: the engine would refuse it "
-        "(key-mismatch)."
+        "(key-mismatch). The options marked --wait-ready and engine arguments are "
+        "refused without it (exit 2), as is a --model that is not a local directory."
     )
     p.add_argument(
         "--wait-ready",
@@ -462,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--timeout",
         type=float,
-        default=DEFAULT_WAIT_READY_TIMEOUT_S,
+        default=None,
         help="--wait-ready: seconds to wait; 0 checks once (readiness probes) "
         f"(default {DEFAULT_WAIT_READY_TIMEOUT_S:.0f})",
     )
@@ -471,24 +513,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--tensor-parallel-size",
         "-tp",
         type=int,
-        default=1,
+        default=None,
         help="--wait-ready: as given to wcache serve (default 1)",
     )
     p.add_argument(
         "--pipeline-parallel-size",
         "-pp",
         type=int,
-        default=1,
+        default=None,
         help="--wait-ready: as given to wcache serve (default 1)",
     )
     p.add_argument(
         "--nnodes",
         type=int,
-        default=1,
+        default=None,
         help="--wait-ready: nodes; only this node's ranks are waited for (default 1)",
     )
-    p.add_argument("--node-rank", type=int, default=0, help="--wait-ready: this node's index")
-    p.add_argument("--job", default="", help="--wait-ready: as given to wcache serve")
+    p.add_argument("--node-rank", type=int, help="--wait-ready: this node's index (default 0)")
+    p.add_argument("--job", help="--wait-ready: as given to wcache serve")
 
     p = sub.add_parser(
         "serve",

@@ -145,7 +145,7 @@ def test_wait_ready_timeout_zero_checks_once(sock_dir, monkeypatch):
     assert calls == [sock_dir]
 
 
-def test_cli_exit_codes_and_reason(sock_dir, daemons, monkeypatch, capsys):
+def test_cli_exit_codes_and_reason(sock_dir, daemons, monkeypatch, capsys, tmp_path):
     """`wcache status --wait-ready` exits 3 with the code while a rank is missing, then 0."""
     seen = {}
 
@@ -162,7 +162,7 @@ def test_cli_exit_codes_and_reason(sock_dir, daemons, monkeypatch, capsys):
         "--timeout",
         "0",
         "--model",
-        "/m",
+        str(tmp_path),
         "-tp",
         "2",
         "--dtype",
@@ -177,7 +177,7 @@ def test_cli_exit_codes_and_reason(sock_dir, daemons, monkeypatch, capsys):
     assert cli.main(argv) == 0
     assert capsys.readouterr().out.startswith("wcache: ready: all 2 rank(s)")
     assert seen == {
-        "model": "/m",
+        "model": str(tmp_path),
         "rest": ["--dtype", "bfloat16"],
         "tensor_parallel_size": 2,
         "pipeline_parallel_size": 1,
@@ -193,21 +193,58 @@ def test_cli_exit_codes_and_reason(sock_dir, daemons, monkeypatch, capsys):
         (["status", "--wait-ready"], "--wait-ready needs --model"),
         (["status", "--dtype", "bfloat16"], "engine arguments are read with --wait-ready only"),
         (["status", "--wait-ready", "--model", "/m", "--timeout", "-1"], "--timeout must be >= 0"),
+        (["status", "--model", "/m"], "--model is read with --wait-ready only"),
+        (["status", "--timeout", "5"], "--timeout is read with --wait-ready only"),
+        (["status", "-tp", "2"], "--tensor-parallel-size is read with --wait-ready only"),
+        (["status", "-pp", "1"], "--pipeline-parallel-size is read with --wait-ready only"),
+        (
+            ["status", "--nnodes", "2", "--node-rank", "1", "--job", "j"],
+            "--nnodes, --node-rank, --job are read with --wait-ready only",
+        ),
+        (
+            ["status", "--wait-ready", "--model", "/nonexistent", "--timeout", "0"],
+            "wcache status: --model '/nonexistent' is not a local checkpoint directory",
+        ),
     ],
 )
 def test_cli_refuses_bad_arguments(argv, message, capsys):
-    """Bad --wait-ready invocations exit 2 with a message saying what is missing."""
+    """Bad --wait-ready invocations, and its options without it, exit 2 with one line
+    saying what is wrong."""
     assert cli.main(argv) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert 1 == len(err.splitlines())
 
 
-def test_cli_unsafe_socket_dir_exits_1_with_code(sock_dir, monkeypatch, capsys):
+@pytest.mark.slow
+def test_cli_unknown_engine_argument_names_status(tmp_path, capsys):
+    """An argument neither wcache nor vLLM knows ends `wcache status --wait-ready` with
+    exit 2 and a short usage error naming `wcache status` and the argument (vLLM's parser)."""
+    argv = ["status", "--wait-ready", "--model", str(tmp_path), "--timeout", "0", "--bogus", "1"]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert 2 == exc.value.code
+    err = capsys.readouterr().err.splitlines()
+    assert "wcache status: error: unrecognized arguments: --bogus 1" == err[-1]
+    assert err[-2].startswith("usage: wcache status ") and len(err) <= 3
+
+
+def test_cli_unsafe_socket_dir_exits_1_with_code(sock_dir, monkeypatch, capsys, tmp_path):
     """A group-readable socket dir is refused (exit 1, unsafe-path), not reported as not ready."""
     monkeypatch.setattr(ready, "engine_ready_spec", lambda *a, **k: SPEC)
     os.chmod(sock_dir, 0o750)
     assert (
         cli.main(
-            ["status", "--socket-dir", sock_dir, "--wait-ready", "--timeout", "0", "--model", "/m"]
+            [
+                "status",
+                "--socket-dir",
+                sock_dir,
+                "--wait-ready",
+                "--timeout",
+                "0",
+                "--model",
+                str(tmp_path),
+            ]
         )
         == 1
     )

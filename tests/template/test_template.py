@@ -527,7 +527,9 @@ def test_an_upgraded_library_the_template_imported_is_stale(tmp_path, work, env)
         refused = _run(cmd, work, e, d)
         assert refused.returncode == REFUSED_EXIT
         assert "error [template-stale]" in refused.stderr and "packages.fakelib" in refused.stderr
-        assert "STALE [template-stale]: packages.fakelib" in format_status(template_status(d))
+        assert "differs from the template's in packages.fakelib;" in format_status(
+            template_status(d)
+        )
 
 
 def test_changed_install_refused(tmp_path, work, env):
@@ -554,11 +556,39 @@ def test_changed_install_refused(tmp_path, work, env):
         assert refused.returncode == REFUSED_EXIT
         assert "packages.wcache" in refused.stderr
         shown = _run([*status, d], work, e).stdout
-        assert "STALE [template-stale]: packages.wcache," in shown
+        assert "STALE [template-stale]: this environment differs from the template's in " in shown
+        assert "packages.wcache, packages.wcache(client);" in shown
         assert "wcache template stop; wcache template start" in shown
         os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
         assert _run(cmd, work, e, d, stdin="x\n").returncode == 0
         assert "STALE" not in _run([*status, d], work, e).stdout
+
+
+def test_status_from_another_environment_names_it_as_run_does(template, tmp_path, work, env):
+    """`wcache template status` from another environment (another PYTHONPATH, with
+    another wcache tree on it) names the fields `wcache run` from there is refused
+    for, in its words; it said they "changed since the template imported them"."""
+    site = tmp_path / "site"
+    shutil.copytree(
+        Path(wcache.__file__).resolve().parent,
+        site / "wcache",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    e = {**env, "PYTHONPATH": str(site)}
+    refused = _run([sys.executable, "script.py", "0"], work, e, template)
+    assert REFUSED_EXIT == refused.returncode
+    fields = "env.PYTHONPATH, packages.wcache(client)"
+    assert f"differs from the template's in {fields};" in refused.stderr
+    shown = _run(
+        [sys.executable, "-m", "wcache", "template", "status", "--socket-dir", template], work, e
+    )
+    assert 0 == shown.returncode
+    stale = [line for line in shown.stdout.splitlines() if "STALE" in line]
+    assert [
+        f"  STALE [template-stale]: this environment differs from the template's in {fields}; "
+        f"restart the template (`wcache template stop; wcache template start`) from this "
+        f"environment; until then every `wcache run` from here runs directly"
+    ] == stale
 
 
 def test_second_template_refused_naming_the_template(template):

@@ -97,12 +97,15 @@ def engine_ready_spec(
     nnodes: int = 1,
     node_rank: int = 0,
     job: str = "",
+    prog: str = "wcache status",
 ) -> ReadySpec:
     """The ranks and digest a ``wcache serve`` with these arguments serves on this node.
 
     Args:
         model: checkpoint directory, as given to ``wcache serve``.
         rest: the other vLLM engine arguments (``--dtype bfloat16`` ...).
+        prog: the command vLLM's parser names in its errors (an unknown argument
+            ends it: SystemExit 2).
 
     Raises:
         ValueError: the ranks do not split over ``nnodes`` (as ``wcache serve``).
@@ -116,11 +119,11 @@ def engine_ready_spec(
         # the whole engine config, as the daemon builds it: vLLM's VllmConfig post-init
         # rewrites key fields (untied word embeddings when the checkpoint ships an
         # lm_head, per-architecture hf_config and max_model_len updates)
-        model_config = engine_config(model, args).model_config
+        model_config = engine_config(model, args, prog=prog).model_config
         comparable = True
     except Exception:  # no device here, ranks of other nodes: the model config alone
         log.debug("wcache status --wait-ready: no engine config here", exc_info=True)
-        model_config = engine_model_config(model, args, prog="wcache status --wait-ready")
+        model_config = engine_model_config(model, args, prog=prog)
         comparable = False
     layout = {"tp_size": tp, "pp_size": pp, "dp_size": 1}
     # vLLM numbers ranks with TP fastest: rank = pp_rank * tp_size + tp_rank.

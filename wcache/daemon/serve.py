@@ -714,6 +714,7 @@ def _start_http(args: argparse.Namespace, rest: list[str]) -> Any:
         nnodes=getattr(args, "nnodes", 1),
         node_rank=getattr(args, "node_rank", 0),
         job=getattr(args, "job", "") or "",
+        prog="wcache serve",
     )
 
     # a partial, not a lambda: the lean hand-off (wcache.store.lean) pickles it across execve

@@ -439,15 +439,23 @@ def format_status(st: dict[str, Any]) -> str:
         lines.append(
             "  preloads skipped: " + "; ".join(f"{k} ({v})" for k, v in st["skipped"].items())
         )
-    stale = [f"packages.{n}" for n in st.get("changed_packages") or []]
-    own = pk.get("wcache") or {}
-    if own and not versions.same_install(own, versions.own_wcache_stamp()):
-        stale.append("packages.wcache(client)")
+    # what a `wcache run` from this environment would be refused for (its interpreter:
+    # this one), in the words of its refusal
+    stale = (
+        versions.stale_fields(
+            fp,
+            st.get("changed_packages") or [],
+            versions.interpreter_identity(sys.executable),
+            os.environ,
+            versions.own_wcache_stamp(),
+        )
+        if fp
+        else ()
+    )
     if stale:
         lines.append(
-            f"  STALE [template-stale]: {', '.join(stale)} changed since the template "
-            f"imported them; every `wcache run` from here runs directly. Restart it: "
-            f"`wcache template stop; wcache template start`"
+            f"  STALE [template-stale]: {versions.stale_reason(stale, 'this environment')}; "
+            f"until then every `wcache run` from here runs directly"
         )
     for c in st.get("children", []):
         lines.append(f"  child {c['pid']} running {c['running_s']} s: {' '.join(c['argv'])}")

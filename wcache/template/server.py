@@ -505,27 +505,17 @@ class Template:
             interp = versions.interpreter_identity(entry["interpreter"])
         except (OSError, KeyError, TypeError) as exc:
             return TemplateUnsupported(f"interpreter {entry.get('interpreter')!r}: {exc}")
-        mine = {k: v for k, v in self.fingerprint["python"].items() if k != "version"}
-        fields = [f"python.{f}" for f in versions.differences(mine, interp)]
         req_env = req.get("env")
-        env: dict[str, str] = req_env if isinstance(req_env, dict) else {}
-        fields += [
-            f"env.{f}"
-            for f in versions.differences(self.fingerprint["env"], versions.import_time_env(env))
-        ]
-        fields += [f"packages.{name}" for name in self.changed_packages()]
         client_wcache = req.get("wcache")
-        own = self.fingerprint["packages"].get("wcache", {})
-        if isinstance(client_wcache, dict) and not versions.same_install(client_wcache, own):
-            fields.append("packages.wcache(client)")
+        fields = versions.stale_fields(
+            self.fingerprint,
+            self.changed_packages(),
+            interp,
+            req_env if isinstance(req_env, dict) else {},
+            client_wcache if isinstance(client_wcache, dict) else None,
+        )
         if fields:
-            return TemplateStale(
-                f"this command's environment differs from the template's in "
-                f"{', '.join(sorted(set(fields)))}; restart the template "
-                f"(`wcache template stop; wcache template start`) from this "
-                f"environment",
-                tuple(sorted(set(fields))),
-            )
+            return TemplateStale(versions.stale_reason(fields), fields)
         if self.stopping:
             return TemplateStale("the template is stopping", ("stopping",))
         return self.fork_problem()

@@ -52,6 +52,8 @@ __all__ = [
     "changed_distributions",
     "differences",
     "is_import_time_var",
+    "stale_fields",
+    "stale_reason",
 ]
 
 #: Packages whose install a template is keyed on: the versions the weight cache key
@@ -258,6 +260,44 @@ def differences(
         elif a != b:
             out.append(name)
     return out
+
+
+def stale_fields(
+    fingerprint: Mapping[str, Any],
+    changed_packages: Iterable[str],
+    interpreter: Mapping[str, Any],
+    env: Mapping[str, str],
+    client_wcache: Mapping[str, Any] | None,
+) -> tuple[str, ...]:
+    """Why a command of this client cannot run in the template: the sorted fields
+    (``python.*``, ``env.*``, ``packages.*``, ``packages.wcache(client)``) in which
+    the client differs from the template's ``fingerprint``; empty when none.
+
+    Args:
+        fingerprint: the template's, as recorded when it started.
+        changed_packages: what the template re-stamped as changed on disk since.
+        interpreter: the command's :func:`interpreter_identity`.
+        env: the command's environment (its import-time variables are compared).
+        client_wcache: the client's wcache install stamp (:func:`own_wcache_stamp`),
+            or None when the client sent none.
+    """
+    mine = {k: v for k, v in fingerprint["python"].items() if k != "version"}
+    fields = [f"python.{f}" for f in differences(mine, interpreter)]
+    fields += [f"env.{f}" for f in differences(fingerprint["env"], import_time_env(env))]
+    fields += [f"packages.{name}" for name in changed_packages]
+    own = fingerprint["packages"].get("wcache", {})
+    if client_wcache is not None and not same_install(client_wcache, own):
+        fields.append("packages.wcache(client)")
+    return tuple(sorted(set(fields)))
+
+
+def stale_reason(fields: Iterable[str], subject: str = "this command's environment") -> str:
+    """The ``template-stale`` message for :func:`stale_fields`' ``fields``: what
+    differs and how to fix it (``wcache run``'s refusal, ``wcache template status``)."""
+    return (
+        f"{subject} differs from the template's in {', '.join(fields)}; restart the "
+        f"template (`wcache template stop; wcache template start`) from this environment"
+    )
 
 
 def python_version() -> str:

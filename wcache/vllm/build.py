@@ -39,13 +39,19 @@ from wcache.vllm.probe import host_target
 logger = logging.getLogger("wcache.vllm")
 
 
+#: The usage line vLLM's parser prints above an argument error (``%(prog)s`` is the
+#: wcache command): the full one lists every engine argument, hiding the error.
+ENGINE_ARGS_USAGE = "%(prog)s [wcache options] [vLLM engine arguments] (see `%(prog)s --help`)"
+
+
 def _engine_args(prog: str, argv: list[str]) -> Any:
     """vLLM's ``EngineArgs`` from its own engine-argument parser (the same flags as
     ``vllm serve``); ``prog`` names the command in its usage messages."""
     from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415 (vLLM import ~6 s: only when called)
     from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
-    parser = FlexibleArgumentParser(prog=prog)
+    # a short usage: an unknown argument's error names it, not vLLM's ~200 options
+    parser = FlexibleArgumentParser(prog=prog, usage=ENGINE_ARGS_USAGE)
     EngineArgs.add_cli_args(parser)
     return EngineArgs.from_cli_args(parser.parse_args(argv))
 
