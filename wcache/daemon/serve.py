@@ -617,7 +617,9 @@ def _rank_main(
     os.environ["LOCAL_RANK"] = str(local_rank)
     # the serve process killed outright (SIGKILL, the OOM killer) stops this rank as
     # `wcache stop` would, instead of leaving it serving, orphaned, on its socket
-    die_with_parent(signal.SIGTERM, mp.parent_process().pid)
+    parent = mp.parent_process()  # the serve process (a spawned child always has one)
+    if parent is not None and parent.pid is not None:
+        die_with_parent(signal.SIGTERM, parent.pid)
     try:
         code = serve_rank(
             model,
@@ -838,8 +840,7 @@ def _serve_ranks(
                 p.terminate()
         for p in procs:
             p.join()
-        # a rank killed by a signal counts as the shell writes it (128 + the signal)
-        return max(128 - p.exitcode if p.exitcode < 0 else p.exitcode for p in procs)
+        return max(_exit_status(p.exitcode) for p in procs)
     except (RuntimeError, KeyboardInterrupt) as exc:
         print(str(exc), file=sys.stderr, flush=True)
         for p in procs:
@@ -853,6 +854,13 @@ def _serve_ranks(
         return 0 if asked and all(p.exitcode == 0 for p in procs) else 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_status(exitcode: int | None) -> int:
+    """A joined rank process's exit status as the shell writes it: a rank killed by a
+    signal (``exitcode`` ``-N``) counts as ``128 + N``."""
+    code = exitcode or 0
+    return 128 - code if code < 0 else code
 
 
 def _interrupt_on_sigterm(signum: int, frame: Any) -> None:
