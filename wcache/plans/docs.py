@@ -375,7 +375,19 @@ REAL_ENGINE_RESULTS: dict[str, tuple[str, str]] = {
         "(tests/gpu_engine/test_gemma3_engine.py, the real Gemma 3 270M, its bf16 fixture "
         "built with transformers 5.18), every one `restored` with identical greedy text on "
         'all four loads (" the capital of the country of France." from vLLM\'s own disk '
-        "load)",
+        "load). With the checkout of commit 0b98156 (2026-12-06T09:24Z-09:49Z; the rows say "
+        "d07da54 with `git_dirty` true: the device machine's copy carried the session's "
+        "first commit's git metadata), **on an H100 80GB HBM3** (four calls naming "
+        "`nvidia-h200` that session each got one), a check of that day's loader-option, "
+        "serve and fixture changes: the dense stage (12 workers), the 25 dense eager "
+        "cases, 24 `restored` with verify exit 0 and online-fp8-per-block not-runnable "
+        "as before, and the moe-compiled stage (10 workers), the ten compiled MoE rows, "
+        "every one `restored` with verify exit 0 (10 passed in 507 s). The dense stage's "
+        "pytest was cut by its 900 s timeout before its summary, with three failures "
+        "unnamed; it also ran the six gemma3 cases, whose fixture build needs the "
+        "bundle's transformers (not the image's), and wrote no gemma3 row: the likely "
+        "three. The harness now names each failure as it happens and the dense stage "
+        "leaves gemma3 to its own",
     ),
 }
 
