@@ -1,7 +1,7 @@
-"""`wcache serve` with several ranks ends as one job: SIGTERM to the serve stops every
+"""`wcache serve` with several ranks: SIGTERM to the serve stops every
 rank (it ended only the parent, leaving the ranks serving, orphaned), a SIGKILLed serve
-takes its ranks with it (``PR_SET_PDEATHSIG``), and a rank that ends stops the others
-with its status (75 asks for a restart). Real rank processes (``_rank_main``) with a
+takes its ranks with it (``PR_SET_PDEATHSIG``), and a rank's exit status (75 asks for a
+restart) is the serve's. Real rank processes (``_rank_main``) with a
 stand-in ``serve_rank``: no vLLM load."""
 
 from __future__ import annotations
@@ -121,10 +121,18 @@ def test_a_sigkilled_serve_takes_its_ranks_with_it(serve_two_ranks):
     assert [] == _ranks_end(pids), "ranks still running after their serve was SIGKILLed"
 
 
-def test_a_rank_that_ends_stops_the_others_with_its_status(serve_two_ranks):
-    """Rank 1 ends with 75 (a client's guard fired: restart me): rank 0 is stopped and
-    the serve exits 75, for its supervisor (it waited on rank 0 for ever)."""
+def test_a_rank_that_ends_leaves_the_other_serving_and_its_status_is_kept(serve_two_ranks):
+    """Rank 1 ends with 75 (a client's guard fired: restart me): rank 0 serves on (an
+    engine loads only rank 1 from disk), and a later SIGTERM to the serve exits 75, the
+    largest of the ranks' statuses (a rank's status was dropped: it exited 0)."""
     proc, pids, folder = serve_two_ranks
     (folder / "rank1.exit").write_text("75")
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while _alive(pids[1]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pids[1])
+    time.sleep(0.5)
+    assert proc.poll() is None and _alive(pids[0])
+    proc.send_signal(signal.SIGTERM)
     assert 75 == proc.wait(timeout=STOP_TIMEOUT_S), proc.stderr.read()
     assert [] == _ranks_end(pids)

@@ -30,7 +30,6 @@ import argparse
 import functools
 import logging
 import multiprocessing as mp
-import multiprocessing.connection
 import os
 import queue
 import shlex
@@ -832,12 +831,8 @@ def _serve_ranks(
             f"of {world})",
             flush=True,
         )
-        # the ranks serve one job: once one ends (`wcache stop`, 75 after a client's
-        # guard fired, a crash), the others stop too, and the largest status is ours
-        mp.connection.wait([p.sentinel for p in procs])
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
+        # a rank that ends (a crash, 75 after a client's guard fired) leaves the others
+        # serving: an engine then loads only that rank from disk (daemon-missing)
         for p in procs:
             p.join()
         return max(_exit_status(p.exitcode) for p in procs)
@@ -848,10 +843,11 @@ def _serve_ranks(
                 p.terminate()  # SIGTERM: each rank stops as for `wcache stop`
         for p in procs:
             p.join(timeout=10)
-        # a stop asked once every rank served (SIGTERM, Ctrl-C) ends as a one-rank
-        # serve's does: 0 when every rank stopped cleanly
-        asked = isinstance(exc, KeyboardInterrupt) and len(up) == len(ranks)
-        return 0 if asked and all(p.exitcode == 0 for p in procs) else 1
+        if isinstance(exc, KeyboardInterrupt) and len(up) == len(ranks):
+            # a stop asked once every rank served (SIGTERM, Ctrl-C): a one-rank serve's
+            # status, the largest of the ranks' (0 when each stopped cleanly; 75 kept)
+            return max(_exit_status(p.exitcode) for p in procs)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
 
