@@ -26,11 +26,26 @@ STOP_TIMEOUT_S = 30.0
 RANK = """
 import os, signal, sys, time
 
+# the exec'd server: it closes every inherited fd (wcache.store.lean's
+# _close_inherited_fds: multiprocessing's sentinel pipe too, so the parent's sentinel
+# reads EOF while it serves on), and its stop takes a second (a real one drains, unmaps)
+LEAN = (
+    "import os, signal, sys, time\\n"
+    "os.closerange(3, 1024)\\n"
+    "stuck = os.environ.get('FAKE_RANK_EXEC') == 'stuck'\\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN if stuck else lambda *_: sys.exit(0))\\n"
+    "time.sleep(600)"
+)
+
 def serve_rank(model, rest, *, rank, ready, socket_dir, **_):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with open(os.path.join(socket_dir, f"rank{rank}.pid"), "w") as f:
         f.write(str(os.getpid()))
     ready.put((rank, "ready"))
+    if os.environ.get("FAKE_RANK_EXEC"):  # as the lean hand-off: execve, same pid, serving on
+        ready.close()
+        ready.join_thread()  # the queue's feeder thread flushes "ready" (as the hand-off does)
+        os.execv(sys.executable, [sys.executable, "-c", LEAN])
     exit_file = os.path.join(socket_dir, f"rank{rank}.exit")
     for _ in range(6000):
         if os.path.exists(exit_file):
@@ -50,6 +65,7 @@ import argparse, sys
 import fake_rank
 from wcache.daemon import serve
 serve._rank_main = fake_rank.rank_main
+serve.RANK_STOP_GRACE_S = 3.0
 args = argparse.Namespace(model="m", socket_dir=sys.argv[1], no_progress=True)
 sys.exit(serve._serve_ranks(args, [], 2, range(2), "tcp://127.0.0.1:1", "", {}))
 """
@@ -64,10 +80,14 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture
-def serve_two_ranks(tmp_path):
-    """Start the two-rank serve; yields ``(proc, rank pids, folder)`` once both are ready."""
+def serve_two_ranks(tmp_path, request):
+    """Start the two-rank serve; yields ``(proc, rank pids, folder)`` once both are ready.
+    Parametrized (indirect) ``"1"``: each rank ``execve``'s after ready, as the lean
+    hand-off does; ``"stuck"``: and then ignores SIGTERM."""
     (tmp_path / "fake_rank.py").write_text(textwrap.dedent(RANK))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.getcwd()])}
+    if getattr(request, "param", None):
+        env["FAKE_RANK_EXEC"] = request.param
     proc = subprocess.Popen(
         [sys.executable, "-c", PARENT, str(tmp_path)],
         env=env,
@@ -136,3 +156,15 @@ def test_a_rank_that_ends_leaves_the_other_serving_and_its_status_is_kept(serve_
     proc.send_signal(signal.SIGTERM)
     assert 75 == proc.wait(timeout=STOP_TIMEOUT_S), proc.stderr.read()
     assert [] == _ranks_end(pids)
+
+
+@pytest.mark.parametrize("serve_two_ranks", ["1", "stuck"], indirect=True)
+def test_sigterm_stops_ranks_that_exec_within_the_grace(serve_two_ranks):
+    """Ranks that execve'd (the lean hand-off, which closes their sentinel pipe): SIGTERM
+    to the serve returns once every rank has exited, and a rank that ignores SIGTERM is
+    SIGKILLed after the grace (3 s here; ``join(timeout)`` blocked for ever)."""
+    proc, pids, _ = serve_two_ranks
+    time.sleep(1.0)  # the ranks exec'd
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=STOP_TIMEOUT_S)
+    assert [p for p in pids if _alive(p)] == []

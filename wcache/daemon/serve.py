@@ -70,6 +70,9 @@ logger = logging.getLogger("wcache.daemon")
 #: How long the parent waits for every rank to report ready (seconds): a
 #: 30B-shaped model on a slow disk takes minutes to load and prepare.
 RANK_READY_TIMEOUT_S = 1800.0
+#: How long the rank processes get to stop after SIGTERM before SIGKILL (seconds): a
+#: rank's stop (drain, unmap, remove its socket) takes well under a second.
+RANK_STOP_GRACE_S = 10.0
 
 
 def _free_port() -> int:
@@ -841,8 +844,7 @@ def _serve_ranks(
         for p in procs:
             if p.is_alive():
                 p.terminate()  # SIGTERM: each rank stops as for `wcache stop`
-        for p in procs:
-            p.join(timeout=10)
+        _reap(procs, RANK_STOP_GRACE_S)
         if isinstance(exc, KeyboardInterrupt) and len(up) == len(ranks):
             # a stop asked once every rank served (SIGTERM, Ctrl-C): a one-rank serve's
             # status, the largest of the ranks' (0 when each stopped cleanly; 75 kept)
@@ -850,6 +852,21 @@ def _serve_ranks(
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _reap(procs: list[Any], grace_s: float) -> None:
+    """Wait until every rank process has exited, SIGKILLing what is left after
+    ``grace_s`` seconds. By ``waitpid`` (``is_alive``), not ``join(timeout)``: that
+    waits on the process's sentinel pipe, which a rank's lean hand-off closes (the lean
+    server closes every inherited fd), and then blocks in ``waitpid`` with no bound, so
+    a rank that did not stop held the serve (and its sockets) for ever."""
+    deadline = time.monotonic() + grace_s
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()
 
 
 def _exit_status(exitcode: int | None) -> int:
