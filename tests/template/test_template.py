@@ -538,13 +538,7 @@ def test_changed_install_refused(tmp_path, work, env):
     template status` says so with the fix; restored, the template serves again. On a
     private copy of the wcache package, with its own template: moving the shared
     tree's mtime would make every template other tests start meanwhile stale."""
-    site = tmp_path / "site"
-    shutil.copytree(
-        Path(wcache.__file__).resolve().parent,
-        site / "wcache",
-        ignore=shutil.ignore_patterns("__pycache__"),
-    )
-    e = {**env, "PYTHONPATH": str(site)}
+    site, e = _private_wcache(tmp_path, env)
     victim = site / "wcache" / "template" / "__init__.py"
     cmd = [sys.executable, "script.py", "0"]
     status = [sys.executable, "-m", "wcache", "template", "status", "--socket-dir"]
@@ -564,17 +558,23 @@ def test_changed_install_refused(tmp_path, work, env):
         assert "STALE" not in _run([*status, d], work, e).stdout
 
 
-def test_status_from_another_environment_names_it_as_run_does(template, tmp_path, work, env):
-    """`wcache template status` from another environment (another PYTHONPATH, with
-    another wcache tree on it) names the fields `wcache run` from there is refused
-    for, in its words; it said they "changed since the template imported them"."""
+def _private_wcache(tmp_path: Path, env: dict) -> tuple[Path, dict]:
+    """A private copy of the wcache package under ``tmp_path/site`` and ``env`` with it
+    first on ``PYTHONPATH``: its own install stamp (another environment)."""
     site = tmp_path / "site"
     shutil.copytree(
         Path(wcache.__file__).resolve().parent,
         site / "wcache",
         ignore=shutil.ignore_patterns("__pycache__"),
     )
-    e = {**env, "PYTHONPATH": str(site)}
+    return site, {**env, "PYTHONPATH": str(site)}
+
+
+def test_status_from_another_environment_names_it_as_run_does(template, tmp_path, work, env):
+    """`wcache template status` from another environment (another PYTHONPATH, with
+    another wcache tree on it) names the fields `wcache run` from there is refused
+    for, in its words; it said they "changed since the template imported them"."""
+    _, e = _private_wcache(tmp_path, env)
     refused = _run([sys.executable, "script.py", "0"], work, e, template)
     assert REFUSED_EXIT == refused.returncode
     fields = "env.PYTHONPATH, packages.wcache(client)"
