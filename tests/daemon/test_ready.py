@@ -145,6 +145,22 @@ def test_wait_ready_timeout_zero_checks_once(sock_dir, monkeypatch):
     assert calls == [sock_dir]
 
 
+def _probe_argv(sock_dir: str, model, *more: str) -> list[str]:
+    """``wcache status --wait-ready`` checking once (``--timeout 0``) for ``model`` in
+    ``sock_dir``, then ``more``."""
+    return [
+        "status",
+        "--socket-dir",
+        sock_dir,
+        "--wait-ready",
+        "--timeout",
+        "0",
+        "--model",
+        str(model),
+        *more,
+    ]
+
+
 def test_cli_exit_codes_and_reason(sock_dir, daemons, monkeypatch, capsys, tmp_path):
     """`wcache status --wait-ready` exits 3 with the code while a rank is missing, then 0."""
     seen = {}
@@ -154,20 +170,7 @@ def test_cli_exit_codes_and_reason(sock_dir, daemons, monkeypatch, capsys, tmp_p
         return SPEC
 
     monkeypatch.setattr(ready, "engine_ready_spec", spec)
-    argv = [
-        "status",
-        "--socket-dir",
-        sock_dir,
-        "--wait-ready",
-        "--timeout",
-        "0",
-        "--model",
-        str(tmp_path),
-        "-tp",
-        "2",
-        "--dtype",
-        "bfloat16",
-    ]
+    argv = _probe_argv(sock_dir, tmp_path, "-tp", "2", "--dtype", "bfloat16")
     daemons(sock_dir, 0)
     assert cli.main(argv) == cli.NOT_READY_EXIT
     assert capsys.readouterr().out.startswith(
@@ -233,21 +236,7 @@ def test_cli_unsafe_socket_dir_exits_1_with_code(sock_dir, monkeypatch, capsys, 
     """A group-readable socket dir is refused (exit 1, unsafe-path), not reported as not ready."""
     monkeypatch.setattr(ready, "engine_ready_spec", lambda *a, **k: SPEC)
     os.chmod(sock_dir, 0o750)
-    assert (
-        cli.main(
-            [
-                "status",
-                "--socket-dir",
-                sock_dir,
-                "--wait-ready",
-                "--timeout",
-                "0",
-                "--model",
-                str(tmp_path),
-            ]
-        )
-        == 1
-    )
+    assert cli.main(_probe_argv(sock_dir, tmp_path)) == 1
     assert "[unsafe-path]" in capsys.readouterr().err
 
 

@@ -118,7 +118,7 @@ def _preflight(vllm_config: Any, socket_dir: str | None, job: str) -> str:
 
 
 def _checkpoint_differences(sock: str, model_config: Any) -> list[str]:
-    """The differences (:func:`wcache.daemon.ready.config_differences`) between this
+    """The differences (:func:`wcache.daemon.ready.field_differences`) between this
     serve's key fields and the daemon's on ``sock`` when they name the checkpoint's own
     config (another model on this socket name), else none; none too when the daemon
     does not answer its ``status`` or the fields cannot be computed here."""

@@ -101,7 +101,6 @@ INTERMEDIATE = 256
 MOE_INTERMEDIATE_PADDED = 96
 #: Context the engines use is 512 tokens; 2048 leaves room and keeps rope tables small.
 MAX_POSITIONS = 2048
-STAMP_FILE = fx.STAMP_FILE
 #: vLLM's FP8 block (``weight_block_size`` [128, 128]): the base of the block-quantized
 #: MoE fixture has every quantized dimension a multiple of it.
 FP8_BLOCK = 128
