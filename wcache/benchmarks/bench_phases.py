@@ -924,9 +924,10 @@ def merge_results(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
     order.
 
     A file of the older several-runs layout contributes each of its runs
-    (:func:`_read_results`). A file that is itself a merge contributes its own runs, so merges nest: ``meta.runs``
-    lists every device call once, and each row's ``run`` is the index in it of the call
-    that measured the row (None for a row of a merge written before rows recorded it).
+    (:func:`_read_results`). A file that is itself a merge contributes its own runs, so
+    merges nest: ``meta.runs`` lists every device call once, and each row's ``run`` is
+    the index in it of the call that measured the row (None for a row of a merge written
+    before rows recorded it).
 
     Returns:
         ``{"meta", "daemon", "rows", "target"}`` as :func:`main` writes; ``meta`` is
@@ -996,8 +997,8 @@ def merge_results(paths: Sequence[str | os.PathLike]) -> dict[str, Any]:
             daemon_of[key] = run_.get("daemon") or {}
     _refuse_repeated_runs(leaves)
     rank = {n: i for i, n in enumerate(ROWS)}
-    keys = sorted(
-        (k for k in rows if k[0] in rank),
+    keys = sorted(  # every row names one of ROWS (_read_results refuses others)
+        rows,
         key=lambda k: (
             len(k) > 1,
             -1 if len(k) == 1 or k[1] is None else k[1],
