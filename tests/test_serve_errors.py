@@ -199,3 +199,35 @@ def test_valid_checkpoint_dir_passes_and_missing_config_is_named(tmp_path):
         check_checkpoint_dir(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert check_checkpoint_dir(str(tmp_path)) is None
+
+
+def test_config_vllm_refuses_through_pydantic_names_vllms_reason(monkeypatch, tmp_path):
+    """A refusal vLLM raises as a pydantic ValidationError (its config classes are pydantic
+    dataclasses: max_model_len over the model's, an unknown --quantization) names vLLM's
+    reason, not the error's last line (pydantic's 'For further information visit URL')."""
+    import pydantic
+
+    from wcache.vllm import build
+
+    @pydantic.dataclasses.dataclass
+    class ModelConfig:
+        max_model_len: int
+
+        @pydantic.model_validator(mode="after")
+        def _check(self):
+            raise ValueError(
+                f"User-specified max_model_len ({self.max_model_len}) is greater\n"
+                "than the derived max_model_len (2048)."
+            )
+
+    def refuse(*_a, **_k):
+        ModelConfig(max_model_len=100000)
+
+    monkeypatch.setattr(build, "engine_config", refuse)
+    with pytest.raises(ConfigInvalid) as info:
+        build.checked_engine_config(str(tmp_path), ["--max-model-len", "100000"])
+    text = str(info.value)
+    assert "vLLM refused it: ValidationError: Value error, User-specified max_model_len " in text
+    assert "(100000) is greater than the derived max_model_len (2048)." in text
+    assert "errors.pydantic.dev" not in text
+    assert build.refusal_reason(RuntimeError("Traceback\n  ...\nthe reason")) == "the reason"

@@ -87,12 +87,28 @@ def checked_engine_config(model: str, rest: list[str], *, prog: str = "wcache se
         raise
     except Exception as exc:  # vLLM and transformers raise many kinds
         logger.debug("%s: vLLM refused the config", prog, exc_info=True)
-        last = (str(exc).strip().splitlines() or [""])[-1].strip()
         raise ConfigInvalid(
             f"{os.path.join(model, 'config.json')} (with the engine arguments "
             f"{' '.join(rest) or 'none'}): vLLM refused it: {type(exc).__name__}: "
-            f"{last}; fix the config or the arguments"
+            f"{refusal_reason(exc)}; fix the config or the arguments"
         ) from exc
+
+
+def refusal_reason(exc: BaseException) -> str:
+    """What an exception vLLM raised about the config says, in one line: each error
+    of a pydantic ``ValidationError`` (vLLM's config classes are pydantic dataclasses;
+    the message's last line is only pydantic's "For further information visit URL"),
+    else the message's last line (a traceback's innermost reason)."""
+    errors = getattr(exc, "errors", None)  # pydantic's ValidationError, duck-typed
+    if callable(errors):
+        try:
+            msgs = [str(e.get("msg", "")) for e in errors() if isinstance(e, dict)]
+        except Exception:  # noqa: BLE001  (another class's errors(): use the message)
+            msgs = []
+        text = "; ".join(" ".join(m.split()) for m in msgs if m.strip())
+        if text:
+            return text
+    return (str(exc).strip().splitlines() or [""])[-1].strip()
 
 
 def build_export(vllm_config: Any, *, progress: bool = True):
