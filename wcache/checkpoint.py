@@ -28,7 +28,7 @@ CONFIG_FILE = "config.json"
 #: What to do about a damaged file.
 REFETCH_FIX = (
     "download or copy the checkpoint again (e.g. `huggingface-cli download REPO "
-    "--local-dir DIR`), then start `wcache serve` again"
+    "--local-dir DIR`), then run the command again"
 )
 
 

@@ -366,6 +366,9 @@ def _cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:
     from wcache.vllm.verify import main as verify_main  # noqa: PLC0415 (imported at call time: tests patch main)
 
     try:
+        # a damaged file: one line naming it (exit 2, could not compare), as wcache serve
+        # does, not vLLM's traceback mid-load with exit 1 ("a layer differs")
+        check_checkpoint_dir(args.model)
         return verify_main(args, rest)
     except WcacheError as exc:  # it could not compare: not "a layer differs" (exit 1)
         print(f"wcache verify: error [{exc.code}]: {exc}", file=sys.stderr)

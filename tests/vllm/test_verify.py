@@ -8,6 +8,7 @@ after each build, so the formats run one after another without an engine start.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -292,3 +293,26 @@ def test_vllm_logs_quiet_sets_only_what_the_environment_leaves_unset(monkeypatch
         assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"
     assert "VLLM_LOGGING_STREAM" not in os.environ
     assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"
+
+
+def test_damaged_checkpoint_is_one_line_exit_2(tmp_path, capsys):
+    """A truncated safetensors file or a missing config.json means verify could not
+    compare: exit 2 with one [checkpoint-corrupt] / [config-invalid] line naming the
+    file, as `wcache serve` refuses them; it was vLLM's traceback mid-load and exit 1
+    ("a layer differs")."""
+    from safetensors.torch import save_file
+
+    from wcache.cli import main
+
+    save_file({"w": torch.zeros(64, 64)}, str(tmp_path / "model.safetensors"))
+    assert 2 == main(["verify", "--model", str(tmp_path), "--no-progress"])
+    assert f"wcache verify: error [config-invalid]: {tmp_path / 'config.json'}: missing" in (
+        capsys.readouterr().err
+    )
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert 2 == main(["verify", "--model", str(tmp_path), "--no-progress"])
+    err = capsys.readouterr().err
+    assert f"wcache verify: error [checkpoint-corrupt]: {tmp_path / 'model.safetensors'}: " in err
+    assert "truncated" in err and "Traceback" not in err
