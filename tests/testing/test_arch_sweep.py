@@ -4,6 +4,7 @@ rows into the docs table."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -382,6 +383,32 @@ def test_a_torn_results_line_is_named_with_its_file_and_line(tmp_path, capsys):
         assert sw.main(["--render", str(path)]) == 2
         assert f"{path}:2:" in capsys.readouterr().err
         assert sw.main(["--resume", "--out", str(path), "--archs", "olmo2"]) == 2
+
+
+def test_a_row_the_table_would_drop_or_a_binary_file_is_named(tmp_path, capsys):
+    """A row whose device or outcome the table does not know (it groups and counts rows by
+    them: such a row was left out of the rendered doc with exit 0), a verify that is not
+    an object (render raised AttributeError) and a file that is not UTF-8 text
+    (UnicodeDecodeError traceback) each give one error naming the file and the fix,
+    exit 2."""
+    good = {"case": "olmo2/bf16", "outcome": "restored", "device": "cpu"}
+    bad_rows = {
+        "device 'gpu' is not one of cpu, cuda": {**good, "device": "gpu"},
+        "device None is not one of cpu, cuda": {"case": "olmo2/bf16", "outcome": "restored"},
+        "outcome 'ok' is not one of restored": {**good, "outcome": "ok"},
+        "verify 'oops' is not an object": {**good, "verify": "oops"},
+    }
+    path = tmp_path / "r.jsonl"
+    for what, bad in bad_rows.items():
+        path.write_text(f"{json.dumps(good)}\n{json.dumps(bad)}\n")
+        with pytest.raises(sw.SweepResultsInvalid, match=rf"r\.jsonl:2: {re.escape(what)}"):
+            sw.read_rows([path])
+        assert sw.main(["--render", str(path)]) == 2
+        assert f"{path}:2: {what}" in capsys.readouterr().err
+    path.write_bytes(b"\xff\xfe\x00{}\n")
+    assert sw.main(["--render", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"arch_sweep: error: {path}: not UTF-8 text" in err and "Traceback" not in err
 
 
 def test_render_writes_only_over_a_rendered_table_and_never_an_empty_one(tmp_path, capsys):

@@ -467,28 +467,54 @@ def read_rows(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
     so a case run on an H100 and on an H200 keeps a row of each.
 
     Raises:
-        SweepResultsInvalid: a line is not a JSON object with ``case`` and ``outcome``
-            (a run killed while writing leaves a torn last line), naming file and line.
+        SweepResultsInvalid: a file is not UTF-8 text, or a line is not a JSON object
+            with ``case``, a ``device`` of :data:`DEVICES` and an ``outcome`` of
+            :data:`OUTCOMES` (a run killed while writing leaves a torn last line; the
+            table groups and counts rows by those two, so a row with another value
+            would be left out of it), naming file and line.
         OSError: a file cannot be read.
     """
     rows: dict[tuple[str, str, str], dict[str, Any]] = {}
     for path in paths:
-        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise SweepResultsInvalid(
+                f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}): not a sweep "
+                "results file (one JSON row object per line); give the --out file of a "
+                "sweep run"
+            ) from None
+        for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
                 row = exc
-            if not isinstance(row, dict) or not {"case", "outcome"} <= row.keys():
-                what = f"not JSON ({row})" if isinstance(row, Exception) else "not a row object"
+            what = _row_problem(row)
+            if what is not None:
                 raise SweepResultsInvalid(
-                    f"{path}:{n}: {what}: a sweep row is one JSON object with 'case' and "
-                    "'outcome' per line; remove or fix that line (a run stopped while "
-                    "writing leaves a torn last line) and run again"
+                    f"{path}:{n}: {what}: a sweep row is one JSON object with 'case', "
+                    f"'device' (one of {', '.join(DEVICES)}) and 'outcome' (one of "
+                    f"{', '.join(OUTCOMES)}) per line; remove or fix that line (a run "
+                    "stopped while writing leaves a torn last line) and run again"
                 )
-            rows[(row.get("device", "?"), str(row.get("gpu")), row["case"])] = row
+            rows[(row["device"], str(row.get("gpu")), row["case"])] = row
     return list(rows.values())
+
+
+def _row_problem(row: object) -> str | None:
+    """Why a parsed results line is not a sweep row, or None."""
+    if isinstance(row, Exception):
+        return f"not JSON ({row})"
+    if not isinstance(row, dict) or "case" not in row:
+        return "not a row object"
+    for field, allowed in (("device", DEVICES), ("outcome", OUTCOMES)):
+        if row.get(field) not in allowed:
+            return f"{field} {row.get(field)!r} is not one of {', '.join(allowed)}"
+    if not isinstance(row.get("verify") or {}, dict):
+        return f"verify {row['verify']!r} is not an object"
+    return None
 
 
 def _reason(row: Mapping[str, Any]) -> str:
