@@ -430,7 +430,8 @@ def _cold_start(args: argparse.Namespace) -> int:
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse, before any work (exit status 2 through ``parser.error``, with the reason
-    and the values it takes): a repetition or layer count under 1; for the synthetic
+    and the values it takes): a repetition or layer count under 1, a negative
+    ``--handle-tensors`` or a ``--handle-mib`` not over 0; for the synthetic
     suites (the plain one and ``--cold-start``), ``--sizes`` or ``--formats`` naming no
     value or an unknown one; for ``--cpu-engine``, such a ``--cpu-build``; and such an
     ``--engine-formats`` (the fixture formats)."""
@@ -443,6 +444,10 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             parser.error(f"{flag} {value}: give 1 or more repetitions")
     if args.layers is not None and args.layers < 1:
         parser.error(f"--layers {args.layers}: give 1 or more layers")
+    if args.handle_tensors is not None and args.handle_tensors < 0:
+        parser.error(f"--handle-tensors {args.handle_tensors}: give 0 (skip it) or more tensors")
+    if args.handle_mib is not None and not args.handle_mib > 0:
+        parser.error(f"--handle-mib {args.handle_mib:g}: give a size over 0 MiB")
     if args.cpu_engine:
         from wcache.testing.isa import BUILDS as CPU_BUILDS  # noqa: PLC0415 (imported at call time, as the fixtures below)
 
