@@ -316,3 +316,29 @@ def test_damaged_checkpoint_is_one_line_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"wcache verify: error [checkpoint-corrupt]: {tmp_path / 'model.safetensors'}: " in err
     assert "truncated" in err and "Traceback" not in err
+
+
+def test_verdict_names_a_broken_vllm_load_as_the_likely_cause():
+    """When vLLM's own load gives non-finite logits (a MoE config.json whose checkpoint
+    lacks the experts' tensors: vLLM's loader leaves them torch.empty, so each build's
+    expert bytes differ), the FAILED verdict says the differences may be vLLM's own and
+    what to check; it blamed only the first differing expert checksum. Without such
+    logits the verdict is as before."""
+    from wcache.vllm.verify import NONFINITE_LOGITS, NONFINITE_LOGITS_CAUSE, Row, VerifyReport
+
+    experts = Row(
+        "model.layers.0.mlp.experts.routed_experts",
+        "unquantized_moe/cpu_amx@1",
+        "cpu_amx",
+        "w13_weight checksum: 'aa' != 'bb'",
+    )
+    logits = Row("(logits)", "-", "-", NONFINITE_LOGITS)
+    broken = VerifyReport((experts, logits), "in-process", {}, True).summary()
+    assert broken == (
+        "wcache verify: FAILED (in-process): 2 of 2 checks differ; first: "
+        "model.layers.0.mlp.experts.routed_experts: w13_weight checksum: 'aa' != 'bb' "
+        f"({NONFINITE_LOGITS_CAUSE})"
+    )
+    assert "experts' tensors" in NONFINITE_LOGITS_CAUSE
+    plain = VerifyReport((experts, Row("(logits)", "-", "-")), "in-process", {}, True)
+    assert plain.summary().endswith("w13_weight checksum: 'aa' != 'bb'")

@@ -182,10 +182,13 @@ class VerifyReport:
                 f"logits bit-identical."
             )
         first = self.failures[0]
-        return (
+        text = (
             f"wcache verify: FAILED ({self.mode}): {len(self.failures)} of "
             f"{len(self.rows)} checks differ; first: {first.layer}: {first.difference}"
         )
+        if any(r.difference == NONFINITE_LOGITS for r in self.rows):
+            text += f" ({NONFINITE_LOGITS_CAUSE})"
+        return text
 
 
 def default_token_ids(vocab_size: int, n: int = DEFAULT_NUM_TOKENS) -> list[int]:
@@ -615,6 +618,17 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 #: restore the same bits): the fixed forward proves nothing. The architecture sweep
 #: reads it (``wcache.testing.engine_acceptance.NONFINITE_LOGITS``).
 NONFINITE_LOGITS = "logits: bit-identical but not finite, so the forward proves nothing"
+#: What the verdict adds then: vLLM's own load is broken, so the differences may be
+#: vLLM's too. vLLM's loader checks that an unquantized model's linear and MoE weights
+#: came from the checkpoint only per module (a module with post-load work is exempt), so
+#: a weight the checkpoint lacks (a MoE config.json without its experts' tensors) stays
+#: ``torch.empty``: different bytes in each build, and non-finite logits.
+NONFINITE_LOGITS_CAUSE = (
+    "vLLM's own load gives non-finite logits, so these differences may be its own: a "
+    "weight the checkpoint lacks (e.g. a MoE config.json without its experts' tensors) "
+    "is left uninitialized by vLLM's loader; check the checkpoint's tensors against "
+    "the model, and its load from disk (load_format='auto'), first"
+)
 
 
 def _logits_difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
