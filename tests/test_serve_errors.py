@@ -4,6 +4,7 @@ wcache.checkpoint on a table of bad files."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -231,3 +232,93 @@ def test_config_vllm_refuses_through_pydantic_names_vllms_reason(monkeypatch, tm
     assert "(100000) is greater than the derived max_model_len (2048)." in text
     assert "errors.pydantic.dev" not in text
     assert build.refusal_reason(RuntimeError("Traceback\n  ...\nthe reason")) == "the reason"
+
+
+class _Quant:
+    def __init__(self, layer_kind: str):
+        self.layer_kind = layer_kind
+
+
+class _Config:
+    def __init__(self, layer_kind: str):
+        self.quant = _Quant(layer_kind)
+
+
+class _Planned:
+    def __init__(self, name: str, module: torch.nn.Module, layer_kind: str):
+        self.name, self.module, self.config = name, module, _Config(layer_kind)
+
+
+class _TinyMoe(torch.nn.Module):
+    """An embedding, a tied head, an MoE layer and an attention layer's KV scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(4, 2)
+        self.head = torch.nn.Linear(2, 4, bias=False)
+        self.head.weight = self.embed.weight
+        self.experts = torch.nn.Module()
+        self.experts.w13_weight = torch.nn.Parameter(torch.empty(3, 4, 2))
+        self.experts.w2_weight = torch.nn.Parameter(torch.empty(3, 2, 2))
+        self.attn = torch.nn.Module()
+        self.attn.k_scale = torch.nn.Parameter(torch.ones(()))
+
+    def load_weights(self, weights):
+        return {name for name, _ in weights}
+
+
+def test_planned_weights_the_checkpoint_did_not_fill_are_named():
+    """On an unquantized model every parameter of a planned linear, embedding or MoE
+    layer must be among those load_weights reports (vLLM's own check exempts those
+    modules, so a missing one kept torch.empty's bytes and was served); a tied head
+    counts with its embedding, an attention layer's KV scale, a quantized model (vLLM
+    checks it) and a model that reports nothing are not checked."""
+    from wcache.vllm.build import unloaded_planned_weights
+    from wcache.vllm.compat import loaded_weight_names
+
+    model = _TinyMoe()
+    planned = [
+        _Planned("embed", model.embed, "embedding"),
+        _Planned("head", model.head, "linear"),
+        _Planned("experts", model.experts, "moe"),
+        _Planned("attn", model.attn, "attention"),
+    ]
+    with loaded_weight_names(model) as calls:
+        model.load_weights([("embed.weight", None), ("experts.w2_weight", None)])
+    assert calls == [{"embed.weight", "experts.w2_weight"}]
+    assert "load_weights" not in vars(model)  # the recorder is gone again
+    with contextlib.suppress(RuntimeError), loaded_weight_names(model):
+        raise RuntimeError("inside the scope")
+    assert "load_weights" not in vars(model)  # also after a raise
+    loaded = calls[0]
+    assert unloaded_planned_weights(model, planned, loaded, None) == ["experts.w13_weight"]
+    assert unloaded_planned_weights(model, planned, loaded | {"experts.w13_weight"}, None) == []
+    assert unloaded_planned_weights(model, planned, loaded, "awq") == []
+    assert unloaded_planned_weights(model, planned, None, None) == []
+
+
+@pytest.mark.slow
+def test_moe_config_without_expert_tensors_is_refused(tmp_path, sock_dir):
+    """A MoE checkpoint whose config.json names experts its safetensors file lacks: one
+    [checkpoint-corrupt] line naming the experts' weights, exit 1, nothing served. It
+    was served (vLLM's loader leaves the experts torch.empty and says nothing)."""
+    from safetensors.torch import load_file
+
+    from wcache.testing.tiny_models import build_arch
+
+    src = build_arch("qwen3_moe")
+    model = tmp_path / "no-experts"
+    shutil.copytree(src, model)
+    state = load_file(str(src / "model.safetensors"))
+    kept = {k: v for k, v in state.items() if ".mlp.experts." not in k}
+    assert len(kept) < len(state)
+    save_file(kept, str(model / "model.safetensors"), metadata={"format": "pt"})
+    # a daemon that serves it would run until killed: a refusal comes in under a minute
+    proc = _serve(
+        model, "--socket-dir", sock_dir, "--enforce-eager", "--max-model-len", "512", timeout=180
+    )
+    assert 1 == proc.returncode, proc.stderr[-2000:]
+    (line,) = _our_lines(proc.stderr)
+    assert line.startswith(f"wcache serve: error [checkpoint-corrupt]: {model}: 4 weight(s) ")
+    assert "model.layers.0.mlp.experts.routed_experts.w13_weight" in line
+    assert "wcache: ready" not in proc.stderr + proc.stdout

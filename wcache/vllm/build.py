@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from wcache.core import WcacheError
-from wcache.errors import ConfigInvalid, PrepareFailed
+from wcache.errors import CheckpointCorrupt, ConfigInvalid, PrepareFailed
 from wcache.shell import PARAM_FLAGS_EXTRA, likeness, prepare_
 from wcache.store import DaemonServer, Export
 from wcache.store.fingerprint import (
@@ -151,7 +151,22 @@ def build_export(vllm_config: Any, *, progress: bool = True):
     # opens the files itself, so they cannot be hashed as it reads them).
     checkpoint_before = checkpoint_stats(model_config.model)
     checkpoint = checkpoint_digest(model_config.model)
-    load_checkpoint_(loader, model, model_config)
+    loaded = load_checkpoint_(loader, model, model_config)
+    missing = unloaded_planned_weights(model, planned, loaded, model_config.quantization)
+    if missing:
+        more = (
+            f" and {len(missing) - MAX_NAMED_TENSORS} more"
+            if len(missing) > MAX_NAMED_TENSORS
+            else ""
+        )
+        raise CheckpointCorrupt(
+            f"{model_config.model}: {len(missing)} weight(s) of the model its config.json "
+            f"describes are not in the checkpoint: {', '.join(missing[:MAX_NAMED_TENSORS])}"
+            f"{more}; vLLM's loader leaves them uninitialized (torch.empty), so nothing "
+            "is served. A shard missing or cut from a download, or a config.json of "
+            "another model (e.g. MoE without its experts' tensors): download or copy "
+            "the checkpoint again, or fix config.json"
+        )
     _retie_word_embeddings_(model, model_config)
     t_load = time.perf_counter()
     prepared = prepare_layers_(planned, target, progress=progress)
@@ -230,9 +245,13 @@ def prepare_layers_(planned: list, target: Any, *, progress: bool = False) -> di
     return prepared
 
 
-def load_checkpoint_(loader: Any, model: torch.nn.Module, model_config: Any) -> None:
+def load_checkpoint_(loader: Any, model: torch.nn.Module, model_config: Any) -> set[str] | None:
     """Read the checkpoint into ``model`` with vLLM's loader, leaving every weight as
     the checkpoint has it for the plans' TRANSFORM stages.
+
+    Returns:
+        The names of the parameters the checkpoint filled, as the model's
+        ``load_weights`` reports them (``None`` where it does not).
 
     vLLM quantizes online FP8/MXFP8 layers while it loads them; here that step is
     deferred (:func:`wcache.vllm.compat.online_quantization_deferred`), so what
@@ -242,9 +261,51 @@ def load_checkpoint_(loader: Any, model: torch.nn.Module, model_config: Any) -> 
     Source: vllm/model_executor/model_loader/base_loader.py::load_model (load_weights,
     then finalize_layerwise_processing for online quantization).
     """
-    with compat.online_quantization_deferred():
+    with compat.online_quantization_deferred(), compat.loaded_weight_names(model) as calls:
         loader.load_weights(model, model_config)
         compat.finalize_online_loading_(model, model_config)
+    if not calls or any(c is None for c in calls):
+        return None
+    return set().union(*(c for c in calls if c is not None))
+
+
+#: Layer kinds whose parameters all come from the checkpoint on an unquantized model
+#: (an attention layer's are KV-cache scales, which a checkpoint may lack).
+CHECKPOINT_LAYER_KINDS = ("linear", "embedding", "moe")
+
+
+def unloaded_planned_weights(
+    model: torch.nn.Module, planned: list, loaded: set[str] | None, quantization: str | None
+) -> list[str]:
+    """The parameters of planned linear, embedding and MoE layers that the checkpoint
+    did not fill, by name, on an unquantized model.
+
+    vLLM's loader checks an unquantized model's parameters against what
+    ``load_weights`` reports, but exempts every module with post-load work, so a
+    weight the checkpoint lacks (experts a MoE config.json names, a shard missing)
+    keeps ``torch.empty``'s bytes, different in every build. A quantized model's
+    parameters vLLM checks itself; ``loaded`` None (the model reports nothing)
+    checks nothing. Parameters are matched by identity, so a tied ``lm_head`` counts
+    as loaded with the embedding.
+
+    Source: vllm/model_executor/model_loader/default_loader.py::track_weights_loading
+    """
+    if loaded is None or quantization is not None:
+        return []
+    loaded_ids = set()
+    for name in loaded:
+        try:
+            loaded_ids.add(id(model.get_parameter(name)))
+        except AttributeError:  # a name the model reports but does not hold as such
+            continue
+    missing = []
+    for p in planned:
+        if p.config.quant.layer_kind not in CHECKPOINT_LAYER_KINDS:
+            continue
+        for pname, param in p.module.named_parameters(recurse=False):
+            if param.numel() and id(param) not in loaded_ids:
+                missing.append(f"{p.name}.{pname}" if p.name else pname)
+    return missing
 
 
 def _retie_word_embeddings_(model: torch.nn.Module, model_config: Any) -> None:

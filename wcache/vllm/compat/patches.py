@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol, cast
 
 import attrs
 import torch
@@ -286,6 +286,47 @@ def online_quantization_deferred() -> Iterator[None]:
 
     with _patched(layerwise, "_layerwise_process", load_without_quantizing):
         yield
+
+
+class _LoadingModel(Protocol):
+    """The method of a vLLM model that :func:`loaded_weight_names` wraps (an attribute
+    here: the wrapper is set on the instance)."""
+
+    load_weights: Callable[..., Any]
+
+
+@contextlib.contextmanager
+def loaded_weight_names(model: torch.nn.Module) -> Iterator[list[set[str] | None]]:
+    """Inside the block, what ``model.load_weights`` returns (the names of the
+    parameters the checkpoint filled; ``None`` where the model does not say) is
+    appended to the yielded list, one entry per call. vLLM's loader reads that set
+    only for its own check, which on an unquantized model exempts every module with
+    post-load work (each linear, embedding and MoE layer); the caller checks those.
+    The instance attribute that shadows the method is removed on exit.
+
+    Source: vllm/model_executor/model_loader/default_loader.py::load_weights
+    (``loaded_weights = model.load_weights(...)``, then ``track_weights_loading``).
+    """
+    calls: list[set[str] | None] = []
+    # cast: vLLM's model classes add load_weights, which torch's Module types
+    # Tensor | Module; an instance attribute shadows it inside the block
+    loading = cast(_LoadingModel, model)
+    own = "load_weights" in vars(model)  # an instance attribute already (a wrapper)
+    real = loading.load_weights
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        loaded = real(*args, **kwargs)
+        calls.append(None if loaded is None else set(loaded))
+        return loaded
+
+    loading.load_weights = recording
+    try:
+        yield calls
+    finally:
+        if own:
+            loading.load_weights = real
+        else:
+            del loading.load_weights
 
 
 def finalize_online_loading_(model: torch.nn.Module, model_config: Any) -> None:
