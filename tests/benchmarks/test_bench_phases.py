@@ -1309,10 +1309,14 @@ def moe_bench_default_layers() -> int:
         (["--model-kind", "moe30b-fp8", "--device", "cpu"], "needs --device cuda"),
         (["--pairs", "0"], "--pairs: give at least 1"),
         (["--stack-samples", "0.1"], "--stack-samples: give a positive interval"),
+        (["--model", "/nonexistent"], "--model /nonexistent: not a checkpoint directory"),
+        (["--model", "/"], "--model /: not a checkpoint directory (no config.json in it)"),
     ],
 )
 def test_bench_phases_refuses_bad_arguments_before_any_work(argv, message, monkeypatch, capsys):
-    """Argument errors: exit status 2 with the reason, before the model is set up."""
+    """Argument errors: exit status 2 with the reason, before the model is set up (a
+    --model that is no checkpoint directory started every row's engine and daemon,
+    each failing in turn, a traceback's last lines as the disk row's reason)."""
     monkeypatch.setattr(bp, "model_setup", lambda *a, **k: pytest.fail("no work expected"))
     with pytest.raises(SystemExit) as info:
         bp.main(argv)

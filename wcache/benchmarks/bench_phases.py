@@ -1497,6 +1497,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--stack-samples: give a positive interval in seconds, and --out "
             "(the samples go to {--out}.logs/)"
         )
+    if args.model is not None and not (Path(args.model) / "config.json").is_file():
+        # each row's engine and daemon would fail on it in turn, minutes for every row
+        parser.error(
+            f"--model {args.model}: not a checkpoint directory (no config.json in it); "
+            "give a local bf16 checkpoint's directory"
+        )
     import torch  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
