@@ -166,3 +166,13 @@ def test_no_lean_help_says_a_lean_daemon_still_seeds_over_its_socket():
     flag = next(a for a in sub.choices["serve"]._actions if "--no-lean" in a.option_strings)
     assert "cannot seed" not in flag.help
     assert "still seeds peers that --seed-from its socket" in flag.help
+
+
+@pytest.mark.parametrize("extra", [["--markdown"], ["--method", "awq"]])
+def test_plans_host_refuses_the_plan_list_options(extra, monkeypatch, capsys):
+    """`wcache plans --host` with --markdown or --method is refused (exit 2, naming
+    both) before vLLM's probe; it printed the host's decisions and ignored them."""
+    monkeypatch.setattr(cli, "_cmd_plans_host", lambda: pytest.fail("probe ran"))
+    assert 2 == cli.main(["plans", "--host", *extra])
+    err = capsys.readouterr().err
+    assert "--host shows what vLLM decides on this host" in err and extra[0] in err

@@ -96,6 +96,15 @@ def _cmd_plans_host() -> int:
 def _cmd_plans(args: argparse.Namespace) -> int:
 
     if args.host:
+        if args.markdown or args.method is not None:
+            # --host shows the host's decisions instead of the plan list they filter
+            print(
+                "wcache plans: --host shows what vLLM decides on this host and takes no "
+                "--markdown or --method (they select the plan list: `wcache plans "
+                "--method awq`)",
+                file=sys.stderr,
+            )
+            return 2
         return _cmd_plans_host()
 
     methods = sorted({p.method for p in all_plans()})
