@@ -176,3 +176,11 @@ def test_plans_host_refuses_the_plan_list_options(extra, monkeypatch, capsys):
     assert 2 == cli.main(["plans", "--host", *extra])
     err = capsys.readouterr().err
     assert "--host shows what vLLM decides on this host" in err and extra[0] in err
+
+
+def test_verify_job_without_socket_dir_is_refused(tmp_path, monkeypatch, capsys):
+    """`wcache verify --job J` without --socket-dir is refused (exit 2) before any work:
+    the job was ignored and verify built its own arena ('OK (in-process)')."""
+    monkeypatch.setattr("wcache.vllm.verify.main", lambda *a, **k: pytest.fail("verify ran"))
+    assert 2 == cli.main(["verify", "--model", str(tmp_path), "--job", "draft"])
+    assert "--job 'draft' names a daemon's job: give the --socket-dir" in capsys.readouterr().err

@@ -372,6 +372,14 @@ def _cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.job and args.socket_dir is None:
+        # without a daemon to name, the job was ignored and verify built its own arena
+        print(
+            f"wcache verify: --job {args.job!r} names a daemon's job: give the --socket-dir "
+            "it serves in too (without --socket-dir verify builds its own arena)",
+            file=sys.stderr,
+        )
+        return 2
     from wcache.vllm.verify import main as verify_main  # noqa: PLC0415 (imported at call time: tests patch main)
 
     try:
