@@ -42,6 +42,40 @@ def test_cache_key_diff_names_changed_added_and_removed_fields():
     assert [] == a.diff(CacheKey(a.fields))
 
 
+def test_describe_diff_names_a_few_leaves_per_field_and_an_echoed_field_once():
+    """Two models' keys differ in dozens of hf_config entries, twice (hf_text_config
+    repeats a text model's hf_config): the message names three leaves per field, counts
+    the rest, and names the repeating field once (it was one line of ~4 KB)."""
+    cfg_a = {f"k{i:02d}": i for i in range(40)}
+    cfg_b = {f"k{i:02d}": -i for i in range(40)}
+    a = CacheKey(
+        {
+            "model_config.hf_config": cfg_a,
+            "model_config.hf_text_config": cfg_a,
+            "dtype": "bfloat16",
+        }
+    )
+    b = CacheKey(
+        {
+            "model_config.hf_config": cfg_b,
+            "model_config.hf_text_config": cfg_b,
+            "dtype": "float16",
+        }
+    )
+    assert a.describe_diff(b) == (
+        'dtype: engine="bfloat16" daemon="float16"; '
+        "model_config.hf_config.k01: engine=1 daemon=-1; "
+        "model_config.hf_config.k02: engine=2 daemon=-2; "
+        "model_config.hf_config.k03: engine=3 daemon=-3; "
+        "model_config.hf_config: 36 more differ; "
+        "model_config.hf_text_config: as model_config.hf_config"
+    )
+    # a repeating field that differs otherwise is named in full
+    c = CacheKey({**b.fields, "model_config.hf_text_config": {**cfg_b, "k01": 7}})
+    assert "model_config.hf_text_config.k01: engine=1 daemon=7" in a.describe_diff(c)
+    assert "as model_config.hf_config" not in a.describe_diff(c)
+
+
 @pytest.mark.parametrize(
     "fields", [{"x": float("nan")}, {"x": object()}, {1: "a"}, ["not", "a", "map"]]
 )

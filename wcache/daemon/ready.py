@@ -36,7 +36,7 @@ import attrs
 from wcache.daemon.ranks import local_ranks
 from wcache.store import StoreError, daemon_status, paths
 from wcache.store.http import Probe
-from wcache.store.manifest import canonical_json, leaf_diffs, mismatch_value
+from wcache.store.manifest import canonical_json, field_mismatch_lines
 
 log = logging.getLogger(__name__)
 
@@ -143,14 +143,10 @@ def engine_ready_spec(
     return ReadySpec(job_digest(model_config, layout, job), ranks, fields, config)
 
 
-#: Differing entries named per field when a field's value is a mapping (hf_config).
-MAX_ENTRIES = 3
-
-
 def config_differences(spec: ReadySpec, key_fields: dict[str, Any]) -> list[str]:
     """``field: engine=<value> daemon=<value>`` for each of ``spec.config`` that a
     daemon's key (its ``status`` reply's ``key_fields``) holds with another value (for
-    a mapping, its first :data:`MAX_ENTRIES` differing entries)."""
+    a mapping, its first :data:`~wcache.store.manifest.MAX_NAMED_LEAVES` differing entries)."""
     return field_differences({name: json.loads(want) for name, want in spec.config}, key_fields)
 
 
@@ -161,13 +157,7 @@ def field_differences(engine: dict[str, Any], key_fields: dict[str, Any]) -> lis
     for name, want_value in sorted(engine.items()):
         have, want = key_fields.get(name), canonical_json(want_value)
         if canonical_json(have) != want:
-            leaves = leaf_diffs(name, json.loads(want), have)
-            out += [
-                f"{path}: engine={mismatch_value(x)} daemon={mismatch_value(y)}"
-                for path, x, y in leaves[:MAX_ENTRIES]
-            ]
-            if len(leaves) > MAX_ENTRIES:
-                out.append(f"{name}: {len(leaves) - MAX_ENTRIES} more")
+            out += field_mismatch_lines(name, json.loads(want), have)
     return out
 
 

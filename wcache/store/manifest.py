@@ -282,6 +282,32 @@ def mismatch_value(value: Any) -> str:
     return text if len(text) <= MISMATCH_VALUE_CHARS else text[:MISMATCH_VALUE_CHARS] + "..."
 
 
+#: Differing leaves a mismatch message names per key field (a mapping such as
+#: ``model_config.hf_config`` can differ in dozens); the rest are counted.
+MAX_NAMED_LEAVES = 3
+
+
+def field_mismatch_lines(
+    name: str, a: Any, b: Any, mine: str = "engine", theirs: str = "daemon"
+) -> list[str]:
+    """``path: engine=<value> daemon=<value>`` for the first :data:`MAX_NAMED_LEAVES`
+    differing leaves of key field ``name`` (values ``a`` and ``b``; ``...`` for a side
+    that lacks it), then ``name: N more differ`` when there are more."""
+    leaves = leaf_diffs(name, a, b)
+    out = [
+        f"{path}: {mine}={mismatch_value(x)} {theirs}={mismatch_value(y)}"
+        for path, x, y in leaves[:MAX_NAMED_LEAVES]
+    ]
+    if len(leaves) > MAX_NAMED_LEAVES:
+        out.append(f"{name}: {len(leaves) - MAX_NAMED_LEAVES} more differ")
+    return out
+
+
+#: Key fields that repeat another's value for most models (a text model's
+#: ``hf_text_config`` is its ``hf_config``): named once when they differ alike.
+ECHO_FIELDS = {"model_config.hf_text_config": "model_config.hf_config"}
+
+
 #: Display names of the key's ``versions`` entries.
 VERSION_NAMES = {"vllm": "vLLM", "torch": "torch", "wcache": "wcache"}
 
@@ -324,15 +350,25 @@ class CacheKey:
         )
 
     def describe_diff(self, other: CacheKey, mine: str = "engine", theirs: str = "daemon") -> str:
-        """``field: engine=<value> daemon=<value>`` for each differing field (values
-        cut to :data:`MISMATCH_VALUE_CHARS`), for error messages."""
+        """``path: engine=<value> daemon=<value>`` for each differing field, for error
+        messages: a mapping's first :data:`MAX_NAMED_LEAVES` differing leaves (then how
+        many more), values cut to :data:`MISMATCH_VALUE_CHARS`, and a field of
+        :data:`ECHO_FIELDS` that differs exactly as the field it repeats is named once
+        (``model_config.hf_text_config: as model_config.hf_config``)."""
 
         a, b = self.fields, other.fields
-        return "; ".join(
-            f"{path}: {mine}={mismatch_value(x)} {theirs}={mismatch_value(y)}"
-            for f in self.diff(other)
-            for path, x, y in leaf_diffs(f, a.get(f, ...), b.get(f, ...))
-        )
+        diff = self.diff(other)
+        parts: list[str] = []
+        for f in diff:
+            echoed = ECHO_FIELDS.get(f)
+            if echoed in diff and (a.get(f, ...), b.get(f, ...)) == (
+                a.get(echoed, ...),
+                b.get(echoed, ...),
+            ):
+                parts.append(f"{f}: as {echoed}")
+                continue
+            parts += field_mismatch_lines(f, a.get(f, ...), b.get(f, ...), mine, theirs)
+        return "; ".join(parts)
 
     def versions_note(self, other: CacheKey, mine: str = "engine", theirs: str = "daemon") -> str:
         """A lead sentence for a refusal when the keys' ``versions`` differ (an engine
