@@ -1311,6 +1311,12 @@ def moe_bench_default_layers() -> int:
         (["--stack-samples", "0.1"], "--stack-samples: give a positive interval"),
         (["--model", "/nonexistent"], "--model /nonexistent: not a checkpoint directory"),
         (["--model", "/"], "--model /: not a checkpoint directory (no config.json in it)"),
+        # --from-json runs nothing: an option that chooses or shapes rows was ignored
+        (["--from-json", "a.json", "--rows", "fresh-node"], "--rows would change nothing"),
+        (
+            ["--from-json", "a.json", "--device", "cuda", "--pairs", "3"],
+            "--device, --pairs would change nothing; leave them out",
+        ),
     ],
 )
 def test_bench_phases_refuses_bad_arguments_before_any_work(argv, message, monkeypatch, capsys):

@@ -1467,14 +1467,44 @@ def _meta(device: str, kind: str, ckpt: Path, argv: Sequence[str]) -> dict[str, 
     return meta
 
 
+#: The options that choose or shape the rows a run makes (argparse dests): with
+#: ``--from-json`` (nothing runs) each is refused rather than silently ignored.
+RUN_ONLY_OPTIONS = (
+    "device",
+    "rows",
+    "model_kind",
+    "moe_layers",
+    "model",
+    "root",
+    "startup_plan",
+    "mega_aot_artifact",
+    "stack_samples",
+    "quiet_host_timeout",
+    "pairs",
+    "prime_only",
+)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point (`wcache bench --phases ...`); returns 0 unless a row failed (exit
-    status 2 for ``--rows`` naming no row or an unknown one, and for ``--from-json``
-    files that cannot be merged)."""
+    status 2 for ``--rows`` naming no row or an unknown one, for ``--from-json``
+    files that cannot be merged, and for ``--from-json`` beside an option of
+    :data:`RUN_ONLY_OPTIONS`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.from_json:
+        given = [
+            "--" + dest.replace("_", "-")
+            for dest in RUN_ONLY_OPTIONS
+            if getattr(args, dest) != parser.get_default(dest)
+        ]
+        if given:
+            parser.error(
+                f"--from-json runs nothing and merges every row of its files: "
+                f"{', '.join(given)} would change nothing; leave "
+                f"{'it' if len(given) == 1 else 'them'} out"
+            )
         return _write_merged(args, parser)
     refuse_unknown_or_missing(
         parser,
