@@ -302,12 +302,16 @@ def loaded_weight_names(model: torch.nn.Module) -> Iterator[list[set[str] | None
     appended to the yielded list, one entry per call. vLLM's loader reads that set
     only for its own check, which on an unquantized model exempts every module with
     post-load work (each linear, embedding and MoE layer); the caller checks those.
-    The instance attribute that shadows the method is removed on exit.
+    The instance attribute that shadows the method is removed on exit. A module with
+    no ``load_weights`` (a bare layer a custom loader fills) records nothing.
 
     Source: vllm/model_executor/model_loader/default_loader.py::load_weights
     (``loaded_weights = model.load_weights(...)``, then ``track_weights_loading``).
     """
     calls: list[set[str] | None] = []
+    if not callable(getattr(model, "load_weights", None)):  # not a vLLM model: a bare layer
+        yield calls
+        return
     # cast: vLLM's model classes add load_weights, which torch's Module types
     # Tensor | Module; an instance attribute shadows it inside the block
     loading = cast(_LoadingModel, model)
