@@ -42,10 +42,11 @@ def test_cache_key_diff_names_changed_added_and_removed_fields():
     assert [] == a.diff(CacheKey(a.fields))
 
 
-def test_describe_diff_names_a_few_leaves_per_field_and_an_echoed_field_once():
+def test_describe_diff_caps_the_checkpoint_config_and_names_an_echoed_field_once():
     """Two models' keys differ in dozens of hf_config entries, twice (hf_text_config
-    repeats a text model's hf_config): the message names three leaves per field, counts
-    the rest, and names the repeating field once (it was one line of ~4 KB)."""
+    repeats a text model's hf_config): the message names three of the config's leaves,
+    counts the rest, and names the repeating field once (it was one line of ~4 KB);
+    every other field's leaves are all named."""
     cfg_a = {f"k{i:02d}": i for i in range(40)}
     cfg_b = {f"k{i:02d}": -i for i in range(40)}
     a = CacheKey(
@@ -70,6 +71,14 @@ def test_describe_diff_names_a_few_leaves_per_field_and_an_echoed_field_once():
         "model_config.hf_config: 36 more differ; "
         "model_config.hf_text_config: as model_config.hf_config"
     )
+    # any other field names every leaf: a kernel decision is never counted away
+    kernels_a = {f"op{i:02d}": "onednn" for i in range(12)}
+    kernels_b = {f"op{i:02d}": "torch_linear" for i in range(12)}
+    t = CacheKey({"target": {"kernels": kernels_a}}).describe_diff(
+        CacheKey({"target": {"kernels": kernels_b}})
+    )
+    assert 'target.kernels.op11: engine="onednn" daemon="torch_linear"' in t
+    assert "more differ" not in t
     # a repeating field that differs otherwise is named in full
     c = CacheKey({**b.fields, "model_config.hf_text_config": {**cfg_b, "k01": 7}})
     assert "model_config.hf_text_config.k01: engine=1 daemon=7" in a.describe_diff(c)

@@ -36,7 +36,7 @@ import attrs
 from wcache.daemon.ranks import local_ranks
 from wcache.store import StoreError, daemon_status, paths
 from wcache.store.http import Probe
-from wcache.store.manifest import canonical_json, field_mismatch_lines
+from wcache.store.manifest import CHECKPOINT_CONFIG_FIELDS, canonical_json, field_mismatch_lines
 
 log = logging.getLogger(__name__)
 
@@ -161,9 +161,6 @@ def field_differences(engine: dict[str, Any], key_fields: dict[str, Any]) -> lis
     return out
 
 
-#: Key fields that come from the checkpoint's own config (config.json): a daemon whose
-#: key differs in one serves another checkpoint, not other engine arguments.
-CHECKPOINT_CONFIG_FIELDS = ("model_config.hf_config", "model_config.hf_text_config")
 #: What to do when two checkpoints meet on one socket name (its name carries the
 #: device, architecture, dtype, quantization, parallel sizes and job, not the path).
 TWO_CHECKPOINTS_FIX = (

@@ -282,30 +282,37 @@ def mismatch_value(value: Any) -> str:
     return text if len(text) <= MISMATCH_VALUE_CHARS else text[:MISMATCH_VALUE_CHARS] + "..."
 
 
-#: Differing leaves a mismatch message names per key field (a mapping such as
-#: ``model_config.hf_config`` can differ in dozens); the rest are counted.
+#: Differing leaves a mismatch message names per key field where it caps them (a
+#: checkpoint's config differs in dozens of entries from another model's); the rest
+#: are counted.
 MAX_NAMED_LEAVES = 3
-
-
-def field_mismatch_lines(
-    name: str, a: Any, b: Any, mine: str = "engine", theirs: str = "daemon"
-) -> list[str]:
-    """``path: engine=<value> daemon=<value>`` for the first :data:`MAX_NAMED_LEAVES`
-    differing leaves of key field ``name`` (values ``a`` and ``b``; ``...`` for a side
-    that lacks it), then ``name: N more differ`` when there are more."""
-    leaves = leaf_diffs(name, a, b)
-    out = [
-        f"{path}: {mine}={mismatch_value(x)} {theirs}={mismatch_value(y)}"
-        for path, x, y in leaves[:MAX_NAMED_LEAVES]
-    ]
-    if len(leaves) > MAX_NAMED_LEAVES:
-        out.append(f"{name}: {len(leaves) - MAX_NAMED_LEAVES} more differ")
-    return out
-
-
+#: The key fields that hold the checkpoint's own config.json (the model's
+#: ``hf_config`` and, for a text model, the same again as ``hf_text_config``).
+CHECKPOINT_CONFIG_FIELDS = ("model_config.hf_config", "model_config.hf_text_config")
 #: Key fields that repeat another's value for most models (a text model's
 #: ``hf_text_config`` is its ``hf_config``): named once when they differ alike.
 ECHO_FIELDS = {"model_config.hf_text_config": "model_config.hf_config"}
+
+
+def field_mismatch_lines(
+    name: str,
+    a: Any,
+    b: Any,
+    mine: str = "engine",
+    theirs: str = "daemon",
+    limit: int | None = MAX_NAMED_LEAVES,
+) -> list[str]:
+    """``path: engine=<value> daemon=<value>`` for the differing leaves of key field
+    ``name`` (values ``a`` and ``b``; ``...`` for a side that lacks it): the first
+    ``limit`` of them (all with ``None``), then ``name: N more differ``."""
+    leaves = leaf_diffs(name, a, b)
+    named = leaves if limit is None else leaves[:limit]
+    out = [
+        f"{path}: {mine}={mismatch_value(x)} {theirs}={mismatch_value(y)}" for path, x, y in named
+    ]
+    if len(leaves) > len(named):
+        out.append(f"{name}: {len(leaves) - len(named)} more differ")
+    return out
 
 
 #: Display names of the key's ``versions`` entries.
@@ -350,9 +357,12 @@ class CacheKey:
         )
 
     def describe_diff(self, other: CacheKey, mine: str = "engine", theirs: str = "daemon") -> str:
-        """``path: engine=<value> daemon=<value>`` for each differing field, for error
-        messages: a mapping's first :data:`MAX_NAMED_LEAVES` differing leaves (then how
-        many more), values cut to :data:`MISMATCH_VALUE_CHARS`, and a field of
+        """``path: engine=<value> daemon=<value>`` for each differing leaf of each
+        differing field, for error messages, values cut to
+        :data:`MISMATCH_VALUE_CHARS`: every leaf (a kernel decision of ``target`` is
+        always named), except that the checkpoint's config
+        (:data:`CHECKPOINT_CONFIG_FIELDS`: dozens of entries against another model) gets
+        its first :data:`MAX_NAMED_LEAVES` and a count, and a field of
         :data:`ECHO_FIELDS` that differs exactly as the field it repeats is named once
         (``model_config.hf_text_config: as model_config.hf_config``)."""
 
@@ -367,7 +377,8 @@ class CacheKey:
             ):
                 parts.append(f"{f}: as {echoed}")
                 continue
-            parts += field_mismatch_lines(f, a.get(f, ...), b.get(f, ...), mine, theirs)
+            limit = MAX_NAMED_LEAVES if f in CHECKPOINT_CONFIG_FIELDS else None
+            parts += field_mismatch_lines(f, a.get(f, ...), b.get(f, ...), mine, theirs, limit)
         return "; ".join(parts)
 
     def versions_note(self, other: CacheKey, mine: str = "engine", theirs: str = "daemon") -> str:
