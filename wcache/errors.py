@@ -19,9 +19,10 @@ under this root and their codes are unique all the same): the stage errors of
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 __all__ = [
+    "name_some",
     # plans, stages, restore (the functional core)
     "WcacheError",
     "NoPlan",
@@ -415,6 +416,13 @@ class PrimingFailed(WcacheError, RuntimeError):
     code = "priming-failed"
 
 
+def name_some(items: Sequence[str], limit: int, sep: str = ", ") -> str:
+    """The first ``limit`` of ``items`` joined by ``sep``, then `` and N more`` for
+    the rest (an error message names a few and counts the others)."""
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return sep.join(items[:limit]) + more
+
+
 # --------------------------------------------------------------------------- the vLLM side
 
 #: Unplanned layers named one by one in a refusal before the rest are counted.
@@ -436,13 +444,9 @@ class UnplannedLayers(NoPlan):
             by_reason.setdefault(reason, []).append(name)
         parts = []
         for reason, names in by_reason.items():
-            shown = ", ".join(names[:MAX_NAMED_UNPLANNED])
-            more = (
-                f" and {len(names) - MAX_NAMED_UNPLANNED} more"
-                if len(names) > MAX_NAMED_UNPLANNED
-                else ""
+            parts.append(
+                f"{len(names)} layer(s) [{name_some(names, MAX_NAMED_UNPLANNED)}]: {reason}"
             )
-            parts.append(f"{len(names)} layer(s) [{shown}{more}]: {reason}")
         super().__init__(
             f"{len(layers)} layer(s) have no wcache plan on this host: "
             + "; ".join(parts)

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from wcache.core import WcacheError
-from wcache.errors import CheckpointCorrupt, ConfigInvalid, PrepareFailed
+from wcache.errors import CheckpointCorrupt, ConfigInvalid, PrepareFailed, name_some
 from wcache.shell import PARAM_FLAGS_EXTRA, likeness, prepare_
 from wcache.store import DaemonServer, Export
 from wcache.store.fingerprint import (
@@ -154,15 +154,10 @@ def build_export(vllm_config: Any, *, progress: bool = True):
     loaded = load_checkpoint_(loader, model, model_config)
     missing = unloaded_planned_weights(model, planned, loaded, model_config.quantization)
     if missing:
-        more = (
-            f" and {len(missing) - MAX_NAMED_TENSORS} more"
-            if len(missing) > MAX_NAMED_TENSORS
-            else ""
-        )
         raise CheckpointCorrupt(
             f"{model_config.model}: {len(missing)} weight(s) of the model its config.json "
-            f"describes are not in the checkpoint: {', '.join(missing[:MAX_NAMED_TENSORS])}"
-            f"{more}; vLLM's loader leaves them uninitialized (torch.empty), so nothing "
+            f"describes are not in the checkpoint: {name_some(missing, MAX_NAMED_TENSORS)}"
+            f"; vLLM's loader leaves them uninitialized (torch.empty), so nothing "
             "is served. A shard missing or cut from a download, or a config.json of "
             "another model (e.g. MoE without its experts' tensors): download or copy "
             "the checkpoint again, or fix config.json"
@@ -211,8 +206,7 @@ def _layer_state(module: torch.nn.Module) -> str:
         f"{n} {str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
         for n, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
     ]
-    more = f" and {len(items) - MAX_NAMED_TENSORS} more" if len(items) > MAX_NAMED_TENSORS else ""
-    return ", ".join(items[:MAX_NAMED_TENSORS]) + more or "no tensors"
+    return name_some(items, MAX_NAMED_TENSORS) or "no tensors"
 
 
 def prepare_layers_(planned: list, target: Any, *, progress: bool = False) -> dict:
@@ -266,7 +260,7 @@ def load_checkpoint_(loader: Any, model: torch.nn.Module, model_config: Any) -> 
         compat.finalize_online_loading_(model, model_config)
     if not calls or any(c is None for c in calls):
         return None
-    return set().union(*(c for c in calls if c is not None))
+    return set().union(*(c for c in calls if c is not None))  # (narrows the type)
 
 
 #: Layer kinds whose parameters all come from the checkpoint on an unquantized model

@@ -60,6 +60,7 @@ from typing import Any
 import torch
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+from wcache.errors import name_some
 from wcache.store.artifacts import (
     BUNDLE_ROOTS,
     ArtifactsMissing,
@@ -257,17 +258,16 @@ def _env_difference(theirs: Any, ours: Any) -> str:
     differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
     if not differ:
         return ""
-    named = "; ".join(
-        f"{k} bundle={theirs.get(k, '<absent>')} engine={ours.get(k, '<absent>')}"
-        for k in differ[:MAX_NAMED_ENV_FACTORS]
-    )
-    more = (
-        f" and {len(differ) - MAX_NAMED_ENV_FACTORS} more"
-        if len(differ) > MAX_NAMED_ENV_FACTORS
-        else ""
+    named = name_some(
+        [
+            f"{k} bundle={theirs.get(k, '<absent>')} engine={ours.get(k, '<absent>')}"
+            for k in differ
+        ],
+        MAX_NAMED_ENV_FACTORS,
+        sep="; ",
     )
     return (
-        f" (vLLM compile-time variables that differ: {named}{more}; start the engine with "
+        f" (vLLM compile-time variables that differ: {named}; start the engine with "
         "the priming engine's values, or prime again with the engine's)"
     )
 
