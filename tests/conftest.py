@@ -6,7 +6,9 @@ do not all pin one core."""
 import glob
 import os
 import shutil
+import signal
 import tempfile
+from typing import NamedTuple
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -48,6 +50,86 @@ NVIDIA_DEVICES = "/dev/nvidia[0-9]*"
 if os.environ.get(XDIST_WORKER_ENV) and not glob.glob(NVIDIA_DEVICES):
     for _name, _value in XDIST_ENGINE_ENV.items():
         os.environ.setdefault(_name, _value)
+
+
+#: ``WCACHE_TEST_TEMPLATE=0`` starts every engine of the suite directly (to compare, or
+#: to rule the template out when an engine test fails).
+TEST_TEMPLATE_ENV = "WCACHE_TEST_TEMPLATE"
+
+
+class EngineTemplate(NamedTuple):
+    """The suite's engine template: its socket dir and the ``PYTHONPATH`` it started with."""
+
+    socket_dir: str
+    pythonpath: str
+
+
+@pytest.fixture(scope="session")
+def engine_template():
+    """One engine template (docs/template.md) for this worker's session, started the
+    first time a slow module asks for it (an :class:`EngineTemplate`), or None on a CUDA host (the
+    H200 tier keeps its engines' own start) or with ``WCACHE_TEST_TEMPLATE=0``.
+
+    It starts from the environment the suite's engines get
+    (:func:`wcache.daemon.process.engine_environment`), with the repository root first
+    on ``PYTHONPATH`` as the engine scripts' children have it
+    (:func:`tests.helpers.engine_script.engine_env`): an engine whose import-time
+    variables differ (a CPU build emulated through ``PYTHONPATH``, the compile tests'
+    own Inductor cache dirs) starts directly, as ``wcache run`` does without a match.
+    """
+    if glob.glob(NVIDIA_DEVICES) or os.environ.get(TEST_TEMPLATE_ENV) == "0":
+        yield None
+        return
+    from tests.helpers.engine_script import engine_env
+    from wcache.daemon.process import engine_environment
+    from wcache.template.client import start_template, stop_template
+
+    env = {**engine_environment(), "PYTHONPATH": engine_env()["PYTHONPATH"]}
+    d = tempfile.mkdtemp(prefix="wct-")
+    os.chmod(d, 0o700)
+    status = start_template(d, env=env)
+    try:
+        yield EngineTemplate(d, env["PYTHONPATH"])
+    finally:
+        try:
+            stop_template(d)
+        finally:
+            # a child that a failed test left running keeps a stopping template alive
+            if _is_template(status["pid"]):
+                os.kill(status["pid"], signal.SIGKILL)
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _is_template(pid: int) -> bool:
+    """Whether ``pid`` still runs ``python -m wcache.template`` (not exited, not reused)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"wcache.template" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _slow_modules_fork_engines_from_the_template(request):
+    """A module marked ``slow`` or ``e2e`` starts its engines (``run_engine``,
+    ``run_engine_script``) from the worker's engine template: vLLM's import (~10 s of
+    an eager engine's ~20 s here) is paid once per worker instead of once per engine.
+    Set before the module's own module-scoped fixtures start their engines (autouse
+    fixtures of a scope come first); the other modules start theirs directly."""
+    marks = {m.name for m in request.node.iter_markers()}
+    if not marks & {"slow", "e2e"}:
+        yield
+        return
+    template = request.getfixturevalue("engine_template")
+    if template is None:
+        yield
+        return
+    from wcache.daemon.process import ENGINE_TEMPLATE_ENV
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ENGINE_TEMPLATE_ENV, template.socket_dir)
+        mp.setenv("PYTHONPATH", template.pythonpath)
+        yield
 
 
 @pytest.hookimpl(trylast=True)  # after the tiers' conftests added their marks and skips

@@ -15,7 +15,12 @@ from pathlib import Path
 
 import attrs
 
-from wcache.daemon.process import ENGINE_TIMEOUT_S, first_traceback
+from wcache.daemon.process import (
+    ENGINE_TEMPLATE_ENV,
+    ENGINE_TIMEOUT_S,
+    first_traceback,
+    template_launcher,
+)
 
 #: The repository root: the child imports ``wcache`` and ``tests`` from it.
 REPO = Path(__file__).resolve().parents[2]
@@ -41,19 +46,25 @@ def output_tail(output: str) -> str:
 
 def engine_env() -> dict[str, str]:
     """This process's environment for an engine child: offline Hugging Face, no
-    tokenizer threads, and the repository root first on ``PYTHONPATH``."""
+    tokenizer threads, and the repository root first on ``PYTHONPATH`` (left as it is
+    when it is there already: the suite's engine template starts with it there, and a
+    ``PYTHONPATH`` that differs from the template's makes ``wcache run`` start the
+    script directly)."""
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH")))),
+        "PYTHONPATH": os.pathsep.join(path if str(REPO) in path[:1] else [str(REPO), *path]),
     }
 
 
 def run_engine_script(
     script: Path, args: Sequence[str], label: str, timeout_s: float = ENGINE_TIMEOUT_S
 ) -> EngineRun:
-    """Run ``python script *args`` and return its last JSON line.
+    """Run ``python script *args`` and return its last JSON line; forked from the
+    engine template that ``$WCACHE_ENGINE_TEMPLATE`` names, when it is set
+    (:func:`wcache.daemon.process.run_engine`'s rule).
 
     Args:
         script: the engine script.
@@ -66,11 +77,13 @@ def run_engine_script(
             message has its exit code, first traceback and output tail.
         subprocess.TimeoutExpired: the child ran past ``timeout_s``.
     """
+    env = engine_env()
+    template = env.get(ENGINE_TEMPLATE_ENV)
     proc = subprocess.run(
-        [sys.executable, str(script), *args],
+        [*(template_launcher(template) if template else ()), sys.executable, str(script), *args],
         capture_output=True,
         text=True,
-        env=engine_env(),
+        env=env,
         timeout=timeout_s,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

