@@ -93,7 +93,8 @@ def _plant(monkeypatch, change):
 
 def test_planted_wrong_transform_fails_naming_the_layer(monkeypatch, capsys, host_kernels):
     """`wcache verify` exits 1 when one layer's plan perturbs its weight: the row of
-    that layer and the forward name it; every other row is OK. The row names the
+    that layer and the forward name it; every other row is OK; ``--no-progress``
+    shows no progress bar. The row names the
     weight's checksum where vLLM keeps the weight (the F.linear branch, e.g. bf16 on
     AVX2) and the forward output where it releases it after a oneDNN prepack."""
     from wcache.cli import main
@@ -101,8 +102,11 @@ def test_planted_wrong_transform_fails_naming_the_layer(monkeypatch, capsys, hos
     path = _fixture("bf16", host_kernels)
     _plant(monkeypatch, lambda plan: attrs.evolve(plan, stages=(_perturb_weight, *plan.stages)))
     code = main(["verify", "--model", path, *ENGINE_ARGS, "--no-progress", "--only-failures"])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert 1 == code
+    # --no-progress: no bar of wcache's, nor vLLM's checkpoint-shards bar (both loads)
+    assert "Loading safetensors checkpoint shards" not in err, err[-2000:]
+    assert "wcache prepare" not in err
     failing = [line.split()[0] for line in out.splitlines() if "DIFFERS:" in line]
     assert [PLANTED_LAYER, "(forward)", "(logits)"] == failing
     assert f"first differing output: {PLANTED_LAYER} (checksum" in out

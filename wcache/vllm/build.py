@@ -12,6 +12,7 @@ which imports no vLLM.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -129,7 +130,14 @@ def build_export(vllm_config: Any, *, progress: bool = True):
     model_config = vllm_config.model_config
     device = torch.device(vllm_config.device_config.device)
     target = host_target(device)
-    loader = DefaultModelLoader(vllm_config.load_config)
+    # --no-progress quiets vLLM's "Loading safetensors checkpoint shards" bar too (the
+    # loader's own copy of the load config: the engine's, which the key reads, is kept)
+    loader = DefaultModelLoader(
+        dataclasses.replace(
+            vllm_config.load_config,
+            use_tqdm_on_load=progress and vllm_config.load_config.use_tqdm_on_load,
+        )
+    )
     t0 = time.perf_counter()
     with set_default_torch_dtype(model_config.dtype), device:
         model = loader.create_model(vllm_config=vllm_config, model_config=model_config)

@@ -878,7 +878,10 @@ def verify(
             with _forgetting_registrations(vllm_config):
                 loaded_model = DefaultModelLoader(
                     dataclasses.replace(
-                        vllm_config.load_config, load_format="auto", model_loader_extra_config={}
+                        vllm_config.load_config,
+                        load_format="auto",
+                        model_loader_extra_config={},
+                        use_tqdm_on_load=progress and vllm_config.load_config.use_tqdm_on_load,
                     )
                 ).load_model(vllm_config, model_config)
                 seconds["load (vLLM)"] = time.perf_counter() - t0
