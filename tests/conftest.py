@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import tempfile
+import warnings
 from typing import NamedTuple
 
 import pytest
@@ -58,10 +59,12 @@ TEST_TEMPLATE_ENV = "WCACHE_TEST_TEMPLATE"
 
 
 class EngineTemplate(NamedTuple):
-    """The suite's engine template: its socket dir and the ``PYTHONPATH`` it started with."""
+    """The suite's engine template: its socket dir, the ``PYTHONPATH`` it started with
+    and its import-time variables (:func:`wcache.template.versions.import_time_env`)."""
 
     socket_dir: str
     pythonpath: str
+    import_env: dict
 
 
 @pytest.fixture(scope="session")
@@ -83,13 +86,14 @@ def engine_template():
     from tests.helpers.engine_script import engine_env
     from wcache.daemon.process import engine_environment
     from wcache.template.client import start_template, stop_template
+    from wcache.template.versions import import_time_env
 
     env = {**engine_environment(), "PYTHONPATH": engine_env()["PYTHONPATH"]}
     d = tempfile.mkdtemp(prefix="wct-")
     os.chmod(d, 0o700)
     status = start_template(d, env=env)
     try:
-        yield EngineTemplate(d, env["PYTHONPATH"])
+        yield EngineTemplate(d, env["PYTHONPATH"], import_time_env(env))
     finally:
         try:
             stop_template(d)
@@ -124,8 +128,22 @@ def _slow_modules_fork_engines_from_the_template(request):
     if template is None:
         yield
         return
-    from wcache.daemon.process import ENGINE_TEMPLATE_ENV
+    from wcache.daemon.process import ENGINE_TEMPLATE_ENV, engine_environment
+    from wcache.template.versions import differences, import_time_env
 
+    now = import_time_env({**engine_environment(), "PYTHONPATH": template.pythonpath})
+    changed = differences(template.import_env, now)
+    if changed:  # every engine would start directly, one stderr line each: say why once
+        warnings.warn(
+            pytest.PytestWarning(
+                f"{request.node.nodeid}: its engines start directly, not from the engine "
+                f"template: {', '.join(changed)} changed in this worker's environment "
+                f"since the template started (a test that set it and left it set)"
+            ),
+            stacklevel=1,
+        )
+        yield
+        return
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(ENGINE_TEMPLATE_ENV, template.socket_dir)
         mp.setenv("PYTHONPATH", template.pythonpath)

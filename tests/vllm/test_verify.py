@@ -23,6 +23,7 @@ from wcache.core import StageOut, Tag
 from wcache.daemon.process import ENGINE_ARGS
 from wcache.testing.fixtures import FORMATS
 from wcache.testing.plans import unregistered_stage
+from wcache.vllm import VLLM_QUIET
 
 pytestmark = pytest.mark.slow
 
@@ -94,16 +95,21 @@ def _plant(monkeypatch, change):
 def test_planted_wrong_transform_fails_naming_the_layer(monkeypatch, capsys, host_kernels):
     """`wcache verify` exits 1 when one layer's plan perturbs its weight: the row of
     that layer and the forward name it; every other row is OK; ``--no-progress``
-    shows no progress bar. The row names the
+    shows no progress bar, and the environment is left as it was. The row names the
     weight's checksum where vLLM keeps the weight (the F.linear branch, e.g. bf16 on
     AVX2) and the forward output where it releases it after a oneDNN prepack."""
     from wcache.cli import main
 
     path = _fixture("bf16", host_kernels)
     _plant(monkeypatch, lambda plan: attrs.evolve(plan, stages=(_perturb_weight, *plan.stages)))
+    for name in VLLM_QUIET:
+        monkeypatch.delenv(name, raising=False)
     code = main(["verify", "--model", path, *ENGINE_ARGS, "--no-progress", "--only-failures"])
     out, err = capsys.readouterr()
     assert 1 == code
+    # vLLM's logs were quiet for the run only: the caller's environment is as it was
+    # (engines this process starts later log as before, and match the suite's template)
+    assert not set(VLLM_QUIET) & set(os.environ)
     # --no-progress: no bar of wcache's, nor vLLM's checkpoint-shards bar (both loads)
     assert "Loading safetensors checkpoint shards" not in err, err[-2000:]
     assert "wcache prepare" not in err

@@ -56,7 +56,7 @@ from tqdm import tqdm
 from wcache.core import tensor_checksum
 from wcache.errors import RestoreFailed, VerifyRefused  # VerifyRefused re-exported: its old home
 from wcache.shell import snapshot
-from wcache.vllm import VLLM_QUIET, compat
+from wcache.vllm import compat, vllm_logs_quiet
 from wcache.vllm.build import (
     build_server,
     checked_engine_config,
@@ -1004,20 +1004,18 @@ def main(args: Any, rest: list[str]) -> int:
     stdout carries the table and the verdict only: vLLM's own log lines go to
     stderr, at WARNING and above, unless the environment says otherwise.
     """
-    for name, value in VLLM_QUIET.items():
-        os.environ.setdefault(name, value)
-
-    check_vllm_version()  # as wcache serve and the load format do
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    t0 = time.perf_counter()
-    report = verify(
-        args.model,
-        rest,
-        socket_dir=args.socket_dir,
-        job=args.job,
-        progress=not args.no_progress,
-        check_memory=not args.ignore_memory_check,
-    )
+    with vllm_logs_quiet():  # for the run only: a caller's environment is left as it was
+        check_vllm_version()  # as wcache serve and the load format do
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+        t0 = time.perf_counter()
+        report = verify(
+            args.model,
+            rest,
+            socket_dir=args.socket_dir,
+            job=args.job,
+            progress=not args.no_progress,
+            check_memory=not args.ignore_memory_check,
+        )
     sys.stdout.write(report.table(only_failures=args.only_failures))
     steps = ", ".join(f"{k} {v:.1f} s" for k, v in report.seconds.items())
     print(f"{report.summary()}\ntimes: {steps}; total {time.perf_counter() - t0:.1f} s", flush=True)
