@@ -141,7 +141,10 @@ def _slow_modules_fork_engines_from_the_template(request):
     ``run_engine_script``) from the worker's engine template: vLLM's import (~10 s of
     an eager engine's ~20 s here) is paid once per worker instead of once per engine.
     Set before the module's own module-scoped fixtures start their engines (autouse
-    fixtures of a scope come first); the other modules start theirs directly."""
+    fixtures of a scope come first); the other modules start theirs directly. For the
+    module, the import-time variables that changed in the worker's environment since
+    the template started take the template's values again (:data:`VLLM_CPU_PLATFORM_ENV`);
+    one that vLLM did not set is warned about, naming it."""
     marks = {m.name for m in request.node.iter_markers()}
     if not marks & {"slow", "e2e"}:
         yield
