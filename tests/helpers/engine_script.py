@@ -15,12 +15,7 @@ from pathlib import Path
 
 import attrs
 
-from wcache.daemon.process import (
-    ENGINE_TEMPLATE_ENV,
-    ENGINE_TIMEOUT_S,
-    first_traceback,
-    template_launcher,
-)
+from wcache.daemon.process import ENGINE_TIMEOUT_S, engine_launcher, first_traceback
 
 #: The repository root: the child imports ``wcache`` and ``tests`` from it.
 REPO = Path(__file__).resolve().parents[2]
@@ -78,9 +73,8 @@ def run_engine_script(
         subprocess.TimeoutExpired: the child ran past ``timeout_s``.
     """
     env = engine_env()
-    template = env.get(ENGINE_TEMPLATE_ENV)
     proc = subprocess.run(
-        [*(template_launcher(template) if template else ()), sys.executable, str(script), *args],
+        [*engine_launcher(env), sys.executable, str(script), *args],
         capture_output=True,
         text=True,
         env=env,

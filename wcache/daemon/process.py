@@ -66,6 +66,14 @@ def template_launcher(socket_dir: str, fallback: bool = True) -> list[str]:
     ]
 
 
+def engine_launcher(environ: Mapping[str, str]) -> list[str]:
+    """The launcher of an engine started with ``environ``: :func:`template_launcher` of
+    the template ``$WCACHE_ENGINE_TEMPLATE`` names there, ``[]`` (a direct start) where
+    it is unset or empty."""
+    template = environ.get(ENGINE_TEMPLATE_ENV)
+    return template_launcher(template) if template else []
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -286,8 +294,7 @@ def run_engine(
         cmd.append("--dump-state")
     environ = engine_environment(env)
     if launcher is None:
-        template = environ.get(ENGINE_TEMPLATE_ENV)
-        launcher = template_launcher(template) if template else ()
+        launcher = engine_launcher(environ)
     cmd = [*launcher, *cmd, *engine_args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=timeout_s)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]

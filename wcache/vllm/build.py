@@ -112,6 +112,18 @@ def refusal_reason(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[-1].strip()
 
 
+def loader_config(load_config: Any, progress: bool, **changes: Any) -> Any:
+    """A copy of vLLM's ``LoadConfig`` for a loader of wcache's own (``changes``
+    applied): without ``progress`` its "Loading safetensors checkpoint shards" bar is
+    off too (``use_tqdm_on_load``, vllm/config/load.py). The engine's config, which
+    the cache key reads, is left as it is."""
+    return dataclasses.replace(
+        load_config,
+        use_tqdm_on_load=progress and load_config.use_tqdm_on_load,
+        **changes,
+    )
+
+
 def build_export(vllm_config: Any, *, progress: bool = True):
     """Load the model with vLLM's loader, prepare every planned layer, and return
     ``(Export, CacheKey)``. Needs vLLM's distributed state initialized.
@@ -130,14 +142,7 @@ def build_export(vllm_config: Any, *, progress: bool = True):
     model_config = vllm_config.model_config
     device = torch.device(vllm_config.device_config.device)
     target = host_target(device)
-    # --no-progress quiets vLLM's "Loading safetensors checkpoint shards" bar too (the
-    # loader's own copy of the load config: the engine's, which the key reads, is kept)
-    loader = DefaultModelLoader(
-        dataclasses.replace(
-            vllm_config.load_config,
-            use_tqdm_on_load=progress and vllm_config.load_config.use_tqdm_on_load,
-        )
-    )
+    loader = DefaultModelLoader(loader_config(vllm_config.load_config, progress))
     t0 = time.perf_counter()
     with set_default_torch_dtype(model_config.dtype), device:
         model = loader.create_model(vllm_config=vllm_config, model_config=model_config)

@@ -61,6 +61,7 @@ from wcache.vllm.build import (
     build_server,
     checked_engine_config,
     init_distributed,
+    loader_config,
     prepare_platform,
 )
 from wcache.vllm.compat import check_vllm_version
@@ -877,11 +878,11 @@ def verify(
             t0 = time.perf_counter()
             with _forgetting_registrations(vllm_config):
                 loaded_model = DefaultModelLoader(
-                    dataclasses.replace(
+                    loader_config(
                         vllm_config.load_config,
+                        progress,
                         load_format="auto",
                         model_loader_extra_config={},
-                        use_tqdm_on_load=progress and vllm_config.load_config.use_tqdm_on_load,
                     )
                 ).load_model(vllm_config, model_config)
                 seconds["load (vLLM)"] = time.perf_counter() - t0
