@@ -502,6 +502,34 @@ def test_stale_env_refused(template, work, env):
     assert fell_back.stderr.startswith("wcache run: running directly [template-stale]")
 
 
+def test_a_variable_the_imports_only_default_keeps_the_commands_value(tmp_path, work, env):
+    """A variable the template's imports only default (as vLLM's
+    ``os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")``) that a command sets to
+    another value is refused as template-stale naming it, and runs directly with its own
+    value, as a direct start; unset, or set to the imports' value, it runs in the
+    template. The child used to get the imports' value over the command's."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "wct_defaults.py").write_text(
+        "import os\nos.environ.setdefault('WCT_DEFAULTED', '1')\n"
+    )
+    e = {**env, "PYTHONPATH": os.pathsep.join([env["PYTHONPATH"], str(site)])}
+    cmd = [sys.executable, "-c", "import os, wct_defaults; print(os.environ['WCT_DEFAULTED'])"]
+    with _own_template(e, ["wct_defaults"]) as d:
+        for value, shown in ((None, "1"), ("1", "1")):
+            e_run = e if value is None else {**e, "WCT_DEFAULTED": value}
+            ran = _run(cmd, work, e_run, d)
+            assert (0, f"{shown}\n") == (ran.returncode, ran.stdout), ran.stderr
+        own = {**e, "WCT_DEFAULTED": "0"}
+        refused = _run(cmd, work, own, d)
+        assert REFUSED_EXIT == refused.returncode
+        assert "differs from the template's in env.WCT_DEFAULTED;" in refused.stderr
+        direct = _run(cmd, work, own)
+        fell_back = _run(cmd, work, own, d, fallback=True)
+        assert (0, "0\n") == (direct.returncode, direct.stdout)
+        assert (direct.returncode, direct.stdout) == (fell_back.returncode, fell_back.stdout)
+
+
 def test_an_upgraded_library_the_template_imported_is_stale(tmp_path, work, env):
     """A distribution other than wcache/vLLM/torch that the template imported (here a
     fake one, preloaded) and that pip then reinstalls (its RECORD rewritten) makes the

@@ -279,6 +279,8 @@ class Template:
         #: child applies it over its command's environment, as the same imports
         #: would have done in a fresh interpreter
         self.import_env_delta: dict[str, str | None] = {}
+        #: the same with each value before the imports too: {name: (before, after)}
+        self.env_imports: dict[str, tuple[str | None, str | None]] = {}
         self.fingerprint: dict[str, Any] = {}
         self.thread_baseline = 0
         self.children: dict[int, dict[str, Any]] = {}
@@ -341,12 +343,8 @@ class Template:
                 self._import(name)
         self.import_s = time.monotonic() - t0
         _prepare_titles()
-        now = dict(os.environ)
-        self.import_env_delta = {
-            k: now.get(k)
-            for k in sorted(set(now) | set(self.start_env))
-            if now.get(k) != self.start_env.get(k)
-        }
+        self.env_imports = versions.imports_env(self.start_env, os.environ)
+        self.import_env_delta = {k: after for k, (_, after) in self.env_imports.items()}
         self.fingerprint = self._fingerprint()
         gc.collect()
         gc.freeze()
@@ -370,6 +368,7 @@ class Template:
             "packages": packages,
             "distributions": versions.imported_distributions(list(sys.modules)),
             "env": versions.import_time_env(self.start_env),
+            "env_imports": self.env_imports,
         }
 
     def bind(self) -> None:

@@ -20,7 +20,13 @@ interpreter. The template records, when it starts:
   so a child never runs a library older than what is on disk
   (:func:`imported_distributions`, :func:`changed_distributions`);
 * ``env``: the environment variables that take effect at import or interpreter
-  start (:func:`import_time_env`).
+  start (:func:`import_time_env`);
+* ``env_imports``: every variable the template's own imports set or removed, with
+  its value before and after them (:func:`imports_env`). A child gets the "after"
+  value, as a fresh interpreter's imports would give it; but an import that only
+  fills in a default (vLLM's ``os.environ.setdefault("TRITON_CACHE_AUTOTUNING",
+  "1")``) keeps a value the command sets itself, so a command that sets such a
+  variable to a third value must start directly (:func:`stale_fields`).
 
 Each ``wcache run`` compares: its interpreter and import-time environment against
 the recorded ones, its own wcache install stamp against the template's, and the
@@ -45,6 +51,7 @@ __all__ = [
     "IMPORT_TIME_ENV_NAMES",
     "KEYED_PACKAGES",
     "import_time_env",
+    "imports_env",
     "interpreter_identity",
     "package_stamp",
     "same_install",
@@ -116,6 +123,18 @@ def is_import_time_var(name: str) -> bool:
 def import_time_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The import-time variables of ``environ`` (:func:`is_import_time_var`), sorted."""
     return {k: environ[k] for k in sorted(environ) if is_import_time_var(k)}
+
+
+def imports_env(
+    before: Mapping[str, str], after: Mapping[str, str]
+) -> dict[str, tuple[str | None, str | None]]:
+    """The variables imports set or removed: name -> (value before, value after), None
+    where unset, sorted by name."""
+    return {
+        k: (before.get(k), after.get(k))
+        for k in sorted(set(before) | set(after))
+        if before.get(k) != after.get(k)
+    }
 
 
 def interpreter_identity(executable: str) -> dict[str, Any]:
@@ -284,6 +303,13 @@ def stale_fields(
     mine = {k: v for k, v in fingerprint["python"].items() if k != "version"}
     fields = [f"python.{f}" for f in differences(mine, interpreter)]
     fields += [f"env.{f}" for f in differences(fingerprint["env"], import_time_env(env))]
+    # a variable the template's imports set: the child gets their value, which a direct
+    # start's imports may not impose (setdefault) on a command that sets another one
+    fields += [
+        f"env.{name}"
+        for name, values in fingerprint.get("env_imports", {}).items()
+        if env.get(name) not in values
+    ]
     fields += [f"packages.{name}" for name in changed_packages]
     own = fingerprint["packages"].get("wcache", {})
     if client_wcache is not None and not same_install(client_wcache, own):
