@@ -530,6 +530,45 @@ def test_a_variable_the_imports_only_default_keeps_the_commands_value(tmp_path, 
         assert (direct.returncode, direct.stdout) == (fell_back.returncode, fell_back.stdout)
 
 
+@pytest.mark.parametrize("form", ["script", "module"])
+def test_a_module_first_on_the_commands_path_that_the_template_imported_runs_directly(
+    template, work, env, form
+):
+    """A command whose sys.path[0] (the script's directory; the cwd for -m) holds its
+    own copy of a module the template imported (a ``tqdm.py``, a ``tqdm/`` package)
+    is refused naming it, and runs directly with its own copy, as a direct start. The
+    child used to import nothing and run the template's copy."""
+    if form == "script":
+        (work / "tqdm.py").write_text("WHO = 'local'\n")
+    else:
+        (work / "tqdm").mkdir()
+        (work / "tqdm" / "__init__.py").write_text("WHO = 'local'\n")
+    (work / "shadow.py").write_text("import tqdm\nprint(getattr(tqdm, 'WHO', 'installed'))\n")
+    cmd = [sys.executable, "shadow.py"] if form == "script" else [sys.executable, "-m", "shadow"]
+    direct = _run(cmd, work, env)
+    assert (0, "local\n") == (direct.returncode, direct.stdout)
+    refused = _run(cmd, work, env, template)
+    assert REFUSED_EXIT == refused.returncode
+    assert "error [template-unsupported]" in refused.stderr
+    assert f"{work}, first on the command's sys.path, holds tqdm," in refused.stderr
+    fell_back = _run(cmd, work, env, template, fallback=True)
+    assert (direct.returncode, direct.stdout) == (fell_back.returncode, fell_back.stdout)
+
+
+def test_the_templates_own_copy_first_on_the_path_runs_in_the_template(template, env):
+    """A command started from the directory the template imported wcache from (a
+    checkout on ``PYTHONPATH``, ``python -c`` from its root) still runs in the template:
+    the module there is the one the template has."""
+    root = Path(wcache.__file__).resolve().parents[1]
+    cmd = [sys.executable, "-c", "import wcache; print(wcache.__file__)"]
+    ran = _run(cmd, root, env, template)
+    assert (0, f"{root / 'wcache' / '__init__.py'}\n", "") == (
+        ran.returncode,
+        ran.stdout,
+        ran.stderr,
+    )
+
+
 def test_an_upgraded_library_the_template_imported_is_stale(tmp_path, work, env):
     """A distribution other than wcache/vLLM/torch that the template imported (here a
     fake one, preloaded) and that pip then reinstalls (its RECORD rewritten) makes the

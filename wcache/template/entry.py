@@ -20,12 +20,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import zipfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from wcache.template.errors import TemplateUnsupported
 
-__all__ = ["resolve_entry", "ENTRY_KINDS", "PYTHON_NAME"]
+__all__ = ["resolve_entry", "sys_path0", "ENTRY_KINDS", "PYTHON_NAME"]
 
 #: What the child runs: a script file, ``-m`` module, ``-c`` code.
 ENTRY_KINDS = ("script", "module", "code")
@@ -149,3 +150,21 @@ def resolve_entry(argv: Sequence[str], env: Mapping[str, str], cwd: str) -> dict
         "args": list(argv[1:]),
         "unbuffered": False,
     }
+
+
+def sys_path0(entry: Mapping[str, Any], cwd: str) -> str | None:
+    """The directory CPython puts first on ``sys.path`` for ``entry`` (a
+    :func:`resolve_entry` record) started in ``cwd``: a script's own directory
+    (symlinks resolved), a script that is itself a directory, or ``cwd`` for ``-m``
+    and ``-c``; None for a zip (its members are not files to list).
+
+    Source: CPython's Modules/main.c ``pymain_run_python`` (``sys.path[0]``).
+    """
+    if entry.get("kind") != "script":
+        return cwd
+    path = os.path.join(cwd, str(entry.get("target")))
+    if os.path.isdir(path):
+        return path
+    if zipfile.is_zipfile(path):
+        return None
+    return os.path.dirname(os.path.realpath(path))

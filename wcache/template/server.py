@@ -60,6 +60,7 @@ from wcache.store import paths
 from wcache.store.protocol import recv_frame, send_frame
 from wcache.store.server import peer_credentials
 from wcache.template import versions
+from wcache.template.entry import sys_path0
 from wcache.template.errors import TemplateError, TemplateStale, TemplateUnsafe, TemplateUnsupported
 from wcache.template.started import set_run_started
 
@@ -515,6 +516,16 @@ class Template:
         )
         if fields:
             return TemplateStale(versions.stale_reason(fields), fields)
+        cwd = req.get("cwd")
+        first = sys_path0(entry, cwd) if isinstance(cwd, str) else None
+        shadowed = _shadowed(first) if first is not None else {}
+        if shadowed:
+            here, imported = next(iter(shadowed.values()))
+            return TemplateUnsupported(
+                f"{first}, first on the command's sys.path, holds {', '.join(shadowed)}, which "
+                f"the template imported from elsewhere: a direct start imports {here}, a "
+                f"template child has {imported}"
+            )
         if self.stopping:
             return TemplateStale("the template is stopping", ("stopping",))
         return self.fork_problem()
@@ -706,6 +717,38 @@ class Template:
 
 
 # ---------------------------------------------------------------------- the child
+
+
+def _shadowed(directory: str) -> dict[str, tuple[str, str]]:
+    """The modules this template imported that ``directory``, first on a command's
+    ``sys.path``, holds another copy of (a module ``NAME.py``, a package
+    ``NAME/__init__.py``, an extension ``NAME.*.so``): name -> (the file there, the
+    file the template imported). A direct start of the command imports the one in
+    ``directory``; a forked child already has the template's. Built-in and frozen
+    modules are found before ``sys.path`` and are never shadowed; namespace packages
+    are not checked.
+    """
+    try:
+        entries = sorted(os.listdir(directory))
+    except OSError:
+        return {}
+    out: dict[str, tuple[str, str]] = {}
+    for entry in entries:
+        full = os.path.join(directory, entry)
+        module = entry.endswith((".py", ".so"))
+        # NAME.py, NAME.cpython-311-x86_64-linux-gnu.so, NAME/ (a dotted name imports none)
+        name = entry[: -len(".py")] if entry.endswith(".py") else entry.split(".", 1)[0]
+        if name == "__main__" or not name.isidentifier() or (not module and name != entry):
+            continue  # __main__: the command's own, run fresh in the child
+        spec = getattr(sys.modules.get(name), "__spec__", None)
+        if spec is None or not spec.has_location or spec.origin is None or name in out:
+            continue  # not imported (most entries: no stat), built-in or frozen, namespace
+        here = full if module else os.path.join(full, "__init__.py")
+        if not os.path.isfile(here):
+            continue
+        if os.path.realpath(spec.origin) != os.path.realpath(here):
+            out[name] = (here, spec.origin)
+    return out
 
 
 def _prepare_titles() -> None:
