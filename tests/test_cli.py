@@ -9,6 +9,7 @@ import os
 import pytest
 
 from wcache import cli
+from wcache.template import client as template_client
 
 
 def test_a_reader_that_leaves_the_pipe_ends_the_command_quietly(monkeypatch, capsys):
@@ -184,3 +185,30 @@ def test_verify_job_without_socket_dir_is_refused(tmp_path, monkeypatch, capsys)
     monkeypatch.setattr("wcache.vllm.verify.main", lambda *a, **k: pytest.fail("verify ran"))
     assert 2 == cli.main(["verify", "--model", str(tmp_path), "--job", "draft"])
     assert "--job 'draft' names a daemon's job: give the --socket-dir" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (
+            ["template", "status", "--timeout", "5"],
+            "--timeout is an option of `wcache template start`, not of status",
+        ),
+        (
+            ["template", "stop", "--foreground", "--preload", "json"],
+            "--preload, --foreground are options of `wcache template start`, not of stop",
+        ),
+        (["template", "status", "--no-platform-preload"], "--no-platform-preload is an option of"),
+        (["template", "start", "--timeout", "0"], "--timeout must be more than 0 seconds, not 0"),
+        (["template", "start", "--timeout", "-5"], "--timeout must be more than 0 seconds, not -5"),
+    ],
+)
+def test_template_refuses_options_its_action_ignores(argv, named, monkeypatch, capsys):
+    """`wcache template status|stop` with an option only `start` reads, and `start
+    --timeout` of 0 or less, are refused (exit 2) before any template is asked or
+    started: status and stop ignored them, and start killed the template at once
+    ("did not listen within -5 s")."""
+    for fn in ("start_template", "template_status", "stop_template"):
+        monkeypatch.setattr(template_client, fn, lambda *a, **k: pytest.fail("template asked"))
+    assert 2 == cli.main(argv)
+    assert named in capsys.readouterr().err

@@ -410,14 +410,41 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     return bench_main(rest)
 
 
+#: ``wcache template`` options that only ``start`` reads (dest -> flag).
+TEMPLATE_START_OPTIONS = {
+    "preload": "--preload",
+    "no_platform_preload": "--no-platform-preload",
+    "timeout": "--timeout",
+    "foreground": "--foreground",
+}
+
+
 def _cmd_template(args: argparse.Namespace) -> int:
     """``wcache template start | status | stop`` (docs/template.md)."""
+    given = [flag for dest, flag in TEMPLATE_START_OPTIONS.items() if getattr(args, dest)]
+    if args.action != "start" and given:
+        # they were ignored: `status --timeout 5` read as if it waited, `stop --foreground`
+        print(
+            f"wcache template: {', '.join(given)} "
+            f"{'is an option' if len(given) == 1 else 'are options'} of `wcache template "
+            f"start`, not of {args.action}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.timeout is not None and args.timeout <= 0:
+        print(
+            f"wcache template: --timeout must be more than 0 seconds, not {args.timeout:g}",
+            file=sys.stderr,
+        )
+        return 2
     if args.action == "start":
         st = template_client.start_template(
             args.socket_dir,
             args.preload,
             platform_preload=not args.no_platform_preload,
-            timeout_s=args.timeout,
+            timeout_s=(
+                template_client.DEFAULT_START_TIMEOUT_S if args.timeout is None else args.timeout
+            ),
             foreground=args.foreground,
         )
         print(f"wcache template: ready: {template_client.format_status(st)}", flush=True)
@@ -801,8 +828,9 @@ examples:
     p.add_argument(
         "--timeout",
         type=float,
-        default=300.0,
-        help="start: seconds to wait for the imports (default 300)",
+        default=None,
+        help="start: seconds to wait for the imports "
+        f"(default {template_client.DEFAULT_START_TIMEOUT_S:.0f})",
     )
     p.add_argument(
         "--foreground",
