@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 
 import wcache
+from wcache import cli
+from wcache.template import run_cli
 from wcache.template.client import (
     REFUSED_EXIT,
     format_status,
@@ -567,6 +569,17 @@ def test_the_templates_own_copy_first_on_the_path_runs_in_the_template(template,
         ran.stdout,
         ran.stderr,
     )
+
+
+@pytest.mark.parametrize("entry", ["launcher", "cli"])
+def test_an_unknown_option_before_the_command_is_refused(entry, tmp_path, capsys):
+    """`wcache run --verbsoe -- CMD` (a misspelt option of its own) exits 2 naming it
+    before any template is asked; it was appended to the command's own arguments
+    (here the template is missing and --no-fallback exits 3 instead of running it)."""
+    argv = ["--socket-dir", str(tmp_path), "--no-fallback", "--verbsoe", "--"]
+    argv += [sys.executable, "-c", "pass"]
+    assert 2 == (run_cli.main(argv) if entry == "launcher" else cli.main(["run", *argv]))
+    assert "wcache run: unrecognized arguments: --verbsoe (" in capsys.readouterr().err
 
 
 def test_an_upgraded_library_the_template_imported_is_stale(tmp_path, work, env):

@@ -6,6 +6,7 @@ restart through the template pays that import nowhere."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from wcache.template import client as template_client
 
@@ -37,8 +38,18 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, rest: list[str]) -> int:
-    """Run the parsed ``wcache run`` command; returns its exit code."""
-    command = list(args.command_argv or []) + list(rest)
+    """Run the parsed ``wcache run`` command; returns its exit code (2 for an option
+    of its own it does not know: the command and everything after it is
+    ``command_argv``, so ``rest`` holds only what came before the command)."""
+    if rest:
+        # a misspelt option (--no-fallbak) was appended to the command's own arguments
+        print(
+            f"wcache run: unrecognized arguments: {' '.join(rest)} (its options are "
+            f"--socket-dir, --no-fallback and --verbose; the command follows `--`)",
+            file=sys.stderr,
+        )
+        return 2
+    command = list(args.command_argv or [])
     if command[:1] == ["--"]:
         command = command[1:]
     return template_client.run_command(
