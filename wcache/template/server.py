@@ -716,9 +716,6 @@ class Template:
         }
 
 
-# ---------------------------------------------------------------------- the child
-
-
 def _shadowed(directory: str) -> dict[str, tuple[str, str]]:
     """The modules this template imported that ``directory``, first on a command's
     ``sys.path``, holds another copy of (a module ``NAME.py``, a package
@@ -749,6 +746,9 @@ def _shadowed(directory: str) -> dict[str, tuple[str, str]]:
         if os.path.realpath(spec.origin) != os.path.realpath(here):
             out[name] = (here, spec.origin)
     return out
+
+
+# ---------------------------------------------------------------------- the child
 
 
 def _prepare_titles() -> None:
