@@ -270,11 +270,24 @@ time.sleep(120)
 """
 
 
+def _default_int() -> None:
+    # a suite started as a background job of a non-interactive shell inherits SIGINT
+    # ignored, and `wcache run` passes that on to the child as exec would: the waiter's
+    # "default" mode means the default disposition, whatever the suite inherited
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_waiter(template, work, env, mode):
     (work / "waiter.py").write_text(WAITER)
     cmd = _through(template, [sys.executable, "waiter.py", mode])
     proc = subprocess.Popen(
-        cmd, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd,
+        cwd=work,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_default_int,
     )
     child = int(_wait_line(proc, "pid ").split()[1])
     return proc, child
