@@ -277,18 +277,24 @@ def _default_int() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _start_waiter(template, work, env, mode):
-    (work / "waiter.py").write_text(WAITER)
-    cmd = _through(template, [sys.executable, "waiter.py", mode])
-    proc = subprocess.Popen(
+def _start_piped(cmd, work, env, dispositions) -> subprocess.Popen:
+    """``cmd`` started in ``work`` with its output piped (text), ``dispositions`` run
+    before the exec to set the signal dispositions it inherits."""
+    return subprocess.Popen(
         cmd,
         cwd=work,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=_default_int,
+        preexec_fn=dispositions,
     )
+
+
+def _start_waiter(template, work, env, mode):
+    (work / "waiter.py").write_text(WAITER)
+    cmd = _through(template, [sys.executable, "waiter.py", mode])
+    proc = _start_piped(cmd, work, env, _default_int)
     child = int(_wait_line(proc, "pid ").split()[1])
     return proc, child
 
@@ -337,15 +343,7 @@ def _ignore_hup_and_int() -> None:
 
 def _start_ignoring(cmd, work, env) -> subprocess.Popen:
     """``cmd`` started with SIGHUP and SIGINT ignored, its output piped."""
-    return subprocess.Popen(
-        cmd,
-        cwd=work,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=_ignore_hup_and_int,
-    )
+    return _start_piped(cmd, work, env, _ignore_hup_and_int)
 
 
 def test_ignored_signals_stay_ignored(template, work, env):
