@@ -384,3 +384,57 @@ def test_bench_phases_passes_prime_only_and_the_startup_plan(tmp_path):
     assert "--model-kind" not in plain and "--moe-layers" not in plain
     moe = bench_call({"MODEL_KIND": "moe30b-fp8", "MOE_LAYERS": "24"})
     assert "--model-kind moe30b-fp8 --moe-layers 24" in moe
+
+
+def test_bench_phases_keeps_a_gpu_monitor_beside_the_engine_logs(tmp_path):
+    """bench-phases.sh polls nvidia-smi's utilization, clocks, power and clock-event
+    reasons every GPU_MONITOR_MS ms (1000 by default) while the bench runs, into
+    gpu-monitor.csv inside the packed engine logs, and stops the poll when the bench
+    ends. python3 and nvidia-smi are stubs (the monitor stub prints one line and sleeps)."""
+    import tarfile
+
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    calls = tmp_path / "calls.log"
+    pidfile = tmp_path / "monitor.pid"
+    (stub / "python3").write_text(  # the bench waits (10 s at most) for the monitor's start
+        f'#!/bin/sh\necho "python3 $*" >> {calls}\ncase "$*" in *"bench --phases"*) i=0; '
+        f"while [ ! -s {pidfile} ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done;; esac\n"
+        "exit 0\n"
+    )
+    (stub / "nvidia-smi").write_text(
+        f'#!/bin/sh\necho "nvidia-smi $*" >> {calls}\n'
+        'case "$*" in *-lms*) echo "timestamp, utilization.gpu [%]"; '
+        f"echo $$ > {pidfile}.new; mv {pidfile}.new {pidfile}; exec sleep 30;; esac\nexit 0\n"
+    )
+    for name in ("python3", "nvidia-smi"):
+        (stub / name).chmod(0o755)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / ".wcache-gpu-ready").write_text("0.33.0\n")
+    out = tmp_path / "out"
+    env = {
+        "PATH": f"{stub}:/usr/bin:/bin",
+        "WCACHE_GPU_SITE": str(site),
+        "OUT": str(out),
+        "HOME": str(tmp_path),
+        "OUT_NAME": "pairs",
+        "GPU_MONITOR_MS": "500",
+    }
+    res = subprocess.run(
+        ["bash", str(TOOLS / "bench-phases.sh"), "fresh-node"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=20,
+    )
+    assert res.returncode == 0, res.stderr
+    monitor = [ln for ln in calls.read_text().splitlines() if "-lms" in ln]
+    assert len(monitor) == 1 and "-lms 500" in monitor[0]
+    assert "--query-gpu=timestamp,utilization.gpu," in monitor[0]
+    assert "clocks_event_reasons.active" in monitor[0]
+    with tarfile.open(out / "pairs.logs.tgz") as tar:
+        got = tar.extractfile("pairs.logs/gpu-monitor.csv").read().decode()
+    assert got.startswith("timestamp, utilization.gpu")
+    pid = int(pidfile.read_text())
+    assert not Path(f"/proc/{pid}").exists(), "the monitor outlived the bench"

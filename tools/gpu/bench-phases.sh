@@ -15,7 +15,10 @@
 #   (--prime-only: only make the fresh-node rows' primed snapshot, for a later call), MODEL_KIND
 #   (--model-kind: 8b by default on CUDA; moe30b-fp8, the Qwen3-30B-A3B-shaped block-FP8 MoE,
 #   with MOE_LAYERS of its 48 layers, --moe-layers, default 12). The logs
-#   folder is packed into $OUT/$OUT_NAME.logs.tgz (the device tool brings back 8 files at most).
+#   folder is packed into $OUT/$OUT_NAME.logs.tgz (the device tool brings back 8 files at most);
+#   it also holds gpu-monitor.csv, nvidia-smi's utilization, clocks, power, memory and
+#   clock-event reasons every GPU_MONITOR_MS ms (default 1000) for the whole run, to match
+#   against the engine logs' timestamps (both in the machine's local time).
 #
 # Cost on one H200 (measured 2026-12-02, vLLM 0.33.0): the 8B checkpoint, disk-eager,
 # daemon-eager (its daemon 46 s), disk-compiled-cold (107 s) and disk-compiled-warm took most
@@ -48,6 +51,15 @@ ROWS=${1:-disk-eager,daemon-eager,disk-compiled-cold,disk-compiled-warm,daemon-c
 nvidia-smi -L
 python3 -m wcache.testing.fixtures --formats bf16 >>"$OUT/fixtures.log" 2>&1 \
   || { tail -20 "$OUT/fixtures.log"; exit 1; }   # SmolLM2's tokenizer for the 8B checkpoint
+logs=${OUT_NAME:-phases-h200}.logs
+mkdir -p "$OUT/$logs"
+# The GPU's own counters every second (a poll of the driver, no work on the GPU), to place
+# a slow phase: busy or idle, its clocks, why they were held down. Beside the engine logs.
+reasons=clocks_event_reasons.active  # the name since driver 535; older ones know the next
+nvidia-smi --query-gpu=$reasons --format=csv,noheader >/dev/null 2>&1 || reasons=clocks_throttle_reasons.active
+nvidia-smi --query-gpu=timestamp,utilization.gpu,utilization.memory,clocks.sm,clocks.mem,power.draw,temperature.gpu,memory.used,$reasons \
+  --format=csv -lms "${GPU_MONITOR_MS:-1000}" > "$OUT/$logs/gpu-monitor.csv" 2>&1 &
+monitor=$!
 timeout "${BENCH_TIMEOUT:-580}" python3 -m wcache.cli bench --phases --device cuda --rows "$ROWS" \
     --root "${WCACHE_BENCH_DIR:-/tmp/wcache-phases}" --out "$OUT/${OUT_NAME:-phases-h200}.json" \
     --markdown "$OUT/${OUT_NAME:-phases-h200}.md" --plot "$OUT/${OUT_NAME:-phases-h200}.png" \
@@ -56,7 +68,7 @@ timeout "${BENCH_TIMEOUT:-580}" python3 -m wcache.cli bench --phases --device cu
     $([ "${MEGA_AOT:-0}" = 1 ] && echo --mega-aot-artifact) \
     ${MODEL_KIND:+--model-kind "$MODEL_KIND"} ${MOE_LAYERS:+--moe-layers "$MOE_LAYERS"} \
     2>&1 | tee "$OUT/phases.log" | tail -60
-logs=${OUT_NAME:-phases-h200}.logs
+kill "$monitor" 2>/dev/null; wait "$monitor" 2>/dev/null
 if [ -d "$OUT/$logs" ]; then
   tar czf "$OUT/$logs.tgz" -C "$OUT" "$logs" && rm -rf "${OUT:?}/$logs"
 fi
