@@ -1361,3 +1361,88 @@ def test_main_passes_its_options_to_the_model_the_meta_and_the_runner(tmp_path, 
         "kind": "moe30b-fp8 (24 layers)",
         "quiet": 7.0,
     }
+
+
+def _triton_entry(base: Path, key: str, kernel: str, **meta) -> None:
+    """One Triton cache entry as Triton writes it: ``{key}/{kernel}.json`` (metadata),
+    ``{kernel}.ttir``, ``{kernel}.cubin`` and the group file."""
+    d = base / key
+    d.mkdir(parents=True)
+    (d / f"{kernel}.json").write_text(json.dumps({"hash": key, "name": kernel, **meta}))
+    (d / f"{kernel}.ttir").write_text(f"module {kernel}")
+    (d / f"{kernel}.cubin").write_bytes(b"\0" * 8)
+    (d / f"__grp__{kernel}.json").write_text(json.dumps({"child_paths": {}}))
+
+
+def test_triton_compiled_names_what_the_engine_compiled_and_the_carried_kernels_it_missed(
+    tmp_path,
+):
+    """An entry the bundle did not carry counts as compiled at start, by kernel name; one
+    whose kernel a carried entry has too is a twin (the carried key missed), with the
+    metadata fields that differ and both entries' .json/.ttir kept for a diff."""
+    from wcache.testing.caches import carried_triton_keys, triton_compiled
+
+    snap = tmp_path / "snap"
+    (snap / ".startup" / "r0").mkdir(parents=True)
+    (snap / ".startup" / "r0" / "startup.json").write_text(
+        json.dumps({"entries": [
+            {"root": "triton", "path": "KA"}, {"root": "triton", "path": "KB"},
+            {"root": "vllm", "path": "torch_compile_cache/x"},
+        ]})
+    )  # fmt: skip
+    carried = carried_triton_keys(snap)
+    assert carried == {"KA", "KB"}
+    tri = tmp_path / "triton"
+    _triton_entry(tri, "KA", "_topk_topp_kernel", debug=False, num_warps=4)
+    _triton_entry(tri, "KB", "_attn", debug=False)
+    _triton_entry(tri, "KC", "_topk_topp_kernel", debug=True, num_warps=4)
+    _triton_entry(tri, "KD", "_new_kernel")
+    got = triton_compiled(tri, carried, keep=tmp_path / "keep")
+    assert got["carried"] == 2
+    assert got["compiled"] == {"_topk_topp_kernel": 1, "_new_kernel": 1}
+    assert got["twins"] == {
+        "_topk_topp_kernel": {
+            "key": "KC", "carried_key": "KA", "metadata_differs": {"debug": [False, True]},
+        }
+    }  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "keep" / "KC").iterdir()) == [
+        "_topk_topp_kernel.json",
+        "_topk_topp_kernel.ttir",
+    ]
+    assert (tmp_path / "keep" / "KA").is_dir() and not (tmp_path / "keep" / "KD").exists()
+    line = bp._triton_line(got, "fresh-node #2")
+    assert line is not None and line.startswith(
+        "- Triton on fresh-node #2: 2 cache entries beyond the 2 its start-up bundle carried"
+    )
+    assert "_topk_topp_kernel (metadata differs in debug)" in line
+    assert bp._triton_line(triton_compiled(tri, {"KA", "KB", "KC", "KD"}), "x") is None
+
+
+def test_a_fresh_node_row_records_the_triton_entries_beyond_its_bundle(tmp_path, monkeypatch):
+    """The fresh-node row reads the carried keys from its primed snapshot's start-up
+    bundle and records what its engine's Triton cache holds beyond them; the table says it."""
+    calls: list[dict] = []
+    _fake_fresh_node(monkeypatch, calls)
+    fake = __import__("wcache.daemon.process", fromlist=["run_engine"]).run_engine
+
+    def engine_writing_triton(ckpt, load_format, extra, **kw):
+        snap = Path(_FakeDaemon.started[-1][_FakeDaemon.started[-1].index("--from-snapshot") + 1])
+        (snap / ".startup" / "r0").mkdir(parents=True, exist_ok=True)
+        (snap / ".startup" / "r0" / "startup.json").write_text(
+            json.dumps({"entries": [{"root": "triton", "path": "KA"}]})
+        )
+        tri = Path(kw["env"]["TRITON_CACHE_DIR"])
+        _triton_entry(tri, "KA", "_k", debug=False)
+        _triton_entry(tri, "KZ", "_k", debug=False)
+        return fake(ckpt, load_format, extra, **kw)
+
+    monkeypatch.setattr("wcache.daemon.process.run_engine", engine_writing_triton)
+    rows, _ = bp.run(
+        ["fresh-node"], tmp_path / "ckpt", [], [], "cuda", tmp_path / "w",
+        log=lambda m: None, snapshot_root=tmp_path / "root", log_dir=tmp_path / "logs",
+    )  # fmt: skip
+    assert "error" not in rows[0]
+    assert rows[0]["triton"]["compiled"] == {"_k": 1}
+    assert rows[0]["triton"]["twins"]["_k"]["metadata_differs"] == {}
+    assert (tmp_path / "logs" / "fresh-node.triton" / "KZ" / "_k.ttir").is_file()
+    assert "_k (same metadata: the key's source part differs)" in bp.table(rows)

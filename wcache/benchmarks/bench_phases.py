@@ -37,7 +37,10 @@ Caches: every "node" is one root of :func:`wcache.testing.caches.cache_env`
 (vLLM's torch.compile cache, Triton, Inductor, the CUDA JIT cache). A cold row gets
 an empty root; a warm row the root its cold row filled (or one filled by an
 unrecorded warm-up start when its cold row is not asked for). Eager rows each get an
-empty root too.
+empty root too. A fresh node's row records the Triton cache entries its engine holds
+beyond those its start-up bundle carried (``triton``: by kernel name; a kernel the
+bundle carried under another key is a missed entry, its metadata difference named and
+both entries' metadata and TTIR kept in ``LOG_DIR/ROW.triton/``), and the table says so.
 
 Model: on CUDA the 8B-shaped bf16 Llama of
 :mod:`wcache.benchmarks.bench_engine_cuda` (written once under --root), production
@@ -96,7 +99,9 @@ from wcache.testing.caches import (
     cache_env,
     cache_states,
     cache_writes,
+    carried_triton_keys,
     host_cache_dirs,
+    triton_compiled,
 )
 from wcache.testing.engine_acceptance import source_revision
 from wcache.vllm import VLLM_LOG_TO_STDERR
@@ -649,6 +654,11 @@ class _Runner:
                         root,
                         label,
                         launcher=launcher,
+                    )
+                    info["triton"] = triton_compiled(
+                        root / CACHE_ENV_DIRS["TRITON_CACHE_DIR"],
+                        carried_triton_keys(snap),
+                        keep=self.log_dir / f"{label}.triton" if self.log_dir else None,
                     )
             finally:
                 if pool is not None:
@@ -1253,6 +1263,9 @@ def table(rows: Sequence[Mapping[str, Any]]) -> str:
                 + (f" (ready in {sd:.1f} s)" if isinstance(sd, (int, float)) else "")
                 + ": before the restart, so in no row's time."
             )
+    for r, label in zip(rows, labels):
+        if (line := _triton_line(r.get("triton"), label)) is not None:
+            out.append(line)
     hosts = [
         f"{label}: {describe(r['host'])}"
         for r, label in zip(rows, labels)
@@ -1264,6 +1277,35 @@ def table(rows: Sequence[Mapping[str, Any]]) -> str:
             "time): " + "; ".join(hosts) + "."
         )
     return "\n".join(out) + "\n"
+
+
+def _triton_line(tr: Any, label: str) -> str | None:
+    """The markdown line on a fresh node's Triton cache (:func:`triton_compiled`):
+    None when it wrote no entry beyond what its start-up bundle carried."""
+    if not isinstance(tr, Mapping) or not tr.get("compiled"):
+        return None
+    compiled = tr["compiled"]
+    line = (
+        f"- Triton on {label}: {sum(compiled.values())} cache entries beyond the "
+        f"{tr.get('carried')} its start-up bundle carried ("
+        + ", ".join(f"{k} x{n}" if n > 1 else k for k, n in sorted(compiled.items()))
+        + ")"
+    )
+    twins = tr.get("twins") or {}
+    if twins:
+        parts = []
+        for name, t in sorted(twins.items()):
+            diff = t.get("metadata_differs") or {}
+            parts.append(
+                f"{name} (metadata differs in {', '.join(sorted(diff))})"
+                if diff
+                else f"{name} (same metadata: the key's source part differs)"
+            )
+        line += (
+            f"; {len(twins)} of them a carried kernel under another key, so the carried "
+            "entry was missed: " + "; ".join(parts)
+        )
+    return line + "."
 
 
 def plot_phases(results: Mapping[str, Any], png: str | Path) -> Path:

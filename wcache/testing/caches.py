@@ -22,10 +22,12 @@ Source: vllm/envs.py (VLLM_CACHE_ROOT), vllm/compilation/decorators.py
 from __future__ import annotations
 
 import getpass
+import json
 import os
+import shutil
 import stat
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,8 @@ __all__ = [
     "tree_state",
     "cache_states",
     "cache_writes",
+    "carried_triton_keys",
+    "triton_compiled",
 ]
 
 #: Environment variable -> sub-directory of the root it is pointed at.
@@ -136,3 +140,111 @@ def cache_writes(
                 "largest": [[p, s] for p, s in sorted(new.items(), key=lambda x: -x[1])[:largest]],
             }
     return out
+
+
+#: Triton's group file of a cache entry: ``__grp__{kernel}.json`` (triton/runtime/cache.py).
+_TRITON_GROUP = "__grp__"
+#: Files of an entry kept for a twin's diagnosis (:func:`triton_compiled`): its metadata
+#: (options and the cache-invalidating environment) and its TTIR (constants and
+#: specialisation inline).
+_TWIN_FILES = (".json", ".ttir")
+
+
+def carried_triton_keys(snapshot_dir: str | Path) -> set[str]:
+    """The Triton cache keys (entry directory names) the start-up bundles of a
+    snapshot carry: every ``triton`` entry of ``DIR/.startup/*/startup.json``
+    (wcache.store.artifacts' manifest; wcache.daemon.serve.SNAPSHOT_STARTUP_DIR).
+    Unreadable manifests are skipped: this is a benchmark's diagnosis, not a check."""
+    keys: set[str] = set()
+    for manifest in Path(snapshot_dir).glob(".startup/*/startup.json"):
+        try:
+            entries = json.loads(manifest.read_text()).get("entries") or ()
+        except (OSError, ValueError, AttributeError):
+            continue
+        for e in entries:
+            if isinstance(e, Mapping) and e.get("root") == "triton" and e.get("path"):
+                keys.add(str(e["path"]).split("/", 1)[0])
+    return keys
+
+
+def _kernel_of(entry: Path) -> str | None:
+    groups = sorted(entry.glob(f"{_TRITON_GROUP}*.json"))
+    return groups[0].name[len(_TRITON_GROUP) : -len(".json")] if groups else None
+
+
+def triton_compiled(
+    triton_dir: str | Path, carried: Collection[str], keep: str | Path | None = None
+) -> dict[str, Any]:
+    """What an engine compiled itself into a Triton cache a start-up bundle had filled.
+
+    Triton keeps one directory per compiled kernel, named by its cache key
+    (triton/runtime/cache.py ``get_cache_key``: Triton's own hash, the kernel's source
+    with its constants and argument specialisation, the backend, the options, the
+    cache-invalidating environment). An entry not in ``carried`` was compiled during
+    the start. A *twin* is such an entry whose kernel name a carried entry has too:
+    the same kernel under another key, so the carried one was missed. For each twin
+    the metadata fields (``{kernel}.json``: options and environment) that differ from
+    its carried namesake's are listed; none differing points at the key's source part.
+
+    Args:
+        triton_dir: the engine's ``TRITON_CACHE_DIR``.
+        carried: the keys the bundle installed (:func:`carried_triton_keys`).
+        keep: when set, each twin's and its namesakes' ``.json`` and ``.ttir`` files
+            are copied under ``keep/{key}/`` for a diff.
+
+    Returns:
+        ``{"carried": carried entries present, "compiled": {kernel: count},
+        "twins": {kernel: {"key": compiled key, "carried_key": namesake's key,
+        "metadata_differs": {field: [carried value, compiled value]}}}}``.
+    """
+    base = Path(triton_dir)
+    entries = sorted(p for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
+    kernel = {p.name: _kernel_of(p) for p in entries}
+    carried_by_kernel: dict[str, list[str]] = {}
+    for key, name in kernel.items():
+        if key in carried and name:
+            carried_by_kernel.setdefault(name, []).append(key)
+    compiled: dict[str, int] = {}
+    twins: dict[str, dict[str, Any]] = {}
+    for key, name in kernel.items():
+        if key in carried:
+            continue
+        label = name or "?"
+        compiled[label] = compiled.get(label, 0) + 1
+        if not name or name not in carried_by_kernel or name in twins:
+            continue
+        namesake = carried_by_kernel[name][0]
+        twins[name] = {
+            "key": key,
+            "carried_key": namesake,
+            "metadata_differs": _metadata_diff(
+                base / namesake / f"{name}.json", base / key / f"{name}.json"
+            ),
+        }
+        if keep is not None:
+            for k in (key, *carried_by_kernel[name]):
+                for f in (base / k).iterdir():
+                    if f.suffix in _TWIN_FILES and not f.name.startswith(_TRITON_GROUP):
+                        (Path(keep) / k).mkdir(parents=True, exist_ok=True)
+                        shutil.copy2(f, Path(keep) / k / f.name)
+    return {
+        "carried": sum(1 for k in kernel if k in carried),
+        "compiled": compiled,
+        "twins": twins,
+    }
+
+
+def _metadata_diff(a: Path, b: Path) -> dict[str, list[Any]]:
+    """``{field: [a's value, b's value]}`` of two Triton metadata files, the ``hash``
+    field (the key itself) left out; ``{"unreadable": [...]}`` when one cannot be read."""
+    try:
+        ma, mb = json.loads(a.read_text()), json.loads(b.read_text())
+    except (OSError, ValueError) as exc:
+        return {"unreadable": [str(a), str(exc)]}
+    if not isinstance(ma, dict) or not isinstance(mb, dict):
+        return {"unreadable": [str(a), "not a JSON object"]}
+    return {
+        k: [ma.get(k), mb.get(k)]
+        for k in sorted(set(ma) | set(mb))
+        if k != "hash" and ma.get(k) != mb.get(k)
+    }
