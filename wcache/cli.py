@@ -7,6 +7,7 @@ Each subcommand imports only what it needs, so `wcache plans` and
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -15,6 +16,7 @@ import traceback
 
 import wcache
 from wcache.checkpoint import check_checkpoint_dir
+from wcache.cli_args import reasoned
 from wcache.core import LayerConfig, NoPlan, QuantSpec, WcacheError
 from wcache.daemon.prime import USAGE_CONTEXTS
 from wcache.errors import LoadFailed
@@ -195,8 +197,8 @@ def _wait_ready(args: argparse.Namespace, rest: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.timeout < 0 or args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
-        print("wcache status: --timeout must be >= 0 and parallel sizes >= 1", file=sys.stderr)
+    if args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
+        print("wcache status: parallel sizes must be >= 1", file=sys.stderr)
         return 2
     problem = _model_dir_problem(args.model)
     if problem:  # as wcache serve: one line, not vLLM's HF-repo-id errors
@@ -284,13 +286,11 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
         ) from exc
 
 
-def _positive_seconds(text: str) -> float:
-    """argparse type: a positive, finite number of seconds."""
-
-    try:
-        return parse_seconds(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+#: argparse types of the seconds-valued options: a finite number, above 0 (a timeout
+#: that must let something happen) or at least 0 (``--wait-ready --timeout 0`` checks
+#: once); ``nan`` and ``inf`` are refused (exit 2), since a wait until either never ends.
+_positive_seconds = reasoned(parse_seconds)
+_seconds = reasoned(functools.partial(parse_seconds, zero=True))
 
 
 def _check_http_arg(args: argparse.Namespace) -> str | None:
@@ -432,12 +432,6 @@ def _cmd_template(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.timeout is not None and args.timeout <= 0:
-        print(
-            f"wcache template: --timeout must be more than 0 seconds, not {args.timeout:g}",
-            file=sys.stderr,
-        )
-        return 2
     if args.action == "start":
         st = template_client.start_template(
             args.socket_dir,
@@ -551,10 +545,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds,
         default=None,
-        help="--wait-ready: seconds to wait; 0 checks once (readiness probes) "
-        f"(default {DEFAULT_WAIT_READY_TIMEOUT_S:.0f})",
+        help="--wait-ready: seconds to wait, a finite number; 0 checks once (readiness "
+        f"probes) (default {DEFAULT_WAIT_READY_TIMEOUT_S:.0f})",
     )
     p.add_argument("--model", help="--wait-ready: the checkpoint directory given to wcache serve")
     p.add_argument(
@@ -832,9 +826,9 @@ examples:
     )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=_positive_seconds,
         default=None,
-        help="start: seconds to wait for the imports "
+        help="start: seconds to wait for the imports, a finite number above 0 "
         f"(default {template_client.DEFAULT_START_TIMEOUT_S:.0f})",
     )
     p.add_argument(

@@ -1,18 +1,39 @@
 """Argument checks the wcache command lines share (``wcache bench``, its ``--phases``,
-the architecture sweep): comma-separated values and the refusal of an unknown or
-missing one. Imports nothing from wcache, so any command line can use it."""
+the architecture sweep): comma-separated values, the refusal of an unknown or
+missing one, and a parser's reason as argparse's usage error. Imports nothing from
+wcache, so any command line can use it."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
-__all__ = ["csv_values", "refuse_unknown_or_missing"]
+__all__ = ["csv_values", "reasoned", "refuse_unknown_or_missing"]
+
+T = TypeVar("T")
 
 
 def csv_values(value: str) -> tuple[str, ...]:
     """A comma-separated option's values, in order, blanks dropped (an argparse ``type``)."""
     return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
+def reasoned(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """``parse`` (which raises ValueError saying why) as an argparse ``type`` whose
+    refusal is that reason: ``error: argument --timeout: 'nan' is not a finite number
+    of seconds >= 0`` (exit status 2), where argparse itself says only ``invalid
+    parse_seconds value``."""
+
+    @functools.wraps(parse)
+    def parse_argument(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse_argument
 
 
 def refuse_unknown_or_missing(

@@ -1305,10 +1305,15 @@ def moe_bench_default_layers() -> int:
         (["--model-kind", "moe30b-fp8", "--moe-layers", "0"], "--moe-layers: give 1 to 48"),
         (["--model-kind", "moe30b-fp8", "--moe-layers", "49"], "--moe-layers: give 1 to 48"),
         (["--model-kind", "tiny", "--moe-layers", "4"], "only for --model-kind moe30b-fp8"),
-        (["--quiet-host-timeout", "-1"], "--quiet-host-timeout: give 0"),
+        (
+            ["--quiet-host-timeout", "-1"],
+            "argument --quiet-host-timeout: '-1' is not a finite number of seconds >= 0",
+        ),
+        (["--quiet-host-timeout", "nan"], "'nan' is not a finite number of seconds >= 0"),
+        (["--stack-samples", "inf", "--out", "o.json"], "'inf' is not a finite number"),
         (["--model-kind", "moe30b-fp8", "--device", "cpu"], "needs --device cuda"),
         (["--pairs", "0"], "--pairs: give at least 1"),
-        (["--stack-samples", "0.1"], "--stack-samples: give a positive interval"),
+        (["--stack-samples", "0.1"], "--stack-samples: give --out too"),
         (["--model", "/nonexistent"], "--model /nonexistent: not a checkpoint directory"),
         (["--model", "/"], "--model /: not a checkpoint directory (no config.json in it)"),
         # --from-json runs nothing: an option that chooses or shapes rows was ignored

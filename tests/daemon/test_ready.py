@@ -195,7 +195,7 @@ def test_cli_exit_codes_and_reason(sock_dir, daemons, monkeypatch, capsys, tmp_p
     [
         (["status", "--wait-ready"], "--wait-ready needs --model"),
         (["status", "--dtype", "bfloat16"], "engine arguments are read with --wait-ready only"),
-        (["status", "--wait-ready", "--model", "/m", "--timeout", "-1"], "--timeout must be >= 0"),
+        (["status", "--wait-ready", "--model", "/m", "-tp", "0"], "parallel sizes must be >= 1"),
         (["status", "--model", "/m"], "--model is read with --wait-ready only"),
         (["status", "--timeout", "5"], "--timeout is read with --wait-ready only"),
         (["status", "-tp", "2"], "--tensor-parallel-size is read with --wait-ready only"),

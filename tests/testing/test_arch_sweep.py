@@ -365,6 +365,9 @@ def test_unknown_names_are_refused_listing_the_choices(capsys, tmp_path):
     assert "bogus" in _main_error(capsys, ["--formats", "bf16,bogus", "--out", str(out)])
     assert "none given" in _main_error(capsys, ["--archs", ",", "--out", str(out)])
     assert "--workers 0" in _main_error(capsys, ["--workers", "0", "--out", str(out)])
+    for seconds in ("-5", "0", "nan"):  # -5 started no case and exited 0
+        err = _main_error(capsys, ["--stop-after", seconds, "--out", str(out)])
+        assert f"argument --stop-after: '{seconds}' is not a positive number of seconds" in err
     assert "is a directory" in _main_error(capsys, ["--out", str(tmp_path)])
     assert "--doc is where --render writes" in _main_error(capsys, ["--doc", str(out)])
     assert not out.exists()

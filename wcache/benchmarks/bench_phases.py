@@ -58,6 +58,7 @@ Timings come from one run; nothing asserts them.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -92,8 +93,9 @@ from wcache.benchmarks.phases import (
     total_s,
 )
 from wcache.benchmarks.plot import pyplot_for
-from wcache.cli_args import csv_values, refuse_unknown_or_missing
+from wcache.cli_args import csv_values, reasoned, refuse_unknown_or_missing
 from wcache.daemon.process import engine_failure_cause, template_launcher
+from wcache.store.protocol import parse_seconds
 from wcache.testing.caches import (
     CACHE_ENV_DIRS,
     cache_env,
@@ -1424,7 +1426,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--stack-samples",
-        type=float,
+        type=reasoned(functools.partial(parse_seconds, zero=True)),
         default=0.0,
         metavar="SECONDS",
         help="a diagnostic: every SECONDS, sample the Python stacks of every "
@@ -1433,7 +1435,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--quiet-host-timeout",
-        type=float,
+        type=reasoned(functools.partial(parse_seconds, zero=True)),
         default=QUIET_TIMEOUT_S,
         metavar="S",
         help="before each timed engine start, flush the host's dirty pages (os.sync) and "
@@ -1556,18 +1558,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.pairs < 1:
         parser.error("--pairs: give at least 1")
-    if args.quiet_host_timeout < 0:
-        parser.error("--quiet-host-timeout: give 0 (no flush, no wait) or more seconds")
     if args.moe_layers is not None and args.model_kind != "moe30b-fp8":
         parser.error("--moe-layers: only for --model-kind moe30b-fp8")
     moe_layers = MOE_LAYERS if args.moe_layers is None else args.moe_layers
     if not 1 <= moe_layers <= MOE_MAX_LAYERS:
         parser.error(f"--moe-layers: give 1 to {MOE_MAX_LAYERS} (Qwen3-30B-A3B's depth)")
-    if args.stack_samples < 0 or (args.stack_samples and not args.out):
-        parser.error(
-            "--stack-samples: give a positive interval in seconds, and --out "
-            "(the samples go to {--out}.logs/)"
-        )
+    if args.stack_samples and not args.out:
+        parser.error("--stack-samples: give --out too (the samples go to {--out}.logs/)")
     if args.model is not None and not (Path(args.model) / "config.json").is_file():
         # each row's engine and daemon would fail on it in turn, minutes for every row
         parser.error(

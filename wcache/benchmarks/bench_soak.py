@@ -56,6 +56,9 @@ from typing import Any
 import blake3
 from prometheus_client.parser import text_string_to_metric_families
 
+from wcache.cli_args import reasoned
+from wcache.store.protocol import parse_seconds
+
 __all__ = ["main", "build_parser"]
 
 #: Attach/release cycles over all clients: the issue's minimum for "RSS and fds flat".
@@ -700,7 +703,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--kill-every-s",
-        type=float,
+        type=reasoned(parse_seconds),
         default=DEFAULT_KILL_EVERY_S,
         help="a further client, attaching in a loop, is SIGKILLed at a random moment "
         f"this often (seconds, default {DEFAULT_KILL_EVERY_S:g})",

@@ -124,19 +124,23 @@ SEED_CHUNK_BYTES = 256 << 20
 SEED_TIMEOUT_ENV = "WCACHE_SEED_TIMEOUT_S"
 
 
-def parse_seconds(text: str) -> float:
+def parse_seconds(text: str, *, zero: bool = False) -> float:
     """``text`` as a positive, finite number of seconds (``--seed-timeout``,
-    ``WCACHE_SEED_TIMEOUT_S``).
+    ``WCACHE_SEED_TIMEOUT_S``, ``wcache template start --timeout``); with ``zero``,
+    0 too (``wcache status --wait-ready --timeout 0`` checks once). ``nan`` and
+    ``inf`` are refused: a wait until either never ends (``nan`` compared the other
+    way ends at once).
 
     Raises:
-        ValueError: not a number, or not above 0, or infinite.
+        ValueError: not a number, or below 0 (0 too without ``zero``), or not finite.
     """
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not 0 < value < float("inf"):
-        raise ValueError(f"{text!r} is not a positive number of seconds")
+    if not (0 <= value if zero else 0 < value) or not value < float("inf"):
+        kind = "finite number of seconds >= 0" if zero else "positive number of seconds"
+        raise ValueError(f"{text!r} is not a {kind}")
     return value
 
 

@@ -55,8 +55,9 @@ from typing import Any
 
 import attrs
 
-from wcache.cli_args import refuse_unknown_or_missing
+from wcache.cli_args import reasoned, refuse_unknown_or_missing
 from wcache.errors import SweepResultsInvalid
+from wcache.store.protocol import parse_seconds
 from wcache.testing.engine_acceptance import (
     EngineCase,
     gpu_name,
@@ -620,7 +621,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument(
         "--stop-after",
-        type=float,
+        type=reasoned(parse_seconds),
         default=None,
         metavar="S",
         help="start no case after S seconds (running ones finish)",
