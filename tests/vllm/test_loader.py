@@ -338,3 +338,43 @@ def test_reload_record_drops_parameter_alias_buffers_as_vllm_does():
     compat.record_reload_metadata_(ours, torch.device("cpu"))
     assert _reload_records(theirs) == _reload_records(ours)
     assert ["own"] == sorted(_reload_records(ours)["0"][1])
+
+
+def _parallel_key(dtype: str = "torch.bfloat16"):
+    from wcache.store import CacheKey
+
+    ranks = {"tp_size": 1, "tp_rank": 0, "pp_size": 1, "pp_rank": 0, "dp_size": 1, "dp_rank": 0}
+    return CacheKey({"dtype": dtype, "parallel": ranks})
+
+
+@pytest.mark.parametrize(
+    ("job", "daemon_dtype", "named"),
+    [
+        (
+            "",
+            "torch.bfloat16",
+            "serves the same configuration (an equal key) under another job: give the "
+            "engine that daemon's `wcache serve --job` (model_loader_extra_config job; "
+            "`wcache verify --job`), or start a daemon without --job.",
+        ),
+        ("j2", "torch.bfloat16", "under job 'j2'"),
+        ("", "torch.float16", 'key differs in dtype: engine="torch.bfloat16"'),
+    ],
+)
+def test_missing_daemon_with_a_daemon_of_another_job_names_the_job(
+    job, daemon_dtype, named, monkeypatch
+):
+    """No daemon on this engine's socket while the only one there has an equal key:
+    the refusal names the job and how to pass it; it said "key differs in ." (no
+    field) and "Start `wcache serve` with the engine's arguments", which does not help.
+    A daemon of another key still gets the differing fields."""
+    from wcache.errors import DaemonMissing, KeyMismatch
+    from wcache.vllm.loader import _diagnose_missing
+
+    theirs = _parallel_key(daemon_dtype)
+    monkeypatch.setattr("wcache.store.paths.list_sockets", lambda d: [f"{d}/other.sock"])
+    monkeypatch.setattr("wcache.store.daemon_status", lambda s, **k: {"key_fields": theirs.fields})
+    err = _diagnose_missing(DaemonMissing("no socket"), _parallel_key(), "/s", job)
+    assert isinstance(err, KeyMismatch)
+    assert named in str(err) and "key differs in ." not in str(err)
+    assert ([] if daemon_dtype == "torch.bfloat16" else ["dtype"]) == err.fields

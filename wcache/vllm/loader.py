@@ -245,10 +245,12 @@ def _parse_bool(name: str, value: Any) -> bool:
     )
 
 
-def _diagnose_missing(exc: Exception, key: Any, socket_dir: str | None) -> Exception:
+def _diagnose_missing(exc: Exception, key: Any, socket_dir: str | None, job: str = "") -> Exception:
     """A daemon for *another* configuration (dtype, quantization, parallel sizes,
     job) listens on a different socket; name the differing key fields instead of
-    reporting no daemon at all. Returns ``exc`` when no other daemon answers."""
+    reporting no daemon at all, or, when its key equals ours, the job (which is in
+    the socket's name, not in the key) and how to pass it. Returns ``exc`` when no
+    other daemon answers."""
     from wcache.store import KeyMismatch, daemon_status  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
     from wcache.store.paths import default_socket_dir, list_sockets  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
 
@@ -271,6 +273,15 @@ def _diagnose_missing(exc: Exception, key: Any, socket_dir: str | None) -> Excep
     if best is None:
         return exc
     sock, other = best
+    if not key.diff(other):
+        # the same key on another socket: only the job (in the socket's name) differs
+        return KeyMismatch(
+            f"no daemon serves this engine's configuration under job {job!r} ({exc}); "
+            f"the daemon at {sock} serves the same configuration (an equal key) under "
+            f"another job: give the engine that daemon's `wcache serve --job` "
+            f"(model_loader_extra_config job; `wcache verify --job`), or start a daemon "
+            + (f"with --job {job}." if job else "without --job.")
+        )
     err = KeyMismatch(
         f"no daemon serves this engine's configuration ({exc}); the daemon at "
         f"{sock} serves another: {key.versions_note(other)}key differs in "
@@ -957,7 +968,7 @@ class WcacheModelLoader(BaseModelLoader):
                         f"arguments, or set model_loader_extra_config draft='disk' to "
                         f"load the draft from disk"
                     ) from exc
-                raise _diagnose_missing(exc, key, opts.socket_dir) from exc
+                raise _diagnose_missing(exc, key, opts.socket_dir, job) from exc
             marks["attach"] = time.perf_counter()
             install_tensors_(
                 model,
