@@ -137,6 +137,33 @@ def test_serve_refuses_an_unsafe_socket_dir_before_importing_vllm(tmp_path, monk
     assert "error [unsafe-path]" in err and "chmod 700" in err
 
 
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (["--nnodes", "0"], "--nnodes 0: give 1 or more nodes"),
+        (["--nnodes", "2"], "--nnodes 2: 1 ranks (TP x PP) cannot be split over 2 nodes"),
+        (["--node-rank", "-1"], "--node-rank -1 is outside 0..0 (--nnodes 1)"),
+        (["-tp", "2", "--nnodes", "2", "--node-rank", "2"], "--node-rank 2 is outside 0..1"),
+        (["--master-port", "99999"], "--master-port 99999 is outside 1..65535"),
+        (["--master-port", "-1"], "--master-port -1 is outside 1..65535"),
+        (["-tp", "2", "--nnodes", "2"], "--master-port is required with --nnodes > 1"),
+        (
+            ["-pp", "0"],
+            "--tensor-parallel-size 1 and --pipeline-parallel-size 0: each must be >= 1",
+        ),
+    ],
+)
+def test_serve_refuses_a_bad_node_layout_before_importing_vllm(extra, named, monkeypatch, capsys):
+    """`wcache serve` with a node layout that cannot be (no nodes, a node rank out of
+    range, ranks that do not split over the nodes, a port out of range) exits 2 naming
+    the option and its range before the daemon starts: it failed after vLLM's import
+    and config (~10 s) with exit 1 and [load-failed]."""
+    monkeypatch.setattr("wcache.daemon.serve.main", lambda *a, **k: pytest.fail("serve ran"))
+    assert 2 == cli.main(["serve", "--model", "/m", *extra])
+    err = capsys.readouterr().err
+    assert f"wcache serve: {named}" in err and 1 == len(err.splitlines())
+
+
 def test_template_help_describes_each_action_and_its_exit_codes(capsys):
     """`wcache template --help` says what start, status and stop each do and exit with."""
     with pytest.raises(SystemExit):

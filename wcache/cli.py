@@ -19,6 +19,7 @@ from wcache.checkpoint import check_checkpoint_dir
 from wcache.cli_args import reasoned
 from wcache.core import LayerConfig, NoPlan, QuantSpec, WcacheError
 from wcache.daemon.prime import USAGE_CONTEXTS
+from wcache.daemon.ranks import local_ranks
 from wcache.errors import LoadFailed
 from wcache.plans.docs import render_plans
 from wcache.plans.registry import all_plans
@@ -175,6 +176,39 @@ def _cmd_status(args: argparse.Namespace, rest: list[str]) -> int:
     return _wait_ready(args, rest)
 
 
+#: The highest TCP port (``--master-port``; 0, its default, picks a free port).
+MAX_PORT = 65535
+
+
+def _layout_problem(args: argparse.Namespace) -> str | None:
+    """Why the parallel sizes and node layout (``wcache serve``, ``wcache status
+    --wait-ready``) cannot be, or None: checked here, before vLLM's import and config
+    (~10 s), with :func:`~wcache.daemon.ranks.local_ranks`'s own rule."""
+    if args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
+        return (
+            f"--tensor-parallel-size {args.tensor_parallel_size} and "
+            f"--pipeline-parallel-size {args.pipeline_parallel_size}: each must be >= 1"
+        )
+    try:
+        local_ranks(
+            args.tensor_parallel_size * args.pipeline_parallel_size, args.nnodes, args.node_rank
+        )
+    except ValueError as exc:
+        return str(exc)
+    port = getattr(args, "master_port", None)  # wcache serve's only
+    if port is not None and not 0 <= port <= MAX_PORT:
+        return (
+            f"--master-port {port} is outside 1..{MAX_PORT} (0, the default, picks a "
+            f"free port on one node)"
+        )
+    if port == 0 and args.nnodes > 1:
+        return (
+            "--master-port is required with --nnodes > 1 (the same value on every node, "
+            "different from vLLM's own port)"
+        )
+    return None
+
+
 def _model_dir_problem(model: str) -> str | None:
     """Why ``--model`` cannot be a checkpoint wcache serves, or None: it must name a
     local directory (``wcache serve`` and ``wcache status --wait-ready``)."""
@@ -197,8 +231,9 @@ def _wait_ready(args: argparse.Namespace, rest: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
-        print("wcache status: parallel sizes must be >= 1", file=sys.stderr)
+    problem = _layout_problem(args)
+    if problem:
+        print(f"wcache status: {problem}", file=sys.stderr)
         return 2
     problem = _model_dir_problem(args.model)
     if problem:  # as wcache serve: one line, not vLLM's HF-repo-id errors
@@ -234,11 +269,9 @@ def _cmd_stop(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
 
-    if args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
-        print(
-            "wcache serve: --tensor-parallel-size and --pipeline-parallel-size must be >= 1",
-            file=sys.stderr,
-        )
+    problem = _layout_problem(args)
+    if problem:
+        print(f"wcache serve: {problem}", file=sys.stderr)
         return 2
     if args.snapshot and args.from_snapshot:
         print(

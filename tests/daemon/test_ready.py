@@ -195,7 +195,19 @@ def test_cli_exit_codes_and_reason(sock_dir, daemons, monkeypatch, capsys, tmp_p
     [
         (["status", "--wait-ready"], "--wait-ready needs --model"),
         (["status", "--dtype", "bfloat16"], "engine arguments are read with --wait-ready only"),
-        (["status", "--wait-ready", "--model", "/m", "-tp", "0"], "parallel sizes must be >= 1"),
+        (
+            ["status", "--wait-ready", "--model", "/m", "-tp", "0"],
+            "--tensor-parallel-size 0 and --pipeline-parallel-size 1: each must be >= 1",
+        ),
+        (
+            ["status", "--wait-ready", "--model", "/m", "--nnodes", "2", "--node-rank", "5"],
+            "wcache status: --nnodes 2: 1 ranks (TP x PP) cannot be split over 2 nodes",
+        ),
+        (
+            ["status", "--wait-ready", "--model", "/m", "-tp", "2", "--nnodes", "2"]
+            + ["--node-rank", "5"],
+            "wcache status: --node-rank 5 is outside 0..1 (--nnodes 2)",
+        ),
         (["status", "--model", "/m"], "--model is read with --wait-ready only"),
         (["status", "--timeout", "5"], "--timeout is read with --wait-ready only"),
         (["status", "-tp", "2"], "--tensor-parallel-size is read with --wait-ready only"),

@@ -16,9 +16,14 @@ def local_ranks(world: int, nnodes: int, node_rank: int) -> range:
     Raises:
         ValueError: ``world`` does not divide over ``nnodes`` or ``node_rank`` is out of range.
     """
-    if nnodes < 1 or world % nnodes:
-        raise ValueError(f"{world} ranks (TP x PP) cannot be split over {nnodes} nodes")
+    if nnodes < 1:
+        raise ValueError(f"--nnodes {nnodes}: give 1 or more nodes")
+    if world % nnodes:
+        raise ValueError(
+            f"--nnodes {nnodes}: {world} ranks (TP x PP) cannot be split over {nnodes} "
+            f"nodes; give a --nnodes that divides {world}"
+        )
     if not 0 <= node_rank < nnodes:
-        raise ValueError(f"--node-rank {node_rank} is outside 0..{nnodes - 1}")
+        raise ValueError(f"--node-rank {node_rank} is outside 0..{nnodes - 1} (--nnodes {nnodes})")
     per_node = world // nnodes
     return range(node_rank * per_node, (node_rank + 1) * per_node)
