@@ -89,3 +89,16 @@ def test_unknown_format_is_refused(stubbed, capsys):
         demo.main(["--formats", "bf16,int3"])
     assert exc.value.code == 2
     assert "unknown format(s) ['int3']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tokens", ["0", "-1"])
+def test_max_tokens_under_one_is_refused_before_any_work(stubbed, tokens, monkeypatch, capsys):
+    """--max-tokens 0 or less is an argument error (exit 2) before the probe, the build
+    or an engine: it ran a minute, then failed with vLLM's traceback ("max_tokens must be
+    at least 1")."""
+    monkeypatch.setattr(demo, "probe", lambda build: pytest.fail("the probe ran"))
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--formats", "bf16", "--max-tokens", tokens])
+    assert 2 == exc.value.code
+    assert f"--max-tokens {tokens}: give 1 or more tokens" in capsys.readouterr().err
+    assert [] == stubbed[0]

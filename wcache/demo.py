@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [f for f in formats if f not in FORMAT_OPS]
     if unknown:
         ap.error(f"unknown format(s) {unknown}; known: {', '.join(FORMAT_OPS)}")
+    if args.max_tokens < 1:  # vLLM refuses it, but only after the probe, build and daemon
+        ap.error(f"--max-tokens {args.max_tokens}: give 1 or more tokens")
 
     print("asking vLLM what it decides on this host (python -m wcache.vllm.probe)", flush=True)
     host = probe("native")
