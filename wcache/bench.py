@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="sizes measured without a checkpoint on disk: the export is synthesized "
         "in memory (one prepared layer per distinct shape, replicated) and only "
         "the restore is measured (no ordinary load, no per-tensor IPC). "
-        f"Default: {DEFAULT_NO_DISK}. Pass '' to put every size on disk.",
+        f"Default: {DEFAULT_NO_DISK}. Pass '' to put every size on disk; an unknown size "
+        "is refused (exit 2).",
     )
     p.add_argument(
         "--layers",
@@ -433,7 +434,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     and the values it takes): a repetition or layer count under 1, a negative
     ``--handle-tensors`` or a ``--handle-mib`` not over 0; for the synthetic
     suites (the plain one and ``--cold-start``), ``--sizes`` or ``--formats`` naming no
-    value or an unknown one; for ``--cpu-engine``, such a ``--cpu-build``; and such an
+    value or an unknown one, and ``--no-disk`` naming an unknown size; for ``--cpu-engine``, such a ``--cpu-build``; and such an
     ``--engine-formats`` (the fixture formats)."""
     for flag, value in (
         ("--reps", args.reps),
@@ -468,6 +469,15 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             [s for s in sizes if s not in SHAPES] + [f for f in args.formats if f not in FORMATS],
             not args.formats or args.sizes == (),
             f"sizes: {', '.join(SHAPES)}, formats: {', '.join(FORMATS)}",
+        )
+        # an unknown name was dropped: `--no-disk 8B` put the 8b stack on disk (GiBs,
+        # minutes), the very thing --no-disk avoids; '' (every size on disk) stays valid
+        refuse_unknown_or_missing(
+            parser,
+            "--no-disk",
+            [s for s in args.no_disk if s not in SHAPES],
+            False,
+            f"sizes: {', '.join(SHAPES)} ('' puts every size on disk)",
         )
     if args.engine_formats is not None:
         from wcache.testing.fixtures import FORMATS as FIXTURE_FORMATS  # noqa: PLC0415 (torch import ~2 s: only when called)

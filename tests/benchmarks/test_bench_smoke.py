@@ -134,6 +134,8 @@ def test_bench_json_has_curve_handles_and_plot(bench_run):
         (["--device", "cpu", "--sizes", ","], "--sizes/--formats: none given"),
         (["--cold-start", "--sizes", "bogus"], "--sizes/--formats: bogus; sizes:"),
         (["--cold-start", "--formats", ","], "--sizes/--formats: none given"),
+        (["--sizes", "tiny", "--no-disk", "tiny,bogus"], "unknown or missing in --no-disk: bogus"),
+        (["--sizes", "8b", "--no-disk", "8B"], "--no-disk: 8B; sizes: tiny,"),
         (["--layers", "0"], "--layers 0: give 1 or more layers"),
         (["--handle-tensors", "-5"], "--handle-tensors -5: give 0 (skip it) or more tensors"),
         (["--handle-mib", "-1"], "--handle-mib -1: give a size over 0 MiB"),
@@ -145,9 +147,10 @@ def test_bench_json_has_curve_handles_and_plot(bench_run):
 def test_bench_refuses_bad_arguments_before_any_work(argv, message, capsys, monkeypatch):
     """A repetition or layer count under 1, a negative --handle-tensors or a --handle-mib
     not over 0 (measured as one-element tensors and written as a "-1 MiB" or "0 MiB"
-    row), and --engine-formats, --sizes, --formats
+    row), --engine-formats, --sizes, --formats
     (the plain suite's and --cold-start's) or --cpu-build naming no value or an
-    unknown one are argument errors (exit status 2, the reason and the values taken),
+    unknown one, and --no-disk naming an unknown size (dropped: `--no-disk 8B` put the
+    8b stack on disk) are argument errors (exit status 2, the reason and the values taken),
     not a KeyError, a TypeError, a silent default or a silent exit 0."""
 
     def no_work(*a, **k):
