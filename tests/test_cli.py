@@ -164,6 +164,17 @@ def test_serve_refuses_a_bad_node_layout_before_importing_vllm(extra, named, mon
     assert f"wcache serve: {named}" in err and 1 == len(err.splitlines())
 
 
+@pytest.mark.parametrize("flag", ["--snapshot", "--from-snapshot", "--seed-from"])
+def test_serve_refuses_an_empty_path(flag, tmp_path, monkeypatch, capsys):
+    """`wcache serve --snapshot ''` (`--snapshot "$SNAP"` with SNAP unset) exits 2 naming
+    the option: an empty path read as "not given", so the daemon served with no
+    snapshot and said nothing."""
+    monkeypatch.setattr("wcache.daemon.serve.main", lambda *a, **k: pytest.fail("serve ran"))
+    assert 2 == cli.main(["serve", "--model", str(tmp_path), flag, ""])
+    err = capsys.readouterr().err
+    assert f"wcache serve: {flag} was given an empty path (an unset variable?)" in err
+
+
 def test_template_help_describes_each_action_and_its_exit_codes(capsys):
     """`wcache template --help` says what start, status and stop each do and exit with."""
     with pytest.raises(SystemExit):

@@ -273,6 +273,10 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
     if problem:
         print(f"wcache serve: {problem}", file=sys.stderr)
         return 2
+    problem = _empty_path_problem(args)
+    if problem:
+        print(f"wcache serve: {problem}", file=sys.stderr)
+        return 2
     if args.snapshot and args.from_snapshot:
         print(
             "wcache serve: give either --from-snapshot DIR (start only from that snapshot, never "
@@ -336,6 +340,27 @@ def _check_http_arg(args: argparse.Namespace) -> str | None:
     except ValueError as exc:
         return str(exc)
     return None
+
+
+#: ``wcache serve``'s path options (dest -> flag) that an empty value would turn off.
+SERVE_PATH_OPTIONS = {
+    "snapshot": "--snapshot",
+    "from_snapshot": "--from-snapshot",
+    "seed_from": "--seed-from",
+}
+
+
+def _empty_path_problem(args: argparse.Namespace) -> str | None:
+    """Why a path option given as ``''`` cannot be, or None: ``--snapshot "$SNAP"``
+    with SNAP unset read as not given, so the daemon served with no snapshot and said
+    nothing."""
+    empty = [flag for dest, flag in SERVE_PATH_OPTIONS.items() if getattr(args, dest) == ""]
+    if not empty:
+        return None
+    return (
+        f"{', '.join(empty)} {'was' if len(empty) == 1 else 'were'} given an empty path "
+        f"(an unset variable?): give a directory, or leave the option out"
+    )
 
 
 def _check_snapshot_arg(args: argparse.Namespace) -> str | None:
