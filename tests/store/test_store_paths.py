@@ -44,6 +44,32 @@ def test_ensure_socket_dir_creates_0700(tmp_path):
     assert 0o700 == os.stat(d).st_mode & 0o777
 
 
+@pytest.mark.parametrize(
+    ("files", "advice"),
+    [
+        ([], "chmod 700"),
+        (["wcache-cpu-tp0of1-pp0of1-ab.sock.pid", "template.log"], "chmod 700"),
+        (["passwd", "hosts"], "holds other files, so its mode is not wcache's to change"),
+    ],
+)
+def test_an_open_socket_dir_gets_chmod_only_when_it_is_wcaches_own(tmp_path, files, advice):
+    """A socket dir open to group/other is refused; the fix is `chmod 700` for a
+    directory of wcache's own (empty, or only wcache's files), and a private directory
+    of its own for any other (`--socket-dir /etc` was told "chmod 700 /etc")."""
+    d = tmp_path / "d"
+    d.mkdir()
+    for name in files:
+        (d / name).write_text("")
+    d.chmod(0o755)
+    with pytest.raises(paths.UnsafePath) as info:
+        paths.ensure_socket_dir(str(d), create=False)
+    assert f"socket dir {d} has mode 755; it must be 0700." in str(info.value)
+    assert advice in str(info.value)
+    assert ("chmod" in str(info.value)) == (advice == "chmod 700")
+    if advice != "chmod 700":
+        assert "`mkdir -m 700 DIR`, then --socket-dir DIR / socket_dir=DIR" in str(info.value)
+
+
 def test_process_start_time_tells_pid_reuse():
     """Start time is stable for a live process, None once it is reaped; owner_alive follows it."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])

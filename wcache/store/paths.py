@@ -244,10 +244,37 @@ def ensure_socket_dir(path: str | None = None, *, create: bool = True) -> str:
     _check_owned(st, path, "socket dir")
     if st.st_mode & _FOREIGN_BITS:
         raise UnsafePath(
-            f"socket dir {path} has mode {stat.S_IMODE(st.st_mode):o}; it must be 0700 "
-            f"(chmod 700 {path})."
+            f"socket dir {path} has mode {stat.S_IMODE(st.st_mode):o}; it must be 0700. "
+            + _mode_fix(path)
         )
     return path
+
+
+def _wcache_own_dir(path: str) -> bool:
+    """Whether ``path`` looks like a directory for wcache alone: the default socket
+    dir, or one holding nothing but wcache's own files (sockets, their lock and pid
+    files, the template's socket and log), or nothing."""
+    if path == resolve_socket_dir(None):
+        return True
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return all(n.startswith((SOCKET_PREFIX, "template.")) for n in names)
+
+
+def _mode_fix(path: str) -> str:
+    """The fix for a socket dir open to group/other: ``chmod 700`` for a directory of
+    wcache's own; for any other (``/etc``, ``/tmp``, a home directory), whose mode
+    other programs and users rely on, a private directory instead."""
+    if _wcache_own_dir(path):
+        return f"Fix: chmod 700 {path}."
+    return (
+        f"{path} holds other files, so its mode is not wcache's to change: give a "
+        f"private directory of wcache's own instead (`mkdir -m 700 DIR`, then "
+        f"--socket-dir DIR / socket_dir=DIR), or leave the option out for the default, "
+        f"{resolve_socket_dir(None)}, which wcache makes with mode 700."
+    )
 
 
 def socket_path(socket_dir: str | None, device_id: str) -> str:
