@@ -175,6 +175,20 @@ def test_serve_refuses_an_empty_path(flag, tmp_path, monkeypatch, capsys):
     assert f"wcache serve: {flag} was given an empty path (an unset variable?)" in err
 
 
+@pytest.mark.parametrize("command", ["status", "stop"])
+def test_status_and_stop_errors_name_the_command(command, tmp_path, capsys):
+    """`wcache status|stop` on an unsafe socket dir print `wcache CMD: error [code]: ...`
+    on stderr (exit 1), as every other subcommand; it was a bare `error [...]` line on
+    stdout."""
+    d = tmp_path / "socks"
+    d.mkdir()
+    d.chmod(0o755)
+    assert 1 == cli.main([command, "--socket-dir", str(d)])
+    out, err = capsys.readouterr()
+    assert err.startswith(f"wcache {command}: error [unsafe-path]: socket dir {d} has mode 755")
+    assert "error" not in out
+
+
 def test_template_help_describes_each_action_and_its_exit_codes(capsys):
     """`wcache template --help` says what start, status and stop each do and exit with."""
     with pytest.raises(SystemExit):

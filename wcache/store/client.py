@@ -24,6 +24,7 @@ import logging
 import mmap
 import os
 import socket
+import sys
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -741,13 +742,13 @@ def cli_status(socket_dir: str | None) -> int:
         _print_other_daemons(set())
         return 3
     except UnsafePath as e:
-        print(f"error [{e.code}]: {e}")
+        print(f"wcache status: error [{e.code}]: {e}", file=sys.stderr)
         return 1
     found = 0
     try:
         socks = paths.list_sockets(d)
     except UnsafePath as e:
-        print(f"error [{e.code}]: {e}")
+        print(f"wcache status: error [{e.code}]: {e}", file=sys.stderr)
         return 1
     for sock in socks:
         try:
@@ -847,7 +848,7 @@ def cli_stop(socket_dir: str | None, device: str | None) -> int:
         print(f"no daemons: {d} does not exist")
         return 3
     except StoreError as e:
-        print(f"error [{e.code}]: {e}")
+        print(f"wcache stop: error [{e.code}]: {e}", file=sys.stderr)
         return 1
     stopped = failed = 0
     for sock in socks:
