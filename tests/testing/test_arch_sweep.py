@@ -138,6 +138,19 @@ def test_render_counts_outcomes_and_lists_rows_in_registry_order(tmp_path):
     assert "restored: 1, refused: 1" in text
 
 
+def test_render_says_where_each_refusal_is_detected():
+    """The table's `refused` names both places a refusal comes from: `wcache serve`
+    before serving, or the engine's restore (`meta-build`, which `wcache serve` does not
+    check: it serves bloom); it said every `refused` was `wcache serve`'s, while bloom's
+    comes from the engine and its daemon serves."""
+    row = {"case": "bloom/bf16", "arch": "bloom", "device": "cpu", "outcome": "refused"}
+    header = sw.render([{**row, "format": "bf16"}]).split("## ", 1)[0]
+    assert "`wcache serve` refused before serving (reason shown)" not in header
+    assert "`wcache serve: error [code]` when `wcache serve` refused to start" in header
+    assert "`the engine's load refuses it [code]` when the engine's restore refused" in header
+    assert "`meta-build`: `wcache serve` does not check this and serves such a model" in header
+
+
 def test_real_model_case_carries_its_facts():
     """gemma3-270m is a sweep name: a dense Gemma3ForCausalLM case on either device."""
     case = sw.sweep_case("gemma3-270m", "bf16", "cpu")

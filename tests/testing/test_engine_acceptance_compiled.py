@@ -265,7 +265,9 @@ def test_gpu_tier_selects_the_compiled_cases_by_id():
 
 
 def test_an_engine_side_refusal_is_refused_without_a_daemon(monkeypatch):
-    """A fallback load taken for an engine-side refusal (meta-build), not a missing daemon, makes the case refused: no daemon starts."""
+    """A fallback load taken for an engine-side refusal (meta-build), not a missing daemon,
+    makes the case refused: no daemon starts, and the reason says the engine refused it
+    and that `wcache serve` does not (it serves such a model: only engines fall back)."""
     calls = _fake_engines(monkeypatch)
     plain = ea.run_engine
 
@@ -280,6 +282,8 @@ def test_an_engine_side_refusal_is_refused_without_a_daemon(monkeypatch):
     row = _run(ea.EngineCase("bf16", "bf16"))
     assert row["outcome"] == "refused", row
     assert "[meta-build]" in row["reason"] and "meta device" in row["reason"]
+    assert row["reason"].startswith("the engine's load refuses it [meta-build]")
+    assert "(`wcache serve` does not check this and serves it)" in row["reason"]
     assert [c[0] for c in calls] == ["auto", "wcache"]
 
 

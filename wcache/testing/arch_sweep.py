@@ -21,8 +21,10 @@ Beside the tiny architectures, the real models of :data:`REAL_MODELS` (Gemma 3 2
 dequantized from its GGUF by :mod:`wcache.testing.fixtures`) run the same way, in
 ``bf16``, ``online-fp8`` and the serialized formats that builder makes.
 
-Outcomes are run_case's: ``restored``, ``refused`` (``wcache serve`` refused before
-serving: its reason, e.g. ``plan-missing`` with the layer and method, is recorded),
+Outcomes are run_case's: ``restored``, ``refused`` (refused before any restore, the
+reason naming where: ``wcache serve`` refused before serving, e.g. ``plan-missing``
+with the layer and method; or the engine's restore refused the model before
+contacting a daemon, e.g. ``meta-build``, which ``wcache serve`` does not check),
 ``not-runnable`` (vLLM's own disk load fails on this device, or gives non-finite
 logits on ``wcache verify``'s fixed forward: nothing to restore or to judge a restore
 against; its root cause is recorded) or ``failed``. A fixture that cannot be built is a
@@ -550,8 +552,12 @@ def render(rows: Sequence[Mapping[str, Any]], sources: Sequence[str] = ()) -> st
         "SmolLM2's tokenizer) through the four-load acceptance "
         "(`wcache.testing.engine_acceptance.run_case`: disk, fallback, daemon, second "
         "engine, `wcache verify`). `restored`: identical greedy tokens on all four "
-        "loads and `wcache verify` exit 0; `refused`: `wcache serve` refused before "
-        "serving (reason shown); `not-runnable`: vLLM's own disk load fails there, or "
+        "loads and `wcache verify` exit 0; `refused`: refused before any restore, the "
+        "disk fallback still equal, where the reason says: `wcache serve: error [code]` "
+        "when `wcache serve` refused to start, `the engine's load refuses it [code]` "
+        "when the engine's restore refused the model before contacting a daemon "
+        "(`meta-build`: `wcache serve` does not check this and serves such a model, "
+        "but no engine restores from it); `not-runnable`: vLLM's own disk load fails there, or "
         "gives non-finite logits on `wcache verify`'s fixed forward. "
         "Rows named after a real model (`"
         + "`, `".join(REAL_MODELS)
