@@ -1368,14 +1368,17 @@ def test_main_passes_its_options_to_the_model_the_meta_and_the_runner(tmp_path, 
     }
 
 
-def _triton_entry(base: Path, key: str, kernel: str, **meta) -> None:
+def _triton_entry(
+    base: Path, key: str, kernel: str, ptx: str = "ptx", cubin: bytes = b"\0" * 8, **meta
+) -> None:
     """One Triton cache entry as Triton writes it: ``{key}/{kernel}.json`` (metadata),
-    ``{kernel}.ttir``, ``{kernel}.cubin`` and the group file."""
+    ``{kernel}.ttir``, ``.ptx``, ``.cubin`` and the group file."""
     d = base / key
     d.mkdir(parents=True)
     (d / f"{kernel}.json").write_text(json.dumps({"hash": key, "name": kernel, **meta}))
     (d / f"{kernel}.ttir").write_text(f"module {kernel}")
-    (d / f"{kernel}.cubin").write_bytes(b"\0" * 8)
+    (d / f"{kernel}.ptx").write_text(ptx)
+    (d / f"{kernel}.cubin").write_bytes(cubin)
     (d / f"__grp__{kernel}.json").write_text(json.dumps({"child_paths": {}}))
 
 
@@ -1408,6 +1411,7 @@ def test_triton_compiled_names_what_the_engine_compiled_and_the_carried_kernels_
     assert got["twins"] == {
         "_topk_topp_kernel": {
             "key": "KC", "carried_key": "KA", "metadata_differs": {"debug": [False, True]},
+            "ptx_same": True, "cubin_same": True,
         }
     }  # fmt: skip
     assert sorted(p.name for p in (tmp_path / "keep" / "KC").iterdir()) == [
@@ -1438,7 +1442,7 @@ def test_a_fresh_node_row_records_the_triton_entries_beyond_its_bundle(tmp_path,
         )
         tri = Path(kw["env"]["TRITON_CACHE_DIR"])
         _triton_entry(tri, "KA", "_k", debug=False)
-        _triton_entry(tri, "KZ", "_k", debug=False)
+        _triton_entry(tri, "KZ", "_k", debug=False, cubin=b"another ptxas")
         return fake(ckpt, load_format, extra, **kw)
 
     monkeypatch.setattr("wcache.daemon.process.run_engine", engine_writing_triton)
@@ -1450,4 +1454,21 @@ def test_a_fresh_node_row_records_the_triton_entries_beyond_its_bundle(tmp_path,
     assert rows[0]["triton"]["compiled"] == {"_k": 1}
     assert rows[0]["triton"]["twins"]["_k"]["metadata_differs"] == {}
     assert (tmp_path / "logs" / "fresh-node.triton" / "KZ" / "_k.ttir").is_file()
-    assert "_k (same metadata: the key's source part differs)" in bp.table(rows)
+    assert rows[0]["triton"]["twins"]["_k"]["cubin_same"] is False
+    assert "_k (same metadata and PTX, another cubin: compiled by another ptxas)" in bp.table(rows)
+
+
+def test_a_twin_is_matched_to_the_carried_specialisation_of_its_ptx(tmp_path):
+    """A kernel carried in two specialisations (two PTX): its twin is compared with the
+    carried entry of the same PTX, not the first of the name; with the same metadata
+    and PTX and no cubin difference either, the line points outside the metadata."""
+    from wcache.testing.caches import triton_compiled
+
+    tri = tmp_path / "triton"
+    _triton_entry(tri, "K1", "_k", ptx="spec one")
+    _triton_entry(tri, "K2", "_k", ptx="spec two")
+    _triton_entry(tri, "K3", "_k", ptx="spec two")
+    got = triton_compiled(tri, {"K1", "K2"})
+    assert got["twins"]["_k"]["carried_key"] == "K2" and got["twins"]["_k"]["ptx_same"]
+    line = bp._triton_line(got, "f")
+    assert line is not None and "same metadata: the key differs outside it" in line

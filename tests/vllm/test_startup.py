@@ -467,6 +467,45 @@ def test_an_engine_that_does_not_compile_fetches_no_bundle(
     assert json.loads(record.read_text()) == FACTORS
 
 
+def test_pin_triton_ptxas_sets_torchs_ptxas_unless_set_or_absent(tmp_path):
+    """TRITON_PTXAS_PATH is set to torch's bin/ptxas when the wheel ships an executable
+    one and nothing set it; a user's (or Inductor's) value is kept; no ptxas (a CPU
+    wheel), or one that is not executable: nothing set."""
+    torch_dir = tmp_path / "torch"
+    (torch_dir / "bin").mkdir(parents=True)
+    env: dict[str, str] = {}
+    assert startup.pin_triton_ptxas(env, str(torch_dir)) is None and env == {}
+    ptxas = torch_dir / "bin" / "ptxas"
+    ptxas.write_text("#!/bin/sh\n")
+    ptxas.chmod(0o644)
+    assert startup.pin_triton_ptxas(env, str(torch_dir)) is None and env == {}
+    ptxas.chmod(0o755)
+    assert startup.pin_triton_ptxas(env, str(torch_dir)) == str(ptxas)
+    assert env == {startup.PTXAS_ENV: str(ptxas)} == {"TRITON_PTXAS_PATH": str(ptxas)}
+    mine = {"TRITON_PTXAS_PATH": "/opt/cuda/bin/ptxas"}
+    assert startup.pin_triton_ptxas(mine, str(torch_dir)) is None
+    assert mine == {"TRITON_PTXAS_PATH": "/opt/cuda/bin/ptxas"}
+
+
+@pytest.mark.parametrize("compiles", [True, False])
+def test_a_compiling_engine_pins_ptxas_before_its_bundle_and_the_priming_one_too(
+    compiles, monkeypatch, tmp_path
+):
+    """Every compiling engine pins Triton's ptxas at the load, the priming engine too (it
+    fetches no bundle: artifacts off, a factors record), so their Triton keys agree; an
+    eager engine is left as it is."""
+    from wcache.vllm import loader
+
+    pinned: list[bool] = []
+    monkeypatch.setattr(startup, "engine_factors", lambda cfg: FACTORS)
+    monkeypatch.setattr(startup, "pin_triton_ptxas", lambda: pinned.append(True) or "/t/ptxas")
+    opts = loader.LoaderOptions(artifacts=False, artifacts_record=str(tmp_path / "f.json"))
+    cfg = _fake_vllm_config(not compiles, "VLLM_COMPILE" if compiles else "NONE")
+    got = loader._startup_artifacts(opts, cfg, "cpu")
+    assert got["outcome"] == "off"
+    assert (pinned, got.get("ptxas")) == (([True], "/t/ptxas") if compiles else ([], None))
+
+
 def test_a_compiling_engine_fetches_the_bundle(monkeypatch):
     """A compiled engine (enforce_eager off, VLLM_COMPILE) does fetch: the check does not skip it."""
     from wcache.store import client

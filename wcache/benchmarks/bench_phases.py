@@ -1298,11 +1298,16 @@ def _triton_line(tr: Any, label: str) -> str | None:
         parts = []
         for name, t in sorted(twins.items()):
             diff = t.get("metadata_differs") or {}
-            parts.append(
-                f"{name} (metadata differs in {', '.join(sorted(diff))})"
-                if diff
-                else f"{name} (same metadata: the key's source part differs)"
-            )
+            if diff:
+                why = f"metadata differs in {', '.join(sorted(diff))}"
+            elif t.get("ptx_same") and t.get("cubin_same") is False:
+                why = "same metadata and PTX, another cubin: compiled by another ptxas"
+            else:
+                why = (
+                    "same metadata: the key differs outside it (the kernel's source, "
+                    "constants or specialisation, or the ptxas version)"
+                )
+            parts.append(f"{name} ({why})")
         line += (
             f"; {len(twins)} of them a carried kernel under another key, so the carried "
             "entry was missed: " + "; ".join(parts)

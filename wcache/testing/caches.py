@@ -195,7 +195,9 @@ def triton_compiled(
     Returns:
         ``{"carried": carried entries present, "compiled": {kernel: count},
         "twins": {kernel: {"key": compiled key, "carried_key": namesake's key,
-        "metadata_differs": {field: [carried value, compiled value]}}}}``.
+        "metadata_differs": {field: [carried value, compiled value]}, "ptx_same",
+        "cubin_same": whether the two entries' PTX / cubin bytes are equal (None: a
+        file missing)}}}``. Same metadata and PTX with another cubin: another ptxas.
     """
     base = Path(triton_dir)
     entries = sorted(p for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
@@ -213,12 +215,25 @@ def triton_compiled(
         compiled[label] = compiled.get(label, 0) + 1
         if not name or name not in carried_by_kernel or name in twins:
             continue
-        namesake = carried_by_kernel[name][0]
+        # the carried entry of the same PTX, if any (a kernel can be carried in several
+        # specialisations): the one this entry stands in for
+        namesake = next(
+            (
+                k
+                for k in carried_by_kernel[name]
+                if _same_bytes(base / k / f"{name}.ptx", base / key / f"{name}.ptx")
+            ),
+            carried_by_kernel[name][0],
+        )
         twins[name] = {
             "key": key,
             "carried_key": namesake,
             "metadata_differs": _metadata_diff(
                 base / namesake / f"{name}.json", base / key / f"{name}.json"
+            ),
+            "ptx_same": _same_bytes(base / namesake / f"{name}.ptx", base / key / f"{name}.ptx"),
+            "cubin_same": _same_bytes(
+                base / namesake / f"{name}.cubin", base / key / f"{name}.cubin"
             ),
         }
         if keep is not None:
@@ -232,6 +247,14 @@ def triton_compiled(
         "compiled": compiled,
         "twins": twins,
     }
+
+
+def _same_bytes(a: Path, b: Path) -> bool | None:
+    """Whether two files hold the same bytes; None when one cannot be read."""
+    try:
+        return a.read_bytes() == b.read_bytes()
+    except OSError:
+        return None
 
 
 def _metadata_diff(a: Path, b: Path) -> dict[str, list[Any]]:

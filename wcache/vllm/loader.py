@@ -676,8 +676,10 @@ def _startup_artifacts(opts: LoaderOptions, vllm_config: VllmConfig, dev_id: str
         (+ ``reason``), ``installed`` or ``present`` (every entry already there; both
         + ``installed``, ``installed_by_root`` (entries per cache root), ``skipped``,
         ``nbytes``, ``compile_dirs``, and the startup-plan counts) or ``error``
-        (+ ``reason``). Its seconds are not part of the restore's (the
-        restore record's ``seconds`` stays the weight-load phase of before).
+        (+ ``reason``); ``ptxas`` when a compiling engine's ``TRITON_PTXAS_PATH`` was
+        set here (:func:`wcache.vllm.startup.pin_triton_ptxas`). Its seconds are not
+        part of the restore's (the restore record's ``seconds`` stays the weight-load
+        phase of before).
     """
     from wcache.store import socket_path  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
     from wcache.store.client import fetch_artifacts  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
@@ -688,6 +690,14 @@ def _startup_artifacts(opts: LoaderOptions, vllm_config: VllmConfig, dev_id: str
         mine = startup.engine_factors(vllm_config)
         if opts.artifacts_record:
             startup.write_factors(opts.artifacts_record, mine)
+        if _compiles(vllm_config) and (ptxas := startup.pin_triton_ptxas()) is not None:
+            info["ptxas"] = ptxas  # the priming engine's and every restoring one's
+            logger.info(
+                "wcache: %s=%s (torch's ptxas, pinned before any Triton compile so this "
+                "engine's Triton cache keys match the priming engine's)",
+                startup.PTXAS_ENV,
+                ptxas,
+            )
         if not opts.artifacts:
             outcome = "off"
         elif not _compiles(vllm_config):

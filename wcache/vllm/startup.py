@@ -80,6 +80,8 @@ __all__ = [
     "pack_primed",
     "install_for_engine",
     "relocate_triton_entry_",
+    "pin_triton_ptxas",
+    "PTXAS_ENV",
     "compile_dirs",
     "startup_plans",
     "rebase_startup_plan_",
@@ -542,6 +544,47 @@ def relocate_triton_entry_(extracted: Path, final: Path) -> None:
             for c, p in children.items()
         }
         grp.write_text(json.dumps({**data, "child_paths": moved}))
+
+
+#: Triton's ptxas override (triton/knobs.py ``nvidia.ptxas``), which Inductor sets.
+PTXAS_ENV = "TRITON_PTXAS_PATH"
+
+
+def pin_triton_ptxas(
+    environ: dict[str, str] | os._Environ[str] = os.environ, torch_dir: str | None = None
+) -> str | None:
+    """Set ``TRITON_PTXAS_PATH`` to torch's bundled ptxas now, as Inductor would later.
+
+    Inductor points Triton at ``torch/bin/ptxas`` (where the wheel ships one) in the
+    process that compiles or loads an Inductor kernel itself, and not when its worker
+    pool does (torch/_inductor/runtime/compile_tasks.py ``_set_triton_ptxas_path``;
+    torch/_inductor/async_compile.py: the pool takes the kernels once it is ready, so
+    which one does is a race with the start). Triton's cache key holds the ptxas
+    version (triton/backends/nvidia/compiler.py ``CUDABackend.hash``), so vLLM's own
+    Triton kernels get one of two keys by that race, and a start-up bundle primed under
+    one misses under the other. Seen on an H100 (2026-12-06, vLLM 0.33.0): one fresh
+    node of five wrote ~50 Triton entries beside the carried ones, same-named kernels
+    of the same LLIR and PTX sizes under new keys, and its start took 15 s longer.
+    Called by the loader in every compiling engine, the priming one too, before any
+    kernel is compiled, so their keys agree.
+
+    Args:
+        environ: the environment to set (the process's).
+        torch_dir: torch's package directory (default: the imported torch's).
+
+    Returns:
+        The path set, or None: already set (the user's choice, or Inductor's), or
+        torch ships no executable ptxas (a CPU wheel).
+    """
+    if environ.get(PTXAS_ENV) is not None:
+        return None
+    if torch_dir is None:
+        torch_dir = os.path.dirname(torch.__file__)
+    ptxas = os.path.join(torch_dir, "bin", "ptxas")
+    if not (os.path.isfile(ptxas) and os.access(ptxas, os.X_OK)):
+        return None
+    environ[PTXAS_ENV] = ptxas
+    return ptxas
 
 
 def write_factors(path: str, factors: Mapping[str, Any]) -> None:
