@@ -559,14 +559,16 @@ def pin_triton_ptxas(
     process that compiles or loads an Inductor kernel itself, and not when its worker
     pool does (torch/_inductor/runtime/compile_tasks.py ``_set_triton_ptxas_path``;
     torch/_inductor/async_compile.py: the pool takes the kernels once it is ready, so
-    which one does is a race with the start). Triton's cache key holds the ptxas
-    version (triton/backends/nvidia/compiler.py ``CUDABackend.hash``), so vLLM's own
-    Triton kernels get one of two keys by that race, and a start-up bundle primed under
-    one misses under the other. Seen on an H100 (2026-12-06, vLLM 0.33.0): one fresh
-    node of five wrote ~50 Triton entries beside the carried ones, same-named kernels
-    of the same LLIR and PTX sizes under new keys, and its start took 15 s longer.
-    Called by the loader in every compiling engine, the priming one too, before any
-    kernel is compiled, so their keys agree.
+    which one does is a race with the start). Triton's cache key holds the version of
+    the ptxas it finds first in the process (triton/backends/nvidia/compiler.py
+    ``CUDABackend.hash``, ``get_ptxas_version``, cached), so vLLM's own Triton kernels
+    can get one of two keys by that race, and a start-up bundle primed under one misses
+    under the other. Seen on an H100 (2026-12-06, vLLM 0.33.0): one fresh node of the
+    seven recorded wrote ~50 Triton entries beside the carried ones, same-named kernels
+    of the same LLIR and PTX sizes under new keys, and its start took 15 s longer; a
+    ptxas difference fits that, not yet shown (``wcache bench --phases`` now compares
+    such twins' PTX and cubin). Called by the loader in every compiling engine, the
+    priming one too, before the engine compiles any kernel, so their keys agree.
 
     Args:
         environ: the environment to set (the process's).
