@@ -53,7 +53,7 @@ import json
 import logging
 import os
 import platform
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -551,7 +551,7 @@ PTXAS_ENV = "TRITON_PTXAS_PATH"
 
 
 def pin_triton_ptxas(
-    environ: dict[str, str] | os._Environ[str] = os.environ, torch_dir: str | None = None
+    environ: MutableMapping[str, str] = os.environ, torch_dir: str | None = None
 ) -> str | None:
     """Set ``TRITON_PTXAS_PATH`` to torch's bundled ptxas now, as Inductor would later.
 
