@@ -306,3 +306,27 @@ def test_wait_ready_timeout_zero_still_parses():
     """`--timeout 0` stays a check once (readiness probes), a finite number of seconds."""
     args, _ = cli.build_parser().parse_known_args(["status", "--wait-ready", "--timeout", "0"])
     assert 0.0 == args.timeout
+
+
+@pytest.mark.parametrize("command", [["bench"], ["verify", "--model", "m"]])
+def test_bench_and_verify_turn_sigterm_into_system_exit(command, monkeypatch):
+    """``wcache bench`` and ``verify`` start daemons in temporary directories: SIGTERM
+    (``kill``, ``timeout``) must unwind their ``with`` blocks (exit_on_sigterm), which
+    Python's default action, death on the spot, would not."""
+    import signal
+
+    seen = {}
+
+    def handler(args, rest):
+        seen["handler"] = signal.getsignal(signal.SIGTERM)
+        return 0
+
+    monkeypatch.setattr(cli, f"_cmd_{command[0]}", handler)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        assert cli.main(command) == 0
+        with pytest.raises(SystemExit) as stop:
+            seen["handler"](signal.SIGTERM, None)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert stop.value.code == 128 + signal.SIGTERM

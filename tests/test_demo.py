@@ -102,3 +102,61 @@ def test_max_tokens_under_one_is_refused_before_any_work(stubbed, tokens, monkey
     assert 2 == exc.value.code
     assert f"--max-tokens {tokens}: give 1 or more tokens" in capsys.readouterr().err
     assert [] == stubbed[0]
+
+
+#: A demo whose row step is real down to the daemon, which is a stand-in that writes its
+#: pid into the row's socket directory and never becomes ready (argv: the pid file).
+_SIGTERM_DEMO = """
+import os, sys
+from pathlib import Path
+import wcache.testing.fixtures as fixtures
+from wcache import demo
+
+class StandInDaemon(demo.DaemonProcess):
+    def __init__(self, model, socket_dir, *a, **k):
+        super().__init__(model, socket_dir, *a, **k)
+        pid_file = os.path.join(socket_dir, "x.sock.pid")
+        self.args = [sys.executable, "-c",
+                     "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); "
+                     "time.sleep(120)", pid_file]
+
+demo.DaemonProcess = StandInDaemon
+demo.probe = lambda build: {"isa": [], "kernels": {"cpu.kernel_library": "_C"}}
+demo.unservable_reason = lambda fmt, kernels: None
+fixtures.build = lambda fmt, model="smollm2": Path("/nonexistent")
+sys.exit(demo.main(["--formats", "bf16", "--no-moe"]))
+"""
+
+
+def test_sigterm_stops_the_rows_daemon_and_removes_its_socket_dir(tmp_path):
+    """`timeout` or `kill` of the demo while a row's daemon starts: exit 143, the daemon's
+    process group is stopped and the row's ``wcache-demo-*`` directory is gone (Python's
+    default SIGTERM would leave both, break pass 8)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SIGTERM_DEMO],
+        env={**os.environ, "TMPDIR": str(tmp)},
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        pid_files: list[Path] = []
+        while not pid_files and time.monotonic() < deadline and proc.poll() is None:
+            pid_files = [p for p in tmp.glob("wcache-demo-*/x.sock.pid") if p.read_text()]
+            time.sleep(0.1)
+        assert pid_files, "the stand-in daemon never started"
+        daemon_pid = int(pid_files[0].read_text())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    assert not list(tmp.glob("wcache-demo-*"))
+    with pytest.raises(ProcessLookupError):
+        os.kill(daemon_pid, 0)

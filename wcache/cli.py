@@ -19,6 +19,7 @@ from wcache.checkpoint import check_checkpoint_dir
 from wcache.cli_args import reasoned
 from wcache.core import LayerConfig, NoPlan, QuantSpec, WcacheError
 from wcache.daemon.prime import USAGE_CONTEXTS
+from wcache.daemon.process import exit_on_sigterm
 from wcache.daemon.ranks import local_ranks
 from wcache.errors import LoadFailed
 from wcache.plans.docs import render_plans
@@ -920,6 +921,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         parser.print_help()
         return 2
+    if args.command in ("bench", "verify"):  # they start daemons in temporary directories
+        exit_on_sigterm()
     try:
         if args.command in ("serve", "bench", "status", "verify", "run"):
             handler = {

@@ -33,7 +33,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 
-from wcache.daemon.process import DaemonProcess, run_engine
+from wcache.daemon.process import DaemonProcess, exit_on_sigterm, run_engine
 from wcache.testing.isa import FORMAT_OPS, probe, unservable_reason
 
 PROMPT = "The capital of France is"
@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_tokens < 1:  # vLLM refuses it, but only after the probe, build and daemon
         ap.error(f"--max-tokens {args.max_tokens}: give 1 or more tokens")
 
+    exit_on_sigterm()  # `timeout` or `kill`: stop the row's daemon, remove its socket dir
     print("asking vLLM what it decides on this host (python -m wcache.vllm.probe)", flush=True)
     host = probe("native")
     kernels = host["kernels"]

@@ -105,6 +105,16 @@ def stop_process_group(proc: subprocess.Popen | None, grace_s: float) -> None:
         proc.wait()
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM raise ``SystemExit(143)`` in this process (Python's default is to
+    die at once), so a command stopped by ``kill`` or ``timeout`` unwinds like one
+    stopped by Ctrl-C: its ``finally`` and ``with`` blocks stop the daemon it started
+    (:class:`DaemonProcess`), kill its engine child (``subprocess.run`` does on any
+    exception) and remove its temporary socket directory, instead of leaving the
+    directory behind and both processes under pid 1. Call it from the main thread."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+
+
 class DaemonProcess:
     """``wcache serve`` in a child process; ``start()`` returns once it is ready.
 
@@ -199,7 +209,11 @@ class DaemonProcess:
 
         threading.Thread(target=pump, daemon=True).start()
         t0 = time.monotonic()
-        ready.wait(timeout_s)
+        try:
+            ready.wait(timeout_s)
+        except BaseException:  # SIGTERM (exit_on_sigterm) or Ctrl-C while it starts
+            self.stop()  # `with` calls __exit__ only once __enter__ has returned
+            raise
         if self.proc.poll() is not None or not ready.is_set() or not self.ready_lines:
             tail = "\n".join(list(self.lines)[-40:])
             self.stop()

@@ -47,7 +47,6 @@ import collections
 import json
 import multiprocessing
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -58,6 +57,7 @@ from typing import Any
 import attrs
 
 from wcache.cli_args import reasoned, refuse_unknown_or_missing
+from wcache.daemon.process import exit_on_sigterm
 from wcache.errors import SweepResultsInvalid
 from wcache.store.protocol import parse_seconds
 from wcache.testing.engine_acceptance import (
@@ -367,14 +367,6 @@ def done_cases(path: str | Path, device: str) -> set[str]:
     if not Path(path).is_file():
         return set()
     return {r["case"] for r in read_rows([path]) if r.get("device") == device}
-
-
-def exit_on_sigterm() -> None:
-    """Make SIGTERM raise ``SystemExit(143)`` in this process, so a sweep stopped by
-    ``kill`` or ``timeout`` runs its cases' ``finally`` blocks: the case's daemon is
-    stopped and its engine process killed (``subprocess.run`` kills its child on any
-    exception) instead of both living on under pid 1."""
-    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
 def _run_in_worker(
