@@ -876,7 +876,9 @@ examples:
         "--preload",
         action="append",
         metavar="MODULE",
-        help="start: a module to import (repeat; replaces the default list)",
+        help="start: a module to import (repeat; replaces the default list); one that "
+        "is not installed stops the start (template-preload-missing), where a missing "
+        "default one is only skipped",
     )
     p.add_argument(
         "--no-platform-preload",

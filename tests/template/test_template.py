@@ -708,6 +708,40 @@ def test_start_timeout_says_so(tmp_path):
         shutil.rmtree(d, ignore_errors=True)
 
 
+def test_a_named_preload_that_is_not_installed_stops_the_start(tmp_path):
+    """``--preload nosuchmodule`` (a typo) is refused with the name and this Python,
+    instead of a "ready" template that imported nothing useful; a default preload that
+    is missing (another platform's) is still only skipped."""
+    d = tempfile.mkdtemp(prefix="wct-")
+    try:
+        with pytest.raises(TemplateStartFailed) as info:
+            start_template(
+                d,
+                preload=["json", "nosuchmodule.sub"],
+                platform_preload=False,
+                timeout_s=RUN_TIMEOUT_S,
+            )
+        msg = str(info.value)
+        assert "--preload nosuchmodule.sub" in msg
+        assert "no module named 'nosuchmodule'" in msg
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_missing_default_preload_is_skipped():
+    """The defaults name every platform's modules: one not installed here is listed in
+    ``skipped``, not an error."""
+    from wcache.template import server
+
+    tpl = server.Template.__new__(server.Template)
+    tpl.named, tpl.skipped, tpl.imported, tpl.import_times = frozenset(), {}, [], {}
+    tpl._import("nosuchmodule")
+    assert tpl.skipped["nosuchmodule"].startswith("ModuleNotFoundError")
+    tpl.named = frozenset({"nosuchmodule"})
+    with pytest.raises(server.TemplatePreloadMissing, match="--preload nosuchmodule"):
+        tpl._import("nosuchmodule")
+
+
 @pytest.mark.parametrize("closed", [0, 1])
 def test_closed_stdio_as_direct(template, work, env, closed):
     """A closed stdin or stdout (``<&-``, ``>&-``) ends like a direct start: the child

@@ -47,6 +47,15 @@ class TemplateUnsafe(TemplateError):
     code = "template-unsafe"
 
 
+class TemplatePreloadMissing(TemplateError, ModuleNotFoundError):
+    """A module named with ``--preload`` is not installed (a typo, or another
+    environment's): the template would start without it and every command would import
+    it again. Only modules given explicitly are refused; a default preload that is
+    missing (another platform's) is skipped and listed."""
+
+    code = "template-preload-missing"
+
+
 class TemplateUnsupported(TemplateError, ValueError):
     """The command is not a Python entry the template can run (another interpreter,
     interpreter options it does not replay, a binary)."""

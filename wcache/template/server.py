@@ -61,7 +61,13 @@ from wcache.store.protocol import recv_frame, send_frame
 from wcache.store.server import peer_credentials
 from wcache.template import versions
 from wcache.template.entry import sys_path0
-from wcache.template.errors import TemplateError, TemplateStale, TemplateUnsafe, TemplateUnsupported
+from wcache.template.errors import (
+    TemplateError,
+    TemplatePreloadMissing,
+    TemplateStale,
+    TemplateUnsafe,
+    TemplateUnsupported,
+)
 from wcache.template.started import set_run_started
 
 __all__ = [
@@ -254,6 +260,8 @@ class Template:
     Args:
         socket_dir: where to listen (0700, created); default the daemons' dir.
         preload: modules to import (default :data:`COMMON_PRELOAD` + the platform's).
+            One given here that is not installed stops the template
+            (:class:`TemplatePreloadMissing`); a default one is skipped and listed.
         platform_preload: also import :data:`CPU_PRELOAD` or :data:`CUDA_PRELOAD`.
     """
 
@@ -266,6 +274,8 @@ class Template:
         self.socket_dir = paths.ensure_socket_dir(socket_dir)
         self.socket_path = socket_file(self.socket_dir)
         self.preload = tuple(preload) if preload is not None else COMMON_PRELOAD
+        #: the preloads the caller named (``--preload``): one not installed is an error
+        self.named = frozenset(preload or ())
         self.platform_preload = platform_preload
         self.imported: list[str] = []
         #: seconds each preload took to import (what it added beyond the ones before)
@@ -305,9 +315,17 @@ class Template:
         t0 = time.monotonic()
         try:
             importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            missing = exc.name or ""
+            if name in self.named and (name == missing or name.startswith(missing + ".")):
+                raise TemplatePreloadMissing(
+                    f"--preload {name}: no module named {missing!r} in this Python "
+                    f"({sys.executable}); check the name, or install it here"
+                ) from exc
+            self._skip(name, exc)
+            return
         except Exception as exc:  # noqa: BLE001 (an optional module: another platform's, a missing extra)
-            self.skipped[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            log.warning("template: preload %s skipped: %s", name, self.skipped[name])
+            self._skip(name, exc)
             return
         if _cuda_initialized():
             raise TemplateUnsafe(
@@ -324,6 +342,10 @@ class Template:
         self.imported.append(name)
         self.import_times[name] = round(time.monotonic() - t0, 3)
 
+    def _skip(self, name: str, exc: Exception) -> None:
+        self.skipped[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        log.warning("template: preload %s skipped: %s", name, self.skipped[name])
+
     def prepare(self) -> None:
         """Import the preloads (gc off meanwhile), record the fingerprint and the
         thread baseline, then ``gc.freeze()`` so children's collections do not
@@ -331,6 +353,7 @@ class Template:
 
         Raises:
             TemplateUnsafe: a preload initialised CUDA.
+            TemplatePreloadMissing: a module named with ``preload`` is not installed.
         """
         t0 = time.monotonic()
         gc.disable()
