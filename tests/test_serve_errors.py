@@ -322,3 +322,24 @@ def test_moe_config_without_expert_tensors_is_refused(tmp_path, sock_dir):
     assert line.startswith(f"wcache serve: error [checkpoint-corrupt]: {model}: 4 weight(s) ")
     assert "model.layers.0.mlp.experts.routed_experts.w13_weight" in line
     assert "wcache: ready" not in proc.stderr + proc.stdout
+
+
+@pytest.mark.slow
+def test_model_no_engine_can_restore_is_refused_before_its_load(sock_dir):
+    """BLOOM reads its ALiBi slopes' values while vLLM builds it, so no engine can
+    build it on the meta device to restore it (every one falls back, [meta-build]).
+    `wcache serve` built it for real and served it; it now builds it on meta first, as
+    the engines do, and refuses: one [meta-build] line naming the architecture and the
+    fix, exit 1, no weight loaded, nothing served."""
+    from wcache.testing.tiny_models import build_arch
+
+    model = build_arch("bloom")
+    proc = _serve(
+        model, "--socket-dir", sock_dir, "--enforce-eager", "--max-model-len", "512", timeout=180
+    )
+    assert 1 == proc.returncode, proc.stderr[-2000:]
+    (line,) = _our_lines(proc.stderr)
+    assert line.startswith("wcache serve: error [meta-build]: wcache: vLLM's BloomForCausalLM")
+    assert "Fix: run vLLM on this model from disk (load_format='auto')" in line
+    assert "wcache: ready" not in proc.stderr + proc.stdout
+    assert "wcache: loading weights" not in proc.stderr + proc.stdout

@@ -176,8 +176,10 @@ class MetaBuildUnsupported(WcacheError, RuntimeError):
     """The engine's model reads tensor values while vLLM builds it (e.g. BLOOM's ALiBi
     slopes, ``.tolist()`` in ``BloomAttention.__init__``); a restore builds the model
     on the meta device, where no value exists. Raised at the engine's load before the
-    daemon is contacted; it follows ``fallback`` (with ``fallback=true`` the engine
-    loads from disk). The message names the architecture and the fix."""
+    daemon is contacted, where it follows ``fallback`` (with ``fallback=true`` the
+    engine loads from disk), and by ``wcache serve`` before it loads a weight (it
+    builds the model on meta first, as the engines do, and serves nothing no engine
+    could restore). The message names the architecture and the fix."""
 
     code = "meta-build"
 

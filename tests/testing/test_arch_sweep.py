@@ -140,15 +140,15 @@ def test_render_counts_outcomes_and_lists_rows_in_registry_order(tmp_path):
 
 def test_render_says_where_each_refusal_is_detected():
     """The table's `refused` names both places a refusal comes from: `wcache serve`
-    before serving, or the engine's restore (`meta-build`, which `wcache serve` does not
-    check: it serves bloom); it said every `refused` was `wcache serve`'s, while bloom's
-    comes from the engine and its daemon serves."""
+    before serving, or the engine's restore (`meta-build`, which `wcache serve` refuses
+    too since 2026-12-07, and served before); it said every `refused` was `wcache
+    serve`'s, while bloom's comes from the engine."""
     row = {"case": "bloom/bf16", "arch": "bloom", "device": "cpu", "outcome": "refused"}
     header = sw.render([{**row, "format": "bf16"}]).split("## ", 1)[0]
     assert "`wcache serve` refused before serving (reason shown)" not in header
     assert "`wcache serve: error [code]` when `wcache serve` refused to start" in header
     assert "`the engine's load refuses it [code]` when the engine's restore refused" in header
-    assert "`meta-build`: `wcache serve` does not check this and serves such a model" in header
+    assert "`meta-build`: `wcache serve` refuses such a model too, since 2026-12-07" in header
 
 
 def test_real_model_case_carries_its_facts():

@@ -283,7 +283,7 @@ def test_an_engine_side_refusal_is_refused_without_a_daemon(monkeypatch):
     assert row["outcome"] == "refused", row
     assert "[meta-build]" in row["reason"] and "meta device" in row["reason"]
     assert row["reason"].startswith("the engine's load refuses it [meta-build]")
-    assert "(`wcache serve` does not check this and serves it)" in row["reason"]
+    assert "(`wcache serve` refuses it too)" in row["reason"]
     assert [c[0] for c in calls] == ["auto", "wcache"]
 
 

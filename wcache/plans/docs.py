@@ -446,7 +446,7 @@ def _real_engine_section(version: str, rows: list[dict]) -> list[str]:
         "`refused` (refused before any restore, the fallback load equal to disk, where "
         "the reason says: `wcache serve` refused before serving, or the engine's restore "
         "refused the model before contacting a daemon, e.g. `meta-build`, which "
-        "`wcache serve` does not check); `not-runnable` (vLLM's own disk load fails on sm90); `failed`. An "
+        "`wcache serve` refuses too since 2026-12-07); `not-runnable` (vLLM's own disk load fails on sm90); `failed`. An "
         "outcome that names a GPU ran on that one (the `device` its row records: an H100 "
         "when no H200 was lent); every other row ran on the H200.",
         "",

@@ -24,7 +24,7 @@ dequantized from its GGUF by :mod:`wcache.testing.fixtures`) run the same way, i
 Outcomes are run_case's: ``restored``, ``refused`` (refused before any restore, the
 reason naming where: ``wcache serve`` refused before serving, e.g. ``plan-missing``
 with the layer and method; or the engine's restore refused the model before
-contacting a daemon, e.g. ``meta-build``, which ``wcache serve`` does not check),
+contacting a daemon, e.g. ``meta-build``, which ``wcache serve`` refuses too),
 ``not-runnable`` (vLLM's own disk load fails on this device, or gives non-finite
 logits on ``wcache verify``'s fixed forward: nothing to restore or to judge a restore
 against; its root cause is recorded) or ``failed``. A fixture that cannot be built is a
@@ -548,8 +548,8 @@ def render(rows: Sequence[Mapping[str, Any]], sources: Sequence[str] = ()) -> st
         "disk fallback still equal, where the reason says: `wcache serve: error [code]` "
         "when `wcache serve` refused to start, `the engine's load refuses it [code]` "
         "when the engine's restore refused the model before contacting a daemon "
-        "(`meta-build`: `wcache serve` does not check this and serves such a model, "
-        "but no engine restores from it); `not-runnable`: vLLM's own disk load fails there, or "
+        "(`meta-build`: `wcache serve` refuses such a model too, since 2026-12-07; "
+        "before, it served one that no engine restored from); `not-runnable`: vLLM's own disk load fails there, or "
         "gives non-finite logits on `wcache verify`'s fixed forward. "
         "Rows named after a real model (`"
         + "`, `".join(REAL_MODELS)

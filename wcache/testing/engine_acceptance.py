@@ -41,8 +41,8 @@ The outcome of a case is one of:
   the model before serving (exit non-zero, its one-line ``wcache serve: error
   [code]`` reason), or the engine's restore refuses it before contacting a daemon
   (the fallback load's reason code, one of :data:`ENGINE_REFUSALS`: ``the engine's
-  load refuses it [meta-build] ...``; the sweep then starts no daemon, and
-  ``wcache serve`` itself would serve such a model, engines only ever falling back);
+  load refuses it [meta-build] ...``; the sweep then starts no daemon, which
+  would refuse it too);
 * ``not-runnable``: vLLM's own disk load fails on this machine (the reason is its
   first traceback line), or gives non-finite logits on ``wcache verify``'s fixed
   forward (:data:`NONFINITE_LOGITS`), so there is nothing to restore or to judge a
@@ -494,14 +494,14 @@ def _run_case(
             return {**row, "outcome": "failed", **_failure(exc, "fallback load failed: ")}
         if row["fallback_reason"] in ENGINE_REFUSALS:
             # the engine refused before looking for a daemon: no daemon could serve it
-            # (wcache serve does not check this and would serve it; the reason says so)
+            # (wcache serve refuses it too, with the same code)
             same = _tokens(fallback) == _tokens(disk)
             return {
                 **row,
                 "outcome": "refused" if same else "failed",
                 "reason": f"the engine's load refuses it [{row['fallback_reason']}] "
-                f"before contacting a daemon (`wcache serve` does not check this and "
-                f"serves it): {ENGINE_REFUSALS[row['fallback_reason']]}",
+                f"before contacting a daemon (`wcache serve` refuses it too): "
+                f"{ENGINE_REFUSALS[row['fallback_reason']]}",
                 "fallback_identical": same,
             }
         daemon = DaemonProcess(model, sock, extra_args=case.serve_args, env=dict(case.env))

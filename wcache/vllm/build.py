@@ -34,7 +34,13 @@ from wcache.store.fingerprint import (
     verify_checkpoint_unchanged,
 )
 from wcache.vllm import compat
-from wcache.vllm.model import meta_build, plan_ids, planned_layers
+from wcache.vllm.model import (
+    meta_build,
+    meta_build_error,
+    meta_build_failed,
+    plan_ids,
+    planned_layers,
+)
 from wcache.vllm.probe import host_target
 
 logger = logging.getLogger("wcache.vllm")
@@ -130,6 +136,8 @@ def build_export(vllm_config: Any, *, progress: bool = True):
 
     Raises:
         NoPlan: a layer's method has no plan (before any weight is read).
+        MetaBuildUnsupported: no engine could restore the model (:func:`meta_model`;
+            before any weight is read).
         CheckpointChanged: a checkpoint file changed between the digest taken
             before the load and the end of prepare; nothing is served.
     """
@@ -142,6 +150,8 @@ def build_export(vllm_config: Any, *, progress: bool = True):
     model_config = vllm_config.model_config
     device = torch.device(vllm_config.device_config.device)
     target = host_target(device)
+    with meta_model(vllm_config):  # what every engine's restore builds first
+        pass
     loader = DefaultModelLoader(loader_config(vllm_config.load_config, progress))
     t0 = time.perf_counter()
     with set_default_torch_dtype(model_config.dtype), device:
@@ -408,37 +418,68 @@ def build_server(
         compat.free_device_memory(device_type)
 
 
-def expected_key(vllm_config: Any) -> Any:
-    """The key a daemon loading the checkpoint would serve, computed the way the
-    engine computes it (``WcacheModelLoader.load_model``): the model built on the
-    meta device, its plans, and the checkpoint's content digests (cached by
-    stat), without reading a weight. Needs vLLM's distributed state initialized
-    and ``vllm_config`` current.
+#: The fix ``wcache serve``'s meta-build refusal names.
+SERVE_META_BUILD_FIX = (
+    "run vLLM on this model from disk (load_format='auto'); no wcache daemon can serve an engine it"
+)
+
+
+@contextlib.contextmanager
+def meta_model(vllm_config: Any) -> Iterator[torch.nn.Module]:
+    """The model built on the meta device as a restoring engine builds it
+    (``WcacheModelLoader._load_model``: no weight allocated, none read), for the
+    block; vLLM's process-global registrations of it are forgotten on the way out,
+    so a later build in this process does not collide with them. Needs vLLM's
+    distributed state initialized and ``vllm_config`` current.
 
     Raises:
-        NoPlan: a layer's method has no plan.
+        MetaBuildUnsupported: the model reads tensor values while it is built (BLOOM's
+            ALiBi slopes), so no engine can restore it: ``wcache serve`` refuses it
+            before it loads a weight, with this, instead of serving what every engine
+            would refuse.
     """
     from vllm.model_executor.model_loader.utils import initialize_model  # noqa: PLC0415 (vLLM import ~6 s: only when called)
     from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
-    from wcache.vllm.key import build_key, parallel_layout  # noqa: PLC0415 (imported at call time: tests patch build_key)
-
     model_config = vllm_config.model_config
-    target = host_target(torch.device(vllm_config.device_config.device))
     before = compat.registrations(vllm_config)
     model = None
     try:
-        with (
-            set_default_torch_dtype(model_config.dtype),
-            meta_build(vllm_config.device_config.device),
-            compat.without_reload_metadata(),
-        ):
-            model = initialize_model(vllm_config=vllm_config, model_config=model_config)
-        planned = planned_layers(model, target)
-        return build_key(model_config, parallel_layout(), plan_ids(planned), target)
+        try:
+            with (
+                compat.without_reload_metadata(),
+                compat.gptq_config_copied_shallow(),
+                set_default_torch_dtype(model_config.dtype),
+                meta_build(vllm_config.device_config.device),
+            ):
+                model = initialize_model(vllm_config=vllm_config, model_config=model_config)
+        except (NotImplementedError, RuntimeError) as exc:
+            if not meta_build_failed(exc):
+                raise
+            raise meta_build_error(model_config.hf_config, exc, SERVE_META_BUILD_FIX) from exc
+        yield model
     finally:
         del model
         compat.forget_registrations_(vllm_config, before)
+
+
+def expected_key(vllm_config: Any) -> Any:
+    """The key a daemon loading the checkpoint would serve, computed the way the
+    engine computes it (``WcacheModelLoader.load_model``): the model built on the
+    meta device (:func:`meta_model`), its plans, and the checkpoint's content
+    digests (cached by stat), without reading a weight. Needs vLLM's distributed
+    state initialized and ``vllm_config`` current.
+
+    Raises:
+        NoPlan: a layer's method has no plan.
+        MetaBuildUnsupported: as :func:`meta_model`.
+    """
+    from wcache.vllm.key import build_key, parallel_layout  # noqa: PLC0415 (imported at call time: tests patch build_key)
+
+    target = host_target(torch.device(vllm_config.device_config.device))
+    with meta_model(vllm_config) as model:
+        planned = planned_layers(model, target)
+        return build_key(vllm_config.model_config, parallel_layout(), plan_ids(planned), target)
 
 
 @contextlib.contextmanager

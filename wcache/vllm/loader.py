@@ -104,6 +104,8 @@ from wcache.vllm.model import (
     ModelMismatch,
     install_tensors_,
     meta_build,
+    meta_build_error,
+    meta_build_failed,
     meta_leftovers,
     plan_ids,
     planned_layers,
@@ -428,17 +430,8 @@ def _spec_refusal(vllm_config: VllmConfig) -> str | None:
     )
 
 
-def _meta_build_error(model_config: ModelConfig, exc: BaseException) -> MetaBuildUnsupported:
-    """The refusal of a model whose constructor reads tensor values (a restore builds
-    it on the meta device, where no value exists): e.g. vLLM's ``BloomAttention``
-    turns its ALiBi slopes into a list (``.tolist()``) while it is built."""
-    archs = list(getattr(model_config.hf_config, "architectures", None) or [])
-    return MetaBuildUnsupported(
-        f"wcache: vLLM's {', '.join(archs) or 'model'} reads tensor values while it is "
-        f"built ({type(exc).__name__}: {str(exc)[:160]}); a restore builds the model on "
-        f"the meta device, where no value exists, so this architecture is not restored. "
-        f"Fix: load this model from disk (load_format='auto'), or keep fallback=true"
-    )
+#: The fix an engine's meta-build refusal names.
+ENGINE_META_BUILD_FIX = "load this model from disk (load_format='auto'), or keep fallback=true"
 
 
 def _clone_privatize_(tensors: list[torch.Tensor], lo: int, hi: int) -> int:
@@ -929,9 +922,9 @@ class WcacheModelLoader(BaseModelLoader):
                     vllm_config=vllm_config, model_config=model_config, prefix=prefix
                 )
         except (NotImplementedError, RuntimeError) as exc:
-            if "meta" not in str(exc):
+            if not meta_build_failed(exc):
                 raise
-            build_error = _meta_build_error(model_config, exc)
+            build_error = meta_build_error(model_config.hf_config, exc, ENGINE_META_BUILD_FIX)
         if model is not None:
             # each layer's model-format metadata, which an in-place reload_weights
             # needs (vLLM records it inside initialize_model; outside the meta context

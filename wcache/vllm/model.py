@@ -24,6 +24,7 @@ from wcache import shell
 from wcache.core import LayerConfig, NoPlan, Plan, RestoreGuard, RestoreIncomplete, Tag, Target
 from wcache.errors import (  # noqa: F401  (re-exported: callers catch them here)
     MAX_NAMED_UNPLANNED,
+    MetaBuildUnsupported,
     ModelMismatch,
     UnplannedLayers,
 )
@@ -389,6 +390,32 @@ def meta_build(device: torch.device | str) -> Iterator[None]:
     (:func:`wcache.vllm.compat.transformers_parameters_as_disk`)."""
     with torch.device("meta"), imports_on_device(device), compat.transformers_parameters_as_disk():
         yield
+
+
+def meta_build_failed(exc: BaseException) -> bool:
+    """Whether ``exc``, raised while vLLM built a model under :func:`meta_build`, is the
+    model reading a tensor's value (``Cannot copy out of meta tensor``, ``.tolist()`` or
+    ``.item()`` on meta), not another fault of the build."""
+    return isinstance(exc, (NotImplementedError, RuntimeError)) and "meta" in str(exc)
+
+
+def meta_build_error(hf_config: Any, exc: BaseException, fix: str) -> MetaBuildUnsupported:
+    """The refusal of a model whose constructor reads tensor values (a restore builds
+    it on the meta device, where no value exists): e.g. vLLM's ``BloomAttention``
+    turns its ALiBi slopes into a list (``.tolist()``) while it is built.
+
+    Args:
+        hf_config: the model's Hugging Face config (its ``architectures`` are named).
+        exc: the build's error (:func:`meta_build_failed`).
+        fix: the message's last sentence, for who reads it (engine or ``wcache serve``).
+    """
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    return MetaBuildUnsupported(
+        f"wcache: vLLM's {', '.join(archs) or 'model'} reads tensor values while it is "
+        f"built ({type(exc).__name__}: {str(exc)[:160]}); a restore builds the model on "
+        f"the meta device, where no value exists, so this architecture is not restored. "
+        f"Fix: {fix}"
+    )
 
 
 def meta_leftovers(model: torch.nn.Module) -> list[str]:
