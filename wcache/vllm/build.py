@@ -420,8 +420,7 @@ def build_server(
 
 #: The fix ``wcache serve``'s meta-build refusal names.
 SERVE_META_BUILD_FIX = (
-    "run vLLM on this model from disk (load_format='auto'): no engine can restore it "
-    "from a daemon"
+    "run vLLM on this model from disk (load_format='auto'): no engine can restore it from a daemon"
 )
 
 
