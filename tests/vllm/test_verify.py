@@ -188,6 +188,54 @@ def test_socket_dir_mode_checks_a_running_daemon(host_kernels):
     assert "fallback" not in str(err.value)
 
 
+def test_socket_dir_mode_refuses_a_wrong_checkpoint_or_job_before_vllms_load(
+    monkeypatch, tmp_path, host_kernels
+):
+    """With socket_dir, the daemon's key is checked before vLLM's load (seconds, where
+    that load and its forward take minutes on a large model): a checkpoint whose bytes
+    changed since the daemon loaded it is key-mismatch naming the checkpoint field, and
+    another --job is key-mismatch naming the job; vLLM's loader never runs (break pass
+    8: it learned of both only after the load and forward)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    from wcache.vllm.build import build_server, engine_config, prepare_platform
+    from wcache.vllm.key import device_id, parallel_layout
+    from wcache.vllm.loader import RestoreFailed
+    from wcache.vllm.verify import _ensure_world, verify
+
+    model = tmp_path / "model"
+    shutil.copytree(_fixture("bf16", host_kernels), model)
+    cfg = engine_config(str(model), list(ENGINE_ARGS))
+    sockets = tempfile.mkdtemp(prefix="wcv-")  # short: a socket path holds <= 107 bytes
+    try:
+        with prepare_platform(cfg), set_current_vllm_config(cfg):
+            _ensure_world(cfg)
+            dev = device_id(torch.device("cpu"), cfg.model_config, parallel_layout())
+            server = build_server(cfg, socket_dir=sockets, device_id=dev, progress=False)
+        monkeypatch.setattr(
+            DefaultModelLoader,
+            "load_model",
+            lambda *a, **k: pytest.fail("vLLM's load ran before the daemon's key was checked"),
+        )
+        with server:
+            with pytest.raises(RestoreFailed, match="under another job") as other_job:
+                verify(str(model), ENGINE_ARGS, socket_dir=sockets, job="other", progress=False)
+            weights = model / "model.safetensors"
+            with open(weights, "r+b") as f:  # one byte of the last tensor's data
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last[0] ^ 0xFF]))
+            with pytest.raises(RestoreFailed, match="daemon key differs in checkpoint") as changed:
+                verify(str(model), ENGINE_ARGS, socket_dir=sockets, progress=False)
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
+    for err in (other_job, changed):
+        assert "key-mismatch" == err.value.code
+        assert str(err.value).startswith(f"the restored side could not be built from {sockets}")
+
+
 def test_too_little_memory_is_refused_before_loading(monkeypatch, capsys, host_kernels):
     """A host without memory for two copies is refused (insufficient-memory) with the
     memory note, before any weight is read; `wcache verify` then exits 2 (could not

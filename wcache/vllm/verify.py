@@ -60,6 +60,7 @@ from wcache.vllm import compat, vllm_logs_quiet
 from wcache.vllm.build import (
     build_server,
     checked_engine_config,
+    expected_key,
     init_distributed,
     loader_config,
     prepare_platform,
@@ -874,6 +875,8 @@ def verify(
         with prepare_platform(vllm_config), set_current_vllm_config(vllm_config):
             _ensure_world(vllm_config)
             target = host_target(device)
+            if socket_dir is not None:  # seconds, where vLLM's load takes minutes
+                _check_daemon_key(vllm_config, device, socket_dir, job)
             _advance(bar, "vLLM load")
             t0 = time.perf_counter()
             with _forgetting_registrations(vllm_config):
@@ -917,6 +920,47 @@ def verify(
         if bar is not None:
             bar.close()
     return VerifyReport(tuple(rows), mode, dict(seconds), logits_equal)
+
+
+def _check_daemon_key(vllm_config: Any, device: torch.device, socket_dir: str, job: str) -> None:
+    """``socket_dir`` mode, before vLLM's load: the daemon on this engine's socket
+    there answers and serves the key the restore will ask for
+    (:func:`wcache.vllm.build.expected_key`: a meta build and the checkpoint's
+    digests, no weight read). A wrong checkpoint, a dead daemon or another ``--job``
+    is refused in seconds, not after vLLM's load and forward (minutes for a large
+    model); the restore itself checks again.
+
+    Raises:
+        RestoreFailed: ``daemon-missing`` (naming a daemon of another configuration or
+            job where one answers, as the engine's load does) or ``key-mismatch``,
+            worded as a failure of the restored side.
+        MetaBuildUnsupported: no engine could restore this model.
+    """
+    from wcache.store import CacheKey, DaemonMissing, KeyMismatch, daemon_status  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
+    from wcache.store.paths import socket_path  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
+    from wcache.vllm.key import device_id, parallel_layout  # noqa: PLC0415 (imported at call time: tests patch device_id)
+    from wcache.vllm.loader import _diagnose_missing  # noqa: PLC0415 (vLLM import ~6 s: only when called)
+
+    key = expected_key(vllm_config)
+    sock = socket_path(
+        socket_dir, device_id(device, vllm_config.model_config, parallel_layout(), job)
+    )
+    cause: Exception | None = None
+    try:
+        theirs = CacheKey(daemon_status(sock)["key_fields"])
+        if theirs != key:
+            cause = KeyMismatch(
+                f"daemon on {sock}: {key.versions_note(theirs)}daemon key differs in "
+                f"{', '.join(key.diff(theirs))}: {key.describe_diff(theirs)}",
+                fields=key.diff(theirs),
+            )
+    except DaemonMissing as exc:
+        cause = _diagnose_missing(exc, key, socket_dir, job)
+    if cause is not None:
+        raise RestoreFailed(
+            f"the restored side could not be built from {socket_dir}: {cause}",
+            code=getattr(cause, "code", "restore-error"),
+        ) from cause
 
 
 def _wcache_side(
