@@ -567,7 +567,8 @@ def pin_triton_ptxas(
     seven recorded wrote ~50 Triton entries beside the carried ones, same-named kernels
     of the same LLIR and PTX sizes under new keys, and its start took 15 s longer; a
     ptxas difference fits that, not yet shown (``wcache bench --phases`` now compares
-    such twins' PTX and cubin). Called by the loader in every compiling engine, the
+    such twins' PTX and cubin). The two versions are real on the device image (torch
+    2.11.0+cu130: ``torch/bin/ptxas`` is CUDA 13.0, Triton 3.6.0's own is 12.8). Called by the loader in every compiling engine, the
     priming one too, before the engine compiles any kernel, so their keys agree.
 
     Args:
