@@ -153,26 +153,35 @@ def test_planted_missing_metadata_stage_names_the_attribute(monkeypatch, host_ke
     assert not report.logits_equal
 
 
+def _daemon_in_process(cfg, sockets: str):
+    """A daemon server for ``cfg`` in this process, built as `wcache serve` builds it,
+    on ``sockets`` (not yet serving: enter it)."""
+    from vllm.config import set_current_vllm_config
+
+    from wcache.vllm.build import build_server, prepare_platform
+    from wcache.vllm.key import device_id, parallel_layout
+    from wcache.vllm.verify import _ensure_world
+
+    with prepare_platform(cfg), set_current_vllm_config(cfg):
+        _ensure_world(cfg)
+        dev = device_id(torch.device("cpu"), cfg.model_config, parallel_layout())
+        return build_server(cfg, socket_dir=sockets, device_id=dev, progress=False)
+
+
 def test_socket_dir_mode_checks_a_running_daemon(host_kernels):
     """With socket_dir, verify restores from the daemon serving there (here one in this
     process, built as `wcache serve` builds it) and finds it equal to vLLM's load, also
     for engine arguments without --enforce-eager; once that daemon is gone it raises
     RestoreFailed [daemon-missing]."""
-    from vllm.config import set_current_vllm_config
-
-    from wcache.vllm.build import build_server, engine_config, prepare_platform
-    from wcache.vllm.key import device_id, parallel_layout
+    from wcache.vllm.build import engine_config
     from wcache.vllm.loader import RestoreFailed
-    from wcache.vllm.verify import _ensure_world, verify
+    from wcache.vllm.verify import verify
 
     path = _fixture("bf16", host_kernels)
     cfg = engine_config(path, list(ENGINE_ARGS))
     sockets = tempfile.mkdtemp(prefix="wcv-")  # short: a socket path holds <= 107 bytes
     try:
-        with prepare_platform(cfg), set_current_vllm_config(cfg):
-            _ensure_world(cfg)
-            dev = device_id(torch.device("cpu"), cfg.model_config, parallel_layout())
-            server = build_server(cfg, socket_dir=sockets, device_id=dev, progress=False)
+        server = _daemon_in_process(cfg, sockets)
         with server:  # no --enforce-eager: verify adds it; it is not part of the key
             compiled = [a for a in ENGINE_ARGS if a != "--enforce-eager"]
             report = verify(path, compiled, socket_dir=sockets, progress=False)
@@ -196,23 +205,18 @@ def test_socket_dir_mode_refuses_a_wrong_checkpoint_or_job_before_vllms_load(
     changed since the daemon loaded it is key-mismatch naming the checkpoint field, and
     another --job is key-mismatch naming the job; vLLM's loader never runs (break pass
     8: it learned of both only after the load and forward)."""
-    from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    from wcache.vllm.build import build_server, engine_config, prepare_platform
-    from wcache.vllm.key import device_id, parallel_layout
+    from wcache.vllm.build import engine_config
     from wcache.vllm.loader import RestoreFailed
-    from wcache.vllm.verify import _ensure_world, verify
+    from wcache.vllm.verify import verify
 
     model = tmp_path / "model"
     shutil.copytree(_fixture("bf16", host_kernels), model)
     cfg = engine_config(str(model), list(ENGINE_ARGS))
     sockets = tempfile.mkdtemp(prefix="wcv-")  # short: a socket path holds <= 107 bytes
     try:
-        with prepare_platform(cfg), set_current_vllm_config(cfg):
-            _ensure_world(cfg)
-            dev = device_id(torch.device("cpu"), cfg.model_config, parallel_layout())
-            server = build_server(cfg, socket_dir=sockets, device_id=dev, progress=False)
+        server = _daemon_in_process(cfg, sockets)
         monkeypatch.setattr(
             DefaultModelLoader,
             "load_model",
