@@ -191,6 +191,7 @@ def test_socket_dir_mode_checks_a_running_daemon(host_kernels):
         shutil.rmtree(sockets, ignore_errors=True)
     assert [] == [(r.layer, r.difference) for r in report.failures]
     assert f"daemon {sockets}" == report.mode
+    assert "" == report.note  # the daemon still answered after the comparison
     assert "daemon-missing" == err.value.code
     # verify's own wording, not the engine's ("fallback=false, so no disk load")
     assert str(err.value).startswith(f"the restored side could not be built from {sockets}")
@@ -238,6 +239,35 @@ def test_socket_dir_mode_refuses_a_wrong_checkpoint_or_job_before_vllms_load(
     for err in (other_job, changed):
         assert "key-mismatch" == err.value.code
         assert str(err.value).startswith(f"the restored side could not be built from {sockets}")
+
+
+def test_socket_dir_mode_says_when_the_daemon_exited_after_the_attach(monkeypatch, host_kernels):
+    """A daemon that exits after the restore attached (the sealed memory stays mapped)
+    still gives the verdict on the bytes compared, and the summary says the daemon is
+    gone and that no engine can attach now (break pass 8: a bare `OK (daemon S)`)."""
+    import wcache.vllm.verify as verify_mod
+    from wcache.vllm.build import engine_config
+
+    path = _fixture("bf16", host_kernels)
+    cfg = engine_config(path, list(ENGINE_ARGS))
+    sockets = tempfile.mkdtemp(prefix="wcv-")  # short: a socket path holds <= 107 bytes
+    try:
+        server = _daemon_in_process(cfg, sockets)
+        compare = verify_mod._compare
+
+        def compare_after_the_daemon_stops(*args):
+            server.stop()
+            return compare(*args)
+
+        monkeypatch.setattr(verify_mod, "_compare", compare_after_the_daemon_stops)
+        with server:
+            report = verify_mod.verify(path, ENGINE_ARGS, socket_dir=sockets, progress=False)
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
+    assert report.ok, report.summary()
+    assert report.summary().startswith(f"wcache verify: OK (daemon {sockets}): ")
+    assert "Note: the daemon has exited since the restore attached" in report.summary()
+    assert "start `wcache serve` again" in report.note
 
 
 def test_too_little_memory_is_refused_before_loading(monkeypatch, capsys, host_kernels):

@@ -146,12 +146,15 @@ class VerifyReport:
         seconds: wall time of each step (``load``, ``forward``, ``prepare``,
             ``restore``, ...) in seconds.
         logits_equal: the fixed forward's logits are bit-identical.
+        note: said after the verdict, which it does not change: the daemon of
+            ``socket_dir`` mode exited after the restore attached (empty: none).
     """
 
     rows: tuple[Row, ...]
     mode: str
     seconds: Mapping[str, float]
     logits_equal: bool
+    note: str = ""
 
     @property
     def ok(self) -> bool:
@@ -181,7 +184,7 @@ class VerifyReport:
             return (
                 f"wcache verify: OK ({self.mode}): {len(planned)} planned layers and "
                 f"{len(self.rows) - len(planned)} other checks equal vLLM's load; "
-                f"logits bit-identical."
+                f"logits bit-identical." + (f" {self.note}" if self.note else "")
             )
         first = self.failures[0]
         text = (
@@ -190,7 +193,7 @@ class VerifyReport:
         )
         if any(r.difference == NONFINITE_LOGITS for r in self.rows):
             text += f" ({NONFINITE_LOGITS_CAUSE})"
-        return text
+        return text + (f" {self.note}" if self.note else "")
 
 
 def default_token_ids(vocab_size: int, n: int = DEFAULT_NUM_TOKENS) -> list[int]:
@@ -916,10 +919,43 @@ def verify(
             rows, logits_equal = _compare(loaded, restored, plans)
             if bar is not None:
                 bar.update(1)
+            note = (
+                ""
+                if socket_dir is None
+                else _daemon_gone_note(vllm_config, device, socket_dir, job)
+            )
     finally:
         if bar is not None:
             bar.close()
-    return VerifyReport(tuple(rows), mode, dict(seconds), logits_equal)
+    return VerifyReport(tuple(rows), mode, dict(seconds), logits_equal, note)
+
+
+def _daemon_socket(vllm_config: Any, device: torch.device, socket_dir: str, job: str) -> str:
+    """The socket the engine's restore attaches to in ``socket_dir`` (as the loader names it)."""
+    from wcache.store.paths import socket_path  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
+    from wcache.vllm.key import device_id, parallel_layout  # noqa: PLC0415 (imported at call time: tests patch device_id)
+
+    return socket_path(
+        socket_dir, device_id(device, vllm_config.model_config, parallel_layout(), job)
+    )
+
+
+def _daemon_gone_note(vllm_config: Any, device: torch.device, socket_dir: str, job: str) -> str:
+    """After the comparison in ``socket_dir`` mode: empty while the daemon still answers;
+    else a sentence saying it exited after the restore attached (the verdict stands for
+    the bytes compared, but no engine can attach to them now)."""
+    from wcache.store import DaemonMissing, daemon_status  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
+
+    sock = _daemon_socket(vllm_config, device, socket_dir, job)
+    try:
+        daemon_status(sock)
+    except DaemonMissing as exc:
+        return (
+            f"Note: the daemon has exited since the restore attached ({exc}): the bytes "
+            f"compared were its, but no engine can attach to it now; start `wcache serve` "
+            f"again."
+        )
+    return ""
 
 
 def _check_daemon_key(vllm_config: Any, device: torch.device, socket_dir: str, job: str) -> None:
@@ -937,14 +973,10 @@ def _check_daemon_key(vllm_config: Any, device: torch.device, socket_dir: str, j
         MetaBuildUnsupported: no engine could restore this model.
     """
     from wcache.store import CacheKey, DaemonMissing, KeyMismatch, daemon_status  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
-    from wcache.store.paths import socket_path  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
-    from wcache.vllm.key import device_id, parallel_layout  # noqa: PLC0415 (imported at call time: tests patch device_id)
     from wcache.vllm.loader import _diagnose_missing  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     key = expected_key(vllm_config)
-    sock = socket_path(
-        socket_dir, device_id(device, vllm_config.model_config, parallel_layout(), job)
-    )
+    sock = _daemon_socket(vllm_config, device, socket_dir, job)
     cause: Exception | None = None
     try:
         theirs = CacheKey(daemon_status(sock)["key_fields"])
