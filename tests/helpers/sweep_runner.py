@@ -24,3 +24,23 @@ def fake_case(arch_name: str, fmt: str, device: str, root: str | None, gpu: int 
         "start": start,
         "end": time.time(),
     }
+
+
+def stoppable_case(
+    arch_name: str, fmt: str, device: str, root: str | None, gpu: int | None
+) -> dict:
+    """A case that runs until stopped: it marks ``root/started-ARCH`` and, when SIGTERM
+    ends it (as the sweep's own worker runner would, exit_on_sigterm), ``root/stopped-ARCH``
+    from its ``finally`` block."""
+    from pathlib import Path
+
+    from wcache.daemon.process import exit_on_sigterm
+
+    assert root is not None
+    exit_on_sigterm()
+    (Path(root) / f"started-{arch_name}").write_text(str(os.getpid()))
+    try:
+        time.sleep(120)
+    finally:
+        (Path(root) / f"stopped-{arch_name}").write_text("stopped")
+    return {"case": f"{arch_name}/{fmt}", "device": device, "outcome": "failed"}

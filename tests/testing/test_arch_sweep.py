@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
 from wcache.testing import arch_sweep as sw
+
+REPO = str(Path(__file__).resolve().parents[2])
 
 
 def test_cpu_case_has_no_cuda_options():
@@ -247,6 +250,39 @@ def test_parallel_cases_run_in_fresh_overlapping_processes_spread_over_gpus():
     assert len({r["pid"] for r in rows}) == len(cases)
     first, second = by_case["a/bf16"], by_case["b/bf16"]
     assert max(first["start"], second["start"]) < min(first["end"], second["end"])
+
+
+def test_sigterm_stops_a_parallel_runs_cases(tmp_path):
+    """SIGTERM to a two-worker run: both running cases are stopped through their
+    finally blocks and the run exits 143 (it died with an AttributeError from the pool,
+    the cases running on to their end: break pass 9)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import sys\n"
+        "from tests.helpers.sweep_runner import stoppable_case\n"
+        "from wcache.daemon.process import exit_on_sigterm\n"
+        "from wcache.testing import arch_sweep as sw\n"
+        "exit_on_sigterm()\n"
+        "cases = [('a', 'bf16'), ('b', 'bf16')]\n"
+        "list(sw.run_cases(cases, 'cpu', sys.argv[1], workers=2, runner=stoppable_case))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        started = lambda: sorted(p.name for p in tmp_path.glob("started-*"))  # noqa: E731
+        while started() != ["started-a", "started-b"] and time.monotonic() < deadline:
+            assert proc.poll() is None
+            time.sleep(0.1)
+        assert started() == ["started-a", "started-b"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    assert sorted(p.name for p in tmp_path.glob("stopped-*")) == ["stopped-a", "stopped-b"]
 
 
 def test_stop_after_starts_no_case_once_the_time_is_over():

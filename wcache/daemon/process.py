@@ -32,6 +32,8 @@ DAEMON_READY_TIMEOUT_S = 600.0
 ENGINE_TIMEOUT_S = 900.0
 #: Grace period for a daemon to exit after SIGTERM before SIGKILL (seconds).
 STOP_GRACE_S = 20.0
+#: How often :func:`stop_process_group` looks whether the group has ended (seconds).
+GROUP_POLL_S = 0.05
 #: Engine arguments shared by daemons and engines in demos and tests, so the
 #: cache key (dtype, quantization) matches on both sides.
 ENGINE_ARGS = ("--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512")
@@ -90,27 +92,40 @@ def engine_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]
 
 def stop_process_group(proc: subprocess.Popen | None, grace_s: float) -> None:
     """SIGTERM a child started with ``start_new_session=True`` and its whole process
-    group (vLLM's workers included); SIGKILL after ``grace_s`` seconds. No-op when it
-    is not running."""
+    group (vLLM's engine-core and worker processes included), wait up to ``grace_s``
+    seconds for every process of the group to end, then SIGKILL what is left. A leader
+    that exits at once does not end the wait: vLLM's engine core may outlive it, not
+    acting on SIGTERM while it starts. No-op when the leader is not running."""
     if proc is None or proc.poll() is not None:
         return
+    pgid = proc.pid  # start_new_session: the leader's pid is the group's id
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(grace_s)
-    except (subprocess.TimeoutExpired, ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        proc.wait()
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        proc.poll()  # reap the leader: a zombie still counts as a member of the group
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            break  # the group is empty
+        time.sleep(GROUP_POLL_S)
+    else:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        proc.wait()
+    proc.wait()
 
 
 def exit_on_sigterm() -> None:
     """Make SIGTERM raise ``SystemExit(143)`` in this process (Python's default is to
     die at once), so a command stopped by ``kill`` or ``timeout`` unwinds like one
     stopped by Ctrl-C: its ``finally`` and ``with`` blocks stop the daemon it started
-    (:class:`DaemonProcess`), kill its engine child (``subprocess.run`` does on any
-    exception) and remove its temporary socket directory, instead of leaving the
+    (:class:`DaemonProcess`), stop its engine's process group (:func:`run_engine`)
+    and remove its temporary socket directory, instead of leaving the
     directory behind and both processes under pid 1. Call it from the main thread."""
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
@@ -255,6 +270,42 @@ def engine_failure_cause(exc: BaseException) -> str:
     return str(exc).split(OUTPUT_TAIL)[0]
 
 
+#: Grace period for an engine (its vLLM engine-core and worker processes included) to
+#: exit after SIGTERM before SIGKILL, when the caller is interrupted (seconds).
+ENGINE_STOP_GRACE_S = 10.0
+
+
+def _run_in_own_group(
+    cmd: Sequence[str], environ: Mapping[str, str], timeout_s: float
+) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` in a new session, whose
+    whole process group is stopped (SIGTERM, SIGKILL after
+    :data:`ENGINE_STOP_GRACE_S`) when the wait ends early: the timeout, or any
+    exception in this process (SIGTERM through :func:`exit_on_sigterm`, Ctrl-C).
+    ``subprocess.run`` kills only its direct child, which left vLLM's engine-core
+    process (``VLLM::EngineCore``, ~0.5 GiB; it may not act on SIGTERM while it
+    starts) and its workers running under pid 1.
+
+    Raises:
+        subprocess.TimeoutExpired: ``timeout_s`` passed (the group is stopped first).
+    """
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(environ),
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except BaseException:
+        stop_process_group(proc, ENGINE_STOP_GRACE_S)
+        proc.communicate()  # the pipes' last bytes; closes them
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
 def run_engine(
     model: str | Path,
     load_format: str = "auto",
@@ -310,7 +361,7 @@ def run_engine(
     if launcher is None:
         launcher = engine_launcher(environ)
     cmd = [*launcher, *cmd, *engine_args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=timeout_s)
+    proc = _run_in_own_group(cmd, environ, timeout_s)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         output = proc.stdout + proc.stderr

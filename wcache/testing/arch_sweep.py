@@ -446,10 +446,12 @@ def run_cases(
                 for fut in finished:
                     yield fut.result()
         except BaseException:  # SIGTERM (exit_on_sigterm), Ctrl-C: stop the running cases
+            # the executor keeps no public handle on its processes, and shutdown() drops
+            # its private one: take them first
+            workers_running = list((getattr(pool, "_processes", None) or {}).values())
             pool.shutdown(wait=False, cancel_futures=True)
-            # each worker's SIGTERM runs its case's finally blocks (_run_in_worker);
-            # the executor keeps no public handle on its processes
-            for proc in list(getattr(pool, "_processes", {}).values()):
+            # each worker's SIGTERM runs its case's finally blocks (_run_in_worker)
+            for proc in workers_running:
                 proc.terminate()
             raise
 
