@@ -339,7 +339,7 @@ def test_model_no_engine_can_restore_is_refused_before_its_load(sock_dir):
     )
     assert 1 == proc.returncode, proc.stderr[-2000:]
     (line,) = _our_lines(proc.stderr)
-    assert line.startswith("wcache serve: error [meta-build]: wcache: vLLM's BloomForCausalLM")
+    assert line.startswith("wcache serve: error [meta-build]: vLLM's BloomForCausalLM")
     assert "Fix: run vLLM on this model from disk (load_format='auto')" in line
     assert "wcache: ready" not in proc.stderr + proc.stdout
     assert "wcache: loading weights" not in proc.stderr + proc.stdout

@@ -232,7 +232,7 @@ def test_socket_dir_mode_refuses_a_wrong_checkpoint_or_job_before_vllms_load(
                 last = f.read(1)
                 f.seek(-1, os.SEEK_END)
                 f.write(bytes([last[0] ^ 0xFF]))
-            with pytest.raises(RestoreFailed, match="daemon key differs in checkpoint") as changed:
+            with pytest.raises(RestoreFailed, match="serves another key: checkpoint") as changed:
                 verify(str(model), ENGINE_ARGS, socket_dir=sockets, progress=False)
     finally:
         shutil.rmtree(sockets, ignore_errors=True)
@@ -268,6 +268,25 @@ def test_socket_dir_mode_says_when_the_daemon_exited_after_the_attach(monkeypatc
     assert report.summary().startswith(f"wcache verify: OK (daemon {sockets}): ")
     assert "Note: the daemon has exited since the restore attached" in report.summary()
     assert "start `wcache serve` again" in report.note
+
+
+def test_a_model_no_engine_restores_is_refused_before_vllms_load(monkeypatch):
+    """In-process verify of BLOOM (its build reads tensor values: no engine builds it on
+    the meta device to restore it) is refused with meta-build before vLLM's load and
+    forward run (break pass 9: both ran first)."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    from wcache.errors import MetaBuildUnsupported
+    from wcache.testing.tiny_models import build_arch
+    from wcache.vllm.verify import verify
+
+    monkeypatch.setattr(
+        DefaultModelLoader,
+        "load_model",
+        lambda *a, **k: pytest.fail("vLLM's load ran before the meta build was checked"),
+    )
+    with pytest.raises(MetaBuildUnsupported, match="BloomForCausalLM reads tensor values"):
+        verify(str(build_arch("bloom")), ENGINE_ARGS, progress=False)
 
 
 def test_too_little_memory_is_refused_before_loading(monkeypatch, capsys, host_kernels):
@@ -434,3 +453,31 @@ def test_verdict_names_a_broken_vllm_load_as_the_likely_cause():
     assert "experts' tensors" in NONFINITE_LOGITS_CAUSE
     plain = VerifyReport((experts, Row("(logits)", "-", "-")), "in-process", {}, True)
     assert plain.summary().endswith("w13_weight checksum: 'aa' != 'bb'")
+
+
+def test_daemon_note_tells_a_stalled_daemon_from_an_exited_one(monkeypatch, tmp_path):
+    """After the comparison a daemon that does not answer is "exited" only when its
+    socket takes no connection; one that still listens (stopped by SIGSTOP, overloaded)
+    is said not to have answered, not to be gone (break pass 9: `kill -STOP` read
+    "exited ... start wcache serve again" while it held its socket)."""
+    import socket
+
+    import wcache.store as store
+    import wcache.vllm.verify as verify_mod
+    from wcache.store import DaemonMissing
+
+    sock = str(tmp_path / "d.sock")
+    monkeypatch.setattr(verify_mod, "_daemon_socket", lambda *a: sock)
+
+    def silent(path, *a, **k):
+        raise DaemonMissing(f"daemon on {path} did not answer 'hello' within 5.0 s")
+
+    monkeypatch.setattr(store, "daemon_status", silent)
+    gone = verify_mod._daemon_gone_note(None, None, str(tmp_path), "")
+    assert gone.startswith("Note: the daemon has exited since the restore attached")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(sock)
+        listener.listen(1)  # listens and never answers: a stopped daemon
+        stalled = verify_mod._daemon_gone_note(None, None, str(tmp_path), "")
+    assert stalled.startswith("Note: the daemon did not answer after the comparison")
+    assert "exited" not in stalled

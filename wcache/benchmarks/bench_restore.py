@@ -44,6 +44,7 @@ import multiprocessing as mp
 import os
 import pickle
 import pstats
+import shutil
 import statistics
 import sys
 import tempfile
@@ -1032,11 +1033,8 @@ def run_suite(opts: BenchOptions, log: Callable[[str], None] = print) -> dict:
             for fmt in opts.formats:
                 rows.append(run_unit(opts, fmt, size, socket_dir, log))
         handles = run_handles(opts, socket_dir, log) if opts.handle_tensors > 0 else None
-    finally:
-        try:
-            os.rmdir(socket_dir)
-        except OSError:
-            pass
+    finally:  # the daemons are gone; their sockets' lock files stay behind
+        shutil.rmtree(socket_dir, ignore_errors=True)
     info["wall_s"] = time.perf_counter() - t_start
     return {"info": info, "rows": rows, "handles": handles, "curve": curve_points(rows)}
 

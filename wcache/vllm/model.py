@@ -411,7 +411,7 @@ def meta_build_error(hf_config: Any, exc: BaseException, fix: str) -> MetaBuildU
     """
     archs = list(getattr(hf_config, "architectures", None) or [])
     return MetaBuildUnsupported(
-        f"wcache: vLLM's {', '.join(archs) or 'model'} reads tensor values while it is "
+        f"vLLM's {', '.join(archs) or 'model'} reads tensor values while it is "
         f"built ({type(exc).__name__}: {str(exc)[:160]}); a restore builds the model on "
         f"the meta device, where no value exists, so this architecture is not restored. "
         f"Fix: {fix}"

@@ -35,12 +35,15 @@ attention layers' post-load state is compared by the snapshot.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import enum
 import gc
 import logging
 import os
+import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -63,6 +66,7 @@ from wcache.vllm.build import (
     expected_key,
     init_distributed,
     loader_config,
+    meta_model,
     prepare_platform,
 )
 from wcache.vllm.compat import check_vllm_version
@@ -687,6 +691,8 @@ def _ensure_world(vllm_config: Any) -> None:
 
     if not model_parallel_is_initialized():
         tmp = tempfile.mkdtemp(prefix="wcache-verify-dist-")
+        # the group's file store lives as long as the process: remove it on the way out
+        atexit.register(shutil.rmtree, tmp, ignore_errors=True)
         init_distributed(vllm_config, 0, 1, f"file://{tmp}/init")
 
 
@@ -878,8 +884,12 @@ def verify(
         with prepare_platform(vllm_config), set_current_vllm_config(vllm_config):
             _ensure_world(vllm_config)
             target = host_target(device)
-            if socket_dir is not None:  # seconds, where vLLM's load takes minutes
+            # seconds, where vLLM's load takes minutes: what would refuse the restore
+            if socket_dir is not None:
                 _check_daemon_key(vllm_config, device, socket_dir, job)
+            else:
+                with meta_model(vllm_config):  # MetaBuildUnsupported: no engine restores it
+                    pass
             _advance(bar, "vLLM load")
             t0 = time.perf_counter()
             with _forgetting_registrations(vllm_config):
@@ -943,19 +953,37 @@ def _daemon_socket(vllm_config: Any, device: torch.device, socket_dir: str, job:
 def _daemon_gone_note(vllm_config: Any, device: torch.device, socket_dir: str, job: str) -> str:
     """After the comparison in ``socket_dir`` mode: empty while the daemon still answers;
     else a sentence saying it exited after the restore attached (the verdict stands for
-    the bytes compared, but no engine can attach to them now)."""
+    the bytes compared, but no engine can attach to them now), or, where its socket
+    still takes connections, that it did not answer (stalled, not gone)."""
     from wcache.store import DaemonMissing, daemon_status  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
 
     sock = _daemon_socket(vllm_config, device, socket_dir, job)
     try:
         daemon_status(sock)
     except DaemonMissing as exc:
+        if _accepts_connections(sock):  # alive, not answering: SIGSTOP, overload
+            return (
+                f"Note: the daemon did not answer after the comparison ({exc}); an "
+                f"engine attaching now would wait for it."
+            )
         return (
             f"Note: the daemon has exited since the restore attached ({exc}): the bytes "
             f"compared were its, but no engine can attach to it now; start `wcache serve` "
             f"again."
         )
     return ""
+
+
+def _accepts_connections(sock_path: str) -> bool:
+    """Whether a process listens on the Unix socket ``sock_path`` (the kernel queues a
+    connection to a stopped one too); False when it is gone or refuses."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(sock_path)
+        except OSError:
+            return False
+    return True
 
 
 def _check_daemon_key(vllm_config: Any, device: torch.device, socket_dir: str, job: str) -> None:
@@ -982,8 +1010,10 @@ def _check_daemon_key(vllm_config: Any, device: torch.device, socket_dir: str, j
         theirs = CacheKey(daemon_status(sock)["key_fields"])
         if theirs != key:
             cause = KeyMismatch(
-                f"daemon on {sock}: {key.versions_note(theirs)}daemon key differs in "
-                f"{', '.join(key.diff(theirs))}: {key.describe_diff(theirs)}",
+                f"the daemon on {sock} serves another key: {key.versions_note(theirs)}"
+                f"{key.describe_diff(theirs)}. Fix: give verify the checkpoint and engine "
+                f"arguments the daemon was started with, or restart the daemon with these "
+                f"(a daemon serves the checkpoint's bytes as they were when it loaded them)",
                 fields=key.diff(theirs),
             )
     except DaemonMissing as exc:
