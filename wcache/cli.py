@@ -850,8 +850,10 @@ def build_parser() -> argparse.ArgumentParser:
            session, output in template.log beside its socket), return once it
            listens and print its record (pid, import time, modules, RSS,
            threads, CUDA state); --foreground makes this process the template.
-           A preload that is not installed is skipped and listed. Exit 0; 1
-           with [template-start-failed] (a template already serves this socket
+           A default preload that cannot be imported is skipped and listed; one
+           named with --preload stops the start. Exit 0; 1 with
+           [template-preload-failed] (a --preload module could not be imported)
+           or [template-start-failed] (a template already serves this socket
            dir, a preload initialised CUDA or started a thread, the timeout
            passed)
   status   print the running template's record, its children and whether it
@@ -877,8 +879,8 @@ examples:
         action="append",
         metavar="MODULE",
         help="start: a module to import (repeat; replaces the default list); one that "
-        "is not installed stops the start (template-preload-missing), where a missing "
-        "default one is only skipped",
+        "cannot be imported stops the start (template-preload-failed), where a default "
+        "one is only skipped",
     )
     p.add_argument(
         "--no-platform-preload",

@@ -691,7 +691,7 @@ def test_second_template_refused_naming_the_template(template):
         start_template(template, preload=["json"], platform_preload=False, timeout_s=RUN_TIMEOUT_S)
     msg = str(info.value)
     assert f"a template (pid {first}) already serves" in msg
-    assert "`wcache template stop` before starting another;" in msg and ".;" not in msg
+    assert "`wcache template stop` before starting another (log: " in msg and ".;" not in msg
     assert template_status(template)["pid"] == first
 
 
@@ -724,8 +724,41 @@ def test_a_named_preload_that_is_not_installed_stops_the_start(tmp_path):
         msg = str(info.value)
         assert "--preload nosuchmodule.sub" in msg
         assert "no module named 'nosuchmodule'" in msg
+        assert info.value.code == "template-preload-failed"  # the template's own code
+        assert msg.count("no module named") == 1  # its record's message, said once
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    ("name", "source", "said"),
+    [
+        ("wct_needs_dep", "import wct_no_such_dependency\n", "ModuleNotFoundError"),
+        ("wct_raises", "raise ImportError('no backend here')\n", "ImportError: no backend"),
+        ("wct_syntax", "def (:\n", "SyntaxError"),
+        ("", None, "ValueError"),
+        (".json", None, "TypeError"),
+    ],
+)
+def test_a_named_preload_whose_import_raises_is_refused(tmp_path, monkeypatch, name, source, said):
+    """A module named with --preload that exists but raises on import (its dependency
+    missing, an ImportError of its own, a syntax error), an empty name or a relative one
+    is refused with its error, not skipped into a ready template (break pass 9); the same
+    failures of a default preload are skipped."""
+    from wcache.template import server
+
+    if source is not None:
+        (tmp_path / f"{name}.py").write_text(source)
+        monkeypatch.syspath_prepend(str(tmp_path))
+    tpl = server.Template.__new__(server.Template)
+    tpl.named, tpl.skipped, tpl.imported, tpl.import_times = frozenset({name}), {}, [], {}
+    with pytest.raises(server.TemplatePreloadFailed, match=said) as info:
+        tpl._import(name)
+    assert info.value.code == "template-preload-failed"
+    assert f"--preload {name!r}: importing it raised" in str(info.value)
+    tpl.named = frozenset()
+    tpl._import(name)
+    assert name in tpl.skipped
 
 
 def test_a_missing_default_preload_is_skipped():
@@ -738,7 +771,7 @@ def test_a_missing_default_preload_is_skipped():
     tpl._import("nosuchmodule")
     assert tpl.skipped["nosuchmodule"].startswith("ModuleNotFoundError")
     tpl.named = frozenset({"nosuchmodule"})
-    with pytest.raises(server.TemplatePreloadMissing, match="--preload nosuchmodule"):
+    with pytest.raises(server.TemplatePreloadFailed, match="--preload nosuchmodule"):
         tpl._import("nosuchmodule")
 
 

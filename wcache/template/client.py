@@ -390,8 +390,10 @@ def start_template(
     with open(log_path, "rb") as f:
         f.seek(offset)
         tail = f.read().decode("utf-8", "replace").splitlines()[-20:]
-    ready = [ln for ln in tail if ln.startswith("{")]
-    reason = json.loads(ready[-1]).get("message") if ready else None
+    record = _last_record(tail)
+    reason = record.get("message")
+    # the record's message is said once, above the log's other lines
+    rest = [ln for ln in tail if not ln.startswith("{")] if reason else tail
     raise TemplateStartFailed(
         f"the template (pid {proc.pid}) "
         + (
@@ -399,10 +401,25 @@ def start_template(
             if timed_out
             else f"exited with {proc.returncode}"
         )
-        + (f": {reason.rstrip('.')}" if reason else "")
-        + f"; its log {log_path} ends:\n"
-        + "\n".join(tail)
+        + (f": {str(reason).rstrip('.')}" if reason else "")
+        + (f"; its log {log_path} ends:\n" + "\n".join(rest) if rest else f" (log: {log_path})"),
+        # the template's own reason code where it gave one (template-preload-failed, ...)
+        code=str(record.get("code") or TemplateStartFailed.code),
     )
+
+
+def _last_record(lines: list[str]) -> dict[str, Any]:
+    """The last JSON object line among ``lines`` (the template's ready or failure
+    record), or ``{}``."""
+    for line in reversed(lines):
+        if line.startswith("{"):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                return record
+    return {}
 
 
 def stop_template(socket_dir: str | None = None, wait_s: float = STOP_WAIT_S) -> dict[str, Any]:

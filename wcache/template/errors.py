@@ -47,13 +47,14 @@ class TemplateUnsafe(TemplateError):
     code = "template-unsafe"
 
 
-class TemplatePreloadMissing(TemplateError, ModuleNotFoundError):
-    """A module named with ``--preload`` is not installed (a typo, or another
-    environment's): the template would start without it and every command would import
-    it again. Only modules given explicitly are refused; a default preload that is
-    missing (another platform's) is skipped and listed."""
+class TemplatePreloadFailed(TemplateError, ImportError):
+    """A module named with ``--preload`` could not be imported: not installed (a typo,
+    another environment's), or its import raised (a missing dependency, a syntax
+    error, an empty or relative name). The template would start without it and every
+    command would import it again. Only modules given explicitly are refused; a
+    default preload that fails (another platform's) is skipped and listed."""
 
-    code = "template-preload-missing"
+    code = "template-preload-failed"
 
 
 class TemplateUnsupported(TemplateError, ValueError):

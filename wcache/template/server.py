@@ -63,7 +63,7 @@ from wcache.template import versions
 from wcache.template.entry import sys_path0
 from wcache.template.errors import (
     TemplateError,
-    TemplatePreloadMissing,
+    TemplatePreloadFailed,
     TemplateStale,
     TemplateUnsafe,
     TemplateUnsupported,
@@ -253,6 +253,24 @@ def _rss_kib() -> int:
     return 0
 
 
+def _preload_failure(name: str, exc: Exception) -> str:
+    """Why a named preload failed, and what to do: not installed (the missing module
+    named, and this Python), or its import raised (the error)."""
+    if (
+        isinstance(exc, ModuleNotFoundError)
+        and exc.name
+        and (name == exc.name or name.startswith(exc.name + "."))
+    ):
+        return (
+            f"--preload {name}: no module named {exc.name!r} in this Python "
+            f"({sys.executable}); check the name, or install it here"
+        )
+    return (
+        f"--preload {name!r}: importing it raised {type(exc).__name__}: "
+        f"{str(exc)[:300]}; fix the module or its install, or leave it out"
+    )
+
+
 class Template:
     """The pre-imported process. ``prepare()`` imports, ``bind()`` listens,
     ``serve_forever()`` forks children until stopped and drained.
@@ -260,8 +278,8 @@ class Template:
     Args:
         socket_dir: where to listen (0700, created); default the daemons' dir.
         preload: modules to import (default :data:`COMMON_PRELOAD` + the platform's).
-            One given here that is not installed stops the template
-            (:class:`TemplatePreloadMissing`); a default one is skipped and listed.
+            One given here that cannot be imported stops the template
+            (:class:`TemplatePreloadFailed`); a default one is skipped and listed.
         platform_preload: also import :data:`CPU_PRELOAD` or :data:`CUDA_PRELOAD`.
     """
 
@@ -274,7 +292,7 @@ class Template:
         self.socket_dir = paths.ensure_socket_dir(socket_dir)
         self.socket_path = socket_file(self.socket_dir)
         self.preload = tuple(preload) if preload is not None else COMMON_PRELOAD
-        #: the preloads the caller named (``--preload``): one not installed is an error
+        #: the preloads the caller named (``--preload``): one that fails is an error
         self.named = frozenset(preload or ())
         self.platform_preload = platform_preload
         self.imported: list[str] = []
@@ -315,16 +333,9 @@ class Template:
         t0 = time.monotonic()
         try:
             importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            missing = exc.name or ""
-            if name in self.named and (name == missing or name.startswith(missing + ".")):
-                raise TemplatePreloadMissing(
-                    f"--preload {name}: no module named {missing!r} in this Python "
-                    f"({sys.executable}); check the name, or install it here"
-                ) from exc
-            self._skip(name, exc)
-            return
-        except Exception as exc:  # noqa: BLE001 (an optional module: another platform's, a missing extra)
+        except Exception as exc:  # a default one is optional: another platform's, a missing extra
+            if name in self.named:
+                raise TemplatePreloadFailed(_preload_failure(name, exc)) from exc
             self._skip(name, exc)
             return
         if _cuda_initialized():
@@ -353,7 +364,7 @@ class Template:
 
         Raises:
             TemplateUnsafe: a preload initialised CUDA.
-            TemplatePreloadMissing: a module named with ``preload`` is not installed.
+            TemplatePreloadFailed: a module named with ``preload`` could not be imported.
         """
         t0 = time.monotonic()
         gc.disable()
