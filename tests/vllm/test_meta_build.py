@@ -129,3 +129,21 @@ def test_a_module_imported_on_the_device_keeps_its_loaders_other_methods(tmp_pat
     with torch.device("meta"), imports_on_device("cpu"):
         import wcache_probe_src  # the import under test
     assert "TABLE = torch.tensor" in inspect.getsource(wcache_probe_src)
+
+
+@pytest.mark.parametrize(
+    ("exc", "meta"),
+    [
+        (NotImplementedError("Cannot copy out of meta tensor; no data!"), True),
+        (RuntimeError("Tensor.item() cannot be called on meta tensors"), True),
+        (RuntimeError("expected device 'meta' but got cpu"), True),
+        (RuntimeError("bad quantization metadata in config"), False),  # not the meta device
+        (ValueError("Cannot copy out of meta tensor"), False),  # not a build's error type
+    ],
+)
+def test_only_a_meta_device_error_is_a_meta_build_failure(exc, meta):
+    """A build error is meta-build only where it names the meta device as a word: a
+    failure whose text says "metadata" is another fault, raised as it is."""
+    from wcache.vllm.model import meta_build_failed
+
+    assert meta_build_failed(exc) is meta

@@ -12,6 +12,7 @@ import contextlib
 import importlib.abc
 import importlib.machinery
 import logging
+import re
 import sys
 import types
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -395,8 +396,15 @@ def meta_build(device: torch.device | str) -> Iterator[None]:
 def meta_build_failed(exc: BaseException) -> bool:
     """Whether ``exc``, raised while vLLM built a model under :func:`meta_build`, is the
     model reading a tensor's value (``Cannot copy out of meta tensor``, ``.tolist()`` or
-    ``.item()`` on meta), not another fault of the build."""
-    return isinstance(exc, (NotImplementedError, RuntimeError)) and "meta" in str(exc)
+    ``.item()`` on meta), not another fault of the build (whose text may say
+    "metadata": the word ``meta`` alone counts)."""
+    return isinstance(exc, (NotImplementedError, RuntimeError)) and bool(
+        _META_WORD.search(str(exc))
+    )
+
+
+#: "meta" as a word (``meta tensor``, ``'meta'``, ``device=meta``), not inside "metadata".
+_META_WORD = re.compile(r"\bmeta\b")
 
 
 def meta_build_error(hf_config: Any, exc: BaseException, fix: str) -> MetaBuildUnsupported:
