@@ -133,6 +133,7 @@ def test_ready_daemon_serves_lean_and_keeps_both_endpoints(served):
         time.sleep(POLL_S)
     pid = served.daemon.pid
     assert ("lean", False, pid) == (st["serving"], st["torch_loaded"], st["pid"])
+    assert "" == st["job"]  # serve's --job (none here), kept across the lean hand-off
 
     def said_lean() -> bool:
         return any(ln.startswith(f"{LEAN_LINE} pid={pid} ") for ln in list(served.daemon.lines))

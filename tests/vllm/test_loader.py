@@ -378,3 +378,19 @@ def test_missing_daemon_with_a_daemon_of_another_job_names_the_job(
     assert isinstance(err, KeyMismatch)
     assert named in str(err) and "key differs in ." not in str(err)
     assert ([] if daemon_dtype == "torch.bfloat16" else ["dtype"]) == err.fields
+
+
+def test_the_other_daemons_job_is_named_where_its_status_gives_it(monkeypatch):
+    """A daemon's status carries its --job (only a digest of it is in the socket's
+    name): the refusal names that job, so the engine's user can pass it (break pass 9:
+    nothing said which job)."""
+    from wcache.errors import DaemonMissing
+    from wcache.vllm.loader import _diagnose_missing
+
+    fields = _parallel_key().fields
+    monkeypatch.setattr("wcache.store.paths.list_sockets", lambda d: [f"{d}/other.sock"])
+    monkeypatch.setattr(
+        "wcache.store.daemon_status", lambda s, **k: {"key_fields": fields, "job": "train"}
+    )
+    err = _diagnose_missing(DaemonMissing("no socket"), _parallel_key(), "/s", "")
+    assert "serves the same configuration (an equal key) under job 'train': give" in str(err)

@@ -540,6 +540,7 @@ def _serve_prepared_rank(
         server.stop()
         raise
     server.origin = origin  # for `wcache status`
+    server.job = job
     snap_dir = from_snapshot or snapshot
     server.snapshot_state = (
         None

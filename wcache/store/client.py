@@ -775,6 +775,7 @@ def _print_status(sock: str, st: dict[str, Any]) -> None:
         f"  clients {st['clients_connected']}  attachments {st['attachments_active']} active, "
         f"{st['attachments_total']} served\n  key {st['key_digest'][:16]}  fields "
         f"{', '.join(sorted(st['key_fields']))}"
+        + (f"\n  job {st['job']!r}" if st.get("job") else "")
     )
     if st.get("origin"):
         snap = st.get("snapshot")

@@ -410,6 +410,7 @@ def _exec_lean(server: Any, exe: str, ready_queue: Any) -> str:
             "lock_fd": fds[2],
             "http": [(o.fileno(), *o.address, o.probe) for o in ops_list],
             "origin": getattr(server, "origin", None),
+            "job": getattr(server, "job", None),
             "snapshot": getattr(server, "snapshot_state", None),
             "seeds_done": getattr(getattr(server, "seed_source", None), "seeds_done", None),
             "uptime_s": time.monotonic() - server._started_at,
@@ -531,6 +532,7 @@ def _serve(state: dict) -> int:
     )
     server.serving_mode = "lean"
     server.origin, server.snapshot_state = state["origin"], state["snapshot"]
+    server.job = state.get("job")
     server.seed_source = LeanSeedSource(server, state["seeds_done"], state.get("malloc_arena_max"))
     server.attachments_total = state["attachments_total"]
     server.releases.update(state["releases"])

@@ -228,6 +228,9 @@ class DaemonServer:
     #: snapshot's ``{"dir", "state", "error"}``; None for other servers
     origin: str | None
     snapshot_state: dict[str, Any] | None
+    #: set by ``wcache serve``: its ``--job`` ("" without one); None for other servers.
+    #: Only a digest of it is in the socket's name, so ``status`` is where it is read.
+    job: str | None
 
     def __init__(
         self,
@@ -345,6 +348,7 @@ class DaemonServer:
         self.serving_mode = "full"
         self.origin = None
         self.snapshot_state = None
+        self.job = None
         self._listener: socket.socket | None = None
         self._socket_ino: int | None = None
         self._registry_path: str | None = None
@@ -1012,6 +1016,7 @@ class DaemonServer:
             "torch_loaded": "torch" in sys.modules,
             # set by `wcache serve` (wcache.daemon.serve.serve_rank); None for other servers
             "origin": self.origin,
+            "job": self.job,
             "snapshot": self.snapshot_state,
             "seeds_served": getattr(getattr(self, "seed_source", None), "seeds_done", None),
             "seed_listen": (

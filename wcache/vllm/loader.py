@@ -265,22 +265,24 @@ def _diagnose_missing(exc: Exception, key: Any, socket_dir: str | None, job: str
     mine = {r: (key.fields.get("parallel") or {}).get(r) for r in ranks}
     for sock in socks:
         try:
-            other = CacheKey(daemon_status(sock, connect_timeout_s=STATUS_PROBE_S)["key_fields"])
+            st = daemon_status(sock, connect_timeout_s=STATUS_PROBE_S)
+            other = CacheKey(st["key_fields"])
         except (StoreError, OSError, KeyError, TypeError, ValueError):
             continue
         if {r: (other.fields.get("parallel") or {}).get(r) for r in ranks} != mine:
             continue  # another rank's daemon (of this or another job) says nothing about ours
         if best is None or len(key.diff(other)) < len(key.diff(best[1])):
-            best = (sock, other)
+            best = (sock, other, st.get("job"))
     if best is None:
         return exc
-    sock, other = best
+    sock, other, their_job = best
     if not key.diff(other):
         # the same key on another socket: only the job (in the socket's name) differs
+        named = f"under job {their_job!r}" if isinstance(their_job, str) else "under another job"
         return KeyMismatch(
             f"no daemon serves this engine's configuration under job {job!r} ({exc}); "
-            f"the daemon at {sock} serves the same configuration (an equal key) under "
-            f"another job: give the engine that daemon's `wcache serve --job` "
+            f"the daemon at {sock} serves the same configuration (an equal key) {named}: "
+            f"give the engine that daemon's `wcache serve --job` "
             f"(model_loader_extra_config job; `wcache verify --job`), or start a daemon "
             + (f"with --job {job}." if job else "without --job.")
         )
