@@ -24,6 +24,8 @@ import time
 _MODULE_START = time.time()
 
 import argparse  # noqa: E402  (after the module-start mark)
+import atexit  # noqa: E402  (after the module-start mark)
+import contextlib  # noqa: E402  (after the module-start mark)
 import importlib  # noqa: E402  (after the module-start mark)
 import importlib.util  # noqa: E402  (after the module-start mark)
 import json  # noqa: E402  (after the module-start mark)
@@ -232,6 +234,11 @@ def vllm_engine_args(argv: list[str]) -> list[str]:
     return out
 
 
+def _remove_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     return _run(args)
@@ -350,6 +357,8 @@ def _run(args: argparse.Namespace) -> int:
         prefix="wcache-timing-", suffix=".jsonl", delete=False
     )
     timing.close()
+    # removed below once read; on any other way out (an engine that fails) at exit
+    atexit.register(_remove_quietly, timing.name)
     if args.load_format in ("wcache", "wcache_timed_auto"):
         extra.setdefault("timing_file", timing.name)
     optional = {
