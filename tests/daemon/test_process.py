@@ -119,3 +119,17 @@ def test_an_interrupted_caller_stops_the_engines_whole_process_group(tmp_path):
     else:
         os.kill(core, signal.SIGKILL)
         pytest.fail("the engine's child that ignores SIGTERM outlived its caller")
+
+
+def test_an_engine_past_its_timeout_is_stopped_and_timeout_expired_raised():
+    """The timeout stops the engine's group and raises subprocess.TimeoutExpired, which
+    callers (the acceptance, the benchmarks) catch as before."""
+    import os
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        process._run_in_own_group(
+            [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ), 0.5
+        )
+    assert time.monotonic() - t0 < 30  # stopped by SIGTERM, not waited out

@@ -301,7 +301,11 @@ def _run_in_own_group(
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except BaseException:
         stop_process_group(proc, ENGINE_STOP_GRACE_S)
-        proc.communicate()  # the pipes' last bytes; closes them
+        # closed, not drained: an engine a template forked (`wcache run`) holds them too
+        # and lives in the template's session, not in this group
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
         raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
