@@ -851,11 +851,12 @@ def build_parser() -> argparse.ArgumentParser:
            listens and print its record (pid, import time, modules, RSS,
            threads, CUDA state); --foreground makes this process the template.
            A default preload that cannot be imported is skipped and listed; one
-           named with --preload stops the start. Exit 0; 1 with
-           [template-preload-failed] (a --preload module could not be imported)
-           or [template-start-failed] (a template already serves this socket
-           dir, a preload initialised CUDA or started a thread, the timeout
-           passed)
+           named with --preload stops the start. Exit 0; 1 with the template's
+           own reason code: [template-preload-failed] (a --preload module could
+           not be imported), [template-unsafe] (a preload initialised CUDA or
+           started a thread), [daemon-busy] (a template already serves this
+           socket dir); or [template-start-failed] (the timeout passed, or it
+           exited without a reason)
   status   print the running template's record, its children and whether it
            is STALE for this shell (an install it imported changed since, or
            this interpreter, wcache or import-time environment differs: every
