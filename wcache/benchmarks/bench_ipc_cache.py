@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -47,7 +46,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from wcache.daemon.process import engine_failure_cause, free_port, stop_process_group
+from wcache.daemon.process import (
+    engine_failure_cause,
+    exit_on_sigterm,
+    free_port,
+    stop_process_group,
+)
 from wcache.testing.cross_version import is_key_mismatch
 from wcache.testing.engine_acceptance import CUDA_ENGINE_ARGS
 
@@ -530,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def log(m: str) -> None:
         print(f"[bench-ipc-cache] {m}", flush=True)
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # daemons stop on the way out
+    exit_on_sigterm()  # daemons stop on the way out
     rows = run(cases, args.root, log, on_row=save, moe_layers=args.moe_layers)
     print(table(rows))
     if args.swap:

@@ -25,13 +25,13 @@ _MODULE_START = time.time()
 
 import argparse  # noqa: E402  (after the module-start mark)
 import atexit  # noqa: E402  (after the module-start mark)
-import contextlib  # noqa: E402  (after the module-start mark)
 import importlib  # noqa: E402  (after the module-start mark)
 import importlib.util  # noqa: E402  (after the module-start mark)
 import json  # noqa: E402  (after the module-start mark)
 import os  # noqa: E402  (after the module-start mark)
 import sys  # noqa: E402  (after the module-start mark)
 import tempfile  # noqa: E402  (after the module-start mark)
+from pathlib import Path  # noqa: E402  (after the module-start mark)
 from typing import Any  # noqa: E402  (after the module-start mark)
 
 #: ``--image-prompt``'s picture: a fixed pseudo-random RGB image (the same pixels in
@@ -234,11 +234,6 @@ def vllm_engine_args(argv: list[str]) -> list[str]:
     return out
 
 
-def _remove_quietly(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     return _run(args)
@@ -358,7 +353,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     timing.close()
     # removed below once read; on any other way out (an engine that fails) at exit
-    atexit.register(_remove_quietly, timing.name)
+    atexit.register(Path(timing.name).unlink, missing_ok=True)
     if args.load_format in ("wcache", "wcache_timed_auto"):
         extra.setdefault("timing_file", timing.name)
     optional = {

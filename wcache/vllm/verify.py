@@ -43,7 +43,6 @@ import gc
 import logging
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -961,7 +960,7 @@ def _daemon_gone_note(vllm_config: Any, device: torch.device, socket_dir: str, j
     try:
         daemon_status(sock)
     except DaemonMissing as exc:
-        if _accepts_connections(sock):  # alive, not answering: SIGSTOP, overload
+        if _listening(sock):  # alive, not answering: SIGSTOP, overload
             return (
                 f"Note: the daemon did not answer after the comparison ({exc}); an "
                 f"engine attaching now would wait for it."
@@ -974,16 +973,16 @@ def _daemon_gone_note(vllm_config: Any, device: torch.device, socket_dir: str, j
     return ""
 
 
-def _accepts_connections(sock_path: str) -> bool:
-    """Whether a process listens on the Unix socket ``sock_path`` (the kernel queues a
-    connection to a stopped one too); False when it is gone or refuses."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(sock_path)
-        except OSError:
-            return False
-    return True
+def _listening(sock_path: str) -> bool:
+    """Whether a process listens on the Unix socket ``sock_path``
+    (:func:`wcache.store.paths.socket_accepts`: the kernel queues a connection to a
+    stopped one too); False when it is gone, refuses, or cannot be probed."""
+    from wcache.store.paths import socket_accepts  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
+
+    try:
+        return socket_accepts(sock_path)
+    except OSError:
+        return False
 
 
 def _check_daemon_key(vllm_config: Any, device: torch.device, socket_dir: str, job: str) -> None:
