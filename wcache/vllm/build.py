@@ -35,9 +35,7 @@ from wcache.store.fingerprint import (
 )
 from wcache.vllm import compat
 from wcache.vllm.model import (
-    meta_build,
-    meta_build_error,
-    meta_build_failed,
+    initialize_on_meta,
     plan_ids,
     planned_layers,
 )
@@ -438,25 +436,10 @@ def meta_model(vllm_config: Any) -> Iterator[torch.nn.Module]:
             before it loads a weight, with this, instead of serving what every engine
             would refuse.
     """
-    from vllm.model_executor.model_loader.utils import initialize_model  # noqa: PLC0415 (vLLM import ~6 s: only when called)
-    from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: PLC0415 (vLLM import ~6 s: only when called)
-
-    model_config = vllm_config.model_config
     before = compat.registrations(vllm_config)
     model = None
     try:
-        try:
-            with (
-                compat.without_reload_metadata(),
-                compat.gptq_config_copied_shallow(),
-                set_default_torch_dtype(model_config.dtype),
-                meta_build(vllm_config.device_config.device),
-            ):
-                model = initialize_model(vllm_config=vllm_config, model_config=model_config)
-        except (NotImplementedError, RuntimeError) as exc:
-            if not meta_build_failed(exc):
-                raise
-            raise meta_build_error(model_config.hf_config, exc, SERVE_META_BUILD_FIX) from exc
+        model = initialize_on_meta(vllm_config, vllm_config.model_config, SERVE_META_BUILD_FIX)
         yield model
     finally:
         del model

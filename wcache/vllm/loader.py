@@ -87,7 +87,6 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.model_loader.utils import initialize_model
-from vllm.utils.torch_utils import set_default_torch_dtype
 
 from wcache.core import WcacheError
 from wcache.errors import (
@@ -102,10 +101,8 @@ from wcache.vllm import compat, startup
 from wcache.vllm.key import build_key, device_id, parallel_layout
 from wcache.vllm.model import (
     ModelMismatch,
+    initialize_on_meta,
     install_tensors_,
-    meta_build,
-    meta_build_error,
-    meta_build_failed,
     meta_leftovers,
     plan_ids,
     planned_layers,
@@ -914,19 +911,15 @@ class WcacheModelLoader(BaseModelLoader):
         model: torch.nn.Module | None = None
         build_error: MetaBuildUnsupported | None = None
         try:
-            with (
-                compat.without_reload_metadata(),
-                compat.gptq_config_copied_shallow(),
-                set_default_torch_dtype(model_config.dtype),
-                meta_build(device),
-            ):
-                model = initialize_model(
-                    vllm_config=vllm_config, model_config=model_config, prefix=prefix
-                )
-        except (NotImplementedError, RuntimeError) as exc:
-            if not meta_build_failed(exc):
-                raise
-            build_error = meta_build_error(model_config.hf_config, exc, ENGINE_META_BUILD_FIX)
+            model = initialize_on_meta(
+                vllm_config,
+                model_config,
+                ENGINE_META_BUILD_FIX,
+                prefix=prefix,
+                initialize=initialize_model,  # looked up here: tests stand in for it
+            )
+        except MetaBuildUnsupported as exc:
+            build_error = exc  # raised below, under the fallback rule
         if model is not None:
             # each layer's model-format metadata, which an in-place reload_weights
             # needs (vLLM records it inside initialize_model; outside the meta context

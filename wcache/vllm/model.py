@@ -426,6 +426,51 @@ def meta_build_error(hf_config: Any, exc: BaseException, fix: str) -> MetaBuildU
     )
 
 
+def initialize_on_meta(
+    vllm_config: Any,
+    model_config: Any,
+    fix: str,
+    *,
+    prefix: str = "",
+    initialize: Any = None,
+) -> torch.nn.Module:
+    """vLLM's model for ``model_config`` built on the meta device as a restoring engine
+    builds it: vLLM's ``initialize_model`` (vllm/model_executor/model_loader/utils.py)
+    under :func:`meta_build` for the engine's device, at the model's dtype, with vLLM's
+    reload-metadata recording held off (:func:`compat.without_reload_metadata`) and a
+    GPTQ config copied shallow. No weight is allocated or read. Needs vLLM's
+    distributed state initialized and ``vllm_config`` current; the model stays
+    registered in vLLM's process-global tables (the caller forgets them).
+
+    Args:
+        fix: the refusal's last sentence (:func:`meta_build_error`).
+        prefix: the model's name prefix, as ``initialize_model`` takes it.
+        initialize: ``initialize_model`` or a stand-in (tests); vLLM's by default.
+
+    Raises:
+        MetaBuildUnsupported: the model reads tensor values while it is built (BLOOM's
+            ALiBi slopes), so no engine can restore it.
+    """
+    from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: PLC0415 (vLLM import ~6 s: only when called)
+
+    if initialize is None:
+        from vllm.model_executor.model_loader import utils  # noqa: PLC0415 (as above)
+
+        initialize = utils.initialize_model
+    try:
+        with (
+            compat.without_reload_metadata(),
+            compat.gptq_config_copied_shallow(),
+            set_default_torch_dtype(model_config.dtype),
+            meta_build(vllm_config.device_config.device),
+        ):
+            return initialize(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+    except (NotImplementedError, RuntimeError) as exc:
+        if not meta_build_failed(exc):
+            raise
+        raise meta_build_error(model_config.hf_config, exc, fix) from exc
+
+
 def meta_leftovers(model: torch.nn.Module) -> list[str]:
     """Every parameter, buffer or tensor attribute still on the meta device, and every
     tensor attribute of an attention layer's backend ``impl`` still on it (an impl keeps
