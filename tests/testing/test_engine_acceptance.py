@@ -64,3 +64,26 @@ def test_gpu_name_asks_nvidia_smi_for_the_first_visible_device(tmp_path, monkeyp
     ea.gpu_name.cache_clear()
     assert ea.gpu_name() is None
     ea.gpu_name.cache_clear()
+
+
+def test_summary_of_a_tier_stopped_before_any_case_finished(tmp_path, capsys):
+    """A tier stopped at TIER_TIMEOUT leaves progress but no results file: the summary
+    says so and where each case's last step is, exit 1, no traceback."""
+    results = tmp_path / "results.jsonl"
+    assert ea.main(["--summary", str(results)]) == 1
+    err = capsys.readouterr().err
+    assert "no case finished" in err
+    assert f"{results}.progress" in err
+
+
+def test_summary_table_of_the_last_row_per_case(tmp_path, capsys):
+    results = tmp_path / "results.jsonl"
+    rows = [
+        {"case": "bf16-compiled", "outcome": "failed", "reason": "first"},
+        {"case": "bf16-compiled", "outcome": "passed"},
+    ]
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert ea.main(["--summary", str(results)]) == 0
+    table = capsys.readouterr().out
+    assert "| bf16-compiled | passed |" in table
+    assert "failed" not in table

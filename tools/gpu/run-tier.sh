@@ -61,7 +61,8 @@ if [ "$TIER" = 1 ]; then
   if [ "${PIPESTATUS[0]}" = 124 ]; then
     echo "[run-tier] pytest stopped at TIER_TIMEOUT=$TIER_TIMEOUT s, before its summary: failures so far in $WCACHE_GPU_ENGINE_RESULTS.failures"
   fi
-  echo "[run-tier] tier done in $(( $(date +%s) - t0 )) s; $(wc -l < "$WCACHE_GPU_ENGINE_RESULTS" 2>/dev/null || echo 0) result rows"
+  rows=0; [ -f "$WCACHE_GPU_ENGINE_RESULTS" ] && rows=$(wc -l < "$WCACHE_GPU_ENGINE_RESULTS")
+  echo "[run-tier] tier done in $(( $(date +%s) - t0 )) s; $rows result rows"
   python3 -m wcache.testing.engine_acceptance --summary "$WCACHE_GPU_ENGINE_RESULTS" || true
 fi
 if [ -n "$BENCH" ]; then

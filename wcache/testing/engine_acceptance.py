@@ -830,6 +830,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for key, value in preflight(Path(args.preflight), ("The capital of France is",)).items():
             print(f"export {key}={value}")
         return 0
+    if not Path(args.summary).is_file():
+        # no case finished: the tier was stopped (TIER_TIMEOUT) or never started one
+        print(
+            f"engine_acceptance: no results in {args.summary}: no case finished; each case's "
+            f"last step is in {args.summary}.progress",
+            file=sys.stderr,
+        )
+        return 1
     print(summary_table(read_results(args.summary)))
     return 0
 
