@@ -158,3 +158,112 @@ def test_stalled_half_frame_is_dropped_after_the_frame_timeout(module_daemon, mo
     assert (False, "protocol-error") == (reply["ok"], reply["code"])
     assert "within 0.2 s" in reply["message"]
     _assert_still_serving(module_daemon)
+
+
+def test_a_trickled_half_frame_is_dropped_by_the_frame_deadline(monkeypatch):
+    """A peer that keeps a frame open by sending one byte now and then (each read
+    well inside the timeout) is cut off when the frame's whole time runs out: the
+    timeout is a deadline for the frame, not per read (break10 #1, #3)."""
+    import threading
+    import time
+
+    a, b = socket.socketpair()
+    stop = threading.Event()
+
+    def trickle():
+        a.sendall(HEADER.pack(1000))
+        while not stop.wait(0.1):
+            try:
+                a.sendall(b"\x00")
+            except OSError:
+                return
+
+    t = threading.Thread(target=trickle, daemon=True)
+    with a, b:
+        t.start()
+        t0 = time.monotonic()
+        with pytest.raises(ProtocolError, match="not completed within 0.5 s"):
+            recv_frame(b, frame_timeout_s=0.5)
+        took = time.monotonic() - t0
+        stop.set()
+        t.join(5)
+    assert took < 3.0, took  # per-read timeouts would never have ended it
+
+
+def test_a_header_claiming_megabytes_costs_only_what_arrived():
+    """The buffer grows with the bytes that arrive: 60 MiB announced and 10 bytes
+    sent allocate about a MiB, not 60 (break10 #1, #3: 64 such connections took a
+    daemon from 30 MiB to 4 GiB)."""
+    import tracemalloc
+
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(HEADER.pack(60 << 20) + b"\x00" * 10)
+        a.shutdown(socket.SHUT_WR)
+        tracemalloc.start()
+        try:
+            with pytest.raises(ProtocolError, match="closed mid-frame"):
+                recv_frame(b)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert peak < 4 << 20, peak
+
+
+@pytest.mark.parametrize("size", [0, 1, (1 << 20) - 7, (1 << 20) + 1, 5 << 20])
+def test_frames_across_the_buffer_growth_round_trip(size):
+    """Payloads below, at and past the growth steps arrive whole, with a descriptor."""
+    import threading
+
+    a, b = socket.socketpair()
+    blob = os.urandom(size)
+    r, w = os.pipe()
+    try:
+        with a, b:
+            t = threading.Thread(target=send_frame, args=(a, {"blob": blob}, (w,)))
+            t.start()
+            frame, fds = recv_frame(b, max_fds=1)
+            t.join(10)
+            assert frame["blob"] == blob
+            assert 1 == len(fds)
+            os.close(fds[0])
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_daemon_reads_requests_up_to_max_request_bytes_only(module_daemon):
+    """A request header above MAX_REQUEST_BYTES is refused before its body; replies
+    keep MAX_FRAME_BYTES."""
+    from wcache.store.protocol import MAX_REQUEST_BYTES
+
+    assert MAX_REQUEST_BYTES < MAX_FRAME_BYTES
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    s.connect(module_daemon.socket_path)
+    with s:
+        s.sendall(HEADER.pack(MAX_REQUEST_BYTES + 1))
+        reply, _ = recv_frame(s)
+    assert (False, "protocol-error") == (reply["ok"], reply["code"])
+    assert f"exceeds the {MAX_REQUEST_BYTES}-byte limit" in reply["message"]
+    _assert_still_serving(module_daemon)
+
+
+def test_a_key_of_too_many_fields_is_refused_at_once(module_daemon):
+    """A get whose key has more fields than any key is refused as a protocol error,
+    not compared field by field (break10 #4: 100k junk fields kept a core busy 193 s
+    and wrote a megabyte log line)."""
+    from wcache.store.protocol import MAX_KEY_FIELDS
+
+    junk = {f"k{i}": i for i in range(MAX_KEY_FIELDS + 1)}
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(module_daemon.socket_path)
+    with s:
+        send_frame(s, {"op": "hello", "protocol": PROTOCOL_VERSION, "wcache": "t"})
+        assert recv_frame(s)[0]["ok"] is True
+        send_frame(s, {"op": "get", "key": junk})
+        reply, _ = recv_frame(s)
+    assert (False, "protocol-error") == (reply["ok"], reply["code"])
+    assert f"at most {MAX_KEY_FIELDS}" in reply["message"]
+    _assert_still_serving(module_daemon)

@@ -2,6 +2,7 @@
 daemon's pid serves without torch, answers as before, cleans up on SIGTERM; a
 hand-off that cannot happen leaves the full process serving."""
 
+import logging
 import os
 import signal
 import subprocess
@@ -454,3 +455,25 @@ def test_lean_server_closes_descriptors_it_was_not_handed(tmp_path):
     assert kept in left and stray not in left
     os.close(stray)
     os.close(kept)
+
+
+def test_a_helper_that_does_not_start_is_logged_on_the_source(
+    server, sock_dir, key, tmp_path, monkeypatch, caplog
+):
+    """A seeding helper that answers no store (here: a line that is not JSON) fails
+    the seed for the receiver and leaves a line in the source's log, as a helper
+    that fails later does (break10 #6: the source logged nothing)."""
+    path = tmp_path / "bad-seed-helper"
+    path.write_text("#!/bin/sh\necho not-json\n")
+    path.chmod(0o700)
+    monkeypatch.setenv(lean.LEAN_EXEC_ENV, str(path))
+    server.seed_source = lean.LeanSeedSource(server, 0)
+    with caplog.at_level(logging.WARNING, logger="wcache.store"):
+        with pytest.raises(SeedFailed, match="seeding helper did not start"):
+            seed_arena(server.socket_path, key)
+    assert any(
+        "from this lean daemon failed: its helper pid" in r.getMessage()
+        and "did not start" in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
+    assert () == server.seed_source.helpers

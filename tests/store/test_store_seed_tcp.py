@@ -416,3 +416,32 @@ def test_cuda_seeding_over_tcp(sock_dir, host, secret_file):
             dst.stop()
     finally:
         stop_daemon(src)
+
+
+def test_unauthenticated_tcp_peers_cannot_take_local_slots(tcp_source, key, sock_dir, monkeypatch):
+    """TCP seeding connections have their own MAX_SEED_CONNECTIONS, apart from the
+    local ones: with every TCP slot held by silent peers (no request, no MAC), the
+    next TCP peer is refused daemon-busy and local engines still attach up to the
+    local limit (break10 #1: 64 silent TCP peers locked every engine out)."""
+    server, source = tcp_source
+    monkeypatch.setattr(server_mod, "MAX_CONNECTIONS", 2)  # local slots, read per accept
+    host, port = seed_mod.parse_host_port(source)
+    held = []
+    try:
+        for _ in range(server_mod.MAX_SEED_CONNECTIONS):
+            s = socket.create_connection((host, port), timeout=10)
+            held.append(s)
+            assert "challenge" == recv_frame(s)[0]["op"]  # admitted: its handler runs
+        with socket.create_connection((host, port), timeout=10) as s:
+            reply, _ = recv_frame(s)
+        assert (False, "daemon-busy") == (reply["ok"], reply["code"])
+        assert f"{server_mod.MAX_SEED_CONNECTIONS} seeding connections" in reply["message"]
+        with (
+            attach(key, socket_dir=sock_dir, device_id="cpu-src") as a1,
+            attach(key, socket_dir=sock_dir, device_id="cpu-src") as a2,
+        ):
+            want = synthetic_export().tensors["w0"]
+            assert torch.equal(want, a1.tensors["w0"]) and torch.equal(want, a2.tensors["w0"])
+    finally:
+        for s in held:
+            s.close()

@@ -425,3 +425,23 @@ def test_arena_file_gone_after_open_is_snapshot_corrupt(daemon, snap_root):
     os.unlink(os.path.join(snap_root, NAME, ARENA_FILE))
     with pytest.raises(SnapshotCorrupt, match="write the snapshot again"):
         snapshot_arena(snap).build("cpu", None, None)
+
+
+@pytest.mark.parametrize("fname", [ARENA_FILE, MANIFEST_FILE, "digests.json"])
+def test_a_snapshot_file_that_is_a_fifo_is_refused_not_waited_on(daemon, snap_root, fname):
+    """A FIFO in a snapshot's place is refused by name; opening it would block for
+    ever (break10 #5: `--from-snapshot` hung in wait_for_partner)."""
+    import concurrent.futures
+
+    path = _write(daemon, snap_root)
+    os.unlink(os.path.join(path, fname))
+    os.mkfifo(os.path.join(path, fname))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(open_snapshot, snap_root, NAME)
+        try:
+            with pytest.raises(SnapshotCorrupt, match=f"{fname} is a FIFO, not a regular file"):
+                fut.result(timeout=30)
+        finally:
+            if not fut.done():  # unblock the open so the pool can exit
+                with open(os.path.join(path, fname), "wb"):
+                    pass

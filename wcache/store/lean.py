@@ -238,6 +238,13 @@ class LeanSeedSource:
                 if started is not None or ready
                 else f"no answer in {SEED_HELPER_START_S:.0f} s"
             )
+            log.warning(
+                "seeding pid %s from this lean daemon failed: its helper pid %d did not "
+                "start (%s); still serving",
+                state.get("pid"),
+                proc.pid,
+                why,
+            )
             raise SeedFailed(
                 f"this lean daemon's seeding helper did not start ({why}; its log is "
                 f"in this daemon's stderr); start the source daemon with --no-lean "

@@ -368,10 +368,11 @@ class CacheKey:
 
         a, b = self.fields, other.fields
         diff = self.diff(other)
+        differing = set(diff)
         parts: list[str] = []
         for f in diff:
             echoed = ECHO_FIELDS.get(f)
-            if echoed in diff and (a.get(f, ...), b.get(f, ...)) == (
+            if echoed in differing and (a.get(f, ...), b.get(f, ...)) == (
                 a.get(echoed, ...),
                 b.get(echoed, ...),
             ):

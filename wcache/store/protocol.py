@@ -44,6 +44,7 @@ import os
 import socket
 import struct
 import sys
+import time
 from typing import Any
 
 import msgpack
@@ -55,6 +56,8 @@ from wcache.store.manifest import CacheKey, canonical_json
 __all__ = [
     "PROTOCOL_VERSION",
     "MAX_FRAME_BYTES",
+    "MAX_REQUEST_BYTES",
+    "MAX_KEY_FIELDS",
     "HEADER",
     "OPS",
     "REQUEST_FIELDS",
@@ -80,6 +83,18 @@ PROTOCOL_VERSION = 1
 # ~100k tensors is ~10 MiB of msgpack, so 64 MiB leaves room without letting a
 # bad length header make us allocate gigabytes.
 MAX_FRAME_BYTES = 64 << 20
+#: Largest request a daemon reads (a client's ``hello``/``get``/``seed``, bytes): a
+#: request is a key of a few dozen fields (a few KiB, tens with hundreds of checkpoint
+#: shards), so this bounds what a flood of half-sent frames can make a daemon hold,
+#: before any authentication (TCP seeding), where replies keep :data:`MAX_FRAME_BYTES`.
+MAX_REQUEST_BYTES = 4 << 20
+#: Most top-level fields a client's key may have: a real key has a few dozen
+#: (:func:`wcache.vllm.key.build_key`); more is not a key, and comparing it would
+#: only cost the daemon time.
+MAX_KEY_FIELDS = 1024
+#: A large frame's buffer grows with the bytes that arrive, from this size, doubling:
+#: a header claiming megabytes costs the reader only what the peer really sent.
+_RECV_GROW_FROM = 1 << 20
 HEADER = struct.Struct(">I")
 # SCM_RIGHTS carries at most SCM_MAX_FD (253) descriptors per message; we send 1.
 MAX_FDS_PER_FRAME = 1
@@ -159,6 +174,10 @@ def check_seed_request(req: dict[str, Any], server: Any) -> tuple[dict[str, Any]
     fields = req.get("key")
     if not isinstance(fields, dict):
         raise ProtocolError("seed needs a key map")
+    if len(fields) > MAX_KEY_FIELDS:
+        raise ProtocolError(
+            f"key has {len(fields)} fields, at most {MAX_KEY_FIELDS}: not a wcache key"
+        )
     theirs = CacheKey(fields)
     if theirs != server.key:
         diff = server.key.diff(theirs)
@@ -235,24 +254,47 @@ def send_frame(sock: socket.socket, obj: dict[str, Any], fds: tuple[int, ...] = 
         sock.sendall(data)
 
 
-def _recv_exact(sock: socket.socket, n: int, fds: list[int], want_fds: int) -> bytes | None:
-    """Read exactly n bytes (None when the peer closed before the first byte)."""
-    buf = bytearray(n)
-    view = memoryview(buf)
+def _recv_exact(
+    sock: socket.socket,
+    n: int,
+    fds: list[int],
+    want_fds: int,
+    deadline: float | None = None,
+) -> bytes | None:
+    """Read exactly n bytes (None when the peer closed before the first byte), by
+    ``deadline`` (``time.monotonic()``) when given, else under the socket's timeout
+    per read. The buffer grows with what arrives (:data:`_RECV_GROW_FROM`, doubling).
+
+    Raises:
+        TimeoutError: the deadline passed (or the socket's timeout, per read).
+        ProtocolError: the peer closed mid-read or sent more descriptors than asked.
+    """
+    buf = bytearray(min(n, _RECV_GROW_FROM))
     got = 0
     while got < n:
-        if want_fds and not fds:
-            anc_size = socket.CMSG_SPACE(want_fds * array.array("i").itemsize)
-            nbytes, anc, flags, _ = sock.recvmsg_into([view[got:]], anc_size)
-            for level, kind, cdata in anc:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    arr = array.array("i")
-                    arr.frombytes(cdata[: len(cdata) - len(cdata) % arr.itemsize])
-                    fds.extend(arr)
-            if flags & socket.MSG_CTRUNC:
-                raise ProtocolError("peer sent more descriptors than expected")
-        else:
-            nbytes = sock.recv_into(view[got:])
+        if got == len(buf):  # full: grow by what has arrived, never ahead of it
+            buf.extend(bytes(min(len(buf), n - len(buf))))
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            sock.settimeout(left)
+        view = memoryview(buf)[got:]
+        try:
+            if want_fds and not fds:
+                anc_size = socket.CMSG_SPACE(want_fds * array.array("i").itemsize)
+                nbytes, anc, flags, _ = sock.recvmsg_into([view], anc_size)
+                for level, kind, cdata in anc:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        arr = array.array("i")
+                        arr.frombytes(cdata[: len(cdata) - len(cdata) % arr.itemsize])
+                        fds.extend(arr)
+                if flags & socket.MSG_CTRUNC:
+                    raise ProtocolError("peer sent more descriptors than expected")
+            else:
+                nbytes = sock.recv_into(view)
+        finally:
+            view.release()
         if nbytes == 0:
             if got == 0:
                 return None
@@ -262,14 +304,20 @@ def _recv_exact(sock: socket.socket, n: int, fds: list[int], want_fds: int) -> b
 
 
 def recv_frame(
-    sock: socket.socket, max_fds: int = 0, frame_timeout_s: float | None = None
+    sock: socket.socket,
+    max_fds: int = 0,
+    frame_timeout_s: float | None = None,
+    max_bytes: int = MAX_FRAME_BYTES,
 ) -> tuple[dict[str, Any], list[int]]:
     """Receive one frame and the descriptors attached to it.
 
     Waiting for a frame to start uses the socket's own timeout (the daemon
     waits forever: an attached client may stay idle); once its first byte has
-    arrived, the rest must follow within ``frame_timeout_s`` (when given), so a
-    stalled half frame cannot hold a handler thread forever.
+    arrived, the whole rest must follow within ``frame_timeout_s`` (when given: a
+    deadline, not a per-read timeout), so a stalled or trickled half frame cannot
+    hold a handler thread forever. A length over ``max_bytes`` (a daemon reads
+    requests with :data:`MAX_REQUEST_BYTES`) is refused before any payload is
+    read, and the buffer grows only with the bytes that arrive.
 
     Descriptors received with a frame that turns out bad are closed.
 
@@ -284,18 +332,15 @@ def recv_frame(
         first = _recv_exact(sock, 1, fds, max_fds)
         if first is None:
             raise ConnectionClosed("peer closed the connection")
-        if frame_timeout_s is not None:
-            sock.settimeout(frame_timeout_s)
+        deadline = None if frame_timeout_s is None else time.monotonic() + frame_timeout_s
         try:
-            header = first + (_recv_exact(sock, HEADER.size - 1, fds, max_fds) or b"")
+            header = first + (_recv_exact(sock, HEADER.size - 1, fds, max_fds, deadline) or b"")
             if len(header) != HEADER.size:
                 raise ProtocolError("connection closed inside a frame header")
             (length,) = HEADER.unpack(header)
-            if length > MAX_FRAME_BYTES:
-                raise ProtocolError(
-                    f"frame length {length} exceeds the {MAX_FRAME_BYTES}-byte limit"
-                )
-            payload = _recv_exact(sock, length, fds, max_fds) if length else b""
+            if length > max_bytes:
+                raise ProtocolError(f"frame length {length} exceeds the {max_bytes}-byte limit")
+            payload = _recv_exact(sock, length, fds, max_fds, deadline) if length else b""
             if payload is None:
                 raise ProtocolError("connection closed after a frame header")
         except TimeoutError:

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import wcache
 from wcache.store.errors import PeerRefused, ProtocolError, StoreError
 from wcache.store.protocol import (
+    MAX_REQUEST_BYTES,
     PROTOCOL_VERSION,
     SEED_NONCE_BYTES,
     SEED_REPLY_LABEL,
@@ -168,7 +169,11 @@ class SeedListener:
                 },
             )
             try:
-                request, _ = recv_frame(conn, frame_timeout_s=self._owner.seed_tcp_timeout_s)
+                request, _ = recv_frame(
+                    conn,
+                    frame_timeout_s=self._owner.seed_tcp_timeout_s,
+                    max_bytes=MAX_REQUEST_BYTES,
+                )
             except ConnectionClosed:
                 return
             except ProtocolError as e:

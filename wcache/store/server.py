@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import wcache
+from wcache.errors import name_some
 from wcache.store import paths
 from wcache.store.artifacts import bundle_summary
 from wcache.store.errors import (
@@ -51,6 +52,8 @@ from wcache.store.errors import (
 )
 from wcache.store.manifest import CacheKey, Export, Manifest
 from wcache.store.protocol import (
+    MAX_KEY_FIELDS,
+    MAX_REQUEST_BYTES,
     PROTOCOL_VERSION,
     ConnectionClosed,
     check_request,
@@ -73,6 +76,7 @@ __all__ = [
     "client_key",
     "MAX_CONNECTIONS",
     "MAX_CONNECTIONS_PER_CLIENT",
+    "MAX_SEED_CONNECTIONS",
     "HELLO_TIMEOUT_S",
     "IDLE_TIMEOUT_S",
     "INVALIDATED_EXIT",
@@ -83,8 +87,15 @@ __all__ = [
 
 log = logging.getLogger("wcache.store")
 
-# Engines per device are few; more connections than this is a runaway client.
+# Engines per device are few; more local (Unix socket) connections than this is a
+# runaway client.
 MAX_CONNECTIONS = 64
+#: TCP seeding connections open at once, counted apart from the local ones: they
+#: arrive before any authentication, so a flood of them must never take an engine's
+#: slot (a receiver seeds once per start; more at once is a scan or a flood).
+MAX_SEED_CONNECTIONS = 8
+#: A key mismatch's log line names this many differing fields, then counts the rest.
+MAX_LOGGED_FIELDS = 20
 #: Connections one client process (by SO_PEERCRED pid) may hold at once: an engine
 #: holds one attachment and makes short status probes; more is a leak or a flood,
 #: and refusing it keeps slots free for other clients (engines get through).
@@ -184,6 +195,10 @@ def client_key(fields: Any) -> CacheKey:
     """
     if not isinstance(fields, dict):
         raise ProtocolError(f"key must be a map, not {type(fields).__name__}")
+    if len(fields) > MAX_KEY_FIELDS:
+        raise ProtocolError(
+            f"key has {len(fields)} fields, at most {MAX_KEY_FIELDS}: not a wcache key"
+        )
     try:
         key = CacheKey(fields)
         key.digest  # noqa: B018  (computes the canonical form: refuses what JSON cannot carry)
@@ -639,10 +654,12 @@ class DaemonServer:
         return SEED_TCP_TIMEOUT_S
 
     def admit_(self, conn: socket.socket, thread: threading.Thread) -> bool:
-        """Take one of the :data:`MAX_CONNECTIONS` slots (Unix and TCP together) for a
-        TCP seeding connection handled by ``thread``; False when every slot is taken."""
+        """Take one of the :data:`MAX_SEED_CONNECTIONS` slots for a TCP seeding
+        connection handled by ``thread``; False when every one is taken. The local
+        connections' :data:`MAX_CONNECTIONS` are apart: a peer that is not yet
+        authenticated cannot take an engine's slot."""
         with self._conns_lock:
-            if len(self._conns) >= MAX_CONNECTIONS:
+            if len(self._conns) - len(self._conn_states) >= MAX_SEED_CONNECTIONS:
                 return False
             self._conns[conn] = thread
             return True
@@ -659,9 +676,16 @@ class DaemonServer:
     def refuse_full_(self, conn: socket.socket, peer: str) -> None:
         """Refuse a TCP seeding connection from ``peer`` when every slot is taken."""
         log.warning(
-            "refused a seeding connection from %s: %d connections open", peer, MAX_CONNECTIONS
+            "refused a seeding connection from %s: %d seeding connections open",
+            peer,
+            MAX_SEED_CONNECTIONS,
         )
-        self._refuse(conn, DaemonBusy(f"daemon has {MAX_CONNECTIONS} connections; try again later"))
+        self._refuse(
+            conn,
+            DaemonBusy(
+                f"daemon has {MAX_SEED_CONNECTIONS} seeding connections open; try again later"
+            ),
+        )
 
     # ------------------------------------------------------------------ serving
 
@@ -695,7 +719,7 @@ class DaemonServer:
                         f"pid {pid} already holds {mine} connections to this daemon (at most "
                         f"{self.max_connections_per_client} per client); close some first"
                     )
-                elif len(self._conns) >= MAX_CONNECTIONS and not self._evict_idle_locked():
+                elif len(self._conn_states) >= MAX_CONNECTIONS and not self._evict_idle_locked():
                     busy = (
                         f"daemon has {MAX_CONNECTIONS} connections, each holding an "
                         f"attachment; try again later"
@@ -780,7 +804,9 @@ class DaemonServer:
                 )
                 conn.settimeout(wait)
                 try:
-                    request, _ = recv_frame(conn, frame_timeout_s=self.frame_timeout_s)
+                    request, _ = recv_frame(
+                        conn, frame_timeout_s=self.frame_timeout_s, max_bytes=MAX_REQUEST_BYTES
+                    )
                 except ConnectionClosed:
                     return
                 except TimeoutError:  # socket.timeout: nothing arrived within `wait`
@@ -919,7 +945,7 @@ class DaemonServer:
                 "pid %s asked for key %s; differing fields %s",
                 state["pid"],
                 theirs.digest[:16],
-                diff,
+                name_some(diff, MAX_LOGGED_FIELDS),
             )
             return {
                 "ok": False,

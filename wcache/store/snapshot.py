@@ -41,6 +41,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Iterable
@@ -335,6 +336,37 @@ def _write_locked(
     return final
 
 
+def _refuse_unless_regular(path: str, fname: str) -> None:
+    """Refuse a snapshot file that exists and is not a regular file (after symlinks):
+    a FIFO would block its open forever, a device or a directory is no snapshot.
+
+    Raises:
+        SnapshotCorrupt: naming the file and what it is.
+    """
+    try:
+        mode = os.stat(os.path.join(path, fname)).st_mode
+    except FileNotFoundError:
+        return  # missing: the reads below say so
+    except OSError as e:
+        raise SnapshotCorrupt(
+            f"snapshot {path}: cannot stat {fname}: {e}; delete {path} and write it again"
+        ) from e
+    if not stat.S_ISREG(mode):
+        kind = (
+            "a FIFO"
+            if stat.S_ISFIFO(mode)
+            else "a directory"
+            if stat.S_ISDIR(mode)
+            else "a socket"
+            if stat.S_ISSOCK(mode)
+            else "a device or other special file"
+        )
+        raise SnapshotCorrupt(
+            f"snapshot {path}: {fname} is {kind}, not a regular file; delete {path} "
+            f"and write the snapshot again"
+        )
+
+
 def _read_small(path: str, digests: dict, fname: str) -> bytes:
     try:
         with open(os.path.join(path, fname), "rb") as f:
@@ -378,6 +410,8 @@ def open_snapshot(root: str, name: str) -> Snapshot:
         else:
             hint = f"start the daemon from the checkpoint with `--snapshot {root}` to write one"
         raise SnapshotMissing(f"no snapshot at {path} ({what}); {hint}")
+    for fname in (DIGESTS_FILE, KEY_FILE, MANIFEST_FILE, ARENA_FILE):
+        _refuse_unless_regular(path, fname)
     try:
         with open(dpath, "rb") as f:
             index = json.loads(f.read())
