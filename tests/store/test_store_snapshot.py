@@ -445,3 +445,35 @@ def test_a_snapshot_file_that_is_a_fifo_is_refused_not_waited_on(daemon, snap_ro
             if not fut.done():  # unblock the open so the pool can exit
                 with open(os.path.join(path, fname), "wb"):
                     pass
+
+
+def test_seed_from_a_directory_names_a_daemon_that_listens_but_does_not_answer(key, tmp_path):
+    """A socket in the --seed-from directory that accepts but never answers (a
+    stalled, SIGSTOPped daemon) is named as such, with the check to run, instead of
+    "seen: none"; a stale socket file of a dead daemon is still passed over
+    (break10 #7)."""
+    import socket as socket_mod
+
+    from wcache.daemon.serve import find_seed_source
+    from wcache.store import DaemonMissing
+    from wcache.store.paths import SOCKET_PREFIX, SOCKET_SUFFIX
+
+    d = tmp_path / "socks"
+    d.mkdir(mode=0o700)
+    stalled = d / f"{SOCKET_PREFIX}cpu-0{SOCKET_SUFFIX}"
+    dead = d / f"{SOCKET_PREFIX}cpu-1{SOCKET_SUFFIX}"
+    listener = socket_mod.socket(socket_mod.AF_UNIX)
+    listener.bind(str(stalled))
+    listener.listen(8)  # accepts (the kernel's backlog), never answers
+    gone = socket_mod.socket(socket_mod.AF_UNIX)
+    gone.bind(str(dead))
+    gone.close()
+    try:
+        with pytest.raises(DaemonMissing) as ei:
+            find_seed_source(str(d), key)
+    finally:
+        listener.close()
+    msg = str(ei.value)
+    assert f"listening but not answering: {stalled.name} [daemon-missing]" in msg
+    assert "wcache status --socket-dir" in msg
+    assert dead.name not in msg

@@ -169,19 +169,32 @@ def find_seed_source(seed_from: str, key: Any) -> str:
         )
     from wcache.store.paths import list_sockets  # noqa: PLC0415 (imported at call time: tests patch list_sockets)
 
-    seen = []
+    seen, silent = [], []
     for sock in list_sockets(seed_from):
         entry = os.path.basename(sock)
         try:
             digest = daemon_status(sock, connect_timeout_s=2.0).get("key_digest")
-        except StoreError:
-            continue
+        except StoreError as e:
+            try:
+                live = paths.socket_accepts(sock)  # a listener that did not answer
+            except OSError:
+                live = False
+            if live:
+                silent.append(f"{entry} [{e.code}]")
+            continue  # a stale socket file of a dead daemon
         if digest == key.digest:
             return sock
         seen.append(f"{entry} ({str(digest)[:12]})")
+    stalled = (
+        f"; listening but not answering: {', '.join(silent)} (a stalled or overloaded "
+        f"daemon: check it with `wcache status --socket-dir {seed_from}`, or give its "
+        f"socket to --seed-from)"
+        if silent
+        else ""
+    )
     raise DaemonMissing(
         f"no daemon in {seed_from} serves key {key.digest[:12]} (seen: "
-        f"{', '.join(seen) or 'none'}); start the source with the same engine "
+        f"{', '.join(seen) or 'none'}{stalled}); start the source with the same engine "
         f"arguments, or start this daemon from the checkpoint"
     )
 
