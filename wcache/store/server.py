@@ -92,8 +92,10 @@ log = logging.getLogger("wcache.store")
 MAX_CONNECTIONS = 64
 #: TCP seeding connections open at once, counted apart from the local ones: they
 #: arrive before any authentication, so a flood of them must never take an engine's
-#: slot (a receiver seeds once per start; more at once is a scan or a flood).
-MAX_SEED_CONNECTIONS = 8
+#: slot. Each receiver holds one for its exchange only (milliseconds, or the source's
+#: first arena digest, ~20 s for a 16 GiB rank), so 32 lets a fleet's nodes start at
+#: once while a flood holds at most 32 x MAX_REQUEST_BYTES.
+MAX_SEED_CONNECTIONS = 32
 #: A key mismatch's log line names this many differing fields, then counts the rest.
 MAX_LOGGED_FIELDS = 20
 #: Connections one client process (by SO_PEERCRED pid) may hold at once: an engine
