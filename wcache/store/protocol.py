@@ -174,10 +174,6 @@ def check_seed_request(req: dict[str, Any], server: Any) -> tuple[dict[str, Any]
     fields = req.get("key")
     if not isinstance(fields, dict):
         raise ProtocolError("seed needs a key map")
-    if len(fields) > MAX_KEY_FIELDS:
-        raise ProtocolError(
-            f"key has {len(fields)} fields, at most {MAX_KEY_FIELDS}: not a wcache key"
-        )
     theirs = CacheKey(fields)
     if theirs != server.key:
         diff = server.key.diff(theirs)
@@ -402,8 +398,9 @@ def check_request(req: dict[str, Any]) -> str:
 
     Well-formed: ``op`` is a string naming a command, every other field is one
     that command takes (:data:`REQUEST_FIELDS`) with one of its types (a bool is
-    never taken for an int), and the required fields (:data:`REQUIRED_FIELDS`)
-    are there.
+    never taken for an int), the required fields (:data:`REQUIRED_FIELDS`) are
+    there, and a ``key`` has at most :data:`MAX_KEY_FIELDS` fields (comparing a
+    larger one would only cost the daemon time).
 
     Raises:
         ProtocolError: naming the first offending field, its type and what was expected.
@@ -432,6 +429,11 @@ def check_request(req: dict[str, Any]) -> str:
     missing = sorted(REQUIRED_FIELDS.get(op, frozenset()) - set(req))
     if missing:
         raise ProtocolError(f"{op} needs the field(s) {missing}")
+    key = req.get("key")
+    if key is not None and len(key) > MAX_KEY_FIELDS:  # a map: checked above
+        raise ProtocolError(
+            f"key has {len(key)} fields, at most {MAX_KEY_FIELDS}: not a wcache key"
+        )
     return op
 
 

@@ -52,7 +52,6 @@ from wcache.store.errors import (
 )
 from wcache.store.manifest import CacheKey, Export, Manifest
 from wcache.store.protocol import (
-    MAX_KEY_FIELDS,
     MAX_REQUEST_BYTES,
     PROTOCOL_VERSION,
     ConnectionClosed,
@@ -197,10 +196,6 @@ def client_key(fields: Any) -> CacheKey:
     """
     if not isinstance(fields, dict):
         raise ProtocolError(f"key must be a map, not {type(fields).__name__}")
-    if len(fields) > MAX_KEY_FIELDS:
-        raise ProtocolError(
-            f"key has {len(fields)} fields, at most {MAX_KEY_FIELDS}: not a wcache key"
-        )
     try:
         key = CacheKey(fields)
         key.digest  # noqa: B018  (computes the canonical form: refuses what JSON cannot carry)
