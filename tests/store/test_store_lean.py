@@ -52,6 +52,16 @@ print(json.dumps({{"port": 1, "token": "00"}}), flush=True)
 time.sleep(600)
 """
 
+#: A seeding helper killed just after its reply (break10 #2: an OOM kill there left
+#: the receiver waiting 76 s): the real helper, whose send_arena kills it.
+DYING_HELPER = """#!{python}
+import os, signal, sys
+import wcache.store.seed as seed
+import wcache.store.seed_helper as helper
+seed.send_arena = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+sys.exit(helper.main())
+"""
+
 
 def _wait_serving(sock_dir: str, mode: str) -> dict:
     deadline = time.monotonic() + LEAN_WAIT_S
@@ -477,3 +487,20 @@ def test_a_helper_that_does_not_start_is_logged_on_the_source(
         for r in caplog.records
     ), [r.getMessage() for r in caplog.records]
     assert () == server.seed_source.helpers
+
+
+def test_a_helper_killed_after_its_reply_fails_the_receiver_at_once(
+    server, sock_dir, key, tmp_path, monkeypatch
+):
+    """The helper answers (its store listening) and is killed before it joins: the
+    receiver's fill fails naming the closed store, instead of c10d retrying the
+    refused connection past SEED_CONNECT_TIMEOUT_S (break10 #2: 76 s)."""
+    path = tmp_path / "dying-seed-helper"
+    path.write_text(DYING_HELPER.format(python=sys.executable))
+    path.chmod(0o700)
+    monkeypatch.setenv(lean.LEAN_EXEC_ENV, str(path))
+    server.seed_source = lean.LeanSeedSource(server, 0)
+    arena = seed_arena(server.socket_path, key)
+    dst = torch.empty(arena.manifest.arena_nbytes, dtype=torch.uint8)
+    with pytest.raises(SeedFailed, match="nothing listens on the source's seeding store"):
+        arena.fill(dst)

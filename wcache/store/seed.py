@@ -105,11 +105,12 @@ SEED_TIMEOUT_S = 600.0
 NCCL_GROUP_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 #: How long the receiver tries to reach the source's TCPStore (seconds). The
 #: source opened it just before replying, so it answers at once unless the
-#: source died in between; c10d retries a refused connection until this runs
-#: out, with retries (here a 10 s limit gave up after 18 s and 29 s, this
-#: 30 s one after 42 s), so a dead source costs under ~1.5 min rather than
-#: SEED_TIMEOUT_S that way (20-30 min).
+#: source died in between, which fails within seconds (:func:`_connect_store`);
+#: this bounds a host that does not answer at all.
 SEED_CONNECT_TIMEOUT_S = 30.0
+#: One attempt at connecting to the source's TCPStore (seconds; c10d may run
+#: ~2.5x over it), within SEED_CONNECT_TIMEOUT_S.
+STORE_ATTEMPT_S = 2.0
 #: Prefix of every key the seeding group writes in its TCPStore; a random
 #: token follows it per seeding (see :meth:`SeedSource.handle`).
 STORE_PREFIX = "wcache-seed/"
@@ -268,14 +269,7 @@ def _group(
 
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
-        store = dist.TCPStore(
-            host,
-            port,
-            2,
-            is_master,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=SEED_CONNECT_TIMEOUT_S),
-        )
+        store = _connect_store(host, port, is_master)
         store.set_timeout(timeout)  # connected: the rendezvous and transfer may take long
     prefixed = dist.PrefixStore(f"{STORE_PREFIX}{token}/", store)
     if backend == "gloo":
@@ -293,6 +287,62 @@ def _group(
         opts._timeout = timeout
         return _nccl_group(prefixed, rank, opts), store
     raise StoreError(f"seeding backend {backend!r} is not one of {sorted(set(BACKENDS.values()))}")
+
+
+def _connect_store(host: str, port: int, is_master: bool) -> Any:
+    """A client of the source's seeding ``TCPStore`` on ``host:port``, tried for
+    :data:`SEED_CONNECT_TIMEOUT_S` in attempts of :data:`STORE_ATTEMPT_S`, each
+    after :func:`_probe_store`.
+
+    c10d's client alone retries a refused connection for its whole timeout (and
+    past it: 76 s at 30 s here). The source opened its store before it
+    answered, so a refusal means the process holding it has ended since (a lean
+    daemon's helper killed just after its reply, say by the OOM killer); the
+    probe before each attempt turns that into an error within seconds. The
+    first probe can still be accepted by a process the kernel is tearing down.
+
+    Raises:
+        RuntimeError: the store refuses connections, or c10d's last attempt
+            failed (a timeout: the host does not answer).
+    """
+    deadline = time.monotonic() + SEED_CONNECT_TIMEOUT_S
+    while True:
+        if not is_master:
+            _probe_store(host, port)
+        try:
+            return dist.TCPStore(
+                host,
+                port,
+                2,
+                is_master,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=STORE_ATTEMPT_S),
+            )
+        except RuntimeError:  # c10d's DistNetworkError/DistStoreError: a timeout
+            if is_master or time.monotonic() >= deadline:
+                raise
+
+
+def _probe_store(host: str, port: int) -> None:
+    """Fail at once when nothing listens on the source's seeding store (see
+    :func:`_connect_store`). Any other outcome (accepted, a timeout, an
+    unreachable network) is left to c10d, as before.
+
+    Raises:
+        RuntimeError: the connection was refused (the receiver raises it as
+            ``seed-failed``).
+    """
+    try:
+        with socket.create_connection((host, port), timeout=SEED_CONNECT_TIMEOUT_S):
+            pass
+    except ConnectionRefusedError as e:
+        raise RuntimeError(
+            f"nothing listens on the source's seeding store {host}:{port} ({e}): the "
+            f"source opened it before it answered, so the process sending the arena "
+            f"has ended since (killed, out of memory?): the source daemon's log says why"
+        ) from None
+    except OSError:  # a timeout or an unreachable host: c10d's own connect reports it
+        pass
 
 
 def _broadcast(pg: Any, t: torch.Tensor, timeout_s: float) -> None:
