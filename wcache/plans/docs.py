@@ -387,7 +387,14 @@ REAL_ENGINE_RESULTS: dict[str, tuple[str, str]] = {
         "unnamed; it also ran the six gemma3 cases, whose fixture build needs the "
         "bundle's transformers (not the image's), and wrote no gemma3 row: the likely "
         "three. The harness now names each failure as it happens and the dense stage "
-        "leaves gemma3 to its own",
+        "leaves gemma3 to its own. With the checkout of commit 7333268 "
+        "(2026-12-07T08:07Z-08:22Z; the rows say 5b04ad8 with `git_dirty` true: the "
+        "seeding fix on top of it touches no engine path), **on an H100 80GB HBM3** (the "
+        "fifth call naming `nvidia-h200` that session got one; the four before got no "
+        "machine), a check of the two sessions' meta-build, frame and seeding changes: "
+        "the dense stage (12 workers) until its 900 s timeout, 13 eager cases, 12 "
+        "`restored` with verify exit 0 and online-fp8-per-block not-runnable as before, "
+        "no failure; the compiled cases were still running",
     ),
 }
 
