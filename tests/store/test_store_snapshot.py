@@ -149,6 +149,13 @@ def test_a_rank_folder_or_a_file_given_as_the_snapshot_names_what_to_give(daemon
     assert "--snapshot " not in str(ei.value)
     with pytest.raises(SnapshotMissing) as ei:
         open_snapshot(os.path.join(path, ARENA_FILE), NAME)
+    assert f"`--from-snapshot {os.path.normpath(snap_root)}`" in str(ei.value)  # break11 #10
+    assert "--snapshot " not in str(ei.value)
+    stray = os.path.join(snap_root, "notes.txt")
+    with open(stray, "w") as f:
+        f.write("not a snapshot")
+    with pytest.raises(SnapshotMissing) as ei:
+        open_snapshot(stray, NAME)
     assert "is a file: give the snapshot directory" in str(ei.value)
     assert "--snapshot " not in str(ei.value).replace("`--snapshot` wrote", "")
 

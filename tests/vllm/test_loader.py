@@ -380,6 +380,23 @@ def test_missing_daemon_with_a_daemon_of_another_job_names_the_job(
     assert ([] if daemon_dtype == "torch.bfloat16" else ["dtype"]) == err.fields
 
 
+@pytest.mark.parametrize("job", ["", "train"])
+def test_the_engines_own_stalled_daemon_is_not_reported_as_another_job(job, monkeypatch):
+    """The engine's own daemon (equal key, same job) answered ``status`` but not the
+    request within the timeout: the engine's daemon-missing error stands, not a
+    key-mismatch advising the job it already has (break11 #3)."""
+    from wcache.errors import DaemonMissing
+    from wcache.vllm.loader import _diagnose_missing
+
+    fields = _parallel_key().fields
+    monkeypatch.setattr("wcache.store.paths.list_sockets", lambda d: [f"{d}/ours.sock"])
+    monkeypatch.setattr(
+        "wcache.store.daemon_status", lambda s, **k: {"key_fields": fields, "job": job}
+    )
+    exc = DaemonMissing("did not answer 'get' within 5.0 s; it is stalled or overloaded")
+    assert exc is _diagnose_missing(exc, _parallel_key(), "/s", job)
+
+
 def test_the_other_daemons_job_is_named_where_its_status_gives_it(monkeypatch):
     """A daemon's status carries its --job (only a digest of it is in the socket's
     name): the refusal names that job, so the engine's user can pass it (break pass 9:

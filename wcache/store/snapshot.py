@@ -406,7 +406,15 @@ def open_snapshot(root: str, name: str) -> Snapshot:
                 f"that holds it, `--from-snapshot {os.path.dirname(os.path.normpath(root))}`"
             )
         elif os.path.isfile(root):
-            hint = f"{root} is a file: give the snapshot directory, the one `--snapshot` wrote into"
+            parent = os.path.dirname(os.path.abspath(root))
+            if os.path.exists(os.path.join(parent, DIGESTS_FILE)):  # a file of one rank's folder
+                hint = (
+                    f"{root} is a file of one rank's folder of a snapshot: give the "
+                    f"directory that holds that folder, "
+                    f"`--from-snapshot {os.path.dirname(parent)}`"
+                )
+            else:
+                hint = f"{root} is a file: give the snapshot directory, the one `--snapshot` wrote into"
         else:
             hint = f"start the daemon from the checkpoint with `--snapshot {root}` to write one"
         raise SnapshotMissing(f"no snapshot at {path} ({what}); {hint}")

@@ -249,7 +249,8 @@ def _diagnose_missing(exc: Exception, key: Any, socket_dir: str | None, job: str
     job) listens on a different socket; name the differing key fields instead of
     reporting no daemon at all, or, when its key equals ours, the job (which is in
     the socket's name, not in the key) and how to pass it. Returns ``exc`` when no
-    other daemon answers."""
+    other daemon answers (the engine's own daemon, equal key and job, that answered
+    ``status`` but stalled on the request, is not another: break11 #3)."""
     from wcache.store import KeyMismatch, daemon_status  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
     from wcache.store.paths import default_socket_dir, list_sockets  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
 
@@ -268,6 +269,8 @@ def _diagnose_missing(exc: Exception, key: Any, socket_dir: str | None, job: str
             continue
         if {r: (other.fields.get("parallel") or {}).get(r) for r in ranks} != mine:
             continue  # another rank's daemon (of this or another job) says nothing about ours
+        if st.get("job") == job and not key.diff(other):
+            continue  # our own daemon: it answers status, not the request (stalled): exc says so
         if best is None or len(key.diff(other)) < len(key.diff(best[1])):
             best = (sock, other, st.get("job"))
     if best is None:
