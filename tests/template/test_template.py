@@ -456,6 +456,43 @@ def test_killed_client_kills_its_child(template, work, env):
     )
 
 
+GROUP = r"""
+import subprocess, sys
+# two grandchildren in the child's process group: one that SIGTERM ends, one that
+# ignores it (as a process busy in C code, or a handler that does not exit)
+plain = subprocess.Popen(["sleep", "600"])
+stubborn = subprocess.Popen(
+    [sys.executable, "-c",
+     "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+     "print('ready', flush=True); time.sleep(600)"],
+    stdout=subprocess.PIPE, text=True,
+)
+stubborn.stdout.readline()
+print("pid", plain.pid, stubborn.pid, flush=True)
+plain.wait()
+"""
+
+
+def test_killed_client_ends_the_childs_whole_process_group(template, work, env):
+    """kill -9 of `wcache run` ends what its child started too (vLLM's engine core and
+    worker, in the child's process group): SIGTERM to the group, SIGKILL after
+    GROUP_KILL_GRACE_S for what ignored it. The template killed only the child's pid and
+    left the engine running outside the job that ran `wcache run` (break pass 11 #1)."""
+    from wcache.template.server import GROUP_KILL_GRACE_S
+
+    proc = _start_piped(_through(template, [sys.executable, "-c", GROUP]), work, env, None)
+    plain, stubborn = (int(p) for p in _wait_line(proc, "pid ").split()[1:])
+    proc.kill()
+    proc.wait(RUN_TIMEOUT_S)
+    deadline = time.monotonic() + GROUP_KILL_GRACE_S + RUN_TIMEOUT_S
+    while not (_exited(plain) and _exited(stubborn)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (_exited(plain), _exited(stubborn)) == (True, True)
+    while template_status(template)["children"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert template_status(template)["children"] == []
+
+
 RNG = (
     "import random, numpy, torch, multiprocessing as mp; "
     "print(random.random(), numpy.random.rand(), torch.rand(1).item(), "

