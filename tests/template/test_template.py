@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -490,6 +491,171 @@ def test_killed_client_ends_the_childs_whole_process_group(template, work, env):
     assert (_exited(plain), _exited(stubborn)) == (True, True)
     while template_status(template)["children"] and time.monotonic() < deadline:
         time.sleep(0.1)
+    assert template_status(template)["children"] == []
+
+
+CONTEXT_PROBE = r"""
+import os, resource
+mask = os.umask(0o022)
+print("affinity", sorted(os.sched_getaffinity(0)), "nofile", resource.getrlimit(resource.RLIMIT_NOFILE),
+      "umask", oct(mask), "nice", os.getpriority(os.PRIO_PROCESS, 0))
+"""
+
+
+def _pin_to_one_cpu() -> None:
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # taskset -c N
+
+
+def _lower_nofile() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))  # ulimit -n 256
+
+
+def _umask_077() -> None:
+    os.umask(0o077)
+
+
+def _nice_5() -> None:
+    os.nice(5)  # nice -n 5
+
+
+@pytest.mark.parametrize(
+    "setup, said",
+    [
+        (_pin_to_one_cpu, "affinity [{cpu}] "),
+        (_lower_nofile, "nofile (256, 256) "),
+        (_umask_077, "umask 0o77 "),
+        (_nice_5, "nice 5"),
+    ],
+    ids=["affinity", "nofile", "umask", "nice"],
+)
+def test_the_callers_process_context_reaches_the_child(template, work, env, setup, said):
+    """`taskset`, `ulimit`, `umask` and `nice` before `wcache run` apply to the child
+    as to a direct start: the client sends its affinity, limits, umask and niceness
+    and the child takes them (the child had the template's: break pass 11 #2)."""
+
+    def prepare() -> None:
+        _default_int()
+        setup()
+
+    cmd = [sys.executable, "-c", CONTEXT_PROBE]
+    outs = []
+    for tpl in (None, template):
+        r = subprocess.run(
+            _through(tpl, cmd) if tpl else cmd,
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+            preexec_fn=prepare,
+        )
+        assert r.returncode == 0, r.stderr
+        outs.append(r.stdout)
+    assert said.format(cpu=min(os.sched_getaffinity(0))) in outs[0]
+    assert outs[1] == outs[0]
+
+
+def _cgroup2_mount() -> str | None:
+    """Where cgroup v2 is mounted (``/sys/fs/cgroup``, or ``.../unified`` on a hybrid
+    host), or None."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        head, _, tail = line.partition(" - ")
+        if tail.split()[:1] == ["cgroup2"]:
+            return head.split()[4]
+    return None
+
+
+def test_the_callers_cgroup_reaches_the_child(template, work, env):
+    """A `wcache run` in another cgroup than the template's (a systemd unit's, a job's)
+    has its child moved there, so the unit's limits and its kill reach the engine as
+    they would a direct start's."""
+    mount = _cgroup2_mount()
+    group = Path(mount or "/nonexistent", f"wct-{os.getpid()}")
+    try:
+        group.mkdir()
+    except OSError as exc:
+        pytest.skip(f"no cgroup v2 hierarchy this test may create a cgroup in ({exc})")
+
+    def join() -> None:
+        _default_int()
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+
+    probe = "print(open('/proc/self/cgroup').read(), end='')"
+    try:
+        outs = []
+        for tpl in (None, template):
+            r = subprocess.run(
+                _through(tpl, [sys.executable, "-c", probe])
+                if tpl
+                else [sys.executable, "-c", probe],
+                cwd=work,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=RUN_TIMEOUT_S,
+                preexec_fn=join,
+            )
+            assert r.returncode == 0, r.stderr
+            outs.append(r.stdout)
+        v2 = [ln for ln in outs[0].splitlines() if ln.startswith("0::")]
+        assert v2 and v2[0].endswith(f"/{group.name}"), outs[0]
+        assert outs[1] == outs[0]
+    finally:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                group.rmdir()
+                break
+            except OSError:  # its last process is still being reaped
+                time.sleep(0.1)
+
+
+def test_a_limit_the_child_cannot_hold_runs_directly(template, work, env):
+    """An address-space limit (`ulimit -v`) below what the template already maps would
+    fail the child's allocations: the template refuses before forking and the command
+    runs directly under the limit, saying why."""
+    limit = 1 << 30  # the client fits (~0.2 GiB mapped), the torch+vLLM template does not
+    assert template_status(template)["rss_kib"] * 1024 < 1 << 40  # it is running
+
+    def limited() -> None:
+        _default_int()
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    probe = "import resource; print(resource.getrlimit(resource.RLIMIT_AS))"
+    r = subprocess.run(
+        _through(template, [sys.executable, "-c", probe], fallback=True),
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        preexec_fn=limited,
+    )
+    assert (r.returncode, r.stdout) == (0, f"({limit}, {limit})\n"), r.stderr
+    assert r.stderr.startswith("wcache run: running directly [template-unsupported]: "), r.stderr
+    assert f"RLIMIT_AS {limit} bytes is below" in r.stderr
+
+
+def test_a_context_the_child_cannot_take_runs_nothing_there(
+    template, work, env, monkeypatch, capsys
+):
+    """A context step the kernel refuses in the child (here an affinity to no existing
+    CPU) stops the child before the command runs: `wcache run` gets the reason
+    (template-unsupported, exit 3 with --no-fallback, else a direct run)."""
+    from wcache.template import client, context
+
+    real = context.gather()
+    monkeypatch.setattr(context, "gather", lambda: {**real, "affinity": [1 << 16]})
+    monkeypatch.chdir(work)
+    marker = work / "ran"
+    code = client.run_command(
+        [sys.executable, "-c", f"open({str(marker)!r}, 'w')"], template, fallback=False
+    )
+    err = capsys.readouterr().err
+    assert code == REFUSED_EXIT, err
+    assert err.startswith("wcache run: error [template-unsupported]: a template child could not ")
+    assert "CPU affinity [65536]" in err
+    assert not marker.exists()
     assert template_status(template)["children"] == []
 
 

