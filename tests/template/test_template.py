@@ -1026,6 +1026,28 @@ def test_no_template_runs_directly(work, env, tmp_path):
     shutil.rmtree(empty, ignore_errors=True)
 
 
+def test_a_deleted_working_directory_runs_directly(template, work, env):
+    """`wcache run` from a directory that was removed runs the command directly (it
+    runs there), saying why in one line; it died with os.getcwd()'s traceback."""
+    gone = work / "gone"
+    gone.mkdir()
+    cmd = [sys.executable, "-c", "print('hi')"]
+    r = subprocess.run(
+        _through(template, cmd, fallback=True),
+        cwd=gone,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        preexec_fn=lambda: os.rmdir(gone),
+    )
+    assert (r.returncode, r.stdout) == (0, "hi\n"), r.stderr
+    assert r.stderr.startswith(
+        "wcache run: running directly [template-unsupported]: the current directory was deleted"
+    )
+    assert len(r.stderr.splitlines()) == 1
+
+
 def test_unsafe_socket_dir_runs_directly(work, env):
     """A socket dir the template client refuses (group/world access, a symlink, a
     non-socket named template.sock: unsafe-path) is a template that cannot be used:

@@ -175,7 +175,14 @@ def _request(argv: list[str], socket_dir: str | None) -> tuple[socket.socket, in
         TemplateError: (a subclass) why the template cannot run it.
     """
     env = dict(os.environ)
-    cwd = os.getcwd()
+    try:
+        cwd = os.getcwd()
+    except FileNotFoundError as exc:
+        # a deleted working directory: a direct start runs there (exec keeps it), a
+        # template child could not chdir into it
+        raise TemplateUnsupported(
+            f"the current directory was deleted ({exc.strerror}); a template child cannot enter it"
+        ) from None
     entry = resolve_entry(argv, env, cwd)
     frame = {
         "op": "run",
