@@ -249,6 +249,19 @@ def test_module_entry_same_as_direct(template, work, env):
     _same(direct, _run(cmd, work, env, template, stdin='{"b": [1, 2]}'))
 
 
+def test_a_preloaded_module_runs_as_main_without_a_warning(work, env):
+    """`python -m MOD` of a module the template imported (the documented
+    `-m vllm.entrypoints.openai.api_server`) runs as a direct start does: once, as
+    __main__, with no runpy "found in sys.modules" RuntimeWarning on stderr (break pass
+    11 #7)."""
+    cmd = [sys.executable, "-m", "json.tool"]
+    direct = _run(cmd, work, env, stdin='{"a": 1}')
+    assert (direct.returncode, direct.stderr) == (0, "")
+    with _own_template(env, ["json.tool"]) as d:
+        assert "json.tool" in template_status(d)["imported"]
+        _same(direct, _run(cmd, work, env, d, stdin='{"a": 1}'))
+
+
 def _wait_line(proc: subprocess.Popen, prefix: str) -> str:
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while time.monotonic() < deadline:

@@ -1033,6 +1033,13 @@ def _run_entry(entry: dict[str, Any]) -> None:
     elif kind == "module":
         sys.argv = ["-m", *args]
         sys.path.insert(0, os.getcwd())
+        # a module the template imported (vllm.entrypoints.openai.api_server) would run
+        # a second time as __main__, and runpy warns of that ("found in sys.modules
+        # ... unpredictable behaviour"); a direct start runs it once, as __main__, and a
+        # later import by name makes another copy: drop it (a package: its __main__),
+        # its parent packages stay
+        preloaded = sys.modules.get(target)
+        sys.modules.pop(f"{target}.__main__" if hasattr(preloaded, "__path__") else target, None)
         # what `python -m` runs; private, so typeshed does not declare it
         runpy._run_module_as_main(target, alter_argv=True)  # type: ignore[attr-defined]
     else:
