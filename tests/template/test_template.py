@@ -262,6 +262,19 @@ def test_a_preloaded_module_runs_as_main_without_a_warning(work, env):
         _same(direct, _run(cmd, work, env, d, stdin='{"a": 1}'))
 
 
+def test_interpreter_flags_are_a_direct_starts(template, work, env):
+    """A child's sys.flags, and the options subprocess and multiprocessing give the
+    interpreters they start, are a direct start's: the template ran with -P, and every
+    child had safe_path set and passed -P on (break pass 11 #8)."""
+    code = (
+        "import subprocess, sys; print(sys.flags); print(subprocess._args_from_interpreter_flags())"
+    )
+    cmd = [sys.executable, "-c", code]
+    direct = _run(cmd, work, env)
+    assert "safe_path=False" in direct.stdout
+    _same(direct, _run(cmd, work, env, template))
+
+
 def _wait_line(proc: subprocess.Popen, prefix: str) -> str:
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while time.monotonic() < deadline:

@@ -357,9 +357,9 @@ def start_template(
             (the message holds its log's tail).
     """
     d = paths.ensure_socket_dir(socket_dir)
-    cmd = [sys.executable]
-    cmd.append("-P")  # no cwd / script dir on sys.path: the child sets its own
-    cmd += ["-m", "wcache.template", "--socket-dir", d]
+    # no -P, whose sys.flags.safe_path every child would keep and replay into its
+    # subprocesses: wcache/template/__main__.py drops the cwd -m puts on sys.path
+    cmd = [sys.executable, "-m", "wcache.template", "--socket-dir", d]
     for mod in preload or ():
         cmd += ["--preload", mod]
     if not platform_preload:

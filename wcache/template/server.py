@@ -3,7 +3,7 @@ engine imports lazily once, never initialises CUDA and runs no tensor op, then
 forks one child per ``wcache run`` request and runs the command's Python entry in
 it, so an engine restart pays no import.
 
-Run it with ``wcache template start`` (``python -P -m wcache.template`` underneath).
+Run it with ``wcache template start`` (``python -m wcache.template`` underneath).
 It is single-threaded: one ``selectors`` loop over the listening socket, each
 client's connection (signals to forward, the client's end) and each child's pidfd
 (its exit). One socket per socket directory, beside the daemons'::
@@ -920,7 +920,7 @@ def _prepare_titles() -> None:
     """Set ``setproctitle`` up in the template, before any fork: its first use moves
     the environment out of the argv area it will write, and in a child that has
     already replaced its environment it silently does nothing. The template's own
-    line then reads as one string (``python -P -m wcache.template ...``)."""
+    line then reads as one string (``python -m wcache.template ...``)."""
     try:
         import setproctitle  # noqa: PLC0415 (an optional dependency)
     except ImportError:
@@ -1226,7 +1226,7 @@ def _finalize(code: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -P -m wcache.template --socket-dir DIR [--preload MOD ...]``: import,
+    """``python -m wcache.template --socket-dir DIR [--preload MOD ...]``: import,
     listen, print one ready line (JSON) on stdout, serve until stopped."""
     p = argparse.ArgumentParser(prog="python -m wcache.template")
     p.add_argument("--socket-dir")
