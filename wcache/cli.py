@@ -855,8 +855,9 @@ def build_parser() -> argparse.ArgumentParser:
            own reason code: [template-preload-failed] (a --preload module could
            not be imported), [template-unsafe] (a preload initialised CUDA or
            started a thread), [daemon-busy] (a template already serves this
-           socket dir); or [template-start-failed] (the timeout passed, or it
-           exited without a reason)
+           socket dir), [store-error] (it could not write its socket or pid
+           file: a full disk, named); or [template-start-failed] (the timeout
+           passed, its log could not be opened, or it exited without a reason)
   status   print the running template's record, its children and whether it
            is STALE for this shell (an install it imported changed since, or
            this interpreter, wcache or import-time environment differs: every

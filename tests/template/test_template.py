@@ -937,6 +937,47 @@ def test_start_timeout_says_so(tmp_path):
         shutil.rmtree(d, ignore_errors=True)
 
 
+FULL_DISK = r"""
+# a preload that makes the template's socket dir and log look full: its pid file's
+# write and every write to its log (stdout, stderr) fail with ENOSPC
+import errno, json, os
+
+def _full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+json.dump = _full
+full = os.open("/dev/full", os.O_WRONLY)
+os.dup2(full, 1)
+os.dup2(full, 2)
+"""
+
+
+def test_a_start_on_a_full_disk_names_the_reason_and_leaves_nothing(tmp_path, env):
+    """A template that cannot write its pid file or its log (a full disk) fails the
+    start naming ENOSPC, with no `*.pid.PID.tmp` or orphan socket left; the start said
+    only "exited with 1" and pointed at the empty log (break pass 11 #6)."""
+    (tmp_path / "wct_full_disk.py").write_text(FULL_DISK)
+    d = tempfile.mkdtemp(prefix="wct-")
+    e = {**env, "PYTHONPATH": f"{env['PYTHONPATH']}:{tmp_path}"}
+    try:
+        with pytest.raises(TemplateStartFailed) as info:
+            start_template(
+                d,
+                preload=["wct_full_disk"],
+                platform_preload=False,
+                timeout_s=RUN_TIMEOUT_S,
+                env=e,
+            )
+        msg = str(info.value)
+        assert "exited with 1: could not listen on " in msg, msg
+        assert "No space left on device" in msg
+        assert info.value.code == "store-error"
+        assert sorted(os.listdir(d)) == ["template.log", "template.sock.lock"]
+        assert os.path.getsize(os.path.join(d, "template.log")) == 0
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def test_a_named_preload_that_is_not_installed_stops_the_start(tmp_path):
     """``--preload nosuchmodule`` (a typo) is refused with the name and this Python,
     instead of a "ready" template that imported nothing useful; a default preload that

@@ -79,6 +79,9 @@ CONNECT_TIMEOUT_S = 5.0
 #: no child runs (with children it drains: stop returns once it stopped accepting).
 STOP_WAIT_S = 10.0
 POLL_S = 0.1
+#: The most the template's status pipe carries (bytes): its one-line ready or
+#: failure record, well under the pipe's buffer.
+STATUS_MAX_BYTES = 65536
 #: The descriptors a command gets from ``wcache run``: stdin, stdout, stderr.
 STDIO = (0, 1, 2)
 #: Signals that would make the dying client write a core file of its own.
@@ -354,7 +357,9 @@ def start_template(
 
     Raises:
         TemplateStartFailed: it exited or did not listen within ``timeout_s``
-            (the message holds its log's tail).
+            (the message holds its reason, which it also reports on a pipe in case
+            its log cannot be written, and its log's tail), or its log cannot be
+            opened; the code is the template's own where it gave one.
     """
     d = paths.ensure_socket_dir(socket_dir)
     # no -P, whose sys.flags.safe_path every child would keep and replay into its
@@ -369,19 +374,53 @@ def start_template(
             os.execve(sys.executable, cmd, env)
         os.execv(sys.executable, cmd)
     log_path = os.path.join(d, LOG_NAME)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, paths.FILE_MODE)
-    with os.fdopen(fd, "ab") as logf:
-        offset = logf.tell()
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=logf,
-            stderr=logf,
-            start_new_session=True,
-            cwd="/",
-            close_fds=True,
-            env=env,
+    try:
+        fd = os.open(
+            log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, paths.FILE_MODE
         )
+    except OSError as exc:
+        raise TemplateStartFailed(f"cannot open the template's log {log_path}: {exc}") from None
+    # the template's ready or failure record also comes on this pipe: a full disk can
+    # leave its log empty (break pass 11 #6)
+    status_r, status_w = os.pipe()
+    try:
+        with os.fdopen(fd, "ab") as logf:
+            offset = logf.tell()
+            proc = subprocess.Popen(
+                [*cmd, "--status-fd", str(status_w)],
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=logf,
+                start_new_session=True,
+                cwd="/",
+                close_fds=True,
+                pass_fds=(status_w,),
+                env=env,
+            )
+    except BaseException:
+        os.close(status_r)
+        raise
+    finally:
+        os.close(status_w)
+    try:
+        return _wait_ready(proc, d, log_path, offset, status_r, timeout_s)
+    finally:
+        os.close(status_r)
+
+
+def _wait_ready(
+    proc: subprocess.Popen[bytes],
+    d: str,
+    log_path: str,
+    offset: int,
+    status_r: int,
+    timeout_s: float,
+) -> dict[str, Any]:
+    """:func:`start_template`'s wait: the template's status once it listens.
+
+    Raises:
+        TemplateStartFailed: it exited or did not listen within ``timeout_s``.
+    """
     deadline = time.monotonic() + timeout_s
     timed_out = False
     while time.monotonic() < deadline:
@@ -402,8 +441,15 @@ def start_template(
     with open(log_path, "rb") as f:
         f.seek(offset)
         tail = f.read().decode("utf-8", "replace").splitlines()[-20:]
-    record = _last_record(tail)
+    os.set_blocking(status_r, False)
+    try:
+        reported = os.read(status_r, STATUS_MAX_BYTES).decode("utf-8", "replace")
+    except BlockingIOError:  # killed by the timeout, or died before reporting
+        reported = ""
+    record = _last_record(reported.splitlines()) or _last_record(tail)
     reason = record.get("message")
+    if not reason and not tail:
+        reason = _no_space(d)
     # the record's message is said once, above the log's other lines
     rest = [ln for ln in tail if not ln.startswith("{")] if reason else tail
     raise TemplateStartFailed(
@@ -418,6 +464,18 @@ def start_template(
         # the template's own reason code where it gave one (template-preload-failed, ...)
         code=str(record.get("code") or TemplateStartFailed.code),
     )
+
+
+def _no_space(d: str) -> str | None:
+    """Why a template that reported nothing and left an empty log may have failed:
+    ``d``'s filesystem is full, or None."""
+    try:
+        st = os.statvfs(d)
+    except OSError:
+        return None
+    if st.f_bavail == 0 or st.f_favail == 0:
+        return f"the filesystem of {d} is full (no space or inodes left), so its log is empty"
+    return None
 
 
 def _last_record(lines: list[str]) -> dict[str, Any]:

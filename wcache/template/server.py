@@ -429,12 +429,20 @@ class Template:
         its owner is dead) and write the pid file."""
         paths.claim_socket_path(self.socket_path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(self.socket_path)
-        os.chmod(self.socket_path, paths.FILE_MODE)
-        listener.listen(LISTEN_BACKLOG)
-        listener.setblocking(False)
-        self._socket_ino = os.lstat(self.socket_path).st_ino
-        paths.write_pid_file(paths.pid_path(self.socket_path))
+        try:
+            listener.bind(self.socket_path)
+            self._socket_ino = os.lstat(self.socket_path).st_ino
+            os.chmod(self.socket_path, paths.FILE_MODE)
+            listener.listen(LISTEN_BACKLOG)
+            listener.setblocking(False)
+            paths.write_pid_file(paths.pid_path(self.socket_path))
+        except BaseException:
+            # a full disk (the pid file), a bind refused: leave no socket nobody serves
+            listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                if os.lstat(self.socket_path).st_ino == self._socket_ino:
+                    os.unlink(self.socket_path)
+            raise
         self._listener = listener
 
     # ------------------------------------------------------------------ loop
@@ -1225,11 +1233,36 @@ def _finalize(code: int) -> int:
 # ---------------------------------------------------------------------- entry point
 
 
+def _report(record: dict[str, Any], status_fd: int | None) -> None:
+    """Say the template's ready or failure record: one JSON line on stdout (its log)
+    and, when ``wcache template start`` gave one, on ``status_fd`` (then closed, so no
+    child inherits it). Either may fail (a full disk under the log): the other stands."""
+    line = json.dumps(record) + "\n"
+    if status_fd is not None:
+        try:
+            os.write(status_fd, line.encode())
+        except OSError:
+            pass
+        finally:
+            os.close(status_fd)
+    try:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+    except OSError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m wcache.template --socket-dir DIR [--preload MOD ...]``: import,
-    listen, print one ready line (JSON) on stdout, serve until stopped."""
+    """``python -m wcache.template --socket-dir DIR [--preload MOD ...] [--status-fd
+    FD]``: import, listen, print one ready line (JSON) on stdout (and ``FD``), serve
+    until stopped."""
     p = argparse.ArgumentParser(prog="python -m wcache.template")
     p.add_argument("--socket-dir")
+    p.add_argument(
+        "--status-fd",
+        type=int,
+        help="a pipe to write the ready or failure record to (wcache template start's)",
+    )
     p.add_argument(
         "--preload", action="append", help="a module to import (repeat; replaces the default list)"
     )
@@ -1251,33 +1284,36 @@ def main(argv: list[str] | None = None) -> int:
         tuple(args.preload) if args.preload else None,
         platform_preload=not args.no_platform_preload,
     )
+    step = "take the socket's lock"
     try:
         tpl.lock()
+        step = "import the preloads"
         tpl.prepare()
         problem = tpl.fork_problem()
         if problem is not None:
             raise problem
+        step = f"listen on {tpl.socket_path} and write its pid file"
         tpl.bind()
     except WcacheError as exc:  # TemplateUnsafe, DaemonBusy (another template), UnsafePath
-        print(json.dumps({"ok": False, "code": exc.code, "message": str(exc)}), flush=True)
+        _report({"ok": False, "code": exc.code, "message": str(exc)}, args.status_fd)
+        return 1
+    except OSError as exc:  # a full disk (ENOSPC), a read-only or vanished socket dir
+        message = f"could not {step}: {exc}"
+        _report({"ok": False, "code": "store-error", "message": message}, args.status_fd)
         return 1
     st = tpl.status()
-    print(
-        json.dumps(
-            {
-                "ok": True,
-                "ready": True,
-                "pid": st["pid"],
-                "socket": st["socket"],
-                "import_s": st["import_s"],
-                "modules": st["modules"],
-                "threads": st["threads"],
-                "rss_kib": st["rss_kib"],
-                "skipped": st["skipped"],
-            }
-        ),
-        flush=True,
-    )
+    ready = {
+        "ok": True,
+        "ready": True,
+        "pid": st["pid"],
+        "socket": st["socket"],
+        "import_s": st["import_s"],
+        "modules": st["modules"],
+        "threads": st["threads"],
+        "rss_kib": st["rss_kib"],
+        "skipped": st["skipped"],
+    }
+    _report(ready, args.status_fd)
     try:
         tpl.serve_forever()
     finally:
