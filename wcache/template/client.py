@@ -79,6 +79,9 @@ CONNECT_TIMEOUT_S = 5.0
 #: no child runs (with children it drains: stop returns once it stopped accepting).
 STOP_WAIT_S = 10.0
 POLL_S = 0.1
+#: ``wcache template status`` names this many of the slowest preloads' import times
+#: (``--json`` has every one): where a template's start goes, on one line.
+SLOWEST_PRELOADS = 5
 #: The most the template's status pipe carries (bytes): its one-line ready or
 #: failure record, well under the pipe's buffer.
 STATUS_MAX_BYTES = 65536
@@ -508,6 +511,22 @@ def stop_template(socket_dir: str | None = None, wait_s: float = STOP_WAIT_S) ->
     return reply
 
 
+def stale_fields(st: dict[str, Any]) -> tuple[str, ...]:
+    """What a ``wcache run`` from this process's environment (its interpreter) would be
+    refused ``template-stale`` for by the template whose status is ``st``: the fields
+    that differ, in the words of the refusal; empty when none."""
+    fp = st.get("fingerprint", {})
+    if not fp:
+        return ()
+    return versions.stale_fields(
+        fp,
+        st.get("changed_packages") or [],
+        versions.interpreter_identity(sys.executable),
+        os.environ,
+        versions.own_wcache_stamp(),
+    )
+
+
 def format_status(st: dict[str, Any]) -> str:
     """``wcache template status``'s text."""
     fp = st.get("fingerprint", {})
@@ -522,23 +541,20 @@ def format_status(st: dict[str, Any]) -> str:
         + ", ".join(f"{n} {p.get('version')}" for n, p in pk.items())
         + f", python {fp.get('python', {}).get('version', '').split()[0]}",
     ]
+    times = st.get("import_times_s") or {}
+    if times:
+        slowest = sorted(times.items(), key=lambda kv: -kv[1])[:SLOWEST_PRELOADS]
+        lines.append(
+            f"  slowest preloads ({len(slowest)} of {len(times)}; --json lists each): "
+            + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in slowest)
+        )
     if st.get("skipped"):
         lines.append(
             "  preloads skipped: " + "; ".join(f"{k} ({v})" for k, v in st["skipped"].items())
         )
     # what a `wcache run` from this environment would be refused for (its interpreter:
     # this one), in the words of its refusal
-    stale = (
-        versions.stale_fields(
-            fp,
-            st.get("changed_packages") or [],
-            versions.interpreter_identity(sys.executable),
-            os.environ,
-            versions.own_wcache_stamp(),
-        )
-        if fp
-        else ()
-    )
+    stale = stale_fields(st)
     if stale:
         lines.append(
             f"  STALE [template-stale]: {versions.stale_reason(stale, 'this environment')}; "
