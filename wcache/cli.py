@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 import os
 import sys
@@ -491,6 +492,13 @@ def _cmd_template(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.json and args.action != "status":
+        print(
+            f"wcache template: --json is an option of `wcache template status`, "
+            f"not of {args.action}",
+            file=sys.stderr,
+        )
+        return 2
     if args.action == "start":
         st = template_client.start_template(
             args.socket_dir,
@@ -505,11 +513,19 @@ def _cmd_template(args: argparse.Namespace) -> int:
         return 0
     try:
         if args.action == "status":
-            print(template_client.format_status(template_client.template_status(args.socket_dir)))
+            st = template_client.template_status(args.socket_dir)
+            if args.json:
+                # the whole record, and what a `wcache run` from this shell is refused for
+                print(json.dumps({**st, "stale": list(template_client.stale_fields(st))}))
+            else:
+                print(template_client.format_status(st))
             return 0
         reply = template_client.stop_template(args.socket_dir)
     except template_client.TemplateMissing as exc:
-        print(f"wcache template: not running [{exc.code}]: {exc}")
+        if args.json:
+            print(json.dumps({"ok": False, "code": exc.code, "message": str(exc)}))
+        else:
+            print(f"wcache template: not running [{exc.code}]: {exc}")
         return template_client.NOT_RUNNING_EXIT
     print(
         f"wcache template: pid {reply.get('pid')} stopped accepting"
@@ -855,13 +871,17 @@ def build_parser() -> argparse.ArgumentParser:
            own reason code: [template-preload-failed] (a --preload module could
            not be imported), [template-unsafe] (a preload initialised CUDA or
            started a thread), [daemon-busy] (a template already serves this
-           socket dir); or [template-start-failed] (the timeout passed, or it
-           exited without a reason)
-  status   print the running template's record, its children and whether it
-           is STALE for this shell (an install it imported changed since, or
-           this interpreter, wcache or import-time environment differs: every
-           `wcache run` from here then runs directly); exit 0, or 3 when none
-           runs
+           socket dir), [store-error] (it could not write its socket or pid
+           file: a full disk, named); or [template-start-failed] (the timeout
+           passed, its log could not be opened, or it exited without a reason)
+  status   print the running template's record, its slowest preloads' import
+           times and its children, and whether it is STALE for this shell:
+           an install it imported changed since, or
+           this interpreter, wcache or import-time environment differs (every
+           `wcache run` from here then runs directly). --json prints the whole
+           record as one JSON object (each preload's import time in
+           import_times_s, the STALE fields in stale).
+           Exit 0, or 3 when none runs
   stop     stop accepting; the template exits once its running children have.
            Exit 0, or 3 when none runs
 
@@ -899,6 +919,11 @@ examples:
         "--foreground",
         action="store_true",
         help="start: become the template in this process (systemd, a container)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="status: print the whole status record as one JSON object",
     )
 
     p = sub.add_parser(

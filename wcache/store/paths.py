@@ -15,6 +15,7 @@ when nothing accepts connections on it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -363,9 +364,15 @@ def write_pid_file(path: str, pid: int | None = None) -> None:
     rec = {"pid": pid, "start_time": process_start_time(pid)}
     tmp = f"{path}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
-    with os.fdopen(fd, "w") as f:
-        json.dump(rec, f)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(rec, f)
+        os.replace(tmp, path)
+    except BaseException:
+        # a full disk fails the write or the close: leave no *.pid.PID.tmp behind
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def read_pid_file(path: str) -> dict | None:

