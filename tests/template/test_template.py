@@ -544,6 +544,25 @@ def _nice_5() -> None:
     os.nice(5)  # nice -n 5
 
 
+def _direct_then_through(template, cmd, work, env, preexec_fn) -> list[str]:
+    """``cmd``'s stdout run directly, then through ``template``, each started after
+    ``preexec_fn`` (which sets the caller's context); both must exit 0."""
+    outs = []
+    for tpl in (None, template):
+        r = subprocess.run(
+            _through(tpl, cmd) if tpl else cmd,
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+            preexec_fn=preexec_fn,
+        )
+        assert r.returncode == 0, r.stderr
+        outs.append(r.stdout)
+    return outs
+
+
 @pytest.mark.parametrize(
     "setup, said",
     [
@@ -563,20 +582,7 @@ def test_the_callers_process_context_reaches_the_child(template, work, env, setu
         _default_int()
         setup()
 
-    cmd = [sys.executable, "-c", CONTEXT_PROBE]
-    outs = []
-    for tpl in (None, template):
-        r = subprocess.run(
-            _through(tpl, cmd) if tpl else cmd,
-            cwd=work,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=RUN_TIMEOUT_S,
-            preexec_fn=prepare,
-        )
-        assert r.returncode == 0, r.stderr
-        outs.append(r.stdout)
+    outs = _direct_then_through(template, [sys.executable, "-c", CONTEXT_PROBE], work, env, prepare)
     assert said.format(cpu=min(os.sched_getaffinity(0))) in outs[0]
     assert outs[1] == outs[0]
 
@@ -608,21 +614,7 @@ def test_the_callers_cgroup_reaches_the_child(template, work, env):
 
     probe = "print(open('/proc/self/cgroup').read(), end='')"
     try:
-        outs = []
-        for tpl in (None, template):
-            r = subprocess.run(
-                _through(tpl, [sys.executable, "-c", probe])
-                if tpl
-                else [sys.executable, "-c", probe],
-                cwd=work,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=RUN_TIMEOUT_S,
-                preexec_fn=join,
-            )
-            assert r.returncode == 0, r.stderr
-            outs.append(r.stdout)
+        outs = _direct_then_through(template, [sys.executable, "-c", probe], work, env, join)
         v2 = [ln for ln in outs[0].splitlines() if ln.startswith("0::")]
         assert v2 and v2[0].endswith(f"/{group.name}"), outs[0]
         assert outs[1] == outs[0]
