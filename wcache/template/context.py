@@ -78,7 +78,7 @@ def _has_capability(cap: int) -> bool:
     """Whether this process holds ``cap`` in its effective set (``/proc/self/status``)."""
     for line in (_read("/proc/self/status") or "").splitlines():
         if line.startswith("CapEff:"):
-            return bool(int(line.split()[1], 16) >> cap & 1)
+            return bool(int(line.split()[1], 16) & 2**cap)  # bit ``cap`` of the mask
     return False
 
 
