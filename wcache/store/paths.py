@@ -35,6 +35,7 @@ __all__ = [
     "pid_path",
     "check_socket_file",
     "process_start_time",
+    "proc_stat_fields",
     "read_pid_file",
     "claim_socket_path",
     "write_pid_file",
@@ -343,17 +344,23 @@ def check_socket_file(path: str) -> None:
     _check_owned(st, path, "socket")
 
 
-def process_start_time(pid: int) -> int | None:
-    """Start time of a process in clock ticks since boot (field 22 of
-    /proc/<pid>/stat), or None when the process does not exist (or is a zombie)."""
+def proc_stat_fields(pid: int | str) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` from field 3 (state) on, so proc(5)'s field
+    N is item ``N - 3``; None when the process is gone or its file unreadable."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
     # comm (field 2) may hold spaces and parentheses; the fields after it follow the last ')'.
-    rest = data[data.rindex(b")") + 2 :].split()
-    if rest[0] == b"Z":  # field 3: state; a zombie is dead for our purposes
+    return data[data.rindex(b")") + 2 :].split()
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of a process in clock ticks since boot (field 22 of
+    /proc/<pid>/stat), or None when the process does not exist (or is a zombie)."""
+    rest = proc_stat_fields(pid)
+    if rest is None or rest[0] == b"Z":  # field 3: state; a zombie is dead for our purposes
         return None
     return int(rest[22 - 3])
 

@@ -879,12 +879,11 @@ def _group_alive(pgid: int) -> bool:
         if not name.isdigit():
             continue
         try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        # after the command's ")": state, ppid, pgrp (proc(5) fields 3-5)
-        if len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) == pgid:
+            fields = paths.proc_stat_fields(name)
+        except (OSError, ValueError):  # an unreadable or short file: not one to judge
+            continue
+        # state, ppid, pgrp: proc(5) fields 3-5; None: gone meanwhile
+        if fields is not None and len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) == pgid:
             return True
     return False
 
