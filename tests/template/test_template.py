@@ -654,6 +654,80 @@ def test_a_limit_the_child_cannot_hold_runs_directly(template, work, env):
     assert f"RLIMIT_AS {limit} bytes is below" in r.stderr
 
 
+#: The template's own hard NOFILE limit and niceness in the unprivileged-template test.
+UNPRIVILEGED_NOFILE = 256
+UNPRIVILEGED_NICE = 5
+
+
+def _as_unprivileged_template() -> None:
+    """A template's context as an operator without CAP_SYS_RESOURCE/CAP_SYS_NICE
+    starts it: a low hard NOFILE limit, niceness raised (the caps are dropped by
+    ``setpriv`` where this process is root)."""
+    _default_int()
+    resource.setrlimit(resource.RLIMIT_NOFILE, (UNPRIVILEGED_NOFILE, UNPRIVILEGED_NOFILE))
+    os.nice(UNPRIVILEGED_NICE)
+
+
+def test_an_unprivileged_template_runs_what_it_cannot_give_directly(tmp_path, work, env):
+    """A template really without CAP_SYS_RESOURCE and CAP_SYS_NICE (capabilities
+    dropped by the kernel, not patched) whose hard NOFILE limit and niceness are below
+    the caller's: `wcache run` of the caller is refused before the fork, naming both,
+    and runs directly with the caller's own context; a caller within the template's
+    context runs in it."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard <= UNPRIVILEGED_NOFILE:
+        pytest.skip(f"this process's hard NOFILE limit {hard} is not above {UNPRIVILEGED_NOFILE}")
+    own_nice = os.getpriority(os.PRIO_PROCESS, 0)
+    if own_nice + UNPRIVILEGED_NICE > 19:
+        pytest.skip(f"niceness {own_nice}: a template {UNPRIVILEGED_NICE} above it is past 19")
+    drop = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv (util-linux): cannot drop the capabilities")
+        drop = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--"]
+    d = tempfile.mkdtemp(prefix="wct-")
+    os.chmod(d, 0o700)
+    start = [sys.executable, "-m", "wcache.cli", "template", "start", "--socket-dir", d]
+    start += ["--preload", "json", "--no-platform-preload"]
+    try:
+        r = subprocess.run(
+            [*drop, *start],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+            preexec_fn=_as_unprivileged_template,
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+        pid = template_status(d)["pid"]
+        cap_eff = next(
+            line
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+            if line.startswith("CapEff:")
+        )
+        assert int(cap_eff.split()[1], 16) == 0, cap_eff
+
+        probe = [sys.executable, "-c", CONTEXT_PROBE]
+        direct = _run(probe, work, env)
+        through = _run(probe, work, env, template=d, fallback=True)
+        assert (through.returncode, through.stdout) == (0, direct.stdout), through.stderr
+        assert through.stderr.startswith("wcache run: running directly [template-unsupported]: ")
+        assert f"RLIMIT_NOFILE hard limit {hard} is above the template's " in through.stderr
+        assert "(raising it needs CAP_SYS_RESOURCE)" in through.stderr
+        assert (
+            f"niceness {own_nice} is below the template's {own_nice + UNPRIVILEGED_NICE}"
+            in through.stderr
+        )
+
+        outs = _direct_then_through(d, probe, work, env, _as_unprivileged_template)
+        assert f"nofile ({UNPRIVILEGED_NOFILE}, {UNPRIVILEGED_NOFILE}) " in outs[0]
+        assert outs[1] == outs[0]
+        assert template_status(d)["children"] == []
+    finally:
+        stop_template(d)
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def test_a_context_the_child_cannot_take_runs_nothing_there(
     template, work, env, monkeypatch, capsys
 ):
