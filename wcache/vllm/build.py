@@ -368,6 +368,42 @@ def init_distributed(vllm_config: Any, rank: int, world: int, init_method: str) 
         backend=backend,
     )
     initialize_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size)
+    if backend == "gloo":
+        unlink_cpu_shm_names(os.environ["VLLM_DIST_IDENT"])
+
+
+def unlink_cpu_shm_names(ident: str, shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink the names of vLLM's CPU shared-memory collectives of the instance
+    ``ident`` (``VLLM_DIST_IDENT``): ``{ident}-{group}-[{ranks}]-cpushm_{rank}``, 2 MiB
+    per OpenMP thread each, once every rank has mapped them. Their memory stays
+    mapped, and is freed when the last rank unmaps it (exits or ``execve``'s), so a
+    daemon leaves nothing in ``/dev/shm``: vLLM unlinks them only in its C++
+    destructors at a normal exit, which the lean hand-off's ``execve`` and a SIGKILL
+    skip (break pass 12 #4: 16 MiB per TP=2 daemon start, until ``shm-too-small``).
+
+    Safe right after ``initialize_model_parallel`` on any rank: each group's
+    ``_init_cpu_shm`` creates and joins its segments before a barrier of the group,
+    so a rank past it knows every member mapped them; vLLM's destructor ignores
+    ``shm_unlink``'s ENOENT later.
+
+    Returns:
+        The names unlinked (another rank may have unlinked some first).
+
+    Source: vllm/distributed/device_communicators/cpu_communicator.py::_CPUSHMDistributed
+    (``make_group_name``, ``_init_cpu_shm``); csrc/cpu/shm.cpp::SHMManager::destroy_shm.
+    """
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:  # no /dev/shm: vLLM's SHM communicator could not have run either
+        return []
+    unlinked = []
+    for name in names:
+        stem, _, rank = name.rpartition("-cpushm_")
+        if stem.startswith(f"{ident}-") and rank.isdigit():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(shm_dir, name))
+                unlinked.append(name)
+    return unlinked
 
 
 @contextlib.contextmanager
