@@ -118,3 +118,54 @@ def test_a_pid_file_that_cannot_be_written_leaves_no_tmp_file(tmp_path, monkeypa
         paths.write_pid_file(target)
     assert info.value.errno == errno.ENOSPC
     assert sorted(os.listdir(tmp_path)) == []
+
+
+@pytest.mark.parametrize(
+    "make, creates, said",
+    [
+        (lambda t: str(t / "afile" / "sock"), (True, False), "a component of the path is a file"),
+        (lambda t: "/proc/wcache-test-sock", (True,), "cannot be created ("),
+        (lambda t: str(t / "afile"), (True, False), "is not a directory"),
+    ],
+    ids=["file-on-path", "proc", "a-file"],
+)
+def test_a_socket_dir_that_cannot_be_made_is_refused_with_a_fix(tmp_path, make, creates, said):
+    """A file on the path, a directory /proc cannot hold or a file in its place is
+    unsafe-path naming the cause and a fix (was an OSError traceback: break12 #1)."""
+    (tmp_path / "afile").write_text("")
+    for create in creates:
+        with pytest.raises(paths.UnsafePath) as info:
+            paths.ensure_socket_dir(make(tmp_path), create=create)
+        assert said in str(info.value)
+        assert "Fix: pass a --socket-dir (socket_dir=...) you can create and write" in str(
+            info.value
+        )
+
+
+def test_a_read_only_socket_dir_is_refused_before_a_load(tmp_path):
+    """A socket dir on a read-only mount is refused at once by a caller that will
+    write there (a daemon found it only after the model's load, as load-failed:
+    break12 #2); a reader (create=False) may still use it."""
+    d = tmp_path / "ro"
+    d.mkdir(mode=0o700)
+    probe = (
+        "import sys; from wcache.store import paths\n"
+        "print(paths.ensure_socket_dir(sys.argv[1], create=False))\n"
+        "try:\n"
+        "    paths.ensure_socket_dir(sys.argv[1])\n"
+        "except paths.UnsafePath as e:\n"
+        "    print(e.code, e)\n"
+    )
+    mount = f"mount --bind {d} {d} && mount -o remount,ro,bind {d}"
+    r = subprocess.run(
+        ["unshare", "-m", "sh", "-c", f'{mount} && exec "$0" -c "$1" {d}', sys.executable, probe],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if r.returncode != 0 and ("unshare" in r.stderr or "mount" in r.stderr):
+        pytest.skip(f"no private read-only bind mount here: {r.stderr.strip()}")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == str(d)
+    assert lines[1].startswith(f"unsafe-path socket dir {d} is not writable by this process")

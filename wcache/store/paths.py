@@ -215,12 +215,16 @@ def _check_owned(st: os.stat_result, path: str, what: str) -> None:
 def ensure_socket_dir(path: str | None = None, *, create: bool = True) -> str:
     """Return a safe socket dir: a real directory (not a symlink), owned by the
     current user, with no group/other permission bits. Creates it 0700 (and its
-    parents) when missing and ``create`` is true.
+    parents) when missing and ``create`` is true; with ``create`` (a daemon or
+    template that will make its socket, lock and log there) it must also be
+    writable, checked now rather than after a model's load.
 
     Raises:
-        UnsafePath: symlink, foreign owner, not a directory, or group/other bits.
+        UnsafePath: symlink, foreign owner, not a directory, or group/other bits;
+            a path that cannot be inspected (permission denied, a file on its
+            path) or created, or (``create``) a directory this process cannot
+            write (a read-only mount); each names the cause and a fix.
         FileNotFoundError: the dir is missing and ``create`` is false.
-        UnsafePath: also when it cannot be inspected (permission denied).
     """
     path = resolve_socket_dir(path)
     try:
@@ -230,26 +234,58 @@ def ensure_socket_dir(path: str | None = None, *, create: bool = True) -> str:
     except FileNotFoundError:
         if not create:
             raise
-        parent = os.path.dirname(path)
-        os.makedirs(parent, exist_ok=True)
-        try:
-            os.mkdir(path, DIR_MODE)
-        except FileExistsError:
-            pass
-        st = os.lstat(path)
+        st = _make_socket_dir(path)
+    except NotADirectoryError:
+        raise UnsafePath(
+            f"socket dir {path}: a component of the path is a file, not a directory. {_other_dir()}"
+        ) from None
     if stat.S_ISLNK(st.st_mode):
         raise UnsafePath(
             f"socket dir {path} is a symlink; refusing it. Remove it or pass a real directory."
         )
     if not stat.S_ISDIR(st.st_mode):
-        raise UnsafePath(f"socket dir {path} is not a directory.")
+        raise UnsafePath(f"socket dir {path} is not a directory. {_other_dir()}")
     _check_owned(st, path, "socket dir")
     if st.st_mode & _FOREIGN_BITS:
         raise UnsafePath(
             f"socket dir {path} has mode {stat.S_IMODE(st.st_mode):o}; it must be 0700. "
             + _mode_fix(path)
         )
+    if create and not os.access(path, os.W_OK | os.X_OK):
+        raise UnsafePath(
+            f"socket dir {path} is not writable by this process (a read-only mount?): "
+            f"the daemon's socket, lock and pid files go there. {_other_dir()}"
+        )
     return path
+
+
+def _other_dir() -> str:
+    """The fix for a socket dir that cannot be used at all."""
+    return (
+        f"Fix: pass a --socket-dir (socket_dir=...) you can create and write, or none "
+        f"for the default, {default_socket_dir()}."
+    )
+
+
+def _make_socket_dir(path: str) -> os.stat_result:
+    """Create the missing socket dir ``path`` 0700 (its parents with the umask's
+    mode) and stat it.
+
+    Raises:
+        UnsafePath: it cannot be created (the errno's reason, e.g. a read-only file
+            system, permission denied, a file on its path, ``/proc`` or ``/sys``).
+    """
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            os.mkdir(path, DIR_MODE)
+        except FileExistsError:
+            pass
+        return os.lstat(path)
+    except OSError as e:
+        raise UnsafePath(
+            f"socket dir {path} cannot be created ({e.strerror}). {_other_dir()}"
+        ) from None
 
 
 def _wcache_own_dir(path: str) -> bool:
