@@ -411,3 +411,27 @@ def test_the_other_daemons_job_is_named_where_its_status_gives_it(monkeypatch):
     )
     err = _diagnose_missing(DaemonMissing("no socket"), _parallel_key(), "/s", "")
     assert "serves the same configuration (an equal key) under job 'train': give" in str(err)
+
+
+def test_a_mismatch_names_a_daemon_of_this_key_under_another_job(monkeypatch):
+    """The engine's own socket serves another key (its job was forgotten) while a
+    daemon of the same dir serves exactly its key under job 'b': the key-mismatch
+    keeps its fields and says which job to pass (it named only the differing fields:
+    break12 #3); without such a daemon it is left as it was."""
+    from wcache.errors import KeyMismatch
+    from wcache.vllm.loader import _diagnose_mismatch
+
+    ours, other = _parallel_key(), _parallel_key("torch.float16")
+    status = {
+        "/s/own.sock": {"key_fields": other.fields, "job": ""},
+        "/s/b.sock": {"key_fields": ours.fields, "job": "b"},
+    }
+    monkeypatch.setattr("wcache.store.paths.list_sockets", lambda d: sorted(status))
+    monkeypatch.setattr("wcache.store.daemon_status", lambda s, **k: status[s])
+    exc = KeyMismatch("daemon on /s/own.sock: key differs in dtype", fields=["dtype"])
+    err = _diagnose_mismatch(exc, ours, "/s", "")
+    assert str(err).startswith("daemon on /s/own.sock: key differs in dtype; but the daemon at ")
+    assert "/s/b.sock serves the same configuration (an equal key) under job 'b': give" in str(err)
+    assert (err.code, err.fields) == ("key-mismatch", ["dtype"])
+    del status["/s/b.sock"]
+    assert _diagnose_mismatch(exc, ours, "/s", "") is exc

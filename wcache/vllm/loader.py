@@ -76,6 +76,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -96,7 +97,7 @@ from wcache.errors import (
     UpdateUnsupported,
 )
 from wcache.shell import PARAM_FLAGS_EXTRA
-from wcache.store import CacheKey, DaemonMissing, StoreError, attach
+from wcache.store import CacheKey, DaemonMissing, KeyMismatch, StoreError, attach
 from wcache.vllm import compat, startup
 from wcache.vllm.key import build_key, device_id, parallel_layout
 from wcache.vllm.model import (
@@ -244,21 +245,19 @@ def _parse_bool(name: str, value: Any) -> bool:
     )
 
 
-def _diagnose_missing(exc: Exception, key: Any, socket_dir: str | None, job: str = "") -> Exception:
-    """A daemon for *another* configuration (dtype, quantization, parallel sizes,
-    job) listens on a different socket; name the differing key fields instead of
-    reporting no daemon at all, or, when its key equals ours, the job (which is in
-    the socket's name, not in the key) and how to pass it. Returns ``exc`` when no
-    other daemon answers (the engine's own daemon, equal key and job, that answered
-    ``status`` but stalled on the request, is not another: break11 #3)."""
-    from wcache.store import KeyMismatch, daemon_status  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
+def _same_rank_daemons(
+    key: Any, socket_dir: str | None, job: str
+) -> Iterator[tuple[str, Any, Any]]:
+    """``(socket, key, job)`` of each daemon in ``socket_dir`` that answers ``status``
+    for this engine's rank (tp, pp, dp) other than its own (equal key and job); a
+    daemon that does not answer within :data:`STATUS_PROBE_S` is skipped."""
+    from wcache.store import daemon_status  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
     from wcache.store.paths import default_socket_dir, list_sockets  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
 
     try:
         socks = list_sockets(os.path.abspath(socket_dir or default_socket_dir()))
     except (OSError, StoreError):
-        return exc
-    best = None
+        return
     ranks = ("tp_rank", "pp_rank", "dp_rank")
     mine = {r: (key.fields.get("parallel") or {}).get(r) for r in ranks}
     for sock in socks:
@@ -270,21 +269,43 @@ def _diagnose_missing(exc: Exception, key: Any, socket_dir: str | None, job: str
         if {r: (other.fields.get("parallel") or {}).get(r) for r in ranks} != mine:
             continue  # another rank's daemon (of this or another job) says nothing about ours
         if st.get("job") == job and not key.diff(other):
-            continue  # our own daemon: it answers status, not the request (stalled): exc says so
+            continue  # our own daemon: it answers status, not the request (stalled)
+        yield sock, other, st.get("job")
+
+
+def _job_fix(sock: str, their_job: Any, job: str) -> str:
+    """The sentence naming the daemon at ``sock`` that serves the engine's key under
+    another job, and how to reach it."""
+    named = f"under job {their_job!r}" if isinstance(their_job, str) else "under another job"
+    return (
+        f"the daemon at {sock} serves the same configuration (an equal key) {named}: "
+        f"give the engine that daemon's `wcache serve --job` (model_loader_extra_config "
+        f"job; `wcache verify --job`), or start a daemon "
+        + (f"with --job {job}." if job else "without --job.")
+    )
+
+
+def _diagnose_missing(exc: Exception, key: Any, socket_dir: str | None, job: str = "") -> Exception:
+    """A daemon for *another* configuration (dtype, quantization, parallel sizes,
+    job) listens on a different socket; name the differing key fields instead of
+    reporting no daemon at all, or, when its key equals ours, the job (which is in
+    the socket's name, not in the key) and how to pass it. Returns ``exc`` when no
+    other daemon answers (the engine's own daemon, equal key and job, that answered
+    ``status`` but stalled on the request, is not another: break11 #3)."""
+    from wcache.store import KeyMismatch  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
+
+    best = None
+    for sock, other, their_job in _same_rank_daemons(key, socket_dir, job):
         if best is None or len(key.diff(other)) < len(key.diff(best[1])):
-            best = (sock, other, st.get("job"))
+            best = (sock, other, their_job)
     if best is None:
         return exc
     sock, other, their_job = best
     if not key.diff(other):
         # the same key on another socket: only the job (in the socket's name) differs
-        named = f"under job {their_job!r}" if isinstance(their_job, str) else "under another job"
         return KeyMismatch(
             f"no daemon serves this engine's configuration under job {job!r} ({exc}); "
-            f"the daemon at {sock} serves the same configuration (an equal key) {named}: "
-            f"give the engine that daemon's `wcache serve --job` "
-            f"(model_loader_extra_config job; `wcache verify --job`), or start a daemon "
-            + (f"with --job {job}." if job else "without --job.")
+            + _job_fix(sock, their_job, job)
         )
     err = KeyMismatch(
         f"no daemon serves this engine's configuration ({exc}); the daemon at "
@@ -294,6 +315,21 @@ def _diagnose_missing(exc: Exception, key: Any, socket_dir: str | None, job: str
         fields=key.diff(other),
     )
     return err
+
+
+def _diagnose_mismatch(
+    exc: KeyMismatch, key: Any, socket_dir: str | None, job: str = ""
+) -> KeyMismatch:
+    """The engine's own socket serves another key (``exc``, a key-mismatch); when
+    another daemon of the socket dir serves exactly this engine's key under another
+    job (the engine's job was forgotten or wrong), say so and how to reach it
+    (break12 #3). Returns ``exc`` otherwise."""
+    for sock, other, their_job in _same_rank_daemons(key, socket_dir, job):
+        if not key.diff(other):
+            return KeyMismatch(
+                f"{exc}; but {_job_fix(sock, their_job, job)}", fields=exc.fields, theirs=exc.theirs
+            )
+    return exc
 
 
 @attrs.frozen
@@ -970,6 +1006,8 @@ class WcacheModelLoader(BaseModelLoader):
                         f"load the draft from disk"
                     ) from exc
                 raise _diagnose_missing(exc, key, opts.socket_dir, job) from exc
+            except KeyMismatch as exc:
+                raise _diagnose_mismatch(exc, key, opts.socket_dir, job) from exc
             marks["attach"] = time.perf_counter()
             install_tensors_(
                 model,

@@ -1000,7 +1000,7 @@ def _check_daemon_key(vllm_config: Any, device: torch.device, socket_dir: str, j
         MetaBuildUnsupported: no engine could restore this model.
     """
     from wcache.store import CacheKey, DaemonMissing, KeyMismatch, daemon_status  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
-    from wcache.vllm.loader import _diagnose_missing  # noqa: PLC0415 (vLLM import ~6 s: only when called)
+    from wcache.vllm.loader import _diagnose_mismatch, _diagnose_missing  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     key = expected_key(vllm_config)
     sock = _daemon_socket(vllm_config, device, socket_dir, job)
@@ -1008,12 +1008,17 @@ def _check_daemon_key(vllm_config: Any, device: torch.device, socket_dir: str, j
     try:
         theirs = CacheKey(daemon_status(sock)["key_fields"])
         if theirs != key:
-            cause = KeyMismatch(
-                f"the daemon on {sock} serves another key: {key.versions_note(theirs)}"
-                f"{key.describe_diff(theirs)}. Fix: give verify the checkpoint and engine "
-                f"arguments the daemon was started with, or restart the daemon with these "
-                f"(a daemon serves the checkpoint's bytes as they were when it loaded them)",
-                fields=key.diff(theirs),
+            cause = _diagnose_mismatch(
+                KeyMismatch(
+                    f"the daemon on {sock} serves another key: {key.versions_note(theirs)}"
+                    f"{key.describe_diff(theirs)}. Fix: give verify the checkpoint and engine "
+                    f"arguments the daemon was started with, or restart the daemon with these "
+                    f"(a daemon serves the checkpoint's bytes as they were when it loaded them)",
+                    fields=key.diff(theirs),
+                ),
+                key,
+                socket_dir,
+                job,
             )
     except DaemonMissing as exc:
         cause = _diagnose_missing(exc, key, socket_dir, job)
