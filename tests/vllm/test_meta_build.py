@@ -147,3 +147,48 @@ def test_only_a_meta_device_error_is_a_meta_build_failure(exc, meta):
     from wcache.vllm.model import meta_build_failed
 
     assert meta_build_failed(exc) is meta
+
+
+def test_a_data_dependent_op_on_meta_is_a_meta_build_failure():
+    """torch's own error for ``torch.where``/``nonzero`` on a meta tensor (what vLLM's
+    expert map raises under expert parallelism) says ``register_meta``, not ``meta``:
+    it is a meta-build failure too (it escaped as a raw NotImplementedError, even with
+    fallback on: break12 #5)."""
+    from wcache.vllm.model import meta_build_failed
+
+    with pytest.raises(NotImplementedError) as info:
+        torch.where(torch.zeros(4, device="meta") != -1)
+    assert meta_build_failed(info.value)
+
+
+@pytest.mark.parametrize(
+    ("ep", "tp", "dp", "ranks"),
+    [(True, 2, 1, 2), (True, 1, 2, 2), (True, 2, 2, 4), (True, 1, 1, 0), (False, 2, 1, 0)],
+)
+def test_expert_parallelism_counts_where_it_spans_ranks(ep, tp, dp, ranks):
+    """Expert parallelism spans TP x DP ranks; over one rank, or off, it is 0."""
+    from wcache.vllm.model import expert_parallel_ranks
+
+    pc = SimpleNamespace(enable_expert_parallel=ep, tensor_parallel_size=tp, data_parallel_size=dp)
+    assert expert_parallel_ranks(SimpleNamespace(parallel_config=pc)) == ranks
+
+
+def test_a_refused_expert_parallel_build_says_so(monkeypatch):
+    """initialize_on_meta of an EP engine whose build reads the expert map's values:
+    MetaBuildUnsupported (meta-build) with the fix and the expert-parallel note."""
+    from wcache.vllm import model as wmodel
+
+    def initialize(**kwargs):
+        torch.where(torch.zeros(4) != -1)  # built under meta_build: a meta tensor
+
+    pc = SimpleNamespace(enable_expert_parallel=True, tensor_parallel_size=2, data_parallel_size=1)
+    config = SimpleNamespace(
+        parallel_config=pc, device_config=SimpleNamespace(device=torch.device("cpu"))
+    )
+    mc = SimpleNamespace(dtype=torch.float32, hf_config=SimpleNamespace(architectures=["X"]))
+    with pytest.raises(MetaBuildUnsupported) as info:
+        wmodel.initialize_on_meta(config, mc, "load it from disk.", initialize=initialize)
+    assert info.value.code == "meta-build"
+    said = str(info.value)
+    assert said.startswith("expert parallelism over 2 ranks (enable_expert_parallel): ")
+    assert "Fix: drop --enable-expert-parallel" in said and "load it from disk" not in said

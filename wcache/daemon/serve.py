@@ -651,7 +651,15 @@ def _rank_main(
         )
     except BaseException as exc:  # report to the parent, which stops the other ranks
         try:
-            ready.put((rank, f"error: {type(exc).__name__}: {exc}"))
+            code = getattr(exc, "code", None)  # a WcacheError's reason code, as one rank prints it
+            ready.put(
+                (
+                    rank,
+                    f"error [{code}]: {exc}"
+                    if isinstance(code, str)
+                    else f"error: {type(exc).__name__}: {exc}",
+                )
+            )
         except (ValueError, OSError):  # the queue was closed for a lean hand-off that failed
             pass
         raise

@@ -396,31 +396,66 @@ def meta_build(device: torch.device | str) -> Iterator[None]:
 def meta_build_failed(exc: BaseException) -> bool:
     """Whether ``exc``, raised while vLLM built a model under :func:`meta_build`, is the
     model reading a tensor's value (``Cannot copy out of meta tensor``, ``.tolist()`` or
-    ``.item()`` on meta), not another fault of the build (whose text may say
-    "metadata": the word ``meta`` alone counts)."""
+    ``.item()`` on meta, a data-dependent op such as ``torch.nonzero``/``torch.where``
+    whose meta kernel torch does not register), not another fault of the build (whose
+    text may say "metadata": the word ``meta`` alone counts)."""
     return isinstance(exc, (NotImplementedError, RuntimeError)) and bool(
         _META_WORD.search(str(exc))
     )
 
 
-#: "meta" as a word (``meta tensor``, ``'meta'``, ``device=meta``), not inside "metadata".
-_META_WORD = re.compile(r"\bmeta\b")
+#: "meta" as a word (``meta tensor``, ``'meta'``, ``device=meta``), not inside
+#: "metadata"; torch's refusal of a data-dependent op on meta ("The register_meta
+#: function for torch.nonzero() raises unimplemented ...": break12 #5).
+_META_WORD = re.compile(r"\bmeta\b|\bregister_meta\b")
 
 
-def meta_build_error(hf_config: Any, exc: BaseException, fix: str) -> MetaBuildUnsupported:
+def expert_parallel_ranks(vllm_config: Any) -> int:
+    """The ranks experts are spread over when ``vllm_config`` enables expert
+    parallelism over more than one (``enable_expert_parallel``, TP x DP > 1), else 0:
+    vLLM's build of such an engine computes its expert map from tensor values
+    (``ExpertMapManager``), which a meta build cannot.
+
+    Source: vllm/model_executor/layers/fused_moe/expert_map_manager.py
+    (``get_compressed_map_string``: ``torch.where(self._expert_map != -1)``)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    if not getattr(pc, "enable_expert_parallel", False):
+        return 0
+    ranks = getattr(pc, "tensor_parallel_size", 1) * getattr(pc, "data_parallel_size", 1)
+    return ranks if ranks > 1 else 0
+
+
+def meta_build_error(
+    hf_config: Any, exc: BaseException, fix: str, *, expert_ranks: int = 0
+) -> MetaBuildUnsupported:
     """The refusal of a model whose constructor reads tensor values (a restore builds
     it on the meta device, where no value exists): e.g. vLLM's ``BloomAttention``
-    turns its ALiBi slopes into a list (``.tolist()``) while it is built.
+    turns its ALiBi slopes into a list (``.tolist()``) while it is built; or of an
+    engine with expert parallelism, whose expert map is computed from values.
 
     Args:
         hf_config: the model's Hugging Face config (its ``architectures`` are named).
         exc: the build's error (:func:`meta_build_failed`).
         fix: the message's last sentence, for who reads it (engine or ``wcache serve``).
+        expert_ranks: :func:`expert_parallel_ranks` of the engine: when not 0 the
+            refusal is of expert parallelism, not of the architecture, and ``fix`` is
+            replaced by dropping it.
     """
     archs = list(getattr(hf_config, "architectures", None) or [])
+    cause = f"({type(exc).__name__}: {str(exc)[:160]})"
+    if expert_ranks:
+        return MetaBuildUnsupported(
+            f"expert parallelism over {expert_ranks} ranks (enable_expert_parallel): vLLM "
+            f"computes its expert map from tensor values while it builds "
+            f"{', '.join(archs) or 'the model'} {cause}; a restore builds the model on the "
+            f"meta device, where no value exists, so an engine with expert parallelism is "
+            f"not restored. Fix: drop --enable-expert-parallel (enable_expert_parallel="
+            f"False; the experts are then sharded by tensor parallelism, which is "
+            f"restored), or load this engine from disk (load_format='auto')."
+        )
     return MetaBuildUnsupported(
         f"vLLM's {', '.join(archs) or 'model'} reads tensor values while it is "
-        f"built ({type(exc).__name__}: {str(exc)[:160]}); a restore builds the model on "
+        f"built {cause}; a restore builds the model on "
         f"the meta device, where no value exists, so this architecture is not restored. "
         f"Fix: {fix}"
     )
@@ -468,7 +503,9 @@ def initialize_on_meta(
     except (NotImplementedError, RuntimeError) as exc:
         if not meta_build_failed(exc):
             raise
-        raise meta_build_error(model_config.hf_config, exc, fix) from exc
+        raise meta_build_error(
+            model_config.hf_config, exc, fix, expert_ranks=expert_parallel_ranks(vllm_config)
+        ) from exc
 
 
 def meta_leftovers(model: torch.nn.Module) -> list[str]:
