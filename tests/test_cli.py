@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import re
 
 import pytest
 
@@ -330,3 +331,19 @@ def test_bench_and_verify_turn_sigterm_into_system_exit(command, monkeypatch):
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert stop.value.code == 128 + signal.SIGTERM
+
+
+@pytest.mark.slow
+def test_plans_host_names_the_fused_moe_plan_this_host_gets(capsys):
+    """`wcache plans --host` has a fused-MoE row: the experts class vLLM-CPU's oracle
+    picks here (AMX or the portable vector path) and its plan (break12 #6: there was
+    no MoE row, so a user could not tell cpu_vec from cpu_amx)."""
+    import torch
+
+    assert 0 == cli.main(["plans", "--host"])
+    out = capsys.readouterr().out
+    amx = torch.cpu._is_amx_tile_supported()
+    experts, plan = (
+        ("X86CPUUnquantizedExperts", "cpu_amx") if amx else ("CPUUnquantizedExperts", "cpu_vec")
+    )
+    assert re.search(rf"fused MoE, {experts} +unquantized_moe/{plan}@1\n", out), out

