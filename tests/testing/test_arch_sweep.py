@@ -549,6 +549,24 @@ def test_render_writes_only_over_a_rendered_table_and_never_an_empty_one(tmp_pat
     assert doc.read_text() == before and "nothing to render" in capsys.readouterr().err
 
 
+def test_a_render_from_fewer_results_files_says_which_rows_it_leaves_out(tmp_path, capsys):
+    """Re-rendering a table from only some of the files it was rendered from notes the
+    files left out (the whole doc was replaced silently: break12, a tester lost the
+    CUDA table); a render from the same files says nothing."""
+    row = {"arch": "olmo2", "format": "bf16", "outcome": "restored", "verify": {"exit": 0}}
+    cpu, cuda = tmp_path / "cpu.jsonl", tmp_path / "cuda.jsonl"
+    cpu.write_text(json.dumps({**row, "case": "olmo2/bf16", "device": "cpu"}) + "\n")
+    cuda.write_text(json.dumps({**row, "case": "olmo2/bf16", "device": "cuda"}) + "\n")
+    doc = tmp_path / "arch.md"
+    assert sw.main(["--render", str(cpu), str(cuda), "--doc", str(doc)]) == 0
+    assert sw.main(["--render", str(cpu), str(cuda), "--doc", str(doc)]) == 0
+    assert capsys.readouterr().err == ""
+    assert sw.main(["--render", str(cpu), "--doc", str(doc)]) == 0
+    assert "was rendered from cuda.jsonl too, whose rows this render leaves out" in (
+        capsys.readouterr().err
+    )
+
+
 def test_sigterm_runs_the_cases_finally_blocks(tmp_path):
     """exit_on_sigterm: a sweep process stopped by SIGTERM (kill, timeout) exits 143
     through its finally blocks, where a case stops its daemon and engine."""

@@ -47,6 +47,7 @@ import collections
 import json
 import multiprocessing
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -714,15 +715,32 @@ def _render_to(results: Sequence[str], doc: str | None) -> int:
         print(text, end="")
         return 0
     target = Path(doc)
-    if target.exists() and GENERATED_MARK not in target.read_text()[:4096]:
+    old = target.read_text() if target.exists() else None
+    if old is not None and GENERATED_MARK not in old[:4096]:
         print(
             f"arch_sweep: error: {doc} exists and is not a table this command rendered "
             f"(no {GENERATED_MARK!r} near its top); give a new path or remove it first",
             file=sys.stderr,
         )
         return 2
+    dropped = sorted(_rendered_sources(old or "") - {Path(p).name for p in results})
+    if dropped:
+        print(
+            f"arch_sweep: note: {doc} was rendered from {', '.join(dropped)} too, whose "
+            f"rows this render leaves out; give every results file to --render to keep "
+            f"them",
+            file=sys.stderr,
+        )
     target.write_text(text)
     return 0
+
+
+def _rendered_sources(doc_text: str) -> set[str]:
+    """The results files a rendered table names on its ``Results:`` line."""
+    for line in doc_text.splitlines():
+        if line.startswith("Results: "):
+            return set(re.findall(r"`([^`]+)`", line))
+    return set()
 
 
 def _run(args: argparse.Namespace, cases: list[tuple[str, str]]) -> int:
