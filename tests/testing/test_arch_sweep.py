@@ -386,7 +386,7 @@ def test_cpu_rows_of_each_x86_class_are_kept_and_named(tmp_path):
     text = sw.render(sw.read_rows([path]))
     assert "| restored (AMX) | `unquantized_moe/cpu_amx@1` |" in text
     assert "| restored (AVX512-BF16) | `unquantized_moe/cpu_vec@1` |" in text
-    assert "also beside its outcome): AMX: 1 rows, AVX512-BF16: 1 rows" in text
+    assert "says its host had AMX): AMX: 1 rows, AVX512-BF16: 1 rows" in text
 
 
 @pytest.mark.parametrize(

