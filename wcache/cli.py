@@ -33,7 +33,8 @@ from wcache.store.protocol import SEED_TIMEOUT_ENV, parse_seconds
 from wcache.store.seed import TCP_SCHEME, WILDCARD_HOSTS, parse_host_port, read_secret
 from wcache.template import client as template_client
 from wcache.template import run_cli
-from wcache.vllm.probe import cpu_moe_experts, host_target
+from wcache.vllm.compat import cpu_moe_experts
+from wcache.vllm.probe import host_target
 
 DESCRIPTION = """\
 wcache keeps a model's post-processed weights resident in a daemon so that a

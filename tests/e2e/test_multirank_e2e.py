@@ -142,7 +142,7 @@ def test_killed_rank_without_fallback_fails_naming_it(tp_runs):
     assert "tp_rank=1" in out and "[daemon-missing]" in out
 
 
-def test_expert_parallelism_is_refused_by_name(tmp_path):
+def test_expert_parallelism_is_refused_by_name():
     """`wcache serve -tp 2 --enable-expert-parallel` of an MoE model: vLLM's expert map
     is computed from tensor values while the model is built, so the serve refuses it
     before any load with meta-build, naming expert parallelism and the fix (it died
@@ -153,20 +153,20 @@ def test_expert_parallelism_is_refused_by_name(tmp_path):
     from wcache.testing.tiny_models import build_arch
 
     model = build_arch("qwen3_moe")
-    sock_dir = tmp_path / "s"
-    sock_dir.mkdir(mode=0o700)
-    args = ["--model", str(model), "--socket-dir", str(sock_dir), "-tp", str(TP)]
-    args += ["--enable-expert-parallel", "--dtype", "bfloat16", "--enforce-eager"]
-    r = subprocess.run(
-        [sys.executable, "-m", "wcache.cli", "serve", *args, "--max-model-len", "512"],
-        env={**os.environ, **ENV},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    with tempfile.TemporaryDirectory(prefix="wc-ep-") as sock_dir:  # short: a socket path fits
+        args = ["--model", str(model), "--socket-dir", sock_dir, "-tp", str(TP)]
+        args += ["--enable-expert-parallel", "--dtype", "bfloat16", "--enforce-eager"]
+        r = subprocess.run(
+            [sys.executable, "-m", "wcache.cli", "serve", *args, "--max-model-len", "512"],
+            env={**os.environ, **ENV},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        left = list_sockets(sock_dir)
     assert r.returncode == 1, r.stderr[-2000:]
     assert "failed during start-up: error [meta-build]: expert parallelism over 2 ranks" in (
         r.stderr
     ), r.stderr[-2000:]
     assert "Fix: drop --enable-expert-parallel" in r.stderr
-    assert list_sockets(str(sock_dir)) == []
+    assert left == []

@@ -176,30 +176,6 @@ def host_target(device: str | torch.device = "cpu", env: Mapping[str, str] | Non
     return evolve(target, kernels=cpu_kernel_decisions())
 
 
-def cpu_moe_experts() -> str:
-    """The experts class vLLM-CPU's MoE oracle picks here for an unquantized fused MoE:
-    the first of its preference list whose ``_supports_current_device()`` holds
-    (``X86CPUUnquantizedExperts`` on an AMX host, ``CPUUnquantizedExperts``, the
-    portable vector path, on any other x86 host), ``""`` where vLLM has none of them.
-
-    Source: vllm/model_executor/layers/fused_moe/oracle/unquantized.py (the
-    ``UnquantizedMoeBackend.CPU`` branch); .../experts/cpu_moe.py.
-    """
-    from vllm.model_executor.layers.fused_moe.experts import cpu_moe  # noqa: PLC0415 (vLLM import ~6 s: only when called)
-
-    preference = (
-        "X86CPUUnquantizedExperts",
-        "ArmCPUUnquantizedExperts",
-        "PowerCPUUnquantizedExperts",
-        "CPUUnquantizedExperts",
-    )
-    for name in preference:
-        cls = getattr(cpu_moe, name, None)
-        if cls is not None and cls._supports_current_device():
-            return name
-    return ""
-
-
 def unquantized_gemm_kernel(size_n: int, size_k: int, dtype: torch.dtype) -> str:
     """The branch vLLM's ``dispatch_cpu_unquantized_gemm`` takes for an ``[N, K]``
     weight of ``dtype`` on this host: vLLM's own ``check_cpu_sgl_kernel`` for the

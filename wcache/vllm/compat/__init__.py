@@ -22,7 +22,8 @@ checked in one package. Three kinds of reach, and nothing of them outside it
   ``_ROPE_DICT``); ``_layerwise_process``; the CPU worker's
   ``_set_torch_accelerator_to_noop``; ``vllm._custom_ops`` (which loads the
   ``torch.ops._C`` kernels); the layer flag :data:`POSTLOAD_DONE_ATTR`;
-  a fused-MoE layer's ``_expert_routing_tables`` (:func:`moe_routing_tables`);
+  a fused-MoE layer's ``_expert_routing_tables`` (:func:`moe_routing_tables`); the CPU
+  experts classes' ``_supports_current_device`` (:func:`cpu_moe_experts`);
 * **patches**, each a context manager undone on exit (:func:`without_reload_metadata`,
   :func:`online_quantization_deferred`, :func:`captured_hash_factors`,
   :func:`attention_forward_replaced`, :func:`torch_accelerator_noops`,
@@ -92,6 +93,7 @@ from wcache.vllm.compat.kernels import (
     POSTLOAD_DONE_ATTR,
     KernelBinding,
     bound_attr_path,
+    cpu_moe_experts,
     has_custom_op,
     load_custom_ops,
     mark_postload_done_,
@@ -197,6 +199,7 @@ __all__ = [
     "supported_releases",
     "sync_kernel_state_",
     "moe_routing_tables",
+    "cpu_moe_experts",
     "set_moe_kernel_",
     "torch_accelerator_noops",
     "transformers_parameters_as_disk",

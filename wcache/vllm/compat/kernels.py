@@ -125,6 +125,30 @@ KERNEL_BINDINGS = (
 _INT8_LINEAR_METHODS = {"onednn": "_apply_weights_onednn", "sgl": "_apply_weights_sgl"}
 
 
+def cpu_moe_experts() -> str:
+    """The experts class vLLM-CPU's MoE oracle picks here for an unquantized fused MoE:
+    the first of its preference list whose ``_supports_current_device()`` holds
+    (``X86CPUUnquantizedExperts`` on an AMX host, ``CPUUnquantizedExperts``, the
+    portable vector path, on any other x86 host), ``""`` where vLLM has none of them.
+
+    Source: vllm/model_executor/layers/fused_moe/oracle/unquantized.py (the
+    ``UnquantizedMoeBackend.CPU`` branch); .../experts/cpu_moe.py.
+    """
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe  # noqa: PLC0415 (vLLM import ~6 s: only when called)
+
+    preference = (
+        "X86CPUUnquantizedExperts",
+        "ArmCPUUnquantizedExperts",
+        "PowerCPUUnquantizedExperts",
+        "CPUUnquantizedExperts",
+    )
+    for name in preference:
+        cls = getattr(cpu_moe, name, None)
+        if cls is not None and cls._supports_current_device():
+            return name
+    return ""
+
+
 def _int8_linear_method(kernel: Any, value: str) -> Any:
     """The kernel's bound apply for the stage's ``linear_method`` (what vLLM sets:
     ``self.linear_method = self._apply_weights_onednn``).
