@@ -365,3 +365,17 @@ def test_key_of_another_vllm_release_is_refused_naming_both(sock_dir, engine_vll
     message = str(ei.value)
     assert f"vLLM {engine_vllm} (engine) vs {daemon_vllm} (daemon)" in message
     assert f'versions.vllm: engine="{engine_vllm}" daemon="{daemon_vllm}"' in message
+
+
+def test_a_failed_bind_leaves_no_socket_file(sock_dir, key, monkeypatch):
+    """A bind whose pid file cannot be written (a file system that filled up after the
+    start's check) fails with store-error and removes the socket it bound: no socket
+    file nobody listens on is left (break13 #1)."""
+
+    def full(path: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(paths, "write_pid_file", full)
+    with pytest.raises(StoreError, match="No space left on device"):
+        DaemonServer(synthetic_export(), key, socket_dir=sock_dir).start()
+    assert [n for n in os.listdir(sock_dir) if n.endswith(".sock")] == []

@@ -142,12 +142,27 @@ def test_a_socket_dir_that_cannot_be_made_is_refused_with_a_fix(tmp_path, make, 
         )
 
 
-def test_a_read_only_socket_dir_is_refused_before_a_load(tmp_path):
-    """A socket dir on a read-only mount is refused at once by a caller that will
-    write there (a daemon found it only after the model's load, as load-failed:
-    break12 #2); a reader (create=False) may still use it."""
-    d = tmp_path / "ro"
+@pytest.mark.parametrize(
+    ("mount", "said"),
+    [
+        # a read-only mount: root's mode checks pass it (break12 #2)
+        ("mount --bind {d} {d} && mount -o remount,ro,bind {d}", "(Read-only file system)"),
+        # a full file system: the dir's mkdir passes, a new entry does not (break13 #1)
+        (
+            "mount -t tmpfs -o size=16k tmpfs {d} && "
+            "(dd if=/dev/zero of={d}/fill bs=4k count=100 2>/dev/null; true) && mkdir -m 700 {d}/s",
+            "(No space left on device)",
+        ),
+    ],
+    ids=["read-only", "full"],
+)
+def test_a_socket_dir_that_takes_no_file_is_refused_before_a_load(tmp_path, mount, said):
+    """A socket dir on a read-only mount or a full file system is refused at once by a
+    caller that will write there (a daemon found it only after the model's load, as
+    load-failed or a bind error); a reader (create=False) may still use it."""
+    d = tmp_path / "m"
     d.mkdir(mode=0o700)
+    sock_dir = d / "s" if "tmpfs" in mount else d
     probe = (
         "import sys; from wcache.store import paths\n"
         "print(paths.ensure_socket_dir(sys.argv[1], create=False))\n"
@@ -156,16 +171,24 @@ def test_a_read_only_socket_dir_is_refused_before_a_load(tmp_path):
         "except paths.UnsafePath as e:\n"
         "    print(e.code, e)\n"
     )
-    mount = f"mount --bind {d} {d} && mount -o remount,ro,bind {d}"
     r = subprocess.run(
-        ["unshare", "-m", "sh", "-c", f'{mount} && exec "$0" -c "$1" {d}', sys.executable, probe],
+        [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            f'{mount.format(d=d)} && exec "$0" -c "$1" {sock_dir}',
+            sys.executable,
+            probe,
+        ],
         capture_output=True,
         text=True,
         timeout=60,
     )
     if r.returncode != 0 and ("unshare" in r.stderr or "mount" in r.stderr):
-        pytest.skip(f"no private read-only bind mount here: {r.stderr.strip()}")
+        pytest.skip(f"no private mount here: {r.stderr.strip()}")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0] == str(d)
-    assert lines[1].startswith(f"unsafe-path socket dir {d} is not writable by this process")
+    assert lines[0] == str(sock_dir)
+    assert lines[1].startswith(f"unsafe-path socket dir {sock_dir} is not writable by this process")
+    assert said in lines[1]

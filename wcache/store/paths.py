@@ -23,6 +23,7 @@ import os
 import re
 import socket
 import stat
+import tempfile
 from typing import TypeGuard
 
 from wcache.store.errors import DaemonBusy, ShmTooSmall, StoreError, UnsafePath
@@ -64,6 +65,8 @@ SOCKET_PREFIX = "wcache-"
 SOCKET_SUFFIX = ".sock"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
+#: The name start of :func:`ensure_socket_dir`'s write probe (removed at once).
+PROBE_PREFIX = ".wcache-probe-"
 # Group/other bits that would let another user replace or read our files.
 _FOREIGN_BITS = stat.S_IRWXG | stat.S_IRWXO
 _DEVICE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -251,12 +254,36 @@ def ensure_socket_dir(path: str | None = None, *, create: bool = True) -> str:
             f"socket dir {path} has mode {stat.S_IMODE(st.st_mode):o}; it must be 0700. "
             + _mode_fix(path)
         )
-    if create and not os.access(path, os.W_OK | os.X_OK):
-        raise UnsafePath(
-            f"socket dir {path} is not writable by this process (a read-only mount?): "
-            f"the daemon's socket, lock and pid files go there. {_other_dir()}"
-        )
+    if create:
+        _probe_writable(path)
     return path
+
+
+def _probe_writable(path: str) -> None:
+    """Create, write and remove a small file in the socket dir ``path``: what the
+    daemon's socket, lock and pid files need, checked before any load. A mode check
+    alone passes a read-only mount's directory to root, and a full file system's
+    (its pid file's write failed there, after the model's load: break13 #1).
+
+    Raises:
+        UnsafePath: the file cannot be created (the errno's reason) with the fix.
+    """
+    probe = None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=PROBE_PREFIX, dir=path)
+        try:
+            os.write(fd, b"{}\n" * 32)  # a pid file's size: a full file system fails here
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise UnsafePath(
+            f"socket dir {path} is not writable by this process ({e.strerror}): the "
+            f"daemon's socket, lock and pid files go there. {_other_dir()}"
+        ) from None
+    finally:
+        if probe is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(probe)
 
 
 def _other_dir() -> str:
@@ -298,7 +325,7 @@ def _wcache_own_dir(path: str) -> bool:
         names = os.listdir(path)
     except OSError:
         return False
-    return all(n.startswith((SOCKET_PREFIX, "template.")) for n in names)
+    return all(n.startswith((SOCKET_PREFIX, "template.", PROBE_PREFIX)) for n in names)
 
 
 def _mode_fix(path: str) -> str:

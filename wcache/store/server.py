@@ -24,6 +24,7 @@ socket is unchanged.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import signal
@@ -444,8 +445,10 @@ class DaemonServer:
             StoreError: the socket cannot be bound.
         """
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        bound = False
         try:
             listener.bind(self.socket_path)
+            bound = True
             os.chmod(self.socket_path, paths.FILE_MODE)
             listener.listen(LISTEN_BACKLOG)
             listener.settimeout(ACCEPT_POLL_S)
@@ -453,6 +456,9 @@ class DaemonServer:
             paths.write_pid_file(paths.pid_path(self.socket_path))
         except OSError as e:
             listener.close()
+            if bound:  # ours (the device lock is held): no socket file nobody listens on
+                with contextlib.suppress(OSError):
+                    os.unlink(self.socket_path)
             raise StoreError(f"cannot bind {self.socket_path}: {e}") from e
         return listener
 
