@@ -432,6 +432,7 @@ def test_a_mismatch_names_a_daemon_of_this_key_under_another_job(monkeypatch):
     err = _diagnose_mismatch(exc, ours, "/s", "")
     assert str(err).startswith("daemon on /s/own.sock: key differs in dtype; but the daemon at ")
     assert "/s/b.sock serves the same configuration (an equal key) under job 'b': give" in str(err)
+    assert str(err).endswith("`wcache verify --job`).")  # its own socket is taken: no second way
     assert (err.code, err.fields) == ("key-mismatch", ["dtype"])
     del status["/s/b.sock"]
     assert _diagnose_mismatch(exc, ours, "/s", "") is exc

@@ -273,15 +273,21 @@ def _same_rank_daemons(
         yield sock, other, st.get("job")
 
 
-def _job_fix(sock: str, their_job: Any, job: str) -> str:
+def _job_fix(sock: str, their_job: Any, job: str, *, own_socket_free: bool = True) -> str:
     """The sentence naming the daemon at ``sock`` that serves the engine's key under
-    another job, and how to reach it."""
+    another job, and how to reach it; the second way, a daemon of the engine's own
+    job, only where the engine's own socket is free (a daemon of another checkpoint
+    holding it would refuse that start with daemon-busy: break13 #5)."""
     named = f"under job {their_job!r}" if isinstance(their_job, str) else "under another job"
+    own = (
+        ", or start a daemon " + (f"with --job {job}." if job else "without --job.")
+        if own_socket_free
+        else "."
+    )
     return (
         f"the daemon at {sock} serves the same configuration (an equal key) {named}: "
         f"give the engine that daemon's `wcache serve --job` (model_loader_extra_config "
-        f"job; `wcache verify --job`), or start a daemon "
-        + (f"with --job {job}." if job else "without --job.")
+        f"job; `wcache verify --job`){own}"
     )
 
 
@@ -327,7 +333,9 @@ def _diagnose_mismatch(
     for sock, other, their_job in _same_rank_daemons(key, socket_dir, job):
         if not key.diff(other):
             return KeyMismatch(
-                f"{exc}; but {_job_fix(sock, their_job, job)}", fields=exc.fields, theirs=exc.theirs
+                f"{exc}; but {_job_fix(sock, their_job, job, own_socket_free=False)}",
+                fields=exc.fields,
+                theirs=exc.theirs,
             )
     return exc
 
