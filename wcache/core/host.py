@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["CPUINFO", "cpu_isa", "cuda_capability", "environment"]
+__all__ = ["CPUINFO", "cpu_isa", "cpuinfo_flags", "cuda_capability", "environment"]
 
 #: Where Linux lists the CPU's flags (the fallback when torch cannot be asked).
 CPUINFO = "/proc/cpuinfo"
@@ -31,7 +31,7 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
     return int(cap[0]), int(cap[1])
 
 
-def _cpuinfo_flags(path: str = CPUINFO) -> set[str]:
+def cpuinfo_flags(path: str = CPUINFO) -> set[str]:
     """The ``flags`` line of ``path`` as a set (empty when it cannot be read)."""
     try:
         with open(path) as f:
@@ -56,7 +56,7 @@ def cpu_isa() -> frozenset[str]:
         isa.add("riscv")
     elif machine.startswith(("ppc", "power")):
         isa.add("power")
-    fset = _cpuinfo_flags()
+    fset = cpuinfo_flags()
     cpu = torch.cpu
     queries = {
         "avx512": getattr(cpu, "_is_avx512_supported", None),

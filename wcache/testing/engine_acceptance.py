@@ -70,6 +70,7 @@ from typing import Any
 
 import attrs
 
+from wcache.core.host import cpuinfo_flags
 from wcache.daemon.process import DaemonProcess, first_traceback, run_engine
 from wcache.testing.caches import cache_env
 from wcache.testing.compile_cache import (
@@ -719,14 +720,7 @@ def cpu_class(environ: Mapping[str, str] | None = None) -> str:
     env = os.environ if environ is None else environ
     if env.get("WCACHE_EMULATE_CPU_BUILD") == "avx2":
         return "AVX2 (emulated)"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next(
-                (set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")),
-                set(),
-            )
-    except OSError:
-        return "unknown"
+    flags = cpuinfo_flags()  # empty when it cannot be read: "unknown"
     for flag, name in (
         ("amx_tile", "AMX"),
         ("avx512_bf16", "AVX512-BF16"),

@@ -300,10 +300,9 @@ def _diagnose_missing(exc: Exception, key: Any, socket_dir: str | None, job: str
     ``status`` but stalled on the request, is not another: break11 #3)."""
     from wcache.store import KeyMismatch  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
 
-    best = None
-    for sock, other, their_job in _same_rank_daemons(key, socket_dir, job):
-        if best is None or len(key.diff(other)) < len(key.diff(best[1])):
-            best = (sock, other, their_job)
+    best = min(  # the first daemon of the fewest differing key fields
+        _same_rank_daemons(key, socket_dir, job), key=lambda d: len(key.diff(d[1])), default=None
+    )
     if best is None:
         return exc
     sock, other, their_job = best
