@@ -41,10 +41,9 @@ def serve_rank(model, rest, *, rank, ready, socket_dir, **_):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with open(os.path.join(socket_dir, f"rank{rank}.pid"), "w") as f:
         f.write(str(os.getpid()))
-    ready.put((rank, "ready"))
+    ready.send((rank, "ready"))
     if os.environ.get("FAKE_RANK_EXEC"):  # as the lean hand-off: execve, same pid, serving on
-        ready.close()
-        ready.join_thread()  # the queue's feeder thread flushes "ready" (as the hand-off does)
+        ready.close()  # as the hand-off does
         os.execv(sys.executable, [sys.executable, "-c", LEAN])
     exit_file = os.path.join(socket_dir, f"rank{rank}.exit")
     for _ in range(6000):

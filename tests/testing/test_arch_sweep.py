@@ -562,9 +562,28 @@ def test_a_render_from_fewer_results_files_says_which_rows_it_leaves_out(tmp_pat
     assert sw.main(["--render", str(cpu), str(cuda), "--doc", str(doc)]) == 0
     assert capsys.readouterr().err == ""
     assert sw.main(["--render", str(cpu), "--doc", str(doc)]) == 0
-    assert "was rendered from cuda.jsonl too, whose rows this render leaves out" in (
-        capsys.readouterr().err
-    )
+    err = capsys.readouterr().err
+    assert "this render drops 1 row(s) that" in err and "olmo2/bf16" in err
+    assert "it was rendered from cuda.jsonl too" in err
+
+
+def test_a_same_named_file_with_fewer_rows_is_noted(tmp_path, capsys):
+    """A results file of the same name holding fewer rows (another checkout's, a
+    truncated copy) replaced the table's rows silently: the note compared file names
+    only (break13 #4). A row that only changed outcome is not a dropped row."""
+    row = {"outcome": "restored", "verify": {"exit": 0}, "device": "cuda", "gpu": "NVIDIA H200"}
+    full, short = tmp_path / "full", tmp_path / "short"
+    full.mkdir(), short.mkdir()
+    rows = [{**row, "arch": a, "format": "bf16", "case": f"{a}/bf16"} for a in ("llama", "olmo2")]
+    (full / "cuda.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (short / "cuda.jsonl").write_text(json.dumps({**rows[0], "outcome": "failed"}) + "\n")
+    doc = tmp_path / "arch.md"
+    assert sw.main(["--render", str(full / "cuda.jsonl"), "--doc", str(doc)]) == 0
+    capsys.readouterr()
+    assert sw.main(["--render", str(short / "cuda.jsonl"), "--doc", str(doc)]) == 0
+    err = capsys.readouterr().err
+    assert "drops 1 row(s)" in err and "olmo2/bf16/NVIDIA H200" in err, err
+    assert "llama" not in err  # its outcome changed; the row is still there
 
 
 def test_sigterm_runs_the_cases_finally_blocks(tmp_path):

@@ -52,6 +52,11 @@ PRIMED_POLL_S = 1.0
 ENGINE_TEMPLATE_ENV = "WCACHE_ENGINE_TEMPLATE"
 
 
+#: How long :meth:`DaemonProcess.final_output` waits for the daemon's output to close
+#: after its stop (seconds): its resource tracker cleans up and exits after the serve.
+OUTPUT_CLOSE_S = 15.0
+
+
 def template_launcher(socket_dir: str, fallback: bool = True) -> list[str]:
     """The ``wcache run`` prefix that forks a command from the template in
     ``socket_dir``; without ``fallback`` a missing or stale template fails the
@@ -169,6 +174,7 @@ class DaemonProcess:
         self.lines: deque[str] = deque(maxlen=400)
         self.ready_lines: list[str] = []
         self.tensor_parallel_size = tensor_parallel_size
+        self._pump: threading.Thread | None = None
 
     def wait_primed(self, timeout_s: float = PRIMED_TIMEOUT_S) -> str:
         """Wait until this ``--prime-compile`` daemon prints ``wcache: primed:`` (it
@@ -222,7 +228,8 @@ class DaemonProcess:
                     ready.set()
             ready.set()
 
-        threading.Thread(target=pump, daemon=True).start()
+        self._pump = threading.Thread(target=pump, daemon=True)
+        self._pump.start()
         t0 = time.monotonic()
         try:
             ready.wait(timeout_s)
@@ -243,6 +250,15 @@ class DaemonProcess:
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
+
+    def final_output(self, timeout_s: float = OUTPUT_CLOSE_S) -> list[str]:
+        """The daemon's last 400 lines once its output closed: after :meth:`stop`,
+        with what the processes it left behind wrote last (multiprocessing's resource
+        tracker, which outlives the serve and warns of the shared memory and
+        semaphores left to it), waiting at most ``timeout_s`` seconds for the close."""
+        if self._pump is not None:
+            self._pump.join(timeout_s)
+        return list(self.lines)
 
     def stop(self) -> None:
         stop_process_group(self.proc, STOP_GRACE_S)

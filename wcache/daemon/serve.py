@@ -31,7 +31,6 @@ import functools
 import logging
 import multiprocessing as mp
 import os
-import queue
 import shlex
 import shutil
 import signal
@@ -603,12 +602,12 @@ def _serve_prepared_rank(
         line += f" seed_listen={listen[0]}:{listen[1]}"
     print(line, flush=True)
     if ready is not None:
-        ready.put((rank, line))
+        ready.send((rank, line))
     if prime is not None and server.artifacts is None:  # serving meanwhile, in the full process
         _prime(server, prime, snapshot, snapshot_name(layout))
     # the lean hand-off: on CPU, exec a torch-free server; returns only when it stays full
 
-    lean.handoff(server, ready_queue=ready)
+    lean.handoff(server, ready_pipe=ready)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -637,6 +636,7 @@ def _rank_main(
     parent = mp.parent_process()  # the serve process (a spawned child always has one)
     if parent is not None and parent.pid is not None:
         die_with_parent(signal.SIGTERM, parent.pid)
+    unnamed_tqdm_lock()
     try:
         code = serve_rank(
             model,
@@ -657,13 +657,37 @@ def _rank_main(
                 if isinstance(exc, WcacheError)
                 else f"error: {type(exc).__name__}: {exc}"
             )
-            ready.put((rank, line))
-        except (ValueError, OSError):  # the queue was closed for a lean hand-off that failed
+            ready.send((rank, line))
+        except (ValueError, OSError):  # the pipe was closed for a lean hand-off that failed
             pass
+        if isinstance(exc, WcacheError):
+            # a refusal with its reason, which the parent prints: no traceback, and
+            # no "Process wcache-rank0:" header from multiprocessing (break13 #3)
+            sys.exit(1)
         raise
     # the rank's exit status is the parent's (the largest): 75 (INVALIDATED_EXIT) after
     # a client's guard fired asks the supervisor for a restart, as a one-rank serve does
     sys.exit(code)
+
+
+def unnamed_tqdm_lock() -> None:
+    """Give tqdm's process-wide lock an unnamed semaphore in this spawned rank.
+
+    tqdm creates it (``TqdmDefaultWriteLock.create_mp_lock``: ``multiprocessing.RLock()``)
+    at the first bar, vLLM's weight iterator's included, even disabled; in a ``spawn``
+    child that is a named POSIX semaphore (``/dev/shm/sem.mp-*``) registered with the
+    parent's resource tracker, which a rank's lean ``execve`` never releases: it
+    outlived a SIGKILLed daemon, and a clean stop made the tracker warn of "leaked
+    semaphore objects" (break pass 13 #2). A ``fork``-context lock is unlinked at
+    creation; the rank hands it to no process.
+
+    Source: tqdm/std.py (``TqdmDefaultWriteLock``); CPython
+    Lib/multiprocessing/synchronize.py (``SemLock``: ``unlink_now`` for ``fork``).
+    """
+    from tqdm.std import TqdmDefaultWriteLock  # noqa: PLC0415 (only in a rank)
+
+    if not hasattr(TqdmDefaultWriteLock, "mp_lock"):
+        TqdmDefaultWriteLock.mp_lock = mp.get_context("fork").RLock()
 
 
 def shm_needs(device_type: str, world: int, seeding: bool) -> list[tuple[int, str]]:
@@ -805,7 +829,9 @@ def _serve_ranks(
 ) -> int:
 
     ctx = mp.get_context("spawn")
-    ready = ctx.Queue()
+    # one pipe per rank for its ready (or error) line: file descriptors, where a Queue
+    # held three named semaphores that a SIGKILLed serve left in /dev/shm
+    pipes = [ctx.Pipe(duplex=False) for _ in ranks]
     procs = [
         ctx.Process(
             target=_rank_main,
@@ -820,35 +846,37 @@ def _serve_ranks(
                 args.socket_dir,
                 not args.no_progress,
                 job,
-                ready,
+                send,
                 sources,
             ),
         )
-        for r in ranks
+        for r, (_, send) in zip(ranks, pipes, strict=True)
     ]
     # SIGTERM (a supervisor, `kill`) must stop the ranks as Ctrl-C does: by default it
     # ended only this process and left every rank serving, orphaned (a restart then
     # failed with daemon-busy). Set before the ranks start: spawn resets it in them.
     previous = signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
-    for p in procs:
+    for p, (_, send) in zip(procs, pipes, strict=True):
         p.start()
+        send.close()  # the rank holds its own end: a rank's exit reads as EOF here
+    receiving = [recv for recv, _ in pipes]
     up: set[int] = set()
     deadline = time.monotonic() + RANK_READY_TIMEOUT_S
     try:
         while len(up) < len(ranks):
-            try:
-                rank, line = ready.get(timeout=1.0)
-            except queue.Empty:
+            lines = _ready_lines(receiving, timeout=1.0)
+            if not lines:
                 dead = [p for p in procs if not p.is_alive()]
                 if dead or time.monotonic() > deadline:
                     raise RuntimeError(
                         f"wcache serve: rank(s) {[p.name for p in dead]} died "
                         f"during start-up; stopping the others"
-                    ) from None
+                    )
                 continue
-            if line.startswith("error"):
-                raise RuntimeError(f"wcache serve: rank {rank} failed during start-up: {line}")
-            up.add(rank)
+            for rank, line in lines:
+                if line.startswith("error"):
+                    raise RuntimeError(f"wcache serve: rank {rank} failed during start-up: {line}")
+                up.add(rank)
         print(
             f"wcache: all {len(ranks)} ranks ready (ranks {ranks.start}..{ranks.stop - 1} "
             f"of {world})",
@@ -872,6 +900,24 @@ def _serve_ranks(
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+        for recv, _ in pipes:
+            recv.close()
+
+
+def _ready_lines(receiving: list[Any], timeout: float) -> list[tuple[int, str]]:
+    """The ``(rank, line)`` messages the ranks' pipes hold within ``timeout``
+    seconds. A pipe at EOF (its rank exited, or closed it for the lean ``execve``) is
+    dropped from ``receiving``; the caller tells a death by the process."""
+    from multiprocessing.connection import wait  # noqa: PLC0415
+
+    lines: list[tuple[int, str]] = []
+    readable: list[Any] = wait(receiving, timeout=timeout)  # the Connections given
+    for conn in readable:
+        try:
+            lines.append(conn.recv())
+        except (EOFError, OSError):
+            receiving.remove(conn)
+    return lines
 
 
 def _reap(procs: list[Any], grace_s: float) -> None:
