@@ -38,18 +38,27 @@ LEAN = (
 )
 
 def serve_rank(model, rest, *, rank, ready, socket_dir, **_):
+    from wcache.errors import WcacheError
+
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with open(os.path.join(socket_dir, f"rank{rank}.pid"), "w") as f:
         f.write(str(os.getpid()))
+    if rank == 1 and os.environ.get("FAKE_RANK_REFUSE"):  # a refusal before ready
+        while not os.path.exists(os.path.join(socket_dir, "rank0.pid")):  # rank 0 is up
+            time.sleep(0.05)
+        raise WcacheError("expert parallelism over 2 ranks", code="meta-build")
     ready.send((rank, "ready"))
+    ready.close()  # as the real rank does once its ready line went
     if os.environ.get("FAKE_RANK_EXEC"):  # as the lean hand-off: execve, same pid, serving on
-        ready.close()  # as the hand-off does
         os.execv(sys.executable, [sys.executable, "-c", LEAN])
     exit_file = os.path.join(socket_dir, f"rank{rank}.exit")
     for _ in range(6000):
         if os.path.exists(exit_file):
             with open(exit_file) as f:
-                return int(f.read())
+                status = f.read()
+            if status == "refuse":  # a refusal after ready (priming, say)
+                raise WcacheError("the priming engine failed", code="prime-failed")
+            return int(status)
         time.sleep(0.1)
     return 0
 
@@ -167,3 +176,42 @@ def test_sigterm_stops_ranks_that_exec_within_the_grace(serve_two_ranks):
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=STOP_TIMEOUT_S)
     assert [p for p in pids if _alive(p)] == []
+
+
+def test_a_refusal_during_start_up_is_one_line(tmp_path):
+    """A rank's WcacheError before ready: the serve prints the rank's reason code and
+    message once and exits 1, with no traceback nor multiprocessing's "Process
+    wcache-rank1:" header around it (break13 #3), and stops the other rank."""
+    (tmp_path / "fake_rank.py").write_text(textwrap.dedent(RANK))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.getcwd()])}
+    env["FAKE_RANK_REFUSE"] = "1"
+    r = subprocess.run(
+        [sys.executable, "-c", PARENT, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=START_TIMEOUT_S,
+    )
+    assert r.returncode == 1, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines == [
+        "wcache serve: rank 1 failed during start-up: error [meta-build]: expert "
+        "parallelism over 2 ranks"
+    ], r.stderr
+    assert not _alive(int((tmp_path / "rank0.pid").read_text()))
+
+
+def test_a_refusal_after_ready_is_printed_by_the_rank(serve_two_ranks):
+    """A rank's WcacheError once every rank is ready (the parent reads no more ready
+    lines): the rank prints its reason itself, once, without a traceback, and its
+    status 1 is the serve's when it stops."""
+    proc, pids, folder = serve_two_ranks
+    (folder / "rank1.exit").write_text("refuse")
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while _alive(pids[1]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert 1 == proc.wait(timeout=STOP_TIMEOUT_S)
+    err = proc.stderr.read()
+    assert "wcache: rank 1: error [prime-failed]: the priming engine failed" in err, err
+    assert "Traceback" not in err and "Process wcache-rank1" not in err, err

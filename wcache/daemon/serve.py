@@ -603,11 +603,12 @@ def _serve_prepared_rank(
     print(line, flush=True)
     if ready is not None:
         ready.send((rank, line))
+        ready.close()  # its one line sent: a later failure the rank prints itself
     if prime is not None and server.artifacts is None:  # serving meanwhile, in the full process
         _prime(server, prime, snapshot, snapshot_name(layout))
     # the lean hand-off: on CPU, exec a torch-free server; returns only when it stays full
 
-    lean.handoff(server, ready_pipe=ready)
+    lean.handoff(server)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -650,6 +651,10 @@ def _rank_main(
             ready=ready,
             **sources,
         )
+    except SystemExit:  # a stop (SIGTERM's handler), with its status
+        raise
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank of the terminal's group:
+        sys.exit(128 + signal.SIGINT)  # the serve says it stopped; no traceback per rank
     except BaseException as exc:  # report to the parent, which stops the other ranks
         try:
             line = (  # a WcacheError keeps its reason code, as a one-rank serve prints it
@@ -658,11 +663,11 @@ def _rank_main(
                 else f"error: {type(exc).__name__}: {exc}"
             )
             ready.send((rank, line))
-        except (ValueError, OSError):  # the pipe was closed for a lean hand-off that failed
-            pass
+        except (ValueError, OSError):  # closed after the ready line: the parent reads no more
+            print(f"wcache: rank {rank}: {line}", file=sys.stderr, flush=True)
         if isinstance(exc, WcacheError):
-            # a refusal with its reason, which the parent prints: no traceback, and
-            # no "Process wcache-rank0:" header from multiprocessing (break13 #3)
+            # a refusal with its reason, printed once: no traceback, and no
+            # "Process wcache-rank0:" header from multiprocessing (break13 #3)
             sys.exit(1)
         raise
     # the rank's exit status is the parent's (the largest): 75 (INVALIDATED_EXIT) after

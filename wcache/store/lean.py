@@ -350,7 +350,7 @@ def _preflight(exe: str) -> str | None:
     return None
 
 
-def handoff(server: Any, *, enabled: bool | None = None, ready_pipe: Any = None) -> str:
+def handoff(server: Any, *, enabled: bool | None = None) -> str:
     """Replace this process image with the lean server; returns only when it
     stays full, with the reason (logged, and printed as ``wcache: serving: full
     (reason)``).
@@ -358,8 +358,6 @@ def handoff(server: Any, *, enabled: bool | None = None, ready_pipe: Any = None)
     Args:
         server: the ready, started :class:`wcache.store.server.DaemonServer`.
         enabled: False for ``--no-lean`` (default: unless :data:`NO_LEAN_ENV` is set).
-        ready_pipe: the write end of the ``multiprocessing`` pipe this process sent
-            its ready line on (``wcache serve -tp N``): closed before exec.
     """
     if enabled is None:
         enabled = os.environ.get(NO_LEAN_ENV, "") != "1"
@@ -368,13 +366,13 @@ def handoff(server: Any, *, enabled: bool | None = None, ready_pipe: Any = None)
     if reason is None:
         reason = _preflight(exe) if exe == sys.executable else None
     if reason is None:
-        reason = _exec_lean(server, exe, ready_pipe)
+        reason = _exec_lean(server, exe)
     log.info("serving: full (%s)", reason)
     print(f"wcache: serving: full ({reason}) pid={os.getpid()}", flush=True)
     return reason
 
 
-def _exec_lean(server: Any, exe: str, ready_pipe: Any) -> str:
+def _exec_lean(server: Any, exe: str) -> str:
 
     server.pause_accepting_()
     deadline = time.monotonic() + HANDOFF_DRAIN_S
@@ -449,8 +447,6 @@ def _exec_lean(server: Any, exe: str, ready_pipe: Any) -> str:
         if stopping is None:
             for each in fds:
                 os.set_inheritable(each, True)
-            if ready_pipe is not None:
-                ready_pipe.close()
             sys.stdout.flush()
             sys.stderr.flush()
             os.execve(exe, [exe, "-m", "wcache.store.lean", state_path], lean_environ(os.environ))
