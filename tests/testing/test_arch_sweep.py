@@ -582,7 +582,7 @@ def test_a_same_named_file_with_fewer_rows_is_noted(tmp_path, capsys):
     capsys.readouterr()
     assert sw.main(["--render", str(short / "cuda.jsonl"), "--doc", str(doc)]) == 0
     err = capsys.readouterr().err
-    assert "drops 1 row(s)" in err and "olmo2/bf16/NVIDIA H200" in err, err
+    assert "drops 1 row(s)" in err and "/olmo2/bf16/H200)" in err, err
     assert "llama" not in err  # its outcome changed; the row is still there
 
 
