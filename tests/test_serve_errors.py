@@ -234,6 +234,34 @@ def test_config_vllm_refuses_through_pydantic_names_vllms_reason(monkeypatch, tm
     assert build.refusal_reason(RuntimeError("Traceback\n  ...\nthe reason")) == "the reason"
 
 
+def test_a_long_refusal_is_clipped_and_says_where_the_rest_is(monkeypatch, tmp_path):
+    """vLLM's refusal of an unknown architecture lists every supported one (a
+    12,000-character error line: break14 #7): the message keeps its start and says how
+    much was cut and where the whole error is, per command."""
+    from wcache.vllm import build
+
+    names = ", ".join(f"Arch{i}ForCausalLM" for i in range(600))
+    unsupported = (
+        "Model architectures ['FooForCausalLM'] are not supported for now. "
+        f"Supported architectures: dict_keys([{names}])"
+    )
+
+    def refuse(*_a, **_k):
+        raise ValueError(unsupported)
+
+    monkeypatch.setattr(build, "engine_config", refuse)
+    for prog, where in [
+        ("wcache serve", "`wcache serve --verbose` logs the whole error"),
+        ("wcache verify", "vLLM's own engine start with these arguments shows the whole error"),
+    ]:
+        with pytest.raises(ConfigInvalid) as info:
+            build.checked_engine_config(str(tmp_path), [], prog=prog)
+        text = str(info.value)
+        assert "['FooForCausalLM'] are not supported for now" in text
+        assert f"characters more; {where}); fix the config or the arguments" in text
+        assert len(text) < build.REASON_CHARS + 400, len(text)
+
+
 class _Quant:
     def __init__(self, layer_kind: str):
         self.layer_kind = layer_kind

@@ -87,6 +87,26 @@ def test_streaming_digest_equals_file_digest_and_fills_cache(tmp_path, monkeypat
     assert digest == fp.digest_file(path, fp.DigestCache(str(tmp_path / "cache.json")))
 
 
+def test_a_save_drops_entries_of_files_gone_or_changed(tmp_path):
+    """The cache file keeps only entries that can still hit: a removed file's and a
+    rewritten file's old entry go at the next save (it only grew: break14 #6)."""
+    files = {n: tmp_path / n for n in ("kept", "removed", "rewritten", "new")}
+    for f in files.values():
+        f.write_bytes(b"weights")
+    path = str(tmp_path / "cache.json")
+    first = fp.DigestCache(path)
+    for n in ("kept", "removed", "rewritten"):
+        fp.digest_file(str(files[n]), first)
+    first.save()
+    files["removed"].unlink()
+    files["rewritten"].write_bytes(b"other weights")
+    second = fp.DigestCache(path)
+    fp.digest_file(str(files["new"]), second)
+    second.save()
+    kept = fp.DigestCache(path)._entries
+    assert sorted(kept) == sorted(os.path.realpath(files[n]) for n in ("kept", "new"))
+
+
 def test_non_sequential_read_records_no_digest(tmp_path):
     """A reader that seeks around cannot vouch for the bytes: it records no digest."""
     d = tmp_path / "m"

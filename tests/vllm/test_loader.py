@@ -166,6 +166,9 @@ def test_loader_options_parse_cli_strings():
 
     opts = LoaderOptions.from_extra({"fallback": "false", "strict": "1", "connect_timeout_s": "2"})
     assert (opts.fallback, opts.strict, opts.connect_timeout_s) == (False, True, 2.0)
+    # JSON's integers 0 and 1, which the refusal lists (they were refused: break14 #4)
+    opts = LoaderOptions.from_extra({"fallback": 0, "strict": 1})
+    assert (opts.fallback, opts.strict) == (False, True)
 
 
 def test_loader_options_from_json_text():
@@ -188,6 +191,7 @@ def test_loader_options_from_json_text():
     [
         ({"fallback": "ture"}, "fallback must be true or false"),
         ({"fallback": None}, "fallback must be true or false"),
+        ({"fallback": 2}, "fallback must be true or false"),
         ({"strict": "yes please"}, "strict must be true or false"),
         ({"connect_timeout_s": "abc"}, "connect_timeout_s must be a positive number"),
         ({"connect_timeout_s": -1}, "connect_timeout_s must be a positive number"),

@@ -92,11 +92,31 @@ def checked_engine_config(model: str, rest: list[str], *, prog: str = "wcache se
         raise
     except Exception as exc:  # vLLM and transformers raise many kinds
         logger.debug("%s: vLLM refused the config", prog, exc_info=True)
+        where = WHOLE_ERROR.get(prog, "--verbose logs the whole error")
         raise ConfigInvalid(
             f"{os.path.join(model, 'config.json')} (with the engine arguments "
             f"{' '.join(rest) or 'none'}): vLLM refused it: {type(exc).__name__}: "
-            f"{refusal_reason(exc)}; fix the config or the arguments"
+            f"{clip(refusal_reason(exc), REASON_CHARS, where)}; fix the config or "
+            f"the arguments"
         ) from exc
+
+
+#: The most of vLLM's refusal :func:`checked_engine_config` quotes (characters): an
+#: unknown architecture's names every supported one, a 12,000-character line (break14 #7).
+REASON_CHARS = 600
+#: Where the whole of a clipped refusal is, per command.
+WHOLE_ERROR = {
+    "wcache serve": "`wcache serve --verbose` logs the whole error",
+    "wcache verify": "vLLM's own engine start with these arguments shows the whole error",
+}
+
+
+def clip(text: str, limit: int, whole: str) -> str:
+    """``text`` cut to ``limit`` characters, saying how many were left out and
+    where the whole of it is (``whole``)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit].rstrip()} ... ({len(text) - limit} characters more; {whole})"
 
 
 def refusal_reason(exc: BaseException) -> str:

@@ -237,6 +237,8 @@ _FALSE = ("0", "false", "no", "off")
 def _parse_bool(name: str, value: Any) -> bool:
     if isinstance(value, bool):
         return value
+    if isinstance(value, int) and value in (0, 1):  # JSON's 0/1, as the message lists
+        return bool(value)
     if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
         return value.lower() in _TRUE
     raise ValueError(
