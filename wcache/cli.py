@@ -625,8 +625,9 @@ def build_parser() -> argparse.ArgumentParser:
         "those engine arguments serves, 3 (printing the reason code) when one does "
         "not within --timeout; for init containers and readiness probes. A daemon "
         "whose key differs in a field the engine arguments decide (max_model_len, "
-        "the quantization config, ...) does not count: the engine would refuse it "
-        "(key-mismatch). The options marked --wait-ready and engine arguments are "
+        "the quantization config, ...) or serving checkpoint files that changed since "
+        "it loaded them (the probe digests them as the engine does) does not count: "
+        "the engine would refuse it (key-mismatch). The options marked --wait-ready and engine arguments are "
         "refused without it (exit 2), as is a --model that is not a local directory."
     )
     p.add_argument(

@@ -4,6 +4,7 @@ a reason code (in-process daemons on a private socket dir; no vLLM engine)."""
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import threading
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 from wcache import cli
 from wcache.daemon import ready
 from wcache.daemon.ready import Readiness, ReadySpec, check_ready, wait_ready
-from wcache.store import CacheKey, DaemonServer, Export
+from wcache.store import CacheKey, DaemonServer, Export, checkpoint_digest
 
 DIGEST = "0123456789ab"
 FIELDS = (
@@ -275,12 +276,16 @@ def test_engine_spec_ranks_of_one_node():
     }
     assert len(spec.digest) == 12
     # vLLM builds no engine config for a layout this host cannot run (4 ranks here):
-    # the probe then compares only the digest's fields
-    assert spec.config == ()
+    # the probe then compares only the digest's fields, and the checkpoint's files
+    assert [name for name, _ in spec.config] == ["checkpoint"]
     config = dict(ready.engine_ready_spec(str(build("bf16")), ["--dtype", "bfloat16"]).config)
     # the fields the engine arguments decide, as the key holds them (canonical JSON)
     assert config["model_config.max_model_len"] == "8192"
-    assert config["quant_config"] == "null" and "checkpoint" not in config
+    assert config["quant_config"] == "null"
+    # and the checkpoint files' digests, as the engine's key holds them
+    assert json.loads(config["checkpoint"]) == checkpoint_digest(str(build("bf16")))
+    own = ready.engine_ready_spec(str(build("bf16")), ["--dtype", "bfloat16"], checkpoint=False)
+    assert "checkpoint" not in dict(own.config)  # the daemon's /health: its own load digests
 
 
 @pytest.mark.slow
@@ -305,7 +310,7 @@ def test_engine_spec_compares_the_daemons_post_init_config(tmp_path):
     weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
     save_file(weights, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
     args = ["--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "512"]
-    spec = ready.engine_ready_spec(str(ckpt), args)
+    spec = ready.engine_ready_spec(str(ckpt), args, checkpoint=False)
     daemon = config_key_fields(engine_config(str(ckpt), args).model_config)
     assert ready.config_differences(spec, daemon) == []
     # what the model config alone would have compared (the false key-mismatch)
@@ -316,6 +321,34 @@ def test_engine_spec_compares_the_daemons_post_init_config(tmp_path):
     other = {**daemon, "model_config.hf_config": {**daemon["model_config.hf_config"], "x": 1}}
     diffs = ready.config_differences(spec, other)
     assert diffs == ["model_config.hf_config.x: engine=null daemon=1"]
+
+
+def test_a_daemon_of_files_changed_in_place_is_not_ready(sock_dir, daemons):
+    """The checkpoint's files were rewritten in place after the daemon loaded them:
+    every engine refuses it (key-mismatch on the digests), so the probe does too,
+    saying the files changed and to restart the daemon (it said ready: break14 #1).
+    Another field differing too gets the other-arguments message."""
+    changed = ReadySpec(DIGEST, [(0, 0)], FIELDS, (("checkpoint", '{"model.safetensors":"new"}'),))
+    server = daemons(sock_dir, 0, extra={"checkpoint": {"model.safetensors": "old"}})
+    result = check_ready(sock_dir, changed)
+    assert (result.ok, result.code) == (False, "key-mismatch")
+    assert "serves the checkpoint's files as they were when it loaded them" in result.message
+    assert 'checkpoint.model.safetensors: engine="new" daemon="old"' in result.message
+    assert "Restart the daemon (`wcache stop`, then `wcache serve`" in result.message
+    both = ReadySpec(
+        DIGEST, [(0, 0)], FIELDS, (*changed.config, ("model_config.max_model_len", "8192"))
+    )
+    server.stop()
+    daemons(sock_dir, 0, extra={"checkpoint": {"model.safetensors": "old"}})
+    assert "serves other engine arguments" in check_ready(sock_dir, both).message
+    same = ReadySpec(DIGEST, [(0, 0)], FIELDS, (("checkpoint", '{"model.safetensors":"old"}'),))
+    assert check_ready(sock_dir, same).ok
+
+
+def test_a_checkpoint_not_readable_here_is_not_compared(tmp_path):
+    """A probe where the weights are not mounted compares what it can: no checkpoint
+    field, never a false mismatch."""
+    assert ready._checkpoint_field(str(tmp_path / "absent")) == {}
 
 
 def test_a_daemon_of_another_checkpoint_is_named_so_with_the_job_fix(sock_dir, daemons):

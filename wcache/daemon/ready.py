@@ -14,9 +14,11 @@ weight-shaping ModelConfig factors, the quantization config, the revision:
 it (``key-mismatch``), so the probe does too, naming the field. Those fields come
 from the whole engine config, built as the daemon builds it (vLLM's VllmConfig
 post-init rewrites some); where vLLM builds none here (no device, ranks of other
-nodes) only the socket's fields are compared. What only the engine knows (the
-checkpoint's content digests, the plans, the versions) is checked by the engine's
-own key comparison.
+nodes) only the socket's fields are compared. ``wcache status`` also digests the
+checkpoint's files as the engine does (cached by stat: after the daemon's load, a stat
+per file), so a daemon still serving the files of before an in-place update does not
+count either (``key-mismatch`` naming the files; break14 #1). What only the engine
+knows (the plans, the versions) is checked by the engine's own key comparison.
 
 :func:`engine_ready_spec` asks vLLM (through :mod:`wcache.vllm.build` and
 :mod:`wcache.vllm.key`); :func:`check_ready` and :func:`wait_ready` only talk to
@@ -98,6 +100,7 @@ def engine_ready_spec(
     node_rank: int = 0,
     job: str = "",
     prog: str = "wcache status",
+    checkpoint: bool = True,
 ) -> ReadySpec:
     """The ranks and digest a ``wcache serve`` with these arguments serves on this node.
 
@@ -106,6 +109,9 @@ def engine_ready_spec(
         rest: the other vLLM engine arguments (``--dtype bfloat16`` ...).
         prog: the command vLLM's parser names in its errors (an unknown argument
             ends it: SystemExit 2).
+        checkpoint: also compare the checkpoint files' content digests (the
+            ``checkpoint`` key field; skipped where they cannot be read here). False
+            for the daemon's own ``/health``, whose load digests the same files.
 
     Raises:
         ValueError: the ranks do not split over ``nnodes`` (as ``wcache serve``).
@@ -135,12 +141,24 @@ def engine_ready_spec(
         ("tp_size", tp),
         ("pp_size", pp),
     )
-    config = (
-        tuple(sorted((k, canonical_json(v)) for k, v in config_key_fields(model_config).items()))
-        if comparable
-        else ()
-    )
+    compared = config_key_fields(model_config) if comparable else {}
+    if checkpoint:
+        compared.update(_checkpoint_field(model_config.model))
+    config = tuple(sorted((k, canonical_json(v)) for k, v in compared.items()))
     return ReadySpec(job_digest(model_config, layout, job), ranks, fields, config)
+
+
+def _checkpoint_field(model: str) -> dict[str, Any]:
+    """``{"checkpoint": {file: digest}}`` as the engine's key holds it
+    (:func:`wcache.store.checkpoint_digest`), or nothing where the files cannot be
+    read here (a probe beside the daemon without the weights mounted)."""
+    from wcache.store import checkpoint_digest  # noqa: PLC0415
+
+    try:
+        return {"checkpoint": checkpoint_digest(model)}
+    except (OSError, StoreError):
+        log.debug("wcache status --wait-ready: checkpoint not digested", exc_info=True)
+        return {}
 
 
 def config_differences(spec: ReadySpec, key_fields: dict[str, Any]) -> list[str]:
@@ -273,8 +291,14 @@ def _readiness(
     wrong = [(r, (mismatched or {})[r]) for r in spec.ranks if (mismatched or {}).get(r)]
     if wrong:
         rank, diffs = wrong[0]
+        changed = [x for x in diffs if x.startswith("checkpoint")]
         message = (
-            f"the daemon of {rank_name(rank)} in {d} serves another checkpoint (its "
+            f"the daemon of {rank_name(rank)} in {d} serves the checkpoint's files as they "
+            f"were when it loaded them, and they changed since ({'; '.join(changed)}): "
+            f"an engine would refuse it. Restart the daemon (`wcache stop`, then `wcache "
+            f"serve` with the same arguments) to load the files as they are now."
+            if changed and len(changed) == len(diffs)
+            else f"the daemon of {rank_name(rank)} in {d} serves another checkpoint (its "
             f"config differs: {'; '.join(diffs)}); {TWO_CHECKPOINTS_FIX}."
             if another_checkpoint(diffs)
             else f"the daemon of {rank_name(rank)} in {d} serves other engine arguments "

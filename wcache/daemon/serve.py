@@ -768,6 +768,7 @@ def _start_http(args: argparse.Namespace, rest: list[str]) -> Any:
         node_rank=getattr(args, "node_rank", 0),
         job=getattr(args, "job", "") or "",
         prog="wcache serve",
+        checkpoint=False,  # the daemon digests the files it loads itself
     )
 
     # a partial, not a lambda: the lean hand-off (wcache.store.lean) pickles it across execve
