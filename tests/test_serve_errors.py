@@ -138,6 +138,24 @@ def test_unclassified_load_error_is_one_line(monkeypatch, capsys, real_checkpoin
     ) == err
 
 
+def test_a_long_load_error_is_clipped(monkeypatch, capsys, real_checkpoint):
+    """vLLM's "No MXFP4 MoE backend supports ..." is one ~2,000-character line: the
+    [load-failed] line keeps its start and says where the whole of it is (break14 #3)."""
+    import wcache.daemon.serve as serve
+
+    reason = "No MXFP4 MoE backend supports the deployment configuration: " + "x" * 2000
+
+    def boom(args, rest):
+        raise NotImplementedError(reason)
+
+    monkeypatch.setattr(serve, "main", boom)
+    assert 1 == cli.main(["serve", "--model", str(real_checkpoint)])
+    err = capsys.readouterr().err
+    assert "NotImplementedError: No MXFP4 MoE backend supports the deployment" in err
+    assert "characters more; --verbose prints it whole) (run with --verbose" in err
+    assert len(err) < cli.LOAD_REASON_CHARS + 400
+
+
 def _valid(path: Path) -> Path:
     save_file({"a": torch.zeros(4, 4), "b": torch.ones(3)}, str(path))
     return path

@@ -22,7 +22,7 @@ from wcache.core import LayerConfig, MoeShape, NoPlan, QuantSpec, WcacheError
 from wcache.daemon.prime import USAGE_CONTEXTS
 from wcache.daemon.process import exit_on_sigterm
 from wcache.daemon.ranks import local_ranks
-from wcache.errors import LoadFailed
+from wcache.errors import LoadFailed, clip
 from wcache.plans.docs import render_plans
 from wcache.plans.fused_moe import moe_kernel_id
 from wcache.plans.registry import all_plans
@@ -111,7 +111,9 @@ def _cmd_plans_host() -> int:
             print(f"  {label:<38} refused: {exc}")
     print(
         "  (a quantized fused MoE on CPU, vLLM-CPU's FP8, INT8, INT4 or MXFP4 experts, has "
-        "no wcache plan: plan-missing, and an engine loads it from disk)"
+        "no wcache plan: plan-missing, and an engine loads it from disk where vLLM-CPU "
+        "itself runs it; vLLM-CPU 0.32's own load of FP8, MXFP4 and AWQ experts failed on "
+        "an AVX512-BF16 host without AMX, 2026-12-07: `wcache serve` says load-failed)"
     )
     return 0
 
@@ -336,10 +338,16 @@ def _cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
         if args.verbose:
             traceback.print_exc()
         last = (str(exc).strip().splitlines() or [""])[-1]
+        whole = "the traceback above has it whole" if args.verbose else "--verbose prints it whole"
         raise LoadFailed(
-            f"{args.model}: {type(exc).__name__}: {last}"
+            f"{args.model}: {type(exc).__name__}: {clip(last, LOAD_REASON_CHARS, whole)}"
             + ("" if args.verbose else " (run with --verbose for the traceback)")
         ) from exc
+
+
+#: The most of an unclassified load error ``wcache serve`` quotes (characters): vLLM's
+#: "No MXFP4 MoE backend supports ..." is about 2,000 (break14 #3).
+LOAD_REASON_CHARS = 600
 
 
 #: argparse types of the seconds-valued options: a finite number, above 0 (a timeout

@@ -425,6 +425,15 @@ def name_some(items: Sequence[str], limit: int, sep: str = ", ") -> str:
     return sep.join(items[:limit]) + more
 
 
+def clip(text: str, limit: int, whole: str) -> str:
+    """``text`` cut to ``limit`` characters, saying how many were left out and
+    where the whole of it is (``whole``): a quoted upstream error in a one-line
+    message (vLLM's unknown-architecture refusal lists every supported class)."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit].rstrip()} ... ({len(text) - limit} characters more; {whole})"
+
+
 # --------------------------------------------------------------------------- the vLLM side
 
 #: Unplanned layers named one by one in a refusal before the rest are counted.
@@ -452,8 +461,8 @@ class UnplannedLayers(NoPlan):
         super().__init__(
             f"{len(layers)} layer(s) have no wcache plan on this host: "
             + "; ".join(parts)
-            + ". Serve this model with load_format='auto' (or keep "
-            "fallback=true, which loads it from disk)."
+            + ". Serve this model with load_format='auto' where vLLM itself runs it "
+            "on this host (or keep fallback=true, which loads it from disk)."
         )
 
 

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from wcache.core import WcacheError
-from wcache.errors import CheckpointCorrupt, ConfigInvalid, PrepareFailed, name_some
+from wcache.errors import CheckpointCorrupt, ConfigInvalid, PrepareFailed, clip, name_some
 from wcache.shell import PARAM_FLAGS_EXTRA, likeness, prepare_
 from wcache.store import DaemonServer, Export
 from wcache.store.fingerprint import (
@@ -109,14 +109,6 @@ WHOLE_ERROR = {
     "wcache serve": "`wcache serve --verbose` logs the whole error",
     "wcache verify": "vLLM's own engine start with these arguments shows the whole error",
 }
-
-
-def clip(text: str, limit: int, whole: str) -> str:
-    """``text`` cut to ``limit`` characters, saying how many were left out and
-    where the whole of it is (``whole``)."""
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit].rstrip()} ... ({len(text) - limit} characters more; {whole})"
 
 
 def refusal_reason(exc: BaseException) -> str:
