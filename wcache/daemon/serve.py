@@ -52,6 +52,7 @@ from wcache.store.artifacts import read_bundle, write_bundle
 from wcache.store.http import OpsServer, parse_http_address
 from wcache.store.paths import DEV_SHM_COLLECTIVES_BYTES, DEV_SHM_REFCOUNT_BYTES, check_dev_shm
 from wcache.store.seed import TCP_SCHEME, SeedSource, parse_host_port, read_secret, seed_arena
+from wcache.store.server import INVALIDATED_EXIT
 from wcache.store.snapshot import (
     SnapshotCorrupt,
     SnapshotMissing,
@@ -73,6 +74,8 @@ RANK_READY_TIMEOUT_S = 1800.0
 #: How long the rank processes get to stop after SIGTERM before SIGKILL (seconds): a
 #: rank's stop (drain, unmap, remove its socket) takes well under a second.
 RANK_STOP_GRACE_S = 10.0
+#: How often the parent looks for a rank that ended, once all serve (seconds).
+RANK_WATCH_S = 0.5
 
 
 def _free_port() -> int:
@@ -867,6 +870,7 @@ def _serve_ranks(
         send.close()  # the rank holds its own end: a rank's exit reads as EOF here
     receiving = [recv for recv, _ in pipes]
     up: set[int] = set()
+    failed: int | None = None  # the rank that reported an error: it exits by itself
     deadline = time.monotonic() + RANK_READY_TIMEOUT_S
     try:
         while len(up) < len(ranks):
@@ -881,6 +885,7 @@ def _serve_ranks(
                 continue
             for rank, line in lines:
                 if line.startswith("error"):
+                    failed = rank
                     raise RuntimeError(f"wcache serve: rank {rank} failed during start-up: {line}")
                 up.add(rank)
         print(
@@ -890,13 +895,12 @@ def _serve_ranks(
         )
         # a rank that ends (a crash, 75 after a client's guard fired) leaves the others
         # serving: an engine then loads only that rank from disk (daemon-missing)
-        for p in procs:
-            p.join()
+        _watch_ranks(procs, ranks)
         return max(_exit_status(p.exitcode) for p in procs)
     except (RuntimeError, KeyboardInterrupt) as exc:
         print(str(exc), file=sys.stderr, flush=True)
-        for p in procs:
-            if p.is_alive():
+        for rank, p in zip(ranks, procs, strict=True):
+            if p.is_alive() and rank != failed:  # a SIGTERM in its exit would interrupt it
                 p.terminate()  # SIGTERM: each rank stops as for `wcache stop`
         _reap(procs, RANK_STOP_GRACE_S)
         if isinstance(exc, KeyboardInterrupt) and len(up) == len(ranks):
@@ -924,6 +928,38 @@ def _ready_lines(receiving: list[Any], timeout: float) -> list[tuple[int, str]]:
         except (EOFError, OSError):
             receiving.remove(conn)
     return lines
+
+
+def _watch_ranks(procs: list[Any], ranks: range) -> None:
+    """Wait until every rank process has exited, printing a line for each that ends
+    with a non-zero status while others serve on (it left no trace in the serve's
+    output, where a supervisor watching it looks: break14 #5). A clean stop (status 0)
+    prints nothing. Polled with ``waitpid`` (``is_alive``): the ranks' lean
+    ``execve`` closed the sentinel pipes."""
+    running = dict(zip(ranks, procs, strict=True))
+    while running:
+        for rank, p in list(running.items()):
+            if p.is_alive():
+                continue
+            del running[rank]
+            status = _exit_status(p.exitcode)
+            if status and running:
+                what = (
+                    "a client's guard fired; it asks for a restart"
+                    if status == INVALIDATED_EXIT
+                    else "killed"
+                    if status > 128
+                    else "failed"
+                )
+                print(
+                    f"wcache serve: rank {rank} exited with status {status} ({what}); "
+                    f"rank(s) {', '.join(map(str, running))} serve on, and an engine loads "
+                    f"rank {rank} from disk (daemon-missing) until the daemon is restarted",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        if running:
+            time.sleep(RANK_WATCH_S)
 
 
 def _reap(procs: list[Any], grace_s: float) -> None:
