@@ -4,7 +4,6 @@ a reason code (in-process daemons on a private socket dir; no vLLM engine)."""
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import threading
 from pathlib import Path
@@ -276,16 +275,16 @@ def test_engine_spec_ranks_of_one_node():
     }
     assert len(spec.digest) == 12
     # vLLM builds no engine config for a layout this host cannot run (4 ranks here):
-    # the probe then compares only the digest's fields, and the checkpoint's files
-    assert [name for name, _ in spec.config] == ["checkpoint"]
+    # the probe then compares only the digest's fields (and the checkpoint's files)
+    assert spec.config == ()
     config = dict(ready.engine_ready_spec(str(build("bf16")), ["--dtype", "bfloat16"]).config)
     # the fields the engine arguments decide, as the key holds them (canonical JSON)
     assert config["model_config.max_model_len"] == "8192"
     assert config["quant_config"] == "null"
-    # and the checkpoint files' digests, as the engine's key holds them
-    assert json.loads(config["checkpoint"]) == checkpoint_digest(str(build("bf16")))
+    # and the checkpoint, digested once a daemon answers
+    assert ready.engine_ready_spec(str(build("bf16")), ["--dtype", "bfloat16"]).checkpoint
     own = ready.engine_ready_spec(str(build("bf16")), ["--dtype", "bfloat16"], checkpoint=False)
-    assert "checkpoint" not in dict(own.config)  # the daemon's /health: its own load digests
+    assert own.checkpoint == ""  # the daemon's /health: its own load digests the files
 
 
 @pytest.mark.slow
@@ -323,32 +322,49 @@ def test_engine_spec_compares_the_daemons_post_init_config(tmp_path):
     assert diffs == ["model_config.hf_config.x: engine=null daemon=1"]
 
 
-def test_a_daemon_of_files_changed_in_place_is_not_ready(sock_dir, daemons):
+def test_a_daemon_of_files_changed_in_place_is_not_ready(sock_dir, daemons, tmp_path):
     """The checkpoint's files were rewritten in place after the daemon loaded them:
     every engine refuses it (key-mismatch on the digests), so the probe does too,
     saying the files changed and to restart the daemon (it said ready: break14 #1).
-    Another field differing too gets the other-arguments message."""
-    changed = ReadySpec(DIGEST, [(0, 0)], FIELDS, (("checkpoint", '{"model.safetensors":"new"}'),))
-    server = daemons(sock_dir, 0, extra={"checkpoint": {"model.safetensors": "old"}})
-    result = check_ready(sock_dir, changed)
+    The files are digested only once a daemon answers; a file the probe cannot read
+    compares the config only."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"new weights")
+    files = checkpoint_digest(str(model))
+    old = {**files, "model.safetensors": "0" * 64}
+    spec = ReadySpec(DIGEST, [(0, 0)], FIELDS, checkpoint=str(model))
+    server = daemons(sock_dir, 0, extra={"checkpoint": old})
+    result = check_ready(sock_dir, spec)
     assert (result.ok, result.code) == (False, "key-mismatch")
     assert "serves the checkpoint's files as they were when it loaded them" in result.message
-    assert 'checkpoint.model.safetensors: engine="new" daemon="old"' in result.message
+    assert (
+        f'checkpoint.model.safetensors: engine="{files["model.safetensors"]}" daemon="{"0" * 64}"'
+    ) in result.message
+    assert "config.json" not in result.message  # unchanged
     assert "Restart the daemon (`wcache stop`, then `wcache serve`" in result.message
-    both = ReadySpec(
-        DIGEST, [(0, 0)], FIELDS, (*changed.config, ("model_config.max_model_len", "8192"))
-    )
     server.stop()
-    daemons(sock_dir, 0, extra={"checkpoint": {"model.safetensors": "old"}})
-    assert "serves other engine arguments" in check_ready(sock_dir, both).message
-    same = ReadySpec(DIGEST, [(0, 0)], FIELDS, (("checkpoint", '{"model.safetensors":"old"}'),))
-    assert check_ready(sock_dir, same).ok
+    daemons(sock_dir, 0, extra={"checkpoint": files})
+    assert check_ready(sock_dir, spec).ok
+    unreadable = ReadySpec(DIGEST, [(0, 0)], FIELDS, checkpoint=str(tmp_path / "absent"))
+    assert check_ready(sock_dir, unreadable).ok
 
 
-def test_a_checkpoint_not_readable_here_is_not_compared(tmp_path):
-    """A probe where the weights are not mounted compares what it can: no checkpoint
-    field, never a false mismatch."""
-    assert ready._checkpoint_field(str(tmp_path / "absent")) == {}
+def test_the_checkpoint_is_digested_only_once_a_daemon_answers(sock_dir, monkeypatch):
+    """A probe started beside a loading daemon does not read the checkpoint a second
+    time: no daemon on the rank's socket, no digest taken."""
+
+    def digest(model):
+        raise AssertionError("digested with no daemon answering")
+
+    from wcache.testing.fixtures import build
+
+    model = str(build("bf16"))
+    monkeypatch.setattr("wcache.store.checkpoint_digest", digest)
+    spec = ready.engine_ready_spec(model, ["--dtype", "bfloat16"])
+    assert spec.checkpoint == model
+    assert check_ready(sock_dir, spec).code == "daemon-missing"
 
 
 def test_a_daemon_of_another_checkpoint_is_named_so_with_the_job_fix(sock_dir, daemons):

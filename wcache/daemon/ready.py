@@ -15,9 +15,11 @@ it (``key-mismatch``), so the probe does too, naming the field. Those fields com
 from the whole engine config, built as the daemon builds it (vLLM's VllmConfig
 post-init rewrites some); where vLLM builds none here (no device, ranks of other
 nodes) only the socket's fields are compared. ``wcache status`` also digests the
-checkpoint's files as the engine does (cached by stat: after the daemon's load, a stat
-per file), so a daemon still serving the files of before an in-place update does not
-count either (``key-mismatch`` naming the files; break14 #1). What only the engine
+checkpoint's files as the engine does, once a daemon answers on the rank's socket (the
+daemon's load digested them first, so this is a stat per file; a probe started beside
+a loading daemon does not read the checkpoint a second time), so a daemon still
+serving the files of before an in-place update does not count either
+(``key-mismatch`` naming the files; break14 #1). What only the engine
 knows (the plans, the versions) is checked by the engine's own key comparison.
 
 :func:`engine_ready_spec` asks vLLM (through :mod:`wcache.vllm.build` and
@@ -67,12 +69,16 @@ class ReadySpec:
             arguments decide (:func:`wcache.vllm.key.config_key_fields`); a daemon
             on the digest's socket whose key differs in one does not serve these
             engine arguments. Empty: not compared.
+        checkpoint: the checkpoint directory whose files' digests a daemon's
+            ``checkpoint`` key field must equal, digested when a daemon answers
+            (:func:`checkpoint_differences`); empty: not compared.
     """
 
     digest: str
     ranks: tuple[tuple[int, int], ...] = attrs.field(converter=lambda r: tuple(sorted(r)))
     fields: tuple[tuple[str, Any], ...] = ()
     config: tuple[tuple[str, str], ...] = ()
+    checkpoint: str = ""
 
 
 @attrs.frozen
@@ -141,24 +147,32 @@ def engine_ready_spec(
         ("tp_size", tp),
         ("pp_size", pp),
     )
-    compared = config_key_fields(model_config) if comparable else {}
-    if checkpoint:
-        compared.update(_checkpoint_field(model_config.model))
-    config = tuple(sorted((k, canonical_json(v)) for k, v in compared.items()))
-    return ReadySpec(job_digest(model_config, layout, job), ranks, fields, config)
+    config = (
+        tuple(sorted((k, canonical_json(v)) for k, v in config_key_fields(model_config).items()))
+        if comparable
+        else ()
+    )
+    return ReadySpec(
+        job_digest(model_config, layout, job),
+        ranks,
+        fields,
+        config,
+        checkpoint=model_config.model if checkpoint else "",
+    )
 
 
-def _checkpoint_field(model: str) -> dict[str, Any]:
-    """``{"checkpoint": {file: digest}}`` as the engine's key holds it
-    (:func:`wcache.store.checkpoint_digest`), or nothing where the files cannot be
-    read here (a probe beside the daemon without the weights mounted)."""
+def checkpoint_files(model: str) -> dict[str, str] | None:
+    """The content digest of each file of ``model`` as the engine's key holds it
+    (:func:`wcache.store.checkpoint_digest`, cached by stat), or None where the files
+    cannot be read here (a probe beside the daemon without the weights mounted then
+    compares the config only, never a false mismatch)."""
     from wcache.store import checkpoint_digest  # noqa: PLC0415
 
     try:
-        return {"checkpoint": checkpoint_digest(model)}
+        return checkpoint_digest(model)
     except (OSError, StoreError):
         log.debug("wcache status --wait-ready: checkpoint not digested", exc_info=True)
-        return {}
+        return None
 
 
 def config_differences(spec: ReadySpec, key_fields: dict[str, Any]) -> list[str]:
@@ -241,6 +255,7 @@ def survey(
     statuses: dict[tuple[int, int], dict[str, Any]] = {}
     others: dict[str, dict[str, Any]] = {}
     mismatched: dict[tuple[int, int], list[str]] = {}
+    files: dict[str, str] | None = None  # the checkpoint's digests, taken when needed
     suffix = f"-{spec.digest}{paths.SOCKET_SUFFIX}"
     for sock in paths.list_sockets(d):
         try:
@@ -256,6 +271,11 @@ def survey(
             rank = (tp_rank, pp_rank)
             statuses[rank] = st
             diffs = config_differences(spec, fields)
+            if not diffs and spec.checkpoint:
+                if files is None:  # once per check: a stat per file after the daemon's load
+                    files = checkpoint_files(spec.checkpoint) or {}
+                if files:
+                    diffs = field_differences({"checkpoint": files}, fields)
             if diffs:
                 mismatched[rank] = diffs
             elif not st.get("invalidated"):
