@@ -1,6 +1,6 @@
 """A CPU daemon leaves none of vLLM's shared-memory collective segments in /dev/shm
 (:func:`wcache.vllm.build.unlink_cpu_shm_names`; break pass 12 #4), nor its group
-message queues' ring buffers (:func:`wcache.vllm.build.unlink_broadcaster_shm`; break
+message queues' ring buffers (:func:`wcache.vllm.compat.unlink_broadcaster_shm`; break
 pass 13 #2). The real TP=2 daemon's checks are in tests/e2e/test_multirank_e2e.py."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import types
 
 import pytest
 
-from wcache.vllm.build import unlink_broadcaster_shm, unlink_cpu_shm_names
+from wcache.vllm.build import unlink_cpu_shm_names
+from wcache.vllm.compat import unlink_broadcaster_shm
 
 
 def test_only_this_instances_segments_are_unlinked(tmp_path):

@@ -382,7 +382,7 @@ def init_distributed(vllm_config: Any, rank: int, world: int, init_method: str) 
     initialize_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size)
     if backend == "gloo":
         unlink_cpu_shm_names(os.environ["VLLM_DIST_IDENT"])
-    unlink_broadcaster_shm()
+    compat.unlink_broadcaster_shm()
 
 
 def unlink_cpu_shm_names(ident: str, shm_dir: str = "/dev/shm") -> list[str]:
@@ -416,45 +416,6 @@ def unlink_cpu_shm_names(ident: str, shm_dir: str = "/dev/shm") -> list[str]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(shm_dir, name))
                 unlinked.append(name)
-    return unlinked
-
-
-def unlink_broadcaster_shm() -> list[str]:
-    """Unlink the ``/dev/shm`` names of the ring buffers of vLLM's group message
-    queues (``GroupCoordinator.mq_broadcaster``: the TP group's, 24 MiB
-    ``psm_*``, ``(4 MiB + metadata) x 6`` chunks) that this rank created, once every
-    reader has mapped them. The memory stays mapped and usable, and is freed when the
-    last rank unmaps it; without this the name outlives a SIGKILLed daemon (the lean
-    hand-off's ``execve`` skips the creator's ``__del__``, which would unlink it), and a
-    clean stop left it to the resource tracker, which warned of a leaked object on
-    every stop of a multi-rank daemon (break pass 13 #2, #3).
-
-    Safe right after ``initialize_model_parallel``: ``create_from_process_group``
-    returns only after ``wait_until_ready``, by which every reader opened the buffer
-    (``create_from_handle``) and answered the writer. The buffer's ``is_creator`` is
-    cleared so that its ``__del__`` does not unlink the name a second time.
-
-    Returns:
-        The names unlinked (empty on a rank that created none, or on a vLLM whose
-        groups hold no such queue).
-
-    Source: vllm/distributed/parallel_state.py (``_groups``, ``GroupCoordinator``
-    ``use_message_queue_broadcaster``); vllm/distributed/device_communicators/
-    shm_broadcast.py (``ShmRingBuffer``, ``MessageQueue.create_from_process_group``).
-    """
-    from vllm.distributed import parallel_state  # noqa: PLC0415 (vLLM import: only when called)
-
-    unlinked = []
-    for ref in list(getattr(parallel_state, "_groups", {}).values()):
-        group = ref()
-        buffer = getattr(getattr(group, "mq_broadcaster", None), "buffer", None)
-        if buffer is None or not getattr(buffer, "is_creator", False):
-            continue
-        shm = buffer.shared_memory
-        with contextlib.suppress(FileNotFoundError):
-            shm.unlink()  # also unregisters it from multiprocessing's resource tracker
-            unlinked.append(shm.name)
-        buffer.is_creator = False
     return unlinked
 
 

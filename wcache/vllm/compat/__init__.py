@@ -23,7 +23,8 @@ checked in one package. Three kinds of reach, and nothing of them outside it
   ``_set_torch_accelerator_to_noop``; ``vllm._custom_ops`` (which loads the
   ``torch.ops._C`` kernels); the layer flag :data:`POSTLOAD_DONE_ATTR`;
   a fused-MoE layer's ``_expert_routing_tables`` (:func:`moe_routing_tables`); the CPU
-  experts classes' ``_supports_current_device`` (:func:`cpu_moe_experts`);
+  experts classes' ``_supports_current_device`` (:func:`cpu_moe_experts`); the
+  process groups' registry ``parallel_state._groups`` (:func:`unlink_broadcaster_shm`);
 * **patches**, each a context manager undone on exit (:func:`without_reload_metadata`,
   :func:`online_quantization_deferred`, :func:`captured_hash_factors`,
   :func:`attention_forward_replaced`, :func:`torch_accelerator_noops`,
@@ -36,7 +37,9 @@ checked in one package. Three kinds of reach, and nothing of them outside it
   copy-on-write wrappers of a restored model's ``load_weights``/``get_submodule``
   (:func:`wrap_weight_writers_`); the attachment kept on the model
   (:func:`keep_attachment_`); the daemon's load format on ``EngineArgs``
-  (:func:`disk_load_engine_args_`); vLLM's reload metadata device.
+  (:func:`disk_load_engine_args_`); vLLM's reload metadata device; a group message
+  queue's ring buffer's ``is_creator``, cleared once its name is unlinked
+  (:func:`unlink_broadcaster_shm`).
 
 It also holds the quant-method, scheme, kernel and attention classes the adapter
 maps, as imported classes (a class vLLM renames or moves fails loudly at import
@@ -143,12 +146,14 @@ from wcache.vllm.compat.runtime import (
     freeze_gc_heap,
     init_workspace_manager_,
     platform_is_cpu,
+    unlink_broadcaster_shm,
 )
 
 __all__ = [
     "ALLOW_UNTESTED_ENV",
     "init_workspace_manager_",
     "platform_is_cpu",
+    "unlink_broadcaster_shm",
     "ATTACHMENT_ATTR",
     "BUILDS",
     "COPY_ON_WRITE_HOOK",

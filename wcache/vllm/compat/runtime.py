@@ -1,8 +1,10 @@
 """The process around a build: device memory returned to the driver, the garbage
-collector's heap frozen before a load."""
+collector's heap frozen before a load, the names of vLLM's group message queues'
+shared memory unlinked once every rank mapped it."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 
@@ -66,3 +68,42 @@ def platform_is_cpu() -> bool:
     from vllm.platforms import current_platform  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
     return bool(current_platform.is_cpu())
+
+
+def unlink_broadcaster_shm() -> list[str]:
+    """Unlink the ``/dev/shm`` names of the ring buffers of vLLM's group message
+    queues (``GroupCoordinator.mq_broadcaster``: the TP group's, 24 MiB
+    ``psm_*``, ``(4 MiB + metadata) x 6`` chunks) that this rank created, once every
+    reader has mapped them. The memory stays mapped and usable, and is freed when the
+    last rank unmaps it; without this the name outlives a SIGKILLed daemon (the lean
+    hand-off's ``execve`` skips the creator's ``__del__``, which would unlink it), and a
+    clean stop left it to the resource tracker, which warned of a leaked object on
+    every stop of a multi-rank daemon (break pass 13 #2, #3).
+
+    Safe right after ``initialize_model_parallel``: ``create_from_process_group``
+    returns only after ``wait_until_ready``, by which every reader opened the buffer
+    (``create_from_handle``) and answered the writer. The buffer's ``is_creator`` is
+    cleared so that its ``__del__`` does not unlink the name a second time.
+
+    Returns:
+        The names unlinked (empty on a rank that created none, or on a vLLM whose
+        groups hold no such queue).
+
+    Source: vllm/distributed/parallel_state.py (``_groups``, ``GroupCoordinator``
+    ``use_message_queue_broadcaster``); vllm/distributed/device_communicators/
+    shm_broadcast.py (``ShmRingBuffer``, ``MessageQueue.create_from_process_group``).
+    """
+    from vllm.distributed import parallel_state  # noqa: PLC0415 (vLLM import: only when called)
+
+    unlinked = []
+    for ref in list(getattr(parallel_state, "_groups", {}).values()):
+        group = ref()
+        buffer = getattr(getattr(group, "mq_broadcaster", None), "buffer", None)
+        if buffer is None or not getattr(buffer, "is_creator", False):
+            continue
+        shm = buffer.shared_memory
+        with contextlib.suppress(FileNotFoundError):
+            shm.unlink()  # also unregisters it from multiprocessing's resource tracker
+            unlinked.append(shm.name)
+        buffer.is_creator = False
+    return unlinked
