@@ -71,7 +71,7 @@ class ReadySpec:
             engine arguments. Empty: not compared.
         checkpoint: the checkpoint directory whose files' digests a daemon's
             ``checkpoint`` key field must equal, digested when a daemon answers
-            (:func:`checkpoint_differences`); empty: not compared.
+            (:func:`checkpoint_files`); empty: not compared.
     """
 
     digest: str
