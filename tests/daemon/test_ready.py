@@ -349,6 +349,12 @@ def test_a_daemon_of_files_changed_in_place_is_not_ready(sock_dir, daemons, tmp_
     assert check_ready(sock_dir, spec).ok
     unreadable = ReadySpec(DIGEST, [(0, 0)], FIELDS, checkpoint=str(tmp_path / "absent"))
     assert check_ready(sock_dir, unreadable).ok
+    # a file the engine's digest fails on too (a dangling symlink): not ready, by
+    # its reason (it was taken for "not mounted here" and said ready: break15 #1)
+    (model / "extra.safetensors").symlink_to(tmp_path / "gone.safetensors")
+    result = check_ready(sock_dir, spec)
+    assert (result.ok, result.code) == (False, "key-mismatch")
+    assert "checkpoint: [checkpoint-changed]" in result.message, result.message
 
 
 def test_the_checkpoint_is_digested_only_once_a_daemon_answers(sock_dir, monkeypatch):

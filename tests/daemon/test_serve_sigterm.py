@@ -174,6 +174,38 @@ def test_a_rank_that_ends_leaves_the_other_serving_and_its_status_is_kept(serve_
     assert "rank 0 exited" not in err
 
 
+def test_a_rank_that_stops_alone_is_said(serve_two_ranks):
+    """A rank that stops by itself with status 0 while the other serves on: an engine
+    loads it from disk from then on, so the serve says so (it said nothing: break15 #4)."""
+    proc, pids, folder = serve_two_ranks
+    (folder / "rank1.exit").write_text("0")
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while _alive(pids[1]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)  # the serve's watch looks twice a second
+    proc.send_signal(signal.SIGTERM)
+    assert 0 == proc.wait(timeout=STOP_TIMEOUT_S)
+    err = proc.stderr.read()
+    assert "wcache serve: rank 1 stopped (status 0); rank(s) 0 still serve" in err, err
+
+
+@pytest.mark.parametrize("serve_two_ranks", ["stuck"], indirect=True)
+def test_a_second_sigterm_while_the_ranks_stop_is_ignored(serve_two_ranks):
+    """SIGTERM twice (a supervisor repeating it, Ctrl-C pressed again) while ranks that
+    ignore SIGTERM are given their grace: no traceback (it raised through the stop,
+    two chained tracebacks: break15 #3); the ranks are SIGKILLed after the grace."""
+    proc, pids, _ = serve_two_ranks
+    time.sleep(1.0)  # the ranks exec'd
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=STOP_TIMEOUT_S)
+    err = proc.stderr.read()
+    assert "Traceback" not in err, err
+    assert "wcache serve: SIGTERM; stopping the ranks" in err
+    assert [p for p in pids if _alive(p)] == []
+
+
 @pytest.mark.parametrize("serve_two_ranks", ["1", "stuck"], indirect=True)
 def test_sigterm_stops_ranks_that_exec_within_the_grace(serve_two_ranks):
     """Ranks that execve'd (the lean hand-off, which closes their sentinel pipe): SIGTERM

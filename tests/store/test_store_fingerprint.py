@@ -107,6 +107,22 @@ def test_a_save_drops_entries_of_files_gone_or_changed(tmp_path):
     assert sorted(kept) == sorted(os.path.realpath(files[n]) for n in ("kept", "new"))
 
 
+def test_a_junk_entry_does_not_break_a_save(tmp_path):
+    """A cache file holding keys that are not paths (a NUL byte: os.stat raises
+    ValueError) or entries of the wrong shape: the next save drops them (a junk key
+    failed every save with "embedded null byte": break15 #2)."""
+    import json
+
+    path = tmp_path / "cache.json"
+    junk = {"/a\x00b": [1, 2, 3, 4, 5, "d"], str(tmp_path / "x"): "not a list"}
+    path.write_text(json.dumps({"algorithm": fp.DIGEST_ALGORITHM, "files": junk}))
+    (tmp_path / "w").write_bytes(b"weights")
+    cache = fp.DigestCache(str(path))
+    fp.digest_file(str(tmp_path / "w"), cache)
+    cache.save()
+    assert list(fp.DigestCache(str(path))._entries) == [os.path.realpath(tmp_path / "w")]
+
+
 def test_non_sequential_read_records_no_digest(tmp_path):
     """A reader that seeks around cannot vouch for the bytes: it records no digest."""
     d = tmp_path / "m"

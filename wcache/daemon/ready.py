@@ -38,7 +38,7 @@ from typing import Any
 import attrs
 
 from wcache.daemon.ranks import local_ranks
-from wcache.store import StoreError, daemon_status, paths
+from wcache.store import CheckpointChanged, StoreError, daemon_status, paths
 from wcache.store.http import Probe
 from wcache.store.manifest import CHECKPOINT_CONFIG_FIELDS, canonical_json, field_mismatch_lines
 
@@ -161,15 +161,19 @@ def engine_ready_spec(
     )
 
 
-def checkpoint_files(model: str) -> dict[str, str] | None:
+def checkpoint_files(model: str) -> dict[str, str] | str | None:
     """The content digest of each file of ``model`` as the engine's key holds it
-    (:func:`wcache.store.checkpoint_digest`, cached by stat), or None where the files
-    cannot be read here (a probe beside the daemon without the weights mounted then
-    compares the config only, never a false mismatch)."""
+    (:func:`wcache.store.checkpoint_digest`, cached by stat); the reason an engine's
+    digest would fail the same way (a file vanished or changed while hashed, a
+    dangling symlink: ``checkpoint-changed``); or None where the files cannot be
+    read here (a probe beside the daemon without the weights mounted then compares
+    the config only, never a false mismatch)."""
     from wcache.store import checkpoint_digest  # noqa: PLC0415
 
     try:
         return checkpoint_digest(model)
+    except CheckpointChanged as exc:  # the engine's restore refuses on it too
+        return f"[{exc.code}] {exc}"
     except (OSError, StoreError):
         log.debug("wcache status --wait-ready: checkpoint not digested", exc_info=True)
         return None
@@ -255,7 +259,7 @@ def survey(
     statuses: dict[tuple[int, int], dict[str, Any]] = {}
     others: dict[str, dict[str, Any]] = {}
     mismatched: dict[tuple[int, int], list[str]] = {}
-    files: dict[str, str] | None = None  # the checkpoint's digests, taken when needed
+    files: dict[str, str] | str | None = None  # the checkpoint's digests, when needed
     suffix = f"-{spec.digest}{paths.SOCKET_SUFFIX}"
     for sock in paths.list_sockets(d):
         try:
@@ -274,7 +278,9 @@ def survey(
             if not diffs and spec.checkpoint:
                 if files is None:  # once per check: a stat per file after the daemon's load
                     files = checkpoint_files(spec.checkpoint) or {}
-                if files:
+                if isinstance(files, str):
+                    diffs = [f"checkpoint: {files}"]
+                elif files:
                     diffs = field_differences({"checkpoint": files}, fields)
             if diffs:
                 mismatched[rank] = diffs

@@ -865,6 +865,7 @@ def _serve_ranks(
     # ended only this process and left every rank serving, orphaned (a restart then
     # failed with daemon-busy). Set before the ranks start: spawn resets it in them.
     previous = signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
+    previous_int = signal.getsignal(signal.SIGINT)
     for p, (_, send) in zip(procs, pipes, strict=True):
         p.start()
         send.close()  # the rank holds its own end: a rank's exit reads as EOF here
@@ -898,7 +899,13 @@ def _serve_ranks(
         _watch_ranks(procs, ranks)
         return max(_exit_status(p.exitcode) for p in procs)
     except (RuntimeError, KeyboardInterrupt) as exc:
-        print(str(exc), file=sys.stderr, flush=True)
+        # a second SIGTERM or Ctrl-C while the ranks stop: ignored (it raised through
+        # the stop, two tracebacks); the ranks still get SIGKILL after the grace
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print(
+            str(exc) or "wcache serve: interrupted; stopping the ranks", file=sys.stderr, flush=True
+        )
         for rank, p in zip(ranks, procs, strict=True):
             if p.is_alive() and rank != failed:  # a SIGTERM in its exit would interrupt it
                 p.terminate()  # SIGTERM: each rank stops as for `wcache stop`
@@ -910,6 +917,7 @@ def _serve_ranks(
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
         for recv, _ in pipes:
             recv.close()
 
@@ -932,10 +940,11 @@ def _ready_lines(receiving: list[Any], timeout: float) -> list[tuple[int, str]]:
 
 def _watch_ranks(procs: list[Any], ranks: range) -> None:
     """Wait until every rank process has exited, printing a line for each that ends
-    with a non-zero status while others serve on (it left no trace in the serve's
-    output, where a supervisor watching it looks: break14 #5). A clean stop (status 0)
-    prints nothing. Polled with ``waitpid`` (``is_alive``): the ranks' lean
-    ``execve`` closed the sentinel pipes."""
+    while others serve on (it left no trace in the serve's output, where a supervisor
+    watching it looks: break14 #5, break15 #4), whatever its status: an engine loads
+    that rank from disk from then on. ``wcache stop`` stops the ranks one after the
+    other, so a stop prints "rank N stopped" for each rank but the last. Polled with
+    ``waitpid`` (``is_alive``): the ranks' lean ``execve`` closed the sentinel pipes."""
     running = dict(zip(ranks, procs, strict=True))
     while running:
         for rank, p in list(running.items()):
@@ -943,23 +952,30 @@ def _watch_ranks(procs: list[Any], ranks: range) -> None:
                 continue
             del running[rank]
             status = _exit_status(p.exitcode)
-            if status and running:
-                what = (
-                    "a client's guard fired; it asks for a restart"
-                    if status == INVALIDATED_EXIT
-                    else "killed"
-                    if status > 128
-                    else "failed"
-                )
-                print(
-                    f"wcache serve: rank {rank} exited with status {status} ({what}); "
-                    f"rank(s) {', '.join(map(str, running))} serve on, and an engine loads "
-                    f"rank {rank} from disk (daemon-missing) until the daemon is restarted",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            if running:
+                print(_rank_end_line(rank, status, list(running)), file=sys.stderr, flush=True)
         if running:
             time.sleep(RANK_WATCH_S)
+
+
+def _rank_end_line(rank: int, status: int, running: list[int]) -> str:
+    """What :func:`_watch_ranks` prints when ``rank`` ended with ``status`` while the
+    ranks ``running`` serve on."""
+    others = ", ".join(map(str, running))
+    if status == 0:  # `wcache stop` (one rank after the other), or its own stop
+        return f"wcache serve: rank {rank} stopped (status 0); rank(s) {others} still serve"
+    what = (
+        "a client's guard fired; it asks for a restart"
+        if status == INVALIDATED_EXIT
+        else "killed"
+        if status > 128
+        else "failed"
+    )
+    return (
+        f"wcache serve: rank {rank} exited with status {status} ({what}); rank(s) {others} "
+        f"serve on, and an engine loads rank {rank} from disk (daemon-missing) until the "
+        f"daemon is restarted"
+    )
 
 
 def _reap(procs: list[Any], grace_s: float) -> None:

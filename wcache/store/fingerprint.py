@@ -72,7 +72,7 @@ def _still_hits(real: str, entry: Any) -> bool:
     unchanged); False for a file removed, replaced or unreadable."""
     try:
         return isinstance(entry, list) and entry[:5] == _stat_key(os.stat(real))
-    except OSError:
+    except (OSError, ValueError, TypeError):  # gone, or a junk key (NUL, not a path)
         return False
 
 
