@@ -162,11 +162,12 @@ def test_a_rank_that_ends_leaves_the_other_serving_and_its_status_is_kept(serve_
     time.sleep(0.5)
     assert proc.poll() is None and _alive(pids[0])
     proc.send_signal(signal.SIGTERM)
-    assert 75 == proc.wait(timeout=STOP_TIMEOUT_S)
+    status = proc.wait(timeout=STOP_TIMEOUT_S)
+    err = proc.stderr.read()
+    assert 75 == status, err
     assert [] == _ranks_end(pids)
     # the serve said so when it happened (a supervisor watching its output saw
     # nothing: break14 #5); rank 0's clean stop printed nothing
-    err = proc.stderr.read()
     assert (
         "wcache serve: rank 1 exited with status 75 (a client's guard fired; it asks for "
         "a restart); rank(s) 0 serve on, and an engine loads rank 1 from disk" in err

@@ -946,14 +946,22 @@ def _watch_ranks(procs: list[Any], ranks: range) -> None:
     other, so a stop prints "rank N stopped" for each rank but the last. Polled with
     ``waitpid`` (``is_alive``): the ranks' lean ``execve`` closed the sentinel pipes."""
     running = dict(zip(ranks, procs, strict=True))
+    stops = {signal.SIGTERM, signal.SIGINT}
     while running:
-        for rank, p in list(running.items()):
-            if p.is_alive():
-                continue
-            del running[rank]
-            status = _exit_status(p.exitcode)
-            if running:
-                print(_rank_end_line(rank, status, list(running)), file=sys.stderr, flush=True)
+        # a stop (SIGTERM, Ctrl-C: KeyboardInterrupt) lands only between looks: raised
+        # between waitpid's return and the status's record, it lost a rank's status,
+        # and inside the print it broke the write (seen once in CI: exit 1, not 75)
+        signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+        try:
+            for rank, p in list(running.items()):
+                if p.is_alive():
+                    continue
+                del running[rank]
+                status = _exit_status(p.exitcode)
+                if running:
+                    print(_rank_end_line(rank, status, list(running)), file=sys.stderr, flush=True)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
         if running:
             time.sleep(RANK_WATCH_S)
 
