@@ -635,8 +635,9 @@ def build_parser() -> argparse.ArgumentParser:
         "whose key differs in a field the engine arguments decide (max_model_len, "
         "the quantization config, ...) or serving checkpoint files that changed since "
         "it loaded them (the probe digests them as the engine does) does not count: "
-        "the engine would refuse it (key-mismatch). The options marked --wait-ready and engine arguments are "
-        "refused without it (exit 2), as is a --model that is not a local directory."
+        "the engine would refuse it (key-mismatch). The options marked --wait-ready "
+        "and engine arguments are refused without it (exit 2), as is a --model that is "
+        "not a local directory."
     )
     p.add_argument(
         "--wait-ready",

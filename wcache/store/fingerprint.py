@@ -25,7 +25,7 @@ import logging
 import os
 import stat
 import time
-from typing import Any
+from typing import Any, TypeGuard
 
 import blake3
 
@@ -67,11 +67,17 @@ def _stat_key(st: os.stat_result) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
+def _hits(entry: Any, st: os.stat_result) -> TypeGuard[list]:
+    """Whether a cache entry ``[dev, ino, size, mtime_ns, ctime_ns, digest]`` describes
+    a file of stat ``st``."""
+    return isinstance(entry, list) and len(entry) == 6 and entry[:5] == _stat_key(st)
+
+
 def _still_hits(real: str, entry: Any) -> bool:
-    """Whether a cache entry still describes the file at ``real`` (its stat fields
-    unchanged); False for a file removed, replaced or unreadable."""
+    """Whether a cache entry still describes the file at ``real`` (:func:`_hits` on
+    its stat now); False for a file removed, replaced or unreadable."""
     try:
-        return isinstance(entry, list) and entry[:5] == _stat_key(os.stat(real))
+        return _hits(entry, os.stat(real))
     except (OSError, ValueError, TypeError):  # gone, or a junk key (NUL, not a path)
         return False
 
@@ -115,7 +121,7 @@ class DigestCache:
 
     def get(self, real: str, st: os.stat_result) -> str | None:
         entry = self._dirty.get(real) or self._entries.get(real)
-        if isinstance(entry, list) and len(entry) == 6 and entry[:5] == _stat_key(st):
+        if _hits(entry, st):
             return entry[5]
         return None
 

@@ -739,9 +739,9 @@ def _render_to(results: Sequence[str], doc: str | None) -> int:
 
 def _table_rows(doc_text: str) -> set[tuple[str, ...]]:
     """The ``(section, architecture, format, host)`` of each row of a rendered table
-    (the host: the GPU or x86 class beside the outcome): what
-    a new render must keep, whatever file the rows came from (comparing the results
-    files' names missed a same-named file with fewer rows: break pass 13 #4)."""
+    (the host: the GPU or x86 class beside the outcome): what a new render must keep,
+    whatever file the rows came from (comparing the results files' names missed a
+    same-named file with fewer rows: break pass 13 #4)."""
     section, keys = "", set[tuple[str, ...]]()
     for line in doc_text.splitlines():
         if line.startswith("## "):
