@@ -805,7 +805,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed-listen",
         metavar="HOST:PORT",
         help="also seed daemons on other hosts: accept only `seed` requests over TCP "
-        "on HOST:PORT (this node's rank i on PORT+i), authenticated with "
+        "on HOST:PORT (this node's rank i on PORT+i; bound before the load, so a "
+        "port in use fails at once), authenticated with "
         "--seed-secret-file; the weights then travel unencrypted over gloo/NCCL "
         "from HOST (set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to pin the "
         "interface); use a private cluster network",

@@ -57,6 +57,7 @@ __all__ = [
     "CheckpointChanged",
     "ArenaInvalidated",
     "HttpListenFailed",
+    "SeedListenFailed",
     "SeedFailed",
     "SeedUnavailable",
     "SeedSecretUnsafe",
@@ -339,6 +340,14 @@ class HttpListenFailed(StoreError):
     or a privileged port). Pick another address or port."""
 
     code = "http-listen-failed"
+
+
+class SeedListenFailed(StoreError):
+    """``--seed-listen HOST:PORT`` cannot be bound (in use, not an address of this
+    host, or a privileged port); found before the rank loads anything. Pick another
+    address or port."""
+
+    code = "seed-listen-failed"
 
 
 class SeedFailed(StoreError):

@@ -240,6 +240,39 @@ def test_serve_refuses_unsafe_or_missing_seeding_arguments(tmp_path, capsys):
         assert says in capsys.readouterr().err
 
 
+def test_serve_refuses_a_seed_listen_address_in_use_before_loading(tmp_path, capsys, monkeypatch):
+    """A --seed-listen port that is taken is refused with seed-listen-failed before the
+    engine config is even read (break16 #3: it came after the whole load and export)."""
+    from wcache import cli
+    from wcache.vllm import build
+
+    def loaded(*_a, **_k):
+        raise AssertionError("the checkpoint was read before the address was bound")
+
+    monkeypatch.setattr(build, "checked_engine_config", loaded)
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET)
+    secret.chmod(0o600)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert 1 == cli.main(
+            [
+                "serve",
+                "--model",
+                str(tmp_path),
+                "--seed-listen",
+                f"127.0.0.1:{port}",
+                "--seed-secret-file",
+                str(secret),
+            ]
+        )
+    err = capsys.readouterr().err
+    assert "[seed-listen-failed]" in err and f"127.0.0.1:{port}" in err, err
+
+
 @pytest.mark.parametrize("op", ["shutdown", "get", "status", "invalidate", "release", "hello"])
 def test_non_seed_ops_over_tcp_are_refused(tcp_source, key, sock_dir, op):
     """Every command but seed, even correctly signed, is refused over TCP; the daemon keeps serving and is not invalidated."""

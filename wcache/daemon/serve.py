@@ -52,7 +52,8 @@ from wcache.store.artifacts import read_bundle, write_bundle
 from wcache.store.http import OpsServer, parse_http_address
 from wcache.store.paths import DEV_SHM_COLLECTIVES_BYTES, DEV_SHM_REFCOUNT_BYTES, check_dev_shm
 from wcache.store.seed import TCP_SCHEME, SeedSource, parse_host_port, read_secret, seed_arena
-from wcache.store.server import INVALIDATED_EXIT
+from wcache.store.seed_listener import bind_seed_socket
+from wcache.store.server import INVALIDATED_EXIT, LISTEN_BACKLOG
 from wcache.store.snapshot import (
     SnapshotCorrupt,
     SnapshotMissing,
@@ -479,32 +480,41 @@ def serve_rank(
 
     Raises:
         SeedSecretUnsafe: ``seed_secret_file`` is unsafe (before any load).
+        SeedListenFailed: ``seed_listen`` cannot be bound (before any load).
     """
 
     t_start = time.perf_counter()
     secret = read_secret(seed_secret_file) if seed_secret_file else None
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     listen = rank_seed_address(seed_listen, local_rank) if seed_listen else None
-    vllm_config = build.checked_engine_config(model, rest)
-    with build.prepare_platform(vllm_config):
-        return _serve_prepared_rank(
-            vllm_config,
-            rank=rank,
-            world=world,
-            init_method=init_method,
-            socket_dir=socket_dir,
-            progress=progress,
-            job=job,
-            ready=ready,
-            snapshot=snapshot,
-            from_snapshot=from_snapshot,
-            seed_from=seed_from,
-            listen=listen,
-            seed_advertise=seed_advertise,
-            secret=secret,
-            t_start=t_start,
-            prime=(model, rest, job, prime_compile) if prime_compile else None,
-        )
+    # bound now, so an address in use is refused before the load, not after it (break16
+    # #3); accepted on only once the rank serves
+    bound = None if listen is None else bind_seed_socket(*listen, backlog=LISTEN_BACKLOG)
+    try:
+        vllm_config = build.checked_engine_config(model, rest)
+        with build.prepare_platform(vllm_config):
+            return _serve_prepared_rank(
+                vllm_config,
+                rank=rank,
+                world=world,
+                init_method=init_method,
+                socket_dir=socket_dir,
+                progress=progress,
+                job=job,
+                ready=ready,
+                snapshot=snapshot,
+                from_snapshot=from_snapshot,
+                seed_from=seed_from,
+                listen=listen,
+                seed_socket=bound,
+                seed_advertise=seed_advertise,
+                secret=secret,
+                t_start=t_start,
+                prime=(model, rest, job, prime_compile) if prime_compile else None,
+            )
+    finally:
+        if bound is not None:
+            bound.close()  # the daemon's listener holds its own reference; a no-op then
 
 
 def _serve_prepared_rank(
@@ -521,6 +531,7 @@ def _serve_prepared_rank(
     from_snapshot: str | None,
     seed_from: str | None,
     listen: tuple[str, int] | None,
+    seed_socket: socket.socket | None,
     seed_advertise: str | None,
     secret: bytes | None,
     t_start: float,
@@ -572,7 +583,7 @@ def _serve_prepared_rank(
     server.start()
     if listen is not None:
         try:
-            listen = server.listen_seed_tcp(listen[0], listen[1], secret)
+            listen = server.listen_seed_tcp(listen[0], listen[1], secret, bound=seed_socket)
         except StoreError:
             server.stop()
             raise

@@ -28,6 +28,7 @@ import time
 from typing import Any, Protocol
 
 import wcache
+from wcache.errors import SeedListenFailed
 from wcache.store.errors import PeerRefused, ProtocolError, StoreError
 from wcache.store.protocol import (
     MAX_REQUEST_BYTES,
@@ -43,7 +44,7 @@ from wcache.store.protocol import (
     send_frame,
 )
 
-__all__ = ["SeedListener", "SeedOwner"]
+__all__ = ["SeedListener", "SeedOwner", "bind_seed_socket"]
 
 log = logging.getLogger("wcache.store")
 
@@ -75,6 +76,36 @@ class SeedOwner(Protocol):
         """Refuse ``conn`` because every connection slot is taken (``daemon-busy``)."""
 
 
+def bind_seed_socket(host: str, port: int, *, backlog: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening (``backlog``): what a
+    :class:`SeedListener` accepts on. ``wcache serve`` binds it before the rank
+    loads anything, so an address in use is refused at once, not after the load.
+
+    Args:
+        host: the address to bind (an interface's address; ``0.0.0.0`` binds every
+            interface; an IPv6 address when it holds ``:``).
+        port: TCP port; 0 picks a free one (``getsockname()`` has it).
+        backlog: ``listen()`` backlog.
+
+    Raises:
+        SeedListenFailed: the address cannot be bound (in use, not this host's, a
+            privileged port).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(backlog)
+    except OSError as e:
+        listener.close()
+        raise SeedListenFailed(
+            f"cannot listen for seeding on {host}:{port}: {e}; pick another "
+            f"--seed-listen address or port"
+        ) from e
+    return listener
+
+
 class SeedListener:
     """Accepts ``seed`` requests on ``host:port`` (TCP) for ``owner``.
 
@@ -86,29 +117,31 @@ class SeedListener:
         secret: the shared secret (:func:`wcache.store.seed.read_secret`).
         backlog: ``listen()`` backlog.
         poll_s: how often the accept loop wakes to notice ``owner.stopping`` (seconds).
+        bound: a socket :func:`bind_seed_socket` already bound to ``host:port``
+            (the listener owns it from here); None binds one now.
 
     Raises:
-        StoreError: an empty secret, or the address cannot be bound.
+        StoreError: an empty secret.
+        SeedListenFailed: the address cannot be bound.
     """
 
     def __init__(
-        self, owner: SeedOwner, host: str, port: int, secret: bytes, *, backlog: int, poll_s: float
+        self,
+        owner: SeedOwner,
+        host: str,
+        port: int,
+        secret: bytes,
+        *,
+        backlog: int,
+        poll_s: float,
+        bound: socket.socket | None = None,
     ):
         if not secret:
+            if bound is not None:
+                bound.close()
             raise StoreError("a TCP seeding listener needs a non-empty secret")
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((host, port))
-            listener.listen(backlog)
-            listener.settimeout(poll_s)
-        except OSError as e:
-            listener.close()
-            raise StoreError(
-                f"cannot listen for seeding on {host}:{port}: {e}; pick another "
-                f"--seed-listen address or port"
-            ) from e
+        listener = bound if bound is not None else bind_seed_socket(host, port, backlog=backlog)
+        listener.settimeout(poll_s)
         self._owner = owner
         self._secret = bytes(secret)
         self._socket = listener

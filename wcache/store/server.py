@@ -605,7 +605,9 @@ class DaemonServer:
 
     # ------------------------------------------------------------------ TCP seeding
 
-    def listen_seed_tcp(self, host: str, port: int, secret: bytes) -> tuple[str, int]:
+    def listen_seed_tcp(
+        self, host: str, port: int, secret: bytes, *, bound: socket.socket | None = None
+    ) -> tuple[str, int]:
         """Accept ``seed`` requests of other hosts' daemons on ``host:port`` (TCP),
         through a :class:`wcache.store.seed_listener.SeedListener` this daemon owns.
 
@@ -623,23 +625,33 @@ class DaemonServer:
                 binds every interface).
             port: TCP port; 0 picks a free one.
             secret: the shared secret (:func:`wcache.store.seed.read_secret`).
+            bound: a socket :func:`wcache.store.seed_listener.bind_seed_socket`
+                bound earlier to ``host:port`` (``wcache serve`` binds before it
+                loads); None binds now. Owned by the daemon from here, even when
+                this raises.
 
         Returns:
             The bound ``(host, port)``.
 
         Raises:
-            StoreError: no seed source, an empty secret, or the address cannot be bound.
+            StoreError: no seed source, an empty secret, or already listening.
+            SeedListenFailed: the address cannot be bound.
         """
-        if self.seed_source is None:
-            raise StoreError(
-                "set seed_source (wcache.store.seed.SeedSource) before listening for seeding"
-            )
-        if not secret:
-            raise StoreError("a TCP seeding listener needs a non-empty secret")
-        if self._seed_listener is not None:
-            raise StoreError(f"already listening for seeding on {self.seed_tcp_address}")
+        try:
+            if self.seed_source is None:
+                raise StoreError(
+                    "set seed_source (wcache.store.seed.SeedSource) before listening for seeding"
+                )
+            if not secret:
+                raise StoreError("a TCP seeding listener needs a non-empty secret")
+            if self._seed_listener is not None:
+                raise StoreError(f"already listening for seeding on {self.seed_tcp_address}")
+        except StoreError:
+            if bound is not None:
+                bound.close()
+            raise
         self._seed_listener = SeedListener(
-            self, host, port, secret, backlog=LISTEN_BACKLOG, poll_s=ACCEPT_POLL_S
+            self, host, port, secret, backlog=LISTEN_BACKLOG, poll_s=ACCEPT_POLL_S, bound=bound
         ).start()
         self.seed_tcp_address = self._seed_listener.address
         return self.seed_tcp_address
