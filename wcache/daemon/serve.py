@@ -50,6 +50,7 @@ from wcache.daemon.ranks import local_ranks
 from wcache.store import DaemonBusy, DaemonServer, StoreError, daemon_status, lean, paths
 from wcache.store.artifacts import read_bundle, write_bundle
 from wcache.store.http import OpsServer, parse_http_address
+from wcache.store.manifest import CacheKey
 from wcache.store.paths import DEV_SHM_COLLECTIVES_BYTES, DEV_SHM_REFCOUNT_BYTES, check_dev_shm
 from wcache.store.seed import TCP_SCHEME, SeedSource, parse_host_port, read_secret, seed_arena
 from wcache.store.seed_listener import bind_seed_socket
@@ -152,10 +153,14 @@ def find_seed_source(seed_from: str, key: Any) -> str:
     (one ``status`` per socket; each rank finds its own peer rank that way).
 
     Raises:
-        DaemonMissing: no daemon there serves this key (the keys seen are named).
+        DaemonMissing: no daemon answers there (the sockets that listen but do not
+            answer are named).
+        KeyMismatch: daemons answer there, none of this key: the differing fields of
+            the closest one (fewest fields differ: the peer rank of another engine
+            argument) are named, as for a source given by its socket.
     """
 
-    from wcache.store import DaemonMissing, daemon_status  # noqa: PLC0415 (imported at call time: tests patch daemon_status)
+    from wcache.store import DaemonMissing, KeyMismatch, daemon_status  # noqa: PLC0415 (imported at call time: tests patch daemon_status)
 
     try:
         if stat_mod.S_ISSOCK(os.stat(seed_from).st_mode):
@@ -174,10 +179,12 @@ def find_seed_source(seed_from: str, key: Any) -> str:
     from wcache.store.paths import list_sockets  # noqa: PLC0415 (imported at call time: tests patch list_sockets)
 
     seen, silent = [], []
+    closest: tuple[int, str, CacheKey] | None = None  # (fields that differ, socket, key)
     for sock in list_sockets(seed_from):
         entry = os.path.basename(sock)
         try:
-            digest = daemon_status(sock, connect_timeout_s=2.0).get("key_digest")
+            status = daemon_status(sock, connect_timeout_s=2.0)
+            digest = status.get("key_digest")
         except StoreError as e:
             try:
                 live = paths.socket_accepts(sock)  # a listener that did not answer
@@ -189,6 +196,12 @@ def find_seed_source(seed_from: str, key: Any) -> str:
         if digest == key.digest:
             return sock
         seen.append(f"{entry} ({str(digest)[:12]})")
+        fields = status.get("key_fields")
+        if isinstance(fields, dict):
+            theirs = CacheKey(fields)
+            n = len(key.diff(theirs))
+            if closest is None or n < closest[0]:
+                closest = (n, sock, theirs)
     stalled = (
         f"; listening but not answering: {', '.join(silent)} (a stalled or overloaded "
         f"daemon: check it with `wcache status --socket-dir {seed_from}`, or give its "
@@ -196,6 +209,16 @@ def find_seed_source(seed_from: str, key: Any) -> str:
         if silent
         else ""
     )
+    if closest is not None:
+        _, sock, theirs = closest
+        raise KeyMismatch(
+            f"no daemon in {seed_from} serves this rank's key; the closest, "
+            f"{os.path.basename(sock)}, differs in {', '.join(key.diff(theirs))}: "
+            f"{key.versions_note(theirs, 'receiver', 'source')}"
+            f"{key.describe_diff(theirs, 'receiver', 'source')} (seen: {', '.join(seen)}"
+            f"{stalled}); start this daemon with the source's engine arguments, or from "
+            f"the checkpoint"
+        )
     raise DaemonMissing(
         f"no daemon in {seed_from} serves key {key.digest[:12]} (seen: "
         f"{', '.join(seen) or 'none'}{stalled}); start the source with the same engine "
