@@ -11,6 +11,7 @@ import functools
 import json
 import logging
 import os
+import stat
 import sys
 import textwrap
 import traceback
@@ -450,6 +451,14 @@ def _check_seed_args(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _is_socket(path: str) -> bool:
+    """Whether ``path`` is a Unix socket (symlinks followed; False when it is absent)."""
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:
 
     if not os.path.isdir(args.model):
@@ -458,6 +467,15 @@ def _cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.socket_dir and _is_socket(args.socket_dir):
+        # the socket `wcache status` prints: its directory holds the daemon (break16 #8)
+        where = os.path.dirname(os.path.abspath(args.socket_dir))
+        print(
+            f"wcache verify: --socket-dir {args.socket_dir} is a daemon's socket; comparing "
+            f"against the daemon in {where} that serves these engine arguments",
+            file=sys.stderr,
+        )
+        args.socket_dir = where
     if args.job and args.socket_dir is None:
         # without a daemon to name, the job was ignored and verify built its own arena
         print(
@@ -858,15 +876,23 @@ def build_parser() -> argparse.ArgumentParser:
         "Holds two copies of the weights. Run it once per new host class "
         "and model before turning --load-format wcache on in production. Any "
         "argument wcache does not know is passed to vLLM's EngineArgs; give the "
-        "engine's.",
+        "engine's: with --load-format wcache, the restore takes the engine's "
+        "--model-loader-extra-config (mode, share_prepacks, ...; fallback and strict "
+        "are verify's own: it never loads from disk in the restore's place).",
     )
     p.add_argument("--model", required=True, help="checkpoint directory (local safetensors)")
     p.add_argument(
         "--socket-dir",
         help="compare against what the daemon in this socket "
-        "directory serves instead of an in-process arena",
+        "directory serves instead of an in-process arena (a daemon's socket means its "
+        "directory); default: the engine's socket_dir from "
+        "--load-format wcache --model-loader-extra-config, else none",
     )
-    p.add_argument("--job", default="", help="--socket-dir: the daemon's --job")
+    p.add_argument(
+        "--job",
+        default="",
+        help="--socket-dir: the daemon's --job (default: the engine's job option)",
+    )
     p.add_argument("--only-failures", action="store_true", help="print only differing rows")
     p.add_argument(
         "--ignore-memory-check",

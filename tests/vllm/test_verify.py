@@ -168,14 +168,25 @@ def _daemon_in_process(cfg, sockets: str):
         return build_server(cfg, socket_dir=sockets, device_id=dev, progress=False)
 
 
-def test_socket_dir_mode_checks_a_running_daemon(host_kernels):
+def test_socket_dir_mode_checks_a_running_daemon(host_kernels, monkeypatch):
     """With socket_dir, verify restores from the daemon serving there (here one in this
     process, built as `wcache serve` builds it) and finds it equal to vLLM's load, also
-    for engine arguments without --enforce-eager; once that daemon is gone it raises
-    RestoreFailed [daemon-missing]."""
+    for engine arguments without --enforce-eager, and with the engine's own
+    `--load-format wcache --model-loader-extra-config` (its socket_dir names the daemon,
+    its mode reaches the restore: break16 #5, they were dropped); once that daemon is
+    gone it raises RestoreFailed [daemon-missing]."""
     from wcache.vllm.build import engine_config
-    from wcache.vllm.loader import RestoreFailed
+    from wcache.vllm.loader import RestoreFailed, WcacheModelLoader
     from wcache.vllm.verify import verify
+
+    extras = []
+    init = WcacheModelLoader.__init__
+
+    def spy(self, load_config):
+        extras.append(dict(load_config.model_loader_extra_config))
+        init(self, load_config)
+
+    monkeypatch.setattr(WcacheModelLoader, "__init__", spy)
 
     path = _fixture("bf16", host_kernels)
     cfg = engine_config(path, list(ENGINE_ARGS))
@@ -185,12 +196,24 @@ def test_socket_dir_mode_checks_a_running_daemon(host_kernels):
         with server:  # no --enforce-eager: verify adds it; it is not part of the key
             compiled = [a for a in ENGINE_ARGS if a != "--enforce-eager"]
             report = verify(path, compiled, socket_dir=sockets, progress=False)
+            engines = [
+                *ENGINE_ARGS,
+                "--load-format",
+                "wcache",
+                "--model-loader-extra-config",
+                json.dumps({"socket_dir": sockets, "mode": "copy", "fallback": True}),
+            ]
+            own = verify(path, engines, progress=False)
         with pytest.raises(RestoreFailed, match=r"no daemon socket at") as err:
             verify(path, ENGINE_ARGS, socket_dir=sockets, progress=False)
     finally:
         shutil.rmtree(sockets, ignore_errors=True)
     assert [] == [(r.layer, r.difference) for r in report.failures]
     assert f"daemon {sockets}" == report.mode
+    assert own.ok and f"daemon {sockets}; mode=copy" == own.mode
+    assert (sockets, "copy", False) == tuple(
+        extras[1].get(k) for k in ("socket_dir", "mode", "fallback")
+    )
     assert "" == report.note  # the daemon still answered after the comparison
     assert "daemon-missing" == err.value.code
     # verify's own wording, not the engine's ("fallback=false, so no disk load")
@@ -204,8 +227,9 @@ def test_socket_dir_mode_refuses_a_wrong_checkpoint_or_job_before_vllms_load(
     """With socket_dir, the daemon's key is checked before vLLM's load (seconds, where
     that load and its forward take minutes on a large model): a checkpoint whose bytes
     changed since the daemon loaded it is key-mismatch naming the checkpoint field, and
-    another --job is key-mismatch naming the job; vLLM's loader never runs (break pass
-    8: it learned of both only after the load and forward)."""
+    another --job is daemon-missing naming the job (no daemon serves that job; it was
+    key-mismatch, whose text said the keys were equal: break16 #8); vLLM's loader never
+    runs (break pass 8: it learned of both only after the load and forward)."""
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     from wcache.vllm.build import engine_config
@@ -236,8 +260,8 @@ def test_socket_dir_mode_refuses_a_wrong_checkpoint_or_job_before_vllms_load(
                 verify(str(model), ENGINE_ARGS, socket_dir=sockets, progress=False)
     finally:
         shutil.rmtree(sockets, ignore_errors=True)
-    for err in (other_job, changed):
-        assert "key-mismatch" == err.value.code
+    for err, code in ((other_job, "daemon-missing"), (changed, "key-mismatch")):
+        assert code == err.value.code
         assert str(err.value).startswith(f"the restored side could not be built from {sockets}")
 
 
@@ -315,6 +339,62 @@ def test_too_little_memory_is_refused_before_loading(monkeypatch, capsys, host_k
     capsys.readouterr()
     assert 2 == main(["verify", "--model", path, *ENGINE_ARGS, "--no-progress"])
     assert "wcache verify: error [insufficient-memory]: " in capsys.readouterr().err
+
+
+def test_the_engines_restore_options_are_honoured_or_refused_by_name():
+    """`--load-format wcache --model-loader-extra-config` is the engine's restore: its
+    socket_dir and job name the daemon, its other options go to verify's restore, and
+    fallback/strict stay verify's; what contradicts --socket-dir/--job, what the loader
+    refuses, and another load format are refused by name (break16 #5: all were
+    dropped without a word)."""
+    from wcache.errors import VerifyRefused
+    from wcache.vllm.verify import engine_restore_options
+
+    def options(extra, socket_dir=None, job="", load_format="wcache"):
+        return engine_restore_options(load_format, extra, socket_dir, job)
+
+    given = '{"socket_dir": "/s", "job": "a", "mode": "copy", "fallback": true}'
+    assert ({"mode": "copy"}, "/s", "a") == options(given)
+    assert ({"share_prepacks": False}, "/s", "a") == options(
+        {"share_prepacks": False}, socket_dir="/s", job="a"
+    )
+    assert ({}, None, "") == options({"mode": "copy"}, load_format="auto")  # disk: none
+    for extra, kwargs, said in (
+        ({"socket_dir": "/s"}, {"socket_dir": "/t"}, "name two daemons' directories"),
+        ({"job": "a"}, {"job": "b"}, "name two daemons"),
+        ({"mode": "mmap"}, {}, "mode must be"),
+        ({"nope": 1}, {}, "unknown model_loader_extra_config keys"),
+        ("{not json", {}, "not valid JSON"),
+        ({}, {"load_format": "dummy"}, "--load-format dummy"),
+    ):
+        with pytest.raises(VerifyRefused, match=said) as err:
+            options(extra, **kwargs)
+        assert "config-invalid" == err.value.code
+
+
+def test_a_daemons_socket_given_as_socket_dir_means_its_directory(tmp_path, capsys, monkeypatch):
+    """`wcache verify --socket-dir` given the socket `wcache status` prints compares
+    against the daemon in that socket's directory, saying so (break16 #8: it was
+    unsafe-path with a fix that did not apply)."""
+    import socket as socket_mod
+
+    import wcache.vllm.verify as verify_mod
+    from wcache.cli import main
+
+    seen = []
+    monkeypatch.setattr(verify_mod, "main", lambda args, rest: seen.append(args.socket_dir) or 0)
+    monkeypatch.setattr("wcache.cli.check_checkpoint_dir", lambda path: None)
+    sock = tmp_path / "wcache-cpu-x.sock"
+    listener = socket_mod.socket(socket_mod.AF_UNIX)
+    listener.bind(str(sock))
+    try:
+        assert 0 == main(["verify", "--model", str(tmp_path), "--socket-dir", str(sock)])
+    finally:
+        listener.close()
+    assert [str(tmp_path)] == seen
+    assert f"is a daemon's socket; comparing against the daemon in {tmp_path}" in (
+        capsys.readouterr().err
+    )
 
 
 def test_engine_arguments_vllm_refuses_exit_2_naming_verify(capsys, host_kernels):

@@ -69,6 +69,15 @@ def engine_config(model: str, rest: list[str], *, prog: str = "wcache serve") ->
     return compat.disk_load_engine_args_(engine_args).create_engine_config()
 
 
+def engine_load_options(model: str, rest: list[str], *, prog: str) -> tuple[str, Any]:
+    """``(load_format, model_loader_extra_config)`` as the engine arguments give them
+    (vLLM's parser), which :func:`engine_config` replaces by the daemon's own disk
+    load: what the engine's restore runs with (``wcache verify``)."""
+    engine_args = _engine_args(prog, ["--model", model, *rest])
+    fmt = engine_args.load_format
+    return str(getattr(fmt, "value", fmt)), engine_args.model_loader_extra_config
+
+
 def engine_model_config(model: str, rest: list[str], *, prog: str) -> Any:
     """vLLM's ``ModelConfig`` for these engine arguments (the dtype and quantization
     vLLM decides), without the rest of the engine config: what ``wcache status

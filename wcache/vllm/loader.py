@@ -300,7 +300,7 @@ def _diagnose_missing(exc: Exception, key: Any, socket_dir: str | None, job: str
     the socket's name, not in the key) and how to pass it. Returns ``exc`` when no
     other daemon answers (the engine's own daemon, equal key and job, that answered
     ``status`` but stalled on the request, is not another: break11 #3)."""
-    from wcache.store import KeyMismatch  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
+    from wcache.store import DaemonMissing, KeyMismatch  # noqa: PLC0415 (call-time lookup: a test's patch of wcache.store applies)
 
     best = min(  # the first daemon of the fewest differing key fields
         _same_rank_daemons(key, socket_dir, job), key=lambda d: len(key.diff(d[1])), default=None
@@ -309,8 +309,9 @@ def _diagnose_missing(exc: Exception, key: Any, socket_dir: str | None, job: str
         return exc
     sock, other, their_job = best
     if not key.diff(other):
-        # the same key on another socket: only the job (in the socket's name) differs
-        return KeyMismatch(
+        # the same key on another socket: only the job (in the socket's name) differs,
+        # so no daemon serves this job: daemon-missing, not key-mismatch (break16 #8)
+        return DaemonMissing(
             f"no daemon serves this engine's configuration under job {job!r} ({exc}); "
             + _job_fix(sock, their_job, job)
         )

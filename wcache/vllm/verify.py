@@ -40,6 +40,7 @@ import contextlib
 import dataclasses
 import enum
 import gc
+import json
 import logging
 import os
 import shutil
@@ -62,6 +63,7 @@ from wcache.vllm import compat, vllm_logs_quiet
 from wcache.vllm.build import (
     build_server,
     checked_engine_config,
+    engine_load_options,
     expected_key,
     init_distributed,
     loader_config,
@@ -814,6 +816,79 @@ def _advance(bar: Any, desc: str) -> None:
         bar.update(0)
 
 
+#: The restore options verify sets itself: it never loads from disk in the restore's
+#: place, and refuses a restore that leaves a layer unrestored.
+VERIFY_OWN_OPTIONS = {"fallback": False, "strict": True}
+#: ``--load-format`` values verify takes: vLLM's side always loads with ``auto``, the
+#: restored side with ``wcache`` (and the engine's ``--model-loader-extra-config``).
+VERIFY_LOAD_FORMATS = ("auto", "wcache")
+
+
+def engine_restore_options(
+    load_format: str, extra: Any, socket_dir: str | None, job: str
+) -> tuple[dict[str, Any], str | None, str]:
+    """The engine's own wcache options for verify's restore: ``--load-format wcache
+    --model-loader-extra-config JSON`` (what the engine runs with) is honoured, not
+    dropped (break16 #5): ``load_format`` and ``extra`` (its
+    ``model_loader_extra_config``, a dict or JSON text) as
+    :func:`wcache.vllm.build.engine_load_options` reads them from the engine's
+    arguments. Its ``socket_dir`` and ``job`` name the daemon to compare
+    against when ``--socket-dir``/``--job`` are not given; ``fallback`` and ``strict``
+    are verify's own (:data:`VERIFY_OWN_OPTIONS`); every other option (``mode``,
+    ``share_prepacks``, ``connect_timeout_s``, ...) goes to the restore as given.
+
+    Returns:
+        ``(options, socket_dir, job)``: the options given other than ``socket_dir``,
+        ``job``, ``fallback`` and ``strict``, and the daemon to compare against.
+
+    Raises:
+        VerifyRefused: a ``--load-format`` other than ``auto``/``wcache``, options
+            wcache's loader refuses (an unknown key, a wrong type), or a ``socket_dir``
+            or ``job`` that contradicts ``--socket-dir``/``--job`` (code
+            ``config-invalid``).
+    """
+    from wcache.vllm.loader import LoaderOptions  # noqa: PLC0415 (vLLM import ~6 s: only when called)
+
+    if load_format not in VERIFY_LOAD_FORMATS:
+        raise VerifyRefused(
+            f"--load-format {load_format}: verify compares vLLM's load from disk "
+            f"(load_format='auto') with the restore (load_format='wcache'); give the "
+            f"engine's wcache arguments, or none",
+            code="config-invalid",
+        )
+    extra = extra if load_format == "wcache" else None
+    try:
+        given = LoaderOptions.from_extra(extra)  # the engine's load would refuse the same
+    except ValueError as exc:
+        raise VerifyRefused(f"--model-loader-extra-config: {exc}", code="config-invalid") from None
+    if isinstance(extra, str):  # JSON text, as from_extra read it
+        extra = json.loads(extra) if extra.strip() else {}
+    if given.socket_dir is not None:
+        if socket_dir is not None and os.path.realpath(socket_dir) != os.path.realpath(
+            given.socket_dir
+        ):
+            raise VerifyRefused(
+                f"--socket-dir {socket_dir} and the engine's socket_dir {given.socket_dir} "
+                f"(--model-loader-extra-config) name two daemons' directories; give one",
+                code="config-invalid",
+            )
+        socket_dir = given.socket_dir
+    if given.job:
+        if job and job != given.job:
+            raise VerifyRefused(
+                f"--job {job!r} and the engine's job {given.job!r} "
+                f"(--model-loader-extra-config) name two daemons; give one",
+                code="config-invalid",
+            )
+        job = given.job
+    options = {
+        k: v
+        for k, v in (extra or {}).items()
+        if k not in ("socket_dir", "job", *VERIFY_OWN_OPTIONS)
+    }
+    return options, socket_dir, job
+
+
 def verify(
     model: str,
     engine_args: Sequence[str] = (),
@@ -866,6 +941,10 @@ def verify(
             "--tensor-parallel-size/--pipeline-parallel-size (the plans and "
             "kernels per layer are the same on every rank)."
         )
+    # the engine's own --load-format/--model-loader-extra-config (vllm_config holds the
+    # daemon's disk load instead)
+    load_format, extra = engine_load_options(model, list(engine_args), prog="wcache verify")
+    options, socket_dir, job = engine_restore_options(load_format, extra, socket_dir, job)
     device = torch.device(vllm_config.device_config.device)
     note, enough = memory_note(vllm_config.model_config.model, device)
     print(note, file=out, flush=True)
@@ -878,6 +957,8 @@ def verify(
     model_config = vllm_config.model_config
     seconds: dict[str, float] = {}
     mode = "in-process" if socket_dir is None else f"daemon {socket_dir}"
+    if options:  # the engine's restore options, as the restore ran with them
+        mode += "; " + ", ".join(f"{k}={v}" for k, v in sorted(options.items()))
     bar = _steps(progress, total=5 if socket_dir else 6)
     try:
         with prepare_platform(vllm_config), set_current_vllm_config(vllm_config):
@@ -923,6 +1004,7 @@ def verify(
                 seconds,
                 bar,
                 progress,
+                options,
             )
             _advance(bar, "compare")
             rows, logits_equal = _compare(loaded, restored, plans)
@@ -1040,9 +1122,11 @@ def _wcache_side(
     seconds: dict[str, float],
     bar: Any,
     progress: bool,
+    options: Mapping[str, Any] | None = None,
 ) -> _Side:
     """Prepare and serve in-process (unless ``socket_dir``), restore with the
-    engine's loader, observe, and drop everything."""
+    engine's loader and the engine's restore ``options``
+    (:func:`engine_restore_options`), observe, and drop everything."""
     from wcache.vllm.key import device_id, parallel_layout  # noqa: PLC0415 (imported at call time: tests patch device_id)
     from wcache.vllm.loader import WcacheModelLoader  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
@@ -1068,9 +1152,9 @@ def _wcache_side(
             vllm_config.load_config,
             load_format="wcache",
             model_loader_extra_config={
+                **(options or {}),
+                **VERIFY_OWN_OPTIONS,
                 "socket_dir": serving,
-                "fallback": False,
-                "strict": True,
                 "job": job,
             },
         )
