@@ -23,7 +23,7 @@ from wcache.core import LayerConfig, MoeShape, NoPlan, QuantSpec, WcacheError
 from wcache.daemon.prime import USAGE_CONTEXTS
 from wcache.daemon.process import exit_on_sigterm
 from wcache.daemon.ranks import local_ranks
-from wcache.errors import LoadFailed, clip
+from wcache.errors import LoadFailed, UnsafePath, clip
 from wcache.plans.docs import render_plans
 from wcache.plans.fused_moe import moe_kernel_id
 from wcache.plans.registry import all_plans
@@ -32,6 +32,7 @@ from wcache.store.http import parse_http_address
 from wcache.store.lean import NO_LEAN_ENV
 from wcache.store.protocol import SEED_TIMEOUT_ENV, parse_seconds
 from wcache.store.seed import TCP_SCHEME, WILDCARD_HOSTS, parse_host_port, read_secret
+from wcache.store.snapshot import check_snapshot_dir, not_a_directory_hint
 from wcache.template import client as template_client
 from wcache.template import run_cli
 from wcache.vllm.compat import cpu_moe_experts
@@ -392,16 +393,33 @@ def _empty_path_problem(args: argparse.Namespace) -> str | None:
 
 
 def _check_snapshot_arg(args: argparse.Namespace) -> str | None:
-    """The reason --snapshot/--from-snapshot cannot work, or None: a snapshot directory
-    inside the checkpoint directory (not under a hidden folder) puts the snapshot's own
-    files (arena.safetensors, *.json) into the checkpoint's content digest, so every
+    """The reason --snapshot/--from-snapshot cannot work, or None, before any load:
+    a path that exists and is not a directory (the load ran, then the write failed);
+    a directory, rank folder or snapshot file that is not this user's or that group
+    or others can write (``[unsafe-path]``: its owner could replace what is served,
+    or take over what is written); a snapshot directory inside the checkpoint
+    directory (not under a hidden folder), which puts the snapshot's own files
+    (arena.safetensors, *.json) into the checkpoint's content digest, so every
     snapshot write changes the key: engines are refused (key-mismatch) and the next
     start finds the snapshot stale, forever."""
 
     flag, snap = (
         ("--snapshot", args.snapshot) if args.snapshot else ("--from-snapshot", args.from_snapshot)
     )
-    if not snap or not os.path.isdir(args.model):
+    if not snap:
+        return None
+    if os.path.lexists(snap) and not os.path.isdir(snap):
+        if flag == "--from-snapshot":
+            return f"--from-snapshot {snap} is not a directory: {not_a_directory_hint(snap)}"
+        return (
+            f"--snapshot {snap} is not a directory: give the directory to keep the "
+            f"snapshot in (created when missing), not a file"
+        )
+    try:
+        check_snapshot_dir(snap)
+    except UnsafePath as exc:
+        return f"error [{exc.code}]: {exc}"
+    if not os.path.isdir(args.model):
         return None
     rel = os.path.relpath(os.path.realpath(snap), os.path.realpath(args.model))
     parts = [] if rel == os.curdir else rel.split(os.sep)
@@ -808,7 +826,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="start from a prepared snapshot in DIR (no vLLM load, no TRANSFORM); "
         "refused, naming why, when it was made for other engine arguments or "
-        "another checkpoint content",
+        "another checkpoint content; DIR, its rank folders and their files must be "
+        "yours and writable by no one else (else exit 2, unsafe-path)",
     )
     ready.add_argument(
         "--seed-from",
@@ -859,8 +878,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="keep a prepared snapshot in DIR: start from it when it matches (a "
         "restarted daemon comes back without loading), else load the checkpoint "
-        "and write it, atomically (with --seed-from: seed, then write it; "
-        "not with --from-snapshot)",
+        "and write it, atomically, removing first a snapshot of another key or a "
+        "corrupt one (with --seed-from: seed, then write it; not with "
+        "--from-snapshot). DIR is created 0700; one that exists, its rank folders "
+        "and their files must be yours and writable by no one else (else exit 2, "
+        "unsafe-path)",
     )
 
     p = sub.add_parser(

@@ -307,7 +307,9 @@ class Released(StoreError):
 
 class UnsafePath(StoreError, PermissionError):
     """A socket dir, socket or lock file is a symlink, is owned by another user,
-    or is group/world accessible."""
+    or is group/world accessible; or a snapshot directory, rank folder or file is
+    owned by another user or group/world writable (its owner could replace what a
+    daemon serves)."""
 
     code = "unsafe-path"
 
@@ -395,9 +397,10 @@ class SnapshotStale(KeyMismatch):
 class SnapshotWriteFailed(StoreError, OSError):
     """Writing a snapshot failed: the directory is not writable, the file system
     is full, a file-size limit (``ulimit -f``) was hit, or safetensors could not
-    serialize. Nothing was left behind (the temp dir is removed, an older
-    snapshot of that name stays). Free space or fix the directory's
-    permissions, or point ``--snapshot`` elsewhere."""
+    serialize. Nothing of the write was left behind (the temp dir is removed; an
+    older snapshot of that name and key stays, and the message says what space it
+    holds; one of another key or a corrupt one was removed before the write). Free
+    space or fix the directory's permissions, or point ``--snapshot`` elsewhere."""
 
     code = "snapshot-write-failed"
 

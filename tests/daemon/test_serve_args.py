@@ -5,6 +5,7 @@ given (found by a new user serving a tiny Qwen3-MoE from /tmp)."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import shutil
 import tempfile
@@ -75,6 +76,68 @@ def test_serve_refuses_a_snapshot_inside_the_checkpoint_before_loading(tmp_path,
     model = _checkpoint(tmp_path)
     assert 2 == cli.main(["serve", "--model", str(model), "--snapshot", str(model / "snap")])
     assert "is inside the checkpoint directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--snapshot", "--from-snapshot"])
+def test_serve_refuses_a_file_as_the_snapshot_before_loading(tmp_path, monkeypatch, capsys, flag):
+    """A regular file given as the snapshot directory exits 2 before the load (it was
+    accepted: the model loaded, then the write failed naming a start-up bundle,
+    break16 #7); --from-snapshot given a file of a rank's folder names the directory."""
+    monkeypatch.setattr(serve, "main", lambda *a, **k: pytest.fail("serve ran"))
+    model = _checkpoint(tmp_path)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert 2 == cli.main(["serve", "--model", str(model), flag, str(afile)])
+    err = capsys.readouterr().err
+    assert f"wcache serve: {flag} {afile} is not a directory: " in err
+    assert 1 == len(err.splitlines())
+    rank = tmp_path / "snap" / "tp0of1-pp0of1-dp0of1"
+    rank.mkdir(parents=True)
+    (rank / "digests.json").write_text("{}")
+    assert 2 == cli.main(["serve", "--model", str(model), flag, str(rank / "digests.json")])
+    err = capsys.readouterr().err
+    if flag == "--from-snapshot":
+        assert f"give the directory that holds that folder, `--from-snapshot {rank.parent}`" in err
+    else:
+        assert "give the directory to keep the snapshot in (created when missing)" in err
+
+
+@pytest.mark.parametrize("flag", ["--snapshot", "--from-snapshot"])
+@pytest.mark.parametrize("where", [".", "tp0of1-pp0of1-dp0of1", ".startup/tp0of1-pp0of1-dp0of1"])
+def test_serve_refuses_a_snapshot_others_can_write_before_loading(
+    tmp_path, monkeypatch, capsys, flag, where
+):
+    """A snapshot directory, rank folder or start-up bundle folder that others can
+    write exits 2 with [unsafe-path] and the fix before the load (break16 #1)."""
+    monkeypatch.setattr(serve, "main", lambda *a, **k: pytest.fail("serve ran"))
+    model = _checkpoint(tmp_path)
+    snap = tmp_path / "snap"
+    (snap / where).mkdir(parents=True, exist_ok=True)
+    (snap / "tp0of1-pp0of1-dp0of1").mkdir(exist_ok=True)
+    (snap / where).chmod(0o777)
+    assert 2 == cli.main(["serve", "--model", str(model), flag, str(snap)])
+    err = capsys.readouterr().err
+    target = os.path.normpath(snap / where)
+    assert err.startswith("wcache serve: error [unsafe-path]: snapshot ")
+    assert f"{target} has mode 777: group or others can write it" in err
+    assert f"chmod -R go-w {target}" in err
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_serve_refuses_a_snapshot_directory_of_another_user_before_loading(
+    tmp_path, monkeypatch, capsys
+):
+    """A --snapshot directory another user made (a squatted /tmp path) exits 2 with
+    [unsafe-path] naming its owner, before the load; nothing is written into it."""
+    monkeypatch.setattr(serve, "main", lambda *a, **k: pytest.fail("serve ran"))
+    model = _checkpoint(tmp_path)
+    snap = tmp_path / "squatted"
+    snap.mkdir(mode=0o755)
+    os.chown(snap, 65534, -1)
+    assert 2 == cli.main(["serve", "--model", str(model), "--snapshot", str(snap)])
+    err = capsys.readouterr().err
+    assert f"error [unsafe-path]: snapshot directory {snap} is owned by uid 65534" in err
+    assert [] == os.listdir(snap)
 
 
 def test_daemon_busy_names_the_socket_dir_it_was_given(monkeypatch):

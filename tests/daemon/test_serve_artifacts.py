@@ -60,7 +60,9 @@ def test_rewriting_a_rank_snapshot_removes_its_old_startup_bundle(tmp_path, monk
     monkeypatch.setattr(
         snapshot,
         "write_snapshot",
-        lambda root, name, tensor, manifest, key: calls.append((root, name, tensor, mine.exists())),
+        lambda root, name, tensor, manifest, key, unusable: calls.append(
+            (root, name, tensor, mine.exists())
+        ),
     )
     server = types.SimpleNamespace(manifest="m", key="k")
     serve._write_rank_snapshot(server, str(snap), LAYOUT)
@@ -71,14 +73,16 @@ def test_rewriting_a_rank_snapshot_removes_its_old_startup_bundle(tmp_path, monk
 
 
 def test_a_snapshot_dir_that_is_a_file_fails_as_snapshot_write_failed(tmp_path):
-    """``--snapshot`` naming a regular file: the old-bundle removal fails with
-    NotADirectoryError, which is the documented [snapshot-write-failed] (it was logged
-    as [NotADirectoryError]), and nothing is written."""
+    """``--snapshot`` naming a regular file (`wcache serve` refuses it before the load;
+    here the rank's write): the documented [snapshot-write-failed] saying the path is
+    not a directory (it said an old start-up bundle could not be removed, break16 #7),
+    and nothing is written."""
     from wcache.errors import SnapshotWriteFailed
 
     afile = tmp_path / "afile"
     afile.write_text("")
-    with pytest.raises(SnapshotWriteFailed, match="cannot be removed .NotADirectoryError") as info:
+    with pytest.raises(SnapshotWriteFailed, match=f"{afile} is not a directory") as info:
         serve._write_rank_snapshot(types.SimpleNamespace(), str(afile), LAYOUT)
+    assert "bundle" not in str(info.value)
     assert info.value.code == "snapshot-write-failed"
     assert afile.read_text() == ""

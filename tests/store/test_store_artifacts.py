@@ -148,6 +148,21 @@ def test_snapshot_files_round_trip_and_a_changed_tar_is_refused(bundle, tmp_path
         art.read_bundle(d)
 
 
+def test_a_bundle_written_under_umask_002_is_private(bundle, tmp_path):
+    """write_bundle's folder and files are 0700/0600 whatever the umask: a snapshot's
+    folder that group or others can write is refused (unsafe-path) when read, so a
+    bundle written under umask 002 (0775) made the next start fail."""
+    d = tmp_path / "snap" / ".startup" / "tp0of1-pp0of1-dp0of1"
+    d.parent.mkdir(parents=True, mode=0o700)
+    old = os.umask(0o002)
+    try:
+        art.write_bundle(d, bundle)
+    finally:
+        os.umask(old)
+    assert 0o700 == d.stat().st_mode & 0o777
+    assert {0o600} == {(d / f).stat().st_mode & 0o777 for f in os.listdir(d)}
+
+
 def test_artifacts_command_passes_a_sealed_memfd(daemon, bundle, tmp_path):
     """`artifacts` answers the manifest with the bundle as one sealed memfd, never in the frame; status shows it."""
     daemon.artifacts, daemon.artifacts_state = bundle, "primed"

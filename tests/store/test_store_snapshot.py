@@ -160,35 +160,103 @@ def test_a_rank_folder_or_a_file_given_as_the_snapshot_names_what_to_give(daemon
     assert "--snapshot " not in str(ei.value).replace("`--snapshot` wrote", "")
 
 
-def test_failed_overwrite_keeps_the_old_snapshot(daemon, key, sock_dir, snap_root, monkeypatch):
-    """A write that dies mid-file leaves the previous snapshot intact and no temp dir; a good write replaces it."""
+def _dying_save(seen, final):
+    """A safetensors ``save_file`` that records whether ``final`` is still in place,
+    writes a little, then fails as a full disk does."""
+
+    def save(tensors, filename, metadata=None):
+        seen.append(os.path.lexists(final))
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 1000)
+        raise OSError(28, "No space left on device")
+
+    return save
+
+
+def test_failed_overwrite_keeps_the_old_snapshot_of_its_key(daemon, key, snap_root, monkeypatch):
+    """A write that dies mid-file leaves the previous snapshot of the same key intact
+    and no temp dir, and its message names that snapshot and the space it holds; a
+    good write then replaces it."""
+    import safetensors.torch as st
+
+    path = _write(daemon, snap_root)
+    seen: list[bool] = []
+    monkeypatch.setattr(st, "save_file", _dying_save(seen, path))
+    with pytest.raises(OSError, match="No space") as ei:
+        _write(daemon, snap_root)
+    assert [True] == seen and [NAME] == os.listdir(snap_root)  # no temp dir left behind
+    assert "snapshot-write-failed" == ei.value.code
+    assert f"the snapshot of this key already at {path} stays, holding 0.1 MiB" in str(ei.value)
+    assert key == open_snapshot(snap_root, NAME).key
+    monkeypatch.undo()
     _write(daemon, snap_root)
-    other_key = CacheKey({**BASE_KEY, "checkpoint": "beef"})
+    assert [NAME] == os.listdir(snap_root)  # the replaced one is gone too
+    assert key == open_snapshot(snap_root, NAME).key
+
+
+@pytest.mark.parametrize("old", ["other-key", "corrupt-key-file", "unfinished"])
+def test_a_snapshot_that_cannot_serve_the_key_is_removed_before_the_write(
+    daemon, sock_dir, snap_root, monkeypatch, old
+):
+    """The rank's snapshot of another key (stale), a corrupt or an unfinished one is
+    removed before its replacement is written, so a volume sized for one snapshot
+    takes the new one; a failed write says no older snapshot remains (break16 #2: the
+    stale one stayed, and every start failed with ENOSPC)."""
+    import safetensors.torch as st
+
+    path = _write(daemon, snap_root)
+    if old == "corrupt-key-file":
+        with open(os.path.join(path, "key.json"), "a") as f:
+            f.write(" ")
+    elif old == "unfinished":
+        os.unlink(os.path.join(path, "digests.json"))
+    other_key = CacheKey({**BASE_KEY, "checkpoint": "beef"}) if old == "other-key" else None
     other = DaemonServer(
-        synthetic_export(seed=1), other_key, socket_dir=sock_dir, device_id="cpu-o"
+        synthetic_export(seed=1), other_key or daemon.key, socket_dir=sock_dir, device_id="cpu-o"
     )
     try:
-        import safetensors.torch as st
-
-        real = st.save_file
-
-        def dying_save(tensors, filename, metadata=None):
-            with open(filename, "wb") as f:
-                f.write(b"\0" * 1000)
-            raise OSError(28, "No space left on device")
-
-        monkeypatch.setattr(st, "save_file", dying_save)
-        with pytest.raises(OSError, match="No space"):
+        seen: list[bool] = []
+        monkeypatch.setattr(st, "save_file", _dying_save(seen, path))
+        with pytest.raises(OSError, match="No space") as ei:
             _write(other, snap_root)
-        assert [NAME] == os.listdir(snap_root)  # no temp dir left behind
-        assert key == open_snapshot(snap_root, NAME).key
-        monkeypatch.setattr(st, "save_file", real)
+        assert [False] == seen  # gone before the arena's bytes were written
+        assert [] == os.listdir(snap_root)  # nor a temp nor an .old dir
+        assert f"no older snapshot of {NAME} remains in {snap_root}" in str(ei.value)
+        monkeypatch.undo()
         _write(other, snap_root)
-        assert [NAME] == os.listdir(snap_root)  # the replaced one is gone too
         snap = open_snapshot(snap_root, NAME)
-        assert other_key == snap.key and other.manifest == snap.manifest
+        assert other.key == snap.key and other.manifest == snap.manifest
     finally:
         other.stop()
+
+
+def test_a_snapshot_whose_arena_failed_its_digest_is_removed_before_the_write(
+    daemon, snap_root, monkeypatch
+):
+    """The write given the snapshot the daemon found corrupt (`unusable`) removes it
+    first when it is still that very write; one that another writer has put in its
+    place since (same key, opens) is kept until the replacement is complete."""
+    import safetensors.torch as st
+
+    path = _write(daemon, snap_root)
+    found = open_snapshot(snap_root, NAME)
+    seen: list[bool] = []
+    monkeypatch.setattr(st, "save_file", _dying_save(seen, path))
+    view = served_arena(daemon)
+    try:
+        args = (snap_root, NAME, view.tensor, daemon.manifest, daemon.key)
+        with pytest.raises(OSError, match="No space"):
+            write_snapshot(*args, unusable=found)
+        assert [False] == seen and [] == os.listdir(snap_root)
+        monkeypatch.undo()
+        write_snapshot(*args)  # another writer's, after the daemon looked
+        monkeypatch.setattr(st, "save_file", _dying_save(seen, path))
+        with pytest.raises(OSError, match="No space"):
+            write_snapshot(*args, unusable=found)
+    finally:
+        view.close()
+    assert [False, True] == seen and [NAME] == os.listdir(snap_root)
+    assert daemon.key == open_snapshot(snap_root, NAME).key
 
 
 def test_gloo_seeding_between_two_daemons(sock_dir, key):
@@ -486,3 +554,93 @@ def test_seed_from_a_directory_names_a_daemon_that_listens_but_does_not_answer(k
     assert f"listening but not answering: {stalled.name} [daemon-missing]" in msg
     assert "wcache status --socket-dir" in msg
     assert dead.name not in msg
+
+
+@pytest.mark.parametrize(
+    "where, mode",
+    [(".", 0o777), (".", 0o770), (NAME, 0o775), (f"{NAME}/{ARENA_FILE}", 0o666)],
+)
+def test_a_snapshot_others_can_write_is_neither_read_nor_written(daemon, snap_root, where, mode):
+    """A snapshot directory, rank folder or file that group or others can write is
+    refused (unsafe-path, naming the mode and the fix) before it is read, and before
+    anything is written into it (break16 #1: a forged snapshot there was served)."""
+    from wcache.errors import UnsafePath
+
+    path = _write(daemon, snap_root)
+    target = os.path.normpath(os.path.join(snap_root, where))
+    os.chmod(target, mode)
+    with pytest.raises(UnsafePath) as ei:
+        open_snapshot(snap_root, NAME)
+    assert "unsafe-path" == ei.value.code
+    assert f"{target} has mode {mode:o}: group or others can write it" in str(ei.value)
+    assert f"chmod -R go-w {target}" in str(ei.value)
+    before = {e: os.stat(os.path.join(snap_root, e)).st_mtime_ns for e in os.listdir(snap_root)}
+    with pytest.raises(UnsafePath):
+        _write(daemon, snap_root)
+    after = {e: os.stat(os.path.join(snap_root, e)).st_mtime_ns for e in os.listdir(snap_root)}
+    assert before == after and os.path.isdir(path)  # nothing written, nothing removed
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+@pytest.mark.parametrize("where", [".", NAME, f"{NAME}/digests.json"])
+def test_a_snapshot_of_another_user_is_neither_read_nor_taken_over(daemon, snap_root, where):
+    """A snapshot directory, rank folder or file owned by another uid is refused
+    (unsafe-path, naming the owner) on read and on write; a directory another user
+    made before the daemon ran is not written into (os.makedirs(exist_ok=True) took
+    it over)."""
+    from wcache.errors import UnsafePath
+
+    _write(daemon, snap_root)
+    target = os.path.normpath(os.path.join(snap_root, where))
+    os.chown(target, 65534, -1)
+    for attempt in (lambda: open_snapshot(snap_root, NAME), lambda: _write(daemon, snap_root)):
+        with pytest.raises(UnsafePath, match=f"{target} is owned by uid 65534, not by you"):
+            attempt()
+    squatted = os.path.join(os.path.dirname(snap_root), "squatted")
+    os.mkdir(squatted, 0o755)
+    os.chown(squatted, 65534, -1)
+    with pytest.raises(UnsafePath, match="is owned by uid 65534"):
+        _write(daemon, squatted)
+    assert [] == os.listdir(squatted)
+
+
+def test_the_arena_file_is_written_private_whatever_the_umask(daemon, snap_root):
+    """What the unsafe-path check relies on: every file of a snapshot written under
+    umask 002 is 0600 (safetensors makes the arena file so), so it is not refused as
+    group-writable when read."""
+    old = os.umask(0o002)
+    try:
+        path = _write(daemon, snap_root)
+    finally:
+        os.umask(old)
+    assert {0o600} == {os.stat(os.path.join(path, f)).st_mode & 0o777 for f in os.listdir(path)}
+    assert 0o700 == os.stat(path).st_mode & 0o777
+    assert daemon.key == open_snapshot(snap_root, NAME).key
+
+
+def test_leftovers_are_removed_under_the_writers_lock_only_when_no_writer_holds_it(
+    daemon, snap_root
+):
+    """remove_leftovers (a daemon that started from its snapshot) removes the rank's
+    .tmp-/.old- dirs a killed write left, not another rank's; while a writer holds
+    the directory's lock it removes nothing and does not wait."""
+    import fcntl
+
+    _write(daemon, snap_root)
+    mine = [
+        os.path.join(snap_root, f"{snap_mod.TEMP_PREFIX}{NAME}-dead1"),
+        os.path.join(snap_root, f"{snap_mod.OLD_PREFIX}{NAME}-dead2"),
+    ]
+    theirs = os.path.join(snap_root, f"{snap_mod.TEMP_PREFIX}tp1of2-pp0of1-dp0of1-x")
+    for d in (*mine, theirs):
+        os.makedirs(d)
+    assert sorted(mine) == snap_mod.leftovers(snap_root, NAME)
+    fd = os.open(snap_root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a writer at work
+        assert snap_mod.remove_leftovers(snap_root, NAME) is False
+        assert sorted(mine) == snap_mod.leftovers(snap_root, NAME)
+    finally:
+        os.close(fd)
+    assert snap_mod.remove_leftovers(snap_root, NAME) is True
+    assert sorted([NAME, os.path.basename(theirs)]) == sorted(os.listdir(snap_root))

@@ -56,12 +56,16 @@ from wcache.store.seed import TCP_SCHEME, SeedSource, parse_host_port, read_secr
 from wcache.store.seed_listener import bind_seed_socket
 from wcache.store.server import INVALIDATED_EXIT, LISTEN_BACKLOG
 from wcache.store.snapshot import (
+    STARTUP_DIR,
+    Snapshot,
     SnapshotCorrupt,
     SnapshotMissing,
     SnapshotStale,
     SnapshotWriteFailed,
     check_key,
+    leftovers,
     open_snapshot,
+    remove_leftovers,
     snapshot_arena,
 )
 from wcache.vllm import build
@@ -253,7 +257,7 @@ def build_ready_server(
     from_snapshot: str | None = None,
     seed_from: str | None = None,
     seed_secret: bytes | None = None,
-) -> tuple[Any, str]:
+) -> tuple[Any, str, Snapshot | None]:
     """The rank's server, from a snapshot, a peer or the checkpoint.
 
     ``from_snapshot``: only from that snapshot. ``seed_from``: only from that
@@ -264,10 +268,14 @@ def build_ready_server(
     checkpoint.
 
     Returns:
-        (server, ``"snapshot"`` | ``"peer"`` | ``"checkpoint"``).
+        (server, ``"snapshot"`` | ``"peer"`` | ``"checkpoint"``, the rank's snapshot
+        as opened when ``snapshot`` held one that was stale or corrupt, else None:
+        its replacement's write removes it first, :func:`_write_rank_snapshot`).
 
     Raises:
         SnapshotMissing, SnapshotStale, SnapshotCorrupt: ``from_snapshot`` cannot be used.
+        UnsafePath: the snapshot directory, the rank's folder or a file of either is
+            not this user's, or group or others can write it (either option).
         KeyMismatch, DaemonMissing, SeedFailed: ``seed_from`` cannot be used.
         as :func:`wcache.vllm.build.build_server` for the checkpoint.
     """
@@ -293,35 +301,51 @@ def build_ready_server(
             arena, key, socket_dir=socket_dir, device=device_type, device_id=device_id
         )
         _bring_peer_artifacts(server, source)
-        return server, "peer"
+        return server, "peer", None
+    unusable = None
     if snap_dir := from_snapshot or snapshot:
+        snap = None
         try:
             snap = open_snapshot(snap_dir, name)
             check_key(snap, key)
-            return DaemonServer(
-                snapshot_arena(snap),
-                key,
-                socket_dir=socket_dir,
-                device=device_type,
-                device_id=device_id,
-            ), "snapshot"
+            return (
+                DaemonServer(
+                    snapshot_arena(snap),
+                    key,
+                    socket_dir=socket_dir,
+                    device=device_type,
+                    device_id=device_id,
+                ),
+                "snapshot",
+                None,
+            )
         except (SnapshotMissing, SnapshotStale, SnapshotCorrupt) as exc:
             if from_snapshot:
                 raise
+            unusable = snap
             logger.warning(
                 "wcache: not starting from the snapshot [%s]: %s; loading the checkpoint "
-                "and writing a new snapshot",
+                "and writing a new snapshot%s",
                 exc.code,
                 exc,
+                # the write removes it first: it can never serve this key, and a
+                # volume sized for one snapshot has no room for two
+                f" (the old one at {os.path.join(snap_dir, name)} is removed first)"
+                if os.path.lexists(os.path.join(snap_dir, name))
+                else "",
             )
-    return build.build_server(
-        vllm_config, socket_dir=socket_dir, device_id=device_id, progress=progress
-    ), "checkpoint"
+    return (
+        build.build_server(
+            vllm_config, socket_dir=socket_dir, device_id=device_id, progress=progress
+        ),
+        "checkpoint",
+        unusable,
+    )
 
 
 #: Where a snapshot directory keeps each rank's start-up artifact bundle:
 #: ``DIR/.startup/<rank name>/startup.{tar,json}`` (hidden: not a rank's arena dir).
-SNAPSHOT_STARTUP_DIR = ".startup"
+SNAPSHOT_STARTUP_DIR = STARTUP_DIR
 
 
 def _bring_peer_artifacts(server: Any, source: str) -> None:
@@ -362,6 +386,39 @@ def _snapshot_artifacts(server: Any, snap_dir: str, name: str) -> None:
         return
     if bundle is not None:
         server.artifacts, server.artifacts_state = bundle, "snapshot"
+
+
+def _tidy_snapshot_dir(snap_dir: str, name: str, *, own: bool) -> None:
+    """After a rank started from its snapshot: remove what a killed write of the
+    rank left there (``.tmp-<name>-*``, ``.old-<name>-*``, each arena-sized),
+    which only a write removed, so a daemon that kept starting from its snapshot
+    kept them for good. ``own`` (``--snapshot``: the daemon writes that directory)
+    removes them under the writers' lock (not while a writer is at work: it removes
+    them itself); ``--from-snapshot`` uses the directory read-only and only says
+    they are there. Never fails the start: a failure is logged."""
+
+    found = leftovers(snap_dir, name)
+    if not found:
+        return
+    if not own:
+        logger.warning(
+            "wcache: %s left by a snapshot write that did not finish (as large as the "
+            "arena); --from-snapshot does not write %s, so they stay: delete them, or "
+            "start with --snapshot %s, which removes them",
+            ", ".join(found),
+            snap_dir,
+            snap_dir,
+        )
+        return
+    try:
+        if not remove_leftovers(snap_dir, name):
+            logger.info(
+                "wcache: a snapshot write into %s is under way; it removes %s itself",
+                snap_dir,
+                ", ".join(found),
+            )
+    except OSError as exc:
+        logger.warning("wcache: cannot remove %s: %s", ", ".join(found), exc)
 
 
 def release_device_cache() -> int:
@@ -434,27 +491,39 @@ def _prime(
     server.artifacts, server.artifacts_state = bundle, "primed"
     if snapshot:
         try:
+            # 0700 whatever the umask: a group-writable folder is refused when read
+            os.makedirs(os.path.join(snapshot, SNAPSHOT_STARTUP_DIR), 0o700, exist_ok=True)
             write_bundle(os.path.join(snapshot, SNAPSHOT_STARTUP_DIR, name), bundle)
         except OSError as exc:
             server.artifacts_error = f"not written to the snapshot: {exc}"
             logger.error("wcache: could not write the start-up artifacts to %s: %s", snapshot, exc)
 
 
-def _write_rank_snapshot(server: Any, root: str, layout: dict[str, int]) -> None:
+def _write_rank_snapshot(
+    server: Any, root: str, layout: dict[str, int], unusable: Snapshot | None = None
+) -> None:
     """Write this rank's snapshot into ``root``, first removing the rank's old
     start-up bundle (``root/.startup/<rank name>``): it was made for the snapshot
     being replaced, and priming (which runs after this) writes the new one.
+    ``unusable``: the rank's snapshot found stale or corrupt (removed before the
+    write, :func:`wcache.store.snapshot.write_snapshot`).
 
     Raises:
-        SnapshotWriteFailed: the old bundle cannot be removed (``root`` a file, no
-            permission), or as :func:`wcache.store.snapshot.write_snapshot`.
-        StoreError: as :func:`wcache.store.snapshot.write_snapshot`.
+        SnapshotWriteFailed: ``root`` is not a directory, the old bundle cannot be
+            removed (no permission), or as :func:`wcache.store.snapshot.write_snapshot`.
+        StoreError: as :func:`wcache.store.snapshot.write_snapshot` (``UnsafePath``:
+            ``root`` is another user's, or others can write it).
     """
 
     from wcache.store.prebuilt import served_arena  # noqa: PLC0415 (imported at call time: tests patch served_arena)
     from wcache.store.snapshot import write_snapshot  # noqa: PLC0415 (imported at call time: tests patch write_snapshot)
 
     name = snapshot_name(layout)
+    if os.path.lexists(root) and not os.path.isdir(root):  # `wcache serve` refuses it first
+        raise SnapshotWriteFailed(
+            f"cannot write the snapshot {os.path.join(root, name)}: {root} is not a "
+            f"directory; give --snapshot a directory (created when missing)"
+        )
     old_bundle = os.path.join(root, SNAPSHOT_STARTUP_DIR, name)
     try:
         shutil.rmtree(old_bundle)
@@ -469,7 +538,7 @@ def _write_rank_snapshot(server: Any, root: str, layout: dict[str, int]) -> None
         ) from exc
     view = served_arena(server)
     try:
-        write_snapshot(root, name, view.tensor, server.manifest, server.key)
+        write_snapshot(root, name, view.tensor, server.manifest, server.key, unusable=unusable)
     finally:
         view.close()
 
@@ -566,7 +635,7 @@ def _serve_prepared_rank(
         build.init_distributed(vllm_config, rank, world, init_method)
         dev_id = _preflight(vllm_config, socket_dir, job)
         layout = parallel_layout()
-        server, origin = build_ready_server(
+        server, origin, unusable = build_ready_server(
             vllm_config,
             socket_dir=socket_dir,
             device_id=dev_id,
@@ -613,7 +682,8 @@ def _serve_prepared_rank(
     t_ready = time.perf_counter() - t_start
     if snapshot and origin != "snapshot":
         try:
-            _write_rank_snapshot(server, snapshot, layout)  # engines may attach meanwhile
+            # engines may attach meanwhile
+            _write_rank_snapshot(server, snapshot, layout, unusable)
             server.snapshot_state = {**server.snapshot_state, "state": "written"}
         except (OSError, StoreError) as exc:  # serving stays correct; only the next start is slower
             code = getattr(exc, "code", type(exc).__name__)
@@ -629,6 +699,8 @@ def _serve_prepared_rank(
                 code,
                 exc,
             )
+    if origin == "snapshot" and snap_dir:
+        _tidy_snapshot_dir(snap_dir, snapshot_name(layout), own=bool(snapshot))
     release_device_cache()
     line = (
         f"wcache: ready rank={rank}/{world} key={key.digest[:16]} "

@@ -400,7 +400,8 @@ def write_bundle(directory: str | os.PathLike, bundle: Bundle) -> None:
         OSError: the directory is not writable or the disk is full (temp files removed).
     """
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    # 0700: a snapshot's folder that group or others can write is refused when read
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     for name, write in (
         (TAR_FILE, lambda f: _copy_fd(bundle, f)),
         (

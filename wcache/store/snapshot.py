@@ -10,6 +10,7 @@ caller: ``tp0of2-pp0of1-dp0of1`` from the vLLM side)::
     DIR/<name>/digests.json        blake3 of each of the three files above (and, for a CUDA
                                    arena, its device-side digest), written last
     DIR/.tmp-<name>-*/             a write in progress (or one that crashed): never read
+    DIR/.startup/<name>/           the rank's start-up artifact bundle (wcache.daemon.serve)
 
 Why one flat uint8 tensor per arena rather than one safetensors tensor per
 exported tensor: the arena already is the exported layout (shared storages
@@ -21,9 +22,13 @@ bytes are meaningful together with ``manifest.json``.
 
 Writing is atomic: every file goes into a fresh temp dir beside the target,
 each file and the dir are fsynced, then the dir is renamed into place (an older
-snapshot of the same name is renamed aside first and removed after). Writers
-of one directory take turns (``flock`` on it), and each removes what a killed
-writer of its rank left. Reading
+snapshot of the same name and key is renamed aside first and removed after; one
+of another key, or one that does not open, is removed before the write, so a
+volume sized for one snapshot takes its replacement). Writers of one directory
+take turns (``flock`` on it), and each removes what a killed writer of its rank
+left. The directory, its rank folders and their files must belong to this
+process's user and be writable by no one else (:func:`check_snapshot_dir`), as a
+socket dir: the digests prove a file intact, not who wrote it. Reading
 checks every file's digest; a digest that differs, a missing file, a temp dir
 or a manifest whose key disagrees with ``key.json`` is refused with a reason
 code, and a key that differs from the daemon's is refused naming the fields.
@@ -58,7 +63,7 @@ from wcache.errors import (  # re-exported: their old home
     SnapshotWriteFailed,
 )
 from wcache.store.arena_digest import CUDA_ALGORITHM, arena_digest
-from wcache.store.errors import StoreError
+from wcache.store.errors import StoreError, UnsafePath
 from wcache.store.manifest import CacheKey, Manifest, canonical_json
 from wcache.store.prebuilt import PrebuiltArena
 
@@ -79,7 +84,12 @@ __all__ = [
     "snapshot_arena",
     "read_bytes_into",
     "list_snapshots",
+    "check_snapshot_dir",
+    "not_a_directory_hint",
+    "leftovers",
+    "remove_leftovers",
     "TEMP_PREFIX",
+    "STARTUP_DIR",
 ]
 
 log = logging.getLogger("wcache.store")
@@ -95,6 +105,12 @@ ARENA_TENSOR = "arena"
 #: In-progress writes live in ``DIR/.tmp-<name>-*``; readers never look there.
 TEMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"
+#: Each rank's start-up artifact bundle: ``DIR/.startup/<name>/`` (hidden: not a
+#: rank's arena dir); written and read by :mod:`wcache.daemon.serve`.
+STARTUP_DIR = ".startup"
+#: Mode bits that let another user (group or others) write a snapshot's directory
+#: or file, and so replace what the daemon serves.
+_FOREIGN_WRITE_BITS = stat.S_IWGRP | stat.S_IWOTH
 #: Bytes per read request: large enough that each ``preadv`` runs at the
 #: device's sequential bandwidth, small enough that several threads share the
 #: arena evenly (a 270 MiB SmolLM2 arena is ~4 requests).
@@ -124,6 +140,8 @@ class Snapshot:
             device (:func:`wcache.store.arena_digest.arena_digest`), recorded for CUDA
             arenas; a CUDA load checks it on the GPU instead of hashing the file
             on the host. None for CPU arenas.
+        folder_id: ``(st_dev, st_ino)`` of ``path`` when opened: which write of the
+            rank's folder this is (a later write renames a new folder into place).
     """
 
     path: str
@@ -133,6 +151,7 @@ class Snapshot:
     data_offset: int
     header: bytes
     device_digest: dict | None = None
+    folder_id: tuple[int, int] | None = None
 
 
 def _fsync_dir(path: str) -> None:
@@ -167,18 +186,117 @@ def _check_name(name: str) -> None:
         raise StoreError(f"snapshot name {name!r} must be a plain, non-hidden directory name")
 
 
+def _refuse_unless_ours(path: str, what: str) -> None:
+    """Refuse ``path`` unless this process's user owns it and neither group nor
+    others can write it (after a symlink, which itself must be this user's or
+    root's); a missing path passes (the reads and writes say so).
+
+    Raises:
+        UnsafePath: naming the owner or the mode, and the fix.
+    """
+    euid = os.geteuid()
+    try:
+        lst = os.lstat(path)
+        st = os.stat(path) if stat.S_ISLNK(lst.st_mode) else lst
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise UnsafePath(
+            f"snapshot {what} {path} cannot be inspected ({e.strerror}); give "
+            f"--snapshot/--from-snapshot a directory of your own"
+        ) from None
+    if stat.S_ISLNK(lst.st_mode) and lst.st_uid not in (euid, 0):
+        raise UnsafePath(
+            f"snapshot {what} {path} is a symlink owned by uid {lst.st_uid}, not by you "
+            f"(uid {euid}) or root; refusing it: whoever owns it chooses what is served. "
+            f"Give --snapshot/--from-snapshot a directory of your own"
+        )
+    if st.st_uid != euid:
+        raise UnsafePath(
+            f"snapshot {what} {path} is owned by uid {st.st_uid}, not by you (uid {euid}); "
+            f"refusing it: its owner can replace what the daemon serves (the digests prove "
+            f"a file intact, not who wrote it). Give --snapshot/--from-snapshot a "
+            f"directory of your own (`mkdir -m 700 DIR`), or, if you trust its contents, "
+            f"`chown -R {euid} {path}`"
+        )
+    if st.st_mode & _FOREIGN_WRITE_BITS:
+        raise UnsafePath(
+            f"snapshot {what} {path} has mode {stat.S_IMODE(st.st_mode):o}: group or "
+            f"others can write it, and so replace what the daemon serves; refusing it. "
+            f"Fix: `chmod -R go-w {path}` if you trust its contents, else delete it and "
+            f"write the snapshot again"
+        )
+
+
+def check_snapshot_dir(root: str, names: Iterable[str] | None = None) -> None:
+    """Refuse a snapshot directory someone other than this process's user could
+    have written: ``root``, each rank folder of ``names`` (default: every rank
+    folder in ``root``) and every file in it, and the ranks' start-up bundles
+    (``root/.startup/<name>/`` and their files) must each belong to this user and be
+    writable by neither group nor others, the rule of a socket dir (whose mode must
+    be 0700). A parent of ``root`` (``/tmp``) is not checked. What is missing
+    passes; a ``root`` that is not a directory is left to the caller.
+
+    Raises:
+        UnsafePath: the first entry that fails, naming its owner or mode and the fix.
+    """
+    _refuse_unless_ours(root, "directory")
+    if not os.path.isdir(root):
+        return
+    if names is None:
+        names = list_snapshots(root)
+    startup = os.path.join(root, STARTUP_DIR)
+    _refuse_unless_ours(startup, "folder")
+    for name in names:
+        for folder in (os.path.join(root, name), os.path.join(startup, name)):
+            _refuse_unless_ours(folder, "folder")
+            if os.path.isdir(folder):
+                for entry in sorted(os.listdir(folder)):
+                    _refuse_unless_ours(os.path.join(folder, entry), "file")
+
+
+def not_a_directory_hint(root: str) -> str:
+    """What to give instead of ``root``, a path that is not a directory: the
+    directory above a rank's folder when ``root`` is a file of one, else the
+    snapshot directory."""
+    parent = os.path.dirname(os.path.abspath(root))
+    if os.path.exists(os.path.join(parent, DIGESTS_FILE)):  # a file of one rank's folder
+        return (
+            f"{root} is a file of one rank's folder of a snapshot: give the "
+            f"directory that holds that folder, `--from-snapshot {os.path.dirname(parent)}`"
+        )
+    return f"{root} is a file: give the snapshot directory, the one `--snapshot` wrote into"
+
+
 def write_snapshot(
-    root: str, name: str, arena: torch.Tensor, manifest: Manifest, key: CacheKey
+    root: str,
+    name: str,
+    arena: torch.Tensor,
+    manifest: Manifest,
+    key: CacheKey,
+    *,
+    unusable: Snapshot | None = None,
 ) -> str:
     """Write one rank's arena atomically as ``root/name``.
 
+    The rank's folder already there is removed before the write, under the
+    directory's write lock, when it can never be served to ``key``: it opens as a
+    snapshot of another key, it does not open (corrupt, unfinished), or it is
+    still the very write ``unusable`` names (the caller found its arena corrupt).
+    So a volume sized for one snapshot takes the replacement. A snapshot of
+    ``key`` that opens (another writer's, meanwhile) stays until the new one is
+    complete.
+
     Args:
-        root: snapshot directory (created 0700 when missing).
+        root: snapshot directory (created 0700 when missing; one that exists must
+            be this user's and writable by no one else, as its rank's folder).
         name: the rank's sub-directory name (e.g. ``tp0of1-pp0of1-dp0of1``).
         arena: ``[>= arena_nbytes]`` uint8, CPU or CUDA (CUDA is copied to host
             memory once, since safetensors writes from host memory).
         manifest: the arena's layout; its key must be ``key``.
         key: the cache key the bytes were prepared for.
+        unusable: the rank's snapshot as opened when the caller found it unusable
+            (stale or corrupt), or None.
 
     Returns:
         The rank's directory.
@@ -186,10 +304,13 @@ def write_snapshot(
     Raises:
         StoreError: the manifest's key differs from ``key``, or the arena is
             not ``[>= arena_nbytes]`` uint8.
+        UnsafePath: ``root`` or the rank's folder (or a file in it) is another
+            user's, or group or others can write it (:func:`check_snapshot_dir`);
+            nothing is written.
         SnapshotWriteFailed: (an ``OSError``) a write, fsync or rename fails
             (disk full, file-size limit, permissions), including safetensors'
-            own serialization errors; any previous snapshot of ``name`` is then
-            left in place and the temp dir is removed.
+            own serialization errors; the temp dir is removed, and the message
+            names the rank's folder that still holds space, if any.
 
     Source: safetensors.torch.save_file (the file), rename(2) (atomicity).
     """
@@ -206,7 +327,7 @@ def write_snapshot(
         raise StoreError(f"arena must be [>= {n}] uint8, got {arena.dtype} {tuple(arena.shape)}")
     t0 = time.perf_counter()
     try:
-        final = _write_snapshot(root, name, arena, manifest, key, save_file)
+        final = _write_snapshot(root, name, arena, manifest, key, save_file, unusable)
     except StoreError:
         raise
     except (
@@ -214,9 +335,9 @@ def write_snapshot(
     ) as e:  # OSError, and safetensors' SafetensorError (not an OSError) on EFBIG/ENOSPC
         raise SnapshotWriteFailed(
             f"cannot write the snapshot {os.path.join(root, name)}: "
-            f"{type(e).__name__}: {e}; nothing was left behind (an older "
-            f"snapshot stays). Free space or fix the permissions of {root}, or "
-            f"give --snapshot another directory"
+            f"{type(e).__name__}: {e}; nothing of this write was left behind "
+            f"({_what_stays(root, name)}). Free space or fix the permissions of "
+            f"{root}, or give --snapshot another directory"
         ) from e
     dt = time.perf_counter() - t0
     log.info(
@@ -229,23 +350,129 @@ def write_snapshot(
     return final
 
 
+def _tree_nbytes(path: str) -> int:
+    """Bytes of the regular files under ``path`` (0 when it is gone)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _what_stays(root: str, name: str) -> str:
+    """After a failed write: what of ``name`` still holds space in ``root``."""
+    final = os.path.join(root, name)
+    if not os.path.lexists(final):
+        return f"no older snapshot of {name} remains in {root}"
+    return (
+        f"the snapshot of this key already at {final} stays, holding "
+        f"{_tree_nbytes(final) / 2**20:.1f} MiB until a write replaces it; deleting "
+        f"it frees that space for the next write"
+    )
+
+
+def leftovers(root: str, name: str) -> list[str]:
+    """Paths of ``name``'s temp and replaced dirs in ``root`` (``.tmp-<name>-*``,
+    ``.old-<name>-*``): a write in progress, or what a killed write left, each as
+    large as the arena. Other ranks' are not listed; none when ``root`` is gone."""
+    try:
+        entries = sorted(os.listdir(root))
+    except OSError:
+        return []
+    return [
+        os.path.join(root, e)
+        for e in entries
+        if e.startswith((f"{TEMP_PREFIX}{name}-", f"{OLD_PREFIX}{name}-"))
+    ]
+
+
 def _remove_leftovers(root: str, name: str) -> None:
     """Remove ``name``'s temp and replaced dirs that a killed writer left (each
     as large as the arena). Called with ``root``'s write lock held, so no live
     writer of ``name`` owns them; other ranks' dirs are left alone."""
-    for entry in os.listdir(root):
-        if entry.startswith((f"{TEMP_PREFIX}{name}-", f"{OLD_PREFIX}{name}-")):
-            log.warning(
-                "removing %s, left by a snapshot write that did not finish",
-                os.path.join(root, entry),
-            )
-            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+    for path in leftovers(root, name):
+        log.warning(
+            "removing %s (%.1f MiB), left by a snapshot write that did not finish",
+            path,
+            _tree_nbytes(path) / 2**20,
+        )
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_leftovers(root: str, name: str) -> bool:
+    """Remove what a killed write of ``name`` left in ``root`` (as a write does
+    first), under the directory's write lock; for a daemon that starts from its
+    snapshot and so never writes. A writer at work holds the lock: nothing is
+    removed then (that writer removes them itself), and no wait.
+
+    Returns:
+        True when the lock was free and the leftovers (if any) are gone.
+
+    Raises:
+        OSError: ``root`` cannot be opened.
+    """
+    lock_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        _remove_leftovers(root, name)
+        return True
+    finally:
+        os.close(lock_fd)
+
+
+def _discard_unusable(root: str, name: str, key: CacheKey, unusable: Snapshot | None) -> None:
+    """Remove the rank's folder before a write replaces it when it can never be
+    served to ``key`` (see :func:`write_snapshot`). Called with the write lock held,
+    so it is the folder now in place that is judged, not one another writer
+    replaced since the caller looked."""
+    final = os.path.join(root, name)
+    if not os.path.lexists(final):
+        return
+    try:
+        snap = open_snapshot(root, name)
+    except (SnapshotMissing, SnapshotCorrupt) as e:
+        why = f"it is not a usable snapshot ({e.code})"
+    else:
+        if snap.key != key:
+            why = "it was made for another key"
+        elif unusable is not None and (snap.folder_id, snap.digests) == (
+            unusable.folder_id,
+            unusable.digests,
+        ):
+            why = "its arena failed its digest check"
+        else:
+            return  # a snapshot of this key: kept until the new one is complete
+    log.warning(
+        "removing the snapshot %s (%.1f MiB) before writing its replacement: %s, so "
+        "it cannot serve this daemon's key",
+        final,
+        _tree_nbytes(final) / 2**20,
+        why,
+    )
+    old = tempfile.mkdtemp(prefix=f"{OLD_PREFIX}{name}-", dir=root)
+    os.rename(final, os.path.join(old, name))  # atomic: never a half-removed folder in place
+    _fsync_dir(root)
+    shutil.rmtree(old)
 
 
 def _write_snapshot(
-    root: str, name: str, arena: torch.Tensor, manifest: Manifest, key: CacheKey, save_file
+    root: str,
+    name: str,
+    arena: torch.Tensor,
+    manifest: Manifest,
+    key: CacheKey,
+    save_file,
+    unusable: Snapshot | None,
 ) -> str:
     os.makedirs(root, mode=0o700, exist_ok=True)
+    # a directory that was there (exist_ok) must be ours, not taken over from its owner
+    check_snapshot_dir(root, [name])
     # One writer per directory at a time (two daemons of one rank, e.g. under two
     # --socket-dir or --job): flock(2) on the directory itself, released when the
     # fd closes, also when the writer is killed.
@@ -253,6 +480,7 @@ def _write_snapshot(
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
         _remove_leftovers(root, name)
+        _discard_unusable(root, name, key, unusable)
         return _write_locked(root, name, arena, manifest, key, save_file)
     finally:
         os.close(lock_fd)
@@ -388,13 +616,20 @@ def open_snapshot(root: str, name: str) -> Snapshot:
     safetensors header); the arena bytes are checked when read.
 
     Raises:
+        UnsafePath: ``root``, the rank's folder or a file of either is not this
+            user's, or group or others can write it (:func:`check_snapshot_dir`).
         SnapshotMissing: no complete snapshot of that name (temp dirs are not read).
         SnapshotCorrupt: a file is missing, malformed, or differs from its digest.
     """
     _check_name(name)
+    check_snapshot_dir(root, [name])
     path = os.path.join(root, name)
     dpath = os.path.join(path, DIGESTS_FILE)
-    if not os.path.isdir(path) or not os.path.exists(dpath):
+    try:
+        folder = os.stat(path)  # before the reads: the write they come from
+    except OSError:
+        folder = None
+    if folder is None or not stat.S_ISDIR(folder.st_mode) or not os.path.exists(dpath):
         what = (
             "no directory"
             if not os.path.isdir(path)
@@ -406,15 +641,7 @@ def open_snapshot(root: str, name: str) -> Snapshot:
                 f"that holds it, `--from-snapshot {os.path.dirname(os.path.normpath(root))}`"
             )
         elif os.path.isfile(root):
-            parent = os.path.dirname(os.path.abspath(root))
-            if os.path.exists(os.path.join(parent, DIGESTS_FILE)):  # a file of one rank's folder
-                hint = (
-                    f"{root} is a file of one rank's folder of a snapshot: give the "
-                    f"directory that holds that folder, "
-                    f"`--from-snapshot {os.path.dirname(parent)}`"
-                )
-            else:
-                hint = f"{root} is a file: give the snapshot directory, the one `--snapshot` wrote into"
+            hint = not_a_directory_hint(root)
         else:
             hint = f"start the daemon from the checkpoint with `--snapshot {root}` to write one"
         raise SnapshotMissing(f"no snapshot at {path} ({what}); {hint}")
@@ -479,7 +706,16 @@ def open_snapshot(root: str, name: str) -> Snapshot:
         isinstance(device_digest, dict) and {"algorithm", "digest"} <= device_digest.keys()
     ):
         raise SnapshotCorrupt(f"snapshot {path}: {DIGESTS_FILE} has a malformed device_digest")
-    return Snapshot(path, manifest, key, digests, len(header), header, device_digest)
+    return Snapshot(
+        path,
+        manifest,
+        key,
+        digests,
+        len(header),
+        header,
+        device_digest,
+        (folder.st_dev, folder.st_ino),
+    )
 
 
 def check_key(snap: Snapshot, key: CacheKey) -> None:
