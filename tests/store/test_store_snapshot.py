@@ -604,6 +604,21 @@ def test_a_snapshot_of_another_user_is_neither_read_nor_taken_over(daemon, snap_
     assert [] == os.listdir(squatted)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="files owned by root need root to make")
+def test_a_snapshot_of_root_is_read_by_another_user(daemon, snap_root, monkeypatch):
+    """A snapshot root owns (a read-only volume, an image layer) is read by a daemon
+    of another user: root could replace anything anyway; only another ordinary user's
+    is refused (sshd's rule for the files it trusts)."""
+    from wcache.errors import UnsafePath
+
+    _write(daemon, snap_root)  # written as root
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert open_snapshot(snap_root, NAME).key == daemon.key
+    os.chown(os.path.join(snap_root, NAME), 65534, -1)
+    with pytest.raises(UnsafePath, match="owned by uid 65534, not by you \\(uid 1000\\) or root"):
+        open_snapshot(snap_root, NAME)
+
+
 def test_the_arena_file_is_written_private_whatever_the_umask(daemon, snap_root):
     """What the unsafe-path check relies on: every file of a snapshot written under
     umask 002 is 0600 (safetensors makes the arena file so), so it is not refused as

@@ -187,9 +187,10 @@ def _check_name(name: str) -> None:
 
 
 def _refuse_unless_ours(path: str, what: str) -> None:
-    """Refuse ``path`` unless this process's user owns it and neither group nor
-    others can write it (after a symlink, which itself must be this user's or
-    root's); a missing path passes (the reads and writes say so).
+    """Refuse ``path`` unless this process's user or root owns it (a read-only
+    volume of root's, a baked image layer) and neither group nor others can write
+    it (after a symlink, which itself must be this user's or root's); a missing
+    path passes (the reads and writes say so).
 
     Raises:
         UnsafePath: naming the owner or the mode, and the fix.
@@ -211,9 +212,10 @@ def _refuse_unless_ours(path: str, what: str) -> None:
             f"(uid {euid}) or root; refusing it: whoever owns it chooses what is served. "
             f"Give --snapshot/--from-snapshot a directory of your own"
         )
-    if st.st_uid != euid:
+    if st.st_uid not in (euid, 0):  # root could replace anything anyway (sshd's rule)
         raise UnsafePath(
-            f"snapshot {what} {path} is owned by uid {st.st_uid}, not by you (uid {euid}); "
+            f"snapshot {what} {path} is owned by uid {st.st_uid}, not by you (uid {euid}) "
+            f"or root; "
             f"refusing it: its owner can replace what the daemon serves (the digests prove "
             f"a file intact, not who wrote it). Give --snapshot/--from-snapshot a "
             f"directory of your own (`mkdir -m 700 DIR`), or, if you trust its contents, "
@@ -232,7 +234,8 @@ def check_snapshot_dir(root: str, names: Iterable[str] | None = None) -> None:
     """Refuse a snapshot directory someone other than this process's user could
     have written: ``root``, each rank folder of ``names`` (default: every rank
     folder in ``root``) and every file in it, and the ranks' start-up bundles
-    (``root/.startup/<name>/`` and their files) must each belong to this user and be
+    (``root/.startup/<name>/`` and their files) must each belong to this user (or
+    root) and be
     writable by neither group nor others, the rule of a socket dir (whose mode must
     be 0700). A parent of ``root`` (``/tmp``) is not checked. What is missing
     passes; a ``root`` that is not a directory is left to the caller.
