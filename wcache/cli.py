@@ -408,6 +408,11 @@ def _check_snapshot_arg(args: argparse.Namespace) -> str | None:
     )
     if not snap:
         return None
+    if os.path.islink(snap) and not os.path.exists(snap):
+        return (
+            f"{flag} {snap} is a symlink to nothing (dangling, or a loop): give the "
+            f"snapshot directory itself, or fix the link"
+        )
     if os.path.lexists(snap) and not os.path.isdir(snap):
         if flag == "--from-snapshot":
             return f"--from-snapshot {snap} is not a directory: {not_a_directory_hint(snap)}"
@@ -494,7 +499,8 @@ def _cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:
             file=sys.stderr,
         )
         args.socket_dir = where
-    if args.job and args.socket_dir is None:
+    extra_config = any(a.startswith("--model-loader-extra-config") for a in rest)
+    if args.job and args.socket_dir is None and not extra_config:
         # without a daemon to name, the job was ignored and verify built its own arena
         print(
             f"wcache verify: --job {args.job!r} names a daemon's job: give the --socket-dir "

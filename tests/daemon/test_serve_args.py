@@ -100,6 +100,12 @@ def test_serve_refuses_a_file_as_the_snapshot_before_loading(tmp_path, monkeypat
         assert f"give the directory that holds that folder, `--from-snapshot {rank.parent}`" in err
     else:
         assert "give the directory to keep the snapshot in (created when missing)" in err
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "gone")  # it was called "a file" (break17 #7)
+    assert 2 == cli.main(["serve", "--model", str(model), flag, str(dangling)])
+    assert f"{flag} {dangling} is a symlink to nothing (dangling, or a loop)" in (
+        capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize("flag", ["--snapshot", "--from-snapshot"])

@@ -90,3 +90,31 @@ def test_an_empty_secret_or_a_taken_address_is_refused():
             SeedListener(
                 FakeOwner(), "127.0.0.1", taken.getsockname()[1], SECRET, backlog=4, poll_s=0.05
             )
+
+
+def test_a_bound_seed_socket_refuses_peers_until_the_listener_starts():
+    """wcache serve binds the --seed-listen address before its load; until the rank
+    serves, a peer's connection is refused at once (nothing listens), not held in a
+    backlog until the peer's seeding timeout (break17 #2); an address another socket
+    listens on is refused as seed-listen-failed."""
+    from wcache.errors import SeedListenFailed
+    from wcache.store.seed_listener import bind_seed_socket
+
+    bound = bind_seed_socket("127.0.0.1", 0)
+    port = bound.getsockname()[1]
+    try:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen(1)
+            busy = taken.getsockname()[1]
+            with pytest.raises(SeedListenFailed, match=f"on 127.0.0.1:{busy}: .*in use"):
+                bind_seed_socket("127.0.0.1", busy)
+        listener = SeedListener(
+            FakeOwner(), "127.0.0.1", port, SECRET, backlog=4, poll_s=0.05, bound=bound
+        )
+        assert ("127.0.0.1", port) == listener.address
+        socket.create_connection(("127.0.0.1", port), timeout=WAIT_S).close()  # listens now
+    finally:
+        bound.close()

@@ -359,6 +359,10 @@ def test_the_engines_restore_options_are_honoured_or_refused_by_name():
         {"share_prepacks": False}, socket_dir="/s", job="a"
     )
     assert ({}, None, "") == options({"mode": "copy"}, load_format="auto")  # disk: none
+    assert ({}, "/s", "") == options({"socket_dir": ""}, socket_dir="/s")  # "" is none
+    engine_files = {"timing_file": "/t", "profile_file": "/p", "artifacts_record": "/a"}
+    assert ({}, "/s", "") == options({**engine_files, "socket_dir": "/s"})  # never written
+    assert ({}, "/s", "j") == options({"socket_dir": "/s"}, job="j")
     for extra, kwargs, said in (
         ({"socket_dir": "/s"}, {"socket_dir": "/t"}, "name two daemons' directories"),
         ({"job": "a"}, {"job": "b"}, "name two daemons"),
@@ -366,6 +370,8 @@ def test_the_engines_restore_options_are_honoured_or_refused_by_name():
         ({"nope": 1}, {}, "unknown model_loader_extra_config keys"),
         ("{not json", {}, "not valid JSON"),
         ({}, {"load_format": "dummy"}, "--load-format dummy"),
+        ({"job": "a"}, {}, "names a daemon's job: give the --socket-dir"),
+        ({"socket_dir": ""}, {"job": "a"}, "names a daemon's job: give the --socket-dir"),
     ):
         with pytest.raises(VerifyRefused, match=said) as err:
             options(extra, **kwargs)

@@ -54,7 +54,7 @@ from wcache.store.manifest import CacheKey
 from wcache.store.paths import DEV_SHM_COLLECTIVES_BYTES, DEV_SHM_REFCOUNT_BYTES, check_dev_shm
 from wcache.store.seed import TCP_SCHEME, SeedSource, parse_host_port, read_secret, seed_arena
 from wcache.store.seed_listener import bind_seed_socket
-from wcache.store.server import INVALIDATED_EXIT, LISTEN_BACKLOG
+from wcache.store.server import INVALIDATED_EXIT
 from wcache.store.snapshot import (
     STARTUP_DIR,
     Snapshot,
@@ -157,11 +157,12 @@ def find_seed_source(seed_from: str, key: Any) -> str:
     (one ``status`` per socket; each rank finds its own peer rank that way).
 
     Raises:
-        DaemonMissing: no daemon answers there (the sockets that listen but do not
-            answer are named).
-        KeyMismatch: daemons answer there, none of this key: the differing fields of
-            the closest one (fewest fields differ: the peer rank of another engine
-            argument) are named, as for a source given by its socket.
+        DaemonMissing: no daemon of this rank answers there (the keys seen and the
+            sockets that listen but do not answer are named).
+        KeyMismatch: daemons of this rank (tp, pp, dp) answer there, none of this
+            key: the differing fields of the closest one (fewest fields differ) are
+            named, as for a source given by its socket. Where only other ranks'
+            daemons answer (this rank's is gone), DaemonMissing.
     """
 
     from wcache.store import DaemonMissing, KeyMismatch, daemon_status  # noqa: PLC0415 (imported at call time: tests patch daemon_status)
@@ -201,7 +202,9 @@ def find_seed_source(seed_from: str, key: Any) -> str:
             return sock
         seen.append(f"{entry} ({str(digest)[:12]})")
         fields = status.get("key_fields")
-        if isinstance(fields, dict):
+        # only a daemon of this rank (tp, pp, dp) is this rank's source: another rank's
+        # key differs in its rank by design, and its fields would say nothing (break17 #1)
+        if isinstance(fields, dict) and fields.get("parallel") == key.fields.get("parallel"):
             theirs = CacheKey(fields)
             n = len(key.diff(theirs))
             if closest is None or n < closest[0]:
@@ -404,7 +407,7 @@ def _tidy_snapshot_dir(snap_dir: str, name: str, *, own: bool) -> None:
         logger.warning(
             "wcache: %s left by a snapshot write that did not finish (as large as the "
             "arena); --from-snapshot does not write %s, so they stay: delete them, or "
-            "start with --snapshot %s, which removes them",
+            "start with --snapshot %s where the daemon may write it, which removes them",
             ", ".join(found),
             snap_dir,
             snap_dir,
@@ -580,8 +583,9 @@ def serve_rank(
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     listen = rank_seed_address(seed_listen, local_rank) if seed_listen else None
     # bound now, so an address in use is refused before the load, not after it (break16
-    # #3); accepted on only once the rank serves
-    bound = None if listen is None else bind_seed_socket(*listen, backlog=LISTEN_BACKLOG)
+    # #3); listened on only once the rank serves, so a peer that asks meanwhile is
+    # refused at once, not held for the seeding timeout (break17 #2)
+    bound = None if listen is None else bind_seed_socket(*listen)
     try:
         vllm_config = build.checked_engine_config(model, rest)
         with build.prepare_platform(vllm_config):

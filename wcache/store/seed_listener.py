@@ -76,16 +76,18 @@ class SeedOwner(Protocol):
         """Refuse ``conn`` because every connection slot is taken (``daemon-busy``)."""
 
 
-def bind_seed_socket(host: str, port: int, *, backlog: int) -> socket.socket:
-    """A TCP socket bound to ``host:port`` and listening (``backlog``): what a
-    :class:`SeedListener` accepts on. ``wcache serve`` binds it before the rank
-    loads anything, so an address in use is refused at once, not after the load.
+def bind_seed_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port``, not yet listening: what a
+    :class:`SeedListener` listens and accepts on. ``wcache serve`` binds it before
+    the rank loads anything, so an address in use is refused at once, not after the
+    load; until the listener starts, a peer's connection is refused at once
+    (ECONNREFUSED: nothing listens), as before the bind, where a listening socket
+    would hold it for the seeding timeout (break17 #2).
 
     Args:
         host: the address to bind (an interface's address; ``0.0.0.0`` binds every
             interface; an IPv6 address when it holds ``:``).
         port: TCP port; 0 picks a free one (``getsockname()`` has it).
-        backlog: ``listen()`` backlog.
 
     Raises:
         SeedListenFailed: the address cannot be bound (in use, not this host's, a
@@ -96,7 +98,6 @@ def bind_seed_socket(host: str, port: int, *, backlog: int) -> socket.socket:
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((host, port))
-        listener.listen(backlog)
     except OSError as e:
         listener.close()
         raise SeedListenFailed(
@@ -118,7 +119,7 @@ class SeedListener:
         backlog: ``listen()`` backlog.
         poll_s: how often the accept loop wakes to notice ``owner.stopping`` (seconds).
         bound: a socket :func:`bind_seed_socket` already bound to ``host:port``
-            (the listener owns it from here); None binds one now.
+            (the listener owns it from here and listens on it); None binds one now.
 
     Raises:
         StoreError: an empty secret.
@@ -140,7 +141,12 @@ class SeedListener:
             if bound is not None:
                 bound.close()
             raise StoreError("a TCP seeding listener needs a non-empty secret")
-        listener = bound if bound is not None else bind_seed_socket(host, port, backlog=backlog)
+        listener = bound if bound is not None else bind_seed_socket(host, port)
+        try:
+            listener.listen(backlog)
+        except OSError as e:
+            listener.close()
+            raise SeedListenFailed(f"cannot listen for seeding on {host}:{port}: {e}") from e
         listener.settimeout(poll_s)
         self._owner = owner
         self._secret = bytes(secret)

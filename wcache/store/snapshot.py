@@ -47,9 +47,11 @@ import logging
 import os
 import shutil
 import stat
+import sys
 import tempfile
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import blake3
 import torch
@@ -219,13 +221,14 @@ def _refuse_unless_ours(path: str, what: str) -> None:
             f"refusing it: its owner can replace what the daemon serves (the digests prove "
             f"a file intact, not who wrote it). Give --snapshot/--from-snapshot a "
             f"directory of your own (`mkdir -m 700 DIR`), or, if you trust its contents, "
-            f"`chown -R {euid} {path}`"
+            f"`chown -R {euid} {os.path.realpath(path)}`"
         )
     if st.st_mode & _FOREIGN_WRITE_BITS:
         raise UnsafePath(
             f"snapshot {what} {path} has mode {stat.S_IMODE(st.st_mode):o}: group or "
             f"others can write it, and so replace what the daemon serves; refusing it. "
-            f"Fix: `chmod -R go-w {path}` if you trust its contents, else delete it and "
+            f"Fix: `chmod -R go-w {os.path.realpath(path)}` if you trust its contents, else "
+            f"delete it and "
             f"write the snapshot again"
         )
 
@@ -366,15 +369,14 @@ def _tree_nbytes(path: str) -> int:
 
 
 def _what_stays(root: str, name: str) -> str:
-    """After a failed write: what of ``name`` still holds space in ``root``."""
-    final = os.path.join(root, name)
-    if not os.path.lexists(final):
-        return f"no older snapshot of {name} remains in {root}"
-    return (
-        f"the snapshot of this key already at {final} stays, holding "
-        f"{_tree_nbytes(final) / 2**20:.1f} MiB until a write replaces it; deleting "
-        f"it frees that space for the next write"
-    )
+    """After a failed write: what of ``name`` still holds space in ``root`` (the
+    rank's folder, whatever its key, and the leftovers of a write or of a removal
+    that did not finish), each with its size, or that nothing does."""
+    held = [p for p in (os.path.join(root, name), *leftovers(root, name)) if os.path.lexists(p)]
+    if not held:
+        return f"nothing of {name} remains in {root}"
+    sizes = ", ".join(f"{p} ({_tree_nbytes(p) / 2**20:.1f} MiB)" for p in held)
+    return f"still in {root}: {sizes}; deleting what you do not need frees that space"
 
 
 def leftovers(root: str, name: str) -> list[str]:
@@ -392,17 +394,41 @@ def leftovers(root: str, name: str) -> list[str]:
     ]
 
 
+def _rmtree_logged(path: str) -> bool:
+    """``shutil.rmtree(path)``, each entry that cannot be removed (a read-only mount,
+    an immutable file, another user's) logged with its error instead of raised.
+    Returns True when ``path`` is gone."""
+    failed: list[str] = []
+
+    def note(_func: Any, where: str, exc: BaseException) -> None:
+        failed.append(f"{where} ({exc.strerror if isinstance(exc, OSError) else exc})")
+
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=note)
+    else:  # onexc is 3.12's; onerror (deprecated there) gets sys.exc_info()
+        shutil.rmtree(path, onerror=lambda func, where, info: note(func, where, info[1]))
+    if failed:
+        log.warning(
+            "could not remove %s: %s%s; remove it by hand",
+            path,
+            ", ".join(failed[:3]),
+            f" (and {len(failed) - 3} more)" if len(failed) > 3 else "",
+        )
+    return not os.path.lexists(path)
+
+
 def _remove_leftovers(root: str, name: str) -> None:
     """Remove ``name``'s temp and replaced dirs that a killed writer left (each
     as large as the arena). Called with ``root``'s write lock held, so no live
-    writer of ``name`` owns them; other ranks' dirs are left alone."""
+    writer of ``name`` owns them; other ranks' dirs are left alone. What cannot be
+    removed is logged, not raised."""
     for path in leftovers(root, name):
         log.warning(
             "removing %s (%.1f MiB), left by a snapshot write that did not finish",
             path,
             _tree_nbytes(path) / 2**20,
         )
-        shutil.rmtree(path, ignore_errors=True)
+        _rmtree_logged(path)
 
 
 def remove_leftovers(root: str, name: str) -> bool:
@@ -459,9 +485,13 @@ def _discard_unusable(root: str, name: str, key: CacheKey, unusable: Snapshot | 
         why,
     )
     old = tempfile.mkdtemp(prefix=f"{OLD_PREFIX}{name}-", dir=root)
-    os.rename(final, os.path.join(old, name))  # atomic: never a half-removed folder in place
+    try:
+        os.rename(final, os.path.join(old, name))  # atomic: never a half-removed folder
+    except OSError:
+        os.rmdir(old)  # empty: nothing moved (a read-only folder, an immutable one)
+        raise
     _fsync_dir(root)
-    shutil.rmtree(old)
+    _rmtree_logged(old)  # what stays (immutable files) is named by a failed write
 
 
 def _write_snapshot(

@@ -819,6 +819,10 @@ def _advance(bar: Any, desc: str) -> None:
 #: The restore options verify sets itself: it never loads from disk in the restore's
 #: place, and refuses a restore that leaves a layer unrestored.
 VERIFY_OWN_OPTIONS = {"fallback": False, "strict": True}
+#: Restore options that write the engine's own files: verify's restore leaves them out,
+#: so a check never appends to the engine's timing or profile file nor overwrites its
+#: artifact record (break17 #5).
+ENGINE_OUTPUT_OPTIONS = ("timing_file", "profile_file", "artifacts_record")
 #: ``--load-format`` values verify takes: vLLM's side always loads with ``auto``, the
 #: restored side with ``wcache`` (and the engine's ``--model-loader-extra-config``).
 VERIFY_LOAD_FORMATS = ("auto", "wcache")
@@ -833,19 +837,21 @@ def engine_restore_options(
     ``model_loader_extra_config``, a dict or JSON text) as
     :func:`wcache.vllm.build.engine_load_options` reads them from the engine's
     arguments. Its ``socket_dir`` and ``job`` name the daemon to compare
-    against when ``--socket-dir``/``--job`` are not given; ``fallback`` and ``strict``
-    are verify's own (:data:`VERIFY_OWN_OPTIONS`); every other option (``mode``,
+    against when ``--socket-dir``/``--job`` are not given (an empty ``socket_dir``
+    counts as none); ``fallback`` and ``strict`` are verify's own
+    (:data:`VERIFY_OWN_OPTIONS`); the engine's output files
+    (:data:`ENGINE_OUTPUT_OPTIONS`) are left out; every other option (``mode``,
     ``share_prepacks``, ``connect_timeout_s``, ...) goes to the restore as given.
 
     Returns:
-        ``(options, socket_dir, job)``: the options given other than ``socket_dir``,
-        ``job``, ``fallback`` and ``strict``, and the daemon to compare against.
+        ``(options, socket_dir, job)``: the options that reach the restore, and the
+        daemon to compare against.
 
     Raises:
         VerifyRefused: a ``--load-format`` other than ``auto``/``wcache``, options
-            wcache's loader refuses (an unknown key, a wrong type), or a ``socket_dir``
-            or ``job`` that contradicts ``--socket-dir``/``--job`` (code
-            ``config-invalid``).
+            wcache's loader refuses (an unknown key, a wrong type), a ``socket_dir``
+            or ``job`` that contradicts ``--socket-dir``/``--job``, or a job with no
+            socket dir to find its daemon in (code ``config-invalid``).
     """
     from wcache.vllm.loader import LoaderOptions  # noqa: PLC0415 (vLLM import ~6 s: only when called)
 
@@ -863,7 +869,7 @@ def engine_restore_options(
         raise VerifyRefused(f"--model-loader-extra-config: {exc}", code="config-invalid") from None
     if isinstance(extra, str):  # JSON text, as from_extra read it
         extra = json.loads(extra) if extra.strip() else {}
-    if given.socket_dir is not None:
+    if given.socket_dir:
         if socket_dir is not None and os.path.realpath(socket_dir) != os.path.realpath(
             given.socket_dir
         ):
@@ -881,11 +887,15 @@ def engine_restore_options(
                 code="config-invalid",
             )
         job = given.job
-    options = {
-        k: v
-        for k, v in (extra or {}).items()
-        if k not in ("socket_dir", "job", *VERIFY_OWN_OPTIONS)
-    }
+    if job and socket_dir is None:  # without a daemon to name, the job would be ignored
+        raise VerifyRefused(
+            f"--job {job!r} names a daemon's job: give the --socket-dir it serves in too "
+            f"(or socket_dir in --model-loader-extra-config); without one verify builds "
+            f"its own arena",
+            code="config-invalid",
+        )
+    left_out = ("socket_dir", "job", *VERIFY_OWN_OPTIONS, *ENGINE_OUTPUT_OPTIONS)
+    options = {k: v for k, v in (extra or {}).items() if k not in left_out}
     return options, socket_dir, job
 
 
