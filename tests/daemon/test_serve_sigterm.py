@@ -149,12 +149,20 @@ def test_a_sigkilled_serve_takes_its_ranks_with_it(serve_two_ranks):
     assert [] == _ranks_end(pids), "ranks still running after their serve was SIGKILLed"
 
 
+def _tell_rank1(folder, status: str) -> None:
+    """Give stand-in rank 1 its exit ``status``, atomically: it polls for the file, and
+    a plain write let it read the file while still empty once in CI (`int('')`)."""
+    tmp = folder / "rank1.exit.tmp"
+    tmp.write_text(status)
+    os.replace(tmp, folder / "rank1.exit")
+
+
 def test_a_rank_that_ends_leaves_the_other_serving_and_its_status_is_kept(serve_two_ranks):
     """Rank 1 ends with 75 (a client's guard fired: restart me): rank 0 serves on (an
     engine loads only rank 1 from disk), and a later SIGTERM to the serve exits 75, the
     largest of the ranks' statuses (a rank's status was dropped: it exited 0)."""
     proc, pids, folder = serve_two_ranks
-    (folder / "rank1.exit").write_text("75")
+    _tell_rank1(folder, "75")
     deadline = time.monotonic() + STOP_TIMEOUT_S
     while _alive(pids[1]) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -179,7 +187,7 @@ def test_a_rank_that_stops_alone_is_said(serve_two_ranks):
     """A rank that stops by itself with status 0 while the other serves on: an engine
     loads it from disk from then on, so the serve says so (it said nothing: break15 #4)."""
     proc, pids, folder = serve_two_ranks
-    (folder / "rank1.exit").write_text("0")
+    _tell_rank1(folder, "0")
     deadline = time.monotonic() + STOP_TIMEOUT_S
     while _alive(pids[1]) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -247,7 +255,7 @@ def test_a_refusal_after_ready_is_printed_by_the_rank(serve_two_ranks):
     lines): the rank prints its reason itself, once, without a traceback, and its
     status 1 is the serve's when it stops."""
     proc, pids, folder = serve_two_ranks
-    (folder / "rank1.exit").write_text("refuse")
+    _tell_rank1(folder, "refuse")
     deadline = time.monotonic() + STOP_TIMEOUT_S
     while _alive(pids[1]) and time.monotonic() < deadline:
         time.sleep(0.1)
