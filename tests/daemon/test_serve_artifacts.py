@@ -11,6 +11,7 @@ import pytest
 
 from wcache.daemon import serve
 from wcache.store import artifacts as art
+from wcache.store.snapshot import STARTUP_DIR
 
 RANK = "tp0of1-pp0of1-dp0of1"
 LAYOUT = {"tp_size": 1, "tp_rank": 0, "pp_size": 1, "pp_rank": 0, "dp_size": 1, "dp_rank": 0}
@@ -28,7 +29,7 @@ def _stub_server():
 
 def test_unreadable_snapshot_tar_does_not_fail_the_daemon_start(tmp_path):
     """A snapshot whose startup.tar is a directory leaves the daemon without a bundle and the reason (artifacts-corrupt, EISDIR) in its state."""
-    d = tmp_path / "snap" / serve.SNAPSHOT_STARTUP_DIR / RANK
+    d = tmp_path / "snap" / STARTUP_DIR / RANK
     d.mkdir(parents=True)
     (d / art.MANIFEST_FILE).write_text('{"format": 1}')
     (d / art.TAR_FILE).mkdir()  # not a file
@@ -48,8 +49,8 @@ def test_rewriting_a_rank_snapshot_removes_its_old_startup_bundle(tmp_path, monk
     assert serve.snapshot_name(LAYOUT) == RANK
     snap = tmp_path / "snap"
     mine, other = (
-        snap / serve.SNAPSHOT_STARTUP_DIR / RANK,
-        snap / serve.SNAPSHOT_STARTUP_DIR / "tp1of2",
+        snap / STARTUP_DIR / RANK,
+        snap / STARTUP_DIR / "tp1of2",
     )
     for d in (mine, other):
         d.mkdir(parents=True)

@@ -346,11 +346,6 @@ def build_ready_server(
     )
 
 
-#: Where a snapshot directory keeps each rank's start-up artifact bundle:
-#: ``DIR/.startup/<rank name>/startup.{tar,json}`` (hidden: not a rank's arena dir).
-SNAPSHOT_STARTUP_DIR = STARTUP_DIR
-
-
 def _bring_peer_artifacts(server: Any, source: str) -> None:
     """The start-up artifact bundle of the peer daemon on local socket ``source``,
     asked for with ``artifacts`` (the bytes come as a sealed memfd). A TCP peer's
@@ -381,7 +376,7 @@ def _snapshot_artifacts(server: Any, snap_dir: str, name: str) -> None:
     costs the engines a compile, so its reason goes to ``status`` and the log."""
 
     try:
-        bundle = read_bundle(os.path.join(snap_dir, SNAPSHOT_STARTUP_DIR, name))
+        bundle = read_bundle(os.path.join(snap_dir, STARTUP_DIR, name))
     except (StoreError, OSError) as exc:  # read_bundle wraps OSErrors; an OSError is a bug there
         code = getattr(exc, "code", type(exc).__name__)
         server.artifacts_error = f"[{code}] {exc}"
@@ -495,8 +490,8 @@ def _prime(
     if snapshot:
         try:
             # 0700 whatever the umask: a group-writable folder is refused when read
-            os.makedirs(os.path.join(snapshot, SNAPSHOT_STARTUP_DIR), 0o700, exist_ok=True)
-            write_bundle(os.path.join(snapshot, SNAPSHOT_STARTUP_DIR, name), bundle)
+            os.makedirs(os.path.join(snapshot, STARTUP_DIR), 0o700, exist_ok=True)
+            write_bundle(os.path.join(snapshot, STARTUP_DIR, name), bundle)
         except OSError as exc:
             server.artifacts_error = f"not written to the snapshot: {exc}"
             logger.error("wcache: could not write the start-up artifacts to %s: %s", snapshot, exc)
@@ -527,7 +522,7 @@ def _write_rank_snapshot(
             f"cannot write the snapshot {os.path.join(root, name)}: {root} is not a "
             f"directory; give --snapshot a directory (created when missing)"
         )
-    old_bundle = os.path.join(root, SNAPSHOT_STARTUP_DIR, name)
+    old_bundle = os.path.join(root, STARTUP_DIR, name)
     try:
         shutil.rmtree(old_bundle)
     except FileNotFoundError:

@@ -153,7 +153,7 @@ _TWIN_FILES = (".json", ".ttir")
 def carried_triton_keys(snapshot_dir: str | Path) -> set[str]:
     """The Triton cache keys (entry directory names) the start-up bundles of a
     snapshot carry: every ``triton`` entry of ``DIR/.startup/*/startup.json``
-    (wcache.store.artifacts' manifest; wcache.daemon.serve.SNAPSHOT_STARTUP_DIR).
+    (wcache.store.artifacts' manifest; wcache.store.snapshot.STARTUP_DIR).
     Unreadable manifests are skipped: this is a benchmark's diagnosis, not a check."""
     keys: set[str] = set()
     for manifest in Path(snapshot_dir).glob(".startup/*/startup.json"):
