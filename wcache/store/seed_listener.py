@@ -100,11 +100,17 @@ def bind_seed_socket(host: str, port: int) -> socket.socket:
         listener.bind((host, port))
     except OSError as e:
         listener.close()
-        raise SeedListenFailed(
-            f"cannot listen for seeding on {host}:{port}: {e}; pick another "
-            f"--seed-listen address or port"
-        ) from e
+        raise _listen_failed(host, port, e) from e
     return listener
+
+
+def _listen_failed(host: str, port: int, exc: OSError) -> SeedListenFailed:
+    """The refusal of ``host:port`` for seeding, at its bind or its ``listen()``
+    (where a second daemon's early bind of the same port fails: SO_REUSEADDR)."""
+    return SeedListenFailed(
+        f"cannot listen for seeding on {host}:{port}: {exc}; pick another "
+        f"--seed-listen address or port"
+    )
 
 
 class SeedListener:
@@ -146,7 +152,7 @@ class SeedListener:
             listener.listen(backlog)
         except OSError as e:
             listener.close()
-            raise SeedListenFailed(f"cannot listen for seeding on {host}:{port}: {e}") from e
+            raise _listen_failed(host, port, e) from e
         listener.settimeout(poll_s)
         self._owner = owner
         self._secret = bytes(secret)
