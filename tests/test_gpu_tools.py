@@ -108,7 +108,7 @@ def test_run_features_refuses_an_unknown_module_before_setup():
     out = subprocess.run(
         ["bash", str(TOOLS / "run-features.sh"), "spec", "eplb"], capture_output=True, text=True
     )
-    assert out.returncode == 2 and "unknown module eplb (spec, sleep, lora)" in out.stderr
+    assert out.returncode == 2 and "unknown module eplb (spec, sleep, lora, lora-tx)" in out.stderr
 
 
 def test_poll_names_rows_not_restored_and_packs_the_run(tmp_path):
@@ -291,6 +291,32 @@ def test_pipeline_builds_gemma3s_fixture_with_the_bundles_transformers(tmp_path)
     assert "site-gguf-tokenizer" not in calls[tier]  # the engines keep the image's
 
 
+def test_pipeline_gemma3_sweep_runs_beside_the_tiny_sweep(tmp_path):
+    """gemma3-sweep (a side stage) builds Gemma 3's bf16 fixture with the bundle's
+    transformers, then runs its sweep rows alone into their own results file, no tier
+    case; arch-all beside it runs the tiny architectures only, with ARCH_WORKERS; the
+    feature modules (lora-tx: LoRA's transport cases) run until `wait`."""
+    lines, text = _run_pipeline(
+        tmp_path, "features=spec:lora-tx,gemma3-sweep,arch-all,wait", env={"ARCH_WORKERS": "12"}
+    )
+    assert (
+        "gemma3-sweep: started" in lines and "arch-all: start (--archs tiny, 12 workers)" in lines
+    )
+    assert lines.index("gemma3-sweep fixture: start") < lines.index("gemma3-sweep fixture: exit 0")
+    assert lines.index("gemma3-sweep rows: exit 0") < lines.index("done")
+    calls = text.splitlines()
+    build = next(i for i, c in enumerate(calls) if "--model gemma3 --formats bf16" in c)
+    rows = next(i for i, c in enumerate(calls) if "--archs gemma3-270m" in c)
+    assert build < rows and "site-gguf-tokenizer" in calls[build]
+    assert "arch-sweep-gemma3.jsonl" in calls[rows] and "site-gguf-tokenizer" not in calls[rows]
+    tiny = next(c for c in calls if "--archs tiny" in c)
+    assert "--workers 12" in tiny and "arch-sweep-cuda.jsonl" in tiny
+    assert "-k gemma3" not in text  # no tier case
+    assert "-k copy_and_cuda_ipc" in text and "test_spec_decode_engines.py" in text
+    lines, text = _run_pipeline(tmp_path / "alone", "arch-all")
+    assert "arch-all: start (--archs all, 16 workers)" in lines and "--workers 16" in text
+
+
 def test_pipeline_stage_at_a_gpu_runs_only_on_that_gpu(tmp_path):
     """STAGE@GPU runs only where nvidia-smi's GPU name contains GPU (any case), and is
     logged as skipped, naming the GPU, elsewhere: one plan for a call that may land on
@@ -304,7 +330,7 @@ def test_pipeline_stage_at_a_gpu_runs_only_on_that_gpu(tmp_path):
         "dense: skipped (the GPU is NVIDIA H100 80GB HBM3, not 'H200')",
         "pairs: start (1 pairs)",
         "pairs: exit 0",
-        "arch-all: start",
+        "arch-all: start (--archs all, 16 workers)",
         "arch-all: exit 0",
     ]
     assert "--pairs 1" in text and "--pairs 2" not in text

@@ -151,11 +151,14 @@ class PlanArgumentError(WcacheError, TypeError):
 class UpdateUnsupported(WcacheError, RuntimeError):
     """A vLLM weight-mutation path cannot run on a restored model with this transport;
     refused before any tensor is touched, the engine serving on. At load: sleep mode
-    and expert rebalancing on CUDA ``zero_copy``. At the first weight write: an
+    on CUDA ``zero_copy``, and expert rebalancing on every device and mode (it needs
+    expert parallelism over several ranks, which a restore does not build). At the
+    first weight write: an
     engine with CUDA graphs or torch.compile mapping the daemon's weights over
     ``cuda_ipc`` (a private copy would need new addresses, which the captured graphs
     would never read). The message names the path and the settings that make it
-    work (``cuda_vmm``, ``mode=copy``, ``enforce_eager=True``)."""
+    work (``cuda_vmm``, ``mode=copy``, ``enforce_eager=True``; for expert
+    rebalancing, a disk load)."""
 
     code = "update-unsupported"
 

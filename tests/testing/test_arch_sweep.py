@@ -476,6 +476,21 @@ def test_unknown_names_are_refused_listing_the_choices(capsys, tmp_path):
     assert sw._listed("olmo2, olmo2,,llama") == ["olmo2", "llama"]
 
 
+def test_all_runs_the_real_models_and_tiny_leaves_them_out(monkeypatch, tmp_path):
+    """--archs all is every tiny architecture and every real model; --archs tiny the
+    tiny ones only (a real model's rows can then run apart, after its fixture)."""
+    from wcache.testing.tiny_models import ARCHS
+
+    seen = {}
+    monkeypatch.setattr(sw, "_run", lambda args, cases: seen.setdefault(args.archs, cases) and 0)
+    out = str(tmp_path / "r.jsonl")
+    for which in ("all", "tiny"):
+        assert sw.main(["--archs", which, "--formats", "bf16", "--out", out]) == 0
+    assert {a for a, _ in seen["all"]} == {*ARCHS, *sw.REAL_MODELS}
+    assert {a for a, _ in seen["tiny"]} == set(ARCHS)
+    assert not set(sw.REAL_MODELS) & set(ARCHS)
+
+
 def test_a_torn_results_line_is_named_with_its_file_and_line(tmp_path, capsys):
     """A results file a killed run left with a torn last line (or a line that is no row)
     gives one error naming file:line and the fix, for --render and --resume alike."""

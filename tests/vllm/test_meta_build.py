@@ -23,6 +23,7 @@ def _config():
     return SimpleNamespace(
         model_config=model_config,
         device_config=SimpleNamespace(device="cpu"),
+        parallel_config=SimpleNamespace(enable_eplb=False),
         speculative_config=None,
     ), model_config
 
@@ -75,6 +76,22 @@ def test_meta_build_failure_raises_with_fallback_off(monkeypatch):
         ld._load_model(cfg, model_config, "")
     assert isinstance(err.value.__cause__, MetaBuildUnsupported)
     assert META_ERROR in str(err.value)
+
+
+def test_expert_rebalancing_is_refused_by_name_before_its_builds_meta_build(monkeypatch):
+    """An engine with EPLB (so expert parallelism over two ranks, whose build fails on
+    meta as vLLM's expert map does): RestoreFailed [update-unsupported] naming
+    enable_eplb and the fix, not the build's meta-build; no daemon contacted."""
+    cfg, model_config = _config()
+    cfg.parallel_config = SimpleNamespace(
+        enable_eplb=True, enable_expert_parallel=True, tensor_parallel_size=2, data_parallel_size=1
+    )
+    ld = _loader(monkeypatch, fallback=False)
+    with pytest.raises(RestoreFailed, match=r"\[update-unsupported\]") as err:
+        ld._load_model(cfg, model_config, "")
+    said = str(err.value)
+    assert "expert rebalancing (enable_eplb)" in said and "load_format='auto'" in said
+    assert "meta-build" not in said
 
 
 def _write_module(tmp_path, name: str) -> None:
@@ -192,3 +209,9 @@ def test_a_refused_expert_parallel_build_says_so(monkeypatch):
     said = str(info.value)
     assert said.startswith("expert parallelism over 2 ranks (enable_expert_parallel): ")
     assert "Fix: drop --enable-expert-parallel" in said and "load it from disk" not in said
+    # with expert rebalancing on (`wcache serve --enable-eplb`), the fix drops both:
+    # vLLM refuses rebalancing without expert parallelism
+    pc.enable_eplb = True
+    with pytest.raises(MetaBuildUnsupported) as info:
+        wmodel.initialize_on_meta(config, mc, "load it from disk.", initialize=initialize)
+    assert "Fix: drop --enable-eplb and --enable-expert-parallel" in str(info.value)

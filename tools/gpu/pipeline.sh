@@ -22,7 +22,13 @@
 #                   sweep rows (bf16, online-fp8, fp8, ct_w8a8_fp8; 4 workers); needs a
 #                   WCACHE_GPU_GEMMA3=1 bundle. On an H100 (2026-12-06) with 3 tier workers and
 #                   one sweep worker: fixture 1.5 min, tier 10 min, ~4.7 min a sweep row
-#   arch-all        the whole architecture sweep (--resume over arch-sweep-cuda.jsonl), 16 workers
+#   gemma3-sweep    beside the next stages: the real Gemma 3 270M's bf16 fixture, then its sweep
+#                   rows only (bf16, online-fp8, fp8; 3 workers; arch-sweep-gemma3.jsonl, apart
+#                   from arch-all's file, which it writes beside), no tier cases; needs a
+#                   WCACHE_GPU_GEMMA3=1 bundle. With it in the list, arch-all runs the tiny
+#                   architectures only (--archs tiny)
+#   arch-all        the whole architecture sweep (--resume over arch-sweep-cuda.jsonl),
+#                   $ARCH_WORKERS workers (default 16)
 #   pairs=N         the fresh-node pairs of issue 48 (bench-phases.sh disk-compiled-cold,fresh-node,
 #                   PAIRS=N, startup plan on), alone on the GPU: the 8B checkpoint (~30 s when
 #                   written beside a tier stage), the primed snapshot (~170 s, alone: see below),
@@ -128,10 +134,21 @@ for st in "${LIST[@]}"; do
         log "arch $archs: exit $?" ) &
       SIDE+=($!); log "arch $archs: started" ;;
     arch-all)
-      log "arch-all: start"
-      python3 -m wcache.testing.arch_sweep --device cuda --archs all --formats bf16,online-fp8 \
-        --workers 16 --resume --out "$OUT/arch-sweep-cuda.jsonl" > "$OUT/arch-all.log" 2>&1
+      which=all; [[ ",$STAGES," == *,gemma3-sweep,* ]] && which=tiny  # gemma3-sweep runs its rows
+      log "arch-all: start (--archs $which, ${ARCH_WORKERS:-16} workers)"
+      python3 -m wcache.testing.arch_sweep --device cuda --archs "$which" --formats bf16,online-fp8 \
+        --workers "${ARCH_WORKERS:-16}" --resume --out "$OUT/arch-sweep-cuda.jsonl" > "$OUT/arch-all.log" 2>&1
       log "arch-all: exit $?" ;;
+    gemma3-sweep)  # a side stage: the fixture (bundle's transformers), then the sweep rows
+      ( log "gemma3-sweep fixture: start"
+        PYTHONPATH=$(dirname "${WCACHE_GPU_SITE:-/tmp/site}")/site-gguf-tokenizer:$PYTHONPATH \
+          python3 -m wcache.testing.fixtures --model gemma3 --formats bf16 > "$OUT/fixtures-gemma3.log" 2>&1
+        log "gemma3-sweep fixture: exit $?"
+        python3 -m wcache.testing.arch_sweep --device cuda --archs gemma3-270m \
+          --formats bf16,online-fp8,fp8 --workers 3 --resume --out "$OUT/arch-sweep-gemma3.jsonl" \
+          > "$OUT/arch-gemma3-270m.log" 2>&1
+        log "gemma3-sweep rows: exit $?" ) &
+      SIDE+=($!); log "gemma3-sweep: started" ;;
     moe-compiled) tier moe-compiled --workers 10 -k "moe and compiled" ;;
     gemma3-270m)  # needs a WCACHE_GPU_GEMMA3=1 bundle (the real Gemma 3 270M; docs/gpu.md)
       # its bf16 fixture first, with the bundle's newer transformers (the image's 5.17 breaks

@@ -13,7 +13,7 @@
 #
 # Prints the run's pipe.log, the tier's and feature modules' latest pytest lines, the fresh-node
 # pairs' ratios so far (pipeline.sh's pairs stage), the row
-# counts of results.jsonl and arch-sweep-cuda.jsonl and every row that is not `restored`
+# counts of results.jsonl, arch-sweep-cuda.jsonl and arch-sweep-gemma3.jsonl and every row that is not `restored`
 # (case, outcome, reason), then GPU memory and load; writes $OUT/run.tgz (model weights left out).
 set -uo pipefail
 G=${RUN_DIR:-/tmp/gout}
@@ -32,7 +32,7 @@ python3 - "$G" <<'PY'
 import json, sys
 from pathlib import Path
 
-for name in ("results.jsonl", "arch-sweep-cuda.jsonl"):
+for name in ("results.jsonl", "arch-sweep-cuda.jsonl", "arch-sweep-gemma3.jsonl"):
     f = Path(sys.argv[1]) / name
     rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()] if f.exists() else []
     print(f"{name}: {len(rows)} row(s)")

@@ -4,7 +4,8 @@
 # in one serial pytest each (xdist would start each module's engines once per worker).
 # Run it beside the tier with the tier excluding them:
 #   bash tools/gpu/run-tier.sh -k "not lora and not sleep and not spec_decode" &
-#   bash tools/gpu/run-features.sh [spec] [sleep] [lora]      (default: all three)
+#   bash tools/gpu/run-features.sh [spec] [sleep] [lora] [lora-tx]   (default: the first three)
+#   lora-tx: only LoRA on cuda_ipc and mode=copy (the bf16 transport rows of docs/quickstart.md)
 # Writes to $OUT: features.log (every module's output), results.jsonl rows, fixtures.log.
 # Cost: not yet measured as one script; each module ran in minutes on the H200 (2026-12-04),
 # so run it in the background and poll features.log.
@@ -12,7 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 WHAT=("$@"); [ ${#WHAT[@]} -eq 0 ] && WHAT=(spec sleep lora)
 for w in "${WHAT[@]}"; do
-  case "$w" in spec|sleep|lora) ;; *) echo "run-features: unknown module $w (spec, sleep, lora)" >&2; exit 2 ;; esac
+  case "$w" in spec|sleep|lora|lora-tx) ;; *) echo "run-features: unknown module $w (spec, sleep, lora, lora-tx)" >&2; exit 2 ;; esac
 done
 source tools/gpu/env.sh || exit 2
 OUT=${OUT:-/tmp/wcache-gpu-out}
@@ -35,6 +36,7 @@ for w in "${WHAT[@]}"; do
     sleep) run sleep tests/gpu_engine/test_sleep_engines.py ;;
     lora) run lora-bf16 -k bf16 tests/gpu_engine/test_lora_engines.py
           run lora-quantized -k "fp8 or awq" tests/gpu_engine/test_lora_engines.py ;;
+    lora-tx) run lora-transports -k copy_and_cuda_ipc tests/gpu_engine/test_lora_engines.py ;;
   esac
 done
 grep -E "^\[run-features\]|passed|failed|error" "$OUT/features.log" | tail -40

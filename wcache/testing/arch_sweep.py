@@ -628,7 +628,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--archs",
         default=",".join(CPU_DEFAULT_ARCHS),
-        help="comma-separated registry names, or 'all'",
+        help="comma-separated registry names, 'all', or 'tiny' (the tiny random "
+        "architectures only, without the real models' rows)",
     )
     ap.add_argument("--formats", default="bf16", help=f"comma-separated of {FORMATS}")
     ap.add_argument("--out", default="arch-sweep.jsonl", help="results file (appended)")
@@ -666,14 +667,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if Path(args.out).is_dir():
             ap.error(f"--out {args.out} is a directory: give the results file's path")
         known = [*ARCHS, *REAL_MODELS]
-        names = known if args.archs == "all" else _listed(args.archs)
+        names = {"all": known, "tiny": list(ARCHS)}.get(args.archs) or _listed(args.archs)
         formats = _listed(args.formats)
         refuse_unknown_or_missing(
             ap,
             "--archs/--formats",
             [n for n in names if n not in known] + [f for f in formats if f not in FORMATS],
             not names or not formats,
-            f"architectures: all, {', '.join(known)}; formats: {', '.join(FORMATS)}",
+            f"architectures: all, tiny, {', '.join(known)}; formats: {', '.join(FORMATS)}",
         )
         if args.device == "cuda" and gpu_name() is None:
             ap.error(

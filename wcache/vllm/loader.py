@@ -395,27 +395,41 @@ def _record_timing(opts: LoaderOptions, phase: str, seconds: float, **info: Any)
             f.write(json.dumps({"phase": phase, "seconds": seconds, **info}) + "\n")
 
 
+#: Why an engine with expert rebalancing is not restored (update-unsupported), and the fix.
+EPLB_REFUSAL = (
+    "expert rebalancing (enable_eplb) is not restored: vLLM runs it only with expert "
+    "parallelism over several ranks (enable_expert_parallel with TP, PCP or DP > 1), whose "
+    "expert map a restore cannot build, and it rewrites expert weights in place between "
+    "steps. Fix: load this engine from disk (load_format='auto'), or drop --enable-eplb "
+    "and --enable-expert-parallel (the experts are then sharded by tensor parallelism, "
+    "which is restored)"
+)
+
+
 def _update_refusal(
     vllm_config: VllmConfig, device: torch.device, opts: LoaderOptions
 ) -> str | None:
     """Why a weight-mutation path this engine enables cannot run on a restored
     model, or None (see docs/quickstart.md, "Mapped weights and weight updates").
 
-    On CUDA with ``zero_copy`` the weights are the daemon's device memory, which
-    cannot be made copy-on-write: expert rebalancing (EPLB) rewrites expert weights
-    in place with no hook before the write, and sleep mode can neither offload nor
-    free memory it did not allocate (level 2 then needs a reload into it). Both work
-    with ``mode=copy`` (a private copy, allocated inside the engine's own pools).
-    On CPU every path writes copy-on-write pages (:meth:`Attachment.allow_private_writes_`).
+    Sleep mode on CUDA with ``zero_copy``: the weights are the daemon's device
+    memory, which sleep mode can neither offload nor free (level 2 then needs a
+    reload into it); it works with ``mode=copy`` (a private copy, allocated inside
+    the engine's own pools), and on CPU, where every write lands in copy-on-write
+    pages (:meth:`Attachment.allow_private_writes_`).
+
+    Expert rebalancing (EPLB) on every device and mode (:data:`EPLB_REFUSAL`): vLLM
+    runs it only with expert parallelism over more than one rank
+    (``enable_expert_parallel`` with TP, PCP or DP > 1: vllm/config/parallel.py
+    ``ParallelConfig.__post_init__``, 0.32 and 0.33), whose expert map a restore
+    cannot build (:func:`wcache.vllm.model.expert_parallel_ranks`); the loader asks
+    this before it raises that build's ``meta-build``, so the refusal names the
+    feature the user enabled.
     """
+    if getattr(vllm_config.parallel_config, "enable_eplb", False):
+        return EPLB_REFUSAL
     if device.type == "cpu" or opts.mode == "copy":
         return None
-    if getattr(vllm_config.parallel_config, "enable_eplb", False):
-        return (
-            "expert rebalancing (enable_eplb) rewrites expert weights in place, and the "
-            "daemon's zero_copy device memory cannot take private writes; set "
-            "model_loader_extra_config mode='copy' (or load from disk)"
-        )
     if getattr(vllm_config.model_config, "enable_sleep_mode", False):
         return (
             "sleep mode cannot offload or free the daemon's zero_copy device memory, and "
@@ -980,14 +994,16 @@ class WcacheModelLoader(BaseModelLoader):
         dev_id = device_id(device, model_config, layout, job)
         attachment = None
         try:
+            # before the build's own error: expert rebalancing's expert parallelism
+            # also fails the meta build, and the refusal names what the user enabled
+            refusal = _update_refusal(vllm_config, device, opts)
+            if refusal:
+                raise UpdateUnsupported(f"wcache: {refusal}")
             if build_error is not None:
                 raise build_error
             assert model is not None  # built, or build_error was raised
             # Unplanned layers are found here, before any weight or socket is touched;
             # like every other reason code, plan-missing follows the fallback rule.
-            refusal = _update_refusal(vllm_config, device, opts)
-            if refusal:
-                raise UpdateUnsupported(f"wcache: {refusal}")
             spec_refusal = _spec_refusal(vllm_config) if role == ROLE_TARGET else None
             if spec_refusal:
                 raise SpecDecodeUnsupported(f"wcache: {spec_refusal}")

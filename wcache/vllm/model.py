@@ -426,7 +426,7 @@ def expert_parallel_ranks(vllm_config: Any) -> int:
 
 
 def meta_build_error(
-    hf_config: Any, exc: BaseException, fix: str, *, expert_ranks: int = 0
+    hf_config: Any, exc: BaseException, fix: str, *, expert_ranks: int = 0, eplb: bool = False
 ) -> MetaBuildUnsupported:
     """The refusal of a model whose constructor reads tensor values (a restore builds
     it on the meta device, where no value exists): e.g. vLLM's ``BloomAttention``
@@ -440,16 +440,20 @@ def meta_build_error(
         expert_ranks: :func:`expert_parallel_ranks` of the engine: when not 0 the
             refusal is of expert parallelism, not of the architecture, and ``fix`` is
             replaced by dropping it.
+        eplb: the engine enables expert rebalancing (``enable_eplb``), which vLLM
+            allows only with expert parallelism: the fix drops both.
     """
     archs = list(getattr(hf_config, "architectures", None) or [])
     cause = f"({type(exc).__name__}: {str(exc)[:160]})"
     if expert_ranks:
+        # vLLM refuses expert rebalancing without expert parallelism (ParallelConfig)
+        drop = "--enable-eplb and --enable-expert-parallel" if eplb else "--enable-expert-parallel"
         return MetaBuildUnsupported(
             f"expert parallelism over {expert_ranks} ranks (enable_expert_parallel): vLLM "
             f"computes its expert map from tensor values while it builds "
             f"{', '.join(archs) or 'the model'} {cause}; a restore builds the model on the "
             f"meta device, where no value exists, so an engine with expert parallelism is "
-            f"not restored. Fix: drop --enable-expert-parallel (enable_expert_parallel="
+            f"not restored. Fix: drop {drop} (enable_expert_parallel="
             f"False; the experts are then sharded by tensor parallelism, which is "
             f"restored), or load this engine from disk (load_format='auto')."
         )
@@ -504,7 +508,11 @@ def initialize_on_meta(
         if not meta_build_failed(exc):
             raise
         raise meta_build_error(
-            model_config.hf_config, exc, fix, expert_ranks=expert_parallel_ranks(vllm_config)
+            model_config.hf_config,
+            exc,
+            fix,
+            expert_ranks=expert_parallel_ranks(vllm_config),
+            eplb=bool(getattr(getattr(vllm_config, "parallel_config", None), "enable_eplb", False)),
         ) from exc
 
 
