@@ -295,7 +295,8 @@ def test_pipeline_gemma3_sweep_runs_beside_the_tiny_sweep(tmp_path):
     """gemma3-sweep (a side stage) builds Gemma 3's bf16 fixture with the bundle's
     transformers, then runs its sweep rows alone into their own results file, no tier
     case; arch-all beside it runs the tiny architectures only, with ARCH_WORKERS; the
-    feature modules (lora-tx: LoRA's transport cases) run until `wait`."""
+    feature modules (lora-tx: LoRA's transport cases) run until `wait`. Alone, arch-all
+    runs every architecture, resuming over ARCH_RESUME's rows."""
     lines, text = _run_pipeline(
         tmp_path, "features=spec:lora-tx,gemma3-sweep,arch-all,wait", env={"ARCH_WORKERS": "12"}
     )
@@ -313,8 +314,13 @@ def test_pipeline_gemma3_sweep_runs_beside_the_tiny_sweep(tmp_path):
     assert "--workers 12" in tiny and "arch-sweep-cuda.jsonl" in tiny
     assert "-k gemma3" not in text  # no tier case
     assert "-k copy_and_cuda_ipc" in text and "test_spec_decode_engines.py" in text
-    lines, text = _run_pipeline(tmp_path / "alone", "arch-all")
+    earlier = tmp_path / "earlier.jsonl"
+    earlier.write_text('{"case": "llama/bf16", "device": "cuda"}\n')
+    lines, text = _run_pipeline(tmp_path / "alone", "arch-all", env={"ARCH_RESUME": str(earlier)})
     assert "arch-all: start (--archs all, 16 workers)" in lines and "--workers 16" in text
+    assert f"arch-all: resumes over {earlier}" in lines
+    out = tmp_path / "alone" / "gout" / "arch-sweep-cuda.jsonl"
+    assert out.read_text() == earlier.read_text()  # its cases skipped by --resume
 
 
 def test_pipeline_stage_at_a_gpu_runs_only_on_that_gpu(tmp_path):

@@ -28,7 +28,9 @@
 #                   WCACHE_GPU_GEMMA3=1 bundle. With it in the list, arch-all runs the tiny
 #                   architectures only (--archs tiny)
 #   arch-all        the whole architecture sweep (--resume over arch-sweep-cuda.jsonl),
-#                   $ARCH_WORKERS workers (default 16)
+#                   $ARCH_WORKERS workers (default 16); ARCH_RESUME=FILE (absolute, or in the
+#                   checkout): that file's rows are copied in first, and their cases skipped
+#                   (e.g. the rows an earlier session's cut run got on this GPU)
 #   pairs=N         the fresh-node pairs of issue 48 (bench-phases.sh disk-compiled-cold,fresh-node,
 #                   PAIRS=N, startup plan on), alone on the GPU: the 8B checkpoint (~30 s when
 #                   written beside a tier stage), the primed snapshot (~170 s, alone: see below),
@@ -135,6 +137,9 @@ for st in "${LIST[@]}"; do
       SIDE+=($!); log "arch $archs: started" ;;
     arch-all)
       which=all; [[ ",$STAGES," == *,gemma3-sweep,* ]] && which=tiny  # gemma3-sweep runs its rows
+      if [ -n "${ARCH_RESUME:-}" ]; then
+        cat "$ARCH_RESUME" >> "$OUT/arch-sweep-cuda.jsonl" && log "arch-all: resumes over $ARCH_RESUME"
+      fi
       log "arch-all: start (--archs $which, ${ARCH_WORKERS:-16} workers)"
       python3 -m wcache.testing.arch_sweep --device cuda --archs "$which" --formats bf16,online-fp8 \
         --workers "${ARCH_WORKERS:-16}" --resume --out "$OUT/arch-sweep-cuda.jsonl" > "$OUT/arch-all.log" 2>&1
