@@ -13,7 +13,8 @@ and once restored from a daemon (``wcache``, fallback off), with the same
 decoding gives the target's greedy tokens whatever the draft proposes, so a restored
 engine's tokens must equal a disk engine's with the same speculative config.
 
-The JSON line: ``tokens`` (per prompt), ``drafter`` (the drafter model's class),
+The JSON line: ``tokens`` (per prompt), ``drafter`` (the drafter model's class; None
+for a method without drafter weights, e.g. ``ngram``),
 ``target``/``draft`` (per model: the wcache attachment's transport, arena range and
 closed flag, or None for a model loaded from disk), and ``shared``: for
 ``embed_tokens`` and ``lm_head``, whether the drafter's module *is* the target's,
@@ -65,6 +66,8 @@ def _sharing(worker) -> dict:
     # vLLM's V1 runner keeps the proposer as ``drafter``; the GPU runner of 0.33
     # (vllm/v1/worker/gpu/model_runner.py) as ``speculator``
     proposer = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
+    if getattr(proposer, "model", None) is None:  # ngram, suffix: a drafter with no model
+        return {"drafter": None, "target": _attachment(target), "draft": None, "shared": {}}
     drafter = _unwrap(proposer.model)
     tatt, datt = _attachment(target), _attachment(drafter)
     out: dict = {"drafter": type(drafter).__name__, "target": tatt, "draft": datt, "shared": {}}

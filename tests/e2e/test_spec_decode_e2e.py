@@ -7,7 +7,9 @@ vocabulary and tokenizer) by another (``--job draft``: wcache.vllm.loader's
 * ``draft_model``, target and draft restored; the same with ``draft='disk'`` (only
   the target restored); a disk engine with the same ``speculative_config``;
 * ``eagle``: a random EAGLE-1 head (wcache.testing.spec_decode) without embed_tokens
-  and lm_head, which load from disk and share the target's restored modules.
+  and lm_head, which load from disk and share the target's restored modules;
+* ``ngram``: no drafter weights; the target is restored (vLLM points the draft's
+  config at the target's own, which once sent the target's load to disk: break18 D1).
 
 Greedy speculative decoding gives the target's greedy tokens whatever the drafter
 proposes, so every engine's tokens equal the disk engine's (the EAGLE engine's too:
@@ -80,6 +82,12 @@ def runs(tmp_path_factory) -> dict:
         "num_speculative_tokens": NUM_SPEC_TOKENS,
     }
     eagle_spec = {"method": "eagle", "model": head, "num_speculative_tokens": NUM_SPEC_TOKENS}
+    ngram_spec = {
+        "method": "ngram",
+        "num_speculative_tokens": NUM_SPEC_TOKENS,
+        "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1,
+    }
     out: dict = {}
     with tempfile.TemporaryDirectory(prefix="wc-spec-") as sock:
         with (
@@ -91,6 +99,7 @@ def runs(tmp_path_factory) -> dict:
             out["both"] = _run(target, draft_spec, "wcache", extra)
             out["target_only"] = _run(target, draft_spec, "wcache", {**extra, "draft": "disk"})
             out["eagle"] = _run(target, eagle_spec, "wcache", extra)
+            out["ngram"] = _run(target, ngram_spec, "wcache", extra)
             out["status"] = {
                 name: daemon_status(_socket(d))
                 for name, d in (("target", tgt_daemon), ("draft", draft_daemon))
@@ -128,9 +137,18 @@ def test_eagle_head_shares_target_mapped_tensors(runs):
         assert shared["in_target_arena"] is True, name
 
 
+def test_ngram_restores_the_target(runs):
+    """ngram (no drafter weights): the target maps its daemon's arena, and the tokens
+    are the disk engine's (greedy speculative decoding gives the target's tokens)."""
+    ngram = runs["ngram"]
+    assert ngram["tokens"] == runs["disk"]["tokens"]
+    assert ngram["drafter"] is None and ngram["draft"] is None
+    assert ngram["target"] is not None and ngram["target"]["transport"] == "shm"
+
+
 def test_every_attachment_released_once(runs):
-    """After the engines exit, the target's daemon saw three attachments and the draft's one, each released once."""
-    expected = {"target": 3, "draft": 1}
+    """After the engines exit, the target's daemon saw four attachments and the draft's one, each released once."""
+    expected = {"target": 4, "draft": 1}
     for name, status in runs["status"].items():
         assert status["attachments_total"] == expected[name], name
         assert status["attachments_active"] == 0, name

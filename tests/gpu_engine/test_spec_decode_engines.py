@@ -8,7 +8,8 @@ vocabulary and tokenizer) from a second daemon (``--job draft``, the loader's
   (``draft='disk'``); a disk engine with the same ``speculative_config``;
 * ``eagle`` (CUDA graphs on: cudagraph_mode FULL, no compile): a random EAGLE-1 head
   (wcache.testing.spec_decode) without embed_tokens and lm_head, restored target vs
-  a disk engine.
+  a disk engine;
+* ``ngram`` (CUDA graphs on): no drafter weights, the target restored vs a disk engine.
 
 For ``eagle``, one engine each beyond the default (``cuda_vmm``, zero-copy): the target
 restored with ``mode=copy`` from the same daemon, and from a second target daemon
@@ -54,7 +55,7 @@ SPEC_ENGINE_TIMEOUT_S = 180.0
 NUM_SPEC_TOKENS = 3
 DRAFT_JOB = "draft"
 #: Per method: the graph mode of its engines (eager for draft_model, graphs on for eagle).
-MODES = {"draft_model": "eager", "eagle": "graphs"}
+MODES = {"draft_model": "eager", "eagle": "graphs", "ngram": "graphs"}
 #: ``wcache serve`` with cuda_vmm reported missing: the daemon serves over cuda_ipc.
 IPC_SERVE = Path(__file__).with_name("_serve_cuda_ipc.py")
 
@@ -124,6 +125,8 @@ def runs(tmp_path_factory) -> dict:
     specs = {
         "draft_model": {"method": "draft_model", "model": draft, **common},
         "eagle": {"method": "eagle", "model": head, **common},
+        # no drafter weights; vLLM points its draft config at the target's own
+        "ngram": {"method": "ngram", "prompt_lookup_max": 3, "prompt_lookup_min": 1, **common},
     }
     out: dict = {}
     with tempfile.TemporaryDirectory(prefix="wc-spec-gpu-") as sock:
@@ -225,6 +228,26 @@ def test_eagle_head_shares_target_mapped_tensors(runs):
         assert shared[name]["same_module"] is True, name
         assert shared[name]["draft_ptr"] == shared[name]["target_ptr"], name
         assert shared[name]["in_target_arena"] is True, name
+
+
+def test_ngram_restores_the_target(runs):
+    """ngram (graphs on, no drafter weights): the target maps its daemon's arena and
+    gives the disk engine's tokens (break18 D1: its target once loaded from disk)."""
+    disk = _disk(runs, "ngram")
+    got = runs["ngram.restored"]
+    ok = "error" not in got and got["tokens"] == disk["tokens"] and got.get("target") is not None
+    _record(
+        "ngram.restored",
+        "pass" if ok else "fail",
+        mode=MODES["ngram"],
+        error=got.get("error", "")[-2000:],
+        tokens=got.get("tokens"),
+        disk_tokens=disk["tokens"],
+    )
+    assert "error" not in got, got.get("error")
+    assert got["tokens"] == disk["tokens"]
+    assert got["drafter"] is None and got["draft"] is None
+    assert got["target"] is not None and got["target"]["transport"].startswith("cuda")
 
 
 def test_every_attachment_released_once(runs):

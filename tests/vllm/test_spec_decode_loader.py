@@ -12,11 +12,14 @@ import pytest
 
 
 def _vllm_config(method: str | None, draft: object = None, model: object = None):
-    spec = None if method is None else SimpleNamespace(method=method, draft_model_config=draft)
+    model = model or SimpleNamespace(model="/target")
+    spec = (
+        None
+        if method is None
+        else SimpleNamespace(method=method, draft_model_config=draft, target_model_config=model)
+    )
     return SimpleNamespace(
-        speculative_config=spec,
-        model_config=model or SimpleNamespace(model="/target"),
-        device_config=SimpleNamespace(device="cpu"),
+        speculative_config=spec, model_config=model, device_config=SimpleNamespace(device="cpu")
     )
 
 
@@ -39,6 +42,18 @@ def test_spec_role_table(method, loading_draft, role):
     draft = SimpleNamespace(model="/m")  # equal fields, another object
     cfg = _vllm_config(method, draft, target)
     assert role == spec_role(cfg, draft if loading_draft else target)
+
+
+@pytest.mark.parametrize("method", ["ngram", "ngram_gpu", "custom_class"])
+def test_a_method_whose_draft_config_is_the_targets_has_only_the_targets_load(method):
+    """ngram, ngram_gpu and custom_class: vLLM sets draft_model_config to the target's
+    own ModelConfig object, so the target's load is told apart by it being the target's
+    (break18 D1: ngram's target was taken for a drafter and loaded from disk, silently
+    with fallback off; custom_class then skipped its spec-unsupported refusal)."""
+    from wcache.vllm.loader import spec_role
+
+    target = SimpleNamespace(model="/m")
+    assert spec_role(_vllm_config(method, target, target), target) == "target"
 
 
 @pytest.mark.parametrize(

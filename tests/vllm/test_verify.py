@@ -445,6 +445,38 @@ def test_first_difference_names_the_field_and_both_values(loaded, restored, expe
     assert expected == first_difference(loaded, restored)
 
 
+def test_parameter_flags_compare_a_weight_loader_by_its_functions_name():
+    """A parameter's loader compares by its function's name, through a partial and a
+    bound method: vLLM's AWQ no-op loader and a layer's weight_loader_v2 differ
+    (break18 D2: both were "<callable>", and verify passed a restore whose
+    load_weights raised), two closures of one name are equal."""
+    import functools
+
+    from wcache.stages.awq import CONVERTED_PARAM_ATTRS
+    from wcache.vllm.verify import parameter_flags
+
+    class Layer(torch.nn.Module):
+        def weight_loader_v2(self, param, loaded):
+            pass
+
+    def _noop_loader(*args, **kwargs):  # vLLM's, a closure of the conversion
+        pass
+
+    def flags(loader):
+        layer = Layer()
+        layer.w = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+        layer.w.weight_loader = loader
+        return dict(parameter_flags(layer)["%w"][2])["weight_loader"]
+
+    layer = Layer()
+    assert flags(layer.weight_loader_v2) == "<callable weight_loader_v2>"
+    assert flags(functools.partial(layer.weight_loader_v2, shard_id=0)) == flags(
+        Layer().weight_loader_v2
+    )
+    assert flags(_noop_loader) == flags(CONVERTED_PARAM_ATTRS["qweight"]["_weight_loader"])
+    assert flags(_noop_loader) != flags(layer.weight_loader_v2)
+
+
 def test_verify_forward_gives_the_process_vllms_workspace_manager():
     """vLLM's fused-MoE kernels assert a workspace manager exists (an engine's model runner
     makes it); verify's forward runs outside an engine, so compat makes one, once."""

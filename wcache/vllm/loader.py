@@ -459,6 +459,10 @@ def spec_role(vllm_config: VllmConfig, model_config: ModelConfig) -> str:
     the very ``draft_model_config`` object, which is how a draft load is told apart
     (an MTP draft even has the target's model path).
 
+    Methods without drafter weights whose ``draft_model_config`` *is* the target's
+    (``ngram``, ``ngram_gpu``, ``custom_class``: vLLM points it at
+    ``target_model_config``) have only the target's load.
+
     Returns:
         ``"target"`` (no speculative decoding, or the target's load); ``"draft"``
         (the ``draft_model`` method's draft: restorable from its own daemon);
@@ -473,6 +477,11 @@ def spec_role(vllm_config: VllmConfig, model_config: ModelConfig) -> str:
     spec = getattr(vllm_config, "speculative_config", None)
     draft = None if spec is None else getattr(spec, "draft_model_config", None)
     if draft is None or model_config is not draft:
+        return ROLE_TARGET
+    # ngram, ngram_gpu and custom_class set draft_model_config to the target's own
+    # config object (vllm/config/speculative.py, SpeculativeConfig.__post_init__): a
+    # load with it is the target's (break18 D1: ngram's target was loaded from disk)
+    if draft is getattr(spec, "target_model_config", None):
         return ROLE_TARGET
     return ROLE_DRAFT if spec_method(vllm_config) == SPEC_DRAFT_MODEL else ROLE_HEAD
 

@@ -39,6 +39,7 @@ import atexit
 import contextlib
 import dataclasses
 import enum
+import functools
 import gc
 import json
 import logging
@@ -349,10 +350,11 @@ def parameter_flags(module: torch.nn.Module) -> dict[str, Any]:
     """Per own parameter of ``module``, as ``%name``: its class, ``requires_grad``
     and the attributes set on the parameter object (vLLM's ``weight_loader``,
     ``output_dim``, ``input_dim``, ``packed_dim``, ``tp_rank``, ...; normalized by
-    :func:`_plain`, so a loader compares as ``"<callable>"``). What vLLM's weight
-    updates read: ``reload_weights`` in kernel format copies into a parameter that
-    requires grad only under ``torch.no_grad``, ``load_weights`` calls each
-    parameter's ``weight_loader`` with its ``output_dim``.
+    :func:`_param_attr`, so a loader compares by its function's name). What vLLM's
+    weight updates read: ``reload_weights`` in kernel format copies into a parameter
+    that requires grad only under ``torch.no_grad``, ``load_weights`` calls each
+    parameter's ``weight_loader`` with its ``output_dim`` (a no-op loader and a
+    layer's ``weight_loader_v2`` differ: break18 D2).
 
     Every parameter is compared, the ones vLLM's post-load re-registers included: the
     restore gives each the class and attributes of vLLM's own load in this release
@@ -367,13 +369,25 @@ def parameter_flags(module: torch.nn.Module) -> dict[str, Any]:
             continue
         attrs_ = tuple(
             sorted(
-                (k, _plain(v))
+                (k, _param_attr(v))
                 for k, v in vars(p).items()
                 if not getattr(v, compat.COPY_ON_WRITE_HOOK, False)
             )
         )
         out[f"%{name}"] = (f"{type(p).__module__}.{type(p).__qualname__}", p.requires_grad, attrs_)
     return out
+
+
+def _param_attr(value: Any) -> Any:
+    """A parameter attribute as :func:`parameter_flags` compares it: :func:`_plain`,
+    but a callable (the weight loader) as ``<callable NAME>``, NAME its function's
+    ``__name__`` (through a ``functools.partial`` and a bound method): which function
+    ``load_weights`` calls, not which closure or object it is bound to."""
+    if callable(value) and not isinstance(value, (torch.Tensor, type)):
+        fn = getattr(value, "func", None) if isinstance(value, functools.partial) else value
+        fn = getattr(fn, "__func__", fn)  # a bound method: its function
+        return f"<callable {getattr(fn, '__name__', type(fn).__name__)}>"
+    return _plain(value)
 
 
 def _opened(value: Any) -> bool:

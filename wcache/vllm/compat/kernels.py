@@ -183,6 +183,54 @@ def bound_attr_path(module: torch.nn.Module, layer_attr: str) -> str:
     return layer_attr
 
 
+#: The name of vLLM's layerwise wrapper of a parameter's loader (online quantization
+#: and reloads): vllm/model_executor/model_loader/reload/layerwise.py
+#: (``make_online_process_loader``), 0.33.
+ONLINE_PROCESS_LOADER = "online_process_loader"
+#: Where a linear layer's FP8 scaled-mm kernel is (Fp8LinearMethod, compressed-tensors
+#: W8A8 FP8), as for the ``logical_output_size`` binding.
+FP8_KERNEL_OWNERS = ("quant_method.fp8_linear", "scheme.fp8_linear")
+
+
+def weight_loaders_as_loaded_(module: torch.nn.Module) -> None:
+    """Give ``module``'s parameters the weight loaders vLLM's own load leaves them
+    (what ``model.load_weights`` calls on a disk engine; ``wcache verify`` compares them
+    by name, break18):
+
+    * a loader wrapped for online processing (``online_process_loader``, which vLLM
+      puts on an online-quantized layer's parameters when it builds them, so the
+      restore's meta build has it too) is unwrapped to the original, as vLLM's load
+      leaves it once the layer is processed (``_get_original_loader``);
+    * a weight the CUTLASS FP8 kernel padded to multiples of 16 (K or N, against
+      ``input_size_per_partition`` and the kernel's ``logical_output_size``) gets the
+      kernel's ``padded_weight_loader``, as its post-load sets it.
+
+    Idempotent. Source: vllm/model_executor/model_loader/reload/layerwise.py;
+    vllm/model_executor/kernels/linear/scaled_mm/cutlass.py::
+    CutlassFP8ScaledMMLinearKernel.process_weights_after_loading (0.32 and 0.33).
+    """
+    for p in module._parameters.values():
+        if p is None:
+            continue
+        # a BasevLLMParameter keeps it as _weight_loader (its property raises once deleted)
+        loader: Any = vars(p).get("_weight_loader", vars(p).get("weight_loader"))
+        if getattr(loader, "__name__", None) != ONLINE_PROCESS_LOADER:
+            continue
+        while getattr(loader, "__name__", None) == ONLINE_PROCESS_LOADER:
+            loader = loader.__wrapped__
+        setattr(p, "weight_loader", loader)  # noqa: B010 (the property's setter, or an attribute)
+    weight = module._parameters.get("weight")
+    k = getattr(module, "input_size_per_partition", None)
+    for owner in FP8_KERNEL_OWNERS:
+        kernel = _resolve(module, owner)
+        padded = getattr(kernel, "padded_weight_loader", None)
+        n = getattr(kernel, "logical_output_size", None)
+        if padded is None or weight is None or weight.dim() != 2 or None in (k, n):
+            continue
+        if tuple(weight.shape) != (k, n):  # [K, N] (column-major B), padded
+            setattr(weight, "weight_loader", padded)  # noqa: B010 (as above)
+
+
 def sync_kernel_state_(module: torch.nn.Module) -> None:
     """Put the kernel state a plan left on ``module`` where vLLM keeps it; call after
     a plan's load or restore (a no-op elsewhere, and idempotent).
@@ -190,7 +238,10 @@ def sync_kernel_state_(module: torch.nn.Module) -> None:
     * each :data:`KERNEL_BINDINGS` value the layer holds goes onto vLLM's kernel
       object, and the layer attribute is deleted once bound;
     * the "already processed" flag of the methods whose own post-load sets it
-      (:func:`mark_postload_done_`).
+      (:func:`mark_postload_done_`);
+    * the parameters' weight loaders, as vLLM's load leaves them
+      (:func:`weight_loaders_as_loaded_`, after the bindings: it reads the kernel's
+      ``logical_output_size``).
     """
     mark_postload_done_(module)
     for binding in KERNEL_BINDINGS:
@@ -210,3 +261,4 @@ def sync_kernel_state_(module: torch.nn.Module) -> None:
             moved = True
         if moved:
             delattr(module, binding.layer_attr)
+    weight_loaders_as_loaded_(module)
