@@ -426,7 +426,7 @@ def _update_refusal(
     this before it raises that build's ``meta-build``, so the refusal names the
     feature the user enabled.
     """
-    if getattr(vllm_config.parallel_config, "enable_eplb", False):
+    if getattr(getattr(vllm_config, "parallel_config", None), "enable_eplb", False):
         return EPLB_REFUSAL
     if device.type == "cpu" or opts.mode == "copy":
         return None

@@ -217,8 +217,9 @@ def weight_loaders_as_loaded_(module: torch.nn.Module) -> None:
         if getattr(loader, "__name__", None) != ONLINE_PROCESS_LOADER:
             continue
         while getattr(loader, "__name__", None) == ONLINE_PROCESS_LOADER:
-            loader = loader.__wrapped__
-        setattr(p, "weight_loader", loader)  # noqa: B010 (the property's setter, or an attribute)
+            loader = getattr(loader, "__wrapped__", None)  # functools.wraps sets it
+        if loader is not None:
+            setattr(p, "weight_loader", loader)  # noqa: B010 (the property's setter, or an attribute)
     weight = module._parameters.get("weight")
     k = getattr(module, "input_size_per_partition", None)
     for owner in FP8_KERNEL_OWNERS:
