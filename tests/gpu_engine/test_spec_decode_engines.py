@@ -179,23 +179,32 @@ def _disk(runs: dict, method: str) -> dict:
     return disk
 
 
-@pytest.mark.parametrize("case", ["restored", "target_only"])
-def test_draft_model_tokens_equal_disk(runs, case):
-    """draft_model, target and draft restored (or only the target), gives the disk engine's tokens (eager)."""
-    disk = _disk(runs, "draft_model")
-    got = runs[f"draft_model.{case}"]
-    ok = "error" not in got and got["tokens"] == disk["tokens"]
+def _restored_equals_disk(runs: dict, method: str, case: str) -> dict:
+    """The ``method.case`` engine against the disk engine (its row recorded): no error,
+    the disk engine's tokens, the target mapped over a CUDA transport; returns its run."""
+    disk = _disk(runs, method)
+    got = runs[f"{method}.{case}"]
+    target = got.get("target")
+    mapped = target is not None and target["transport"].startswith("cuda")
+    ok = "error" not in got and got["tokens"] == disk["tokens"] and mapped
     _record(
-        f"draft_model.{case}",
+        f"{method}.{case}",
         "pass" if ok else "fail",
-        mode=MODES["draft_model"],
+        mode=MODES[method],
         error=got.get("error", "")[-2000:],
         tokens=got.get("tokens"),
         disk_tokens=disk["tokens"],
     )
     assert "error" not in got, got.get("error")
     assert got["tokens"] == disk["tokens"]
-    assert got["target"] is not None and got["target"]["transport"].startswith("cuda")
+    assert mapped, target
+    return got
+
+
+@pytest.mark.parametrize("case", ["restored", "target_only"])
+def test_draft_model_tokens_equal_disk(runs, case):
+    """draft_model, target and draft restored (or only the target), gives the disk engine's tokens (eager)."""
+    got = _restored_equals_disk(runs, "draft_model", case)
     if case == "restored":
         t, d = got["target"], got["draft"]
         assert d is not None and (d["hi"] <= t["lo"] or t["hi"] <= d["lo"])
@@ -233,21 +242,8 @@ def test_eagle_head_shares_target_mapped_tensors(runs):
 def test_ngram_restores_the_target(runs):
     """ngram (graphs on, no drafter weights): the target maps its daemon's arena and
     gives the disk engine's tokens (break18 D1: its target once loaded from disk)."""
-    disk = _disk(runs, "ngram")
-    got = runs["ngram.restored"]
-    ok = "error" not in got and got["tokens"] == disk["tokens"] and got.get("target") is not None
-    _record(
-        "ngram.restored",
-        "pass" if ok else "fail",
-        mode=MODES["ngram"],
-        error=got.get("error", "")[-2000:],
-        tokens=got.get("tokens"),
-        disk_tokens=disk["tokens"],
-    )
-    assert "error" not in got, got.get("error")
-    assert got["tokens"] == disk["tokens"]
+    got = _restored_equals_disk(runs, "ngram", "restored")
     assert got["drafter"] is None and got["draft"] is None
-    assert got["target"] is not None and got["target"]["transport"].startswith("cuda")
 
 
 def test_every_attachment_released_once(runs):
