@@ -208,7 +208,9 @@ class ConfigInvalid(WcacheError, ValueError):
 class LoadFailed(WcacheError, RuntimeError):
     """The daemon's load (vLLM, transformers, safetensors) raised something wcache
     does not classify; the message names the checkpoint and the error, and the
-    traceback is in the log (``--verbose``)."""
+    traceback is in the log (``--verbose``). Also ``wcache verify``'s, when vLLM's
+    own build or disk load of the model fails on this host (exit 2: nothing to
+    compare)."""
 
     code = "load-failed"
 

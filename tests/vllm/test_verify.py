@@ -341,6 +341,30 @@ def test_too_little_memory_is_refused_before_loading(monkeypatch, capsys, host_k
     assert "wcache verify: error [insufficient-memory]: " in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("error", [NotImplementedError, RuntimeError, ValueError])
+def test_vllms_own_load_failing_here_is_exit_2_not_a_difference(
+    monkeypatch, capsys, host_kernels, error
+):
+    """vLLM's own disk load raising on this host (no CPU kernel for the format: "No
+    WNA16 MoE backend supports ...") is `load-failed`, exit 2 (could not compare),
+    naming vLLM's error: it was exit 1 ("a layer differs") or a traceback (break19 D1)."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    from wcache.cli import main
+
+    path = _fixture("bf16", host_kernels)
+
+    def no_kernel(*args, **kwargs):
+        raise error("No WNA16 MoE backend supports the deployment configuration.")
+
+    monkeypatch.setattr(DefaultModelLoader, "load_model", no_kernel)
+    assert 2 == main(["verify", "--model", path, *ENGINE_ARGS, "--no-progress"])
+    err = capsys.readouterr().err
+    assert "wcache verify: error [load-failed]: vLLM's own load of " in err
+    assert f"({error.__name__}: No WNA16 MoE backend" in err
+    assert "in no_kernel" not in err  # no traceback of vLLM's error (a logging one may be)
+
+
 def test_the_engines_restore_options_are_honoured_or_refused_by_name():
     """`--load-format wcache --model-loader-extra-config` is the engine's restore: its
     socket_dir and job name the daemon, its other options go to verify's restore, and
@@ -449,7 +473,8 @@ def test_parameter_flags_compare_a_weight_loader_by_its_functions_name():
     """A parameter's loader compares by its function's name, through a partial and a
     bound method: vLLM's AWQ no-op loader and a layer's weight_loader_v2 differ
     (break18 D2: both were "<callable>", and verify passed a restore whose
-    load_weights raised), two closures of one name are equal."""
+    load_weights raised), two closures of one name are equal; a bound method's
+    layer class counts (break19 N1)."""
     import functools
 
     from wcache.stages.awq import CONVERTED_PARAM_ATTRS
@@ -468,11 +493,15 @@ def test_parameter_flags_compare_a_weight_loader_by_its_functions_name():
         layer.w.weight_loader = loader
         return dict(parameter_flags(layer)["%w"][2])["weight_loader"]
 
+    class Other(Layer):
+        pass
+
     layer = Layer()
-    assert flags(layer.weight_loader_v2) == "<callable weight_loader_v2>"
+    assert flags(layer.weight_loader_v2) == "<callable Layer.weight_loader_v2>"
     assert flags(functools.partial(layer.weight_loader_v2, shard_id=0)) == flags(
         Layer().weight_loader_v2
     )
+    assert flags(Other().weight_loader_v2) != flags(layer.weight_loader_v2)  # break19 N1
     assert flags(_noop_loader) == flags(CONVERTED_PARAM_ATTRS["qweight"]["_weight_loader"])
     assert flags(_noop_loader) != flags(layer.weight_loader_v2)
 

@@ -58,7 +58,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from wcache.core import tensor_checksum
-from wcache.errors import RestoreFailed, VerifyRefused  # VerifyRefused re-exported: its old home
+from wcache.errors import (  # VerifyRefused re-exported: its old home
+    LoadFailed,
+    RestoreFailed,
+    VerifyRefused,
+    WcacheError,
+)
 from wcache.shell import snapshot
 from wcache.vllm import compat, vllm_logs_quiet
 from wcache.vllm.build import (
@@ -378,15 +383,38 @@ def parameter_flags(module: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
+@contextlib.contextmanager
+def _vllms_own(step: str, model: str) -> Iterator[None]:
+    """Turn a failure of vLLM's own ``step`` (its meta build, its disk load) into
+    :class:`LoadFailed` (``wcache verify`` exit 2: nothing to compare), keeping
+    wcache's own errors (``meta-build``, ...) as they are (break19 D1: exit 1, "a
+    layer differs", or a traceback)."""
+    try:
+        yield
+    except WcacheError:
+        raise
+    except Exception as exc:  # vLLM's, of any kind: named in the message
+        raise LoadFailed(
+            f"vLLM's own {step} of {model} fails on this host ({type(exc).__name__}: "
+            f"{str(exc)[:300]}), so there is no disk load to compare a restore with; a "
+            f"vLLM engine could not serve it here from disk either"
+        ) from exc
+
+
 def _param_attr(value: Any) -> Any:
     """A parameter attribute as :func:`parameter_flags` compares it: :func:`_plain`,
     but a callable (the weight loader) as ``<callable NAME>``, NAME its function's
-    ``__name__`` (through a ``functools.partial`` and a bound method): which function
-    ``load_weights`` calls, not which closure or object it is bound to."""
+    ``__name__`` (through a ``functools.partial``), after the class of the object a
+    bound method is bound to (``QKVParallelLinear.weight_loader``): which function
+    ``load_weights`` calls and on what kind of layer, not which closure or object
+    (vLLM's AWQ no-op loader is a closure; the restore's is a module function of its
+    name). A closure's or partial's captured values are not compared (break19 N1)."""
     if callable(value) and not isinstance(value, (torch.Tensor, type)):
         fn = getattr(value, "func", None) if isinstance(value, functools.partial) else value
-        fn = getattr(fn, "__func__", fn)  # a bound method: its function
-        return f"<callable {getattr(fn, '__name__', type(fn).__name__)}>"
+        owner = getattr(fn, "__self__", None)  # a bound method: its object's class
+        fn = getattr(fn, "__func__", fn)
+        name = getattr(fn, "__name__", type(fn).__name__)
+        return f"<callable {type(owner).__name__ + '.' if owner is not None else ''}{name}>"
     return _plain(value)
 
 
@@ -992,19 +1020,22 @@ def verify(
             if socket_dir is not None:
                 _check_daemon_key(vllm_config, device, socket_dir, job)
             else:
-                with meta_model(vllm_config):  # MetaBuildUnsupported: no engine restores it
+                # MetaBuildUnsupported: no engine restores it; vLLM's own build failing
+                # here is LoadFailed (exit 2), not "a layer differs"
+                with _vllms_own("build", model_config.model), meta_model(vllm_config):
                     pass
             _advance(bar, "vLLM load")
             t0 = time.perf_counter()
             with _forgetting_registrations(vllm_config):
-                loaded_model = DefaultModelLoader(
-                    loader_config(
-                        vllm_config.load_config,
-                        progress,
-                        load_format="auto",
-                        model_loader_extra_config={},
-                    )
-                ).load_model(vllm_config, model_config)
+                with _vllms_own("load", model_config.model):
+                    loaded_model = DefaultModelLoader(
+                        loader_config(
+                            vllm_config.load_config,
+                            progress,
+                            load_format="auto",
+                            model_loader_extra_config={},
+                        )
+                    ).load_model(vllm_config, model_config)
                 seconds["load (vLLM)"] = time.perf_counter() - t0
                 plans, attr_paths = _plan_rows(loaded_model, target)
                 if bar is not None:
