@@ -118,6 +118,14 @@ tier() {  # name, run-tier.sh arguments...
   log "$name: exit $?"
   end_side
 }
+gemma3_fixture() {  # stage name: Gemma 3 270M's bf16 fixture, with the bundle's newer
+  # transformers (the image's 5.17 breaks Gemma 3's GGUF tokenizer; the builder refuses
+  # it); the engines keep the image's
+  log "$1 fixture: start"
+  PYTHONPATH=$(dirname "${WCACHE_GPU_SITE:-/tmp/site}")/site-gguf-tokenizer:$PYTHONPATH \
+    python3 -m wcache.testing.fixtures --model gemma3 --formats bf16 > "$OUT/fixtures-gemma3.log" 2>&1
+  log "$1 fixture: exit $?"
+}
 for st in "${LIST[@]}"; do
   if ! on_this_gpu "$st"; then
     log "${st%%@*}: skipped (the GPU is ${GPU:-unknown}, not '${st#*@}')"; continue
@@ -145,10 +153,7 @@ for st in "${LIST[@]}"; do
         --workers "${ARCH_WORKERS:-16}" --resume --out "$OUT/arch-sweep-cuda.jsonl" > "$OUT/arch-all.log" 2>&1
       log "arch-all: exit $?" ;;
     gemma3-sweep)  # a side stage: the fixture (bundle's transformers), then the sweep rows
-      ( log "gemma3-sweep fixture: start"
-        PYTHONPATH=$(dirname "${WCACHE_GPU_SITE:-/tmp/site}")/site-gguf-tokenizer:$PYTHONPATH \
-          python3 -m wcache.testing.fixtures --model gemma3 --formats bf16 > "$OUT/fixtures-gemma3.log" 2>&1
-        log "gemma3-sweep fixture: exit $?"
+      ( gemma3_fixture gemma3-sweep
         python3 -m wcache.testing.arch_sweep --device cuda --archs gemma3-270m \
           --formats bf16,online-fp8,fp8 --workers 3 --resume --out "$OUT/arch-sweep-gemma3.jsonl" \
           > "$OUT/arch-gemma3-270m.log" 2>&1
@@ -156,12 +161,7 @@ for st in "${LIST[@]}"; do
       SIDE+=($!); log "gemma3-sweep: started" ;;
     moe-compiled) tier moe-compiled --workers 10 -k "moe and compiled" ;;
     gemma3-270m)  # needs a WCACHE_GPU_GEMMA3=1 bundle (the real Gemma 3 270M; docs/gpu.md)
-      # its bf16 fixture first, with the bundle's newer transformers (the image's 5.17 breaks
-      # Gemma 3's GGUF tokenizer; the builder refuses it); the engines keep the image's
-      log "gemma3-270m fixture: start"
-      PYTHONPATH=$(dirname "${WCACHE_GPU_SITE:-/tmp/site}")/site-gguf-tokenizer:$PYTHONPATH \
-        python3 -m wcache.testing.fixtures --model gemma3 --formats bf16 > "$OUT/fixtures-gemma3.log" 2>&1
-      log "gemma3-270m fixture: exit $?"
+      gemma3_fixture gemma3-270m
       tier gemma3-270m --workers 6 -k gemma3
       log "gemma3-270m sweep: start"
       python3 -m wcache.testing.arch_sweep --device cuda --archs gemma3-270m \

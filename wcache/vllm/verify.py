@@ -63,10 +63,13 @@ from wcache.errors import (  # VerifyRefused re-exported: its old home
     RestoreFailed,
     VerifyRefused,
     WcacheError,
+    clip,
 )
 from wcache.shell import snapshot
 from wcache.vllm import compat, vllm_logs_quiet
 from wcache.vllm.build import (
+    REASON_CHARS,
+    WHOLE_ERROR,
     build_server,
     checked_engine_config,
     engine_load_options,
@@ -75,6 +78,7 @@ from wcache.vllm.build import (
     loader_config,
     meta_model,
     prepare_platform,
+    refusal_reason,
 )
 from wcache.vllm.compat import check_vllm_version
 from wcache.vllm.model import planned_layers
@@ -394,10 +398,11 @@ def _vllms_own(step: str, model: str) -> Iterator[None]:
     except WcacheError:
         raise
     except Exception as exc:  # vLLM's, of any kind: named in the message
+        reason = clip(refusal_reason(exc), REASON_CHARS, WHOLE_ERROR["wcache verify"])
         raise LoadFailed(
             f"vLLM's own {step} of {model} fails on this host ({type(exc).__name__}: "
-            f"{str(exc)[:300]}), so there is no disk load to compare a restore with; a "
-            f"vLLM engine could not serve it here from disk either"
+            f"{reason}), so there is no disk load to compare a restore with; a vLLM "
+            f"engine could not serve it here from disk either"
         ) from exc
 
 

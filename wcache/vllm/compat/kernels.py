@@ -92,18 +92,21 @@ class KernelBinding:
     convert: Callable[[Any, Any], Any] = attrs.field(default=lambda kernel, value: value, eq=False)
 
 
+#: Where a linear layer's FP8 scaled-mm kernel is: Fp8LinearMethod and online FP8 keep
+#: it as ``quant_method.fp8_linear``, compressed-tensors W8A8 FP8 as
+#: ``scheme.fp8_linear`` (the ``logical_output_size`` binding, the padded loader of
+#: :func:`weight_loaders_as_loaded_`).
+FP8_KERNEL_OWNERS = ("quant_method.fp8_linear", "scheme.fp8_linear")
 #: Layer-local stage attrs -> vLLM's kernel objects (0.32). A binding whose kernel is
 #: found moves the value (the layer attribute is deleted: vLLM's own layer has none,
 #: and the restored layer must equal it); with no kernel found it stays on the layer
 #: (a plan run on a plain module, the reference kernels of the tests).
 KERNEL_BINDINGS = (
     # CUTLASS FP8: CutlassFP8ScaledMMLinearKernel.apply_scaled_mm reads it (and
-    # asserts it is not None on the first forward); Fp8LinearMethod / online FP8 keep
-    # the kernel as quant_method.fp8_linear, compressed-tensors W8A8 FP8 as
-    # scheme.fp8_linear (wcache.stages.fp8.LOGICAL_OUTPUT_ATTR)
+    # asserts it is not None on the first forward; wcache.stages.fp8.LOGICAL_OUTPUT_ATTR)
     KernelBinding(
         "logical_output_size",
-        ("quant_method.fp8_linear", "scheme.fp8_linear"),
+        FP8_KERNEL_OWNERS,
         "logical_output_size",
         only_existing=True,
         convert=lambda kernel, value: int(value),
@@ -187,9 +190,6 @@ def bound_attr_path(module: torch.nn.Module, layer_attr: str) -> str:
 #: and reloads): vllm/model_executor/model_loader/reload/layerwise.py
 #: (``make_online_process_loader``), 0.33.
 ONLINE_PROCESS_LOADER = "online_process_loader"
-#: Where a linear layer's FP8 scaled-mm kernel is (Fp8LinearMethod, compressed-tensors
-#: W8A8 FP8), as for the ``logical_output_size`` binding.
-FP8_KERNEL_OWNERS = ("quant_method.fp8_linear", "scheme.fp8_linear")
 
 
 def weight_loaders_as_loaded_(module: torch.nn.Module) -> None:
