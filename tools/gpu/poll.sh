@@ -10,6 +10,8 @@
 # Waits SECONDS at most: it reports at once when the run's pipe.log says the pipeline is
 # done (pipeline.sh's last line), so a poll never holds the GPU idle after the run ended
 # (on 2026-12-05 a fixed 285 s wait held an H100 4.5 minutes past the end of its run).
+# While it waits it packs $OUT/run.tgz every 60 s too: a call cut at the end of the session's
+# device time still brings back the rows of its last minute.
 #
 # Prints the run's pipe.log, the tier's and feature modules' latest pytest lines, the fresh-node
 # pairs' ratios so far (pipeline.sh's pairs stage), the row
@@ -17,13 +19,18 @@
 # (case, outcome, reason), then GPU memory and load; writes $OUT/run.tgz (model weights left out).
 set -uo pipefail
 G=${RUN_DIR:-/tmp/gout}
-end=$((SECONDS + ${1:-150}))
-while [ "$SECONDS" -lt "$end" ]; do
-  tail -n 1 "$G/pipe.log" 2>/dev/null | grep -qE '^\[pipe [0-9:]+\] done$' && break
-  sleep 2
-done
 OUT=${OUT:-/tmp/wcache-gpu-out}
 mkdir -p "$OUT"
+pack() {
+  tar czf "$OUT/run.tgz.part" --exclude='*.safetensors' --exclude='*.gguf' \
+    -C "$(dirname "$G")" "$(basename "$G")" 2>/dev/null && mv "$OUT/run.tgz.part" "$OUT/run.tgz"
+}
+end=$((SECONDS + ${1:-150})); packed=$SECONDS
+while [ "$SECONDS" -lt "$end" ]; do
+  tail -n 1 "$G/pipe.log" 2>/dev/null | grep -qE '^\[pipe [0-9:]+\] done$' && break
+  [ $((SECONDS - packed)) -ge 60 ] && { pack; packed=$SECONDS; }
+  sleep 2
+done
 cat "$G/pipe.log" 2>/dev/null
 grep -hE "passed|failed|error" "$G/tier.log" 2>/dev/null | tail -3
 grep -E "^\[run-features\]" "$G/features.log" 2>/dev/null | tail -4
@@ -41,5 +48,5 @@ for name in ("results.jsonl", "arch-sweep-cuda.jsonl", "arch-sweep-gemma3.jsonl"
             print(" ", r.get("case"), r.get("outcome"), str(r.get("reason") or "")[:300])
 PY
 nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null; uptime
-tar czf "$OUT/run.tgz" --exclude='*.safetensors' --exclude='*.gguf' -C "$(dirname "$G")" "$(basename "$G")" 2>/dev/null
+pack
 ls -la "$OUT"
