@@ -42,6 +42,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -363,13 +364,52 @@ def run(
     """One soak run; returns its figures (see the module docstring). The warm-up
     sample is taken after ``warmup_cycles`` cycles over all clients; ``peer`` and
     ``live_snapshot`` add the seeding peer and the snapshot written mid-run;
-    ``engines`` the vLLM CPU engines restoring from the daemon during the run."""
-    from wcache.daemon.process import DaemonProcess, free_port  # noqa: PLC0415 (imported at call time: tests patch DaemonProcess)
-    from wcache.store.paths import list_sockets  # noqa: PLC0415 (imported at call time: tests patch list_sockets)
+    ``engines`` the vLLM CPU engines restoring from the daemon during the run.
+
+    Its working folder (``wc-soak-*`` under the temporary directory: the socket, the
+    daemon's snapshot and the one written mid-run, about 0.5 GB for the bf16 SmolLM2)
+    is removed when the run ends, also when it fails, after the daemon is stopped."""
     from wcache.testing.fixtures import build  # noqa: PLC0415 (torch import ~2 s: only when called)
 
     model = str(build("bf16"))
     tmp = tempfile.mkdtemp(prefix="wc-soak-")
+    daemons: list[Any] = []
+    try:
+        return _run_in(
+            tmp,
+            model,
+            daemons,
+            clients,
+            cycles,
+            kill_every_s,
+            warmup_cycles,
+            peer,
+            live_snapshot,
+            engines,
+        )
+    finally:
+        for daemon in daemons:
+            daemon.stop()  # a no-op after _run_in's own stop
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run_in(
+    tmp: str,
+    model: str,
+    daemons: list[Any],
+    clients: int,
+    cycles: int,
+    kill_every_s: float,
+    warmup_cycles: int,
+    peer: bool,
+    live_snapshot: bool,
+    engines: int,
+) -> dict[str, Any]:
+    """``run``'s body in the working folder ``tmp``; the daemon it starts is appended to
+    ``daemons`` (for ``run`` to stop when this raises)."""
+    from wcache.daemon.process import DaemonProcess, free_port  # noqa: PLC0415 (imported at call time: tests patch DaemonProcess)
+    from wcache.store.paths import list_sockets  # noqa: PLC0415 (imported at call time: tests patch list_sockets)
+
     sock_dir = os.path.join(tmp, "s")
     os.mkdir(sock_dir, 0o700)
     snap = os.path.join(tmp, "snap")
@@ -388,6 +428,7 @@ def run(
     for w in workers:
         w.start()  # they import torch meanwhile and wait for the socket
     daemon = DaemonProcess(model, sock_dir, ["--snapshot", snap, "--http", f"127.0.0.1:{port}"])
+    daemons.append(daemon)
     threading.Thread(target=daemon.start, daemon=True).start()
     deadline = time.monotonic() + SERVE_TIMEOUT_S
     while daemon.proc is None and time.monotonic() < deadline:
