@@ -34,6 +34,7 @@ done
 cat "$G/pipe.log" 2>/dev/null
 grep -hE "passed|failed|error" "$G/tier.log" 2>/dev/null | tail -3
 grep -E "^\[run-features\]" "$G/features.log" 2>/dev/null | tail -4
+grep -HE " (passed|failed)|^(FAILED|ERROR) " "$G"/features-*.log 2>/dev/null | tail -6
 grep -hE "phases: pair [0-9]+:|^Target:|primed snapshot|: starting" "$G/bench-run.log" "$G/phases.log" 2>/dev/null | tail -6
 python3 - "$G" <<'PY'
 import json, sys

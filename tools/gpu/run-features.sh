@@ -7,6 +7,9 @@
 #   bash tools/gpu/run-features.sh [spec] [sleep] [lora] [lora-tx]   (default: the first three)
 #   lora-tx: only LoRA on cuda_ipc and mode=copy (the bf16 transport rows of docs/quickstart.md)
 # Writes to $OUT: features.log (every module's output), results.jsonl rows, fixtures.log.
+# FEATURES_PARALLEL=1: the modules run side by side (one GPU holds their engines), each
+# pytest's output in features-NAME.log, the start and exit lines still in features.log:
+# the wall time of the longest module, not the sum, when device time is short.
 # Cost: not yet measured as one script; each module ran in minutes on the H200 (2026-12-04),
 # so run it in the background and poll features.log.
 set -uo pipefail
@@ -24,11 +27,18 @@ MODULE_TIMEOUT=${MODULE_TIMEOUT:-595}
 WCACHE_FIXTURES_DEVICE=cuda python3 -m wcache.testing.fixtures --formats bf16,fp8,awq \
   >>"$OUT/fixtures.log" 2>&1 || { tail -30 "$OUT/fixtures.log"; exit 1; }
 eval "$(python3 -m wcache.testing.engine_acceptance --preflight "$WCACHE_FIXTURES_DIR/smollm2-135m-instruct-bf16")"
-run() {  # name, pytest arguments...
-  local name=$1; shift
+one() {  # name, log, pytest arguments...
+  local name=$1 log=$2; shift 2
   echo "[run-features] $name: start $(date -u +%T)" | tee -a "$OUT/features.log"
-  timeout "$MODULE_TIMEOUT" python3 -m pytest -p no:cacheprovider -s -rfEs "$@" >>"$OUT/features.log" 2>&1
+  timeout "$MODULE_TIMEOUT" python3 -m pytest -p no:cacheprovider -s -rfEs "$@" >>"$log" 2>&1
   echo "[run-features] $name: exit $? at $(date -u +%T)" | tee -a "$OUT/features.log"
+}
+run() {  # name, pytest arguments...
+  if [ "${FEATURES_PARALLEL:-0}" = 1 ]; then
+    one "$1" "$OUT/features-$1.log" "${@:2}" &
+  else
+    one "$1" "$OUT/features.log" "${@:2}"
+  fi
 }
 for w in "${WHAT[@]}"; do
   case "$w" in
@@ -39,4 +49,5 @@ for w in "${WHAT[@]}"; do
     lora-tx) run lora-transports -k copy_and_cuda_ipc tests/gpu_engine/test_lora_engines.py ;;
   esac
 done
-grep -E "^\[run-features\]|passed|failed|error" "$OUT/features.log" | tail -40
+wait
+grep -hE "^\[run-features\]|passed|failed|error" "$OUT"/features*.log | tail -40
