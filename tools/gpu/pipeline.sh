@@ -28,7 +28,8 @@
 #                   WCACHE_GPU_GEMMA3=1 bundle. With it in the list, arch-all runs the tiny
 #                   architectures only (--archs tiny)
 #   arch-all        the whole architecture sweep (--resume over arch-sweep-cuda.jsonl),
-#                   $ARCH_WORKERS workers (default 16); ARCH_RESUME=FILE (absolute, or in the
+#                   $ARCH_WORKERS workers (default 16); ARCH_WHICH=tiny: without the real
+#                   models' rows (a bundle without Gemma 3); ARCH_RESUME=FILE (absolute, or in the
 #                   checkout): that file's rows are copied in first, and their cases skipped
 #                   (e.g. the rows an earlier session's cut run got on this GPU)
 #   pairs=N         the fresh-node pairs of issue 48 (bench-phases.sh disk-compiled-cold,fresh-node,
@@ -144,7 +145,7 @@ for st in "${LIST[@]}"; do
         log "arch $archs: exit $?" ) &
       SIDE+=($!); log "arch $archs: started" ;;
     arch-all)
-      which=all; [[ ",$STAGES," == *,gemma3-sweep,* ]] && which=tiny  # gemma3-sweep runs its rows
+      which=${ARCH_WHICH:-all}; [[ ",$STAGES," == *,gemma3-sweep,* ]] && which=tiny  # gemma3-sweep runs its rows
       if [ -n "${ARCH_RESUME:-}" ]; then
         cat "$ARCH_RESUME" >> "$OUT/arch-sweep-cuda.jsonl" && log "arch-all: resumes over $ARCH_RESUME"
       fi
