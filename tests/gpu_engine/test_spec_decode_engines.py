@@ -38,6 +38,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -49,9 +50,12 @@ SCRIPT = REPO / "tests" / "e2e" / "_spec_engine.py"
 #: The daemon builds the model's attention layers too (wcache.testing.engine_acceptance).
 SERVE_ARGS = ("--attention-backend", "TRITON_ATTN")
 #: One engine's start and 2x12 greedy tokens: ~30-40 s on the H200 eager, a few more
-#: with graph capture; an engine that needs more is hung (the earlier manual try of a
+#: with graph capture, more with six engines starting side by side; one that needs more is hung (the earlier manual try of a
 #: draft-model engine from disk hung in its first generate for minutes).
-SPEC_ENGINE_TIMEOUT_S = 180.0
+SPEC_ENGINE_TIMEOUT_S = 300.0
+#: Engines run side by side (the disk engines, then the restored ones): ten engine starts
+#: one after another took ~10 min on an H100 (2026-12-05, 523 s for eight).
+SPEC_PARALLEL = int(os.environ.get("WCACHE_SPEC_PARALLEL", "6"))
 NUM_SPEC_TOKENS = 3
 DRAFT_JOB = "draft"
 #: Per method: the graph mode of its engines (eager for draft_model, graphs on for eagle).
@@ -111,6 +115,15 @@ def _try(out: dict, name: str, *args) -> None:
         out[name] = {"error": str(exc)}
 
 
+def _wave(jobs: list[tuple[dict, str, tuple]]) -> None:
+    """Run each ``(out, name, engine args)`` job's engine, :data:`SPEC_PARALLEL` at a
+    time (each a process of its own with a fixed KV cache, as the tier's workers), and
+    wait for all: a failure other than the engine's own is raised."""
+    with ThreadPoolExecutor(max_workers=SPEC_PARALLEL) as pool:
+        for done in [pool.submit(_try, out, name, *args) for out, name, args in jobs]:
+            done.result()
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     from wcache.store import daemon_status
@@ -129,37 +142,50 @@ def runs(tmp_path_factory) -> dict:
         "ngram": {"method": "ngram", "prompt_lookup_max": 3, "prompt_lookup_min": 1, **common},
     }
     out: dict = {}
-    with tempfile.TemporaryDirectory(prefix="wc-spec-gpu-") as sock:
+    ipc: dict = {}
+    with (
+        tempfile.TemporaryDirectory(prefix="wc-spec-gpu-") as sock,
+        tempfile.TemporaryDirectory(prefix="wc-spec-ipc-") as ipc_sock,
+    ):
+        ipc_daemon = DaemonProcess(target, ipc_sock, extra_args=SERVE_ARGS)
+        ipc_daemon.args[1:3] = [str(IPC_SERVE)]  # [python, -m, wcache.cli, ...] -> wrapper
         with (
             DaemonProcess(target, sock, extra_args=SERVE_ARGS) as tgt_daemon,
             DaemonProcess(draft, sock, extra_args=(*SERVE_ARGS, "--job", DRAFT_JOB)) as dd,
+            ipc_daemon,
         ):
             extra = {"socket_dir": sock, "fallback": False}
+            _wave(
+                [
+                    (out, f"{method}.disk", (target, spec, "auto", {}, MODES[method]))
+                    for method, spec in specs.items()
+                ]
+            )
+            restored: list[tuple[dict, str, tuple]] = []
             for method, spec in specs.items():
-                mode = MODES[method]
-                _try(out, f"{method}.disk", target, spec, "auto", {}, mode)
                 if "error" in out[f"{method}.disk"]:
                     continue  # vLLM's own failure: no restored engine to compare
-                _try(out, f"{method}.restored", target, spec, "wcache", extra, mode)
+                mode = MODES[method]
+                restored.append((out, f"{method}.restored", (target, spec, "wcache", extra, mode)))
                 if method == "draft_model":
                     only_target = {**extra, "draft": "disk"}
-                    _try(out, f"{method}.target_only", target, spec, "wcache", only_target, mode)
+                    restored.append(
+                        (out, f"{method}.target_only", (target, spec, "wcache", only_target, mode))
+                    )
                 if method == "eagle":
                     copy = {**extra, "mode": "copy"}
-                    _try(out, f"{method}.copy", target, spec, "wcache", copy, mode)
+                    restored.append((out, f"{method}.copy", (target, spec, "wcache", copy, mode)))
+                    ipc_extra = {"socket_dir": ipc_sock, "fallback": False}
+                    restored.append(
+                        (ipc, "eagle.cuda_ipc", (target, spec, "wcache", ipc_extra, mode))
+                    )
+            _wave(restored)
             out["status"] = {
                 name: daemon_status(_socket(d))
                 for name, d in (("target", tgt_daemon), ("draft", dd))
             }
-    if "error" not in out.get("eagle.disk", {"error": ""}):
-        with tempfile.TemporaryDirectory(prefix="wc-spec-ipc-") as sock:
-            ipc_daemon = DaemonProcess(target, sock, extra_args=SERVE_ARGS)
-            ipc_daemon.args[1:3] = [str(IPC_SERVE)]  # [python, -m, wcache.cli, ...] -> wrapper
-            with ipc_daemon:
-                extra = {"socket_dir": sock, "fallback": False}
-                ipc: dict = {}
-                _try(ipc, "eagle.cuda_ipc", target, specs["eagle"], "wcache", extra, "graphs")
-                out["ipc"] = ipc
+    if ipc:
+        out["ipc"] = ipc
     return out
 
 
