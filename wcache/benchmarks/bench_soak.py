@@ -375,7 +375,7 @@ def run(
     tmp = tempfile.mkdtemp(prefix="wc-soak-")
     daemons: list[Any] = []
     try:
-        return _run_in(
+        out = _run_in(
             tmp,
             model,
             daemons,
@@ -387,6 +387,8 @@ def run(
             live_snapshot,
             engines,
         )
+        out["workdir"] = tmp  # removed below: the report's readers can check it is gone
+        return out
     finally:
         for daemon in daemons:
             daemon.stop()  # a no-op after _run_in's own stop
