@@ -74,8 +74,10 @@ mkdir -p "$OUT"
 L=$OUT/pipe.log
 log() { echo "[pipe $(date -u +%T)] $*" >> "$L"; }
 log "stages: $STAGES (vLLM $WCACHE_GPU_VLLM)"
-log "fixtures bf16,fp8,awq"
-WCACHE_FIXTURES_DEVICE=cuda python3 -m wcache.testing.fixtures --formats bf16,fp8,awq >> "$OUT/fixtures.log" 2>&1
+# FIXTURE_FORMATS=bf16 when no stage needs the quantized fixtures (features=spec:lora-tx, arch-all)
+FORMATS=${FIXTURE_FORMATS:-bf16,fp8,awq}
+log "fixtures $FORMATS"
+WCACHE_FIXTURES_DEVICE=cuda python3 -m wcache.testing.fixtures --formats "$FORMATS" >> "$OUT/fixtures.log" 2>&1
 log "fixtures exit $?"
 SIDE=()       # pids of side stages waiting for a tier stage to end
 FEATURES=""   # the features stage's session id (stopped when its tier stage ends)

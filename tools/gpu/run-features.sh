@@ -24,7 +24,8 @@ mkdir -p "$OUT"
 export WCACHE_GPU_ENGINE_RESULTS=${WCACHE_GPU_ENGINE_RESULTS:-$OUT/results.jsonl}
 #: seconds per pytest run (a device call allows 600; run this script in the background)
 MODULE_TIMEOUT=${MODULE_TIMEOUT:-595}
-WCACHE_FIXTURES_DEVICE=cuda python3 -m wcache.testing.fixtures --formats bf16,fp8,awq \
+# FIXTURE_FORMATS=bf16 for spec, sleep and lora-tx (only lora's quantized cases need fp8, awq)
+WCACHE_FIXTURES_DEVICE=cuda python3 -m wcache.testing.fixtures --formats "${FIXTURE_FORMATS:-bf16,fp8,awq}" \
   >>"$OUT/fixtures.log" 2>&1 || { tail -30 "$OUT/fixtures.log"; exit 1; }
 eval "$(python3 -m wcache.testing.engine_acceptance --preflight "$WCACHE_FIXTURES_DIR/smollm2-135m-instruct-bf16")"
 one() {  # name, log, pytest arguments...
