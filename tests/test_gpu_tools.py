@@ -162,6 +162,66 @@ def test_poll_reports_at_once_when_the_pipeline_is_done(tmp_path):
         )
 
 
+def test_poll_packs_the_run_while_it_waits(tmp_path):
+    """While it waits on a running pipeline, poll.sh packs $OUT/run.tgz every
+    POLL_PACK_S seconds: a call cut at the end of the device time (here: killed) still
+    brings back what the run had written."""
+    run, out = tmp_path / "gout", tmp_path / "out"
+    run.mkdir()
+    (run / "pipe.log").write_text("[pipe 20:03:13] stages: arch-all\n")
+    (run / "arch-sweep-cuda.jsonl").write_text('{"case": "llama/bf16", "outcome": "restored"}\n')
+    env = {"PATH": "/usr/bin:/bin", "RUN_DIR": str(run), "OUT": str(out), "POLL_PACK_S": "1"}
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run(
+            ["bash", str(TOOLS / "poll.sh"), "600"], env=env, timeout=6, capture_output=True
+        )
+    with tarfile.open(out / "run.tgz") as tar:
+        assert "gout/arch-sweep-cuda.jsonl" in tar.getnames()
+
+
+def test_run_features_parallel_runs_the_modules_side_by_side(tmp_path):
+    """FEATURES_PARALLEL=1: every module's pytest starts before any ends, each with its
+    own log, and the script waits for all; FIXTURE_FORMATS picks the fixtures it builds.
+    python3 is a stub (a pytest call takes 2 s)."""
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    calls = tmp_path / "calls.log"
+    (stub / "python3").write_text(
+        f'#!/bin/sh\necho "python3 $*" >> {calls}\n'
+        'case "$*" in *"-m pytest"*) sleep 2; echo "1 passed";; esac\nexit 0\n'
+    )
+    (stub / "python3").chmod(0o755)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / ".wcache-gpu-ready").write_text("0.33.0\n")
+    out = tmp_path / "out"
+    env = {
+        "PATH": f"{stub}:/usr/bin:/bin",
+        "WCACHE_GPU_SITE": str(site),
+        "OUT": str(out),
+        "HOME": str(tmp_path),
+        "FEATURES_PARALLEL": "1",
+        "FIXTURE_FORMATS": "bf16",
+    }
+    res = subprocess.run(
+        ["bash", str(TOOLS / "run-features.sh"), "spec", "lora-tx"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    # "[run-features] NAME: start HH:MM:SS" / "[run-features] NAME: exit 0 at HH:MM:SS"
+    events = [
+        ln.split(": ", 1)[1].split()[:2] for ln in (out / "features.log").read_text().splitlines()
+    ]
+    assert [e[0] for e in events] == ["start", "start", "exit", "exit"], events
+    assert [e[1] for e in events[2:]] == ["0", "0"]
+    assert "1 passed" in (out / "features-spec.log").read_text()
+    assert "1 passed" in (out / "features-lora-transports.log").read_text()
+    assert "python3 -m wcache.testing.fixtures --formats bf16\n" in calls.read_text()
+
+
 def _run_pipeline(
     tmp_path,
     stages: str,
@@ -321,6 +381,16 @@ def test_pipeline_gemma3_sweep_runs_beside_the_tiny_sweep(tmp_path):
     assert f"arch-all: resumes over {earlier}" in lines
     out = tmp_path / "alone" / "gout" / "arch-sweep-cuda.jsonl"
     assert out.read_text() == earlier.read_text()  # its cases skipped by --resume
+
+
+def test_pipeline_arch_which_and_fixture_formats(tmp_path):
+    """ARCH_WHICH=tiny runs arch-all without the real models' rows (a bundle without
+    Gemma 3); FIXTURE_FORMATS=bf16 builds only the bf16 fixture first."""
+    lines, text = _run_pipeline(
+        tmp_path, "arch-all", env={"ARCH_WHICH": "tiny", "FIXTURE_FORMATS": "bf16"}
+    )
+    assert "fixtures bf16" in lines and "arch-all: start (--archs tiny, 16 workers)" in lines
+    assert "python3 -m wcache.testing.fixtures --formats bf16 " in text
 
 
 def test_pipeline_stage_at_a_gpu_runs_only_on_that_gpu(tmp_path):

@@ -10,8 +10,8 @@
 # Waits SECONDS at most: it reports at once when the run's pipe.log says the pipeline is
 # done (pipeline.sh's last line), so a poll never holds the GPU idle after the run ended
 # (on 2026-12-05 a fixed 285 s wait held an H100 4.5 minutes past the end of its run).
-# While it waits it packs $OUT/run.tgz every 60 s too: a call cut at the end of the session's
-# device time still brings back the rows of its last minute.
+# While it waits it packs $OUT/run.tgz every POLL_PACK_S seconds too (default 60): a call cut
+# at the end of the session's device time still brings back the rows of its last minute.
 #
 # Prints the run's pipe.log, the tier's and feature modules' latest pytest lines, the fresh-node
 # pairs' ratios so far (pipeline.sh's pairs stage), the row
@@ -28,7 +28,7 @@ pack() {
 end=$((SECONDS + ${1:-150})); packed=$SECONDS
 while [ "$SECONDS" -lt "$end" ]; do
   tail -n 1 "$G/pipe.log" 2>/dev/null | grep -qE '^\[pipe [0-9:]+\] done$' && break
-  [ $((SECONDS - packed)) -ge 60 ] && { pack; packed=$SECONDS; }
+  [ $((SECONDS - packed)) -ge "${POLL_PACK_S:-60}" ] && { pack; packed=$SECONDS; }
   sleep 2
 done
 cat "$G/pipe.log" 2>/dev/null
