@@ -162,6 +162,21 @@ def test_poll_reports_at_once_when_the_pipeline_is_done(tmp_path):
         )
 
 
+def _script_env(tmp_path, stub, out, **extra: str) -> dict[str, str]:
+    """The environment of a tools/gpu script run here: the stubs in ``stub`` first on
+    PATH, an installed bundle's marker (WCACHE_GPU_SITE, vLLM 0.33.0), OUT, and ``extra``."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / ".wcache-gpu-ready").write_text("0.33.0\n")
+    return {
+        "PATH": f"{stub}:/usr/bin:/bin",
+        "WCACHE_GPU_SITE": str(site),
+        "OUT": str(out),
+        "HOME": str(tmp_path),
+        **extra,
+    }
+
+
 def test_poll_packs_the_run_while_it_waits(tmp_path):
     """While it waits on a running pipeline, poll.sh packs $OUT/run.tgz every
     POLL_PACK_S seconds: a call cut at the end of the device time (here: killed) still
@@ -191,18 +206,8 @@ def test_run_features_parallel_runs_the_modules_side_by_side(tmp_path):
         'case "$*" in *"-m pytest"*) sleep 2; echo "1 passed";; esac\nexit 0\n'
     )
     (stub / "python3").chmod(0o755)
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / ".wcache-gpu-ready").write_text("0.33.0\n")
     out = tmp_path / "out"
-    env = {
-        "PATH": f"{stub}:/usr/bin:/bin",
-        "WCACHE_GPU_SITE": str(site),
-        "OUT": str(out),
-        "HOME": str(tmp_path),
-        "FEATURES_PARALLEL": "1",
-        "FIXTURE_FORMATS": "bf16",
-    }
+    env = _script_env(tmp_path, stub, out, FEATURES_PARALLEL="1", FIXTURE_FORMATS="bf16")
     res = subprocess.run(
         ["bash", str(TOOLS / "run-features.sh"), "spec", "lora-tx"],
         capture_output=True,
@@ -511,18 +516,8 @@ def test_bench_phases_keeps_a_gpu_monitor_beside_the_engine_logs(tmp_path):
     )
     for name in ("python3", "nvidia-smi"):
         (stub / name).chmod(0o755)
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / ".wcache-gpu-ready").write_text("0.33.0\n")
     out = tmp_path / "out"
-    env = {
-        "PATH": f"{stub}:/usr/bin:/bin",
-        "WCACHE_GPU_SITE": str(site),
-        "OUT": str(out),
-        "HOME": str(tmp_path),
-        "OUT_NAME": "pairs",
-        "GPU_MONITOR_MS": "500",
-    }
+    env = _script_env(tmp_path, stub, out, OUT_NAME="pairs", GPU_MONITOR_MS="500")
     res = subprocess.run(
         ["bash", str(TOOLS / "bench-phases.sh"), "fresh-node"],
         capture_output=True,
