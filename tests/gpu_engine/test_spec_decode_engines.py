@@ -50,8 +50,9 @@ SCRIPT = REPO / "tests" / "e2e" / "_spec_engine.py"
 #: The daemon builds the model's attention layers too (wcache.testing.engine_acceptance).
 SERVE_ARGS = ("--attention-backend", "TRITON_ATTN")
 #: One engine's start and 2x12 greedy tokens: ~30-40 s on the H200 eager, a few more
-#: with graph capture, more with six engines starting side by side; one that needs more is hung (the earlier manual try of a
-#: draft-model engine from disk hung in its first generate for minutes).
+#: with graph capture, more with six engines starting side by side; one that needs more
+#: is hung (the earlier manual try of a draft-model engine from disk hung in its first
+#: generate for minutes).
 SPEC_ENGINE_TIMEOUT_S = 300.0
 #: Engines run side by side (the disk engines, then the restored ones): ten engine starts
 #: one after another took ~10 min on an H100 (2026-12-05, 523 s for eight).
