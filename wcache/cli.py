@@ -18,7 +18,7 @@ import traceback
 
 import wcache
 from wcache.checkpoint import check_checkpoint_dir
-from wcache.cli_args import reasoned
+from wcache.cli_args import job_without_socket_dir, reasoned
 from wcache.core import LayerConfig, MoeShape, NoPlan, QuantSpec, WcacheError
 from wcache.daemon.prime import USAGE_CONTEXTS
 from wcache.daemon.process import exit_on_sigterm
@@ -502,11 +502,7 @@ def _cmd_verify(args: argparse.Namespace, rest: list[str]) -> int:
     extra_config = any(a.startswith("--model-loader-extra-config") for a in rest)
     if args.job and args.socket_dir is None and not extra_config:
         # without a daemon to name, the job was ignored and verify built its own arena
-        print(
-            f"wcache verify: --job {args.job!r} names a daemon's job: give the --socket-dir "
-            "it serves in too (without --socket-dir verify builds its own arena)",
-            file=sys.stderr,
-        )
+        print(f"wcache verify: {job_without_socket_dir(args.job)}", file=sys.stderr)
         return 2
     from wcache.vllm.verify import main as verify_main  # noqa: PLC0415 (imported at call time: tests patch main)
 

@@ -10,9 +10,21 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-__all__ = ["csv_values", "reasoned", "refuse_unknown_or_missing"]
+__all__ = ["csv_values", "job_without_socket_dir", "reasoned", "refuse_unknown_or_missing"]
 
 T = TypeVar("T")
+
+
+def job_without_socket_dir(job: str) -> str:
+    """``wcache verify``'s refusal of ``--job`` (or the engine's ``job`` option) given
+    without the daemon's directory, where the job would be ignored: one text for its
+    command line's check before vLLM's import and for
+    :func:`wcache.vllm.verify.engine_restore_options`."""
+    return (
+        f"--job {job!r} names a daemon's job: give the --socket-dir it serves in too "
+        f"(or socket_dir in --model-loader-extra-config); without one verify builds "
+        f"its own arena"
+    )
 
 
 def csv_values(value: str) -> tuple[str, ...]:

@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from wcache.cli_args import job_without_socket_dir
 from wcache.core import tensor_checksum
 from wcache.errors import (  # VerifyRefused re-exported: its old home
     LoadFailed,
@@ -935,12 +936,7 @@ def engine_restore_options(
             )
         job = given.job
     if job and socket_dir is None:  # without a daemon to name, the job would be ignored
-        raise VerifyRefused(
-            f"--job {job!r} names a daemon's job: give the --socket-dir it serves in too "
-            f"(or socket_dir in --model-loader-extra-config); without one verify builds "
-            f"its own arena",
-            code="config-invalid",
-        )
+        raise VerifyRefused(job_without_socket_dir(job), code="config-invalid")
     left_out = ("socket_dir", "job", *VERIFY_OWN_OPTIONS, *ENGINE_OUTPUT_OPTIONS)
     options = {k: v for k, v in (extra or {}).items() if k not in left_out}
     return options, socket_dir, job
