@@ -165,12 +165,9 @@ def test_poll_reports_at_once_when_the_pipeline_is_done(tmp_path):
 def _script_env(tmp_path, stub, out, **extra: str) -> dict[str, str]:
     """The environment of a tools/gpu script run here: the stubs in ``stub`` first on
     PATH, an installed bundle's marker (WCACHE_GPU_SITE, vLLM 0.33.0), OUT, and ``extra``."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / ".wcache-gpu-ready").write_text("0.33.0\n")
     return {
         "PATH": f"{stub}:/usr/bin:/bin",
-        "WCACHE_GPU_SITE": str(site),
+        "WCACHE_GPU_SITE": str(_bundle_site(tmp_path, ("0.33.0",))),
         "OUT": str(out),
         "HOME": str(tmp_path),
         **extra,
@@ -250,12 +247,9 @@ def _run_pipeline(
         where = " [PYTHONPATH=$PYTHONPATH]" if name == "python3" else ""
         (stub / name).write_text(f'#!/bin/sh\necho "{name} $*{where}" >> {calls}\n{answer}exit 0\n')
         (stub / name).chmod(0o755)
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / ".wcache-gpu-ready").write_text("0.33.0\n")
     env = {
         "PATH": f"{stub}:/usr/bin:/bin",
-        "WCACHE_GPU_SITE": str(site),
+        "WCACHE_GPU_SITE": str(_bundle_site(tmp_path, ("0.33.0",))),
         "WCACHE_PIPELINE_DIR": str(tmp_path / "wc"),
         "RUN_DIR": str(tmp_path / "gout"),
         "HOME": str(tmp_path),
@@ -459,15 +453,7 @@ def test_bench_phases_passes_prime_only_and_the_startup_plan(tmp_path):
     for name in ("python3", "nvidia-smi"):
         (stub / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {calls}\nexit 0\n')
         (stub / name).chmod(0o755)
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / ".wcache-gpu-ready").write_text("0.33.0\n")
-    env = {
-        "PATH": f"{stub}:/usr/bin:/bin",
-        "WCACHE_GPU_SITE": str(site),
-        "OUT": str(tmp_path / "out"),
-        "HOME": str(tmp_path),
-    }
+    env = _script_env(tmp_path, stub, tmp_path / "out")
 
     def bench_call(extra: dict[str, str]) -> str:
         calls.write_text("")
